@@ -1,0 +1,204 @@
+"""Kiln's error classes and the user-source locations they point at.
+
+Every user mistake raises a :class:`KilnError` subclass whose message names the user's
+``file:line``, shows that source line with a caret under the offending expression and ends
+with a ``Fix:`` hint::
+
+    kiln.errors.KilnTypeError: saxpy.py:7: cannot store a bf16 value into a Tensor[f32]
+        y[i] = v
+        ^^^^^^^^
+    Fix: convert first, e.g. kiln.cast(v, kiln.f32)
+
+The classes mirror Python's own contract errors so ``except TypeError`` keeps working:
+
+- :class:`KilnTypeError` (``TypeError``): a value of the wrong kind or dtype.
+- :class:`KilnValueError` (``ValueError``): a wrong shape, rank, size or option value.
+- :class:`UnsupportedError` (``NotImplementedError``): legal, but not supported (e.g. an MMA
+  shape the chip lacks). The message names what is supported.
+- :class:`TargetError` (``ValueError``): an unknown chip, a PTX version too old for the chip.
+- :class:`ResourceError` (``ValueError``): over a hardware limit (shared memory, registers).
+- :class:`CompilationError`: the MLIR verifier or a pass rejected the IR the user built.
+- :class:`LaunchError` (``RuntimeError``): the driver refused a launch or a copy.
+- :class:`InternalError`: a Kiln bug; the message says so.
+
+Kiln's own stack frames are dropped from tracebacks unless ``KILN_SHOW_STACKTRACE=1``.
+"""
+
+from __future__ import annotations
+
+import functools
+import linecache
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+from . import env
+
+_KILN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The package directories that hold Kiln's own code (``dsl/`` is ``kiln``; the others sit beside it).
+_FRAMEWORK_DIRS = tuple(
+    os.path.join(_KILN_ROOT, d) + os.sep for d in ("dsl", "passes", "lowering")
+)
+
+
+@dataclass(frozen=True)
+class SourceLoc:
+    """A position in the user's source: file, 1-based line and column, optional end column."""
+
+    filename: str
+    line: int
+    col: int = 0
+    end_col: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.line}"
+
+    def source_line(self) -> str | None:
+        text = linecache.getline(self.filename, self.line)
+        return text.rstrip("\n") if text else None
+
+    def caret(self) -> str | None:
+        """The source line and a caret line under ``col..end_col``, or None if unreadable."""
+        text = self.source_line()
+        if text is None:
+            return None
+        stripped = text.lstrip()
+        indent = len(text) - len(stripped)
+        start = max(self.col - indent, 0)
+        width = max((self.end_col or self.col + 1) - self.col, 1)
+        return f"    {stripped}\n    {' ' * start}{'^' * width}"
+
+
+def _is_framework_file(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_FRAMEWORK_DIRS) or "/mlir/" in path and "site-packages" in path
+
+
+def caller_location(skip_internal: bool = True) -> SourceLoc | None:
+    """The innermost stack frame that belongs to user code (outside Kiln's packages)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not (skip_internal and _is_framework_file(filename)) and not filename.startswith("<"):
+            return SourceLoc(filename, frame.f_lineno)
+        frame = frame.f_back
+    return None
+
+
+class KilnError(Exception):
+    """Base class of every error Kiln raises on purpose.
+
+    ``loc`` is the user's source position (found from the stack or given by the tracer),
+    ``fix`` a one-line suggestion. ``str(err)`` is the full formatted message.
+    """
+
+    def __init__(self, message: str, *, fix: str | None = None, loc: SourceLoc | None = None):
+        self.message = message
+        self.fix = fix
+        self.loc = loc if loc is not None else _current_trace_loc() or caller_location()
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        head = f"{self.loc}: {self.message}" if self.loc else self.message
+        parts = [head]
+        snippet = self.loc.caret() if self.loc else None
+        if snippet:
+            parts.append(snippet)
+        if self.fix:
+            parts.append(f"Fix: {self.fix}")
+        return "\n".join(parts)
+
+    def __reduce__(self):  # errors cross process boundaries (cache tests, CLI workers)
+        return (_rebuild_error, (type(self), self.message, self.fix, self.loc))
+
+
+def _rebuild_error(cls, message, fix, loc):
+    return cls(message, fix=fix, loc=loc)
+
+
+class KilnTypeError(KilnError, TypeError):
+    """A value of the wrong kind or dtype (e.g. storing bf16 into a ``Tensor[f32]``)."""
+
+
+class KilnValueError(KilnError, ValueError):
+    """A wrong shape, rank, size or option value."""
+
+
+class UnsupportedError(KilnError, NotImplementedError):
+    """Legal, but not supported by Kiln or by the chip; the message names what is."""
+
+
+class TargetError(KilnError, ValueError):
+    """An unknown target chip, or options the chip cannot take (checked before LLVM sees them)."""
+
+
+class ResourceError(KilnError, ValueError):
+    """Over a hardware limit of the target (shared memory, threads per block, registers)."""
+
+
+class CompilationError(KilnError):
+    """MLIR rejected the IR (verifier or pass failure). ``reproducer`` names a file to rerun."""
+
+    def __init__(self, message: str, *, fix: str | None = None, loc: SourceLoc | None = None,
+                 reproducer: str | None = None):
+        self.reproducer = reproducer
+        super().__init__(message, fix=fix, loc=loc)
+
+
+class LaunchError(KilnError, RuntimeError):
+    """The driver refused a launch, an allocation or a copy, or no GPU is available."""
+
+
+class InternalError(KilnError):
+    """A bug in Kiln itself, not in the user's kernel."""
+
+    def _format(self) -> str:
+        return super()._format() + "\nThis is a Kiln compiler bug; please report it with the kernel."
+
+
+# The tracer registers the user's current source position here so errors raised deep inside
+# op builders point at the kernel line being traced rather than at the builder.
+_trace_loc_stack: list[SourceLoc] = []
+
+
+def _current_trace_loc() -> SourceLoc | None:
+    return _trace_loc_stack[-1] if _trace_loc_stack else None
+
+
+class trace_location:
+    """Context manager: errors raised inside point at ``loc`` (used by the tracer per statement)."""
+
+    def __init__(self, loc: SourceLoc | None):
+        self.loc = loc
+
+    def __enter__(self):
+        if self.loc is not None:
+            _trace_loc_stack.append(self.loc)
+        return self
+
+    def __exit__(self, *exc):
+        if self.loc is not None:
+            _trace_loc_stack.pop()
+        return False
+
+
+F = TypeVar("F", bound=Callable)
+
+
+def user_facing(fn: F) -> F:
+    """Decorate public entry points: a KilnError leaves without Kiln's internal frames.
+
+    With ``KILN_SHOW_STACKTRACE=1`` the full traceback is kept.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KilnError as err:
+            if env.show_stacktrace():
+                raise
+            raise err.with_traceback(None) from None
+
+    return wrapper  # type: ignore[return-value]

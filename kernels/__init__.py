@@ -1,0 +1,1 @@
+"""Kiln's kernel library, written with the public DSL only."""

@@ -1,0 +1,1 @@
+"""Lowering: per-target stage pipelines, binaries, the compile cache and launch."""

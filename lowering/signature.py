@@ -1,0 +1,80 @@
+"""The kernel ABI shared by the front end (which builds ``gpu.func``) and lowering (which launches it).
+
+A kernel's run-time parameters, in order, after constexprs are removed:
+
+- :class:`TensorParam` — a global-memory tensor. In the ``gpu.func`` it is a
+  ``memref<?x...x?xT, strided<[?, ..., s], offset: ?>, 1>`` (address space 1 = global); the last
+  stride ``s`` is ``1`` when ``contiguous`` (a specialisation, like Triton's divisibility hints),
+  else dynamic. The host passes the usual memref descriptor fields: allocated pointer, aligned
+  pointer, offset, sizes[rank], strides[rank] (elements, not bytes).
+- :class:`ScalarParam` — a scalar passed by value with its MLIR type.
+- :class:`TensorMapParam` — a TMA tensor map (``CUtensorMap``, 128 bytes) created on the host
+  from a tensor and a box; passed to the kernel as a pointer to device memory holding it.
+
+Example::
+
+    sig = KernelSignature("saxpy", (TensorParam("x", "f32", 1), TensorParam("y", "f32", 1),
+                                    ScalarParam("n", "i32"), ScalarParam("a", "f32")),
+                          block=(256, 1, 1))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TensorParam:
+    name: str
+    dtype: str  # Kiln dtype name, e.g. "f32", "bf16"
+    rank: int
+    contiguous: bool = True  # innermost stride is statically 1
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"tensor parameter {self.name!r} needs rank >= 1, got {self.rank}")
+
+
+@dataclass(frozen=True)
+class ScalarParam:
+    name: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class TensorMapParam:
+    """A TMA descriptor built on the host (``mgpuTensorMapEncodeTiled``) for tensor ``source``.
+
+    ``box`` is the shared-memory box (innermost dimension last, like the tensor), ``swizzle`` one of
+    0/32/64/128 bytes, ``oob_fill_nan`` False gives zero fill.
+    """
+
+    name: str
+    dtype: str
+    rank: int
+    box: tuple[int, ...]
+    swizzle: int = 0
+    oob_fill_nan: bool = False
+
+
+Param = TensorParam | ScalarParam | TensorMapParam
+
+
+@dataclass(frozen=True)
+class KernelSignature:
+    """Everything lowering needs to launch a ``gpu.func``: name, parameters and block shape.
+
+    ``dynamic_shared_bytes`` is requested at launch (static ``memref.global`` shared buffers are
+    counted by the backend). ``cluster`` is the CTA cluster shape (NVIDIA sm_90+), or None.
+    """
+
+    name: str
+    params: tuple[Param, ...]
+    block: tuple[int, int, int] = (128, 1, 1)
+    dynamic_shared_bytes: int = 0
+    cluster: tuple[int, int, int] | None = None
+    constexprs: tuple[tuple[str, str], ...] = field(default=())  # (name, repr(value)) for reports
+
+    @property
+    def num_threads(self) -> int:
+        return self.block[0] * self.block[1] * self.block[2]
