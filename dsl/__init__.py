@@ -6,3 +6,19 @@ from .errors import (CompilationError, InternalError, KilnError, KilnTypeError, 
                      LaunchError, ResourceError, TargetError, UnsupportedError)
 
 __version__ = "0.1.0"
+
+# The tracing DSL (see kiln.kernel for the user guide).
+from . import builder, values
+from .builder import current_target
+from .kernel import (JITKernel, KilnFunc, TensorMap, TracedKernel, constexpr, func, kernel,
+                     set_default_target)
+from .ops import (abs, barrier, block_dim, block_id, cast, exp, exp2, fma, lane_id, log, log2,
+                  maximum, minimum, num_blocks, rcp, rsqrt, sqrt, thread_id, warp_id, where)
+from .shared import SharedTensor, shared
+from .struct import struct
+from .tensor import Tensor, TensorRef
+from .trace_runtime import TracedRange as range, static_range
+from .values import Handle, Value
+
+max = maximum
+min = minimum

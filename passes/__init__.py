@@ -1,1 +1,109 @@
-"""Kiln's own MLIR passes (Python-defined), registered by name for pipelines and ``kiln-opt``."""
+"""Kiln's own MLIR passes (Python-defined), registered by name for pipelines and ``kiln-opt``.
+
+MLIR's textual pipeline parser only knows C++ passes, so a pipeline here is a flat list of
+elements: each is either a registered Kiln pass name or upstream pipeline text
+(``"canonicalize"``, ``"gpu.module(convert-gpu-to-nvvm)"``). :func:`build_pass_manager` adds
+the Kiln ones as Python passes and the rest as text, in order.
+
+Example::
+
+    >>> from mlir import ir
+    >>> with ir.Context():
+    ...     pm = build_pass_manager(["kiln-fold-block-dim", "canonicalize", "cse"])
+    >>> pipeline_text(["kiln-fold-block-dim", "cse"])
+    'builtin.module(kiln-fold-block-dim,cse)'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from mlir import passmanager
+
+from kiln.errors import KilnValueError
+
+
+@dataclass(frozen=True)
+class KilnPass:
+    """A Python pass: ``run(op, pass_)`` rewrites ``op`` (the ``builtin.module``) in place."""
+
+    name: str
+    run: Callable
+    description: str
+
+
+_REGISTRY: dict[str, KilnPass] = {}
+
+
+def register_pass(name: str, fn: Callable, description: str) -> None:
+    """Register ``fn(op: ir.Operation, pass_) -> None`` as Kiln pass ``name``.
+
+    Example::
+
+        register_pass("kiln-my-pass", my_pass, "what it rewrites and why")
+    """
+    if name in _REGISTRY and _REGISTRY[name].run is not fn:
+        raise KilnValueError(f"a Kiln pass named {name!r} is already registered",
+                             fix="pick a distinct name starting with 'kiln-'")
+    _REGISTRY[name] = KilnPass(name, fn, description)
+
+
+def kiln_passes() -> dict[str, KilnPass]:
+    """The registered Kiln passes by name."""
+    return dict(_REGISTRY)
+
+
+def split_pipeline(text: str) -> list[str]:
+    """Split ``builtin.module(a,b{x=1 y=2},gpu.module(c,d))`` into its top-level elements.
+
+    A bare comma-separated list (no ``builtin.module(...)`` wrapper) is accepted too.
+    """
+    body = text.strip()
+    if body.startswith("builtin.module(") and body.endswith(")"):
+        body = body[len("builtin.module("):-1]
+    elements, depth, start = [], 0, 0
+    for i, char in enumerate(body):
+        if char in "({":
+            depth += 1
+        elif char in ")}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            elements.append(body[start:i].strip())
+            start = i + 1
+    elements.append(body[start:].strip())
+    return [e for e in elements if e]
+
+
+def pipeline_text(elements: Sequence[str]) -> str:
+    """The textual pipeline for ``elements`` (what ``kiln-opt --pass-pipeline`` takes)."""
+    return "builtin.module(" + ",".join(elements) + ")"
+
+
+def build_pass_manager(elements: Sequence[str]) -> passmanager.PassManager:
+    """A ``builtin.module`` PassManager running ``elements`` in order (needs an active Context).
+
+    Kiln passes must appear at the top level; inside ``gpu.module(...)`` they are rejected,
+    since Python passes cannot be nested in textual pipelines.
+    """
+    pm = passmanager.PassManager("builtin.module")
+    for element in elements:
+        kiln_pass = _REGISTRY.get(element)
+        if kiln_pass is not None:
+            pm.add(kiln_pass.run, name=kiln_pass.name, argument=kiln_pass.name,
+                   description=kiln_pass.description)
+            continue
+        nested = [name for name in _REGISTRY if name in element]
+        if nested:
+            raise KilnValueError(f"Kiln pass {nested[0]!r} cannot be nested in {element!r}",
+                                 fix=f"list {nested[0]} at the top level of builtin.module(...); "
+                                     "it walks every gpu.func itself")
+        try:
+            pm.add(element)
+        except ValueError as err:
+            raise KilnValueError(f"bad pipeline element {element!r}: {err}",
+                                 fix="check the pass name and options with mlir-opt --help") from None
+    return pm
+
+
+from kiln.passes import fold_block_dim as _fold_block_dim  # noqa: E402  (registers itself)

@@ -1,0 +1,27 @@
+# The README's two commands. Both work on a fresh clone with only python3 (>= 3.10) installed.
+#   make demo   creates .venv, installs Kiln, runs the main demo (uses a GPU when present)
+#   make test   creates .venv, installs Kiln with its dev extras, runs pytest (which runs lit too)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test gpu-test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) examples/demo.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+# On a machine with a CUDA GPU: only the tests that launch kernels.
+gpu-test: $(VENV)/.installed
+	$(PY) -m pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

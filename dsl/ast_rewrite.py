@@ -1,0 +1,298 @@
+"""Rewrite a kernel's Python source so ``if``/``for`` on traced values build ``scf.if``/``scf.for``.
+
+Every ``if`` becomes "evaluate the condition once; if it is a plain Python value run the
+original statement, else call :func:`kiln.trace_runtime.if_stmt` with one nested function per
+branch". The nested functions take the variables the branches assign as parameters and return
+their new values, so ``x = 1.0`` inside a traced branch becomes an ``scf.if`` result. Loops
+``for i in kiln.range(...)`` become a body function passed to ``for_stmt``; any other ``for``
+runs in Python (unrolled). ``while`` conditions must be Python values.
+
+Line numbers are kept (the rewritten code is compiled under the user's file name at the
+original lines), and every simple statement runs inside ``kiln.builder.at_source(...)`` so the
+ops it builds carry ``loc("file":line:col)`` and Kiln errors point at it.
+
+Example (what the user writes; the rewrite is invisible)::
+
+    @kiln.kernel
+    def relu(x: kiln.Tensor[f32], n: i32):
+        i = kiln.thread_id(0)
+        v = 0.0
+        if i < n:            # traced -> scf.if yielding v
+            v = x[i]
+        x[i] = kiln.max(v, 0.0)
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import inspect
+import itertools
+import textwrap
+import types
+from typing import Callable
+
+from . import trace_runtime
+from .builder import at_source
+from .errors import KilnValueError, SourceLoc
+
+RT = "__kiln_rt"
+_counter = itertools.count()
+
+
+class _Runtime:
+    """The names the rewritten code calls (bound to the ``__kiln_rt`` factory parameter)."""
+
+    at = staticmethod(at_source)
+    capture = staticmethod(trace_runtime.capture)
+    is_traced = staticmethod(trace_runtime.is_traced)
+    if_stmt = staticmethod(trace_runtime.if_stmt)
+    for_stmt = staticmethod(trace_runtime.for_stmt)
+    TracedRange = trace_runtime.TracedRange
+    static_while_cond = staticmethod(trace_runtime.static_while_cond)
+    traced_return = staticmethod(trace_runtime.traced_return)
+    traced_break = staticmethod(trace_runtime.traced_break)
+
+
+def _rt(attr: str) -> ast.expr:
+    return ast.Attribute(ast.Name(RT, ast.Load()), attr, ast.Load())
+
+
+def _call(attr: str, *args: ast.expr) -> ast.Call:
+    return ast.Call(_rt(attr), list(args), [])
+
+
+def _names_tuple(names, ctx) -> ast.Tuple:
+    return ast.Tuple([ast.Name(n, ctx()) for n in names], ctx())
+
+
+def _str_tuple(names) -> ast.Tuple:
+    return ast.Tuple([ast.Constant(n) for n in names], ast.Load())
+
+
+def _function(name: str, params, body) -> ast.FunctionDef:
+    args = ast.arguments(posonlyargs=[], args=[ast.arg(p) for p in params], vararg=None,
+                         kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[])
+    return ast.FunctionDef(name=name, args=args, body=body, decorator_list=[], returns=None)
+
+
+class _AssignedNames(ast.NodeVisitor):
+    """Names (re)bound by a list of statements, plus bases of attribute stores (struct fields)."""
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def _add(self, name: str):
+        if name not in self.names and not name.startswith("__kiln_"):
+            self.names.append(name)
+
+    def visit_Name(self, node):
+        if isinstance(node.ctx, ast.Store):
+            self._add(node.id)
+
+    def visit_Attribute(self, node):
+        if isinstance(node.ctx, ast.Store):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name):
+                self._add(base.id)
+        self.generic_visit(node)
+
+    def visit_FunctionDef(self, node):
+        self._add(node.name)
+
+    visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
+
+    def visit_Lambda(self, node):
+        pass
+
+    def visit_ListComp(self, node):
+        pass
+
+    visit_SetComp = visit_DictComp = visit_GeneratorExp = visit_ListComp
+
+
+def assigned_names(stmts) -> list[str]:
+    v = _AssignedNames()
+    for s in stmts:
+        v.visit(s)
+    return v.names
+
+
+class _ForbidEscapes(ast.NodeTransformer):
+    """Inside a traced region, ``return``/``break``/``continue`` cannot leave it: raise instead."""
+
+    def __init__(self):
+        self.loop_depth = 0
+
+    def visit_FunctionDef(self, node):
+        return node
+
+    visit_AsyncFunctionDef = visit_ClassDef = visit_Lambda = visit_FunctionDef
+
+    def visit_Return(self, node):
+        return ast.copy_location(ast.Expr(_call("traced_return")), node)
+
+    def _loop(self, node):
+        self.loop_depth += 1
+        node.body = [self.visit(s) for s in node.body]
+        self.loop_depth -= 1
+        node.orelse = [self.visit(s) for s in node.orelse]
+        return node
+
+    visit_For = visit_While = _loop
+
+    def visit_Break(self, node):
+        if self.loop_depth:
+            return node
+        return ast.copy_location(ast.Expr(_call("traced_break")), node)
+
+    visit_Continue = visit_Break
+
+
+def _forbid_escapes(stmts):
+    t = _ForbidEscapes()
+    return [t.visit(copy.deepcopy(s)) for s in stmts]
+
+
+_SIMPLE = (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Assert,
+           ast.Delete, ast.Raise)
+
+
+class _Rewriter(ast.NodeTransformer):
+    def __init__(self, filename: str):
+        self.filename = filename
+
+    def _at(self, node: ast.AST, body: list[ast.stmt]) -> ast.With:
+        end = node.end_col_offset if node.end_lineno == node.lineno else None
+        ctx = _call("at", ast.Constant(self.filename), ast.Constant(node.lineno),
+                    ast.Constant(node.col_offset), ast.Constant(end))
+        return ast.With([ast.withitem(ctx)], body)
+
+    def _stmts(self, stmts):
+        out = []
+        for s in stmts:
+            r = self.visit(s)
+            out.extend(r if isinstance(r, list) else [r])
+        return out
+
+    def generic_visit(self, node):
+        if isinstance(node, _SIMPLE):
+            return self._at(node, [node])
+        return super().generic_visit(node)
+
+    def visit_FunctionDef(self, node):
+        # A nested def inside the kernel is plain Python; it is rewritten when it is a kiln.func.
+        return node
+
+    visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
+
+    def visit_While(self, node):
+        node.test = _call("static_while_cond", node.test)
+        node.body = self._stmts(node.body)
+        node.orelse = self._stmts(node.orelse)
+        return node
+
+    def _branch_fn(self, name, params, body, node):
+        ret = ast.Return(_names_tuple(params, ast.Load))
+        return ast.copy_location(_function(name, params, self._stmts(body) + [ret]), node)
+
+    def _assign_results(self, names, call, node):
+        if names:
+            stmt = ast.Assign([_names_tuple(names, ast.Store)], call)
+        else:
+            stmt = ast.Expr(call)
+        return self._at(node, [ast.copy_location(stmt, node)])
+
+    def _capture(self, names):
+        locals_call = ast.Call(ast.Name("locals", ast.Load()), [], [])
+        return _call("capture", locals_call, _str_tuple(names))
+
+    def visit_If(self, node):
+        n = next(_counter)
+        cond = f"__kiln_cond_{n}"
+        names = assigned_names(node.body + node.orelse)
+        static_if = ast.If(ast.Name(cond, ast.Load()), self._stmts(copy.deepcopy(node.body)),
+                           self._stmts(copy.deepcopy(node.orelse)))
+        then_fn = self._branch_fn(f"__kiln_then_{n}", names, _forbid_escapes(node.body), node)
+        traced = [then_fn]
+        else_ref: ast.expr = ast.Constant(None)
+        if node.orelse:
+            traced.append(self._branch_fn(f"__kiln_else_{n}", names,
+                                          _forbid_escapes(node.orelse), node))
+            else_ref = ast.Name(f"__kiln_else_{n}", ast.Load())
+        call = _call("if_stmt", ast.Name(cond, ast.Load()), ast.Name(f"__kiln_then_{n}", ast.Load()),
+                     else_ref, _str_tuple(names), self._capture(names))
+        traced.append(self._assign_results(names, call, node))
+        evaluate = self._at(node.test, [ast.Assign([ast.Name(cond, ast.Store())], node.test)])
+        dispatch = ast.If(_call("is_traced", ast.Name(cond, ast.Load())), traced, [static_if])
+        return [ast.copy_location(evaluate, node), ast.copy_location(dispatch, node)]
+
+    def visit_For(self, node):
+        n = next(_counter)
+        it = f"__kiln_iter_{n}"
+        static_for = ast.For(node.target, ast.Name(it, ast.Load()),
+                             self._stmts(copy.deepcopy(node.body)), self._stmts(node.orelse),
+                             None)
+        evaluate = self._at(node.iter, [ast.Assign([ast.Name(it, ast.Store())], node.iter)])
+        if not isinstance(node.target, ast.Name) or node.orelse:
+            return [ast.copy_location(evaluate, node), ast.copy_location(static_for, node)]
+        names = [m for m in assigned_names(node.body) if m != node.target.id]
+        body_fn = self._branch_fn(f"__kiln_body_{n}", [node.target.id] + names,
+                                  _forbid_escapes(node.body), node)
+        body_fn.body[-1] = ast.Return(_names_tuple(names, ast.Load))
+        call = _call("for_stmt", ast.Name(it, ast.Load()), ast.Name(body_fn.name, ast.Load()),
+                     _str_tuple(names), self._capture(names))
+        traced = [body_fn, self._assign_results(names, call, node)]
+        is_range = ast.Call(ast.Name("isinstance", ast.Load()),
+                            [ast.Name(it, ast.Load()), _rt("TracedRange")], [])
+        dispatch = ast.If(is_range, traced, [static_for])
+        return [ast.copy_location(evaluate, node), ast.copy_location(dispatch, node)]
+
+
+_cache: dict[Callable, Callable] = {}
+
+
+def rewrite(fn: Callable) -> Callable:
+    """The AST-rewritten version of ``fn`` (cached), bound to the same globals and closure."""
+    cached = _cache.get(fn)
+    if cached is not None:
+        return cached
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+        filename = inspect.getsourcefile(fn) or fn.__code__.co_filename
+    except (OSError, TypeError) as err:
+        raise KilnValueError(f"cannot read the source of {fn.__qualname__}: {err}",
+                             fix="define kernels in a .py file (not in an interactive prompt or exec)",
+                             loc=SourceLoc(fn.__code__.co_filename, fn.__code__.co_firstlineno)) from None
+    tree = ast.parse(source)
+    fdef = tree.body[0]
+    if not isinstance(fdef, ast.FunctionDef):
+        raise KilnValueError(f"{fn.__qualname__} is not a plain `def` function",
+                             fix="decorate a `def` (lambdas and async functions are not supported)")
+    ast.increment_lineno(tree, fn.__code__.co_firstlineno - 1)
+    fdef.decorator_list = []
+    fdef.body = _Rewriter(filename)._stmts(fdef.body)
+    freevars = fn.__code__.co_freevars
+    fdef.returns = None
+    for a in fdef.args.posonlyargs + fdef.args.args + fdef.args.kwonlyargs:
+        a.annotation = None  # annotations were read off the original function already
+    factory = ast.copy_location(
+        _function("__kiln_factory", [RT, *freevars], [fdef, ast.Return(ast.Name(fdef.name, ast.Load()))]),
+        fdef)
+    module = ast.fix_missing_locations(ast.Module([factory], type_ignores=[]))
+    code = compile(module, filename, "exec")
+    factory_code = next(c for c in code.co_consts if isinstance(c, types.CodeType))
+    make = types.FunctionType(factory_code, fn.__globals__)
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:  # a cell not filled yet (e.g. a later-defined helper)
+            cells.append(None)
+    rewritten = make(_Runtime, *cells)
+    rewritten.__defaults__ = fn.__defaults__
+    rewritten.__kwdefaults__ = fn.__kwdefaults__
+    _cache[fn] = rewritten
+    return rewritten

@@ -1,0 +1,100 @@
+"""The trace state: the MLIR context, module and insertion point active while a kernel is traced.
+
+Wrappers anywhere in Kiln (NVGPU, TMA, WGMMA helpers) build ops directly with the upstream
+builders; they only need the context, insertion point and location that :func:`current` keeps
+entered while a kernel body runs::
+
+    from mlir.dialects import nvvm
+    def elect_one():
+        state = kiln.builder.current()          # raises outside a kernel trace
+        return kiln.Value(nvvm.elect_sync(...))  # builds at the kernel's insertion point
+
+``kiln.current_target()`` returns the :class:`~kiln.lowering.targets.Target` being traced for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mlir import ir
+
+from .errors import KilnValueError, SourceLoc, trace_location
+
+KERNEL_MODULE_NAME = "kiln_kernels"
+SHARED_MEMORY_SPACE = 3
+GLOBAL_MEMORY_SPACE = 1
+
+
+@dataclass
+class TraceState:
+    """Everything one kernel trace owns. Created and entered by :mod:`kiln.kernel`."""
+
+    context: ir.Context
+    module: ir.Module
+    gpu_module_block: ir.Block  # body of ``gpu.module @kiln_kernels`` (shared globals go here)
+    target: object  # kiln.lowering.targets.Target
+    block: tuple[int, int, int]
+    shared_bytes: int = 0
+    shared_names: set[str] = field(default_factory=set)
+
+    def unique_symbol(self, base: str) -> str:
+        name, n = base, 0
+        while name in self.shared_names:
+            n += 1
+            name = f"{base}_{n}"
+        self.shared_names.add(name)
+        return name
+
+
+_stack: list[TraceState] = []
+
+
+def push(state: TraceState) -> None:
+    _stack.append(state)
+
+
+def pop() -> None:
+    _stack.pop()
+
+
+def current() -> TraceState:
+    """The active trace; calling a device-only Kiln function outside a kernel is an error."""
+    if not _stack:
+        raise KilnValueError("this Kiln operation can only be used inside a @kiln.kernel body",
+                             fix="call it from a function decorated with @kiln.kernel or @kiln.func")
+    return _stack[-1]
+
+
+def is_tracing() -> bool:
+    return bool(_stack)
+
+
+def current_target():
+    """The target chip of the kernel being traced (a ``kiln.lowering.targets.Target``).
+
+    Example: ``if kiln.current_target().is_nvidia: ...`` selects a code path at trace time.
+    """
+    return current().target
+
+
+class at_source:
+    """Enter a user source position: new ops get its ``loc("file":line:col)`` and Kiln errors
+    raised inside point at it. Used by the AST-rewritten kernel around every statement."""
+
+    __slots__ = ("loc", "_mlir_loc", "_trace")
+
+    def __init__(self, filename: str, line: int, col: int, end_col: int | None = None):
+        self.loc = SourceLoc(filename, line, col, end_col)
+        self._mlir_loc = None
+        self._trace = trace_location(self.loc)
+
+    def __enter__(self):
+        self._mlir_loc = ir.Location.file(self.loc.filename, self.loc.line, self.loc.col + 1)
+        self._mlir_loc.__enter__()
+        self._trace.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._trace.__exit__(*exc)
+        self._mlir_loc.__exit__(*exc)
+        return False

@@ -1,0 +1,435 @@
+"""``@kiln.kernel`` and ``@kiln.func``: trace Python functions into MLIR and compile them.
+
+::
+
+    import kiln
+    from kiln import f32, i32
+
+    @kiln.kernel
+    def saxpy(x: kiln.Tensor[f32], y: kiln.Tensor[f32], n: i32, a: f32, BLOCK: kiln.constexpr):
+        i = kiln.block_id(0) * BLOCK + kiln.thread_id(0)
+        if i < n:
+            y[i] = a * x[i] + y[i]
+
+    ck = saxpy.compile(x, y, n, 2.0, BLOCK=256, target="sm_90a", num_warps=8)
+    print(ck.asm["kiln"])
+    saxpy[(n + 255) // 256](x, y, n, 2.0, BLOCK=256, num_warps=8)
+
+Parameters are annotated ``kiln.Tensor[dtype]``, a scalar dtype (``f32``, ``"i64"``),
+``kiln.constexpr`` (a Python value baked into the kernel; every distinct value compiles a new
+kernel) or ``kiln.TensorMap[dtype, box, swizzle]``. Unannotated parameters are inferred from the
+first call: arrays become tensors, ``int`` i32, ``float`` f32, ``bool`` i1.
+
+Launch options (keywords of ``compile``/launch): ``target`` (default ``"sm_90a"``, see
+:func:`set_default_target`), ``num_warps`` (4), ``opt_level``, ``ptx_version``, ``maxnreg`` and,
+for launches, ``stream``. The grid of ``kernel[grid]`` is an int, a tuple of up to 3 ints, or a
+callable receiving the constexprs (plus ``num_warps``) and returning one.
+
+Compiled kernels are cached in memory per specialisation (dtype/rank/contiguity of tensors,
+dtype of scalars, constexpr values, options) and on disk (``kiln.lowering.cache``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+from mlir import ir
+from mlir.dialects import gpu
+
+from . import ast_rewrite, builder
+from . import dtypes as dt
+from .errors import (CompilationError, KilnTypeError, KilnValueError, SourceLoc, trace_location,
+                     user_facing)
+from .lowering_bridge import (cache_key, lowering_signature, source_key, tensor_arg_spec,
+                              tensormap_type)
+from .tensor import TensorRef, TensorSpec, memref_type
+from .values import Handle, Value
+
+OPTION_NAMES = ("target", "num_warps", "opt_level", "ptx_version", "maxnreg")
+_default_target = "sm_90a"
+
+
+class constexpr:
+    """Annotation for compile-time parameters: ``BLOCK: kiln.constexpr``.
+
+    Inside the kernel the parameter is the plain Python value (usable in ``range``, shapes,
+    ``if``); each distinct value compiles its own kernel.
+    """
+
+
+@dataclass(frozen=True)
+class TensorMapSpec:
+    dtype: dt.DType
+    box: tuple[int, ...]
+    swizzle: int
+
+
+class TensorMap:
+    """Annotation for a TMA descriptor parameter: ``a: kiln.TensorMap[f16, (64, 64), 128]``.
+
+    The launch argument is the tensor; the host builds the descriptor. In the body the parameter
+    is a :class:`~kiln.values.Handle` of ``!nvgpu.tensormap.descriptor<...>``.
+    """
+
+    def __class_getitem__(cls, params) -> TensorMapSpec:
+        if not isinstance(params, tuple) or len(params) not in (2, 3):
+            raise KilnTypeError("kiln.TensorMap needs [dtype, box] or [dtype, box, swizzle]",
+                                fix="e.g. kiln.TensorMap[kiln.f16, (64, 64), 128]")
+        box = tuple(params[1]) if isinstance(params[1], (tuple, list)) else (params[1],)
+        swizzle = params[2] if len(params) == 3 else 0
+        if swizzle not in (0, 32, 64, 128):
+            raise KilnValueError(f"TensorMap swizzle {swizzle!r} is not 0, 32, 64 or 128 bytes",
+                                 fix="use one of 0, 32, 64, 128")
+        if not box or any(not isinstance(b, int) or not 0 < b <= 256 for b in box):
+            raise KilnValueError(f"TensorMap box {box!r} needs 1..256 elements per dimension",
+                                 fix="use a box such as (64, 64)")
+        return TensorMapSpec(dt.dtype(params[0]), box, swizzle)
+
+
+def set_default_target(target: str) -> None:
+    """Target used when ``target=`` is not given. Example: ``kiln.set_default_target("gfx950")``."""
+    from kiln.lowering.targets import get_target
+
+    global _default_target
+    _default_target = get_target(target).name
+
+
+def default_target() -> str:
+    return _default_target
+
+
+@dataclass(frozen=True)
+class _Param:
+    name: str
+    kind: str  # "tensor" | "scalar" | "constexpr" | "tensormap" | "infer"
+    spec: Any  # TensorSpec | DType | TensorMapSpec | None
+
+
+def _classify(name: str, annotation: Any) -> _Param:
+    if annotation is inspect.Parameter.empty:
+        return _Param(name, "infer", None)
+    if annotation is constexpr or annotation == "kiln.constexpr" or annotation == "constexpr":
+        return _Param(name, "constexpr", None)
+    if isinstance(annotation, TensorSpec):
+        return _Param(name, "tensor", annotation)
+    if isinstance(annotation, TensorMapSpec):
+        return _Param(name, "tensormap", annotation)
+    return _Param(name, "scalar", dt.dtype(annotation))
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """How one argument specialises the kernel (part of the cache key)."""
+
+    name: str
+    kind: str  # "tensor" | "scalar" | "constexpr" | "tensormap"
+    dtype: dt.DType | None = None
+    rank: int = 0
+    contiguous: bool = True
+    value: Any = None  # constexpr value
+    tensormap: TensorMapSpec | None = None
+
+    def key(self) -> str:
+        if self.kind == "constexpr":
+            return f"{self.name}=constexpr:{self.value!r}"
+        return f"{self.name}:{self.kind}:{self.dtype}:{self.rank}:{int(self.contiguous)}"
+
+
+@dataclass
+class TracedKernel:
+    """The kiln IR of one specialisation: ``module_asm`` (with locations) and ``signature``."""
+
+    name: str
+    module_asm: str
+    signature: Any  # kiln.lowering.signature.KernelSignature
+    shared_bytes: int
+
+
+def _scalar_dtype_of(value: Any) -> dt.DType | None:
+    if isinstance(value, (bool, np.bool_)):
+        return dt.i1
+    if isinstance(value, int):
+        return dt.i32
+    if isinstance(value, float):
+        return dt.f32
+    if isinstance(value, np.generic):
+        return dt.dtype(value.dtype)
+    return None
+
+
+class JITKernel:
+    """What ``@kiln.kernel`` returns: call ``.compile(...)``, ``.trace(...)`` or ``[grid](...)``."""
+
+    def __init__(self, fn: Callable):
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.name = fn.__name__
+        self._sig = inspect.signature(fn)
+        self.params = tuple(_classify(p.name, p.annotation) for p in self._sig.parameters.values())
+        self._runtime_idx = tuple(i for i, p in enumerate(self.params) if p.kind != "constexpr")
+        self._compiled: dict[tuple, Any] = {}  # (arg specs, options) -> CompiledKernel
+        self._launches: dict[tuple, tuple] = {}  # cheap launch key -> (CompiledKernel, meta, positional)
+        self._source_key: str | None = None
+
+    def __repr__(self):
+        return f"<kiln.kernel {self.name}>"
+
+    # ---- binding and specialisation -----------------------------------------------------
+    def _bind(self, args: tuple, kwargs: dict) -> list:
+        if not kwargs and len(args) == len(self.params):
+            return list(args)
+        try:
+            bound = self._sig.bind(*args, **kwargs)
+        except TypeError as err:
+            raise KilnTypeError(f"bad arguments for kernel {self.name}: {err}",
+                                fix=f"call it as {self.name}{self._sig}") from None
+        bound.apply_defaults()
+        return list(bound.arguments.values())
+
+    def _arg_spec(self, param: _Param, value: Any) -> ArgSpec:
+        kind, spec = param.kind, param.spec
+        if kind == "constexpr":
+            return ArgSpec(param.name, "constexpr", value=value)
+        if kind in ("tensor", "tensormap") or (kind == "infer" and _scalar_dtype_of(value) is None):
+            ts = tensor_arg_spec(param.name, value)  # (dtype, rank, contiguous); raises if not array
+            want = spec.dtype if spec is not None else None
+            if want is not None and ts[0] is not want:
+                raise KilnTypeError(
+                    f"argument '{param.name}' of {self.name} is declared "
+                    f"{'Tensor' if kind == 'tensor' else 'TensorMap'}[{want}] but got an array "
+                    f"of {ts[0]}", fix=f"pass a {want} array (e.g. x.astype('{want.numpy}'))")
+            if kind == "tensor" and spec.rank is not None and spec.rank != ts[1]:
+                raise KilnTypeError(f"argument '{param.name}' of {self.name} is declared with "
+                                    f"rank {spec.rank} but got rank {ts[1]}",
+                                    fix=f"pass a {spec.rank}-d array")
+            if kind == "tensormap":
+                if len(spec.box) != ts[1]:
+                    raise KilnTypeError(f"TensorMap '{param.name}' box {spec.box} has "
+                                        f"{len(spec.box)} dims but the tensor has rank {ts[1]}",
+                                        fix="give one box size per tensor dimension")
+                return ArgSpec(param.name, "tensormap", ts[0], ts[1], True, tensormap=spec)
+            return ArgSpec(param.name, "tensor", ts[0], ts[1], ts[2])
+        got = _scalar_dtype_of(value)
+        if got is None:
+            raise KilnTypeError(f"argument '{param.name}' of {self.name} expects a "
+                                f"{spec if spec else 'scalar'} scalar, got {type(value).__name__}",
+                                fix="pass a Python/numpy number")
+        if kind == "infer":
+            return ArgSpec(param.name, "scalar", got)
+        if spec.is_int and got.is_float:
+            raise KilnTypeError(f"argument '{param.name}' of {self.name} is declared {spec} but "
+                                f"got the float {value!r}", fix=f"pass an int, e.g. int({value!r})")
+        return ArgSpec(param.name, "scalar", spec)
+
+    def specialize(self, args: tuple, kwargs: dict) -> tuple[ArgSpec, ...]:
+        values = self._bind(args, kwargs)
+        return tuple(self._arg_spec(p, v) for p, v in zip(self.params, values))
+
+    # ---- tracing ---------------------------------------------------------------------------
+    def _trace_specs(self, specs: tuple[ArgSpec, ...], target_name: str, num_warps: int) -> TracedKernel:
+        from kiln.lowering.targets import get_target
+
+        target = get_target(target_name)
+        block = (num_warps * target.warp_size, 1, 1)
+        target.check_block(block)
+        code = self.fn.__code__
+        def_loc = SourceLoc(code.co_filename, code.co_firstlineno)
+        rewritten = ast_rewrite.rewrite(self.fn)
+        with ir.Context() as ctx, ir.Location.file(def_loc.filename, def_loc.line, 1):
+            module = ir.Module.create()
+            module.operation.attributes["gpu.container_module"] = ir.UnitAttr.get()
+            with ir.InsertionPoint(module.body):
+                gpu_module = gpu.GPUModuleOp(builder.KERNEL_MODULE_NAME)
+            gpu_block = gpu_module.bodyRegion.blocks.append()
+            arg_types = [self._arg_type(s) for s in specs if s.kind != "constexpr"]
+            with ir.InsertionPoint(gpu_block):
+                func = gpu.GPUFuncOp(ir.FunctionType.get(arg_types, []), sym_name=self.name,
+                                     kernel=True, known_block_size=list(block))
+            entry = func.body.blocks.append(*arg_types)
+            state = builder.TraceState(ctx, module, gpu_block, target, block)
+            builder.push(state)
+            try:
+                with ir.InsertionPoint(entry), trace_location(def_loc):
+                    block_args = iter(entry.arguments)
+                    call_args = [s.value if s.kind == "constexpr" else
+                                 self._wrap_arg(s, next(block_args)) for s in specs]
+                    result = rewritten(*call_args)
+                    if result is not None:
+                        raise KilnTypeError(f"kernel {self.name} returned {result!r}; kernels "
+                                            "cannot return values",
+                                            fix="store results into a tensor argument")
+                    gpu.ReturnOp([])
+            except ir.MLIRError as err:
+                raise CompilationError(f"MLIR rejected an op built by {self.name}: {err}") from None
+            finally:
+                builder.pop()
+            _verify(module, self.name)
+            asm = module.operation.get_asm(enable_debug_info=True)
+        constexprs = tuple((s.name, repr(s.value)) for s in specs if s.kind == "constexpr")
+        signature = lowering_signature(self.name, specs, block, constexprs)
+        return TracedKernel(self.name, asm, signature, state.shared_bytes)
+
+    @staticmethod
+    def _arg_type(spec: ArgSpec) -> ir.Type:
+        if spec.kind == "tensor":
+            return memref_type(spec.dtype, spec.rank, spec.contiguous)
+        if spec.kind == "tensormap":
+            return tensormap_type(spec.tensormap)
+        return spec.dtype.mlir_type()
+
+    @staticmethod
+    def _wrap_arg(spec: ArgSpec, arg: ir.Value):
+        if spec.kind == "tensor":
+            return TensorRef(arg, spec.dtype, spec.name)
+        if spec.kind == "tensormap":
+            return Handle(arg)
+        return Value(arg, spec.dtype)
+
+    @user_facing
+    def trace(self, *args, target: str | None = None, num_warps: int = 4, **kwargs) -> TracedKernel:
+        """Build the kiln IR only (no lowering). Example: ``saxpy.trace(x, y, n, 2.0, BLOCK=256)``."""
+        specs = self.specialize(args, kwargs)
+        return self._trace_specs(specs, target or _default_target, num_warps)
+
+    # ---- compile and launch ---------------------------------------------------------------
+    def _options(self, target, num_warps, opt_level, ptx_version, maxnreg):
+        from kiln.lowering.options import CompileOptions
+
+        return CompileOptions(target or _default_target, num_warps=num_warps, opt_level=opt_level,
+                              ptx_version=ptx_version, maxnreg=maxnreg)
+
+    def _compile_specs(self, specs, options):
+        from kiln.lowering.compiler import compile_kernel, load_cached
+
+        if self._source_key is None:
+            self._source_key = source_key(self.fn)
+        key = cache_key(self._source_key, specs, options.key())
+        cached = load_cached(key)
+        if cached is not None:
+            return cached
+        traced = self._trace_specs(specs, options.target, options.num_warps)
+        return compile_kernel(traced.module_asm, traced.signature, options, cache_key=key)
+
+    @user_facing
+    def compile(self, *args, target: str | None = None, num_warps: int = 4, opt_level: int = 3,
+                ptx_version: int | None = None, maxnreg: int | None = None, **kwargs):
+        """Specialise on ``args`` and compile; returns a ``CompiledKernel`` (``.asm``, ``.metadata``,
+        ``.launch``). Example: ``saxpy.compile(x, y, n, 2.0, BLOCK=256, target="gfx950")``."""
+        options = self._options(target, num_warps, opt_level, ptx_version, maxnreg)
+        specs = self.specialize(args, kwargs)
+        fast = (specs, options)
+        compiled = self._compiled.get(fast)
+        if compiled is None:
+            compiled = self._compiled[fast] = self._compile_specs(specs, options)
+        return compiled
+
+    def __getitem__(self, grid) -> Callable:
+        """``kernel[grid](*args, **constexprs_and_options)`` launches (see module docs)."""
+        return functools.partial(self._launch, grid)
+
+    def _launch_key(self, args: tuple, kwargs: dict) -> tuple:
+        # Cheap: only what can change the specialisation (dtype/rank/contiguity, scalar types,
+        # constexpr values); the full ArgSpec is computed once per distinct key.
+        parts = []
+        for a in args:
+            if isinstance(a, np.ndarray):
+                parts.append((a.dtype, a.ndim, a.ndim == 0 or a.strides[-1] == a.itemsize
+                              or a.shape[-1] <= 1))
+            elif isinstance(a, (int, float)):
+                parts.append(type(a))
+            else:
+                parts.append(a if _hashable(a) else id(type(a)))
+        kw = (tuple(sorted(kwargs.items())) if all(_hashable(v) for v in kwargs.values())
+              else None)
+        return (tuple(parts), kw, _default_target)
+
+    @user_facing
+    def _launch(self, grid, *args, stream=None, **kwargs):
+        key = self._launch_key(args, kwargs)
+        entry = self._launches.get(key) if key[1] is not None else None
+        if entry is None:
+            options = {k: kwargs.pop(k) for k in OPTION_NAMES if k in kwargs}
+            options.setdefault("num_warps", 4)
+            ck = self.compile(*args, **options, **kwargs)
+            values = self._bind(args, kwargs)
+            constexprs = {p.name: v for p, v in zip(self.params, values) if p.kind == "constexpr"}
+            meta = dict(constexprs, num_warps=options["num_warps"])
+            entry = (ck, meta, len(args) == len(self.params) and not kwargs)
+            if key[1] is not None:
+                self._launches[key] = entry
+        ck, meta, positional = entry
+        if positional:
+            runtime = [args[i] for i in self._runtime_idx]
+        else:
+            values = self._bind(args, {k: v for k, v in kwargs.items() if k not in OPTION_NAMES})
+            runtime = [values[i] for i in self._runtime_idx]
+        ck.launch(_grid3(grid(meta) if callable(grid) else grid), runtime, stream=stream)
+
+
+def _hashable(x) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _grid3(grid) -> tuple[int, int, int]:
+    if isinstance(grid, int):
+        return (grid, 1, 1)
+    g = tuple(int(v) for v in grid)
+    if not 1 <= len(g) <= 3 or any(v < 1 for v in g):
+        raise KilnValueError(f"grid {grid!r} must be 1 to 3 positive ints",
+                             fix="e.g. kernel[(triton_cdiv(n, BLOCK),)](...)")
+    return g + (1,) * (3 - len(g))
+
+
+def _verify(module: ir.Module, name: str) -> None:
+    try:
+        module.operation.verify()
+    except ir.MLIRError as err:
+        diags = err.error_diagnostics
+        loc = None
+        message = str(err)
+        if diags:
+            d = diags[0]
+            message = d.message
+            if d.location.is_a_file():
+                loc = SourceLoc(d.location.filename, d.location.start_line,
+                                max(d.location.start_col - 1, 0))
+        raise CompilationError(f"kernel {name} failed MLIR verification: {message}",
+                               fix="check the dtypes/shapes of the operands on this line",
+                               loc=loc) from None
+
+
+def kernel(fn: Callable) -> JITKernel:
+    """Decorator making ``fn`` a GPU kernel (see module docs for the full example)."""
+    return JITKernel(fn)
+
+
+class KilnFunc:
+    """What ``@kiln.func`` returns: a device helper inlined into the kernel that calls it.
+
+    Example::
+
+        @kiln.func
+        def relu(v):
+            return kiln.maximum(v, 0.0)
+    """
+
+    def __init__(self, fn: Callable):
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        builder.current()  # only callable while tracing
+        return ast_rewrite.rewrite(self.fn)(*args, **kwargs)
+
+
+def func(fn: Callable) -> KilnFunc:
+    """Decorator for device helpers called from kernels (inlined at trace time)."""
+    return KilnFunc(fn)

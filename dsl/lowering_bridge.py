@@ -1,0 +1,118 @@
+"""What the front end hands to lowering: the kernel signature, the cache key, argument specs.
+
+Kept apart from :mod:`kiln.kernel` so the tracing code does not import lowering modules
+(``kiln.lowering.signature``/``arrays``/``cache`` are imported here, lazily where heavy).
+
+The on-disk cache key is ``make_key(kernel source, sources of referenced @kiln.func helpers and
+@kiln.struct classes, argument specs, constexpr values, options.key())``; helpers are found
+through the kernel's globals and closure (names it uses directly; ``module.helper`` attribute
+references are not followed).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Any, Callable
+
+from mlir import ir
+from mlir.dialects import nvgpu
+
+from .dtypes import DType
+from .errors import KilnTypeError
+
+_SWIZZLE = {0: "SWIZZLE_NONE", 32: "SWIZZLE_32B", 64: "SWIZZLE_64B", 128: "SWIZZLE_128B"}
+
+
+def tensor_arg_spec(name: str, value: Any) -> tuple[DType, int, bool]:
+    """(dtype, rank, innermost-stride-is-1) of an array argument."""
+    from kiln.lowering.arrays import describe_array, is_array
+
+    if not is_array(value):
+        raise KilnTypeError(f"argument '{name}' expects an array, got {type(value).__name__}",
+                            fix="pass a numpy array or a torch/cupy CUDA tensor")
+    info = describe_array(value)
+    if info.rank == 0:
+        raise KilnTypeError(f"argument '{name}' is a 0-d array", fix="pass a scalar instead")
+    return info.dtype, info.rank, info.contiguous_last
+
+
+def tensormap_type(spec) -> ir.Type:
+    """``!nvgpu.tensormap.descriptor<tensor = memref<BOX x T, 3>, swizzle = ..., l2promo = none,
+    oob = zero, interleave = none>`` for a ``kiln.TensorMap[...]`` annotation."""
+    space = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), 3)
+    box = ir.MemRefType.get(list(spec.box), spec.dtype.mlir_type(), memory_space=space)
+    swizzle = getattr(nvgpu.TensorMapSwizzleKind, _SWIZZLE[spec.swizzle])
+    return nvgpu.TensorMapDescriptorType.get(
+        box, int(swizzle), int(nvgpu.TensorMapL2PromoKind.L2PROMO_NONE),
+        int(nvgpu.TensorMapOOBKind.OOB_ZERO), int(nvgpu.TensorMapInterleaveKind.INTERLEAVE_NONE))
+
+
+def lowering_signature(name: str, specs, block, constexprs):
+    """The :class:`~kiln.lowering.signature.KernelSignature` of a traced specialisation."""
+    from kiln.lowering.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam
+
+    params = []
+    for s in specs:
+        if s.kind == "tensor":
+            params.append(TensorParam(s.name, s.dtype.name, s.rank, s.contiguous))
+        elif s.kind == "tensormap":
+            params.append(TensorMapParam(s.name, s.dtype.name, s.rank, s.tensormap.box,
+                                         s.tensormap.swizzle))
+        elif s.kind == "scalar":
+            params.append(ScalarParam(s.name, s.dtype.name))
+    return KernelSignature(name, tuple(params), block=block, constexprs=constexprs)
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return repr(obj)
+
+
+def _referenced(fn: Callable) -> dict[str, Any]:
+    """Objects the function's code names directly, resolved through closure then globals."""
+    names: set[str] = set()
+    stack = [fn.__code__]
+    while stack:
+        code = stack.pop()
+        names.update(code.co_names)
+        names.update(code.co_freevars)
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    scope = dict(fn.__globals__)
+    for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        try:
+            scope[var] = cell.cell_contents
+        except ValueError:
+            pass
+    return {n: scope[n] for n in names if n in scope}
+
+
+def dependency_sources(fn: Callable) -> list[str]:
+    """Sources of every @kiln.func / @kiln.struct reachable from ``fn`` (sorted, deduplicated)."""
+    seen: dict[int, str] = {}
+    todo = [fn]
+    while todo:
+        current = todo.pop()
+        for obj in _referenced(current).values():
+            target = getattr(obj, "fn", None) if type(obj).__name__ == "KilnFunc" else None
+            if target is not None and id(target) not in seen:
+                seen[id(target)] = _source(target)
+                todo.append(target)
+            elif isinstance(obj, type) and hasattr(obj, "__kiln_fields__") and id(obj) not in seen:
+                seen[id(obj)] = _source(obj)
+                todo.extend(v.__wrapped__ for v in vars(obj).values()
+                            if hasattr(v, "__wrapped__"))
+    return sorted(seen.values())
+
+
+def source_key(fn: Callable) -> str:
+    """The part of the cache key that depends on source text (kernel and its helpers)."""
+    return "\0".join([_source(fn), *dependency_sources(fn)])
+
+
+def cache_key(source_part: str, specs, options_key: str) -> str:
+    from kiln.lowering.cache import make_key
+
+    return make_key(source_part, *(s.key() for s in specs), options_key)

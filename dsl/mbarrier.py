@@ -1,0 +1,160 @@
+"""Shared-memory mbarriers (sm_90+): the completion signal of TMA loads and producer/consumer rings.
+
+A thin layer over upstream ``nvgpu.mbarrier.*``. An mbarrier completes a *phase* when its
+expected arrivals and expected transaction bytes have all arrived; waiters name the phase by its
+parity (0, 1, 0, 1, ...). :class:`PhaseTracker` computes that parity so kernels never do.
+
+Example (one CTA, one elected thread issues a TMA load, everyone waits)::
+
+    bars = kiln.mbarrier.group(num_barriers=1)
+    leader = tid == 0
+    bars.init(0, count=1, predicate=leader)
+    bars.arrive_expect_tx(0, kiln.tma.box_bytes(a_map), predicate=leader)
+    kiln.tma.load(a_map, a_smem, (0, 0), bars, 0, predicate=leader)
+    bars.try_wait(0, phase=0)
+"""
+
+from __future__ import annotations
+
+from mlir import ir
+from mlir.dialects import arith, nvgpu
+
+from .errors import KilnValueError
+from .nvidia_asm import as_index, as_predicate, ir_value, require_sm90
+
+# Spin budget per try_wait poll before the hardware suspends the thread; upstream's default.
+DEFAULT_TICKS = 10_000_000
+MAX_BARRIERS = 1024  # nvgpu.mbarrier.group is a static shared array; keep it a sane size
+
+
+def group_type(num_barriers: int) -> ir.Type:
+    """``!nvgpu.mbarrier.group`` with ``num_barriers`` barriers in shared memory."""
+    # The Python bindings have no typed getter for this nvgpu type, so it is parsed.
+    return ir.Type.parse("!nvgpu.mbarrier.group<memorySpace = #gpu.address_space<workgroup>, "
+                         f"num_barriers = {num_barriers}>")
+
+
+class MBarrierGroup:
+    """``num_barriers`` mbarriers in shared memory, addressed by index (int or traced).
+
+    Flows through ``if``/``for`` like any Kiln handle (``__kiln_flatten__`` protocol).
+    """
+
+    def __init__(self, value: ir.Value, num_barriers: int):
+        self.ir = value
+        self.num_barriers = num_barriers
+
+    def __kiln_flatten__(self):
+        return [self.ir], self.num_barriers
+
+    @classmethod
+    def __kiln_unflatten__(cls, aux, values):
+        return cls(values[0], aux)
+
+    def _index(self, i) -> ir.Value:
+        if isinstance(i, int) and not isinstance(i, bool) and not 0 <= i < self.num_barriers:
+            raise KilnValueError(f"mbarrier index {i} is out of range for a group of "
+                                 f"{self.num_barriers}",
+                                 fix=f"use an index in 0..{self.num_barriers - 1} or a larger "
+                                     "kiln.mbarrier.group(num_barriers=...)")
+        return as_index(i, "mbarrier index")
+
+    def init(self, i, count, *, predicate=None) -> None:
+        """Initialise barrier ``i`` to expect ``count`` arrivals per phase (one thread does it)."""
+        if isinstance(count, int) and count < 1:
+            raise KilnValueError(f"mbarrier arrival count must be >= 1, got {count}",
+                                 fix="count the threads (or elected threads) that will arrive")
+        nvgpu.mbarrier_init(self.ir, as_index(count, "arrival count"), self._index(i),
+                            predicate=as_predicate(predicate))
+
+    def arrive(self, i) -> None:
+        """Arrive on barrier ``i`` (counts toward the expected arrivals)."""
+        token_type = ir.Type.parse("!nvgpu.mbarrier.token")  # no typed getter in the bindings
+        nvgpu.mbarrier_arrive(self.ir, self._index(i), results=[token_type])
+
+    def arrive_expect_tx(self, i, nbytes, *, predicate=None) -> None:
+        """Arrive on barrier ``i`` and expect ``nbytes`` more bytes of async (TMA) transactions.
+
+        ``nbytes`` is the sum of the boxes loaded on this barrier, e.g. from
+        :func:`kiln.tma.box_bytes`.
+        """
+        if isinstance(nbytes, int) and not 0 < nbytes < 2**20:
+            raise KilnValueError(f"mbarrier transaction count must be in 1..2^20-1 bytes, got "
+                                 f"{nbytes}", fix="split the loads over several barriers")
+        nvgpu.mbarrier_arrive_expect_tx(self.ir, as_index(nbytes, "transaction bytes"),
+                                        self._index(i), predicate=as_predicate(predicate))
+
+    def try_wait(self, i, phase, *, ticks: int = DEFAULT_TICKS) -> None:
+        """Block until barrier ``i`` completes the phase of parity ``phase`` (0/1, or traced).
+
+        Lowers to a ``mbarrier.try_wait.parity`` retry loop. Prefer :class:`PhaseTracker` over
+        hand-computed parities in loops.
+        """
+        nvgpu.mbarrier_try_wait_parity(self.ir, _as_parity(phase),
+                                       as_index(ticks, "ticks"), self._index(i))
+
+
+def group(num_barriers: int = 1) -> MBarrierGroup:
+    """Allocate ``num_barriers`` mbarriers in shared memory (``nvgpu.mbarrier.create``).
+
+    Example: ``bars = kiln.mbarrier.group(num_barriers=stages)``.
+    """
+    require_sm90("kiln.mbarrier.group")
+    if not isinstance(num_barriers, int) or not 1 <= num_barriers <= MAX_BARRIERS:
+        raise KilnValueError(f"num_barriers must be an int in 1..{MAX_BARRIERS}, got "
+                             f"{num_barriers!r}", fix="pass the pipeline depth, e.g. 2 or 3")
+    return MBarrierGroup(nvgpu.mbarrier_create(group_type(num_barriers)), num_barriers)
+
+
+def _as_parity(phase) -> ir.Value:
+    i1 = ir.IntegerType.get_signless(1)
+    if isinstance(phase, (bool, int)):
+        if phase not in (0, 1):
+            raise KilnValueError(f"mbarrier phase parity must be 0 or 1, got {phase}",
+                                 fix="use kiln.mbarrier.PhaseTracker to compute parities")
+        return arith.constant(i1, int(phase))
+    value = ir_value(phase, "phase")
+    if value.type == i1:
+        return value
+    # Only the low bit matters: parity of a traced phase counter.
+    as_i64 = arith.index_cast(ir.IntegerType.get_signless(64), as_index(phase, "phase"))
+    return arith.trunci(i1, as_i64)
+
+
+class PhaseTracker:
+    """Which barrier of a ring of ``stages`` and which parity the ``n``-th use waits on.
+
+    Use ``n`` = the loop iteration (int or traced). Barrier ``n % stages`` is reused every
+    ``stages`` iterations, and each reuse is the next phase, so its parity is
+    ``(n // stages) % 2``::
+
+        ring = kiln.mbarrier.PhaseTracker(bars)       # stages = bars.num_barriers
+        for k in range(num_k_tiles):
+            ring.wait(k)                              # waits bars[k % S] at the right parity
+    """
+
+    def __init__(self, barriers: MBarrierGroup, stages: int | None = None):
+        self.barriers = barriers
+        self.stages = barriers.num_barriers if stages is None else stages
+        if not 1 <= self.stages <= barriers.num_barriers:
+            raise KilnValueError(f"PhaseTracker stages={self.stages} must be in 1.."
+                                 f"{barriers.num_barriers} (the group's size)",
+                                 fix="allocate one barrier per pipeline stage")
+
+    def slot(self, n):
+        """``(barrier index, parity)`` for use ``n``: Python ints for an int ``n``, else traced
+        ``index`` / ``i1`` values."""
+        if isinstance(n, int) and not isinstance(n, bool):
+            return n % self.stages, (n // self.stages) % 2
+        n_index = as_index(n, "iteration")
+        stages = arith.constant(ir.IndexType.get(), self.stages)
+        index = arith.remui(n_index, stages)
+        wraps = arith.divui(n_index, stages)
+        parity = arith.trunci(ir.IntegerType.get_signless(1),
+                              arith.index_cast(ir.IntegerType.get_signless(64), wraps))
+        return index, parity
+
+    def wait(self, n, *, ticks: int = DEFAULT_TICKS) -> None:
+        """Wait until use ``n``'s barrier completes its phase."""
+        index, parity = self.slot(n)
+        self.barriers.try_wait(index, parity, ticks=ticks)

@@ -1,0 +1,172 @@
+"""NVIDIA-only building blocks: elected threads, proxy fences, register reallocation.
+
+Everything here is an upstream ``nvvm`` op (MLIR 22 has ops for all of them, so Kiln needs no
+inline PTX). The module also holds the operand coercion shared by :mod:`kiln.tma`,
+:mod:`kiln.mbarrier` and :mod:`kiln.wgmma`: those wrappers accept Python ints, traced
+``kiln.Value``/``Handle`` objects (anything with ``.ir``) or raw ``ir.Value``.
+
+Example (inside a ``@kiln.kernel`` for sm_90a)::
+
+    leader = kiln.nvidia_asm.elect_sync()          # one lane per warp
+    kiln.nvidia_asm.fence_mbarrier_init()          # make mbarrier.init visible to TMA
+    kiln.nvidia_asm.setmaxnreg(240, increase=True) # consumer warp group takes more registers
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from mlir import ir
+from mlir.dialects import arith, nvvm
+
+from .errors import KilnTypeError, KilnValueError, TargetError
+
+
+# ---------------------------------------------------------------------------------------------
+# Operand coercion shared by the NVGPU wrappers
+# ---------------------------------------------------------------------------------------------
+
+def ir_value(obj, what: str) -> ir.Value:
+    """The ``ir.Value`` behind a traced object (``.ir``) or a raw value; KilnTypeError otherwise."""
+    value = getattr(obj, "ir", obj)
+    if not isinstance(value, ir.Value):
+        raise KilnTypeError(f"{what} must be a traced kernel value, got {type(obj).__name__}",
+                            fix=f"pass the {what} object created inside the kernel")
+    return value
+
+
+def as_index(obj, what: str) -> ir.Value:
+    """An ``index`` value from a Python int or a traced integer (cast when needed)."""
+    if isinstance(obj, bool) or not isinstance(obj, int) and not hasattr(obj, "ir") \
+            and not isinstance(obj, ir.Value):
+        raise KilnTypeError(f"{what} must be an int or a traced integer, got {obj!r}",
+                            fix=f"pass {what} as a Python int or an integer kernel value")
+    index_type = ir.IndexType.get()
+    if isinstance(obj, int):
+        return arith.constant(index_type, obj)
+    value = ir_value(obj, what)
+    if isinstance(value.type, ir.IndexType):
+        return value
+    if isinstance(value.type, ir.IntegerType):
+        return arith.index_cast(index_type, value)
+    raise KilnTypeError(f"{what} must be an integer, got a value of type {value.type}",
+                        fix=f"convert first, e.g. kiln.cast({what}, kiln.i32)")
+
+
+def as_i32(obj, what: str) -> ir.Value:
+    """An ``i32`` value from a Python int or a traced integer."""
+    i32 = ir.IntegerType.get_signless(32)
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        return arith.constant(i32, obj)
+    value = as_index(obj, what)
+    return arith.index_cast(i32, value)
+
+
+def as_predicate(obj) -> ir.Value | None:
+    """None, or an ``i1`` from a Python bool or a traced boolean (e.g. ``tid == 0``)."""
+    if obj is None:
+        return None
+    i1 = ir.IntegerType.get_signless(1)
+    if isinstance(obj, bool):
+        return arith.constant(i1, int(obj))
+    value = ir_value(obj, "predicate")
+    if value.type != i1:
+        raise KilnTypeError(f"predicate must be a boolean, got a value of type {value.type}",
+                            fix="compare first, e.g. predicate=(tid == 0)")
+    return value
+
+
+_target_stack: list = []
+
+
+@contextlib.contextmanager
+def compiling_for(target):
+    """Build NVGPU IR for ``target`` outside ``@kiln.kernel`` (hand-built ``gpu.func``s, tests).
+
+    Inside a traced kernel the wrappers ask ``kiln.current_target()`` instead::
+
+        with ir.Context(), ir.Location.unknown(), kiln.nvidia_asm.compiling_for("sm_90a"):
+            ...  # build a gpu.func and call kiln.tma / kiln.wgmma wrappers in it
+    """
+    from kiln.lowering.targets import get_target
+
+    _target_stack.append(get_target(target))
+    try:
+        yield _target_stack[-1]
+    finally:
+        _target_stack.pop()
+
+
+def current_target():
+    """The target the wrappers validate against: :func:`compiling_for`'s, else the kernel's."""
+    if _target_stack:
+        return _target_stack[-1]
+    import kiln  # the front end owns kiln.current_target(); imported late to avoid a cycle
+
+    return kiln.current_target()
+
+
+def require_feature(feature: str, what: str):
+    """Raise TargetError unless the target being compiled has ``feature`` (e.g. ``has_wgmma``).
+
+    Returns the current :class:`~kiln.lowering.targets.Target`.
+    """
+    target = current_target()
+    if not getattr(target, feature, False):
+        capable = "sm_90a" if feature == "has_wgmma" else "sm_90 / sm_90a / sm_100a"
+        raise TargetError(f"{what} needs {feature.removeprefix('has_').upper()}, which "
+                          f"{target.name} does not have",
+                          fix=f"compile for {capable}, e.g. target='sm_90a'")
+    return target
+
+
+def require_sm90(what: str):
+    """Raise TargetError unless compiling for an NVIDIA chip of compute capability >= 9.0."""
+    target = current_target()
+    if not (target.is_nvidia and target.sm >= 90):
+        raise TargetError(f"{what} needs an NVIDIA sm_90 or newer target, not {target.name}",
+                          fix="compile for sm_90a (H100) or guard the code with a constexpr")
+    return target
+
+
+# ---------------------------------------------------------------------------------------------
+# Instructions
+# ---------------------------------------------------------------------------------------------
+
+def elect_sync():
+    """``elect.sync``: True in exactly one lane of each warp (sm_90+).
+
+    Cheaper than ``lane_id == 0`` and lets ptxas see a uniform leader. Returns a ``kiln.Value``
+    of dtype i1 when the front end is loaded, usable as ``predicate=`` or in ``if``.
+    """
+    require_sm90("elect_sync")
+    from .values import Value
+
+    return Value(nvvm.elect_sync(ir.IntegerType.get_signless(1)))
+
+
+def fence_proxy_async() -> None:
+    """``fence.proxy.async.shared::cta``: order generic-proxy shared-memory writes before
+    async-proxy reads (a TMA store or WGMMA reading what threads just wrote)."""
+    require_sm90("fence_proxy_async")
+    nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+
+def fence_mbarrier_init() -> None:
+    """``fence.mbarrier_init.release.cluster``: publish ``mbarrier.init`` to the async proxy
+    (and to other CTAs of a cluster) before TMA transactions complete on the barrier."""
+    require_sm90("fence_mbarrier_init")
+    nvvm.fence_mbarrier_init()
+
+
+def setmaxnreg(count: int, *, increase: bool) -> None:
+    """``setmaxnreg.{inc,dec}.sync.aligned.u32 count``: reassign registers between warp groups.
+
+    ``count`` must be a multiple of 8 in 24..256; every thread of the warp group executes it.
+    """
+    require_feature("has_wgmma", "setmaxnreg")
+    if not isinstance(count, int) or count % 8 or not 24 <= count <= 256:
+        raise KilnValueError(f"setmaxnreg count must be a multiple of 8 in 24..256, got {count!r}",
+                             fix="round the register count to a multiple of 8, e.g. 232 or 40")
+    action = nvvm.SetMaxRegisterAction.increase if increase else nvvm.SetMaxRegisterAction.decrease
+    nvvm.setmaxregister(count, action)

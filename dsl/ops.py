@@ -1,0 +1,154 @@
+"""Device built-ins: thread/block ids, barriers, math, ``where`` and ``cast``.
+
+All ids are i32 Values. The block is one-dimensional (``num_warps * warp_size`` threads), so
+``kiln.block_dim(0)`` is a compile-time constant (Kiln never emits ``gpu.block_dim``: on AMD it
+would need a device-library call).
+
+Example::
+
+    i = kiln.block_id(0) * kiln.block_dim(0) + kiln.thread_id(0)
+    y[i] = kiln.exp2(x[i] * 1.4426950408889634)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlir.dialects import arith, gpu, math
+
+from . import builder
+from . import dtypes as dt
+from .errors import KilnTypeError, KilnValueError
+from .values import Value, cast, constant, to_value, unify
+
+__all__ = ["block_id", "thread_id", "num_blocks", "block_dim", "lane_id", "warp_id", "barrier",
+           "cast", "where", "exp2", "log2", "exp", "log", "sqrt", "rsqrt", "rcp", "maximum",
+           "minimum", "abs", "fma"]
+
+_DIMS = {0: "x", 1: "y", 2: "z", "x": "x", "y": "y", "z": "z"}
+
+
+def _dim(d: Any):
+    if d not in _DIMS:
+        raise KilnValueError(f"dimension {d!r} is not 0, 1 or 2", fix="pass 0, 1 or 2")
+    return getattr(gpu.Dimension, _DIMS[d])
+
+
+def _index_to_i32(v) -> Value:
+    return cast(Value(v, dt.index), dt.i32)
+
+
+def block_id(d: int = 0) -> Value:
+    """The block (program) index along grid dimension ``d`` as i32. Example: ``kiln.block_id(0)``."""
+    return _index_to_i32(gpu.block_id(_dim(d)))
+
+
+def thread_id(d: int = 0) -> Value:
+    """The thread index inside the block along ``d`` as i32. Example: ``kiln.thread_id(0)``."""
+    return _index_to_i32(gpu.thread_id(_dim(d)))
+
+
+def num_blocks(d: int = 0) -> Value:
+    """The grid size along ``d`` (``gpu.grid_dim``) as i32. Example: ``kiln.num_blocks(0)``."""
+    return _index_to_i32(gpu.grid_dim(_dim(d)))
+
+
+def block_dim(d: int = 0) -> Value:
+    """The block size along ``d``: a constant from ``num_warps`` (never ``gpu.block_dim``)."""
+    _dim(d)
+    axis = {"x": 0, "y": 1, "z": 2}.get(d, d)
+    return constant(builder.current().block[axis], dt.i32)
+
+
+def lane_id() -> Value:
+    """This thread's lane inside its warp (wavefront on AMD): ``thread_id(0) % warp_size``."""
+    return thread_id(0) % builder.current_target().warp_size
+
+
+def warp_id() -> Value:
+    """This thread's warp index inside the block: ``thread_id(0) // warp_size``."""
+    return thread_id(0) // builder.current_target().warp_size
+
+
+def barrier() -> None:
+    """Block-wide barrier (``gpu.barrier``): every thread waits, shared memory is visible after."""
+    gpu.barrier()
+
+
+def where(cond: Any, a: Any, b: Any) -> Value:
+    """``a`` where ``cond`` is true else ``b`` (``arith.select``); promotes like ``a + b``.
+
+    Example: ``y = kiln.where(x > 0.0, x, 0.0)``.
+    """
+    c = to_value(cond)
+    if c.dtype is not dt.i1:
+        raise KilnTypeError(f"kiln.where needs an i1 condition, got {c.dtype}",
+                            fix="compare first, e.g. kiln.where(x != 0, a, b)")
+    if not isinstance(a, Value) and not isinstance(b, Value):
+        a = to_value(a)
+    x, y = unify(a, b)
+    return Value(arith.select(c.ir, x.ir, y.ir), x.dtype)
+
+
+def _float(x: Any, name: str) -> Value:
+    v = to_value(x, dt.f32)
+    if not v.dtype.is_float:
+        v = cast(v, dt.f32)
+    return v
+
+
+def _unary_math(name: str, op, doc: str):
+    def fn(x):
+        v = _float(x, name)
+        return Value(op(v.ir), v.dtype)
+
+    fn.__name__ = name
+    fn.__doc__ = doc
+    return fn
+
+
+exp2 = _unary_math("exp2", math.exp2, "2**x. Example: ``kiln.exp2(x * LOG2E)``.")
+log2 = _unary_math("log2", math.log2, "Base-2 logarithm. Example: ``kiln.log2(x)``.")
+exp = _unary_math("exp", math.exp, "e**x. Example: ``kiln.exp(x - m)``.")
+log = _unary_math("log", math.log, "Natural logarithm. Example: ``kiln.log(s)``.")
+sqrt = _unary_math("sqrt", math.sqrt, "Square root. Example: ``kiln.sqrt(var + eps)``.")
+rsqrt = _unary_math("rsqrt", math.rsqrt, "1/sqrt(x). Example: ``kiln.rsqrt(var + eps)``.")
+
+
+def rcp(x: Any) -> Value:
+    """1/x for floats. Example: ``inv = kiln.rcp(l)``."""
+    v = _float(x, "rcp")
+    return Value(arith.divf(constant(1.0, v.dtype, v.shape).ir, v.ir), v.dtype)
+
+
+def maximum(a: Any, b: Any) -> Value:
+    """Elementwise max (NaN-propagating for floats, signed for ints). Example: ``kiln.max(m, x)``."""
+    x, y = unify(a, b)
+    if x.dtype.is_float:
+        return Value(arith.maximumf(x.ir, y.ir), x.dtype)
+    op = arith.maxui if x.dtype.kind in ("index", "bool") else arith.maxsi
+    return Value(op(x.ir, y.ir), x.dtype)
+
+
+def minimum(a: Any, b: Any) -> Value:
+    """Elementwise min (NaN-propagating for floats, signed for ints). Example: ``kiln.min(a, b)``."""
+    x, y = unify(a, b)
+    if x.dtype.is_float:
+        return Value(arith.minimumf(x.ir, y.ir), x.dtype)
+    op = arith.minui if x.dtype.kind in ("index", "bool") else arith.minsi
+    return Value(op(x.ir, y.ir), x.dtype)
+
+
+def abs(x: Any) -> Value:  # noqa: A001 - mirrors Python's abs for kiln.abs
+    """Absolute value (``math.absf`` / ``math.absi``). Example: ``kiln.abs(x - y)``."""
+    return to_value(x).__abs__()
+
+
+def fma(a: Any, b: Any, c: Any) -> Value:
+    """a * b + c with one rounding (``math.fma``) for floats. Example: ``kiln.fma(a, x, y)``."""
+    x, y = unify(a, b)
+    x, z = unify(x, c)
+    y, _ = unify(y, z)
+    if not x.dtype.is_float:
+        return x * y + z
+    return Value(math.fma(x.ir, y.ir, z.ir), x.dtype)

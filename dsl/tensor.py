@@ -1,0 +1,185 @@
+"""Tensors in kernels: the ``kiln.Tensor[dtype]`` annotation and the traced :class:`TensorRef`.
+
+A ``kiln.Tensor[f32]`` (or ``kiln.Tensor[f32, 2]`` to fix the rank) parameter becomes a
+``memref<?x..xf32, strided<[?, .., 1], offset: ?>, 1>`` argument (innermost stride 1 when the
+array passed is contiguous along it, else dynamic). In the body::
+
+    v = x[i]                      # memref.load (indices are i32/i64/index Values or ints)
+    y[i, j] = v                   # memref.store; the value must have y's dtype (or be a literal)
+    n = x.shape[0]                # memref.dim, as an i32 Value
+    s = x.stride(0)               # from memref.extract_strided_metadata, as an i32 Value
+    v4 = x.load(i, width=4)       # vector.load of 4 consecutive elements along the last dim
+    x.store(i, v4)                # vector.store
+    v = x.load(i, mask=i < n, other=0.0)   # masked scalar load (scf.if)
+
+Shared-memory buffers from ``kiln.shared`` index the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlir import ir
+from mlir.dialects import memref, scf, vector
+
+from . import dtypes as dt
+from .dtypes import DType
+from .errors import KilnTypeError, KilnValueError, UnsupportedError
+from .values import Value, cast, constant, is_literal, to_value
+
+
+class TensorSpec:
+    """The annotation object ``kiln.Tensor[dtype]`` / ``kiln.Tensor[dtype, rank]``."""
+
+    __slots__ = ("dtype", "rank")
+
+    def __init__(self, dtype: DType, rank: int | None):
+        self.dtype = dtype
+        self.rank = rank
+
+    def __repr__(self):
+        return f"kiln.Tensor[{self.dtype}{', ' + str(self.rank) if self.rank else ''}]"
+
+
+class Tensor:
+    """Annotation for a global-memory tensor parameter: ``x: kiln.Tensor[kiln.f32]``.
+
+    ``kiln.Tensor[f32, 2]`` also checks the rank. Any numpy array, torch/cupy CUDA tensor is
+    accepted at launch.
+    """
+
+    def __class_getitem__(cls, params) -> TensorSpec:
+        if not isinstance(params, tuple):
+            params = (params,)
+        if len(params) not in (1, 2) or (len(params) == 2 and not isinstance(params[1], int)):
+            raise KilnTypeError(f"kiln.Tensor{list(params)} is not a valid annotation",
+                                fix="write kiln.Tensor[dtype] or kiln.Tensor[dtype, rank]")
+        return TensorSpec(dt.dtype(params[0]), params[1] if len(params) == 2 else None)
+
+
+def memref_type(dtype: DType, rank: int, contiguous: bool) -> ir.MemRefType:
+    """The kernel ABI type of a tensor parameter (see ``kiln.lowering.signature``)."""
+    dyn = ir.ShapedType.get_dynamic_stride_or_offset()
+    strides = [dyn] * (rank - 1) + [1 if contiguous else dyn]
+    layout = ir.StridedLayoutAttr.get(dyn, strides)
+    space = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), 1)
+    return ir.MemRefType.get([ir.ShapedType.get_dynamic_size()] * rank, dtype.mlir_type(),
+                             layout=layout, memory_space=space)
+
+
+def to_index(i: Any) -> ir.Value:
+    if isinstance(i, Value):
+        if not i.dtype.is_int or i.dtype.kind == "bool" or i.shape:
+            raise KilnTypeError(f"a tensor index must be a scalar integer, got {i!r}",
+                                fix="kiln.cast the index to kiln.i32")
+        return cast(i, dt.index).ir
+    if isinstance(i, int) and not isinstance(i, bool):
+        return constant(i, dt.index).ir
+    raise KilnTypeError(f"a tensor index must be an integer, got {type(i).__name__} {i!r}",
+                        fix="index with ints or integer Values (slices are not supported)")
+
+
+class TensorRef:
+    """A traced tensor (a memref value): global ``Tensor`` parameters and shared buffers.
+
+    ``.ir`` is the memref, ``.dtype`` the element DType, ``.rank`` the number of dimensions.
+    """
+
+    def __init__(self, ir_value: ir.Value, dtype: DType, name: str = "tensor"):
+        self.ir = ir_value
+        self.dtype = dtype
+        self.rank = ir.MemRefType(ir_value.type).rank
+        self.name = name
+
+    def __repr__(self):
+        return f"kiln.TensorRef({self.name}: {self.ir.type})"
+
+    def _indices(self, idx) -> list[ir.Value]:
+        if not isinstance(idx, tuple):
+            idx = (idx,)
+        if len(idx) != self.rank:
+            raise KilnValueError(f"{self.name} has rank {self.rank} but was indexed with "
+                                 f"{len(idx)} indices",
+                                 fix=f"pass exactly {self.rank} indices, e.g. "
+                                     f"{self.name}[{', '.join(f'i{k}' for k in range(self.rank))}]")
+        return [to_index(i) for i in idx]
+
+    def __getitem__(self, idx) -> Value:
+        return Value(memref.load(self.ir, self._indices(idx)), self.dtype)
+
+    def __setitem__(self, idx, value) -> None:
+        memref.store(self._coerce(value, ()).ir, self.ir, self._indices(idx))
+
+    def _coerce(self, value: Any, shape: tuple[int, ...]) -> Value:
+        if is_literal(value):
+            return constant(value, self.dtype)
+        v = to_value(value)
+        if v.dtype is not self.dtype:
+            raise KilnTypeError(f"cannot store a {v.dtype} value into {self.name} "
+                                f"(a tensor of {self.dtype})",
+                                fix=f"convert first, e.g. kiln.cast(value, kiln.{self.dtype})")
+        if v.shape != shape:
+            what = f"vector of {v.shape[0]}" if v.shape else "scalar"
+            raise KilnTypeError(f"expected a {'vector of ' + str(shape[0]) if shape else 'scalar'}"
+                                f" value for {self.name}, got a {what}",
+                                fix="use t[i] = scalar or t.store(i, vector)")
+        return v
+
+    @property
+    def shape(self) -> tuple[Value, ...]:
+        """Sizes as i32 Values (``memref.dim``)."""
+        return tuple(cast(Value(memref.dim(self.ir, constant(d, dt.index).ir), dt.index), dt.i32)
+                     for d in range(self.rank))
+
+    def stride(self, d: int) -> Value:
+        """Stride of dimension ``d`` in elements, as an i32 Value."""
+        if not 0 <= d < self.rank:
+            raise KilnValueError(f"{self.name} has no dimension {d} (rank {self.rank})",
+                                 fix=f"use 0 <= d < {self.rank}")
+        meta = memref.extract_strided_metadata(self.ir)
+        return cast(Value(list(meta)[2 + self.rank + d], dt.index), dt.i32)
+
+    def load(self, *idx, width: int = 1, mask: Any = None, other: Any = 0) -> Value:
+        """Load one element, or ``width`` consecutive elements along the last dim as a vector;
+        with ``mask`` (scalar loads only) returns ``other`` where the mask is false."""
+        if width != 1:
+            if mask is not None:
+                raise UnsupportedError("masked vector loads are not supported",
+                                       fix="load scalars with mask=, or guard the vector load with if")
+            vtype = ir.VectorType.get([width], self.dtype.mlir_type())
+            return Value(vector.load(vtype, self.ir, self._indices(idx)), self.dtype)
+        if mask is None:
+            return self[idx]
+        m = to_value(mask)
+        if m.dtype is not dt.i1:
+            raise KilnTypeError(f"mask must be an i1 comparison result, got {m.dtype}",
+                                fix="pass a comparison such as mask=i < n")
+        fallback = other if isinstance(other, Value) else None
+        if fallback is not None and fallback.dtype is not self.dtype:
+            raise KilnTypeError(f"other= has dtype {fallback.dtype}, {self.name} holds {self.dtype}",
+                                fix=f"kiln.cast(other, kiln.{self.dtype})")
+        indices = self._indices(idx)
+        if_op = scf.IfOp(m.ir, [self.dtype.mlir_type()], has_else=True)
+        with ir.InsertionPoint(if_op.then_block):
+            scf.YieldOp([memref.load(self.ir, indices)])
+        with ir.InsertionPoint(if_op.else_block):
+            scf.YieldOp([(fallback or constant(other, self.dtype)).ir])
+        return Value(if_op.results[0], self.dtype)
+
+    def store(self, *args) -> None:
+        """``t.store(i, ..., value)``: store a scalar or a vector along the last dimension."""
+        *idx, value = args
+        v = to_value(value) if not is_literal(value) else constant(value, self.dtype)
+        if not v.shape:
+            self[tuple(idx)] = v
+            return
+        v = self._coerce(v, v.shape)
+        vector.store(v.ir, self.ir, self._indices(tuple(idx)))
+
+
+def numel_bytes(shape: tuple[int, ...], dtype: DType) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * dtype.itemsize
+

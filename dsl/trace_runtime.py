@@ -1,0 +1,325 @@
+"""Run-time half of the AST rewrite: builds ``scf.if`` / ``scf.for`` for traced control flow.
+
+:mod:`kiln.ast_rewrite` turns a traced ``if`` into two nested functions (one per branch) that
+take the variables the branches assign and return their new values, then calls
+:func:`if_stmt`; a ``for ... in kiln.range(...)`` becomes a body function and :func:`for_stmt`.
+Conditions and ranges that turn out to be plain Python values run as ordinary Python instead.
+
+Values crossing a region boundary are flattened with :func:`flatten` (Values, Handles, tuples,
+lists and any object with ``__kiln_flatten__`` / ``__kiln_unflatten__``, e.g. ``@kiln.struct``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from mlir import ir
+from mlir.dialects import arith, scf
+
+from . import dtypes as dt
+from .errors import KilnTypeError, UnsupportedError
+from .values import Handle, Value, cast, constant, is_literal
+
+
+class Undefined:
+    """Stands for a variable that has no value after a traced ``if``/``for``; any use fails."""
+
+    __slots__ = ("name", "reason")
+
+    def __init__(self, name: str, reason: str):
+        self.name = name
+        self.reason = reason
+
+    def fail(self):
+        raise KilnTypeError(f"variable '{self.name}' is {self.reason} and has no value here",
+                            fix=f"assign '{self.name}' before the if/loop (e.g. "
+                                f"{self.name} = 0.0) so it has a value on every path")
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        self.fail()
+
+    def __bool__(self):
+        self.fail()
+
+    def __repr__(self):
+        return f"<undefined {self.name}>"
+
+    def _op(self, *args):
+        self.fail()
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = _op
+    __lt__ = __le__ = __gt__ = __ge__ = __getitem__ = __call__ = __neg__ = __iter__ = _op
+
+
+_MISSING = Undefined("?", "not defined")
+
+
+def capture(frame_locals: dict, names: Sequence[str]) -> list:
+    """Current values of ``names`` (``_MISSING`` for names not bound yet)."""
+    return [frame_locals.get(n, _MISSING) for n in names]
+
+
+def is_traced(x: Any) -> bool:
+    return isinstance(x, Value)
+
+
+def static_while_cond(cond: Any) -> Any:
+    if isinstance(cond, Value):
+        raise UnsupportedError("`while` on a traced condition is not supported",
+                               fix="use `for i in kiln.range(lo, hi)` with a traced bound, and "
+                                   "`if` inside the body")
+    return cond
+
+
+def traced_return():
+    raise UnsupportedError("`return` inside an `if` whose condition is a traced value",
+                           fix="assign the result to a variable in both branches and return it "
+                               "after the if")
+
+
+def traced_break():
+    raise UnsupportedError("`break`/`continue` inside a kiln.range loop",
+                           fix="guard the rest of the body with an `if` instead")
+
+
+# ---- flattening ---------------------------------------------------------------------------
+
+def flatten(obj: Any) -> tuple[list[ir.Value], Any]:
+    """Leaves and a tree spec of a loop-carried / yielded object."""
+    if isinstance(obj, (tuple, list)):
+        leaves, specs = [], []
+        for item in obj:
+            sub, spec = flatten(item)
+            leaves += sub
+            specs.append((spec, len(sub)))
+        return leaves, ("seq", type(obj), tuple(specs))
+    if isinstance(obj, Undefined):
+        obj.fail()
+    if hasattr(type(obj), "__kiln_flatten__"):
+        leaves, aux = obj.__kiln_flatten__()
+        return list(leaves), ("leaf", type(obj), aux)
+    raise KilnTypeError(f"a {type(obj).__name__} cannot be carried through a traced if/loop",
+                        fix="carry Values, Handles, tuples or @kiln.struct instances only")
+
+
+def unflatten(spec: Any, values: Sequence[ir.Value]) -> Any:
+    if spec[0] == "seq":
+        items, pos = [], 0
+        for sub, n in spec[2]:
+            items.append(unflatten(sub, values[pos:pos + n]))
+            pos += n
+        return spec[1](items)
+    return spec[1].__kiln_unflatten__(spec[2], list(values))
+
+
+def _describe(spec: Any) -> str:
+    if spec[0] == "seq":
+        return f"{spec[1].__name__}({', '.join(_describe(s) for s, _ in spec[2])})"
+    return spec[1].__name__
+
+
+def materialize(obj: Any, like: Any = None) -> Any:
+    """Turn Python literals inside ``obj`` into Values (matching ``like``'s dtype when given)."""
+    if is_literal(obj):
+        if isinstance(like, Value):
+            return cast(constant(obj, dt.literal_dtype(obj, like.dtype)), like.dtype)
+        return constant(obj, dt.literal_dtype(obj, None))
+    if isinstance(obj, (tuple, list)):
+        likes = like if isinstance(like, (tuple, list)) and len(like) == len(obj) else [None] * len(obj)
+        return type(obj)(materialize(o, l) for o, l in zip(obj, likes))
+    return obj
+
+
+def _write_back(original: Any, new: Any) -> Any:
+    """Structs are mutated in place so aliases (e.g. ``self`` in a method) see the update."""
+    if original is not new and hasattr(original, "__kiln_assign__") and type(original) is type(new):
+        original.__kiln_assign__(new)
+        return original
+    return new
+
+
+def _check_same(name: str, spec_a, types_a, spec_b, types_b, what: str):
+    if spec_a != spec_b or types_a != types_b:
+        ta = ", ".join(str(t) for t in types_a)
+        tb = ", ".join(str(t) for t in types_b)
+        raise KilnTypeError(
+            f"variable '{name}' changes type {what}: {_describe(spec_a)}[{ta}] vs "
+            f"{_describe(spec_b)}[{tb}]",
+            fix=f"kiln.cast '{name}' to one dtype (e.g. kiln.cast({name}, kiln.f32)) so both "
+                "paths agree")
+
+
+def _ir_types(values):
+    return [str(v.type) for v in values]
+
+
+# ---- if -----------------------------------------------------------------------------------
+
+def if_stmt(cond: Value, then_fn: Callable, else_fn: Callable | None, names: Sequence[str],
+            initial: list) -> tuple:
+    """Build ``scf.if`` for a traced condition; returns the new values of ``names``."""
+    cond = cast(cond, dt.i1) if cond.dtype is not dt.i1 else cond
+    if cond.shape:
+        raise KilnTypeError("an `if` condition must be a scalar, got a vector",
+                            fix="reduce the vector first or use kiln.where(mask, a, b)")
+    draft = scf.IfOp(cond.ir, [], has_else=True)
+    with ir.InsertionPoint(draft.then_block):
+        then_out = list(then_fn(*_fresh(initial)))
+    with ir.InsertionPoint(draft.else_block):
+        else_out = list(else_fn(*_fresh(initial))) if else_fn else list(_fresh(initial))
+
+    results_of, yields_then, yields_else, result_types = [], [], [], []
+    outputs = list(initial)
+    for k, name in enumerate(names):
+        t_val, e_val, before = then_out[k], else_out[k], initial[k]
+        if t_val is before and e_val is before:
+            continue
+        if isinstance(t_val, Undefined) or isinstance(e_val, Undefined):
+            outputs[k] = Undefined(name, "assigned in only one branch of a traced `if`")
+            continue
+        if (is_literal(t_val) and is_literal(e_val) and type(t_val) is type(e_val)
+                and t_val == e_val):
+            outputs[k] = t_val
+            continue
+        with ir.InsertionPoint(draft.then_block):
+            t_val = materialize(t_val, e_val)
+            t_leaves, t_spec = flatten(t_val)
+        with ir.InsertionPoint(draft.else_block):
+            e_val = materialize(e_val, t_val)
+            e_leaves, e_spec = flatten(e_val)
+        _check_same(name, t_spec, _ir_types(t_leaves), e_spec, _ir_types(e_leaves),
+                    "between the branches of a traced `if`")
+        results_of.append((k, t_spec, len(t_leaves)))
+        yields_then += t_leaves
+        yields_else += e_leaves
+        result_types += [v.type for v in t_leaves]
+
+    with ir.InsertionPoint(draft.then_block):
+        scf.YieldOp(yields_then)
+    with ir.InsertionPoint(draft.else_block):
+        scf.YieldOp(yields_else)
+    final = draft
+    if result_types:  # result types are known only after tracing: move the bodies over
+        final = scf.IfOp(cond.ir, result_types, has_else=True, ip=ir.InsertionPoint(draft))
+        for old, new in ((draft.then_block, final.then_block), (draft.else_block, final.else_block)):
+            ip = ir.InsertionPoint(new)
+            for op in list(old.operations):
+                op.detach_from_parent()
+                ip.insert(op)
+        draft.operation.erase()
+    pos = 0
+    for k, spec, n in results_of:
+        new = unflatten(spec, list(final.results)[pos:pos + n])
+        outputs[k] = _write_back(initial[k], new)
+        pos += n
+    return tuple(outputs)
+
+
+def _fresh(values: list) -> list:
+    """Copies of struct-like objects so each branch mutates its own instance."""
+    out = []
+    for v in values:
+        if hasattr(v, "__kiln_assign__"):
+            leaves, spec = flatten(v)
+            out.append(unflatten(spec, leaves))
+        else:
+            out.append(v)
+    return out
+
+
+# ---- for ----------------------------------------------------------------------------------
+
+class TracedRange:
+    """``kiln.range(lo, hi, step=1)``: an ``scf.for`` loop with a traced induction variable.
+
+    Bounds may be Python ints or traced integers; the induction variable is an i32 Value (i64 or
+    index if a bound is). Variables assigned in the body that exist before the loop become
+    loop-carried values automatically and must keep their dtype.
+
+    Example::
+
+        acc = 0.0
+        for k in kiln.range(0, K, 16):
+            acc += a[row, k] * b[k, col]
+    """
+
+    def __init__(self, *args, step=1):
+        if len(args) == 1:
+            lo, hi = 0, args[0]
+        elif len(args) == 2:
+            lo, hi = args
+        elif len(args) == 3:
+            lo, hi, step = args
+        else:
+            raise KilnTypeError(f"kiln.range takes 1 to 3 positional bounds, got {len(args)}",
+                                fix="kiln.range(hi), kiln.range(lo, hi) or kiln.range(lo, hi, step)")
+        self.lo, self.hi, self.step = lo, hi, step
+
+    def __iter__(self):
+        raise KilnTypeError("kiln.range can only drive a `for` statement in a kernel body",
+                            fix="write `for i in kiln.range(...)` directly, or use "
+                                "kiln.static_range to unroll in Python")
+
+
+def static_range(*args):
+    """A loop unrolled at trace time (bounds must be Python ints / constexprs).
+
+    Example: ``for s in kiln.static_range(STAGES): ...``.
+    """
+    for a in args:
+        if isinstance(a, Value):
+            raise KilnTypeError("kiln.static_range needs Python int bounds, got a traced value",
+                                fix="use kiln.range(...) for traced bounds")
+    return range(*args)
+
+
+def _bound_dtype(bounds) -> dt.DType:
+    traced = [b.dtype for b in bounds if isinstance(b, Value)]
+    for d in traced:
+        if not d.is_int or d.kind == "bool":
+            raise KilnTypeError(f"kiln.range bounds must be integers, got {d}",
+                                fix="kiln.cast the bound to kiln.i32")
+    result = dt.i32
+    for d in traced:
+        result = dt.promote(result, d)
+    return result
+
+
+def for_stmt(rng: TracedRange, body_fn: Callable, names: Sequence[str], initial: list) -> tuple:
+    """Build ``scf.for`` for a kiln.range loop; returns the values of ``names`` after it."""
+    idx_dtype = _bound_dtype((rng.lo, rng.hi, rng.step))
+    lo, hi, step = (cast(b, idx_dtype) if isinstance(b, Value) else constant(b, idx_dtype)
+                    for b in (rng.lo, rng.hi, rng.step))
+    carried_pos = [k for k, v in enumerate(initial) if v is not _MISSING]
+    inits = [materialize(initial[k]) for k in carried_pos]
+    init_leaves, specs = [], []
+    for v in inits:
+        leaves, spec = flatten(v)
+        init_leaves += leaves
+        specs.append((spec, len(leaves)))
+    loop = scf.ForOp(lo.ir, hi.ir, step.ir, init_leaves)
+    with ir.InsertionPoint(loop.body):
+        args = list(initial)
+        pos = 0
+        block_args = list(loop.inner_iter_args)
+        for k, (spec, n) in zip(carried_pos, specs):
+            args[k] = unflatten(spec, block_args[pos:pos + n])
+            pos += n
+        out = list(body_fn(Value(loop.induction_variable, idx_dtype), *args))
+        yields = []
+        for k, (spec, n), init in zip(carried_pos, specs, inits):
+            new = materialize(out[k], init)
+            leaves, new_spec = flatten(new)
+            _check_same(names[k], spec, _ir_types(block_args[len(yields):len(yields) + n]),
+                        new_spec, _ir_types(leaves), "inside a kiln.range loop")
+            yields += leaves
+        scf.YieldOp(yields)
+    outputs = [Undefined(n, "first assigned inside a kiln.range loop body") for n in names]
+    pos = 0
+    results = list(loop.results)
+    for k, (spec, n) in zip(carried_pos, specs):
+        outputs[k] = _write_back(initial[k], unflatten(spec, results[pos:pos + n]))
+        pos += n
+    return tuple(outputs)

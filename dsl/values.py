@@ -1,0 +1,322 @@
+"""Traced values: :class:`Value` (a scalar or vector with a Kiln dtype) and :class:`Handle`.
+
+Inside a kernel every scalar is a ``Value`` wrapping an MLIR ``ir.Value``. Python operators build
+``arith``/``math`` ops::
+
+    i = kiln.block_id(0) * BLOCK + kiln.thread_id(0)   # i32 Value
+    y = a * x[i] + 1.0                                 # 1.0 is a weak literal: takes a's dtype
+
+Promotion follows :func:`kiln.dtypes.promote` (same dtype unchanged; a Python literal takes the
+other side's dtype; bool < int < float; the wider integer or float wins; f16 with bf16 is f32;
+fp8 computes in f32). Integer ``/`` gives f32 like Python's true division; ``//`` and ``%`` on
+integers truncate toward zero as in C/CUDA (not Python's floor). Comparisons are signed for
+integers, unsigned for ``index``, ordered for floats except ``!=`` (unordered, so NaN != NaN as
+in Python). ``x ** n`` needs a constant non-negative Python int ``n``.
+
+``bool(value)`` is an error: write ``if`` (rewritten to ``scf.if``) or ``kiln.where``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlir import ir
+from mlir.dialects import arith, math, vector
+
+from . import dtypes as dt
+from .dtypes import DType
+from .errors import KilnTypeError, UnsupportedError
+
+
+class Value:
+    """A traced scalar or vector. ``.ir`` is the MLIR value, ``.dtype`` its (element) DType,
+    ``.shape`` is ``()`` for scalars and ``(N,)`` for ``vector<NxT>``.
+
+    ``Value(ir_value)`` wraps any scalar/vector ``ir.Value`` (dtype read from its type).
+    """
+
+    __slots__ = ("ir", "dtype", "shape")
+
+    def __init__(self, ir_value: ir.Value, dtype: DType | None = None):
+        self.ir = ir_value
+        t = ir_value.type
+        if isinstance(t, ir.VectorType):
+            self.shape = tuple(t.shape)
+            self.dtype = dtype or dt.from_mlir(t.element_type)
+        else:
+            self.shape = ()
+            self.dtype = dtype or dt.from_mlir(t)
+
+    @property
+    def is_vector(self) -> bool:
+        return bool(self.shape)
+
+    def __repr__(self) -> str:
+        kind = f"vector{list(self.shape)}x{self.dtype}" if self.shape else str(self.dtype)
+        return f"kiln.Value({kind})"
+
+    # The flatten protocol lets Values flow through traced ``if``/``for``.
+    def __kiln_flatten__(self):
+        return [self.ir], None
+
+    @classmethod
+    def __kiln_unflatten__(cls, aux, values):
+        return cls(values[0])
+
+    def __bool__(self):
+        raise KilnTypeError(
+            "a traced value has no Python truth value (used in `and`/`or`/`not`, a conditional "
+            "expression, `assert` or a `while` condition)",
+            fix="use an `if` statement (becomes scf.if), `&`/`|` for logic, or kiln.where(c, a, b)")
+
+    def __index__(self):
+        raise KilnTypeError("a traced value cannot be used as a Python int (e.g. in range())",
+                            fix="use kiln.range(...) for traced bounds, or pass a kiln.constexpr")
+
+    __hash__ = object.__hash__
+
+    # arithmetic
+    def __add__(self, o): return binary("add", self, o)
+    def __radd__(self, o): return binary("add", o, self)
+    def __sub__(self, o): return binary("sub", self, o)
+    def __rsub__(self, o): return binary("sub", o, self)
+    def __mul__(self, o): return binary("mul", self, o)
+    def __rmul__(self, o): return binary("mul", o, self)
+    def __truediv__(self, o): return binary("truediv", self, o)
+    def __rtruediv__(self, o): return binary("truediv", o, self)
+    def __floordiv__(self, o): return binary("floordiv", self, o)
+    def __rfloordiv__(self, o): return binary("floordiv", o, self)
+    def __mod__(self, o): return binary("mod", self, o)
+    def __rmod__(self, o): return binary("mod", o, self)
+    def __and__(self, o): return binary("and", self, o)
+    def __rand__(self, o): return binary("and", o, self)
+    def __or__(self, o): return binary("or", self, o)
+    def __ror__(self, o): return binary("or", o, self)
+    def __xor__(self, o): return binary("xor", self, o)
+    def __rxor__(self, o): return binary("xor", o, self)
+    def __lshift__(self, o): return binary("shl", self, o)
+    def __rlshift__(self, o): return binary("shl", o, self)
+    def __rshift__(self, o): return binary("shr", self, o)
+    def __rrshift__(self, o): return binary("shr", o, self)
+
+    def __pow__(self, n):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise UnsupportedError(f"x ** {n!r}: only a constant non-negative Python int exponent "
+                                   "is supported", fix="use kiln.exp2(y * kiln.log2(x)) for real powers")
+        result = constant(1, self.dtype, self.shape)
+        for _ in range(n):
+            result = result * self
+        return result
+
+    def __neg__(self):
+        if self.dtype.is_float:
+            return Value(arith.negf(self.ir), self.dtype)
+        return binary("sub", constant(0, self.dtype, self.shape), self)
+
+    def __pos__(self):
+        return self
+
+    def __invert__(self):
+        if self.dtype.is_float:
+            raise KilnTypeError(f"~ needs an integer value, got {self.dtype}",
+                                fix="use -x for floats, or kiln.cast to an integer dtype first")
+        return binary("xor", self, constant(-1 if self.dtype.kind != "bool" else 1, self.dtype,
+                                            self.shape))
+
+    def __abs__(self):
+        if self.dtype.is_float:
+            return Value(math.absf(self.ir), self.dtype)
+        return Value(math.absi(self.ir), self.dtype)
+
+    # comparisons
+    def __lt__(self, o): return compare("lt", self, o)
+    def __le__(self, o): return compare("le", self, o)
+    def __gt__(self, o): return compare("gt", self, o)
+    def __ge__(self, o): return compare("ge", self, o)
+    def __eq__(self, o): return compare("eq", self, o)  # type: ignore[override]
+    def __ne__(self, o): return compare("ne", self, o)  # type: ignore[override]
+
+
+class Handle:
+    """An opaque traced MLIR value that is not a number: an mbarrier group, a TMA descriptor,
+    a WGMMA accumulator. It flows through ``if``/``kiln.range`` like a Value.
+
+    Example: ``bar = kiln.values.Handle(nvgpu.mbarrier_create(group_type))``.
+    """
+
+    __slots__ = ("ir",)
+
+    def __init__(self, ir_value: ir.Value):
+        self.ir = ir_value
+
+    @property
+    def type(self) -> ir.Type:
+        return self.ir.type
+
+    def __repr__(self) -> str:
+        return f"kiln.Handle({self.ir.type})"
+
+    def __kiln_flatten__(self):
+        return [self.ir], None
+
+    @classmethod
+    def __kiln_unflatten__(cls, aux, values):
+        return cls(values[0])
+
+
+def _mlir_type(dtype: DType, shape: tuple[int, ...]) -> ir.Type:
+    elem = dtype.mlir_type()
+    return ir.VectorType.get(list(shape), elem) if shape else elem
+
+
+def constant(value: Any, dtype: DType, shape: tuple[int, ...] = ()) -> Value:
+    """An ``arith.constant`` of ``dtype`` (splat to ``vector<shape>`` when ``shape`` is given)."""
+    elem = dtype.mlir_type()
+    if dtype.is_float:
+        attr = ir.FloatAttr.get(elem, float(value))
+    else:
+        attr = ir.IntegerAttr.get(elem, int(value))
+    if shape:
+        vtype = ir.VectorType.get(list(shape), elem)
+        return Value(arith.constant(vtype, ir.DenseElementsAttr.get_splat(vtype, attr)), dtype)
+    return Value(arith.constant(elem, attr), dtype)
+
+
+def is_literal(x: Any) -> bool:
+    return isinstance(x, (bool, int, float)) and not isinstance(x, Value)
+
+
+def to_value(x: Any, like: DType | None = None) -> Value:
+    """``x`` as a Value: Values pass through, Python literals become weak constants."""
+    if isinstance(x, Value):
+        return x
+    if is_literal(x):
+        return constant(x, dt.literal_dtype(x, like))
+    check_defined(x)
+    raise KilnTypeError(f"cannot use {type(x).__name__} {x!r} as a kernel value",
+                        fix="use a traced value, a tensor element or a Python int/float/bool")
+
+
+def check_defined(x: Any) -> None:
+    """Raise the deferred error of a variable that is undefined after a traced if/for."""
+    from .trace_runtime import Undefined
+
+    if isinstance(x, Undefined):
+        x.fail()
+
+
+def cast(x: Any, dtype: Any) -> Value:
+    """Convert ``x`` to ``dtype`` (sign-extending ints, rounding floats to nearest, float->int
+    truncating toward zero). Works on scalars and vectors.
+
+    Example: ``kiln.cast(acc, kiln.bf16)``.
+    """
+    target = dt.dtype(dtype)
+    if not isinstance(x, Value):
+        return constant(x, target) if is_literal(x) else to_value(x)
+    src = x.dtype
+    if src is target:
+        return x
+    shape = x.shape
+    rtype = _mlir_type(target, shape)
+    v = x.ir
+    if src.is_float and target.is_float:
+        op = arith.extf if target.bits > src.bits else arith.truncf
+        if target.bits == src.bits:  # f16 <-> bf16 goes through f32
+            return cast(cast(x, dt.f32), target)
+        return Value(op(rtype, v), target)
+    if src.is_int and target.is_float:
+        if src.kind == "index":
+            return cast(cast(x, dt.i64), target)
+        op = arith.uitofp if src.kind == "bool" else arith.sitofp
+        return Value(op(rtype, v), target)
+    if src.is_float and target.is_int:
+        if target.kind == "index":
+            return cast(cast(x, dt.i64), target)
+        if target.kind == "bool":
+            return compare("ne", x, 0.0)
+        return Value(arith.fptosi(rtype, v), target)
+    # integer <-> integer
+    if src.kind == "index" or target.kind == "index":
+        if target.kind == "bool":
+            return compare("ne", x, 0)
+        if src.kind == "bool":
+            return cast(cast(x, dt.i32), target)
+        return Value(arith.index_cast(rtype, v), target)
+    if target.kind == "bool":
+        return compare("ne", x, 0)
+    if target.bits > src.bits:
+        op = arith.extui if src.kind == "bool" else arith.extsi
+        return Value(op(rtype, v), target)
+    return Value(arith.trunci(rtype, v), target)
+
+
+def broadcast(x: Value, shape: tuple[int, ...]) -> Value:
+    if x.shape == shape:
+        return x
+    if x.shape:
+        raise KilnTypeError(f"vector shapes {x.shape} and {shape} do not match",
+                            fix="combine vectors of the same width")
+    return Value(vector.broadcast(_mlir_type(x.dtype, shape), x.ir), x.dtype)
+
+
+def unify(a: Any, b: Any) -> tuple[Value, Value]:
+    """Both operands as Values of the promoted dtype and common shape."""
+    check_defined(a)
+    check_defined(b)
+    if not isinstance(a, Value) and not isinstance(b, Value):
+        raise KilnTypeError("an operation needs at least one traced value",
+                            fix="compute Python-only expressions in Python")
+    if isinstance(a, Value) and isinstance(b, Value):
+        dtype = dt.promote(a.dtype, b.dtype)
+    elif isinstance(a, Value):
+        dtype = dt.promote(a.dtype, dt.literal_dtype(b, a.dtype)) if is_literal(b) else None
+    else:
+        dtype = dt.promote(b.dtype, dt.literal_dtype(a, b.dtype)) if is_literal(a) else None
+    if dtype is None:
+        other = b if isinstance(a, Value) else a
+        to_value(other)  # raises the "cannot use" error
+    shape = (a.shape if isinstance(a, Value) and a.shape else
+             b.shape if isinstance(b, Value) else ())
+    return (broadcast(cast(a, dtype), shape), broadcast(cast(b, dtype), shape))
+
+
+_INT_OPS = {"add": arith.addi, "sub": arith.subi, "mul": arith.muli, "floordiv": arith.divsi,
+            "mod": arith.remsi, "and": arith.andi, "or": arith.ori, "xor": arith.xori,
+            "shl": arith.shli, "shr": arith.shrsi}
+_INDEX_OPS = _INT_OPS | {"floordiv": arith.divui, "mod": arith.remui, "shr": arith.shrui}
+_FLOAT_OPS = {"add": arith.addf, "sub": arith.subf, "mul": arith.mulf, "truediv": arith.divf,
+              "mod": arith.remf}
+
+
+def binary(op: str, a: Any, b: Any) -> Value:
+    """Apply a binary operator with Kiln's promotion rules (see module docs)."""
+    x, y = unify(a, b)
+    dtype = x.dtype
+    if op == "truediv" and not dtype.is_float:
+        return binary("truediv", cast(x, dt.f32), cast(y, dt.f32))
+    if dtype.is_float:
+        if op == "floordiv":
+            return Value(math.floor(binary("truediv", x, y).ir), dtype)
+        if op not in _FLOAT_OPS:
+            raise KilnTypeError(f"operator '{op}' needs integer operands, got {dtype}",
+                                fix="kiln.cast the operands to an integer dtype first")
+        return Value(_FLOAT_OPS[op](x.ir, y.ir), dtype)
+    table = _INDEX_OPS if dtype.kind == "index" else _INT_OPS
+    return Value(table[op](x.ir, y.ir), dtype)
+
+
+_ICMP = {"lt": "slt", "le": "sle", "gt": "sgt", "ge": "sge", "eq": "eq", "ne": "ne"}
+_UCMP = {"lt": "ult", "le": "ule", "gt": "ugt", "ge": "uge", "eq": "eq", "ne": "ne"}
+_FCMP = {"lt": "OLT", "le": "OLE", "gt": "OGT", "ge": "OGE", "eq": "OEQ", "ne": "UNE"}
+
+
+def compare(op: str, a: Any, b: Any) -> Value:
+    """A comparison producing an i1 Value (signed ints, unsigned index, ordered floats)."""
+    x, y = unify(a, b)
+    if x.dtype.is_float:
+        pred = getattr(arith.CmpFPredicate, _FCMP[op])
+        return Value(arith.cmpf(pred, x.ir, y.ir), dt.i1)
+    names = _UCMP if x.dtype.kind in ("index", "bool") else _ICMP
+    pred = getattr(arith.CmpIPredicate, names[op])
+    return Value(arith.cmpi(pred, x.ir, y.ir), dt.i1)

@@ -1,0 +1,220 @@
+"""Warp-group MMA (WGMMA, sm_90a): a 128-thread warp group multiplies shared-memory tiles.
+
+Thin wrappers over upstream ``nvgpu.warpgroup.*``. Operands live in shared memory and are named
+by matrix descriptors built from the tile and the TMA map that filled it (the map carries the
+swizzle); the accumulator lives in registers, fragmented over the warp group.
+
+Example (A is an M x K tile, B a K x N tile with N contiguous, both TMA-loaded with 128B swizzle)::
+
+    acc = kiln.wgmma.accumulator(64, 64)                      # zeros, f32
+    a = kiln.wgmma.descriptor(a_smem, a_map)
+    b = kiln.wgmma.descriptor(b_smem, b_map)
+    acc = kiln.wgmma.mma(acc, a, b, transpose_b=True)         # m64n64k16 steps over K
+    kiln.wgmma.store(acc, c, (0, 0))                          # c[0:64, 0:64] = acc
+
+Supported (what upstream ``nvgpu`` lowers): ``m64nNk16`` with f16 or bf16 inputs and f32
+accumulators; M a multiple of 64, N a multiple of 8 in 8..256, K a multiple of 16; operands loaded
+with a 128-byte swizzle whose box rows are exactly 128 bytes (64 elements).
+"""
+
+from __future__ import annotations
+
+from mlir import ir
+from mlir.dialects import memref, nvgpu, nvvm
+
+from .dtypes import DType, dtype as as_dtype, f32, from_mlir
+from .errors import KilnTypeError, KilnValueError, UnsupportedError
+from .nvidia_asm import as_index, ir_value, require_feature
+
+WARPGROUP_M = 64
+INSTRUCTION_K = 16
+MAX_N = 256
+SWIZZLE_ROW_BYTES = 128
+OPERAND_DTYPES = ("f16", "bf16")
+SUPPORTED = ("m64nNk16 with f16 or bf16 A/B and an f32 accumulator; M % 64 == 0, N % 8 == 0 "
+             "with 8 <= N <= 256, K % 16 == 0")
+
+
+class Accumulator:
+    """An ``m x n`` WGMMA accumulator held in the warp group's registers."""
+
+    def __init__(self, value: ir.Value, m: int, n: int, dtype: DType):
+        self.ir, self.m, self.n, self.dtype = value, m, n, dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.m, self.n)
+
+    def __kiln_flatten__(self):
+        return [self.ir], (self.m, self.n, self.dtype)
+
+    @classmethod
+    def __kiln_unflatten__(cls, aux, values):
+        return cls(values[0], *aux)
+
+
+class MatrixDescriptor:
+    """A WGMMA operand: a shared-memory tile of ``shape`` and ``dtype`` plus its swizzle."""
+
+    def __init__(self, value: ir.Value, shape: tuple[int, int], dtype: DType):
+        self.ir, self.shape, self.dtype = value, shape, dtype
+
+    def __kiln_flatten__(self):
+        return [self.ir], (self.shape, self.dtype)
+
+    @classmethod
+    def __kiln_unflatten__(cls, aux, values):
+        return cls(values[0], *aux)
+
+
+def accumulator(m: int, n: int, dtype=f32) -> Accumulator:
+    """A zero-initialised ``m x n`` accumulator (``nvgpu.warpgroup.mma.init.accumulator``)."""
+    require_feature("has_wgmma", "kiln.wgmma.accumulator")
+    acc_dtype = as_dtype(dtype)
+    if acc_dtype is not f32:  # nvgpu.warpgroup.mma.store only handles f32 fragments
+        raise UnsupportedError(f"WGMMA accumulator dtype {acc_dtype} is not supported",
+                               fix=f"use kiln.f32 (supported: {SUPPORTED})")
+    _check_mn(m, n)
+    return Accumulator(nvgpu.warpgroup_mma_init_accumulator(_accumulator_type(m, n, acc_dtype)),
+                       m, n, acc_dtype)
+
+
+def descriptor(tile, tensor_map) -> MatrixDescriptor:
+    """Describe shared tile ``tile`` (2-D, filled through ``tensor_map``) as a WGMMA operand
+    (``nvgpu.warpgroup.generate.descriptor``)."""
+    require_feature("has_wgmma", "kiln.wgmma.descriptor")
+    tile_value = ir_value(tile, "shared tile")
+    tile_type = tile_value.type
+    if not isinstance(tile_type, ir.MemRefType) or tile_type.rank != 2 \
+            or not tile_type.has_static_shape:
+        raise KilnTypeError(f"WGMMA operand must be a static 2-D shared tile, got {tile_type}",
+                            fix="allocate it with kiln.shared((rows, cols), dtype, align=1024)")
+    element = from_mlir(tile_type.element_type)
+    if element.name not in OPERAND_DTYPES:
+        raise UnsupportedError(f"WGMMA operand dtype {element} is not supported",
+                               fix=f"use f16 or bf16 tiles (supported: {SUPPORTED})")
+    map_value = ir_value(tensor_map, "tensor map")
+    _check_operand_map(tensor_map, map_value)
+    # No typed getter exists in the Python bindings for nvgpu.warpgroup.descriptor.
+    desc_type = ir.Type.parse(f"!nvgpu.warpgroup.descriptor<tensor = {tile_type}>")
+    value = nvgpu.warpgroup_generate_descriptor(desc_type, tile_value, map_value)
+    return MatrixDescriptor(value, tuple(tile_type.shape), element)
+
+
+def mma(acc: Accumulator, a: MatrixDescriptor, b: MatrixDescriptor, *, transpose_a: bool = False,
+        transpose_b: bool = False, wait_group: int = 0) -> Accumulator:
+    """``acc + a @ b`` for ``a``: M x K, ``b``: K x N (``nvgpu.warpgroup.mma``); returns the new
+    accumulator.
+
+    ``transpose_b=True`` when B's tile is stored K x N with N contiguous (a row-major B loaded by
+    TMA); ``transpose_a`` likewise for an A stored with M contiguous. The op fences, issues the
+    ``m64nNk16`` steps, commits them as one group and waits until at most ``wait_group`` groups
+    are pending (0: the result is ready in registers).
+    """
+    require_feature("has_wgmma", "kiln.wgmma.mma")
+    for name, obj, cls in (("acc", acc, Accumulator), ("a", a, MatrixDescriptor),
+                           ("b", b, MatrixDescriptor)):
+        if not isinstance(obj, cls):
+            raise KilnTypeError(f"kiln.wgmma.mma argument {name} must be a {cls.__name__}, got "
+                                f"{type(obj).__name__}",
+                                fix="build it with kiln.wgmma.accumulator / kiln.wgmma.descriptor")
+    (m, k), (kb, n) = a.shape, b.shape
+    if a.dtype is not b.dtype:
+        raise UnsupportedError(f"WGMMA operands must share a dtype, got {a.dtype} @ {b.dtype}",
+                               fix=f"convert one tile (supported: {SUPPORTED})")
+    if k != kb or (m, n) != acc.shape or k % INSTRUCTION_K:
+        raise UnsupportedError(f"WGMMA shapes A {m}x{k} @ B {kb}x{n} -> acc {acc.m}x{acc.n} do "
+                               "not form an m64nNk16 product",
+                               fix=f"use A: M x K, B: K x N, acc: M x N ({SUPPORTED})")
+    if not isinstance(wait_group, int) or wait_group < 0:
+        raise KilnValueError(f"wait_group must be an int >= 0, got {wait_group!r}",
+                             fix="use 0 to have the result ready when mma returns")
+    result = nvgpu.warpgroup_mma(acc.ir.type, a.ir, b.ir, acc.ir, wait_group=wait_group,
+                                 transpose_a=True if transpose_a else None,
+                                 transpose_b=True if transpose_b else None)
+    return Accumulator(result, acc.m, acc.n, acc.dtype)
+
+
+def store(acc: Accumulator, dst, offsets=(0, 0)) -> None:
+    """Write ``acc`` to ``dst[r0:r0+M, c0:c0+N]`` (``nvgpu.warpgroup.mma.store``).
+
+    ``dst`` is a 2-D global tensor or shared tile of the accumulator's dtype; ``offsets``
+    ``(r0, c0)`` are ints or traced integers.
+    """
+    require_feature("has_wgmma", "kiln.wgmma.store")
+    if not isinstance(acc, Accumulator):
+        raise KilnTypeError(f"kiln.wgmma.store needs an Accumulator, got {type(acc).__name__}",
+                            fix="pass the value returned by kiln.wgmma.mma")
+    dst_value = ir_value(dst, "destination tensor")
+    dst_type = dst_value.type
+    if not isinstance(dst_type, ir.MemRefType) or dst_type.rank != 2:
+        raise KilnTypeError(f"WGMMA store destination must be a 2-D tensor, got {dst_type}",
+                            fix="store into a 2-D kiln.Tensor or kiln.shared tile")
+    if from_mlir(dst_type.element_type) is not acc.dtype:
+        raise KilnTypeError(f"cannot store a {acc.dtype} accumulator into a "
+                            f"{from_mlir(dst_type.element_type)} tensor",
+                            fix=f"make the output tensor {acc.dtype}")
+    if len(offsets) != 2:
+        raise KilnValueError(f"WGMMA store offsets must be (row, col), got {offsets!r}",
+                             fix="pass two offsets, e.g. (0, 0)")
+    # The op needs a destination of exactly M x N, so take a static-size window of dst.
+    strides, _ = dst_type.get_strides_and_offset()
+    dynamic = ir.ShapedType.get_dynamic_stride_or_offset()
+    window_type = ir.MemRefType.get([acc.m, acc.n], dst_type.element_type,
+                                    layout=ir.StridedLayoutAttr.get(dynamic, strides),
+                                    memory_space=dst_type.memory_space)
+    window = memref.subview(dst_value, [as_index(o, "store offset") for o in offsets],
+                            [acc.m, acc.n], [1, 1], result_type=window_type)
+    nvgpu.warpgroup_mma_store(acc.ir, window)
+
+
+def fence() -> None:
+    """``wgmma.fence``: order register/shared writes before the next WGMMA reads them."""
+    require_feature("has_wgmma", "kiln.wgmma.fence")
+    nvvm.wgmma_fence_aligned()
+
+
+def commit() -> None:
+    """``wgmma.commit_group``: close the group of WGMMAs issued since the last commit."""
+    require_feature("has_wgmma", "kiln.wgmma.commit")
+    nvvm.wgmma_commit_group_sync_aligned()
+
+
+def wait_group(pending: int = 0) -> None:
+    """``wgmma.wait_group pending``: wait until at most ``pending`` WGMMA groups are in flight."""
+    require_feature("has_wgmma", "kiln.wgmma.wait_group")
+    if not isinstance(pending, int) or pending < 0:
+        raise KilnValueError(f"pending must be an int >= 0, got {pending!r}",
+                             fix="use 0 to wait for every committed WGMMA group")
+    nvvm.wgmma_wait_group_sync_aligned(pending)
+
+
+def _check_operand_map(tensor_map, map_value: ir.Value) -> None:
+    """WGMMA descriptors assume the 128B-swizzled layout with 128-byte box rows."""
+    swizzle, box, dtype = (getattr(tensor_map, attr, None) for attr in ("swizzle", "box", "dtype"))
+    if swizzle is None:
+        # A raw descriptor value: the bindings expose no accessors, so read its swizzle from text.
+        swizzle = SWIZZLE_ROW_BYTES if "swizzle = swizzle_128b" in str(map_value.type) else 0
+    if swizzle != SWIZZLE_ROW_BYTES:
+        raise UnsupportedError(f"WGMMA operands must be loaded with a 128-byte swizzle, got "
+                               f"{map_value.type}",
+                               fix="declare the operand as kiln.TensorMap[dtype, box, 128]")
+    if box is not None and box[-1] * as_dtype(dtype).itemsize != SWIZZLE_ROW_BYTES:
+        raise UnsupportedError(f"WGMMA operand box {tuple(box)} of {as_dtype(dtype)} has "
+                               f"{box[-1] * as_dtype(dtype).itemsize}-byte rows; 128B-swizzled "
+                               "operands need rows of exactly 128 bytes",
+                               fix=f"use an innermost box dim of "
+                                   f"{SWIZZLE_ROW_BYTES // as_dtype(dtype).itemsize}")
+
+
+def _check_mn(m: int, n: int) -> None:
+    if not (isinstance(m, int) and isinstance(n, int) and m > 0 and m % WARPGROUP_M == 0
+            and n % 8 == 0 and 8 <= n <= MAX_N):
+        raise UnsupportedError(f"WGMMA accumulator {m}x{n} is not supported",
+                               fix=f"use e.g. 64x64 or 64x128 ({SUPPORTED})")
+
+
+def _accumulator_type(m: int, n: int, acc_dtype: DType) -> ir.Type:
+    fragment = ir.VectorType.get([m, n], acc_dtype.mlir_type())
+    # No typed getter exists in the Python bindings for nvgpu.warpgroup.accumulator.
+    return ir.Type.parse(f"!nvgpu.warpgroup.accumulator<fragmented = {fragment}>")

@@ -1,0 +1,137 @@
+"""AMD stages: Kiln IR -> gpu -> rocdl -> llvm -> amdgcn -> obj -> hsaco.
+
+The rocdl stage converts the gpu.module to the LLVM dialect with ROCDL intrinsics; LLVM IR is
+translated in-process, then optimised and compiled by llvmlite's AMDGPU backend (assembly
+and an ELF object). ``ld.lld``, when present, links the object into a loadable ``hsaco``.
+Resource usage comes from the object's code-object notes (``llvm-readelf --notes``).
+
+Example::
+
+    for name, stage in stages.items():
+        artifact = stage(state)        # state.target is gfx942 or gfx950
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import tempfile
+from pathlib import Path
+
+import llvmlite.binding as llvmlite
+
+from kiln.errors import CompilationError
+from kiln.lowering.metadata import AMD_KEYS, parse_amd_notes
+from kiln.lowering.pipeline import GPU_STAGE_PASSES, CompileState, run_passes
+from kiln.lowering.tools import find_ld_lld, llvm_tool
+from kiln.lowering.translate import device_llvm_ir
+
+TRIPLE = "amdgcn-amd-amdhsa"
+
+
+def rocdl_passes(state: CompileState) -> list[str]:
+    chip, opt = state.target.name, state.options.opt_level
+    return [
+        f"rocdl-attach-target{{chip={chip} O={opt}}}",
+        "convert-vector-to-scf", "expand-strided-metadata", "lower-affine",
+        f"gpu.module(convert-scf-to-cf,convert-amdgpu-to-rocdl{{chipset={chip}}},"
+        f"convert-gpu-to-rocdl{{chipset={chip} index-bitwidth=64}},canonicalize,cse,"
+        "reconcile-unrealized-casts)",
+        "reconcile-unrealized-casts",
+    ]
+
+
+def make_gpu(state: CompileState) -> str:
+    return run_passes(state, "gpu", GPU_STAGE_PASSES)
+
+
+def make_rocdl(state: CompileState) -> str:
+    return run_passes(state, "rocdl", rocdl_passes(state))
+
+
+def make_llvm(state: CompileState) -> str:
+    return device_llvm_ir(state.module, TRIPLE)
+
+
+@functools.lru_cache(maxsize=None)
+def _target_machine(chip: str, opt_level: int):
+    llvmlite.initialize_all_targets()
+    llvmlite.initialize_all_asmprinters()
+    return llvmlite.Target.from_triple(TRIPLE).create_target_machine(
+        cpu=chip, features="", opt=opt_level, reloc="pic", codemodel="default")
+
+
+def _optimized_module(state: CompileState):
+    """A fresh llvmlite module of the O-level-optimised IR.
+
+    Codegen rewrites the module it emits (e.g. inserts ``llvm.amdgcn.if``), and emitting the
+    same module twice makes instruction selection abort the process; so the optimised IR text
+    is kept and every emission parses its own copy.
+    """
+    if "optimized_llvm" not in state.scratch:
+        machine = _target_machine(state.target.name, state.options.opt_level)
+        module = _parse_llvm(state, state.asm["llvm"])
+        tuning = llvmlite.create_pipeline_tuning_options(speed_level=state.options.opt_level)
+        builder = llvmlite.create_pass_builder(machine, tuning)
+        builder.getModulePassManager().run(module, builder)
+        state.scratch["optimized_llvm"] = str(module)
+    return _parse_llvm(state, state.scratch["optimized_llvm"])
+
+
+def _parse_llvm(state: CompileState, text: str):
+    try:
+        module = llvmlite.parse_assembly(text)
+        module.verify()
+    except RuntimeError as err:
+        raise CompilationError(f"LLVM rejected the IR of kernel {state.kernel!r}: {err}",
+                               fix="set KILN_DUMP_DIR and inspect the .ll; report a Kiln bug") from None
+    return module
+
+
+def make_amdgcn(state: CompileState) -> str:
+    machine = _target_machine(state.target.name, state.options.opt_level)
+    return machine.emit_assembly(_optimized_module(state))
+
+
+def make_obj(state: CompileState) -> bytes:
+    machine = _target_machine(state.target.name, state.options.opt_level)
+    obj = machine.emit_object(_optimized_module(state))
+    state.metadata.update(read_amd_metadata(obj, state.kernel))
+    return obj
+
+
+def read_amd_metadata(obj: bytes, kernel: str) -> dict:
+    """Register, scratch and LDS usage of ``kernel`` from an AMDGPU object's notes."""
+    readelf = llvm_tool("llvm-readelf")
+    if readelf is None:
+        return dict.fromkeys(AMD_KEYS)
+    with tempfile.TemporaryDirectory(prefix="kiln-amd-") as tmp:
+        path = Path(tmp) / "kernel.o"
+        path.write_bytes(obj)
+        done = subprocess.run([str(readelf), "--notes", str(path)], capture_output=True, text=True)
+    return parse_amd_notes(done.stdout, kernel)
+
+
+def make_hsaco(state: CompileState) -> bytes | None:
+    ld_lld = find_ld_lld()
+    if ld_lld is None:
+        return None  # the object alone is enough for inspection; launching needs the hsaco
+    with tempfile.TemporaryDirectory(prefix="kiln-lld-") as tmp:
+        obj_path, hsaco_path = Path(tmp) / "kernel.o", Path(tmp) / "kernel.hsaco"
+        obj_path.write_bytes(state.asm["obj"])
+        done = subprocess.run([str(ld_lld), "-shared", str(obj_path), "-o", str(hsaco_path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise CompilationError(f"ld.lld failed for kernel {state.kernel!r}:\n{done.stderr.strip()}",
+                                   fix="check KILN_LD_LLD points at an LLVM ld.lld with AMDGPU support")
+        return hsaco_path.read_bytes()
+
+
+stages = {
+    "gpu": make_gpu,
+    "rocdl": make_rocdl,
+    "llvm": make_llvm,
+    "amdgcn": make_amdgcn,
+    "obj": make_obj,
+    "hsaco": make_hsaco,
+}

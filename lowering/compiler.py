@@ -1,0 +1,133 @@
+"""Compile Kiln IR through the target's ordered stages into a launchable :class:`CompiledKernel`.
+
+Example::
+
+    sig = KernelSignature("saxpy", (TensorParam("x", "f32", 1), TensorParam("y", "f32", 1),
+                                    ScalarParam("n", "i32"), ScalarParam("a", "f32")))
+    ck = compile_kernel(kiln_ir_text, sig, CompileOptions("sm_90a"))
+    print(ck.asm["ptx"], ck.metadata["registers"])
+    ck.launch((blocks, 1, 1), [x, y, n, 2.0])
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from mlir import ir
+
+from kiln import env
+from kiln.errors import KilnValueError
+from kiln.lowering import amd, nvidia
+from kiln.lowering.dump import dump_stage
+from kiln.lowering.options import CompileOptions
+from kiln.lowering.pipeline import CompileState, parse_module
+from kiln.lowering.signature import KernelSignature
+from kiln.lowering.targets import Target, get_target
+
+ARTIFACT_FORMAT = 1  # bump when the cached artifact dict changes shape
+
+
+def stages_for(target: Target) -> dict:
+    """The ordered stage functions (name -> fn(state)) for ``target``'s vendor."""
+    return nvidia.stages if target.is_nvidia else amd.stages
+
+
+class CompiledKernel:
+    """A kernel compiled for one target: every stage's text/bytes plus resource metadata.
+
+    ``asm`` maps stage names, in order, to artifacts (``"kiln"``, ``"gpu"``, ``"nvvm"``/``"rocdl"``,
+    ``"llvm"``, ``"ptx"``/``"amdgcn"``, then ``"cubin"`` or ``"obj"``/``"hsaco"`` when made).
+    The launcher caches its host-side state on the instance.
+    """
+
+    def __init__(self, name: str, target: Target, options: CompileOptions,
+                 signature: KernelSignature, asm: dict, metadata: dict):
+        self.name = name
+        self.target = target
+        self.options = options
+        self.signature = signature
+        self.asm = asm
+        self.metadata = metadata
+
+    @property
+    def binary(self) -> str | bytes:
+        """What a loader takes: cubin (else PTX text for the driver JIT) or hsaco (else object)."""
+        for stage in ("cubin", "ptx") if self.target.is_nvidia else ("hsaco", "obj"):
+            if stage in self.asm:
+                return self.asm[stage]
+        raise KeyError(f"kernel {self.name!r} has no binary stage")
+
+    def launch(self, grid: tuple[int, int, int], args: Sequence, *, stream=None) -> None:
+        """Run on the GPU over ``grid`` blocks; ``args`` follow ``signature.params``."""
+        from kiln.lowering.launch import launch  # launch pulls in the driver runtime; load on use
+
+        launch(self, grid, args, stream=stream)
+
+    def to_artifact(self) -> dict:
+        """A picklable dict of plain data, for the compile cache."""
+        return {"format": ARTIFACT_FORMAT, "name": self.name, "target": self.target.name,
+                "options": self.options, "signature": self.signature, "asm": dict(self.asm),
+                "metadata": dict(self.metadata)}
+
+    @classmethod
+    def from_artifact(cls, artifact: dict) -> CompiledKernel | None:
+        """Rebuild from :meth:`to_artifact`'s dict; None if it has another format."""
+        if not isinstance(artifact, dict) or artifact.get("format") != ARTIFACT_FORMAT:
+            return None
+        return cls(artifact["name"], get_target(artifact["target"]), artifact["options"],
+                   artifact["signature"], artifact["asm"], artifact["metadata"])
+
+    def __repr__(self) -> str:
+        return f"CompiledKernel({self.name!r}, target={self.target.name}, stages={list(self.asm)})"
+
+
+def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOptions, *,
+                   cache_key: str | None = None) -> CompiledKernel:
+    """Lower Kiln IR text through every stage of ``options.target``.
+
+    Options and the block shape are validated before MLIR or LLVM sees them. With ``cache_key``
+    the result is stored in the compile cache (unless ``KILN_NO_CACHE``). MLIR failures raise
+    :class:`~kiln.errors.CompilationError` at the user's line, with a reproducer command.
+    """
+    target = options.chip
+    _check_launch_shape(signature, options, target)
+    name = signature.name
+    metadata: dict = {"target": target.name, "num_warps": options.num_warps, "compile_ms": {}}
+    with ir.Context():
+        state = CompileState(name, target, options, signature, parse_module(name, kiln_ir), metadata)
+        state.asm["kiln"] = kiln_ir
+        dump_stage(name, "kiln", kiln_ir)
+        for stage, make in stages_for(target).items():
+            start = time.perf_counter()
+            artifact = make(state)
+            metadata["compile_ms"][stage] = round((time.perf_counter() - start) * 1e3, 3)
+            if artifact is not None:
+                state.asm[stage] = artifact
+                dump_stage(name, stage, artifact)
+    kernel = CompiledKernel(name, target, options, signature, state.asm, metadata)
+    if cache_key is not None and not env.cache_disabled():
+        from kiln.lowering import cache
+
+        cache.put(cache_key, kernel.to_artifact())
+    return kernel
+
+
+def load_cached(cache_key: str) -> CompiledKernel | None:
+    """The kernel stored under ``cache_key``, or None (miss, stale format, or cache disabled)."""
+    if env.cache_disabled():
+        return None
+    from kiln.lowering import cache
+
+    artifact = cache.get(cache_key)
+    return CompiledKernel.from_artifact(artifact) if artifact is not None else None
+
+
+def _check_launch_shape(signature: KernelSignature, options: CompileOptions, target: Target) -> None:
+    target.check_block(signature.block)
+    if signature.num_threads != options.block_size:
+        raise KilnValueError(
+            f"kernel {signature.name!r} has a block of {signature.num_threads} threads but "
+            f"num_warps={options.num_warps} gives {options.block_size} on {target.name}",
+            fix="build the signature's block from num_warps * warp_size")
+    target.check_shared_bytes(signature.dynamic_shared_bytes)

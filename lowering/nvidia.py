@@ -1,0 +1,106 @@
+"""NVIDIA stages: Kiln IR -> gpu -> nvvm -> llvm -> ptx -> cubin (Triton-backend style).
+
+Each stage is a short function of the shared :class:`~kiln.lowering.pipeline.CompileState`
+returning its artifact (text or bytes), or None when it is skipped. The nvvm pass list mirrors
+the device half of upstream ``gpu-lower-to-nvvm-pipeline``; PTX comes from the in-process NVPTX
+backend (``gpu-module-to-binary{format=isa}``); ``ptxas`` makes the cubin and reports registers.
+
+Example::
+
+    state = CompileState("saxpy", get_target("sm_90a"), options, signature, module, {})
+    for name, stage in stages.items():
+        artifact = stage(state)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from pathlib import Path
+
+from mlir import ir
+from mlir.dialects import gpu
+
+from kiln.errors import CompilationError
+from kiln.lowering.metadata import empty_nvidia_metadata, parse_ptxas_verbose
+from kiln.lowering.pipeline import GPU_STAGE_PASSES, CompileState, run_passes
+from kiln.lowering.tools import find_ptxas
+from kiln.lowering.translate import device_llvm_ir
+
+TRIPLE = "nvptx64-nvidia-cuda"
+
+
+def nvvm_passes(state: CompileState) -> list[str]:
+    options = state.options
+    attach = (f"nvvm-attach-target{{chip={state.target.name} features={options.ptx_features()} "
+              f"O={options.opt_level}}}")
+    return [
+        "convert-nvgpu-to-nvvm", "convert-vector-to-scf", "convert-scf-to-cf",
+        "convert-nvvm-to-llvm", "convert-func-to-llvm", "expand-strided-metadata", attach,
+        "lower-affine", "convert-arith-to-llvm", "convert-index-to-llvm", "canonicalize", "cse",
+        "gpu.module(convert-gpu-to-nvvm,llvm-optimize-for-nvvm-target,canonicalize,cse,"
+        "reconcile-unrealized-casts)",
+    ]
+
+
+def make_gpu(state: CompileState) -> str:
+    return run_passes(state, "gpu", GPU_STAGE_PASSES)
+
+
+def make_nvvm(state: CompileState) -> str:
+    text = run_passes(state, "nvvm", nvvm_passes(state))
+    if state.options.maxnreg is not None:
+        _set_maxnreg(state.module, state.kernel, state.options.maxnreg)
+        text = str(state.module)
+    return text
+
+
+def _set_maxnreg(module: ir.Module, kernel: str, maxnreg: int) -> None:
+    # Becomes the PTX ".maxnreg" directive, which ptxas honours per kernel.
+    def visit(op: ir.Operation):
+        if op.name == "llvm.func" and ir.StringAttr(op.attributes["sym_name"]).value == kernel:
+            op.attributes["nvvm.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), maxnreg)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+
+
+def make_llvm(state: CompileState) -> str:
+    return device_llvm_ir(state.module, TRIPLE)
+
+
+def make_ptx(state: CompileState) -> str:
+    run_passes(state, "ptx", ["gpu-module-to-binary{format=isa}"])
+    for op in state.module.body.operations:
+        if op.operation.name == "gpu.binary":
+            return gpu.ObjectAttr(op.operation.attributes["objects"][0]).object.decode()
+    raise CompilationError("gpu-module-to-binary produced no gpu.binary",
+                           fix="report this Kiln bug with the kernel")
+
+
+def make_cubin(state: CompileState) -> bytes | None:
+    state.metadata.update(empty_nvidia_metadata())
+    ptxas = find_ptxas()
+    if ptxas is None:
+        return None  # the launcher JIT-compiles the PTX through the driver instead
+    with tempfile.TemporaryDirectory(prefix="kiln-ptxas-") as tmp:
+        ptx_path, cubin_path = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
+        ptx_path.write_text(state.asm["ptx"])
+        command = [str(ptxas), f"-arch={state.target.name}", "-v", f"-O{state.options.opt_level}",
+                   str(ptx_path), "-o", str(cubin_path)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise CompilationError(
+                f"ptxas rejected the PTX of kernel {state.kernel!r}:\n{done.stderr.strip()}",
+                fix="set KILN_DUMP_DIR to inspect the .ptx; if the kernel is valid, report a Kiln bug")
+        state.metadata.update(parse_ptxas_verbose(done.stderr, state.kernel))
+        return cubin_path.read_bytes()
+
+
+stages = {
+    "gpu": make_gpu,
+    "nvvm": make_nvvm,
+    "llvm": make_llvm,
+    "ptx": make_ptx,
+    "cubin": make_cubin,
+}

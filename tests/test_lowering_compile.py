@@ -1,0 +1,112 @@
+"""compile_kernel end to end without a GPU: stages, dumps, errors with reproducers, artifacts."""
+
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kiln.errors import CompilationError, KilnValueError
+from kiln.lowering.compiler import CompiledKernel, compile_kernel
+from kiln.lowering.options import CompileOptions
+from kiln.lowering.signature import KernelSignature, ScalarParam, TensorParam
+
+pytestmark = pytest.mark.lower
+
+SAXPY_IR = (Path(__file__).parent / "lit" / "lowering" / "Inputs" / "saxpy.mlir").read_text()
+SAXPY = KernelSignature("saxpy", (TensorParam("x", "f32", 1), TensorParam("y", "f32", 1),
+                                  ScalarParam("n", "i32"), ScalarParam("a", "f32")), block=(128, 1, 1))
+
+# The float add at "user_kernel.py":12 mixes f32 and i32, which the arith verifier rejects.
+BAD_IR = """
+module attributes {gpu.container_module} {
+  gpu.module @kiln_kernels {
+    gpu.func @bad(%a: f32, %b: i32) kernel attributes {known_block_size = array<i32: 128, 1, 1>} {
+      %s = "arith.addf"(%a, %b) : (f32, i32) -> f32 loc("user_kernel.py":12:8)
+      gpu.return loc("user_kernel.py":13:4)
+    } loc("user_kernel.py":10:0)
+  }
+}
+"""
+
+
+def test_stage_order_per_vendor():
+    nvidia = compile_kernel(SAXPY_IR, SAXPY, CompileOptions("sm_90a"))
+    assert list(nvidia.asm)[:5] == ["kiln", "gpu", "nvvm", "llvm", "ptx"]
+    assert ".target sm_90a" in nvidia.asm["ptx"]
+    amd = compile_kernel(SAXPY_IR, SAXPY, CompileOptions("gfx942", num_warps=2))
+    assert list(amd.asm)[:6] == ["kiln", "gpu", "rocdl", "llvm", "amdgcn", "obj"]
+    assert amd.metadata["scratch_bytes"] == 0 and amd.metadata["vgpr_count"] > 0
+    assert amd.binary is amd.asm.get("hsaco", amd.asm["obj"])
+    assert set(amd.metadata["compile_ms"]) == {"gpu", "rocdl", "llvm", "amdgcn", "obj", "hsaco"}
+
+
+def test_maxnreg_reaches_ptx():
+    kernel = compile_kernel(SAXPY_IR, SAXPY, CompileOptions("sm_80", maxnreg=40))
+    assert ".maxnreg 40" in kernel.asm["ptx"]
+
+
+def test_dump_dir_gets_every_stage(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_DUMP_DIR", str(tmp_path))
+    kernel = compile_kernel(SAXPY_IR, SAXPY, CompileOptions("gfx950", num_warps=2))
+    names = {p.name for p in tmp_path.iterdir()}
+    expected = {"saxpy.kiln.mlir", "saxpy.gpu.mlir", "saxpy.rocdl.mlir", "saxpy.llvm.ll",
+                "saxpy.amdgcn.s", "saxpy.obj.o"}
+    assert expected <= names
+    assert (tmp_path / "saxpy.amdgcn.s").read_text() == kernel.asm["amdgcn"]
+    assert (tmp_path / "saxpy.obj.o").read_bytes() == kernel.asm["obj"]
+
+
+def test_verifier_error_points_at_user_line_with_reproducer(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_DUMP_DIR", str(tmp_path))
+    signature = KernelSignature("bad", (ScalarParam("a", "f32"), ScalarParam("b", "i32")))
+    with pytest.raises(CompilationError) as caught:
+        compile_kernel(BAD_IR, signature, CompileOptions("sm_90a"))
+    err = caught.value
+    assert (err.loc.filename, err.loc.line) == ("user_kernel.py", 12)
+    assert str(err).startswith("user_kernel.py:12: the 'kiln' stage failed")
+    assert "'arith.addf' op operand #1 must be floating-point-like, but got 'i32'" in str(err)
+    assert Path(err.reproducer).parent == tmp_path
+    command = str(err).split("reproduce with:\n  ")[1].splitlines()[0]
+    replay = subprocess.run(shlex.split(command), capture_output=True, text=True)
+    assert replay.returncode == 1
+    assert "must be floating-point-like" in replay.stderr
+
+
+def test_unlowered_op_is_reported_before_llvm_translation():
+    # ub.poison on a tensor survives conversion; translating it would crash the process.
+    leftover = ('%u = ub.poison : tensor<4xf32> loc("saxpy.py":8:2)\n'
+                '      %c0 = arith.constant 0 : index\n'
+                '      %e = tensor.extract %u[%c0] : tensor<4xf32> loc("saxpy.py":8:3)\n'
+                '      memref.store %e, %y[%c0] : memref<?xf32, strided<[1], offset: ?>, 1>\n')
+    ir_text = SAXPY_IR.replace("      gpu.return loc", leftover + "      gpu.return loc")
+    for chip, warps in (("sm_90a", 4), ("gfx950", 2)):
+        with pytest.raises(CompilationError, match="'ub.poison' was not lowered") as caught:
+            compile_kernel(ir_text, SAXPY, CompileOptions(chip, num_warps=warps))
+        assert (caught.value.loc.filename, caught.value.loc.line) == ("saxpy.py", 8)
+
+
+def test_bad_pipeline_element_in_stage_is_a_kiln_error():
+    from kiln.passes import build_pass_manager
+    from mlir import ir
+
+    with ir.Context(), pytest.raises(KilnValueError, match="bad pipeline element 'no-such-pass'"):
+        build_pass_manager(["canonicalize", "no-such-pass"])
+    with ir.Context(), pytest.raises(KilnValueError, match="cannot be nested"):
+        build_pass_manager(["gpu.module(kiln-fold-block-dim)"])
+
+
+def test_block_must_match_num_warps():
+    with pytest.raises(KilnValueError, match="block of 128 threads but num_warps=8 gives 256"):
+        compile_kernel(SAXPY_IR, SAXPY, CompileOptions("sm_90a", num_warps=8))
+
+
+def test_artifact_round_trip_is_picklable():
+    import pickle
+
+    kernel = compile_kernel(SAXPY_IR, SAXPY, CompileOptions("sm_90a"))
+    restored = CompiledKernel.from_artifact(pickle.loads(pickle.dumps(kernel.to_artifact())))
+    assert (restored.name, restored.target, restored.options, restored.signature) == (
+        kernel.name, kernel.target, kernel.options, kernel.signature)
+    assert restored.asm == kernel.asm and restored.metadata == kernel.metadata
+    assert CompiledKernel.from_artifact({"format": -1}) is None

@@ -1,0 +1,357 @@
+"""Kiln's NVGPU wrappers (kiln.mbarrier, kiln.tma, kiln.wgmma, kiln.nvidia_asm) inside a
+hand-built gpu.func: the ops they emit, the errors they raise, and PTX for the instructions."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+from mlir import ir, passmanager
+from mlir.dialects import arith, gpu, llvm
+
+import kiln
+from kiln import mbarrier, nvidia_asm, tma, wgmma
+from kiln.lowering.signature import TensorMapParam
+
+pytestmark = pytest.mark.lower  # builds IR and lowers it to PTX in-process; no GPU
+
+SHARED = 3
+GLOBAL = 1
+
+
+def memref_type(shape, dtype, space, *, dynamic_rows=False):
+    space_attr = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), space)
+    if not dynamic_rows:
+        return ir.MemRefType.get(list(shape), dtype.mlir_type(), memory_space=space_attr)
+    dyn = ir.ShapedType.get_dynamic_size()
+    return ir.MemRefType.get([dyn, dyn], dtype.mlir_type(), memory_space=space_attr,
+                             layout=ir.StridedLayoutAttr.get(dyn, [dyn, 1]))
+
+
+class Kernel:
+    """A gpu.func under construction: ``args`` are its block arguments, ``text`` the module."""
+
+    def __init__(self, module, args):
+        self.module, self.args = module, args
+
+    @property
+    def text(self) -> str:
+        return str(self.module)
+
+    def ptx(self) -> str:
+        with self.module.context:
+            return re.sub(r"[ \t]+", " ", self._lower())  # PTX separates operands with tabs
+
+    def _lower(self) -> str:
+        pm = passmanager.PassManager.parse(
+            "builtin.module(gpu-lower-to-nvvm-pipeline{cubin-chip=sm_90a cubin-features=+ptx80 "
+            "cubin-format=isa})")
+        pm.run(self.module.operation)
+        for op in self.module.body.operations:
+            if op.operation.name == "gpu.binary":
+                return gpu.ObjectAttr(op.operation.attributes["objects"][0]).object.decode()
+        raise AssertionError("no gpu.binary")
+
+
+@contextlib.contextmanager
+def kernel(*arg_types_fn, target="sm_90a"):
+    """Build ``gpu.func @k(args)`` for ``target``; the body is the ``with`` block."""
+    with ir.Context(), ir.Location.unknown(), nvidia_asm.compiling_for(target):
+        module = ir.Module.create()
+        module.operation.attributes["gpu.container_module"] = ir.UnitAttr.get()
+        with ir.InsertionPoint(module.body):
+            kernels = gpu.GPUModuleOp("kiln_kernels")
+        body = kernels.bodyRegion.blocks.append()
+        arg_types = [make() for make in arg_types_fn]
+        with ir.InsertionPoint(body):
+            func_type = ir.FunctionType.get(arg_types, [])
+            fn = gpu.GPUFuncOp(ir.TypeAttr.get(func_type), sym_name="k", kernel=True)
+            fn.attributes["known_block_size"] = ir.DenseI32ArrayAttr.get([128, 1, 1])
+        entry = fn.body.blocks.append(*arg_types)
+        k = Kernel(module, list(entry.arguments))
+        with ir.InsertionPoint(entry):
+            yield k
+            gpu.return_([])
+        module.operation.verify()
+
+
+def shared_tile(shape=(64, 64), dtype=kiln.bf16):
+    return lambda: memref_type(shape, dtype, SHARED)
+
+
+def global_matrix(dtype=kiln.f32):
+    return lambda: memref_type(None, dtype, GLOBAL, dynamic_rows=True)
+
+
+def pointer():
+    return llvm.PointerType.get()
+
+
+def tid_is_zero():
+    tid = gpu.thread_id(gpu.Dimension.x)
+    return arith.cmpi(arith.CmpIPredicate.eq, tid, arith.constant(ir.IndexType.get(), 0))
+
+
+# --- mbarrier ---------------------------------------------------------------------------------
+
+def test_mbarrier_group_ops_and_ptx():
+    with kernel() as k:
+        bars = mbarrier.group(num_barriers=2)
+        leader = tid_is_zero()
+        bars.init(1, count=1, predicate=leader)
+        bars.arrive_expect_tx(1, 4096, predicate=leader)
+        bars.arrive(0)
+        bars.try_wait(1, phase=1)
+    text = k.text
+    assert "num_barriers = 2" in text
+    assert re.search(r"nvgpu.mbarrier.init %\w+\[%c1\w*\], %c1\w*, predicate", text)
+    assert re.search(r"nvgpu.mbarrier.arrive.expect_tx %\w+\[%c1\w*\], %c4096", text)
+    assert "nvgpu.mbarrier.try_wait.parity" in text and "%true" in text
+    ptx = k.ptx()
+    assert "mbarrier.init.shared.b64" in ptx
+    assert "mbarrier.arrive.expect_tx.shared.b64" in ptx
+    assert re.search(r"mbarrier.try_wait.parity.shared.b64 \w+, \[%r\d+\], 1,", ptx)
+
+
+def test_phase_tracker_python_iterations():
+    with kernel():
+        ring = mbarrier.PhaseTracker(mbarrier.group(num_barriers=2))
+        slots = [ring.slot(n) for n in range(6)]
+    assert slots == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 0), (1, 0)]
+
+
+def test_phase_tracker_traced_iteration_computes_index_and_parity():
+    with kernel(lambda: ir.IndexType.get()) as k:
+        ring = mbarrier.PhaseTracker(mbarrier.group(num_barriers=3))
+        ring.wait(k.args[0])
+    text = k.text
+    assert re.search(r"arith.remui %arg0, %c3", text)
+    assert re.search(r"arith.divui %arg0, %c3", text)
+    assert "arith.trunci" in text
+    wait = re.search(r"nvgpu.mbarrier.try_wait.parity %\w+\[(%\S+)\], (%\S+),", text)
+    assert wait and not wait.group(2).startswith("%false")
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: mbarrier.group(num_barriers=0), "num_barriers"),
+    (lambda: mbarrier.group(1).init(1, count=1), "out of range"),
+    (lambda: mbarrier.group(1).init(0, count=0), "arrival count"),
+    (lambda: mbarrier.group(1).try_wait(0, phase=2), "parity must be 0 or 1"),
+    (lambda: mbarrier.group(1).arrive_expect_tx(0, 1 << 20), "transaction count"),
+    (lambda: mbarrier.PhaseTracker(mbarrier.group(2), stages=3), "stages=3"),
+])
+def test_mbarrier_rejects_bad_arguments(build, message):
+    with pytest.raises(kiln.KilnValueError, match=message) as err, kernel():
+        build()
+    assert err.value.loc.filename == __file__ and "Fix:" in str(err.value)
+
+
+def test_mbarrier_needs_sm90():
+    with pytest.raises(kiln.TargetError, match="sm_90"), kernel(target="sm_80"):
+        mbarrier.group(1)
+
+
+# --- TMA --------------------------------------------------------------------------------------
+
+def test_tma_load_store_prefetch_ops_and_ptx():
+    with kernel(pointer, shared_tile()) as k:
+        desc = tma.descriptor_from_pointer(k.args[0], kiln.bf16, (64, 64), 128)
+        tile = k.args[1]
+        bars = mbarrier.group(1)
+        leader = tid_is_zero()
+        tma.prefetch_descriptor(desc, predicate=leader)
+        tma.load(desc, tile, (64, 0), bars, 0, predicate=leader)
+        nvidia_asm.fence_proxy_async()
+        tma.store(tile, desc, (0, 128), predicate=leader)
+        tma.commit_group()
+        tma.wait_group(0, read=True)
+    text = k.text
+    assert "swizzle = swizzle_128b" in text
+    assert re.search(r"nvgpu.tma.async.load %\w+\[%c64\w*, %c0\w*\]", text)
+    assert re.search(r"nvgpu.tma.async.store %\w+ to %\w+\[%c0\w*, %c128\w*\]", text)
+    ptx = k.ptx()
+    assert "prefetch.tensormap" in ptx
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx
+    assert "fence.proxy.async.shared::cta" in ptx
+    assert "cp.async.bulk.commit_group" in ptx and "cp.async.bulk.wait_group.read 0" in ptx
+
+
+def test_tma_multicast_mask():
+    with kernel(pointer, shared_tile()) as k:
+        desc = tma.descriptor_from_pointer(k.args[0], kiln.bf16, (64, 64), 128)
+        tma.load(desc, k.args[1], (0, 0), mbarrier.group(1), 0, multicast_mask=0b11)
+    assert re.search(r"nvgpu.tma.async.load .* multicast_mask = %c3_i16", k.text)
+
+
+def test_box_bytes():
+    assert tma.box_bytes(TensorMapParam("a", "bf16", 2, (64, 64), 128)) == 8192
+    assert tma.box_bytes(TensorMapParam("b", "f32", 3, (2, 8, 32))) == 2048
+    with kernel(shared_tile((128, 32), kiln.f16)) as k:
+        assert tma.box_bytes(k.args[0]) == 128 * 32 * 2
+        with pytest.raises(kiln.KilnTypeError, match="box size"):
+            tma.box_bytes(k.args[0].type)
+
+
+@pytest.mark.parametrize("box, swizzle, message", [
+    ((64, 128), 128, "exceeds the 128-byte swizzle"),
+    ((64, 64), 48, "swizzle must be one of"),
+    ((512, 8), 0, "1-5 dimensions of 1..256"),
+    ((1,) * 6, 0, "1-5 dimensions"),
+])
+def test_tma_descriptor_type_validation(box, swizzle, message):
+    with pytest.raises(kiln.KilnValueError, match=message), kernel():
+        tma.descriptor_type(kiln.bf16, box, swizzle)
+
+
+def test_tma_load_rejects_wrong_coords_and_non_shared_destination():
+    with kernel(pointer, shared_tile(), global_matrix(kiln.bf16)) as k:
+        desc = tma.descriptor_from_pointer(k.args[0], kiln.bf16, (64, 64), 128)
+        bars = mbarrier.group(1)
+        with pytest.raises(kiln.KilnValueError, match="needs 2 coordinates"):
+            tma.load(desc, k.args[1], (0, 0, 0), bars, 0)
+        with pytest.raises(kiln.KilnTypeError, match="shared-memory tile"):
+            tma.load(desc, k.args[2], (0, 0), bars, 0)
+        with pytest.raises(kiln.KilnTypeError, match="traced kernel value"):
+            tma.load("a_map", k.args[1], (0, 0), bars, 0)
+        with pytest.raises(kiln.KilnValueError, match="multicast mask"):
+            tma.load(desc, k.args[1], (0, 0), bars, 0, multicast_mask=1 << 16)
+
+
+def test_tma_needs_a_tma_target():
+    with pytest.raises(kiln.TargetError, match="TMA"), kernel(pointer, shared_tile(),
+                                                               target="sm_80") as k:
+        tma.prefetch_descriptor(k.args[0])
+
+
+# --- WGMMA ------------------------------------------------------------------------------------
+
+def test_wgmma_f16_inputs_lower_to_m64n128k16():
+    # B's 64 x 128 tile is filled by two 64 x 64 boxes (a 128B-swizzled row holds 64 f16).
+    with kernel(pointer, pointer, shared_tile((64, 64), kiln.f16), shared_tile((64, 128), kiln.f16),
+                global_matrix(kiln.f32)) as k:
+        a_map = tma.descriptor_from_pointer(k.args[0], kiln.f16, (64, 64), 128)
+        b_map = tma.descriptor_from_pointer(k.args[1], kiln.f16, (64, 64), 128)
+        acc = wgmma.accumulator(64, 128)
+        acc = wgmma.mma(acc, wgmma.descriptor(k.args[2], a_map), wgmma.descriptor(k.args[3], b_map),
+                        transpose_b=True)
+        assert (acc.shape, acc.dtype) == ((64, 128), kiln.f32)
+        wgmma.store(acc, k.args[4], (64, 0))
+    assert "vector<64x128xf32>" in k.text and "transposeB" in k.text
+    ptx = k.ptx()
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16") == 4  # K=64: 4 steps
+    assert "wgmma.wait_group.sync.aligned 0" in ptx
+
+
+def test_wgmma_explicit_fence_commit_wait():
+    with kernel() as k:
+        wgmma.fence()
+        wgmma.commit()
+        wgmma.wait_group(1)
+    ptx = k.ptx()
+    assert "wgmma.fence.sync.aligned" in ptx
+    assert "wgmma.commit_group.sync.aligned" in ptx
+    assert "wgmma.wait_group.sync.aligned 1" in ptx
+
+
+def _operands(k, a_shape, b_shape, dtype):
+    a_map = tma.descriptor_from_pointer(k.args[0], dtype, a_shape, 128)
+    b_map = tma.descriptor_from_pointer(k.args[1], dtype, b_shape, 128)
+    return wgmma.descriptor(k.args[2], a_map), wgmma.descriptor(k.args[3], b_map)
+
+
+@pytest.mark.parametrize("a_shape, b_shape, acc_args, dtype, message", [
+    ((64, 64), (32, 64), (64, 64), kiln.bf16, "do not form an m64nNk16"),
+    ((64, 64), (64, 64), (64, 32), kiln.bf16, "do not form"),
+    ((64, 64), (64, 64), (128, 64), kiln.f16, "do not form"),
+])
+def test_wgmma_mma_rejects_unsupported_shapes(a_shape, b_shape, acc_args, dtype, message):
+    with kernel(pointer, pointer, shared_tile(a_shape, dtype), shared_tile(b_shape, dtype)) as k:
+        a, b = _operands(k, a_shape, b_shape, dtype)
+        acc = wgmma.accumulator(*acc_args)
+        with pytest.raises(kiln.UnsupportedError, match=message) as err:
+            wgmma.mma(acc, a, b, transpose_b=True)
+    assert "m64nNk16" in str(err.value) and err.value.loc.filename == __file__
+
+
+@pytest.mark.parametrize("m, n, dtype", [(48, 64, kiln.f32), (64, 264, kiln.f32),
+                                         (64, 12, kiln.f32), (64, 64, kiln.f16)])
+def test_wgmma_accumulator_rejects_unsupported(m, n, dtype):
+    with pytest.raises(kiln.UnsupportedError, match="m64nNk16"), kernel():
+        wgmma.accumulator(m, n, dtype)
+
+
+def test_wgmma_descriptor_rejects_f32_tiles():
+    with pytest.raises(kiln.UnsupportedError, match="f16 or bf16"), \
+            kernel(pointer, shared_tile((64, 16), kiln.f32)) as k:
+        wgmma.descriptor(k.args[1], tma.descriptor_from_pointer(k.args[0], kiln.f32, (64, 16)))
+
+
+@pytest.mark.parametrize("box, swizzle, message", [((64, 32), 64, "128-byte swizzle"),
+                                                    ((64, 16), 128, "32-byte rows")])
+def test_wgmma_descriptor_needs_128b_swizzled_rows(box, swizzle, message):
+    with pytest.raises(kiln.UnsupportedError, match=message), \
+            kernel(pointer, shared_tile(box, kiln.bf16)) as k:
+        desc = tma.descriptor_from_pointer(k.args[0], kiln.bf16, box, swizzle)
+        wgmma.descriptor(k.args[1], desc)
+
+
+def test_wgmma_descriptor_checks_swizzle_of_a_raw_descriptor_value():
+    with pytest.raises(kiln.UnsupportedError, match="128-byte swizzle"), \
+            kernel(pointer, shared_tile((64, 32), kiln.bf16)) as k:
+        desc = tma.descriptor_from_pointer(k.args[0], kiln.bf16, (64, 32), 64)
+        wgmma.descriptor(k.args[1], desc.ir)
+
+
+def test_wgmma_store_checks_destination_dtype():
+    with kernel(global_matrix(kiln.f16)) as k:
+        acc = wgmma.accumulator(64, 64)
+        with pytest.raises(kiln.KilnTypeError, match="f32 accumulator into a f16 tensor"):
+            wgmma.store(acc, k.args[0])
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_80", "gfx950"])
+def test_wgmma_needs_wgmma_target(target):
+    with pytest.raises(kiln.TargetError, match="WGMMA") as err, kernel(target=target):
+        wgmma.accumulator(64, 64)
+    assert "sm_90a" in str(err.value)
+
+
+def test_accumulator_flattens_through_control_flow():
+    with kernel():
+        acc = wgmma.accumulator(64, 64)
+        values, aux = acc.__kiln_flatten__()
+        again = wgmma.Accumulator.__kiln_unflatten__(aux, values)
+        bars = mbarrier.group(2)
+        bars_again = mbarrier.MBarrierGroup.__kiln_unflatten__(*reversed(bars.__kiln_flatten__()))
+    assert (again.ir, again.shape, again.dtype) == (acc.ir, (64, 64), kiln.f32)
+    assert (bars_again.ir, bars_again.num_barriers) == (bars.ir, 2)
+
+
+# --- nvidia_asm -------------------------------------------------------------------------------
+
+def test_elect_setmaxnreg_fences_lower_to_ptx():
+    with kernel() as k:
+        leader = nvidia_asm.elect_sync()
+        assert leader.dtype is kiln.i1
+        nvidia_asm.fence_mbarrier_init()
+        nvidia_asm.setmaxnreg(240, increase=True)
+        nvidia_asm.setmaxnreg(40, increase=False)
+    ptx = k.ptx()
+    assert "elect.sync" in ptx
+    assert "fence.mbarrier_init.release.cluster" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 240" in ptx
+    assert "setmaxnreg.dec.sync.aligned.u32 40" in ptx
+
+
+@pytest.mark.parametrize("count", [20, 241, 300])
+def test_setmaxnreg_rejects_bad_counts(count):
+    with pytest.raises(kiln.KilnValueError, match="multiple of 8 in 24..256"), kernel():
+        nvidia_asm.setmaxnreg(count, increase=True)
+
+
+def test_predicate_must_be_boolean():
+    with pytest.raises(kiln.KilnTypeError, match="predicate must be a boolean"), \
+            kernel(lambda: ir.IndexType.get()) as k:
+        mbarrier.group(1).init(0, count=1, predicate=k.args[0])
