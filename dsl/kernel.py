@@ -109,10 +109,26 @@ class _Param:
     spec: Any  # TensorSpec | DType | TensorMapSpec | None
 
 
+def _resolve_annotation(fn: Callable, annotation: Any) -> Any:
+    """Evaluate string annotations (``from __future__ import annotations``) in fn's scope."""
+    if not isinstance(annotation, str):
+        return annotation
+    scope = {}
+    for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        try:
+            scope[var] = cell.cell_contents
+        except ValueError:
+            pass
+    try:
+        return eval(annotation, fn.__globals__, scope)  # noqa: S307 - the user's own annotation
+    except Exception:  # an unresolvable name: fall back to dtype names like "f32"
+        return annotation
+
+
 def _classify(name: str, annotation: Any) -> _Param:
     if annotation is inspect.Parameter.empty:
         return _Param(name, "infer", None)
-    if annotation is constexpr or annotation == "kiln.constexpr" or annotation == "constexpr":
+    if annotation is constexpr:
         return _Param(name, "constexpr", None)
     if isinstance(annotation, TensorSpec):
         return _Param(name, "tensor", annotation)
@@ -169,7 +185,8 @@ class JITKernel:
         self.fn = fn
         self.name = fn.__name__
         self._sig = inspect.signature(fn)
-        self.params = tuple(_classify(p.name, p.annotation) for p in self._sig.parameters.values())
+        self.params = tuple(_classify(p.name, _resolve_annotation(fn, p.annotation))
+                            for p in self._sig.parameters.values())
         self._runtime_idx = tuple(i for i, p in enumerate(self.params) if p.kind != "constexpr")
         self._compiled: dict[tuple, Any] = {}  # (arg specs, options) -> CompiledKernel
         self._launches: dict[tuple, tuple] = {}  # cheap launch key -> (CompiledKernel, meta, positional)

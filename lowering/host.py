@@ -45,6 +45,9 @@ from kiln.lowering.targets import Target
 
 BINARY_SYMBOL = "kiln_kernels"
 LAUNCH_SYMBOL = "kiln_launch"
+# The Python ExecutionEngine only looks up packed ``void(void**)`` wrappers; this function's
+# packed wrapper hands out the address of the plain C-ABI ``kiln_launch``.
+ADDRESS_SYMBOL = "kiln_launch_address"
 GLOBAL_MEMORY_SPACE = 1
 
 HOST_PIPELINE = ("builtin.module(convert-func-to-llvm,convert-arith-to-llvm,"
@@ -114,6 +117,11 @@ def build_host_module(signature: KernelSignature, kernel_object):
             param_types + [index] * 3 + [ir.IntegerType.get_signless(32), stream_type], [])
         fn = func.FuncOp(LAUNCH_SYMBOL, fn_type)
         entry = fn.add_entry_block()
+        address_fn = func.FuncOp(ADDRESS_SYMBOL, ir.FunctionType.get([], [stream_type]))
+    with ir.InsertionPoint(address_fn.add_entry_block()):
+        launch_ref = func.ConstantOp(fn_type, ir.FlatSymbolRefAttr.get(LAUNCH_SYMBOL))
+        address = builtin.UnrealizedConversionCastOp([stream_type], [launch_ref.result]).result
+        func.ReturnOp([address])
     with ir.InsertionPoint(entry):
         args = list(entry.arguments)
         kernel_args = []
@@ -190,9 +198,11 @@ class HostLauncher:
             self._engine = execution_engine.ExecutionEngine(
                 module, opt_level=2, shared_libs=list(runtime_libs))
             self._engine.initialize()
-        address = self._engine.raw_lookup(LAUNCH_SYMBOL)
-        prototype = ctypes.CFUNCTYPE(None, *flat_c_argtypes(signature))
-        self._launch = prototype(address)
+        result = ctypes.c_void_p()
+        packed_args = (ctypes.c_void_p * 1)(ctypes.addressof(result))
+        packed = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self._engine.raw_lookup(ADDRESS_SYMBOL))
+        packed(packed_args)
+        self._launch = ctypes.CFUNCTYPE(None, *flat_c_argtypes(signature))(result.value)
         self._smem = signature.dynamic_shared_bytes
 
     def __call__(self, flat_args: Sequence, grid: tuple[int, int, int], stream: int | None) -> None:

@@ -212,6 +212,7 @@ def test_complement_fills_the_gaps(a, extra_bits):
 def test_complement_examples_and_errors():
     assert complement(Layout(4, 2), 16) == Layout((2, 2), (1, 8))
     assert complement(Layout((2, 2), (1, 6)), 24) == Layout((3, 2), (2, 12))
+    assert complement(Layout(4, 2), 20) == Layout((2, 3), (1, 8))  # rounds the cotarget up
     with pytest.raises(KilnValueError, match="no complement"):
         complement(Layout((2, 2), (4, 6)))
 
@@ -289,6 +290,11 @@ def test_blocked_and_raked_products(product, block_first):
         product(block, Layout(4))
 
 
+def test_rank_one_products():
+    assert blocked_product(Layout(2), Layout(3)) == Layout((2, 3), (1, 2))
+    assert raked_product(Layout(2), Layout(3)) == Layout((3, 2), (2, 1))
+
+
 # ----------------------------------------------------------------------------- inverses
 
 
@@ -300,6 +306,10 @@ def test_inverses_of_bijections(layout):
     offsets = reference_offsets(layout)
     assert np.array_equal(offsets[right.offsets()], np.arange(layout.size()))
     assert np.array_equal(left(offsets), np.arange(layout.size()))
+
+
+def test_right_inverse_skips_broadcast_modes():
+    assert right_inverse(Layout((2, 4), (0, 1))) == Layout(4, 2)
 
 
 @FAST

@@ -33,9 +33,11 @@ for stage in ("kiln", "nvvm", "ptx"):
 
 # CHECK-LABEL: // STAGE nvvm
 # CHECK: llvm.func @tma_wgmma_smoke(
-# CHECK: nvvm.cp.async.bulk.tensor.shared.cluster.global
+# CHECK: nvvm.fence.mbarrier.init
+# CHECK-COUNT-2: cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes
+# CHECK: mbarrier.try_wait.parity.shared.b64
 # CHECK: nvvm.wgmma.fence.aligned
-# CHECK-COUNT-4: nvvm.wgmma.mma_async
+# CHECK-COUNT-4: wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16
 # CHECK: nvvm.wgmma.commit.group.sync.aligned
 # CHECK: nvvm.wgmma.wait.group.sync.aligned 0
 
