@@ -45,6 +45,7 @@ class _Runtime:
 
     at = staticmethod(at_source)
     capture = staticmethod(trace_runtime.capture)
+    reachable_structs = staticmethod(trace_runtime.reachable_structs)
     is_traced = staticmethod(trace_runtime.is_traced)
     if_stmt = staticmethod(trace_runtime.if_stmt)
     for_stmt = staticmethod(trace_runtime.for_stmt)
@@ -76,48 +77,49 @@ def _function(name: str, params, body) -> ast.FunctionDef:
     return ast.FunctionDef(name=name, args=args, body=body, decorator_list=[], returns=None)
 
 
-class _AssignedNames(ast.NodeVisitor):
-    """Names (re)bound by a list of statements, plus bases of attribute stores (struct fields)."""
+class _Names(ast.NodeVisitor):
+    """Names a region rebinds (``stored``) and names it reads (``loaded``).
+
+    Loaded names matter for ``@kiln.struct`` objects mutated in place (``s.m = v`` or a method
+    call such as ``s.update(v)``): the runtime carries every struct the region can reach.
+    """
 
     def __init__(self):
-        self.names: list[str] = []
+        self.stored: list[str] = []
+        self.loaded: list[str] = []
+        self.inner_scope = 0  # inside a nested def/lambda/comprehension: its stores are its own
 
-    def _add(self, name: str):
-        if name not in self.names and not name.startswith("__kiln_"):
-            self.names.append(name)
+    @staticmethod
+    def _add(names: list[str], name: str):
+        if name not in names and not name.startswith("__kiln_"):
+            names.append(name)
 
     def visit_Name(self, node):
-        if isinstance(node.ctx, ast.Store):
-            self._add(node.id)
+        if not isinstance(node.ctx, ast.Store):
+            self._add(self.loaded, node.id)
+        elif not self.inner_scope:
+            self._add(self.stored, node.id)
 
-    def visit_Attribute(self, node):
-        if isinstance(node.ctx, ast.Store):
-            base = node.value
-            while isinstance(base, ast.Attribute):
-                base = base.value
-            if isinstance(base, ast.Name):
-                self._add(base.id)
-        self.generic_visit(node)
+    def _inner(self, node):
+        self.inner_scope += 1
+        self.generic_visit(node)  # a nested scope can still read and mutate a struct
+        self.inner_scope -= 1
 
     def visit_FunctionDef(self, node):
-        self._add(node.name)
+        if not self.inner_scope:
+            self._add(self.stored, node.name)
+        self._inner(node)
 
     visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
-
-    def visit_Lambda(self, node):
-        pass
-
-    def visit_ListComp(self, node):
-        pass
-
-    visit_SetComp = visit_DictComp = visit_GeneratorExp = visit_ListComp
+    visit_Lambda = visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _inner
 
 
-def assigned_names(stmts) -> list[str]:
-    v = _AssignedNames()
+def region_names(stmts) -> tuple[list[str], list[str]]:
+    """(stored names, loaded-only names) of a list of statements."""
+    v = _Names()
     for s in stmts:
         v.visit(s)
-    return v.names
+    return v.stored, [n for n in v.loaded if n not in v.stored]
 
 
 class _ForbidEscapes(ast.NodeTransformer):
@@ -209,10 +211,14 @@ class _Rewriter(ast.NodeTransformer):
         locals_call = ast.Call(ast.Name("locals", ast.Load()), [], [])
         return _call("capture", locals_call, _str_tuple(names))
 
+    def _structs(self, names):
+        locals_call = ast.Call(ast.Name("locals", ast.Load()), [], [])
+        return _call("reachable_structs", locals_call, _str_tuple(names))
+
     def visit_If(self, node):
         n = next(_counter)
         cond = f"__kiln_cond_{n}"
-        names = assigned_names(node.body + node.orelse)
+        names, loaded = region_names(node.body + node.orelse)
         static_if = ast.If(ast.Name(cond, ast.Load()), self._stmts(copy.deepcopy(node.body)),
                            self._stmts(copy.deepcopy(node.orelse)))
         then_fn = self._branch_fn(f"__kiln_then_{n}", names, _forbid_escapes(node.body), node)
@@ -223,7 +229,7 @@ class _Rewriter(ast.NodeTransformer):
                                           _forbid_escapes(node.orelse), node))
             else_ref = ast.Name(f"__kiln_else_{n}", ast.Load())
         call = _call("if_stmt", ast.Name(cond, ast.Load()), ast.Name(f"__kiln_then_{n}", ast.Load()),
-                     else_ref, _str_tuple(names), self._capture(names))
+                     else_ref, _str_tuple(names), self._capture(names), self._structs(loaded))
         traced.append(self._assign_results(names, call, node))
         evaluate = self._at(node.test, [ast.Assign([ast.Name(cond, ast.Store())], node.test)])
         dispatch = ast.If(_call("is_traced", ast.Name(cond, ast.Load())), traced, [static_if])
@@ -238,12 +244,13 @@ class _Rewriter(ast.NodeTransformer):
         evaluate = self._at(node.iter, [ast.Assign([ast.Name(it, ast.Store())], node.iter)])
         if not isinstance(node.target, ast.Name) or node.orelse:
             return [ast.copy_location(evaluate, node), ast.copy_location(static_for, node)]
-        names = [m for m in assigned_names(node.body) if m != node.target.id]
+        stored, loaded = region_names(node.body)
+        names = [m for m in stored if m != node.target.id]
         body_fn = self._branch_fn(f"__kiln_body_{n}", [node.target.id] + names,
                                   _forbid_escapes(node.body), node)
         body_fn.body[-1] = ast.Return(_names_tuple(names, ast.Load))
         call = _call("for_stmt", ast.Name(it, ast.Load()), ast.Name(body_fn.name, ast.Load()),
-                     _str_tuple(names), self._capture(names))
+                     _str_tuple(names), self._capture(names), self._structs(loaded))
         traced = [body_fn, self._assign_results(names, call, node)]
         is_range = ast.Call(ast.Name("isinstance", ast.Load()),
                             [ast.Name(it, ast.Load()), _rt("TracedRange")], [])

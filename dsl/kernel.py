@@ -38,16 +38,15 @@ from typing import Any, Callable
 
 import numpy as np
 from mlir import ir
-from mlir.dialects import gpu
+from mlir.dialects import gpu, llvm
 
 from . import ast_rewrite, builder
 from . import dtypes as dt
 from .errors import (CompilationError, KilnTypeError, KilnValueError, SourceLoc, trace_location,
                      user_facing)
-from .lowering_bridge import (cache_key, lowering_signature, source_key, tensor_arg_spec,
-                              tensormap_type)
+from .lowering_bridge import cache_key, lowering_signature, source_key, tensor_arg_spec
 from .tensor import TensorRef, TensorSpec, memref_type
-from .values import Handle, Value
+from .values import Value
 
 OPTION_NAMES = ("target", "num_warps", "opt_level", "ptx_version", "maxnreg")
 _default_target = "sm_90a"
@@ -71,8 +70,9 @@ class TensorMapSpec:
 class TensorMap:
     """Annotation for a TMA descriptor parameter: ``a: kiln.TensorMap[f16, (64, 64), 128]``.
 
-    The launch argument is the tensor; the host builds the descriptor. In the body the parameter
-    is a :class:`~kiln.values.Handle` of ``!nvgpu.tensormap.descriptor<...>``.
+    The launch argument is the tensor; the host builds the descriptor and passes its device
+    address (an ``!llvm.ptr`` in the ``gpu.func``). In the body the parameter is a
+    :class:`kiln.tma.TensorMapDescriptor` whose ``.ir`` is ``!nvgpu.tensormap.descriptor<...>``.
     """
 
     def __class_getitem__(cls, params) -> TensorMapSpec:
@@ -121,8 +121,17 @@ def _resolve_annotation(fn: Callable, annotation: Any) -> Any:
             pass
     try:
         return eval(annotation, fn.__globals__, scope)  # noqa: S307 - the user's own annotation
-    except Exception:  # an unresolvable name: fall back to dtype names like "f32"
-        return annotation
+    except NameError as err:
+        try:
+            return dt.dtype(annotation)  # a dtype name such as "f32"
+        except KilnTypeError:
+            pass
+        code = fn.__code__
+        raise KilnTypeError(
+            f"cannot resolve the annotation {annotation!r} of {fn.__name__}: {err}",
+            fix="define the names it uses at module level (string annotations from `from "
+                "__future__ import annotations` cannot see a function's local variables)",
+            loc=SourceLoc(code.co_filename, code.co_firstlineno)) from None
 
 
 def _classify(name: str, annotation: Any) -> _Param:
@@ -295,7 +304,9 @@ class JITKernel:
         if spec.kind == "tensor":
             return memref_type(spec.dtype, spec.rank, spec.contiguous)
         if spec.kind == "tensormap":
-            return tensormap_type(spec.tensormap)
+            # convert-gpu-to-nvvm cannot lower a gpu.func taking !nvgpu.tensormap.descriptor:
+            # the kernel takes the descriptor's device address and casts it (kiln.tma).
+            return llvm.PointerType.get()
         return spec.dtype.mlir_type()
 
     @staticmethod
@@ -303,7 +314,10 @@ class JITKernel:
         if spec.kind == "tensor":
             return TensorRef(arg, spec.dtype, spec.name)
         if spec.kind == "tensormap":
-            return Handle(arg)
+            from .tma import descriptor_from_pointer
+
+            tm = spec.tensormap
+            return descriptor_from_pointer(arg, tm.dtype, tm.box, tm.swizzle)
         return Value(arg, spec.dtype)
 
     @user_facing

@@ -553,7 +553,8 @@ class ThreadValueLayout:
         """Row-major tile positions as a ``[num_threads, num_values]`` int64 array."""
         threads = np.arange(self.num_threads, dtype=np.int64)[:, None]
         values = np.arange(self.num_values, dtype=np.int64)[None, :]
-        return np.asarray(self.layout((threads, values)), dtype=np.int64) + 0 * threads * values
+        offsets = self.layout((threads, values))
+        return np.broadcast_to(offsets, (self.num_threads, self.num_values)).astype(np.int64)
 
     def coords(self) -> tuple[np.ndarray, np.ndarray]:
         """``(rows, cols)`` arrays of shape ``[num_threads, num_values]``."""

@@ -15,14 +15,8 @@ import inspect
 import types
 from typing import Any, Callable
 
-from mlir import ir
-from mlir.dialects import nvgpu
-
 from .dtypes import DType
 from .errors import KilnTypeError
-
-_SWIZZLE = {0: "SWIZZLE_NONE", 32: "SWIZZLE_32B", 64: "SWIZZLE_64B", 128: "SWIZZLE_128B"}
-
 
 def tensor_arg_spec(name: str, value: Any) -> tuple[DType, int, bool]:
     """(dtype, rank, innermost-stride-is-1) of an array argument."""
@@ -35,17 +29,6 @@ def tensor_arg_spec(name: str, value: Any) -> tuple[DType, int, bool]:
     if info.rank == 0:
         raise KilnTypeError(f"argument '{name}' is a 0-d array", fix="pass a scalar instead")
     return info.dtype, info.rank, info.contiguous_last
-
-
-def tensormap_type(spec) -> ir.Type:
-    """``!nvgpu.tensormap.descriptor<tensor = memref<BOX x T, 3>, swizzle = ..., l2promo = none,
-    oob = zero, interleave = none>`` for a ``kiln.TensorMap[...]`` annotation."""
-    space = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), 3)
-    box = ir.MemRefType.get(list(spec.box), spec.dtype.mlir_type(), memory_space=space)
-    swizzle = getattr(nvgpu.TensorMapSwizzleKind, _SWIZZLE[spec.swizzle])
-    return nvgpu.TensorMapDescriptorType.get(
-        box, int(swizzle), int(nvgpu.TensorMapL2PromoKind.L2PROMO_NONE),
-        int(nvgpu.TensorMapOOBKind.OOB_ZERO), int(nvgpu.TensorMapInterleaveKind.INTERLEAVE_NONE))
 
 
 def lowering_signature(name: str, specs, block, constexprs):

@@ -15,6 +15,7 @@ Example (inside a ``@kiln.kernel`` for sm_90a)::
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 from mlir import ir
 from mlir.dialects import arith, nvvm
@@ -36,30 +37,18 @@ def ir_value(obj, what: str) -> ir.Value:
 
 
 def as_index(obj, what: str) -> ir.Value:
-    """An ``index`` value from a Python int or a traced integer (cast when needed)."""
-    if isinstance(obj, bool) or not isinstance(obj, int) and not hasattr(obj, "ir") \
-            and not isinstance(obj, ir.Value):
-        raise KilnTypeError(f"{what} must be an int or a traced integer, got {obj!r}",
-                            fix=f"pass {what} as a Python int or an integer kernel value")
-    index_type = ir.IndexType.get()
-    if isinstance(obj, int):
-        return arith.constant(index_type, obj)
-    value = ir_value(obj, what)
-    if isinstance(value.type, ir.IndexType):
+    """An ``index`` value from a Python/numpy int or a traced integer (cast when needed)."""
+    if isinstance(obj, numbers.Integral) and not isinstance(obj, bool):
+        return arith.constant(ir.IndexType.get(), int(obj))
+    value = getattr(obj, "ir", obj)
+    if isinstance(value, ir.Value) and isinstance(value.type, ir.IndexType):
         return value
-    if isinstance(value.type, ir.IntegerType):
-        return arith.index_cast(index_type, value)
-    raise KilnTypeError(f"{what} must be an integer, got a value of type {value.type}",
-                        fix=f"convert first, e.g. kiln.cast({what}, kiln.i32)")
-
-
-def as_i32(obj, what: str) -> ir.Value:
-    """An ``i32`` value from a Python int or a traced integer."""
-    i32 = ir.IntegerType.get_signless(32)
-    if isinstance(obj, int) and not isinstance(obj, bool):
-        return arith.constant(i32, obj)
-    value = as_index(obj, what)
-    return arith.index_cast(i32, value)
+    if isinstance(value, ir.Value) and isinstance(value.type, ir.IntegerType) \
+            and value.type.width > 1:
+        return arith.index_cast(ir.IndexType.get(), value)
+    described = f"a value of type {value.type}" if isinstance(value, ir.Value) else repr(obj)
+    raise KilnTypeError(f"{what} must be an int or a traced integer, got {described}",
+                        fix=f"pass {what} as a Python int or an integer kernel value")
 
 
 def as_predicate(obj) -> ir.Value | None:

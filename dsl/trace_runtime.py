@@ -132,14 +132,6 @@ def materialize(obj: Any, like: Any = None) -> Any:
     return obj
 
 
-def _write_back(original: Any, new: Any) -> Any:
-    """Structs are mutated in place so aliases (e.g. ``self`` in a method) see the update."""
-    if original is not new and hasattr(original, "__kiln_assign__") and type(original) is type(new):
-        original.__kiln_assign__(new)
-        return original
-    return new
-
-
 def _check_same(name: str, spec_a, types_a, spec_b, types_b, what: str):
     if spec_a != spec_b or types_a != types_b:
         ta = ", ".join(str(t) for t in types_a)
@@ -155,25 +147,61 @@ def _ir_types(values):
     return [str(v.type) for v in values]
 
 
+def reachable_structs(frame_locals: dict, names: Sequence[str]) -> list:
+    """The ``@kiln.struct`` objects a region reads: it may mutate them in place."""
+    seen, out = set(), []
+    for n in names:
+        obj = frame_locals.get(n)
+        if hasattr(obj, "__kiln_assign__") and id(obj) not in seen:
+            seen.add(id(obj))
+            out.append(obj)
+    return out
+
+
+def _copy(obj: Any) -> Any:
+    leaves, spec = flatten(obj)
+    return unflatten(spec, leaves)
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
+    la, sa = flatten(a)
+    lb, sb = flatten(b)
+    return sa == sb and len(la) == len(lb) and all(x == y for x, y in zip(la, lb))
+
+
 # ---- if -----------------------------------------------------------------------------------
 
 def if_stmt(cond: Value, then_fn: Callable, else_fn: Callable | None, names: Sequence[str],
-            initial: list) -> tuple:
-    """Build ``scf.if`` for a traced condition; returns the new values of ``names``."""
+            initial: list, objects: list) -> tuple:
+    """Build ``scf.if`` for a traced condition; returns the new values of ``names``.
+
+    Struct ``objects`` the branches may mutate are restored between the branches and get the
+    ``scf.if`` results assigned in place afterwards.
+    """
     cond = cast(cond, dt.i1) if cond.dtype is not dt.i1 else cond
     if cond.shape:
         raise KilnTypeError("an `if` condition must be a scalar, got a vector",
                             fix="reduce the vector first or use kiln.where(mask, a, b)")
+    saved = [_copy(o) for o in objects]
     draft = scf.IfOp(cond.ir, [], has_else=True)
     with ir.InsertionPoint(draft.then_block):
         then_out = list(then_fn(*_fresh(initial)))
+    then_objects = [_copy(o) for o in objects]
+    for obj, old in zip(objects, saved):
+        obj.__kiln_assign__(old)
     with ir.InsertionPoint(draft.else_block):
         else_out = list(else_fn(*_fresh(initial))) if else_fn else list(_fresh(initial))
+    else_objects = [_copy(o) for o in objects]
 
+    # slots: (label, value before, then value, else value); objects come after the names
+    slots = list(zip(names, initial, then_out, else_out))
+    slots += [(type(o).__name__, old, t, e)
+              for o, old, t, e in zip(objects, saved, then_objects, else_objects)]
+    outputs = list(initial) + list(saved)
     results_of, yields_then, yields_else, result_types = [], [], [], []
-    outputs = list(initial)
-    for k, name in enumerate(names):
-        t_val, e_val, before = then_out[k], else_out[k], initial[k]
+    for k, (name, before, t_val, e_val) in enumerate(slots):
+        if k >= len(names) and _same_leaves(t_val, before) and _same_leaves(e_val, before):
+            continue
         if t_val is before and e_val is before:
             continue
         if isinstance(t_val, Undefined) or isinstance(e_val, Undefined):
@@ -210,23 +238,18 @@ def if_stmt(cond: Value, then_fn: Callable, else_fn: Callable | None, names: Seq
                 ip.insert(op)
         draft.operation.erase()
     pos = 0
+    results = list(final.results)
     for k, spec, n in results_of:
-        new = unflatten(spec, list(final.results)[pos:pos + n])
-        outputs[k] = _write_back(initial[k], new)
+        outputs[k] = unflatten(spec, results[pos:pos + n])
         pos += n
-    return tuple(outputs)
+    for obj, new in zip(objects, outputs[len(names):]):
+        obj.__kiln_assign__(new)
+    return tuple(outputs[:len(names)])
 
 
 def _fresh(values: list) -> list:
     """Copies of struct-like objects so each branch mutates its own instance."""
-    out = []
-    for v in values:
-        if hasattr(v, "__kiln_assign__"):
-            leaves, spec = flatten(v)
-            out.append(unflatten(spec, leaves))
-        else:
-            out.append(v)
-    return out
+    return [_copy(v) if hasattr(v, "__kiln_assign__") else v for v in values]
 
 
 # ---- for ----------------------------------------------------------------------------------
@@ -287,39 +310,53 @@ def _bound_dtype(bounds) -> dt.DType:
     return result
 
 
-def for_stmt(rng: TracedRange, body_fn: Callable, names: Sequence[str], initial: list) -> tuple:
-    """Build ``scf.for`` for a kiln.range loop; returns the values of ``names`` after it."""
+def for_stmt(rng: TracedRange, body_fn: Callable, names: Sequence[str], initial: list,
+             objects: list) -> tuple:
+    """Build ``scf.for`` for a kiln.range loop; returns the values of ``names`` after it.
+
+    Names bound before the loop and struct ``objects`` the body reads are loop-carried.
+    """
     idx_dtype = _bound_dtype((rng.lo, rng.hi, rng.step))
     lo, hi, step = (cast(b, idx_dtype) if isinstance(b, Value) else constant(b, idx_dtype)
                     for b in (rng.lo, rng.hi, rng.step))
     carried_pos = [k for k, v in enumerate(initial) if v is not _MISSING]
-    inits = [materialize(initial[k]) for k in carried_pos]
+    labels = [names[k] for k in carried_pos] + [type(o).__name__ for o in objects]
+    inits = [materialize(initial[k]) for k in carried_pos] + [_copy(o) for o in objects]
     init_leaves, specs = [], []
     for v in inits:
         leaves, spec = flatten(v)
         init_leaves += leaves
         specs.append((spec, len(leaves)))
     loop = scf.ForOp(lo.ir, hi.ir, step.ir, init_leaves)
-    with ir.InsertionPoint(loop.body):
-        args = list(initial)
-        pos = 0
-        block_args = list(loop.inner_iter_args)
-        for k, (spec, n) in zip(carried_pos, specs):
-            args[k] = unflatten(spec, block_args[pos:pos + n])
+    block_args = list(loop.inner_iter_args)
+
+    def rebuild(values):
+        out, pos = [], 0
+        for spec, n in specs:
+            out.append(unflatten(spec, values[pos:pos + n]))
             pos += n
+        return out
+
+    with ir.InsertionPoint(loop.body):
+        inside = rebuild(block_args)
+        args = list(initial)
+        for k, v in zip(carried_pos, inside):
+            args[k] = v
+        for obj, v in zip(objects, inside[len(carried_pos):]):
+            obj.__kiln_assign__(v)
         out = list(body_fn(Value(loop.induction_variable, idx_dtype), *args))
+        news = [out[k] for k in carried_pos] + list(objects)
         yields = []
-        for k, (spec, n), init in zip(carried_pos, specs, inits):
-            new = materialize(out[k], init)
-            leaves, new_spec = flatten(new)
-            _check_same(names[k], spec, _ir_types(block_args[len(yields):len(yields) + n]),
+        for label, (spec, n), init, new in zip(labels, specs, inits, news):
+            leaves, new_spec = flatten(materialize(new, init))
+            _check_same(label, spec, _ir_types(block_args[len(yields):len(yields) + n]),
                         new_spec, _ir_types(leaves), "inside a kiln.range loop")
             yields += leaves
         scf.YieldOp(yields)
+    after = rebuild(list(loop.results))
     outputs = [Undefined(n, "first assigned inside a kiln.range loop body") for n in names]
-    pos = 0
-    results = list(loop.results)
-    for k, (spec, n) in zip(carried_pos, specs):
-        outputs[k] = _write_back(initial[k], unflatten(spec, results[pos:pos + n]))
-        pos += n
+    for k, v in zip(carried_pos, after):
+        outputs[k] = v
+    for obj, v in zip(objects, after[len(carried_pos):]):
+        obj.__kiln_assign__(v)
     return tuple(outputs)

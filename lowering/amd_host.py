@@ -67,8 +67,5 @@ def rocm_runtime_library() -> Path:
 
 def build_amd_launcher(signature: KernelSignature, target: Target, hsaco: bytes) -> HostLauncher:
     """A :class:`~kiln.lowering.host.HostLauncher` for an AMD kernel (needs ROCm)."""
-    from kiln.lowering.cuda import mlir_lib_dir
-
     runtime = rocm_runtime_library()
-    return HostLauncher(signature, lambda: amd_kernel_object(target, hsaco),
-                        [str(runtime), str(mlir_lib_dir() / "libmlir_c_runner_utils.so")])
+    return HostLauncher(signature, lambda: amd_kernel_object(target, hsaco), [str(runtime)])

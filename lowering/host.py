@@ -16,8 +16,9 @@ which :func:`lower_host_module` lowers with ``gpu-to-llvm`` (the host half of
 ``gpu-lower-to-nvvm-pipeline``). Translation turns ``gpu.binary`` into a global constructor that
 loads the module (``mgpuModuleLoad``, or ``mgpuModuleLoadJIT`` for PTX) and the launch into
 ``mgpuLaunchKernel`` on the caller's stream. :class:`HostLauncher` JIT-compiles it once with the
-``ExecutionEngine`` and calls the raw ``kiln_launch`` symbol through ctypes with the flat C
-argument list (a memref expands to allocated ptr, aligned ptr, offset, sizes..., strides...).
+``ExecutionEngine`` and calls the plain C-ABI ``kiln_launch`` through ctypes with the flat C
+argument list (a memref expands to allocated ptr, aligned ptr, offset, sizes..., strides...),
+not through the slower packed wrapper; its address comes from ``kiln_launch_address``.
 
 Parameter ABI on the host side:
 
@@ -36,7 +37,7 @@ Example::
 from __future__ import annotations
 
 import ctypes
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from kiln.dtypes import dtype as to_dtype
 from kiln.errors import CompilationError, LaunchError
@@ -183,11 +184,14 @@ def nvidia_kernel_object(target: Target, *, cubin: bytes | None = None, ptx: str
 class HostLauncher:
     """A JIT-compiled ``kiln_launch``; call it with the flat parameter values.
 
-    ``runtime_libs`` are the MLIR GPU runtime wrapper libraries the launcher links against.
+    ``runtime_libs`` are the MLIR GPU runtime wrapper libraries the launcher links against;
+    ``runtime_symbols`` maps ``mgpu*`` names to addresses of in-process implementations that
+    take precedence (a runtime provided by the host application, or a recording stub).
     Construction runs the module-load constructor, so the device must be usable.
     """
 
-    def __init__(self, signature: KernelSignature, build_object, runtime_libs: Sequence[str]):
+    def __init__(self, signature: KernelSignature, build_object, runtime_libs: Sequence[str],
+                 runtime_symbols: Mapping[str, int] | None = None):
         from mlir import execution_engine, ir
 
         self.signature = signature
@@ -197,6 +201,8 @@ class HostLauncher:
             lower_host_module(module)
             self._engine = execution_engine.ExecutionEngine(
                 module, opt_level=2, shared_libs=list(runtime_libs))
+            for name, address in (runtime_symbols or {}).items():
+                self._engine.raw_register_runtime(name, ctypes.c_void_p(address))
             self._engine.initialize()
         result = ctypes.c_void_p()
         packed_args = (ctypes.c_void_p * 1)(ctypes.addressof(result))

@@ -152,7 +152,7 @@ def test_kiln_func_outside_a_kernel_is_an_error():
         helper()
 
 
-def test_tensormap_parameter_becomes_descriptor_and_handle():
+def test_tensormap_parameter_is_a_pointer_viewed_as_descriptor():
     seen = []
 
     @kiln.kernel
@@ -160,11 +160,21 @@ def test_tensormap_parameter_becomes_descriptor_and_handle():
         seen.append(a)
 
     t = tma.trace(np.zeros((128, 64), np.float16))
+    assert "gpu.func @tma(%arg0: !llvm.ptr" in t.module_asm
     assert ("!nvgpu.tensormap.descriptor<tensor = memref<64x32xf16, 3>, swizzle = swizzle_128b, "
             "l2promo = none, oob = zero, interleave = none>") in t.module_asm
-    assert isinstance(seen[0], kiln.Handle)
+    assert (seen[0].box, seen[0].swizzle, seen[0].dtype) == ((64, 32), 128, f16)
     p = t.signature.params[0]
     assert (type(p).__name__, p.box, p.swizzle, p.rank) == ("TensorMapParam", (64, 32), 128, 2)
+
+
+def test_tensormap_box_rank_must_match_tensor():
+    @kiln.kernel
+    def tma(a: kiln.TensorMap[f16, (64,), 0]):
+        pass
+
+    with pytest.raises(kiln.KilnTypeError, match="box"):
+        tma.trace(np.zeros((128, 64), np.float16))
 
 
 def test_current_target_inside_kernel():

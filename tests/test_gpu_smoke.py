@@ -1,5 +1,5 @@
 """The Hopper TMA + mbarrier + WGMMA smoke kernel (examples/hopper_tma_wgmma_smoke.py):
-compiled for sm_90a everywhere, run against numpy on an H100 when one is present."""
+traced and compiled for sm_90a everywhere, run against numpy on an H100 when one is present."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ import numpy as np
 import pytest
 
 import kiln
-from kiln.lowering.compiler import compile_kernel
 from kiln.lowering.cuda import cuda_available
-from kiln.lowering.options import CompileOptions
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hopper_tma_wgmma_smoke.py"
 
@@ -27,6 +25,7 @@ def load_example():
 
 
 smoke = load_example()
+INPUTS = smoke.reference_inputs(seed=1)
 
 
 def on_hopper() -> bool:
@@ -41,13 +40,25 @@ def on_hopper() -> bool:
     return major.value == 9
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    return compile_kernel(smoke.build_kiln_ir(), smoke.SIGNATURE, CompileOptions(target="sm_90a"))
+@pytest.mark.lit
+def test_smoke_kernel_traces_to_nvgpu_ops():
+    text = smoke.tma_wgmma_smoke.trace(*INPUTS, target="sm_90a").module_asm
+    assert "nvgpu.mbarrier.create" in text
+    assert re.search(r"nvgpu.mbarrier.arrive.expect_tx .*%c16384", text)
+    assert len(re.findall(r"nvgpu.tma.async.load .*swizzle_128b", text)) == 2
+    assert re.search(r"nvgpu.warpgroup.mma .*\{transposeB, waitGroup = 0 : i64\}", text)
+    assert "nvgpu.warpgroup.mma.store" in text
+    assert re.search(r"memref.global .*memref<64x64xbf16, 3>.*alignment = 1024", text)
+    # the wrappers' ops carry the user's source line: the WGMMA op points at `wgmma.mma(`
+    alias = re.search(r"nvgpu.warpgroup.mma %.* loc\((#loc\d+)\)", text).group(1)
+    line = int(re.search(rf'^{alias} = loc\("[^"]*hopper_tma_wgmma_smoke.py":(\d+):', text,
+                         re.M).group(1))
+    assert "wgmma.mma(" in EXAMPLE.read_text().splitlines()[line - 1]
 
 
 @pytest.mark.lower
-def test_smoke_kernel_ptx_has_tma_mbarrier_and_wgmma(compiled):
+def test_smoke_kernel_ptx_has_tma_mbarrier_and_wgmma():
+    compiled = smoke.tma_wgmma_smoke.compile(*INPUTS, target="sm_90a")
     ptx = compiled.asm["ptx"]
     assert ".target sm_90a" in ptx
     # K = 64 in m64n64k16 steps, both operands from shared-memory descriptors.
@@ -56,29 +67,22 @@ def test_smoke_kernel_ptx_has_tma_mbarrier_and_wgmma(compiled):
     assert "mbarrier.arrive.expect_tx.shared.b64" in ptx
     assert re.search(r"mbarrier\.try_wait\.parity\.shared\.b64\s+\w+,\s*\[%r\d+\],\s*0,", ptx)
     assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)
-    assert re.search(r"\.shared \.align 1024 \.b8 a_tile\[8192\]", ptx)
-    assert "nvgpu.tma.async.load" in compiled.asm["kiln"]
-
-
-@pytest.mark.lower
-def test_smoke_kernel_assembles_with_ptxas(compiled):
-    if "cubin" not in compiled.asm:
-        pytest.skip("ptxas not found (set KILN_PTXAS or CUDA_ROOT)")
-    assert compiled.metadata["spill_bytes"] == 0
-    assert compiled.metadata["shared_bytes"] >= 2 * 64 * 64 * 2  # both bf16 tiles
+    if "cubin" in compiled.asm:  # ptxas present: it accepted the PTX
+        assert compiled.metadata["spill_bytes"] == 0
+        assert compiled.metadata["shared_bytes"] >= 2 * 64 * 64 * 2  # both bf16 tiles
 
 
 @pytest.mark.lower
 @pytest.mark.parametrize("target", ["sm_80", "sm_90"])
 def test_smoke_kernel_refuses_targets_without_wgmma(target):
     with pytest.raises(kiln.TargetError, match="sm_90"):
-        smoke.build_kiln_ir(target)
+        smoke.tma_wgmma_smoke.trace(*INPUTS, target=target)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_hopper(), reason="needs an sm_90 (H100/H200) GPU and driver")
-def test_smoke_kernel_matches_numpy(compiled):
-    a, b, c = smoke.reference_inputs(seed=1)
-    compiled.launch((1, 1, 1), (a, b, c))
+def test_smoke_kernel_matches_numpy():
+    a, b, c = smoke.reference_inputs(seed=2)  # c is NaN-poisoned
+    smoke.tma_wgmma_smoke[(1, 1, 1)](a, b, c, target="sm_90a", num_warps=4)
     assert not np.isnan(c).any(), "some outputs were never written"
     assert smoke.relative_error(c, a, b) < 1e-2

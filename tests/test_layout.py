@@ -263,6 +263,8 @@ def test_logical_product_examples():
     assert logical_product(Layout((2, 2), (4, 1)), Layout(6)) == \
         Layout(((2, 2), (2, 3)), ((4, 1), (2, 8)))
     assert logical_product(Layout(2), Layout(3)) == Layout((2, 3), (1, 2))
+    # The repeats are spaced by b's cosize, not its size, so a strided b stays injective.
+    assert logical_product(Layout(2, 2), Layout(2, 2)) == Layout((2, 2), (2, 4))
 
 
 @FAST
@@ -411,3 +413,11 @@ def test_thread_value_layout_rejects_double_coverage():
 def test_thread_value_call_is_generic():
     row, col = mma_m16n8_accumulator()(Sym("lane"), Sym("v"))
     assert "lane" in row.text and "v" in col.text and "%" in col.text
+
+
+def test_docstring_examples():
+    import doctest
+
+    import kiln.layout
+
+    assert doctest.testmod(kiln.layout).failed == 0

@@ -355,3 +355,43 @@ def test_predicate_must_be_boolean():
     with pytest.raises(kiln.KilnTypeError, match="predicate must be a boolean"), \
             kernel(lambda: ir.IndexType.get()) as k:
         mbarrier.group(1).init(0, count=1, predicate=k.args[0])
+
+
+# --- the whole Hopper sequence, independent of the front end ----------------------------------
+
+def test_tma_mbarrier_wgmma_sequence_lowers_to_ptx():
+    with kernel(pointer, pointer, shared_tile(), shared_tile(), global_matrix()) as k:
+        a_map = tma.descriptor_from_pointer(k.args[0], kiln.bf16, (64, 64), 128)
+        b_map = tma.descriptor_from_pointer(k.args[1], kiln.bf16, (64, 64), 128)
+        a_smem, b_smem, c = k.args[2:]
+        leader = tid_is_zero()
+        bars = mbarrier.group(1)
+        bars.init(0, count=1, predicate=leader)
+        nvidia_asm.fence_mbarrier_init()
+        gpu.barrier()
+        bars.arrive_expect_tx(0, tma.box_bytes(a_map) + tma.box_bytes(b_map), predicate=leader)
+        tma.load(a_map, a_smem, (0, 0), bars, 0, predicate=leader)
+        tma.load(b_map, b_smem, (0, 0), bars, 0, predicate=leader)
+        mbarrier.PhaseTracker(bars).wait(0)
+        acc = wgmma.mma(wgmma.accumulator(64, 64), wgmma.descriptor(a_smem, a_map),
+                        wgmma.descriptor(b_smem, b_map), transpose_b=True)
+        wgmma.store(acc, c)
+    ptx = k.ptx()
+    tx_bytes = re.search(r"mov.b32 (%r\d+), 16384;", ptx).group(1)  # two 64 x 64 bf16 boxes
+    assert re.search(rf"mbarrier.arrive.expect_tx.shared.b64 _, \[%r\d+\], {tx_bytes};", ptx)
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier") == 2
+    assert re.search(r"mbarrier.try_wait.parity.shared.b64 \w+, \[%r\d+\], 0,", ptx)
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == 4
+    assert "wgmma.wait_group.sync.aligned 0" in ptx
+    assert ptx.count("st.global.b32") == 32  # 64 x 64 f32 over 128 threads
+
+
+def test_indices_accept_traced_integers_and_reject_floats():
+    with kernel(lambda: ir.IntegerType.get_signless(32), lambda: ir.F32Type.get()) as k:
+        bars = mbarrier.group(4)
+        bars.arrive(kiln.Value(k.args[0]))
+        with pytest.raises(kiln.KilnTypeError, match="mbarrier index must be an int"):
+            bars.arrive(k.args[1])
+        with pytest.raises(kiln.KilnTypeError, match="mbarrier index must be an int"):
+            bars.arrive(1.0)
+    assert re.search(r"arith.index_cast %arg0 : i32 to index", k.text)

@@ -155,3 +155,12 @@ def test_invalid_swizzles_raise_with_fix(make, needle):
     with pytest.raises(KilnValueError, match=needle) as err:
         make()
     assert "Fix:" in str(err.value) and "test_swizzle.py" in str(err.value)
+
+
+def test_docstring_examples():
+    import doctest
+
+    import kiln.swizzle
+
+    results = doctest.testmod(kiln.swizzle, extraglobs={"make_layout": make_layout})
+    assert results.failed == 0

@@ -1,27 +1,27 @@
 # RUN: %python %s | FileCheck %s
 # The Hopper smoke kernel (examples/hopper_tma_wgmma_smoke.py) through every sm_90a stage.
+# TensorMap parameters arrive as !llvm.ptr, viewed as descriptors by kiln.tma.descriptor_from_pointer.
 
 import importlib.util
 import os
 from pathlib import Path
 
 os.environ["KILN_PTXAS"] = "/nonexistent"  # stop at PTX: the checks must not depend on ptxas
-
-from kiln.lowering.compiler import compile_kernel  # noqa: E402
-from kiln.lowering.options import CompileOptions  # noqa: E402
+os.environ["KILN_NO_CACHE"] = "1"
 
 example = Path(__file__).resolve().parents[3] / "examples" / "hopper_tma_wgmma_smoke.py"
 spec = importlib.util.spec_from_file_location("smoke", example)
 smoke = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(smoke)
 
-compiled = compile_kernel(smoke.build_kiln_ir(), smoke.SIGNATURE, CompileOptions(target="sm_90a"))
+compiled = smoke.tma_wgmma_smoke.compile(*smoke.reference_inputs(), target="sm_90a")
 for stage in ("kiln", "nvvm", "ptx"):
     print(f"// STAGE {stage}")
     print(compiled.asm[stage])
 
 # CHECK-LABEL: // STAGE kiln
 # CHECK: gpu.func @tma_wgmma_smoke(%{{.*}}: !llvm.ptr {{.*}}, %{{.*}}: !llvm.ptr {{.*}}, %{{.*}}: memref<?x?xf32, strided<[?, 1], offset: ?>, 1>
+# CHECK-COUNT-2: builtin.unrealized_conversion_cast %arg{{[01]}} : !llvm.ptr to !nvgpu.tensormap.descriptor
 # CHECK: nvgpu.mbarrier.create
 # CHECK: nvgpu.mbarrier.init
 # CHECK: nvgpu.mbarrier.arrive.expect_tx %{{.*}}[%{{.*}}], %c16384

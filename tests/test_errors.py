@@ -1,0 +1,114 @@
+"""Front-end errors: class, message, Fix line and the user's file:line with a caret."""
+
+import pickle
+import traceback
+
+import numpy as np
+import pytest
+from mlir.dialects import arith
+
+import kiln
+from kiln import f32, i32
+
+V = np.zeros(4, np.float32)
+
+
+def test_verifier_failure_is_compilation_error_at_user_line(marker_line):
+    @kiln.kernel
+    def k(x: kiln.Tensor[f32], n: i32):
+        # addf on i32 passes the builder; only the verifier catches it
+        arith.AddFOp(n.ir, n.ir)  # @raw-op
+
+    with pytest.raises(kiln.CompilationError) as info:
+        k.trace(V, 1)
+    err = info.value
+    assert "failed MLIR verification" in err.message and "floating-point" in err.message
+    assert err.loc.line == marker_line("@raw-op")
+    assert err.loc.filename == __file__
+    assert "Fix:" in str(err)
+
+
+def test_error_message_shows_source_and_caret(marker_line):
+    @kiln.kernel
+    def k(x: kiln.Tensor[f32]):
+        x[0] = x[1] ** 1.5  # @pow
+
+    with pytest.raises(kiln.UnsupportedError) as info:
+        k.trace(V)
+    text = str(info.value)
+    line = marker_line("@pow")
+    assert text.splitlines()[0].startswith(f"{__file__}:{line}: x ** 1.5")
+    assert "x[0] = x[1] ** 1.5" in text.splitlines()[1]
+    assert set(text.splitlines()[2].strip()) == {"^"}
+    assert text.splitlines()[-1].startswith("Fix: ")
+
+
+def test_traceback_hides_kiln_frames():
+    @kiln.kernel
+    def k(x: kiln.Tensor[f32]):
+        x[0] = kiln.where(x[0], 1.0, 2.0)  # where needs an i1 condition
+
+    with pytest.raises(kiln.KilnTypeError) as info:
+        k.trace(V)
+    frames = traceback.extract_tb(info.value.__traceback__)
+    kiln_frames = [f.filename for f in frames if "/dsl/" in f.filename]
+    assert kiln_frames == [kiln.errors.__file__]  # only the re-raise in @user_facing
+
+
+def test_show_stacktrace_keeps_kiln_frames(monkeypatch):
+    monkeypatch.setenv("KILN_SHOW_STACKTRACE", "1")
+
+    @kiln.kernel
+    def k(x: kiln.Tensor[f32]):
+        x[0] = kiln.where(x[0], 1.0, 2.0)
+
+    with pytest.raises(kiln.KilnTypeError) as info:
+        k.trace(V)
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert any(f.filename.endswith("ops.py") for f in frames)
+
+
+def test_loop_local_used_after_loop_error_pickles_with_location(marker_line):
+    @kiln.kernel
+    def k2(x: kiln.Tensor[f32], n: i32):
+        for j in kiln.range(n):
+            inner = x[j]
+        x[0] = inner  # @pickled-kiln
+
+    with pytest.raises(kiln.KilnTypeError) as info:
+        k2.trace(V, 2)
+    err = pickle.loads(pickle.dumps(info.value))
+    assert isinstance(err, kiln.KilnTypeError)
+    assert err.loc.line == marker_line("@pickled-kiln")
+    assert "first assigned inside a kiln.range loop" in err.message
+
+
+def test_traced_value_as_python_int_is_type_error(marker_line):
+    @kiln.kernel
+    def k(x: kiln.Tensor[f32], n: i32):
+        for j in range(n):  # @py-range
+            x[j] = 0.0
+
+    with pytest.raises(kiln.KilnTypeError) as info:
+        k.trace(V, 2)
+    assert "kiln.range" in info.value.fix
+    assert info.value.loc.line == marker_line("@py-range")
+
+
+def test_bad_tensormap_annotation_is_value_error():
+    with pytest.raises(kiln.KilnValueError, match="swizzle"):
+        kiln.TensorMap[kiln.f16, (64, 64), 48]
+
+
+def test_unresolvable_string_annotation_explains_fix():
+    def make():
+        local_dtype = kiln.f32
+
+        def k(x: "kiln.Tensor[local_dtype]"):
+            pass
+
+        return k
+
+    with pytest.raises(kiln.KilnTypeError, match="cannot resolve the annotation") as info:
+        kiln.kernel(make())
+    assert "module level" in info.value.fix

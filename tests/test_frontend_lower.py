@@ -1,0 +1,119 @@
+"""Front end through lowering: compile for NVIDIA and AMD, launch on a GPU when present."""
+
+import numpy as np
+import pytest
+
+import kiln
+from kiln import f32, i32
+
+compiler = pytest.importorskip("kiln.lowering.compiler")
+
+
+@kiln.kernel
+def saxpy(x: kiln.Tensor[f32], y: kiln.Tensor[f32], n: i32, a: f32, BLOCK: kiln.constexpr):
+    i = kiln.block_id(0) * BLOCK + kiln.thread_id(0)
+    if i < n:
+        y[i] = a * x[i] + y[i]
+
+
+@kiln.struct
+class RunningMax:
+    m: f32
+    total: f32
+
+    def add(self, v):
+        self.total = self.total + v
+        if v > self.m:
+            self.m = v
+
+
+@kiln.kernel
+def row_stats(x: kiln.Tensor[f32, 2], out: kiln.Tensor[f32, 2], cols: i32):
+    """One block per row: thread 0 scans the row; a shared buffer hands the result to thread 1."""
+    row = kiln.block_id(0)
+    stage = kiln.shared((2,), f32)
+    if kiln.thread_id(0) == 0:
+        state = RunningMax(-float("inf"), 0.0)
+        for c in kiln.range(cols):
+            state.add(x[row, c])
+        stage[0] = state.m
+        stage[1] = state.total
+    kiln.barrier()
+    if kiln.thread_id(0) == 1:
+        out[row, 0] = stage[0]
+        out[row, 1] = stage[1]
+
+
+X = np.arange(8, dtype=np.float32)
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("target, stage", [("sm_90a", "ptx"), ("gfx950", "amdgcn")])
+def test_compile_saxpy_for_both_vendors(target, stage, monkeypatch, tmp_path):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    ck = saxpy.compile(X, X, 8, 2.0, BLOCK=64, target=target, num_warps=2)
+    assert list(ck.asm)[:2] == ["kiln", "gpu"] and stage in ck.asm
+    assert "gpu.func @saxpy" in ck.asm["kiln"]
+    assert ck.signature.block == (2 * (32 if target.startswith("sm") else 64), 1, 1)
+    assert saxpy.compile(X, X, 8, 2.0, BLOCK=64, target=target, num_warps=2) is ck  # memoised
+
+
+@pytest.mark.lower
+def test_compile_struct_loop_and_shared_kernel(monkeypatch, tmp_path):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    for target in ("sm_90a", "gfx942"):
+        ck = row_stats.compile(np.zeros((2, 4), np.float32), np.zeros((2, 2), np.float32), 4,
+                               target=target)
+        assert "scf.for" in ck.asm["kiln"] and "memref.global" in ck.asm["kiln"]
+
+
+@pytest.mark.lower
+def test_disk_cache_is_used_across_kernel_objects(monkeypatch, tmp_path):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KILN_NO_CACHE", raising=False)
+    first = saxpy.compile(X, X, 8, 2.0, BLOCK=32)
+    fresh = kiln.kernel(saxpy.fn)  # new JITKernel: no in-memory entry, same source
+    traced = []
+    monkeypatch.setattr(type(fresh), "_trace_specs",
+                        lambda self, *a: traced.append(a) or pytest.fail("re-traced"))
+    second = fresh.compile(X, X, 8, 2.0, BLOCK=32)
+    assert traced == [] and second.asm["ptx"] == first.asm["ptx"]
+
+
+def test_launch_path_is_memoised_and_passes_runtime_args(monkeypatch, tmp_path):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    launches = []
+
+    def fake_launch(self, grid, args, *, stream=None):
+        launches.append((grid, [type(a).__name__ for a in args], stream))
+
+    monkeypatch.setattr(compiler.CompiledKernel, "launch", fake_launch)
+    kern = kiln.kernel(saxpy.fn)
+    for _ in range(3):
+        kern[lambda meta: (8 // meta["BLOCK"],)](X, X, 8, 2.0, BLOCK=4, stream=7)
+    assert launches == [((2, 1, 1), ["ndarray", "ndarray", "int", "float"], 7)] * 3
+    assert len(kern._compiled) == 1
+
+
+def _cuda_ok() -> bool:
+    try:
+        from kiln.lowering.cuda import cuda_available
+    except ImportError:
+        return False
+    return cuda_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ok(), reason="needs a CUDA GPU and driver")
+def test_saxpy_and_row_stats_on_gpu():
+    n = 1000
+    x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    y = np.ones(n, np.float32)
+    saxpy[((n + 127) // 128,)](x, y, n, 3.0, BLOCK=128, target="sm_90a", num_warps=4)
+    np.testing.assert_allclose(y, 3.0 * x + 1.0, rtol=1e-6)
+
+    m = np.random.default_rng(1).standard_normal((5, 37)).astype(np.float32)
+    out = np.zeros((5, 2), np.float32)
+    row_stats[(5,)](m, out, 37, target="sm_90a")
+    np.testing.assert_allclose(out[:, 0], m.max(axis=1))
+    np.testing.assert_allclose(out[:, 1], m.sum(axis=1), rtol=1e-5)
