@@ -228,7 +228,8 @@ class _Rewriter(ast.NodeTransformer):
             traced.append(self._branch_fn(f"__kiln_else_{n}", names,
                                           _forbid_escapes(node.orelse), node))
             else_ref = ast.Name(f"__kiln_else_{n}", ast.Load())
-        call = _call("if_stmt", ast.Name(cond, ast.Load()), ast.Name(f"__kiln_then_{n}", ast.Load()),
+        call = _call("if_stmt", ast.Name(cond, ast.Load()),
+                     ast.Name(f"__kiln_then_{n}", ast.Load()),
                      else_ref, _str_tuple(names), self._capture(names), self._structs(loaded))
         traced.append(self._assign_results(names, call, node))
         evaluate = self._at(node.test, [ast.Assign([ast.Name(cond, ast.Store())], node.test)])
@@ -271,8 +272,9 @@ def rewrite(fn: Callable) -> Callable:
         filename = inspect.getsourcefile(fn) or fn.__code__.co_filename
     except (OSError, TypeError) as err:
         raise KilnValueError(f"cannot read the source of {fn.__qualname__}: {err}",
-                             fix="define kernels in a .py file (not in an interactive prompt or exec)",
-                             loc=SourceLoc(fn.__code__.co_filename, fn.__code__.co_firstlineno)) from None
+                             fix="define kernels in a .py file (not at an interactive prompt)",
+                             loc=SourceLoc(fn.__code__.co_filename,
+                                           fn.__code__.co_firstlineno)) from None
     tree = ast.parse(source)
     fdef = tree.body[0]
     if not isinstance(fdef, ast.FunctionDef):
@@ -285,9 +287,8 @@ def rewrite(fn: Callable) -> Callable:
     fdef.returns = None
     for a in fdef.args.posonlyargs + fdef.args.args + fdef.args.kwonlyargs:
         a.annotation = None  # annotations were read off the original function already
-    factory = ast.copy_location(
-        _function("__kiln_factory", [RT, *freevars], [fdef, ast.Return(ast.Name(fdef.name, ast.Load()))]),
-        fdef)
+    body = [fdef, ast.Return(ast.Name(fdef.name, ast.Load()))]
+    factory = ast.copy_location(_function("__kiln_factory", [RT, *freevars], body), fdef)
     module = ast.fix_missing_locations(ast.Module([factory], type_ignores=[]))
     code = compile(module, filename, "exec")
     factory_code = next(c for c in code.co_consts if isinstance(c, types.CodeType))

@@ -61,7 +61,7 @@ def current() -> TraceState:
     """The active trace; calling a device-only Kiln function outside a kernel is an error."""
     if not _stack:
         raise KilnValueError("this Kiln operation can only be used inside a @kiln.kernel body",
-                             fix="call it from a function decorated with @kiln.kernel or @kiln.func")
+                             fix="call it from a @kiln.kernel or @kiln.func function")
     return _stack[-1]
 
 

@@ -197,8 +197,10 @@ class JITKernel:
         self.params = tuple(_classify(p.name, _resolve_annotation(fn, p.annotation))
                             for p in self._sig.parameters.values())
         self._runtime_idx = tuple(i for i, p in enumerate(self.params) if p.kind != "constexpr")
+        self._constexpr_flags = tuple(p.kind == "constexpr" for p in self.params)
         self._compiled: dict[tuple, Any] = {}  # (arg specs, options) -> CompiledKernel
-        self._launches: dict[tuple, tuple] = {}  # cheap launch key -> (CompiledKernel, meta, positional)
+        # cheap launch key -> (CompiledKernel, grid meta, runtime args all positional)
+        self._launches: dict[tuple, tuple] = {}
         self._source_key: str | None = None
 
     def __repr__(self):
@@ -221,7 +223,7 @@ class JITKernel:
         if kind == "constexpr":
             return ArgSpec(param.name, "constexpr", value=value)
         if kind in ("tensor", "tensormap") or (kind == "infer" and _scalar_dtype_of(value) is None):
-            ts = tensor_arg_spec(param.name, value)  # (dtype, rank, contiguous); raises if not array
+            ts = tensor_arg_spec(param.name, value)  # (dtype, rank, contiguous)
             want = spec.dtype if spec is not None else None
             if want is not None and ts[0] is not want:
                 raise KilnTypeError(
@@ -256,7 +258,8 @@ class JITKernel:
         return tuple(self._arg_spec(p, v) for p, v in zip(self.params, values))
 
     # ---- tracing ---------------------------------------------------------------------------
-    def _trace_specs(self, specs: tuple[ArgSpec, ...], target_name: str, num_warps: int) -> TracedKernel:
+    def _trace_specs(self, specs: tuple[ArgSpec, ...], target_name: str,
+                     num_warps: int) -> TracedKernel:
         from kiln.lowering.targets import get_target
 
         target = get_target(target_name)
@@ -322,7 +325,10 @@ class JITKernel:
 
     @user_facing
     def trace(self, *args, target: str | None = None, num_warps: int = 4, **kwargs) -> TracedKernel:
-        """Build the kiln IR only (no lowering). Example: ``saxpy.trace(x, y, n, 2.0, BLOCK=256)``."""
+        """Build the kiln IR only (no lowering).
+
+        Example: ``saxpy.trace(x, y, n, 2.0, BLOCK=256).module_asm``.
+        """
         specs = self.specialize(args, kwargs)
         return self._trace_specs(specs, target or _default_target, num_warps)
 
@@ -348,65 +354,81 @@ class JITKernel:
     @user_facing
     def compile(self, *args, target: str | None = None, num_warps: int = 4, opt_level: int = 3,
                 ptx_version: int | None = None, maxnreg: int | None = None, **kwargs):
-        """Specialise on ``args`` and compile; returns a ``CompiledKernel`` (``.asm``, ``.metadata``,
-        ``.launch``). Example: ``saxpy.compile(x, y, n, 2.0, BLOCK=256, target="gfx950")``."""
+        """Specialise on ``args`` and compile; returns a ``CompiledKernel`` (``.asm``,
+        ``.metadata``, ``.launch``).
+
+        Example: ``saxpy.compile(x, y, n, 2.0, BLOCK=256, target="gfx950")``.
+        """
         options = self._options(target, num_warps, opt_level, ptx_version, maxnreg)
         specs = self.specialize(args, kwargs)
-        fast = (specs, options)
-        compiled = self._compiled.get(fast)
+        key = (specs, options)
+        try:
+            compiled = self._compiled.get(key)
+        except TypeError:  # an unhashable constexpr value: compile (the disk cache still applies)
+            return self._compile_specs(specs, options)
         if compiled is None:
-            compiled = self._compiled[fast] = self._compile_specs(specs, options)
+            compiled = self._compiled[key] = self._compile_specs(specs, options)
         return compiled
 
     def __getitem__(self, grid) -> Callable:
         """``kernel[grid](*args, **constexprs_and_options)`` launches (see module docs)."""
         return functools.partial(self._launch, grid)
 
-    def _launch_key(self, args: tuple, kwargs: dict) -> tuple:
-        # Cheap: only what can change the specialisation (dtype/rank/contiguity, scalar types,
-        # constexpr values); the full ArgSpec is computed once per distinct key.
-        parts = []
-        for a in args:
-            if isinstance(a, np.ndarray):
-                parts.append((a.dtype, a.ndim, a.ndim == 0 or a.strides[-1] == a.itemsize
-                              or a.shape[-1] <= 1))
-            elif isinstance(a, (int, float)):
-                parts.append(type(a))
-            else:
-                parts.append(a if _hashable(a) else id(type(a)))
-        kw = (tuple(sorted(kwargs.items())) if all(_hashable(v) for v in kwargs.values())
-              else None)
-        return (tuple(parts), kw, _default_target)
-
     @user_facing
     def _launch(self, grid, *args, stream=None, **kwargs):
-        key = self._launch_key(args, kwargs)
-        entry = self._launches.get(key) if key[1] is not None else None
+        # The hot path of a repeat launch: one dict lookup on a cheap key (dtype/rank/contiguity
+        # of arrays, Python scalar types, keyword constexprs/options); the full specialisation
+        # is computed once per distinct key.
+        try:
+            key = (tuple(map(_launch_key_part, args, self._constexpr_flags)), len(args),
+                   tuple(kwargs.items()), _default_target)
+            entry = self._launches.get(key)
+        except TypeError:  # an unhashable constexpr value: no memoisation
+            key, entry = None, None
         if entry is None:
-            options = {k: kwargs.pop(k) for k in OPTION_NAMES if k in kwargs}
-            options.setdefault("num_warps", 4)
-            ck = self.compile(*args, **options, **kwargs)
-            values = self._bind(args, kwargs)
-            constexprs = {p.name: v for p, v in zip(self.params, values) if p.kind == "constexpr"}
-            meta = dict(constexprs, num_warps=options["num_warps"])
-            entry = (ck, meta, len(args) == len(self.params) and not kwargs)
-            if key[1] is not None:
+            entry = self._prepare_launch(args, dict(kwargs))
+            if key is not None:
                 self._launches[key] = entry
-        ck, meta, positional = entry
-        if positional:
+        ck, meta, by_position = entry
+        if by_position:
             runtime = [args[i] for i in self._runtime_idx]
         else:
             values = self._bind(args, {k: v for k, v in kwargs.items() if k not in OPTION_NAMES})
             runtime = [values[i] for i in self._runtime_idx]
-        ck.launch(_grid3(grid(meta) if callable(grid) else grid), runtime, stream=stream)
+        if callable(grid):
+            grid = grid(meta)
+        ck.launch(grid if type(grid) is tuple and len(grid) == 3 else _grid3(grid), runtime,
+                  stream=stream)
+
+    def _prepare_launch(self, args: tuple, kwargs: dict) -> tuple:
+        options = {k: kwargs.pop(k) for k in OPTION_NAMES if k in kwargs}
+        options.setdefault("num_warps", 4)
+        ck = self.compile(*args, **options, **kwargs)
+        values = self._bind(args, kwargs)
+        meta = {p.name: v for p, v in zip(self.params, values) if p.kind == "constexpr"}
+        meta["num_warps"] = options["num_warps"]
+        by_position = all(i < len(args) for i in self._runtime_idx)
+        return ck, meta, by_position
 
 
-def _hashable(x) -> bool:
-    try:
-        hash(x)
-    except TypeError:
-        return False
-    return True
+def _launch_key_part(a: Any, is_constexpr: bool) -> Any:
+    if is_constexpr:
+        return a  # the value specialises (TypeError when unhashable)
+    kind = type(a)
+    if kind is np.ndarray:
+        return (a.dtype, a.ndim, a.ndim == 0 or a.strides[-1] == a.itemsize or a.shape[-1] <= 1)
+    if kind is int or kind is float or kind is bool:
+        return kind
+    if hasattr(a, "data_ptr") and hasattr(a, "stride"):  # torch tensor: not keyed by identity
+        return (a.dtype, a.dim(), a.dim() == 0 or a.stride(-1) == 1 or a.shape[-1] <= 1)
+    if hasattr(a, "__cuda_array_interface__"):
+        from kiln.lowering.arrays import describe_array
+
+        info = describe_array(a)
+        return (info.dtype, info.rank, info.contiguous_last)
+    if isinstance(a, np.generic):
+        return a.dtype
+    return kind  # anything else is rejected (or accepted) by the full specialisation
 
 
 def _grid3(grid) -> tuple[int, int, int]:
@@ -415,7 +437,7 @@ def _grid3(grid) -> tuple[int, int, int]:
     g = tuple(int(v) for v in grid)
     if not 1 <= len(g) <= 3 or any(v < 1 for v in g):
         raise KilnValueError(f"grid {grid!r} must be 1 to 3 positive ints",
-                             fix="e.g. kernel[(triton_cdiv(n, BLOCK),)](...)")
+                             fix="e.g. kernel[((n + BLOCK - 1) // BLOCK,)](...)")
     return g + (1,) * (3 - len(g))
 
 

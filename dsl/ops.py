@@ -39,7 +39,7 @@ def _index_to_i32(v) -> Value:
 
 
 def block_id(d: int = 0) -> Value:
-    """The block (program) index along grid dimension ``d`` as i32. Example: ``kiln.block_id(0)``."""
+    """The block (program) index along grid dimension ``d`` as i32: ``kiln.block_id(0)``."""
     return _index_to_i32(gpu.block_id(_dim(d)))
 
 
@@ -90,7 +90,7 @@ def where(cond: Any, a: Any, b: Any) -> Value:
     return Value(arith.select(c.ir, x.ir, y.ir), x.dtype)
 
 
-def _float(x: Any, name: str) -> Value:
+def _float(x: Any) -> Value:
     v = to_value(x, dt.f32)
     if not v.dtype.is_float:
         v = cast(v, dt.f32)
@@ -99,7 +99,7 @@ def _float(x: Any, name: str) -> Value:
 
 def _unary_math(name: str, op, doc: str):
     def fn(x):
-        v = _float(x, name)
+        v = _float(x)
         return Value(op(v.ir), v.dtype)
 
     fn.__name__ = name
@@ -117,12 +117,12 @@ rsqrt = _unary_math("rsqrt", math.rsqrt, "1/sqrt(x). Example: ``kiln.rsqrt(var +
 
 def rcp(x: Any) -> Value:
     """1/x for floats. Example: ``inv = kiln.rcp(l)``."""
-    v = _float(x, "rcp")
+    v = _float(x)
     return Value(arith.divf(constant(1.0, v.dtype, v.shape).ir, v.ir), v.dtype)
 
 
 def maximum(a: Any, b: Any) -> Value:
-    """Elementwise max (NaN-propagating for floats, signed for ints). Example: ``kiln.max(m, x)``."""
+    """Elementwise max (NaN-propagating for floats, signed for ints): ``kiln.max(m, x)``."""
     x, y = unify(a, b)
     if x.dtype.is_float:
         return Value(arith.maximumf(x.ir, y.ir), x.dtype)
@@ -131,7 +131,7 @@ def maximum(a: Any, b: Any) -> Value:
 
 
 def minimum(a: Any, b: Any) -> Value:
-    """Elementwise min (NaN-propagating for floats, signed for ints). Example: ``kiln.min(a, b)``."""
+    """Elementwise min (NaN-propagating for floats, signed for ints): ``kiln.min(a, b)``."""
     x, y = unify(a, b)
     if x.dtype.is_float:
         return Value(arith.minimumf(x.ir, y.ir), x.dtype)

@@ -49,7 +49,8 @@ def shared(shape: Any, dtype: Any, *, align: int = 16) -> SharedTensor:
         raise KilnValueError(f"kiln.shared needs a shape of positive Python ints, got {shape!r}",
                              fix="use constants or kiln.constexpr values for the shape")
     if align <= 0 or align & (align - 1):
-        raise KilnValueError(f"align={align} is not a power of two", fix="use align=16 (or 128 for TMA)")
+        raise KilnValueError(f"align={align} is not a power of two",
+                             fix="use align=16 (1024 for 128-byte swizzled TMA tiles)")
     elem = dt.dtype(dtype)
     nbytes = numel_bytes(shape, elem)
     padded_start = -(-state.shared_bytes // align) * align

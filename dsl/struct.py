@@ -23,12 +23,16 @@ time, AST-rewritten like kernels so ``if`` on traced values works inside them, a
     state = OnlineSoftmax.start()
     for k in kiln.range(0, n):
         state.update(row[k])          # state is loop-carried (two f32 iter_args)
+
+Generic structs use a ``typing.TypeVar`` as a field annotation and are specialised by
+subscripting: ``T = TypeVar("T")``, ``class Pair: a: T; b: T``, then ``Pair[kiln.f16](x, y)``
+enforces f16 fields (``Pair`` itself accepts any dtype).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, TypeVar
 
 from . import ast_rewrite
 from . import dtypes as dt
@@ -74,10 +78,14 @@ def _rewritten_method(fn):
 def struct(cls: type) -> type:
     """Make ``cls`` a Kiln struct (see module docs). Fields come from its annotations, in order;
     a class attribute of the same name is the field's default."""
-    fields = {name: _field_kind(ann) for name, ann in cls.__dict__.get("__annotations__", {}).items()}
-    defaults = {name: cls.__dict__[name] for name in fields if name in cls.__dict__}
-    for name in defaults:
-        delattr(cls, name)
+    annotations = dict(cls.__dict__.get("__annotations__", {}))
+    fields = {name: _field_kind(ann) for name, ann in annotations.items()}
+    defaults = dict(getattr(cls, "__kiln_defaults__", {}))
+    defaults.update({name: cls.__dict__[name] for name in fields if name in cls.__dict__})
+    for name in fields:
+        if name in cls.__dict__:
+            delattr(cls, name)
+    type_params = [a for a in dict.fromkeys(annotations.values()) if isinstance(a, TypeVar)]
     for name, attr in list(cls.__dict__.items()):
         if isinstance(attr, (classmethod, staticmethod)):
             setattr(cls, name, type(attr)(_rewritten_method(attr.__func__)))
@@ -134,6 +142,28 @@ def struct(cls: type) -> type:
         inner = ", ".join(f"{n}={getattr(self, n, '?')!r}" for n in fields)
         return f"{cls.__name__}({inner})"
 
+    def __class_getitem__(klass, args):
+        args = args if isinstance(args, tuple) else (args,)
+        if len(args) != len(type_params):
+            raise KilnTypeError(f"{cls.__name__} takes {len(type_params)} type parameters "
+                                f"({', '.join(map(str, type_params))}), got {len(args)}",
+                                fix="give one dtype per type parameter, e.g. "
+                                    f"{cls.__name__}[{', '.join('kiln.f32' for _ in type_params)}]")
+        key = tuple(dt.dtype(a) if not isinstance(a, type) else a for a in args)
+        if key not in specialised:
+            bound = dict(zip(type_params, key))
+            label = ", ".join(getattr(k, "name", None) or k.__name__ for k in key)
+            name = f"{cls.__name__}[{label}]"
+            specialised[key] = struct(type(name, (cls,), {
+                "__annotations__": {f: bound.get(a, a) for f, a in annotations.items()},
+                "__kiln_defaults__": defaults, "__module__": cls.__module__,
+                "__qualname__": name}))
+        return specialised[key]
+
+    specialised: dict[tuple, type] = {}
+    if type_params:
+        cls.__class_getitem__ = classmethod(__class_getitem__)
+    cls.__kiln_defaults__ = defaults
     cls.__init__ = __init__
     cls.__setattr__ = __setattr__
     cls.__kiln_flatten__ = __kiln_flatten__

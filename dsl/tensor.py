@@ -145,7 +145,7 @@ class TensorRef:
         if width != 1:
             if mask is not None:
                 raise UnsupportedError("masked vector loads are not supported",
-                                       fix="load scalars with mask=, or guard the vector load with if")
+                                       fix="load scalars with mask=, or guard the load with if")
             vtype = ir.VectorType.get([width], self.dtype.mlir_type())
             return Value(vector.load(vtype, self.ir, self._indices(idx)), self.dtype)
         if mask is None:
@@ -156,14 +156,15 @@ class TensorRef:
                                 fix="pass a comparison such as mask=i < n")
         fallback = other if isinstance(other, Value) else None
         if fallback is not None and fallback.dtype is not self.dtype:
-            raise KilnTypeError(f"other= has dtype {fallback.dtype}, {self.name} holds {self.dtype}",
+            raise KilnTypeError(f"other= has dtype {fallback.dtype}, {self.name} holds "
+                                f"{self.dtype}",
                                 fix=f"kiln.cast(other, kiln.{self.dtype})")
         indices = self._indices(idx)
         if_op = scf.IfOp(m.ir, [self.dtype.mlir_type()], has_else=True)
         with ir.InsertionPoint(if_op.then_block):
             scf.YieldOp([memref.load(self.ir, indices)])
         with ir.InsertionPoint(if_op.else_block):
-            scf.YieldOp([(fallback or constant(other, self.dtype)).ir])
+            scf.YieldOp([(fallback if fallback is not None else constant(other, self.dtype)).ir])
         return Value(if_op.results[0], self.dtype)
 
     def store(self, *args) -> None:

@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from mlir import ir
-from mlir.dialects import arith, scf
+from mlir.dialects import scf
 
 from . import dtypes as dt
 from .errors import KilnTypeError, UnsupportedError
-from .values import Handle, Value, cast, constant, is_literal
+from .values import Value, cast, constant, is_literal
 
 
 class Undefined:
@@ -127,7 +127,8 @@ def materialize(obj: Any, like: Any = None) -> Any:
             return cast(constant(obj, dt.literal_dtype(obj, like.dtype)), like.dtype)
         return constant(obj, dt.literal_dtype(obj, None))
     if isinstance(obj, (tuple, list)):
-        likes = like if isinstance(like, (tuple, list)) and len(like) == len(obj) else [None] * len(obj)
+        same_shape = isinstance(like, (tuple, list)) and len(like) == len(obj)
+        likes = like if same_shape else [None] * len(obj)
         return type(obj)(materialize(o, l) for o, l in zip(obj, likes))
     return obj
 
@@ -231,7 +232,8 @@ def if_stmt(cond: Value, then_fn: Callable, else_fn: Callable | None, names: Seq
     final = draft
     if result_types:  # result types are known only after tracing: move the bodies over
         final = scf.IfOp(cond.ir, result_types, has_else=True, ip=ir.InsertionPoint(draft))
-        for old, new in ((draft.then_block, final.then_block), (draft.else_block, final.else_block)):
+        for old, new in ((draft.then_block, final.then_block),
+                         (draft.else_block, final.else_block)):
             ip = ir.InsertionPoint(new)
             for op in list(old.operations):
                 op.detach_from_parent()
@@ -277,7 +279,8 @@ class TracedRange:
             lo, hi, step = args
         else:
             raise KilnTypeError(f"kiln.range takes 1 to 3 positional bounds, got {len(args)}",
-                                fix="kiln.range(hi), kiln.range(lo, hi) or kiln.range(lo, hi, step)")
+                                fix="kiln.range(hi), kiln.range(lo, hi) or "
+                                    "kiln.range(lo, hi, step)")
         self.lo, self.hi, self.step = lo, hi, step
 
     def __iter__(self):

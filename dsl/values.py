@@ -28,6 +28,10 @@ from .dtypes import DType
 from .errors import KilnTypeError, UnsupportedError
 
 
+_SCALAR_TYPE_NAMES = {"i1", "i8", "i16", "i32", "i64", "index", "f16", "bf16", "f32", "f64",
+                      "f8E4M3FN", "f8E5M2"}
+
+
 class Value:
     """A traced scalar or vector. ``.ir`` is the MLIR value, ``.dtype`` its (element) DType,
     ``.shape`` is ``()`` for scalars and ``(N,)`` for ``vector<NxT>``.
@@ -40,12 +44,15 @@ class Value:
     def __init__(self, ir_value: ir.Value, dtype: DType | None = None):
         self.ir = ir_value
         t = ir_value.type
-        if isinstance(t, ir.VectorType):
-            self.shape = tuple(t.shape)
-            self.dtype = dtype or dt.from_mlir(t.element_type)
-        else:
-            self.shape = ()
-            self.dtype = dtype or dt.from_mlir(t)
+        is_vector = isinstance(t, ir.VectorType)
+        self.shape = tuple(t.shape) if is_vector else ()
+        if dtype is None:
+            elem = t.element_type if is_vector else t
+            if str(elem) not in _SCALAR_TYPE_NAMES:
+                raise KilnTypeError(f"kiln.Value wraps numbers and vectors of numbers, not {t}",
+                                    fix="wrap other MLIR values in kiln.values.Handle")
+            dtype = dt.from_mlir(elem)
+        self.dtype = dtype
 
     @property
     def is_vector(self) -> bool:
@@ -101,8 +108,9 @@ class Value:
 
     def __pow__(self, n):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise UnsupportedError(f"x ** {n!r}: only a constant non-negative Python int exponent "
-                                   "is supported", fix="use kiln.exp2(y * kiln.log2(x)) for real powers")
+            raise UnsupportedError(
+                f"x ** {n!r}: only a constant non-negative Python int exponent is supported",
+                fix="use kiln.exp2(y * kiln.log2(x)) for real powers")
         result = constant(1, self.dtype, self.shape)
         for _ in range(n):
             result = result * self

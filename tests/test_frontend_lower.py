@@ -93,6 +93,10 @@ def test_launch_path_is_memoised_and_passes_runtime_args(monkeypatch, tmp_path):
         kern[lambda meta: (8 // meta["BLOCK"],)](X, X, 8, 2.0, BLOCK=4, stream=7)
     assert launches == [((2, 1, 1), ["ndarray", "ndarray", "int", "float"], 7)] * 3
     assert len(kern._compiled) == 1
+    kern[(1,)](X, X, 8, np.float32(2.0), 8)  # BLOCK passed positionally: a new value compiles
+    kern[(1,)](X, X, 8, np.float32(3.0), 8)  # a scalar's value does not
+    assert len(kern._compiled) == 2 and len(launches) == 5
+    assert launches[-1][1] == ["ndarray", "ndarray", "int", "float32"]
 
 
 def _cuda_ok() -> bool:

@@ -1,6 +1,7 @@
 """@kiln.struct: fields with dtypes, rewritten methods, flowing through loops and ifs."""
 
 import re
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -93,3 +94,36 @@ def test_struct_flatten_roundtrip():
 
     trace(k, V)
     assert seen == [(2, True, i32)]
+
+
+T = TypeVar("T")
+
+
+@kiln.struct
+class Pair:
+    lo: T
+    hi: T
+
+    def widen(self, v):
+        self.lo = kiln.minimum(self.lo, v)
+        self.hi = kiln.maximum(self.hi, v)
+
+
+def test_generic_struct_specialises_field_dtypes():
+    assert Pair[f32] is Pair[f32] and Pair[f32] is not Pair[f16]
+    seen = []
+
+    def k(x: kiln.Tensor[f16]):
+        p = Pair[f16](x[0], x[1])
+        p.widen(x[2])
+        seen.append((p.lo.dtype, type(p).__name__))
+        with pytest.raises(kiln.KilnTypeError, match=r"Pair\[f16\].lo is declared f16"):
+            p.lo = kiln.cast(x[0], f32)
+
+    trace(k, np.zeros(4, np.float16))
+    assert seen == [(f16, "Pair[f16]")]
+
+
+def test_generic_struct_needs_matching_parameter_count():
+    with pytest.raises(kiln.KilnTypeError, match="takes 1 type parameters"):
+        Pair[f16, f32]

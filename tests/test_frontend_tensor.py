@@ -46,6 +46,20 @@ def test_masked_load_builds_if_with_other():
     assert "scf.if" in asm and "-> (f32)" in asm and "-1.000000e+00" in asm
 
 
+def test_masked_load_with_traced_other_and_dtype_check():
+    def k(x: kiln.Tensor[f32], h: kiln.Tensor[f16], n: i32):
+        i = kiln.thread_id(0)
+        x[0] = x.load(i, mask=i < n, other=x[1])
+
+    def bad(x: kiln.Tensor[f32], h: kiln.Tensor[f16], n: i32):
+        x[0] = x.load(0, mask=n > 0, other=h[0])
+
+    h = np.zeros(2, np.float16)
+    assert "scf.yield" in trace(k, V, h, 3)
+    with pytest.raises(kiln.KilnTypeError, match="other= has dtype f16"):
+        trace(bad, V, h, 3)
+
+
 def test_vector_load_store_along_last_dim():
     def k(x: kiln.Tensor[f16, 2]):
         v = x.load(1, 0, width=8)
@@ -124,5 +138,6 @@ def test_shared_shape_must_be_static():
     def k(x: kiln.Tensor[f32], n: i32):
         kiln.shared((n,), f32)
 
-    with pytest.raises(kiln.KilnValueError, match="positive Python ints"):
+    with pytest.raises(kiln.KilnValueError, match="positive Python ints") as info:
         trace(k, V, 4)
+    assert info.value.fix and info.value.loc.line == k.__code__.co_firstlineno + 1

@@ -48,7 +48,8 @@ def test_signature_drops_constexprs_and_records_block():
 
 
 def test_default_target_is_sm90a_and_settable():
-    assert "known_block_size = array<i32: 128, 1, 1>" in saxpy.trace(X, X, 1, 1.0, BLOCK=1).module_asm
+    asm = saxpy.trace(X, X, 1, 1.0, BLOCK=1).module_asm
+    assert "known_block_size = array<i32: 128, 1, 1>" in asm
     kiln.set_default_target("gfx942")
     try:
         assert "array<i32: 256, 1, 1>" in saxpy.trace(X, X, 1, 1.0, BLOCK=1).module_asm
@@ -121,9 +122,11 @@ def test_kernel_cannot_return_a_value():
         bad.trace(X)
 
 
-def test_unknown_target_is_target_error():
-    with pytest.raises(kiln.TargetError):
-        saxpy.trace(X, X, 1, 1.0, BLOCK=1, target="sm_12")
+def test_unknown_target_is_target_error(marker_line):
+    with pytest.raises(kiln.TargetError) as info:
+        saxpy.trace(X, X, 1, 1.0, BLOCK=1, target="sm_12")  # @bad-target
+    assert "unknown target 'sm_12'" in info.value.message and "sm_90a" in info.value.fix
+    assert info.value.loc.line == marker_line("@bad-target")
 
 
 def test_kiln_func_helpers_are_inlined_and_rewritten():

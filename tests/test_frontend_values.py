@@ -172,3 +172,16 @@ def test_vector_ops_broadcast_scalars():
     asm = body_ir(k, F32)
     assert seen == [(4,)]
     assert "vector.load" in asm and "vector.broadcast" in asm and "vector.store" in asm
+
+
+def test_value_rejects_non_numeric_mlir_types():
+    from mlir.dialects import llvm
+
+    def k(x: kiln.Tensor[f32]):
+        null = llvm.mlir_zero(llvm.PointerType.get())
+        assert isinstance(kiln.Value(x[0].ir), kiln.Value)
+        kiln.Value(null)
+
+    with pytest.raises(kiln.KilnTypeError, match="not !llvm.ptr") as info:
+        body_ir(k, F32)
+    assert "Handle" in info.value.fix
