@@ -4,7 +4,9 @@ A tiny kernel (``y[i] += 1`` on 128 elements, one block) is launched many times 
 the wall-clock time per launch after warm-up is the host overhead (the GPU finishes each launch
 faster than the host issues the next). Reported: median over batches, in microseconds, for
 
-- ``kiln launch (torch args)``: ``kiln.lowering.launch.launch`` with torch CUDA tensors;
+- ``kiln kernel[grid](...)``: the user-facing launch of a ``@kiln.kernel`` with torch CUDA
+  tensors (specialisation lookup + argument conversion + launch);
+- ``kiln CompiledKernel.launch``: the same, starting from the compiled kernel;
 - ``kiln raw launcher``: the JIT-compiled ``kiln_launch`` called with ready-made C arguments
   (the floor: ctypes call + ``mgpuLaunchKernel``);
 - ``triton launch``: an equivalent ``@triton.jit`` kernel.
@@ -23,50 +25,22 @@ import json
 import statistics
 import sys
 import time
-from types import SimpleNamespace
 
 GOAL_US = 20.0
 N = 128
-MEMREF = "memref<?xf32, strided<[1], offset: ?>, 1>"
-ADD_ONE_KILN_IR = f"""
-module attributes {{gpu.container_module}} {{
-  gpu.module @kiln_kernels {{
-    gpu.func @add_one(%y: {MEMREF}, %n: i32) kernel
-        attributes {{known_block_size = array<i32: {N}, 1, 1>}} {{
-      %i = gpu.thread_id x
-      %n_index = arith.index_cast %n : i32 to index
-      %in_bounds = arith.cmpi ult, %i, %n_index : index
-      scf.if %in_bounds {{
-        %one = arith.constant 1.0 : f32
-        %v = memref.load %y[%i] : {MEMREF}
-        %r = arith.addf %v, %one : f32
-        memref.store %r, %y[%i] : {MEMREF}
-      }}
-      gpu.return
-    }}
-  }}
-}}
-"""
 
 
-def _compile_add_one():
-    from mlir import ir, passmanager
-    from mlir.dialects import gpu
+def _add_one_kernel():
+    import kiln
+    from kiln import f32, i32
 
-    from kiln.lowering.signature import KernelSignature, ScalarParam, TensorParam
-    from kiln.lowering.targets import get_target
+    @kiln.kernel
+    def add_one(y: kiln.Tensor[f32], n: i32, BLOCK: kiln.constexpr):
+        i = kiln.thread_id(0)
+        if i < n:
+            y[i] = y[i] + 1.0
 
-    target = get_target("sm_80")
-    with ir.Context():
-        module = ir.Module.parse(ADD_ONE_KILN_IR)
-        passmanager.PassManager.parse(
-            f"builtin.module(gpu-lower-to-nvvm-pipeline{{cubin-chip={target.name} "
-            f"cubin-features={target.ptx_features()} cubin-format=isa}})").run(module.operation)
-        (binary,) = [op for op in module.body.operations if op.operation.name == "gpu.binary"]
-        ptx = gpu.ObjectAttr(binary.attributes["objects"][0]).object.decode().rstrip("\0")
-    signature = KernelSignature("add_one", (TensorParam("y", "f32", 1), ScalarParam("n", "i32")),
-                                block=(N, 1, 1))
-    return SimpleNamespace(name="add_one", target=target, signature=signature, asm={"ptx": ptx})
+    return add_one
 
 
 def _per_launch_us(issue, launches: int, batches: int, synchronize) -> float:
@@ -103,15 +77,13 @@ def run(launches: int, batches: int) -> dict:
         return {"skipped": "no CUDA GPU/driver available"}
     import numpy as np
 
-    from kiln.lowering.launch import launch
-
-    kernel = _compile_add_one()
+    add_one = _add_one_kernel()
     results: dict = {"launches_per_batch": launches, "batches": batches, "goal_us": GOAL_US}
 
     y_host = np.zeros(N, np.float32)
-    launch(kernel, (1,), [y_host, N])
+    add_one[(1,)](y_host, N, BLOCK=N, num_warps=N // 32, target="sm_90a")
     results["numpy_correct"] = bool((y_host == 1.0).all())
-    plan = kernel._launch_plan
+    compiled = add_one.compile(y_host, N, BLOCK=N, num_warps=N // 32, target="sm_90a")
 
     try:
         import torch
@@ -120,8 +92,13 @@ def run(launches: int, batches: int) -> dict:
     if torch is not None and torch.cuda.is_available():
         y = torch.zeros(N, device="cuda")
         sync = torch.cuda.synchronize
+        launcher = add_one[(1,)]
         results["kiln_launch_torch_us"] = _per_launch_us(
-            lambda: launch(kernel, (1, 1, 1), [y, N]), launches, batches, sync)
+            lambda: launcher(y, N, BLOCK=N, num_warps=N // 32, target="sm_90a"),
+            launches, batches, sync)
+        results["kiln_compiled_launch_us"] = _per_launch_us(
+            lambda: compiled.launch((1, 1, 1), [y, N]), launches, batches, sync)
+        plan = compiled._launch_plan
         flat = [y.data_ptr(), y.data_ptr(), 0, N, 1, N]
         results["kiln_raw_launcher_us"] = _per_launch_us(
             lambda: plan.launcher(flat, (1, 1, 1), None), launches, batches, sync)
@@ -143,7 +120,8 @@ def _print_table(results: dict) -> None:
     if "skipped" in results:
         print(f"launch overhead: skipped ({results['skipped']})")
         return
-    rows = [("kiln launch (torch args)", results.get("kiln_launch_torch_us")),
+    rows = [("kiln kernel[grid](torch)", results.get("kiln_launch_torch_us")),
+            ("kiln CompiledKernel.launch", results.get("kiln_compiled_launch_us")),
             ("kiln raw launcher", results.get("kiln_raw_launcher_us")),
             ("triton launch", results.get("triton_launch_us"))]
     print(f"{'path':<28}{'µs / launch (median)':>22}")

@@ -22,3 +22,9 @@ from .values import Handle, Value
 
 max = maximum
 min = minimum
+
+# Hardware-concept modules: kiln.layout / kiln.swizzle (layout algebra), kiln.tma, kiln.mbarrier,
+# kiln.wgmma and kiln.nvidia_asm (NVIDIA Hopper wrappers over upstream nvgpu/nvvm ops).
+from . import layout, mbarrier, nvidia_asm, swizzle, tma, wgmma
+from .layout import Layout, ThreadValueLayout, make_layout
+from .swizzle import ComposedSwizzle, Swizzle, SwizzledLayout

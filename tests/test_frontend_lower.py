@@ -111,13 +111,14 @@ def _cuda_ok() -> bool:
 @pytest.mark.skipif(not _cuda_ok(), reason="needs a CUDA GPU and driver")
 def test_saxpy_and_row_stats_on_gpu():
     n = 1000
-    x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-    y = np.ones(n, np.float32)
+    x = np.random.default_rng().standard_normal(n).astype(np.float32)
+    y = np.random.default_rng().standard_normal(n).astype(np.float32)
+    y0 = y.copy()
     saxpy[((n + 127) // 128,)](x, y, n, 3.0, BLOCK=128, target="sm_90a", num_warps=4)
-    np.testing.assert_allclose(y, 3.0 * x + 1.0, rtol=1e-6)
+    np.testing.assert_allclose(y, 3.0 * x + y0, rtol=1e-6)
 
-    m = np.random.default_rng(1).standard_normal((5, 37)).astype(np.float32)
-    out = np.zeros((5, 2), np.float32)
+    m = np.random.default_rng().standard_normal((5, 37)).astype(np.float32)
+    out = np.full((5, 2), np.nan, np.float32)  # poisoned: both columns must be written
     row_stats[(5,)](m, out, 37, target="sm_90a")
     np.testing.assert_allclose(out[:, 0], m.max(axis=1))
     np.testing.assert_allclose(out[:, 1], m.sum(axis=1), rtol=1e-5)

@@ -1,0 +1,89 @@
+"""The ``kiln compile`` command line: stages, reports, constexprs, argument types and errors."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kiln.cli import main
+
+pytestmark = pytest.mark.lower
+
+KERNEL_SOURCE = textwrap.dedent('''
+    import kiln
+    from kiln import f32, i32
+
+    @kiln.kernel
+    def scale(x: kiln.Tensor[f32], n: i32, a: f32, BLOCK: kiln.constexpr):
+        i = kiln.block_id(0) * BLOCK + kiln.thread_id(0)
+        if i < n:
+            x[i] = a * x[i]
+
+    @kiln.kernel
+    def untyped(x, n):
+        i = kiln.thread_id(0)
+        if i < n:
+            x[i] = x[i] + 1.0
+''')
+
+
+@pytest.fixture
+def kernel_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+    path = tmp_path / "scale_kernels.py"
+    path.write_text(KERNEL_SOURCE)
+    return path
+
+
+def test_emit_amdgcn_with_constexpr(kernel_file, capsys):
+    assert main(["compile", f"{kernel_file}:scale", "--target", "gfx950", "--emit", "amdgcn",
+                 "-D", "BLOCK=128"]) == 0
+    out = capsys.readouterr().out
+    assert '.amdgcn_target "amdgcn-amd-amdhsa--gfx950"' in out
+    assert "v_lshl_add_u32" in out  # block_id * 128 + thread_id folded into one instruction
+
+
+def test_emit_ptx_to_file(kernel_file, tmp_path):
+    out = tmp_path / "scale.ptx"
+    assert main(["compile", f"{kernel_file}:scale", "--target", "sm_90a", "--emit", "ptx",
+                 "-D", "BLOCK=256", "-o", str(out)]) == 0
+    assert ".target sm_90a" in out.read_text()
+
+
+def test_report_lists_stages_and_resources(kernel_file, capsys):
+    assert main(["compile", f"{kernel_file}:scale", "--target", "gfx942", "--report",
+                 "-D", "BLOCK=64"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel scale for gfx942" in out
+    for key in ("amdgcn", "vgpr_count", "sgpr_count", "scratch_bytes", "lds_bytes"):
+        assert key in out
+
+
+def test_arg_types_for_unannotated_parameters(kernel_file, capsys):
+    assert main(["compile", f"{kernel_file}:untyped", "--arg", "x=bf16:1", "--arg", "n=i32"]) == 0
+    assert "memref<?xbf16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--target", "sm_90a"], "constexpr 'BLOCK' has no value"),
+    (["-D", "BLOCK=1", "-D", "WIDTH=4"], "-D names no constexpr parameter: WIDTH"),
+    (["-D", "BLOCK=1", "--target", "gfx1200"], "unknown target 'gfx1200'"),
+    (["-D", "BLOCK=1", "--emit", "sass"], "no stage 'sass' for sm_90a"),
+])
+def test_errors_exit_1_with_fix(kernel_file, capsys, argv, message):
+    assert main(["compile", f"{kernel_file}:scale", *argv]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Fix:" in err
+
+
+def test_unannotated_without_arg_type_is_an_error(kernel_file, capsys):
+    assert main(["compile", f"{kernel_file}:untyped"]) == 1
+    assert "parameter 'x' has no annotation" in capsys.readouterr().err
+
+
+def test_console_script_runs(kernel_file):
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", "compile", f"{kernel_file}:scale",
+                           "-D", "BLOCK=32", "--emit", "kiln"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "gpu.func @scale" in done.stdout and "scf.if" in done.stdout
