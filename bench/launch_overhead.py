@@ -26,21 +26,18 @@ import statistics
 import sys
 import time
 
+import kiln
+from kiln import f32, i32
+
 GOAL_US = 20.0
 N = 128
 
 
-def _add_one_kernel():
-    import kiln
-    from kiln import f32, i32
-
-    @kiln.kernel
-    def add_one(y: kiln.Tensor[f32], n: i32, BLOCK: kiln.constexpr):
-        i = kiln.thread_id(0)
-        if i < n:
-            y[i] = y[i] + 1.0
-
-    return add_one
+@kiln.kernel
+def add_one(y: kiln.Tensor[f32], n: i32, BLOCK: kiln.constexpr):
+    i = kiln.thread_id(0)
+    if i < n:
+        y[i] = y[i] + 1.0
 
 
 def _per_launch_us(issue, launches: int, batches: int, synchronize) -> float:
@@ -77,7 +74,6 @@ def run(launches: int, batches: int) -> dict:
         return {"skipped": "no CUDA GPU/driver available"}
     import numpy as np
 
-    add_one = _add_one_kernel()
     results: dict = {"launches_per_batch": launches, "batches": batches, "goal_us": GOAL_US}
 
     y_host = np.zeros(N, np.float32)

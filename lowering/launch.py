@@ -271,7 +271,7 @@ def _check_tensor(param, rank: int, dtype_name: str) -> None:
     if rank != param.rank:
         raise KilnValueError(f"argument {param.name!r} has rank {rank}; the kernel was compiled "
                              f"for rank {param.rank}", fix="pass a tensor of the compiled rank")
-    if dtype_name != to_dtype(param.dtype).name:
+    if dtype_name != param.dtype:  # signatures hold canonical Kiln dtype names
         raise KilnTypeError(f"argument {param.name!r} has dtype {dtype_name}; the kernel was "
                             f"compiled for {param.dtype}",
                             fix=f"convert it first, e.g. x.astype('{param.dtype}') / x.to(...)")
