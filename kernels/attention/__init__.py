@@ -1,0 +1,1 @@
+"""Attention kernels: online softmax, prefill, paged decode, split-KV combine."""

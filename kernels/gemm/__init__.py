@@ -1,0 +1,1 @@
+"""Matrix multiplication kernels (Hopper TMA + WGMMA, AMD gfx950 MFMA)."""
