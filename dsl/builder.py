@@ -36,6 +36,9 @@ class TraceState:
     block: tuple[int, int, int]
     shared_bytes: int = 0
     shared_names: set[str] = field(default_factory=set)
+    entry_block: ir.Block | None = None  # the kernel's entry block (kernel-wide values go here)
+    dynamic_shared_bytes: int = 0  # requested at launch (kiln.dynamic_shared)
+    dynamic_shared_base: object = None  # (memref<?xi8>, aligned byte offset) once created
 
     def unique_symbol(self, base: str) -> str:
         name, n = base, 0

@@ -107,7 +107,12 @@ def format_report(ck) -> str:
         lines.append(f"  {stage:<8} {len(artifact):>9} {unit}")
     lines.append("resources:")
     for key, value in ck.metadata.items():
-        lines.append(f"  {key:<16} {value}")
+        if key != "cluster_live_vgprs":
+            lines.append(f"  {key:<16} {value}")
+    live = ck.metadata.get("cluster_live_vgprs")
+    if live:  # estimated from the assembly by kiln.lowering.isa_amdgpu
+        lines.append("live VGPRs at cluster start (estimate):")
+        lines.extend(f"  {cluster:<8} {count:>4}" for cluster, count in live.items())
     return "\n".join(lines)
 
 
@@ -154,8 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _compile_command(ns)
     except KilnError as err:
-        print(f"kiln: error: {err}", file=sys.stderr)
+        print(f"kiln: error: {_describe(err)}", file=sys.stderr)
         return 1
+
+
+def _describe(err: KilnError) -> str:
+    """The full message when it points into the user's file; else message and Fix only."""
+    if err.loc is not None and Path(err.loc.filename).suffix == ".py":
+        return str(err)
+    return err.message + (f"\nFix: {err.fix}" if err.fix else "")
 
 
 if __name__ == "__main__":

@@ -147,9 +147,7 @@ def from_mlir(t) -> DType:
 
 def promote(a: DType, b: DType) -> DType:
     """The result dtype of a binary op on two traced values of dtypes ``a`` and ``b``."""
-    if a is b:
-        return a
-    if a.is_fp8:
+    if a.is_fp8:  # fp8 is a storage type: arithmetic happens in f32 (rule 5)
         a = f32
     if b.is_fp8:
         b = f32
@@ -178,6 +176,8 @@ def literal_dtype(value: Any, other: DType | None) -> DType:
     if isinstance(value, bool):
         return other if other is not None else i1
     if isinstance(value, int):
+        if other is not None and other.is_fp8:
+            return f32
         return other if other is not None else i32
     if isinstance(value, float):
         if other is not None and other.is_float and not other.is_fp8:

@@ -8,6 +8,7 @@ Read them through these functions (not ``os.environ``) so the set stays document
 ``KILN_DUMP_DIR=dir``         write ``<kernel>.<stage>.<ext>`` for every compile stage
 ``KILN_SHOW_STACKTRACE=1``    keep Kiln's own frames in error tracebacks
 ``KILN_INTERPRET_CHECK_BOUNDS``  bounds checks in the CPU interpreter (default on)
+``KILN_INTERPRET_TIMEOUT``    seconds a blocked interpreter context waits before a deadlock error
 ``CUDA_ROOT`` / ``CUDA_HOME`` CUDA toolkit used for ``ptxas`` (cubin and ``-v`` report)
 ``KILN_PTXAS``                explicit ``ptxas`` path (overrides ``CUDA_ROOT``)
 ``KILN_LD_LLD``               explicit ``ld.lld`` path for AMD ``hsaco`` linking
@@ -47,6 +48,10 @@ def show_stacktrace() -> bool:
 
 def interpret_check_bounds() -> bool:
     return _flag("KILN_INTERPRET_CHECK_BOUNDS", default=True)
+
+
+def interpret_timeout() -> float:
+    return float(os.environ.get("KILN_INTERPRET_TIMEOUT") or 60.0)
 
 
 def cuda_root() -> Path | None:

@@ -20,6 +20,8 @@ The classes mirror Python's own contract errors so ``except TypeError`` keeps wo
 - :class:`CompilationError`: the MLIR verifier or a pass rejected the IR the user built.
 - :class:`LaunchError` (``RuntimeError``): the driver refused a launch or a copy.
 - :class:`InternalError`: a Kiln bug; the message says so.
+- :class:`OutOfBoundsError` (``IndexError``), :class:`RaceError`, :class:`DeadlockError`
+  (``RuntimeError``): the CPU interpreter caught the kernel misbehaving (``kernel.interpret``).
 
 Kiln's own stack frames are dropped from tracebacks unless ``KILN_SHOW_STACKTRACE=1``.
 """
@@ -35,11 +37,12 @@ from typing import Callable, TypeVar
 
 from . import env
 
-_KILN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The package directories that hold Kiln's own code (``dsl/`` is ``kiln``; the others sit beside it).
-_FRAMEWORK_DIRS = tuple(
-    os.path.join(_KILN_ROOT, d) + os.sep for d in ("dsl", "passes", "lowering")
-)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_SOURCE_ROOT = os.path.dirname(_PACKAGE_DIR)
+# Kiln's own code: the ``kiln`` package directory (an installed wheel keeps ``passes``/``lowering``
+# inside it) and, in a source checkout, the sibling ``passes/`` and ``lowering/`` directories.
+_FRAMEWORK_DIRS = (_PACKAGE_DIR + os.sep,) + tuple(
+    os.path.join(_SOURCE_ROOT, d) + os.sep for d in ("passes", "lowering"))
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,21 @@ class LaunchError(KilnError, RuntimeError):
     """The driver refused a launch, an allocation or a copy, or no GPU is available."""
 
 
+class OutOfBoundsError(KilnError, IndexError):
+    """The CPU interpreter saw a load or store outside its tensor or shared buffer."""
+
+
+class RaceError(KilnError, RuntimeError):
+    """The CPU interpreter saw an access race with an in-flight async copy or MMA.
+
+    The message names both source lines: the access and the async operation it collides with.
+    """
+
+
+class DeadlockError(KilnError, RuntimeError):
+    """The CPU interpreter found every execution context of a CTA blocked (barrier or mbarrier)."""
+
+
 class InternalError(KilnError):
     """A bug in Kiln itself, not in the user's kernel."""
 
@@ -202,3 +220,16 @@ def user_facing(fn: F) -> F:
             raise err.with_traceback(None) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+class WaitError(CompilationError):
+    """A read of an asynchronously written value or buffer that no wait covers on some path
+    (found by ``kiln-verify-waits`` on Kiln IR or on the final AMDGPU assembly)."""
+
+
+class ScheduleWarning(UserWarning):
+    """A cluster's final instructions differ from its declared recipe (``kiln-verify-schedule``)."""
+
+
+class ScheduleError(CompilationError):
+    """A cluster's final instructions differ from its recipe under ``strict=True``."""

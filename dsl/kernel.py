@@ -161,7 +161,10 @@ class ArgSpec:
     def key(self) -> str:
         if self.kind == "constexpr":
             return f"{self.name}=constexpr:{self.value!r}"
-        return f"{self.name}:{self.kind}:{self.dtype}:{self.rank}:{int(self.contiguous)}"
+        spec = f"{self.name}:{self.kind}:{self.dtype}:{self.rank}:{int(self.contiguous)}"
+        if self.tensormap is not None:  # the box and swizzle change the traced IR
+            spec += f":{self.tensormap.box}:{self.tensormap.swizzle}"
+        return spec
 
 
 @dataclass
@@ -202,6 +205,7 @@ class JITKernel:
         # cheap launch key -> (CompiledKernel, grid meta, runtime args all positional)
         self._launches: dict[tuple, tuple] = {}
         self._source_key: str | None = None
+        self._interpret_traces: dict[tuple, TracedKernel] = {}
 
     def __repr__(self):
         return f"<kiln.kernel {self.name}>"
@@ -279,7 +283,7 @@ class JITKernel:
                 func = gpu.GPUFuncOp(ir.FunctionType.get(arg_types, []), sym_name=self.name,
                                      kernel=True, known_block_size=list(block))
             entry = func.body.blocks.append(*arg_types)
-            state = builder.TraceState(ctx, module, gpu_block, target, block)
+            state = builder.TraceState(ctx, module, gpu_block, target, block, entry_block=entry)
             builder.push(state)
             try:
                 with ir.InsertionPoint(entry), trace_location(def_loc):
@@ -299,7 +303,8 @@ class JITKernel:
             _verify(module, self.name)
             asm = module.operation.get_asm(enable_debug_info=True)
         constexprs = tuple((s.name, repr(s.value)) for s in specs if s.kind == "constexpr")
-        signature = lowering_signature(self.name, specs, block, constexprs)
+        signature = lowering_signature(self.name, specs, block, constexprs,
+                                       dynamic_shared_bytes=state.dynamic_shared_bytes)
         return TracedKernel(self.name, asm, signature, state.shared_bytes)
 
     @staticmethod
@@ -400,6 +405,18 @@ class JITKernel:
         ck.launch(grid if type(grid) is tuple and len(grid) == 3 else _grid3(grid), runtime,
                   stream=stream)
 
+    @property
+    def interpret(self) -> "_Interpreted":
+        """Run on the CPU instead of a GPU: ``kernel.interpret[grid](*args, **constexprs)``.
+
+        Same arguments and specialisation as a launch (``target`` picks which vendor's kernel
+        is traced, default ``"sm_90a"``; ``num_warps``); numpy arrays are written in place.
+        See ``docs/interpreter.md``. Example::
+
+            saxpy.interpret[(n + 255) // 256](x, y, n, 2.0, BLOCK=256, num_warps=8)
+        """
+        return _Interpreted(self)
+
     def _prepare_launch(self, args: tuple, kwargs: dict) -> tuple:
         options = {k: kwargs.pop(k) for k in OPTION_NAMES if k in kwargs}
         options.setdefault("num_warps", 4)
@@ -409,6 +426,39 @@ class JITKernel:
         meta["num_warps"] = options["num_warps"]
         by_position = all(i < len(args) for i in self._runtime_idx)
         return ck, meta, by_position
+
+
+class _Interpreted:
+    """``kernel.interpret``: indexing with a grid gives the CPU-interpreter launcher."""
+
+    def __init__(self, kernel: JITKernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid) -> Callable:
+        return functools.partial(self._run, grid)
+
+    @user_facing
+    def _run(self, grid, *args, target: str | None = None, num_warps: int = 4, **kwargs):
+        from kiln.lowering.interpret import interpret_kernel
+        from kiln.lowering.targets import get_target
+
+        k = self.kernel
+        target = target or _default_target
+        specs = k.specialize(args, kwargs)
+        key = (specs, target, num_warps)
+        try:
+            traced = k._interpret_traces.get(key)
+        except TypeError:  # an unhashable constexpr value: trace every time
+            key, traced = None, None
+        if traced is None:
+            traced = k._trace_specs(specs, target, num_warps)
+            if key is not None:
+                k._interpret_traces[key] = traced
+        values = k._bind(args, kwargs)
+        if callable(grid):
+            meta = {p.name: v for p, v in zip(k.params, values) if p.kind == "constexpr"}
+            grid = grid(dict(meta, num_warps=num_warps))
+        interpret_kernel(traced, grid, [values[i] for i in k._runtime_idx], get_target(target))
 
 
 def _launch_key_part(a: Any, is_constexpr: bool) -> Any:

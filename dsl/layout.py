@@ -653,3 +653,58 @@ def mfma_16x16_accumulator() -> ThreadValueLayout:
     lanes = Layout((16, 4), (1, 4 * 16))
     values = Layout(4, 16)
     return ThreadValueLayout(concat_modes(lanes, values), (16, 16))
+
+
+def mma_m16n8k16_a() -> ThreadValueLayout:
+    """The A fragment (16 x 16, row = m, col = k) of NVIDIA ``mma.sync.m16n8k16`` for f16/bf16.
+
+    32 lanes hold 8 values (four ``.f16x2`` registers). With ``group = lane // 4`` and
+    ``pair = lane % 4``, value ``a[v]`` holds row ``group + 8 * (v // 2 % 2)``, column
+    ``2 * pair + v % 2 + 8 * (v // 4)``; e.g. lane 5, a[6] is (9, 10). See PTX ISA, "Matrix
+    Fragments for mma.m16n8k16 with floating point type".
+    """
+    lanes = Layout((4, 8), (2, 16))
+    values = Layout((2, 2, 2), (1, 8 * 16, 8))
+    return ThreadValueLayout(concat_modes(lanes, values), (16, 16))
+
+
+def mma_m16n8k16_b() -> ThreadValueLayout:
+    """The B fragment (16 x 8, row = k, col = n) of NVIDIA ``mma.sync.m16n8k16`` for f16/bf16.
+
+    32 lanes hold 4 values (two ``.f16x2`` registers): value ``b[v]`` of lane ``l`` holds row
+    ``2 * (l % 4) + v % 2 + 8 * (v // 2)``, column ``l // 4``; e.g. lane 5, b[3] is (11, 1).
+    Same reference as :func:`mma_m16n8k16_a`.
+    """
+    lanes = Layout((4, 8), (2 * 8, 1))
+    values = Layout((2, 2), (8, 8 * 8))
+    return ThreadValueLayout(concat_modes(lanes, values), (16, 8))
+
+
+def transpose(tv: ThreadValueLayout) -> ThreadValueLayout:
+    """The same registers read as the transposed tile: ``transpose(tv)(t, v) == tv(t, v)[::-1]``.
+
+    Zero-cost re-tagging of a fragment (e.g. an MFMA accumulator computed as ``S^T`` read as
+    ``S``). Each leaf stride must move along rows only or columns only, which holds for every
+    hardware fragment layout.
+
+    Example: ``transpose(mfma_32x32_accumulator())(33, 5) == (1, 13)``.
+    """
+    rows, cols = tv.tile
+
+    def leaf(shape: int, stride: int) -> int:
+        if stride % cols == 0:
+            return stride // cols
+        if stride * (shape - 1) < cols:
+            return stride * rows
+        raise KilnValueError(f"layout {tv.layout} mixes rows and columns in one mode "
+                             f"({shape}:{stride}); it cannot be transposed by re-tagging",
+                             fix="transpose fragments whose modes each walk rows or columns")
+
+    shapes, strides = flatten(tv.layout.shape), flatten(tv.layout.stride)
+    new_strides = _unflatten(tuple(leaf(s, d) for s, d in zip(shapes, strides)), tv.layout.shape)
+    result = ThreadValueLayout(Layout(tv.layout.shape, new_strides), (cols, rows))
+    row, col = tv.coords()
+    if not np.array_equal(result.offsets(), col * rows + row):
+        raise KilnValueError(f"layout {tv.layout} cannot be transposed by re-tagging",
+                             fix="transpose fragments whose modes each walk rows or columns")
+    return result

@@ -4,7 +4,7 @@ Kept apart from :mod:`kiln.kernel` so the tracing code does not import lowering 
 (``kiln.lowering.signature``/``arrays``/``cache`` are imported here, lazily where heavy).
 
 The on-disk cache key is ``make_key(kernel source, sources of referenced @kiln.func helpers and
-@kiln.struct classes, argument specs, constexpr values, options.key())``; helpers are found
+@kiln.struct classes, closure constants, argument specs, constexpr values, options.key())``; helpers are found
 through the kernel's globals and closure (names it uses directly; ``module.helper`` attribute
 references are not followed).
 """
@@ -31,7 +31,7 @@ def tensor_arg_spec(name: str, value: Any) -> tuple[DType, int, bool]:
     return info.dtype, info.rank, info.contiguous_last
 
 
-def lowering_signature(name: str, specs, block, constexprs):
+def lowering_signature(name: str, specs, block, constexprs, *, dynamic_shared_bytes: int = 0):
     """The :class:`~kiln.lowering.signature.KernelSignature` of a traced specialisation."""
     from kiln.lowering.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam
 
@@ -44,7 +44,8 @@ def lowering_signature(name: str, specs, block, constexprs):
                                          s.tensormap.swizzle))
         elif s.kind == "scalar":
             params.append(ScalarParam(s.name, s.dtype.name))
-    return KernelSignature(name, tuple(params), block=block, constexprs=constexprs)
+    return KernelSignature(name, tuple(params), block=block, constexprs=constexprs,
+                           dynamic_shared_bytes=dynamic_shared_bytes)
 
 
 def _source(obj) -> str:
@@ -90,9 +91,30 @@ def dependency_sources(fn: Callable) -> list[str]:
     return sorted(seen.values())
 
 
+def closure_constants(fn: Callable) -> list[str]:
+    """``name=repr`` of the plain values (numbers, strings, dtypes, tuples of them) ``fn``
+    captures from an enclosing function: a kernel made by a factory traces differently for
+    each of them although its source text is the same."""
+    simple = (int, float, str, bool, DType, type(None))
+
+    def plain(value) -> bool:
+        return isinstance(value, simple) or (isinstance(value, tuple) and all(map(plain, value)))
+
+    found = []
+    for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if plain(value):
+            found.append(f"{var}={value!r}")
+    return sorted(found)
+
+
 def source_key(fn: Callable) -> str:
-    """The part of the cache key that depends on source text (kernel and its helpers)."""
-    return "\0".join([_source(fn), *dependency_sources(fn)])
+    """The part of the cache key that depends on source text (kernel and its helpers) and on
+    the constants a factory-made kernel closes over."""
+    return "\0".join([_source(fn), *dependency_sources(fn), *closure_constants(fn)])
 
 
 def cache_key(source_part: str, specs, options_key: str) -> str:

@@ -159,3 +159,19 @@ def setmaxnreg(count: int, *, increase: bool) -> None:
                              fix="round the register count to a multiple of 8, e.g. 232 or 40")
     action = nvvm.SetMaxRegisterAction.increase if increase else nvvm.SetMaxRegisterAction.decrease
     nvvm.setmaxregister(count, action)
+
+
+def named_barrier(barrier_id, num_threads: int) -> None:
+    """``bar.sync barrier_id, num_threads``: wait for ``num_threads`` threads (a multiple of 32)
+    at hardware barrier ``barrier_id`` (1..15; 0 is ``kiln.barrier()``'s), e.g. one warp group
+    synchronising without stopping the others: ``named_barrier(1 + group, 128)``."""
+    if isinstance(barrier_id, int) and not 0 <= barrier_id < 16:
+        raise KilnValueError(f"named barrier id {barrier_id} must be in 0..15",
+                             fix="use ids 1..15 (0 is the block-wide barrier)")
+    if not isinstance(num_threads, int) or num_threads <= 0 or num_threads % 32:
+        raise KilnValueError(f"named barrier thread count {num_threads!r} must be a positive "
+                             "multiple of 32", fix="count whole warps, e.g. 128 for a warp group")
+    i32 = ir.IntegerType.get_signless(32)
+    identifier = arith.constant(i32, barrier_id) if isinstance(barrier_id, int) else \
+        arith.index_cast(i32, as_index(barrier_id, "barrier id"))
+    nvvm.barrier(None, barrier_id=identifier, number_of_threads=arith.constant(i32, num_threads))

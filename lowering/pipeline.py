@@ -20,8 +20,10 @@ from kiln.lowering.targets import Target
 from kiln.lowering.tools import kiln_opt_command
 from kiln.passes import build_pass_manager, pipeline_text
 
-# Passes every target runs first, on Kiln IR: Kiln's own rewrites, then cleanup.
-GPU_STAGE_PASSES = ("kiln-fold-block-dim", "canonicalize", "cse")
+# Passes every target runs first, on Kiln IR: Kiln's own rewrites, cleanup, then the waits
+# (after cleanup, so they see the final op order) and their proof (docs/passes.md).
+GPU_STAGE_PASSES = ("kiln-fold-block-dim", "kiln-cluster-schedule", "canonicalize", "cse",
+                    "kiln-insert-waits", "kiln-verify-waits")
 
 
 @dataclass

@@ -107,3 +107,20 @@ def test_format_version_enters_the_key(monkeypatch):
     cache.toolchain_versions.cache_clear()
     monkeypatch.setattr(cache, "FORMAT_VERSION", str(int(cache.FORMAT_VERSION) + 1))
     assert cache.make_key("kernel") != before
+
+
+def test_compiler_source_and_tools_enter_the_key(monkeypatch, tmp_path):
+    """An edited Kiln checkout, or ptxas / ld.lld appearing or going away, must miss."""
+    from kiln.lowering import tools
+
+    before = cache.make_key("kernel")
+    cache.toolchain_versions.cache_clear()
+    monkeypatch.setattr(cache, "_compiler_source_hash", lambda: "edited")
+    edited = cache.make_key("kernel")
+    assert edited != before
+
+    cache.toolchain_versions.cache_clear()
+    fake_ptxas = tmp_path / "ptxas"
+    fake_ptxas.write_text("")
+    monkeypatch.setattr(tools, "find_ptxas", lambda: fake_ptxas)
+    assert cache.make_key("kernel") != edited

@@ -1,1 +1,221 @@
-"""Matrix multiplication kernels (Hopper TMA + WGMMA, AMD gfx950 MFMA)."""
+"""Matrix multiplication kernels: Hopper TMA + WGMMA (:mod:`.hopper`), AMD gfx950 MFMA (``.gfx950``).
+
+Two entry points::
+
+    from kiln.kernels.gemm import matmul, compile_matmul
+
+    c = matmul(a, b)                       # torch CUDA tensors or numpy arrays, C = A @ B
+    c = matmul(a, w, trans_b=True)         # C = A @ W.T, W stored N x K
+    ck = compile_matmul("bf16", target="sm_90a", block_n=128, stages=3)
+    print(ck.asm["ptx"], ck.metadata)
+
+``a`` is M x K, ``b`` K x N (or N x K with ``trans_b``), bf16 or f16; accumulation is f32 and
+the output dtype defaults to the input dtype. On NVIDIA, ``matmul`` autotunes the tile
+configuration once per (shape, dtype) (``kiln.autotune``; results persist next to the compile
+cache). ``backend="interpret"`` runs the kernel of ``target`` in Kiln's CPU interpreter.
+"""
+
+import numpy as np
+
+import kiln
+from kiln.autotune import autotune
+
+from .hopper import OUT_DTYPES, SUPPORTED_DTYPES, HopperGemmConfig, make_kernel
+
+__all__ = ["matmul", "compile_matmul", "HopperGemmConfig", "HOPPER_CONFIGS"]
+
+# TMA global strides must be multiples of 16 bytes: 8 elements of a 2-byte dtype.
+STRIDE_ALIGN = 8
+HOPPER_CONFIGS = (HopperGemmConfig(),
+                  HopperGemmConfig(stages=3),
+                  HopperGemmConfig(block_n=128, stages=5),
+                  HopperGemmConfig(block_m=64, block_n=256, stages=4))
+
+
+def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
+    """Compile (without running) the GEMM for ``dtype`` inputs on ``target``; returns the
+    ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
+
+    ``config`` keywords are the fields of :class:`HopperGemmConfig` on NVIDIA, or of the
+    gfx950 kernel's ``GemmConfig`` on AMD.
+    Example: ``compile_matmul("bf16", target="sm_90a", stages=3).metadata["registers"]``.
+    """
+    chip = _target(target)
+    name = _input_dtype(dtype)
+    if chip.is_amd:
+        from . import gfx950
+
+        gfx_config = gfx950.GemmConfig(**config) if config else None
+        return gfx950.compile_gfx950(name, target=chip.name, config=gfx_config)
+    if not chip.has_wgmma:
+        raise kiln.UnsupportedError(f"the Kiln GEMM needs WGMMA (sm_90a); {chip.name} has none",
+                                    fix="compile for target='sm_90a', or gfx950 on AMD")
+    out = _output_dtype(out_dtype, name)
+    cfg = HopperGemmConfig(**config)
+    b_major = "k" if trans_b else "mn"
+    # Placeholder arrays carry dtype and rank only: the kernel is specialised on them.
+    a = np.empty((1, 1), kiln.dtype(name).numpy)
+    c = np.empty((1, 1), kiln.dtype(out).numpy)
+    return make_kernel(name, b_major, cfg).compile(a, a, c, 1, 1, 1, target=chip.name,
+                                                   num_warps=cfg.num_warps, **_constexprs(cfg))
+
+
+def matmul(a, b, *, trans_b=False, out_dtype=None, target=None, backend=None):
+    """``a @ b`` (``a @ b.T`` with ``trans_b``) on the GPU; see the module docs.
+
+    Accepts torch CUDA tensors (returns a torch tensor, asynchronous on the current stream)
+    or numpy arrays (copied to the device and back). Shapes need not be multiples of the tile.
+    Example: ``c = matmul(torch.randn(1000, 512, dtype=torch.bfloat16, device="cuda"), w)``.
+    """
+    chip = _target(target)
+    name = _input_dtype(_dtype_name(a))
+    if _dtype_name(b) != name:
+        raise kiln.KilnTypeError(f"matmul operands must share a dtype, got {name} and "
+                                 f"{_dtype_name(b)}", fix="convert one operand first")
+    out = _output_dtype(out_dtype, name)
+    m, k = a.shape
+    n, kb = (b.shape if trans_b else b.shape[::-1])
+    if k != kb:
+        raise kiln.KilnValueError(f"matmul shapes {tuple(a.shape)} @ {tuple(b.shape)}"
+                                  f"{'.T' if trans_b else ''} do not agree on K",
+                                  fix="pass A: M x K and B: K x N (or N x K with trans_b=True)")
+    if backend not in (None, "gpu", "interpret"):
+        raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
+                                  fix="leave backend=None to run on the GPU")
+    if chip.is_amd and backend != "interpret":
+        raise kiln.UnsupportedError(f"Kiln cannot run {chip.name} kernels on this machine",
+                                    fix="use compile_matmul(...) to inspect the AMD kernel, or "
+                                        "backend='interpret'")
+    # TMA needs 16-byte aligned row strides: zero-pad K (adds nothing) and N (sliced off).
+    kp, np_ = _round_up(k, STRIDE_ALIGN), _round_up(n, STRIDE_ALIGN)
+    a_in = _padded(a, m, kp)
+    b_in = _padded(b, np_, kp) if trans_b else _padded(b, kp, np_)
+    c = _empty_like(a, (m, np_), out)
+    if backend == "interpret":
+        _interpret(chip, a_in, b_in, c, trans_b)
+    else:
+        _run_tuned(a_in, b_in, c, m, np_, kp, "k" if trans_b else "mn", name, chip.name)
+    return c if np_ == n else _contiguous(c[:, :n])
+
+
+@autotune(configs=HOPPER_CONFIGS, key=["m", "n", "k", "dtype", "b_major", "out_dtype"])
+def _hopper_matmul(a, b, c, m, n, k, dtype, b_major, out_dtype, target, *, config):
+    run_hopper(a, b, c, m, n, k, dtype=dtype, b_major=b_major, target=target, config=config)
+
+
+def _run_tuned(a, b, c, m, n, k, b_major, dtype, target):
+    _hopper_matmul(a, b, c, m, n, k, dtype, b_major, _dtype_name(c), target)
+
+
+def run_hopper(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=None):
+    """Launch the Hopper kernel of ``config`` on prepared (aligned, contiguous) operands over a
+    persistent grid of one CTA per SM (at most one per output tile)."""
+    from kiln.lowering.cuda import driver
+
+    tiles = -(-m // config.block_m) * -(-n // config.block_n)
+    grid = (max(1, min(tiles, driver().multiprocessor_count())), 1, 1)
+    make_kernel(dtype, b_major, config)[grid](a, b, c, m, n, k, target=target,
+                                              num_warps=config.num_warps, stream=stream,
+                                              **_constexprs(config))
+
+
+def _interpret(chip, a, b, c, trans_b):
+    from kiln.lowering import interpret
+
+    entry = getattr(interpret, "interpret_kernel", None)
+    if entry is None:
+        raise kiln.UnsupportedError("backend='interpret' needs Kiln's CPU interpreter, which is "
+                                    "not available in this build",
+                                    fix="run on the GPU (backend=None)")
+    if chip.is_amd:
+        raise kiln.UnsupportedError("interpreting the gfx950 GEMM is not wired up yet",
+                                    fix="interpret target='sm_90a'")
+    to_numpy = [_numpy(x) for x in (a, b, c)]
+    cfg = HopperGemmConfig()
+    (m, k), n = to_numpy[0].shape, to_numpy[2].shape[1]
+    kernel = make_kernel(_dtype_name(a), "k" if trans_b else "mn", cfg)
+    args = (*to_numpy, m, n, k)
+    traced = kernel.trace(*args, target=chip.name, num_warps=cfg.num_warps, **_constexprs(cfg))
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    entry(traced, (tiles, 1, 1), list(args), chip.name)
+    if to_numpy[2] is not c:
+        c[...] = _like(c, to_numpy[2])
+
+
+def _constexprs(cfg: HopperGemmConfig) -> dict:
+    return dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, STAGES=cfg.stages,
+                GROUP_M=cfg.group_m, PRODUCER_REGS=cfg.producer_registers,
+                CONSUMER_REGS=cfg.consumer_registers)
+
+
+def _target(target):
+    from kiln.lowering.targets import get_target
+
+    from kiln.kernel import default_target
+
+    return get_target(target or default_target())
+
+
+def _input_dtype(dtype) -> str:
+    name = kiln.dtype(dtype).name
+    if name not in SUPPORTED_DTYPES:
+        raise kiln.UnsupportedError(f"the Kiln GEMM does not support {name} inputs",
+                                    fix=f"convert to one of {', '.join(SUPPORTED_DTYPES)}")
+    return name
+
+
+def _output_dtype(out_dtype, input_name: str) -> str:
+    name = kiln.dtype(out_dtype).name if out_dtype is not None else input_name
+    if name not in OUT_DTYPES:
+        raise kiln.UnsupportedError(f"the Kiln GEMM cannot write {name} outputs",
+                                    fix=f"use one of {', '.join(OUT_DTYPES)}")
+    return name
+
+
+def _dtype_name(x) -> str:
+    return kiln.dtype(x.dtype).name
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _empty_like(x, shape, dtype_name):
+    if _is_torch(x):
+        import torch
+
+        return torch.empty(shape, dtype=getattr(torch, {"f32": "float32", "f16": "float16",
+                                                        "bf16": "bfloat16"}[dtype_name]),
+                           device=x.device)
+    return np.empty(shape, kiln.dtype(dtype_name).numpy)
+
+
+def _padded(x, rows, cols):
+    """``x`` itself when already ``rows x cols`` and contiguous, else a zero-padded copy."""
+    if tuple(x.shape) == (rows, cols):
+        return _contiguous(x)
+    out = x.new_zeros((rows, cols)) if _is_torch(x) else np.zeros((rows, cols), x.dtype)
+    out[:x.shape[0], :x.shape[1]] = x
+    return out
+
+
+def _contiguous(x):
+    return x.contiguous() if _is_torch(x) else np.ascontiguousarray(x)
+
+
+def _numpy(x):
+    return x.cpu().float().numpy().astype(kiln.dtype(_dtype_name(x)).numpy) if _is_torch(x) \
+        else x
+
+
+def _like(template, array):
+    if _is_torch(template):
+        import torch
+
+        return torch.from_numpy(array.astype(np.float32)).to(template.device, template.dtype)
+    return array
+

@@ -1,0 +1,82 @@
+"""Kiln's Hopper GEMM vs ``torch.matmul`` (cuBLAS): TFLOP/s for bf16 at 4096^3, 8192^3 and
+8192 x 8192 x K for K in 1024..16384, in one run.
+
+Method (``/work/shared/device/METHOD-notes.md``): each shape is checked against a float32
+reference first (NaN-poisoned output, relative error < 1e-2), then both GEMMs are timed with CUDA
+events after a warm-up; the median of the repeats counts. Kiln's configuration is autotuned
+before timing (``kiln.autotune``), so tuning stays out of the numbers.
+
+Usage (on an H100): ``python bench/gemm.py [--json out.json] [--repeat 30]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from kiln.kernels.gemm import matmul
+
+SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)] + [(8192, 8192, k) for k in
+                                                       (1024, 2048, 4096, 8192, 16384)]
+
+
+def time_ms(fn, repeat: int, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeat):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def check(m: int, n: int, k: int) -> float:
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    c = matmul(a, b)
+    reference = a.float() @ b.float()
+    error = ((c.float() - reference).norm() / reference.norm()).item()
+    if not error < 1e-2:  # also catches NaN
+        raise SystemExit(f"Kiln GEMM wrong at {m}x{n}x{k}: relative error {error}")
+    return error
+
+
+def bench(m: int, n: int, k: int, repeat: int) -> dict:
+    error = check(m, n, k)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    flops = 2.0 * m * n * k
+    kiln_ms = time_ms(lambda: matmul(a, b), repeat)
+    torch_ms = time_ms(lambda: torch.matmul(a, b), repeat)
+    return {"m": m, "n": n, "k": k, "rel_error": error, "kiln_ms": kiln_ms,
+            "cublas_ms": torch_ms, "kiln_tflops": flops / kiln_ms / 1e9,
+            "cublas_tflops": flops / torch_ms / 1e9, "ratio": torch_ms / kiln_ms}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--repeat", type=int, default=30)
+    args = parser.parse_args()
+    rows = [bench(m, n, k, args.repeat) for m, n, k in SHAPES]
+    device = torch.cuda.get_device_name()
+    print(f"{device}, bf16 in / bf16 out, f32 accumulate")
+    print(f"{'M x N x K':>20} {'Kiln TFLOP/s':>13} {'cuBLAS TFLOP/s':>15} {'ratio':>6}")
+    for r in rows:
+        shape = f"{r['m']}x{r['n']}x{r['k']}"
+        print(f"{shape:>20} {r['kiln_tflops']:13.1f} {r['cublas_tflops']:15.1f} "
+              f"{r['ratio']:6.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "results": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

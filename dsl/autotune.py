@@ -1,0 +1,211 @@
+"""``kiln.autotune``: pick the fastest of several configurations, once per key, and remember it.
+
+Decorate a ``@kiln.kernel`` (configs are dicts of constexprs and launch options such as
+``num_warps``) or a Python entry function (configs are anything; the function receives the
+one to use as ``config=``)::
+
+    @kiln.autotune(configs=[{"BLOCK": 128, "num_warps": 4}, {"BLOCK": 256, "num_warps": 8}],
+                   key=["n"])
+    @kiln.kernel
+    def scale(x: kiln.Tensor[kiln.f32], n: kiln.i32, BLOCK: kiln.constexpr): ...
+
+    scale[lambda meta: (n + meta["BLOCK"] - 1) // meta["BLOCK"],](x, n)
+
+    @kiln.autotune(configs=[GemmConfig(), GemmConfig(stages=3)], key=["m", "n", "k"])
+    def run(a, b, c, m, n, k, *, config): ...
+
+On the first call with a new key (the values of the ``key`` arguments), every config is run
+``warmup`` times, then timed ``repeat`` times (CUDA events through torch; the median counts) while
+a progress bar is drawn on stderr. The winner is kept in memory and in
+``<kiln cache>/autotune/<name>.json``, so later processes skip tuning. Configs that fail (a
+compile error, too much shared memory) are skipped. ``timer`` replaces the measurement, e.g. to
+tune on a CPU in tests: it gets a zero-argument callable running one config and returns ms.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .errors import KilnError, KilnTypeError, KilnValueError
+
+BAR_WIDTH = 24
+
+
+def autotune(configs: Sequence, key: Sequence[str], *, warmup: int = 3, repeat: int = 10,
+             timer: Callable[[Callable[[], None]], float] | None = None,
+             progress: bool = True) -> Callable:
+    """Decorator: see the module docs. ``key`` names arguments of the decorated function."""
+    configs = tuple(configs)
+    if not configs:
+        raise KilnValueError("kiln.autotune needs at least one config",
+                             fix="pass configs=[...] with the variants to compare")
+    if isinstance(key, str) or not all(isinstance(k, str) for k in key):
+        raise KilnTypeError(f"kiln.autotune key must be a list of argument names, got {key!r}",
+                            fix='e.g. key=["m", "n", "k"]')
+
+    def decorate(target):
+        return Autotuner(target, configs, tuple(key), warmup=warmup, repeat=repeat,
+                         timer=timer, progress=progress)
+
+    return decorate
+
+
+class Autotuner:
+    """What ``kiln.autotune`` returns: call it (entry functions) or index it with a grid
+    (kernels) like the decorated object. ``best`` maps keys to the chosen config."""
+
+    def __init__(self, target, configs: tuple, key: tuple[str, ...], *, warmup: int,
+                 repeat: int, timer, progress: bool):
+        from .kernel import JITKernel
+
+        self.target = target
+        self.is_kernel = isinstance(target, JITKernel)
+        fn = target.fn if self.is_kernel else target
+        functools.update_wrapper(self, fn)
+        self.name = f"{fn.__module__}.{fn.__qualname__}"
+        self._signature = inspect.signature(fn)
+        missing = [k for k in key if k not in self._signature.parameters]
+        if missing:
+            raise KilnValueError(f"kiln.autotune key names {missing} are not parameters of "
+                                 f"{fn.__qualname__}", fix=f"use names from {self._signature}")
+        self.configs, self.key = configs, key
+        self.warmup, self.repeat, self.progress = warmup, repeat, progress
+        self.timer = timer or cuda_event_timer
+        self.best: dict[str, Any] = {}
+
+    # ---- calling -----------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if self.is_kernel:
+            raise KilnTypeError(f"{self.name} is an autotuned kernel; launch it with a grid",
+                                fix="call it as kernel[grid](*args)")
+        config = self._config_for(args, kwargs, lambda cfg: self.target(*args, **kwargs,
+                                                                        config=cfg))
+        return self.target(*args, **kwargs, config=config)
+
+    def __getitem__(self, grid):
+        if not self.is_kernel:
+            raise KilnTypeError(f"{self.name} is an autotuned function, not a kernel",
+                                fix="call it directly")
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid, *args, **kwargs):
+        def run(cfg):
+            self.target[grid](*args, **kwargs, **cfg)
+
+        config = self._config_for(args, kwargs, run)
+        run(config)
+
+    # ---- choosing ---------------------------------------------------------------------------
+    def key_of(self, args: tuple, kwargs: dict) -> str:
+        """The tuning key of a call: the ``key`` arguments' values (shapes for arrays)."""
+        bound = self._signature.bind_partial(*args, **kwargs)
+        parts = []
+        for name in self.key:
+            value = bound.arguments.get(name, self._signature.parameters[name].default)
+            parts.append(f"{name}={_key_value(value)}")
+        return ",".join(parts)
+
+    def _config_for(self, args, kwargs, run: Callable[[Any], None]):
+        key = self.key_of(args, kwargs)
+        if key not in self.best:
+            index = self._stored().get(key)
+            if index is None or not 0 <= index < len(self.configs):
+                index = self._tune(key, run)
+                self._store(key, index)
+            self.best[key] = self.configs[index]
+        return self.best[key]
+
+    def _tune(self, key: str, run: Callable[[Any], None]) -> int:
+        times: list[float] = []
+        errors: list[str] = []
+        for i, config in enumerate(self.configs):
+            self._draw(key, i)
+            try:
+                for _ in range(self.warmup):
+                    run(config)
+                times.append(statistics.median(self.timer(lambda: run(config))
+                                               for _ in range(self.repeat)))
+            except KilnError as err:  # an infeasible config (too much smem, bad shape): skip
+                times.append(float("inf"))
+                errors.append(f"config {i}: {err}")
+        self._draw(key, len(self.configs), done=True)
+        best = min(range(len(times)), key=times.__getitem__)
+        if times[best] == float("inf"):
+            raise KilnValueError(f"every autotune config of {self.name} failed for {key}:\n"
+                                 + "\n".join(errors), fix="add a config that fits this shape")
+        return best
+
+    def _draw(self, key: str, done_count: int, *, done: bool = False) -> None:
+        if not self.progress:
+            return
+        total = len(self.configs)
+        filled = BAR_WIDTH * done_count // total
+        bar = "#" * filled + "-" * (BAR_WIDTH - filled)
+        end = "\n" if done else ""
+        sys.stderr.write(f"\r[kiln.autotune] {self.name} {key} [{bar}] {done_count}/{total}"
+                         f"{end}")
+        sys.stderr.flush()
+
+    # ---- persistence ------------------------------------------------------------------------
+    def _path(self) -> Path:
+        from kiln.lowering.cache import cache_root
+
+        # The file name changes with the config list, so an edited list is tuned afresh.
+        digest = hashlib.sha256(repr(self.configs).encode()).hexdigest()[:16]
+        return cache_root() / "autotune" / f"{self.name}.{digest}.json"
+
+    def _stored(self) -> dict[str, int]:
+        from . import env
+
+        if env.cache_disabled():
+            return {}
+        try:
+            return json.loads(self._path().read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _store(self, key: str, index: int) -> None:
+        from . import env
+
+        if env.cache_disabled():
+            return
+        path = self._path()
+        table = self._stored()
+        table[key] = index
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+            tmp.replace(path)  # atomic: concurrent tuners never see half a file
+        except OSError:
+            pass  # a read-only cache only costs re-tuning
+
+
+def cuda_event_timer(run: Callable[[], None]) -> float:
+    """Milliseconds ``run`` takes on the current CUDA stream, timed with torch CUDA events."""
+    try:
+        import torch
+    except ImportError:
+        raise KilnValueError("kiln.autotune times kernels with torch CUDA events, and torch is "
+                             "not installed", fix="install torch, or pass timer=...") from None
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop)
+
+
+def _key_value(value) -> str:
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"{tuple(shape)}:{dtype}"
+    return repr(value)

@@ -1,0 +1,117 @@
+"""``cp.async`` (sm_80+): asynchronous global -> shared copies of 4, 8 or 16 bytes per thread.
+
+Semantics: :func:`copy` starts copying ``width`` elements from a GlobalTile position to a
+SharedTile position and returns a :class:`Token`; bytes past ``src_elements`` (0 for masked
+rows) are written as zeros. :func:`commit` closes the copies issued so far into a group
+(``cp.async.commit_group``); :func:`wait` blocks until at most ``pending`` groups are still in
+flight (``cp.async.wait_group``). Data is visible to the other threads after ``wait`` and a
+``kiln.barrier()``. 16-byte copies bypass L1 (``cp.async.cg``), smaller ones use ``.ca``.
+
+Built on ``nvgpu.device_async_copy`` / ``device_async_create_group`` / ``device_async_wait``.
+
+Example (double buffering)::
+
+    g = kiln.cp_async.commit([kiln.cp_async.copy(a_s, (r, c), a_g, (r, c), width=8)])
+    kiln.cp_async.wait(pending=1)       # all but the newest group have landed
+    kiln.barrier()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from mlir import ir
+from mlir.dialects import nvgpu
+
+from . import builder
+from . import dtypes as dt
+from .errors import KilnTypeError, KilnValueError, TargetError
+from .global_tile import GlobalTile
+from .shared_tile import SharedTile
+from .tensor import to_index
+from .values import Handle, Value, cast
+
+COPY_BYTES = (4, 8, 16)
+
+
+class Token(Handle):
+    """An in-flight copy (``!nvgpu.device.async.token``); pass tokens to :func:`commit`."""
+
+
+class Group(Handle):
+    """A committed group of copies; :func:`wait` on it or by count."""
+
+
+def _require_sm80(what: str) -> None:
+    target = builder.current_target()
+    if not (target.is_nvidia and target.sm >= 80):
+        raise TargetError(f"{what} needs an NVIDIA sm_80 or newer target, not {target.name}",
+                          fix="compile for sm_80/sm_90a; on AMD use kiln.amd_buffer DMA")
+
+
+def copy(dst: SharedTile, dst_pos: tuple[Any, Any], src: GlobalTile, src_pos: tuple[Any, Any], *,
+         width: int) -> Token:
+    """Start copying ``src[src_pos .. +width]`` to ``dst[dst_pos .. +width]`` (along the row);
+    a masked source row (past ``src.row_end``) fills zeros and reads nothing."""
+    _require_sm80("cp_async.copy")
+    if not isinstance(dst, SharedTile) or not isinstance(src, GlobalTile):
+        raise KilnTypeError("cp_async.copy copies a GlobalTile into a SharedTile",
+                            fix="wrap the tensor in kiln.tiles.GlobalTile and the buffer in "
+                                "kiln.tiles.SharedTile")
+    if src.dtype is not dst.dtype:
+        raise KilnTypeError(f"cp_async.copy from {src.dtype} to {dst.dtype}",
+                            fix="copy between tiles of the same dtype")
+    nbytes = width * dst.dtype.itemsize if isinstance(width, int) else None
+    if nbytes not in COPY_BYTES:
+        raise KilnValueError(f"cp.async moves 4, 8 or 16 bytes; width={width!r} of {dst.dtype} "
+                             f"is {nbytes} bytes",
+                             fix=f"use width={16 // dst.dtype.itemsize} (16 bytes, cp.async.cg)")
+    if not dst.contiguous_width(width):
+        raise KilnValueError(f"{width}-element chunks are not contiguous in the SharedTile",
+                             fix="use a narrower width or a coarser swizzle")
+    row, col = src.indices(*src_pos)
+    valid = src.row_valid(src_pos[0])
+    src_elements = None
+    if valid is not None:
+        # A masked row still needs an address inside the tensor: clamp it to the view's start.
+        row = _select(valid, row, src.origin[0])
+        src_elements = cast(_select(valid, width, 0), dt.index).ir
+    dst_index = to_index(_as_i32(dst.offset(*dst_pos)))
+    token = nvgpu.device_async_copy(dst.buffer.ir, [dst_index], src.tensor.ir,
+                                    [to_index(row), to_index(col)],
+                                    ir.IntegerAttr.get(ir.IndexType.get(), width),
+                                    src_elements=src_elements,
+                                    bypass_l1=True if nbytes == 16 else None)
+    return Token(token)
+
+
+def _as_i32(x: Any) -> Any:
+    return cast(x, dt.i32) if isinstance(x, Value) else x
+
+
+def _select(cond: Value, a: Any, b: Any) -> Value:
+    from .ops import where
+
+    return where(cond, a, b)
+
+
+def commit(tokens: Sequence[Token]) -> Group:
+    """``cp.async.commit_group`` over ``tokens`` (the copies issued since the last commit)."""
+    _require_sm80("cp_async.commit")
+    if not tokens or not all(isinstance(t, Token) for t in tokens):
+        raise KilnTypeError("cp_async.commit needs a non-empty list of cp_async.copy tokens",
+                            fix="collect the values returned by kiln.cp_async.copy")
+    return Group(nvgpu.device_async_create_group([t.ir for t in tokens]))
+
+
+def wait(group: Group, *, pending: int = 0) -> None:
+    """``cp.async.wait_group pending``: block until at most ``pending`` committed groups are in
+    flight (0: everything, including ``group``, has landed)."""
+    _require_sm80("cp_async.wait")
+    if not isinstance(group, Group):
+        raise KilnTypeError(f"cp_async.wait needs a Group from cp_async.commit, got {group!r}",
+                            fix="pass the value returned by kiln.cp_async.commit")
+    if not isinstance(pending, int) or isinstance(pending, bool) or pending < 0:
+        raise KilnValueError(f"pending must be an int >= 0, got {pending!r}",
+                             fix="use 0 to wait for every group")
+    nvgpu.device_async_wait(group.ir, num_groups=pending)

@@ -1,0 +1,307 @@
+"""``TiledMmaLoader``: LDS -> register loads that produce MFMA operand fragments directly.
+
+A loader is parameterised (and nothing else: it holds no state) by the operand dtype, the MFMA
+shape ``(m, n, k)`` and up to two swizzles applied in order to every element offset it reads::
+
+    loader = TiledMmaLoader(kiln.bf16, (32, 32, 16), swizzle=Swizzle(3, 3, 3))
+    b = loader.load_b(b_tile, n_tiles=2, k_tiles=2)     # 4 fragments, vector<8xbf16> each
+    bt = loader.load_b_tr(kn_tile)                      # ds_read_b64_tr_b16 x 2 (gfx950)
+
+Offsets are element offsets into the LDS buffer viewed flat (``row * row_stride + col`` for a
+2-D ``kiln.shared`` buffer). The address arithmetic (``*_offsets`` methods) is written with
+operators only, so tests evaluate exactly the code that builds the kernel's IR on numpy lane
+arrays (``np.arange(64)``). An optional compile-time ``imm_offset_bytes`` is added *after* the
+swizzle, so LLVM folds it into the instruction's ``offset:N`` field.
+
+The three loads:
+
+- :meth:`TiledMmaLoader.load_b` -- B stored N x K (K contiguous, e.g. a K-major weight or
+  attention's K matrix). Lane ``l`` reads ``kpl`` consecutive elements of row ``l % n`` with
+  ``ds_read_b64``/``ds_read_b128``; 32-byte fp8 fragments are two 16-byte halves (each half is
+  swizzled on its own). The fragment is exactly :func:`kiln.mfma.operand_b_layout`.
+- :meth:`TiledMmaLoader.load_b_tr` -- B stored K x N (N contiguous, a row-major B), gfx950
+  bf16/f16 32x32x16 and 16x16x32: two ``ds_read_b64_tr_b16`` (K rows ``8g+0..3`` then
+  ``8g+4..7`` of each lane's K group) joined into the 8-value fragment.
+- :meth:`TiledMmaLoader.load_v_fp8_strip` -- fp8 V stored keys x depth, gfx950 16x16x128:
+  four ``ds_read_b64_tr_b8`` with paired-lane addressing give lane ``l`` 32 consecutive keys at
+  one depth: the A operand of the ``P V`` MFMA computed as ``O^T = V^T P^T``.
+
+Transpose-read semantics (:func:`transpose_read_model`, used by the tests and the interpreter):
+each 16-lane group forms ``S = 16 / E`` interleaved sub-blocks (``E`` = elements per lane: 4 for
+16-bit, 8 for 8-bit), each an ``E x E`` transpose: ``out[i][j] = in[S * j + i % S][i // S]``
+for lane ``i`` of the group. For 8-bit data this is the CDNA4 ISA's pair of 8x8 byte transposes
+over the even and the odd lanes; 16-bit data is modelled the same way with 4 sub-blocks. The
+transposed loads therefore hand lane ``i`` the column ``E * (i % S) + i // S`` of its 16-column
+block, not column ``i``: :meth:`TiledMmaLoader.b_tr_layout` and
+:meth:`TiledMmaLoader.v_fp8_strip_layout` state the exact lane -> element mapping, and the
+MFMA's C columns (rows for V) come out in that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mlir import ir
+from mlir.dialects import amdgpu, memref, vector
+
+from . import dtypes as dt
+from .amd_asm import mark_async, require_amd, require_gfx950
+from .errors import KilnTypeError, KilnValueError, UnsupportedError
+from .layout import Layout, ThreadValueLayout, concat_modes
+from .mfma import WAVE, operand_b_layout, values_per_lane
+from .shared import SharedTensor
+from .swizzle import ComposedSwizzle, Swizzle
+from .values import Value, cast
+
+MAX_LDS_READ_BYTES = 16  # ds_read_b128
+MAX_IMM_OFFSET = 65535  # the DS instructions' 16-bit unsigned offset field
+TR_READ_BYTES = 8  # ds_read_b64_tr_b{8,16}
+TR16_SHAPES = ((32, 32, 16), (16, 16, 32))
+V_FP8_SHAPE = (16, 16, 128)
+V_FP8_KEYS_PER_READ = 8
+
+
+def transpose_read_model(loaded: np.ndarray) -> np.ndarray:
+    """Semantics of ``ds_read_b64_tr_b{8,16}`` on ``loaded[lane, e]`` (what each of the 64 lanes'
+    own 8-byte read fetched): returns what each lane receives (see the module docstring)."""
+    lanes, per_lane = loaded.shape
+    sub_blocks = 16 // per_lane
+    lane = np.arange(lanes)
+    group, i = lane // 16, lane % 16
+    j = np.arange(per_lane)[None, :]
+    source = 16 * group[:, None] + sub_blocks * j + (i % sub_blocks)[:, None]
+    return loaded[source, (i // sub_blocks)[:, None]]
+
+
+def _swizzle_keeps_runs(swizzle, run: int) -> bool:
+    """True if ``swizzle`` maps every aligned run of ``run`` offsets to a contiguous run."""
+    table = swizzle.table(max(swizzle.span, run))
+    runs = table.reshape(-1, run)
+    return bool(np.all(runs == runs[:, :1] + np.arange(run)) and np.all(runs[:, 0] % run == 0))
+
+
+@dataclass(frozen=True)
+class TiledMmaLoader:
+    """LDS -> register loader for one dtype, MFMA shape and swizzle pair (module docstring).
+
+    Example::
+
+        loader = TiledMmaLoader(kiln.f8e4m3, (16, 16, 128))
+        frags = loader.load_b(k_tile, n_tiles=2)     # two vector<32xf8e4m3>, 2 x ds_read_b128 each
+    """
+
+    dtype: dt.DType
+    mma_shape: tuple[int, int, int]
+    swizzle: Any = None
+    swizzle2: Any = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", dt.dtype(self.dtype))
+        shape = tuple(self.mma_shape)
+        if len(shape) != 3 or not all(isinstance(s, int) for s in shape) or shape[0] != shape[1] \
+                or shape[0] not in (16, 32) or (shape[0] * shape[2]) % WAVE:
+            raise UnsupportedError(f"TiledMmaLoader shape {self.mma_shape!r} is not a single-block "
+                                   "MFMA shape", fix="use (32, 32, k) or (16, 16, k), e.g. "
+                                                     "(32, 32, 16)")
+        object.__setattr__(self, "mma_shape", shape)
+        for name in ("swizzle", "swizzle2"):
+            sw = getattr(self, name)
+            if sw is not None and not isinstance(sw, (Swizzle, ComposedSwizzle)):
+                raise KilnTypeError(f"TiledMmaLoader {name} must be a kiln.swizzle.Swizzle, got "
+                                    f"{sw!r}", fix="pass Swizzle(bits, base, shift) or None")
+
+    # -------------------------------------------------------------------------- address math
+
+    @property
+    def values_per_lane(self) -> int:
+        m, _, k = self.mma_shape
+        return values_per_lane(m, k)
+
+    def swizzled(self, offset: Any) -> Any:
+        """``swizzle2(swizzle(offset))`` with absent swizzles skipped (ints, arrays or Values)."""
+        for sw in (self.swizzle, self.swizzle2):
+            if sw is not None:
+                offset = sw(offset)
+        return offset
+
+    def _piece_elems(self) -> int:
+        return min(self.values_per_lane, MAX_LDS_READ_BYTES // self.dtype.itemsize)
+
+    def b_offsets(self, lane: Any, row_stride: int, n0: Any = 0, k0: Any = 0) -> list:
+        """Element offsets of this lane's ``load_b`` reads (one per 16-byte piece) for the MFMA
+        tile whose N rows start at ``n0`` and K columns at ``k0``."""
+        n = self.mma_shape[1]
+        kpl, piece = self.values_per_lane, self._piece_elems()
+        row = n0 + lane % n
+        col = k0 + (lane // n) * kpl
+        return [self.swizzled(row * row_stride + col + p * piece) for p in range(kpl // piece)]
+
+    def b_tr_offsets(self, lane: Any, row_stride: int, k0: Any = 0, n0: Any = 0) -> list:
+        """Element offsets of the two ``ds_read_b64_tr_b16`` reads of :meth:`load_b_tr`: lane
+        ``L`` of 16-lane group ``g`` reads 4 elements of K row ``8 * (L // n) + 4h + (L % 16) // 4``
+        starting at column ``16 * (g % (n // 16)) + 4 * (L % 4)``."""
+        n = self.mma_shape[1]
+        per = TR_READ_BYTES // self.dtype.itemsize
+        group, in_group = lane // 16, lane % 16
+        col = n0 + 16 * (group % (n // 16)) + per * (in_group % (16 // per))
+        return [self.swizzled((k0 + (lane // n) * 2 * per + h * per + in_group // (16 // per))
+                              * row_stride + col) for h in range(2)]
+
+    def v_fp8_strip_offsets(self, lane: Any, row_stride: int, key0: Any = 0,
+                            depth0: Any = 0) -> list:
+        """Element offsets of the four ``ds_read_b64_tr_b8`` reads of :meth:`load_v_fp8_strip`:
+        even lane ``2p`` of 16-lane group ``g`` reads depths ``0..7`` of key
+        ``32g + 8c + p``, odd lane ``2p + 1`` depths ``8..15`` of the same key (read ``c``)."""
+        group, pair, odd = lane // 16, (lane % 16) // 2, lane % 2
+        return [self.swizzled((key0 + 32 * group + V_FP8_KEYS_PER_READ * c + pair) * row_stride
+                              + depth0 + 8 * odd) for c in range(4)]
+
+    # -------------------------------------------------------------------------- layouts
+
+    def b_tr_layout(self) -> ThreadValueLayout:
+        """``(lane, value) -> (k, n)`` of :meth:`load_b_tr`'s fragment in the ``k x n`` tile:
+        K rows as in :func:`kiln.mfma.operand_b_layout`, column ``16 * b + 4 * (i % 4) + i // 4``
+        for lane ``i`` of the ``b``-th 16-lane block of its K group."""
+        _, n, k = self.mma_shape
+        lanes = Layout((4, 4, n // 16, WAVE // n), (4, 1, 16, 8 * n))
+        return ThreadValueLayout(concat_modes(lanes, Layout(8, n)), (k, n))
+
+    def v_fp8_strip_layout(self) -> ThreadValueLayout:
+        """``(lane, value) -> (depth, key)`` of :meth:`load_v_fp8_strip` in the 16 x 128 tile:
+        lane ``l`` holds keys ``32 * (l // 16) + v`` at depth ``(l % 16) // 2 + 8 * (l % 2)``."""
+        lanes = Layout((2, 8, 4), (8 * 128, 128, 32))
+        return ThreadValueLayout(concat_modes(lanes, Layout(32, 1)), (16, 128))
+
+    # -------------------------------------------------------------------------- loads
+
+    def load_b(self, smem: SharedTensor, *, n_tiles: int = 1, k_tiles: int = 1, n0: Any = 0,
+               k0: Any = 0, imm_offset_bytes: int = 0) -> list[Value]:
+        """B fragments for an ``n_tiles x k_tiles`` grid of MFMAs from an N x K LDS tile whose
+        row ``n0`` / column ``k0`` is the grid's corner; N-outer order (``[nt * k_tiles + kt]``).
+
+        Each fragment is ``vector<kpl x dtype>`` laid out as :func:`kiln.mfma.operand_b_layout`.
+        Example: ``frags = loader.load_b(b_tile, n_tiles=2, k_tiles=2)``.
+        """
+        require_amd("TiledMmaLoader.load_b")
+        row_stride = self._check_tile(smem)
+        piece = self._piece_elems()
+        self._check_swizzle(piece, "load_b")
+        imm = self._imm_elems(imm_offset_bytes, piece)
+        _, n, k = self.mma_shape
+        lane = _lane()
+        frags = []
+        for nt in range(n_tiles):
+            for kt in range(k_tiles):
+                offsets = self.b_offsets(lane, row_stride, n0 + nt * n, k0 + kt * k)
+                pieces = [_lds_read(smem, off + imm, piece, self.dtype) for off in offsets]
+                frags.append(_join(pieces))
+        return frags
+
+    def load_b_tr(self, smem: SharedTensor, *, k0: Any = 0, n0: Any = 0,
+                  imm_offset_bytes: int = 0) -> Value:
+        """One MFMA's B fragment from a K x N LDS tile (N contiguous) by two transposed reads
+        (gfx950; bf16/f16; shapes 32x32x16 and 16x16x32). Returns ``vector<8 x dtype>`` laid out
+        as :meth:`b_tr_layout`. Example: ``b = loader.load_b_tr(b_tile, k0=16)``.
+        """
+        require_gfx950("TiledMmaLoader.load_b_tr")
+        if self.dtype not in (dt.bf16, dt.f16) or self.mma_shape not in TR16_SHAPES:
+            raise UnsupportedError(
+                f"load_b_tr of {self.dtype} {self.mma_shape} is not supported",
+                fix="use bf16 or f16 with mma_shape (32, 32, 16) or (16, 16, 32)")
+        row_stride = self._check_tile(smem)
+        per = TR_READ_BYTES // self.dtype.itemsize
+        self._check_swizzle(per, "load_b_tr")
+        imm = self._imm_elems(imm_offset_bytes, per)
+        halves = [_lds_transpose_read(smem, off + imm, per, self.dtype)
+                  for off in self.b_tr_offsets(_lane(), row_stride, k0, n0)]
+        return _join(halves)
+
+    def load_v_fp8_strip(self, smem: SharedTensor, *, key0: Any = 0, depth0: Any = 0,
+                         imm_offset_bytes: int = 0) -> Value:
+        """The 16 (depth) x 128 (key) fp8 A fragment of a 16x16x128 MFMA from a keys x depth LDS
+        tile: four ``ds_read_b64_tr_b8``; returns ``vector<32 x dtype>`` laid out as
+        :meth:`v_fp8_strip_layout`. Example: ``v = loader.load_v_fp8_strip(v_tile, depth0=16)``.
+        """
+        require_gfx950("TiledMmaLoader.load_v_fp8_strip")
+        if not self.dtype.is_fp8 or self.mma_shape != V_FP8_SHAPE:
+            raise UnsupportedError(f"load_v_fp8_strip of {self.dtype} {self.mma_shape} is not "
+                                   "supported", fix="use f8e4m3 or f8e5m2 with (16, 16, 128)")
+        row_stride = self._check_tile(smem)
+        self._check_swizzle(TR_READ_BYTES, "load_v_fp8_strip")
+        imm = self._imm_elems(imm_offset_bytes, TR_READ_BYTES)
+        reads = [_lds_transpose_read(smem, off + imm, TR_READ_BYTES, self.dtype)
+                 for off in self.v_fp8_strip_offsets(_lane(), row_stride, key0, depth0)]
+        return _join(reads)
+
+    # -------------------------------------------------------------------------- checks
+
+    def _check_tile(self, smem: SharedTensor) -> int:
+        if not isinstance(smem, SharedTensor) or len(smem.shape) != 2:
+            raise KilnTypeError(f"TiledMmaLoader reads a 2-D kiln.shared tile, got {smem!r}",
+                                fix="allocate it with kiln.shared((rows, cols), dtype)")
+        if smem.dtype is not self.dtype:
+            raise KilnTypeError(f"the LDS tile holds {smem.dtype}, the loader reads {self.dtype}",
+                                fix=f"use TiledMmaLoader(kiln.{smem.dtype}, ...)")
+        return smem.shape[1]
+
+    def _check_swizzle(self, run: int, what: str) -> None:
+        for sw in (self.swizzle, self.swizzle2):
+            if sw is not None and not _swizzle_keeps_runs(sw, run):
+                raise UnsupportedError(f"{what} reads {run} consecutive elements per lane but "
+                                       f"{sw} permutes inside such runs",
+                                       fix=f"use a swizzle whose base bit is >= log2({run}) "
+                                           "(in element units: Swizzle.to_elements)")
+
+    def _imm_elems(self, imm_offset_bytes: int, run: int) -> int:
+        size = self.dtype.itemsize
+        if isinstance(imm_offset_bytes, bool) or not isinstance(imm_offset_bytes, int) \
+                or not 0 <= imm_offset_bytes <= MAX_IMM_OFFSET or imm_offset_bytes % (run * size):
+            raise KilnValueError(f"imm_offset_bytes={imm_offset_bytes!r} must be a multiple of "
+                                 f"{run * size} in 0..{MAX_IMM_OFFSET}",
+                                 fix="pass a compile-time byte offset aligned to the read size")
+        return imm_offset_bytes // size
+
+
+def _lane() -> Value:
+    from .ops import lane_id
+
+    return lane_id()
+
+
+def _flat(smem: SharedTensor) -> ir.Value:
+    """The LDS tile as a 1-D memref (``memref.collapse_shape``), indexed by element offset."""
+    mtype = ir.MemRefType(smem.ir.type)
+    size = smem.shape[0] * smem.shape[1]
+    flat_type = ir.MemRefType.get([size], mtype.element_type, memory_space=mtype.memory_space)
+    return memref.collapse_shape(flat_type, smem.ir, [[0, 1]])
+
+
+def _index(offset: Any) -> ir.Value:
+    from .tensor import to_index
+
+    return to_index(cast(offset, dt.i32) if isinstance(offset, Value) else offset)
+
+
+def _lds_read(smem: SharedTensor, offset: Any, width: int, dtype: dt.DType) -> Value:
+    vtype = ir.VectorType.get([width], dtype.mlir_type())
+    return Value(vector.load(vtype, _flat(smem), [_index(offset)]), dtype)
+
+
+def _lds_transpose_read(smem: SharedTensor, offset: Any, width: int, dtype: dt.DType) -> Value:
+    vtype = ir.VectorType.get([width], dtype.mlir_type())
+    op = amdgpu.TransposeLoadOp(vtype, _flat(smem), [_index(offset)])
+    mark_async(op, "lgkmcnt")
+    return Value(op.result, dtype)
+
+
+def _join(parts: list[Value]) -> Value:
+    """Concatenate equal-width vectors (``vector.shuffle``), pairwise."""
+    while len(parts) > 1:
+        joined = []
+        for a, b in zip(parts[::2], parts[1::2]):
+            width = a.shape[0] + b.shape[0]
+            joined.append(Value(vector.shuffle(a.ir, b.ir, list(range(width))), a.dtype))
+        parts = joined
+    return parts[0]

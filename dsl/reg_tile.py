@@ -1,0 +1,339 @@
+"""Register tiles: a matrix spread over a warp's registers in an MMA fragment layout.
+
+A :class:`RegTile` is a ``grid_m x grid_n`` grid of fragments. Every fragment is one
+``kiln.Value`` vector per lane laid out by the same :class:`~kiln.layout.ThreadValueLayout`
+(an MMA atom's A, B or C layout), covering ``frag_rows x frag_cols``; the tile is
+``grid_m * frag_rows`` by ``grid_n * frag_cols``. Element ``(r, c)`` sits in fragment
+``(r // frag_rows, c // frag_cols)`` at the lane/value ``layout`` maps to ``(r % frag_rows,
+c % frag_cols)``.
+
+Semantics (what the interpreter and tests model): elementwise ops (``+ - * /``, :meth:`map`,
+:func:`where`) apply per element; a Python/traced scalar broadcasts to every element; a
+:class:`TileVector` from a row (column) reduction broadcasts along the rows (columns) it was
+reduced from. ``row_max``/``row_sum`` reduce each row over all its columns: first in
+registers, then across the lanes that share the row with XOR shuffles (``kiln.shuffle``)
+whose masks come from the layout. :attr:`T` re-tags the same registers as the transposed
+matrix (no IR), e.g. the ``col_l`` MFMA accumulator view (lane ``l`` owns column ``l % 32``)
+becomes the ``row_l`` view (lane owns a row). :meth:`cast` converts the whole tile with one
+``arith.truncf``/``extf`` on the concatenated fragments.
+
+Example (online softmax step on an accumulator ``s``)::
+
+    m = s.row_max()
+    p = (s - m).exp2()          # m broadcast along each row
+    l = p.row_sum()
+    p16 = p.cast(kiln.bf16)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+from mlir import ir
+from mlir.dialects import vector
+
+from . import dtypes as dt
+from . import ops
+from .errors import KilnTypeError, KilnValueError
+from .layout import ThreadValueLayout, transpose
+from .shuffle import butterfly_reduce
+from .values import Value, broadcast, cast, constant, to_value, unify
+
+ROW_LANES = "row_l"
+COL_LANES = "col_l"
+
+
+def _row_structure(tv: ThreadValueLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(group_of_value, lane_masks)`` for reducing each row of one fragment.
+
+    Values whose row is the same in every lane form a group (reduced in registers); flipping a
+    lane bit in ``lane_masks`` keeps every value's row (those lanes are then combined by
+    shuffles). Raises when the two do not cover each row's columns exactly.
+    """
+    rows, _ = tv.coords()
+    keys: dict[tuple, int] = {}
+    group_of = tuple(keys.setdefault(tuple(rows[:, v]), len(keys)) for v in range(tv.num_values))
+    lanes = np.arange(tv.num_threads)
+    masks = tuple(1 << b for b in range(tv.num_threads.bit_length() - 1)
+                  if np.array_equal(rows[lanes ^ (1 << b)], rows))
+    per_group = np.bincount(group_of)
+    if not np.all(per_group * (1 << len(masks)) == tv.tile[1]):
+        raise KilnValueError(f"fragment layout {tv.layout} cannot be reduced along rows with "
+                             "register combines and XOR shuffles",
+                             fix="reduce a fragment whose row-mates differ in lane bits only")
+    return group_of, masks
+
+
+def _concat(values: list[ir.Value]) -> ir.Value:
+    """One vector holding ``values`` (1-D vectors) back to back, built with ``vector.shuffle``."""
+    while len(values) > 1:
+        pairs = []
+        for i in range(0, len(values) - 1, 2):
+            a, b = values[i], values[i + 1]
+            n = ir.VectorType(a.type).shape[0] + ir.VectorType(b.type).shape[0]
+            pairs.append(vector.shuffle(a, b, list(range(n))))
+        if len(values) % 2:
+            pairs.append(values[-1])
+        values = pairs
+    return values[0]
+
+
+class TileVector:
+    """A per-row (``axis="row"``) or per-column vector reduced from a :class:`RegTile`.
+
+    ``values[i][g]`` is this lane's scalar for grid line ``i`` and value group ``g``;
+    ``group_of[v]`` names the group fragment value ``v`` belongs to. Elementwise ops with
+    scalars and other TileVectors of the same structure work like RegTile's.
+    """
+
+    def __init__(self, values: list[list[Value]], group_of: tuple[int, ...], axis: str):
+        self.values, self.group_of, self.axis = values, group_of, axis
+
+    def map(self, fn: Callable[[Value], Value]) -> "TileVector":
+        """``fn`` applied to every scalar. Example: ``scale = (m_old - m).map(kiln.exp2)``."""
+        return TileVector([[fn(x) for x in line] for line in self.values], self.group_of,
+                          self.axis)
+
+    def _zip(self, other: Any, fn) -> "TileVector":
+        if isinstance(other, TileVector):
+            if (other.axis, other.group_of, len(other.values)) != \
+                    (self.axis, self.group_of, len(self.values)):
+                raise KilnTypeError(f"cannot combine a {self.axis} vector with a {other.axis} "
+                                    "vector of a different tile structure",
+                                    fix="combine reductions of tiles with the same layout")
+            return TileVector([[fn(x, y) for x, y in zip(a, b)]
+                               for a, b in zip(self.values, other.values)], self.group_of,
+                              self.axis)
+        return self.map(lambda x: fn(x, other))
+
+    def __add__(self, o): return self._zip(o, lambda a, b: a + b)
+    def __sub__(self, o): return self._zip(o, lambda a, b: a - b)
+    def __mul__(self, o): return self._zip(o, lambda a, b: a * b)
+    def __truediv__(self, o): return self._zip(o, lambda a, b: a / b)
+    def __rsub__(self, o): return self.map(lambda a: o - a)
+    def __radd__(self, o): return self + o
+    def __rmul__(self, o): return self * o
+
+    def maximum(self, other: Any) -> "TileVector":
+        """Elementwise max with a scalar or a TileVector: ``m_new = m_old.maximum(s.row_max())``."""
+        return self._zip(other, ops.maximum)
+
+    def fragment(self, line: int, width: int) -> Value:
+        """The ``width``-wide vector that broadcasts this vector onto fragment values."""
+        scalars = [self.values[line][g] for g in self.group_of]
+        if len(set(self.group_of)) == 1:
+            return Value(vector.broadcast(ir.VectorType.get([width], scalars[0].ir.type),
+                                          scalars[0].ir), scalars[0].dtype)
+        return Value(vector.from_elements(ir.VectorType.get([width], scalars[0].ir.type),
+                                          [s.ir for s in scalars]), scalars[0].dtype)
+
+    def __kiln_flatten__(self):
+        flat = [x.ir for line in self.values for x in line]
+        return flat, (len(self.values), self.group_of, self.axis)
+
+    @classmethod
+    def __kiln_unflatten__(cls, aux, values):
+        lines, group_of, axis = aux
+        per = len(values) // lines
+        return cls([[Value(v) for v in values[i * per:(i + 1) * per]] for i in range(lines)],
+                   group_of, axis)
+
+
+class RegTile:
+    """A matrix held in registers as a grid of MMA fragments (see the module docs).
+
+    ``RegTile.full(layout, (2, 4), 0.0, kiln.f32)`` makes a 2x4 grid of zero fragments.
+    """
+
+    def __init__(self, fragments: list[Value], layout: ThreadValueLayout, grid: tuple[int, int]):
+        grid = tuple(grid)
+        if len(fragments) != grid[0] * grid[1]:
+            raise KilnValueError(f"a {grid[0]}x{grid[1]} RegTile needs {grid[0] * grid[1]} "
+                                 f"fragments, got {len(fragments)}",
+                                 fix="pass one fragment per grid cell, row-major")
+        width = layout.num_values
+        for f in fragments:
+            if not isinstance(f, Value) or f.shape != (width,):
+                raise KilnTypeError(f"RegTile fragments must be vector<{width}x T> values for "
+                                    f"this layout, got {f!r}",
+                                    fix="build fragments with this layout's num_values")
+        self.fragments, self.layout, self.grid = list(fragments), layout, grid
+
+    @classmethod
+    def full(cls, layout: ThreadValueLayout, grid: tuple[int, int], value: float,
+             dtype=dt.f32) -> "RegTile":
+        """Every element ``value`` (one splat constant shared by all fragments)."""
+        frag = constant(value, dt.dtype(dtype), (layout.num_values,))
+        return cls([frag] * (grid[0] * grid[1]), layout, grid)
+
+    @property
+    def dtype(self) -> dt.DType:
+        return self.fragments[0].dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.grid[0] * self.layout.tile[0], self.grid[1] * self.layout.tile[1])
+
+    def fragment(self, i: int, j: int) -> Value:
+        """The fragment at grid position ``(i, j)``."""
+        return self.fragments[i * self.grid[1] + j]
+
+    @property
+    def view(self) -> str:
+        """``"row_l"`` when neighbouring lanes hold different rows, ``"col_l"`` when they hold
+        different columns of the same row (lane bit 0 decides)."""
+        rows, _ = self.layout.coords()
+        return COL_LANES if np.array_equal(rows[0], rows[1]) else ROW_LANES
+
+    @property
+    def T(self) -> "RegTile":  # noqa: N802 - the matrix transpose, as in numpy
+        """The same registers read as the transposed matrix: a re-tag, no IR is emitted."""
+        gm, gn = self.grid
+        frags = [self.fragment(i, j) for j in range(gn) for i in range(gm)]
+        return RegTile(frags, transpose(self.layout), (gn, gm))
+
+    def as_view(self, view: str) -> "RegTile":
+        """This tile if it already has ``view`` (``"row_l"``/``"col_l"``), else :attr:`T`."""
+        if view not in (ROW_LANES, COL_LANES):
+            raise KilnValueError(f"unknown RegTile view {view!r}", fix='use "row_l" or "col_l"')
+        return self if self.view == view else self.T
+
+    # --- elementwise
+
+    def map(self, fn: Callable[[Value], Value]) -> "RegTile":
+        """``fn`` applied to every fragment vector. Example: ``p = s.map(kiln.exp2)``."""
+        return RegTile([fn(f) for f in self.fragments], self.layout, self.grid)
+
+    def exp2(self) -> "RegTile":
+        """``2**x`` elementwise (``math.exp2`` on each fragment)."""
+        return self.map(ops.exp2)
+
+    def _operand(self, other: Any, i: int, j: int) -> Any:
+        if isinstance(other, RegTile):
+            if other.grid != self.grid or other.layout != self.layout:
+                raise KilnTypeError(f"RegTiles of grids {self.grid}/{other.grid} or different "
+                                    "fragment layouts cannot be combined elementwise",
+                                    fix="combine tiles produced by the same TiledMma")
+            return other.fragment(i, j)
+        if isinstance(other, TileVector):
+            if other.axis == "row":
+                return other.fragment(i, self.layout.num_values)
+            return other.fragment(j, self.layout.num_values)
+        return other
+
+    def _zip(self, other: Any, fn) -> "RegTile":
+        if isinstance(other, TileVector):
+            self._check_vector(other)
+        gm, gn = self.grid
+        return RegTile([fn(self.fragment(i, j), self._operand(other, i, j))
+                        for i in range(gm) for j in range(gn)], self.layout, self.grid)
+
+    def _check_vector(self, v: TileVector) -> None:
+        structure = _row_structure(self.layout if v.axis == "row" else transpose(self.layout))
+        lines = self.grid[0] if v.axis == "row" else self.grid[1]
+        if v.group_of != structure[0] or len(v.values) != lines:
+            raise KilnTypeError(f"this {v.axis} vector was reduced from a tile of another layout",
+                                fix="broadcast a reduction onto a tile of the same layout")
+
+    def __add__(self, o): return self._zip(o, lambda a, b: a + b)
+    def __radd__(self, o): return self + o
+    def __sub__(self, o): return self._zip(o, lambda a, b: a - b)
+    def __rsub__(self, o): return self._zip(o, lambda a, b: b - a)
+    def __mul__(self, o): return self._zip(o, lambda a, b: a * b)
+    def __rmul__(self, o): return self * o
+    def __truediv__(self, o): return self._zip(o, lambda a, b: a / b)
+    def __rtruediv__(self, o): return self._zip(o, lambda a, b: b / a)
+    def __neg__(self): return self.map(lambda a: -a)
+    def __lt__(self, o): return self._zip(o, lambda a, b: a < b)
+    def __le__(self, o): return self._zip(o, lambda a, b: a <= b)
+    def __gt__(self, o): return self._zip(o, lambda a, b: a > b)
+    def __ge__(self, o): return self._zip(o, lambda a, b: a >= b)
+
+    # --- reductions
+
+    def _reduce_rows(self, combine, axis: str) -> TileVector:
+        group_of, masks = _row_structure(self.layout)
+        groups = max(group_of) + 1
+        gm, gn = self.grid
+        lines = []
+        for i in range(gm):
+            partial: list[Value | None] = [None] * groups
+            for j in range(gn):
+                frag = self.fragment(i, j)
+                for v, g in enumerate(group_of):
+                    x = Value(vector.extract(frag.ir, [], [v]), frag.dtype)
+                    partial[g] = x if partial[g] is None else combine(partial[g], x)
+            lines.append([butterfly_reduce(p, masks, combine) for p in partial])
+        return TileVector(lines, group_of, axis)
+
+    def row_reduce(self, combine: Callable[[Value, Value], Value]) -> TileVector:
+        """Reduce every row with ``combine`` (associative, commutative): registers first,
+        then XOR shuffles across the lanes sharing the row."""
+        return self._reduce_rows(combine, "row")
+
+    def col_reduce(self, combine: Callable[[Value, Value], Value]) -> TileVector:
+        """Reduce every column with ``combine`` (see :meth:`row_reduce`)."""
+        return self.T._reduce_rows(combine, "col")
+
+    def row_max(self) -> TileVector:
+        """Max of every row. Example: ``m = s.row_max()``."""
+        return self.row_reduce(ops.maximum)
+
+    def row_sum(self) -> TileVector:
+        """Sum of every row. Example: ``l = p.row_sum()``."""
+        return self.row_reduce(lambda a, b: a + b)
+
+    def col_max(self) -> TileVector:
+        """Max of every column."""
+        return self.col_reduce(ops.maximum)
+
+    def col_sum(self) -> TileVector:
+        """Sum of every column."""
+        return self.col_reduce(lambda a, b: a + b)
+
+    # --- conversion
+
+    def cast(self, dtype) -> "RegTile":
+        """The tile converted to ``dtype`` with one conversion op on all fragments at once
+        (f32 -> bf16/f16/fp8 is a single ``arith.truncf``, which LLVM emits as packed
+        conversions). Example: ``p16 = p.cast(kiln.bf16)``."""
+        target = dt.dtype(dtype)
+        if target is self.dtype:
+            return self
+        width = self.layout.num_values
+        whole = Value(_concat([f.ir for f in self.fragments]), self.dtype)
+        converted = cast(whole, target)
+        frags = [Value(vector.shuffle(converted.ir, converted.ir,
+                                      list(range(k * width, (k + 1) * width))), target)
+                 for k in range(len(self.fragments))]
+        return RegTile(frags, self.layout, self.grid)
+
+    def __kiln_flatten__(self):
+        return [f.ir for f in self.fragments], (self.layout, self.grid)
+
+    @classmethod
+    def __kiln_unflatten__(cls, aux, values):
+        return cls([Value(v) for v in values], *aux)
+
+
+def where(cond: RegTile, a: Any, b: Any) -> RegTile:
+    """Elementwise ``a if cond else b`` for an i1 RegTile ``cond`` (``arith.select`` per
+    fragment); ``a``/``b`` are RegTiles of the same layout or scalars.
+
+    Example: ``s = where(s_mask, s, -float("inf"))``.
+    """
+    if not isinstance(cond, RegTile) or cond.dtype is not dt.i1:
+        raise KilnTypeError("kiln.tiles.where needs an i1 RegTile condition",
+                            fix="compare tiles first, e.g. where(cols < n, s, 0.0)")
+    gm, gn = cond.grid
+    frags = []
+    for i in range(gm):
+        for j in range(gn):
+            x, y = cond._operand(a, i, j), cond._operand(b, i, j)
+            if not isinstance(x, Value) and not isinstance(y, Value):
+                x = to_value(x)
+            x, y = (broadcast(v, (cond.layout.num_values,)) for v in unify(x, y))
+            frags.append(ops.where(cond.fragment(i, j), x, y))
+    return RegTile(frags, cond.layout, cond.grid)
+

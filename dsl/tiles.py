@@ -1,0 +1,130 @@
+"""Tiles: global, shared and register views of a matrix, and the copies between them.
+
+=================  ===========================================================================
+``GlobalTile``     static-shape window of a 2-D ``kiln.Tensor`` at traced offsets, with masked
+                   (ragged) rows (:mod:`kiln.global_tile`)
+``SharedTile``     shared memory / LDS with a layout and swizzle (:mod:`kiln.shared_tile`)
+``RegTile``        MMA fragments in registers; elementwise math, row/column reductions, casts
+                   (:mod:`kiln.reg_tile`)
+=================  ===========================================================================
+
+:func:`copy` moves a GlobalTile into a SharedTile with every thread of the block taking
+``width``-element chunks (``width`` derived from the dtype and the shared layout: up to 16 bytes),
+synchronously or with ``cp.async`` on sm_80+. ``SharedTile.load_fragments`` and
+:mod:`kiln.ldmatrix` take it on into RegTiles.
+
+Example::
+
+    a_g = kiln.tiles.GlobalTile(a, (64, 32), (row0, k0), row_end=m)
+    a_s = kiln.tiles.SharedTile((64, 32), kiln.bf16)
+    kiln.tiles.copy(a_g, a_s, threads=128)        # rows past m are zero-filled
+    kiln.barrier()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from mlir.dialects import vector
+
+from . import ops
+from .errors import KilnTypeError, KilnValueError
+from .global_tile import GlobalTile
+from .layout import ThreadValueLayout
+from .reg_tile import COL_LANES, ROW_LANES, RegTile, TileVector, where
+from .shared_tile import SharedTile
+from .values import Value
+
+__all__ = ["GlobalTile", "SharedTile", "RegTile", "TileVector", "where", "copy", "copy_width",
+           "store", "row_run_width", "ROW_LANES", "COL_LANES"]
+
+MAX_COPY_BYTES = 16
+
+
+def copy_width(dst: SharedTile) -> int:
+    """The widest chunk (elements, at most 16 bytes) contiguous in ``dst``'s rows."""
+    width = max(MAX_COPY_BYTES // dst.dtype.itemsize, 1)
+    while width > 1 and not dst.contiguous_width(width):
+        width //= 2
+    return width
+
+
+def copy(src: GlobalTile, dst: SharedTile, *, threads: int, async_copy: bool = False,
+         width: int | None = None, dst_origin: tuple[Any, Any] = (0, 0)):
+    """Copy ``src`` into ``dst[dst_origin + ...]`` with ``threads`` threads (thread ``t``
+    takes chunks ``t, t + threads, ...`` in row-major order); masked rows are written as zeros.
+    ``dst_origin`` selects e.g. one stage of a multi-buffered SharedTile.
+
+    ``async_copy=True`` issues ``cp.async`` and returns the list of tokens (commit them with
+    :func:`kiln.cp_async.commit`); otherwise loads and stores, returning None.
+    """
+    if not isinstance(src, GlobalTile) or not isinstance(dst, SharedTile):
+        raise KilnTypeError("kiln.tiles.copy copies a GlobalTile into a SharedTile",
+                            fix="wrap the operands in GlobalTile / SharedTile")
+    if any(s > d for s, d in zip(src.shape, dst.shape)) or src.dtype is not dst.dtype:
+        raise KilnValueError(f"cannot copy a {src.shape} {src.dtype} GlobalTile into a "
+                             f"{dst.shape} {dst.dtype} SharedTile",
+                             fix="use a SharedTile at least as large, of the same dtype")
+    width = copy_width(dst) if width is None else width
+    rows, cols = src.shape
+    chunks_per_row = cols // width
+    chunks = rows * chunks_per_row
+    if chunks % threads:
+        raise KilnValueError(f"{chunks} chunks of {width} elements do not split over {threads} "
+                             "threads", fix="use a thread count that divides the chunk count")
+    tid = ops.thread_id(0) % threads
+    tokens = []
+    for step in range(chunks // threads):
+        chunk = tid + step * threads
+        r, c = chunk // chunks_per_row, (chunk % chunks_per_row) * width
+        if async_copy:
+            from . import cp_async
+
+            tokens.append(cp_async.copy(dst, (dst_origin[0] + r, dst_origin[1] + c), src, (r, c),
+                                        width=width))
+        else:
+            dst.store(dst_origin[0] + r, dst_origin[1] + c, src.load(r, c, width=width))
+    return tokens if async_copy else None
+
+
+def row_run_width(tv: ThreadValueLayout) -> int:
+    """The widest power-of-two run of a lane's values that are consecutive, aligned columns of
+    one row (e.g. 2 for the mma.sync accumulator): the vector width of a fragment store."""
+    rows, cols = tv.coords()
+    width = tv.num_values
+    while width > 1:
+        if tv.num_values % width == 0:
+            r = rows.reshape(rows.shape[0], -1, width)
+            c = cols.reshape(cols.shape[0], -1, width)
+            if np.all(r == r[..., :1]) and np.all(c == c[..., :1] + np.arange(width)) \
+                    and np.all(c[..., 0] % width == 0):
+                return width
+        width //= 2
+    return 1
+
+
+def store(tile: RegTile, dst: GlobalTile, origin: tuple[Any, Any] = (0, 0), *,
+          lane: Any = None) -> None:
+    """Write ``tile`` to ``dst`` with its top-left at tile position ``origin`` (masked rows are
+    skipped), in vectors of :func:`row_run_width`. Example: ``store(acc, c_tile, warp_origin)``.
+    """
+    if not isinstance(tile, RegTile) or not isinstance(dst, GlobalTile):
+        raise KilnTypeError("kiln.tiles.store writes a RegTile into a GlobalTile",
+                            fix="wrap the output tensor in kiln.tiles.GlobalTile")
+    if tile.dtype is not dst.dtype:
+        raise KilnTypeError(f"cannot store a {tile.dtype} RegTile into a {dst.dtype} tensor",
+                            fix=f"tile.cast(kiln.{dst.dtype}) first")
+    tv = tile.layout
+    if lane is None:
+        lane = ops.lane_id() % tv.num_threads
+    width = row_run_width(tv)
+    fr, fc = tv.tile
+    for i in range(tile.grid[0]):
+        for j in range(tile.grid[1]):
+            frag = tile.fragment(i, j)
+            for v in range(0, tv.num_values, width):
+                r, c = tv(lane, v)
+                piece = Value(vector.shuffle(frag.ir, frag.ir, list(range(v, v + width))),
+                              frag.dtype)
+                dst.store(origin[0] + i * fr + r, origin[1] + j * fc + c, piece)

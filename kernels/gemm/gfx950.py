@@ -1,0 +1,238 @@
+"""AMD gfx950 (CDNA4) GEMM: LDS DMA double buffering + MFMA 32x32x16 (compile-only here).
+
+``C[M, N] = A[M, K] @ B[N, K]^T`` (B stored N x K, i.e. ``matmul(..., trans_b=True)``) with
+bf16/f16 inputs, f32 accumulation and a bf16/f16/f32 output.
+
+Schedule (one workgroup per ``BM x BN`` output tile, ``warps_m x warps_n`` waves, defaults
+128 x 128 x 64 over 2 x 2 waves):
+
+| phase | what each wave does |
+| --- | --- |
+| prologue | DMA (``buffer_load_dwordx4 ... lds``) its share of the A and B tiles of K step 0 into LDS stage 0 |
+| K step ``t`` | ``s_waitcnt vmcnt(0)`` + ``s_barrier`` (stage ``t % 2`` is complete, stage ``(t + 1) % 2`` is free); DMA step ``t + 1`` into the other stage; then ``BK / 16`` times: ``ds_read_b128`` the A and B fragments of its ``WM x WN`` sub-tile and issue ``(WM / 32) * (WN / 32)`` ``v_mfma_f32_32x32x16_*`` at ``s_setprio 1`` |
+| epilogue | convert and store the accumulators with 4-wide buffer stores |
+
+So each wave issues ``(BM / 32) * (BN / 32) * (BK / 16) / waves`` MFMAs per K step (16 by
+default). The MFMA is issued as ``B A^T`` so every accumulator holds a tile of ``C^T``: each
+group of 4 values is 4 consecutive columns of one C row, stored with one vector store.
+
+LDS tiles are ``BK = 64`` elements (128 bytes) per row, swizzled by ``Swizzle(3, 3, 3)`` on
+element offsets (16-byte chunk ^= row % 8), so the 32 lanes reading one fragment column hit
+distinct banks. The DMA writes each wave's 1 KiB contiguously in lane order, so lane ``l`` loads
+the global element whose swizzled LDS position is its own (the swizzle is an involution).
+
+Edges: A, B and C are accessed through buffer views, so rows past M or N read as zeros and
+stores past them are dropped; a K column past K is redirected to row M (out of range, reads 0).
+Requires K and N to be multiples of 8 and 4 (16-byte DMA pieces, 4-wide stores).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+import kiln
+from kiln import amd_asm, amd_buffer, mfma, mma
+from kiln.loader import TiledMmaLoader
+from kiln.swizzle import Swizzle
+
+MMA_SHAPE = (32, 32, 16)
+WAVE = 64
+LDS_ROW_BYTES = 128  # one BK row: 8 chunks of 16 bytes, what the swizzle permutes
+DMA_BYTES = 16  # per lane per DMA instruction (dwordx4)
+SUPPORTED_DTYPES = ("bf16", "f16")
+OUT_DTYPES = ("bf16", "f16", "f32")
+STAGES = 2
+FEEDS = ("registers", "dma")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape of :func:`make_kernel` (see the module docstring for the schedule).
+
+    Example: ``GemmConfig(block_m=256, warps_m=4)`` (8 waves, 32 MFMAs per wave per K step:
+    ``GemmConfig(256, 128, 64, 4, 2).mfmas_per_k_step == 16``).
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    warps_m: int = 2
+    warps_n: int = 2
+    feed: str = "registers"  # "registers": buffer_load -> VGPRs -> ds_write; "dma": LDS DMA
+    out_dtype: str | None = None  # default: the input dtype
+
+    def __post_init__(self):
+        m, n, k = MMA_SHAPE
+        checks = (
+            (self.block_m % (self.warps_m * m) == 0, f"block_m={self.block_m} must be a "
+             f"multiple of warps_m * {m} = {self.warps_m * m}"),
+            (self.block_n % (self.warps_n * n) == 0, f"block_n={self.block_n} must be a "
+             f"multiple of warps_n * {n} = {self.warps_n * n}"),
+            (self.block_k == LDS_ROW_BYTES // 2, f"block_k={self.block_k} must be "
+             f"{LDS_ROW_BYTES // 2} (one 128-byte swizzled LDS row of a 2-byte dtype)"),
+            (self.block_m % (self.rows_per_dma * self.num_warps) == 0
+             and self.block_n % (self.rows_per_dma * self.num_warps) == 0,
+             f"block_m and block_n must be multiples of {self.rows_per_dma * self.num_warps} "
+             "(the rows all waves' DMAs cover at once)"),
+            (self.feed in FEEDS, f"feed={self.feed!r} is not one of {FEEDS}"),
+            (self.out_dtype is None or self.out_dtype in OUT_DTYPES,
+             f"out_dtype={self.out_dtype!r} is not one of {OUT_DTYPES}"),
+            (self.lds_bytes <= 160 * 1024, f"{self.lds_bytes} bytes of LDS exceed gfx950's "
+             "160 KiB"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise kiln.KilnValueError(f"GemmConfig: {message}",
+                                          fix="start from GemmConfig() and scale block_m/block_n "
+                                              "with warps_m/warps_n")
+
+    @property
+    def num_warps(self) -> int:
+        return self.warps_m * self.warps_n
+
+    @property
+    def rows_per_dma(self) -> int:
+        """LDS rows one wave-wide DMA fills: 64 lanes x 16 bytes over 128-byte rows."""
+        return WAVE * DMA_BYTES // LDS_ROW_BYTES
+
+    @property
+    def mfmas_per_k_step(self) -> int:
+        """MFMAs one wave issues per ``block_k`` step."""
+        m, n, k = MMA_SHAPE
+        return (self.block_m // m) * (self.block_n // n) * (self.block_k // k) // self.num_warps
+
+    @property
+    def lds_bytes(self) -> int:
+        return STAGES * (self.block_m + self.block_n) * self.block_k * 2
+
+
+LDS_SWIZZLE = Swizzle(3, 3, 3)  # element offsets of 2-byte data: 16-byte chunk ^= row % 8
+
+
+def make_kernel(dtype: str, config: GemmConfig):
+    """The ``@kiln.kernel`` for ``dtype`` inputs and ``config``; arguments ``(a, b, c, m, n, k)``
+    with ``a``: M x K, ``b``: N x K, ``c``: M x N; grid ``ceil(M/BM) * ceil(N/BN)`` blocks."""
+    in_type = kiln.dtype(dtype)
+    out_type = kiln.dtype(config.out_dtype or dtype)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    wm, wn = bm // config.warps_m, bn // config.warps_n  # one wave's sub-tile
+    tiles_m, tiles_n = wm // MMA_SHAPE[0], wn // MMA_SHAPE[1]
+    waves = config.num_warps
+    rows = config.rows_per_dma
+    loader = TiledMmaLoader(in_type, MMA_SHAPE, swizzle=LDS_SWIZZLE)
+    FEED_DMA = config.feed == "dma"  # noqa: N806 - a trace-time constant used in `if`
+    elems_per_lane = DMA_BYTES // in_type.itemsize
+
+    def dma_tile(src, limit_rows, k_limit, lds, stage_row, row0, k0, tile_rows, wave, lane):
+        """DMA this wave's share of a ``tile_rows x BK`` tile into LDS rows ``stage_row..``: lane
+        ``l`` fetches the element whose swizzled LDS position is the one its data lands at."""
+        for i in kiln.static_range(tile_rows // (rows * waves)):
+            chunk = wave + i * waves
+            position = LDS_SWIZZLE(chunk * rows * bk + lane * elems_per_lane)
+            col = k0 + position % bk
+            row = kiln.where(col < k_limit, row0 + position // bk, limit_rows)
+            amd_buffer.copy_to_lds(src, (row, col), lds, (stage_row + chunk * rows, 0),
+                                   width=elems_per_lane)
+
+    def load_tile(src, limit_rows, k_limit, row0, k0, tile_rows, wave, lane):
+        """This wave's share of a ``tile_rows x BK`` tile as registers (16-byte buffer loads)."""
+        pieces = []
+        for i in kiln.static_range(tile_rows // (rows * waves)):
+            row = (wave + i * waves) * rows + lane // (bk // elems_per_lane)
+            col = k0 + (lane % (bk // elems_per_lane)) * elems_per_lane
+            pieces.append(src.load(kiln.where(col < k_limit, row0 + row, limit_rows), col,
+                                   width=elems_per_lane))
+        return pieces
+
+    def store_tile(pieces, lds, stage_row, wave, lane):
+        """Write :func:`load_tile`'s registers to their swizzled LDS positions."""
+        for i, piece in enumerate(pieces):
+            row = (wave + i * waves) * rows + lane // (bk // elems_per_lane)
+            position = LDS_SWIZZLE(row * bk + (lane % (bk // elems_per_lane)) * elems_per_lane)
+            lds.store(stage_row + position // bk, position % bk, piece)
+
+    def mma_k_step(acc, a_lds, b_lds, stage, wave_m, wave_n, atom):
+        """All MFMAs of one BK step on LDS stage ``stage``; returns the new accumulators."""
+        acc = list(acc)
+        for kk in kiln.static_range(bk // MMA_SHAPE[2]):
+            a_frags = loader.load_b(a_lds, n_tiles=tiles_m, n0=stage * bm + wave_m * wm,
+                                    k0=kk * MMA_SHAPE[2])
+            b_frags = loader.load_b(b_lds, n_tiles=tiles_n, n0=stage * bn + wave_n * wn,
+                                    k0=kk * MMA_SHAPE[2])
+            amd_asm.s_setprio(1)
+            for i in kiln.static_range(tiles_m):
+                for j in kiln.static_range(tiles_n):
+                    acc[i * tiles_n + j] = atom(b_frags[j], a_frags[i], acc[i * tiles_n + j])
+            amd_asm.s_setprio(0)
+        return acc
+
+    def gemm_gfx950(a: kiln.Tensor[in_type, 2], b: kiln.Tensor[in_type, 2],
+                    c: kiln.Tensor[out_type, 2], m: kiln.i32, n: kiln.i32, k: kiln.i32):
+        a_lds = kiln.shared((STAGES * bm, bk), in_type)
+        b_lds = kiln.shared((STAGES * bn, bk), in_type)
+        a_buf, b_buf, c_buf = amd_buffer.buffer(a), amd_buffer.buffer(b), amd_buffer.buffer(c)
+        atom = mma.atom(*MMA_SHAPE, in_type)
+        lane, wave = kiln.lane_id(), kiln.warp_id()
+        wave_m, wave_n = wave // config.warps_n, wave % config.warps_n
+        block_n_count = (n + bn - 1) // bn
+        m0 = (kiln.block_id(0) // block_n_count) * bm
+        n0 = (kiln.block_id(0) % block_n_count) * bn
+        k_steps = (k + bk - 1) // bk
+        acc = [kiln.values.constant(0.0, kiln.f32, (16,)) for _ in range(tiles_m * tiles_n)]
+
+        if FEED_DMA:
+            dma_tile(a_buf, m, k, a_lds, 0, m0, 0, bm, wave, lane)
+            dma_tile(b_buf, n, k, b_lds, 0, n0, 0, bn, wave, lane)
+        else:
+            store_tile(load_tile(a_buf, m, k, m0, 0, bm, wave, lane), a_lds, 0, wave, lane)
+            store_tile(load_tile(b_buf, n, k, n0, 0, bn, wave, lane), b_lds, 0, wave, lane)
+        for step in kiln.range(k_steps):
+            stage = step % STAGES
+            k_next = (step + 1) * bk
+            if FEED_DMA:
+                amd_asm.s_waitcnt(vmcnt=0)  # this wave's DMAs of `step` have landed ...
+                amd_asm.s_barrier()          # ... and every wave's; stage 1 - stage is free
+                if step + 1 < k_steps:
+                    dma_tile(a_buf, m, k, a_lds, (1 - stage) * bm, m0, k_next, bm, wave, lane)
+                    dma_tile(b_buf, n, k, b_lds, (1 - stage) * bn, n0, k_next, bn, wave, lane)
+                acc = mma_k_step(acc, a_lds, b_lds, stage, wave_m, wave_n, atom)
+            else:
+                # Past the last step the loads read zeros (K >= k) and fill an unused stage.
+                a_next = load_tile(a_buf, m, k, m0, k_next, bm, wave, lane)
+                b_next = load_tile(b_buf, n, k, n0, k_next, bn, wave, lane)
+                amd_asm.s_waitcnt(lgkmcnt=0)  # this wave's ds_writes of `step` are done ...
+                amd_asm.s_barrier()            # ... and every wave's
+                acc = mma_k_step(acc, a_lds, b_lds, stage, wave_m, wave_n, atom)
+                store_tile(a_next, a_lds, (1 - stage) * bm, wave, lane)
+                store_tile(b_next, b_lds, (1 - stage) * bn, wave, lane)
+
+        for i in kiln.static_range(tiles_m):
+            for j in kiln.static_range(tiles_n):
+                mfma.store_accumulator(acc[i * tiles_n + j], c_buf,
+                                       m0 + wave_m * wm + i * MMA_SHAPE[0],
+                                       n0 + wave_n * wn + j * MMA_SHAPE[1],
+                                       transposed=True, limits=(m, n))
+
+    return kiln.kernel(gemm_gfx950)
+
+
+def compile_gfx950(dtype, *, target: str = "gfx950", config: GemmConfig | None = None):
+    """Compile (without running) the gfx950 GEMM for ``dtype`` (bf16/f16) inputs; returns the
+    ``CompiledKernel`` (``.asm["amdgcn"]``, ``.metadata["scratch_bytes"]``, ...).
+
+    Example: ``compile_gfx950("bf16").metadata["vgpr_count"]``.
+    """
+    name = kiln.dtype(dtype).name
+    if name not in SUPPORTED_DTYPES:
+        raise kiln.UnsupportedError(f"the gfx950 GEMM does not support {name} inputs",
+                                    fix=f"use one of {', '.join(SUPPORTED_DTYPES)}")
+    if str(target) != "gfx950":
+        raise kiln.UnsupportedError(f"the MFMA GEMM uses v_mfma_f32_32x32x16, which {target} "
+                                    "lacks", fix="compile for target='gfx950'")
+    config = config or GemmConfig()
+    out = kiln.dtype(config.out_dtype or name)
+    # Placeholder arrays carry dtype and rank only: the kernel is specialised on them.
+    a = np.empty((1, 1), kiln.dtype(name).numpy)
+    c = np.empty((1, 1), out.numpy)
+    return make_kernel(name, config).compile(a, a, c, 1, 1, 1, target=target,
+                                             num_warps=config.num_warps)

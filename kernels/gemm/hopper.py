@@ -1,0 +1,242 @@
+"""Hopper GEMM: TMA + WGMMA, multi-stage mbarrier ring, warp-specialised, persistent grid.
+
+``C[M, N] = A[M, K] @ B`` with bf16/f16 inputs, f32 accumulation and a bf16/f16/f32 output.
+B is ``K x N`` row-major (``b_major="mn"``) or, for ``trans_b``, ``N x K`` (``b_major="k"``).
+
+Schedule (one CTA per SM, 3 warp groups, ``BM x BN x BK`` = 128 x 256 x 64 by default):
+
+| warp group | registers (setmaxnreg) | job |
+| --- | --- | --- |
+| 0 producer | 40 | one thread: for each tile and K step, wait ``empty[s]``, expect the stage's bytes on ``full[s]``, TMA-load the A box and the B box(es) into stage ``s`` |
+| 1, 2 consumers | 232 | rows ``64*(g-1) .. +64`` of the tile: wait ``full[s]``, 4 ``wgmma.m64n256k16`` on stage ``s``, keep one WGMMA group in flight, release the previous stage on ``empty``; at the end of the tile store the 64 x 256 accumulator (bounds-checked at the matrix edges) |
+
+Stage ``s`` of use ``n`` is ``n % STAGES`` and its barriers complete phases of parity
+``(n // STAGES) % 2``; the producer waits ``empty`` on the opposite parity, so its first pass
+over the ring does not block. Tiles are visited in grouped order (``GROUP_M`` row tiles per
+column sweep) so consecutive CTAs share A and B tiles in L2. K edges need no masking: TMA fills
+out-of-bounds elements of a box with zeros.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import kiln
+from kiln import mbarrier, nvidia_asm, tma, wgmma
+from kiln.shared import dynamic_shared  # kiln.dynamic_shared once exported
+
+WARP_GROUP_THREADS = 128
+SWIZZLE = 128  # bytes: one 64-element row of bf16/f16, the layout WGMMA reads conflict-free
+SWIZZLE_ALIGN = 1024  # 128B-swizzled tiles start on a 1024-byte boundary
+K_STEP = 16  # K of one wgmma.m64nNk16
+ROW_BYTES = 128  # one swizzled row: 64 elements of a 2-byte dtype
+SUPPORTED_DTYPES = ("bf16", "f16")
+OUT_DTYPES = ("bf16", "f16", "f32")
+# H100's 227 KB of shared memory per block, less the dynamic region's alignment slack and
+# the mbarriers.
+SHARED_BUDGET = 227 * 1024 - 1024 - 256
+
+
+@dataclass(frozen=True)
+class HopperGemmConfig:
+    """Tile shape and pipeline of :func:`hopper_gemm_kernel`.
+
+    ``block_m`` is 64 per consumer warp group; ``block_n`` a multiple of 64 up to 256;
+    ``block_k`` is 64 (one 128-byte swizzled row); ``stages`` buffers in the ring.
+    """
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    stages: int = 4
+    group_m: int = 8
+    producer_registers: int = 40
+    consumer_registers: int = 232
+
+    def __post_init__(self):
+        if self.block_m % 64 or not 64 <= self.block_m <= 256:
+            raise kiln.UnsupportedError(f"block_m={self.block_m} is not supported",
+                                        fix="use 64, 128 or 192 (64 rows per consumer group)")
+        if self.block_n % 64 or not 64 <= self.block_n <= 256:
+            raise kiln.UnsupportedError(f"block_n={self.block_n} is not supported",
+                                        fix="use a multiple of 64 up to 256")
+        if self.block_k != 64:
+            raise kiln.UnsupportedError(f"block_k={self.block_k} is not supported",
+                                        fix="use block_k=64 (one 128-byte swizzled row)")
+        if not 2 <= self.stages <= 8:
+            raise kiln.KilnValueError(f"stages={self.stages} must be in 2..8",
+                                      fix="use 3 or 4 stages")
+        total = self.consumers * self.consumer_registers + self.producer_registers
+        if total * WARP_GROUP_THREADS > 65536:
+            raise kiln.ResourceError(f"{self.consumers} consumer groups x "
+                                     f"{self.consumer_registers} + {self.producer_registers} "
+                                     "registers per thread exceed the 64K register file",
+                                     fix="lower consumer_registers")
+
+    @property
+    def consumers(self) -> int:
+        return self.block_m // 64
+
+    @property
+    def num_warps(self) -> int:
+        return 4 * (self.consumers + 1)
+
+    def shared_bytes(self, itemsize: int = 2, out_itemsize: int = 2) -> int:
+        """Dynamic shared memory: the operand ring plus the epilogue's staging tiles."""
+        ring = self.stages * (self.block_m + self.block_n) * self.block_k * itemsize
+        return ring + self.block_m * self.epilogue_columns(out_itemsize) * out_itemsize
+
+    def epilogue_columns(self, out_itemsize: int) -> int:
+        """Columns of C staged per epilogue round: all of ``block_n`` when it fits next to the
+        ring, else the largest slice of 128-byte tiles that does."""
+        tile_cols = ROW_BYTES // out_itemsize
+        ring = self.stages * (self.block_m + self.block_n) * self.block_k * 2
+        columns = self.block_n
+        while columns > tile_cols and ring + self.block_m * columns * out_itemsize \
+                > SHARED_BUDGET:
+            columns //= 2
+        return columns
+
+
+@functools.lru_cache(maxsize=None)
+def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConfig):
+    """The ``@kiln.kernel`` for ``dtype`` inputs, an ``out_dtype`` output, B stored
+    ``b_major`` ("mn": K x N row-major, "k": N x K) and ``config``'s tiles.
+
+    Run-time parameters: ``a_map`` (A, box BM x BK), ``b_map`` (box BK x 64 for "mn", BN x BK
+    for "k"), ``c_map`` (C, box 64 x 128 bytes, written by TMA stores), ``m, n, k``.
+    """
+    in_type, out_type = kiln.dtype(dtype), kiln.dtype(out_dtype)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    b_box = (bk, 64) if b_major == "mn" else (bn, bk)
+    chunks = bn // 64 if b_major == "mn" else 1  # TMA boxes (and 64-column chunks) of B
+    # Descriptor strides (PTX "Matrix Descriptor"): K-major tiles step 1024 bytes per 8 rows of
+    # M/N; MN-major chunks step 1024 bytes per 8 rows of K and bk * 128 bytes per 64 columns.
+    b_leading = bk * ROW_BYTES if b_major == "mn" else 16
+    b_k_step = K_STEP * ROW_BYTES if b_major == "mn" else K_STEP * in_type.itemsize
+    c_cols = ROW_BYTES // out_type.itemsize  # columns of one swizzled C staging tile
+    epilogue_n = config.epilogue_columns(out_type.itemsize)
+    c_tiles_per_round = epilogue_n // c_cols
+
+    def b_coords(k0, n0):  # TMA coordinates, innermost first
+        return (n0, k0) if b_major == "mn" else (k0, n0)
+
+    def gemm(a_map: kiln.TensorMap[in_type, (bm, bk), SWIZZLE],
+             b_map: kiln.TensorMap[in_type, b_box, SWIZZLE],
+             c_map: kiln.TensorMap[out_type, (64, c_cols), SWIZZLE],
+             m: kiln.i32, n: kiln.i32, k: kiln.i32,
+             BM: kiln.constexpr, BN: kiln.constexpr, BK: kiln.constexpr,
+             STAGES: kiln.constexpr, GROUP_M: kiln.constexpr, PRODUCER_REGS: kiln.constexpr,
+             CONSUMER_REGS: kiln.constexpr):
+        a_tiles = dynamic_shared((STAGES, BM, BK), in_type, align=SWIZZLE_ALIGN)
+        b_tiles = dynamic_shared((STAGES * chunks,) + b_box, in_type, align=SWIZZLE_ALIGN)
+        c_tiles = dynamic_shared((BM // 64 * c_tiles_per_round, 64, c_cols), out_type,
+                                 align=SWIZZLE_ALIGN)
+        full = mbarrier.group(num_barriers=STAGES)
+        empty = mbarrier.group(num_barriers=STAGES)
+        tid = kiln.thread_id(0)
+        warp_group = tid // WARP_GROUP_THREADS
+        first_thread = tid % WARP_GROUP_THREADS == 0
+        for s in kiln.static_range(STAGES):
+            full.init(s, count=1, predicate=tid == 0)
+            empty.init(s, count=BM // 64, predicate=tid == 0)
+        nvidia_asm.fence_mbarrier_init()
+        kiln.barrier()
+
+        tiles_m = (m + BM - 1) // BM
+        tiles_n = (n + BN - 1) // BN
+        k_tiles = (k + BK - 1) // BK
+        num_tiles = tiles_m * tiles_n
+        stage_bytes = tma.box_bytes(a_map) + chunks * tma.box_bytes(b_map)
+        if warp_group == 0:
+            nvidia_asm.setmaxnreg(PRODUCER_REGS, increase=False)
+            if tid == 0:
+                tma.prefetch_descriptor(a_map)
+                tma.prefetch_descriptor(b_map)
+                use = 0
+                for tile in kiln.range(kiln.block_id(0), num_tiles, kiln.num_blocks(0)):
+                    m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+                    for kt in kiln.range(0, k_tiles):
+                        stage = use % STAGES
+                        empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
+                        full.arrive_expect_tx(stage, stage_bytes)
+                        tma.load(a_map, a_tiles.tile(stage), (kt * BK, m0), full, stage)
+                        for j in kiln.static_range(chunks):
+                            tma.load(b_map, b_tiles.tile(stage * chunks + j),
+                                     b_coords(kt * BK, n0 + 64 * j), full, stage)
+                        use = use + 1
+        else:
+            nvidia_asm.setmaxnreg(CONSUMER_REGS, increase=True)
+            consumer = warp_group - 1
+            a_base = wgmma.smem_descriptor(a_tiles.tile(0), leading_bytes=16, stride_bytes=1024,
+                                           byte_offset=consumer * 64 * ROW_BYTES)
+            b_base = wgmma.smem_descriptor(b_tiles.tile(0), leading_bytes=b_leading,
+                                           stride_bytes=1024)
+            a_stage_units = BM * BK * in_type.itemsize // 16  # descriptor address units
+            b_stage_units = BN * BK * in_type.itemsize // 16
+            use = 0
+            for tile in kiln.range(kiln.block_id(0), num_tiles, kiln.num_blocks(0)):
+                m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+                acc = wgmma.fragment_zeros(BN)
+                for kt in kiln.range(0, k_tiles):
+                    stage = use % STAGES
+                    full.try_wait(stage, (use // STAGES) % 2)
+                    stage64 = kiln.cast(stage, kiln.i64)
+                    a_desc = a_base + stage64 * a_stage_units
+                    b_desc = b_base + stage64 * b_stage_units
+                    wgmma.fence()
+                    for ks in kiln.static_range(BK // K_STEP):
+                        acc = wgmma.mma_async(acc, a_desc + ks * K_STEP * in_type.itemsize // 16,
+                                              b_desc + ks * b_k_step // 16, dtype=in_type,
+                                              b_major=b_major)
+                    wgmma.commit()
+                    # Keep this K step's group in flight; the previous one has finished reading
+                    # its stage, which goes back to the producer.
+                    wgmma.wait_group(1)
+                    if (kt > 0) & first_thread:
+                        empty.arrive((use + STAGES - 1) % STAGES)
+                    use = use + 1
+                wgmma.wait_group(0)
+                if first_thread:
+                    empty.arrive((use + STAGES - 1) % STAGES)
+                _store_tile(acc, c_map, c_tiles, consumer, m0 + consumer * 64, n0, first_thread,
+                            BN // epilogue_n, c_tiles_per_round, c_cols)
+            if first_thread:
+                tma.wait_group(0, read=True)  # the staging tiles must outlive the last store
+
+    gemm.__name__ = gemm.__qualname__ = f"hopper_gemm_{dtype}_{out_dtype}_{b_major}"
+    return kiln.kernel(gemm)
+
+
+@kiln.func
+def _tile_origin(tile, tiles_m, tiles_n, BM, BN, GROUP_M):
+    """(row, column) of output tile ``tile`` in grouped order: ``GROUP_M`` tile rows are swept
+    column by column, so CTAs running together reuse the same A rows and B columns from L2."""
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = kiln.minimum(tiles_m - first_m, GROUP_M)
+    tile_m = first_m + (tile % per_group) % group_rows
+    tile_n = (tile % per_group) // group_rows
+    return tile_m * BM, tile_n * BN
+
+
+@kiln.func
+def _store_tile(acc, c_map, c_tiles, consumer, row0, col0, first_thread, rounds,
+                tiles_per_round, tile_cols):
+    """Epilogue of one consumer: stage ``acc`` in swizzled shared tiles and TMA-store them,
+    ``rounds`` slices of columns in turn (TMA clips rows and columns outside C). The stores run
+    on while the warp group starts its next tile; only the next reuse of the staging tiles
+    waits for them to have been read."""
+    columns = tiles_per_round * tile_cols
+    for r in kiln.static_range(rounds):
+        if first_thread:
+            tma.wait_group(0, read=True)
+        nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
+        wgmma.store_fragment_swizzled(acc, c_tiles, consumer * tiles_per_round,
+                                      columns=(r * columns, (r + 1) * columns))
+        nvidia_asm.fence_proxy_async()  # generic-proxy writes before the async-proxy TMA read
+        nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
+        if first_thread:
+            for j in kiln.static_range(tiles_per_round):
+                tma.store(c_tiles.tile(consumer * tiles_per_round + j), c_map,
+                          (col0 + r * columns + j * tile_cols, row0))
+            tma.commit_group()

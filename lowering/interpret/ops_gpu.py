@@ -1,0 +1,114 @@
+"""``gpu`` ops (ids, barrier, shuffle) and the ``nvvm`` ops that only order memory.
+
+Fences order memory between proxies on the GPU; the interpreter performs every access in program
+order and applies async copies at their completion point, so fences have nothing to do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.errors import UnsupportedError
+
+from .plan import location, semantics
+
+_AXES = {"x": 0, "y": 1, "z": 2}
+
+
+def _axis(op) -> int:
+    return _AXES[str(op.attributes["dimension"]).rstrip(">").split()[-1]]
+
+
+@semantics("gpu.thread_id")
+def _thread_id(op, p):
+    out, axis = p.result(op), _axis(op)
+
+    def run(env, ctx):
+        bx, by, _ = ctx.cta.block
+        t = ctx.thread_ids
+        env[out] = (t % bx if axis == 0 else (t // bx) % by if axis == 1 else t // (bx * by))
+
+    return run
+
+
+def _uniform_id(field):
+    def build(op, p):
+        out, axis = p.result(op), _axis(op)
+
+        def run(env, ctx):
+            env[out] = np.array([getattr(ctx.cta, field)[axis]], np.int64)
+
+        return run
+    return build
+
+
+for _name, _field in (("gpu.block_id", "block_id"), ("gpu.block_dim", "block"),
+                      ("gpu.grid_dim", "grid")):
+    semantics(_name)(_uniform_id(_field))
+
+
+@semantics("gpu.lane_id")
+def _lane_id(op, p):
+    out = p.result(op)
+
+    def run(env, ctx):
+        env[out] = ctx.thread_ids % ctx.cta.warp_size
+
+    return run
+
+
+@semantics("gpu.barrier")
+def _barrier(op, p):
+    loc = location(op)
+
+    def run(env, ctx):
+        ctx.cta.barrier(ctx, loc)
+
+    return run
+
+
+@semantics("gpu.shuffle")
+def _shuffle(op, p):
+    value, offset, width = p.operands(op)
+    out, valid = p.results(op)
+    mode = str(op.attributes["mode"]).rstrip(">").split()[-1]
+    loc = location(op)
+
+    def run(env, ctx):
+        ws = ctx.cta.warp_size
+        n = ctx.size
+        v = np.broadcast_to(env[value], (n,) + env[value].shape[1:])
+        lane = ctx.thread_ids % ws
+        off = np.broadcast_to(env[offset], (n,)).astype(np.int64)
+        w = int(env[width][0])
+        if w != ws:
+            raise UnsupportedError(f"the interpreter supports gpu.shuffle over a full warp "
+                                   f"({ws} lanes) only, got width {w}", loc=loc)
+        src = {"xor": lane ^ off, "down": lane + off, "up": lane - off, "idx": off}[mode]
+        ok = (src >= 0) & (src < ws)
+        src = np.where(ok, src, lane)
+        env[out] = v[(np.arange(n) - lane) + src]
+        env[valid] = ok
+
+    return run
+
+
+@semantics("nvvm.elect.sync")
+def _elect_sync(op, p):
+    out = p.result(op)
+
+    def run(env, ctx):
+        ws = ctx.cta.warp_size
+        active = ctx.active().reshape(-1, ws)
+        first = np.zeros_like(active)
+        first[np.arange(active.shape[0]), np.argmax(active, axis=1)] = True
+        env[out] = (first & active).reshape(-1)
+
+    return run
+
+
+@semantics("nvvm.fence.mbarrier.init", "nvvm.fence.proxy", "nvvm.setmaxregister",
+           "nvgpu.tma.prefetch.descriptor", "nvvm.fence.proxy.acquire",
+           "nvvm.fence.proxy.release", "rocdl.sched.barrier", "rocdl.s.setprio")
+def _no_effect(op, p):
+    return None

@@ -1,0 +1,119 @@
+"""Register-level ``vector`` ops: broadcast, extract/insert, reductions, reshapes.
+
+A ``vector<n x T>`` value is an array of shape ``(threads, n)``; positions index the trailing axes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mlir import ir
+
+from .plan import np_dtype, semantics, vector_shape
+
+_DYNAMIC_POSITION = ir.ShapedType.get_dynamic_size()
+
+
+@semantics("vector.broadcast", "vector.splat")
+def _broadcast(op, p):
+    (src,) = p.operands(op)
+    out = p.result(op)
+    shape = vector_shape(op.results[0].type)
+
+    def run(env, ctx):
+        x = env[src]
+        lead = x.shape[0]
+        x = x.reshape((lead,) + (1,) * (len(shape) + 1 - x.ndim) + x.shape[1:])
+        env[out] = np.broadcast_to(x, (lead,) + shape)
+
+    return run
+
+
+def _position(op, p, dynamic_slots):
+    static = list(ir.DenseI64ArrayAttr(op.attributes["static_position"]))
+
+    def resolve(env):
+        dyn = iter(dynamic_slots)
+        return tuple(int(env[next(dyn)][0]) if s == _DYNAMIC_POSITION else s for s in static)
+
+    return resolve
+
+
+@semantics("vector.extract")
+def _extract(op, p):
+    src, *dyn = p.operands(op)
+    out = p.result(op)
+    position = _position(op, p, dyn)
+
+    def run(env, ctx):
+        env[out] = env[src][(slice(None),) + position(env)]
+
+    return run
+
+
+@semantics("vector.insert")
+def _insert(op, p):
+    value, dest, *dyn = p.operands(op)
+    out = p.result(op)
+    position = _position(op, p, dyn)
+
+    def run(env, ctx):
+        v, d = env[value], env[dest]
+        lead = max(v.shape[0], d.shape[0])
+        result = np.array(np.broadcast_to(d, (lead,) + d.shape[1:]))
+        result[(slice(None),) + position(env)] = v
+        env[out] = result
+
+    return run
+
+
+_REDUCTIONS = {"add": np.sum, "mul": np.prod, "maximumf": np.max, "minimumf": np.min,
+               "maxnumf": np.nanmax, "minnumf": np.nanmin, "maxsi": np.max, "minsi": np.min,
+               "and": np.bitwise_and.reduce, "or": np.bitwise_or.reduce,
+               "xor": np.bitwise_xor.reduce}
+
+
+@semantics("vector.reduction")
+def _reduction(op, p):
+    src, *acc = p.operands(op)
+    out = p.result(op)
+    kind = str(op.attributes["kind"]).split("<")[-1].rstrip(">")
+    fn = _REDUCTIONS[kind]
+    dtype = np_dtype(op.results[0].type)
+    combine = {"add": np.add, "mul": np.multiply}.get(kind, None)
+
+    def run(env, ctx):
+        x = env[src]
+        wide = x.astype(np.float64) if dtype.kind == "f" and kind in ("add", "mul") else x
+        r = fn(wide, axis=-1)
+        if acc:
+            a = env[acc[0]]
+            r = combine(r, a) if combine else fn(np.stack(np.broadcast_arrays(r, a), -1), axis=-1)
+        env[out] = np.asarray(r).astype(dtype)
+
+    return run
+
+
+@semantics("vector.shape_cast")
+def _shape_cast(op, p):
+    (src,) = p.operands(op)
+    out = p.result(op)
+    shape = vector_shape(op.results[0].type)
+
+    def run(env, ctx):
+        x = env[src]
+        env[out] = x.reshape((x.shape[0],) + shape)
+
+    return run
+
+
+@semantics("vector.from_elements")
+def _from_elements(op, p):
+    elems = p.operands(op)
+    out = p.result(op)
+    shape = vector_shape(op.results[0].type)
+
+    def run(env, ctx):
+        parts = np.broadcast_arrays(*(env[e] for e in elems))
+        env[out] = np.stack(parts, axis=-1).reshape((parts[0].shape[0],) + shape)
+
+    return run

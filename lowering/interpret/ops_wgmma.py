@@ -1,0 +1,202 @@
+"""Raw ``nvvm.wgmma.*`` (what ``kiln.wgmma.mma_async`` emits) and LLVM struct accumulators.
+
+``nvvm.wgmma.mma_async`` reads A and B through 64-bit shared-memory matrix descriptors, decoded
+as PTX defines them (start address, leading/stride byte offsets, swizzle mode), so a descriptor
+that points at the wrong bytes gives wrong numbers here too. The accumulator is an
+``!llvm.struct`` of ``n/2`` f32 registers per thread: the interpreter gathers the 128 threads'
+registers into the 64 x n tile through ``kiln.layout.wgmma_m64_accumulator(n)``, multiplies,
+and scatters back. The MMA keeps its operand bytes "being read" until ``wgmma.wait.group``
+retires its group, so a TMA load into a stage an MMA still reads is a race.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+from mlir import ir
+from mlir.dialects import llvm
+
+from kiln.errors import UnsupportedError
+from kiln.layout import wgmma_m64_accumulator
+from kiln.swizzle import Swizzle
+
+from .plan import attr_int, location, np_dtype, semantics
+from .state import uniform
+
+WARP_GROUP = 128
+_SWIZZLE_BYTES = {1: 128, 2: 64, 3: 32}  # descriptor bits 62-63
+_OPERAND_DTYPES = {"f16": np.float16, "bf16": None}
+
+
+# ---- LLVM struct values: arrays of shape (threads, fields) ----------------------------------
+
+@semantics("llvm.mlir.undef", "llvm.mlir.poison")
+def _undef(op, p):
+    out = p.result(op)
+    body = llvm.StructType(op.results[0].type).body
+    dtypes = {np_dtype(t) for t in body}
+    if len(dtypes) != 1:
+        raise UnsupportedError("the interpreter handles LLVM structs of one element type only",
+                               loc=location(op))
+    value = np.full((1, len(body)), np.nan, dtypes.pop())  # undefined: NaN poison
+
+    def run(env, ctx):
+        env[out] = value
+
+    return run
+
+
+@semantics("llvm.insertvalue")
+def _insertvalue(op, p):
+    container, value = p.operands(op)
+    out = p.result(op)
+    (pos,) = list(ir.DenseI64ArrayAttr(op.attributes["position"]))
+
+    def run(env, ctx):
+        c, v = env[container], env[value]
+        lead = max(c.shape[0], v.shape[0])
+        result = np.array(np.broadcast_to(c, (lead,) + c.shape[1:]))
+        result[:, pos] = v
+        env[out] = result
+
+    return run
+
+
+@semantics("llvm.extractvalue")
+def _extractvalue(op, p):
+    (container,) = p.operands(op)
+    out = p.result(op)
+    (pos,) = list(ir.DenseI64ArrayAttr(op.attributes["position"]))
+
+    def run(env, ctx):
+        env[out] = env[container][:, pos]
+
+    return run
+
+
+# ---- shared-memory matrix descriptors ------------------------------------------------------
+
+def decode_descriptor(desc: int) -> tuple[int, int, int, int]:
+    """``(start byte, leading byte offset, stride byte offset, swizzle bytes)`` of a wgmma
+    shared-memory matrix descriptor (PTX "Matrix Descriptor Format")."""
+    desc &= (1 << 64) - 1
+    start = (desc & 0x3FFF) << 4
+    leading = ((desc >> 16) & 0x3FFF) << 4
+    stride = ((desc >> 32) & 0x3FFF) << 4
+    swizzle = _SWIZZLE_BYTES.get((desc >> 62) & 0x3, 0)
+    return start, leading, stride, swizzle
+
+
+def operand_addresses(desc: int, mn: int, k: int, item: int, k_major: bool, loc) -> np.ndarray:
+    """Byte addresses ``[mn, k]`` of an ``mn x k`` operand read through ``desc``.
+
+    K-major: rows of the swizzle width along K, 8-row groups ``stride`` apart along M/N.
+    MN-major: swizzle-wide chunks along M/N ``leading`` apart, 8-row groups of K ``stride``
+    apart. The swizzle XORs the absolute address, as the hardware does.
+    """
+    start, leading, stride, swizzle = decode_descriptor(desc)
+    if not swizzle:
+        raise UnsupportedError("the interpreter reads swizzled (32/64/128-byte) wgmma operands "
+                               "only", fix="use a swizzled descriptor (kiln.wgmma.smem_descriptor)",
+                               loc=loc)
+    m = np.arange(mn)[:, None]
+    kk = np.arange(k)[None, :]
+    if k_major:
+        addr = start + (m // 8) * stride + (m % 8) * swizzle + kk * item
+    else:
+        per_row = swizzle // item
+        addr = start + (m // per_row) * leading + (kk // 8) * stride + (kk % 8) * swizzle \
+            + (m % per_row) * item
+    return Swizzle.tma(swizzle, 1)(addr)
+
+
+def _read_operand(ctx, desc: int, mn: int, k: int, dtype, k_major: bool, loc):
+    item = np.dtype(dtype).itemsize
+    addrs = operand_addresses(desc, mn, k, item, k_major, loc)
+    shared = ctx.cta.shared
+    byte_addrs = (addrs[..., None] + np.arange(item)).reshape(-1)
+    if byte_addrs.max() >= shared.arena.size or byte_addrs.min() < 0:
+        from kiln.errors import OutOfBoundsError
+
+        raise OutOfBoundsError(f"a wgmma operand descriptor reads shared bytes up to "
+                               f"{int(byte_addrs.max())}, past the {shared.arena.size} bytes of "
+                               "shared memory", loc=loc)
+    shared.check(byte_addrs, False, "this wgmma", loc)
+    values = shared.arena[byte_addrs].view(dtype).reshape(mn, k)
+    return values, byte_addrs
+
+
+def _attr_text(op, name: str) -> str:
+    return str(op.attributes[name])
+
+
+@semantics("nvvm.wgmma.mma_async")
+def _mma_async(op, p):
+    acc_slot, a_slot, b_slot = p.operands(op)
+    out = p.result(op)
+    loc = location(op)
+    m, n, k = (int(v) for v in re.findall(r"=\s*(\d+)", _attr_text(op, "shape")))
+    type_a = re.search(r"<(\w+)>", _attr_text(op, "typeA")).group(1)
+    if type_a not in ("f16", "bf16") or m != 64:
+        raise UnsupportedError(f"the interpreter runs wgmma m64nNk16 with f16/bf16 operands, not "
+                               f"m{m}n{n}k{k} {type_a}", loc=loc)
+    from kiln.dtypes import dtype as kiln_dtype
+
+    dtype = kiln_dtype(type_a).numpy
+    a_k_major = "row" in _attr_text(op, "layoutA")
+    b_k_major = "col" in _attr_text(op, "layoutB")
+    accumulate = "one" in _attr_text(op, "scaleD")
+    rows, cols = wgmma_m64_accumulator(n).coords()  # [128 threads, n/2 registers]
+
+    def run(env, ctx):
+        acc = np.broadcast_to(env[acc_slot], (ctx.size,) + env[acc_slot].shape[1:])
+        result = np.array(acc, np.float32)
+        lane_of = ctx.thread_ids % WARP_GROUP
+        group_of = ctx.thread_ids // WARP_GROUP
+        for g in np.unique(group_of):
+            lanes = np.flatnonzero(group_of == g)
+            a_desc = int(uniform(np.asarray(env[a_slot])[lanes] if env[a_slot].shape[0] > 1
+                                 else env[a_slot], None, "the A descriptor", loc))
+            b_desc = int(uniform(np.asarray(env[b_slot])[lanes] if env[b_slot].shape[0] > 1
+                                 else env[b_slot], None, "the B descriptor", loc))
+            a, a_bytes = _read_operand(ctx, a_desc, m, k, dtype, a_k_major, loc)
+            b, b_bytes = _read_operand(ctx, b_desc, n, k, dtype, b_k_major, loc)
+            tile = np.zeros((m, n), np.float64)
+            t = lane_of[lanes]
+            if accumulate:
+                tile[rows[t], cols[t]] = acc[lanes]
+            tile += a.astype(np.float64) @ b.astype(np.float64).T
+            result[lanes] = tile[rows[t], cols[t]]
+            op_id = ctx.cta.shared.begin("wgmma", loc,
+                                         read_bytes=np.concatenate([a_bytes, b_bytes]))
+            ctx.pending_wgmma.append(op_id)
+        env[out] = result
+
+    return run
+
+
+@semantics("nvvm.wgmma.commit.group.sync.aligned")
+def _commit(op, p):
+    def run(env, ctx):
+        ctx.async_groups.append(("wgmma", list(ctx.pending_wgmma)))
+        ctx.pending_wgmma.clear()
+
+    return run
+
+
+@semantics("nvvm.wgmma.wait.group.sync.aligned")
+def _wait(op, p):
+    keep = attr_int(op, "group", 0)
+
+    def run(env, ctx):
+        from .ops_hopper import retire_groups
+
+        retire_groups(ctx, "wgmma", keep)
+
+    return run
+
+
+@semantics("nvvm.wgmma.fence.aligned")
+def _fence(op, p):
+    return None  # register/shared ordering: every access already happens in program order

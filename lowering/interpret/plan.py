@@ -1,0 +1,147 @@
+"""Turn a traced ``gpu.func`` into a plan: per block, a list of Python closures over value slots.
+
+The MLIR bindings are walked once per kernel. Each op's builder (registered with
+``@semantics("dialect.op")``) reads the op's attributes and types at plan time and returns a
+closure ``run(env, ctx)`` that reads operand slots of ``env`` (a list) and writes result slots.
+Executing a block is then a plain loop over closures, with no MLIR calls.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+from mlir import ir
+
+from kiln.errors import SourceLoc, UnsupportedError
+
+Run = Callable[[list, object], None]
+Builder = Callable[[ir.Operation, "Plan"], Run | None]
+_SEMANTICS: dict[str, Builder] = {}
+
+
+def semantics(*names: str):
+    """Register the plan builder of one or more MLIR ops: ``@semantics("arith.addf")``."""
+
+    def register(fn: Builder) -> Builder:
+        for name in names:
+            _SEMANTICS[name] = fn
+        return fn
+
+    return register
+
+
+def location(op: ir.Operation) -> SourceLoc | None:
+    """The user's source position recorded on ``op`` by the tracer."""
+    loc = op.location
+    for _ in range(8):
+        if loc.is_a_file():
+            return SourceLoc(loc.filename, loc.start_line, max(loc.start_col - 1, 0))
+        if loc.is_a_fused():
+            files = [child for child in loc.locations if child.is_a_file()]
+            if not files:
+                return None
+            loc = files[0]
+        elif loc.is_a_name():
+            loc = loc.child_loc
+        elif loc.is_a_callsite():
+            loc = loc.callee
+        else:
+            return None
+    return None
+
+
+def np_dtype(t: ir.Type) -> np.dtype:
+    """The numpy dtype that holds values of the MLIR scalar (or vector element) type ``t``."""
+    if isinstance(t, ir.ShapedType):
+        t = t.element_type
+    if isinstance(t, ir.IndexType):
+        return np.dtype(np.int64)
+    if isinstance(t, ir.IntegerType):
+        if t.width == 1:
+            return np.dtype(np.bool_)
+        return np.dtype(f"int{t.width}")
+    floats = {ir.F32Type: np.float32, ir.F16Type: np.float16, ir.F64Type: np.float64,
+              ir.BF16Type: ml_dtypes.bfloat16, ir.Float8E4M3FNType: ml_dtypes.float8_e4m3fn,
+              ir.Float8E5M2Type: ml_dtypes.float8_e5m2}
+    for cls, dtype in floats.items():
+        if isinstance(t, cls):
+            return np.dtype(dtype)
+    raise UnsupportedError(f"the interpreter has no numpy dtype for the MLIR type {t}")
+
+
+def vector_shape(t: ir.Type) -> tuple[int, ...]:
+    """``(n, ...)`` for ``vector<n x ...>``, ``()`` for scalars."""
+    return tuple(ir.VectorType(t).shape) if isinstance(t, ir.VectorType) else ()
+
+
+class Block:
+    """A compiled block: closures plus the slots of its arguments and of its terminator operands."""
+
+    __slots__ = ("runs", "args", "yields")
+
+    def __init__(self, runs: list[Run], args: list[int], yields: list[int]):
+        self.runs = runs
+        self.args = args
+        self.yields = yields
+
+    def run(self, env: list, ctx) -> None:
+        for step in self.runs:
+            step(env, ctx)
+
+
+class Plan:
+    """The compiled form of one kernel: entry block, number of value slots, shared globals."""
+
+    def __init__(self, func: ir.Operation, shared_globals: dict[str, tuple]):
+        self.slots: dict[ir.Value, int] = {}
+        self.shared_globals = shared_globals  # symbol -> (byte offset, shape, dtype)
+        self.entry = self.block(func.regions[0].blocks[0])
+        self.num_slots = len(self.slots)
+        self.needs_warp_group_contexts = False
+
+    def slot(self, value: ir.Value) -> int:
+        s = self.slots.get(value)
+        if s is None:
+            s = self.slots[value] = len(self.slots)
+        return s
+
+    def operands(self, op: ir.Operation) -> list[int]:
+        return [self.slot(v) for v in op.operands]
+
+    def results(self, op: ir.Operation) -> list[int]:
+        return [self.slot(v) for v in op.results]
+
+    def result(self, op: ir.Operation) -> int:
+        return self.slot(op.results[0])
+
+    def block(self, block: ir.Block) -> Block:
+        args = [self.slot(a) for a in block.arguments]
+        runs: list[Run] = []
+        yields: list[int] = []
+        for op in block.operations:
+            op = op.operation
+            name = op.name
+            if name in ("scf.yield", "gpu.return", "gpu.terminator"):
+                yields = self.operands(op)
+                continue
+            builder = _SEMANTICS.get(name)
+            if builder is None:
+                raise UnsupportedError(f"the interpreter has no semantics for {name} yet",
+                                       fix="run this kernel on a GPU, or add the op's semantics "
+                                           "to kiln.lowering.interpret", loc=location(op))
+            step = builder(op, self)
+            if step is not None:
+                runs.append(step)
+        return Block(runs, args, yields)
+
+
+def attr_int(op: ir.Operation, name: str, default: int | None = None) -> int | None:
+    if name not in op.attributes:
+        return default
+    return ir.IntegerAttr(op.attributes[name]).value
+
+
+def has_attr(op: ir.Operation, name: str) -> bool:
+    return name in op.attributes

@@ -1,0 +1,207 @@
+"""``interpret_kernel``: run a traced kernel on numpy arrays, one CTA at a time.
+
+Each CTA gets fresh (poisoned) shared memory and runs either as one execution context covering
+all its threads or, when the kernel blocks inside divergent code (an mbarrier wait under an
+``scf.if``) or issues warp-group MMAs with more than one warp group, as one context per warp
+group, each on its own Python thread. Only one context runs at a time (they hand over at blocking
+points), so runs are deterministic.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mlir import ir
+
+from kiln import env as kiln_env
+from kiln.errors import KilnTypeError, KilnValueError, UnsupportedError
+
+from . import (ops_arith, ops_control, ops_gpu, ops_hopper, ops_mbarrier,  # noqa: F401 - register
+               ops_memory, ops_vector)
+from .plan import Plan, np_dtype
+from .state import CTA, Context, MemRef, _Aborted
+
+WARP_GROUP_THREADS = 128
+_BLOCKING_OPS = ("nvgpu.mbarrier.try_wait.parity", "nvgpu.mbarrier.test.wait")
+_SHARED_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class TensorMapArg:
+    """A TMA descriptor argument: the global array it describes and its box."""
+
+    array: np.ndarray
+    box: tuple[int, ...]
+    swizzle: int
+    oob_fill_nan: bool
+
+
+@dataclass
+class _CompiledPlan:
+    context: ir.Context  # keeps the parsed module's types alive for the plan's lifetime
+    plan: Plan
+    static_shared_bytes: int
+    warp_group_contexts: bool
+
+
+_plans: dict[str, _CompiledPlan] = {}
+
+
+def _compile_plan(module_asm: str, kernel_name: str) -> _CompiledPlan:
+    cached = _plans.get(module_asm)
+    if cached is not None:
+        return cached
+    ctx = ir.Context()
+    ctx.allow_unregistered_dialects = True
+    with ctx:
+        module = ir.Module.parse(module_asm)
+        gpu_module = next(op.operation for op in module.body.operations
+                          if op.operation.name == "gpu.module")
+        shared: dict[str, tuple] = {}
+        offset = 0
+        func = None
+        for op in gpu_module.regions[0].blocks[0].operations:
+            op = op.operation
+            if op.name == "memref.global":
+                mtype = ir.MemRefType(ir.TypeAttr(op.attributes["type"]).value)
+                align = ir.IntegerAttr(op.attributes["alignment"]).value \
+                    if "alignment" in op.attributes else _SHARED_ALIGN
+                offset = (offset + align - 1) // align * align
+                dtype = np_dtype(mtype)
+                shared[ir.StringAttr(op.attributes["sym_name"]).value] = (
+                    offset, tuple(mtype.shape), dtype)
+                offset += int(np.prod(mtype.shape)) * dtype.itemsize
+            elif op.name == "gpu.func" and \
+                    ir.StringAttr(op.attributes["sym_name"]).value == kernel_name:
+                func = op
+        plan = Plan(func, shared)
+        warp_group = _blocks_in_divergent_code(func) or _has_warp_group_ops(func)
+        plan.slots = {}  # drop the MLIR values; the closures only hold slot numbers
+    compiled = _CompiledPlan(ctx, plan, offset, warp_group)
+    if len(_plans) > 64:
+        _plans.clear()
+    _plans[module_asm] = compiled
+    return compiled
+
+
+def _walk(op: ir.Operation, depth: int = 0):
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                inner = inner.operation
+                yield inner, depth
+                yield from _walk(inner, depth + (inner.name == "scf.if"))
+
+
+def _blocks_in_divergent_code(func) -> bool:
+    return any(op.name in _BLOCKING_OPS and depth > 0 for op, depth in _walk(func))
+
+
+def _has_warp_group_ops(func) -> bool:
+    return any(op.name.startswith("nvgpu.warpgroup.") for op, _ in _walk(func))
+
+
+def _grid3(grid) -> tuple[int, int, int]:
+    g = (grid,) if isinstance(grid, int) else tuple(int(v) for v in grid)
+    if not 1 <= len(g) <= 3 or any(v < 1 for v in g):
+        raise KilnValueError(f"grid {grid!r} must be 1 to 3 positive ints",
+                             fix="e.g. kernel.interpret[((n + BLOCK - 1) // BLOCK,)](...)")
+    return g + (1,) * (3 - len(g))
+
+
+def global_memref(array: np.ndarray, name: str) -> MemRef:
+    """A memref over the memory of ``array`` (a view: stores write into the caller's array)."""
+    if not isinstance(array, np.ndarray):
+        raise KilnTypeError(f"the interpreter takes numpy arrays; argument '{name}' is a "
+                            f"{type(array).__name__}", fix="pass a numpy array (e.g. t.cpu().numpy())")
+    item = array.itemsize
+    if any(s < 0 or s % item for s in array.strides):
+        raise UnsupportedError(f"argument '{name}' has strides {array.strides}; the interpreter "
+                               "takes non-negative strides that are multiples of the item size",
+                               fix="pass np.ascontiguousarray(x)")
+    strides = tuple(s // item for s in array.strides)
+    span = 1 + sum((n - 1) * s for n, s in zip(array.shape, strides)) if array.size else 0
+    storage = np.lib.stride_tricks.as_strided(array, shape=(span,), strides=(item,))
+    return MemRef(storage, 0, tuple(array.shape), strides, f"tensor '{name}'")
+
+
+def _convert_args(signature, args) -> list:
+    from kiln.lowering.signature import ScalarParam, TensorMapParam
+
+    values = []
+    for param, arg in zip(signature.params, args):
+        if isinstance(param, ScalarParam):
+            from kiln.dtypes import dtype as kiln_dtype
+
+            values.append(np.array([arg], kiln_dtype(param.dtype).numpy))
+        elif isinstance(param, TensorMapParam):
+            values.append(TensorMapArg(np.asarray(arg), tuple(param.box), param.swizzle,
+                                       param.oob_fill_nan))
+        else:
+            values.append(global_memref(arg, param.name))
+    return values
+
+
+def interpret_kernel(traced, grid, args, target) -> None:
+    """Run ``traced`` (a :class:`kiln.kernel.TracedKernel`) over ``grid`` on the CPU.
+
+    ``args`` are the run-time arguments in signature order (numpy arrays are written in place).
+    Example (what ``saxpy.interpret[grid](...)`` does)::
+
+        traced = saxpy.trace(x, y, n, 2.0, BLOCK=256)
+        interpret_kernel(traced, (n + 255) // 256, [x, y, n, 2.0], get_target("sm_90a"))
+    """
+    compiled = _compile_plan(traced.module_asm, traced.name)
+    plan = compiled.plan
+    signature = traced.signature
+    block = tuple(signature.block)
+    threads = int(np.prod(block))
+    grid = _grid3(grid)
+    values = _convert_args(signature, args)
+    static = (compiled.static_shared_bytes + _SHARED_ALIGN - 1) // _SHARED_ALIGN * _SHARED_ALIGN
+    shared_bytes = static + signature.dynamic_shared_bytes
+    split = compiled.warp_group_contexts and threads > WARP_GROUP_THREADS
+    group = WARP_GROUP_THREADS if split else threads
+    timeout = kiln_env.interpret_timeout()
+    for bz in range(grid[2]):
+        for by in range(grid[1]):
+            for bx in range(grid[0]):
+                cta = CTA((bx, by, bz), block, grid, shared_bytes, timeout)
+                cta.warp_size = target.warp_size
+                cta.dynamic_shared_offset = static
+                _run_cta(plan, cta, values, threads, group)
+
+
+def _run_cta(plan: Plan, cta: CTA, values: list, threads: int, group: int) -> None:
+    contexts = [Context(cta, np.arange(start, start + group))
+                for start in range(0, threads, group)]
+    cta.live = len(contexts)
+
+    def body(ctx: Context):
+        env: list[Any] = [None] * plan.num_slots
+        for slot, value in zip(plan.entry.args, values):
+            env[slot] = value
+        with cta.cond, np.errstate(all="ignore"):
+            try:
+                plan.entry.run(env, ctx)
+            except _Aborted:
+                pass
+            except BaseException as err:  # noqa: BLE001 - handed to the caller below
+                if cta.failed is None:
+                    cta.failed = err
+            finally:
+                cta.context_finished()
+
+    if len(contexts) == 1:
+        body(contexts[0])
+    else:
+        workers = [threading.Thread(target=body, args=(c,), daemon=True) for c in contexts]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    if cta.failed is not None:
+        raise cta.failed

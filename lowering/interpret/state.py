@@ -1,0 +1,270 @@
+"""Run-time state of the interpreter: memrefs, one CTA's shared memory, execution contexts.
+
+Values are numpy arrays whose first axis runs over the threads of an execution context: shape
+``(T,)`` for a scalar, ``(T, n)`` for a ``vector<n x ...>``. A value that is the same for every
+thread (constants, block ids, uniform loop counters) keeps a first axis of size 1 and broadcasts,
+which keeps most of the arithmetic of a kernel as cheap as one thread's.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kiln.errors import DeadlockError, OutOfBoundsError, RaceError, SourceLoc, UnsupportedError
+
+SHARED_SPACE = 3
+POISON_BYTE = 0xFF  # fresh shared memory reads as NaN (floats) or -1 (ints)
+
+
+@dataclass
+class MemRef:
+    """A memref descriptor over a flat typed ``storage`` array: offset, sizes, strides in elements.
+
+    ``offset`` may be a per-thread array (a subview at a thread-dependent position); ``arena`` is
+    the CTA's shared byte array for shared memrefs (``None`` for global ones).
+    """
+
+    storage: np.ndarray
+    offset: Any
+    sizes: tuple
+    strides: tuple
+    name: str
+    arena: np.ndarray | None = None
+
+    @property
+    def is_shared(self) -> bool:
+        return self.arena is not None
+
+
+@dataclass
+class AsyncOp:
+    """An in-flight asynchronous copy or MMA, for race messages."""
+
+    what: str
+    loc: SourceLoc | None
+
+
+def uniform(value: np.ndarray, mask, what: str, loc) -> Any:
+    """The single value that every active thread holds (an interpreter limit otherwise)."""
+    if value.shape[0] == 1:
+        return value[0]
+    active = value if mask is None else value[mask]
+    first = active[0]
+    if np.any(active != first):
+        raise UnsupportedError(f"the interpreter needs {what} to be the same on every active "
+                               "thread here", fix="compute it from warp-uniform values", loc=loc)
+    return first
+
+
+def select(cond: np.ndarray, a: Any, b: Any) -> Any:
+    """Per-thread ``cond ? a : b`` for the results of a divergent ``scf.if`` or masked loop."""
+    if a is b:
+        return a
+    if isinstance(a, np.ndarray):
+        c = cond.reshape(cond.shape + (1,) * (a.ndim - 1))
+        return np.where(c, a, b).astype(a.dtype, copy=False)
+    if getattr(a, "merge", None) is not None:
+        return a.merge(cond, b)
+    if np.all(cond):
+        return a
+    if not np.any(cond):
+        return b
+    raise UnsupportedError(f"the interpreter cannot merge {type(a).__name__} values that "
+                           "differ between threads of one execution context",
+                           fix="keep descriptors, barriers and accumulators warp-group uniform")
+
+
+class SharedMemory:
+    """One CTA's shared memory: a byte arena plus race-tracking shadows of in-flight async ops."""
+
+    def __init__(self, nbytes: int):
+        nbytes = (nbytes + 15) // 16 * 16 or 16
+        self.arena = np.full(nbytes, POISON_BYTE, np.uint8)
+        self._views: dict[np.dtype, np.ndarray] = {}
+        self.pending_write = np.zeros(nbytes, np.int32)  # id of the async op that will write a byte
+        self.pending_read = np.zeros(nbytes, np.int32)  # id of the async op still reading a byte
+        self.async_ops: dict[int, AsyncOp] = {0: AsyncOp("", None)}
+        self.in_flight = 0
+
+    def view(self, dtype: np.dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        v = self._views.get(dtype)
+        if v is None:
+            v = self._views[dtype] = self.arena.view(dtype)
+        return v
+
+    def begin(self, what: str, loc, write_bytes=None, read_bytes=None) -> int:
+        op_id = len(self.async_ops)
+        self.async_ops[op_id] = AsyncOp(what, loc)
+        if write_bytes is not None:
+            self.check(write_bytes, True, f"{what}", loc)
+            self.pending_write[write_bytes] = op_id
+        if read_bytes is not None:
+            self.check(read_bytes, False, f"{what}", loc)
+            self.pending_read[read_bytes] = op_id
+        self.in_flight += 1
+        return op_id
+
+    def end(self, op_id: int) -> None:
+        np.copyto(self.pending_write, 0, where=self.pending_write == op_id)
+        np.copyto(self.pending_read, 0, where=self.pending_read == op_id)
+        self.in_flight -= 1
+
+    def check(self, byte_addrs: np.ndarray, is_write: bool, what: str, loc) -> None:
+        """Raise RaceError if ``byte_addrs`` touch the destination of an in-flight copy, or (for
+        writes) a buffer an in-flight copy or MMA still reads."""
+        if self.in_flight == 0:
+            return
+        hits = self.pending_write[byte_addrs]
+        culprit = int(hits.max()) if hits.size else 0
+        kind = "reads" if not is_write else "writes"
+        if culprit:
+            op = self.async_ops[culprit]
+            raise RaceError(f"{what} {kind} shared memory that the {op.what} issued at "
+                            f"{op.loc} has not finished writing",
+                            fix="wait for the copy first (mbarrier wait / async wait) before "
+                                "touching its destination", loc=loc)
+        if is_write:
+            readers = self.pending_read[byte_addrs]
+            culprit = int(readers.max()) if readers.size else 0
+            if culprit:
+                op = self.async_ops[culprit]
+                raise RaceError(f"{what} overwrites shared memory that the {op.what} issued at "
+                                f"{op.loc} is still reading",
+                                fix="wait for that operation (wait_group) before reusing the buffer",
+                                loc=loc)
+
+
+def element_bytes(mem: MemRef, flat: np.ndarray) -> np.ndarray:
+    """Byte addresses in the shared arena of the elements at ``flat`` of ``mem``."""
+    size = mem.storage.itemsize
+    return (flat.reshape(-1, 1) * size + np.arange(size)).reshape(-1)
+
+
+def bounds_error(mem: MemRef, index: tuple, thread: int, ctx, loc) -> OutOfBoundsError:
+    return OutOfBoundsError(
+        f"index {tuple(int(i) for i in index)} is out of bounds for {mem.name} of shape "
+        f"{tuple(int(s) for s in mem.sizes)} (thread {thread} of block {ctx.cta.block_id})",
+        fix="mask the access (if i < n / mask=) or fix the index arithmetic", loc=loc)
+
+
+@dataclass
+class Context:
+    """A group of threads of one CTA that execute in lock step (the whole CTA or a warp group).
+
+    ``mask`` is ``None`` when every thread is active, else a bool array over the threads.
+    """
+
+    cta: "CTA"
+    thread_ids: np.ndarray  # linear thread ids within the block, shape (T,)
+    mask: Any = None
+    waiting_on: str = ""
+    async_groups: list = field(default_factory=list)  # cp.async / bulk-store / wgmma groups
+    pending_async: list = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return self.thread_ids.shape[0]
+
+    def active(self) -> np.ndarray:
+        return np.ones(self.size, bool) if self.mask is None else self.mask
+
+
+class CTA:
+    """One block's shared state: shared memory, barriers and the contexts' scheduler."""
+
+    def __init__(self, block_id: tuple, block: tuple, grid: tuple, shared_bytes: int,
+                 timeout: float):
+        self.block_id = block_id
+        self.block = block
+        self.grid = grid
+        self.shared = SharedMemory(shared_bytes)
+        self.objects: dict[int, Any] = {}  # per-CTA objects created by ops (mbarrier groups)
+        self.cond = threading.Condition()
+        self.live = 0
+        self.blocked: dict[int, tuple] = {}  # context id -> (predicate, description)
+        self.failed: BaseException | None = None
+        self.timeout = timeout
+        self._barrier_arrived = 0
+        self._barrier_generation = 0
+
+    def object(self, key: int, factory) -> Any:
+        obj = self.objects.get(key)
+        if obj is None:
+            obj = self.objects[key] = factory()
+        return obj
+
+    # ---- blocking (called with self.cond held by the running context) ----
+    def block_until(self, ctx: Context, ready, what, loc) -> None:
+        """Block ``ctx`` until ``ready()``; other contexts run meanwhile. Deadlock → error.
+
+        ``what`` (a string, or a callable giving one when the deadlock is reported) names the
+        wait in the error message."""
+        if ready():
+            return
+        me = id(ctx)
+        self.blocked[me] = (ready, lambda: f"{what() if callable(what) else what} at {loc}")
+        try:
+            while not ready():
+                self._check_deadlock(loc)
+                self.cond.notify_all()
+                if not self.cond.wait(self.timeout) and not ready():
+                    self._fail(self._deadlock_error(loc, timed_out=True))
+                if self.failed is not None:
+                    raise _Aborted()
+        finally:
+            self.blocked.pop(me, None)
+
+    def _check_deadlock(self, loc) -> None:
+        if len(self.blocked) < self.live:
+            return
+        if any(ready() for ready, _ in self.blocked.values()):
+            return
+        self._fail(self._deadlock_error(loc, timed_out=False))
+
+    def _deadlock_error(self, loc, timed_out: bool) -> DeadlockError:
+        waits = "; ".join(describe() for _, describe in self.blocked.values())
+        how = "timed out" if timed_out else "every execution context is blocked"
+        return DeadlockError(f"deadlock in block {self.block_id}: {how}, waiting on {waits}",
+                             fix="check mbarrier arrival counts, expect_tx byte counts and phases, "
+                                 "and that every thread reaches each kiln.barrier()", loc=loc)
+
+    def _fail(self, err: BaseException) -> None:
+        if self.failed is None:
+            self.failed = err
+        self.cond.notify_all()
+        raise err
+
+    def notify(self) -> None:
+        self.cond.notify_all()
+
+    def barrier(self, ctx: Context, loc) -> None:
+        """``gpu.barrier``: rendezvous every live context of the CTA."""
+        if self.live == 1:
+            return
+        generation = self._barrier_generation
+        self._barrier_arrived += 1
+        if self._barrier_arrived >= self.live:
+            self._release_barrier()
+            return
+        self.block_until(ctx, lambda: self._barrier_generation != generation,
+                         "kiln.barrier() (gpu.barrier)", loc)
+
+    def _release_barrier(self) -> None:
+        self._barrier_arrived = 0
+        self._barrier_generation += 1
+        self.cond.notify_all()
+
+    def context_finished(self) -> None:
+        self.live -= 1
+        if 0 < self.live <= self._barrier_arrived:
+            self._release_barrier()
+        self.cond.notify_all()
+
+
+class _Aborted(Exception):
+    """Raised in the other contexts of a CTA once one of them failed."""

@@ -1,0 +1,200 @@
+"""``kiln-cluster-schedule``: turn ``kiln.cluster`` annotations into scheduling fences and hints.
+
+For every cluster instance (a maximal run of ops tagged ``kiln.cluster = k`` in one block) of a
+``gpu.func`` whose ``kiln.cluster_recipes`` holds recipe ``c<k>`` (see ``kiln.cluster``):
+
+AMD (``kiln.target = "gfx9.."``)::
+
+    rocdl.sched.barrier 0                  // nothing is scheduled across a cluster boundary
+    rocdl.sched.group.barrier 0, 0, 0x4B0000+k    // begin marker, visible in the assembly
+    rocdl.sched.barrier 0
+    rocdl.s.setprio P                      // recipe.priority
+    ...the cluster's ops...
+    rocdl.sched.group.barrier M, n, k      // one per interleave group, in order (or rocdl.iglp.opt)
+    rocdl.s.setprio 0
+    rocdl.s.barrier                        // recipe.barrier_at_end
+    rocdl.sched.barrier 0
+    rocdl.sched.group.barrier 0, 0, 0x4B8000+k    // end marker
+    rocdl.sched.barrier 0
+
+NVIDIA: the cluster-ending barrier is ``gpu.barrier`` (``bar.sync 0``); recipes with an
+interleave or iglp variant are rejected (NVPTX has no sched-group intrinsics).
+
+The pass moves no op: ops stay in program order inside their cluster, and the ``sched.barrier 0``
+fences keep LLVM's machine scheduler from moving any across a boundary. Every op it adds is
+tagged with its cluster, so later passes (``kiln-insert-waits``) see the same spans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlir import ir
+from mlir.dialects import gpu, rocdl
+
+from kiln.cluster import CLUSTER_ATTR, RECIPES_ATTR, SCHED_GROUP_MASKS, ClusterRecipe
+from kiln.errors import KilnValueError, UnsupportedError
+from kiln.passes import register_pass
+from kiln.passes.insert_waits import MMA_PREFIXES, func_vendor, gpu_funcs
+
+
+def source_loc(location):
+    """The user's file:line of an MLIR location (imported late: the pipeline imports passes)."""
+    from kiln.lowering.pipeline import source_loc as unwrap
+
+    return unwrap(location)
+
+
+NAME = "kiln-cluster-schedule"
+MARKER_ATTR = "kiln.cluster_marker"
+_FENCE_OPS = ("rocdl.sched.barrier", "rocdl.s.setprio", "rocdl.sched.group.barrier",
+              "rocdl.iglp.opt")
+
+
+@dataclass
+class ClusterSpan:
+    """One instance of cluster ``cluster``: its ops, in order, in one block."""
+
+    cluster: int
+    ops: list
+
+    def has_mma(self) -> bool:
+        found = []
+
+        def visit(op):
+            if op.name.startswith(MMA_PREFIXES):
+                found.append(op)
+            return ir.WalkResult.ADVANCE
+
+        for op in self.ops:
+            op.walk(visit, ir.WalkOrder.PRE_ORDER)
+        return bool(found)
+
+    def first_work_op(self) -> ir.Operation | None:
+        """The first op that is not a marker, fence or priority change."""
+        for op in self.ops:
+            if op.name not in _FENCE_OPS:
+                return op
+        return None
+
+    def is_scheduled(self) -> bool:
+        return any(MARKER_ATTR in op.attributes for op in self.ops)
+
+
+def _cluster_of(op: ir.Operation) -> int | None:
+    return ir.IntegerAttr(op.attributes[CLUSTER_ATTR]).value if CLUSTER_ATTR in op.attributes else None
+
+
+def cluster_spans(func: ir.Operation) -> list[ClusterSpan]:
+    """Every cluster instance in ``func``, in walk order (blocks inside a cluster are not split)."""
+    spans: list[ClusterSpan] = []
+
+    def scan(block: ir.Block):
+        current = None
+        for view in block.operations:
+            op = view.operation
+            k = _cluster_of(op)
+            if k is None:
+                current = None
+                for region in op.regions:
+                    for inner in region.blocks:
+                        scan(inner)
+                continue
+            if current is None or current.cluster != k:
+                current = ClusterSpan(k, [])
+                spans.append(current)
+            current.ops.append(op)
+
+    for block in func.regions[0].blocks:
+        scan(block)
+    return spans
+
+
+def recipes_of(func: ir.Operation) -> dict[int, ClusterRecipe]:
+    """``kiln.cluster_recipes`` of ``func`` parsed back into :class:`ClusterRecipe` objects."""
+    if RECIPES_ATTR not in func.attributes:
+        return {}
+    recipes = {}
+    for entry in ir.DictAttr(func.attributes[RECIPES_ATTR]):
+        if not entry.name.startswith("c") or not entry.name[1:].isdigit():
+            raise KilnValueError(f"bad cluster key {entry.name!r} in {RECIPES_ATTR}",
+                                 fix="keys are c<k>, e.g. c0, c1", loc=source_loc(func.location))
+        recipes[int(entry.name[1:])] = ClusterRecipe.parse(ir.StringAttr(entry.attr).value)
+    return recipes
+
+
+def _tag(op, cluster: ir.Attribute, marker: str | None = None) -> None:
+    op = op.operation if hasattr(op, "operation") else op
+    op.attributes[CLUSTER_ATTR] = cluster
+    if marker is not None:
+        op.attributes[MARKER_ATTR] = ir.StringAttr.get(marker)
+
+
+MARKER_SYNC_BASE = 0x4B0000  # "K": begin markers use SyncID base + k, end markers base + 0x8000 + k
+
+
+def marker_sync_id(kind: str, cluster: int) -> int:
+    """The SyncID of the empty ``sched.group.barrier`` (mask 0, size 0) that marks a cluster
+    boundary. It constrains nothing and LLVM prints it in the assembly as
+    ``; sched_group_barrier mask(0x00000000) size(0) SyncID(N)``; inline-asm comments would
+    read better but llvmlite cannot assemble inline asm for AMDGPU."""
+    return MARKER_SYNC_BASE + (0x8000 if kind == "end" else 0) + cluster
+
+
+def _marker(cluster_id: int, cluster: ir.Attribute, kind: str) -> None:
+    # Fenced on both sides: the marker is a scheduling pseudo and would float inside a region.
+    _tag(rocdl.sched_barrier(0), cluster)
+    _tag(rocdl.sched_group_barrier(0, 0, marker_sync_id(kind, cluster_id)), cluster, kind)
+    _tag(rocdl.sched_barrier(0), cluster)
+
+
+def _schedule_amd(span: ClusterSpan, recipe: ClusterRecipe) -> None:
+    tag = span.ops[0].attributes[CLUSTER_ATTR]
+    first, last = span.ops[0], span.ops[-1]
+    with ir.InsertionPoint(first), first.location:
+        _marker(span.cluster, tag, "begin")
+        if recipe.priority is not None:
+            _tag(rocdl.s_setprio(recipe.priority), tag)
+    with ir.InsertionPoint.after(last), last.location:
+        for work, size in recipe.sched_groups():
+            _tag(rocdl.sched_group_barrier(SCHED_GROUP_MASKS[work], size, span.cluster), tag)
+        if recipe.iglp is not None:
+            _tag(rocdl.iglp_opt(recipe.iglp), tag)
+        if recipe.priority is not None:
+            _tag(rocdl.s_setprio(0), tag)
+        if recipe.barrier_at_end:
+            _tag(rocdl.s_barrier(), tag)
+        _marker(span.cluster, tag, "end")
+
+
+def _schedule_nvidia(span: ClusterSpan, recipe: ClusterRecipe) -> None:
+    if recipe.interleave is not None or recipe.iglp is not None or recipe.priority is not None:
+        raise UnsupportedError(
+            f"cluster {span.cluster}: interleave/iglp/priority are AMD-only (recipe: {recipe})",
+            fix="on NVIDIA declare only work and barrier_at_end",
+            loc=source_loc(span.ops[0].location))
+    if recipe.barrier_at_end:
+        last = span.ops[-1]
+        with ir.InsertionPoint.after(last), last.location:
+            _tag(gpu.barrier(), last.attributes[CLUSTER_ATTR])
+
+
+def cluster_schedule(module_op: ir.Operation, pass_=None) -> None:
+    """Fence, mark and annotate every cluster instance of every gpu.func."""
+    for func in gpu_funcs(module_op):
+        spans = [s for s in cluster_spans(func) if not s.is_scheduled()]
+        if not spans:
+            continue
+        recipes = recipes_of(func)
+        vendor = func_vendor(func)
+        for span in spans:
+            if span.cluster not in recipes:
+                raise KilnValueError(f"cluster {span.cluster} has no recipe in {RECIPES_ATTR}",
+                                     fix="open it with kiln.cluster(k, recipe) (or add c<k>)",
+                                     loc=source_loc(span.ops[0].location))
+            schedule = _schedule_nvidia if vendor == "nvidia" else _schedule_amd
+            schedule(span, recipes[span.cluster])
+
+
+register_pass(NAME, cluster_schedule,
+              "Fence kiln.cluster spans, add their end barrier, setprio and sched.group.barrier hints")

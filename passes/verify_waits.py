@@ -1,0 +1,64 @@
+"""``kiln-verify-waits``: prove that every async read is covered by a wait on every path.
+
+It runs the analysis of ``kiln-insert-waits`` (docs/passes.md) over each ``gpu.func`` without
+changing anything: waits already in the IR retire events, and a read that still finds its
+event outstanding, or a DMA-written LDS buffer not yet retired, is a gap. The first gap raises
+:class:`kiln.errors.WaitError` at the Python line of the read, naming the event and the wait
+that would cover it. After ``kiln-insert-waits`` there is never a gap unless the kernel opted
+out with ``kiln.manual_waits()``; the same proof is repeated on the final AMDGPU assembly by
+:func:`kiln.lowering.isa_amdgpu.verify_waits`.
+
+Example (a DMA into ``@tile`` read with no wait)::
+
+    kiln.errors.WaitError: k.py:12: this read of LDS buffer @tile may see data before the
+    async write at k.py:10 (rocdl.global.load.lds) lands; no wait covers it on every path
+    Fix: add s_waitcnt(vmcnt=0) before the read, or drop kiln.manual_waits()
+"""
+
+from __future__ import annotations
+
+from mlir import ir
+
+from kiln.errors import WaitError
+from kiln.passes import register_pass
+from kiln.passes.insert_waits import CP_ASYNC, Gap, WaitAnalysis, func_vendor, gpu_funcs
+
+
+def source_loc(location):
+    """The user's file:line of an MLIR location (imported late: the pipeline imports passes)."""
+    from kiln.lowering.pipeline import source_loc as unwrap
+
+    return unwrap(location)
+
+
+NAME = "kiln-verify-waits"
+
+
+def _where(op: ir.Operation) -> str:
+    loc = source_loc(op.location)
+    return f"{loc.filename.rsplit('/', 1)[-1]}:{loc.line}" if loc else "an unknown line"
+
+
+def gap_error(gap: Gap) -> WaitError:
+    """The WaitError for one uncovered read, at the read's user location."""
+    wait = (f"nvgpu.device_async_wait {{numGroups = {gap.count}}}" if gap.counter == CP_ASYNC
+            else f"s_waitcnt({gap.counter}={gap.count})")
+    return WaitError(
+        f"this {gap.reader.name} may read before the async {gap.event.name} at {_where(gap.event)} "
+        f"lands ({gap.counter}): no wait covers it on every path",
+        fix=f"add {wait} before the read, or drop kiln.manual_waits() to let Kiln insert it",
+        loc=source_loc(gap.reader.location))
+
+
+def verify_waits(module_op: ir.Operation, pass_=None) -> None:
+    """Raise WaitError for the first uncovered async read in any gpu.func."""
+    for func in gpu_funcs(module_op):
+        vendor = func_vendor(func)
+        if vendor is None:
+            continue
+        gaps = WaitAnalysis(func, vendor).gaps
+        if gaps:
+            raise gap_error(gaps[0])
+
+
+register_pass(NAME, verify_waits, "Prove every async read is covered by a wait (WaitError if not)")

@@ -1,0 +1,114 @@
+"""The docs' examples run: every ```` ```python runnable ```` block of ``docs/language.md`` and
+``docs/lowering.md`` is executed, and a ```` ```text output ```` block right after it must match
+what the block printed.
+
+Blocks of one document run in order in one namespace (a later block may use an earlier block's
+imports and kernels), each from its own file ``<dir>/<doc>_<n>/example.py``, so kernels have
+source to trace and error messages show ``example.py:<line in the block>``. In expected output a
+line ``...`` matches any number of lines. Nothing is launched, even on a GPU machine: the CUDA
+probe is patched to report no GPU, so ``cuda_available()`` guards skip and launches raise
+``LaunchError``. The compile cache goes to a temporary directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+import kiln.lowering.cuda
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOC_NAMES = ("language.md", "lowering.md")
+_FENCE = re.compile(r"^```(\w*)(?:[ \t]+(\w+))?[ \t]*$")
+
+
+def doc_blocks(text: str) -> list[tuple[int, str, str | None]]:
+    """(line of the fence, code, expected output or None) for each runnable python block."""
+    blocks, lines, i = [], text.splitlines(), 0
+    fences = []  # (start line, language, marker, body)
+    while i < len(lines):
+        match = _FENCE.match(lines[i])
+        if match and match.group(1):
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].rstrip() == "```")
+            fences.append((i + 1, match.group(1), match.group(2), "\n".join(lines[i + 1:end])))
+            i = end
+        i += 1
+    for k, (line, language, marker, body) in enumerate(fences):
+        if language != "python" or marker != "runnable":
+            continue
+        expected = None
+        if k + 1 < len(fences) and fences[k + 1][1:3] == ("text", "output"):
+            expected = fences[k + 1][3]
+        blocks.append((line, body + "\n", expected))
+    return blocks
+
+
+def output_matches(expected: str, actual: str) -> bool:
+    """Line-wise equality (trailing spaces ignored) where an expected ``...`` line skips lines."""
+    want = [line.rstrip() for line in expected.strip("\n").splitlines()]
+    got = [line.rstrip() for line in actual.strip("\n").splitlines()]
+
+    def match(w: int, g: int) -> bool:
+        if w == len(want):
+            return g == len(got)
+        if want[w] == "...":
+            return any(match(w + 1, k) for k in range(g, len(got) + 1))
+        return g < len(got) and want[w] == got[g] and match(w + 1, g + 1)
+
+    return match(0, 0)
+
+
+def test_output_matching_rules():
+    assert output_matches("a\n...\nd", "a\nb\nc\nd")
+    assert output_matches("a\n...", "a")
+    assert not output_matches("a\nd", "a\nb\nd")
+    assert not output_matches("a\n...\ne", "a\nb\nd")
+
+
+def test_doc_blocks_pairs_code_with_its_output():
+    text = ("```python runnable\nprint(1)\n```\n```text output\n1\n```\n"
+            "```python\nnot run\n```\n```python runnable\nx = 2\n```\n")
+    assert doc_blocks(text) == [(1, "print(1)\n", "1"), (10, "x = 2\n", None)]
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("doc", DOC_NAMES)
+def test_doc_examples_run(doc, tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("KILN_DUMP_DIR", raising=False)
+    monkeypatch.delenv("KILN_SHOW_STACKTRACE", raising=False)
+    monkeypatch.setattr(kiln.lowering.cuda, "_probe", lambda: "the docs examples are compile-only")
+    blocks = doc_blocks((DOCS / doc).read_text())
+    assert blocks, f"{doc} has no runnable examples"
+    namespace: dict = {"__name__": f"kiln_docs_{doc.split('.')[0]}"}
+    environ = dict(os.environ)  # examples set and unset KILN_DUMP_DIR; undo a failed one's
+    try:
+        _run_blocks(doc, blocks, namespace, tmp_path, monkeypatch)
+    finally:
+        for name in set(os.environ) - set(environ):
+            del os.environ[name]
+        os.environ.update(environ)
+
+
+def _run_blocks(doc, blocks, namespace, tmp_path, monkeypatch):
+    for n, (line, code, expected) in enumerate(blocks):
+        folder = tmp_path / f"{doc.split('.')[0]}_{n}"
+        folder.mkdir()
+        path = folder / "example.py"
+        path.write_text(code)
+        monkeypatch.chdir(folder)
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            try:
+                exec(compile(code, str(path), "exec"), namespace)  # noqa: S102 - our own docs
+            except Exception as err:
+                pytest.fail(f"{doc}:{line}: example raised {type(err).__name__}:\n{err}")
+        printed = stdout.getvalue().replace(f"{folder}/", "")
+        if expected is not None:
+            assert output_matches(expected, printed), (
+                f"{doc}:{line}: output differs.\n--- documented\n{expected}\n--- printed\n{printed}")

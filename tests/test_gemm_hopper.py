@@ -1,0 +1,141 @@
+"""The Hopper TMA + WGMMA GEMM: compile-only checks (``lower``) and results on a GPU (``gpu``)."""
+
+import re
+import subprocess
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kiln
+from kiln.kernels.gemm import HopperGemmConfig, compile_matmul, matmul
+from kiln.lowering.cuda import cuda_available
+from kiln.lowering.tools import find_ptxas
+
+needs_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and driver")
+
+
+@pytest.fixture(scope="module")
+def default_kernel():
+    return compile_matmul("bf16", target="sm_90a")
+
+
+@pytest.mark.lower
+def test_ptx_has_the_hopper_pipeline(default_kernel):
+    ptx = default_kernel.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx
+    assert "mbarrier.try_wait.parity" in ptx
+    assert "setmaxnreg.dec.sync.aligned.u32 40" in ptx.replace("\t", " ").replace("  ", " ")
+    assert "setmaxnreg.inc.sync.aligned.u32 232" in ptx.replace("\t", " ").replace("  ", " ")
+    # Row-major B is read MN-major: the last wgmma immediate (tnspB) is 1.
+    assert re.search(r"wgmma\.mma_async[^;]*, 1,\s*1, 0,\s*1;", ptx, re.S)
+    assert ".maxntid 384, 1, 1" in ptx
+
+
+@pytest.mark.lower
+def test_no_spills_and_big_dynamic_shared_memory(default_kernel):
+    assert default_kernel.metadata["spill_bytes"] == 0
+    assert default_kernel.metadata["stack_bytes"] == 0
+    config = HopperGemmConfig()
+    # The 4-stage ring (192 KB) is dynamic shared memory, plus alignment slack.
+    assert default_kernel.signature.dynamic_shared_bytes >= config.shared_bytes()
+    assert default_kernel.signature.block == (384, 1, 1)
+
+
+@pytest.mark.lower
+@pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
+def test_ptxas_honours_setmaxnreg(default_kernel, tmp_path):
+    ptx = tmp_path / "gemm.ptx"
+    ptx.write_text(default_kernel.asm["ptx"])
+    done = subprocess.run([str(find_ptxas()), "-arch=sm_90a", "-v", str(ptx), "-o",
+                           str(tmp_path / "gemm.cubin")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "C7508" not in done.stderr and "setmaxnreg ignored" not in done.stderr
+
+
+@pytest.mark.lower
+def test_trans_b_reads_k_major_b():
+    ck = compile_matmul("f16", target="sm_90a", trans_b=True, out_dtype="f32", stages=3)
+    ptx = ck.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in ptx
+    assert re.search(r"wgmma\.mma_async[^;]*, 1,\s*1, 0,\s*0;", ptx, re.S)
+    assert ck.metadata["spill_bytes"] == 0
+
+
+@pytest.mark.lower
+def test_bad_requests_raise_kiln_errors():
+    with pytest.raises(kiln.UnsupportedError, match="f32 inputs"):
+        compile_matmul("f32", target="sm_90a")
+    with pytest.raises(kiln.UnsupportedError, match="WGMMA"):
+        compile_matmul("bf16", target="sm_80")
+    with pytest.raises(kiln.UnsupportedError, match="block_n"):
+        HopperGemmConfig(block_n=320)
+    with pytest.raises(kiln.ResourceError, match="register file"):
+        HopperGemmConfig(block_m=192, consumer_registers=232)
+    a = np.ones((8, 16), ml_dtypes.bfloat16)
+    with pytest.raises(kiln.KilnValueError, match="do not agree on K"):
+        matmul(a, np.ones((8, 16), ml_dtypes.bfloat16), target="sm_90a")
+    with pytest.raises(kiln.KilnTypeError, match="share a dtype"):
+        matmul(a, np.ones((16, 8), np.float16), target="sm_90a")
+
+
+def _random(shape, dtype, rng):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _relative_error(c, a, b):
+    expected = a.astype(np.float64) @ b.astype(np.float64)
+    return float(np.linalg.norm(c.astype(np.float64) - expected) / np.linalg.norm(expected))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("shape", [(1000, 1000, 1000), (4096, 4096, 4096), (192, 264, 72)])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("config", [HopperGemmConfig(), HopperGemmConfig(block_m=64, stages=3)])
+def test_matches_float64_with_poisoned_output(dtype, shape, trans_b, config):
+    torch = pytest.importorskip("torch")
+    from kiln.kernels.gemm import run_hopper
+
+    rng = np.random.default_rng()
+    m, n, k = shape
+    a = _random((m, k), dtype, rng)
+    b = _random((n, k) if trans_b else (k, n), dtype, rng)
+    torch_dtype = torch.bfloat16 if dtype is ml_dtypes.bfloat16 else torch.float16
+    a_dev = torch.from_numpy(a.astype(np.float32)).to("cuda", torch_dtype)
+    b_dev = torch.from_numpy(b.astype(np.float32)).to("cuda", torch_dtype)
+    c = torch.full((m, n), float("nan"), device="cuda", dtype=torch_dtype)
+    run_hopper(a_dev, b_dev, c, m, n, k, dtype=kiln.dtype(dtype).name,
+               b_major="k" if trans_b else "mn", target="sm_90a", config=config)
+    result = c.float().cpu().numpy()
+    assert not np.isnan(result).any()
+    assert _relative_error(result, a, b.T if trans_b else b) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", [(257, 513, 129), (1000, 1000, 1000), (64, 8, 7)])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_matmul_pads_unaligned_shapes(shape, trans_b):
+    torch = pytest.importorskip("torch")
+    m, n, k = shape
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) if trans_b else \
+        torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    c = matmul(a, b, trans_b=trans_b)
+    expected = a.double() @ (b.double().T if trans_b else b.double())
+    assert c.shape == (m, n) and c.dtype == torch.bfloat16
+    assert ((c.double() - expected).norm() / expected.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_matmul_numpy_f32_output():
+    rng = np.random.default_rng()
+    a = _random((300, 200), np.float16, rng)
+    b = _random((200, 136), np.float16, rng)
+    c = matmul(a, b, out_dtype="f32")
+    assert c.dtype == np.float32 and _relative_error(c, a, b) < 1e-3
+

@@ -1,0 +1,176 @@
+"""Interpreter semantics of async copies: TMA boxes (out-of-bounds fill, swizzle), mbarrier
+phases, TMA stores and their bulk groups — and the races they allow."""
+
+import numpy as np
+import pytest
+
+import kiln
+from kiln import f32, mbarrier, tma
+from kiln.nvidia_asm import fence_mbarrier_init, fence_proxy_async
+from kiln.swizzle import Swizzle
+
+ROWS, COLS = 8, 32  # one f32 box: 8 rows of 128 bytes
+
+
+def tma_box_reference(x: np.ndarray, row0: int, col0: int) -> np.ndarray:
+    """The box TMA reads at (row0, col0): zero outside the tensor."""
+    padded = np.zeros((row0 + ROWS + x.shape[0], col0 + COLS + x.shape[1]), np.float32)
+    padded[:x.shape[0], :x.shape[1]] = x
+    return padded[row0:row0 + ROWS, col0:col0 + COLS]
+
+
+def make_box_reader(swizzle: int):
+    @kiln.kernel
+    def read_box(x_map: kiln.TensorMap[f32, (ROWS, COLS), swizzle], out: kiln.Tensor[f32, 2],
+                 row0: kiln.i32, col0: kiln.i32):
+        """One TMA box into shared memory, then each thread reads one element back through
+        the map's swizzle (the same Swizzle the lowering's address arithmetic uses)."""
+        tile = kiln.shared((ROWS, COLS), f32, align=1024)
+        t = kiln.thread_id(0)
+        leader = t == 0
+        bars = mbarrier.group(num_barriers=1)
+        bars.init(0, count=1, predicate=leader)
+        fence_mbarrier_init()
+        kiln.barrier()
+        bars.arrive_expect_tx(0, tma.box_bytes(x_map), predicate=leader)
+        tma.load(x_map, tile, (col0, row0), bars, 0, predicate=leader)
+        bars.try_wait(0, phase=0)
+        r = t // COLS
+        c = t % COLS
+        if swizzle:
+            s = Swizzle.tma(swizzle, 4)(r * COLS + c)
+            out[r, c] = tile[s // COLS, s % COLS]
+        else:
+            out[r, c] = tile[r, c]
+
+    return read_box
+
+
+@pytest.mark.parametrize("swizzle", [0, 128])
+def test_tma_box_with_out_of_bounds_fill_and_swizzle(swizzle):
+    rng = np.random.default_rng()
+    x = rng.standard_normal((11, 45)).astype(np.float32)
+    out = np.full((ROWS, COLS), np.nan, np.float32)
+    make_box_reader(swizzle).interpret[(1,)](x, out, 6, 20, num_warps=8)
+    np.testing.assert_array_equal(out, tma_box_reference(x, 6, 20))
+
+
+def test_swizzled_tile_read_without_the_swizzle_is_permuted():
+    rng = np.random.default_rng()
+    x = rng.standard_normal((ROWS, COLS)).astype(np.float32)
+    out = np.full((ROWS, COLS), np.nan, np.float32)
+
+    @kiln.kernel
+    def read_raw(x_map: kiln.TensorMap[f32, (ROWS, COLS), 128], out: kiln.Tensor[f32, 2]):
+        tile = kiln.shared((ROWS, COLS), f32, align=1024)
+        t = kiln.thread_id(0)
+        bars = mbarrier.group(num_barriers=1)
+        bars.init(0, count=1, predicate=t == 0)
+        kiln.barrier()
+        bars.arrive_expect_tx(0, tma.box_bytes(x_map), predicate=t == 0)
+        tma.load(x_map, tile, (0, 0), bars, 0, predicate=t == 0)
+        bars.try_wait(0, phase=0)
+        out[t // COLS, t % COLS] = tile[t // COLS, t % COLS]
+
+    read_raw.interpret[(1,)](x, out, num_warps=8)
+    assert not np.array_equal(out, x)
+    assert np.array_equal(out[0], x[0])  # row 0 XORs with 0: unchanged
+    np.testing.assert_array_equal(np.sort(out, axis=1), np.sort(x, axis=1))  # rows permuted
+
+
+@kiln.kernel
+def read_before_wait(x_map: kiln.TensorMap[f32, (ROWS, COLS)], out: kiln.Tensor[f32]):
+    tile = kiln.shared((ROWS, COLS), f32, align=128)
+    t = kiln.thread_id(0)
+    leader = t == 0
+    bars = mbarrier.group(num_barriers=1)
+    bars.init(0, count=1, predicate=leader)
+    kiln.barrier()
+    bars.arrive_expect_tx(0, tma.box_bytes(x_map), predicate=leader)
+    tma.load(x_map, tile, (0, 0), bars, 0, predicate=leader)  # @tma-load
+    early = tile[0, t % COLS]  # @early-read
+    bars.try_wait(0, phase=0)
+    out[t] = early
+
+
+def test_reading_a_tma_destination_before_the_wait_is_a_race(marker_line):
+    x = np.random.default_rng().standard_normal((ROWS, COLS)).astype(np.float32)
+    with pytest.raises(kiln.errors.RaceError) as info:
+        read_before_wait.interpret[(1,)](x, np.zeros(128, np.float32))
+    err = info.value
+    assert err.loc.line == marker_line("@early-read")
+    assert f":{marker_line('@tma-load')}" in err.message and "TMA load" in err.message
+    assert "Fix:" in str(err) and "early = tile[0, t % COLS]" in str(err)
+
+
+def make_store_kernel(wait_before_overwrite: bool):
+    @kiln.kernel
+    def store_tile(y_map: kiln.TensorMap[f32, (ROWS, COLS)], x: kiln.Tensor[f32, 2]):
+        tile = kiln.shared((ROWS, COLS), f32, align=128)
+        t = kiln.thread_id(0)
+        tile[t // COLS, t % COLS] = x[t // COLS, t % COLS] * 2.0
+        fence_proxy_async()
+        kiln.barrier()
+        tma.store(tile, y_map, (0, 0), predicate=t == 0)  # @tma-store
+        tma.commit_group()
+        if wait_before_overwrite:
+            tma.wait_group(0, read=True)
+        tile[t // COLS, t % COLS] = 0.0  # @overwrite
+
+    return store_tile
+
+
+def test_tma_store_then_overwrite_after_wait_group():
+    rng = np.random.default_rng()
+    x = rng.standard_normal((ROWS, COLS)).astype(np.float32)
+    y = np.full((ROWS + 3, COLS + 5), np.nan, np.float32)
+    make_store_kernel(True).interpret[(1,)](y, x, num_warps=8)
+    np.testing.assert_array_equal(y[:ROWS, :COLS], x * 2)
+    assert np.isnan(y[ROWS:]).all() and np.isnan(y[:, COLS:]).all()
+
+
+def test_overwriting_a_tma_store_source_in_flight_is_a_race(marker_line):
+    x = np.random.default_rng().standard_normal((ROWS, COLS)).astype(np.float32)
+    y = np.zeros((ROWS, COLS), np.float32)
+    with pytest.raises(kiln.errors.RaceError) as info:
+        make_store_kernel(False).interpret[(1,)](y, x, num_warps=8)
+    err = info.value
+    assert err.loc.line == marker_line("@overwrite")
+    assert f":{marker_line('@tma-store')}" in err.message and "still reading" in err.message
+
+
+def make_phase_kernel(extra_bytes: int):
+    @kiln.kernel
+    def two_phases(x_map: kiln.TensorMap[f32, (ROWS, COLS)], out: kiln.Tensor[f32, 2]):
+        """Two TMA loads through one mbarrier: phase 0 then phase 1, reusing the tile."""
+        tile = kiln.shared((ROWS, COLS), f32, align=128)
+        t = kiln.thread_id(0)
+        leader = t == 0
+        bars = mbarrier.group(num_barriers=1)
+        bars.init(0, count=1, predicate=leader)
+        kiln.barrier()
+        for k in kiln.static_range(2):
+            bars.arrive_expect_tx(0, tma.box_bytes(x_map) + extra_bytes, predicate=leader)
+            tma.load(x_map, tile, (k * COLS, 0), bars, 0, predicate=leader)
+            bars.try_wait(0, phase=k % 2)  # @phase-wait
+            out[t // COLS, k * COLS + t % COLS] = tile[t // COLS, t % COLS]
+            kiln.barrier()
+
+    return two_phases
+
+
+def test_mbarrier_phases_alternate():
+    x = np.random.default_rng().standard_normal((ROWS, 2 * COLS)).astype(np.float32)
+    out = np.full_like(x, np.nan)
+    make_phase_kernel(0).interpret[(1,)](x, out, num_warps=8)
+    np.testing.assert_array_equal(out, x)
+
+
+def test_wrong_expect_tx_bytes_is_a_deadlock(marker_line):
+    x = np.random.default_rng().standard_normal((ROWS, 2 * COLS)).astype(np.float32)
+    with pytest.raises(kiln.errors.DeadlockError) as info:
+        make_phase_kernel(4).interpret[(1,)](x, np.zeros_like(x), num_warps=8)
+    err = info.value
+    assert err.loc.line == marker_line("@phase-wait")
+    assert "mbarrier 0 phase parity 0" in err.message
+    assert f":{marker_line('@phase-wait')}" in err.message

@@ -1,0 +1,232 @@
+"""The CPU interpreter runs the project's kernels and matches float64 numpy references.
+
+Fresh random inputs every run, outputs poisoned with NaN, sizes that are not multiples of the
+block. No GPU needed: ``kernel.interpret[grid](...)`` executes the traced Kiln IR with numpy.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kiln
+from kiln import bf16, f16, f32, i32, mbarrier
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(f"kiln_example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@kiln.kernel
+def saxpy(x: kiln.Tensor[f32], y: kiln.Tensor[f32], n: i32, a: f32, BLOCK: kiln.constexpr):
+    i = kiln.block_id(0) * BLOCK + kiln.thread_id(0)
+    if i < n:
+        y[i] = a * x[i] + y[i]
+
+
+@pytest.mark.parametrize("n", [1, 1000, 4099])
+def test_saxpy(n):
+    rng = np.random.default_rng()
+    x = rng.standard_normal(n).astype(np.float32)
+    y = rng.standard_normal(n).astype(np.float32)
+    expected = 2.5 * x.astype(np.float64) + y
+    saxpy.interpret[((n + 255) // 256,)](x, y, n, 2.5, BLOCK=256, num_warps=8)
+    np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)
+
+
+@kiln.kernel
+def branches(x: kiln.Tensor[f32], out: kiln.Tensor[f32], n: i32):
+    """if/elif/else yielding two values, a masked load with other=, per thread."""
+    i = kiln.block_id(0) * kiln.block_dim(0) + kiln.thread_id(0)
+    v = x.load(i, mask=i < n, other=-7.0)
+    if v > 0.5:
+        a = v * 2.0
+        b = 1.0
+    elif v > -0.5:
+        a = v + 10.0
+        b = 2.0
+    else:
+        a = -v
+        b = 3.0
+    if i < n + 5:
+        out[i] = a * b
+
+
+def test_divergent_branches_and_masked_load():
+    rng = np.random.default_rng()
+    n = 97
+    x = rng.standard_normal(n).astype(np.float32)
+    out = np.full(n + 5, np.nan, np.float32)
+    branches.interpret[(2,)](x, out, n, num_warps=2)
+    xv = np.concatenate([x, np.full(5, -7.0, np.float32)]).astype(np.float64)
+    expected = np.where(xv > 0.5, xv * 2, np.where(xv > -0.5, (xv + 10) * 2, -xv * 3))
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+
+@kiln.kernel
+def prefix_sums(x: kiln.Tensor[f32], out: kiln.Tensor[f32], counts: kiln.Tensor[i32], n: i32):
+    """Thread t sums x[0 : t % 7 * 3 : 2] — a loop with per-thread bounds, a carried tuple and a
+    running max under a divergent if."""
+    t = kiln.thread_id(0)
+    stop = (t % 7) * 3
+    pair = (0.0, 0)
+    best = -1.0e30
+    for j in kiln.range(0, stop, 2):
+        v = x[j]
+        pair = (pair[0] + v, pair[1] + 1)
+        if v > best:
+            best = v
+    if t < n:
+        out[t] = pair[0] + kiln.where(best > -1.0e29, best, 0.0)
+        counts[t] = pair[1]
+
+
+def test_loop_with_per_thread_bounds_and_carried_values():
+    rng = np.random.default_rng()
+    n = 50
+    x = rng.standard_normal(32).astype(np.float32)
+    out = np.full(n, np.nan, np.float32)
+    counts = np.full(n, -1, np.int32)
+    prefix_sums.interpret[(1,)](x, out, counts, n, num_warps=2)
+    stops = (np.arange(n) % 7) * 3
+    x64 = x.astype(np.float64)
+    expected = [x64[0:s:2].sum() + (x64[0:s:2].max() if s else 0.0) for s in stops]
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(counts, [len(range(0, s, 2)) for s in stops])
+
+
+@kiln.struct
+class RunningMax:
+    m: f32
+    total: f32
+
+    def add(self, v):
+        self.m = kiln.maximum(self.m, v)
+        self.total = self.total + v
+
+
+@kiln.kernel
+def row_stats(x: kiln.Tensor[f32, 2], out: kiln.Tensor[f32, 2], cols: i32):
+    """Thread 0 scans the row into a struct; shared memory + barrier hand it to thread 1."""
+    row = kiln.block_id(0)
+    stage = kiln.shared((2,), f32)
+    if kiln.thread_id(0) == 0:
+        state = RunningMax(-float("inf"), 0.0)
+        for c in kiln.range(cols):
+            state.add(x[row, c])
+        stage[0] = state.m
+        stage[1] = state.total
+    kiln.barrier()
+    if kiln.thread_id(0) == 1:
+        out[row, 0] = stage[0]
+        out[row, 1] = stage[1]
+
+
+def test_struct_shared_memory_and_barrier():
+    rng = np.random.default_rng()
+    x = rng.standard_normal((5, 37)).astype(np.float32)
+    out = np.full((5, 2), np.nan, np.float32)
+    row_stats.interpret[(5,)](x, out, 37, num_warps=1)
+    np.testing.assert_allclose(out[:, 0], x.max(axis=1))
+    np.testing.assert_allclose(out[:, 1], x.astype(np.float64).sum(axis=1), rtol=1e-5)
+
+
+@kiln.kernel
+def scale_rows(x: kiln.Tensor[bf16, 2], out: kiln.Tensor[f32, 2], rows: i32, cols: i32):
+    """out[r, c] = x[r, c] * (r + 1); x may be a strided (non-contiguous) view."""
+    r = kiln.block_id(0)
+    for c in kiln.range(kiln.thread_id(0), cols, kiln.block_dim(0)):
+        out[r, c] = kiln.cast(x[r, c], f32) * kiln.cast(r + 1, f32)
+
+
+def test_bf16_strided_view():
+    rng = np.random.default_rng()
+    rows, cols = 33, 70
+    base = rng.standard_normal((rows, 2 * cols)).astype(ml_dtypes.bfloat16)
+    x = base[:, ::2]
+    out = np.full((rows, cols), np.nan, np.float32)
+    scale_rows.interpret[(rows,)](x, out, rows, cols, num_warps=2)
+    expected = x.astype(np.float64) * np.arange(1, rows + 1)[:, None]
+    np.testing.assert_allclose(out, expected)
+
+
+@kiln.kernel
+def vector_copy_scaled(x: kiln.Tensor[f16, 2], out: kiln.Tensor[f16, 2], rows: i32):
+    """8-wide vector loads along the last dim through a shared tile, then vector stores."""
+    tile = kiln.shared((64, 8), f16)
+    r = kiln.block_id(0) * 64 + kiln.thread_id(0)
+    if r < rows:
+        tile.store(kiln.thread_id(0), 0, x.load(r, 0, width=8) * 2.0)
+    kiln.barrier()
+    if r < rows:
+        out.store(r, 0, tile.load(kiln.thread_id(0), 0, width=8))
+
+
+def test_vector_loads_through_shared_memory():
+    rng = np.random.default_rng()
+    rows = 100
+    x = rng.standard_normal((rows, 8)).astype(np.float16)
+    out = np.full_like(x, np.nan)
+    vector_copy_scaled.interpret[(2,)](x, out, rows, num_warps=2)
+    np.testing.assert_array_equal(out, x * np.float16(2))
+
+
+def test_demo_rms_norm():
+    demo = load_example("demo")
+    rng = np.random.default_rng()
+    rows, cols = 300, 257
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    w = rng.standard_normal(cols).astype(np.float32)
+    y = np.full_like(x, np.nan)
+    demo.rms_norm.interpret[((rows + 127) // 128,)](x, w, y, rows, cols, 1e-6, BLOCK=128)
+    ref = demo.reference(x, w, 1e-6)
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-6
+
+
+def test_hopper_tma_wgmma_smoke():
+    smoke = load_example("hopper_tma_wgmma_smoke")
+    a, b, c = smoke.reference_inputs(seed=int(np.random.default_rng().integers(1 << 30)))
+    smoke.tma_wgmma_smoke.interpret[(1,)](a, b, c, target="sm_90a", num_warps=4)
+    assert smoke.relative_error(c, a, b) < 1e-6
+
+
+@kiln.kernel
+def producer_consumer(x: kiln.Tensor[f32], out: kiln.Tensor[f32]):
+    """Warp group 1 produces into shared memory and arrives on an mbarrier; warp group 0 waits
+    on it (blocking inside a warp-group-uniform branch), then consumes."""
+    t = kiln.thread_id(0)
+    buf = kiln.shared((128,), f32)
+    bars = mbarrier.group(num_barriers=1)
+    bars.init(0, count=128, predicate=t == 0)
+    kiln.barrier()
+    if t >= 128:
+        buf[t - 128] = x[t - 128] * 3.0
+        bars.arrive(0)
+    else:
+        bars.try_wait(0, phase=0)
+        out[t] = buf[t] + 1.0
+
+
+def test_warp_specialised_producer_consumer():
+    rng = np.random.default_rng()
+    x = rng.standard_normal(128).astype(np.float32)
+    out = np.full(128, np.nan, np.float32)
+    producer_consumer.interpret[(1,)](x, out, num_warps=8)
+    np.testing.assert_allclose(out, x.astype(np.float64) * 3 + 1, rtol=1e-6, atol=1e-6)
+
+
+def test_amd_target_traces_and_runs_with_64_lane_warps():
+    rng = np.random.default_rng()
+    n = 300
+    x = rng.standard_normal(n).astype(np.float32)
+    y = rng.standard_normal(n).astype(np.float32)
+    expected = -1.5 * x.astype(np.float64) + y
+    saxpy.interpret[((n + 127) // 128,)](x, y, n, -1.5, BLOCK=128, num_warps=2, target="gfx950")
+    np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,123 @@
+"""Wait insertion and its proofs, from DSL kernels down to gfx950 assembly."""
+
+import inspect
+
+import numpy as np
+import pytest
+from mlir import ir
+from mlir.dialects import arith, llvm, memref, rocdl
+
+import kiln
+from kiln import f32
+from kiln.cluster import ClusterRecipe, cluster, manual_waits
+from kiln.errors import WaitError
+from kiln.lowering import isa_amdgpu
+from kiln.passes.insert_waits import decode_gfx9_waitcnt, encode_gfx9_waitcnt
+
+
+def _pointer(value: ir.Value, space: int) -> ir.Value:
+    """A raw pointer to a memref's data (how a user writes a DMA without Kiln's wrappers)."""
+    address = memref.extract_aligned_pointer_as_index(value)
+    as_int = arith.index_cast(ir.IntegerType.get_signless(64), address)
+    return llvm.inttoptr(llvm.PointerType.get(space), as_int)
+
+
+def dma_to_lds(src: kiln.TensorRef, dst) -> None:
+    """One 4-byte global->LDS DMA per lane (``global_load_lds_dword``)."""
+    rocdl.GlobalLoadLDSOp(_pointer(src.ir, 1), _pointer(dst.ir, 3), 4, 0, 0)
+
+
+def wait_vmcnt(n: int) -> None:
+    rocdl.s_waitcnt(encode_gfx9_waitcnt(vmcnt=n))
+
+
+@kiln.kernel
+def dma_then_read(x: kiln.Tensor[f32], y: kiln.Tensor[f32], MANUAL: kiln.constexpr):
+    if MANUAL:
+        manual_waits()
+    tile = kiln.shared((128,), f32)
+    other = kiln.shared((128,), f32)
+    i = kiln.thread_id(0)
+    dma_to_lds(x, tile)
+    dma_to_lds(y, other)
+    rocdl.s_barrier()      # a bare s_barrier: gpu.barrier's fences would drain every counter
+    y[i] = tile[i] * 2.0   # READ_LINE
+
+
+READ_LINE = next(n for n, line in enumerate(inspect.getsource(inspect.getmodule(dma_then_read)).splitlines(), 1)
+                 if line.rstrip().endswith("# READ_LINE"))
+ARGS = (np.random.rand(128).astype(np.float32), np.random.rand(128).astype(np.float32))
+
+
+def _lines(asm: str, prefixes: tuple) -> list[str]:
+    return [line.strip() for line in asm.splitlines() if line.strip().startswith(prefixes)]
+
+
+def test_gfx9_waitcnt_encoding_round_trips():
+    rng = np.random.default_rng()
+    for vm, exp, lgkm in zip(rng.integers(0, 64, 20), rng.integers(0, 8, 20), rng.integers(0, 16, 20)):
+        imm = encode_gfx9_waitcnt(vmcnt=int(vm), expcnt=int(exp), lgkmcnt=int(lgkm))
+        assert decode_gfx9_waitcnt(imm) == {"vmcnt": vm, "expcnt": exp, "lgkmcnt": lgkm}
+    assert encode_gfx9_waitcnt(vmcnt=0) == 0x0F70  # what LLVM prints as s_waitcnt vmcnt(0)
+
+
+@pytest.mark.lower
+def test_dma_read_gets_the_fewest_wait_before_the_barrier():
+    ck = dma_then_read.compile(*ARGS, MANUAL=False, target="gfx950", num_warps=2)
+    # Only the DMA into `tile` must land: one younger DMA may stay in flight, and the wait
+    # goes before the barrier so the other wave's DMA is visible after it.
+    assert "rocdl.s.waitcnt 3953" in ck.asm["gpu"]
+    ops = _lines(ck.asm["amdgcn"], ("global_load_lds", "s_waitcnt vmcnt", "s_barrier", "ds_read"))
+    assert [op.split()[0] for op in ops] == ["global_load_lds_dword", "global_load_lds_dword",
+                                             "s_waitcnt", "s_barrier", "ds_read_b32"]
+    assert ops[2] == "s_waitcnt vmcnt(1)"
+
+
+@pytest.mark.lower
+def test_planted_missing_wait_is_rejected_at_the_read_line():
+    with pytest.raises(WaitError) as caught:
+        dma_then_read.compile(*ARGS, MANUAL=True, target="gfx950", num_warps=2)
+    assert caught.value.loc.line == READ_LINE
+    assert "rocdl.global.load.lds" in caught.value.message and "vmcnt=1" in caught.value.fix
+
+
+@kiln.kernel
+def clustered(x: kiln.Tensor[f32], y: kiln.Tensor[f32]):
+    i = kiln.thread_id(0)
+    with cluster(0, ClusterRecipe(work=(("vmem_read", 2),), priority=2)):
+        a = x[i]
+        b = x[i + 64]
+    with cluster(1, ClusterRecipe(work=(("valu", 1), ("vmem_write", 1)), barrier_at_end=False)):
+        y[i] = a * b
+
+
+@pytest.mark.lower
+def test_clusters_reach_the_assembly_with_setprio_barrier_and_live_registers():
+    ck = clustered.compile(*ARGS, target="gfx950", num_warps=2)
+    program = isa_amdgpu.parse(ck.asm["amdgcn"], "clustered")
+    instances = isa_amdgpu.cluster_instances(program)
+    assert [m.cluster for m, _ in instances] == [0, 1]
+    first = [ins.mnemonic for ins in instances[0][1]]
+    assert first.index("s_setprio") < first.index("global_load_dword")
+    assert first[-2:] == ["s_setprio", "s_barrier"]
+    assert isa_amdgpu.class_counts(instances[0][1])["vmem_read"] == 2
+    assert "s_barrier" not in [ins.mnemonic for ins in instances[1][1]]
+    assert set(ck.metadata["cluster_live_vgprs"]) == {"c0", "c1"}
+    assert ck.metadata["cluster_live_vgprs"]["c1"] >= 2  # both loaded values are live
+
+
+def test_isa_verifier_finds_a_read_before_its_wait():
+    asm = "\n".join(["k:", "global_load_dword v1, v0, s[0:1]", "global_load_dword v2, v0, s[2:3]",
+                     "s_waitcnt vmcnt(1)", "v_add_f32_e32 v3, v1, v1", "v_add_f32_e32 v3, v2, v3",
+                     "s_endpgm"])
+    with pytest.raises(WaitError, match="v_add_f32_e32 v3, v2, v3"):
+        isa_amdgpu.verify_waits(isa_amdgpu.parse(asm, "k"), "k")
+    fixed = asm.replace("v_add_f32_e32 v3, v2", "s_waitcnt vmcnt(0)\nv_add_f32_e32 v3, v2")
+    isa_amdgpu.verify_waits(isa_amdgpu.parse(fixed, "k"), "k")
+
+
+def test_isa_verifier_joins_paths_at_a_loop_header():
+    asm = "\n".join(["k:", ".LBB0_1:", "v_add_f32_e32 v4, v1, v4", "global_load_dword v1, v0, s[0:1]",
+                     "s_cbranch_scc1 .LBB0_1", "s_waitcnt vmcnt(0)", "s_endpgm"])
+    with pytest.raises(WaitError, match="v_add_f32_e32 v4, v1, v4"):  # the back-edge brings v1 in flight
+        isa_amdgpu.verify_waits(isa_amdgpu.parse(asm, "k"), "k")
