@@ -35,7 +35,7 @@ from .amd_asm import AsyncToken, mark_async, require_amd
 from .errors import KilnTypeError, KilnValueError, UnsupportedError
 from .shared import SharedTensor
 from .tensor import TensorRef, to_index
-from .values import to_value
+from .values import cast, to_value
 
 #: Bytes one lane may move per DMA instruction: dword on every GFX9 chip, dwordx4 on gfx950
 #: (1- and 2-byte transfers are padded to 4 in LDS and 12-byte ones to 16, so Kiln leaves
@@ -54,7 +54,7 @@ class BufferTensor(TensorRef):
 def buffer(tensor: TensorRef, *, valid_bytes=None) -> BufferTensor:
     """A bounds-checked buffer view of global tensor ``tensor`` (``amdgpu.fat_raw_buffer_cast``).
 
-    ``valid_bytes`` (an i32 Value or int) limits the readable range, counted from the tensor's
+    ``valid_bytes`` (an int or integer Value) limits the readable range, counted from the tensor's
     first element; by default it is the tensor's extent. Example: ``b = buffer(x)``.
     """
     require_amd("kiln.amd_buffer.buffer")
@@ -63,11 +63,12 @@ def buffer(tensor: TensorRef, *, valid_bytes=None) -> BufferTensor:
                             f"{tensor!r}", fix="pass a kernel argument annotated kiln.Tensor[...]")
     limit = None
     if valid_bytes is not None:
-        limit_value = to_value(valid_bytes, dt.i32)
-        if limit_value.dtype is not dt.i32 or limit_value.shape:
-            raise KilnTypeError(f"valid_bytes must be a scalar i32, got {limit_value!r}",
-                                fix="pass an int or kiln.cast(n_bytes, kiln.i32)")
-        limit = limit_value.ir
+        limit_value = to_value(valid_bytes, dt.i64)
+        if not limit_value.dtype.is_int or limit_value.dtype.kind == "bool" \
+                or limit_value.shape:
+            raise KilnTypeError(f"valid_bytes must be a scalar integer, got {limit_value!r}",
+                                fix="pass an int or an i32/i64 value such as n * 2")
+        limit = cast(limit_value, dt.i64).ir
     # reset_offset folds the tensor's offset into the base so indices start at its first element.
     view = amdgpu.fat_raw_buffer_cast(tensor.ir, valid_bytes=limit, reset_offset=True)
     return BufferTensor(view, tensor.dtype, f"buffer({tensor.name})")

@@ -13,7 +13,7 @@ instruction and returns the new C fragment::
 Families register their atoms here (:func:`register_atom`): this module registers NVIDIA
 ``mma.sync`` and WGMMA; :mod:`kiln.mfma` registers AMD MFMA. :func:`atom` finds the one a chip
 has and raises :class:`~kiln.UnsupportedError` naming what the chip supports otherwise.
-:class:`~kiln.tiled_mma.TiledMma` spreads an atom over the warps and repeats of a block tile.
+:class:`TiledMma` spreads an atom over the warps and repeats of a block tile.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """NVIDIA-only building blocks: elected threads, proxy fences, register reallocation.
 
-Everything here is an upstream ``nvvm`` op (MLIR 22 has ops for all of them, so Kiln needs no
-inline PTX). The module also holds the operand coercion shared by :mod:`kiln.tma`,
+Everything here is an upstream ``nvvm`` op except :func:`named_barrier`, the one inline-PTX
+wrapper (see its comment). The module also holds the operand coercion shared by :mod:`kiln.tma`,
 :mod:`kiln.mbarrier` and :mod:`kiln.wgmma`: those wrappers accept Python ints, traced
 ``kiln.Value``/``Handle`` objects (anything with ``.ir``) or raw ``ir.Value``.
 
@@ -18,7 +18,7 @@ import contextlib
 import numbers
 
 from mlir import ir
-from mlir.dialects import arith, nvvm
+from mlir.dialects import arith, llvm, nvvm
 
 from .errors import KilnTypeError, KilnValueError, TargetError
 
@@ -174,4 +174,7 @@ def named_barrier(barrier_id, num_threads: int) -> None:
     i32 = ir.IntegerType.get_signless(32)
     identifier = arith.constant(i32, barrier_id) if isinstance(barrier_id, int) else \
         arith.index_cast(i32, as_index(barrier_id, "barrier id"))
-    nvvm.barrier(None, barrier_id=identifier, number_of_threads=arith.constant(i32, num_threads))
+    # Inline PTX: nvvm.barrier's printed form does not parse back with its location attached
+    # (MLIR 22), and Kiln round-trips every stage through text.
+    llvm.inline_asm(None, [identifier, arith.constant(i32, num_threads)], "bar.sync $0, $1;",
+                    "r,r", has_side_effects=True)

@@ -33,7 +33,7 @@ from mlir import ir
 from mlir.dialects import gpu, rocdl
 
 from kiln.cluster import CLUSTER_ATTR, RECIPES_ATTR, SCHED_GROUP_MASKS, ClusterRecipe
-from kiln.errors import KilnValueError, UnsupportedError
+from kiln.errors import CompilationError, KilnValueError, UnsupportedError
 from kiln.passes import register_pass
 from kiln.passes.insert_waits import MMA_PREFIXES, func_vendor, gpu_funcs
 
@@ -189,7 +189,7 @@ def cluster_schedule(module_op: ir.Operation, pass_=None) -> None:
         vendor = func_vendor(func)
         for span in spans:
             if span.cluster not in recipes:
-                raise KilnValueError(f"cluster {span.cluster} has no recipe in {RECIPES_ATTR}",
+                raise CompilationError(f"cluster {span.cluster} has no recipe in {RECIPES_ATTR}",
                                      fix="open it with kiln.cluster(k, recipe) (or add c<k>)",
                                      loc=source_loc(span.ops[0].location))
             schedule = _schedule_nvidia if vendor == "nvidia" else _schedule_amd

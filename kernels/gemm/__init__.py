@@ -56,8 +56,9 @@ def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
     # Placeholder arrays carry dtype and rank only: the kernel is specialised on them.
     a = np.empty((1, 1), kiln.dtype(name).numpy)
     c = np.empty((1, 1), kiln.dtype(out).numpy)
-    return make_kernel(name, b_major, cfg).compile(a, a, c, 1, 1, 1, target=chip.name,
-                                                   num_warps=cfg.num_warps, **_constexprs(cfg))
+    return make_kernel(name, out, b_major, cfg).compile(a, a, c, 1, 1, 1, target=chip.name,
+                                                        num_warps=cfg.num_warps,
+                                                        **_constexprs(cfg))
 
 
 def matmul(a, b, *, trans_b=False, out_dtype=None, target=None, backend=None):
@@ -114,9 +115,9 @@ def run_hopper(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=None)
 
     tiles = -(-m // config.block_m) * -(-n // config.block_n)
     grid = (max(1, min(tiles, driver().multiprocessor_count())), 1, 1)
-    make_kernel(dtype, b_major, config)[grid](a, b, c, m, n, k, target=target,
-                                              num_warps=config.num_warps, stream=stream,
-                                              **_constexprs(config))
+    make_kernel(dtype, _dtype_name(c), b_major, config)[grid](
+        a, b, c, m, n, k, target=target, num_warps=config.num_warps, stream=stream,
+        **_constexprs(config))
 
 
 def _interpret(chip, a, b, c, trans_b):
@@ -133,7 +134,7 @@ def _interpret(chip, a, b, c, trans_b):
     to_numpy = [_numpy(x) for x in (a, b, c)]
     cfg = HopperGemmConfig()
     (m, k), n = to_numpy[0].shape, to_numpy[2].shape[1]
-    kernel = make_kernel(_dtype_name(a), "k" if trans_b else "mn", cfg)
+    kernel = make_kernel(_dtype_name(a), _dtype_name(c), "k" if trans_b else "mn", cfg)
     args = (*to_numpy, m, n, k)
     traced = kernel.trace(*args, target=chip.name, num_warps=cfg.num_warps, **_constexprs(cfg))
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)

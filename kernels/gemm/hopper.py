@@ -8,7 +8,7 @@ Schedule (one CTA per SM, 3 warp groups, ``BM x BN x BK`` = 128 x 256 x 64 by de
 | warp group | registers (setmaxnreg) | job |
 | --- | --- | --- |
 | 0 producer | 40 | one thread: for each tile and K step, wait ``empty[s]``, expect the stage's bytes on ``full[s]``, TMA-load the A box and the B box(es) into stage ``s`` |
-| 1, 2 consumers | 232 | rows ``64*(g-1) .. +64`` of the tile: wait ``full[s]``, 4 ``wgmma.m64n256k16`` on stage ``s``, keep one WGMMA group in flight, release the previous stage on ``empty``; at the end of the tile store the 64 x 256 accumulator (bounds-checked at the matrix edges) |
+| 1, 2 consumers | 232 | rows ``64*(g-1) .. +64`` of the tile: wait ``full[s]``, 4 ``wgmma.m64n256k16`` on stage ``s``, keep one WGMMA group in flight, release the previous stage on ``empty``; at the end of the tile stage the 64 x 256 accumulator in 128B-swizzled shared tiles and TMA-store it (asynchronously, overlapping the next tile; TMA clips the matrix edges) |
 
 Stage ``s`` of use ``n`` is ``n % STAGES`` and its barriers complete phases of parity
 ``(n // STAGES) % 2``; the producer waits ``empty`` on the opposite parity, so its first pass
@@ -38,7 +38,7 @@ SHARED_BUDGET = 227 * 1024 - 1024 - 256
 
 @dataclass(frozen=True)
 class HopperGemmConfig:
-    """Tile shape and pipeline of :func:`hopper_gemm_kernel`.
+    """Tile shape and pipeline of :func:`make_kernel`.
 
     ``block_m`` is 64 per consumer warp group; ``block_n`` a multiple of 64 up to 256;
     ``block_k`` is 64 (one 128-byte swizzled row); ``stages`` buffers in the ring.
@@ -65,6 +65,12 @@ class HopperGemmConfig:
         if not 2 <= self.stages <= 8:
             raise kiln.KilnValueError(f"stages={self.stages} must be in 2..8",
                                       fix="use 3 or 4 stages")
+        ring = self.stages * (self.block_m + self.block_n) * self.block_k * 2
+        if ring + self.block_m * ROW_BYTES > SHARED_BUDGET:
+            raise kiln.ResourceError(f"{self.stages} stages of {self.block_m}x{self.block_k} + "
+                                     f"{self.block_n}x{self.block_k} tiles ({ring} bytes) leave "
+                                     "no room for the epilogue in 227 KB of shared memory",
+                                     fix="use fewer stages or a smaller block_n")
         total = self.consumers * self.consumer_registers + self.producer_registers
         if total * WARP_GROUP_THREADS > 65536:
             raise kiln.ResourceError(f"{self.consumers} consumer groups x "

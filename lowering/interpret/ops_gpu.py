@@ -67,6 +67,27 @@ def _barrier(op, p):
     return run
 
 
+# Inline PTX the DSL emits (kiln.nvidia_asm), by asm string.
+_INLINE_ASM = {"bar.sync $0, $1;": "named_barrier"}
+
+
+@semantics("llvm.inline_asm")
+def _inline_asm(op, p):
+    from mlir import ir
+
+    text = ir.StringAttr(op.attributes["asm_string"]).value
+    loc = location(op)
+    if _INLINE_ASM.get(text) != "named_barrier":
+        raise UnsupportedError(f"the interpreter has no semantics for inline asm {text!r} yet",
+                               fix="use the DSL's wrappers (kiln.nvidia_asm)", loc=loc)
+    barrier_id, count = p.operands(op)
+
+    def run(env, ctx):
+        ctx.cta.named_barrier(ctx, int(env[barrier_id][0]), int(env[count][0]), loc)
+
+    return run
+
+
 @semantics("gpu.shuffle")
 def _shuffle(op, p):
     value, offset, width = p.operands(op)

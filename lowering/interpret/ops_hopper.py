@@ -145,21 +145,6 @@ def _bulk_wait(op, p):
     return run
 
 
-@semantics("nvvm.wgmma.wait.group.sync.aligned")
-def _wgmma_wait(op, p):
-    keep = attr_int(op, "group", 0)
-
-    def run(env, ctx):
-        retire_groups(ctx, "wgmma", keep)
-
-    return run
-
-
-@semantics("nvvm.wgmma.fence.aligned", "nvvm.wgmma.commit.group.sync.aligned")
-def _wgmma_fence(op, p):
-    return None  # nvgpu.warpgroup.mma commits its own group (see _mma)
-
-
 class WarpGroupAccumulator:
     """A warp group's ``M x N`` accumulator as one tile (the fragment layout is the lowering's
     business; ``nvgpu.warpgroup.mma.store`` writes the tile)."""

@@ -155,7 +155,7 @@ def _get_global(op, p):
     def run(env, ctx):
         shared = ctx.cta.shared
         env[out] = MemRef(shared.view(dtype), offset, shape, strides, f"shared buffer @{name}",
-                          shared.arena)
+                          shared.arena, offset)
 
     return run
 
@@ -168,7 +168,7 @@ def _dynamic_shared(op, p):
         shared = ctx.cta.shared
         base = ctx.cta.dynamic_shared_offset
         env[out] = MemRef(shared.arena, base, (shared.arena.size - base,), (1,),
-                          "dynamic shared memory", shared.arena)
+                          "dynamic shared memory", shared.arena, base)
 
     return run
 
@@ -188,7 +188,7 @@ def _view(op, p):
         shape = tuple(int(env[next(dyn)][0]) if s == _DYNAMIC else s for s in static)
         strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
         env[out] = MemRef(mem.arena.view(dtype), byte // dtype.itemsize, shape, strides,
-                          mem.name, mem.arena)
+                          mem.name, mem.arena, byte // dtype.itemsize)
 
     return run
 
@@ -243,7 +243,7 @@ def _subview(op, p):
                 continue
             keep.append(dim)
         env[out] = MemRef(mem.storage, offset, tuple(new_sizes[d] for d in keep),
-                          tuple(new_strides[d] for d in keep), mem.name, mem.arena)
+                          tuple(new_strides[d] for d in keep), mem.name, mem.arena, mem.pointer)
 
     return run
 
@@ -272,7 +272,7 @@ def _reinterpret_cast(op, p):
         mem = env[src]
         (offset,) = _mixed(offs, dyn[0], env)
         env[out] = MemRef(mem.storage, offset, tuple(_mixed(sizes, dyn[1], env)),
-                          tuple(_mixed(strides, dyn[2], env)), mem.name, mem.arena)
+                          tuple(_mixed(strides, dyn[2], env)), mem.name, mem.arena, mem.pointer)
 
     return run
 
@@ -307,10 +307,22 @@ def _strided_metadata(op, p):
 
     def run(env, ctx):
         mem = env[src]
-        env[base] = MemRef(mem.storage, 0, (), (), mem.name, mem.arena)
+        env[base] = MemRef(mem.storage, mem.pointer, (), (), mem.name, mem.arena, mem.pointer)
         env[offset] = np.asarray(mem.offset, np.int64).reshape(-1)
         for i in range(rank):
             env[rest[i]] = np.asarray(mem.sizes[i], np.int64).reshape(-1)
             env[rest[rank + i]] = np.asarray(mem.strides[i], np.int64).reshape(-1)
+
+    return run
+
+
+@semantics("memref.extract_aligned_pointer_as_index")
+def _aligned_pointer(op, p):
+    (src,) = p.operands(op)
+    out = p.result(op)
+
+    def run(env, ctx):
+        mem = env[src]
+        env[out] = np.array([mem.pointer * mem.storage.itemsize], np.int64)
 
     return run

@@ -20,7 +20,7 @@ from kiln import env as kiln_env
 from kiln.errors import KilnTypeError, KilnValueError, UnsupportedError
 
 from . import (ops_arith, ops_control, ops_gpu, ops_hopper, ops_mbarrier,  # noqa: F401 - register
-               ops_memory, ops_vector)
+               ops_memory, ops_vector, ops_wgmma)
 from .plan import Plan, np_dtype
 from .state import CTA, Context, MemRef, _Aborted
 
@@ -101,7 +101,7 @@ def _blocks_in_divergent_code(func) -> bool:
 
 
 def _has_warp_group_ops(func) -> bool:
-    return any(op.name.startswith("nvgpu.warpgroup.") for op, _ in _walk(func))
+    return any(op.name.startswith(("nvgpu.warpgroup.", "nvvm.wgmma.")) for op, _ in _walk(func))
 
 
 def _grid3(grid) -> tuple[int, int, int]:
@@ -148,12 +148,16 @@ def _convert_args(signature, args) -> list:
 def interpret_kernel(traced, grid, args, target) -> None:
     """Run ``traced`` (a :class:`kiln.kernel.TracedKernel`) over ``grid`` on the CPU.
 
-    ``args`` are the run-time arguments in signature order (numpy arrays are written in place).
+    ``args`` are the run-time arguments in signature order (numpy arrays are written in place);
+    ``target`` is a :class:`kiln.lowering.targets.Target` or its name.
     Example (what ``saxpy.interpret[grid](...)`` does)::
 
         traced = saxpy.trace(x, y, n, 2.0, BLOCK=256)
         interpret_kernel(traced, (n + 255) // 256, [x, y, n, 2.0], get_target("sm_90a"))
     """
+    from kiln.lowering.targets import get_target
+
+    target = get_target(target)
     compiled = _compile_plan(traced.module_asm, traced.name)
     plan = compiled.plan
     signature = traced.signature

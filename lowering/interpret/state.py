@@ -25,7 +25,9 @@ class MemRef:
     """A memref descriptor over a flat typed ``storage`` array: offset, sizes, strides in elements.
 
     ``offset`` may be a per-thread array (a subview at a thread-dependent position); ``arena`` is
-    the CTA's shared byte array for shared memrefs (``None`` for global ones).
+    the CTA's shared byte array for shared memrefs (``None`` for global ones); ``pointer`` is
+    the element index of the descriptor's aligned pointer (a shared memref's address is
+    ``pointer * itemsize`` bytes into the arena).
     """
 
     storage: np.ndarray
@@ -34,6 +36,7 @@ class MemRef:
     strides: tuple
     name: str
     arena: np.ndarray | None = None
+    pointer: int = 0
 
     @property
     def is_shared(self) -> bool:
@@ -163,8 +166,9 @@ class Context:
     thread_ids: np.ndarray  # linear thread ids within the block, shape (T,)
     mask: Any = None
     waiting_on: str = ""
-    async_groups: list = field(default_factory=list)  # cp.async / bulk-store / wgmma groups
-    pending_async: list = field(default_factory=list)
+    async_groups: list = field(default_factory=list)  # committed (kind, [async op ids])
+    pending_async: list = field(default_factory=list)  # TMA stores not yet committed
+    pending_wgmma: list = field(default_factory=list)  # wgmma.mma_async not yet committed
 
     @property
     def size(self) -> int:
@@ -191,6 +195,7 @@ class CTA:
         self.timeout = timeout
         self._barrier_arrived = 0
         self._barrier_generation = 0
+        self._named: dict[int, list[int]] = {}  # barrier id -> [threads arrived, generation]
 
     def object(self, key: int, factory) -> Any:
         obj = self.objects.get(key)
@@ -253,6 +258,20 @@ class CTA:
             return
         self.block_until(ctx, lambda: self._barrier_generation != generation,
                          "kiln.barrier() (gpu.barrier)", loc)
+
+    def named_barrier(self, ctx: Context, barrier_id: int, num_threads: int, loc) -> None:
+        """``bar.sync id, n``: the arriving contexts' active threads count toward ``n``."""
+        state = self._named.setdefault(barrier_id, [0, 0])
+        generation = state[1]
+        state[0] += int(ctx.active().sum())
+        if state[0] >= num_threads:
+            state[0] = 0
+            state[1] += 1
+            self.cond.notify_all()
+            return
+        self.block_until(ctx, lambda: state[1] != generation,
+                         lambda: f"named barrier {barrier_id} ({state[0]} of {num_threads} "
+                                 "threads arrived)", loc)
 
     def _release_barrier(self) -> None:
         self._barrier_arrived = 0

@@ -1,0 +1,67 @@
+"""gfx950 MFMA GEMM (compile-only): no scratch, and exactly the MFMAs per K step that the tile
+shape implies, all inside the K loop; config invariants."""
+
+import re
+
+import pytest
+
+import kiln
+from kiln.kernels.gemm.gfx950 import GemmConfig, compile_gfx950
+
+
+def _loop_bodies(asm: str) -> list[str]:
+    """Text of each backward-branching block range ``.LBB_x: ... s_cbranch/s_branch .LBB_x``."""
+    bodies = []
+    for label in re.findall(r"^(\.LBB\d+_\d+):", asm, re.M):
+        start = asm.index(label + ":")
+        back = re.search(rf"s_c?branch\w* {re.escape(label)}\n", asm[start:])
+        if back:
+            bodies.append(asm[start:start + back.end()])
+    return bodies
+
+
+CONFIGS = [GemmConfig(), GemmConfig(feed="dma"),
+           GemmConfig(block_m=128, block_n=128, warps_m=4, warps_n=2),
+           GemmConfig(block_m=256, block_n=128, warps_m=4, warps_n=2, out_dtype="f32")]
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("config", CONFIGS, ids=repr)
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_gemm_has_no_scratch_and_the_implied_mfma_count(dtype, config):
+    compiled = compile_gfx950(dtype, config=config)
+    asm = compiled.asm["amdgcn"]
+    assert compiled.metadata["scratch_bytes"] == 0
+    assert re.search(r"\.private_segment_fixed_size:\s+0\b", asm)
+    mfma = f"v_mfma_f32_32x32x16_{dtype}"
+    implied = (config.block_m // 32) * (config.block_n // 32) * (config.block_k // 16) \
+        // config.num_warps
+    assert config.mfmas_per_k_step == implied
+    loops = [body for body in _loop_bodies(asm) if mfma in body]
+    assert len(loops) == 1, "all MFMAs belong to one K loop"
+    assert loops[0].count(mfma) == implied == asm.count(mfma)
+    assert compiled.metadata["lds_bytes"] == config.lds_bytes
+    if config.feed == "dma":
+        assert re.search(r"buffer_load_dwordx4 .* lds", loops[0])
+    else:
+        assert loops[0].count("ds_write_b128") == \
+            (config.block_m + config.block_n) // (8 * config.num_warps)
+    assert "s_setprio 1" in loops[0] and "s_barrier" in loops[0]
+
+
+def test_config_invariants():
+    with pytest.raises(kiln.KilnValueError, match="block_k=32 must be 64"):
+        GemmConfig(block_k=32)
+    with pytest.raises(kiln.KilnValueError, match="multiple of warps_m"):
+        GemmConfig(block_m=96)
+    with pytest.raises(kiln.KilnValueError, match="feed='tma'"):
+        GemmConfig(feed="tma")
+    with pytest.raises(kiln.KilnValueError, match="LDS exceed"):
+        GemmConfig(block_m=512, block_n=512, warps_m=4, warps_n=4)
+
+
+def test_compile_rejects_unsupported_inputs():
+    with pytest.raises(kiln.UnsupportedError, match="does not support f32"):
+        compile_gfx950("f32")
+    with pytest.raises(kiln.UnsupportedError, match="gfx942 lacks"):
+        compile_gfx950("bf16", target="gfx942")
