@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from kiln.kernels.gemm import matmul
+from kiln.kernels.gemm import hopper_autotuner, matmul
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)] + [(8192, 8192, k) for k in
                                                        (1024, 2048, 4096, 8192, 16384)]
@@ -73,9 +73,14 @@ def main() -> None:
         shape = f"{r['m']}x{r['n']}x{r['k']}"
         print(f"{shape:>20} {r['kiln_tflops']:13.1f} {r['cublas_tflops']:15.1f} "
               f"{r['ratio']:6.3f}")
+    print("autotuned configs:")
+    for key, config in hopper_autotuner.best.items():
+        print(f"  {key}: {config}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "results": rows}, f, indent=1)
+            json.dump({"device": device, "results": rows,
+                       "configs": {k: repr(v) for k, v in hopper_autotuner.best.items()}},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -121,7 +121,8 @@ _token_ids = _TokenIds()
 
 
 def mark_async(op, counter: str) -> AsyncToken:
-    """Tag ``op`` (an ``ir.Operation`` or OpView) as asynchronous on ``counter``; return its token."""
+    """Tag ``op`` (an ``ir.Operation`` or OpView) as asynchronous on ``counter``; returns its
+    :class:`AsyncToken`. Example: ``mark_async(op, "lgkmcnt")``."""
     if counter not in COUNTERS:
         raise KilnValueError(f"unknown wait counter {counter!r}", fix=f"use one of {COUNTERS}")
     operation = getattr(op, "operation", op)

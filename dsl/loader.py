@@ -50,7 +50,7 @@ from . import dtypes as dt
 from .amd_asm import mark_async, require_amd, require_gfx950
 from .errors import KilnTypeError, KilnValueError, UnsupportedError
 from .layout import Layout, ThreadValueLayout, concat_modes
-from .mfma import WAVE, operand_b_layout, values_per_lane
+from .mfma import WAVE, values_per_lane
 from .shared import SharedTensor
 from .swizzle import ComposedSwizzle, Swizzle
 from .values import Value, cast

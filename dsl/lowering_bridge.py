@@ -4,7 +4,7 @@ Kept apart from :mod:`kiln.kernel` so the tracing code does not import lowering 
 (``kiln.lowering.signature``/``arrays``/``cache`` are imported here, lazily where heavy).
 
 The on-disk cache key is ``make_key(kernel source, sources of referenced @kiln.func helpers and
-@kiln.struct classes, closure constants, argument specs, constexpr values, options.key())``; helpers are found
+@kiln.struct classes, captured closure/global values, argument specs, constexpr values, options.key())``; helpers are found
 through the kernel's globals and closure (names it uses directly; ``module.helper`` attribute
 references are not followed).
 """
@@ -91,30 +91,46 @@ def dependency_sources(fn: Callable) -> list[str]:
     return sorted(seen.values())
 
 
-def closure_constants(fn: Callable) -> list[str]:
-    """``name=repr`` of the plain values (numbers, strings, dtypes, tuples of them) ``fn``
-    captures from an enclosing function: a kernel made by a factory traces differently for
-    each of them although its source text is the same."""
+def _value_fingerprint(value) -> str | None:
+    """A stable text for a captured value that can change what a kernel traces, else None.
+
+    Plain data (numbers, strings, dtypes, tuples of them) and frozen dataclasses (configs,
+    layouts, swizzles) by ``repr``; plain Python functions a kernel may call at trace time by
+    source. Modules, kernels and arrays are left out (kernels and helpers are keyed by source
+    elsewhere; arrays are run-time arguments).
+    """
     simple = (int, float, str, bool, DType, type(None))
+    if isinstance(value, simple):
+        return repr(value)
+    if isinstance(value, tuple):
+        parts = [_value_fingerprint(v) for v in value]
+        return None if None in parts else f"({', '.join(parts)})"
+    params = getattr(type(value), "__dataclass_params__", None)
+    if params is not None and params.frozen:
+        return repr(value)
+    if isinstance(value, (types.FunctionType, types.MethodType)):
+        # Source text alone cannot tell apart two lambdas written on one line.
+        code = value.__code__
+        return f"{_source(value)}|{code.co_code.hex()}|{code.co_consts!r}"
+    return None
 
-    def plain(value) -> bool:
-        return isinstance(value, simple) or (isinstance(value, tuple) and all(map(plain, value)))
 
+def captured_values(fn: Callable) -> list[str]:
+    """``name=fingerprint`` of the closure variables and module globals ``fn`` names: a kernel
+    made by a factory, or one reading a module-level constant, traces differently for each of
+    them although its source text is the same."""
     found = []
-    for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
-        try:
-            value = cell.cell_contents
-        except ValueError:
-            continue
-        if plain(value):
-            found.append(f"{var}={value!r}")
-    return sorted(found)
+    for name, value in sorted(_referenced(fn).items()):
+        fingerprint = _value_fingerprint(value)
+        if fingerprint is not None:
+            found.append(f"{name}={fingerprint}")
+    return found
 
 
 def source_key(fn: Callable) -> str:
     """The part of the cache key that depends on source text (kernel and its helpers) and on
     the constants a factory-made kernel closes over."""
-    return "\0".join([_source(fn), *dependency_sources(fn), *closure_constants(fn)])
+    return "\0".join([_source(fn), *dependency_sources(fn), *captured_values(fn)])
 
 
 def cache_key(source_part: str, specs, options_key: str) -> str:

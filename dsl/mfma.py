@@ -5,7 +5,7 @@ to the ``rocdl.mfma.*`` intrinsic of the chip) and is registered with :mod:`kiln
 ``kiln.mma.atom(32, 32, 16, kiln.bf16)`` finds it when tracing for gfx950::
 
     atom = kiln.mma.atom(32, 32, 16, kiln.bf16)      # v_mfma_f32_32x32x16_bf16
-    c = atom(a_frag, b_frag, c_frag)                 # vector<8xbf16>, vector<8xbf16>, vector<16xf32>
+    c = atom(a_frag, b_frag, c_frag)   # vector<8xbf16>, vector<8xbf16>, vector<16xf32>
 
 Supported (single-block MFMAs, wave64, f32 accumulators):
 

@@ -35,7 +35,7 @@ Example::
 
     rocdl.global.load.lds %g, %lds, 16, 0, 0 : !llvm.ptr<1>    // DMA into @tile
     rocdl.global.load.lds %g2, %lds2, 16, 0, 0 : !llvm.ptr<1>  // DMA into @other
-    // inserted: rocdl.s.waitcnt 16241   (vmcnt(1): @tile's DMA has one younger op)
+    // inserted: rocdl.s.waitcnt 3953   (vmcnt(1): one younger DMA may stay in flight)
     %x = memref.load %tile[%i] : memref<256xf32, 3>
 """
 
@@ -150,7 +150,11 @@ def _space(value: ir.Value) -> int | None:
     if not isinstance(value.type, ir.MemRefType):
         return None
     space = ir.MemRefType(value.type).memory_space
-    return ir.IntegerAttr(space).value if space is not None else None
+    if space is None:
+        return None
+    if isinstance(space, ir.IntegerAttr):
+        return space.value
+    return 3 if "workgroup" in str(space) else None  # #gpu.address_space<workgroup> is LDS
 
 
 @dataclass(frozen=True)
@@ -212,8 +216,9 @@ class WaitAnalysis:
             return self._loop(op, state)
         if name == "scf.if":
             arms = [self._walk_block(r.blocks[0], dict(state)) for r in op.regions if r.blocks]
-            joined = arms[0] if len(arms) == 2 else state
-            return _join(joined, arms[1] if len(arms) == 2 else arms[0]) if arms else state
+            if len(arms) == 1:
+                arms.append(state)  # no else arm: the condition may skip the then arm
+            return _join(arms[0], arms[1])
         self._check_reads(op, state)
         state = self._apply_wait(op, state)
         if name in BARRIER_OPS:
@@ -359,7 +364,7 @@ def gpu_funcs(module_op: ir.Operation) -> list[ir.Operation]:
     return funcs
 
 
-def _build_wait(gap: Gap, vendor: str) -> None:
+def _build_wait(gap: Gap) -> None:
     with ir.InsertionPoint(gap.place_before), gap.reader.location:
         if gap.counter == CP_ASYNC:
             nvgpu.device_async_wait(gap.event.result, num_groups=gap.count)
@@ -395,7 +400,7 @@ def insert_waits(module_op: ir.Operation, pass_=None) -> None:
             gaps = WaitAnalysis(func, vendor).gaps
             if not gaps:
                 break
-            _build_wait(gaps[0], vendor)
+            _build_wait(gaps[0])
 
 
 register_pass(NAME, insert_waits,

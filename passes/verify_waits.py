@@ -10,9 +10,9 @@ out with ``kiln.manual_waits()``; the same proof is repeated on the final AMDGPU
 
 Example (a DMA into ``@tile`` read with no wait)::
 
-    kiln.errors.WaitError: k.py:12: this read of LDS buffer @tile may see data before the
-    async write at k.py:10 (rocdl.global.load.lds) lands; no wait covers it on every path
-    Fix: add s_waitcnt(vmcnt=0) before the read, or drop kiln.manual_waits()
+    kiln.errors.WaitError: k.py:12: this memref.load may read before the async
+    rocdl.global.load.lds at k.py:10 lands (vmcnt): no wait covers it on every path
+    Fix: add s_waitcnt(vmcnt=0) before the read, or drop kiln.manual_waits() to let Kiln insert it
 """
 
 from __future__ import annotations

@@ -72,7 +72,9 @@ def test_bad_requests_raise_kiln_errors():
     with pytest.raises(kiln.UnsupportedError, match="block_n"):
         HopperGemmConfig(block_n=320)
     with pytest.raises(kiln.ResourceError, match="register file"):
-        HopperGemmConfig(block_m=192, consumer_registers=232)
+        HopperGemmConfig(block_m=192, stages=2, consumer_registers=232)
+    with pytest.raises(kiln.ResourceError, match="no room for the epilogue"):
+        HopperGemmConfig(stages=5)
     a = np.ones((8, 16), ml_dtypes.bfloat16)
     with pytest.raises(kiln.KilnValueError, match="do not agree on K"):
         matmul(a, np.ones((8, 16), ml_dtypes.bfloat16), target="sm_90a")

@@ -14,6 +14,13 @@ LANES = np.arange(64)
 rng = np.random.default_rng()
 
 
+@pytest.fixture(autouse=True)
+def _no_disk_cache(monkeypatch):
+    """These kernels differ only in the Python callables they close over, which the compile
+    cache key cannot see: compile each one afresh."""
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+
+
 def _lds_holding(tile: np.ndarray, loader: TiledMmaLoader) -> np.ndarray:
     """A flat LDS image where logical element ``(r, c)`` sits at ``swizzled(r * cols + c)``."""
     rows, cols = tile.shape

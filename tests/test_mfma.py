@@ -9,6 +9,14 @@ import kiln.mfma as mfma
 from kiln import mma
 from kiln.errors import KilnTypeError, UnsupportedError
 
+
+@pytest.fixture(autouse=True)
+def _no_disk_cache(monkeypatch):
+    """These kernels differ only in the Python callables they close over, which the compile
+    cache key cannot see: compile each one afresh."""
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+
+
 def _brute_a(m, k, kpl):
     lane, value = np.meshgrid(np.arange(64), np.arange(kpl), indexing="ij")
     return lane % m, (lane // m) * kpl + value
@@ -23,6 +31,7 @@ def test_operand_layouts_match_the_isa_formula(m, k):
     # B (k x n) is A's pattern with rows and columns swapped: column l % n, rows (l // n) * kpl + v.
     b_rows, b_cols = mfma.operand_b_layout(k, m).coords()
     assert np.array_equal(b_rows, want_cols) and np.array_equal(b_cols, want_rows)
+
 
 
 def test_registry_per_chip():

@@ -1,6 +1,5 @@
 """Cluster recipes, the DSL annotation, and the schedule check against final assembly."""
 
-import warnings
 
 import numpy as np
 import pytest

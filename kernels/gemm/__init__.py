@@ -100,12 +100,12 @@ def matmul(a, b, *, trans_b=False, out_dtype=None, target=None, backend=None):
 
 
 @autotune(configs=HOPPER_CONFIGS, key=["m", "n", "k", "dtype", "b_major", "out_dtype"])
-def _hopper_matmul(a, b, c, m, n, k, dtype, b_major, out_dtype, target, *, config):
+def hopper_autotuner(a, b, c, m, n, k, dtype, b_major, out_dtype, target, *, config):
     run_hopper(a, b, c, m, n, k, dtype=dtype, b_major=b_major, target=target, config=config)
 
 
 def _run_tuned(a, b, c, m, n, k, b_major, dtype, target):
-    _hopper_matmul(a, b, c, m, n, k, dtype, b_major, _dtype_name(c), target)
+    hopper_autotuner(a, b, c, m, n, k, dtype, b_major, _dtype_name(c), target)
 
 
 def run_hopper(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=None):

@@ -115,7 +115,9 @@ def make_kernel(dtype: str, config: GemmConfig):
     in_type = kiln.dtype(dtype)
     out_type = kiln.dtype(config.out_dtype or dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    wm, wn = bm // config.warps_m, bn // config.warps_n  # one wave's sub-tile
+    # The kernel body captures only plain values: they enter the compile-cache key.
+    warps_n = config.warps_n
+    wm, wn = bm // config.warps_m, bn // warps_n  # one wave's sub-tile
     tiles_m, tiles_n = wm // MMA_SHAPE[0], wn // MMA_SHAPE[1]
     waves = config.num_warps
     rows = config.rows_per_dma
@@ -173,7 +175,7 @@ def make_kernel(dtype: str, config: GemmConfig):
         a_buf, b_buf, c_buf = amd_buffer.buffer(a), amd_buffer.buffer(b), amd_buffer.buffer(c)
         atom = mma.atom(*MMA_SHAPE, in_type)
         lane, wave = kiln.lane_id(), kiln.warp_id()
-        wave_m, wave_n = wave // config.warps_n, wave % config.warps_n
+        wave_m, wave_n = wave // warps_n, wave % warps_n
         block_n_count = (n + bn - 1) // bn
         m0 = (kiln.block_id(0) // block_n_count) * bm
         n0 = (kiln.block_id(0) % block_n_count) * bn

@@ -77,13 +77,12 @@ def _tma_load(op, p):
                 raise OutOfBoundsError(f"TMA box of {data.size} bytes at shared byte "
                                        f"{_base_byte(mem)} overruns shared memory "
                                        f"({shared.arena.size} bytes)", loc=loc)
-            op_id = shared.begin("TMA load", loc, write_bytes=phys)
+            def land(arena=shared.arena, phys=phys, data=data):
+                arena[phys] = data
 
-            def land(shared=shared, phys=phys, data=data, op_id=op_id):
-                shared.arena[phys] = data
-                shared.end(op_id)
-
-            group.complete_tx(ctx.cta, group.get(i, loc), data.size, land)
+            op_id = shared.begin("TMA load", loc, write_bytes=phys, land=land)
+            group.complete_tx(ctx.cta, group.get(i, loc), data.size,
+                              lambda shared=shared, op_id=op_id: shared.end(op_id))
 
     return run
 

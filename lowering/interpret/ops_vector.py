@@ -117,3 +117,17 @@ def _from_elements(op, p):
         env[out] = np.stack(parts, axis=-1).reshape((parts[0].shape[0],) + shape)
 
     return run
+
+
+@semantics("vector.shuffle")
+def _shuffle(op, p):
+    a, b = p.operands(op)
+    out = p.result(op)
+    mask = list(ir.DenseI64ArrayAttr(op.attributes["mask"]))
+
+    def run(env, ctx):
+        x, y = np.broadcast_arrays(env[a], env[b]) if env[a].shape[0] != env[b].shape[0] \
+            else (env[a], env[b])
+        env[out] = np.concatenate([x, y], axis=1)[:, mask]
+
+    return run

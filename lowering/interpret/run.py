@@ -19,8 +19,8 @@ from mlir import ir
 from kiln import env as kiln_env
 from kiln.errors import KilnTypeError, KilnValueError, UnsupportedError
 
-from . import (ops_arith, ops_control, ops_gpu, ops_hopper, ops_mbarrier,  # noqa: F401 - register
-               ops_memory, ops_vector, ops_wgmma)
+from . import (ops_ampere, ops_arith, ops_control, ops_gpu, ops_hopper,  # noqa: F401 - register
+               ops_mbarrier, ops_memory, ops_vector, ops_wgmma)
 from .plan import Plan, np_dtype
 from .state import CTA, Context, MemRef, _Aborted
 

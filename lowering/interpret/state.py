@@ -45,10 +45,12 @@ class MemRef:
 
 @dataclass
 class AsyncOp:
-    """An in-flight asynchronous copy or MMA, for race messages."""
+    """An in-flight asynchronous copy or MMA: names it in race messages; ``land`` (if any)
+    writes its data when it completes."""
 
     what: str
     loc: SourceLoc | None
+    land: Any = None
 
 
 def uniform(value: np.ndarray, mask, what: str, loc) -> Any:
@@ -100,9 +102,11 @@ class SharedMemory:
             v = self._views[dtype] = self.arena.view(dtype)
         return v
 
-    def begin(self, what: str, loc, write_bytes=None, read_bytes=None) -> int:
+    def begin(self, what: str, loc, write_bytes=None, read_bytes=None, land=None) -> int:
+        """Start an async op that will write ``write_bytes`` (calling ``land`` on completion)
+        and/or keeps reading ``read_bytes``; returns its id for :meth:`end`."""
         op_id = len(self.async_ops)
-        self.async_ops[op_id] = AsyncOp(what, loc)
+        self.async_ops[op_id] = AsyncOp(what, loc, land)
         if write_bytes is not None:
             self.check(write_bytes, True, f"{what}", loc)
             self.pending_write[write_bytes] = op_id
@@ -113,6 +117,9 @@ class SharedMemory:
         return op_id
 
     def end(self, op_id: int) -> None:
+        land = self.async_ops[op_id].land
+        if land is not None:
+            land()
         np.copyto(self.pending_write, 0, where=self.pending_write == op_id)
         np.copyto(self.pending_read, 0, where=self.pending_read == op_id)
         self.in_flight -= 1
@@ -169,6 +176,7 @@ class Context:
     async_groups: list = field(default_factory=list)  # committed (kind, [async op ids])
     pending_async: list = field(default_factory=list)  # TMA stores not yet committed
     pending_wgmma: list = field(default_factory=list)  # wgmma.mma_async not yet committed
+    pending_cp_async: list = field(default_factory=list)  # cp.async copies not yet grouped
 
     @property
     def size(self) -> int:

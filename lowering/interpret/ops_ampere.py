@@ -1,0 +1,203 @@
+"""Ampere warp-level ops: ``cp.async`` copies, ``ldmatrix`` and ``mma.sync``.
+
+- ``nvgpu.device_async_copy`` reads its source when issued and lands in shared memory when a
+  ``nvgpu.device_async_wait`` retires its group (``create_group`` closes the group of the
+  copies issued since the last one); touching the destination before is a race.
+- ``nvgpu.ldmatrix``: lanes ``8i .. 8i+7`` give the row addresses of 8x8 matrix ``i``; lane
+  ``l`` receives elements ``(l // 4, 2 (l % 4) + v)`` of each matrix (transposed with
+  ``transpose``), as PTX ``ldmatrix.sync.aligned.m8n8`` defines.
+- ``nvvm.mma.sync`` gathers the 32 lanes' A, B and C registers into tiles through the fragment
+  layouts of ``kiln.layout`` (``mma_m16n8k16_a``/``_b``, ``mma_m16n8_accumulator``), multiplies
+  in float64 and scatters D back.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+from mlir import ir
+
+from kiln import env as kiln_env
+from kiln import layout as L
+from kiln.errors import UnsupportedError
+
+from .ops_memory import flat_offsets
+from .ops_mbarrier import operand_segments
+from .plan import attr_int, location, np_dtype, semantics
+from .state import bounds_error, element_bytes
+
+
+def _warps(ctx, loc, what: str):
+    """Lane index arrays of each warp of the context; ``what`` needs the whole warp active."""
+    ws = ctx.cta.warp_size
+    if ctx.size % ws:
+        raise UnsupportedError(f"{what} needs whole warps", loc=loc)
+    if ctx.mask is not None:
+        per_warp = ctx.mask.reshape(-1, ws)
+        if np.any(per_warp.any(axis=1) & ~per_warp.all(axis=1)):
+            raise UnsupportedError(f"{what} is warp-synchronous: every lane of a warp must "
+                                   "execute it", fix="branch on warp-uniform values", loc=loc)
+        return [np.arange(w * ws, (w + 1) * ws) for w in np.flatnonzero(per_warp.all(axis=1))]
+    return [np.arange(w * ws, (w + 1) * ws) for w in range(ctx.size // ws)]
+
+
+@semantics("nvgpu.device_async_copy")
+def _cp_async(op, p):
+    (dst,), dst_index, (src,), src_index, src_elements = operand_segments(op, p)
+    out = p.result(op)
+    count = attr_int(op, "dstElements")
+    loc = location(op)
+
+    def run(env, ctx):
+        d_mem, s_mem = env[dst], env[src]
+        n = ctx.size
+        active = ctx.active()
+        lanes = np.flatnonzero(active)
+        valid = (np.broadcast_to(env[src_elements[0]], (n,)).astype(np.int64) if src_elements
+                 else np.full(n, count))[lanes]
+        d_flat = flat_offsets(d_mem, [env[i] for i in dst_index], ctx, loc, count)
+        s_idx = [np.broadcast_to(env[i], (n,))[lanes] for i in src_index]
+        s_flat = np.broadcast_to(flat_offsets(s_mem, [env[i] for i in src_index], ctx, loc,
+                                              check=False), (n,))[lanes]
+        reading = valid > 0
+        if kiln_env.interpret_check_bounds() and reading.any():
+            for dim, (i, size) in enumerate(zip(s_idx, s_mem.sizes)):
+                last = size - valid if dim == len(s_idx) - 1 else size - 1
+                bad = reading & ((i < 0) | (i > last))
+                if bad.any():
+                    t = int(np.argmax(bad))
+                    raise bounds_error(s_mem, tuple(j[t] for j in s_idx),
+                                       int(ctx.thread_ids[lanes[t]]), ctx, loc)
+        cols = np.arange(count)
+        src_cols = s_flat[:, None] + cols * s_mem.strides[-1]
+        keep = cols[None, :] < valid[:, None]
+        data = np.where(keep, s_mem.storage[np.where(keep, src_cols, s_flat[:, None])], 0)
+        data = data.astype(d_mem.storage.dtype)
+        d_cols = np.broadcast_to(d_flat, (n,))[lanes][:, None] + cols * d_mem.strides[-1]
+
+        def land(storage=d_mem.storage, d_cols=d_cols, data=data):
+            storage[d_cols] = data
+
+        op_id = ctx.cta.shared.begin("cp.async copy", loc,
+                                     write_bytes=element_bytes(d_mem, d_cols.reshape(-1)),
+                                     land=land)
+        ctx.pending_cp_async.append(op_id)
+        env[out] = np.zeros(1, np.int64)  # the token; groups are tracked per context
+
+    return run
+
+
+@semantics("nvgpu.device_async_create_group")
+def _create_group(op, p):
+    out = p.result(op)
+
+    def run(env, ctx):
+        ctx.async_groups.append(("cp.async", list(ctx.pending_cp_async)))
+        ctx.pending_cp_async.clear()
+        env[out] = np.zeros(1, np.int64)
+
+    return run
+
+
+@semantics("nvgpu.device_async_wait")
+def _wait(op, p):
+    keep = attr_int(op, "numGroups", 0)
+
+    def run(env, ctx):
+        from .ops_hopper import retire_groups
+
+        retire_groups(ctx, "cp.async", keep)
+
+    return run
+
+
+@semantics("nvgpu.ldmatrix")
+def _ldmatrix(op, p):
+    src, *index = p.operands(op)
+    out = p.result(op)
+    tiles = attr_int(op, "numTiles")
+    transpose = ir.BoolAttr(op.attributes["transpose"]).value
+    vtype = ir.VectorType(op.results[0].type)
+    per_lane = vtype.shape[-1]
+    row_elems = 16 // np_dtype(vtype).itemsize  # each matrix row is 16 bytes
+    loc = location(op)
+
+    def run(env, ctx):
+        mem = env[src]
+        n = ctx.size
+        flat = np.broadcast_to(flat_offsets(mem, [env[i] for i in index], ctx, loc, check=False),
+                               (n,))
+        result = np.zeros((n, tiles, per_lane), mem.storage.dtype)
+        for lanes in _warps(ctx, loc, "nvgpu.ldmatrix"):
+            providers = lanes[:8 * tiles]
+            if kiln_env.interpret_check_bounds():
+                for dim, (i, size) in enumerate(zip(index, mem.sizes)):
+                    v = np.broadcast_to(env[i], (n,))[providers]
+                    last = size - row_elems if dim == len(index) - 1 else size - 1
+                    bad = (v < 0) | (v > last)
+                    if bad.any():
+                        t = providers[int(np.argmax(bad))]
+                        raise bounds_error(mem, tuple(np.broadcast_to(env[j], (n,))[t]
+                                                      for j in index),
+                                           int(ctx.thread_ids[t]), ctx, loc)
+            rows = flat[providers][:, None] + np.arange(row_elems) * mem.strides[-1]
+            if mem.is_shared:
+                ctx.cta.shared.check(element_bytes(mem, rows.reshape(-1)), False,
+                                     "this ldmatrix", loc)
+            matrices = mem.storage[rows].reshape(tiles, 8, row_elems)
+            lane = np.arange(32)[:, None]
+            v = np.arange(per_lane)[None, :]
+            r, c = lane // 4, (lane % 4) * per_lane + v
+            picked = matrices[:, c, r] if transpose else matrices[:, r, c]  # [tiles, 32, v]
+            result[lanes] = picked.transpose(1, 0, 2)
+        env[out] = result
+
+    return run
+
+
+_MMA_LAYOUTS = {(16, 8, 16): (L.mma_m16n8k16_a, L.mma_m16n8k16_b, L.mma_m16n8_accumulator)}
+
+
+@semantics("nvvm.mma.sync")
+def _mma_sync(op, p):
+    a_regs, b_regs, c_regs = operand_segments(op, p)
+    out = p.result(op)
+    loc = location(op)
+    shape = tuple(int(v) for v in re.findall(r"=\s*(\d+)", str(op.attributes["shape"])))
+    if shape not in _MMA_LAYOUTS or "row" not in str(op.attributes["layoutA"]) \
+            or "col" not in str(op.attributes["layoutB"]):
+        raise UnsupportedError(f"the interpreter runs mma.sync m16n8k16 row.col only, not "
+                               f"m{shape[0]}n{shape[1]}k{shape[2]}", loc=loc)
+    ptx_type = re.search(r"<(\w+)>", str(op.attributes["multiplicandAPtxType"])).group(1)
+    from kiln.dtypes import dtype as kiln_dtype
+
+    operand_dtype = np.dtype(kiln_dtype(ptx_type).numpy)
+    m, n, k = shape
+    (a_rows, a_cols), (b_rows, b_cols), (c_rows, c_cols) = (f().coords()
+                                                             for f in _MMA_LAYOUTS[shape])
+
+    def unpack(slots, env, count):
+        """Registers (i32 holding packed halves, or plain values) as [threads, count] values."""
+        regs = np.stack(np.broadcast_arrays(*(env[s] for s in slots)), axis=-1)
+        if regs.dtype.itemsize == operand_dtype.itemsize:
+            return regs.astype(np.float64)
+        packed = np.ascontiguousarray(regs).view(operand_dtype)
+        return packed.reshape(regs.shape[0], count).astype(np.float64)
+
+    def run(env, ctx):
+        a = unpack(a_regs, env, a_rows.shape[1])
+        b = unpack(b_regs, env, b_rows.shape[1])
+        c = np.stack(np.broadcast_arrays(*(env[s] for s in c_regs)), axis=-1).astype(np.float64)
+        size = ctx.size
+        a, b, c = (np.broadcast_to(x, (size,) + x.shape[1:]) for x in (a, b, c))
+        d = np.zeros((size, c_rows.shape[1]), np.float32)
+        for lanes in _warps(ctx, loc, "nvvm.mma.sync"):
+            ta, tb, tc = (np.zeros(s) for s in ((m, k), (k, n), (m, n)))
+            ta[a_rows, a_cols] = a[lanes]
+            tb[b_rows, b_cols] = b[lanes]
+            tc[c_rows, c_cols] = c[lanes]
+            d[lanes] = (tc + ta @ tb)[c_rows, c_cols]
+        env[out] = d
+
+    return run

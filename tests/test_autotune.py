@@ -1,0 +1,111 @@
+"""``kiln.autotune`` on the CPU: an injected timer decides, the winner persists on disk."""
+
+import json
+
+import numpy as np
+import pytest
+
+import kiln
+from kiln.autotune import autotune
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KILN_NO_CACHE", raising=False)
+    return tmp_path
+
+
+def make_entry(cost_of, calls):
+    def timer(run):
+        run()
+        return cost_of[calls[-1]]
+
+    @autotune(configs=["small", "medium", "large"], key=["n"], warmup=1, repeat=3, timer=timer,
+              progress=False)
+    def entry(x, n, *, config):
+        calls.append(config)
+        return f"{config}:{n}"
+
+    return entry
+
+
+def test_picks_the_fastest_config_once_per_key():
+    calls = []
+    cost = {"small": 3.0, "medium": 1.0, "large": 2.0}
+    entry = make_entry(cost, calls)
+    assert entry(np.zeros(4), 10) == "medium:10"
+    tuned_calls = len(calls)
+    assert tuned_calls == 3 * (1 + 3) + 1  # warm-up + repeats per config, then the real call
+    assert entry(np.zeros(4), 10) == "medium:10"
+    assert len(calls) == tuned_calls + 1  # no re-tuning for a known key
+    cost["large"] = 0.5
+    assert entry(np.zeros(4), 11) == "large:11"  # a new key tunes again
+
+
+def test_winner_persists_across_processes(private_cache):
+    cost = {"small": 1.0, "medium": 2.0, "large": 3.0}
+    first = make_entry(cost, [])
+    assert first(None, 7) == "small:7"
+    files = list((private_cache / "autotune").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text()) == {"n=7": 0}
+    calls = []
+    cost = {"small": 9.0, "medium": 9.0, "large": 0.1}  # would now pick "large" if it re-tuned
+    second = make_entry(cost, calls)
+    assert second(None, 7) == "small:7" and calls == ["small"]
+
+
+def test_failing_configs_are_skipped_and_progress_is_drawn(capsys):
+    @autotune(configs=[1, 2, 3], key=["n"], warmup=0, repeat=1, timer=lambda run: run() or 1.0)
+    def entry(n, *, config):
+        if config != 2:
+            raise kiln.ResourceError(f"config {config} does not fit", fix="skip it")
+        return config
+
+    assert entry(5) == 2
+    err = capsys.readouterr().err
+    assert "[kiln.autotune]" in err and "3/3" in err and "#" * 24 in err
+
+
+def test_every_config_failing_is_an_error():
+    @autotune(configs=[1], key=["n"], warmup=0, repeat=1, timer=lambda run: run() or 1.0,
+              progress=False)
+    def entry(n, *, config):
+        raise kiln.ResourceError("too big", fix="smaller")
+
+    with pytest.raises(kiln.KilnValueError, match="every autotune config"):
+        entry(3)
+
+
+def test_bad_arguments():
+    with pytest.raises(kiln.KilnValueError, match="at least one config"):
+        autotune(configs=[], key=["n"])
+    with pytest.raises(kiln.KilnTypeError, match="list of argument names"):
+        autotune(configs=[1], key="n")
+    with pytest.raises(kiln.KilnValueError, match="not parameters"):
+        autotune(configs=[1], key=["m"])(lambda n, *, config: n)
+
+
+@kiln.kernel
+def scale(x: kiln.Tensor[kiln.f32], n: kiln.i32, BLOCK: kiln.constexpr):
+    i = kiln.block_id(0) * BLOCK + kiln.thread_id(0)
+    if i < n:
+        x[i] = x[i] * 2.0
+
+
+def test_kernel_configs_become_launch_keywords(monkeypatch):
+    launched = []
+
+    def fake_launch(self, grid, *args, **kwargs):
+        launched.append((grid, kwargs))
+
+    monkeypatch.setattr(type(scale), "_launch", fake_launch)
+    tuned = autotune(configs=[{"BLOCK": 64, "num_warps": 2}, {"BLOCK": 128, "num_warps": 4}],
+                     key=["n"], warmup=0, repeat=1, progress=False,
+                     timer=lambda run: run() or float(launched[-1][1]["BLOCK"]))(scale)
+    x = np.random.default_rng().random(100).astype(np.float32)
+    tuned[(2,)](x, 100)
+    assert tuned.best == {"n=100": {"BLOCK": 64, "num_warps": 2}}
+    assert launched[-1] == ((2,), {"BLOCK": 64, "num_warps": 2})
+    with pytest.raises(kiln.KilnTypeError, match="launch it with a grid"):
+        tuned(x, 100)

@@ -1,0 +1,54 @@
+"""The on-disk cache key follows everything a kernel's trace depends on besides its arguments."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import kiln
+from kiln import f32
+from kiln.lowering_bridge import source_key
+
+SCALE = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    unroll: int
+
+
+def make_kernel(op, config):
+    @kiln.kernel
+    def apply(x: kiln.Tensor[f32]):
+        i = kiln.thread_id(0)
+        for _ in kiln.static_range(config.unroll):
+            x[i] = op(x[i])
+
+    return apply
+
+
+@kiln.kernel
+def scaled(x: kiln.Tensor[f32]):
+    i = kiln.thread_id(0)
+    x[i] = x[i] * SCALE
+
+
+def test_factory_kernels_differ_by_captured_function_and_config():
+    keys = {source_key(make_kernel(op, Config(u)).fn)
+            for op in (lambda v: v + 1.0, lambda v: v * 3.0) for u in (1, 2)}
+    assert len(keys) == 4
+
+
+def test_module_global_constant_enters_the_key(monkeypatch):
+    before = source_key(scaled.fn)
+    monkeypatch.setitem(scaled.fn.__globals__, "SCALE", 3.0)
+    assert source_key(scaled.fn) != before
+
+
+@pytest.mark.lower
+def test_factory_kernels_do_not_share_cache_entries(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    x = np.zeros(4, np.float32)
+    add = make_kernel(lambda v: v + 1.0, Config(1)).compile(x, target="gfx950")
+    mul = make_kernel(lambda v: v * 3.0, Config(1)).compile(x, target="gfx950")
+    assert "arith.addf" in add.asm["kiln"] and "arith.mulf" in mul.asm["kiln"]
