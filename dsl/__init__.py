@@ -28,3 +28,18 @@ min = minimum
 from . import layout, mbarrier, nvidia_asm, swizzle, tma, wgmma
 from .layout import Layout, ThreadValueLayout, make_layout
 from .swizzle import ComposedSwizzle, Swizzle, SwizzledLayout
+
+# Tiles and tensor-core atoms (kiln.mma registry; importing kiln.mfma registers the AMD atoms),
+# NVIDIA sm_80 loads (ldmatrix, cp.async), AMD LDS/buffer/DMA and the rocdl intrinsic wrappers.
+from . import (amd_asm, amd_buffer, cp_async, global_tile, ldmatrix, loader, mfma, mma,
+               reg_tile, shared_tile, shuffle, tiles)
+from .loader import TiledMmaLoader
+from .mma import TiledMma
+from .tiles import GlobalTile, RegTile, SharedTile
+
+# Cluster scheduling annotations (the kiln-cluster-schedule / kiln-insert-waits passes read them).
+# ``kiln.cluster`` is the context manager; the module stays importable as ``kiln.cluster`` only
+# through ``from kiln.cluster import ...``.
+from .cluster import ClusterRecipe, cluster, consumer_drain, manual_waits
+from .errors import (DeadlockError, OutOfBoundsError, RaceError, ScheduleError, ScheduleWarning,
+                     WaitError)

@@ -79,6 +79,11 @@ class Autotuner:
         self.warmup, self.repeat, self.progress = warmup, repeat, progress
         self.timer = timer or cuda_event_timer
         self.best: dict[str, Any] = {}
+        # Positions of the key arguments, so a positional call is keyed without binding.
+        names = list(self._signature.parameters)
+        self._key_positions = tuple(names.index(k) for k in key)
+        self._positional_arity = max(self._key_positions, default=-1) + 1
+        self._by_values: dict[tuple, Any] = {}
 
     # ---- calling -----------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -113,7 +118,20 @@ class Autotuner:
         return ",".join(parts)
 
     def _config_for(self, args, kwargs, run: Callable[[Any], None]):
-        key = self.key_of(args, kwargs)
+        # Hot path: a repeat call with the key arguments passed positionally.
+        fast_key = None
+        if len(args) >= self._positional_arity:
+            try:
+                fast_key = tuple(_key_value(args[i]) for i in self._key_positions)
+                return self._by_values[fast_key]
+            except KeyError:
+                pass
+        config = self._config_for_key(self.key_of(args, kwargs), run)
+        if fast_key is not None:
+            self._by_values[fast_key] = config
+        return config
+
+    def _config_for_key(self, key: str, run: Callable[[Any], None]):
         if key not in self.best:
             index = self._stored().get(key)
             if index is None or not 0 <= index < len(self.configs):

@@ -164,6 +164,7 @@ class TiledMmaLoader:
         """``(lane, value) -> (k, n)`` of :meth:`load_b_tr`'s fragment in the ``k x n`` tile:
         K rows as in :func:`kiln.mfma.operand_b_layout`, column ``16 * b + 4 * (i % 4) + i // 4``
         for lane ``i`` of the ``b``-th 16-lane block of its K group."""
+        self._require_tr16("b_tr_layout")
         _, n, k = self.mma_shape
         lanes = Layout((4, 4, n // 16, WAVE // n), (4, 1, 16, 8 * n))
         return ThreadValueLayout(concat_modes(lanes, Layout(8, n)), (k, n))
@@ -171,6 +172,7 @@ class TiledMmaLoader:
     def v_fp8_strip_layout(self) -> ThreadValueLayout:
         """``(lane, value) -> (depth, key)`` of :meth:`load_v_fp8_strip` in the 16 x 128 tile:
         lane ``l`` holds keys ``32 * (l // 16) + v`` at depth ``(l % 16) // 2 + 8 * (l % 2)``."""
+        self._require_v_fp8("v_fp8_strip_layout")
         lanes = Layout((2, 8, 4), (8 * 128, 128, 32))
         return ThreadValueLayout(concat_modes(lanes, Layout(32, 1)), (16, 128))
 
@@ -206,10 +208,7 @@ class TiledMmaLoader:
         as :meth:`b_tr_layout`. Example: ``b = loader.load_b_tr(b_tile, k0=16)``.
         """
         require_gfx950("TiledMmaLoader.load_b_tr")
-        if self.dtype not in (dt.bf16, dt.f16) or self.mma_shape not in TR16_SHAPES:
-            raise UnsupportedError(
-                f"load_b_tr of {self.dtype} {self.mma_shape} is not supported",
-                fix="use bf16 or f16 with mma_shape (32, 32, 16) or (16, 16, 32)")
+        self._require_tr16("load_b_tr")
         row_stride = self._check_tile(smem)
         per = TR_READ_BYTES // self.dtype.itemsize
         self._check_swizzle(per, "load_b_tr")
@@ -225,9 +224,7 @@ class TiledMmaLoader:
         :meth:`v_fp8_strip_layout`. Example: ``v = loader.load_v_fp8_strip(v_tile, depth0=16)``.
         """
         require_gfx950("TiledMmaLoader.load_v_fp8_strip")
-        if not self.dtype.is_fp8 or self.mma_shape != V_FP8_SHAPE:
-            raise UnsupportedError(f"load_v_fp8_strip of {self.dtype} {self.mma_shape} is not "
-                                   "supported", fix="use f8e4m3 or f8e5m2 with (16, 16, 128)")
+        self._require_v_fp8("load_v_fp8_strip")
         row_stride = self._check_tile(smem)
         self._check_swizzle(TR_READ_BYTES, "load_v_fp8_strip")
         imm = self._imm_elems(imm_offset_bytes, TR_READ_BYTES)
@@ -236,6 +233,17 @@ class TiledMmaLoader:
         return _join(reads)
 
     # -------------------------------------------------------------------------- checks
+
+    def _require_tr16(self, what: str) -> None:
+        if self.dtype not in (dt.bf16, dt.f16) or self.mma_shape not in TR16_SHAPES:
+            raise UnsupportedError(f"{what} of {self.dtype} {self.mma_shape} is not supported",
+                                   fix="use bf16 or f16 with mma_shape (32, 32, 16) or "
+                                       "(16, 16, 32)")
+
+    def _require_v_fp8(self, what: str) -> None:
+        if not self.dtype.is_fp8 or self.mma_shape != V_FP8_SHAPE:
+            raise UnsupportedError(f"{what} of {self.dtype} {self.mma_shape} is not supported",
+                                   fix="use f8e4m3 or f8e5m2 with (16, 16, 128)")
 
     def _check_tile(self, smem: SharedTensor) -> int:
         if not isinstance(smem, SharedTensor) or len(smem.shape) != 2:

@@ -140,7 +140,8 @@ ROWS_PER_GROUP = 4  # accumulator values 4q..4q+3 are 4 consecutive rows of one 
 
 
 def store_accumulator(c: Value, dst, row0: Any, col0: Any, *, transposed: bool = False,
-                      limits: tuple | None = None) -> None:
+                      limits: tuple | None = None,
+                      b_layout: ThreadValueLayout | None = None) -> None:
     """Write this lane's 32x32 or 16x16 accumulator fragment ``c`` into the 2-D tensor ``dst``
     with the tile's corner at ``(row0, col0)``, converted to ``dst``'s dtype.
 
@@ -150,6 +151,10 @@ def store_accumulator(c: Value, dst, row0: Any, col0: Any, *, transposed: bool =
     needs a :func:`kiln.amd_buffer.buffer` view (out-of-range stores are dropped by hardware, so
     a store outside the limits is redirected to row ``rows``) and, with ``transposed``, ``cols``
     a multiple of 4.
+
+    ``b_layout`` is the layout of the B fragments the MFMA consumed when it is not the atom's
+    own (e.g. :meth:`kiln.loader.TiledMmaLoader.b_tr_layout`, whose columns are permuted): each
+    lane's C column is the B column that lane held. Not with ``transposed``.
 
     Example: ``store_accumulator(acc, c_buf, m0, n0, transposed=True, limits=(M, N))``.
     """
@@ -166,6 +171,10 @@ def store_accumulator(c: Value, dst, row0: Any, col0: Any, *, transposed: bool =
     if limits is not None and not isinstance(dst, BufferTensor):
         raise KilnValueError("store_accumulator(limits=...) needs a buffer view to drop "
                              "out-of-range stores", fix="pass kiln.amd_buffer.buffer(c)")
+    if b_layout is not None and transposed:
+        raise KilnValueError("store_accumulator(b_layout=...) re-maps C columns, which a "
+                             "transposed fragment does not have",
+                             fix="issue the MFMA as A @ B to use permuted B columns")
     m = 32 if c.shape == (16,) else 16
     layout = _accumulator_layout(m)
     lane = lane_id()
@@ -181,6 +190,8 @@ def store_accumulator(c: Value, dst, row0: Any, col0: Any, *, transposed: bool =
                 row = where((row < limits[0]) & (col < limits[1]), row, limits[0])
             dst.store(row, col, part)
             continue
+        if b_layout is not None:
+            tile_col = b_layout(lane, 0)[1]
         for i in range(ROWS_PER_GROUP):
             row, col = row0 + tile_row + i, col0 + tile_col
             if limits is not None:

@@ -20,7 +20,7 @@ with a 128-byte swizzle whose box rows are exactly 128 bytes (64 elements).
 from __future__ import annotations
 
 from mlir import ir
-from mlir.dialects import arith, llvm, memref, nvgpu, nvvm, scf, vector
+from mlir.dialects import arith, llvm, memref, nvgpu, nvvm, vector
 
 from .dtypes import DType, dtype as as_dtype, f32, from_mlir
 from .errors import KilnTypeError, KilnValueError, UnsupportedError
@@ -358,65 +358,6 @@ def mma_async(acc: Fragment, a_desc, b_desc, *, dtype, a_major: str = "k",
                                   nvvm.WGMMATypes.f32, nvvm.WGMMAScaleOut.one,
                                   nvvm.WGMMAScaleIn.one, nvvm.WGMMAScaleIn.one, layout_a, layout_b)
     return Fragment(result, acc.n)
-
-
-def store_fragment(acc: Fragment, dst, row0, col0, *, rows=None, cols=None) -> None:
-    """Write ``acc`` (converted to ``dst``'s dtype) to ``dst[row0:row0+64, col0:col0+n]``, two
-    adjacent columns per store; call from all 128 threads of the warp group.
-
-    With ``rows``/``cols`` (traced or int) only elements with ``row < rows`` and ``col < cols``
-    are written; ``cols`` must then be even (a pair is written whole or not at all).
-    Example: ``kiln.wgmma.store_fragment(acc, c, m0, n0, rows=m, cols=n)``.
-    """
-    from .ops import thread_id
-    from .tensor import TensorRef
-    from .values import Value
-
-    require_feature("has_wgmma", "kiln.wgmma.store_fragment")
-    if not isinstance(dst, TensorRef) or dst.rank != 2:
-        raise KilnTypeError("store_fragment needs a 2-D kiln.Tensor destination",
-                            fix="pass the output tensor parameter")
-    if dst.dtype.name not in ("f32", "f16", "bf16"):
-        raise UnsupportedError(f"store_fragment cannot write {dst.dtype}",
-                               fix="use an f32, f16 or bf16 output")
-    lane_in_group = thread_id(0) % 128
-    warp, lane = lane_in_group // 32, lane_in_group % 32
-    row = row0 + warp * 16 + lane // 4
-    col = col0 + (lane % 4) * 2
-    pair_type = ir.VectorType.get([2], f32.mlir_type())
-    out_type = ir.VectorType.get([2], dst.dtype.mlir_type())
-
-    def store_pairs(masked: bool) -> None:
-        for j in range(acc.n // 8):
-            for half in range(2):
-                first = acc.element(4 * j + 2 * half)
-                second = acc.element(4 * j + 2 * half + 1)
-                pair = vector.from_elements(pair_type, [first.ir, second.ir])
-                if dst.dtype is not f32:
-                    pair = arith.truncf(out_type, pair)
-                r, c = row + 8 * half, col + 8 * j
-                if masked:
-                    inside = (r < rows) & (c < cols)
-                    guard = scf.IfOp(inside.ir)
-                    with ir.InsertionPoint(guard.then_block):
-                        dst.store(r, c, Value(pair, dst.dtype))
-                        scf.YieldOp([])
-                else:
-                    dst.store(r, c, Value(pair, dst.dtype))
-
-    if rows is None and cols is None:
-        store_pairs(masked=False)
-        return
-    rows = dst.shape[0] if rows is None else rows
-    cols = dst.shape[1] if cols is None else cols
-    whole = (row0 + WARPGROUP_M <= rows) & (col0 + acc.n <= cols)
-    branch = scf.IfOp(whole.ir, has_else=True)
-    with ir.InsertionPoint(branch.then_block):
-        store_pairs(masked=False)
-        scf.YieldOp([])
-    with ir.InsertionPoint(branch.else_block):
-        store_pairs(masked=True)
-        scf.YieldOp([])
 
 
 def store_fragment_swizzled(acc: Fragment, chunks, first_chunk, *, columns=None) -> None:

@@ -220,6 +220,14 @@ class _LaunchPlan:
             raise KilnValueError(f"TMA argument {param.name!r} needs innermost stride 1, got "
                                  f"{strides[-1]}", fix="pass a contiguous tensor (.contiguous())")
         itemsize = to_dtype(param.dtype).itemsize
+        misaligned = [s * itemsize for s in strides[:-1] if s * itemsize % 16]
+        if misaligned or ptr % 16:
+            # cuTensorMapEncodeTiled would only say "invalid argument".
+            raise KilnValueError(f"TMA argument {param.name!r} needs a 16-byte aligned address "
+                                 f"and row strides that are multiples of 16 bytes; it has "
+                                 f"strides of {[s * itemsize for s in strides]} bytes",
+                                 fix=f"pad the innermost dimension to a multiple of "
+                                     f"{16 // itemsize if itemsize < 16 else 1} elements")
         self.driver.make_current()
         encoded = self.driver.tensor_map_encode_tiled(
             _TMA_DATA_TYPES[to_dtype(param.dtype).name], ptr, list(reversed(shape)),

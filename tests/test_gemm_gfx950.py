@@ -1,12 +1,13 @@
-"""gfx950 MFMA GEMM (compile-only): no scratch, and exactly the MFMAs per K step that the tile
-shape implies, all inside the K loop; config invariants."""
+"""gfx950 MFMA GEMM: no scratch, exactly the MFMAs per K step that the tile shape implies (all
+inside the K loop), config invariants, and results in Kiln's interpreter (no AMD GPU here)."""
 
 import re
 
+import numpy as np
 import pytest
 
 import kiln
-from kiln.kernels.gemm.gfx950 import GemmConfig, compile_gfx950
+from kiln.kernels.gemm.gfx950 import GemmConfig, compile_gfx950, make_kernel
 
 
 def _loop_bodies(asm: str) -> list[str]:
@@ -20,7 +21,8 @@ def _loop_bodies(asm: str) -> list[str]:
     return bodies
 
 
-CONFIGS = [GemmConfig(), GemmConfig(feed="dma"),
+CONFIGS = [GemmConfig(), GemmConfig(feed="dma"), GemmConfig(b_layout="kn"),
+           GemmConfig(b_layout="kn", feed="dma", block_n=64, warps_n=1),
            GemmConfig(block_m=128, block_n=128, warps_m=4, warps_n=2),
            GemmConfig(block_m=256, block_n=128, warps_m=4, warps_n=2, out_dtype="f32")]
 
@@ -47,6 +49,10 @@ def test_gemm_has_no_scratch_and_the_implied_mfma_count(dtype, config):
     else:
         assert loops[0].count("ds_write_b128") == pieces_per_step
     assert "s_setprio 1" in loops[0] and "s_barrier" in loops[0]
+    wave_tiles_n = config.block_n // config.warps_n // 32
+    reads_per_step = (config.block_k // 16) * wave_tiles_n * 2  # two tr16 halves per fragment
+    assert loops[0].count("ds_read_b64_tr_b16") == (reads_per_step if config.b_layout == "kn"
+                                                     else 0)
 
 
 def test_config_invariants():
@@ -56,6 +62,10 @@ def test_config_invariants():
         GemmConfig(block_m=96)
     with pytest.raises(kiln.KilnValueError, match="feed='tma'"):
         GemmConfig(feed="tma")
+    with pytest.raises(kiln.KilnValueError, match="b_layout='mn'"):
+        GemmConfig(b_layout="mn")
+    with pytest.raises(kiln.KilnValueError, match="block_n=1024 must divide 512"):
+        GemmConfig(block_n=1024, warps_n=4, b_layout="kn")
     with pytest.raises(kiln.KilnValueError, match="LDS exceed"):
         GemmConfig(block_m=512, block_n=512, warps_m=4, warps_n=4)
 
@@ -65,3 +75,20 @@ def test_compile_rejects_unsupported_inputs():
         compile_gfx950("f32")
     with pytest.raises(kiln.UnsupportedError, match="gfx942 lacks"):
         compile_gfx950("bf16", target="gfx942")
+
+
+@pytest.mark.parametrize("config", CONFIGS[:4], ids=repr)
+def test_gemm_matches_numpy_in_the_interpreter(config):
+    """Shapes off the tile grid; bf16 inputs, f64 reference; NaN-poisoned output."""
+    rng = np.random.default_rng()
+    m, n, k = 133, 144 if config.b_layout == "kn" else 140, 200
+    a = rng.standard_normal((m, k)).astype(kiln.bf16.numpy)
+    b_nk = rng.standard_normal((n, k)).astype(kiln.bf16.numpy)
+    b = b_nk if config.b_layout == "nk" else np.ascontiguousarray(b_nk.T)
+    c = np.full((m, n), np.nan, np.float32).astype(kiln.bf16.numpy)
+    grid = (-(-m // config.block_m) * -(-n // config.block_n),)
+    make_kernel("bf16", config).interpret[grid](a, b, c, m, n, k, num_warps=config.num_warps,
+                                                target="gfx950")
+    reference = a.astype(np.float64) @ b_nk.astype(np.float64).T
+    error = np.abs(c.astype(np.float64) - reference).max() / np.abs(reference).max()
+    assert error < 1e-2

@@ -96,7 +96,8 @@ def _relative_error(c, a, b):
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
 @pytest.mark.parametrize("shape", [(1000, 1000, 1000), (4096, 4096, 4096), (192, 264, 72)])
 @pytest.mark.parametrize("trans_b", [False, True])
-@pytest.mark.parametrize("config", [HopperGemmConfig(), HopperGemmConfig(block_m=64, stages=3)])
+@pytest.mark.parametrize("config", [HopperGemmConfig(), HopperGemmConfig(block_m=64, stages=3),
+                                    HopperGemmConfig(block_n=192)])
 def test_matches_float64_with_poisoned_output(dtype, shape, trans_b, config):
     torch = pytest.importorskip("torch")
     from kiln.kernels.gemm import run_hopper

@@ -7,6 +7,7 @@ import pytest
 import kiln
 from kiln import f32, mbarrier, tma
 from kiln.nvidia_asm import fence_mbarrier_init, fence_proxy_async
+from kiln.layout import wgmma_m64_accumulator
 from kiln.swizzle import Swizzle
 
 ROWS, COLS = 8, 32  # one f32 box: 8 rows of 128 bytes
@@ -174,3 +175,65 @@ def test_wrong_expect_tx_bytes_is_a_deadlock(marker_line):
     assert err.loc.line == marker_line("@phase-wait")
     assert "mbarrier 0 phase parity 0" in err.message
     assert f":{marker_line('@phase-wait')}" in err.message
+
+
+def make_wgmma_kernel(wait_before_overwrite: bool):
+    from kiln import bf16, wgmma
+
+    @kiln.kernel
+    def raw_wgmma(a_map: kiln.TensorMap[bf16, (64, 64), 128],
+                  b_map: kiln.TensorMap[bf16, (64, 64), 128], c: kiln.Tensor[f32, 2]):
+        """C = A @ B from raw descriptors: 4 async m64n64k16 steps, one commit group."""
+        a_smem = kiln.shared((64, 64), bf16, align=1024)
+        b_smem = kiln.shared((64, 64), bf16, align=1024)
+        t = kiln.thread_id(0)
+        leader = t == 0
+        bars = mbarrier.group(num_barriers=1)
+        bars.init(0, count=1, predicate=leader)
+        kiln.barrier()
+        bars.arrive_expect_tx(0, tma.box_bytes(a_map) + tma.box_bytes(b_map), predicate=leader)
+        tma.load(a_map, a_smem, (0, 0), bars, 0, predicate=leader)
+        tma.load(b_map, b_smem, (0, 0), bars, 0, predicate=leader)
+        bars.try_wait(0, phase=0)
+        a_desc = wgmma.smem_descriptor(a_smem, leading_bytes=16, stride_bytes=1024)
+        b_desc = wgmma.smem_descriptor(b_smem, leading_bytes=8192, stride_bytes=1024)
+        acc = wgmma.fragment_zeros(64)
+        wgmma.fence()
+        for k in kiln.static_range(4):
+            acc = wgmma.mma_async(acc, a_desc + 2 * k, b_desc + 128 * k, dtype=bf16,
+                                  b_major="mn")  # @mma-async
+        wgmma.commit()
+        if wait_before_overwrite:
+            wgmma.wait_group(0)
+        b_smem[t // 64, t % 64] = kiln.cast(0.0, bf16)  # @overwrite-operand
+        wgmma.wait_group(0)
+        tv = wgmma_m64_accumulator(64)  # register i of thread t holds C[tv(t, i)]
+        for i in kiln.static_range(32):
+            row, col = tv(t, i)
+            c[row, col] = acc.element(i)
+
+    return raw_wgmma
+
+
+def test_raw_wgmma_descriptors_compute_the_product():
+    import ml_dtypes
+
+    rng = np.random.default_rng()
+    a = rng.standard_normal((64, 64)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((64, 64)).astype(ml_dtypes.bfloat16)
+    c = np.full((64, 64), np.nan, np.float32)
+    make_wgmma_kernel(True).interpret[(1,)](a, b, c, num_warps=4)
+    np.testing.assert_allclose(c, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-5,
+                               atol=1e-4)
+
+
+def test_overwriting_an_operand_of_an_in_flight_wgmma_is_a_race(marker_line):
+    import ml_dtypes
+
+    a = np.ones((64, 64), ml_dtypes.bfloat16)
+    with pytest.raises(kiln.errors.RaceError) as info:
+        make_wgmma_kernel(False).interpret[(1,)](a, a, np.zeros((64, 64), np.float32),
+                                                 num_warps=4)
+    err = info.value
+    assert err.loc.line == marker_line("@overwrite-operand")
+    assert "wgmma" in err.message and "still reading" in err.message

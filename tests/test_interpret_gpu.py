@@ -71,6 +71,20 @@ def test_hopper_kernels():
     np.testing.assert_array_equal(cpu[1], gpu[1])
 
 
+def test_raw_wgmma_and_mma_sync_gemm():
+    rng = np.random.default_rng()
+    a = rng.standard_normal((64, 64)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((64, 64)).astype(ml_dtypes.bfloat16)
+    c = np.full((64, 64), np.nan, np.float32)
+    cpu, gpu = run_both(async_kernels.make_wgmma_kernel(True), (1,), [a, b, c], num_warps=4)
+    np.testing.assert_allclose(cpu[2], gpu[2], rtol=1e-5, atol=1e-4)
+    gemm = kernels.load_example("mma_sync_gemm")
+    a, b, c = gemm.reference_inputs(200, 128, 96, seed=int(rng.integers(1 << 30)))
+    cpu, gpu = run_both(gemm.mma_sync_gemm, (4, 2, 1), [a, b, c, 200, 96], BM=gemm.BLOCK_M,
+                        BN=gemm.BLOCK_N, BK=gemm.BLOCK_K, num_warps=gemm.NUM_WARPS)
+    np.testing.assert_allclose(cpu[2], gpu[2], rtol=1e-5, atol=1e-4)
+
+
 def test_hopper_gemm():
     from kiln.kernels.gemm import matmul
 

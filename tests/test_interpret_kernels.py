@@ -230,3 +230,38 @@ def test_amd_target_traces_and_runs_with_64_lane_warps():
     expected = -1.5 * x.astype(np.float64) + y
     saxpy.interpret[((n + 127) // 128,)](x, y, n, -1.5, BLOCK=128, num_warps=2, target="gfx950")
     np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)
+
+
+@kiln.kernel
+def attention_rows(q: kiln.Tensor[f32, 2], k: kiln.Tensor[f32, 2], v: kiln.Tensor[f32, 2],
+                   o: kiln.Tensor[f32, 2], rows: i32, keys: i32, D: kiln.constexpr):
+    """Naive attention, one thread per query row: online softmax over keys, D-wide vector
+    accumulator (vector.load, broadcast, math.exp, loop-carried vectors, masked tail rows)."""
+    row = kiln.block_id(0) * kiln.block_dim(0) + kiln.thread_id(0)
+    if row < rows:
+        m = kiln.cast(-1.0e30, f32)
+        total = kiln.cast(0.0, f32)
+        acc = v.load(0, 0, width=D) * 0.0
+        for j in kiln.range(keys):
+            s = kiln.cast(0.0, f32)
+            for d in kiln.static_range(D):
+                s = s + q[row, d] * k[j, d]
+            m_new = kiln.maximum(m, s)
+            p = kiln.exp(s - m_new)
+            alpha = kiln.exp(m - m_new)
+            total = total * alpha + p
+            acc = acc * alpha + v.load(j, 0, width=D) * p
+            m = m_new
+        o.store(row, 0, acc / total)
+
+
+def test_online_softmax_attention_rows():
+    rng = np.random.default_rng()
+    rows, keys, d = 150, 37, 16
+    q = rng.standard_normal((rows, d)).astype(np.float32)
+    k, v = (rng.standard_normal((keys, d)).astype(np.float32) for _ in range(2))
+    o = np.full_like(q, np.nan)
+    attention_rows.interpret[(2,)](q, k, v, o, rows, keys, D=d, num_warps=4)
+    s = q.astype(np.float64) @ k.T.astype(np.float64)
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(o, p / p.sum(axis=1, keepdims=True) @ v, rtol=1e-4, atol=1e-5)

@@ -126,6 +126,10 @@ def test_loader_rejects_bad_parameters():
         TiledMmaLoader(kiln.bf16, (32, 16, 8))
     with pytest.raises(KilnTypeError, match="must be a kiln.swizzle.Swizzle"):
         TiledMmaLoader(kiln.bf16, (32, 32, 16), swizzle=3)
+    with pytest.raises(UnsupportedError, match=r"b_tr_layout of bf16 \(32, 32, 8\)"):
+        TiledMmaLoader(kiln.bf16, (32, 32, 8)).b_tr_layout()
+    with pytest.raises(UnsupportedError, match="v_fp8_strip_layout of f8e4m3"):
+        TiledMmaLoader(kiln.f8e4m3, (32, 32, 64)).v_fp8_strip_layout()
 
 
 def _compile(body, dtype, chip="gfx950", shape=(64, 64)):

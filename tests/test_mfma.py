@@ -5,9 +5,10 @@ import pytest
 
 import kiln
 import kiln.amd_buffer as amd_buffer
+import kiln.loader
 import kiln.mfma as mfma
 from kiln import mma
-from kiln.errors import KilnTypeError, UnsupportedError
+from kiln.errors import KilnTypeError, KilnValueError, UnsupportedError
 
 
 @pytest.fixture(autouse=True)
@@ -128,6 +129,23 @@ def test_store_accumulator_writes_the_c_layout(transposed):
         assert asm.count("buffer_store_short") == 16
 
 
+@pytest.mark.lower
 def test_store_accumulator_checks_its_arguments():
     with pytest.raises(KilnTypeError, match="vector<16xf32>"):
         mfma.store_accumulator(3.0, None, 0, 0)
+
+    def store(transposed, b_layout, use_buffer):
+        @kiln.kernel
+        def store_c(c_in: kiln.Tensor[kiln.f32], c: kiln.Tensor[kiln.f32, 2]):
+            dst = amd_buffer.buffer(c) if use_buffer else c
+            mfma.store_accumulator(c_in.load(0, width=16), dst, 0, 0, transposed=transposed,
+                                   limits=(4, 4), b_layout=b_layout)
+
+        store_c.trace(np.empty(4, np.float32), np.empty((2, 2), np.float32), target="gfx950",
+                      num_warps=1)
+
+    permuted = kiln.loader.TiledMmaLoader(kiln.bf16, (32, 32, 16)).b_tr_layout()
+    with pytest.raises(KilnValueError, match="a transposed fragment does not have"):
+        store(True, permuted, True)
+    with pytest.raises(KilnValueError, match="needs a buffer view"):
+        store(False, None, False)

@@ -96,11 +96,9 @@ class HopperGemmConfig:
         ring, else the largest slice of 128-byte tiles that does."""
         tile_cols = ROW_BYTES // out_itemsize
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * 2
-        columns = self.block_n
-        while columns > tile_cols and ring + self.block_m * columns * out_itemsize \
-                > SHARED_BUDGET:
-            columns //= 2
-        return columns
+        slices = [c for c in range(self.block_n, 0, -tile_cols) if self.block_n % c == 0]
+        return next((c for c in slices
+                     if ring + self.block_m * c * out_itemsize <= SHARED_BUDGET), slices[-1])
 
 
 @functools.lru_cache(maxsize=None)

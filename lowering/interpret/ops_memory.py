@@ -26,7 +26,7 @@ def flat_offsets(mem: MemRef, index: list, ctx, loc, width: int = 1, check: bool
     for i, stride in zip(index, mem.strides):
         flat = flat + i.astype(np.int64) * stride
     flat = np.asarray(flat, np.int64).reshape(-1)
-    if check and kiln_env.interpret_check_bounds():
+    if check and mem.buffer is None and kiln_env.interpret_check_bounds():
         _check_bounds(mem, index, ctx, loc, width)
     return flat
 
@@ -58,22 +58,39 @@ def check_shared(mem: MemRef, flat: np.ndarray, ctx, is_write: bool, what: str, 
         shared.check(element_bytes(mem, active), is_write, what, loc)
 
 
+def in_buffer(mem: MemRef, first: np.ndarray, width: int = 1) -> np.ndarray | None:
+    """For an AMD buffer view: which accesses of ``width`` elements at ``first`` are in range."""
+    if mem.buffer is None:
+        return None
+    lo, hi = mem.buffer
+    last = first + (width - 1) * (mem.strides[-1] if mem.strides else 1)
+    return (first >= lo) & (last < hi)
+
+
 def gather(mem: MemRef, flat: np.ndarray, ctx) -> np.ndarray:
     if ctx.mask is not None and flat.shape[0] > 1:
         flat = np.where(ctx.mask, flat, flat[np.argmax(ctx.mask)])  # masked lanes read a valid slot
-    return mem.storage[flat]
+    valid = in_buffer(mem, flat)
+    if valid is None:
+        return mem.storage[flat]
+    values = mem.storage[np.where(valid, flat, mem.buffer[0])]
+    return np.where(valid, values, np.zeros((), values.dtype))
 
 
 def scatter(mem: MemRef, flat: np.ndarray, value: np.ndarray, ctx) -> None:
     n = ctx.size
-    if ctx.mask is None:
+    keep = ctx.mask
+    valid = in_buffer(mem, flat)
+    if valid is not None:  # out-of-range buffer stores are dropped
+        keep = np.broadcast_to(valid, (n,)) if keep is None else keep & valid
+    if keep is None:
         if flat.shape[0] == 1:
             mem.storage[flat[0]] = value[-1]
         else:
             mem.storage[flat] = np.broadcast_to(value, (n,) + value.shape[1:])
         return
-    flat = np.broadcast_to(flat, (n,))[ctx.mask]
-    mem.storage[flat] = np.broadcast_to(value, (n,) + value.shape[1:])[ctx.mask]
+    flat = np.broadcast_to(flat, (n,))[keep]
+    mem.storage[flat] = np.broadcast_to(value, (n,) + value.shape[1:])[keep]
 
 
 @semantics("memref.load")
@@ -119,7 +136,12 @@ def _vector_load(op, p):
         lanes = flat[:, None] + np.arange(width) * mem.strides[-1]
         if ctx.mask is not None and flat.shape[0] > 1:
             lanes = np.where(ctx.mask[:, None], lanes, lanes[np.argmax(ctx.mask)])
-        env[out] = mem.storage[lanes]
+        valid = in_buffer(mem, lanes[:, 0], width)
+        if valid is None:
+            env[out] = mem.storage[lanes]
+        else:
+            values = mem.storage[np.where(valid[:, None], lanes, mem.buffer[0])]
+            env[out] = np.where(valid[:, None], values, np.zeros((), values.dtype))
 
     return run
 
@@ -137,8 +159,12 @@ def _vector_store(op, p):
         n = ctx.size
         lanes = np.broadcast_to(flat[:, None] + np.arange(width) * mem.strides[-1], (n, width))
         v = np.broadcast_to(env[value], (n, width))
-        if ctx.mask is not None:
-            lanes, v = lanes[ctx.mask], v[ctx.mask]
+        keep = ctx.mask
+        valid = in_buffer(mem, lanes[:, 0], width)
+        if valid is not None:  # out-of-range buffer stores are dropped
+            keep = valid if keep is None else keep & valid
+        if keep is not None:
+            lanes, v = lanes[keep], v[keep]
         mem.storage[lanes] = v
 
     return run
@@ -243,7 +269,8 @@ def _subview(op, p):
                 continue
             keep.append(dim)
         env[out] = MemRef(mem.storage, offset, tuple(new_sizes[d] for d in keep),
-                          tuple(new_strides[d] for d in keep), mem.name, mem.arena, mem.pointer)
+                          tuple(new_strides[d] for d in keep), mem.name, mem.arena, mem.pointer,
+                          mem.buffer)
 
     return run
 
@@ -273,6 +300,23 @@ def _reinterpret_cast(op, p):
         (offset,) = _mixed(offs, dyn[0], env)
         env[out] = MemRef(mem.storage, offset, tuple(_mixed(sizes, dyn[1], env)),
                           tuple(_mixed(strides, dyn[2], env)), mem.name, mem.arena, mem.pointer)
+
+    return run
+
+
+@semantics("memref.collapse_shape")
+def _collapse_shape(op, p):
+    (src,) = p.operands(op)
+    out = p.result(op)
+    groups = [[ir.IntegerAttr(i).value for i in ir.ArrayAttr(g)]
+              for g in ir.ArrayAttr(op.attributes["reassociation"])]
+
+    def run(env, ctx):
+        mem = env[src]
+        sizes = tuple(int(np.prod([mem.sizes[d] for d in g])) for g in groups)
+        strides = tuple(mem.strides[g[-1]] for g in groups)
+        env[out] = MemRef(mem.storage, mem.offset, sizes, strides, mem.name, mem.arena,
+                          mem.pointer, mem.buffer)
 
     return run
 

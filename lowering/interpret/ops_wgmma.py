@@ -17,7 +17,7 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import llvm
 
-from kiln.errors import UnsupportedError
+from kiln.errors import OutOfBoundsError, UnsupportedError
 from kiln.layout import wgmma_m64_accumulator
 from kiln.swizzle import Swizzle
 
@@ -26,7 +26,6 @@ from .state import uniform
 
 WARP_GROUP = 128
 _SWIZZLE_BYTES = {1: 128, 2: 64, 3: 32}  # descriptor bits 62-63
-_OPERAND_DTYPES = {"f16": np.float16, "bf16": None}
 
 
 # ---- LLVM struct values: arrays of shape (threads, fields) ----------------------------------
@@ -117,8 +116,6 @@ def _read_operand(ctx, desc: int, mn: int, k: int, dtype, k_major: bool, loc):
     shared = ctx.cta.shared
     byte_addrs = (addrs[..., None] + np.arange(item)).reshape(-1)
     if byte_addrs.max() >= shared.arena.size or byte_addrs.min() < 0:
-        from kiln.errors import OutOfBoundsError
-
         raise OutOfBoundsError(f"a wgmma operand descriptor reads shared bytes up to "
                                f"{int(byte_addrs.max())}, past the {shared.arena.size} bytes of "
                                "shared memory", loc=loc)
@@ -129,6 +126,10 @@ def _read_operand(ctx, desc: int, mn: int, k: int, dtype, k_major: bool, loc):
 
 def _attr_text(op, name: str) -> str:
     return str(op.attributes[name])
+
+
+def _lanes_of(value: np.ndarray, lanes: np.ndarray) -> np.ndarray:
+    return value if value.shape[0] == 1 else value[lanes]
 
 
 @semantics("nvvm.wgmma.mma_async")
@@ -156,10 +157,8 @@ def _mma_async(op, p):
         group_of = ctx.thread_ids // WARP_GROUP
         for g in np.unique(group_of):
             lanes = np.flatnonzero(group_of == g)
-            a_desc = int(uniform(np.asarray(env[a_slot])[lanes] if env[a_slot].shape[0] > 1
-                                 else env[a_slot], None, "the A descriptor", loc))
-            b_desc = int(uniform(np.asarray(env[b_slot])[lanes] if env[b_slot].shape[0] > 1
-                                 else env[b_slot], None, "the B descriptor", loc))
+            a_desc = int(uniform(_lanes_of(env[a_slot], lanes), None, "the A descriptor", loc))
+            b_desc = int(uniform(_lanes_of(env[b_slot], lanes), None, "the B descriptor", loc))
             a, a_bytes = _read_operand(ctx, a_desc, m, k, dtype, a_k_major, loc)
             b, b_bytes = _read_operand(ctx, b_desc, n, k, dtype, b_k_major, loc)
             tile = np.zeros((m, n), np.float64)

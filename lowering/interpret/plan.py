@@ -99,7 +99,6 @@ class Plan:
         self.shared_globals = shared_globals  # symbol -> (byte offset, shape, dtype)
         self.entry = self.block(func.regions[0].blocks[0])
         self.num_slots = len(self.slots)
-        self.needs_warp_group_contexts = False
 
     def slot(self, value: ir.Value) -> int:
         s = self.slots.get(value)

@@ -19,10 +19,10 @@ from mlir import ir
 from kiln import env as kiln_env
 from kiln.errors import KilnTypeError, KilnValueError, UnsupportedError
 
-from . import (ops_ampere, ops_arith, ops_control, ops_gpu, ops_hopper,  # noqa: F401 - register
-               ops_mbarrier, ops_memory, ops_vector, ops_wgmma)
+from . import (ops_amd, ops_ampere, ops_arith, ops_control, ops_gpu,  # noqa: F401 - register
+               ops_hopper, ops_mbarrier, ops_memory, ops_vector, ops_wgmma)
 from .plan import Plan, np_dtype
-from .state import CTA, Context, MemRef, _Aborted
+from .state import CTA, Context, ContextAborted, MemRef
 
 WARP_GROUP_THREADS = 128
 _BLOCKING_OPS = ("nvgpu.mbarrier.try_wait.parity", "nvgpu.mbarrier.test.wait")
@@ -191,7 +191,7 @@ def _run_cta(plan: Plan, cta: CTA, values: list, threads: int, group: int) -> No
         with cta.cond, np.errstate(all="ignore"):
             try:
                 plan.entry.run(env, ctx)
-            except _Aborted:
+            except ContextAborted:
                 pass
             except BaseException as err:  # noqa: BLE001 - handed to the caller below
                 if cta.failed is None:

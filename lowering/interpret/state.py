@@ -27,7 +27,8 @@ class MemRef:
     ``offset`` may be a per-thread array (a subview at a thread-dependent position); ``arena`` is
     the CTA's shared byte array for shared memrefs (``None`` for global ones); ``pointer`` is
     the element index of the descriptor's aligned pointer (a shared memref's address is
-    ``pointer * itemsize`` bytes into the arena).
+    ``pointer * itemsize`` bytes into the arena). ``buffer`` is the ``[lo, hi)`` range of
+    storage indices an AMD buffer view may touch: outside it loads give 0 and stores vanish.
     """
 
     storage: np.ndarray
@@ -37,6 +38,7 @@ class MemRef:
     name: str
     arena: np.ndarray | None = None
     pointer: int = 0
+    buffer: tuple[int, int] | None = None
 
     @property
     def is_shared(self) -> bool:
@@ -228,7 +230,7 @@ class CTA:
                 if not self.cond.wait(self.timeout) and not ready():
                     self._fail(self._deadlock_error(loc, timed_out=True))
                 if self.failed is not None:
-                    raise _Aborted()
+                    raise ContextAborted()
         finally:
             self.blocked.pop(me, None)
 
@@ -293,5 +295,5 @@ class CTA:
         self.cond.notify_all()
 
 
-class _Aborted(Exception):
+class ContextAborted(Exception):
     """Raised in the other contexts of a CTA once one of them failed."""

@@ -1,0 +1,241 @@
+"""AMD ops: buffer views, global -> LDS DMA, ``s_waitcnt``, MFMA, transposed LDS reads, DPP.
+
+Semantics follow the contracts written next to the builders (``kiln.amd_buffer``,
+``kiln.amd_asm``, ``kiln.mfma``, ``kiln.loader``, ``kiln.shuffle``):
+
+- ``amdgpu.fat_raw_buffer_cast``: a view whose loads outside ``valid_bytes`` return 0 and whose
+  stores there vanish (``ops_memory.in_buffer``).
+- ``amdgpu.gather_to_lds`` (``kiln.async = "vmcnt"``): lane ``l`` reads one transfer at its own
+  source index; the wave writes them contiguously in lane order from the first active lane's
+  LDS index. The data lands when an ``s_waitcnt`` leaves fewer ``vmcnt`` operations of the
+  wave outstanding than were issued after it; reading the LDS bytes before is a race.
+- ``amdgpu.mfma``: fragments gathered through ``kiln.mfma.operand_a_layout``/``_b`` and the
+  accumulator layouts of ``kiln.layout``, ``D = A @ B + C`` in float64, scattered back.
+- ``amdgpu.transpose_load``: ``kiln.loader.transpose_read_model`` on what each lane's 8-byte
+  read fetched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mlir import ir
+
+from kiln.errors import UnsupportedError
+from kiln.loader import transpose_read_model
+from kiln.mfma import _accumulator_layout, operand_a_layout, operand_b_layout
+
+from .ops_hopper import retire_groups
+from .ops_memory import flat_offsets, in_buffer
+from .ops_mbarrier import operand_segments
+from .plan import attr_int, has_attr, location, semantics
+from .state import MemRef, element_bytes
+
+WAVE = 64
+_VMCNT_BITS = ((0, 4, 0), (4, 2, 14))  # (value bit, width, immediate bit): imm[3:0], imm[15:14]
+
+
+def _waves(ctx) -> list[np.ndarray]:
+    """Lane-index arrays of the context's waves that have an active lane."""
+    active = ctx.active().reshape(-1, WAVE)
+    return [np.arange(w * WAVE, (w + 1) * WAVE) for w in np.flatnonzero(active.any(axis=1))]
+
+
+@semantics("amdgpu.fat_raw_buffer_cast")
+def _buffer_cast(op, p):
+    (src,), valid_bytes, _swizzle_stride = operand_segments(op, p)
+    out = p.result(op)
+    reset = has_attr(op, "resetOffset")
+
+    def run(env, ctx):
+        mem = env[src]
+        offset = int(np.asarray(mem.offset).reshape(-1)[0])
+        base = offset if reset else mem.pointer
+        item = mem.storage.itemsize
+        if valid_bytes:
+            extent = int(env[valid_bytes[0]][0]) // item
+        else:
+            extent = max((int(n) * int(s) for n, s in zip(mem.sizes, mem.strides)), default=0)
+        hi = min(base + extent, mem.storage.size)
+        env[out] = MemRef(mem.storage, offset, mem.sizes, mem.strides, f"buffer view of {mem.name}",
+                          mem.arena, base, (base, hi))
+
+    return run
+
+
+@semantics("amdgpu.gather_to_lds")
+def _gather_to_lds(op, p):
+    (src,), src_index, (dst,), dst_index = operand_segments(op, p)
+    ttype = ir.TypeAttr(op.attributes["transferType"]).value
+    width = ir.VectorType(ttype).shape[0] if isinstance(ttype, ir.VectorType) else 1
+    loc = location(op)
+
+    def run(env, ctx):
+        s_mem, d_mem = env[src], env[dst]
+        n = ctx.size
+        s_flat = np.broadcast_to(flat_offsets(s_mem, [env[i] for i in src_index], ctx, loc,
+                                              width), (n,))
+        d_first = np.broadcast_to(flat_offsets(d_mem, [env[i] for i in dst_index], ctx, loc,
+                                               check=False), (n,))
+        cols = s_flat[:, None] + np.arange(width) * s_mem.strides[-1]
+        valid = in_buffer(s_mem, s_flat, width)
+        if valid is None:
+            data = s_mem.storage[cols]
+        else:
+            data = np.where(valid[:, None], s_mem.storage[np.where(valid[:, None], cols,
+                                                                   s_mem.buffer[0])], 0)
+        active = ctx.active()
+        writes, values = [], []
+        for lanes in _waves(ctx):
+            on = lanes[active[lanes]]
+            base = d_first[on[0]]
+            targets = base + (lanes - lanes[0])[:, None] * width + np.arange(width)
+            writes.append(targets[active[lanes]])
+            values.append(data[on])
+        targets = np.concatenate(writes).reshape(-1)
+        data = np.concatenate(values).reshape(-1).astype(d_mem.storage.dtype)
+        if targets.min(initial=0) < 0 or targets.max(initial=0) >= d_mem.storage.size:
+            from kiln.errors import OutOfBoundsError
+
+            raise OutOfBoundsError("a global -> LDS DMA writes past the end of LDS", loc=loc)
+
+        def land(storage=d_mem.storage, targets=targets, data=data):
+            storage[targets] = data
+
+        op_id = ctx.cta.shared.begin("global -> LDS DMA", loc,
+                                     write_bytes=element_bytes(d_mem, targets), land=land)
+        ctx.async_groups.append(("vmcnt", [op_id]))
+
+    return run
+
+
+def decode_vmcnt(imm: int) -> int:
+    """The ``vmcnt`` field of a GFX9 ``s_waitcnt`` immediate (bits 3:0 and 15:14)."""
+    value = 0
+    for value_bit, bits, imm_bit in _VMCNT_BITS:
+        value |= ((imm >> imm_bit) & ((1 << bits) - 1)) << value_bit
+    return value
+
+
+@semantics("rocdl.s.waitcnt")
+def _waitcnt(op, p):
+    keep = decode_vmcnt(ir.IntegerAttr(op.attributes["bitfield"]).value)
+
+    def run(env, ctx):
+        retire_groups(ctx, "vmcnt", keep)
+
+    return run
+
+
+@semantics("rocdl.s.barrier")
+def _s_barrier(op, p):
+    loc = location(op)
+
+    def run(env, ctx):
+        ctx.cta.barrier(ctx, loc)
+
+    return run
+
+
+@semantics("rocdl.sched.barrier", "rocdl.sched.group.barrier", "rocdl.iglp.opt",
+           "rocdl.s.setprio")
+def _scheduling_hint(op, p):
+    return None  # steers LLVM's scheduler / issue priority only
+
+
+@semantics("amdgpu.mfma")
+def _mfma(op, p):
+    a_slot, b_slot, c_slot = p.operands(op)[:3]
+    out = p.result(op)
+    loc = location(op)
+    m, n, k = (ir.IntegerAttr(op.attributes[x]).value for x in ("m", "n", "k"))
+    blocks = attr_int(op, "blocks", 1)
+    if blocks != 1 or m != n or m not in (16, 32):
+        raise UnsupportedError(f"the interpreter runs single-block 16x16 / 32x32 MFMAs, not "
+                               f"{m}x{n}x{k} with {blocks} blocks", loc=loc)
+    for name in ("cbsz", "abid"):
+        if attr_int(op, name, 0):
+            raise UnsupportedError(f"the interpreter has no MFMA {name} broadcast", loc=loc)
+    (a_rows, a_cols), (b_rows, b_cols) = operand_a_layout(m, k).coords(), \
+        operand_b_layout(k, n).coords()
+    c_rows, c_cols = _accumulator_layout(m).coords()
+
+    def run(env, ctx):
+        size = ctx.size
+        a, b, c = (np.broadcast_to(env[s], (size,) + env[s].shape[1:]).astype(np.float64)
+                   for s in (a_slot, b_slot, c_slot))
+        d = np.zeros((size, c_rows.shape[1]), np.float32)
+        for lanes in _waves(ctx):
+            ta, tb, tc = np.zeros((m, k)), np.zeros((k, n)), np.zeros((m, n))
+            ta[a_rows, a_cols] = a[lanes].reshape(WAVE, -1)
+            tb[b_rows, b_cols] = b[lanes].reshape(WAVE, -1)
+            tc[c_rows, c_cols] = c[lanes]
+            d[lanes] = (tc + ta @ tb)[c_rows, c_cols]
+        env[out] = d
+
+    return run
+
+
+@semantics("amdgpu.transpose_load")
+def _transpose_load(op, p):
+    src, *index = p.operands(op)
+    out = p.result(op)
+    per_lane = ir.VectorType(op.results[0].type).shape[0]
+    loc = location(op)
+
+    def run(env, ctx):
+        mem = env[src]
+        n = ctx.size
+        flat = np.broadcast_to(flat_offsets(mem, [env[i] for i in index], ctx, loc, per_lane),
+                               (n,))
+        cols = flat[:, None] + np.arange(per_lane) * mem.strides[-1]
+        if mem.is_shared:
+            ctx.cta.shared.check(element_bytes(mem, cols.reshape(-1)), False,
+                                 "this transposed LDS read", loc)
+        loaded = mem.storage[cols]
+        result = np.array(loaded)
+        for lanes in _waves(ctx):
+            result[lanes] = transpose_read_model(loaded[lanes])
+        env[out] = result
+
+    return run
+
+
+@semantics("amdgpu.dpp")
+def _dpp(op, p):
+    old, src = p.operands(op)[:2]
+    out = p.result(op)
+    kind = str(op.attributes["kind"])
+    loc = location(op)
+    if "quad_perm" not in kind:
+        raise UnsupportedError(f"the interpreter has no semantics for DPP {kind} yet", loc=loc)
+    perm = [ir.IntegerAttr(x).value for x in ir.ArrayAttr(op.attributes["permArgument"])]
+
+    def run(env, ctx):
+        n = ctx.size
+        x = np.broadcast_to(env[src], (n,) + env[src].shape[1:])
+        lane = np.arange(n)
+        env[out] = x[lane - lane % 4 + np.asarray(perm)[lane % 4]]
+
+    return run
+
+
+@semantics("rocdl.ds_swizzle")
+def _ds_swizzle(op, p):
+    src, pattern = p.operands(op)
+    out = p.result(op)
+    loc = location(op)
+
+    def run(env, ctx):
+        bits = int(env[pattern][0])
+        if bits & 0x8000:
+            raise UnsupportedError("the interpreter supports ds_swizzle bit mode only", loc=loc)
+        and_mask, or_mask, xor_mask = bits & 0x1F, (bits >> 5) & 0x1F, (bits >> 10) & 0x1F
+        n = ctx.size
+        x = np.broadcast_to(env[src], (n,) + env[src].shape[1:])
+        lane = np.arange(n)
+        within = lane % 32
+        source = lane - within + (((within & and_mask) | or_mask) ^ xor_mask)
+        env[out] = x[source]
+
+    return run
+
