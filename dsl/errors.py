@@ -73,6 +73,23 @@ class SourceLoc:
         return f"    {stripped}\n    {' ' * start}{'^' * width}"
 
 
+def source_loc_from_mlir(loc) -> SourceLoc | None:
+    """The innermost ``FileLineColLoc`` of an MLIR ``ir.Location`` (through name, call-site and
+    fused locations) as a SourceLoc; None when there is none. MLIR columns are 1-based."""
+    if loc.is_a_file():
+        return SourceLoc(loc.filename, loc.start_line, max(loc.start_col - 1, 0))
+    if loc.is_a_name():
+        return source_loc_from_mlir(loc.child_loc)
+    if loc.is_a_callsite():
+        return source_loc_from_mlir(loc.callee)
+    if loc.is_a_fused():
+        for inner in loc.locations:
+            found = source_loc_from_mlir(inner)
+            if found is not None:
+                return found
+    return None
+
+
 def _is_framework_file(filename: str) -> bool:
     path = os.path.abspath(filename)
     return path.startswith(_FRAMEWORK_DIRS) or "/mlir/" in path and "site-packages" in path

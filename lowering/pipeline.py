@@ -12,7 +12,7 @@ from typing import Sequence
 
 from mlir import ir
 
-from kiln.errors import CompilationError, SourceLoc
+from kiln.errors import CompilationError, SourceLoc, source_loc_from_mlir
 from kiln.lowering.dump import write_reproducer
 from kiln.lowering.options import CompileOptions
 from kiln.lowering.signature import KernelSignature
@@ -87,18 +87,7 @@ def first_user_location(err: ir.MLIRError) -> SourceLoc | None:
 
 def source_loc(loc: ir.Location) -> SourceLoc | None:
     """Unwrap name/callsite/fused locations down to the innermost ``FileLineColLoc``."""
-    if loc.is_a_file():
-        return SourceLoc(loc.filename, loc.start_line, loc.start_col)
-    if loc.is_a_name():
-        return source_loc(loc.child_loc)
-    if loc.is_a_callsite():
-        return source_loc(loc.callee)
-    if loc.is_a_fused():
-        for inner in loc.locations:
-            found = source_loc(inner)
-            if found is not None:
-                return found
-    return None
+    return source_loc_from_mlir(loc)
 
 
 def parse_module(kernel: str, text: str) -> ir.Module:

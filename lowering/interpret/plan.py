@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 from mlir import ir
 
-from kiln.errors import SourceLoc, UnsupportedError
+from kiln.errors import SourceLoc, UnsupportedError, source_loc_from_mlir
 
 Run = Callable[[list, object], None]
 Builder = Callable[[ir.Operation, "Plan"], Run | None]
@@ -34,22 +34,7 @@ def semantics(*names: str):
 
 def location(op: ir.Operation) -> SourceLoc | None:
     """The user's source position recorded on ``op`` by the tracer."""
-    loc = op.location
-    for _ in range(8):
-        if loc.is_a_file():
-            return SourceLoc(loc.filename, loc.start_line, max(loc.start_col - 1, 0))
-        if loc.is_a_fused():
-            files = [child for child in loc.locations if child.is_a_file()]
-            if not files:
-                return None
-            loc = files[0]
-        elif loc.is_a_name():
-            loc = loc.child_loc
-        elif loc.is_a_callsite():
-            loc = loc.callee
-        else:
-            return None
-    return None
+    return source_loc_from_mlir(op.location)
 
 
 def np_dtype(t: ir.Type) -> np.dtype:
