@@ -130,8 +130,8 @@ class DynamicSharedTensor(SharedTensor):
         inner = self.shape[1:]
         slice_bytes = numel_bytes(inner, self.dtype)
         index = ir.IndexType.get()
-        shift = arith.addi(self._byte_shift,
-                           arith.muli(as_index(i, "tile index"), arith.constant(index, slice_bytes)))
+        offset = arith.muli(as_index(i, "tile index"), arith.constant(index, slice_bytes))
+        shift = arith.addi(self._byte_shift, offset)
         view_type = ir.MemRefType.get(list(inner), self.dtype.mlir_type(),
                                       memory_space=_workgroup_space())
         return SharedTensor(memref.view(view_type, self._raw, shift, []), self.dtype, inner,

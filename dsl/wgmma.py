@@ -12,6 +12,12 @@ Example (A is an M x K tile, B a K x N tile with N contiguous, both TMA-loaded w
     acc = kiln.wgmma.mma(acc, a, b, transpose_b=True)         # m64n64k16 steps over K
     kiln.wgmma.store(acc, c, (0, 0))                          # c[0:64, 0:64] = acc
 
+For pipelined kernels the descriptor-level API below issues ``nvvm.wgmma.mma_async`` on
+hand-built descriptors (K- or MN-major operands, several groups in flight): ``smem_descriptor``,
+``fragment_zeros``, ``mma_async`` + ``fence``/``commit``/``wait_group``, and
+``store_fragment_swizzled`` to stage the result for a TMA store (see
+``kiln/kernels/gemm/hopper.py``).
+
 Supported (what upstream ``nvgpu`` lowers): ``m64nNk16`` with f16 or bf16 inputs and f32
 accumulators; M a multiple of 64, N a multiple of 8 in 8..256, K a multiple of 16; operands loaded
 with a 128-byte swizzle whose box rows are exactly 128 bytes (64 elements).
@@ -259,6 +265,26 @@ class Fragment:
         from .values import Value
 
         return Value(llvm.extractvalue(f32.mlir_type(), self.ir, [i]), f32)
+
+
+def fragment_from_elements(values) -> Fragment:
+    """The 64 x ``2 * len(values)`` accumulator whose register ``i`` is ``values[i]`` (f32
+    ``kiln.Value`` s, in :meth:`Fragment.element` order): elementwise work on an accumulator
+    (softmax on WGMMA scores, rescaling an output) reads elements, computes, and rebuilds.
+    Example: ``acc = fragment_from_elements([acc.element(i) * 2.0 for i in range(acc.n // 2)])``.
+    """
+    require_feature("has_wgmma", "kiln.wgmma.fragment_from_elements")
+    values = list(values)
+    _check_mn(WARPGROUP_M, 2 * len(values))
+    f32_type = f32.mlir_type()
+    value = llvm.mlir_undef(llvm.StructType.get_literal([f32_type] * len(values)))
+    for i, element in enumerate(values):
+        element_ir = ir_value(element, "fragment element")
+        if element_ir.type != f32_type:
+            raise KilnTypeError(f"fragment element {i} must be f32, got {element_ir.type}",
+                                fix="kiln.cast the value to kiln.f32 first")
+        value = llvm.insertvalue(value, element_ir, [i])
+    return Fragment(value, 2 * len(values))
 
 
 def fragment_zeros(n: int) -> Fragment:

@@ -64,6 +64,16 @@ def test_trans_b_reads_k_major_b():
 
 
 @pytest.mark.lower
+def test_amd_targets_dispatch_to_the_gfx950_kernel():
+    ck = compile_matmul("bf16", target="gfx950", trans_b=True, out_dtype="f32")
+    assert ck.target.name == "gfx950" and "amdgcn" in ck.asm
+    assert ck.signature.params[2].dtype == "f32"
+    with pytest.raises(kiln.UnsupportedError, match="cannot run gfx950"):
+        matmul(np.ones((8, 8), ml_dtypes.bfloat16), np.ones((8, 8), ml_dtypes.bfloat16),
+               target="gfx950")
+
+
+@pytest.mark.lower
 def test_bad_requests_raise_kiln_errors():
     with pytest.raises(kiln.UnsupportedError, match="f32 inputs"):
         compile_matmul("f32", target="sm_90a")
@@ -80,6 +90,17 @@ def test_bad_requests_raise_kiln_errors():
         matmul(a, np.ones((8, 16), ml_dtypes.bfloat16), target="sm_90a")
     with pytest.raises(kiln.KilnTypeError, match="share a dtype"):
         matmul(a, np.ones((16, 8), np.float16), target="sm_90a")
+
+
+@pytest.mark.parametrize("shape, trans_b", [((130, 264, 72), False), ((257, 20, 33), True)])
+def test_interpret_backend_runs_the_sm90a_kernel_on_the_cpu(shape, trans_b):
+    rng = np.random.default_rng()
+    m, n, k = shape
+    a = _random((m, k), ml_dtypes.bfloat16, rng)
+    b = _random((n, k) if trans_b else (k, n), ml_dtypes.bfloat16, rng)
+    c = matmul(a, b, trans_b=trans_b, backend="interpret", target="sm_90a")
+    assert c.shape == (m, n) and c.dtype == ml_dtypes.bfloat16
+    assert _relative_error(c, a, b.T if trans_b else b) < 1e-2
 
 
 def _random(shape, dtype, rng):

@@ -1,4 +1,4 @@
-"""Matrix multiplication kernels: Hopper TMA + WGMMA (:mod:`.hopper`), AMD gfx950 MFMA (``.gfx950``).
+"""Matrix multiplication: Hopper TMA + WGMMA (:mod:`.hopper`), AMD gfx950 MFMA (``.gfx950``).
 
 Two entry points::
 
@@ -41,7 +41,8 @@ def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
     ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
 
     ``config`` keywords are the fields of :class:`HopperGemmConfig` on NVIDIA, or of the
-    gfx950 kernel's ``GemmConfig`` on AMD.
+    gfx950 kernel's ``GemmConfig`` on AMD (where ``trans_b`` and ``out_dtype`` fill its
+    ``b_layout`` and ``out_dtype`` unless given).
     Example: ``compile_matmul("bf16", target="sm_90a", stages=3).metadata["registers"]``.
     """
     chip = _target(target)
@@ -49,8 +50,9 @@ def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
     if chip.is_amd:
         from . import gfx950
 
-        gfx_config = gfx950.GemmConfig(**config) if config else None
-        return gfx950.compile_gfx950(name, target=chip.name, config=gfx_config)
+        config.setdefault("b_layout", "nk" if trans_b else "kn")
+        config.setdefault("out_dtype", out_dtype and kiln.dtype(out_dtype).name)
+        return gfx950.compile_gfx950(name, target=chip.name, config=gfx950.GemmConfig(**config))
     if not chip.has_wgmma:
         raise kiln.UnsupportedError(f"the Kiln GEMM needs WGMMA (sm_90a); {chip.name} has none",
                                     fix="compile for target='sm_90a', or gfx950 on AMD")
@@ -201,7 +203,8 @@ def _empty_like(x, shape, dtype_name):
         return torch.empty(shape, dtype=getattr(torch, {"f32": "float32", "f16": "float16",
                                                         "bf16": "bfloat16"}[dtype_name]),
                            device=x.device)
-    return np.empty(shape, kiln.dtype(dtype_name).numpy)
+    # NaN, so an element the kernel failed to write cannot pass for a result.
+    return np.full(shape, np.nan, kiln.dtype(dtype_name).numpy)
 
 
 def _padded(x, rows, cols):

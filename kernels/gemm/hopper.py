@@ -14,7 +14,9 @@ Stage ``s`` of use ``n`` is ``n % STAGES`` and its barriers complete phases of p
 ``(n // STAGES) % 2``; the producer waits ``empty`` on the opposite parity, so its first pass
 over the ring does not block. Tiles are visited in grouped order (``GROUP_M`` row tiles per
 column sweep) so consecutive CTAs share A and B tiles in L2. K edges need no masking: TMA fills
-out-of-bounds elements of a box with zeros.
+out-of-bounds elements of a box with zeros. ``kiln.kernels.gemm`` pads K and N to multiples of
+8 (TMA needs 16-byte row strides) and autotunes among a few configs (128 x 192 tiles fill the
+last wave of 132 SMs better at N = 8192; 64-row tiles suit short K).
 """
 
 import functools
@@ -62,6 +64,9 @@ class HopperGemmConfig:
         if self.block_k != 64:
             raise kiln.UnsupportedError(f"block_k={self.block_k} is not supported",
                                         fix="use block_k=64 (one 128-byte swizzled row)")
+        if self.group_m < 1:
+            raise kiln.KilnValueError(f"group_m={self.group_m} must be >= 1",
+                                      fix="use e.g. group_m=8")
         if not 2 <= self.stages <= 8:
             raise kiln.KilnValueError(f"stages={self.stages} must be in 2..8",
                                       fix="use 3 or 4 stages")

@@ -1,0 +1,287 @@
+"""Attention prefill: the public entries ``prefill`` and ``compile_prefill``.
+
+``prefill`` checks the inputs, then runs the Hopper kernel (:mod:`.prefill_hopper`, ``sm_90a``,
+the default) or the gfx950 kernel (:mod:`.prefill_gfx950`; CPU interpreter only here).
+
+Example::
+
+    from kiln.kernels.attention import prefill
+    o, lse = prefill(q, k, v, causal=True, return_lse=True)   # q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]
+    o = prefill(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)  # ragged q [total, Hq, D]
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import kiln
+
+from .prefill_hopper import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, HopperPrefillConfig,
+                             MaskSpec, make_kernel)
+
+__all__ = ["prefill", "compile_prefill"]
+
+BACKENDS = (None, "gpu", "interpret")
+_TORCH_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "i32": "int32"}
+
+
+def compile_prefill(*, target, head_dim, dtype, causal=False, window=None, chunk=None,
+                    group=1, sinks=False, return_lse=False, **config):
+    """Compile (without running) the prefill kernel for ``target``; returns the
+    ``CompiledKernel`` (``.asm`` stages, ``.metadata``; on gfx950 also the schedule report).
+
+    ``group`` is query heads per KV head; ``sinks`` / ``return_lse`` are booleans selecting the
+    specialisation; ``config`` keywords are :class:`HopperPrefillConfig` fields on NVIDIA.
+    Example: ``compile_prefill(target="sm_90a", head_dim=128, dtype="bf16").asm["ptx"]``.
+    """
+    chip = _target(target)
+    name = _dtype_name(dtype)
+    mask = _mask_spec(causal, window, chunk)
+    if chip.is_amd:
+        from .prefill_gfx950 import compile_prefill_gfx950
+
+        return compile_prefill_gfx950(head_dim=head_dim, dtype=name, causal=causal,
+                                      window=window, chunk=chunk, group=group, sinks=sinks,
+                                      return_lse=return_lse, **config)
+    _require_wgmma(chip)
+    cfg = _config(head_dim, config)
+    kernel = make_kernel(name, cfg, mask, int(group), bool(sinks), bool(return_lse))
+    args = _placeholder_args(name, cfg.head_dim, group)
+    return kernel.compile(*args, target=chip.name, num_warps=cfg.num_warps,
+                          **_constexprs(cfg, 1))
+
+
+def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale=None,
+            cu_seqlens_q=None, cu_seqlens_k=None, return_lse=False, target=None, backend=None):
+    """Attention forward ``softmax(scale * q k^T + mask) v``; see the module docs and
+    ``tests/attention_reference.py`` for the exact conventions.
+
+    q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]`` (or ragged ``[total, H, D]`` with int32
+    ``cu_seqlens_q/k`` of ``B + 1`` prefix sums); bf16 or f16; D in 64/128/256; ``Hq % Hkv == 0``.
+    ``window=(left, right)`` as FlashAttention's ``window_size`` (-1 unbounded); ``chunk=C``
+    limits keys to the query's chunk; ``sinks`` are per-head logits of a virtual zero-value key;
+    ``scale`` defaults to ``1/sqrt(D)``. Returns ``o`` like q, and with ``return_lse`` the
+    natural-log LSE ``[B, Hq, Sq]`` (ragged: ``[Hq, total_q]``), f32.
+    Example: ``o = prefill(q, k, v, causal=True)`` with torch CUDA tensors.
+    """
+    chip = _target(target)
+    if backend not in BACKENDS:
+        raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
+                                  fix="leave backend=None to run on the GPU")
+    shapes = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks)
+    mask = _mask_spec(causal, window, chunk)
+    if scale is None:
+        scale = 1.0 / math.sqrt(shapes["d"])
+    if not scale > 0:
+        raise kiln.KilnValueError(f"scale={scale!r} must be positive",
+                                  fix="pass a positive softmax scale, or None for 1/sqrt(D)")
+    if chip.is_amd:
+        from .prefill_gfx950 import run_prefill_gfx950
+
+        return run_prefill_gfx950(q, k, v, causal=causal, window=window, chunk=chunk,
+                                  sinks=sinks, scale=scale, cu_seqlens_q=cu_seqlens_q,
+                                  cu_seqlens_k=cu_seqlens_k, return_lse=return_lse,
+                                  backend=backend)
+    _require_wgmma(chip)
+    if backend == "interpret":
+        torch_like = _is_torch(q)
+        arrays = [_numpy(x) for x in (q, k, v)]
+        extra = [None if x is None else _numpy(x) for x in (sinks, cu_seqlens_q, cu_seqlens_k)]
+        out = _run(chip.name, *arrays, *extra, shapes, mask, scale, return_lse, interpret=True)
+        return tuple(_like(q, x) for x in out) if torch_like and return_lse else \
+            (_like(q, out) if torch_like else out)
+    return _run(chip.name, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, shapes, mask, scale,
+                return_lse, interpret=False)
+
+
+def _run(target, q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse, *, interpret):
+    """Lay out the operands as the kernel wants them and launch (or interpret) it."""
+    b, hq, hkv, d = shapes["batch"], shapes["hq"], shapes["hkv"], shapes["d"]
+    ragged = cu_q is not None
+    q2 = _contiguous(q).reshape(-1, hq * d)
+    k2 = _contiguous(k).reshape(-1, hkv * d)
+    v2 = _contiguous(v).reshape(-1, hkv * d)
+    total_q = q2.shape[0]
+    if ragged:
+        cu_q_arr, cu_k_arr = _int32(cu_q, q), _int32(cu_k, q)
+        max_sq = shapes["max_sq"]
+        lse_row_mult, lse_head_stride = 1, total_q
+    else:
+        sq, sk = q.shape[1], k.shape[1]
+        cu_q_arr = _arange_like(q, b, sq)
+        cu_k_arr = _arange_like(q, b, sk)
+        max_sq = sq
+        lse_row_mult, lse_head_stride = hq, sq
+    cfg = HopperPrefillConfig.for_head_dim(d)
+    group = hq // hkv
+    o2 = _empty(q, (total_q, hq * d), _dtype_name(q.dtype))
+    lse = _empty(q, (max(hq * total_q, 1),), "f32")
+    sink_arr = _float32(sinks, q) if sinks is not None else _empty(q, (hq,), "f32")
+    kernel = make_kernel(_dtype_name(q.dtype), cfg, mask, group, sinks is not None, return_lse)
+    args = [q2, k2, v2, o2, lse, sink_arr, cu_q_arr, cu_k_arr, float(scale) * math.log2(math.e),
+            lse_row_mult, lse_head_stride]
+    grid = (hq, -(-max_sq // cfg.block_m), b)
+    constexprs = _constexprs(cfg, hkv)
+    if interpret:
+        from kiln.lowering.interpret import interpret_kernel
+
+        traced = kernel.trace(*args, target=target, num_warps=cfg.num_warps, **constexprs)
+        interpret_kernel(traced, grid, args, target)
+    else:
+        kernel[grid](*args, target=target, num_warps=cfg.num_warps, **constexprs)
+    o = o2.reshape(q.shape)
+    if not return_lse:
+        return o
+    lse = lse.reshape(hq, total_q) if ragged else lse.reshape(b, hq, max_sq)
+    return o, lse
+
+
+def _check_inputs(q, k, v, cu_q, cu_k, sinks) -> dict:
+    """Shapes, dtypes and ragged metadata, checked before anything is built."""
+    ragged = cu_q is not None or cu_k is not None
+    if (cu_q is None) != (cu_k is None):
+        raise kiln.KilnValueError("cu_seqlens_q and cu_seqlens_k must be given together",
+                                  fix="pass both prefix-sum arrays for a ragged batch, or neither")
+    rank = 3 if ragged else 4
+    layout = "[total, H, D]" if ragged else "[B, S, H, D]"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x.shape) != rank:
+            raise kiln.KilnValueError(f"{name} has shape {tuple(x.shape)}; expected {layout}",
+                                      fix="ragged batches take [total, H, D] with cu_seqlens, "
+                                          "dense ones [B, S, H, D]")
+    names = {n: _dtype_name(x.dtype) for n, x in (("q", q), ("k", k), ("v", v))}
+    if len(set(names.values())) != 1 or names["q"] not in SUPPORTED_DTYPES:
+        raise kiln.UnsupportedError(f"q/k/v dtypes {names} are not supported",
+                                    fix=f"pass q, k and v all in one of {SUPPORTED_DTYPES}")
+    if tuple(k.shape) != tuple(v.shape):
+        raise kiln.KilnValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ",
+                                  fix="k and v must have the same shape")
+    d, hq, hkv = q.shape[-1], q.shape[-2], k.shape[-2]
+    if d not in SUPPORTED_HEAD_DIMS or k.shape[-1] != d:
+        raise kiln.UnsupportedError(f"head dim q {d} / k {k.shape[-1]} is not supported",
+                                    fix=f"use one of {SUPPORTED_HEAD_DIMS} for q, k and v")
+    if hkv == 0 or hq % hkv:
+        raise kiln.KilnValueError(f"{hq} query heads are not a multiple of {hkv} KV heads",
+                                  fix="use Hq = group * Hkv (MHA, GQA or MQA)")
+    if sinks is not None and tuple(sinks.shape) != (hq,):
+        raise kiln.KilnValueError(f"sinks has shape {tuple(sinks.shape)}; expected ({hq},)",
+                                  fix="pass one sink logit per query head")
+    shapes = dict(d=d, hq=hq, hkv=hkv)
+    if not ragged:
+        if q.shape[0] != k.shape[0]:
+            raise kiln.KilnValueError(f"q batch {q.shape[0]} != k batch {k.shape[0]}",
+                                      fix="q, k and v need the same batch size")
+        return shapes | dict(batch=q.shape[0])
+    cq, ck = (np.asarray(_numpy(x)).astype(np.int64) for x in (cu_q, cu_k))
+    if cq.ndim != 1 or cq.shape != ck.shape or len(cq) < 2 or cq[0] != 0 or ck[0] != 0 \
+            or np.any(np.diff(cq) < 0) or np.any(np.diff(ck) < 0) \
+            or cq[-1] != q.shape[0] or ck[-1] != k.shape[0]:
+        raise kiln.KilnValueError("cu_seqlens_q/k must be non-decreasing prefix sums of B + 1 "
+                                  "entries from 0 to the total rows of q and k",
+                                  fix="build them as concatenate([[0], cumsum(lengths)])")
+    return shapes | dict(batch=len(cq) - 1, max_sq=int(max(np.diff(cq).max(), 1)))
+
+
+def _mask_spec(causal, window, chunk) -> MaskSpec:
+    left, right = -1, -1
+    if window is not None:
+        if len(window) != 2 or not all(isinstance(w, (int, np.integer)) and w >= -1
+                                       for w in window):
+            raise kiln.KilnValueError(f"window={window!r} must be (left, right) ints >= -1",
+                                      fix="use FlashAttention's window_size, -1 = unbounded")
+        left, right = int(window[0]), int(window[1])
+    if chunk is not None and (not isinstance(chunk, (int, np.integer)) or chunk <= 0):
+        raise kiln.KilnValueError(f"chunk={chunk!r} must be a positive int",
+                                  fix="pass the chunk length in keys, or None")
+    return MaskSpec(causal=bool(causal), window_left=left, window_right=right,
+                    chunk=int(chunk or 0))
+
+
+def _config(head_dim, overrides) -> HopperPrefillConfig:
+    base = HopperPrefillConfig.for_head_dim(head_dim)
+    return HopperPrefillConfig(**(dict(head_dim=head_dim, block_n=base.block_n) | overrides))
+
+
+def _constexprs(cfg: HopperPrefillConfig, num_kv_heads: int) -> dict:
+    return dict(HKV=num_kv_heads, STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_registers,
+                CONSUMER_REGS=cfg.consumer_registers)
+
+
+def _placeholder_args(name, head_dim, group):
+    """Arrays carrying dtype and rank only: the kernel is specialised on them."""
+    x = np.empty((1, head_dim * group), kiln.dtype(name).numpy)
+    f, i = np.empty(1, np.float32), np.empty(1, np.int32)
+    return [x, x, x, x, f, f, i, i, 1.0, 1, 1]
+
+
+def _require_wgmma(chip):
+    if not chip.has_wgmma:
+        raise kiln.UnsupportedError(f"the Kiln prefill kernel needs WGMMA (sm_90a); {chip.name} "
+                                    "has none", fix="use target='sm_90a', or 'gfx950' on AMD")
+
+
+def _target(target):
+    from kiln.kernel import default_target
+    from kiln.lowering.targets import get_target
+
+    return get_target(target or default_target())
+
+
+def _dtype_name(dtype) -> str:
+    return kiln.dtype(dtype).name
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _contiguous(x):
+    return x.contiguous() if _is_torch(x) else np.ascontiguousarray(x)
+
+
+def _numpy(x):
+    if _is_torch(x):
+        name = _dtype_name(x.dtype)
+        return x.detach().cpu().float().numpy().astype(kiln.dtype(name).numpy) \
+            if name in SUPPORTED_DTYPES else x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _like(template, array):
+    if _is_torch(template):
+        import torch
+
+        return torch.from_numpy(np.asarray(array, np.float32)).to(
+            template.device, template.dtype if array.dtype != np.float32 else torch.float32)
+    return array
+
+
+def _empty(like, shape, dtype_name):
+    if _is_torch(like):
+        import torch
+
+        return torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype_name]),
+                           device=like.device)
+    return np.empty(shape, kiln.dtype(dtype_name).numpy)
+
+
+def _int32(x, like):
+    if _is_torch(like):
+        import torch
+
+        return torch.as_tensor(x, device=like.device).to(torch.int32).contiguous()
+    return np.ascontiguousarray(np.asarray(x), np.int32)
+
+
+def _float32(x, like):
+    if _is_torch(like):
+        import torch
+
+        return torch.as_tensor(x, device=like.device).to(torch.float32).contiguous()
+    return np.ascontiguousarray(np.asarray(x), np.float32)
+
+
+def _arange_like(like, batch, length):
+    return _int32(np.arange(batch + 1, dtype=np.int32) * length, like)

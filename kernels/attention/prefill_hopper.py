@@ -1,0 +1,367 @@
+"""Hopper (``sm_90a``) attention prefill: TMA + WGMMA, warp-specialised, online softmax.
+
+One CTA computes ``BLOCK_M = 128`` query rows of one (sequence, query head) against every key
+tile its mask lets through. Q, K and V are viewed as 2-D ``[rows, heads * D]`` matrices (dense
+``[B, S, H, D]`` and ragged ``[total, H, D]`` alike; ``cu_seqlens`` give each sequence's first
+row), so one TMA box of ``BLOCK_N x 64`` reads 64 head-dim columns of one head.
+
+Schedule (3 warp groups, ``BLOCK_M x BLOCK_N`` = 128 x 128 for D <= 128, 128 x 64 for D = 256):
+
+| warp group | registers (setmaxnreg) | job |
+| --- | --- | --- |
+| 0 producer | 24 | one thread: TMA-load the Q tile (``D / 64`` boxes) on ``q_full``; then for each visible key tile ``j`` wait ``empty[s]`` (``s = j % STAGES``), load the K boxes on ``k_full[s]`` and the V boxes on ``v_full[s]`` (separate barriers: QK starts before V lands) |
+| 1, 2 consumers | 240 | rows ``64*(g-1) .. +64``: wait ``k_full[s]``; ``S = Q K^T`` (``wgmma m64nBNk16``, K-major B); mask S only on boundary tiles; online softmax in registers (row max over the quad with two shuffles, ``exp2`` with ``scale * log2 e`` folded into one FMA); P (bf16/f16) to a 128B-swizzled shared tile; rescale O; wait ``v_full[s]``; ``O += P V`` (MN-major B); release stage ``s`` on ``empty`` |
+
+Masks are intervals: key ``j`` is visible from query ``i`` (key position ``p = i + Sk - Sq``,
+bottom-right aligned) iff ``lo(p) <= j <= hi(p)`` with ``lo = max(0, p - left, chunk start)``,
+``hi = min(Sk - 1, p [causal], p + right, chunk end)``. Both bounds grow with ``p``, so the key
+tiles a CTA visits are one contiguous range (fully-masked tiles are never loaded) and the tiles
+that need no mask at all are the ones inside ``[lo(last row), hi(first row)]``.
+Softmax state per row (two rows per thread): running max ``m`` in log2 units (starts at the
+sink's logit, or a finite ``-1e30`` so fully-masked rows never compute ``inf - inf``) and a
+per-thread partial denominator, reduced over the quad once at the end. Sinks add
+``exp2(sink - m)`` to the final denominator. Query tiles run longest-first for causal masks
+and query heads are remapped ``(x % GROUP) * HKV + x // GROUP`` so CTAs launched together read
+different KV heads.
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+
+import kiln
+from kiln import mbarrier, nvidia_asm, tma, wgmma
+from kiln.shared import dynamic_shared
+from kiln.shuffle import butterfly_reduce
+
+WARP_GROUP_THREADS = 128
+WARP_GROUP_ROWS = 64  # rows of one wgmma.m64nNk16
+SWIZZLE = 128  # bytes: one 64-element row of bf16/f16
+SWIZZLE_ALIGN = 1024
+CHUNK_COLS = 64  # head-dim columns per 128-byte swizzled box
+K_STEP = 16
+ROW_BYTES = 128
+DESCRIPTOR_UNIT = 16  # matrix descriptors address shared memory in 16-byte units
+SUPPORTED_DTYPES = ("bf16", "f16")
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# Finite stand-in for -inf as the initial row max: exp2(-inf - sentinel) is 0 and
+# sentinel - sentinel is 0, so rows that see no key stay NaN-free.
+MAX_SENTINEL = -1.0e30
+SHARED_BUDGET = 227 * 1024 - 1024 - 256
+
+
+@dataclass(frozen=True)
+class HopperPrefillConfig:
+    """Tiles and pipeline of :func:`make_kernel`: ``block_n`` keys per tile, ``stages`` K/V
+    buffers in the ring, registers per thread of the producer and the two consumer groups."""
+
+    head_dim: int = 128
+    block_n: int = 128
+    stages: int = 2
+    producer_registers: int = 24
+    consumer_registers: int = 240
+
+    block_m = 2 * WARP_GROUP_ROWS  # two consumer warp groups
+    num_warps = 12
+
+    def __post_init__(self):
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise kiln.UnsupportedError(f"head_dim={self.head_dim} is not supported by the "
+                                        "Hopper prefill kernel",
+                                        fix=f"use one of {SUPPORTED_HEAD_DIMS}")
+        if self.block_n % 64 or not 64 <= self.block_n <= 256:
+            raise kiln.UnsupportedError(f"block_n={self.block_n} is not supported",
+                                        fix="use 64, 128, 192 or 256")
+        if not 1 <= self.stages <= 4:
+            raise kiln.KilnValueError(f"stages={self.stages} must be in 1..4",
+                                      fix="use 2 stages")
+        if self.shared_bytes() > SHARED_BUDGET:
+            raise kiln.ResourceError(f"Q, {self.stages} K/V stages of {self.block_n} x "
+                                     f"{self.head_dim} and P need {self.shared_bytes()} bytes of "
+                                     "shared memory (227 KB available)",
+                                     fix="use fewer stages or a smaller block_n")
+        if (2 * self.consumer_registers + self.producer_registers) * WARP_GROUP_THREADS > 65536:
+            raise kiln.ResourceError("two consumer groups of "
+                                     f"{self.consumer_registers} + {self.producer_registers} "
+                                     "registers per thread exceed the 64K register file",
+                                     fix="lower consumer_registers")
+
+    def shared_bytes(self, itemsize: int = 2) -> int:
+        q = self.block_m * self.head_dim
+        kv = 2 * self.stages * self.block_n * self.head_dim
+        p = self.block_m * self.block_n
+        return (q + kv + p) * itemsize
+
+    @classmethod
+    def for_head_dim(cls, head_dim: int) -> "HopperPrefillConfig":
+        """The default tiles for ``head_dim``: 64-key tiles at D = 256 keep S + O in registers."""
+        return cls(head_dim=head_dim, block_n=64 if head_dim == 256 else 128)
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """The compile-time mask: ``causal``, ``window = (left, right)`` (-1 unbounded) and
+    ``chunk`` (0: none). The kernel is specialised on it."""
+
+    causal: bool = False
+    window_left: int = -1
+    window_right: int = -1
+    chunk: int = 0
+
+
+@functools.lru_cache(maxsize=None)
+def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: int,
+                has_sinks: bool, return_lse: bool):
+    """The ``@kiln.kernel`` for ``dtype`` Q/K/V, ``config``'s tiles, ``mask``, ``group`` query
+    heads per KV head, with or without sinks and an LSE output.
+
+    Run-time parameters: ``q_map`` / ``k_map`` / ``v_map`` (2-D ``[rows, heads * D]`` views),
+    ``o`` (``[total_q, Hq * D]``), ``lse`` (f32, flat), ``sinks`` (f32 ``[Hq]``), ``cu_q`` /
+    ``cu_k`` (int32 ``[B + 1]``), ``scale_log2`` (softmax scale times log2 e), and the LSE
+    addressing ``lse[q_start * lse_row_mult + h * lse_head_stride + i]``.
+    """
+    in_type = kiln.dtype(dtype)
+    bm, bn, d = config.block_m, config.block_n, config.head_dim
+    chunks = d // CHUNK_COLS
+    p_chunks = bn // CHUNK_COLS
+    box_units = bn * ROW_BYTES // DESCRIPTOR_UNIT  # one K/V box in descriptor units
+    p_chunk_units = WARP_GROUP_ROWS * ROW_BYTES // DESCRIPTOR_UNIT
+
+    def prefill(q_map: kiln.TensorMap[in_type, (bm, CHUNK_COLS), SWIZZLE],
+                k_map: kiln.TensorMap[in_type, (bn, CHUNK_COLS), SWIZZLE],
+                v_map: kiln.TensorMap[in_type, (bn, CHUNK_COLS), SWIZZLE],
+                o: kiln.Tensor[in_type, 2], lse: kiln.Tensor[kiln.f32, 1],
+                sinks: kiln.Tensor[kiln.f32, 1], cu_q: kiln.Tensor[kiln.i32, 1],
+                cu_k: kiln.Tensor[kiln.i32, 1], scale_log2: kiln.f32,
+                lse_row_mult: kiln.i32, lse_head_stride: kiln.i32,
+                HKV: kiln.constexpr, STAGES: kiln.constexpr, PRODUCER_REGS: kiln.constexpr,
+                CONSUMER_REGS: kiln.constexpr):
+        q_tiles = dynamic_shared((chunks, bm, CHUNK_COLS), in_type, align=SWIZZLE_ALIGN)
+        k_tiles = dynamic_shared((STAGES * chunks, bn, CHUNK_COLS), in_type, align=SWIZZLE_ALIGN)
+        v_tiles = dynamic_shared((STAGES * chunks, bn, CHUNK_COLS), in_type, align=SWIZZLE_ALIGN)
+        p_tiles = dynamic_shared((2 * p_chunks, WARP_GROUP_ROWS, CHUNK_COLS), in_type,
+                                 align=SWIZZLE_ALIGN)
+        q_full = mbarrier.group(num_barriers=1)
+        k_full = mbarrier.group(num_barriers=STAGES)
+        v_full = mbarrier.group(num_barriers=STAGES)
+        empty = mbarrier.group(num_barriers=STAGES)
+        tid = kiln.thread_id(0)
+        q_full.init(0, count=1, predicate=tid == 0)
+        for s in kiln.static_range(STAGES):
+            k_full.init(s, count=1, predicate=tid == 0)
+            v_full.init(s, count=1, predicate=tid == 0)
+            empty.init(s, count=2, predicate=tid == 0)
+        nvidia_asm.fence_mbarrier_init()
+        kiln.barrier()
+
+        head = _remapped_head(kiln.block_id(0), group, HKV)
+        kv_head = head // group
+        batch = kiln.block_id(2)
+        q_start = cu_q[batch]
+        k_start = cu_k[batch]
+        seq_q = cu_q[batch + 1] - q_start
+        seq_k = cu_k[batch + 1] - k_start
+        q_tile = kiln.block_id(1)
+        if mask.causal:  # the last query tiles see the most keys: launch them first
+            q_tile = kiln.num_blocks(1) - 1 - q_tile
+        m0 = q_tile * bm
+        if m0 < seq_q:
+            last_row = kiln.minimum(m0 + bm, seq_q) - 1
+            lo_last, _ = _key_bounds(last_row, seq_q, seq_k, mask)
+            lo_first, hi_first = _key_bounds(m0, seq_q, seq_k, mask)
+            _, hi_last = _key_bounds(last_row, seq_q, seq_k, mask)
+            first_tile = lo_first // bn
+            end_tile = kiln.maximum((hi_last + bn) // bn, first_tile)
+            warp_group = tid // WARP_GROUP_THREADS
+            if warp_group == 0:
+                nvidia_asm.setmaxnreg(PRODUCER_REGS, increase=False)
+                if tid == 0:
+                    q_full.arrive_expect_tx(0, chunks * tma.box_bytes(q_map))
+                    for c in kiln.static_range(chunks):
+                        tma.load(q_map, q_tiles.tile(c),
+                                 (head * d + c * CHUNK_COLS, q_start + m0), q_full, 0)
+                    for j in kiln.range(first_tile, end_tile):
+                        use = j - first_tile
+                        stage = use % STAGES
+                        empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
+                        row = k_start + j * bn
+                        k_full.arrive_expect_tx(stage, chunks * tma.box_bytes(k_map))
+                        for c in kiln.static_range(chunks):
+                            tma.load(k_map, k_tiles.tile(stage * chunks + c),
+                                     (kv_head * d + c * CHUNK_COLS, row), k_full, stage)
+                        v_full.arrive_expect_tx(stage, chunks * tma.box_bytes(v_map))
+                        for c in kiln.static_range(chunks):
+                            tma.load(v_map, v_tiles.tile(stage * chunks + c),
+                                     (kv_head * d + c * CHUNK_COLS, row), v_full, stage)
+            else:
+                nvidia_asm.setmaxnreg(CONSUMER_REGS, increase=True)
+                consumer = warp_group - 1
+                lane = tid % 32
+                # The two rows this thread holds in every m64 fragment (kiln.wgmma.Fragment).
+                row0 = m0 + consumer * WARP_GROUP_ROWS + (tid % WARP_GROUP_THREADS) // 32 * 16 \
+                    + lane // 4
+                rows = (row0, row0 + 8)
+                bounds = [_key_bounds(r, seq_q, seq_k, mask) for r in rows]
+                col_in_8 = 2 * (lane % 4)
+                q_desc = [wgmma.smem_descriptor(q_tiles.tile(c), leading_bytes=16,
+                                                stride_bytes=1024,
+                                                byte_offset=consumer * WARP_GROUP_ROWS * ROW_BYTES)
+                          for c in range(chunks)]
+                k_base = wgmma.smem_descriptor(k_tiles.tile(0), leading_bytes=16,
+                                               stride_bytes=1024)
+                v_base = wgmma.smem_descriptor(v_tiles.tile(0), leading_bytes=bn * ROW_BYTES,
+                                               stride_bytes=1024)
+                p_base = wgmma.smem_descriptor(p_tiles.tile(0), leading_bytes=16,
+                                               stride_bytes=1024)
+                first_thread = tid % WARP_GROUP_THREADS == 0
+                if has_sinks:
+                    sink_log2 = sinks[head] * LOG2E
+                    row_max = [sink_log2, sink_log2]
+                else:
+                    row_max = [kiln.cast(MAX_SENTINEL, kiln.f32), kiln.cast(MAX_SENTINEL, kiln.f32)]
+                row_sum = [kiln.cast(0.0, kiln.f32), kiln.cast(0.0, kiln.f32)]
+                acc = wgmma.fragment_zeros(d)
+                q_full.try_wait(0, 0)
+                for j in kiln.range(first_tile, end_tile):
+                    use = j - first_tile
+                    stage = use % STAGES
+                    parity = (use // STAGES) % 2
+                    stage_units = kiln.cast(stage * chunks * box_units, kiln.i64)
+                    k_full.try_wait(stage, parity)
+                    scores = wgmma.fragment_zeros(bn)
+                    wgmma.fence()
+                    for ks in kiln.static_range(d // K_STEP):
+                        scores = wgmma.mma_async(
+                            scores, q_desc[ks // 4] + (ks % 4) * 2,
+                            k_base + stage_units + (ks // 4) * box_units + (ks % 4) * 2,
+                            dtype=in_type)
+                    wgmma.commit()
+                    wgmma.wait_group(0)
+                    n0 = j * bn
+                    if (n0 < lo_last) | (n0 + bn - 1 > hi_first):
+                        scores = _mask_scores(scores, n0 + col_in_8, bounds)
+                    probs, row_max, row_sum, alpha = _online_softmax(scores, row_max, row_sum,
+                                                                     scale_log2)
+                    wgmma.store_fragment_swizzled(probs, p_tiles, consumer * p_chunks)
+                    nvidia_asm.fence_proxy_async()  # generic stores before WGMMA's async reads
+                    nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
+                    acc = _scale_rows(acc, alpha)
+                    v_full.try_wait(stage, parity)
+                    wgmma.fence()
+                    for ks in kiln.static_range(bn // K_STEP):
+                        acc = wgmma.mma_async(
+                            acc, p_base + (consumer * p_chunks + ks // 4) * p_chunk_units
+                            + (ks % 4) * 2,
+                            v_base + stage_units + ks * K_STEP * ROW_BYTES // DESCRIPTOR_UNIT,
+                            dtype=in_type, b_major="mn")
+                    wgmma.commit()
+                    wgmma.wait_group(0)
+                    if first_thread:
+                        empty.arrive(stage)
+                _write_output(acc, row_max, row_sum, rows, o, lse, sinks, head, d, seq_q,
+                              q_start, col_in_8, lane, lse_row_mult, lse_head_stride,
+                              has_sinks, return_lse)
+
+    suffix = f"d{d}_n{bn}_{'c' if mask.causal else ''}w{mask.window_left}_{mask.window_right}" \
+             f"_k{mask.chunk}_g{group}{'_sink' if has_sinks else ''}{'_lse' if return_lse else ''}"
+    prefill.__name__ = prefill.__qualname__ = f"hopper_prefill_{dtype}_{suffix}".replace("-", "m")
+    return kiln.kernel(prefill)
+
+
+@kiln.func
+def _remapped_head(block_x, group, num_kv_heads):
+    """Query head of grid column ``block_x``: neighbours in x alternate KV heads."""
+    return (block_x % group) * num_kv_heads + block_x // group
+
+
+def _key_bounds(row, seq_q, seq_k, mask: MaskSpec):
+    """``(lo, hi)``: the inclusive key range query ``row`` may read (empty when hi < lo)."""
+    pos = row + seq_k - seq_q
+    lo = 0
+    hi = seq_k - 1
+    if mask.causal:
+        hi = kiln.minimum(hi, pos)
+    if mask.window_left >= 0:
+        lo = kiln.maximum(lo, pos - mask.window_left)
+    if mask.window_right >= 0:
+        hi = kiln.minimum(hi, pos + mask.window_right)
+    if mask.chunk:
+        chunk_start = pos - (pos % mask.chunk + mask.chunk) % mask.chunk  # floor, pos may be < 0
+        lo = kiln.maximum(lo, chunk_start)
+        hi = kiln.minimum(hi, chunk_start + mask.chunk - 1)
+    return lo, hi
+
+
+def _fragment_row(i: int) -> int:
+    """Which of the thread's two rows register ``i`` of an m64 fragment belongs to."""
+    return (i // 2) % 2
+
+
+def _fragment_col(i: int) -> int:
+    """Column of register ``i`` relative to the thread's first column ``2 * (lane % 4)``."""
+    return 8 * (i // 4) + i % 2
+
+
+def _mask_scores(scores, first_col, bounds):
+    """Scores outside each row's visible key interval become -inf."""
+    values = []
+    for i in range(scores.n // 2):
+        lo, hi = bounds[_fragment_row(i)]
+        col = first_col + _fragment_col(i)
+        values.append(kiln.where((col >= lo) & (col <= hi), scores.element(i),
+                                 kiln.cast(-math.inf, kiln.f32)))
+    return wgmma.fragment_from_elements(values)
+
+
+def _online_softmax(scores, row_max, row_sum, scale_log2):
+    """One tile of the online-softmax recurrence on raw scores. Returns P (unnormalised
+    probabilities), the new row max and partial sums, and the rescale factor of each row."""
+    elements = [scores.element(i) for i in range(scores.n // 2)]
+    new_max, alpha, new_sum = [], [], []
+    for r in range(2):
+        mine = [e for i, e in enumerate(elements) if _fragment_row(i) == r]
+        tile_max = mine[0]
+        for e in mine[1:]:
+            tile_max = kiln.maximum(tile_max, e)
+        tile_max = butterfly_reduce(tile_max, (1, 2), kiln.maximum)  # the row's 4 lanes
+        m = kiln.maximum(row_max[r], tile_max * scale_log2)
+        new_max.append(m)
+        alpha.append(kiln.exp2(row_max[r] - m))
+    probs = [kiln.exp2(kiln.fma(e, scale_log2, -new_max[_fragment_row(i)]))
+             for i, e in enumerate(elements)]
+    for r in range(2):
+        total = row_sum[r] * alpha[r]
+        for i, p in enumerate(probs):
+            if _fragment_row(i) == r:
+                total = total + p
+        new_sum.append(total)
+    return wgmma.fragment_from_elements(probs), new_max, new_sum, alpha
+
+
+def _scale_rows(acc, factors):
+    return wgmma.fragment_from_elements([acc.element(i) * factors[_fragment_row(i)]
+                                         for i in range(acc.n // 2)])
+
+
+@kiln.func
+def _write_output(acc, row_max, row_sum, rows, o, lse, sinks, head, d, seq_q, q_start,
+                  first_col, lane, lse_row_mult, lse_head_stride, has_sinks, return_lse):
+    """Normalise O and store the rows inside the sequence; the quad's first lane writes LSE."""
+    for r in range(2):
+        denominator = butterfly_reduce(row_sum[r], (1, 2), lambda a, b: a + b)
+        if has_sinks:
+            denominator = denominator + kiln.exp2(sinks[head] * LOG2E - row_max[r])
+        inverse = kiln.where(denominator > 0.0, 1.0 / denominator, kiln.cast(0.0, kiln.f32))
+        row = rows[r]
+        if row < seq_q:
+            for i in range(acc.n // 2):
+                if _fragment_row(i) == r:
+                    o[q_start + row, head * d + first_col + _fragment_col(i)] = kiln.cast(
+                        acc.element(i) * inverse, o.dtype)
+            if return_lse:
+                if lane % 4 == 0:
+                    lse[q_start * lse_row_mult + head * lse_head_stride + row] = kiln.where(
+                        denominator > 0.0, row_max[r] * LN2 + kiln.log(denominator),
+                        kiln.cast(-math.inf, kiln.f32))
