@@ -35,6 +35,8 @@ from . import (amd_asm, amd_buffer, cp_async, global_tile, ldmatrix, loader, mfm
                reg_tile, shared_tile, shuffle, tiles)
 from .loader import TiledMmaLoader
 from .mma import TiledMma
+from .autotune import autotune
+from .shared import DynamicSharedTensor, dynamic_shared
 from .tiles import GlobalTile, RegTile, SharedTile
 
 # Cluster scheduling annotations (the kiln-cluster-schedule / kiln-insert-waits passes read them).

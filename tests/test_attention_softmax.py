@@ -292,3 +292,18 @@ def test_unsupported_att_dtype_and_axis():
 
     with pytest.raises(kiln.KilnValueError, match="q_axis"):
         bad_axis.trace(np.zeros(4, np.float32), target="sm_90a", num_warps=4)
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("name", sorted(TILES))
+def test_lazy_cadence_lowers_to_machine_code(name):
+    """The whole recurrence (ballot-free shuffle vote, scf.if rescale) reaches cubin/hsaco."""
+    tv, grid, q_axis, target, warps = TILES[name]
+    kernel, per_field = make_kernel(name, tiles=2, cadence="lazy", scaled=0.125 * np.log2(np.e))
+    frags = grid[0] * grid[1] * tv.num_threads * tv.num_values
+    args = (np.zeros(2 * frags, np.float32), np.zeros(2 * frags, np.float32),
+            np.zeros(frags, np.float32), np.zeros(5 * tv.num_threads * per_field, np.float32),
+            np.zeros(2 * tv.num_threads, np.int32))
+    compiled = kernel.compile(*args, target=target, num_warps=warps)
+    final = "cubin" if target.startswith("sm") else "obj"
+    assert compiled.asm[final]

@@ -46,3 +46,17 @@ def test_gfx950_gemm_matches_float64(feed, b_layout):
     b64 = b.astype(np.float64)
     expected = a.astype(np.float64) @ (b64.T if b_layout == "nk" else b64)
     assert np.linalg.norm(c - expected) / np.linalg.norm(expected) < 1e-6
+
+
+@pytest.mark.parametrize("trans_b", [True, False])
+def test_matmul_interpret_gfx950(trans_b):
+    """``matmul(..., target="gfx950", backend="interpret")`` runs the AMD kernel on the CPU."""
+    rng = np.random.default_rng()
+    m, n, k = 70, 136, 40
+    a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(ml_dtypes.bfloat16)
+    c = matmul(a, b, trans_b=trans_b, out_dtype="f32", target="gfx950", backend="interpret")
+    b64 = b.astype(np.float64)
+    expected = a.astype(np.float64) @ (b64.T if trans_b else b64)
+    assert c.shape == (m, n)
+    assert np.linalg.norm(c - expected) / np.linalg.norm(expected) < 1e-6

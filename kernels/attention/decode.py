@@ -44,6 +44,7 @@ import numpy as np
 
 import kiln
 from kiln import mbarrier, nvidia_asm
+from kiln.shared import dynamic_shared  # kiln.dynamic_shared once exported
 
 from .paged import PagedRowIndices, PageTableRow, kv_sub_tile_rows
 
@@ -95,9 +96,8 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                      o_part: kiln.Tensor[kiln.f32, 5], lse_part: kiln.Tensor[kiln.f32, 4],
                      counts: kiln.Tensor[kiln.i32, 3], num_splits: kiln.i32,
                      scale_log2: kiln.f32):
-        k_smem = kiln.shared.dynamic_shared((2 * pages, eff, D), kiln.bf16, align=128) \
-            if False else _dynamic((2 * pages, eff, D))
-        v_smem = _dynamic((2 * pages, eff, D))
+        k_smem = dynamic_shared((2 * pages, eff, D), kiln.bf16, align=128)  # 2 stages of pages
+        v_smem = dynamic_shared((2 * pages, eff, D), kiln.bf16, align=128)
         full = mbarrier.group(num_barriers=2)
         tid = kiln.thread_id(0)
         warp = tid // WARP
@@ -186,3 +186,213 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
         f"paged_decode_d{D}_g{group}_q{q_rows}_p{page_size}{'_sparse' if block_sparse else ''}"
         f"{'_sinks' if has_sinks else ''}")
     return kiln.kernel(paged_decode)
+
+
+@kiln.func
+def _load_tile(Rows, page_table, b, tile, seq_len, k_map, v_map, k_smem, v_smem, full, stage,
+               column, elect, leader, tile_bytes):
+    """Look up tile ``tile``'s pages and TMA them into ``stage`` (K and V share the rows)."""
+    rows = Rows.populate(PageTableRow(page_table, b), tile * Rows.BN, seq_len)
+    full.arrive_expect_tx(stage, tile_bytes, predicate=leader)
+    first_slot = stage * Rows.num_pages
+    rows.tma_copy_k(k_map, k_smem, full, stage, column=column, elect=elect,
+                    needs_partial=False, first_slot=first_slot)
+    rows.tma_copy_v(v_map, v_smem, full, stage, column=column, elect=elect,
+                    needs_partial=False, first_slot=first_slot)
+
+
+@kiln.func
+def _attend_key(q_vals, k_vals, v_vals, m, l, o, key, key_limit):
+    """One key for every row of this warp: score (base 2, pre-scaled q), causal mask, streaming
+    softmax update. Returns the new ``(m, l, o)``."""
+    new_m, new_l, new_o = [], [], []
+    for i in range(len(q_vals)):
+        partial = q_vals[i][0] * k_vals[0]
+        for e in range(1, len(k_vals)):
+            partial = kiln.fma(q_vals[i][e], k_vals[e], partial)
+        score = kiln.shuffle.butterfly_reduce(partial, (1, 2, 4, 8, 16), _add)
+        score = kiln.where(key <= key_limit[i], score, -math.inf)
+        m_next = kiln.maximum(m[i], score)
+        # A row with no key yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
+        m_safe = kiln.where(m_next == -math.inf, 0.0, m_next)
+        alpha = kiln.exp2(m[i] - m_safe)
+        p = kiln.exp2(score - m_safe)
+        new_m.append(m_next)
+        new_l.append(kiln.fma(l[i], alpha, p))
+        new_o.append([kiln.fma(o[i][e], alpha, p * v_vals[e]) for e in range(len(v_vals))])
+    return new_m, new_l, new_o
+
+
+def _add(a, b):
+    return a + b
+
+
+@kiln.func
+def _split_count(block_table, b, q_index, kv_head, visible_keys, tiles_per_split, BN,
+                 block_sparse):
+    """Partial slots holding keys for a row: its selected blocks (``-1`` padded), or the
+    splits that cover its first ``visible_keys`` keys."""
+    if block_sparse:
+        selected = 0
+        for j in kiln.range(0, block_table.shape[3]):
+            selected = selected + kiln.where(block_table[b, q_index, kv_head, j] >= 0, 1, 0)
+        return selected
+    visible_tiles = (kiln.maximum(visible_keys, 0) + BN - 1) // BN
+    return (visible_tiles + tiles_per_split - 1) // tiles_per_split
+
+
+def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, block_n: int = 64,
+                       sms: int = DEFAULT_SMS) -> int:
+    """Splits that give about two CTAs per SM without splitting below one tile each.
+    Example: ``default_num_splits(1, 8, 65536) == 33``."""
+    tiles = max(1, -(-max_seq_len // block_n))
+    return max(1, min(tiles, -(-2 * sms // (batch * kv_heads)), 64))
+
+
+def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_table=None,
+           scale=None, sinks=None, target=None, backend=None, config=DecodeConfig()):
+    """Split-KV paged decode attention; returns ``(o_partial, lse_partial, split_counts)``
+    (see the module docs) for :func:`kiln.kernels.attention.combine`.
+
+    ``q``: ``[B, Sq, Hq, D]`` bf16; ``k_cache``/``v_cache``: ``[num_pages, page_size, Hkv, D]``
+    bf16; ``page_table``: ``[B, max_pages]`` int32; ``seq_lens``: ``[B]`` int32 (including the
+    ``Sq`` new tokens); ``block_table``: optional ``[B, Sq, Hkv, top_k]`` int32 block indices;
+    ``sinks``: optional ``[Hq]`` f32; ``scale`` defaults to ``D ** -0.5``.
+    numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
+    Example::
+
+        o_part, lse_part, counts = decode(q, k_cache, v_cache, page_table, seq_lens)
+        o, lse = kiln.kernels.attention.combine(o_part, lse_part, counts)
+    """
+    B, Sq, Hq, D = q.shape
+    num_pages, page_size, Hkv, Dk = k_cache.shape
+    _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, config)
+    group = Hq // Hkv
+    if block_table is not None:
+        slots = block_table.shape[3]
+        grid = (slots, Hkv, B * Sq)
+        q_rows = 1
+    else:
+        slots = num_splits or default_num_splits(B, Hkv, num_pages * page_size, config.block_n)
+        grid = (slots, Hkv, B)
+        q_rows = Sq
+    kernel = make_kernel(D, group, q_rows, page_size, block_table is not None,
+                         sinks is not None, config)
+    lib = _ArrayLib(q)
+    o_part = lib.full((slots, B, Sq, Hq, D), np.nan, "f32")  # poison: unwritten slots show
+    lse_part = lib.full((slots, B, Sq, Hq), np.nan, "f32")
+    counts = lib.full((B, Sq, Hq), -1, "i32")
+    args = [q, lib.rows(k_cache, num_pages * page_size, Hkv * D),
+            lib.rows(v_cache, num_pages * page_size, Hkv * D), page_table, seq_lens,
+            block_table if block_table is not None else lib.full((1, 1, 1, 1), -1, "i32"),
+            sinks if sinks is not None else lib.full((1,), 0.0, "f32"),
+            o_part, lse_part, counts, int(slots),
+            float((D ** -0.5 if scale is None else scale) * LOG2E)]
+    chip = _target(target)
+    if backend == "interpret":
+        from kiln.lowering.interpret import interpret_kernel
+
+        numpy_args = [lib.numpy(a) for a in args]
+        traced = kernel.trace(*numpy_args, target=chip.name, num_warps=config.num_warps)
+        interpret_kernel(traced, grid, numpy_args, chip)
+        return tuple(lib.like(numpy_args[i], args[i]) for i in (7, 8, 9))
+    if backend not in (None, "gpu"):
+        raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
+                                  fix="leave backend=None to run on the GPU")
+    kernel[grid](*args, target=chip.name, num_warps=config.num_warps)
+    return o_part, lse_part, counts
+
+
+def decode_attention(q, k_cache, v_cache, page_table, seq_lens, **options):
+    """:func:`decode` followed by :func:`kiln.kernels.attention.combine`: the attention output
+    ``[B, Sq, Hq, D]`` (bf16) and its natural-log LSE. Same keywords as :func:`decode`."""
+    from .combine import combine
+
+    o_part, lse_part, counts = decode(q, k_cache, v_cache, page_table, seq_lens, **options)
+    return combine(o_part, lse_part, counts, max_splits=o_part.shape[0],
+                   target=options.get("target"), backend=options.get("backend"))
+
+
+def _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, config):
+    if len(q.shape) != 4 or len(k_cache.shape) != 4:
+        raise kiln.KilnValueError(f"q must be [B, Sq, Hq, D] and the caches [num_pages, "
+                                  f"page_size, Hkv, D]; got {tuple(q.shape)} and "
+                                  f"{tuple(k_cache.shape)}", fix="reshape the inputs")
+    B, Sq, Hq, D = q.shape
+    _, page_size, Hkv, Dk = k_cache.shape
+    if tuple(v_cache.shape) != tuple(k_cache.shape) or Dk != D:
+        raise kiln.KilnValueError(f"k_cache {tuple(k_cache.shape)}, v_cache "
+                                  f"{tuple(v_cache.shape)} and q's head dim {D} disagree",
+                                  fix="use caches of one shape with q's head dim")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise kiln.UnsupportedError(f"head dim {D} is not supported",
+                                    fix=f"use one of {SUPPORTED_HEAD_DIMS}")
+    if Hq % Hkv or not 1 <= Sq <= 16:
+        raise kiln.UnsupportedError(f"Hq={Hq}, Hkv={Hkv}, Sq={Sq}: decode needs Hq a multiple "
+                                    "of Hkv and 1..16 query tokens",
+                                    fix="pack heads so Hq % Hkv == 0; use prefill for long Sq")
+    kv_sub_tile_rows(config.block_n, page_size)  # page size must tile the key block
+    names = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    for name, x in names.items():
+        if kiln.dtype(x.dtype) is not kiln.bf16:
+            raise kiln.KilnTypeError(f"{name} must be bf16, got {kiln.dtype(x.dtype)}",
+                                     fix=f"convert {name} to bfloat16")
+    if tuple(seq_lens.shape) != (B,) or page_table.shape[0] != B:
+        raise kiln.KilnValueError(f"seq_lens {tuple(seq_lens.shape)} / page_table "
+                                  f"{tuple(page_table.shape)} must have {B} rows",
+                                  fix="one sequence length and one page-table row per batch")
+    if block_table is not None and tuple(block_table.shape[:3]) != (B, Sq, Hkv):
+        raise kiln.KilnValueError(f"block_table {tuple(block_table.shape)} must be "
+                                  f"[{B}, {Sq}, {Hkv}, top_k]",
+                                  fix="select blocks per (batch, query token, kv head)")
+    if sinks is not None and tuple(sinks.shape) != (Hq,):
+        raise kiln.KilnValueError(f"sinks {tuple(sinks.shape)} must be [{Hq}]",
+                                  fix="one f32 sink logit per query head")
+
+
+def _target(target):
+    from kiln.kernel import default_target
+    from kiln.lowering.targets import get_target
+
+    chip = get_target(target or default_target())
+    if not chip.has_tma:
+        raise kiln.UnsupportedError(f"paged decode loads pages with TMA, which {chip.name} "
+                                    "lacks", fix="use target='sm_90a'")
+    return chip
+
+
+class _ArrayLib:
+    """Allocation and views in the caller's array library (numpy, or torch on q's device)."""
+
+    def __init__(self, like):
+        self.torch = type(like).__module__.startswith("torch")
+        self.device = getattr(like, "device", None)
+
+    def full(self, shape, value, dtype):
+        if self.torch:
+            import torch
+
+            torch_dtype = {"f32": torch.float32, "i32": torch.int32}[dtype]
+            return torch.full(shape, value, dtype=torch_dtype, device=self.device)
+        return np.full(shape, value, kiln.dtype(dtype).numpy)
+
+    def rows(self, cache, rows, cols):
+        return cache.reshape(rows, cols)
+
+    @staticmethod
+    def numpy(x):
+        if type(x).__module__.startswith("torch"):
+            import torch
+
+            if x.dtype == torch.bfloat16:
+                return x.cpu().view(torch.int16).numpy().view(kiln.bf16.numpy)
+            return x.cpu().numpy()
+        return x
+
+    def like(self, array, template):
+        if type(template).__module__.startswith("torch"):
+            import torch
+
+            template.copy_(torch.from_numpy(array))
+            return template
+        return array

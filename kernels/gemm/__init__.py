@@ -132,24 +132,25 @@ def _multiprocessor_count() -> int:
 
 
 def _interpret(chip, a, b, c, trans_b):
-    from kiln.lowering import interpret
+    from kiln.lowering.interpret import interpret_kernel
 
-    entry = getattr(interpret, "interpret_kernel", None)
-    if entry is None:
-        raise kiln.UnsupportedError("backend='interpret' needs Kiln's CPU interpreter, which is "
-                                    "not available in this build",
-                                    fix="run on the GPU (backend=None)")
-    if chip.is_amd:
-        raise kiln.UnsupportedError("interpreting the gfx950 GEMM is not wired up yet",
-                                    fix="interpret target='sm_90a'")
     to_numpy = [_numpy(x) for x in (a, b, c)]
-    cfg = HopperGemmConfig()
     (m, k), n = to_numpy[0].shape, to_numpy[2].shape[1]
-    kernel = make_kernel(_dtype_name(a), _dtype_name(c), "k" if trans_b else "mn", cfg)
     args = (*to_numpy, m, n, k)
-    traced = kernel.trace(*args, target=chip.name, num_warps=cfg.num_warps, **_constexprs(cfg))
-    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    entry(traced, (tiles, 1, 1), list(args), chip.name)
+    if chip.is_amd:
+        from kiln.kernels.gemm.gfx950 import GemmConfig, make_kernel as make_amd_kernel
+
+        amd = GemmConfig(b_layout="nk" if trans_b else "kn", out_dtype=_dtype_name(c))
+        traced = make_amd_kernel(_dtype_name(a), amd).trace(*args, target=chip.name,
+                                                            num_warps=amd.num_warps)
+        tiles = -(-m // amd.block_m) * -(-n // amd.block_n)
+    else:
+        cfg = HopperGemmConfig()
+        kernel = make_kernel(_dtype_name(a), _dtype_name(c), "k" if trans_b else "mn", cfg)
+        traced = kernel.trace(*args, target=chip.name, num_warps=cfg.num_warps,
+                              **_constexprs(cfg))
+        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    interpret_kernel(traced, (tiles, 1, 1), list(args), chip.name)
     if to_numpy[2] is not c:
         c[...] = _like(c, to_numpy[2])
 
