@@ -9,7 +9,12 @@ calls between one pair of events (the same for both libraries), so the Python la
 in a real model. Kiln's configuration is autotuned before timing (``kiln.autotune``), so tuning
 stays out of the numbers.
 
-Usage (on an H100): ``python bench/gemm.py [--json out.json] [--repeat 20] [--batch 10]``.
+``--sweep`` also times every candidate configuration (``HOPPER_CONFIGS``, single CTAs and
+2-CTA clusters) at 8192^3 without the autotuner, each checked first, to show what each lever is
+worth.
+
+Usage (on an H100): ``python bench/gemm.py [--json out.json] [--repeat 20] [--batch 10]
+[--sweep]``.
 """
 
 from __future__ import annotations
@@ -18,9 +23,12 @@ import argparse
 import json
 import statistics
 
-import torch
+try:
+    import torch
+except ImportError:  # --help works without torch; running needs it
+    torch = None
 
-from kiln.kernels.gemm import hopper_autotuner, matmul
+from kiln.kernels.gemm import HOPPER_CONFIGS, hopper_autotuner, matmul, run_hopper
 
 # 8192^3 is also the K = 8192 point of the sweep; it is measured once.
 SHAPES = [(4096, 4096, 4096)] + [(8192, 8192, k) for k in (1024, 2048, 4096, 8192, 16384)]
@@ -42,15 +50,40 @@ def time_ms(fn, repeat: int, batch: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def check(m: int, n: int, k: int) -> float:
+def check(m: int, n: int, k: int, gemm=matmul, what: str = "Kiln GEMM") -> float:
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-    c = matmul(a, b)
+    c = gemm(a, b)
     reference = a.float() @ b.float()
     error = ((c.float() - reference).norm() / reference.norm()).item()
     if not error < 1e-2:  # also catches NaN
-        raise SystemExit(f"Kiln GEMM wrong at {m}x{n}x{k}: relative error {error}")
+        raise SystemExit(f"{what} wrong at {m}x{n}x{k}: relative error {error}")
     return error
+
+
+def fixed_config(config):
+    """``a @ b`` with ``config``'s kernel, bypassing the autotuner (NaN-poisoned output)."""
+    def gemm(a, b, c=None):
+        (m, k), n = a.shape, b.shape[1]
+        c = torch.full((m, n), float("nan"), device="cuda", dtype=a.dtype) if c is None else c
+        run_hopper(a, b, c, m, n, k, dtype="bf16", b_major="mn", target="sm_90a", config=config)
+        return c
+    return gemm
+
+
+def sweep(m: int, n: int, k: int, repeat: int, batch: int) -> list[dict]:
+    """Every candidate configuration at one shape, checked then timed."""
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for config in HOPPER_CONFIGS:
+        gemm = fixed_config(config)
+        error = check(m, n, k, gemm, f"Kiln GEMM {config}")
+        ms = time_ms(lambda: gemm(a, b, c), repeat, batch)
+        rows.append({"config": repr(config), "rel_error": error, "kiln_ms": ms,
+                     "kiln_tflops": 2.0 * m * n * k / ms / 1e9})
+    return rows
 
 
 def bench(m: int, n: int, k: int, repeat: int, batch: int) -> dict:
@@ -70,7 +103,12 @@ def main() -> None:
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--batch", type=int, default=10, help="calls per timed sample")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time every candidate config at 8192^3")
     args = parser.parse_args()
+    if torch is None or not torch.cuda.is_available():
+        raise SystemExit("bench/gemm.py needs torch with a CUDA GPU")
+    swept = sweep(8192, 8192, 8192, args.repeat, args.batch) if args.sweep else []
     rows = [bench(m, n, k, args.repeat, args.batch) for m, n, k in SHAPES]
     device = torch.cuda.get_device_name()
     print(f"{device}, bf16 in / bf16 out, f32 accumulate")
@@ -79,12 +117,14 @@ def main() -> None:
         shape = f"{r['m']}x{r['n']}x{r['k']}"
         print(f"{shape:>20} {r['kiln_tflops']:13.1f} {r['cublas_tflops']:15.1f} "
               f"{r['ratio']:6.3f}")
+    for r in swept:
+        print(f"  8192^3 {r['config']}: {r['kiln_tflops']:.1f} TFLOP/s")
     print("autotuned configs:")
     for key, config in hopper_autotuner.best.items():
         print(f"  {key}: {config}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "results": rows,
+            json.dump({"device": device, "results": rows, "sweep": swept,
                        "configs": {k: repr(v) for k, v in hopper_autotuner.best.items()}},
                       f, indent=1)
 

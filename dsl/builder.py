@@ -39,6 +39,7 @@ class TraceState:
     entry_block: ir.Block | None = None  # the kernel's entry block (kernel-wide values go here)
     dynamic_shared_bytes: int = 0  # requested at launch (kiln.dynamic_shared)
     dynamic_shared_base: object = None  # (memref<?xi8>, aligned byte offset) once created
+    cluster: tuple[int, int, int] | None = None  # CTA cluster shape (kiln.nvidia_asm.cluster_dims)
 
     def unique_symbol(self, base: str) -> str:
         name, n = base, 0

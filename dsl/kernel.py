@@ -304,7 +304,8 @@ class JITKernel:
             asm = module.operation.get_asm(enable_debug_info=True)
         constexprs = tuple((s.name, repr(s.value)) for s in specs if s.kind == "constexpr")
         signature = lowering_signature(self.name, specs, block, constexprs,
-                                       dynamic_shared_bytes=state.dynamic_shared_bytes)
+                                       dynamic_shared_bytes=state.dynamic_shared_bytes,
+                                       cluster=state.cluster)
         return TracedKernel(self.name, asm, signature, state.shared_bytes)
 
     @staticmethod

@@ -31,7 +31,8 @@ def tensor_arg_spec(name: str, value: Any) -> tuple[DType, int, bool]:
     return info.dtype, info.rank, info.contiguous_last
 
 
-def lowering_signature(name: str, specs, block, constexprs, *, dynamic_shared_bytes: int = 0):
+def lowering_signature(name: str, specs, block, constexprs, *, dynamic_shared_bytes: int = 0,
+                       cluster=None):
     """The :class:`~kiln.lowering.signature.KernelSignature` of a traced specialisation."""
     from kiln.lowering.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam
 
@@ -45,7 +46,7 @@ def lowering_signature(name: str, specs, block, constexprs, *, dynamic_shared_by
         elif s.kind == "scalar":
             params.append(ScalarParam(s.name, s.dtype.name))
     return KernelSignature(name, tuple(params), block=block, constexprs=constexprs,
-                           dynamic_shared_bytes=dynamic_shared_bytes)
+                           dynamic_shared_bytes=dynamic_shared_bytes, cluster=cluster)
 
 
 def _source(obj) -> str:

@@ -17,13 +17,15 @@ Example (one CTA, one elected thread issues a TMA load, everyone waits)::
 from __future__ import annotations
 
 from mlir import ir
-from mlir.dialects import arith, nvgpu
+from mlir.dialects import arith, llvm, nvgpu, nvvm
 
 from .errors import KilnValueError
 from .nvidia_asm import as_index, as_predicate, ir_value, require_sm90
 
 # Spin budget per try_wait poll before the hardware suspends the thread; upstream's default.
 DEFAULT_TICKS = 10_000_000
+SHARED_MEMORY_SPACE = 3
+SHARED_CLUSTER_SPACE = 7  # NVPTX address space of another CTA's shared memory (shared::cluster)
 MAX_BARRIERS = 1024  # nvgpu.mbarrier.group is a static shared array; keep it a sane size
 
 
@@ -71,6 +73,24 @@ class MBarrierGroup:
         """Arrive on barrier ``i`` (counts toward the expected arrivals)."""
         token_type = ir.Type.parse("!nvgpu.mbarrier.token")  # no typed getter in the bindings
         nvgpu.mbarrier_arrive(self.ir, self._index(i), results=[token_type])
+
+    def arrive_cluster(self, i, cta_rank) -> None:
+        """Arrive on barrier ``i`` of the CTA of rank ``cta_rank`` in this cluster (this CTA's
+        rank included): ``mapa`` to the peer's address of the barrier, then
+        ``mbarrier.arrive.release.cta.shared::cluster``. This is how a consumer tells every
+        producer that multicasts into its shared memory that a stage is free.
+        Example: ``empty.arrive_cluster(stage, 1 - kiln.nvidia_asm.cluster_ctarank())``.
+        """
+        require_sm90("MBarrierGroup.arrive_cluster")
+        i32 = ir.IntegerType.get_signless(32)
+        address = nvgpu.mbarrier_get(i32, self.ir, self._index(i))  # 32-bit shared address
+        local = llvm.inttoptr(llvm.PointerType.get(SHARED_MEMORY_SPACE), address)
+        rank = arith.constant(i32, cta_rank) if isinstance(cta_rank, int) else \
+            arith.index_cast(i32, as_index(cta_rank, "CTA rank"))
+        remote = nvvm.mapa(llvm.PointerType.get(SHARED_CLUSTER_SPACE), local, rank)
+        # Release at CTA scope, as CUTLASS's cluster barrier does: the WGMMA reads of the stage
+        # have completed (wgmma.wait_group) and the peer's TMA write is ordered by the barrier.
+        nvvm.MBarrierArriveOp(None, remote)
 
     def arrive_expect_tx(self, i, nbytes, *, predicate=None) -> None:
         """Arrive on barrier ``i`` and expect ``nbytes`` more bytes of async (TMA) transactions.

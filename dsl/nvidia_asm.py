@@ -165,6 +165,21 @@ def named_barrier(barrier_id, num_threads: int) -> None:
     """``bar.sync barrier_id, num_threads``: wait for ``num_threads`` threads (a multiple of 32)
     at hardware barrier ``barrier_id`` (1..15; 0 is ``kiln.barrier()``'s), e.g. one warp group
     synchronising without stopping the others: ``named_barrier(1 + group, 128)``."""
+    # Inline PTX: nvvm.barrier's printed form does not parse back with its location attached
+    # (MLIR 22), and Kiln round-trips every stage through text.
+    llvm.inline_asm(None, _named_barrier_operands(barrier_id, num_threads), "bar.sync $0, $1;",
+                    "r,r", has_side_effects=True)
+
+
+def named_barrier_arrive(barrier_id, num_threads: int) -> None:
+    """``bar.arrive barrier_id, num_threads``: count this warp group toward ``num_threads``
+    without waiting. Pairs with :func:`named_barrier` in another warp group to hand over a
+    turn (ping-pong scheduling): ``named_barrier_arrive(other_turn, 256)``."""
+    llvm.inline_asm(None, _named_barrier_operands(barrier_id, num_threads), "bar.arrive $0, $1;",
+                    "r,r", has_side_effects=True)
+
+
+def _named_barrier_operands(barrier_id, num_threads: int) -> list:
     if isinstance(barrier_id, int) and not 0 <= barrier_id < 16:
         raise KilnValueError(f"named barrier id {barrier_id} must be in 0..15",
                              fix="use ids 1..15 (0 is the block-wide barrier)")
@@ -174,7 +189,56 @@ def named_barrier(barrier_id, num_threads: int) -> None:
     i32 = ir.IntegerType.get_signless(32)
     identifier = arith.constant(i32, barrier_id) if isinstance(barrier_id, int) else \
         arith.index_cast(i32, as_index(barrier_id, "barrier id"))
-    # Inline PTX: nvvm.barrier's printed form does not parse back with its location attached
-    # (MLIR 22), and Kiln round-trips every stage through text.
-    llvm.inline_asm(None, [identifier, arith.constant(i32, num_threads)], "bar.sync $0, $1;",
-                    "r,r", has_side_effects=True)
+    return [identifier, arith.constant(i32, num_threads)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Thread-block clusters (sm_90+)
+# ---------------------------------------------------------------------------------------------
+
+MAX_PORTABLE_CLUSTER = 8  # CTAs per cluster every sm_90 part supports
+
+
+def cluster_dims(x: int, y: int = 1, z: int = 1) -> None:
+    """Declare that the kernel runs in clusters of ``x * y * z`` CTAs (at most 8).
+
+    Sets ``known_cluster_size`` on the ``gpu.func`` (PTX ``.reqnctapercluster``) and the
+    signature's ``cluster`` so every launch is a cluster launch; the grid must be a multiple of
+    the cluster shape. Call it once, at the top of the kernel::
+
+        kiln.nvidia_asm.cluster_dims(2)           # pairs of CTAs along x
+        rank = kiln.nvidia_asm.cluster_ctarank()  # 0 or 1
+    """
+    require_sm90("cluster_dims")
+    from . import builder
+
+    shape = (x, y, z)
+    if not all(isinstance(d, int) and d >= 1 for d in shape) \
+            or x * y * z > MAX_PORTABLE_CLUSTER:
+        raise KilnValueError(f"cluster shape {shape} must be positive ints with at most "
+                             f"{MAX_PORTABLE_CLUSTER} CTAs in all",
+                             fix="use e.g. cluster_dims(2) for pairs of CTAs")
+    state = builder.current()
+    if state.cluster is not None and state.cluster != shape:
+        raise KilnValueError(f"cluster shape declared twice: {state.cluster} and {shape}",
+                             fix="call kiln.nvidia_asm.cluster_dims once per kernel")
+    state.cluster = shape
+    kernel = state.entry_block.owner  # the gpu.func
+    kernel.attributes["known_cluster_size"] = ir.DenseI32ArrayAttr.get(list(shape))
+
+
+def cluster_ctarank():
+    """This CTA's rank in its cluster (``%cluster_ctarank``, 0 .. CTAs per cluster - 1), an i32."""
+    require_sm90("cluster_ctarank")
+    from .values import Value
+
+    return Value(nvvm.read_ptx_sreg_cluster_ctarank(ir.IntegerType.get_signless(32)))
+
+
+def cluster_sync() -> None:
+    """``barrier.cluster.arrive`` + ``barrier.cluster.wait``: every thread of every CTA of the
+    cluster must reach it. Use it after initialising mbarriers that peer CTAs will signal, and
+    before exiting while peers may still write this CTA's shared memory."""
+    require_sm90("cluster_sync")
+    nvvm.cluster_arrive()
+    nvvm.cluster_wait()

@@ -88,3 +88,21 @@ def butterfly_reduce(x: Value, masks: Iterable[int], combine: Callable[[Value, V
     for mask in masks:
         x = combine(x, xor_shuffle(x, mask))
     return x
+
+
+def uniform(x: Value) -> Value:
+    """``x`` as the first active lane holds it, known to be equal in every lane of the warp.
+
+    On AMD this is ``gpu.subgroup_broadcast first_active_lane`` (``v_readfirstlane_b32``): the
+    value moves to a scalar register, so an ``if`` on it becomes a scalar branch instead of an
+    exec-masked region. NVIDIA has no scalar register file; ``x`` is returned unchanged.
+    Use it on values a butterfly reduction already made equal across lanes.
+
+    Example: ``any_lane = kiln.shuffle.uniform(butterfly_reduce(flag, masks, or_)) != 0``.
+    """
+    if not isinstance(x, Value) or x.shape or x.dtype not in (dt.f32, dt.i32):
+        raise KilnTypeError(f"uniform needs a scalar f32 or i32 value, got {x!r}",
+                            fix="broadcast 32-bit scalars")
+    if builder.current_target().is_nvidia:
+        return x
+    return Value(gpu.subgroup_broadcast(x.ir, gpu.BroadcastType.first_active_lane), x.dtype)

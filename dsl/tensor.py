@@ -139,15 +139,19 @@ class TensorRef:
         meta = memref.extract_strided_metadata(self.ir)
         return cast(Value(list(meta)[2 + self.rank + d], dt.index), dt.i32)
 
-    def load(self, *idx, width: int = 1, mask: Any = None, other: Any = 0) -> Value:
+    def load(self, *idx, width: int = 1, mask: Any = None, other: Any = 0,
+             align: int | None = None) -> Value:
         """Load one element, or ``width`` consecutive elements along the last dim as a vector;
-        with ``mask`` (scalar loads only) returns ``other`` where the mask is false."""
+        with ``mask`` (scalar loads only) returns ``other`` where the mask is false.
+        ``align`` (bytes) promises the vector's address is that aligned, so it becomes one
+        wide load (e.g. ``ld.global.v4.f32``) instead of ``width`` scalar loads."""
         if width != 1:
             if mask is not None:
                 raise UnsupportedError("masked vector loads are not supported",
                                        fix="load scalars with mask=, or guard the load with if")
             vtype = ir.VectorType.get([width], self.dtype.mlir_type())
-            return Value(vector.load(vtype, self.ir, self._indices(idx)), self.dtype)
+            return Value(vector.load(vtype, self.ir, self._indices(idx),
+                                     alignment=_alignment(align)), self.dtype)
         if mask is None:
             return self[idx]
         m = to_value(mask)
@@ -167,15 +171,25 @@ class TensorRef:
             scf.YieldOp([(fallback if fallback is not None else constant(other, self.dtype)).ir])
         return Value(if_op.results[0], self.dtype)
 
-    def store(self, *args) -> None:
-        """``t.store(i, ..., value)``: store a scalar or a vector along the last dimension."""
+    def store(self, *args, align: int | None = None) -> None:
+        """``t.store(i, ..., value)``: store a scalar or a vector along the last dimension
+        (``align`` as for :meth:`load`)."""
         *idx, value = args
         v = to_value(value) if not is_literal(value) else constant(value, self.dtype)
         if not v.shape:
             self[tuple(idx)] = v
             return
         v = self._coerce(v, v.shape)
-        vector.store(v.ir, self.ir, self._indices(tuple(idx)))
+        vector.store(v.ir, self.ir, self._indices(tuple(idx)), alignment=_alignment(align))
+
+
+def _alignment(align: int | None):
+    if align is None:
+        return None
+    if not isinstance(align, int) or align < 1 or align & (align - 1):
+        raise KilnValueError(f"align must be a power of two in bytes, got {align!r}",
+                             fix="e.g. align=16 for a 16-byte vector")
+    return ir.IntegerAttr.get(ir.IntegerType.get_signless(64), align)
 
 
 def numel_bytes(shape: tuple[int, ...], dtype: DType) -> int:

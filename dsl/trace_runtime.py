@@ -153,7 +153,9 @@ def reachable_structs(frame_locals: dict, names: Sequence[str]) -> list:
     seen, out = set(), []
     for n in names:
         obj = frame_locals.get(n)
-        if hasattr(obj, "__kiln_assign__") and id(obj) not in seen:
+        # A struct *class* named in the region (e.g. a constructor call) is not a carried value.
+        if (hasattr(obj, "__kiln_assign__") and not isinstance(obj, type)
+                and id(obj) not in seen):
             seen.add(id(obj))
             out.append(obj)
     return out

@@ -267,6 +267,44 @@ class Fragment:
         return Value(llvm.extractvalue(f32.mlir_type(), self.ir, [i]), f32)
 
 
+def fragment_to_tile(acc: Fragment):
+    """``acc`` as a 1 x 1 :class:`~kiln.tiles.RegTile` of layout
+    :func:`~kiln.layout.wgmma_m64_accumulator` (same registers, same order), so tile-level code
+    (row reductions, ``OnlineSoftmax``) can work on WGMMA results.
+    Example: ``s = fragment_to_tile(scores); m = s.row_max()``.
+    """
+    from .layout import wgmma_m64_accumulator
+    from .reg_tile import RegTile
+    from .values import Value
+
+    if not isinstance(acc, Fragment):
+        raise KilnTypeError(f"fragment_to_tile needs a kiln.wgmma.Fragment, got "
+                            f"{type(acc).__name__}", fix="pass the result of mma_async")
+    width = acc.n // 2
+    vector_type = ir.VectorType.get([width], f32.mlir_type())
+    packed = vector.from_elements(vector_type, [acc.element(i).ir for i in range(width)])
+    return RegTile([Value(packed, f32)], wgmma_m64_accumulator(acc.n), (1, 1))
+
+
+def fragment_from_tile(tile) -> Fragment:
+    """The :class:`Fragment` holding a 1 x 1 f32 RegTile of layout ``wgmma_m64_accumulator``
+    (the inverse of :func:`fragment_to_tile`), ready for :func:`mma_async` or
+    :func:`store_fragment_swizzled`. Example: ``acc = fragment_from_tile(o_tile)``."""
+    from .layout import wgmma_m64_accumulator
+    from .reg_tile import RegTile
+    from .values import Value
+
+    n = tile.shape[1] if isinstance(tile, RegTile) else None
+    if n is None or tile.grid != (1, 1) or tile.dtype is not f32 \
+            or tile.layout != wgmma_m64_accumulator(n):
+        raise KilnTypeError(f"fragment_from_tile needs a 1 x 1 f32 RegTile of layout "
+                            f"wgmma_m64_accumulator(n), got {tile!r}",
+                            fix="build it with kiln.wgmma.fragment_to_tile")
+    packed = tile.fragment(0, 0).ir
+    return fragment_from_elements([Value(vector.extract(packed, [], [i]), f32)
+                                   for i in range(n // 2)])
+
+
 def fragment_from_elements(values) -> Fragment:
     """The 64 x ``2 * len(values)`` accumulator whose register ``i`` is ``values[i]`` (f32
     ``kiln.Value`` s, in :meth:`Fragment.element` order): elementwise work on an accumulator

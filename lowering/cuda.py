@@ -78,6 +78,26 @@ def require_cuda() -> None:
 _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16  # cuda.h
 
 
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value union (here the
+    cluster dimension's x, y, z)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_uint32 * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (grid, block, dynamic shared bytes, stream, attributes)."""
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint),
+                ("block_z", ctypes.c_uint), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
 class Driver:
     """Checked wrappers around the few driver calls launch needs (device 0, primary context)."""
 
@@ -108,6 +128,13 @@ class Driver:
         lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
         lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
+        lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                                            ctypes.c_char_p]
+        lib.cuModuleUnload.argtypes = [ctypes.c_void_p]
+        lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int),
+                                                     ctypes.c_void_p, ctypes.c_void_p]
 
     def error_message(self, code: int) -> str:
         name, text = ctypes.c_char_p(), ctypes.c_char_p()
@@ -128,6 +155,34 @@ class Driver:
                                                    _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
                                                    self._device), "cuDeviceGetAttribute")
         return value.value
+
+    def max_active_clusters(self, cubin: bytes, kernel_name: str, block: tuple[int, int, int],
+                            cluster: tuple[int, int, int], dynamic_shared_bytes: int) -> int:
+        """How many ``cluster``-shaped clusters of ``kernel_name`` (in ``cubin``) can be resident
+        at once (``cuOccupancyMaxActiveClusters``): the size of a persistent cluster grid. GPCs
+        with an odd number of usable SMs leave SMs idle, so this can be below SMs / CTAs.
+        Example: ``driver().max_active_clusters(ck.asm["cubin"], "gemm", (384, 1, 1), (2, 1, 1),
+        200_000)``."""
+        module, function = ctypes.c_void_p(), ctypes.c_void_p()
+        self._check(self._lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
+        try:
+            self._check(self._lib.cuModuleGetFunction(ctypes.byref(function), module,
+                                                      kernel_name.encode()),
+                        "cuModuleGetFunction")
+            self._check(self._lib.cuFuncSetAttribute(
+                function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                dynamic_shared_bytes), "cuFuncSetAttribute")
+            attribute = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+            attribute.value[:3] = cluster
+            config = _LaunchConfig(*cluster, *block, dynamic_shared_bytes, None,
+                                   ctypes.pointer(attribute), 1)
+            count = ctypes.c_int()
+            self._check(self._lib.cuOccupancyMaxActiveClusters(ctypes.byref(count), function,
+                                                                ctypes.byref(config)),
+                        "cuOccupancyMaxActiveClusters")
+            return count.value
+        finally:
+            self._lib.cuModuleUnload(module)
 
     def mem_alloc(self, nbytes: int) -> int:
         ptr = ctypes.c_uint64()
@@ -151,8 +206,10 @@ class Driver:
 
     def tensor_map_encode_tiled(self, data_type: int, global_address: int,
                                 global_dims: list[int], global_strides_bytes: list[int],
-                                box_dims: list[int], swizzle: int, oob_fill: int) -> bytes:
-        """``cuTensorMapEncodeTiled``; all lists innermost dimension first. Returns the 128 bytes."""
+                                box_dims: list[int], swizzle: int, oob_fill: int,
+                                l2_promotion: int = 0) -> bytes:
+        """``cuTensorMapEncodeTiled``; all lists innermost dimension first. Returns the 128 bytes.
+        ``l2_promotion``: ``CU_TENSOR_MAP_L2_PROMOTION_*`` (0 none, 1-3: 64/128/256 bytes)."""
         rank = len(global_dims)
         # CUtensorMap is 128 bytes and the driver insists on 64-byte alignment.
         storage = ctypes.create_string_buffer(128 + 64)
@@ -161,11 +218,11 @@ class Driver:
         strides = (ctypes.c_uint64 * max(rank - 1, 1))(*global_strides_bytes)
         box = (ctypes.c_uint32 * rank)(*box_dims)
         element_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
-        no_interleave, no_l2_promotion = 0, 0
+        no_interleave = 0
         self._check(self._lib.cuTensorMapEncodeTiled(
             ctypes.c_void_p(tensor_map), ctypes.c_int(data_type), ctypes.c_uint32(rank),
             ctypes.c_void_p(global_address), dims, strides, box, element_strides,
-            ctypes.c_int(no_interleave), ctypes.c_int(swizzle), ctypes.c_int(no_l2_promotion),
+            ctypes.c_int(no_interleave), ctypes.c_int(swizzle), ctypes.c_int(l2_promotion),
             ctypes.c_int(oob_fill)), "cuTensorMapEncodeTiled")
         return ctypes.string_at(tensor_map, 128)
 

@@ -127,3 +127,24 @@ def test_generic_struct_specialises_field_dtypes():
 def test_generic_struct_needs_matching_parameter_count():
     with pytest.raises(kiln.KilnTypeError, match="takes 1 type parameters"):
         Pair[f16, f32]
+
+
+def test_struct_class_named_inside_a_traced_if_is_not_carried():
+    """Constructing a struct inside a traced ``if`` names its class: only instances are carried."""
+
+    @kiln.struct
+    class Pair:
+        a: kiln.f32
+        b: kiln.f32
+
+    @kiln.kernel
+    def build(x: kiln.Tensor[kiln.f32], n: kiln.i32):
+        i = kiln.thread_id(0)
+        total = 0.0
+        if i < n:
+            p = Pair(a=x[i], b=x[i] * 2.0)
+            total = p.a + p.b
+        x[i] = total
+
+    asm = build.trace(np.zeros(8, np.float32), 8, target="sm_90a").module_asm
+    assert "scf.if" in asm and "arith.mulf" in asm

@@ -64,6 +64,53 @@ def test_trans_b_reads_k_major_b():
 
 
 @pytest.mark.lower
+@pytest.mark.parametrize("trans_b, multicast_loads", [(False, 4), (True, 2)])
+def test_cluster_pairs_multicast_b_and_release_stages_cluster_wide(trans_b, multicast_loads):
+    ck = compile_matmul("bf16", target="sm_90a", trans_b=trans_b, cluster_m=2)
+    ptx = ck.asm["ptx"]
+    assert ck.signature.cluster == (2, 1, 1)
+    assert ".reqnctapercluster 2, 1, 1" in ptx and ".explicitcluster" in ptx
+    # B: every 64-column chunk (MN-major) or half (K-major) comes from one CTA of the pair,
+    # predicated on its rank and multicast to both; A stays a plain per-CTA load.
+    multicast = re.findall(r"@%p\d+ cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\."
+                           r"mbarrier::complete_tx::bytes\.multicast::cluster", ptx)
+    assert len(multicast) == multicast_loads
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\."
+                          r"mbarrier::complete_tx::bytes \[", ptx)) == 1
+    # A stage is released on the empty barrier of both CTAs (two release sites per consumer).
+    assert ptx.count("mbarrier.arrive.shared::cluster.b64") == 4
+    assert len(re.findall(r"mapa\.shared::cluster\.u64\s+%rd\d+, %rd\d+, [01];", ptx)) == 4
+    assert "%cluster_ctarank" in ptx
+    assert ptx.count("barrier.cluster.wait") == 2  # after mbarrier init and before exit
+    assert ck.metadata["spill_bytes"] == 0
+
+
+@pytest.mark.lower
+def test_single_cta_config_has_no_cluster():
+    ck = compile_matmul("bf16", target="sm_90a", block_n=192)
+    assert ck.signature.cluster is None
+    ptx = ck.asm["ptx"]
+    assert "multicast" not in ptx and "reqnctapercluster" not in ptx and "mapa" not in ptx
+
+
+@pytest.mark.lower
+def test_cluster_launch_goes_through_mgpu_launch_cluster_kernel():
+    from mlir import ir
+    from mlir.dialects import llvm
+
+    from kiln.lowering.host import build_host_module, lower_host_module, nvidia_kernel_object
+    from kiln.lowering.targets import get_target
+
+    ck = compile_matmul("bf16", target="sm_90a", cluster_m=2)
+    with ir.Context(), ir.Location.unknown():
+        module = build_host_module(ck.signature,
+                                   nvidia_kernel_object(get_target("sm_90a"), ptx="// ptx"))
+        lower_host_module(module)
+        text = llvm.translate_module_to_llvmir(module.operation)  # host module: fully lowered
+    assert re.search(r"call void @mgpuLaunchClusterKernel\(ptr %\w+, i64 2, i64 1, i64 1,", text)
+
+
+@pytest.mark.lower
 def test_amd_targets_dispatch_to_the_gfx950_kernel():
     ck = compile_matmul("bf16", target="gfx950", trans_b=True, out_dtype="f32")
     assert ck.target.name == "gfx950" and "amdgcn" in ck.asm
@@ -85,6 +132,8 @@ def test_bad_requests_raise_kiln_errors():
         HopperGemmConfig(block_m=192, stages=2, consumer_registers=232)
     with pytest.raises(kiln.ResourceError, match="no room for the epilogue"):
         HopperGemmConfig(stages=5)
+    with pytest.raises(kiln.UnsupportedError, match="cluster_m=4"):
+        HopperGemmConfig(cluster_m=4)
     a = np.ones((8, 16), ml_dtypes.bfloat16)
     with pytest.raises(kiln.KilnValueError, match="do not agree on K"):
         matmul(a, np.ones((8, 16), ml_dtypes.bfloat16), target="sm_90a")
@@ -115,10 +164,16 @@ def _relative_error(c, a, b):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
-@pytest.mark.parametrize("shape", [(1000, 1000, 1000), (4096, 4096, 4096), (192, 264, 72)])
+# (100, 296, 200): the second CTA of a pair owns rows 128..255, entirely outside A and C.
+@pytest.mark.parametrize("shape", [(1000, 1000, 1000), (4096, 4096, 4096), (192, 264, 72),
+                                   (100, 296, 200)])
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("config", [HopperGemmConfig(), HopperGemmConfig(block_m=64, stages=3),
-                                    HopperGemmConfig(block_n=192)])
+                                    HopperGemmConfig(block_n=192),
+                                    HopperGemmConfig(cluster_m=2),
+                                    HopperGemmConfig(block_n=192, cluster_m=2),
+                                    HopperGemmConfig(block_m=64, stages=3, cluster_m=2)],
+                         ids=lambda c: f"{c.block_m}x{c.block_n}s{c.stages}c{c.cluster_m}")
 def test_matches_float64_with_poisoned_output(dtype, shape, trans_b, config):
     torch = pytest.importorskip("torch")
     from kiln.kernels.gemm import run_hopper

@@ -1,1 +1,6 @@
 """Attention kernels: online softmax, prefill, paged decode, split-KV combine."""
+from .decode import decode, decode_attention
+from .paged import PagedRowIndices, kv_sub_tile_rows
+from .combine import combine, compile_combine
+from .online_softmax import OnlineSoftmax
+from .partials import Partials, PartialsMismatchError

@@ -10,13 +10,14 @@ h]`` (natural log, ``-inf`` for a split that saw no key) and ``split_counts[b, i
 splits holding keys for that row; slots past it are ignored by ``combine``).
 
 Schedule: grid ``(num_splits, Hkv, B)`` (block-sparse: ``(top_k, Hkv, B * Sq)``); one CTA of
-4 warps serves the whole GQA group of one KV head, ``Sq * (Hq / Hkv)`` packed query rows.
+4 to 16 warps (``DecodeConfig.rows_per_warp`` rows each) serves the whole GQA group of one KV
+head: ``Sq * (Hq / Hkv)`` packed query rows, so every K/V page is read once per CTA.
 
 | phase | who | what |
 | --- | --- | --- |
 | page look-up | all threads | ``PagedRowIndices.populate``: one physical row per page of the BN-key tile (pages past the sequence map out of bounds) |
 | load | elected lane of warp 0 | one TMA per page for K and V of tile ``t + 1`` into the other stage (2-stage ring, one mbarrier per stage expecting the full tile: out-of-bounds pages arrive as zeros) |
-| scores | warp ``w`` owns rows ``w, w + 4, ..``; lane ``l`` owns ``D / 32`` depth columns | per key: partial dot product, butterfly sum over the warp, causal mask |
+| scores | warp ``w`` owns rows ``w, w + num_warps, ..``; lane ``l`` owns ``D / 32`` depth columns | per key: partial dot product, butterfly sum over the warp, causal mask |
 | softmax | same | streaming update in the base-2 domain (``scale * log2 e`` folded into q), ``o = o * 2^(m - m') + p * v`` |
 | release | all | block barrier before the stage is refilled |
 | epilogue | lanes | ``O / l``, ``LSE = (m + log2 l) * ln 2``; split 0 writes ``split_counts`` |
@@ -47,29 +48,43 @@ from kiln import mbarrier, nvidia_asm
 from kiln.shared import dynamic_shared  # kiln.dynamic_shared once exported
 
 from .paged import PagedRowIndices, PageTableRow, kv_sub_tile_rows
+from .partials import Partials
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 WARP = 32
 DEFAULT_SMS = 132  # H100 SXM: split count heuristic when no device is queried
+MAX_DEFAULT_SPLITS = 64
+PRODUCER = "kiln.kernels.attention.decode"
+
+
+def decode_partials(num_slots: int) -> Partials:
+    """The :class:`Partials` contract of a :func:`decode` call with ``num_slots`` partial slots:
+    split-major f32 O, natural-log LSE, natural depth order, empty split = (-inf, zeros).
+    Example: ``combine(o, lse, counts, partials=decode_partials(o.shape[0]))``."""
+    return Partials(producer=PRODUCER, max_splits=num_slots)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """``block_n`` keys per tile (also the block size of ``block_table``), ``num_warps`` per
-    CTA, ``stages`` of the K/V ring."""
+    """``block_n`` keys per tile (also the block size of ``block_table``), ``rows_per_warp``
+    packed query rows each warp keeps in registers (the CTA has ``ceil(rows / rows_per_warp)``
+    warps, 4 to 16). The K/V ring has two stages: tile ``t + 1`` loads while ``t`` is used."""
 
     block_n: int = 64
-    num_warps: int = 4
-    stages: int = 2
+    rows_per_warp: int = 8
+
+    def num_warps(self, packed_rows: int) -> int:
+        """Warps of a CTA serving ``packed_rows`` rows. Example: ``num_warps(128) == 16``."""
+        return min(16, max(4, -(-packed_rows // self.rows_per_warp)))
 
     def __post_init__(self):
+        if not isinstance(self.rows_per_warp, int) or self.rows_per_warp < 1:
+            raise kiln.KilnValueError(f"rows_per_warp={self.rows_per_warp!r} must be >= 1",
+                                      fix="use 8 (registers for 8 rows of q and o per lane)")
         if self.block_n not in (64, 128):
             raise kiln.UnsupportedError(f"block_n={self.block_n} is not supported",
                                         fix="use 64 or 128")
-        if self.stages != 2:
-            raise kiln.UnsupportedError("the decode ring has exactly 2 stages",
-                                        fix="use stages=2")
 
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -80,11 +95,13 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                 has_sinks: bool, config: DecodeConfig = DecodeConfig()):
     """The ``@kiln.kernel`` for one shape class: ``q_rows`` query tokens per CTA (``Sq``, or 1
     when block-sparse) times ``group`` query heads per KV head."""
-    BN, NW = config.block_n, config.num_warps
-    Rows = PagedRowIndices[BN, page_size]
+    BN = config.block_n
+    rows_params = (BN, page_size)
+    Rows = PagedRowIndices[rows_params]
     eff, pages = Rows.eff_page, Rows.num_pages
     D, E = head_dim, head_dim // WARP
     packed = q_rows * group
+    NW = config.num_warps(packed)
     rows_per_warp = -(-packed // NW)
     tile_bytes = 2 * BN * D * 2  # K and V boxes of the whole tile, out-of-bounds pages included
 
@@ -148,13 +165,13 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
 
         elect = nvidia_asm.elect_sync() & (warp == 0)
         if num_tiles > 0:
-            _load_tile(Rows, page_table, b, tile_begin, seq_len, k_map, v_map, k_smem, v_smem,
-                       full, 0, kv_head * D, elect, leader, tile_bytes)
+            _load_tile(rows_params, page_table, b, tile_begin, seq_len, k_map, v_map, k_smem,
+                       v_smem, full, 0, kv_head * D, elect, leader, tile_bytes)
         for it in kiln.range(0, num_tiles):
             stage = it % 2
             if it + 1 < num_tiles:
-                _load_tile(Rows, page_table, b, tile_begin + it + 1, seq_len, k_map, v_map,
-                           k_smem, v_smem, full, 1 - stage, kv_head * D, elect, leader,
+                _load_tile(rows_params, page_table, b, tile_begin + it + 1, seq_len, k_map,
+                           v_map, k_smem, v_smem, full, 1 - stage, kv_head * D, elect, leader,
                            tile_bytes)
             full.try_wait(stage, (it // 2) % 2)
             key0 = (tile_begin + it) * BN
@@ -189,9 +206,11 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
 
 
 @kiln.func
-def _load_tile(Rows, page_table, b, tile, seq_len, k_map, v_map, k_smem, v_smem, full, stage,
-               column, elect, leader, tile_bytes):
-    """Look up tile ``tile``'s pages and TMA them into ``stage`` (K and V share the rows)."""
+def _load_tile(rows_params, page_table, b, tile, seq_len, k_map, v_map, k_smem, v_smem, full,
+               stage, column, elect, leader, tile_bytes):
+    """Look up tile ``tile``'s pages and TMA them into ``stage`` (K and V share the rows).
+    ``rows_params`` is ``(BN, page_size)``: a struct class cannot be captured by a traced if."""
+    Rows = PagedRowIndices[rows_params]
     rows = Rows.populate(PageTableRow(page_table, b), tile * Rows.BN, seq_len)
     full.arrive_expect_tx(stage, tile_bytes, predicate=leader)
     first_slot = stage * Rows.num_pages
@@ -246,7 +265,7 @@ def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, block_n: int
     """Splits that give about two CTAs per SM without splitting below one tile each.
     Example: ``default_num_splits(1, 8, 65536) == 33``."""
     tiles = max(1, -(-max_seq_len // block_n))
-    return max(1, min(tiles, -(-2 * sms // (batch * kv_heads)), 64))
+    return max(1, min(tiles, -(-2 * sms // (batch * kv_heads)), MAX_DEFAULT_SPLITS))
 
 
 def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_table=None,
@@ -274,10 +293,14 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
         q_rows = 1
     else:
         slots = num_splits or default_num_splits(B, Hkv, num_pages * page_size, config.block_n)
+        if not isinstance(slots, int) or slots < 1:
+            raise kiln.KilnValueError(f"num_splits={num_splits!r} must be a positive int",
+                                      fix="leave num_splits=None for the default")
         grid = (slots, Hkv, B)
         q_rows = Sq
     kernel = make_kernel(D, group, q_rows, page_size, block_table is not None,
                          sinks is not None, config)
+    num_warps = config.num_warps(q_rows * group)
     lib = _ArrayLib(q)
     o_part = lib.full((slots, B, Sq, Hq, D), np.nan, "f32")  # poison: unwritten slots show
     lse_part = lib.full((slots, B, Sq, Hq), np.nan, "f32")
@@ -293,14 +316,36 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
         from kiln.lowering.interpret import interpret_kernel
 
         numpy_args = [lib.numpy(a) for a in args]
-        traced = kernel.trace(*numpy_args, target=chip.name, num_warps=config.num_warps)
+        traced = kernel.trace(*numpy_args, target=chip.name, num_warps=num_warps)
         interpret_kernel(traced, grid, numpy_args, chip)
         return tuple(lib.like(numpy_args[i], args[i]) for i in (7, 8, 9))
     if backend not in (None, "gpu"):
         raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
                                   fix="leave backend=None to run on the GPU")
-    kernel[grid](*args, target=chip.name, num_warps=config.num_warps)
+    kernel[grid](*args, target=chip.name, num_warps=num_warps)
     return o_part, lse_part, counts
+
+
+def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_size=64,
+                   block_sparse=False, sinks=False, config=DecodeConfig()):
+    """Compile (without running) the decode kernel of one shape class; returns the
+    ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
+    Example: ``compile_decode(target="sm_90a", page_size=16, sq=4).metadata["registers"]``."""
+    if kiln.dtype(dtype) is not kiln.bf16:
+        raise kiln.UnsupportedError(f"paged decode reads bf16 caches, not {kiln.dtype(dtype)}",
+                                    fix="use dtype='bf16'")
+    chip = _target(target)
+    q_rows = 1 if block_sparse else sq
+    rows = 2 * max(page_size, 1)  # placeholder arrays carry dtype and rank only
+    bf16, hkv = kiln.bf16.numpy, 1
+    hq = hkv * group
+    args = [np.zeros((1, sq, hq, head_dim), bf16), np.zeros((rows, hkv * head_dim), bf16),
+            np.zeros((rows, hkv * head_dim), bf16), np.zeros((1, 2), np.int32),
+            np.zeros(1, np.int32), np.zeros((1, sq, hkv, 1), np.int32), np.zeros(1, np.float32),
+            np.zeros((1, 1, sq, hq, head_dim), np.float32), np.zeros((1, 1, sq, hq), np.float32),
+            np.zeros((1, sq, hq), np.int32), 1, 0.1]
+    kernel = make_kernel(head_dim, group, q_rows, page_size, block_sparse, sinks, config)
+    return kernel.compile(*args, target=chip.name, num_warps=config.num_warps(q_rows * group))
 
 
 def decode_attention(q, k_cache, v_cache, page_table, seq_lens, **options):
@@ -309,7 +354,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, **options):
     from .combine import combine
 
     o_part, lse_part, counts = decode(q, k_cache, v_cache, page_table, seq_lens, **options)
-    return combine(o_part, lse_part, counts, max_splits=o_part.shape[0],
+    slots = o_part.shape[0]
+    return combine(o_part, lse_part, counts, max_splits=slots, partials=decode_partials(slots),
                    target=options.get("target"), backend=options.get("backend"))
 
 

@@ -247,7 +247,9 @@ class OnlineSoftmax:
         warp = kiln.current_target().warp_size
         vote = kiln.shuffle.butterfly_reduce(
             vote, [1 << b for b in range(warp.bit_length() - 1)], lambda a, b: a | b)
-        fired = vote != 0
+        # The OR is already equal in every lane; saying so (readfirstlane on AMD) lets LLVM
+        # branch on a scalar instead of masking exec around a divergent-looking region.
+        fired = kiln.shuffle.uniform(vote) != 0
         if fired:
             self.update_scale_unconditional()
             o = self.rescale_output(o)

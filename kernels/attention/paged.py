@@ -1,4 +1,4 @@
-"""Paged KV cache addressing: physical row indices for a BN-row range and the TMA copies that use them.
+"""Paged KV cache addressing: physical row indices of a BN-row range, and the TMA copies using them.
 
 A paged cache stores keys (or values) as ``[num_pages * page_size, Hkv * D]`` rows; sequence
 ``b``'s logical row ``r`` lives at physical row
@@ -53,7 +53,8 @@ def kv_sub_tile_rows(BN: int, page_size: int) -> int:
     """Rows one TMA copy can move for a ``BN``-row tile of a cache with ``page_size``-row pages.
 
     ``page_size == 0`` (not paged) or ``page_size >= BN`` gives ``BN``; smaller pages give
-    ``page_size``. Example: ``kv_sub_tile_rows(128, 16) == 16``, ``kv_sub_tile_rows(64, 256) == 64``.
+    ``page_size``. Example: ``kv_sub_tile_rows(128, 16) == 16``,
+    ``kv_sub_tile_rows(64, 256) == 64``.
     """
     for name, value in (("BN", BN), ("page_size", page_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -39,12 +39,12 @@ def compile_prefill(*, target, head_dim, dtype, causal=False, window=None, chunk
     chip = _target(target)
     name = _dtype_name(dtype)
     mask = _mask_spec(causal, window, chunk)
-    if chip.is_amd:
+    if chip.is_amd:  # specialised on which masks and sinks exist, not on group or LSE
         from .prefill_gfx950 import compile_prefill_gfx950
 
         return compile_prefill_gfx950(head_dim=head_dim, dtype=name, causal=causal,
-                                      window=window, chunk=chunk, group=group, sinks=sinks,
-                                      return_lse=return_lse, **config)
+                                      window=window, chunk=chunk, sinks=True if sinks else None,
+                                      target=chip.name, **config)
     _require_wgmma(chip)
     cfg = _config(head_dim, config)
     kernel = make_kernel(name, cfg, mask, int(group), bool(sinks), bool(return_lse))
@@ -80,18 +80,18 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     if chip.is_amd:
         from .prefill_gfx950 import run_prefill_gfx950
 
-        return run_prefill_gfx950(q, k, v, causal=causal, window=window, chunk=chunk,
-                                  sinks=sinks, scale=scale, cu_seqlens_q=cu_seqlens_q,
-                                  cu_seqlens_k=cu_seqlens_k, return_lse=return_lse,
-                                  backend=backend)
+        out = run_prefill_gfx950(*(_numpy(x) for x in (q, k, v)), causal=causal, window=window,
+                                 chunk=chunk, sinks=None if sinks is None else _numpy(sinks),
+                                 scale=scale, cu_seqlens_q=_optional_numpy(cu_seqlens_q),
+                                 cu_seqlens_k=_optional_numpy(cu_seqlens_k),
+                                 return_lse=return_lse, backend=backend)
+        return _outputs_like(q, out, return_lse)
     _require_wgmma(chip)
     if backend == "interpret":
-        torch_like = _is_torch(q)
         arrays = [_numpy(x) for x in (q, k, v)]
-        extra = [None if x is None else _numpy(x) for x in (sinks, cu_seqlens_q, cu_seqlens_k)]
+        extra = [_optional_numpy(x) for x in (sinks, cu_seqlens_q, cu_seqlens_k)]
         out = _run(chip.name, *arrays, *extra, shapes, mask, scale, return_lse, interpret=True)
-        return tuple(_like(q, x) for x in out) if torch_like and return_lse else \
-            (_like(q, out) if torch_like else out)
+        return _outputs_like(q, out, return_lse)
     return _run(chip.name, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, shapes, mask, scale,
                 return_lse, interpret=False)
 
@@ -247,6 +247,17 @@ def _numpy(x):
         return x.detach().cpu().float().numpy().astype(kiln.dtype(name).numpy) \
             if name in SUPPORTED_DTYPES else x.detach().cpu().numpy()
     return np.asarray(x)
+
+
+def _optional_numpy(x):
+    return None if x is None else _numpy(x)
+
+
+def _outputs_like(template, out, return_lse):
+    """Interpreter results (numpy) as tensors of ``template``'s kind and device."""
+    if not _is_torch(template):
+        return out
+    return tuple(_like(template, x) for x in out) if return_lse else _like(template, out)
 
 
 def _like(template, array):

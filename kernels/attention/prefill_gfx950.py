@@ -317,3 +317,79 @@ def make_kernel(config: PrefillGfx950Config):
 
 def _slice(vec: ir.Value, start: int, width: int) -> ir.Value:
     return vector.shuffle(vec, vec, list(range(start, start + width)))
+
+
+def _config(head_dim, dtype, *, causal=False, window=None, chunk=None, sinks=None):
+    return PrefillGfx950Config(head_dim=head_dim, dtype=kiln.dtype(dtype).name,
+                               causal=bool(causal), window=window is not None,
+                               chunk=chunk is not None, sinks=sinks is not None)
+
+
+def _placeholders(config: PrefillGfx950Config):
+    """Arrays carrying only dtype and rank: the kernel is specialised on them."""
+    x = np.empty((1, config.head_dim), kiln.dtype(config.dtype).numpy)
+    i32 = np.zeros(2, np.int32)
+    return (x, x, x, x, np.empty((1, 1), np.float32), i32, i32, np.zeros(1, np.float32),
+            1, 1, 1.0, -1, -1, 1)
+
+
+def compile_prefill_gfx950(*, head_dim: int, dtype="bf16", causal=False, window=None,
+                           chunk=None, sinks=None, target: str = "gfx950"):
+    """Compile (without running) the gfx950 prefill kernel; returns the ``CompiledKernel``
+    (``.asm["amdgcn"]``, ``.metadata``) with ``.recipes`` (cluster -> ClusterRecipe) attached
+    for ``kiln.passes.verify_schedule``. ``window``/``chunk``/``sinks`` only need to be
+    not-None: the kernel is specialised on which masks exist, not on their values.
+
+    Example: ``compile_prefill_gfx950(head_dim=128).metadata["scratch_bytes"] == 0``.
+    """
+    if str(target) != "gfx950":
+        raise kiln.UnsupportedError(f"the MhaPrefillV2 kernel uses gfx950 MFMAs and transposed "
+                                    f"LDS reads, which {target} lacks", fix="target='gfx950'")
+    config = _config(head_dim, dtype, causal=causal, window=window, chunk=chunk, sinks=sinks)
+    compiled = make_kernel(config).compile(*_placeholders(config), target=target,
+                                           num_warps=WAVES)
+    compiled.recipes = config.recipes()
+    return compiled
+
+
+def run_prefill_gfx950(q, k, v, *, causal=False, window=None, chunk=None, sinks=None,
+                       scale=None, cu_seqlens_q=None, cu_seqlens_k=None, return_lse=False,
+                       backend=None):
+    """Run the gfx950 kernel on numpy inputs (shapes and conventions of ``prefill``).
+    Only ``backend="interpret"`` exists: no AMD GPU launch path is available.
+
+    Example: ``o = run_prefill_gfx950(q, k, v, causal=True, backend="interpret")``.
+    """
+    if backend != "interpret":
+        raise kiln.UnsupportedError(f"the gfx950 prefill runs only on the CPU interpreter, got "
+                                    f"backend={backend!r}", fix='pass backend="interpret"')
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    ragged = cu_seqlens_q is not None
+    if ragged:
+        cu_q = np.asarray(cu_seqlens_q, np.int32)
+        cu_k = np.asarray(cu_seqlens_k, np.int32)
+        batch, max_sq = len(cu_q) - 1, int(np.max(np.diff(cu_q)))
+        q_tokens, k_tokens = q.shape[0], k.shape[0]
+    else:
+        batch, max_sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        cu_q = (np.arange(batch + 1) * max_sq).astype(np.int32)
+        cu_k = (np.arange(batch + 1) * sk).astype(np.int32)
+        q_tokens, k_tokens = batch * max_sq, batch * sk
+    hq, d = q.shape[-2], q.shape[-1]
+    hkv = k.shape[-2]
+    config = _config(d, kiln.dtype(q.dtype).name, causal=causal, window=window, chunk=chunk,
+                     sinks=sinks)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    o = np.full((q_tokens * hq, d), np.nan, q.dtype)
+    lse = np.full((hq, q_tokens), np.nan, np.float32)
+    sink_logits = np.zeros(hq, np.float32) if sinks is None else np.asarray(sinks, np.float32)
+    left, right = window if window is not None else (-1, -1)
+    grid = (hq, max(1, -(-max_sq // BLOCK_Q)), batch)
+    make_kernel(config).interpret[grid](
+        q.reshape(q_tokens * hq, d), k.reshape(k_tokens * hkv, d), v.reshape(k_tokens * hkv, d),
+        o, lse, cu_q, cu_k, sink_logits, hq, hkv, scale * LOG2E, int(left), int(right),
+        int(chunk or 1), target="gfx950", num_warps=WAVES)
+    o = o.reshape(q.shape)
+    if not ragged:
+        lse = lse.reshape(hq, batch, max_sq).transpose(1, 0, 2)
+    return (o, lse) if return_lse else o

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
 from kiln.shared import dynamic_shared
-from kiln.shuffle import butterfly_reduce
+
+from .online_softmax import OnlineSoftmax
 
 WARP_GROUP_THREADS = 128
 WARP_GROUP_ROWS = 64  # rows of one wgmma.m64nNk16
@@ -45,10 +46,10 @@ DESCRIPTOR_UNIT = 16  # matrix descriptors address shared memory in 16-byte unit
 SUPPORTED_DTYPES = ("bf16", "f16")
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 # Finite stand-in for -inf as the initial row max: exp2(-inf - sentinel) is 0 and
 # sentinel - sentinel is 0, so rows that see no key stay NaN-free.
 MAX_SENTINEL = -1.0e30
+PINGPONG_BARRIER = 3  # named barriers 3, 4: the consumers' turns; 1, 2 guard each P tile
 SHARED_BUDGET = 227 * 1024 - 1024 - 256
 
 
@@ -204,65 +205,78 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     + lane // 4
                 rows = (row0, row0 + 8)
                 bounds = [_key_bounds(r, seq_q, seq_k, mask) for r in rows]
-                col_in_8 = 2 * (lane % 4)
-                q_desc = [wgmma.smem_descriptor(q_tiles.tile(c), leading_bytes=16,
-                                                stride_bytes=1024,
-                                                byte_offset=consumer * WARP_GROUP_ROWS * ROW_BYTES)
-                          for c in range(chunks)]
-                k_base = wgmma.smem_descriptor(k_tiles.tile(0), leading_bytes=16,
-                                               stride_bytes=1024)
-                v_base = wgmma.smem_descriptor(v_tiles.tile(0), leading_bytes=bn * ROW_BYTES,
-                                               stride_bytes=1024)
-                p_base = wgmma.smem_descriptor(p_tiles.tile(0), leading_bytes=16,
-                                               stride_bytes=1024)
+                first_col = 2 * (lane % 4)
+                ops = _Operands(
+                    q=[wgmma.smem_descriptor(q_tiles.tile(c), leading_bytes=16, stride_bytes=1024,
+                                             byte_offset=consumer * WARP_GROUP_ROWS * ROW_BYTES)
+                       for c in range(chunks)],
+                    k=wgmma.smem_descriptor(k_tiles.tile(0), leading_bytes=16, stride_bytes=1024),
+                    v=wgmma.smem_descriptor(v_tiles.tile(0), leading_bytes=bn * ROW_BYTES,
+                                            stride_bytes=1024),
+                    p=wgmma.smem_descriptor(p_tiles.tile(0), leading_bytes=16, stride_bytes=1024)
+                    + consumer * p_chunks * p_chunk_units,
+                    dtype=in_type, head_dim=d, block_n=bn, box_units=box_units,
+                    p_chunk_units=p_chunk_units)
                 first_thread = tid % WARP_GROUP_THREADS == 0
-                if has_sinks:
-                    sink_log2 = sinks[head] * LOG2E
-                    row_max = [sink_log2, sink_log2]
-                else:
-                    row_max = [kiln.cast(MAX_SENTINEL, kiln.f32), kiln.cast(MAX_SENTINEL, kiln.f32)]
-                row_sum = [kiln.cast(0.0, kiln.f32), kiln.cast(0.0, kiln.f32)]
+                my_turn = PINGPONG_BARRIER + consumer
+                other_turn = PINGPONG_BARRIER + 1 - consumer
+                if consumer == 1:  # consumer 0 issues its WGMMAs first
+                    nvidia_asm.named_barrier_arrive(PINGPONG_BARRIER, 2 * WARP_GROUP_THREADS)
                 acc = wgmma.fragment_zeros(d)
-                q_full.try_wait(0, 0)
-                for j in kiln.range(first_tile, end_tile):
-                    use = j - first_tile
-                    stage = use % STAGES
-                    parity = (use // STAGES) % 2
-                    stage_units = kiln.cast(stage * chunks * box_units, kiln.i64)
-                    k_full.try_wait(stage, parity)
-                    scores = wgmma.fragment_zeros(bn)
-                    wgmma.fence()
-                    for ks in kiln.static_range(d // K_STEP):
-                        scores = wgmma.mma_async(
-                            scores, q_desc[ks // 4] + (ks % 4) * 2,
-                            k_base + stage_units + (ks // 4) * box_units + (ks % 4) * 2,
-                            dtype=in_type)
-                    wgmma.commit()
+                softmax = OnlineSoftmax[kiln.f32].init(wgmma.fragment_to_tile(
+                    wgmma.fragment_zeros(bn)), q_axis="row")
+                # A sink is a virtual first key; without one, a key of logit MAX_SENTINEL whose
+                # weight becomes exactly 0 at the first real key keeps masked rows finite.
+                softmax.reseed_with_sink(sinks[head] * LOG2E if has_sinks else MAX_SENTINEL)
+                if first_tile < end_tile:
+                    q_full.try_wait(0, 0)
+                    # Prologue: S of the first tile, alone.
+                    k_full.try_wait(0, 0)
+                    nvidia_asm.named_barrier(my_turn, 2 * WARP_GROUP_THREADS)
+                    scores = _issue_qk(ops, 0)
+                    nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                     wgmma.wait_group(0)
-                    n0 = j * bn
-                    if (n0 < lo_last) | (n0 + bn - 1 > hi_first):
-                        scores = _mask_scores(scores, n0 + col_in_8, bounds)
-                    probs, row_max, row_sum, alpha = _online_softmax(scores, row_max, row_sum,
-                                                                     scale_log2)
-                    wgmma.store_fragment_swizzled(probs, p_tiles, consumer * p_chunks)
-                    nvidia_asm.fence_proxy_async()  # generic stores before WGMMA's async reads
-                    nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
-                    acc = _scale_rows(acc, alpha)
-                    v_full.try_wait(stage, parity)
-                    wgmma.fence()
-                    for ks in kiln.static_range(bn // K_STEP):
-                        acc = wgmma.mma_async(
-                            acc, p_base + (consumer * p_chunks + ks // 4) * p_chunk_units
-                            + (ks % 4) * 2,
-                            v_base + stage_units + ks * K_STEP * ROW_BYTES // DESCRIPTOR_UNIT,
-                            dtype=in_type, b_major="mn")
-                    wgmma.commit()
+                    probs = _softmax_tile(softmax, scores, first_tile * bn, first_col, bounds,
+                                          lo_last, hi_first, scale_log2, bn)
+                    for j in kiln.range(first_tile + 1, end_tile):
+                        use = j - first_tile
+                        stage = use % STAGES
+                        previous = (use - 1) % STAGES
+                        _stage_probs(probs, p_tiles, consumer, p_chunks)
+                        k_full.try_wait(stage, (use // STAGES) % 2)
+                        v_full.try_wait(previous, ((use - 1) // STAGES) % 2)
+                        # S_j and O += P_{j-1} V_{j-1} issue back to back; softmax of S_j then
+                        # runs while the PV product is still on the tensor cores.
+                        nvidia_asm.named_barrier(my_turn, 2 * WARP_GROUP_THREADS)
+                        scores = _issue_qk(ops, stage)
+                        acc = _issue_pv(ops, acc, previous)
+                        nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
+                        wgmma.wait_group(1)
+                        probs = _softmax_tile(softmax, scores, j * bn, first_col, bounds,
+                                              lo_last, hi_first, scale_log2, bn)
+                        wgmma.wait_group(0)
+                        if first_thread:
+                            empty.arrive(previous)
+                        acc = _scale_rows(acc, softmax.scale_vec.values[0])
+                    # Epilogue: the last tile's PV product.
+                    last = end_tile - 1 - first_tile
+                    _stage_probs(probs, p_tiles, consumer, p_chunks)
+                    v_full.try_wait(last % STAGES, (last // STAGES) % 2)
+                    nvidia_asm.named_barrier(my_turn, 2 * WARP_GROUP_THREADS)
+                    acc = _issue_pv(ops, acc, last % STAGES)
+                    nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                     wgmma.wait_group(0)
                     if first_thread:
-                        empty.arrive(stage)
-                _write_output(acc, row_max, row_sum, rows, o, lse, sinks, head, d, seq_q,
-                              q_start, col_in_8, lane, lse_row_mult, lse_head_stride,
-                              has_sinks, return_lse)
+                        empty.arrive(last % STAGES)
+                if consumer == 0:  # absorb consumer 1's last hand-over
+                    nvidia_asm.named_barrier(PINGPONG_BARRIER, 2 * WARP_GROUP_THREADS)
+                inverse_norm = [kiln.where(n > 0.0, kiln.rcp(n), 0.0)
+                                for n in softmax.norm_vec.values[0]]
+                out = _scale_rows(acc, inverse_norm)
+                lse_rows = softmax.log_sum_exp().values[0]
+                max_rows = softmax.max_vec.values[0]
+                _write_output(out, lse_rows, max_rows, rows, o, lse, head, d, seq_q, q_start,
+                              first_col, lane, lse_row_mult, lse_head_stride, return_lse)
 
     suffix = f"d{d}_n{bn}_{'c' if mask.causal else ''}w{mask.window_left}_{mask.window_right}" \
              f"_k{mask.chunk}_g{group}{'_sink' if has_sinks else ''}{'_lse' if return_lse else ''}"
@@ -315,53 +329,90 @@ def _mask_scores(scores, first_col, bounds):
     return wgmma.fragment_from_elements(values)
 
 
-def _online_softmax(scores, row_max, row_sum, scale_log2):
-    """One tile of the online-softmax recurrence on raw scores. Returns P (unnormalised
-    probabilities), the new row max and partial sums, and the rescale factor of each row."""
-    elements = [scores.element(i) for i in range(scores.n // 2)]
-    new_max, alpha, new_sum = [], [], []
-    for r in range(2):
-        mine = [e for i, e in enumerate(elements) if _fragment_row(i) == r]
-        tile_max = mine[0]
-        for e in mine[1:]:
-            tile_max = kiln.maximum(tile_max, e)
-        tile_max = butterfly_reduce(tile_max, (1, 2), kiln.maximum)  # the row's 4 lanes
-        m = kiln.maximum(row_max[r], tile_max * scale_log2)
-        new_max.append(m)
-        alpha.append(kiln.exp2(row_max[r] - m))
-    probs = [kiln.exp2(kiln.fma(e, scale_log2, -new_max[_fragment_row(i)]))
-             for i, e in enumerate(elements)]
-    for r in range(2):
-        total = row_sum[r] * alpha[r]
-        for i, p in enumerate(probs):
-            if _fragment_row(i) == r:
-                total = total + p
-        new_sum.append(total)
-    return wgmma.fragment_from_elements(probs), new_max, new_sum, alpha
+class _Operands:
+    """The consumer's WGMMA operand descriptors (i64 base addresses, see
+    :func:`kiln.wgmma.smem_descriptor`) and the strides between their boxes."""
+
+    def __init__(self, *, q, k, v, p, dtype, head_dim, block_n, box_units, p_chunk_units):
+        self.q, self.k, self.v, self.p = q, k, v, p
+        self.dtype, self.head_dim, self.block_n = dtype, head_dim, block_n
+        self.box_units, self.p_chunk_units = box_units, p_chunk_units
+
+    def stage_offset(self, stage):
+        """Descriptor offset of K/V ring stage ``stage`` (``D / 64`` boxes per stage)."""
+        return kiln.cast(stage * (self.head_dim // CHUNK_COLS) * self.box_units, kiln.i64)
+
+
+def _issue_qk(ops: _Operands, stage):
+    """Issue ``S = Q K^T`` on ring stage ``stage`` as one WGMMA group (K is K-major: each
+    16-wide K step moves 32 bytes inside a 64-column box, every 4 steps the next box)."""
+    base = ops.k + ops.stage_offset(stage)
+    scores = wgmma.fragment_zeros(ops.block_n)
+    wgmma.fence()
+    for ks in range(ops.head_dim // K_STEP):
+        scores = wgmma.mma_async(scores, ops.q[ks // 4] + (ks % 4) * 2,
+                                 base + (ks // 4) * ops.box_units + (ks % 4) * 2,
+                                 dtype=ops.dtype)
+    wgmma.commit()
+    return scores
+
+
+def _issue_pv(ops: _Operands, acc, stage):
+    """Issue ``O += P V`` on ring stage ``stage`` as one WGMMA group (V is MN-major: its
+    ``D / 64`` boxes are the descriptor's leading dimension; P is K-major in 64-key boxes)."""
+    base = ops.v + ops.stage_offset(stage)
+    wgmma.fence()  # O was rescaled in registers since the last WGMMA
+    for ks in range(ops.block_n // K_STEP):
+        acc = wgmma.mma_async(acc, ops.p + (ks // 4) * ops.p_chunk_units + (ks % 4) * 2,
+                              base + ks * K_STEP * ROW_BYTES // DESCRIPTOR_UNIT,
+                              dtype=ops.dtype, b_major="mn")
+    wgmma.commit()
+    return acc
+
+
+@kiln.func
+def _softmax_tile(softmax, scores, n0, first_col, bounds, lo_last, hi_first, scale_log2, bn):
+    """One tile of the online softmax on raw scores ``S`` of keys ``n0 ..``: mask (boundary
+    tiles only), fold ``scale * log2 e`` into the max subtraction, return P as a fragment.
+    ``softmax.scale_vec`` then holds the factor O must be rescaled by before ``P V``."""
+    if (n0 < lo_last) | (n0 + bn - 1 > hi_first):
+        scores = _mask_scores(scores, n0 + first_col, bounds)
+    raw = wgmma.fragment_to_tile(scores)
+    softmax.col_max_acc_scaled(raw, scale_log2)
+    softmax.update_scale_unconditional()
+    probs = softmax.sub_max_scaled(raw, scale_log2).exp2()
+    softmax.apply_unconditional_norm_rescale()
+    softmax.col_sum_acc(probs)
+    return wgmma.fragment_from_tile(probs)
 
 
 def _scale_rows(acc, factors):
+    """``acc`` with each of the thread's two rows multiplied by its factor. (OnlineSoftmax's
+    ``rescale_output`` needs O as wide as the score tile; here D and BLOCK_N may differ.)"""
     return wgmma.fragment_from_elements([acc.element(i) * factors[_fragment_row(i)]
                                          for i in range(acc.n // 2)])
 
 
+def _stage_probs(probs, p_tiles, consumer, p_chunks):
+    """P (bf16/f16) into this warp group's swizzled shared tiles, visible to WGMMA."""
+    wgmma.store_fragment_swizzled(probs, p_tiles, consumer * p_chunks)
+    nvidia_asm.fence_proxy_async()  # generic-proxy stores before WGMMA's async-proxy reads
+    nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
+
+
 @kiln.func
-def _write_output(acc, row_max, row_sum, rows, o, lse, sinks, head, d, seq_q, q_start,
-                  first_col, lane, lse_row_mult, lse_head_stride, has_sinks, return_lse):
-    """Normalise O and store the rows inside the sequence; the quad's first lane writes LSE."""
+def _write_output(out, lse_rows, max_rows, rows, o, lse, head, d, seq_q, q_start, first_col,
+                  lane, lse_row_mult, lse_head_stride, return_lse):
+    """Store the normalised rows inside the sequence; the quad's first lane writes the LSE
+    (-inf for a row whose max never left the sentinel: it saw no key and no sink)."""
     for r in range(2):
-        denominator = butterfly_reduce(row_sum[r], (1, 2), lambda a, b: a + b)
-        if has_sinks:
-            denominator = denominator + kiln.exp2(sinks[head] * LOG2E - row_max[r])
-        inverse = kiln.where(denominator > 0.0, 1.0 / denominator, kiln.cast(0.0, kiln.f32))
         row = rows[r]
         if row < seq_q:
-            for i in range(acc.n // 2):
+            for i in range(out.n // 2):
                 if _fragment_row(i) == r:
                     o[q_start + row, head * d + first_col + _fragment_col(i)] = kiln.cast(
-                        acc.element(i) * inverse, o.dtype)
+                        out.element(i), o.dtype)
             if return_lse:
                 if lane % 4 == 0:
                     lse[q_start * lse_row_mult + head * lse_head_stride + row] = kiln.where(
-                        denominator > 0.0, row_max[r] * LN2 + kiln.log(denominator),
-                        kiln.cast(-math.inf, kiln.f32))
+                        max_rows[r] > MAX_SENTINEL, lse_rows[r], kiln.cast(-math.inf, kiln.f32))

@@ -15,6 +15,7 @@ configuration once per (shape, dtype) (``kiln.autotune``; results persist next t
 cache). ``backend="interpret"`` runs the kernel of ``target`` in Kiln's CPU interpreter.
 """
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -33,7 +34,10 @@ HOPPER_CONFIGS = (HopperGemmConfig(),
                   # 8192 / 192 tiles fill the last wave of 132 SMs better than 8192 / 256.
                   HopperGemmConfig(block_n=192),
                   HopperGemmConfig(block_n=128, stages=5),
-                  HopperGemmConfig(block_m=64, block_n=256, stages=4))
+                  HopperGemmConfig(block_m=64, block_n=256, stages=4),
+                  # CTA pairs multicasting B: a third less L2->SM traffic per CTA.
+                  HopperGemmConfig(cluster_m=2),
+                  HopperGemmConfig(block_n=192, cluster_m=2))
 
 
 def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
@@ -117,8 +121,11 @@ def _run_tuned(a, b, c, m, n, k, b_major, dtype, target):
 def run_hopper(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=None):
     """Launch the Hopper kernel of ``config`` on prepared (aligned, contiguous) operands over a
     persistent grid of one CTA per SM (at most one per output tile)."""
-    tiles = -(-m // config.block_m) * -(-n // config.block_n)
-    grid = (max(1, min(tiles, _multiprocessor_count())), 1, 1)
+    pair = config.cluster_m  # CTAs of a cluster share each (pair) tile's B
+    tiles = -(-m // (config.block_m * pair)) * -(-n // config.block_n)
+    resident = _multiprocessor_count() if pair == 1 else \
+        _resident_clusters(dtype, _dtype_name(c), b_major, config)
+    grid = (pair * max(1, min(tiles, resident)), 1, 1)
     make_kernel(dtype, _dtype_name(c), b_major, config)[grid](
         a, b, c, m, n, k, target=target, num_warps=config.num_warps, stream=stream,
         **_constexprs(config))
@@ -129,6 +136,19 @@ def _multiprocessor_count() -> int:
     from kiln.lowering.cuda import driver
 
     return driver().multiprocessor_count()
+
+
+@functools.lru_cache(maxsize=None)
+def _resident_clusters(dtype, out_dtype, b_major, config) -> int:
+    """Clusters of ``config``'s kernel that fit on the GPU at once: a persistent grid larger
+    than this would run its last clusters in a second wave."""
+    from kiln.lowering.cuda import driver
+
+    ck = compile_matmul(dtype, target="sm_90a", out_dtype=out_dtype, trans_b=b_major == "k",
+                        **dataclasses.asdict(config))
+    sig = ck.signature
+    return driver().max_active_clusters(ck.asm["cubin"], sig.name, sig.block, sig.cluster,
+                                        sig.dynamic_shared_bytes)
 
 
 def _interpret(chip, a, b, c, trans_b):
@@ -158,7 +178,7 @@ def _interpret(chip, a, b, c, trans_b):
 def _constexprs(cfg: HopperGemmConfig) -> dict:
     return dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, STAGES=cfg.stages,
                 GROUP_M=cfg.group_m, PRODUCER_REGS=cfg.producer_registers,
-                CONSUMER_REGS=cfg.consumer_registers)
+                CONSUMER_REGS=cfg.consumer_registers, CLUSTER_M=cfg.cluster_m)
 
 
 def _target(target):

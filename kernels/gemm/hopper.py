@@ -43,7 +43,8 @@ class HopperGemmConfig:
     """Tile shape and pipeline of :func:`make_kernel`.
 
     ``block_m`` is 64 per consumer warp group; ``block_n`` a multiple of 64 up to 256;
-    ``block_k`` is 64 (one 128-byte swizzled row); ``stages`` buffers in the ring.
+    ``block_k`` is 64 (one 128-byte swizzled row); ``stages`` buffers in the ring;
+    ``cluster_m`` 2 runs CTA pairs on vertically adjacent tiles that share (multicast) B.
     """
 
     block_m: int = 128
@@ -53,6 +54,7 @@ class HopperGemmConfig:
     group_m: int = 8
     producer_registers: int = 40
     consumer_registers: int = 232
+    cluster_m: int = 1
 
     def __post_init__(self):
         if self.block_m % 64 or not 64 <= self.block_m <= 256:
@@ -64,6 +66,9 @@ class HopperGemmConfig:
         if self.block_k != 64:
             raise kiln.UnsupportedError(f"block_k={self.block_k} is not supported",
                                         fix="use block_k=64 (one 128-byte swizzled row)")
+        if self.cluster_m not in (1, 2):
+            raise kiln.UnsupportedError(f"cluster_m={self.cluster_m} is not supported",
+                                        fix="use 1 (no cluster) or 2 (CTA pairs sharing B)")
         if self.group_m < 1:
             raise kiln.KilnValueError(f"group_m={self.group_m} must be >= 1",
                                       fix="use e.g. group_m=8")
@@ -116,8 +121,12 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
     """
     in_type, out_type = kiln.dtype(dtype), kiln.dtype(out_dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    b_box = (bk, 64) if b_major == "mn" else (bn, bk)
-    chunks = bn // 64 if b_major == "mn" else 1  # TMA boxes (and 64-column chunks) of B
+    pair = config.cluster_m
+    # TMA boxes of B per stage: 64-column chunks when MN-major; when K-major one box, or one
+    # half per CTA of a pair (the halves stack into the same K-major layout).
+    b_box = (bk, 64) if b_major == "mn" else (bn // pair, bk)
+    chunks = bn // 64 if b_major == "mn" else pair
+    b_chunk_rows = 64 if b_major == "mn" else bn // pair
     # Descriptor strides (PTX "Matrix Descriptor"): K-major tiles step 1024 bytes per 8 rows of
     # M/N; MN-major chunks step 1024 bytes per 8 rows of K and bk * 128 bytes per 64 columns.
     b_leading = bk * ROW_BYTES if b_major == "mn" else 16
@@ -129,13 +138,36 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
     def b_coords(k0, n0):  # TMA coordinates, innermost first
         return (n0, k0) if b_major == "mn" else (k0, n0)
 
+    def load_b(b_map, b_tiles, full, stage, k0, n0, rank):
+        """Stage ``stage``'s B chunks: alone, all of them; in a pair, chunk ``j`` comes from
+        CTA ``j % 2`` and is multicast to both, so each CTA fetches about half of B."""
+        for j in range(chunks):
+            destination = b_tiles.tile(stage * chunks + j)
+            coords = b_coords(k0, n0 + b_chunk_rows * j)
+            if pair == 1:
+                tma.load(b_map, destination, coords, full, stage)
+            else:
+                tma.load(b_map, destination, coords, full, stage,
+                         multicast_mask=(1 << pair) - 1, predicate=rank == j % pair)
+
+    def release(empty, stage):
+        """Hand ``stage`` back to the producer(s) writing it: this CTA's, and in a pair also
+        the peer's, whose multicast B lands here too."""
+        if pair == 1:
+            empty.arrive(stage)
+        else:
+            for r in range(pair):
+                empty.arrive_cluster(stage, r)
+
     def gemm(a_map: kiln.TensorMap[in_type, (bm, bk), SWIZZLE],
              b_map: kiln.TensorMap[in_type, b_box, SWIZZLE],
              c_map: kiln.TensorMap[out_type, (64, c_cols), SWIZZLE],
              m: kiln.i32, n: kiln.i32, k: kiln.i32,
              BM: kiln.constexpr, BN: kiln.constexpr, BK: kiln.constexpr,
              STAGES: kiln.constexpr, GROUP_M: kiln.constexpr, PRODUCER_REGS: kiln.constexpr,
-             CONSUMER_REGS: kiln.constexpr):
+             CONSUMER_REGS: kiln.constexpr, CLUSTER_M: kiln.constexpr):
+        if CLUSTER_M > 1:
+            nvidia_asm.cluster_dims(CLUSTER_M)
         a_tiles = dynamic_shared((STAGES, BM, BK), in_type, align=SWIZZLE_ALIGN)
         b_tiles = dynamic_shared((STAGES * chunks,) + b_box, in_type, align=SWIZZLE_ALIGN)
         c_tiles = dynamic_shared((BM // 64 * c_tiles_per_round, 64, c_cols), out_type,
@@ -147,14 +179,23 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
         first_thread = tid % WARP_GROUP_THREADS == 0
         for s in kiln.static_range(STAGES):
             full.init(s, count=1, predicate=tid == 0)
-            empty.init(s, count=BM // 64, predicate=tid == 0)
+            empty.init(s, count=BM // 64 * CLUSTER_M, predicate=tid == 0)
         nvidia_asm.fence_mbarrier_init()
-        kiln.barrier()
+        if CLUSTER_M > 1:
+            nvidia_asm.cluster_sync()  # the peer's barriers exist before anything signals them
+            rank = nvidia_asm.cluster_ctarank()
+        else:
+            kiln.barrier()
+            rank = 0
 
-        tiles_m = (m + BM - 1) // BM
+        # A pair of CTAs works on CLUSTER_M vertically adjacent tiles (a "pair tile") at once.
+        tiles_m = (m + BM * CLUSTER_M - 1) // (BM * CLUSTER_M)
         tiles_n = (n + BN - 1) // BN
         k_tiles = (k + BK - 1) // BK
         num_tiles = tiles_m * tiles_n
+        first_tile = kiln.block_id(0) // CLUSTER_M
+        tile_step = kiln.num_blocks(0) // CLUSTER_M
+        group_m = max(1, GROUP_M // CLUSTER_M)
         stage_bytes = tma.box_bytes(a_map) + chunks * tma.box_bytes(b_map)
         if warp_group == 0:
             nvidia_asm.setmaxnreg(PRODUCER_REGS, increase=False)
@@ -162,16 +203,16 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
                 tma.prefetch_descriptor(a_map)
                 tma.prefetch_descriptor(b_map)
                 use = 0
-                for tile in kiln.range(kiln.block_id(0), num_tiles, kiln.num_blocks(0)):
-                    m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+                for tile in kiln.range(first_tile, num_tiles, tile_step):
+                    m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM * CLUSTER_M, BN, group_m)
+                    m0 = m0 + rank * BM
                     for kt in kiln.range(0, k_tiles):
                         stage = use % STAGES
                         empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
+                        # All of B arrives here, half of it from the peer's multicast.
                         full.arrive_expect_tx(stage, stage_bytes)
                         tma.load(a_map, a_tiles.tile(stage), (kt * BK, m0), full, stage)
-                        for j in kiln.static_range(chunks):
-                            tma.load(b_map, b_tiles.tile(stage * chunks + j),
-                                     b_coords(kt * BK, n0 + 64 * j), full, stage)
+                        load_b(b_map, b_tiles, full, stage, kt * BK, n0, rank)
                         use = use + 1
         else:
             nvidia_asm.setmaxnreg(CONSUMER_REGS, increase=True)
@@ -183,8 +224,9 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
             a_stage_units = BM * BK * in_type.itemsize // 16  # descriptor address units
             b_stage_units = BN * BK * in_type.itemsize // 16
             use = 0
-            for tile in kiln.range(kiln.block_id(0), num_tiles, kiln.num_blocks(0)):
-                m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+            for tile in kiln.range(first_tile, num_tiles, tile_step):
+                m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM * CLUSTER_M, BN, group_m)
+                m0 = m0 + rank * BM
                 acc = wgmma.fragment_zeros(BN)
                 for kt in kiln.range(0, k_tiles):
                     stage = use % STAGES
@@ -202,15 +244,17 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
                     # its stage, which goes back to the producer.
                     wgmma.wait_group(1)
                     if (kt > 0) & first_thread:
-                        empty.arrive((use + STAGES - 1) % STAGES)
+                        release(empty, (use + STAGES - 1) % STAGES)
                     use = use + 1
                 wgmma.wait_group(0)
                 if first_thread:
-                    empty.arrive((use + STAGES - 1) % STAGES)
+                    release(empty, (use + STAGES - 1) % STAGES)
                 _store_tile(acc, c_map, c_tiles, consumer, m0 + consumer * 64, n0, first_thread,
                             BN // epilogue_n, c_tiles_per_round, c_cols)
             if first_thread:
                 tma.wait_group(0, read=True)  # the staging tiles must outlive the last store
+        if CLUSTER_M > 1:
+            nvidia_asm.cluster_sync()  # the peer may still arrive on this CTA's barriers
 
     gemm.__name__ = gemm.__qualname__ = f"hopper_gemm_{dtype}_{out_dtype}_{b_major}"
     return kiln.kernel(gemm)

@@ -68,7 +68,8 @@ def _barrier(op, p):
 
 
 # Inline PTX the DSL emits (kiln.nvidia_asm), by asm string.
-_INLINE_ASM = {"bar.sync $0, $1;": "named_barrier"}
+_INLINE_ASM = {"bar.sync $0, $1;": "named_barrier",
+               "bar.arrive $0, $1;": "named_barrier_arrive"}
 
 
 @semantics("llvm.inline_asm")
@@ -77,13 +78,14 @@ def _inline_asm(op, p):
 
     text = ir.StringAttr(op.attributes["asm_string"]).value
     loc = location(op)
-    if _INLINE_ASM.get(text) != "named_barrier":
+    kind = _INLINE_ASM.get(text)
+    if kind is None:
         raise UnsupportedError(f"the interpreter has no semantics for inline asm {text!r} yet",
                                fix="use the DSL's wrappers (kiln.nvidia_asm)", loc=loc)
     barrier_id, count = p.operands(op)
 
     def run(env, ctx):
-        ctx.cta.named_barrier(ctx, int(env[barrier_id][0]), int(env[count][0]), loc)
+        getattr(ctx.cta, kind)(ctx, int(env[barrier_id][0]), int(env[count][0]), loc)
 
     return run
 
@@ -133,3 +135,23 @@ def _elect_sync(op, p):
            "nvvm.fence.proxy.release", "rocdl.sched.barrier", "rocdl.s.setprio")
 def _no_effect(op, p):
     return None
+
+
+@semantics("gpu.subgroup_broadcast")
+def _subgroup_broadcast(op, p):
+    """Every lane gets the value of its warp's first active lane (``first_active_lane``) or of
+    the lane operand (``specific_lane``)."""
+    value, *lane_operand = p.operands(op)
+    out = p.result(op)
+
+    def run(env, ctx):
+        ws = ctx.cta.warp_size
+        v = np.broadcast_to(env[value], (ctx.size,) + env[value].shape[1:])
+        warp_base = np.arange(ctx.size) - ctx.thread_ids % ws
+        if lane_operand:
+            src = np.broadcast_to(env[lane_operand[0]], (ctx.size,)).astype(np.int64)
+        else:
+            src = np.argmax(ctx.active().reshape(-1, ws), axis=1).repeat(ws)
+        env[out] = v[warp_base + src]
+
+    return run

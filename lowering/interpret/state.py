@@ -283,6 +283,16 @@ class CTA:
                          lambda: f"named barrier {barrier_id} ({state[0]} of {num_threads} "
                                  "threads arrived)", loc)
 
+    def named_barrier_arrive(self, ctx: Context, barrier_id: int, num_threads: int,
+                             loc) -> None:
+        """``bar.arrive id, n``: count toward ``n`` like ``bar.sync`` but never wait."""
+        state = self._named.setdefault(barrier_id, [0, 0])
+        state[0] += int(ctx.active().sum())
+        if state[0] >= num_threads:
+            state[0] = 0
+            state[1] += 1
+            self.cond.notify_all()
+
     def _release_barrier(self) -> None:
         self._barrier_arrived = 0
         self._barrier_generation += 1

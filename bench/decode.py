@@ -1,0 +1,127 @@
+"""Kiln's split-KV paged decode vs torch (page gather + SDPA) and vs measured copy bandwidth.
+
+Grid (the field's standard decode shapes): Hq 64 / Hkv 8, D 128, bf16 cache of ``--page-size``
+rows per page, context 4k / 16k / 64k, batch 1 / 4 / 16, Sq 1 / 4 (draft tokens, bottom-right
+causal).
+
+Method: every shape is first checked against a float32 torch reference (gather + SDPA; max
+abs error < 3e-2, NaN fails). Then Kiln (``decode`` + ``combine``, and ``decode`` alone) and
+the torch implementation are timed with CUDA events after a warm-up, median of ``--repeat``
+samples. GB/s counts the bytes decode must move: the K and V pages of every sequence plus q
+and the output. The copy bandwidth is a ``torch`` device-to-device copy of a 2 GiB buffer
+(read + write bytes), measured in the same process; the ratio column is Kiln's GB/s over it
+(goal: >= 0.80 at ctx >= 16k).
+
+Usage (on an H100): ``python bench/decode.py [--json out.json] [--repeat 20] [--page-size 64]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+HQ, HKV, HEAD_DIM = 64, 8, 128
+CONTEXTS = (4096, 16384, 65536)
+BATCHES = (1, 4, 16)
+DRAFT_TOKENS = (1, 4)
+
+
+def time_ms(torch, fn, repeat: int, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` over ``repeat`` CUDA-event-timed calls."""
+    for _ in range(warmup):
+        fn()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeat):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(torch, repeat: int) -> float:
+    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")  # 2 GiB
+    dst = torch.empty_like(src)
+    ms = time_ms(torch, lambda: dst.copy_(src), repeat)
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def make_problem(torch, batch, ctx, sq, page_size):
+    pages = ctx // page_size
+    num_pages = batch * pages
+    kc = torch.randn(num_pages, page_size, HKV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(num_pages, device="cuda").view(batch, pages).int()
+    q = torch.randn(batch, sq, HQ, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    return q, kc, vc, table, seq_lens
+
+
+def torch_decode(torch, q, kc, vc, table, seq_lens, dtype=None):
+    """Gather each sequence's pages, then SDPA with the draft tokens' causal mask."""
+    batch, sq = q.shape[:2]
+    ctx = int(seq_lens[0])
+    dtype = dtype or q.dtype
+    k = kc[table.long()].view(batch, -1, HKV, HEAD_DIM)[:, :ctx].to(dtype).transpose(1, 2)
+    v = vc[table.long()].view(batch, -1, HKV, HEAD_DIM)[:, :ctx].to(dtype).transpose(1, 2)
+    k = k.repeat_interleave(HQ // HKV, dim=1)
+    v = v.repeat_interleave(HQ // HKV, dim=1)
+    positions = torch.arange(ctx, device=q.device)
+    mask = positions[None, :] <= (ctx - sq + torch.arange(sq, device=q.device))[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(q.to(dtype).transpose(1, 2), k, v,
+                                                           attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+def bench(torch, batch, ctx, sq, page_size, repeat, copy_gbs) -> dict:
+    from kiln.kernels.attention.decode import decode, decode_attention
+
+    problem = make_problem(torch, batch, ctx, sq, page_size)
+    out, _ = decode_attention(*problem)
+    reference = torch_decode(torch, *problem, dtype=torch.float32)
+    error = (out.float() - reference).abs().max().item()
+    if not error < 3e-2:  # also catches NaN
+        raise SystemExit(f"Kiln decode wrong at batch {batch} ctx {ctx} Sq {sq}: "
+                         f"max abs error {error}")
+    q = problem[0]
+    nbytes = 2 * batch * ctx * HKV * HEAD_DIM * 2 + 2 * q.numel() * 2
+    kiln_ms = time_ms(torch, lambda: decode_attention(*problem), repeat)
+    split_ms = time_ms(torch, lambda: decode(*problem), repeat)
+    torch_ms = time_ms(torch, lambda: torch_decode(torch, *problem), repeat)
+    kiln_gbs = nbytes / kiln_ms / 1e6
+    return {"batch": batch, "ctx": ctx, "sq": sq, "page_size": page_size, "max_abs_error": error,
+            "kiln_ms": kiln_ms, "kiln_split_only_ms": split_ms, "torch_ms": torch_ms,
+            "kiln_gbs": kiln_gbs, "torch_gbs": nbytes / torch_ms / 1e6, "copy_gbs": copy_gbs,
+            "ratio_to_copy": kiln_gbs / copy_gbs, "speedup_vs_torch": torch_ms / kiln_ms}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--page-size", type=int, default=64)
+    args = parser.parse_args()
+    import torch  # imported after argparse so --help works without a GPU stack
+
+    copy_gbs = copy_bandwidth_gbs(torch, args.repeat)
+    rows = [bench(torch, batch, ctx, sq, args.page_size, args.repeat, copy_gbs)
+            for ctx in CONTEXTS for batch in BATCHES for sq in DRAFT_TOKENS]
+    print(f"{torch.cuda.get_device_name()}: Hq {HQ} / Hkv {HKV}, D {HEAD_DIM}, bf16, page "
+          f"{args.page_size}; copy bandwidth {copy_gbs:.0f} GB/s")
+    print(f"{'ctx':>6} {'batch':>5} {'Sq':>3} {'Kiln ms':>8} {'split ms':>8} {'torch ms':>8} "
+          f"{'Kiln GB/s':>9} {'torch GB/s':>10} {'/copy':>6} {'vs torch':>8}")
+    for r in rows:
+        print(f"{r['ctx']:>6} {r['batch']:>5} {r['sq']:>3} {r['kiln_ms']:8.3f} "
+              f"{r['kiln_split_only_ms']:8.3f} {r['torch_ms']:8.3f} {r['kiln_gbs']:9.0f} "
+              f"{r['torch_gbs']:10.0f} {r['ratio_to_copy']:6.2f} {r['speedup_vs_torch']:8.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs,
+                       "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

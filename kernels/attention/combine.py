@@ -1,0 +1,268 @@
+"""Split-KV combine: merge ``C`` partial attention outputs per query row by their LSE.
+
+For each query row ``(b, q, h)`` with ``C = split_counts[b, q, h]`` valid slots::
+
+    m = max_s LSE_s;  w_s = exp(LSE_s - m);  Z = sum_s w_s
+    O = sum_s w_s * O_s / Z   (f32 accumulate);   LSE = ln Z + m
+
+``C == 0``, or ``Z`` zero / non-finite, gives ``O = 0``, ``LSE = -inf``. The reduction runs in
+base 2 (``exp2``/``log2``, one multiply by ``log2 e`` per LSE when the producer's LSE is
+natural-log). Partials follow the :class:`~kiln.kernels.attention.partials.Partials`
+contract the producer declares; ``combine`` checks it when it compiles.
+
+Schedule (one CTA = 512 threads reduces a 64-row tile of flat ``(q, h)`` rows of one batch;
+grid ``(ceil(Sq * H / 64), 1, B)``; 8 threads per row):
+
+=======  ===================================================================================
+phase    work
+=======  ===================================================================================
+LSE      each thread loads ``max_splits / 8`` LSE slots of its row (slots ``>= C`` masked to
+         ``-inf``), max and sum of ``exp2`` over the row's 8 threads with XOR shuffles; the
+         normalised weights ``w_s / Z`` go to a ``64 x max_splits`` f32 shared tile
+merge    loop over ``s < C`` only (short-circuit at the largest valid split), two splits per
+         iteration: 16-byte vector loads of both splits' ``O_partial`` rows are issued before
+         either is accumulated, so every thread keeps ``2 * D / 16`` loads in flight
+store    ``O`` cast to ``out_dtype`` in vector stores, ``LSE`` by one thread per row
+=======  ===================================================================================
+
+Why plain vector loads (not cp.async or TMA): every ``O_partial`` byte is read exactly once
+and consumed straight from registers, so staging through shared memory would only add
+traffic; the eight threads of a row read 128 contiguous bytes per step, which keeps every
+32-byte sector fully used. Eight (not four) threads per row keep a thread's two splits of
+in-flight vectors at 32 registers: with four, ptxas spilled at D = 128. Latency is hidden
+by the two-split unroll (all loads of an iteration are independent) and several CTAs per SM.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import kiln
+from kiln import f32, i32
+
+from .partials import Partials, partials_of
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class CombineConfig:
+    """Tile shape: ``rows_per_cta`` flat rows, ``threads_per_row`` threads each."""
+
+    rows_per_cta: int = 64
+    threads_per_row: int = 8
+    vector_bytes: int = 16
+
+    @property
+    def threads(self) -> int:
+        return self.rows_per_cta * self.threads_per_row
+
+
+CONFIG = CombineConfig()
+_ROW_LANE_MASKS = tuple(1 << b for b in range(CONFIG.threads_per_row.bit_length() - 1))
+
+
+@kiln.kernel
+def lse_merge(o_part, lse_part, counts, o_out, lse_out, heads: i32, rows: i32,
+              HEAD_DIM: kiln.constexpr, MAX_SPLITS: kiln.constexpr, LOG2_PER_UNIT: kiln.constexpr,
+              WIDTH: kiln.constexpr):
+    """One 64-row tile of one batch (see the module schedule)."""
+    tpr = CONFIG.threads_per_row
+    tid = kiln.thread_id(0)
+    local_row = tid // tpr
+    part = tid % tpr
+    b = kiln.block_id(2)
+    row = kiln.block_id(0) * CONFIG.rows_per_cta + local_row
+    # Rows past the end compute on the last row (every lane joins the shuffles); no store.
+    q = kiln.min(row, rows - 1) // heads
+    h = kiln.min(row, rows - 1) % heads
+    count = kiln.min(kiln.min(counts[b, q, h], MAX_SPLITS), lse_part.shape[0])
+
+    # --- LSE phase: this thread's slots part, part + tpr, ... (base-2 units)
+    slots = (MAX_SPLITS + tpr - 1) // tpr
+    lse2 = []
+    for k in kiln.static_range(slots):
+        s = part + k * tpr
+        lse2.append(lse_part.load(s, b, q, h, mask=s < count, other=-float("inf"))
+                    * LOG2_PER_UNIT)
+    m = lse2[0]
+    for x in lse2[1:]:
+        m = kiln.max(m, x)
+    m = kiln.shuffle.butterfly_reduce(m, _ROW_LANE_MASKS, kiln.max)
+    m_safe = kiln.where(m == -float("inf"), 0.0, m)       # no (-inf) - (-inf) = NaN
+    w = [kiln.exp2(x - m_safe) for x in lse2]
+    z = w[0]
+    for x in w[1:]:
+        z = z + x
+    z = kiln.shuffle.butterfly_reduce(z, _ROW_LANE_MASKS, lambda a, c: a + c)
+    valid = (z > 0.0) & (z < float("inf"))                  # NaN compares false
+    inv_z = kiln.where(valid, kiln.rcp(z), 0.0)
+    weights = kiln.shared((CONFIG.rows_per_cta, slots * tpr), f32)
+    for k in kiln.static_range(slots):
+        weights[local_row, part + k * tpr] = w[k] * inv_z
+    kiln.barrier()
+
+    # --- merge phase: two splits per iteration, loads first
+    chunks = HEAD_DIM // (WIDTH * tpr)
+    ALIGN = WIDTH * o_part.dtype.itemsize  # contiguous rows, HEAD_DIM % (tpr * WIDTH) == 0
+    cols = [(part + k * tpr) * WIDTH for k in range(chunks)]
+    acc = [kiln.values.constant(0.0, f32, (WIDTH,)) for _ in range(chunks)]
+    for s in kiln.range(0, count, 2):
+        s1 = kiln.min(s + 1, count - 1)
+        x0 = [o_part.load(s, b, q, h, c, width=WIDTH, align=ALIGN) for c in cols]
+        x1 = [o_part.load(s1, b, q, h, c, width=WIDTH, align=ALIGN) for c in cols]
+        w0 = weights[local_row, s]
+        w1 = kiln.where(s + 1 < count, weights[local_row, s1], 0.0)
+        acc = [kiln.fma(kiln.cast(b1, f32), w1, kiln.fma(kiln.cast(a0, f32), w0, a))
+               for a, a0, b1 in zip(acc, x0, x1)]
+
+    # --- store
+    if row < rows:
+        for c, a in zip(cols, acc):
+            o_out.store(b, q, h, c, kiln.cast(a, o_out.dtype),
+                        align=WIDTH * o_out.dtype.itemsize)
+        if part == 0:
+            lse_out[b, q, h] = kiln.where(valid, (kiln.log2(z) + m_safe) * LN2,
+                                          -float("inf"))
+
+
+def _vector_width(head_dim: int, dtype: kiln.DType) -> int:
+    width = max(CONFIG.vector_bytes // dtype.itemsize, 1)
+    while width > 1 and head_dim % (width * CONFIG.threads_per_row):
+        width //= 2
+    if head_dim % (width * CONFIG.threads_per_row):
+        raise kiln.UnsupportedError(f"combine needs a head dim divisible by "
+                                    f"{CONFIG.threads_per_row}, got {head_dim}",
+                                    fix=f"pad the head dimension to a multiple of "
+                                        f"{CONFIG.threads_per_row}")
+    return width
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _check_inputs(o_partial, lse_partial, split_counts) -> tuple[int, int, int, int, int]:
+    if len(o_partial.shape) != 5 or len(lse_partial.shape) != 4 or len(split_counts.shape) != 3:
+        raise kiln.KilnValueError(
+            f"combine expects O_partial [split, b, q, h, D], LSE_partial [split, b, q, h] and "
+            f"split_counts [b, q, h]; got shapes {tuple(o_partial.shape)}, "
+            f"{tuple(lse_partial.shape)}, {tuple(split_counts.shape)}",
+            fix="pass the producer's split-major partials unchanged")
+    splits, batch, sq, heads, head_dim = (int(d) for d in o_partial.shape)
+    if tuple(lse_partial.shape) != (splits, batch, sq, heads) or \
+            tuple(split_counts.shape) != (batch, sq, heads):
+        raise kiln.KilnValueError(
+            f"partials disagree: O_partial {tuple(o_partial.shape)}, LSE_partial "
+            f"{tuple(lse_partial.shape)}, split_counts {tuple(split_counts.shape)}",
+            fix="LSE_partial must be O_partial's shape without D; split_counts without split")
+    if kiln.dtype(lse_partial.dtype) is not f32 or kiln.dtype(split_counts.dtype) is not i32:
+        raise kiln.KilnTypeError(f"LSE_partial must be float32 and split_counts int32, got "
+                                 f"{lse_partial.dtype} and {split_counts.dtype}",
+                                 fix="cast them with .astype(np.float32) / .astype(np.int32)")
+    return splits, batch, sq, heads, head_dim
+
+
+def _consumer_contract(producer: Partials | None, o_dtype: kiln.DType,
+                       max_splits: int) -> Partials:
+    """What this combine reads: the producer's log base is followed (both are supported)."""
+    return Partials(producer="kiln.kernels.attention.combine", max_splits=max_splits,
+                    dtype=o_dtype, log_base=producer.log_base if producer else "e")
+
+
+def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
+            out_dtype=kiln.bf16, partials: Any = None, target: str | None = None,
+            backend: str | None = None):
+    """Merge split-KV partials into ``(o [b, q, h, D] out_dtype, lse [b, q, h] f32)``.
+
+    ``max_splits`` is compile-time sizing (at least the largest ``split_counts`` entry);
+    ``partials`` is the producer's :class:`Partials` (or an object with ``.partials``), checked
+    against what this combine reads. Inputs: numpy arrays or torch CUDA tensors (outputs are
+    of the same kind); ``backend="interpret"`` runs the kernel on the CPU interpreter.
+
+    Example::
+
+        o, lse = combine(o_partial, lse_partial, split_counts, max_splits=16,
+                         out_dtype=kiln.f32, backend="interpret")
+    """
+    splits, batch, sq, heads, head_dim = _check_inputs(o_partial, lse_partial, split_counts)
+    o_dtype = kiln.dtype(o_partial.dtype)
+    if o_dtype not in (f32, kiln.bf16, kiln.f16):
+        raise kiln.UnsupportedError(f"combine reads f32, bf16 or f16 O_partial, got {o_dtype}",
+                                    fix="write the partials in f32")
+    out_dtype = kiln.dtype(out_dtype)
+    if out_dtype not in (f32, kiln.bf16, kiln.f16):
+        raise kiln.UnsupportedError(f"combine writes f32, bf16 or f16, got {out_dtype}",
+                                    fix="out_dtype=kiln.bf16 (the default) or kiln.f32")
+    if not isinstance(max_splits, int) or max_splits < 1:
+        raise kiln.KilnValueError(f"max_splits must be a positive int, got {max_splits!r}",
+                                  fix="max_splits=32 covers top-k up to 32")
+    producer = partials_of(partials)
+    contract = _consumer_contract(producer, o_dtype, max_splits)
+    if producer is not None:
+        producer.check_consumer(contract)
+    if backend not in (None, "interpret"):
+        raise kiln.KilnValueError(f"unknown backend {backend!r}",
+                                  fix='backend=None (GPU) or backend="interpret" (CPU)')
+    target = target or "sm_90a"
+    rows = sq * heads
+    if _is_torch(o_partial):
+        import torch
+
+        if not all(t.is_contiguous() for t in (o_partial, lse_partial, split_counts)) or \
+                o_partial.data_ptr() % CONFIG.vector_bytes:
+            raise kiln.KilnValueError("combine reads contiguous partials with a 16-byte aligned "
+                                      "O_partial (its rows are read in 16-byte vectors)",
+                                      fix="pass .contiguous() tensors")
+
+        o = torch.empty((batch, sq, heads, head_dim), device=o_partial.device,
+                        dtype=getattr(torch, {"f32": "float32", "bf16": "bfloat16",
+                                              "f16": "float16"}[out_dtype.name]))
+        lse = torch.empty((batch, sq, heads), device=o_partial.device, dtype=torch.float32)
+    else:
+        if isinstance(split_counts, np.ndarray) and split_counts.size and \
+                int(split_counts.max()) > max_splits:
+            raise kiln.KilnValueError(f"split_counts holds {int(split_counts.max())} splits, "
+                                      f"more than max_splits={max_splits}",
+                                      fix=f"pass max_splits={int(split_counts.max())} or more")
+        o_partial, lse_partial, split_counts = (np.ascontiguousarray(a) for a in
+                                                (o_partial, lse_partial, split_counts))
+        o = np.empty((batch, sq, heads, head_dim), out_dtype.numpy)
+        lse = np.empty((batch, sq, heads), np.float32)
+    if rows == 0 or batch == 0:
+        return o, lse
+    grid = ((rows + CONFIG.rows_per_cta - 1) // CONFIG.rows_per_cta, 1, batch)
+    is_amd = target.startswith("gfx")
+    num_warps = CONFIG.threads // (64 if is_amd else 32)
+    args = (o_partial, lse_partial, split_counts, o, lse, heads, rows)
+    constexprs = dict(HEAD_DIM=head_dim, MAX_SPLITS=max_splits,
+                      LOG2_PER_UNIT=LOG2E if contract.log_base == "e" else 1.0,
+                      WIDTH=_vector_width(head_dim, o_dtype))
+    if backend == "interpret":
+        lse_merge.interpret[grid](*args, target=target, num_warps=num_warps, **constexprs)
+    else:
+        lse_merge[grid](*args, target=target, num_warps=num_warps, **constexprs)
+    return o, lse
+
+
+def compile_combine(dtype=f32, *, head_dim: int = 128, max_splits: int = 32,
+                    out_dtype=kiln.bf16, log_base: str = "e", target: str = "sm_90a"):
+    """The compiled combine kernel (stages, metadata) for ``dtype`` partials, without running.
+
+    Example: ``print(compile_combine("f32", target="gfx950").metadata)``.
+    """
+    dtype, out_dtype = kiln.dtype(dtype), kiln.dtype(out_dtype)
+    o_part = np.zeros((1, 1, 1, 1, head_dim), dtype.numpy)
+    args = (o_part, np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1, 1), np.int32),
+            np.zeros((1, 1, 1, head_dim), out_dtype.numpy), np.zeros((1, 1, 1), np.float32),
+            1, 1)
+    num_warps = CONFIG.threads // (64 if target.startswith("gfx") else 32)
+    return lse_merge.compile(*args, target=target, num_warps=num_warps, HEAD_DIM=head_dim,
+                             MAX_SPLITS=max_splits,
+                             LOG2_PER_UNIT=LOG2E if log_base == "e" else 1.0,
+                             WIDTH=_vector_width(head_dim, dtype))

@@ -1,0 +1,162 @@
+"""kiln.kernels.attention.combine: LSE merge of split-KV partials, and the Partials contract.
+
+Interpreter runs against a float64 numpy reference with fresh random inputs: random split
+counts including 0, empty splits (LSE -inf, O 0) inside the valid range, rows whose every
+split is empty, row counts that are not multiples of the 64-row tile, several head dims and
+both log bases. Slots past each row's count hold NaN: reading one would poison the output.
+"""
+
+import re
+
+import numpy as np
+import pytest
+
+import kiln
+from kiln.kernels.attention import Partials, PartialsMismatchError, combine, compile_combine
+
+
+def make_partials(rng, splits, batch, sq, heads, head_dim, *, empty_fraction=0.2, log_base="e"):
+    o = rng.standard_normal((splits, batch, sq, heads, head_dim)).astype(np.float32)
+    lse = (rng.standard_normal((splits, batch, sq, heads)) * 4.0).astype(np.float32)
+    counts = rng.integers(0, splits + 1, (batch, sq, heads)).astype(np.int32)
+    empty = rng.random(lse.shape) < empty_fraction
+    lse[empty] = -np.inf
+    o[empty] = 0.0
+    slot = np.arange(splits)[:, None, None, None]
+    unused = slot >= counts[None]
+    lse[unused] = np.nan                      # never read
+    o[unused] = np.nan
+    if log_base == "2":
+        lse = (lse * np.log2(np.e)).astype(np.float32)
+    return o, lse, counts
+
+
+def reference(o, lse, counts, log_base="e"):
+    """float64 (o, lse) with the C == 0 / Z == 0 conventions."""
+    lse = lse.astype(np.float64) * (np.log(2.0) if log_base == "2" else 1.0)
+    slot = np.arange(o.shape[0])[:, None, None, None]
+    lse = np.where(slot < counts[None], lse, -np.inf)
+    m = lse.max(axis=0)
+    finite = np.isfinite(m)
+    m_safe = np.where(finite, m, 0.0)
+    w = np.exp(lse - m_safe)
+    z = w.sum(axis=0)
+    o64 = np.where((slot < counts[None])[..., None], o.astype(np.float64), 0.0)
+    out = (w[..., None] * o64).sum(axis=0) / np.where(z > 0, z, 1.0)[..., None]
+    valid = finite & (z > 0)
+    return (np.where(valid[..., None], out, 0.0),
+            np.where(valid, np.log(np.where(valid, z, 1.0)) + m_safe, -np.inf))
+
+
+def assert_matches(o, lse, o_ref, lse_ref, tol):
+    np.testing.assert_allclose(o.astype(np.float64), o_ref, rtol=tol, atol=tol)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+    finite = np.isfinite(lse_ref)
+    np.testing.assert_allclose(lse[finite], lse_ref[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits,batch,sq,heads,head_dim", [
+    (5, 2, 3, 37, 64),       # 111 rows: one full and one partial tile
+    (16, 1, 1, 32, 128),     # decode shape, half a tile
+    (2, 3, 5, 13, 256),
+    (7, 1, 70, 1, 80),       # head dim with 4-wide vectors only
+])
+def test_combine_matches_float64(splits, batch, sq, heads, head_dim):
+    rng = np.random.default_rng()
+    o_p, lse_p, counts = make_partials(rng, splits, batch, sq, heads, head_dim)
+    counts.flat[0] = 0                                  # at least one row with no split
+    if splits > 1:                                      # a row whose valid splits are empty
+        last = (batch - 1, sq - 1, heads - 1)
+        counts[last] = 2
+        lse_p[(slice(0, 2),) + last] = -np.inf
+        o_p[(slice(0, 2),) + last] = 0.0
+    o, lse = combine(o_p, lse_p, counts, max_splits=max(splits, 8), out_dtype=kiln.f32,
+                     backend="interpret")
+    assert_matches(o, lse, *reference(o_p, lse_p, counts), tol=1e-5)
+    assert not np.isnan(o).any()
+
+
+def test_bf16_output_and_log_base_2_partials():
+    rng = np.random.default_rng()
+    o_p, lse_p, counts = make_partials(rng, 9, 2, 4, 24, 128, log_base="2")
+    produced = Partials(producer="test-producer", max_splits=9, log_base="2")
+    o, lse = combine(o_p, lse_p, counts, max_splits=16, partials=produced, backend="interpret")
+    assert o.dtype == kiln.bf16.numpy
+    assert_matches(o, lse, *reference(o_p, lse_p, counts, log_base="2"), tol=1e-2)
+
+
+def test_large_lse_magnitudes_stay_finite():
+    rng = np.random.default_rng()
+    o_p, lse_p, counts = make_partials(rng, 4, 1, 2, 40, 64, empty_fraction=0.0)
+    lse_p = np.where(np.isnan(lse_p), lse_p, lse_p * 30.0 + 500.0).astype(np.float32)
+    o, lse = combine(o_p, lse_p, counts, max_splits=4, out_dtype=kiln.f32, backend="interpret")
+    assert_matches(o, lse, *reference(o_p, lse_p, counts), tol=1e-5)
+
+
+def test_producer_carrying_partials_is_accepted():
+    class Producer:
+        partials = Partials(producer="decode", max_splits=4)
+
+    rng = np.random.default_rng()
+    o_p, lse_p, counts = make_partials(rng, 4, 1, 1, 8, 64)
+    o, lse = combine(o_p, lse_p, counts, max_splits=4, out_dtype=kiln.f32, partials=Producer(),
+                     backend="interpret")
+    assert_matches(o, lse, *reference(o_p, lse_p, counts), tol=1e-5)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("max_splits", 64, "max_splits: decode may write 64 splits, .*combine is sized for 32"),
+    ("depth_order", "stg128", "depth_order: decode writes 'stg128', .*combine reads 'natural'"),
+    ("layout", ("b", "q", "h", "split", "d"), "layout: decode writes"),
+    ("dtype", kiln.bf16, "dtype: decode writes .*bf16"),
+])
+def test_disagreeing_partials_fail_naming_both_sides(field, value, match):
+    rng = np.random.default_rng()
+    o_p, lse_p, counts = make_partials(rng, 2, 1, 1, 4, 64)
+    produced = Partials(**{"producer": "decode", "max_splits": 2, field: value})
+    with pytest.raises(PartialsMismatchError, match=match):
+        combine(o_p, lse_p, counts, partials=produced, backend="interpret")
+
+
+def test_bad_inputs_are_rejected_before_compiling():
+    rng = np.random.default_rng()
+    o_p, lse_p, counts = make_partials(rng, 3, 1, 2, 4, 64, empty_fraction=0.0)
+    counts[:] = 3
+    with pytest.raises(kiln.KilnValueError, match="more than max_splits=2"):
+        combine(o_p, lse_p, counts, max_splits=2, backend="interpret")
+    with pytest.raises(kiln.KilnValueError, match="partials disagree"):
+        combine(o_p, lse_p[:, :, :1], counts, backend="interpret")
+    with pytest.raises(kiln.KilnTypeError, match="split_counts int32"):
+        combine(o_p, lse_p, counts.astype(np.int64), backend="interpret")
+    with pytest.raises(kiln.KilnTypeError, match="Partials or an object"):
+        combine(o_p, lse_p, counts, partials="decode", backend="interpret")
+    with pytest.raises(kiln.KilnValueError, match="log_base"):
+        Partials(producer="p", max_splits=2, log_base="10")
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("target", ["sm_90a", "gfx950"])
+def test_combine_compiles_to_16_byte_loads_without_spills(target):
+    ck = compile_combine(target=target, head_dim=128, max_splits=32)
+    if target == "sm_90a":
+        assert "ld.global.v4.b32" in ck.asm["ptx"]
+        assert ck.metadata["spill_bytes"] == 0
+    else:
+        assert re.search(r"global_load_dwordx4", ck.asm["amdgcn"])
+        assert ck.metadata["scratch_bytes"] == 0
+    assert ck.metadata.get("shared_bytes", ck.metadata.get("lds_bytes")) == 64 * 32 * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits,batch,sq,heads,head_dim", [(16, 4, 1, 32, 128),
+                                                            (2, 1, 300, 16, 64)])
+def test_combine_on_gpu_matches_torch(splits, batch, sq, heads, head_dim):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    rng = np.random.default_rng()
+    o_p, lse_p, counts = make_partials(rng, splits, batch, sq, heads, head_dim)
+    dev = [torch.from_numpy(a).cuda() for a in (o_p, lse_p, counts)]
+    o, lse = combine(*dev, max_splits=max(splits, 2), out_dtype=kiln.f32)
+    o_ref, lse_ref = reference(o_p, lse_p, counts)
+    assert_matches(o.cpu().numpy(), lse.cpu().numpy(), o_ref, lse_ref, tol=1e-4)

@@ -1,0 +1,258 @@
+"""Split-KV paged decode: the interpreter against a float64 numpy reference; GPU against torch."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kiln
+from kiln.kernels.attention.decode import DecodeConfig, decode, default_num_splits
+
+BN = DecodeConfig().block_n
+D = 64
+
+
+def _problem(rng, batch, sq, hq, hkv, page_size, seq_lens, *, sinks=False):
+    max_pages = -(-max(seq_lens) // page_size)
+    num_pages = batch * max_pages + 3
+    shape = (num_pages, page_size, hkv, D)
+    k_cache = rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+    v_cache = rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+    # Pages of every sequence scattered over the pool, beyond-the-end entries are garbage ids.
+    pool = rng.permutation(num_pages)
+    table = pool[:batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    q = rng.standard_normal((batch, sq, hq, D)).astype(ml_dtypes.bfloat16)
+    lens = np.asarray(seq_lens, np.int32)
+    sink = rng.standard_normal(hq).astype(np.float32) if sinks else None
+    return q, k_cache, v_cache, table, lens, sink
+
+
+def _gather(cache, table, b, length):
+    """The first ``length`` logical rows of sequence ``b``: ``[length, Hkv, D]`` float64."""
+    page_size = cache.shape[1]
+    rows = np.arange(length)
+    return cache[table[b, rows // page_size], rows % page_size].astype(np.float64)
+
+
+def _partial(q_row, keys, values, scale, sink=None):
+    """(O, LSE) of softmax over ``keys`` (natural log), with an optional sink logit."""
+    logits = keys @ q_row * scale
+    if sink is not None:
+        logits = np.append(logits, sink)
+    if logits.size == 0:
+        return np.zeros(q_row.shape), -np.inf
+    m = logits.max()
+    w = np.exp(logits - m)
+    o = w[:keys.shape[0]] @ values / w.sum() if keys.shape[0] else np.zeros(q_row.shape)
+    return o, m + np.log(w.sum())
+
+
+def _reference_splits(q, k_cache, v_cache, table, lens, num_splits, scale, sinks=None):
+    """Expected ``O_partial``, ``LSE_partial``, ``split_counts`` of the split schedule."""
+    B, Sq, Hq, _ = q.shape
+    group = Hq // k_cache.shape[2]
+    o = np.zeros((num_splits, B, Sq, Hq, D))
+    lse = np.full((num_splits, B, Sq, Hq), -np.inf)
+    counts = np.zeros((B, Sq, Hq), np.int32)
+    for b in range(B):
+        L = int(lens[b])
+        tiles = -(-L // BN)
+        per_split = max(-(-tiles // num_splits), 1)
+        keys, values = _gather(k_cache, table, b, L), _gather(v_cache, table, b, L)
+        for i in range(Sq):
+            visible = L - Sq + i + 1
+            for h in range(Hq):
+                counts[b, i, h] = -(-(-(-max(visible, 0) // BN)) // per_split)
+                for s in range(num_splits):
+                    lo = min(s * per_split * BN, visible)
+                    hi = min((s + 1) * per_split * BN, max(visible, 0))
+                    sink = sinks[h] if sinks is not None and s == 0 else None
+                    o[s, b, i, h], lse[s, b, i, h] = _partial(
+                        q[b, i, h].astype(np.float64), keys[lo:hi, h // group],
+                        values[lo:hi, h // group], scale, sink)
+    return o, lse, counts
+
+
+def _reference_attention(q, k_cache, v_cache, table, lens, scale):
+    B, Sq, Hq, _ = q.shape
+    group = Hq // k_cache.shape[2]
+    out = np.zeros(q.shape)
+    for b in range(B):
+        L = int(lens[b])
+        keys, values = _gather(k_cache, table, b, L), _gather(v_cache, table, b, L)
+        for i in range(Sq):
+            for h in range(Hq):
+                visible = L - Sq + i + 1
+                out[b, i, h] = _partial(q[b, i, h].astype(np.float64), keys[:visible, h // group],
+                                        values[:visible, h // group], scale)[0]
+    return out
+
+
+def _merge(o_part, lse_part, counts):
+    """numpy LSE merge of the first ``counts`` slots (the combine contract)."""
+    S = o_part.shape[0]
+    valid = np.arange(S)[:, None, None, None] < counts[None]
+    lse = np.where(valid, lse_part, -np.inf)
+    m = lse.max(axis=0)
+    w = np.where(valid, np.exp(lse - np.where(np.isfinite(m), m, 0)), 0.0)
+    z = w.sum(axis=0)
+    return (w[..., None] * np.where(valid[..., None], o_part, 0)).sum(axis=0) / \
+        np.where(z > 0, z, 1)[..., None]
+
+
+def _check_partials(got, want, counts_want):
+    o, lse, counts = got
+    o_want, lse_want, _ = want
+    np.testing.assert_array_equal(counts, counts_want)
+    finite = np.isfinite(lse_want)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], lse_want[finite], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(o, o_want, atol=2e-4)
+
+
+@pytest.mark.parametrize("page_size,group,sq", [(1, 1, 1), (16, 4, 4), (64, 8, 1),
+                                                (16, 8, 4), (64, 1, 4), (16, 4, 16)])
+def test_split_partials_match_numpy(page_size, group, sq):
+    rng = np.random.default_rng()
+    hkv = 2 if group < 8 else 1
+    lens = [int(rng.integers(sq, 3 * BN)), int(rng.integers(2 * BN, 4 * BN))]  # ragged
+    q, kc, vc, table, seq_lens, _ = _problem(rng, 2, sq, group * hkv, hkv, page_size, lens)
+    num_splits = 3
+    got = decode(q, kc, vc, table, seq_lens, num_splits=num_splits, backend="interpret")
+    want = _reference_splits(q, kc, vc, table, seq_lens, num_splits, D ** -0.5)
+    _check_partials(got, want, want[2])
+    merged = _merge(*got)
+    np.testing.assert_allclose(merged, _reference_attention(q, kc, vc, table, seq_lens,
+                                                            D ** -0.5), atol=2e-4)
+
+
+def test_sinks_scale_and_empty_sequence():
+    """A zero-length sequence has no valid split; sinks only enlarge split 0's denominator."""
+    rng = np.random.default_rng()
+    q, kc, vc, table, seq_lens, sinks = _problem(rng, 2, 1, 4, 2, 16, [0, BN + 5], sinks=True)
+    got = decode(q, kc, vc, table, seq_lens, num_splits=2, scale=0.3, sinks=sinks,
+                 backend="interpret")
+    want = _reference_splits(q, kc, vc, table, seq_lens, 2, 0.3, sinks)
+    _check_partials(got, want, want[2])
+    assert (got[2][0] == 0).all()
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_block_sparse_selection(page_size):
+    """Slot j holds block block_table[b, i, kv, j]; -1 padding, empty rows give C = 0."""
+    rng = np.random.default_rng()
+    B, Sq, Hq, Hkv, top_k = 2, 2, 4, 2, 3
+    lens = [4 * BN, 3 * BN + 7]
+    q, kc, vc, table, seq_lens, _ = _problem(rng, B, Sq, Hq, Hkv, page_size, lens)
+    blocks = np.full((B, Sq, Hkv, top_k), -1, np.int32)
+    blocks[0, 0, 0] = [2, 0, -1]
+    blocks[0, 1, 1] = [3, 1, 2]
+    blocks[1, 0, 0] = [3, -1, -1]  # the partial last block
+    blocks[1, 1, 0] = [1, 0, 3]   # blocks[1, 1, 1] and others select nothing
+    o, lse, counts = decode(q, kc, vc, table, seq_lens, block_table=blocks, backend="interpret")
+    group = Hq // Hkv
+    for b in range(B):
+        L = int(seq_lens[b])
+        keys, values = _gather(kc, table, b, L), _gather(vc, table, b, L)
+        for i in range(Sq):
+            visible = L - Sq + i + 1
+            for h in range(Hq):
+                selected = blocks[b, i, h // group]
+                assert counts[b, i, h] == (selected >= 0).sum()
+                for j, blk in enumerate(selected):
+                    if blk < 0:
+                        assert lse[j, b, i, h] == -np.inf and (o[j, b, i, h] == 0).all()
+                        continue
+                    lo, hi = blk * BN, min((blk + 1) * BN, visible)
+                    o_want, lse_want = _partial(q[b, i, h].astype(np.float64),
+                                                keys[lo:hi, h // group], values[lo:hi, h // group],
+                                                D ** -0.5)
+                    np.testing.assert_allclose(lse[j, b, i, h], lse_want, rtol=1e-4)
+                    np.testing.assert_allclose(o[j, b, i, h], o_want, atol=2e-4)
+
+
+def test_bad_inputs_raise_kiln_errors():
+    rng = np.random.default_rng()
+    q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 1, 3, 2, 16, [10])
+    with pytest.raises(kiln.UnsupportedError, match="multiple of Hkv"):
+        decode(q, kc, vc, table, seq_lens, backend="interpret")
+    q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 1, 2, 2, 16, [10])
+    with pytest.raises(kiln.UnsupportedError):
+        decode(q, kc[:, :12], vc[:, :12], table, seq_lens, backend="interpret")
+    with pytest.raises(kiln.KilnTypeError, match="bf16"):
+        decode(q.astype(np.float32), kc, vc, table, seq_lens, backend="interpret")
+
+
+def test_default_num_splits():
+    assert default_num_splits(1, 8, 65536) == 33
+    assert default_num_splits(16, 8, 65536) == 3
+    assert default_num_splits(1, 1, 10) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size,group,sq", [(1, 8, 1), (16, 8, 4), (64, 4, 1), (256, 8, 4)])
+def test_decode_matches_torch(page_size, group, sq):
+    """Against gather + SDPA in float32 (the bottom-right causal mask of draft tokens)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kiln.kernels.attention.decode import decode_attention
+
+    rng = np.random.default_rng()
+    B, Hkv, Dh = 3, 2, 128
+    lens = [int(x) for x in rng.integers(sq, 3000, B)]
+    max_pages = -(-max(lens) // page_size)
+    num_pages = B * max_pages + 5
+    dev = "cuda"
+    kc = torch.randn(num_pages, page_size, Hkv, Dh, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(num_pages, device=dev)[:B * max_pages].view(B, max_pages).int()
+    q = torch.randn(B, sq, Hkv * group, Dh, device=dev, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens, device=dev, dtype=torch.int32)
+    out, _ = decode_attention(q, kc, vc, table, seq_lens)
+    for b, L in enumerate(lens):
+        rows = torch.arange(L, device=dev)
+        k = kc[table[b, rows // page_size].long(), rows % page_size].float()  # [L, Hkv, D]
+        v = vc[table[b, rows // page_size].long(), rows % page_size].float()
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        qb = q[b].float().transpose(0, 1)  # [Hq, Sq, D]
+        last_key = L - sq + torch.arange(sq, device=dev)
+        mask = torch.arange(L, device=dev)[None, :] <= last_key[:, None]
+        ref = torch.nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=mask)
+        torch.testing.assert_close(out[b].float().transpose(0, 1), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("page_size,group,sq,sparse", [(1, 8, 1, False), (64, 8, 4, False),
+                                                       (16, 8, 16, False), (256, 4, 1, True)])
+def test_decode_compiles_for_hopper(page_size, group, sq, sparse):
+    """The full sm_90a pipeline (through ptxas) accepts every page-size class without spills."""
+    from kiln.kernels.attention.decode import compile_decode
+
+    compiled = compile_decode(target="sm_90a", head_dim=128, group=group, sq=sq,
+                              page_size=page_size, block_sparse=sparse)
+    assert compiled.metadata["spill_bytes"] == 0
+    assert "cp.async.bulk.tensor.2d" in compiled.asm["ptx"]
+
+
+def test_partials_contract_is_natural_log_split_major():
+    from kiln.kernels.attention.decode import decode_partials
+    from kiln.kernels.attention.partials import Partials, PartialsMismatchError
+
+    produced = decode_partials(8)
+    produced.check_consumer(Partials(producer="combine", max_splits=32))
+    with pytest.raises(PartialsMismatchError, match="log_base"):
+        produced.check_consumer(Partials(producer="combine", max_splits=32, log_base="2"))
+    with pytest.raises(PartialsMismatchError, match="max_splits"):
+        produced.check_consumer(Partials(producer="combine", max_splits=4))
+
+
+def test_decode_attention_combines_to_the_full_softmax():
+    from kiln.kernels.attention.decode import decode_attention
+
+    rng = np.random.default_rng()
+    q, kc, vc, table, seq_lens, _ = _problem(rng, 2, 4, 8, 2, 16, [3 * BN - 5, 7])
+    out, lse = decode_attention(q, kc, vc, table, seq_lens, num_splits=3, backend="interpret")
+    want = _reference_attention(q, kc, vc, table, seq_lens, D ** -0.5)
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2)
+    assert np.isfinite(np.asarray(lse)).all()

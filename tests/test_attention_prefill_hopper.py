@@ -1,0 +1,250 @@
+"""The Hopper attention prefill: interpreter correctness against the float64 reference, input
+checks, compile-only checks (``lower``) and results on a GPU (``gpu``, vs torch SDPA)."""
+
+import re
+import subprocess
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kiln
+from attention_reference import attention_reference, random_qkv, visible_keys
+from kiln.kernels.attention.prefill import compile_prefill, prefill
+from kiln.kernels.attention.prefill_hopper import HopperPrefillConfig
+from kiln.lowering.cuda import cuda_available
+from kiln.lowering.tools import find_ptxas
+
+needs_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and driver")
+STORAGE = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}
+# P is rounded to bf16 before the PV product and O is stored in bf16: a few bf16 ulps of |o| <= 4.
+O_TOLERANCE = 2.5e-2
+LSE_TOLERANCE = 1e-2
+
+
+def _check(rng, *, batch=1, sq=None, sk=None, hq=2, hkv=1, d=64, dtype="bf16", ragged=None,
+           with_sinks=False, scale=None, **mask):
+    lengths_q, lengths_k = ragged if ragged else (None, None)
+    q, k, v, cu_q, cu_k = random_qkv(rng, batch=batch, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d,
+                                     ragged_q=lengths_q, ragged_k=lengths_k)
+    sinks = rng.standard_normal(hq).astype(np.float32) * 2 if with_sinks else None
+    cast = STORAGE[dtype]
+    o, lse = prefill(q.astype(cast), k.astype(cast), v.astype(cast), sinks=sinks, scale=scale,
+                     cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True,
+                     backend="interpret", target="sm_90a", **mask)
+    want_o, want_lse = attention_reference(q, k, v, sinks=sinks, scale=scale, cu_seqlens_q=cu_q,
+                                           cu_seqlens_k=cu_k, return_lse=True, **mask)
+    assert o.dtype == cast and o.shape == q.shape
+    np.testing.assert_allclose(o.astype(np.float64), want_o, atol=O_TOLERANCE, rtol=0)
+    assert lse.shape == want_lse.shape
+    finite = np.isfinite(want_lse)
+    assert np.array_equal(np.isfinite(lse), finite)  # rows that see no key: -inf, never NaN
+    np.testing.assert_allclose(lse[finite], want_lse[finite], atol=LSE_TOLERANCE, rtol=0)
+    return want_lse
+
+
+MASK_CASES = {
+    "none": dict(),
+    "causal": dict(causal=True),
+    "window": dict(window=(37, 5)),
+    "window_left_only": dict(window=(50, -1)),
+    "causal_window": dict(causal=True, window=(70, 0)),
+    "chunk": dict(chunk=48),
+    "causal_chunk": dict(causal=True, chunk=100),
+}
+
+
+@pytest.mark.parametrize("mask", MASK_CASES.values(), ids=MASK_CASES.keys())
+def test_every_mask_kind(mask):
+    # 150 queries x 290 keys: partial query and key tiles, boundary and interior key tiles.
+    _check(np.random.default_rng(), sq=150, sk=290, **mask)
+
+
+@pytest.mark.parametrize("sq,sk", [(300, 100), (64, 64), (1, 200), (200, 1)])
+def test_causal_is_bottom_right_aligned_when_lengths_differ(sq, sk):
+    # sq > sk leaves the first sq - sk query rows with no key at all (o = 0, lse = -inf).
+    want_lse = _check(np.random.default_rng(), sq=sq, sk=sk, causal=True)
+    assert np.isinf(want_lse).any() == (sq > sk)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa4", "mqa8"])
+def test_grouped_query_heads(hq, hkv):
+    _check(np.random.default_rng(), sq=70, sk=130, hq=hq, hkv=hkv, causal=True)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_head_dims(d):
+    _check(np.random.default_rng(), sq=80, sk=200, d=d, window=(90, 20))
+
+
+def test_f16_and_custom_scale():
+    _check(np.random.default_rng(), sq=90, sk=90, dtype="f16", scale=0.3, causal=True)
+
+
+def test_sinks_enlarge_the_denominator():
+    # Causal with sq > sk: rows without keys keep the sink alone (o = 0, lse = sink).
+    _check(np.random.default_rng(), sq=160, sk=120, causal=True, with_sinks=True)
+    _check(np.random.default_rng(), sq=64, sk=200, hq=4, hkv=2, with_sinks=True, chunk=64)
+
+
+def test_ragged_batch():
+    # Empty sequences, lengths below and above one tile, more keys than queries.
+    _check(np.random.default_rng(), batch=4, hq=4, hkv=2, d=128,
+           ragged=([33, 0, 140, 7], [50, 9, 150, 0]), causal=True, with_sinks=True)
+
+
+def test_ragged_batch_with_window():
+    _check(np.random.default_rng(), batch=2, ragged=([129, 40], [129, 300]), window=(60, 60))
+
+
+def test_numpy_output_without_lse_keeps_input_layout():
+    rng = np.random.default_rng()
+    q, k, v, _, _ = random_qkv(rng, batch=2, sq=20, sk=30, hq=2, hkv=2, d=64)
+    bf = ml_dtypes.bfloat16
+    o = prefill(q.astype(bf), k.astype(bf), v.astype(bf), backend="interpret")
+    np.testing.assert_allclose(o.astype(np.float64), attention_reference(q, k, v),
+                               atol=O_TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs,error,words", [
+    (dict(q_shape=(1, 8, 2, 96)), kiln.UnsupportedError, "head dim"),
+    (dict(q_shape=(1, 8, 3, 64)), kiln.KilnValueError, "not a multiple"),
+    (dict(q_shape=(8, 2, 64)), kiln.KilnValueError, "expected [B, S, H, D]"),
+    (dict(dtype=np.float32), kiln.UnsupportedError, "dtypes"),
+    (dict(window=(3,)), kiln.KilnValueError, "window"),
+    (dict(chunk=0), kiln.KilnValueError, "chunk"),
+    (dict(sinks=np.zeros(3, np.float32)), kiln.KilnValueError, "sinks"),
+    (dict(cu_seqlens_q=np.array([0, 8], np.int32)), kiln.KilnValueError, "together"),
+    (dict(backend="cpu"), kiln.KilnValueError, "backend"),
+    (dict(target="sm_80"), kiln.UnsupportedError, "WGMMA"),
+])
+def test_bad_inputs_fail_before_compiling(kwargs, error, words):
+    q_shape = kwargs.pop("q_shape", (1, 8, 2, 64))
+    dtype = kwargs.pop("dtype", ml_dtypes.bfloat16)
+    q = np.ones(q_shape, dtype)
+    k = np.ones((1, 8, 2, 64) if len(q_shape) == 4 else (8, 2, 64), dtype)
+    with pytest.raises(error, match=re.escape(words)) as info:
+        prefill(q, k, k, **kwargs)
+    assert info.value.fix
+
+
+def test_config_rejects_what_does_not_fit():
+    with pytest.raises(kiln.UnsupportedError, match="head_dim"):
+        HopperPrefillConfig(head_dim=96)
+    with pytest.raises(kiln.ResourceError, match="shared memory"):
+        HopperPrefillConfig(head_dim=256, block_n=128, stages=3)
+
+
+@pytest.fixture(scope="module")
+def causal_d128():
+    return compile_prefill(target="sm_90a", head_dim=128, dtype="bf16", causal=True,
+                           return_lse=True)
+
+
+@pytest.mark.lower
+def test_ptx_has_the_hopper_pipeline(causal_d128):
+    ptx = " ".join(causal_d128.asm["ptx"].split())
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx
+    assert "setmaxnreg.dec.sync.aligned.u32 24" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 240" in ptx
+    assert "mbarrier.try_wait.parity" in ptx
+    assert ".maxntid 384, 1, 1" in ptx
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_no_spills(d):
+    ck = compile_prefill(target="sm_90a", head_dim=d, dtype="f16", window=(128, 0), group=4,
+                         sinks=True)
+    assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
+    config = HopperPrefillConfig.for_head_dim(d)
+    assert ck.signature.dynamic_shared_bytes >= config.shared_bytes()
+    assert ck.signature.block == (384, 1, 1)
+
+
+@pytest.mark.lower
+@pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
+def test_ptxas_keeps_setmaxnreg_and_wgmma_async(causal_d128, tmp_path):
+    ptx = tmp_path / "prefill.ptx"
+    ptx.write_text(causal_d128.asm["ptx"])
+    done = subprocess.run([str(find_ptxas()), "-arch=sm_90a", "-v", str(ptx), "-o",
+                           str(tmp_path / "prefill.cubin")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "0 bytes spill stores" in done.stderr
+    assert "setmaxnreg ignored" not in done.stderr
+    assert "serialized" not in done.stderr  # ptxas would serialise WGMMAs it cannot pipeline
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU: against torch SDPA with a float32 reference
+# ---------------------------------------------------------------------------------------------
+
+def sdpa_reference(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale=None):
+    """float32 ``torch.nn.functional.scaled_dot_product_attention`` of dense bf16 inputs in the
+    prefill conventions: GQA by repeating KV heads, the mask as a float bias, a sink as one more
+    key with zero key and value vectors whose bias is the sink logit. Rows that see nothing
+    (SDPA returns NaN there) are set to 0, as prefill defines them."""
+    import torch
+
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    qf, kf, vf = (x.float().transpose(1, 2) for x in (q, k, v))
+    kf = kf.repeat_interleave(hq // hkv, dim=1)
+    vf = vf.repeat_interleave(hq // hkv, dim=1)
+    visible = torch.from_numpy(visible_keys(sq, sk, causal=causal, window=window, chunk=chunk))
+    bias = torch.zeros(sq, sk).masked_fill(~visible, float("-inf")).to(q.device)
+    bias = bias.expand(b, hq, sq, sk)
+    if sinks is not None:
+        kf = torch.cat([kf, kf.new_zeros(b, hq, 1, d)], dim=2)
+        vf = torch.cat([vf, vf.new_zeros(b, hq, 1, d)], dim=2)
+        sink_bias = sinks.float().view(1, hq, 1, 1).expand(b, hq, sq, 1)
+        bias = torch.cat([bias, sink_bias], dim=3)
+    out = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=bias,
+                                                           scale=scale)
+    return torch.nan_to_num(out, nan=0.0).transpose(1, 2)
+
+
+GPU_CASES = {
+    "causal_gqa": dict(b=2, sq=1000, sk=1000, hq=8, hkv=2, d=128, causal=True),
+    "causal_sq_lt_sk": dict(b=1, sq=300, sk=777, hq=4, hkv=4, d=64, causal=True),
+    "window_sinks": dict(b=2, sq=513, sk=513, hq=4, hkv=1, d=128, window=(100, 20), sinks=True),
+    "chunk_d256": dict(b=1, sq=400, sk=400, hq=2, hkv=1, d=256, chunk=128),
+    "none_d64": dict(b=3, sq=257, sk=129, hq=16, hkv=16, d=64),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
+def test_matches_torch_sdpa_on_gpu(case):
+    import torch
+
+    case = dict(case)
+    b, sq, sk, hq, hkv, d = (case.pop(n) for n in ("b", "sq", "sk", "hq", "hkv", "d"))
+    with_sinks = case.pop("sinks", False)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
+    sinks = torch.randn(hq, device="cuda") if with_sinks else None
+    o = prefill(q, k, v, sinks=sinks, **case)
+    want = sdpa_reference(q, k, v, sinks=sinks, **case)
+    error = (o.float() - want).abs().max().item()
+    assert error < 2e-2, error
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_ragged_and_lse_on_gpu():
+    import torch
+
+    rng = np.random.default_rng()
+    q, k, v, cu_q, cu_k = random_qkv(rng, batch=3, sq=None, sk=None, hq=4, hkv=2, d=128,
+                                     ragged_q=[300, 1, 129], ragged_k=[400, 64, 129])
+    dev = [torch.from_numpy(x).to("cuda", torch.bfloat16) for x in (q, k, v)]
+    o, lse = prefill(*dev, cu_seqlens_q=torch.from_numpy(cu_q).cuda(),
+                     cu_seqlens_k=torch.from_numpy(cu_k).cuda(), causal=True, return_lse=True)
+    want_o, want_lse = attention_reference(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                           causal=True, return_lse=True)
+    np.testing.assert_allclose(o.float().cpu().numpy(), want_o, atol=O_TOLERANCE, rtol=0)
+    np.testing.assert_allclose(lse.cpu().numpy(), want_lse, atol=LSE_TOLERANCE, rtol=0)
