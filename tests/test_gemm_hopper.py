@@ -218,3 +218,18 @@ def test_matmul_numpy_f32_output():
     c = matmul(a, b, out_dtype="f32")
     assert c.dtype == np.float32 and _relative_error(c, a, b) < 1e-3
 
+
+
+@pytest.mark.lower
+def test_cluster_dims_rejects_oversized_and_conflicting_shapes():
+    @kiln.kernel
+    def clustered(x: kiln.Tensor[kiln.f32], SHAPES: kiln.constexpr):
+        for shape in SHAPES:
+            kiln.nvidia_asm.cluster_dims(*shape)
+
+    x = np.ones(4, np.float32)
+    assert clustered.trace(x, SHAPES=((2, 1, 1),)).signature.cluster == (2, 1, 1)
+    with pytest.raises(kiln.KilnValueError, match="at most 8 CTAs"):
+        clustered.trace(x, SHAPES=((4, 4, 1),))
+    with pytest.raises(kiln.KilnValueError, match="declared twice"):
+        clustered.trace(x, SHAPES=((2, 1, 1), (1, 2, 1)))

@@ -5,9 +5,9 @@ For each query row ``(b, q, h)`` with ``C = split_counts[b, q, h]`` valid slots:
     m = max_s LSE_s;  w_s = exp(LSE_s - m);  Z = sum_s w_s
     O = sum_s w_s * O_s / Z   (f32 accumulate);   LSE = ln Z + m
 
-``C == 0``, or ``Z`` zero / non-finite, gives ``O = 0``, ``LSE = -inf``. The reduction runs in
-base 2 (``exp2``/``log2``, one multiply by ``log2 e`` per LSE when the producer's LSE is
-natural-log). Partials follow the :class:`~kiln.kernels.attention.partials.Partials`
+``C == 0``, or ``Z`` zero / non-finite, gives ``O = 0``, ``LSE = -inf``. The reduction runs
+in base 2 (``exp2``/``log2``; one multiply by ``log2 e`` per LSE difference when the
+producer's LSE is natural-log). Partials follow the :class:`~kiln.kernels.attention.partials.Partials`
 contract the producer declares; ``combine`` checks it when it compiles.
 
 Schedule (one CTA = 512 threads reduces a 64-row tile of flat ``(q, h)`` rows of one batch;
@@ -83,19 +83,20 @@ def lse_merge(o_part, lse_part, counts, o_out, lse_out, heads: i32, rows: i32,
     h = kiln.min(row, rows - 1) % heads
     count = kiln.min(kiln.min(counts[b, q, h], MAX_SPLITS), lse_part.shape[0])
 
-    # --- LSE phase: this thread's slots part, part + tpr, ... (base-2 units)
+    # --- LSE phase: this thread's slots part, part + tpr, ...
     slots = (MAX_SPLITS + tpr - 1) // tpr
-    lse2 = []
+    lse = []
     for k in kiln.static_range(slots):
         s = part + k * tpr
-        lse2.append(lse_part.load(s, b, q, h, mask=s < count, other=-float("inf"))
-                    * LOG2_PER_UNIT)
-    m = lse2[0]
-    for x in lse2[1:]:
+        lse.append(lse_part.load(s, b, q, h, mask=s < count, other=-float("inf")))
+    m = lse[0]
+    for x in lse[1:]:
         m = kiln.max(m, x)
     m = kiln.shuffle.butterfly_reduce(m, _ROW_LANE_MASKS, kiln.max)
     m_safe = kiln.where(m == -float("inf"), 0.0, m)       # no (-inf) - (-inf) = NaN
-    w = [kiln.exp2(x - m_safe) for x in lse2]
+    # Subtract in the producer's units, then go to base 2: exact for the large LSEs of long
+    # contexts, where scaling first would round away the small differences.
+    w = [kiln.exp2((x - m_safe) * LOG2_PER_UNIT) for x in lse]
     z = w[0]
     for x in w[1:]:
         z = z + x
@@ -127,8 +128,9 @@ def lse_merge(o_part, lse_part, counts, o_out, lse_out, heads: i32, rows: i32,
             o_out.store(b, q, h, c, kiln.cast(a, o_out.dtype),
                         align=WIDTH * o_out.dtype.itemsize)
         if part == 0:
-            lse_out[b, q, h] = kiln.where(valid, (kiln.log2(z) + m_safe) * LN2,
-                                          -float("inf"))
+            nat_per_unit = 1.0 if LOG2_PER_UNIT != 1.0 else LN2
+            lse_out[b, q, h] = kiln.where(valid, kiln.fma(m_safe, nat_per_unit,
+                                                          kiln.log2(z) * LN2), -float("inf"))
 
 
 def _vector_width(head_dim: int, dtype: kiln.DType) -> int:

@@ -10,6 +10,15 @@ Schedule (one CTA per SM, 3 warp groups, ``BM x BN x BK`` = 128 x 256 x 64 by de
 | 0 producer | 40 | one thread: for each tile and K step, wait ``empty[s]``, expect the stage's bytes on ``full[s]``, TMA-load the A box and the B box(es) into stage ``s`` |
 | 1, 2 consumers | 232 | rows ``64*(g-1) .. +64`` of the tile: wait ``full[s]``, 4 ``wgmma.m64n256k16`` on stage ``s``, keep one WGMMA group in flight, release the previous stage on ``empty``; at the end of the tile stage the 64 x 256 accumulator in 128B-swizzled shared tiles and TMA-store it (asynchronously, overlapping the next tile; TMA clips the matrix edges) |
 
+With ``cluster_m=2`` CTAs run in pairs (a 2-CTA cluster) on vertically adjacent tiles that share
+B: each producer loads its own A box and half of B's boxes (chunk ``j`` from CTA ``j % 2``) with
+TMA multicast to both CTAs, and still expects the whole stage's bytes on its own ``full[s]``.
+Both CTAs' consumers release a stage on the ``empty[s]`` of both CTAs (``mapa`` + remote
+``mbarrier.arrive``, count ``consumers * 2``), so neither producer overwrites a stage its peer
+still reads; a cluster barrier follows the mbarrier init and precedes exit. The persistent grid
+is the number of co-resident clusters (``cuOccupancyMaxActiveClusters``). The CPU interpreter
+has no clusters: ``backend="interpret"`` runs the single-CTA default.
+
 Stage ``s`` of use ``n`` is ``n % STAGES`` and its barriers complete phases of parity
 ``(n // STAGES) % 2``; the producer waits ``empty`` on the opposite parity, so its first pass
 over the ring does not block. Tiles are visited in grouped order (``GROUP_M`` row tiles per
