@@ -86,3 +86,17 @@ def test_interpret_only_backend_is_enforced():
 def test_config_rejects_unsupported_head_dim():
     with pytest.raises(kiln.UnsupportedError, match="head_dim"):
         PrefillGfx950Config(head_dim=96)
+
+
+@pytest.mark.lower
+@pytest.mark.xfail(strict=True, raises=kiln.WaitError,
+                   reason="kiln-verify-waits counts the vector.shuffle that TiledMmaLoader."
+                          "load_b_tr uses to join its two transposed reads as a consumer, so no "
+                          "wait placement short of lgkmcnt(0) between the reads passes")
+def test_gfx950_assembly_has_no_scratch_fits_registers_and_follows_the_recipes():
+    from kiln.passes.verify_schedule import verify_schedule
+
+    ck = compile_prefill_gfx950(head_dim=128, causal=True)
+    assert ck.metadata["scratch_bytes"] == 0
+    assert ck.metadata["vgpr_count"] + ck.metadata["agpr_count"] <= 512
+    verify_schedule(ck.asm["amdgcn"], ck.recipes, "prefill_gfx950", strict=True)

@@ -106,6 +106,16 @@ def test_numpy_output_without_lse_keeps_input_layout():
                                atol=O_TOLERANCE, rtol=0)
 
 
+def test_gfx950_target_dispatches_to_the_gfx950_kernel():
+    rng = np.random.default_rng()
+    q, k, v, _, _ = random_qkv(rng, batch=1, sq=40, sk=70, hq=2, hkv=1, d=64)
+    bf = ml_dtypes.bfloat16
+    o = prefill(q.astype(bf), k.astype(bf), v.astype(bf), causal=True, target="gfx950",
+                backend="interpret")
+    np.testing.assert_allclose(o.astype(np.float64), attention_reference(q, k, v, causal=True),
+                               atol=O_TOLERANCE, rtol=0)
+
+
 @pytest.mark.parametrize("kwargs,error,words", [
     (dict(q_shape=(1, 8, 2, 96)), kiln.UnsupportedError, "head dim"),
     (dict(q_shape=(1, 8, 3, 64)), kiln.KilnValueError, "not a multiple"),
@@ -150,6 +160,10 @@ def test_ptx_has_the_hopper_pipeline(causal_d128):
     assert "setmaxnreg.inc.sync.aligned.u32 240" in ptx
     assert "mbarrier.try_wait.parity" in ptx
     assert ".maxntid 384, 1, 1" in ptx
+    # Ping-pong: each consumer waits for its turn and hands the next one to the other group.
+    assert "bar.sync" in ptx and "bar.arrive" in ptx
+    # S_j and P_{j-1} V_{j-1} in flight together, softmax after the first completes.
+    assert "wgmma.wait_group.sync.aligned 1" in ptx
 
 
 @pytest.mark.lower

@@ -204,19 +204,18 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                 row0 = m0 + consumer * WARP_GROUP_ROWS + (tid % WARP_GROUP_THREADS) // 32 * 16 \
                     + lane // 4
                 rows = (row0, row0 + 8)
-                bounds = [_key_bounds(r, seq_q, seq_k, mask) for r in rows]
                 first_col = 2 * (lane % 4)
+                tile_mask = _TileMask(rows, seq_q, seq_k, mask, lo_last, hi_first, bn)
                 ops = _Operands(
-                    q=[wgmma.smem_descriptor(q_tiles.tile(c), leading_bytes=16, stride_bytes=1024,
-                                             byte_offset=consumer * WARP_GROUP_ROWS * ROW_BYTES)
-                       for c in range(chunks)],
+                    q=wgmma.smem_descriptor(q_tiles.tile(0), leading_bytes=16, stride_bytes=1024,
+                                            byte_offset=consumer * WARP_GROUP_ROWS * ROW_BYTES),
                     k=wgmma.smem_descriptor(k_tiles.tile(0), leading_bytes=16, stride_bytes=1024),
                     v=wgmma.smem_descriptor(v_tiles.tile(0), leading_bytes=bn * ROW_BYTES,
                                             stride_bytes=1024),
                     p=wgmma.smem_descriptor(p_tiles.tile(0), leading_bytes=16, stride_bytes=1024)
                     + consumer * p_chunks * p_chunk_units,
                     dtype=in_type, head_dim=d, block_n=bn, box_units=box_units,
-                    p_chunk_units=p_chunk_units)
+                    q_box_units=bm * ROW_BYTES // DESCRIPTOR_UNIT, p_chunk_units=p_chunk_units)
                 first_thread = tid % WARP_GROUP_THREADS == 0
                 my_turn = PINGPONG_BARRIER + consumer
                 other_turn = PINGPONG_BARRIER + 1 - consumer
@@ -236,8 +235,8 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     scores = _issue_qk(ops, 0)
                     nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                     wgmma.wait_group(0)
-                    probs = _softmax_tile(softmax, scores, first_tile * bn, first_col, bounds,
-                                          lo_last, hi_first, scale_log2, bn)
+                    probs = _softmax_tile(softmax, scores, first_tile * bn, tile_mask,
+                                          scale_log2)
                     for j in kiln.range(first_tile + 1, end_tile):
                         use = j - first_tile
                         stage = use % STAGES
@@ -252,8 +251,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                         acc = _issue_pv(ops, acc, previous)
                         nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                         wgmma.wait_group(1)
-                        probs = _softmax_tile(softmax, scores, j * bn, first_col, bounds,
-                                              lo_last, hi_first, scale_log2, bn)
+                        probs = _softmax_tile(softmax, scores, j * bn, tile_mask, scale_log2)
                         wgmma.wait_group(0)
                         if first_thread:
                             empty.arrive(previous)
@@ -318,6 +316,23 @@ def _fragment_col(i: int) -> int:
     return 8 * (i // 4) + i % 2
 
 
+class _TileMask:
+    """Where a consumer thread's two rows may look: ``needed(n0)`` says whether key tile
+    ``n0 ..`` has any invisible key for any row of the CTA, ``apply`` masks it. The per-row
+    bounds are recomputed inside the (rare) masked branch rather than kept live in registers."""
+
+    def __init__(self, rows, seq_q, seq_k, mask, lo_last, hi_first, block_n):
+        self.rows, self.seq_q, self.seq_k, self.mask = rows, seq_q, seq_k, mask
+        self.lo_last, self.hi_first, self.block_n = lo_last, hi_first, block_n
+
+    def needed(self, n0):
+        return (n0 < self.lo_last) | (n0 + self.block_n - 1 > self.hi_first)
+
+    def apply(self, scores, n0):
+        bounds = [_key_bounds(r, self.seq_q, self.seq_k, self.mask) for r in self.rows]
+        return _mask_scores(scores, n0 + 2 * (kiln.thread_id(0) % 4), bounds)
+
+
 def _mask_scores(scores, first_col, bounds):
     """Scores outside each row's visible key interval become -inf."""
     values = []
@@ -333,10 +348,12 @@ class _Operands:
     """The consumer's WGMMA operand descriptors (i64 base addresses, see
     :func:`kiln.wgmma.smem_descriptor`) and the strides between their boxes."""
 
-    def __init__(self, *, q, k, v, p, dtype, head_dim, block_n, box_units, p_chunk_units):
+    def __init__(self, *, q, k, v, p, dtype, head_dim, block_n, box_units, q_box_units,
+                 p_chunk_units):
         self.q, self.k, self.v, self.p = q, k, v, p
         self.dtype, self.head_dim, self.block_n = dtype, head_dim, block_n
-        self.box_units, self.p_chunk_units = box_units, p_chunk_units
+        self.box_units, self.q_box_units = box_units, q_box_units
+        self.p_chunk_units = p_chunk_units
 
     def stage_offset(self, stage):
         """Descriptor offset of K/V ring stage ``stage`` (``D / 64`` boxes per stage)."""
@@ -350,7 +367,7 @@ def _issue_qk(ops: _Operands, stage):
     scores = wgmma.fragment_zeros(ops.block_n)
     wgmma.fence()
     for ks in range(ops.head_dim // K_STEP):
-        scores = wgmma.mma_async(scores, ops.q[ks // 4] + (ks % 4) * 2,
+        scores = wgmma.mma_async(scores, ops.q + (ks // 4) * ops.q_box_units + (ks % 4) * 2,
                                  base + (ks // 4) * ops.box_units + (ks % 4) * 2,
                                  dtype=ops.dtype)
     wgmma.commit()
@@ -371,12 +388,12 @@ def _issue_pv(ops: _Operands, acc, stage):
 
 
 @kiln.func
-def _softmax_tile(softmax, scores, n0, first_col, bounds, lo_last, hi_first, scale_log2, bn):
+def _softmax_tile(softmax, scores, n0, tile_mask, scale_log2):
     """One tile of the online softmax on raw scores ``S`` of keys ``n0 ..``: mask (boundary
     tiles only), fold ``scale * log2 e`` into the max subtraction, return P as a fragment.
     ``softmax.scale_vec`` then holds the factor O must be rescaled by before ``P V``."""
-    if (n0 < lo_last) | (n0 + bn - 1 > hi_first):
-        scores = _mask_scores(scores, n0 + first_col, bounds)
+    if tile_mask.needed(n0):
+        scores = tile_mask.apply(scores, n0)
     raw = wgmma.fragment_to_tile(scores)
     softmax.col_max_acc_scaled(raw, scale_log2)
     softmax.update_scale_unconditional()

@@ -1,0 +1,212 @@
+"""Kiln's Hopper attention prefill vs torch SDPA (cuDNN and FlashAttention backends).
+
+Shapes, in one run: the FlashAttention benchmark grid (sequence 512 .. 16k with batch * seq =
+16k tokens, heads * D = 2048, D in {64, 128}, causal and not) and GQA (B16, Hq 64, Hkv 8,
+D 128, seq ``--gqa-seq``). bf16 inputs laid out ``[B, S, H, D]`` (SDPA reads the same memory
+through ``transpose(1, 2)``, no copies).
+
+Method: every shape is checked first (Kiln vs the SDPA FlashAttention output: max abs error
+< 3e-2, NaN fails; exact float32 checks live in ``tests/test_attention_prefill_hopper.py``),
+then each implementation is timed with CUDA events after a warm-up: ``--repeat`` samples of
+``--batch`` back-to-back calls, the median counts. TFLOP/s = 4 * B * H * Sq * Sk * D / time,
+halved for causal. Ratios are Kiln / the faster SDPA backend (goal: >= 1.05 at D = 128,
+seq >= 4k). Backends that reject a shape are reported as n/a.
+
+Usage (on an H100): ``python bench/attention.py [--json out.json] [--plot out.png]``;
+``python bench/attention.py --sanitize`` runs one causal and one ragged call (no timing) for
+``compute-sanitizer --tool memcheck|racecheck|synccheck``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+TOKENS = 16 * 1024
+HIDDEN = 2048  # heads * D
+SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+HEAD_DIMS = (64, 128)
+MAX_ERROR = 3e-2
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--plot", default="attention.png", help="PNG of TFLOP/s vs seq length")
+    parser.add_argument("--repeat", type=int, default=15, help="timed samples per shape")
+    parser.add_argument("--batch", type=int, default=5, help="back-to-back calls per sample")
+    parser.add_argument("--gqa-seq", type=int, default=2048, help="sequence length of the GQA row")
+    parser.add_argument("--quick", action="store_true", help="only seq 512 and 4096")
+    parser.add_argument("--sanitize", action="store_true",
+                        help="run one causal and one ragged call for compute-sanitizer, no timing")
+    return parser.parse_args(argv)
+
+
+def shapes(args) -> list[dict]:
+    seqs = (512, 4096) if args.quick else SEQS
+    rows = [dict(batch=TOKENS // s, seq=s, hq=HIDDEN // d, hkv=HIDDEN // d, d=d, causal=c)
+            for d in HEAD_DIMS for c in (False, True) for s in seqs]
+    rows += [dict(batch=16, seq=args.gqa_seq, hq=64, hkv=8, d=128, causal=c) for c in (False, True)]
+    return rows
+
+
+def time_ms(fn, repeat: int, batch: int, warmup: int = 3) -> float:
+    """Median milliseconds per call over ``repeat`` samples of ``batch`` back-to-back calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeat):
+        start.record()
+        for _ in range(batch):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / batch)
+    return statistics.median(times)
+
+
+def sdpa_call(backend_name: str, q, k, v, causal: bool):
+    """A no-argument callable running SDPA with one backend, or None if it rejects the shape."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[
+        backend_name]
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    gqa = qt.shape[1] != kt.shape[1]
+
+    def run():
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                                    enable_gqa=gqa)
+    try:
+        run()
+        torch.cuda.synchronize()
+    except RuntimeError:
+        return None
+    return run
+
+
+def bench_shape(row: dict, args) -> dict:
+    import torch
+
+    from kiln.kernels.attention import prefill
+
+    b, s, hq, hkv, d, causal = (row[k] for k in ("batch", "seq", "hq", "hkv", "d", "causal"))
+    q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16)
+    flops = 4.0 * b * hq * s * s * d / (2 if causal else 1)
+    result = dict(row)
+    reference = None
+    for name in ("flash", "cudnn"):
+        call = sdpa_call(name, q, k, v, causal)
+        if call is None:
+            result[f"{name}_tflops"] = None
+            continue
+        if reference is None:
+            reference = call().transpose(1, 2).float()
+        result[f"{name}_tflops"] = flops / time_ms(call, args.repeat, args.batch) / 1e9
+    out = prefill(q, k, v, causal=causal)
+    if reference is not None:
+        error = (out.float() - reference).abs().max().item()
+        if not error < MAX_ERROR:  # also catches NaN
+            raise SystemExit(f"Kiln prefill wrong at {row}: max abs error {error} vs SDPA")
+        result["max_abs_error"] = error
+    result["kiln_tflops"] = flops / time_ms(lambda: prefill(q, k, v, causal=causal),
+                                            args.repeat, args.batch) / 1e9
+    peers = [result[f"{n}_tflops"] for n in ("flash", "cudnn") if result[f"{n}_tflops"]]
+    result["ratio_vs_best_sdpa"] = result["kiln_tflops"] / max(peers) if peers else None
+    return result
+
+
+def table(results: list[dict]) -> str:
+    def cell(x, fmt):
+        return "n/a" if x is None else format(x, fmt)
+
+    lines = ["| B | seq | Hq/Hkv | D | causal | Kiln TFLOP/s | cuDNN | flash | Kiln / best |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        lines.append(f"| {r['batch']} | {r['seq']} | {r['hq']}/{r['hkv']} | {r['d']} | "
+                     f"{'yes' if r['causal'] else 'no'} | {cell(r['kiln_tflops'], '.0f')} | "
+                     f"{cell(r['cudnn_tflops'], '.0f')} | {cell(r['flash_tflops'], '.0f')} | "
+                     f"{cell(r['ratio_vs_best_sdpa'], '.2f')} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = [r for r in results if r["hq"] == r["hkv"]]
+    panels = sorted({(r["d"], r["causal"]) for r in grid})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+    for ax, (d, causal) in zip(axes[0], panels):
+        rows = sorted((r for r in grid if (r["d"], r["causal"]) == (d, causal)),
+                      key=lambda r: r["seq"])
+        for key, label in (("kiln_tflops", "Kiln"), ("cudnn_tflops", "SDPA cuDNN"),
+                           ("flash_tflops", "SDPA flash")):
+            points = [(r["seq"], r[key]) for r in rows if r[key] is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"D={d}, {'causal' if causal else 'non-causal'}")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def sanitize() -> None:
+    """One causal GQA call and one ragged call, checked against SDPA, for compute-sanitizer."""
+    import torch
+
+    from kiln.kernels.attention import prefill
+
+    q = torch.randn(2, 700, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 700, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    out = prefill(q, k, v, causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+        is_causal=True, enable_gqa=True).transpose(1, 2)
+    error = (out.float() - want).abs().max().item()
+    lengths = torch.tensor([0, 300, 301, 813], dtype=torch.int32, device="cuda")
+    qr = torch.randn(813, 4, 64, device="cuda", dtype=torch.bfloat16)
+    kr = torch.randn(813, 4, 64, device="cuda", dtype=torch.bfloat16)
+    o, lse = prefill(qr, kr, kr, cu_seqlens_q=lengths, cu_seqlens_k=lengths, causal=True,
+                     window=(128, 0), return_lse=True)
+    torch.cuda.synchronize()
+    finite = bool(torch.isfinite(o).all())
+    print(f"sanitize: causal GQA max abs error {error:.3g}; ragged output finite: {finite}")
+    if not (error < MAX_ERROR and finite):
+        raise SystemExit("prefill results are wrong under the sanitizer run")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.sanitize:
+        sanitize()
+        return
+    results = []
+    for row in shapes(args):
+        results.append(bench_shape(row, args))
+        print(table(results[-1:]).splitlines()[-1], flush=True)
+    print(table(results))
+    plot(results, args.plot)
+    print(f"plot: {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
