@@ -6,7 +6,8 @@ Used by the assembly-level checks that run after the ``amdgcn`` stage:
   writes is preceded on every path by an ``s_waitcnt`` that retires that load. The in-order
   counters are modelled per basic block with a forward fixed point over branches:
   ``vmcnt`` counts VMEM loads *and stores* (gfx9 has no separate store counter), ``lgkmcnt``
-  counts LDS ops (in order) and SMEM loads (out of order: only ``lgkmcnt(0)`` retires them).
+  counts LDS ops (in order) and SMEM loads (out of order: only ``lgkmcnt(0)`` retires them);
+  a call (``s_swappc_b64``) retires everything, because the callee opens with ``s_waitcnt 0``.
 - :func:`cluster_instances` / :func:`class_counts`: the instructions between the begin/end
   markers of each cluster that ``kiln-cluster-schedule`` plants (empty ``sched_group_barrier``s
   with SyncID ``0x4B0000 + k`` / ``0x4B8000 + k``, printed as comments in verbose assembly),
@@ -40,6 +41,9 @@ _FILE = re.compile(r'^\s*\.file\s+(\d+)\s+"([^"]*)"(?:\s+"([^"]*)")?')
 _NO_DEF = ("global_store", "buffer_store", "flat_store", "scratch_store", "ds_write", "ds_store",
            "s_cbranch", "s_branch", "s_waitcnt", "s_barrier", "s_setprio", "s_endpgm", "s_nop",
            "s_cmp", "s_bitcmp", "s_sleep", "s_sendmsg", "s_setpc", "global_load_lds", "s_trap")
+# gfx9 calls. Every non-kernel function opens with ``s_waitcnt 0`` (SIInsertWaitcnts), so a call
+# retires everything the caller had in flight; its operands (the target) are checked first.
+_CALLS = ("s_swappc",)
 _TRANS = ("v_exp", "v_log", "v_rcp", "v_rsq", "v_sqrt", "v_sin", "v_cos")
 
 
@@ -234,6 +238,8 @@ def _step(program: Program, ins: Instr, state: dict, gaps: list | None) -> dict:
             hazard = producer.defs & touched
             if hazard and not (producer.counter == ins.counter and not (producer.defs & ins.uses)):
                 gaps.append((ins, producer))
+    if ins.mnemonic.startswith(_CALLS):
+        return {}  # the callee opens with s_waitcnt 0 (LLVM's SIInsertWaitcnts, non-entry functions)
     counter = ins.counter
     if counter is None:
         return state

@@ -1,6 +1,6 @@
 """``kiln-verify-waits``: prove that every async read is covered by a wait on every path.
 
-It runs the analysis of ``kiln-insert-waits`` (docs/passes.md) over each ``gpu.func`` without
+It runs :mod:`kiln.passes.wait_analysis` (docs/passes.md) over each ``gpu.func`` without
 changing anything: waits already in the IR retire events, and a read that still finds its
 event outstanding, or a DMA-written LDS buffer not yet retired, is a gap. The first gap raises
 :class:`kiln.errors.WaitError` at the Python line of the read, naming the event and the wait
@@ -21,7 +21,8 @@ from mlir import ir
 
 from kiln.errors import WaitError
 from kiln.passes import register_pass
-from kiln.passes.insert_waits import CP_ASYNC, Gap, WaitAnalysis, func_vendor, gpu_funcs
+from kiln.passes.insert_waits import func_vendor, gpu_funcs
+from kiln.passes.wait_analysis import CP_ASYNC, Gap, WaitAnalysis
 
 
 def source_loc(location):
@@ -53,10 +54,9 @@ def gap_error(gap: Gap) -> WaitError:
 def verify_waits(module_op: ir.Operation, pass_=None) -> None:
     """Raise WaitError for the first uncovered async read in any gpu.func."""
     for func in gpu_funcs(module_op):
-        vendor = func_vendor(func)
-        if vendor is None:
+        if func_vendor(func) is None:
             continue
-        gaps = WaitAnalysis(func, vendor).gaps
+        gaps = WaitAnalysis(func).gaps
         if gaps:
             raise gap_error(gaps[0])
 

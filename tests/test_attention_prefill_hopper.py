@@ -60,6 +60,21 @@ def test_every_mask_kind(mask):
     _check(np.random.default_rng(), sq=150, sk=290, **mask)
 
 
+def test_fully_masked_key_tiles_are_never_read():
+    # 128 queries at key positions 384..511 with window (10, 0) see keys 374..511: key tiles
+    # 0 and 1 (keys 0..255) are outside every row. Poisoned with NaN they must not matter
+    # (a loaded V tile would spread NaN through 0 * NaN even where P is 0).
+    rng = np.random.default_rng()
+    q, k, v, _, _ = random_qkv(rng, batch=1, sq=128, sk=512, hq=2, hkv=1, d=64)
+    want = attention_reference(q, k, v, window=(10, 0))
+    bf = ml_dtypes.bfloat16
+    k_poisoned, v_poisoned = k.astype(bf), v.astype(bf)
+    k_poisoned[:, :256] = np.nan
+    v_poisoned[:, :256] = np.nan
+    o = prefill(q.astype(bf), k_poisoned, v_poisoned, window=(10, 0), backend="interpret")
+    np.testing.assert_allclose(o.astype(np.float64), want, atol=O_TOLERANCE, rtol=0)
+
+
 @pytest.mark.parametrize("sq,sk", [(300, 100), (64, 64), (1, 200), (200, 1)])
 def test_causal_is_bottom_right_aligned_when_lengths_differ(sq, sk):
     # sq > sk leaves the first sq - sk query rows with no key at all (o = 0, lse = -inf).
@@ -262,3 +277,20 @@ def test_ragged_and_lse_on_gpu():
                                            causal=True, return_lse=True)
     np.testing.assert_allclose(o.float().cpu().numpy(), want_o, atol=O_TOLERANCE, rtol=0)
     np.testing.assert_allclose(lse.cpu().numpy(), want_lse, atol=LSE_TOLERANCE, rtol=0)
+
+
+def test_fragment_helpers_reject_wrong_kinds():
+    @kiln.kernel
+    def wrong_element_dtype(x: kiln.Tensor[kiln.f32, 1]):
+        kiln.wgmma.fragment_from_elements([kiln.cast(1, kiln.i32)] * 4)
+
+    @kiln.kernel
+    def wrong_tile(x: kiln.Tensor[kiln.f32, 1]):
+        tile = kiln.wgmma.fragment_to_tile(kiln.wgmma.fragment_zeros(16))
+        kiln.wgmma.fragment_from_tile(tile.T)
+
+    x = np.ones(4, np.float32)
+    with pytest.raises(kiln.KilnTypeError, match="must be f32"):
+        wrong_element_dtype.trace(x, target="sm_90a")
+    with pytest.raises(kiln.KilnTypeError, match="wgmma_m64_accumulator"):
+        wrong_tile.trace(x, target="sm_90a")

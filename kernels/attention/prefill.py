@@ -6,7 +6,8 @@ the default) or the gfx950 kernel (:mod:`.prefill_gfx950`; CPU interpreter only 
 Example::
 
     from kiln.kernels.attention import prefill
-    o, lse = prefill(q, k, v, causal=True, return_lse=True)   # q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]
+    # q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]
+    o, lse = prefill(q, k, v, causal=True, return_lse=True)
     o = prefill(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)  # ragged q [total, Hq, D]
 """
 
@@ -27,12 +28,14 @@ BACKENDS = (None, "gpu", "interpret")
 _TORCH_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "i32": "int32"}
 
 
-def compile_prefill(*, target, head_dim, dtype, causal=False, window=None, chunk=None,
-                    group=1, sinks=False, return_lse=False, **config):
+def compile_prefill(dtype="bf16", *, target, head_dim=128, causal=False, window=None,
+                    chunk=None, group=1, sinks=False, return_lse=False, **config):
     """Compile (without running) the prefill kernel for ``target``; returns the
     ``CompiledKernel`` (``.asm`` stages, ``.metadata``; on gfx950 also the schedule report).
 
-    ``group`` is query heads per KV head; ``sinks`` / ``return_lse`` are booleans selecting the
+    ``dtype`` may also be given positionally (``compile_prefill("bf16", target=...)``, the
+    shape every ``compile_*`` entry of the kernel library accepts). ``group`` is query heads
+    per KV head; ``sinks`` / ``return_lse`` are booleans selecting the
     specialisation; ``config`` keywords are :class:`HopperPrefillConfig` fields on NVIDIA.
     Example: ``compile_prefill(target="sm_90a", head_dim=128, dtype="bf16").asm["ptx"]``.
     """

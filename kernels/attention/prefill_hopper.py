@@ -10,19 +10,27 @@ Schedule (3 warp groups, ``BLOCK_M x BLOCK_N`` = 128 x 128 for D <= 128, 128 x 6
 | warp group | registers (setmaxnreg) | job |
 | --- | --- | --- |
 | 0 producer | 24 | one thread: TMA-load the Q tile (``D / 64`` boxes) on ``q_full``; then for each visible key tile ``j`` wait ``empty[s]`` (``s = j % STAGES``), load the K boxes on ``k_full[s]`` and the V boxes on ``v_full[s]`` (separate barriers: QK starts before V lands) |
-| 1, 2 consumers | 240 | rows ``64*(g-1) .. +64``: wait ``k_full[s]``; ``S = Q K^T`` (``wgmma m64nBNk16``, K-major B); mask S only on boundary tiles; online softmax in registers (row max over the quad with two shuffles, ``exp2`` with ``scale * log2 e`` folded into one FMA); P (bf16/f16) to a 128B-swizzled shared tile; rescale O; wait ``v_full[s]``; ``O += P V`` (MN-major B); release stage ``s`` on ``empty`` |
+| 1, 2 consumers | 240 | rows ``64*(g-1) .. +64``, one iteration per key tile ``j`` (below) |
+
+One consumer iteration (prologue: S_0 and its softmax; epilogue: the last PV):
+
+| step | what | overlaps with |
+| --- | --- | --- |
+| 1 | wait ``k_full[j]``, ``v_full[j-1]``; wait for this group's turn (named barrier ``3 + g``) | |
+| 2 | issue ``S_j = Q K_j^T`` (``wgmma m64nBNk16``, K-major) and ``O += P_{j-1} V_{j-1}`` (MN-major V, P from shared memory); hand the turn to the other group (``bar.arrive``) | the other group's softmax (ping-pong) |
+| 3 | ``wgmma.wait_group 1``: S_j is ready; mask it if the tile is a boundary tile; online softmax (``OnlineSoftmax``: running max, ``scale * log2 e`` folded into one FMA, ``exp2``, row sums) | ``P_{j-1} V_{j-1}`` on the tensor cores (intra-warpgroup overlap) |
+| 4 | ``wgmma.wait_group 0``; release stage ``j-1`` on ``empty``; write P_j (bf16/f16, 128B-swizzled) over P_{j-1}; rescale O by ``exp2(m_old - m_new)`` | |
 
 Masks are intervals: key ``j`` is visible from query ``i`` (key position ``p = i + Sk - Sq``,
 bottom-right aligned) iff ``lo(p) <= j <= hi(p)`` with ``lo = max(0, p - left, chunk start)``,
 ``hi = min(Sk - 1, p [causal], p + right, chunk end)``. Both bounds grow with ``p``, so the key
 tiles a CTA visits are one contiguous range (fully-masked tiles are never loaded) and the tiles
 that need no mask at all are the ones inside ``[lo(last row), hi(first row)]``.
-Softmax state per row (two rows per thread): running max ``m`` in log2 units (starts at the
-sink's logit, or a finite ``-1e30`` so fully-masked rows never compute ``inf - inf``) and a
-per-thread partial denominator, reduced over the quad once at the end. Sinks add
-``exp2(sink - m)`` to the final denominator. Query tiles run longest-first for causal masks
-and query heads are remapped ``(x % GROUP) * HKV + x // GROUP`` so CTAs launched together read
-different KV heads.
+The softmax starts from a virtual first key: the sink (logit ``sinks[h]``, zero value), or,
+without sinks, a key of logit ``-1e30`` whose weight becomes exactly 0 at the first real key,
+so rows that see no key stay finite (o = 0; their LSE is written as -inf). Query tiles run
+longest-first for causal masks and query heads are remapped ``(x % GROUP) * HKV + x // GROUP``
+so CTAs launched together read different KV heads.
 """
 
 import functools
@@ -235,13 +243,12 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     scores = _issue_qk(ops, 0)
                     nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                     wgmma.wait_group(0)
-                    probs = _softmax_tile(softmax, scores, first_tile * bn, tile_mask,
-                                          scale_log2)
+                    _stage_probs(_softmax_tile(softmax, scores, first_tile * bn, tile_mask,
+                                               scale_log2), p_tiles, consumer, p_chunks)
                     for j in kiln.range(first_tile + 1, end_tile):
                         use = j - first_tile
                         stage = use % STAGES
                         previous = (use - 1) % STAGES
-                        _stage_probs(probs, p_tiles, consumer, p_chunks)
                         k_full.try_wait(stage, (use // STAGES) % 2)
                         v_full.try_wait(previous, ((use - 1) // STAGES) % 2)
                         # S_j and O += P_{j-1} V_{j-1} issue back to back; softmax of S_j then
@@ -255,10 +262,11 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                         wgmma.wait_group(0)
                         if first_thread:
                             empty.arrive(previous)
+                        # P_{j-1} has been read: P_j replaces it (no P registers carried).
+                        _stage_probs(probs, p_tiles, consumer, p_chunks)
                         acc = _scale_rows(acc, softmax.scale_vec.values[0])
                     # Epilogue: the last tile's PV product.
                     last = end_tile - 1 - first_tile
-                    _stage_probs(probs, p_tiles, consumer, p_chunks)
                     v_full.try_wait(last % STAGES, (last // STAGES) % 2)
                     nvidia_asm.named_barrier(my_turn, 2 * WARP_GROUP_THREADS)
                     acc = _issue_pv(ops, acc, last % STAGES)

@@ -1,0 +1,409 @@
+"""The analysis behind ``kiln-insert-waits`` and ``kiln-verify-waits``: which async reads a
+counter wait covers, over every path of a ``gpu.func``.
+
+It is a forward dataflow. Its state maps every *tracked* asynchronous operation ("event") that
+may still be outstanding to a :class:`Pending`: the number of same-counter events issued after
+it ("younger", minimised over paths) and the last barrier it crossed. A wait ``counter(N)``
+retires every event with ``younger >= N`` (the counters retire in order).
+
+Tracked events (each is exactly one hardware instruction, so counts are exact):
+
+- AMD ``vmcnt``: ``rocdl.global.load.lds``, ``rocdl.raw.ptr.buffer.load[.lds]``,
+  ``rocdl.load.to.lds``, ``rocdl.global.load.tr*``, ``amdgpu.raw_buffer_load``,
+  ``amdgpu.gather_to_lds``, and any op tagged ``kiln.async = "vmcnt"``;
+- AMD ``lgkmcnt``: ``rocdl.ds.read.tr*``, ``rocdl.ds_bpermute``, ops tagged ``kiln.async = "lgkmcnt"``;
+- NVIDIA ``cp.async`` groups: ``nvgpu.device_async_create_group`` over ``nvgpu.device_async_copy``.
+
+Plain ``memref``/``vector`` loads and stores also use the counters but LLVM may merge, split or
+scalarise them, so they are *not counted*: leaving them out only makes a computed wait stricter.
+
+Which events an op reads does not depend on the path, so it is computed once per op
+(:attr:`Step.reads`) before the walk:
+
+- the events whose *register result* reaches an operand. Register data movement
+  (:data:`DATA_MOVES`: ``vector.shuffle``, ``vector.extract``, bitcasts, ...), ``scf.yield``,
+  ``scf.for`` iter_args and ``scf.if``/``scf.for`` results forward "pending" from their
+  operands to their results instead of consuming it; any other op (arithmetic, MMA, store,
+  an ``scf.if`` condition, loop bounds) is a consumer;
+- the events that write an LDS buffer the op accesses (global->LDS DMA, ``cp.async``). Buffers
+  are told apart by their root (``memref.get_global`` symbol, kernel argument, ``memref.alloc``;
+  an unknown root aliases every buffer); view ops (``memref.collapse_shape``, ...) access nothing;
+- the events named by ``kiln.waits_for = [tokens]`` (``kiln.token`` ids).
+
+A read whose event is still in the state is a :class:`Gap`. Its wait goes before the last
+barrier between the event and the read when the event writes LDS (other waves read it only after
+that barrier), with the event's count *at that barrier*; else right before the read.
+``scf.for`` bodies run to a fixed point (steady state across the back-edge) and are then walked
+once more to record gaps; ``scf.if`` joins both arms; other region ops are walked once and joined.
+
+With ``place=True`` each gap is closed as it is found: the wait is built in the IR and applied
+to the state, so later reads see it. A loop's fixed point was computed before that walk, so a
+wait placed in a body is not seen across the back-edge until the next analysis: the state is
+then a superset of the true one and every placed wait stays sufficient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mlir import ir
+
+# GFX9 (gfx90a/gfx942/gfx950) s_waitcnt simm16 layout:
+#   bits 3:0 vmcnt[3:0], 6:4 expcnt, 11:8 lgkmcnt, 15:14 vmcnt[5:4].
+GFX9_MAX = {"vmcnt": 63, "expcnt": 7, "lgkmcnt": 15}
+CP_ASYNC = "cp_async_group"
+
+
+def encode_gfx9_waitcnt(*, vmcnt: int = 63, expcnt: int = 7, lgkmcnt: int = 15) -> int:
+    """The ``s_waitcnt`` immediate for gfx942/gfx950 (an omitted counter is not waited on).
+
+    >>> encode_gfx9_waitcnt(vmcnt=0) == 0x0F70
+    True
+    """
+    return (vmcnt & 0xF) | ((expcnt & 0x7) << 4) | ((lgkmcnt & 0xF) << 8) | ((vmcnt >> 4) << 14)
+
+
+def decode_gfx9_waitcnt(imm: int) -> dict[str, int]:
+    """Inverse of :func:`encode_gfx9_waitcnt`."""
+    return {"vmcnt": (imm & 0xF) | ((imm >> 14) & 0x3) << 4, "expcnt": (imm >> 4) & 0x7,
+            "lgkmcnt": (imm >> 8) & 0xF}
+
+
+VMCNT_OPS = ("rocdl.global.load.lds", "rocdl.raw.ptr.buffer.load", "rocdl.raw.ptr.buffer.load.lds",
+             "rocdl.load.to.lds", "amdgpu.raw_buffer_load", "amdgpu.gather_to_lds")
+LDS_WRITING_OPS = ("rocdl.global.load.lds", "rocdl.raw.ptr.buffer.load.lds", "rocdl.load.to.lds",
+                   "amdgpu.gather_to_lds")
+BARRIER_OPS = ("rocdl.s.barrier", "gpu.barrier", "amdgpu.lds_barrier", "nvvm.barrier",
+               "nvvm.barrier0")
+# Register data movement: the result is pending on whatever its operands are pending on.
+DATA_MOVES = frozenset((
+    "vector.shuffle", "vector.extract", "vector.extractelement", "vector.extract_strided_slice",
+    "vector.insert", "vector.insertelement", "vector.insert_strided_slice", "vector.bitcast",
+    "vector.shape_cast", "vector.broadcast", "vector.splat", "vector.from_elements",
+    "vector.transpose", "vector.interleave", "vector.deinterleave", "arith.bitcast",
+    "llvm.bitcast", "builtin.unrealized_conversion_cast"))
+# Ops that only forward a pointer/buffer: the root of a buffer is found through them.
+_FORWARDING = ("memref.subview", "memref.cast", "memref.reinterpret_cast", "memref.view",
+               "memref.extract_aligned_pointer_as_index", "memref.memory_space_cast",
+               "memref.assume_alignment", "memref.collapse_shape", "memref.expand_shape",
+               "arith.index_cast", "arith.index_castui", "arith.addi", "llvm.inttoptr",
+               "llvm.ptrtoint", "llvm.getelementptr", "llvm.addrspacecast",
+               "builtin.unrealized_conversion_cast", "amdgpu.fat_raw_buffer_cast",
+               "rocdl.make.buffer.rsrc")
+# Ops that take a buffer without touching its memory.
+_NO_ACCESS = frozenset(_FORWARDING + ("memref.dim", "memref.rank", "memref.get_global",
+                                      "memref.extract_strided_metadata"))
+
+
+def op_counter(op: ir.Operation) -> str | None:
+    """The counter a tracked async op increments, or None if the op is not tracked."""
+    if "kiln.async" in op.attributes:
+        return ir.StringAttr(op.attributes["kiln.async"]).value
+    name = op.name
+    if name in VMCNT_OPS or name.startswith("rocdl.global.load.tr"):
+        return "vmcnt"
+    if name.startswith("rocdl.ds.read.tr") or name == "rocdl.ds_bpermute":
+        return "lgkmcnt"
+    if name == "nvgpu.device_async_create_group":
+        return CP_ASYNC
+    return None
+
+
+def wait_limits(op: ir.Operation) -> dict[str, int]:
+    """Counter -> N for a wait op (the counters it does not wait on are absent)."""
+    if op.name == "rocdl.s.waitcnt":
+        decoded = decode_gfx9_waitcnt(ir.IntegerAttr(op.attributes["bitfield"]).value)
+        return {c: n for c, n in decoded.items() if n < GFX9_MAX[c]}
+    if op.name == "amdgpu.lds_barrier":
+        return {"lgkmcnt": 0}
+    if op.name == "nvgpu.device_async_wait":
+        groups = op.attributes["numGroups"] if "numGroups" in op.attributes else None
+        return {CP_ASYNC: ir.IntegerAttr(groups).value if groups is not None else 0}
+    return {}
+
+
+def buffer_root(value: ir.Value):
+    """A hashable name for the buffer ``value`` points into: ``("global", sym)``,
+    ``("arg", n)`` or ``("op", op)``; None when unknown (aliases every buffer)."""
+    for _ in range(64):
+        if isinstance(value.owner, ir.Block):
+            owner = value.owner.owner
+            entry = owner is not None and owner.operation.name == "gpu.func"
+            return ("arg", ir.BlockArgument(value).arg_number) if entry else None
+        op = value.owner.operation  # OpView.name may be an attribute (memref.get_global's)
+        if op.name == "memref.get_global":
+            return ("global", ir.FlatSymbolRefAttr(op.attributes["name"]).value)
+        if op.name in ("memref.alloc", "memref.alloca"):
+            return ("op", op)
+        if op.name not in _FORWARDING or not op.operands:
+            return None
+        value = op.operands[0]
+    return None
+
+
+def _space(value: ir.Value) -> int | None:
+    if not isinstance(value.type, ir.MemRefType):
+        return None
+    space = ir.MemRefType(value.type).memory_space
+    if space is None:
+        return None
+    if isinstance(space, ir.IntegerAttr):
+        return space.value
+    return 3 if "workgroup" in str(space) else None  # #gpu.address_space<workgroup> is LDS
+
+
+def _is_lds(value: ir.Value) -> bool:
+    """Shared memory (LDS) memref or pointer: the only memory async copies write here."""
+    if isinstance(value.type, ir.MemRefType):
+        return _space(value) == 3
+    return str(value.type) == "!llvm.ptr<3>"
+
+
+def written_roots(op: ir.Operation) -> tuple | None:
+    """Buffers an async op writes behind the program's back; None if it only writes registers."""
+    if op.name == "nvgpu.device_async_create_group":
+        copies = [t.owner.operation for t in op.operands if not isinstance(t.owner, ir.Block)]
+        return tuple(buffer_root(c.operands[0]) for c in copies
+                     if c.name == "nvgpu.device_async_copy")
+    if op.name in LDS_WRITING_OPS:
+        lds = [v for v in op.operands if _is_lds(v)]
+        return tuple(buffer_root(v) for v in lds) or (None,)
+    if "kiln.async" in op.attributes and len(op.results) == 0:
+        return tuple(buffer_root(v) for v in op.operands if _space(v) == 3) or (None,)
+    return None
+
+
+def _aliases(root, written: tuple) -> bool:
+    return any(root is None or w is None or root == w for w in written)
+
+
+@dataclass(eq=False)
+class Step:
+    """One op as the analysis sees it (compared by identity; events are Steps too)."""
+
+    op: ir.Operation
+    kind: str                    # "op" | "for" | "if"
+    counter: str | None = None   # set for tracked events
+    roots: tuple | None = None   # LDS buffers an event writes (None: registers only)
+    limits: dict = field(default_factory=dict)
+    barrier: bool = False
+    blocks: list = field(default_factory=list)  # nested blocks, each a list of Steps
+    reads: tuple = ()            # events this op consumes (filled after all events are known)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """One outstanding event: younger same-counter events, the last barrier since it issued
+    (a Step, or None when none or the paths disagree) and the younger count at that barrier."""
+
+    younger: int
+    barrier: object = None
+    at_barrier: int = 0
+
+
+@dataclass
+class Gap:
+    """A read that no wait covers: the read, the event, and where the wait should go."""
+
+    reader: ir.Operation
+    event: ir.Operation
+    counter: str
+    count: int
+    place_before: ir.Operation
+
+
+State = dict  # event Step -> Pending
+
+
+def _join(a: State, b: State) -> State:
+    out = dict(a)
+    for key, pend in b.items():
+        other = out.get(key)
+        if other is None:
+            out[key] = pend
+        elif other != pend:
+            same = pend.barrier is other.barrier
+            out[key] = Pending(min(pend.younger, other.younger), pend.barrier if same else None,
+                               min(pend.at_barrier, other.at_barrier) if same else 0)
+    return out
+
+
+def _retire(state: State, counter: str, count: int, barrier=None) -> State:
+    """``state`` after ``counter(count)``; with ``barrier``, the wait sits right before it."""
+    if barrier is None:
+        return {k: p for k, p in state.items() if not (k.counter == counter and p.younger >= count)}
+    return {k: p for k, p in state.items() if not (
+        k.counter == counter and p.barrier is barrier and p.at_barrier >= count)}
+
+
+class WaitAnalysis:
+    """Forward dataflow over one ``gpu.func``.
+
+    ``gaps`` lists the uncovered reads in walk order. ``place`` is None, or a callable
+    ``place(gap) -> None`` that builds the wait for a gap: the analysis then applies that wait
+    and goes on (``placed`` counts them). Example::
+
+        gaps = WaitAnalysis(func).gaps          # kiln-verify-waits
+        WaitAnalysis(func, place=build_wait)    # kiln-insert-waits
+    """
+
+    def __init__(self, func: ir.Operation, *, place=None):
+        self.gaps: list[Gap] = []
+        self.placed = 0
+        self._place = place
+        self._record = True
+        self._steps: dict = {}    # ir.Operation -> Step, for events
+        self._tokens: dict = {}   # kiln.token id -> event Step
+        body = self._build(func.regions[0].blocks[0])
+        self._resolve_reads(body)
+        self._walk(body, {})
+
+    # -- the op tree -------------------------------------------------------------------------
+    def _build(self, block: ir.Block) -> list[Step]:
+        steps = []
+        for view in block.operations:
+            op = view.operation
+            name = op.name
+            kind = "for" if name == "scf.for" else "if" if name == "scf.if" else "op"
+            step = Step(op, kind, limits=wait_limits(op), barrier=name in BARRIER_OPS)
+            step.counter = op_counter(op)
+            if step.counter is not None:
+                step.roots = written_roots(op)
+                self._steps[op] = step
+                if "kiln.token" in op.attributes:
+                    self._tokens[ir.IntegerAttr(op.attributes["kiln.token"]).value] = step
+            step.blocks = [self._build(b) for r in op.regions for b in r.blocks]
+            steps.append(step)
+        return steps
+
+    def _resolve_reads(self, steps: list[Step]) -> None:
+        lds_events = [s for s in self._steps.values() if s.roots is not None]
+        for step in steps:
+            op = step.op
+            name = op.name
+            needed = set()
+            if name == "scf.for":
+                operands = list(op.operands)[:3]  # bounds; the iter_args inits are forwarded
+            elif name in DATA_MOVES or name == "scf.yield":
+                operands = []
+            else:
+                operands = list(op.operands)
+            for operand in operands:
+                needed |= self._value_events(operand, set())
+                if (lds_events and step.roots is None and name not in _NO_ACCESS
+                        and _is_lds(operand)):
+                    root = buffer_root(operand)
+                    needed |= {e for e in lds_events if _aliases(root, e.roots)}
+            if "kiln.waits_for" in op.attributes:
+                for token in ir.ArrayAttr(op.attributes["kiln.waits_for"]):
+                    event = self._tokens.get(ir.IntegerAttr(token).value)
+                    if event is not None:
+                        needed.add(event)
+            step.reads = tuple(needed)
+            for block in step.blocks:
+                self._resolve_reads(block)
+
+    def _value_events(self, value: ir.Value, seen: set) -> set:
+        """Events whose register result reaches ``value`` through forwarding ops."""
+        if value in seen:
+            return set()
+        seen.add(value)
+        owner = value.owner
+        if isinstance(owner, ir.Block):
+            parent = owner.owner.operation if owner.owner is not None else None
+            n = ir.BlockArgument(value).arg_number - 1  # scf.for argument 0 is the induction var
+            if parent is None or parent.name != "scf.for" or n < 0:
+                return set()
+            yielded = owner.operations[len(owner.operations) - 1].operands[n]
+            return (self._value_events(parent.operands[3 + n], seen)
+                    | self._value_events(yielded, seen))
+        op = owner.operation
+        event = self._steps.get(op)
+        if event is not None and event.roots is None:
+            return {event}
+        found = set()
+        if op.name in DATA_MOVES:
+            for operand in op.operands:
+                found |= self._value_events(operand, seen)
+        elif op.name in ("scf.for", "scf.if"):
+            n = ir.OpResult(value).result_number
+            if op.name == "scf.for":
+                found |= self._value_events(op.operands[3 + n], seen)  # zero-trip loop
+            for region in op.regions:
+                for block in region.blocks:
+                    term = block.operations[len(block.operations) - 1]
+                    if n < len(term.operands):
+                        found |= self._value_events(term.operands[n], seen)
+        return found
+
+    # -- transfer functions ------------------------------------------------------------------
+    def _walk(self, steps: list[Step], state: State) -> State:
+        for step in steps:
+            state = self._transfer(step, state)
+        return state
+
+    def _transfer(self, step: Step, state: State) -> State:
+        if step.reads and self._record:
+            state = self._check_reads(step, state)
+        if step.kind == "for":
+            return self._loop(step, state)
+        if step.kind == "if":
+            arms = [self._walk(b, dict(state)) for b in step.blocks]
+            if len(arms) == 1:
+                arms.append(state)  # no else arm: the condition may skip the then arm
+            return _join(arms[0], arms[1])
+        for counter, count in step.limits.items():
+            state = _retire(state, counter, count)
+        if step.barrier:
+            state = {k: Pending(p.younger, step, p.younger) for k, p in state.items()}
+        if step.counter is not None:
+            state = self._issue(step, state)
+        for block in step.blocks:  # unknown region ops: walk once from the current state
+            state = _join(state, self._walk(block, dict(state)))
+        return state
+
+    def _loop(self, step: Step, state: State) -> State:
+        body = step.blocks[0]
+        record, self._record = self._record, False
+        header = dict(state)
+        for _ in range(64):  # the state lattice is finite; this bound is never reached in practice
+            nxt = _join(state, self._walk(body, dict(header)))
+            if nxt == header:
+                break
+            header = nxt
+        self._record = record
+        return _join(state, self._walk(body, dict(header)))
+
+    def _issue(self, step: Step, state: State) -> State:
+        counter = step.counter
+        cap = GFX9_MAX.get(counter)
+        out = {}
+        for k, p in state.items():
+            if k is step:
+                continue
+            if k.counter == counter:
+                p = Pending(p.younger + 1, p.barrier, p.at_barrier)
+                if cap is not None and p.younger >= cap:
+                    continue  # more younger events than the counter holds: this one retired
+            out[k] = p
+        out[step] = Pending(0)
+        return out
+
+    # -- reads -------------------------------------------------------------------------------
+    def _check_reads(self, step: Step, state: State) -> State:
+        needed = [e for e in step.reads if e in state]
+        for event in sorted(needed, key=lambda e: state[e].younger):
+            pend = state.get(event)
+            if pend is None:  # a wait placed for an earlier event of this read retired it
+                continue
+            before_barrier = event.roots is not None and pend.barrier is not None
+            count = pend.at_barrier if before_barrier else pend.younger
+            gap = Gap(step.op, event.op, event.counter, count,
+                      pend.barrier.op if before_barrier else step.op)
+            self.gaps.append(gap)
+            if self._place is None:
+                continue
+            self._place(gap)
+            self.placed += 1
+            state = _retire(state, event.counter, count, pend.barrier if before_barrier else None)
+        return state
