@@ -239,7 +239,7 @@ def _step(program: Program, ins: Instr, state: dict, gaps: list | None) -> dict:
             if hazard and not (producer.counter == ins.counter and not (producer.defs & ins.uses)):
                 gaps.append((ins, producer))
     if ins.mnemonic.startswith(_CALLS):
-        return {}  # the callee opens with s_waitcnt 0 (LLVM's SIInsertWaitcnts, non-entry functions)
+        return {}  # the callee opens with s_waitcnt 0 (see _CALLS)
     counter = ins.counter
     if counter is None:
         return state

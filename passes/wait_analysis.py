@@ -4,14 +4,16 @@ counter wait covers, over every path of a ``gpu.func``.
 It is a forward dataflow. Its state maps every *tracked* asynchronous operation ("event") that
 may still be outstanding to a :class:`Pending`: the number of same-counter events issued after
 it ("younger", minimised over paths) and the last barrier it crossed. A wait ``counter(N)``
-retires every event with ``younger >= N`` (the counters retire in order).
+retires every event with ``younger >= N`` (the counters retire in order); N is at most the
+counter's maximum minus one (``vmcnt(63)`` waits for nothing).
 
 Tracked events (each is exactly one hardware instruction, so counts are exact):
 
 - AMD ``vmcnt``: ``rocdl.global.load.lds``, ``rocdl.raw.ptr.buffer.load[.lds]``,
   ``rocdl.load.to.lds``, ``rocdl.global.load.tr*``, ``amdgpu.raw_buffer_load``,
   ``amdgpu.gather_to_lds``, and any op tagged ``kiln.async = "vmcnt"``;
-- AMD ``lgkmcnt``: ``rocdl.ds.read.tr*``, ``rocdl.ds_bpermute``, ops tagged ``kiln.async = "lgkmcnt"``;
+- AMD ``lgkmcnt``: ``rocdl.ds.read.tr*``, ``rocdl.ds_bpermute``, ops tagged
+  ``kiln.async = "lgkmcnt"``;
 - NVIDIA ``cp.async`` groups: ``nvgpu.device_async_create_group`` over ``nvgpu.device_async_copy``.
 
 Plain ``memref``/``vector`` loads and stores also use the counters but LLVM may merge, split or
@@ -376,16 +378,8 @@ class WaitAnalysis:
 
     def _issue(self, step: Step, state: State) -> State:
         counter = step.counter
-        cap = GFX9_MAX.get(counter)
-        out = {}
-        for k, p in state.items():
-            if k is step:
-                continue
-            if k.counter == counter:
-                p = Pending(p.younger + 1, p.barrier, p.at_barrier)
-                if cap is not None and p.younger >= cap:
-                    continue  # more younger events than the counter holds: this one retired
-            out[k] = p
+        out = {k: (Pending(p.younger + 1, p.barrier, p.at_barrier) if k.counter == counter else p)
+               for k, p in state.items() if k is not step}
         out[step] = Pending(0)
         return out
 
@@ -398,6 +392,8 @@ class WaitAnalysis:
                 continue
             before_barrier = event.roots is not None and pend.barrier is not None
             count = pend.at_barrier if before_barrier else pend.younger
+            if event.counter in GFX9_MAX:  # counter(max) waits for nothing; LLVM clamps alike
+                count = min(count, GFX9_MAX[event.counter] - 1)
             gap = Gap(step.op, event.op, event.counter, count,
                       pend.barrier.op if before_barrier else step.op)
             self.gaps.append(gap)

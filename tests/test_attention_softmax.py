@@ -294,15 +294,8 @@ def test_unsupported_att_dtype_and_axis():
         bad_axis.trace(np.zeros(4, np.float32), target="sm_90a", num_warps=4)
 
 
-GFX950_WAIT_GAP = pytest.mark.xfail(
-    raises=kiln.WaitError, strict=True,
-    reason="LLVM's gfx950 code re-loads kernel arguments (s_load_dwordx4) after the scalar "
-           "rescale branch and reads them with no s_waitcnt lgkmcnt; the wait verifier catches it")
-
-
 @pytest.mark.lower
-@pytest.mark.parametrize("name", [pytest.param(n, marks=GFX950_WAIT_GAP) if n.startswith("mfma")
-                                  else n for n in sorted(TILES)])
+@pytest.mark.parametrize("name", sorted(TILES))
 def test_lazy_cadence_lowers_to_machine_code(name):
     """The whole recurrence (ballot-free shuffle vote, scf.if rescale) reaches cubin/hsaco."""
     tv, grid, q_axis, target, warps = TILES[name]

@@ -12,7 +12,7 @@ from kiln import f32
 from kiln.cluster import ClusterRecipe, cluster, manual_waits
 from kiln.errors import WaitError
 from kiln.lowering import isa_amdgpu
-from kiln.passes.insert_waits import decode_gfx9_waitcnt, encode_gfx9_waitcnt
+from kiln.passes.wait_analysis import decode_gfx9_waitcnt, encode_gfx9_waitcnt
 
 
 def _pointer(value: ir.Value, space: int) -> ir.Value:
@@ -121,3 +121,38 @@ def test_isa_verifier_joins_paths_at_a_loop_header():
                      "s_cbranch_scc1 .LBB0_1", "s_waitcnt vmcnt(0)", "s_endpgm"])
     with pytest.raises(WaitError, match="v_add_f32_e32 v4, v1, v4"):  # the back-edge brings v1 in flight
         isa_amdgpu.verify_waits(isa_amdgpu.parse(asm, "k"), "k")
+
+
+# Excerpt of LLVM's gfx950 code for the lazy-rescale cadence (test_attention_softmax): exp2 is a
+# call to __ocml_exp2_f32, and kernel arguments reloaded after the rescale branch are read
+# ~480 instructions later, after calls, with no s_waitcnt of their own.
+RELOAD_ACROSS_CALL = """run:
+\ts_load_dwordx2 s[80:81], s[0:1], 0x0
+\ts_waitcnt lgkmcnt(0)
+\ts_cmp_eq_u32 s2, 0
+\ts_cbranch_scc1 .LBB0_2
+\ts_swappc_b64 s[30:31], s[80:81]
+\ts_branch .LBB0_3
+.LBB0_2:
+\tv_mov_b32_e32 v42, 1.0
+.LBB0_3:
+\ts_load_dwordx4 s[68:71], s[48:49], 0x58
+\tv_mov_b32_e32 v0, v44
+\ts_swappc_b64 s[30:31], s[80:81]
+\tv_mov_b32_e32 v44, v0
+\ts_lshl_b64 s[0:1], s[70:71], 2
+\ts_endpgm
+"""
+
+
+def test_isa_verifier_counts_a_call_as_a_full_wait():
+    """The callee opens with s_waitcnt 0 (LLVM's SIInsertWaitcnts for every non-kernel
+    function), so loads issued before a call are retired after it; before it they are not."""
+    isa_amdgpu.verify_waits(isa_amdgpu.parse(RELOAD_ACROSS_CALL, "run"), "run")
+    read_first = RELOAD_ACROSS_CALL.replace("\ts_lshl_b64 s[0:1], s[70:71], 2\n", "").replace(
+        "\tv_mov_b32_e32 v0, v44\n", "\tv_mov_b32_e32 v0, v44\n\ts_lshl_b64 s[0:1], s[70:71], 2\n")
+    with pytest.raises(WaitError, match=r"s_lshl_b64 s\[0:1\], s\[70:71\]"):
+        isa_amdgpu.verify_waits(isa_amdgpu.parse(read_first, "run"), "run")
+    unloaded_target = RELOAD_ACROSS_CALL.replace("\ts_waitcnt lgkmcnt(0)\n", "")
+    with pytest.raises(WaitError, match=r"s_swappc_b64 s\[30:31\], s\[80:81\]"):
+        isa_amdgpu.verify_waits(isa_amdgpu.parse(unloaded_target, "run"), "run")

@@ -133,3 +133,157 @@ module attributes {gpu.container_module} {
     }
   }
 }
+
+// -----
+
+// Register data movement forwards "pending": the shuffle joining two transposed LDS reads is
+// not a use, so nothing separates the reads; the MFMA is, and waits for both (lgkmcnt(0)).
+// CHECK-LABEL: gpu.func @shuffle_forwards
+// CHECK: amdgpu.transpose_load
+// CHECK-NEXT: amdgpu.transpose_load
+// CHECK-NEXT: vector.shuffle
+// CHECK-NEXT: rocdl.s.waitcnt 49279
+// CHECK-NEXT: amdgpu.mfma
+// CHECK-NOT: rocdl.s.waitcnt
+module attributes {gpu.container_module} {
+  gpu.module @kiln_kernels {
+    memref.global "private" @v : memref<4096xbf16, 3>
+    gpu.func @shuffle_forwards(%a: vector<8xbf16>, %c: vector<16xf32>, %i: index, %j: index, %out: memref<16xf32, 1>) kernel attributes {kiln.target = "gfx950"} {
+      %v = memref.get_global @v : memref<4096xbf16, 3>
+      %lo = amdgpu.transpose_load %v[%i] {kiln.async = "lgkmcnt"} : memref<4096xbf16, 3> -> vector<4xbf16>
+      %hi = amdgpu.transpose_load %v[%j] {kiln.async = "lgkmcnt"} : memref<4096xbf16, 3> -> vector<4xbf16>
+      %b = vector.shuffle %lo, %hi [0, 1, 2, 3, 4, 5, 6, 7] : vector<4xbf16>, vector<4xbf16>
+      %d = amdgpu.mfma 32x32x16 %a * %b + %c blgp = none : vector<8xbf16>, vector<8xbf16>, vector<16xf32>
+      %c0 = arith.constant 0 : index
+      vector.store %d, %out[%c0] : memref<16xf32, 1>, vector<16xf32>
+      gpu.return
+    }
+  }
+}
+
+// -----
+
+// A staircase: each MFMA waits only for the pair of reads its operand was shuffled from, so
+// the first waits with two reads still in flight (lgkmcnt(2), 49791), the second for none.
+// CHECK-LABEL: gpu.func @staircase
+// CHECK-COUNT-4: amdgpu.transpose_load
+// CHECK: vector.shuffle
+// CHECK-NEXT: vector.shuffle
+// CHECK-NEXT: rocdl.s.waitcnt 49791
+// CHECK-NEXT: amdgpu.mfma
+// CHECK-NEXT: rocdl.s.waitcnt 49279
+// CHECK-NEXT: amdgpu.mfma
+// CHECK-NOT: rocdl.s.waitcnt
+module attributes {gpu.container_module} {
+  gpu.module @kiln_kernels {
+    memref.global "private" @v : memref<4096xbf16, 3>
+    gpu.func @staircase(%a: vector<8xbf16>, %c: vector<16xf32>, %i: index, %out: memref<16xf32, 1>) kernel attributes {kiln.target = "gfx950"} {
+      %v = memref.get_global @v : memref<4096xbf16, 3>
+      %r0 = amdgpu.transpose_load %v[%i] {kiln.async = "lgkmcnt"} : memref<4096xbf16, 3> -> vector<4xbf16>
+      %r1 = amdgpu.transpose_load %v[%i] {kiln.async = "lgkmcnt"} : memref<4096xbf16, 3> -> vector<4xbf16>
+      %r2 = amdgpu.transpose_load %v[%i] {kiln.async = "lgkmcnt"} : memref<4096xbf16, 3> -> vector<4xbf16>
+      %r3 = amdgpu.transpose_load %v[%i] {kiln.async = "lgkmcnt"} : memref<4096xbf16, 3> -> vector<4xbf16>
+      %b0 = vector.shuffle %r0, %r1 [0, 1, 2, 3, 4, 5, 6, 7] : vector<4xbf16>, vector<4xbf16>
+      %b1 = vector.shuffle %r2, %r3 [0, 1, 2, 3, 4, 5, 6, 7] : vector<4xbf16>, vector<4xbf16>
+      %d0 = amdgpu.mfma 32x32x16 %a * %b0 + %c blgp = none : vector<8xbf16>, vector<8xbf16>, vector<16xf32>
+      %d1 = amdgpu.mfma 32x32x16 %a * %b1 + %d0 blgp = none : vector<8xbf16>, vector<8xbf16>, vector<16xf32>
+      %c0 = arith.constant 0 : index
+      vector.store %d1, %out[%c0] : memref<16xf32, 1>, vector<16xf32>
+      gpu.return
+    }
+  }
+}
+
+// -----
+
+// Extracts and bitcasts forward too: the wait goes before the arith.addf that consumes the
+// element, not before the vector.extract or the arith.bitcast.
+// CHECK-LABEL: gpu.func @extract_bitcast_forward
+// CHECK: amdgpu.transpose_load
+// CHECK-NEXT: vector.extract
+// CHECK-NEXT: arith.bitcast
+// CHECK-NEXT: rocdl.s.waitcnt 49279
+// CHECK-NEXT: arith.addf
+module attributes {gpu.container_module} {
+  gpu.module @kiln_kernels {
+    memref.global "private" @v : memref<4096xbf16, 3>
+    gpu.func @extract_bitcast_forward(%i: index, %x: f16, %out: memref<4xf16, 1>) kernel attributes {kiln.target = "gfx950"} {
+      %v = memref.get_global @v : memref<4096xbf16, 3>
+      %r = amdgpu.transpose_load %v[%i] {kiln.async = "lgkmcnt"} : memref<4096xbf16, 3> -> vector<4xbf16>
+      %e = vector.extract %r[1] : bf16 from vector<4xbf16>
+      %h = arith.bitcast %e : bf16 to f16
+      %s = arith.addf %h, %x : f16
+      memref.store %s, %out[%i] : memref<4xf16, 1>
+      gpu.return
+    }
+  }
+}
+
+// -----
+
+// A pending value carried across the back-edge: the read at the bottom of one iteration is
+// consumed at the top of the next. scf.yield only forwards it, so the wait sits before the
+// consumer, and after the loop before the store of the result.
+// CHECK-LABEL: gpu.func @carried
+// CHECK: scf.for
+// CHECK-NEXT: rocdl.s.waitcnt 49279
+// CHECK-NEXT: arith.addf
+// CHECK-NEXT: amdgpu.transpose_load
+// CHECK-NEXT: scf.yield
+// CHECK: rocdl.s.waitcnt 49279
+// CHECK-NEXT: vector.store
+module attributes {gpu.container_module} {
+  gpu.module @kiln_kernels {
+    memref.global "private" @v : memref<4096xbf16, 3>
+    gpu.func @carried(%i: index, %n: index, %out: memref<4xbf16, 1>) kernel attributes {kiln.target = "gfx950"} {
+      %c0 = arith.constant 0 : index
+      %c1 = arith.constant 1 : index
+      %v = memref.get_global @v : memref<4096xbf16, 3>
+      %first = amdgpu.transpose_load %v[%i] {kiln.async = "lgkmcnt"} : memref<4096xbf16, 3> -> vector<4xbf16>
+      %last = scf.for %j = %c0 to %n step %c1 iter_args(%prev = %first) -> (vector<4xbf16>) {
+        %sum = arith.addf %prev, %prev : vector<4xbf16>
+        %next = amdgpu.transpose_load %v[%j] {kiln.async = "lgkmcnt"} : memref<4096xbf16, 3> -> vector<4xbf16>
+        scf.yield %next : vector<4xbf16>
+      }
+      vector.store %last, %out[%c0] : memref<4xbf16, 1>, vector<4xbf16>
+      gpu.return
+    }
+  }
+}
+
+// -----
+
+// A DMA issued after the barrier does not count toward the wait placed before it: at the
+// barrier the DMA into @tile is the youngest, so the wait there is vmcnt(0) (3952), not
+// vmcnt(1). A view (memref.collapse_shape) of the buffer is not a read.
+// CHECK-LABEL: gpu.func @count_at_barrier
+// CHECK: rocdl.global.load.lds
+// CHECK-NEXT: rocdl.s.waitcnt 3952
+// CHECK-NEXT: rocdl.s.barrier
+// CHECK-NEXT: rocdl.global.load.lds
+// CHECK-NEXT: memref.collapse_shape
+// CHECK-NEXT: memref.load
+// CHECK-NOT: rocdl.s.waitcnt
+module attributes {gpu.container_module} {
+  gpu.module @kiln_kernels {
+    memref.global "private" @tile : memref<8x8xf32, 3>
+    memref.global "private" @other : memref<64xf32, 3>
+    gpu.func @count_at_barrier(%g: !llvm.ptr<1>, %out: memref<64xf32, 1>, %i: index) kernel attributes {kiln.target = "gfx950"} {
+      %t = memref.get_global @tile : memref<8x8xf32, 3>
+      %ti = memref.extract_aligned_pointer_as_index %t : memref<8x8xf32, 3> -> index
+      %t64 = arith.index_cast %ti : index to i64
+      %tp = llvm.inttoptr %t64 : i64 to !llvm.ptr<3>
+      %o = memref.get_global @other : memref<64xf32, 3>
+      %oi = memref.extract_aligned_pointer_as_index %o : memref<64xf32, 3> -> index
+      %o64 = arith.index_cast %oi : index to i64
+      %op = llvm.inttoptr %o64 : i64 to !llvm.ptr<3>
+      rocdl.global.load.lds %g, %tp, 4, 0, 0
+      rocdl.s.barrier
+      rocdl.global.load.lds %g, %op, 4, 0, 0
+      %flat = memref.collapse_shape %t [[0, 1]] : memref<8x8xf32, 3> into memref<64xf32, 3>
+      %x = memref.load %flat[%i] : memref<64xf32, 3>
+      memref.store %x, %out[%i] : memref<64xf32, 1>
+      gpu.return
+    }
+  }
+}
