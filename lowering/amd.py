@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -34,6 +35,8 @@ def rocdl_passes(state: CompileState) -> list[str]:
     return [
         f"rocdl-attach-target{{chip={chip} O={opt}}}",
         "convert-vector-to-scf", "expand-strided-metadata", "lower-affine",
+        # Before convert-gpu-to-rocdl turns math ops into ROCm device-library calls.
+        "kiln-amdgpu-native-math",
         f"gpu.module(convert-scf-to-cf,convert-amdgpu-to-rocdl{{chipset={chip}}},"
         f"convert-gpu-to-rocdl{{chipset={chip} index-bitwidth=64}},canonicalize,cse,"
         "reconcile-unrealized-casts)",
@@ -50,7 +53,21 @@ def make_rocdl(state: CompileState) -> str:
 
 
 def make_llvm(state: CompileState) -> str:
-    return device_llvm_ir(state.module, TRIPLE)
+    text = device_llvm_ir(state.module, TRIPLE)
+    _reject_device_library_calls(state, text)
+    return text
+
+
+def _reject_device_library_calls(state: CompileState, llvm_ir: str) -> None:
+    """A call into the ROCm device library (``__ocml_*``/``__ockl_*``) would leave an undefined
+    symbol in the code object, which then fails to load: reject it at compile time."""
+    missing = sorted(set(re.findall(r"^declare [^@]*@(__oc[km]l_\w+)", llvm_ir, re.MULTILINE)))
+    if missing:
+        raise CompilationError(
+            f"kernel {state.kernel!r} needs ROCm device-library functions Kiln does not link: "
+            f"{', '.join(missing)}",
+            fix="use operations with a native AMDGPU lowering (exp2, log2, sqrt, rsqrt, fma, "
+                "min/max...) or report the missing operation")
 
 
 @functools.lru_cache(maxsize=None)

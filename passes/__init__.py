@@ -107,6 +107,7 @@ def build_pass_manager(elements: Sequence[str]) -> passmanager.PassManager:
 
 
 from kiln.passes import fold_block_dim as _fold_block_dim  # noqa: E402  (registers itself)
+from kiln.passes import amdgpu_native_math as _amdgpu_native_math  # noqa: E402
 from kiln.passes import insert_waits as _insert_waits  # noqa: E402
 from kiln.passes import cluster_schedule as _cluster_schedule  # noqa: E402
 from kiln.passes import verify_waits as _verify_waits  # noqa: E402
