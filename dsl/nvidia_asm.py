@@ -1,7 +1,8 @@
 """NVIDIA-only building blocks: elected threads, proxy fences, register reallocation.
 
-Everything here is an upstream ``nvvm`` op except :func:`named_barrier`, the one inline-PTX
-wrapper (see its comment). The module also holds the operand coercion shared by :mod:`kiln.tma`,
+Everything here is an upstream ``nvvm`` op except the inline-PTX wrappers: :func:`named_barrier`
+(see its comment) and :func:`wgmma_mma_async_regs` (WGMMA with A in registers, which
+``nvvm.wgmma.mma_async`` cannot express). The module also holds the operand coercion shared by :mod:`kiln.tma`,
 :mod:`kiln.mbarrier` and :mod:`kiln.wgmma`: those wrappers accept Python ints, traced
 ``kiln.Value``/``Handle`` objects (anything with ``.ir``) or raw ``ir.Value``.
 
@@ -190,6 +191,41 @@ def _named_barrier_operands(barrier_id, num_threads: int) -> list:
     identifier = arith.constant(i32, barrier_id) if isinstance(barrier_id, int) else \
         arith.index_cast(i32, as_index(barrier_id, "barrier id"))
     return [identifier, arith.constant(i32, num_threads)]
+
+
+def wgmma_rs_asm(n: int, ptx_type: str, trans_b: int) -> str:
+    """The inline PTX of :func:`wgmma_mma_async_regs` for ``m64n{n}k16`` (operands ``$0..``:
+    ``n/2`` accumulator outputs, the same ``n/2`` tied inputs, four A registers, the B
+    descriptor, the scale-d flag)."""
+    half = n // 2
+    d = ", ".join(f"${i}" for i in range(half))
+    a = ", ".join(f"${i}" for i in range(n, n + 4))
+    # scale-d must be a predicate; imm-scale-a/b = 1 (no negation), imm-trans-b 0/1.
+    return ("{\n.reg .pred p;\n"
+            f"setp.ne.b32 p, ${n + 5}, 0;\n"
+            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "
+            f"{{{d}}}, {{{a}}}, ${n + 4}, p, 1, 1, {trans_b};\n}}")
+
+
+def wgmma_mma_async_regs(accumulators: list[ir.Value], a_registers: list[ir.Value],
+                         b_descriptor: ir.Value, scale_d: ir.Value, *, ptx_type: str,
+                         trans_b: int) -> ir.Value:
+    """``wgmma.mma_async.sync.aligned.m64nNk16.f32.T.T`` with A from four b32 registers
+    (PTX ISA "wgmma.mma_async", register A form); returns the ``!llvm.struct`` of the
+    ``len(accumulators)`` updated f32 registers. ``scale_d`` (i32) = 0 ignores the old D.
+
+    Low-level: :func:`kiln.wgmma.mma_async_regs` validates operands and is the one to call.
+    """
+    half = len(accumulators)
+    f32 = ir.F32Type.get()
+    # LLVM IR has no "+f": outputs "=f", then inputs tied to them by index ("0", "1", ...),
+    # which is what clang makes of CUDA's "+f" read-write operands.
+    constraints = ",".join(["=f"] * half + [str(i) for i in range(half)]
+                           + ["r"] * 4 + ["l", "r"])
+    return llvm.inline_asm(llvm.StructType.get_literal([f32] * half),
+                           [*accumulators, *a_registers, b_descriptor, scale_d],
+                           wgmma_rs_asm(2 * half, ptx_type, trans_b), constraints,
+                           has_side_effects=True)
 
 
 # ---------------------------------------------------------------------------------------------

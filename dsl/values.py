@@ -25,7 +25,7 @@ from mlir.dialects import arith, math, vector
 
 from . import dtypes as dt
 from .dtypes import DType
-from .errors import KilnTypeError, UnsupportedError
+from .errors import KilnTypeError, KilnValueError, UnsupportedError
 
 
 _SCALAR_TYPE_NAMES = {"i1", "i8", "i16", "i32", "i64", "index", "f16", "bf16", "f32", "f64",
@@ -190,6 +190,17 @@ def constant(value: Any, dtype: DType, shape: tuple[int, ...] = ()) -> Value:
     return Value(arith.constant(elem, attr), dtype)
 
 
+def _check_literal_range(value: int, dtype: DType) -> None:
+    """A weak int literal must fit its operand's dtype (signed or unsigned range: integers
+    are signless), instead of silently wrapping (``x_i8 + 1000``)."""
+    bits = dtype.bits
+    low, high = (0, 1) if dtype.kind == "bool" else (-(1 << (bits - 1)), (1 << bits) - 1)
+    if not low <= value <= high:
+        raise KilnValueError(f"the literal {value} does not fit {dtype} (range {low}..{high})",
+                             fix=f"cast the other operand to a wider type first, e.g. "
+                                 f"kiln.cast(x, kiln.i32)")
+
+
 def is_literal(x: Any) -> bool:
     return isinstance(x, (bool, int, float)) and not isinstance(x, Value)
 
@@ -199,7 +210,10 @@ def to_value(x: Any, like: DType | None = None) -> Value:
     if isinstance(x, Value):
         return x
     if is_literal(x):
-        return constant(x, dt.literal_dtype(x, like))
+        dtype = dt.literal_dtype(x, like)
+        if isinstance(x, int) and not isinstance(x, bool) and dtype.is_int:
+            _check_literal_range(x, dtype)
+        return constant(x, dtype)
     check_defined(x)
     raise KilnTypeError(f"cannot use {type(x).__name__} {x!r} as a kernel value",
                         fix="use a traced value, a tensor element or a Python int/float/bool")
@@ -284,6 +298,9 @@ def unify(a: Any, b: Any) -> tuple[Value, Value]:
     if dtype is None:
         other = b if isinstance(a, Value) else a
         to_value(other)  # raises the "cannot use" error
+    for operand in (a, b):
+        if isinstance(operand, int) and not isinstance(operand, bool) and dtype.is_int:
+            _check_literal_range(operand, dtype)
     shape = (a.shape if isinstance(a, Value) and a.shape else
              b.shape if isinstance(b, Value) else ())
     return (broadcast(cast(a, dtype), shape), broadcast(cast(b, dtype), shape))

@@ -466,3 +466,142 @@ def store_fragment_swizzled(acc: Fragment, chunks, first_chunk, *, columns=None)
             if chunks.dtype is not f32:
                 pair = arith.truncf(out_type, pair)
             tile.store(r, (col % chunk_cols) ^ flip, Value(pair, chunks.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# WGMMA with A from registers (FlashAttention-3's P @ V)
+# ---------------------------------------------------------------------------------------------
+# ``wgmma.mma_async`` also reads A from four b32 registers per thread instead of a descriptor,
+# so a softmax computed in registers feeds the next product without a trip through shared
+# memory. Upstream ``nvvm.wgmma.mma_async`` only takes descriptors: the PTX is inline asm in
+# :func:`kiln.nvidia_asm.wgmma_mma_async_regs`.
+
+A_REGISTER_VALUES = 8  # 64 x 16 A tile over 128 threads: 8 elements = 4 packed b32 registers
+
+
+def a_fragment_layout():
+    """``(thread, value) -> (row, col)`` of the 64 x 16 A operand held in registers.
+
+    The same positions as the accumulator of a 64 x 16 product,
+    :func:`kiln.layout.wgmma_m64_accumulator` ``(16)`` (PTX ISA "Register Fragments, Matrix A"
+    for ``wgmma .m64nNk16``): warp ``w = t // 32`` owns rows ``16w..16w+15``; value ``v`` of lane
+    ``l`` is row ``16w + l // 4 + 8 * (v // 2 % 2)``, column ``8 * (v // 4) + 2 * (l % 4) + v % 2``.
+    Values ``2i, 2i+1`` share b32 register ``i`` (``2i`` in the low half).
+
+    Worked example: thread 37 (warp 1, lane 5) holds rows 17 and 25, columns 2, 3, 10, 11;
+    its value 5 is ``(17, 11)``::
+
+        >>> kiln.wgmma.a_fragment_layout()(37, 5)
+        (17, 11)
+    """
+    from .layout import wgmma_m64_accumulator
+
+    return wgmma_m64_accumulator(INSTRUCTION_K)
+
+
+def a_fragment_from_accumulator(acc, dtype) -> list:
+    """Convert a 64 x ``n`` f32 accumulator (a :class:`Fragment` or its
+    :func:`fragment_to_tile` RegTile, e.g. ``P = softmax(S)``) to ``dtype`` with one bulk cast
+    and split it into the ``n // 16`` A operands of :func:`mma_async_regs`: element ``j`` is
+    ``vector<8 x dtype>`` holding columns ``16j .. 16j+15`` in :func:`a_fragment_layout` order
+    (accumulator registers ``8j .. 8j+7`` are exactly that fragment, so no data moves).
+
+    Example: ``p = a_fragment_from_accumulator(s, kiln.bf16)`` then
+    ``o = mma_async_regs(o, p[j], v_desc_j, dtype=kiln.bf16, b_major="mn")`` per 16 keys.
+    """
+    from .layout import wgmma_m64_accumulator
+    from .reg_tile import RegTile
+    from .values import Value, cast
+
+    require_feature("has_wgmma", "kiln.wgmma.a_fragment_from_accumulator")
+    out_dtype = _operand_dtype(dtype, "a_fragment_from_accumulator")
+    if isinstance(acc, Fragment):
+        n = acc.n
+        width = n // 2
+        packed = Value(vector.from_elements(ir.VectorType.get([width], f32.mlir_type()),
+                                            [acc.element(i).ir for i in range(width)]), f32)
+    elif isinstance(acc, RegTile) and acc.grid == (1, 1) and acc.dtype is f32 \
+            and acc.layout == wgmma_m64_accumulator(acc.shape[1]):
+        n, packed = acc.shape[1], acc.fragment(0, 0)
+    else:
+        raise KilnTypeError(f"a_fragment_from_accumulator needs a kiln.wgmma.Fragment or a "
+                            f"1 x 1 f32 RegTile of layout wgmma_m64_accumulator(n), got {acc!r}",
+                            fix="pass the mma_async result (or fragment_to_tile of it)")
+    if n % INSTRUCTION_K:
+        raise UnsupportedError(f"a 64 x {n} accumulator does not split into 16-column A "
+                               "operands", fix="use an accumulator whose N is a multiple of 16")
+    converted = cast(packed, out_dtype)
+    return [Value(vector.shuffle(converted.ir, converted.ir,
+                                 list(range(A_REGISTER_VALUES * j, A_REGISTER_VALUES * (j + 1)))),
+                  out_dtype) for j in range(n // INSTRUCTION_K)]
+
+
+def mma_async_regs(acc: Fragment, a_frag, b_desc, *, dtype, b_major: str = "k",
+                   accumulate=True) -> Fragment:
+    """Issue one ``wgmma.mma_async.m64nNk16`` with A from registers: ``acc += A @ B`` where A
+    (64 x 16) is this warp group's ``a_frag`` (``vector<8 x dtype>`` laid out as
+    :func:`a_fragment_layout`) and B (16 x N) is read through descriptor ``b_desc``
+    (:func:`smem_descriptor`; ``b_major="mn"`` for B stored with N contiguous).
+
+    ``accumulate=False`` (or a traced boolean that is false) computes ``A @ B`` and ignores
+    ``acc``'s values. Asynchronous like :func:`mma_async`: :func:`fence` first (it also orders
+    the writes of ``a_frag``'s registers), :func:`commit` and :func:`wait_group` after; do not
+    touch ``acc`` or ``a_frag`` in between.
+
+    Example (FlashAttention-3's O += P @ V, V stored keys x depth with depth contiguous)::
+
+        p = kiln.wgmma.a_fragment_from_accumulator(s, kiln.bf16)   # 64 x 64 P: 4 A operands
+        kiln.wgmma.fence()
+        for j in kiln.static_range(4):
+            o = kiln.wgmma.mma_async_regs(o, p[j], v_desc + 128 * j, dtype=kiln.bf16,
+                                          b_major="mn")
+        kiln.wgmma.commit()
+    """
+    from .nvidia_asm import wgmma_mma_async_regs
+    from .values import Value
+
+    require_feature("has_wgmma", "kiln.wgmma.mma_async_regs")
+    if not isinstance(acc, Fragment):
+        raise KilnTypeError(f"mma_async_regs needs a kiln.wgmma.Fragment accumulator, got "
+                            f"{type(acc).__name__}", fix="start from kiln.wgmma.fragment_zeros(n)")
+    operand = _operand_dtype(dtype, "mma_async_regs")
+    if not isinstance(a_frag, Value) or a_frag.dtype is not operand \
+            or a_frag.shape != (A_REGISTER_VALUES,):
+        got = repr(a_frag) if isinstance(a_frag, Value) else type(a_frag).__name__
+        raise KilnTypeError(f"mma_async_regs A operand must be a vector<{A_REGISTER_VALUES}x"
+                            f"{operand}> per thread, got {got}",
+                            fix="build it with kiln.wgmma.a_fragment_from_accumulator")
+    if b_major not in MAJORS:
+        raise KilnValueError(f"b_major={b_major!r} must be 'k' or 'mn'",
+                             fix="'k' when K is the contiguous dimension, else 'mn'")
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    b_value = ir_value(b_desc, "B descriptor")
+    if b_value.type != i64:
+        raise KilnTypeError(f"B descriptor must be an i64 from smem_descriptor, got "
+                            f"{b_value.type}", fix="build it with kiln.wgmma.smem_descriptor")
+    packed = vector.bitcast(ir.VectorType.get([A_REGISTER_VALUES // 2], i32), a_frag.ir)
+    a_registers = [vector.extract(packed, [], [i]) for i in range(A_REGISTER_VALUES // 2)]
+    result = wgmma_mma_async_regs([acc.element(i).ir for i in range(acc.n // 2)], a_registers,
+                                  b_value, _scale_d(accumulate), ptx_type=operand.name,
+                                  trans_b=int(b_major == "mn"))
+    return Fragment(result, acc.n)
+
+
+def _operand_dtype(dtype, what: str) -> DType:
+    operand = as_dtype(dtype)
+    if operand.name not in OPERAND_DTYPES:
+        raise UnsupportedError(f"{what} operand dtype {operand} is not supported",
+                               fix=f"use f16 or bf16 (supported: {SUPPORTED})")
+    return operand
+
+
+def _scale_d(accumulate) -> ir.Value:
+    """``accumulate`` (bool or traced i1) as the i32 the PTX turns into the scale-d predicate."""
+    i32 = ir.IntegerType.get_signless(32)
+    if isinstance(accumulate, bool):
+        return arith.constant(i32, int(accumulate))
+    flag = ir_value(accumulate, "accumulate")
+    if flag.type != ir.IntegerType.get_signless(1):
+        raise KilnTypeError(f"accumulate must be a bool or a traced boolean, got {flag.type}",
+                            fix="compare first, e.g. accumulate=(k > 0)")
+    return arith.extui(i32, flag)

@@ -112,3 +112,20 @@ def test_unresolvable_string_annotation_explains_fix():
     with pytest.raises(kiln.KilnTypeError, match="cannot resolve the annotation") as info:
         kiln.kernel(make())
     assert "module level" in info.value.fix
+
+
+def test_int_literal_that_does_not_fit_the_operand_dtype(tmp_path):
+    """``x_i8 + 1000`` and ``mask & 3`` used to wrap silently; now they are KilnValueErrors."""
+    import importlib.util
+
+    path = tmp_path / "literal_range_kernel.py"
+    path.write_text("import kiln\nfrom kiln import i8\n\n@kiln.kernel\n"
+                    "def add_big(x: kiln.Tensor[i8]):\n"
+                    "    i = kiln.thread_id(0)\n"
+                    "    x[i] = x[i] + 1000\n")
+    spec = importlib.util.spec_from_file_location("literal_range_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(kiln.KilnValueError, match=r"literal 1000 does not fit i8 \(range -128..255\)") as info:
+        module.add_big.trace(np.zeros(4, np.int8), target="sm_90a")
+    assert info.value.loc.line == 7 and "Fix:" in str(info.value)

@@ -200,39 +200,105 @@ def _transpose_load(op, p):
     return run
 
 
+_DPP_ROW = 16  # DPP row modes act within rows of 16 lanes
+
+
+def dpp_source_lanes(kind: str, argument, lane: np.ndarray, wave: int) -> np.ndarray:
+    """Per lane, the lane it reads for DPP ``kind`` (GCN3/CDNA ISA), or -1 where it reads
+    nothing (past a row or wave edge, or a row ``row_bcast`` does not reach).
+
+    Example: ``dpp_source_lanes("row_shr", 1, np.arange(16), 64)`` is ``[-1, 0, 1, ... 14]``.
+    """
+    in_row = lane % _DPP_ROW
+    row_base = lane - in_row
+    if kind == "quad_perm":
+        return lane - lane % 4 + np.asarray(argument)[lane % 4]
+    if kind in ("row_shl", "row_shr"):
+        src = in_row + (argument if kind == "row_shl" else -argument)
+        return np.where((src >= 0) & (src < _DPP_ROW), row_base + src, -1)
+    if kind == "row_ror":
+        return row_base + (in_row - argument) % _DPP_ROW
+    if kind == "row_mirror":
+        return row_base + _DPP_ROW - 1 - in_row
+    if kind == "row_half_mirror":
+        return lane - lane % 8 + 7 - lane % 8
+    if kind in ("wave_shl", "wave_shr", "wave_rol", "wave_ror"):
+        base = lane - lane % wave
+        step = 1 if kind in ("wave_shl", "wave_rol") else -1
+        src = lane % wave + step
+        if kind in ("wave_rol", "wave_ror"):
+            return base + src % wave
+        return np.where((src >= 0) & (src < wave), base + src, -1)
+    row = (lane % wave) // _DPP_ROW
+    wave_base = lane - lane % wave
+    if kind == "row_bcast_15":  # lane 15 of each row feeds the next row
+        return np.where(row >= 1, wave_base + row * _DPP_ROW - 1, -1)
+    if kind == "row_bcast_31":  # lane 31 feeds rows 2 and 3
+        return np.where(row >= 2, wave_base + 31, -1)
+    raise UnsupportedError(f"the interpreter has no semantics for DPP {kind} yet")
+
+
 @semantics("amdgpu.dpp")
 def _dpp(op, p):
+    """Lanes of a row disabled by ``row_mask``/``bank_mask`` keep ``old``; lanes whose source
+    is invalid read 0 with ``bound_ctrl``, else keep ``old``."""
     old, src = p.operands(op)[:2]
     out = p.result(op)
-    kind = str(op.attributes["kind"])
+    kind = str(op.attributes["kind"]).rstrip(">").split()[-1]
+    argument = None
+    if "permArgument" in op.attributes:
+        attr = op.attributes["permArgument"]
+        argument = [ir.IntegerAttr(x).value for x in ir.ArrayAttr(attr)] \
+            if isinstance(attr, ir.ArrayAttr) else ir.IntegerAttr(attr).value
+    row_mask = ir.IntegerAttr(op.attributes["row_mask"]).value if "row_mask" in op.attributes \
+        else 0xF
+    bank_mask = ir.IntegerAttr(op.attributes["bank_mask"]).value \
+        if "bank_mask" in op.attributes else 0xF
+    bound_ctrl = "bound_ctrl" in op.attributes and ir.BoolAttr(op.attributes["bound_ctrl"]).value
     loc = location(op)
-    if "quad_perm" not in kind:
-        raise UnsupportedError(f"the interpreter has no semantics for DPP {kind} yet", loc=loc)
-    perm = [ir.IntegerAttr(x).value for x in ir.ArrayAttr(op.attributes["permArgument"])]
+    try:
+        dpp_source_lanes(kind, argument, np.arange(64), 64)
+    except UnsupportedError as err:
+        raise UnsupportedError(err.message, loc=loc) from None
 
     def run(env, ctx):
         n = ctx.size
         x = np.broadcast_to(env[src], (n,) + env[src].shape[1:])
+        prev = np.broadcast_to(env[old], x.shape)
         lane = np.arange(n)
-        env[out] = x[lane - lane % 4 + np.asarray(perm)[lane % 4]]
+        wave_lane = ctx.thread_ids % ctx.cta.warp_size
+        source = lane - wave_lane + dpp_source_lanes(kind, argument, wave_lane,
+                                                     ctx.cta.warp_size)
+        valid = source >= lane - wave_lane
+        picked = x[np.where(valid, source, lane)]
+        fill = np.zeros_like(picked) if bound_ctrl else prev
+        picked = np.where(_lanes(valid, picked), picked, fill)
+        row, bank = (wave_lane // _DPP_ROW) % 4, (wave_lane % _DPP_ROW) // 4
+        enabled = ((row_mask >> row) & 1).astype(bool) & ((bank_mask >> bank) & 1).astype(bool)
+        env[out] = np.where(_lanes(enabled, picked), picked, prev)
 
     return run
+
+
+def _lanes(flags: np.ndarray, like: np.ndarray) -> np.ndarray:
+    return flags.reshape(flags.shape + (1,) * (like.ndim - 1))
 
 
 @semantics("rocdl.ds_swizzle")
 def _ds_swizzle(op, p):
     src, pattern = p.operands(op)
     out = p.result(op)
-    loc = location(op)
 
     def run(env, ctx):
         bits = int(env[pattern][0])
-        if bits & 0x8000:
-            raise UnsupportedError("the interpreter supports ds_swizzle bit mode only", loc=loc)
-        and_mask, or_mask, xor_mask = bits & 0x1F, (bits >> 5) & 0x1F, (bits >> 10) & 0x1F
         n = ctx.size
         x = np.broadcast_to(env[src], (n,) + env[src].shape[1:])
         lane = np.arange(n)
+        if bits & 0x8000:  # quad-permute mode: lane 4q+i reads 4q + bits[2i+1:2i]
+            within = lane % 4
+            env[out] = x[lane - within + (bits >> (2 * within)) % 4]
+            return
+        and_mask, or_mask, xor_mask = bits & 0x1F, (bits >> 5) & 0x1F, (bits >> 10) & 0x1F
         within = lane % 32
         source = lane - within + (((within & and_mask) | or_mask) ^ xor_mask)
         env[out] = x[source]

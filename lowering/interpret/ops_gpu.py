@@ -92,6 +92,9 @@ def _inline_asm(op, p):
 
 @semantics("gpu.shuffle")
 def _shuffle(op, p):
+    """Lanes form segments of ``width`` (a power of two up to the warp size), as PTX ``shfl``'s
+    segment mask and AMD's ``ds_bpermute`` lowering make them: a source lane outside the
+    reader's segment is invalid and the reader keeps its own value."""
     value, offset, width = p.operands(op)
     out, valid = p.results(op)
     mode = str(op.attributes["mode"]).rstrip(">").split()[-1]
@@ -101,14 +104,17 @@ def _shuffle(op, p):
         ws = ctx.cta.warp_size
         n = ctx.size
         v = np.broadcast_to(env[value], (n,) + env[value].shape[1:])
-        lane = ctx.thread_ids % ws
-        off = np.broadcast_to(env[offset], (n,)).astype(np.int64)
         w = int(env[width][0])
-        if w != ws:
-            raise UnsupportedError(f"the interpreter supports gpu.shuffle over a full warp "
-                                   f"({ws} lanes) only, got width {w}", loc=loc)
-        src = {"xor": lane ^ off, "down": lane + off, "up": lane - off, "idx": off}[mode]
-        ok = (src >= 0) & (src < ws)
+        if not 1 <= w <= ws or w & (w - 1):
+            raise UnsupportedError(f"the interpreter supports gpu.shuffle widths that are powers "
+                                   f"of two up to the warp size ({ws}), got width {w}",
+                                   fix=f"use a width of 1, 2, 4, ... {ws}", loc=loc)
+        lane = ctx.thread_ids % ws
+        segment = lane - lane % w
+        off = np.broadcast_to(env[offset], (n,)).astype(np.int64)
+        src = {"xor": lane ^ off, "down": lane + off, "up": lane - off,
+               "idx": segment + off}[mode]
+        ok = (src >= segment) & (src < segment + w)
         src = np.where(ok, src, lane)
         env[out] = v[(np.arange(n) - lane) + src]
         env[valid] = ok

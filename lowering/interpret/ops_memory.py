@@ -170,6 +170,26 @@ def _vector_store(op, p):
     return run
 
 
+@semantics("memref.alloca")
+def _alloca(op, p):
+    """A private array per thread: one poisoned storage block per thread of the context, each
+    thread's descriptor offset pointing at its own block."""
+    out = p.result(op)
+    mtype = ir.MemRefType(op.results[0].type)
+    shape = tuple(mtype.shape)
+    dtype = np_dtype(mtype)
+    numel = int(np.prod(shape))
+    strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    poison = np.frombuffer(np.full(dtype.itemsize, 0xFF, np.uint8).tobytes(), dtype)[0]
+
+    def run(env, ctx):
+        storage = np.full(ctx.size * numel, poison, dtype)
+        env[out] = MemRef(storage, np.arange(ctx.size, dtype=np.int64) * numel, shape, strides,
+                          f"private array memref<{'x'.join(map(str, shape))}>")
+
+    return run
+
+
 @semantics("memref.get_global")
 def _get_global(op, p):
     out = p.result(op)
