@@ -275,10 +275,43 @@ def _wgmma_spec(dt: DType, n: int) -> MmaAtomSpec:
                        b_layout=None, c_layout=L.wgmma_m64_accumulator(n), chips=("sm_90a",))
 
 
+class WgmmaRegsAtom(MmaAtom):
+    """``wgmma.mma_async.m64nNk16`` with A from registers (sm_90a), delegating to
+    :func:`kiln.wgmma.mma_async_regs`: ``atom(a, b, c)`` takes A as ``vector<8 x T>`` laid out
+    as :func:`~kiln.wgmma.a_fragment_layout`, B as a shared-memory descriptor (hence no B
+    layout) and C as a :class:`~kiln.wgmma.Fragment`. Keyword arguments (``b_major="mn"``,
+    ``accumulate=``) go to :func:`kiln.wgmma.mma_async_regs`. Same shape and dtypes as the
+    descriptor atom, so :func:`atom` returns that one; ask for this one with :func:`atom_named`.
+    """
+
+    def __call__(self, a, b, c, **options):
+        return wgmma.mma_async_regs(c, a, b, dtype=self.spec.a_dtype, **options)
+
+
+def _wgmma_regs_spec(dt: DType, n: int) -> MmaAtomSpec:
+    return MmaAtomSpec(name=f"wgmma_rs_m64n{n}k16_{dt}", vendor="nvidia", m=64, n=n, k=16,
+                       a_dtype=dt, b_dtype=dt, acc_dtype=f32, threads=128,
+                       a_layout=wgmma.a_fragment_layout(), b_layout=None,
+                       c_layout=L.wgmma_m64_accumulator(n), chips=("sm_90a",))
+
+
+def atom_named(name: str) -> MmaAtom:
+    """The registered atom called ``name`` (its ``spec.name``), for atoms :func:`atom` does not
+    pick by shape. Example: ``kiln.mma.atom_named("wgmma_rs_m64n64k16_bf16")``."""
+    if name not in _REGISTRY:
+        family = name.split("_m")[0]
+        close = sorted(n for n in _REGISTRY if n.split("_m")[0] == family)[:4] \
+            or sorted(_REGISTRY)[:4]
+        raise UnsupportedError(f"no MMA atom named {name!r}",
+                               fix=f"use a registered name, e.g. {', '.join(close)}")
+    return _REGISTRY[name]
+
+
 for _dt in (bf16, f16):
     register_atom(MmaSyncAtom(_mma_sync_spec(_dt)))
     for _n in range(8, wgmma.MAX_N + 1, 8):
         register_atom(WgmmaAtom(_wgmma_spec(_dt, _n)))
+        register_atom(WgmmaRegsAtom(_wgmma_regs_spec(_dt, _n)))
 
 
 # ----------------------------------------------------------------------------- TiledMma

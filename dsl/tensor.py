@@ -139,6 +139,14 @@ class TensorRef:
         meta = memref.extract_strided_metadata(self.ir)
         return cast(Value(list(meta)[2 + self.rank + d], dt.index), dt.i32)
 
+    def _require_unit_inner_stride(self, what: str) -> None:
+        layout = ir.MemRefType(self.ir.type).layout
+        if isinstance(layout, ir.StridedLayoutAttr) and layout.strides[-1] != 1:
+            raise KilnValueError(f"a {what} on {self.name} needs consecutive elements, but the "
+                                 "kernel was specialised for a tensor whose last stride is not 1",
+                                 fix="pass a contiguous tensor (x.contiguous() / "
+                                     "np.ascontiguousarray(x)), or use scalar loads")
+
     def load(self, *idx, width: int = 1, mask: Any = None, other: Any = 0,
              align: int | None = None) -> Value:
         """Load one element, or ``width`` consecutive elements along the last dim as a vector;
@@ -149,6 +157,7 @@ class TensorRef:
             if mask is not None:
                 raise UnsupportedError("masked vector loads are not supported",
                                        fix="load scalars with mask=, or guard the load with if")
+            self._require_unit_inner_stride("vector load")
             vtype = ir.VectorType.get([width], self.dtype.mlir_type())
             return Value(vector.load(vtype, self.ir, self._indices(idx),
                                      alignment=_alignment(align)), self.dtype)
@@ -179,6 +188,7 @@ class TensorRef:
         if not v.shape:
             self[tuple(idx)] = v
             return
+        self._require_unit_inner_stride("vector store")
         v = self._coerce(v, v.shape)
         vector.store(v.ir, self.ir, self._indices(tuple(idx)), alignment=_alignment(align))
 

@@ -54,6 +54,16 @@ from mlir import ir
 #   bits 3:0 vmcnt[3:0], 6:4 expcnt, 11:8 lgkmcnt, 15:14 vmcnt[5:4].
 GFX9_MAX = {"vmcnt": 63, "expcnt": 7, "lgkmcnt": 15}
 CP_ASYNC = "cp_async_group"
+# NVIDIA wgmma: events are mma_async ops, counted per commit group (``wgmma.wait_group N``).
+WGMMA = "wgmma"
+WGMMA_OPS = ("nvvm.wgmma.mma_async",)
+WGMMA_COMMIT = "nvvm.wgmma.commit.group.sync.aligned"
+WGMMA_WAIT = "nvvm.wgmma.wait.group.sync.aligned"
+UNCOMMITTED = -1  # ``younger`` of an mma_async not yet in a commit group: no wait retires it
+# NVIDIA TMA: a load into shared memory completes on an mbarrier; only a wait on it retires it.
+MBARRIER = "mbarrier"
+TMA_LOAD = "nvgpu.tma.async.load"
+MBARRIER_WAIT = "nvgpu.mbarrier.try_wait.parity"
 
 
 def encode_gfx9_waitcnt(*, vmcnt: int = 63, expcnt: int = 7, lgkmcnt: int = 15) -> int:
@@ -94,7 +104,10 @@ _FORWARDING = ("memref.subview", "memref.cast", "memref.reinterpret_cast", "memr
                "rocdl.make.buffer.rsrc")
 # Ops that take a buffer without touching its memory.
 _NO_ACCESS = frozenset(_FORWARDING + ("memref.dim", "memref.rank", "memref.get_global",
-                                      "memref.extract_strided_metadata"))
+                                      "memref.extract_strided_metadata",
+                                      "nvgpu.warpgroup.generate.descriptor"))
+# MMAs that read shared memory through descriptors (i64 / !nvgpu.warpgroup.descriptor).
+_DESCRIPTOR_READERS = ("nvvm.wgmma.mma_async", "nvgpu.warpgroup.mma")
 
 
 def op_counter(op: ir.Operation) -> str | None:
@@ -108,6 +121,10 @@ def op_counter(op: ir.Operation) -> str | None:
         return "lgkmcnt"
     if name == "nvgpu.device_async_create_group":
         return CP_ASYNC
+    if name in WGMMA_OPS:
+        return WGMMA
+    if name == TMA_LOAD:
+        return MBARRIER
     return None
 
 
@@ -121,7 +138,49 @@ def wait_limits(op: ir.Operation) -> dict[str, int]:
     if op.name == "nvgpu.device_async_wait":
         groups = op.attributes["numGroups"] if "numGroups" in op.attributes else None
         return {CP_ASYNC: ir.IntegerAttr(groups).value if groups is not None else 0}
+    if op.name == WGMMA_WAIT:
+        return {WGMMA: ir.IntegerAttr(op.attributes["group"]).value}
     return {}
+
+
+def _constant(value: ir.Value) -> int | None:
+    owner = value.owner
+    if isinstance(owner, ir.Block) or owner.operation.name != "arith.constant":
+        return None
+    attr = owner.operation.attributes["value"]
+    return ir.IntegerAttr(attr).value if isinstance(attr, ir.IntegerAttr) else None
+
+
+def mbarrier_of(op: ir.Operation) -> tuple | None:
+    """``(group value, constant index or None)`` a TMA load signals or a try_wait waits on."""
+    if op.name == TMA_LOAD:
+        view = op.opview
+        return (view.barriers, _constant(view.mbarId))
+    if op.name == MBARRIER_WAIT:
+        return (op.operands[0], _constant(op.operands[3]))
+    return None
+
+
+def same_mbarrier(a: tuple, b: tuple) -> bool:
+    """Whether two barrier references may name the same mbarrier (indices are told apart only
+    when both are constants)."""
+    return a[0] == b[0] and (a[1] is None or b[1] is None or a[1] == b[1])
+
+
+def descriptor_roots(value: ir.Value) -> tuple:
+    """Shared buffers a descriptor value is computed from (its backward slice, 64 ops at most)."""
+    roots, stack, seen = [], [value], set()
+    while stack and len(seen) < 64:
+        current = stack.pop()
+        if current in seen or isinstance(current.owner, ir.Block):
+            continue
+        seen.add(current)
+        for operand in current.owner.operation.operands:
+            if _is_lds(operand):
+                roots.append(buffer_root(operand))
+            else:
+                stack.append(operand)
+    return tuple(roots)
 
 
 def buffer_root(value: ir.Value):
@@ -167,6 +226,8 @@ def written_roots(op: ir.Operation) -> tuple | None:
         copies = [t.owner.operation for t in op.operands if not isinstance(t.owner, ir.Block)]
         return tuple(buffer_root(c.operands[0]) for c in copies
                      if c.name == "nvgpu.device_async_copy")
+    if op.name == TMA_LOAD:
+        return (buffer_root(op.operands[0]),)
     if op.name in LDS_WRITING_OPS:
         lds = [v for v in op.operands if _is_lds(v)]
         return tuple(buffer_root(v) for v in lds) or (None,)
@@ -189,6 +250,8 @@ class Step:
     roots: tuple | None = None   # LDS buffers an event writes (None: registers only)
     limits: dict = field(default_factory=dict)
     barrier: bool = False
+    commit: bool = False         # wgmma.commit_group: uncommitted mma_async ops form a group
+    signal: tuple | None = None  # the mbarrier a TMA load signals / a try_wait waits on
     blocks: list = field(default_factory=list)  # nested blocks, each a list of Steps
     reads: tuple = ()            # events this op consumes (filled after all events are known)
 
@@ -238,6 +301,12 @@ def _retire(state: State, counter: str, count: int, barrier=None) -> State:
         k.counter == counter and p.barrier is barrier and p.at_barrier >= count)}
 
 
+def _retire_mbarrier(state: State, signal: tuple) -> State:
+    """``state`` after a completed wait on the mbarrier ``signal``: its TMA loads have landed."""
+    return {k: p for k, p in state.items()
+            if not (k.counter == MBARRIER and same_mbarrier(k.signal, signal))}
+
+
 class WaitAnalysis:
     """Forward dataflow over one ``gpu.func``.
 
@@ -267,7 +336,8 @@ class WaitAnalysis:
             op = view.operation
             name = op.name
             kind = "for" if name == "scf.for" else "if" if name == "scf.if" else "op"
-            step = Step(op, kind, limits=wait_limits(op), barrier=name in BARRIER_OPS)
+            step = Step(op, kind, limits=wait_limits(op), barrier=name in BARRIER_OPS,
+                        commit=name == WGMMA_COMMIT, signal=mbarrier_of(op))
             step.counter = op_counter(op)
             if step.counter is not None:
                 step.roots = written_roots(op)
@@ -291,7 +361,13 @@ class WaitAnalysis:
             else:
                 operands = list(op.operands)
             for operand in operands:
-                needed |= self._value_events(operand, set())
+                found = self._value_events(operand, set())
+                if step.counter == WGMMA:  # an accumulator chained into the next wgmma is no read
+                    found = {e for e in found if e.counter != WGMMA}
+                needed |= found
+                if lds_events and name in _DESCRIPTOR_READERS and not _is_lds(operand):
+                    roots = descriptor_roots(operand)
+                    needed |= {e for e in lds_events for r in roots if _aliases(r, e.roots)}
                 if (lds_events and step.roots is None and name not in _NO_ACCESS
                         and _is_lds(operand)):
                     root = buffer_root(operand)
@@ -356,6 +432,11 @@ class WaitAnalysis:
             return _join(arms[0], arms[1])
         for counter, count in step.limits.items():
             state = _retire(state, counter, count)
+        if step.commit:
+            state = {k: (Pending(p.younger + 1, p.barrier, p.at_barrier) if k.counter == WGMMA
+                         else p) for k, p in state.items()}
+        if step.signal is not None and step.counter is None:
+            state = _retire_mbarrier(state, step.signal)
         if step.barrier:
             state = {k: Pending(p.younger, step, p.younger) for k, p in state.items()}
         if step.counter is not None:
@@ -378,6 +459,10 @@ class WaitAnalysis:
 
     def _issue(self, step: Step, state: State) -> State:
         counter = step.counter
+        if counter in (WGMMA, MBARRIER):  # counted at commit / never counted: each waits alone
+            out = {k: p for k, p in state.items() if k is not step}
+            out[step] = Pending(UNCOMMITTED if counter == WGMMA else 0)
+            return out
         out = {k: (Pending(p.younger + 1, p.barrier, p.at_barrier) if k.counter == counter else p)
                for k, p in state.items() if k is not step}
         out[step] = Pending(0)
@@ -390,7 +475,8 @@ class WaitAnalysis:
             pend = state.get(event)
             if pend is None:  # a wait placed for an earlier event of this read retired it
                 continue
-            before_barrier = event.roots is not None and pend.barrier is not None
+            before_barrier = (event.roots is not None and pend.barrier is not None
+                              and event.counter != MBARRIER)
             count = pend.at_barrier if before_barrier else pend.younger
             if event.counter in GFX9_MAX:  # counter(max) waits for nothing; LLVM clamps alike
                 count = min(count, GFX9_MAX[event.counter] - 1)
@@ -401,5 +487,9 @@ class WaitAnalysis:
                 continue
             self._place(gap)
             self.placed += 1
-            state = _retire(state, event.counter, count, pend.barrier if before_barrier else None)
+            if event.counter == MBARRIER:
+                state = _retire_mbarrier(state, event.signal)
+            else:
+                state = _retire(state, event.counter, count,
+                                pend.barrier if before_barrier else None)
         return state

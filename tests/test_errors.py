@@ -129,3 +129,22 @@ def test_int_literal_that_does_not_fit_the_operand_dtype(tmp_path):
     with pytest.raises(kiln.KilnValueError, match=r"literal 1000 does not fit i8 \(range -128..255\)") as info:
         module.add_big.trace(np.zeros(4, np.int8), target="sm_90a")
     assert info.value.loc.line == 7 and "Fix:" in str(info.value)
+
+
+def test_vector_load_on_a_strided_tensor(tmp_path):
+    """A width-N load needs a unit innermost stride: a KilnValueError at the load, not MLIR's
+    'most minor memref dim must have unit stride'."""
+    import importlib.util
+
+    path = tmp_path / "strided_vector_kernel.py"
+    path.write_text("import kiln\nfrom kiln import f32\n\n@kiln.kernel\n"
+                    "def wide(x: kiln.Tensor[f32], y: kiln.Tensor[f32]):\n"
+                    "    i = kiln.thread_id(0)\n"
+                    "    y.store(4 * i, x.load(4 * i, width=4))\n")
+    spec = importlib.util.spec_from_file_location("strided_vector_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    strided = np.zeros(64, np.float32)[::2]
+    with pytest.raises(kiln.KilnValueError, match="needs consecutive elements") as info:
+        module.wide.trace(strided, np.zeros(32, np.float32), target="sm_90a")
+    assert info.value.loc.line == 7 and "contiguous" in info.value.fix

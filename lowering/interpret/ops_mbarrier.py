@@ -86,6 +86,7 @@ class MBarrierGroup:
     def maybe_complete(cta, bar: MBarrier) -> None:
         if bar.initialised and bar.pending <= 0 and bar.tx == 0:
             bar.ready = True
+            cta.shared.synchronised()
             cta.notify()
 
 

@@ -50,12 +50,23 @@ def _active_flat(flat: np.ndarray, ctx) -> np.ndarray:
 
 def check_shared(mem: MemRef, flat: np.ndarray, ctx, is_write: bool, what: str, loc,
                  width: int = 1) -> None:
+    """Race checks of a plain shared access: against in-flight async ops, and (loads) against
+    other threads' stores since the last barrier; stores are recorded for the latter."""
+    if not mem.is_shared:
+        return
     shared = ctx.cta.shared
-    if mem.is_shared and shared.in_flight:
-        active = _active_flat(flat, ctx)
-        if width > 1:
-            active = (active[:, None] + np.arange(width) * mem.strides[-1]).reshape(-1)
-        shared.check(element_bytes(mem, active), is_write, what, loc)
+    active = _active_flat(flat, ctx)
+    if width > 1:
+        active = active[:, None] + np.arange(width) * mem.strides[-1]
+    per_thread = element_bytes(mem, active).reshape(active.shape[0], -1)
+    if shared.in_flight:
+        shared.check(per_thread.reshape(-1), is_write, what, loc)
+    threads = ctx.thread_ids if ctx.mask is None else ctx.thread_ids[ctx.mask]
+    if is_write:
+        uniform = per_thread.shape[0] == 1 and threads.shape[0] > 1
+        shared.record_store(per_thread, None if uniform else threads, loc)
+    elif threads.shape[0]:
+        shared.check_load(per_thread, threads, loc)
 
 
 def in_buffer(mem: MemRef, first: np.ndarray, width: int = 1) -> np.ndarray | None:

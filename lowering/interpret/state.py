@@ -18,6 +18,8 @@ from kiln.errors import DeadlockError, OutOfBoundsError, RaceError, SourceLoc, U
 
 SHARED_SPACE = 3
 POISON_BYTE = 0xFF  # fresh shared memory reads as NaN (floats) or -1 (ints)
+NO_WRITER = -1
+ALL_THREADS = -2  # a uniform store: every thread reads back its own value
 
 
 @dataclass
@@ -96,6 +98,14 @@ class SharedMemory:
         self.pending_read = np.zeros(nbytes, np.int32)  # id of the async op still reading a byte
         self.async_ops: dict[int, AsyncOp] = {0: AsyncOp("", None)}
         self.in_flight = 0
+        # Plain-access race tracking: per byte, the thread that last stored it (-1: nobody or
+        # an async copy; ALL_THREADS: every thread of a context stored the same value), the
+        # synchronisation epoch of that store and the store's source line.
+        self.writer = np.full(nbytes, NO_WRITER, np.int32)
+        self.writer_epoch = np.zeros(nbytes, np.int32)
+        self.writer_site = np.zeros(nbytes, np.int32)
+        self.sites: list = [None]
+        self.epoch = 1
 
     def view(self, dtype: np.dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
@@ -112,6 +122,7 @@ class SharedMemory:
         if write_bytes is not None:
             self.check(write_bytes, True, f"{what}", loc)
             self.pending_write[write_bytes] = op_id
+            self.writer[write_bytes] = NO_WRITER  # ordered by its own wait, checked above
         if read_bytes is not None:
             self.check(read_bytes, False, f"{what}", loc)
             self.pending_read[read_bytes] = op_id
@@ -125,6 +136,42 @@ class SharedMemory:
         np.copyto(self.pending_write, 0, where=self.pending_write == op_id)
         np.copyto(self.pending_read, 0, where=self.pending_read == op_id)
         self.in_flight -= 1
+
+    def synchronised(self) -> None:
+        """A barrier released or an mbarrier phase completed: earlier stores are visible."""
+        self.epoch += 1
+
+    def record_store(self, byte_addrs: np.ndarray, threads, loc) -> None:
+        """Plain store of ``byte_addrs`` (shape ``(k, bytes)``) by ``threads`` (shape ``(k,)``,
+        or ``None`` when every active thread stored the same bytes)."""
+        if self.sites[-1] is not loc:
+            self.sites.append(loc)
+        self.writer[byte_addrs] = ALL_THREADS if threads is None else threads[:, None]
+        self.writer_epoch[byte_addrs] = self.epoch
+        self.writer_site[byte_addrs] = len(self.sites) - 1
+
+    def check_load(self, byte_addrs: np.ndarray, threads: np.ndarray, loc) -> None:
+        """RaceError if a thread of ``threads`` loads a byte of ``byte_addrs`` (one row per
+        thread, or one row read by all of them) that another thread stored since the last
+        barrier."""
+        writer = self.writer[byte_addrs]
+        fresh = (writer >= 0) & (self.writer_epoch[byte_addrs] == self.epoch)
+        if byte_addrs.shape[0] == threads.shape[0]:
+            fresh &= writer != threads[:, None]
+        elif threads.shape[0] == 1:
+            fresh &= writer != threads[0]
+        if not fresh.any():
+            return
+        row, col = np.unravel_index(int(np.argmax(fresh)), fresh.shape)
+        reader = int(threads[row if threads.shape[0] > 1 else 0])
+        if byte_addrs.shape[0] == 1 and threads.shape[0] > 1:
+            reader = int(threads[threads != writer[row, col]][0])
+        byte = int(byte_addrs[row, col])
+        raise RaceError(f"thread {reader} loads shared byte {byte} that thread "
+                        f"{int(writer[row, col])} stored at "
+                        f"{self.sites[int(self.writer_site[byte])]} with no barrier in between",
+                        fix="put kiln.barrier() (or an mbarrier wait) between the store and "
+                            "the load", loc=loc)
 
     def check(self, byte_addrs: np.ndarray, is_write: bool, what: str, loc) -> None:
         """Raise RaceError if ``byte_addrs`` touch the destination of an in-flight copy, or (for
@@ -277,6 +324,7 @@ class CTA:
         if state[0] >= num_threads:
             state[0] = 0
             state[1] += 1
+            self.shared.synchronised()
             self.cond.notify_all()
             return
         self.block_until(ctx, lambda: state[1] != generation,
@@ -291,9 +339,11 @@ class CTA:
         if state[0] >= num_threads:
             state[0] = 0
             state[1] += 1
+            self.shared.synchronised()
             self.cond.notify_all()
 
     def _release_barrier(self) -> None:
+        self.shared.synchronised()
         self._barrier_arrived = 0
         self._barrier_generation += 1
         self.cond.notify_all()
