@@ -42,8 +42,8 @@ from mlir.dialects import gpu, llvm
 
 from . import ast_rewrite, builder
 from . import dtypes as dt
-from .errors import (CompilationError, KilnTypeError, KilnValueError, SourceLoc, trace_location,
-                     user_facing)
+from .errors import (CompilationError, KilnTypeError, KilnValueError, SourceLoc,
+                     source_loc_from_mlir, trace_location, user_facing)
 from .lowering_bridge import cache_key, lowering_signature, source_key, tensor_arg_spec
 from .tensor import TensorRef, TensorSpec, memref_type
 from .values import Value
@@ -297,7 +297,7 @@ class JITKernel:
                                             fix="store results into a tensor argument")
                     gpu.ReturnOp([])
             except ir.MLIRError as err:
-                raise CompilationError(f"MLIR rejected an op built by {self.name}: {err}") from None
+                raise _compilation_error(err, f"MLIR rejected an op built by {self.name}") from None
             finally:
                 builder.pop()
             _verify(module, self.name)
@@ -496,18 +496,17 @@ def _verify(module: ir.Module, name: str) -> None:
     try:
         module.operation.verify()
     except ir.MLIRError as err:
-        diags = err.error_diagnostics
-        loc = None
-        message = str(err)
-        if diags:
-            d = diags[0]
-            message = d.message
-            if d.location.is_a_file():
-                loc = SourceLoc(d.location.filename, d.location.start_line,
-                                max(d.location.start_col - 1, 0))
-        raise CompilationError(f"kernel {name} failed MLIR verification: {message}",
-                               fix="check the dtypes/shapes of the operands on this line",
-                               loc=loc) from None
+        raise _compilation_error(err, f"kernel {name} failed MLIR verification") from None
+
+
+def _compilation_error(err: ir.MLIRError, what: str) -> CompilationError:
+    """A CompilationError at the user line of MLIR's first diagnostic (every traced op carries
+    its source location)."""
+    diags = err.error_diagnostics
+    message = diags[0].message if diags else str(err)
+    loc = source_loc_from_mlir(diags[0].location) if diags else None
+    return CompilationError(f"{what}: {message}",
+                            fix="check the dtypes/shapes of the operands on this line", loc=loc)
 
 
 def kernel(fn: Callable) -> JITKernel:

@@ -307,6 +307,7 @@ class CTA:
     def barrier(self, ctx: Context, loc) -> None:
         """``gpu.barrier``: rendezvous every live context of the CTA."""
         if self.live == 1:
+            self.shared.synchronised()
             return
         generation = self._barrier_generation
         self._barrier_arrived += 1
