@@ -25,11 +25,13 @@ Example::
 from __future__ import annotations
 
 from mlir import ir
-from mlir.dialects import nvgpu, rocdl
+from mlir.dialects import arith, nvgpu, nvvm, rocdl
 
-from kiln.errors import InternalError
+from kiln.errors import InternalError, WaitError
 from kiln.passes import register_pass
-from kiln.passes.wait_analysis import CP_ASYNC, Gap, WaitAnalysis, encode_gfx9_waitcnt, wait_limits
+from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, MBARRIER_WAIT, WGMMA, Gap, WaitAnalysis,
+                                       encode_gfx9_waitcnt, mbarrier_of, same_mbarrier,
+                                       wait_limits)
 
 NAME = "kiln-insert-waits"
 MMA_PREFIXES = ("amdgpu.mfma", "amdgpu.scaled_mfma", "rocdl.mfma", "amdgpu.wmma",
@@ -73,11 +75,77 @@ def gpu_funcs(module_op: ir.Operation) -> list[ir.Operation]:
     return funcs
 
 
+def _in_loop(op: ir.Operation) -> bool:
+    parent = op.parent
+    while parent is not None and parent.operation.name != "gpu.func":
+        if parent.operation.name in ("scf.for", "scf.while"):
+            return True
+        parent = parent.operation.parent
+    return False
+
+
+def static_phase(tma_load: ir.Operation) -> int | None:
+    """The parity of the phase a TMA load completes, when the program fixes it: the load and
+    every earlier try_wait on its mbarrier (constant index) are outside loops, so the phase is
+    the number of those waits, mod 2. None otherwise."""
+    signal = mbarrier_of(tma_load)
+    if signal[1] is None or _in_loop(tma_load):
+        return None
+    func = tma_load.parent
+    while func.operation.name != "gpu.func":
+        func = func.operation.parent
+    earlier, done = [], []
+
+    def visit(op):
+        if op == tma_load:
+            done.append(op)
+            return ir.WalkResult.INTERRUPT
+        if op.name == MBARRIER_WAIT and same_mbarrier(mbarrier_of(op), signal):
+            earlier.append(op)
+        return ir.WalkResult.ADVANCE
+
+    func.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+    if any(_in_loop(op) for op in earlier):
+        return None
+    return len(earlier) % 2
+
+
+def _wait_error(gap: Gap, what: str, fix: str) -> WaitError:
+    from kiln.passes.verify_waits import source_loc, where
+
+    return WaitError(f"this {gap.reader.name} may read before the {gap.event.name} at "
+                     f"{where(gap.event)} {what}", fix=fix, loc=source_loc(gap.reader.location))
+
+
+def _build_mbarrier_wait(gap: Gap) -> None:
+    barriers, index = mbarrier_of(gap.event)
+    phase = static_phase(gap.event)
+    if phase is None:
+        raise _wait_error(gap, "lands, and the phase of its mbarrier is not known statically",
+                          f"wait on mbarrier {index if index is not None else '(computed index)'} "
+                          "of its group before the read: barriers.try_wait(i, phase), or a "
+                          "kiln.mbarrier.PhaseTracker in loops")
+    from kiln.mbarrier import DEFAULT_TICKS
+
+    index_type = ir.IndexType.get()
+    nvgpu.mbarrier_try_wait_parity(barriers, arith.constant(ir.IntegerType.get_signless(1), phase),
+                                   arith.constant(index_type, DEFAULT_TICKS),
+                                   arith.constant(index_type, index))
+
+
 def build_wait(gap: Gap) -> None:
     """Build the wait that closes ``gap`` before ``gap.place_before``, at the reader's location."""
     with ir.InsertionPoint(gap.place_before), gap.reader.location:
         if gap.counter == CP_ASYNC:
             nvgpu.device_async_wait(gap.event.result, num_groups=gap.count)
+        elif gap.counter == WGMMA:
+            if gap.count < 0:
+                raise _wait_error(gap, "is committed (no wgmma.wait_group can cover it)",
+                                  "call kiln.wgmma.commit() after the last mma_async, then "
+                                  "read the accumulator")
+            nvvm.wgmma_wait_group_sync_aligned(gap.count)
+        elif gap.counter == MBARRIER:
+            _build_mbarrier_wait(gap)
         else:
             rocdl.s_waitcnt(encode_gfx9_waitcnt(**{gap.counter: gap.count}))
 
@@ -117,4 +185,4 @@ def insert_waits(module_op: ir.Operation, pass_=None) -> None:
 
 
 register_pass(NAME, insert_waits,
-              "Insert the fewest s_waitcnt / cp.async waits covering every async read")
+              "Insert the fewest s_waitcnt / cp.async / wgmma / mbarrier waits covering every async read")

@@ -22,7 +22,7 @@ from mlir import ir
 from kiln.errors import WaitError
 from kiln.passes import register_pass
 from kiln.passes.insert_waits import func_vendor, gpu_funcs
-from kiln.passes.wait_analysis import CP_ASYNC, Gap, WaitAnalysis
+from kiln.passes.wait_analysis import CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis, mbarrier_of
 
 
 def source_loc(location):
@@ -35,17 +35,31 @@ def source_loc(location):
 NAME = "kiln-verify-waits"
 
 
-def _where(op: ir.Operation) -> str:
+def where(op: ir.Operation) -> str:
     loc = source_loc(op.location)
     return f"{loc.filename.rsplit('/', 1)[-1]}:{loc.line}" if loc else "an unknown line"
 
 
 def gap_error(gap: Gap) -> WaitError:
     """The WaitError for one uncovered read, at the read's user location."""
-    wait = (f"nvgpu.device_async_wait {{numGroups = {gap.count}}}" if gap.counter == CP_ASYNC
-            else f"s_waitcnt({gap.counter}={gap.count})")
+    if gap.counter == WGMMA and gap.count < 0:
+        return WaitError(
+            f"this {gap.reader.name} reads the result of the {gap.event.name} at "
+            f"{where(gap.event)} before it is committed: no wgmma.wait_group can cover it",
+            fix="call kiln.wgmma.commit() after the last mma_async, then kiln.wgmma.wait_group(0)",
+            loc=source_loc(gap.reader.location))
+    if gap.counter == MBARRIER:
+        index = mbarrier_of(gap.event)[1]
+        wait = (f"a try_wait on mbarrier {index if index is not None else '(computed index)'} "
+                "of the load's group (kiln.mbarrier.PhaseTracker.wait in loops)")
+    elif gap.counter == WGMMA:
+        wait = f"kiln.wgmma.wait_group({gap.count})"
+    elif gap.counter == CP_ASYNC:
+        wait = f"nvgpu.device_async_wait {{numGroups = {gap.count}}}"
+    else:
+        wait = f"s_waitcnt({gap.counter}={gap.count})"
     return WaitError(
-        f"this {gap.reader.name} may read before the async {gap.event.name} at {_where(gap.event)} "
+        f"this {gap.reader.name} may read before the async {gap.event.name} at {where(gap.event)} "
         f"lands ({gap.counter}): no wait covers it on every path",
         fix=f"add {wait} before the read, or drop kiln.manual_waits() to let Kiln insert it",
         loc=source_loc(gap.reader.location))

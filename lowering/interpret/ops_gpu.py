@@ -10,6 +10,7 @@ import numpy as np
 
 from kiln.errors import UnsupportedError
 
+from .ops_wgmma import WGMMA_RS_PREFIX, wgmma_rs_inline_asm
 from .plan import location, semantics
 
 _AXES = {"x": 0, "y": 1, "z": 2}
@@ -79,6 +80,8 @@ def _inline_asm(op, p):
     text = ir.StringAttr(op.attributes["asm_string"]).value
     loc = location(op)
     kind = _INLINE_ASM.get(text)
+    if text.startswith(WGMMA_RS_PREFIX):
+        return wgmma_rs_inline_asm(op, p, text)
     if kind is None:
         raise UnsupportedError(f"the interpreter has no semantics for inline asm {text!r} yet",
                                fix="use the DSL's wrappers (kiln.nvidia_asm)", loc=loc)

@@ -7,6 +7,12 @@ that points at the wrong bytes gives wrong numbers here too. The accumulator is 
 registers into the 64 x n tile through ``kiln.layout.wgmma_m64_accumulator(n)``, multiplies,
 and scatters back. The MMA keeps its operand bytes "being read" until ``wgmma.wait.group``
 retires its group, so a TMA load into a stage an MMA still reads is a race.
+
+WGMMA with A from registers is inline PTX (``kiln.nvidia_asm.wgmma_mma_async_regs``):
+:func:`wgmma_rs_inline_asm` reads shape, dtype and ``imm-trans-b`` from the asm string, gathers
+A from the four b32 registers of each thread (element ``2i`` in the low half of register ``i``)
+through ``kiln.wgmma.a_fragment_layout()``, B through its descriptor, and applies
+``D = A @ B + (scale_d != 0) * D`` like the descriptor form.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from .plan import attr_int, location, np_dtype, semantics
 from .state import uniform
 
 WARP_GROUP = 128
+INSTRUCTION_K = 16
 _SWIZZLE_BYTES = {1: 128, 2: 64, 3: 32}  # descriptor bits 62-63
 
 
@@ -130,6 +137,75 @@ def _attr_text(op, name: str) -> str:
 
 def _lanes_of(value: np.ndarray, lanes: np.ndarray) -> np.ndarray:
     return value if value.shape[0] == 1 else value[lanes]
+
+
+def _warp_groups(ctx):
+    """``(threads of the context, their index in the warp group)`` for each warp group."""
+    group_of = ctx.thread_ids // WARP_GROUP
+    for g in np.unique(group_of):
+        lanes = np.flatnonzero(group_of == g)
+        yield lanes, ctx.thread_ids[lanes] % WARP_GROUP
+
+
+def _issue(ctx, loc, byte_sets) -> None:
+    """Record an issued WGMMA that keeps ``byte_sets`` being read until its group retires."""
+    op_id = ctx.cta.shared.begin("wgmma", loc, read_bytes=np.concatenate(byte_sets))
+    ctx.pending_wgmma.append(op_id)
+
+
+WGMMA_RS_PREFIX = "{\n.reg .pred p;\nsetp.ne.b32 p, $"
+_WGMMA_RS = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(bf16|f16)\.\2 "
+                       r"\{[^}]*\}, \{[^}]*\}, \$\d+, p, 1, 1, ([01]);")
+
+
+def wgmma_rs_inline_asm(op, p, text: str):
+    """Semantics of the register-A ``wgmma.mma_async`` inline PTX (module docstring)."""
+    from kiln.dtypes import dtype as kiln_dtype
+    from kiln.wgmma import a_fragment_layout
+
+    loc = location(op)
+    match = _WGMMA_RS.search(text)
+    if match is None:
+        raise UnsupportedError(f"the interpreter does not know this wgmma inline asm: {text!r}",
+                               fix="emit it through kiln.wgmma.mma_async_regs", loc=loc)
+    n, type_name, trans_b = int(match.group(1)), match.group(2), match.group(3) == "1"
+    dtype = kiln_dtype(type_name).numpy
+    operands = p.operands(op)
+    half = n // 2
+    # Operands: the n/2 accumulators (tied to the outputs), 4 A registers, B, scale-d.
+    acc_slots, a_slots = operands[:half], operands[half:half + 4]
+    b_slot, scale_slot = operands[half + 4], operands[half + 5]
+    out = p.result(op)
+    a_rows, a_cols = a_fragment_layout().coords()  # [128 threads, 8 values]
+    rows, cols = wgmma_m64_accumulator(n).coords()
+
+    def run(env, ctx):
+        def lanes_of(slot):
+            return np.broadcast_to(env[slot], (ctx.size,))
+
+        acc = np.stack([lanes_of(s) for s in acc_slots], axis=1).astype(np.float32)
+        packed = np.stack([lanes_of(s) for s in a_slots], axis=1).astype(np.int32)
+        a_values = np.ascontiguousarray(packed).view(np.uint16).view(dtype)  # [threads, 8]
+        accumulate = lanes_of(scale_slot) != 0
+        result = np.empty_like(acc)
+        for lanes, t in _warp_groups(ctx):
+            if len(lanes) != WARP_GROUP:
+                raise UnsupportedError("wgmma with A in registers needs all 128 threads of the "
+                                       "warp group", loc=loc)
+            b_desc = int(uniform(_lanes_of(env[b_slot], lanes), None, "the B descriptor", loc))
+            keep = uniform(accumulate[lanes], None, "the scale-d flag", loc)
+            b, b_bytes = _read_operand(ctx, b_desc, n, INSTRUCTION_K, dtype, not trans_b, loc)
+            a = np.empty((64, INSTRUCTION_K))
+            a[a_rows[t], a_cols[t]] = a_values[lanes].astype(np.float64)
+            tile = np.zeros((64, n), np.float64)
+            if keep:
+                tile[rows[t], cols[t]] = acc[lanes]
+            tile += a @ b.astype(np.float64).T
+            result[lanes] = tile[rows[t], cols[t]]
+            _issue(ctx, loc, [b_bytes])
+        env[out] = result
+
+    return run
 
 
 @semantics("nvvm.wgmma.mma_async")
