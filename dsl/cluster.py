@@ -99,6 +99,10 @@ class ClusterRecipe:
     - ``priority``: ``s_setprio`` at the start of the cluster (reset to 0 at its end).
     - ``iglp``: an ``llvm.amdgcn.iglp.opt`` variant for the cluster instead of an interleave.
     - ``drain_lgkm``: open the cluster with ``s_waitcnt lgkmcnt(0)`` (consumer-side drain).
+    - ``pingpong``: NVIDIA, two named-barrier ids ``(a, b)``: two consumer warp groups take
+      turns issuing this cluster. The group with even ``tid.x // 128`` waits on ``a`` before
+      the cluster and arrives on ``b`` after it; the odd one waits on ``b``, arrives on ``a``;
+      the odd group arrives on ``a`` once before the loop so the even one goes first.
 
     Example::
 
@@ -116,6 +120,7 @@ class ClusterRecipe:
     priority: int | None = None
     iglp: int | None = None
     drain_lgkm: bool = False
+    pingpong: tuple | None = None
     counts: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -137,6 +142,13 @@ class ClusterRecipe:
         if self.priority is not None and not 0 <= self.priority <= 3:
             raise KilnValueError(f"priority {self.priority} is outside s_setprio's 0..3",
                                  fix="use 0 (lowest) to 3 (highest)")
+        if self.pingpong is not None:
+            ids = tuple(self.pingpong)
+            if (len(ids) != 2 or ids[0] == ids[1]
+                    or not all(isinstance(i, int) and 1 <= i <= 15 for i in ids)):
+                raise KilnValueError(f"pingpong takes two distinct named-barrier ids in 1..15, "
+                                     f"got {self.pingpong!r}", fix="write e.g. pingpong=(3, 4)")
+            object.__setattr__(self, "pingpong", ids)
         if self.iglp is not None and self.iglp not in (0, 1, 2):
             raise KilnValueError(f"iglp variant {self.iglp} is unknown", fix="use 0, 1 or 2")
 
@@ -165,6 +177,8 @@ class ClusterRecipe:
             parts.append(f"setprio={self.priority}")
         if self.drain_lgkm:
             parts.append("drain")
+        if self.pingpong is not None:
+            parts.append(f"pingpong={self.pingpong[0]},{self.pingpong[1]}")
         return "; ".join(parts)
 
     @classmethod
@@ -184,6 +198,8 @@ class ClusterRecipe:
                 kwargs["barrier_at_end"] = True
             elif part == "drain":
                 kwargs["drain_lgkm"] = True
+            elif part.startswith("pingpong="):
+                kwargs["pingpong"] = tuple(int(i) for i in part[9:].split(","))
             else:
                 raise KilnValueError(f"bad cluster recipe text {text!r} (at {part!r})",
                                      fix="write it as str(ClusterRecipe(...)) prints it")

@@ -1,4 +1,5 @@
-"""``TiledMmaLoader``: LDS -> register loads that produce MFMA operand fragments directly.
+"""``TiledMmaLoader``: LDS / shared memory -> register loads that produce MMA operand fragments
+directly (AMD MFMA on GFX9; NVIDIA ``mma.sync`` m16n8k16 through ``ldmatrix``).
 
 A loader is parameterised (and nothing else: it holds no state) by the operand dtype, the MFMA
 shape ``(m, n, k)`` and up to two swizzles applied in order to every element offset it reads::
@@ -26,6 +27,17 @@ The three loads:
   four ``ds_read_b64_tr_b8`` with paired-lane addressing give lane ``l`` 32 consecutive keys at
   one depth: the A operand of the ``P V`` MFMA computed as ``O^T = V^T P^T``.
 
+On NVIDIA (``mma_shape=(16, 8, 16)``, bf16/f16, sm_80+), the same two methods build
+``mma.sync`` m16n8k16 B fragments (``vector<4 x dtype>``, :func:`kiln.layout.mma_m16n8k16_b`)
+with ``ldmatrix`` (PTX semantics in :mod:`kiln.ldmatrix`): each lane supplies the address of
+one 8-element (16-byte) row of an 8x8 block, so both swizzles must keep such runs whole.
+
+- ``load_b`` (B stored N x K): ``ldmatrix.x4`` loads two K-adjacent fragments at once (blocks at
+  columns ``k0 + 8b``, lane ``l`` addressing row ``n0 + l % 8`` of block ``l // 8``), an odd
+  last one ``ldmatrix.x2``; see :meth:`TiledMmaLoader.ldmatrix_b_offsets`.
+- ``load_b_tr`` (B stored K x N): ``ldmatrix.x2.trans``, lane ``l`` addressing K row
+  ``k0 + l % 16`` at column ``n0``; see :meth:`TiledMmaLoader.ldmatrix_b_tr_offsets`.
+
 Transpose-read semantics (:func:`transpose_read_model`, used by the tests and the interpreter):
 each 16-lane group forms ``S = 16 / E`` interleaved sub-blocks (``E`` = elements per lane: 4 for
 16-bit, 8 for 8-bit), each an ``E x E`` transpose: ``out[i][j] = in[S * j + i % S][i // S]``
@@ -44,11 +56,12 @@ from typing import Any
 
 import numpy as np
 from mlir import ir
-from mlir.dialects import amdgpu, memref, vector
+from mlir.dialects import amdgpu, memref, nvgpu, vector
 
 from . import dtypes as dt
 from .amd_asm import mark_async, require_amd, require_gfx950
-from .errors import KilnTypeError, KilnValueError, UnsupportedError
+from .builder import current_target
+from .errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
 from .layout import Layout, ThreadValueLayout, concat_modes
 from .mfma import WAVE, values_per_lane
 from .shared import SharedTensor
@@ -61,6 +74,10 @@ TR_READ_BYTES = 8  # ds_read_b64_tr_b{8,16}
 TR16_SHAPES = ((32, 32, 16), (16, 16, 32))
 V_FP8_SHAPE = (16, 16, 128)
 V_FP8_KEYS_PER_READ = 8
+MMA_SYNC_SHAPE = (16, 8, 16)  # NVIDIA mma.sync m16n8k16
+LDMATRIX_ROW = 8  # elements of one ldmatrix row address (16 bytes of 16-bit data)
+SUPPORTED = ("AMD GFX9: MFMA shapes (32, 32, k) / (16, 16, k) (load_b_tr: bf16/f16 (32, 32, 16) "
+             "and (16, 16, 32) on gfx950); NVIDIA sm_80+: bf16/f16 (16, 8, 16) via ldmatrix")
 
 
 def transpose_read_model(loaded: np.ndarray) -> np.ndarray:
@@ -100,11 +117,14 @@ class TiledMmaLoader:
     def __post_init__(self):
         object.__setattr__(self, "dtype", dt.dtype(self.dtype))
         shape = tuple(self.mma_shape)
-        if len(shape) != 3 or not all(isinstance(s, int) for s in shape) or shape[0] != shape[1] \
-                or shape[0] not in (16, 32) or (shape[0] * shape[2]) % WAVE:
-            raise UnsupportedError(f"TiledMmaLoader shape {self.mma_shape!r} is not a single-block "
-                                   "MFMA shape", fix="use (32, 32, k) or (16, 16, k), e.g. "
-                                                     "(32, 32, 16)")
+        # NVIDIA mma.sync passes here; the target is checked when a load is traced.
+        nvidia = shape == MMA_SYNC_SHAPE and self.dtype in (dt.bf16, dt.f16)
+        if not nvidia and (len(shape) != 3 or not all(isinstance(s, int) for s in shape)
+                           or shape[0] != shape[1] or shape[0] not in (16, 32)
+                           or (shape[0] * shape[2]) % WAVE):
+            raise UnsupportedError(f"TiledMmaLoader shape {self.mma_shape!r} of {self.dtype} is not "
+                                   "a single-block MFMA shape nor bf16/f16 mma.sync m16n8k16",
+                                   fix=f"use one of: {SUPPORTED}")
         object.__setattr__(self, "mma_shape", shape)
         for name in ("swizzle", "swizzle2"):
             sw = getattr(self, name)
@@ -158,6 +178,20 @@ class TiledMmaLoader:
         return [self.swizzled((key0 + 32 * group + V_FP8_KEYS_PER_READ * c + pair) * row_stride
                               + depth0 + 8 * odd) for c in range(4)]
 
+    def ldmatrix_b_offsets(self, lane: Any, row_stride: int, n0: Any = 0, k0: Any = 0,
+                           blocks: int = 2) -> Any:
+        """Element offset of the row this lane supplies to the ``ldmatrix.x{blocks}`` of
+        :meth:`load_b` on NVIDIA (B stored N x K): row ``n0 + lane % 8`` of 8x8 block
+        ``b = (lane // 8) % blocks``, which starts at column ``k0 + 8 * b``."""
+        block = (lane // LDMATRIX_ROW) % blocks
+        return self.swizzled((n0 + lane % LDMATRIX_ROW) * row_stride + k0 + LDMATRIX_ROW * block)
+
+    def ldmatrix_b_tr_offsets(self, lane: Any, row_stride: int, k0: Any = 0, n0: Any = 0) -> Any:
+        """Element offset of the row this lane supplies to the ``ldmatrix.x2.trans`` of
+        :meth:`load_b_tr` on NVIDIA (B stored K x N): K row ``k0 + lane % 16`` (blocks: K rows
+        0-7 and 8-15) from column ``n0``."""
+        return self.swizzled((k0 + lane % (2 * LDMATRIX_ROW)) * row_stride + n0)
+
     # -------------------------------------------------------------------------- layouts
 
     def b_tr_layout(self) -> ThreadValueLayout:
@@ -183,9 +217,12 @@ class TiledMmaLoader:
         """B fragments for an ``n_tiles x k_tiles`` grid of MFMAs from an N x K LDS tile whose
         row ``n0`` / column ``k0`` is the grid's corner; N-outer order (``[nt * k_tiles + kt]``).
 
-        Each fragment is ``vector<kpl x dtype>`` laid out as :func:`kiln.mfma.operand_b_layout`.
+        Each fragment is ``vector<kpl x dtype>`` laid out as :func:`kiln.mfma.operand_b_layout`
+        (NVIDIA: ``vector<4 x dtype>`` as :func:`kiln.layout.mma_m16n8k16_b`, by ``ldmatrix``).
         Example: ``frags = loader.load_b(b_tile, n_tiles=2, k_tiles=2)``.
         """
+        if self._for_nvidia("load_b"):
+            return self._load_b_ldmatrix(smem, n_tiles, k_tiles, n0, k0, imm_offset_bytes)
         require_amd("TiledMmaLoader.load_b")
         row_stride = self._check_tile(smem)
         piece = self._piece_elems()
@@ -205,8 +242,16 @@ class TiledMmaLoader:
                   imm_offset_bytes: int = 0) -> Value:
         """One MFMA's B fragment from a K x N LDS tile (N contiguous) by two transposed reads
         (gfx950; bf16/f16; shapes 32x32x16 and 16x16x32). Returns ``vector<8 x dtype>`` laid out
-        as :meth:`b_tr_layout`. Example: ``b = loader.load_b_tr(b_tile, k0=16)``.
+        as :meth:`b_tr_layout`. On NVIDIA: one m16n8k16 B fragment (``vector<4 x dtype>``,
+        :func:`kiln.layout.mma_m16n8k16_b`) by ``ldmatrix.x2.trans``.
+        Example: ``b = loader.load_b_tr(b_tile, k0=16)``.
         """
+        if self._for_nvidia("load_b_tr"):
+            row_stride = self._check_tile(smem)
+            self._check_swizzle(LDMATRIX_ROW, "load_b_tr")
+            imm = self._imm_elems(imm_offset_bytes, LDMATRIX_ROW)
+            offset = self.ldmatrix_b_tr_offsets(_lane(), row_stride, k0, n0)
+            return _ldmatrix(smem, offset + imm, 1, self.dtype, trans=True)[0]
         require_gfx950("TiledMmaLoader.load_b_tr")
         self._require_tr16("load_b_tr")
         row_stride = self._check_tile(smem)
@@ -232,7 +277,36 @@ class TiledMmaLoader:
                  for off in self.v_fp8_strip_offsets(_lane(), row_stride, key0, depth0)]
         return _join(reads)
 
+    def _load_b_ldmatrix(self, smem, n_tiles, k_tiles, n0, k0, imm_offset_bytes) -> list:
+        row_stride = self._check_tile(smem)
+        self._check_swizzle(LDMATRIX_ROW, "load_b")
+        imm = self._imm_elems(imm_offset_bytes, LDMATRIX_ROW)
+        _, n, k = self.mma_shape
+        lane = _lane()
+        frags = []
+        for nt in range(n_tiles):
+            for kt in range(0, k_tiles, 2):
+                pair = 2 if kt + 1 < k_tiles else 1  # x4 covers two K-adjacent fragments
+                offset = self.ldmatrix_b_offsets(lane, row_stride, n0 + nt * n, k0 + kt * k,
+                                                 blocks=2 * pair)
+                frags += _ldmatrix(smem, offset + imm, pair, self.dtype, trans=False)
+        return frags
+
     # -------------------------------------------------------------------------- checks
+
+    def _for_nvidia(self, what: str) -> bool:
+        """True when tracing for NVIDIA (the shape must then be mma.sync's), False for AMD
+        (with an MFMA shape); UnsupportedError for a shape of the other vendor."""
+        target = current_target()
+        nvidia_shape = self.mma_shape == MMA_SYNC_SHAPE
+        if target.is_nvidia != nvidia_shape:
+            raise UnsupportedError(f"TiledMmaLoader.{what} of {self.dtype} {self.mma_shape} is "
+                                   f"not supported on {target.name}",
+                                   fix=f"use one of: {SUPPORTED}")
+        if target.is_nvidia and target.sm < 80:
+            raise TargetError(f"TiledMmaLoader.{what} needs ldmatrix and mma.sync (sm_80+), "
+                              f"not {target.name}", fix="compile for sm_80 or newer")
+        return target.is_nvidia
 
     def _require_tr16(self, what: str) -> None:
         if self.dtype not in (dt.bf16, dt.f16) or self.mma_shape not in TR16_SHAPES:
@@ -302,6 +376,17 @@ def _lds_transpose_read(smem: SharedTensor, offset: Any, width: int, dtype: dt.D
     op = amdgpu.TransposeLoadOp(vtype, _flat(smem), [_index(offset)])
     mark_async(op, "lgkmcnt")
     return Value(op.result, dtype)
+
+
+def _ldmatrix(smem: SharedTensor, offset: Any, fragments: int, dtype: dt.DType, *,
+              trans: bool) -> list[Value]:
+    """``fragments`` m16n8k16 B fragments (``vector<4 x dtype>`` each) from one
+    ``ldmatrix.x{2 * fragments}``: fragment ``f`` is blocks ``2f`` and ``2f + 1``."""
+    blocks = 2 * fragments
+    result = nvgpu.ldmatrix(ir.VectorType.get([blocks, 2], dtype.mlir_type()), _flat(smem),
+                            [_index(offset)], trans, blocks)
+    pairs = [Value(vector.extract(result, [], [b]), dtype) for b in range(blocks)]
+    return [_join(pairs[2 * f:2 * f + 2]) for f in range(fragments)]
 
 
 def _join(parts: list[Value]) -> Value:

@@ -300,8 +300,7 @@ def atom_named(name: str) -> MmaAtom:
     pick by shape. Example: ``kiln.mma.atom_named("wgmma_rs_m64n64k16_bf16")``."""
     if name not in _REGISTRY:
         family = name.split("_m")[0]
-        close = sorted(n for n in _REGISTRY if n.split("_m")[0] == family)[:4] \
-            or sorted(_REGISTRY)[:4]
+        close = [n for n in _REGISTRY if n.split("_m")[0] == family][:4] or list(_REGISTRY)[:4]
         raise UnsupportedError(f"no MMA atom named {name!r}",
                                fix=f"use a registered name, e.g. {', '.join(close)}")
     return _REGISTRY[name]

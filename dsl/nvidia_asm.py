@@ -1,8 +1,8 @@
 """NVIDIA-only building blocks: elected threads, proxy fences, register reallocation.
 
-Everything here is an upstream ``nvvm`` op except the inline-PTX wrappers: :func:`named_barrier`
-(see its comment) and :func:`wgmma_mma_async_regs` (WGMMA with A in registers, which
-``nvvm.wgmma.mma_async`` cannot express). The module also holds the operand coercion shared by :mod:`kiln.tma`,
+Everything here is an upstream ``nvvm`` op except the inline-PTX wrappers:
+:func:`named_barrier` (see its comment) and :func:`wgmma_mma_async_regs` (WGMMA with A in
+registers, which ``nvvm.wgmma.mma_async`` cannot express). The module also holds the operand coercion shared by :mod:`kiln.tma`,
 :mod:`kiln.mbarrier` and :mod:`kiln.wgmma`: those wrappers accept Python ints, traced
 ``kiln.Value``/``Handle`` objects (anything with ``.ir``) or raw ``ir.Value``.
 

@@ -16,7 +16,9 @@ For pipelined kernels the descriptor-level API below issues ``nvvm.wgmma.mma_asy
 hand-built descriptors (K- or MN-major operands, several groups in flight): ``smem_descriptor``,
 ``fragment_zeros``, ``mma_async`` + ``fence``/``commit``/``wait_group``, and
 ``store_fragment_swizzled`` to stage the result for a TMA store (see
-``kiln/kernels/gemm/hopper.py``).
+``kiln/kernels/gemm/hopper.py``). ``mma_async_regs`` takes A from registers instead
+(``a_fragment_layout``; ``a_fragment_from_accumulator`` turns an f32 result such as softmax
+probabilities into those operands with one cast), as FlashAttention-3 does for ``P @ V``.
 
 Supported (what upstream ``nvgpu`` lowers): ``m64nNk16`` with f16 or bf16 inputs and f32
 accumulators; M a multiple of 64, N a multiple of 8 in 8..256, K a multiple of 16; operands loaded

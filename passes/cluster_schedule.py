@@ -18,7 +18,12 @@ AMD (``kiln.target = "gfx9.."``)::
     rocdl.sched.barrier 0
 
 NVIDIA: the cluster-ending barrier is ``gpu.barrier`` (``bar.sync 0``); recipes with an
-interleave or iglp variant are rejected (NVPTX has no sched-group intrinsics).
+interleave or iglp variant are rejected (NVPTX has no sched-group intrinsics). A recipe's
+``pingpong=(a, b)`` makes two consumer warp groups alternate through named barriers::
+
+    bar.sync own, 256       // own = a for even tid.x // 128, b for odd
+    ...the cluster's ops...
+    bar.arrive other, 256   // once before the loop, the odd group arrives on a
 
 The pass moves no op: ops stay in program order inside their cluster, and the ``sched.barrier 0``
 fences keep LLVM's machine scheduler from moving any across a boundary. Every op it adds is
@@ -30,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlir import ir
-from mlir.dialects import gpu, rocdl
+from mlir.dialects import arith, gpu, llvm, rocdl, scf
 
 from kiln.cluster import CLUSTER_ATTR, RECIPES_ATTR, SCHED_GROUP_MASKS, ClusterRecipe
 from kiln.errors import CompilationError, KilnValueError, UnsupportedError
@@ -148,7 +153,11 @@ def _marker(cluster_id: int, cluster: ir.Attribute, kind: str) -> None:
     _tag(rocdl.sched_barrier(0), cluster)
 
 
-def _schedule_amd(span: ClusterSpan, recipe: ClusterRecipe) -> None:
+def _schedule_amd(span: ClusterSpan, recipe: ClusterRecipe, first_instance: bool) -> None:
+    if recipe.pingpong is not None:
+        raise UnsupportedError(f"cluster {span.cluster}: pingpong is NVIDIA-only (recipe: {recipe})",
+                               fix="drop pingpong on AMD targets; use setprio to favour a wave",
+                               loc=source_loc(span.ops[0].location))
     tag = span.ops[0].attributes[CLUSTER_ATTR]
     first, last = span.ops[0], span.ops[-1]
     with ir.InsertionPoint(first), first.location:
@@ -167,12 +176,73 @@ def _schedule_amd(span: ClusterSpan, recipe: ClusterRecipe) -> None:
         _marker(span.cluster, tag, "end")
 
 
-def _schedule_nvidia(span: ClusterSpan, recipe: ClusterRecipe) -> None:
+PINGPONG_THREADS = 256  # two consumer warp groups meet at each named barrier
+
+
+def _named_barrier(asm: str, barrier_id: ir.Value, tag: ir.Attribute | None,
+                   marker: str | None = None) -> None:
+    # The same inline PTX as kiln.nvidia_asm.named_barrier[_arrive] (the DSL needs a trace).
+    i32 = ir.IntegerType.get_signless(32)
+    threads = arith.constant(i32, PINGPONG_THREADS)
+    barrier = llvm.inline_asm(None, [barrier_id, threads], f"{asm} $0, $1;", "r,r",
+                              has_side_effects=True)
+    if tag is not None:
+        _tag(threads.owner, tag)
+        _tag(barrier, tag, marker)
+
+
+def _turn_ids(pingpong: tuple, tag: ir.Attribute | None) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """(own barrier id, other's barrier id, is-odd-group) for the calling warp group."""
+    i32 = ir.IntegerType.get_signless(32)
+    tid = gpu.thread_id(gpu.Dimension.x)
+    thread = arith.index_cast(i32, tid)
+    seven = arith.constant(i32, 7)  # log2(128 threads per warp group)
+    group = arith.shrui(thread, seven)
+    odd = arith.trunci(ir.IntegerType.get_signless(1), group)
+    first, second = (arith.constant(i32, i) for i in pingpong)
+    own, other = arith.select(odd, second, first), arith.select(odd, first, second)
+    if tag is not None:
+        for value in (tid, thread, seven, group, odd, first, second, own, other):
+            _tag(value.owner, tag)
+    return own, other, odd
+
+
+def _outermost_loop(op: ir.Operation) -> ir.Operation:
+    outer, parent = op, op.parent
+    while parent is not None and parent.operation.name != "gpu.func":
+        if parent.operation.name in ("scf.for", "scf.while"):
+            outer = parent.operation
+        parent = parent.operation.parent
+    return outer
+
+
+def _schedule_pingpong(span: ClusterSpan, recipe: ClusterRecipe, first_instance: bool) -> None:
+    tag = span.ops[0].attributes[CLUSTER_ATTR]
+    first, last = span.ops[0], span.ops[-1]
+    if first_instance:  # the odd group hands the first turn to the even one, once
+        start = _outermost_loop(first)
+        with ir.InsertionPoint(start), start.location:
+            _, _, odd = _turn_ids(recipe.pingpong, None)  # untagged: not part of the cluster
+            handover = scf.IfOp(odd)
+            with ir.InsertionPoint(handover.then_block):
+                first_id = arith.constant(ir.IntegerType.get_signless(32), recipe.pingpong[0])
+                _named_barrier("bar.arrive", first_id, None)
+                scf.YieldOp([])
+    with ir.InsertionPoint(first), first.location:
+        own, other, _ = _turn_ids(recipe.pingpong, tag)
+        _named_barrier("bar.sync", own, tag, "begin")
+    with ir.InsertionPoint.after(last), last.location:
+        _named_barrier("bar.arrive", other, tag)
+
+
+def _schedule_nvidia(span: ClusterSpan, recipe: ClusterRecipe, first_instance: bool) -> None:
     if recipe.interleave is not None or recipe.iglp is not None or recipe.priority is not None:
         raise UnsupportedError(
             f"cluster {span.cluster}: interleave/iglp/priority are AMD-only (recipe: {recipe})",
-            fix="on NVIDIA declare only work and barrier_at_end",
+            fix="on NVIDIA declare only work, barrier_at_end and pingpong",
             loc=source_loc(span.ops[0].location))
+    if recipe.pingpong is not None:
+        _schedule_pingpong(span, recipe, first_instance)
     if recipe.barrier_at_end:
         last = span.ops[-1]
         with ir.InsertionPoint.after(last), last.location:
@@ -187,13 +257,15 @@ def cluster_schedule(module_op: ir.Operation, pass_=None) -> None:
             continue
         recipes = recipes_of(func)
         vendor = func_vendor(func)
+        seen = set()
         for span in spans:
             if span.cluster not in recipes:
                 raise CompilationError(f"cluster {span.cluster} has no recipe in {RECIPES_ATTR}",
                                      fix="open it with kiln.cluster(k, recipe) (or add c<k>)",
                                      loc=source_loc(span.ops[0].location))
             schedule = _schedule_nvidia if vendor == "nvidia" else _schedule_amd
-            schedule(span, recipes[span.cluster])
+            schedule(span, recipes[span.cluster], span.cluster not in seen)
+            seen.add(span.cluster)
 
 
 register_pass(NAME, cluster_schedule,

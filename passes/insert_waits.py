@@ -9,8 +9,11 @@ left (it places nothing unless a loop body's new wait changed what flows across 
 which can only retire more). Cost: a few walks of the function, linear in its ops times the
 outstanding events (the gfx950 prefill kernel: about 0.1 s).
 
-Waits already in the IR (``rocdl.s.waitcnt``, ``nvgpu.device_async_wait``, ``amdgpu.lds_barrier``)
-are kept and counted. Under ``kiln.consumer_drain`` (or a recipe's ``drain``) every cluster that
+Waits already in the IR (``rocdl.s.waitcnt``, ``nvgpu.device_async_wait``, ``amdgpu.lds_barrier``,
+``nvvm.wgmma.wait.group.sync.aligned``, ``nvgpu.mbarrier.try_wait.parity``) are kept and counted.
+NVIDIA: ``wgmma.wait_group N`` before a consumer of a committed ``mma_async`` result, and a
+``mbarrier.try_wait.parity`` with the statically known phase before a read of a TMA-loaded
+buffer (:func:`static_phase`; unknown phase: ``WaitError`` naming the barrier). Under ``kiln.consumer_drain`` (or a recipe's ``drain``) every cluster that
 holds MFMA work opens with ``s_waitcnt lgkmcnt(0)``. Functions marked ``kiln.manual_waits`` are
 left alone (the verifier still checks them).
 

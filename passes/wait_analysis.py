@@ -14,7 +14,10 @@ Tracked events (each is exactly one hardware instruction, so counts are exact):
   ``amdgpu.gather_to_lds``, and any op tagged ``kiln.async = "vmcnt"``;
 - AMD ``lgkmcnt``: ``rocdl.ds.read.tr*``, ``rocdl.ds_bpermute``, ops tagged
   ``kiln.async = "lgkmcnt"``;
-- NVIDIA ``cp.async`` groups: ``nvgpu.device_async_create_group`` over ``nvgpu.device_async_copy``.
+- NVIDIA ``cp.async`` groups: ``nvgpu.device_async_create_group`` over ``nvgpu.device_async_copy``;
+- NVIDIA ``wgmma``: ``nvvm.wgmma.mma_async``, uncommitted until the next commit_group, counted
+  in commit groups (``wgmma.wait_group N``);
+- NVIDIA ``mbarrier``: ``nvgpu.tma.async.load``, retired only by a try_wait on its mbarrier.
 
 Plain ``memref``/``vector`` loads and stores also use the counters but LLVM may merge, split or
 scalarise them, so they are *not counted*: leaving them out only makes a computed wait stricter.

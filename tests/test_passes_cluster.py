@@ -97,3 +97,11 @@ def test_schedule_check_counts_per_cluster_and_warns_or_raises():
 def test_live_registers_at_a_cluster_start_include_the_accumulator():
     live = isa_amdgpu.live_vgprs_at_clusters(isa_amdgpu.parse(ASM, "k"))
     assert live == {"c0": 1 + 2 + 16}  # v0 (address), v[2:3] (operands), a[0:15] (accumulator)
+
+
+def test_pingpong_recipe_round_trips_and_rejects_bad_ids():
+    recipe = ClusterRecipe(work=(("wgmma", 4),), pingpong=(3, 4))
+    assert str(recipe) == "wgmma=4; barrier; pingpong=3,4"
+    assert ClusterRecipe.parse(str(recipe)) == recipe
+    with pytest.raises(KilnValueError, match="pingpong"):
+        ClusterRecipe(work=(("wgmma", 1),), pingpong=(0, 0))

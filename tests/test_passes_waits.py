@@ -156,3 +156,29 @@ def test_isa_verifier_counts_a_call_as_a_full_wait():
     unloaded_target = RELOAD_ACROSS_CALL.replace("\ts_waitcnt lgkmcnt(0)\n", "")
     with pytest.raises(WaitError, match=r"s_swappc_b64 s\[30:31\], s\[80:81\]"):
         isa_amdgpu.verify_waits(isa_amdgpu.parse(unloaded_target, "run"), "run")
+
+
+WGMMA_UNCOMMITTED = """
+module attributes {gpu.container_module} {
+  gpu.module @kiln_kernels {
+    gpu.func @uncommitted(%a: i64, %b: i64, %acc: !llvm.struct<(f32, f32, f32, f32)>, %out: memref<1xf32, 1>) kernel attributes {kiln.target = "sm_90a"} {
+      %c0 = arith.constant 0 : index
+      %d0 = nvvm.wgmma.mma_async %a, %b, %acc, <m = 64, n = 8, k = 16>, D[<f32>, <one>], A[<bf16>, <one>, <row>], B[<bf16>, <one>, <row>] : !llvm.struct<(f32, f32, f32, f32)> -> !llvm.struct<(f32, f32, f32, f32)>
+      %x = llvm.extractvalue %d0[0] : !llvm.struct<(f32, f32, f32, f32)>
+      memref.store %x, %out[%c0] : memref<1xf32, 1>
+      gpu.return
+    }
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("pass_name", ["kiln-insert-waits", "kiln-verify-waits"])
+def test_reading_an_uncommitted_wgmma_result_asks_for_a_commit(pass_name):
+    from kiln.errors import WaitError
+    from kiln.passes import build_pass_manager
+
+    with ir.Context():
+        module = ir.Module.parse(WGMMA_UNCOMMITTED)
+        with pytest.raises(WaitError, match="commit"):
+            build_pass_manager([pass_name]).run(module.operation)

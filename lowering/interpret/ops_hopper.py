@@ -3,9 +3,11 @@
 Shared memory is addressed exactly as the hardware does: a TMA box is written row-major at the
 destination's byte address with the tensor map's swizzle applied to the absolute shared address
 (``kiln.swizzle.Swizzle.tma``), and WGMMA reads its operand tiles back through the same swizzle.
-A TMA load lands when its mbarrier's phase completes; a TMA store keeps its source "being read"
-until ``cp.async.bulk.wait_group``; an MMA issued with ``waitGroup > 0`` keeps its operand tiles
-"being read" until ``wgmma.wait.group``. Touching those bytes meanwhile raises ``RaceError``.
+A TMA load lands when its mbarrier's phase completes (a multicast one in every masked CTA of
+the cluster, counting its bytes on each one's barrier at the same offset); a TMA store keeps its
+source "being read" until ``cp.async.bulk.wait_group``; an MMA issued with ``waitGroup > 0``
+keeps its operand tiles "being read" until ``wgmma.wait.group``. Touching those bytes meanwhile
+raises ``RaceError``.
 """
 
 from __future__ import annotations
@@ -56,9 +58,6 @@ def _global_box(tmap, coords: list[int], loc) -> np.ndarray:
 def _tma_load(op, p):
     (dst,), (bars,), (desc,), coords, (index,), multicast, pred = operand_segments(op, p)
     loc = location(op)
-    if multicast:
-        raise UnsupportedError("the interpreter runs one CTA at a time and has no TMA multicast",
-                               fix="interpret the kernel without clusters", loc=loc)
 
     def run(env, ctx):
         tmap, mem, group = env[desc], env[dst], env[bars]
@@ -72,19 +71,42 @@ def _tma_load(op, p):
             i = int(np.broadcast_to(env[index], (n,))[lane])
             data = _global_box(tmap, c, loc).reshape(-1).view(np.uint8)
             phys = _box_bytes(mem, data.size, tmap.swizzle)
-            shared = ctx.cta.shared
-            if phys.max(initial=0) >= shared.arena.size:
-                raise OutOfBoundsError(f"TMA box of {data.size} bytes at shared byte "
-                                       f"{_base_byte(mem)} overruns shared memory "
-                                       f"({shared.arena.size} bytes)", loc=loc)
-            def land(arena=shared.arena, phys=phys, data=data):
-                arena[phys] = data
-
-            op_id = shared.begin("TMA load", loc, write_bytes=phys, land=land)
-            group.complete_tx(ctx.cta, group.get(i, loc), data.size,
-                              lambda shared=shared, op_id=op_id: shared.end(op_id))
+            targets = [ctx.cta]
+            if multicast:
+                targets = _multicast_targets(
+                    ctx.cta, int(np.broadcast_to(env[multicast[0]], (n,))[lane]), loc)
+            for cta in targets:
+                _land_box(cta, group.in_cta(cta), i, phys, data, _base_byte(mem), loc)
 
     return run
+
+
+def _multicast_targets(cta, mask: int, loc) -> list:
+    """The CTAs of ``cta``'s cluster whose bit (by rank) is set in the 16-bit ``mask``."""
+    ctas = cta.cluster.ctas
+    mask &= 0xFFFF
+    if mask >> len(ctas):
+        raise OutOfBoundsError(f"TMA multicast mask {mask:#x} names CTA ranks past the "
+                               f"cluster's {len(ctas)} CTAs",
+                               fix=f"use a mask below {1 << len(ctas):#x}", loc=loc)
+    return [c for rank, c in enumerate(ctas) if mask >> rank & 1]
+
+
+def _land_box(cta, group, i: int, phys: np.ndarray, data: np.ndarray, base: int,
+              loc) -> None:
+    """Start the copy of ``data`` into ``cta``'s shared bytes ``phys``: it lands, and its bytes
+    count on barrier ``i`` of ``group``, with that barrier's phase."""
+    shared = cta.shared
+    if phys.max(initial=0) >= shared.arena.size:
+        raise OutOfBoundsError(f"TMA box of {data.size} bytes at shared byte {base} "
+                               f"overruns shared memory ({shared.arena.size} bytes)", loc=loc)
+
+    def land(arena=shared.arena, phys=phys, data=data):
+        arena[phys] = data
+
+    op_id = shared.begin("TMA load", loc, write_bytes=phys, land=land)
+    group.complete_tx(cta, group.get(i, loc), data.size,
+                      lambda shared=shared, op_id=op_id: shared.end(op_id))
 
 
 @semantics("nvgpu.tma.async.store")

@@ -59,9 +59,19 @@ class MBarrier:
 
 
 class MBarrierGroup:
-    def __init__(self, n: int, name: str):
+    """The barriers of one ``nvgpu.mbarrier.create`` in one CTA; ``key`` identifies the create
+    op, so a peer CTA's group at the same shared offset is ``group.in_cta(peer)``."""
+
+    def __init__(self, n: int, name: str, key: int):
         self.barriers = [MBarrier() for _ in range(n)]
         self.name = name
+        self.key = key
+
+    def in_cta(self, cta) -> "MBarrierGroup":
+        """The same group in ``cta`` (a CTA of this cluster), created there if it has not run
+        its ``mbarrier.create`` yet."""
+        return cta.object(self.key, lambda: MBarrierGroup(len(self.barriers), self.name,
+                                                          self.key))
 
     def get(self, i: int, loc) -> MBarrier:
         if not 0 <= i < len(self.barriers):
@@ -111,7 +121,7 @@ def _create(op, p):
     loc = location(op)
 
     def run(env, ctx):
-        env[out] = ctx.cta.object(key, lambda: MBarrierGroup(n, f"mbarrier group at {loc}"))
+        env[out] = ctx.cta.object(key, lambda: MBarrierGroup(n, f"mbarrier group at {loc}", key))
 
     return run
 

@@ -1,10 +1,11 @@
-"""``interpret_kernel``: run a traced kernel on numpy arrays, one CTA at a time.
+"""``interpret_kernel``: run a traced kernel on numpy arrays, one CTA (or cluster) at a time.
 
-Each CTA gets fresh (poisoned) shared memory and runs either as one execution context covering
-all its threads or, when the kernel blocks inside divergent code (an mbarrier wait under an
-``scf.if``) or issues warp-group MMAs with more than one warp group, as one context per warp
-group, each on its own Python thread. Only one context runs at a time (they hand over at blocking
-points), so runs are deterministic.
+The CTAs of a thread-block cluster run together. Each CTA gets fresh (poisoned) shared memory
+and runs either as one execution context covering all its threads or, when the kernel blocks
+inside divergent code (an mbarrier wait under an ``scf.if``) or issues warp-group MMAs with more
+than one warp group, as one context per warp group, each on its own Python thread. Only one
+context of a cluster runs at a time (they hand over at blocking points), so runs are
+deterministic.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from mlir import ir
 from kiln import env as kiln_env
 from kiln.errors import KilnTypeError, KilnValueError, UnsupportedError
 
-from . import (ops_amd, ops_ampere, ops_arith, ops_control, ops_gpu,  # noqa: F401 - register
-               ops_hopper, ops_mbarrier, ops_memory, ops_vector, ops_wgmma)
+from . import (ops_amd, ops_ampere, ops_arith, ops_cluster, ops_control,  # noqa: F401 - register
+               ops_gpu, ops_hopper, ops_mbarrier, ops_memory, ops_vector, ops_wgmma)
 from .plan import Plan, np_dtype
-from .state import CTA, Context, ContextAborted, MemRef
+from .state import CTA, Cluster, Context, ContextAborted, MemRef
 
 WARP_GROUP_THREADS = 128
 _BLOCKING_OPS = ("nvgpu.mbarrier.try_wait.parity", "nvgpu.mbarrier.test.wait")
@@ -170,34 +171,51 @@ def interpret_kernel(traced, grid, args, target) -> None:
     split = compiled.warp_group_contexts and threads > WARP_GROUP_THREADS
     group = WARP_GROUP_THREADS if split else threads
     timeout = kiln_env.interpret_timeout()
-    for bz in range(grid[2]):
-        for by in range(grid[1]):
-            for bx in range(grid[0]):
-                cta = CTA((bx, by, bz), block, grid, shared_bytes, timeout)
-                cta.warp_size = target.warp_size
-                cta.dynamic_shared_offset = static
-                _run_cta(plan, cta, values, threads, group)
+    shape = _cluster_shape(signature, grid)
+    for cluster_origin in np.ndindex(*(g // c for g, c in zip(grid[::-1], shape[::-1]))):
+        cz, cy, cx = cluster_origin
+        cluster = Cluster(shape, timeout)
+        for rank, (dz, dy, dx) in enumerate(np.ndindex(*shape[::-1])):
+            block_id = (cx * shape[0] + dx, cy * shape[1] + dy, cz * shape[2] + dz)
+            cta = CTA(block_id, block, grid, shared_bytes, cluster, rank)
+            cta.warp_size = target.warp_size
+            cta.dynamic_shared_offset = static
+            cluster.ctas.append(cta)
+        _run_cluster(plan, cluster, values, threads, group)
 
 
-def _run_cta(plan: Plan, cta: CTA, values: list, threads: int, group: int) -> None:
-    contexts = [Context(cta, np.arange(start, start + group))
-                for start in range(0, threads, group)]
-    cta.live = len(contexts)
+def _cluster_shape(signature, grid: tuple) -> tuple[int, int, int]:
+    shape = tuple(signature.cluster or (1, 1, 1))
+    shape = shape + (1,) * (3 - len(shape))
+    if any(g % c for g, c in zip(grid, shape)):
+        raise KilnValueError(f"grid {grid} is not a multiple of the kernel's cluster shape "
+                             f"{shape}", fix="round the grid up to whole clusters")
+    return shape
+
+
+def _run_cluster(plan: Plan, cluster: Cluster, values: list, threads: int, group: int) -> None:
+    """Run every context of every CTA of ``cluster`` (CTAs of one cluster run together)."""
+    contexts = []
+    for cta in cluster.ctas:
+        mine = [Context(cta, np.arange(start, start + group)) for start in range(0, threads, group)]
+        cta.live = len(mine)
+        contexts += mine
+    cluster.live = len(contexts)
 
     def body(ctx: Context):
         env: list[Any] = [None] * plan.num_slots
         for slot, value in zip(plan.entry.args, values):
             env[slot] = value
-        with cta.cond, np.errstate(all="ignore"):
+        with cluster.cond, np.errstate(all="ignore"):
             try:
                 plan.entry.run(env, ctx)
             except ContextAborted:
                 pass
             except BaseException as err:  # noqa: BLE001 - handed to the caller below
-                if cta.failed is None:
-                    cta.failed = err
+                if cluster.failed is None:
+                    cluster.failed = err
             finally:
-                cta.context_finished()
+                ctx.cta.context_finished()
 
     if len(contexts) == 1:
         body(contexts[0])
@@ -207,5 +225,5 @@ def _run_cta(plan: Plan, cta: CTA, values: list, threads: int, group: int) -> No
             w.start()
         for w in workers:
             w.join()
-    if cta.failed is not None:
-        raise cta.failed
+    if cluster.failed is not None:
+        raise cluster.failed

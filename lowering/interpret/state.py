@@ -235,24 +235,68 @@ class Context:
         return np.ones(self.size, bool) if self.mask is None else self.mask
 
 
+class Cluster:
+    """The CTAs that run together (a thread-block cluster, or one CTA): one scheduler — lock,
+    blocked contexts, first failure — and the cluster barrier (``barrier.cluster``)."""
+
+    def __init__(self, shape: tuple[int, int, int], timeout: float):
+        self.shape = shape
+        self.ctas: list[CTA] = []  # by rank
+        self.cond = threading.Condition()
+        self.live = 0  # live contexts of all the cluster's CTAs
+        self.blocked: dict[int, tuple] = {}  # context id -> (predicate, description)
+        self.failed: BaseException | None = None
+        self.timeout = timeout
+        self.barrier_threads = 0  # threads arrived at the current cluster barrier phase
+        self.barrier_generation = 0
+        self.arrived_in: dict[int, int] = {}  # context id -> generation it arrived in
+
+    def arrive(self, ctx: "Context") -> None:
+        """``barrier.cluster.arrive``: this context's active threads arrive."""
+        self.arrived_in[id(ctx)] = self.barrier_generation
+        self.barrier_threads += int(ctx.active().sum())
+        if self.barrier_threads >= sum(int(np.prod(c.block)) for c in self.ctas):
+            self.barrier_threads = 0
+            self.barrier_generation += 1
+            for cta in self.ctas:
+                cta.shared.synchronised()
+            self.cond.notify_all()
+
+    def wait(self, ctx: "Context", loc) -> None:
+        """``barrier.cluster.wait``: until every thread of the cluster arrived."""
+        generation = self.arrived_in.pop(id(ctx), None)
+        if generation is None:
+            return  # no arrive of its own: nothing pending to wait for
+        ctx.cta.block_until(ctx, lambda: self.barrier_generation != generation,
+                            lambda: f"cluster barrier ({self.barrier_threads} threads of "
+                                    f"{len(self.ctas)} CTAs arrived)", loc)
+
+
 class CTA:
-    """One block's shared state: shared memory, barriers and the contexts' scheduler."""
+    """One block's shared state: shared memory, barriers; scheduling through its cluster."""
 
     def __init__(self, block_id: tuple, block: tuple, grid: tuple, shared_bytes: int,
-                 timeout: float):
+                 cluster: Cluster, rank: int = 0):
         self.block_id = block_id
         self.block = block
         self.grid = grid
         self.shared = SharedMemory(shared_bytes)
         self.objects: dict[int, Any] = {}  # per-CTA objects created by ops (mbarrier groups)
-        self.cond = threading.Condition()
-        self.live = 0
-        self.blocked: dict[int, tuple] = {}  # context id -> (predicate, description)
-        self.failed: BaseException | None = None
-        self.timeout = timeout
+        self.cluster = cluster
+        self.rank = rank  # %cluster_ctarank
+        self.cond = cluster.cond
+        self.live = 0  # live contexts of this CTA (gpu.barrier counts them)
         self._barrier_arrived = 0
         self._barrier_generation = 0
         self._named: dict[int, list[int]] = {}  # barrier id -> [threads arrived, generation]
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self.cluster.failed
+
+    @failed.setter
+    def failed(self, err: BaseException) -> None:
+        self.cluster.failed = err
 
     def object(self, key: int, factory) -> Any:
         obj = self.objects.get(key)
@@ -269,27 +313,29 @@ class CTA:
         if ready():
             return
         me = id(ctx)
-        self.blocked[me] = (ready, lambda: f"{what() if callable(what) else what} at {loc}")
+        blocked = self.cluster.blocked
+        blocked[me] = (ready, lambda: f"{what() if callable(what) else what} at {loc}")
         try:
             while not ready():
                 self._check_deadlock(loc)
                 self.cond.notify_all()
-                if not self.cond.wait(self.timeout) and not ready():
+                if not self.cond.wait(self.cluster.timeout) and not ready():
                     self._fail(self._deadlock_error(loc, timed_out=True))
                 if self.failed is not None:
                     raise ContextAborted()
         finally:
-            self.blocked.pop(me, None)
+            blocked.pop(me, None)
 
     def _check_deadlock(self, loc) -> None:
-        if len(self.blocked) < self.live:
+        blocked = self.cluster.blocked
+        if len(blocked) < self.cluster.live:
             return
-        if any(ready() for ready, _ in self.blocked.values()):
+        if any(ready() for ready, _ in blocked.values()):
             return
         self._fail(self._deadlock_error(loc, timed_out=False))
 
     def _deadlock_error(self, loc, timed_out: bool) -> DeadlockError:
-        waits = "; ".join(describe() for _, describe in self.blocked.values())
+        waits = "; ".join(describe() for _, describe in self.cluster.blocked.values())
         how = "timed out" if timed_out else "every execution context is blocked"
         return DeadlockError(f"deadlock in block {self.block_id}: {how}, waiting on {waits}",
                              fix="check mbarrier arrival counts, expect_tx byte counts and phases, "
@@ -351,6 +397,7 @@ class CTA:
 
     def context_finished(self) -> None:
         self.live -= 1
+        self.cluster.live -= 1
         if 0 < self.live <= self._barrier_arrived:
             self._release_barrier()
         self.cond.notify_all()

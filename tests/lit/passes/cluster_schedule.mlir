@@ -79,3 +79,39 @@ module attributes {gpu.container_module} {
     }
   }
 }
+
+// -----
+
+// NVIDIA ping-pong on named barriers 3 and 4: before the loop the odd consumer warp group
+// arrives on 3 (the even one goes first); each turn waits on its own barrier before the WGMMA
+// issue and arrives on the other's after it, 256 threads (two warp groups) per barrier.
+// CHECK-LABEL: gpu.func @pingpong
+// CHECK: %[[ODD:.*]] = arith.trunci
+// CHECK: scf.if %[[ODD]] {
+// CHECK-NEXT: %[[FIRST:.*]] = arith.constant 3 : i32
+// CHECK-NEXT: %[[N:.*]] = arith.constant 256 : i32
+// CHECK-NEXT: llvm.inline_asm has_side_effects "bar.arrive $0, $1;", "r,r" %[[FIRST]], %[[N]]
+// CHECK: scf.for
+// CHECK: %[[OWN:.*]] = arith.select %{{.*}}, %c4_i32{{.*}}, %c3_i32
+// CHECK-NEXT: %[[OTHER:.*]] = arith.select %{{.*}}, %c3_i32{{.*}}, %c4_i32
+// CHECK: llvm.inline_asm has_side_effects {{.*}}kiln.cluster_marker = "begin"} "bar.sync $0, $1;", "r,r" %[[OWN]],
+// CHECK-NEXT: nvvm.wgmma.fence.aligned
+// CHECK-NEXT: arith.addf
+// CHECK-NEXT: nvvm.wgmma.commit.group.sync.aligned
+// CHECK-NEXT: arith.constant {{.*}}256 : i32
+// CHECK-NEXT: llvm.inline_asm has_side_effects {{.*}}"bar.arrive $0, $1;", "r,r" %[[OTHER]]
+// CHECK-NOT: gpu.barrier
+module attributes {gpu.container_module} {
+  gpu.module @kiln_kernels {
+    gpu.func @pingpong(%f: f32, %n: index) kernel attributes {kiln.target = "sm_90a", kiln.cluster_recipes = {c0 = "wgmma=1; pingpong=3,4"}} {
+      %c0 = arith.constant 0 : index
+      %c1 = arith.constant 1 : index
+      scf.for %k = %c0 to %n step %c1 {
+        nvvm.wgmma.fence.aligned {kiln.cluster = 0 : i64}
+        %a = arith.addf %f, %f {kiln.cluster = 0 : i64} : f32
+        nvvm.wgmma.commit.group.sync.aligned {kiln.cluster = 0 : i64}
+      }
+      gpu.return
+    }
+  }
+}
