@@ -17,7 +17,8 @@ Both CTAs' consumers release a stage on the ``empty[s]`` of both CTAs (``mapa`` 
 ``mbarrier.arrive``, count ``consumers * 2``), so neither producer overwrites a stage its peer
 still reads; a cluster barrier follows the mbarrier init and precedes exit. The persistent grid
 is the number of co-resident clusters (``cuOccupancyMaxActiveClusters``). The CPU interpreter
-has no clusters: ``backend="interpret"`` runs the single-CTA default.
+runs clusters too (``tests/test_interpret_cluster.py``); ``matmul(..., backend="interpret")``
+uses the single-CTA default config.
 
 Stage ``s`` of use ``n`` is ``n % STAGES`` and its barriers complete phases of parity
 ``(n // STAGES) % 2``; the producer waits ``empty`` on the opposite parity, so its first pass
