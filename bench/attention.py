@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+from timing import time_ms
 
 TOKENS = 16 * 1024
 HIDDEN = 2048  # heads * D
@@ -49,24 +49,6 @@ def shapes(args) -> list[dict]:
             for d in HEAD_DIMS for c in (False, True) for s in seqs]
     rows += [dict(batch=16, seq=args.gqa_seq, hq=64, hkv=8, d=128, causal=c) for c in (False, True)]
     return rows
-
-
-def time_ms(fn, repeat: int, batch: int, warmup: int = 3) -> float:
-    """Median milliseconds per call over ``repeat`` samples of ``batch`` back-to-back calls."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeat):
-        start.record()
-        for _ in range(batch):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / batch)
-    return statistics.median(times)
 
 
 def sdpa_call(backend_name: str, q, k, v, causal: bool):

@@ -24,42 +24,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import numpy as np
+from timing import time_ms
 
 HEADS, HEAD_DIM = 32, 128
 SPLIT_GRID = ((2, 16, 64), (1, 4, 16, 64, 256))
 TOKEN_GRID = ((256, 1024, 4096, 16384), (16, 32, 64))
 
 
-def time_ms(torch, fn, repeat: int, batch: int, warmup: int = 3) -> float:
-    """Median milliseconds per call of ``fn`` (``batch`` calls per CUDA-event sample)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeat):
-        start.record()
-        for _ in range(batch):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / batch)
-    return statistics.median(times)
-
-
 def copy_bandwidth_gbs(torch, repeat: int) -> float:
     src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")  # 2 GiB
     dst = torch.empty_like(src)
-    ms = time_ms(torch, lambda: dst.copy_(src), repeat, 1)
+    ms = time_ms(lambda: dst.copy_(src), repeat, 1)
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
 def launch_latency_us(torch, repeat: int, batch: int) -> float:
     x = torch.zeros(1, device="cuda")
-    return time_ms(torch, lambda: x.add_(1.0), repeat, batch) * 1e3
+    return time_ms(lambda: x.add_(1.0), repeat, batch) * 1e3
 
 
 def torch_combine(torch, o_p, lse_p, counts):
@@ -118,9 +101,9 @@ def run_shape(torch, combine, rng, splits, batch, sq, heads, args, copy_gbs, lau
     lse_err = float(np.abs(got_lse[finite] - lse_ref[finite]).max()) if finite.any() else 0.0
     ok = (o_err < 2e-2 and lse_err < 1e-4 and not np.isnan(got_lse).any()
           and np.array_equal(np.isneginf(got_lse), ~finite))
-    kiln_ms = time_ms(torch, lambda: combine(o_p, lse_p, counts, max_splits=max_splits),
+    kiln_ms = time_ms(lambda: combine(o_p, lse_p, counts, max_splits=max_splits),
                       args.repeat, args.batch)
-    torch_ms = time_ms(torch, lambda: torch_combine(torch, o_p, lse_p, counts),
+    torch_ms = time_ms(lambda: torch_combine(torch, o_p, lse_p, counts),
                        args.repeat, args.batch)
     nbytes = useful_bytes(o_np, counts_np)
     kiln_gbs, torch_gbs = nbytes / kiln_ms / 1e6, nbytes / torch_ms / 1e6

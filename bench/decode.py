@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+from timing import time_ms
 
 HQ, HKV, HEAD_DIM = 64, 8, 128
 CONTEXTS = (4096, 16384, 65536)
@@ -27,25 +27,10 @@ BATCHES = (1, 4, 16)
 DRAFT_TOKENS = (1, 4)
 
 
-def time_ms(torch, fn, repeat: int, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn`` over ``repeat`` CUDA-event-timed calls."""
-    for _ in range(warmup):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeat):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
 def copy_bandwidth_gbs(torch, repeat: int) -> float:
     src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")  # 2 GiB
     dst = torch.empty_like(src)
-    ms = time_ms(torch, lambda: dst.copy_(src), repeat)
+    ms = time_ms(lambda: dst.copy_(src), repeat)
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
@@ -67,12 +52,12 @@ def torch_decode(torch, q, kc, vc, table, seq_lens, dtype=None):
     dtype = dtype or q.dtype
     k = kc[table.long()].view(batch, -1, HKV, HEAD_DIM)[:, :ctx].to(dtype).transpose(1, 2)
     v = vc[table.long()].view(batch, -1, HKV, HEAD_DIM)[:, :ctx].to(dtype).transpose(1, 2)
-    k = k.repeat_interleave(HQ // HKV, dim=1)
-    v = v.repeat_interleave(HQ // HKV, dim=1)
     positions = torch.arange(ctx, device=q.device)
     mask = positions[None, :] <= (ctx - sq + torch.arange(sq, device=q.device))[:, None]
+    # enable_gqa shares each KV head across its query group without materialising 8 copies
+    # (repeat_interleave ran out of memory at batch 16 x ctx 64k in float32).
     out = torch.nn.functional.scaled_dot_product_attention(q.to(dtype).transpose(1, 2), k, v,
-                                                           attn_mask=mask)
+                                                           attn_mask=mask, enable_gqa=True)
     return out.transpose(1, 2)
 
 
@@ -88,9 +73,9 @@ def bench(torch, batch, ctx, sq, page_size, repeat, copy_gbs) -> dict:
                          f"max abs error {error}")
     q = problem[0]
     nbytes = 2 * batch * ctx * HKV * HEAD_DIM * 2 + 2 * q.numel() * 2
-    kiln_ms = time_ms(torch, lambda: decode_attention(*problem), repeat)
-    split_ms = time_ms(torch, lambda: decode(*problem), repeat)
-    torch_ms = time_ms(torch, lambda: torch_decode(torch, *problem), repeat)
+    kiln_ms = time_ms(lambda: decode_attention(*problem), repeat)
+    split_ms = time_ms(lambda: decode(*problem), repeat)
+    torch_ms = time_ms(lambda: torch_decode(torch, *problem), repeat)
     kiln_gbs = nbytes / kiln_ms / 1e6
     return {"batch": batch, "ctx": ctx, "sq": sq, "page_size": page_size, "max_abs_error": error,
             "kiln_ms": kiln_ms, "kiln_split_only_ms": split_ms, "torch_ms": torch_ms,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 try:
     import torch
@@ -29,25 +28,10 @@ except ImportError:  # --help works without torch; running needs it
     torch = None
 
 from kiln.kernels.gemm import HOPPER_CONFIGS, hopper_autotuner, matmul, run_hopper
+from timing import time_ms
 
 # 8192^3 is also the K = 8192 point of the sweep; it is measured once.
 SHAPES = [(4096, 4096, 4096)] + [(8192, 8192, k) for k in (1024, 2048, 4096, 8192, 16384)]
-
-
-def time_ms(fn, repeat: int, batch: int, warmup: int = 5) -> float:
-    """Median milliseconds per call over ``repeat`` samples of ``batch`` back-to-back calls."""
-    for _ in range(warmup):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeat):
-        start.record()
-        for _ in range(batch):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / batch)
-    return statistics.median(times)
 
 
 def check(m: int, n: int, k: int, gemm=matmul, what: str = "Kiln GEMM") -> float:
