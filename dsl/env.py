@@ -12,6 +12,7 @@ Read them through these functions (not ``os.environ``) so the set stays document
 ``CUDA_ROOT`` / ``CUDA_HOME`` CUDA toolkit used for ``ptxas`` (cubin and ``-v`` report)
 ``KILN_PTXAS``                explicit ``ptxas`` path (overrides ``CUDA_ROOT``)
 ``KILN_LD_LLD``               explicit ``ld.lld`` path for AMD ``hsaco`` linking
+``KILN_CUOBJDUMP``            explicit ``cuobjdump`` path (SASS schedule check; needs ``nvdisasm``)
 ``KILN_ROCM_RUNTIME``         path of ``libmlir_rocm_runtime.so`` for AMD launches
 ============================  ==========================================================
 """
@@ -66,6 +67,11 @@ def ptxas_override() -> Path | None:
 
 def ld_lld_override() -> Path | None:
     value = os.environ.get("KILN_LD_LLD")
+    return Path(value) if value else None
+
+
+def cuobjdump_override() -> Path | None:
+    value = os.environ.get("KILN_CUOBJDUMP")
     return Path(value) if value else None
 
 

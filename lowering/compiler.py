@@ -108,6 +108,8 @@ def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOpt
                 dump_stage(name, stage, artifact)
             if stage == "amdgcn":
                 state.asm[stage] = check_amdgpu_assembly(state, recipes)
+            if stage == "cubin" and artifact is not None and recipes:
+                check_sass_schedule(state, recipes)
     kernel = CompiledKernel(name, target, options, signature, state.asm, metadata)
     if cache_key is not None and not env.cache_disabled():
         from kiln.lowering import cache
@@ -161,6 +163,22 @@ def check_amdgpu_assembly(state: CompileState, recipes: dict) -> str:
         if live:
             state.metadata["cluster_live_vgprs"] = live
     return asm
+
+
+def check_sass_schedule(state: CompileState, recipes: dict) -> None:
+    """The NVIDIA schedule check (ScheduleWarning) on the cubin's SASS; skipped without a
+    working ``cuobjdump`` (it is not part of every CUDA install). The listing is dumped as the
+    ``sass`` stage under ``KILN_DUMP_DIR``."""
+    from kiln.lowering import isa_sass
+    from kiln.lowering.tools import find_cuobjdump
+    from kiln.passes.verify_schedule import verify_schedule_sass
+
+    cuobjdump = find_cuobjdump()
+    sass = isa_sass.dump_sass(state.asm["cubin"], cuobjdump) if cuobjdump is not None else None
+    if sass is None:
+        return
+    dump_stage(state.kernel, "sass", sass)
+    verify_schedule_sass(sass, recipes, state.kernel)
 
 
 def load_cached(cache_key: str) -> CompiledKernel | None:

@@ -14,7 +14,7 @@ from kiln import env
 
 STAGE_EXTENSIONS = {
     "kiln": "mlir", "gpu": "mlir", "nvvm": "mlir", "rocdl": "mlir", "llvm": "ll",
-    "ptx": "ptx", "cubin": "cubin", "amdgcn": "s", "obj": "o", "hsaco": "hsaco",
+    "ptx": "ptx", "cubin": "cubin", "sass": "sass", "amdgcn": "s", "obj": "o", "hsaco": "hsaco",
 }
 
 

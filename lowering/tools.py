@@ -1,4 +1,5 @@
-"""Finding the external tools lowering may use: ``ptxas``, ``ld.lld``, LLVM and MLIR binaries.
+"""Finding the external tools lowering may use: ``ptxas``, ``cuobjdump``, ``ld.lld``, LLVM and
+MLIR binaries.
 
 Each finder returns a path or None; a missing optional tool just skips its stage (no cubin
 without ``ptxas``, no hsaco without ``ld.lld``).
@@ -33,6 +34,19 @@ def find_ptxas() -> Path | None:
         return root / "bin" / "ptxas"
     found = shutil.which("ptxas")
     return Path(found) if found else None
+
+
+def find_cuobjdump() -> Path | None:
+    """``cuobjdump`` (SASS listings for the NVIDIA schedule check) from ``KILN_CUOBJDUMP``, else
+    PATH, else ``$CUDA_ROOT/bin``."""
+    override = env.cuobjdump_override()
+    if override is not None:
+        return _executable(override)
+    found = shutil.which("cuobjdump")
+    if found:
+        return Path(found)
+    root = env.cuda_root()
+    return _executable(root / "bin" / "cuobjdump") if root is not None else None
 
 
 def find_ld_lld() -> Path | None:

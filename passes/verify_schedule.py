@@ -14,9 +14,17 @@ recipes come from the kernel's ``kiln.cluster_recipes``. Per instance it checks:
 A mismatch is a :class:`kiln.errors.ScheduleWarning` naming the cluster, expected and found
 counts, or a :class:`kiln.errors.ScheduleError` with ``strict=True``.
 
+:func:`verify_schedule_sass` is the NVIDIA half, on ``cuobjdump --dump-sass`` text
+(``lowering/isa_sass.py``; run after the ``cubin`` stage when ``cuobjdump`` is found). Only
+ping-pong clusters are visible there (their named barriers delimit each instance). Per instance
+it checks exact counts of the memory and tensor-core classes (:data:`SASS_CLASSES`) and the
+``bar.sync 0`` iff ``barrier_at_end``. ``valu``/``trans`` are not checked: ``ptxas`` moves ALU
+work across named barriers, which order memory only.
+
 Example::
 
     verify_schedule(ck.asm["amdgcn"], {0: QK_RECIPE, 1: DMA_RECIPE}, "attn", strict=True)
+    verify_schedule_sass(sass_text, {0: PINGPONG_RECIPE}, "gemm")
 """
 
 from __future__ import annotations
@@ -25,11 +33,19 @@ import warnings
 
 from kiln.cluster import ClusterRecipe
 from kiln.errors import ScheduleError, ScheduleWarning
+from kiln.lowering import isa_sass
 from kiln.lowering.isa_amdgpu import Program, class_counts, cluster_instances, parse
 
 NAME = "kiln-verify-schedule"
 EXACT = ("mfma", "ds_read", "ds_write", "vmem_read", "dma", "vmem_write")
 AT_LEAST = ("valu", "trans")
+# Recipe class -> the isa_sass kinds it counts; classes not listed are not checked on SASS.
+SASS_CLASSES = {
+    "wgmma": ("wgmma",), "mfma": ("wgmma", "mma"),
+    "ds_read": ("ds_read",), "ds_write": ("ds_write",), "ds": ("ds_read", "ds_write"),
+    "vmem_read": ("vmem_read",), "vmem_write": ("vmem_write",), "vmem": ("vmem_read", "vmem_write"),
+    "tma": ("tma",), "cp_async": ("cp_async",), "dma": ("cp_async", "tma"),
+}
 
 
 def _order(instrs: list, classes: set) -> list[str]:
@@ -77,12 +93,66 @@ def verify_schedule(asm: str | Program, recipes: dict[int, ClusterRecipe], kerne
             continue
         for problem in instance_problems(recipe, instrs):
             report.append(f"cluster {marker.cluster} ({recipe}): {problem}")
-    if report:
-        text = f"kernel {kernel or '?'}: the final assembly differs from the cluster recipes:\n  " + \
-            "\n  ".join(report)
-        if strict:
-            loc = next((m.loc for m, _ in cluster_instances(program) if m.loc), None)
-            raise ScheduleError(text, fix="adjust the recipe to what the cluster holds, or change "
-                                          "the cluster's code", loc=loc)
-        warnings.warn(ScheduleWarning(text), stacklevel=2)
+    loc = next((m.loc for m, _ in cluster_instances(program) if m.loc), None) if strict else None
+    _report(report, kernel, strict, loc, "assembly")
+    return report
+
+
+def _report(report: list[str], kernel: str | None, strict: bool, loc, what: str) -> None:
+    if not report:
+        return
+    text = f"kernel {kernel or '?'}: the final {what} differs from the cluster recipes:\n  " + \
+        "\n  ".join(report)
+    if strict:
+        raise ScheduleError(text, fix="adjust the recipe to what the cluster holds, or change "
+                                      "the cluster's code", loc=loc)
+    warnings.warn(ScheduleWarning(text), stacklevel=3)
+
+
+def sass_instance_problems(recipe: ClusterRecipe, instance: isa_sass.ClusterInstance) -> list[str]:
+    """What differs between one ping-pong instance's SASS and ``recipe``."""
+    found = isa_sass.class_counts(instance.instructions)
+    problems = []
+    for work, kinds in SASS_CLASSES.items():
+        want = recipe.counts.get(work, 0)
+        have = sum(found.get(kind, 0) for kind in kinds)
+        if work in recipe.counts and have != want:
+            problems.append(f"{work}: expected {want}, found {have}")
+    block_barriers = [i for i in instance.instructions
+                      if i.opcode.startswith("BAR.SYNC") and i.barrier_threads is None]
+    if recipe.barrier_at_end and not block_barriers:
+        problems.append("bar.sync 0: expected at the end of the cluster, found none")
+    if not recipe.barrier_at_end and block_barriers:
+        problems.append(f"bar.sync 0: expected none, found {len(block_barriers)}")
+    if not instance.closed:
+        problems.append(f"bar.arrive: the turn opened on barrier {instance.barrier_id} never ends")
+    return problems
+
+
+def _pingpong_owner(recipes: dict[int, ClusterRecipe], barrier_id: str) -> int | None:
+    """The cluster whose ping-pong opens on ``barrier_id``: the recipe whose pair holds an
+    immediate id, else the only ping-pong recipe (ptxas keeps a per-group id in a register)."""
+    pingpong = {k: r for k, r in recipes.items() if r.pingpong is not None}
+    if barrier_id.startswith("0x"):
+        matches = [k for k, r in pingpong.items() if int(barrier_id, 16) in r.pingpong]
+    else:
+        matches = list(pingpong)
+    return matches[0] if len(matches) == 1 else None
+
+
+def verify_schedule_sass(sass: str | isa_sass.SassKernel, recipes: dict[int, ClusterRecipe],
+                         kernel: str | None = None, *, strict: bool = False) -> list[str]:
+    """Check every ping-pong cluster instance of a SASS listing against ``recipes``; return the
+    problems (also warned, or raised under ``strict``). Instances that cannot be told apart
+    (several ping-pong recipes, register barrier ids) are not checked."""
+    program = isa_sass.parse(sass, kernel) if isinstance(sass, str) else sass
+    report = []
+    for instance in isa_sass.cluster_instances(program):
+        cluster = _pingpong_owner(recipes, instance.barrier_id)
+        if cluster is None:
+            continue
+        recipe = recipes[cluster]
+        for problem in sass_instance_problems(recipe, instance):
+            report.append(f"cluster {cluster} ({recipe}): {problem}")
+    _report(report, kernel, strict, None, "SASS")
     return report
