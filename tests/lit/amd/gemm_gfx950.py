@@ -5,7 +5,8 @@ import re
 from kiln.kernels.gemm.gfx950 import GemmConfig, compile_gfx950
 
 asm = compile_gfx950("bf16", config=GemmConfig()).asm["amdgcn"]
-lines = asm.splitlines()
+# .loc/.file are line-table directives between instructions, not code.
+lines = [line for line in asm.splitlines() if not line.lstrip().startswith((".loc", ".file"))]
 labels = {line[:-1]: n for n, line in enumerate(lines) if re.fullmatch(r"\.LBB\d+_\d+:", line)}
 for n, line in enumerate(lines):  # print every loop: a label up to the branch back to it
     back = re.search(r"s_c?branch\w* (\.LBB\d+_\d+)$", line)
