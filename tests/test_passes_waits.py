@@ -182,3 +182,27 @@ def test_reading_an_uncommitted_wgmma_result_asks_for_a_commit(pass_name):
         module = ir.Module.parse(WGMMA_UNCOMMITTED)
         with pytest.raises(WaitError, match="commit"):
             build_pass_manager([pass_name]).run(module.operation)
+
+
+@kiln.kernel
+def scaled_copy(x: kiln.Tensor[f32], y: kiln.Tensor[f32]):
+    i = kiln.thread_id(0)
+    v = x[i]
+    y[i] = v * 3.0  # ASM_READ_LINE: the multiply reads the loaded register
+
+
+@pytest.mark.lower
+def test_assembly_gap_is_reported_at_the_python_line_of_the_read():
+    """The AMD assembly carries line tables (.loc), so a wait missing from the final ISA is a
+    WaitError at the user's line that reads the loaded value, not at a cluster boundary."""
+    from kiln.lowering import isa_amdgpu
+
+    asm = scaled_copy.compile(np.zeros(64, np.float32), np.zeros(64, np.float32),
+                              target="gfx950", num_warps=2).asm["amdgcn"]
+    isa_amdgpu.verify_waits(isa_amdgpu.parse(asm), "scaled_copy")  # the real ISA is covered
+    planted = "\n".join(line for line in asm.splitlines() if "s_waitcnt vmcnt" not in line)
+    with pytest.raises(WaitError) as caught:
+        isa_amdgpu.verify_waits(isa_amdgpu.parse(planted), "scaled_copy")
+    read_line = next(n for n, text in enumerate(open(__file__), 1) if "ASM_READ_LINE" in text
+                     and "next(" not in text)
+    assert caught.value.loc.line == read_line
