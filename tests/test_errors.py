@@ -6,6 +6,7 @@ import traceback
 import numpy as np
 import pytest
 from mlir.dialects import arith
+from source_modules import write_kernel_module
 
 import kiln
 from kiln import f32, i32
@@ -116,16 +117,15 @@ def test_unresolvable_string_annotation_explains_fix():
 
 def test_int_literal_that_does_not_fit_the_operand_dtype(tmp_path):
     """``x_i8 + 1000`` and ``mask & 3`` used to wrap silently; now they are KilnValueErrors."""
-    import importlib.util
+    module = write_kernel_module(tmp_path, "literal_range_kernel", """
+        import kiln
+        from kiln import i8
 
-    path = tmp_path / "literal_range_kernel.py"
-    path.write_text("import kiln\nfrom kiln import i8\n\n@kiln.kernel\n"
-                    "def add_big(x: kiln.Tensor[i8]):\n"
-                    "    i = kiln.thread_id(0)\n"
-                    "    x[i] = x[i] + 1000\n")
-    spec = importlib.util.spec_from_file_location("literal_range_kernel", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+        @kiln.kernel
+        def add_big(x: kiln.Tensor[i8]):
+            i = kiln.thread_id(0)
+            x[i] = x[i] + 1000
+        """)
     with pytest.raises(kiln.KilnValueError, match=r"literal 1000 does not fit i8 \(range -128..255\)") as info:
         module.add_big.trace(np.zeros(4, np.int8), target="sm_90a")
     assert info.value.loc.line == 7 and "Fix:" in str(info.value)
@@ -134,16 +134,15 @@ def test_int_literal_that_does_not_fit_the_operand_dtype(tmp_path):
 def test_vector_load_on_a_strided_tensor(tmp_path):
     """A width-N load needs a unit innermost stride: a KilnValueError at the load, not MLIR's
     'most minor memref dim must have unit stride'."""
-    import importlib.util
+    module = write_kernel_module(tmp_path, "strided_vector_kernel", """
+        import kiln
+        from kiln import f32
 
-    path = tmp_path / "strided_vector_kernel.py"
-    path.write_text("import kiln\nfrom kiln import f32\n\n@kiln.kernel\n"
-                    "def wide(x: kiln.Tensor[f32], y: kiln.Tensor[f32]):\n"
-                    "    i = kiln.thread_id(0)\n"
-                    "    y.store(4 * i, x.load(4 * i, width=4))\n")
-    spec = importlib.util.spec_from_file_location("strided_vector_kernel", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+        @kiln.kernel
+        def wide(x: kiln.Tensor[f32], y: kiln.Tensor[f32]):
+            i = kiln.thread_id(0)
+            y.store(4 * i, x.load(4 * i, width=4))
+        """)
     strided = np.zeros(64, np.float32)[::2]
     with pytest.raises(kiln.KilnValueError, match="needs consecutive elements") as info:
         module.wide.trace(strided, np.zeros(32, np.float32), target="sm_90a")

@@ -5,6 +5,7 @@ Fresh random inputs every run, outputs poisoned with NaN before launch, float64 
 
 import numpy as np
 import pytest
+from source_modules import load_example
 
 import kiln
 from kiln import bf16, f32, i32
@@ -66,13 +67,7 @@ def test_bf16_strided_view_torch():
 
 
 def test_demo_rms_norm_matches_float64():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
-    spec = importlib.util.spec_from_file_location("kiln_demo", path)
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    demo = load_example("demo")
     rng = np.random.default_rng()
     rows, cols = 300, 257
     x = rng.standard_normal((rows, cols)).astype(np.float32)

@@ -4,12 +4,12 @@ traced and compiled for sm_90a everywhere, run against numpy on an H100 when one
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+from source_modules import load_example as load_example_module
 
 import kiln
 from kiln.lowering.cuda import cuda_available
@@ -18,10 +18,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hopper_tma_wgmma_s
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("hopper_tma_wgmma_smoke", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example_module("hopper_tma_wgmma_smoke")
 
 
 smoke = load_example()

@@ -6,7 +6,7 @@ import pytest
 import kiln
 from kiln import bf16, cp_async, tiles
 
-from test_interpret_kernels import load_example
+from source_modules import load_example
 
 
 @pytest.mark.parametrize("m, n, k", [(200, 128, 96), (64, 64, 32), (37, 192, 64)])

@@ -4,24 +4,16 @@ Fresh random inputs every run, outputs poisoned with NaN, sizes that are not mul
 block. No GPU needed: ``kernel.interpret[grid](...)`` executes the traced Kiln IR with numpy.
 """
 
-import importlib.util
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+from source_modules import load_example
 
 import kiln
 from kiln import bf16, f16, f32, i32, mbarrier
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-
-def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(f"kiln_example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @kiln.kernel

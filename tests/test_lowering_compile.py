@@ -4,7 +4,9 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
+from source_modules import write_kernel_module
 
 from kiln.errors import CompilationError, KilnValueError
 from kiln.lowering.compiler import CompiledKernel, compile_kernel
@@ -114,19 +116,16 @@ def test_artifact_round_trip_is_picklable():
 
 def test_amd_math_uses_native_instructions_not_device_library(tmp_path):
     """exp2/log2/exp/log/sqrt/rsqrt become v_exp/v_log/v_sqrt/v_rcp: no __ocml_ call, no scratch."""
-    path = tmp_path / "amd_math_kernel.py"
-    path.write_text(
-        "import kiln\nfrom kiln import f32\n\n@kiln.kernel\n"
-        "def transcendental(x: kiln.Tensor[f32]):\n"
-        "    i = kiln.thread_id(0)\n"
-        "    v = x[i]\n"
-        "    x[i] = kiln.exp2(v) + kiln.log2(v) + kiln.exp(v) + kiln.log(v) + kiln.rsqrt(v)\n")
-    import importlib.util
+    module = write_kernel_module(tmp_path, "amd_math_kernel", """
+        import kiln
+        from kiln import f32
 
-    spec = importlib.util.spec_from_file_location("amd_math_kernel", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    import numpy as np
+        @kiln.kernel
+        def transcendental(x: kiln.Tensor[f32]):
+            i = kiln.thread_id(0)
+            v = x[i]
+            x[i] = kiln.exp2(v) + kiln.log2(v) + kiln.exp(v) + kiln.log(v) + kiln.rsqrt(v)
+        """)
 
     ck = module.transcendental.compile(np.zeros(4, np.float32), target="gfx950")
     asm = ck.asm["amdgcn"]
@@ -139,20 +138,15 @@ def test_amd_math_uses_native_instructions_not_device_library(tmp_path):
 def test_amd_device_library_call_is_a_compile_error(tmp_path):
     """f64 exp2 has no native instruction: it would call __ocml_exp2_f64, which Kiln does not
     link, so compiling must fail with a CompilationError instead of producing a broken hsaco."""
-    import importlib.util
+    module = write_kernel_module(tmp_path, "amd_f64_kernel", """
+        import kiln
+        from kiln import f64
 
-    import numpy as np
-
-    from kiln.errors import CompilationError
-
-    path = tmp_path / "amd_f64_kernel.py"
-    path.write_text("import kiln\nfrom kiln import f64\n\n@kiln.kernel\n"
-                    "def exp2_f64(x: kiln.Tensor[f64]):\n"
-                    "    i = kiln.thread_id(0)\n"
-                    "    x[i] = kiln.exp2(x[i])\n")
-    spec = importlib.util.spec_from_file_location("amd_f64_kernel", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+        @kiln.kernel
+        def exp2_f64(x: kiln.Tensor[f64]):
+            i = kiln.thread_id(0)
+            x[i] = kiln.exp2(x[i])
+        """)
     with pytest.raises(CompilationError, match="__ocml_exp2_f64") as info:
         module.exp2_f64.compile(np.zeros(4, np.float64), target="gfx950")
     assert "Fix:" in str(info.value)

@@ -3,12 +3,11 @@ example (compile-only here; the gpu test runs it against numpy)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
+from source_modules import load_example as load_example_module
 
 import kiln
 import kiln.mma as mma
@@ -16,14 +15,10 @@ import kiln.tiles as tiles
 from kiln import layout as L
 from kiln.lowering.cuda import cuda_available
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "mma_sync_gemm.py"
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("mma_sync_gemm", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example_module("mma_sync_gemm")
 
 
 def test_mma_sync_fragment_layouts_follow_the_ptx_tables():
