@@ -12,6 +12,7 @@ from kiln.lowering.cuda import cuda_available
 
 import test_interpret_async as async_kernels
 import test_interpret_kernels as kernels
+from source_modules import load_example
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and driver")]
@@ -39,7 +40,7 @@ def test_saxpy_and_branches():
 
 
 def test_rms_norm_and_strided_bf16():
-    demo = kernels.load_example("demo")
+    demo = load_example("demo")
     rng = np.random.default_rng()
     rows, cols = 300, 257
     x = rng.standard_normal((rows, cols)).astype(np.float32)
@@ -56,7 +57,7 @@ def test_rms_norm_and_strided_bf16():
 
 
 def test_hopper_kernels():
-    smoke = kernels.load_example("hopper_tma_wgmma_smoke")
+    smoke = load_example("hopper_tma_wgmma_smoke")
     a, b, c = smoke.reference_inputs(seed=int(np.random.default_rng().integers(1 << 30)))
     cpu, gpu = run_both(smoke.tma_wgmma_smoke, (1,), [a, b, c], num_warps=4)
     np.testing.assert_allclose(cpu[2], gpu[2], rtol=1e-5, atol=1e-5)
@@ -78,7 +79,7 @@ def test_raw_wgmma_and_mma_sync_gemm():
     c = np.full((64, 64), np.nan, np.float32)
     cpu, gpu = run_both(async_kernels.make_wgmma_kernel(True), (1,), [a, b, c], num_warps=4)
     np.testing.assert_allclose(cpu[2], gpu[2], rtol=1e-5, atol=1e-4)
-    gemm = kernels.load_example("mma_sync_gemm")
+    gemm = load_example("mma_sync_gemm")
     a, b, c = gemm.reference_inputs(200, 128, 96, seed=int(rng.integers(1 << 30)))
     cpu, gpu = run_both(gemm.mma_sync_gemm, (4, 2, 1), [a, b, c, 200, 96], BM=gemm.BLOCK_M,
                         BN=gemm.BLOCK_N, BK=gemm.BLOCK_K, num_warps=gemm.NUM_WARPS)
