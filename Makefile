@@ -1,5 +1,5 @@
 # The README's two commands. Both work on a fresh clone with only python3 (>= 3.10) installed.
-#   make demo   creates .venv, installs Kiln, runs the main demo (uses a GPU when present)
+#   make demo   creates .venv, installs Kiln, runs the attention demo (uses a GPU when present)
 #   make test   creates .venv, installs Kiln with its dev extras, runs pytest (which runs lit too)
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) examples/demo.py
+	$(PY) examples/attention_demo.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -257,3 +257,14 @@ def test_online_softmax_attention_rows():
     s = q.astype(np.float64) @ k.T.astype(np.float64)
     p = np.exp(s - s.max(axis=1, keepdims=True))
     np.testing.assert_allclose(o, p / p.sum(axis=1, keepdims=True) @ v, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.lower
+def test_attention_demo_runs_without_a_gpu(monkeypatch, capsys):
+    """``make demo``: compiles both vendors' prefill and checks it in the interpreter here."""
+    demo = load_example("attention_demo")
+    monkeypatch.setattr(demo, "cuda_available", lambda: False)
+    assert demo.main() == 0
+    out = capsys.readouterr().out
+    assert "== prefill for sm_90a" in out and "== prefill for gfx950" in out
+    assert out.count("-> OK") == 2
