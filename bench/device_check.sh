@@ -13,6 +13,8 @@ timeout 400 python3 -m pytest -q -m gpu -rs tests > "$LOGS/pytest_gpu.log" 2>&1
 echo "pytest -m gpu: exit $?" | tee "$OUT/summary.txt"
 tail -40 "$LOGS/pytest_gpu.log" > "$OUT/pytest_gpu_tail.txt"
 timeout 120 python3 examples/demo.py > "$LOGS/demo.log" 2>&1; echo "demo: exit $?" | tee -a "$OUT/summary.txt"
+timeout 300 python3 examples/attention_demo.py > "$LOGS/attention_demo.log" 2>&1
+echo "attention demo: exit $?" | tee -a "$OUT/summary.txt"
 run_sanitized() {  # tool, name, command...
   local tool=$1 name=$2; shift 2
   timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$@" > "$LOGS/san_${tool}_$name.log" 2>&1
