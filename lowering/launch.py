@@ -59,6 +59,62 @@ def launch(ck, grid, args: Sequence, *, stream=None) -> None:
     plan(grid, args, stream)
 
 
+def bind_launch(ck, grid, args: Sequence) -> "BoundLaunch":
+    """``ck`` on a fixed ``grid`` with ``args`` fixed except for the tensors' device addresses.
+
+    For library entry points that cache one per shape class, so a repeat call skips argument
+    conversion (see :class:`BoundLaunch`). ``args`` are example arguments in
+    ``ck.signature.params`` order: device tensors (torch/cupy; numpy arrays would need a
+    copy per launch) whose shapes, strides and dtypes every later call shares, and the scalars.
+
+    Example::
+
+        bound = bind_launch(ck, (4, 1, 1), [x, y, n, 2.0])
+        bound(x2.data_ptr(), y2.data_ptr())   # same shapes as x, y
+    """
+    return BoundLaunch(ck, grid, args)
+
+
+class BoundLaunch:
+    """A launch prepared by :func:`bind_launch`; call it with one device address per tensor
+    parameter (in parameter order) and an optional ``stream``.
+
+    Shapes, strides, dtypes and scalars were checked and converted once; the addresses are
+    not checked, so the caller must pass tensors laid out exactly like the example ones.
+    """
+
+    def __init__(self, ck, grid, args: Sequence):
+        plan = getattr(ck, _PLAN_ATTRIBUTE, None)
+        if plan is None:
+            plan = _make_plan(ck)
+            setattr(ck, _PLAN_ATTRIBUTE, plan)
+        params = ck.signature.params
+        if len(args) != len(params):
+            raise KilnValueError(f"{ck.name} takes {len(params)} run-time arguments, got "
+                                 f"{len(args)}", fix="pass one value per kernel parameter")
+        self._grid = normalize_grid(grid)
+        self._launcher = plan.launcher
+        self._flat: list = []
+        self._pointer_slots: list[int] = []  # index of each tensor's allocated pointer
+        for param, convert, value in zip(params, plan.converters, args):
+            if isinstance(value, np.ndarray) or isinstance(param, TensorMapParam):
+                raise KilnTypeError(f"bind_launch cannot bind {param.name!r}: numpy arrays and "
+                                    "tensor maps are converted per launch",
+                                    fix="use ck.launch(...) for these arguments")
+            if isinstance(param, TensorParam):
+                self._pointer_slots.append(len(self._flat))
+            convert(value, self._flat, None)
+
+    def __call__(self, *pointers: int, stream=None) -> None:
+        if len(pointers) != len(self._pointer_slots):
+            raise KilnValueError(f"this launch binds {len(self._pointer_slots)} tensors, got "
+                                 f"{len(pointers)} addresses", fix="pass one per tensor parameter")
+        flat = self._flat.copy()
+        for slot, pointer in zip(self._pointer_slots, pointers):
+            flat[slot] = flat[slot + 1] = pointer  # memref allocated and aligned pointers
+        self._launcher(flat, self._grid, stream_handle(stream))
+
+
 def normalize_grid(grid) -> tuple[int, int, int]:
     """``grid`` as three ints >= 1 within the hardware limits, else KilnValueError."""
     dims = (grid,) if isinstance(grid, (int, np.integer)) else tuple(grid)

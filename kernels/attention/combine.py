@@ -36,7 +36,7 @@ by the two-split unroll (all loads of an iteration are independent) and several 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -177,21 +177,75 @@ def _consumer_contract(producer: Partials | None, o_dtype: kiln.DType,
                     dtype=o_dtype, log_base=producer.log_base if producer else "e")
 
 
-def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
-            out_dtype=kiln.bf16, partials: Any = None, target: str | None = None,
-            backend: str | None = None):
-    """Merge split-KV partials into ``(o [b, q, h, D] out_dtype, lse [b, q, h] f32)``.
+@dataclass(frozen=True)
+class _CombinePlan:
+    """What a combine call of one shape class needs, worked out once (see :data:`_PLANS`):
+    validated sizes, grid, constexprs and, for torch CUDA tensors, the bound launch."""
 
-    ``max_splits`` is compile-time sizing (at least the largest ``split_counts`` entry);
-    ``partials`` is the producer's :class:`Partials` (or an object with ``.partials``), checked
-    against what this combine reads. Inputs: numpy arrays or torch CUDA tensors (outputs are
-    of the same kind); ``backend="interpret"`` runs the kernel on the CPU interpreter.
+    out_shape: tuple[int, int, int, int]
+    grid: tuple[int, int, int]
+    target: str
+    num_warps: int
+    constexprs: dict
+    max_splits: int
+    out_dtype: kiln.DType
+    backend: str | None
+    torch_out_dtype: Any = None
+    device: Any = None
+    bound: Any = None  # kiln.lowering.launch.BoundLaunch (torch on the GPU, rows > 0)
 
-    Example::
+    @property
+    def empty(self) -> bool:
+        return self.grid[0] == 0 or self.grid[2] == 0
 
-        o, lse = combine(o_partial, lse_partial, split_counts, max_splits=16,
-                         out_dtype=kiln.f32, backend="interpret")
-    """
+    def run_torch(self, o_partial, lse_partial, split_counts):
+        import torch
+
+        if not (o_partial.is_contiguous() and lse_partial.is_contiguous()
+                and split_counts.is_contiguous()) or o_partial.data_ptr() % CONFIG.vector_bytes:
+            raise kiln.KilnValueError("combine reads contiguous partials with a 16-byte aligned "
+                                      "O_partial (its rows are read in 16-byte vectors)",
+                                      fix="pass .contiguous() tensors")
+        if not (lse_partial.is_cuda and split_counts.is_cuda):
+            raise kiln.KilnTypeError("LSE_partial and split_counts must be CUDA tensors like "
+                                     "O_partial", fix="move them to O_partial's device")
+        o = torch.empty(self.out_shape, device=self.device, dtype=self.torch_out_dtype)
+        lse = torch.empty(self.out_shape[:3], device=self.device, dtype=torch.float32)
+        if self.bound is not None:
+            self.bound(o_partial.data_ptr(), lse_partial.data_ptr(), split_counts.data_ptr(),
+                       o.data_ptr(), lse.data_ptr())
+        return o, lse
+
+    def run_numpy(self, o_partial, lse_partial, split_counts):
+        if isinstance(split_counts, np.ndarray) and split_counts.size and \
+                int(split_counts.max()) > self.max_splits:
+            raise kiln.KilnValueError(f"split_counts holds {int(split_counts.max())} splits, "
+                                      f"more than max_splits={self.max_splits}",
+                                      fix=f"pass max_splits={int(split_counts.max())} or more")
+        o_partial, lse_partial, split_counts = (np.ascontiguousarray(a) for a in
+                                                (o_partial, lse_partial, split_counts))
+        o = np.empty(self.out_shape, self.out_dtype.numpy)
+        lse = np.empty(self.out_shape[:3], np.float32)
+        if not self.empty:
+            args = (o_partial, lse_partial, split_counts, o, lse, *_scalar_args(self.out_shape))
+            launcher = lse_merge.interpret if self.backend == "interpret" else lse_merge
+            launcher[self.grid](*args, target=self.target, num_warps=self.num_warps,
+                                **self.constexprs)
+        return o, lse
+
+
+# Plans by (array type, shapes, dtypes, device, options): a repeat call costs a dict look-up,
+# two output allocations and one launch, not a re-validation and specialisation.
+_PLANS: dict[tuple, _CombinePlan] = {}
+
+
+def _scalar_args(out_shape) -> tuple[int, int]:
+    _, sq, heads, _ = out_shape
+    return heads, sq * heads  # (heads, flat rows per batch)
+
+
+def _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, partials, target,
+               backend) -> _CombinePlan:
     splits, batch, sq, heads, head_dim = _check_inputs(o_partial, lse_partial, split_counts)
     o_dtype = kiln.dtype(o_partial.dtype)
     if o_dtype not in (f32, kiln.bf16, kiln.f16):
@@ -213,43 +267,65 @@ def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
                                   fix='backend=None (GPU) or backend="interpret" (CPU)')
     target = target or "sm_90a"
     rows = sq * heads
-    if _is_torch(o_partial):
-        import torch
+    plan = _CombinePlan(
+        out_shape=(batch, sq, heads, head_dim),
+        grid=((rows + CONFIG.rows_per_cta - 1) // CONFIG.rows_per_cta, 1, batch),
+        target=target, num_warps=CONFIG.threads // (64 if target.startswith("gfx") else 32),
+        constexprs=dict(HEAD_DIM=head_dim, MAX_SPLITS=max_splits,
+                        LOG2_PER_UNIT=LOG2E if contract.log_base == "e" else 1.0,
+                        WIDTH=_vector_width(head_dim, o_dtype)),
+        max_splits=max_splits, out_dtype=out_dtype, backend=backend)
+    if not _is_torch(o_partial) or backend == "interpret":
+        return plan
+    import torch
 
-        if not all(t.is_contiguous() for t in (o_partial, lse_partial, split_counts)) or \
-                o_partial.data_ptr() % CONFIG.vector_bytes:
-            raise kiln.KilnValueError("combine reads contiguous partials with a 16-byte aligned "
-                                      "O_partial (its rows are read in 16-byte vectors)",
-                                      fix="pass .contiguous() tensors")
+    from kiln.lowering.launch import bind_launch
 
-        o = torch.empty((batch, sq, heads, head_dim), device=o_partial.device,
-                        dtype=getattr(torch, {"f32": "float32", "bf16": "bfloat16",
-                                              "f16": "float16"}[out_dtype.name]))
-        lse = torch.empty((batch, sq, heads), device=o_partial.device, dtype=torch.float32)
-    else:
-        if isinstance(split_counts, np.ndarray) and split_counts.size and \
-                int(split_counts.max()) > max_splits:
-            raise kiln.KilnValueError(f"split_counts holds {int(split_counts.max())} splits, "
-                                      f"more than max_splits={max_splits}",
-                                      fix=f"pass max_splits={int(split_counts.max())} or more")
-        o_partial, lse_partial, split_counts = (np.ascontiguousarray(a) for a in
-                                                (o_partial, lse_partial, split_counts))
-        o = np.empty((batch, sq, heads, head_dim), out_dtype.numpy)
-        lse = np.empty((batch, sq, heads), np.float32)
-    if rows == 0 or batch == 0:
-        return o, lse
-    grid = ((rows + CONFIG.rows_per_cta - 1) // CONFIG.rows_per_cta, 1, batch)
-    is_amd = target.startswith("gfx")
-    num_warps = CONFIG.threads // (64 if is_amd else 32)
-    args = (o_partial, lse_partial, split_counts, o, lse, heads, rows)
-    constexprs = dict(HEAD_DIM=head_dim, MAX_SPLITS=max_splits,
-                      LOG2_PER_UNIT=LOG2E if contract.log_base == "e" else 1.0,
-                      WIDTH=_vector_width(head_dim, o_dtype))
-    if backend == "interpret":
-        lse_merge.interpret[grid](*args, target=target, num_warps=num_warps, **constexprs)
-    else:
-        lse_merge[grid](*args, target=target, num_warps=num_warps, **constexprs)
-    return o, lse
+    plan = replace(plan, device=o_partial.device, torch_out_dtype=getattr(
+        torch, {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[out_dtype.name]))
+    if plan.empty:
+        return plan
+    o, lse = (torch.empty(plan.out_shape, device=plan.device, dtype=plan.torch_out_dtype),
+              torch.empty(plan.out_shape[:3], device=plan.device, dtype=torch.float32))
+    args = (o_partial, lse_partial, split_counts, o, lse, *_scalar_args(plan.out_shape))
+    ck = lse_merge.compile(*args, target=target, num_warps=plan.num_warps, **plan.constexprs)
+    return replace(plan, bound=bind_launch(ck, plan.grid, args))
+
+
+def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
+            out_dtype=kiln.bf16, partials: Any = None, target: str | None = None,
+            backend: str | None = None):
+    """Merge split-KV partials into ``(o [b, q, h, D] out_dtype, lse [b, q, h] f32)``.
+
+    ``max_splits`` is compile-time sizing (at least the largest ``split_counts`` entry);
+    ``partials`` is the producer's :class:`Partials` (or an object with ``.partials``), checked
+    against what this combine reads. Inputs: numpy arrays or torch CUDA tensors (outputs are
+    of the same kind; torch launches are asynchronous on the default stream, and a repeat call
+    with the same shapes costs a few microseconds of host time); ``backend="interpret"`` runs
+    the kernel on the CPU interpreter.
+
+    Example::
+
+        o, lse = combine(o_partial, lse_partial, split_counts, max_splits=16,
+                         out_dtype=kiln.f32, backend="interpret")
+    """
+    is_torch = _is_torch(o_partial)
+    try:
+        key = (type(o_partial), o_partial.shape, o_partial.dtype, lse_partial.shape,
+               lse_partial.dtype, split_counts.shape, split_counts.dtype,
+               o_partial.device if is_torch else None, max_splits, out_dtype,
+               partials_of(partials), target, backend)
+        plan = _PLANS.get(key)
+    except (TypeError, AttributeError):  # unhashable or not an array: validation reports it
+        key, plan = None, None
+    if plan is None:
+        plan = _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, partials,
+                          target, backend)
+        if key is not None:
+            _PLANS[key] = plan
+    if is_torch and backend is None:
+        return plan.run_torch(o_partial, lse_partial, split_counts)
+    return plan.run_numpy(o_partial, lse_partial, split_counts)
 
 
 def compile_combine(dtype=f32, *, head_dim: int = 128, max_splits: int = 32,

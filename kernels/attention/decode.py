@@ -58,6 +58,7 @@ MAX_DEFAULT_SPLITS = 64
 PRODUCER = "kiln.kernels.attention.decode"
 
 
+@functools.lru_cache(maxsize=None)
 def decode_partials(num_slots: int) -> Partials:
     """The :class:`Partials` contract of a :func:`decode` call with ``num_slots`` partial slots:
     split-major f32 O, natural-log LSE, natural depth order, empty split = (-inf, zeros).
@@ -283,6 +284,72 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
         o_part, lse_part, counts = decode(q, k_cache, v_cache, page_table, seq_lens)
         o, lse = kiln.kernels.attention.combine(o_part, lse_part, counts)
     """
+    lib = _ArrayLib(q)
+    try:
+        key = (type(q), lib.device, *(_shape_dtype(x) for x in (q, k_cache, v_cache, page_table,
+                                                               seq_lens, block_table, sinks)),
+               num_splits, scale, target, backend, config)
+        plan = _PLANS.get(key)
+    except (TypeError, AttributeError):  # unhashable or not an array: validation reports it
+        key, plan = None, None
+    if plan is None:
+        plan = _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits,
+                          block_table, scale, sinks, target, backend, config)
+        if key is not None:
+            _PLANS[key] = plan
+    o_part, lse_part, counts = plan.outputs(lib)
+    args = [q, lib.rows(k_cache, plan.cache_rows, plan.cache_cols),
+            lib.rows(v_cache, plan.cache_rows, plan.cache_cols), page_table, seq_lens,
+            block_table if block_table is not None else plan.no_block_table,
+            sinks if sinks is not None else plan.no_sinks,
+            o_part, lse_part, counts, plan.slots, plan.scale_log2]
+    if backend == "interpret":
+        from kiln.lowering.interpret import interpret_kernel
+
+        numpy_args = [lib.numpy(a) for a in args]
+        traced = plan.kernel.trace(*numpy_args, target=plan.chip.name, num_warps=plan.num_warps)
+        interpret_kernel(traced, plan.grid, numpy_args, plan.chip)
+        return tuple(lib.like(numpy_args[i], args[i]) for i in (7, 8, 9))
+    plan.kernel[plan.grid](*args, target=plan.chip.name, num_warps=plan.num_warps)
+    return o_part, lse_part, counts
+
+
+def _shape_dtype(x):
+    return None if x is None else (x.shape, x.dtype)
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    """What a decode call of one shape class needs, worked out once (see :data:`_PLANS`)."""
+
+    kernel: object  # the @kiln.kernel of make_kernel
+    chip: object  # kiln.lowering.targets.Target
+    grid: tuple[int, int, int]
+    num_warps: int
+    slots: int
+    partial_shape: tuple[int, int, int, int, int]  # O_partial; LSE_partial drops D
+    cache_rows: int
+    cache_cols: int
+    scale_log2: float
+    no_block_table: object  # placeholders read by no kernel that lacks the feature
+    no_sinks: object
+
+    def outputs(self, lib: "_ArrayLib"):
+        """O_partial, LSE_partial, split_counts. Every element is written by the kernel (each
+        split writes all rows, split 0 the counts); numpy outputs start as NaN / -1 so an
+        unwritten one shows in the interpreter tests, device ones skip the fill kernels."""
+        shape = self.partial_shape
+        return (lib.output(shape, np.nan, "f32"), lib.output(shape[:4], np.nan, "f32"),
+                lib.output(shape[1:4], -1, "i32"))
+
+
+# Plans by (array type, device, shapes, dtypes, options): a repeat call skips re-validation,
+# kernel selection and the placeholder and poison allocations.
+_PLANS: dict[tuple, _DecodePlan] = {}
+
+
+def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
+               sinks, target, backend, config) -> _DecodePlan:
     B, Sq, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, config)
@@ -298,32 +365,18 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
                                       fix="leave num_splits=None for the default")
         grid = (slots, Hkv, B)
         q_rows = Sq
-    kernel = make_kernel(D, group, q_rows, page_size, block_table is not None,
-                         sinks is not None, config)
-    num_warps = config.num_warps(q_rows * group)
-    lib = _ArrayLib(q)
-    o_part = lib.full((slots, B, Sq, Hq, D), np.nan, "f32")  # poison: unwritten slots show
-    lse_part = lib.full((slots, B, Sq, Hq), np.nan, "f32")
-    counts = lib.full((B, Sq, Hq), -1, "i32")
-    args = [q, lib.rows(k_cache, num_pages * page_size, Hkv * D),
-            lib.rows(v_cache, num_pages * page_size, Hkv * D), page_table, seq_lens,
-            block_table if block_table is not None else lib.full((1, 1, 1, 1), -1, "i32"),
-            sinks if sinks is not None else lib.full((1,), 0.0, "f32"),
-            o_part, lse_part, counts, int(slots),
-            float((D ** -0.5 if scale is None else scale) * LOG2E)]
-    chip = _target(target)
-    if backend == "interpret":
-        from kiln.lowering.interpret import interpret_kernel
-
-        numpy_args = [lib.numpy(a) for a in args]
-        traced = kernel.trace(*numpy_args, target=chip.name, num_warps=num_warps)
-        interpret_kernel(traced, grid, numpy_args, chip)
-        return tuple(lib.like(numpy_args[i], args[i]) for i in (7, 8, 9))
-    if backend not in (None, "gpu"):
+    if backend not in (None, "gpu", "interpret"):
         raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
                                   fix="leave backend=None to run on the GPU")
-    kernel[grid](*args, target=chip.name, num_warps=num_warps)
-    return o_part, lse_part, counts
+    kernel = make_kernel(D, group, q_rows, page_size, block_table is not None,
+                         sinks is not None, config)
+    return _DecodePlan(kernel=kernel, chip=_target(target), grid=grid,
+                       num_warps=config.num_warps(q_rows * group), slots=int(slots),
+                       partial_shape=(slots, B, Sq, Hq, D), cache_rows=num_pages * page_size,
+                       cache_cols=Hkv * D,
+                       scale_log2=float((D ** -0.5 if scale is None else scale) * LOG2E),
+                       no_block_table=lib.full((1, 1, 1, 1), -1, "i32"),
+                       no_sinks=lib.full((1,), 0.0, "f32"))
 
 
 def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_size=64,
@@ -413,6 +466,16 @@ class _ArrayLib:
     def __init__(self, like):
         self.torch = type(like).__module__.startswith("torch")
         self.device = getattr(like, "device", None)
+
+    def output(self, shape, poison, dtype):
+        """An output the kernel overwrites entirely: ``poison``-filled on the host (the
+        interpreter shows unwritten elements), uninitialised on the device."""
+        if self.torch:
+            import torch
+
+            torch_dtype = {"f32": torch.float32, "i32": torch.int32}[dtype]
+            return torch.empty(shape, dtype=torch_dtype, device=self.device)
+        return np.full(shape, poison, kiln.dtype(dtype).numpy)
 
     def full(self, shape, value, dtype):
         if self.torch:
