@@ -12,6 +12,10 @@ then each implementation is timed with CUDA events after a warm-up: ``--repeat``
 halved for causal. Ratios are Kiln / the faster SDPA backend (goal: >= 1.05 at D = 128,
 seq >= 4k). Backends that reject a shape are reported as n/a.
 
+Tuning sweep (unless ``--no-sweep``): the Hopper kernel's ``(block_n, stages)`` alternatives of
+``SWEEP`` on seq 4096, each checked then timed like the main rows, so one run shows whether
+``HopperPrefillConfig.for_head_dim``'s defaults are the fastest.
+
 Usage (on an H100): ``python bench/attention.py [--json out.json] [--plot out.png]``;
 ``python bench/attention.py --sanitize`` runs one causal and one ragged call (no timing) for
 ``compute-sanitizer --tool memcheck|racecheck|synccheck``.
@@ -28,6 +32,12 @@ HIDDEN = 2048  # heads * D
 SEQS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)
 MAX_ERROR = 3e-2
+SWEEP_SEQ = 4096
+# (D, causal) -> (block_n, stages) candidates; all fit shared memory and compile without spills.
+SWEEP = {(128, False): ((128, 2), (128, 3), (192, 2), (64, 4)),
+         (128, True): ((128, 2), (128, 3), (192, 2)),
+         (64, False): ((128, 2), (128, 4), (192, 3), (192, 4)),
+         (64, True): ((128, 2), (192, 3), (192, 4))}
 
 
 def parse_args(argv=None):
@@ -38,6 +48,8 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=5, help="back-to-back calls per sample")
     parser.add_argument("--gqa-seq", type=int, default=2048, help="sequence length of the GQA row")
     parser.add_argument("--quick", action="store_true", help="only seq 512 and 4096")
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="skip the block_n / stages sweep of the Hopper kernel")
     parser.add_argument("--sanitize", action="store_true",
                         help="run one causal and one ragged call for compute-sanitizer, no timing")
     return parser.parse_args(argv)
@@ -73,16 +85,27 @@ def sdpa_call(backend_name: str, q, k, v, causal: bool):
     return run
 
 
-def bench_shape(row: dict, args) -> dict:
+def random_inputs(row: dict):
     import torch
 
-    from kiln.kernels.attention import prefill
-
-    b, s, hq, hkv, d, causal = (row[k] for k in ("batch", "seq", "hq", "hkv", "d", "causal"))
+    b, s, hq, hkv, d = (row[k] for k in ("batch", "seq", "hq", "hkv", "d"))
     q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16)
-    flops = 4.0 * b * hq * s * s * d / (2 if causal else 1)
+    return q, k, v
+
+
+def row_flops(row: dict) -> float:
+    b, s, hq, d = (row[k] for k in ("batch", "seq", "hq", "d"))
+    return 4.0 * b * hq * s * s * d / (2 if row["causal"] else 1)
+
+
+def bench_shape(row: dict, args) -> dict:
+    from kiln.kernels.attention import prefill
+
+    causal = row["causal"]
+    q, k, v = random_inputs(row)
+    flops = row_flops(row)
     result = dict(row)
     reference = None
     for name in ("flash", "cudnn"):
@@ -104,6 +127,46 @@ def bench_shape(row: dict, args) -> dict:
     peers = [result[f"{n}_tflops"] for n in ("flash", "cudnn") if result[f"{n}_tflops"]]
     result["ratio_vs_best_sdpa"] = result["kiln_tflops"] / max(peers) if peers else None
     return result
+
+
+def sweep(args) -> list[dict]:
+    """Kiln alone with each ``SWEEP`` config (checked against SDPA flash first)."""
+    from unittest import mock
+
+    import torch
+
+    from kiln.kernels.attention import prefill
+    from kiln.kernels.attention.prefill_hopper import HopperPrefillConfig
+
+    results = []
+    for (d, causal), configs in SWEEP.items():
+        row = dict(batch=TOKENS // SWEEP_SEQ, seq=SWEEP_SEQ, hq=HIDDEN // d, hkv=HIDDEN // d,
+                   d=d, causal=causal)
+        q, k, v = random_inputs(row)
+        reference = sdpa_call("flash", q, k, v, causal)().transpose(1, 2).float()
+        for block_n, stages in configs:
+            config = HopperPrefillConfig(head_dim=d, block_n=block_n, stages=stages)
+            # prefill() takes its tiles from for_head_dim: swap them in for this config.
+            with mock.patch.object(HopperPrefillConfig, "for_head_dim",
+                                   lambda head_dim, config=config: config):
+                error = (prefill(q, k, v, causal=causal).float() - reference).abs().max().item()
+                if not error < MAX_ERROR:
+                    raise SystemExit(f"Kiln prefill wrong with {config}: max abs error {error}")
+                ms = time_ms(lambda: prefill(q, k, v, causal=causal), args.repeat, args.batch)
+            torch.cuda.synchronize()
+            results.append(dict(row, block_n=block_n, stages=stages, max_abs_error=error,
+                                kiln_tflops=row_flops(row) / ms / 1e9))
+            print(sweep_table(results[-1:]).splitlines()[-1], flush=True)
+    return results
+
+
+def sweep_table(results: list[dict]) -> str:
+    lines = ["| B | seq | D | causal | block_n | stages | Kiln TFLOP/s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        lines.append(f"| {r['batch']} | {r['seq']} | {r['d']} | {'yes' if r['causal'] else 'no'} "
+                     f"| {r['block_n']} | {r['stages']} | {r['kiln_tflops']:.0f} |")
+    return "\n".join(lines)
 
 
 def table(results: list[dict]) -> str:
@@ -185,9 +248,12 @@ def main(argv=None) -> None:
     print(table(results))
     plot(results, args.plot)
     print(f"plot: {args.plot}")
+    tuning = [] if args.no_sweep else sweep(args)
+    if tuning:
+        print(sweep_table(tuning))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump(dict(shapes=results, sweep=tuning), f, indent=2)
 
 
 if __name__ == "__main__":

@@ -61,16 +61,19 @@ def test_every_mask_kind(mask):
 
 
 def test_fully_masked_key_tiles_are_never_read():
-    # 128 queries at key positions 384..511 with window (10, 0) see keys 374..511: key tiles
-    # 0 and 1 (keys 0..255) are outside every row. Poisoned with NaN they must not matter
-    # (a loaded V tile would spread NaN through 0 * NaN even where P is 0).
+    # 128 queries at key positions 384..511 with window (10, 0) see keys 374..511: the key
+    # tiles before the one holding key 374 are outside every row. Poisoned with NaN they must
+    # not matter (a loaded V tile would spread NaN through 0 * NaN even where P is 0).
     rng = np.random.default_rng()
     q, k, v, _, _ = random_qkv(rng, batch=1, sq=128, sk=512, hq=2, hkv=1, d=64)
     want = attention_reference(q, k, v, window=(10, 0))
+    block_n = HopperPrefillConfig.for_head_dim(64).block_n
+    skipped = 374 // block_n * block_n
+    assert skipped >= 128  # at least one whole tile is skipped
     bf = ml_dtypes.bfloat16
     k_poisoned, v_poisoned = k.astype(bf), v.astype(bf)
-    k_poisoned[:, :256] = np.nan
-    v_poisoned[:, :256] = np.nan
+    k_poisoned[:, :skipped] = np.nan
+    v_poisoned[:, :skipped] = np.nan
     o = prefill(q.astype(bf), k_poisoned, v_poisoned, window=(10, 0), backend="interpret")
     np.testing.assert_allclose(o.astype(np.float64), want, atol=O_TOLERANCE, rtol=0)
 
@@ -179,6 +182,13 @@ def test_ptx_has_the_hopper_pipeline(causal_d128):
     assert "bar.sync" in ptx and "bar.arrive" in ptx
     # S_j and P_{j-1} V_{j-1} in flight together, softmax after the first completes.
     assert "wgmma.wait_group.sync.aligned 1" in ptx
+    # P @ V takes P from registers (four b32 A registers, V through a transposed descriptor):
+    # one issue per 16 keys of the 128-key tile in the loop and again in the epilogue, and no
+    # P tile in shared memory.
+    pv = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, "
+                    r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+, p, 1, 1, 1;", ptx)
+    assert len(pv) == 2 * 128 // 16
+    assert "st.shared" not in ptx
 
 
 @pytest.mark.lower

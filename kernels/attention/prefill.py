@@ -204,7 +204,8 @@ def _mask_spec(causal, window, chunk) -> MaskSpec:
 
 def _config(head_dim, overrides) -> HopperPrefillConfig:
     base = HopperPrefillConfig.for_head_dim(head_dim)
-    return HopperPrefillConfig(**(dict(head_dim=head_dim, block_n=base.block_n) | overrides))
+    return HopperPrefillConfig(**(dict(head_dim=head_dim, block_n=base.block_n,
+                                      stages=base.stages) | overrides))
 
 
 def _constexprs(cfg: HopperPrefillConfig, num_kv_heads: int) -> dict:

@@ -5,7 +5,8 @@ tile its mask lets through. Q, K and V are viewed as 2-D ``[rows, heads * D]`` m
 ``[B, S, H, D]`` and ragged ``[total, H, D]`` alike; ``cu_seqlens`` give each sequence's first
 row), so one TMA box of ``BLOCK_N x 64`` reads 64 head-dim columns of one head.
 
-Schedule (3 warp groups, ``BLOCK_M x BLOCK_N`` = 128 x 128 for D <= 128, 128 x 64 for D = 256):
+Schedule (3 warp groups; ``BLOCK_M x BLOCK_N`` and K/V stages: 128 x 192 x 3 for D = 64,
+128 x 128 x 3 for D = 128, 128 x 64 x 2 for D = 256, see ``DEFAULT_TILES``):
 
 | warp group | registers (setmaxnreg) | job |
 | --- | --- | --- |
@@ -17,9 +18,9 @@ One consumer iteration (prologue: S_0 and its softmax; epilogue: the last PV):
 | step | what | overlaps with |
 | --- | --- | --- |
 | 1 | wait ``k_full[j]``, ``v_full[j-1]``; wait for this group's turn (named barrier ``3 + g``) | |
-| 2 | issue ``S_j = Q K_j^T`` (``wgmma m64nBNk16``, K-major) and ``O += P_{j-1} V_{j-1}`` (MN-major V, P from shared memory); hand the turn to the other group (``bar.arrive``) | the other group's softmax (ping-pong) |
-| 3 | ``wgmma.wait_group 1``: S_j is ready; mask it if the tile is a boundary tile; online softmax (``OnlineSoftmax``: running max, ``scale * log2 e`` folded into one FMA, ``exp2``, row sums) | ``P_{j-1} V_{j-1}`` on the tensor cores (intra-warpgroup overlap) |
-| 4 | ``wgmma.wait_group 0``; release stage ``j-1`` on ``empty``; write P_j (bf16/f16, 128B-swizzled) over P_{j-1}; rescale O by ``exp2(m_old - m_new)`` | |
+| 2 | issue ``S_j = Q K_j^T`` (``wgmma m64nBNk16``, K-major) and ``O += P_{j-1} V_{j-1}`` (MN-major V, P from registers as in FlashAttention-3: ``BLOCK_N / 16`` A operands of ``mma_async_regs``); hand the turn to the other group (``bar.arrive``) | the other group's softmax (ping-pong) |
+| 3 | ``wgmma.wait_group 1``: S_j is ready; mask it if the tile is a boundary tile; online softmax (``OnlineSoftmax``: running max, ``scale * log2 e`` folded into one FMA, ``exp2``, row sums); P_j cast to bf16/f16 into fresh registers | ``P_{j-1} V_{j-1}`` on the tensor cores (intra-warpgroup overlap) |
+| 4 | ``wgmma.wait_group 0``; release stage ``j-1`` on ``empty``; rescale O by ``exp2(m_old - m_new)`` | |
 
 Masks are intervals: key ``j`` is visible from query ``i`` (key position ``p = i + Sk - Sq``,
 bottom-right aligned) iff ``lo(p) <= j <= hi(p)`` with ``lo = max(0, p - left, chunk start)``,
@@ -57,8 +58,13 @@ LOG2E = 1.4426950408889634
 # Finite stand-in for -inf as the initial row max: exp2(-inf - sentinel) is 0 and
 # sentinel - sentinel is 0, so rows that see no key stay NaN-free.
 MAX_SENTINEL = -1.0e30
-PINGPONG_BARRIER = 3  # named barriers 3, 4: the consumers' turns; 1, 2 guard each P tile
+PINGPONG_BARRIER = 3  # named barriers 3, 4: the consumers' turns
 SHARED_BUDGET = 227 * 1024 - 1024 - 256
+# head_dim -> (block_n, stages), measured on an H100 at seq 4096 (bench/attention.py sweep):
+# a third K/V stage is worth 15% at D = 128 (494 vs 428 TFLOP/s) and fills shared memory; at
+# D = 64, 192-key tiles with 3 stages beat 128 x 2 by 15% (382 vs 333); at D = 256 64-key tiles
+# keep S + O in registers and only 2 stages fit.
+DEFAULT_TILES = {64: (192, 3), 128: (128, 3), 256: (64, 2)}
 
 
 @dataclass(frozen=True)
@@ -87,8 +93,8 @@ class HopperPrefillConfig:
             raise kiln.KilnValueError(f"stages={self.stages} must be in 1..4",
                                       fix="use 2 stages")
         if self.shared_bytes() > SHARED_BUDGET:
-            raise kiln.ResourceError(f"Q, {self.stages} K/V stages of {self.block_n} x "
-                                     f"{self.head_dim} and P need {self.shared_bytes()} bytes of "
+            raise kiln.ResourceError(f"Q and {self.stages} K/V stages of {self.block_n} x "
+                                     f"{self.head_dim} need {self.shared_bytes()} bytes of "
                                      "shared memory (227 KB available)",
                                      fix="use fewer stages or a smaller block_n")
         if (2 * self.consumer_registers + self.producer_registers) * WARP_GROUP_THREADS > 65536:
@@ -100,13 +106,13 @@ class HopperPrefillConfig:
     def shared_bytes(self, itemsize: int = 2) -> int:
         q = self.block_m * self.head_dim
         kv = 2 * self.stages * self.block_n * self.head_dim
-        p = self.block_m * self.block_n
-        return (q + kv + p) * itemsize
+        return (q + kv) * itemsize
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> "HopperPrefillConfig":
-        """The default tiles for ``head_dim``: 64-key tiles at D = 256 keep S + O in registers."""
-        return cls(head_dim=head_dim, block_n=64 if head_dim == 256 else 128)
+        """The default tiles for ``head_dim`` (``DEFAULT_TILES``)."""
+        block_n, stages = DEFAULT_TILES[head_dim]
+        return cls(head_dim=head_dim, block_n=block_n, stages=stages)
 
 
 @dataclass(frozen=True)
@@ -134,9 +140,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
     in_type = kiln.dtype(dtype)
     bm, bn, d = config.block_m, config.block_n, config.head_dim
     chunks = d // CHUNK_COLS
-    p_chunks = bn // CHUNK_COLS
     box_units = bn * ROW_BYTES // DESCRIPTOR_UNIT  # one K/V box in descriptor units
-    p_chunk_units = WARP_GROUP_ROWS * ROW_BYTES // DESCRIPTOR_UNIT
 
     def prefill(q_map: kiln.TensorMap[in_type, (bm, CHUNK_COLS), SWIZZLE],
                 k_map: kiln.TensorMap[in_type, (bn, CHUNK_COLS), SWIZZLE],
@@ -150,8 +154,6 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
         q_tiles = dynamic_shared((chunks, bm, CHUNK_COLS), in_type, align=SWIZZLE_ALIGN)
         k_tiles = dynamic_shared((STAGES * chunks, bn, CHUNK_COLS), in_type, align=SWIZZLE_ALIGN)
         v_tiles = dynamic_shared((STAGES * chunks, bn, CHUNK_COLS), in_type, align=SWIZZLE_ALIGN)
-        p_tiles = dynamic_shared((2 * p_chunks, WARP_GROUP_ROWS, CHUNK_COLS), in_type,
-                                 align=SWIZZLE_ALIGN)
         q_full = mbarrier.group(num_barriers=1)
         k_full = mbarrier.group(num_barriers=STAGES)
         v_full = mbarrier.group(num_barriers=STAGES)
@@ -220,10 +222,8 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     k=wgmma.smem_descriptor(k_tiles.tile(0), leading_bytes=16, stride_bytes=1024),
                     v=wgmma.smem_descriptor(v_tiles.tile(0), leading_bytes=bn * ROW_BYTES,
                                             stride_bytes=1024),
-                    p=wgmma.smem_descriptor(p_tiles.tile(0), leading_bytes=16, stride_bytes=1024)
-                    + consumer * p_chunks * p_chunk_units,
                     dtype=in_type, head_dim=d, block_n=bn, box_units=box_units,
-                    q_box_units=bm * ROW_BYTES // DESCRIPTOR_UNIT, p_chunk_units=p_chunk_units)
+                    q_box_units=bm * ROW_BYTES // DESCRIPTOR_UNIT)
                 first_thread = tid % WARP_GROUP_THREADS == 0
                 my_turn = PINGPONG_BARRIER + consumer
                 other_turn = PINGPONG_BARRIER + 1 - consumer
@@ -243,8 +243,8 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     scores = _issue_qk(ops, 0)
                     nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                     wgmma.wait_group(0)
-                    _stage_probs(_softmax_tile(softmax, scores, first_tile * bn, tile_mask,
-                                               scale_log2), p_tiles, consumer, p_chunks)
+                    probs = _softmax_tile(softmax, scores, first_tile * bn, tile_mask,
+                                          scale_log2, in_type)
                     for j in kiln.range(first_tile + 1, end_tile):
                         use = j - first_tile
                         stage = use % STAGES
@@ -255,21 +255,22 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                         # runs while the PV product is still on the tensor cores.
                         nvidia_asm.named_barrier(my_turn, 2 * WARP_GROUP_THREADS)
                         scores = _issue_qk(ops, stage)
-                        acc = _issue_pv(ops, acc, previous)
+                        acc = _issue_pv(ops, acc, probs, previous)
                         nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                         wgmma.wait_group(1)
-                        probs = _softmax_tile(softmax, scores, j * bn, tile_mask, scale_log2)
+                        # P_j lands in new registers: P_{j-1}'s are still the PV operand.
+                        next_probs = _softmax_tile(softmax, scores, j * bn, tile_mask,
+                                                   scale_log2, in_type)
                         wgmma.wait_group(0)
                         if first_thread:
                             empty.arrive(previous)
-                        # P_{j-1} has been read: P_j replaces it (no P registers carried).
-                        _stage_probs(probs, p_tiles, consumer, p_chunks)
+                        probs = next_probs
                         acc = _scale_rows(acc, softmax.scale_vec.values[0])
                     # Epilogue: the last tile's PV product.
                     last = end_tile - 1 - first_tile
                     v_full.try_wait(last % STAGES, (last // STAGES) % 2)
                     nvidia_asm.named_barrier(my_turn, 2 * WARP_GROUP_THREADS)
-                    acc = _issue_pv(ops, acc, last % STAGES)
+                    acc = _issue_pv(ops, acc, probs, last % STAGES)
                     nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                     wgmma.wait_group(0)
                     if first_thread:
@@ -356,12 +357,10 @@ class _Operands:
     """The consumer's WGMMA operand descriptors (i64 base addresses, see
     :func:`kiln.wgmma.smem_descriptor`) and the strides between their boxes."""
 
-    def __init__(self, *, q, k, v, p, dtype, head_dim, block_n, box_units, q_box_units,
-                 p_chunk_units):
-        self.q, self.k, self.v, self.p = q, k, v, p
+    def __init__(self, *, q, k, v, dtype, head_dim, block_n, box_units, q_box_units):
+        self.q, self.k, self.v = q, k, v
         self.dtype, self.head_dim, self.block_n = dtype, head_dim, block_n
         self.box_units, self.q_box_units = box_units, q_box_units
-        self.p_chunk_units = p_chunk_units
 
     def stage_offset(self, stage):
         """Descriptor offset of K/V ring stage ``stage`` (``D / 64`` boxes per stage)."""
@@ -382,23 +381,25 @@ def _issue_qk(ops: _Operands, stage):
     return scores
 
 
-def _issue_pv(ops: _Operands, acc, stage):
-    """Issue ``O += P V`` on ring stage ``stage`` as one WGMMA group (V is MN-major: its
-    ``D / 64`` boxes are the descriptor's leading dimension; P is K-major in 64-key boxes)."""
+def _issue_pv(ops: _Operands, acc, probs, stage):
+    """Issue ``O += P V`` on ring stage ``stage`` as one WGMMA group: P from registers (``probs``,
+    one A operand per 16 keys), V MN-major (its ``D / 64`` boxes are the descriptor's leading
+    dimension; each 16-key step moves 16 rows of 128 bytes)."""
     base = ops.v + ops.stage_offset(stage)
-    wgmma.fence()  # O was rescaled in registers since the last WGMMA
+    wgmma.fence()  # orders O's rescale and P's registers before the asynchronous reads
     for ks in range(ops.block_n // K_STEP):
-        acc = wgmma.mma_async(acc, ops.p + (ks // 4) * ops.p_chunk_units + (ks % 4) * 2,
-                              base + ks * K_STEP * ROW_BYTES // DESCRIPTOR_UNIT,
-                              dtype=ops.dtype, b_major="mn")
+        acc = wgmma.mma_async_regs(acc, probs[ks],
+                                   base + ks * K_STEP * ROW_BYTES // DESCRIPTOR_UNIT,
+                                   dtype=ops.dtype, b_major="mn")
     wgmma.commit()
     return acc
 
 
 @kiln.func
-def _softmax_tile(softmax, scores, n0, tile_mask, scale_log2):
+def _softmax_tile(softmax, scores, n0, tile_mask, scale_log2, dtype):
     """One tile of the online softmax on raw scores ``S`` of keys ``n0 ..``: mask (boundary
-    tiles only), fold ``scale * log2 e`` into the max subtraction, return P as a fragment.
+    tiles only), fold ``scale * log2 e`` into the max subtraction, return P in ``dtype`` as the
+    ``BLOCK_N / 16`` register A operands of the PV product.
     ``softmax.scale_vec`` then holds the factor O must be rescaled by before ``P V``."""
     if tile_mask.needed(n0):
         scores = tile_mask.apply(scores, n0)
@@ -408,7 +409,7 @@ def _softmax_tile(softmax, scores, n0, tile_mask, scale_log2):
     probs = softmax.sub_max_scaled(raw, scale_log2).exp2()
     softmax.apply_unconditional_norm_rescale()
     softmax.col_sum_acc(probs)
-    return wgmma.fragment_from_tile(probs)
+    return wgmma.a_fragment_from_accumulator(probs, dtype)
 
 
 def _scale_rows(acc, factors):
@@ -416,13 +417,6 @@ def _scale_rows(acc, factors):
     ``rescale_output`` needs O as wide as the score tile; here D and BLOCK_N may differ.)"""
     return wgmma.fragment_from_elements([acc.element(i) * factors[_fragment_row(i)]
                                          for i in range(acc.n // 2)])
-
-
-def _stage_probs(probs, p_tiles, consumer, p_chunks):
-    """P (bf16/f16) into this warp group's swizzled shared tiles, visible to WGMMA."""
-    wgmma.store_fragment_swizzled(probs, p_tiles, consumer * p_chunks)
-    nvidia_asm.fence_proxy_async()  # generic-proxy stores before WGMMA's async-proxy reads
-    nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
 
 
 @kiln.func
