@@ -2,18 +2,12 @@
 
 import numpy as np
 import pytest
+from sample_kernels import saxpy
 
 import kiln
 from kiln import f32, i32
 
 compiler = pytest.importorskip("kiln.lowering.compiler")
-
-
-@kiln.kernel
-def saxpy(x: kiln.Tensor[f32], y: kiln.Tensor[f32], n: i32, a: f32, BLOCK: kiln.constexpr):
-    i = kiln.block_id(0) * BLOCK + kiln.thread_id(0)
-    if i < n:
-        y[i] = a * x[i] + y[i]
 
 
 @kiln.struct

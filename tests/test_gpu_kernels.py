@@ -5,29 +5,13 @@ Fresh random inputs every run, outputs poisoned with NaN before launch, float64 
 
 import numpy as np
 import pytest
+from sample_kernels import saxpy, scale_rows
 from source_modules import load_example
 
-import kiln
-from kiln import bf16, f32, i32
 from kiln.lowering.cuda import cuda_available
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and driver")]
-
-
-@kiln.kernel
-def saxpy(x: kiln.Tensor[f32], y: kiln.Tensor[f32], n: i32, a: f32, BLOCK: kiln.constexpr):
-    i = kiln.block_id(0) * BLOCK + kiln.thread_id(0)
-    if i < n:
-        y[i] = a * x[i] + y[i]
-
-
-@kiln.kernel
-def scale_rows(x: kiln.Tensor[bf16, 2], out: kiln.Tensor[f32, 2], rows: i32, cols: i32):
-    """out[r, c] = x[r, c] * (r + 1); x may be a strided (non-contiguous) view."""
-    r = kiln.block_id(0)
-    for c in kiln.range(kiln.thread_id(0), cols, kiln.block_dim(0)):
-        out[r, c] = kiln.cast(x[r, c], f32) * kiln.cast(r + 1, f32)
 
 
 def test_saxpy_numpy_all_sizes():

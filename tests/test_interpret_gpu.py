@@ -12,6 +12,7 @@ from kiln.lowering.cuda import cuda_available
 
 import test_interpret_async as async_kernels
 import test_interpret_kernels as kernels
+from sample_kernels import saxpy, scale_rows
 from source_modules import load_example
 
 pytestmark = [pytest.mark.gpu,
@@ -31,7 +32,7 @@ def test_saxpy_and_branches():
     rng = np.random.default_rng()
     n = 4099
     x, y = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
-    cpu, gpu = run_both(kernels.saxpy, ((n + 255) // 256,), [x, y, n, 2.5], BLOCK=256,
+    cpu, gpu = run_both(saxpy, ((n + 255) // 256,), [x, y, n, 2.5], BLOCK=256,
                         num_warps=8)
     np.testing.assert_allclose(cpu[1], gpu[1], rtol=1e-6, atol=1e-6)
     out = np.full(102, np.nan, np.float32)
@@ -51,8 +52,8 @@ def test_rms_norm_and_strided_bf16():
     base = rng.standard_normal((33, 140)).astype(ml_dtypes.bfloat16)
     out = np.full((33, 70), np.nan, np.float32)
     cpu_out, gpu_out = out.copy(), out.copy()
-    kernels.scale_rows.interpret[(33,)](base[:, ::2], cpu_out, 33, 70, num_warps=2)
-    kernels.scale_rows[(33,)](base[:, ::2], gpu_out, 33, 70, num_warps=2, target="sm_90a")
+    scale_rows.interpret[(33,)](base[:, ::2], cpu_out, 33, 70, num_warps=2)
+    scale_rows[(33,)](base[:, ::2], gpu_out, 33, 70, num_warps=2, target="sm_90a")
     np.testing.assert_array_equal(cpu_out, gpu_out)
 
 

@@ -8,19 +8,13 @@ block. No GPU needed: ``kernel.interpret[grid](...)`` executes the traced Kiln I
 import ml_dtypes
 import numpy as np
 import pytest
+from sample_kernels import row_stats, saxpy, scale_rows
 from source_modules import load_example
 
 import kiln
-from kiln import bf16, f16, f32, i32, mbarrier
+from kiln import f16, f32, i32, mbarrier
 
 
-
-
-@kiln.kernel
-def saxpy(x: kiln.Tensor[f32], y: kiln.Tensor[f32], n: i32, a: f32, BLOCK: kiln.constexpr):
-    i = kiln.block_id(0) * BLOCK + kiln.thread_id(0)
-    if i < n:
-        y[i] = a * x[i] + y[i]
 
 
 @pytest.mark.parametrize("n", [1, 1000, 4099])
@@ -94,33 +88,6 @@ def test_loop_with_per_thread_bounds_and_carried_values():
     np.testing.assert_array_equal(counts, [len(range(0, s, 2)) for s in stops])
 
 
-@kiln.struct
-class RunningMax:
-    m: f32
-    total: f32
-
-    def add(self, v):
-        self.m = kiln.maximum(self.m, v)
-        self.total = self.total + v
-
-
-@kiln.kernel
-def row_stats(x: kiln.Tensor[f32, 2], out: kiln.Tensor[f32, 2], cols: i32):
-    """Thread 0 scans the row into a struct; shared memory + barrier hand it to thread 1."""
-    row = kiln.block_id(0)
-    stage = kiln.shared((2,), f32)
-    if kiln.thread_id(0) == 0:
-        state = RunningMax(-float("inf"), 0.0)
-        for c in kiln.range(cols):
-            state.add(x[row, c])
-        stage[0] = state.m
-        stage[1] = state.total
-    kiln.barrier()
-    if kiln.thread_id(0) == 1:
-        out[row, 0] = stage[0]
-        out[row, 1] = stage[1]
-
-
 def test_struct_shared_memory_and_barrier():
     rng = np.random.default_rng()
     x = rng.standard_normal((5, 37)).astype(np.float32)
@@ -128,14 +95,6 @@ def test_struct_shared_memory_and_barrier():
     row_stats.interpret[(5,)](x, out, 37, num_warps=1)
     np.testing.assert_allclose(out[:, 0], x.max(axis=1))
     np.testing.assert_allclose(out[:, 1], x.astype(np.float64).sum(axis=1), rtol=1e-5)
-
-
-@kiln.kernel
-def scale_rows(x: kiln.Tensor[bf16, 2], out: kiln.Tensor[f32, 2], rows: i32, cols: i32):
-    """out[r, c] = x[r, c] * (r + 1); x may be a strided (non-contiguous) view."""
-    r = kiln.block_id(0)
-    for c in kiln.range(kiln.thread_id(0), cols, kiln.block_dim(0)):
-        out[r, c] = kiln.cast(x[r, c], f32) * kiln.cast(r + 1, f32)
 
 
 def test_bf16_strided_view():
