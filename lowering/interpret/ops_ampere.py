@@ -24,6 +24,7 @@ from kiln.errors import UnsupportedError
 
 from .ops_memory import flat_offsets
 from .ops_mbarrier import operand_segments
+from .ops_hopper import commit_group, retire_groups
 from .plan import attr_int, location, np_dtype, semantics
 from .state import bounds_error, element_bytes
 
@@ -93,8 +94,7 @@ def _create_group(op, p):
     out = p.result(op)
 
     def run(env, ctx):
-        ctx.async_groups.append(("cp.async", list(ctx.pending_cp_async)))
-        ctx.pending_cp_async.clear()
+        commit_group(ctx, "cp.async", ctx.pending_cp_async)
         env[out] = np.zeros(1, np.int64)
 
     return run
@@ -105,8 +105,6 @@ def _wait(op, p):
     keep = attr_int(op, "numGroups", 0)
 
     def run(env, ctx):
-        from .ops_hopper import retire_groups
-
         retire_groups(ctx, "cp.async", keep)
 
     return run

@@ -141,10 +141,15 @@ def _tma_store(op, p):
 @semantics("nvvm.cp.async.bulk.commit.group")
 def _bulk_commit(op, p):
     def run(env, ctx):
-        ctx.async_groups.append(("bulk", list(ctx.pending_async)))
-        ctx.pending_async.clear()
+        commit_group(ctx, "bulk", ctx.pending_async)
 
     return run
+
+
+def commit_group(ctx, kind: str, pending: list) -> None:
+    """Close the ``pending`` async op ids into one committed group of ``kind``."""
+    ctx.async_groups.append((kind, list(pending)))
+    pending.clear()
 
 
 def retire_groups(ctx, kind: str, keep: int) -> None:

@@ -27,6 +27,7 @@ from kiln.errors import OutOfBoundsError, UnsupportedError
 from kiln.layout import wgmma_m64_accumulator
 from kiln.swizzle import Swizzle
 
+from .ops_hopper import commit_group, retire_groups
 from .plan import attr_int, location, np_dtype, semantics
 from .state import uniform
 
@@ -254,8 +255,7 @@ def _mma_async(op, p):
 @semantics("nvvm.wgmma.commit.group.sync.aligned")
 def _commit(op, p):
     def run(env, ctx):
-        ctx.async_groups.append(("wgmma", list(ctx.pending_wgmma)))
-        ctx.pending_wgmma.clear()
+        commit_group(ctx, "wgmma", ctx.pending_wgmma)
 
     return run
 
@@ -265,8 +265,6 @@ def _wait(op, p):
     keep = attr_int(op, "group", 0)
 
     def run(env, ctx):
-        from .ops_hopper import retire_groups
-
         retire_groups(ctx, "wgmma", keep)
 
     return run
