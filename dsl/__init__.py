@@ -19,6 +19,7 @@ from .struct import struct
 from .tensor import Tensor, TensorRef
 from .trace_runtime import TracedRange as range, static_range
 from .values import Handle, Value
+from .vectors import pack, unpack, vector_constant, vector_slice
 
 max = maximum
 min = minimum

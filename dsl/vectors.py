@@ -1,0 +1,96 @@
+"""Short register vectors: build one from scalars, take it apart, slice it, spell a constant.
+
+Kernels keep most data in tiles and fragments; these four ops are for the edges where a kernel
+must assemble a vector itself, e.g. eight bf16 outputs into one 16-byte store:
+
+    vec = kiln.pack([kiln.cast(x, kiln.bf16) for x in row])   # vector<8xbf16>
+    o.store(r, c, vec, align=16)                              # one st.global.v4.b32
+    lo, hi = kiln.vector_slice(vec, 0, 4), kiln.vector_slice(vec, 4, 4)
+
+They build ``vector.from_elements``, ``vector.extract``, ``vector.shuffle`` and a dense
+``arith.constant``, which the interpreter runs like any other vector op, and which lower to
+register moves only (no memory).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from mlir import ir
+from mlir.dialects import arith, vector
+
+from .dtypes import DType, dtype as to_dtype
+from .errors import KilnTypeError, KilnValueError
+from .values import Value, cast, to_value
+
+
+def pack(values: Sequence[Any]) -> Value:
+    """One 1-D vector of ``values`` (scalars; the first Value's dtype, literals cast to it).
+
+    Example: ``kiln.pack([a, b, c, d])`` is a ``vector<4xf32>`` when ``a`` is f32.
+    """
+    if not values:
+        raise KilnValueError("kiln.pack needs at least one value", fix="pass a non-empty list")
+    typed = [v for v in values if isinstance(v, Value)]
+    if not typed:
+        raise KilnTypeError("kiln.pack needs at least one traced value to take its dtype from",
+                            fix="use kiln.vector_constant for a vector of literals")
+    elem = typed[0].dtype
+    scalars = []
+    for v in values:
+        v = to_value(v, like=elem) if not isinstance(v, Value) else v
+        if v.shape:
+            raise KilnTypeError(f"kiln.pack takes scalars, got a vector of shape {v.shape}",
+                                fix="unpack it first with kiln.unpack")
+        if v.dtype != elem:
+            raise KilnTypeError(f"kiln.pack got {v.dtype} next to {elem}",
+                                fix=f"cast every value to {elem} with kiln.cast first")
+        scalars.append(v if v.dtype == elem else cast(v, elem))
+    vtype = ir.VectorType.get([len(scalars)], elem.mlir_type())
+    return Value(vector.from_elements(vtype, [s.ir for s in scalars]), elem)
+
+
+def unpack(vec: Value) -> list[Value]:
+    """The elements of a 1-D vector as scalars. Example: ``x, y = kiln.unpack(v2)``."""
+    width = _width(vec, "kiln.unpack")
+    return [Value(vector.extract(vec.ir, [], [i]), vec.dtype) for i in range(width)]
+
+
+def vector_slice(vec: Value, start: int, width: int) -> Value:
+    """Elements ``start .. start + width`` of a 1-D vector, as a vector (a register re-tag).
+
+    Example: ``kiln.vector_slice(v8, 4, 4)`` is the upper half of an 8-wide vector.
+    """
+    total = _width(vec, "kiln.vector_slice")
+    if not (isinstance(start, int) and isinstance(width, int)) or start < 0 or width < 1 \
+            or start + width > total:
+        raise KilnValueError(f"slice [{start}, {start}+{width}) is outside a vector of {total}",
+                             fix="use Python ints with 0 <= start and start + width <= width "
+                                 "of the vector")
+    return Value(vector.shuffle(vec.ir, vec.ir, list(range(start, start + width))), vec.dtype)
+
+
+def vector_constant(values: Sequence[int | float], dtype: Any) -> Value:
+    """A constant 1-D vector. Example: ``kiln.vector_constant([0, 4, 8, 12], kiln.i32)``."""
+    elem: DType = to_dtype(dtype)
+    if not len(values):
+        raise KilnValueError("kiln.vector_constant needs at least one value",
+                             fix="pass a non-empty list")
+    vtype = ir.VectorType.get([len(values)], elem.mlir_type())
+    if elem.is_float and elem.bits == 32:
+        attr = ir.DenseElementsAttr.get(np.asarray(values, np.float32), type=vtype)
+    elif elem.is_int and elem.bits in (8, 16, 32, 64):
+        attr = ir.DenseElementsAttr.get(np.asarray(values, getattr(np, f"int{elem.bits}")),
+                                        type=vtype)
+    else:  # f16/bf16/f64, i1: one typed attribute per element
+        make = ir.FloatAttr.get if elem.is_float else ir.IntegerAttr.get
+        attr = ir.DenseElementsAttr.get([make(elem.mlir_type(), v) for v in values], type=vtype)
+    return Value(arith.constant(vtype, attr), elem)
+
+
+def _width(vec: Value, what: str) -> int:
+    if not isinstance(vec, Value) or len(vec.shape) != 1:
+        raise KilnTypeError(f"{what} takes a 1-D vector value",
+                            fix="build one with kiln.pack or a tensor load with width=")
+    return vec.shape[0]
