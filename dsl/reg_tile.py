@@ -44,6 +44,15 @@ ROW_LANES = "row_l"
 COL_LANES = "col_l"
 
 
+def _pairwise(values: list[Value], combine) -> Value:
+    """``combine`` over ``values`` as a balanced tree: log2(n) dependent steps instead of n,
+    which is the latency the softmax's row max and row sum sit on."""
+    while len(values) > 1:
+        paired = [combine(values[k], values[k + 1]) for k in range(0, len(values) - 1, 2)]
+        values = paired + values[len(values) - len(values) % 2:]
+    return values[0]
+
+
 def _row_structure(tv: ThreadValueLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(group_of_value, lane_masks)`` for reducing each row of one fragment.
 
@@ -258,13 +267,13 @@ class RegTile:
         gm, gn = self.grid
         lines = []
         for i in range(gm):
-            partial: list[Value | None] = [None] * groups
+            members: list[list[Value]] = [[] for _ in range(groups)]
             for j in range(gn):
                 frag = self.fragment(i, j)
                 for v, g in enumerate(group_of):
-                    x = Value(vector.extract(frag.ir, [], [v]), frag.dtype)
-                    partial[g] = x if partial[g] is None else combine(partial[g], x)
-            lines.append([butterfly_reduce(p, masks, combine) for p in partial])
+                    members[g].append(Value(vector.extract(frag.ir, [], [v]), frag.dtype))
+            lines.append([butterfly_reduce(_pairwise(m, combine), masks, combine)
+                          for m in members])
         return TileVector(lines, group_of, axis)
 
     def row_reduce(self, combine: Callable[[Value, Value], Value]) -> TileVector:

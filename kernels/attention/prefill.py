@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -120,12 +121,13 @@ def _run(target, q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse, *,
     cfg = HopperPrefillConfig.for_head_dim(d)
     group = hq // hkv
     o2 = _empty(q, (total_q, hq * d), _dtype_name(q.dtype))
-    lse = _empty(q, (max(hq * total_q, 1),), "f32")
+    lse = _empty(q, (max(hq * total_q, 1) if return_lse else 1,), "f32")
     sink_arr = _float32(sinks, q) if sinks is not None else _empty(q, (hq,), "f32")
     kernel = make_kernel(_dtype_name(q.dtype), cfg, mask, group, sinks is not None, return_lse)
     args = [q2, k2, v2, o2, lse, sink_arr, cu_q_arr, cu_k_arr, float(scale) * math.log2(math.e),
             lse_row_mult, lse_head_stride]
-    grid = (hq, -(-max_sq // cfg.block_m), b)
+    q_tiles = -(-max_sq // cfg.block_m)
+    grid = (q_tiles, hq, b) if cfg.grid_q_tiles_first(mask) else (hq, q_tiles, b)
     constexprs = _constexprs(cfg, hkv)
     if interpret:
         from kiln.lowering.interpret import interpret_kernel
@@ -299,4 +301,15 @@ def _float32(x, like):
 
 
 def _arange_like(like, batch, length):
-    return _int32(np.arange(batch + 1, dtype=np.int32) * length, like)
+    """``cu_seqlens`` of ``batch`` dense sequences of ``length``. On a torch device it is built
+    there once per shape: copying it from host memory would synchronise the stream each call."""
+    if _is_torch(like):
+        return _device_offsets(str(like.device), batch, length)
+    return np.arange(batch + 1, dtype=np.int32) * length
+
+
+@functools.lru_cache(maxsize=64)
+def _device_offsets(device: str, batch: int, length: int):
+    import torch
+
+    return torch.arange(batch + 1, dtype=torch.int32, device=device) * length
