@@ -11,13 +11,15 @@ on the bf16 output, LSE < 1e-4, NaN fails; random split counts with empty splits
 ``combine`` and the torch implementation (masked LSE, exp, weighted sum in float32) are then
 timed with CUDA events after a warm-up: each sample is ``--batch`` back-to-back calls between
 one pair of events (so Python launch work overlaps the previous kernel), median of
-``--repeat`` samples. GB/s counts the bytes combine must move: O_partial and LSE_partial of
+``--repeat`` samples. "Kiln out=" times the same call writing into preallocated ``out=`` /
+``lse_out=`` tensors (no allocation per call; the decode-loop usage). GB/s counts the bytes combine must move: O_partial and LSE_partial of
 every valid split slot read once, split counts, O (bf16) and LSE written. The copy bandwidth
 is a torch device-to-device copy of a 2 GiB buffer (read + write), and the launch latency a
 one-element torch add, both measured in the same process with the same method. Goals:
 >= 0.85 of copy bandwidth at large sizes, <= 2x launch latency at small ones.
 
-Usage (on an H100): ``python bench/combine.py [--json out.json] [--repeat 20] [--batch 10]``.
+Usage (on an H100): ``python bench/combine.py [--json out.json] [--repeat 20] [--batch 10]
+[--small]``.
 """
 
 from __future__ import annotations
@@ -103,16 +105,19 @@ def run_shape(torch, combine, rng, splits, batch, sq, heads, args, copy_gbs, lau
           and np.array_equal(np.isneginf(got_lse), ~finite))
     kiln_ms = time_ms(lambda: combine(o_p, lse_p, counts, max_splits=max_splits),
                       args.repeat, args.batch)
+    out_ms = time_ms(lambda: combine(o_p, lse_p, counts, max_splits=max_splits, out=out,
+                                     lse_out=lse), args.repeat, args.batch)
     torch_ms = time_ms(lambda: torch_combine(torch, o_p, lse_p, counts),
                        args.repeat, args.batch)
     nbytes = useful_bytes(o_np, counts_np)
     kiln_gbs, torch_gbs = nbytes / kiln_ms / 1e6, nbytes / torch_ms / 1e6
     return {"splits": splits, "batch": batch, "sq": sq, "heads": heads, "ok": ok,
             "o_err": o_err, "lse_err": lse_err, "bytes": nbytes,
-            "kiln_us": kiln_ms * 1e3, "torch_us": torch_ms * 1e3,
+            "kiln_us": kiln_ms * 1e3, "kiln_out_us": out_ms * 1e3, "torch_us": torch_ms * 1e3,
             "kiln_gbs": kiln_gbs, "torch_gbs": torch_gbs,
             "kiln_vs_copy": kiln_gbs / copy_gbs, "kiln_vs_torch": torch_ms / kiln_ms,
-            "kiln_vs_launch": kiln_ms * 1e3 / launch_us}
+            "kiln_vs_launch": kiln_ms * 1e3 / launch_us,
+            "kiln_out_vs_launch": out_ms * 1e3 / launch_us}
 
 
 def main() -> None:
@@ -120,6 +125,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--batch", type=int, default=10, help="calls per timed sample")
+    parser.add_argument("--small", action="store_true",
+                        help="only the small-call shape (2 splits, 1 row, H32, D128)")
     args = parser.parse_args()
 
     import torch
@@ -132,18 +139,22 @@ def main() -> None:
     print(f"copy bandwidth {copy_gbs:.0f} GB/s, launch latency {launch_us:.1f} us")
     shapes = [(s, bq, 1, HEADS) for s in SPLIT_GRID[0] for bq in SPLIT_GRID[1]]
     shapes += [(2, 1, t, h) for t in TOKEN_GRID[0] for h in TOKEN_GRID[1]]
+    if args.small:
+        shapes = [(2, 1, 1, HEADS)]
     rows = []
     header = (f"{'splits':>6} {'batch':>5} {'sq':>6} {'H':>3} {'ok':>3} {'kiln us':>8} "
+              f"{'out= us':>8} "
               f"{'torch us':>8} {'kiln GB/s':>9} {'torch GB/s':>10} {'/copy':>6} {'/torch':>6} "
-              f"{'/launch':>7}")
+              f"{'/launch':>7} {'out=/launch':>11}")
     print(header)
     for splits, batch, sq, heads in shapes:
         r = run_shape(torch, combine, rng, splits, batch, sq, heads, args, copy_gbs, launch_us)
         rows.append(r)
         print(f"{splits:>6} {batch:>5} {sq:>6} {heads:>3} {'yes' if r['ok'] else 'NO':>3} "
-              f"{r['kiln_us']:>8.1f} {r['torch_us']:>8.1f} {r['kiln_gbs']:>9.0f} "
-              f"{r['torch_gbs']:>10.0f} {r['kiln_vs_copy']:>6.2f} {r['kiln_vs_torch']:>6.2f} "
-              f"{r['kiln_vs_launch']:>7.2f}")
+              f"{r['kiln_us']:>8.1f} {r['kiln_out_us']:>8.1f} {r['torch_us']:>8.1f} "
+              f"{r['kiln_gbs']:>9.0f} {r['torch_gbs']:>10.0f} {r['kiln_vs_copy']:>6.2f} "
+              f"{r['kiln_vs_torch']:>6.2f} {r['kiln_vs_launch']:>7.2f} "
+              f"{r['kiln_out_vs_launch']:>11.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbs": copy_gbs, "launch_us": launch_us, "rows": rows}, f, indent=1)

@@ -7,13 +7,26 @@ faster than the host issues the next). Reported: median over batches, in microse
 - ``kiln kernel[grid](...)``: the user-facing launch of a ``@kiln.kernel`` with torch CUDA
   tensors (specialisation lookup + argument conversion + launch);
 - ``kiln CompiledKernel.launch``: the same, starting from the compiled kernel;
+- ``kiln bound launch``: ``bind_launch(...)`` called with the tensor's address (library path);
 - ``kiln raw launcher``: the JIT-compiled ``kiln_launch`` called with ready-made C arguments
   (the floor: ctypes call + ``mgpuLaunchKernel``);
 - ``triton launch``: an equivalent ``@triton.jit`` kernel.
 
+``--host-only`` needs no GPU: it measures Kiln's per-call host work up to the driver call on
+the CPU. The real JIT-compiled host launchers are built with an in-process CUDA runtime whose
+``mgpuLaunchKernel`` is a native no-op (a JIT-compiled empty function), for the tiny kernel
+and for the split-KV combine's signature (five rank-3..5 tensors, 60 flat C arguments):
+
+- ``bound launch``: :class:`~kiln.lowering.launch.BoundLaunch` (what ``combine()`` calls);
+- ``launch plan``: ``CompiledKernel.launch`` on ``__cuda_array_interface__`` arrays;
+- ``packed launcher``: ``HostLauncher(flat, grid, stream)`` with ready flat arguments;
+- ``flat ctypes call``: the previous ABI, one ctypes call converting every flat C argument
+  (to the same no-op), for comparison.
+
 Usage::
 
     python bench/launch_overhead.py --launches 2000 --batches 15 --json overhead.json
+    python bench/launch_overhead.py --host-only
 
 Goal: <= 20 µs per Kiln launch with torch tensors.
 """
@@ -94,6 +107,12 @@ def run(launches: int, batches: int) -> dict:
             launches, batches, sync)
         results["kiln_compiled_launch_us"] = _per_launch_us(
             lambda: compiled.launch((1, 1, 1), [y, N]), launches, batches, sync)
+        from kiln.lowering.launch import bind_launch
+
+        bound = bind_launch(compiled, (1, 1, 1), [y, N])
+        pointer = y.data_ptr()
+        results["kiln_bound_launch_us"] = _per_launch_us(lambda: bound(pointer), launches,
+                                                         batches, sync)
         plan = compiled._launch_plan
         flat = [y.data_ptr(), y.data_ptr(), 0, N, 1, N]
         results["kiln_raw_launcher_us"] = _per_launch_us(
@@ -118,6 +137,7 @@ def _print_table(results: dict) -> None:
         return
     rows = [("kiln kernel[grid](torch)", results.get("kiln_launch_torch_us")),
             ("kiln CompiledKernel.launch", results.get("kiln_compiled_launch_us")),
+            ("kiln bound launch", results.get("kiln_bound_launch_us")),
             ("kiln raw launcher", results.get("kiln_raw_launcher_us")),
             ("triton launch", results.get("triton_launch_us"))]
     print(f"{'path':<28}{'µs / launch (median)':>22}")
@@ -130,14 +150,134 @@ def _print_table(results: dict) -> None:
         print(f"goal <= {GOAL_US:.0f} µs: {verdict}")
 
 
+class _NoopRuntime:
+    """The ``mgpu*`` functions a host launcher needs, in-process: module loading returns fake
+    handles (Python, called once) and ``mgpuLaunchKernel`` is a native no-op."""
+
+    def __init__(self):
+        import ctypes
+
+        from mlir import execution_engine, ir, passmanager
+        from mlir.dialects import func
+
+        self._context = ir.Context()
+        with self._context, ir.Location.unknown():
+            module = ir.Module.create()
+            with ir.InsertionPoint(module.body):
+                noop = func.FuncOp("noop", ir.FunctionType.get([], []))
+            with ir.InsertionPoint(noop.add_entry_block()):
+                func.ReturnOp([])
+            passmanager.PassManager.parse("builtin.module(convert-func-to-llvm)").run(
+                module.operation)
+            self._engine = execution_engine.ExecutionEngine(module, opt_level=2)
+        # The packed wrapper of a function without arguments reads none of its own: any call
+        # signature (System V ABI) returns at once.
+        self.noop_address = self._engine.raw_lookup("noop")
+        handle = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)
+        lookup = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)
+        self._callbacks = [handle(lambda data, level: 0x1111), handle(lambda data, size: 0x1111),
+                           lookup(lambda module, name: 0x2222)]
+        self.symbols = {"mgpuModuleLoadJIT": self._address(0), "mgpuModuleLoad": self._address(1),
+                        "mgpuModuleGetFunction": self._address(2),
+                        "mgpuModuleUnload": self.noop_address,
+                        "mgpuLaunchKernel": self.noop_address}
+
+    def _address(self, index: int) -> int:
+        import ctypes
+
+        return ctypes.cast(self._callbacks[index], ctypes.c_void_p).value
+
+
+class _DeviceArray:
+    """A device array by ``__cuda_array_interface__`` (what cupy exposes); never dereferenced."""
+
+    def __init__(self, ptr: int, shape: tuple, typestr: str):
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape,
+                                         "typestr": typestr, "strides": None, "version": 3}
+
+
+def run_host_only(launches: int, batches: int) -> dict:
+    """Per-call host overhead (µs) of Kiln's launch paths up to the driver call (no GPU)."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from kiln.lowering.host import HostLauncher, flat_c_argtypes, nvidia_kernel_object
+    from kiln.lowering.launch import _LaunchPlan, bind_launch
+    from kiln.lowering.signature import KernelSignature, ScalarParam, TensorParam
+    from kiln.lowering.targets import get_target
+
+    runtime = _NoopRuntime()
+    combine_shape = {"o_part": (2, 1, 1, 32, 128), "lse_part": (2, 1, 1, 32),
+                     "counts": (1, 1, 32), "o_out": (1, 1, 32, 128), "lse_out": (1, 1, 32)}
+    kernels = {
+        "add_one (1 tensor, 6 flat args)": (
+            KernelSignature("add_one", (TensorParam("y", "f32", 1), ScalarParam("n", "i32")),
+                            block=(128, 1, 1)),
+            [_DeviceArray(0x10000, (N,), "<f4"), N]),
+        "combine (5 tensors, 60 flat args)": (
+            KernelSignature("lse_merge", tuple(
+                TensorParam(name, "i32" if name == "counts" else "f32", len(shape))
+                for name, shape in combine_shape.items()) + (
+                ScalarParam("heads", "i32"), ScalarParam("rows", "i32")), block=(512, 1, 1)),
+            [_DeviceArray(0x10000 * (i + 1), shape, "<i4" if name == "counts" else "<f4")
+             for i, (name, shape) in enumerate(combine_shape.items())] + [32, 32]),
+    }
+    results: dict = {"mode": "host-only (CPU, driver call replaced by a native no-op)",
+                     "launches_per_batch": launches, "batches": batches}
+    for label, (signature, args) in kernels.items():
+        launcher = HostLauncher(signature, lambda: nvidia_kernel_object(
+            get_target("sm_80"), ptx="// no device code"), [], runtime_symbols=runtime.symbols)
+        plan = _LaunchPlan(signature.name, signature, launcher, None)
+        ck = SimpleNamespace(name=signature.name, signature=signature, _launch_plan=plan)
+        bound = bind_launch(ck, (1, 1, 1), args)
+        pointers = [a.__cuda_array_interface__["data"][0] for a in args
+                    if isinstance(a, _DeviceArray)]
+        flat: list = []
+        for convert, value in zip(plan.converters, args):
+            convert(value, flat, None)
+        flat_call = ctypes.CFUNCTYPE(None, *flat_c_argtypes(signature))(runtime.noop_address)
+        tail = (1, 1, 1, 0, None)
+        results[label] = {
+            "bound_launch_us": _per_launch_us(lambda: bound(*pointers), launches, batches, _pass),
+            "launch_plan_us": _per_launch_us(lambda: plan((1, 1, 1), args, None), launches,
+                                             batches, _pass),
+            "packed_launcher_us": _per_launch_us(lambda: launcher(flat, (1, 1, 1), None),
+                                                 launches, batches, _pass),
+            "flat_ctypes_call_us": _per_launch_us(lambda: flat_call(*flat, *tail), launches,
+                                                  batches, _pass),
+        }
+        del bound, plan, ck, launcher  # the engines unload through the runtime: before it
+    return results
+
+
+def _pass() -> None:
+    pass
+
+
+def _print_host_table(results: dict) -> None:
+    print(results["mode"])
+    columns = ("bound_launch_us", "launch_plan_us", "packed_launcher_us", "flat_ctypes_call_us")
+    print(f"{'kernel':<36}" + "".join(f"{c[:-3]:>20}" for c in columns))
+    for label, row in results.items():
+        if isinstance(row, dict):
+            print(f"{label:<36}" + "".join(f"{row[c]:>20.2f}" for c in columns))
+    print("(µs per call, median of batches)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=2000, help="launches per timed batch")
     parser.add_argument("--batches", type=int, default=15, help="timed batches (median taken)")
     parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--host-only", action="store_true",
+                        help="no GPU: time the host work up to the driver call on the CPU")
     args = parser.parse_args(argv)
-    results = run(args.launches, args.batches)
-    _print_table(results)
+    if args.host_only:
+        results = run_host_only(args.launches, args.batches)
+        _print_host_table(results)
+    else:
+        results = run(args.launches, args.batches)
+        _print_table(results)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=2)

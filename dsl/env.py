@@ -14,6 +14,7 @@ Read them through these functions (not ``os.environ``) so the set stays document
 ``KILN_LD_LLD``               explicit ``ld.lld`` path for AMD ``hsaco`` linking
 ``KILN_CUOBJDUMP``            explicit ``cuobjdump`` path (SASS schedule check; needs ``nvdisasm``)
 ``KILN_ROCM_RUNTIME``         path of ``libmlir_rocm_runtime.so`` for AMD launches
+``KILN_LAUNCH_BLOCKING=1``    synchronise after every CUDA launch and raise its error (debug)
 ============================  ==========================================================
 """
 
@@ -78,3 +79,7 @@ def cuobjdump_override() -> Path | None:
 def rocm_runtime_override() -> Path | None:
     value = os.environ.get("KILN_ROCM_RUNTIME")
     return Path(value) if value else None
+
+
+def launch_blocking() -> bool:
+    return _flag("KILN_LAUNCH_BLOCKING")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import LaunchError
@@ -76,6 +77,21 @@ def require_cuda() -> None:
 
 
 _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16  # cuda.h
+# CUdevice_attribute enumerators (cuda.h) read by Driver.launch_limits.
+_CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 1
+_CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_XYZ = (2, 3, 4)
+_CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK = 12
+_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+
+
+@dataclass(frozen=True)
+class LaunchLimits:
+    """What one block of a launch may use on a device (see ``Driver.launch_limits``)."""
+
+    max_threads_per_block: int
+    max_block_dims: tuple[int, int, int]
+    max_shared_bytes_optin: int  # static + dynamic, after opting in (cuFuncSetAttribute)
+    max_registers_per_block: int
 
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -150,11 +166,22 @@ class Driver:
 
     def multiprocessor_count(self) -> int:
         """Streaming multiprocessors of device 0 (the size of a persistent grid)."""
+        return self._attribute(_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+
+    def _attribute(self, attribute: int) -> int:
         value = ctypes.c_int()
-        self._check(self._lib.cuDeviceGetAttribute(ctypes.byref(value),
-                                                   _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-                                                   self._device), "cuDeviceGetAttribute")
+        self._check(self._lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, self._device),
+                    "cuDeviceGetAttribute")
         return value.value
+
+    @functools.cache
+    def launch_limits(self) -> LaunchLimits:
+        """Device 0's per-block launch limits (read once)."""
+        return LaunchLimits(
+            self._attribute(_CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK),
+            tuple(self._attribute(a) for a in _CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_XYZ),
+            self._attribute(_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+            self._attribute(_CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK))
 
     def max_active_clusters(self, cubin: bytes, kernel_name: str, block: tuple[int, int, int],
                             cluster: tuple[int, int, int], dynamic_shared_bytes: int) -> int:
@@ -199,6 +226,11 @@ class Driver:
     def memcpy_dtoh(self, dst: int, src: int, nbytes: int) -> None:
         if nbytes:
             self._check(self._lib.cuMemcpyDtoH_v2(dst, src, nbytes), "cuMemcpyDtoH")
+
+    def synchronize(self) -> None:
+        """Wait for all work of the context; errors of earlier asynchronous kernels surface
+        here (``KILN_LAUNCH_BLOCKING=1`` calls it after every launch)."""
+        self._check(self._lib.cuCtxSynchronize(), "kernel execution (cuCtxSynchronize)")
 
     def stream_synchronize(self, stream: int | None) -> None:
         """Wait for ``stream``; errors of earlier asynchronous kernels surface here."""

@@ -16,9 +16,11 @@ which :func:`lower_host_module` lowers with ``gpu-to-llvm`` (the host half of
 ``gpu-lower-to-nvvm-pipeline``). Translation turns ``gpu.binary`` into a global constructor that
 loads the module (``mgpuModuleLoad``, or ``mgpuModuleLoadJIT`` for PTX) and the launch into
 ``mgpuLaunchKernel`` on the caller's stream. :class:`HostLauncher` JIT-compiles it once with the
-``ExecutionEngine`` and calls the plain C-ABI ``kiln_launch`` through ctypes with the flat C
-argument list (a memref expands to allocated ptr, aligned ptr, offset, sizes..., strides...),
-not through the slower packed wrapper; its address comes from ``kiln_launch_address``.
+``ExecutionEngine`` and calls the engine's packed entry ``_mlir_kiln_launch(void **args)`` with
+one argument: a :class:`LaunchArguments` block holding the flat C arguments (a memref expands
+to allocated ptr, aligned ptr, offset, sizes..., strides...) in 8-byte slots. Converting ~60
+arguments through ctypes costs ~5 µs per call; one pointer argument costs ~0.3 µs, and a
+bound launch only rewrites the slots that change (tensor addresses, the stream).
 
 Parameter ABI on the host side:
 
@@ -37,18 +39,17 @@ Example::
 from __future__ import annotations
 
 import ctypes
+import struct
+import threading
 from typing import Mapping, Sequence
 
 from kiln.dtypes import dtype as to_dtype
-from kiln.errors import CompilationError, LaunchError
+from kiln.errors import CompilationError, KilnValueError, LaunchError
 from kiln.lowering.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam
 from kiln.lowering.targets import Target
 
 BINARY_SYMBOL = "kiln_kernels"
 LAUNCH_SYMBOL = "kiln_launch"
-# The Python ExecutionEngine only looks up packed ``void(void**)`` wrappers; this function's
-# packed wrapper hands out the address of the plain C-ABI ``kiln_launch``.
-ADDRESS_SYMBOL = "kiln_launch_address"
 GLOBAL_MEMORY_SPACE = 1
 
 HOST_PIPELINE = ("builtin.module(convert-func-to-llvm,convert-arith-to-llvm,"
@@ -62,6 +63,15 @@ _SCALAR_CARRIERS = {
     "f64": (ctypes.c_double, None), "f16": (ctypes.c_uint16, 16), "bf16": (ctypes.c_uint16, 16),
     "f8e4m3": (ctypes.c_uint8, 8), "f8e5m2": (ctypes.c_uint8, 8),
 }
+
+
+# struct codes of the C argument types, each padded to one 8-byte slot of LaunchArguments; the
+# packed entry loads a narrower value from the start of its slot (little-endian hosts only).
+_SLOT_CODES = {ctypes.c_void_p: "Q", ctypes.c_int64: "q", ctypes.c_int32: "i4x",
+               ctypes.c_int16: "h6x", ctypes.c_int8: "b7x", ctypes.c_uint16: "H6x",
+               ctypes.c_uint8: "B7x", ctypes.c_bool: "?7x", ctypes.c_float: "f4x",
+               ctypes.c_double: "d"}
+SLOT_BYTES = 8
 
 
 def scalar_carrier(dtype_name: str) -> tuple[type, int | None]:
@@ -118,11 +128,6 @@ def build_host_module(signature: KernelSignature, kernel_object):
             param_types + [index] * 3 + [ir.IntegerType.get_signless(32), stream_type], [])
         fn = func.FuncOp(LAUNCH_SYMBOL, fn_type)
         entry = fn.add_entry_block()
-        address_fn = func.FuncOp(ADDRESS_SYMBOL, ir.FunctionType.get([], [stream_type]))
-    with ir.InsertionPoint(address_fn.add_entry_block()):
-        launch_ref = func.ConstantOp(fn_type, ir.FlatSymbolRefAttr.get(LAUNCH_SYMBOL))
-        address = builtin.UnrealizedConversionCastOp([stream_type], [launch_ref.result]).result
-        func.ReturnOp([address])
     with ir.InsertionPoint(entry):
         args = list(entry.arguments)
         kernel_args = []
@@ -181,6 +186,28 @@ def nvidia_kernel_object(target: Target, *, cubin: bytes | None = None, ptx: str
                               ptx.encode(), jit_options)
 
 
+class LaunchArguments:
+    """Native memory for one ``kiln_launch`` call: one 8-byte slot per flat C argument (the
+    parameters, grid x/y/z, dynamic shared bytes, stream) in ``words``, and the ``void *``
+    array pointing at each slot that the packed entry reads.
+
+    Slots are rewritten in place between calls; a pointer or i64 slot is written as
+    ``words[i] = value`` (see :meth:`HostLauncher.pack` for every slot at once).
+    """
+
+    def __init__(self, count: int):
+        self.words = (ctypes.c_uint64 * count)()
+        base = ctypes.addressof(self.words)
+        self._pointers = (ctypes.c_void_p * count)(*range(base, base + SLOT_BYTES * count,
+                                                          SLOT_BYTES))
+        self.address = ctypes.c_void_p(ctypes.addressof(self._pointers))
+
+    def copy(self) -> "LaunchArguments":
+        twin = LaunchArguments(len(self.words))
+        ctypes.memmove(twin.words, self.words, ctypes.sizeof(self.words))
+        return twin
+
+
 class HostLauncher:
     """A JIT-compiled ``kiln_launch``; call it with the flat parameter values.
 
@@ -188,6 +215,12 @@ class HostLauncher:
     ``runtime_symbols`` maps ``mgpu*`` names to addresses of in-process implementations that
     take precedence (a runtime provided by the host application, or a recording stub).
     Construction runs the module-load constructor, so the device must be usable.
+
+    Two ways to launch: ``launcher(flat_args, grid, stream)`` packs every slot of a per-thread
+    :class:`LaunchArguments` block and calls; a caller repeating one launch keeps its own block
+    (:meth:`new_arguments`, :meth:`pack` once), rewrites the changing slots and calls
+    :meth:`launch_packed`. Slot indices: parameters from 0 (``flat_c_argtypes`` order),
+    then :attr:`grid_slot` (3 slots), the dynamic shared bytes, :attr:`stream_slot`.
     """
 
     def __init__(self, signature: KernelSignature, build_object, runtime_libs: Sequence[str],
@@ -204,15 +237,55 @@ class HostLauncher:
             for name, address in (runtime_symbols or {}).items():
                 self._engine.raw_register_runtime(name, ctypes.c_void_p(address))
             self._engine.initialize()
-        result = ctypes.c_void_p()
-        packed_args = (ctypes.c_void_p * 1)(ctypes.addressof(result))
-        packed = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self._engine.raw_lookup(ADDRESS_SYMBOL))
-        packed(packed_args)
-        self._launch = ctypes.CFUNCTYPE(None, *flat_c_argtypes(signature))(result.value)
+        # The packed entry of a void function reads args[0..n-1] and writes nothing back.
+        self._entry = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(
+            self._engine.raw_lookup(LAUNCH_SYMBOL))
+        argtypes = flat_c_argtypes(signature)
+        self._layout = struct.Struct("<" + "".join(_SLOT_CODES[t] for t in argtypes))
+        self.grid_slot = len(argtypes) - 5
+        self.stream_slot = len(argtypes) - 1
         self._smem = signature.dynamic_shared_bytes
+        self._per_thread: dict[int, LaunchArguments] = {}  # the ctypes call releases the GIL
+
+    def new_arguments(self) -> LaunchArguments:
+        """A fresh, zeroed argument block for :meth:`pack` / :meth:`launch_packed`."""
+        return LaunchArguments(self._layout.size // SLOT_BYTES)
+
+    def pack(self, arguments: LaunchArguments, flat_args: Sequence,
+             grid: tuple[int, int, int], stream: int | None) -> None:
+        """Write every slot of ``arguments`` (KilnValueError when a value does not fit its C
+        type, e.g. 2**31 for an i32 parameter)."""
+        try:
+            self._layout.pack_into(arguments.words, 0, *flat_args, *grid, self._smem, stream or 0)
+        except struct.error as err:
+            raise KilnValueError(f"launch arguments of {self.signature.name} do not fit their C "
+                                 f"types ({err}): {_describe_flat(self.signature, flat_args)}",
+                                 fix="pass values within the range of each parameter's dtype"
+                                 ) from None
+
+    def launch_packed(self, arguments: LaunchArguments) -> None:
+        """Launch with the slots as they are (one ctypes call)."""
+        self._entry(arguments.address)
 
     def __call__(self, flat_args: Sequence, grid: tuple[int, int, int], stream: int | None) -> None:
-        self._launch(*flat_args, grid[0], grid[1], grid[2], self._smem, stream)
+        arguments = self._per_thread.get(threading.get_ident())
+        if arguments is None:
+            arguments = self._per_thread.setdefault(threading.get_ident(), self.new_arguments())
+        self.pack(arguments, flat_args, grid, stream)
+        self._entry(arguments.address)
+
+
+def _describe_flat(signature: KernelSignature, flat_args: Sequence) -> str:
+    """``name=value`` per parameter for an error message (tensors by their address)."""
+    values = iter(flat_args)
+    parts = []
+    for param in signature.params:
+        if isinstance(param, TensorParam):
+            fields = [next(values, None) for _ in range(3 + 2 * param.rank)]
+            parts.append(f"{param.name}=<tensor at {fields[1]}>")
+        else:
+            parts.append(f"{param.name}={next(values, None)!r}")
+    return ", ".join(parts)
 
 
 def build_nvidia_launcher(signature: KernelSignature, target: Target, *,

@@ -11,9 +11,17 @@ order (constexprs already removed):
   descriptor is encoded on the host, copied to device memory and cached per
   (pointer, shape, strides, box, swizzle).
 
-``stream`` is a torch/cupy stream, a raw ``CUstream`` int, or None for the default stream.
+``stream`` is a torch/cupy stream or a raw ``CUstream`` int. ``stream=None`` means the
+*current* stream of the arguments' array library, as in Triton: torch's
+``torch.cuda.current_stream()`` for torch tensors, cupy's current stream for cupy arrays, and
+the legacy default stream otherwise (numpy arrays, other ``__cuda_array_interface__`` objects).
+
 The JIT-compiled launcher and the per-parameter converters are built on the first launch and
-kept on the CompiledKernel (attribute ``_launch_plan``), so later launches cost a few µs.
+kept on the CompiledKernel (attribute ``_launch_plan``), so later launches cost a few µs. The
+launch configuration is checked against the device once, when that plan is built (threads per
+block, static + dynamic shared memory against the opt-in maximum, registers per block); every
+launch checks the grid (and its divisibility by the cluster shape). See :mod:`kiln.lowering.cuda`
+for how driver errors of the launch itself are reported.
 
 Example::
 
@@ -24,19 +32,25 @@ Example::
 from __future__ import annotations
 
 import operator
+import sys
+import threading
+import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import ml_dtypes
 import numpy as np
 
 from kiln.lowering.arrays import describe_array
+from kiln import env
 from kiln.dtypes import dtype as to_dtype
-from kiln.errors import KilnTypeError, KilnValueError, LaunchError
+from kiln.errors import KilnTypeError, KilnValueError, LaunchError, ResourceError
 from kiln.lowering.host import scalar_carrier
 from kiln.lowering.signature import ScalarParam, TensorMapParam, TensorParam
 
 _PLAN_ATTRIBUTE = "_launch_plan"
-_GRID_LIMITS = (2**31 - 1, 65535, 65535)
+_GRID_LIMITS = (2**31 - 1, 65535, 65535)  # every CUDA device since compute capability 3.0
+TENSOR_MAP_CACHE_CAPACITY = 256  # encoded TMA descriptors kept in device memory per kernel
 
 # CUtensorMapDataType and CUtensorMapSwizzle enumerators (cuda.h).
 _TMA_DATA_TYPES = {"i8": 0, "f8e4m3": 0, "f8e5m2": 0, "i16": 1, "i32": 3, "i64": 5, "f16": 6,
@@ -49,14 +63,11 @@ _BIT_PATTERN_DTYPES = {"f16": np.float16, "bf16": ml_dtypes.bfloat16,
 def launch(ck, grid, args: Sequence, *, stream=None) -> None:
     """Run ``ck`` on ``grid`` (1 to 3 ints) with ``args``; see the module docstring.
 
-    Raises KilnValueError/KilnTypeError for bad grids or arguments and LaunchError when the
-    driver refuses, no GPU is present or the target cannot be launched here.
+    Raises KilnValueError/KilnTypeError for bad grids or arguments, ResourceError when the
+    launch configuration exceeds the device, and LaunchError when the driver refuses, no GPU
+    is present or the target cannot be launched here.
     """
-    plan = getattr(ck, _PLAN_ATTRIBUTE, None)
-    if plan is None:
-        plan = _make_plan(ck)
-        setattr(ck, _PLAN_ATTRIBUTE, plan)
-    plan(grid, args, stream)
+    _plan_of(ck)(grid, args, stream)
 
 
 def bind_launch(ck, grid, args: Sequence) -> "BoundLaunch":
@@ -66,57 +77,100 @@ def bind_launch(ck, grid, args: Sequence) -> "BoundLaunch":
     conversion (see :class:`BoundLaunch`). ``args`` are example arguments in
     ``ck.signature.params`` order: device tensors (torch/cupy; numpy arrays would need a
     copy per launch) whose shapes, strides and dtypes every later call shares, and the scalars.
+    Tensor-map parameters take a tensor like a launch does; a call passes that tensor's address
+    and the descriptor for it comes from the kernel's descriptor cache (encoded on a miss).
 
     Example::
 
         bound = bind_launch(ck, (4, 1, 1), [x, y, n, 2.0])
-        bound(x2.data_ptr(), y2.data_ptr())   # same shapes as x, y
+        bound(x2.data_ptr(), y2.data_ptr())   # same shapes as x, y; torch's current stream
     """
     return BoundLaunch(ck, grid, args)
 
 
 class BoundLaunch:
-    """A launch prepared by :func:`bind_launch`; call it with one device address per tensor
-    parameter (in parameter order) and an optional ``stream``.
+    """A launch prepared by :func:`bind_launch`; call it with one device address per tensor or
+    tensor-map parameter (in parameter order) and an optional ``stream`` (None: the current
+    stream of the example tensors' library, as for :func:`launch`).
 
-    Shapes, strides, dtypes and scalars were checked and converted once; the addresses are
-    not checked, so the caller must pass tensors laid out exactly like the example ones.
+    The flat C arguments live in a :class:`~kiln.lowering.host.LaunchArguments` block built
+    once; a call writes the addresses (and the stream) into their slots and makes one ctypes
+    call. The addresses are not checked, so the caller must pass tensors laid out exactly like
+    the example ones.
     """
 
     def __init__(self, ck, grid, args: Sequence):
-        plan = getattr(ck, _PLAN_ATTRIBUTE, None)
-        if plan is None:
-            plan = _make_plan(ck)
-            setattr(ck, _PLAN_ATTRIBUTE, plan)
+        plan = _plan_of(ck)
         params = ck.signature.params
         if len(args) != len(params):
             raise KilnValueError(f"{ck.name} takes {len(params)} run-time arguments, got "
                                  f"{len(args)}", fix="pass one value per kernel parameter")
-        self._grid = normalize_grid(grid)
+        grid = plan.check_grid(grid)
         self._launcher = plan.launcher
-        self._flat: list = []
-        self._pointer_slots: list[int] = []  # index of each tensor's allocated pointer
+        self._tensor_maps = plan.tensor_maps
+        flat: list = []
+        # Per address, in call order: the slot of a tensor's allocated pointer (the aligned
+        # pointer follows it), or ~slot of a tensor map's descriptor pointer.
+        slots: list[int] = []
+        self._map_views: dict[int, tuple] = {}  # descriptor slot -> (param, shape, strides)
         for param, convert, value in zip(params, plan.converters, args):
-            if isinstance(value, np.ndarray) or isinstance(param, TensorMapParam):
-                raise KilnTypeError(f"bind_launch cannot bind {param.name!r}: numpy arrays and "
-                                    "tensor maps are converted per launch",
-                                    fix="use ck.launch(...) for these arguments")
+            if isinstance(value, np.ndarray):
+                raise KilnTypeError(f"bind_launch cannot bind {param.name!r}: numpy arrays are "
+                                    "copied to the device per launch",
+                                    fix="use ck.launch(...), or pass a torch/cupy device tensor")
+            if isinstance(param, TensorMapParam):
+                ptr, shape, strides = _device_view(param, value, None)
+                slots.append(~len(flat))
+                self._map_views[len(flat)] = (param, shape, strides)
+                flat.append(self._tensor_maps.descriptor(param, ptr, shape, strides))
+                continue
             if isinstance(param, TensorParam):
-                self._pointer_slots.append(len(self._flat))
-            convert(value, self._flat, None)
+                slots.append(len(flat))
+            convert(value, flat, None)
+        self._slots = tuple(slots)
+        self._current_stream = _stream_source(args)
+        self._after_launch = plan.after_launch
+        self._stream_slot = self._launcher.stream_slot
+        self._arguments = self._launcher.new_arguments()
+        self._launcher.pack(self._arguments, flat, grid, None)
+        self._owner = threading.get_ident()
+        self._other_threads: dict[int, Any] = {}  # the ctypes call releases the GIL
 
     def __call__(self, *pointers: int, stream=None) -> None:
-        if len(pointers) != len(self._pointer_slots):
-            raise KilnValueError(f"this launch binds {len(self._pointer_slots)} tensors, got "
+        if len(pointers) != len(self._slots):
+            raise KilnValueError(f"this launch binds {len(self._slots)} tensors, got "
                                  f"{len(pointers)} addresses", fix="pass one per tensor parameter")
-        flat = self._flat.copy()
-        for slot, pointer in zip(self._pointer_slots, pointers):
-            flat[slot] = flat[slot + 1] = pointer  # memref allocated and aligned pointers
-        self._launcher(flat, self._grid, stream_handle(stream))
+        arguments = self._arguments
+        if threading.get_ident() != self._owner:
+            arguments = self._thread_arguments()
+        words = arguments.words
+        for slot, pointer in zip(self._slots, pointers):
+            if slot >= 0:
+                words[slot] = words[slot + 1] = pointer  # memref allocated and aligned pointers
+            else:
+                param, shape, strides = self._map_views[~slot]
+                words[~slot] = self._tensor_maps.descriptor(param, pointer, shape, strides)
+        handle = self._current_stream() if stream is None else stream_handle(stream)
+        words[self._stream_slot] = handle or 0
+        self._launcher.launch_packed(arguments)
+        if self._after_launch is not None:
+            self._after_launch()
+
+    def _thread_arguments(self):
+        ident = threading.get_ident()
+        arguments = self._other_threads.get(ident)
+        if arguments is None:
+            arguments = self._other_threads[ident] = self._arguments.copy()
+        return arguments
 
 
 def normalize_grid(grid) -> tuple[int, int, int]:
     """``grid`` as three ints >= 1 within the hardware limits, else KilnValueError."""
+    if type(grid) is tuple and len(grid) == 3:  # the common case, checked without loops
+        x, y, z = grid
+        if (type(x) is int and type(y) is int and type(z) is int and 0 < x <= _GRID_LIMITS[0]
+                and 0 < y <= _GRID_LIMITS[1] and 0 < z <= _GRID_LIMITS[2]):
+            return grid
     dims = (grid,) if isinstance(grid, (int, np.integer)) else tuple(grid)
     if not 1 <= len(dims) <= 3:
         raise KilnValueError(f"grid must have 1 to 3 dimensions, got {grid!r}",
@@ -137,7 +191,9 @@ def normalize_grid(grid) -> tuple[int, int, int]:
 
 
 def stream_handle(stream) -> int | None:
-    """The raw ``CUstream`` of a torch/cupy stream, an int handle, or None (default stream)."""
+    """The raw ``CUstream`` of a torch/cupy stream or an int handle; None (and 0) mean the
+    legacy default stream. (``launch`` resolves ``stream=None`` with :func:`current_stream`
+    first.)"""
     if stream is None:
         return None
     if isinstance(stream, (int, np.integer)):
@@ -148,6 +204,59 @@ def stream_handle(stream) -> int | None:
             return int(value) or None
     raise KilnTypeError(f"cannot use a {type(stream).__name__} as a CUDA stream",
                         fix="pass a torch.cuda.Stream, a cupy stream, a raw int handle or None")
+
+
+def current_stream(value) -> int | None:
+    """The raw current stream of the array library that ``value`` comes from: torch's
+    ``torch.cuda.current_stream()`` for a torch tensor, cupy's ``get_current_stream()`` for a
+    cupy array; None (the legacy default stream) for anything else.
+
+    Example: inside ``with torch.cuda.stream(s):``, ``current_stream(x) == s.cuda_stream``.
+    """
+    return _stream_getter(type(value))()
+
+
+def _no_stream() -> None:
+    return None
+
+
+_stream_getters: dict[type, Callable[[], int | None]] = {}
+
+
+def _stream_getter(kind: type) -> Callable[[], int | None]:
+    """How to read the current stream for arrays of type ``kind`` (worked out once per type)."""
+    getter = _stream_getters.get(kind)
+    if getter is None:
+        getter = _stream_getters[kind] = _make_stream_getter(kind.__module__.split(".")[0])
+    return getter
+
+
+def _make_stream_getter(library: str) -> Callable[[], int | None]:
+    module = sys.modules.get(library)  # loaded: one of its arrays exists
+    if library == "torch" and module is not None:
+        # Triton's route: the raw handle without building a torch.cuda.Stream object (~0.2 µs
+        # instead of ~2 µs); the public API where the private one is missing.
+        raw, device = (getattr(module._C, "_cuda_getCurrentRawStream", None),
+                       getattr(module._C, "_cuda_getDevice", None))
+        if raw is not None and device is not None:
+            return lambda: raw(device()) or None
+        return lambda: module.cuda.current_stream().cuda_stream or None
+    if library == "cupy" and module is not None:
+        return lambda: module.cuda.get_current_stream().ptr or None
+    return _no_stream
+
+
+def _stream_source(args: Sequence) -> Callable[[], int | None]:
+    """The current-stream getter of the first device array among ``args`` (numpy arrays and
+    scalars have none)."""
+    for value in args:
+        kind = type(value)
+        if kind is np.ndarray or kind in (int, float, bool):
+            continue
+        getter = _stream_getter(kind)
+        if getter is not _no_stream:
+            return getter
+    return _no_stream
 
 
 class _Staging:
@@ -183,8 +292,17 @@ class _Staging:
             self.driver.mem_free(ptr)
 
 
+def _plan_of(ck) -> "_LaunchPlan":
+    plan = getattr(ck, _PLAN_ATTRIBUTE, None)
+    if plan is None:
+        plan = _make_plan(ck)
+        setattr(ck, _PLAN_ATTRIBUTE, plan)
+    return plan
+
+
 def _make_plan(ck) -> "_LaunchPlan":
-    """Build the launcher for ``ck``'s target (raises LaunchError where launching is impossible)."""
+    """Build the launcher for ``ck``'s target (raises LaunchError where launching is impossible,
+    ResourceError where the launch configuration exceeds the device)."""
     target = ck.target
     if target.ptx_only:
         raise LaunchError(f"{target.name} kernels cannot be launched by Kiln (PTX only)",
@@ -201,16 +319,123 @@ def _make_plan(ck) -> "_LaunchPlan":
     from kiln.lowering.host import build_nvidia_launcher
 
     cuda_driver = driver()  # raises LaunchError without a GPU, before the JIT could abort
+    check_launch_config(ck.name, ck.signature, getattr(ck, "metadata", {}),
+                        cuda_driver.launch_limits())
     launcher = build_nvidia_launcher(ck.signature, target, cubin=ck.asm.get("cubin"),
                                      ptx=ck.asm.get("ptx"))
     return _LaunchPlan(ck.name, ck.signature, launcher, cuda_driver)
 
 
+def check_launch_config(name: str, signature, metadata: dict, limits) -> None:
+    """Raise ResourceError when ``signature``'s block, shared memory or registers exceed the
+    device's ``limits`` (a :class:`~kiln.lowering.cuda.LaunchLimits`); ``metadata`` supplies
+    the static shared bytes and registers per thread when the kernel has a ptxas report.
+
+    ``mgpuLaunchKernel`` only prints the driver's refusal, so these are checked first.
+    Example: ``check_launch_config(ck.name, ck.signature, ck.metadata, driver().launch_limits())``.
+    """
+    block = signature.block
+    threads = block[0] * block[1] * block[2]
+    if threads > limits.max_threads_per_block or any(
+            b > limit for b, limit in zip(block, limits.max_block_dims)):
+        raise ResourceError(f"{name} has a block of {block} = {threads} threads; this GPU "
+                            f"allows {limits.max_threads_per_block} threads and "
+                            f"{limits.max_block_dims} per dimension",
+                            fix="lower num_warps")
+    static = metadata.get("shared_bytes", 0) or 0
+    dynamic = signature.dynamic_shared_bytes
+    if static + dynamic > limits.max_shared_bytes_optin:
+        raise ResourceError(f"{name} needs {static + dynamic} bytes of shared memory per block "
+                            f"({static} static + {dynamic} dynamic); this GPU allows "
+                            f"{limits.max_shared_bytes_optin}",
+                            fix="use smaller tiles or fewer pipeline stages")
+    registers = metadata.get("registers")
+    if registers and registers * threads > limits.max_registers_per_block:
+        raise ResourceError(f"{name} uses {registers} registers x {threads} threads = "
+                            f"{registers * threads} per block; this GPU has "
+                            f"{limits.max_registers_per_block}",
+                            fix="lower num_warps, or cap registers with maxnreg=")
+
+
+class TensorMapCache:
+    """Encoded TMA descriptors in device memory, one per (dtype, box, swizzle, fill, address,
+    shape, strides), at most ``capacity`` of them: the least recently used is freed first, and
+    all are freed when the cache is collected or the interpreter exits.
+
+    A freed descriptor may still be read by a queued kernel only if ``cuMemFree`` returned
+    before that kernel ran, and it does not: like ``cudaFree`` it waits for the device first.
+    Eviction therefore costs a synchronisation, which the capacity keeps rare.
+
+    Example: ``cache.descriptor(param, x.data_ptr(), tuple(x.shape), tuple(x.stride()))``.
+    """
+
+    def __init__(self, driver, capacity: int = TENSOR_MAP_CACHE_CAPACITY):
+        self._driver = driver
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple, int] = OrderedDict()
+        weakref.finalize(self, _free_descriptors, driver, self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def descriptor(self, param: TensorMapParam, ptr: int, shape: tuple, strides: tuple,
+                   staging=None) -> int:
+        """Device address of the descriptor of tensor (``ptr``, ``shape``, ``strides``) for
+        ``param``. With ``staging`` (a temporary copy of a numpy array) the descriptor lives
+        in the staging memory and is not cached."""
+        key = (param.dtype, param.box, param.swizzle, param.oob_fill_nan, ptr, shape, strides)
+        if staging is None:
+            cached = self._entries.get(key)
+            if cached is not None:
+                self._entries.move_to_end(key)
+                return cached
+        encoded = self._encode(param, ptr, shape, strides)
+        if staging is not None:
+            device_ptr = staging.allocate(len(encoded))
+        else:
+            device_ptr = self._driver.mem_alloc(len(encoded))
+            self._entries[key] = device_ptr
+            while len(self._entries) > self.capacity:
+                self._driver.mem_free(self._entries.popitem(last=False)[1])
+        self._driver.memcpy_htod(device_ptr, np.frombuffer(encoded, np.uint8).ctypes.data,
+                                 len(encoded))
+        return device_ptr
+
+    def _encode(self, param: TensorMapParam, ptr: int, shape: tuple, strides: tuple) -> bytes:
+        if strides[-1] != 1:
+            raise KilnValueError(f"TMA argument {param.name!r} needs innermost stride 1, got "
+                                 f"{strides[-1]}", fix="pass a contiguous tensor (.contiguous())")
+        itemsize = to_dtype(param.dtype).itemsize
+        misaligned = [s * itemsize for s in strides[:-1] if s * itemsize % 16]
+        if misaligned or ptr % 16:
+            # cuTensorMapEncodeTiled would only say "invalid argument".
+            raise KilnValueError(f"TMA argument {param.name!r} needs a 16-byte aligned address "
+                                 f"and row strides that are multiples of 16 bytes; it has "
+                                 f"strides of {[s * itemsize for s in strides]} bytes",
+                                 fix=f"pad the innermost dimension to a multiple of "
+                                     f"{16 // itemsize if itemsize < 16 else 1} elements")
+        self._driver.make_current()
+        return self._driver.tensor_map_encode_tiled(
+            _TMA_DATA_TYPES[to_dtype(param.dtype).name], ptr, list(reversed(shape)),
+            [s * itemsize for s in reversed(strides[:-1])], list(reversed(param.box)),
+            _TMA_SWIZZLES[param.swizzle], 1 if param.oob_fill_nan else 0)
+
+
+def _free_descriptors(driver, entries: OrderedDict) -> None:
+    """Free every cached descriptor (at collection or interpreter exit, so errors of a driver
+    that is already shutting down are ignored)."""
+    while entries:
+        try:
+            driver.mem_free(entries.popitem()[1])
+        except LaunchError:
+            pass
+
+
 class _LaunchPlan:
     """A kernel's launcher plus one converter per parameter, built once.
 
-    ``launcher(flat_args, grid, stream)`` performs the launch; ``driver`` (None on AMD) stages
-    numpy arrays and encodes tensor maps.
+    ``launcher`` is a :class:`~kiln.lowering.host.HostLauncher` (or anything with its
+    interface); ``driver`` (None on AMD) stages numpy arrays and encodes tensor maps.
     """
 
     def __init__(self, name: str, signature, launcher, driver):
@@ -218,17 +443,32 @@ class _LaunchPlan:
         self.signature = signature
         self.launcher = launcher
         self.driver = driver
+        self.tensor_maps = TensorMapCache(driver)
         self.converters = [self._converter(p) for p in signature.params]
-        self.tensor_maps: dict[tuple, int] = {}
+        # KILN_LAUNCH_BLOCKING=1: wait for each launch, so a fault raises at the launching line.
+        self.after_launch = driver.synchronize if driver is not None and \
+            env.launch_blocking() else None
+        self._cluster = signature.cluster
+
+    def check_grid(self, grid) -> tuple[int, int, int]:
+        """``grid`` as three ints within the limits and, for a cluster kernel, a multiple of
+        the cluster shape (else KilnValueError/KilnTypeError)."""
+        grid = normalize_grid(grid)
+        if self._cluster and any(g % c for g, c in zip(grid, self._cluster)):
+            raise KilnValueError(f"grid {grid} of {self.name} is not a multiple of its cluster "
+                                 f"shape {self._cluster}",
+                                 fix="round every grid dimension up to a multiple of the "
+                                     "cluster's (extra CTAs can exit early)")
+        return grid
 
     def __call__(self, grid, args: Sequence, stream) -> None:
-        grid = normalize_grid(grid)
+        grid = self.check_grid(grid)
         params = self.signature.params
         if len(args) != len(params):
             names = ", ".join(p.name for p in params)
             raise KilnValueError(f"{self.name} takes {len(params)} run-time arguments ({names}), "
                                  f"got {len(args)}", fix="pass one value per kernel parameter")
-        handle = stream_handle(stream)
+        handle = _stream_source(args)() if stream is None else stream_handle(stream)
         staging = None
         flat: list = []
         try:
@@ -237,6 +477,8 @@ class _LaunchPlan:
                     staging = self._new_staging()
                 convert(value, flat, staging)
             self.launcher(flat, grid, handle)
+            if self.after_launch is not None:
+                self.after_launch()
             if staging is not None:
                 self.driver.stream_synchronize(handle)
                 staging.download()
@@ -251,52 +493,25 @@ class _LaunchPlan:
         return _Staging(self.driver)
 
     def _converter(self, param) -> Callable[[Any, list, Any], None]:
+        # Converters hold no reference to the plan: a plan must not sit in a reference cycle,
+        # so its launcher (and the loaded module) is released as soon as the kernel is.
         if isinstance(param, TensorParam):
-            return lambda value, flat, staging: self._tensor(param, value, flat, staging)
+            return lambda value, flat, staging: _convert_tensor(param, value, flat, staging)
         if isinstance(param, TensorMapParam):
+            tensor_maps = self.tensor_maps
             return lambda value, flat, staging: flat.append(
-                self._tensor_map(param, value, staging))
+                tensor_maps.descriptor(param, *_device_view(param, value, staging),
+                                       staging=staging))
         return _scalar_converter(param)
 
-    def _tensor(self, param: TensorParam, value, flat: list, staging) -> None:
-        ptr, shape, strides = _device_view(param, value, staging)
-        if param.contiguous and strides[-1] != 1 and shape[-1] > 1:
-            raise KilnValueError(f"argument {param.name!r} has innermost stride {strides[-1]} but "
-                                 f"the kernel was specialised for stride 1",
-                                 fix="pass a contiguous tensor (.contiguous()) or recompile")
-        flat += (ptr, ptr, 0, *shape, *strides)
 
-    def _tensor_map(self, param: TensorMapParam, value, staging) -> int:
-        ptr, shape, strides = _device_view(param, value, staging)
-        key = (param, ptr, shape, strides)
-        cached = self.tensor_maps.get(key)
-        if cached is not None and staging is None:
-            return cached
-        if strides[-1] != 1:
-            raise KilnValueError(f"TMA argument {param.name!r} needs innermost stride 1, got "
-                                 f"{strides[-1]}", fix="pass a contiguous tensor (.contiguous())")
-        itemsize = to_dtype(param.dtype).itemsize
-        misaligned = [s * itemsize for s in strides[:-1] if s * itemsize % 16]
-        if misaligned or ptr % 16:
-            # cuTensorMapEncodeTiled would only say "invalid argument".
-            raise KilnValueError(f"TMA argument {param.name!r} needs a 16-byte aligned address "
-                                 f"and row strides that are multiples of 16 bytes; it has "
-                                 f"strides of {[s * itemsize for s in strides]} bytes",
-                                 fix=f"pad the innermost dimension to a multiple of "
-                                     f"{16 // itemsize if itemsize < 16 else 1} elements")
-        self.driver.make_current()
-        encoded = self.driver.tensor_map_encode_tiled(
-            _TMA_DATA_TYPES[to_dtype(param.dtype).name], ptr, list(reversed(shape)),
-            [s * itemsize for s in reversed(strides[:-1])], list(reversed(param.box)),
-            _TMA_SWIZZLES[param.swizzle], 1 if param.oob_fill_nan else 0)
-        host = np.frombuffer(encoded, dtype=np.uint8)
-        if staging is not None:  # the tensor itself is a temporary copy: do not cache
-            device_ptr = staging.allocate(len(encoded))
-        else:
-            device_ptr = self.driver.mem_alloc(len(encoded))
-            self.tensor_maps[key] = device_ptr
-        self.driver.memcpy_htod(device_ptr, host.ctypes.data, len(encoded))
-        return device_ptr
+def _convert_tensor(param: TensorParam, value, flat: list, staging) -> None:
+    ptr, shape, strides = _device_view(param, value, staging)
+    if param.contiguous and strides[-1] != 1 and shape[-1] > 1:
+        raise KilnValueError(f"argument {param.name!r} has innermost stride {strides[-1]} but "
+                             f"the kernel was specialised for stride 1",
+                             fix="pass a contiguous tensor (.contiguous()) or recompile")
+    flat += (ptr, ptr, 0, *shape, *strides)
 
 
 def _device_view(param, value, staging) -> tuple[int, tuple[int, ...], tuple[int, ...]]:

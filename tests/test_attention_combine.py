@@ -180,3 +180,20 @@ def test_combine_on_gpu_matches_torch(splits, batch, sq, heads, head_dim):
         o, lse = combine(*dev, max_splits=max(splits, 2), out_dtype=kiln.f32)
         o_ref, lse_ref = reference(o_p, lse_p, counts)
         assert_matches(o.cpu().numpy(), lse.cpu().numpy(), o_ref, lse_ref, tol=1e-4)
+
+
+def test_preallocated_outputs_are_written_and_returned():
+    rng = np.random.default_rng()
+    o_p, lse_p, counts = make_partials(rng, 4, 2, 3, 5, 64)
+    out = np.full((2, 3, 5, 64), np.nan, np.float32)        # poisoned: fully overwritten
+    lse_out = np.full((2, 3, 5), np.nan, np.float32)
+    o, lse = combine(o_p, lse_p, counts, max_splits=4, out_dtype=kiln.f32, backend="interpret",
+                     out=out, lse_out=lse_out)
+    assert o is out and lse is lse_out
+    assert_matches(out, lse_out, *reference(o_p, lse_p, counts), tol=1e-5)
+    with pytest.raises(kiln.KilnValueError, match="lse_out must be a contiguous float32"):
+        combine(o_p, lse_p, counts, max_splits=4, out_dtype=kiln.f32, backend="interpret",
+                lse_out=np.empty((2, 3, 5), np.float64))
+    with pytest.raises(kiln.KilnValueError, match=r"out must be .* shape \(2, 3, 5, 64\)"):
+        combine(o_p, lse_p, counts, max_splits=4, out_dtype=kiln.f32, backend="interpret",
+                out=np.empty((2, 3, 5, 32), np.float32))

@@ -114,3 +114,63 @@ def test_tensor_map_encoding_accepts_a_device_tensor():
     encoded = driver().tensor_map_encode_tiled(float16, tensor.data_ptr(), [128, 256], [256],
                                                [64, 64], swizzle_128b, zero_fill)
     assert len(encoded) == 128 and any(encoded)
+
+
+def test_stream_none_launches_on_torchs_current_stream(saxpy_kernel):
+    torch = pytest.importorskip("torch")
+    n = 10_000
+    x = torch.randn(n, device="cuda")
+    y = torch.randn(n, device="cuda")
+    out = torch.full((n,), float("nan"), device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        # Delay the copy on `stream`: a launch on any other stream would run before it and the
+        # copy would then overwrite its result.
+        torch.cuda._sleep(20_000_000)
+        out.copy_(y)
+        launch(saxpy_kernel, ((n + BLOCK - 1) // BLOCK,), [x, out, n, 0.5])
+    stream.synchronize()
+    torch.testing.assert_close(out, 0.5 * x + y)
+
+
+def test_launch_configuration_beyond_the_device_is_a_resource_error(saxpy_kernel):
+    from kiln.errors import ResourceError
+    from kiln.lowering.cuda import driver
+
+    limits = driver().launch_limits()
+    too_much = SimpleNamespace(name="saxpy", target=saxpy_kernel.target, asm=saxpy_kernel.asm,
+                               metadata={}, signature=KernelSignature(
+                                   "saxpy", SIGNATURE.params, block=(BLOCK, 1, 1),
+                                   dynamic_shared_bytes=limits.max_shared_bytes_optin + 1024))
+    x = np.ones(4, np.float32)
+    with pytest.raises(ResourceError, match="bytes of shared memory") as err:
+        launch(too_much, (1,), [x, x, 4, 1.0])
+    assert err.value.loc.filename == __file__
+
+
+def test_bound_combine_with_preallocated_outputs_on_a_side_stream():
+    torch = pytest.importorskip("torch")
+    import kiln
+    from kiln.kernels.attention import combine
+
+    rng = np.random.default_rng()
+    splits, batch, heads, head_dim = 2, 1, 32, 128
+    o_np = rng.standard_normal((splits, batch, 1, heads, head_dim)).astype(np.float32)
+    lse_np = rng.standard_normal((splits, batch, 1, heads)).astype(np.float32)
+    o_p, lse_p = torch.from_numpy(o_np).cuda(), torch.from_numpy(lse_np).cuda()
+    counts = torch.full((batch, 1, heads), splits, dtype=torch.int32, device="cuda")
+    out = torch.full((batch, 1, heads, head_dim), float("nan"), device="cuda")
+    lse_out = torch.full((batch, 1, heads), float("nan"), device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # the bound launch, repeated into the same outputs
+            o, lse = combine(o_p, lse_p, counts, max_splits=2, out_dtype=kiln.f32, out=out,
+                             lse_out=lse_out)
+    stream.synchronize()
+    assert o is out and lse is lse_out
+    w = np.exp(lse_np - lse_np.max(axis=0))
+    expected = (w[..., None] * o_np).sum(axis=0) / w.sum(axis=0)[..., None]
+    np.testing.assert_allclose(out.cpu().numpy(), expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(lse_out.cpu().numpy(),
+                               np.log(w.sum(axis=0)) + lse_np.max(axis=0), rtol=1e-5, atol=1e-5)

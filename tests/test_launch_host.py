@@ -347,3 +347,110 @@ def test_jit_launcher_calls_the_runtime_with_flat_arguments():
     assert first == (runtime.FUNCTION, (3, 2, 1), (64, 2, 1), 512, 0x5555,
                      [0xA000, 0xA040, 16, 100, 1, 100, 0x3FC0], 7)
     assert second[1] == (1, 1, 1) and second[4] is None and second[5][0] == 0xB000
+
+
+def test_stream_none_is_the_current_stream_of_the_arguments_library(monkeypatch):
+    """torch: torch.cuda.current_stream(); cupy: its current stream; otherwise the default."""
+    import sys
+    from types import SimpleNamespace
+
+    torch_stream, cupy_stream = [0], [0]
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(_C=SimpleNamespace(
+        _cuda_getDevice=lambda: 0, _cuda_getCurrentRawStream=lambda device: torch_stream[0])))
+    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(cuda=SimpleNamespace(
+        get_current_stream=lambda: SimpleNamespace(ptr=cupy_stream[0]))))
+
+    class TorchTensor:
+        __module__ = "torch"
+        is_cuda, shape, dtype = True, (8,), np.dtype(np.float32)
+
+        def data_ptr(self):
+            return 0x1000
+
+        def dim(self):
+            return 1
+
+        def stride(self):
+            return (1,)
+
+    class CupyArray(DeviceArray):
+        __module__ = "cupy"
+
+    calls = []
+    plan, _ = _plan(SAXPY, lambda flat, grid, stream: calls.append(stream))
+    torch_x, cupy_x = TorchTensor(), CupyArray(0x2000, (8,), "<f4")
+    other_x = DeviceArray(0x3000, (8,), "<f4")
+    plan((1,), [torch_x, torch_x, 8, 1.0], None)
+    torch_stream[0], cupy_stream[0] = 0x7000, 0x8000   # inside `with torch.cuda.stream(s):`
+    plan((1,), [torch_x, torch_x, 8, 1.0], None)
+    plan((1,), [cupy_x, cupy_x, 8, 1.0], None)
+    plan((1,), [other_x, other_x, 8, 1.0], None)
+    plan((1,), [torch_x, torch_x, 8, 1.0], 0x9000)      # an explicit stream wins
+    assert calls == [None, 0x7000, 0x8000, None, 0x9000]
+    assert launch_mod.current_stream(torch_x) == 0x7000
+    assert launch_mod.current_stream(np.zeros(2)) is None
+
+
+def test_tensor_map_cache_evicts_the_least_recently_used_and_frees_on_collection():
+    import gc
+
+    driver = HostMemoryDriver()
+    cache = launch_mod.TensorMapCache(driver, capacity=3)
+    param = TensorMapParam("a", "f16", 2, (64, 64), 128)
+    rng = np.random.default_rng()
+    pointers = [int(p) * 16 for p in rng.choice(1 << 30, 5, replace=False)]
+
+    def descriptor(ptr):
+        return cache.descriptor(param, ptr, (256, 128), (128, 1))
+
+    first = [descriptor(p) for p in pointers[:3]]
+    assert descriptor(pointers[0]) == first[0] and len(driver.encoded) == 3  # a hit refreshes
+    descriptor(pointers[3])   # evicts pointers[1], the least recently used
+    assert driver.freed == [first[1]] and len(cache) == 3
+    descriptor(pointers[4])   # evicts pointers[2]
+    assert driver.freed == [first[1], first[2]]
+    assert descriptor(pointers[0]) == first[0] and len(driver.encoded) == 5
+    held = set(driver.buffers) - set(driver.freed)
+    del cache
+    gc.collect()
+    assert set(driver.freed) == set(driver.buffers) and len(held) == 3
+
+
+class Limits:
+    max_threads_per_block, max_block_dims = 1024, (1024, 1024, 64)
+    max_shared_bytes_optin, max_registers_per_block = 232448, 65536
+
+
+@pytest.mark.parametrize("signature, metadata, match", [
+    (KernelSignature("k", (), block=(2048, 1, 1)), {}, "2048 threads"),
+    (KernelSignature("k", (), block=(1, 1, 128)), {}, "per dimension"),
+    (KernelSignature("k", (), dynamic_shared_bytes=200_000), {"shared_bytes": 40_000},
+     r"240000 bytes of shared memory per block \(40000 static \+ 200000 dynamic\)"),
+    (KernelSignature("k", (), block=(1024, 1, 1)), {"registers": 128}, "131072 per block"),
+])
+def test_launch_configurations_beyond_the_device_are_resource_errors(signature, metadata, match):
+    from kiln.errors import ResourceError
+
+    with pytest.raises(ResourceError, match=match) as err:
+        launch_mod.check_launch_config("k", signature, metadata, Limits())
+    assert "Fix:" in str(err.value) and err.value.loc.filename == __file__
+    launch_mod.check_launch_config("k", KernelSignature("k", (), dynamic_shared_bytes=1024),
+                                   {"registers": 64, "shared_bytes": 512}, Limits())
+
+
+def test_cluster_grids_must_be_multiples_of_the_cluster():
+    clustered = KernelSignature("c", SAXPY.params, block=(128, 1, 1), cluster=(2, 1, 1))
+    plan, _ = _plan(clustered, SaxpyOnHost())
+    assert plan.check_grid((4, 3)) == (4, 3, 1)
+    with pytest.raises(KilnValueError, match="multiple of its cluster"):
+        plan.check_grid((5, 1, 1))
+
+
+def test_launch_blocking_synchronises_after_each_launch(monkeypatch):
+    monkeypatch.setenv("KILN_LAUNCH_BLOCKING", "1")
+    driver = HostMemoryDriver()
+    driver.synchronize = lambda: driver.synced.append("context")
+    plan = launch_mod._LaunchPlan("saxpy", SAXPY, lambda flat, grid, stream: None, driver)
+    x = DeviceArray(0x1000, (4,), "<f4")
+    plan((1,), [x, x, 4, 1.0], None)
+    assert driver.synced == ["context"]

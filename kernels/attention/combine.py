@@ -198,7 +198,7 @@ class _CombinePlan:
     def empty(self) -> bool:
         return self.grid[0] == 0 or self.grid[2] == 0
 
-    def run_torch(self, o_partial, lse_partial, split_counts):
+    def run_torch(self, o_partial, lse_partial, split_counts, out=None, lse_out=None):
         import torch
 
         if not (o_partial.is_contiguous() and lse_partial.is_contiguous()
@@ -209,14 +209,30 @@ class _CombinePlan:
         if not (lse_partial.is_cuda and split_counts.is_cuda):
             raise kiln.KilnTypeError("LSE_partial and split_counts must be CUDA tensors like "
                                      "O_partial", fix="move them to O_partial's device")
-        o = torch.empty(self.out_shape, device=self.device, dtype=self.torch_out_dtype)
-        lse = torch.empty(self.out_shape[:3], device=self.device, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(self.out_shape, device=self.device, dtype=self.torch_out_dtype)
+        else:
+            self.check_output(out, "out", self.out_shape, self.torch_out_dtype)
+        if lse_out is None:
+            lse_out = torch.empty(self.out_shape[:3], device=self.device, dtype=torch.float32)
+        else:
+            self.check_output(lse_out, "lse_out", self.out_shape[:3], torch.float32)
         if self.bound is not None:
             self.bound(o_partial.data_ptr(), lse_partial.data_ptr(), split_counts.data_ptr(),
-                       o.data_ptr(), lse.data_ptr())
-        return o, lse
+                       out.data_ptr(), lse_out.data_ptr())
+        return out, lse_out
 
-    def run_numpy(self, o_partial, lse_partial, split_counts):
+    def check_output(self, tensor, name: str, shape: tuple, dtype) -> None:
+        """A caller's output tensor must be laid out exactly as the bound launch writes it."""
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_cuda or \
+                not tensor.is_contiguous() or tensor.data_ptr() % CONFIG.vector_bytes:
+            raise kiln.KilnValueError(
+                f"combine's {name} must be a contiguous, 16-byte aligned {dtype} CUDA tensor of "
+                f"shape {shape}; got {tensor.dtype} of shape {tuple(tensor.shape)}",
+                fix=f"allocate it with torch.empty({shape}, dtype={dtype}, device=...) or "
+                    f"leave {name}=None")
+
+    def run_numpy(self, o_partial, lse_partial, split_counts, out=None, lse_out=None):
         if isinstance(split_counts, np.ndarray) and split_counts.size and \
                 int(split_counts.max()) > self.max_splits:
             raise kiln.KilnValueError(f"split_counts holds {int(split_counts.max())} splits, "
@@ -224,8 +240,16 @@ class _CombinePlan:
                                       fix=f"pass max_splits={int(split_counts.max())} or more")
         o_partial, lse_partial, split_counts = (np.ascontiguousarray(a) for a in
                                                 (o_partial, lse_partial, split_counts))
-        o = np.empty(self.out_shape, self.out_dtype.numpy)
-        lse = np.empty(self.out_shape[:3], np.float32)
+        o = np.empty(self.out_shape, self.out_dtype.numpy) if out is None else out
+        lse = np.empty(self.out_shape[:3], np.float32) if lse_out is None else lse_out
+        for array, name, shape, dtype in ((o, "out", self.out_shape, self.out_dtype.numpy),
+                                          (lse, "lse_out", self.out_shape[:3], np.float32)):
+            if not isinstance(array, np.ndarray) or array.shape != shape or \
+                    array.dtype != dtype or not array.flags.c_contiguous:
+                raise kiln.KilnValueError(
+                    f"combine's {name} must be a contiguous {np.dtype(dtype)} numpy array of "
+                    f"shape {shape}", fix=f"allocate it with np.empty({shape}, "
+                                          f"np.{np.dtype(dtype).name}) or leave {name}=None")
         if not self.empty:
             args = (o_partial, lse_partial, split_counts, o, lse, *_scalar_args(self.out_shape))
             launcher = lse_merge.interpret if self.backend == "interpret" else lse_merge
@@ -235,7 +259,8 @@ class _CombinePlan:
 
 
 # Plans by (array type, shapes, dtypes, device, options): a repeat call costs a dict look-up,
-# two output allocations and one launch, not a re-validation and specialisation.
+# two output allocations (none with out= and lse_out=) and one bound launch, not a
+# re-validation and specialisation.
 _PLANS: dict[tuple, _CombinePlan] = {}
 
 
@@ -294,20 +319,27 @@ def _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, part
 
 def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
             out_dtype=kiln.bf16, partials: Any = None, target: str | None = None,
-            backend: str | None = None):
+            backend: str | None = None, out=None, lse_out=None):
     """Merge split-KV partials into ``(o [b, q, h, D] out_dtype, lse [b, q, h] f32)``.
 
     ``max_splits`` is compile-time sizing (at least the largest ``split_counts`` entry);
     ``partials`` is the producer's :class:`Partials` (or an object with ``.partials``), checked
     against what this combine reads. Inputs: numpy arrays or torch CUDA tensors (outputs are
-    of the same kind; torch launches are asynchronous on the default stream, and a repeat call
-    with the same shapes costs a few microseconds of host time); ``backend="interpret"`` runs
-    the kernel on the CPU interpreter.
+    of the same kind; torch launches are asynchronous on torch's current stream, and a repeat
+    call with the same shapes costs about a microsecond of host time plus the launch);
+    ``backend="interpret"`` runs the kernel on the CPU interpreter.
+
+    ``out`` / ``lse_out``: optional preallocated outputs (contiguous, ``[b, q, h, D]`` of
+    ``out_dtype`` and ``[b, q, h]`` float32, same kind and device as the inputs) that are
+    written and returned instead of fresh ones; a decode loop that reuses them skips two
+    allocations per call. Either may be given alone.
 
     Example::
 
         o, lse = combine(o_partial, lse_partial, split_counts, max_splits=16,
                          out_dtype=kiln.f32, backend="interpret")
+        combine(o_partial, lse_partial, split_counts, max_splits=16, out_dtype=kiln.f32,
+                backend="interpret", out=o, lse_out=lse)   # writes into o and lse
     """
     is_torch = _is_torch(o_partial)
     try:
@@ -324,8 +356,8 @@ def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
         if key is not None:
             _PLANS[key] = plan
     if is_torch and backend is None:
-        return plan.run_torch(o_partial, lse_partial, split_counts)
-    return plan.run_numpy(o_partial, lse_partial, split_counts)
+        return plan.run_torch(o_partial, lse_partial, split_counts, out, lse_out)
+    return plan.run_numpy(o_partial, lse_partial, split_counts, out, lse_out)
 
 
 def compile_combine(dtype=f32, *, head_dim: int = 128, max_splits: int = 32,
