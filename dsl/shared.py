@@ -137,6 +137,23 @@ class DynamicSharedTensor(SharedTensor):
         return SharedTensor(memref.view(view_type, self._raw, shift, []), self.dtype, inner,
                             f"{self.name}[tile]")
 
+    def reinterpret(self, shape: Any, dtype: Any) -> "DynamicSharedTensor":
+        """The same bytes as a ``shape`` x ``dtype`` buffer (no copy): e.g. a TMA ring viewed
+        as one flat buffer for ``SharedTile.view``, or reused as f32 scratch after its last load.
+
+        Example: ``flat = ring.reinterpret((ring_elems,), kiln.bf16)``.
+        """
+        shape, elem = _check_request(shape, dtype, 16, "reinterpret")
+        have, want = numel_bytes(self.shape, self.dtype), numel_bytes(shape, elem)
+        if want > have:
+            raise KilnValueError(f"cannot view the {have} bytes of {self.name} as {shape} of "
+                                 f"{elem} ({want} bytes)",
+                                 fix="allocate the buffer with the larger of the two sizes")
+        view_type = ir.MemRefType.get(list(shape), elem.mlir_type(),
+                                      memory_space=_workgroup_space())
+        return DynamicSharedTensor(memref.view(view_type, self._raw, self._byte_shift, []), elem,
+                                   shape, f"{self.name} as {elem}", self._raw, self._byte_shift)
+
 
 def _check_request(shape: Any, dtype: Any, align: int, what: str):
     shape = (shape,) if isinstance(shape, int) else tuple(shape)

@@ -37,6 +37,11 @@ class SharedTile:
 
     def __init__(self, shape: tuple[int, int], dtype, layout: Layout | None = None,
                  swizzle: Swizzle | ComposedSwizzle | None = None, *, align: int = 128):
+        offsets = self._describe(shape, dtype, layout, swizzle)
+        self.buffer = shared((int(offsets.max()) + 1,), self.dtype, align=align)
+
+    def _describe(self, shape, dtype, layout, swizzle) -> np.ndarray:
+        """Check and set shape, dtype, layout and swizzle; returns every element's offset."""
         shape = tuple(shape)
         if len(shape) != 2 or any(not isinstance(s, int) or s <= 0 for s in shape):
             raise KilnValueError(f"a SharedTile shape is (rows, cols) of positive ints, got "
@@ -55,7 +60,26 @@ class SharedTile:
             raise KilnValueError(f"SharedTile layout {self.layout} with swizzle {swizzle} maps "
                                  "two elements to one address",
                                  fix="use an injective layout and a swizzle whose span divides it")
-        self.buffer = shared((int(offsets.max()) + 1,), self.dtype, align=align)
+        return offsets
+
+    @classmethod
+    def view(cls, buffer, shape: tuple[int, int], layout: Layout | None = None,
+             swizzle: Swizzle | ComposedSwizzle | None = None) -> "SharedTile":
+        """A SharedTile over an existing 1-D shared buffer (no allocation), e.g. a TMA ring in
+        dynamic shared memory seen through ``DynamicSharedTensor.reinterpret``. The swizzle acts
+        on offsets from the buffer's start, so the buffer must be aligned to its span.
+
+        Example: ``k_s = SharedTile.view(ring.reinterpret((n,), kiln.bf16), (64, 64),
+        swizzle=Swizzle.sw128b(2))``.
+        """
+        tile = cls.__new__(cls)
+        tile._describe(shape, buffer.dtype, layout, swizzle)
+        if len(buffer.shape) != 1 or tile.offsets().max() >= buffer.shape[0]:
+            raise KilnValueError(f"a {shape} SharedTile (layout {tile.layout}) does not fit the "
+                                 f"1-D view of {buffer.shape} elements",
+                                 fix="view a flat buffer holding every offset of the layout")
+        tile.buffer = buffer
+        return tile
 
     def offset(self, row: Any, col: Any) -> Any:
         """Element offset of ``(row, col)``: ``swizzle(layout((row, col)))`` for ints, numpy

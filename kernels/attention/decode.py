@@ -1,4 +1,4 @@
-"""Split-KV paged decode attention (Hopper): TMA page loads, GQA-packed rows, split partials.
+"""Split-KV paged decode attention (Hopper): TMA page loads, tensor-core (mma.sync) consumer.
 
 ``decode(q, k_cache, v_cache, page_table, seq_lens)`` attends ``q[B, Sq, Hq, D]`` (``Sq`` 1–16
 draft tokens, causal within the cache: query ``i`` sees keys ``0 .. L - Sq + i``) to a paged
@@ -9,30 +9,44 @@ bf16 cache ``[num_pages, page_size, Hkv, D]`` and returns per-split partials for
 h]`` (natural log, ``-inf`` for a split that saw no key) and ``split_counts[b, i, h]`` (the
 splits holding keys for that row; slots past it are ignored by ``combine``).
 
-Schedule: grid ``(num_splits, Hkv, B)`` (block-sparse: ``(top_k, Hkv, B * Sq)``); one CTA of
-4 to 16 warps (``DecodeConfig.rows_per_warp`` rows each) serves the whole GQA group of one KV
-head: ``Sq * (Hq / Hkv)`` packed query rows, so every K/V page is read once per CTA.
+Schedule: grid ``(num_splits, Hkv * row_blocks, B)`` (block-sparse: ``(top_k, Hkv *
+row_blocks, B * Sq)``). A CTA serves one KV head and a block of up to 32 (D = 256, or pages
+smaller than a tile: 16) *packed* query rows (row ``r`` = query token ``r // group``, head
+``r % group``; usually the whole GQA group, so every K/V page is read once), as m16 tiles, padded with zero rows that are
+never stored. Its ``DecodeConfig.num_warps`` warps split every BN-key tile: warp ``w`` owns
+keys ``w * BN / num_warps ..`` of each tile and keeps its own ``(m, l, O)``.
 
 | phase | who | what |
 | --- | --- | --- |
-| page look-up | all threads | ``PagedRowIndices.populate``: one physical row per page of the BN-key tile (pages past the sequence map out of bounds) |
-| load | elected lane of warp 0 | one TMA per page for K and V of tile ``t + 1`` into the other stage (2-stage ring, one mbarrier per stage expecting the full tile: out-of-bounds pages arrive as zeros) |
-| scores | warp ``w`` owns rows ``w, w + num_warps, ..``; lane ``l`` owns ``D / 32`` depth columns | per key: partial dot product, butterfly sum over the warp, causal mask |
-| softmax | same | streaming update in the base-2 domain (``scale * log2 e`` folded into q), ``o = o * 2^(m - m') + p * v`` |
-| release | all | block barrier before the stage is refilled |
-| epilogue | lanes | ``O / l``, ``LSE = (m + log2 l) * ln 2``; split 0 writes ``split_counts`` |
+| stage q | all threads | packed q rows into a swizzled shared tile (zero padding rows) |
+| load | warp 0, one elected lane issues | tile ``t + stages - 1``: wait ``empty[s]`` (tile ``t - 1`` released by every thread), ``PagedRowIndices.populate``, one TMA per page and 64-column half of K and V (128-byte swizzled boxes) completing on ``full[s]`` |
+| scores | each warp | ``S = Q K^T`` with ``mma.sync`` m16n8k16: Q A-fragments (``ldmatrix.x4``), K B-fragments (``ldmatrix.x4``) |
+| softmax | each warp | base-2 streaming update, ``scale * log2 e`` applied to S in f32; row max over the 4 lanes of a row, row sums kept per lane until the end |
+| P·V | each warp | P's accumulators, cast to bf16, are the A fragments (two n8 accumulators = one k16 A); V B-fragments by ``ldmatrix.x4.trans`` |
+| release | every thread | arrive on ``empty[s]`` |
+| merge | all | warps' ``(m, l, O)`` through shared memory (the ring reused as f32), then ``O / l``, ``LSE = (m + log2 l) * ln 2`` (sinks join here); split 0 writes ``split_counts`` |
 
-Keys past the sequence end are never read (the key loop stops at the tile's last valid key),
-so stale rows of a partially filled page cannot reach the sums. Attention sinks
-(``sinks[Hq]``, natural-log logits that only enlarge the denominator) seed split 0's state.
+Shared memory: a ring of ``stages`` K/V tiles; tile rows are stored as 64-column halves, each
+``BN x 64`` bf16 with 128-byte rows, so a TMA box of ``eff_page x 64`` lands at a multiple of
+``eff_page * 128`` bytes. With pages of 8 rows or more that is 1024-byte aligned and the boxes
+use the TMA 128-byte swizzle (``ldmatrix`` then reads 8 rows in 8 different bank groups);
+smaller pages use unswizzled boxes (correct, with ldmatrix bank conflicts).
+
+Keys past the sequence end never reach the sums, even when the cache holds NaN there: scores
+are masked to ``-inf`` and, in a tile that ends past the sequence, the V fragments of those keys
+are zeroed before ``P·V`` (``0 * NaN`` would poison the row). Attention sinks (``sinks[Hq]``,
+natural-log logits that only enlarge the denominator) join split 0's merge.
 
 Block-sparse selection (``block_table[B, Sq, Hkv, top_k]`` of BN-key block indices, ``-1``
 padded at the end): slot ``j`` of row ``(b, i, kv head)`` is the partial over block
 ``block_table[b, i, h_kv, j]``; ``split_counts`` is the number of non-negative entries, so a
 row that selects nothing has ``C = 0`` (combine returns ``O = 0``, ``LSE = -inf``).
 
-The scores and ``P·V`` run on CUDA cores: correct for every page size and GQA packing, but
-not yet the tensor-core (mma.sync / WGMMA) consumer the bandwidth goal needs.
+Synchronisation: the only CTA-wide barriers are at top level (after staging q and initialising
+the mbarriers; before and after the merge). ``elect_sync`` runs once, converged, before any
+branch. The K/V ring is a full/empty mbarrier pair per stage: ``full[s]`` is re-armed only
+after every thread arrived on ``empty[s]`` for the tile it held, and those arrivals come after
+each thread's wait on ``full[s]``, so no phase is reused while a waiter may still be on it.
 """
 
 from __future__ import annotations
@@ -44,18 +58,30 @@ from dataclasses import dataclass
 import numpy as np
 
 import kiln
-from kiln import mbarrier, nvidia_asm
+from kiln import ldmatrix, mbarrier, nvidia_asm, tiles
+from kiln.layout import Layout
 from kiln.shared import dynamic_shared  # kiln.dynamic_shared once exported
+from kiln.swizzle import Swizzle
 
-from .paged import PagedRowIndices, PageTableRow, kv_sub_tile_rows
+from .paged import OOB_ROW, PagedRowIndices, PageTableRow, kv_sub_tile_rows
 from .partials import Partials
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 WARP = 32
 DEFAULT_SMS = 132  # H100 SXM: split count heuristic when no device is queried
+CTAS_PER_SM = 2  # the default config's shared memory (3 x 32 KB stages) lets two CTAs share an SM
 MAX_DEFAULT_SPLITS = 64
 PRODUCER = "kiln.kernels.attention.decode"
+HALF = 64  # columns of one TMA box: 128 bytes of bf16, the 128-byte swizzle's row
+SWIZZLED_MIN_PAGE = 8  # a box of >= 8 rows of 128 bytes lands 1024-byte aligned
+MAX_UNROLLED_PAGES = 1  # more pages per tile are looked up in a run-time loop, not unrolled
+MERGE_PAD = 8  # f32 padding of a merge row: 64-bit stores of 16 lanes hit 32 distinct banks
+# ldmatrix blocks (row, col offsets of 8x8 blocks) of two B fragments at once:
+# K stored key x depth (non-transposed): keys n0.. then n0+8.., each 16 deep.
+K_PAIR_BLOCKS = ((0, 0), (0, 8), (8, 0), (8, 8))
+# V stored key x depth, read transposed: depth columns n0.. then n0+8.., each 16 keys deep.
+V_PAIR_BLOCKS = ((0, 0), (8, 0), (0, 8), (8, 8))
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,27 +94,103 @@ def decode_partials(num_slots: int) -> Partials:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """``block_n`` keys per tile (also the block size of ``block_table``), ``rows_per_warp``
-    packed query rows each warp keeps in registers (the CTA has ``ceil(rows / rows_per_warp)``
-    warps, 4 to 16). The K/V ring has two stages: tile ``t + 1`` loads while ``t`` is used."""
+    """``block_n`` keys per tile (also the block size of ``block_table``), ``stages`` K/V tiles
+    in the shared ring, ``num_warps`` warps splitting each tile's keys (``block_n / num_warps``
+    each, a multiple of 16). Example: ``DecodeConfig(block_n=128, stages=2)``."""
 
     block_n: int = 64
-    rows_per_warp: int = 8
-
-    def num_warps(self, packed_rows: int) -> int:
-        """Warps of a CTA serving ``packed_rows`` rows. Example: ``num_warps(128) == 16``."""
-        return min(16, max(4, -(-packed_rows // self.rows_per_warp)))
+    stages: int = 3
+    num_warps: int = 4
 
     def __post_init__(self):
-        if not isinstance(self.rows_per_warp, int) or self.rows_per_warp < 1:
-            raise kiln.KilnValueError(f"rows_per_warp={self.rows_per_warp!r} must be >= 1",
-                                      fix="use 8 (registers for 8 rows of q and o per lane)")
         if self.block_n not in (64, 128):
             raise kiln.UnsupportedError(f"block_n={self.block_n} is not supported",
                                         fix="use 64 or 128")
+        if self.stages not in (2, 3, 4):
+            raise kiln.UnsupportedError(f"stages={self.stages} is not supported",
+                                        fix="use 2, 3 or 4 K/V stages")
+        if self.num_warps not in (2, 4, 8) or self.block_n % (16 * self.num_warps):
+            raise kiln.UnsupportedError(
+                f"num_warps={self.num_warps} does not split block_n={self.block_n} into "
+                "16-key slices", fix="use 4 warps (or 2, or 8 with block_n=128)")
+
+    @property
+    def keys_per_warp(self) -> int:
+        return self.block_n // self.num_warps
+
+    def m_tiles(self, packed_rows: int, head_dim: int, page_size: int) -> int:
+        """m16 tiles of packed query rows per CTA: the rows, up to the O registers' budget of
+        256 f32 columns a lane (e.g. 2 tiles of D = 128), or 128 when a tile spans several
+        pages (the page look-ups then need the registers). Example: ``m_tiles(32, 128, 64) ==
+        2``, ``m_tiles(32, 128, 16) == 1``."""
+        budget = 256 if page_size >= self.block_n else 128
+        return max(1, min(-(-packed_rows // 16), budget // head_dim))
+
+    def row_blocks(self, packed_rows: int, head_dim: int, page_size: int) -> int:
+        """CTAs sharing one KV head's packed rows. Example: ``row_blocks(128, 128, 64) == 4``."""
+        return -(-packed_rows // (16 * self.m_tiles(packed_rows, head_dim, page_size)))
 
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Compile-time sizes of one kernel: tile, ring, fragments and merge scratch."""
+
+    head_dim: int
+    group: int
+    q_rows: int
+    page_size: int
+    config: DecodeConfig
+
+    def __post_init__(self):
+        c, D = self.config, self.head_dim
+        rows = PagedRowIndices[self.rows_params]
+        object.__setattr__(self, "eff", rows.eff_page)
+        object.__setattr__(self, "pages", rows.num_pages)
+        packed = self.q_rows * self.group
+        object.__setattr__(self, "packed", packed)
+        object.__setattr__(self, "m_tiles", c.m_tiles(packed, D, self.page_size))
+        object.__setattr__(self, "row_blocks", c.row_blocks(packed, D, self.page_size))
+
+    rows_params = property(lambda self: (self.config.block_n, self.page_size))
+    halves = property(lambda self: self.head_dim // HALF)
+    rows = property(lambda self: 16 * self.m_tiles)  # packed rows per CTA, padded
+    threads = property(lambda self: self.config.num_warps * WARP)
+    swizzle_bytes = property(lambda self: 128 if self.eff >= SWIZZLED_MIN_PAGE else 0)
+    tile_bytes = property(lambda self: 2 * self.config.block_n * self.head_dim * 2)  # K and V
+    merge_row = property(lambda self: self.head_dim + MERGE_PAD)
+
+    @property
+    def q_in_registers(self) -> bool:
+        """Q fragments stay in registers when they fit beside O (32 registers a lane)."""
+        return self.m_tiles * self.head_dim <= 128
+
+    @property
+    def merge_floats(self) -> int:
+        """f32 scratch of the merge: every warp's O rows, then its (m, l) pairs."""
+        return self.config.num_warps * self.rows * (self.merge_row + 2)
+
+    @property
+    def ring_elems(self) -> int:
+        ring = self.config.stages * self.tile_bytes // 2
+        return max(ring, 2 * self.merge_floats)
+
+    def ring_layout(self) -> Layout:
+        """(row, col) of the ring seen as ``2 * stages * BN`` rows (stage-major, K then V) of
+        ``D`` columns -> bf16 offset: each tile is stored as 64-column halves of ``BN`` rows."""
+        BN, D = self.config.block_n, self.head_dim
+        return Layout(((BN, 2 * self.config.stages), (HALF, self.halves)),
+                      ((HALF, BN * D), (1, BN * HALF)))
+
+    def ring_swizzle(self):
+        return Swizzle.sw128b(2) if self.swizzle_bytes else None
+
+    def q_swizzle(self) -> Swizzle:
+        """Conflict-free ldmatrix of a row-major ``rows x D`` bf16 tile: XOR the 16-byte chunk
+        with the row's low 3 bits."""
+        return Swizzle(3, 3, int(math.log2(self.head_dim)) - 3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,38 +198,35 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                 has_sinks: bool, config: DecodeConfig = DecodeConfig()):
     """The ``@kiln.kernel`` for one shape class: ``q_rows`` query tokens per CTA (``Sq``, or 1
     when block-sparse) times ``group`` query heads per KV head."""
-    BN = config.block_n
-    rows_params = (BN, page_size)
-    Rows = PagedRowIndices[rows_params]
-    eff, pages = Rows.eff_page, Rows.num_pages
-    D, E = head_dim, head_dim // WARP
-    packed = q_rows * group
-    NW = config.num_warps(packed)
-    rows_per_warp = -(-packed // NW)
-    tile_bytes = 2 * BN * D * 2  # K and V boxes of the whole tile, out-of-bounds pages included
+    shape = _Shape(head_dim, group, q_rows, page_size, config)
+    D, S = head_dim, config.stages
+    packed, ROWS, MT, RB = shape.packed, shape.rows, shape.m_tiles, shape.row_blocks
 
     def paged_decode(q: kiln.Tensor[kiln.bf16, 4],
-                     k_map: kiln.TensorMap[kiln.bf16, (eff, D), 0],
-                     v_map: kiln.TensorMap[kiln.bf16, (eff, D), 0],
+                     k_map: kiln.TensorMap[kiln.bf16, (shape.eff, HALF), shape.swizzle_bytes],
+                     v_map: kiln.TensorMap[kiln.bf16, (shape.eff, HALF), shape.swizzle_bytes],
                      page_table: kiln.Tensor[kiln.i32, 2], seq_lens: kiln.Tensor[kiln.i32, 1],
                      block_table: kiln.Tensor[kiln.i32, 4], sinks: kiln.Tensor[kiln.f32, 1],
                      o_part: kiln.Tensor[kiln.f32, 5], lse_part: kiln.Tensor[kiln.f32, 4],
                      counts: kiln.Tensor[kiln.i32, 3], num_splits: kiln.i32,
                      scale_log2: kiln.f32):
-        k_smem = dynamic_shared((2 * pages, eff, D), kiln.bf16, align=128)  # 2 stages of pages
-        v_smem = dynamic_shared((2 * pages, eff, D), kiln.bf16, align=128)
-        full = mbarrier.group(num_barriers=2)
+        ring = dynamic_shared((shape.ring_elems,), kiln.bf16, align=1024)
+        slots = ring.reinterpret((2 * S * shape.halves * shape.pages, shape.eff, HALF),
+                                kiln.bf16)
+        kv_s = tiles.SharedTile.view(ring, (2 * S * config.block_n, D), shape.ring_layout(),
+                                     shape.ring_swizzle())
+        q_s = tiles.SharedTile((ROWS, D), kiln.bf16, swizzle=shape.q_swizzle())
+        full = mbarrier.group(num_barriers=S)
+        empty = mbarrier.group(num_barriers=S)
         tid = kiln.thread_id(0)
         warp = tid // WARP
         lane = tid % WARP
-        leader = tid == 0
-        full.init(0, count=1, predicate=leader)
-        full.init(1, count=1, predicate=leader)
-        nvidia_asm.fence_mbarrier_init()
-        kiln.barrier()
+        # Converged here, before any branch: warp 0's elected lane issues every TMA.
+        producer = nvidia_asm.elect_sync() & (warp == 0)
 
         split = kiln.block_id(0)
-        kv_head = kiln.block_id(1)
+        kv_head = kiln.block_id(1) // RB
+        row0 = (kiln.block_id(1) % RB) * ROWS  # first packed row of this CTA
         seq_q = q.shape[1]
         if block_sparse:
             b = kiln.block_id(2) // seq_q
@@ -136,69 +235,78 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
             b = kiln.block_id(2)
             q_first = 0
         seq_len = seq_lens[b]
-        tiles = (seq_len + BN - 1) // BN
-        tiles_per_split = kiln.maximum((tiles + num_splits - 1) // num_splits, 1)
+        tiles_total = (seq_len + config.block_n - 1) // config.block_n
+        tiles_per_split = kiln.maximum((tiles_total + num_splits - 1) // num_splits, 1)
         if block_sparse:
             block = block_table[b, q_first, kv_head, split]
             tile_begin = kiln.maximum(block, 0)
-            tile_end = kiln.where(block >= 0, kiln.minimum(block + 1, tiles), 0)
+            tile_end = kiln.where(block >= 0, kiln.minimum(block + 1, tiles_total), 0)
         else:
             tile_begin = split * tiles_per_split
-            tile_end = kiln.minimum(tile_begin + tiles_per_split, tiles)
+            tile_end = kiln.minimum(tile_begin + tiles_per_split, tiles_total)
         num_tiles = kiln.maximum(tile_end - tile_begin, 0)
 
-        # Packed row r = query token r // group, head kv_head * group + r % group.
-        rows = [kiln.minimum(warp + NW * i, packed - 1) for i in range(rows_per_warp)]
-        live = [warp + NW * i < packed for i in range(rows_per_warp)]
-        q_index = [q_first + r // group for r in rows]
-        heads = [kv_head * group + r % group for r in rows]
-        key_limit = [seq_len - seq_q + qi for qi in q_index]  # last key each row may see
-        q_vals = [[kiln.cast(q[b, q_index[i], heads[i], lane * E + e], kiln.f32) * scale_log2
-                   for e in range(E)] for i in range(rows_per_warp)]
-        if has_sinks:
-            first = split == 0
-            m = [kiln.where(first, sinks[h] * LOG2E, -math.inf) for h in heads]
-            l = [kiln.where(first, 1.0, 0.0) for _ in heads]
-        else:
-            m = [kiln.cast(-math.inf, kiln.f32) for _ in heads]
-            l = [kiln.cast(0.0, kiln.f32) for _ in heads]
-        o = [[kiln.cast(0.0, kiln.f32) for _ in range(E)] for _ in heads]
+        _stage_q(q, q_s, b, q_first, kv_head, row0, tid, shape)
+        for s in kiln.static_range(S):
+            full.init(s, count=1, predicate=tid == 0)
+            empty.init(s, count=shape.threads, predicate=tid == 0)
+        nvidia_asm.fence_mbarrier_init()
+        kiln.barrier()
 
-        elect = nvidia_asm.elect_sync() & (warp == 0)
-        if num_tiles > 0:
-            _load_tile(rows_params, page_table, b, tile_begin, seq_len, k_map, v_map, k_smem,
-                       v_smem, full, 0, kv_head * D, elect, leader, tile_bytes)
+        q_frags = []
+        if shape.q_in_registers:
+            q_frags = [[ldmatrix.load_a(q_s, (16 * i, 16 * kk)) for kk in range(D // 16)]
+                       for i in range(MT)]
+        # Per lane: rows lane // 4 and lane // 4 + 8 of every m tile; the last key each sees.
+        key_limit = []
+        for i in range(MT):
+            for half in range(2):
+                r = kiln.minimum(row0 + 16 * i + lane // 4 + 8 * half, packed - 1)
+                key_limit.append(seq_len - seq_q + q_first + r // group)
+        m = [kiln.cast(-math.inf, kiln.f32) for _ in range(2 * MT)]
+        l = [kiln.cast(0.0, kiln.f32) for _ in range(2 * MT)]
+        o = [[kiln.vector_constant([0.0] * 4, kiln.f32) for _ in range(D // 8)]
+             for _ in range(MT)]
+
         for it in kiln.range(0, num_tiles):
-            stage = it % 2
-            if it + 1 < num_tiles:
-                _load_tile(rows_params, page_table, b, tile_begin + it + 1, seq_len, k_map,
-                           v_map, k_smem, v_smem, full, 1 - stage, kv_head * D, elect, leader,
-                           tile_bytes)
-            full.try_wait(stage, (it // 2) % 2)
-            key0 = (tile_begin + it) * BN
-            for j in kiln.range(0, kiln.minimum(BN, seq_len - key0)):
-                slot = stage * pages + j // eff
-                k_vals = [kiln.cast(k_smem[slot, j % eff, lane * E + e], kiln.f32)
-                          for e in range(E)]
-                v_vals = [kiln.cast(v_smem[slot, j % eff, lane * E + e], kiln.f32)
-                          for e in range(E)]
-                m, l, o = _attend_key(q_vals, k_vals, v_vals, m, l, o, key0 + j, key_limit)
-            kiln.barrier()  # every warp is done with this stage before it is refilled
+            stage = it % S
+            # The first tiles load inside the loop, so every TMA is followed by a wait on its
+            # ring on every path: kiln-insert-waits then adds no wait before the merge (one
+            # of fixed parity after the loop would hang a CTA whose stage 0 completed an even
+            # number of phases, none included).
+            if (it == 0) & (warp == 0):
+                for t in kiln.static_range(S - 1):
+                    if t < num_tiles:
+                        _load_tile(shape.rows_params, page_table, b, tile_begin + t, seq_len,
+                                   k_map, v_map, slots, full, t, kv_head * D, producer, shape)
+            ahead = it + S - 1
+            if ahead < num_tiles:
+                if warp == 0:  # warp-uniform: the whole producer warp waits, one lane issues
+                    if it > 0:
+                        empty.try_wait(ahead % S, ((it - 1) // S) % 2)
+                    _load_tile(shape.rows_params, page_table, b, tile_begin + ahead, seq_len,
+                               k_map, v_map, slots, full, ahead % S, kv_head * D, producer,
+                               shape)
+            full.try_wait(stage, (it // S) % 2)
+            key0 = (tile_begin + it) * config.block_n
+            kv_row = stage * 2 * config.block_n + warp * config.keys_per_warp
+            first_key = key0 + warp * config.keys_per_warp
+            if key0 + config.block_n <= seq_len - seq_q + 1:  # no key of the tile is masked
+                m, l, o = _attend(kv_s, q_s, q_frags, kv_row, first_key, lane, key_limit,
+                                  seq_len, scale_log2, m, l, o, shape, False)
+            else:
+                m, l, o = _attend(kv_s, q_s, q_frags, kv_row, first_key, lane, key_limit,
+                                  seq_len, scale_log2, m, l, o, shape, True)
+            empty.arrive(stage)
 
-        for i in range(rows_per_warp):
-            if live[i]:
-                has_mass = l[i] > 0.0
-                inv = kiln.where(has_mass, 1.0 / l[i], 0.0)
-                for e in range(E):
-                    o_part[split, b, q_index[i], heads[i], lane * E + e] = o[i][e] * inv
-                if lane == 0:
-                    lse_part[split, b, q_index[i], heads[i]] = kiln.where(
-                        has_mass, (m[i] + kiln.log2(kiln.maximum(l[i], 1e-30))) * LN2,
-                        -math.inf)
-                    if split == 0:
-                        counts[b, q_index[i], heads[i]] = _split_count(
-                            block_table, b, q_index[i], kv_head, key_limit[i] + 1,
-                            tiles_per_split, BN, block_sparse)
+        l = [kiln.shuffle.butterfly_reduce(x, (1, 2), _add) for x in l]
+        kiln.barrier()  # every warp's last ldmatrix is done: the ring becomes merge scratch
+        scratch = ring.reinterpret((shape.merge_floats,), kiln.f32)
+        _write_warp_state(scratch, m, l, o, warp, lane, shape)
+        kiln.barrier()
+        _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, split, b,
+                         q_first, kv_head, row0, tid, seq_len, seq_q, tiles_per_split, shape,
+                         block_sparse, has_sinks)
 
     paged_decode.__name__ = paged_decode.__qualname__ = (
         f"paged_decode_d{D}_g{group}_q{q_rows}_p{page_size}{'_sparse' if block_sparse else ''}"
@@ -207,44 +315,204 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
 
 
 @kiln.func
-def _load_tile(rows_params, page_table, b, tile, seq_len, k_map, v_map, k_smem, v_smem, full,
-               stage, column, elect, leader, tile_bytes):
-    """Look up tile ``tile``'s pages and TMA them into ``stage`` (K and V share the rows).
-    ``rows_params`` is ``(BN, page_size)``: a struct class cannot be captured by a traced if."""
-    Rows = PagedRowIndices[rows_params]
-    rows = Rows.populate(PageTableRow(page_table, b), tile * Rows.BN, seq_len)
-    full.arrive_expect_tx(stage, tile_bytes, predicate=leader)
-    first_slot = stage * Rows.num_pages
-    rows.tma_copy_k(k_map, k_smem, full, stage, column=column, elect=elect,
-                    needs_partial=False, first_slot=first_slot)
-    rows.tma_copy_v(v_map, v_smem, full, stage, column=column, elect=elect,
-                    needs_partial=False, first_slot=first_slot)
+def _stage_q(q, q_s, b, q_first, kv_head, row0, tid, shape):
+    """Packed q rows ``row0 ..`` into ``q_s`` in 8-element chunks; padding rows are zeros."""
+    D, group = shape.head_dim, shape.group
+    chunks = shape.rows * D // 8
+    for k in kiln.static_range(-(-chunks // shape.threads)):
+        chunk = tid + k * shape.threads
+        if chunk < chunks:
+            r = chunk // (D // 8)
+            col = (chunk % (D // 8)) * 8
+            row = kiln.minimum(row0 + r, shape.packed - 1)
+            values = q.load(b, q_first + row // group, kv_head * group + row % group, col,
+                            width=8)
+            q_s.store(r, col, kiln.where(row0 + r < shape.packed, values, 0.0))
 
 
 @kiln.func
-def _attend_key(q_vals, k_vals, v_vals, m, l, o, key, key_limit):
-    """One key for every row of this warp: score (base 2, pre-scaled q), causal mask, streaming
-    softmax update. Returns the new ``(m, l, o)``."""
-    new_m, new_l, new_o = [], [], []
-    for i in range(len(q_vals)):
-        partial = q_vals[i][0] * k_vals[0]
-        for e in range(1, len(k_vals)):
-            partial = kiln.fma(q_vals[i][e], k_vals[e], partial)
-        score = kiln.shuffle.butterfly_reduce(partial, (1, 2, 4, 8, 16), _add)
-        score = kiln.where(key <= key_limit[i], score, -math.inf)
-        m_next = kiln.maximum(m[i], score)
-        # A row with no key yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
-        m_safe = kiln.where(m_next == -math.inf, 0.0, m_next)
-        alpha = kiln.exp2(m[i] - m_safe)
-        p = kiln.exp2(score - m_safe)
-        new_m.append(m_next)
-        new_l.append(kiln.fma(l[i], alpha, p))
-        new_o.append([kiln.fma(o[i][e], alpha, p * v_vals[e]) for e in range(len(v_vals))])
-    return new_m, new_l, new_o
+def _load_tile(rows_params, page_table, b, tile, seq_len, k_map, v_map, slots, full, stage,
+               column, producer, shape):
+    """Look up tile ``tile``'s pages and TMA K and V into ring ``stage``: one box per page and
+    64-column half, slot ``((stage * 2 + kv) * halves + half) * pages + page``.
+    ``rows_params`` is ``(BN, page_size)``: a struct class cannot be captured by a traced if."""
+    Rows = PagedRowIndices[rows_params]
+    full.arrive_expect_tx(stage, shape.tile_bytes, predicate=producer)
+    if Rows.num_pages > MAX_UNROLLED_PAGES:
+        # Many small pages: a run-time loop keeps the code and the live rows (registers beside
+        # O) small.
+        for p in kiln.range(0, Rows.num_pages):
+            logical = tile * Rows.BN + p * Rows.eff_page
+            page = kiln.minimum(logical // Rows.page_size,
+                                kiln.maximum((seq_len - 1) // Rows.page_size, 0))
+            row = kiln.where(logical < seq_len, page_table[b, page] * Rows.page_size
+                             + logical % Rows.page_size, OOB_ROW)
+            for h in kiln.static_range(shape.halves):
+                for kv in kiln.static_range(2):
+                    first = ((stage * 2 + kv) * shape.halves + h) * Rows.num_pages
+                    kiln.tma.load(v_map if kv else k_map, slots.tile(first + p),
+                                  (column + h * HALF, row), full, stage, predicate=producer)
+        return
+    rows = Rows.populate(PageTableRow(page_table, b), tile * Rows.BN, seq_len)
+    for h in kiln.static_range(shape.halves):
+        rows.tma_copy_k(k_map, slots, full, stage, column=column + h * HALF, elect=producer,
+                        needs_partial=False,
+                        first_slot=((stage * 2) * shape.halves + h) * Rows.num_pages)
+        rows.tma_copy_v(v_map, slots, full, stage, column=column + h * HALF, elect=producer,
+                        needs_partial=False,
+                        first_slot=((stage * 2 + 1) * shape.halves + h) * Rows.num_pages)
+
+
+@kiln.func
+def _attend(kv_s, q_s, q_frags, kv_row, first_key, lane, key_limit, seq_len, scale_log2, m, l,
+            o, shape, masked):
+    """One tile's slice of this warp (``keys_per_warp`` keys from ring row ``kv_row``, the
+    first being key ``first_key``): S = Q K^T, masked streaming softmax, O += P V. ``masked``
+    (Python bool): apply the causal/length mask and zero V rows past the sequence."""
+    D, MT = shape.head_dim, shape.m_tiles
+    keys = shape.config.keys_per_warp
+    BN = shape.config.block_n
+    atom = kiln.mma.atom(16, 8, 16, kiln.bf16)
+    o = [list(row) for row in o]  # a fresh list: both branches of the caller's if trace this
+    s = [[kiln.vector_constant([0.0] * 4, kiln.f32) for _ in range(keys // 8)]
+         for _ in range(MT)]
+    for kk in kiln.static_range(D // 16):
+        k_frags = []
+        for jj in kiln.static_range(keys // 16):
+            pair = ldmatrix.ldmatrix(kv_s, (kv_row + 16 * jj, 16 * kk), K_PAIR_BLOCKS)
+            k_frags += [kiln.vector_slice(pair, 0, 4), kiln.vector_slice(pair, 4, 4)]
+        for i in kiln.static_range(MT):
+            a = q_frags[i][kk] if q_frags else ldmatrix.load_a(q_s, (16 * i, 16 * kk))
+            for j in kiln.static_range(keys // 8):
+                s[i][j] = atom(a, k_frags[j], s[i][j])
+
+    # Accumulator element e of key atom j: key first_key + 8j + 2(lane % 4) + e % 2, row half
+    # e // 2 (rows lane // 4 and lane // 4 + 8).
+    col = first_key + 2 * (lane % 4)
+    new_m, new_l, p16 = [], [], []
+    for i in kiln.static_range(MT):
+        limits = kiln.pack([key_limit[2 * i], key_limit[2 * i],
+                            key_limit[2 * i + 1], key_limit[2 * i + 1]])
+        scaled = []
+        for j in kiln.static_range(keys // 8):
+            x = s[i][j] * scale_log2
+            if masked:
+                key = kiln.pack([col + 8 * j, col + 8 * j + 1, col + 8 * j, col + 8 * j + 1])
+                x = kiln.where(key <= limits, x, -math.inf)
+            scaled.append(kiln.unpack(x))
+        alphas, safes = [], []
+        for half in kiln.static_range(2):
+            row_max = scaled[0][2 * half]
+            for j in kiln.static_range(keys // 8):
+                for e in kiln.static_range(2):
+                    row_max = kiln.maximum(row_max, scaled[j][2 * half + e])
+            row_max = kiln.shuffle.butterfly_reduce(row_max, (1, 2), kiln.maximum)
+            m_next = kiln.maximum(m[2 * i + half], row_max)
+            # A row with no key yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
+            m_safe = kiln.where(m_next == -math.inf, 0.0, m_next)
+            alphas.append(kiln.exp2(m[2 * i + half] - m_safe))
+            safes.append(m_safe)
+            new_m.append(m_next)
+        shift = kiln.pack([safes[0], safes[0], safes[1], safes[1]])
+        probs = [kiln.exp2(kiln.pack(x) - shift) for x in scaled]
+        for half in kiln.static_range(2):
+            total = l[2 * i + half] * alphas[half]
+            for pj in probs:
+                parts = kiln.unpack(pj)
+                total = total + parts[2 * half] + parts[2 * half + 1]
+            new_l.append(total)
+        # Two n8 accumulators (keys 16k.., 16k+8..) are one k16 A fragment of P.
+        p16.append([kiln.cast(kiln.pack(kiln.unpack(probs[2 * k]) + kiln.unpack(probs[2 * k + 1])),
+                              kiln.bf16) for k in range(keys // 16)])
+        scale_o = kiln.pack([alphas[0], alphas[0], alphas[1], alphas[1]])
+        o[i] = [acc * scale_o for acc in o[i]]
+
+    for k in kiln.static_range(keys // 16):
+        if masked:
+            # B fragment element e of lane: key 16k + 2(lane % 4) + e % 2 + 8 (e // 2).
+            base = first_key + 16 * k + 2 * (lane % 4)
+            v_keys = kiln.pack([base, base + 1, base + 8, base + 9])
+            v_live = v_keys < seq_len
+        for nn in kiln.static_range(D // 16):
+            pair = ldmatrix.ldmatrix(kv_s, (kv_row + BN + 16 * k, 16 * nn), V_PAIR_BLOCKS,
+                                     trans=True)
+            for half in kiln.static_range(2):
+                v = kiln.vector_slice(pair, 4 * half, 4)
+                if masked:
+                    v = kiln.where(v_live, v, 0.0)
+                for i in kiln.static_range(MT):
+                    o[i][2 * nn + half] = atom(p16[i][k], v, o[i][2 * nn + half])
+    return new_m, new_l, o
 
 
 def _add(a, b):
     return a + b
+
+
+@kiln.func
+def _write_warp_state(scratch, m, l, o, warp, lane, shape):
+    """This warp's unnormalised O rows and (m, l) into the merge scratch: O row ``r`` of warp
+    ``w`` at ``(w * rows + r) * merge_row``, its (m, l) after all O rows."""
+    rows, stride = shape.rows, shape.merge_row
+    ml_base = shape.config.num_warps * rows * stride
+    for i in kiln.static_range(shape.m_tiles):
+        for half in kiln.static_range(2):
+            r = warp * rows + 16 * i + lane // 4 + 8 * half
+            for n in kiln.static_range(shape.head_dim // 8):
+                scratch.store(r * stride + 8 * n + 2 * (lane % 4),
+                              kiln.vector_slice(o[i][n], 2 * half, 2))
+            if lane % 4 == 0:
+                scratch[ml_base + 2 * r] = m[2 * i + half]
+                scratch[ml_base + 2 * r + 1] = l[2 * i + half]
+
+
+@kiln.func
+def _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, split, b, q_first,
+                     kv_head, row0, tid, seq_len, seq_q, tiles_per_split, shape, block_sparse,
+                     has_sinks):
+    """Thread ``tid`` merges the warps' states of one packed row over ``D / (threads / rows)``
+    columns and writes O_partial (4-wide stores); the row's first thread writes LSE (and, on
+    split 0, the split count)."""
+    rows, stride, D = shape.rows, shape.merge_row, shape.head_dim
+    NW = shape.config.num_warps
+    per_row = shape.threads // rows
+    width = D // per_row
+    ml_base = NW * rows * stride
+    r = tid // per_row
+    c0 = (tid % per_row) * width
+    row = row0 + r
+    if row < shape.packed:
+        q_index = q_first + row // shape.group
+        head = kv_head * shape.group + row % shape.group
+        ms = [scratch[ml_base + 2 * (w * rows + r)] for w in range(NW)]
+        ls = [scratch[ml_base + 2 * (w * rows + r) + 1] for w in range(NW)]
+        m_all = ms[0]
+        for w in kiln.static_range(1, NW):
+            m_all = kiln.maximum(m_all, ms[w])
+        if has_sinks:
+            sink = kiln.where(split == 0, sinks[head] * LOG2E, -math.inf)
+            m_all = kiln.maximum(m_all, sink)
+        m_safe = kiln.where(m_all == -math.inf, 0.0, m_all)
+        weights = [kiln.exp2(ms[w] - m_safe) for w in range(NW)]
+        total = weights[0] * ls[0]
+        for w in kiln.static_range(1, NW):
+            total = kiln.fma(weights[w], ls[w], total)
+        if has_sinks:
+            total = total + kiln.exp2(sink - m_safe)
+        has_mass = total > 0.0
+        inv = kiln.where(has_mass, 1.0 / kiln.maximum(total, 1e-30), 0.0)
+        for c in kiln.static_range(0, width, 4):
+            acc = scratch.load((0 * rows + r) * stride + c0 + c, width=4) * weights[0]
+            for w in kiln.static_range(1, NW):
+                acc = acc + scratch.load((w * rows + r) * stride + c0 + c, width=4) * weights[w]
+            o_part.store(split, b, q_index, head, c0 + c, acc * inv)
+        if tid % per_row == 0:
+            lse_part[split, b, q_index, head] = kiln.where(
+                has_mass, (m_all + kiln.log2(kiln.maximum(total, 1e-30))) * LN2, -math.inf)
+            if split == 0:
+                counts[b, q_index, head] = _split_count(
+                    block_table, b, q_index, kv_head, seq_len - seq_q + q_index + 1,
+                    tiles_per_split, shape.config.block_n, block_sparse)
 
 
 @kiln.func
@@ -262,11 +530,13 @@ def _split_count(block_table, b, q_index, kv_head, visible_keys, tiles_per_split
 
 
 def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, block_n: int = 64,
-                       sms: int = DEFAULT_SMS) -> int:
-    """Splits that give about two CTAs per SM without splitting below one tile each.
-    Example: ``default_num_splits(1, 8, 65536) == 33``."""
+                       sms: int = DEFAULT_SMS, row_blocks: int = 1) -> int:
+    """Splits that fill one wave of ``CTAS_PER_SM`` CTAs per SM (rounded down, so no second
+    wave of a few CTAs), without splitting below one tile each.
+    Example: ``default_num_splits(1, 8, 16384) == 33`` (264 CTAs of 8 tiles on 132 SMs)."""
     tiles = max(1, -(-max_seq_len // block_n))
-    return max(1, min(tiles, -(-2 * sms // (batch * kv_heads)), MAX_DEFAULT_SPLITS))
+    per_split = batch * kv_heads * row_blocks
+    return max(1, min(tiles, CTAS_PER_SM * sms // per_split, MAX_DEFAULT_SPLITS))
 
 
 def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_table=None,
@@ -354,24 +624,25 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
     num_pages, page_size, Hkv, Dk = k_cache.shape
     _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, config)
     group = Hq // Hkv
+    q_rows = 1 if block_table is not None else Sq
+    row_blocks = config.row_blocks(q_rows * group, D, page_size)
     if block_table is not None:
         slots = block_table.shape[3]
-        grid = (slots, Hkv, B * Sq)
-        q_rows = 1
+        grid = (slots, Hkv * row_blocks, B * Sq)
     else:
-        slots = num_splits or default_num_splits(B, Hkv, num_pages * page_size, config.block_n)
+        slots = num_splits or default_num_splits(B, Hkv, num_pages * page_size, config.block_n,
+                                                 row_blocks=row_blocks)
         if not isinstance(slots, int) or slots < 1:
             raise kiln.KilnValueError(f"num_splits={num_splits!r} must be a positive int",
                                       fix="leave num_splits=None for the default")
-        grid = (slots, Hkv, B)
-        q_rows = Sq
+        grid = (slots, Hkv * row_blocks, B)
     if backend not in (None, "gpu", "interpret"):
         raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
                                   fix="leave backend=None to run on the GPU")
     kernel = make_kernel(D, group, q_rows, page_size, block_table is not None,
                          sinks is not None, config)
     return _DecodePlan(kernel=kernel, chip=_target(target), grid=grid,
-                       num_warps=config.num_warps(q_rows * group), slots=int(slots),
+                       num_warps=config.num_warps, slots=int(slots),
                        partial_shape=(slots, B, Sq, Hq, D), cache_rows=num_pages * page_size,
                        cache_cols=Hkv * D,
                        scale_log2=float((D ** -0.5 if scale is None else scale) * LOG2E),
@@ -398,7 +669,7 @@ def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_si
             np.zeros((1, 1, sq, hq, head_dim), np.float32), np.zeros((1, 1, sq, hq), np.float32),
             np.zeros((1, sq, hq), np.int32), 1, 0.1]
     kernel = make_kernel(head_dim, group, q_rows, page_size, block_sparse, sinks, config)
-    return kernel.compile(*args, target=chip.name, num_warps=config.num_warps(q_rows * group))
+    return kernel.compile(*args, target=chip.name, num_warps=config.num_warps)
 
 
 def decode_attention(q, k_cache, v_cache, page_table, seq_lens, **options):
