@@ -10,17 +10,17 @@ h]`` (natural log, ``-inf`` for a split that saw no key) and ``split_counts[b, i
 splits holding keys for that row; slots past it are ignored by ``combine``).
 
 Schedule: grid ``(num_splits, Hkv * row_blocks, B)`` (block-sparse: ``(top_k, Hkv *
-row_blocks, B * Sq)``). A CTA serves one KV head and a block of up to 32 (D = 256, or pages
-smaller than a tile: 16) *packed* query rows (row ``r`` = query token ``r // group``, head
-``r % group``; usually the whole GQA group, so every K/V page is read once), as m16 tiles, padded with zero rows that are
-never stored. Its ``DecodeConfig.num_warps`` warps split every BN-key tile: warp ``w`` owns
+row_blocks, B * Sq)``). A CTA serves one KV head and a block of ``16 * m_tiles`` *packed*
+query rows (row ``r`` = query token ``r // group``, head ``r % group``; 32 for D = 64, else 16:
+Q's fragments and O stay in registers), as m16 tiles padded with zero rows that are never
+stored; the CTAs of one KV head's row blocks run side by side and share its pages in L2. Its ``DecodeConfig.num_warps`` warps split every BN-key tile: warp ``w`` owns
 keys ``w * BN / num_warps ..`` of each tile and keeps its own ``(m, l, O)``.
 
 | phase | who | what |
 | --- | --- | --- |
 | stage q | all threads | packed q rows into a swizzled shared tile (zero padding rows) |
 | load | warp 0, one elected lane issues | tile ``t + stages - 1``: wait ``empty[s]`` (tile ``t - 1`` released by every thread), ``PagedRowIndices.populate``, one TMA per page and 64-column half of K and V (128-byte swizzled boxes) completing on ``full[s]`` |
-| scores | each warp | ``S = Q K^T`` with ``mma.sync`` m16n8k16: Q A-fragments (``ldmatrix.x4``), K B-fragments (``ldmatrix.x4``) |
+| scores | each warp | ``S = Q K^T`` with ``mma.sync`` m16n8k16: Q A-fragments (``ldmatrix.x4`` once per split, kept in registers), K B-fragments (``ldmatrix.x4``) |
 | softmax | each warp | base-2 streaming update, ``scale * log2 e`` applied to S in f32; row max over the 4 lanes of a row, row sums kept per lane until the end |
 | P·V | each warp | P's accumulators, cast to bf16, are the A fragments (two n8 accumulators = one k16 A); V B-fragments by ``ldmatrix.x4.trans`` |
 | release | every thread | arrive on ``empty[s]`` |
@@ -119,12 +119,10 @@ class DecodeConfig:
         return self.block_n // self.num_warps
 
     def m_tiles(self, packed_rows: int, head_dim: int, page_size: int) -> int:
-        """m16 tiles of packed query rows per CTA: the rows, up to the O registers' budget of
-        256 f32 columns a lane (e.g. 2 tiles of D = 128), or 128 when a tile spans several
-        pages (the page look-ups then need the registers). Example: ``m_tiles(32, 128, 64) ==
-        2``, ``m_tiles(32, 128, 16) == 1``."""
-        budget = 256 if page_size >= self.block_n else 128
-        return max(1, min(-(-packed_rows // 16), budget // head_dim))
+        """m16 tiles of packed query rows per CTA: the rows, up to 128 f32 O columns a lane
+        (O and the Q fragments of every m tile stay in registers; a CTA serving more rows
+        spilled). Example: ``m_tiles(32, 64, 64) == 2``, ``m_tiles(32, 128, 64) == 1``."""
+        return max(1, min(-(-packed_rows // 16), 128 // head_dim))
 
     def row_blocks(self, packed_rows: int, head_dim: int, page_size: int) -> int:
         """CTAs sharing one KV head's packed rows. Example: ``row_blocks(128, 128, 64) == 4``."""
@@ -161,11 +159,6 @@ class _Shape:
     swizzle_bytes = property(lambda self: 128 if self.eff >= SWIZZLED_MIN_PAGE else 0)
     tile_bytes = property(lambda self: 2 * self.config.block_n * self.head_dim * 2)  # K and V
     merge_row = property(lambda self: self.head_dim + MERGE_PAD)
-
-    @property
-    def q_in_registers(self) -> bool:
-        """Q fragments stay in registers when they fit beside O (32 registers a lane)."""
-        return self.m_tiles * self.head_dim <= 128
 
     @property
     def merge_floats(self) -> int:
@@ -253,10 +246,11 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
 
-        q_frags = []
-        if shape.q_in_registers:
-            q_frags = [[ldmatrix.load_a(q_s, (16 * i, 16 * kk)) for kk in range(D // 16)]
-                       for i in range(MT)]
+        # Q's A fragments stay in registers for the whole split. (Re-reading them from q_s
+        # every tile gave wrong results on an H200 although the interpreter agreed with it;
+        # see bench/RESULTS.md.)
+        q_frags = [[ldmatrix.load_a(q_s, (16 * i, 16 * kk)) for kk in range(D // 16)]
+                   for i in range(MT)]
         # Per lane: rows lane // 4 and lane // 4 + 8 of every m tile; the last key each sees.
         key_limit = []
         for i in range(MT):
@@ -382,7 +376,7 @@ def _attend(kv_s, q_s, q_frags, kv_row, first_key, lane, key_limit, seq_len, sca
             pair = ldmatrix.ldmatrix(kv_s, (kv_row + 16 * jj, 16 * kk), K_PAIR_BLOCKS)
             k_frags += [kiln.vector_slice(pair, 0, 4), kiln.vector_slice(pair, 4, 4)]
         for i in kiln.static_range(MT):
-            a = q_frags[i][kk] if q_frags else ldmatrix.load_a(q_s, (16 * i, 16 * kk))
+            a = q_frags[i][kk]
             for j in kiln.static_range(keys // 8):
                 s[i][j] = atom(a, k_frags[j], s[i][j])
 
@@ -580,7 +574,18 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
         traced = plan.kernel.trace(*numpy_args, target=plan.chip.name, num_warps=plan.num_warps)
         interpret_kernel(traced, plan.grid, numpy_args, plan.chip)
         return tuple(lib.like(numpy_args[i], args[i]) for i in (7, 8, 9))
-    plan.kernel[plan.grid](*args, target=plan.chip.name, num_warps=plan.num_warps)
+    if lib.torch and all(a.is_contiguous() for a in args[:10]):
+        bound = _BOUND.get(key) if key is not None else None
+        if bound is None:
+            from kiln.lowering.launch import bind_launch
+
+            ck = plan.kernel.compile(*args, target=plan.chip.name, num_warps=plan.num_warps)
+            bound = bind_launch(ck, plan.grid, args)
+            if key is not None:
+                _BOUND[key] = bound
+        bound(*(a.data_ptr() for a in args[:10]))
+    else:
+        plan.kernel[plan.grid](*args, target=plan.chip.name, num_warps=plan.num_warps)
     return o_part, lse_part, counts
 
 
@@ -616,6 +621,9 @@ class _DecodePlan:
 # Plans by (array type, device, shapes, dtypes, options): a repeat call skips re-validation,
 # kernel selection and the placeholder and poison allocations.
 _PLANS: dict[tuple, _DecodePlan] = {}
+# Bound launches (kiln.lowering.launch.bind_launch) by the same key, for contiguous torch
+# tensors: a repeat call only writes ten addresses into a prepared argument block.
+_BOUND: dict[tuple, object] = {}
 
 
 def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
