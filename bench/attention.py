@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from timing import time_ms
+from timing import queued_ms, time_ms
 
 TOKENS = 16 * 1024
 HIDDEN = 2048  # heads * D
@@ -48,6 +48,9 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=5, help="back-to-back calls per sample")
     parser.add_argument("--gqa-seq", type=int, default=2048, help="sequence length of the GQA row")
     parser.add_argument("--quick", action="store_true", help="only seq 512 and 4096")
+    parser.add_argument("--queued", action="store_true",
+                        help="time kernels on a pre-filled stream (timing.queued_ms): no host "
+                             "time counted, for every implementation alike")
     parser.add_argument("--no-sweep", action="store_true",
                         help="skip the block_n / stages sweep of the Hopper kernel")
     parser.add_argument("--sanitize", action="store_true",
@@ -115,18 +118,24 @@ def bench_shape(row: dict, args) -> dict:
             continue
         if reference is None:
             reference = call().transpose(1, 2).float()
-        result[f"{name}_tflops"] = flops / time_ms(call, args.repeat, args.batch) / 1e9
+        result[f"{name}_tflops"] = flops / _timer(args)(call) / 1e9
     out = prefill(q, k, v, causal=causal)
     if reference is not None:
         error = (out.float() - reference).abs().max().item()
         if not error < MAX_ERROR:  # also catches NaN
             raise SystemExit(f"Kiln prefill wrong at {row}: max abs error {error} vs SDPA")
         result["max_abs_error"] = error
-    result["kiln_tflops"] = flops / time_ms(lambda: prefill(q, k, v, causal=causal),
-                                            args.repeat, args.batch) / 1e9
+    result["kiln_tflops"] = flops / _timer(args)(lambda: prefill(q, k, v, causal=causal)) / 1e9
     peers = [result[f"{n}_tflops"] for n in ("flash", "cudnn") if result[f"{n}_tflops"]]
     result["ratio_vs_best_sdpa"] = result["kiln_tflops"] / max(peers) if peers else None
     return result
+
+
+def _timer(args):
+    """Milliseconds per call: back-to-back calls between events, or queued (``--queued``)."""
+    if args.queued:
+        return lambda fn: queued_ms(fn, args.repeat)
+    return lambda fn: time_ms(fn, args.repeat, args.batch)
 
 
 def sweep(args) -> list[dict]:
@@ -152,7 +161,7 @@ def sweep(args) -> list[dict]:
                 error = (prefill(q, k, v, causal=causal).float() - reference).abs().max().item()
                 if not error < MAX_ERROR:
                     raise SystemExit(f"Kiln prefill wrong with {config}: max abs error {error}")
-                ms = time_ms(lambda: prefill(q, k, v, causal=causal), args.repeat, args.batch)
+                ms = _timer(args)(lambda: prefill(q, k, v, causal=causal))
             torch.cuda.synchronize()
             results.append(dict(row, block_n=block_n, stages=stages, max_abs_error=error,
                                 kiln_tflops=row_flops(row) / ms / 1e9))
