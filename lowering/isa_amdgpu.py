@@ -8,10 +8,10 @@ Used by the assembly-level checks that run after the ``amdgcn`` stage:
   ``vmcnt`` counts VMEM loads *and stores* (gfx9 has no separate store counter), ``lgkmcnt``
   counts LDS ops (in order) and SMEM loads (out of order: only ``lgkmcnt(0)`` retires them);
   a call (``s_swappc_b64``) retires everything, because the callee opens with ``s_waitcnt 0``.
-- :func:`cluster_instances` / :func:`class_counts`: the instructions between the begin/end
-  markers of each cluster that ``kiln-cluster-schedule`` plants (empty ``sched_group_barrier``s
-  with SyncID ``0x4B0000 + k`` / ``0x4B8000 + k``, printed as comments in verbose assembly),
-  counted per work class.
+- :func:`cluster_instances` / :func:`class_counts`: the instructions from the begin marker to
+  the end marker of each cluster instance that ``kiln-cluster-schedule`` plants (empty
+  ``sched_group_barrier``s with SyncID ``0x4B0000 + k`` / ``0x4B8000 + k``, printed as comments
+  in verbose assembly), following branches, counted per work class.
 - :func:`live_vgprs_at_clusters`: live VGPRs+AGPRs at each cluster's begin marker, from a
   backward liveness pass (an estimate: operand 0 is taken as the def except for stores,
   LDS writes and branches; MAC/MFMA accumulators count as reads).
@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass, field
 
@@ -288,15 +289,56 @@ def _cluster_loc(program: Program, index: int) -> SourceLoc | None:
 
 # -- clusters ----------------------------------------------------------------------------------
 def cluster_instances(program: Program) -> list[tuple[Marker, list]]:
-    """``(begin marker, instructions)`` for every cluster instance, in asm order."""
-    out, open_marker = [], None
-    for marker in program.markers:
-        if marker.kind == "begin":
-            open_marker = marker
-        elif open_marker is not None and marker.cluster == open_marker.cluster:
-            out.append((open_marker, program.instrs[open_marker.position:marker.position]))
-            open_marker = None
+    """``(begin marker, instructions)`` for every cluster instance, in asm order of the begin
+    markers. The instructions are those reachable from the begin marker before the cluster's
+    end marker, following branches (a loop that LLVM rotated around a branch inside a cluster
+    lays the instance's tail out before its head), each once, blocks in reverse postorder
+    (execution order for the if/else shapes clusters hold)."""
+    out = []
+    starts = [start for start, _, _ in program.blocks]
+
+    def block_of(position: int) -> int:
+        return bisect.bisect_right(starts, position) - 1
+
+    for begin in (m for m in program.markers if m.kind == "begin"):
+        first = block_of(begin.position)
+        segments: dict[int, list] = {}
+        edges: dict[int, list] = {}
+        closed, queue = False, [(first, begin.position)]
+        while queue:
+            n, position = queue.pop()
+            _, end, succ = program.blocks[n] if n >= 0 else (0, position, [])
+            stops = [m for m in program.markers if position <= m.position < end
+                     and (m.kind == "begin" and m is not begin
+                          or m.kind == "end" and m.cluster == begin.cluster)]
+            if not stops and end == len(program.instrs):  # a marker after the last instruction
+                stops = [m for m in program.markers if m.position == end and m.kind == "end"
+                         and m.cluster == begin.cluster]
+            stop = min(stops, key=lambda m: m.position) if stops else None
+            segments[n] = program.instrs[position:stop.position if stop else end]
+            if stop is not None:
+                closed = closed or stop.kind == "end"
+                continue
+            edges[n] = [s for s in succ if s != first]
+            queue += [(s, program.blocks[s][0]) for s in edges[n]
+                      if s not in segments and all(s != q for q, _ in queue)]
+        if closed:
+            out.append((begin, [i for n in _reverse_postorder(first, edges) for i in segments[n]]))
     return out
+
+
+def _reverse_postorder(root: int, edges: dict[int, list]) -> list[int]:
+    order, visited, stack = [], {root}, [(root, iter(edges.get(root, ())))]
+    while stack:
+        node, children = stack[-1]
+        child = next(children, None)
+        if child is None:
+            order.append(node)
+            stack.pop()
+        elif child not in visited:
+            visited.add(child)
+            stack.append((child, iter(edges.get(child, ()))))
+    return order[::-1]
 
 
 def class_counts(instrs: list) -> dict[str, int]:

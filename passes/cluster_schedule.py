@@ -11,6 +11,7 @@ AMD (``kiln.target = "gfx9.."``)::
     rocdl.s.setprio P                      // recipe.priority
     ...the cluster's ops...
     rocdl.sched.group.barrier M, n, k      // one per interleave group, in order (or rocdl.iglp.opt)
+    rocdl.sched.barrier 0                  // no work sinks below the priority drop / barrier
     rocdl.s.setprio 0
     rocdl.s.barrier                        // recipe.barrier_at_end
     rocdl.sched.barrier 0
@@ -169,6 +170,8 @@ def _schedule_amd(span: ClusterSpan, recipe: ClusterRecipe, first_instance: bool
             _tag(rocdl.sched_group_barrier(SCHED_GROUP_MASKS[work], size, span.cluster), tag)
         if recipe.iglp is not None:
             _tag(rocdl.iglp_opt(recipe.iglp), tag)
+        # LLVM would otherwise sink the cluster's ALU work below its s_setprio 0 / s_barrier.
+        _tag(rocdl.sched_barrier(0), tag)
         if recipe.priority is not None:
             _tag(rocdl.s_setprio(0), tag)
         if recipe.barrier_at_end:

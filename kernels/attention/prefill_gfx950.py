@@ -8,26 +8,78 @@ Work split: one block of 8 waves per (query head, 256-row Q block, sequence); wa
 the 32-row Q stripe ``w``. Scores are computed transposed, ``S^T = K Q^T`` on
 ``v_mfma_f32_32x32x16``, so in the accumulator's ``col_l`` view a lane owns one query row and
 the online-softmax state (``OnlineSoftmax``, ``q_axis="col"``) is one f32 per lane. PV is
-``O^T = V^T P^T``: the bf16 P tile is the B operand straight from the score registers and V^T
-comes from ``ds_read_b64_tr_b16`` transposed LDS reads. K/V tiles hold 64 keys; each reaches
-LDS by global->LDS DMA (``buffer_load_dwordx4 ... lds``) two tiles ahead, double buffered.
+``O^T = V^T P^T``: P is the B operand straight from the score registers and V^T comes from
+``ds_read_b64_tr_b16`` transposed LDS reads. A K/V tile holds 64 keys at head_dim 64 and 32
+keys above (registers, below); tiles reach LDS by global->LDS DMA (``buffer_load_dwordx4 ...
+lds``) into two slots per operand (even / odd tiles).
 
-Cluster schedule of the main loop: one iteration advances two K/V tiles ``t`` (clusters C0-C3,
-LDS slot 0) and ``t + 1`` (C4-C7, slot 1); every cluster ends in ``s_barrier``:
+Software pipeline
+-----------------
+A key tile ``t`` passes five stages, each in its own cluster: QK (MFMAs only: the previous
+cluster loaded the whole K tile into registers); mask + running max + lazy-rescale vote;
+*partial* softmax, ``P = exp2(scale * S - max)`` in 8-value strips, then the denominator
+``norm = norm * scale_vec + sum(P)``; PV. The main loop advances ``j`` by 2 and runs 8 clusters,
+each ending in ``s_barrier``; its first half works on tile ``j - 2``, its second on ``j - 1``:
 
-| cluster | work (tile ``t``; C4-C7 the same for ``t + 1``) |
+| cluster | work |
 | --- | --- |
-| C0 | QK[t] from the pre-loaded whole-tile ``k_reg`` (MFMAs only) |
-| C1 | DMA K[t+2] + LDS->register V[t] + mask(t) + running max + lazy-rescale vote |
-| C2 | softmax(t) into the persistent bf16 P tile + PV[t] |
-| C3 | DMA V[t+2] + LDS->register K[t+1] (whole tile, consumed by the next QK cluster) |
+| C0 | QK[j-2] |
+| C1 | DMA K[j] + LDS->register V[j-3] + mask(j-2) on boundary tiles + max / vote(j-2) |
+| C2 | O rescale(j-3), PV[j-3] strip-interleaved with softmax(j-2), norm update(j-2) |
+| C3 | DMA V[j-1] + LDS->register K[j-1] |
+| C4 | QK[j-1] |
+| C5 | DMA K[j+1] + LDS->register V[j-2] + mask(j-1) on boundary tiles + max / vote(j-1) |
+| C6 | O rescale(j-2), PV[j-2] strip-interleaved with softmax(j-1), norm update(j-1) |
+| C7 | DMA V[j] + LDS->register K[j] |
 
-The prologue (P0, P1) DMAs K/V of the first two tiles and pre-loads K[0]; the epilogue
-(E0) normalises O in place and stores it through a zero-cost ``col_l -> row_l`` re-tag,
-and the LSE. Lazy rescale uses threshold 8 (log2 units): O and the denominator are rescaled only
-when some row's max grew by more than 8, so P stays below 2**8. GQA head remap: block
-``x`` serves query head ``(x % GROUP) * NUM_KV_HEADS + x // GROUP``. Only key tiles that the
-mask leaves visible to some row of the block are visited; padding past them is masked.
+MFMA clusters run at ``s_setprio 1`` and open with a consumer-side ``lgkmcnt(0)`` drain. C2/C6
+interleave one PV k-step (``head_dim / 32`` MFMAs over 16 keys) with the 8 ``v_exp_f32`` of one
+strip of the next tile's scores, four times (two at 32-key tiles): ``interleave mfma=D/32
+trans=8`` in the recipe, lowered to ``sched_group_barrier`` and checked by
+``kiln-verify-schedule``. Each P strip is cast to the input dtype once, at the PV k-step that
+reads it.
+
+Masks: a wave-uniform scalar test skips the mask in C1/C5 when every key of the tile is below
+``Sk`` and visible to every row of the block (causal: every tile left of the block's first
+diagonal), so interior tiles pay one scalar branch for it; boundary tiles (for a causal mask
+the tiles crossing the block's 256-row diagonal band, and the padding) and the prologue /
+epilogue tiles are masked.
+
+Lazy rescale, threshold 8 (log2 units): when no row's max grew by more than 8 the max rolls back
+(P stays below ``2**8``) and ``scale_vec`` is 1; the vote is an OR over the wave, decided with
+selects. ``norm *= scale_vec`` and ``O *= scale`` then multiply by 1: both run every tile
+(``O``: ``head_dim / 4`` ``v_pk_mul_f32`` per lane, in C2/C6 ahead of the MFMAs) instead of
+behind a branch (below). ``O`` is rescaled for tile ``t`` right before PV[t], one cluster pair
+after the vote, so every PV adds ``P V`` at the scale ``O`` is expressed in: exact.
+
+Prologue P0-P3 (clusters 8-11): DMA K[0], K[1], V[0]; load K[0] + QK[0]; DMA K[2] + mask /
+vote(0) + softmax(0); DMA V[1] + load K[1] (DMAs in the steady state's age order). Epilogue,
+13 clusters E0-E12 (12-24) draining the last four tiles ``N-4 .. N-1``: E0-E7 are C0-C7 with
+``j = N - 1`` and no K[N] DMA; E8 QK[N-1]; E9 V[N-2] + mask / vote(N-1); E10 PV[N-2] +
+softmax(N-1); E11 V[N-1]; E12 PV[N-1], ``O / norm``, the O store through a zero-cost ``col_l ->
+row_l`` re-tag, and the LSE. ``N``, the tiles some row of the block may see, is padded to an
+even count of at least 6 with fully masked tiles: at least one main-loop iteration, so LLVM sees
+no zero-trip path (whose structurized flow block would keep the prologue's P and K live across
+the loop). Waits: ``vmcnt(2 * DMAs per tile)`` before the barrier of every even cluster retires
+the DMA the next cluster reads (``vmcnt(DMAs)``, ``vmcnt(0)`` at the end of the epilogue).
+
+How LLVM shaped it (each found in the assembly): the seed's tail softmax in C0 (the bf16 cast
+of P[j-3] and its row sum) and its persistent bf16 P tile are not here. The row sum stays next
+to the exps it reads: moved to C0, it leaves the prologue's exps without a use in their cluster,
+and LLVM sinks them out of it to the loop entry. P crosses the loop back-edge in f32
+(a loop-carried bf16 vector makes LLVM split the latch and copy every carried register each
+iteration), and MachineSink moves a pure value computed before a branch to its uses after it:
+a cast done early lands next to the PV anyway (seen with the cast in C2 and C5's mask branch).
+The vote selects instead of branching for the same reason. K/V fragment offsets are immediates
+(``imm_offset_bytes``), folded into the ``ds_read`` offset field.
+
+Registers: 8 waves of 64 lanes per block put two waves on each SIMD, so a wave gets 256 of the
+512 unified VGPR+AGPR registers (LLVM enforces it; no AGPR is used). Measured for every mask
+kind: head_dim 64 uses 182-189 VGPRs, 128 uses 199-209, no scratch. head_dim 256 does not fit:
+the O^T accumulator (128 VGPRs), Q (64) and the V tile of one PV cluster (64 at 32 keys, the
+fewest a 32x32 MFMA row block holds) already need 256, so ``compile_prefill_gfx950`` refuses it
+unless ``allow_scratch=True`` (it then spills 556-580 bytes); the interpreter runs every head
+dim. GQA head remap: block ``x`` serves query head ``(x % GROUP) * NUM_KV_HEADS + x // GROUP``.
 
 Edges: Q, K, V and O go through buffer views; rows past a sequence are redirected past the
 tensor's end, so they read zeros and their stores are dropped.
@@ -35,19 +87,20 @@ tensor's end, so they read zeros and their stores are dropped.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
-from mlir import ir
-from mlir.dialects import arith, vector
 
 import kiln
 from kiln import amd_asm, amd_buffer, mma
 from kiln.cluster import ClusterRecipe
 from kiln.layout import mfma_32x32_accumulator
 from kiln.loader import TiledMmaLoader
-from kiln.tiles import RegTile
+from kiln.tiles import RegTile, TileVector
 
 from .online_softmax import OnlineSoftmax
 
@@ -56,19 +109,29 @@ WAVE = 64
 WAVES = 8
 STRIPE = 32  # Q rows per wave: one MFMA column block
 BLOCK_Q = WAVES * STRIPE
-BLOCK_KV = 64  # keys per K/V tile: two 32-key MFMA row blocks
+KEY_BLOCK = MMA_SHAPE[0]  # keys per score fragment (S^T rows)
+STRIP_KEYS = 8  # score values of one strip per lane (16 keys over the two half-waves)
 DMA_ELEMS = 8  # 16 bytes of a 2-byte dtype per lane per DMA
 RESCALE_THRESHOLD = 8.0
+EPILOGUE_TILES = 4  # the epilogue drains four tiles
+# At least one main-loop iteration: a loop LLVM sees run at least once has no zero-trip path,
+# whose structurized flow block would keep the prologue's P and K registers live across it.
+MIN_TILES = EPILOGUE_TILES + 2
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+MAX_REGISTER_HEAD_DIM = 128  # larger head dims spill (module docs)
 SUPPORTED_DTYPES = ("bf16", "f16")
 LOG2E = 1.0 / math.log(2.0)
+
+# Cluster numbers: C0-C7 the main loop, then the prologue and the epilogue.
+PROLOGUE = tuple(range(8, 12))
+EPILOGUE = tuple(range(12, 25))
 
 
 @dataclass(frozen=True)
 class PrefillGfx950Config:
     """Compile-time shape of the gfx950 prefill kernel.
 
-    Example: ``PrefillGfx950Config(head_dim=128).mfmas_per_tile == (16, 16)`` (QK, PV).
+    Example: ``PrefillGfx950Config(head_dim=128).mfmas_per_tile == (8, 8)`` (QK, PV).
     """
 
     head_dim: int = 128
@@ -87,37 +150,55 @@ class PrefillGfx950Config:
                                         fix=f"use one of {', '.join(SUPPORTED_DTYPES)}")
 
     @property
+    def block_kv(self) -> int:
+        """Keys per K/V tile: 64 for head_dim 64, else 32 (registers; see the module docs)."""
+        return 64 if self.head_dim == 64 else 32
+
+    @property
+    def strips(self) -> int:
+        """PV k-steps per tile = softmax strips (16 keys each)."""
+        return self.block_kv // MMA_SHAPE[2]
+
+    @property
     def mfmas_per_tile(self) -> tuple[int, int]:
-        """(QK, PV) MFMAs one wave issues per 64-key tile."""
+        """(QK, PV) MFMAs one wave issues per K/V tile."""
         d = self.head_dim
-        return 2 * d // MMA_SHAPE[2], (d // MMA_SHAPE[0]) * (BLOCK_KV // MMA_SHAPE[2])
+        return self.block_kv // KEY_BLOCK * d // MMA_SHAPE[2], d // MMA_SHAPE[0] * self.strips
 
     @property
     def dmas_per_tile(self) -> int:
         """``buffer_load_dwordx4 ... lds`` one wave issues per K (or V) tile."""
-        return BLOCK_KV * self.head_dim // (WAVE * DMA_ELEMS * WAVES)
+        return self.block_kv * self.head_dim // (WAVE * DMA_ELEMS * WAVES)
 
     @property
     def lds_bytes(self) -> int:
-        return 2 * 2 * BLOCK_KV * self.head_dim * 2  # K and V, two slots each
+        return 2 * 2 * self.block_kv * self.head_dim * 2  # K and V, two slots each
 
     def recipes(self) -> dict[int, ClusterRecipe]:
-        """Cluster number -> recipe, the schedule table above as data."""
+        """Cluster number -> recipe: the schedule tables of the module docs as data."""
         qk, pv = self.mfmas_per_tile
         dma = self.dmas_per_tile
-        d = self.head_dim
-        v_reads = 2 * (d // MMA_SHAPE[0]) * (BLOCK_KV // MMA_SHAPE[2])  # two tr reads/fragment
-        k_reads = 2 * (d // MMA_SHAPE[2])  # one ds_read_b128 per K fragment
-        recipes = {}
-        for base in (0, 4):
-            recipes[base + 0] = ClusterRecipe(work=(("mfma", qk),), priority=1)
-            recipes[base + 1] = ClusterRecipe(work=(("dma", dma), ("ds_read", v_reads)))
-            recipes[base + 2] = ClusterRecipe(work=(("mfma", pv),), priority=1)
-            recipes[base + 3] = ClusterRecipe(work=(("dma", dma), ("ds_read", k_reads)))
-        return recipes
-
-
-PROLOGUE_DMA, PROLOGUE_K, EPILOGUE = 8, 9, 10
+        d_tiles = self.head_dim // MMA_SHAPE[0]
+        v_reads = 2 * pv  # two transposed reads per V fragment
+        k_reads = qk  # one ds_read_b128 per K fragment
+        exps = self.strips * STRIP_KEYS
+        qk_only = ClusterRecipe(work=(("mfma", qk),), priority=1)
+        load_v_vote = ClusterRecipe(work=(("dma", dma), ("ds_read", v_reads)))
+        pv_partial = ClusterRecipe(work=(("mfma", pv), ("trans", exps)),
+                                   interleave=(("mfma", d_tiles), ("trans", STRIP_KEYS)),
+                                   priority=1)
+        load_k = ClusterRecipe(work=(("dma", dma), ("ds_read", k_reads)))
+        v_only = ClusterRecipe(work=(("ds_read", v_reads),))
+        loop = [qk_only, load_v_vote, pv_partial, load_k]
+        prologue = [ClusterRecipe(work=(("dma", 3 * dma),)),
+                    ClusterRecipe(work=(("ds_read", k_reads), ("mfma", qk)), priority=1),
+                    ClusterRecipe(work=(("dma", dma), ("trans", exps))),
+                    load_k]
+        epilogue = loop + [qk_only, v_only, pv_partial, load_k,
+                           qk_only, v_only, pv_partial, v_only,
+                           ClusterRecipe(work=(("mfma", pv),), priority=1)]
+        return dict(enumerate(loop + loop)) | dict(zip(PROLOGUE, prologue)) | \
+            dict(zip(EPILOGUE, epilogue))
 
 
 def _swap_bits_2_3(r):
@@ -132,12 +213,6 @@ def _tr_depth(r):
     return r - (r % 16) + (r % 4) * 4 + (r % 16) // 4
 
 
-def _int_vector(values) -> kiln.Value:
-    vtype = ir.VectorType.get([len(values)], ir.IntegerType.get_signless(32))
-    attr = ir.DenseElementsAttr.get(np.asarray(values, np.int32), type=vtype)
-    return kiln.Value(arith.constant(vtype, attr), kiln.i32)
-
-
 def make_kernel(config: PrefillGfx950Config):
     """The ``@kiln.kernel`` for ``config``; arguments ``(q, k, v, o, lse, cu_q, cu_k, sinks,
     hq, hkv, scale_log2, window_left, window_right, chunk)`` with q/o ``[tokens * Hq, D]``,
@@ -146,8 +221,9 @@ def make_kernel(config: PrefillGfx950Config):
     d = config.head_dim
     k_steps = d // MMA_SHAPE[2]
     d_tiles = d // MMA_SHAPE[0]
-    pv_steps = BLOCK_KV // MMA_SHAPE[2]
     dmas = config.dmas_per_tile
+    block_kv, strips = config.block_kv, config.strips
+    key_frags = block_kv // KEY_BLOCK  # score fragments per tile
     CAUSAL, WINDOW, CHUNK, SINKS = config.causal, config.window, config.chunk, config.sinks  # noqa: N806
     recipes = config.recipes()
     loader = TiledMmaLoader(dtype, MMA_SHAPE)
@@ -156,80 +232,175 @@ def make_kernel(config: PrefillGfx950Config):
     # swap(8 * (v // 4) + 4 * (l // 32) + v % 4): a constant vector plus 8 * (l // 32).
     key_of_value = [_swap_bits_2_3(8 * (v // 4) + v % 4) for v in range(16)]
 
-    def dma_tile(src, lds, slot, tile, seq_k0, sk, kv_head, hkv, rows_total, permute, lane,
-                 wave):
-        """This wave's share of one 64-key tile into LDS slot ``slot``."""
-        tokens = []
+    def dma_tile(src, lds, tile, geo, permute):
+        """This wave's share of one K/V tile (relative index ``tile``) into ``lds``."""
         for i in kiln.static_range(dmas):
-            chunk = wave + i * WAVES
-            position = chunk * (WAVE * DMA_ELEMS) + lane * DMA_ELEMS
+            chunk = geo.wave + i * WAVES
+            position = chunk * (WAVE * DMA_ELEMS) + geo.lane * DMA_ELEMS
             row, col = position // d, position % d
-            key = tile * BLOCK_KV + (_swap_bits_2_3(row) if permute else row)
-            src_row = kiln.where(key < sk, (seq_k0 + key) * hkv + kv_head, rows_total)
+            key = (geo.tile_lo + tile) * block_kv + (_swap_bits_2_3(row) if permute else row)
+            src_row = kiln.where(key < geo.sk, (geo.seq_k0 + key) * geo.hkv + geo.kv_head,
+                                 geo.k_rows)
             first = chunk * (WAVE * DMA_ELEMS) // d
-            tokens.append(amd_buffer.copy_to_lds(src, (src_row, col), lds[slot], (first, 0),
-                                                 width=DMA_ELEMS))
-        return tokens
+            amd_buffer.copy_to_lds(src, (src_row, col), lds, (first, 0), width=DMA_ELEMS)
 
-    def mask_scores(s, tile, q_pos, sk, window_left, window_right, chunk, lane):
-        """-inf where key is past the sequence or hidden by the mask (``q_pos``: this lane's
-        query position aligned to the keys, bottom-right)."""
-        frags = []
-        for f in range(2):
-            key = _int_vector(key_of_value) + (tile * BLOCK_KV + f * 32 + 8 * (lane // 32))
-            visible = key < sk
+    def mask_scores(s, tile, geo):
+        """-inf where a key is past the sequence or hidden by the mask (``geo.q_pos``: this
+        lane's query position aligned to the keys, bottom-right). The visible keys of a row
+        are one interval; it is computed per lane relative to the fragment's first key, and
+        compared with the constant key offsets: two compares per score and no per-value
+        vector that LLVM could hoist out of the loop (and keep live across it)."""
+        q_pos, frags = geo.q_pos, []
+        offsets = kiln.vector_constant(key_of_value, kiln.i32)
+        for f in range(key_frags):
+            base = (geo.tile_lo + tile) * block_kv + f * KEY_BLOCK + 8 * (geo.lane // 32)
+            lo, hi = -base, geo.sk - 1 - base
             if CAUSAL:
-                visible = visible & (key <= q_pos)
+                hi = kiln.minimum(hi, q_pos - base)
             if WINDOW:
-                visible = visible & ((window_left < 0) | (key >= q_pos - window_left))
-                visible = visible & ((window_right < 0) | (key <= q_pos + window_right))
+                lo = kiln.where(geo.window_left < 0, lo,
+                                kiln.maximum(lo, q_pos - geo.window_left - base))
+                hi = kiln.where(geo.window_right < 0, hi,
+                                kiln.minimum(hi, q_pos + geo.window_right - base))
             if CHUNK:
-                same = key // chunk == kiln.maximum(q_pos, 0) // chunk
-                visible = visible & same & (q_pos >= 0)
+                start = (kiln.maximum(q_pos, 0) // geo.chunk) * geo.chunk
+                lo = kiln.maximum(lo, start - base)
+                hi = kiln.where(q_pos < 0, -1 - block_kv,
+                                kiln.minimum(hi, start + geo.chunk - 1 - base))
+            visible = (offsets >= lo) & (offsets <= hi)
             frags.append(kiln.where(visible, s.fragment(f, 0), -math.inf))
         return RegTile(frags, s.layout, s.grid)
 
-    def half_iteration(base, slot, tile, state):
-        """Clusters ``base .. base + 3`` for key tile ``tile`` in LDS slot ``slot``."""
-        (sm, o, k_reg, q_reg, k_lds, v_lds, k_buf, v_buf, ctx) = state
-        (lane, wave, seq_k0, sk, kv_head, hkv, k_rows, q_pos, scale_log2, wl, wr, chunk,
-         atom) = ctx
-        with kiln.cluster(base + 0, recipes[base + 0]):
-            amd_asm.s_waitcnt(lgkmcnt=0)  # consumer-side drain: k_reg's LDS reads are done
-            acc = [kiln.values.constant(0.0, kiln.f32, (16,)) for _ in range(2)]
-            for f in kiln.static_range(2):
-                for kk in kiln.static_range(k_steps):
-                    acc[f] = atom(k_reg[f * k_steps + kk], q_reg[kk], acc[f])
-            amd_asm.s_waitcnt(vmcnt=2 * dmas)  # V[t] landed (K[t+1], V[t+1] may be in flight)
-        with kiln.cluster(base + 1, recipes[base + 1]):
-            dma_tile(k_buf, k_lds, slot, tile + 2, seq_k0, sk, kv_head, hkv, k_rows, True, lane,
-                     wave)
-            v_frags = [[loader.load_b_tr(v_lds[slot], k0=kk * MMA_SHAPE[2],
-                                         n0=dt * MMA_SHAPE[0]) for dt in range(d_tiles)]
-                       for kk in range(pv_steps)]
-            s = RegTile(acc, acc_layout, (2, 1))
-            s = mask_scores(s, tile, q_pos, sk, wl, wr, chunk, lane)
-            sm.col_max_acc_scaled(s, scale_log2)
-            fired, o = sm.lazy_rescale_decision(o, RESCALE_THRESHOLD)
-        with kiln.cluster(base + 2, recipes[base + 2]):
-            amd_asm.s_waitcnt(lgkmcnt=0)  # consumer-side drain: V's transposed reads are done
-            p = sm.sub_max_scaled(s, scale_log2).exp2()
-            sm.apply_norm_rescale_if_pending(fired)
-            sm.col_sum_acc(p)
-            p16 = p.cast(dtype)  # the persistent P tile: one bulk conversion, read by every PV
-            frags = list(o.fragments)
-            for kk in kiln.static_range(pv_steps):
-                whole = p16.fragment(kk // 2, 0)
-                half = kiln.Value(_slice(whole.ir, 8 * (kk % 2), 8), dtype)
+    def is_boundary(tile, geo):
+        """Wave-uniform: some key of ``tile`` is past ``Sk`` or hidden from some row of the
+        block, so the tile needs :func:`mask_scores`; interior tiles skip it."""
+        first = (geo.tile_lo + tile) * block_kv
+        last = first + block_kv - 1
+        boundary = last >= geo.sk
+        if CAUSAL:
+            boundary = boundary | (last > geo.first_pos)
+        if WINDOW:
+            boundary = boundary | ((geo.window_left >= 0)
+                                   & (first < geo.last_pos - geo.window_left))
+            boundary = boundary | ((geo.window_right >= 0)
+                                   & (last > geo.first_pos + geo.window_right))
+        if CHUNK:
+            chunk_of_block = geo.first_pos // geo.chunk
+            boundary = boundary | (geo.first_pos < 0) \
+                | (geo.last_pos // geo.chunk != chunk_of_block) \
+                | (first // geo.chunk != chunk_of_block) | (last // geo.chunk != chunk_of_block)
+        return boundary
+
+    @kiln.func
+    def mask_boundary_tile(s, tile, geo):
+        if is_boundary(tile, geo):  # a scalar branch: interior tiles skip the mask's VALU
+            s = mask_scores(s, tile, geo)
+        return s
+
+    def mask_and_vote(sm, s, tile, geo, masked):
+        """Mask (``masked``: always, else on boundary tiles only), running max and the
+        lazy-rescale vote of ``s``; returns ``s``. Fired (some row's max grew by more than
+        the threshold): ``scale_vec`` = exp2(prev - max), prev = max. Skipped: max rolls back
+        to prev (so P stays below 2**8) and ``scale_vec`` = 1, which makes the rescales of
+        ``o`` and ``norm`` identities. The vote selects rather than branches: LLVM's
+        MachineSink moves pure work past a branch towards its uses, out of its cluster."""
+        s = mask_scores(s, tile, geo) if masked else mask_boundary_tile(s, tile, geo)
+        sm.col_max_acc_scaled(s, geo.scale_log2)
+        grew = sm.max_vec - sm.max_vec_prev
+        vote = functools.reduce(operator.or_, [kiln.cast(x > RESCALE_THRESHOLD, kiln.i32)
+                                               for line in grew.values for x in line])
+        vote = kiln.shuffle.butterfly_reduce(vote, [1 << b for b in range(6)],
+                                             lambda a, b: a | b)
+        fired = kiln.shuffle.uniform(vote) != 0
+        sm.max_vec = TileVector([[kiln.where(fired, m, prev) for m, prev in zip(*lines)]
+                                 for lines in zip(sm.max_vec.values, sm.max_vec_prev.values)],
+                                sm.max_vec.group_of, sm.max_vec.axis)
+        sm.scale_vec = (sm.max_vec_prev - sm.max_vec).map(kiln.exp2)  # 1 when skipped
+        sm.max_vec_prev = sm.max_vec
+        return s
+
+    def qk(k_reg, geo):
+        """``S^T = K Q^T`` for one tile from the whole-tile ``k_reg`` (MFMAs only)."""
+        amd_asm.s_waitcnt(lgkmcnt=0)  # consumer-side drain: k_reg's LDS reads are done
+        acc = [kiln.values.constant(0.0, kiln.f32, (16,)) for _ in range(key_frags)]
+        for f in kiln.static_range(key_frags):
+            for kk in kiln.static_range(k_steps):
+                acc[f] = geo.atom(k_reg[f * k_steps + kk], geo.q_reg[kk], acc[f])
+        return RegTile(acc, acc_layout, (key_frags, 1))
+
+    # Fragment corners go in as immediate byte offsets, not into the lane arithmetic: LLVM then
+    # folds them into each ds_read's offset field instead of keeping one loop-invariant address
+    # register per fragment and slot live across the main loop.
+    def load_v(v_lds):
+        return [[loader.load_b_tr(v_lds, imm_offset_bytes=2 * (kk * MMA_SHAPE[2] * d
+                                                                + dt * MMA_SHAPE[0]))
+                 for dt in range(d_tiles)] for kk in range(strips)]
+
+    def load_k(k_lds):
+        return [loader.load_b(k_lds, imm_offset_bytes=2 * (nt * MMA_SHAPE[1] * d
+                                                           + kk * MMA_SHAPE[2]))[0]
+                for nt in range(key_frags) for kk in range(k_steps)]
+
+    def pv_and_partial(o, p, v_frags, sm, s, geo, o_scale):
+        """``o * o_scale`` (the previous tile's lazy rescale: 1 unless its vote fired), then
+        the PV of the previous tile (``p``: its f32 P strips, ``v_frags``; skipped when None)
+        strip by strip, each strip followed by the ``exp2`` of one strip of ``s`` (skipped
+        when None); then the denominator update. Returns ``(o, p)``, ``p`` the new P strips.
+
+        Each P strip is cast to bf16 once, at the PV k-step that reads it. P crosses the loop
+        back-edge in f32: a loop-carried bf16 vector makes LLVM split the latch and shuffle
+        every carried register through copies each iteration."""
+        amd_asm.s_waitcnt(lgkmcnt=0)  # consumer-side drain: V's transposed reads are done
+        x = sm.sub_max_scaled(s, geo.scale_log2) if s is not None else None
+        if p is not None:
+            o = o * o_scale
+        frags, exps = list(o.fragments), []
+        for kk in kiln.static_range(strips):
+            if p is not None:
+                p_operand = kiln.cast(p[kk], dtype)
                 for dt in kiln.static_range(d_tiles):
-                    frags[dt] = atom(v_frags[kk][dt], half, frags[dt])
-            o = RegTile(frags, o.layout, o.grid)
-            amd_asm.s_waitcnt(vmcnt=2 * dmas)  # K[t+1] landed (V[t+1], K[t+2] may be in flight)
-        with kiln.cluster(base + 3, recipes[base + 3]):
-            dma_tile(v_buf, v_lds, slot, tile + 2, seq_k0, sk, kv_head, hkv, k_rows, False, lane,
-                     wave)
-            k_reg = loader.load_b(k_lds[1 - slot], n_tiles=2, k_tiles=k_steps)
-        return sm, o, k_reg
+                    frags[dt] = geo.atom(v_frags[kk][dt], p_operand, frags[dt])
+            if x is not None:
+                strip = kiln.vector_slice(x.fragment(kk // 2, 0), STRIP_KEYS * (kk % 2),
+                                          STRIP_KEYS)
+                exps.append(kiln.exp2(strip))
+        if x is not None:
+            sm.apply_unconditional_norm_rescale()  # identity unless this tile's vote fired
+            sm.col_sum_acc(RegTile([kiln.pack(kiln.unpack(exps[2 * f])
+                                              + kiln.unpack(exps[2 * f + 1]))
+                                    for f in range(key_frags)], acc_layout, (key_frags, 1)))
+        return RegTile(frags, o.layout, o.grid), (exps if x is not None else None)
+
+    def drain_dma(outstanding):
+        """Before the cluster's barrier: all but the ``outstanding`` youngest tile DMAs done."""
+        amd_asm.s_waitcnt(vmcnt=outstanding * dmas)
+
+    def iteration(ids, j, state, geo, last, masked):
+        """C0-C7 (cluster numbers ``ids``) for ``j``; ``last``: the epilogue's E0-E7, which
+        DMA no K[j+1]; ``masked``: mask every tile (else boundary tiles only)."""
+        sm, o, k_reg, p, o_scale = state
+        bufs = geo.bufs
+        for half in kiln.static_range(2):
+            t = j - 2 + half  # the tile whose QK this half runs; j is odd: t % 2 == 1 - half
+            base = 4 * half
+            same, other = (half + 1) % 2, half % 2  # LDS slots of tiles t (and t + 2), t +- 1
+            with kiln.cluster(ids[base + 0], recipes[ids[base + 0]]):
+                s = qk(k_reg, geo)
+                drain_dma(2)  # V[t-1] landed (read next)
+            with kiln.cluster(ids[base + 1], recipes[ids[base + 1]]):
+                if not (last and half == 1):
+                    dma_tile(bufs.k, bufs.k_lds[same], t + 2, geo, True)
+                v_frags = load_v(bufs.v_lds[other])  # V[t-1]
+                s = mask_and_vote(sm, s, t, geo, masked)
+                scale_t = sm.scale_vec  # o's rescale for tile t, due before PV[t]
+            with kiln.cluster(ids[base + 2], recipes[ids[base + 2]]):
+                o, p = pv_and_partial(o, p, v_frags, sm, s, geo, o_scale)
+                o_scale = scale_t
+                drain_dma(1 if last and half == 1 else 2)  # K[t+1] landed (read next)
+            with kiln.cluster(ids[base + 3], recipes[ids[base + 3]]):
+                dma_tile(bufs.v, bufs.v_lds[other], t + 1, geo, False)  # V[t+1]
+                k_reg = load_k(bufs.k_lds[other])  # K[t+1]
+        return sm, o, k_reg, p, o_scale
 
     def prefill_gfx950(q: kiln.Tensor[dtype, 2], k: kiln.Tensor[dtype, 2],
                        v: kiln.Tensor[dtype, 2], o: kiln.Tensor[dtype, 2],
@@ -241,22 +412,19 @@ def make_kernel(config: PrefillGfx950Config):
         # proves them sufficient.
         kiln.manual_waits()
         # One LDS buffer per slot, so the wait verifier tells the slots apart.
-        k_lds = [kiln.shared((BLOCK_KV, d), dtype) for _ in range(2)]
-        v_lds = [kiln.shared((BLOCK_KV, d), dtype) for _ in range(2)]
-        q_buf, k_buf, v_buf = amd_buffer.buffer(q), amd_buffer.buffer(k), amd_buffer.buffer(v)
-        o_buf = amd_buffer.buffer(o)
-        atom = mma.atom(*MMA_SHAPE, dtype)
+        bufs = SimpleNamespace(k=amd_buffer.buffer(k), v=amd_buffer.buffer(v),
+                               k_lds=[kiln.shared((block_kv, d), dtype) for _ in range(2)],
+                               v_lds=[kiln.shared((block_kv, d), dtype) for _ in range(2)])
+        q_buf, o_buf = amd_buffer.buffer(q), amd_buffer.buffer(o)
         lane, wave = kiln.lane_id(), kiln.warp_id()
         group = hq // hkv
         head = (kiln.block_id(0) % group) * hkv + kiln.block_id(0) // group  # GQA head remap
-        kv_head = head // group
         batch = kiln.block_id(2)
         seq_q0, seq_k0 = cu_q[batch], cu_k[batch]
         sq, sk = cu_q[batch + 1] - seq_q0, cu_k[batch + 1] - seq_k0
-        q_rows, k_rows = q.shape[0], k.shape[0]
+        q_rows = q.shape[0]
         block_q0 = kiln.block_id(1) * BLOCK_Q
         q_row = block_q0 + wave * STRIPE + lane % STRIPE  # this lane's query row
-        q_pos = q_row + sk - sq  # ... aligned to the keys (bottom-right)
 
         # Key range any row of the block may see: tiles outside it are not visited.
         first_pos = block_q0 + sk - sq
@@ -271,58 +439,81 @@ def make_kernel(config: PrefillGfx950Config):
         if CHUNK:
             key_lo = kiln.maximum(key_lo, (kiln.maximum(first_pos, 0) // chunk) * chunk)
             key_hi = kiln.minimum(key_hi, (kiln.maximum(last_pos, 0) // chunk + 1) * chunk)
-        tile_lo = key_lo // BLOCK_KV
-        tiles = kiln.maximum((key_hi + BLOCK_KV - 1) // BLOCK_KV - tile_lo, 0)
+        tile_lo = key_lo // block_kv
+        tiles = kiln.maximum((key_hi + block_kv - 1) // block_kv - tile_lo, 0)
+        n_tiles = kiln.maximum(tiles + tiles % 2, MIN_TILES)  # even, >= 6; padding is masked
 
         q_reg = []
         q_src = kiln.where(q_row < sq, (seq_q0 + q_row) * hq + head, q_rows)
         for kk in kiln.static_range(k_steps):
             q_reg.append(q_buf.load(q_src, kk * MMA_SHAPE[2] + 8 * (lane // 32), width=8))
+        geo = SimpleNamespace(lane=lane, wave=wave, seq_k0=seq_k0, sk=sk, kv_head=head // group,
+                              hkv=hkv, k_rows=k.shape[0], q_pos=q_row + sk - sq,
+                              first_pos=first_pos, last_pos=last_pos, scale_log2=scale_log2,
+                              window_left=window_left, window_right=window_right, chunk=chunk,
+                              tile_lo=tile_lo, q_reg=q_reg, bufs=bufs,
+                              atom=mma.atom(*MMA_SHAPE, dtype))
 
-        s0 = RegTile.full(acc_layout, (2, 1), 0.0, kiln.f32)
+        s0 = RegTile.full(acc_layout, (key_frags, 1), 0.0, kiln.f32)
         sm = OnlineSoftmax[kiln.f32].init(s0, q_axis="col")
         if SINKS:
             sm.reseed_with_sink(sinks[head] * LOG2E)
         o_acc = RegTile.full(acc_layout, (d_tiles, 1), 0.0, kiln.f32)
 
-        with kiln.cluster(PROLOGUE_DMA):
-            for t in kiln.static_range(2):
-                dma_tile(k_buf, k_lds, t, tile_lo + t, seq_k0, sk, kv_head, hkv, k_rows, True,
-                         lane, wave)
-                dma_tile(v_buf, v_lds, t, tile_lo + t, seq_k0, sk, kv_head, hkv, k_rows, False,
-                         lane, wave)
-            amd_asm.s_waitcnt(vmcnt=3 * dmas)  # K[0] landed
-        with kiln.cluster(PROLOGUE_K):
-            k_reg = loader.load_b(k_lds[0], n_tiles=2, k_tiles=k_steps)
+        # Prologue: DMA ordered K0 K1 V0 K2 V1, the steady state's age order at the loop head.
+        with kiln.cluster(PROLOGUE[0], recipes[PROLOGUE[0]]):
+            dma_tile(bufs.k, bufs.k_lds[0], 0, geo, True)
+            dma_tile(bufs.k, bufs.k_lds[1], 1, geo, True)
+            dma_tile(bufs.v, bufs.v_lds[0], 0, geo, False)
+            drain_dma(2)  # K[0] landed
+        with kiln.cluster(PROLOGUE[1], recipes[PROLOGUE[1]]):
+            s = qk(load_k(bufs.k_lds[0]), geo)
+        with kiln.cluster(PROLOGUE[2], recipes[PROLOGUE[2]]):
+            dma_tile(bufs.k, bufs.k_lds[0], 2, geo, True)
+            s = mask_and_vote(sm, s, 0, geo, True)  # o is still 0: nothing to rescale
+            _, p = pv_and_partial(o_acc, None, None, sm, s, geo, None)
+            o_scale = sm.scale_vec
+            drain_dma(2)  # K[1] landed
+        with kiln.cluster(PROLOGUE[3], recipes[PROLOGUE[3]]):
+            dma_tile(bufs.v, bufs.v_lds[1], 1, geo, False)
+            k_reg = load_k(bufs.k_lds[1])
 
-        ctx = (lane, wave, seq_k0, sk, kv_head, hkv, k_rows, q_pos, scale_log2, window_left,
-               window_right, chunk, atom)
-        for pair in kiln.range((tiles + 1) // 2):
-            tile = tile_lo + 2 * pair
-            sm, o_acc, k_reg = half_iteration(
-                0, 0, tile, (sm, o_acc, k_reg, q_reg, k_lds, v_lds, k_buf, v_buf, ctx))
-            sm, o_acc, k_reg = half_iteration(
-                4, 1, tile + 1, (sm, o_acc, k_reg, q_reg, k_lds, v_lds, k_buf, v_buf, ctx))
+        # Main loop, iteration i on tiles 2i+1 and 2i+2 (at least one iteration).
+        for i in kiln.range(kiln.maximum((n_tiles - EPILOGUE_TILES) // 2, 1)):
+            sm, o_acc, k_reg, p, o_scale = iteration(
+                range(8), 3 + 2 * i, (sm, o_acc, k_reg, p, o_scale), geo, False, False)
 
-        with kiln.cluster(EPILOGUE):
+        # Epilogue: E0-E7 are one more iteration with j = N - 1 (no K[N]), then the last tile.
+        sm, o_acc, k_reg, p, o_scale = iteration(
+            EPILOGUE[:8], n_tiles - 1, (sm, o_acc, k_reg, p, o_scale), geo, True, True)
+        e8, e9, e10, e11, e12 = EPILOGUE[8:]
+        with kiln.cluster(e8, recipes[e8]):
+            s = qk(k_reg, geo)  # QK[N-1]
+            drain_dma(1)  # V[N-2] landed
+        with kiln.cluster(e9, recipes[e9]):
+            v_frags = load_v(bufs.v_lds[0])  # V[N-2]
+            s = mask_and_vote(sm, s, n_tiles - 1, geo, True)
+            scale_t = sm.scale_vec
+        with kiln.cluster(e10, recipes[e10]):
+            o_acc, p = pv_and_partial(o_acc, p, v_frags, sm, s, geo, o_scale)
+            drain_dma(0)  # V[N-1] landed
+        with kiln.cluster(e11, recipes[e11]):
+            v_frags = load_v(bufs.v_lds[1])  # V[N-1]
+        with kiln.cluster(e12, recipes[e12]):
+            o_acc, _ = pv_and_partial(o_acc, p, v_frags, sm, None, geo, scale_t)
             o_acc = sm.normalize_output(o_acc)
             lse_row = sm.log_sum_exp().values[0][0]
             o_rows = o_acc.T  # row_l view: lane owns query row, values run over depth
+            dst = kiln.where(q_row < sq, (seq_q0 + q_row) * hq + head, q_rows)
             for dt in kiln.static_range(d_tiles):
-                frag = kiln.cast(o_rows.fragment(0, dt), dtype)
+                values = kiln.unpack(kiln.cast(o_rows.fragment(0, dt), dtype))
                 for value in kiln.static_range(16):
                     row, col = o_rows.layout(lane, value)
-                    depth = dt * MMA_SHAPE[0] + _tr_depth(col)
-                    dst = kiln.where(q_row < sq, (seq_q0 + q_row) * hq + head, q_rows)
-                    o_buf[dst, depth] = kiln.Value(vector.extract(frag.ir, [], [value]), dtype)
+                    o_buf[dst, dt * MMA_SHAPE[0] + _tr_depth(col)] = values[value]
             if (q_row < sq) & (lane < STRIPE):
                 lse[head, seq_q0 + q_row] = lse_row
 
     return kiln.kernel(prefill_gfx950)
-
-
-def _slice(vec: ir.Value, start: int, width: int) -> ir.Value:
-    return vector.shuffle(vec, vec, list(range(start, start + width)))
 
 
 def _config(head_dim, dtype, *, causal=False, window=None, chunk=None, sinks=None):
@@ -340,17 +531,27 @@ def _placeholders(config: PrefillGfx950Config):
 
 
 def compile_prefill_gfx950(*, head_dim: int, dtype="bf16", causal=False, window=None,
-                           chunk=None, sinks=None, target: str = "gfx950"):
+                           chunk=None, sinks=None, target: str = "gfx950",
+                           allow_scratch: bool = False):
     """Compile (without running) the gfx950 prefill kernel; returns the ``CompiledKernel``
     (``.asm["amdgcn"]``, ``.metadata``) with ``.recipes`` (cluster -> ClusterRecipe) attached
     for ``kiln.passes.verify_schedule``. ``window``/``chunk``/``sinks`` only need to be
     not-None: the kernel is specialised on which masks exist, not on their values.
+    ``head_dim=256`` does not fit in registers (module docs) and is refused unless
+    ``allow_scratch=True`` accepts its spills.
 
     Example: ``compile_prefill_gfx950(head_dim=128).metadata["scratch_bytes"] == 0``.
     """
     if str(target) != "gfx950":
         raise kiln.UnsupportedError(f"the MhaPrefillV2 kernel uses gfx950 MFMAs and transposed "
                                     f"LDS reads, which {target} lacks", fix="target='gfx950'")
+    if head_dim > MAX_REGISTER_HEAD_DIM and not allow_scratch:
+        raise kiln.UnsupportedError(
+            f"gfx950 prefill head_dim={head_dim} spills to scratch: the O^T accumulator "
+            f"({head_dim // 2} VGPRs), Q ({head_dim // 4}) and one 32-key V tile "
+            f"({head_dim // 4}) alone fill the 256 registers a wave of an 8-wave block gets",
+            fix=f"use head_dim <= {MAX_REGISTER_HEAD_DIM}, run it on the interpreter, or pass "
+                "allow_scratch=True to compile it with spills")
     config = _config(head_dim, dtype, causal=causal, window=window, chunk=chunk, sinks=sinks)
     compiled = make_kernel(config).compile(*_placeholders(config), target=target,
                                            num_warps=WAVES)

@@ -15,6 +15,7 @@
 // CHECK-NEXT: rocdl.sched.group.barrier 2, 1, 1
 // CHECK-NEXT: rocdl.sched.group.barrier 256, 1, 1
 // CHECK-NEXT: rocdl.sched.group.barrier 2, 1, 1
+// CHECK-NEXT: rocdl.sched.barrier 0
 // CHECK-NEXT: rocdl.s.setprio 0
 // CHECK-NEXT: rocdl.s.barrier
 // CHECK-NEXT: rocdl.sched.barrier 0
