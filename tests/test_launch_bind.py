@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from kiln.errors import KilnTypeError, KilnValueError
+from recording_runtime import RecordingCudaRuntime
 from kiln.lowering import launch as launch_mod
 from kiln.lowering.host import HostLauncher, flat_c_argtypes, nvidia_kernel_object
 from kiln.lowering.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam
@@ -31,38 +32,8 @@ class DeviceArray:
                                          "typestr": typestr, "strides": strides, "version": 3}
 
 
-class RecordingRuntime:
-    """In-process ``mgpu*`` functions for the JIT launcher: loading returns fake handles and
-    every launch records (grid, stream, kernel arguments decoded by ``signature``'s C types)."""
-
-    _load = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)
-    _get_function = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)
-    _launch = ctypes.CFUNCTYPE(None, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_int32,
-                               ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
-                               ctypes.c_size_t)
-    _unload = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-    def __init__(self, signature):
-        self.kernel_types = flat_c_argtypes(signature)[:-5]  # without grid, smem, stream
-        self.launches = []
-        self._callbacks = {
-            "mgpuModuleLoadJIT": self._load(lambda data, level: 0x1111),
-            "mgpuModuleGetFunction": self._get_function(lambda module, name: 0x2222),
-            "mgpuLaunchKernel": self._launch(self.launch),
-            "mgpuModuleUnload": self._unload(lambda module: None),
-        }
-
-    def symbols(self):
-        return {name: ctypes.cast(cb, ctypes.c_void_p).value for name, cb in self._callbacks.items()}
-
-    def launch(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra, count):
-        args = [ctypes.cast(params[i], ctypes.POINTER(ctype))[0]
-                for i, ctype in enumerate(self.kernel_types)]
-        self.launches.append(((gx, gy, gz), stream, args))
-
-
 def _bound_kernel(signature=SIG, driver=None):
-    runtime = RecordingRuntime(signature)
+    runtime = RecordingCudaRuntime(signature)
     launcher = HostLauncher(signature, lambda: nvidia_kernel_object(get_target("sm_80"),
                                                                      ptx="// ptx"),
                             [], runtime_symbols=runtime.symbols())
@@ -81,7 +52,7 @@ def test_bound_launch_replaces_only_the_tensor_addresses():
     bound = launch_mod.bind_launch(ck, (5, 2), [x, n, DeviceArray(y_ptr, (7,), "<f2"), 0.25])
     bound(x_ptr + 4096, y_ptr + 64, stream=77)
     bound(x_ptr, y_ptr)
-    (grid, stream, first), (_, default_stream, second) = runtime.launches
+    (_, grid, _, _, stream, first, _), (_, _, _, _, default_stream, second, _) = runtime.launches
     assert grid == (5, 2, 1) and stream == 77 and default_stream is None
     assert first == [x_ptr + 4096, x_ptr + 4096, 0, 6, 10, 16, 1, n,
                      y_ptr + 64, y_ptr + 64, 0, 7, 1, 0.25]
@@ -111,7 +82,7 @@ def test_each_thread_launches_from_its_own_argument_block():
     worker.start()
     worker.join()
     bound(0x7000, 0x8000)
-    (_, _, in_thread), (_, _, in_main) = runtime.launches
+    (*_, in_thread, _), (*_, in_main, _) = runtime.launches
     assert in_thread[0] == 0x5000 and in_main[0] == 0x7000
     assert bound._arguments is not bound._other_threads[worker.ident]
 
@@ -154,10 +125,10 @@ def test_tensor_map_parameters_bind_and_reencode_per_new_address():
     bound(a1, 0x4000)
     bound(a0, 0x5000)
     assert driver.encoded == [a0, a1]  # one encode per address, then the cache
-    descriptors = [args[0] for _, _, args in runtime.launches]
+    descriptors = [launch[5][0] for launch in runtime.launches]
     assert descriptors[0] == descriptors[2] != descriptors[1]
-    assert [args[1] for _, _, args in runtime.launches] == [0x3000, 0x4000, 0x5000]
-    assert runtime.launches[0][2][-1] == 5
+    assert [launch[5][1] for launch in runtime.launches] == [0x3000, 0x4000, 0x5000]
+    assert runtime.launches[0][5][-1] == 5
 
 
 def _fake_torch(monkeypatch, current_stream):
@@ -195,4 +166,4 @@ def test_bound_torch_launch_follows_the_current_stream(monkeypatch):
     current[0] = 0xABC0  # as inside `with torch.cuda.stream(s):`
     bound(0x1000, 0x2000)
     bound(0x1000, 0x2000, stream=0x5150)
-    assert [stream for _, stream, _ in runtime.launches] == [None, 0xABC0, 0x5150]
+    assert [launch[4] for launch in runtime.launches] == [None, 0xABC0, 0x5150]

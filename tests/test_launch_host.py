@@ -17,6 +17,7 @@ from mlir import ir
 from mlir.dialects import llvm
 
 from kiln.errors import KilnTypeError, KilnValueError, LaunchError
+from recording_runtime import RecordingCudaRuntime
 from kiln.lowering import launch as launch_mod
 from kiln.lowering.amd_host import amd_host_llvm_ir, rocm_runtime_library
 from kiln.lowering.cuda import cuda_available
@@ -289,53 +290,11 @@ def test_tensor_maps_are_cached_per_parameter():
     assert calls[0] == calls[1] and calls[0][0] != calls[0][1]
 
 
-class RecordingCudaRuntime:
-    """In-process stand-ins for the mgpu* functions the JIT-compiled launcher calls."""
-
-    _load_jit = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)
-    _get_function = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)
-    _launch = ctypes.CFUNCTYPE(None, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_int32,
-                               ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
-                               ctypes.c_size_t)
-    _unload = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-    MODULE, FUNCTION = 0x1111, 0x2222
-
-    def __init__(self):
-        self.loaded, self.looked_up, self.launches = [], [], []
-        self._callbacks = {
-            "mgpuModuleLoadJIT": self._load_jit(self.load_jit),
-            "mgpuModuleGetFunction": self._get_function(self.get_function),
-            "mgpuLaunchKernel": self._launch(self.launch),
-            "mgpuModuleUnload": self._unload(lambda module: None),
-        }
-
-    def symbols(self):
-        return {name: ctypes.cast(cb, ctypes.c_void_p).value for name, cb in self._callbacks.items()}
-
-    def load_jit(self, data, opt_level):
-        self.loaded.append((ctypes.string_at(data), opt_level))
-        return self.MODULE
-
-    def get_function(self, module, name):
-        self.looked_up.append((module, name))
-        return self.FUNCTION
-
-    def launch(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra, count):
-        def arg(i, ctype):
-            return ctypes.cast(params[i], ctypes.POINTER(ctype))[0]
-
-        kernel_args = [arg(0, ctypes.c_void_p), arg(1, ctypes.c_void_p)] + \
-            [arg(i, ctypes.c_int64) for i in (2, 3, 4)] + [arg(5, ctypes.c_int32),
-                                                             arg(6, ctypes.c_uint16)]
-        self.launches.append((function, (gx, gy, gz), (bx, by, bz), smem, stream, kernel_args,
-                              count))
-
-
 def test_jit_launcher_calls_the_runtime_with_flat_arguments():
     signature = KernelSignature("scale", (TensorParam("x", "f32", 1), ScalarParam("n", "i32"),
                                           ScalarParam("a", "bf16")),
                                 block=(64, 2, 1), dynamic_shared_bytes=512)
-    runtime = RecordingCudaRuntime()
+    runtime = RecordingCudaRuntime(signature)
     ptx = ".version 8.0\n.target sm_80\n"
     launcher = HostLauncher(signature, lambda: nvidia_kernel_object(get_target("sm_80"), ptx=ptx),
                             [], runtime_symbols=runtime.symbols())
