@@ -109,6 +109,16 @@ def _store_fragment(acc, out, row0, ltid):
 # Rung 1: one box, one barrier
 # ---------------------------------------------------------------------------------------------
 
+
+def _producer_issuer(tid, setmaxnreg, elect):
+    """The producer warp group's register give-back (optional) and its issuing thread: lane
+    ``elect_sync`` picks in warp 0, or thread 0. Plain Python: runs while the kernel traces."""
+    if setmaxnreg:
+        nvidia_asm.setmaxnreg(24, increase=False)
+    if elect:
+        return (tid // 32 == 0) & nvidia_asm.elect_sync()
+    return tid == 0
+
 @kiln.kernel
 def one_box(x_map: kiln.TensorMap[kiln.bf16, (128, COLS), SW], out: kiln.Tensor[kiln.bf16, 2],
             DYNAMIC: kiln.constexpr):
@@ -176,12 +186,7 @@ def ring_specialised(x_map: kiln.TensorMap[kiln.bf16, (BOX_ROWS, COLS), SW],
     base = kiln.block_id(0) * (TILES * STAGE_ROWS)
     warp_group = tid // WG
     if warp_group == 0:
-        if SETMAXNREG:
-            nvidia_asm.setmaxnreg(24, increase=False)
-        if ELECT:
-            issuer = (tid // 32 == 0) & nvidia_asm.elect_sync()
-        else:
-            issuer = tid == 0
+        issuer = _producer_issuer(tid, SETMAXNREG, ELECT)
         if issuer:
             for t in kiln.range(0, TILES):
                 stage = t % STAGES
@@ -237,12 +242,7 @@ def ws_wgmma(a_map: kiln.TensorMap[kiln.bf16, (64, COLS), SW],
     row0 = kiln.block_id(0) * 64
     warp_group = tid // WG
     if warp_group == 0:
-        if SETMAXNREG:
-            nvidia_asm.setmaxnreg(24, increase=False)
-        if ELECT:
-            issuer = (tid // 32 == 0) & nvidia_asm.elect_sync()
-        else:
-            issuer = tid == 0
+        issuer = _producer_issuer(tid, SETMAXNREG, ELECT)
         if issuer:
             for kt in kiln.range(0, K_TILES):
                 stage = kt % STAGES
