@@ -22,11 +22,11 @@ from mlir.dialects import arith, vector
 
 from .dtypes import DType, dtype as to_dtype
 from .errors import KilnTypeError, KilnValueError
-from .values import Value, cast, to_value
+from .values import Value, to_value
 
 
 def pack(values: Sequence[Any]) -> Value:
-    """One 1-D vector of ``values`` (scalars; the first Value's dtype, literals cast to it).
+    """One 1-D vector of ``values``: scalars of the first Value's dtype (literals take it too).
 
     Example: ``kiln.pack([a, b, c, d])`` is a ``vector<4xf32>`` when ``a`` is f32.
     """
@@ -39,14 +39,14 @@ def pack(values: Sequence[Any]) -> Value:
     elem = typed[0].dtype
     scalars = []
     for v in values:
-        v = to_value(v, like=elem) if not isinstance(v, Value) else v
+        v = to_value(v, like=elem)
         if v.shape:
             raise KilnTypeError(f"kiln.pack takes scalars, got a vector of shape {v.shape}",
                                 fix="unpack it first with kiln.unpack")
         if v.dtype != elem:
             raise KilnTypeError(f"kiln.pack got {v.dtype} next to {elem}",
                                 fix=f"cast every value to {elem} with kiln.cast first")
-        scalars.append(v if v.dtype == elem else cast(v, elem))
+        scalars.append(v)
     vtype = ir.VectorType.get([len(scalars)], elem.mlir_type())
     return Value(vector.from_elements(vtype, [s.ir for s in scalars]), elem)
 
