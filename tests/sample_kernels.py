@@ -17,8 +17,9 @@ class RunningMax:
     total: f32
 
     def add(self, v):
-        self.m = kiln.maximum(self.m, v)
         self.total = self.total + v
+        if v > self.m:  # a traced if inside a struct method, updating a field
+            self.m = v
 
 
 @kiln.kernel

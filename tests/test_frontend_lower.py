@@ -2,40 +2,11 @@
 
 import numpy as np
 import pytest
-from sample_kernels import saxpy
+from sample_kernels import row_stats, saxpy
 
 import kiln
-from kiln import f32, i32
 
 compiler = pytest.importorskip("kiln.lowering.compiler")
-
-
-@kiln.struct
-class RunningMax:
-    m: f32
-    total: f32
-
-    def add(self, v):
-        self.total = self.total + v
-        if v > self.m:
-            self.m = v
-
-
-@kiln.kernel
-def row_stats(x: kiln.Tensor[f32, 2], out: kiln.Tensor[f32, 2], cols: i32):
-    """One block per row: thread 0 scans the row; a shared buffer hands the result to thread 1."""
-    row = kiln.block_id(0)
-    stage = kiln.shared((2,), f32)
-    if kiln.thread_id(0) == 0:
-        state = RunningMax(-float("inf"), 0.0)
-        for c in kiln.range(cols):
-            state.add(x[row, c])
-        stage[0] = state.m
-        stage[1] = state.total
-    kiln.barrier()
-    if kiln.thread_id(0) == 1:
-        out[row, 0] = stage[0]
-        out[row, 1] = stage[1]
 
 
 X = np.arange(8, dtype=np.float32)

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -575,15 +575,14 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
         interpret_kernel(traced, plan.grid, numpy_args, plan.chip)
         return tuple(lib.like(numpy_args[i], args[i]) for i in (7, 8, 9))
     if lib.torch and all(a.is_contiguous() for a in args[:10]):
-        bound = _BOUND.get(key) if key is not None else None
-        if bound is None:
+        if plan.bound is None:
             from kiln.lowering.launch import bind_launch
 
             ck = plan.kernel.compile(*args, target=plan.chip.name, num_warps=plan.num_warps)
-            bound = bind_launch(ck, plan.grid, args)
+            plan = replace(plan, bound=bind_launch(ck, plan.grid, args))
             if key is not None:
-                _BOUND[key] = bound
-        bound(*(a.data_ptr() for a in args[:10]))
+                _PLANS[key] = plan
+        plan.bound(*(a.data_ptr() for a in args[:10]))
     else:
         plan.kernel[plan.grid](*args, target=plan.chip.name, num_warps=plan.num_warps)
     return o_part, lse_part, counts
@@ -608,6 +607,9 @@ class _DecodePlan:
     scale_log2: float
     no_block_table: object  # placeholders read by no kernel that lacks the feature
     no_sinks: object
+    # kiln.lowering.launch.bind_launch of the first contiguous torch call: a repeat call only
+    # writes ten addresses into a prepared argument block.
+    bound: object = None
 
     def outputs(self, lib: "_ArrayLib"):
         """O_partial, LSE_partial, split_counts. Every element is written by the kernel (each
@@ -621,9 +623,6 @@ class _DecodePlan:
 # Plans by (array type, device, shapes, dtypes, options): a repeat call skips re-validation,
 # kernel selection and the placeholder and poison allocations.
 _PLANS: dict[tuple, _DecodePlan] = {}
-# Bound launches (kiln.lowering.launch.bind_launch) by the same key, for contiguous torch
-# tensors: a repeat call only writes ten addresses into a prepared argument block.
-_BOUND: dict[tuple, object] = {}
 
 
 def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
