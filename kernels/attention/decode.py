@@ -118,15 +118,15 @@ class DecodeConfig:
     def keys_per_warp(self) -> int:
         return self.block_n // self.num_warps
 
-    def m_tiles(self, packed_rows: int, head_dim: int, page_size: int) -> int:
+    def m_tiles(self, packed_rows: int, head_dim: int) -> int:
         """m16 tiles of packed query rows per CTA: the rows, up to 128 f32 O columns a lane
         (O and the Q fragments of every m tile stay in registers; a CTA serving more rows
-        spilled). Example: ``m_tiles(32, 64, 64) == 2``, ``m_tiles(32, 128, 64) == 1``."""
+        spilled). Example: ``m_tiles(32, 64) == 2``, ``m_tiles(32, 128) == 1``."""
         return max(1, min(-(-packed_rows // 16), 128 // head_dim))
 
-    def row_blocks(self, packed_rows: int, head_dim: int, page_size: int) -> int:
-        """CTAs sharing one KV head's packed rows. Example: ``row_blocks(128, 128, 64) == 4``."""
-        return -(-packed_rows // (16 * self.m_tiles(packed_rows, head_dim, page_size)))
+    def row_blocks(self, packed_rows: int, head_dim: int) -> int:
+        """CTAs sharing one KV head's packed rows. Example: ``row_blocks(128, 128) == 8``."""
+        return -(-packed_rows // (16 * self.m_tiles(packed_rows, head_dim)))
 
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -149,8 +149,8 @@ class _Shape:
         object.__setattr__(self, "pages", rows.num_pages)
         packed = self.q_rows * self.group
         object.__setattr__(self, "packed", packed)
-        object.__setattr__(self, "m_tiles", c.m_tiles(packed, D, self.page_size))
-        object.__setattr__(self, "row_blocks", c.row_blocks(packed, D, self.page_size))
+        object.__setattr__(self, "m_tiles", c.m_tiles(packed, D))
+        object.__setattr__(self, "row_blocks", c.row_blocks(packed, D))
 
     rows_params = property(lambda self: (self.config.block_n, self.page_size))
     halves = property(lambda self: self.head_dim // HALF)
@@ -632,7 +632,7 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
     _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, config)
     group = Hq // Hkv
     q_rows = 1 if block_table is not None else Sq
-    row_blocks = config.row_blocks(q_rows * group, D, page_size)
+    row_blocks = config.row_blocks(q_rows * group, D)
     if block_table is not None:
         slots = block_table.shape[3]
         grid = (slots, Hkv * row_blocks, B * Sq)
