@@ -41,6 +41,7 @@ def rocdl_passes(state: CompileState) -> list[str]:
         f"convert-gpu-to-rocdl{{chipset={chip} index-bitwidth=64}},canonicalize,cse,"
         "reconcile-unrealized-casts)",
         "reconcile-unrealized-casts",
+        "kiln-extern-dynamic-shared",  # static LDS buffers must not sit in the dynamic region
         # Line tables turn the ops' user locations into .loc directives in the assembly, so the
         # assembly-level wait proof names the Python line of a read.
         "ensure-debug-info-scope-on-llvm-func{emission-kind=LineTablesOnly}",

@@ -40,6 +40,7 @@ def nvvm_passes(state: CompileState) -> list[str]:
         "lower-affine", "convert-arith-to-llvm", "convert-index-to-llvm", "canonicalize", "cse",
         "gpu.module(convert-gpu-to-nvvm,llvm-optimize-for-nvvm-target,canonicalize,cse,"
         "reconcile-unrealized-casts)",
+        "kiln-extern-dynamic-shared",  # static shared buffers must not sit in the dynamic region
     ]
 
 

@@ -111,3 +111,4 @@ from kiln.passes import amdgpu_native_math as _amdgpu_native_math  # noqa: E402
 from kiln.passes import insert_waits as _insert_waits  # noqa: E402
 from kiln.passes import cluster_schedule as _cluster_schedule  # noqa: E402
 from kiln.passes import verify_waits as _verify_waits  # noqa: E402
+from kiln.passes import extern_dynamic_shared as _extern_dynamic_shared  # noqa: E402

@@ -8,7 +8,10 @@ import pytest
 from sample_kernels import saxpy, scale_rows
 from source_modules import load_example
 
+import kiln
+from kiln import f32
 from kiln.lowering.cuda import cuda_available
+from kiln.shared import dynamic_shared
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and driver")]
@@ -60,3 +63,38 @@ def test_demo_rms_norm_matches_float64():
     demo.rms_norm[((rows + 127) // 128,)](x, w, y, rows, cols, 1e-6, BLOCK=128, target="sm_90a")
     ref = demo.reference(x, w, 1e-6)
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
+
+
+@kiln.kernel
+def static_beside_dynamic(x: kiln.Tensor[f32, 1], fill: kiln.Tensor[f32, 1],
+                          out: kiln.Tensor[f32, 1], STATIC: kiln.constexpr,
+                          DYNAMIC: kiln.constexpr):
+    """Writes x into a static tile and ``fill`` over a whole dynamic buffer, then reads the
+    static tile back: any overlap of the two regions shows in ``out``."""
+    tid = kiln.thread_id(0)
+    static = kiln.shared((STATIC,), f32)
+    barriers = kiln.mbarrier.group(num_barriers=2)
+    dynamic = dynamic_shared((DYNAMIC,), f32, align=1024)
+    for s in kiln.static_range(2):
+        barriers.init(s, count=1, predicate=tid == 0)
+    for k in kiln.static_range(STATIC // 128):
+        static[tid + 128 * k] = x[tid + 128 * k]
+    kiln.barrier()
+    for k in kiln.static_range(DYNAMIC // 128):
+        dynamic[tid + 128 * k] = fill[tid + 128 * k]
+    kiln.barrier()
+    for k in kiln.static_range(STATIC // 128):
+        out[tid + 128 * k] = static[tid + 128 * k]
+
+
+def test_dynamic_shared_memory_does_not_overlap_static_buffers():
+    """Regression: upstream lowers gpu.dynamic_shared_memory to an internal one-byte global and
+    ptxas placed kiln.shared tiles inside the dynamic region (kiln-extern-dynamic-shared)."""
+    rng = np.random.default_rng()
+    static, dynamic = 1024, 16384
+    x = rng.standard_normal(static).astype(np.float32)
+    fill = rng.standard_normal(dynamic).astype(np.float32)
+    out = np.full(static, np.nan, np.float32)
+    static_beside_dynamic[(1,)](x, fill, out, target="sm_90a", num_warps=4, STATIC=static,
+                                DYNAMIC=dynamic)
+    np.testing.assert_array_equal(out, x)
