@@ -34,9 +34,8 @@ so rows that see no key stay finite (o = 0; their LSE is written as -inf).
 Grid: ``(query tiles, Hq, B)`` without a causal mask, so the CTAs running together share one
 head's K/V in L2; ``(Hq, query tiles, B)`` with one, query tiles longest-first. Along the head
 axis, query heads are remapped ``(x % GROUP) * HKV + x // GROUP`` so neighbouring heads read
-different KV heads. The output is written straight from the accumulator registers, two
-columns per 4-byte store (a shared-memory-staged 16-byte epilogue over the Q rows measured the
-same and drew a compute-sanitizer racecheck report, see bench/RESULTS.md).
+different KV heads. The output leaves through shared memory (each consumer's own Q rows) in
+16-byte stores.
 """
 
 import functools
@@ -64,6 +63,7 @@ LOG2E = 1.4426950408889634
 # sentinel - sentinel is 0, so rows that see no key stay NaN-free.
 MAX_SENTINEL = -1.0e30
 PINGPONG_BARRIER = 3  # named barriers 3, 4: the consumers' turns
+OUTPUT_BARRIER = 5  # named barriers 5, 6: one consumer group staging its output
 SHARED_BUDGET = 227 * 1024 - 1024 - 256
 # head_dim -> (block_n, stages), measured on an H100 at seq 4096 (bench/attention.py sweep):
 # a third K/V stage is worth 15% at D = 128 (494 vs 428 TFLOP/s) and fills shared memory; at
@@ -248,8 +248,9 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                 # A sink is a virtual first key; without one, a key of logit MAX_SENTINEL whose
                 # weight becomes exactly 0 at the first real key keeps masked rows finite.
                 softmax.reseed_with_sink(sinks[head] * LOG2E if has_sinks else MAX_SENTINEL)
+                # Q has landed even when no key is visible: its rows later stage the output.
+                q_full.try_wait(0, 0)
                 if first_tile < end_tile:
-                    q_full.try_wait(0, 0)
                     # Prologue: S of the first tile, alone.
                     k_full.try_wait(0, 0)
                     nvidia_asm.named_barrier(my_turn, 2 * WARP_GROUP_THREADS)
@@ -298,7 +299,8 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                 lse_rows = softmax.log_sum_exp().values[0]
                 max_rows = softmax.max_vec.values[0]
                 _write_output(out, lse_rows, max_rows, rows, o, lse, head, d, seq_q, q_start,
-                              first_col, lane, lse_row_mult, lse_head_stride, return_lse)
+                              first_col, lane, lse_row_mult, lse_head_stride, return_lse,
+                              q_tiles, m0, consumer)
 
     suffix = f"d{d}_n{bn}_{'c' if mask.causal else ''}w{mask.window_left}_{mask.window_right}" \
              f"_k{mask.chunk}_g{group}{'_sink' if has_sinks else ''}{'_lse' if return_lse else ''}"
@@ -436,20 +438,38 @@ def _scale_rows(acc, factors):
 
 @kiln.func
 def _write_output(out, lse_rows, max_rows, rows, o, lse, head, d, seq_q, q_start, first_col,
-                  lane, lse_row_mult, lse_head_stride, return_lse):
-    """Store the normalised rows inside the sequence, two adjacent bf16/f16 columns per 4-byte
-    store (registers ``i, i + 1`` of a fragment row); the quad's first lane writes the LSE
-    (-inf for a row whose max never left the sentinel: it saw no key and no sink)."""
+                  lane, lse_row_mult, lse_head_stride, return_lse, q_tiles, m0, consumer):
+    """Store the normalised rows inside the sequence with 16-byte stores: the group's own 64
+    rows of the Q tile (no longer read once its last QK is waited) stage O, with the 16-byte
+    units of a row XOR-swizzled by ``row % 8`` so both the fragment-order writes and the
+    row-order reads are free of bank conflicts. The quad's first lane writes the LSE (-inf for
+    a row whose max never left the sentinel: it saw no key and no sink)."""
+    group_thread = kiln.thread_id(0) % WARP_GROUP_THREADS
+    staging = OUTPUT_BARRIER + consumer
+    first_local = consumer * WARP_GROUP_ROWS
+    nvidia_asm.named_barrier(staging, WARP_GROUP_THREADS)  # every warp's QK reads of Q are done
     for r in range(2):
-        row = rows[r]
+        local = rows[r] - m0 - first_local
+        for i in range(0, out.n // 2, 2):  # registers i, i + 1: adjacent columns of one row
+            if _fragment_row(i) == r:
+                unit = 8 * (i // 4)  # first column of the 16-byte unit (static)
+                pair = kiln.pack([kiln.cast(out.element(i), o.dtype),
+                                  kiln.cast(out.element(i + 1), o.dtype)])
+                q_tiles.store(unit // CHUNK_COLS, first_local + local,
+                              ((unit % CHUNK_COLS) // 8 ^ local % 8) * 8 + first_col, pair,
+                              align=4)
+        if return_lse:
+            if (lane % 4 == 0) & (rows[r] < seq_q):
+                lse[q_start * lse_row_mult + head * lse_head_stride + rows[r]] = kiln.where(
+                    max_rows[r] > MAX_SENTINEL, lse_rows[r], kiln.cast(-math.inf, kiln.f32))
+    nvidia_asm.named_barrier(staging, WARP_GROUP_THREADS)
+    units_per_row = d // 8
+    for step in range(WARP_GROUP_ROWS * units_per_row // WARP_GROUP_THREADS):
+        index = step * WARP_GROUP_THREADS + group_thread
+        local = index // units_per_row
+        unit = index % units_per_row
+        values = q_tiles.load(unit // 8, first_local + local, (unit % 8 ^ local % 8) * 8,
+                              width=8, align=16)
+        row = m0 + first_local + local
         if row < seq_q:
-            for i in range(0, out.n // 2, 2):
-                if _fragment_row(i) == r:
-                    pair = kiln.pack([kiln.cast(out.element(i), o.dtype),
-                                      kiln.cast(out.element(i + 1), o.dtype)])
-                    o.store(q_start + row, head * d + first_col + _fragment_col(i), pair,
-                            align=4)
-            if return_lse:
-                if lane % 4 == 0:
-                    lse[q_start * lse_row_mult + head * lse_head_stride + row] = kiln.where(
-                        max_rows[r] > MAX_SENTINEL, lse_rows[r], kiln.cast(-math.inf, kiln.f32))
+            o.store(q_start + row, head * d + unit * 8, values, align=16)
