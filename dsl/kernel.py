@@ -192,10 +192,11 @@ def _scalar_dtype_of(value: Any) -> dt.DType | None:
 class JITKernel:
     """What ``@kiln.kernel`` returns: call ``.compile(...)``, ``.trace(...)`` or ``[grid](...)``."""
 
-    def __init__(self, fn: Callable):
+    def __init__(self, fn: Callable, *, flush_denormals: bool = False):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.name = fn.__name__
+        self.flush_denormals = flush_denormals
         self._sig = inspect.signature(fn)
         self.params = tuple(_classify(p.name, _resolve_annotation(fn, p.annotation))
                             for p in self._sig.parameters.values())
@@ -343,7 +344,8 @@ class JITKernel:
         from kiln.lowering.options import CompileOptions
 
         return CompileOptions(target or _default_target, num_warps=num_warps, opt_level=opt_level,
-                              ptx_version=ptx_version, maxnreg=maxnreg)
+                              ptx_version=ptx_version, maxnreg=maxnreg,
+                              flush_denormals=self.flush_denormals)
 
     def _compile_specs(self, specs, options):
         from kiln.lowering.compiler import compile_kernel, load_cached
@@ -509,9 +511,19 @@ def _compilation_error(err: ir.MLIRError, what: str) -> CompilationError:
                             fix="check the dtypes/shapes of the operands on this line", loc=loc)
 
 
-def kernel(fn: Callable) -> JITKernel:
-    """Decorator making ``fn`` a GPU kernel (see module docs for the full example)."""
-    return JITKernel(fn)
+def kernel(fn: Callable | None = None, *, flush_denormals: bool = False):
+    """Decorator making ``fn`` a GPU kernel (see module docs for the full example).
+
+    ``flush_denormals=True``: f32 arithmetic and ``kiln.exp2`` flush denormals to zero on
+    NVIDIA (``nvcc -ftz=true``; a one-instruction ``exp2``), for kernels whose numerics do not
+    need values below 2**-126, such as a softmax. Example::
+
+        @kiln.kernel(flush_denormals=True)
+        def softmax_rows(x: kiln.Tensor[kiln.f32, 2], y: kiln.Tensor[kiln.f32, 2]): ...
+    """
+    if fn is None:
+        return functools.partial(JITKernel, flush_denormals=flush_denormals)
+    return JITKernel(fn, flush_denormals=flush_denormals)
 
 
 class KilnFunc:

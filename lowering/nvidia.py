@@ -34,6 +34,7 @@ def nvvm_passes(state: CompileState) -> list[str]:
     options = state.options
     attach = (f"nvvm-attach-target{{chip={state.target.name} features={options.ptx_features()} "
               f"O={options.opt_level}}}")
+    flush = ["kiln-flush-f32-denormals"] if options.flush_denormals else []
     return [
         "convert-nvgpu-to-nvvm", "convert-vector-to-scf", "convert-scf-to-cf",
         "convert-nvvm-to-llvm", "convert-func-to-llvm", "expand-strided-metadata", attach,
@@ -41,6 +42,7 @@ def nvvm_passes(state: CompileState) -> list[str]:
         "gpu.module(convert-gpu-to-nvvm,llvm-optimize-for-nvvm-target,canonicalize,cse,"
         "reconcile-unrealized-casts)",
         "kiln-extern-dynamic-shared",  # static shared buffers must not sit in the dynamic region
+        *flush,
     ]
 
 

@@ -27,7 +27,9 @@ class CompileOptions:
     """How to compile one kernel: chip, warps per block, optimisation and PTX knobs.
 
     ``target`` is a chip name from :data:`kiln.lowering.targets.TARGETS`; ``ptx_version`` None
-    means the chip's default; ``maxnreg`` caps registers per thread (NVIDIA only).
+    means the chip's default; ``maxnreg`` caps registers per thread (NVIDIA only);
+    ``flush_denormals`` makes f32 arithmetic and ``exp2`` flush denormals to zero, like
+    ``nvcc -ftz=true`` (NVIDIA only; pass ``kiln-flush-f32-denormals``).
     """
 
     target: str
@@ -35,6 +37,7 @@ class CompileOptions:
     opt_level: int = 3
     ptx_version: int | None = None
     maxnreg: int | None = None
+    flush_denormals: bool = False
 
     def __post_init__(self):
         chip = get_target(self.target)  # TargetError for unknown chips
@@ -46,7 +49,13 @@ class CompileOptions:
                 f"block; {chip.name} (warp size {chip.warp_size}) allows at most {chip.max_threads}",
                 fix=f"use num_warps <= {chip.max_threads // chip.warp_size}")
         _check_int("opt_level", self.opt_level, 0, 3, "use opt_level 0, 1, 2 or 3")
+        if not isinstance(self.flush_denormals, bool):
+            raise KilnValueError(f"flush_denormals must be a bool, got {self.flush_denormals!r}",
+                                 fix="use flush_denormals=True or False")
         if chip.is_amd:
+            if self.flush_denormals:
+                raise TargetError(f"flush_denormals is an NVIDIA option; {chip.name} is an AMD "
+                                  "chip", fix="drop flush_denormals=True for AMD targets")
             for name in ("ptx_version", "maxnreg"):
                 if getattr(self, name) is not None:
                     raise TargetError(f"{name} is an NVIDIA option; {chip.name} is an AMD chip",
@@ -77,7 +86,8 @@ class CompileOptions:
         """A stable string naming these options, for the compile-cache key."""
         ptx = f"ptx{self.ptx_version or self.chip.default_ptx}" if self.chip.is_nvidia else "ptx-"
         reg = f"r{self.maxnreg}" if self.maxnreg is not None else "r-"
-        return f"{self.target}/w{self.num_warps}/O{self.opt_level}/{ptx}/{reg}"
+        ftz = "/ftz" if self.flush_denormals else ""
+        return f"{self.target}/w{self.num_warps}/O{self.opt_level}/{ptx}/{reg}{ftz}"
 
 
 def _check_int(name: str, value, low: int, high: int, fix: str) -> None:

@@ -21,6 +21,10 @@ from kiln.lowering.options import CompileOptions
     (dict(target="gfx942", maxnreg=64), TargetError, "maxnreg is an NVIDIA option", "drop maxnreg"),
     (dict(target="gfx942", ptx_version=80), TargetError, "ptx_version is an NVIDIA option",
      "drop ptx_version"),
+    (dict(target="gfx950", flush_denormals=True), TargetError,
+     "flush_denormals is an NVIDIA option", "drop flush_denormals"),
+    (dict(target="sm_90a", flush_denormals=1), KilnValueError, "flush_denormals must be a bool",
+     "flush_denormals=True or False"),
 ])
 def test_bad_option_is_rejected_with_location_and_fix(kwargs, error, message, fix):
     with pytest.raises(error) as caught:
@@ -44,6 +48,24 @@ def test_keys_differ_for_every_field():
     base = CompileOptions("sm_90a")
     variants = [CompileOptions("sm_80"), CompileOptions("sm_90a", num_warps=8),
                 CompileOptions("sm_90a", opt_level=2), CompileOptions("sm_90a", ptx_version=83),
-                CompileOptions("sm_90a", maxnreg=64)]
+                CompileOptions("sm_90a", maxnreg=64),
+                CompileOptions("sm_90a", flush_denormals=True)]
     keys = {base.key(), *(v.key() for v in variants)}
     assert len(keys) == 1 + len(variants)
+
+
+@pytest.mark.lower
+def test_flush_denormals_kernel_uses_the_flushing_exp2():
+    import numpy as np
+
+    import kiln
+
+    def exp2_rows(x: kiln.Tensor[kiln.f32, 1], y: kiln.Tensor[kiln.f32, 1]):
+        i = kiln.thread_id(0)
+        y[i] = kiln.exp2(x[i]) * x[i]
+
+    x = np.zeros(32, np.float32)
+    flushing = kiln.kernel(flush_denormals=True)(exp2_rows).compile(x, x, target="sm_90a")
+    plain = kiln.kernel(exp2_rows).compile(x, x, target="sm_90a")
+    assert "ex2.approx.ftz.f32" in flushing.asm["ptx"] and "mul.rn.ftz.f32" in flushing.asm["ptx"]
+    assert "ex2.approx.f32" in plain.asm["ptx"] and ".ftz" not in plain.asm["ptx"]

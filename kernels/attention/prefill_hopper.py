@@ -305,7 +305,8 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
     suffix = f"d{d}_n{bn}_{'c' if mask.causal else ''}w{mask.window_left}_{mask.window_right}" \
              f"_k{mask.chunk}_g{group}{'_sink' if has_sinks else ''}{'_lse' if return_lse else ''}"
     prefill.__name__ = prefill.__qualname__ = f"hopper_prefill_{dtype}_{suffix}".replace("-", "m")
-    return kiln.kernel(prefill)
+    # The softmax is exp2-bound: flushing f32 denormals makes each exp2 one MUFU op (+4-5%).
+    return kiln.kernel(prefill, flush_denormals=True)
 
 
 @kiln.func
