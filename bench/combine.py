@@ -4,7 +4,9 @@ Grids (the field's standard combine shapes, H x D = 32 x 128 unless noted, f32 p
 bf16 output):
 
 - ``splits`` {2, 16, 64} x batch*q {1, 4, 16, 64, 256} (decode: one query per sequence);
-- 2 splits x tokens {256, 1k, 4k, 16k} x H {16, 32, 64} (prefill-sized rows, batch 1).
+- 2 splits x tokens {256, 1k, 4k, 16k} x H {16, 32, 64} (prefill-sized rows, batch 1);
+- decode's shapes at Hq 64: 33 splits x batch 1 x q 1 (ctx 16k, batch 1: the split-parallel
+  schedule; goal <= ~4 us of GPU time) and 33 splits x batch 4 x q 4.
 
 Method: every shape is checked first against a float64 numpy reference (max abs error < 2e-2
 on the bf16 output, LSE < 1e-4, NaN fails; random split counts with empty splits). Kiln's
@@ -12,14 +14,16 @@ on the bf16 output, LSE < 1e-4, NaN fails; random split counts with empty splits
 timed with CUDA events after a warm-up: each sample is ``--batch`` back-to-back calls between
 one pair of events (so Python launch work overlaps the previous kernel), median of
 ``--repeat`` samples. "Kiln out=" times the same call writing into preallocated ``out=`` /
-``lse_out=`` tensors (no allocation per call; the decode-loop usage). GB/s counts the bytes combine must move: O_partial and LSE_partial of
-every valid split slot read once, split counts, O (bf16) and LSE written. The copy bandwidth
-is a torch device-to-device copy of a 2 GiB buffer (read + write), and the launch latency a
+``lse_out=`` tensors (no allocation per call; the decode-loop usage). "GPU us" is the same
+call queued behind a busy stream (``timing.queued_ms``: kernel time only), "host us" the host
+time per call while the stream is kept busy (``timing.host_us``). GB/s counts the bytes
+combine must move: O_partial and LSE_partial of every valid split slot read once, split
+counts, O (bf16) and LSE written. The copy bandwidth is a torch device-to-device copy of a 2 GiB buffer (read + write), and the launch latency a
 one-element torch add, both measured in the same process with the same method. Goals:
 >= 0.85 of copy bandwidth at large sizes, <= 2x launch latency at small ones.
 
 Usage (on an H100): ``python bench/combine.py [--json out.json] [--repeat 20] [--batch 10]
-[--small]``.
+[--small]`` (``--small``: the small-call and decode shapes only).
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ import argparse
 import json
 
 import numpy as np
-from timing import time_ms
+from timing import host_us, queued_ms, time_ms
 
 HEADS, HEAD_DIM = 32, 128
 SPLIT_GRID = ((2, 16, 64), (1, 4, 16, 64, 256))
 TOKEN_GRID = ((256, 1024, 4096, 16384), (16, 32, 64))
+DECODE_SHAPES = ((33, 1, 1, 64), (33, 4, 4, 64))  # (splits, batch, q, heads)
 
 
 def copy_bandwidth_gbs(torch, repeat: int) -> float:
@@ -62,9 +67,14 @@ def torch_combine(torch, o_p, lse_p, counts):
 
 
 def make_problem(rng, splits, batch, sq, heads):
+    """Random split counts with one empty row; decode's shapes use every split (as decode
+    does at a full context)."""
     o = rng.standard_normal((splits, batch, sq, heads, HEAD_DIM)).astype(np.float32)
     lse = (rng.standard_normal((splits, batch, sq, heads)) * 3.0).astype(np.float32)
-    counts = rng.integers(1, splits + 1, (batch, sq, heads)).astype(np.int32)
+    if (splits, batch, sq, heads) in DECODE_SHAPES:
+        counts = np.full((batch, sq, heads), splits, np.int32)
+    else:
+        counts = rng.integers(1, splits + 1, (batch, sq, heads)).astype(np.int32)
     counts.flat[0] = 0
     empty = rng.random(lse.shape) < 0.1
     lse[empty], o[empty] = -np.inf, 0.0
@@ -109,11 +119,15 @@ def run_shape(torch, combine, rng, splits, batch, sq, heads, args, copy_gbs, lau
                                      lse_out=lse), args.repeat, args.batch)
     torch_ms = time_ms(lambda: torch_combine(torch, o_p, lse_p, counts),
                        args.repeat, args.batch)
+    gpu_ms = queued_ms(lambda: combine(o_p, lse_p, counts, max_splits=max_splits), args.repeat)
+    call_host_us = host_us(lambda: combine(o_p, lse_p, counts, max_splits=max_splits),
+                           args.repeat)
     nbytes = useful_bytes(o_np, counts_np)
     kiln_gbs, torch_gbs = nbytes / kiln_ms / 1e6, nbytes / torch_ms / 1e6
     return {"splits": splits, "batch": batch, "sq": sq, "heads": heads, "ok": ok,
             "o_err": o_err, "lse_err": lse_err, "bytes": nbytes,
             "kiln_us": kiln_ms * 1e3, "kiln_out_us": out_ms * 1e3, "torch_us": torch_ms * 1e3,
+            "gpu_us": gpu_ms * 1e3, "host_us": call_host_us,
             "kiln_gbs": kiln_gbs, "torch_gbs": torch_gbs,
             "kiln_vs_copy": kiln_gbs / copy_gbs, "kiln_vs_torch": torch_ms / kiln_ms,
             "kiln_vs_launch": kiln_ms * 1e3 / launch_us,
@@ -139,13 +153,14 @@ def main() -> None:
     print(f"copy bandwidth {copy_gbs:.0f} GB/s, launch latency {launch_us:.1f} us")
     shapes = [(s, bq, 1, HEADS) for s in SPLIT_GRID[0] for bq in SPLIT_GRID[1]]
     shapes += [(2, 1, t, h) for t in TOKEN_GRID[0] for h in TOKEN_GRID[1]]
+    shapes += list(DECODE_SHAPES)
     if args.small:
-        shapes = [(2, 1, 1, HEADS)]
+        shapes = [(2, 1, 1, HEADS), *DECODE_SHAPES]
     rows = []
     header = (f"{'splits':>6} {'batch':>5} {'sq':>6} {'H':>3} {'ok':>3} {'kiln us':>8} "
               f"{'out= us':>8} "
               f"{'torch us':>8} {'kiln GB/s':>9} {'torch GB/s':>10} {'/copy':>6} {'/torch':>6} "
-              f"{'/launch':>7} {'out=/launch':>11}")
+              f"{'/launch':>7} {'out=/launch':>11} {'GPU us':>7} {'host us':>7}")
     print(header)
     for splits, batch, sq, heads in shapes:
         r = run_shape(torch, combine, rng, splits, batch, sq, heads, args, copy_gbs, launch_us)
@@ -154,7 +169,7 @@ def main() -> None:
               f"{r['kiln_us']:>8.1f} {r['kiln_out_us']:>8.1f} {r['torch_us']:>8.1f} "
               f"{r['kiln_gbs']:>9.0f} {r['torch_gbs']:>10.0f} {r['kiln_vs_copy']:>6.2f} "
               f"{r['kiln_vs_torch']:>6.2f} {r['kiln_vs_launch']:>7.2f} "
-              f"{r['kiln_out_vs_launch']:>11.2f}")
+              f"{r['kiln_out_vs_launch']:>11.2f} {r['gpu_us']:>7.1f} {r['host_us']:>7.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbs": copy_gbs, "launch_us": launch_us, "rows": rows}, f, indent=1)

@@ -8,19 +8,24 @@ Method: every shape is first checked against a float32 torch reference (gather +
 abs error < 3e-2, NaN fails). Then Kiln (``decode`` + ``combine``, and ``decode`` alone) and
 the torch implementation are timed with CUDA events after a warm-up, median of ``--repeat``
 samples of ``--batch`` back-to-back calls (so the host's launch work overlaps the GPU, as in a
-serving loop that runs ahead or replays a CUDA graph). GB/s counts the bytes decode must move: the K and V pages of every sequence plus q
-and the output. The copy bandwidth is a ``torch`` device-to-device copy of a 2 GiB buffer
+serving loop that runs ahead or replays a CUDA graph); with ``--queued`` each sample is
+queued behind a busy stream instead (``timing.queued_ms``: GPU time only, no host time). The
+host columns are the host time per ``decode_attention`` / ``decode`` call while the stream is
+kept busy (``timing.host_us``), so one run shows kernel time and host time side by side
+(goal: <= 20 us per ``decode_attention`` call). GB/s counts the bytes decode must move: the
+K and V pages of every sequence plus q and the output. The copy bandwidth is a ``torch`` device-to-device copy of a 2 GiB buffer
 (read + write bytes), measured in the same process; the ratio column is Kiln's GB/s over it
 (goal: >= 0.80 at ctx >= 16k).
 
-Usage (on an H100): ``python bench/decode.py [--json out.json] [--repeat 20] [--page-size 64]``.
+Usage (on an H100): ``python bench/decode.py [--json out.json] [--repeat 20] [--page-size 64]
+[--queued] [--contexts 16384] [--batches 1]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from timing import time_ms
+from timing import host_us, queued_ms, time_ms
 
 HQ, HKV, HEAD_DIM = 64, 8, 128
 CONTEXTS = (4096, 16384, 65536)
@@ -66,7 +71,7 @@ def torch_decode(torch, q, kc, vc, table, seq_lens, dtype=None):
     return torch.stack(outs)
 
 
-def bench(torch, batch, ctx, sq, page_size, repeat, calls, copy_gbs) -> dict:
+def bench(torch, batch, ctx, sq, page_size, repeat, calls, copy_gbs, queued) -> dict:
     from kiln.kernels.attention.decode import decode, decode_attention
 
     problem = make_problem(torch, batch, ctx, sq, page_size)
@@ -78,12 +83,17 @@ def bench(torch, batch, ctx, sq, page_size, repeat, calls, copy_gbs) -> dict:
                          f"max abs error {error}")
     q = problem[0]
     nbytes = 2 * batch * ctx * HKV * HEAD_DIM * 2 + 2 * q.numel() * 2
-    kiln_ms = time_ms(lambda: decode_attention(*problem), repeat, calls)
-    split_ms = time_ms(lambda: decode(*problem), repeat, calls)
-    torch_ms = time_ms(lambda: torch_decode(torch, *problem), repeat, calls)
+    timer = (lambda fn: queued_ms(fn, repeat, calls)) if queued else \
+        (lambda fn: time_ms(fn, repeat, calls))
+    kiln_ms = timer(lambda: decode_attention(*problem))
+    split_ms = timer(lambda: decode(*problem))
+    torch_ms = timer(lambda: torch_decode(torch, *problem))
     kiln_gbs = nbytes / kiln_ms / 1e6
     return {"batch": batch, "ctx": ctx, "sq": sq, "page_size": page_size, "max_abs_error": error,
-            "kiln_ms": kiln_ms, "kiln_split_only_ms": split_ms, "torch_ms": torch_ms,
+            "queued": queued, "kiln_ms": kiln_ms, "kiln_split_only_ms": split_ms,
+            "torch_ms": torch_ms,
+            "host_us": host_us(lambda: decode_attention(*problem), repeat, calls),
+            "split_host_us": host_us(lambda: decode(*problem), repeat, calls),
             "kiln_gbs": kiln_gbs, "torch_gbs": nbytes / torch_ms / 1e6, "copy_gbs": copy_gbs,
             "ratio_to_copy": kiln_gbs / copy_gbs, "speedup_vs_torch": torch_ms / kiln_ms}
 
@@ -94,20 +104,28 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--batch", type=int, default=10, help="back-to-back calls per sample")
+    parser.add_argument("--queued", action="store_true",
+                        help="GPU time only: queue each sample behind a busy stream")
+    parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
+    parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     args = parser.parse_args()
     import torch  # imported after argparse so --help works without a GPU stack
 
     copy_gbs = copy_bandwidth_gbs(torch, args.repeat)
-    rows = [bench(torch, batch, ctx, sq, args.page_size, args.repeat, args.batch, copy_gbs)
-            for ctx in CONTEXTS for batch in BATCHES for sq in DRAFT_TOKENS]
+    rows = [bench(torch, batch, ctx, sq, args.page_size, args.repeat, args.batch, copy_gbs,
+                  args.queued)
+            for ctx in args.contexts for batch in args.batches for sq in DRAFT_TOKENS]
     print(f"{torch.cuda.get_device_name()}: Hq {HQ} / Hkv {HKV}, D {HEAD_DIM}, bf16, page "
-          f"{args.page_size}; copy bandwidth {copy_gbs:.0f} GB/s")
+          f"{args.page_size}; copy bandwidth {copy_gbs:.0f} GB/s; "
+          f"{'GPU time only (queued)' if args.queued else 'back-to-back calls'}")
     print(f"{'ctx':>6} {'batch':>5} {'Sq':>3} {'Kiln ms':>8} {'split ms':>8} {'torch ms':>8} "
-          f"{'Kiln GB/s':>9} {'torch GB/s':>10} {'/copy':>6} {'vs torch':>8}")
+          f"{'Kiln GB/s':>9} {'torch GB/s':>10} {'/copy':>6} {'vs torch':>8} {'host us':>7} "
+          f"{'split host us':>13}")
     for r in rows:
         print(f"{r['ctx']:>6} {r['batch']:>5} {r['sq']:>3} {r['kiln_ms']:8.3f} "
               f"{r['kiln_split_only_ms']:8.3f} {r['torch_ms']:8.3f} {r['kiln_gbs']:9.0f} "
-              f"{r['torch_gbs']:10.0f} {r['ratio_to_copy']:6.2f} {r['speedup_vs_torch']:8.2f}")
+              f"{r['torch_gbs']:10.0f} {r['ratio_to_copy']:6.2f} {r['speedup_vs_torch']:8.2f} "
+              f"{r['host_us']:7.1f} {r['split_host_us']:13.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs,

@@ -33,3 +33,25 @@ def queued_ms(fn, repeat: int, calls: int = 20, warmup: int = 3) -> float:
     """Median GPU milliseconds per call of ``fn`` with no host time counted: ``calls`` calls
     queued behind a busy stream. Use it to separate kernel speed from launch overhead."""
     return time_ms(fn, repeat, calls, warmup, queued=True)
+
+
+def host_us(fn, repeat: int, calls: int = 20, warmup: int = 3) -> float:
+    """Median host microseconds per call of ``fn`` while the GPU is kept busy: ``calls`` calls
+    queue behind ``torch.cuda._sleep``, so the host never waits for the device and the time
+    is the Python, allocation and launch work of one call."""
+    import time
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        torch.cuda._sleep(20_000_000)  # ~10 ms of spinning, longer than the calls take
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+        torch.cuda.synchronize()
+    return statistics.median(times) * 1e6

@@ -4,8 +4,11 @@ Interpreter runs against a float64 numpy reference with fresh random inputs: ran
 counts including 0, empty splits (LSE -inf, O 0) inside the valid range, rows whose every
 split is empty, row counts that are not multiples of the 64-row tile, several head dims and
 both log bases. Slots past each row's count hold NaN: reading one would poison the output.
+Both schedules run: the split-parallel one the plan picks for these few rows, and the wide one
+(forced), including split groups that each merge more than one pair.
 """
 
+import importlib
 import re
 
 import numpy as np
@@ -14,11 +17,16 @@ import pytest
 import kiln
 from kiln.kernels.attention import Partials, PartialsMismatchError, combine, compile_combine
 
+combine_module = importlib.import_module("kiln.kernels.attention.combine")
+CombineConfig, choose_config = combine_module.CombineConfig, combine_module.choose_config
 
-def make_partials(rng, splits, batch, sq, heads, head_dim, *, empty_fraction=0.2, log_base="e"):
+
+def make_partials(rng, splits, batch, sq, heads, head_dim, *, empty_fraction=0.2, log_base="e",
+                  counts=None):
     o = rng.standard_normal((splits, batch, sq, heads, head_dim)).astype(np.float32)
     lse = (rng.standard_normal((splits, batch, sq, heads)) * 4.0).astype(np.float32)
-    counts = rng.integers(0, splits + 1, (batch, sq, heads)).astype(np.int32)
+    if counts is None:
+        counts = rng.integers(0, splits + 1, (batch, sq, heads)).astype(np.int32)
     empty = rng.random(lse.shape) < empty_fraction
     lse[empty] = -np.inf
     o[empty] = 0.0
@@ -55,13 +63,24 @@ def assert_matches(o, lse, o_ref, lse_ref, tol):
     np.testing.assert_allclose(lse[finite], lse_ref[finite], rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(params=["chosen", "wide"])
+def schedule(request, monkeypatch):
+    """Run with the schedule the plan picks (split-parallel for these small problems), or with
+    the wide one forced."""
+    monkeypatch.setattr(combine_module, "_PLANS", {})
+    if request.param == "wide":
+        monkeypatch.setattr(combine_module, "choose_config", lambda *a: combine_module.WIDE)
+    return request.param
+
+
 @pytest.mark.parametrize("splits,batch,sq,heads,head_dim", [
     (5, 2, 3, 37, 64),       # 111 rows: one full and one partial tile
     (16, 1, 1, 32, 128),     # decode shape, half a tile
     (2, 3, 5, 13, 256),
     (7, 1, 70, 1, 80),       # head dim with 4-wide vectors only
+    (33, 1, 1, 5, 128),      # decode's 33 splits: 17 pairs, one group each
 ])
-def test_combine_matches_float64(splits, batch, sq, heads, head_dim):
+def test_combine_matches_float64(splits, batch, sq, heads, head_dim, schedule):
     rng = np.random.default_rng()
     o_p, lse_p, counts = make_partials(rng, splits, batch, sq, heads, head_dim)
     counts.flat[0] = 0                                  # at least one row with no split
@@ -74,6 +93,34 @@ def test_combine_matches_float64(splits, batch, sq, heads, head_dim):
                      backend="interpret")
     assert_matches(o, lse, *reference(o_p, lse_p, counts), tol=1e-5)
     assert not np.isnan(o).any()
+
+
+def test_split_groups_that_merge_several_pairs_each():
+    """D = 256 caps a split-parallel CTA at 32 groups: 70 splits are 35 pairs, so groups 0-2
+    merge two pairs each (and the loop runs zero times for rows with few splits)."""
+    assert choose_config(3, 1, 70, 256) == CombineConfig(rows_per_cta=1, split_groups=32)
+    rng = np.random.default_rng()
+    o_p, lse_p, counts = make_partials(rng, 70, 1, 1, 3, 256,
+                                       counts=np.array([[[70, 0, 66]]], np.int32))
+    o, lse = combine(o_p, lse_p, counts, max_splits=70, out_dtype=kiln.f32, backend="interpret")
+    assert_matches(o, lse, *reference(o_p, lse_p, counts), tol=1e-5)
+
+
+@pytest.mark.parametrize("rows,batch,max_splits,head_dim,expected", [
+    (64, 1, 33, 128, CombineConfig(rows_per_cta=2, split_groups=32)),   # decode, batch 1
+    (256, 4, 33, 128, CombineConfig(rows_per_cta=2, split_groups=32)),  # 16 wide CTAs only
+    (32, 1, 2, 128, CombineConfig()),                                   # one pair: wide
+    (16384 * 64, 1, 2, 128, CombineConfig()),                           # prefill-sized rows
+    (64 * 64, 16, 33, 128, CombineConfig()),                            # 1024 wide CTAs
+    (64, 1, 8, 128, CombineConfig(rows_per_cta=16, split_groups=4)),
+    (64, 1, 33, 256, CombineConfig(rows_per_cta=1, split_groups=32)),   # 32 KB of sums
+])
+def test_schedule_choice(rows, batch, max_splits, head_dim, expected):
+    config = choose_config(rows, batch, max_splits, head_dim)
+    assert config == expected
+    assert config.threads <= 512
+    assert config.split_groups * config.rows_per_cta * head_dim * 4 <= 32 * 1024 or \
+        config.split_groups == 1
 
 
 def test_bf16_output_and_log_base_2_partials():
@@ -136,9 +183,6 @@ def test_bad_inputs_are_rejected_before_compiling():
 
 
 def test_repeat_calls_reuse_one_plan_per_shape_class(monkeypatch):
-    import importlib
-
-    combine_module = importlib.import_module("kiln.kernels.attention.combine")
     made = []
     make_plan = combine_module._make_plan
     monkeypatch.setattr(combine_module, "_make_plan",
@@ -155,21 +199,28 @@ def test_repeat_calls_reuse_one_plan_per_shape_class(monkeypatch):
 
 @pytest.mark.lower
 @pytest.mark.parametrize("target", ["sm_90a", "gfx950"])
-def test_combine_compiles_to_16_byte_loads_without_spills(target):
-    ck = compile_combine(target=target, head_dim=128, max_splits=32)
+@pytest.mark.parametrize("config,shared_bytes", [
+    (CombineConfig(), 64 * 32 * 4),                                    # weights only
+    (CombineConfig(rows_per_cta=2, split_groups=32), 2 * 40 * 4 + 32 * 2 * 128 * 4),
+])
+def test_combine_compiles_to_16_byte_loads_without_spills(target, config, shared_bytes):
+    ck = compile_combine(target=target, head_dim=128, max_splits=33 if config.split_groups > 1
+                         else 32, config=config)
     if target == "sm_90a":
         assert "ld.global.v4.b32" in ck.asm["ptx"]
         assert ck.metadata["spill_bytes"] == 0
     else:
         assert re.search(r"global_load_dwordx4", ck.asm["amdgcn"])
         assert ck.metadata["scratch_bytes"] == 0
-    assert ck.metadata.get("shared_bytes", ck.metadata.get("lds_bytes")) == 64 * 32 * 4
+    assert ck.metadata.get("shared_bytes", ck.metadata.get("lds_bytes")) == shared_bytes
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits,batch,sq,heads,head_dim", [(16, 4, 1, 32, 128),
-                                                            (2, 1, 300, 16, 64)])
-def test_combine_on_gpu_matches_torch(splits, batch, sq, heads, head_dim):
+                                                            (2, 1, 300, 16, 64),
+                                                            (33, 1, 1, 64, 128)])
+@pytest.mark.parametrize("out_dtype", [kiln.f32, kiln.bf16])
+def test_combine_on_gpu_matches_torch(splits, batch, sq, heads, head_dim, out_dtype):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -177,9 +228,14 @@ def test_combine_on_gpu_matches_torch(splits, batch, sq, heads, head_dim):
     for _ in range(3):  # repeat calls reuse the bound launch with the new tensors' addresses
         o_p, lse_p, counts = make_partials(rng, splits, batch, sq, heads, head_dim)
         dev = [torch.from_numpy(a).cuda() for a in (o_p, lse_p, counts)]
-        o, lse = combine(*dev, max_splits=max(splits, 2), out_dtype=kiln.f32)
+        o, lse = combine(*dev, max_splits=max(splits, 2), out_dtype=out_dtype)
+        # one allocation holds both outputs; each is a contiguous tensor of its own shape
+        assert o.untyped_storage().data_ptr() == lse.untyped_storage().data_ptr()
+        assert o.is_contiguous() and lse.is_contiguous() and lse.data_ptr() % 16 == 0
+        assert tuple(o.shape) == (batch, sq, heads, head_dim) and lse.dtype == torch.float32
         o_ref, lse_ref = reference(o_p, lse_p, counts)
-        assert_matches(o.cpu().numpy(), lse.cpu().numpy(), o_ref, lse_ref, tol=1e-4)
+        assert_matches(o.float().cpu().numpy(), lse.cpu().numpy(), o_ref, lse_ref,
+                       tol=1e-4 if out_dtype is kiln.f32 else 1e-2)
 
 
 def test_preallocated_outputs_are_written_and_returned():
@@ -197,3 +253,59 @@ def test_preallocated_outputs_are_written_and_returned():
     with pytest.raises(kiln.KilnValueError, match=r"out must be .* shape \(2, 3, 5, 64\)"):
         combine(o_p, lse_p, counts, max_splits=4, out_dtype=kiln.f32, backend="interpret",
                 out=np.empty((2, 3, 5, 32), np.float32))
+
+
+# --- decode_attention's host path: its plan cache and its bound decode + combine pair
+
+
+def _decode_inputs(rng, q_dtype=kiln.bf16.numpy):
+    q = rng.standard_normal((1, 1, 8, 64)).astype(q_dtype)
+    cache = rng.standard_normal((2, 64, 1, 64)).astype(kiln.bf16.numpy)
+    return q, cache, cache.copy(), np.array([[1, 0]], np.int32), np.array([100], np.int32)
+
+
+def test_decode_plans_miss_on_any_shape_or_dtype_change(monkeypatch):
+    decode_module = importlib.import_module("kiln.kernels.attention.decode")
+    monkeypatch.setattr(decode_module, "_PLANS", {})
+    rng = np.random.default_rng()
+    inputs = _decode_inputs(rng)
+    first = decode_module._plan(*inputs, None, None, None, None, None, "interpret", None)
+    assert decode_module._plan(*_decode_inputs(rng), None, None, None, None, None,
+                               "interpret", None) is first
+    with pytest.raises(kiln.KilnTypeError, match="q must be bf16"):
+        decode_module._plan(*_decode_inputs(rng, np.float16), None, None, None, None, None,
+                            "interpret", None)
+    q, k, v, table, _ = inputs
+    with pytest.raises(kiln.KilnValueError, match="seq_lens"):
+        decode_module._plan(q, k, v, table, np.array([100, 100], np.int32), None, None, None,
+                            None, None, "interpret", None)
+    assert len(decode_module._PLANS) == 1 and first.bound is None and first.merge is None
+    # the one partials allocation: O, then LSE, then counts at a 16-byte boundary
+    assert (first.lse_offset, first.counts_offset % 4) == (first.slots * 8 * 64, 0)
+    assert first.partial_words == first.counts_offset + 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,sq", [(1, 1), (2, 4)])
+def test_bound_decode_attention_matches_decode_then_combine(batch, sq):
+    """decode_attention's bound pair (one partials allocation, combine plan reused) gives the
+    bits decode() + combine() give, for fresh inputs each call."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kiln.kernels.attention.decode import decode, decode_attention, decode_partials
+
+    for _ in range(3):
+        kc = torch.randn(40, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        table = torch.randperm(40, device="cuda")[:batch * 20].view(batch, 20).int()
+        q = torch.randn(batch, sq, 16, 128, device="cuda", dtype=torch.bfloat16)
+        seq_lens = torch.randint(sq, 20 * 64, (batch,), device="cuda", dtype=torch.int32)
+        o, lse = decode_attention(q, kc, vc, table, seq_lens)
+        o_part, lse_part, counts = decode(q, kc, vc, table, seq_lens)
+        assert o_part.untyped_storage().data_ptr() == counts.untyped_storage().data_ptr()
+        o_want, lse_want = combine(o_part, lse_part, counts, max_splits=o_part.shape[0],
+                                   partials=decode_partials(o_part.shape[0]))
+        assert not torch.isnan(o).any()
+        torch.testing.assert_close(o, o_want, atol=0, rtol=0)
+        torch.testing.assert_close(lse, lse_want, atol=0, rtol=0)

@@ -7,6 +7,8 @@ import pytest
 import kiln
 from kiln.kernels.attention.decode import DecodeConfig, decode, default_num_splits
 
+from attention_reference import attention_reference
+
 BN = DecodeConfig().block_n
 D = 64
 # P is rounded to bf16 to feed the tensor cores (P.V in mma.sync), so O carries bf16 relative
@@ -14,16 +16,16 @@ D = 64
 O_TOL = dict(atol=4e-3, rtol=4e-3)  # 2^-8: twice bf16's rounding
 
 
-def _problem(rng, batch, sq, hq, hkv, page_size, seq_lens, *, sinks=False):
+def _problem(rng, batch, sq, hq, hkv, page_size, seq_lens, *, sinks=False, head_dim=D):
     max_pages = -(-max(seq_lens) // page_size)
     num_pages = batch * max_pages + 3
-    shape = (num_pages, page_size, hkv, D)
+    shape = (num_pages, page_size, hkv, head_dim)
     k_cache = rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
     v_cache = rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
     # Pages of every sequence scattered over the pool, beyond-the-end entries are garbage ids.
     pool = rng.permutation(num_pages)
     table = pool[:batch * max_pages].reshape(batch, max_pages).astype(np.int32)
-    q = rng.standard_normal((batch, sq, hq, D)).astype(ml_dtypes.bfloat16)
+    q = rng.standard_normal((batch, sq, hq, head_dim)).astype(ml_dtypes.bfloat16)
     lens = np.asarray(seq_lens, np.int32)
     sink = rng.standard_normal(hq).astype(np.float32) if sinks else None
     return q, k_cache, v_cache, table, lens, sink
@@ -198,7 +200,7 @@ def test_default_num_splits():
 def test_stale_cache_rows_never_reach_the_sums():
     """NaN in the rows of a partially filled page past the sequence end: scores are masked
     and V rows zeroed, so O stays finite and exact. D=128 with 32 packed rows and whole-tile
-    pages also takes the two-m16-tile, Q-from-shared-memory path."""
+    pages also takes the two-warp-group path."""
     rng = np.random.default_rng()
     head_dim, page_size = 128, 64
     lens = [BN + 37, 2 * BN - 3]
@@ -220,6 +222,57 @@ def test_stale_cache_rows_never_reach_the_sums():
     o_want, lse_want, counts_want = _reference_splits(q, kc, vc, table, seq_lens, 2,
                                                       head_dim ** -0.5, head_dim=head_dim)
     _check_partials(got, (o_want, lse_want, None), counts_want)
+
+
+@pytest.mark.parametrize("page_size,sinks", [(1, False), (16, True), (64, False)])
+def test_one_cta_serves_sq4_gqa8_rows_at_d128(page_size, sinks):
+    """Sq 4 x GQA 8 = 32 packed rows at D = 128: one CTA per (split, KV head) (grid y == Hkv),
+    two warp groups of one m16 tile each, every warp on 32 keys of a tile. Ragged lengths
+    end mid-tile and mid-page; the merged partials match float64 causal attention."""
+    from kiln.kernels.attention.decode import _PLANS
+
+    rng = np.random.default_rng()
+    head_dim, B, Sq, group, Hkv, num_splits = 128, 2, 4, 8, 2, 2
+    lens = [int(rng.integers(Sq, BN + 20)), int(rng.integers(2 * BN + 1, 3 * BN))]
+    q, kc, vc, table, seq_lens, sink = _problem(rng, B, Sq, group * Hkv, Hkv, page_size, lens,
+                                                sinks=sinks, head_dim=head_dim)
+    _PLANS.clear()
+    got = decode(q, kc, vc, table, seq_lens, num_splits=num_splits, sinks=sink,
+                 backend="interpret")
+    (plan,) = _PLANS.values()
+    assert plan.grid == (num_splits, Hkv, B)
+    want = _reference_splits(q, kc, vc, table, seq_lens, num_splits, head_dim ** -0.5, sink,
+                             head_dim=head_dim)
+    _check_partials(got, want, want[2])
+    merged = _merge(*got)
+    for b, L in enumerate(lens):
+        k, v = _gather(kc, table, b, L)[None], _gather(vc, table, b, L)[None]
+        np.testing.assert_allclose(merged[b], attention_reference(q[b:b + 1], k, v, causal=True,
+                                                                  sinks=sink)[0], **O_TOL)
+
+
+def test_warp_groups_widen_a_cta_within_the_accumulator_budget():
+    """D = 128 doubles the rows of a CTA with a second warp group; D = 64 already holds two m
+    tiles a warp and D = 256 a full O, so they keep one group."""
+    config = DecodeConfig()
+    assert [config.warp_groups(rows, 128) for rows in (8, 16, 32, 128)] == [1, 1, 2, 2]
+    assert [config.row_blocks(rows, 128) for rows in (8, 32, 64, 128)] == [1, 1, 2, 4]
+    assert config.warp_groups(64, 64) == 1 and config.row_blocks(64, 64) == 2
+    assert config.warp_groups(32, 256) == 1 and config.row_blocks(32, 256) == 2
+    assert config.keys_per_warp(2) == 32
+    assert DecodeConfig(block_n=128, num_warps=8).warp_groups(32, 128) == 2
+    assert DecodeConfig(block_n=128).warp_groups(32, 128) == 1  # 64 keys a warp: too many
+
+
+@pytest.mark.lower
+def test_sq4_gqa8_d128_fits_two_ctas_per_sm_without_spills():
+    """Two warp groups cost a few registers (32-key slices), not spills: two CTAs of 128
+    threads still share an SM's 64K registers."""
+    from kiln.kernels.attention.decode import compile_decode
+
+    metadata = compile_decode(target="sm_90a", sq=4, group=8, head_dim=128).metadata
+    assert metadata["spill_bytes"] == 0
+    assert metadata["registers"] <= 200
 
 
 def test_accumulator_pairs_are_the_p_fragment_and_v_keys_match_the_mask():

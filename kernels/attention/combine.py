@@ -10,18 +10,30 @@ in base 2 (``exp2``/``log2``; one multiply by ``log2 e`` per LSE difference when
 producer's LSE is natural-log). Partials follow the :class:`~kiln.kernels.attention.partials.Partials`
 contract the producer declares; ``combine`` checks it when it compiles.
 
-Schedule (one CTA = 512 threads reduces a 64-row tile of flat ``(q, h)`` rows of one batch;
-grid ``(ceil(Sq * H / 64), 1, B)``; 8 threads per row):
+Schedule (grid ``(ceil(Sq * H / rows_per_cta), 1, B)``; a CTA reduces ``rows_per_cta`` flat
+``(q, h)`` rows of one batch with ``8 * split_groups`` threads per row). The plan picks one
+of two :class:`CombineConfig` specialisations of the same kernel:
+
+- *wide* (``rows_per_cta = 64``, ``split_groups = 1``): for many rows. 8 threads per row walk
+  all of the row's splits; many CTAs per SM hide the latency.
+- *split-parallel* (``split_groups`` up to 64, ``rows_per_cta * split_groups = 64``, fewer
+  for ``D > 128``): for few rows with many splits (decode at batch 1: 64 rows x 33 splits is
+  ONE wide CTA whose threads walk 17 dependent DRAM round trips). Group ``g`` of a row
+  merges split pairs ``g, g + G, ...`` so a row's loads are all in flight at once; the
+  groups' partial sums meet in shared memory.
 
 =======  ===================================================================================
 phase    work
 =======  ===================================================================================
 LSE      each thread loads ``max_splits / 8`` LSE slots of its row (slots ``>= C`` masked to
-         ``-inf``), max and sum of ``exp2`` over the row's 8 threads with XOR shuffles; the
-         normalised weights ``w_s / Z`` go to a ``64 x max_splits`` f32 shared tile
-merge    loop over ``s < C`` only (short-circuit at the largest valid split), two splits per
-         iteration: 16-byte vector loads of both splits' ``O_partial`` rows are issued before
-         either is accumulated, so every thread keeps ``2 * D / 16`` loads in flight
+         ``-inf``), max and sum of ``exp2`` over the row's 8 threads with XOR shuffles; group
+         0 writes the normalised weights ``w_s / Z`` to a ``rows x max_splits`` f32 shared
+         tile (the other groups computed the same sums from the same, cached, LSE loads)
+merge    loop over this group's ``s < C`` only, two splits per iteration: 16-byte vector
+         loads of both splits' ``O_partial`` rows are issued before either is accumulated,
+         so every thread keeps ``2 * D / 16`` loads in flight
+reduce   split-parallel only: every group stores its ``rows x D`` f32 sums to shared memory;
+         after a barrier each thread adds one ``WIDTH``-vector column over the groups
 store    ``O`` cast to ``out_dtype`` in vector stores, ``LSE`` by one thread per row
 =======  ===================================================================================
 
@@ -30,7 +42,8 @@ and consumed straight from registers, so staging through shared memory would onl
 traffic; the eight threads of a row read 128 contiguous bytes per step, which keeps every
 32-byte sector fully used. Eight (not four) threads per row keep a thread's two splits of
 in-flight vectors at 32 registers: with four, ptxas spilled at D = 128. Latency is hidden
-by the two-split unroll (all loads of an iteration are independent) and several CTAs per SM.
+by the two-split unroll (all loads of an iteration are independent) and several CTAs per SM
+(wide), or by spreading the splits over the groups (split-parallel).
 """
 
 from __future__ import annotations
@@ -48,36 +61,77 @@ from .partials import Partials, partials_of
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+THREADS_PER_ROW = 8
+VECTOR_BYTES = 16
+_ROW_LANE_MASKS = tuple(1 << b for b in range(THREADS_PER_ROW.bit_length() - 1))
+# The wide schedule is kept while it launches at least this many CTAs (two per SM of an
+# H100/H200): enough CTAs in flight hide the latency of its sequential split walk.
+WIDE_MIN_CTAS = 264
+# Row-groups per split-parallel CTA: 64 (512 threads) with the partial sums' shared tile capped
+# at 32 KB, so D = 256 runs 32 row-groups (256 threads).
+MAX_ROW_GROUPS = 64
+PARTIAL_SUM_BYTES = 32 * 1024
 
 
 @dataclass(frozen=True)
 class CombineConfig:
-    """Tile shape: ``rows_per_cta`` flat rows, ``threads_per_row`` threads each."""
+    """Tile shape: ``rows_per_cta`` flat rows, each reduced by ``split_groups`` groups of
+    ``THREADS_PER_ROW`` threads (group ``g`` merges split pairs ``g, g + split_groups, ...``).
+
+    Example: ``CombineConfig(rows_per_cta=2, split_groups=32).threads == 512``.
+    """
 
     rows_per_cta: int = 64
-    threads_per_row: int = 8
-    vector_bytes: int = 16
+    split_groups: int = 1
+
+    def __post_init__(self):
+        if self.rows_per_cta < 1 or self.split_groups < 1:
+            raise kiln.KilnValueError(f"{self} needs positive rows and groups",
+                                      fix="use CombineConfig() or choose_config(...)")
 
     @property
     def threads(self) -> int:
-        return self.rows_per_cta * self.threads_per_row
+        return self.rows_per_cta * self.split_groups * THREADS_PER_ROW
+
+    def num_warps(self, target: str) -> int:
+        return -(-self.threads // (64 if target.startswith("gfx") else 32))
+
+    def grid(self, rows: int, batch: int) -> tuple[int, int, int]:
+        return (-(-rows // self.rows_per_cta), 1, batch)
+
+    def constexprs(self) -> dict:
+        return dict(ROWS_PER_CTA=self.rows_per_cta, SPLIT_GROUPS=self.split_groups)
 
 
-CONFIG = CombineConfig()
-_ROW_LANE_MASKS = tuple(1 << b for b in range(CONFIG.threads_per_row.bit_length() - 1))
+WIDE = CombineConfig()
+
+
+def choose_config(rows: int, batch: int, max_splits: int, head_dim: int) -> CombineConfig:
+    """The wide schedule unless it would launch fewer than :data:`WIDE_MIN_CTAS` CTAs for more
+    than one split pair per row; then enough split groups to give each pair its own group.
+
+    Example: ``choose_config(64, 1, 33, 128) == CombineConfig(rows_per_cta=2, split_groups=32)``.
+    """
+    pairs = -(-max_splits // 2)
+    if pairs == 1 or WIDE.grid(rows, batch)[0] * batch >= WIDE_MIN_CTAS:
+        return WIDE
+    row_groups = max(1, min(MAX_ROW_GROUPS, PARTIAL_SUM_BYTES // (head_dim * 4)))
+    groups = min(1 << (pairs - 1).bit_length(), 1 << (row_groups.bit_length() - 1))
+    return CombineConfig(rows_per_cta=max(1, row_groups // groups), split_groups=groups)
 
 
 @kiln.kernel
 def lse_merge(o_part, lse_part, counts, o_out, lse_out, heads: i32, rows: i32,
               HEAD_DIM: kiln.constexpr, MAX_SPLITS: kiln.constexpr, LOG2_PER_UNIT: kiln.constexpr,
-              WIDTH: kiln.constexpr):
-    """One 64-row tile of one batch (see the module schedule)."""
-    tpr = CONFIG.threads_per_row
+              WIDTH: kiln.constexpr, ROWS_PER_CTA: kiln.constexpr, SPLIT_GROUPS: kiln.constexpr):
+    """``ROWS_PER_CTA`` rows of one batch, ``SPLIT_GROUPS`` groups each (module schedule)."""
+    tpr = THREADS_PER_ROW
     tid = kiln.thread_id(0)
-    local_row = tid // tpr
     part = tid % tpr
+    local_row = (tid // tpr) % ROWS_PER_CTA
+    group = tid // (tpr * ROWS_PER_CTA)
     b = kiln.block_id(2)
-    row = kiln.block_id(0) * CONFIG.rows_per_cta + local_row
+    row = kiln.block_id(0) * ROWS_PER_CTA + local_row
     # Rows past the end compute on the last row (every lane joins the shuffles); no store.
     q = kiln.min(row, rows - 1) // heads
     h = kiln.min(row, rows - 1) % heads
@@ -103,17 +157,18 @@ def lse_merge(o_part, lse_part, counts, o_out, lse_out, heads: i32, rows: i32,
     z = kiln.shuffle.butterfly_reduce(z, _ROW_LANE_MASKS, lambda a, c: a + c)
     valid = (z > 0.0) & (z < float("inf"))                  # NaN compares false
     inv_z = kiln.where(valid, kiln.rcp(z), 0.0)
-    weights = kiln.shared((CONFIG.rows_per_cta, slots * tpr), f32)
-    for k in kiln.static_range(slots):
-        weights[local_row, part + k * tpr] = w[k] * inv_z
+    weights = kiln.shared((ROWS_PER_CTA, slots * tpr), f32)
+    if group == 0:
+        for k in kiln.static_range(slots):
+            weights[local_row, part + k * tpr] = w[k] * inv_z
     kiln.barrier()
 
-    # --- merge phase: two splits per iteration, loads first
+    # --- merge phase: this group's split pairs, two splits per iteration, loads first
     chunks = HEAD_DIM // (WIDTH * tpr)
     ALIGN = WIDTH * o_part.dtype.itemsize  # contiguous rows, HEAD_DIM % (tpr * WIDTH) == 0
     cols = [(part + k * tpr) * WIDTH for k in range(chunks)]
     acc = [kiln.values.constant(0.0, f32, (WIDTH,)) for _ in range(chunks)]
-    for s in kiln.range(0, count, 2):
+    for s in kiln.range(2 * group, count, 2 * SPLIT_GROUPS):
         s1 = kiln.min(s + 1, count - 1)
         x0 = [o_part.load(s, b, q, h, c, width=WIDTH, align=ALIGN) for c in cols]
         x1 = [o_part.load(s1, b, q, h, c, width=WIDTH, align=ALIGN) for c in cols]
@@ -122,26 +177,45 @@ def lse_merge(o_part, lse_part, counts, o_out, lse_out, heads: i32, rows: i32,
         acc = [kiln.fma(kiln.cast(b1, f32), w1, kiln.fma(kiln.cast(a0, f32), w0, a))
                for a, a0, b1 in zip(acc, x0, x1)]
 
-    # --- store
-    if row < rows:
+    # --- reduce over the groups (split-parallel) and store
+    out_align = WIDTH * o_out.dtype.itemsize
+    if SPLIT_GROUPS == 1:
+        if row < rows:
+            for c, a in zip(cols, acc):
+                o_out.store(b, q, h, c, kiln.cast(a, o_out.dtype), align=out_align)
+    else:
+        sums = kiln.shared((SPLIT_GROUPS, ROWS_PER_CTA, HEAD_DIM), f32)
         for c, a in zip(cols, acc):
-            o_out.store(b, q, h, c, kiln.cast(a, o_out.dtype),
-                        align=WIDTH * o_out.dtype.itemsize)
-        if part == 0:
-            nat_per_unit = 1.0 if LOG2_PER_UNIT != 1.0 else LN2
-            lse_out[b, q, h] = kiln.where(valid, kiln.fma(m_safe, nat_per_unit,
-                                                          kiln.log2(z) * LN2), -float("inf"))
+            sums.store(group, local_row, c, a, align=WIDTH * 4)
+        kiln.barrier()
+        vectors_per_row = HEAD_DIM // WIDTH
+        threads = tpr * ROWS_PER_CTA * SPLIT_GROUPS
+        for k in kiln.static_range(-(-ROWS_PER_CTA * vectors_per_row // threads)):
+            v = tid + k * threads
+            out_local = kiln.min(v // vectors_per_row, ROWS_PER_CTA - 1)
+            c = (v % vectors_per_row) * WIDTH
+            total = sums.load(0, out_local, c, width=WIDTH, align=WIDTH * 4)
+            for g in kiln.static_range(1, SPLIT_GROUPS):
+                total = total + sums.load(g, out_local, c, width=WIDTH, align=WIDTH * 4)
+            out_row = kiln.block_id(0) * ROWS_PER_CTA + out_local
+            if (v < ROWS_PER_CTA * vectors_per_row) & (out_row < rows):
+                o_out.store(b, out_row // heads, out_row % heads, c,
+                            kiln.cast(total, o_out.dtype), align=out_align)
+    if (row < rows) & (part == 0) & (group == 0):
+        nat_per_unit = 1.0 if LOG2_PER_UNIT != 1.0 else LN2
+        lse_out[b, q, h] = kiln.where(valid, kiln.fma(m_safe, nat_per_unit,
+                                                      kiln.log2(z) * LN2), -float("inf"))
 
 
 def _vector_width(head_dim: int, dtype: kiln.DType) -> int:
-    width = max(CONFIG.vector_bytes // dtype.itemsize, 1)
-    while width > 1 and head_dim % (width * CONFIG.threads_per_row):
+    width = max(VECTOR_BYTES // dtype.itemsize, 1)
+    while width > 1 and head_dim % (width * THREADS_PER_ROW):
         width //= 2
-    if head_dim % (width * CONFIG.threads_per_row):
+    if head_dim % (width * THREADS_PER_ROW):
         raise kiln.UnsupportedError(f"combine needs a head dim divisible by "
-                                    f"{CONFIG.threads_per_row}, got {head_dim}",
+                                    f"{THREADS_PER_ROW}, got {head_dim}",
                                     fix=f"pad the head dimension to a multiple of "
-                                        f"{CONFIG.threads_per_row}")
+                                        f"{THREADS_PER_ROW}")
     return width
 
 
@@ -177,6 +251,14 @@ def _consumer_contract(producer: Partials | None, o_dtype: kiln.DType,
                     dtype=o_dtype, log_base=producer.log_base if producer else "e")
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 @dataclass(frozen=True)
 class _CombinePlan:
     """What a combine call of one shape class needs, worked out once (see :data:`_PLANS`):
@@ -198,25 +280,52 @@ class _CombinePlan:
     def empty(self) -> bool:
         return self.grid[0] == 0 or self.grid[2] == 0
 
-    def run_torch(self, o_partial, lse_partial, split_counts, out=None, lse_out=None):
+    @property
+    def _lse_offset_words(self) -> int:
+        """Where ``lse`` starts in the shared output allocation: after ``o``, in f32 words,
+        rounded up to 16 bytes."""
+        o_bytes = math.prod(self.out_shape) * self.out_dtype.itemsize
+        return -(-o_bytes // VECTOR_BYTES) * (VECTOR_BYTES // 4)
+
+    def new_outputs(self):
+        """Fresh ``(o, lse)`` torch tensors, both contiguous views of ONE device allocation
+        (``o`` at its start, ``lse`` 16-byte aligned after it): one allocator call per
+        combine instead of two. Either keeps the whole (small) allocation alive."""
         import torch
 
+        lse_shape = self.out_shape[:3]
+        lse_at = self._lse_offset_words
+        words = torch.empty(lse_at + math.prod(lse_shape), dtype=torch.float32,
+                            device=self.device)
+        lse = words.as_strided(lse_shape, _contiguous_strides(lse_shape), lse_at)
+        if self.torch_out_dtype is not torch.float32:
+            words = words.view(self.torch_out_dtype)
+        return words.as_strided(self.out_shape, _contiguous_strides(self.out_shape), 0), lse
+
+    def run_torch(self, o_partial, lse_partial, split_counts, out=None, lse_out=None):
         if not (o_partial.is_contiguous() and lse_partial.is_contiguous()
-                and split_counts.is_contiguous()) or o_partial.data_ptr() % CONFIG.vector_bytes:
+                and split_counts.is_contiguous()) or o_partial.data_ptr() % VECTOR_BYTES:
             raise kiln.KilnValueError("combine reads contiguous partials with a 16-byte aligned "
                                       "O_partial (its rows are read in 16-byte vectors)",
                                       fix="pass .contiguous() tensors")
         if not (lse_partial.is_cuda and split_counts.is_cuda):
             raise kiln.KilnTypeError("LSE_partial and split_counts must be CUDA tensors like "
                                      "O_partial", fix="move them to O_partial's device")
-        if out is None:
-            out = torch.empty(self.out_shape, device=self.device, dtype=self.torch_out_dtype)
+        if out is None and lse_out is None:
+            out, lse_out = self.new_outputs()
         else:
-            self.check_output(out, "out", self.out_shape, self.torch_out_dtype)
-        if lse_out is None:
-            lse_out = torch.empty(self.out_shape[:3], device=self.device, dtype=torch.float32)
-        else:
-            self.check_output(lse_out, "lse_out", self.out_shape[:3], torch.float32)
+            import torch
+
+            if out is None:
+                out = torch.empty(self.out_shape, device=self.device,
+                                  dtype=self.torch_out_dtype)
+            else:
+                self.check_output(out, "out", self.out_shape, self.torch_out_dtype)
+            if lse_out is None:
+                lse_out = torch.empty(self.out_shape[:3], device=self.device,
+                                      dtype=torch.float32)
+            else:
+                self.check_output(lse_out, "lse_out", self.out_shape[:3], torch.float32)
         if self.bound is not None:
             self.bound(o_partial.data_ptr(), lse_partial.data_ptr(), split_counts.data_ptr(),
                        out.data_ptr(), lse_out.data_ptr())
@@ -225,7 +334,7 @@ class _CombinePlan:
     def check_output(self, tensor, name: str, shape: tuple, dtype) -> None:
         """A caller's output tensor must be laid out exactly as the bound launch writes it."""
         if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_cuda or \
-                not tensor.is_contiguous() or tensor.data_ptr() % CONFIG.vector_bytes:
+                not tensor.is_contiguous() or tensor.data_ptr() % VECTOR_BYTES:
             raise kiln.KilnValueError(
                 f"combine's {name} must be a contiguous, 16-byte aligned {dtype} CUDA tensor of "
                 f"shape {shape}; got {tensor.dtype} of shape {tuple(tensor.shape)}",
@@ -259,7 +368,7 @@ class _CombinePlan:
 
 
 # Plans by (array type, shapes, dtypes, device, options): a repeat call costs a dict look-up,
-# two output allocations (none with out= and lse_out=) and one bound launch, not a
+# one output allocation (none with out= and lse_out=) and one bound launch, not a
 # re-validation and specialisation.
 _PLANS: dict[tuple, _CombinePlan] = {}
 
@@ -292,13 +401,11 @@ def _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, part
                                   fix='backend=None (GPU) or backend="interpret" (CPU)')
     target = target or "sm_90a"
     rows = sq * heads
+    config = choose_config(rows, batch, max_splits, head_dim)
     plan = _CombinePlan(
-        out_shape=(batch, sq, heads, head_dim),
-        grid=((rows + CONFIG.rows_per_cta - 1) // CONFIG.rows_per_cta, 1, batch),
-        target=target, num_warps=CONFIG.threads // (64 if target.startswith("gfx") else 32),
-        constexprs=dict(HEAD_DIM=head_dim, MAX_SPLITS=max_splits,
-                        LOG2_PER_UNIT=LOG2E if contract.log_base == "e" else 1.0,
-                        WIDTH=_vector_width(head_dim, o_dtype)),
+        out_shape=(batch, sq, heads, head_dim), grid=config.grid(rows, batch),
+        target=target, num_warps=config.num_warps(target),
+        constexprs=_constexprs(head_dim, max_splits, contract.log_base, o_dtype, config),
         max_splits=max_splits, out_dtype=out_dtype, backend=backend)
     if not _is_torch(o_partial) or backend == "interpret":
         return plan
@@ -310,11 +417,43 @@ def _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, part
         torch, {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[out_dtype.name]))
     if plan.empty:
         return plan
-    o, lse = (torch.empty(plan.out_shape, device=plan.device, dtype=plan.torch_out_dtype),
-              torch.empty(plan.out_shape[:3], device=plan.device, dtype=torch.float32))
-    args = (o_partial, lse_partial, split_counts, o, lse, *_scalar_args(plan.out_shape))
+    args = (o_partial, lse_partial, split_counts, *plan.new_outputs(),
+            *_scalar_args(plan.out_shape))
     ck = lse_merge.compile(*args, target=target, num_warps=plan.num_warps, **plan.constexprs)
     return replace(plan, bound=bind_launch(ck, plan.grid, args))
+
+
+def _constexprs(head_dim: int, max_splits: int, log_base: str, o_dtype: kiln.DType,
+                config: CombineConfig) -> dict:
+    return dict(HEAD_DIM=head_dim, MAX_SPLITS=max_splits,
+                LOG2_PER_UNIT=LOG2E if log_base == "e" else 1.0,
+                WIDTH=_vector_width(head_dim, o_dtype), **config.constexprs())
+
+
+def plan_combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
+                 out_dtype=kiln.bf16, partials: Any = None, target: str | None = None,
+                 backend: str | None = None) -> _CombinePlan:
+    """The (cached) plan :func:`combine` runs for these arguments' shape class. A producer
+    that calls combine in a loop keeps it and calls ``plan.new_outputs()`` and
+    ``plan.bound(o_partial_ptr, lse_partial_ptr, counts_ptr, o_ptr, lse_ptr)`` itself
+    (torch CUDA tensors, contiguous and laid out like the first call's).
+
+    Example: ``plan_combine(o_p, lse_p, counts, max_splits=33).grid``.
+    """
+    try:
+        key = (type(o_partial), o_partial.shape, o_partial.dtype, lse_partial.shape,
+               lse_partial.dtype, split_counts.shape, split_counts.dtype,
+               o_partial.device if _is_torch(o_partial) else None, max_splits, out_dtype,
+               partials_of(partials), target, backend)
+        plan = _PLANS.get(key)
+    except (TypeError, AttributeError):  # unhashable or not an array: validation reports it
+        key, plan = None, None
+    if plan is None:
+        plan = _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, partials,
+                          target, backend)
+        if key is not None:
+            _PLANS[key] = plan
+    return plan
 
 
 def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
@@ -326,13 +465,14 @@ def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
     ``partials`` is the producer's :class:`Partials` (or an object with ``.partials``), checked
     against what this combine reads. Inputs: numpy arrays or torch CUDA tensors (outputs are
     of the same kind; torch launches are asynchronous on torch's current stream, and a repeat
-    call with the same shapes costs about a microsecond of host time plus the launch);
+    call with the same shapes costs a few microseconds of host time plus the launch);
     ``backend="interpret"`` runs the kernel on the CPU interpreter.
 
+    Fresh torch outputs are contiguous views of one device allocation (``lse`` after ``o``).
     ``out`` / ``lse_out``: optional preallocated outputs (contiguous, ``[b, q, h, D]`` of
     ``out_dtype`` and ``[b, q, h]`` float32, same kind and device as the inputs) that are
-    written and returned instead of fresh ones; a decode loop that reuses them skips two
-    allocations per call. Either may be given alone.
+    written and returned instead of fresh ones; a decode loop that reuses them skips the
+    allocation per call. Either may be given alone.
 
     Example::
 
@@ -341,28 +481,19 @@ def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
         combine(o_partial, lse_partial, split_counts, max_splits=16, out_dtype=kiln.f32,
                 backend="interpret", out=o, lse_out=lse)   # writes into o and lse
     """
-    is_torch = _is_torch(o_partial)
-    try:
-        key = (type(o_partial), o_partial.shape, o_partial.dtype, lse_partial.shape,
-               lse_partial.dtype, split_counts.shape, split_counts.dtype,
-               o_partial.device if is_torch else None, max_splits, out_dtype,
-               partials_of(partials), target, backend)
-        plan = _PLANS.get(key)
-    except (TypeError, AttributeError):  # unhashable or not an array: validation reports it
-        key, plan = None, None
-    if plan is None:
-        plan = _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, partials,
-                          target, backend)
-        if key is not None:
-            _PLANS[key] = plan
-    if is_torch and backend is None:
+    plan = plan_combine(o_partial, lse_partial, split_counts, max_splits=max_splits,
+                        out_dtype=out_dtype, partials=partials, target=target, backend=backend)
+    if _is_torch(o_partial) and backend is None:
         return plan.run_torch(o_partial, lse_partial, split_counts, out, lse_out)
     return plan.run_numpy(o_partial, lse_partial, split_counts, out, lse_out)
 
 
 def compile_combine(dtype=f32, *, head_dim: int = 128, max_splits: int = 32,
-                    out_dtype=kiln.bf16, log_base: str = "e", target: str = "sm_90a"):
-    """The compiled combine kernel (stages, metadata) for ``dtype`` partials, without running.
+                    out_dtype=kiln.bf16, log_base: str = "e", target: str = "sm_90a",
+                    config: CombineConfig = WIDE):
+    """The compiled combine kernel (stages, metadata) for ``dtype`` partials, without running;
+    ``config`` picks the schedule (:data:`WIDE`, or a split-parallel one of
+    :func:`choose_config`).
 
     Example: ``print(compile_combine("f32", target="gfx950").metadata)``.
     """
@@ -371,8 +502,5 @@ def compile_combine(dtype=f32, *, head_dim: int = 128, max_splits: int = 32,
     args = (o_part, np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1, 1), np.int32),
             np.zeros((1, 1, 1, head_dim), out_dtype.numpy), np.zeros((1, 1, 1), np.float32),
             1, 1)
-    num_warps = CONFIG.threads // (64 if target.startswith("gfx") else 32)
-    return lse_merge.compile(*args, target=target, num_warps=num_warps, HEAD_DIM=head_dim,
-                             MAX_SPLITS=max_splits,
-                             LOG2_PER_UNIT=LOG2E if log_base == "e" else 1.0,
-                             WIDTH=_vector_width(head_dim, dtype))
+    return lse_merge.compile(*args, target=target, num_warps=config.num_warps(target),
+                             **_constexprs(head_dim, max_splits, log_base, dtype, config))

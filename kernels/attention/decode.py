@@ -10,21 +10,31 @@ h]`` (natural log, ``-inf`` for a split that saw no key) and ``split_counts[b, i
 splits holding keys for that row; slots past it are ignored by ``combine``).
 
 Schedule: grid ``(num_splits, Hkv * row_blocks, B)`` (block-sparse: ``(top_k, Hkv *
-row_blocks, B * Sq)``). A CTA serves one KV head and a block of ``16 * m_tiles`` *packed*
-query rows (row ``r`` = query token ``r // group``, head ``r % group``; 32 for D = 64, else 16:
-Q's fragments and O stay in registers), as m16 tiles padded with zero rows that are never
-stored; the CTAs of one KV head's row blocks run side by side and share its pages in L2. Its ``DecodeConfig.num_warps`` warps split every BN-key tile: warp ``w`` owns
-keys ``w * BN / num_warps ..`` of each tile and keeps its own ``(m, l, O)``.
+row_blocks, B * Sq)``). A CTA serves one KV head and a block of *packed* query rows (row ``r``
+= query token ``r // group``, head ``r % group``) as m16 tiles padded with zero rows that are
+never stored, and reads each of its pages once. Its ``num_warps`` warps form ``warp_groups``
+groups; group ``g`` serves ``m_tiles`` m16 tiles (Q's fragments and O stay in registers) and
+its warps split every BN-key tile, each keeping its own ``(m, l, O)``:
+
+| D | m tiles a warp | warp groups | most rows a CTA | keys a warp (BN 64, 4 warps) |
+| --- | --- | --- | --- | --- |
+| 64 | 2 (1 for <= 16 rows) | 1 | 32 | 16 |
+| 128 | 1 | 2 when > 16 rows (e.g. Sq 4 x GQA 8) | 32 | 32 (16 with one group) |
+| 256 | 1 | 1 | 16 | 16 |
+
+More rows than a CTA serves take ``row_blocks`` CTAs per KV head, run side by side and sharing
+its pages in L2 (``DecodeConfig.warp_groups`` stops widening where O and S would exceed
+``MAX_ACCUMULATORS`` f32 registers a lane).
 
 | phase | who | what |
 | --- | --- | --- |
 | stage q | all threads | packed q rows into a swizzled shared tile (zero padding rows) |
 | load | warp 0, one elected lane issues | tile ``t + stages - 1``: wait ``empty[s]`` (tile ``t - 1`` released by every thread), ``PagedRowIndices.populate``, one TMA per page and 64-column half of K and V (128-byte swizzled boxes) completing on ``full[s]`` |
-| scores | each warp | ``S = Q K^T`` with ``mma.sync`` m16n8k16: Q A-fragments (``ldmatrix.x4`` once per split, kept in registers), K B-fragments (``ldmatrix.x4``) |
+| scores | each warp | its key slice: ``S = Q K^T`` with ``mma.sync`` m16n8k16: Q A-fragments of its group's m tiles (``ldmatrix.x4`` once per split, kept in registers), K B-fragments (``ldmatrix.x4``) |
 | softmax | each warp | base-2 streaming update, ``scale * log2 e`` applied to S in f32; row max over the 4 lanes of a row, row sums kept per lane until the end |
 | P·V | each warp | P's accumulators, cast to bf16, are the A fragments (two n8 accumulators = one k16 A); V B-fragments by ``ldmatrix.x4.trans`` |
 | release | every thread | arrive on ``empty[s]`` |
-| merge | all | warps' ``(m, l, O)`` through shared memory (the ring reused as f32), then ``O / l``, ``LSE = (m + log2 l) * ln 2`` (sinks join here); split 0 writes ``split_counts`` |
+| merge | all | per row, the ``(m, l, O)`` of its group's warps through shared memory (the ring reused as f32), then ``O / l``, ``LSE = (m + log2 l) * ln 2`` (sinks join here); split 0 writes ``split_counts`` |
 
 Shared memory: a ring of ``stages`` K/V tiles; tile rows are stored as 64-column halves, each
 ``BN x 64`` bf16 with 128-byte rows, so a TMA box of ``eff_page x 64`` lands at a multiple of
@@ -76,6 +86,9 @@ PRODUCER = "kiln.kernels.attention.decode"
 HALF = 64  # columns of one TMA box: 128 bytes of bf16, the 128-byte swizzle's row
 SWIZZLED_MIN_PAGE = 8  # a box of >= 8 rows of 128 bytes lands 1024-byte aligned
 MAX_UNROLLED_PAGES = 1  # more pages per tile are looked up in a run-time loop, not unrolled
+# f32 accumulators (O and S) a lane may hold when warp groups widen its key slice: D=128
+# with 32 keys holds 80 (173 registers); D=64 with two m tiles and 32 keys held 96 (231).
+MAX_ACCUMULATORS = 80
 MERGE_PAD = 8  # f32 padding of a merge row: 64-bit stores of 16 lanes hit 32 distinct banks
 # ldmatrix blocks (row, col offsets of 8x8 blocks) of two B fragments at once:
 # K stored key x depth (non-transposed): keys n0.. then n0+8.., each 16 deep.
@@ -95,8 +108,10 @@ def decode_partials(num_slots: int) -> Partials:
 @dataclass(frozen=True)
 class DecodeConfig:
     """``block_n`` keys per tile (also the block size of ``block_table``), ``stages`` K/V tiles
-    in the shared ring, ``num_warps`` warps splitting each tile's keys (``block_n / num_warps``
-    each, a multiple of 16). Example: ``DecodeConfig(block_n=128, stages=2)``."""
+    in the shared ring, ``num_warps`` warps per CTA. The warps form :meth:`warp_groups` groups,
+    each serving its own :meth:`m_tiles` m16 tiles of packed query rows; a group's warps split
+    every tile's keys (:meth:`keys_per_warp` each, a multiple of 16).
+    Example: ``DecodeConfig(block_n=128, stages=2)``."""
 
     block_n: int = 64
     stages: int = 3
@@ -114,19 +129,40 @@ class DecodeConfig:
                 f"num_warps={self.num_warps} does not split block_n={self.block_n} into "
                 "16-key slices", fix="use 4 warps (or 2, or 8 with block_n=128)")
 
-    @property
-    def keys_per_warp(self) -> int:
-        return self.block_n // self.num_warps
-
     def m_tiles(self, packed_rows: int, head_dim: int) -> int:
-        """m16 tiles of packed query rows per CTA: the rows, up to 128 f32 O columns a lane
-        (O and the Q fragments of every m tile stay in registers; a CTA serving more rows
-        spilled). Example: ``m_tiles(32, 64) == 2``, ``m_tiles(32, 128) == 1``."""
+        """m16 tiles of packed query rows one warp holds: up to 128 f32 O columns a lane (O
+        and the Q fragments of every m tile stay in registers; a warp holding more spilled).
+        Example: ``m_tiles(32, 64) == 2``, ``m_tiles(32, 128) == 1``."""
         return max(1, min(-(-packed_rows // 16), 128 // head_dim))
 
+    def warp_groups(self, packed_rows: int, head_dim: int) -> int:
+        """Groups of warps in one CTA, each serving its own ``m_tiles`` m16 tiles, so that one
+        CTA reads each page once for more rows. Doubling the groups doubles every warp's key
+        slice (its S accumulators), so it stops at the rows needed, at ``num_warps`` groups or
+        when O and S would exceed ``MAX_ACCUMULATORS`` f32 a lane.
+        Example: ``DecodeConfig().warp_groups(32, 128) == 2`` (warps 0-1 rows 0-15, warps 2-3
+        rows 16-31, 32 keys a warp), ``warp_groups(8, 128) == 1``, ``warp_groups(64, 64) == 1``."""
+        m_tiles = self.m_tiles(packed_rows, head_dim)
+        needed = -(-packed_rows // (16 * m_tiles))
+        groups = 1
+        while groups < needed and 2 * groups <= self.num_warps:
+            accumulators = m_tiles * (head_dim + self.keys_per_warp(2 * groups)) // 2
+            if accumulators > MAX_ACCUMULATORS:
+                break
+            groups *= 2
+        return groups
+
+    def keys_per_warp(self, warp_groups: int) -> int:
+        """Keys of every tile one warp attends to. Example: ``DecodeConfig().keys_per_warp(2)
+        == 32``."""
+        return self.block_n * warp_groups // self.num_warps
+
     def row_blocks(self, packed_rows: int, head_dim: int) -> int:
-        """CTAs sharing one KV head's packed rows. Example: ``row_blocks(128, 128) == 8``."""
-        return -(-packed_rows // (16 * self.m_tiles(packed_rows, head_dim)))
+        """CTAs sharing one KV head's packed rows (each re-reads its pages).
+        Example: ``row_blocks(32, 128) == 1``, ``row_blocks(128, 128) == 4``."""
+        cta_rows = 16 * self.m_tiles(packed_rows, head_dim) * self.warp_groups(packed_rows,
+                                                                                  head_dim)
+        return -(-packed_rows // cta_rows)
 
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -150,11 +186,15 @@ class _Shape:
         packed = self.q_rows * self.group
         object.__setattr__(self, "packed", packed)
         object.__setattr__(self, "m_tiles", c.m_tiles(packed, D))
+        object.__setattr__(self, "warp_groups", c.warp_groups(packed, D))
         object.__setattr__(self, "row_blocks", c.row_blocks(packed, D))
 
     rows_params = property(lambda self: (self.config.block_n, self.page_size))
     halves = property(lambda self: self.head_dim // HALF)
-    rows = property(lambda self: 16 * self.m_tiles)  # packed rows per CTA, padded
+    warp_rows = property(lambda self: 16 * self.m_tiles)  # packed rows of one warp group
+    rows = property(lambda self: self.warp_rows * self.warp_groups)  # per CTA, padded
+    group_warps = property(lambda self: self.config.num_warps // self.warp_groups)
+    keys = property(lambda self: self.config.keys_per_warp(self.warp_groups))
     threads = property(lambda self: self.config.num_warps * WARP)
     swizzle_bytes = property(lambda self: 128 if self.eff >= SWIZZLED_MIN_PAGE else 0)
     tile_bytes = property(lambda self: 2 * self.config.block_n * self.head_dim * 2)  # K and V
@@ -162,8 +202,8 @@ class _Shape:
 
     @property
     def merge_floats(self) -> int:
-        """f32 scratch of the merge: every warp's O rows, then its (m, l) pairs."""
-        return self.config.num_warps * self.rows * (self.merge_row + 2)
+        """f32 scratch of the merge: every warp's O rows, then their (m, l) pairs."""
+        return self.config.num_warps * self.warp_rows * (self.merge_row + 2)
 
     @property
     def ring_elems(self) -> int:
@@ -214,6 +254,10 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
         tid = kiln.thread_id(0)
         warp = tid // WARP
         lane = tid % WARP
+        # Warp group g serves the CTA's m tiles g * m_tiles ..; its warps split every tile's
+        # keys, warp w taking slice w % group_warps.
+        warp_row0 = (warp // shape.group_warps) * shape.warp_rows
+        key_slice = warp % shape.group_warps
         # Converged here, before any branch: warp 0's elected lane issues every TMA.
         producer = nvidia_asm.elect_sync() & (warp == 0)
 
@@ -246,16 +290,15 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
 
-        # Q's A fragments stay in registers for the whole split. (Re-reading them from q_s
-        # every tile gave wrong results on an H200 although the interpreter agreed with it;
-        # see bench/RESULTS.md.)
-        q_frags = [[ldmatrix.load_a(q_s, (16 * i, 16 * kk)) for kk in range(D // 16)]
-                   for i in range(MT)]
+        # The warp's Q A fragments stay in registers for the whole split (one ldmatrix pass
+        # instead of one per tile).
+        q_frags = [[ldmatrix.load_a(q_s, (warp_row0 + 16 * i, 16 * kk))
+                    for kk in range(D // 16)] for i in range(MT)]
         # Per lane: rows lane // 4 and lane // 4 + 8 of every m tile; the last key each sees.
         key_limit = []
         for i in range(MT):
             for half in range(2):
-                r = kiln.minimum(row0 + 16 * i + lane // 4 + 8 * half, packed - 1)
+                r = kiln.minimum(row0 + warp_row0 + 16 * i + lane // 4 + 8 * half, packed - 1)
                 key_limit.append(seq_len - seq_q + q_first + r // group)
         m = [kiln.cast(-math.inf, kiln.f32) for _ in range(2 * MT)]
         l = [kiln.cast(0.0, kiln.f32) for _ in range(2 * MT)]
@@ -283,8 +326,8 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                                shape)
             full.try_wait(stage, (it // S) % 2)
             key0 = (tile_begin + it) * config.block_n
-            kv_row = stage * 2 * config.block_n + warp * config.keys_per_warp
-            first_key = key0 + warp * config.keys_per_warp
+            kv_row = stage * 2 * config.block_n + key_slice * shape.keys
+            first_key = key0 + key_slice * shape.keys
             if key0 + config.block_n <= seq_len - seq_q + 1:  # no key of the tile is masked
                 m, l, o = _attend(kv_s, q_s, q_frags, kv_row, first_key, lane, key_limit,
                                   seq_len, scale_log2, m, l, o, shape, False)
@@ -296,7 +339,7 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
         l = [kiln.shuffle.butterfly_reduce(x, (1, 2), _add) for x in l]
         kiln.barrier()  # every warp's last ldmatrix is done: the ring becomes merge scratch
         scratch = ring.reinterpret((shape.merge_floats,), kiln.f32)
-        _write_warp_state(scratch, m, l, o, warp, lane, shape)
+        _write_warp_state(scratch, m, l, o, key_slice, warp_row0, lane, shape)
         kiln.barrier()
         _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, split, b,
                          q_first, kv_head, row0, tid, seq_len, seq_q, tiles_per_split, shape,
@@ -360,11 +403,11 @@ def _load_tile(rows_params, page_table, b, tile, seq_len, k_map, v_map, slots, f
 @kiln.func
 def _attend(kv_s, q_s, q_frags, kv_row, first_key, lane, key_limit, seq_len, scale_log2, m, l,
             o, shape, masked):
-    """One tile's slice of this warp (``keys_per_warp`` keys from ring row ``kv_row``, the
+    """One tile's slice of this warp (``shape.keys`` keys from ring row ``kv_row``, the
     first being key ``first_key``): S = Q K^T, masked streaming softmax, O += P V. ``masked``
     (Python bool): apply the causal/length mask and zero V rows past the sequence."""
     D, MT = shape.head_dim, shape.m_tiles
-    keys = shape.config.keys_per_warp
+    keys = shape.keys
     BN = shape.config.block_n
     atom = kiln.mma.atom(16, 8, 16, kiln.bf16)
     o = [list(row) for row in o]  # a fresh list: both branches of the caller's if trace this
@@ -444,14 +487,14 @@ def _add(a, b):
 
 
 @kiln.func
-def _write_warp_state(scratch, m, l, o, warp, lane, shape):
-    """This warp's unnormalised O rows and (m, l) into the merge scratch: O row ``r`` of warp
-    ``w`` at ``(w * rows + r) * merge_row``, its (m, l) after all O rows."""
+def _write_warp_state(scratch, m, l, o, key_slice, warp_row0, lane, shape):
+    """This warp's unnormalised O rows and (m, l) into the merge scratch: CTA row ``r`` of key
+    slice ``k`` at ``(k * rows + r) * merge_row``, the (m, l) pairs after all O rows."""
     rows, stride = shape.rows, shape.merge_row
-    ml_base = shape.config.num_warps * rows * stride
+    ml_base = shape.group_warps * rows * stride
     for i in kiln.static_range(shape.m_tiles):
         for half in kiln.static_range(2):
-            r = warp * rows + 16 * i + lane // 4 + 8 * half
+            r = key_slice * rows + warp_row0 + 16 * i + lane // 4 + 8 * half
             for n in kiln.static_range(shape.head_dim // 8):
                 scratch.store(r * stride + 8 * n + 2 * (lane % 4),
                               kiln.vector_slice(o[i][n], 2 * half, 2))
@@ -464,32 +507,32 @@ def _write_warp_state(scratch, m, l, o, warp, lane, shape):
 def _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, split, b, q_first,
                      kv_head, row0, tid, seq_len, seq_q, tiles_per_split, shape, block_sparse,
                      has_sinks):
-    """Thread ``tid`` merges the warps' states of one packed row over ``D / (threads / rows)``
-    columns and writes O_partial (4-wide stores); the row's first thread writes LSE (and, on
-    split 0, the split count)."""
+    """Thread ``tid`` merges the states of one packed row's warps (one per key slice) over
+    ``D / (threads / rows)`` columns and writes O_partial (4-wide stores); the row's first
+    thread writes LSE (and, on split 0, the split count)."""
     rows, stride, D = shape.rows, shape.merge_row, shape.head_dim
-    NW = shape.config.num_warps
+    slices = shape.group_warps  # warps holding parts of each row
     per_row = shape.threads // rows
     width = D // per_row
-    ml_base = NW * rows * stride
+    ml_base = slices * rows * stride
     r = tid // per_row
     c0 = (tid % per_row) * width
     row = row0 + r
     if row < shape.packed:
         q_index = q_first + row // shape.group
         head = kv_head * shape.group + row % shape.group
-        ms = [scratch[ml_base + 2 * (w * rows + r)] for w in range(NW)]
-        ls = [scratch[ml_base + 2 * (w * rows + r) + 1] for w in range(NW)]
+        ms = [scratch[ml_base + 2 * (w * rows + r)] for w in range(slices)]
+        ls = [scratch[ml_base + 2 * (w * rows + r) + 1] for w in range(slices)]
         m_all = ms[0]
-        for w in kiln.static_range(1, NW):
+        for w in kiln.static_range(1, slices):
             m_all = kiln.maximum(m_all, ms[w])
         if has_sinks:
             sink = kiln.where(split == 0, sinks[head] * LOG2E, -math.inf)
             m_all = kiln.maximum(m_all, sink)
         m_safe = kiln.where(m_all == -math.inf, 0.0, m_all)
-        weights = [kiln.exp2(ms[w] - m_safe) for w in range(NW)]
+        weights = [kiln.exp2(ms[w] - m_safe) for w in range(slices)]
         total = weights[0] * ls[0]
-        for w in kiln.static_range(1, NW):
+        for w in kiln.static_range(1, slices):
             total = kiln.fma(weights[w], ls[w], total)
         if has_sinks:
             total = total + kiln.exp2(sink - m_safe)
@@ -497,7 +540,7 @@ def _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, spli
         inv = kiln.where(has_mass, 1.0 / kiln.maximum(total, 1e-30), 0.0)
         for c in kiln.static_range(0, width, 4):
             acc = scratch.load((0 * rows + r) * stride + c0 + c, width=4) * weights[0]
-            for w in kiln.static_range(1, NW):
+            for w in kiln.static_range(1, slices):
                 acc = acc + scratch.load((w * rows + r) * stride + c0 + c, width=4) * weights[w]
             o_part.store(split, b, q_index, head, c0 + c, acc * inv)
         if tid % per_row == 0:
@@ -534,34 +577,32 @@ def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, block_n: int
 
 
 def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_table=None,
-           scale=None, sinks=None, target=None, backend=None, config=DecodeConfig()):
+           scale=None, sinks=None, target=None, backend=None, config=None):
     """Split-KV paged decode attention; returns ``(o_partial, lse_partial, split_counts)``
     (see the module docs) for :func:`kiln.kernels.attention.combine`.
 
     ``q``: ``[B, Sq, Hq, D]`` bf16; ``k_cache``/``v_cache``: ``[num_pages, page_size, Hkv, D]``
     bf16; ``page_table``: ``[B, max_pages]`` int32; ``seq_lens``: ``[B]`` int32 (including the
     ``Sq`` new tokens); ``block_table``: optional ``[B, Sq, Hkv, top_k]`` int32 block indices;
-    ``sinks``: optional ``[Hq]`` f32; ``scale`` defaults to ``D ** -0.5``.
-    numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
+    ``sinks``: optional ``[Hq]`` f32; ``scale`` defaults to ``D ** -0.5``; ``config``: a
+    :class:`DecodeConfig` (None: the default one).
+    numpy inputs give numpy outputs; torch CUDA tensors stay on the device (the three torch
+    partials are views of one allocation).
     Example::
 
         o_part, lse_part, counts = decode(q, k_cache, v_cache, page_table, seq_lens)
         o, lse = kiln.kernels.attention.combine(o_part, lse_part, counts)
     """
+    plan = _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
+                 sinks, target, backend, config)
+    if plan.bound is not None and _contiguous(q, k_cache, v_cache, page_table, seq_lens,
+                                              block_table, sinks):
+        partials = plan.torch_partials()
+        plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
+                                    block_table, sinks), *(p.data_ptr() for p in partials))
+        return partials
     lib = _ArrayLib(q)
-    try:
-        key = (type(q), lib.device, *(_shape_dtype(x) for x in (q, k_cache, v_cache, page_table,
-                                                               seq_lens, block_table, sinks)),
-               num_splits, scale, target, backend, config)
-        plan = _PLANS.get(key)
-    except (TypeError, AttributeError):  # unhashable or not an array: validation reports it
-        key, plan = None, None
-    if plan is None:
-        plan = _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits,
-                          block_table, scale, sinks, target, backend, config)
-        if key is not None:
-            _PLANS[key] = plan
-    o_part, lse_part, counts = plan.outputs(lib)
+    o_part, lse_part, counts = plan.torch_partials() if lib.torch else plan.numpy_partials()
     args = [q, lib.rows(k_cache, plan.cache_rows, plan.cache_cols),
             lib.rows(v_cache, plan.cache_rows, plan.cache_cols), page_table, seq_lens,
             block_table if block_table is not None else plan.no_block_table,
@@ -574,22 +615,59 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
         traced = plan.kernel.trace(*numpy_args, target=plan.chip.name, num_warps=plan.num_warps)
         interpret_kernel(traced, plan.grid, numpy_args, plan.chip)
         return tuple(lib.like(numpy_args[i], args[i]) for i in (7, 8, 9))
-    if lib.torch and all(a.is_contiguous() for a in args[:10]):
-        if plan.bound is None:
-            from kiln.lowering.launch import bind_launch
-
-            ck = plan.kernel.compile(*args, target=plan.chip.name, num_warps=plan.num_warps)
-            plan = replace(plan, bound=bind_launch(ck, plan.grid, args))
-            if key is not None:
-                _PLANS[key] = plan
-        plan.bound(*(a.data_ptr() for a in args[:10]))
-    else:
-        plan.kernel[plan.grid](*args, target=plan.chip.name, num_warps=plan.num_warps)
+    # numpy arrays (copied per launch) and non-contiguous torch tensors (strides read per call)
+    plan.kernel[plan.grid](*args, target=plan.chip.name, num_warps=plan.num_warps)
     return o_part, lse_part, counts
 
 
-def _shape_dtype(x):
-    return None if x is None else (x.shape, x.dtype)
+def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None,
+                     block_table=None, scale=None, sinks=None, target=None, backend=None,
+                     config=None):
+    """:func:`decode` followed by :func:`kiln.kernels.attention.combine`: the attention output
+    ``[B, Sq, Hq, D]`` (bf16) and its natural-log LSE ``[B, Sq, Hq]`` (f32). Same keywords as
+    :func:`decode`.
+
+    With contiguous torch CUDA tensors a repeat call of one shape class is two bound launches
+    and two allocations (the partials, which live until the combine has read them, and the
+    returned ``o`` and ``lse``: views of one allocation).
+    Example: ``o, lse = decode_attention(q, k_cache, v_cache, page_table, seq_lens)``.
+    """
+    plan = _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
+                 sinks, target, backend, config)
+    if plan.merge is not None and _contiguous(q, k_cache, v_cache, page_table, seq_lens,
+                                              block_table, sinks):
+        import torch
+
+        partials = torch.empty(plan.partial_words, dtype=torch.float32, device=plan.device)
+        o_part = partials.data_ptr()
+        lse_part, counts = o_part + plan.lse_offset * 4, o_part + plan.counts_offset * 4
+        o, lse = plan.merge.new_outputs()
+        plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
+                                    block_table, sinks), o_part, lse_part, counts)
+        plan.merge.bound(o_part, lse_part, counts, o.data_ptr(), lse.data_ptr())
+        return o, lse
+    from .combine import combine
+
+    o_part, lse_part, counts = decode(q, k_cache, v_cache, page_table, seq_lens,
+                                      num_splits=num_splits, block_table=block_table,
+                                      scale=scale, sinks=sinks, target=target, backend=backend,
+                                      config=config)
+    slots = o_part.shape[0]
+    return combine(o_part, lse_part, counts, max_splits=slots, partials=decode_partials(slots),
+                   target=target, backend="interpret" if backend == "interpret" else None)
+
+
+def _contiguous(*tensors) -> bool:
+    return all(t is None or t.is_contiguous() for t in tensors)
+
+
+def _input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
+    """Device addresses of the seven inputs of the bound launch (the caches' row views share
+    their tensors' addresses; absent features read the plan's placeholders)."""
+    return (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), page_table.data_ptr(),
+            seq_lens.data_ptr(),
+            (block_table if block_table is not None else plan.no_block_table).data_ptr(),
+            (sinks if sinks is not None else plan.no_sinks).data_ptr())
 
 
 @dataclass(frozen=True)
@@ -607,22 +685,107 @@ class _DecodePlan:
     scale_log2: float
     no_block_table: object  # placeholders read by no kernel that lacks the feature
     no_sinks: object
+    device: object = None  # torch device of q, or None for numpy
     # kiln.lowering.launch.bind_launch of the first contiguous torch call: a repeat call only
     # writes ten addresses into a prepared argument block.
     bound: object = None
+    merge: object = None  # the combine plan (bound) for these partials, bound with `bound`
 
-    def outputs(self, lib: "_ArrayLib"):
-        """O_partial, LSE_partial, split_counts. Every element is written by the kernel (each
-        split writes all rows, split 0 the counts); numpy outputs start as NaN / -1 so an
-        unwritten one shows in the interpreter tests, device ones skip the fill kernels."""
+    @property
+    def lse_offset(self) -> int:
+        """f32 words before LSE_partial in the one partials allocation (after O_partial)."""
+        return math.prod(self.partial_shape)
+
+    @property
+    def counts_offset(self) -> int:
+        """f32 words before split_counts (after LSE_partial, 16-byte aligned)."""
+        return -(-(self.lse_offset + math.prod(self.partial_shape[:4])) // 4) * 4
+
+    @property
+    def partial_words(self) -> int:
+        return self.counts_offset + math.prod(self.partial_shape[1:4])
+
+    def torch_partials(self):
+        """O_partial, LSE_partial (f32) and split_counts (int32): contiguous views of one
+        uninitialised device allocation; the kernel writes every element (each split all its
+        rows, split 0 the counts)."""
+        import torch
+
         shape = self.partial_shape
-        return (lib.output(shape, np.nan, "f32"), lib.output(shape[:4], np.nan, "f32"),
-                lib.output(shape[1:4], -1, "i32"))
+        words = torch.empty(self.partial_words, dtype=torch.float32, device=self.device)
+        return (words.as_strided(shape, _strides(shape), 0),
+                words.as_strided(shape[:4], _strides(shape[:4]), self.lse_offset),
+                words.as_strided(shape[1:4], _strides(shape[1:4]),
+                                 self.counts_offset).view(torch.int32))
+
+    def numpy_partials(self):
+        """The partials as numpy arrays filled with NaN / -1, so an element the kernel did
+        not write shows in the interpreter tests."""
+        shape = self.partial_shape
+        return (np.full(shape, np.nan, np.float32), np.full(shape[:4], np.nan, np.float32),
+                np.full(shape[1:4], -1, np.int32))
+
+
+def _strides(shape) -> tuple[int, ...]:
+    """Contiguous element strides of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 # Plans by (array type, device, shapes, dtypes, options): a repeat call skips re-validation,
 # kernel selection and the placeholder and poison allocations.
 _PLANS: dict[tuple, _DecodePlan] = {}
+
+
+def _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale, sinks,
+          target, backend, config) -> _DecodePlan:
+    """The cached plan of this call's shape class. The key reads each tensor's shape and dtype
+    (any change is a new plan: the bound launch assumes them) and q's device."""
+    try:
+        key = (type(q), getattr(q, "device", None), q.shape, q.dtype, k_cache.shape,
+               k_cache.dtype, v_cache.shape, v_cache.dtype, page_table.shape, page_table.dtype,
+               seq_lens.shape, seq_lens.dtype,
+               None if block_table is None else (block_table.shape, block_table.dtype),
+               None if sinks is None else (sinks.shape, sinks.dtype),
+               num_splits, scale, target, backend, config)
+        plan = _PLANS.get(key)
+    except (TypeError, AttributeError):  # unhashable or not an array: validation reports it
+        key, plan = None, None
+    fresh = plan is None
+    if fresh:
+        plan = _make_plan(_ArrayLib(q), q, k_cache, v_cache, page_table, seq_lens, num_splits,
+                          block_table, scale, sinks, target, backend, config or DecodeConfig())
+    if plan.bound is None and plan.device is not None and backend != "interpret" and \
+            _contiguous(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
+        plan, fresh = _bind(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
+                            target), True
+    if fresh and key is not None:
+        _PLANS[key] = plan
+    return plan
+
+
+def _bind(plan: _DecodePlan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
+          target) -> _DecodePlan:
+    """``plan`` with its decode launch bound to these contiguous torch tensors' layouts, and
+    the bound combine plan of its partials."""
+    from kiln.lowering.launch import bind_launch
+
+    from .combine import plan_combine
+
+    partials = plan.torch_partials()
+    args = [q, k_cache.reshape(plan.cache_rows, plan.cache_cols),
+            v_cache.reshape(plan.cache_rows, plan.cache_cols), page_table, seq_lens,
+            block_table if block_table is not None else plan.no_block_table,
+            sinks if sinks is not None else plan.no_sinks, *partials, plan.slots,
+            plan.scale_log2]
+    ck = plan.kernel.compile(*args, target=plan.chip.name, num_warps=plan.num_warps)
+    merge = plan_combine(*partials, max_splits=plan.slots, partials=decode_partials(plan.slots),
+                         target=target)
+    return replace(plan, bound=bind_launch(ck, plan.grid, args),
+                   merge=merge if merge.bound is not None else None)
 
 
 def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
@@ -654,7 +817,8 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
                        cache_cols=Hkv * D,
                        scale_log2=float((D ** -0.5 if scale is None else scale) * LOG2E),
                        no_block_table=lib.full((1, 1, 1, 1), -1, "i32"),
-                       no_sinks=lib.full((1,), 0.0, "f32"))
+                       no_sinks=lib.full((1,), 0.0, "f32"),
+                       device=lib.device if lib.torch else None)
 
 
 def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_size=64,
@@ -677,17 +841,6 @@ def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_si
             np.zeros((1, sq, hq), np.int32), 1, 0.1]
     kernel = make_kernel(head_dim, group, q_rows, page_size, block_sparse, sinks, config)
     return kernel.compile(*args, target=chip.name, num_warps=config.num_warps)
-
-
-def decode_attention(q, k_cache, v_cache, page_table, seq_lens, **options):
-    """:func:`decode` followed by :func:`kiln.kernels.attention.combine`: the attention output
-    ``[B, Sq, Hq, D]`` (bf16) and its natural-log LSE. Same keywords as :func:`decode`."""
-    from .combine import combine
-
-    o_part, lse_part, counts = decode(q, k_cache, v_cache, page_table, seq_lens, **options)
-    slots = o_part.shape[0]
-    return combine(o_part, lse_part, counts, max_splits=slots, partials=decode_partials(slots),
-                   target=options.get("target"), backend=options.get("backend"))
 
 
 def _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, config):
@@ -744,16 +897,6 @@ class _ArrayLib:
     def __init__(self, like):
         self.torch = type(like).__module__.startswith("torch")
         self.device = getattr(like, "device", None)
-
-    def output(self, shape, poison, dtype):
-        """An output the kernel overwrites entirely: ``poison``-filled on the host (the
-        interpreter shows unwritten elements), uninitialised on the device."""
-        if self.torch:
-            import torch
-
-            torch_dtype = {"f32": torch.float32, "i32": torch.int32}[dtype]
-            return torch.empty(shape, dtype=torch_dtype, device=self.device)
-        return np.full(shape, poison, kiln.dtype(dtype).numpy)
 
     def full(self, shape, value, dtype):
         if self.torch:

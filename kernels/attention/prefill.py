@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -70,6 +72,13 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     natural-log LSE ``[B, Hq, Sq]`` (ragged: ``[Hq, total_q]``), f32.
     Example: ``o = prefill(q, k, v, causal=True)`` with torch CUDA tensors.
     """
+    if cu_seqlens_q is None and cu_seqlens_k is None and backend != "interpret" and \
+            _is_torch(q):
+        plan = _dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, target,
+                           backend)
+        if plan is not None and q.is_contiguous() and k.is_contiguous() and \
+                v.is_contiguous() and (sinks is None or sinks.is_contiguous()):
+            return plan.run(q, k, v, sinks)
     chip = _target(target)
     if backend not in BACKENDS:
         raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
@@ -102,6 +111,26 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
 
 def _run(target, q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse, *, interpret):
     """Lay out the operands as the kernel wants them and launch (or interpret) it."""
+    kernel, args, grid, constexprs, num_warps = _operands(q, k, v, sinks, cu_q, cu_k, shapes,
+                                                          mask, scale, return_lse)
+    if interpret:
+        from kiln.lowering.interpret import interpret_kernel
+
+        traced = kernel.trace(*args, target=target, num_warps=num_warps, **constexprs)
+        interpret_kernel(traced, grid, args, target)
+    else:
+        kernel[grid](*args, target=target, num_warps=num_warps, **constexprs)
+    o, lse = args[3].reshape(q.shape), args[4]
+    if not return_lse:
+        return o
+    total_q, hq = args[0].shape[0], shapes["hq"]
+    return o, lse.reshape(hq, total_q) if cu_q is not None else \
+        lse.reshape(shapes["batch"], hq, q.shape[1])
+
+
+def _operands(q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse):
+    """The kernel of this shape class, its run-time arguments (fresh ``o`` and ``lse``
+    included), grid, constexprs and warps."""
     b, hq, hkv, d = shapes["batch"], shapes["hq"], shapes["hkv"], shapes["d"]
     ragged = cu_q is not None
     q2 = _contiguous(q).reshape(-1, hq * d)
@@ -128,19 +157,79 @@ def _run(target, q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse, *,
             lse_row_mult, lse_head_stride]
     q_tiles = -(-max_sq // cfg.block_m)
     grid = (q_tiles, hq, b) if cfg.grid_q_tiles_first(mask) else (hq, q_tiles, b)
-    constexprs = _constexprs(cfg, hkv)
-    if interpret:
-        from kiln.lowering.interpret import interpret_kernel
+    return kernel, args, grid, _constexprs(cfg, hkv), cfg.num_warps
 
-        traced = kernel.trace(*args, target=target, num_warps=cfg.num_warps, **constexprs)
-        interpret_kernel(traced, grid, args, target)
-    else:
-        kernel[grid](*args, target=target, num_warps=cfg.num_warps, **constexprs)
-    o = o2.reshape(q.shape)
-    if not return_lse:
-        return o
-    lse = lse.reshape(hq, total_q) if ragged else lse.reshape(b, hq, max_sq)
-    return o, lse
+
+@dataclass(frozen=True)
+class _DensePlan:
+    """A dense (not ragged) torch prefill of one shape class, bound once: a repeat call
+    allocates ``o`` (and ``lse``) and writes eight addresses into a prepared launch."""
+
+    bound: Any  # kiln.lowering.launch.BoundLaunch
+    torch_dtype: Any
+    device: Any
+    lse_shape: tuple | None  # [B, Hq, Sq] with return_lse, else None
+    no_lse: Any  # the one-element LSE the kernel without an LSE output is bound to
+    fixed_sinks: Any  # zeros read by no kernel without sinks (kept alive with the plan)
+    cu_pointers: tuple[int, int]  # device cu_seqlens of the dense batch (cached, never freed)
+
+    def run(self, q, k, v, sinks):
+        import torch
+
+        o = torch.empty(q.shape, dtype=self.torch_dtype, device=self.device)
+        lse = self.no_lse if self.lse_shape is None else \
+            torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        self.bound(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                   (self.fixed_sinks if sinks is None else sinks).data_ptr(), *self.cu_pointers)
+        return o if self.lse_shape is None else (o, lse)
+
+
+# Dense torch plans by (shapes, dtypes, devices, options); None marks a shape class that
+# always takes the general path (AMD targets, sinks that need converting).
+_PLANS: dict[tuple, _DensePlan | None] = {}
+
+
+def _dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, target, backend):
+    """The cached plan of a dense torch call, or None when the general path must run it."""
+    try:
+        key = (q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, q.device,
+               None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), causal,
+               window, chunk,
+               scale, return_lse, target, backend)
+        if key in _PLANS:
+            return _PLANS[key]
+    except (TypeError, AttributeError):  # unhashable (a list window) or not a tensor
+        return None
+    plan = _PLANS[key] = _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale,
+                                          return_lse, target, backend)
+    return plan
+
+
+def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, target,
+                     backend) -> _DensePlan | None:
+    import torch
+
+    from kiln.lowering.launch import bind_launch
+
+    chip = _target(target)
+    if backend not in BACKENDS:
+        raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
+                                  fix="leave backend=None to run on the GPU")
+    shapes = _check_inputs(q, k, v, None, None, sinks)
+    mask = _mask_spec(causal, window, chunk)
+    scale = 1.0 / math.sqrt(shapes["d"]) if scale is None else scale
+    if chip.is_amd or not scale > 0 or (sinks is not None and (
+            sinks.dtype != torch.float32 or sinks.device != q.device)):
+        return None  # the general path runs (or reports) it, converting the sinks
+    _require_wgmma(chip)
+    kernel, args, grid, constexprs, num_warps = _operands(
+        q.contiguous(), k.contiguous(), v.contiguous(), sinks, None, None, shapes, mask, scale,
+        return_lse)
+    ck = kernel.compile(*args, target=chip.name, num_warps=num_warps, **constexprs)
+    lse_shape = (shapes["batch"], shapes["hq"], q.shape[1]) if return_lse else None
+    return _DensePlan(bound=bind_launch(ck, grid, args), torch_dtype=q.dtype, device=q.device,
+                      lse_shape=lse_shape, no_lse=args[4], fixed_sinks=args[5],
+                      cu_pointers=(args[6].data_ptr(), args[7].data_ptr()))
 
 
 def _check_inputs(q, k, v, cu_q, cu_k, sinks) -> dict:
