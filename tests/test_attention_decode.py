@@ -328,6 +328,42 @@ def test_decode_matches_torch(page_size, group, sq):
         torch.testing.assert_close(out[b].float().transpose(0, 1), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+def test_decode_attention_replays_in_a_cuda_graph():
+    """A serving loop captures decode + combine once and replays them (no host work per step):
+    the bound launches go to the capturing stream, and replays follow new inputs written in
+    place."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kiln.kernels.attention.decode import decode_attention
+
+    B, Sq, Hkv, group, page, L = 2, 1, 2, 8, 64, 1000
+    pages = -(-L // page)
+    kc = torch.randn(B * pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(B * pages, device="cuda").view(B, pages).int()
+    q = torch.randn(B, Sq, Hkv * group, D, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.full((B,), L, device="cuda", dtype=torch.int32)
+    decode_attention(q, kc, vc, table, seq_lens)  # compile and bind outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode_attention(q, kc, vc, table, seq_lens)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = decode_attention(q, kc, vc, table, seq_lens)
+    for _ in range(2):
+        q.copy_(torch.randn_like(q))  # new step: inputs change in place
+        out.fill_(float("nan"))
+        graph.replay()
+        want, want_lse = decode_attention(q, kc, vc, table, seq_lens)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+        torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+
+
 @pytest.mark.lower
 @pytest.mark.parametrize("page_size,group,sq,sparse", [(1, 8, 1, False), (64, 8, 4, False),
                                                        (16, 8, 16, False), (256, 4, 1, True)])

@@ -628,8 +628,9 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     :func:`decode`.
 
     With contiguous torch CUDA tensors a repeat call of one shape class is two bound launches
-    and two allocations (the partials, which live until the combine has read them, and the
-    returned ``o`` and ``lse``: views of one allocation).
+    and three allocations (the partials, freed to torch's stream-ordered allocator once both
+    launches are queued, and the returned ``o`` and ``lse``), and it can be captured in a CUDA
+    graph (``torch.cuda.graph``) and replayed with no host work per step.
     Example: ``o, lse = decode_attention(q, k_cache, v_cache, page_table, seq_lens)``.
     """
     plan = _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
