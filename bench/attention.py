@@ -24,6 +24,7 @@ Usage (on an H100): ``python bench/attention.py [--json out.json] [--plot out.pn
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from timing import queued_ms, time_ms
 
@@ -147,6 +148,7 @@ def sweep(args) -> list[dict]:
     from kiln.kernels.attention import prefill
     from kiln.kernels.attention.prefill_hopper import HopperPrefillConfig
 
+    prefill_module = importlib.import_module("kiln.kernels.attention.prefill")
     results = []
     for (d, causal), configs in SWEEP.items():
         row = dict(batch=TOKENS // SWEEP_SEQ, seq=SWEEP_SEQ, hq=HIDDEN // d, hkv=HIDDEN // d,
@@ -155,9 +157,11 @@ def sweep(args) -> list[dict]:
         reference = sdpa_call("flash", q, k, v, causal)().transpose(1, 2).float()
         for block_n, stages in configs:
             config = HopperPrefillConfig(head_dim=d, block_n=block_n, stages=stages)
-            # prefill() takes its tiles from for_head_dim: swap them in for this config.
+            # prefill() takes its tiles from for_head_dim: swap them in for this config, with an
+            # empty plan cache (a cached plan would keep the default tiles).
             with mock.patch.object(HopperPrefillConfig, "for_head_dim",
-                                   lambda head_dim, config=config: config):
+                                   lambda head_dim, config=config: config), \
+                    mock.patch.dict(prefill_module._PLANS, clear=True):
                 error = (prefill(q, k, v, causal=causal).float() - reference).abs().max().item()
                 if not error < MAX_ERROR:
                     raise SystemExit(f"Kiln prefill wrong with {config}: max abs error {error}")
