@@ -79,17 +79,8 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
         if plan is not None and q.is_contiguous() and k.is_contiguous() and \
                 v.is_contiguous() and (sinks is None or sinks.is_contiguous()):
             return plan.run(q, k, v, sinks)
-    chip = _target(target)
-    if backend not in BACKENDS:
-        raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
-                                  fix="leave backend=None to run on the GPU")
-    shapes = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks)
-    mask = _mask_spec(causal, window, chunk)
-    if scale is None:
-        scale = 1.0 / math.sqrt(shapes["d"])
-    if not scale > 0:
-        raise kiln.KilnValueError(f"scale={scale!r} must be positive",
-                                  fix="pass a positive softmax scale, or None for 1/sqrt(D)")
+    chip, shapes, mask, scale = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, causal,
+                                          window, chunk, scale, target, backend)
     if chip.is_amd:
         from .prefill_gfx950 import run_prefill_gfx950
 
@@ -192,10 +183,9 @@ _PLANS: dict[tuple, _DensePlan | None] = {}
 def _dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, target, backend):
     """The cached plan of a dense torch call, or None when the general path must run it."""
     try:
-        key = (q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, q.device,
-               None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), causal,
-               window, chunk,
-               scale, return_lse, target, backend)
+        key = (q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, q.device, k.device,
+               v.device, None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
+               causal, window, chunk, scale, return_lse, target, backend)
         if key in _PLANS:
             return _PLANS[key]
     except (TypeError, AttributeError):  # unhashable (a list window) or not a tensor
@@ -211,16 +201,11 @@ def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, t
 
     from kiln.lowering.launch import bind_launch
 
-    chip = _target(target)
-    if backend not in BACKENDS:
-        raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
-                                  fix="leave backend=None to run on the GPU")
-    shapes = _check_inputs(q, k, v, None, None, sinks)
-    mask = _mask_spec(causal, window, chunk)
-    scale = 1.0 / math.sqrt(shapes["d"]) if scale is None else scale
-    if chip.is_amd or not scale > 0 or (sinks is not None and (
-            sinks.dtype != torch.float32 or sinks.device != q.device)):
-        return None  # the general path runs (or reports) it, converting the sinks
+    chip, shapes, mask, scale = _validate(q, k, v, None, None, sinks, causal, window, chunk,
+                                          scale, target, backend)
+    if chip.is_amd or (sinks is not None and (sinks.dtype != torch.float32
+                                              or sinks.device != q.device)):
+        return None  # the general path runs it, converting the sinks
     _require_wgmma(chip)
     kernel, args, grid, constexprs, num_warps = _operands(
         q.contiguous(), k.contiguous(), v.contiguous(), sinks, None, None, shapes, mask, scale,
@@ -230,6 +215,22 @@ def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, t
     return _DensePlan(bound=bind_launch(ck, grid, args), torch_dtype=q.dtype, device=q.device,
                       lse_shape=lse_shape, no_lse=args[4], fixed_sinks=args[5],
                       cu_pointers=(args[6].data_ptr(), args[7].data_ptr()))
+
+
+def _validate(q, k, v, cu_q, cu_k, sinks, causal, window, chunk, scale, target, backend):
+    """The checked chip, shapes, mask and softmax scale of a call (a KilnError on bad input)."""
+    chip = _target(target)
+    if backend not in BACKENDS:
+        raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
+                                  fix="leave backend=None to run on the GPU")
+    shapes = _check_inputs(q, k, v, cu_q, cu_k, sinks)
+    mask = _mask_spec(causal, window, chunk)
+    if scale is None:
+        scale = 1.0 / math.sqrt(shapes["d"])
+    if not scale > 0:
+        raise kiln.KilnValueError(f"scale={scale!r} must be positive",
+                                  fix="pass a positive softmax scale, or None for 1/sqrt(D)")
+    return chip, shapes, mask, scale
 
 
 def _check_inputs(q, k, v, cu_q, cu_k, sinks) -> dict:
