@@ -714,10 +714,9 @@ class _DecodePlan:
 
         shape = self.partial_shape
         words = torch.empty(self.partial_words, dtype=torch.float32, device=self.device)
-        return (words.as_strided(shape, _strides(shape), 0),
-                words.as_strided(shape[:4], _strides(shape[:4]), self.lse_offset),
-                words.as_strided(shape[1:4], _strides(shape[1:4]),
-                                 self.counts_offset).view(torch.int32))
+        return (words[:self.lse_offset].view(shape),
+                words[self.lse_offset:self.lse_offset + math.prod(shape[:4])].view(shape[:4]),
+                words[self.counts_offset:].view(torch.int32).view(shape[1:4]))
 
     def numpy_partials(self):
         """The partials as numpy arrays filled with NaN / -1, so an element the kernel did
@@ -725,15 +724,6 @@ class _DecodePlan:
         shape = self.partial_shape
         return (np.full(shape, np.nan, np.float32), np.full(shape[:4], np.nan, np.float32),
                 np.full(shape[1:4], -1, np.int32))
-
-
-def _strides(shape) -> tuple[int, ...]:
-    """Contiguous element strides of ``shape``."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 # Plans by (array type, device, shapes, dtypes, options): a repeat call skips re-validation,
