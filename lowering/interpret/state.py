@@ -367,12 +367,7 @@ class CTA:
         """``bar.sync id, n``: the arriving contexts' active threads count toward ``n``."""
         state = self._named.setdefault(barrier_id, [0, 0])
         generation = state[1]
-        state[0] += int(ctx.active().sum())
-        if state[0] >= num_threads:
-            state[0] = 0
-            state[1] += 1
-            self.shared.synchronised()
-            self.cond.notify_all()
+        if self._arrive_named(ctx, state, num_threads):
             return
         self.block_until(ctx, lambda: state[1] != generation,
                          lambda: f"named barrier {barrier_id} ({state[0]} of {num_threads} "
@@ -381,13 +376,19 @@ class CTA:
     def named_barrier_arrive(self, ctx: Context, barrier_id: int, num_threads: int,
                              loc) -> None:
         """``bar.arrive id, n``: count toward ``n`` like ``bar.sync`` but never wait."""
-        state = self._named.setdefault(barrier_id, [0, 0])
+        self._arrive_named(ctx, self._named.setdefault(barrier_id, [0, 0]), num_threads)
+
+    def _arrive_named(self, ctx: Context, state: list, num_threads: int) -> bool:
+        """Count ``ctx``'s active threads into ``state`` ([arrived, generation]); the arrival
+        that completes ``num_threads`` starts the next generation and wakes the waiters."""
         state[0] += int(ctx.active().sum())
-        if state[0] >= num_threads:
-            state[0] = 0
-            state[1] += 1
-            self.shared.synchronised()
-            self.cond.notify_all()
+        if state[0] < num_threads:
+            return False
+        state[0] = 0
+        state[1] += 1
+        self.shared.synchronised()
+        self.cond.notify_all()
+        return True
 
     def _release_barrier(self) -> None:
         self.shared.synchronised()
