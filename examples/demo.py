@@ -39,6 +39,14 @@ def reference(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + eps) * w.astype(np.float64)
 
 
+def random_inputs(rng: np.random.Generator, rows: int, cols: int):
+    """``x [rows, cols]`` and ``w [cols]`` from ``rng``, and ``y`` poisoned with NaN (every
+    element must be written)."""
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    w = rng.standard_normal(cols).astype(np.float32)
+    return x, w, np.full_like(x, np.nan)
+
+
 def stage_table(ck) -> str:
     lines = [f"  {'stage':<8} {'size':>10}  first line"]
     for stage, text in ck.asm.items():
@@ -53,9 +61,7 @@ def stage_table(ck) -> str:
 def main() -> int:
     rng = np.random.default_rng()
     rows, cols, eps, block = 1000, 512, 1e-6, 128
-    x = rng.standard_normal((rows, cols)).astype(np.float32)
-    w = rng.standard_normal(cols).astype(np.float32)
-    y = np.full_like(x, np.nan)  # poisoned: every element must be written
+    x, w, y = random_inputs(rng, rows, cols)
 
     for target in ("sm_90a", "gfx950"):
         ck = rms_norm.compile(x, w, y, rows, cols, eps, BLOCK=block, target=target, num_warps=4)

@@ -44,9 +44,7 @@ def test_rms_norm_and_strided_bf16():
     demo = load_example("demo")
     rng = np.random.default_rng()
     rows, cols = 300, 257
-    x = rng.standard_normal((rows, cols)).astype(np.float32)
-    w = rng.standard_normal(cols).astype(np.float32)
-    y = np.full_like(x, np.nan)
+    x, w, y = demo.random_inputs(rng, rows, cols)
     cpu, gpu = run_both(demo.rms_norm, (3,), [x, w, y, rows, cols, 1e-6], BLOCK=128)
     np.testing.assert_allclose(cpu[2], gpu[2], rtol=1e-5, atol=1e-6)
     base = rng.standard_normal((33, 140)).astype(ml_dtypes.bfloat16)

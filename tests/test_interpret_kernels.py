@@ -133,9 +133,7 @@ def test_demo_rms_norm():
     demo = load_example("demo")
     rng = np.random.default_rng()
     rows, cols = 300, 257
-    x = rng.standard_normal((rows, cols)).astype(np.float32)
-    w = rng.standard_normal(cols).astype(np.float32)
-    y = np.full_like(x, np.nan)
+    x, w, y = demo.random_inputs(rng, rows, cols)
     demo.rms_norm.interpret[((rows + 127) // 128,)](x, w, y, rows, cols, 1e-6, BLOCK=128)
     ref = demo.reference(x, w, 1e-6)
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-6
