@@ -94,7 +94,10 @@ def test_struct_shared_memory_and_barrier():
     out = np.full((5, 2), np.nan, np.float32)
     row_stats.interpret[(5,)](x, out, 37, num_warps=1)
     np.testing.assert_allclose(out[:, 0], x.max(axis=1))
-    np.testing.assert_allclose(out[:, 1], x.astype(np.float64).sum(axis=1), rtol=1e-5)
+    # An f32 sum of n terms is off by at most about n·eps·Σ|x|; rtol alone fails on rows whose
+    # terms cancel.
+    bound = x.shape[1] * np.finfo(np.float32).eps * np.abs(x).astype(np.float64).sum(axis=1)
+    np.testing.assert_array_less(np.abs(out[:, 1] - x.astype(np.float64).sum(axis=1)), bound)
 
 
 def test_bf16_strided_view():
