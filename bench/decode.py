@@ -17,20 +17,33 @@ K and V pages of every sequence plus q and the output. The copy bandwidth is a `
 (read + write bytes), measured in the same process; the ratio column is Kiln's GB/s over it
 (goal: >= 0.80 at ctx >= 16k).
 
+Tuning sweep (``--sweep``, GPU time only): ``decode_attention`` with each ``DecodeConfig`` of
+``SWEEP_CONFIGS`` and ``num_splits`` at 0.5, 1, 1.5 and 2 times its default, on
+``SWEEP_SHAPES`` (where the goal is hardest: batch 1, and Sq 4), each config checked against
+the reference first; one table shows which tile, ring, warps and split count wins per shape.
+
 Usage (on an H100): ``python bench/decode.py [--json out.json] [--repeat 20] [--page-size 64]
-[--queued] [--contexts 16384] [--batches 1]``.
+[--queued] [--contexts 16384] [--batches 1] [--sweep]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from timing import host_us, queued_ms, time_ms
 
 HQ, HKV, HEAD_DIM = 64, 8, 128
 CONTEXTS = (4096, 16384, 65536)
 BATCHES = (1, 4, 16)
 DRAFT_TOKENS = (1, 4)
+# (batch, ctx, Sq) of the sweep: the rows under the goal, and batch 16 to catch regressions.
+SWEEP_SHAPES = ((1, 16384, 1), (1, 16384, 4), (4, 16384, 4), (1, 65536, 4), (16, 16384, 4))
+# DecodeConfig keyword sets: the default (64 keys, 3 stages, 4 warps), a shallower and a deeper
+# ring, 8 warps of 16 keys (Sq 4 only: two groups), 128-key tiles with 4 and 8 warps.
+SWEEP_CONFIGS = ({}, {"stages": 2}, {"stages": 4}, {"num_warps": 8},
+                 {"block_n": 128, "stages": 2}, {"block_n": 128, "stages": 2, "num_warps": 8})
+SWEEP_SPLIT_FACTORS = (0.5, 1, 1.5, 2)
 
 
 def copy_bandwidth_gbs(torch, repeat: int) -> float:
@@ -98,6 +111,54 @@ def bench(torch, batch, ctx, sq, page_size, repeat, calls, copy_gbs, queued) -> 
             "ratio_to_copy": kiln_gbs / copy_gbs, "speedup_vs_torch": torch_ms / kiln_ms}
 
 
+def sweep(torch, page_size, repeat, calls, copy_gbs) -> list[dict]:
+    """``decode_attention`` per ``SWEEP_CONFIGS`` x split factor on ``SWEEP_SHAPES`` (queued)."""
+    from kiln import UnsupportedError
+    from kiln.kernels.attention.decode import (DecodeConfig, decode_attention,
+                                               default_num_splits)
+
+    results = []
+    for batch, ctx, sq in SWEEP_SHAPES:
+        problem = make_problem(torch, batch, ctx, sq, page_size)
+        reference = torch_decode(torch, *problem, dtype=torch.float32)
+        nbytes = 2 * batch * ctx * HKV * HEAD_DIM * 2 + 2 * problem[0].numel() * 2
+        for options in SWEEP_CONFIGS:
+            config = DecodeConfig(**options)
+            try:
+                config.check_rows(sq * HQ // HKV, HEAD_DIM)
+            except UnsupportedError:
+                continue
+            rows = config.row_blocks(sq * HQ // HKV, HEAD_DIM)
+            default = default_num_splits(batch, HKV, ctx, config.block_n, row_blocks=rows)
+            for factor in SWEEP_SPLIT_FACTORS:
+                splits = max(1, round(default * factor))
+                error = (decode_attention(*problem, num_splits=splits, config=config)[0].float()
+                         - reference).abs().max().item()
+                ms = math.nan
+                if error < 3e-2:  # also catches NaN; a wrong config is listed, not timed
+                    ms = queued_ms(lambda: decode_attention(*problem, num_splits=splits,
+                                                            config=config), repeat, calls)
+                results.append(dict(batch=batch, ctx=ctx, sq=sq, block_n=config.block_n,
+                                    stages=config.stages, num_warps=config.num_warps,
+                                    num_splits=splits, default_splits=default,
+                                    max_abs_error=error, kiln_ms=ms,
+                                    ratio_to_copy=nbytes / ms / 1e6 / copy_gbs))
+                print(sweep_table(results[-1:]).splitlines()[-1], flush=True)
+    return results
+
+
+def sweep_table(results: list[dict]) -> str:
+    lines = ["| batch | ctx | Sq | block_n | stages | warps | splits | Kiln us | /copy |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        default = "*" if r["num_splits"] == r["default_splits"] else ""
+        timing = (f"{1e3 * r['kiln_ms']:.1f} | {r['ratio_to_copy']:.2f}"
+                  if not math.isnan(r["kiln_ms"]) else f"wrong (error {r['max_abs_error']:.3g}) |")
+        lines.append(f"| {r['batch']} | {r['ctx']} | {r['sq']} | {r['block_n']} | {r['stages']} "
+                     f"| {r['num_warps']} | {r['num_splits']}{default} | {timing} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results to this file")
@@ -108,10 +169,24 @@ def main() -> None:
                         help="GPU time only: queue each sample behind a busy stream")
     parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
+    parser.add_argument("--sweep", action="store_true",
+                        help="only the DecodeConfig x num_splits sweep (GPU time, queued)")
     args = parser.parse_args()
     import torch  # imported after argparse so --help works without a GPU stack
 
     copy_gbs = copy_bandwidth_gbs(torch, args.repeat)
+    if args.sweep:
+        print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_gbs:.0f} GB/s; page "
+              f"{args.page_size}; * = default splits")
+        results = sweep(torch, args.page_size, args.repeat, args.batch, copy_gbs)
+        print(sweep_table(results))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs,
+                           "sweep": results}, f, indent=2)
+        if any(math.isnan(r["kiln_ms"]) for r in results):
+            raise SystemExit("a sweep config gave a wrong result (see the table)")
+        return
     rows = [bench(torch, batch, ctx, sq, args.page_size, args.repeat, args.batch, copy_gbs,
                   args.queued)
             for ctx in args.contexts for batch in args.batches for sq in DRAFT_TOKENS]

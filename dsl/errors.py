@@ -39,10 +39,11 @@ from . import env
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCE_ROOT = os.path.dirname(_PACKAGE_DIR)
-# Kiln's own code: the ``kiln`` package directory (an installed wheel keeps ``passes``/``lowering``
-# inside it) and, in a source checkout, the sibling ``passes/`` and ``lowering/`` directories.
+# Kiln's own code: the ``kiln`` package directory (an installed wheel keeps ``passes``,
+# ``lowering`` and ``kernels`` inside it) and, in a source checkout, those sibling directories,
+# so a bad argument to ``kiln.kernels.attention.decode`` names the caller's line in both.
 _FRAMEWORK_DIRS = (_PACKAGE_DIR + os.sep,) + tuple(
-    os.path.join(_SOURCE_ROOT, d) + os.sep for d in ("passes", "lowering"))
+    os.path.join(_SOURCE_ROOT, d) + os.sep for d in ("passes", "lowering", "kernels"))
 
 
 @dataclass(frozen=True)

@@ -179,8 +179,9 @@ def test_block_sparse_selection(page_size):
 def test_bad_inputs_raise_kiln_errors():
     rng = np.random.default_rng()
     q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 1, 3, 2, 16, [10])
-    with pytest.raises(kiln.UnsupportedError, match="multiple of Hkv"):
+    with pytest.raises(kiln.UnsupportedError, match="multiple of Hkv") as error:
         decode(q, kc, vc, table, seq_lens, backend="interpret")
+    assert error.value.loc.filename == __file__  # the caller's line, not the kernel module's
     q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 1, 2, 2, 16, [10])
     with pytest.raises(kiln.UnsupportedError):
         decode(q, kc[:, :12], vc[:, :12], table, seq_lens, backend="interpret")
@@ -262,6 +263,20 @@ def test_warp_groups_widen_a_cta_within_the_accumulator_budget():
     assert config.keys_per_warp(2) == 32
     assert DecodeConfig(block_n=128, num_warps=8).warp_groups(32, 128) == 2
     assert DecodeConfig(block_n=128).warp_groups(32, 128) == 1  # 64 keys a warp: too many
+    assert DecodeConfig(num_warps=8).keys_per_warp(DecodeConfig(num_warps=8).warp_groups(32, 128)) == 16
+
+
+def test_eight_warps_on_64_key_tiles_serve_two_groups():
+    """DecodeConfig(num_warps=8): Sq 4 x GQA 8 runs as two groups of four warps with 16 keys
+    each; with one query token the warps' 8-key slices are rejected before compiling."""
+    rng = np.random.default_rng()
+    config = DecodeConfig(num_warps=8)
+    q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 4, 8, 1, 16, [3 * BN + 5], head_dim=128)
+    got = decode(q, kc, vc, table, seq_lens, num_splits=2, config=config, backend="interpret")
+    want = _reference_splits(q, kc, vc, table, seq_lens, 2, 128 ** -0.5, head_dim=128)
+    _check_partials(got, want, want[2])
+    with pytest.raises(kiln.UnsupportedError, match="8 keys"):
+        decode(q[:, :1], kc, vc, table, seq_lens, config=config, backend="interpret")
 
 
 @pytest.mark.lower

@@ -28,9 +28,9 @@ its pages in L2 (``DecodeConfig.warp_groups`` stops widening where O and S would
 
 | phase | who | what |
 | --- | --- | --- |
-| stage q | all threads | packed q rows into a swizzled shared tile (zero padding rows) |
+| load q | each lane | its A fragments of its group's packed q rows straight from global memory (zero padding rows), issued right after the setup barrier so their latency overlaps the first tile's page look-up and TMA |
 | load | warp 0, one elected lane issues | tile ``t + stages - 1``: wait ``empty[s]`` (tile ``t - 1`` released by every thread), ``PagedRowIndices.populate``, one TMA per page and 64-column half of K and V (128-byte swizzled boxes) completing on ``full[s]`` |
-| scores | each warp | its key slice: ``S = Q K^T`` with ``mma.sync`` m16n8k16: Q A-fragments of its group's m tiles (``ldmatrix.x4`` once per split, kept in registers), K B-fragments (``ldmatrix.x4``) |
+| scores | each warp | its key slice: ``S = Q K^T`` with ``mma.sync`` m16n8k16: Q A-fragments of its group's m tiles (kept in registers), K B-fragments (``ldmatrix.x4``) |
 | softmax | each warp | base-2 streaming update, ``scale * log2 e`` applied to S in f32; row max over the 4 lanes of a row, row sums kept per lane until the end |
 | P·V | each warp | P's accumulators, cast to bf16, are the A fragments (two n8 accumulators = one k16 A); V B-fragments by ``ldmatrix.x4.trans`` |
 | release | every thread | arrive on ``empty[s]`` |
@@ -52,8 +52,8 @@ padded at the end): slot ``j`` of row ``(b, i, kv head)`` is the partial over bl
 ``block_table[b, i, h_kv, j]``; ``split_counts`` is the number of non-negative entries, so a
 row that selects nothing has ``C = 0`` (combine returns ``O = 0``, ``LSE = -inf``).
 
-Synchronisation: the only CTA-wide barriers are at top level (after staging q and initialising
-the mbarriers; before and after the merge). ``elect_sync`` runs once, converged, before any
+Synchronisation: the only CTA-wide barriers are at top level (after initialising the
+mbarriers; before and after the merge). ``elect_sync`` runs once, converged, before any
 branch. The K/V ring is a full/empty mbarrier pair per stage: ``full[s]`` is re-armed only
 after every thread arrived on ``empty[s]`` for the tile it held, and those arrivals come after
 each thread's wait on ``full[s]``, so no phase is reused while a waiter may still be on it.
@@ -124,10 +124,21 @@ class DecodeConfig:
         if self.stages not in (2, 3, 4):
             raise kiln.UnsupportedError(f"stages={self.stages} is not supported",
                                         fix="use 2, 3 or 4 K/V stages")
-        if self.num_warps not in (2, 4, 8) or self.block_n % (16 * self.num_warps):
+        if self.num_warps not in (2, 4, 8):
+            raise kiln.UnsupportedError(f"num_warps={self.num_warps} is not supported",
+                                        fix="use 2, 4 or 8 warps")
+
+    def check_rows(self, packed_rows: int, head_dim: int) -> None:
+        """Every warp's key slice must be whole k16 steps; how many warps share a tile depends
+        on the rows (:meth:`warp_groups`), so 8 warps with ``block_n=64`` need > 16 packed
+        rows. Example: ``DecodeConfig(num_warps=8).check_rows(32, 128)`` passes."""
+        keys = self.keys_per_warp(self.warp_groups(packed_rows, head_dim))
+        if keys % 16:
             raise kiln.UnsupportedError(
-                f"num_warps={self.num_warps} does not split block_n={self.block_n} into "
-                "16-key slices", fix="use 4 warps (or 2, or 8 with block_n=128)")
+                f"{self} gives each warp {keys} keys of a tile for {packed_rows} packed query "
+                f"rows (Sq x Hq/Hkv) at D={head_dim}; the slices must be multiples of 16",
+                fix="use 4 warps, or 8 with block_n=128 (8 with block_n=64 needs more than "
+                    "16 packed rows)")
 
     def m_tiles(self, packed_rows: int, head_dim: int) -> int:
         """m16 tiles of packed query rows one warp holds: up to 128 f32 O columns a lane (O
@@ -220,10 +231,6 @@ class _Shape:
     def ring_swizzle(self):
         return Swizzle.sw128b(2) if self.swizzle_bytes else None
 
-    def q_swizzle(self) -> Swizzle:
-        """Conflict-free ldmatrix of a row-major ``rows x D`` bf16 tile: XOR the 16-byte chunk
-        with the row's low 3 bits."""
-        return Swizzle(3, 3, int(math.log2(self.head_dim)) - 3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -231,6 +238,7 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                 has_sinks: bool, config: DecodeConfig = DecodeConfig()):
     """The ``@kiln.kernel`` for one shape class: ``q_rows`` query tokens per CTA (``Sq``, or 1
     when block-sparse) times ``group`` query heads per KV head."""
+    config.check_rows(q_rows * group, head_dim)
     shape = _Shape(head_dim, group, q_rows, page_size, config)
     D, S = head_dim, config.stages
     packed, ROWS, MT, RB = shape.packed, shape.rows, shape.m_tiles, shape.row_blocks
@@ -248,7 +256,6 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                                 kiln.bf16)
         kv_s = tiles.SharedTile.view(ring, (2 * S * config.block_n, D), shape.ring_layout(),
                                      shape.ring_swizzle())
-        q_s = tiles.SharedTile((ROWS, D), kiln.bf16, swizzle=shape.q_swizzle())
         full = mbarrier.group(num_barriers=S)
         empty = mbarrier.group(num_barriers=S)
         tid = kiln.thread_id(0)
@@ -283,17 +290,16 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
             tile_end = kiln.minimum(tile_begin + tiles_per_split, tiles_total)
         num_tiles = kiln.maximum(tile_end - tile_begin, 0)
 
-        _stage_q(q, q_s, b, q_first, kv_head, row0, tid, shape)
         for s in kiln.static_range(S):
             full.init(s, count=1, predicate=tid == 0)
             empty.init(s, count=shape.threads, predicate=tid == 0)
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
 
-        # The warp's Q A fragments stay in registers for the whole split (one ldmatrix pass
-        # instead of one per tile).
-        q_frags = [[ldmatrix.load_a(q_s, (warp_row0 + 16 * i, 16 * kk))
-                    for kk in range(D // 16)] for i in range(MT)]
+        # The warp's Q A fragments stay in registers for the whole split. They are loaded
+        # straight from global memory after the only setup barrier, so their latency overlaps
+        # the page-table look-up and the first K/V tile's TMA instead of preceding them.
+        q_frags = _load_q_fragments(q, b, q_first, kv_head, row0 + warp_row0, lane, shape)
         # Per lane: rows lane // 4 and lane // 4 + 8 of every m tile; the last key each sees.
         key_limit = []
         for i in range(MT):
@@ -329,10 +335,10 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
             kv_row = stage * 2 * config.block_n + key_slice * shape.keys
             first_key = key0 + key_slice * shape.keys
             if key0 + config.block_n <= seq_len - seq_q + 1:  # no key of the tile is masked
-                m, l, o = _attend(kv_s, q_s, q_frags, kv_row, first_key, lane, key_limit,
+                m, l, o = _attend(kv_s, q_frags, kv_row, first_key, lane, key_limit,
                                   seq_len, scale_log2, m, l, o, shape, False)
             else:
-                m, l, o = _attend(kv_s, q_s, q_frags, kv_row, first_key, lane, key_limit,
+                m, l, o = _attend(kv_s, q_frags, kv_row, first_key, lane, key_limit,
                                   seq_len, scale_log2, m, l, o, shape, True)
             empty.arrive(stage)
 
@@ -351,20 +357,31 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
     return kiln.kernel(paged_decode)
 
 
-@kiln.func
-def _stage_q(q, q_s, b, q_first, kv_head, row0, tid, shape):
-    """Packed q rows ``row0 ..`` into ``q_s`` in 8-element chunks; padding rows are zeros."""
-    D, group = shape.head_dim, shape.group
-    chunks = shape.rows * D // 8
-    for k in kiln.static_range(-(-chunks // shape.threads)):
-        chunk = tid + k * shape.threads
-        if chunk < chunks:
-            r = chunk // (D // 8)
-            col = (chunk % (D // 8)) * 8
-            row = kiln.minimum(row0 + r, shape.packed - 1)
-            values = q.load(b, q_first + row // group, kv_head * group + row % group, col,
-                            width=8)
-            q_s.store(r, col, kiln.where(row0 + r < shape.packed, values, 0.0))
+def _load_q_fragments(q, b, q_first, kv_head, warp_row0, lane, shape):
+    """``[m tile][k16 step]`` m16n8k16 A fragments (``vector<8xbf16>``) of packed q rows
+    ``warp_row0 ..``, read from global memory in the order ``ldmatrix.x4`` gives: lane holds
+    rows ``lane // 4`` (+ 8) and columns ``2 (lane % 4)`` (+ 8) of each 16 x 16 block, as
+    ``(row, col)``, ``(row + 8, col)``, ``(row, col + 8)``, ``(row + 8, col + 8)`` pairs.
+    Padding rows past the packed rows are zeros."""
+    group, packed = shape.group, shape.packed
+    frags = []
+    for i in range(shape.m_tiles):
+        heads, tokens, live = [], [], []
+        for half in range(2):
+            r = warp_row0 + 16 * i + lane // 4 + 8 * half
+            row = kiln.minimum(r, packed - 1)
+            tokens.append(q_first + row // group)
+            heads.append(kv_head * group + row % group)
+            live.append(r < packed)
+        frags.append([])
+        for kk in range(shape.head_dim // 16):
+            parts = []
+            for col_half, half in ((0, 0), (0, 1), (1, 0), (1, 1)):
+                pair = q.load(b, tokens[half], heads[half], 16 * kk + 8 * col_half
+                              + 2 * (lane % 4), width=2)
+                parts += kiln.unpack(kiln.where(live[half], pair, 0.0))
+            frags[i].append(kiln.pack(parts))
+    return frags
 
 
 @kiln.func
@@ -401,7 +418,7 @@ def _load_tile(rows_params, page_table, b, tile, seq_len, k_map, v_map, slots, f
 
 
 @kiln.func
-def _attend(kv_s, q_s, q_frags, kv_row, first_key, lane, key_limit, seq_len, scale_log2, m, l,
+def _attend(kv_s, q_frags, kv_row, first_key, lane, key_limit, seq_len, scale_log2, m, l,
             o, shape, masked):
     """One tile's slice of this warp (``shape.keys`` keys from ring row ``kv_row``, the
     first being key ``first_key``): S = Q K^T, masked streaming softmax, O += P V. ``masked``
