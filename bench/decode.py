@@ -39,8 +39,9 @@ BATCHES = (1, 4, 16)
 DRAFT_TOKENS = (1, 4)
 # (batch, ctx, Sq) of the sweep: the rows under the goal, and batch 16 to catch regressions.
 SWEEP_SHAPES = ((1, 16384, 1), (1, 16384, 4), (4, 16384, 4), (1, 65536, 4), (16, 16384, 4))
-# DecodeConfig keyword sets: the default (64 keys, 3 stages, 4 warps), a shallower and a deeper
-# ring, 8 warps of 16 keys (Sq 4 only: two groups), 128-key tiles with 4 and 8 warps.
+# DecodeConfig keyword sets: 64 keys, 3 stages, 4 warps (the default at Sq 1), a shallower and
+# a deeper ring, 8 warps of 16 keys (the default at Sq 4: two groups), 128-key tiles with 4 and
+# 8 warps.
 SWEEP_CONFIGS = ({}, {"stages": 2}, {"stages": 4}, {"num_warps": 8},
                  {"block_n": 128, "stages": 2}, {"block_n": 128, "stages": 2, "num_warps": 8})
 SWEEP_SPLIT_FACTORS = (0.5, 1, 1.5, 2)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import kiln
-from kiln.kernels.attention.decode import DecodeConfig, decode, default_num_splits
+from kiln.kernels.attention.decode import (DecodeConfig, decode, default_config,
+                                           default_num_splits)
 
 from attention_reference import attention_reference
 
@@ -190,11 +191,11 @@ def test_bad_inputs_raise_kiln_errors():
 
 
 def test_default_num_splits():
-    """One full wave of two CTAs per SM on 132 SMs, never a second, nearly empty one."""
-    assert default_num_splits(1, 8, 16384) == 33
-    assert default_num_splits(4, 8, 65536) == 8
-    assert default_num_splits(16, 8, 65536) == 2
-    assert default_num_splits(1, 8, 16384, row_blocks=2) == 16
+    """One full wave of one CTA per SM on 132 SMs, never a second, nearly empty one."""
+    assert default_num_splits(1, 8, 16384) == 16
+    assert default_num_splits(4, 8, 65536) == 4
+    assert default_num_splits(16, 8, 65536) == 1
+    assert default_num_splits(1, 8, 16384, row_blocks=2) == 8
     assert default_num_splits(1, 1, 10) == 1
 
 
@@ -263,7 +264,9 @@ def test_warp_groups_widen_a_cta_within_the_accumulator_budget():
     assert config.keys_per_warp(2) == 32
     assert DecodeConfig(block_n=128, num_warps=8).warp_groups(32, 128) == 2
     assert DecodeConfig(block_n=128).warp_groups(32, 128) == 1  # 64 keys a warp: too many
-    assert DecodeConfig(num_warps=8).keys_per_warp(DecodeConfig(num_warps=8).warp_groups(32, 128)) == 16
+    assert DecodeConfig(num_warps=8).keys_per_warp(2) == 16
+    assert default_config(32, 128) == DecodeConfig(num_warps=8)  # two groups of 4 warps
+    assert default_config(8, 128) == default_config(32, 64) == DecodeConfig()
 
 
 def test_eight_warps_on_64_key_tiles_serve_two_groups():
@@ -280,14 +283,18 @@ def test_eight_warps_on_64_key_tiles_serve_two_groups():
 
 
 @pytest.mark.lower
-def test_sq4_gqa8_d128_fits_two_ctas_per_sm_without_spills():
-    """Two warp groups cost a few registers (32-key slices), not spills: two CTAs of 128
-    threads still share an SM's 64K registers."""
+@pytest.mark.parametrize("num_warps", [4, 8])
+def test_sq4_gqa8_d128_two_warp_groups_do_not_spill(num_warps):
+    """Two warp groups cost a few registers (32-key slices with 4 warps, 16 with the default
+    8), not spills, and the CTA's registers fit an SM's 64K (the default splits run one CTA
+    per SM)."""
     from kiln.kernels.attention.decode import compile_decode
 
-    metadata = compile_decode(target="sm_90a", sq=4, group=8, head_dim=128).metadata
+    config = DecodeConfig(num_warps=num_warps)
+    metadata = compile_decode(target="sm_90a", sq=4, group=8, head_dim=128,
+                              config=config).metadata
     assert metadata["spill_bytes"] == 0
-    assert metadata["registers"] <= 200
+    assert metadata["registers"] * 32 * num_warps <= 65536
 
 
 def test_accumulator_pairs_are_the_p_fragment_and_v_keys_match_the_mask():

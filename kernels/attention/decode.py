@@ -16,15 +16,15 @@ never stored, and reads each of its pages once. Its ``num_warps`` warps form ``w
 groups; group ``g`` serves ``m_tiles`` m16 tiles (Q's fragments and O stay in registers) and
 its warps split every BN-key tile, each keeping its own ``(m, l, O)``:
 
-| D | m tiles a warp | warp groups | most rows a CTA | keys a warp (BN 64, 4 warps) |
+| D | m tiles a warp | warp groups | most rows a CTA | keys a warp (BN 64, default warps) |
 | --- | --- | --- | --- | --- |
-| 64 | 2 (1 for <= 16 rows) | 1 | 32 | 16 |
-| 128 | 1 | 2 when > 16 rows (e.g. Sq 4 x GQA 8) | 32 | 32 (16 with one group) |
-| 256 | 1 | 1 | 16 | 16 |
+| 64 | 2 (1 for <= 16 rows) | 1 | 32 | 16 (4 warps) |
+| 128 | 1 | 2 when > 16 rows (e.g. Sq 4 x GQA 8) | 32 | 16 (4 warps, or 8 for two groups) |
+| 256 | 1 | 1 | 16 | 16 (4 warps) |
 
 More rows than a CTA serves take ``row_blocks`` CTAs per KV head, run side by side and sharing
 its pages in L2 (``DecodeConfig.warp_groups`` stops widening where O and S would exceed
-``MAX_ACCUMULATORS`` f32 registers a lane).
+``MAX_ACCUMULATORS`` f32 registers a lane). The default split count gives one CTA per SM.
 
 | phase | who | what |
 | --- | --- | --- |
@@ -80,7 +80,10 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 WARP = 32
 DEFAULT_SMS = 132  # H100 SXM: split count heuristic when no device is queried
-CTAS_PER_SM = 2  # the default config's shared memory (3 x 32 KB stages) lets two CTAs share an SM
+# Default splits fill one CTA per SM. Two (the shared memory of 3 x 32 KB stages allows it) lost
+# on an H200 (bench/decode.py --sweep): batch 1 ctx 16k took 26.6 vs 28.8 us at Sq 1 and 35.3 vs
+# 45.1 us at Sq 4; halving the CTAs also halves the partials the combine reads.
+CTAS_PER_SM = 1
 MAX_DEFAULT_SPLITS = 64
 PRODUCER = "kiln.kernels.attention.decode"
 HALF = 64  # columns of one TMA box: 128 bytes of bf16, the 128-byte swizzle's row
@@ -174,6 +177,15 @@ class DecodeConfig:
         cta_rows = 16 * self.m_tiles(packed_rows, head_dim) * self.warp_groups(packed_rows,
                                                                                   head_dim)
         return -(-packed_rows // cta_rows)
+
+
+def default_config(packed_rows: int, head_dim: int) -> DecodeConfig:
+    """The config :func:`decode` uses when given none: 64-key tiles, 3 stages, and 8 warps
+    where the rows take two warp groups (each warp then attends 16 keys of a tile, not 32:
+    2-5% faster at Sq 4 x GQA 8, D 128 on an H200), else 4.
+    Example: ``default_config(32, 128).num_warps == 8``, ``default_config(8, 128).num_warps == 4``."""
+    two_groups = DecodeConfig().warp_groups(packed_rows, head_dim) == 2
+    return DecodeConfig(num_warps=8 if two_groups else 4)
 
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -587,7 +599,7 @@ def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, block_n: int
                        sms: int = DEFAULT_SMS, row_blocks: int = 1) -> int:
     """Splits that fill one wave of ``CTAS_PER_SM`` CTAs per SM (rounded down, so no second
     wave of a few CTAs), without splitting below one tile each.
-    Example: ``default_num_splits(1, 8, 16384) == 33`` (264 CTAs of 8 tiles on 132 SMs)."""
+    Example: ``default_num_splits(1, 8, 16384) == 16`` (128 CTAs of 16 tiles on 132 SMs)."""
     tiles = max(1, -(-max_seq_len // block_n))
     per_split = batch * kv_heads * row_blocks
     return max(1, min(tiles, CTAS_PER_SM * sms // per_split, MAX_DEFAULT_SPLITS))
@@ -602,7 +614,7 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
     bf16; ``page_table``: ``[B, max_pages]`` int32; ``seq_lens``: ``[B]`` int32 (including the
     ``Sq`` new tokens); ``block_table``: optional ``[B, Sq, Hkv, top_k]`` int32 block indices;
     ``sinks``: optional ``[Hq]`` f32; ``scale`` defaults to ``D ** -0.5``; ``config``: a
-    :class:`DecodeConfig` (None: the default one).
+    :class:`DecodeConfig` (None: :func:`default_config` of the shape).
     numpy inputs give numpy outputs; torch CUDA tensors stay on the device (the three torch
     partials are views of one allocation).
     Example::
@@ -765,7 +777,7 @@ def _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, sc
     fresh = plan is None
     if fresh:
         plan = _make_plan(_ArrayLib(q), q, k_cache, v_cache, page_table, seq_lens, num_splits,
-                          block_table, scale, sinks, target, backend, config or DecodeConfig())
+                          block_table, scale, sinks, target, backend, config)
     if plan.bound is None and plan.device is not None and backend != "interpret" and \
             _contiguous(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
         plan, fresh = _bind(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
@@ -800,9 +812,12 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
                sinks, target, backend, config) -> _DecodePlan:
     B, Sq, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
-    _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, config)
+    # Every default config has the same block_n, the one the page-size check reads.
+    _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
+                  config or DecodeConfig())
     group = Hq // Hkv
     q_rows = 1 if block_table is not None else Sq
+    config = config or default_config(q_rows * group, D)
     row_blocks = config.row_blocks(q_rows * group, D)
     if block_table is not None:
         slots = block_table.shape[3]
@@ -830,15 +845,17 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
 
 
 def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_size=64,
-                   block_sparse=False, sinks=False, config=DecodeConfig()):
-    """Compile (without running) the decode kernel of one shape class; returns the
-    ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
+                   block_sparse=False, sinks=False, config=None):
+    """Compile (without running) the decode kernel of one shape class (``config`` None: the
+    :func:`default_config` :func:`decode` would use); returns the ``CompiledKernel`` (``.asm``
+    stages, ``.metadata``).
     Example: ``compile_decode(target="sm_90a", page_size=16, sq=4).metadata["registers"]``."""
     if kiln.dtype(dtype) is not kiln.bf16:
         raise kiln.UnsupportedError(f"paged decode reads bf16 caches, not {kiln.dtype(dtype)}",
                                     fix="use dtype='bf16'")
     chip = _target(target)
     q_rows = 1 if block_sparse else sq
+    config = config or default_config(q_rows * group, head_dim)
     rows = 2 * max(page_size, 1)  # placeholder arrays carry dtype and rank only
     bf16, hkv = kiln.bf16.numpy, 1
     hq = hkv * group
