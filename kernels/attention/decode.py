@@ -28,7 +28,7 @@ its pages in L2 (``DecodeConfig.warp_groups`` stops widening where O and S would
 
 | phase | who | what |
 | --- | --- | --- |
-| load q | each lane | its A fragments of its group's packed q rows straight from global memory (zero padding rows), issued right after the setup barrier so their latency overlaps the first tile's page look-up and TMA |
+| load q | each lane | its A fragments of its group's packed q rows, straight from global memory into registers (zero padding rows) |
 | load | warp 0, one elected lane issues | tile ``t + stages - 1``: wait ``empty[s]`` (tile ``t - 1`` released by every thread), ``PagedRowIndices.populate``, one TMA per page and 64-column half of K and V (128-byte swizzled boxes) completing on ``full[s]`` |
 | scores | each warp | its key slice: ``S = Q K^T`` with ``mma.sync`` m16n8k16: Q A-fragments of its group's m tiles (kept in registers), K B-fragments (``ldmatrix.x4``) |
 | softmax | each warp | base-2 streaming update, ``scale * log2 e`` applied to S in f32; row max over the 4 lanes of a row, row sums kept per lane until the end |
@@ -183,7 +183,8 @@ def default_config(packed_rows: int, head_dim: int) -> DecodeConfig:
     """The config :func:`decode` uses when given none: 64-key tiles, 3 stages, and 8 warps
     where the rows take two warp groups (each warp then attends 16 keys of a tile, not 32:
     2-5% faster at Sq 4 x GQA 8, D 128 on an H200), else 4.
-    Example: ``default_config(32, 128).num_warps == 8``, ``default_config(8, 128).num_warps == 4``."""
+    Example: ``default_config(32, 128).num_warps == 8``, ``default_config(8, 128).num_warps
+    == 4``."""
     two_groups = DecodeConfig().warp_groups(packed_rows, head_dim) == 2
     return DecodeConfig(num_warps=8 if two_groups else 4)
 
@@ -242,7 +243,6 @@ class _Shape:
 
     def ring_swizzle(self):
         return Swizzle.sw128b(2) if self.swizzle_bytes else None
-
 
 
 @functools.lru_cache(maxsize=None)
@@ -308,9 +308,8 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
 
-        # The warp's Q A fragments stay in registers for the whole split. They are loaded
-        # straight from global memory after the only setup barrier, so their latency overlaps
-        # the page-table look-up and the first K/V tile's TMA instead of preceding them.
+        # The warp's Q A fragments stay in registers for the whole split, loaded straight from
+        # global memory: no shared staging, and no barrier between them and the first TMA.
         q_frags = _load_q_fragments(q, b, q_first, kv_head, row0 + warp_row0, lane, shape)
         # Per lane: rows lane // 4 and lane // 4 + 8 of every m tile; the last key each sees.
         key_limit = []
