@@ -623,12 +623,14 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
     """
     plan = _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
                  sinks, target, backend, config)
-    if plan.bound is not None and _contiguous(q, k_cache, v_cache, page_table, seq_lens,
-                                              block_table, sinks):
+    if plan.bound is not None and _bindable(plan, q, k_cache, v_cache, page_table, seq_lens,
+                                            block_table, sinks):
         partials = plan.torch_partials()
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
                                     block_table, sinks), *(p.data_ptr() for p in partials))
         return partials
+    _check_devices(q, k_cache=k_cache, v_cache=v_cache, page_table=page_table,
+                   seq_lens=seq_lens, block_table=block_table, sinks=sinks)
     lib = _ArrayLib(q)
     o_part, lse_part, counts = plan.torch_partials() if lib.torch else plan.numpy_partials()
     args = [q, lib.rows(k_cache, plan.cache_rows, plan.cache_cols),
@@ -663,8 +665,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     """
     plan = _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
                  sinks, target, backend, config)
-    if plan.merge is not None and _contiguous(q, k_cache, v_cache, page_table, seq_lens,
-                                              block_table, sinks):
+    if plan.merge is not None and _bindable(plan, q, k_cache, v_cache, page_table, seq_lens,
+                                            block_table, sinks):
         import torch
 
         partials = torch.empty(plan.partial_words, dtype=torch.float32, device=plan.device)
@@ -686,8 +688,21 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
                    target=target, backend="interpret" if backend == "interpret" else None)
 
 
-def _contiguous(*tensors) -> bool:
-    return all(t is None or t.is_contiguous() for t in tensors)
+def _bindable(plan, *tensors) -> bool:
+    """Whether the bound launch may take these torch tensors' raw addresses: each contiguous
+    and on the plan's device (the plan's key reads only q's device)."""
+    index = plan.device.index
+    return all(t is None or (t.is_contiguous() and t.get_device() == index) for t in tensors)
+
+
+def _check_devices(q, **tensors) -> None:
+    """torch inputs must share q's device: a kernel given another device's address faults."""
+    if not type(q).__module__.startswith("torch"):
+        return
+    for name, t in tensors.items():
+        if type(t).__module__.startswith("torch") and t.device != q.device:
+            raise kiln.KilnValueError(f"{name} is on {t.device} but q is on {q.device}",
+                                      fix=f"move {name} to {q.device}")
 
 
 def _input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
@@ -778,7 +793,7 @@ def _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, sc
         plan = _make_plan(_ArrayLib(q), q, k_cache, v_cache, page_table, seq_lens, num_splits,
                           block_table, scale, sinks, target, backend, config)
     if plan.bound is None and plan.device is not None and backend != "interpret" and \
-            _contiguous(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
+            _bindable(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
         plan, fresh = _bind(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
                             target), True
     if fresh and key is not None:
