@@ -278,8 +278,9 @@ def test_eight_warps_on_64_key_tiles_serve_two_groups():
     got = decode(q, kc, vc, table, seq_lens, num_splits=2, config=config, backend="interpret")
     want = _reference_splits(q, kc, vc, table, seq_lens, 2, 128 ** -0.5, head_dim=128)
     _check_partials(got, want, want[2])
-    with pytest.raises(kiln.UnsupportedError, match="8 keys"):
+    with pytest.raises(kiln.UnsupportedError, match="8 keys") as error:
         decode(q[:, :1], kc, vc, table, seq_lens, config=config, backend="interpret")
+    assert error.value.loc.filename == __file__
 
 
 @pytest.mark.lower
@@ -364,8 +365,9 @@ def test_a_cache_on_another_device_is_rejected():
     q = torch.randn(B, Sq, Hkv * group, D, device="cuda", dtype=torch.bfloat16)
     seq_lens = torch.full((B,), L, device="cuda", dtype=torch.int32)
     for _ in range(2):
-        with pytest.raises(kiln.KilnValueError, match="k_cache is on cpu"):
+        with pytest.raises(kiln.KilnValueError, match="k_cache is on cpu") as error:
             decode(q, kc.cpu(), kc, table, seq_lens)
+        assert error.value.loc.filename == __file__
         decode(q, kc, kc, table, seq_lens)  # binds the plan for the second round
 
 
