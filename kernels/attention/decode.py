@@ -826,12 +826,11 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
                sinks, target, backend, config) -> _DecodePlan:
     B, Sq, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
-    # Every default config has the same block_n, the one the page-size check reads.
-    _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
-                  config or DecodeConfig())
+    _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks)
     group = Hq // Hkv
     q_rows = 1 if block_table is not None else Sq
     config = config or default_config(q_rows * group, D)
+    kv_sub_tile_rows(config.block_n, page_size)  # page size must tile the key block
     row_blocks = config.row_blocks(q_rows * group, D)
     if block_table is not None:
         slots = block_table.shape[3]
@@ -882,13 +881,13 @@ def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_si
     return kernel.compile(*args, target=chip.name, num_warps=config.num_warps)
 
 
-def _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, config):
+def _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
     if len(q.shape) != 4 or len(k_cache.shape) != 4:
         raise kiln.KilnValueError(f"q must be [B, Sq, Hq, D] and the caches [num_pages, "
                                   f"page_size, Hkv, D]; got {tuple(q.shape)} and "
                                   f"{tuple(k_cache.shape)}", fix="reshape the inputs")
     B, Sq, Hq, D = q.shape
-    _, page_size, Hkv, Dk = k_cache.shape
+    Hkv, Dk = k_cache.shape[2:]
     if tuple(v_cache.shape) != tuple(k_cache.shape) or Dk != D:
         raise kiln.KilnValueError(f"k_cache {tuple(k_cache.shape)}, v_cache "
                                   f"{tuple(v_cache.shape)} and q's head dim {D} disagree",
@@ -900,7 +899,6 @@ def _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
         raise kiln.UnsupportedError(f"Hq={Hq}, Hkv={Hkv}, Sq={Sq}: decode needs Hq a multiple "
                                     "of Hkv and 1..16 query tokens",
                                     fix="pack heads so Hq % Hkv == 0; use prefill for long Sq")
-    kv_sub_tile_rows(config.block_n, page_size)  # page size must tile the key block
     names = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     for name, x in names.items():
         if kiln.dtype(x.dtype) is not kiln.bf16:
