@@ -12,7 +12,7 @@ from . import builder, values
 from .builder import current_target
 from .kernel import (JITKernel, KilnFunc, TensorMap, TracedKernel, constexpr, func, kernel,
                      set_default_target)
-from .ops import (abs, barrier, block_dim, block_id, cast, exp, exp2, fma, lane_id, log, log2,
+from .ops import (abs, barrier, block_dim, block_id, cast, exp, exp2, fence, fma, lane_id, log, log2,
                   maximum, minimum, num_blocks, rcp, rsqrt, sqrt, thread_id, warp_id, where)
 from .shared import SharedTensor, shared
 from .struct import struct

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlir.dialects import arith, gpu, math
+from mlir.dialects import arith, gpu, llvm, math
 
 from . import builder
 from . import dtypes as dt
@@ -22,6 +22,7 @@ from .errors import KilnTypeError, KilnValueError
 from .values import Value, cast, constant, to_value, unify
 
 __all__ = ["block_id", "thread_id", "num_blocks", "block_dim", "lane_id", "warp_id", "barrier",
+           "fence",
            "cast", "where", "exp2", "log2", "exp", "log", "sqrt", "rsqrt", "rcp", "maximum",
            "minimum", "abs", "fma"]
 
@@ -73,6 +74,32 @@ def warp_id() -> Value:
 def barrier() -> None:
     """Block-wide barrier (``gpu.barrier``): every thread waits, shared memory is visible after."""
     gpu.barrier()
+
+
+# LLVM sync-scope names of kiln.fence's scopes, per vendor (an empty name is the whole system).
+_FENCE_SCOPES = {"nvidia": {"cta": "block", "cluster": "cluster", "gpu": "device"},
+                 "amd": {"cta": "workgroup", "gpu": "agent"}}
+
+
+def fence(scope: str = "gpu") -> None:
+    """Acquire-release memory fence (``llvm.fence``) over ``scope``: ``"cta"``, ``"cluster"``
+    (NVIDIA) or ``"gpu"`` (``fence.acq_rel.gpu`` / ``__threadfence()`` on NVIDIA, an agent-scope
+    fence on AMD). The calling thread's earlier memory operations, and those it saw through a
+    barrier, become visible at that scope before its later ones.
+
+    Example (publish a CTA's results, then take a ticket)::
+
+        kiln.barrier()
+        if kiln.thread_id(0) == 0:
+            kiln.fence("gpu")
+            ticket = counters.atomic_add(0, 1)
+    """
+    scopes = _FENCE_SCOPES[builder.current_target().vendor]
+    if scope not in scopes:
+        raise KilnValueError(f"fence scope {scope!r} is not one of {sorted(scopes)} on "
+                             f"{builder.current_target().name}",
+                             fix='use kiln.fence("gpu") or kiln.fence("cta")')
+    llvm.fence(llvm.AtomicOrdering.acq_rel, syncscope=scopes[scope])
 
 
 def where(cond: Any, a: Any, b: Any) -> Value:

@@ -11,6 +11,7 @@ array passed is contiguous along it, else dynamic). In the body::
     v4 = x.load(i, width=4)       # vector.load of 4 consecutive elements along the last dim
     x.store(i, v4)                # vector.store
     v = x.load(i, mask=i < n, other=0.0)   # masked scalar load (scf.if)
+    old = c.atomic_add(i, 1)      # memref.atomic_rmw: returns the value before the add
 
 Shared-memory buffers from ``kiln.shared`` index the same way.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlir import ir
-from mlir.dialects import memref, scf, vector
+from mlir.dialects import arith, memref, scf, vector
 
 from . import dtypes as dt
 from .dtypes import DType
@@ -191,6 +192,61 @@ class TensorRef:
         self._require_unit_inner_stride("vector store")
         v = self._coerce(v, v.shape)
         vector.store(v.ir, self.ir, self._indices(tuple(idx)), alignment=_alignment(align))
+
+
+    def atomic_add(self, *args) -> Value:
+        """``t.atomic_add(i, ..., value)``: add ``value`` to one element atomically (across the
+        whole GPU) and return the element's previous value. Integer or float elements.
+
+        The update is atomic but orders no other memory operation: to publish a CTA's stores
+        with it (a split-K or "last CTA finishes" counter), put ``kiln.barrier()`` and
+        ``kiln.fence("gpu")`` before it, and let the CTA that reads them fence after it.
+        Example::
+
+            if kiln.thread_id(0) == 0:
+                kiln.fence("gpu")                       # this CTA's stores, then the ticket
+                ticket = counters.atomic_add(tile, 1)   # 0, 1, ... in arrival order
+        """
+        return self._atomic("add", args)
+
+    def atomic_max(self, *args) -> Value:
+        """Like :meth:`atomic_add` with ``max`` (signed for integers, NaN-propagating for
+        floats); returns the previous value. Example: ``best.atomic_max(0, score)``."""
+        return self._atomic("max", args)
+
+    def atomic_min(self, *args) -> Value:
+        """Like :meth:`atomic_add` with ``min``; returns the previous value.
+        Example: ``first.atomic_min(0, index)``."""
+        return self._atomic("min", args)
+
+    def atomic_exchange(self, *args) -> Value:
+        """Store ``value`` atomically and return the previous value.
+        Example: ``old = lock.atomic_exchange(0, 1)``."""
+        return self._atomic("exchange", args)
+
+    def _atomic(self, op: str, args: tuple) -> Value:
+        if not args:
+            raise KilnValueError(f"atomic_{op} takes the indices and then the value",
+                                 fix=f"e.g. {self.name}.atomic_{op}(i, value)")
+        *idx, value = args
+        v = self._coerce(value, ())
+        if self.dtype.kind not in ("float", "int") or self.dtype.itemsize not in (4, 8):
+            raise KilnTypeError(f"atomic_{op} needs 32- or 64-bit int or float elements, but "
+                                f"{self.name} holds {self.dtype}",
+                                fix="keep counters and atomically updated values in i32/f32")
+        float_kind, int_kind = _ATOMIC_KINDS[op]
+        kind = float_kind if self.dtype.is_float else int_kind
+        return Value(memref.atomic_rmw(kind, v.ir, self.ir, self._indices(tuple(idx))),
+                     self.dtype)
+
+
+# Atomic read-modify-write kind by operation: (float elements, integer elements).
+_ATOMIC_KINDS = {
+    "add": (arith.AtomicRMWKind.addf, arith.AtomicRMWKind.addi),
+    "max": (arith.AtomicRMWKind.maximumf, arith.AtomicRMWKind.maxs),
+    "min": (arith.AtomicRMWKind.minimumf, arith.AtomicRMWKind.mins),
+    "exchange": (arith.AtomicRMWKind.assign, arith.AtomicRMWKind.assign),
+}
 
 
 def _alignment(align: int | None):

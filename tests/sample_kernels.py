@@ -45,3 +45,43 @@ def scale_rows(x: kiln.Tensor[bf16, 2], out: kiln.Tensor[f32, 2], rows: i32, col
     r = kiln.block_id(0)
     for c in kiln.range(kiln.thread_id(0), cols, kiln.block_dim(0)):
         out[r, c] = kiln.cast(x[r, c], f32) * kiln.cast(r + 1, f32)
+
+
+@kiln.kernel
+def split_sum(x: kiln.Tensor[f32, 1], partial: kiln.Tensor[f32, 1], tickets: kiln.Tensor[i32, 1],
+              out: kiln.Tensor[f32, 1], n: i32, BLOCK: kiln.constexpr):
+    """``out = [sum(x), max(x)]``. Every thread adds its element to its CTA's ``partial``
+    (zeroed by the caller) and maxes it into ``out[1]`` (-inf); the last CTA to take a ticket
+    adds the partials and resets the ticket counter for the next launch."""
+    cta = kiln.block_id(0)
+    i = cta * BLOCK + kiln.thread_id(0)
+    last = kiln.shared((1,), i32)
+    if i < n:
+        partial.atomic_add(cta, x[i])
+        out.atomic_max(1, x[i])
+    kiln.barrier()
+    if kiln.thread_id(0) == 0:
+        kiln.fence("gpu")
+        ticket = tickets.atomic_add(0, 1)
+        last[0] = kiln.where(ticket == kiln.num_blocks(0) - 1, 1, 0)
+    kiln.barrier()
+    if (last[0] == 1) & (kiln.thread_id(0) == 0):
+        kiln.fence("gpu")
+        total = 0.0
+        for c in kiln.range(kiln.num_blocks(0)):
+            total = total + partial[c]
+        out[0] = total
+        tickets[0] = 0
+
+
+@kiln.kernel
+def take_tickets(counter: kiln.Tensor[i32, 1], tickets: kiln.Tensor[i32, 1],
+                 swapped: kiln.Tensor[i32, 1], low: kiln.Tensor[f32, 1],
+                 x: kiln.Tensor[f32, 1], n: i32, BLOCK: kiln.constexpr):
+    """Each thread ``i < n`` takes a ticket (the counter's old value), swaps ``i`` into
+    ``counter[1]`` (recording the value it replaced) and mins ``x[i]`` into ``low[0]``."""
+    i = kiln.block_id(0) * BLOCK + kiln.thread_id(0)
+    if i < n:
+        tickets[i] = counter.atomic_add(0, 1)
+        swapped[i] = counter.atomic_exchange(1, i)
+        low.atomic_min(0, x[i])

@@ -141,3 +141,46 @@ def test_shared_shape_must_be_static():
     with pytest.raises(kiln.KilnValueError, match="positive Python ints") as info:
         trace(k, V, 4)
     assert info.value.fix and info.value.loc.line == k.__code__.co_firstlineno + 1
+
+
+def test_atomics_and_fence_emit_atomic_rmw_and_llvm_fence():
+    def k(x: kiln.Tensor[f32], c: kiln.Tensor[kiln.i32]):
+        kiln.fence("cta")
+        old = c.atomic_add(0, 1)
+        c.atomic_min(1, old)
+        x.atomic_max(0, 2.0)
+        x.atomic_exchange(1, x.atomic_add(2, 1.5))
+
+    asm = trace(k, V, np.zeros(4, np.int32))
+    for op in ("addi", "mins", "maximumf", "assign", "addf"):
+        assert f"memref.atomic_rmw {op}" in asm
+    assert 'llvm.fence syncscope("block") acq_rel' in asm
+
+
+def test_atomic_on_bf16_is_type_error_at_user_line(marker_line):
+    def k(y: kiln.Tensor[bf16]):
+        y.atomic_add(0, kiln.cast(1.0, bf16))  # @bf16-atomic
+
+    with pytest.raises(kiln.KilnTypeError, match="32- or 64-bit int or float") as info:
+        trace(k, np.zeros(2, np.float32).astype("bfloat16"))
+    assert info.value.loc.line == marker_line("@bf16-atomic")
+    assert info.value.loc.filename == __file__
+
+
+def test_atomic_value_of_another_dtype_is_type_error(marker_line):
+    def k(c: kiln.Tensor[kiln.i32]):
+        c.atomic_add(0, kiln.cast(1, f32))  # @float-into-int
+
+    with pytest.raises(kiln.KilnTypeError, match="cannot store a f32 value") as info:
+        trace(k, np.zeros(2, np.int32))
+    assert info.value.loc.line == marker_line("@float-into-int")
+
+
+def test_unknown_fence_scope_is_value_error(marker_line):
+    def k(x: kiln.Tensor[f32]):
+        kiln.fence("system")  # @scope
+
+    with pytest.raises(kiln.KilnValueError, match="fence scope 'system'") as info:
+        trace(k, V)
+    assert info.value.loc.line == marker_line("@scope")
+    assert info.value.fix == 'use kiln.fence("gpu") or kiln.fence("cta")'

@@ -1,7 +1,8 @@
 """``gpu`` ops (ids, barrier, shuffle) and the ``nvvm`` ops that only order memory.
 
 Fences order memory between proxies on the GPU; the interpreter performs every access in program
-order and applies async copies at their completion point, so fences have nothing to do.
+order and applies async copies at their completion point, one CTA (or cluster) at a time, so
+fences (proxy fences, and `llvm.fence` of `kiln.fence`) have nothing to do.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def _elect_sync(op, p):
 
 @semantics("nvvm.fence.mbarrier.init", "nvvm.fence.proxy", "nvvm.setmaxregister",
            "nvgpu.tma.prefetch.descriptor", "nvvm.fence.proxy.acquire",
-           "nvvm.fence.proxy.release", "rocdl.sched.barrier", "rocdl.s.setprio")
+           "nvvm.fence.proxy.release", "rocdl.sched.barrier", "rocdl.s.setprio", "llvm.fence")
 def _no_effect(op, p):
     return None
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 from mlir import ir
+from mlir.dialects import arith
 
 from kiln import env as kiln_env
-from kiln.errors import OutOfBoundsError
+from kiln.errors import OutOfBoundsError, UnsupportedError
 
 from .plan import location, np_dtype, semantics
 from .state import MemRef, bounds_error, element_bytes
@@ -129,6 +130,50 @@ def _store(op, p):
         flat = flat_offsets(mem, [env[i] for i in index], ctx, loc)
         check_shared(mem, flat, ctx, True, "this store", loc)
         scatter(mem, flat, env[value], ctx)
+
+    return run
+
+
+def _float_max(a, b):
+    return np.maximum(a, b)  # NaN-propagating, as arith.maximumf
+
+
+def _float_min(a, b):
+    return np.minimum(a, b)
+
+
+_ATOMIC_UPDATES = {
+    arith.AtomicRMWKind.addf: np.add, arith.AtomicRMWKind.addi: np.add,
+    arith.AtomicRMWKind.maximumf: _float_max, arith.AtomicRMWKind.maxs: np.maximum,
+    arith.AtomicRMWKind.minimumf: _float_min, arith.AtomicRMWKind.mins: np.minimum,
+    arith.AtomicRMWKind.assign: lambda old, new: new,
+}
+
+
+@semantics("memref.atomic_rmw")
+def _atomic_rmw(op, p):
+    """One thread at a time in thread order (the order the hardware may also pick): each
+    active thread reads the element, stores the update and gets the old value. Atomics are
+    exempt from the shared-memory race checks: concurrent atomics are their purpose."""
+    value, dst, *index = p.operands(op)
+    out = p.result(op)
+    loc = location(op)
+    kind = ir.IntegerAttr(op.attributes["kind"]).value
+    update = next((fn for k, fn in _ATOMIC_UPDATES.items() if int(k) == kind), None)
+    if update is None:
+        raise UnsupportedError(f"the interpreter has no atomic read-modify-write of kind {kind}",
+                               loc=loc)
+
+    def run(env, ctx):
+        mem = env[dst]
+        flat = np.broadcast_to(flat_offsets(mem, [env[i] for i in index], ctx, loc), (ctx.size,))
+        new = np.broadcast_to(env[value], (ctx.size,))
+        old = np.zeros(ctx.size, mem.storage.dtype)
+        active = ctx.active().reshape(-1)
+        for t in np.flatnonzero(active):
+            old[t] = mem.storage[flat[t]]
+            mem.storage[flat[t]] = update(old[t], new[t])
+        env[out] = old
 
     return run
 
