@@ -5,8 +5,9 @@ rows per page, context 4k / 16k / 64k, batch 1 / 4 / 16, Sq 1 / 4 (draft tokens,
 causal).
 
 Method: every shape is first checked against a float32 torch reference (gather + SDPA; max
-abs error < 3e-2, NaN fails). Then Kiln (``decode`` + ``combine``, and ``decode`` alone) and
-the torch implementation are timed with CUDA events after a warm-up, median of ``--repeat``
+abs error < 3e-2, NaN fails), each of Kiln's paths. Then Kiln (``decode_attention`` as it
+chooses; forced to one kernel whose last split CTA combines, "fused"; forced to two kernels,
+``decode`` + ``combine``; and ``decode`` alone) and the torch implementation are timed with CUDA events after a warm-up, median of ``--repeat``
 samples of ``--batch`` back-to-back calls (so the host's launch work overlaps the GPU, as in a
 serving loop that runs ahead or replays a CUDA graph); with ``--queued`` each sample is
 queued behind a busy stream instead (``timing.queued_ms``: GPU time only, no host time). The
@@ -89,22 +90,27 @@ def bench(torch, batch, ctx, sq, page_size, repeat, calls, copy_gbs, queued) -> 
     from kiln.kernels.attention.decode import decode, decode_attention
 
     problem = make_problem(torch, batch, ctx, sq, page_size)
-    out, _ = decode_attention(*problem)
     reference = torch_decode(torch, *problem, dtype=torch.float32)
-    error = (out.float() - reference).abs().max().item()
-    if not error < 3e-2:  # also catches NaN
-        raise SystemExit(f"Kiln decode wrong at batch {batch} ctx {ctx} Sq {sq}: "
-                         f"max abs error {error}")
+    for fused in (None, True, False):
+        out, _ = decode_attention(*problem, fused_combine=fused)
+        error = (out.float() - reference).abs().max().item()
+        if not error < 3e-2:  # also catches NaN
+            raise SystemExit(f"Kiln decode (fused_combine={fused}) wrong at batch {batch} ctx "
+                             f"{ctx} Sq {sq}: max abs error {error}")
     q = problem[0]
     nbytes = 2 * batch * ctx * HKV * HEAD_DIM * 2 + 2 * q.numel() * 2
     timer = (lambda fn: queued_ms(fn, repeat, calls)) if queued else \
         (lambda fn: time_ms(fn, repeat, calls))
     kiln_ms = timer(lambda: decode_attention(*problem))
+    fused_ms = timer(lambda: decode_attention(*problem, fused_combine=True))
+    two_kernel_ms = timer(lambda: decode_attention(*problem, fused_combine=False))
     split_ms = timer(lambda: decode(*problem))
     torch_ms = timer(lambda: torch_decode(torch, *problem))
     kiln_gbs = nbytes / kiln_ms / 1e6
     return {"batch": batch, "ctx": ctx, "sq": sq, "page_size": page_size, "max_abs_error": error,
-            "queued": queued, "kiln_ms": kiln_ms, "kiln_split_only_ms": split_ms,
+            "queued": queued, "kiln_ms": kiln_ms, "kiln_fused_ms": fused_ms,
+            "kiln_two_kernel_ms": two_kernel_ms,
+            "kiln_split_only_ms": split_ms,
             "torch_ms": torch_ms,
             "host_us": host_us(lambda: decode_attention(*problem), repeat, calls),
             "split_host_us": host_us(lambda: decode(*problem), repeat, calls),
@@ -194,11 +200,14 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: Hq {HQ} / Hkv {HKV}, D {HEAD_DIM}, bf16, page "
           f"{args.page_size}; copy bandwidth {copy_gbs:.0f} GB/s; "
           f"{'GPU time only (queued)' if args.queued else 'back-to-back calls'}")
-    print(f"{'ctx':>6} {'batch':>5} {'Sq':>3} {'Kiln ms':>8} {'split ms':>8} {'torch ms':>8} "
+    print(f"{'ctx':>6} {'batch':>5} {'Sq':>3} {'Kiln ms':>8} {'fused ms':>8} {'2-kern ms':>9} "
+          f"{'split ms':>8} "
+          f"{'torch ms':>8} "
           f"{'Kiln GB/s':>9} {'torch GB/s':>10} {'/copy':>6} {'vs torch':>8} {'host us':>7} "
           f"{'split host us':>13}")
     for r in rows:
         print(f"{r['ctx']:>6} {r['batch']:>5} {r['sq']:>3} {r['kiln_ms']:8.3f} "
+              f"{r['kiln_fused_ms']:8.3f} {r['kiln_two_kernel_ms']:9.3f} "
               f"{r['kiln_split_only_ms']:8.3f} {r['torch_ms']:8.3f} {r['kiln_gbs']:9.0f} "
               f"{r['torch_gbs']:10.0f} {r['ratio_to_copy']:6.2f} {r['speedup_vs_torch']:8.2f} "
               f"{r['host_us']:7.1f} {r['split_host_us']:13.1f}")

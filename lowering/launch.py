@@ -156,6 +156,11 @@ class BoundLaunch:
         if self._after_launch is not None:
             self._after_launch()
 
+    def current_stream(self) -> int | None:
+        """The handle a call with ``stream=None`` would launch on (the current stream of the
+        example tensors' library); pass it back as ``stream=`` to launch there."""
+        return self._current_stream()
+
     def _thread_arguments(self):
         ident = threading.get_ident()
         arguments = self._other_threads.get(ident)

@@ -267,16 +267,16 @@ def test_decode_plans_miss_on_any_shape_or_dtype_change(monkeypatch):
     monkeypatch.setattr(decode_module, "_PLANS", {})
     rng = np.random.default_rng()
     inputs = _decode_inputs(rng)
-    first = decode_module._plan(*inputs, None, None, None, None, None, "interpret", None)
+    first = decode_module._plan(*inputs, None, None, None, None, None, "interpret", None, False)
     assert decode_module._plan(*_decode_inputs(rng), None, None, None, None, None,
-                               "interpret", None) is first
+                               "interpret", None, False) is first
     with pytest.raises(kiln.KilnTypeError, match="q must be bf16"):
         decode_module._plan(*_decode_inputs(rng, np.float16), None, None, None, None, None,
-                            "interpret", None)
+                            "interpret", None, False)
     q, k, v, table, _ = inputs
     with pytest.raises(kiln.KilnValueError, match="seq_lens"):
         decode_module._plan(q, k, v, table, np.array([100, 100], np.int32), None, None, None,
-                            None, None, "interpret", None)
+                            None, None, "interpret", None, False)
     assert len(decode_module._PLANS) == 1 and first.bound is None and first.merge is None
     # the one partials allocation: O, then LSE, then counts at a 16-byte boundary
     assert (first.lse_offset, first.counts_offset % 4) == (first.slots * 8 * 64, 0)
@@ -286,8 +286,9 @@ def test_decode_plans_miss_on_any_shape_or_dtype_change(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,sq", [(1, 1), (2, 4)])
 def test_bound_decode_attention_matches_decode_then_combine(batch, sq):
-    """decode_attention's bound pair (one partials allocation, combine plan reused) gives the
-    bits decode() + combine() give, for fresh inputs each call."""
+    """decode_attention's bound two-kernel pair (one partials allocation, combine plan
+    reused) gives the bits decode() + combine() give, for fresh inputs each call; its fused
+    kernel (the last split CTA combines) agrees to rounding."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -299,7 +300,8 @@ def test_bound_decode_attention_matches_decode_then_combine(batch, sq):
         table = torch.randperm(40, device="cuda")[:batch * 20].view(batch, 20).int()
         q = torch.randn(batch, sq, 16, 128, device="cuda", dtype=torch.bfloat16)
         seq_lens = torch.randint(sq, 20 * 64, (batch,), device="cuda", dtype=torch.int32)
-        o, lse = decode_attention(q, kc, vc, table, seq_lens)
+        o, lse = decode_attention(q, kc, vc, table, seq_lens, fused_combine=False)
+        o_fused, lse_fused = decode_attention(q, kc, vc, table, seq_lens, fused_combine=True)
         o_part, lse_part, counts = decode(q, kc, vc, table, seq_lens)
         assert o_part.untyped_storage().data_ptr() == counts.untyped_storage().data_ptr()
         o_want, lse_want = combine(o_part, lse_part, counts, max_splits=o_part.shape[0],
@@ -307,3 +309,5 @@ def test_bound_decode_attention_matches_decode_then_combine(batch, sq):
         assert not torch.isnan(o).any()
         torch.testing.assert_close(o, o_want, atol=0, rtol=0)
         torch.testing.assert_close(lse, lse_want, atol=0, rtol=0)
+        torch.testing.assert_close(o_fused.float(), o_want.float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(lse_fused, lse_want, atol=1e-5, rtol=1e-5)

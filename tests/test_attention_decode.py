@@ -1,5 +1,6 @@
 """Split-KV paged decode: the interpreter against a float64 numpy reference; GPU against torch."""
 
+import importlib
 import ml_dtypes
 import numpy as np
 import pytest
@@ -79,19 +80,27 @@ def _reference_splits(q, k_cache, v_cache, table, lens, num_splits, scale, sinks
     return o, lse, counts
 
 
-def _reference_attention(q, k_cache, v_cache, table, lens, scale):
-    B, Sq, Hq, _ = q.shape
+def _reference_attention(q, k_cache, v_cache, table, lens, scale, sinks=None):
+    """Float64 attention output ``[B, Sq, Hq, D]`` of every query row (causal in the cache)."""
+    return _reference_attention_lse(q, k_cache, v_cache, table, lens, scale, sinks)[0]
+
+
+def _reference_attention_lse(q, k_cache, v_cache, table, lens, scale, sinks=None):
+    """Float64 ``(O, LSE)`` of every query row; a row that sees no key has O = 0 and LSE
+    -inf (or the sink logit)."""
+    B, Sq, Hq, Dh = q.shape
     group = Hq // k_cache.shape[2]
-    out = np.zeros(q.shape)
+    out, lse = np.zeros(q.shape), np.zeros((B, Sq, Hq))
     for b in range(B):
         L = int(lens[b])
         keys, values = _gather(k_cache, table, b, L), _gather(v_cache, table, b, L)
         for i in range(Sq):
             for h in range(Hq):
-                visible = L - Sq + i + 1
-                out[b, i, h] = _partial(q[b, i, h].astype(np.float64), keys[:visible, h // group],
-                                        values[:visible, h // group], scale)[0]
-    return out
+                visible = max(L - Sq + i + 1, 0)
+                out[b, i, h], lse[b, i, h] = _partial(
+                    q[b, i, h].astype(np.float64), keys[:visible, h // group],
+                    values[:visible, h // group], scale, None if sinks is None else sinks[h])
+    return out, lse
 
 
 def _merge(o_part, lse_part, counts):
@@ -449,3 +458,118 @@ def test_decode_attention_combines_to_the_full_softmax():
     want = _reference_attention(q, kc, vc, table, seq_lens, D ** -0.5)
     np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2)
     assert np.isfinite(np.asarray(lse)).all()
+
+
+# --- decode_attention's fused kernel: the last split CTA of each row block combines
+
+BF16_OUT_TOL = dict(atol=1.5e-2, rtol=1e-2)  # O_TOL plus the bf16 rounding of the output
+
+
+def _check_attention(got, want):
+    (o, lse), (o_want, lse_want) = got, want
+    o, lse = np.asarray(o, np.float64), np.asarray(lse)
+    finite = np.isfinite(lse_want)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], lse_want[finite], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(o, o_want, **BF16_OUT_TOL)
+
+
+@pytest.mark.parametrize("page_size,group,sq,head_dim,sinks",
+                         [(1, 1, 1, 64, False), (16, 4, 4, 64, True), (64, 8, 1, 128, False),
+                          (16, 8, 4, 128, True)])
+def test_fused_decode_attention_matches_numpy(page_size, group, sq, head_dim, sinks):
+    """Ragged lengths (one sequence empty: O = 0, LSE = -inf or the sink) over 3 splits."""
+    from kiln.kernels.attention.decode import decode_attention
+
+    rng = np.random.default_rng()
+    hkv = 2 if group < 8 else 1
+    lens = [0 if sq == 1 else sq, int(rng.integers(2 * BN, 4 * BN))]
+    q, kc, vc, table, seq_lens, sink = _problem(rng, 2, sq, group * hkv, hkv, page_size, lens,
+                                                sinks=sinks, head_dim=head_dim)
+    got = decode_attention(q, kc, vc, table, seq_lens, num_splits=3, sinks=sink,
+                           backend="interpret", fused_combine=True)
+    _check_attention(got, _reference_attention_lse(q, kc, vc, table, seq_lens,
+                                                   head_dim ** -0.5, sink))
+
+
+def test_fused_and_two_kernel_decode_attention_agree():
+    from kiln.kernels.attention.decode import decode_attention
+
+    rng = np.random.default_rng()
+    q, kc, vc, table, seq_lens, _ = _problem(rng, 2, 2, 8, 2, 16, [3 * BN + 9, BN - 3])
+    fused = decode_attention(q, kc, vc, table, seq_lens, num_splits=4, backend="interpret",
+                             fused_combine=True)
+    separate = decode_attention(q, kc, vc, table, seq_lens, num_splits=4, backend="interpret",
+                                fused_combine=False)
+    np.testing.assert_allclose(np.asarray(fused[0], np.float32),
+                               np.asarray(separate[0], np.float32), atol=8e-3, rtol=8e-3)
+    np.testing.assert_allclose(fused[1], separate[1], rtol=1e-5, atol=1e-5)
+
+
+def test_fused_block_sparse_rows_that_select_nothing():
+    """Block-sparse slots merge in the last CTA too; a row with no block gets O = 0, LSE -inf."""
+    from kiln.kernels.attention.decode import decode_attention
+
+    rng = np.random.default_rng()
+    B, Sq, Hq, Hkv, top_k = 1, 2, 4, 2, 3
+    q, kc, vc, table, seq_lens, _ = _problem(rng, B, Sq, Hq, Hkv, 16, [3 * BN + 7])
+    blocks = np.full((B, Sq, Hkv, top_k), -1, np.int32)
+    blocks[0, 0, 0] = [2, 0, -1]
+    blocks[0, 1, 1] = [3, 1, 2]  # blocks[0, 0, 1] and blocks[0, 1, 0] select nothing
+    o, lse = decode_attention(q, kc, vc, table, seq_lens, block_table=blocks,
+                              backend="interpret", fused_combine=True)
+    parts = decode(q, kc, vc, table, seq_lens, block_table=blocks, backend="interpret")
+    want_o = _merge(*parts)
+    group = Hq // Hkv
+    for i, h in ((0, 2), (0, 3), (1, 0), (1, 1)):  # the empty (query, KV head) rows
+        assert lse[0, i, h] == -np.inf and (np.asarray(o[0, i, h], np.float32) == 0).all()
+        assert blocks[0, i, h // group].max() < 0
+    np.testing.assert_allclose(np.asarray(o, np.float64), want_o, **BF16_OUT_TOL)
+
+
+@pytest.mark.gpu
+def test_fused_decode_attention_on_the_gpu_repeats_on_two_streams():
+    """The fused kernel's ticket counters return to zero after every launch (a repeat that
+    found them dirty would merge too early) and are separate per stream; block-sparse rows
+    that select nothing give O = 0, LSE = -inf. Checked against the two-kernel path."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kiln.kernels.attention.decode import decode_attention
+
+    B, Sq, Hkv, group, page, Dh = 3, 4, 2, 8, 16, 128
+    lens = [4000, 77, 1500]
+    pages = -(-max(lens) // page)
+    kc = torch.randn(B * pages + 2, page, Hkv, Dh, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(B * pages + 2, device="cuda")[:B * pages].view(B, pages).int()
+    seq_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    blocks = torch.randint(0, 20, (B, Sq, Hkv, 4), device="cuda", dtype=torch.int32)
+    blocks[blocks >= torch.div(seq_lens, BN, rounding_mode="floor").view(B, 1, 1, 1)] = -1
+    blocks[0, 1] = -1  # a query token that selects nothing
+    side = torch.cuda.Stream()
+    for selection in (None, blocks):
+        for stream in (torch.cuda.current_stream(), side, side, torch.cuda.current_stream()):
+            q = torch.randn(B, Sq, Hkv * group, Dh, device="cuda", dtype=torch.bfloat16)
+            with torch.cuda.stream(stream):
+                want, want_lse = decode_attention(q, kc, vc, table, seq_lens,
+                                                  block_table=selection, fused_combine=False)
+                out, lse = decode_attention(q, kc, vc, table, seq_lens, block_table=selection,
+                                            fused_combine=True)
+            stream.synchronize()
+            torch.testing.assert_close(out.float(), want.float(), atol=1e-2, rtol=1e-2)
+            torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    assert (lse[0, 1] == -float("inf")).all() and (out[0, 1] == 0).all()
+
+
+def test_decode_attention_fuses_the_combine_only_for_small_merges(monkeypatch):
+    """Default: fused while the last CTA reads at most FUSED_COMBINE_MAX_BYTES of partials."""
+    decode_module = importlib.import_module("kiln.kernels.attention.decode")
+    monkeypatch.setattr(decode_module, "_PLANS", {})
+    rng = np.random.default_rng()
+    q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 4, 8, 1, 64, [4 * BN], head_dim=128)
+    plan = lambda splits, fused: decode_module._plan(  # noqa: E731
+        q, kc, vc, table, seq_lens, splits, None, None, None, None, "interpret", None, fused)
+    # 32 packed rows x 128 columns x 4 bytes = 16 KB a split
+    assert plan(4, None).fused and not plan(5, None).fused
+    assert plan(5, True).fused and not plan(4, False).fused

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -92,6 +92,13 @@ MAX_UNROLLED_PAGES = 1  # more pages per tile are looked up in a run-time loop, 
 # f32 accumulators (O and S) a lane may hold when warp groups widen its key slice: D=128
 # with 32 keys holds 80 (173 registers); D=64 with two m tiles and 32 keys held 96 (231).
 MAX_ACCUMULATORS = 80
+# 16-byte partial loads one thread of the fused combine keeps in flight (a chunk of splits).
+MAX_COMBINE_LOADS = 32
+# decode_attention merges in the split kernel's last CTA while that CTA reads at most this many
+# partial bytes. One SM reads them from L2: on an H200 at 64 KB (batch 1 Sq 1, 16 splits; batch
+# 4 Sq 4, 4 splits) that took ~2 us less than a combine kernel, at 256 KB (batch 1 Sq 4) 1-2 us
+# more.
+FUSED_COMBINE_MAX_BYTES = 64 * 1024
 MERGE_PAD = 8  # f32 padding of a merge row: 64-bit stores of 16 lanes hit 32 distinct banks
 # ldmatrix blocks (row, col offsets of 8x8 blocks) of two B fragments at once:
 # K stored key x depth (non-transposed): keys n0.. then n0+8.., each 16 deep.
@@ -223,6 +230,16 @@ class _Shape:
     swizzle_bytes = property(lambda self: 128 if self.eff >= SWIZZLED_MIN_PAGE else 0)
     tile_bytes = property(lambda self: 2 * self.config.block_n * self.head_dim * 2)  # K and V
     merge_row = property(lambda self: self.head_dim + MERGE_PAD)
+    # Fused combine: the rows of a CTA that exist (not the m16 padding), each merged by
+    # combine_threads_per_row threads (a power of two) of combine_width columns (>= 4).
+    combine_rows = property(lambda self: min(self.rows, self.packed))
+
+    @property
+    def combine_threads_per_row(self) -> int:
+        fit = self.threads // self.combine_rows
+        return min(1 << (fit.bit_length() - 1), self.head_dim // 4)
+
+    combine_width = property(lambda self: self.head_dim // self.combine_threads_per_row)
 
     @property
     def merge_floats(self) -> int:
@@ -247,9 +264,11 @@ class _Shape:
 
 @functools.lru_cache(maxsize=None)
 def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sparse: bool,
-                has_sinks: bool, config: DecodeConfig = DecodeConfig()):
+                has_sinks: bool, config: DecodeConfig = DecodeConfig(), fused_slots: int = 0):
     """The ``@kiln.kernel`` for one shape class: ``q_rows`` query tokens per CTA (``Sq``, or 1
-    when block-sparse) times ``group`` query heads per KV head."""
+    when block-sparse) times ``group`` query heads per KV head. ``fused_slots > 0``: the
+    grid has that many splits and the last CTA of each (batch, KV head, row block) to finish
+    merges them all into ``o_out`` / ``lse_out`` (see :func:`_combine_if_last`)."""
     config.check_rows(q_rows * group, head_dim)
     shape = _Shape(head_dim, group, q_rows, page_size, config)
     D, S = head_dim, config.stages
@@ -261,8 +280,9 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                      page_table: kiln.Tensor[kiln.i32, 2], seq_lens: kiln.Tensor[kiln.i32, 1],
                      block_table: kiln.Tensor[kiln.i32, 4], sinks: kiln.Tensor[kiln.f32, 1],
                      o_part: kiln.Tensor[kiln.f32, 5], lse_part: kiln.Tensor[kiln.f32, 4],
-                     counts: kiln.Tensor[kiln.i32, 3], num_splits: kiln.i32,
-                     scale_log2: kiln.f32):
+                     counts: kiln.Tensor[kiln.i32, 3], o_out: kiln.Tensor[kiln.bf16, 4],
+                     lse_out: kiln.Tensor[kiln.f32, 3], tickets: kiln.Tensor[kiln.i32, 2],
+                     num_splits: kiln.i32, scale_log2: kiln.f32):
         ring = dynamic_shared((shape.ring_elems,), kiln.bf16, align=1024)
         slots = ring.reinterpret((2 * S * shape.halves * shape.pages, shape.eff, HALF),
                                 kiln.bf16)
@@ -322,6 +342,11 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
         o = [[kiln.vector_constant([0.0] * 4, kiln.f32) for _ in range(D // 8)]
              for _ in range(MT)]
 
+        # Page look-ups go out before anything waits on them: the prologue's S here, beside
+        # Q's loads, and in the loop the next tile's before its stage is free, so their
+        # latency overlaps the TMA's instead of adding to it.
+        first_rows = [_tile_rows(shape.rows_params, page_table, b, tile_begin + t, seq_len)
+                      for t in range(S)]
         for it in kiln.range(0, num_tiles):
             stage = it % S
             # The first tiles load inside the loop, so every TMA is followed by a wait on its
@@ -329,18 +354,26 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
             # of fixed parity after the loop would hang a CTA whose stage 0 completed an even
             # number of phases, none included).
             if (it == 0) & (warp == 0):
-                for t in kiln.static_range(S - 1):
-                    if t < num_tiles:
-                        _load_tile(shape.rows_params, page_table, b, tile_begin + t, seq_len,
-                                   k_map, v_map, slots, full, t, kv_head * D, producer, shape)
+                if shape.pages > MAX_UNROLLED_PAGES:  # one copy of the look-up loop
+                    for t in kiln.range(0, kiln.minimum(num_tiles, S)):
+                        _load_tile(shape.rows_params, None, page_table, b, tile_begin + t,
+                                   seq_len, k_map, v_map, slots, full, t, kv_head * D,
+                                   producer, shape)
+                else:
+                    for t in kiln.static_range(S):
+                        if t < num_tiles:
+                            _load_tile(shape.rows_params, first_rows[t], page_table, b,
+                                       tile_begin + t, seq_len, k_map, v_map, slots, full, t,
+                                       kv_head * D, producer, shape)
             ahead = it + S - 1
-            if ahead < num_tiles:
+            if (it > 0) & (ahead < num_tiles):
                 if warp == 0:  # warp-uniform: the whole producer warp waits, one lane issues
-                    if it > 0:
-                        empty.try_wait(ahead % S, ((it - 1) // S) % 2)
-                    _load_tile(shape.rows_params, page_table, b, tile_begin + ahead, seq_len,
-                               k_map, v_map, slots, full, ahead % S, kv_head * D, producer,
-                               shape)
+                    rows = _tile_rows(shape.rows_params, page_table, b, tile_begin + ahead,
+                                      seq_len)
+                    empty.try_wait(ahead % S, ((it - 1) // S) % 2)
+                    _load_tile(shape.rows_params, rows, page_table, b, tile_begin + ahead,
+                               seq_len, k_map, v_map, slots, full, ahead % S, kv_head * D,
+                               producer, shape)
             full.try_wait(stage, (it // S) % 2)
             key0 = (tile_begin + it) * config.block_n
             kv_row = stage * 2 * config.block_n + key_slice * shape.keys
@@ -361,10 +394,14 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
         _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, split, b,
                          q_first, kv_head, row0, tid, seq_len, seq_q, tiles_per_split, shape,
                          block_sparse, has_sinks)
+        if fused_slots:
+            last = kiln.shared((1,), kiln.i32)
+            _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, last, b, q_first,
+                             kv_head, row0, tid, shape, fused_slots)
 
     paged_decode.__name__ = paged_decode.__qualname__ = (
         f"paged_decode_d{D}_g{group}_q{q_rows}_p{page_size}{'_sparse' if block_sparse else ''}"
-        f"{'_sinks' if has_sinks else ''}")
+        f"{'_sinks' if has_sinks else ''}{f'_fused{fused_slots}' if fused_slots else ''}")
     return kiln.kernel(paged_decode)
 
 
@@ -395,11 +432,22 @@ def _load_q_fragments(q, b, q_first, kv_head, warp_row0, lane, shape):
     return frags
 
 
+def _tile_rows(rows_params, page_table, b, tile, seq_len):
+    """The :class:`PagedRowIndices` of tile ``tile`` (its page-table loads), or None where
+    the tile has more pages than are unrolled (:func:`_load_tile` looks those up itself).
+    A tile past the sequence reads the last page's entry and maps to out-of-bounds rows."""
+    Rows = PagedRowIndices[rows_params]
+    if Rows.num_pages > MAX_UNROLLED_PAGES:
+        return None
+    return Rows.populate(PageTableRow(page_table, b), tile * Rows.BN, seq_len)
+
+
 @kiln.func
-def _load_tile(rows_params, page_table, b, tile, seq_len, k_map, v_map, slots, full, stage,
-               column, producer, shape):
-    """Look up tile ``tile``'s pages and TMA K and V into ring ``stage``: one box per page and
-    64-column half, slot ``((stage * 2 + kv) * halves + half) * pages + page``.
+def _load_tile(rows_params, rows, page_table, b, tile, seq_len, k_map, v_map, slots, full,
+               stage, column, producer, shape):
+    """TMA tile ``tile``'s K and V into ring ``stage`` from its looked-up ``rows`` (see
+    :func:`_tile_rows`; None: look the pages up here): one box per page and 64-column half,
+    slot ``((stage * 2 + kv) * halves + half) * pages + page``.
     ``rows_params`` is ``(BN, page_size)``: a struct class cannot be captured by a traced if."""
     Rows = PagedRowIndices[rows_params]
     full.arrive_expect_tx(stage, shape.tile_bytes, predicate=producer)
@@ -418,7 +466,6 @@ def _load_tile(rows_params, page_table, b, tile, seq_len, k_map, v_map, slots, f
                     kiln.tma.load(v_map if kv else k_map, slots.tile(first + p),
                                   (column + h * HALF, row), full, stage, predicate=producer)
         return
-    rows = Rows.populate(PageTableRow(page_table, b), tile * Rows.BN, seq_len)
     for h in kiln.static_range(shape.halves):
         rows.tma_copy_k(k_map, slots, full, stage, column=column + h * HALF, elect=producer,
                         needs_partial=False,
@@ -581,6 +628,65 @@ def _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, spli
 
 
 @kiln.func
+def _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, last, b, q_first, kv_head, row0,
+                     tid, shape, slots):
+    """Take a ticket for this CTA's (batch, KV head, row block) after its partials are
+    stored; the CTA that draws the last one merges all ``slots`` splits of its rows into
+    ``o_out`` / ``lse_out`` (what :func:`kiln.kernels.attention.combine` computes, with every
+    slot read: a split that saw no key has LSE ``-inf`` and weight 0) and resets the ticket
+    counter for the next launch.
+
+    Ordering (CUTLASS's split-K semaphore pattern): the CTA barrier puts every thread's
+    partial stores before thread 0's gpu-scope fence and ticket; in the last CTA thread 0
+    fences again after the ticket (acquire), and the second barrier orders its threads'
+    reads of the other splits' partials (just written, so from L2) after that. Each of
+    ``per_row`` threads of a row takes ``width`` columns; its loads of a chunk of splits are
+    independent, so up to ``MAX_COMBINE_LOADS`` 16-byte loads a thread are in flight."""
+    cta = (kiln.block_id(2), kiln.block_id(1))
+    kiln.barrier()
+    if tid == 0:
+        kiln.fence("gpu")
+        ticket = tickets.atomic_add(cta[0], cta[1], 1)
+        is_last = ticket == slots - 1
+        last[0] = kiln.where(is_last, 1, 0)
+        if is_last:
+            kiln.fence("gpu")
+            tickets[cta[0], cta[1]] = 0
+    kiln.barrier()
+    per_row, width = shape.combine_threads_per_row, shape.combine_width
+    r = tid // per_row
+    c0 = (tid % per_row) * width
+    row = row0 + r
+    if (last[0] == 1) & (r < shape.combine_rows) & (row < shape.packed):
+        q_index = q_first + row // shape.group
+        head = kv_head * shape.group + row % shape.group
+        m = lse_part[0, b, q_index, head]
+        for s in kiln.static_range(1, slots):
+            m = kiln.maximum(m, lse_part[s, b, q_index, head])
+        m_safe = kiln.where(m == -math.inf, 0.0, m)  # every split empty: no -inf - -inf
+        total = kiln.cast(0.0, kiln.f32)
+        acc = [kiln.vector_constant([0.0] * 4, kiln.f32) for _ in range(width // 4)]
+        chunk = max(1, MAX_COMBINE_LOADS // (width // 4))
+        for first in kiln.static_range(0, slots, chunk):
+            splits = range(first, min(first + chunk, slots))
+            lses = [lse_part[s, b, q_index, head] for s in splits]
+            parts = [[o_part.load(s, b, q_index, head, c0 + c, width=4, align=16)
+                      for c in range(0, width, 4)] for s in splits]
+            for x, vectors in zip(lses, parts):
+                w = kiln.exp2((x - m_safe) * LOG2E)
+                total = total + w
+                acc = [a + v * w for a, v in zip(acc, vectors)]
+        valid = (total > 0.0) & (total < math.inf)
+        inv = kiln.where(valid, 1.0 / kiln.maximum(total, 1e-30), 0.0)
+        for k in kiln.static_range(width // 4):
+            o_out.store(b, q_index, head, c0 + 4 * k, kiln.cast(acc[k] * inv, kiln.bf16),
+                        align=8)
+        if tid % per_row == 0:
+            lse_out[b, q_index, head] = kiln.where(
+                valid, m_safe + kiln.log2(kiln.maximum(total, 1e-30)) * LN2, -math.inf)
+
+
+@kiln.func
 def _split_count(block_table, b, q_index, kv_head, visible_keys, tiles_per_split, BN,
                  block_sparse):
     """Partial slots holding keys for a row: its selected blocks (``-1`` padded), or the
@@ -622,51 +728,56 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
         o, lse = kiln.kernels.attention.combine(o_part, lse_part, counts)
     """
     plan = _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
-                 sinks, target, backend, config)
+                 sinks, target, backend, config, fused=False)
     if plan.bound is not None and _bindable(plan, q, k_cache, v_cache, page_table, seq_lens,
                                             block_table, sinks):
         partials = plan.torch_partials()
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                    block_table, sinks), *(p.data_ptr() for p in partials))
+                                    block_table, sinks), *(p.data_ptr() for p in partials),
+                   *(t.data_ptr() for t in plan.no_outputs))
         return partials
-    _check_devices(q, k_cache=k_cache, v_cache=v_cache, page_table=page_table,
-                   seq_lens=seq_lens, block_table=block_table, sinks=sinks)
-    lib = _ArrayLib(q)
-    o_part, lse_part, counts = plan.torch_partials() if lib.torch else plan.numpy_partials()
-    args = [q, lib.rows(k_cache, plan.cache_rows, plan.cache_cols),
-            lib.rows(v_cache, plan.cache_rows, plan.cache_cols), page_table, seq_lens,
-            block_table if block_table is not None else plan.no_block_table,
-            sinks if sinks is not None else plan.no_sinks,
-            o_part, lse_part, counts, plan.slots, plan.scale_log2]
-    if backend == "interpret":
-        from kiln.lowering.interpret import interpret_kernel
-
-        numpy_args = [lib.numpy(a) for a in args]
-        traced = plan.kernel.trace(*numpy_args, target=plan.chip.name, num_warps=plan.num_warps)
-        interpret_kernel(traced, plan.grid, numpy_args, plan.chip)
-        return tuple(lib.like(numpy_args[i], args[i]) for i in (7, 8, 9))
-    # numpy arrays (copied per launch) and non-contiguous torch tensors (strides read per call)
-    plan.kernel[plan.grid](*args, target=plan.chip.name, num_warps=plan.num_warps)
-    return o_part, lse_part, counts
+    return _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
+                        backend)
 
 
 def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None,
                      block_table=None, scale=None, sinks=None, target=None, backend=None,
-                     config=None):
-    """:func:`decode` followed by :func:`kiln.kernels.attention.combine`: the attention output
+                     config=None, fused_combine=None):
+    """Split-KV decode attention with the splits merged: the attention output
     ``[B, Sq, Hq, D]`` (bf16) and its natural-log LSE ``[B, Sq, Hq]`` (f32). Same keywords as
     :func:`decode`.
 
-    With contiguous torch CUDA tensors a repeat call of one shape class is two bound launches
-    and three allocations (the partials, freed to torch's stream-ordered allocator once both
-    launches are queued, and the returned ``o`` and ``lse``), and it can be captured in a CUDA
-    graph (``torch.cuda.graph``) and replayed with no host work per step.
+    ``fused_combine=True``: one kernel. Each split CTA stores its partials and takes a ticket
+    (a gpu-scope atomic counter per batch, KV head and row block); the CTA that draws the
+    last ticket merges the splits of its rows as :func:`kiln.kernels.attention.combine`
+    would, saving the combine's launch. ``False``: :func:`decode`, then ``combine`` (two
+    kernels, the merge spread over many CTAs). ``None`` (default): fused while one CTA
+    merges at most ``FUSED_COMBINE_MAX_BYTES`` of partials (e.g. Sq 1 at batch 1).
+
+    With contiguous torch CUDA tensors a repeat call of one shape class is one bound launch
+    and three allocations (the partials, freed to torch's stream-ordered allocator once the
+    launch is queued, and the returned ``o`` and ``lse``), and it can be captured in a CUDA
+    graph (``torch.cuda.graph``) and replayed with no host work per step. The ticket counters
+    are kept per plan and per stream, zero between launches.
     Example: ``o, lse = decode_attention(q, k_cache, v_cache, page_table, seq_lens)``.
     """
     plan = _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
-                 sinks, target, backend, config)
-    if plan.merge is not None and _bindable(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                            block_table, sinks):
+                 sinks, target, backend, config, fused=fused_combine)
+    bindable = plan.bound is not None and _bindable(plan, q, k_cache, v_cache, page_table,
+                                                    seq_lens, block_table, sinks)
+    if bindable and plan.fused:
+        import torch
+
+        partials = torch.empty(plan.partial_words, dtype=torch.float32, device=plan.device)
+        o_part = partials.data_ptr()
+        o, lse = plan.outputs(on_device=True)
+        stream = plan.bound.current_stream()
+        plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
+                                    block_table, sinks), o_part, o_part + plan.lse_offset * 4,
+                   o_part + plan.counts_offset * 4, o.data_ptr(), lse.data_ptr(),
+                   plan.torch_tickets(stream).data_ptr(), stream=stream)
+        return o, lse
+    if bindable and plan.merge is not None:
         import torch
 
         partials = torch.empty(plan.partial_words, dtype=torch.float32, device=plan.device)
@@ -674,9 +785,13 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
         lse_part, counts = o_part + plan.lse_offset * 4, o_part + plan.counts_offset * 4
         o, lse = plan.merge.new_outputs()
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                    block_table, sinks), o_part, lse_part, counts)
+                                    block_table, sinks), o_part, lse_part, counts,
+                   *(t.data_ptr() for t in plan.no_outputs))
         plan.merge.bound(o_part, lse_part, counts, o.data_ptr(), lse.data_ptr())
         return o, lse
+    if plan.fused:
+        return _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
+                            backend)
     from .combine import combine
 
     o_part, lse_part, counts = decode(q, k_cache, v_cache, page_table, seq_lens,
@@ -686,6 +801,37 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     slots = o_part.shape[0]
     return combine(o_part, lse_part, counts, max_splits=slots, partials=decode_partials(slots),
                    target=target, backend="interpret" if backend == "interpret" else None)
+
+
+def _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, backend):
+    """The launch (or interpretation) of ``plan`` through the general path: numpy inputs,
+    the interpreter, or torch tensors the bound launch cannot take. Returns the partials,
+    or ``(o, lse)`` for a fused plan."""
+    _check_devices(q, k_cache=k_cache, v_cache=v_cache, page_table=page_table,
+                   seq_lens=seq_lens, block_table=block_table, sinks=sinks)
+    lib = _ArrayLib(q)
+    o_part, lse_part, counts = plan.torch_partials() if lib.torch else plan.numpy_partials()
+    if plan.fused:
+        o, lse = plan.outputs(lib.torch)
+        outputs = [o, lse, lib.full(plan.grid_cells, 0, "i32")]
+    else:
+        outputs = list(plan.no_outputs)
+    args = [q, lib.rows(k_cache, plan.cache_rows, plan.cache_cols),
+            lib.rows(v_cache, plan.cache_rows, plan.cache_cols), page_table, seq_lens,
+            block_table if block_table is not None else plan.no_block_table,
+            sinks if sinks is not None else plan.no_sinks,
+            o_part, lse_part, counts, *outputs, plan.slots, plan.scale_log2]
+    results = (10, 11) if plan.fused else (7, 8, 9)
+    if backend == "interpret":
+        from kiln.lowering.interpret import interpret_kernel
+
+        numpy_args = [lib.numpy(a) for a in args]
+        traced = plan.kernel.trace(*numpy_args, target=plan.chip.name, num_warps=plan.num_warps)
+        interpret_kernel(traced, plan.grid, numpy_args, plan.chip)
+        return tuple(lib.like(numpy_args[i], args[i]) for i in results)
+    # numpy arrays (copied per launch) and non-contiguous torch tensors (strides read per call)
+    plan.kernel[plan.grid](*args, target=plan.chip.name, num_warps=plan.num_warps)
+    return tuple(args[i] for i in results)
 
 
 def _bindable(plan, *tensors) -> bool:
@@ -729,11 +875,41 @@ class _DecodePlan:
     scale_log2: float
     no_block_table: object  # placeholders read by no kernel that lacks the feature
     no_sinks: object
+    no_outputs: tuple  # (o_out, lse_out, tickets) of a kernel that does not combine
+    fused: bool = False  # decode_attention's kernel: the last split CTA combines
     device: object = None  # torch device of q, or None for numpy
     # kiln.lowering.launch.bind_launch of the first contiguous torch call: a repeat call only
     # writes ten addresses into a prepared argument block.
     bound: object = None
     merge: object = None  # the combine plan (bound) for these partials, bound with `bound`
+    # Fused torch plans: the zeroed ticket counters per stream handle. Each launch leaves
+    # them zero again; calls on one stream are ordered, calls on two use two counter sets.
+    tickets: dict = field(default_factory=dict)
+
+    @property
+    def grid_cells(self) -> tuple[int, int]:
+        """Shape of the ticket counters: one per (grid z, grid y)."""
+        return self.grid[2], self.grid[1]
+
+    def torch_tickets(self, stream: int | None):
+        counters = self.tickets.get(stream)
+        if counters is None:
+            import torch
+
+            counters = self.tickets[stream] = torch.zeros(self.grid_cells, dtype=torch.int32,
+                                                          device=self.device)
+        return counters
+
+    def outputs(self, on_device: bool):
+        """Fresh ``(o, lse)`` of a fused call: bf16 ``[B, Sq, Hq, D]`` and f32 ``[B, Sq, Hq]``
+        (numpy: NaN-poisoned, so an element the kernel missed shows)."""
+        shape = self.partial_shape[1:]
+        if on_device:
+            import torch
+
+            return (torch.empty(shape, dtype=torch.bfloat16, device=self.device),
+                    torch.empty(shape[:3], dtype=torch.float32, device=self.device))
+        return (np.full(shape, np.nan, kiln.bf16.numpy), np.full(shape[:3], np.nan, np.float32))
 
     @property
     def lse_offset(self) -> int:
@@ -775,7 +951,7 @@ _PLANS: dict[tuple, _DecodePlan] = {}
 
 
 def _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale, sinks,
-          target, backend, config) -> _DecodePlan:
+          target, backend, config, fused) -> _DecodePlan:
     """The cached plan of this call's shape class. The key reads each tensor's shape and dtype
     (any change is a new plan: the bound launch assumes them) and q's device."""
     try:
@@ -784,14 +960,14 @@ def _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, sc
                seq_lens.shape, seq_lens.dtype,
                None if block_table is None else (block_table.shape, block_table.dtype),
                None if sinks is None else (sinks.shape, sinks.dtype),
-               num_splits, scale, target, backend, config)
+               num_splits, scale, target, backend, config, fused)
         plan = _PLANS.get(key)
     except (TypeError, AttributeError):  # unhashable or not an array: validation reports it
         key, plan = None, None
     fresh = plan is None
     if fresh:
         plan = _make_plan(_ArrayLib(q), q, k_cache, v_cache, page_table, seq_lens, num_splits,
-                          block_table, scale, sinks, target, backend, config)
+                          block_table, scale, sinks, target, backend, config, fused)
     if plan.bound is None and plan.device is not None and backend != "interpret" and \
             _bindable(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
         plan, fresh = _bind(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
@@ -804,18 +980,22 @@ def _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, sc
 def _bind(plan: _DecodePlan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
           target) -> _DecodePlan:
     """``plan`` with its decode launch bound to these contiguous torch tensors' layouts, and
-    the bound combine plan of its partials."""
+    (unless the kernel combines itself) the bound combine plan of its partials."""
     from kiln.lowering.launch import bind_launch
 
     from .combine import plan_combine
 
     partials = plan.torch_partials()
+    outputs = (*plan.outputs(on_device=True), plan.torch_tickets(None)) if plan.fused \
+        else plan.no_outputs
     args = [q, k_cache.reshape(plan.cache_rows, plan.cache_cols),
             v_cache.reshape(plan.cache_rows, plan.cache_cols), page_table, seq_lens,
             block_table if block_table is not None else plan.no_block_table,
-            sinks if sinks is not None else plan.no_sinks, *partials, plan.slots,
+            sinks if sinks is not None else plan.no_sinks, *partials, *outputs, plan.slots,
             plan.scale_log2]
     ck = plan.kernel.compile(*args, target=plan.chip.name, num_warps=plan.num_warps)
+    if plan.fused:
+        return replace(plan, bound=bind_launch(ck, plan.grid, args))
     merge = plan_combine(*partials, max_splits=plan.slots, partials=decode_partials(plan.slots),
                          target=target)
     return replace(plan, bound=bind_launch(ck, plan.grid, args),
@@ -823,7 +1003,7 @@ def _bind(plan: _DecodePlan, q, k_cache, v_cache, page_table, seq_lens, block_ta
 
 
 def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
-               sinks, target, backend, config) -> _DecodePlan:
+               sinks, target, backend, config, fused) -> _DecodePlan:
     B, Sq, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks)
@@ -845,8 +1025,11 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
     if backend not in (None, "gpu", "interpret"):
         raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
                                   fix="leave backend=None to run on the GPU")
+    if fused is None:
+        rows = _Shape(D, group, q_rows, page_size, config).combine_rows
+        fused = slots * rows * D * 4 <= FUSED_COMBINE_MAX_BYTES
     kernel = make_kernel(D, group, q_rows, page_size, block_table is not None,
-                         sinks is not None, config)
+                         sinks is not None, config, int(slots) if fused else 0)
     return _DecodePlan(kernel=kernel, chip=_target(target), grid=grid,
                        num_warps=config.num_warps, slots=int(slots),
                        partial_shape=(slots, B, Sq, Hq, D), cache_rows=num_pages * page_size,
@@ -854,14 +1037,17 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
                        scale_log2=float((D ** -0.5 if scale is None else scale) * LOG2E),
                        no_block_table=lib.full((1, 1, 1, 1), -1, "i32"),
                        no_sinks=lib.full((1,), 0.0, "f32"),
-                       device=lib.device if lib.torch else None)
+                       no_outputs=(lib.full((1, 1, 1, 1), 0.0, "bf16"),
+                                   lib.full((1, 1, 1), 0.0, "f32"), lib.full((1, 1), 0, "i32")),
+                       fused=bool(fused), device=lib.device if lib.torch else None)
 
 
 def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_size=64,
-                   block_sparse=False, sinks=False, config=None):
+                   block_sparse=False, sinks=False, config=None, fused_slots=0):
     """Compile (without running) the decode kernel of one shape class (``config`` None: the
-    :func:`default_config` :func:`decode` would use); returns the ``CompiledKernel`` (``.asm``
-    stages, ``.metadata``).
+    :func:`default_config` :func:`decode` would use; ``fused_slots``: the kernel of
+    :func:`decode_attention` that merges that many splits itself); returns the
+    ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
     Example: ``compile_decode(target="sm_90a", page_size=16, sq=4).metadata["registers"]``."""
     if kiln.dtype(dtype) is not kiln.bf16:
         raise kiln.UnsupportedError(f"paged decode reads bf16 caches, not {kiln.dtype(dtype)}",
@@ -876,8 +1062,10 @@ def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_si
             np.zeros((rows, hkv * head_dim), bf16), np.zeros((1, 2), np.int32),
             np.zeros(1, np.int32), np.zeros((1, sq, hkv, 1), np.int32), np.zeros(1, np.float32),
             np.zeros((1, 1, sq, hq, head_dim), np.float32), np.zeros((1, 1, sq, hq), np.float32),
-            np.zeros((1, sq, hq), np.int32), 1, 0.1]
-    kernel = make_kernel(head_dim, group, q_rows, page_size, block_sparse, sinks, config)
+            np.zeros((1, sq, hq), np.int32), np.zeros((1, sq, hq, head_dim), bf16),
+            np.zeros((1, sq, hq), np.float32), np.zeros((1, 1), np.int32), 1, 0.1]
+    kernel = make_kernel(head_dim, group, q_rows, page_size, block_sparse, sinks, config,
+                         fused_slots)
     return kernel.compile(*args, target=chip.name, num_warps=config.num_warps)
 
 
@@ -939,7 +1127,8 @@ class _ArrayLib:
         if self.torch:
             import torch
 
-            torch_dtype = {"f32": torch.float32, "i32": torch.int32}[dtype]
+            torch_dtype = {"f32": torch.float32, "i32": torch.int32,
+                           "bf16": torch.bfloat16}[dtype]
             return torch.full(shape, value, dtype=torch_dtype, device=self.device)
         return np.full(shape, value, kiln.dtype(dtype).numpy)
 
