@@ -547,15 +547,17 @@ def test_fused_decode_attention_on_the_gpu_repeats_on_two_streams():
     blocks = torch.randint(0, 20, (B, Sq, Hkv, 4), device="cuda", dtype=torch.int32)
     blocks[blocks >= torch.div(seq_lens, BN, rounding_mode="floor").view(B, 1, 1, 1)] = -1
     blocks[0, 1] = -1  # a query token that selects nothing
+    blocks = blocks.sort(dim=-1, descending=True).values  # -1 padding at the end (the contract)
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the caches and tables above
     for selection in (None, blocks):
         for stream in (torch.cuda.current_stream(), side, side, torch.cuda.current_stream()):
-            q = torch.randn(B, Sq, Hkv * group, Dh, device="cuda", dtype=torch.bfloat16)
-            with torch.cuda.stream(stream):
-                want, want_lse = decode_attention(q, kc, vc, table, seq_lens,
-                                                  block_table=selection, fused_combine=False)
+            with torch.cuda.stream(stream):  # q made on the stream that reads it
+                q = torch.randn(B, Sq, Hkv * group, Dh, device="cuda", dtype=torch.bfloat16)
                 out, lse = decode_attention(q, kc, vc, table, seq_lens, block_table=selection,
                                             fused_combine=True)
+                want, want_lse = decode_attention(q, kc, vc, table, seq_lens,
+                                                  block_table=selection, fused_combine=False)
             stream.synchronize()
             torch.testing.assert_close(out.float(), want.float(), atol=1e-2, rtol=1e-2)
             torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)

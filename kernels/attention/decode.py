@@ -29,12 +29,13 @@ its pages in L2 (``DecodeConfig.warp_groups`` stops widening where O and S would
 | phase | who | what |
 | --- | --- | --- |
 | load q | each lane | its A fragments of its group's packed q rows, straight from global memory into registers (zero padding rows) |
-| load | warp 0, one elected lane issues | tile ``t + stages - 1``: wait ``empty[s]`` (tile ``t - 1`` released by every thread), ``PagedRowIndices.populate``, one TMA per page and 64-column half of K and V (128-byte swizzled boxes) completing on ``full[s]`` |
+| load | warp 0, one elected lane issues | tile ``t + stages - 1``: ``PagedRowIndices.populate`` (the page look-up, before the wait; the prologue's ``stages`` tiles are looked up together), wait ``empty[s]`` (tile ``t - 1`` released by every thread), one TMA per page and 64-column half of K and V (128-byte swizzled boxes) completing on ``full[s]`` |
 | scores | each warp | its key slice: ``S = Q K^T`` with ``mma.sync`` m16n8k16: Q A-fragments of its group's m tiles (kept in registers), K B-fragments (``ldmatrix.x4``) |
 | softmax | each warp | base-2 streaming update, ``scale * log2 e`` applied to S in f32; row max over the 4 lanes of a row, row sums kept per lane until the end |
 | P·V | each warp | P's accumulators, cast to bf16, are the A fragments (two n8 accumulators = one k16 A); V B-fragments by ``ldmatrix.x4.trans`` |
 | release | every thread | arrive on ``empty[s]`` |
 | merge | all | per row, the ``(m, l, O)`` of its group's warps through shared memory (the ring reused as f32), then ``O / l``, ``LSE = (m + log2 l) * ln 2`` (sinks join here); split 0 writes ``split_counts`` |
+| combine (fused kernel of :func:`decode_attention` only) | all | thread 0 takes a ticket of the (batch, KV head, row block); in the CTA that draws the last one, ``combine_threads_per_row`` threads a row merge every split's partial from L2 into ``o`` (bf16) and ``lse`` |
 
 Shared memory: a ring of ``stages`` K/V tiles; tile rows are stored as 64-column halves, each
 ``BN x 64`` bf16 with 128-byte rows, so a TMA box of ``eff_page x 64`` lands at a multiple of
@@ -53,7 +54,8 @@ padded at the end): slot ``j`` of row ``(b, i, kv head)`` is the partial over bl
 row that selects nothing has ``C = 0`` (combine returns ``O = 0``, ``LSE = -inf``).
 
 Synchronisation: the only CTA-wide barriers are at top level (after initialising the
-mbarriers; before and after the merge). ``elect_sync`` runs once, converged, before any
+mbarriers; before and after the merge; around the fused kernel's ticket, with gpu-scope fences
+on both sides of the atomic, see :func:`_combine_if_last`). ``elect_sync`` runs once, converged, before any
 branch. The K/V ring is a full/empty mbarrier pair per stage: ``full[s]`` is re-armed only
 after every thread arrived on ``empty[s]`` for the tile it held, and those arrivals come after
 each thread's wait on ``full[s]``, so no phase is reused while a waiter may still be on it.
@@ -783,7 +785,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
         partials = torch.empty(plan.partial_words, dtype=torch.float32, device=plan.device)
         o_part = partials.data_ptr()
         lse_part, counts = o_part + plan.lse_offset * 4, o_part + plan.counts_offset * 4
-        o, lse = plan.merge.new_outputs()
+        o, lse = plan.merge.new_outputs(partials)
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
                                     block_table, sinks), o_part, lse_part, counts,
                    *(t.data_ptr() for t in plan.no_outputs))
