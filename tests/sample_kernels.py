@@ -1,5 +1,7 @@
 """Small kernels shared by the compile, GPU and interpreter tests (one definition each)."""
 
+import numpy as np
+
 import kiln
 from kiln import bf16, f32, i32
 
@@ -85,3 +87,37 @@ def take_tickets(counter: kiln.Tensor[i32, 1], tickets: kiln.Tensor[i32, 1],
         tickets[i] = counter.atomic_add(0, 1)
         swapped[i] = counter.atomic_exchange(1, i)
         low.atomic_min(0, x[i])
+
+
+def split_sum_problem(rng, n):
+    """``(ctas, args, (sum, max))`` of ``split_sum`` over ``n`` random elements in blocks of
+    128: the partials and ticket counter zeroed, ``out`` poisoned / -inf."""
+    x = rng.standard_normal(n).astype(np.float32)
+    ctas = -(-n // 128)
+    args = (x, np.zeros(ctas, np.float32), np.zeros(1, np.int32),
+            np.array([np.nan, -np.inf], np.float32))
+    return ctas, args, (x.astype(np.float64).sum(), x.max())
+
+
+def check_split_sum(args, expected):
+    x, _, tickets, out = args
+    bound = x.size * np.finfo(np.float32).eps * np.abs(x).sum()  # f32 sums, any order
+    np.testing.assert_allclose(out[0], expected[0], rtol=0, atol=bound)
+    assert out[1] == expected[1]
+    assert tickets[0] == 0  # the last CTA reset the counter
+
+
+def take_tickets_problem(rng, n):
+    """Arguments of ``take_tickets`` for ``n`` threads (counter starting at 5, outputs -7)."""
+    x = rng.standard_normal(n).astype(np.float32)
+    return (np.array([5, -1], np.int32), np.full(n, -7, np.int32), np.full(n, -7, np.int32),
+            np.array([np.inf], np.float32), x, n)
+
+
+def check_take_tickets(args):
+    counter, tickets, swapped, low, x, n = args
+    np.testing.assert_array_equal(np.sort(tickets), 5 + np.arange(n))
+    assert counter[0] == 5 + n
+    # Every value swapped in is seen once, by the next swap or as the final value.
+    np.testing.assert_array_equal(np.sort(np.append(swapped, counter[1])), np.arange(-1, n))
+    assert low[0] == x.min()

@@ -5,7 +5,8 @@ Fresh random inputs every run, outputs poisoned with NaN before launch, float64 
 
 import numpy as np
 import pytest
-from sample_kernels import saxpy, scale_rows, split_sum, take_tickets
+from sample_kernels import (check_split_sum, check_take_tickets, saxpy, scale_rows, split_sum,
+                            split_sum_problem, take_tickets, take_tickets_problem)
 from source_modules import load_example
 
 import kiln
@@ -98,30 +99,18 @@ def test_dynamic_shared_memory_does_not_overlap_static_buffers():
     np.testing.assert_array_equal(out, x)
 
 
+
 @pytest.mark.parametrize("n", [300, 100_000])
 def test_atomics_last_cta_reduces_twice(n):
     """Two launches: the second only works if the first's last CTA reset the counter."""
     rng = np.random.default_rng()
     for _ in range(2):
-        x = rng.standard_normal(n).astype(np.float32)
-        ctas = -(-n // 128)
-        partial, tickets = np.zeros(ctas, np.float32), np.zeros(1, np.int32)
-        out = np.array([np.nan, -np.inf], np.float32)
-        split_sum[(ctas,)](x, partial, tickets, out, n, BLOCK=128, num_warps=4, target="sm_90a")
-        bound = n * np.finfo(np.float32).eps * np.abs(x).sum()
-        np.testing.assert_allclose(out[0], x.astype(np.float64).sum(), rtol=0, atol=bound)
-        assert out[1] == x.max() and tickets[0] == 0
+        ctas, args, expected = split_sum_problem(rng, n)
+        split_sum[(ctas,)](*args, n, BLOCK=128, num_warps=4, target="sm_90a")
+        check_split_sum(args, expected)
 
 
 def test_atomics_return_the_old_value_on_the_gpu():
-    rng = np.random.default_rng()
-    n = 5000
-    x = rng.standard_normal(n).astype(np.float32)
-    counter = np.array([5, -1], np.int32)
-    tickets, swapped = np.full(n, -7, np.int32), np.full(n, -7, np.int32)
-    low = np.array([np.inf], np.float32)
-    take_tickets[(-(-n // 128),)](counter, tickets, swapped, low, x, n, BLOCK=128, num_warps=4,
-                                  target="sm_90a")
-    np.testing.assert_array_equal(np.sort(tickets), 5 + np.arange(n))
-    np.testing.assert_array_equal(np.sort(np.append(swapped, counter[1])), np.arange(-1, n))
-    assert counter[0] == 5 + n and low[0] == x.min()
+    args = take_tickets_problem(np.random.default_rng(), 5000)
+    take_tickets[(-(-5000 // 128),)](*args, BLOCK=128, num_warps=4, target="sm_90a")
+    check_take_tickets(args)

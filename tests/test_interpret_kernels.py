@@ -8,7 +8,8 @@ block. No GPU needed: ``kernel.interpret[grid](...)`` executes the traced Kiln I
 import ml_dtypes
 import numpy as np
 import pytest
-from sample_kernels import row_stats, saxpy, scale_rows, split_sum, take_tickets
+from sample_kernels import (check_split_sum, check_take_tickets, row_stats, saxpy, scale_rows,
+                            split_sum, split_sum_problem, take_tickets, take_tickets_problem)
 from source_modules import load_example
 
 import kiln
@@ -230,36 +231,14 @@ def test_attention_demo_runs_without_a_gpu(monkeypatch, capsys):
     assert out.count("-> OK") == 2
 
 
-def split_sum_problem(rng, n):
-    """Inputs of ``split_sum`` for ``n`` elements in blocks of 128, and its float64 answer."""
-    x = rng.standard_normal(n).astype(np.float32)
-    ctas = -(-n // 128)
-    args = (x, np.zeros(ctas, np.float32), np.zeros(1, np.int32),
-            np.array([np.nan, -np.inf], np.float32))
-    return ctas, args, (x.astype(np.float64).sum(), x.max())
-
-
 @pytest.mark.parametrize("n", [1, 300, 1000])
 def test_atomics_last_cta_reduces(n):
-    ctas, (x, partial, tickets, out), (total, top) = split_sum_problem(np.random.default_rng(), n)
-    split_sum.interpret[(ctas,)](x, partial, tickets, out, n, BLOCK=128, num_warps=4)
-    bound = n * np.finfo(np.float32).eps * np.abs(x).sum()  # f32 sums of n terms, any order
-    np.testing.assert_allclose(out[0], total, rtol=0, atol=bound)
-    assert out[1] == top
-    assert tickets[0] == 0  # the last CTA reset the counter
+    ctas, args, expected = split_sum_problem(np.random.default_rng(), n)
+    split_sum.interpret[(ctas,)](*args, n, BLOCK=128, num_warps=4)
+    check_split_sum(args, expected)
 
 
 def test_atomics_return_the_old_value():
-    rng = np.random.default_rng()
-    n = 200
-    x = rng.standard_normal(n).astype(np.float32)
-    counter = np.array([5, -1], np.int32)
-    tickets, swapped = np.full(n, -7, np.int32), np.full(n, -7, np.int32)
-    low = np.array([np.inf], np.float32)
-    take_tickets.interpret[(2,)](counter, tickets, swapped, low, x, n, BLOCK=128, num_warps=4)
-    np.testing.assert_array_equal(np.sort(tickets), 5 + np.arange(n))
-    assert counter[0] == 5 + n
-    # Every value swapped in is seen once, by the next swap or as the final value.
-    np.testing.assert_array_equal(np.sort(np.append(swapped, counter[1])),
-                                  np.arange(-1, n))
-    assert low[0] == x.min()
+    args = take_tickets_problem(np.random.default_rng(), 200)
+    take_tickets.interpret[(2,)](*args, BLOCK=128, num_warps=4)
+    check_take_tickets(args)
