@@ -7,8 +7,8 @@ causal).
 Method: every shape is first checked against a float32 torch reference (gather + SDPA; max
 abs error < 3e-2, NaN fails), each of Kiln's paths. Then Kiln (``decode_attention`` as it
 chooses; forced to one kernel whose last split CTA combines, "fused"; forced to two kernels,
-``decode`` + ``combine``; and ``decode`` alone) and the torch implementation are timed with CUDA events after a warm-up, median of ``--repeat``
-samples of ``--batch`` back-to-back calls (so the host's launch work overlaps the GPU, as in a
+``decode`` + ``combine``; and ``decode`` alone) and the torch implementation are timed with
+CUDA events after a warm-up, median of ``--repeat`` samples of ``--batch`` back-to-back calls (so the host's launch work overlaps the GPU, as in a
 serving loop that runs ahead or replays a CUDA graph); with ``--queued`` each sample is
 queued behind a busy stream instead (``timing.queued_ms``: GPU time only, no host time). The
 host columns are the host time per ``decode_attention`` / ``decode`` call while the stream is

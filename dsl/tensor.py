@@ -229,11 +229,11 @@ class TensorRef:
             raise KilnValueError(f"atomic_{op} takes the indices and then the value",
                                  fix=f"e.g. {self.name}.atomic_{op}(i, value)")
         *idx, value = args
-        v = self._coerce(value, ())
         if self.dtype.kind not in ("float", "int") or self.dtype.itemsize not in (4, 8):
             raise KilnTypeError(f"atomic_{op} needs 32- or 64-bit int or float elements, but "
                                 f"{self.name} holds {self.dtype}",
                                 fix="keep counters and atomically updated values in i32/f32")
+        v = self._coerce(value, ())
         float_kind, int_kind = _ATOMIC_KINDS[op]
         kind = float_kind if self.dtype.is_float else int_kind
         return Value(memref.atomic_rmw(kind, v.ir, self.ir, self._indices(tuple(idx))),

@@ -55,8 +55,8 @@ row that selects nothing has ``C = 0`` (combine returns ``O = 0``, ``LSE = -inf`
 
 Synchronisation: the only CTA-wide barriers are at top level (after initialising the
 mbarriers; before and after the merge; around the fused kernel's ticket, with gpu-scope fences
-on both sides of the atomic, see :func:`_combine_if_last`). ``elect_sync`` runs once, converged, before any
-branch. The K/V ring is a full/empty mbarrier pair per stage: ``full[s]`` is re-armed only
+on both sides of the atomic, see :func:`_combine_if_last`). ``elect_sync`` runs once,
+converged, before any branch. The K/V ring is a full/empty mbarrier pair per stage: ``full[s]`` is re-armed only
 after every thread arrived on ``empty[s]`` for the tile it held, and those arrivals come after
 each thread's wait on ``full[s]``, so no phase is reused while a waiter may still be on it.
 """

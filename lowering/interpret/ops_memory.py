@@ -134,18 +134,11 @@ def _store(op, p):
     return run
 
 
-def _float_max(a, b):
-    return np.maximum(a, b)  # NaN-propagating, as arith.maximumf
-
-
-def _float_min(a, b):
-    return np.minimum(a, b)
-
-
+# np.maximum/minimum propagate NaN, as arith.maximumf/minimumf do.
 _ATOMIC_UPDATES = {
     arith.AtomicRMWKind.addf: np.add, arith.AtomicRMWKind.addi: np.add,
-    arith.AtomicRMWKind.maximumf: _float_max, arith.AtomicRMWKind.maxs: np.maximum,
-    arith.AtomicRMWKind.minimumf: _float_min, arith.AtomicRMWKind.mins: np.minimum,
+    arith.AtomicRMWKind.maximumf: np.maximum, arith.AtomicRMWKind.maxs: np.maximum,
+    arith.AtomicRMWKind.minimumf: np.minimum, arith.AtomicRMWKind.mins: np.minimum,
     arith.AtomicRMWKind.assign: lambda old, new: new,
 }
 
