@@ -394,25 +394,11 @@ def mma_async(acc: Fragment, a_desc, b_desc, *, dtype, a_major: str = "k",
         kiln.wgmma.commit()
     """
     require_feature("has_wgmma", "kiln.wgmma.mma_async")
-    if not isinstance(acc, Fragment):
-        raise KilnTypeError(f"mma_async needs a kiln.wgmma.Fragment accumulator, got "
-                            f"{type(acc).__name__}", fix="start from kiln.wgmma.fragment_zeros(n)")
-    name = as_dtype(dtype).name
-    if name not in _WGMMA_TYPES:
-        raise UnsupportedError(f"mma_async operand dtype {name} is not supported",
-                               fix=f"use f16 or bf16 (supported: {SUPPORTED})")
-    for what, major in (("a_major", a_major), ("b_major", b_major)):
-        if major not in MAJORS:
-            raise KilnValueError(f"{what}={major!r} must be 'k' or 'mn'",
-                                 fix="'k' when K is the contiguous dimension, else 'mn'")
-    i64 = ir.IntegerType.get_signless(64)
-    descs = []
-    for what, desc in (("A descriptor", a_desc), ("B descriptor", b_desc)):
-        value = ir_value(desc, what)
-        if value.type != i64:
-            raise KilnTypeError(f"{what} must be an i64 from smem_descriptor, got {value.type}",
-                                fix="build it with kiln.wgmma.smem_descriptor")
-        descs.append(value)
+    _check_accumulator(acc, "mma_async")
+    name = _operand_dtype(dtype, "mma_async").name
+    _check_major("a_major", a_major)
+    _check_major("b_major", b_major)
+    descs = [_descriptor(a_desc, "A descriptor"), _descriptor(b_desc, "B descriptor")]
     # No typed getter exists in the Python bindings for #nvvm.shape.
     shape = ir.Attribute.parse(f"#nvvm.shape<m = {WARPGROUP_M}, n = {acc.n}, k = "
                                f"{INSTRUCTION_K}>")
@@ -563,9 +549,7 @@ def mma_async_regs(acc: Fragment, a_frag, b_desc, *, dtype, b_major: str = "k",
     from .values import Value
 
     require_feature("has_wgmma", "kiln.wgmma.mma_async_regs")
-    if not isinstance(acc, Fragment):
-        raise KilnTypeError(f"mma_async_regs needs a kiln.wgmma.Fragment accumulator, got "
-                            f"{type(acc).__name__}", fix="start from kiln.wgmma.fragment_zeros(n)")
+    _check_accumulator(acc, "mma_async_regs")
     operand = _operand_dtype(dtype, "mma_async_regs")
     if not isinstance(a_frag, Value) or a_frag.dtype is not operand \
             or a_frag.shape != (A_REGISTER_VALUES,):
@@ -573,20 +557,36 @@ def mma_async_regs(acc: Fragment, a_frag, b_desc, *, dtype, b_major: str = "k",
         raise KilnTypeError(f"mma_async_regs A operand must be a vector<{A_REGISTER_VALUES}x"
                             f"{operand}> per thread, got {got}",
                             fix="build it with kiln.wgmma.a_fragment_from_accumulator")
-    if b_major not in MAJORS:
-        raise KilnValueError(f"b_major={b_major!r} must be 'k' or 'mn'",
-                             fix="'k' when K is the contiguous dimension, else 'mn'")
-    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-    b_value = ir_value(b_desc, "B descriptor")
-    if b_value.type != i64:
-        raise KilnTypeError(f"B descriptor must be an i64 from smem_descriptor, got "
-                            f"{b_value.type}", fix="build it with kiln.wgmma.smem_descriptor")
+    _check_major("b_major", b_major)
+    i32 = ir.IntegerType.get_signless(32)
+    b_value = _descriptor(b_desc, "B descriptor")
     packed = vector.bitcast(ir.VectorType.get([A_REGISTER_VALUES // 2], i32), a_frag.ir)
     a_registers = [vector.extract(packed, [], [i]) for i in range(A_REGISTER_VALUES // 2)]
     result = wgmma_mma_async_regs([acc.element(i).ir for i in range(acc.n // 2)], a_registers,
                                   b_value, _scale_d(accumulate), ptx_type=operand.name,
                                   trans_b=int(b_major == "mn"))
     return Fragment(result, acc.n)
+
+
+def _check_accumulator(acc, what: str) -> None:
+    if not isinstance(acc, Fragment):
+        raise KilnTypeError(f"{what} needs a kiln.wgmma.Fragment accumulator, got "
+                            f"{type(acc).__name__}", fix="start from kiln.wgmma.fragment_zeros(n)")
+
+
+def _check_major(what: str, major) -> None:
+    if major not in MAJORS:
+        raise KilnValueError(f"{what}={major!r} must be 'k' or 'mn'",
+                             fix="'k' when K is the contiguous dimension, else 'mn'")
+
+
+def _descriptor(desc, what: str) -> ir.Value:
+    """``desc`` as the i64 matrix descriptor an MMA reads (from :func:`smem_descriptor`)."""
+    value = ir_value(desc, what)
+    if value.type != ir.IntegerType.get_signless(64):
+        raise KilnTypeError(f"{what} must be an i64 from smem_descriptor, got {value.type}",
+                            fix="build it with kiln.wgmma.smem_descriptor")
+    return value
 
 
 def _operand_dtype(dtype, what: str) -> DType:
