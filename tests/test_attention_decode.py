@@ -573,5 +573,5 @@ def test_decode_attention_fuses_the_combine_only_for_small_merges(monkeypatch):
     plan = lambda splits, fused: decode_module._plan(  # noqa: E731
         q, kc, vc, table, seq_lens, splits, None, None, None, None, "interpret", None, fused)
     # 32 packed rows x 128 columns x 4 bytes = 16 KB a split
-    assert plan(4, None).fused and not plan(5, None).fused
-    assert plan(5, True).fused and not plan(4, False).fused
+    assert plan(16, None).fused and not plan(17, None).fused
+    assert plan(17, True).fused and not plan(16, False).fused

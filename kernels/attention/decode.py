@@ -97,10 +97,10 @@ MAX_ACCUMULATORS = 80
 # 16-byte partial loads one thread of the fused combine keeps in flight (a chunk of splits).
 MAX_COMBINE_LOADS = 32
 # decode_attention merges in the split kernel's last CTA while that CTA reads at most this many
-# partial bytes. One SM reads them from L2: on an H200 at 64 KB (batch 1 Sq 1, 16 splits; batch
-# 4 Sq 4, 4 splits) that took ~2 us less than a combine kernel, at 256 KB (batch 1 Sq 4) 1-2 us
-# more.
-FUSED_COMBINE_MAX_BYTES = 64 * 1024
+# partial bytes. One SM reads them from L2: on an H200 that beat a combine kernel by 2-3 us at
+# 64 KB (batch 1 Sq 1, 16 splits; batch 4 Sq 4, 4 splits) and by 0.3-1.1 us at 256 KB (batch 1
+# Sq 4, 16 splits), the largest merge of bench/decode.py's grid.
+FUSED_COMBINE_MAX_BYTES = 256 * 1024
 MERGE_PAD = 8  # f32 padding of a merge row: 64-bit stores of 16 lanes hit 32 distinct banks
 # ldmatrix blocks (row, col offsets of 8x8 blocks) of two B fragments at once:
 # K stored key x depth (non-transposed): keys n0.. then n0+8.., each 16 deep.
@@ -585,15 +585,20 @@ def _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, spli
                      kv_head, row0, tid, seq_len, seq_q, tiles_per_split, shape, block_sparse,
                      has_sinks):
     """Thread ``tid`` merges the states of one packed row's warps (one per key slice) over
-    ``D / (threads / rows)`` columns and writes O_partial (4-wide stores); the row's first
-    thread writes LSE (and, on split 0, the split count)."""
+    ``D / (threads / rows)`` columns and writes O_partial; the row's first thread writes LSE
+    (and, on split 0, the split count).
+
+    A row's ``per_row`` threads take interleaved 4-column chunks (thread ``j``: columns
+    ``4 j + 4 per_row k``), so each store instruction writes whole 32-byte sectors with
+    16-byte stores. With 4-byte stores 64 bytes apart (each a partial sector write, all
+    CTAs at once at the end of the kernel) ``decode`` alone took 5-6 us longer at Sq 4, batch
+    1 on an H200 (ctx 4k: 15.3 vs 9.5 us)."""
     rows, stride, D = shape.rows, shape.merge_row, shape.head_dim
     slices = shape.group_warps  # warps holding parts of each row
     per_row = shape.threads // rows
-    width = D // per_row
     ml_base = slices * rows * stride
     r = tid // per_row
-    c0 = (tid % per_row) * width
+    columns = [4 * (tid % per_row) + 4 * per_row * k for k in range(D // (4 * per_row))]
     row = row0 + r
     if row < shape.packed:
         q_index = q_first + row // shape.group
@@ -615,11 +620,12 @@ def _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, spli
             total = total + kiln.exp2(sink - m_safe)
         has_mass = total > 0.0
         inv = kiln.where(has_mass, 1.0 / kiln.maximum(total, 1e-30), 0.0)
-        for c in kiln.static_range(0, width, 4):
-            acc = scratch.load((0 * rows + r) * stride + c0 + c, width=4) * weights[0]
+        for c in columns:
+            acc = scratch.load((0 * rows + r) * stride + c, width=4, align=16) * weights[0]
             for w in kiln.static_range(1, slices):
-                acc = acc + scratch.load((w * rows + r) * stride + c0 + c, width=4) * weights[w]
-            o_part.store(split, b, q_index, head, c0 + c, acc * inv)
+                acc = acc + scratch.load((w * rows + r) * stride + c, width=4,
+                                         align=16) * weights[w]
+            o_part.store(split, b, q_index, head, c, acc * inv, align=16)
         if tid % per_row == 0:
             lse_part[split, b, q_index, head] = kiln.where(
                 has_mass, (m_all + kiln.log2(kiln.maximum(total, 1e-30))) * LN2, -math.inf)
@@ -642,8 +648,10 @@ def _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, last, b, q_first
     partial stores before thread 0's gpu-scope fence and ticket; in the last CTA thread 0
     fences again after the ticket (acquire), and the second barrier orders its threads'
     reads of the other splits' partials (just written, so from L2) after that. Each of
-    ``per_row`` threads of a row takes ``width`` columns; its loads of a chunk of splits are
-    independent, so up to ``MAX_COMBINE_LOADS`` 16-byte loads a thread are in flight."""
+    ``per_row`` threads of a row takes ``width`` columns in interleaved 4-column chunks (as
+    :func:`_merge_and_store`, so a load instruction reads whole sectors); its loads of a
+    chunk of splits are independent, so up to ``MAX_COMBINE_LOADS`` 16-byte loads a thread
+    are in flight."""
     cta = (kiln.block_id(2), kiln.block_id(1))
     kiln.barrier()
     if tid == 0:
@@ -657,7 +665,7 @@ def _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, last, b, q_first
     kiln.barrier()
     per_row, width = shape.combine_threads_per_row, shape.combine_width
     r = tid // per_row
-    c0 = (tid % per_row) * width
+    columns = [4 * (tid % per_row) + 4 * per_row * k for k in range(width // 4)]
     row = row0 + r
     if (last[0] == 1) & (r < shape.combine_rows) & (row < shape.packed):
         q_index = q_first + row // shape.group
@@ -672,17 +680,16 @@ def _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, last, b, q_first
         for first in kiln.static_range(0, slots, chunk):
             splits = range(first, min(first + chunk, slots))
             lses = [lse_part[s, b, q_index, head] for s in splits]
-            parts = [[o_part.load(s, b, q_index, head, c0 + c, width=4, align=16)
-                      for c in range(0, width, 4)] for s in splits]
+            parts = [[o_part.load(s, b, q_index, head, c, width=4, align=16)
+                      for c in columns] for s in splits]
             for x, vectors in zip(lses, parts):
                 w = kiln.exp2((x - m_safe) * LOG2E)
                 total = total + w
                 acc = [a + v * w for a, v in zip(acc, vectors)]
         valid = (total > 0.0) & (total < math.inf)
         inv = kiln.where(valid, 1.0 / kiln.maximum(total, 1e-30), 0.0)
-        for k in kiln.static_range(width // 4):
-            o_out.store(b, q_index, head, c0 + 4 * k, kiln.cast(acc[k] * inv, kiln.bf16),
-                        align=8)
+        for c, a in zip(columns, acc):
+            o_out.store(b, q_index, head, c, kiln.cast(a * inv, kiln.bf16), align=8)
         if tid % per_row == 0:
             lse_out[b, q_index, head] = kiln.where(
                 valid, m_safe + kiln.log2(kiln.maximum(total, 1e-30)) * LN2, -math.inf)
@@ -754,7 +761,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     last ticket merges the splits of its rows as :func:`kiln.kernels.attention.combine`
     would, saving the combine's launch. ``False``: :func:`decode`, then ``combine`` (two
     kernels, the merge spread over many CTAs). ``None`` (default): fused while one CTA
-    merges at most ``FUSED_COMBINE_MAX_BYTES`` of partials (e.g. Sq 1 at batch 1).
+    merges at most ``FUSED_COMBINE_MAX_BYTES`` of partials (every shape of
+    ``bench/decode.py``'s grid).
 
     With contiguous torch CUDA tensors a repeat call of one shape class is one bound launch
     and three allocations (the partials, freed to torch's stream-ordered allocator once the
