@@ -381,6 +381,28 @@ def test_a_cache_on_another_device_is_rejected():
 
 
 @pytest.mark.gpu
+def test_a_misaligned_q_is_rejected():
+    """q's bf16 pairs are read as 32-bit words: a view starting at an odd element must raise
+    (not fault), before and after the shape class has a bound plan."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    B, Sq, Hkv, group, page, L = 1, 1, 1, 4, 16, 100
+    pages = -(-L // page)
+    kc = torch.randn(pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    table = torch.arange(pages, device="cuda", dtype=torch.int32).view(B, pages)
+    q = torch.randn(B, Sq, Hkv * group, D, device="cuda", dtype=torch.bfloat16)
+    odd = torch.empty(q.numel() + 1, device="cuda", dtype=torch.bfloat16)[1:].view(q.shape)
+    odd.copy_(q)
+    seq_lens = torch.full((B,), L, device="cuda", dtype=torch.int32)
+    for _ in range(2):
+        with pytest.raises(kiln.KilnValueError, match="not 4-byte aligned") as error:
+            decode(odd, kc, kc, table, seq_lens)
+        assert error.value.loc.filename == __file__
+        decode(q, kc, kc, table, seq_lens)  # binds the plan for the second round
+
+
+@pytest.mark.gpu
 def test_decode_attention_replays_in_a_cuda_graph():
     """A serving loop captures decode + combine once and replays them (no host work per step):
     the bound launches go to the capturing stream, and replays follow new inputs written in

@@ -28,7 +28,7 @@ its pages in L2 (``DecodeConfig.warp_groups`` stops widening where O and S would
 
 | phase | who | what |
 | --- | --- | --- |
-| load q | each lane | its A fragments of its group's packed q rows, straight from global memory into registers (zero padding rows) |
+| load q | each lane | its A fragments of its group's packed q rows, straight from global memory into registers as 32-bit bf16 pairs (zero padding rows) |
 | load | warp 0, one elected lane issues | tile ``t + stages - 1``: ``PagedRowIndices.populate`` (the page look-up, before the wait; the prologue's ``stages`` tiles are looked up together), wait ``empty[s]`` (tile ``t - 1`` released by every thread), one TMA per page and 64-column half of K and V (128-byte swizzled boxes) completing on ``full[s]`` |
 | scores | each warp | its key slice: ``S = Q K^T`` with ``mma.sync`` m16n8k16: Q A-fragments of its group's m tiles (kept in registers), K B-fragments (``ldmatrix.x4``) |
 | softmax | each warp | base-2 streaming update, ``scale * log2 e`` applied to S in f32; row max over the 4 lanes of a row, row sums kept per lane until the end |
@@ -101,6 +101,7 @@ MAX_COMBINE_LOADS = 32
 # 64 KB (batch 1 Sq 1, 16 splits; batch 4 Sq 4, 4 splits) and by 0.3-1.1 us at 256 KB (batch 1
 # Sq 4, 16 splits), the largest merge of bench/decode.py's grid.
 FUSED_COMBINE_MAX_BYTES = 256 * 1024
+Q_ALIGN = 4  # bytes: q's bf16 pairs are loaded as 32-bit words (2x fewer loads than 16-bit)
 MERGE_PAD = 8  # f32 padding of a merge row: 64-bit stores of 16 lanes hit 32 distinct banks
 # ldmatrix blocks (row, col offsets of 8x8 blocks) of two B fragments at once:
 # K stored key x depth (non-transposed): keys n0.. then n0+8.., each 16 deep.
@@ -428,7 +429,7 @@ def _load_q_fragments(q, b, q_first, kv_head, warp_row0, lane, shape):
             parts = []
             for col_half, half in ((0, 0), (0, 1), (1, 0), (1, 1)):
                 pair = q.load(b, tokens[half], heads[half], 16 * kk + 8 * col_half
-                              + 2 * (lane % 4), width=2)
+                              + 2 * (lane % 4), width=2, align=4)
                 parts += kiln.unpack(kiln.where(live[half], pair, 0.0))
             frags[i].append(kiln.pack(parts))
     return frags
@@ -724,7 +725,7 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
     """Split-KV paged decode attention; returns ``(o_partial, lse_partial, split_counts)``
     (see the module docs) for :func:`kiln.kernels.attention.combine`.
 
-    ``q``: ``[B, Sq, Hq, D]`` bf16; ``k_cache``/``v_cache``: ``[num_pages, page_size, Hkv, D]``
+    ``q``: ``[B, Sq, Hq, D]`` bf16 (a 4-byte aligned address); ``k_cache``/``v_cache``: ``[num_pages, page_size, Hkv, D]``
     bf16; ``page_table``: ``[B, max_pages]`` int32; ``seq_lens``: ``[B]`` int32 (including the
     ``Sq`` new tokens); ``block_table``: optional ``[B, Sq, Hkv, top_k]`` int32 block indices;
     ``sinks``: optional ``[Hq]`` f32; ``scale`` defaults to ``D ** -0.5``; ``config``: a
@@ -844,17 +845,23 @@ def _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, s
     return tuple(args[i] for i in results)
 
 
-def _bindable(plan, *tensors) -> bool:
+def _bindable(plan, q, *tensors) -> bool:
     """Whether the bound launch may take these torch tensors' raw addresses: each contiguous
-    and on the plan's device (the plan's key reads only q's device)."""
+    and on the plan's device (the plan's key reads only q's device), q 4-byte aligned."""
     index = plan.device.index
-    return all(t is None or (t.is_contiguous() and t.get_device() == index) for t in tensors)
+    return q.data_ptr() % Q_ALIGN == 0 and all(
+        t is None or (t.is_contiguous() and t.get_device() == index) for t in (q, *tensors))
 
 
 def _check_devices(q, **tensors) -> None:
-    """torch inputs must share q's device: a kernel given another device's address faults."""
+    """torch inputs must share q's device: a kernel given another device's address faults.
+    q must be 4-byte aligned: the kernel reads its bf16 pairs as 32-bit words."""
     if not type(q).__module__.startswith("torch"):
         return
+    if q.data_ptr() % Q_ALIGN:
+        raise kiln.KilnValueError(f"q's address {q.data_ptr():#x} is not {Q_ALIGN}-byte "
+                                  "aligned (a view starting at an odd element?)",
+                                  fix="pass q.clone(), or a view that starts at an even element")
     for name, t in tensors.items():
         if type(t).__module__.startswith("torch") and t.device != q.device:
             raise kiln.KilnValueError(f"{name} is on {t.device} but q is on {q.device}",
