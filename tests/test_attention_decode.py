@@ -360,6 +360,16 @@ def test_decode_matches_torch(page_size, group, sq):
         torch.testing.assert_close(out[b].float().transpose(0, 1), ref, atol=2e-2, rtol=2e-2)
 
 
+def _small_cuda_problem(torch):
+    """q, a K cache (also used as V), page table and lengths of one small CUDA decode call."""
+    B, Sq, Hkv, group, page, L = 1, 1, 1, 4, 16, 100
+    pages = -(-L // page)
+    kc = torch.randn(pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    table = torch.arange(pages, device="cuda", dtype=torch.int32).view(B, pages)
+    q = torch.randn(B, Sq, Hkv * group, D, device="cuda", dtype=torch.bfloat16)
+    return q, kc, table, torch.full((B,), L, device="cuda", dtype=torch.int32)
+
+
 @pytest.mark.gpu
 def test_a_cache_on_another_device_is_rejected():
     """The bound launch takes raw addresses; a CPU cache beside a CUDA q must raise, before and
@@ -367,12 +377,7 @@ def test_a_cache_on_another_device_is_rejected():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    B, Sq, Hkv, group, page, L = 1, 1, 1, 4, 16, 100
-    pages = -(-L // page)
-    kc = torch.randn(pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16)
-    table = torch.arange(pages, device="cuda", dtype=torch.int32).view(B, pages)
-    q = torch.randn(B, Sq, Hkv * group, D, device="cuda", dtype=torch.bfloat16)
-    seq_lens = torch.full((B,), L, device="cuda", dtype=torch.int32)
+    q, kc, table, seq_lens = _small_cuda_problem(torch)
     for _ in range(2):
         with pytest.raises(kiln.KilnValueError, match="k_cache is on cpu") as error:
             decode(q, kc.cpu(), kc, table, seq_lens)
@@ -387,14 +392,9 @@ def test_a_misaligned_q_is_rejected():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    B, Sq, Hkv, group, page, L = 1, 1, 1, 4, 16, 100
-    pages = -(-L // page)
-    kc = torch.randn(pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16)
-    table = torch.arange(pages, device="cuda", dtype=torch.int32).view(B, pages)
-    q = torch.randn(B, Sq, Hkv * group, D, device="cuda", dtype=torch.bfloat16)
+    q, kc, table, seq_lens = _small_cuda_problem(torch)
     odd = torch.empty(q.numel() + 1, device="cuda", dtype=torch.bfloat16)[1:].view(q.shape)
     odd.copy_(q)
-    seq_lens = torch.full((B,), L, device="cuda", dtype=torch.int32)
     for _ in range(2):
         with pytest.raises(kiln.KilnValueError, match="not 4-byte aligned") as error:
             decode(odd, kc, kc, table, seq_lens)
