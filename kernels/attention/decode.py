@@ -728,8 +728,9 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
     ``q``: ``[B, Sq, Hq, D]`` bf16 (a 4-byte aligned address); ``k_cache``/``v_cache``:
     ``[num_pages, page_size, Hkv, D]`` bf16; ``page_table``: ``[B, max_pages]`` int32;
     ``seq_lens``: ``[B]`` int32 (including the ``Sq`` new tokens); ``block_table``: optional
-    ``[B, Sq, Hkv, top_k]`` int32 block indices; ``sinks``: optional ``[Hq]`` f32; ``scale`` defaults to ``D ** -0.5``; ``config``: a
-    :class:`DecodeConfig` (None: :func:`default_config` of the shape).
+    ``[B, Sq, Hkv, top_k]`` int32 block indices; ``sinks``: optional ``[Hq]`` f32; ``scale``
+    defaults to ``D ** -0.5``; ``config``: a :class:`DecodeConfig` (None:
+    :func:`default_config` of the shape).
     numpy inputs give numpy outputs; torch CUDA tensors stay on the device (the three torch
     partials are views of one allocation).
     Example::
