@@ -193,7 +193,6 @@ class TensorRef:
         v = self._coerce(v, v.shape)
         vector.store(v.ir, self.ir, self._indices(tuple(idx)), alignment=_alignment(align))
 
-
     def atomic_add(self, *args) -> Value:
         """``t.atomic_add(i, ..., value)``: add ``value`` to one element atomically (across the
         whole GPU) and return the element's previous value. Integer or float elements.

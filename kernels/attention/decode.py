@@ -581,6 +581,16 @@ def _write_warp_state(scratch, m, l, o, key_slice, warp_row0, lane, shape):
                 scratch[ml_base + 2 * r + 1] = l[2 * i + half]
 
 
+def _interleaved_columns(tid, per_row: int, head_dim: int) -> list:
+    """The first columns of the 4-column chunks that thread ``tid`` takes of its row, when
+    ``per_row`` threads share each row: ``4 j + 4 per_row k`` for ``j = tid % per_row``. One
+    instruction of a row's threads then covers ``16 per_row`` contiguous bytes of f32 (whole
+    sectors). With each thread's chunks side by side instead, 4-byte stores 64 bytes apart
+    made ``decode`` alone 5-6 us slower at Sq 4, batch 1 on an H200 (ctx 4k: 15.3 vs
+    9.5 us)."""
+    return [4 * (tid % per_row) + 4 * per_row * k for k in range(head_dim // (4 * per_row))]
+
+
 @kiln.func
 def _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, split, b, q_first,
                      kv_head, row0, tid, seq_len, seq_q, tiles_per_split, shape, block_sparse,
@@ -589,17 +599,14 @@ def _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, spli
     ``D / (threads / rows)`` columns and writes O_partial; the row's first thread writes LSE
     (and, on split 0, the split count).
 
-    A row's ``per_row`` threads take interleaved 4-column chunks (thread ``j``: columns
-    ``4 j + 4 per_row k``), so each store instruction writes whole 32-byte sectors with
-    16-byte stores. With 4-byte stores 64 bytes apart (each a partial sector write, all
-    CTAs at once at the end of the kernel) ``decode`` alone took 5-6 us longer at Sq 4, batch
-    1 on an H200 (ctx 4k: 15.3 vs 9.5 us)."""
+    A row's threads take :func:`_interleaved_columns`, so each store instruction writes whole
+    32-byte sectors with 16-byte stores."""
     rows, stride, D = shape.rows, shape.merge_row, shape.head_dim
     slices = shape.group_warps  # warps holding parts of each row
     per_row = shape.threads // rows
     ml_base = slices * rows * stride
     r = tid // per_row
-    columns = [4 * (tid % per_row) + 4 * per_row * k for k in range(D // (4 * per_row))]
+    columns = _interleaved_columns(tid, per_row, D)
     row = row0 + r
     if row < shape.packed:
         q_index = q_first + row // shape.group
@@ -649,10 +656,9 @@ def _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, last, b, q_first
     partial stores before thread 0's gpu-scope fence and ticket; in the last CTA thread 0
     fences again after the ticket (acquire), and the second barrier orders its threads'
     reads of the other splits' partials (just written, so from L2) after that. Each of
-    ``per_row`` threads of a row takes ``width`` columns in interleaved 4-column chunks (as
-    :func:`_merge_and_store`, so a load instruction reads whole sectors); its loads of a
-    chunk of splits are independent, so up to ``MAX_COMBINE_LOADS`` 16-byte loads a thread
-    are in flight."""
+    ``per_row`` threads of a row takes ``width`` columns (:func:`_interleaved_columns`, so a
+    load instruction reads whole sectors); its loads of a chunk of splits are independent, so
+    up to ``MAX_COMBINE_LOADS`` 16-byte loads a thread are in flight."""
     cta = (kiln.block_id(2), kiln.block_id(1))
     kiln.barrier()
     if tid == 0:
@@ -666,7 +672,7 @@ def _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, last, b, q_first
     kiln.barrier()
     per_row, width = shape.combine_threads_per_row, shape.combine_width
     r = tid // per_row
-    columns = [4 * (tid % per_row) + 4 * per_row * k for k in range(width // 4)]
+    columns = _interleaved_columns(tid, per_row, shape.head_dim)
     row = row0 + r
     if (last[0] == 1) & (r < shape.combine_rows) & (row < shape.packed):
         q_index = q_first + row // shape.group
@@ -742,11 +748,11 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
                  sinks, target, backend, config, fused=False)
     if plan.bound is not None and _bindable(plan, q, k_cache, v_cache, page_table, seq_lens,
                                             block_table, sinks):
-        partials = plan.torch_partials()
+        words, partials = plan.torch_partial_words()
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                    block_table, sinks), *(p.data_ptr() for p in partials),
+                                    block_table, sinks), *partials,
                    *(t.data_ptr() for t in plan.no_outputs))
-        return partials
+        return plan.torch_partials(words)
     return _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
                         backend)
 
@@ -778,28 +784,20 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     bindable = plan.bound is not None and _bindable(plan, q, k_cache, v_cache, page_table,
                                                     seq_lens, block_table, sinks)
     if bindable and plan.fused:
-        import torch
-
-        partials = torch.empty(plan.partial_words, dtype=torch.float32, device=plan.device)
-        o_part = partials.data_ptr()
+        words, partials = plan.torch_partial_words()  # freed once the launch is queued
         o, lse = plan.outputs(on_device=True)
         stream = plan.bound.current_stream()
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                    block_table, sinks), o_part, o_part + plan.lse_offset * 4,
-                   o_part + plan.counts_offset * 4, o.data_ptr(), lse.data_ptr(),
-                   plan.torch_tickets(stream).data_ptr(), stream=stream)
+                                    block_table, sinks), *partials, o.data_ptr(),
+                   lse.data_ptr(), plan.torch_tickets(stream).data_ptr(), stream=stream)
         return o, lse
     if bindable and plan.merge is not None:
-        import torch
-
-        partials = torch.empty(plan.partial_words, dtype=torch.float32, device=plan.device)
-        o_part = partials.data_ptr()
-        lse_part, counts = o_part + plan.lse_offset * 4, o_part + plan.counts_offset * 4
-        o, lse = plan.merge.new_outputs(partials)
+        words, partials = plan.torch_partial_words()
+        o, lse = plan.merge.new_outputs(words)
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                    block_table, sinks), o_part, lse_part, counts,
+                                    block_table, sinks), *partials,
                    *(t.data_ptr() for t in plan.no_outputs))
-        plan.merge.bound(o_part, lse_part, counts, o.data_ptr(), lse.data_ptr())
+        plan.merge.bound(*partials, o.data_ptr(), lse.data_ptr())
         return o, lse
     if plan.fused:
         return _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
@@ -819,8 +817,8 @@ def _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, s
     """The launch (or interpretation) of ``plan`` through the general path: numpy inputs,
     the interpreter, or torch tensors the bound launch cannot take. Returns the partials,
     or ``(o, lse)`` for a fused plan."""
-    _check_devices(q, k_cache=k_cache, v_cache=v_cache, page_table=page_table,
-                   seq_lens=seq_lens, block_table=block_table, sinks=sinks)
+    _check_torch_inputs(q, k_cache=k_cache, v_cache=v_cache, page_table=page_table,
+                        seq_lens=seq_lens, block_table=block_table, sinks=sinks)
     lib = _ArrayLib(q)
     o_part, lse_part, counts = plan.torch_partials() if lib.torch else plan.numpy_partials()
     if plan.fused:
@@ -854,7 +852,7 @@ def _bindable(plan, q, *tensors) -> bool:
         t is None or (t.is_contiguous() and t.get_device() == index) for t in (q, *tensors))
 
 
-def _check_devices(q, **tensors) -> None:
+def _check_torch_inputs(q, **tensors) -> None:
     """torch inputs must share q's device: a kernel given another device's address faults.
     q must be 4-byte aligned: the kernel reads its bf16 pairs as 32-bit words."""
     if not type(q).__module__.startswith("torch"):
@@ -943,14 +941,24 @@ class _DecodePlan:
     def partial_words(self) -> int:
         return self.counts_offset + math.prod(self.partial_shape[1:4])
 
-    def torch_partials(self):
-        """O_partial, LSE_partial (f32) and split_counts (int32): contiguous views of one
-        uninitialised device allocation; the kernel writes every element (each split all its
-        rows, split 0 the counts)."""
+    def torch_partial_words(self):
+        """One uninitialised device allocation for O_partial, LSE_partial and split_counts,
+        and their three addresses in it (what the bound launches take); the kernel writes
+        every element (each split all its rows, split 0 the counts)."""
+        import torch
+
+        words = torch.empty(self.partial_words, dtype=torch.float32, device=self.device)
+        base = words.data_ptr()
+        return words, (base, base + 4 * self.lse_offset, base + 4 * self.counts_offset)
+
+    def torch_partials(self, words=None):
+        """O_partial, LSE_partial (f32) and split_counts (int32): contiguous views of
+        ``words`` (default: a fresh :meth:`torch_partial_words` allocation)."""
         import torch
 
         shape = self.partial_shape
-        words = torch.empty(self.partial_words, dtype=torch.float32, device=self.device)
+        if words is None:
+            words = self.torch_partial_words()[0]
         return (words[:self.lse_offset].view(shape),
                 words[self.lse_offset:self.lse_offset + math.prod(shape[:4])].view(shape[:4]),
                 words[self.counts_offset:].view(torch.int32).view(shape[1:4]))
