@@ -1,8 +1,9 @@
 """NVIDIA-only building blocks: elected threads, proxy fences, register reallocation.
 
 Everything here is an upstream ``nvvm`` op except the inline-PTX wrappers:
-:func:`named_barrier` (see its comment) and :func:`wgmma_mma_async_regs` (WGMMA with A in
-registers, which ``nvvm.wgmma.mma_async`` cannot express). The module also holds the operand coercion shared by :mod:`kiln.tma`,
+:func:`named_barrier` (see its comment), :func:`wgmma_mma_async_regs` (WGMMA with A in
+registers, which ``nvvm.wgmma.mma_async`` cannot express) and :func:`l2_cache_policy` (NVVM
+has no ``createpolicy``). The module also holds the operand coercion shared by :mod:`kiln.tma`,
 :mod:`kiln.mbarrier` and :mod:`kiln.wgmma`: those wrappers accept Python ints, traced
 ``kiln.Value``/``Handle`` objects (anything with ``.ir``) or raw ``ir.Value``.
 
@@ -178,6 +179,21 @@ def named_barrier_arrive(barrier_id, num_threads: int) -> None:
     turn (ping-pong scheduling): ``named_barrier_arrive(other_turn, 256)``."""
     llvm.inline_asm(None, _named_barrier_operands(barrier_id, num_threads), "bar.arrive $0, $1;",
                     "r,r", has_side_effects=True)
+
+
+# L2 eviction priorities a cache policy can give (PTX createpolicy.fractional.L2::<name>).
+EVICTION_POLICIES = ("evict_first", "evict_last", "evict_normal")
+
+
+def l2_cache_policy(priority: str) -> ir.Value:
+    """``createpolicy.fractional.L2::<priority>.b64``: the 64-bit L2 cache policy that
+    gives every line an access touches ``priority`` (one of :data:`EVICTION_POLICIES`); the
+    ``l2CacheHint`` operand of a TMA copy (see :func:`kiln.tma.load`)."""
+    if priority not in EVICTION_POLICIES:
+        raise KilnValueError(f"L2 eviction priority {priority!r} is not evict_first, evict_last "
+                             "or evict_normal", fix="use one of those three")
+    return llvm.inline_asm(ir.IntegerType.get_signless(64), [],
+                           f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;", "=l")
 
 
 def _named_barrier_operands(barrier_id, num_threads: int) -> list:

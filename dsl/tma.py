@@ -23,9 +23,13 @@ from mlir.dialects import arith, llvm, nvgpu, nvvm
 
 from .dtypes import dtype as as_dtype
 from .errors import KilnTypeError, KilnValueError
-from .nvidia_asm import as_index, as_predicate, ir_value, require_feature
+from .nvidia_asm import EVICTION_POLICIES, as_index, as_predicate, ir_value, require_feature
 
 SHARED_MEMORY_SPACE = 3
+# nvgpu.tma.async.load has no cache-hint operand, and convert-nvgpu-to-nvvm keeps an op's
+# location but not its other attributes: a hinted load's location is named this prefix plus
+# the policy, and the kiln-tma-l2-hints pass turns the name into the nvvm op's operand.
+L2_HINT_LOCATION = "kiln.l2."
 SWIZZLE_KINDS = {0: nvgpu.TensorMapSwizzleKind.SWIZZLE_NONE,
                  32: nvgpu.TensorMapSwizzleKind.SWIZZLE_32B,
                  64: nvgpu.TensorMapSwizzleKind.SWIZZLE_64B,
@@ -115,15 +119,27 @@ def box_bytes(tensor_map) -> int:
 
 
 def load(tensor_map, dst, coords, barriers, index=0, *, multicast_mask=None,
-         predicate=None) -> None:
+         predicate=None, eviction_policy: str | None = None) -> None:
     """Start an async copy of the box at ``coords`` into shared tile ``dst``
     (``nvgpu.tma.async.load``); completion is signalled on ``barriers[index]``.
 
     ``coords``: 1-5 element coordinates, innermost first (ints or traced integers).
     ``multicast_mask``: 16-bit CTA mask to broadcast the box to several CTAs of a cluster.
     ``predicate``: issue from the threads where it is true (typically one elected thread).
+    ``eviction_policy``: L2 priority of the lines the copy reads, as Triton's ``tl.load``
+    takes it: ``"evict_first"`` for data read once (a KV cache streamed by decode, so it does
+    not push out the page table and the other small data every CTA reads), ``"evict_last"``
+    for data many CTAs re-read, ``"evict_normal"``; None leaves the copy without a hint.
+
+    Example: ``kiln.tma.load(k_map, k_tile, (0, row), bars, 0, predicate=leader,
+    eviction_policy="evict_first")``.
     """
     require_feature("has_tma", "kiln.tma.load")
+    if eviction_policy is not None and eviction_policy not in EVICTION_POLICIES:
+        raise KilnValueError(f"TMA eviction_policy {eviction_policy!r} is not one of "
+                             f"{', '.join(EVICTION_POLICIES)}",
+                             fix='pass eviction_policy="evict_first" (read once), '
+                                 '"evict_last" (re-read) or leave it None')
     desc = ir_value(tensor_map, "tensor map")
     dst_value = _shared_tile(dst, "TMA load destination")
     coord_values = _coords(coords, dst_value.type.rank)
@@ -135,9 +151,12 @@ def load(tensor_map, dst, coords, barriers, index=0, *, multicast_mask=None,
         i16 = ir.IntegerType.get_signless(16)
         mask = arith.constant(i16, multicast_mask) if isinstance(multicast_mask, int) \
             else arith.trunci(i16, ir_value(multicast_mask, "multicast mask"))
-    nvgpu.tma_async_load(dst_value, ir_value(barriers, "mbarrier group"), desc, coord_values,
-                         as_index(index, "mbarrier index"), multicast_mask=mask,
-                         predicate=as_predicate(predicate))
+    location = ir.Location.current if eviction_policy is None else \
+        ir.Location.name(L2_HINT_LOCATION + eviction_policy, childLoc=ir.Location.current)
+    with location:
+        nvgpu.tma_async_load(dst_value, ir_value(barriers, "mbarrier group"), desc,
+                             coord_values, as_index(index, "mbarrier index"),
+                             multicast_mask=mask, predicate=as_predicate(predicate))
 
 
 def store(src, tensor_map, coords, *, predicate=None) -> None:

@@ -36,7 +36,9 @@ def nvvm_passes(state: CompileState) -> list[str]:
               f"O={options.opt_level}}}")
     flush = ["kiln-flush-f32-denormals"] if options.flush_denormals else []
     return [
-        "convert-nvgpu-to-nvvm", "convert-vector-to-scf", "convert-scf-to-cf",
+        "convert-nvgpu-to-nvvm",
+        "kiln-tma-l2-hints",  # after the conversion that keeps the hint only in a location
+        "convert-vector-to-scf", "convert-scf-to-cf",
         "convert-nvvm-to-llvm", "convert-func-to-llvm", "expand-strided-metadata", attach,
         "lower-affine", "convert-arith-to-llvm", "convert-index-to-llvm", "canonicalize", "cse",
         "gpu.module(convert-gpu-to-nvvm,llvm-optimize-for-nvvm-target,canonicalize,cse,"

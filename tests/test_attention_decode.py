@@ -1,6 +1,7 @@
 """Split-KV paged decode: the interpreter against a float64 numpy reference; GPU against torch."""
 
 import importlib
+import re
 import ml_dtypes
 import numpy as np
 import pytest
@@ -457,6 +458,12 @@ def test_decode_compiles_for_hopper(page_size, group, sq, sparse):
     # (kiln-insert-waits, before the merge reuses the ring) would hang some CTAs.
     assert ptx.count("mbarrier.try_wait.parity") == 2
     assert ptx.count("elect.sync") == 1
+    # Every K/V copy asks L2 to evict the streamed cache first; both descriptors are
+    # prefetched before the page look-ups.
+    copies = re.findall(r"cp\.async\.bulk\.tensor\.2d\.\S+", ptx)
+    assert copies and all(copy.endswith(".L2::cache_hint") for copy in copies)
+    assert "createpolicy.fractional.L2::evict_first.b64" in ptx
+    assert ptx.count("prefetch.tensormap") == 2
 
 
 def test_partials_contract_is_natural_log_split_major():

@@ -20,7 +20,7 @@ def tma_box_reference(x: np.ndarray, row0: int, col0: int) -> np.ndarray:
     return padded[row0:row0 + ROWS, col0:col0 + COLS]
 
 
-def make_box_reader(swizzle: int):
+def make_box_reader(swizzle: int, eviction_policy: str | None = None):
     @kiln.kernel
     def read_box(x_map: kiln.TensorMap[f32, (ROWS, COLS), swizzle], out: kiln.Tensor[f32, 2],
                  row0: kiln.i32, col0: kiln.i32):
@@ -34,7 +34,8 @@ def make_box_reader(swizzle: int):
         fence_mbarrier_init()
         kiln.barrier()
         bars.arrive_expect_tx(0, tma.box_bytes(x_map), predicate=leader)
-        tma.load(x_map, tile, (col0, row0), bars, 0, predicate=leader)
+        tma.load(x_map, tile, (col0, row0), bars, 0, predicate=leader,
+                 eviction_policy=eviction_policy)
         bars.try_wait(0, phase=0)
         r = t // COLS
         c = t % COLS
@@ -47,13 +48,29 @@ def make_box_reader(swizzle: int):
     return read_box
 
 
-@pytest.mark.parametrize("swizzle", [0, 128])
-def test_tma_box_with_out_of_bounds_fill_and_swizzle(swizzle):
+@pytest.mark.parametrize("swizzle, eviction_policy", [(0, None), (128, None),
+                                                      (128, "evict_first")])
+def test_tma_box_with_out_of_bounds_fill_and_swizzle(swizzle, eviction_policy):
+    """An L2 eviction policy changes where lines go in L2, not the box that lands."""
     rng = np.random.default_rng()
     x = rng.standard_normal((11, 45)).astype(np.float32)
     out = np.full((ROWS, COLS), np.nan, np.float32)
-    make_box_reader(swizzle).interpret[(1,)](x, out, 6, 20, num_warps=8)
+    make_box_reader(swizzle, eviction_policy).interpret[(1,)](x, out, 6, 20, num_warps=8)
     np.testing.assert_array_equal(out, tma_box_reference(x, 6, 20))
+
+
+def test_an_unknown_eviction_policy_is_rejected_at_the_load(marker_line):
+    @kiln.kernel
+    def hinted(x_map: kiln.TensorMap[f32, (ROWS, COLS)], out: kiln.Tensor[f32]):
+        tile = kiln.shared((ROWS, COLS), f32, align=128)
+        bars = mbarrier.group(num_barriers=1)
+        tma.load(x_map, tile, (0, 0), bars, 0, eviction_policy="evict_later")  # @bad-policy
+
+    with pytest.raises(kiln.KilnValueError) as info:
+        hinted.trace(np.zeros((ROWS, COLS), np.float32), np.zeros(1, np.float32),
+                     target="sm_90a")
+    assert "'evict_later'" in info.value.message and "evict_first" in info.value.fix
+    assert info.value.loc.line == marker_line("@bad-policy")
 
 
 def test_swizzled_tile_read_without_the_swizzle_is_permuted():

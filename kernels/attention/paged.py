@@ -23,6 +23,8 @@ the page table once per tile; K and V then reuse the rows (no lazy look-ups), an
 ``oob_fill_pages=True`` (V)    also copy an out-of-bounds box into the remaining slots: TMA fills
                                it with zeros, so P·V never multiplies 0 by stale shared memory;
                                the barrier then expects the full tile's bytes
+``eviction_policy=``           the L2 priority of every copy (:func:`kiln.tma.load`), e.g.
+                               ``"evict_first"`` for a cache that a decode step reads once
 =============================  ===================================================================
 
 Every copy is predicated on ``elect`` (e.g. :func:`kiln.nvidia_asm.elect_sync` in the producer
@@ -180,7 +182,7 @@ def _check_box(tensor_map, rows: int, what: str):
 
 
 def _tma_copy_k(self, k_map, slots, bars, bar_index, *, column, elect, needs_partial,
-                num_valid_pages=None, first_slot=0, num_iters=None):
+                num_valid_pages=None, first_slot=0, num_iters=None, eviction_policy=None):
     """Copy this CTA's K pages into ``slots.tile(first_slot + p)`` (``slots``: a
     ``kiln.dynamic_shared((n, k_tile_rows, D), ...)`` buffer), completing on
     ``bars[bar_index]``. ``column`` is the innermost coordinate (``kv_head * D + depth``).
@@ -194,10 +196,12 @@ def _tma_copy_k(self, k_map, slots, bars, bar_index, *, column, elect, needs_par
         for count in kiln.static_range(1, pages):
             if num_valid_pages == count:
                 self.tma_copy_k(k_map, slots, bars, bar_index, column=column, elect=elect,
-                                needs_partial=False, first_slot=first_slot, num_iters=count)
+                                needs_partial=False, first_slot=first_slot, num_iters=count,
+                                eviction_policy=eviction_policy)
         if num_valid_pages >= pages:
             self.tma_copy_k(k_map, slots, bars, bar_index, column=column, elect=elect,
-                            needs_partial=False, first_slot=first_slot)
+                            needs_partial=False, first_slot=first_slot,
+                            eviction_policy=eviction_policy)
         return
     # The peer of a pair copies the second half: later entries, or the same single page
     # BN/2 rows further on.
@@ -207,12 +211,12 @@ def _tma_copy_k(self, k_map, slots, bars, bar_index, *, column, elect, needs_par
     for p in kiln.static_range(pages if num_iters is None else num_iters):
         tma.load(k_map, slots.tile(first_slot + p),
                  (column, self.row(entry_shift + p) + row_shift), bars, bar_index,
-                 predicate=elect)
+                 predicate=elect, eviction_policy=eviction_policy)
 
 
 def _tma_copy_v(self, v_map, slots, bars, bar_index, *, column, elect, needs_partial,
                 num_v_sub_tiles=1, v_sub_tile_idx=0, num_valid_pages=None,
-                oob_fill_pages=False, first_slot=0, num_iters=None):
+                oob_fill_pages=False, first_slot=0, num_iters=None, eviction_policy=None):
     """Copy V sub-tile ``v_sub_tile_idx`` of ``num_v_sub_tiles`` (each ``BN / num_v_sub_tiles``
     rows) into ``slots.tile(first_slot + p)``, one copy per page of ``v_tile_rows(n)`` rows.
 
@@ -230,15 +234,16 @@ def _tma_copy_v(self, v_map, slots, bars, bar_index, *, column, elect, needs_par
                 self.tma_copy_v(v_map, slots, bars, bar_index, column=column, elect=elect,
                                 needs_partial=False, num_v_sub_tiles=num_v_sub_tiles,
                                 v_sub_tile_idx=v_sub_tile_idx, first_slot=first_slot,
-                                num_iters=count)
+                                num_iters=count, eviction_policy=eviction_policy)
                 if oob_fill_pages:
                     for p in kiln.static_range(count, pages):
                         tma.load(v_map, slots.tile(first_slot + p), (column, OOB_ROW), bars,
-                                 bar_index, predicate=elect)
+                                 bar_index, predicate=elect, eviction_policy=eviction_policy)
         if num_valid_pages >= pages:
             self.tma_copy_v(v_map, slots, bars, bar_index, column=column, elect=elect,
                             needs_partial=False, num_v_sub_tiles=num_v_sub_tiles,
-                            v_sub_tile_idx=v_sub_tile_idx, first_slot=first_slot)
+                            v_sub_tile_idx=v_sub_tile_idx, first_slot=first_slot,
+                            eviction_policy=eviction_policy)
         return
     for p in kiln.static_range(pages if num_iters is None else num_iters):
         if self.num_pages >= num_v_sub_tiles:
@@ -246,4 +251,4 @@ def _tma_copy_v(self, v_map, slots, bars, bar_index, *, column, elect, needs_par
         else:  # one page covers the tile: sub-tiles step through it
             row = self.row(0) + v_sub_tile_idx * sub_rows
         tma.load(v_map, slots.tile(first_slot + p), (column, row), bars, bar_index,
-                 predicate=elect)
+                 predicate=elect, eviction_policy=eviction_policy)
