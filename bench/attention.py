@@ -35,10 +35,10 @@ HEAD_DIMS = (64, 128)
 MAX_ERROR = 3e-2
 SWEEP_SEQ = 4096
 # (D, causal) -> (block_n, stages) candidates; all fit shared memory and compile without spills.
-SWEEP = {(128, False): ((128, 2), (128, 3), (192, 2), (64, 4)),
-         (128, True): ((128, 2), (128, 3), (192, 2)),
-         (64, False): ((128, 2), (128, 4), (192, 3), (192, 4)),
-         (64, True): ((128, 2), (192, 3), (192, 4))}
+SWEEP = {(128, False): ((128, 2), (128, 3), (160, 2), (176, 2), (192, 2)),
+         (128, True): ((128, 2), (128, 3), (176, 2), (192, 2)),
+         (64, False): ((128, 2), (192, 2), (192, 3), (256, 2)),
+         (64, True): ((128, 2), (192, 2), (192, 3))}
 
 
 def parse_args(argv=None):

@@ -182,6 +182,14 @@ def test_ptx_has_the_hopper_pipeline(causal_d128):
     assert "bar.sync" in ptx and "bar.arrive" in ptx
     # S_j and P_{j-1} V_{j-1} in flight together, softmax after the first completes.
     assert "wgmma.wait_group.sync.aligned 1" in ptx
+    # K and V halves of a stage are released separately: the producer waits on k_empty and
+    # v_empty (the consumers wait on q_full, k_full twice and v_full twice), and a consumer
+    # frees K_j as soon as S_j is done, before P_{j-1} V_{j-1} is.
+    assert ptx.count("mbarrier.try_wait.parity") == 2 + 5
+    assert ptx.count("mbarrier.arrive.shared.b64") == 4  # K: prologue, loop; V: loop, epilogue
+    after_scores = ptx[ptx.index("wgmma.wait_group.sync.aligned 1"):]
+    assert after_scores.index("mbarrier.arrive.shared.b64") < \
+        after_scores.index("wgmma.wait_group.sync.aligned 0")
     # P @ V takes P from registers (four b32 A registers, V through a transposed descriptor):
     # one issue per 16 keys of the 128-key tile in the loop and again in the epilogue, and no
     # P tile in shared memory.

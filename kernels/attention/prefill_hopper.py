@@ -5,12 +5,12 @@ tile its mask lets through. Q, K and V are viewed as 2-D ``[rows, heads * D]`` m
 ``[B, S, H, D]`` and ragged ``[total, H, D]`` alike; ``cu_seqlens`` give each sequence's first
 row), so one TMA box of ``BLOCK_N x 64`` reads 64 head-dim columns of one head.
 
-Schedule (3 warp groups; ``BLOCK_M x BLOCK_N`` and K/V stages: 128 x 192 x 3 for D = 64,
-128 x 128 x 3 for D = 128, 128 x 64 x 2 for D = 256, see ``DEFAULT_TILES``):
+Schedule (3 warp groups; ``BLOCK_M x BLOCK_N`` and K/V stages: 128 x 192 x 2 for D = 64,
+128 x 128 x 2 for D = 128, 128 x 80 x 2 for D = 256, see ``DEFAULT_TILES``):
 
 | warp group | registers (setmaxnreg) | job |
 | --- | --- | --- |
-| 0 producer | 24 | one thread: TMA-load the Q tile (``D / 64`` boxes) on ``q_full``; then for each visible key tile ``j`` wait ``empty[s]`` (``s = j % STAGES``), load the K boxes on ``k_full[s]`` and the V boxes on ``v_full[s]`` (separate barriers: QK starts before V lands) |
+| 0 producer | 24 | one thread: TMA-load the Q tile (``D / 64`` boxes) on ``q_full``; then for each visible key tile ``j`` (stage ``s = j % STAGES``) wait ``k_empty[s]`` and load the K boxes on ``k_full[s]``, wait ``v_empty[s]`` and load the V boxes on ``v_full[s]`` (separate barriers both ways: QK starts before V lands, and K of a later tile loads while V of this one is still read) |
 | 1, 2 consumers | 240 | rows ``64*(g-1) .. +64``, one iteration per key tile ``j`` (below) |
 
 One consumer iteration (prologue: S_0 and its softmax; epilogue: the last PV):
@@ -19,8 +19,8 @@ One consumer iteration (prologue: S_0 and its softmax; epilogue: the last PV):
 | --- | --- | --- |
 | 1 | wait ``k_full[j]``, ``v_full[j-1]``; wait for this group's turn (named barrier ``3 + g``) | |
 | 2 | issue ``S_j = Q K_j^T`` (``wgmma m64nBNk16``, K-major); rescale O by ``exp2(m_{j-2} - m_{j-1})`` while it runs; issue ``O += P_{j-1} V_{j-1}`` (MN-major V, P from registers as in FlashAttention-3: ``BLOCK_N / 16`` A operands of ``mma_async_regs``); hand the turn to the other group (``bar.arrive``) | the other group's softmax (ping-pong) |
-| 3 | ``wgmma.wait_group 1``: S_j is ready; mask it if the tile is a boundary tile; online softmax (``OnlineSoftmax``: running max, ``scale * log2 e`` folded into one FMA, ``exp2``, row sums); P_j cast to bf16/f16 into fresh registers | ``P_{j-1} V_{j-1}`` on the tensor cores (intra-warpgroup overlap) |
-| 4 | ``wgmma.wait_group 0``; release stage ``j-1`` on ``empty`` | |
+| 3 | ``wgmma.wait_group 1``: S_j is ready, release ``k_empty[j]``; mask it if the tile is a boundary tile; online softmax (``OnlineSoftmax``: running max, ``scale * log2 e`` folded into one FMA, ``exp2``, row sums); P_j cast to bf16/f16 into fresh registers | ``P_{j-1} V_{j-1}`` on the tensor cores (intra-warpgroup overlap) |
+| 4 | ``wgmma.wait_group 0``; release ``v_empty[j-1]`` | |
 
 Masks are intervals: key ``j`` is visible from query ``i`` (key position ``p = i + Sk - Sq``,
 bottom-right aligned) iff ``lo(p) <= j <= hi(p)`` with ``lo = max(0, p - left, chunk start)``,
@@ -65,11 +65,12 @@ MAX_SENTINEL = -1.0e30
 PINGPONG_BARRIER = 3  # named barriers 3, 4: the consumers' turns
 OUTPUT_BARRIER = 5  # named barriers 5, 6: one consumer group staging its output
 SHARED_BUDGET = 227 * 1024 - 1024 - 256
-# head_dim -> (block_n, stages), measured on an H100 at seq 4096 (bench/attention.py sweep):
-# a third K/V stage is worth 15% at D = 128 (494 vs 428 TFLOP/s) and fills shared memory; at
-# D = 64, 192-key tiles with 3 stages beat 128 x 2 by 15% (382 vs 333); at D = 256 64-key tiles
-# keep S + O in registers and only 2 stages fit.
-DEFAULT_TILES = {64: (192, 3), 128: (128, 3), 256: (64, 2)}
+# head_dim -> (block_n, stages). Since K and V stages are released separately (a K stage as soon
+# as its QK is done), 2 stages beat the 3 that shared memory holds at D = 128: 656-660 vs
+# 641-649 TFLOP/s non-causal on an H200 (bench/RESULTS.md, session 8). At D = 64, 192-key tiles
+# with 2 stages beat 3 (449 vs 434); at D = 256, 80-key tiles beat 64 (732 vs 698) and still
+# keep S + O in registers.
+DEFAULT_TILES = {64: (192, 2), 128: (128, 2), 256: (80, 2)}
 
 
 @dataclass(frozen=True)
@@ -169,13 +170,15 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
         q_full = mbarrier.group(num_barriers=1)
         k_full = mbarrier.group(num_barriers=STAGES)
         v_full = mbarrier.group(num_barriers=STAGES)
-        empty = mbarrier.group(num_barriers=STAGES)
+        k_empty = mbarrier.group(num_barriers=STAGES)
+        v_empty = mbarrier.group(num_barriers=STAGES)
         tid = kiln.thread_id(0)
         q_full.init(0, count=1, predicate=tid == 0)
         for s in kiln.static_range(STAGES):
             k_full.init(s, count=1, predicate=tid == 0)
             v_full.init(s, count=1, predicate=tid == 0)
-            empty.init(s, count=2, predicate=tid == 0)
+            k_empty.init(s, count=2, predicate=tid == 0)
+            v_empty.init(s, count=2, predicate=tid == 0)
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
 
@@ -209,12 +212,13 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     for j in kiln.range(first_tile, end_tile):
                         use = j - first_tile
                         stage = use % STAGES
-                        empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
+                        k_empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
                         row = k_start + j * bn
                         k_full.arrive_expect_tx(stage, chunks * tma.box_bytes(k_map))
                         for c in kiln.static_range(chunks):
                             tma.load(k_map, k_tiles.tile(stage * chunks + c),
                                      (kv_head * d + c * CHUNK_COLS, row), k_full, stage)
+                        v_empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
                         v_full.arrive_expect_tx(stage, chunks * tma.box_bytes(v_map))
                         for c in kiln.static_range(chunks):
                             tma.load(v_map, v_tiles.tile(stage * chunks + c),
@@ -257,6 +261,8 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     scores = _issue_qk(ops, 0)
                     nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                     wgmma.wait_group(0)
+                    if first_thread:
+                        k_empty.arrive(0)
                     probs = _softmax_tile(softmax, scores, first_tile * bn, tile_mask,
                                           scale_log2, in_type)
                     for j in kiln.range(first_tile + 1, end_tile):
@@ -274,12 +280,14 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                         acc = _issue_pv(ops, acc, probs, previous)
                         nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                         wgmma.wait_group(1)
+                        if first_thread:  # S_j is done with K_j
+                            k_empty.arrive(stage)
                         # P_j lands in new registers: P_{j-1}'s are still the PV operand.
                         next_probs = _softmax_tile(softmax, scores, j * bn, tile_mask,
                                                    scale_log2, in_type)
                         wgmma.wait_group(0)
                         if first_thread:
-                            empty.arrive(previous)
+                            v_empty.arrive(previous)
                         probs = next_probs
                     # Epilogue: the last tile's PV product.
                     last = end_tile - 1 - first_tile
@@ -290,7 +298,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                     wgmma.wait_group(0)
                     if first_thread:
-                        empty.arrive(last % STAGES)
+                        v_empty.arrive(last % STAGES)
                 if consumer == 0:  # absorb consumer 1's last hand-over
                     nvidia_asm.named_barrier(PINGPONG_BARRIER, 2 * WARP_GROUP_THREADS)
                 inverse_norm = [kiln.where(n > 0.0, kiln.rcp(n), 0.0)
