@@ -40,6 +40,7 @@ class TraceState:
     dynamic_shared_bytes: int = 0  # requested at launch (kiln.dynamic_shared)
     dynamic_shared_base: object = None  # (memref<?xi8>, aligned byte offset) once created
     cluster: tuple[int, int, int] | None = None  # CTA cluster shape (kiln.nvidia_asm.cluster_dims)
+    programmatic_launch: bool = False  # waits on prior grids (kiln.nvidia_asm.grid_dependency_wait)
 
     def unique_symbol(self, base: str) -> str:
         name, n = base, 0

@@ -306,7 +306,8 @@ class JITKernel:
         constexprs = tuple((s.name, repr(s.value)) for s in specs if s.kind == "constexpr")
         signature = lowering_signature(self.name, specs, block, constexprs,
                                        dynamic_shared_bytes=state.dynamic_shared_bytes,
-                                       cluster=state.cluster)
+                                       cluster=state.cluster,
+                                       programmatic_launch=state.programmatic_launch)
         return TracedKernel(self.name, asm, signature, state.shared_bytes)
 
     @staticmethod

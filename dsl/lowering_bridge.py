@@ -32,7 +32,7 @@ def tensor_arg_spec(name: str, value: Any) -> tuple[DType, int, bool]:
 
 
 def lowering_signature(name: str, specs, block, constexprs, *, dynamic_shared_bytes: int = 0,
-                       cluster=None):
+                       cluster=None, programmatic_launch: bool = False):
     """The :class:`~kiln.lowering.signature.KernelSignature` of a traced specialisation."""
     from kiln.lowering.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam
 
@@ -46,7 +46,8 @@ def lowering_signature(name: str, specs, block, constexprs, *, dynamic_shared_by
         elif s.kind == "scalar":
             params.append(ScalarParam(s.name, s.dtype.name))
     return KernelSignature(name, tuple(params), block=block, constexprs=constexprs,
-                           dynamic_shared_bytes=dynamic_shared_bytes, cluster=cluster)
+                           dynamic_shared_bytes=dynamic_shared_bytes, cluster=cluster,
+                           programmatic_launch=programmatic_launch)
 
 
 def _source(obj) -> str:

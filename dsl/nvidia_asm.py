@@ -294,3 +294,44 @@ def cluster_sync() -> None:
     require_sm90("cluster_sync")
     nvvm.cluster_arrive()
     nvvm.cluster_wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# Programmatic dependent launch (sm_90+)
+# ---------------------------------------------------------------------------------------------
+
+def grid_dependency_wait() -> None:
+    """``griddepcontrol.wait``: block until the grids this launch depends on (the work queued
+    before it on its stream) have completed and their memory is visible.
+
+    Calling it opts the kernel into programmatic dependent launch: the launcher lets its CTAs
+    start while the previous kernel on the stream is still running (after that kernel calls
+    :func:`launch_dependents`, or as it finishes), so only the work before this call overlaps.
+    Call it once, at the top level of the kernel, before the first read of global memory
+    another kernel may write and before any global write; shared-memory set-up may come first::
+
+        full.init(0, count=1, predicate=tid == 0)     # no global memory touched yet
+        kiln.nvidia_asm.grid_dependency_wait()
+        n = lengths[kiln.block_id(0)]
+    """
+    require_sm90("grid_dependency_wait")
+    from . import builder
+
+    state = builder.current()
+    if ir.InsertionPoint.current.block != state.entry_block:
+        raise KilnValueError("grid_dependency_wait() must run on every path: call it at the "
+                             "kernel's top level, not inside an if or a loop",
+                             fix="move kiln.nvidia_asm.grid_dependency_wait() to the kernel "
+                                 "body, before its first global memory access")
+    state.programmatic_launch = True
+    nvvm.griddepcontrol(nvvm.GridDepActionKind.wait)
+
+
+def launch_dependents() -> None:
+    """``griddepcontrol.launch_dependents``: once every CTA of this grid has run it (or exited),
+    the next kernel on the stream, if it waits with :func:`grid_dependency_wait`, may start
+    launching. It orders no memory: that kernel's wait still lasts until this grid completes.
+    Call it where the grid's remaining work no longer needs whole SMs, e.g. after the main
+    loop. Example: ``kiln.nvidia_asm.launch_dependents()``."""
+    require_sm90("launch_dependents")
+    nvvm.griddepcontrol(nvvm.GridDepActionKind.launch_dependents)

@@ -168,6 +168,114 @@ def lower_host_module(module) -> None:
                                fix="this is a Kiln bug if the kernel compiled; please report it")
 
 
+# The launch of a kernel: gpu.launch_func becomes a call of this runtime function when the
+# host module is translated to LLVM IR.
+KERNEL_LAUNCH = "mgpuLaunchKernel"
+KERNEL_LAUNCH_ARGS = "!llvm.ptr, " + "i64, " * 6 + "i32, !llvm.ptr, !llvm.ptr, !llvm.ptr, i64"
+# The runtime's launch takes no launch attributes, so a kernel that waits on prior grids
+# (KernelSignature.programmatic_launch) resolves KERNEL_LAUNCH to this JIT-compiled shim: it
+# launches with cuLaunchKernelEx and CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, and
+# falls back to the runtime's launch (which reports its own errors) if the driver refuses.
+CONFIG_TYPE = "!llvm.struct<(i32, i32, i32, i32, i32, i32, i32, ptr, ptr, i32)>"  # CUlaunchConfig
+ATTRIBUTE_TYPE = "!llvm.struct<(i32, i32, array<16 x i32>)>"  # CUlaunchAttribute: id, pad, value
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute
+_PROGRAMMATIC_SHIM = f"""
+llvm.func @cuFuncSetAttribute(!llvm.ptr, i32, i32) -> i32
+llvm.func @cuLaunchKernelEx(!llvm.ptr, !llvm.ptr, !llvm.ptr, !llvm.ptr) -> i32
+llvm.func @{KERNEL_LAUNCH}({KERNEL_LAUNCH_ARGS})
+llvm.func @kiln_programmatic_launch(%kernel: !llvm.ptr, %gx: i64, %gy: i64, %gz: i64,
+    %bx: i64, %by: i64, %bz: i64, %smem: i32, %stream: !llvm.ptr, %params: !llvm.ptr,
+    %extra: !llvm.ptr, %count: i64) {{
+  %one = llvm.mlir.constant(1 : i64) : i64
+  %attribute_id = llvm.mlir.constant({PROGRAMMATIC_STREAM_SERIALIZATION} : i32) : i32
+  %allowed = llvm.mlir.constant(1 : i32) : i32
+  %no_attribute = llvm.mlir.zero : {ATTRIBUTE_TYPE}
+  %with_id = llvm.insertvalue %attribute_id, %no_attribute[0] : {ATTRIBUTE_TYPE}
+  %attribute_value = llvm.insertvalue %allowed, %with_id[2, 0] : {ATTRIBUTE_TYPE}
+  %attribute = llvm.alloca %one x {ATTRIBUTE_TYPE} : (i64) -> !llvm.ptr
+  llvm.store %attribute_value, %attribute : {ATTRIBUTE_TYPE}, !llvm.ptr
+  %gx32 = llvm.trunc %gx : i64 to i32
+  %gy32 = llvm.trunc %gy : i64 to i32
+  %gz32 = llvm.trunc %gz : i64 to i32
+  %bx32 = llvm.trunc %bx : i64 to i32
+  %by32 = llvm.trunc %by : i64 to i32
+  %bz32 = llvm.trunc %bz : i64 to i32
+  %c0 = llvm.mlir.zero : {CONFIG_TYPE}
+  %c1 = llvm.insertvalue %gx32, %c0[0] : {CONFIG_TYPE}
+  %c2 = llvm.insertvalue %gy32, %c1[1] : {CONFIG_TYPE}
+  %c3 = llvm.insertvalue %gz32, %c2[2] : {CONFIG_TYPE}
+  %c4 = llvm.insertvalue %bx32, %c3[3] : {CONFIG_TYPE}
+  %c5 = llvm.insertvalue %by32, %c4[4] : {CONFIG_TYPE}
+  %c6 = llvm.insertvalue %bz32, %c5[5] : {CONFIG_TYPE}
+  %c7 = llvm.insertvalue %smem, %c6[6] : {CONFIG_TYPE}
+  %c8 = llvm.insertvalue %stream, %c7[7] : {CONFIG_TYPE}
+  %c9 = llvm.insertvalue %attribute, %c8[8] : {CONFIG_TYPE}
+  %c10 = llvm.insertvalue %allowed, %c9[9] : {CONFIG_TYPE}
+  %config = llvm.alloca %one x {CONFIG_TYPE} : (i64) -> !llvm.ptr
+  llvm.store %c10, %config : {CONFIG_TYPE}, !llvm.ptr
+  %shared_attribute = llvm.mlir.constant({MAX_DYNAMIC_SHARED_SIZE_BYTES} : i32) : i32
+  %set = llvm.call @cuFuncSetAttribute(%kernel, %shared_attribute, %smem)
+      : (!llvm.ptr, i32, i32) -> i32
+  %status = llvm.call @cuLaunchKernelEx(%config, %kernel, %params, %extra)
+      : (!llvm.ptr, !llvm.ptr, !llvm.ptr, !llvm.ptr) -> i32
+  %success = llvm.mlir.constant(0 : i32) : i32
+  %refused = llvm.icmp "ne" %status, %success : i32
+  llvm.cond_br %refused, ^fallback, ^done
+^fallback:
+  llvm.call @{KERNEL_LAUNCH}(%kernel, %gx, %gy, %gz, %bx, %by, %bz, %smem, %stream, %params,
+      %extra, %count) : ({KERNEL_LAUNCH_ARGS}) -> ()
+  llvm.br ^done
+^done:
+  llvm.return
+}}
+llvm.func @kiln_programmatic_launch_address() -> !llvm.ptr {{
+  %address = llvm.mlir.addressof @kiln_programmatic_launch : !llvm.ptr
+  llvm.return %address : !llvm.ptr
+}}
+"""
+class ProgrammaticLaunchShim:
+    """The JIT-compiled ``_PROGRAMMATIC_SHIM``; :attr:`address` is its launch function, a
+    drop-in ``mgpuLaunchKernel``. ``symbols`` maps ``cuFuncSetAttribute``, ``cuLaunchKernelEx``
+    (and, to replace the runtime's fallback launch, ``mgpuLaunchKernel``) to addresses; the
+    rest resolves from ``runtime_libs``. Keep the object alive while the address is in use.
+    Example: ``ProgrammaticLaunchShim(driver_symbols, cuda_runtime_libs()).address``."""
+
+    def __init__(self, symbols: Mapping[str, int], runtime_libs: Sequence[str] = ()):
+        from mlir import execution_engine, ir
+
+        self._context = ir.Context()
+        with self._context, ir.Location.unknown():
+            self._engine = execution_engine.ExecutionEngine(
+                ir.Module.parse(_PROGRAMMATIC_SHIM), opt_level=2, shared_libs=list(runtime_libs))
+            for name, address in symbols.items():
+                self._engine.raw_register_runtime(name, ctypes.c_void_p(address))
+            self._engine.initialize()
+        # The packed entry of a function returning a pointer writes it to args[0].
+        address = ctypes.c_void_p()
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(address))
+        ctypes.CFUNCTYPE(None, ctypes.c_void_p)(
+            self._engine.raw_lookup("kiln_programmatic_launch_address"))(ctypes.addressof(args))
+        self.address: int = address.value
+
+
+_shim_lock = threading.Lock()
+_driver_shim: ProgrammaticLaunchShim | None = None  # kept for the process
+
+
+def programmatic_launch_shim(runtime_libs: Sequence[str]) -> int:
+    """Address of the process's :class:`ProgrammaticLaunchShim` over the CUDA driver (compiled
+    on first use)."""
+    global _driver_shim
+    with _shim_lock:
+        if _driver_shim is None:
+            driver = ctypes.CDLL("libcuda.so.1")
+            symbols = {name: ctypes.cast(driver[name], ctypes.c_void_p).value
+                       for name in ("cuFuncSetAttribute", "cuLaunchKernelEx")}
+            _driver_shim = ProgrammaticLaunchShim(symbols, runtime_libs)
+        return _driver_shim.address
+
+
 def nvidia_kernel_object(target: Target, *, cubin: bytes | None = None, ptx: str | None = None):
     """``#gpu.object`` for an NVIDIA kernel: the cubin when there is one, else PTX that the
     driver JIT-compiles at module load (``-O3``)."""
@@ -294,5 +402,9 @@ def build_nvidia_launcher(signature: KernelSignature, target: Target, *,
     from kiln.lowering.cuda import cuda_runtime_libs, require_cuda
 
     require_cuda()  # the ExecutionEngine aborts the process if libcuda.so.1 is missing
+    libs = cuda_runtime_libs()
+    # A cluster kernel launches through mgpuLaunchClusterKernel, which keeps the stream order.
+    symbols = {KERNEL_LAUNCH: programmatic_launch_shim(libs)} \
+        if signature.programmatic_launch and not signature.cluster else {}
     return HostLauncher(signature, lambda: nvidia_kernel_object(target, cubin=cubin, ptx=ptx),
-                        cuda_runtime_libs())
+                        libs, symbols)

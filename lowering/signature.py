@@ -66,6 +66,8 @@ class KernelSignature:
 
     ``dynamic_shared_bytes`` is requested at launch (static ``memref.global`` shared buffers are
     counted by the backend). ``cluster`` is the CTA cluster shape (NVIDIA sm_90+), or None.
+    ``programmatic_launch``: the kernel waits on the grids before it (``griddepcontrol.wait``),
+    so it may be launched while they run (NVIDIA sm_90+).
     """
 
     name: str
@@ -73,6 +75,7 @@ class KernelSignature:
     block: tuple[int, int, int] = (128, 1, 1)
     dynamic_shared_bytes: int = 0
     cluster: tuple[int, int, int] | None = None
+    programmatic_launch: bool = False
     constexprs: tuple[tuple[str, str], ...] = field(default=())  # (name, repr(value)) for reports
 
     @property

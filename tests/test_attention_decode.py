@@ -372,6 +372,35 @@ def _small_cuda_problem(torch):
 
 
 @pytest.mark.gpu
+def test_calls_wait_for_the_kernels_queued_before_them():
+    """The split kernel may start while the previous kernel on the stream runs (programmatic
+    dependent launch); its reads must still see what that kernel wrote. Each round rewrites q
+    and the cache in place with torch kernels right before the decode call, and nothing
+    synchronises until every round is queued."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kiln.kernels.attention.decode import decode_attention
+
+    q, kc, table, seq_lens = _small_cuda_problem(torch)
+    L, group = int(seq_lens[0]), q.shape[2] // kc.shape[2]
+    inputs, outputs = [], []
+    for round_ in range(4):
+        q.mul_(-1.5)
+        kc.add_(0.25 * (round_ + 1))
+        inputs.append((q.clone(), kc.clone()))
+        out, _ = decode_attention(q, kc, kc, table, seq_lens)
+        outputs.append(out.clone())
+    torch.cuda.synchronize()
+    for (q_then, kc_then), out in zip(inputs, outputs):
+        keys = kc_then.reshape(-1, kc.shape[2], D)[:L].float()  # pages 0.. in order, [L, Hkv, D]
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q_then[0].float().transpose(0, 1), keys, keys)  # [Hq, 1, D]
+        torch.testing.assert_close(out[0].float().transpose(0, 1), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
 def test_a_cache_on_another_device_is_rejected():
     """The bound launch takes raw addresses; a CPU cache beside a CUDA q must raise, before and
     after the shape class has a bound plan."""
@@ -464,6 +493,15 @@ def test_decode_compiles_for_hopper(page_size, group, sq, sparse):
     assert copies and all(copy.endswith(".L2::cache_hint") for copy in copies)
     assert "createpolicy.fractional.L2::evict_first.b64" in ptx
     assert ptx.count("prefetch.tensormap") == 2
+    # Programmatic dependent launch: the kernel waits on the previous grid once, after its
+    # mbarrier set-up and before its first global access (the descriptor prefetch), and asks
+    # for more than half an SM's shared memory, so no two CTAs share an SM.
+    assert compiled.signature.programmatic_launch
+    assert ptx.count("griddepcontrol.wait") == 1
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.rindex("mbarrier.init", 0, wait) < wait < ptx.index("prefetch.tensormap")
+    assert not re.search(r"ld\.global|ld\.param\.u64.*\n.*ld\.global", ptx[:wait])
+    assert compiled.signature.dynamic_shared_bytes > 114 * 1024
 
 
 def test_partials_contract_is_natural_log_split_major():

@@ -91,3 +91,36 @@ def test_saxpy_and_row_stats_on_gpu():
     # terms cancel.
     bound = m.shape[1] * np.finfo(np.float32).eps * np.abs(m).astype(np.float64).sum(axis=1)
     np.testing.assert_array_less(np.abs(out[:, 1] - m.astype(np.float64).sum(axis=1)), bound)
+
+
+@kiln.kernel
+def _dependent_copy(x: kiln.Tensor[kiln.f32, 1], y: kiln.Tensor[kiln.f32, 1]):
+    kiln.nvidia_asm.grid_dependency_wait()
+    i = kiln.thread_id(0)
+    y[i] = x[i] * 2.0
+    kiln.nvidia_asm.launch_dependents()
+
+
+@kiln.kernel
+def _conditional_wait(x: kiln.Tensor[kiln.f32, 1]):
+    if kiln.thread_id(0) == 0:
+        kiln.nvidia_asm.grid_dependency_wait()  # @conditional-wait
+    x[kiln.thread_id(0)] = 1.0
+
+
+@pytest.mark.lower
+def test_grid_dependency_wait_opts_the_kernel_into_programmatic_launch(tmp_path, monkeypatch,
+                                                                      marker_line):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    ck = _dependent_copy.compile(X, X, target="sm_90a", num_warps=1)
+    ptx = ck.asm["ptx"]
+    assert ck.signature.programmatic_launch
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    assert ptx.index("st.global") < ptx.index("griddepcontrol.launch_dependents")
+    assert not saxpy.compile(X, X, 8, 2.0, BLOCK=64, target="sm_90a",
+                             num_warps=2).signature.programmatic_launch
+    with pytest.raises(kiln.KilnValueError, match="every path") as error:
+        _conditional_wait.compile(X, target="sm_90a", num_warps=1)
+    assert error.value.loc.line == marker_line("@conditional-wait")
+    with pytest.raises(kiln.errors.TargetError):
+        _dependent_copy.compile(X, X, target="gfx950", num_warps=1)

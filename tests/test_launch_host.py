@@ -413,3 +413,53 @@ def test_launch_blocking_synchronises_after_each_launch(monkeypatch):
     x = DeviceArray(0x1000, (4,), "<f4")
     plan((1,), [x, x, 4, 1.0], None)
     assert driver.synced == ["context"]
+
+
+def test_programmatic_launch_shim_passes_the_launch_and_its_attribute_to_the_driver():
+    """The shim a kernel that waits on prior grids launches through: one cuLaunchKernelEx with
+    the launch's grid, block, shared bytes, stream and arguments, and the programmatic stream
+    serialization attribute; the runtime's launch only when the driver refuses it."""
+    from kiln.lowering.cuda import _LaunchConfig
+    from kiln.lowering.host import ProgrammaticLaunchShim
+
+    max_dynamic_shared_size_bytes = 8  # cuda.h: CUfunction_attribute
+    programmatic_stream_serialization = 6  # cuda.h: CUlaunchAttributeID
+
+    calls = {"set": [], "launch_ex": [], "fallback": []}
+    status = [0]
+
+    @ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32)
+    def set_attribute(function, attribute, value):
+        calls["set"].append((function, attribute, value))
+        return 0
+
+    @ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                      ctypes.c_void_p, ctypes.c_void_p)
+    def launch_ex(config, function, params, extra):
+        c = config.contents
+        attribute = c.attrs[0]
+        calls["launch_ex"].append(((c.grid_x, c.grid_y, c.grid_z),
+                                   (c.block_x, c.block_y, c.block_z), c.shared_bytes, c.stream,
+                                   c.num_attrs, attribute.id, attribute.value[0], function,
+                                   params))
+        return status[0]
+
+    @RecordingCudaRuntime._launch
+    def fallback(function, gx, gy, gz, bx, by, bz, smem, stream, params, extra, count):
+        calls["fallback"].append(((gx, gy, gz), smem, stream))
+
+    callbacks = {"cuFuncSetAttribute": set_attribute, "cuLaunchKernelEx": launch_ex,
+                 "mgpuLaunchKernel": fallback}
+    shim = ProgrammaticLaunchShim({name: ctypes.cast(cb, ctypes.c_void_p).value
+                                   for name, cb in callbacks.items()})
+    launch = RecordingCudaRuntime._launch(shim.address)
+    params = (ctypes.c_void_p * 1)(0xA000)
+    launch(0x2222, 3, 2, 1, 64, 2, 1, 512, 0x5555, params, None, 1)
+    assert calls["set"] == [(0x2222, max_dynamic_shared_size_bytes, 512)]
+    assert calls["launch_ex"] == [((3, 2, 1), (64, 2, 1), 512, 0x5555, 1,
+                                   programmatic_stream_serialization, 1, 0x2222,
+                                   ctypes.addressof(params))]
+    assert calls["fallback"] == []
+    status[0] = 201  # CUDA_ERROR_INVALID_CONTEXT: the runtime's launch takes over
+    launch(0x2222, 5, 1, 1, 64, 1, 1, 0, None, params, None, 1)
+    assert calls["fallback"] == [((5, 1, 1), 0, None)]

@@ -59,6 +59,11 @@ on both sides of the atomic, see :func:`_combine_if_last`). ``elect_sync`` runs 
 converged, before any branch. The K/V ring is a full/empty mbarrier pair per stage: ``full[s]`` is re-armed only
 after every thread arrived on ``empty[s]`` for the tile it held, and those arrivals come after
 each thread's wait on ``full[s]``, so no phase is reused while a waiter may still be on it.
+
+Launch: programmatic dependent launch (``grid_dependency_wait`` right after the mbarrier
+set-up, before any global memory access), so a call's CTAs start while the previous kernel on
+the stream finishes; each CTA asks for ``MIN_SHARED_BYTES`` of shared memory, so no two share
+an SM.
 """
 
 from __future__ import annotations
@@ -101,6 +106,11 @@ MAX_COMBINE_LOADS = 32
 # 64 KB (batch 1 Sq 1, 16 splits; batch 4 Sq 4, 4 splits) and by 0.3-1.1 us at 256 KB (batch 1
 # Sq 4, 16 splits), the largest merge of bench/decode.py's grid.
 FUSED_COMBINE_MAX_BYTES = 256 * 1024
+# Shared memory a CTA asks for at least: more than half of an SM's 228 KB, so no two CTAs share
+# an SM. With programmatic dependent launch the next call's CTAs start while this call's last
+# ones run; where two fit on an SM, some landed on the same one and that SM streamed twice the
+# bytes (batch 4, 16k, Sq 1: 64.9 -> 70.5 us on an H200).
+MIN_SHARED_BYTES = 116 * 1024
 # L2 priority of the K/V copies: a decode step reads each cache line once, so those lines go
 # first, not the small data every CTA shares (page table, seq_lens, q, partials). Measured on
 # an H200: 0.5-1.5 us less per call (about 1 us at most shapes), also with inputs rotated so
@@ -291,7 +301,8 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                      counts: kiln.Tensor[kiln.i32, 3], o_out: kiln.Tensor[kiln.bf16, 4],
                      lse_out: kiln.Tensor[kiln.f32, 3], tickets: kiln.Tensor[kiln.i32, 2],
                      num_splits: kiln.i32, scale_log2: kiln.f32):
-        ring = dynamic_shared((shape.ring_elems,), kiln.bf16, align=1024)
+        ring = dynamic_shared((max(shape.ring_elems, MIN_SHARED_BYTES // 2),), kiln.bf16,
+                              align=1024)
         slots = ring.reinterpret((2 * S * shape.halves * shape.pages, shape.eff, HALF),
                                 kiln.bf16)
         kv_s = tiles.SharedTile.view(ring, (2 * S * config.block_n, D), shape.ring_layout(),
@@ -307,6 +318,16 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
         key_slice = warp % shape.group_warps
         # Converged here, before any branch: warp 0's elected lane issues every TMA.
         producer = nvidia_asm.elect_sync() & (warp == 0)
+        for s in kiln.static_range(S):
+            full.init(s, count=1, predicate=tid == 0)
+            empty.init(s, count=shape.threads, predicate=tid == 0)
+        nvidia_asm.fence_mbarrier_init()
+        kiln.barrier()
+        # Programmatic dependent launch: the CTA may start while the previous kernel on the
+        # stream finishes (which calls no launch_dependents: triggering after the main loop
+        # was 0.2-0.5 us slower on an H200). Its shared-memory set-up is done; everything
+        # after reads or writes global memory, so it waits for that kernel here.
+        nvidia_asm.grid_dependency_wait()
         # The descriptors' fetch overlaps the seq_len -> page table look-ups, not the first
         # TMA (0.1-0.3 us at batch 1 on an H200).
         kiln.tma.prefetch_descriptor(k_map, predicate=producer)
@@ -333,12 +354,6 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
             tile_begin = split * tiles_per_split
             tile_end = kiln.minimum(tile_begin + tiles_per_split, tiles_total)
         num_tiles = kiln.maximum(tile_end - tile_begin, 0)
-
-        for s in kiln.static_range(S):
-            full.init(s, count=1, predicate=tid == 0)
-            empty.init(s, count=shape.threads, predicate=tid == 0)
-        nvidia_asm.fence_mbarrier_init()
-        kiln.barrier()
 
         # The warp's Q A fragments stay in registers for the whole split, loaded straight from
         # global memory: no shared staging, and no barrier between them and the first TMA.

@@ -142,7 +142,8 @@ def _elect_sync(op, p):
 
 @semantics("nvvm.fence.mbarrier.init", "nvvm.fence.proxy", "nvvm.setmaxregister",
            "nvgpu.tma.prefetch.descriptor", "nvvm.fence.proxy.acquire",
-           "nvvm.fence.proxy.release", "rocdl.sched.barrier", "rocdl.s.setprio", "llvm.fence")
+           "nvvm.fence.proxy.release", "rocdl.sched.barrier", "rocdl.s.setprio", "llvm.fence",
+           "nvvm.griddepcontrol")  # one grid at a time: every prior grid has completed
 def _no_effect(op, p):
     return None
 
