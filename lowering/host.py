@@ -234,6 +234,8 @@ llvm.func @kiln_programmatic_launch_address() -> !llvm.ptr {{
   llvm.return %address : !llvm.ptr
 }}
 """
+
+
 class ProgrammaticLaunchShim:
     """The JIT-compiled ``_PROGRAMMATIC_SHIM``; :attr:`address` is its launch function, a
     drop-in ``mgpuLaunchKernel``. ``symbols`` maps ``cuFuncSetAttribute``, ``cuLaunchKernelEx``
