@@ -190,6 +190,7 @@ llvm.func @kiln_programmatic_launch(%kernel: !llvm.ptr, %gx: i64, %gy: i64, %gz:
   %one = llvm.mlir.constant(1 : i64) : i64
   %attribute_id = llvm.mlir.constant({PROGRAMMATIC_STREAM_SERIALIZATION} : i32) : i32
   %allowed = llvm.mlir.constant(1 : i32) : i32
+  %attribute_count = llvm.mlir.constant(1 : i32) : i32
   %no_attribute = llvm.mlir.zero : {ATTRIBUTE_TYPE}
   %with_id = llvm.insertvalue %attribute_id, %no_attribute[0] : {ATTRIBUTE_TYPE}
   %attribute_value = llvm.insertvalue %allowed, %with_id[2, 0] : {ATTRIBUTE_TYPE}
@@ -211,7 +212,7 @@ llvm.func @kiln_programmatic_launch(%kernel: !llvm.ptr, %gx: i64, %gy: i64, %gz:
   %c7 = llvm.insertvalue %smem, %c6[6] : {CONFIG_TYPE}
   %c8 = llvm.insertvalue %stream, %c7[7] : {CONFIG_TYPE}
   %c9 = llvm.insertvalue %attribute, %c8[8] : {CONFIG_TYPE}
-  %c10 = llvm.insertvalue %allowed, %c9[9] : {CONFIG_TYPE}
+  %c10 = llvm.insertvalue %attribute_count, %c9[9] : {CONFIG_TYPE}
   %config = llvm.alloca %one x {CONFIG_TYPE} : (i64) -> !llvm.ptr
   llvm.store %c10, %config : {CONFIG_TYPE}, !llvm.ptr
   %shared_attribute = llvm.mlir.constant({MAX_DYNAMIC_SHARED_SIZE_BYTES} : i32) : i32

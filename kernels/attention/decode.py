@@ -266,8 +266,10 @@ class _Shape:
 
     @property
     def ring_elems(self) -> int:
+        """bf16 elements of the dynamic shared buffer: the K/V ring, which the merge scratch
+        reuses, and at least ``MIN_SHARED_BYTES``."""
         ring = self.config.stages * self.tile_bytes // 2
-        return max(ring, 2 * self.merge_floats)
+        return max(ring, 2 * self.merge_floats, MIN_SHARED_BYTES // 2)
 
     def ring_layout(self) -> Layout:
         """(row, col) of the ring seen as ``2 * stages * BN`` rows (stage-major, K then V) of
@@ -301,8 +303,7 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                      counts: kiln.Tensor[kiln.i32, 3], o_out: kiln.Tensor[kiln.bf16, 4],
                      lse_out: kiln.Tensor[kiln.f32, 3], tickets: kiln.Tensor[kiln.i32, 2],
                      num_splits: kiln.i32, scale_log2: kiln.f32):
-        ring = dynamic_shared((max(shape.ring_elems, MIN_SHARED_BYTES // 2),), kiln.bf16,
-                              align=1024)
+        ring = dynamic_shared((shape.ring_elems,), kiln.bf16, align=1024)
         slots = ring.reinterpret((2 * S * shape.halves * shape.pages, shape.eff, HALF),
                                 kiln.bf16)
         kv_s = tiles.SharedTile.view(ring, (2 * S * config.block_n, D), shape.ring_layout(),
