@@ -657,8 +657,8 @@ def _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, spli
         for c in columns:
             acc = scratch.load((0 * rows + r) * stride + c, width=4, align=16) * weights[0]
             for w in kiln.static_range(1, slices):
-                acc = acc + scratch.load((w * rows + r) * stride + c, width=4,
-                                         align=16) * weights[w]
+                acc = kiln.fma(scratch.load((w * rows + r) * stride + c, width=4, align=16),
+                               weights[w], acc)
             o_part.store(split, b, q_index, head, c, acc * inv, align=16)
         if tid % per_row == 0:
             lse_part[split, b, q_index, head] = kiln.where(
@@ -718,7 +718,7 @@ def _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, last, b, q_first
             for x, vectors in zip(lses, parts):
                 w = kiln.exp2((x - m_safe) * LOG2E)
                 total = total + w
-                acc = [a + v * w for a, v in zip(acc, vectors)]
+                acc = [kiln.fma(v, w, a) for a, v in zip(acc, vectors)]
         valid = (total > 0.0) & (total < math.inf)
         inv = kiln.where(valid, 1.0 / kiln.maximum(total, 1e-30), 0.0)
         for c, a in zip(columns, acc):
