@@ -642,3 +642,16 @@ def test_decode_attention_fuses_the_combine_only_for_small_merges(monkeypatch):
     # 32 packed rows x 128 columns x 4 bytes = 16 KB a split
     assert plan(16, None).fused and not plan(17, None).fused
     assert plan(17, True).fused and not plan(16, False).fused
+
+
+@pytest.mark.lower
+def test_fused_merge_accumulates_with_fma():
+    """The last CTA's merge is issue-bound: each split's weighted columns take one fma each
+    (16 splits x 16 columns a thread at Sq 4), not a multiply and an add."""
+    from kiln.kernels.attention.decode import compile_decode
+
+    ptx = compile_decode(target="sm_90a", head_dim=128, group=8, sq=4,
+                         fused_slots=16).asm["ptx"]
+    merge = ptx[ptx.index("atom.global"):]
+    assert merge.count("fma.rn.f32") >= 16 * 16
+    assert merge.count("mul.rn.f32") < 16 * 16 // 4
