@@ -249,15 +249,13 @@ class _Shape:
     tile_bytes = property(lambda self: 2 * self.config.block_n * self.head_dim * 2)  # K and V
     merge_row = property(lambda self: self.head_dim + MERGE_PAD)
     # Fused combine: the rows of a CTA that exist (not the m16 padding), each merged by
-    # combine_threads_per_row threads (a power of two) of combine_width columns (>= 4).
+    # combine_threads_per_row threads (a power of two), each taking 4-column chunks.
     combine_rows = property(lambda self: min(self.rows, self.packed))
 
     @property
     def combine_threads_per_row(self) -> int:
         fit = self.threads // self.combine_rows
         return min(1 << (fit.bit_length() - 1), self.head_dim // 4)
-
-    combine_width = property(lambda self: self.head_dim // self.combine_threads_per_row)
 
     @property
     def merge_floats(self) -> int:
@@ -682,7 +680,7 @@ def _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, last, b, q_first
     partial stores before thread 0's gpu-scope fence and ticket; in the last CTA thread 0
     fences again after the ticket (acquire), and the second barrier orders its threads'
     reads of the other splits' partials (just written, so from L2) after that. Each of
-    ``per_row`` threads of a row takes ``width`` columns (:func:`_interleaved_columns`, so a
+    ``per_row`` threads of a row takes its 4-column chunks (:func:`_interleaved_columns`, so a
     load instruction reads whole sectors); its loads of a chunk of splits are independent, so
     up to ``MAX_COMBINE_LOADS`` 16-byte loads a thread are in flight."""
     cta = (kiln.block_id(2), kiln.block_id(1))
@@ -696,7 +694,7 @@ def _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, last, b, q_first
             kiln.fence("gpu")
             tickets[cta[0], cta[1]] = 0
     kiln.barrier()
-    per_row, width = shape.combine_threads_per_row, shape.combine_width
+    per_row = shape.combine_threads_per_row
     r = tid // per_row
     columns = _interleaved_columns(tid, per_row, shape.head_dim)
     row = row0 + r
@@ -708,8 +706,8 @@ def _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, last, b, q_first
             m = kiln.maximum(m, lse_part[s, b, q_index, head])
         m_safe = kiln.where(m == -math.inf, 0.0, m)  # every split empty: no -inf - -inf
         total = kiln.cast(0.0, kiln.f32)
-        acc = [kiln.vector_constant([0.0] * 4, kiln.f32) for _ in range(width // 4)]
-        chunk = max(1, MAX_COMBINE_LOADS // (width // 4))
+        acc = [kiln.vector_constant([0.0] * 4, kiln.f32) for _ in columns]
+        chunk = max(1, MAX_COMBINE_LOADS // len(columns))
         for first in kiln.static_range(0, slots, chunk):
             splits = range(first, min(first + chunk, slots))
             lses = [lse_part[s, b, q_index, head] for s in splits]
