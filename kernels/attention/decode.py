@@ -811,7 +811,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
                                                     seq_lens, block_table, sinks)
     if bindable and plan.fused:
         words, partials = plan.torch_partial_words()  # freed once the launch is queued
-        o, lse = plan.outputs(on_device=True)
+        o, lse = plan.outputs(like=words)
         stream = plan.bound.current_stream()
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
                                     block_table, sinks), *partials, o.data_ptr(),
@@ -848,7 +848,7 @@ def _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, s
     lib = _ArrayLib(q)
     o_part, lse_part, counts = plan.torch_partials() if lib.torch else plan.numpy_partials()
     if plan.fused:
-        o, lse = plan.outputs(lib.torch)
+        o, lse = plan.outputs(like=lse_part if lib.torch else None)
         outputs = [o, lse, lib.full(plan.grid_cells, 0, "i32")]
     else:
         outputs = list(plan.no_outputs)
@@ -942,15 +942,16 @@ class _DecodePlan:
                                                           device=self.device)
         return counters
 
-    def outputs(self, on_device: bool):
-        """Fresh ``(o, lse)`` of a fused call: bf16 ``[B, Sq, Hq, D]`` and f32 ``[B, Sq, Hq]``
-        (numpy: NaN-poisoned, so an element the kernel missed shows)."""
+    def outputs(self, like=None):
+        """Fresh ``(o, lse)`` of a fused call: bf16 ``[B, Sq, Hq, D]`` and f32 ``[B, Sq, Hq]``.
+        ``like``: an f32 torch tensor on the plan's device (the partials), whose ``new_empty``
+        skips parsing a device and a dtype, as :meth:`_CombinePlan.new_outputs` does; None:
+        numpy arrays, NaN-poisoned so an element the kernel missed shows."""
         shape = self.partial_shape[1:]
-        if on_device:
+        if like is not None:
             import torch
 
-            return (torch.empty(shape, dtype=torch.bfloat16, device=self.device),
-                    torch.empty(shape[:3], dtype=torch.float32, device=self.device))
+            return like.new_empty(shape, dtype=torch.bfloat16), like.new_empty(shape[:3])
         return (np.full(shape, np.nan, kiln.bf16.numpy), np.full(shape[:3], np.nan, np.float32))
 
     @property
@@ -1038,7 +1039,7 @@ def _bind(plan: _DecodePlan, q, k_cache, v_cache, page_table, seq_lens, block_ta
     from .combine import plan_combine
 
     partials = plan.torch_partials()
-    outputs = (*plan.outputs(on_device=True), plan.torch_tickets(None)) if plan.fused \
+    outputs = (*plan.outputs(like=partials[1]), plan.torch_tickets(None)) if plan.fused \
         else plan.no_outputs
     args = [q, k_cache.reshape(plan.cache_rows, plan.cache_cols),
             v_cache.reshape(plan.cache_rows, plan.cache_cols), page_table, seq_lens,
