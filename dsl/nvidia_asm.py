@@ -2,10 +2,11 @@
 
 Everything here is an upstream ``nvvm`` op except the inline-PTX wrappers:
 :func:`named_barrier` (see its comment), :func:`wgmma_mma_async_regs` (WGMMA with A in
-registers, which ``nvvm.wgmma.mma_async`` cannot express) and :func:`l2_cache_policy` (NVVM
-has no ``createpolicy``). The module also holds the operand coercion shared by :mod:`kiln.tma`,
-:mod:`kiln.mbarrier` and :mod:`kiln.wgmma`: those wrappers accept Python ints, traced
-``kiln.Value``/``Handle`` objects (anything with ``.ir``) or raw ``ir.Value``.
+registers, which ``nvvm.wgmma.mma_async`` cannot express), :func:`l2_cache_policy` (NVVM
+has no ``createpolicy``) and :func:`wait_for_count` (no upstream op spins on global memory).
+The module also holds the operand coercion shared by :mod:`kiln.tma`, :mod:`kiln.mbarrier` and
+:mod:`kiln.wgmma`: those wrappers accept Python ints, traced ``kiln.Value``/``Handle`` objects
+(anything with ``.ir``) or raw ``ir.Value``.
 
 Example (inside a ``@kiln.kernel`` for sm_90a)::
 
@@ -194,6 +195,54 @@ def l2_cache_policy(priority: str) -> ir.Value:
                              "or evict_normal", fix="use one of those three")
     return llvm.inline_asm(ir.IntegerType.get_signless(64), [],
                            f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;", "=l")
+
+
+# ``wait_for_count``: poll with an acquire load until the signed difference ``counter - target``
+# is >= 0 (so a target past a wrapped counter still compares right). The labels live in their
+# own ``{ }`` scope, so the asm may be inlined any number of times.
+WAIT_FOR_COUNT_ASM = ("{\n.reg .pred p;\n.reg .b64 v;\nKILN_WAIT_FOR_COUNT:\n"
+                      "ld.acquire.gpu.global.b64 v, [$0];\nsub.s64 v, v, $1;\n"
+                      "setp.lt.s64 p, v, 0;\n@p bra KILN_WAIT_FOR_COUNT;\n}")
+
+
+def wait_for_count(counters, *index, target) -> None:
+    """Spin in the calling thread until the i64 counter ``counters[index]`` reaches ``target``
+    (``ld.acquire.gpu`` in a loop; NVIDIA only, no upstream op spins on global memory).
+
+    What other CTAs stored before they released their increments (``kiln.fence("gpu")`` then
+    ``atomic_add``) is then visible to this thread, and after a ``kiln.barrier()`` to its CTA.
+    Waiting on CTAs of the same grid is only safe when they are sure to run: ones already
+    running, or at most a few launched later (the hardware starts CTAs in block order, so a
+    handful of waiters cannot hold every SM). Example (the last of ``n`` CTAs' tickets)::
+
+        if kiln.thread_id(0) == 0:
+            kiln.fence("gpu")
+            ticket = counters.atomic_add(0, 1)
+            kiln.nvidia_asm.wait_for_count(counters, 0, target=ticket - ticket % n + n)
+        kiln.barrier()
+
+    The interpreter runs CTAs one at a time, so it raises UnsupportedError when a wait runs.
+    """
+    target_info = current_target()
+    if not target_info.is_nvidia:
+        raise TargetError(f"wait_for_count needs an NVIDIA target, not {target_info.name}",
+                          fix="guard the wait with a constexpr on the target")
+    from . import dtypes as dt
+    from .values import cast, to_value
+
+    if getattr(counters, "dtype", None) is not dt.i64 or \
+            not hasattr(counters, "element_address") or \
+            str(ir.MemRefType(counters.ir.type).memory_space) != "1 : i64":  # a Tensor param
+        raise KilnTypeError("wait_for_count polls a global tensor of i64 counters, got "
+                            f"{getattr(counters, 'ir', counters)}",
+                            fix="keep the counters in a kiln.Tensor[kiln.i64, ...]")
+    goal = to_value(target)
+    if goal.dtype.kind != "int":
+        raise KilnTypeError(f"wait_for_count's target must be an integer, got {goal.dtype}",
+                            fix="compute the target from the ticket (an integer)")
+    llvm.inline_asm(ir.Type.parse("!llvm.void"),
+                    [counters.element_address(*index), cast(goal, dt.i64).ir],
+                    WAIT_FOR_COUNT_ASM, "l,l,~{memory}", has_side_effects=True)
 
 
 def _named_barrier_operands(barrier_id, num_threads: int) -> list:

@@ -108,6 +108,19 @@ class TensorRef:
     def __getitem__(self, idx) -> Value:
         return Value(memref.load(self.ir, self._indices(idx)), self.dtype)
 
+    def element_address(self, *idx) -> ir.Value:
+        """The i64 address of element ``idx`` (base + (offset + sum of index * stride) *
+        element bytes), for inline PTX that takes a pointer, e.g.
+        :func:`kiln.nvidia_asm.wait_for_count`."""
+        index = ir.IndexType.get()
+        meta = memref.ExtractStridedMetadataOp(self.ir)
+        linear = meta.offset
+        for i, stride in zip(self._indices(idx), meta.strides):
+            linear = arith.addi(linear, arith.muli(i, stride))
+        address = arith.addi(memref.extract_aligned_pointer_as_index(self.ir),
+                             arith.muli(linear, arith.constant(index, self.dtype.itemsize)))
+        return arith.index_cast(ir.IntegerType.get_signless(64), address)
+
     def __setitem__(self, idx, value) -> None:
         memref.store(self._coerce(value, ()).ir, self.ir, self._indices(idx))
 

@@ -3,7 +3,7 @@
 import numpy as np
 
 import kiln
-from kiln import bf16, f32, i32
+from kiln import bf16, f32, i32, i64
 
 
 @kiln.kernel
@@ -87,6 +87,25 @@ def take_tickets(counter: kiln.Tensor[i32, 1], tickets: kiln.Tensor[i32, 1],
         tickets[i] = counter.atomic_add(0, 1)
         swapped[i] = counter.atomic_exchange(1, i)
         low.atomic_min(0, x[i])
+
+
+@kiln.kernel
+def sum_after_wait(x: kiln.Tensor[f32, 1], stored: kiln.Tensor[f32, 1],
+                   counters: kiln.Tensor[i64, 1], out: kiln.Tensor[f32, 1]):
+    """CTA ``c`` stores ``2 x[c]``, takes a ticket and waits (``kiln.nvidia_asm.wait_for_count``)
+    until every CTA of the launch took one; then ``out[c]`` is the sum of what they all stored.
+    The counter is never reset: each launch adds its number of CTAs."""
+    cta = kiln.block_id(0)
+    ctas = kiln.cast(kiln.num_blocks(0), i64)
+    if kiln.thread_id(0) == 0:
+        stored[cta] = x[cta] * 2.0
+        kiln.fence("gpu")
+        ticket = counters.atomic_add(0, 1)
+        kiln.nvidia_asm.wait_for_count(counters, 0, target=ticket - ticket % ctas + ctas)  # @wait
+        total = 0.0
+        for c in kiln.range(kiln.num_blocks(0)):
+            total = total + stored[c]
+        out[cta] = total
 
 
 def split_sum_problem(rng, n):

@@ -596,9 +596,10 @@ def test_fused_block_sparse_rows_that_select_nothing():
 
 @pytest.mark.gpu
 def test_fused_decode_attention_on_the_gpu_repeats_on_two_streams():
-    """The fused kernel's ticket counters return to zero after every launch (a repeat that
-    found them dirty would merge too early) and are separate per stream; block-sparse rows
-    that select nothing give O = 0, LSE = -inf. Checked against the two-kernel path."""
+    """The fused kernel's ticket counters advance by one launch's splits every launch (a
+    repeat that misread them would merge too early) and are separate per stream; at Sq 4 x
+    GQA 8 the last CTAs share the merge, waiting for the last; block-sparse rows that select
+    nothing give O = 0, LSE = -inf. Checked against the two-kernel path."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -642,6 +643,28 @@ def test_decode_attention_fuses_the_combine_only_for_small_merges(monkeypatch):
     # 32 packed rows x 128 columns x 4 bytes = 16 KB a split
     assert plan(16, None).fused and not plan(17, None).fused
     assert plan(17, True).fused and not plan(16, False).fused
+
+
+def test_large_fused_merges_are_shared_by_the_last_ctas_on_the_gpu(monkeypatch):
+    """32 packed rows (Sq 4 x GQA 8): on a GPU the CTAs that draw the last MERGE_SLICES
+    tickets share the fused merge. 8 rows keep one merging CTA, and so does the interpreter,
+    which runs one CTA at a time and could not run the others' wait."""
+    decode_module = importlib.import_module("kiln.kernels.attention.decode")
+    monkeypatch.setattr(decode_module, "_PLANS", {})
+    rng = np.random.default_rng()
+
+    def kernel_name(sq, backend, splits=16):
+        q, kc, vc, table, seq_lens, _ = _problem(rng, 1, sq, 8, 1, 64, [4 * BN])
+        return decode_module._make_plan(decode_module._ArrayLib(q), q, kc, vc, table, seq_lens,
+                                        splits, None, None, None, "sm_90a", backend, None,
+                                        None).kernel.name
+
+    slices = decode_module.MERGE_SLICES
+    assert kernel_name(4, None).endswith(f"_fused16x{slices}")
+    # Never more slices than splits, and a power of two (the slices split the columns).
+    assert kernel_name(4, None, splits=3).endswith("_fused3x2")
+    assert kernel_name(4, "interpret").endswith("_fused16")
+    assert kernel_name(1, None).endswith("_fused16")
 
 
 @pytest.mark.lower

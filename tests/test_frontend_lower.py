@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from sample_kernels import row_stats, saxpy
+from sample_kernels import row_stats, saxpy, sum_after_wait
 
 import kiln
 
@@ -124,3 +124,35 @@ def test_grid_dependency_wait_opts_the_kernel_into_programmatic_launch(tmp_path,
     assert error.value.loc.line == marker_line("@conditional-wait")
     with pytest.raises(kiln.errors.TargetError):
         _dependent_copy.compile(X, X, target="gfx950", num_warps=1)
+
+
+COUNTERS = np.zeros(1, np.int64)
+
+
+@kiln.kernel
+def _wait_on_i32(counters: kiln.Tensor[kiln.i32, 1]):
+    kiln.nvidia_asm.wait_for_count(counters, 0, target=1)  # @i32-counters
+
+
+@kiln.kernel
+def _wait_for_float(counters: kiln.Tensor[kiln.i64, 1]):
+    kiln.nvidia_asm.wait_for_count(counters, 0, target=1.5)  # @float-target
+
+
+@pytest.mark.lower
+def test_wait_for_count_spins_with_acquire_loads(tmp_path, monkeypatch, marker_line):
+    """The wait is an acquire-load loop on the counter's address, after the ticket; wrong
+    operands and non-NVIDIA targets fail at the call with what to change."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    ptx = sum_after_wait.compile(X, X, COUNTERS, X, target="sm_90a", num_warps=1).asm["ptx"]
+    ticket = ptx.index("atom.global.add.u64")
+    loop = ptx.index("KILN_WAIT_FOR_COUNT:", ticket)
+    assert ptx.index("ld.acquire.gpu.global.b64", loop) < ptx.index("bra KILN_WAIT_FOR_COUNT", loop)
+    with pytest.raises(kiln.KilnTypeError, match="i64 counters") as error:
+        _wait_on_i32.compile(np.zeros(1, np.int32), target="sm_90a", num_warps=1)
+    assert error.value.loc.line == marker_line("@i32-counters")
+    with pytest.raises(kiln.KilnTypeError, match="must be an integer") as error:
+        _wait_for_float.compile(COUNTERS, target="sm_90a", num_warps=1)
+    assert error.value.loc.line == marker_line("@float-target")
+    with pytest.raises(kiln.errors.TargetError, match="NVIDIA"):
+        _wait_for_float.compile(COUNTERS, target="gfx950", num_warps=1)

@@ -6,7 +6,7 @@ Fresh random inputs every run, outputs poisoned with NaN before launch, float64 
 import numpy as np
 import pytest
 from sample_kernels import (check_split_sum, check_take_tickets, saxpy, scale_rows, split_sum,
-                            split_sum_problem, take_tickets, take_tickets_problem)
+                            split_sum_problem, sum_after_wait, take_tickets, take_tickets_problem)
 from source_modules import load_example
 
 import kiln
@@ -108,6 +108,23 @@ def test_atomics_last_cta_reduces_twice(n):
         ctas, args, expected = split_sum_problem(rng, n)
         split_sum[(ctas,)](*args, n, BLOCK=128, num_warps=4, target="sm_90a")
         check_split_sum(args, expected)
+
+
+def test_ctas_that_wait_for_count_see_every_ctas_stores():
+    """Every CTA sums what all CTAs stored before their tickets, so each must have waited for
+    the last ticket and then read the others' stores. Three launches share the counter, which
+    only grows: the targets come from the ticket, not from a reset."""
+    rng = np.random.default_rng()
+    ctas = 64
+    counters = np.zeros(1, np.int64)
+    for launch in range(3):
+        x = rng.standard_normal(ctas).astype(np.float32)
+        out = np.full(ctas, np.nan, np.float32)
+        sum_after_wait[(ctas,)](x, np.full(ctas, np.nan, np.float32), counters, out,
+                                num_warps=1, target="sm_90a")
+        bound = ctas * np.finfo(np.float32).eps * 2 * np.abs(x).sum()
+        np.testing.assert_allclose(out, 2 * x.astype(np.float64).sum(), rtol=0, atol=bound)
+        assert counters[0] == ctas * (launch + 1)
 
 
 def test_atomics_return_the_old_value_on_the_gpu():

@@ -154,3 +154,16 @@ def test_integer_ops_follow_mlir_not_python():
     out = np.full(3, -99, np.int32)
     scalar_kinds.interpret[(1,)](out, -7, 2, num_warps=1)
     assert out.tolist() == [-3, -1, 0]
+
+
+def test_a_wait_for_other_ctas_is_reported_not_hung():
+    """The interpreter runs one CTA at a time, so a CTA waiting for the others would never
+    return: the wait raises at its line instead."""
+    from sample_kernels import sum_after_wait
+
+    x = np.random.default_rng().standard_normal(2).astype(np.float32)
+    with pytest.raises(kiln.UnsupportedError, match="one at a time") as error:
+        sum_after_wait.interpret[(2,)](x, np.zeros(2, np.float32), np.zeros(1, np.int64),
+                                       np.full(2, np.nan, np.float32), num_warps=1)
+    assert "sample_kernels.py" in error.value.loc.filename
+    assert "@wait" in open(error.value.loc.filename).read().splitlines()[error.value.loc.line - 1]

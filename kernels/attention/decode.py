@@ -35,7 +35,7 @@ its pages in L2 (``DecodeConfig.warp_groups`` stops widening where O and S would
 | P·V | each warp | P's accumulators, cast to bf16, are the A fragments (two n8 accumulators = one k16 A); V B-fragments by ``ldmatrix.x4.trans`` |
 | release | every thread | arrive on ``empty[s]`` |
 | merge | all | per row, the ``(m, l, O)`` of its group's warps through shared memory (the ring reused as f32), then ``O / l``, ``LSE = (m + log2 l) * ln 2`` (sinks join here); split 0 writes ``split_counts`` |
-| combine (fused kernel of :func:`decode_attention` only) | all | thread 0 takes a ticket of the (batch, KV head, row block); in the CTA that draws the last one, ``combine_threads_per_row`` threads a row merge every split's partial from L2 into ``o`` (bf16) and ``lse`` |
+| combine (fused kernel of :func:`decode_attention` only) | all | thread 0 takes a ticket of the (batch, KV head, row block); the CTA that draws the last one (and, with ``merge_slices > 1``, the ones that drew the tickets just before it, after waiting for it) merges every split's partial, read from L2, into ``o`` (bf16) and ``lse``, ``combine_threads_per_row`` threads a row, each CTA its slice of the columns |
 
 Shared memory: a ring of ``stages`` K/V tiles; tile rows are stored as 64-column halves, each
 ``BN x 64`` bf16 with 128-byte rows, so a TMA box of ``eff_page x 64`` lands at a multiple of
@@ -106,6 +106,13 @@ MAX_COMBINE_LOADS = 32
 # 64 KB (batch 1 Sq 1, 16 splits; batch 4 Sq 4, 4 splits) and by 0.3-1.1 us at 256 KB (batch 1
 # Sq 4, 16 splits), the largest merge of bench/decode.py's grid.
 FUSED_COMBINE_MAX_BYTES = 256 * 1024
+# A fused merge of at least this many rows a CTA is shared by the last MERGE_SLICES CTAs of a
+# (batch, KV head, row block) to draw tickets, each merging D / MERGE_SLICES columns; the
+# earlier ones wait for the last (:func:`_combine_if_last`). On an H200 that took 0.4-1.2 us
+# off Sq 4 x GQA 8 (32 rows, 64-256 KB of partials), and cost 0.2-0.6 us at Sq 1 (8 rows),
+# where waiting for the last ticket took longer than the merge it split.
+MERGE_HELPER_MIN_ROWS = 32
+MERGE_SLICES = 4
 # Shared memory a CTA asks for at least: more than half of an SM's 228 KB, so no two CTAs share
 # an SM. With programmatic dependent launch the next call's CTAs start while this call's last
 # ones run; where two fit on an SM, some landed on the same one and that SM streamed twice the
@@ -282,11 +289,14 @@ class _Shape:
 
 @functools.lru_cache(maxsize=None)
 def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sparse: bool,
-                has_sinks: bool, config: DecodeConfig = DecodeConfig(), fused_slots: int = 0):
+                has_sinks: bool, config: DecodeConfig = DecodeConfig(), fused_slots: int = 0,
+                merge_slices: int = 1):
     """The ``@kiln.kernel`` for one shape class: ``q_rows`` query tokens per CTA (``Sq``, or 1
     when block-sparse) times ``group`` query heads per KV head. ``fused_slots > 0``: the
     grid has that many splits and the last CTA of each (batch, KV head, row block) to finish
-    merges them all into ``o_out`` / ``lse_out`` (see :func:`_combine_if_last`)."""
+    merges them all into ``o_out`` / ``lse_out``; ``merge_slices > 1``: the last that many
+    CTAs share that merge, each taking a slice of the columns (see :func:`_combine_if_last`;
+    GPU only, the interpreter cannot run the wait)."""
     config.check_rows(q_rows * group, head_dim)
     shape = _Shape(head_dim, group, q_rows, page_size, config)
     D, S = head_dim, config.stages
@@ -299,7 +309,7 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                      block_table: kiln.Tensor[kiln.i32, 4], sinks: kiln.Tensor[kiln.f32, 1],
                      o_part: kiln.Tensor[kiln.f32, 5], lse_part: kiln.Tensor[kiln.f32, 4],
                      counts: kiln.Tensor[kiln.i32, 3], o_out: kiln.Tensor[kiln.bf16, 4],
-                     lse_out: kiln.Tensor[kiln.f32, 3], tickets: kiln.Tensor[kiln.i32, 2],
+                     lse_out: kiln.Tensor[kiln.f32, 3], tickets: kiln.Tensor[kiln.i64, 2],
                      num_splits: kiln.i32, scale_log2: kiln.f32):
         ring = dynamic_shared((shape.ring_elems,), kiln.bf16, align=1024)
         slots = ring.reinterpret((2 * S * shape.halves * shape.pages, shape.eff, HALF),
@@ -423,11 +433,12 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
         if fused_slots:
             last = kiln.shared((1,), kiln.i32)
             _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, last, b, q_first,
-                             kv_head, row0, tid, shape, fused_slots)
+                             kv_head, row0, tid, shape, fused_slots, merge_slices)
 
     paged_decode.__name__ = paged_decode.__qualname__ = (
         f"paged_decode_d{D}_g{group}_q{q_rows}_p{page_size}{'_sparse' if block_sparse else ''}"
-        f"{'_sinks' if has_sinks else ''}{f'_fused{fused_slots}' if fused_slots else ''}")
+        f"{'_sinks' if has_sinks else ''}{f'_fused{fused_slots}' if fused_slots else ''}"
+        f"{f'x{merge_slices}' if merge_slices > 1 else ''}")
     return kiln.kernel(paged_decode)
 
 
@@ -669,36 +680,50 @@ def _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, spli
 
 @kiln.func
 def _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, last, b, q_first, kv_head, row0,
-                     tid, shape, slots):
+                     tid, shape, slots, merge_slices):
     """Take a ticket for this CTA's (batch, KV head, row block) after its partials are
-    stored; the CTA that draws the last one merges all ``slots`` splits of its rows into
-    ``o_out`` / ``lse_out`` (what :func:`kiln.kernels.attention.combine` computes, with every
-    slot read: a split that saw no key has LSE ``-inf`` and weight 0) and resets the ticket
-    counter for the next launch.
+    stored; the CTA that draws the last one of this launch merges all ``slots`` splits of its
+    rows into ``o_out`` / ``lse_out`` (what :func:`kiln.kernels.attention.combine` computes,
+    with every slot read: a split that saw no key has LSE ``-inf`` and weight 0).
+
+    The i64 counters only grow: every launch adds ``slots`` to each, so ``ticket % slots`` is
+    this CTA's place in its launch. With ``merge_slices > 1`` the CTAs that drew the last
+    ``merge_slices`` tickets each merge ``D / merge_slices`` columns: slice ``k`` goes to the
+    CTA ``k`` places before the last, which waits (:func:`kiln.nvidia_asm.wait_for_count`)
+    until the counter reaches the end of the launch. It waits for at most ``k`` CTAs of its
+    (batch, KV head, row block), the ones without a ticket yet; CTAs start in block order and
+    those splits are adjacent in it (``x``), so they are running or next to start.
 
     Ordering (CUTLASS's split-K semaphore pattern): the CTA barrier puts every thread's
-    partial stores before thread 0's gpu-scope fence and ticket; in the last CTA thread 0
-    fences again after the ticket (acquire), and the second barrier orders its threads'
-    reads of the other splits' partials (just written, so from L2) after that. Each of
-    ``per_row`` threads of a row takes its 4-column chunks (:func:`_interleaved_columns`, so a
-    load instruction reads whole sectors); its loads of a chunk of splits are independent, so
-    up to ``MAX_COMBINE_LOADS`` 16-byte loads a thread are in flight."""
+    partial stores before thread 0's gpu-scope fence and ticket; in a merging CTA thread 0
+    acquires after the ticket (a fence in the last CTA, the wait's acquire loads in the
+    others), and the second barrier orders its threads' reads of the other splits' partials
+    (just written, so from L2) after that. Each of ``per_row`` threads of a row takes its
+    4-column chunks (:func:`_interleaved_columns`, so a load instruction reads whole
+    sectors); its loads of a chunk of splits are independent, so up to ``MAX_COMBINE_LOADS``
+    16-byte loads a thread are in flight."""
     cta = (kiln.block_id(2), kiln.block_id(1))
     kiln.barrier()
     if tid == 0:
         kiln.fence("gpu")
         ticket = tickets.atomic_add(cta[0], cta[1], 1)
-        is_last = ticket == slots - 1
-        last[0] = kiln.where(is_last, 1, 0)
-        if is_last:
+        place = ticket % slots
+        slice_index = kiln.cast(slots - 1 - place, kiln.i32)  # 0: the last CTA
+        last[0] = slice_index
+        if slice_index == 0:
             kiln.fence("gpu")
-            tickets[cta[0], cta[1]] = 0
+        if merge_slices > 1:
+            if (slice_index > 0) & (slice_index < merge_slices):
+                nvidia_asm.wait_for_count(tickets, cta[0], cta[1],
+                                          target=ticket - place + slots)
     kiln.barrier()
-    per_row = shape.combine_threads_per_row
+    width = shape.head_dim // merge_slices
+    per_row = min(shape.combine_threads_per_row, width // 4)
     r = tid // per_row
-    columns = _interleaved_columns(tid, per_row, shape.head_dim)
+    slice_index = last[0]
+    columns = [slice_index * width + c for c in _interleaved_columns(tid, per_row, width)]
     row = row0 + r
-    if (last[0] == 1) & (r < shape.combine_rows) & (row < shape.packed):
+    if (slice_index < merge_slices) & (r < shape.combine_rows) & (row < shape.packed):
         q_index = q_first + row // shape.group
         head = kv_head * shape.group + row % shape.group
         m = lse_part[0, b, q_index, head]
@@ -723,7 +748,7 @@ def _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, last, b, q_first
         inv = kiln.where(valid, 1.0 / kiln.maximum(total, 1e-30), 0.0)
         for c, a in zip(columns, acc):
             o_out.store(b, q_index, head, c, kiln.cast(a * inv, kiln.bf16), align=8)
-        if tid % per_row == 0:
+        if (tid % per_row == 0) & (slice_index == 0):
             lse_out[b, q_index, head] = kiln.where(
                 valid, m_safe + kiln.log2(kiln.maximum(total, 1e-30)) * LN2, -math.inf)
 
@@ -802,7 +827,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     and three allocations (the partials, freed to torch's stream-ordered allocator once the
     launch is queued, and the returned ``o`` and ``lse``), and it can be captured in a CUDA
     graph (``torch.cuda.graph``) and replayed with no host work per step. The ticket counters
-    are kept per plan and per stream, zero between launches.
+    are kept per plan and per stream; each launch adds the split count to them.
     Example: ``o, lse = decode_attention(q, k_cache, v_cache, page_table, seq_lens)``.
     """
     plan = _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
@@ -849,7 +874,7 @@ def _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, s
     o_part, lse_part, counts = plan.torch_partials() if lib.torch else plan.numpy_partials()
     if plan.fused:
         o, lse = plan.outputs(like=lse_part if lib.torch else None)
-        outputs = [o, lse, lib.full(plan.grid_cells, 0, "i32")]
+        outputs = [o, lse, lib.full(plan.grid_cells, 0, "i64")]
     else:
         outputs = list(plan.no_outputs)
     args = [q, lib.rows(k_cache, plan.cache_rows, plan.cache_cols),
@@ -924,8 +949,8 @@ class _DecodePlan:
     # writes ten addresses into a prepared argument block.
     bound: object = None
     merge: object = None  # the combine plan (bound) for these partials, bound with `bound`
-    # Fused torch plans: the zeroed ticket counters per stream handle. Each launch leaves
-    # them zero again; calls on one stream are ordered, calls on two use two counter sets.
+    # Fused torch plans: the ticket counters (zeroed once) per stream handle. Each launch adds
+    # `slots` to each; calls on one stream are ordered, calls on two use two counter sets.
     tickets: dict = field(default_factory=dict)
 
     @property
@@ -938,7 +963,7 @@ class _DecodePlan:
         if counters is None:
             import torch
 
-            counters = self.tickets[stream] = torch.zeros(self.grid_cells, dtype=torch.int32,
+            counters = self.tickets[stream] = torch.zeros(self.grid_cells, dtype=torch.int64,
                                                           device=self.device)
         return counters
 
@@ -1078,11 +1103,15 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
     if backend not in (None, "gpu", "interpret"):
         raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
                                   fix="leave backend=None to run on the GPU")
+    rows = _Shape(D, group, q_rows, page_size, config).combine_rows
     if fused is None:
-        rows = _Shape(D, group, q_rows, page_size, config).combine_rows
         fused = slots * rows * D * 4 <= FUSED_COMBINE_MAX_BYTES
+    # The interpreter runs one CTA at a time: a CTA waiting for a later one would never return.
+    # The slices split D, so their count is a power of two, and at most one slice a split.
+    merge_slices = min(MERGE_SLICES, 1 << (int(slots).bit_length() - 1)) \
+        if fused and backend != "interpret" and rows >= MERGE_HELPER_MIN_ROWS else 1
     kernel = make_kernel(D, group, q_rows, page_size, block_table is not None,
-                         sinks is not None, config, int(slots) if fused else 0)
+                         sinks is not None, config, int(slots) if fused else 0, merge_slices)
     return _DecodePlan(kernel=kernel, chip=_target(target), grid=grid,
                        num_warps=config.num_warps, slots=int(slots),
                        partial_shape=(slots, B, Sq, Hq, D), cache_rows=num_pages * page_size,
@@ -1091,15 +1120,17 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
                        no_block_table=lib.full((1, 1, 1, 1), -1, "i32"),
                        no_sinks=lib.full((1,), 0.0, "f32"),
                        no_outputs=(lib.full((1, 1, 1, 1), 0.0, "bf16"),
-                                   lib.full((1, 1, 1), 0.0, "f32"), lib.full((1, 1), 0, "i32")),
+                                   lib.full((1, 1, 1), 0.0, "f32"), lib.full((1, 1), 0, "i64")),
                        fused=bool(fused), device=lib.device if lib.torch else None)
 
 
 def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_size=64,
-                   block_sparse=False, sinks=False, config=None, fused_slots=0):
+                   block_sparse=False, sinks=False, config=None, fused_slots=0,
+                   merge_slices=1):
     """Compile (without running) the decode kernel of one shape class (``config`` None: the
     :func:`default_config` :func:`decode` would use; ``fused_slots``: the kernel of
-    :func:`decode_attention` that merges that many splits itself); returns the
+    :func:`decode_attention` that merges that many splits itself, shared by
+    ``merge_slices`` CTAs); returns the
     ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
     Example: ``compile_decode(target="sm_90a", page_size=16, sq=4).metadata["registers"]``."""
     if kiln.dtype(dtype) is not kiln.bf16:
@@ -1116,9 +1147,13 @@ def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_si
             np.zeros(1, np.int32), np.zeros((1, sq, hkv, 1), np.int32), np.zeros(1, np.float32),
             np.zeros((1, 1, sq, hq, head_dim), np.float32), np.zeros((1, 1, sq, hq), np.float32),
             np.zeros((1, sq, hq), np.int32), np.zeros((1, sq, hq, head_dim), bf16),
-            np.zeros((1, sq, hq), np.float32), np.zeros((1, 1), np.int32), 1, 0.1]
+            np.zeros((1, sq, hq), np.float32), np.zeros((1, 1), np.int64), 1, 0.1]
+    if merge_slices not in (1, 2, 4, 8) or merge_slices > max(fused_slots, 1):
+        raise kiln.KilnValueError(f"merge_slices={merge_slices} must be 1, 2, 4 or 8 and at "
+                                  f"most fused_slots={fused_slots}",
+                                  fix="pass merge_slices=1, or fused_slots >= merge_slices")
     kernel = make_kernel(head_dim, group, q_rows, page_size, block_sparse, sinks, config,
-                         fused_slots)
+                         fused_slots, merge_slices)
     return kernel.compile(*args, target=chip.name, num_warps=config.num_warps)
 
 
@@ -1180,7 +1215,7 @@ class _ArrayLib:
         if self.torch:
             import torch
 
-            torch_dtype = {"f32": torch.float32, "i32": torch.int32,
+            torch_dtype = {"f32": torch.float32, "i32": torch.int32, "i64": torch.int64,
                            "bf16": torch.bfloat16}[dtype]
             return torch.full(shape, value, dtype=torch_dtype, device=self.device)
         return np.full(shape, value, kiln.dtype(dtype).numpy)

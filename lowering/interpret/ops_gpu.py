@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.errors import UnsupportedError
+from kiln.nvidia_asm import WAIT_FOR_COUNT_ASM
 
 from .ops_wgmma import WGMMA_RS_PREFIX, wgmma_rs_inline_asm
 from .plan import location, semantics
@@ -83,6 +84,14 @@ def _inline_asm(op, p):
     kind = _INLINE_ASM.get(text)
     if text.startswith(WGMMA_RS_PREFIX):
         return wgmma_rs_inline_asm(op, p, text)
+    if text == WAIT_FOR_COUNT_ASM:
+        def wait(env, ctx):
+            raise UnsupportedError("kiln.nvidia_asm.wait_for_count ran: it waits for other "
+                                   "CTAs, and the interpreter runs CTAs one at a time",
+                                   fix="run the kernel on the GPU, or build it without the "
+                                       "wait for the interpreter", loc=loc)
+
+        return wait
     if kind is None:
         raise UnsupportedError(f"the interpreter has no semantics for inline asm {text!r} yet",
                                fix="use the DSL's wrappers (kiln.nvidia_asm)", loc=loc)
