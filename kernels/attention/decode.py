@@ -607,6 +607,8 @@ def _write_warp_state(scratch, m, l, o, key_slice, warp_row0, lane, shape):
     ml_base = shape.group_warps * rows * stride
     for i in kiln.static_range(shape.m_tiles):
         for half in kiln.static_range(2):
+            if shape.warp_groups == 1 and 16 * i + 8 * half >= shape.packed:
+                continue  # only padding rows, which the merge skips
             r = key_slice * rows + warp_row0 + 16 * i + lane // 4 + 8 * half
             for n in kiln.static_range(shape.head_dim // 8):
                 scratch.store(r * stride + 8 * n + 2 * (lane % 4),
@@ -635,15 +637,16 @@ def _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, spli
     (and, on split 0, the split count).
 
     A row's threads take :func:`_interleaved_columns`, so each store instruction writes whole
-    32-byte sectors with 16-byte stores."""
+    32-byte sectors with 16-byte stores. Only rows that exist get threads (the m16 padding
+    rows get none), so with 8 packed rows each row has 16 threads, not 8."""
     rows, stride, D = shape.rows, shape.merge_row, shape.head_dim
     slices = shape.group_warps  # warps holding parts of each row
-    per_row = shape.threads // rows
+    per_row = shape.combine_threads_per_row
     ml_base = slices * rows * stride
     r = tid // per_row
     columns = _interleaved_columns(tid, per_row, D)
     row = row0 + r
-    if row < shape.packed:
+    if (r < shape.combine_rows) & (row < shape.packed):
         q_index = q_first + row // shape.group
         head = kv_head * shape.group + row % shape.group
         ms = [scratch[ml_base + 2 * (w * rows + r)] for w in range(slices)]
