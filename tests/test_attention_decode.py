@@ -663,6 +663,12 @@ def test_large_fused_merges_are_shared_by_the_last_ctas_on_the_gpu(monkeypatch):
     assert kernel_name(4, None).endswith(f"_fused16x{slices}")
     # Never more slices than splits, and a power of two (the slices split the columns).
     assert kernel_name(4, None, splits=3).endswith("_fused3x2")
+    from kiln.kernels.attention.decode import compile_decode
+
+    for slices, splits in ((3, 16), (4, 2)):
+        with pytest.raises(kiln.KilnValueError, match="merge_slices") as error:
+            compile_decode(target="sm_90a", sq=4, fused_slots=splits, merge_slices=slices)
+        assert error.value.loc.filename == __file__
     assert kernel_name(4, "interpret").endswith("_fused16")
     assert kernel_name(1, None).endswith("_fused16")
 

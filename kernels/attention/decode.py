@@ -54,9 +54,10 @@ padded at the end): slot ``j`` of row ``(b, i, kv head)`` is the partial over bl
 row that selects nothing has ``C = 0`` (combine returns ``O = 0``, ``LSE = -inf``).
 
 Synchronisation: the only CTA-wide barriers are at top level (after initialising the
-mbarriers; before and after the merge; around the fused kernel's ticket, with gpu-scope fences
-on both sides of the atomic, see :func:`_combine_if_last`). ``elect_sync`` runs once,
-converged, before any branch. The K/V ring is a full/empty mbarrier pair per stage: ``full[s]`` is re-armed only
+mbarriers; before and after the merge; around the fused kernel's ticket, with a gpu-scope
+fence before the atomic and, in a merging CTA, an acquire after it: a fence, or the acquire
+loads of the wait for the last ticket, see :func:`_combine_if_last`). ``elect_sync`` runs
+once, converged, before any branch. The K/V ring is a full/empty mbarrier pair per stage: ``full[s]`` is re-armed only
 after every thread arrived on ``empty[s]`` for the tile it held, and those arrivals come after
 each thread's wait on ``full[s]``, so no phase is reused while a waiter may still be on it.
 
@@ -108,8 +109,8 @@ MAX_COMBINE_LOADS = 32
 FUSED_COMBINE_MAX_BYTES = 256 * 1024
 # A fused merge of at least this many rows a CTA is shared by the last MERGE_SLICES CTAs of a
 # (batch, KV head, row block) to draw tickets, each merging D / MERGE_SLICES columns; the
-# earlier ones wait for the last (:func:`_combine_if_last`). On an H200 that took 0.4-1.2 us
-# off Sq 4 x GQA 8 (32 rows, 64-256 KB of partials), and cost 0.2-0.6 us at Sq 1 (8 rows),
+# earlier ones wait for the last (:func:`_combine_if_last`). On an H200 that took 0.3-1.2 us
+# off Sq 4 x GQA 8 (32 rows, 64-256 KB of partials), and cost 0.1-0.6 us at Sq 1 (8 rows),
 # where waiting for the last ticket took longer than the merge it split.
 MERGE_HELPER_MIN_ROWS = 32
 MERGE_SLICES = 4
@@ -1139,6 +1140,10 @@ def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_si
     if kiln.dtype(dtype) is not kiln.bf16:
         raise kiln.UnsupportedError(f"paged decode reads bf16 caches, not {kiln.dtype(dtype)}",
                                     fix="use dtype='bf16'")
+    if merge_slices not in (1, 2, 4, 8) or merge_slices > max(fused_slots, 1):
+        raise kiln.KilnValueError(f"merge_slices={merge_slices} must be 1, 2, 4 or 8 and at "
+                                  f"most fused_slots={fused_slots}",
+                                  fix="pass merge_slices=1, or fused_slots >= merge_slices")
     chip = _target(target)
     q_rows = 1 if block_sparse else sq
     config = config or default_config(q_rows * group, head_dim)
@@ -1151,10 +1156,6 @@ def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_si
             np.zeros((1, 1, sq, hq, head_dim), np.float32), np.zeros((1, 1, sq, hq), np.float32),
             np.zeros((1, sq, hq), np.int32), np.zeros((1, sq, hq, head_dim), bf16),
             np.zeros((1, sq, hq), np.float32), np.zeros((1, 1), np.int64), 1, 0.1]
-    if merge_slices not in (1, 2, 4, 8) or merge_slices > max(fused_slots, 1):
-        raise kiln.KilnValueError(f"merge_slices={merge_slices} must be 1, 2, 4 or 8 and at "
-                                  f"most fused_slots={fused_slots}",
-                                  fix="pass merge_slices=1, or fused_slots >= merge_slices")
     kernel = make_kernel(head_dim, group, q_rows, page_size, block_sparse, sinks, config,
                          fused_slots, merge_slices)
     return kernel.compile(*args, target=chip.name, num_warps=config.num_warps)
