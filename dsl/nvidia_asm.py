@@ -228,11 +228,13 @@ def wait_for_count(counters, *index, target) -> None:
         raise TargetError(f"wait_for_count needs an NVIDIA target, not {target_info.name}",
                           fix="guard the wait with a constexpr on the target")
     from . import dtypes as dt
+    from .builder import GLOBAL_MEMORY_SPACE
     from .values import cast, to_value
 
-    if getattr(counters, "dtype", None) is not dt.i64 or \
-            not hasattr(counters, "element_address") or \
-            str(ir.MemRefType(counters.ir.type).memory_space) != "1 : i64":  # a Tensor param
+    memref_type = getattr(getattr(counters, "ir", None), "type", None)
+    space = memref_type.memory_space if isinstance(memref_type, ir.MemRefType) else None
+    if getattr(counters, "dtype", None) is not dt.i64 or not isinstance(space, ir.IntegerAttr) \
+            or space.value != GLOBAL_MEMORY_SPACE:
         raise KilnTypeError("wait_for_count polls a global tensor of i64 counters, got "
                             f"{getattr(counters, 'ir', counters)}",
                             fix="keep the counters in a kiln.Tensor[kiln.i64, ...]")

@@ -24,6 +24,7 @@ from mlir import ir
 from mlir.dialects import arith, memref, scf, vector
 
 from . import dtypes as dt
+from .builder import GLOBAL_MEMORY_SPACE
 from .dtypes import DType
 from .errors import KilnTypeError, KilnValueError, UnsupportedError
 from .values import Value, cast, constant, is_literal, to_value
@@ -63,7 +64,7 @@ def memref_type(dtype: DType, rank: int, contiguous: bool) -> ir.MemRefType:
     dyn = ir.ShapedType.get_dynamic_stride_or_offset()
     strides = [dyn] * (rank - 1) + [1 if contiguous else dyn]
     layout = ir.StridedLayoutAttr.get(dyn, strides)
-    space = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), 1)
+    space = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), GLOBAL_MEMORY_SPACE)
     return ir.MemRefType.get([ir.ShapedType.get_dynamic_size()] * rank, dtype.mlir_type(),
                              layout=layout, memory_space=space)
 
