@@ -221,7 +221,8 @@ def wait_for_count(counters, *index, target) -> None:
             kiln.nvidia_asm.wait_for_count(counters, 0, target=ticket - ticket % n + n)
         kiln.barrier()
 
-    The interpreter runs CTAs one at a time, so it raises UnsupportedError when a wait runs.
+    The interpreter runs CTAs one at a time, so a wait passes there only where the CTAs before
+    this one already brought the counter to ``target``; otherwise it raises UnsupportedError.
     """
     target_info = current_target()
     if not target_info.is_nvidia:

@@ -674,6 +674,26 @@ def test_large_fused_merges_are_shared_by_the_last_ctas_on_the_gpu(monkeypatch):
 
 
 @pytest.mark.lower
+def test_one_merging_cta_is_the_last_to_arrive():
+    """With one merging CTA, thread 0 takes its ARRIVED ticket (counter 0) as the main loop
+    ends, before the CTA's own merge (two barriers), and the last to arrive waits for the
+    PUBLISHED counter (8 bytes on) instead of fencing after a second ticket. Shared merges
+    (Sq 4 x GQA 8) only count PUBLISHED."""
+    from kiln.kernels.attention.decode import compile_decode
+
+    ptx = compile_decode(target="sm_90a", sq=1, fused_slots=16).asm["ptx"]
+    tickets = re.findall(r"atom\.global\.add\.u64\s+%rd\d+, \[%rd\d+(\+8)?\], 1;", ptx)
+    assert tickets == ["", "+8"]
+    arrived, wait = ptx.index("atom.global.add.u64"), ptx.index("ld.acquire.gpu")
+    assert ptx.count("bar.sync", arrived, wait) >= 2
+    assert ptx.index("fence.acq_rel.gpu") > wait  # only the CTAs that do not merge fence
+
+    shared = compile_decode(target="sm_90a", sq=4, fused_slots=16, merge_slices=4).asm["ptx"]
+    assert re.findall(r"atom\.global\.add\.u64\s+%rd\d+, \[%rd\d+(\+8)?\], 1;",
+                      shared) == ["+8"]
+
+
+@pytest.mark.lower
 def test_fused_merge_accumulates_with_fma():
     """The last CTA's merge is issue-bound: each split's weighted columns take one fma each
     (16 splits x 16 columns a thread at Sq 4), not a multiply and an add."""
@@ -681,6 +701,6 @@ def test_fused_merge_accumulates_with_fma():
 
     ptx = compile_decode(target="sm_90a", head_dim=128, group=8, sq=4,
                          fused_slots=16).asm["ptx"]
-    merge = ptx[ptx.index("atom.global"):]
+    merge = ptx[ptx.rindex("atom.global"):]  # after the last ticket
     assert merge.count("fma.rn.f32") >= 16 * 16
     assert merge.count("mul.rn.f32") < 16 * 16 // 4

@@ -157,13 +157,18 @@ def test_integer_ops_follow_mlir_not_python():
 
 
 def test_a_wait_for_other_ctas_is_reported_not_hung():
-    """The interpreter runs one CTA at a time, so a CTA waiting for the others would never
-    return: the wait raises at its line instead."""
+    """The interpreter runs one CTA at a time, so a CTA waiting for a later one would never
+    return: the wait raises at its line instead. A wait the earlier CTAs already satisfied
+    (here the only CTA's own ticket, on a counter two earlier launches left at 2) passes."""
     from sample_kernels import sum_after_wait
 
     x = np.random.default_rng().standard_normal(2).astype(np.float32)
-    with pytest.raises(kiln.UnsupportedError, match="one at a time") as error:
+    with pytest.raises(kiln.UnsupportedError, match="it is 1 .* one at a time") as error:
         sum_after_wait.interpret[(2,)](x, np.zeros(2, np.float32), np.zeros(1, np.int64),
                                        np.full(2, np.nan, np.float32), num_warps=1)
     assert "sample_kernels.py" in error.value.loc.filename
     assert "@wait" in open(error.value.loc.filename).read().splitlines()[error.value.loc.line - 1]
+
+    counters, out = np.full(1, 2, np.int64), np.full(1, np.nan, np.float32)
+    sum_after_wait.interpret[(1,)](x[:1], np.zeros(1, np.float32), counters, out, num_warps=1)
+    assert out[0] == 2 * x[0] and counters[0] == 3

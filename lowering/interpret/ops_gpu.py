@@ -85,13 +85,7 @@ def _inline_asm(op, p):
     if text.startswith(WGMMA_RS_PREFIX):
         return wgmma_rs_inline_asm(op, p, text)
     if text == WAIT_FOR_COUNT_ASM:
-        def wait(env, ctx):
-            raise UnsupportedError("kiln.nvidia_asm.wait_for_count ran: it waits for other "
-                                   "CTAs, and the interpreter runs CTAs one at a time",
-                                   fix="run the kernel on the GPU, or build it without the "
-                                       "wait for the interpreter", loc=loc)
-
-        return wait
+        return _wait_for_count(op, p, loc)
     if kind is None:
         raise UnsupportedError(f"the interpreter has no semantics for inline asm {text!r} yet",
                                fix="use the DSL's wrappers (kiln.nvidia_asm)", loc=loc)
@@ -101,6 +95,44 @@ def _inline_asm(op, p):
         getattr(ctx.cta, kind)(ctx, int(env[barrier_id][0]), int(env[count][0]), loc)
 
     return run
+
+
+def _counters_of(address) -> "ir.Value":
+    """The memref whose aligned pointer the i64 ``address`` of
+    :meth:`kiln.tensor.Tensor.element_address` was computed from (through index arithmetic)."""
+    pending = [address]
+    while pending:
+        owner = pending.pop().owner
+        name = getattr(owner, "name", None)
+        if name == "memref.extract_aligned_pointer_as_index":
+            return owner.operands[0]
+        if name is not None and name.startswith("arith."):
+            pending.extend(owner.operands)
+    raise UnsupportedError("wait_for_count's address does not come from a tensor's "
+                           "element_address", fix="pass the counters as a kiln.Tensor")
+
+
+def _wait_for_count(op, p, loc):
+    """The wait of :func:`kiln.nvidia_asm.wait_for_count`: CTAs run one at a time here, so a
+    counter short of its target would never grow; the wait passes when the CTAs run before
+    this one already brought the counter there, and raises otherwise."""
+    address, target = p.operands(op)
+    counters = p.slot(_counters_of(op.operands[0]))
+
+    def wait(env, ctx):
+        storage = env[counters].storage
+        where = np.broadcast_to(env[address], (ctx.size,)) // storage.itemsize
+        goal = np.broadcast_to(env[target], (ctx.size,))
+        for t in np.flatnonzero(ctx.active().reshape(-1)):
+            if int(storage[where[t]]) < int(goal[t]):
+                raise UnsupportedError(
+                    f"kiln.nvidia_asm.wait_for_count waits for the counter to reach "
+                    f"{int(goal[t])}, but it is {int(storage[where[t]])} and the interpreter "
+                    "runs CTAs one at a time: the CTAs that would add to it run after this one",
+                    fix="run the kernel on the GPU, or wait only for CTAs earlier in block "
+                        "order under the interpreter", loc=loc)
+
+    return wait
 
 
 @semantics("gpu.shuffle")
