@@ -56,8 +56,8 @@ row that selects nothing has ``C = 0`` (combine returns ``O = 0``, ``LSE = -inf`
 Synchronisation: the only CTA-wide barriers are at top level (after initialising the
 mbarriers; before and after the merge; around the fused kernel's tickets: a gpu-scope fence
 before a CTA publishes its partials and, in a merging CTA, an acquire before it reads the
-others', see :func:`_combine_if_last`). ``elect_sync`` runs
-once, converged, before any branch. The K/V ring is a full/empty mbarrier pair per stage: ``full[s]`` is re-armed only
+others', see :func:`_combine_if_last`). ``elect_sync`` runs once, converged, before any
+branch. The K/V ring is a full/empty mbarrier pair per stage: ``full[s]`` is re-armed only
 after every thread arrived on ``empty[s]`` for the tile it held, and those arrivals come after
 each thread's wait on ``full[s]``, so no phase is reused while a waiter may still be on it.
 
@@ -426,10 +426,11 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                                   seq_len, scale_log2, m, l, o, shape, True)
             empty.arrive(stage)
 
-        arrival = kiln.cast(0, kiln.i64)
+        arrival = None
         if fused_slots and merge_slices == 1:
             # This CTA's place among its (batch, KV head, row block)'s splits to end their
             # loops; only read after the merge below, so the atomic's round trip overlaps it.
+            arrival = kiln.cast(0, kiln.i64)
             if tid == 0:
                 arrival = tickets.atomic_add(kiln.block_id(2), kiln.block_id(1), ARRIVED, 1)
         l = [kiln.shuffle.butterfly_reduce(x, (1, 2), _add) for x in l]
@@ -851,10 +852,10 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     ``fused_combine=True``: one kernel. Each split CTA stores its partials and takes tickets
     (gpu-scope atomic counters per batch, KV head and row block); the last CTA (or the last
     few, for large merges) merges the splits of its rows as
-    :func:`kiln.kernels.attention.combine` would, saving the combine's launch. ``False``: :func:`decode`, then ``combine`` (two
-    kernels, the merge spread over many CTAs). ``None`` (default): fused while one CTA
-    merges at most ``FUSED_COMBINE_MAX_BYTES`` of partials (every shape of
-    ``bench/decode.py``'s grid).
+    :func:`kiln.kernels.attention.combine` would, saving the combine's launch. ``False``:
+    :func:`decode`, then ``combine`` (two kernels, the merge spread over many CTAs).
+    ``None`` (default): fused while one CTA merges at most ``FUSED_COMBINE_MAX_BYTES`` of
+    partials (every shape of ``bench/decode.py``'s grid).
 
     With contiguous torch CUDA tensors a repeat call of one shape class is one bound launch
     and three allocations (the partials, freed to torch's stream-ordered allocator once the

@@ -97,7 +97,7 @@ def _inline_asm(op, p):
     return run
 
 
-def _counters_of(address) -> "ir.Value":
+def _counters_of(address):
     """The memref whose aligned pointer the i64 ``address`` of
     :meth:`kiln.tensor.Tensor.element_address` was computed from (through index arithmetic)."""
     pending = [address]
