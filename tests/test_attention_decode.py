@@ -142,6 +142,26 @@ def test_split_partials_match_numpy(page_size, group, sq):
                                                             D ** -0.5), **O_TOL)
 
 
+def test_a_key_that_dominates_after_the_first_tile_rescales_the_output():
+    """One CTA walks five tiles, and a key of tile 2 scores ~160 log2 units above every key
+    before it for query head 0: the row's running max, sum and O must move to it (against the
+    old max its probability would overflow f32), and match the float64 reference."""
+    rng = np.random.default_rng()
+    q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 1, 4, 1, 16, [5 * BN])
+    head = q[0, 0, 0].astype(np.float64)
+    unit = D ** -0.5 * np.log2(np.e)  # log2 units of a unit dot product
+    key = 2 * BN + 5
+    before = (_gather(kc, table, 0, key)[:, 0] @ head * unit).max()
+    gain = (before + 160) / (head @ head * unit)
+    kc[table[0, key // 16], key % 16, 0] = (gain * head).astype(ml_dtypes.bfloat16)
+    jump = kc[table[0, key // 16], key % 16, 0].astype(np.float64) @ head * unit - before
+    assert jump > 128  # 2**128 is inf in f32
+
+    got = decode(q, kc, vc, table, seq_lens, num_splits=1, backend="interpret")
+    np.testing.assert_allclose(_merge(*got), _reference_attention(q, kc, vc, table, seq_lens,
+                                                                  D ** -0.5), **O_TOL)
+
+
 def test_sinks_scale_and_empty_sequence():
     """A zero-length sequence has no valid split; sinks only enlarge split 0's denominator."""
     rng = np.random.default_rng()
