@@ -729,22 +729,22 @@ def _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, arrival, last, b
     kiln.barrier()
     if tid == 0:
         if merge_slices == 1:
-            place = arrival % slots
-            slice_index = kiln.cast(slots - 1 - place, kiln.i32)  # 0: the last to arrive
-            last[0] = slice_index
+            ticket = arrival
+        else:
+            kiln.fence("gpu")
+            ticket = tickets.atomic_add(*cta, PUBLISHED, 1)
+        place = ticket % slots
+        slice_index = kiln.cast(slots - 1 - place, kiln.i32)  # 0: the last to arrive or publish
+        last[0] = slice_index
+        if merge_slices == 1:
             if slice_index == 0:
                 # Every other split arrived first (and is running): wait until they published.
                 nvidia_asm.wait_for_count(tickets, *cta, PUBLISHED,
-                                          target=arrival - place + slots - 1)
+                                          target=ticket - place + slots - 1)
             else:
                 kiln.fence("gpu")
             tickets.atomic_add(*cta, PUBLISHED, 1)
         else:
-            kiln.fence("gpu")
-            ticket = tickets.atomic_add(*cta, PUBLISHED, 1)
-            place = ticket % slots
-            slice_index = kiln.cast(slots - 1 - place, kiln.i32)  # 0: the last to publish
-            last[0] = slice_index
             if slice_index == 0:
                 kiln.fence("gpu")
             if (slice_index > 0) & (slice_index < merge_slices):

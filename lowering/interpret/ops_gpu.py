@@ -99,7 +99,7 @@ def _inline_asm(op, p):
 
 def _counters_of(address):
     """The memref whose aligned pointer the i64 ``address`` of
-    :meth:`kiln.tensor.Tensor.element_address` was computed from (through index arithmetic)."""
+    :meth:`kiln.tensor.TensorRef.element_address` was computed from (through index arithmetic)."""
     pending = [address]
     while pending:
         owner = pending.pop().owner
