@@ -256,6 +256,24 @@ def test_stale_cache_rows_never_reach_the_sums():
     _check_partials(got, (o_want, lse_want, None), counts_want)
 
 
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_a_tile_that_ends_with_the_sequence_masks_only_the_draft_tokens_keys(page_size):
+    """Sequences a whole number of tiles long at Sq 4 (as in bench/decode.py): each last tile
+    holds keys that the earlier draft tokens must not see. The pages after a sequence hold
+    NaN and are never read."""
+    rng = np.random.default_rng()
+    head_dim, Sq, group = 128, 4, 8
+    lens = [BN, 3 * BN]
+    q, kc, vc, table, seq_lens, _ = _problem(rng, 2, Sq, group, 1, page_size, lens,
+                                             head_dim=head_dim)
+    unused = table[0, BN // page_size:]
+    kc[unused], vc[unused] = np.nan, np.nan
+    got = decode(q, kc, vc, table, seq_lens, num_splits=2, backend="interpret")
+    want = _reference_splits(q, kc, vc, table, seq_lens, 2, head_dim ** -0.5,
+                             head_dim=head_dim)
+    _check_partials(got, want, want[2])
+
+
 @pytest.mark.parametrize("page_size,sinks", [(1, False), (16, True), (64, False)])
 def test_one_cta_serves_sq4_gqa8_rows_at_d128(page_size, sinks):
     """Sq 4 x GQA 8 = 32 packed rows at D = 128: one CTA per (split, KV head) (grid y == Hkv),
