@@ -257,7 +257,7 @@ def test_stale_cache_rows_never_reach_the_sums():
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_a_tile_that_ends_with_the_sequence_masks_only_the_draft_tokens_keys(page_size):
+def test_a_tile_that_ends_with_the_sequence_hides_later_draft_tokens_keys(page_size):
     """Sequences a whole number of tiles long at Sq 4 (as in bench/decode.py): each last tile
     holds keys that the earlier draft tokens must not see. The pages after a sequence hold
     NaN and are never read."""
