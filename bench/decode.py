@@ -24,7 +24,7 @@ Tuning sweep (``--sweep``, GPU time only): ``decode_attention`` with each ``Deco
 the reference first; one table shows which tile, ring, warps and split count wins per shape.
 
 Usage (on an H100): ``python bench/decode.py [--json out.json] [--repeat 20] [--page-size 64]
-[--queued] [--contexts 16384] [--batches 1] [--sweep]``.
+[--queued] [--contexts 16384] [--batches 1] [--draft-tokens 8 16] [--sweep]``.
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ DRAFT_TOKENS = (1, 4)
 SWEEP_SHAPES = ((1, 16384, 1), (1, 16384, 4), (4, 16384, 4), (1, 65536, 4), (16, 16384, 4))
 # DecodeConfig keyword sets: 64 keys, 3 stages, 4 warps (the default at Sq 1), a shallower and
 # a deeper ring, 8 warps of 16 keys (the default at Sq 4: two groups), 128-key tiles with 4 and
-# 8 warps.
+# 8 warps, and one WGMMA warp group (the default from Sq 8 x GQA 8).
 SWEEP_CONFIGS = ({}, {"stages": 2}, {"stages": 4}, {"num_warps": 8},
-                 {"block_n": 128, "stages": 2}, {"block_n": 128, "stages": 2, "num_warps": 8})
+                 {"block_n": 128, "stages": 2}, {"block_n": 128, "stages": 2, "num_warps": 8},
+                 {"consumer": "wgmma", "stages": 4})
 SWEEP_SPLIT_FACTORS = (0.5, 1, 1.5, 2)
 
 
@@ -176,6 +177,8 @@ def main() -> None:
                         help="GPU time only: queue each sample behind a busy stream")
     parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
+    parser.add_argument("--draft-tokens", type=int, nargs="+", default=DRAFT_TOKENS,
+                        help="Sq values (speculative decoding: 8 and 16 run the WGMMA consumer)")
     parser.add_argument("--sweep", action="store_true",
                         help="only the DecodeConfig x num_splits sweep (GPU time, queued)")
     args = parser.parse_args()
@@ -196,7 +199,7 @@ def main() -> None:
         return
     rows = [bench(torch, batch, ctx, sq, args.page_size, args.repeat, args.batch, copy_gbs,
                   args.queued)
-            for ctx in args.contexts for batch in args.batches for sq in DRAFT_TOKENS]
+            for ctx in args.contexts for batch in args.batches for sq in args.draft_tokens]
     print(f"{torch.cuda.get_device_name()}: Hq {HQ} / Hkv {HKV}, D {HEAD_DIM}, bf16, page "
           f"{args.page_size}; copy bandwidth {copy_gbs:.0f} GB/s; "
           f"{'GPU time only (queued)' if args.queued else 'back-to-back calls'}")

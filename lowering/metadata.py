@@ -6,14 +6,17 @@ Example::
     ...     "ptxas info    : Function properties for saxpy\\n"
     ...     "    0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\\n"
     ...     "ptxas info    : Used 12 registers, 1024 bytes smem, 380 bytes cmem[0]\\n", "saxpy")
-    {'registers': 12, 'spill_bytes': 12, 'shared_bytes': 1024, 'stack_bytes': 0}
+    {'registers': 12, 'spill_bytes': 12, 'shared_bytes': 1024, 'stack_bytes': 0, 'wgmma_serialized': None}
 """
 
 from __future__ import annotations
 
 import re
 
-NVIDIA_KEYS = ("registers", "spill_bytes", "shared_bytes", "stack_bytes")
+# wgmma_serialized: why ptxas serialised the kernel's WGMMAs (each waits for the one before:
+# a silent slowdown, e.g. when registers a WGMMA reads are written while an earlier group is in
+# flight), or None.
+NVIDIA_KEYS = ("registers", "spill_bytes", "shared_bytes", "stack_bytes", "wgmma_serialized")
 AMD_KEYS = {  # metadata key -> code-object note field
     "vgpr_count": ".vgpr_count",
     "agpr_count": ".agpr_count",
@@ -26,6 +29,8 @@ _ENTRY = re.compile(r"ptxas info\s*: (?:Compiling entry function|Function proper
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"ptxas info\s*: Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
+_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized due to (.+?) in the "
+                         r"function '([\w$.]+)'")
 
 
 def empty_nvidia_metadata() -> dict:
@@ -34,7 +39,8 @@ def empty_nvidia_metadata() -> dict:
 
 
 def parse_ptxas_verbose(text: str, kernel: str) -> dict:
-    """Registers, spill bytes (stores + loads), shared and stack bytes of ``kernel``.
+    """Registers, spill bytes (stores + loads), shared and stack bytes of ``kernel``, and the
+    reason ptxas gives when it serialised the kernel's WGMMAs.
 
     ``text`` is the stderr of ``ptxas -v``; lines about other functions are ignored. Keys
     whose line is missing stay None.
@@ -42,6 +48,9 @@ def parse_ptxas_verbose(text: str, kernel: str) -> dict:
     result = empty_nvidia_metadata()
     current = None
     for line in text.splitlines():
+        serialized = _SERIALIZED.search(line)
+        if serialized and serialized.group(2) == kernel:
+            result["wgmma_serialized"] = serialized.group(1)
         entry = _ENTRY.search(line)
         if entry:
             current = entry.group(1)

@@ -1,6 +1,7 @@
 """Split-KV paged decode: the interpreter against a float64 numpy reference; GPU against torch."""
 
 import importlib
+import math
 import re
 import ml_dtypes
 import numpy as np
@@ -55,8 +56,10 @@ def _partial(q_row, keys, values, scale, sink=None):
 
 
 def _reference_splits(q, k_cache, v_cache, table, lens, num_splits, scale, sinks=None, *,
-                      head_dim=D):
-    """Expected ``O_partial``, ``LSE_partial``, ``split_counts`` of the split schedule."""
+                      head_dim=D, block_n=BN):
+    """Expected ``O_partial``, ``LSE_partial``, ``split_counts`` of the split schedule of
+    ``block_n``-key tiles."""
+    BN = block_n
     B, Sq, Hq, _ = q.shape
     group = Hq // k_cache.shape[2]
     o = np.zeros((num_splits, B, Sq, Hq, head_dim))
@@ -331,6 +334,90 @@ def test_eight_warps_on_64_key_tiles_serve_two_groups():
     assert error.value.loc.filename == __file__
 
 
+@pytest.mark.parametrize("page_size,sq,group,sinks,config", [
+    (64, 8, 8, False, None),  # the default from 33 packed rows: 64 keys, 4 stages
+    (16, 8, 8, True, None),
+    (64, 16, 8, False, None),  # 128 rows: two row blocks of 64, 128-key tiles
+    (32, 4, 8, False, DecodeConfig(consumer="wgmma")),  # rows 32-63 of the m64 are padding
+    (8, 1, 4, True, DecodeConfig(consumer="wgmma", block_n=128, stages=2)),
+])
+def test_wgmma_consumer_matches_numpy(page_size, sq, group, sinks, config):
+    """``consumer='wgmma'``: one warp group, S and P V on ``wgmma`` with a tile's softmax
+    between them, P V issued one iteration late. Ragged sequences of up to 11 tiles (the ring
+    wraps several times with its stages held one iteration longer) end mid-page with NaN in
+    the rest of the page, which the V rows zeroed in shared memory keep out of O."""
+    from kiln.kernels.attention.decode import _PLANS
+
+    rng = np.random.default_rng()
+    head_dim, B, Hkv = 128, 2, 2
+    config_used = config or default_config(sq * group, head_dim, page_size)
+    assert config_used.consumer == "wgmma"
+    bn = config_used.block_n
+    lens = [int(rng.integers(sq, 3 * bn)), int(rng.integers(9 * bn, 11 * bn))]
+    q, kc, vc, table, seq_lens, sink = _problem(rng, B, sq, group * Hkv, Hkv, page_size, lens,
+                                                sinks=sinks, head_dim=head_dim)
+    for b, L in enumerate(lens):
+        kc[table[b, (L - 1) // page_size], L % page_size or page_size:] = np.nan
+        vc[table[b, (L - 1) // page_size], L % page_size or page_size:] = np.nan
+    _PLANS.clear()
+    got = decode(q, kc, vc, table, seq_lens, num_splits=2, sinks=sink, backend="interpret",
+                 config=config)
+    (plan,) = _PLANS.values()
+    assert plan.num_warps == 4 and plan.grid == (2, Hkv * -(-sq * group // 64), B)
+    assert np.isfinite(got[0]).all()
+    want = _reference_splits(q, kc, vc, table, seq_lens, 2, head_dim ** -0.5, sink,
+                             head_dim=head_dim, block_n=bn)
+    _check_partials(got, want, want[2])
+
+
+def test_default_config_picks_wgmma_for_64_row_blocks_at_d128():
+    assert default_config(64, 128) == DecodeConfig(consumer="wgmma", stages=4)
+    assert default_config(33, 128, 16) == DecodeConfig(consumer="wgmma", stages=4)
+    assert default_config(128, 128) == DecodeConfig(consumer="wgmma", block_n=128)
+    # block_n is block_table's block size: block-sparse keeps 64 keys.
+    assert default_config(128, 128, block_sparse=True).block_n == 64
+    assert default_config(64, 128, 4).consumer == "mma_sync"  # unswizzled 4-row boxes
+    assert default_config(64, 64).consumer == default_config(32, 128).consumer == "mma_sync"
+    assert DecodeConfig(consumer="wgmma").row_blocks(128, 128) == 2
+
+
+def test_wgmma_consumer_rejects_what_it_cannot_run():
+    with pytest.raises(kiln.UnsupportedError, match="one warp group"):
+        DecodeConfig(consumer="wgmma", num_warps=8)
+    with pytest.raises(kiln.KilnValueError, match="consumer='mma'"):
+        DecodeConfig(consumer="mma")
+    with pytest.raises(kiln.UnsupportedError, match="D <= 128"):
+        DecodeConfig(consumer="wgmma").check_rows(8, 256)
+    rng = np.random.default_rng()
+    q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 1, 8, 1, 4, [40], head_dim=128)
+    with pytest.raises(kiln.UnsupportedError, match="pages of >= 8 rows") as error:
+        decode(q, kc, vc, table, seq_lens, backend="interpret",
+               config=DecodeConfig(consumer="wgmma"))
+    assert "test_attention_decode.py" in str(error.value)
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("sq", [8, 16])
+def test_wgmma_decode_keeps_its_wgmmas_pipelined(sq):
+    """The default kernels at Sq 8 / 16 x GQA 8: register-A WGMMAs for S (m64n{BN}k16) and
+    P V (m64n128k16), no spills, and ptxas did not serialise the WGMMAs (it does when O is
+    rescaled while S's group is in flight, or when a wait is skipped on some path)."""
+    from kiln.kernels.attention.decode import compile_decode
+
+    compiled = compile_decode(target="sm_90a", head_dim=128, group=8, sq=sq, page_size=64,
+                              fused_slots=16, merge_slices=4)
+    block_n = default_config(sq * 8, 128).block_n
+    ptx = compiled.asm["ptx"]
+    assert compiled.metadata["num_warps"] == 4
+    assert compiled.metadata["spill_bytes"] == 0
+    if compiled.metadata["registers"] is not None:  # ptxas ran
+        assert compiled.metadata["wgmma_serialized"] is None
+    assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.bf16.bf16" in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
+    assert "ldmatrix" not in ptx and "mma.sync" not in ptx
+    assert "fence.proxy.async.shared::cta" in ptx  # V rows zeroed for the tensor core
+
+
 @pytest.mark.lower
 @pytest.mark.parametrize("num_warps", [4, 8])
 def test_sq4_gqa8_d128_two_warp_groups_do_not_spill(num_warps):
@@ -366,9 +453,12 @@ def test_accumulator_pairs_are_the_p_fragment_and_v_keys_match_the_mask():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size,group,sq", [(1, 8, 1), (16, 8, 4), (64, 4, 1), (64, 8, 4),
-                                                (128, 8, 1), (256, 8, 4)])
+                                                (128, 8, 1), (256, 8, 4), (64, 8, 8),
+                                                (16, 8, 16)])
 def test_decode_matches_torch(page_size, group, sq):
-    """Against gather + SDPA in float32 (the bottom-right causal mask of draft tokens)."""
+    """Against gather + SDPA in float32 (the bottom-right causal mask of draft tokens); the
+    rows of each last page past its sequence hold NaN. Sq 8 and 16 x GQA 8 run the WGMMA
+    consumer."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -385,6 +475,9 @@ def test_decode_matches_torch(page_size, group, sq):
     table = torch.randperm(num_pages, device=dev)[:B * max_pages].view(B, max_pages).int()
     q = torch.randn(B, sq, Hkv * group, Dh, device=dev, dtype=torch.bfloat16)
     seq_lens = torch.tensor(lens, device=dev, dtype=torch.int32)
+    for b, L in enumerate(lens):
+        kc[table[b, (L - 1) // page_size].long(), L % page_size or page_size:] = math.nan
+        vc[table[b, (L - 1) // page_size].long(), L % page_size or page_size:] = math.nan
     out, _ = decode_attention(q, kc, vc, table, seq_lens)
     for b, L in enumerate(lens):
         rows = torch.arange(L, device=dev)
@@ -508,9 +601,11 @@ def test_decode_attention_replays_in_a_cuda_graph():
 
 @pytest.mark.lower
 @pytest.mark.parametrize("page_size,group,sq,sparse", [(1, 8, 1, False), (64, 8, 4, False),
-                                                       (16, 8, 16, False), (256, 4, 1, True)])
+                                                       (16, 8, 16, False), (4, 8, 16, False),
+                                                       (256, 4, 1, True)])
 def test_decode_compiles_for_hopper(page_size, group, sq, sparse):
-    """The full sm_90a pipeline (through ptxas) accepts every page-size class without spills."""
+    """The full sm_90a pipeline (through ptxas) accepts every page-size class without spills,
+    with either consumer (WGMMA from 33 packed rows on pages of >= 8 rows)."""
     from kiln.kernels.attention.decode import compile_decode
 
     compiled = compile_decode(target="sm_90a", head_dim=128, group=group, sq=sq,
@@ -518,9 +613,12 @@ def test_decode_compiles_for_hopper(page_size, group, sq, sparse):
     ptx = compiled.asm["ptx"]
     assert compiled.metadata["spill_bytes"] == 0
     assert "cp.async.bulk.tensor.2d" in ptx
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
-    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
-    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
+    if default_config(sq * group, 128, page_size).consumer == "wgmma":
+        assert "wgmma.mma_async.sync.aligned" in ptx
+    else:
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+        assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
+        assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
     # Only the ring's own waits (full, empty): a wait of fixed parity added after the loop
     # (kiln-insert-waits, before the merge reuses the ring) would hang some CTAs.
     assert ptx.count("mbarrier.try_wait.parity") == 2

@@ -2,7 +2,8 @@
 
 from kiln.lowering.metadata import parse_amd_notes, parse_ptxas_verbose
 
-# ptxas 13.0 -v for two kernels; the second spills and uses shared memory.
+# ptxas 13.0 -v for two kernels; the second spills, uses shared memory and has its WGMMAs
+# serialised.
 PTXAS_TWO_KERNELS = """\
 ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'saxpy' for 'sm_90a'
@@ -10,6 +11,9 @@ ptxas info    : Function properties for saxpy
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 10 registers, used 0 barriers
 ptxas info    : Compiling entry function 'gemm' for 'sm_90a'
+ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are serialized \
+due to non wgmma instructions defining input registers of a wgmma between start and end of the \
+pipeline stage in the function 'gemm'
 ptxas info    : Function properties for gemm
     48 bytes stack frame, 40 bytes spill stores, 24 bytes spill loads
 ptxas info    : Used 255 registers, used 1 barriers, 49152 bytes smem, 400 bytes cmem[0]
@@ -19,12 +23,15 @@ ptxas info    : Compile time = 2.711 ms
 
 def test_ptxas_kernel_without_shared_memory():
     assert parse_ptxas_verbose(PTXAS_TWO_KERNELS, "saxpy") == {
-        "registers": 10, "spill_bytes": 0, "shared_bytes": 0, "stack_bytes": 0}
+        "registers": 10, "spill_bytes": 0, "shared_bytes": 0, "stack_bytes": 0,
+        "wgmma_serialized": None}
 
 
 def test_ptxas_spills_add_stores_and_loads():
     assert parse_ptxas_verbose(PTXAS_TWO_KERNELS, "gemm") == {
-        "registers": 255, "spill_bytes": 64, "shared_bytes": 49152, "stack_bytes": 48}
+        "registers": 255, "spill_bytes": 64, "shared_bytes": 49152, "stack_bytes": 48,
+        "wgmma_serialized": "non wgmma instructions defining input registers of a wgmma between "
+                            "start and end of the pipeline stage"}
 
 
 def test_ptxas_unknown_kernel_gives_none():

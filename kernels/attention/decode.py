@@ -1,4 +1,5 @@
-"""Split-KV paged decode attention (Hopper): TMA page loads, tensor-core (mma.sync) consumer.
+"""Split-KV paged decode attention (Hopper): TMA page loads, tensor-core consumer (mma.sync, or
+WGMMA for 64-row blocks).
 
 ``decode(q, k_cache, v_cache, page_table, seq_lens)`` attends ``q[B, Sq, Hq, D]`` (``Sq`` 1–16
 draft tokens, causal within the cache: query ``i`` sees keys ``0 .. L - Sq + i``) to a paged
@@ -37,6 +38,17 @@ its pages in L2 (``DecodeConfig.warp_groups`` stops widening where O and S would
 | merge | all | per row, the ``(m, l, O)`` of its group's warps through shared memory (the ring reused as f32), then ``O / l``, ``LSE = (m + log2 l) * ln 2`` (sinks join here); split 0 writes ``split_counts`` |
 | combine (fused kernel of :func:`decode_attention` only) | all | one CTA of each (batch, KV head, row block), or with ``merge_slices > 1`` the last few, merges every split's partial, read from L2, into ``o`` (bf16) and ``lse``, ``combine_threads_per_row`` threads a row, each CTA its slice of the columns; the merging CTAs are picked by tickets (see :func:`_combine_if_last`) |
 
+``DecodeConfig(consumer="wgmma")`` (the default from 33 packed rows at D 128, e.g. Sq 8 x
+GQA 8): the CTA is one warp group of 4 warps serving 64 packed rows (more take ``row_blocks``
+CTAs); warp ``w`` holds rows ``16 w ..`` of the ``m64`` products and their Q A fragments. Per
+tile ``t``: issue ``S_t = Q K_t^T`` (``wgmma m64nBNk16``, A from registers, K K-major from the
+ring) and ``O += P_{t-1} V_{t-1}`` (P from registers, V MN-major) back to back, wait for
+``S_t``, run its softmax (each row is a thread quad's; in a tile past the sequence the V rows
+past the end are first zeroed in shared memory) while the P·V product runs, wait for it, and
+release tile ``t - 1``'s stage, so a stage is held one iteration longer and the producer loads
+tile ``t + stages - 2``. After the loop, the last P·V; then each quad stores its rows of
+``O / l`` straight from the accumulator: no merge through shared memory.
+
 Shared memory: a ring of ``stages`` K/V tiles; tile rows are stored as 64-column halves, each
 ``BN x 64`` bf16 with 128-byte rows, so a TMA box of ``eff_page x 64`` lands at a multiple of
 ``eff_page * 128`` bytes. With pages of 8 rows or more that is 1024-byte aligned and the boxes
@@ -56,8 +68,9 @@ row that selects nothing has ``C = 0`` (combine returns ``O = 0``, ``LSE = -inf`
 Synchronisation: the only CTA-wide barriers are at top level (after initialising the
 mbarriers; before and after the merge; around the fused kernel's tickets: a gpu-scope fence
 before a CTA publishes its partials and, in a merging CTA, an acquire before it reads the
-others', see :func:`_combine_if_last`). ``elect_sync`` runs once, converged, before any
-branch. The K/V ring is a full/empty mbarrier pair per stage: ``full[s]`` is re-armed only
+others', see :func:`_combine_if_last`). The WGMMA consumer adds one named barrier (its whole
+CTA, in a CTA-uniform branch) after zeroing V rows past the sequence. ``elect_sync`` runs once,
+converged, before any branch. The K/V ring is a full/empty mbarrier pair per stage: ``full[s]`` is re-armed only
 after every thread arrived on ``empty[s]`` for the tile it held, and those arrivals come after
 each thread's wait on ``full[s]``, so no phase is reused while a waiter may still be on it.
 
@@ -76,7 +89,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 import kiln
-from kiln import ldmatrix, mbarrier, nvidia_asm, tiles
+from kiln import ldmatrix, mbarrier, nvidia_asm, tiles, wgmma
 from kiln.layout import Layout
 from kiln.shared import dynamic_shared  # kiln.dynamic_shared once exported
 from kiln.swizzle import Swizzle
@@ -96,6 +109,12 @@ MAX_DEFAULT_SPLITS = 64
 PRODUCER = "kiln.kernels.attention.decode"
 HALF = 64  # columns of one TMA box: 128 bytes of bf16, the 128-byte swizzle's row
 SWIZZLED_MIN_PAGE = 8  # a box of >= 8 rows of 128 bytes lands 1024-byte aligned
+CONSUMERS = ("mma_sync", "wgmma")  # DecodeConfig.consumer: which tensor-core instruction
+# Packed query rows from which the default consumer is one WGMMA warp group (D = 128). Its m64
+# product holds 64 rows: at Sq 8 x GQA 8 it took 25.3 us where 8 mma.sync warps took 33.4
+# (batch 1, 16k, H200) and 250 vs 361 us at batch 16; at 32 rows half of it is padding, and
+# mma.sync stayed 0.4-1 us faster (bench/RESULTS.md, session 15).
+WGMMA_MIN_ROWS = 33
 MAX_UNROLLED_PAGES = 1  # more pages per tile are looked up in a run-time loop, not unrolled
 # f32 accumulators (O and S) a lane may hold when warp groups widen its key slice: D=128
 # with 32 keys holds 80 (173 registers); D=64 with two m tiles and 32 keys held 96 (231).
@@ -147,16 +166,28 @@ def decode_partials(num_slots: int) -> Partials:
 @dataclass(frozen=True)
 class DecodeConfig:
     """``block_n`` keys per tile (also the block size of ``block_table``), ``stages`` K/V tiles
-    in the shared ring, ``num_warps`` warps per CTA. The warps form :meth:`warp_groups` groups,
-    each serving its own :meth:`m_tiles` m16 tiles of packed query rows; a group's warps split
-    every tile's keys (:meth:`keys_per_warp` each, a multiple of 16).
-    Example: ``DecodeConfig(block_n=128, stages=2)``."""
+    in the shared ring, ``num_warps`` warps per CTA, and the tensor-core ``consumer``:
+
+    - ``"mma_sync"``: the warps form :meth:`warp_groups` groups, each serving its own
+      :meth:`m_tiles` m16 tiles of packed query rows; a group's warps split every tile's keys
+      (:meth:`keys_per_warp` each, a multiple of 16) and merge their states at the end.
+    - ``"wgmma"``: one warp group (4 warps) serves 64 packed rows with ``wgmma m64nNk16``, every
+      key of a tile, O in its registers (no merge between warps); D <= 128, pages of >= 8 rows.
+
+    Example: ``DecodeConfig(block_n=128, stages=2)``, ``DecodeConfig(consumer="wgmma")``."""
 
     block_n: int = 64
     stages: int = 3
     num_warps: int = 4
+    consumer: str = "mma_sync"
 
     def __post_init__(self):
+        if self.consumer not in CONSUMERS:
+            raise kiln.KilnValueError(f"consumer={self.consumer!r} is not one of {CONSUMERS}",
+                                      fix="use 'mma_sync' or 'wgmma'")
+        if self.consumer == "wgmma" and self.num_warps != 4:
+            raise kiln.UnsupportedError(f"consumer='wgmma' runs one warp group (4 warps), not "
+                                        f"num_warps={self.num_warps}", fix="use num_warps=4")
         if self.block_n not in (64, 128):
             raise kiln.UnsupportedError(f"block_n={self.block_n} is not supported",
                                         fix="use 64 or 128")
@@ -171,6 +202,10 @@ class DecodeConfig:
         """Every warp's key slice must be whole k16 steps; how many warps share a tile depends
         on the rows (:meth:`warp_groups`), so 8 warps with ``block_n=64`` need > 16 packed
         rows. Example: ``DecodeConfig(num_warps=8).check_rows(32, 128)`` passes."""
+        if self.consumer == "wgmma" and head_dim > 128:
+            raise kiln.UnsupportedError(
+                f"consumer='wgmma' keeps a 64 x {head_dim} f32 O in one warp group's registers; "
+                "it supports D <= 128", fix="use consumer='mma_sync' for D=256")
         keys = self.keys_per_warp(self.warp_groups(packed_rows, head_dim))
         if keys % 16:
             raise kiln.UnsupportedError(
@@ -183,6 +218,8 @@ class DecodeConfig:
         """m16 tiles of packed query rows one warp holds: up to 128 f32 O columns a lane (O
         and the Q fragments of every m tile stay in registers; a warp holding more spilled).
         Example: ``m_tiles(32, 64) == 2``, ``m_tiles(32, 128) == 1``."""
+        if self.consumer == "wgmma":
+            return 1
         return max(1, min(-(-packed_rows // 16), 128 // head_dim))
 
     def warp_groups(self, packed_rows: int, head_dim: int) -> int:
@@ -192,6 +229,8 @@ class DecodeConfig:
         when O and S would exceed ``MAX_ACCUMULATORS`` f32 a lane.
         Example: ``DecodeConfig().warp_groups(32, 128) == 2`` (warps 0-1 rows 0-15, warps 2-3
         rows 16-31, 32 keys a warp), ``warp_groups(8, 128) == 1``, ``warp_groups(64, 64) == 1``."""
+        if self.consumer == "wgmma":  # each warp 16 rows of the m64 product, every key
+            return self.num_warps
         m_tiles = self.m_tiles(packed_rows, head_dim)
         needed = -(-packed_rows // (16 * m_tiles))
         groups = 1
@@ -215,12 +254,25 @@ class DecodeConfig:
         return -(-packed_rows // cta_rows)
 
 
-def default_config(packed_rows: int, head_dim: int) -> DecodeConfig:
-    """The config :func:`decode` uses when given none: 64-key tiles, 3 stages, and 8 warps
-    where the rows take two warp groups (each warp then attends 16 keys of a tile, not 32:
-    2-5% faster at Sq 4 x GQA 8, D 128 on an H200), else 4.
+def default_config(packed_rows: int, head_dim: int, page_size: int = 64, *,
+                   block_sparse: bool = False) -> DecodeConfig:
+    """The config :func:`decode` uses when given none.
+
+    - More than ``WGMMA_MIN_ROWS - 1`` packed rows at D = 128 on pages of >= 8 rows (e.g.
+      Sq 8 x GQA 8): one WGMMA warp group (``consumer='wgmma'``), 64-key tiles and 4 stages up
+      to 64 rows; beyond (two row blocks) 128-key tiles and 3 stages, except block-sparse
+      (``block_n`` is its block size, so it stays 64).
+    - Otherwise ``mma.sync``: 64-key tiles, 3 stages, and 8 warps where the rows take two warp
+      groups (each warp then attends 16 keys of a tile, not 32: 2-5% faster at Sq 4 x GQA 8,
+      D 128 on an H200), else 4.
+
     Example: ``default_config(32, 128).num_warps == 8``, ``default_config(8, 128).num_warps
-    == 4``."""
+    == 4``, ``default_config(64, 128).consumer == "wgmma"``."""
+    if head_dim == 128 and packed_rows >= WGMMA_MIN_ROWS and \
+            (page_size == 0 or page_size >= SWIZZLED_MIN_PAGE):
+        if packed_rows <= 64 or block_sparse:
+            return DecodeConfig(consumer="wgmma", stages=4)
+        return DecodeConfig(consumer="wgmma", block_n=128)
     two_groups = DecodeConfig().warp_groups(packed_rows, head_dim) == 2
     return DecodeConfig(num_warps=8 if two_groups else 4)
 
@@ -248,8 +300,15 @@ class _Shape:
         object.__setattr__(self, "m_tiles", c.m_tiles(packed, D))
         object.__setattr__(self, "warp_groups", c.warp_groups(packed, D))
         object.__setattr__(self, "row_blocks", c.row_blocks(packed, D))
+        if c.consumer == "wgmma" and rows.eff_page < SWIZZLED_MIN_PAGE:
+            raise kiln.UnsupportedError(
+                f"consumer='wgmma' reads K and V through 128-byte swizzled descriptors, which "
+                f"pages of {self.page_size} rows cannot give (a TMA box of fewer than "
+                f"{SWIZZLED_MIN_PAGE} rows lands unswizzled)",
+                fix=f"use consumer='mma_sync', or pages of >= {SWIZZLED_MIN_PAGE} rows")
 
     rows_params = property(lambda self: (self.config.block_n, self.page_size))
+    wgmma = property(lambda self: self.config.consumer == "wgmma")
     halves = property(lambda self: self.head_dim // HALF)
     warp_rows = property(lambda self: 16 * self.m_tiles)  # packed rows of one warp group
     rows = property(lambda self: self.warp_rows * self.warp_groups)  # per CTA, padded
@@ -379,8 +438,21 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                 key_limit.append(seq_len - seq_q + q_first + r // group)
         m = [kiln.cast(-math.inf, kiln.f32) for _ in range(2 * MT)]
         l = [kiln.cast(0.0, kiln.f32) for _ in range(2 * MT)]
-        o = [[kiln.vector_constant([0.0] * 4, kiln.f32) for _ in range(D // 8)]
-             for _ in range(MT)]
+        if shape.wgmma:
+            o = wgmma.fragment_zeros(D)
+            # The previous tile's P (A operands of its P V product) and O's pending rescale.
+            probs = [kiln.vector_constant([0.0] * 8, kiln.bf16)
+                     for _ in range(config.block_n // 16)]
+            alphas = [kiln.cast(1.0, kiln.f32) for _ in range(2)]
+            # Stage 0's K (K-major) and V (MN-major: the leading byte offset steps from one
+            # 64-column half to the next); stage s is s * tile_bytes further.
+            descs = (wgmma.smem_descriptor(ring, leading_bytes=16, stride_bytes=1024),
+                     wgmma.smem_descriptor(ring, leading_bytes=config.block_n * HALF * 2,
+                                           stride_bytes=1024,
+                                           byte_offset=config.block_n * D * 2))
+        else:
+            o = [[kiln.vector_constant([0.0] * 4, kiln.f32) for _ in range(D // 8)]
+                 for _ in range(MT)]
 
         # Page look-ups go out before anything waits on them: the prologue's S here, beside
         # Q's loads, and in the loop the next tile's before its stage is free, so their
@@ -405,26 +477,60 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                             _load_tile(shape.rows_params, first_rows[t], page_table, b,
                                        tile_begin + t, seq_len, k_map, v_map, slots, full, t,
                                        kv_head * D, producer, shape)
-            ahead = it + S - 1
-            if (it > 0) & (ahead < num_tiles):
+            # The ring stage freed last: tile it - 1's, or with wgmma tile it - 2's (a tile's
+            # P V product is issued one iteration later, so it holds its stage that long).
+            lag = 1 if shape.wgmma else 0
+            ahead = it + S - 1 - lag
+            if (it > lag) & (ahead < num_tiles):
                 if warp == 0:  # warp-uniform: the whole producer warp waits, one lane issues
                     rows = _tile_rows(shape.rows_params, page_table, b, tile_begin + ahead,
                                       seq_len)
-                    empty.try_wait(ahead % S, ((it - 1) // S) % 2)
+                    empty.try_wait(ahead % S, ((it - 1 - lag) // S) % 2)
                     _load_tile(shape.rows_params, rows, page_table, b, tile_begin + ahead,
                                seq_len, k_map, v_map, slots, full, ahead % S, kv_head * D,
                                producer, shape)
             full.try_wait(stage, (it // S) % 2)
             key0 = (tile_begin + it) * config.block_n
-            kv_row = stage * 2 * config.block_n + key_slice * shape.keys
-            first_key = key0 + key_slice * shape.keys
-            if key0 + config.block_n <= seq_len - seq_q + 1:  # no key of the tile is masked
-                m, l, o = _attend(kv_s, q_frags, kv_row, first_key, lane, key_limit,
-                                  seq_len, scale_log2, m, l, o, shape, False)
+            if shape.wgmma:
+                # S of this tile and P V of the previous one go to the tensor cores together;
+                # this tile's softmax runs while P V does. O is rescaled first: registers a
+                # WGMMA reads must not be written while an earlier group is in flight (ptxas
+                # would serialise every WGMMA).
+                o = _scale_fragment_rows(o, alphas)
+                scores = _issue_qk_wgmma(descs, q_frags, stage, shape)
+                previous = (it + S - 1) % S
+                if it > 0:
+                    o = _issue_pv_wgmma(descs, o, probs, previous, shape)
+                    wgmma.wait_group(1)
+                else:
+                    wgmma.wait_group(0)
+                if key0 + config.block_n <= seq_len - seq_q + 1:
+                    m, l, probs, alphas = _softmax_wgmma(scores, m, l, key0, tid, key_limit,
+                                                         scale_log2, shape, False)
+                else:
+                    _zero_rows_past_end(slots, stage, seq_len - key0, tid, shape)
+                    m, l, probs, alphas = _softmax_wgmma(scores, m, l, key0, tid, key_limit,
+                                                         scale_log2, shape, True)
+                wgmma.wait_group(0)  # on every path: ptxas then knows O is ready after it
+                if it > 0:
+                    empty.arrive(previous)
             else:
-                m, l, o = _attend(kv_s, q_frags, kv_row, first_key, lane, key_limit,
-                                  seq_len, scale_log2, m, l, o, shape, True)
-            empty.arrive(stage)
+                kv_row = stage * 2 * config.block_n + key_slice * shape.keys
+                first_key = key0 + key_slice * shape.keys
+                if key0 + config.block_n <= seq_len - seq_q + 1:  # no key of the tile is masked
+                    m, l, o = _attend(kv_s, q_frags, kv_row, first_key, lane, key_limit,
+                                      seq_len, scale_log2, m, l, o, shape, False)
+                else:
+                    m, l, o = _attend(kv_s, q_frags, kv_row, first_key, lane, key_limit,
+                                      seq_len, scale_log2, m, l, o, shape, True)
+                empty.arrive(stage)
+        if shape.wgmma:
+            if num_tiles > 0:  # the last tile's P V product
+                last_stage = (num_tiles - 1) % S
+                o = _issue_pv_wgmma(descs, _scale_fragment_rows(o, alphas), probs, last_stage,
+                                    shape)
+                wgmma.wait_group(0)
+                empty.arrive(last_stage)
 
         arrival = None
         if fused_slots and merge_slices == 1:
@@ -434,13 +540,18 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
             if tid == 0:
                 arrival = tickets.atomic_add(kiln.block_id(2), kiln.block_id(1), ARRIVED, 1)
         l = [kiln.shuffle.butterfly_reduce(x, (1, 2), _add) for x in l]
-        kiln.barrier()  # every warp's last ldmatrix is done: the ring becomes merge scratch
-        scratch = ring.reinterpret((shape.merge_floats,), kiln.f32)
-        _write_warp_state(scratch, m, l, o, key_slice, warp_row0, lane, shape)
-        kiln.barrier()
-        _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, split, b,
-                         q_first, kv_head, row0, tid, seq_len, seq_q, tiles_per_split, shape,
-                         block_sparse, has_sinks)
+        if shape.wgmma:  # each row is one thread quad's: no merge between warps
+            _store_fragment_rows(m, l, o, sinks, block_table, o_part, lse_part, counts, split,
+                                 b, q_first, kv_head, row0 + warp_row0, lane, seq_len, seq_q,
+                                 tiles_per_split, shape, block_sparse, has_sinks)
+        else:
+            kiln.barrier()  # every warp's last ldmatrix is done: the ring becomes merge scratch
+            scratch = ring.reinterpret((shape.merge_floats,), kiln.f32)
+            _write_warp_state(scratch, m, l, o, key_slice, warp_row0, lane, shape)
+            kiln.barrier()
+            _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, split, b,
+                             q_first, kv_head, row0, tid, seq_len, seq_q, tiles_per_split,
+                             shape, block_sparse, has_sinks)
         if fused_slots:
             last = kiln.shared((1,), kiln.i32)
             _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, arrival, last, b,
@@ -606,6 +717,111 @@ def _attend(kv_s, q_frags, kv_row, first_key, lane, key_limit, seq_len, scale_lo
     return new_m, new_l, o
 
 
+ZERO_ROWS_BARRIER = 1  # named barrier: V rows past the sequence zeroed before the PV product
+
+
+def _stage_descriptors(descs, stage, shape):
+    """K and V descriptors of ring ``stage`` from stage 0's."""
+    units = kiln.cast(stage * (shape.tile_bytes // 16), kiln.i64)
+    return descs[0] + units, descs[1] + units
+
+
+def _issue_qk_wgmma(descs, q_frags, stage, shape):
+    """Issue ``S = Q K^T`` for ring ``stage`` as one WGMMA group (``consumer='wgmma'``:
+    ``m64nBNk16``, Q's A fragments from registers, K K-major: a 16-deep step moves 32 bytes
+    inside a 64-column half, every 4 steps the next half)."""
+    BN, D = shape.config.block_n, shape.head_dim
+    half_units = BN * HALF * 2 // 16  # one 64-column half of a tile, in descriptor units
+    k, _ = _stage_descriptors(descs, stage, shape)
+    scores = wgmma.fragment_zeros(BN)
+    wgmma.fence()
+    for kk in kiln.static_range(D // 16):
+        scores = wgmma.mma_async_regs(scores, q_frags[0][kk],
+                                      k + (kk // 4) * half_units + (kk % 4) * 2,
+                                      dtype=kiln.bf16, b_major="k")
+    wgmma.commit()
+    return scores
+
+
+def _issue_pv_wgmma(descs, o, probs, stage, shape):
+    """Issue ``O += P V`` for ring ``stage`` as one WGMMA group: P from registers (one A
+    operand per 16 keys), V MN-major (16 keys further is 16 rows of 128 bytes; the
+    descriptor's leading byte offset steps over the 64-column halves)."""
+    _, v = _stage_descriptors(descs, stage, shape)
+    wgmma.fence()  # orders O's rescale and P's registers before the asynchronous reads
+    for kk in kiln.static_range(shape.config.block_n // 16):
+        o = wgmma.mma_async_regs(o, probs[kk], v + kk * 16 * HALF * 2 // 16, dtype=kiln.bf16,
+                                 b_major="mn")
+    wgmma.commit()
+    return o
+
+
+def _scale_fragment_rows(o, alphas):
+    """``o`` with each of the thread's two rows (register ``i``: row ``(i // 2) % 2``) times
+    its factor."""
+    return wgmma.fragment_from_elements([o.element(i) * alphas[(i // 2) % 2]
+                                         for i in range(o.n // 2)])
+
+
+@kiln.func
+def _softmax_wgmma(scores, m, l, key0, tid, key_limit, scale_log2, shape, masked):
+    """The streaming softmax of one tile's scores (a ``64 x BN`` accumulator; each row is a
+    thread quad's): new ``(m, l)`` (base 2; ``l`` per lane until the end), P as the bf16 A
+    operands of the P V product, and the factors O must be rescaled by before it.
+    ``masked`` (Python bool): scores past each row's last key (``key_limit``) become -inf."""
+    BN = shape.config.block_n
+    # Register i: row half (i // 2) % 2, key key0 + 8 (i // 4) + 2 (lane % 4) + i % 2.
+    col = key0 + 2 * (tid % 4)
+    x = []
+    for i in kiln.static_range(BN // 2):
+        xi = scores.element(i) * scale_log2
+        if masked:
+            xi = kiln.where(col + 8 * (i // 4) + i % 2 <= key_limit[(i // 2) % 2], xi,
+                            -math.inf)
+        x.append(xi)
+    alphas, safes, new_m, new_l = [], [], [], []
+    for half in kiln.static_range(2):
+        mine = [x[i] for i in range(BN // 2) if (i // 2) % 2 == half]
+        row_max = mine[0]
+        for xi in mine[1:]:
+            row_max = kiln.maximum(row_max, xi)
+        row_max = kiln.shuffle.butterfly_reduce(row_max, (1, 2), kiln.maximum)
+        m_next = kiln.maximum(m[half], row_max)
+        # A row with no key yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
+        m_safe = kiln.where(m_next == -math.inf, 0.0, m_next)
+        alphas.append(kiln.exp2(m[half] - m_safe))
+        safes.append(m_safe)
+        new_m.append(m_next)
+    probs = [kiln.exp2(x[i] - safes[(i // 2) % 2]) for i in range(BN // 2)]
+    for half in kiln.static_range(2):
+        total = l[half] * alphas[half]
+        for i in kiln.static_range(BN // 2):
+            if (i // 2) % 2 == half:
+                total = total + probs[i]
+        new_l.append(total)
+    p = wgmma.a_fragment_from_accumulator(wgmma.fragment_from_elements(probs), kiln.bf16)
+    return new_m, new_l, p, alphas
+
+
+@kiln.func
+def _zero_rows_past_end(slots, stage, valid_keys, tid, shape):
+    """Zero the V rows of ring ``stage`` from key ``valid_keys`` of the tile on (keys past the
+    sequence), 16 bytes a store, then make the writes visible to the tensor core's reads
+    (async proxy) and to the whole warp group."""
+    BN, eff = shape.config.block_n, shape.eff
+    units = BN * shape.halves * HALF // 8  # 16-byte units of the tile's V
+    zeros = kiln.vector_constant([0.0] * 8, kiln.bf16)
+    for step in kiln.static_range(-(-units // shape.threads)):
+        index = step * shape.threads + tid
+        key = index // (HALF // 8) % BN
+        half = index // (HALF // 8) // BN
+        if (index < units) & (key >= valid_keys):
+            slot = ((stage * 2 + 1) * shape.halves + half) * shape.pages + key // eff
+            slots.store(slot, key % eff, index % (HALF // 8) * 8, zeros, align=16)
+    nvidia_asm.fence_proxy_async()
+    nvidia_asm.named_barrier(ZERO_ROWS_BARRIER, shape.threads)
+
+
 def _add(a, b):
     return a + b
 
@@ -662,21 +878,8 @@ def _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, spli
         head = kv_head * shape.group + row % shape.group
         ms = [scratch[ml_base + 2 * (w * rows + r)] for w in range(slices)]
         ls = [scratch[ml_base + 2 * (w * rows + r) + 1] for w in range(slices)]
-        m_all = ms[0]
-        for w in kiln.static_range(1, slices):
-            m_all = kiln.maximum(m_all, ms[w])
-        if has_sinks:
-            sink = kiln.where(split == 0, sinks[head] * LOG2E, -math.inf)
-            m_all = kiln.maximum(m_all, sink)
-        m_safe = kiln.where(m_all == -math.inf, 0.0, m_all)
-        weights = [kiln.exp2(ms[w] - m_safe) for w in range(slices)]
-        total = weights[0] * ls[0]
-        for w in kiln.static_range(1, slices):
-            total = kiln.fma(weights[w], ls[w], total)
-        if has_sinks:
-            total = total + kiln.exp2(sink - m_safe)
-        has_mass = total > 0.0
-        inv = kiln.where(has_mass, 1.0 / kiln.maximum(total, 1e-30), 0.0)
+        m_all, weights, total = _row_weights(ms, ls, sinks, head, split, has_sinks)
+        inv = kiln.where(total > 0.0, 1.0 / kiln.maximum(total, 1e-30), 0.0)
         for c in columns:
             acc = scratch.load((0 * rows + r) * stride + c, width=4, align=16) * weights[0]
             for w in kiln.static_range(1, slices):
@@ -684,12 +887,66 @@ def _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, spli
                                weights[w], acc)
             o_part.store(split, b, q_index, head, c, acc * inv, align=16)
         if tid % per_row == 0:
-            lse_part[split, b, q_index, head] = kiln.where(
-                has_mass, (m_all + kiln.log2(kiln.maximum(total, 1e-30))) * LN2, -math.inf)
-            if split == 0:
-                counts[b, q_index, head] = _split_count(
-                    block_table, b, q_index, kv_head, seq_len - seq_q + q_index + 1,
-                    tiles_per_split, shape.config.block_n, block_sparse)
+            _store_row_lse(m_all, total, block_table, lse_part, counts, split, b, q_index,
+                           head, kv_head, seq_len, seq_q, tiles_per_split, shape, block_sparse)
+
+
+@kiln.func
+def _store_fragment_rows(m, l, o, sinks, block_table, o_part, lse_part, counts, split, b,
+                         q_first, kv_head, warp_row0, lane, seq_len, seq_q, tiles_per_split,
+                         shape, block_sparse, has_sinks):
+    """``consumer='wgmma'``: this thread's two rows of the warp group's O (packed rows
+    ``warp_row0 + lane // 4`` and ``+ 8``; each row is one quad's), normalised, straight from
+    the accumulator into O_partial: a quad's 8-byte stores fill 32-byte sectors. The quad's
+    first lane writes LSE (and, on split 0, the split count)."""
+    for half in kiln.static_range(2):
+        row = warp_row0 + lane // 4 + 8 * half
+        if row < shape.packed:
+            q_index = q_first + row // shape.group
+            head = kv_head * shape.group + row % shape.group
+            m_all, weights, total = _row_weights([m[half]], [l[half]], sinks, head, split,
+                                                 has_sinks)
+            scale = weights[0] * kiln.where(total > 0.0, 1.0 / kiln.maximum(total, 1e-30), 0.0)
+            for n in kiln.static_range(shape.head_dim // 8):
+                pair = kiln.pack([o.element(4 * n + 2 * half), o.element(4 * n + 2 * half + 1)])
+                o_part.store(split, b, q_index, head, 8 * n + 2 * (lane % 4), pair * scale,
+                             align=8)
+            if lane % 4 == 0:
+                _store_row_lse(m_all, total, block_table, lse_part, counts, split, b, q_index,
+                               head, kv_head, seq_len, seq_q, tiles_per_split, shape,
+                               block_sparse)
+
+
+def _row_weights(ms, ls, sinks, head, split, has_sinks):
+    """One row's states ``(m_w, l_w)`` (base 2, ``m = -inf`` for none) merged: the row max
+    (split 0's sink included), each state's weight ``2^(m_w - max)`` and the denominator."""
+    m_all = ms[0]
+    for x in ms[1:]:
+        m_all = kiln.maximum(m_all, x)
+    if has_sinks:
+        sink = kiln.where(split == 0, sinks[head] * LOG2E, -math.inf)
+        m_all = kiln.maximum(m_all, sink)
+    m_safe = kiln.where(m_all == -math.inf, 0.0, m_all)
+    weights = [kiln.exp2(x - m_safe) for x in ms]
+    total = weights[0] * ls[0]
+    for w, x in zip(weights[1:], ls[1:]):
+        total = kiln.fma(w, x, total)
+    if has_sinks:
+        total = total + kiln.exp2(sink - m_safe)
+    return m_all, weights, total
+
+
+@kiln.func
+def _store_row_lse(m_all, total, block_table, lse_part, counts, split, b, q_index, head,
+                   kv_head, seq_len, seq_q, tiles_per_split, shape, block_sparse):
+    """LSE_partial of one row (natural log, ``-inf`` without mass) and, on split 0, its
+    split count."""
+    lse_part[split, b, q_index, head] = kiln.where(
+        total > 0.0, (m_all + kiln.log2(kiln.maximum(total, 1e-30))) * LN2, -math.inf)
+    if split == 0:
+        counts[b, q_index, head] = _split_count(
+            block_table, b, q_index, kv_head, seq_len - seq_q + q_index + 1,
+            tiles_per_split, shape.config.block_n, block_sparse)
 
 
 @kiln.func
@@ -1121,7 +1378,8 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
     _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks)
     group = Hq // Hkv
     q_rows = 1 if block_table is not None else Sq
-    config = config or default_config(q_rows * group, D)
+    config = config or default_config(q_rows * group, D, page_size,
+                                      block_sparse=block_table is not None)
     kv_sub_tile_rows(config.block_n, page_size)  # page size must tile the key block
     row_blocks = config.row_blocks(q_rows * group, D)
     if block_table is not None:
@@ -1176,7 +1434,8 @@ def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_si
                                   fix="pass merge_slices=1, or fused_slots >= merge_slices")
     chip = _target(target)
     q_rows = 1 if block_sparse else sq
-    config = config or default_config(q_rows * group, head_dim)
+    config = config or default_config(q_rows * group, head_dim, page_size,
+                                      block_sparse=block_sparse)
     rows = 2 * max(page_size, 1)  # placeholder arrays carry dtype and rank only
     bf16, hkv = kiln.bf16.numpy, 1
     hq = hkv * group
