@@ -14,7 +14,7 @@ Example (A is an M x K tile, B a K x N tile with N contiguous, both TMA-loaded w
 
 For pipelined kernels the descriptor-level API below issues ``nvvm.wgmma.mma_async`` on
 hand-built descriptors (K- or MN-major operands, several groups in flight): ``smem_descriptor``,
-``fragment_zeros``, ``mma_async`` + ``fence``/``commit``/``wait_group``, and
+``fragment_zeros``, ``scale_rows``, ``mma_async`` + ``fence``/``commit``/``wait_group``, and
 ``store_fragment_swizzled`` to stage the result for a TMA store (see
 ``kiln/kernels/gemm/hopper.py``). ``mma_async_regs`` takes A from registers instead
 (``a_fragment_layout``; ``a_fragment_from_accumulator`` turns an f32 result such as softmax
@@ -325,6 +325,21 @@ def fragment_from_elements(values) -> Fragment:
                                 fix="kiln.cast the value to kiln.f32 first")
         value = llvm.insertvalue(value, element_ir, [i])
     return Fragment(value, 2 * len(values))
+
+
+def scale_rows(acc: Fragment, factors) -> Fragment:
+    """``acc`` with each of the thread's two rows multiplied by its factor: ``factors[0]`` for
+    row ``16*w + l//4``, ``factors[1]`` for row ``+ 8`` (register ``i`` is on row
+    ``(i // 2) % 2``, see :class:`Fragment`). The online-softmax rescale of an output ``O``
+    whose width differs from the score tile's; call it before the :func:`fence` of the next
+    product that reads ``acc``, not while an earlier group is in flight (ptxas then serialises
+    every WGMMA). Example: ``o = kiln.wgmma.scale_rows(o, [alpha_top, alpha_bottom])``."""
+    _check_accumulator(acc, "scale_rows")
+    if len(factors) != 2:
+        raise KilnValueError(f"scale_rows needs 2 factors (the thread's two rows), got "
+                             f"{len(factors)}", fix="pass [top_row_factor, bottom_row_factor]")
+    return fragment_from_elements([acc.element(i) * factors[(i // 2) % 2]
+                                   for i in range(acc.n // 2)])
 
 
 def fragment_zeros(n: int) -> Fragment:

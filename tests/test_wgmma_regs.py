@@ -187,6 +187,29 @@ def test_accumulator_to_a_operand_feeds_the_next_product():
 
 
 @kiln.kernel
+def scaled_rows(s_in: kiln.Tensor[kiln.f32, 2], factors: kiln.Tensor[kiln.f32, 1],
+                out: kiln.Tensor[kiln.f32, 2]):
+    """out = diag(factors) @ S for a 64 x 64 accumulator, through kiln.wgmma.scale_rows."""
+    t = kiln.thread_id(0)
+    acc_layout = L.wgmma_m64_accumulator(64)
+    s = wgmma.fragment_from_elements([s_in[acc_layout(t, i)] for i in range(32)])
+    row = t // 32 * 16 + t % 32 // 4  # the thread's first row; its second is row + 8
+    s = wgmma.scale_rows(s, [factors[row], factors[row + 8]])
+    for i in kiln.static_range(32):
+        out[acc_layout(t, i)] = s.element(i)
+
+
+def test_scale_rows_multiplies_each_of_a_threads_two_rows():
+    rng = np.random.default_rng()
+    s = rng.standard_normal((64, 64)).astype(np.float32)
+    factors = rng.standard_normal(64).astype(np.float32)
+    out = np.full((64, 64), np.nan, np.float32)
+    traced = scaled_rows.trace(s, factors, out, target="sm_90a")
+    interpret_kernel(traced, (1, 1, 1), [s, factors, out], "sm_90a")
+    np.testing.assert_array_equal(out, factors[:, None] * s)
+
+
+@kiln.kernel
 def bad_regs(out: kiln.Tensor[kiln.f32], WHAT: kiln.constexpr):
     b_s = dynamic_shared((64, 64), kiln.bf16, align=1024)
     desc = wgmma.smem_descriptor(b_s, leading_bytes=16, stride_bytes=1024)
@@ -201,6 +224,8 @@ def bad_regs(out: kiln.Tensor[kiln.f32], WHAT: kiln.constexpr):
         wgmma.mma_async_regs(acc, a, desc, dtype=kiln.bf16, b_major="n")
     elif WHAT == "n":
         wgmma.a_fragment_from_accumulator(wgmma.fragment_zeros(40), kiln.bf16)
+    elif WHAT == "factors":
+        wgmma.scale_rows(acc, [1.0])
 
 
 @pytest.mark.parametrize("what, error, message", [
@@ -208,6 +233,7 @@ def bad_regs(out: kiln.Tensor[kiln.f32], WHAT: kiln.constexpr):
     ("width", kiln.KilnTypeError, "vector<8xbf16>"),
     ("major", kiln.KilnValueError, "b_major='n'"),
     ("n", kiln.UnsupportedError, "64 x 40"),
+    ("factors", kiln.KilnValueError, "scale_rows needs 2 factors"),
 ])
 def test_bad_operands_raise_at_trace_time(what, error, message):
     with pytest.raises(error, match=re.escape(message)):

@@ -496,7 +496,7 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                 # this tile's softmax runs while P V does. O is rescaled first: registers a
                 # WGMMA reads must not be written while an earlier group is in flight (ptxas
                 # would serialise every WGMMA).
-                o = _scale_fragment_rows(o, alphas)
+                o = wgmma.scale_rows(o, alphas)
                 scores = _issue_qk_wgmma(descs, q_frags, stage, shape)
                 previous = (it + S - 1) % S
                 if it > 0:
@@ -527,7 +527,7 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
         if shape.wgmma:
             if num_tiles > 0:  # the last tile's P V product
                 last_stage = (num_tiles - 1) % S
-                o = _issue_pv_wgmma(descs, _scale_fragment_rows(o, alphas), probs, last_stage,
+                o = _issue_pv_wgmma(descs, wgmma.scale_rows(o, alphas), probs, last_stage,
                                     shape)
                 wgmma.wait_group(0)
                 empty.arrive(last_stage)
@@ -754,13 +754,6 @@ def _issue_pv_wgmma(descs, o, probs, stage, shape):
                                  b_major="mn")
     wgmma.commit()
     return o
-
-
-def _scale_fragment_rows(o, alphas):
-    """``o`` with each of the thread's two rows (register ``i``: row ``(i // 2) % 2``) times
-    its factor."""
-    return wgmma.fragment_from_elements([o.element(i) * alphas[(i // 2) % 2]
-                                         for i in range(o.n // 2)])
 
 
 @kiln.func

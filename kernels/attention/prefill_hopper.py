@@ -276,7 +276,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                         nvidia_asm.named_barrier(my_turn, 2 * WARP_GROUP_THREADS)
                         scores = _issue_qk(ops, stage)
                         # O to P_{j-1}'s max, on the CUDA cores while S_j is on the tensor cores.
-                        acc = _scale_rows(acc, softmax.scale_vec.values[0])
+                        acc = wgmma.scale_rows(acc, softmax.scale_vec.values[0])
                         acc = _issue_pv(ops, acc, probs, previous)
                         nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                         wgmma.wait_group(1)
@@ -293,7 +293,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     last = end_tile - 1 - first_tile
                     v_full.try_wait(last % STAGES, (last // STAGES) % 2)
                     nvidia_asm.named_barrier(my_turn, 2 * WARP_GROUP_THREADS)
-                    acc = _scale_rows(acc, softmax.scale_vec.values[0])
+                    acc = wgmma.scale_rows(acc, softmax.scale_vec.values[0])
                     acc = _issue_pv(ops, acc, probs, last % STAGES)
                     nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                     wgmma.wait_group(0)
@@ -303,7 +303,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     nvidia_asm.named_barrier(PINGPONG_BARRIER, 2 * WARP_GROUP_THREADS)
                 inverse_norm = [kiln.where(n > 0.0, kiln.rcp(n), 0.0)
                                 for n in softmax.norm_vec.values[0]]
-                out = _scale_rows(acc, inverse_norm)
+                out = wgmma.scale_rows(acc, inverse_norm)
                 lse_rows = softmax.log_sum_exp().values[0]
                 max_rows = softmax.max_vec.values[0]
                 _write_output(out, lse_rows, max_rows, rows, o, lse, head, d, seq_q, q_start,
@@ -436,13 +436,6 @@ def _softmax_tile(softmax, scores, n0, tile_mask, scale_log2, dtype):
     softmax.apply_unconditional_norm_rescale()
     softmax.col_sum_acc(probs)
     return wgmma.a_fragment_from_accumulator(probs, dtype)
-
-
-def _scale_rows(acc, factors):
-    """``acc`` with each of the thread's two rows multiplied by its factor. (OnlineSoftmax's
-    ``rescale_output`` needs O as wide as the score tile; here D and BLOCK_N may differ.)"""
-    return wgmma.fragment_from_elements([acc.element(i) * factors[_fragment_row(i)]
-                                         for i in range(acc.n // 2)])
 
 
 @kiln.func
