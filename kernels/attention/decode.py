@@ -678,11 +678,8 @@ def _attend(kv_s, q_frags, kv_row, first_key, lane, key_limit, seq_len, scale_lo
             for j in kiln.static_range(keys // 8):
                 for e in kiln.static_range(2):
                     row_max = kiln.maximum(row_max, scaled[j][2 * half + e])
-            row_max = kiln.shuffle.butterfly_reduce(row_max, (1, 2), kiln.maximum)
-            m_next = kiln.maximum(m[2 * i + half], row_max)
-            # A row with no key yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
-            m_safe = kiln.where(m_next == -math.inf, 0.0, m_next)
-            alphas.append(kiln.exp2(m[2 * i + half] - m_safe))
+            m_next, m_safe, alpha = _advance_row_max(m[2 * i + half], row_max)
+            alphas.append(alpha)
             safes.append(m_safe)
             new_m.append(m_next)
         shift = kiln.pack([safes[0], safes[0], safes[1], safes[1]])
@@ -778,11 +775,8 @@ def _softmax_wgmma(scores, m, l, key0, tid, key_limit, scale_log2, shape, masked
         row_max = mine[0]
         for xi in mine[1:]:
             row_max = kiln.maximum(row_max, xi)
-        row_max = kiln.shuffle.butterfly_reduce(row_max, (1, 2), kiln.maximum)
-        m_next = kiln.maximum(m[half], row_max)
-        # A row with no key yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
-        m_safe = kiln.where(m_next == -math.inf, 0.0, m_next)
-        alphas.append(kiln.exp2(m[half] - m_safe))
+        m_next, m_safe, alpha = _advance_row_max(m[half], row_max)
+        alphas.append(alpha)
         safes.append(m_safe)
         new_m.append(m_next)
     probs = [kiln.exp2(x[i] - safes[(i // 2) % 2]) for i in range(BN // 2)]
@@ -813,6 +807,16 @@ def _zero_rows_past_end(slots, stage, valid_keys, tid, shape):
             slots.store(slot, key % eff, index % (HALF // 8) * 8, zeros, align=16)
     nvidia_asm.fence_proxy_async()
     nvidia_asm.named_barrier(ZERO_ROWS_BARRIER, shape.threads)
+
+
+def _advance_row_max(m, lane_max):
+    """One row's running max after a tile whose scores this lane saw up to ``lane_max`` (a
+    row is a thread quad's): ``(m_next, m_safe, alpha)``, where ``m_safe`` is what the tile's
+    scores are shifted by and ``alpha = 2^(m - m_safe)`` rescales the row's earlier sums.
+    A row with no key yet keeps m = -inf; shifting by 0 instead avoids inf - inf."""
+    m_next = kiln.maximum(m, kiln.shuffle.butterfly_reduce(lane_max, (1, 2), kiln.maximum))
+    m_safe = kiln.where(m_next == -math.inf, 0.0, m_next)
+    return m_next, m_safe, kiln.exp2(m - m_safe)
 
 
 def _add(a, b):
