@@ -346,6 +346,11 @@ class _Shape:
         return Layout(((BN, 2 * self.config.stages), (HALF, self.halves)),
                       ((HALF, BN * D), (1, BN * HALF)))
 
+    def first_slot(self, stage, kv, half):
+        """The ring slot (a ``slots`` tile of ``eff x 64``) of page 0 of ``stage``'s K
+        (``kv = 0``) or V (``kv = 1``), 64-column half ``half``; page ``p`` is ``p`` further."""
+        return ((stage * 2 + kv) * self.halves + half) * self.pages
+
     def ring_swizzle(self):
         return Swizzle.sw128b(2) if self.swizzle_bytes else None
 
@@ -606,7 +611,7 @@ def _load_tile(rows_params, rows, page_table, b, tile, seq_len, k_map, v_map, sl
                stage, column, producer, shape):
     """TMA tile ``tile``'s K and V into ring ``stage`` from its looked-up ``rows`` (see
     :func:`_tile_rows`; None: look the pages up here): one box per page and 64-column half,
-    slot ``((stage * 2 + kv) * halves + half) * pages + page``.
+    slot ``shape.first_slot(stage, kv, half) + page``.
     ``rows_params`` is ``(BN, page_size)``: a struct class cannot be captured by a traced if."""
     Rows = PagedRowIndices[rows_params]
     full.arrive_expect_tx(stage, shape.tile_bytes, predicate=producer)
@@ -621,18 +626,18 @@ def _load_tile(rows_params, rows, page_table, b, tile, seq_len, k_map, v_map, sl
                              + logical % Rows.page_size, OOB_ROW)
             for h in kiln.static_range(shape.halves):
                 for kv in kiln.static_range(2):
-                    first = ((stage * 2 + kv) * shape.halves + h) * Rows.num_pages
-                    kiln.tma.load(v_map if kv else k_map, slots.tile(first + p),
+                    kiln.tma.load(v_map if kv else k_map,
+                                  slots.tile(shape.first_slot(stage, kv, h) + p),
                                   (column + h * HALF, row), full, stage, predicate=producer,
                                   eviction_policy=KV_EVICTION)
         return
     for h in kiln.static_range(shape.halves):
         rows.tma_copy_k(k_map, slots, full, stage, column=column + h * HALF, elect=producer,
                         needs_partial=False, eviction_policy=KV_EVICTION,
-                        first_slot=((stage * 2) * shape.halves + h) * Rows.num_pages)
+                        first_slot=shape.first_slot(stage, 0, h))
         rows.tma_copy_v(v_map, slots, full, stage, column=column + h * HALF, elect=producer,
                         needs_partial=False, eviction_policy=KV_EVICTION,
-                        first_slot=((stage * 2 + 1) * shape.halves + h) * Rows.num_pages)
+                        first_slot=shape.first_slot(stage, 1, h))
 
 
 @kiln.func
@@ -803,8 +808,7 @@ def _zero_rows_past_end(slots, stage, valid_keys, tid, shape):
         key = index // (HALF // 8) % BN
         half = index // (HALF // 8) // BN
         if (index < units) & (key >= valid_keys):
-            slot = ((stage * 2 + 1) * shape.halves + half) * shape.pages + key // eff
-            slots.store(slot, key % eff, index % (HALF // 8) * 8, zeros, align=16)
+            slots.store(shape.first_slot(stage, 1, half) + key // eff, key % eff, index % (HALF // 8) * 8, zeros, align=16)
     nvidia_asm.fence_proxy_async()
     nvidia_asm.named_barrier(ZERO_ROWS_BARRIER, shape.threads)
 
@@ -875,8 +879,7 @@ def _merge_and_store(scratch, sinks, block_table, o_part, lse_part, counts, spli
         head = kv_head * shape.group + row % shape.group
         ms = [scratch[ml_base + 2 * (w * rows + r)] for w in range(slices)]
         ls = [scratch[ml_base + 2 * (w * rows + r) + 1] for w in range(slices)]
-        m_all, weights, total = _row_weights(ms, ls, sinks, head, split, has_sinks)
-        inv = kiln.where(total > 0.0, 1.0 / kiln.maximum(total, 1e-30), 0.0)
+        m_all, weights, total, inv = _row_weights(ms, ls, sinks, head, split, has_sinks)
         for c in columns:
             acc = scratch.load((0 * rows + r) * stride + c, width=4, align=16) * weights[0]
             for w in kiln.static_range(1, slices):
@@ -901,9 +904,9 @@ def _store_fragment_rows(m, l, o, sinks, block_table, o_part, lse_part, counts, 
         if row < shape.packed:
             q_index = q_first + row // shape.group
             head = kv_head * shape.group + row % shape.group
-            m_all, weights, total = _row_weights([m[half]], [l[half]], sinks, head, split,
-                                                 has_sinks)
-            scale = weights[0] * kiln.where(total > 0.0, 1.0 / kiln.maximum(total, 1e-30), 0.0)
+            m_all, weights, total, inv = _row_weights([m[half]], [l[half]], sinks, head,
+                                                      split, has_sinks)
+            scale = weights[0] * inv
             for n in kiln.static_range(shape.head_dim // 8):
                 pair = kiln.pack([o.element(4 * n + 2 * half), o.element(4 * n + 2 * half + 1)])
                 o_part.store(split, b, q_index, head, 8 * n + 2 * (lane % 4), pair * scale,
@@ -916,7 +919,8 @@ def _store_fragment_rows(m, l, o, sinks, block_table, o_part, lse_part, counts, 
 
 def _row_weights(ms, ls, sinks, head, split, has_sinks):
     """One row's states ``(m_w, l_w)`` (base 2, ``m = -inf`` for none) merged: the row max
-    (split 0's sink included), each state's weight ``2^(m_w - max)`` and the denominator."""
+    (split 0's sink included), each state's weight ``2^(m_w - max)``, the denominator and its
+    inverse (0 for a row without mass)."""
     m_all = ms[0]
     for x in ms[1:]:
         m_all = kiln.maximum(m_all, x)
@@ -930,7 +934,7 @@ def _row_weights(ms, ls, sinks, head, split, has_sinks):
         total = kiln.fma(w, x, total)
     if has_sinks:
         total = total + kiln.exp2(sink - m_safe)
-    return m_all, weights, total
+    return m_all, weights, total, kiln.where(total > 0.0, 1.0 / kiln.maximum(total, 1e-30), 0.0)
 
 
 @kiln.func
