@@ -808,7 +808,8 @@ def _zero_rows_past_end(slots, stage, valid_keys, tid, shape):
         key = index // (HALF // 8) % BN
         half = index // (HALF // 8) // BN
         if (index < units) & (key >= valid_keys):
-            slots.store(shape.first_slot(stage, 1, half) + key // eff, key % eff, index % (HALF // 8) * 8, zeros, align=16)
+            slots.store(shape.first_slot(stage, 1, half) + key // eff, key % eff,
+                        index % (HALF // 8) * 8, zeros, align=16)
     nvidia_asm.fence_proxy_async()
     nvidia_asm.named_barrier(ZERO_ROWS_BARRIER, shape.threads)
 
