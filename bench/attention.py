@@ -14,7 +14,7 @@ seq >= 4k). Backends that reject a shape are reported as n/a.
 
 Tuning sweep (unless ``--no-sweep``): the Hopper kernel's ``(block_n, stages)`` alternatives of
 ``SWEEP`` on seq 4096, each checked then timed like the main rows, so one run shows whether
-``HopperPrefillConfig.for_head_dim``'s defaults are the fastest.
+``HopperPrefillConfig.for_shape``'s defaults are the fastest.
 
 Usage (on an H100): ``python bench/attention.py [--json out.json] [--plot out.png]``;
 ``python bench/attention.py --sanitize`` runs one causal and one ragged call (no timing) for
@@ -157,10 +157,10 @@ def sweep(args) -> list[dict]:
         reference = sdpa_call("flash", q, k, v, causal)().transpose(1, 2).float()
         for block_n, stages in configs:
             config = HopperPrefillConfig(head_dim=d, block_n=block_n, stages=stages)
-            # prefill() takes its tiles from for_head_dim: swap them in for this config, with an
+            # prefill() takes its tiles from for_shape: swap them in for this config, with an
             # empty plan cache (a cached plan would keep the default tiles).
-            with mock.patch.object(HopperPrefillConfig, "for_head_dim",
-                                   lambda head_dim, config=config: config), \
+            with mock.patch.object(HopperPrefillConfig, "for_shape",
+                                   lambda *shape, config=config: config), \
                     mock.patch.dict(prefill_module._PLANS, clear=True):
                 error = (prefill(q, k, v, causal=causal).float() - reference).abs().max().item()
                 if not error < MAX_ERROR:

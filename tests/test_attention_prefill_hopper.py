@@ -1,6 +1,7 @@
 """The Hopper attention prefill: interpreter correctness against the float64 reference, input
 checks, compile-only checks (``lower``) and results on a GPU (``gpu``, vs torch SDPA)."""
 
+import importlib
 import re
 import subprocess
 
@@ -10,11 +11,14 @@ import pytest
 
 import kiln
 from attention_reference import attention_reference, random_qkv, visible_keys
+from kiln.kernels.attention import prefill_hopper
 from kiln.kernels.attention.prefill import compile_prefill, prefill
-from kiln.kernels.attention.prefill_hopper import HopperPrefillConfig
+from kiln.kernels.attention.prefill_hopper import HopperPrefillConfig, MaskSpec
 from kiln.lowering.cuda import cuda_available
 from kiln.lowering.tools import find_ptxas
 
+# The module, not the function the package exports under the same name.
+prefill_module = importlib.import_module("kiln.kernels.attention.prefill")
 needs_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and driver")
 STORAGE = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}
 # P is rounded to bf16 before the PV product and O is stored in bf16: a few bf16 ulps of |o| <= 4.
@@ -52,6 +56,31 @@ MASK_CASES = {
     "chunk": dict(chunk=48),
     "causal_chunk": dict(causal=True, chunk=100),
 }
+
+
+def test_long_unmasked_attention_takes_176_key_tiles_at_d128():
+    long_keys = prefill_hopper.LONG_KEYS
+    assert HopperPrefillConfig.for_shape(128, MaskSpec(), long_keys).block_n == 176
+    for mask, keys in ((MaskSpec(), long_keys - 1), (MaskSpec(causal=True), long_keys),
+                       (MaskSpec(window_left=64), long_keys), (MaskSpec(chunk=512), long_keys)):
+        assert HopperPrefillConfig.for_shape(128, mask, keys).block_n == 128
+    for d in (64, 256):
+        assert HopperPrefillConfig.for_shape(d, MaskSpec(), long_keys) == \
+            HopperPrefillConfig.for_head_dim(d)
+
+
+def test_176_key_tiles_match_the_reference(monkeypatch):
+    # The long-sequence tiles on a short problem: 300 keys are one full 176-key tile and one
+    # partial one, in a dense and a ragged batch (whose longest sequence decides).
+    monkeypatch.setattr(prefill_hopper, "LONG_KEYS", 256)
+    built = []
+    monkeypatch.setattr(prefill_module, "make_kernel",
+                        lambda dtype, config, *rest: built.append(config.block_n) or
+                        prefill_hopper.make_kernel(dtype, config, *rest))
+    rng = np.random.default_rng()
+    _check(rng, sq=70, sk=300, d=128)
+    _check(rng, batch=2, d=128, ragged=([40, 90], [300, 120]))
+    assert built == [176, 176]
 
 
 @pytest.mark.parametrize("mask", MASK_CASES.values(), ids=MASK_CASES.keys())
@@ -206,12 +235,14 @@ def test_ptx_has_the_hopper_pipeline(causal_d128):
 
 
 @pytest.mark.lower
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_no_spills(d):
+@pytest.mark.parametrize("d,block_n", [(64, None), (128, None), (128, 176), (256, None)])
+def test_no_spills(d, block_n):
+    tiles = {} if block_n is None else dict(block_n=block_n)  # 176: LONG_TILES
     ck = compile_prefill(target="sm_90a", head_dim=d, dtype="f16", window=(128, 0), group=4,
-                         sinks=True)
+                         sinks=True, return_lse=True, **tiles)
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
-    config = HopperPrefillConfig.for_head_dim(d)
+    config = HopperPrefillConfig(head_dim=d, **tiles) if tiles else \
+        HopperPrefillConfig.for_head_dim(d)
     assert ck.signature.dynamic_shared_bytes >= config.shared_bytes()
     assert ck.signature.block == (384, 1, 1)
 

@@ -6,7 +6,8 @@ tile its mask lets through. Q, K and V are viewed as 2-D ``[rows, heads * D]`` m
 row), so one TMA box of ``BLOCK_N x 64`` reads 64 head-dim columns of one head.
 
 Schedule (3 warp groups; ``BLOCK_M x BLOCK_N`` and K/V stages: 128 x 192 x 2 for D = 64,
-128 x 128 x 2 for D = 128, 128 x 80 x 2 for D = 256, see ``DEFAULT_TILES``):
+128 x 128 x 2 for D = 128 (128 x 176 x 2 unmasked over >= 8k keys), 128 x 80 x 2 for D = 256,
+see ``DEFAULT_TILES`` and ``LONG_TILES``):
 
 | warp group | registers (setmaxnreg) | job |
 | --- | --- | --- |
@@ -40,7 +41,7 @@ different KV heads. The output leaves through shared memory (each consumer's own
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
@@ -71,6 +72,11 @@ SHARED_BUDGET = 227 * 1024 - 1024 - 256
 # with 2 stages beat 3 (449 vs 434); at D = 256, 80-key tiles beat 64 (732 vs 698) and still
 # keep S + O in registers.
 DEFAULT_TILES = {64: (192, 2), 128: (128, 2), 256: (80, 2)}
+# Full attention (no mask) over at least LONG_KEYS keys: head_dim -> block_n. At D = 128, 176-key
+# tiles are 2-3% faster there on an H200 (bench/RESULTS.md, sessions 8 and 17); at 4k keys the
+# masked last tile (4096 = 23 x 176 + 48) wastes what they gain, and with a causal mask they lose.
+LONG_KEYS = 8192
+LONG_TILES = {128: 176}
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,16 @@ class HopperPrefillConfig:
         """The default tiles for ``head_dim`` (``DEFAULT_TILES``)."""
         block_n, stages = DEFAULT_TILES[head_dim]
         return cls(head_dim=head_dim, block_n=block_n, stages=stages)
+
+    @classmethod
+    def for_shape(cls, head_dim: int, mask: "MaskSpec", max_seq_k: int) -> "HopperPrefillConfig":
+        """The tiles :func:`~kiln.kernels.attention.prefill` uses: :meth:`for_head_dim`'s, or
+        ``LONG_TILES`` for unmasked attention over at least ``LONG_KEYS`` keys.
+        Example: ``for_shape(128, MaskSpec(), 16384).block_n == 176``."""
+        config = cls.for_head_dim(head_dim)
+        if mask == MaskSpec() and max_seq_k >= LONG_KEYS and head_dim in LONG_TILES:
+            return replace(config, block_n=LONG_TILES[head_dim])
+        return config
 
 
 @dataclass(frozen=True)
