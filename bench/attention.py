@@ -17,8 +17,8 @@ Tuning sweep (unless ``--no-sweep``): the Hopper kernel's ``(block_n, stages)`` 
 ``HopperPrefillConfig.for_shape``'s defaults are the fastest.
 
 Usage (on an H100): ``python bench/attention.py [--json out.json] [--plot out.png]``;
-``python bench/attention.py --sanitize`` runs one causal and one ragged call (no timing) for
-``compute-sanitizer --tool memcheck|racecheck|synccheck``.
+``python bench/attention.py --sanitize`` runs one causal, one ragged and one long unmasked call
+(no timing) for ``compute-sanitizer --tool memcheck|racecheck|synccheck``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def parse_args(argv=None):
     parser.add_argument("--no-sweep", action="store_true",
                         help="skip the block_n / stages sweep of the Hopper kernel")
     parser.add_argument("--sanitize", action="store_true",
-                        help="run one causal and one ragged call for compute-sanitizer, no timing")
+                        help="run one causal, one ragged and one long unmasked call for "
+                             "compute-sanitizer, no timing")
     return parser.parse_args(argv)
 
 
@@ -224,7 +225,8 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def sanitize() -> None:
-    """One causal GQA call and one ragged call, checked against SDPA, for compute-sanitizer."""
+    """One causal GQA call, one ragged call and one unmasked call over 8300 keys (176-key tiles,
+    the last partial), the first and last checked against SDPA, for compute-sanitizer."""
     import torch
 
     from kiln.kernels.attention import prefill
@@ -242,10 +244,18 @@ def sanitize() -> None:
     kr = torch.randn(813, 4, 64, device="cuda", dtype=torch.bfloat16)
     o, lse = prefill(qr, kr, kr, cu_seqlens_q=lengths, cu_seqlens_k=lengths, causal=True,
                      window=(128, 0), return_lse=True)
+    ql = torch.randn(1, 128, 2, 128, device="cuda", dtype=torch.bfloat16)
+    kl = torch.randn(1, 8300, 2, 128, device="cuda", dtype=torch.bfloat16)
+    vl = torch.randn_like(kl)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        ql.transpose(1, 2).float(), kl.transpose(1, 2).float(),
+        vl.transpose(1, 2).float()).transpose(1, 2)
+    long_error = (prefill(ql, kl, vl).float() - want).abs().max().item()
     torch.cuda.synchronize()
     finite = bool(torch.isfinite(o).all())
-    print(f"sanitize: causal GQA max abs error {error:.3g}; ragged output finite: {finite}")
-    if not (error < MAX_ERROR and finite):
+    print(f"sanitize: causal GQA max abs error {error:.3g}; ragged output finite: {finite}; "
+          f"unmasked 8300 keys max abs error {long_error:.3g}")
+    if not (error < MAX_ERROR and finite and long_error < MAX_ERROR):
         raise SystemExit("prefill results are wrong under the sanitizer run")
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One batched GPU session for correctness (see ../shared/device): every `gpu` test, the demo,
 # and compute-sanitizer (memcheck, racecheck, synccheck) on the Hopper smoke kernel, the prefill
-# kernel (one causal GQA and one ragged call) and the decode/combine GPU tests (partial pages,
-# empty selections). Full logs are packed into $OUT/logs.tar.gz; summaries print last.
+# kernel (one causal GQA, one ragged and one long unmasked call) and the decode/combine GPU
+# tests (partial pages, empty selections). Full logs are packed into $OUT/logs.tar.gz; summaries print last.
 # Usage on the device machine: source .device/setup.sh && bash bench/device_check.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-device}; mkdir -p "$OUT"

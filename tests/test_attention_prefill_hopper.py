@@ -295,6 +295,8 @@ GPU_CASES = {
     "window_sinks": dict(b=2, sq=513, sk=513, hq=4, hkv=1, d=128, window=(100, 20), sinks=True),
     "chunk_d256": dict(b=1, sq=400, sk=400, hq=2, hkv=1, d=256, chunk=128),
     "none_d64": dict(b=3, sq=257, sk=129, hq=16, hkv=16, d=64),
+    # Unmasked over >= LONG_KEYS keys: 176-key tiles, the last one partial (8300 = 47 x 176 + 28).
+    "none_long_keys": dict(b=1, sq=300, sk=8300, hq=4, hkv=2, d=128),
 }
 
 
