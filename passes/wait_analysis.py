@@ -188,7 +188,8 @@ def descriptor_roots(value: ir.Value) -> tuple:
 
 def buffer_root(value: ir.Value):
     """A hashable name for the buffer ``value`` points into: ``("global", sym)``,
-    ``("arg", n)`` or ``("op", op)``; None when unknown (aliases every buffer)."""
+    ``("arg", n)``, ``("op", op)`` or ``("dynamic",)`` (the kernel's dynamic shared memory,
+    every view of it one buffer); None when unknown (aliases every buffer)."""
     for _ in range(64):
         if isinstance(value.owner, ir.Block):
             owner = value.owner.owner
@@ -199,6 +200,8 @@ def buffer_root(value: ir.Value):
             return ("global", ir.FlatSymbolRefAttr(op.attributes["name"]).value)
         if op.name in ("memref.alloc", "memref.alloca"):
             return ("op", op)
+        if op.name == "gpu.dynamic_shared_memory":
+            return ("dynamic",)
         if op.name not in _FORWARDING or not op.operands:
             return None
         value = op.operands[0]

@@ -13,6 +13,7 @@ from kiln.cluster import ClusterRecipe, cluster, manual_waits
 from kiln.errors import WaitError
 from kiln.lowering import isa_amdgpu
 from kiln.passes.wait_analysis import decode_gfx9_waitcnt, encode_gfx9_waitcnt
+from kiln.shared import dynamic_shared
 
 
 def _pointer(value: ir.Value, space: int) -> ir.Value:
@@ -79,6 +80,35 @@ def test_planted_missing_wait_is_rejected_at_the_read_line():
         dma_then_read.compile(*ARGS, MANUAL=True, target="gfx950", num_warps=2)
     assert caught.value.loc.line == READ_LINE
     assert "rocdl.global.load.lds" in caught.value.message and "vmcnt=1" in caught.value.fix
+
+
+@kiln.kernel
+def dma_to_dynamic_then_read_static(x: kiln.Tensor[f32], y: kiln.Tensor[f32]):
+    ring = dynamic_shared((128,), f32)
+    tile = kiln.shared((128,), f32)
+    i = kiln.thread_id(0)
+    tile[i] = y[i]
+    rocdl.s_barrier()
+    dma_to_lds(x, ring)
+    y[i] = tile[(i + 1) % 128] * 2.0  # the DMA writes only dynamic shared memory
+    rocdl.s_barrier()
+    y[i + 128] = ring[(i + 1) % 128]
+
+
+@pytest.mark.lower
+def test_a_dma_into_dynamic_shared_memory_leaves_static_buffers_unwaited():
+    # A static kiln.shared buffer is not part of the dynamic shared memory an async copy (a DMA
+    # here, a TMA ring on NVIDIA) writes: its read needs no wait; the ring's read does, and
+    # its wait goes before the barrier that publishes the other waves' copies.
+    x, y = np.random.rand(128).astype(np.float32), np.random.rand(256).astype(np.float32)
+    ck = dma_to_dynamic_then_read_static.compile(x, y, target="gfx950", num_warps=2)
+    ops = [line.strip() for line in ck.asm["gpu"].splitlines()
+           if "rocdl.s.waitcnt" in line or "rocdl.s.barrier" in line
+           or ("memref.load" in line and "3>" in line and "%arg" not in line)
+           or ("memref.load" in line and "workgroup" in line)]
+    kinds = ["wait" if "waitcnt" in op else "barrier" if "barrier" in op else
+             "static" if op.endswith(", 3>") else "dynamic" for op in ops]
+    assert kinds == ["barrier", "static", "wait", "barrier", "dynamic"], ops
 
 
 @kiln.kernel
