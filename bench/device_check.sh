@@ -2,7 +2,8 @@
 # One batched GPU session for correctness (see ../shared/device): every `gpu` test, the demo,
 # and compute-sanitizer (memcheck, racecheck, synccheck) on the Hopper smoke kernel, the prefill
 # kernel (one causal GQA, one ragged and one long unmasked call) and the decode/combine GPU
-# tests (partial pages, empty selections). Full logs are packed into $OUT/logs.tar.gz; summaries print last.
+# tests (partial pages, empty selections). Full logs are packed into $OUT/logs.tar.gz;
+# summaries print last.
 # Usage on the device machine: source .device/setup.sh && bash bench/device_check.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-device}; mkdir -p "$OUT"

@@ -103,9 +103,8 @@ def test_a_dma_into_dynamic_shared_memory_leaves_static_buffers_unwaited():
     x, y = np.random.rand(128).astype(np.float32), np.random.rand(256).astype(np.float32)
     ck = dma_to_dynamic_then_read_static.compile(x, y, target="gfx950", num_warps=2)
     ops = [line.strip() for line in ck.asm["gpu"].splitlines()
-           if "rocdl.s.waitcnt" in line or "rocdl.s.barrier" in line
-           or ("memref.load" in line and "3>" in line and "%arg" not in line)
-           or ("memref.load" in line and "workgroup" in line)]
+           if "rocdl.s.waitcnt" in line or "rocdl.s.barrier" in line or
+           ("memref.load" in line and (line.endswith(", 3>") or "workgroup" in line))]
     kinds = ["wait" if "waitcnt" in op else "barrier" if "barrier" in op else
              "static" if op.endswith(", 3>") else "dynamic" for op in ops]
     assert kinds == ["barrier", "static", "wait", "barrier", "dynamic"], ops
