@@ -4,8 +4,9 @@ Kept apart from :mod:`kiln.kernel` so the tracing code does not import lowering 
 (``kiln.lowering.signature``/``arrays``/``cache`` are imported here, lazily where heavy).
 
 The on-disk cache key is ``make_key(kernel source, sources of referenced @kiln.func helpers and
-@kiln.struct classes, captured closure/global values, argument specs, constexpr values, options.key())``; helpers are found
-through the kernel's globals and closure (names it uses directly; ``module.helper`` attribute
+@kiln.struct classes, captured closure/global values, argument specs, constexpr values,
+options.key())``, each source after the file and line it starts at; helpers are found through
+the kernel's globals and closure (names it uses directly; ``module.helper`` attribute
 references are not followed).
 """
 
@@ -51,10 +52,14 @@ def lowering_signature(name: str, specs, block, constexprs, *, dynamic_shared_by
 
 
 def _source(obj) -> str:
+    """``obj``'s source text after the file and line it starts at: compiled kernels carry source
+    locations (error messages, the AMD line tables), so a kernel that moves must miss the cache,
+    even with the same text."""
     try:
-        return inspect.getsource(obj)
+        lines, first = inspect.getsourcelines(obj)
     except (OSError, TypeError):
         return repr(obj)
+    return f"{inspect.getsourcefile(obj)}:{first}\n{''.join(lines)}"
 
 
 def _referenced(fn: Callable) -> dict[str, Any]:
