@@ -13,6 +13,9 @@ from kiln.kernels.attention.decode import (DecodeConfig, decode, default_config,
 
 from attention_reference import attention_reference
 
+# The module, not the function the package exports under the same name.
+decode_module = importlib.import_module("kiln.kernels.attention.decode")
+
 BN = DecodeConfig().block_n
 D = 64
 # P is rounded to bf16 to feed the tensor cores (P.V in mma.sync), so O carries bf16 relative
@@ -230,6 +233,30 @@ def test_default_num_splits():
     assert default_num_splits(16, 8, 65536) == 1
     assert default_num_splits(1, 8, 16384, row_blocks=2) == 8
     assert default_num_splits(1, 1, 10) == 1
+
+
+def test_default_splits_fill_the_gpu_the_call_launches_on(monkeypatch):
+    """The split count follows the device's SM count (114 on an H100 PCIe: 14 splits of 8 KV
+    heads, one wave); interpreted calls keep DEFAULT_SMS, without asking for a device."""
+    from kiln.lowering import cuda
+
+    class FakeDriver:
+        @staticmethod
+        def multiprocessor_count():
+            return 114
+
+    monkeypatch.setattr(cuda, "driver", lambda: FakeDriver)
+    q, k_cache, v_cache, table, lens, _ = _problem(np.random.default_rng(), 1, 1, 64, 8, 64,
+                                                   [1024], head_dim=128)
+    gpu_plan = decode_module._make_plan(decode_module._ArrayLib(q), q, k_cache, v_cache, table,
+                                        lens, None, None, None, None, "sm_90a", None, None,
+                                        False)
+    assert gpu_plan.slots == 14 and gpu_plan.grid == (14, 8, 1)
+    monkeypatch.setattr(cuda, "driver", None)  # an interpreted call must not touch it
+    interpreted = decode_module._make_plan(decode_module._ArrayLib(q), q, k_cache, v_cache,
+                                           table, lens, None, None, None, None, "sm_90a",
+                                           "interpret", None, False)
+    assert interpreted.slots == 16
 
 
 def test_stale_cache_rows_never_reach_the_sums():
@@ -770,7 +797,6 @@ def test_fused_decode_attention_on_the_gpu_repeats_on_two_streams():
 
 def test_decode_attention_fuses_the_combine_only_for_small_merges(monkeypatch):
     """Default: fused while the last CTA reads at most FUSED_COMBINE_MAX_BYTES of partials."""
-    decode_module = importlib.import_module("kiln.kernels.attention.decode")
     monkeypatch.setattr(decode_module, "_PLANS", {})
     rng = np.random.default_rng()
     q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 4, 8, 1, 64, [4 * BN], head_dim=128)
@@ -785,7 +811,6 @@ def test_large_fused_merges_are_shared_by_the_last_ctas_on_the_gpu(monkeypatch):
     """32 packed rows (Sq 4 x GQA 8): on a GPU the CTAs that draw the last MERGE_SLICES
     tickets share the fused merge. 8 rows keep one merging CTA, and so does the interpreter,
     which runs one CTA at a time and could not run the others' wait."""
-    decode_module = importlib.import_module("kiln.kernels.attention.decode")
     monkeypatch.setattr(decode_module, "_PLANS", {})
     rng = np.random.default_rng()
 

@@ -25,7 +25,8 @@ its warps split every BN-key tile, each keeping its own ``(m, l, O)``:
 
 More rows than a CTA serves take ``row_blocks`` CTAs per KV head, run side by side and sharing
 its pages in L2 (``DecodeConfig.warp_groups`` stops widening where O and S would exceed
-``MAX_ACCUMULATORS`` f32 registers a lane). The default split count gives one CTA per SM.
+``MAX_ACCUMULATORS`` f32 registers a lane). The default split count gives one CTA per SM of the
+GPU the call launches on (``DEFAULT_SMS`` when interpreted).
 
 | phase | who | what |
 | --- | --- | --- |
@@ -100,7 +101,7 @@ from .partials import Partials
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 WARP = 32
-DEFAULT_SMS = 132  # H100 SXM: split count heuristic when no device is queried
+DEFAULT_SMS = 132  # H100 SXM / H200: the split count of interpreted calls (no device queried)
 # Default splits fill one CTA per SM. Two (the shared memory of 3 x 32 KB stages allows it) lost
 # on an H200 (bench/decode.py --sweep): batch 1 ctx 16k took 26.6 vs 28.8 us at Sq 1 and 35.3 vs
 # 45.1 us at Sq 4; halving the CTAs also halves the partials the combine reads.
@@ -1389,6 +1390,7 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
         grid = (slots, Hkv * row_blocks, B * Sq)
     else:
         slots = num_splits or default_num_splits(B, Hkv, num_pages * page_size, config.block_n,
+                                                 sms=_launch_sms(backend),
                                                  row_blocks=row_blocks)
         if not isinstance(slots, int) or slots < 1:
             raise kiln.KilnValueError(f"num_splits={num_splits!r} must be a positive int",
@@ -1416,6 +1418,17 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
                        no_outputs=(lib.full((1, 1, 1, 1), 0.0, "bf16"),
                                    lib.full((1, 1, 1), 0.0, "f32"), lib.full((1, 1, 2), 0, "i64")),
                        fused=bool(fused), device=lib.device if lib.torch else None)
+
+
+def _launch_sms(backend) -> int:
+    """SMs of the GPU a call launches on (device 0, as every Kiln launch), whose one wave the
+    default splits fill; ``DEFAULT_SMS`` for the interpreter. On a GPU of fewer SMs, H100 PCIe's
+    114, 132 CTAs would leave a second wave of 14 and take twice the time."""
+    if backend == "interpret":
+        return DEFAULT_SMS
+    from kiln.lowering.cuda import driver
+
+    return driver().multiprocessor_count()
 
 
 def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_size=64,
