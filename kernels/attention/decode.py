@@ -1421,9 +1421,10 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
 
 
 def _launch_sms(backend) -> int:
-    """SMs of the GPU a call launches on (device 0, as every Kiln launch), whose one wave the
-    default splits fill; ``DEFAULT_SMS`` for the interpreter. On a GPU of fewer SMs, H100 PCIe's
-    114, 132 CTAs would leave a second wave of 14 and take twice the time."""
+    """The SMs whose one wave of CTAs the default split count fills: those of the GPU the call
+    launches on (device 0, as every Kiln launch), or ``DEFAULT_SMS`` when interpreted. With
+    132 assumed, a GPU of 114 SMs (H100 PCIe) would run a second wave of 14 CTAs, doubling the
+    time."""
     if backend == "interpret":
         return DEFAULT_SMS
     from kiln.lowering.cuda import driver
