@@ -167,7 +167,11 @@ def setmaxnreg(count: int, *, increase: bool) -> None:
 def named_barrier(barrier_id, num_threads: int) -> None:
     """``bar.sync barrier_id, num_threads``: wait for ``num_threads`` threads (a multiple of 32)
     at hardware barrier ``barrier_id`` (1..15; 0 is ``kiln.barrier()``'s), e.g. one warp group
-    synchronising without stopping the others: ``named_barrier(1 + group, 128)``."""
+    synchronising without stopping the others: ``named_barrier(1 + group, 128)``.
+
+    ``bar.sync`` is PTX's aligned barrier: keep lane-divergent branches (``if tid % 128 == 0:``)
+    off both sides of it. LLVM may copy the barrier into both arms of such a branch, and a warp
+    whose lanes reach two copies hangs (``bench/RESULTS.md``, session 20)."""
     # Inline PTX: nvvm.barrier's printed form does not parse back with its location attached
     # (MLIR 22), and Kiln round-trips every stage through text.
     llvm.inline_asm(None, _named_barrier_operands(barrier_id, num_threads), "bar.sync $0, $1;",
