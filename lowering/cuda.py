@@ -164,8 +164,9 @@ class Driver:
                               fix="check the kernel's indices and the launch grid; rerun with "
                                   "compute-sanitizer to locate an illegal access")
 
+    @functools.cache
     def multiprocessor_count(self) -> int:
-        """Streaming multiprocessors of device 0 (the size of a persistent grid)."""
+        """Streaming multiprocessors of device 0 (the size of a persistent grid; read once)."""
         return self._attribute(_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
 
     def _attribute(self, attribute: int) -> int:

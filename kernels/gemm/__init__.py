@@ -121,21 +121,16 @@ def _run_tuned(a, b, c, m, n, k, b_major, dtype, target):
 def run_hopper(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=None):
     """Launch the Hopper kernel of ``config`` on prepared (aligned, contiguous) operands over a
     persistent grid of one CTA per SM (at most one per output tile)."""
+    from kiln.lowering.cuda import driver
+
     pair = config.cluster_m  # CTAs of a cluster share each (pair) tile's B
     tiles = -(-m // (config.block_m * pair)) * -(-n // config.block_n)
-    resident = _multiprocessor_count() if pair == 1 else \
+    resident = driver().multiprocessor_count() if pair == 1 else \
         _resident_clusters(dtype, _dtype_name(c), b_major, config)
     grid = (pair * max(1, min(tiles, resident)), 1, 1)
     make_kernel(dtype, _dtype_name(c), b_major, config)[grid](
         a, b, c, m, n, k, target=target, num_warps=config.num_warps, stream=stream,
         **_constexprs(config))
-
-
-@functools.lru_cache(maxsize=1)
-def _multiprocessor_count() -> int:
-    from kiln.lowering.cuda import driver
-
-    return driver().multiprocessor_count()
 
 
 @functools.lru_cache(maxsize=None)
