@@ -225,8 +225,9 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def sanitize() -> None:
-    """One causal GQA call, one ragged call and one unmasked call over 8300 keys (176-key tiles,
-    the last partial), the first and last checked against SDPA, for compute-sanitizer."""
+    """One causal GQA call, one ragged call, one unmasked call over 8300 keys (176-key tiles,
+    the last partial) and one at D = 256, all but the ragged one checked against a float32
+    reference, for compute-sanitizer."""
     import torch
 
     from kiln.kernels.attention import prefill
@@ -252,10 +253,15 @@ def sanitize() -> None:
     qf, kf, vf = (x.transpose(1, 2).float() for x in (ql, kl, vl))
     want = (torch.softmax(qf @ kf.transpose(-1, -2) / 128 ** 0.5, dim=-1) @ vf).transpose(1, 2)
     long_error = (prefill(ql, kl, vl).float() - want).abs().max().item()
+    qw, kw, vw = (torch.randn(1, 300, 2, 256, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(3))
+    qf, kf, vf = (x.transpose(1, 2).float() for x in (qw, kw, vw))
+    want = (torch.softmax(qf @ kf.transpose(-1, -2) / 256 ** 0.5, dim=-1) @ vf).transpose(1, 2)
+    long_error = max(long_error, (prefill(qw, kw, vw).float() - want).abs().max().item())
     torch.cuda.synchronize()
     finite = bool(torch.isfinite(o).all())
     print(f"sanitize: causal GQA max abs error {error:.3g}; ragged output finite: {finite}; "
-          f"unmasked 8300 keys max abs error {long_error:.3g}")
+          f"unmasked 8300 keys and D 256 max abs error {long_error:.3g}")
     if not (error < MAX_ERROR and finite and long_error < MAX_ERROR):
         raise SystemExit("prefill results are wrong under the sanitizer run")
 

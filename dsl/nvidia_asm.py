@@ -3,7 +3,8 @@
 Everything here is an upstream ``nvvm`` op except the inline-PTX wrappers:
 :func:`named_barrier` (see its comment), :func:`wgmma_mma_async_regs` (WGMMA with A in
 registers, which ``nvvm.wgmma.mma_async`` cannot express), :func:`l2_cache_policy` (NVVM
-has no ``createpolicy``) and :func:`wait_for_count` (no upstream op spins on global memory).
+has no ``createpolicy``), :func:`wait_for_count` (no upstream op spins on global memory) and
+:func:`sched_barrier` (no upstream op holds ptxas's instruction order).
 The module also holds the operand coercion shared by :mod:`kiln.tma`, :mod:`kiln.mbarrier` and
 :mod:`kiln.wgmma`: those wrappers accept Python ints, traced ``kiln.Value``/``Handle`` objects
 (anything with ``.ir``) or raw ``ir.Value``.
@@ -184,6 +185,42 @@ def named_barrier_arrive(barrier_id, num_threads: int) -> None:
     turn (ping-pong scheduling): ``named_barrier_arrive(other_turn, 256)``."""
     llvm.inline_asm(None, _named_barrier_operands(barrier_id, num_threads), "bar.arrive $0, $1;",
                     "r,r", has_side_effects=True)
+
+
+# ``sched_barrier``: read %clock and store it to the caller's scratch word. ptxas keeps the
+# instructions around a clock read on their side of it; the store keeps the read alive.
+SCHED_BARRIER_ASM = "{\n.reg .u32 t;\nmov.u32 t, %clock;\nst.shared.u32 [$0], t;\n}"
+
+
+def sched_barrier(scratch, *index) -> None:
+    """A point ptxas's scheduler does not move instructions across (NVIDIA only): a ``%clock``
+    read whose value is stored to ``scratch[index]``, a shared i32 word of the calling thread
+    that nothing reads. PTX order is not SASS order: ptxas hoists a ``wgmma.wait_group`` above
+    independent work, and a wait hoisted above a softmax stops that softmax from overlapping
+    the tensor cores. Give every thread its own word (a shared word two threads store to is a
+    race to ``compute-sanitizer``). Costs a clock read and a store. Example::
+
+        scratch = kiln.shared((384,), kiln.i32)       # one word per thread
+        probs = softmax(scores)                        # overlaps the WGMMA in flight
+        kiln.nvidia_asm.sched_barrier(scratch, tid)    # ... in SASS too
+        kiln.wgmma.wait_group(0)
+    """
+    target_info = current_target()
+    if not target_info.is_nvidia:
+        raise TargetError(f"sched_barrier needs an NVIDIA target, not {target_info.name}",
+                          fix="guard the call with a constexpr on the target")
+    from . import dtypes as dt
+    from .builder import SHARED_MEMORY_SPACE
+
+    memref_type = getattr(getattr(scratch, "ir", None), "type", None)
+    space = memref_type.memory_space if isinstance(memref_type, ir.MemRefType) else None
+    if getattr(scratch, "dtype", None) is not dt.i32 or not isinstance(space, ir.IntegerAttr) \
+            or space.value != SHARED_MEMORY_SPACE:
+        raise KilnTypeError("sched_barrier stores to a shared tensor of i32 words, got "
+                            f"{getattr(scratch, 'ir', scratch)}",
+                            fix="pass kiln.shared((threads,), kiln.i32)")
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [scratch.element_address(*index)],
+                    SCHED_BARRIER_ASM, "l", has_side_effects=True)
 
 
 # L2 eviction priorities a cache policy can give (PTX createpolicy.fractional.L2::<name>).

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from mlir import ir
-from mlir.dialects import amdgpu, arith, gpu, rocdl
+from mlir.dialects import amdgpu, arith, gpu, nvvm, rocdl
 
 from . import builder
 from . import dtypes as dt
@@ -106,3 +106,25 @@ def uniform(x: Value) -> Value:
     if builder.current_target().is_nvidia:
         return x
     return Value(gpu.subgroup_broadcast(x.ir, gpu.BroadcastType.first_active_lane), x.dtype)
+
+
+def any_lane(x: Value) -> Value:
+    """True in every lane when ``x`` (an i32 or a bool) is nonzero in some lane of the warp.
+
+    NVIDIA: one ``vote.sync.any.pred`` over the full warp. AMD: an OR butterfly over the
+    wavefront, then :func:`uniform` (so an ``if`` on the result is a scalar branch). Every lane
+    of the warp must call it. Example: ``if kiln.shuffle.any_lane(m_new - m_old > 8.0): ...``
+    """
+    if not isinstance(x, Value) or x.shape or x.dtype not in (dt.i32, dt.i1):
+        raise KilnTypeError(f"any_lane needs a scalar i32 or bool value, got {x!r}",
+                            fix="compare first, e.g. any_lane(x > threshold)")
+    target = builder.current_target()
+    if target.is_nvidia:
+        flag = x if x.dtype is dt.i1 else x != 0
+        i32 = ir.IntegerType.get_signless(32)
+        return Value(nvvm.vote_sync(ir.IntegerType.get_signless(1), arith.constant(i32, -1),
+                                    flag.ir, nvvm.VoteSyncKind.any), dt.i1)
+    word = x if x.dtype is dt.i32 else Value(arith.extui(ir.IntegerType.get_signless(32), x.ir),
+                                             dt.i32)
+    masks = [1 << b for b in range(target.warp_size.bit_length() - 1)]
+    return uniform(butterfly_reduce(word, masks, lambda a, b: a | b)) != 0

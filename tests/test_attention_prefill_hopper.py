@@ -226,9 +226,11 @@ def test_ptx_has_the_hopper_pipeline(causal_d128):
                     r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+, p, 1, 1, 1;", ptx)
     assert len(pv) == 2 * 128 // 16
     # No P tile in shared memory: the only shared stores stage the output (one b32 pair of
-    # bf16 per two accumulator registers), which then leaves in 16-byte global stores.
-    assert len(re.findall(r"st\.shared\.\S+", ptx)) == 128 * 64 // 128 // 2
-    assert set(re.findall(r"st\.shared\.\S+", ptx)) == {"st.shared.b32"}
+    # bf16 per two accumulator registers), which then leaves in 16-byte global stores, and
+    # sched_barrier's clock word (pin_pv_wait, D = 128), once in the loop.
+    assert len(re.findall(r"st\.shared\.b32", ptx)) == 128 * 64 // 128 // 2
+    assert re.findall(r"st\.shared\.\S+", ptx).count("st.shared.u32") == 1
+    assert set(re.findall(r"st\.shared\.\S+", ptx)) == {"st.shared.b32", "st.shared.u32"}
     assert "st.global.v4.b32" in ptx and "st.global.b16" not in ptx
     # Flushed denormals: every exp2 is the single-instruction ex2.approx.ftz.
     assert "ex2.approx.ftz.f32" in ptx and "ex2.approx.f32" not in ptx
@@ -379,3 +381,29 @@ def test_repeat_dense_calls_reuse_one_bound_plan():
     assert not strided_q.is_contiguous()
     o_general = prefill(strided_q, dev[1], dev[2], causal=True)
     torch.testing.assert_close(o_general, o, atol=0, rtol=0)
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("d", [64, 128])
+def test_pv_wait_follows_the_softmax_in_sass(d):
+    """At D = 128 (``pin_pv_wait``) the main loop's wait for the group's own P V
+    (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) comes after the softmax's exp2s in SASS, behind the
+    sched_barrier's clock read; at D = 64 (not pinned) ptxas hoists it above them."""
+    from kiln.lowering import isa_sass
+    from kiln.lowering.tools import find_cuobjdump
+
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None or find_ptxas() is None:
+        pytest.skip("needs ptxas and cuobjdump")
+    ck = compile_prefill(target="sm_90a", head_dim=d, dtype="bf16")
+    sass = isa_sass.dump_sass(ck.asm["cubin"], cuobjdump)
+    if sass is None:
+        pytest.skip("cuobjdump could not disassemble (no nvdisasm)")
+    code = isa_sass.parse(sass).instructions
+    # The loop's body: from the wait for S_j (gsb0 <= 1) to the next wait, the one for P V.
+    start = next(n for n, i in enumerate(code)
+                 if i.opcode == "WARPGROUP.DEPBAR.LE" and i.operands == ["gsb0", "0x1"])
+    end = next(n for n in range(start + 1, len(code)) if code[n].opcode == "WARPGROUP.DEPBAR.LE")
+    exps = sum(i.opcode == "MUFU.EX2" for i in code[start:end])
+    clock = any("SR_CLOCKLO" in i.operands for i in code[start:end])
+    assert (exps >= 64 and clock) if d == 128 else (exps == 0 and not clock)

@@ -54,7 +54,8 @@ def tile_shape(name):
 def make_kernel(name, *, tiles, cadence, att=kiln.f32, scaled=None, sink=None, epilogue=0):
     """A kernel running ``tiles`` KV tiles through the recurrence; writes o and the state.
 
-    ``cadence``: "unconditional" or "lazy" (threshold 8); ``scaled``: log2_scale for the raw
+    ``cadence``: "unconditional", "lazy" (threshold 8) or "lazy_deferred" (the same decision
+    by ``lazy_scale_decision``, o rescaled after it under ``fired``); ``scaled``: log2_scale for the raw
     score methods; ``sink``: sink score in log2 units; ``epilogue``: extra unconditional
     norm rescales after the loop (the tail clusters of the gfx950 epilogue).
     """
@@ -88,13 +89,18 @@ def make_kernel(name, *, tiles, cadence, att=kiln.f32, scaled=None, sink=None, e
                     sm.col_max_acc_scaled(s, scaled)
                 if cadence == "lazy":
                     fired, o = sm.lazy_rescale_decision(o, 8.0)
+                elif cadence == "lazy_deferred":  # Hopper: o rescaled later, under the flag
+                    fired = sm.lazy_scale_decision(8.0)
                 else:
                     sm.update_scale_unconditional()
                     o = sm.rescale_output(o)
                     fired = True
                 s = sm.sub_max(s) if scaled is None else sm.sub_max_scaled(s, scaled)
+                if cadence == "lazy_deferred":
+                    if fired:
+                        o = sm.rescale_output(o)
             p = s.exp2()
-            if cadence == "lazy":
+            if cadence in ("lazy", "lazy_deferred"):
                 sm.apply_norm_rescale_if_pending(fired)
             else:
                 sm.apply_unconditional_norm_rescale()
@@ -182,7 +188,7 @@ def check_lse(name, state, lse_ref):
 
 
 @pytest.mark.parametrize("name", sorted(TILES))
-@pytest.mark.parametrize("cadence", ["unconditional", "lazy"])
+@pytest.mark.parametrize("cadence", ["unconditional", "lazy", "lazy_deferred"])
 def test_recurrence_matches_float64(name, cadence):
     rng = np.random.default_rng()
     s, v = random_tiles(name, 3, rng)
@@ -226,7 +232,8 @@ def test_f16_scores(name):
 
 
 @pytest.mark.parametrize("name", sorted(TILES))
-def test_skip_path_resets_scale_after_sentinel_growth(name):
+@pytest.mark.parametrize("cadence", ["lazy", "lazy_deferred"])
+def test_skip_path_resets_scale_after_sentinel_growth(name, cadence):
     """Tile 0 fully masked (sentinel), tile 1 grows by ~10000 (fires with scale ~ 0), tile 2
     grows by < 8 (skips): scale must be exactly 1 again, so three epilogue rescales of the
     norm are identities and the output is finite and right."""
@@ -234,7 +241,7 @@ def test_skip_path_resets_scale_after_sentinel_growth(name):
     s, v = random_tiles(name, 3, rng, spread=1.0)
     s[0] = SENTINEL
     s[2] = s[1] + rng.uniform(0.0, 2.0, s.shape[1:])
-    o, state, fired = run_case(name, s, v, cadence="lazy", epilogue=3)
+    o, state, fired = run_case(name, s, v, cadence=cadence, epilogue=3)
     assert fired[1].all() and not fired[2].any()
     np.testing.assert_array_equal(state[3], 1.0)                 # scale_vec
     np.testing.assert_array_equal(state[0], state[1])            # max rolled back to prev
@@ -244,7 +251,8 @@ def test_skip_path_resets_scale_after_sentinel_growth(name):
 
 
 @pytest.mark.parametrize("name", sorted(TILES))
-def test_lazy_decision_is_warp_uniform(name):
+@pytest.mark.parametrize("cadence", ["lazy", "lazy_deferred"])
+def test_lazy_decision_is_warp_uniform(name, cadence):
     """Only query row 0 grows past the threshold; every lane of its warp fires (its max is
     not rolled back), lanes of other warps keep their rolled-back max."""
     rng = np.random.default_rng()
@@ -256,7 +264,7 @@ def test_lazy_decision_is_warp_uniform(name):
     else:
         grow[:, 0] = 20.0
     s[1] = s[0] + grow + 1.0
-    _, state, fired = run_case(name, s, v, cadence="lazy")
+    _, state, fired = run_case(name, s, v, cadence=cadence)
     warp = 32 if TILES[name][3].startswith("sm") else 64
     assert fired[1, :warp].all()
     q_max = (s.max(axis=(0, 2)) if q_axis == "row" else s.max(axis=(0, 1)))
@@ -297,7 +305,8 @@ def test_unsupported_att_dtype_and_axis():
 @pytest.mark.lower
 @pytest.mark.parametrize("name", sorted(TILES))
 def test_lazy_cadence_lowers_to_machine_code(name):
-    """The whole recurrence (ballot-free shuffle vote, scf.if rescale) reaches cubin/hsaco."""
+    """The whole recurrence (warp vote: one vote.sync on NVIDIA, a shuffle OR on AMD; scf.if
+    rescale) reaches cubin/hsaco."""
     tv, grid, q_axis, target, warps = TILES[name]
     kernel, per_field = make_kernel(name, tiles=2, cadence="lazy", scaled=0.125 * np.log2(np.e))
     frags = grid[0] * grid[1] * tv.num_threads * tv.num_values
@@ -307,3 +316,5 @@ def test_lazy_cadence_lowers_to_machine_code(name):
     compiled = kernel.compile(*args, target=target, num_warps=warps)
     final = "cubin" if target.startswith("sm") else "obj"
     assert compiled.asm[final]
+    if target.startswith("sm"):
+        assert "vote.sync.any.pred" in compiled.asm["ptx"]

@@ -156,3 +156,35 @@ def test_wait_for_count_spins_with_acquire_loads(tmp_path, monkeypatch, marker_l
     assert error.value.loc.line == marker_line("@float-target")
     with pytest.raises(kiln.errors.TargetError, match="NVIDIA"):
         _wait_for_float.compile(COUNTERS, target="gfx950", num_warps=1)
+
+
+@kiln.kernel
+def _vote_and_fence(x: kiln.Tensor[kiln.f32, 1], out: kiln.Tensor[kiln.i32, 1]):
+    scratch = kiln.shared((64,), kiln.i32)
+    tid = kiln.thread_id(0)
+    kiln.nvidia_asm.sched_barrier(scratch, tid)
+    out[tid] = kiln.where(kiln.shuffle.any_lane(x[tid] > 0.5), 1, 0)
+
+
+@kiln.kernel
+def _fence_on_global(x: kiln.Tensor[kiln.i32, 1]):
+    kiln.nvidia_asm.sched_barrier(x, 0)  # @global-scratch
+
+
+@pytest.mark.lower
+def test_any_lane_votes_per_warp_and_sched_barrier_checks_its_scratch(marker_line):
+    """any_lane is true in every lane of a warp with one true lane and false in the other warp
+    (interpreter; on NVIDIA one vote.sync, on AMD a shuffle OR); sched_barrier leaves no trace
+    there, wants a shared i32 scratch and an NVIDIA target."""
+    x = np.zeros(64, np.float32)
+    x[37] = 1.0
+    out = np.full(64, -1, np.int32)
+    _vote_and_fence.interpret[1](x, out, num_warps=2)
+    np.testing.assert_array_equal(out, [0] * 32 + [1] * 32)
+    ptx = _vote_and_fence.compile(x, out, target="sm_90a", num_warps=2).asm["ptx"]
+    assert "vote.sync.any.pred" in ptx and "mov.u32 t, %clock;" in ptx
+    with pytest.raises(kiln.KilnTypeError, match="shared tensor of i32") as error:
+        _fence_on_global.compile(np.zeros(4, np.int32), target="sm_90a", num_warps=1)
+    assert error.value.loc.line == marker_line("@global-scratch")
+    with pytest.raises(kiln.errors.TargetError, match="NVIDIA"):
+        _vote_and_fence.compile(x, out, target="gfx950", num_warps=1)

@@ -231,25 +231,15 @@ class OnlineSoftmax:
     def lazy_rescale_decision(self, o: RegTile, threshold: float) -> tuple[kiln.Value, RegTile]:
         """Rescale only when some row's max grew by more than ``threshold`` log2 units.
 
-        The vote is warp-uniform (an OR over the warp's lanes with XOR shuffles), so the
-        branch never diverges. Fired: scale = exp2(prev - max), ``o *= scale``, prev = max.
+        The vote is warp-uniform (:func:`kiln.shuffle.any_lane`), so the branch never
+        diverges. Fired: scale = exp2(prev - max), ``o *= scale``, prev = max.
         Skipped: max rolls back to prev (scores then stay below ``2**threshold`` after
         :meth:`sub_max`) and scale resets to 1 -- load-bearing: a stale scale from an earlier
         fire (e.g. ``exp2(-10000)`` after a masked tile 0) would otherwise be re-applied by
         the unconditional epilogue rescales and flush norm to 0. Returns ``(fired, o)``.
         """
         o = self._check_output(o)
-        grew = self.max_vec - self.max_vec_prev
-        flags = [kiln.cast(x > threshold, kiln.i32) for line in grew.values for x in line]
-        vote = flags[0]
-        for flag in flags[1:]:
-            vote = vote | flag
-        warp = kiln.current_target().warp_size
-        vote = kiln.shuffle.butterfly_reduce(
-            vote, [1 << b for b in range(warp.bit_length() - 1)], lambda a, b: a | b)
-        # The OR is already equal in every lane; saying so (readfirstlane on AMD) lets LLVM
-        # branch on a scalar instead of masking exec around a divergent-looking region.
-        fired = kiln.shuffle.uniform(vote) != 0
+        fired = self._max_grew(threshold)
         if fired:
             self.update_scale_unconditional()
             o = self.rescale_output(o)
@@ -257,6 +247,33 @@ class OnlineSoftmax:
             self.max_vec = self.max_vec_prev
             self.scale_vec = self.scale_vec.map(lambda _: kiln.values.constant(1.0, kiln.f32))
         return fired, o
+
+    def lazy_scale_decision(self, threshold: float) -> kiln.Value:
+        """:meth:`lazy_rescale_decision` for a kernel whose ``o`` is still being accumulated
+        (Hopper: the previous ``P V`` is on the tensor cores): the same vote and state update,
+        ``o`` left alone. Returns ``fired``; rescale ``o`` under it before the next ``P V``::
+
+            fired = sm.lazy_scale_decision(8.0)
+            ...                                   # the previous P V completes
+            if fired:
+                o = sm.rescale_output(o)
+        """
+        fired = self._max_grew(threshold)
+        if fired:
+            self.update_scale_unconditional()
+        else:
+            self.max_vec = self.max_vec_prev
+            self.scale_vec = self.scale_vec.map(lambda _: kiln.values.constant(1.0, kiln.f32))
+        return fired
+
+    def _max_grew(self, threshold: float) -> kiln.Value:
+        """Whether some row of the warp has max - prev > ``threshold`` (a warp-uniform i1)."""
+        grew = self.max_vec - self.max_vec_prev
+        flags = [kiln.cast(x > threshold, kiln.i32) for line in grew.values for x in line]
+        vote = flags[0]
+        for flag in flags[1:]:
+            vote = vote | flag
+        return kiln.shuffle.any_lane(vote)
 
     def update_scale_unconditional(self) -> None:
         """scale = exp2(prev - max), then prev = max. Does not touch ``o`` (the kernel places

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -296,9 +296,7 @@ def _mask_spec(causal, window, chunk) -> MaskSpec:
 
 
 def _config(head_dim, overrides) -> HopperPrefillConfig:
-    base = HopperPrefillConfig.for_head_dim(head_dim)
-    return HopperPrefillConfig(**(dict(head_dim=head_dim, block_n=base.block_n,
-                                      stages=base.stages) | overrides))
+    return replace(HopperPrefillConfig.for_head_dim(head_dim), **overrides)
 
 
 def _constexprs(cfg: HopperPrefillConfig, num_kv_heads: int) -> dict:

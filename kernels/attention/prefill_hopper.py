@@ -21,7 +21,11 @@ One consumer iteration (prologue: S_0 and its softmax; epilogue: the last PV):
 | 1 | wait ``k_full[j]``, ``v_full[j-1]``; wait for this group's turn (named barrier ``3 + g``) | |
 | 2 | issue ``S_j = Q K_j^T`` (``wgmma m64nBNk16``, K-major); rescale O by ``exp2(m_{j-2} - m_{j-1})`` while it runs; issue ``O += P_{j-1} V_{j-1}`` (MN-major V, P from registers as in FlashAttention-3: ``BLOCK_N / 16`` A operands of ``mma_async_regs``); hand the turn to the other group (``bar.arrive``) | the other group's softmax (ping-pong) |
 | 3 | ``wgmma.wait_group 1``: S_j is ready, release ``k_empty[j]``; mask it if the tile is a boundary tile; online softmax (``OnlineSoftmax``: running max, ``scale * log2 e`` folded into one FMA, ``exp2``, row sums); P_j cast to bf16/f16 into fresh registers | ``P_{j-1} V_{j-1}`` on the tensor cores (intra-warpgroup overlap) |
-| 4 | ``wgmma.wait_group 0``; release ``v_empty[j-1]`` | |
+| 4 | ``wgmma.wait_group 0``; release ``v_empty[j-1]`` (at D = 128 behind a ``sched_barrier``: ptxas would otherwise hoist this wait above step 3) | |
+
+At D = 128 and 256 O is rescaled lazily: step 3 votes per warp whether some row's max grew by
+more than ``LAZY_RESCALE_THRESHOLD`` (``OnlineSoftmax.lazy_scale_decision``); only then does the
+next step 2 rescale O, otherwise the max stays where it was and P may reach ``2**8``.
 
 Masks are intervals: key ``j`` is visible from query ``i`` (key position ``p = i + Sk - Sq``,
 bottom-right aligned) iff ``lo(p) <= j <= hi(p)`` with ``lo = max(0, p - left, chunk start)``,
@@ -63,9 +67,11 @@ LOG2E = 1.4426950408889634
 # Finite stand-in for -inf as the initial row max: exp2(-inf - sentinel) is 0 and
 # sentinel - sentinel is 0, so rows that see no key stay NaN-free.
 MAX_SENTINEL = -1.0e30
+LAZY_RESCALE_THRESHOLD = 8.0  # log2 units: P stays below 2**8 between rescales
 PINGPONG_BARRIER = 3  # named barriers 3, 4: the consumers' turns
 OUTPUT_BARRIER = 5  # named barriers 5, 6: one consumer group staging its output
 SHARED_BUDGET = 227 * 1024 - 1024 - 256
+ORDER_SCRATCH_BYTES = 3 * WARP_GROUP_THREADS * 4  # one i32 per thread for sched_barrier
 # head_dim -> (block_n, stages). Since K and V stages are released separately (a K stage as soon
 # as its QK is done), 2 stages beat the 3 that shared memory holds at D = 128: 656-660 vs
 # 641-649 TFLOP/s non-causal on an H200 (bench/RESULTS.md, session 8). At D = 64, 192-key tiles
@@ -77,12 +83,23 @@ DEFAULT_TILES = {64: (192, 2), 128: (128, 2), 256: (80, 2)}
 # masked last tile (4096 = 23 x 176 + 48) wastes what they gain, and with a causal mask they lose.
 LONG_KEYS = 8192
 LONG_TILES = {128: 176}
+# Head dims whose softmax keeps ahead of the P V wait in SASS (``pin_pv_wait``) and whose O is
+# rescaled lazily (``lazy_rescale``), each chosen on an H200 (bench/RESULTS.md, session 21):
+# D = 128 both (+3-4%); D = 256 the lazy rescale (+4%; with the pin too it spills); D = 64
+# neither (-3 to -5% with either).
+PINNED_PV_WAIT_HEAD_DIMS = (128,)
+LAZY_RESCALE_HEAD_DIMS = (128, 256)
 
 
 @dataclass(frozen=True)
 class HopperPrefillConfig:
     """Tiles and pipeline of :func:`make_kernel`: ``block_n`` keys per tile, ``stages`` K/V
-    buffers in the ring, registers per thread of the producer and the two consumer groups."""
+    buffers in the ring, registers per thread of the producer and the two consumer groups.
+
+    ``pin_pv_wait``: hold each consumer's wait for its own ``P V`` after the softmax in SASS too
+    (:func:`kiln.nvidia_asm.sched_barrier`; ptxas otherwise hoists the wait above it).
+    ``lazy_rescale``: rescale O only when a row's max grew by more than
+    ``LAZY_RESCALE_THRESHOLD`` (:meth:`OnlineSoftmax.lazy_scale_decision`)."""
 
     head_dim: int = 128
     block_n: int = 128
@@ -90,6 +107,8 @@ class HopperPrefillConfig:
     producer_registers: int = 24
     consumer_registers: int = 240
     q_tiles_first: bool | None = None
+    pin_pv_wait: bool = False
+    lazy_rescale: bool = False
 
     block_m = 2 * WARP_GROUP_ROWS  # two consumer warp groups
     num_warps = 12
@@ -105,10 +124,11 @@ class HopperPrefillConfig:
         if not 1 <= self.stages <= 4:
             raise kiln.KilnValueError(f"stages={self.stages} must be in 1..4",
                                       fix="use 2 stages")
-        if self.shared_bytes() > SHARED_BUDGET:
+        scratch = ORDER_SCRATCH_BYTES if self.pin_pv_wait else 0
+        if self.shared_bytes() + scratch > SHARED_BUDGET:
             raise kiln.ResourceError(f"Q and {self.stages} K/V stages of {self.block_n} x "
-                                     f"{self.head_dim} need {self.shared_bytes()} bytes of "
-                                     "shared memory (227 KB available)",
+                                     f"{self.head_dim} need {self.shared_bytes() + scratch} "
+                                     "bytes of shared memory (227 KB available)",
                                      fix="use fewer stages or a smaller block_n")
         if (2 * self.consumer_registers + self.producer_registers) * WARP_GROUP_THREADS > 65536:
             raise kiln.ResourceError("two consumer groups of "
@@ -117,6 +137,8 @@ class HopperPrefillConfig:
                                      fix="lower consumer_registers")
 
     def shared_bytes(self, itemsize: int = 2) -> int:
+        """Dynamic shared memory: the Q tile and the K/V ring (``pin_pv_wait``'s scratch is
+        static, ``ORDER_SCRATCH_BYTES``)."""
         q = self.block_m * self.head_dim
         kv = 2 * self.stages * self.block_n * self.head_dim
         return (q + kv) * itemsize
@@ -129,9 +151,12 @@ class HopperPrefillConfig:
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> "HopperPrefillConfig":
-        """The default tiles for ``head_dim`` (``DEFAULT_TILES``)."""
+        """The default tiles for ``head_dim`` (``DEFAULT_TILES``) and softmax schedule
+        (``PINNED_PV_WAIT_HEAD_DIMS``, ``LAZY_RESCALE_HEAD_DIMS``)."""
         block_n, stages = DEFAULT_TILES[head_dim]
-        return cls(head_dim=head_dim, block_n=block_n, stages=stages)
+        return cls(head_dim=head_dim, block_n=block_n, stages=stages,
+                   pin_pv_wait=head_dim in PINNED_PV_WAIT_HEAD_DIMS,
+                   lazy_rescale=head_dim in LAZY_RESCALE_HEAD_DIMS)
 
     @classmethod
     def for_shape(cls, head_dim: int, mask: "MaskSpec", max_seq_k: int) -> "HopperPrefillConfig":
@@ -188,6 +213,8 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
         v_full = mbarrier.group(num_barriers=STAGES)
         k_empty = mbarrier.group(num_barriers=STAGES)
         v_empty = mbarrier.group(num_barriers=STAGES)
+        if config.pin_pv_wait:  # sched_barrier's word per thread
+            order_scratch = kiln.shared((ORDER_SCRATCH_BYTES // 4,), kiln.i32)
         tid = kiln.thread_id(0)
         q_full.init(0, count=1, predicate=tid == 0)
         for s in kiln.static_range(STAGES):
@@ -279,8 +306,9 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     wgmma.wait_group(0)
                     if first_thread:
                         k_empty.arrive(0)
-                    probs = _softmax_tile(softmax, scores, first_tile * bn, tile_mask,
-                                          scale_log2, in_type)
+                    probs, rescale_pending = _softmax_tile(
+                        softmax, scores, first_tile * bn, tile_mask, scale_log2, in_type,
+                        config.lazy_rescale)
                     for j in kiln.range(first_tile + 1, end_tile):
                         use = j - first_tile
                         stage = use % STAGES
@@ -292,15 +320,19 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                         nvidia_asm.named_barrier(my_turn, 2 * WARP_GROUP_THREADS)
                         scores = _issue_qk(ops, stage)
                         # O to P_{j-1}'s max, on the CUDA cores while S_j is on the tensor cores.
-                        acc = wgmma.scale_rows(acc, softmax.scale_vec.values[0])
+                        if rescale_pending:
+                            acc = wgmma.scale_rows(acc, softmax.scale_vec.values[0])
                         acc = _issue_pv(ops, acc, probs, previous)
                         nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                         wgmma.wait_group(1)
                         if first_thread:  # S_j is done with K_j
                             k_empty.arrive(stage)
                         # P_j lands in new registers: P_{j-1}'s are still the PV operand.
-                        next_probs = _softmax_tile(softmax, scores, j * bn, tile_mask,
-                                                   scale_log2, in_type)
+                        next_probs, rescale_pending = _softmax_tile(
+                            softmax, scores, j * bn, tile_mask, scale_log2, in_type,
+                            config.lazy_rescale)
+                        if config.pin_pv_wait:  # else ptxas waits before the softmax
+                            nvidia_asm.sched_barrier(order_scratch, tid)
                         wgmma.wait_group(0)
                         if first_thread:
                             v_empty.arrive(previous)
@@ -309,7 +341,8 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     last = end_tile - 1 - first_tile
                     v_full.try_wait(last % STAGES, (last // STAGES) % 2)
                     nvidia_asm.named_barrier(my_turn, 2 * WARP_GROUP_THREADS)
-                    acc = wgmma.scale_rows(acc, softmax.scale_vec.values[0])
+                    if rescale_pending:
+                        acc = wgmma.scale_rows(acc, softmax.scale_vec.values[0])
                     acc = _issue_pv(ops, acc, probs, last % STAGES)
                     nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                     wgmma.wait_group(0)
@@ -438,7 +471,7 @@ def _issue_pv(ops: _Operands, acc, probs, stage):
 
 
 @kiln.func
-def _softmax_tile(softmax, scores, n0, tile_mask, scale_log2, dtype):
+def _softmax_tile(softmax, scores, n0, tile_mask, scale_log2, dtype, lazy_rescale):
     """One tile of the online softmax on raw scores ``S`` of keys ``n0 ..``: mask (boundary
     tiles only), fold ``scale * log2 e`` into the max subtraction, return P in ``dtype`` as the
     ``BLOCK_N / 16`` register A operands of the PV product.
@@ -447,11 +480,15 @@ def _softmax_tile(softmax, scores, n0, tile_mask, scale_log2, dtype):
         scores = tile_mask.apply(scores, n0)
     raw = wgmma.fragment_to_tile(scores)
     softmax.col_max_acc_scaled(raw, scale_log2)
-    softmax.update_scale_unconditional()
+    rescale_pending = True
+    if lazy_rescale:
+        rescale_pending = softmax.lazy_scale_decision(LAZY_RESCALE_THRESHOLD)
+    else:
+        softmax.update_scale_unconditional()
     probs = softmax.sub_max_scaled(raw, scale_log2).exp2()
     softmax.apply_unconditional_norm_rescale()
     softmax.col_sum_acc(probs)
-    return wgmma.a_fragment_from_accumulator(probs, dtype)
+    return wgmma.a_fragment_from_accumulator(probs, dtype), rescale_pending
 
 
 @kiln.func

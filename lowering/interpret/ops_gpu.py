@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.errors import UnsupportedError
-from kiln.nvidia_asm import WAIT_FOR_COUNT_ASM
+from kiln.nvidia_asm import SCHED_BARRIER_ASM, WAIT_FOR_COUNT_ASM
 
 from .ops_wgmma import WGMMA_RS_PREFIX, wgmma_rs_inline_asm
 from .plan import location, semantics
@@ -86,6 +86,8 @@ def _inline_asm(op, p):
         return wgmma_rs_inline_asm(op, p, text)
     if text == WAIT_FOR_COUNT_ASM:
         return _wait_for_count(op, p, loc)
+    if text == SCHED_BARRIER_ASM:  # orders SASS only; its scratch word is never read
+        return lambda env, ctx: None
     if kind is None:
         raise UnsupportedError(f"the interpreter has no semantics for inline asm {text!r} yet",
                                fix="use the DSL's wrappers (kiln.nvidia_asm)", loc=loc)
@@ -177,6 +179,29 @@ def _elect_sync(op, p):
         first = np.zeros_like(active)
         first[np.arange(active.shape[0]), np.argmax(active, axis=1)] = True
         env[out] = (first & active).reshape(-1)
+
+    return run
+
+
+@semantics("nvvm.vote.sync")
+def _vote_sync(op, p):
+    """``vote.sync.any`` / ``all`` over the warp's active lanes (``kiln.shuffle.any_lane``)."""
+    _, pred = p.operands(op)
+    out = p.result(op)
+    kind = str(op.attributes["kind"]).rstrip(">").split()[-1]
+    if kind not in ("any", "all"):
+        raise UnsupportedError(f"the interpreter supports vote.sync any/all, not {kind}",
+                               fix="use kiln.shuffle.any_lane", loc=location(op))
+
+    def run(env, ctx):
+        ws = ctx.cta.warp_size
+        flags = np.broadcast_to(env[pred], (ctx.size,)).reshape(-1, ws).astype(bool)
+        active = ctx.active().reshape(-1, ws)
+        if kind == "any":
+            warp = (flags & active).any(axis=1)
+        else:
+            warp = (flags | ~active).all(axis=1)
+        env[out] = np.repeat(warp, ws)
 
     return run
 

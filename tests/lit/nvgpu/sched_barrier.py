@@ -1,0 +1,41 @@
+# RUN: %python %s | FileCheck %s
+# kiln.nvidia_asm.sched_barrier and kiln.shuffle.any_lane through the sm_90a stages: the
+# clock read stored to the thread's scratch word (one wrapped inline PTX, after the exp2 it
+# fences), then the warp vote as one vote.sync.
+
+import os
+
+os.environ["KILN_PTXAS"] = "/nonexistent"  # stop at PTX: the checks must not depend on ptxas
+os.environ["KILN_NO_CACHE"] = "1"
+
+import numpy as np  # noqa: E402
+
+import kiln  # noqa: E402
+
+
+@kiln.kernel
+def fenced_exp(x: kiln.Tensor[kiln.f32, 1], out: kiln.Tensor[kiln.f32, 1]):
+    scratch = kiln.shared((32,), kiln.i32)
+    lane = kiln.thread_id(0)
+    y = kiln.exp2(x[lane])
+    kiln.nvidia_asm.sched_barrier(scratch, lane)
+    if kiln.shuffle.any_lane(y > 4.0):
+        y = y * 0.5
+    out[lane] = y
+
+
+x = np.zeros(32, np.float32)
+compiled = fenced_exp.compile(x, x, target="sm_90a", num_warps=1)
+for stage in ("nvvm", "ptx"):
+    print(f"// STAGE {stage}")
+    print(compiled.asm[stage])
+
+# CHECK-LABEL: // STAGE nvvm
+# CHECK: llvm.inline_asm has_side_effects "{\0A.reg .u32 t;\0Amov.u32 t, %clock;\0Ast.shared.u32 [$0], t;\0A}", "l"
+# CHECK: nvvm.vote.sync {{ *}}any
+
+# CHECK-LABEL: // STAGE ptx
+# CHECK: ex2.approx
+# CHECK: mov.u32 t, %clock;
+# CHECK-NEXT: st.shared.u32 [{{%rd[0-9]+}}], t;
+# CHECK: vote.sync.any.pred {{%p[0-9]+}}, {{%p[0-9]+}}, -1;
