@@ -205,20 +205,12 @@ def sched_barrier(scratch, *index) -> None:
         kiln.nvidia_asm.sched_barrier(scratch, tid)    # ... in SASS too
         kiln.wgmma.wait_group(0)
     """
-    target_info = current_target()
-    if not target_info.is_nvidia:
-        raise TargetError(f"sched_barrier needs an NVIDIA target, not {target_info.name}",
-                          fix="guard the call with a constexpr on the target")
     from . import dtypes as dt
     from .builder import SHARED_MEMORY_SPACE
 
-    memref_type = getattr(getattr(scratch, "ir", None), "type", None)
-    space = memref_type.memory_space if isinstance(memref_type, ir.MemRefType) else None
-    if getattr(scratch, "dtype", None) is not dt.i32 or not isinstance(space, ir.IntegerAttr) \
-            or space.value != SHARED_MEMORY_SPACE:
-        raise KilnTypeError("sched_barrier stores to a shared tensor of i32 words, got "
-                            f"{getattr(scratch, 'ir', scratch)}",
-                            fix="pass kiln.shared((threads,), kiln.i32)")
+    _check_nvidia_buffer(scratch, dt.i32, SHARED_MEMORY_SPACE, "sched_barrier",
+                         "stores to a shared tensor of i32 words",
+                         "pass kiln.shared((threads,), kiln.i32)")
     llvm.inline_asm(ir.Type.parse("!llvm.void"), [scratch.element_address(*index)],
                     SCHED_BARRIER_ASM, "l", has_side_effects=True)
 
@@ -265,21 +257,13 @@ def wait_for_count(counters, *index, target) -> None:
     The interpreter runs CTAs one at a time, so a wait passes there only where the CTAs before
     this one already brought the counter to ``target``; otherwise it raises UnsupportedError.
     """
-    target_info = current_target()
-    if not target_info.is_nvidia:
-        raise TargetError(f"wait_for_count needs an NVIDIA target, not {target_info.name}",
-                          fix="guard the wait with a constexpr on the target")
     from . import dtypes as dt
     from .builder import GLOBAL_MEMORY_SPACE
     from .values import cast, to_value
 
-    memref_type = getattr(getattr(counters, "ir", None), "type", None)
-    space = memref_type.memory_space if isinstance(memref_type, ir.MemRefType) else None
-    if getattr(counters, "dtype", None) is not dt.i64 or not isinstance(space, ir.IntegerAttr) \
-            or space.value != GLOBAL_MEMORY_SPACE:
-        raise KilnTypeError("wait_for_count polls a global tensor of i64 counters, got "
-                            f"{getattr(counters, 'ir', counters)}",
-                            fix="keep the counters in a kiln.Tensor[kiln.i64, ...]")
+    _check_nvidia_buffer(counters, dt.i64, GLOBAL_MEMORY_SPACE, "wait_for_count",
+                         "polls a global tensor of i64 counters",
+                         "keep the counters in a kiln.Tensor[kiln.i64, ...]")
     goal = to_value(target)
     if goal.dtype.kind != "int":
         raise KilnTypeError(f"wait_for_count's target must be an integer, got {goal.dtype}",
@@ -287,6 +271,21 @@ def wait_for_count(counters, *index, target) -> None:
     llvm.inline_asm(ir.Type.parse("!llvm.void"),
                     [counters.element_address(*index), cast(goal, dt.i64).ir],
                     WAIT_FOR_COUNT_ASM, "l,l,~{memory}", has_side_effects=True)
+
+
+def _check_nvidia_buffer(buffer, dtype, memory_space: int, what: str, needs: str,
+                         fix: str) -> None:
+    """TargetError off NVIDIA; KilnTypeError unless ``buffer`` is a ``dtype`` tensor in
+    ``memory_space`` (the operand checks of the inline-PTX wrappers that take a buffer)."""
+    target_info = current_target()
+    if not target_info.is_nvidia:
+        raise TargetError(f"{what} needs an NVIDIA target, not {target_info.name}",
+                          fix="guard the call with a constexpr on the target")
+    memref_type = getattr(getattr(buffer, "ir", None), "type", None)
+    space = memref_type.memory_space if isinstance(memref_type, ir.MemRefType) else None
+    if getattr(buffer, "dtype", None) is not dtype or not isinstance(space, ir.IntegerAttr) \
+            or space.value != memory_space:
+        raise KilnTypeError(f"{what} {needs}, got {getattr(buffer, 'ir', buffer)}", fix=fix)
 
 
 def _named_barrier_operands(barrier_id, num_threads: int) -> list:
