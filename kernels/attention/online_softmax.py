@@ -239,13 +239,9 @@ class OnlineSoftmax:
         the unconditional epilogue rescales and flush norm to 0. Returns ``(fired, o)``.
         """
         o = self._check_output(o)
-        fired = self._max_grew(threshold)
+        fired = self.lazy_scale_decision(threshold)
         if fired:
-            self.update_scale_unconditional()
             o = self.rescale_output(o)
-        else:
-            self.max_vec = self.max_vec_prev
-            self.scale_vec = self.scale_vec.map(lambda _: kiln.values.constant(1.0, kiln.f32))
         return fired, o
 
     def lazy_scale_decision(self, threshold: float) -> kiln.Value:

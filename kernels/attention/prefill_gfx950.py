@@ -309,9 +309,7 @@ def make_kernel(config: PrefillGfx950Config):
         grew = sm.max_vec - sm.max_vec_prev
         vote = functools.reduce(operator.or_, [kiln.cast(x > RESCALE_THRESHOLD, kiln.i32)
                                                for line in grew.values for x in line])
-        vote = kiln.shuffle.butterfly_reduce(vote, [1 << b for b in range(6)],
-                                             lambda a, b: a | b)
-        fired = kiln.shuffle.uniform(vote) != 0
+        fired = kiln.shuffle.any_lane(vote)
         sm.max_vec = TileVector([[kiln.where(fired, m, prev) for m, prev in zip(*lines)]
                                  for lines in zip(sm.max_vec.values, sm.max_vec_prev.values)],
                                 sm.max_vec.group_of, sm.max_vec.axis)

@@ -185,23 +185,20 @@ def _elect_sync(op, p):
 
 @semantics("nvvm.vote.sync")
 def _vote_sync(op, p):
-    """``vote.sync.any`` / ``all`` over the warp's active lanes (``kiln.shuffle.any_lane``)."""
+    """``vote.sync.any`` over the warp's active lanes (``kiln.shuffle.any_lane``, the only
+    vote the DSL emits)."""
     _, pred = p.operands(op)
     out = p.result(op)
     kind = str(op.attributes["kind"]).rstrip(">").split()[-1]
-    if kind not in ("any", "all"):
-        raise UnsupportedError(f"the interpreter supports vote.sync any/all, not {kind}",
+    if kind != "any":
+        raise UnsupportedError(f"the interpreter supports vote.sync any, not {kind}",
                                fix="use kiln.shuffle.any_lane", loc=location(op))
 
     def run(env, ctx):
         ws = ctx.cta.warp_size
         flags = np.broadcast_to(env[pred], (ctx.size,)).reshape(-1, ws).astype(bool)
         active = ctx.active().reshape(-1, ws)
-        if kind == "any":
-            warp = (flags & active).any(axis=1)
-        else:
-            warp = (flags | ~active).all(axis=1)
-        env[out] = np.repeat(warp, ws)
+        env[out] = np.repeat((flags & active).any(axis=1), ws)
 
     return run
 
