@@ -187,6 +187,38 @@ def named_barrier_arrive(barrier_id, num_threads: int) -> None:
                     "r,r", has_side_effects=True)
 
 
+# ``named_barrier_any``: bar.red.or.pred on the flag's truth, the result back as 0/1.
+NAMED_BARRIER_ANY_ASM = ("{\n.reg .pred p, q;\nsetp.ne.b32 q, $1, 0;\n"
+                         "bar.red.or.pred p, $2, $3, q;\nselp.u32 $0, 1, 0, p;\n}")
+
+
+def named_barrier_any(barrier_id, num_threads: int, flag):
+    """``bar.red.or.pred``: :func:`named_barrier`, and whether ``flag`` (an i1 or integer;
+    nonzero is true) is true in any of the ``num_threads`` threads. Every participating thread
+    gets the same answer, so a branch on it is uniform over, say, a whole warp group -- as
+    warp-group-wide instructions (``wgmma``) under it need; :func:`kiln.shuffle.any_lane` is
+    one warp's. Example::
+
+        if kiln.nvidia_asm.named_barrier_any(7 + group, 128, x > limit):
+            ...   # every warp of the group takes this branch, or none does
+    """
+    from .dtypes import i32 as kiln_i32
+    from .values import Value, cast, to_value
+
+    target = current_target()
+    if not target.is_nvidia:
+        raise TargetError(f"named_barrier_any needs an NVIDIA target, not {target.name}",
+                          fix="vote with kiln.shuffle.any_lane on AMD")
+    flag = to_value(flag)
+    if flag.shape or flag.dtype.name not in ("i1", "i8", "i16", "i32"):
+        raise KilnTypeError(f"named_barrier_any votes on a scalar bool or integer, got {flag!r}",
+                            fix="compare first, e.g. x > limit")
+    operands = [cast(flag, kiln_i32).ir, *_named_barrier_operands(barrier_id, num_threads)]
+    vote = llvm.inline_asm(ir.IntegerType.get_signless(32), operands, NAMED_BARRIER_ANY_ASM,
+                           "=r,r,r,r", has_side_effects=True)
+    return Value(vote, kiln_i32) != 0
+
+
 # ``sched_barrier``: read %clock and store it to the caller's scratch word. ptxas keeps the
 # instructions around a clock read on their side of it; the store keeps the read alive.
 SCHED_BARRIER_ASM = "{\n.reg .u32 t;\nmov.u32 t, %clock;\nst.shared.u32 [$0], t;\n}"
@@ -334,6 +366,22 @@ def wgmma_mma_async_regs(accumulators: list[ir.Value], a_registers: list[ir.Valu
                            [*accumulators, *a_registers, b_descriptor, scale_d],
                            wgmma_rs_asm(2 * half, ptx_type, trans_b), constraints,
                            has_side_effects=True)
+
+
+def keep_registers_live(registers: list[ir.Value]) -> None:
+    """An empty inline asm that reads ``registers`` (b32): LLVM keeps them live up to here, so
+    it cannot give their PTX registers to new values before this point (an in-flight WGMMA
+    may still be reading them). Emits no instruction. It is not ``.aligned`` PTX, so LLVM may
+    copy it into both arms of a lane-divergent branch, which an inline ``wgmma.wait_group``
+    must never be (a warp reaching an aligned instruction at two addresses hangs).
+
+    Low-level: :func:`kiln.wgmma.wait_group` with ``reads=`` is the one to call.
+    """
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), registers, KEEP_REGISTERS_LIVE_ASM,
+                    ",".join(["r"] * len(registers)), has_side_effects=True)
+
+
+KEEP_REGISTERS_LIVE_ASM = ""
 
 
 # ---------------------------------------------------------------------------------------------

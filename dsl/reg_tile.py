@@ -261,7 +261,7 @@ class RegTile:
 
     # --- reductions
 
-    def _reduce_rows(self, combine, axis: str) -> TileVector:
+    def _reduce_rows(self, combine, axis: str, across_lanes: bool = True) -> TileVector:
         group_of, masks = _row_structure(self.layout)
         groups = max(group_of) + 1
         gm, gn = self.grid
@@ -272,14 +272,34 @@ class RegTile:
                 frag = self.fragment(i, j)
                 for v, g in enumerate(group_of):
                     members[g].append(Value(vector.extract(frag.ir, [], [v]), frag.dtype))
-            lines.append([butterfly_reduce(_pairwise(m, combine), masks, combine)
+            lines.append([butterfly_reduce(_pairwise(m, combine), masks if across_lanes else (),
+                                           combine)
                           for m in members])
         return TileVector(lines, group_of, axis)
 
-    def row_reduce(self, combine: Callable[[Value, Value], Value]) -> TileVector:
+    def row_reduce(self, combine: Callable[[Value, Value], Value], *,
+                   across_lanes: bool = True) -> TileVector:
         """Reduce every row with ``combine`` (associative, commutative): registers first,
-        then XOR shuffles across the lanes sharing the row."""
-        return self._reduce_rows(combine, "row")
+        then XOR shuffles across the lanes sharing the row.
+
+        ``across_lanes=False`` stops after the registers: each lane's partial result, for a
+        kernel that decides something per lane first and finishes with :meth:`reduce_lanes`::
+
+            part = p.row_reduce(add, across_lanes=False)   # no shuffles yet
+            rows = p.reduce_lanes(part, add)               # == p.row_reduce(add)
+        """
+        return self._reduce_rows(combine, "row", across_lanes)
+
+    def reduce_lanes(self, partial: TileVector, combine: Callable[[Value, Value], Value]
+                     ) -> TileVector:
+        """Finish a ``row_reduce(..., across_lanes=False)`` of a tile of this layout: combine
+        ``partial`` across the lanes sharing each row (XOR shuffles)."""
+        self._check_vector(partial)
+        if partial.axis != "row":
+            raise KilnTypeError("reduce_lanes finishes row reductions, got a column vector",
+                                fix="reduce the transposed tile's rows instead")
+        masks = _row_structure(self.layout)[1]
+        return partial.map(lambda x: butterfly_reduce(x, masks, combine))
 
     def col_reduce(self, combine: Callable[[Value, Value], Value]) -> TileVector:
         """Reduce every column with ``combine`` (see :meth:`row_reduce`)."""

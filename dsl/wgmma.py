@@ -188,13 +188,30 @@ def commit() -> None:
     nvvm.wgmma_commit_group_sync_aligned()
 
 
-def wait_group(pending: int = 0) -> None:
-    """``wgmma.wait_group pending``: wait until at most ``pending`` WGMMA groups are in flight."""
+def wait_group(pending: int = 0, *, reads=()) -> None:
+    """``wgmma.wait_group pending``: wait until at most ``pending`` WGMMA groups are in flight.
+
+    ``reads``: the register A operands (:func:`mma_async_regs`) of the groups this wait
+    completes. LLVM takes a WGMMA's register operands as read when it is issued, and may then
+    give their registers to new values (say, the next P written while this P V is still on the
+    tensor cores); ptxas answers by serialising every WGMMA of the kernel. Naming them here
+    keeps them live until the wait. Example::
+
+        o = kiln.wgmma.mma_async_regs(o, p[0], v_desc, dtype=kiln.bf16, b_major="mn")
+        kiln.wgmma.commit()
+        p_next = kiln.wgmma.a_fragment_from_accumulator(s_next, kiln.bf16)
+        kiln.wgmma.wait_group(0, reads=p)
+    """
     require_feature("has_wgmma", "kiln.wgmma.wait_group")
     if not isinstance(pending, int) or pending < 0:
         raise KilnValueError(f"pending must be an int >= 0, got {pending!r}",
                              fix="use 0 to wait for every committed WGMMA group")
+    registers = [r for frag in reads for r in _a_registers(frag)]
     nvvm.wgmma_wait_group_sync_aligned(pending)
+    if registers:
+        from .nvidia_asm import keep_registers_live
+
+        keep_registers_live(registers)
 
 
 def _check_operand_map(tensor_map, map_value: ir.Value) -> None:
@@ -539,6 +556,21 @@ def a_fragment_from_accumulator(acc, dtype) -> list:
                   out_dtype) for j in range(n // INSTRUCTION_K)]
 
 
+def _a_registers(a_frag) -> list[ir.Value]:
+    """The four b32 registers of a register A operand (``vector<8 x bf16/f16>``)."""
+    from .values import Value
+
+    if not isinstance(a_frag, Value) or a_frag.shape != (A_REGISTER_VALUES,) \
+            or a_frag.dtype.itemsize != 2:
+        got = repr(a_frag) if isinstance(a_frag, Value) else type(a_frag).__name__
+        raise KilnTypeError(f"a register A operand must be a vector<{A_REGISTER_VALUES} x "
+                            f"bf16/f16> per thread, got {got}",
+                            fix="build it with kiln.wgmma.a_fragment_from_accumulator")
+    i32 = ir.IntegerType.get_signless(32)
+    packed = vector.bitcast(ir.VectorType.get([A_REGISTER_VALUES // 2], i32), a_frag.ir)
+    return [vector.extract(packed, [], [i]) for i in range(A_REGISTER_VALUES // 2)]
+
+
 def mma_async_regs(acc: Fragment, a_frag, b_desc, *, dtype, b_major: str = "k",
                    accumulate=True) -> Fragment:
     """Issue one ``wgmma.mma_async.m64nNk16`` with A from registers: ``acc += A @ B`` where A
@@ -573,11 +605,9 @@ def mma_async_regs(acc: Fragment, a_frag, b_desc, *, dtype, b_major: str = "k",
                             f"{operand}> per thread, got {got}",
                             fix="build it with kiln.wgmma.a_fragment_from_accumulator")
     _check_major("b_major", b_major)
-    i32 = ir.IntegerType.get_signless(32)
     b_value = _descriptor(b_desc, "B descriptor")
-    packed = vector.bitcast(ir.VectorType.get([A_REGISTER_VALUES // 2], i32), a_frag.ir)
-    a_registers = [vector.extract(packed, [], [i]) for i in range(A_REGISTER_VALUES // 2)]
-    result = wgmma_mma_async_regs([acc.element(i).ir for i in range(acc.n // 2)], a_registers,
+    result = wgmma_mma_async_regs([acc.element(i).ir for i in range(acc.n // 2)],
+                                  _a_registers(a_frag),
                                   b_value, _scale_d(accumulate), ptx_type=operand.name,
                                   trans_b=int(b_major == "mn"))
     return Fragment(result, acc.n)

@@ -4,6 +4,7 @@ checks, compile-only checks (``lower``) and results on a GPU (``gpu``, vs torch 
 import importlib
 import re
 import subprocess
+from dataclasses import replace
 
 import ml_dtypes
 import numpy as np
@@ -58,29 +59,61 @@ MASK_CASES = {
 }
 
 
-def test_long_unmasked_attention_takes_176_key_tiles_at_d128():
-    long_keys = prefill_hopper.LONG_KEYS
-    assert HopperPrefillConfig.for_shape(128, MaskSpec(), long_keys).block_n == 176
-    for mask, keys in ((MaskSpec(), long_keys - 1), (MaskSpec(causal=True), long_keys),
-                       (MaskSpec(window_left=64), long_keys), (MaskSpec(chunk=512), long_keys)):
-        assert HopperPrefillConfig.for_shape(128, mask, keys).block_n == 128
-    for d in (64, 256):
-        assert HopperPrefillConfig.for_shape(d, MaskSpec(), long_keys) == \
-            HopperPrefillConfig.for_head_dim(d)
+def test_default_softmax_schedule_per_head_dim():
+    for d in (64, 128):
+        config = HopperPrefillConfig.for_head_dim(d)
+        assert config.lazy_rescale and config.exp_before_max and not config.pin_pv_wait
+    config = HopperPrefillConfig.for_head_dim(256)
+    assert config.lazy_rescale and not config.exp_before_max
+    assert HopperPrefillConfig.for_head_dim(128).block_n == 128
+    with pytest.raises(kiln.KilnValueError, match="lazy_rescale"):
+        HopperPrefillConfig(head_dim=128, exp_before_max=True)
 
 
-def test_176_key_tiles_match_the_reference(monkeypatch):
-    # The long-sequence tiles on a short problem: 300 keys are one full 176-key tile and one
-    # partial one, in a dense and a ragged batch (whose longest sequence decides).
-    monkeypatch.setattr(prefill_hopper, "LONG_KEYS", 256)
+@pytest.mark.parametrize("schedule", [dict(lazy_rescale=False),
+                                      dict(lazy_rescale=True, pin_pv_wait=True)],
+                         ids=["max_first", "max_first_lazy_pinned"])
+def test_max_first_schedules_match_the_reference(monkeypatch, schedule):
+    # The schedules D = 256 keeps (the tile's max before exp2, per-warp vote or none) at D = 128,
+    # with a window: rows whose first visible key lies past the first tile.
     built = []
+    config = replace(HopperPrefillConfig.for_head_dim(128), exp_before_max=False, **schedule)
+    monkeypatch.setattr(HopperPrefillConfig, "for_head_dim", lambda d: config)
     monkeypatch.setattr(prefill_module, "make_kernel",
-                        lambda dtype, config, *rest: built.append(config.block_n) or
+                        lambda dtype, config, *rest: built.append(config) or
                         prefill_hopper.make_kernel(dtype, config, *rest))
+    _check(np.random.default_rng(), sq=150, sk=420, d=128, window=(60, 10), with_sinks=True)
+    assert built == [config]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_key_far_above_the_running_max_is_redone(d):
+    # Key 300 (in the second or third key tile) scores 140-210 log2 units above every earlier
+    # key for the first 40 query rows (non-negative q) and up to ~25 more for about half of the
+    # others: P against the running max would be inf in the first rows, so the warp groups'
+    # votes must send the tile back through its max (NaN otherwise).
     rng = np.random.default_rng()
-    _check(rng, sq=70, sk=300, d=128)
-    _check(rng, batch=2, d=128, ragged=([40, 90], [300, 120]))
-    assert built == [176, 176]
+    cast = ml_dtypes.bfloat16
+    q = rng.standard_normal((1, 130, 2, d)).astype(cast).astype(np.float32)
+    k = (rng.standard_normal((1, 600, 1, d)) * 0.5).astype(cast).astype(np.float32)
+    v = rng.standard_normal((1, 600, 1, d)).astype(cast).astype(np.float32)
+    q[0, :40] = np.abs(q[0, :40])
+    k[0, 300] = 16.0
+    o, lse = prefill(q.astype(cast), k.astype(cast), v.astype(cast), return_lse=True,
+                     backend="interpret", target="sm_90a")
+    want_o, want_lse = attention_reference(q, k, v, return_lse=True)
+    assert np.isfinite(o.astype(np.float32)).all()
+    np.testing.assert_allclose(o.astype(np.float64), want_o, atol=O_TOLERANCE, rtol=0)
+    np.testing.assert_allclose(lse, want_lse, atol=LSE_TOLERANCE, rtol=0)
+
+
+def test_a_per_warp_vote_around_the_redo_is_caught(monkeypatch):
+    # The redo issues a WGMMA, which the whole warp group must reach: voting per warp
+    # (any_lane) instead of per group lets some warps take it alone (a GPU hangs there).
+    monkeypatch.setattr(prefill_hopper.nvidia_asm, "named_barrier_any",
+                        lambda barrier, threads, flag: kiln.shuffle.any_lane(flag))
+    with pytest.raises(kiln.KilnValueError, match="of the 128 threads of warp group"):
+        _check(np.random.default_rng(), sq=150, sk=290, d=128, window=(37, 5))
 
 
 @pytest.mark.parametrize("mask", MASK_CASES.values(), ids=MASK_CASES.keys())
@@ -213,12 +246,14 @@ def test_ptx_has_the_hopper_pipeline(causal_d128):
     assert "wgmma.wait_group.sync.aligned 1" in ptx
     # K and V halves of a stage are released separately: the producer waits on k_empty and
     # v_empty (the consumers wait on q_full, k_full twice and v_full twice), and a consumer
-    # frees K_j as soon as S_j is done, before P_{j-1} V_{j-1} is.
+    # frees K_j after S_j's softmax (whose rare redo reads K_j again), before P_{j-1} V_{j-1}
+    # is done: the group's vote, then K's release, then the wait for P V.
     assert ptx.count("mbarrier.try_wait.parity") == 2 + 5
     assert ptx.count("mbarrier.arrive.shared.b64") == 4  # K: prologue, loop; V: loop, epilogue
     after_scores = ptx[ptx.index("wgmma.wait_group.sync.aligned 1"):]
-    assert after_scores.index("mbarrier.arrive.shared.b64") < \
-        after_scores.index("wgmma.wait_group.sync.aligned 0")
+    vote = after_scores.index("bar.red.or.pred")
+    release_k = after_scores.index("mbarrier.arrive.shared.b64")
+    assert vote < release_k < after_scores.index("wgmma.wait_group.sync.aligned 0", release_k)
     # P @ V takes P from registers (four b32 A registers, V through a transposed descriptor):
     # one issue per 16 keys of the 128-key tile in the loop and again in the epilogue, and no
     # P tile in shared memory.
@@ -226,23 +261,22 @@ def test_ptx_has_the_hopper_pipeline(causal_d128):
                     r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+, p, 1, 1, 1;", ptx)
     assert len(pv) == 2 * 128 // 16
     # No P tile in shared memory: the only shared stores stage the output (one b32 pair of
-    # bf16 per two accumulator registers), which then leaves in 16-byte global stores, and
-    # sched_barrier's clock word (pin_pv_wait, D = 128), once in the loop.
+    # bf16 per two accumulator registers), which then leaves in 16-byte global stores.
     assert len(re.findall(r"st\.shared\.b32", ptx)) == 128 * 64 // 128 // 2
-    assert re.findall(r"st\.shared\.\S+", ptx).count("st.shared.u32") == 1
-    assert set(re.findall(r"st\.shared\.\S+", ptx)) == {"st.shared.b32", "st.shared.u32"}
+    assert set(re.findall(r"st\.shared\.\S+", ptx)) == {"st.shared.b32"}
     assert "st.global.v4.b32" in ptx and "st.global.b16" not in ptx
     # Flushed denormals: every exp2 is the single-instruction ex2.approx.ftz.
     assert "ex2.approx.ftz.f32" in ptx and "ex2.approx.f32" not in ptx
 
 
 @pytest.mark.lower
-@pytest.mark.parametrize("d,block_n", [(64, None), (128, None), (128, 176), (256, None)])
+@pytest.mark.parametrize("d,block_n", [(64, None), (128, None), (128, 144), (256, None)])
 def test_no_spills(d, block_n):
-    tiles = {} if block_n is None else dict(block_n=block_n)  # 176: LONG_TILES
+    tiles = {} if block_n is None else dict(block_n=block_n)
     ck = compile_prefill(target="sm_90a", head_dim=d, dtype="f16", window=(128, 0), group=4,
                          sinks=True, return_lse=True, **tiles)
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
+    assert ck.metadata["wgmma_serialized"] is None
     config = HopperPrefillConfig(head_dim=d, **tiles) if tiles else \
         HopperPrefillConfig.for_head_dim(d)
     assert ck.signature.dynamic_shared_bytes >= config.shared_bytes()
@@ -297,7 +331,7 @@ GPU_CASES = {
     "window_sinks": dict(b=2, sq=513, sk=513, hq=4, hkv=1, d=128, window=(100, 20), sinks=True),
     "chunk_d256": dict(b=1, sq=400, sk=400, hq=2, hkv=1, d=256, chunk=128),
     "none_d64": dict(b=3, sq=257, sk=129, hq=16, hkv=16, d=64),
-    # Unmasked over >= LONG_KEYS keys: 176-key tiles, the last one partial (8300 = 47 x 176 + 28).
+    # Unmasked over many key tiles, the last one partial (8300 = 64 x 128 + 108).
     "none_long_keys": dict(b=1, sq=300, sk=8300, hq=4, hkv=2, d=128),
 }
 
@@ -383,27 +417,38 @@ def test_repeat_dense_calls_reuse_one_bound_plan():
     torch.testing.assert_close(o_general, o, atol=0, rtol=0)
 
 
+PV_WAIT_CASES = {
+    # The default at D = 128: P against the running max, then the group's vote (bar.red).
+    "d128_exp_before_max": (128, dict(), "BAR.RED.OR"),
+    # Max first with sched_barrier's clock read holding the wait (pin_pv_wait).
+    "d128_max_first_pinned": (128, dict(exp_before_max=False, pin_pv_wait=True), "SR_CLOCKLO"),
+    # Max first, nothing holding the wait: ptxas hoists it above every exp2.
+    "d64_max_first": (64, dict(exp_before_max=False, lazy_rescale=False), None),
+}
+
+
 @pytest.mark.lower
-@pytest.mark.parametrize("d", [64, 128])
-def test_pv_wait_follows_the_softmax_in_sass(d):
-    """At D = 128 (``pin_pv_wait``) the main loop's wait for the group's own P V
-    (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) comes after the softmax's exp2s in SASS, behind the
-    sched_barrier's clock read; at D = 64 (not pinned) ptxas hoists it above them."""
+@pytest.mark.parametrize("d,schedule,holder", PV_WAIT_CASES.values(), ids=PV_WAIT_CASES.keys())
+def test_pv_wait_follows_the_softmax_in_sass(d, schedule, holder):
+    """The main loop's wait for the group's own P V (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) comes
+    after the softmax's exp2s in SASS when something holds it there (the vote's barrier, or
+    ``sched_barrier``'s clock read); without either ptxas hoists it above them."""
     from kiln.lowering import isa_sass
     from kiln.lowering.tools import find_cuobjdump
 
     cuobjdump = find_cuobjdump()
     if cuobjdump is None or find_ptxas() is None:
         pytest.skip("needs ptxas and cuobjdump")
-    ck = compile_prefill(target="sm_90a", head_dim=d, dtype="bf16")
+    ck = compile_prefill(target="sm_90a", head_dim=d, dtype="bf16", **schedule)
     sass = isa_sass.dump_sass(ck.asm["cubin"], cuobjdump)
     if sass is None:
         pytest.skip("cuobjdump could not disassemble (no nvdisasm)")
     code = isa_sass.parse(sass).instructions
-    # The loop's body: from the wait for S_j (gsb0 <= 1) to the next wait, the one for P V.
+    # The loop's body: from the wait for S_j (gsb0 <= 1) to the next wait.
     start = next(n for n, i in enumerate(code)
                  if i.opcode == "WARPGROUP.DEPBAR.LE" and i.operands == ["gsb0", "0x1"])
     end = next(n for n in range(start + 1, len(code)) if code[n].opcode == "WARPGROUP.DEPBAR.LE")
     exps = sum(i.opcode == "MUFU.EX2" for i in code[start:end])
-    clock = any("SR_CLOCKLO" in i.operands for i in code[start:end])
-    assert (exps >= 64 and clock) if d == 128 else (exps == 0 and not clock)
+    held = holder is not None and any(holder in i.opcode or holder in i.operands
+                                      for i in code[start:end])
+    assert (exps >= 64 and held) if holder else (exps == 0)

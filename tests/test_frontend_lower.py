@@ -171,6 +171,38 @@ def _fence_on_global(x: kiln.Tensor[kiln.i32, 1]):
     kiln.nvidia_asm.sched_barrier(x, 0)  # @global-scratch
 
 
+@kiln.kernel
+def _group_vote(x: kiln.Tensor[kiln.f32, 1], out: kiln.Tensor[kiln.i32, 1]):
+    tid = kiln.thread_id(0)
+    vote = kiln.nvidia_asm.named_barrier_any(1, 128, x[tid] > 0.5)
+    out[tid] = kiln.where(vote, 1, 0)
+
+
+@kiln.kernel
+def _wait_reading_a_float(x: kiln.Tensor[kiln.f32, 1]):
+    kiln.wgmma.wait_group(0, reads=[x[0]])  # @float-reads
+
+
+@pytest.mark.lower
+def test_named_barrier_any_votes_over_the_whole_group_and_wait_group_checks_reads(marker_line):
+    """named_barrier_any is one bar.red.or over the 128 threads (4 warps): one true thread
+    makes it true everywhere; wait_group(reads=) takes register A operands only."""
+    out = np.full(128, -1, np.int32)
+    for hot, want in ((None, 0), (97, 1)):
+        x = np.zeros(128, np.float32)
+        if hot is not None:
+            x[hot] = 1.0
+        _group_vote.interpret[1](x, out, num_warps=4)
+        np.testing.assert_array_equal(out, [want] * 128)
+    ptx = _group_vote.compile(x, out, target="sm_90a", num_warps=4).asm["ptx"]
+    assert "bar.red.or.pred p," in ptx
+    with pytest.raises(kiln.errors.TargetError, match="NVIDIA"):
+        _group_vote.compile(x, out, target="gfx950", num_warps=4)
+    with pytest.raises(kiln.KilnTypeError, match="register A operand") as error:
+        _wait_reading_a_float.compile(x, target="sm_90a", num_warps=4)
+    assert error.value.loc.line == marker_line("@float-reads")
+
+
 @pytest.mark.lower
 def test_any_lane_votes_per_warp_and_sched_barrier_checks_its_scratch(marker_line):
     """any_lane is true in every lane of a warp with one true lane and false in the other warp

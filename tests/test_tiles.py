@@ -111,6 +111,32 @@ def test_row_max_and_cast_emit_shuffles_and_one_truncf():
     assert text.count("math.exp2") == 8
 
 
+@kiln.kernel
+def _split_row_sum(out: kiln.Tensor[kiln.f32, 1]):
+    s = tiles.RegTile.full(L.mma_m16n8_accumulator(), (2, 4), 0.25)
+    s = (s + kiln.cast(kiln.lane_id(), kiln.f32)).exp2()
+    partial = s.row_reduce(lambda a, b: a + b, across_lanes=False)
+    split = s.reduce_lanes(partial, lambda a, b: a + b)
+    whole = s.row_sum()
+    lane = kiln.lane_id()
+    for i, (a, b) in enumerate(zip(split.values, whole.values)):
+        for g in range(len(a)):
+            out[(2 * i + g) * 64 + lane] = a[g]
+            out[(2 * i + g) * 64 + 32 + lane] = b[g]
+
+
+def test_row_reduction_split_at_the_lanes_matches_the_whole():
+    """row_reduce(across_lanes=False) leaves each lane's own registers' result (no shuffles);
+    reduce_lanes finishes it to what row_sum gives."""
+    text = _split_row_sum.trace(np.zeros(256, np.float32), target="sm_80").module_asm
+    assert text.count("gpu.shuffle  xor") == 2 * 2 * 2 * 2  # reduce_lanes and row_sum only
+    out = np.full(256, np.nan, np.float32)
+    _split_row_sum.interpret[1](out, num_warps=1)
+    split, whole = out.reshape(4, 2, 32)[:, 0], out.reshape(4, 2, 32)[:, 1]
+    np.testing.assert_allclose(split, whole, rtol=1e-6)
+    assert np.isfinite(whole).all() and len(np.unique(whole)) > 4
+
+
 def test_tile_vector_broadcast_rejects_another_layout():
     @kiln.kernel
     def k(out: kiln.Tensor[kiln.f32]):

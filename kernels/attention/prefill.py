@@ -138,7 +138,7 @@ def _operands(q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse):
         cu_k_arr = _arange_like(q, b, sk)
         max_sq = sq
         lse_row_mult, lse_head_stride = hq, sq
-    cfg = HopperPrefillConfig.for_shape(d, mask, shapes["max_sk"])
+    cfg = HopperPrefillConfig.for_head_dim(d)
     group = hq // hkv
     o2 = _empty(q, (total_q, hq * d), _dtype_name(q.dtype))
     lse = _empty(q, (max(hq * total_q, 1) if return_lse else 1,), "f32")

@@ -6,8 +6,7 @@ tile its mask lets through. Q, K and V are viewed as 2-D ``[rows, heads * D]`` m
 row), so one TMA box of ``BLOCK_N x 64`` reads 64 head-dim columns of one head.
 
 Schedule (3 warp groups; ``BLOCK_M x BLOCK_N`` and K/V stages: 128 x 192 x 2 for D = 64,
-128 x 128 x 2 for D = 128 (128 x 176 x 2 unmasked over >= 8k keys), 128 x 80 x 2 for D = 256,
-see ``DEFAULT_TILES`` and ``LONG_TILES``):
+128 x 128 x 2 for D = 128, 128 x 80 x 2 for D = 256, see ``DEFAULT_TILES``):
 
 | warp group | registers (setmaxnreg) | job |
 | --- | --- | --- |
@@ -20,12 +19,18 @@ One consumer iteration (prologue: S_0 and its softmax; epilogue: the last PV):
 | --- | --- | --- |
 | 1 | wait ``k_full[j]``, ``v_full[j-1]``; wait for this group's turn (named barrier ``3 + g``) | |
 | 2 | issue ``S_j = Q K_j^T`` (``wgmma m64nBNk16``, K-major); rescale O by ``exp2(m_{j-2} - m_{j-1})`` while it runs; issue ``O += P_{j-1} V_{j-1}`` (MN-major V, P from registers as in FlashAttention-3: ``BLOCK_N / 16`` A operands of ``mma_async_regs``); hand the turn to the other group (``bar.arrive``) | the other group's softmax (ping-pong) |
-| 3 | ``wgmma.wait_group 1``: S_j is ready, release ``k_empty[j]``; mask it if the tile is a boundary tile; online softmax (``OnlineSoftmax``: running max, ``scale * log2 e`` folded into one FMA, ``exp2``, row sums); P_j cast to bf16/f16 into fresh registers | ``P_{j-1} V_{j-1}`` on the tensor cores (intra-warpgroup overlap) |
-| 4 | ``wgmma.wait_group 0``; release ``v_empty[j-1]`` (at D = 128 behind a ``sched_barrier``: ptxas would otherwise hoist this wait above step 3) | |
+| 3 | ``wgmma.wait_group 1``: S_j is ready; mask it if the tile is a boundary tile; online softmax (``OnlineSoftmax``: running max, ``scale * log2 e`` folded into one FMA, ``exp2``, row sums); release ``k_empty[j]``; P_j cast to bf16/f16 into fresh registers | ``P_{j-1} V_{j-1}`` on the tensor cores (intra-warpgroup overlap) |
+| 4 | ``wgmma.wait_group 0``; release ``v_empty[j-1]`` | |
 
-At D = 128 and 256 O is rescaled lazily: step 3 votes per warp whether some row's max grew by
-more than ``LAZY_RESCALE_THRESHOLD`` (``OnlineSoftmax.lazy_scale_decision``); only then does the
-next step 2 rescale O, otherwise the max stays where it was and P may reach ``2**8``.
+O is rescaled lazily at every head dim: only when some row's max grew by more than
+``LAZY_RESCALE_THRESHOLD`` does the next step 2 rescale O; otherwise the max stays where it was
+and P may reach ``2**8``. At D = 64 and 128 (``exp_before_max``) step 3 does not even reduce the
+tile's max: it takes P against the running max at once, and the warp group votes
+(``bar.red.or``) whether some lane's row sums passed ``2**8``; only then (rare: a row's first
+visible key, or a jump of the scores) does it issue ``S_j`` again and take the max. The max
+reduction and its shuffles leave the path from S_j to P_j, and the vote's barrier keeps ptxas
+from hoisting step 4's wait above the softmax. At D = 256 (``exp_before_max`` spills there) the
+max is reduced first and each warp votes on it (``OnlineSoftmax.lazy_scale_decision``).
 
 Masks are intervals: key ``j`` is visible from query ``i`` (key position ``p = i + Sk - Sq``,
 bottom-right aligned) iff ``lo(p) <= j <= hi(p)`` with ``lo = max(0, p - left, chunk start)``,
@@ -45,7 +50,7 @@ different KV heads. The output leaves through shared memory (each consumer's own
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
@@ -70,6 +75,7 @@ MAX_SENTINEL = -1.0e30
 LAZY_RESCALE_THRESHOLD = 8.0  # log2 units: P stays below 2**8 between rescales
 PINGPONG_BARRIER = 3  # named barriers 3, 4: the consumers' turns
 OUTPUT_BARRIER = 5  # named barriers 5, 6: one consumer group staging its output
+VOTE_BARRIER = 7  # named barriers 7, 8: one consumer group's rescale vote (exp_before_max)
 SHARED_BUDGET = 227 * 1024 - 1024 - 256
 ORDER_SCRATCH_BYTES = 3 * WARP_GROUP_THREADS * 4  # one i32 per thread for sched_barrier
 # head_dim -> (block_n, stages). Since K and V stages are released separately (a K stage as soon
@@ -78,17 +84,12 @@ ORDER_SCRATCH_BYTES = 3 * WARP_GROUP_THREADS * 4  # one i32 per thread for sched
 # with 2 stages beat 3 (449 vs 434); at D = 256, 80-key tiles beat 64 (732 vs 698) and still
 # keep S + O in registers.
 DEFAULT_TILES = {64: (192, 2), 128: (128, 2), 256: (80, 2)}
-# Full attention (no mask) over at least LONG_KEYS keys: head_dim -> block_n. At D = 128, 176-key
-# tiles are 2-3% faster there on an H200 (bench/RESULTS.md, sessions 8 and 17); at 4k keys the
-# masked last tile (4096 = 23 x 176 + 48) wastes what they gain, and with a causal mask they lose.
-LONG_KEYS = 8192
-LONG_TILES = {128: 176}
-# Head dims whose softmax keeps ahead of the P V wait in SASS (``pin_pv_wait``) and whose O is
-# rescaled lazily (``lazy_rescale``), each chosen on an H200 (bench/RESULTS.md, session 21):
-# D = 128 both (+3-4%); D = 256 the lazy rescale (+4%; with the pin too it spills); D = 64
-# neither (-3 to -5% with either).
-PINNED_PV_WAIT_HEAD_DIMS = (128,)
-LAZY_RESCALE_HEAD_DIMS = (128, 256)
+# Head dims whose O is rescaled lazily (``lazy_rescale``) and whose P is taken before the tile's
+# max (``exp_before_max``), chosen on an H200 (bench/RESULTS.md, sessions 21-22): D = 128 +4 to
+# +8% (it also beats the 176-key tiles sessions 8 and 17 kept for long unmasked rows), D = 64
+# +5 to +14%, D = 256 the lazy rescale alone (+4%; exp_before_max spills and loses 8%).
+LAZY_RESCALE_HEAD_DIMS = (64, 128, 256)
+EXP_BEFORE_MAX_HEAD_DIMS = (64, 128)
 
 
 @dataclass(frozen=True)
@@ -97,9 +98,14 @@ class HopperPrefillConfig:
     buffers in the ring, registers per thread of the producer and the two consumer groups.
 
     ``pin_pv_wait``: hold each consumer's wait for its own ``P V`` after the softmax in SASS too
-    (:func:`kiln.nvidia_asm.sched_barrier`; ptxas otherwise hoists the wait above it).
+    (:func:`kiln.nvidia_asm.sched_barrier`; ptxas otherwise hoists the wait above it). Off by
+    default: ``exp_before_max``'s vote barrier holds it there already (+0.8-1.8% at D = 128
+    without it, session 21).
     ``lazy_rescale``: rescale O only when a row's max grew by more than
-    ``LAZY_RESCALE_THRESHOLD`` (:meth:`OnlineSoftmax.lazy_scale_decision`)."""
+    ``LAZY_RESCALE_THRESHOLD`` (:meth:`OnlineSoftmax.lazy_scale_decision`).
+    ``exp_before_max`` (with ``lazy_rescale``): P against the running max without reducing the
+    tile's max; the max only when the group's vote says some P passed ``2**threshold`` (the
+    module docstring's step 3)."""
 
     head_dim: int = 128
     block_n: int = 128
@@ -109,6 +115,7 @@ class HopperPrefillConfig:
     q_tiles_first: bool | None = None
     pin_pv_wait: bool = False
     lazy_rescale: bool = False
+    exp_before_max: bool = False
 
     block_m = 2 * WARP_GROUP_ROWS  # two consumer warp groups
     num_warps = 12
@@ -124,6 +131,10 @@ class HopperPrefillConfig:
         if not 1 <= self.stages <= 4:
             raise kiln.KilnValueError(f"stages={self.stages} must be in 1..4",
                                       fix="use 2 stages")
+        if self.exp_before_max and not self.lazy_rescale:
+            raise kiln.KilnValueError("exp_before_max needs lazy_rescale: P is taken against "
+                                      "the running max, which only the lazy vote keeps",
+                                      fix="set lazy_rescale=True")
         scratch = ORDER_SCRATCH_BYTES if self.pin_pv_wait else 0
         if self.shared_bytes() + scratch > SHARED_BUDGET:
             raise kiln.ResourceError(f"Q and {self.stages} K/V stages of {self.block_n} x "
@@ -151,22 +162,13 @@ class HopperPrefillConfig:
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> "HopperPrefillConfig":
-        """The default tiles for ``head_dim`` (``DEFAULT_TILES``) and softmax schedule
-        (``PINNED_PV_WAIT_HEAD_DIMS``, ``LAZY_RESCALE_HEAD_DIMS``)."""
+        """The configuration :func:`~kiln.kernels.attention.prefill` uses: ``DEFAULT_TILES``'
+        tiles and the softmax schedule of ``LAZY_RESCALE_HEAD_DIMS`` and
+        ``EXP_BEFORE_MAX_HEAD_DIMS``. Example: ``for_head_dim(128).block_n == 128``."""
         block_n, stages = DEFAULT_TILES[head_dim]
         return cls(head_dim=head_dim, block_n=block_n, stages=stages,
-                   pin_pv_wait=head_dim in PINNED_PV_WAIT_HEAD_DIMS,
-                   lazy_rescale=head_dim in LAZY_RESCALE_HEAD_DIMS)
-
-    @classmethod
-    def for_shape(cls, head_dim: int, mask: "MaskSpec", max_seq_k: int) -> "HopperPrefillConfig":
-        """The tiles :func:`~kiln.kernels.attention.prefill` uses: :meth:`for_head_dim`'s, or
-        ``LONG_TILES`` for unmasked attention over at least ``LONG_KEYS`` keys.
-        Example: ``for_shape(128, MaskSpec(), 16384).block_n == 176``."""
-        config = cls.for_head_dim(head_dim)
-        if mask == MaskSpec() and max_seq_k >= LONG_KEYS and head_dim in LONG_TILES:
-            return replace(config, block_n=LONG_TILES[head_dim])
-        return config
+                   lazy_rescale=head_dim in LAZY_RESCALE_HEAD_DIMS,
+                   exp_before_max=head_dim in EXP_BEFORE_MAX_HEAD_DIMS)
 
 
 @dataclass(frozen=True)
@@ -325,15 +327,23 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                         acc = _issue_pv(ops, acc, probs, previous)
                         nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                         wgmma.wait_group(1)
-                        if first_thread:  # S_j is done with K_j
-                            k_empty.arrive(stage)
                         # P_j lands in new registers: P_{j-1}'s are still the PV operand.
-                        next_probs, rescale_pending = _softmax_tile(
-                            softmax, scores, j * bn, tile_mask, scale_log2, in_type,
-                            config.lazy_rescale)
+                        if config.exp_before_max:
+                            next_probs, rescale_pending = _softmax_tile_max_on_demand(
+                                softmax, scores, j * bn, tile_mask, scale_log2, in_type, ops,
+                                stage, VOTE_BARRIER + consumer)
+                            if first_thread:  # K_j is not read again
+                                k_empty.arrive(stage)
+                        else:
+                            if first_thread:  # S_j is done with K_j
+                                k_empty.arrive(stage)
+                            next_probs, rescale_pending = _softmax_tile(
+                                softmax, scores, j * bn, tile_mask, scale_log2, in_type,
+                                config.lazy_rescale)
                         if config.pin_pv_wait:  # else ptxas waits before the softmax
                             nvidia_asm.sched_barrier(order_scratch, tid)
-                        wgmma.wait_group(0)
+                        # P_j must not take P_{j-1}'s registers while P_{j-1} V_{j-1} runs.
+                        wgmma.wait_group(0, reads=probs)
                         if first_thread:
                             v_empty.arrive(previous)
                         probs = next_probs
@@ -488,6 +498,47 @@ def _softmax_tile(softmax, scores, n0, tile_mask, scale_log2, dtype, lazy_rescal
     probs = softmax.sub_max_scaled(raw, scale_log2).exp2()
     softmax.apply_unconditional_norm_rescale()
     softmax.col_sum_acc(probs)
+    return wgmma.a_fragment_from_accumulator(probs, dtype), rescale_pending
+
+
+def _add(a, b):
+    return a + b
+
+
+@kiln.func
+def _softmax_tile_max_on_demand(softmax, scores, n0, tile_mask, scale_log2, dtype, ops, stage,
+                                vote_barrier):
+    """:func:`_softmax_tile` with a lazy rescale that computes the tile's max only when it is
+    needed: P = exp2(scale * S - running max) at once, and while every lane's partial row sums
+    stay within ``2**LAZY_RESCALE_THRESHOLD`` (so every P does too) that P stands and the max
+    is not reduced at all. Otherwise (rare: a row's max grew, or a row saw its first key) the
+    group issues ``S = Q K^T`` again on ``stage`` (K is released after this call) and takes
+    the tile the usual way. Returns P's A operands and whether O must be rescaled."""
+    if tile_mask.needed(n0):
+        scores = tile_mask.apply(scores, n0)
+    probs = softmax.sub_max_scaled(wgmma.fragment_to_tile(scores), scale_log2).exp2()
+    partial = probs.row_reduce(_add, across_lanes=False)
+    too_large = [kiln.cast(x > 2.0 ** LAZY_RESCALE_THRESHOLD, kiln.i32)
+                 for line in partial.values for x in line]
+    vote = too_large[0]
+    for flag in too_large[1:]:
+        vote = vote | flag
+    # The whole warp group decides: the redo issues a (warp-group-wide) WGMMA.
+    rescale_pending = nvidia_asm.named_barrier_any(vote_barrier, WARP_GROUP_THREADS, vote)
+    if rescale_pending:
+        scores = _issue_qk(ops, stage)
+        wgmma.wait_group(0)
+        if tile_mask.needed(n0):
+            scores = tile_mask.apply(scores, n0)
+        raw = wgmma.fragment_to_tile(scores)
+        softmax.col_max_acc_scaled(raw, scale_log2)
+        softmax.update_scale_unconditional()
+        probs = softmax.sub_max_scaled(raw, scale_log2).exp2()
+        partial = probs.row_reduce(_add, across_lanes=False)
+    else:
+        softmax.scale_vec = softmax.scale_vec.map(lambda _: kiln.cast(1.0, kiln.f32))
+    softmax.apply_unconditional_norm_rescale()
+    softmax.norm_vec = softmax.norm_vec + probs.reduce_lanes(partial, _add)
     return wgmma.a_fragment_from_accumulator(probs, dtype), rescale_pending
 
 

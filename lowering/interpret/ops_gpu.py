@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.errors import UnsupportedError
-from kiln.nvidia_asm import SCHED_BARRIER_ASM, WAIT_FOR_COUNT_ASM
+from kiln.nvidia_asm import (KEEP_REGISTERS_LIVE_ASM, NAMED_BARRIER_ANY_ASM, SCHED_BARRIER_ASM,
+                             WAIT_FOR_COUNT_ASM)
 
 from .ops_wgmma import WGMMA_RS_PREFIX, wgmma_rs_inline_asm
 from .plan import location, semantics
@@ -84,10 +85,14 @@ def _inline_asm(op, p):
     kind = _INLINE_ASM.get(text)
     if text.startswith(WGMMA_RS_PREFIX):
         return wgmma_rs_inline_asm(op, p, text)
+    if text == KEEP_REGISTERS_LIVE_ASM:  # emits nothing; only LLVM's liveness sees it
+        return None
     if text == WAIT_FOR_COUNT_ASM:
         return _wait_for_count(op, p, loc)
     if text == SCHED_BARRIER_ASM:  # orders SASS only; its scratch word is never read
         return lambda env, ctx: None
+    if text == NAMED_BARRIER_ANY_ASM:
+        return _named_barrier_any(op, p, loc)
     if kind is None:
         raise UnsupportedError(f"the interpreter has no semantics for inline asm {text!r} yet",
                                fix="use the DSL's wrappers (kiln.nvidia_asm)", loc=loc)
@@ -95,6 +100,19 @@ def _inline_asm(op, p):
 
     def run(env, ctx):
         getattr(ctx.cta, kind)(ctx, int(env[barrier_id][0]), int(env[count][0]), loc)
+
+    return run
+
+
+def _named_barrier_any(op, p, loc):
+    flag, barrier_id, count = p.operands(op)
+    out = p.result(op)
+
+    def run(env, ctx):
+        flags = np.broadcast_to(env[flag], (ctx.size,)) != 0
+        vote = ctx.cta.named_barrier_any(ctx, int(env[barrier_id][0]), int(env[count][0]),
+                                         flags, loc)
+        env[out] = np.full(ctx.size, int(vote), np.int32)
 
     return run
 

@@ -23,7 +23,7 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import llvm
 
-from kiln.errors import OutOfBoundsError, UnsupportedError
+from kiln.errors import KilnValueError, OutOfBoundsError, UnsupportedError
 from kiln.layout import wgmma_m64_accumulator
 from kiln.swizzle import Swizzle
 
@@ -140,11 +140,22 @@ def _lanes_of(value: np.ndarray, lanes: np.ndarray) -> np.ndarray:
     return value if value.shape[0] == 1 else value[lanes]
 
 
-def _warp_groups(ctx):
-    """``(threads of the context, their index in the warp group)`` for each warp group."""
+def _warp_groups(ctx, loc):
+    """``(threads of the context, their index in the warp group)`` for each warp group that
+    issues (all of its active threads). ``wgmma`` is warp-group-wide (``.sync.aligned``): a
+    group whose warps took different sides of a branch is an error, as it hangs a GPU."""
     group_of = ctx.thread_ids // WARP_GROUP
+    active = ctx.active()
     for g in np.unique(group_of):
         lanes = np.flatnonzero(group_of == g)
+        if not active[lanes].any():
+            continue
+        if not active[lanes].all():
+            raise KilnValueError(f"wgmma.mma_async is issued by {int(active[lanes].sum())} of "
+                                 f"the {len(lanes)} threads of warp group {g}",
+                                 fix="branch on a value that is the same in the whole warp "
+                                     "group (kiln.nvidia_asm.named_barrier_any, not a per-warp "
+                                     "vote) around warp-group-wide instructions", loc=loc)
         yield lanes, ctx.thread_ids[lanes] % WARP_GROUP
 
 
@@ -189,7 +200,7 @@ def wgmma_rs_inline_asm(op, p, text: str):
         a_values = np.ascontiguousarray(packed).view(np.uint16).view(dtype)  # [threads, 8]
         accumulate = lanes_of(scale_slot) != 0
         result = np.empty_like(acc)
-        for lanes, t in _warp_groups(ctx):
+        for lanes, t in _warp_groups(ctx, loc):
             if len(lanes) != WARP_GROUP:
                 raise UnsupportedError("wgmma with A in registers needs all 128 threads of the "
                                        "warp group", loc=loc)
@@ -230,16 +241,12 @@ def _mma_async(op, p):
     def run(env, ctx):
         acc = np.broadcast_to(env[acc_slot], (ctx.size,) + env[acc_slot].shape[1:])
         result = np.array(acc, np.float32)
-        lane_of = ctx.thread_ids % WARP_GROUP
-        group_of = ctx.thread_ids // WARP_GROUP
-        for g in np.unique(group_of):
-            lanes = np.flatnonzero(group_of == g)
+        for lanes, t in _warp_groups(ctx, loc):
             a_desc = int(uniform(_lanes_of(env[a_slot], lanes), None, "the A descriptor", loc))
             b_desc = int(uniform(_lanes_of(env[b_slot], lanes), None, "the B descriptor", loc))
             a, a_bytes = _read_operand(ctx, a_desc, m, k, dtype, a_k_major, loc)
             b, b_bytes = _read_operand(ctx, b_desc, n, k, dtype, b_k_major, loc)
             tile = np.zeros((m, n), np.float64)
-            t = lane_of[lanes]
             if accumulate:
                 tile[rows[t], cols[t]] = acc[lanes]
             tile += a.astype(np.float64) @ b.astype(np.float64).T

@@ -289,6 +289,7 @@ class CTA:
         self._barrier_arrived = 0
         self._barrier_generation = 0
         self._named: dict[int, list[int]] = {}  # barrier id -> [threads arrived, generation]
+        self._named_votes: dict[int, list[bool]] = {}  # bar.red.or: [running OR, last result]
 
     @property
     def failed(self) -> BaseException | None:
@@ -377,6 +378,22 @@ class CTA:
                              loc) -> None:
         """``bar.arrive id, n``: count toward ``n`` like ``bar.sync`` but never wait."""
         self._arrive_named(ctx, self._named.setdefault(barrier_id, [0, 0]), num_threads)
+
+    def named_barrier_any(self, ctx: Context, barrier_id: int, num_threads: int,
+                          flags: np.ndarray, loc) -> bool:
+        """``bar.red.or.pred id, n``: :meth:`named_barrier`, returning whether any arriving
+        active thread's flag was set (the same answer for all ``n`` threads)."""
+        state = self._named.setdefault(barrier_id, [0, 0])
+        votes = self._named_votes.setdefault(barrier_id, [False, False])  # [running, result]
+        votes[0] |= bool((flags & ctx.active()).any())
+        generation = state[1]
+        if not self._arrive_named(ctx, state, num_threads):
+            self.block_until(ctx, lambda: state[1] != generation,
+                             lambda: f"named barrier {barrier_id} ({state[0]} of {num_threads} "
+                                     "threads arrived)", loc)
+            return votes[1]
+        votes[1], votes[0] = votes[0], False
+        return votes[1]
 
     def _arrive_named(self, ctx: Context, state: list, num_threads: int) -> bool:
         """Count ``ctx``'s active threads into ``state`` ([arrived, generation]); the arrival
