@@ -368,6 +368,10 @@ def wgmma_mma_async_regs(accumulators: list[ir.Value], a_registers: list[ir.Valu
                            has_side_effects=True)
 
 
+# ``keep_registers_live``: no instruction at all; only the operand list matters (to LLVM).
+KEEP_REGISTERS_LIVE_ASM = ""
+
+
 def keep_registers_live(registers: list[ir.Value]) -> None:
     """An empty inline asm that reads ``registers`` (b32): LLVM keeps them live up to here, so
     it cannot give their PTX registers to new values before this point (an in-flight WGMMA
@@ -379,9 +383,6 @@ def keep_registers_live(registers: list[ir.Value]) -> None:
     """
     llvm.inline_asm(ir.Type.parse("!llvm.void"), registers, KEEP_REGISTERS_LIVE_ASM,
                     ",".join(["r"] * len(registers)), has_side_effects=True)
-
-
-KEEP_REGISTERS_LIVE_ASM = ""
 
 
 # ---------------------------------------------------------------------------------------------
