@@ -128,6 +128,16 @@ class TileVector:
         """Elementwise max with a scalar or a TileVector: ``m_new = m_old.maximum(s.row_max())``."""
         return self._zip(other, ops.maximum)
 
+    def any_greater(self, limit: float) -> Value:
+        """This lane's i32 flag (0/1): whether any of its scalars exceeds ``limit``. One lane's
+        answer only; vote on it across lanes, e.g. ``kiln.shuffle.any_lane(m.any_greater(8.0))``.
+        """
+        flags = [cast(x > limit, dt.i32) for line in self.values for x in line]
+        flag = flags[0]
+        for other in flags[1:]:
+            flag = flag | other
+        return flag
+
     def fragment(self, line: int, width: int) -> Value:
         """The ``width``-wide vector that broadcasts this vector onto fragment values."""
         scalars = [self.values[line][g] for g in self.group_of]

@@ -137,6 +137,19 @@ def test_row_reduction_split_at_the_lanes_matches_the_whole():
     assert np.isfinite(whole).all() and len(np.unique(whole)) > 4
 
 
+@kiln.kernel
+def _lane_flag(out: kiln.Tensor[kiln.i32, 1]):
+    s = tiles.RegTile.full(L.mma_m16n8_accumulator(), (2, 4), 0.25)
+    part = (s + kiln.cast(kiln.lane_id(), kiln.f32)).row_reduce(kiln.maximum, across_lanes=False)
+    out[kiln.lane_id()] = part.any_greater(20.5)
+
+
+def test_tile_vector_any_greater_is_one_lane_s_answer():
+    out = np.full(32, -1, np.int32)
+    _lane_flag.interpret[1](out, num_warps=1)
+    np.testing.assert_array_equal(out, (np.arange(32) + 0.25 > 20.5).astype(np.int32))
+
+
 def test_tile_vector_broadcast_rejects_another_layout():
     @kiln.kernel
     def k(out: kiln.Tensor[kiln.f32]):

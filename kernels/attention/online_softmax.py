@@ -259,17 +259,17 @@ class OnlineSoftmax:
             self.update_scale_unconditional()
         else:
             self.max_vec = self.max_vec_prev
-            self.scale_vec = self.scale_vec.map(lambda _: kiln.values.constant(1.0, kiln.f32))
+            self.reset_scale()
         return fired
+
+    def reset_scale(self) -> None:
+        """scale = 1: no rescale pending (the skip path of a lazy vote; the unconditional
+        rescales then leave norm and ``o`` as they are)."""
+        self.scale_vec = self.scale_vec.map(lambda _: kiln.values.constant(1.0, kiln.f32))
 
     def _max_grew(self, threshold: float) -> kiln.Value:
         """Whether some row of the warp has max - prev > ``threshold`` (a warp-uniform i1)."""
-        grew = self.max_vec - self.max_vec_prev
-        flags = [kiln.cast(x > threshold, kiln.i32) for line in grew.values for x in line]
-        vote = flags[0]
-        for flag in flags[1:]:
-            vote = vote | flag
-        return kiln.shuffle.any_lane(vote)
+        return kiln.shuffle.any_lane((self.max_vec - self.max_vec_prev).any_greater(threshold))
 
     def update_scale_unconditional(self) -> None:
         """scale = exp2(prev - max), then prev = max. Does not touch ``o`` (the kernel places

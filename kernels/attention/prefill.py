@@ -268,7 +268,7 @@ def _check_inputs(q, k, v, cu_q, cu_k, sinks) -> dict:
         if q.shape[0] != k.shape[0]:
             raise kiln.KilnValueError(f"q batch {q.shape[0]} != k batch {k.shape[0]}",
                                       fix="q, k and v need the same batch size")
-        return shapes | dict(batch=q.shape[0], max_sk=k.shape[1])
+        return shapes | dict(batch=q.shape[0])
     cq, ck = (np.asarray(_numpy(x)).astype(np.int64) for x in (cu_q, cu_k))
     if cq.ndim != 1 or cq.shape != ck.shape or len(cq) < 2 or cq[0] != 0 or ck[0] != 0 \
             or np.any(np.diff(cq) < 0) or np.any(np.diff(ck) < 0) \
@@ -276,8 +276,7 @@ def _check_inputs(q, k, v, cu_q, cu_k, sinks) -> dict:
         raise kiln.KilnValueError("cu_seqlens_q/k must be non-decreasing prefix sums of B + 1 "
                                   "entries from 0 to the total rows of q and k",
                                   fix="build them as concatenate([[0], cumsum(lengths)])")
-    return shapes | dict(batch=len(cq) - 1, max_sq=int(max(np.diff(cq).max(), 1)),
-                         max_sk=int(np.diff(ck).max()))
+    return shapes | dict(batch=len(cq) - 1, max_sq=int(max(np.diff(cq).max(), 1)))
 
 
 def _mask_spec(causal, window, chunk) -> MaskSpec:

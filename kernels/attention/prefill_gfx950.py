@@ -87,9 +87,7 @@ tensor's end, so they read zeros and their stores are dropped.
 
 from __future__ import annotations
 
-import functools
 import math
-import operator
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -306,10 +304,8 @@ def make_kernel(config: PrefillGfx950Config):
         MachineSink moves pure work past a branch towards its uses, out of its cluster."""
         s = mask_scores(s, tile, geo) if masked else mask_boundary_tile(s, tile, geo)
         sm.col_max_acc_scaled(s, geo.scale_log2)
-        grew = sm.max_vec - sm.max_vec_prev
-        vote = functools.reduce(operator.or_, [kiln.cast(x > RESCALE_THRESHOLD, kiln.i32)
-                                               for line in grew.values for x in line])
-        fired = kiln.shuffle.any_lane(vote)
+        fired = kiln.shuffle.any_lane((sm.max_vec - sm.max_vec_prev).any_greater(
+            RESCALE_THRESHOLD))
         sm.max_vec = TileVector([[kiln.where(fired, m, prev) for m, prev in zip(*lines)]
                                  for lines in zip(sm.max_vec.values, sm.max_vec_prev.values)],
                                 sm.max_vec.group_of, sm.max_vec.axis)

@@ -518,13 +518,9 @@ def _softmax_tile_max_on_demand(softmax, scores, n0, tile_mask, scale_log2, dtyp
         scores = tile_mask.apply(scores, n0)
     probs = softmax.sub_max_scaled(wgmma.fragment_to_tile(scores), scale_log2).exp2()
     partial = probs.row_reduce(_add, across_lanes=False)
-    too_large = [kiln.cast(x > 2.0 ** LAZY_RESCALE_THRESHOLD, kiln.i32)
-                 for line in partial.values for x in line]
-    vote = too_large[0]
-    for flag in too_large[1:]:
-        vote = vote | flag
     # The whole warp group decides: the redo issues a (warp-group-wide) WGMMA.
-    rescale_pending = nvidia_asm.named_barrier_any(vote_barrier, WARP_GROUP_THREADS, vote)
+    rescale_pending = nvidia_asm.named_barrier_any(
+        vote_barrier, WARP_GROUP_THREADS, partial.any_greater(2.0 ** LAZY_RESCALE_THRESHOLD))
     if rescale_pending:
         scores = _issue_qk(ops, stage)
         wgmma.wait_group(0)
@@ -536,7 +532,7 @@ def _softmax_tile_max_on_demand(softmax, scores, n0, tile_mask, scale_log2, dtyp
         probs = softmax.sub_max_scaled(raw, scale_log2).exp2()
         partial = probs.row_reduce(_add, across_lanes=False)
     else:
-        softmax.scale_vec = softmax.scale_vec.map(lambda _: kiln.cast(1.0, kiln.f32))
+        softmax.reset_scale()
     softmax.apply_unconditional_norm_rescale()
     softmax.norm_vec = softmax.norm_vec + probs.reduce_lanes(partial, _add)
     return wgmma.a_fragment_from_accumulator(probs, dtype), rescale_pending

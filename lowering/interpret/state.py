@@ -289,7 +289,7 @@ class CTA:
         self._barrier_arrived = 0
         self._barrier_generation = 0
         self._named: dict[int, list[int]] = {}  # barrier id -> [threads arrived, generation]
-        self._named_votes: dict[int, list[bool]] = {}  # bar.red.or: [running OR, last result]
+        self._named_votes: dict[tuple[int, int], bool] = {}  # (id, generation) -> bar.red.or
 
     @property
     def failed(self) -> BaseException | None:
@@ -383,17 +383,15 @@ class CTA:
                           flags: np.ndarray, loc) -> bool:
         """``bar.red.or.pred id, n``: :meth:`named_barrier`, returning whether any arriving
         active thread's flag was set (the same answer for all ``n`` threads)."""
-        state = self._named.setdefault(barrier_id, [0, 0])
-        votes = self._named_votes.setdefault(barrier_id, [False, False])  # [running, result]
-        votes[0] |= bool((flags & ctx.active()).any())
-        generation = state[1]
-        if not self._arrive_named(ctx, state, num_threads):
-            self.block_until(ctx, lambda: state[1] != generation,
-                             lambda: f"named barrier {barrier_id} ({state[0]} of {num_threads} "
-                                     "threads arrived)", loc)
-            return votes[1]
-        votes[1], votes[0] = votes[0], False
-        return votes[1]
+        generation = self._named.setdefault(barrier_id, [0, 0])[1]
+        votes = self._named_votes
+        key = (barrier_id, generation)
+        votes[key] = votes.get(key, False) | bool((flags & ctx.active()).any())
+        # Whoever votes in this generation has passed the last one, so every thread has read
+        # the answer from two generations back.
+        votes.pop((barrier_id, generation - 2), None)
+        self.named_barrier(ctx, barrier_id, num_threads, loc)
+        return votes[key]
 
     def _arrive_named(self, ctx: Context, state: list, num_threads: int) -> bool:
         """Count ``ctx``'s active threads into ``state`` ([arrived, generation]); the arrival
