@@ -3,6 +3,8 @@
 import importlib
 import math
 import re
+from dataclasses import replace
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -148,10 +150,12 @@ def test_split_partials_match_numpy(page_size, group, sq):
                                                             D ** -0.5), **O_TOL)
 
 
-def test_a_key_that_dominates_after_the_first_tile_rescales_the_output():
+@pytest.mark.parametrize("lazy_rescale", [True, False])
+def test_a_key_that_dominates_after_the_first_tile_rescales_the_output(lazy_rescale):
     """One CTA walks five tiles, and a key of tile 2 scores ~160 log2 units above every key
     before it for query head 0: the row's running max, sum and O must move to it (against the
-    old max its probability would overflow f32), and match the float64 reference."""
+    old max its probability would overflow f32), and match the float64 reference. With
+    ``lazy_rescale`` only that tile's vote moves the max."""
     rng = np.random.default_rng()
     q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 1, 4, 1, 16, [5 * BN])
     head = q[0, 0, 0].astype(np.float64)
@@ -163,7 +167,8 @@ def test_a_key_that_dominates_after_the_first_tile_rescales_the_output():
     jump = kc[table[0, key // 16], key % 16, 0].astype(np.float64) @ head * unit - before
     assert jump > 128  # 2**128 is inf in f32
 
-    got = decode(q, kc, vc, table, seq_lens, num_splits=1, backend="interpret")
+    config = replace(default_config(4, D, 16), lazy_rescale=lazy_rescale)
+    got = decode(q, kc, vc, table, seq_lens, num_splits=1, config=config, backend="interpret")
     np.testing.assert_allclose(_merge(*got), _reference_attention(q, kc, vc, table, seq_lens,
                                                                   D ** -0.5), **O_TOL)
 
@@ -224,6 +229,10 @@ def test_bad_inputs_raise_kiln_errors():
         decode(q, kc[:, :12], vc[:, :12], table, seq_lens, backend="interpret")
     with pytest.raises(kiln.KilnTypeError, match="bf16"):
         decode(q.astype(np.float32), kc, vc, table, seq_lens, backend="interpret")
+    for scale in (0.0, -0.1):
+        with pytest.raises(kiln.KilnValueError, match="must be positive") as error:
+            decode(q, kc, vc, table, seq_lens, scale=scale, backend="interpret")
+        assert error.value.loc.filename == __file__
 
 
 def test_default_num_splits():
@@ -345,6 +354,7 @@ def test_warp_groups_widen_a_cta_within_the_accumulator_budget():
     assert DecodeConfig(num_warps=8).keys_per_warp(2) == 16
     assert default_config(32, 128) == DecodeConfig(num_warps=8)  # two groups of 4 warps
     assert default_config(8, 128) == default_config(32, 64) == DecodeConfig()
+    assert not default_config(8, 256).lazy_rescale  # the lazy branch spills at D = 256
 
 
 def test_eight_warps_on_64_key_tiles_serve_two_groups():
@@ -863,5 +873,5 @@ def test_fused_merge_accumulates_with_fma():
     ptx = compile_decode(target="sm_90a", head_dim=128, group=8, sq=4,
                          fused_slots=16).asm["ptx"]
     merge = ptx[ptx.rindex("atom.global"):]  # after the last ticket
-    assert merge.count("fma.rn.f32") >= 16 * 16
-    assert merge.count("mul.rn.f32") < 16 * 16 // 4
+    assert merge.count("fma.rn.ftz.f32") >= 16 * 16  # the kernel flushes f32 denormals
+    assert merge.count("mul.rn.ftz.f32") < 16 * 16 // 4

@@ -33,7 +33,7 @@ GPU the call launches on (``DEFAULT_SMS`` when interpreted).
 | load q | each lane | its A fragments of its group's packed q rows, straight from global memory into registers as 32-bit bf16 pairs (zero padding rows) |
 | load | warp 0, one elected lane issues | tile ``t + stages - 1``: ``PagedRowIndices.populate`` (the page look-up, before the wait; the prologue's ``stages`` tiles are looked up together), wait ``empty[s]`` (tile ``t - 1`` released by every thread), one TMA per page and 64-column half of K and V (128-byte swizzled boxes) completing on ``full[s]`` |
 | scores | each warp | its key slice: ``S = Q K^T`` with ``mma.sync`` m16n8k16: Q A-fragments of its group's m tiles (kept in registers), K B-fragments (``ldmatrix.x4``) |
-| softmax | each warp | base-2 streaming update, ``scale * log2 e`` applied to S in f32; row max over the 4 lanes of a row, row sums kept per lane until the end |
+| softmax | each warp | base-2 streaming update, ``scale * log2 e`` folded into the exp2's FMA; with ``DecodeConfig.lazy_rescale`` (default below D 256) a row's max moves, and O is rescaled, only on a tile where a score passed it by 2^8 (one ``vote.any``), else the row max over the 4 lanes of a row every tile; row sums kept per lane until the end; f32 denormals flushed (one MUFU op an exp2) |
 | P·V | each warp | P's accumulators, cast to bf16, are the A fragments (two n8 accumulators = one k16 A); V B-fragments by ``ldmatrix.x4.trans`` |
 | release | every thread | arrive on ``empty[s]`` |
 | merge | all | per row, the ``(m, l, O)`` of its group's warps through shared memory (the ring reused as f32), then ``O / l``, ``LSE = (m + log2 l) * ln 2`` (sinks join here); split 0 writes ``split_counts`` |
@@ -116,6 +116,12 @@ CONSUMERS = ("mma_sync", "wgmma")  # DecodeConfig.consumer: which tensor-core in
 # (batch 1, 16k, H200) and 250 vs 361 us at batch 16; at 32 rows half of it is padding, and
 # mma.sync stayed 0.4-1 us faster (bench/RESULTS.md, session 15).
 WGMMA_MIN_ROWS = 33
+# log2 units a score may pass its row's running max before the mma.sync consumer rescales
+# (DecodeConfig.lazy_rescale): P then stays at most 2^8, far from overflow in bf16 and f32.
+LAZY_RESCALE_THRESHOLD = 8.0
+# Head dims whose default rescales every tile: at D = 256 the branch around O's rescale took the
+# spills from 84 to 340 bytes a thread (sm_90a).
+EAGER_RESCALE_HEAD_DIMS = (256,)
 MAX_UNROLLED_PAGES = 1  # more pages per tile are looked up in a run-time loop, not unrolled
 # f32 accumulators (O and S) a lane may hold when warp groups widen its key slice: D=128
 # with 32 keys holds 80 (173 registers); D=64 with two m tiles and 32 keys held 96 (231).
@@ -175,12 +181,19 @@ class DecodeConfig:
     - ``"wgmma"``: one warp group (4 warps) serves 64 packed rows with ``wgmma m64nNk16``, every
       key of a tile, O in its registers (no merge between warps); D <= 128, pages of >= 8 rows.
 
+    ``lazy_rescale`` (the mma.sync consumer): a warp moves its rows' running maxima, and
+    rescales its O and sums, only on a tile where one of its scores passed its row's max by
+    ``LAZY_RESCALE_THRESHOLD`` (a ``vote.any``); on every other tile P = 2^(s - stale max)
+    <= 2^8, with no cross-lane max and no O multiply (about 40% fewer instructions a tile at
+    Sq 4 x GQA 8, D 128). False: every tile takes the max first.
+
     Example: ``DecodeConfig(block_n=128, stages=2)``, ``DecodeConfig(consumer="wgmma")``."""
 
     block_n: int = 64
     stages: int = 3
     num_warps: int = 4
     consumer: str = "mma_sync"
+    lazy_rescale: bool = True
 
     def __post_init__(self):
         if self.consumer not in CONSUMERS:
@@ -265,7 +278,8 @@ def default_config(packed_rows: int, head_dim: int, page_size: int = 64, *,
       (``block_n`` is its block size, so it stays 64).
     - Otherwise ``mma.sync``: 64-key tiles, 3 stages, and 8 warps where the rows take two warp
       groups (each warp then attends 16 keys of a tile, not 32: 2-5% faster at Sq 4 x GQA 8,
-      D 128 on an H200), else 4.
+      D 128 on an H200), else 4; the lazy rescale except at D 256
+      (``EAGER_RESCALE_HEAD_DIMS``).
 
     Example: ``default_config(32, 128).num_warps == 8``, ``default_config(8, 128).num_warps
     == 4``, ``default_config(64, 128).consumer == "wgmma"``."""
@@ -275,7 +289,8 @@ def default_config(packed_rows: int, head_dim: int, page_size: int = 64, *,
             return DecodeConfig(consumer="wgmma", stages=4)
         return DecodeConfig(consumer="wgmma", block_n=128)
     two_groups = DecodeConfig().warp_groups(packed_rows, head_dim) == 2
-    return DecodeConfig(num_warps=8 if two_groups else 4)
+    return DecodeConfig(num_warps=8 if two_groups else 4,
+                        lazy_rescale=head_dim not in EAGER_RESCALE_HEAD_DIMS)
 
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -567,7 +582,8 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
         f"paged_decode_d{D}_g{group}_q{q_rows}_p{page_size}{'_sparse' if block_sparse else ''}"
         f"{'_sinks' if has_sinks else ''}{f'_fused{fused_slots}' if fused_slots else ''}"
         f"{f'x{merge_slices}' if merge_slices > 1 else ''}")
-    return kiln.kernel(paged_decode)
+    # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
+    return kiln.kernel(paged_decode, flush_denormals=True)
 
 
 def _load_q_fragments(q, b, q_first, kv_head, warp_row0, lane, shape):
@@ -665,33 +681,45 @@ def _attend(kv_s, q_frags, kv_row, first_key, lane, key_limit, seq_len, scale_lo
                 s[i][j] = atom(a, k_frags[j], s[i][j])
 
     # Accumulator element e of key atom j: key first_key + 8j + 2(lane % 4) + e % 2, row half
-    # e // 2 (rows lane // 4 and lane // 4 + 8).
+    # e // 2 (rows lane // 4 and lane // 4 + 8). State index 2i + half: m tile i, row half.
     col = first_key + 2 * (lane % 4)
-    new_m, new_l, p16 = [], [], []
+    raw, lane_max = [], []
     for i in kiln.static_range(MT):
         limits = kiln.pack([key_limit[2 * i], key_limit[2 * i],
                             key_limit[2 * i + 1], key_limit[2 * i + 1]])
-        scaled = []
+        raw.append([])
         for j in kiln.static_range(keys // 8):
-            x = s[i][j] * scale_log2
+            x = s[i][j]
             if masked:
                 key = kiln.pack([col + 8 * j, col + 8 * j + 1, col + 8 * j, col + 8 * j + 1])
                 x = kiln.where(key <= limits, x, -math.inf)
-            scaled.append(kiln.unpack(x))
-        alphas, safes = [], []
+            raw[i].append(x)
         for half in kiln.static_range(2):
-            row_max = scaled[0][2 * half]
-            for j in kiln.static_range(keys // 8):
-                for e in kiln.static_range(2):
-                    row_max = kiln.maximum(row_max, scaled[j][2 * half + e])
-            m_next, m_safe, alpha = _advance_row_max(m[2 * i + half], row_max)
-            alphas.append(alpha)
-            safes.append(m_safe)
-            new_m.append(m_next)
-        shift = kiln.pack([safes[0], safes[0], safes[1], safes[1]])
-        probs = [kiln.exp2(kiln.pack(x) - shift) for x in scaled]
+            top = kiln.unpack(raw[i][0])[2 * half]
+            for x in raw[i]:
+                parts = kiln.unpack(x)
+                top = kiln.maximum(top, kiln.maximum(parts[2 * half], parts[2 * half + 1]))
+            lane_max.append(top * scale_log2)  # the scale is positive: max commutes with it
+    if shape.config.lazy_rescale:
+        # The row maxima are reduced, and O and l rescaled, only when a score of the warp
+        # passed its row's max by LAZY_RESCALE_THRESHOLD: otherwise P = 2^(x - stale max)
+        # stays below 2^threshold and the tile costs no shuffle and no O multiply.
+        grew = lane_max[0] > m[0] + LAZY_RESCALE_THRESHOLD
+        for k in range(1, 2 * MT):
+            grew = grew | (lane_max[k] > m[k] + LAZY_RESCALE_THRESHOLD)
+        if kiln.shuffle.any_lane(grew):
+            m, l, o = _rescale_to_tile_max(m, l, o, lane_max)
+    else:
+        m, l, o = _rescale_to_tile_max(m, l, o, lane_max)
+    # A row with no key yet keeps m = -inf; shifting by 0 instead avoids inf - inf.
+    shifts = [kiln.where(x == -math.inf, 0.0, x) for x in m]
+    new_l, p16 = [], []
+    for i in kiln.static_range(MT):
+        shift = kiln.pack([-shifts[2 * i], -shifts[2 * i], -shifts[2 * i + 1],
+                           -shifts[2 * i + 1]])
+        probs = [kiln.exp2(kiln.fma(x, scale_log2, shift)) for x in raw[i]]
         for half in kiln.static_range(2):
-            total = l[2 * i + half] * alphas[half]
+            total = l[2 * i + half]
             for pj in probs:
                 parts = kiln.unpack(pj)
                 total = total + parts[2 * half] + parts[2 * half + 1]
@@ -699,8 +727,6 @@ def _attend(kv_s, q_frags, kv_row, first_key, lane, key_limit, seq_len, scale_lo
         # Two n8 accumulators (keys 16k.., 16k+8..) are one k16 A fragment of P.
         p16.append([kiln.cast(kiln.pack(kiln.unpack(probs[2 * k]) + kiln.unpack(probs[2 * k + 1])),
                               kiln.bf16) for k in range(keys // 16)])
-        scale_o = kiln.pack([alphas[0], alphas[0], alphas[1], alphas[1]])
-        o[i] = [acc * scale_o for acc in o[i]]
 
     for k in kiln.static_range(keys // 16):
         if masked:
@@ -717,7 +743,7 @@ def _attend(kv_s, q_frags, kv_row, first_key, lane, key_limit, seq_len, scale_lo
                     v = kiln.where(v_live, v, 0.0)
                 for i in kiln.static_range(MT):
                     o[i][2 * nn + half] = atom(p16[i][k], v, o[i][2 * nn + half])
-    return new_m, new_l, o
+    return m, new_l, o
 
 
 ZERO_ROWS_BARRIER = 1  # named barrier: V rows past the sequence zeroed before the PV product
@@ -823,6 +849,24 @@ def _advance_row_max(m, lane_max):
     m_next = kiln.maximum(m, kiln.shuffle.butterfly_reduce(lane_max, (1, 2), kiln.maximum))
     m_safe = kiln.where(m_next == -math.inf, 0.0, m_next)
     return m_next, m_safe, kiln.exp2(m - m_safe)
+
+
+@kiln.func
+def _rescale_to_tile_max(m, l, o, lane_max):
+    """The mma.sync consumer's states moved to the maxima of a tile whose scaled scores each
+    lane saw up to ``lane_max[2 i + half]``: every row's max reduced over its thread quad,
+    and its ``l`` and O rows rescaled to it. Returns ``(m, l, o)``."""
+    new_m, new_l, new_o = [], [], []
+    for i in kiln.static_range(len(o)):
+        alphas = []
+        for half in kiln.static_range(2):
+            m_next, _, alpha = _advance_row_max(m[2 * i + half], lane_max[2 * i + half])
+            new_m.append(m_next)
+            new_l.append(l[2 * i + half] * alpha)
+            alphas.append(alpha)
+        scale_o = kiln.pack([alphas[0], alphas[0], alphas[1], alphas[1]])
+        new_o.append([acc * scale_o for acc in o[i]])
+    return new_m, new_l, new_o
 
 
 def _add(a, b):
@@ -1379,6 +1423,9 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
     B, Sq, Hq, D = q.shape
     num_pages, page_size, Hkv, Dk = k_cache.shape
     _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks)
+    if scale is not None and not scale > 0:  # the kernel takes row maxima of unscaled scores
+        raise kiln.KilnValueError(f"scale={scale!r} must be positive",
+                                  fix="pass a positive softmax scale, or None for 1/sqrt(D)")
     group = Hq // Hkv
     q_rows = 1 if block_table is not None else Sq
     config = config or default_config(q_rows * group, D, page_size,
