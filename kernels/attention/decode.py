@@ -119,9 +119,9 @@ WGMMA_MIN_ROWS = 33
 # log2 units a score may pass its row's running max before the mma.sync consumer rescales
 # (DecodeConfig.lazy_rescale): P then stays at most 2^8, far from overflow in bf16 and f32.
 LAZY_RESCALE_THRESHOLD = 8.0
-# Head dims whose default rescales every tile: at D = 256 the branch around O's rescale took the
-# spills from 84 to 340 bytes a thread (sm_90a).
-EAGER_RESCALE_HEAD_DIMS = (256,)
+# Head dims whose default is the lazy rescale (as the prefill's LAZY_RESCALE_HEAD_DIMS): at
+# D = 256 the branch around O's rescale took the spills from 84 to 340 bytes a thread (sm_90a).
+LAZY_RESCALE_HEAD_DIMS = (64, 128)
 MAX_UNROLLED_PAGES = 1  # more pages per tile are looked up in a run-time loop, not unrolled
 # f32 accumulators (O and S) a lane may hold when warp groups widen its key slice: D=128
 # with 32 keys holds 80 (173 registers); D=64 with two m tiles and 32 keys held 96 (231).
@@ -278,8 +278,8 @@ def default_config(packed_rows: int, head_dim: int, page_size: int = 64, *,
       (``block_n`` is its block size, so it stays 64).
     - Otherwise ``mma.sync``: 64-key tiles, 3 stages, and 8 warps where the rows take two warp
       groups (each warp then attends 16 keys of a tile, not 32: 2-5% faster at Sq 4 x GQA 8,
-      D 128 on an H200), else 4; the lazy rescale except at D 256
-      (``EAGER_RESCALE_HEAD_DIMS``).
+      D 128 on an H200), else 4; the lazy rescale at D 64 and 128
+      (``LAZY_RESCALE_HEAD_DIMS``).
 
     Example: ``default_config(32, 128).num_warps == 8``, ``default_config(8, 128).num_warps
     == 4``, ``default_config(64, 128).consumer == "wgmma"``."""
@@ -290,7 +290,7 @@ def default_config(packed_rows: int, head_dim: int, page_size: int = 64, *,
         return DecodeConfig(consumer="wgmma", block_n=128)
     two_groups = DecodeConfig().warp_groups(packed_rows, head_dim) == 2
     return DecodeConfig(num_warps=8 if two_groups else 4,
-                        lazy_rescale=head_dim not in EAGER_RESCALE_HEAD_DIMS)
+                        lazy_rescale=head_dim in LAZY_RESCALE_HEAD_DIMS)
 
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
