@@ -17,9 +17,10 @@ tensor's index order).
 from __future__ import annotations
 
 import math
+import re
 
 from mlir import ir
-from mlir.dialects import arith, llvm, nvgpu, nvvm
+from mlir.dialects import arith, builtin, llvm, nvgpu, nvvm
 
 from .dtypes import dtype as as_dtype
 from .errors import KilnTypeError, KilnValueError
@@ -167,6 +168,27 @@ def store(src, tensor_map, coords, *, predicate=None) -> None:
     src_value = _shared_tile(src, "TMA store source")
     nvgpu.tma_async_store(src_value, ir_value(tensor_map, "tensor map"),
                           _coords(coords, src_value.type.rank), predicate=as_predicate(predicate))
+
+
+def prefetch(tensor_map, coords) -> None:
+    """Prefetch the box at ``coords`` (innermost first) into L2
+    (``cp.async.bulk.prefetch.tensor``): no shared memory, no barrier, no completion to wait
+    for; a later :func:`load` of the box reads it from L2. A prefetch changes no value a
+    thread can see, so a kernel may issue one before
+    :func:`kiln.nvidia_asm.grid_dependency_wait`, while the kernel before it still runs.
+
+    Example: ``kiln.tma.prefetch(k_map, (0, row))``.
+    """
+    require_feature("has_tma", "kiln.tma.prefetch")
+    desc = ir_value(tensor_map, "tensor map")
+    box = re.search(r"memref<([0-9x]+)x", str(desc.type))
+    rank = box.group(1).count("x") + 1 if box else 0
+    i32 = ir.IntegerType.get_signless(32)
+    coord_values = [arith.index_cast(i32, c) for c in _coords(coords, rank)]
+    # NVVM's prefetch takes the descriptor as the pointer that convert-nvgpu-to-nvvm makes of
+    # it; the cast is reconciled away once the descriptor type is converted.
+    pointer = builtin.unrealized_conversion_cast([llvm.PointerType.get()], [desc])
+    nvvm.cp_async_bulk_tensor_prefetch(pointer, coord_values, [])
 
 
 def prefetch_descriptor(tensor_map, *, predicate=None) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 import kiln
 from kiln.kernels.attention.decode import (DecodeConfig, decode, default_config,
-                                           default_num_splits)
+                                           default_num_splits, early_launch_tiles)
 
 from attention_reference import attention_reference
 
@@ -233,6 +233,48 @@ def test_bad_inputs_raise_kiln_errors():
         with pytest.raises(kiln.KilnValueError, match="must be positive") as error:
             decode(q, kc, vc, table, seq_lens, scale=scale, backend="interpret")
         assert error.value.loc.filename == __file__
+
+
+def test_early_launch_is_chosen_by_the_tiles_a_split_holds():
+    config = DecodeConfig()
+    assert early_launch_tiles(config, 128, 64, 16384, 16) == 6  # 16 tiles a split, 192 KB
+    assert early_launch_tiles(config, 128, 64, 4096, 4) == 6
+    assert early_launch_tiles(config, 128, 64, 65536, 16) == 6  # 64 tiles a split
+    assert early_launch_tiles(config, 64, 64, 1024, 2) == 8  # 12 tiles of 16 KB; the split's 8
+    assert early_launch_tiles(config, 256, 128, 16384, 16) == 3  # 64 KB tiles
+    assert early_launch_tiles(config, 128, 64, 4096, 16) == 0  # 4 tiles: over before it helps
+    assert early_launch_tiles(config, 128, 64, 16384, 1) == 0  # 256 tiles: the launch costs
+    assert early_launch_tiles(config, 128, 16, 16384, 16) == 0  # 4 pages a tile
+
+
+def test_early_launch_reads_the_split_through_the_interpreter():
+    """A split of 8 tiles prefetches its pages before the grid-dependency wait (the
+    interpreter runs the page look-ups and skips the prefetch) and still matches numpy."""
+    rng = np.random.default_rng()
+    q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 1, 4, 1, 64, [16 * BN - 5])
+    plan = decode_module._plan(q, kc, vc, table, seq_lens, 2, None, None, None, None,
+                               "interpret", None, fused=False)
+    assert plan.kernel.__name__.endswith("_pf8")
+    got = decode(q, kc, vc, table, seq_lens, num_splits=2, backend="interpret")
+    want = _reference_splits(q, kc, vc, table, seq_lens, 2, D ** -0.5)
+    _check_partials(got, want, want[2])
+
+
+def test_early_launch_prefetches_before_the_wait_and_lets_the_next_kernel_start_after_it():
+    def ops(prefetch_tiles):
+        ck = decode_module.compile_decode(target="sm_90a", sq=4, fused_slots=16, merge_slices=4,
+                                          prefetch_tiles=prefetch_tiles)
+        return re.findall(r"nvvm\.(cp\.async\.bulk\.tensor\.prefetch|griddepcontrol +\w+)",
+                          ck.asm["kiln"])
+
+    order = [" ".join(op.split()) for op in ops(6)]
+    assert order.count("cp.async.bulk.tensor.prefetch") == 6 * 2 * 2  # tiles x K, V x halves
+    wait = order.index("griddepcontrol wait")
+    assert set(order[:wait]) == {"cp.async.bulk.tensor.prefetch"}
+    assert order[wait + 1:] == ["griddepcontrol launch_dependents"]
+    assert [" ".join(op.split()) for op in ops(0)] == ["griddepcontrol wait"]
+    with pytest.raises(kiln.UnsupportedError, match="one page a tile"):
+        decode_module.compile_decode(target="sm_90a", page_size=16, prefetch_tiles=2)
 
 
 def test_default_num_splits():
@@ -529,9 +571,9 @@ def test_decode_matches_torch(page_size, group, sq):
         torch.testing.assert_close(out[b].float().transpose(0, 1), ref, atol=2e-2, rtol=2e-2)
 
 
-def _small_cuda_problem(torch):
+def _small_cuda_problem(torch, page=16, L=100):
     """q, a K cache (also used as V), page table and lengths of one small CUDA decode call."""
-    B, Sq, Hkv, group, page, L = 1, 1, 1, 4, 16, 100
+    B, Sq, Hkv, group = 1, 1, 1, 4
     pages = -(-L // page)
     kc = torch.randn(pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16)
     table = torch.arange(pages, device="cuda", dtype=torch.int32).view(B, pages)
@@ -540,25 +582,33 @@ def _small_cuda_problem(torch):
 
 
 @pytest.mark.gpu
-def test_calls_wait_for_the_kernels_queued_before_them():
+@pytest.mark.parametrize("page,length,num_splits", [(16, 100, None), (64, 16 * 64, 2)])
+def test_calls_wait_for_the_kernels_queued_before_them(page, length, num_splits):
     """The split kernel may start while the previous kernel on the stream runs (programmatic
     dependent launch); its reads must still see what that kernel wrote. Each round rewrites q
-    and the cache in place with torch kernels right before the decode call, and nothing
-    synchronises until every round is queued."""
+    and the cache in place with torch kernels right before two back-to-back decode calls, and
+    nothing synchronises until every round is queued. With 8 tiles a split (the second case)
+    each call prefetches before its wait and lets the next call launch early, so the second
+    call of a round starts while the first still merges."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from kiln.kernels.attention.decode import decode_attention
 
-    q, kc, table, seq_lens = _small_cuda_problem(torch)
+    q, kc, table, seq_lens = _small_cuda_problem(torch, page, length)
     L, group = int(seq_lens[0]), q.shape[2] // kc.shape[2]
+    plan = decode_module._plan(q, kc, kc, table, seq_lens, num_splits, None, None, None, None,
+                               None, None, fused=None)
+    assert plan.kernel.__name__.endswith("_pf8") == (num_splits is not None)
     inputs, outputs = [], []
     for round_ in range(4):
         q.mul_(-1.5)
         kc.add_(0.25 * (round_ + 1))
-        inputs.append((q.clone(), kc.clone()))
-        out, _ = decode_attention(q, kc, kc, table, seq_lens)
-        outputs.append(out.clone())
+        then = (q.clone(), kc.clone())
+        pair = [decode_attention(q, kc, kc, table, seq_lens, num_splits=num_splits)[0]
+                for _ in range(2)]  # fresh outputs, queued back to back
+        inputs += [then, then]
+        outputs += pair
     torch.cuda.synchronize()
     for (q_then, kc_then), out in zip(inputs, outputs):
         keys = kc_then.reshape(-1, kc.shape[2], D)[:L].float()  # pages 0.. in order, [L, Hkv, D]

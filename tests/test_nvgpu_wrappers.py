@@ -178,6 +178,21 @@ def test_tma_load_store_prefetch_ops_and_ptx():
     assert "cp.async.bulk.commit_group" in ptx and "cp.async.bulk.wait_group.read 0" in ptx
 
 
+def test_tma_prefetch_is_an_l2_tensor_prefetch():
+    with kernel(pointer) as k:
+        desc = tma.descriptor_from_pointer(k.args[0], kiln.bf16, (64, 64), 128)
+        tma.prefetch(desc, (64, gpu.thread_id(gpu.Dimension.x)))
+    assert "nvvm.cp.async.bulk.tensor.prefetch" in k.text
+    assert re.search(r"cp.async.bulk.prefetch.tensor.2d.L2.global.tile \[%rd\d+, \{%r\d+, %r\d+\}\]",
+                     k.ptx())
+
+
+def test_tma_prefetch_needs_one_coordinate_a_box_dimension():
+    with pytest.raises(kiln.KilnValueError, match="needs 2 coordinates"), \
+            kernel(pointer) as k:
+        tma.prefetch(tma.descriptor_from_pointer(k.args[0], kiln.bf16, (64, 64), 128), (0,))
+
+
 def test_tma_multicast_mask():
     with kernel(pointer, shared_tile()) as k:
         desc = tma.descriptor_from_pointer(k.args[0], kiln.bf16, (64, 64), 128)

@@ -30,6 +30,7 @@ GPU the call launches on (``DEFAULT_SMS`` when interpreted).
 
 | phase | who | what |
 | --- | --- | --- |
+| prefetch (early launch only) | the last warp's first lane | before the grid-dependency wait, TMA prefetches into L2 of the K and V of the split's first tiles (``PREFETCH_BYTES``); after the wait, ``launch_dependents`` |
 | load q | each lane | its A fragments of its group's packed q rows, straight from global memory into registers as 32-bit bf16 pairs (zero padding rows) |
 | load | warp 0, one elected lane issues | tile ``t + stages - 1``: ``PagedRowIndices.populate`` (the page look-up, before the wait; the prologue's ``stages`` tiles are looked up together), wait ``empty[s]`` (tile ``t - 1`` released by every thread), one TMA per page and 64-column half of K and V (128-byte swizzled boxes) completing on ``full[s]`` |
 | scores | each warp | its key slice: ``S = Q K^T`` with ``mma.sync`` m16n8k16: Q A-fragments of its group's m tiles (kept in registers), K B-fragments (``ldmatrix.x4``) |
@@ -78,7 +79,12 @@ each thread's wait on ``full[s]``, so no phase is reused while a waiter may stil
 Launch: programmatic dependent launch (``grid_dependency_wait`` right after the mbarrier
 set-up, before any global memory access), so a call's CTAs start while the previous kernel on
 the stream finishes; each CTA asks for ``MIN_SHARED_BYTES`` of shared memory, so no two share
-an SM.
+an SM. Early launch (where :func:`early_launch_tiles` finds splits of 8-64 tiles, one page a
+tile): before the wait the last warp's first lane prefetches the K and V of its split's first
+tiles into L2 (TMA prefetches; the seq_lens and page-table reads that aim them may see stale
+values, which only misaims a prefetch), and after the wait it lets the next kernel on the
+stream launch. Back-to-back calls then overlap: the next call's CTAs start on the SMs that
+this call's non-merging CTAs free and fill L2 while the merge runs, when HBM would idle.
 """
 
 from __future__ import annotations
@@ -148,6 +154,16 @@ ARRIVED, PUBLISHED = 0, 1
 # ones run; where two fit on an SM, some landed on the same one and that SM streamed twice the
 # bytes (batch 4, 16k, Sq 1: 64.9 -> 70.5 us on an H200).
 MIN_SHARED_BYTES = 116 * 1024
+# Early launch (make_kernel's prefetch_tiles): splits of EARLY_LAUNCH_TILES tiles prefetch
+# their first PREFETCH_BYTES of K and V into L2 before the grid-dependency wait and let the
+# next kernel launch right after it, so back-to-back calls overlap one call's merge (~3.5 us
+# in which HBM idles) with the next call's first loads. On an H200 that took 0.5-2.0 us off
+# the batch 1-16 shapes of 16-64 tiles a split (b1 16k Sq 4: 21.67 -> 20.06 us, Sq 1: 19.92
+# -> 18.14; b4 4k Sq 4: 21.20 -> 19.65), but cost 0.3 us at 4 tiles a split (b1 4k: the call
+# is over before its prefetch is) and 3.5 us at 256 (b16 16k: the early launch alone cost
+# about 1.4%).
+EARLY_LAUNCH_TILES = range(8, 65)
+PREFETCH_BYTES = 192 * 1024  # 6 tiles at D 128: 5 and 8 were within 0.2 us of it
 # L2 priority of the K/V copies: a decode step reads each cache line once, so those lines go
 # first, not the small data every CTA shares (page table, seq_lens, q, partials). Measured on
 # an H200: 0.5-1.5 us less per call (about 1 us at most shapes), also with inputs rotated so
@@ -374,14 +390,21 @@ class _Shape:
 @functools.lru_cache(maxsize=None)
 def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sparse: bool,
                 has_sinks: bool, config: DecodeConfig = DecodeConfig(), fused_slots: int = 0,
-                merge_slices: int = 1):
+                merge_slices: int = 1, prefetch_tiles: int = 0):
     """The ``@kiln.kernel`` for one shape class: ``q_rows`` query tokens per CTA (``Sq``, or 1
     when block-sparse) times ``group`` query heads per KV head. ``fused_slots > 0``: the
     grid has that many splits and the last CTA of each (batch, KV head, row block) to finish
     merges them all into ``o_out`` / ``lse_out``; ``merge_slices > 1``: the last that many
     CTAs share that merge, each taking a slice of the columns (see :func:`_combine_if_last`;
-    GPU only, the interpreter cannot run the wait)."""
+    GPU only, the interpreter cannot run the wait). ``prefetch_tiles > 0``: early launch (see
+    :func:`early_launch_tiles`): before its grid-dependency wait each CTA prefetches the K and
+    V of its split's first ``prefetch_tiles`` tiles into L2, and after it lets the next kernel
+    on the stream launch."""
     config.check_rows(q_rows * group, head_dim)
+    if prefetch_tiles and (block_sparse or page_size < config.block_n):
+        raise kiln.UnsupportedError(
+            f"prefetch_tiles={prefetch_tiles} needs one page a tile (page_size >= block_n) and "
+            "no block table", fix="pass prefetch_tiles=0")
     shape = _Shape(head_dim, group, q_rows, page_size, config)
     D, S = head_dim, config.stages
     packed, ROWS, MT, RB = shape.packed, shape.rows, shape.m_tiles, shape.row_blocks
@@ -417,10 +440,22 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
         # Programmatic dependent launch: the CTA may start while the previous kernel on the
-        # stream finishes (which calls no launch_dependents: triggering after the main loop
-        # was 0.2-0.5 us slower on an H200). Its shared-memory set-up is done; everything
-        # after reads or writes global memory, so it waits for that kernel here.
+        # stream finishes. Its shared-memory set-up is done; everything after reads or writes
+        # global memory, so it waits for that kernel here. With early launch, the last warp's
+        # first lane first prefetches the split's first tiles into L2 (it also reads seq_lens
+        # and the page table, which that kernel may still write: a stale value only wastes a
+        # prefetch), and after the wait lets the next kernel's CTAs start on the SMs this
+        # grid frees, so that they prefetch during this grid's merge.
+        early_lane = (warp == config.num_warps - 1) & (lane == 0)
+        if prefetch_tiles:
+            if early_lane:
+                _prefetch_split_start(k_map, v_map, page_table, seq_lens, num_splits,
+                                      kiln.block_id(0), kiln.block_id(2),
+                                      (kiln.block_id(1) // RB) * D, prefetch_tiles, shape)
         nvidia_asm.grid_dependency_wait()
+        if prefetch_tiles:
+            if early_lane:
+                nvidia_asm.launch_dependents()
         # The descriptors' fetch overlaps the seq_len -> page table look-ups, not the first
         # TMA (0.1-0.3 us at batch 1 on an H200).
         kiln.tma.prefetch_descriptor(k_map, predicate=producer)
@@ -437,15 +472,12 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
             b = kiln.block_id(2)
             q_first = 0
         seq_len = seq_lens[b]
-        tiles_total = (seq_len + config.block_n - 1) // config.block_n
-        tiles_per_split = kiln.maximum((tiles_total + num_splits - 1) // num_splits, 1)
+        tiles_total, tiles_per_split, tile_begin, tile_end = _split_tiles(
+            seq_len, num_splits, split, config.block_n)
         if block_sparse:
             block = block_table[b, q_first, kv_head, split]
             tile_begin = kiln.maximum(block, 0)
             tile_end = kiln.where(block >= 0, kiln.minimum(block + 1, tiles_total), 0)
-        else:
-            tile_begin = split * tiles_per_split
-            tile_end = kiln.minimum(tile_begin + tiles_per_split, tiles_total)
         num_tiles = kiln.maximum(tile_end - tile_begin, 0)
 
         # The warp's Q A fragments stay in registers for the whole split, loaded straight from
@@ -581,9 +613,41 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
     paged_decode.__name__ = paged_decode.__qualname__ = (
         f"paged_decode_d{D}_g{group}_q{q_rows}_p{page_size}{'_sparse' if block_sparse else ''}"
         f"{'_sinks' if has_sinks else ''}{f'_fused{fused_slots}' if fused_slots else ''}"
-        f"{f'x{merge_slices}' if merge_slices > 1 else ''}")
+        f"{f'x{merge_slices}' if merge_slices > 1 else ''}"
+        f"{f'_pf{prefetch_tiles}' if prefetch_tiles else ''}")
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(paged_decode, flush_denormals=True)
+
+
+def _split_tiles(seq_len, num_splits, split, block_n):
+    """``(tiles_total, tiles_per_split, tile_begin, tile_end)``: a sequence of ``seq_len``
+    keys in ``block_n``-key tiles, split evenly (every split at least one tile), and the
+    range of split ``split``."""
+    tiles_total = (seq_len + block_n - 1) // block_n
+    tiles_per_split = kiln.maximum((tiles_total + num_splits - 1) // num_splits, 1)
+    tile_begin = split * tiles_per_split
+    return (tiles_total, tiles_per_split, tile_begin,
+            kiln.minimum(tile_begin + tiles_per_split, tiles_total))
+
+
+@kiln.func
+def _prefetch_split_start(k_map, v_map, page_table, seq_lens, num_splits, split, b, column,
+                          tiles, shape):
+    """TMA prefetches into L2 of K's and V's boxes of split ``split``'s first ``tiles`` tiles
+    (one page a tile). Its page look-ups go out together, clamped to the page table, so a
+    stale ``seq_lens`` entry only aims the prefetches wrong."""
+    BN, page_size = shape.config.block_n, shape.page_size
+    _, _, tile_begin, tile_end = _split_tiles(seq_lens[b], num_splits, split, BN)
+    rows = []
+    for t in kiln.static_range(tiles):
+        key = (tile_begin + t) * BN
+        page = kiln.minimum(key // page_size, page_table.shape[1] - 1)
+        rows.append(page_table[b, page] * page_size + key % page_size)
+    for t in kiln.static_range(tiles):
+        if tile_begin + t < tile_end:
+            for h in kiln.static_range(shape.halves):
+                kiln.tma.prefetch(k_map, (column + h * HALF, rows[t]))
+                kiln.tma.prefetch(v_map, (column + h * HALF, rows[t]))
 
 
 def _load_q_fragments(q, b, q_first, kv_head, warp_row0, lane, shape):
@@ -1453,8 +1517,11 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
     # The slices split D, so their count is a power of two, and at most one slice a split.
     merge_slices = min(MERGE_SLICES, 1 << (int(slots).bit_length() - 1)) \
         if fused and backend != "interpret" and rows >= MERGE_HELPER_MIN_ROWS else 1
+    prefetch_tiles = 0 if block_table is not None else early_launch_tiles(
+        config, D, page_size, page_table.shape[1] * page_size, int(slots))
     kernel = make_kernel(D, group, q_rows, page_size, block_table is not None,
-                         sinks is not None, config, int(slots) if fused else 0, merge_slices)
+                         sinks is not None, config, int(slots) if fused else 0, merge_slices,
+                         prefetch_tiles)
     return _DecodePlan(kernel=kernel, chip=_target(target), grid=grid,
                        num_warps=config.num_warps, slots=int(slots),
                        partial_shape=(slots, B, Sq, Hq, D), cache_rows=num_pages * page_size,
@@ -1465,6 +1532,22 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
                        no_outputs=(lib.full((1, 1, 1, 1), 0.0, "bf16"),
                                    lib.full((1, 1, 1), 0.0, "f32"), lib.full((1, 1, 2), 0, "i64")),
                        fused=bool(fused), device=lib.device if lib.torch else None)
+
+
+def early_launch_tiles(config: DecodeConfig, head_dim: int, page_size: int, max_seq_len: int,
+                       num_splits: int) -> int:
+    """Tiles of K and V a split of a dense (not block-sparse) decode prefetches into L2 before
+    its grid-dependency wait, 0 for none (and then no early launch): ``PREFETCH_BYTES`` worth,
+    where the splits of a ``max_seq_len`` sequence (the page table's width) hold
+    ``EARLY_LAUNCH_TILES`` tiles each and a tile is one page or less.
+    Example: ``early_launch_tiles(DecodeConfig(), 128, 64, 16384, 16) == 6``, ``... 4096, 16)
+    == 0`` (4 tiles a split)."""
+    tiles = -(-max_seq_len // config.block_n)
+    tiles_per_split = -(-tiles // num_splits)
+    if page_size < config.block_n or tiles_per_split not in EARLY_LAUNCH_TILES:
+        return 0
+    tile_bytes = 2 * config.block_n * head_dim * 2  # K and V, bf16
+    return max(1, min(PREFETCH_BYTES // tile_bytes, tiles_per_split))
 
 
 def _launch_sms(backend) -> int:
@@ -1481,11 +1564,12 @@ def _launch_sms(backend) -> int:
 
 def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_size=64,
                    block_sparse=False, sinks=False, config=None, fused_slots=0,
-                   merge_slices=1):
+                   merge_slices=1, prefetch_tiles=0):
     """Compile (without running) the decode kernel of one shape class (``config`` None: the
     :func:`default_config` :func:`decode` would use; ``fused_slots``: the kernel of
     :func:`decode_attention` that merges that many splits itself, shared by
-    ``merge_slices`` CTAs); returns the
+    ``merge_slices`` CTAs; ``prefetch_tiles``: early launch, see
+    :func:`early_launch_tiles`); returns the
     ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
     Example: ``compile_decode(target="sm_90a", page_size=16, sq=4).metadata["registers"]``."""
     if kiln.dtype(dtype) is not kiln.bf16:
@@ -1509,7 +1593,7 @@ def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_si
             np.zeros((1, sq, hq), np.int32), np.zeros((1, sq, hq, head_dim), bf16),
             np.zeros((1, sq, hq), np.float32), np.zeros((1, 1, 2), np.int64), 1, 0.1]
     kernel = make_kernel(head_dim, group, q_rows, page_size, block_sparse, sinks, config,
-                         fused_slots, merge_slices)
+                         fused_slots, merge_slices, prefetch_tiles)
     return kernel.compile(*args, target=chip.name, num_warps=config.num_warps)
 
 

@@ -222,7 +222,8 @@ def _vote_sync(op, p):
 
 
 @semantics("nvvm.fence.mbarrier.init", "nvvm.fence.proxy", "nvvm.setmaxregister",
-           "nvgpu.tma.prefetch.descriptor", "nvvm.fence.proxy.acquire",
+           "nvgpu.tma.prefetch.descriptor", "nvvm.cp.async.bulk.tensor.prefetch",
+           "nvvm.fence.proxy.acquire",
            "nvvm.fence.proxy.release", "rocdl.sched.barrier", "rocdl.s.setprio", "llvm.fence",
            "nvvm.griddepcontrol")  # one grid at a time: every prior grid has completed
 def _no_effect(op, p):
