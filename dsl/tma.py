@@ -17,7 +17,6 @@ tensor's index order).
 from __future__ import annotations
 
 import math
-import re
 
 from mlir import ir
 from mlir.dialects import arith, builtin, llvm, nvgpu, nvvm
@@ -181,10 +180,12 @@ def prefetch(tensor_map, coords) -> None:
     """
     require_feature("has_tma", "kiln.tma.prefetch")
     desc = ir_value(tensor_map, "tensor map")
-    box = re.search(r"memref<([0-9x]+)x", str(desc.type))
-    rank = box.group(1).count("x") + 1 if box else 0
+    if not hasattr(tensor_map, "box"):
+        raise KilnTypeError(f"kiln.tma.prefetch takes a tensor map descriptor, got "
+                            f"{type(tensor_map).__name__}",
+                            fix="pass the kernel's kiln.TensorMap argument")
     i32 = ir.IntegerType.get_signless(32)
-    coord_values = [arith.index_cast(i32, c) for c in _coords(coords, rank)]
+    coord_values = [arith.index_cast(i32, c) for c in _coords(coords, len(tensor_map.box))]
     # NVVM's prefetch takes the descriptor as the pointer that convert-nvgpu-to-nvvm makes of
     # it; the cast is reconciled away once the descriptor type is converted.
     pointer = builtin.unrealized_conversion_cast([llvm.PointerType.get()], [desc])

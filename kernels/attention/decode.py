@@ -634,15 +634,13 @@ def _split_tiles(seq_len, num_splits, split, block_n):
 def _prefetch_split_start(k_map, v_map, page_table, seq_lens, num_splits, split, b, column,
                           tiles, shape):
     """TMA prefetches into L2 of K's and V's boxes of split ``split``'s first ``tiles`` tiles
-    (one page a tile). Its page look-ups go out together, clamped to the page table, so a
-    stale ``seq_lens`` entry only aims the prefetches wrong."""
-    BN, page_size = shape.config.block_n, shape.page_size
-    _, _, tile_begin, tile_end = _split_tiles(seq_lens[b], num_splits, split, BN)
-    rows = []
-    for t in kiln.static_range(tiles):
-        key = (tile_begin + t) * BN
-        page = kiln.minimum(key // page_size, page_table.shape[1] - 1)
-        rows.append(page_table[b, page] * page_size + key % page_size)
+    (one page a tile). Its page look-ups go out together, bounded by the page table's width,
+    so a stale ``seq_lens`` entry only aims the prefetches wrong."""
+    _, _, tile_begin, tile_end = _split_tiles(seq_lens[b], num_splits, split,
+                                              shape.config.block_n)
+    table_rows = page_table.shape[1] * shape.page_size
+    rows = [_tile_rows(shape.rows_params, page_table, b, tile_begin + t, table_rows).row(0)
+            for t in range(tiles)]
     for t in kiln.static_range(tiles):
         if tile_begin + t < tile_end:
             for h in kiln.static_range(shape.halves):
