@@ -32,9 +32,9 @@ from mlir.dialects import arith, nvgpu, nvvm, rocdl
 
 from kiln.errors import InternalError, WaitError
 from kiln.passes import register_pass
-from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, MBARRIER_WAIT, WGMMA, Gap, WaitAnalysis,
-                                       encode_gfx9_waitcnt, mbarrier_of, same_mbarrier,
-                                       wait_limits)
+from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, MBARRIER_WAIT, TMA_LOAD, WGMMA, Gap,
+                                       WaitAnalysis, encode_gfx9_waitcnt, mbarrier_of,
+                                       same_mbarrier, wait_limits)
 
 NAME = "kiln-insert-waits"
 MMA_PREFIXES = ("amdgpu.mfma", "amdgpu.scaled_mfma", "rocdl.mfma", "amdgpu.wmma",
@@ -113,6 +113,55 @@ def static_phase(tma_load: ir.Operation) -> int | None:
     return len(earlier) % 2
 
 
+def _enclosing_loops(op: ir.Operation) -> list:
+    loops, parent = [], op.parent
+    while parent is not None and parent.operation.name != "gpu.func":
+        if parent.operation.name in ("scf.for", "scf.while"):
+            loops.append(parent.operation)
+        parent = parent.operation.parent
+    return loops
+
+
+def later_phase_load(event: ir.Operation, place_before: ir.Operation) -> ir.Operation | None:
+    """A TMA load other than ``event`` that may complete a later phase of ``event``'s mbarrier
+    before a wait placed before ``place_before`` runs: one between them in program order, or
+    one in a loop around ``place_before``. A wait for ``event``'s phase parity there could
+    then wait for a later phase of the same parity, which may never come."""
+    signal = mbarrier_of(event)
+    stop = place_before.operation
+    func = event.parent
+    while func.operation.name != "gpu.func":
+        func = func.operation.parent
+    found, started = [], []
+
+    def later(op):
+        return op != event and op.name == TMA_LOAD and same_mbarrier(mbarrier_of(op), signal)
+
+    def visit(op):
+        if op == stop:
+            return ir.WalkResult.INTERRUPT
+        if op == event:
+            started.append(op)
+        elif started and later(op):
+            found.append(op)
+            return ir.WalkResult.INTERRUPT
+        return ir.WalkResult.ADVANCE
+
+    func.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+    for loop in _enclosing_loops(stop):
+        if found:
+            break
+
+        def in_loop(op):
+            if later(op):
+                found.append(op)
+                return ir.WalkResult.INTERRUPT
+            return ir.WalkResult.ADVANCE
+
+        loop.walk(in_loop, ir.WalkOrder.PRE_ORDER)
+    return found[0] if found else None
+
+
 def _wait_error(gap: Gap, what: str, fix: str) -> WaitError:
     from kiln.passes.verify_waits import source_loc, where
 
@@ -128,6 +177,15 @@ def _build_mbarrier_wait(gap: Gap) -> None:
                           f"wait on mbarrier {index if index is not None else '(computed index)'} "
                           "of its group before the read: barriers.try_wait(i, phase), or a "
                           "kiln.mbarrier.PhaseTracker in loops")
+    later = later_phase_load(gap.event, gap.place_before)
+    if later is not None:
+        from kiln.passes.verify_waits import where
+
+        raise _wait_error(gap, f"lands, and the nvgpu.tma.async.load at {where(later)} may "
+                          f"complete a later phase of its mbarrier first, so a wait for parity "
+                          f"{phase} here could wait for a phase that never comes",
+                          "wait for the load before the later loads on its mbarrier (e.g. "
+                          "before the loop that issues them): barriers.try_wait(i, phase)")
     from kiln.mbarrier import DEFAULT_TICKS
 
     index_type = ir.IndexType.get()
