@@ -78,13 +78,17 @@ def gpu_funcs(module_op: ir.Operation) -> list[ir.Operation]:
     return funcs
 
 
-def _in_loop(op: ir.Operation) -> bool:
-    parent = op.parent
+def _enclosing_loops(op: ir.Operation) -> list:
+    loops, parent = [], op.parent
     while parent is not None and parent.operation.name != "gpu.func":
         if parent.operation.name in ("scf.for", "scf.while"):
-            return True
+            loops.append(parent.operation)
         parent = parent.operation.parent
-    return False
+    return loops
+
+
+def _in_loop(op: ir.Operation) -> bool:
+    return bool(_enclosing_loops(op))
 
 
 def static_phase(tma_load: ir.Operation) -> int | None:
@@ -111,15 +115,6 @@ def static_phase(tma_load: ir.Operation) -> int | None:
     if any(_in_loop(op) for op in earlier):
         return None
     return len(earlier) % 2
-
-
-def _enclosing_loops(op: ir.Operation) -> list:
-    loops, parent = [], op.parent
-    while parent is not None and parent.operation.name != "gpu.func":
-        if parent.operation.name in ("scf.for", "scf.while"):
-            loops.append(parent.operation)
-        parent = parent.operation.parent
-    return loops
 
 
 def later_phase_load(event: ir.Operation, place_before: ir.Operation) -> ir.Operation | None:
