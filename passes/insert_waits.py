@@ -142,18 +142,17 @@ def later_phase_load(event: ir.Operation, place_before: ir.Operation) -> ir.Oper
             return ir.WalkResult.INTERRUPT
         return ir.WalkResult.ADVANCE
 
+    def anywhere(op):
+        if later(op):
+            found.append(op)
+            return ir.WalkResult.INTERRUPT
+        return ir.WalkResult.ADVANCE
+
     func.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
     for loop in _enclosing_loops(stop):
         if found:
             break
-
-        def in_loop(op):
-            if later(op):
-                found.append(op)
-                return ir.WalkResult.INTERRUPT
-            return ir.WalkResult.ADVANCE
-
-        loop.walk(in_loop, ir.WalkOrder.PRE_ORDER)
+        loop.walk(anywhere, ir.WalkOrder.PRE_ORDER)
     return found[0] if found else None
 
 
