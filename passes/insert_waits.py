@@ -91,6 +91,13 @@ def _in_loop(op: ir.Operation) -> bool:
     return bool(_enclosing_loops(op))
 
 
+def _enclosing_func(op: ir.Operation):
+    func = op.parent
+    while func.operation.name != "gpu.func":
+        func = func.operation.parent
+    return func
+
+
 def static_phase(tma_load: ir.Operation) -> int | None:
     """The parity of the phase a TMA load completes, when the program fixes it: the load and
     every earlier try_wait on its mbarrier (constant index) are outside loops, so the phase is
@@ -98,9 +105,7 @@ def static_phase(tma_load: ir.Operation) -> int | None:
     signal = mbarrier_of(tma_load)
     if signal[1] is None or _in_loop(tma_load):
         return None
-    func = tma_load.parent
-    while func.operation.name != "gpu.func":
-        func = func.operation.parent
+    func = _enclosing_func(tma_load)
     earlier, done = [], []
 
     def visit(op):
@@ -124,9 +129,7 @@ def later_phase_load(event: ir.Operation, place_before: ir.Operation) -> ir.Oper
     then wait for a later phase of the same parity, which may never come."""
     signal = mbarrier_of(event)
     stop = place_before.operation
-    func = event.parent
-    while func.operation.name != "gpu.func":
-        func = func.operation.parent
+    func = _enclosing_func(event)
     found, started = [], []
 
     def later(op):
