@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -592,7 +593,7 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
             arrival = kiln.cast(0, kiln.i64)
             if tid == 0:
                 arrival = tickets.atomic_add(kiln.block_id(2), kiln.block_id(1), ARRIVED, 1)
-        l = [kiln.shuffle.butterfly_reduce(x, (1, 2), _add) for x in l]
+        l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
         if shape.wgmma:  # each row is one thread quad's: no merge between warps
             _store_fragment_rows(m, l, o, sinks, block_table, o_part, lse_part, counts, split,
                                  b, q_first, kv_head, row0 + warp_row0, lane, seq_len, seq_q,
@@ -929,10 +930,6 @@ def _rescale_to_tile_max(m, l, o, lane_max):
         scale_o = kiln.pack([alphas[0], alphas[0], alphas[1], alphas[1]])
         new_o.append([acc * scale_o for acc in o[i]])
     return new_m, new_l, new_o
-
-
-def _add(a, b):
-    return a + b
 
 
 @kiln.func

@@ -50,6 +50,7 @@ different KV heads. The output leaves through shared memory (each consumer's own
 
 import functools
 import math
+import operator
 from dataclasses import dataclass
 
 import kiln
@@ -501,10 +502,6 @@ def _softmax_tile(softmax, scores, n0, tile_mask, scale_log2, dtype, lazy_rescal
     return wgmma.a_fragment_from_accumulator(probs, dtype), rescale_pending
 
 
-def _add(a, b):
-    return a + b
-
-
 @kiln.func
 def _softmax_tile_max_on_demand(softmax, scores, n0, tile_mask, scale_log2, dtype, ops, stage,
                                 vote_barrier):
@@ -517,7 +514,7 @@ def _softmax_tile_max_on_demand(softmax, scores, n0, tile_mask, scale_log2, dtyp
     if tile_mask.needed(n0):
         scores = tile_mask.apply(scores, n0)
     probs = softmax.sub_max_scaled(wgmma.fragment_to_tile(scores), scale_log2).exp2()
-    partial = probs.row_reduce(_add, across_lanes=False)
+    partial = probs.row_reduce(operator.add, across_lanes=False)
     # The whole warp group decides: the redo issues a (warp-group-wide) WGMMA.
     rescale_pending = nvidia_asm.named_barrier_any(
         vote_barrier, WARP_GROUP_THREADS, partial.any_greater(2.0 ** LAZY_RESCALE_THRESHOLD))
@@ -530,11 +527,11 @@ def _softmax_tile_max_on_demand(softmax, scores, n0, tile_mask, scale_log2, dtyp
         softmax.col_max_acc_scaled(raw, scale_log2)
         softmax.update_scale_unconditional()
         probs = softmax.sub_max_scaled(raw, scale_log2).exp2()
-        partial = probs.row_reduce(_add, across_lanes=False)
+        partial = probs.row_reduce(operator.add, across_lanes=False)
     else:
         softmax.reset_scale()
     softmax.apply_unconditional_norm_rescale()
-    softmax.norm_vec = softmax.norm_vec + probs.reduce_lanes(partial, _add)
+    softmax.norm_vec = softmax.norm_vec + probs.reduce_lanes(partial, operator.add)
     return wgmma.a_fragment_from_accumulator(probs, dtype), rescale_pending
 
 
