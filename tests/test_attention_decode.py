@@ -260,6 +260,28 @@ def test_early_launch_reads_the_split_through_the_interpreter():
     _check_partials(got, want, want[2])
 
 
+def test_short_splits_ring_four_stages():
+    """A default mma.sync config rings 4 stages where a split holds at most
+    ``SHORT_SPLIT_TILES`` tiles, else 3; block-sparse calls (a block a split), WGMMA defaults
+    and configs given by the caller keep theirs. A plan of 9 tiles a split takes the 4-stage
+    kernel, one of 17 the 3-stage one (the interpreter test above runs a 4-stage ring that
+    wraps twice)."""
+    assert decode_module.SHORT_SPLIT_TILES == 16
+    assert default_config(32, 128, tiles_per_split=16) == DecodeConfig(num_warps=8, stages=4)
+    assert default_config(8, 128, tiles_per_split=17) == DecodeConfig()
+    assert default_config(8, 128, block_sparse=True, tiles_per_split=1).stages == 3
+    assert default_config(64, 128, tiles_per_split=64) == DecodeConfig(consumer="wgmma", stages=4)
+    rng = np.random.default_rng()
+    q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 1, 4, 1, 64, [34 * BN - 5])
+    plans = [decode_module._plan(q, kc, vc, table, seq_lens, splits, None, None, None, None,
+                                 "interpret", config, fused=False)
+             for splits, config in ((4, None), (2, None), (4, DecodeConfig()))]
+    short_config = DecodeConfig(stages=4)  # 4 packed rows at D 64: one group of 4 warps
+    assert [plan.kernel for plan in plans] == [  # 9, 17 and 9 tiles a split
+        decode_module.make_kernel(D, 4, 1, 64, False, False, config, 0, 1, prefetch)
+        for config, prefetch in ((short_config, 9), (DecodeConfig(), 12), (DecodeConfig(), 9))]
+
+
 def test_early_launch_prefetches_before_the_wait_and_lets_the_next_kernel_start_after_it():
     def ops(prefetch_tiles):
         ck = decode_module.compile_decode(target="sm_90a", sq=4, fused_slots=16, merge_slices=4,

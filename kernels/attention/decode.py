@@ -165,6 +165,12 @@ MIN_SHARED_BYTES = 116 * 1024
 # about 1.4%).
 EARLY_LAUNCH_TILES = range(8, 65)
 PREFETCH_BYTES = 192 * 1024  # 6 tiles at D 128: 5 and 8 were within 0.2 us of it
+# mma.sync splits of at most this many tiles ring 4 stages, not 3 (default_config): with few
+# tiles a split the ring's fill at the start is a large part of the call. On an H200 (median
+# of 5 A/B rounds, 3 runs): b1 16k Sq 4 20.13 -> 19.84 us, b1 4k Sq 4 9.22 -> 9.02, b4 4k Sq 4
+# 19.85 -> 19.68, Sq 1 within 0.15 either way; 5 and 6 stages were slower, and at 64 tiles a
+# split 4 stages cost 0.4-1.5 us (b4 16k, b1 64k).
+SHORT_SPLIT_TILES = 16
 # L2 priority of the K/V copies: a decode step reads each cache line once, so those lines go
 # first, not the small data every CTA shares (page table, seq_lens, q, partials). Measured on
 # an H200: 0.5-1.5 us less per call (about 1 us at most shapes), also with inputs rotated so
@@ -286,8 +292,9 @@ class DecodeConfig:
 
 
 def default_config(packed_rows: int, head_dim: int, page_size: int = 64, *,
-                   block_sparse: bool = False) -> DecodeConfig:
-    """The config :func:`decode` uses when given none.
+                   block_sparse: bool = False, tiles_per_split: int | None = None) -> DecodeConfig:
+    """The config :func:`decode` uses when given none (``tiles_per_split``: the most tiles a
+    split of the call attends, once :func:`decode` has chosen the split count; None: unknown).
 
     - More than ``WGMMA_MIN_ROWS - 1`` packed rows at D = 128 on pages of >= 8 rows (e.g.
       Sq 8 x GQA 8): one WGMMA warp group (``consumer='wgmma'``), 64-key tiles and 4 stages up
@@ -296,17 +303,21 @@ def default_config(packed_rows: int, head_dim: int, page_size: int = 64, *,
     - Otherwise ``mma.sync``: 64-key tiles, 3 stages, and 8 warps where the rows take two warp
       groups (each warp then attends 16 keys of a tile, not 32: 2-5% faster at Sq 4 x GQA 8,
       D 128 on an H200), else 4; the lazy rescale at D 64 and 128
-      (``LAZY_RESCALE_HEAD_DIMS``).
+      (``LAZY_RESCALE_HEAD_DIMS``); 4 stages where a split has at most ``SHORT_SPLIT_TILES``
+      tiles (not block-sparse: a block is one tile).
 
     Example: ``default_config(32, 128).num_warps == 8``, ``default_config(8, 128).num_warps
-    == 4``, ``default_config(64, 128).consumer == "wgmma"``."""
+    == 4``, ``default_config(64, 128).consumer == "wgmma"``,
+    ``default_config(32, 128, tiles_per_split=16).stages == 4``."""
     if head_dim == 128 and packed_rows >= WGMMA_MIN_ROWS and \
             (page_size == 0 or page_size >= SWIZZLED_MIN_PAGE):
         if packed_rows <= 64 or block_sparse:
             return DecodeConfig(consumer="wgmma", stages=4)
         return DecodeConfig(consumer="wgmma", block_n=128)
     two_groups = DecodeConfig().warp_groups(packed_rows, head_dim) == 2
-    return DecodeConfig(num_warps=8 if two_groups else 4,
+    short = not block_sparse and tiles_per_split is not None and \
+        tiles_per_split <= SHORT_SPLIT_TILES
+    return DecodeConfig(num_warps=8 if two_groups else 4, stages=4 if short else 3,
                         lazy_rescale=head_dim in LAZY_RESCALE_HEAD_DIMS)
 
 
@@ -1487,6 +1498,7 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
                                   fix="pass a positive softmax scale, or None for 1/sqrt(D)")
     group = Hq // Hkv
     q_rows = 1 if block_table is not None else Sq
+    chosen = config
     config = config or default_config(q_rows * group, D, page_size,
                                       block_sparse=block_table is not None)
     kv_sub_tile_rows(config.block_n, page_size)  # page size must tile the key block
@@ -1502,6 +1514,9 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
             raise kiln.KilnValueError(f"num_splits={num_splits!r} must be a positive int",
                                       fix="leave num_splits=None for the default")
         grid = (slots, Hkv * row_blocks, B)
+        if chosen is None:  # with the split count known only the stages can change
+            tiles = _tiles_per_split(page_table.shape[1] * page_size, config.block_n, slots)
+            config = default_config(q_rows * group, D, page_size, tiles_per_split=tiles)
     if backend not in (None, "gpu", "interpret"):
         raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
                                   fix="leave backend=None to run on the GPU")
@@ -1537,12 +1552,16 @@ def early_launch_tiles(config: DecodeConfig, head_dim: int, page_size: int, max_
     ``EARLY_LAUNCH_TILES`` tiles each and a tile is one page or less.
     Example: ``early_launch_tiles(DecodeConfig(), 128, 64, 16384, 16) == 6``, ``... 4096, 16)
     == 0`` (4 tiles a split)."""
-    tiles = -(-max_seq_len // config.block_n)
-    tiles_per_split = -(-tiles // num_splits)
+    tiles_per_split = _tiles_per_split(max_seq_len, config.block_n, num_splits)
     if page_size < config.block_n or tiles_per_split not in EARLY_LAUNCH_TILES:
         return 0
     tile_bytes = 2 * config.block_n * head_dim * 2  # K and V, bf16
     return max(1, min(PREFETCH_BYTES // tile_bytes, tiles_per_split))
+
+
+def _tiles_per_split(max_seq_len: int, block_n: int, num_splits: int) -> int:
+    """Tiles of ``block_n`` keys of the longest split of a ``max_seq_len``-key sequence."""
+    return -(-(-(-max_seq_len // block_n)) // num_splits)
 
 
 def _launch_sms(backend) -> int:
