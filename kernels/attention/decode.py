@@ -1561,7 +1561,8 @@ def early_launch_tiles(config: DecodeConfig, head_dim: int, page_size: int, max_
 
 def _tiles_per_split(max_seq_len: int, block_n: int, num_splits: int) -> int:
     """Tiles of ``block_n`` keys of the longest split of a ``max_seq_len``-key sequence."""
-    return -(-(-(-max_seq_len // block_n)) // num_splits)
+    tiles = -(-max_seq_len // block_n)
+    return -(-tiles // num_splits)
 
 
 def _launch_sms(backend) -> int:
