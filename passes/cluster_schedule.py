@@ -41,6 +41,7 @@ from mlir.dialects import arith, gpu, llvm, rocdl, scf
 from kiln.cluster import CLUSTER_ATTR, RECIPES_ATTR, SCHED_GROUP_MASKS, ClusterRecipe
 from kiln.errors import CompilationError, KilnValueError, UnsupportedError
 from kiln.passes import register_pass
+from kiln.passes.enclosing import enclosing_loops
 from kiln.passes.insert_waits import MMA_PREFIXES, func_vendor, gpu_funcs
 
 
@@ -211,12 +212,8 @@ def _turn_ids(pingpong: tuple, tag: ir.Attribute | None) -> tuple[ir.Value, ir.V
 
 
 def _outermost_loop(op: ir.Operation) -> ir.Operation:
-    outer, parent = op, op.parent
-    while parent is not None and parent.operation.name != "gpu.func":
-        if parent.operation.name in ("scf.for", "scf.while"):
-            outer = parent.operation
-        parent = parent.operation.parent
-    return outer
+    loops = enclosing_loops(op)
+    return loops[-1] if loops else op
 
 
 def _schedule_pingpong(span: ClusterSpan, recipe: ClusterRecipe, first_instance: bool) -> None:

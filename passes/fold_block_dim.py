@@ -16,16 +16,10 @@ from mlir import ir
 from mlir.dialects import arith
 
 from kiln.passes import register_pass
+from kiln.passes.enclosing import enclosing_gpu_func
 
 NAME = "kiln-fold-block-dim"
 _DIMENSIONS = {"x": 0, "y": 1, "z": 2}
-
-
-def _enclosing_gpu_func(op: ir.Operation) -> ir.Operation | None:
-    parent = op.parent
-    while parent is not None and parent.name != "gpu.func":
-        parent = parent.parent
-    return parent
 
 
 def _dimension_index(block_dim: ir.Operation) -> int:
@@ -44,7 +38,7 @@ def fold_block_dim(op: ir.Operation, pass_=None) -> None:
 
     op.walk(collect, ir.WalkOrder.PRE_ORDER)
     for block_dim in block_dims:  # rewritten after the walk: erasing while walking is unsafe
-        func = _enclosing_gpu_func(block_dim)
+        func = enclosing_gpu_func(block_dim)
         if func is None or "known_block_size" not in func.attributes:
             continue
         sizes = ir.DenseI32ArrayAttr(func.attributes["known_block_size"])

@@ -32,6 +32,7 @@ from mlir.dialects import arith, nvgpu, nvvm, rocdl
 
 from kiln.errors import InternalError, WaitError
 from kiln.passes import register_pass
+from kiln.passes.enclosing import enclosing_gpu_func, enclosing_loops
 from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, MBARRIER_WAIT, TMA_LOAD, WGMMA, Gap,
                                        WaitAnalysis, encode_gfx9_waitcnt, mbarrier_of,
                                        same_mbarrier, wait_limits)
@@ -78,24 +79,8 @@ def gpu_funcs(module_op: ir.Operation) -> list[ir.Operation]:
     return funcs
 
 
-def _enclosing_loops(op: ir.Operation) -> list:
-    loops, parent = [], op.parent
-    while parent is not None and parent.operation.name != "gpu.func":
-        if parent.operation.name in ("scf.for", "scf.while"):
-            loops.append(parent.operation)
-        parent = parent.operation.parent
-    return loops
-
-
 def _in_loop(op: ir.Operation) -> bool:
-    return bool(_enclosing_loops(op))
-
-
-def _enclosing_func(op: ir.Operation):
-    func = op.parent
-    while func.operation.name != "gpu.func":
-        func = func.operation.parent
-    return func
+    return bool(enclosing_loops(op))
 
 
 def static_phase(tma_load: ir.Operation) -> int | None:
@@ -105,7 +90,7 @@ def static_phase(tma_load: ir.Operation) -> int | None:
     signal = mbarrier_of(tma_load)
     if signal[1] is None or _in_loop(tma_load):
         return None
-    func = _enclosing_func(tma_load)
+    func = enclosing_gpu_func(tma_load)
     earlier, done = [], []
 
     def visit(op):
@@ -129,7 +114,7 @@ def later_phase_load(event: ir.Operation, place_before: ir.Operation) -> ir.Oper
     then wait for a later phase of the same parity, which may never come."""
     signal = mbarrier_of(event)
     stop = place_before.operation
-    func = _enclosing_func(event)
+    func = enclosing_gpu_func(event)
     found, started = [], []
 
     def later(op):
@@ -152,7 +137,7 @@ def later_phase_load(event: ir.Operation, place_before: ir.Operation) -> ir.Oper
         return ir.WalkResult.ADVANCE
 
     func.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
-    for loop in _enclosing_loops(stop):
+    for loop in enclosing_loops(stop):
         if found:
             break
         loop.walk(anywhere, ir.WalkOrder.PRE_ORDER)
