@@ -290,10 +290,15 @@ def test_early_launch_prefetches_before_the_wait_and_lets_the_next_kernel_start_
                           ck.asm["kiln"])
 
     order = [" ".join(op.split()) for op in ops(6)]
-    assert order.count("cp.async.bulk.tensor.prefetch") == 6 * 2 * 2  # tiles x K, V x halves
+    per_tile = 2 * 2  # K, V x halves
+    ahead = decode_module.AHEAD_PREFETCH_TILES
+    assert order.count("cp.async.bulk.tensor.prefetch") == (6 + ahead) * per_tile
     wait = order.index("griddepcontrol wait")
-    assert set(order[:wait]) == {"cp.async.bulk.tensor.prefetch"}
-    assert order[wait + 1:] == ["griddepcontrol launch_dependents"]
+    assert order[:wait] == ["cp.async.bulk.tensor.prefetch"] * 6 * per_tile
+    # After the wait: the next kernel may launch, then the producer's prefetch of the tiles
+    # after the prefetched ones goes out with the first tiles' copies.
+    assert order[wait + 1:] == ["griddepcontrol launch_dependents"] + \
+        ["cp.async.bulk.tensor.prefetch"] * ahead * per_tile
     assert [" ".join(op.split()) for op in ops(0)] == ["griddepcontrol wait"]
     with pytest.raises(kiln.UnsupportedError, match="one page a tile"):
         decode_module.compile_decode(target="sm_90a", page_size=16, prefetch_tiles=2)

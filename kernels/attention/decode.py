@@ -84,7 +84,9 @@ tile): before the wait the last warp's first lane prefetches the K and V of its 
 tiles into L2 (TMA prefetches; the seq_lens and page-table reads that aim them may see stale
 values, which only misaims a prefetch), and after the wait it lets the next kernel on the
 stream launch. Back-to-back calls then overlap: the next call's CTAs start on the SMs that
-this call's non-merging CTAs free and fill L2 while the merge runs, when HBM would idle.
+this call's non-merging CTAs free and fill L2 while the merge runs, when HBM would idle. When
+it issues the first tiles, the producer also prefetches the ``AHEAD_PREFETCH_TILES`` tiles
+after the prefetched ones, so that HBM streams them while the consumers read L2.
 """
 
 from __future__ import annotations
@@ -165,6 +167,12 @@ MIN_SHARED_BYTES = 116 * 1024
 # about 1.4%).
 EARLY_LAUNCH_TILES = range(8, 65)
 PREFETCH_BYTES = 192 * 1024  # 6 tiles at D 128: 5 and 8 were within 0.2 us of it
+# With early launch, the producer also prefetches the next AHEAD_PREFETCH_TILES tiles past the
+# prefetched ones when it issues the first: the consumers then eat tiles from L2 while HBM
+# already streams the ones after. On an H200 (median of 5 A/B rounds, 3 runs): b1 16k Sq 1
+# 18.33 -> 17.90 us, b4 16k Sq 4 64.65 -> 64.52, b4 4k Sq 4 19.79 -> 19.69, b1 16k Sq 4 within
+# 0.1 us; 4 tiles were slower than 2 at b1 64k and b4 4k.
+AHEAD_PREFETCH_TILES = 2
 # mma.sync splits of at most this many tiles ring 4 stages, not 3 (default_config): with few
 # tiles a split the ring's fill at the start is a large part of the call. On an H200 (median
 # of 5 A/B rounds, 3 runs): b1 16k Sq 4 20.13 -> 19.84 us, b1 4k Sq 4 9.22 -> 9.02, b4 4k Sq 4
@@ -411,7 +419,8 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
     GPU only, the interpreter cannot run the wait). ``prefetch_tiles > 0``: early launch (see
     :func:`early_launch_tiles`): before its grid-dependency wait each CTA prefetches the K and
     V of its split's first ``prefetch_tiles`` tiles into L2, and after it lets the next kernel
-    on the stream launch."""
+    on the stream launch; the producer prefetches ``AHEAD_PREFETCH_TILES`` more with the
+    first tiles."""
     config.check_rows(q_rows * group, head_dim)
     if prefetch_tiles and (block_sparse or page_size < config.block_n):
         raise kiln.UnsupportedError(
@@ -524,6 +533,9 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
         # latency overlaps the TMA's instead of adding to it.
         first_rows = [_tile_rows(shape.rows_params, page_table, b, tile_begin + t, seq_len)
                       for t in range(S)]
+        ahead_rows = [_tile_rows(shape.rows_params, page_table, b,
+                                 tile_begin + prefetch_tiles + t, seq_len)
+                      for t in range(AHEAD_PREFETCH_TILES if prefetch_tiles else 0)]
         for it in kiln.range(0, num_tiles):
             stage = it % S
             # The first tiles load inside the loop, so every TMA is followed by a wait on its
@@ -542,6 +554,10 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                             _load_tile(shape.rows_params, first_rows[t], page_table, b,
                                        tile_begin + t, seq_len, k_map, v_map, slots, full, t,
                                        kv_head * D, producer, shape)
+                    if producer:
+                        for t, rows in enumerate(ahead_rows):
+                            if prefetch_tiles + t < num_tiles:
+                                _prefetch_tile(k_map, v_map, kv_head * D, rows.row(0), shape)
             # The ring stage freed last: tile it - 1's, or with wgmma tile it - 2's (a tile's
             # P V product is issued one iteration later, so it holds its stage that long).
             lag = 1 if shape.wgmma else 0
@@ -655,9 +671,14 @@ def _prefetch_split_start(k_map, v_map, page_table, seq_lens, num_splits, split,
             for t in range(tiles)]
     for t in kiln.static_range(tiles):
         if tile_begin + t < tile_end:
-            for h in kiln.static_range(shape.halves):
-                kiln.tma.prefetch(k_map, (column + h * HALF, rows[t]))
-                kiln.tma.prefetch(v_map, (column + h * HALF, rows[t]))
+            _prefetch_tile(k_map, v_map, column, rows[t], shape)
+
+
+def _prefetch_tile(k_map, v_map, column, row, shape):
+    """TMA prefetches into L2 of one page-sized tile's K and V boxes from cache row ``row``."""
+    for h in range(shape.halves):
+        kiln.tma.prefetch(k_map, (column + h * HALF, row))
+        kiln.tma.prefetch(v_map, (column + h * HALF, row))
 
 
 def _load_q_fragments(q, b, q_first, kv_head, warp_row0, lane, shape):
