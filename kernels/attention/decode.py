@@ -169,9 +169,9 @@ EARLY_LAUNCH_TILES = range(8, 65)
 PREFETCH_BYTES = 192 * 1024  # 6 tiles at D 128: 5 and 8 were within 0.2 us of it
 # With early launch, the producer also prefetches the next AHEAD_PREFETCH_TILES tiles past the
 # prefetched ones when it issues the first: the consumers then eat tiles from L2 while HBM
-# already streams the ones after. On an H200 (median of 5 A/B rounds, 3 runs): b1 16k Sq 1
-# 18.33 -> 17.90 us, b4 16k Sq 4 64.65 -> 64.52, b4 4k Sq 4 19.79 -> 19.69, b1 16k Sq 4 within
-# 0.1 us; 4 tiles were slower than 2 at b1 64k and b4 4k.
+# already streams the ones after. On an H200 (A/B, five runs): b1 16k Sq 1 0.3-0.4 us
+# faster (18.33 -> 17.90), b4 16k Sq 4 and b1 64k Sq 4 0.0-0.3, b4 4k Sq 4 0.0-0.2, b1 16k
+# Sq 4 unchanged (-0.06 to +0.19); 4 tiles were slower than 2 at b1 64k and b4 4k.
 AHEAD_PREFETCH_TILES = 2
 # mma.sync splits of at most this many tiles ring 4 stages, not 3 (default_config): with few
 # tiles a split the ring's fill at the start is a large part of the call. On an H200 (median
