@@ -291,6 +291,11 @@ class DecodeConfig:
         == 32``."""
         return self.block_n * warp_groups // self.num_warps
 
+    def tile_bytes(self, head_dim: int) -> int:
+        """Bytes of one tile's K and V (bf16): one ring stage, and what its TMAs bring.
+        Example: ``DecodeConfig().tile_bytes(128) == 32768``."""
+        return 2 * self.block_n * head_dim * 2
+
     def row_blocks(self, packed_rows: int, head_dim: int) -> int:
         """CTAs sharing one KV head's packed rows (each re-reads its pages).
         Example: ``row_blocks(32, 128) == 1``, ``row_blocks(128, 128) == 4``."""
@@ -368,7 +373,7 @@ class _Shape:
     keys = property(lambda self: self.config.keys_per_warp(self.warp_groups))
     threads = property(lambda self: self.config.num_warps * WARP)
     swizzle_bytes = property(lambda self: 128 if self.eff >= SWIZZLED_MIN_PAGE else 0)
-    tile_bytes = property(lambda self: 2 * self.config.block_n * self.head_dim * 2)  # K and V
+    tile_bytes = property(lambda self: self.config.tile_bytes(self.head_dim))
     merge_row = property(lambda self: self.head_dim + MERGE_PAD)
     # Fused combine: the rows of a CTA that exist (not the m16 padding), each merged by
     # combine_threads_per_row threads (a power of two), each taking 4-column chunks.
@@ -1576,8 +1581,7 @@ def early_launch_tiles(config: DecodeConfig, head_dim: int, page_size: int, max_
     tiles_per_split = _tiles_per_split(max_seq_len, config.block_n, num_splits)
     if page_size < config.block_n or tiles_per_split not in EARLY_LAUNCH_TILES:
         return 0
-    tile_bytes = 2 * config.block_n * head_dim * 2  # K and V, bf16
-    return max(1, min(PREFETCH_BYTES // tile_bytes, tiles_per_split))
+    return max(1, min(PREFETCH_BYTES // config.tile_bytes(head_dim), tiles_per_split))
 
 
 def _tiles_per_split(max_seq_len: int, block_n: int, num_splits: int) -> int:
