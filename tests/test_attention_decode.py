@@ -237,24 +237,27 @@ def test_bad_inputs_raise_kiln_errors():
 
 def test_early_launch_is_chosen_by_the_tiles_a_split_holds():
     config = DecodeConfig()
-    assert early_launch_tiles(config, 128, 64, 16384, 16) == 6  # 16 tiles a split, 192 KB
-    assert early_launch_tiles(config, 128, 64, 4096, 4) == 6
-    assert early_launch_tiles(config, 128, 64, 65536, 16) == 6  # 64 tiles a split
-    assert early_launch_tiles(config, 64, 64, 1024, 2) == 8  # 12 tiles of 16 KB; the split's 8
-    assert early_launch_tiles(config, 256, 128, 16384, 16) == 3  # 64 KB tiles
+    assert early_launch_tiles(config, 128, 64, 65536, 16) == 6  # 64 tiles a split, 192 KB
+    assert early_launch_tiles(config, 128, 64, 16384, 8) == 6  # 32 tiles
+    assert early_launch_tiles(config, 64, 64, 65536, 16) == 12  # tiles of 16 KB
+    # Splits of at most SHORT_SPLIT_TILES tiles prefetch at most 3.
+    assert early_launch_tiles(config, 128, 64, 16384, 16) == 3  # 16 tiles a split
+    assert early_launch_tiles(config, 128, 64, 4096, 4) == 3
+    assert early_launch_tiles(config, 64, 64, 1024, 2) == 3  # 8 tiles of 16 KB
+    assert early_launch_tiles(config, 256, 128, 65536, 16) == 3  # 64 KB tiles, 64 a split
     assert early_launch_tiles(config, 128, 64, 4096, 16) == 0  # 4 tiles: over before it helps
     assert early_launch_tiles(config, 128, 64, 16384, 1) == 0  # 256 tiles: the launch costs
     assert early_launch_tiles(config, 128, 16, 16384, 16) == 0  # 4 pages a tile
 
 
 def test_early_launch_reads_the_split_through_the_interpreter():
-    """A split of 8 tiles prefetches its pages before the grid-dependency wait (the
-    interpreter runs the page look-ups and skips the prefetch) and still matches numpy."""
+    """A split of 8 tiles prefetches its first 3 tiles' pages before the grid-dependency wait
+    (the interpreter runs the page look-ups and skips the prefetch) and still matches numpy."""
     rng = np.random.default_rng()
     q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 1, 4, 1, 64, [16 * BN - 5])
     plan = decode_module._plan(q, kc, vc, table, seq_lens, 2, None, None, None, None,
                                "interpret", None, fused=False)
-    assert plan.kernel.__name__.endswith("_pf8")
+    assert plan.kernel.__name__.endswith("_pf3")
     got = decode(q, kc, vc, table, seq_lens, num_splits=2, backend="interpret")
     want = _reference_splits(q, kc, vc, table, seq_lens, 2, D ** -0.5)
     _check_partials(got, want, want[2])
@@ -279,7 +282,7 @@ def test_short_splits_ring_four_stages():
     short_config = DecodeConfig(stages=4)  # 4 packed rows at D 64: one group of 4 warps
     assert [plan.kernel for plan in plans] == [  # 9, 17 and 9 tiles a split
         decode_module.make_kernel(D, 4, 1, 64, False, False, config, 0, 1, prefetch)
-        for config, prefetch in ((short_config, 9), (DecodeConfig(), 12), (DecodeConfig(), 9))]
+        for config, prefetch in ((short_config, 3), (DecodeConfig(), 12), (DecodeConfig(), 3))]
 
 
 def test_early_launch_prefetches_before_the_wait_and_lets_the_next_kernel_start_after_it():
@@ -626,7 +629,7 @@ def test_calls_wait_for_the_kernels_queued_before_them(page, length, num_splits)
     L, group = int(seq_lens[0]), q.shape[2] // kc.shape[2]
     plan = decode_module._plan(q, kc, kc, table, seq_lens, num_splits, None, None, None, None,
                                None, None, fused=None)
-    assert plan.kernel.__name__.endswith("_pf8") == (num_splits is not None)
+    assert plan.kernel.__name__.endswith("_pf3") == (num_splits is not None)
     inputs, outputs = [], []
     for round_ in range(4):
         q.mul_(-1.5)

@@ -30,7 +30,7 @@ GPU the call launches on (``DEFAULT_SMS`` when interpreted).
 
 | phase | who | what |
 | --- | --- | --- |
-| prefetch (early launch only) | the last warp's first lane | before the grid-dependency wait, TMA prefetches into L2 of the K and V of the split's first tiles (``PREFETCH_BYTES``); after the wait, ``launch_dependents`` |
+| prefetch (early launch only) | the last warp's first lane | before the grid-dependency wait, TMA prefetches into L2 of the K and V of the split's first tiles (:func:`early_launch_tiles`); after the wait, ``launch_dependents`` |
 | load q | each lane | its A fragments of its group's packed q rows, straight from global memory into registers as 32-bit bf16 pairs (zero padding rows) |
 | load | warp 0, one elected lane issues | tile ``t + stages - 1``: ``PagedRowIndices.populate`` (the page look-up, before the wait; the prologue's ``stages`` tiles are looked up together), wait ``empty[s]`` (tile ``t - 1`` released by every thread), one TMA per page and 64-column half of K and V (128-byte swizzled boxes) completing on ``full[s]`` |
 | scores | each warp | its key slice: ``S = Q K^T`` with ``mma.sync`` m16n8k16: Q A-fragments of its group's m tiles (kept in registers), K B-fragments (``ldmatrix.x4``) |
@@ -167,6 +167,11 @@ MIN_SHARED_BYTES = 116 * 1024
 # about 1.4%).
 EARLY_LAUNCH_TILES = range(8, 65)
 PREFETCH_BYTES = 192 * 1024  # 6 tiles at D 128: 5 and 8 were within 0.2 us of it
+# Splits of at most SHORT_SPLIT_TILES tiles prefetch at most this many tiles before the wait.
+# On an H200 (A/B, two runs, HEAD 6 tiles): b1 16k Sq 4 19.79 -> 19.15 us, Sq 1 17.90 ->
+# 17.43, b4 4k Sq 4 19.62 -> 18.96, Sq 1 18.14 -> 17.20; 2 and 4 tiles were 0.2-0.9 us slower
+# than 3 at each. At 64 tiles a split (b4 16k, b1 64k Sq 4) 3 tiles cost 0.25-0.65 us.
+SHORT_SPLIT_PREFETCH_TILES = 3
 # With early launch, the producer also prefetches the next AHEAD_PREFETCH_TILES tiles past the
 # prefetched ones when it issues the first: the consumers then eat tiles from L2 while HBM
 # already streams the ones after. On an H200 (A/B, five runs): b1 16k Sq 1 0.3-0.4 us
@@ -1574,14 +1579,18 @@ def early_launch_tiles(config: DecodeConfig, head_dim: int, page_size: int, max_
                        num_splits: int) -> int:
     """Tiles of K and V a split of a dense (not block-sparse) decode prefetches into L2 before
     its grid-dependency wait, 0 for none (and then no early launch): ``PREFETCH_BYTES`` worth,
+    at most ``SHORT_SPLIT_PREFETCH_TILES`` where a split holds at most ``SHORT_SPLIT_TILES``,
     where the splits of a ``max_seq_len`` sequence (the page table's width) hold
     ``EARLY_LAUNCH_TILES`` tiles each and a tile is one page or less.
-    Example: ``early_launch_tiles(DecodeConfig(), 128, 64, 16384, 16) == 6``, ``... 4096, 16)
-    == 0`` (4 tiles a split)."""
+    Example: ``early_launch_tiles(DecodeConfig(), 128, 64, 65536, 16) == 6`` (64 tiles a
+    split), ``... 16384, 16) == 3`` (16), ``... 4096, 16) == 0`` (4)."""
     tiles_per_split = _tiles_per_split(max_seq_len, config.block_n, num_splits)
     if page_size < config.block_n or tiles_per_split not in EARLY_LAUNCH_TILES:
         return 0
-    return max(1, min(PREFETCH_BYTES // config.tile_bytes(head_dim), tiles_per_split))
+    tiles = PREFETCH_BYTES // config.tile_bytes(head_dim)
+    if tiles_per_split <= SHORT_SPLIT_TILES:
+        tiles = min(tiles, SHORT_SPLIT_PREFETCH_TILES)
+    return max(1, min(tiles, tiles_per_split))
 
 
 def _tiles_per_split(max_seq_len: int, block_n: int, num_splits: int) -> int:
