@@ -158,19 +158,20 @@ ARRIVED, PUBLISHED = 0, 1
 # bytes (batch 4, 16k, Sq 1: 64.9 -> 70.5 us on an H200).
 MIN_SHARED_BYTES = 116 * 1024
 # Early launch (make_kernel's prefetch_tiles): splits of EARLY_LAUNCH_TILES tiles prefetch
-# their first PREFETCH_BYTES of K and V into L2 before the grid-dependency wait and let the
-# next kernel launch right after it, so back-to-back calls overlap one call's merge (~3.5 us
-# in which HBM idles) with the next call's first loads. On an H200 that took 0.5-2.0 us off
-# the batch 1-16 shapes of 16-64 tiles a split (b1 16k Sq 4: 21.67 -> 20.06 us, Sq 1: 19.92
-# -> 18.14; b4 4k Sq 4: 21.20 -> 19.65), but cost 0.3 us at 4 tiles a split (b1 4k: the call
-# is over before its prefetch is) and 3.5 us at 256 (b16 16k: the early launch alone cost
-# about 1.4%).
+# their first PREFETCH_BYTES of K and V (short splits: SHORT_SPLIT_PREFETCH_TILES tiles) into
+# L2 before the grid-dependency wait and let the next kernel launch right after it, so
+# back-to-back calls overlap one call's merge (~3.5 us in which HBM idles) with the next
+# call's first loads. On an H200 that took 0.5-2.0 us off the batch 1-16 shapes of 16-64 tiles
+# a split (b1 16k Sq 4: 21.67 -> 20.06 us, Sq 1: 19.92 -> 18.14; b4 4k Sq 4: 21.20 -> 19.65),
+# but cost 0.3 us at 4 tiles a split (b1 4k: the call is over before its prefetch is) and
+# 3.5 us at 256 (b16 16k: the early launch alone cost about 1.4%).
 EARLY_LAUNCH_TILES = range(8, 65)
 PREFETCH_BYTES = 192 * 1024  # 6 tiles at D 128: 5 and 8 were within 0.2 us of it
 # Splits of at most SHORT_SPLIT_TILES tiles prefetch at most this many tiles before the wait.
 # On an H200 (A/B, two runs, HEAD 6 tiles): b1 16k Sq 4 19.79 -> 19.15 us, Sq 1 17.90 ->
-# 17.43, b4 4k Sq 4 19.62 -> 18.96, Sq 1 18.14 -> 17.20; 2 and 4 tiles were 0.2-0.9 us slower
-# than 3 at each. At 64 tiles a split (b4 16k, b1 64k Sq 4) 3 tiles cost 0.25-0.65 us.
+# 17.43, b4 4k Sq 4 19.62 -> 18.96, Sq 1 18.14 -> 17.20; at each, 2 tiles were 0.05-0.7 us
+# slower than 3 and 4 tiles 0.5-0.8. At 64 tiles a split (b4 16k, b1 64k Sq 4) 3 tiles cost
+# 0.25-0.65 us.
 SHORT_SPLIT_PREFETCH_TILES = 3
 # With early launch, the producer also prefetches the next AHEAD_PREFETCH_TILES tiles past the
 # prefetched ones when it issues the first: the consumers then eat tiles from L2 while HBM
