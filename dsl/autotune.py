@@ -17,13 +17,17 @@ one to use as ``config=``)::
 On the first call with a new key (the values of the ``key`` arguments), every config is run
 ``warmup`` times, then timed ``repeat`` times (CUDA events through torch; the median counts) while
 a progress bar is drawn on stderr. The winner is kept in memory and in
-``<kiln cache>/autotune/<name>.json``, so later processes skip tuning. Configs that fail (a
+``<kiln cache>/autotune/<name>.<digest of configs>.json``, so later processes skip tuning. That
+store is plain JSON (key -> config index), updated under a lock so concurrent tuners lose
+nothing, and trusted like the compile cache: a directory not yours or writable by others is not
+used (one warning), nor is a file not yours. Configs that fail (a
 compile error, too much shared memory) are skipped. ``timer`` replaces the measurement, e.g. to
 tune on a CPU in tests: it gets a zero-argument callable running one config and returns ms.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import inspect
@@ -172,38 +176,62 @@ class Autotuner:
         sys.stderr.flush()
 
     # ---- persistence ------------------------------------------------------------------------
-    def _path(self) -> Path:
+    def _path(self) -> Path | None:
+        """The store file, or None when the cache is off or its directory is not safe to use."""
         from kiln.lowering.cache import cache_root
+        from kiln.lowering.trusted_dir import private_dir
 
+        from . import env
+
+        if env.cache_disabled():
+            return None
+        root = private_dir(cache_root(), "compile cache", "KILN_CACHE_DIR")
+        directory = root and private_dir(root / "autotune", "autotune store", "KILN_CACHE_DIR")
+        if directory is None:
+            return None
         # The file name changes with the config list, so an edited list is tuned afresh.
         digest = hashlib.sha256(repr(self.configs).encode()).hexdigest()[:16]
-        return cache_root() / "autotune" / f"{self.name}.{digest}.json"
+        return directory / f"{self.name}.{digest}.json"
 
     def _stored(self) -> dict[str, int]:
-        from . import env
-
-        if env.cache_disabled():
-            return {}
-        try:
-            return json.loads(self._path().read_text())
-        except (OSError, ValueError):
-            return {}
+        path = self._path()
+        return _read_table(path) if path is not None else {}
 
     def _store(self, key: str, index: int) -> None:
-        from . import env
+        from kiln.lowering.trusted_dir import warn_once, write_atomic
 
-        if env.cache_disabled():
-            return
         path = self._path()
-        table = self._stored()
-        table[key] = index
+        if path is None:
+            return
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-            tmp.replace(path)  # atomic: concurrent tuners never see half a file
-        except OSError:
-            pass  # a read-only cache only costs re-tuning
+            # Read-merge-write under an exclusive lock: concurrent tuners add keys, none is lost.
+            with open(path.with_name(path.name + ".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                table = _read_table(path)
+                table[key] = index
+                write_atomic(path, json.dumps(table, indent=1, sort_keys=True).encode())
+        except OSError as err:  # a read-only store only costs re-tuning
+            warn_once(("unwritable", str(path.parent)),
+                      f"kiln: cannot write the autotune store {path} ({err.strerror or err}); "
+                      "tuning results are kept in memory only. Fix: make it writable, or set "
+                      "KILN_CACHE_DIR to a writable directory you own")
+
+
+def _read_table(path: Path) -> dict[str, int]:
+    """The stored ``{key: config index}``; a missing, foreign or corrupt file reads as empty."""
+    from kiln.lowering.trusted_dir import read_owned, warn_once
+
+    try:
+        table = json.loads(read_owned(path))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:  # ValueError: bad JSON or a file not this user's
+        warn_once(("autotune-entry", str(path)), f"kiln: ignoring autotune store {path} ({err})")
+        return {}
+    if not isinstance(table, dict):
+        return {}
+    # Keep only well-formed entries: an index is a plain int (bounds are checked on use).
+    return {k: v for k, v in table.items() if isinstance(k, str) and type(v) is int}
 
 
 def cuda_event_timer(run: Callable[[], None]) -> float:

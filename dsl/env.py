@@ -1,38 +1,65 @@
 """Every environment variable Kiln reads, in one place.
 
-Read them through these functions (not ``os.environ``) so the set stays documented:
+Read them through these functions (not ``os.environ``) so the set stays documented. A value
+that is set but not one the variable accepts raises :class:`~kiln.errors.KilnValueError` naming
+the variable and what it takes (an empty value counts as unset). Flags accept ``1``/``true``/
+``yes``/``on`` and ``0``/``false``/``no``/``off`` (any case).
 
-============================  ==========================================================
-``KILN_CACHE_DIR``            on-disk compile cache (default ``~/.cache/kiln``)
-``KILN_NO_CACHE=1``           never read or write the compile cache
-``KILN_DUMP_DIR=dir``         write ``<kernel>.<stage>.<ext>`` for every compile stage
-``KILN_SHOW_STACKTRACE=1``    keep Kiln's own frames in error tracebacks
-``KILN_INTERPRET_CHECK_BOUNDS``  bounds checks in the CPU interpreter (default on)
-``KILN_INTERPRET_TIMEOUT``    seconds a blocked interpreter context waits before a deadlock error
-``CUDA_ROOT`` / ``CUDA_HOME`` CUDA toolkit used for ``ptxas`` (cubin and ``-v`` report)
-``KILN_PTXAS``                explicit ``ptxas`` path (overrides ``CUDA_ROOT``)
-``KILN_LD_LLD``               explicit ``ld.lld`` path for AMD ``hsaco`` linking
-``KILN_CUOBJDUMP``            explicit ``cuobjdump`` path (SASS schedule check; needs ``nvdisasm``)
-``KILN_ROCM_RUNTIME``         path of ``libmlir_rocm_runtime.so`` for AMD launches
-``KILN_LAUNCH_BLOCKING=1``    synchronise after every CUDA launch and raise its error (debug)
-============================  ==========================================================
+================================  ======================================================
+``KILN_CACHE_DIR``                on-disk compile cache (default ``~/.cache/kiln``); must be
+                                  owned by you and not writable by group/others
+``KILN_NO_CACHE`` (flag)          never read or write the compile cache
+``KILN_DUMP_DIR=dir``             write ``<kernel>.<stage>.<ext>`` for every compile stage
+``KILN_SHOW_STACKTRACE`` (flag)   keep Kiln's own frames in error tracebacks
+``KILN_INTERPRET_CHECK_BOUNDS``   (flag) bounds checks in the CPU interpreter (default on)
+``KILN_INTERPRET_TIMEOUT``        seconds (a finite number > 0, default 60) a blocked
+                                  interpreter context waits before a deadlock error
+``CUDA_ROOT`` / ``CUDA_HOME``     CUDA toolkit used for ``ptxas`` (cubin and ``-v`` report)
+``KILN_PTXAS``                    explicit ``ptxas`` path (overrides ``CUDA_ROOT``); a path
+                                  that is not an executable file fails the cubin stage
+``KILN_LD_LLD``                   explicit ``ld.lld`` path for AMD ``hsaco`` linking (same rule)
+``KILN_CUOBJDUMP``                explicit ``cuobjdump`` path (SASS schedule check; same rule)
+``KILN_ROCM_RUNTIME``             path of ``libmlir_rocm_runtime.so`` for AMD launches
+``KILN_LAUNCH_BLOCKING`` (flag)   synchronise after every CUDA launch and raise its error
+================================  ======================================================
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _invalid(name: str, value: str, accepts: str) -> Exception:
+    # Imported here: kiln.errors imports this module.
+    from .errors import KilnValueError
+
+    return KilnValueError(f"environment variable {name}={value!r} is not valid: it takes {accepts}",
+                          fix=f"set {name} to {accepts}, or unset it")
+
 
 def _flag(name: str, default: bool = False) -> bool:
-    value = os.environ.get(name)
-    if value is None or value == "":
+    value = os.environ.get(name, "").strip().lower()
+    if value == "":
         return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise _invalid(name, os.environ[name], "1/true/yes/on or 0/false/no/off")
+
+
+def _path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
+    return _path("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln"
 
 
 def cache_disabled() -> bool:
@@ -40,8 +67,7 @@ def cache_disabled() -> bool:
 
 
 def dump_dir() -> Path | None:
-    value = os.environ.get("KILN_DUMP_DIR")
-    return Path(value) if value else None
+    return _path("KILN_DUMP_DIR")
 
 
 def show_stacktrace() -> bool:
@@ -53,32 +79,38 @@ def interpret_check_bounds() -> bool:
 
 
 def interpret_timeout() -> float:
-    return float(os.environ.get("KILN_INTERPRET_TIMEOUT") or 60.0)
+    value = os.environ.get("KILN_INTERPRET_TIMEOUT", "").strip()
+    if value == "":
+        return 60.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    # An infinite or NaN timeout would let a deadlocked kernel hang the interpreter forever.
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise _invalid("KILN_INTERPRET_TIMEOUT", os.environ["KILN_INTERPRET_TIMEOUT"],
+                       "a number of seconds, finite and > 0 (e.g. 60)")
+    return seconds
 
 
 def cuda_root() -> Path | None:
-    value = os.environ.get("CUDA_ROOT") or os.environ.get("CUDA_HOME")
-    return Path(value) if value else None
+    return _path("CUDA_ROOT") or _path("CUDA_HOME")
 
 
 def ptxas_override() -> Path | None:
-    value = os.environ.get("KILN_PTXAS")
-    return Path(value) if value else None
+    return _path("KILN_PTXAS")
 
 
 def ld_lld_override() -> Path | None:
-    value = os.environ.get("KILN_LD_LLD")
-    return Path(value) if value else None
+    return _path("KILN_LD_LLD")
 
 
 def cuobjdump_override() -> Path | None:
-    value = os.environ.get("KILN_CUOBJDUMP")
-    return Path(value) if value else None
+    return _path("KILN_CUOBJDUMP")
 
 
 def rocm_runtime_override() -> Path | None:
-    value = os.environ.get("KILN_ROCM_RUNTIME")
-    return Path(value) if value else None
+    return _path("KILN_ROCM_RUNTIME")
 
 
 def launch_blocking() -> bool:

@@ -249,5 +249,10 @@ class ScheduleWarning(UserWarning):
     """A cluster's final instructions differ from its declared recipe (``kiln-verify-schedule``)."""
 
 
+class CacheWarning(UserWarning):
+    """A cache directory or entry Kiln will not use (not yours, open to others, unwritable,
+    corrupt); compiling goes on without it."""
+
+
 class ScheduleError(CompilationError):
     """A cluster's final instructions differ from its recipe under ``strict=True``."""

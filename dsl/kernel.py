@@ -102,6 +102,11 @@ def default_target() -> str:
     return _default_target
 
 
+def _target_or_default(target) -> str:
+    # Only None means the default: "" or a non-string is an error in get_target, not the default.
+    return _default_target if target is None else target
+
+
 @dataclass(frozen=True)
 class _Param:
     name: str
@@ -338,13 +343,13 @@ class JITKernel:
         Example: ``saxpy.trace(x, y, n, 2.0, BLOCK=256).module_asm``.
         """
         specs = self.specialize(args, kwargs)
-        return self._trace_specs(specs, target or _default_target, num_warps)
+        return self._trace_specs(specs, _target_or_default(target), num_warps)
 
     # ---- compile and launch ---------------------------------------------------------------
     def _options(self, target, num_warps, opt_level, ptx_version, maxnreg):
         from kiln.lowering.options import CompileOptions
 
-        return CompileOptions(target or _default_target, num_warps=num_warps, opt_level=opt_level,
+        return CompileOptions(_target_or_default(target), num_warps=num_warps, opt_level=opt_level,
                               ptx_version=ptx_version, maxnreg=maxnreg,
                               flush_denormals=self.flush_denormals)
 
@@ -447,7 +452,7 @@ class _Interpreted:
         from kiln.lowering.targets import get_target
 
         k = self.kernel
-        target = target or _default_target
+        target = _target_or_default(target)
         specs = k.specialize(args, kwargs)
         key = (specs, target, num_warps)
         try:

@@ -24,7 +24,7 @@ import llvmlite.binding as llvmlite
 from kiln.errors import CompilationError
 from kiln.lowering.metadata import AMD_KEYS, parse_amd_notes
 from kiln.lowering.pipeline import GPU_STAGE_PASSES, CompileState, run_passes
-from kiln.lowering.tools import find_ld_lld, llvm_tool
+from kiln.lowering.tools import llvm_tool, stage_tool
 from kiln.lowering.translate import device_llvm_ir
 
 TRIPLE = "amdgcn-amd-amdhsa"
@@ -134,7 +134,7 @@ def read_amd_metadata(obj: bytes, kernel: str) -> dict:
 
 
 def make_hsaco(state: CompileState) -> bytes | None:
-    ld_lld = find_ld_lld()
+    ld_lld = stage_tool("ld.lld")
     if ld_lld is None:
         return None  # the object alone is enough for inspection; launching needs the hsaco
     with tempfile.TemporaryDirectory(prefix="kiln-lld-") as tmp:

@@ -1,18 +1,32 @@
-"""The on-disk compile cache: one pickled artifact dict per key under :func:`cache_root`.
+"""The on-disk compile cache: one entry per key under :func:`cache_root`, stored as JSON and
+raw payload files, never as code.
 
 Keys come from :func:`make_key`, which hashes the caller's parts together with the versions of
 Kiln, MLIR, LLVM and llvmlite, a hash of Kiln's own compiler source, the external tools found
 (``ptxas``, ``ld.lld``: a kernel compiled without them lacks the cubin/hsaco stage) and
-:data:`FORMAT_VERSION`, so changing any of them misses instead of loading stale binaries. Writes go to a temporary file in the same directory followed by
-``os.replace``, so concurrent processes never see a half-written entry; an unreadable entry is
-a miss. ``KILN_NO_CACHE=1`` turns the cache off; ``KILN_CACHE_DIR`` moves it.
+:data:`FORMAT_VERSION`, so changing any of them misses instead of loading stale binaries.
+
+An artifact is a dict of JSON values (dicts with string keys, lists, strings, numbers, bools,
+None) and ``bytes``; tuples come back as lists. Entry ``<root>/<key[:2]>/<key>/`` holds
+``meta.json`` (format, the full key, the artifact with each ``bytes`` value and each long
+string replaced by a reference to a payload file, every payload's SHA-256 and size, and a
+digest of all of it) beside the payload files, named after their content. Payloads are written
+first and ``meta.json`` last, each through a temporary file and ``os.replace``, so concurrent
+processes, or one killed mid-write, never expose a partial entry.
+
+Nothing read back is trusted (see "Trust model" in docs/lowering.md): the directory is used only
+if it is this user's and not writable by group/others (else one
+:class:`~kiln.errors.CacheWarning` and compiling goes on uncached, as it does when the directory
+is unwritable); files must be this user's; an entry whose format, key, digest, or payload
+hashes/sizes do not match is a miss (one warning per kind of problem), never an error and never
+another kernel. ``KILN_NO_CACHE=1`` turns the cache off; ``KILN_CACHE_DIR`` moves it.
 
 Example::
 
     key = make_key(kernel_source, "f32:1:c", options.key())
     artifact = get(key)
     if artifact is None:
-        artifact = {"ptx": ptx_text, "name": "saxpy"}
+        artifact = {"ptx": ptx_text, "cubin": cubin_bytes, "name": "saxpy"}
         put(key, artifact)
 """
 
@@ -20,16 +34,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
-import pickle
-import tempfile
+import json
+import re
 from importlib import metadata
 from pathlib import Path
 
 from kiln import env
+from kiln.lowering.trusted_dir import (UntrustedFile, make_private_dirs, private_dir,
+                                       read_owned, warn_once, write_atomic)
 
 # Bump when the layout of the stored artifact dict changes.
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 
 
 def _distribution_version(name: str) -> str:
@@ -101,39 +116,138 @@ def cache_root() -> Path:
     return env.cache_dir()
 
 
-def _entry_path(key: str) -> Path:
+ENTRY_FORMAT = "kiln-cache-entry/1"
+MANIFEST = "meta.json"
+_INLINE_TEXT = 512  # longer strings (assembly, IR) become payload files
+_PAYLOAD_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}")
+
+
+class _BadEntry(ValueError):
+    """An entry that is not this key's intact artifact; ``kind`` groups the warnings."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind = kind
+
+
+def _usable_root() -> Path | None:
+    if env.cache_disabled():
+        return None
+    return private_dir(cache_root(), "compile cache", "KILN_CACHE_DIR")
+
+
+def _entry_dir(root: Path, key: str) -> Path:
     # Two-level fan-out keeps directories small when thousands of kernels are cached.
-    return cache_root() / key[:2] / f"{key}.pkl"
+    return root / key[:2] / key
+
+
+def _digest(manifest: dict) -> str:
+    body = {name: value for name, value in manifest.items() if name != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _encode(value, path: str, payloads: dict[str, bytes]):
+    """``value`` as JSON, with bytes and long strings moved into ``payloads`` (file -> data)."""
+    if isinstance(value, (bytes, str)) and (isinstance(value, bytes) or len(value) > _INLINE_TEXT):
+        text = isinstance(value, str)
+        data = value.encode() if text else bytes(value)
+        label = re.sub(r"[^A-Za-z0-9_.-]", "_", path)[:100] or "payload"
+        name = f"{label}.{hashlib.sha256(data).hexdigest()[:32]}.{'txt' if text else 'bin'}"
+        payloads[name] = data
+        return {"$payload": name}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_encode(item, f"{path}.{i}", payloads) for i, item in enumerate(value)]
+    if isinstance(value, dict):
+        if not all(isinstance(name, str) for name in value) or "$payload" in value:
+            raise TypeError(f"cache artifact dict at {path or 'top'} needs str keys, "
+                            f"none named $payload: {list(value)!r}")
+        return {name: _encode(item, f"{path}.{name}" if path else name, payloads)
+                for name, item in value.items()}
+    raise TypeError(f"cache artifact value at {path or 'top'} is a {type(value).__name__}, "
+                    "not JSON data or bytes")
+
+
+def _decode(value, payloads: dict[str, bytes]):
+    if isinstance(value, dict):
+        if set(value) == {"$payload"}:
+            name = value["$payload"]
+            if name not in payloads:
+                raise _BadEntry("corrupt", f"reference to unlisted payload {name!r}")
+            return payloads[name].decode() if name.endswith(".txt") else payloads[name]
+        return {name: _decode(item, payloads) for name, item in value.items()}
+    if isinstance(value, list):
+        return [_decode(item, payloads) for item in value]
+    return value
+
+
+def _load(entry: Path, key: str) -> dict:
+    manifest = json.loads(read_owned(entry / MANIFEST))
+    if not isinstance(manifest, dict) or manifest.get("format") != ENTRY_FORMAT:
+        raise _BadEntry("foreign", "not a Kiln cache entry of this format")
+    if manifest.get("key") != key:
+        raise _BadEntry("foreign", "it was stored under another key")
+    if manifest.get("digest") != _digest(manifest):
+        raise _BadEntry("corrupt", "its meta.json does not match its digest")
+    payloads = {}
+    for name, record in manifest["payloads"].items():
+        if not _PAYLOAD_NAME.fullmatch(name) or ".." in name:
+            raise _BadEntry("corrupt", f"bad payload file name {name!r}")
+        data = read_owned(entry / name)
+        if len(data) != record["size"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
+            raise _BadEntry("corrupt", f"payload {name} does not match its size and SHA-256")
+        payloads[name] = data
+    artifact = _decode(manifest["artifact"], payloads)
+    if not isinstance(artifact, dict):
+        raise _BadEntry("corrupt", "its artifact is not a dict")
+    return artifact
 
 
 def get(key: str) -> dict | None:
-    """The artifact stored under ``key``, or None (missing, corrupt, truncated or cache off)."""
-    if env.cache_disabled():
+    """The artifact stored under ``key``, or None: missing, cache off or unusable, or an entry
+    that is foreign, corrupt, truncated or not this user's (warned about once per kind)."""
+    root = _usable_root()
+    if root is None:
         return None
+    entry = _entry_dir(root, key)
     try:
-        with open(_entry_path(key), "rb") as handle:
-            artifact = pickle.load(handle)
+        return _load(entry, key)
     except FileNotFoundError:
-        return None
-    except Exception:  # a truncated or foreign file is a miss, never a crash
-        return None
-    return artifact if isinstance(artifact, dict) else None
+        if not (entry / MANIFEST).exists():
+            return None  # the plain miss
+        kind, detail = "corrupt", "a payload file is missing"
+    except _BadEntry as err:
+        kind, detail = err.kind, str(err)
+    except UntrustedFile as err:
+        kind, detail = "untrusted", str(err)
+    except Exception as err:  # whatever is on disk is untrusted input: unreadable is a miss
+        kind, detail = "corrupt", f"{type(err).__name__}: {err}"
+    warn_once(("entry", kind), f"kiln: ignoring compile cache entry {entry} ({detail}); the "
+              "kernel is compiled again and the entry replaced. Other such entries are "
+              "ignored without a warning.")
+    return None
 
 
 def put(key: str, artifact: dict) -> None:
-    """Store ``artifact`` under ``key`` atomically; last writer wins, readers never see partial data."""
-    if env.cache_disabled():
+    """Store ``artifact`` under ``key`` atomically; last writer wins, readers never see partial
+    data. An unwritable cache is warned about once and otherwise ignored."""
+    root = _usable_root()
+    if root is None:
         return
-    path = _entry_path(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{key[:16]}.", suffix=".tmp")
+    payloads: dict[str, bytes] = {}
+    manifest = {"format": ENTRY_FORMAT, "key": key, "artifact": _encode(artifact, "", payloads),
+                "payloads": {name: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+                             for name, data in payloads.items()}}
+    manifest["digest"] = _digest(manifest)
+    entry = _entry_dir(root, key)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            pickle.dump(artifact, handle, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp_name, path)
-    except BaseException:
-        try:
-            os.unlink(tmp_name)
-        except FileNotFoundError:
-            pass
-        raise
+        make_private_dirs(entry)
+        for name, data in payloads.items():  # named by content: a concurrent rewrite is identical
+            write_atomic(entry / name, data)
+        write_atomic(entry / MANIFEST, json.dumps(manifest).encode())  # last: the entry goes live
+    except OSError as err:
+        warn_once(("unwritable", str(root)),
+                  f"kiln: cannot write the compile cache in {root} ({err.strerror or err}); "
+                  "compiling goes on without storing kernels. Fix: make it writable, or set "
+                  "KILN_CACHE_DIR to a writable directory you own")

@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Sequence
 
@@ -25,7 +26,7 @@ from kiln.lowering.pipeline import CompileState, parse_module
 from kiln.lowering.signature import KernelSignature
 from kiln.lowering.targets import Target, get_target
 
-ARTIFACT_FORMAT = 1  # bump when the cached artifact dict changes shape
+ARTIFACT_FORMAT = 2  # bump when the cached artifact dict changes shape
 
 
 def stages_for(target: Target) -> dict:
@@ -65,18 +66,26 @@ class CompiledKernel:
         launch(self, grid, args, stream=stream)
 
     def to_artifact(self) -> dict:
-        """A picklable dict of plain data, for the compile cache."""
+        """Plain JSON data and bytes (the stage binaries), for the compile cache."""
         return {"format": ARTIFACT_FORMAT, "name": self.name, "target": self.target.name,
-                "options": self.options, "signature": self.signature, "asm": dict(self.asm),
-                "metadata": dict(self.metadata)}
+                "options": dataclasses.asdict(self.options), "signature": self.signature.to_json(),
+                "asm": dict(self.asm), "metadata": dict(self.metadata)}
 
     @classmethod
     def from_artifact(cls, artifact: dict) -> CompiledKernel | None:
-        """Rebuild from :meth:`to_artifact`'s dict; None if it has another format."""
+        """Rebuild from :meth:`to_artifact`'s dict; None if it has another format or shape."""
         if not isinstance(artifact, dict) or artifact.get("format") != ARTIFACT_FORMAT:
             return None
-        return cls(artifact["name"], get_target(artifact["target"]), artifact["options"],
-                   artifact["signature"], artifact["asm"], artifact["metadata"])
+        try:
+            asm, metadata = artifact["asm"], artifact["metadata"]
+            if not (isinstance(asm, dict) and isinstance(metadata, dict)
+                    and all(isinstance(v, (str, bytes)) for v in asm.values())):
+                return None
+            return cls(str(artifact["name"]), get_target(artifact["target"]),
+                       CompileOptions(**artifact["options"]),
+                       KernelSignature.from_json(artifact["signature"]), asm, metadata)
+        except (KeyError, TypeError, ValueError):  # a malformed artifact is a miss, never an error
+            return None
 
     def __repr__(self) -> str:
         return f"CompiledKernel({self.name!r}, target={self.target.name}, stages={list(self.asm)})"
@@ -170,10 +179,10 @@ def check_sass_schedule(state: CompileState, recipes: dict) -> None:
     working ``cuobjdump`` (it is not part of every CUDA install). The listing is dumped as the
     ``sass`` stage under ``KILN_DUMP_DIR``."""
     from kiln.lowering import isa_sass
-    from kiln.lowering.tools import find_cuobjdump
+    from kiln.lowering.tools import stage_tool
     from kiln.passes.verify_schedule import verify_schedule_sass
 
-    cuobjdump = find_cuobjdump()
+    cuobjdump = stage_tool("cuobjdump")
     sass = isa_sass.dump_sass(state.asm["cubin"], cuobjdump) if cuobjdump is not None else None
     if sass is None:
         return

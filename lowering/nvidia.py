@@ -24,7 +24,7 @@ from mlir.dialects import gpu
 from kiln.errors import CompilationError
 from kiln.lowering.metadata import empty_nvidia_metadata, parse_ptxas_verbose
 from kiln.lowering.pipeline import GPU_STAGE_PASSES, CompileState, run_passes
-from kiln.lowering.tools import find_ptxas
+from kiln.lowering.tools import stage_tool
 from kiln.lowering.translate import device_llvm_ir
 
 TRIPLE = "nvptx64-nvidia-cuda"
@@ -85,7 +85,7 @@ def make_ptx(state: CompileState) -> str:
 
 def make_cubin(state: CompileState) -> bytes | None:
     state.metadata.update(empty_nvidia_metadata())
-    ptxas = find_ptxas()
+    ptxas = stage_tool("ptxas")
     if ptxas is None:
         return None  # the launcher JIT-compiles the PTX through the driver instead
     with tempfile.TemporaryDirectory(prefix="kiln-ptxas-") as tmp:

@@ -20,7 +20,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -81,3 +81,38 @@ class KernelSignature:
     @property
     def num_threads(self) -> int:
         return self.block[0] * self.block[1] * self.block[2]
+
+    def to_json(self) -> dict:
+        """Plain JSON data (for the compile cache); :meth:`from_json` rebuilds the signature.
+
+        Example: ``KernelSignature.from_json(json.loads(json.dumps(sig.to_json()))) == sig``.
+        """
+        data = asdict(self)
+        data["params"] = [{"kind": _KIND_OF[type(p)], **asdict(p)} for p in self.params]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> KernelSignature:
+        """The signature :meth:`to_json` described; TypeError/ValueError/KeyError if malformed."""
+        params = []
+        for item in data["params"]:
+            fields = {name: value for name, value in item.items() if name != "kind"}
+            if "box" in fields:
+                fields["box"] = _ints(fields["box"])
+            params.append(_PARAM_KINDS[item["kind"]](**fields))
+        cluster = data.get("cluster")
+        return cls(name=str(data["name"]), params=tuple(params), block=_ints(data["block"]),
+                   dynamic_shared_bytes=int(data["dynamic_shared_bytes"]),
+                   cluster=None if cluster is None else _ints(cluster),
+                   programmatic_launch=bool(data["programmatic_launch"]),
+                   constexprs=tuple((str(n), str(v)) for n, v in data["constexprs"]))
+
+
+_PARAM_KINDS = {"tensor": TensorParam, "scalar": ScalarParam, "tensormap": TensorMapParam}
+_KIND_OF = {cls: kind for kind, cls in _PARAM_KINDS.items()}
+
+
+def _ints(values) -> tuple[int, ...]:
+    if not isinstance(values, (list, tuple)) or not all(type(v) is int for v in values):
+        raise TypeError(f"expected a list of ints, got {values!r}")
+    return tuple(values)

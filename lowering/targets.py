@@ -94,7 +94,11 @@ def get_target(name: str | Target) -> Target:
     """Look up a chip by name (``"sm_90a"``, ``"gfx950"``, ...); unknown names raise TargetError."""
     if isinstance(name, Target):
         return name
-    key = str(name).strip().lower()
+    if not isinstance(name, str) or not name.strip():
+        raise TargetError(f"target must be a chip name, got {name!r}",
+                          fix=f"use one of {', '.join(TARGETS)}, or leave target unset for the "
+                              "default")
+    key = name.strip().lower()
     if key.startswith("sm") and not key.startswith("sm_"):
         key = "sm_" + key[2:]
     if key not in TARGETS:

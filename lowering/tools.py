@@ -2,7 +2,9 @@
 MLIR binaries.
 
 Each finder returns a path or None; a missing optional tool just skips its stage (no cubin
-without ``ptxas``, no hsaco without ``ld.lld``).
+without ``ptxas``, no hsaco without ``ld.lld``). A stage asks through :func:`stage_tool`, which
+raises instead when the user named the tool (``KILN_PTXAS``, ``KILN_LD_LLD``,
+``KILN_CUOBJDUMP``) and the path is not an executable file: the stage was asked for.
 
 Example::
 
@@ -18,6 +20,7 @@ import sys
 from pathlib import Path
 
 from kiln import env
+from kiln.errors import KilnValueError
 
 
 def _executable(path: Path) -> Path | None:
@@ -59,6 +62,32 @@ def find_ld_lld() -> Path | None:
         if found:
             return Path(found)
     return None
+
+
+# tool -> (its variable, the variable's reader, its finder; looked up at call time so tests
+# can replace the finders)
+_STAGE_TOOLS = {
+    "ptxas": ("KILN_PTXAS", env.ptxas_override, lambda: find_ptxas()),
+    "ld.lld": ("KILN_LD_LLD", env.ld_lld_override, lambda: find_ld_lld()),
+    "cuobjdump": ("KILN_CUOBJDUMP", env.cuobjdump_override, lambda: find_cuobjdump()),
+}
+
+
+def stage_tool(tool: str) -> Path | None:
+    """The ``ptxas``/``ld.lld``/``cuobjdump`` a stage runs, or None when it is not installed
+    (the stage is skipped). KilnValueError when its ``KILN_*`` variable names no executable.
+
+    Example: ``ptxas = stage_tool("ptxas")`` in the cubin stage.
+    """
+    variable, override, finder = _STAGE_TOOLS[tool]
+    found = finder()
+    path = override()
+    if found is None and path is not None and _executable(path) is None:
+        problem = "does not exist" if not path.exists() else "is not an executable file"
+        raise KilnValueError(f"{variable}={path} {problem}, so the {tool} stage cannot run",
+                             fix=f"point {variable} at the {tool} executable, or unset it to "
+                                 "search the usual places (the stage is skipped if none is found)")
+    return found
 
 
 def _site_packages_bin(package: str) -> Path:

@@ -1,5 +1,6 @@
 """The on-disk compile cache: keys, atomic concurrent writes, corrupt entries, KILN_NO_CACHE."""
 
+import json
 import multiprocessing
 import os
 
@@ -44,30 +45,36 @@ def test_concurrent_processes_share_one_entry(cache_dir):
     key = cache.make_key("kernel source", "f32:1:c", "sm_90a")
     loaded = cache.get(key)
     assert loaded["name"] == "saxpy" and len(loaded["cubin"]) == _PAYLOAD_BYTES
-    leftovers = [p for p in cache_dir.rglob("*") if p.is_file() and p.suffix != ".pkl"]
+    leftovers = [p for p in cache_dir.rglob("*") if p.is_file() and p.suffix == ".tmp"]
     assert leftovers == []  # no temporary files left behind
 
 
 def test_round_trip_and_cache_root(cache_dir):
     key = cache.make_key("a")
     assert cache.get(key) is None
-    cache.put(key, {"asm": {"ptx": "x"}})
-    assert cache.get(key) == {"asm": {"ptx": "x"}}
+    artifact = {"asm": {"ptx": "x" * 4000, "cubin": b"\0\1\2"}, "meta": [1, 2.5, None, True]}
+    cache.put(key, artifact)
+    assert cache.get(key) == artifact
     assert cache.cache_root() == cache_dir
-    assert list(cache_dir.rglob(f"{key}.pkl"))
+    entry = cache_dir / key[:2] / key
+    assert json.loads((entry / "meta.json").read_text())["key"] == key
+    # The cubin and the long PTX text are raw files, named by their content.
+    assert sorted(p.read_bytes() for p in entry.iterdir() if p.name != "meta.json") == [
+        b"\0\1\2", b"x" * 4000]
 
 
+@pytest.mark.filterwarnings("ignore::kiln.errors.CacheWarning")
 def test_truncated_entry_is_a_miss(cache_dir):
     key = cache.make_key("truncated")
     cache.put(key, _artifact(1))
-    (entry,) = cache_dir.rglob(f"{key}.pkl")
-    data = entry.read_bytes()
-    entry.write_bytes(data[: len(data) // 2])
-    assert cache.get(key) is None
-    entry.write_bytes(b"not a pickle at all")
-    assert cache.get(key) is None
-    cache.put(key, {"ok": True})  # a miss is repaired by the next put
-    assert cache.get(key) == {"ok": True}
+    for path in sorted((cache_dir / key[:2] / key).iterdir()):
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+        assert cache.get(key) is None
+        path.write_bytes(b"not json at all")
+        assert cache.get(key) is None
+        cache.put(key, _artifact(1))  # a miss is repaired by the next put
+        assert cache.get(key) == _artifact(1)
 
 
 def test_no_cache_disables_reads_and_writes(cache_dir, monkeypatch):
