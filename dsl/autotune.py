@@ -228,10 +228,12 @@ def _read_table(path: Path) -> dict[str, int]:
     except (OSError, ValueError) as err:  # ValueError: bad JSON or a file not this user's
         warn_once(("autotune-entry", str(path)), f"kiln: ignoring autotune store {path} ({err})")
         return {}
-    if not isinstance(table, dict):
-        return {}
     # Keep only well-formed entries: an index is a plain int (bounds are checked on use).
-    return {k: v for k, v in table.items() if isinstance(k, str) and type(v) is int}
+    kept = {k: v for k, v in table.items() if type(v) is int} if isinstance(table, dict) else {}
+    if not isinstance(table, dict) or len(kept) != len(table):
+        warn_once(("autotune-entry", str(path)),
+                  f"kiln: ignoring entries of autotune store {path} that are not config indices")
+    return kept
 
 
 def cuda_event_timer(run: Callable[[], None]) -> float:

@@ -109,3 +109,60 @@ def test_kernel_configs_become_launch_keywords(monkeypatch):
     assert launched[-1] == ((2,), {"BLOCK": 64, "num_warps": 2})
     with pytest.raises(kiln.KilnTypeError, match="launch it with a grid"):
         tuned(x, 100)
+
+
+# ---- the on-disk store: no lost updates, trusts only private JSON ------------------------------
+_WRITERS, _KEYS_PER_WRITER = 8, 25
+
+
+def _tune_keys(writer: int) -> int:
+    """Worker: tune distinct keys (n values) while the other writers do the same."""
+    entry = make_entry({"small": 1.0, "medium": 2.0, "large": 3.0}, [])
+    for n in range(writer * _KEYS_PER_WRITER, (writer + 1) * _KEYS_PER_WRITER):
+        entry(None, n)
+    return writer
+
+
+def test_concurrent_tuners_lose_no_keys(private_cache):
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(_WRITERS) as pool:
+        assert pool.map(_tune_keys, range(_WRITERS)) == list(range(_WRITERS))
+    (store,) = (private_cache / "autotune").glob("*.json")
+    assert json.loads(store.read_text()) == {f"n={n}": 0 for n in range(_WRITERS * _KEYS_PER_WRITER)}
+    assert not list((private_cache / "autotune").glob(".*.tmp"))
+
+
+def _stored_file(private_cache):
+    make_entry({"small": 1.0, "medium": 2.0, "large": 3.0}, [])(None, 7)
+    (store,) = (private_cache / "autotune").glob("*.json")
+    return store
+
+
+@pytest.mark.filterwarnings("ignore::kiln.errors.CacheWarning")
+@pytest.mark.parametrize("content", ['{"n=7": "2; import os"}', '{"n=7": true}', "[2]",
+                                     "not json", '{"n=7": 99}'])
+def test_a_malformed_store_is_ignored(private_cache, monkeypatch, content):
+    from kiln.lowering import trusted_dir
+
+    monkeypatch.setattr(trusted_dir, "_warned", set())
+    store = _stored_file(private_cache)
+    store.write_text(content)
+    calls = []
+    cost = {"small": 9.0, "medium": 0.5, "large": 9.0}
+    assert make_entry(cost, calls)(None, 7) == "medium:7"  # re-tuned, no crash
+    assert json.loads(store.read_text())["n=7"] == 1
+
+
+def test_an_untrusted_store_directory_is_not_used(private_cache, monkeypatch):
+    from kiln.errors import CacheWarning
+    from kiln.lowering import trusted_dir
+
+    monkeypatch.setattr(trusted_dir, "_warned", set())
+    store = _stored_file(private_cache)
+    store.parent.chmod(0o777)
+    store.write_text('{"n=7": 2}')  # what another user could plant
+    cost = {"small": 0.1, "medium": 9.0, "large": 9.0}
+    with pytest.warns(CacheWarning, match=f"chmod 700 {store.parent}"):
+        assert make_entry(cost, [])(None, 7) == "small:7"
+    assert json.loads(store.read_text()) == {"n=7": 2}  # not written either

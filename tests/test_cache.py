@@ -1,5 +1,6 @@
 """The on-disk compile cache: keys, atomic concurrent writes, corrupt entries, KILN_NO_CACHE."""
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -131,3 +132,22 @@ def test_compiler_source_and_tools_enter_the_key(monkeypatch, tmp_path):
     fake_ptxas.write_text("")
     monkeypatch.setattr(tools, "find_ptxas", lambda: fake_ptxas)
     assert cache.make_key("kernel") != edited
+
+
+def test_signatures_and_options_round_trip_through_json():
+    from kiln.lowering.options import CompileOptions
+    from kiln.lowering.signature import (KernelSignature, ScalarParam, TensorMapParam,
+                                         TensorParam)
+
+    sig = KernelSignature("k", (TensorParam("x", "bf16", 2, contiguous=False),
+                                ScalarParam("n", "i32"),
+                                TensorMapParam("q", "f16", 3, (1, 64, 64), 128, True)),
+                          block=(128, 2, 1), dynamic_shared_bytes=4096, cluster=(2, 1, 1),
+                          programmatic_launch=True, constexprs=(("BLOCK", "64"),))
+    assert KernelSignature.from_json(json.loads(json.dumps(sig.to_json()))) == sig
+    key = cache.make_key("sig")
+    options = CompileOptions("sm_90a", num_warps=8, maxnreg=128, flush_denormals=True)
+    cache.put(key, {"signature": sig.to_json(), "options": dataclasses.asdict(options)})
+    loaded = cache.get(key)
+    assert KernelSignature.from_json(loaded["signature"]) == sig
+    assert CompileOptions(**loaded["options"]) == options

@@ -103,11 +103,14 @@ def test_block_must_match_num_warps():
         compile_kernel(SAXPY_IR, SAXPY, CompileOptions("sm_90a", num_warps=8))
 
 
-def test_artifact_round_trip_is_picklable():
-    import pickle
+def test_artifact_round_trips_through_the_json_cache(tmp_path, monkeypatch):
+    from kiln.lowering import cache
 
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KILN_NO_CACHE", raising=False)
     kernel = compile_kernel(SAXPY_IR, SAXPY, CompileOptions("sm_90a"))
-    restored = CompiledKernel.from_artifact(pickle.loads(pickle.dumps(kernel.to_artifact())))
+    cache.put("k" * 64, kernel.to_artifact())
+    restored = CompiledKernel.from_artifact(cache.get("k" * 64))
     assert (restored.name, restored.target, restored.options, restored.signature) == (
         kernel.name, kernel.target, kernel.options, kernel.signature)
     assert restored.asm == kernel.asm and restored.metadata == kernel.metadata

@@ -1,0 +1,117 @@
+"""Environment variables and target names: a bad value is a KilnError naming what it takes."""
+
+import numpy as np
+import pytest
+from sample_kernels import saxpy
+
+import kiln
+from kiln import env
+from kiln.errors import KilnValueError, TargetError
+from kiln.lowering import tools
+from kiln.lowering.targets import TARGETS, get_target
+
+X = np.arange(8, dtype=np.float32)
+FLAGS = {"KILN_NO_CACHE": env.cache_disabled, "KILN_SHOW_STACKTRACE": env.show_stacktrace,
+         "KILN_INTERPRET_CHECK_BOUNDS": env.interpret_check_bounds,
+         "KILN_LAUNCH_BLOCKING": env.launch_blocking}
+
+
+@pytest.mark.parametrize("name", FLAGS)
+def test_flags_accept_the_usual_spellings(name, monkeypatch):
+    for value, expected in [("1", True), ("TRUE", True), (" yes ", True), ("On", True),
+                            ("0", False), ("false", False), ("NO", False), ("off", False)]:
+        monkeypatch.setenv(name, value)
+        assert FLAGS[name]() is expected, value
+    monkeypatch.setenv(name, "")
+    assert FLAGS[name]() is (name == "KILN_INTERPRET_CHECK_BOUNDS")  # empty: the default
+
+
+@pytest.mark.parametrize("name", FLAGS)
+@pytest.mark.parametrize("value", ["2", "maybe", "enabled"])
+def test_other_flag_values_are_errors_naming_the_variable(name, value, monkeypatch):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(KilnValueError, match=f"{name}='{value}'.*1/true/yes/on or 0/false/no/off"):
+        FLAGS[name]()
+
+
+def test_interpret_timeout_takes_positive_finite_seconds(monkeypatch):
+    monkeypatch.delenv("KILN_INTERPRET_TIMEOUT", raising=False)
+    assert env.interpret_timeout() == 60.0
+    monkeypatch.setenv("KILN_INTERPRET_TIMEOUT", " 2.5 ")
+    assert env.interpret_timeout() == 2.5
+    for bad in ("abc", "0", "-1", "nan", "inf", "1e999"):
+        monkeypatch.setenv("KILN_INTERPRET_TIMEOUT", bad)
+        with pytest.raises(KilnValueError, match=r"KILN_INTERPRET_TIMEOUT=.*finite and > 0") as err:
+            env.interpret_timeout()
+        assert "Fix: set KILN_INTERPRET_TIMEOUT" in str(err.value)
+
+
+def test_a_bad_timeout_fails_an_interpreted_launch_cleanly(monkeypatch):
+    monkeypatch.setenv("KILN_INTERPRET_TIMEOUT", "abc")
+    y = X.copy()
+    with pytest.raises(KilnValueError, match="KILN_INTERPRET_TIMEOUT='abc'"):
+        saxpy.interpret[(1,)](X, y, 8, 2.0, BLOCK=8)
+
+
+# ---- tool paths ----------------------------------------------------------------------------
+@pytest.fixture
+def no_cache(monkeypatch):
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("variable, target", [("KILN_PTXAS", "sm_90a"), ("KILN_LD_LLD", "gfx942")])
+def test_a_tool_variable_naming_no_file_fails_the_binary_stage(variable, target, tmp_path,
+                                                               monkeypatch, no_cache):
+    missing = tmp_path / "no-such-tool"
+    monkeypatch.setenv(variable, str(missing))
+    with pytest.raises(KilnValueError, match=f"{variable}={missing} does not exist") as err:
+        kiln.kernel(saxpy.fn).compile(X, X, 8, 2.0, BLOCK=64, target=target)
+    assert f"point {variable} at" in str(err.value)
+    not_executable = tmp_path / "tool.txt"
+    not_executable.write_text("")
+    monkeypatch.setenv(variable, str(not_executable))
+    with pytest.raises(KilnValueError, match="is not an executable file"):
+        kiln.kernel(saxpy.fn).compile(X, X, 8, 2.0, BLOCK=64, target=target)
+
+
+def test_stage_tool_rules(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CUOBJDUMP", str(tmp_path / "cuobjdump"))
+    with pytest.raises(KilnValueError, match="KILN_CUOBJDUMP=.*does not exist"):
+        tools.stage_tool("cuobjdump")
+    tool = tmp_path / "cuobjdump"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    assert tools.stage_tool("cuobjdump") == tool
+    monkeypatch.delenv("KILN_CUOBJDUMP")
+    monkeypatch.setattr(tools, "find_cuobjdump", lambda: None)
+    assert tools.stage_tool("cuobjdump") is None  # not set, not found: the stage is skipped
+
+
+@pytest.mark.lower
+def test_an_unset_missing_tool_still_skips_its_stage(monkeypatch, no_cache):
+    monkeypatch.delenv("KILN_LD_LLD", raising=False)
+    monkeypatch.setattr(tools, "find_ld_lld", lambda: None)
+    ck = kiln.kernel(saxpy.fn).compile(X, X, 8, 2.0, BLOCK=64, target="gfx942")
+    assert "obj" in ck.asm and "hsaco" not in ck.asm
+
+
+# ---- target names --------------------------------------------------------------------------
+@pytest.mark.parametrize("target", ["", "   ", 90, b"sm_90a"])
+def test_an_empty_or_non_string_target_is_an_error(target):
+    with pytest.raises(TargetError, match="target must be a chip name") as err:
+        get_target(target)
+    assert all(name in str(err.value) for name in TARGETS)
+
+
+@pytest.mark.parametrize("how", ["compile", "trace", "interpret"])
+def test_kernels_reject_an_empty_target_instead_of_using_the_default(how):
+    kernel = kiln.kernel(saxpy.fn)
+    with pytest.raises(TargetError, match="target must be a chip name, got ''"):
+        if how == "compile":
+            kernel.compile(X, X, 8, 2.0, BLOCK=64, target="")
+        elif how == "trace":
+            kernel.trace(X, X, 8, 2.0, BLOCK=64, target="")
+        else:
+            kernel.interpret[(1,)](X, X.copy(), 8, 2.0, BLOCK=8, target="")
+
