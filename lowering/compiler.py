@@ -195,9 +195,14 @@ def load_cached(cache_key: str) -> CompiledKernel | None:
     if env.cache_disabled():
         return None
     from kiln.lowering import cache
+    from kiln.lowering.tools import stage_tool
 
     artifact = cache.get(cache_key)
-    return CompiledKernel.from_artifact(artifact) if artifact is not None else None
+    kernel = CompiledKernel.from_artifact(artifact) if artifact is not None else None
+    if kernel is not None:
+        # A hit must fail like a compile would when KILN_PTXAS / KILN_LD_LLD names no tool.
+        stage_tool("ptxas" if kernel.target.is_nvidia else "ld.lld")
+    return kernel
 
 
 def _check_launch_shape(signature: KernelSignature, options: CompileOptions, target: Target) -> None:

@@ -7,7 +7,7 @@ from sample_kernels import saxpy
 import kiln
 from kiln import env
 from kiln.errors import KilnValueError, TargetError
-from kiln.lowering import tools
+from kiln.lowering import cache, tools
 from kiln.lowering.targets import TARGETS, get_target
 
 X = np.arange(8, dtype=np.float32)
@@ -55,14 +55,26 @@ def test_a_bad_timeout_fails_an_interpreted_launch_cleanly(monkeypatch):
 
 # ---- tool paths ----------------------------------------------------------------------------
 @pytest.fixture
-def no_cache(monkeypatch):
-    monkeypatch.setenv("KILN_NO_CACHE", "1")
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("KILN_NO_CACHE", raising=False)
+    cache.toolchain_versions.cache_clear()  # the tools found enter the key
+    yield
+    cache.toolchain_versions.cache_clear()
 
 
 @pytest.mark.lower
+@pytest.mark.parametrize("warm", [False, True], ids=["compiled", "cache-hit"])
 @pytest.mark.parametrize("variable, target", [("KILN_PTXAS", "sm_90a"), ("KILN_LD_LLD", "gfx942")])
-def test_a_tool_variable_naming_no_file_fails_the_binary_stage(variable, target, tmp_path,
-                                                               monkeypatch, no_cache):
+def test_a_tool_variable_naming_no_file_fails_the_binary_stage(variable, target, warm, tmp_path,
+                                                               monkeypatch, private_cache):
+    monkeypatch.delenv(variable, raising=False)
+    finder = "find_ptxas" if variable == "KILN_PTXAS" else "find_ld_lld"
+    if warm:  # an entry compiled without the tool, which a bad variable must not fall back to
+        with monkeypatch.context() as patch:
+            patch.setattr(tools, finder, lambda: None)
+            kiln.kernel(saxpy.fn).compile(X, X, 8, 2.0, BLOCK=64, target=target)
+        monkeypatch.setattr(kiln.JITKernel, "_trace_specs", lambda *a: pytest.fail("missed"))
     missing = tmp_path / "no-such-tool"
     monkeypatch.setenv(variable, str(missing))
     with pytest.raises(KilnValueError, match=f"{variable}={missing} does not exist") as err:
@@ -89,7 +101,7 @@ def test_stage_tool_rules(tmp_path, monkeypatch):
 
 
 @pytest.mark.lower
-def test_an_unset_missing_tool_still_skips_its_stage(monkeypatch, no_cache):
+def test_an_unset_missing_tool_still_skips_its_stage(monkeypatch, private_cache):
     monkeypatch.delenv("KILN_LD_LLD", raising=False)
     monkeypatch.setattr(tools, "find_ld_lld", lambda: None)
     ck = kiln.kernel(saxpy.fn).compile(X, X, 8, 2.0, BLOCK=64, target="gfx942")
