@@ -151,3 +151,30 @@ def test_signatures_and_options_round_trip_through_json():
     loaded = cache.get(key)
     assert KernelSignature.from_json(loaded["signature"]) == sig
     assert CompileOptions(**loaded["options"]) == options
+
+
+def _put_forever(root: str) -> None:
+    """Worker: store ever new keys until killed."""
+    os.environ["KILN_CACHE_DIR"] = root
+    for n in range(10**6):
+        cache.put(cache.make_key(f"killed {n}"), _artifact(n % 256))
+
+
+def test_a_writer_killed_mid_put_leaves_no_torn_entry(cache_dir):
+    import signal
+    import time
+
+    context = multiprocessing.get_context("spawn")
+    worker = context.Process(target=_put_forever, args=(str(cache_dir),))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while len(list(cache_dir.rglob("meta.json"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join()
+    written = len(list(cache_dir.rglob("meta.json")))
+    assert written >= 3
+    for n in range(written + 1):  # the last one may be half-written: a miss, never torn
+        loaded = cache.get(cache.make_key(f"killed {n}"))
+        assert loaded is None or loaded == _artifact(n % 256)
+    assert cache.get(cache.make_key(f"killed {written - 1}")) == _artifact((written - 1) % 256)
