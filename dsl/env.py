@@ -16,7 +16,8 @@ the variable and what it takes (an empty value counts as unset). Flags accept ``
                                   interpreter context waits before a deadlock error
 ``CUDA_ROOT`` / ``CUDA_HOME``     CUDA toolkit used for ``ptxas`` (cubin and ``-v`` report)
 ``KILN_PTXAS``                    explicit ``ptxas`` path (overrides ``CUDA_ROOT``); a path
-                                  that is not an executable file fails the cubin stage
+                                  that is not an executable file fails the cubin stage,
+                                  ``none`` skips it
 ``KILN_LD_LLD``                   explicit ``ld.lld`` path for AMD ``hsaco`` linking (same rule)
 ``KILN_CUOBJDUMP``                explicit ``cuobjdump`` path (SASS schedule check; same rule)
 ``KILN_ROCM_RUNTIME``             path of ``libmlir_rocm_runtime.so`` for AMD launches

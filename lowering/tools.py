@@ -4,7 +4,8 @@ MLIR binaries.
 Each finder returns a path or None; a missing optional tool just skips its stage (no cubin
 without ``ptxas``, no hsaco without ``ld.lld``). A stage asks through :func:`stage_tool`, which
 raises instead when the user named the tool (``KILN_PTXAS``, ``KILN_LD_LLD``,
-``KILN_CUOBJDUMP``) and the path is not an executable file: the stage was asked for.
+``KILN_CUOBJDUMP``) and the path is not an executable file: the stage was asked for. Setting
+the variable to ``none`` skips the stage on purpose (e.g. to stop at PTX).
 
 Example::
 
@@ -23,7 +24,13 @@ from kiln import env
 from kiln.errors import KilnValueError
 
 
+# KILN_PTXAS=none (likewise KILN_LD_LLD, KILN_CUOBJDUMP): use no such tool, skip its stage.
+NO_TOOL = "none"
+
+
 def _executable(path: Path) -> Path | None:
+    if str(path).lower() == NO_TOOL:
+        return None
     return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
@@ -82,11 +89,12 @@ def stage_tool(tool: str) -> Path | None:
     variable, override, finder = _STAGE_TOOLS[tool]
     found = finder()
     path = override()
-    if found is None and path is not None and _executable(path) is None:
+    if found is None and path is not None and str(path).lower() != NO_TOOL:
         problem = "does not exist" if not path.exists() else "is not an executable file"
         raise KilnValueError(f"{variable}={path} {problem}, so the {tool} stage cannot run",
-                             fix=f"point {variable} at the {tool} executable, or unset it to "
-                                 "search the usual places (the stage is skipped if none is found)")
+                             fix=f"point {variable} at the {tool} executable, set it to "
+                                 f"{NO_TOOL!r} to skip the stage, or unset it to search the "
+                                 "usual places (the stage is skipped if none is found)")
     return found
 
 

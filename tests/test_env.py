@@ -95,6 +95,8 @@ def test_stage_tool_rules(tmp_path, monkeypatch):
     tool.write_text("#!/bin/sh\n")
     tool.chmod(0o755)
     assert tools.stage_tool("cuobjdump") == tool
+    monkeypatch.setenv("KILN_CUOBJDUMP", "None")  # skipped on purpose
+    assert tools.stage_tool("cuobjdump") is None and tools.find_cuobjdump() is None
     monkeypatch.delenv("KILN_CUOBJDUMP")
     monkeypatch.setattr(tools, "find_cuobjdump", lambda: None)
     assert tools.stage_tool("cuobjdump") is None  # not set, not found: the stage is skipped
@@ -106,6 +108,13 @@ def test_an_unset_missing_tool_still_skips_its_stage(monkeypatch, private_cache)
     monkeypatch.setattr(tools, "find_ld_lld", lambda: None)
     ck = kiln.kernel(saxpy.fn).compile(X, X, 8, 2.0, BLOCK=64, target="gfx942")
     assert "obj" in ck.asm and "hsaco" not in ck.asm
+
+
+@pytest.mark.lower
+def test_none_skips_a_tool_stage_on_purpose(monkeypatch, private_cache):
+    monkeypatch.setenv("KILN_PTXAS", "none")
+    ck = kiln.kernel(saxpy.fn).compile(X, X, 8, 2.0, BLOCK=64, target="sm_90a")
+    assert "ptx" in ck.asm and "cubin" not in ck.asm
 
 
 # ---- target names --------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 # both vendors (sm_90a PTX; gfx950 assembly).
 import os
 
-os.environ["KILN_PTXAS"] = "/nonexistent"  # stop at PTX: the checks must not depend on ptxas
+os.environ["KILN_PTXAS"] = "none"  # stop at PTX: the checks must not depend on ptxas
 
 import numpy as np  # noqa: E402
 

@@ -6,7 +6,7 @@
 
 import os
 
-os.environ["KILN_PTXAS"] = "/nonexistent"  # stop at PTX: the checks must not depend on ptxas
+os.environ["KILN_PTXAS"] = "none"  # stop at PTX: the checks must not depend on ptxas
 os.environ["KILN_NO_CACHE"] = "1"
 
 import numpy as np  # noqa: E402

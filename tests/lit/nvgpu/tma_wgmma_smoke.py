@@ -6,7 +6,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-os.environ["KILN_PTXAS"] = "/nonexistent"  # stop at PTX: the checks must not depend on ptxas
+os.environ["KILN_PTXAS"] = "none"  # stop at PTX: the checks must not depend on ptxas
 os.environ["KILN_NO_CACHE"] = "1"
 
 example = Path(__file__).resolve().parents[3] / "examples" / "hopper_tma_wgmma_smoke.py"
