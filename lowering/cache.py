@@ -119,7 +119,8 @@ def cache_root() -> Path:
 ENTRY_FORMAT = "kiln-cache-entry/1"
 MANIFEST = "meta.json"
 _INLINE_TEXT = 512  # longer strings (assembly, IR) become payload files
-_PAYLOAD_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}")
+_PAYLOAD_NAME = re.compile(r"[A-Za-z0-9_-]{1,100}\.[0-9a-f]{32}\.(txt|bin)")
+_KEY = re.compile(r"[A-Za-z0-9_-]{1,200}")
 
 
 class _BadEntry(ValueError):
@@ -137,6 +138,8 @@ def _usable_root() -> Path | None:
 
 
 def _entry_dir(root: Path, key: str) -> Path:
+    if not _KEY.fullmatch(key):  # a key names a directory: no separators, no dots
+        raise ValueError(f"cache key {key!r} is not a make_key() digest")
     # Two-level fan-out keeps directories small when thousands of kernels are cached.
     return root / key[:2] / key
 
@@ -151,19 +154,19 @@ def _encode(value, path: str, payloads: dict[str, bytes]):
     if isinstance(value, (bytes, str)) and (isinstance(value, bytes) or len(value) > _INLINE_TEXT):
         text = isinstance(value, str)
         data = value.encode() if text else bytes(value)
-        label = re.sub(r"[^A-Za-z0-9_.-]", "_", path)[:100] or "payload"
+        label = re.sub(r"[^A-Za-z0-9_-]", "_", path)[:100] or "payload"
         name = f"{label}.{hashlib.sha256(data).hexdigest()[:32]}.{'txt' if text else 'bin'}"
         payloads[name] = data
         return {"$payload": name}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):
-        return [_encode(item, f"{path}.{i}", payloads) for i, item in enumerate(value)]
+        return [_encode(item, f"{path}-{i}", payloads) for i, item in enumerate(value)]
     if isinstance(value, dict):
         if not all(isinstance(name, str) for name in value) or "$payload" in value:
             raise TypeError(f"cache artifact dict at {path or 'top'} needs str keys, "
                             f"none named $payload: {list(value)!r}")
-        return {name: _encode(item, f"{path}.{name}" if path else name, payloads)
+        return {name: _encode(item, f"{path}-{name}" if path else name, payloads)
                 for name, item in value.items()}
     raise TypeError(f"cache artifact value at {path or 'top'} is a {type(value).__name__}, "
                     "not JSON data or bytes")
@@ -192,7 +195,7 @@ def _load(entry: Path, key: str) -> dict:
         raise _BadEntry("corrupt", "its meta.json does not match its digest")
     payloads = {}
     for name, record in manifest["payloads"].items():
-        if not _PAYLOAD_NAME.fullmatch(name) or ".." in name:
+        if not _PAYLOAD_NAME.fullmatch(name):
             raise _BadEntry("corrupt", f"bad payload file name {name!r}")
         data = read_owned(entry / name)
         if len(data) != record["size"] or hashlib.sha256(data).hexdigest() != record["sha256"]:

@@ -178,3 +178,16 @@ def test_a_writer_killed_mid_put_leaves_no_torn_entry(cache_dir):
         loaded = cache.get(cache.make_key(f"killed {n}"))
         assert loaded is None or loaded == _artifact(n % 256)
     assert cache.get(cache.make_key(f"killed {written - 1}")) == _artifact((written - 1) % 256)
+
+
+def test_any_artifact_keys_round_trip_and_keys_stay_inside_the_cache(cache_dir):
+    key = cache.make_key("odd names")
+    artifact = {".hidden": b"\0", "a/../b": "y" * 1000, "": [b"z", "w" * 600], "$x": (1, 2)}
+    cache.put(key, artifact)
+    assert cache.get(key) == {**artifact, "$x": [1, 2]}  # tuples come back as lists
+    assert all(p.parent == cache_dir / key[:2] / key for p in cache_dir.rglob("*") if p.is_file())
+    for bad in ("../escape", "a/b", ""):
+        with pytest.raises(ValueError, match="not a make_key"):
+            cache.get(bad)
+    with pytest.raises(TypeError, match="not JSON data or bytes"):
+        cache.put(key, {"options": object()})
