@@ -441,6 +441,12 @@ class _Interpreted:
     def __getitem__(self, grid) -> Callable:
         return functools.partial(self._run, grid)
 
+    def __call__(self, *args, **kwargs):
+        raise KilnTypeError(f"kernel.interpret needs a grid: {self.kernel.name}.interpret is "
+                            "indexed with the grid before the call, like a launch",
+                            fix=f"use {self.kernel.name}.interpret[grid](...), e.g. "
+                                f"{self.kernel.name}.interpret[(n + 255) // 256](...)")
+
     @user_facing
     def _run(self, grid, *args, target: str | None = None, num_warps: int = 4, **kwargs):
         from kiln.lowering.interpret import interpret_kernel
