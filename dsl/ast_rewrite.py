@@ -33,7 +33,7 @@ import textwrap
 import types
 from typing import Callable
 
-from . import trace_runtime
+from . import pyhints, trace_runtime
 from .builder import at_source
 from .errors import KilnValueError, SourceLoc
 
@@ -275,13 +275,22 @@ class _Rewriter(ast.NodeTransformer):
 _cache: dict[Callable, Callable] = {}
 
 
+def _record_column_shift(code: types.CodeType, shift: int) -> None:
+    """Tell kiln.pyhints how far ``code`` and its nested functions were dedented."""
+    pyhints.COLUMN_SHIFT[code] = shift
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _record_column_shift(const, shift)
+
+
 def rewrite(fn: Callable) -> Callable:
     """The AST-rewritten version of ``fn`` (cached), bound to the same globals and closure."""
     cached = _cache.get(fn)
     if cached is not None:
         return cached
     try:
-        source = textwrap.dedent(inspect.getsource(fn))
+        raw = inspect.getsource(fn)
+        source = textwrap.dedent(raw)
         filename = inspect.getsourcefile(fn) or fn.__code__.co_filename
     except (OSError, TypeError) as err:
         raise KilnValueError(f"cannot read the source of {fn.__qualname__}: {err}",
@@ -305,6 +314,7 @@ def rewrite(fn: Callable) -> Callable:
     module = ast.fix_missing_locations(ast.Module([factory], type_ignores=[]))
     code = compile(module, filename, "exec")
     factory_code = next(c for c in code.co_consts if isinstance(c, types.CodeType))
+    _record_column_shift(factory_code, raw.index(raw.lstrip()[0]) - source.index(source.lstrip()[0]))
     make = types.FunctionType(factory_code, fn.__globals__)
     cells = []
     for cell in fn.__closure__ or ():

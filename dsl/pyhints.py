@@ -37,6 +37,9 @@ UFUNC_OPERATORS = {
     "equal": operator.eq, "not_equal": operator.ne,
 }
 _KILN_RT = "__kiln_rt"  # every AST-rewritten function (kernel, @kiln.func) closes over it
+# Code objects of AST-rewritten functions -> how far their source was dedented (their column
+# offsets are relative to the dedented text); filled by kiln.ast_rewrite.
+COLUMN_SHIFT: dict[types.CodeType, int] = {}
 
 
 def _user_frame() -> types.FrameType | None:
@@ -52,9 +55,11 @@ def _position(frame: types.FrameType) -> tuple[SourceLoc, str | None]:
     """The location and source text of the expression ``frame`` is evaluating."""
     positions = list(frame.f_code.co_positions())
     line, end_line, col, end_col = positions[frame.f_lasti // 2]
-    if line is None:
+    if line is None or col is None or end_col is None:
         return SourceLoc(frame.f_code.co_filename, frame.f_lineno), None
-    loc = SourceLoc(frame.f_code.co_filename, line, col or 0,
+    shift = COLUMN_SHIFT.get(frame.f_code, 0)
+    col, end_col = col + shift, end_col + shift
+    loc = SourceLoc(frame.f_code.co_filename, line, col,
                     end_col if end_line == line else None)
     text = loc.source_line()
     segment = text[col:end_col] if text is not None and end_line == line else None
