@@ -15,6 +15,7 @@ from .kernel import (JITKernel, KilnFunc, TensorMap, TracedKernel, constexpr, fu
 from .ops import (abs, barrier, block_dim, block_id, cast, exp, exp2, fence, fma, lane_id, log,
                   log2, maximum, minimum, num_blocks, rcp, rsqrt, sqrt, thread_id, warp_id, where)
 from .printing import print
+from .threads import ThreadCountWarning
 from .shared import SharedTensor, shared
 from .struct import struct
 from .tensor import Tensor, TensorRef
