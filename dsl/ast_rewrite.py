@@ -314,7 +314,8 @@ def rewrite(fn: Callable) -> Callable:
     module = ast.fix_missing_locations(ast.Module([factory], type_ignores=[]))
     code = compile(module, filename, "exec")
     factory_code = next(c for c in code.co_consts if isinstance(c, types.CodeType))
-    _record_column_shift(factory_code, raw.index(raw.lstrip()[0]) - source.index(source.lstrip()[0]))
+    dedent = raw.index(raw.lstrip()[0]) - source.index(source.lstrip()[0])
+    _record_column_shift(factory_code, dedent)
     make = types.FunctionType(factory_code, fn.__globals__)
     cells = []
     for cell in fn.__closure__ or ():

@@ -1,8 +1,9 @@
 """Device built-ins: thread/block ids, barriers, math, ``where`` and ``cast``.
 
-All ids are i32 Values. The block is one-dimensional (``num_warps * warp_size`` threads), so
-``kiln.block_dim(0)`` is a compile-time constant (Kiln never emits ``gpu.block_dim``: on AMD it
-would need a device-library call).
+All ids are i32 Values. The block is one-dimensional (``num_warps * warp_size`` threads, or
+``num_threads``: see :mod:`kiln.threads`), so ``kiln.block_dim(0)`` is a compile-time constant
+(Kiln never emits ``gpu.block_dim``: on AMD it would need a device-library call). Indexing with
+it, rather than repeating a constexpr block size, stays right on either warp width.
 
 Example::
 
@@ -59,7 +60,8 @@ def num_blocks(d: int = 0) -> Value:
 
 @checked_call
 def block_dim(d: int = 0) -> Value:
-    """The block size along ``d``: a constant from ``num_warps`` (never ``gpu.block_dim``)."""
+    """The block size along ``d``: a constant from ``num_warps``/``num_threads`` (never
+    ``gpu.block_dim``). Example: ``i = kiln.block_id(0) * kiln.block_dim(0) + kiln.thread_id(0)``."""
     _dim(d)
     axis = {"x": 0, "y": 1, "z": 2}.get(d, d)
     return constant(builder.current().block[axis], dt.i32)
@@ -140,15 +142,15 @@ def _unary_math(name: str, op, doc: str):
 
     fn.__name__ = name
     fn.__doc__ = doc
-    return fn
+    return checked_call(fn)
 
 
-exp2 = checked_call(_unary_math("exp2", math.exp2, "2**x. Example: ``kiln.exp2(x * LOG2E)``."))
-log2 = checked_call(_unary_math("log2", math.log2, "Base-2 logarithm. Example: ``kiln.log2(x)``."))
-exp = checked_call(_unary_math("exp", math.exp, "e**x. Example: ``kiln.exp(x - m)``."))
-log = checked_call(_unary_math("log", math.log, "Natural logarithm. Example: ``kiln.log(s)``."))
-sqrt = checked_call(_unary_math("sqrt", math.sqrt, "Square root. Example: ``kiln.sqrt(var + eps)``."))
-rsqrt = checked_call(_unary_math("rsqrt", math.rsqrt, "1/sqrt(x). Example: ``kiln.rsqrt(var + eps)``."))
+exp2 = _unary_math("exp2", math.exp2, "2**x. Example: ``kiln.exp2(x * LOG2E)``.")
+log2 = _unary_math("log2", math.log2, "Base-2 logarithm. Example: ``kiln.log2(x)``.")
+exp = _unary_math("exp", math.exp, "e**x. Example: ``kiln.exp(x - m)``.")
+log = _unary_math("log", math.log, "Natural logarithm. Example: ``kiln.log(s)``.")
+sqrt = _unary_math("sqrt", math.sqrt, "Square root. Example: ``kiln.sqrt(var + eps)``.")
+rsqrt = _unary_math("rsqrt", math.rsqrt, "1/sqrt(x). Example: ``kiln.rsqrt(var + eps)``.")
 
 
 @checked_call

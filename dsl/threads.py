@@ -127,7 +127,8 @@ def check_thread_indexing(module: ir.Module, kernel: str, block_threads: int, ta
             a, b = (_source(v) for v in op.operands)
             for prod, tid in ((a, b), (b, a)):
                 stride = _block_stride(prod)
-                if stride is not None and stride != block_threads and _is_id_x(tid, "gpu.thread_id"):
+                if (stride is not None and stride != block_threads
+                        and _is_id_x(tid, "gpu.thread_id")):
                     found.append((op.location, stride))
         return ir.WalkResult.ADVANCE
 

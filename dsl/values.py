@@ -13,7 +13,10 @@ integers truncate toward zero as in C/CUDA (not Python's floor). Comparisons are
 integers, unsigned for ``index``, ordered for floats except ``!=`` (unordered, so NaN != NaN as
 in Python). ``x ** n`` needs a constant non-negative Python int ``n``.
 
-``bool(value)`` is an error: write ``if`` (rewritten to ``scf.if``) or ``kiln.where``.
+``bool(value)`` is an error: write ``if`` (rewritten to ``scf.if``) or ``kiln.where``. So is any
+use that needs a Python value at trace time, each naming the Kiln spelling (:mod:`kiln.pyhints`):
+``math.exp(v)`` / ``np.exp(v)`` (use ``kiln.exp``), ``float(v)`` (``kiln.cast``), ``str(v)`` and
+``f"{v}"`` (``kiln.print``; ``repr(v)`` still shows the dtype).
 """
 
 from __future__ import annotations

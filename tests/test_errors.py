@@ -248,7 +248,8 @@ def test_unknown_keyword_of_a_kiln_function(marker_line):
     def k(x: kiln.Tensor[f32]):
         x[0] = kiln.exp(x[1], approx=True)  # @bad-keyword-fn
 
-    with pytest.raises(kiln.KilnTypeError, match=r"kiln.exp\(\): got an unexpected keyword") as info:
+    with pytest.raises(kiln.KilnTypeError,
+                       match=r"kiln.exp\(\): got an unexpected keyword") as info:
         k.trace(V)
     assert info.value.loc.line == marker_line("@bad-keyword-fn")
 

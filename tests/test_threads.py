@@ -127,7 +127,8 @@ def test_declared_kernel_rejects_a_launch_with_another_thread_count(marker_line)
     x, y, _ = _data()
     with pytest.raises(kiln.KilnValueError, match=r"declares num_threads='BLOCK' \(= 256\) but "
                        r"the launch asks for 8 warps \(512 threads on gfx950") as info:
-        saxpy_declared.interpret[40](x, y, N, 2.0, BLOCK=256, num_warps=8, target="gfx950")  # @bad-launch
+        saxpy_declared.interpret[40](x, y, N, 2.0, BLOCK=256, num_warps=8,  # @bad-launch
+                                     target="gfx950")
     assert info.value.loc.line == marker_line("@bad-launch")
     with pytest.raises(kiln.KilnValueError, match="declares"):
         saxpy_declared.compile(x, y, N, 2.0, BLOCK=256, num_threads=128, target="sm_90a")
@@ -135,7 +136,8 @@ def test_declared_kernel_rejects_a_launch_with_another_thread_count(marker_line)
 
 def test_declared_kernel_compiles_the_declared_block():
     x, y, _ = _data()
-    assert saxpy_declared.trace(x, y, N, 2.0, BLOCK=128, target="gfx950").signature.block == (128, 1, 1)
+    traced = saxpy_declared.trace(x, y, N, 2.0, BLOCK=128, target="gfx950")
+    assert traced.signature.block == (128, 1, 1)
     assert saxpy_declared.trace(x, y, N, 2.0, BLOCK=128, target="sm_90a",
                                 num_warps=4).signature.block == (128, 1, 1)
 
