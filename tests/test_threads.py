@@ -177,3 +177,21 @@ def test_bad_declaration_names_the_constexprs():
 
     with pytest.raises(kiln.KilnValueError, match=r"num_threads='BLOK'.*\(BLOCK\)"):
         kiln.kernel(num_threads="BLOK")(k)
+
+
+@pytest.mark.parametrize("target", ["sm_90a", "gfx950"])
+def test_demo_rms_norm_is_right_on_both_vendors(target):
+    """examples/demo.py compiles for gfx950 too; with BLOCK=128 as 4 warps it had 256-thread
+    blocks there, each overlapping the next block's rows."""
+    from source_modules import load_example
+
+    demo = load_example("demo")
+    rng = np.random.default_rng(SEED)
+    rows, cols = 300, 33
+    x, w, y = demo.random_inputs(rng, rows, cols)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ThreadCountWarning)
+        demo.rms_norm.interpret[((rows + 127) // 128,)](x, w, y, rows, cols, 1e-6, BLOCK=128,
+                                                        target=target)
+    ref = demo.reference(x, w, 1e-6)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
