@@ -84,7 +84,7 @@ class Value:
     def __float__(self):  # math.exp(v), float(v): say which Kiln function to use instead
         raise pyhints.python_number_error("float")
 
-    def __format__(self, spec):  # f"{v}" would print a trace-time placeholder
+    def __format__(self, spec: str = ""):  # f"{v}" would print a trace-time placeholder
         raise pyhints.format_error()
 
     __str__ = __format__

@@ -171,6 +171,26 @@ def test_math_function_on_traced_value_names_the_kiln_function(marker_line):
     assert info.value.loc.line == marker_line("@math-exp")
 
 
+def test_float_of_traced_value_suggests_kiln_cast(marker_line):
+    import math
+
+    @kiln.kernel
+    def k(x: kiln.Tensor[f32], C: kiln.constexpr):
+        if C == "float":
+            x[0] = float(x[1])  # @float-call
+        else:
+            x[0] = math.floor(x[1])  # @math-floor
+
+    with pytest.raises(kiln.KilnTypeError, match=r"float\(\) of a traced value") as info:
+        k.trace(V, C="float")
+    assert "kiln.cast(" in info.value.fix
+    assert info.value.loc.line == marker_line("@float-call")
+    with pytest.raises(kiln.KilnTypeError, match=r"math.floor\(\) needs a Python number") as info:
+        k.trace(V, C="floor")
+    assert "Kiln's math" in info.value.fix  # no kiln.floor: the fix lists what exists
+    assert info.value.loc.line == marker_line("@math-floor")
+
+
 def test_numpy_function_on_traced_value_is_kiln_type_error(marker_line):
     @kiln.kernel
     def k(x: kiln.Tensor[f32]):
@@ -265,6 +285,16 @@ def test_formatting_a_traced_value_suggests_kiln_print(marker_line):
         k.trace(V)
     assert "kiln.print(" in info.value.fix
     assert info.value.loc.line == marker_line("@fstring")
+
+
+def test_printing_a_traced_value_suggests_kiln_print(marker_line):
+    @kiln.kernel
+    def k(x: kiln.Tensor[f32]):
+        print("v =", x[1])  # @print-value
+
+    with pytest.raises(kiln.KilnTypeError, match="formatting a traced value") as info:
+        k.trace(V)
+    assert info.value.loc.line == marker_line("@print-value")
 
 
 def test_traced_shared_shape_suggests_constexpr(marker_line):
