@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import re
 import sys
 import types
 
@@ -53,10 +54,13 @@ def _user_frame() -> types.FrameType | None:
 
 def _position(frame: types.FrameType) -> tuple[SourceLoc, str | None]:
     """The location and source text of the expression ``frame`` is evaluating."""
-    positions = list(frame.f_code.co_positions())
-    line, end_line, col, end_col = positions[frame.f_lasti // 2]
+    whole_line = SourceLoc(frame.f_code.co_filename, frame.f_lineno)
+    if not hasattr(frame.f_code, "co_positions"):  # Python 3.10: the first math call of the line
+        found = re.search(r"\b(?:math|np|numpy)\.\w+\(.*\)", whole_line.source_line() or "")
+        return whole_line, found.group(0) if found else None
+    line, end_line, col, end_col = list(frame.f_code.co_positions())[frame.f_lasti // 2]
     if line is None or col is None or end_col is None:
-        return SourceLoc(frame.f_code.co_filename, frame.f_lineno), None
+        return whole_line, None
     shift = COLUMN_SHIFT.get(frame.f_code, 0)
     col, end_col = col + shift, end_col + shift
     loc = SourceLoc(frame.f_code.co_filename, line, col,
