@@ -14,6 +14,8 @@ from .kernel import (JITKernel, KilnFunc, TensorMap, TracedKernel, constexpr, fu
                      set_default_target)
 from .ops import (abs, barrier, block_dim, block_id, cast, exp, exp2, fence, fma, lane_id, log,
                   log2, maximum, minimum, num_blocks, rcp, rsqrt, sqrt, thread_id, warp_id, where)
+from .printing import print
+from .threads import ThreadCountWarning
 from .shared import SharedTensor, shared
 from .struct import struct
 from .tensor import Tensor, TensorRef

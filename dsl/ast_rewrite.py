@@ -5,7 +5,8 @@ original statement, else call :func:`kiln.trace_runtime.if_stmt` with one nested
 branch". The nested functions take the variables the branches assign as parameters and return
 their new values, so ``x = 1.0`` inside a traced branch becomes an ``scf.if`` result. Loops
 ``for i in kiln.range(...)`` become a body function passed to ``for_stmt``; any other ``for``
-runs in Python (unrolled). ``while`` conditions must be Python values.
+runs in Python (unrolled). ``while`` conditions must be Python values, and a ``raise`` cannot
+sit in a traced ``if`` (it would run at trace time whatever the condition).
 
 Line numbers are kept (the rewritten code is compiled under the user's file name at the
 original lines), and every simple statement runs inside ``kiln.builder.at_source(...)`` so the
@@ -32,7 +33,7 @@ import textwrap
 import types
 from typing import Callable
 
-from . import trace_runtime
+from . import pyhints, trace_runtime
 from .builder import at_source
 from .errors import KilnValueError, SourceLoc
 
@@ -53,6 +54,7 @@ class _Runtime:
     static_while_cond = staticmethod(trace_runtime.static_while_cond)
     traced_return = staticmethod(trace_runtime.traced_return)
     traced_break = staticmethod(trace_runtime.traced_break)
+    traced_raise = staticmethod(trace_runtime.traced_raise)
 
 
 def _rt(attr: str) -> ast.expr:
@@ -125,8 +127,9 @@ def region_names(stmts) -> tuple[list[str], list[str]]:
 class _ForbidEscapes(ast.NodeTransformer):
     """Inside a traced region, ``return``/``break``/``continue`` cannot leave it: raise instead."""
 
-    def __init__(self):
+    def __init__(self, in_if: bool):
         self.loop_depth = 0
+        self.in_if = in_if
 
     def visit_FunctionDef(self, node):
         return node
@@ -145,6 +148,11 @@ class _ForbidEscapes(ast.NodeTransformer):
 
     visit_For = visit_While = _loop
 
+    def visit_Raise(self, node):
+        # Both branches of a traced `if` are traced, so a raise there would fire whatever the
+        # condition is at run time.
+        return ast.copy_location(ast.Expr(_call("traced_raise")), node) if self.in_if else node
+
     def visit_Break(self, node):
         if self.loop_depth:
             return node
@@ -153,8 +161,8 @@ class _ForbidEscapes(ast.NodeTransformer):
     visit_Continue = visit_Break
 
 
-def _forbid_escapes(stmts):
-    t = _ForbidEscapes()
+def _forbid_escapes(stmts, in_if: bool = False):
+    t = _ForbidEscapes(in_if)
     return [t.visit(copy.deepcopy(s)) for s in stmts]
 
 
@@ -191,7 +199,11 @@ class _Rewriter(ast.NodeTransformer):
     visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
 
     def visit_While(self, node):
-        node.test = _call("static_while_cond", node.test)
+        test = node.test  # the error names the condition's own line, not the enclosing def
+        end = test.end_col_offset if test.end_lineno == test.lineno else None
+        node.test = _call("static_while_cond", test, ast.Constant(self.filename),
+                          ast.Constant(test.lineno), ast.Constant(test.col_offset),
+                          ast.Constant(end))
         node.body = self._stmts(node.body)
         node.orelse = self._stmts(node.orelse)
         return node
@@ -221,12 +233,13 @@ class _Rewriter(ast.NodeTransformer):
         names, loaded = region_names(node.body + node.orelse)
         static_if = ast.If(ast.Name(cond, ast.Load()), self._stmts(copy.deepcopy(node.body)),
                            self._stmts(copy.deepcopy(node.orelse)))
-        then_fn = self._branch_fn(f"__kiln_then_{n}", names, _forbid_escapes(node.body), node)
+        then_fn = self._branch_fn(f"__kiln_then_{n}", names, _forbid_escapes(node.body, True),
+                                  node)
         traced = [then_fn]
         else_ref: ast.expr = ast.Constant(None)
         if node.orelse:
             traced.append(self._branch_fn(f"__kiln_else_{n}", names,
-                                          _forbid_escapes(node.orelse), node))
+                                          _forbid_escapes(node.orelse, True), node))
             else_ref = ast.Name(f"__kiln_else_{n}", ast.Load())
         call = _call("if_stmt", ast.Name(cond, ast.Load()),
                      ast.Name(f"__kiln_then_{n}", ast.Load()),
@@ -262,13 +275,22 @@ class _Rewriter(ast.NodeTransformer):
 _cache: dict[Callable, Callable] = {}
 
 
+def _record_column_shift(code: types.CodeType, shift: int) -> None:
+    """Tell kiln.pyhints how far ``code`` and its nested functions were dedented."""
+    pyhints.COLUMN_SHIFT[code] = shift
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _record_column_shift(const, shift)
+
+
 def rewrite(fn: Callable) -> Callable:
     """The AST-rewritten version of ``fn`` (cached), bound to the same globals and closure."""
     cached = _cache.get(fn)
     if cached is not None:
         return cached
     try:
-        source = textwrap.dedent(inspect.getsource(fn))
+        raw = inspect.getsource(fn)
+        source = textwrap.dedent(raw)
         filename = inspect.getsourcefile(fn) or fn.__code__.co_filename
     except (OSError, TypeError) as err:
         raise KilnValueError(f"cannot read the source of {fn.__qualname__}: {err}",
@@ -292,6 +314,8 @@ def rewrite(fn: Callable) -> Callable:
     module = ast.fix_missing_locations(ast.Module([factory], type_ignores=[]))
     code = compile(module, filename, "exec")
     factory_code = next(c for c in code.co_consts if isinstance(c, types.CodeType))
+    dedent = raw.index(raw.lstrip()[0]) - source.index(source.lstrip()[0])
+    _record_column_shift(factory_code, dedent)
     make = types.FunctionType(factory_code, fn.__globals__)
     cells = []
     for cell in fn.__closure__ or ():

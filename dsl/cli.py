@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                                 help="sm_80, sm_90a, sm_100a, gfx942, gfx950")
     compile_parser.add_argument("--emit", default="kiln",
                                 help="stage to print: kiln, gpu, nvvm|rocdl, llvm, ptx|amdgcn, ...")
-    compile_parser.add_argument("--num-warps", type=int, default=4)
+    compile_parser.add_argument("--num-warps", type=int, default=None)
     compile_parser.add_argument("-D", "--define", action="append", default=[],
                                 metavar="NAME=VALUE", help="constexpr value")
     compile_parser.add_argument("--arg", action="append", default=[], metavar="NAME=DTYPE[:RANK]",

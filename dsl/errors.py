@@ -29,6 +29,7 @@ Kiln's own stack frames are dropped from tracebacks unless ``KILN_SHOW_STACKTRAC
 from __future__ import annotations
 
 import functools
+import inspect
 import linecache
 import os
 import sys
@@ -236,6 +237,37 @@ def user_facing(fn: F) -> F:
             if env.show_stacktrace():
                 raise
             raise err.with_traceback(None) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def checked_call(fn: F) -> F:
+    """Decorate a DSL op: a call with an unknown keyword or a wrong argument count is a
+    :class:`KilnTypeError` naming the op's parameters, not Python's bare ``TypeError``.
+
+    Example: ``x.store(i, v, mask=m)`` -> ``x.store() got an unexpected keyword argument 'mask'
+    ... Fix: call it as x.store(*args, align=None)``.
+    """
+    sig = inspect.signature(fn)
+    params = [p.replace(annotation=p.empty) for p in sig.parameters.values()]
+    is_method = bool(params) and params[0].name == "self"
+    shown = inspect.Signature(params[1:] if is_method else params)
+    owner = "x." if is_method else "kiln."
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TypeError as err:
+            if isinstance(err, KilnError):
+                raise
+            try:
+                sig.bind(*args, **kwargs)
+            except TypeError as bad_call:  # the call itself is malformed, not the op's body
+                name = f"{owner}{fn.__name__}"
+                raise KilnTypeError(f"{name}(): {bad_call}",
+                                    fix=f"call it as {name}{shown}") from None
+            raise
 
     return wrapper  # type: ignore[return-value]
 

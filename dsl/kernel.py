@@ -5,15 +5,15 @@
     import kiln
     from kiln import f32, i32
 
-    @kiln.kernel
+    @kiln.kernel(num_threads="BLOCK")   # BLOCK threads per block on every vendor
     def saxpy(x: kiln.Tensor[f32], y: kiln.Tensor[f32], n: i32, a: f32, BLOCK: kiln.constexpr):
-        i = kiln.block_id(0) * BLOCK + kiln.thread_id(0)
+        i = kiln.block_id(0) * kiln.block_dim(0) + kiln.thread_id(0)
         if i < n:
             y[i] = a * x[i] + y[i]
 
-    ck = saxpy.compile(x, y, n, 2.0, BLOCK=256, target="sm_90a", num_warps=8)
+    ck = saxpy.compile(x, y, n, 2.0, BLOCK=256, target="sm_90a")
     print(ck.asm["kiln"])
-    saxpy[(n + 255) // 256](x, y, n, 2.0, BLOCK=256, num_warps=8)
+    saxpy[(n + 255) // 256](x, y, n, 2.0, BLOCK=256)
 
 Parameters are annotated ``kiln.Tensor[dtype]``, a scalar dtype (``f32``, ``"i64"``),
 ``kiln.constexpr`` (a Python value baked into the kernel; every distinct value compiles a new
@@ -21,9 +21,11 @@ kernel) or ``kiln.TensorMap[dtype, box, swizzle]``. Unannotated parameters are i
 first call: arrays become tensors, ``int`` i32, ``float`` f32, ``bool`` i1.
 
 Launch options (keywords of ``compile``/launch): ``target`` (default ``"sm_90a"``, see
-:func:`set_default_target`), ``num_warps`` (4), ``opt_level``, ``ptx_version``, ``maxnreg`` and,
-for launches, ``stream``. The grid of ``kernel[grid]`` is an int, a tuple of up to 3 ints, or a
-callable receiving the constexprs (plus ``num_warps``) and returning one.
+:func:`set_default_target`), ``num_warps`` (4; a warp is 32 threads on NVIDIA, 64 on AMD) or
+``num_threads`` (the same count on every vendor; see :mod:`kiln.threads` and
+``@kiln.kernel(num_threads=...)``), ``opt_level``, ``ptx_version``, ``maxnreg`` and, for
+launches, ``stream``. The grid of ``kernel[grid]`` is an int, a tuple of up to 3 ints, or a
+callable receiving the constexprs (plus ``num_warps`` and ``num_threads``) and returning one.
 
 Compiled kernels are cached in memory per specialisation (dtype/rank/contiguity of tensors,
 dtype of scalars, constexpr values, options) and on disk (``kiln.lowering.cache``).
@@ -40,7 +42,7 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import gpu, llvm
 
-from . import ast_rewrite, builder
+from . import ast_rewrite, builder, threads
 from . import dtypes as dt
 from .errors import (CompilationError, KilnTypeError, KilnValueError, SourceLoc,
                      source_loc_from_mlir, trace_location, user_facing)
@@ -48,7 +50,7 @@ from .lowering_bridge import cache_key, lowering_signature, source_key, tensor_a
 from .tensor import TensorRef, TensorSpec, memref_type
 from .values import Value
 
-OPTION_NAMES = ("target", "num_warps", "opt_level", "ptx_version", "maxnreg")
+OPTION_NAMES = ("target", "num_warps", "num_threads", "opt_level", "ptx_version", "maxnreg")
 _default_target = "sm_90a"
 
 
@@ -197,7 +199,8 @@ def _scalar_dtype_of(value: Any) -> dt.DType | None:
 class JITKernel:
     """What ``@kiln.kernel`` returns: call ``.compile(...)``, ``.trace(...)`` or ``[grid](...)``."""
 
-    def __init__(self, fn: Callable, *, flush_denormals: bool = False):
+    def __init__(self, fn: Callable, *, flush_denormals: bool = False,
+                 num_threads: int | str | None = None):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.name = fn.__name__
@@ -205,6 +208,9 @@ class JITKernel:
         self._sig = inspect.signature(fn)
         self.params = tuple(_classify(p.name, _resolve_annotation(fn, p.annotation))
                             for p in self._sig.parameters.values())
+        threads.check_declaration(self.name, num_threads,
+                                  tuple(p.name for p in self.params if p.kind == "constexpr"))
+        self.num_threads = num_threads  # declared threads per block (int or a constexpr's name)
         self._runtime_idx = tuple(i for i, p in enumerate(self.params) if p.kind != "constexpr")
         self._constexpr_flags = tuple(p.kind == "constexpr" for p in self.params)
         self._compiled: dict[tuple, Any] = {}  # (arg specs, options) -> CompiledKernel
@@ -267,6 +273,16 @@ class JITKernel:
         values = self._bind(args, kwargs)
         return tuple(self._arg_spec(p, v) for p, v in zip(self.params, values))
 
+    def _num_warps(self, specs: tuple[ArgSpec, ...], target: str | None,
+                   num_warps: int | None, num_threads: int | None) -> int:
+        """Warps per block from the declaration and the options (see kiln.threads)."""
+        from kiln.lowering.targets import get_target
+
+        constexprs = {s.name: s.value for s in specs if s.kind == "constexpr"}
+        return threads.resolve_num_warps(self.name, self.num_threads, constexprs,
+                                         get_target(_target_or_default(target)), num_warps,
+                                         num_threads)
+
     # ---- tracing ---------------------------------------------------------------------------
     def _trace_specs(self, specs: tuple[ArgSpec, ...], target_name: str,
                      num_warps: int) -> TracedKernel:
@@ -307,6 +323,7 @@ class JITKernel:
             finally:
                 builder.pop()
             _verify(module, self.name)
+            threads.check_thread_indexing(module, self.name, block[0], target, num_warps)
             asm = module.operation.get_asm(enable_debug_info=True)
         constexprs = tuple((s.name, repr(s.value)) for s in specs if s.kind == "constexpr")
         signature = lowering_signature(self.name, specs, block, constexprs,
@@ -337,13 +354,15 @@ class JITKernel:
         return Value(arg, spec.dtype)
 
     @user_facing
-    def trace(self, *args, target: str | None = None, num_warps: int = 4, **kwargs) -> TracedKernel:
+    def trace(self, *args, target: str | None = None, num_warps: int | None = None,
+              num_threads: int | None = None, **kwargs) -> TracedKernel:
         """Build the kiln IR only (no lowering).
 
         Example: ``saxpy.trace(x, y, n, 2.0, BLOCK=256).module_asm``.
         """
         specs = self.specialize(args, kwargs)
-        return self._trace_specs(specs, _target_or_default(target), num_warps)
+        warps = self._num_warps(specs, target, num_warps, num_threads)
+        return self._trace_specs(specs, _target_or_default(target), warps)
 
     # ---- compile and launch ---------------------------------------------------------------
     def _options(self, target, num_warps, opt_level, ptx_version, maxnreg):
@@ -366,15 +385,17 @@ class JITKernel:
         return compile_kernel(traced.module_asm, traced.signature, options, cache_key=key)
 
     @user_facing
-    def compile(self, *args, target: str | None = None, num_warps: int = 4, opt_level: int = 3,
+    def compile(self, *args, target: str | None = None, num_warps: int | None = None,
+                num_threads: int | None = None, opt_level: int = 3,
                 ptx_version: int | None = None, maxnreg: int | None = None, **kwargs):
         """Specialise on ``args`` and compile; returns a ``CompiledKernel`` (``.asm``,
         ``.metadata``, ``.launch``).
 
         Example: ``saxpy.compile(x, y, n, 2.0, BLOCK=256, target="gfx950")``.
         """
-        options = self._options(target, num_warps, opt_level, ptx_version, maxnreg)
         specs = self.specialize(args, kwargs)
+        warps = self._num_warps(specs, target, num_warps, num_threads)
+        options = self._options(target, warps, opt_level, ptx_version, maxnreg)
         key = (specs, options)
         try:
             compiled = self._compiled.get(key)
@@ -428,11 +449,10 @@ class JITKernel:
 
     def _prepare_launch(self, args: tuple, kwargs: dict) -> tuple:
         options = {k: kwargs.pop(k) for k in OPTION_NAMES if k in kwargs}
-        options.setdefault("num_warps", 4)
         ck = self.compile(*args, **options, **kwargs)
         values = self._bind(args, kwargs)
         meta = {p.name: v for p, v in zip(self.params, values) if p.kind == "constexpr"}
-        meta["num_warps"] = options["num_warps"]
+        meta.update(num_warps=ck.options.num_warps, num_threads=ck.options.block_size)
         by_position = all(i < len(args) for i in self._runtime_idx)
         return ck, meta, by_position
 
@@ -446,14 +466,22 @@ class _Interpreted:
     def __getitem__(self, grid) -> Callable:
         return functools.partial(self._run, grid)
 
+    def __call__(self, *args, **kwargs):
+        raise KilnTypeError(f"kernel.interpret needs a grid: {self.kernel.name}.interpret is "
+                            "indexed with the grid before the call, like a launch",
+                            fix=f"use {self.kernel.name}.interpret[grid](...), e.g. "
+                                f"{self.kernel.name}.interpret[(n + 255) // 256](...)")
+
     @user_facing
-    def _run(self, grid, *args, target: str | None = None, num_warps: int = 4, **kwargs):
+    def _run(self, grid, *args, target: str | None = None, num_warps: int | None = None,
+             num_threads: int | None = None, **kwargs):
         from kiln.lowering.interpret import interpret_kernel
         from kiln.lowering.targets import get_target
 
         k = self.kernel
         target = _target_or_default(target)
         specs = k.specialize(args, kwargs)
+        num_warps = k._num_warps(specs, target, num_warps, num_threads)
         key = (specs, target, num_warps)
         try:
             traced = k._interpret_traces.get(key)
@@ -466,7 +494,8 @@ class _Interpreted:
         values = k._bind(args, kwargs)
         if callable(grid):
             meta = {p.name: v for p, v in zip(k.params, values) if p.kind == "constexpr"}
-            grid = grid(dict(meta, num_warps=num_warps))
+            grid = grid(dict(meta, num_warps=num_warps,
+                             num_threads=num_warps * get_target(target).warp_size))
         interpret_kernel(traced, grid, [values[i] for i in k._runtime_idx], get_target(target))
 
 
@@ -517,8 +546,14 @@ def _compilation_error(err: ir.MLIRError, what: str) -> CompilationError:
                             fix="check the dtypes/shapes of the operands on this line", loc=loc)
 
 
-def kernel(fn: Callable | None = None, *, flush_denormals: bool = False):
+def kernel(fn: Callable | None = None, *, flush_denormals: bool = False,
+           num_threads: int | str | None = None):
     """Decorator making ``fn`` a GPU kernel (see module docs for the full example).
+
+    ``num_threads``: the kernel's threads per block, an int or the name of one of its
+    ``kiln.constexpr`` parameters (``num_threads="BLOCK"``); every launch and compile then
+    uses that many threads on every vendor (warps of 32 on NVIDIA, 64 on AMD), and one asking
+    for another count is an error. See :mod:`kiln.threads`.
 
     ``flush_denormals=True``: f32 arithmetic and ``kiln.exp2`` flush denormals to zero on
     NVIDIA (``nvcc -ftz=true``; a one-instruction ``exp2``), for kernels whose numerics do not
@@ -528,8 +563,9 @@ def kernel(fn: Callable | None = None, *, flush_denormals: bool = False):
         def softmax_rows(x: kiln.Tensor[kiln.f32, 2], y: kiln.Tensor[kiln.f32, 2]): ...
     """
     if fn is None:
-        return functools.partial(JITKernel, flush_denormals=flush_denormals)
-    return JITKernel(fn, flush_denormals=flush_denormals)
+        return functools.partial(JITKernel, flush_denormals=flush_denormals,
+                                 num_threads=num_threads)
+    return JITKernel(fn, flush_denormals=flush_denormals, num_threads=num_threads)
 
 
 class KilnFunc:

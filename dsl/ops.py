@@ -1,8 +1,9 @@
 """Device built-ins: thread/block ids, barriers, math, ``where`` and ``cast``.
 
-All ids are i32 Values. The block is one-dimensional (``num_warps * warp_size`` threads), so
-``kiln.block_dim(0)`` is a compile-time constant (Kiln never emits ``gpu.block_dim``: on AMD it
-would need a device-library call).
+All ids are i32 Values. The block is one-dimensional (``num_warps * warp_size`` threads, or
+``num_threads``: see :mod:`kiln.threads`), so ``kiln.block_dim(0)`` is a compile-time constant
+(Kiln never emits ``gpu.block_dim``: on AMD it would need a device-library call). Indexing with
+it, rather than repeating a constexpr block size, stays right on either warp width.
 
 Example::
 
@@ -18,7 +19,7 @@ from mlir.dialects import arith, gpu, llvm, math
 
 from . import builder
 from . import dtypes as dt
-from .errors import KilnTypeError, KilnValueError
+from .errors import KilnTypeError, KilnValueError, checked_call
 from .values import Value, cast, constant, to_value, unify
 
 __all__ = ["block_id", "thread_id", "num_blocks", "block_dim", "lane_id", "warp_id", "barrier",
@@ -39,38 +40,46 @@ def _index_to_i32(v) -> Value:
     return cast(Value(v, dt.index), dt.i32)
 
 
+@checked_call
 def block_id(d: int = 0) -> Value:
     """The block (program) index along grid dimension ``d`` as i32: ``kiln.block_id(0)``."""
     return _index_to_i32(gpu.block_id(_dim(d)))
 
 
+@checked_call
 def thread_id(d: int = 0) -> Value:
     """The thread index inside the block along ``d`` as i32. Example: ``kiln.thread_id(0)``."""
     return _index_to_i32(gpu.thread_id(_dim(d)))
 
 
+@checked_call
 def num_blocks(d: int = 0) -> Value:
     """The grid size along ``d`` (``gpu.grid_dim``) as i32. Example: ``kiln.num_blocks(0)``."""
     return _index_to_i32(gpu.grid_dim(_dim(d)))
 
 
+@checked_call
 def block_dim(d: int = 0) -> Value:
-    """The block size along ``d``: a constant from ``num_warps`` (never ``gpu.block_dim``)."""
+    """The block size along ``d``: a constant from ``num_warps``/``num_threads`` (never
+    ``gpu.block_dim``). Example: ``i = kiln.block_id(0) * kiln.block_dim(0) + kiln.thread_id(0)``."""
     _dim(d)
     axis = {"x": 0, "y": 1, "z": 2}.get(d, d)
     return constant(builder.current().block[axis], dt.i32)
 
 
+@checked_call
 def lane_id() -> Value:
     """This thread's lane inside its warp (wavefront on AMD): ``thread_id(0) % warp_size``."""
     return thread_id(0) % builder.current_target().warp_size
 
 
+@checked_call
 def warp_id() -> Value:
     """This thread's warp index inside the block: ``thread_id(0) // warp_size``."""
     return thread_id(0) // builder.current_target().warp_size
 
 
+@checked_call
 def barrier() -> None:
     """Block-wide barrier (``gpu.barrier``): every thread waits, shared memory is visible after."""
     gpu.barrier()
@@ -81,6 +90,7 @@ _FENCE_SCOPES = {"nvidia": {"cta": "block", "cluster": "cluster", "gpu": "device
                  "amd": {"cta": "workgroup", "gpu": "agent"}}
 
 
+@checked_call
 def fence(scope: str = "gpu") -> None:
     """Acquire-release memory fence (``llvm.fence``) over ``scope``: ``"cta"``, ``"cluster"``
     (NVIDIA) or ``"gpu"`` (``fence.acq_rel.gpu`` / ``__threadfence()`` on NVIDIA, an agent-scope
@@ -102,6 +112,7 @@ def fence(scope: str = "gpu") -> None:
     llvm.fence(llvm.AtomicOrdering.acq_rel, syncscope=scopes[scope])
 
 
+@checked_call
 def where(cond: Any, a: Any, b: Any) -> Value:
     """``a`` where ``cond`` is true else ``b`` (``arith.select``); promotes like ``a + b``.
 
@@ -131,7 +142,7 @@ def _unary_math(name: str, op, doc: str):
 
     fn.__name__ = name
     fn.__doc__ = doc
-    return fn
+    return checked_call(fn)
 
 
 exp2 = _unary_math("exp2", math.exp2, "2**x. Example: ``kiln.exp2(x * LOG2E)``.")
@@ -142,12 +153,14 @@ sqrt = _unary_math("sqrt", math.sqrt, "Square root. Example: ``kiln.sqrt(var + e
 rsqrt = _unary_math("rsqrt", math.rsqrt, "1/sqrt(x). Example: ``kiln.rsqrt(var + eps)``.")
 
 
+@checked_call
 def rcp(x: Any) -> Value:
     """1/x for floats. Example: ``inv = kiln.rcp(l)``."""
     v = _float(x)
     return Value(arith.divf(constant(1.0, v.dtype, v.shape).ir, v.ir), v.dtype)
 
 
+@checked_call
 def maximum(a: Any, b: Any) -> Value:
     """Elementwise max (NaN-propagating for floats, signed for ints): ``kiln.max(m, x)``."""
     x, y = unify(a, b)
@@ -157,6 +170,7 @@ def maximum(a: Any, b: Any) -> Value:
     return Value(op(x.ir, y.ir), x.dtype)
 
 
+@checked_call
 def minimum(a: Any, b: Any) -> Value:
     """Elementwise min (NaN-propagating for floats, signed for ints): ``kiln.min(a, b)``."""
     x, y = unify(a, b)
@@ -166,11 +180,13 @@ def minimum(a: Any, b: Any) -> Value:
     return Value(op(x.ir, y.ir), x.dtype)
 
 
+@checked_call
 def abs(x: Any) -> Value:  # noqa: A001 - mirrors Python's abs for kiln.abs
     """Absolute value (``math.absf`` / ``math.absi``). Example: ``kiln.abs(x - y)``."""
     return to_value(x).__abs__()
 
 
+@checked_call
 def fma(a: Any, b: Any, c: Any) -> Value:
     """a * b + c with one rounding (``math.fma``) for floats. Example: ``kiln.fma(a, x, y)``."""
     x, y = unify(a, b)

@@ -25,8 +25,10 @@ from mlir.dialects import arith, gpu, memref
 
 from . import builder
 from . import dtypes as dt
-from .errors import KilnValueError, ResourceError
+from . import pyhints
+from .errors import KilnValueError, ResourceError, checked_call
 from .tensor import TensorRef, numel_bytes
+from .values import Value
 
 
 class SharedTensor(TensorRef):
@@ -42,6 +44,7 @@ class SharedTensor(TensorRef):
         return self.static_shape
 
 
+@checked_call
 def shared(shape: Any, dtype: Any, *, align: int = 16) -> SharedTensor:
     """Allocate a static shared-memory buffer of ``shape`` (Python ints) and ``dtype``.
 
@@ -74,6 +77,7 @@ def shared(shape: Any, dtype: Any, *, align: int = 16) -> SharedTensor:
 DYNAMIC_BASE_ALIGN = 1024
 
 
+@checked_call
 def dynamic_shared(shape: Any, dtype: Any, *, align: int = 16) -> SharedTensor:
     """Carve a ``shape`` x ``dtype`` buffer out of dynamic shared memory (any size up to the
     chip's opt-in limit, 227 KB on H100); the launch requests the total automatically.
@@ -156,7 +160,16 @@ class DynamicSharedTensor(SharedTensor):
 
 
 def _check_request(shape: Any, dtype: Any, align: int, what: str):
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    shape = (shape,) if isinstance(shape, (int, Value)) else tuple(shape)
+    traced = next((s for s in shape if isinstance(s, Value)), None)
+    if traced is not None:
+        name = pyhints.local_name(traced)
+        which = f"'{name}' is" if name else "an entry is"
+        raise KilnValueError(f"{what} needs a shape of positive Python ints, got {shape!r}: "
+                             f"{which} a traced value (shapes are fixed at compile time)",
+                             fix=f"declare the parameter as `{name or 'BLOCK'}: kiln.constexpr` "
+                                 "so it is a Python int while tracing (each value compiles "
+                                 "its own kernel)")
     if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in shape):
         raise KilnValueError(f"{what} needs a shape of positive Python ints, got {shape!r}",
                              fix="use constants or kiln.constexpr values for the shape")

@@ -26,7 +26,7 @@ from mlir.dialects import arith, memref, scf, vector
 from . import dtypes as dt
 from .builder import GLOBAL_MEMORY_SPACE
 from .dtypes import DType
-from .errors import KilnTypeError, KilnValueError, UnsupportedError
+from .errors import KilnTypeError, KilnValueError, UnsupportedError, checked_call
 from .values import Value, cast, constant, is_literal, to_value
 
 
@@ -162,6 +162,7 @@ class TensorRef:
                                  fix="pass a contiguous tensor (x.contiguous() / "
                                      "np.ascontiguousarray(x)), or use scalar loads")
 
+    @checked_call
     def load(self, *idx, width: int = 1, mask: Any = None, other: Any = 0,
              align: int | None = None) -> Value:
         """Load one element, or ``width`` consecutive elements along the last dim as a vector;
@@ -195,6 +196,7 @@ class TensorRef:
             scf.YieldOp([(fallback if fallback is not None else constant(other, self.dtype)).ir])
         return Value(if_op.results[0], self.dtype)
 
+    @checked_call
     def store(self, *args, align: int | None = None) -> None:
         """``t.store(i, ..., value)``: store a scalar or a vector along the last dimension
         (``align`` as for :meth:`load`)."""
@@ -207,6 +209,7 @@ class TensorRef:
         v = self._coerce(v, v.shape)
         vector.store(v.ir, self.ir, self._indices(tuple(idx)), alignment=_alignment(align))
 
+    @checked_call
     def atomic_add(self, *args) -> Value:
         """``t.atomic_add(i, ..., value)``: add ``value`` to one element atomically (across the
         whole GPU) and return the element's previous value. Integer or float elements.
@@ -222,16 +225,19 @@ class TensorRef:
         """
         return self._atomic("add", args)
 
+    @checked_call
     def atomic_max(self, *args) -> Value:
         """Like :meth:`atomic_add` with ``max`` (signed for integers, NaN-propagating for
         floats); returns the previous value. Example: ``best.atomic_max(0, score)``."""
         return self._atomic("max", args)
 
+    @checked_call
     def atomic_min(self, *args) -> Value:
         """Like :meth:`atomic_add` with ``min``; returns the previous value.
         Example: ``first.atomic_min(0, index)``."""
         return self._atomic("min", args)
 
+    @checked_call
     def atomic_exchange(self, *args) -> Value:
         """Store ``value`` atomically and return the previous value.
         Example: ``old = lock.atomic_exchange(0, 1)``."""

@@ -17,7 +17,7 @@ from mlir import ir
 from mlir.dialects import scf
 
 from . import dtypes as dt
-from .errors import KilnTypeError, UnsupportedError
+from .errors import KilnTypeError, SourceLoc, UnsupportedError
 from .values import Value, cast, constant, is_literal
 
 
@@ -65,11 +65,13 @@ def is_traced(x: Any) -> bool:
     return isinstance(x, Value)
 
 
-def static_while_cond(cond: Any) -> Any:
+def static_while_cond(cond: Any, filename: str, line: int, col: int,
+                      end_col: int | None) -> Any:
     if isinstance(cond, Value):
         raise UnsupportedError("`while` on a traced condition is not supported",
                                fix="use `for i in kiln.range(lo, hi)` with a traced bound, and "
-                                   "`if` inside the body")
+                                   "`if` inside the body",
+                               loc=SourceLoc(filename, line, col, end_col))
     return cond
 
 
@@ -77,6 +79,14 @@ def traced_return():
     raise UnsupportedError("`return` inside an `if` whose condition is a traced value",
                            fix="assign the result to a variable in both branches and return it "
                                "after the if")
+
+
+def traced_raise():
+    raise UnsupportedError("`raise` inside an `if` whose condition is a traced value: both "
+                           "branches are traced, so it would raise whatever the condition is "
+                           "at run time",
+                           fix="check the condition on the host before the launch, or make it "
+                               "a kiln.constexpr so the `if` runs in Python")
 
 
 def traced_break():

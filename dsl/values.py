@@ -13,17 +13,22 @@ integers truncate toward zero as in C/CUDA (not Python's floor). Comparisons are
 integers, unsigned for ``index``, ordered for floats except ``!=`` (unordered, so NaN != NaN as
 in Python). ``x ** n`` needs a constant non-negative Python int ``n``.
 
-``bool(value)`` is an error: write ``if`` (rewritten to ``scf.if``) or ``kiln.where``.
+``bool(value)`` is an error: write ``if`` (rewritten to ``scf.if``) or ``kiln.where``. So is any
+use that needs a Python value at trace time, each naming the Kiln spelling (:mod:`kiln.pyhints`):
+``math.exp(v)`` / ``np.exp(v)`` (use ``kiln.exp``), ``float(v)`` (``kiln.cast``), ``str(v)`` and
+``f"{v}"`` (``kiln.print``; ``repr(v)`` still shows the dtype).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from mlir import ir
 from mlir.dialects import arith, math, vector
 
 from . import dtypes as dt
+from . import pyhints
 from .dtypes import DType
 from .errors import KilnTypeError, KilnValueError, UnsupportedError
 
@@ -71,14 +76,29 @@ class Value:
         return cls(values[0])
 
     def __bool__(self):
-        raise KilnTypeError(
-            "a traced value has no Python truth value (used in `and`/`or`/`not`, a conditional "
-            "expression, `assert` or a `while` condition)",
-            fix="use an `if` statement (becomes scf.if), `&`/`|` for logic, or kiln.where(c, a, b)")
+        raise pyhints.truth_value_error()
 
     def __index__(self):
-        raise KilnTypeError("a traced value cannot be used as a Python int (e.g. in range())",
-                            fix="use kiln.range(...) for traced bounds, or pass a kiln.constexpr")
+        raise pyhints.python_number_error("int")
+
+    def __float__(self):  # math.exp(v), float(v): say which Kiln function to use instead
+        raise pyhints.python_number_error("float")
+
+    def __format__(self, spec: str = ""):  # f"{v}" would print a trace-time placeholder
+        raise pyhints.format_error()
+
+    __str__ = __format__
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        """``np.float32(2) * v`` stays ``2.0 * v``; ``np.exp(v)`` is a KilnTypeError."""
+        operator = pyhints.UFUNC_OPERATORS.get(ufunc.__name__)
+        if (operator is None or method != "__call__" or kwargs
+                or any(isinstance(x, np.ndarray) for x in inputs)):
+            raise pyhints.numpy_error(ufunc.__name__)
+        return operator(*(x.item() if isinstance(x, np.generic) else x for x in inputs))
+
+    def __array_function__(self, func, types, args, kwargs):
+        raise pyhints.numpy_error(func.__name__)
 
     __hash__ = object.__hash__
 

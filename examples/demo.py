@@ -19,11 +19,11 @@ from kiln import f32, i32
 from kiln.lowering.cuda import cuda_available
 
 
-@kiln.kernel
+@kiln.kernel(num_threads="BLOCK")  # BLOCK threads per block on NVIDIA and AMD alike
 def rms_norm(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32, 1], y: kiln.Tensor[f32, 2],
              rows: i32, cols: i32, eps: f32, BLOCK: kiln.constexpr):
     """One thread per row: y[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w."""
-    row = kiln.block_id(0) * BLOCK + kiln.thread_id(0)
+    row = kiln.block_id(0) * kiln.block_dim(0) + kiln.thread_id(0)
     if row < rows:
         total = kiln.cast(0.0, f32)
         for c in kiln.range(0, cols):
@@ -64,7 +64,7 @@ def main() -> int:
     x, w, y = random_inputs(rng, rows, cols)
 
     for target in ("sm_90a", "gfx950"):
-        ck = rms_norm.compile(x, w, y, rows, cols, eps, BLOCK=block, target=target, num_warps=4)
+        ck = rms_norm.compile(x, w, y, rows, cols, eps, BLOCK=block, target=target)
         print(f"== rms_norm for {target}: stages")
         print(stage_table(ck))
         print(f"== rms_norm for {target}: resources")
@@ -76,7 +76,7 @@ def main() -> int:
         print("No CUDA GPU here: compiled for both targets and stopped (run on a GPU to launch).")
         return 0
     grid = ((rows + block - 1) // block,)
-    rms_norm[grid](x, w, y, rows, cols, eps, BLOCK=block, num_warps=4, target="sm_90a")
+    rms_norm[grid](x, w, y, rows, cols, eps, BLOCK=block, target="sm_90a")
     ref = reference(x, w, eps)
     err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
     ok = bool(np.isfinite(y).all() and err < 1e-5)

@@ -20,8 +20,9 @@ import tempfile
 from pathlib import Path
 
 import llvmlite.binding as llvmlite
+from mlir import ir
 
-from kiln.errors import CompilationError
+from kiln.errors import CompilationError, UnsupportedError, source_loc_from_mlir
 from kiln.lowering.metadata import AMD_KEYS, parse_amd_notes
 from kiln.lowering.pipeline import GPU_STAGE_PASSES, CompileState, run_passes
 from kiln.lowering.tools import llvm_tool, stage_tool
@@ -52,7 +53,26 @@ def make_gpu(state: CompileState) -> str:
     return run_passes(state, "gpu", GPU_STAGE_PASSES)
 
 
+def _reject_printf(state: CompileState) -> None:
+    """kiln.print's gpu.printf needs ROCm's ockl printf (device libraries Kiln does not link);
+    name the user's line instead of convert-gpu-to-rocdl's "failed to legalize"."""
+    found = []
+
+    def visit(op):
+        if op.name == "gpu.printf" and not found:
+            found.append(op.location)
+        return ir.WalkResult.ADVANCE
+
+    state.module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+    if found:
+        raise UnsupportedError(f"kiln.print is not supported on AMD targets ({state.target.name})",
+                               fix="run the kernel in the interpreter (kernel.interpret[grid]"
+                                   "(..., target=...)) or on an NVIDIA target to print",
+                               loc=source_loc_from_mlir(found[0]))
+
+
 def make_rocdl(state: CompileState) -> str:
+    _reject_printf(state)
     return run_passes(state, "rocdl", rocdl_passes(state))
 
 

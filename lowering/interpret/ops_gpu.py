@@ -7,7 +7,10 @@ fences (proxy fences, and `llvm.fence` of `kiln.fence`) have nothing to do.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
+from mlir import ir
 
 from kiln.errors import UnsupportedError
 from kiln.nvidia_asm import (KEEP_REGISTERS_LIVE_ASM, NAMED_BARRIER_ANY_ASM, SCHED_BARRIER_ASM,
@@ -246,5 +249,24 @@ def _subgroup_broadcast(op, p):
         else:
             src = np.argmax(ctx.active().reshape(-1, ws), axis=1).repeat(ws)
         env[out] = v[warp_base + src]
+
+    return run
+
+
+@semantics("gpu.printf")
+def _printf(op, p):
+    """``kiln.print``: one line per active thread, prefixed like ``[block (0, 0, 0) thread 5]``.
+    The format's conversions are ``%d``, ``%lld`` and ``%g`` (kiln.printing), which Python's
+    ``%`` operator reads once ``%lld`` is spelled ``%d``."""
+    fmt = ir.StringAttr(op.attributes["format"]).value.replace("%lld", "%d")
+    args = p.operands(op)
+
+    def run(env, ctx):
+        n = ctx.size
+        columns = [np.broadcast_to(env[a], (n,)) for a in args]
+        block = tuple(int(b) for b in ctx.cta.block_id)
+        for k in np.flatnonzero(ctx.active()):
+            values = tuple(c[k].item() for c in columns)
+            sys.stdout.write(f"[block {block} thread {int(ctx.thread_ids[k])}] " + fmt % values)
 
     return run
