@@ -62,13 +62,6 @@ def _best_sdpa(row, doc):
     return max(peers) if peers else None
 
 
-def _copy_ratio(row, doc):
-    kiln_gbs, copy_gbs = row.get("kiln_gbs"), doc.get("copy_gbs")
-    if row.get("ratio_to_copy") is None and _number(kiln_gbs) and _number(copy_gbs):
-        return kiln_gbs / copy_gbs
-    return row.get("ratio_to_copy")
-
-
 def _triton_ratio(row, doc):
     triton = next((r.get("us") for r in doc["rows"] if r.get("path") == "triton launch"), None)
     us = row.get("us")
@@ -82,7 +75,8 @@ TABLES = {
     "decode": ("Split-KV paged decode vs torch gather + SDPA and copy bandwidth", [
         ("ctx", _get("ctx"), "d"), ("batch", _get("batch"), "d"), ("Sq", _get("sq"), "d"),
         ("Kiln µs", _get("kiln_ms", 1e3), ".1f"), ("torch µs", _get("torch_ms", 1e3), ".1f"),
-        ("Kiln / copy", _copy_ratio, ".2f"),
+        ("Kiln / copy", _first(_get("ratio_to_copy"), _ratio(
+            _get("kiln_gbs"), lambda row, doc: doc.get("copy_gbs"))), ".2f"),
         ("torch / Kiln time", _first(_get("speedup_vs_torch"),
                                      _ratio(_get("torch_ms"), _get("kiln_ms"))), ".1f"),
         ("host µs", _get("host_us"), ".1f")]),
