@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
+import os
+
+from results_io import write_results
 from timing import queued_ms, time_ms
 
 TOKENS = 16 * 1024
@@ -286,8 +288,10 @@ def main(argv=None) -> None:
     if tuning:
         print(sweep_table(tuning))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(shapes=results, sweep=tuning), f, indent=2)
+        import torch
+
+        write_results(args.json, "attention", results, torch=torch, sweep=tuning,
+                      plot=os.path.basename(args.plot))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# One batched GPU session for speed: every benchmark in bench/, each writing JSON (and the
-# attention PNG) under $OUT, their printed tables appended to $OUT/bench.log (8 files in all).
-# Usage: source .device/setup.sh && bash bench/bench_all.sh
+# One batched GPU session for speed: every benchmark in bench/, each writing its results JSON
+# (bench/results_io.py: device, driver, date, commit, command, rows) and the attention PNG under
+# $OUT, their printed tables appended to $OUT/bench.log (8 files in all).
+# Usage on the device: source .device/setup.sh && bash bench/bench_all.sh
+# Then here: python bench/results_page.py --add <fetched $OUT>/*.json [--commit HASH] files them
+# under bench/results/ and regenerates bench/RESULTS.md (see bench/LEDGER.md).
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-bench}; mkdir -p "$OUT"
 export KILN_CACHE_DIR=$(mktemp -d)

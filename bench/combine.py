@@ -29,9 +29,9 @@ Usage (on an H100): ``python bench/combine.py [--json out.json] [--repeat 20] [-
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
+from results_io import write_results
 from timing import host_us, queued_ms, time_ms
 
 HEADS, HEAD_DIM = 32, 128
@@ -171,8 +171,8 @@ def main() -> None:
               f"{r['kiln_vs_torch']:>6.2f} {r['kiln_vs_launch']:>7.2f} "
               f"{r['kiln_out_vs_launch']:>11.2f} {r['gpu_us']:>7.1f} {r['host_us']:>7.1f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"copy_gbs": copy_gbs, "launch_us": launch_us, "rows": rows}, f, indent=1)
+        write_results(args.json, "combine-small" if args.small else "combine", rows,
+                      torch=torch, copy_gbs=copy_gbs, launch_us=launch_us)
     if not all(r["ok"] for r in rows):
         raise SystemExit("some shapes did not match the reference")
 

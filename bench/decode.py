@@ -30,8 +30,9 @@ Usage (on an H100): ``python bench/decode.py [--json out.json] [--repeat 20] [--
 from __future__ import annotations
 
 import argparse
-import json
 import math
+
+from results_io import write_results
 from timing import host_us, queued_ms, time_ms
 
 HQ, HKV, HEAD_DIM = 64, 8, 128
@@ -191,9 +192,7 @@ def main() -> None:
         results = sweep(torch, args.page_size, args.repeat, args.batch, copy_gbs)
         print(sweep_table(results))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs,
-                           "sweep": results}, f, indent=2)
+            write_results(args.json, "decode-sweep", results, torch=torch, copy_gbs=copy_gbs)
         if any(math.isnan(r["kiln_ms"]) for r in results):
             raise SystemExit("a sweep config gave a wrong result (see the table)")
         return
@@ -215,9 +214,7 @@ def main() -> None:
               f"{r['torch_gbs']:10.0f} {r['ratio_to_copy']:6.2f} {r['speedup_vs_torch']:8.2f} "
               f"{r['host_us']:7.1f} {r['split_host_us']:13.1f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs,
-                       "rows": rows}, f, indent=2)
+        write_results(args.json, "decode", rows, torch=torch, copy_gbs=copy_gbs)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Usage (on an H100): ``python bench/gemm.py [--json out.json] [--repeat 20] [--ba
 from __future__ import annotations
 
 import argparse
-import json
 
 try:
     import torch
@@ -28,6 +27,7 @@ except ImportError:  # --help works without torch; running needs it
     torch = None
 
 from kiln.kernels.gemm import HOPPER_CONFIGS, hopper_autotuner, matmul, run_hopper
+from results_io import write_results
 from timing import time_ms
 
 # 8192^3 is also the K = 8192 point of the sweep; it is measured once.
@@ -107,10 +107,8 @@ def main() -> None:
     for key, config in hopper_autotuner.best.items():
         print(f"  {key}: {config}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "results": rows, "sweep": swept,
-                       "configs": {k: repr(v) for k, v in hopper_autotuner.best.items()}},
-                      f, indent=1)
+        write_results(args.json, "gemm", rows, torch=torch, sweep=swept,
+                      configs={str(k): repr(v) for k, v in hopper_autotuner.best.items()})
 
 
 if __name__ == "__main__":

@@ -34,13 +34,13 @@ Goal: <= 20 µs per Kiln launch with torch tensors.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 import kiln
 from kiln import f32, i32
+from results_io import write_results
 
 GOAL_US = 20.0
 N = 128
@@ -131,17 +131,23 @@ def run(launches: int, batches: int) -> dict:
     return results
 
 
+def _rows(results: dict) -> list[dict]:
+    """One row per launch path: its name and µs per launch (None where it did not run)."""
+    paths = (("kiln kernel[grid](torch)", "kiln_launch_torch_us"),
+             ("kiln CompiledKernel.launch", "kiln_compiled_launch_us"),
+             ("kiln bound launch", "kiln_bound_launch_us"),
+             ("kiln raw launcher", "kiln_raw_launcher_us"),
+             ("triton launch", "triton_launch_us"))
+    return [{"path": name, "us": results.get(key)} for name, key in paths]
+
+
 def _print_table(results: dict) -> None:
     if "skipped" in results:
         print(f"launch overhead: skipped ({results['skipped']})")
         return
-    rows = [("kiln kernel[grid](torch)", results.get("kiln_launch_torch_us")),
-            ("kiln CompiledKernel.launch", results.get("kiln_compiled_launch_us")),
-            ("kiln bound launch", results.get("kiln_bound_launch_us")),
-            ("kiln raw launcher", results.get("kiln_raw_launcher_us")),
-            ("triton launch", results.get("triton_launch_us"))]
     print(f"{'path':<28}{'µs / launch (median)':>22}")
-    for name, value in rows:
+    for row in _rows(results):
+        name, value = row["path"], row["us"]
         shown = f"{value:.2f}" if value is not None else "n/a"
         print(f"{name:<28}{shown:>22}")
     kiln_us = results.get("kiln_launch_torch_us")
@@ -279,8 +285,14 @@ def main(argv: list[str] | None = None) -> int:
         results = run(args.launches, args.batches)
         _print_table(results)
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(results, handle, indent=2)
+        if args.host_only:
+            rows = [{"kernel": label, **row} for label, row in results.items()
+                    if isinstance(row, dict)]
+            write_results(args.json, "launch_overhead-host", rows, results=results,
+                          device="host CPU (driver call a no-op)", driver=None)
+        else:
+            write_results(args.json, "launch_overhead", [] if "skipped" in results else
+                          _rows(results), results=results)
     return 0
 
 

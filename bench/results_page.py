@@ -1,0 +1,220 @@
+"""Generate ``bench/RESULTS.md`` (one page of current numbers) from ``bench/results/*.json``.
+
+Each results file (format: ``results_io.py``) becomes one table headed by its device, date,
+commit and command, with Kiln's numbers next to its peers' and the ratios between them.
+Experiments and their outcomes live in ``bench/LEDGER.md``, not here.
+
+Usage::
+
+    python bench/results_page.py                 # rewrite bench/RESULTS.md
+    python bench/results_page.py --check         # exit 1 if RESULTS.md is stale
+    python bench/results_page.py --add OUT/*.json [--commit HASH]  # file new runs, rewrite
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+import sys
+
+from results_io import REQUIRED_FIELDS, RESULTS_DIR, canonical_name
+
+PAGE = RESULTS_DIR.parent / "RESULTS.md"
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _get(key, scale=None):
+    """A column reading ``row[key]`` (times ``scale`` where it is a number: ms to µs)."""
+    def read(row, doc):
+        value = row.get(key)
+        return value * scale if scale is not None and _number(value) else value
+    return read
+
+
+def _ratio(num, den):
+    """A column ``num / den`` of two other columns' readers, where both are numbers."""
+    def read(row, doc):
+        a, b = num(row, doc), den(row, doc)
+        return a / b if _number(a) and _number(b) and b else None
+    return read
+
+
+def _first(*readers):
+    """The first reader that gives a value (the ratio the run recorded from unrounded times,
+    else one computed from the columns)."""
+    def read(row, doc):
+        for reader in readers:
+            value = reader(row, doc)
+            if value is not None:
+                return value
+        return None
+    return read
+
+
+def _best_sdpa(row, doc):
+    peers = [row.get(k) for k in ("cudnn_tflops", "flash_tflops")]
+    peers = [p for p in peers if _number(p)]
+    return max(peers) if peers else None
+
+
+def _triton_ratio(row, doc):
+    triton = next((r.get("us") for r in doc["rows"] if r.get("path") == "triton launch"), None)
+    us = row.get("us")
+    if row.get("path") == "triton launch" or not _number(us) or not _number(triton):
+        return None
+    return us / triton
+
+
+# benchmark -> (title, [(column header, reader, format)]); a column no row fills is left out.
+TABLES = {
+    "decode": ("Split-KV paged decode vs torch gather + SDPA and copy bandwidth", [
+        ("ctx", _get("ctx"), "d"), ("batch", _get("batch"), "d"), ("Sq", _get("sq"), "d"),
+        ("Kiln µs", _get("kiln_ms", 1e3), ".1f"), ("torch µs", _get("torch_ms", 1e3), ".1f"),
+        ("Kiln / copy", _first(_get("ratio_to_copy"), _ratio(
+            _get("kiln_gbs"), lambda row, doc: doc.get("copy_gbs"))), ".2f"),
+        ("torch / Kiln time", _first(_get("speedup_vs_torch"),
+                                     _ratio(_get("torch_ms"), _get("kiln_ms"))), ".1f"),
+        ("host µs", _get("host_us"), ".1f")]),
+    "attention": ("Attention prefill vs torch SDPA (cuDNN, flash); TFLOP/s", [
+        ("B", _get("batch"), "d"), ("seq", _get("seq"), "d"),
+        ("Hq/Hkv", lambda row, doc: f"{row['hq']}/{row['hkv']}", "s"), ("D", _get("d"), "d"),
+        ("causal", lambda row, doc: "yes" if row["causal"] else "no", "s"),
+        ("Kiln", _get("kiln_tflops"), ".0f"), ("cuDNN", _get("cudnn_tflops"), ".0f"),
+        ("flash", _get("flash_tflops"), ".0f"),
+        ("Kiln / best SDPA", _first(_get("ratio_vs_best_sdpa"),
+                                    _ratio(_get("kiln_tflops"), _best_sdpa)), ".2f")]),
+    "combine": ("Split-KV combine vs torch, copy bandwidth and launch latency", [
+        ("splits", _get("splits"), "d"), ("batch", _get("batch"), "d"), ("sq", _get("sq"), "d"),
+        ("H", _get("heads"), "d"), ("run", _get("run"), "d"),
+        ("launch µs", _get("launch_us"), ".1f"), ("Kiln µs", _get("kiln_us"), ".1f"),
+        ("out= µs", _get("kiln_out_us"), ".1f"), ("torch µs", _get("torch_us"), ".1f"),
+        ("GPU µs", _get("gpu_us"), ".1f"), ("Kiln / copy", _get("kiln_vs_copy"), ".2f"),
+        ("torch / Kiln time", _get("kiln_vs_torch"), ".2f"),
+        ("Kiln / launch", _get("kiln_vs_launch"), ".2f"),
+        ("out= / launch", _get("kiln_out_vs_launch"), ".2f")]),
+    "gemm": ("Hopper GEMM vs cuBLAS (bf16 in/out, f32 accumulate, autotuned); TFLOP/s", [
+        ("M×N×K", lambda row, doc: f"{row['m']}×{row['n']}×{row['k']}", "s"),
+        ("Kiln", _get("kiln_tflops"), ".0f"), ("cuBLAS", _get("cublas_tflops"), ".0f"),
+        ("Kiln / cuBLAS", _first(_get("ratio"),
+                                 _ratio(_get("kiln_tflops"), _get("cublas_tflops"))), ".3f"),
+        ("config", _get("config"), "s")]),
+    "launch_overhead": ("Launch overhead of a one-block kernel (host µs per launch)", [
+        ("path", _get("path"), "s"), ("µs / launch", _get("us"), ".1f"),
+        ("/ Triton", _triton_ratio, ".2f")]),
+}
+TABLES["combine-small"] = ("Split-KV combine, small calls", TABLES["combine"][1])
+ORDER = ("decode", "attention", "combine", "combine-small", "gemm", "launch_overhead")
+
+
+def load_results(directory: pathlib.Path = RESULTS_DIR) -> list[dict]:
+    """Every results file, checked for the required metadata, in page order."""
+    docs = []
+    for path in sorted(directory.glob("*.json")):
+        doc = json.loads(path.read_text())
+        missing = [f for f in REQUIRED_FIELDS if f not in doc]
+        if missing:
+            raise SystemExit(f"{path}: missing {', '.join(missing)}")
+        docs.append({**doc, "_file": path.name})
+    rank = {name: i for i, name in enumerate(ORDER)}
+    return sorted(docs, key=lambda d: (rank.get(d["benchmark"], len(ORDER)), d["benchmark"],
+                                       d["_file"]))
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "–"
+    if _number(value) and fmt != "s":
+        return format(value, fmt)
+    return str(value)
+
+
+def _generic_columns(doc: dict):
+    keys = list(dict.fromkeys(k for row in doc["rows"] for k in row))
+    return [(k, _get(k), ".4g") for k in keys]
+
+
+def table(doc: dict) -> list[str]:
+    """One benchmark's section: header line, notes, plot link, table."""
+    title, columns = TABLES.get(doc["benchmark"], (doc["benchmark"], None))
+    columns = columns or _generic_columns(doc)
+    cells = [[reader(row, doc) for _, reader, _ in columns] for row in doc["rows"]]
+    keep = [i for i in range(len(columns)) if any(c[i] is not None for c in cells)]
+    driver = f", driver {doc['driver']}" if doc.get("driver") else ""
+    copy = f"; copy bandwidth {doc['copy_gbs']:.0f} GB/s" if _number(doc.get("copy_gbs")) else ""
+    lines = [f"## {title} ({doc['device']})", "",
+             f"{doc['device']}{driver} · {doc['date']} · commit {doc['commit']} · "
+             f"`{doc['command']}`", "",
+             f"Source: {doc['source']}; data `results/{doc['_file']}`{copy}.", ""]
+    if doc.get("notes"):
+        lines += [doc["notes"], ""]
+    if doc.get("plot") and (PAGE.parent / doc["plot"]).exists():
+        lines += [f"Plot: [{doc['plot']}]({doc['plot']}).", ""]
+    numeric = [columns[i][2] != "s" for i in keep]
+    lines.append("| " + " | ".join(columns[i][0] for i in keep) + " |")
+    lines.append("| " + " | ".join("---:" if n else "---" for n in numeric) + " |")
+    for row in cells:
+        lines.append("| " + " | ".join(_cell(row[i], columns[i][2]) for i in keep) + " |")
+    return lines + [""]
+
+
+def render(docs: list[dict]) -> str:
+    lines = ["# Benchmark results", "",
+             "Generated by `python bench/results_page.py` from `bench/results/*.json`: do not edit "
+             "by hand. One table per benchmark, each the latest run recorded, with the device, "
+             "date, commit and command it ran with; peers (torch, cuDNN, cuBLAS, Triton, copy "
+             "bandwidth) were timed in the same process. What was tried and what it gave: "
+             "[LEDGER.md](LEDGER.md) (it also says how to record a run).", ""]
+    for doc in docs:
+        lines += table(doc)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def add(paths: list[str], commit: str | None = None) -> None:
+    """File new results under ``bench/results/`` by their canonical names, with the plot a
+    file names (found beside it) copied into ``bench/``. ``commit`` replaces an "unknown"
+    one (a device copy of the tree without git metadata)."""
+    for name in paths:
+        path = pathlib.Path(name)
+        doc = json.loads(path.read_text())
+        missing = [f for f in REQUIRED_FIELDS if f not in doc]
+        if missing:
+            raise SystemExit(f"{path}: missing {', '.join(missing)} (not a results file)")
+        if commit and doc["commit"] == "unknown":
+            doc["commit"] = commit
+        target = RESULTS_DIR / canonical_name(doc)
+        target.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+        print(f"{path} -> {target}")
+        plot = path.parent / pathlib.Path(doc.get("plot") or "").name
+        if doc.get("plot") and plot.is_file():
+            shutil.copyfile(plot, PAGE.parent / plot.name)
+            print(f"{plot} -> {PAGE.parent / plot.name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if RESULTS.md differs from what the JSON gives")
+    parser.add_argument("--add", nargs="+", metavar="JSON",
+                        help="file these results under bench/results/ first")
+    parser.add_argument("--commit", help="with --add: the commit of results that say unknown")
+    args = parser.parse_args(argv)
+    if args.add:
+        add(args.add, args.commit)
+    text = render(load_results())
+    if args.check:
+        if not PAGE.exists() or PAGE.read_text() != text:
+            print(f"{PAGE} is stale: run python bench/results_page.py", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(text)
+    print(f"wrote {PAGE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
