@@ -1188,8 +1188,9 @@ def _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, arrival, last, b
                 acc = [kiln.fma(v, w, a) for a, v in zip(acc, vectors)]
         valid = (total > 0.0) & (total < math.inf)
         inv = kiln.where(valid, 1.0 / kiln.maximum(total, 1e-30), 0.0)
-        for c, a in zip(columns, acc):
-            o_out.store(b, q_index, head, c, kiln.cast(a * inv, kiln.bf16), align=8)
+        for c, a in zip(columns, acc):  # combine's contract: no valid denominator, O = 0
+            o_out.store(b, q_index, head, c, kiln.cast(kiln.where(valid, a * inv, 0.0),
+                                                       kiln.bf16), align=8)
         if (tid % per_row == 0) & (slice_index == 0):
             lse_out[b, q_index, head] = kiln.where(
                 valid, m_safe + kiln.log2(kiln.maximum(total, 1e-30)) * LN2, -math.inf)
