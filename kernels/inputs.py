@@ -100,9 +100,12 @@ def check_heads(hq: int, hkv: int, *, q_name: str, kv_name: str,
                 error: type = kiln.KilnValueError) -> None:
     """At least one KV head, and ``Hq`` a multiple of ``Hkv`` (MHA, GQA, MQA); ``error`` is
     the class an entry point documented for this mistake."""
-    if hkv < 1 or hq % hkv:
-        raise error(f"{q_name} has Hq={hq} heads and {kv_name} Hkv={hkv}: Hq must be a multiple "
-                    "of Hkv, with at least one KV head", fix="use Hq = group * Hkv (MHA, GQA or MQA)")
+    if hkv < 1:
+        raise kiln.KilnValueError(f"{kv_name} has Hkv={hkv} heads; attention needs at least one",
+                                  fix=f"pass {kv_name} with its KV heads")
+    if hq % hkv:
+        raise error(f"{q_name}'s Hq={hq} heads are not a multiple of Hkv={hkv} ({kv_name}'s)",
+                    fix="use Hq = group * Hkv (MHA, GQA or MQA)")
 
 
 def check_paged_lengths(page_table, seq_lens, *, num_pages: int, page_size: int,
