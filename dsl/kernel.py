@@ -44,6 +44,7 @@ from . import ast_rewrite, builder
 from . import dtypes as dt
 from .errors import (CompilationError, KilnTypeError, KilnValueError, SourceLoc,
                      source_loc_from_mlir, trace_location, user_facing)
+from .launch_args import normalize_grid
 from .lowering_bridge import cache_key, lowering_signature, source_key, tensor_arg_spec
 from .tensor import TensorRef, TensorSpec, memref_type
 from .values import Value
@@ -406,8 +407,7 @@ class JITKernel:
             runtime = [values[i] for i in self._runtime_idx]
         if callable(grid):
             grid = grid(meta)
-        ck.launch(grid if type(grid) is tuple and len(grid) == 3 else _grid3(grid), runtime,
-                  stream=stream)
+        ck.launch(normalize_grid(grid), runtime, stream=stream)
 
     @property
     def interpret(self) -> "_Interpreted":
@@ -483,16 +483,6 @@ def _launch_key_part(a: Any, is_constexpr: bool) -> Any:
     if isinstance(a, np.generic):
         return a.dtype
     return kind  # anything else is rejected (or accepted) by the full specialisation
-
-
-def _grid3(grid) -> tuple[int, int, int]:
-    if isinstance(grid, int):
-        return (grid, 1, 1)
-    g = tuple(int(v) for v in grid)
-    if not 1 <= len(g) <= 3 or any(v < 1 for v in g):
-        raise KilnValueError(f"grid {grid!r} must be 1 to 3 positive ints",
-                             fix="e.g. kernel[((n + BLOCK - 1) // BLOCK,)](...)")
-    return g + (1,) * (3 - len(g))
 
 
 def _verify(module: ir.Module, name: str) -> None:
