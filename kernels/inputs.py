@@ -109,20 +109,20 @@ def check_heads(hq: int, hkv: int, *, q_name: str, kv_name: str,
 
 
 def check_paged_lengths(page_table, seq_lens, *, num_pages: int, page_size: int,
-                        validate: bool | None) -> None:
+                        validate: bool = True) -> None:
     """Every ``seq_lens[b]`` in ``[0, max_pages * page_size]`` and every page id a sequence
     uses (``page_table[b, :ceil(seq_lens[b] / page_size)]``) in ``[0, num_pages)``.
 
     numpy inputs are always checked, whatever ``validate`` says (the check costs little beside
-    a CPU-side launch). torch tensors are checked unless ``validate=False``: one device-side reduction and one
-    synchronisation, then a CPU copy only to name the first bad entry. ``validate=False``
-    is the caller's promise that the ids are in range (e.g. inside a CUDA graph, where a
-    synchronisation is illegal); a bad id then reads TMA's zero-filled box.
+    a copy to the device or the interpreter). torch tensors with ``validate=True``: one
+    device-side reduction and one synchronisation, then a CPU copy only to name the first bad
+    entry. ``validate=False`` is the caller's promise that the ids are in range (e.g. inside
+    a CUDA graph, where a synchronisation is illegal); a bad id then reads TMA's zero box.
     """
     if not is_torch(page_table) and not is_torch(seq_lens):
         _check_paged_numpy(np.asarray(page_table), np.asarray(seq_lens), num_pages, page_size)
         return
-    if validate is False:
+    if not validate:
         return
     import torch
 

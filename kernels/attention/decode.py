@@ -1221,7 +1221,7 @@ def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, block_n: int
 
 
 def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_table=None,
-           scale=None, sinks=None, target=None, backend=None, config=None, validate=None):
+           scale=None, sinks=None, target=None, backend=None, config=None, validate=True):
     """Split-KV paged decode attention; returns ``(o_partial, lse_partial, split_counts)``
     (see the module docs) for :func:`kiln.kernels.attention.combine`.
 
@@ -1251,7 +1251,7 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
                  sinks, target, backend, config, fused=False)
     if plan.kernel is None:
         return plan.torch_partials() if plan.device is not None else plan.numpy_partials()
-    _check_values(q, k_cache, page_table, seq_lens, block_table, validate)
+    _check_values(k_cache, page_table, seq_lens, block_table, validate)
     if plan.bound is not None and _bindable(plan, q, k_cache, v_cache, page_table, seq_lens,
                                             block_table, sinks):
         words, partials = plan.torch_partial_words()
@@ -1265,7 +1265,7 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
 
 def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None,
                      block_table=None, scale=None, sinks=None, target=None, backend=None,
-                     config=None, fused_combine=None, validate=None):
+                     config=None, fused_combine=None, validate=True):
     """Split-KV decode attention with the splits merged: the attention output
     ``[B, Sq, Hq, D]`` (bf16) and its natural-log LSE ``[B, Sq, Hq]`` (f32). Same keywords as
     :func:`decode`.
@@ -1292,7 +1292,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     if plan.kernel is None:
         shape = plan.partial_shape[1:]
         return empty_like(q, shape, kiln.bf16), empty_like(q, shape[:3], kiln.f32)
-    _check_values(q, k_cache, page_table, seq_lens, block_table, validate)
+    _check_values(k_cache, page_table, seq_lens, block_table, validate)
     bindable = plan.bound is not None and _bindable(plan, q, k_cache, v_cache, page_table,
                                                     seq_lens, block_table, sinks)
     if bindable and plan.fused:
@@ -1680,6 +1680,8 @@ def _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
     dims.tensor("seq_lens", seq_lens, "B", dtype=kiln.i32)
     if block_table is not None:
         dims.tensor("block_table", block_table, "B Sq Hkv top_k", dtype=kiln.i32)
+        check_positive("block_table's top_k", dims["top_k"], integer=True,
+                       fix="give every row at least one slot (-1 selects nothing)")
     if sinks is not None:
         dims.tensor("sinks", sinks, "Hq", dtype=kiln.f32)
     check_heads(dims["Hq"], dims["Hkv"], q_name="q", kv_name="k_cache",
@@ -1701,9 +1703,10 @@ def _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
     return dims
 
 
-def _check_values(q, k_cache, page_table, seq_lens, block_table, validate) -> None:
-    """Page ids and lengths against the cache (see :func:`kiln.kernels.inputs.check_paged_lengths`),
-    block-sparse indices at least -1 (numpy only)."""
+def _check_values(k_cache, page_table, seq_lens, block_table, validate) -> None:
+    """Page ids and lengths against the cache (see
+    :func:`kiln.kernels.inputs.check_paged_lengths`), block-sparse indices at least -1 (numpy
+    only: a larger index selects a block past the sequence, which the kernel skips)."""
     check_paged_lengths(page_table, seq_lens, num_pages=int(k_cache.shape[0]),
                         page_size=int(k_cache.shape[1]), validate=validate)
     if block_table is not None and not is_torch(block_table) and \
