@@ -66,10 +66,13 @@ class TensorMapSpec:
     dtype: dt.DType
     box: tuple[int, ...]
     swizzle: int
+    oob_fill_nan: bool = False  # boxes outside the tensor read NaN, not zeros
 
 
 class TensorMap:
-    """Annotation for a TMA descriptor parameter: ``a: kiln.TensorMap[f16, (64, 64), 128]``.
+    """Annotation for a TMA descriptor parameter: ``a: kiln.TensorMap[f16, (64, 64), 128]``;
+    a fourth entry ``"nan"`` makes out-of-bounds parts of a box read NaN instead of zeros
+    (``kiln.TensorMap[bf16, (64, 64), 128, "nan"]``).
 
     The launch argument is the tensor; the host builds the descriptor and passes its device
     address (an ``!llvm.ptr`` in the ``gpu.func``). In the body the parameter is a
@@ -77,9 +80,14 @@ class TensorMap:
     """
 
     def __class_getitem__(cls, params) -> TensorMapSpec:
-        if not isinstance(params, tuple) or len(params) not in (2, 3):
-            raise KilnTypeError("kiln.TensorMap needs [dtype, box] or [dtype, box, swizzle]",
+        if not isinstance(params, tuple) or len(params) not in (2, 3, 4):
+            raise KilnTypeError("kiln.TensorMap needs [dtype, box], [dtype, box, swizzle] or "
+                                "[dtype, box, swizzle, oob_fill]",
                                 fix="e.g. kiln.TensorMap[kiln.f16, (64, 64), 128]")
+        fill = params[3] if len(params) == 4 else "zero"
+        if fill not in ("zero", "nan"):
+            raise KilnValueError(f"TensorMap out-of-bounds fill {fill!r} is not 'zero' or 'nan'",
+                                 fix='use "zero" (the default) or "nan"')
         box = tuple(params[1]) if isinstance(params[1], (tuple, list)) else (params[1],)
         swizzle = params[2] if len(params) == 3 else 0
         if swizzle not in (0, 32, 64, 128):
@@ -88,7 +96,7 @@ class TensorMap:
         if not box or any(not isinstance(b, int) or not 0 < b <= 256 for b in box):
             raise KilnValueError(f"TensorMap box {box!r} needs 1..256 elements per dimension",
                                  fix="use a box such as (64, 64)")
-        return TensorMapSpec(dt.dtype(params[0]), box, swizzle)
+        return TensorMapSpec(dt.dtype(params[0]), box, swizzle, fill == "nan")
 
 
 def set_default_target(target: str) -> None:
@@ -165,6 +173,7 @@ class ArgSpec:
         spec = f"{self.name}:{self.kind}:{self.dtype}:{self.rank}:{int(self.contiguous)}"
         if self.tensormap is not None:  # the box and swizzle change the traced IR
             spec += f":{self.tensormap.box}:{self.tensormap.swizzle}"
+            spec += ":nan" if self.tensormap.oob_fill_nan else ""
         return spec
 
 
@@ -329,7 +338,8 @@ class JITKernel:
             from .tma import descriptor_from_pointer
 
             tm = spec.tensormap
-            return descriptor_from_pointer(arg, tm.dtype, tm.box, tm.swizzle)
+            return descriptor_from_pointer(arg, tm.dtype, tm.box, tm.swizzle,
+                                           oob_fill_nan=tm.oob_fill_nan)
         return Value(arg, spec.dtype)
 
     @user_facing

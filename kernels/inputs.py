@@ -117,7 +117,8 @@ def check_paged_lengths(page_table, seq_lens, *, num_pages: int, page_size: int,
     a copy to the device or the interpreter). torch tensors with ``validate=True``: one
     device-side reduction and one synchronisation, then a CPU copy only to name the first bad
     entry. ``validate=False`` is the caller's promise that the ids are in range (e.g. inside
-    a CUDA graph, where a synchronisation is illegal); a bad id then reads TMA's zero box.
+    a CUDA graph, where a synchronisation is illegal); a bad id then poisons its rows with NaN
+    in the kernel (decode's V tensor map fills out-of-bounds boxes with NaN).
     """
     if not is_torch(page_table) and not is_torch(seq_lens):
         _check_paged_numpy(np.asarray(page_table), np.asarray(seq_lens), num_pages, page_size)

@@ -332,3 +332,25 @@ def test_device_page_ids_out_of_range_raise_unless_vouched_for():
     torch.cuda.synchronize()
     assert math.isfinite(float(decode_attention(q, kc, vc, table, lens,
                                                 validate=False)[1].float().sum()))
+
+
+@pytest.mark.parametrize("page_size", [16, 64])  # several pages a tile, one page a tile
+@pytest.mark.parametrize("bad_id", [6, -1])
+def test_unchecked_out_of_range_page_ids_poison_their_rows(monkeypatch, page_size, bad_id):
+    """What ``validate=False`` leaves to the kernel (device tensors), run here by skipping the
+    host check: an id outside the cache read a zero box (a quietly wrong output); now V's NaN
+    out-of-bounds fill makes that sequence's rows NaN and leaves the others exact."""
+    import kiln.kernels.inputs as inputs
+
+    rng = _rng()
+    q, kc, vc, table, lens = _decode_problem(rng, page_size=page_size, num_pages=6, width=3)
+    lens[:] = 2 * page_size + 3  # entries 0..2 are read
+    want_o, want_lse = decode_attention(q, kc, vc, table, lens, num_splits=2,
+                                        backend="interpret")
+    monkeypatch.setattr(inputs, "_check_paged_numpy", lambda *args: None)
+    bad = table.copy()
+    bad[0, 1] = bad_id
+    o, lse = decode_attention(q, kc, vc, bad, lens, num_splits=2, backend="interpret")
+    assert np.isnan(o[0].astype(np.float32)).all()
+    np.testing.assert_array_equal(o[1], want_o[1])
+    np.testing.assert_array_equal(lse[1], want_lse[1])

@@ -59,7 +59,12 @@ smaller pages use unswizzled boxes (correct, with ldmatrix bank conflicts).
 
 Keys past the sequence end never reach the sums, even when the cache holds NaN there: scores
 are masked to ``-inf`` and, in a tile that ends past the sequence, the V fragments of those keys
-are zeroed before ``P·V`` (``0 * NaN`` would poison the row). Attention sinks (``sinks[Hq]``,
+are zeroed before ``P·V`` (``0 * NaN`` would poison the row). That is what lets V's tensor map
+fill out-of-bounds boxes with NaN (K's with zeros): the pages past a sequence's end (looked up
+as an out-of-bounds row) never reach the sums, while a page id outside ``[0, num_pages)``
+inside the sequence (only with ``validate=False``, which skips the host check) reads a NaN box
+and poisons its rows' ``O`` (the LSE stays finite, so ``combine`` keeps the NaN) instead of
+silently attending to zeros. Ids are i32: ``id * page_size`` must fit in 31 bits. Attention sinks (``sinks[Hq]``,
 natural-log logits that only enlarge the denominator) join split 0's merge.
 
 Block-sparse selection (``block_table[B, Sq, Hkv, top_k]`` of BN-key block indices, ``-1``
@@ -445,7 +450,8 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
 
     def paged_decode(q: kiln.Tensor[kiln.bf16, 4],
                      k_map: kiln.TensorMap[kiln.bf16, (shape.eff, HALF), shape.swizzle_bytes],
-                     v_map: kiln.TensorMap[kiln.bf16, (shape.eff, HALF), shape.swizzle_bytes],
+                     v_map: kiln.TensorMap[kiln.bf16, (shape.eff, HALF), shape.swizzle_bytes,
+                                           "nan"],
                      page_table: kiln.Tensor[kiln.i32, 2], seq_lens: kiln.Tensor[kiln.i32, 1],
                      block_table: kiln.Tensor[kiln.i32, 4], sinks: kiln.Tensor[kiln.f32, 1],
                      o_part: kiln.Tensor[kiln.f32, 5], lse_part: kiln.Tensor[kiln.f32, 4],
@@ -1240,8 +1246,9 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
     ``[0, num_pages)``. That per-call check always runs for numpy inputs; for torch CUDA
     tensors it is one device-side reduction and a synchronisation, skipped with
     ``validate=False`` (required inside a CUDA graph capture), where the caller vouches for
-    the ids: an out-of-range id would read a zero-filled page. An empty batch (``B``, ``Sq``
-    or ``Hq`` of 0) returns empty partials and launches nothing.
+    the ids; an out-of-range id inside a sequence then reads a NaN-filled box (never another
+    page or zeros), so its rows' outputs are NaN. An empty batch (``B``, ``Sq`` or ``Hq`` of
+    0) returns empty partials and launches nothing.
     Example::
 
         o_part, lse_part, counts = decode(q, k_cache, v_cache, page_table, seq_lens)
