@@ -89,7 +89,7 @@ class TensorMap:
             raise KilnValueError(f"TensorMap out-of-bounds fill {fill!r} is not 'zero' or 'nan'",
                                  fix='use "zero" (the default) or "nan"')
         box = tuple(params[1]) if isinstance(params[1], (tuple, list)) else (params[1],)
-        swizzle = params[2] if len(params) == 3 else 0
+        swizzle = params[2] if len(params) >= 3 else 0
         if swizzle not in (0, 32, 64, 128):
             raise KilnValueError(f"TensorMap swizzle {swizzle!r} is not 0, 32, 64 or 128 bytes",
                                  fix="use one of 0, 32, 64, 128")

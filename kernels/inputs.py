@@ -47,14 +47,15 @@ def dtype_of(name: str, x: Any) -> kiln.DType:
 class Dims:
     """Named dimension sizes bound by the arguments of one call (see the module docs)."""
 
-    def __init__(self, **sizes: int):
-        self.sizes = dict(sizes)
-        self.bound_by = {dim: "the call" for dim in sizes}
+    def __init__(self):
+        self.sizes: dict[str, int] = {}
+        self.bound_by: dict[str, str] = {}
 
-    def tensor(self, name: str, x: Any, dims: str, *, dtype=None) -> tuple[int, ...]:
-        """Check ``x``'s rank against ``dims`` (space-separated names, ``_`` for any size),
-        bind or compare each named size, and check its dtype (a DType or a tuple of them).
-        Returns the shape as ints."""
+    def tensor(self, name: str, x: Any, dims: str, *, dtype: kiln.DType | None = None
+               ) -> tuple[int, ...]:
+        """Check ``x``'s kind, its rank against ``dims`` (space-separated dimension names),
+        each size against the argument that bound that name first, and its dtype. Returns the
+        shape as ints."""
         got = dtype_of(name, x)
         names = dims.split()
         shape = tuple(int(d) for d in x.shape)
@@ -62,19 +63,16 @@ class Dims:
             raise kiln.KilnValueError(f"{name} must be [{', '.join(names)}] (rank {len(names)}),"
                                       f" got shape {shape}", fix=f"reshape {name}")
         for dim, size in zip(names, shape):
-            if dim == "_":
-                continue
             if dim not in self.sizes:
                 self.sizes[dim], self.bound_by[dim] = size, name
             elif self.sizes[dim] != size:
-                raise kiln.KilnValueError(
-                    f"{name}'s {dim} is {size}, but {self.bound_by[dim]}'s {dim} is "
-                    f"{self.sizes[dim]}", fix=f"give {name} and {self.bound_by[dim]} the same {dim}")
-        allowed = dtype if isinstance(dtype, tuple) else (dtype,) if dtype is not None else ()
-        if allowed and got not in allowed:
-            names_ = " or ".join(a.name for a in allowed)
-            raise kiln.KilnTypeError(f"{name} must be {names_}, got {got}",
-                                     fix=f"convert {name} to {allowed[0].name}")
+                first = self.bound_by[dim]
+                raise kiln.KilnValueError(f"{name}'s {dim} is {size}, but {first}'s {dim} is "
+                                          f"{self.sizes[dim]}",
+                                          fix=f"give {name} and {first} the same {dim}")
+        if dtype is not None and got is not dtype:
+            raise kiln.KilnTypeError(f"{name} must be {dtype}, got {got}",
+                                     fix=f"convert {name} to {dtype}")
         return shape
 
     def __getitem__(self, dim: str) -> int:

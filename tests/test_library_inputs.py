@@ -354,3 +354,29 @@ def test_unchecked_out_of_range_page_ids_poison_their_rows(monkeypatch, page_siz
     assert np.isnan(o[0].astype(np.float32)).all()
     np.testing.assert_array_equal(o[1], want_o[1])
     np.testing.assert_array_equal(lse[1], want_lse[1])
+
+
+def test_an_unchecked_seq_len_past_the_table_poisons_instead_of_reading_past_it(monkeypatch):
+    """A seq_len longer than the page table (unchecked with validate=False) made the kernel
+    read entries past its row (the interpreter's bounds check; another sequence's pages on a
+    GPU); now the keys past the
+    table read NaN boxes, so that sequence's rows are NaN and the others exact."""
+    import kiln.kernels.inputs as inputs
+
+    q, kc, vc, table, lens = _decode_problem(_rng(), num_pages=6, width=3)
+    want_o, _ = decode_attention(q, kc, vc, table, lens, num_splits=2, backend="interpret")
+    monkeypatch.setattr(inputs, "_check_paged_numpy", lambda *args: None)
+    long = lens.copy()
+    long[0] = 3 * 16 + 10  # 10 keys past the table's 3 pages of 16
+    o, _ = decode_attention(q, kc, vc, table, long, num_splits=2, backend="interpret")
+    assert np.isnan(o[0].astype(np.float32)).all()
+    np.testing.assert_array_equal(o[1], want_o[1])
+
+
+def test_tensor_map_annotation_takes_an_out_of_bounds_fill():
+    """``kiln.TensorMap[dtype, box, swizzle, "nan"]``: what decode's V map declares."""
+    spec = kiln.TensorMap[kiln.bf16, (16, 64), 128, "nan"]
+    assert (spec.box, spec.swizzle, spec.oob_fill_nan) == ((16, 64), 128, True)
+    assert not kiln.TensorMap[kiln.bf16, (16, 64), 128].oob_fill_nan
+    _raises(kiln.KilnValueError, "out-of-bounds fill 'inf'", lambda: kiln.TensorMap[
+        kiln.bf16, (16, 64), 128, "inf"])

@@ -64,7 +64,8 @@ fill out-of-bounds boxes with NaN (K's with zeros): the pages past a sequence's 
 as an out-of-bounds row) never reach the sums, while a page id outside ``[0, num_pages)``
 inside the sequence (only with ``validate=False``, which skips the host check) reads a NaN box
 and poisons its rows' ``O`` (the LSE stays finite, so ``combine`` keeps the NaN) instead of
-silently attending to zeros. Ids are i32: ``id * page_size`` must fit in 31 bits. Attention sinks (``sinks[Hq]``,
+silently attending to zeros; so does a ``seq_len`` past the page table (look-ups stop at its
+width). Ids are i32: ``id * page_size`` must fit in 31 bits. Attention sinks (``sinks[Hq]``,
 natural-log logits that only enlarge the denominator) join split 0's merge.
 
 Block-sparse selection (``block_table[B, Sq, Hkv, top_k]`` of BN-key block indices, ``-1``
@@ -550,10 +551,13 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
         # Page look-ups go out before anything waits on them: the prologue's S here, beside
         # Q's loads, and in the loop the next tile's before its stage is free, so their
         # latency overlaps the TMA's instead of adding to it.
-        first_rows = [_tile_rows(shape.rows_params, page_table, b, tile_begin + t, seq_len)
+        # Look-ups stop at the table's width even for a longer seq_len (unchecked with
+        # validate=False): keys past it get out-of-bounds boxes, whose NaN V poisons the row.
+        table_len = kiln.minimum(seq_len, page_table.shape[1] * page_size)
+        first_rows = [_tile_rows(shape.rows_params, page_table, b, tile_begin + t, table_len)
                       for t in range(S)]
         ahead_rows = [_tile_rows(shape.rows_params, page_table, b,
-                                 tile_begin + prefetch_tiles + t, seq_len)
+                                 tile_begin + prefetch_tiles + t, table_len)
                       for t in range(AHEAD_PREFETCH_TILES if prefetch_tiles else 0)]
         for it in kiln.range(0, num_tiles):
             stage = it % S
@@ -565,13 +569,13 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                 if shape.pages > MAX_UNROLLED_PAGES:  # one copy of the look-up loop
                     for t in kiln.range(0, kiln.minimum(num_tiles, S)):
                         _load_tile(shape.rows_params, None, page_table, b, tile_begin + t,
-                                   seq_len, k_map, v_map, slots, full, t, kv_head * D,
+                                   table_len, k_map, v_map, slots, full, t, kv_head * D,
                                    producer, shape)
                 else:
                     for t in kiln.static_range(S):
                         if t < num_tiles:
                             _load_tile(shape.rows_params, first_rows[t], page_table, b,
-                                       tile_begin + t, seq_len, k_map, v_map, slots, full, t,
+                                       tile_begin + t, table_len, k_map, v_map, slots, full, t,
                                        kv_head * D, producer, shape)
                     if producer:
                         for t, rows in enumerate(ahead_rows):
@@ -584,10 +588,10 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
             if (it > lag) & (ahead < num_tiles):
                 if warp == 0:  # warp-uniform: the whole producer warp waits, one lane issues
                     rows = _tile_rows(shape.rows_params, page_table, b, tile_begin + ahead,
-                                      seq_len)
+                                      table_len)
                     empty.try_wait(ahead % S, ((it - 1 - lag) // S) % 2)
                     _load_tile(shape.rows_params, rows, page_table, b, tile_begin + ahead,
-                               seq_len, k_map, v_map, slots, full, ahead % S, kv_head * D,
+                               table_len, k_map, v_map, slots, full, ahead % S, kv_head * D,
                                producer, shape)
             full.try_wait(stage, (it // S) % 2)
             key0 = (tile_begin + it) * config.block_n
