@@ -30,10 +30,9 @@ def normalize_grid(grid) -> tuple[int, int, int]:
         if (type(x) is int and type(y) is int and type(z) is int and 0 < x <= GRID_LIMITS[0]
                 and 0 < y <= GRID_LIMITS[1] and 0 < z <= GRID_LIMITS[2]):
             return grid
-    if isinstance(grid, (tuple, list)):
-        dims = tuple(grid)
-    else:
-        dims = (grid,)
+    # Sequences (tuples, lists, torch.Size, 1-D arrays) give the dimensions; anything else is one.
+    iterable = hasattr(grid, "__iter__") and not isinstance(grid, (str, bytes))
+    dims = tuple(grid) if iterable else (grid,)
     if not 1 <= len(dims) <= 3:
         raise KilnValueError(f"grid must have 1 to 3 dimensions, got {grid!r}",
                              fix="pass grid=(gx,), (gx, gy) or (gx, gy, gz)")

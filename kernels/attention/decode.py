@@ -1293,9 +1293,11 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
 
     With contiguous torch CUDA tensors a repeat call of one shape class is one bound launch
     and three allocations (the partials, freed to torch's stream-ordered allocator once the
-    launch is queued, and the returned ``o`` and ``lse``), and it can be captured in a CUDA
-    graph (``torch.cuda.graph``) and replayed with no host work per step. The ticket counters
-    are kept per plan and per stream; each launch adds the split count to each of them.
+    launch is queued, and the returned ``o`` and ``lse``), and with ``validate=False`` it can be
+    captured in a CUDA graph (``torch.cuda.graph``) and replayed with no host work per step
+    (check the page table before capturing; the kernel poisons rows with bad ids). The
+    ticket counters are kept per plan and per stream; each launch adds the split count to each
+    of them.
     Example: ``o, lse = decode_attention(q, k_cache, v_cache, page_table, seq_lens)``.
     """
     plan = _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,

@@ -212,9 +212,9 @@ def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, t
 
     chip, shapes, mask, scale = _validate(q, k, v, None, None, sinks, causal, window, chunk,
                                           scale, target, backend)
-    if _without_work(q, k, shapes, False) or chip.is_amd or (sinks is not None and (sinks.dtype != torch.float32
-                                              or sinks.device != q.device)):
-        return None  # the general path runs it, converting the sinks
+    if _without_work(q, k, shapes, False) or chip.is_amd or (
+            sinks is not None and (sinks.dtype != torch.float32 or sinks.device != q.device)):
+        return None  # the general path runs it (converting the sinks, or without a kernel)
     _require_wgmma(chip)
     kernel, args, grid, constexprs, num_warps = _operands(
         q.contiguous(), k.contiguous(), v.contiguous(), sinks, None, None, shapes, mask, scale,
