@@ -134,6 +134,8 @@ def _convert_args(signature, args) -> tuple[list, dict]:
             dtype = kiln_dtype(param.dtype)
             if dtype.kind in ("int", "bool", "index"):
                 arg = check_int_argument(param.name, arg, dtype.name)
+            else:
+                arg = _float_argument(param.name, arg, dtype.name)
             values.append(np.array([arg], dtype.numpy))
         elif isinstance(param, TensorMapParam):
             values.append(TensorMapArg(np.asarray(arg), tuple(param.box), param.swizzle,
@@ -144,6 +146,14 @@ def _convert_args(signature, args) -> tuple[list, dict]:
                 arg = copies[param.name][1]
             values.append(global_memref(arg, param.name))
     return values, copies
+
+
+def _float_argument(name: str, value, dtype: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise KilnTypeError(f"argument {name!r} must be a number ({dtype}), got "
+                            f"{type(value).__name__}", fix="pass a Python or numpy float") from None
 
 
 def _check_read_only(copies: dict) -> None:
