@@ -227,6 +227,20 @@ def test_prefill_without_keys_gives_zero_output_and_the_sink(target):
     np.testing.assert_array_equal(lse, np.broadcast_to(sinks[None, :, None], (2, 2, 4)))
 
 
+def test_ragged_prefill_of_no_sequences_or_no_keys():
+    """An empty ragged batch (cu_seqlens = [0]) was refused; no keys at all gives o = 0."""
+    cu = np.zeros(1, np.int32)
+    o, lse = prefill(np.ones((0, 2, D), BF16), np.ones((0, 2, D), BF16),
+                     np.ones((0, 2, D), BF16), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                     return_lse=True, backend="interpret")
+    assert o.shape == (0, 2, D) and lse.shape == (2, 0)
+    q = _rng().standard_normal((5, 2, D)).astype(BF16)
+    o, lse = prefill(q, np.ones((0, 2, D), BF16), np.ones((0, 2, D), BF16),
+                     cu_seqlens_q=np.array([0, 2, 5], np.int32),
+                     cu_seqlens_k=np.zeros(3, np.int32), return_lse=True, backend="interpret")
+    assert (o == 0).all() and lse.shape == (2, 5) and (lse == -np.inf).all()
+
+
 def test_prefill_rejects_bad_inputs_naming_them():
     q, k = np.ones((1, 8, 2, D), BF16), np.ones((1, 8, 2, D), BF16)
     _raises(kiln.KilnValueError, "k has Hkv=0 heads", prefill, q, k[:, :, :0], k[:, :, :0],
