@@ -46,6 +46,7 @@ from . import ast_rewrite, builder, threads
 from . import dtypes as dt
 from .errors import (CompilationError, KilnTypeError, KilnValueError, SourceLoc,
                      source_loc_from_mlir, trace_location, user_facing)
+from .launch_args import normalize_grid
 from .lowering_bridge import cache_key, lowering_signature, source_key, tensor_arg_spec
 from .tensor import TensorRef, TensorSpec, memref_type
 from .values import Value
@@ -67,10 +68,13 @@ class TensorMapSpec:
     dtype: dt.DType
     box: tuple[int, ...]
     swizzle: int
+    oob_fill_nan: bool = False  # boxes outside the tensor read NaN, not zeros
 
 
 class TensorMap:
-    """Annotation for a TMA descriptor parameter: ``a: kiln.TensorMap[f16, (64, 64), 128]``.
+    """Annotation for a TMA descriptor parameter: ``a: kiln.TensorMap[f16, (64, 64), 128]``;
+    a fourth entry ``"nan"`` makes out-of-bounds parts of a box read NaN instead of zeros
+    (``kiln.TensorMap[bf16, (64, 64), 128, "nan"]``).
 
     The launch argument is the tensor; the host builds the descriptor and passes its device
     address (an ``!llvm.ptr`` in the ``gpu.func``). In the body the parameter is a
@@ -78,18 +82,23 @@ class TensorMap:
     """
 
     def __class_getitem__(cls, params) -> TensorMapSpec:
-        if not isinstance(params, tuple) or len(params) not in (2, 3):
-            raise KilnTypeError("kiln.TensorMap needs [dtype, box] or [dtype, box, swizzle]",
+        if not isinstance(params, tuple) or len(params) not in (2, 3, 4):
+            raise KilnTypeError("kiln.TensorMap needs [dtype, box], [dtype, box, swizzle] or "
+                                "[dtype, box, swizzle, oob_fill]",
                                 fix="e.g. kiln.TensorMap[kiln.f16, (64, 64), 128]")
+        fill = params[3] if len(params) == 4 else "zero"
+        if fill not in ("zero", "nan"):
+            raise KilnValueError(f"TensorMap out-of-bounds fill {fill!r} is not 'zero' or 'nan'",
+                                 fix='use "zero" (the default) or "nan"')
         box = tuple(params[1]) if isinstance(params[1], (tuple, list)) else (params[1],)
-        swizzle = params[2] if len(params) == 3 else 0
+        swizzle = params[2] if len(params) >= 3 else 0
         if swizzle not in (0, 32, 64, 128):
             raise KilnValueError(f"TensorMap swizzle {swizzle!r} is not 0, 32, 64 or 128 bytes",
                                  fix="use one of 0, 32, 64, 128")
         if not box or any(not isinstance(b, int) or not 0 < b <= 256 for b in box):
             raise KilnValueError(f"TensorMap box {box!r} needs 1..256 elements per dimension",
                                  fix="use a box such as (64, 64)")
-        return TensorMapSpec(dt.dtype(params[0]), box, swizzle)
+        return TensorMapSpec(dt.dtype(params[0]), box, swizzle, fill == "nan")
 
 
 def set_default_target(target: str) -> None:
@@ -171,6 +180,7 @@ class ArgSpec:
         spec = f"{self.name}:{self.kind}:{self.dtype}:{self.rank}:{int(self.contiguous)}"
         if self.tensormap is not None:  # the box and swizzle change the traced IR
             spec += f":{self.tensormap.box}:{self.tensormap.swizzle}"
+            spec += ":nan" if self.tensormap.oob_fill_nan else ""
         return spec
 
 
@@ -350,7 +360,8 @@ class JITKernel:
             from .tma import descriptor_from_pointer
 
             tm = spec.tensormap
-            return descriptor_from_pointer(arg, tm.dtype, tm.box, tm.swizzle)
+            return descriptor_from_pointer(arg, tm.dtype, tm.box, tm.swizzle,
+                                           oob_fill_nan=tm.oob_fill_nan)
         return Value(arg, spec.dtype)
 
     @user_facing
@@ -432,8 +443,7 @@ class JITKernel:
             runtime = [values[i] for i in self._runtime_idx]
         if callable(grid):
             grid = grid(meta)
-        ck.launch(grid if type(grid) is tuple and len(grid) == 3 else _grid3(grid), runtime,
-                  stream=stream)
+        ck.launch(normalize_grid(grid), runtime, stream=stream)
 
     @property
     def interpret(self) -> "_Interpreted":
@@ -517,16 +527,6 @@ def _launch_key_part(a: Any, is_constexpr: bool) -> Any:
     if isinstance(a, np.generic):
         return a.dtype
     return kind  # anything else is rejected (or accepted) by the full specialisation
-
-
-def _grid3(grid) -> tuple[int, int, int]:
-    if isinstance(grid, int):
-        return (grid, 1, 1)
-    g = tuple(int(v) for v in grid)
-    if not 1 <= len(g) <= 3 or any(v < 1 for v in g):
-        raise KilnValueError(f"grid {grid!r} must be 1 to 3 positive ints",
-                             fix="e.g. kernel[((n + BLOCK - 1) // BLOCK,)](...)")
-    return g + (1,) * (3 - len(g))
 
 
 def _verify(module: ir.Module, name: str) -> None:

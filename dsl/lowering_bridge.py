@@ -43,7 +43,7 @@ def lowering_signature(name: str, specs, block, constexprs, *, dynamic_shared_by
             params.append(TensorParam(s.name, s.dtype.name, s.rank, s.contiguous))
         elif s.kind == "tensormap":
             params.append(TensorMapParam(s.name, s.dtype.name, s.rank, s.tensormap.box,
-                                         s.tensormap.swizzle))
+                                         s.tensormap.swizzle, s.tensormap.oob_fill_nan))
         elif s.kind == "scalar":
             params.append(ScalarParam(s.name, s.dtype.name))
     return KernelSignature(name, tuple(params), block=block, constexprs=constexprs,

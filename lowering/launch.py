@@ -31,7 +31,6 @@ Example::
 
 from __future__ import annotations
 
-import operator
 import sys
 import threading
 import weakref
@@ -45,11 +44,11 @@ from kiln.lowering.arrays import describe_array
 from kiln import env
 from kiln.dtypes import dtype as to_dtype
 from kiln.errors import KilnTypeError, KilnValueError, LaunchError, ResourceError
+from kiln.launch_args import check_int_argument, normalize_grid  # noqa: F401 - re-exported
 from kiln.lowering.host import scalar_carrier
 from kiln.lowering.signature import ScalarParam, TensorMapParam, TensorParam
 
 _PLAN_ATTRIBUTE = "_launch_plan"
-_GRID_LIMITS = (2**31 - 1, 65535, 65535)  # every CUDA device since compute capability 3.0
 TENSOR_MAP_CACHE_CAPACITY = 256  # encoded TMA descriptors kept in device memory per kernel
 
 # CUtensorMapDataType and CUtensorMapSwizzle enumerators (cuda.h).
@@ -167,32 +166,6 @@ class BoundLaunch:
         if arguments is None:
             arguments = self._other_threads[ident] = self._arguments.copy()
         return arguments
-
-
-def normalize_grid(grid) -> tuple[int, int, int]:
-    """``grid`` as three ints >= 1 within the hardware limits, else KilnValueError."""
-    if type(grid) is tuple and len(grid) == 3:  # the common case, checked without loops
-        x, y, z = grid
-        if (type(x) is int and type(y) is int and type(z) is int and 0 < x <= _GRID_LIMITS[0]
-                and 0 < y <= _GRID_LIMITS[1] and 0 < z <= _GRID_LIMITS[2]):
-            return grid
-    dims = (grid,) if isinstance(grid, (int, np.integer)) else tuple(grid)
-    if not 1 <= len(dims) <= 3:
-        raise KilnValueError(f"grid must have 1 to 3 dimensions, got {grid!r}",
-                             fix="pass grid=(gx,), (gx, gy) or (gx, gy, gz)")
-    out = []
-    for axis, (value, limit) in enumerate(zip(dims + (1,) * (3 - len(dims)), _GRID_LIMITS)):
-        try:
-            value = operator.index(value)
-        except TypeError:
-            raise KilnTypeError(f"grid dimension {axis} is {type(value).__name__}, not an int",
-                                fix="compute the grid with integer arithmetic, e.g. (n + 255) // 256")
-        if not 1 <= value <= limit:
-            raise KilnValueError(f"grid dimension {axis} is {value}; it must be in 1..{limit}",
-                                 fix="make every grid dimension at least 1 (skip the launch "
-                                     "when there is no work)")
-        out.append(value)
-    return out[0], out[1], out[2]
 
 
 def stream_handle(stream) -> int | None:
@@ -576,11 +549,7 @@ def _scalar_converter(param: ScalarParam) -> Callable[[Any, list, Any], None]:
         return lambda value, flat, staging: flat.append(_as_float(param, value))
 
     def to_int(value, flat, staging):
-        try:
-            flat.append(operator.index(value))
-        except TypeError:
-            raise KilnTypeError(f"argument {param.name!r} must be an integer ({name}), got "
-                                f"{type(value).__name__}", fix=f"pass int({param.name})")
+        flat.append(check_int_argument(param.name, value, name))
 
     return to_int
 

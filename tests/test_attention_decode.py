@@ -704,8 +704,8 @@ def test_decode_attention_replays_in_a_cuda_graph():
         decode_attention(q, kc, vc, table, seq_lens)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = decode_attention(q, kc, vc, table, seq_lens)
+    with torch.cuda.graph(graph):  # a capture cannot synchronise: the ids are vouched for
+        out, lse = decode_attention(q, kc, vc, table, seq_lens, validate=False)
     for _ in range(2):
         q.copy_(torch.randn_like(q))  # new step: inputs change in place
         out.fill_(float("nan"))

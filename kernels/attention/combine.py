@@ -57,6 +57,7 @@ import numpy as np
 import kiln
 from kiln import f32, i32
 
+from ..inputs import check_backend, check_counts, dtype_of, is_torch
 from .partials import Partials, partials_of
 
 LOG2E = math.log2(math.e)
@@ -160,7 +161,8 @@ def lse_merge(o_part, lse_part, counts, o_out, lse_out, heads: i32, rows: i32,
     weights = kiln.shared((ROWS_PER_CTA, slots * tpr), f32)
     if group == 0:
         for k in kiln.static_range(slots):
-            weights[local_row, part + k * tpr] = w[k] * inv_z
+            # A NaN or +inf LSE makes z NaN: its row gets O = 0 (w * 0 would stay NaN).
+            weights[local_row, part + k * tpr] = kiln.where(valid, w[k] * inv_z, 0.0)
     kiln.barrier()
 
     # --- merge phase: this group's split pairs, two splits per iteration, loads first
@@ -219,11 +221,13 @@ def _vector_width(head_dim: int, dtype: kiln.DType) -> int:
     return width
 
 
-def _is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch")
+_is_torch = is_torch
 
 
 def _check_inputs(o_partial, lse_partial, split_counts) -> tuple[int, int, int, int, int]:
+    for name, x in (("O_partial", o_partial), ("LSE_partial", lse_partial),
+                    ("split_counts", split_counts)):
+        dtype_of(name, x)
     if len(o_partial.shape) != 5 or len(lse_partial.shape) != 4 or len(split_counts.shape) != 3:
         raise kiln.KilnValueError(
             f"combine expects O_partial [split, b, q, h, D], LSE_partial [split, b, q, h] and "
@@ -237,6 +241,9 @@ def _check_inputs(o_partial, lse_partial, split_counts) -> tuple[int, int, int, 
             f"partials disagree: O_partial {tuple(o_partial.shape)}, LSE_partial "
             f"{tuple(lse_partial.shape)}, split_counts {tuple(split_counts.shape)}",
             fix="LSE_partial must be O_partial's shape without D; split_counts without split")
+    if head_dim == 0:
+        raise kiln.KilnValueError("O_partial has head dim D = 0: there is no output to merge",
+                                  fix="pass partials of the attention's head dim (a multiple of 8)")
     if kiln.dtype(lse_partial.dtype) is not f32 or kiln.dtype(split_counts.dtype) is not i32:
         raise kiln.KilnTypeError(f"LSE_partial must be float32 and split_counts int32, got "
                                  f"{lse_partial.dtype} and {split_counts.dtype}",
@@ -299,6 +306,9 @@ class _CombinePlan:
             import torch
 
             self.check_output(lse_out, "lse_out", self.out_shape[:3], torch.float32)
+        if self.empty:  # no rows, or no split slots: every row is O = 0, LSE = -inf
+            out.zero_()
+            lse_out.fill_(-math.inf)
         if self.bound is not None:
             self.bound(o_partial.data_ptr(), lse_partial.data_ptr(), split_counts.data_ptr(),
                        out.data_ptr(), lse_out.data_ptr())
@@ -332,7 +342,11 @@ class _CombinePlan:
                     f"combine's {name} must be a contiguous {np.dtype(dtype)} numpy array of "
                     f"shape {shape}", fix=f"allocate it with np.empty({shape}, "
                                           f"np.{np.dtype(dtype).name}) or leave {name}=None")
-        if not self.empty:
+        check_counts("split_counts", split_counts, slots=o_partial.shape[0])
+        if self.empty:  # no rows, or no split slots: every row is O = 0, LSE = -inf
+            o[...] = 0
+            lse[...] = -np.inf
+        else:
             args = (o_partial, lse_partial, split_counts, o, lse, *_scalar_args(self.out_shape))
             launcher = lse_merge.interpret if self.backend == "interpret" else lse_merge
             launcher[self.grid](*args, target=self.target, num_warps=self.num_warps,
@@ -369,14 +383,13 @@ def _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, part
     contract = _consumer_contract(producer, o_dtype, max_splits)
     if producer is not None:
         producer.check_consumer(contract)
-    if backend not in (None, "interpret"):
-        raise kiln.KilnValueError(f"unknown backend {backend!r}",
-                                  fix='backend=None (GPU) or backend="interpret" (CPU)')
+    check_backend(backend, (None, "interpret"))
     target = target or "sm_90a"
     rows = sq * heads
     config = choose_config(rows, batch, max_splits, head_dim)
     plan = _CombinePlan(
-        out_shape=(batch, sq, heads, head_dim), grid=config.grid(rows, batch),
+        out_shape=(batch, sq, heads, head_dim),
+        grid=config.grid(rows, batch) if splits else (0, 1, batch),
         target=target, num_warps=config.num_warps(target),
         constexprs=_constexprs(head_dim, max_splits, contract.log_base, o_dtype, config),
         max_splits=max_splits, out_dtype=out_dtype, backend=backend)
@@ -445,6 +458,13 @@ def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
     ``out_dtype`` and ``[b, q, h]`` float32, same kind and device as the inputs) that are
     written and returned instead of fresh ones; a decode loop that reuses them skips the
     allocation per call. Either may be given alone.
+
+    Inputs are validated (a :class:`kiln.KilnError` naming the argument): kinds, ranks, dtypes
+    and agreeing shapes; for numpy ``split_counts`` every entry in ``[0, splits]`` (device
+    counts are clamped to ``[0, min(splits, max_splits)]`` in the kernel). ``D = 0`` is refused;
+    an empty batch gives empty outputs, and zero split slots give ``O = 0``, ``LSE = -inf``
+    without a launch. A row whose denominator is zero or non-finite (no split, only ``-inf``
+    LSEs, or a NaN or ``+inf`` LSE in a counted slot) gets ``O = 0``, ``LSE = -inf``.
 
     Example::
 

@@ -59,7 +59,13 @@ smaller pages use unswizzled boxes (correct, with ldmatrix bank conflicts).
 
 Keys past the sequence end never reach the sums, even when the cache holds NaN there: scores
 are masked to ``-inf`` and, in a tile that ends past the sequence, the V fragments of those keys
-are zeroed before ``P·V`` (``0 * NaN`` would poison the row). Attention sinks (``sinks[Hq]``,
+are zeroed before ``P·V`` (``0 * NaN`` would poison the row). That is what lets V's tensor map
+fill out-of-bounds boxes with NaN (K's with zeros): the pages past a sequence's end (looked up
+as an out-of-bounds row) never reach the sums, while a page id outside ``[0, num_pages)``
+inside the sequence (only with ``validate=False``, which skips the host check) reads a NaN box
+and poisons its rows' ``O`` (the LSE stays finite, so ``combine`` keeps the NaN) instead of
+silently attending to zeros; so does a ``seq_len`` past the page table (look-ups stop at its
+width). Ids are i32: ``id * page_size`` must fit in 31 bits. Attention sinks (``sinks[Hq]``,
 natural-log logits that only enlarge the denominator) join split 0's merge.
 
 Block-sparse selection (``block_table[B, Sq, Hkv, top_k]`` of BN-key block indices, ``-1``
@@ -104,6 +110,8 @@ from kiln.layout import Layout
 from kiln.shared import dynamic_shared  # kiln.dynamic_shared once exported
 from kiln.swizzle import Swizzle
 
+from ..inputs import (Dims, check_backend, check_heads, check_paged_lengths, check_positive,
+                      empty_like, is_torch)
 from .paged import OOB_ROW, PagedRowIndices, PageTableRow, kv_sub_tile_rows
 from .partials import Partials
 
@@ -443,7 +451,8 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
 
     def paged_decode(q: kiln.Tensor[kiln.bf16, 4],
                      k_map: kiln.TensorMap[kiln.bf16, (shape.eff, HALF), shape.swizzle_bytes],
-                     v_map: kiln.TensorMap[kiln.bf16, (shape.eff, HALF), shape.swizzle_bytes],
+                     v_map: kiln.TensorMap[kiln.bf16, (shape.eff, HALF), shape.swizzle_bytes,
+                                           "nan"],
                      page_table: kiln.Tensor[kiln.i32, 2], seq_lens: kiln.Tensor[kiln.i32, 1],
                      block_table: kiln.Tensor[kiln.i32, 4], sinks: kiln.Tensor[kiln.f32, 1],
                      o_part: kiln.Tensor[kiln.f32, 5], lse_part: kiln.Tensor[kiln.f32, 4],
@@ -542,10 +551,13 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
         # Page look-ups go out before anything waits on them: the prologue's S here, beside
         # Q's loads, and in the loop the next tile's before its stage is free, so their
         # latency overlaps the TMA's instead of adding to it.
-        first_rows = [_tile_rows(shape.rows_params, page_table, b, tile_begin + t, seq_len)
+        # Look-ups stop at the table's width even for a longer seq_len (unchecked with
+        # validate=False): keys past it get out-of-bounds boxes, whose NaN V poisons the row.
+        table_len = kiln.minimum(seq_len, page_table.shape[1] * page_size)
+        first_rows = [_tile_rows(shape.rows_params, page_table, b, tile_begin + t, table_len)
                       for t in range(S)]
         ahead_rows = [_tile_rows(shape.rows_params, page_table, b,
-                                 tile_begin + prefetch_tiles + t, seq_len)
+                                 tile_begin + prefetch_tiles + t, table_len)
                       for t in range(AHEAD_PREFETCH_TILES if prefetch_tiles else 0)]
         for it in kiln.range(0, num_tiles):
             stage = it % S
@@ -557,13 +569,13 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
                 if shape.pages > MAX_UNROLLED_PAGES:  # one copy of the look-up loop
                     for t in kiln.range(0, kiln.minimum(num_tiles, S)):
                         _load_tile(shape.rows_params, None, page_table, b, tile_begin + t,
-                                   seq_len, k_map, v_map, slots, full, t, kv_head * D,
+                                   table_len, k_map, v_map, slots, full, t, kv_head * D,
                                    producer, shape)
                 else:
                     for t in kiln.static_range(S):
                         if t < num_tiles:
                             _load_tile(shape.rows_params, first_rows[t], page_table, b,
-                                       tile_begin + t, seq_len, k_map, v_map, slots, full, t,
+                                       tile_begin + t, table_len, k_map, v_map, slots, full, t,
                                        kv_head * D, producer, shape)
                     if producer:
                         for t, rows in enumerate(ahead_rows):
@@ -576,10 +588,10 @@ def make_kernel(head_dim: int, group: int, q_rows: int, page_size: int, block_sp
             if (it > lag) & (ahead < num_tiles):
                 if warp == 0:  # warp-uniform: the whole producer warp waits, one lane issues
                     rows = _tile_rows(shape.rows_params, page_table, b, tile_begin + ahead,
-                                      seq_len)
+                                      table_len)
                     empty.try_wait(ahead % S, ((it - 1 - lag) // S) % 2)
                     _load_tile(shape.rows_params, rows, page_table, b, tile_begin + ahead,
-                               seq_len, k_map, v_map, slots, full, ahead % S, kv_head * D,
+                               table_len, k_map, v_map, slots, full, ahead % S, kv_head * D,
                                producer, shape)
             full.try_wait(stage, (it // S) % 2)
             key0 = (tile_begin + it) * config.block_n
@@ -1186,8 +1198,9 @@ def _combine_if_last(o_part, lse_part, o_out, lse_out, tickets, arrival, last, b
                 acc = [kiln.fma(v, w, a) for a, v in zip(acc, vectors)]
         valid = (total > 0.0) & (total < math.inf)
         inv = kiln.where(valid, 1.0 / kiln.maximum(total, 1e-30), 0.0)
-        for c, a in zip(columns, acc):
-            o_out.store(b, q_index, head, c, kiln.cast(a * inv, kiln.bf16), align=8)
+        for c, a in zip(columns, acc):  # combine's contract: no valid denominator, O = 0
+            o_out.store(b, q_index, head, c, kiln.cast(kiln.where(valid, a * inv, 0.0),
+                                                       kiln.bf16), align=8)
         if (tid % per_row == 0) & (slice_index == 0):
             lse_out[b, q_index, head] = kiln.where(
                 valid, m_safe + kiln.log2(kiln.maximum(total, 1e-30)) * LN2, -math.inf)
@@ -1218,7 +1231,7 @@ def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, block_n: int
 
 
 def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_table=None,
-           scale=None, sinks=None, target=None, backend=None, config=None):
+           scale=None, sinks=None, target=None, backend=None, config=None, validate=True):
     """Split-KV paged decode attention; returns ``(o_partial, lse_partial, split_counts)``
     (see the module docs) for :func:`kiln.kernels.attention.combine`.
 
@@ -1230,6 +1243,16 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
     :func:`default_config` of the shape).
     numpy inputs give numpy outputs; torch CUDA tensors stay on the device (the three torch
     partials are views of one allocation).
+
+    Inputs are validated (a :class:`kiln.KilnError` naming the argument): kinds, ranks, dtypes
+    and agreeing sizes once per shape class; ``num_splits >= 1``, ``scale > 0``; per call,
+    ``0 <= seq_lens[b] <= max_pages * page_size`` and every page id a sequence uses in
+    ``[0, num_pages)``. That per-call check always runs for numpy inputs; for torch CUDA
+    tensors it is one device-side reduction and a synchronisation, skipped with
+    ``validate=False`` (required inside a CUDA graph capture), where the caller vouches for
+    the ids; an out-of-range id inside a sequence then reads a NaN-filled box (never another
+    page or zeros), so its rows' outputs are NaN. An empty batch (``B``, ``Sq`` or ``Hq`` of
+    0) returns empty partials and launches nothing.
     Example::
 
         o_part, lse_part, counts = decode(q, k_cache, v_cache, page_table, seq_lens)
@@ -1237,6 +1260,9 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
     """
     plan = _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
                  sinks, target, backend, config, fused=False)
+    if plan.kernel is None:
+        return plan.torch_partials() if plan.device is not None else plan.numpy_partials()
+    _check_values(k_cache, page_table, seq_lens, block_table, validate)
     if plan.bound is not None and _bindable(plan, q, k_cache, v_cache, page_table, seq_lens,
                                             block_table, sinks):
         words, partials = plan.torch_partial_words()
@@ -1250,7 +1276,7 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
 
 def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None,
                      block_table=None, scale=None, sinks=None, target=None, backend=None,
-                     config=None, fused_combine=None):
+                     config=None, fused_combine=None, validate=True):
     """Split-KV decode attention with the splits merged: the attention output
     ``[B, Sq, Hq, D]`` (bf16) and its natural-log LSE ``[B, Sq, Hq]`` (f32). Same keywords as
     :func:`decode`.
@@ -1259,19 +1285,27 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     (gpu-scope atomic counters per batch, KV head and row block); the last CTA (or the last
     few, for large merges) merges the splits of its rows as
     :func:`kiln.kernels.attention.combine` would, saving the combine's launch. ``False``:
-    :func:`decode`, then ``combine`` (two kernels, the merge spread over many CTAs).
+    :func:`decode`, then ``combine`` (two kernels, the merge spread over many CTAs). Inputs are
+    validated as :func:`decode` describes (``validate=False`` skips the per-call check of
+    device tensors' page ids and lengths); an empty batch returns empty ``o`` and ``lse``.
     ``None`` (default): fused while one CTA merges at most ``FUSED_COMBINE_MAX_BYTES`` of
     partials (every shape of ``bench/decode.py``'s grid).
 
     With contiguous torch CUDA tensors a repeat call of one shape class is one bound launch
     and three allocations (the partials, freed to torch's stream-ordered allocator once the
-    launch is queued, and the returned ``o`` and ``lse``), and it can be captured in a CUDA
-    graph (``torch.cuda.graph``) and replayed with no host work per step. The ticket counters
-    are kept per plan and per stream; each launch adds the split count to each of them.
+    launch is queued, and the returned ``o`` and ``lse``), and with ``validate=False`` it can be
+    captured in a CUDA graph (``torch.cuda.graph``) and replayed with no host work per step
+    (check the page table before capturing; the kernel poisons rows with bad ids). The
+    ticket counters are kept per plan and per stream; each launch adds the split count to each
+    of them.
     Example: ``o, lse = decode_attention(q, k_cache, v_cache, page_table, seq_lens)``.
     """
     plan = _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
                  sinks, target, backend, config, fused=fused_combine)
+    if plan.kernel is None:
+        shape = plan.partial_shape[1:]
+        return empty_like(q, shape, kiln.bf16), empty_like(q, shape[:3], kiln.f32)
+    _check_values(k_cache, page_table, seq_lens, block_table, validate)
     bindable = plan.bound is not None and _bindable(plan, q, k_cache, v_cache, page_table,
                                                     seq_lens, block_table, sinks)
     if bindable and plan.fused:
@@ -1298,7 +1332,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     o_part, lse_part, counts = decode(q, k_cache, v_cache, page_table, seq_lens,
                                       num_splits=num_splits, block_table=block_table,
                                       scale=scale, sinks=sinks, target=target, backend=backend,
-                                      config=config)
+                                      config=config, validate=False)  # checked above
     slots = o_part.shape[0]
     return combine(o_part, lse_part, counts, max_splits=slots, partials=decode_partials(slots),
                    target=target, backend="interpret" if backend == "interpret" else None)
@@ -1487,6 +1521,7 @@ def _plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, sc
         plan = _make_plan(_ArrayLib(q), q, k_cache, v_cache, page_table, seq_lens, num_splits,
                           block_table, scale, sinks, target, backend, config, fused)
     if plan.bound is None and plan.device is not None and backend != "interpret" and \
+            plan.kernel is not None and \
             _bindable(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
         plan, fresh = _bind(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
                             target), True
@@ -1522,12 +1557,17 @@ def _bind(plan: _DecodePlan, q, k_cache, v_cache, page_table, seq_lens, block_ta
 
 def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
                sinks, target, backend, config, fused) -> _DecodePlan:
-    B, Sq, Hq, D = q.shape
-    num_pages, page_size, Hkv, Dk = k_cache.shape
-    _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks)
-    if scale is not None and not scale > 0:  # the kernel takes row maxima of unscaled scores
-        raise kiln.KilnValueError(f"scale={scale!r} must be positive",
-                                  fix="pass a positive softmax scale, or None for 1/sqrt(D)")
+    dims = _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
+                         num_splits, scale)
+    B, Sq, Hq, D = (dims[d] for d in ("B", "Sq", "Hq", "D"))
+    num_pages, page_size, Hkv = dims["num_pages"], dims["page_size"], dims["Hkv"]
+    check_backend(backend)
+    if B * Sq * Hq == 0:  # nothing to attend: empty outputs, no kernel
+        slots = block_table.shape[3] if block_table is not None else num_splits or 1
+        return _DecodePlan(kernel=None, chip=None, grid=(0, 0, 0), num_warps=0, slots=slots,
+                           partial_shape=(slots, B, Sq, Hq, D), cache_rows=0, cache_cols=0,
+                           scale_log2=0.0, no_block_table=None, no_sinks=None, no_outputs=(),
+                           fused=bool(fused), device=lib.device if lib.torch else None)
     group = Hq // Hkv
     q_rows = 1 if block_table is not None else Sq
     chosen = config
@@ -1542,16 +1582,10 @@ def _make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block
         slots = num_splits or default_num_splits(B, Hkv, num_pages * page_size, config.block_n,
                                                  sms=_launch_sms(backend),
                                                  row_blocks=row_blocks)
-        if not isinstance(slots, int) or slots < 1:
-            raise kiln.KilnValueError(f"num_splits={num_splits!r} must be a positive int",
-                                      fix="leave num_splits=None for the default")
         grid = (slots, Hkv * row_blocks, B)
         if chosen is None:  # with the split count known only the stages can change
             tiles = _tiles_per_split(page_table.shape[1] * page_size, config.block_n, slots)
             config = default_config(q_rows * group, D, page_size, tiles_per_split=tiles)
-    if backend not in (None, "gpu", "interpret"):
-        raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
-                                  fix="leave backend=None to run on the GPU")
     rows = _Shape(D, group, q_rows, page_size, config).combine_rows
     if fused is None:
         fused = slots * rows * D * 4 <= FUSED_COMBINE_MAX_BYTES
@@ -1647,40 +1681,51 @@ def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_si
     return kernel.compile(*args, target=chip.name, num_warps=config.num_warps)
 
 
-def _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
-    if len(q.shape) != 4 or len(k_cache.shape) != 4:
-        raise kiln.KilnValueError(f"q must be [B, Sq, Hq, D] and the caches [num_pages, "
-                                  f"page_size, Hkv, D]; got {tuple(q.shape)} and "
-                                  f"{tuple(k_cache.shape)}", fix="reshape the inputs")
-    B, Sq, Hq, D = q.shape
-    Hkv, Dk = k_cache.shape[2:]
-    if tuple(v_cache.shape) != tuple(k_cache.shape) or Dk != D:
-        raise kiln.KilnValueError(f"k_cache {tuple(k_cache.shape)}, v_cache "
-                                  f"{tuple(v_cache.shape)} and q's head dim {D} disagree",
-                                  fix="use caches of one shape with q's head dim")
-    if D not in SUPPORTED_HEAD_DIMS:
-        raise kiln.UnsupportedError(f"head dim {D} is not supported",
+def _check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, num_splits,
+                  scale) -> Dims:
+    """Kinds, ranks, dtypes and agreeing sizes of a call's arguments (checked once per shape
+    class: the plan caches the result); values are checked per call (:func:`_check_values`)."""
+    dims = Dims()
+    dims.tensor("q", q, "B Sq Hq D", dtype=kiln.bf16)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        dims.tensor(name, cache, "num_pages page_size Hkv D", dtype=kiln.bf16)
+    dims.tensor("page_table", page_table, "B max_pages", dtype=kiln.i32)
+    dims.tensor("seq_lens", seq_lens, "B", dtype=kiln.i32)
+    if block_table is not None:
+        dims.tensor("block_table", block_table, "B Sq Hkv top_k", dtype=kiln.i32)
+        check_positive("block_table's top_k", dims["top_k"], integer=True,
+                       fix="give every row at least one slot (-1 selects nothing)")
+    if sinks is not None:
+        dims.tensor("sinks", sinks, "Hq", dtype=kiln.f32)
+    check_heads(dims["Hq"], dims["Hkv"], q_name="q", kv_name="k_cache",
+                error=kiln.UnsupportedError)
+    if dims["D"] not in SUPPORTED_HEAD_DIMS:
+        raise kiln.UnsupportedError(f"head dim {dims['D']} is not supported",
                                     fix=f"use one of {SUPPORTED_HEAD_DIMS}")
-    if Hq % Hkv or not 1 <= Sq <= 16:
-        raise kiln.UnsupportedError(f"Hq={Hq}, Hkv={Hkv}, Sq={Sq}: decode needs Hq a multiple "
-                                    "of Hkv and 1..16 query tokens",
-                                    fix="pack heads so Hq % Hkv == 0; use prefill for long Sq")
-    names = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
-    for name, x in names.items():
-        if kiln.dtype(x.dtype) is not kiln.bf16:
-            raise kiln.KilnTypeError(f"{name} must be bf16, got {kiln.dtype(x.dtype)}",
-                                     fix=f"convert {name} to bfloat16")
-    if tuple(seq_lens.shape) != (B,) or page_table.shape[0] != B:
-        raise kiln.KilnValueError(f"seq_lens {tuple(seq_lens.shape)} / page_table "
-                                  f"{tuple(page_table.shape)} must have {B} rows",
-                                  fix="one sequence length and one page-table row per batch")
-    if block_table is not None and tuple(block_table.shape[:3]) != (B, Sq, Hkv):
-        raise kiln.KilnValueError(f"block_table {tuple(block_table.shape)} must be "
-                                  f"[{B}, {Sq}, {Hkv}, top_k]",
-                                  fix="select blocks per (batch, query token, kv head)")
-    if sinks is not None and tuple(sinks.shape) != (Hq,):
-        raise kiln.KilnValueError(f"sinks {tuple(sinks.shape)} must be [{Hq}]",
-                                  fix="one f32 sink logit per query head")
+    if dims["Sq"] > 16:
+        raise kiln.UnsupportedError(f"q has Sq={dims['Sq']} tokens; decode takes 0..16",
+                                    fix="use prefill for long Sq")
+    for dim in ("num_pages", "page_size"):
+        check_positive(f"k_cache's {dim}", dims[dim], integer=True,
+                       fix="a paged cache needs at least one page of at least one row")
+    if num_splits is not None:
+        check_positive("num_splits", num_splits, integer=True,
+                       fix="leave num_splits=None for the default")
+    if scale is not None:  # the kernel takes row maxima of unscaled scores
+        check_positive("scale", scale, fix="pass a positive softmax scale, or None for 1/sqrt(D)")
+    return dims
+
+
+def _check_values(k_cache, page_table, seq_lens, block_table, validate) -> None:
+    """Page ids and lengths against the cache (see
+    :func:`kiln.kernels.inputs.check_paged_lengths`), block-sparse indices at least -1 (numpy
+    only: a larger index selects a block past the sequence, which the kernel skips)."""
+    check_paged_lengths(page_table, seq_lens, num_pages=int(k_cache.shape[0]),
+                        page_size=int(k_cache.shape[1]), validate=validate)
+    if block_table is not None and not is_torch(block_table) and \
+            np.asarray(block_table).size and int(np.asarray(block_table).min()) < -1:
+        raise kiln.KilnValueError("block_table holds an entry below -1",
+                                  fix="list selected block indices, padded with -1 at the end")
 
 
 def _target(target):

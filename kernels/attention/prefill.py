@@ -22,6 +22,7 @@ import numpy as np
 
 import kiln
 
+from ..inputs import check_backend, check_heads, check_positive, dtype_of, empty_like
 from .prefill_hopper import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, HopperPrefillConfig,
                              MaskSpec, make_kernel)
 
@@ -70,6 +71,12 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     limits keys to the query's chunk; ``sinks`` are per-head logits of a virtual zero-value key;
     ``scale`` defaults to ``1/sqrt(D)``. Returns ``o`` like q, and with ``return_lse`` the
     natural-log LSE ``[B, Hq, Sq]`` (ragged: ``[Hq, total_q]``), f32.
+
+    Inputs are validated before anything compiles (a :class:`kiln.KilnError` naming the
+    argument: kinds, ranks, dtypes, agreeing shapes, ``Hq % Hkv``, ``scale > 0``, the ragged
+    prefix sums). Zero-size inputs launch nothing: no query row (``B``, ``Sq``, ``Hq`` or
+    ``total_q`` of 0) gives empty outputs; no key (``Sk`` or ``total_k`` of 0) gives ``o = 0``
+    and ``lse = -inf`` (a sink's logit with ``sinks``), as for any row that sees no key.
     Example: ``o = prefill(q, k, v, causal=True)`` with torch CUDA tensors.
     """
     if cu_seqlens_q is None and cu_seqlens_k is None and backend != "interpret" and \
@@ -81,6 +88,8 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
             return plan.run(q, k, v, sinks)
     chip, shapes, mask, scale = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, causal,
                                           window, chunk, scale, target, backend)
+    if _without_work(q, k, shapes, cu_seqlens_q is not None):
+        return _outputs_without_work(q, shapes, sinks, cu_seqlens_q is not None, return_lse)
     if chip.is_amd:
         from .prefill_gfx950 import run_prefill_gfx950
 
@@ -203,9 +212,9 @@ def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, t
 
     chip, shapes, mask, scale = _validate(q, k, v, None, None, sinks, causal, window, chunk,
                                           scale, target, backend)
-    if chip.is_amd or (sinks is not None and (sinks.dtype != torch.float32
-                                              or sinks.device != q.device)):
-        return None  # the general path runs it, converting the sinks
+    if _without_work(q, k, shapes, False) or chip.is_amd or (
+            sinks is not None and (sinks.dtype != torch.float32 or sinks.device != q.device)):
+        return None  # the general path runs it (converting the sinks, or without a kernel)
     _require_wgmma(chip)
     kernel, args, grid, constexprs, num_warps = _operands(
         q.contiguous(), k.contiguous(), v.contiguous(), sinks, None, None, shapes, mask, scale,
@@ -220,16 +229,12 @@ def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, t
 def _validate(q, k, v, cu_q, cu_k, sinks, causal, window, chunk, scale, target, backend):
     """The checked chip, shapes, mask and softmax scale of a call (a KilnError on bad input)."""
     chip = _target(target)
-    if backend not in BACKENDS:
-        raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
-                                  fix="leave backend=None to run on the GPU")
+    check_backend(backend, BACKENDS)
     shapes = _check_inputs(q, k, v, cu_q, cu_k, sinks)
     mask = _mask_spec(causal, window, chunk)
     if scale is None:
         scale = 1.0 / math.sqrt(shapes["d"])
-    if not scale > 0:
-        raise kiln.KilnValueError(f"scale={scale!r} must be positive",
-                                  fix="pass a positive softmax scale, or None for 1/sqrt(D)")
+    check_positive("scale", scale, fix="pass a positive softmax scale, or None for 1/sqrt(D)")
     return chip, shapes, mask, scale
 
 
@@ -242,6 +247,7 @@ def _check_inputs(q, k, v, cu_q, cu_k, sinks) -> dict:
     rank = 3 if ragged else 4
     layout = "[total, H, D]" if ragged else "[B, S, H, D]"
     for name, x in (("q", q), ("k", k), ("v", v)):
+        dtype_of(name, x)
         if len(x.shape) != rank:
             raise kiln.KilnValueError(f"{name} has shape {tuple(x.shape)}; expected {layout}",
                                       fix="ragged batches take [total, H, D] with cu_seqlens, "
@@ -257,9 +263,9 @@ def _check_inputs(q, k, v, cu_q, cu_k, sinks) -> dict:
     if d not in SUPPORTED_HEAD_DIMS or k.shape[-1] != d:
         raise kiln.UnsupportedError(f"head dim q {d} / k {k.shape[-1]} is not supported",
                                     fix=f"use one of {SUPPORTED_HEAD_DIMS} for q, k and v")
-    if hkv == 0 or hq % hkv:
-        raise kiln.KilnValueError(f"{hq} query heads are not a multiple of {hkv} KV heads",
-                                  fix="use Hq = group * Hkv (MHA, GQA or MQA)")
+    check_heads(hq, hkv, q_name="q", kv_name="k")
+    if sinks is not None:
+        dtype_of("sinks", sinks)
     if sinks is not None and tuple(sinks.shape) != (hq,):
         raise kiln.KilnValueError(f"sinks has shape {tuple(sinks.shape)}; expected ({hq},)",
                                   fix="pass one sink logit per query head")
@@ -270,13 +276,34 @@ def _check_inputs(q, k, v, cu_q, cu_k, sinks) -> dict:
                                       fix="q, k and v need the same batch size")
         return shapes | dict(batch=q.shape[0])
     cq, ck = (np.asarray(_numpy(x)).astype(np.int64) for x in (cu_q, cu_k))
-    if cq.ndim != 1 or cq.shape != ck.shape or len(cq) < 2 or cq[0] != 0 or ck[0] != 0 \
+    if cq.ndim != 1 or cq.shape != ck.shape or len(cq) < 1 or cq[0] != 0 or ck[0] != 0 \
             or np.any(np.diff(cq) < 0) or np.any(np.diff(ck) < 0) \
             or cq[-1] != q.shape[0] or ck[-1] != k.shape[0]:
         raise kiln.KilnValueError("cu_seqlens_q/k must be non-decreasing prefix sums of B + 1 "
                                   "entries from 0 to the total rows of q and k",
                                   fix="build them as concatenate([[0], cumsum(lengths)])")
-    return shapes | dict(batch=len(cq) - 1, max_sq=int(max(np.diff(cq).max(), 1)))
+    return shapes | dict(batch=len(cq) - 1, max_sq=int(max(np.diff(cq).max(initial=0), 1)))
+
+
+def _without_work(q, k, shapes, ragged) -> bool:
+    """No query row (a zero batch, ``Sq`` or ``Hq``) or no key at all: no kernel runs."""
+    rows = q.shape[0] * (1 if ragged else q.shape[1]) * shapes["hq"]
+    return rows == 0 or k.shape[0] * (1 if ragged else k.shape[1]) == 0
+
+
+def _outputs_without_work(q, shapes, sinks, ragged, return_lse):
+    """``o`` like q (zeros: a row without keys) and the LSE: ``-inf``, or a sink's logit."""
+    o = empty_like(q, tuple(q.shape), kiln.dtype(_dtype_name(q.dtype)), fill=0.0)
+    if not return_lse:
+        return o
+    hq = shapes["hq"]
+    lse_shape = (hq, q.shape[0]) if ragged else (shapes["batch"], hq, q.shape[1])
+    lse = empty_like(q, lse_shape, kiln.f32, fill=-math.inf)
+    if sinks is not None:  # the sink is the row's only logit
+        heads = [1] * len(lse_shape)
+        heads[0 if ragged else 1] = hq
+        lse[...] = _float32(sinks, q).reshape(heads)
+    return o, lse
 
 
 def _mask_spec(causal, window, chunk) -> MaskSpec:

@@ -23,6 +23,7 @@ import numpy as np
 import kiln
 from kiln.autotune import autotune
 
+from ..inputs import Dims, check_backend, empty_like
 from .hopper import OUT_DTYPES, SUPPORTED_DTYPES, HopperGemmConfig, make_kernel
 
 __all__ = ["matmul", "compile_matmul", "HopperGemmConfig", "HOPPER_CONFIGS"]
@@ -76,9 +77,15 @@ def matmul(a, b, *, trans_b=False, out_dtype=None, target=None, backend=None):
 
     Accepts torch CUDA tensors (returns a torch tensor, asynchronous on the current stream)
     or numpy arrays (copied to the device and back). Shapes need not be multiples of the tile.
+    Inputs are validated before anything compiles (a :class:`kiln.KilnError` naming the
+    operand: kinds, ranks, dtypes, agreeing K). ``M`` or ``N`` of 0 gives an empty ``c``;
+    ``K = 0`` gives zeros; neither launches a kernel.
     Example: ``c = matmul(torch.randn(1000, 512, dtype=torch.bfloat16, device="cuda"), w)``.
     """
     chip = _target(target)
+    dims = Dims()
+    dims.tensor("a", a, "M K")
+    dims.tensor("b", b, "N K_b" if trans_b else "K_b N")
     name = _input_dtype(_dtype_name(a))
     if _dtype_name(b) != name:
         raise kiln.KilnTypeError(f"matmul operands must share a dtype, got {name} and "
@@ -90,9 +97,9 @@ def matmul(a, b, *, trans_b=False, out_dtype=None, target=None, backend=None):
         raise kiln.KilnValueError(f"matmul shapes {tuple(a.shape)} @ {tuple(b.shape)}"
                                   f"{'.T' if trans_b else ''} do not agree on K",
                                   fix="pass A: M x K and B: K x N (or N x K with trans_b=True)")
-    if backend not in (None, "gpu", "interpret"):
-        raise kiln.KilnValueError(f"backend={backend!r} is not one of None, 'gpu', 'interpret'",
-                                  fix="leave backend=None to run on the GPU")
+    check_backend(backend)
+    if m * n * k == 0:  # nothing to multiply: an empty C, or zeros for K = 0
+        return empty_like(a, (m, n), kiln.dtype(out), fill=0.0)
     if chip.is_amd and backend != "interpret":
         raise kiln.UnsupportedError(f"Kiln cannot run {chip.name} kernels on this machine",
                                     fix="use compile_matmul(...) to inspect the AMD kernel, or "

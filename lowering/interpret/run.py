@@ -19,6 +19,7 @@ from mlir import ir
 
 from kiln import env as kiln_env
 from kiln.errors import KilnTypeError, KilnValueError, UnsupportedError
+from kiln.launch_args import check_int_argument, normalize_grid
 
 from . import (ops_amd, ops_ampere, ops_arith, ops_cluster, ops_control,  # noqa: F401 - register
                ops_gpu, ops_hopper, ops_mbarrier, ops_memory, ops_vector, ops_wgmma)
@@ -105,14 +106,6 @@ def _has_warp_group_ops(func) -> bool:
     return any(op.name.startswith(("nvgpu.warpgroup.", "nvvm.wgmma.")) for op, _ in _walk(func))
 
 
-def _grid3(grid) -> tuple[int, int, int]:
-    g = (grid,) if isinstance(grid, int) else tuple(int(v) for v in grid)
-    if not 1 <= len(g) <= 3 or any(v < 1 for v in g):
-        raise KilnValueError(f"grid {grid!r} must be 1 to 3 positive ints",
-                             fix="e.g. kernel.interpret[((n + BLOCK - 1) // BLOCK,)](...)")
-    return g + (1,) * (3 - len(g))
-
-
 def global_memref(array: np.ndarray, name: str) -> MemRef:
     """A memref over the memory of ``array`` (a view: stores write into the caller's array)."""
     if not isinstance(array, np.ndarray):
@@ -129,21 +122,47 @@ def global_memref(array: np.ndarray, name: str) -> MemRef:
     return MemRef(storage, 0, tuple(array.shape), strides, f"tensor '{name}'")
 
 
-def _convert_args(signature, args) -> list:
+def _convert_args(signature, args) -> tuple[list, dict]:
+    """The interpreter's values of ``args``, and the writeable copies it made of read-only
+    numpy arrays (by parameter name: ``(original, copy)``, see :func:`_check_read_only`)."""
+    from kiln.dtypes import dtype as kiln_dtype
     from kiln.lowering.signature import ScalarParam, TensorMapParam
 
-    values = []
+    values, copies = [], {}
     for param, arg in zip(signature.params, args):
         if isinstance(param, ScalarParam):
-            from kiln.dtypes import dtype as kiln_dtype
-
-            values.append(np.array([arg], kiln_dtype(param.dtype).numpy))
+            dtype = kiln_dtype(param.dtype)
+            if dtype.kind in ("int", "bool", "index"):
+                arg = check_int_argument(param.name, arg, dtype.name)
+            else:
+                arg = _float_argument(param.name, arg, dtype.name)
+            values.append(np.array([arg], dtype.numpy))
         elif isinstance(param, TensorMapParam):
             values.append(TensorMapArg(np.asarray(arg), tuple(param.box), param.swizzle,
                                        param.oob_fill_nan))
         else:
+            if isinstance(arg, np.ndarray) and not arg.flags.writeable:
+                copies[param.name] = (arg, arg.copy())
+                arg = copies[param.name][1]
             values.append(global_memref(arg, param.name))
-    return values
+    return values, copies
+
+
+def _float_argument(name: str, value, dtype: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise KilnTypeError(f"argument {name!r} must be a number ({dtype}), got "
+                            f"{type(value).__name__}", fix="pass a Python or numpy float") from None
+
+
+def _check_read_only(copies: dict) -> None:
+    """A read-only numpy argument runs on a copy; the kernel must not have written it."""
+    for name, (original, copy) in copies.items():
+        if np.ascontiguousarray(original).tobytes() != np.ascontiguousarray(copy).tobytes():
+            raise KilnValueError(f"the kernel writes argument '{name}', a read-only numpy array; "
+                                 "its results were dropped",
+                                 fix=f"pass a writeable array, e.g. np.copy({name})")
 
 
 def interpret_kernel(traced, grid, args, target) -> None:
@@ -164,8 +183,8 @@ def interpret_kernel(traced, grid, args, target) -> None:
     signature = traced.signature
     block = tuple(signature.block)
     threads = int(np.prod(block))
-    grid = _grid3(grid)
-    values = _convert_args(signature, args)
+    grid = normalize_grid(grid)
+    values, copies = _convert_args(signature, args)
     static = (compiled.static_shared_bytes + _SHARED_ALIGN - 1) // _SHARED_ALIGN * _SHARED_ALIGN
     shared_bytes = static + signature.dynamic_shared_bytes
     split = compiled.warp_group_contexts and threads > WARP_GROUP_THREADS
@@ -182,6 +201,7 @@ def interpret_kernel(traced, grid, args, target) -> None:
             cta.dynamic_shared_offset = static
             cluster.ctas.append(cta)
         _run_cluster(plan, cluster, values, threads, group)
+    _check_read_only(copies)
 
 
 def _cluster_shape(signature, grid: tuple) -> tuple[int, int, int]:
