@@ -107,16 +107,16 @@ def check_heads(hq: int, hkv: int, *, q_name: str, kv_name: str,
 
 
 def check_paged_lengths(page_table, seq_lens, *, num_pages: int, page_size: int,
-                        validate: bool = True) -> None:
+                        validate: bool = False) -> None:
     """Every ``seq_lens[b]`` in ``[0, max_pages * page_size]`` and every page id a sequence
     uses (``page_table[b, :ceil(seq_lens[b] / page_size)]``) in ``[0, num_pages)``.
 
     numpy inputs are always checked, whatever ``validate`` says (the check costs little beside
-    a copy to the device or the interpreter). torch tensors with ``validate=True``: one
+    a copy to the device or the interpreter). torch tensors only with ``validate=True``: one
     device-side reduction and one synchronisation, then a CPU copy only to name the first bad
-    entry. ``validate=False`` is the caller's promise that the ids are in range (e.g. inside
-    a CUDA graph, where a synchronisation is illegal); a bad id then poisons its rows with NaN
-    in the kernel (decode's V tensor map fills out-of-bounds boxes with NaN).
+    entry. Unchecked (the default, which keeps a call free of synchronisation and capturable
+    in a CUDA graph) a bad id poisons its rows with NaN in the kernel (decode's V tensor map
+    fills out-of-bounds boxes with NaN).
     """
     if not is_torch(page_table) and not is_torch(seq_lens):
         _check_paged_numpy(np.asarray(page_table), np.asarray(seq_lens), num_pages, page_size)
@@ -129,7 +129,7 @@ def check_paged_lengths(page_table, seq_lens, *, num_pages: int, page_size: int,
         raise kiln.KilnValueError(
             "page ids and seq_lens of device tensors are checked with a synchronisation, which "
             "a CUDA graph capture cannot contain",
-            fix="check them before capturing and pass validate=False inside the graph")
+            fix="check them with validate=True before capturing, not inside the graph")
     lens = seq_lens.to(torch.int64)
     width = page_table.shape[1]
     used = torch.arange(width, device=page_table.device)[None, :] < \

@@ -318,9 +318,10 @@ def test_gpu_launch_packs_integer_arguments_with_the_same_check():
 
 @pytest.mark.gpu
 def test_device_page_ids_out_of_range_raise_unless_vouched_for():
-    """torch CUDA tensors: an out-of-range or negative page id, or a seq_len past the table,
-    raises (one device-side reduction); validate=False skips the check (the caller vouches),
-    and a capture without it is refused rather than silently unchecked."""
+    """torch CUDA tensors with validate=True: an out-of-range or negative page id, or a seq_len
+    past the table, raises (one device-side reduction); a validated call inside a capture is
+    refused rather than silently unchecked; unchecked calls (the default) poison, never read
+    another page."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -328,24 +329,25 @@ def test_device_page_ids_out_of_range_raise_unless_vouched_for():
         torch.bfloat16) if x.dtype == BF16 else torch.from_numpy(x).cuda()
         for x in _decode_problem(_rng(), page_size=64, num_pages=6, width=2))
     lens.fill_(100)
-    decode_attention(q, kc, vc, table, lens)  # in range: runs
+    decode_attention(q, kc, vc, table, lens, validate=True)  # in range: runs
     for entry, value, words in ((0, 6, r"page_table\[0, 1\] = 6"),
                                 (0, -1, r"page_table\[0, 1\] = -1")):
         bad = table.clone()
         bad[entry, 1] = value
         for fn in (decode, decode_attention):
-            _raises(kiln.KilnValueError, words, fn, q, kc, vc, bad, lens)
+            _raises(kiln.KilnValueError, words, fn, q, kc, vc, bad, lens, validate=True)
+        out, _ = decode_attention(q, kc, vc, bad, lens)  # unchecked: poisoned rows
+        assert torch.isnan(out[entry].float()).any()
     long = lens.clone()
     long[1] = 129
     _raises(kiln.KilnValueError, r"seq_lens\[1\] = 129", decode_attention, q, kc, vc, table,
-            long)
+            long, validate=True)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(kiln.KilnValueError, match="CUDA graph capture"):
         with torch.cuda.graph(graph):
-            decode_attention(q, kc, vc, table, lens)
+            decode_attention(q, kc, vc, table, lens, validate=True)
     torch.cuda.synchronize()
-    assert math.isfinite(float(decode_attention(q, kc, vc, table, lens,
-                                                validate=False)[1].float().sum()))
+    assert math.isfinite(float(decode_attention(q, kc, vc, table, lens)[1].float().sum()))
 
 
 @pytest.mark.parametrize("page_size", [16, 64])  # several pages a tile, one page a tile

@@ -1231,7 +1231,7 @@ def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, block_n: int
 
 
 def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_table=None,
-           scale=None, sinks=None, target=None, backend=None, config=None, validate=True):
+           scale=None, sinks=None, target=None, backend=None, config=None, validate=False):
     """Split-KV paged decode attention; returns ``(o_partial, lse_partial, split_counts)``
     (see the module docs) for :func:`kiln.kernels.attention.combine`.
 
@@ -1248,10 +1248,10 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
     and agreeing sizes once per shape class; ``num_splits >= 1``, ``scale > 0``; per call,
     ``0 <= seq_lens[b] <= max_pages * page_size`` and every page id a sequence uses in
     ``[0, num_pages)``. That per-call check always runs for numpy inputs; for torch CUDA
-    tensors it is one device-side reduction and a synchronisation, skipped with
-    ``validate=False`` (required inside a CUDA graph capture), where the caller vouches for
-    the ids; an out-of-range id inside a sequence then reads a NaN-filled box (never another
-    page or zeros), so its rows' outputs are NaN. An empty batch (``B``, ``Sq`` or ``Hq`` of
+    tensors it costs a device-side reduction and a synchronisation, so it runs only with
+    ``validate=True`` (not inside a CUDA graph capture). Unchecked, an out-of-range id inside
+    a sequence reads a NaN-filled box (never another page or zeros), so its rows' outputs are
+    NaN. An empty batch (``B``, ``Sq`` or ``Hq`` of
     0) returns empty partials and launches nothing.
     Example::
 
@@ -1276,7 +1276,7 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
 
 def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None,
                      block_table=None, scale=None, sinks=None, target=None, backend=None,
-                     config=None, fused_combine=None, validate=True):
+                     config=None, fused_combine=None, validate=False):
     """Split-KV decode attention with the splits merged: the attention output
     ``[B, Sq, Hq, D]`` (bf16) and its natural-log LSE ``[B, Sq, Hq]`` (f32). Same keywords as
     :func:`decode`.
@@ -1286,16 +1286,17 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     few, for large merges) merges the splits of its rows as
     :func:`kiln.kernels.attention.combine` would, saving the combine's launch. ``False``:
     :func:`decode`, then ``combine`` (two kernels, the merge spread over many CTAs). Inputs are
-    validated as :func:`decode` describes (``validate=False`` skips the per-call check of
-    device tensors' page ids and lengths); an empty batch returns empty ``o`` and ``lse``.
+    validated as :func:`decode` describes (``validate=True`` adds the per-call check of device
+    tensors' page ids and lengths); an empty batch returns empty ``o`` and ``lse``.
     ``None`` (default): fused while one CTA merges at most ``FUSED_COMBINE_MAX_BYTES`` of
     partials (every shape of ``bench/decode.py``'s grid).
 
     With contiguous torch CUDA tensors a repeat call of one shape class is one bound launch
     and three allocations (the partials, freed to torch's stream-ordered allocator once the
-    launch is queued, and the returned ``o`` and ``lse``), and with ``validate=False`` it can be
-    captured in a CUDA graph (``torch.cuda.graph``) and replayed with no host work per step
-    (check the page table before capturing; the kernel poisons rows with bad ids). The
+    launch is queued, and the returned ``o`` and ``lse``), and it can be captured in a CUDA
+    graph (``torch.cuda.graph``) and replayed with no host work per step (check the page table
+    before capturing, e.g. with one ``validate=True`` call; the kernel poisons rows with bad
+    ids). The
     ticket counters are kept per plan and per stream; each launch adds the split count to each
     of them.
     Example: ``o, lse = decode_attention(q, k_cache, v_cache, page_table, seq_lens)``.
