@@ -106,6 +106,14 @@ def check_heads(hq: int, hkv: int, *, q_name: str, kv_name: str,
                     fix="use Hq = group * Hkv (MHA, GQA or MQA)")
 
 
+def resolve_target(target):
+    """The chip ``target`` names; only None means Kiln's default target ("" is an error)."""
+    from kiln.kernel import default_target
+    from kiln.lowering.targets import get_target
+
+    return get_target(default_target() if target is None else target)
+
+
 def check_paged_lengths(page_table, seq_lens, *, num_pages: int, page_size: int,
                         validate: bool = False) -> None:
     """Every ``seq_lens[b]`` in ``[0, max_pages * page_size]`` and every page id a sequence

@@ -384,7 +384,7 @@ def _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, part
     if producer is not None:
         producer.check_consumer(contract)
     check_backend(backend, (None, "interpret"))
-    target = target or "sm_90a"
+    target = "sm_90a" if target is None else target  # "" is the compiler's TargetError
     rows = sq * heads
     config = choose_config(rows, batch, max_splits, head_dim)
     plan = _CombinePlan(

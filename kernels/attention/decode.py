@@ -111,7 +111,7 @@ from kiln.shared import dynamic_shared  # kiln.dynamic_shared once exported
 from kiln.swizzle import Swizzle
 
 from ..inputs import (Dims, check_backend, check_heads, check_paged_lengths, check_positive,
-                      empty_like, is_torch)
+                      empty_like, is_torch, resolve_target)
 from .paged import OOB_ROW, PagedRowIndices, PageTableRow, kv_sub_tile_rows
 from .partials import Partials
 
@@ -1730,10 +1730,7 @@ def _check_values(k_cache, page_table, seq_lens, block_table, validate) -> None:
 
 
 def _target(target):
-    from kiln.kernel import default_target
-    from kiln.lowering.targets import get_target
-
-    chip = get_target(target or default_target())
+    chip = resolve_target(target)
     if not chip.has_tma:
         raise kiln.UnsupportedError(f"paged decode loads pages with TMA, which {chip.name} "
                                     "lacks", fix="use target='sm_90a'")

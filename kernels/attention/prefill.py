@@ -22,7 +22,8 @@ import numpy as np
 
 import kiln
 
-from ..inputs import check_backend, check_heads, check_positive, dtype_of, empty_like
+from ..inputs import (check_backend, check_heads, check_positive, dtype_of, empty_like,
+                      resolve_target)
 from .prefill_hopper import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, HopperPrefillConfig,
                              MaskSpec, make_kernel)
 
@@ -43,7 +44,7 @@ def compile_prefill(dtype="bf16", *, target, head_dim=128, causal=False, window=
     specialisation; ``config`` keywords are :class:`HopperPrefillConfig` fields on NVIDIA.
     Example: ``compile_prefill(target="sm_90a", head_dim=128, dtype="bf16").asm["ptx"]``.
     """
-    chip = _target(target)
+    chip = resolve_target(target)
     name = _dtype_name(dtype)
     mask = _mask_spec(causal, window, chunk)
     if chip.is_amd:  # specialised on which masks and sinks exist, not on group or LSE
@@ -228,7 +229,7 @@ def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, t
 
 def _validate(q, k, v, cu_q, cu_k, sinks, causal, window, chunk, scale, target, backend):
     """The checked chip, shapes, mask and softmax scale of a call (a KilnError on bad input)."""
-    chip = _target(target)
+    chip = resolve_target(target)
     check_backend(backend, BACKENDS)
     shapes = _check_inputs(q, k, v, cu_q, cu_k, sinks)
     mask = _mask_spec(causal, window, chunk)
@@ -341,13 +342,6 @@ def _require_wgmma(chip):
     if not chip.has_wgmma:
         raise kiln.UnsupportedError(f"the Kiln prefill kernel needs WGMMA (sm_90a); {chip.name} "
                                     "has none", fix="use target='sm_90a', or 'gfx950' on AMD")
-
-
-def _target(target):
-    from kiln.kernel import default_target
-    from kiln.lowering.targets import get_target
-
-    return get_target(target or default_target())
 
 
 def _dtype_name(dtype) -> str:

@@ -23,7 +23,7 @@ import numpy as np
 import kiln
 from kiln.autotune import autotune
 
-from ..inputs import Dims, check_backend, empty_like
+from ..inputs import Dims, check_backend, empty_like, resolve_target
 from .hopper import OUT_DTYPES, SUPPORTED_DTYPES, HopperGemmConfig, make_kernel
 
 __all__ = ["matmul", "compile_matmul", "HopperGemmConfig", "HOPPER_CONFIGS"]
@@ -50,7 +50,7 @@ def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
     ``b_layout`` and ``out_dtype`` unless given).
     Example: ``compile_matmul("bf16", target="sm_90a", stages=3).metadata["registers"]``.
     """
-    chip = _target(target)
+    chip = resolve_target(target)
     name = _input_dtype(dtype)
     if chip.is_amd:
         from . import gfx950
@@ -82,7 +82,7 @@ def matmul(a, b, *, trans_b=False, out_dtype=None, target=None, backend=None):
     ``K = 0`` gives zeros; neither launches a kernel.
     Example: ``c = matmul(torch.randn(1000, 512, dtype=torch.bfloat16, device="cuda"), w)``.
     """
-    chip = _target(target)
+    chip = resolve_target(target)
     dims = Dims()
     dims.tensor("a", a, "M K")
     dims.tensor("b", b, "N K_b" if trans_b else "K_b N")
@@ -181,14 +181,6 @@ def _constexprs(cfg: HopperGemmConfig) -> dict:
     return dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, STAGES=cfg.stages,
                 GROUP_M=cfg.group_m, PRODUCER_REGS=cfg.producer_registers,
                 CONSUMER_REGS=cfg.consumer_registers, CLUSTER_M=cfg.cluster_m)
-
-
-def _target(target):
-    from kiln.lowering.targets import get_target
-
-    from kiln.kernel import default_target
-
-    return get_target(target or default_target())
 
 
 def _input_dtype(dtype) -> str:
