@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -44,7 +44,8 @@ from . import ast_rewrite, builder
 from . import dtypes as dt
 from .errors import (CompilationError, KilnTypeError, KilnValueError, SourceLoc,
                      source_loc_from_mlir, trace_location, user_facing)
-from .lowering_bridge import cache_key, lowering_signature, source_key, tensor_arg_spec
+from .fingerprint import typed_key
+from .lowering_bridge import cache_key, lowering_signature, tensor_arg_spec
 from .tensor import TensorRef, TensorSpec, memref_type
 from .values import Value
 
@@ -155,12 +156,14 @@ class ArgSpec:
     dtype: dt.DType | None = None
     rank: int = 0
     contiguous: bool = True
-    value: Any = None  # constexpr value
+    value: Any = field(default=None, compare=False)  # constexpr value, compared by `typed`
     tensormap: TensorMapSpec | None = None
+    typed: Any = None  # fingerprint.typed_key(value): 2, 2.0, True and -0.0 all differ
 
     def key(self) -> str:
+        """This spec's part of the on-disk key (constexprs: see lowering_bridge.cache_key)."""
         if self.kind == "constexpr":
-            return f"{self.name}=constexpr:{self.value!r}"
+            return f"{self.name}=constexpr:{self.typed!r}"
         spec = f"{self.name}:{self.kind}:{self.dtype}:{self.rank}:{int(self.contiguous)}"
         if self.tensormap is not None:  # the box and swizzle change the traced IR
             spec += f":{self.tensormap.box}:{self.tensormap.swizzle}"
@@ -205,7 +208,6 @@ class JITKernel:
         self._compiled: dict[tuple, Any] = {}  # (arg specs, options) -> CompiledKernel
         # cheap launch key -> (CompiledKernel, grid meta, runtime args all positional)
         self._launches: dict[tuple, tuple] = {}
-        self._source_key: str | None = None
         self._interpret_traces: dict[tuple, TracedKernel] = {}
 
     def __repr__(self):
@@ -226,7 +228,8 @@ class JITKernel:
     def _arg_spec(self, param: _Param, value: Any) -> ArgSpec:
         kind, spec = param.kind, param.spec
         if kind == "constexpr":
-            return ArgSpec(param.name, "constexpr", value=value)
+            return ArgSpec(param.name, "constexpr", value=value,
+                           typed=typed_key(value, f"constexpr '{param.name}' of {self.name}"))
         if kind in ("tensor", "tensormap") or (kind == "infer" and _scalar_dtype_of(value) is None):
             ts = tensor_arg_spec(param.name, value)  # (dtype, rank, contiguous)
             want = spec.dtype if spec is not None else None
@@ -351,9 +354,8 @@ class JITKernel:
     def _compile_specs(self, specs, options):
         from kiln.lowering.compiler import compile_kernel, load_cached
 
-        if self._source_key is None:
-            self._source_key = source_key(self.fn)
-        key = cache_key(self._source_key, specs, options.key())
+        # Global values are read again for every new specialisation (see lowering_bridge).
+        key = cache_key(self.fn, specs, options.key())
         cached = load_cached(key)
         if cached is not None:
             return cached
@@ -371,10 +373,7 @@ class JITKernel:
         options = self._options(target, num_warps, opt_level, ptx_version, maxnreg)
         specs = self.specialize(args, kwargs)
         key = (specs, options)
-        try:
-            compiled = self._compiled.get(key)
-        except TypeError:  # an unhashable constexpr value: compile (the disk cache still applies)
-            return self._compile_specs(specs, options)
+        compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self._compiled[key] = self._compile_specs(specs, options)
         return compiled
@@ -390,14 +389,14 @@ class JITKernel:
         # is computed once per distinct key.
         try:
             key = (tuple(map(_launch_key_part, args, self._constexpr_flags)), len(args),
-                   tuple(kwargs.items()), _default_target)
-            entry = self._launches.get(key)
-        except TypeError:  # an unhashable constexpr value: no memoisation
-            key, entry = None, None
+                   tuple(map(_keyword_key_part, kwargs.items())), _default_target)
+        except KilnTypeError:  # a constexpr with no sound key: say which one
+            self.specialize(args, {k: v for k, v in kwargs.items() if k not in OPTION_NAMES})
+            raise
+        entry = self._launches.get(key)
         if entry is None:
             entry = self._prepare_launch(args, dict(kwargs))
-            if key is not None:
-                self._launches[key] = entry
+            self._launches[key] = entry
         ck, meta, by_position = entry
         if by_position:
             runtime = [args[i] for i in self._runtime_idx]
@@ -450,14 +449,9 @@ class _Interpreted:
         target = target or _default_target
         specs = k.specialize(args, kwargs)
         key = (specs, target, num_warps)
-        try:
-            traced = k._interpret_traces.get(key)
-        except TypeError:  # an unhashable constexpr value: trace every time
-            key, traced = None, None
+        traced = k._interpret_traces.get(key)
         if traced is None:
-            traced = k._trace_specs(specs, target, num_warps)
-            if key is not None:
-                k._interpret_traces[key] = traced
+            traced = k._interpret_traces[key] = k._trace_specs(specs, target, num_warps)
         values = k._bind(args, kwargs)
         if callable(grid):
             meta = {p.name: v for p, v in zip(k.params, values) if p.kind == "constexpr"}
@@ -465,9 +459,27 @@ class _Interpreted:
         interpret_kernel(traced, grid, [values[i] for i in k._runtime_idx], get_target(target))
 
 
+def _constexpr_key(a: Any) -> Any:
+    """A launch-key constexpr: typed, so 2, 2.0 and True, or 0.0 and -0.0, differ."""
+    kind = type(a)
+    if kind is int or kind is bool or kind is str:
+        return (kind, a)
+    if kind is float:
+        return a.hex()
+    return typed_key(a, "a constexpr")
+
+
+def _keyword_key_part(item: tuple) -> Any:
+    name, a = item
+    kind = type(a)
+    if kind is int or kind is bool or kind is str:
+        return (name, kind, a)
+    return (name, _constexpr_key(a))
+
+
 def _launch_key_part(a: Any, is_constexpr: bool) -> Any:
     if is_constexpr:
-        return a  # the value specialises (TypeError when unhashable)
+        return _constexpr_key(a)
     kind = type(a)
     if kind is np.ndarray:
         return (a.dtype, a.ndim, a.ndim == 0 or a.strides[-1] == a.itemsize or a.shape[-1] <= 1)
