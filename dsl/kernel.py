@@ -385,18 +385,21 @@ class JITKernel:
     @user_facing
     def _launch(self, grid, *args, stream=None, **kwargs):
         # The hot path of a repeat launch: one dict lookup on a cheap key (dtype/rank/contiguity
-        # of arrays, Python scalar types, keyword constexprs/options); the full specialisation
-        # is computed once per distinct key.
+        # of arrays, Python scalar types, typed positional constexprs, keyword values and their
+        # types); the full specialisation is computed once per distinct key.
         try:
-            key = (tuple(map(_launch_key_part, args, self._constexpr_flags)), len(args),
-                   tuple(map(_keyword_key_part, kwargs.items())), _default_target)
+            positional = tuple(map(_launch_key_part, args, self._constexpr_flags))
         except KilnTypeError:  # a constexpr with no sound key: say which one
             self.specialize(args, {k: v for k, v in kwargs.items() if k not in OPTION_NAMES})
             raise
-        entry = self._launches.get(key)
+        try:
+            key = (positional, tuple(kwargs.items()), tuple(map(type, kwargs.values())),
+                   _default_target)
+            entry = self._launches.get(key)
+        except TypeError:  # an unhashable keyword value (an array): the typed key only
+            key, entry = None, None
         if entry is None:
-            entry = self._prepare_launch(args, dict(kwargs))
-            self._launches[key] = entry
+            entry = self._launch_entry(key, positional, args, kwargs)
         ck, meta, by_position = entry
         if by_position:
             runtime = [args[i] for i in self._runtime_idx]
@@ -407,6 +410,23 @@ class JITKernel:
             grid = grid(meta)
         ck.launch(grid if type(grid) is tuple and len(grid) == 3 else _grid3(grid), runtime,
                   stream=stream)
+
+    def _launch_entry(self, fast_key, positional, args: tuple, kwargs: dict) -> tuple:
+        """A launch's entry by the typed key of its keyword values. It is also kept under the
+        fast key where == on those values is exact (equal and same type means the same kernel):
+        not for -0.0 == 0.0, containers (2 == 2.0 inside) or objects compared by identity."""
+        try:
+            typed = (positional, tuple(map(_keyword_key_part, kwargs.items())), _default_target)
+        except KilnTypeError:
+            self.specialize(args, {k: v for k, v in kwargs.items() if k not in OPTION_NAMES})
+            raise
+        entry = self._launches.get(typed)
+        if entry is None:
+            entry = self._launches[typed] = self._prepare_launch(args, dict(kwargs))
+        if fast_key is not None and all(type(v) in _EXACT_KEYS or (type(v) is float and v)
+                                        for v in kwargs.values()):
+            self._launches[fast_key] = entry
+        return entry
 
     @property
     def interpret(self) -> "_Interpreted":
@@ -459,6 +479,10 @@ class _Interpreted:
         interpret_kernel(traced, grid, [values[i] for i in k._runtime_idx], get_target(target))
 
 
+# Keyword value types whose == is exact within one type (floats: all but 0.0 == -0.0).
+_EXACT_KEYS = frozenset({int, bool, str, type(None), dt.DType})
+
+
 def _constexpr_key(a: Any) -> Any:
     """A launch-key constexpr: typed, so 2, 2.0 and True, or 0.0 and -0.0, differ."""
     kind = type(a)
@@ -470,16 +494,13 @@ def _constexpr_key(a: Any) -> Any:
 
 
 def _keyword_key_part(item: tuple) -> Any:
-    name, a = item
-    kind = type(a)
-    if kind is int or kind is bool or kind is str:
-        return (name, kind, a)
-    return (name, _constexpr_key(a))
+    return (item[0], _constexpr_key(item[1]))
 
 
 def _launch_key_part(a: Any, is_constexpr: bool) -> Any:
     if is_constexpr:
-        return _constexpr_key(a)
+        kind = type(a)
+        return (kind, a) if kind is int or kind is bool or kind is str else _constexpr_key(a)
     kind = type(a)
     if kind is np.ndarray:
         return (a.dtype, a.ndim, a.ndim == 0 or a.strides[-1] == a.itemsize or a.shape[-1] <= 1)

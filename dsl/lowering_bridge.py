@@ -3,11 +3,18 @@
 Kept apart from :mod:`kiln.kernel` so the tracing code does not import lowering modules
 (``kiln.lowering.signature``/``arrays``/``cache`` are imported here, lazily where heavy).
 
-The on-disk cache key is ``make_key(kernel source, sources of referenced @kiln.func helpers and
-@kiln.struct classes, captured closure/global values, argument specs, constexpr values,
-options.key())``, each source after the file and line it starts at; helpers are found through
-the kernel's globals and closure (names it uses directly; ``module.helper`` attribute
-references are not followed).
+The on-disk cache key (:func:`cache_key`) is ``make_key(dependency fingerprint, argument
+specs, typed constexpr values, options.key())``, and ``make_key`` adds the toolchain (Kiln's
+own sources including ``kernels/``, MLIR/LLVM/llvmlite/numpy versions, the ``ptxas`` and
+``ld.lld`` found). The dependency fingerprint (:func:`source_key`,
+:class:`kiln.fingerprint.DependencyWalk`) covers the source and bytecode of every user
+function and class the trace can reach - kernel, ``@kiln.func`` helpers, ``@kiln.struct``
+classes, plain Python helpers, across modules, through globals, closures, defaults and
+``module.attr`` chains - and the values of the globals, closure cells and defaults they read,
+by type and content (``2``, ``2.0``, ``True`` and ``-0.0`` differ; numpy arrays by bytes). A
+value with no sound key is a KilnTypeError with the fix (make it a constexpr). Code facts are
+cached per code object; values are read again for every new specialisation. See "What is in
+the key" in ``docs/lowering.md``.
 """
 
 from __future__ import annotations

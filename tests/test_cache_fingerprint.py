@@ -305,3 +305,35 @@ def test_a_constexpr_function_is_keyed_by_its_code_not_its_address():
 
     assert DependencyWalk().value(make()) == DependencyWalk().value(make())
     assert "0x" not in DependencyWalk().value(make())
+
+
+class _RecordingLaunch:
+    """Stands in for a compiled kernel: records which specialisation each launch used."""
+
+    def __init__(self, label, log):
+        self.label, self.log = label, log
+
+    def launch(self, grid, runtime, stream=None):
+        self.log.append(self.label)
+
+
+@pytest.mark.parametrize("by_keyword", [True, False])
+def test_launches_specialise_typed_constexprs_apart(monkeypatch, by_keyword):
+    kernel = kiln.kernel(typed.fn)
+    prepared, launched = [], []
+
+    def prepare(args, kwargs):
+        d = kwargs.get("D", args[-1] if len(args) > 1 else None)
+        prepared.append(d)
+        return _RecordingLaunch(repr(d), launched), {}, True
+
+    monkeypatch.setattr(kernel, "_prepare_launch", prepare)
+    y = np.zeros(3, np.float32)
+    for _ in range(2):
+        for value in TYPED_VALUES:
+            if by_keyword:
+                kernel[1](y, D=value)
+            else:
+                kernel[1](y, value)
+    assert [repr(v) for v in prepared] == [repr(v) for v in TYPED_VALUES]
+    assert launched == [repr(v) for v in TYPED_VALUES] * 2
