@@ -61,6 +61,11 @@ def _canon(v: Any, callable_key: Callable[[Any], Any]) -> Any:
         return (t.__name__, v)
     if t is float:
         return ("float", v.hex())  # -0.0 != 0.0; every NaN one key
+    if v is Ellipsis:
+        return ("ellipsis",)
+    if t is range or t is slice:
+        return (t.__name__, _canon(v.start, callable_key), _canon(v.stop, callable_key),
+                _canon(v.step, callable_key))
     if t is complex:
         return ("complex", v.real.hex(), v.imag.hex())
     if t is DType:
@@ -190,9 +195,9 @@ def _code_digest(code: types.CodeType, digest) -> None:
             digest.update(repr(_canon(const, repr)).encode())
 
 
-def _static(fn) -> tuple[str, tuple[str, ...], tuple[tuple[str, ...], ...]]:
-    """(source with its file and line + code digest, global names read, attribute chains) of
-    ``fn``'s code and the code nested in it."""
+def _static(fn) -> tuple[str, dict[tuple[str, ...], int]]:
+    """(source with its file and line + code digest, {global name or attribute chain: first
+    line reading it}) of ``fn``'s code and the code nested in it."""
     code = fn.__code__
     found = _static_cache.get(code)
     if found is not None:
@@ -205,29 +210,25 @@ def _static(fn) -> tuple[str, tuple[str, ...], tuple[tuple[str, ...], ...]]:
         source = f"{inspect.getsourcefile(fn)}:{first}\n{''.join(lines)}"
     except (OSError, TypeError):
         source = f"{code.co_filename}:{code.co_firstlineno}"
-    names: set[str] = set()
-    chains: set[tuple[str, ...]] = set()
+    reads: dict[tuple[str, ...], int] = {}
     stack = [code]
     while stack:
         current = stack.pop()
         stack.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
         chain: list[str] = []
+        line = current.co_firstlineno
         for ins in dis.get_instructions(current):
-            if ins.opname in _LOADS:
-                if ins.opname != "LOAD_DEREF":
-                    names.add(ins.argval)
-                if len(chain) > 1:
-                    chains.add(tuple(chain))
-                chain = [ins.argval]
-            elif ins.opname in _ATTRS and chain:
+            line = ins.positions.lineno or line
+            if ins.opname in _ATTRS and chain:
                 chain.append(ins.argval)
-            else:
-                if len(chain) > 1:
-                    chains.add(tuple(chain))
-                chain = []
-        if len(chain) > 1:
-            chains.add(tuple(chain))
-    found = (f"{source}\n#{digest.hexdigest()}", tuple(sorted(names)), tuple(sorted(chains)))
+                reads.setdefault(tuple(chain), line)
+                continue
+            chain = []
+            if ins.opname in _LOADS:
+                chain = [ins.argval]
+                if ins.opname != "LOAD_DEREF":  # closure cells are all read anyway
+                    reads.setdefault((ins.argval,), line)
+    found = (f"{source}\n#{digest.hexdigest()}", reads)
     _static_cache[code] = found
     return found
 
@@ -258,7 +259,10 @@ class DependencyWalk:
     # ---- values ---------------------------------------------------------------------------
     def value(self, v: Any) -> str:
         """The key text of a value (a global, closure cell, default or constexpr)."""
-        return repr(_canon(v, self._callable))
+        try:
+            return repr(_canon(v, self._callable))
+        except RecursionError:  # a container holding itself
+            raise Unfingerprintable(v) from None
 
     def _callable(self, v) -> str:
         from .kernel import JITKernel, KilnFunc
@@ -286,7 +290,14 @@ class DependencyWalk:
         if t.__name__ == "partial" and t.__module__ == "functools":
             return (f"partial:{self._callable(v.func)}:{self.value(v.args)}:"
                     f"{self.value(v.keywords)}")
-        if _object_origin(t) == "kiln" and hasattr(v, "__dict__"):
+        wrapped = getattr(v, "__wrapped__", None)
+        if wrapped is not None and callable(v):  # functools.lru_cache and other wrappers
+            return f"wrapped:{_type_name(t)}:{self._callable(wrapped)}"
+        origin_of_type = _object_origin(t)
+        if origin_of_type == "external" and callable(v):  # numpy ufuncs and the like
+            return f"external:{_type_name(t)}:{getattr(v, '__module__', '')}." \
+                   f"{getattr(v, '__qualname__', getattr(v, '__name__', ''))}"
+        if origin_of_type == "kiln" and hasattr(v, "__dict__"):
             # Kiln's own helper objects (factories, layouts): their code is Kiln source, their
             # state is what they were built with.
             return f"kiln:{_type_name(t)}:{self.value(dict(vars(v)))}"
@@ -310,31 +321,36 @@ class DependencyWalk:
             reads["defaults"] = fn.__defaults__
         if fn.__kwdefaults__:
             reads["kwdefaults"] = fn.__kwdefaults__
+        lines: dict[str, int] = {}
         if where == "user":
-            source, names, chains = _static(fn)
+            source, loads = _static(fn)
             parts.append(source)
-            scope = fn.__globals__
-            for n in names:
-                if n in scope:
-                    reads[f"global {n}"] = scope[n]
-            cells = _cells(fn)
-            for chain in chains:
+            cells, scope = _cells(fn), fn.__globals__
+            for chain, line in loads.items():
+                if len(chain) == 1:
+                    if chain[0] in scope:
+                        reads[f"global {chain[0]}"] = scope[chain[0]]
+                        lines[f"global {chain[0]}"] = line
+                    continue
+                # module.attr chains: the attribute of a module is a global of that module
                 base = cells[chain[0]] if chain[0] in cells else scope.get(chain[0])
-                for i, attr in enumerate(chain[1:], 1):
-                    if not isinstance(base, types.ModuleType):
-                        break
-                    base = getattr(base, attr, None)
-                    reads[f"global {'.'.join(chain[:i + 1])}"] = base
+                for attr in chain[1:-1]:
+                    base = getattr(base, attr, None) if isinstance(base, types.ModuleType) else None
+                if isinstance(base, types.ModuleType) and hasattr(base, chain[-1]):
+                    reads[f"global {'.'.join(chain)}"] = getattr(base, chain[-1])
+                    lines[f"global {'.'.join(chain)}"] = line
         for what, v in sorted(reads.items()):
             try:
                 parts.append(f"{what}={self.value(v)}")
             except Unfingerprintable as err:
                 code = fn.__code__
+                kind, _, read = what.partition(" ")
                 raise KilnTypeError(
-                    f"{fn.__qualname__} reads the {what.split(' ')[0]} "
-                    f"'{what.split(' ', 1)[-1]}', a {type(err.value).__qualname__}, which Kiln "
-                    "cannot key by content: a compiled kernel could be reused after it changes",
-                    fix=_FIX, loc=SourceLoc(code.co_filename, code.co_firstlineno)) from None
+                    f"{fn.__qualname__} reads the {kind} '{read}', a "
+                    f"{type(err.value).__qualname__}, which Kiln cannot key by content: a "
+                    "compiled kernel could be reused after it changes", fix=_FIX,
+                    loc=SourceLoc(code.co_filename, lines.get(what, code.co_firstlineno))
+                ) from None
         label = f"fn:{name}#{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:32]}"
         self._labels[id(fn)] = label
         return label
@@ -363,10 +379,8 @@ class DependencyWalk:
             try:
                 parts.append(f"{attr}={self.value(v)}")
             except Unfingerprintable as err:
-                raise KilnTypeError(
-                    f"class {cls.__qualname__} has the attribute '{attr}', a "
-                    f"{type(err.value).__qualname__}, which Kiln cannot key by content",
-                    fix=_FIX) from None
+                # defined in the class source above; only a later rebinding would be missed
+                parts.append(f"{attr}=<{_type_name(type(err.value))}>")
         label = f"class:{name}#{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:32]}"
         self._labels[id(cls)] = label
         return label

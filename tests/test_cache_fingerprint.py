@@ -8,6 +8,7 @@ numpy globals, constexpr types (2 / 2.0 / True / 0.0 / -0.0) and array contents,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 import sys
@@ -253,15 +254,35 @@ STATE = Holder()
 
 @kiln.kernel
 def reads_an_object(x: kiln.Tensor[f32]):
-    x[0] = STATE.scale
+    x[0] = STATE.scale  # @reads-state
 
 
-def test_an_unkeyable_global_is_a_kiln_type_error():
+def test_an_unkeyable_global_is_a_kiln_type_error(marker_line):
     with pytest.raises(kiln.KilnTypeError) as err:
         reads_an_object.compile(np.zeros(4, np.float32), target="gfx950")
     assert "STATE" in str(err.value) and "Holder" in str(err.value)
     assert "kiln.constexpr" in err.value.fix
-    assert err.value.loc.filename == __file__
+    assert (err.value.loc.filename, err.value.loc.line) == (__file__, marker_line("@reads-state"))
+
+
+@functools.lru_cache(maxsize=None)
+def cached_width(n):
+    return n * 2
+
+
+@kiln.kernel
+def reads_library_objects(x: kiln.Tensor[f32]):
+    i = kiln.thread_id(0)
+    x[i] = x[i] * float(np.float32(math.pi)) + float(np.exp(0.0)) + cached_width(1)
+
+
+def test_library_objects_and_wrapped_helpers_are_keyed_without_error(monkeypatch):
+    before = source_key(reads_library_objects.fn)
+    assert before == source_key(reads_library_objects.fn)
+    # The lru_cache wrapper is followed to the function it wraps.
+    monkeypatch.setitem(reads_library_objects.fn.__globals__, "cached_width",
+                        functools.lru_cache(maxsize=None)(lambda n: n * 3))
+    assert source_key(reads_library_objects.fn) != before
 
 
 def test_an_unkeyable_constexpr_is_a_kiln_type_error():
