@@ -181,7 +181,7 @@ def _object_origin(obj) -> str:
 # ---- static facts of one code object, cached ----------------------------------------------
 _LOADS = ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_NAME")
 _ATTRS = ("LOAD_ATTR", "LOAD_METHOD")
-_static_cache: dict[types.CodeType, tuple] = {}
+_static_cache: dict[tuple[types.CodeType, str], tuple] = {}
 
 
 def _code_digest(code: types.CodeType, digest) -> None:
@@ -199,7 +199,8 @@ def _static(fn) -> tuple[str, dict[tuple[str, ...], int]]:
     """(source with its file and line + code digest, {global name or attribute chain: first
     line reading it}) of ``fn``'s code and the code nested in it."""
     code = fn.__code__
-    found = _static_cache.get(code)
+    # Code objects compare equal across files (co_filename is not compared).
+    found = _static_cache.get((code, code.co_filename))
     if found is not None:
         return found
     digest = hashlib.sha256()
@@ -229,7 +230,7 @@ def _static(fn) -> tuple[str, dict[tuple[str, ...], int]]:
                 if ins.opname != "LOAD_DEREF":  # closure cells are all read anyway
                     reads.setdefault((ins.argval,), line)
     found = (f"{source}\n#{digest.hexdigest()}", reads)
-    _static_cache[code] = found
+    _static_cache[(code, code.co_filename)] = found
     return found
 
 

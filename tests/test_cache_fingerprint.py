@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from source_modules import load_module
 
 import kiln
 from kiln import f32
@@ -358,3 +359,25 @@ def test_launches_specialise_typed_constexprs_apart(monkeypatch, by_keyword):
                 kernel[1](y, value)
     assert [repr(v) for v in prepared] == [repr(v) for v in TYPED_VALUES]
     assert launched == [repr(v) for v in TYPED_VALUES] * 2
+
+
+def test_the_same_kernel_in_another_file_of_the_same_module_name_gets_a_new_key(tmp_path):
+    # Equal code objects in two files compare equal (co_filename is not compared): the key
+    # must still name each file, whose path the compiled kernel's locations carry.
+    keys = []
+    for folder in ("checkout_a", "checkout_b"):
+        (tmp_path / folder).mkdir()
+        path = tmp_path / folder / "same.py"
+        path.write_text(textwrap.dedent(KERNEL_TEXT).lstrip())
+        keys.append(source_key(load_module(path, "same").k.fn))
+    assert keys[0] != keys[1]
+
+
+KERNEL_TEXT = """
+import kiln
+from kiln import f32
+
+@kiln.kernel
+def k(x: kiln.Tensor[f32]):
+    x[kiln.thread_id(0)] = 1.0
+"""
