@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import dis
 import enum
+import functools
 import hashlib
 import inspect
 import sys
@@ -77,7 +78,7 @@ def _canon(v: Any, callable_key: Callable[[Any], Any]) -> Any:
         return ("ndarray", v.dtype.str, v.shape, data)
     if isinstance(v, np.generic):
         return ("np." + t.__name__, v.dtype.str, v.tobytes())
-    if t is np.dtype or isinstance(v, np.dtype):
+    if isinstance(v, np.dtype):
         return ("np.dtype", v.str)
     if isinstance(v, enum.Enum):
         return (callable_key(t), v.name, _canon(v.value, callable_key))
@@ -103,11 +104,19 @@ def _items(v, callable_key) -> tuple:
     return (repr(v),)  # a str/int/float subclass value
 
 
+_CODE_TYPES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type,
+               types.ModuleType)
+
+
 def _identity(v):
-    """In memory, code and Kiln's immutable objects are keyed by identity; other objects have
-    no sound key."""
-    if callable(v) or isinstance(v, types.ModuleType):
+    """In memory, code (functions, classes, modules, Kiln helpers and kernels, library
+    callables) is keyed by identity and Kiln's own objects by their state; a user object has
+    no sound key (it could change while its kernel is reused)."""
+    origin_of_type = _object_origin(type(v))
+    if isinstance(v, _CODE_TYPES) or (callable(v) and origin_of_type != "user"):
         return ("id", v)
+    if origin_of_type == "kiln" and hasattr(v, "__dict__"):
+        return ("kiln", type(v), _canon(dict(vars(v)), _identity))
     raise Unfingerprintable(v)
 
 
@@ -288,7 +297,7 @@ class DependencyWalk:
         t = type(v)
         if t.__module__ == "typing" or t.__module__ == "types":
             return f"typing:{v!r}"
-        if t.__name__ == "partial" and t.__module__ == "functools":
+        if isinstance(v, functools.partial):
             return (f"partial:{self._callable(v.func)}:{self.value(v.args)}:"
                     f"{self.value(v.keywords)}")
         wrapped = getattr(v, "__wrapped__", None)
