@@ -393,8 +393,8 @@ class JITKernel:
             self.specialize(args, {k: v for k, v in kwargs.items() if k not in OPTION_NAMES})
             raise
         try:
-            key = (positional, tuple(kwargs.items()), tuple(map(type, kwargs.values())),
-                   _default_target)
+            key = (positional, len(args), tuple(kwargs.items()),
+                   tuple(map(type, kwargs.values())), _default_target)
             entry = self._launches.get(key)
         except TypeError:  # an unhashable keyword value (an array): the typed key only
             key, entry = None, None
@@ -416,7 +416,8 @@ class JITKernel:
         fast key where == on those values is exact (equal and same type means the same kernel):
         not for -0.0 == 0.0, containers (2 == 2.0 inside) or objects compared by identity."""
         try:
-            typed = (positional, tuple(map(_keyword_key_part, kwargs.items())), _default_target)
+            typed = (positional, len(args), tuple(map(_keyword_key_part, kwargs.items())),
+                     _default_target)
         except KilnTypeError:
             self.specialize(args, {k: v for k, v in kwargs.items() if k not in OPTION_NAMES})
             raise

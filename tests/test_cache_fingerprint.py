@@ -381,3 +381,17 @@ from kiln import f32
 def k(x: kiln.Tensor[f32]):
     x[kiln.thread_id(0)] = 1.0
 """
+
+
+def test_a_launch_with_an_extra_argument_is_not_a_cache_hit(monkeypatch):
+    kernel = kiln.kernel(typed.fn)
+
+    def prepare(args, kwargs):  # binds the arguments, as compiling does
+        kernel._bind(args, kwargs)
+        return _RecordingLaunch("ok", []), {}, True
+
+    monkeypatch.setattr(kernel, "_prepare_launch", prepare)
+    y = np.zeros(3, np.float32)
+    kernel[1](y, 2)
+    with pytest.raises(kiln.KilnTypeError, match="bad arguments"):
+        kernel[1](y, 2, 3)
