@@ -138,6 +138,26 @@ def unkeyable(what: str, value) -> KilnTypeError:
         fix="pass a number, string, tuple, dict, numpy array, dtype, function or frozen dataclass")
 
 
+# ---- launch keys (the hot path: cheap cases first) -----------------------------------------
+# Keyword value types whose == is exact within one type (floats: all but 0.0 == -0.0).
+EXACT_KEY_TYPES = frozenset({int, bool, str, type(None), DType})
+
+
+def constexpr_key(a: Any) -> Any:
+    """A launch-key constexpr: typed, so 2, 2.0 and True, or 0.0 and -0.0, differ."""
+    kind = type(a)
+    if kind is int or kind is bool or kind is str:
+        return (kind, a)
+    if kind is float:
+        return a.hex()
+    return typed_key(a, "a constexpr")
+
+
+def keyword_key_part(item: tuple) -> Any:
+    """``(name, typed value)`` of one launch keyword."""
+    return (item[0], constexpr_key(item[1]))
+
+
 # ---- where code lives ----------------------------------------------------------------------
 _origins: dict[str, str] = {}
 

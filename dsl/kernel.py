@@ -44,7 +44,7 @@ from . import ast_rewrite, builder
 from . import dtypes as dt
 from .errors import (CompilationError, KilnTypeError, KilnValueError, SourceLoc,
                      source_loc_from_mlir, trace_location, user_facing)
-from .fingerprint import typed_key
+from .fingerprint import EXACT_KEY_TYPES, constexpr_key, keyword_key_part, typed_key
 from .lowering_bridge import cache_key, lowering_signature, tensor_arg_spec
 from .tensor import TensorRef, TensorSpec, memref_type
 from .values import Value
@@ -416,7 +416,7 @@ class JITKernel:
         fast key where == on those values is exact (equal and same type means the same kernel):
         not for -0.0 == 0.0, containers (2 == 2.0 inside) or objects compared by identity."""
         try:
-            typed = (positional, len(args), tuple(map(_keyword_key_part, kwargs.items())),
+            typed = (positional, len(args), tuple(map(keyword_key_part, kwargs.items())),
                      _default_target)
         except KilnTypeError:
             self.specialize(args, {k: v for k, v in kwargs.items() if k not in OPTION_NAMES})
@@ -424,7 +424,7 @@ class JITKernel:
         entry = self._launches.get(typed)
         if entry is None:
             entry = self._launches[typed] = self._prepare_launch(args, dict(kwargs))
-        if fast_key is not None and all(type(v) in _EXACT_KEYS or (type(v) is float and v)
+        if fast_key is not None and all(type(v) in EXACT_KEY_TYPES or (type(v) is float and v)
                                         for v in kwargs.values()):
             self._launches[fast_key] = entry
         return entry
@@ -480,28 +480,10 @@ class _Interpreted:
         interpret_kernel(traced, grid, [values[i] for i in k._runtime_idx], get_target(target))
 
 
-# Keyword value types whose == is exact within one type (floats: all but 0.0 == -0.0).
-_EXACT_KEYS = frozenset({int, bool, str, type(None), dt.DType})
-
-
-def _constexpr_key(a: Any) -> Any:
-    """A launch-key constexpr: typed, so 2, 2.0 and True, or 0.0 and -0.0, differ."""
-    kind = type(a)
-    if kind is int or kind is bool or kind is str:
-        return (kind, a)
-    if kind is float:
-        return a.hex()
-    return typed_key(a, "a constexpr")
-
-
-def _keyword_key_part(item: tuple) -> Any:
-    return (item[0], _constexpr_key(item[1]))
-
-
 def _launch_key_part(a: Any, is_constexpr: bool) -> Any:
     if is_constexpr:
         kind = type(a)
-        return (kind, a) if kind is int or kind is bool or kind is str else _constexpr_key(a)
+        return (kind, a) if kind is int or kind is bool or kind is str else constexpr_key(a)
     kind = type(a)
     if kind is np.ndarray:
         return (a.dtype, a.ndim, a.ndim == 0 or a.strides[-1] == a.itemsize or a.shape[-1] <= 1)

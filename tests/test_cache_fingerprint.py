@@ -21,7 +21,7 @@ from source_modules import load_module
 
 import kiln
 from kiln import f32
-from kiln.kernel import _constexpr_key, _keyword_key_part
+from kiln.fingerprint import constexpr_key, keyword_key_part
 from kiln.lowering import cache
 from kiln.lowering.options import CompileOptions
 from kiln.lowering_bridge import source_key
@@ -96,7 +96,8 @@ def _compile_both(modules, factor: str, returned: str) -> tuple[str, str]:
 @pytest.mark.lower
 def test_editing_a_helper_modules_global_changes_the_binary(modules):
     before = _compile_both(modules, "2.0", "1.5")
-    after = _compile_both(modules, "7.25", "1.5")  # a warm cache, a new value in the helper's module
+    # A warm cache and a new value in the helper's module:
+    after = _compile_both(modules, "7.25", "1.5")
     for old, new in zip(before, after):
         assert "7.250000e+00" not in old and "7.250000e+00" in new
 
@@ -141,8 +142,8 @@ def test_a_changed_dict_global_compiles_a_new_kernel(modules):
         x[kiln.thread_id(0)] = TABLE["scale"]
     """
     x = np.zeros(4, np.float32)
-    old = modules("dict_global", source.format(table='{"scale": 2.0}')).k.compile(x, target="gfx950")
-    new = modules("dict_global", source.format(table='{"scale": 5.5}')).k.compile(x, target="gfx950")
+    old, new = (modules("dict_global", source.format(table=table)).k.compile(x, target="gfx950")
+                for table in ('{"scale": 2.0}', '{"scale": 5.5}'))
     assert "5.500000e+00" in new.asm["kiln"] and "5.500000e+00" not in old.asm["kiln"]
 
 
@@ -238,10 +239,10 @@ def test_typed_constexprs_compile_apart_in_memory_and_on_disk():
 
 
 def test_launch_keys_are_typed():
-    keys = {_constexpr_key(v) for v in TYPED_VALUES}
+    keys = {constexpr_key(v) for v in TYPED_VALUES}
     assert len(keys) == len(TYPED_VALUES)
-    assert len({_keyword_key_part(("D", v)) for v in TYPED_VALUES}) == len(TYPED_VALUES)
-    assert _constexpr_key(float("nan")) == _constexpr_key(-float("nan") * 0 + float("nan"))
+    assert len({keyword_key_part(("D", v)) for v in TYPED_VALUES}) == len(TYPED_VALUES)
+    assert constexpr_key(float("nan")) == constexpr_key(-float("nan") * 0 + float("nan"))
 
 
 class Holder:
