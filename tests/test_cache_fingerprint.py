@@ -193,6 +193,20 @@ def test_kiln_kernels_sources_are_in_the_key(monkeypatch):
         cache._compiler_source_hash.cache_clear()
 
 
+def test_the_numpy_version_enters_the_key(monkeypatch):
+    # Value fingerprints hash numpy's bytes and dtype strings.
+    before = cache.make_key("kernel")
+    real = cache._distribution_version
+    monkeypatch.setattr(cache, "_distribution_version",
+                        lambda name: "99.0" if name == "numpy" else real(name))
+    cache.toolchain_versions.cache_clear()
+    try:
+        assert cache.make_key("kernel") != before
+    finally:
+        monkeypatch.undo()
+        cache.toolchain_versions.cache_clear()
+
+
 def test_external_tools_are_looked_up_for_every_key(monkeypatch, tmp_path):
     tool = tmp_path / "ld.lld"
     tool.write_text("#!/bin/sh\n")
