@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -46,8 +46,9 @@ from . import ast_rewrite, builder, threads
 from . import dtypes as dt
 from .errors import (CompilationError, KilnTypeError, KilnValueError, SourceLoc,
                      source_loc_from_mlir, trace_location, user_facing)
+from .fingerprint import EXACT_KEY_TYPES, constexpr_key, keyword_key_part, typed_key
 from .launch_args import normalize_grid
-from .lowering_bridge import cache_key, lowering_signature, source_key, tensor_arg_spec
+from .lowering_bridge import cache_key, lowering_signature, tensor_arg_spec
 from .tensor import TensorRef, TensorSpec, memref_type
 from .values import Value
 
@@ -171,12 +172,14 @@ class ArgSpec:
     dtype: dt.DType | None = None
     rank: int = 0
     contiguous: bool = True
-    value: Any = None  # constexpr value
+    value: Any = field(default=None, compare=False)  # constexpr value, compared by `typed`
     tensormap: TensorMapSpec | None = None
+    typed: Any = None  # fingerprint.typed_key(value): 2, 2.0, True and -0.0 all differ
 
     def key(self) -> str:
+        """This spec's part of the on-disk key (constexprs: see lowering_bridge.cache_key)."""
         if self.kind == "constexpr":
-            return f"{self.name}=constexpr:{self.value!r}"
+            return f"{self.name}=constexpr:{self.typed!r}"
         spec = f"{self.name}:{self.kind}:{self.dtype}:{self.rank}:{int(self.contiguous)}"
         if self.tensormap is not None:  # the box and swizzle change the traced IR
             spec += f":{self.tensormap.box}:{self.tensormap.swizzle}"
@@ -226,7 +229,6 @@ class JITKernel:
         self._compiled: dict[tuple, Any] = {}  # (arg specs, options) -> CompiledKernel
         # cheap launch key -> (CompiledKernel, grid meta, runtime args all positional)
         self._launches: dict[tuple, tuple] = {}
-        self._source_key: str | None = None
         self._interpret_traces: dict[tuple, TracedKernel] = {}
 
     def __repr__(self):
@@ -247,7 +249,8 @@ class JITKernel:
     def _arg_spec(self, param: _Param, value: Any) -> ArgSpec:
         kind, spec = param.kind, param.spec
         if kind == "constexpr":
-            return ArgSpec(param.name, "constexpr", value=value)
+            return ArgSpec(param.name, "constexpr", value=value,
+                           typed=typed_key(value, f"constexpr '{param.name}' of {self.name}"))
         if kind in ("tensor", "tensormap") or (kind == "infer" and _scalar_dtype_of(value) is None):
             ts = tensor_arg_spec(param.name, value)  # (dtype, rank, contiguous)
             want = spec.dtype if spec is not None else None
@@ -386,9 +389,8 @@ class JITKernel:
     def _compile_specs(self, specs, options):
         from kiln.lowering.compiler import compile_kernel, load_cached
 
-        if self._source_key is None:
-            self._source_key = source_key(self.fn)
-        key = cache_key(self._source_key, specs, options.key())
+        # Global values are read again for every new specialisation (see lowering_bridge).
+        key = cache_key(self.fn, specs, options.key())
         cached = load_cached(key)
         if cached is not None:
             return cached
@@ -408,10 +410,7 @@ class JITKernel:
         warps = self._num_warps(specs, target, num_warps, num_threads)
         options = self._options(target, warps, opt_level, ptx_version, maxnreg)
         key = (specs, options)
-        try:
-            compiled = self._compiled.get(key)
-        except TypeError:  # an unhashable constexpr value: compile (the disk cache still applies)
-            return self._compile_specs(specs, options)
+        compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self._compiled[key] = self._compile_specs(specs, options)
         return compiled
@@ -423,18 +422,21 @@ class JITKernel:
     @user_facing
     def _launch(self, grid, *args, stream=None, **kwargs):
         # The hot path of a repeat launch: one dict lookup on a cheap key (dtype/rank/contiguity
-        # of arrays, Python scalar types, keyword constexprs/options); the full specialisation
-        # is computed once per distinct key.
+        # of arrays, Python scalar types, typed positional constexprs, keyword values and their
+        # types); the full specialisation is computed once per distinct key.
         try:
-            key = (tuple(map(_launch_key_part, args, self._constexpr_flags)), len(args),
-                   tuple(kwargs.items()), _default_target)
+            positional = tuple(map(_launch_key_part, args, self._constexpr_flags))
+        except KilnTypeError:  # a constexpr with no sound key: say which one
+            self.specialize(args, {k: v for k, v in kwargs.items() if k not in OPTION_NAMES})
+            raise
+        try:
+            key = (positional, len(args), tuple(kwargs.items()),
+                   tuple(map(type, kwargs.values())), _default_target)
             entry = self._launches.get(key)
-        except TypeError:  # an unhashable constexpr value: no memoisation
+        except TypeError:  # an unhashable keyword value (an array): the typed key only
             key, entry = None, None
         if entry is None:
-            entry = self._prepare_launch(args, dict(kwargs))
-            if key is not None:
-                self._launches[key] = entry
+            entry = self._launch_entry(key, positional, args, kwargs)
         ck, meta, by_position = entry
         if by_position:
             runtime = [args[i] for i in self._runtime_idx]
@@ -444,6 +446,24 @@ class JITKernel:
         if callable(grid):
             grid = grid(meta)
         ck.launch(normalize_grid(grid), runtime, stream=stream)
+
+    def _launch_entry(self, fast_key, positional, args: tuple, kwargs: dict) -> tuple:
+        """A launch's entry by the typed key of its keyword values. It is also kept under the
+        fast key where == on those values is exact (equal and same type means the same kernel):
+        not for -0.0 == 0.0, containers (2 == 2.0 inside) or objects compared by identity."""
+        try:
+            typed = (positional, len(args), tuple(map(keyword_key_part, kwargs.items())),
+                     _default_target)
+        except KilnTypeError:
+            self.specialize(args, {k: v for k, v in kwargs.items() if k not in OPTION_NAMES})
+            raise
+        entry = self._launches.get(typed)
+        if entry is None:
+            entry = self._launches[typed] = self._prepare_launch(args, dict(kwargs))
+        if fast_key is not None and all(type(v) in EXACT_KEY_TYPES or (type(v) is float and v)
+                                        for v in kwargs.values()):
+            self._launches[fast_key] = entry
+        return entry
 
     @property
     def interpret(self) -> "_Interpreted":
@@ -493,14 +513,9 @@ class _Interpreted:
         specs = k.specialize(args, kwargs)
         num_warps = k._num_warps(specs, target, num_warps, num_threads)
         key = (specs, target, num_warps)
-        try:
-            traced = k._interpret_traces.get(key)
-        except TypeError:  # an unhashable constexpr value: trace every time
-            key, traced = None, None
+        traced = k._interpret_traces.get(key)
         if traced is None:
-            traced = k._trace_specs(specs, target, num_warps)
-            if key is not None:
-                k._interpret_traces[key] = traced
+            traced = k._interpret_traces[key] = k._trace_specs(specs, target, num_warps)
         values = k._bind(args, kwargs)
         if callable(grid):
             meta = {p.name: v for p, v in zip(k.params, values) if p.kind == "constexpr"}
@@ -511,7 +526,8 @@ class _Interpreted:
 
 def _launch_key_part(a: Any, is_constexpr: bool) -> Any:
     if is_constexpr:
-        return a  # the value specialises (TypeError when unhashable)
+        kind = type(a)
+        return (kind, a) if kind is int or kind is bool or kind is str else constexpr_key(a)
     kind = type(a)
     if kind is np.ndarray:
         return (a.dtype, a.ndim, a.ndim == 0 or a.strides[-1] == a.itemsize or a.shape[-1] <= 1)

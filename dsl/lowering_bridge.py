@@ -3,21 +3,27 @@
 Kept apart from :mod:`kiln.kernel` so the tracing code does not import lowering modules
 (``kiln.lowering.signature``/``arrays``/``cache`` are imported here, lazily where heavy).
 
-The on-disk cache key is ``make_key(kernel source, sources of referenced @kiln.func helpers and
-@kiln.struct classes, captured closure/global values, argument specs, constexpr values,
-options.key())``, each source after the file and line it starts at; helpers are found through
-the kernel's globals and closure (names it uses directly; ``module.helper`` attribute
-references are not followed).
+The on-disk cache key (:func:`cache_key`) is ``make_key(dependency fingerprint, argument
+specs, typed constexpr values, options.key())``, and ``make_key`` adds the toolchain (Kiln's
+own sources including ``kernels/``, MLIR/LLVM/llvmlite/numpy versions, the ``ptxas`` and
+``ld.lld`` found). The dependency fingerprint (:func:`source_key`,
+:class:`kiln.fingerprint.DependencyWalk`) covers the source and bytecode of every user
+function and class the trace can reach - kernel, ``@kiln.func`` helpers, ``@kiln.struct``
+classes, plain Python helpers, across modules, through globals, closures, defaults and
+``module.attr`` chains - and the values of the globals, closure cells and defaults they read,
+by type and content (``2``, ``2.0``, ``True`` and ``-0.0`` differ; numpy arrays by bytes). A
+value with no sound key is a KilnTypeError with the fix (make it a constexpr). Code facts are
+cached per code object; values are read again for every new specialisation. See "What is in
+the key" in ``docs/lowering.md``.
 """
 
 from __future__ import annotations
 
-import inspect
-import types
 from typing import Any, Callable
 
 from .dtypes import DType
 from .errors import KilnTypeError
+from .fingerprint import DependencyWalk, Unfingerprintable, unkeyable
 
 def tensor_arg_spec(name: str, value: Any) -> tuple[DType, int, bool]:
     """(dtype, rank, innermost-stride-is-1) of an array argument."""
@@ -51,96 +57,26 @@ def lowering_signature(name: str, specs, block, constexprs, *, dynamic_shared_by
                            programmatic_launch=programmatic_launch)
 
 
-def _source(obj) -> str:
-    """``obj``'s source text after the file and line it starts at: compiled kernels carry source
-    locations (error messages, the AMD line tables), so a kernel that moves must miss the cache,
-    even with the same text."""
-    try:
-        lines, first = inspect.getsourcelines(obj)
-    except (OSError, TypeError):
-        return repr(obj)
-    return f"{inspect.getsourcefile(obj)}:{first}\n{''.join(lines)}"
-
-
-def _referenced(fn: Callable) -> dict[str, Any]:
-    """Objects the function's code names directly, resolved through closure then globals."""
-    names: set[str] = set()
-    stack = [fn.__code__]
-    while stack:
-        code = stack.pop()
-        names.update(code.co_names)
-        names.update(code.co_freevars)
-        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-    scope = dict(fn.__globals__)
-    for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
-        try:
-            scope[var] = cell.cell_contents
-        except ValueError:
-            pass
-    return {n: scope[n] for n in names if n in scope}
-
-
-def dependency_sources(fn: Callable) -> list[str]:
-    """Sources of every @kiln.func / @kiln.struct reachable from ``fn`` (sorted, deduplicated)."""
-    seen: dict[int, str] = {}
-    todo = [fn]
-    while todo:
-        current = todo.pop()
-        for obj in _referenced(current).values():
-            target = getattr(obj, "fn", None) if type(obj).__name__ == "KilnFunc" else None
-            if target is not None and id(target) not in seen:
-                seen[id(target)] = _source(target)
-                todo.append(target)
-            elif isinstance(obj, type) and hasattr(obj, "__kiln_fields__") and id(obj) not in seen:
-                seen[id(obj)] = _source(obj)
-                todo.extend(v.__wrapped__ for v in vars(obj).values()
-                            if hasattr(v, "__wrapped__"))
-    return sorted(seen.values())
-
-
-def _value_fingerprint(value) -> str | None:
-    """A stable text for a captured value that can change what a kernel traces, else None.
-
-    Plain data (numbers, strings, dtypes, tuples of them) and frozen dataclasses (configs,
-    layouts, swizzles) by ``repr``; plain Python functions a kernel may call at trace time by
-    source. Modules, kernels and arrays are left out (kernels and helpers are keyed by source
-    elsewhere; arrays are run-time arguments).
-    """
-    simple = (int, float, str, bool, DType, type(None))
-    if isinstance(value, simple):
-        return repr(value)
-    if isinstance(value, tuple):
-        parts = [_value_fingerprint(v) for v in value]
-        return None if None in parts else f"({', '.join(parts)})"
-    params = getattr(type(value), "__dataclass_params__", None)
-    if params is not None and params.frozen:
-        return repr(value)
-    if isinstance(value, (types.FunctionType, types.MethodType)):
-        # Source text alone cannot tell apart two lambdas written on one line.
-        code = value.__code__
-        return f"{_source(value)}|{code.co_code.hex()}|{code.co_consts!r}"
-    return None
-
-
-def captured_values(fn: Callable) -> list[str]:
-    """``name=fingerprint`` of the closure variables and module globals ``fn`` names: a kernel
-    made by a factory, or one reading a module-level constant, traces differently for each of
-    them although its source text is the same."""
-    found = []
-    for name, value in sorted(_referenced(fn).items()):
-        fingerprint = _value_fingerprint(value)
-        if fingerprint is not None:
-            found.append(f"{name}={fingerprint}")
-    return found
-
-
 def source_key(fn: Callable) -> str:
-    """The part of the cache key that depends on source text (kernel and its helpers) and on
-    the constants a factory-made kernel closes over."""
-    return "\0".join([_source(fn), *dependency_sources(fn), *captured_values(fn)])
+    """The dependency fingerprint of kernel function ``fn``: a hash of the source and code of
+    every user function and class its trace can reach and of the global, closure and default
+    values they read, read now (see :mod:`kiln.fingerprint`)."""
+    return DependencyWalk().function(fn)
 
 
-def cache_key(source_part: str, specs, options_key: str) -> str:
+def cache_key(fn: Callable, specs, options_key: str) -> str:
+    """The on-disk key of ``fn`` specialised to ``specs`` under ``options_key`` (see the
+    module docs for what it covers)."""
     from kiln.lowering.cache import make_key
 
-    return make_key(source_part, *(s.key() for s in specs), options_key)
+    walk = DependencyWalk()
+    parts = [walk.function(fn)]
+    for s in specs:
+        if s.kind != "constexpr":
+            parts.append(s.key())
+            continue
+        try:
+            parts.append(f"{s.name}=constexpr:{walk.value(s.value)}")
+        except Unfingerprintable as err:
+            raise unkeyable(f"constexpr '{s.name}'", err.value) from None
+    return make_key(*parts, options_key)

