@@ -248,11 +248,11 @@ def checked_call(fn: F) -> F:
     Example: ``x.store(i, v, mask=m)`` -> ``x.store() got an unexpected keyword argument 'mask'
     ... Fix: call it as x.store(*args, align=None)``.
     """
-    sig = inspect.signature(fn)
-    params = [p.replace(annotation=p.empty) for p in sig.parameters.values()]
+    # The wrapper closes over plain strings only: closures of Kiln ops enter the cache key.
+    params = [p.replace(annotation=p.empty) for p in inspect.signature(fn).parameters.values()]
     is_method = bool(params) and params[0].name == "self"
-    shown = inspect.Signature(params[1:] if is_method else params)
-    owner = "x." if is_method else "kiln."
+    name = f"{'x.' if is_method else 'kiln.'}{fn.__name__}"
+    fix = f"call it as {name}{inspect.Signature(params[1:] if is_method else params)}"
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -262,11 +262,9 @@ def checked_call(fn: F) -> F:
             if isinstance(err, KilnError):
                 raise
             try:
-                sig.bind(*args, **kwargs)
+                inspect.signature(fn).bind(*args, **kwargs)
             except TypeError as bad_call:  # the call itself is malformed, not the op's body
-                name = f"{owner}{fn.__name__}"
-                raise KilnTypeError(f"{name}(): {bad_call}",
-                                    fix=f"call it as {name}{shown}") from None
+                raise KilnTypeError(f"{name}(): {bad_call}", fix=fix) from None
             raise
 
     return wrapper  # type: ignore[return-value]
