@@ -160,20 +160,31 @@ def test_pair_cta_k_halves(page_size, is_leader):
                                                  range(half, half + BN // 2)))
 
 
-@pytest.mark.parametrize("page_size", [16, 128])
-@pytest.mark.parametrize("sub_tile", [0, 1])
-def test_v_sub_tiles(page_size, sub_tile):
-    rng = np.random.default_rng()
+# Every page / sub-tile ratio of a 64-row tile: pages smaller than, equal to and larger than
+# a sub-tile, including 1 < num_pages < num_v_sub_tiles (page 32, 4 sub-tiles).
+V_SUB_TILE_CASES = [(page_size, subs, idx) for page_size in (0, 8, 16, 32, 64, 128)
+                    for subs in (1, 2, 4) for idx in range(subs)]
+
+
+@pytest.mark.parametrize("page_size,num_subs,sub_tile", V_SUB_TILE_CASES,
+                         ids=[f"page{p}-subs{n}-idx{i}" for p, n, i in V_SUB_TILE_CASES])
+def test_v_sub_tiles_read_their_own_pages(page_size, num_subs, sub_tile, rng):
+    """Each V sub-tile's rows come from the physical pages of its own logical rows (the table
+    is a random permutation, so a row of the neighbouring physical page is caught)."""
     BN = 64
-    table = rng.permutation(20).astype(np.int32)
-    cache = _cache(rng, 20, page_size)
-    kernel, slots_n, copy_rows = _copy_kernel(BN, page_size, "v", num_v_sub_tiles=2,
+    kv_row = BN if page_size == 0 or page_size >= 2 * BN else 2 * BN
+    num_phys = 40
+    table = rng.permutation(num_phys).astype(np.int32)
+    cache = _cache(rng, num_phys, page_size or (kv_row + BN))
+    kernel, slots_n, copy_rows = _copy_kernel(BN, page_size, "v", num_v_sub_tiles=num_subs,
                                               v_sub_tile_idx=sub_tile)
-    out = _run(kernel, slots_n, copy_rows, cache, table, 0, BN, slots_n)
-    first = sub_tile * BN // 2
-    np.testing.assert_array_equal(out.astype(np.float32).reshape(BN // 2, D),
+    out = _run(kernel, slots_n, copy_rows, cache, table, kv_row, 10 ** 6, slots_n)
+    sub_rows = BN // num_subs
+    assert slots_n * copy_rows == sub_rows
+    first = kv_row + sub_tile * sub_rows
+    np.testing.assert_array_equal(out.astype(np.float32).reshape(sub_rows, D),
                                   _expected_rows(cache, table, page_size,
-                                                 range(first, first + BN // 2)))
+                                                 range(first, first + sub_rows)))
 
 
 def test_v_oob_fill_pages_zero_the_rest():
