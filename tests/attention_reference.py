@@ -96,14 +96,89 @@ def attention_reference(q, k, v, *, causal=False, window=None, chunk=None, sinks
     return (o, lse) if return_lse else o
 
 
+# Unit roundoff of the dtype P is cast to before P V and O is stored in.
+UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+LSE_TOLERANCE = 1e-5  # f32 row sums and logs: measured below 1e-6 on the interpreter
+
+
+def exact_inputs(x):
+    """``x`` rounded to values that bf16 and f16 both hold exactly (through f16, then bf16:
+    8 significant bits inside f16's range), so every storage dtype a test casts to keeps them
+    and the float64 reference sees the kernel's inputs exactly."""
+    import ml_dtypes
+
+    return np.asarray(x, np.float32).astype(np.float16).astype(ml_dtypes.bfloat16) \
+        .astype(np.float32)
+
+
+def assert_attention_close(o, q, k, v, *, lse=None, slack=1.0, **reference_kwargs):
+    """Check a kernel's ``o`` (and ``lse``) elementwise against :func:`attention_reference` on
+    the same inputs ``q``, ``k``, ``v`` (the arrays the kernel got). Returns the reference LSE.
+
+    Each element may err by ``slack * u * (|o| + sum_j P_j |v_j|)`` with ``u`` the unit
+    roundoff of ``o``'s dtype: the bound for P rounded to that dtype before ``P V`` plus the
+    rounding of the stored output. A key too many or too few in a row moves its output by
+    ``P_key |v_key - o|``, well past that for rows that see a few hundred keys or fewer."""
+    got = np.asarray(o)
+    u = UNIT_ROUNDOFF[got.dtype.name]
+    want_o, want_lse = attention_reference(q, k, v, return_lse=True, **reference_kwargs)
+    magnitude = attention_reference(q, k, np.abs(np.asarray(v, np.float64)), **reference_kwargs)
+    got = got.astype(np.float64)
+    assert got.shape == want_o.shape
+    assert not np.isnan(got).any(), f"{np.isnan(got).sum()} NaN outputs"
+    tolerance = slack * u * (np.abs(want_o) + magnitude) + 1e-7
+    excess = np.abs(got - want_o) - tolerance
+    if (excess > 0).any():
+        worst = np.unravel_index(np.argmax(excess), excess.shape)
+        raise AssertionError(
+            f"{(excess > 0).sum()} of {excess.size} outputs exceed their tolerance; worst at "
+            f"{worst}: got {got[worst]:.6g}, want {want_o[worst]:.6g}, tolerance "
+            f"{tolerance[worst]:.3g} (index [batch, row, head, depth] or [token, head, depth])")
+    if lse is not None:
+        lse = np.asarray(lse)
+        assert lse.shape == want_lse.shape
+        finite = np.isfinite(want_lse)
+        assert np.array_equal(np.isfinite(lse), finite), "LSE is finite exactly where rows see keys"
+        assert (lse[~finite] == -np.inf).all(), "rows that see no key have LSE -inf"
+        np.testing.assert_allclose(lse[finite], want_lse[finite], atol=LSE_TOLERANCE,
+                                   rtol=LSE_TOLERANCE)
+    return want_lse
+
+
 def random_qkv(rng, *, batch, sq, sk, hq, hkv, d, dtype=np.float32, ragged_q=None, ragged_k=None):
-    """Fresh random q/k/v (values exactly representable in bf16/f16 storage by rounding through
-    float16) and, for ragged batches, int32 `cu_seqlens` from per-sequence length lists."""
+    """Fresh random q/k/v (values exactly representable in both bf16 and f16, see
+    :func:`exact_inputs`) and, for ragged batches, int32 `cu_seqlens` from per-sequence length
+    lists."""
     def draw(*shape):
-        return rng.standard_normal(shape).astype(np.float16).astype(dtype)
+        return exact_inputs(rng.standard_normal(shape)).astype(dtype)
     if ragged_q is None:
         return draw(batch, sq, hq, d), draw(batch, sk, hkv, d), draw(batch, sk, hkv, d), None, None
     cu_q = np.concatenate([[0], np.cumsum(ragged_q)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(ragged_k)]).astype(np.int32)
     return (draw(int(cu_q[-1]), hq, d), draw(int(cu_k[-1]), hkv, d), draw(int(cu_k[-1]), hkv, d),
             cu_q, cu_k)
+
+
+def very_negative_scores(rng, *, sq, sk, d, lowest=-1.0e4, batch=1, hq=1, hkv=1):
+    """q/k/v whose query rows see scaled scores (at the default scale ``1/sqrt(d)``) all near
+    one row offset, from 0 down to ``lowest`` (natural units): column 0 holds ``q = c_row``
+    and ``k = -256``, the other columns random. Rows whose max is below about -87 (-126 log2
+    units) underflow a softmax whose running max starts at 0 instead of the row's own max."""
+    q, k, v, _, _ = random_qkv(rng, batch=batch, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d)
+    offsets = np.concatenate([np.linspace(0.0, -200.0, (sq + 1) // 2),
+                              -np.geomspace(200.0, -lowest, sq // 2)])
+    k[..., 0] = -256.0
+    q[..., 0] = exact_inputs(-offsets * np.sqrt(d) / 256.0)[None, :, None]
+    return q, k, v
+
+
+def rising_maxima(rng, *, sq, sk, d, block_kv, step=13.0):
+    """q/k/v whose rows' running max grows by ``2.3 * c_row`` log2 units (c_row in 2..6) in
+    every ``block_kv``-key tile: tile ``t``'s keys sit at level ``step * t`` of column 0 and
+    one key per tile at ``step * (t + 1)``. Each tile's bulk keeps a weight that a wrong
+    rescale factor (exp2 of the wrong difference) visibly changes."""
+    q, k, v, _, _ = random_qkv(rng, batch=1, sq=sq, sk=sk, hq=1, hkv=1, d=d)
+    keys = np.arange(sk)
+    k[0, :, 0, 0] = step * (keys // block_kv) + step * (keys % block_kv == 5)
+    q[0, :, 0, 0] = 2.0 + np.arange(sq) % 5
+    return q, k, v

@@ -452,6 +452,8 @@ def make_kernel(config: PrefillGfx950Config):
         sm = OnlineSoftmax[kiln.f32].init(s0, q_axis="col")
         if SINKS:
             sm.reseed_with_sink(sinks[head] * LOG2E)
+        else:  # seed_tile0's role: tile 0's vote fires, its scores taken against their own max
+            sm.reseed_empty()
         o_acc = RegTile.full(acc_layout, (d_tiles, 1), 0.0, kiln.f32)
 
         # Prologue: DMA ordered K0 K1 V0 K2 V1, the steady state's age order at the loop head.
