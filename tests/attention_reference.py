@@ -182,3 +182,22 @@ def rising_maxima(rng, *, sq, sk, d, block_kv, step=13.0):
     k[0, :, 0, 0] = step * (keys // block_kv) + step * (keys % block_kv == 5)
     q[0, :, 0, 0] = 2.0 + np.arange(sq) % 5
     return q, k, v
+
+
+def tile_edge_lengths(block_q: int, block_k: int, *, every: bool = False):
+    """``(lengths_q, lengths_k)`` of a ragged batch whose sequences put ``Sk - Sq`` (of either
+    sign) at tile-edge residues modulo ``block_k`` -- the ones a one-key error in a boundary
+    tile's mask shows at -- with ``Sq`` just below, at and past a query tile and ``Sk`` at
+    the matching residues. ``every``: every residue of ``Sk - Sq`` modulo ``block_k`` instead,
+    with ``Sq`` spread over ``1 .. block_q + 2``. One launch covers them all."""
+    # A difference one key tile longer puts the diagonal of a block's first row in the second
+    # key tile, past any tile a kernel masks unconditionally (e.g. a pipeline's prologue).
+    if every:
+        pairs = [(1 + (5 * r) % (block_q + 2), r + block_k * (r % 2)) for r in range(block_k)]
+    else:
+        edges = (0, 1, 2, block_k - 2, block_k - 1)
+        pairs = [pair for r in edges for pair in ((1, r), (1, r + block_k),
+                                                  (block_q - 1, r + block_k), (block_q + 1, r))]
+    # Sq > Sk: bottom-right alignment leaves the first rows with no key under a causal mask.
+    pairs += [(sq, -r) for sq, r in ((block_q - 1, 1), (block_q + 1, block_q), (3, 2))]
+    return [sq for sq, _ in pairs], [sq + r for sq, r in pairs]

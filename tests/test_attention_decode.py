@@ -785,13 +785,61 @@ def test_decode_attention_combines_to_the_full_softmax():
 BF16_OUT_TOL = dict(atol=1.5e-2, rtol=1e-2)  # O_TOL plus the bf16 rounding of the output
 
 
-def _check_attention(got, want):
+def _check_attention(got, want, magnitude=None):
+    """``magnitude`` (the reference on ``|v|``): each output may err by ``2^-8 (|o| +
+    sum P |v|)``, the bound for P rounded to bf16 before P V plus the bf16 output rounding;
+    without it, ``BF16_OUT_TOL``."""
     (o, lse), (o_want, lse_want) = got, want
     o, lse = np.asarray(o, np.float64), np.asarray(lse)
     finite = np.isfinite(lse_want)
     np.testing.assert_array_equal(np.isfinite(lse), finite)
-    np.testing.assert_allclose(lse[finite], lse_want[finite], rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(o, o_want, **BF16_OUT_TOL)
+    np.testing.assert_allclose(lse[finite], lse_want[finite], rtol=1e-5, atol=1e-5)
+    if magnitude is None:
+        np.testing.assert_allclose(o, o_want, **BF16_OUT_TOL)
+        return
+    excess = np.abs(o - o_want) - 2.0 ** -8 * (np.abs(o_want) + magnitude) - 1e-7
+    assert not np.isnan(o).any() and (excess <= 0).all(), \
+        f"{(excess > 0).sum()} outputs off; worst {np.unravel_index(np.argmax(excess), o.shape)}"
+
+
+def _check_decode_attention(rng, q, kc, vc, table, seq_lens, *, sinks=None, **options):
+    """decode_attention on the interpreter against the float64 reference, elementwise."""
+    from kiln.kernels.attention.decode import decode_attention
+
+    head_dim = q.shape[-1]
+    got = decode_attention(q, kc, vc, table, seq_lens, sinks=sinks, backend="interpret",
+                           **options)
+    want = _reference_attention_lse(q, kc, vc, table, seq_lens, head_dim ** -0.5, sinks)
+    magnitude, _ = _reference_attention_lse(q, kc, np.abs(vc.astype(np.float64)), table,
+                                            seq_lens, head_dim ** -0.5, sinks)
+    _check_attention(got, want, magnitude)
+
+
+# Lengths whose visible key counts (L - Sq + i + 1 for row i) sit at the edges of a BN-key
+# tile: a tile whose causal bound is one key off errs there.
+TILE_EDGES = (0, 1, 2, BN - 2, BN - 1)
+
+
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["edges", "every_residue"])
+def test_causal_new_tokens_at_tile_edge_residues(every, rng):
+    """Sq = 4 new tokens, causal among themselves, over sequence lengths at every tile-edge
+    residue (``every``: every residue) modulo the 64-key tile, one and two tiles long, two
+    splits; one launch per case."""
+    residues = range(BN) if every else TILE_EDGES
+    lens = [length for r in residues for length in (r + 1, BN + r, 2 * BN + r)]
+    q, kc, vc, table, seq_lens, _ = _problem(rng, len(lens), 4, 2, 1, 16, lens)
+    _check_decode_attention(rng, q, kc, vc, table, seq_lens, num_splits=2)
+
+
+def test_rows_whose_every_score_is_very_negative(rng):
+    """Query rows whose scores all sit near one offset from 0 down to -1e4 (natural units):
+    the running max starts at -inf, so no row's denominator underflows."""
+    q, kc, vc, table, seq_lens, _ = _problem(rng, 2, 4, 8, 2, 16, [BN + 7, 3 * BN - 1])
+    offsets = -np.geomspace(1.0, 1.0e4, q.shape[0] * q.shape[1] * q.shape[2])
+    kc[..., 0] = -256.0
+    q[..., 0] = (-offsets * D ** 0.5 / 256.0).reshape(q.shape[:3]).astype(ml_dtypes.bfloat16)
+    _check_decode_attention(rng, q, kc, vc, table, seq_lens, num_splits=2)
 
 
 @pytest.mark.parametrize("page_size,group,sq,head_dim,sinks",

@@ -7,7 +7,7 @@ import pytest
 
 import kiln
 from attention_reference import (assert_attention_close, random_qkv, rising_maxima,
-                                 very_negative_scores)
+                                 tile_edge_lengths, very_negative_scores)
 from kiln.kernels.attention.prefill_gfx950 import (PrefillGfx950Config, compile_prefill_gfx950,
                                                    run_prefill_gfx950)
 
@@ -65,6 +65,39 @@ def test_lazy_rescale_survives_a_huge_first_growth(rng):
     q, k, v, _, _ = random_qkv(rng, batch=1, sq=8, sk=200, hq=1, hkv=1, d=64, dtype=BF16)
     k[:, 100:] *= 8
     _check(q, k, v, scale=1.0)
+
+
+# Tile-edge residues at D = 64: 256 query rows per block, 64-key tiles.
+BLOCK_Q = 256
+BLOCK_KV = PrefillGfx950Config(head_dim=64).block_kv
+RESIDUE_MASKS = {
+    "none": {},
+    "causal": {"causal": True},
+    "window": {"window": (BLOCK_KV - 1, 1)},  # both bounds one key off a causal edge
+    "causal_window": {"causal": True, "window": (BLOCK_KV + 1, -1)},
+    "chunk": {"chunk": BLOCK_KV - 1},
+}
+
+
+def _check_residues(rng, mask, *, every):
+    lengths_q, lengths_k = tile_edge_lengths(BLOCK_Q, BLOCK_KV, every=every)
+    q, k, v, cu_q, cu_k = random_qkv(rng, batch=0, sq=0, sk=0, hq=1, hkv=1, d=64, dtype=BF16,
+                                     ragged_q=lengths_q, ragged_k=lengths_k)
+    _check(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **mask)
+
+
+@pytest.mark.parametrize("mask", RESIDUE_MASKS)
+def test_masks_at_tile_edge_residues(mask, rng):
+    """Sk - Sq at 0, 1, 2, -2 and -1 modulo the key tile (and negative), Sq around a query
+    block: a boundary tile whose mask is skipped or bounded one key off errs there."""
+    _check_residues(rng, RESIDUE_MASKS[mask], every=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask", RESIDUE_MASKS)
+def test_masks_at_every_residue(mask, rng):
+    """Every residue of Sk - Sq modulo the 64-key tile, in one ragged launch per mask."""
+    _check_residues(rng, RESIDUE_MASKS[mask], every=True)
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])

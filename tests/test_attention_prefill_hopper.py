@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import kiln
-from attention_reference import attention_reference, random_qkv, visible_keys
+from attention_reference import (assert_attention_close, attention_reference, random_qkv,
+                                 tile_edge_lengths, very_negative_scores, visible_keys)
 from kiln.kernels.attention import prefill_hopper
 from kiln.kernels.attention.prefill import compile_prefill, prefill
 from kiln.kernels.attention.prefill_hopper import HopperPrefillConfig, MaskSpec
@@ -28,24 +29,21 @@ LSE_TOLERANCE = 1e-2
 
 
 def _check(rng, *, batch=1, sq=None, sk=None, hq=2, hkv=1, d=64, dtype="bf16", ragged=None,
-           with_sinks=False, scale=None, **mask):
+           with_sinks=False, scale=None, qkv=None, **mask):
+    """Run the kernel on the interpreter and compare elementwise with the float64 reference
+    on the very same (exactly representable) inputs; ``qkv`` replaces the random draw."""
     lengths_q, lengths_k = ragged if ragged else (None, None)
     q, k, v, cu_q, cu_k = random_qkv(rng, batch=batch, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d,
-                                     ragged_q=lengths_q, ragged_k=lengths_k)
+                                     ragged_q=lengths_q, ragged_k=lengths_k) \
+        if qkv is None else (*qkv, None, None)
     sinks = rng.standard_normal(hq).astype(np.float32) * 2 if with_sinks else None
     cast = STORAGE[dtype]
-    o, lse = prefill(q.astype(cast), k.astype(cast), v.astype(cast), sinks=sinks, scale=scale,
-                     cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True,
-                     backend="interpret", target="sm_90a", **mask)
-    want_o, want_lse = attention_reference(q, k, v, sinks=sinks, scale=scale, cu_seqlens_q=cu_q,
-                                           cu_seqlens_k=cu_k, return_lse=True, **mask)
+    q, k, v = (x.astype(cast) for x in (q, k, v))
+    o, lse = prefill(q, k, v, sinks=sinks, scale=scale, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                     return_lse=True, backend="interpret", target="sm_90a", **mask)
     assert o.dtype == cast and o.shape == q.shape
-    np.testing.assert_allclose(o.astype(np.float64), want_o, atol=O_TOLERANCE, rtol=0)
-    assert lse.shape == want_lse.shape
-    finite = np.isfinite(want_lse)
-    assert np.array_equal(np.isfinite(lse), finite)  # rows that see no key: -inf, never NaN
-    np.testing.assert_allclose(lse[finite], want_lse[finite], atol=LSE_TOLERANCE, rtol=0)
-    return want_lse
+    return assert_attention_close(o, q, k, v, lse=lse, sinks=sinks, scale=scale,
+                                  cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **mask)
 
 
 MASK_CASES = {
@@ -73,7 +71,7 @@ def test_default_softmax_schedule_per_head_dim():
 @pytest.mark.parametrize("schedule", [dict(lazy_rescale=False),
                                       dict(lazy_rescale=True, pin_pv_wait=True)],
                          ids=["max_first", "max_first_lazy_pinned"])
-def test_max_first_schedules_match_the_reference(monkeypatch, schedule):
+def test_max_first_schedules_match_the_reference(monkeypatch, schedule, rng):
     # The schedules D = 256 keeps (the tile's max before exp2, per-warp vote or none) at D = 128,
     # with a window: rows whose first visible key lies past the first tile.
     built = []
@@ -82,118 +80,148 @@ def test_max_first_schedules_match_the_reference(monkeypatch, schedule):
     monkeypatch.setattr(prefill_module, "make_kernel",
                         lambda dtype, config, *rest: built.append(config) or
                         prefill_hopper.make_kernel(dtype, config, *rest))
-    _check(np.random.default_rng(), sq=150, sk=420, d=128, window=(60, 10), with_sinks=True)
+    _check(rng, sq=150, sk=420, d=128, window=(60, 10), with_sinks=True)
     assert built == [config]
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_a_key_far_above_the_running_max_is_redone(d):
+def test_a_key_far_above_the_running_max_is_redone(d, rng):
     # Key 300 (in the second or third key tile) scores 140-210 log2 units above every earlier
     # key for the first 40 query rows (non-negative q) and up to ~25 more for about half of the
     # others: P against the running max would be inf in the first rows, so the warp groups'
     # votes must send the tile back through its max (NaN otherwise).
-    rng = np.random.default_rng()
     cast = ml_dtypes.bfloat16
-    q = rng.standard_normal((1, 130, 2, d)).astype(cast).astype(np.float32)
-    k = (rng.standard_normal((1, 600, 1, d)) * 0.5).astype(cast).astype(np.float32)
-    v = rng.standard_normal((1, 600, 1, d)).astype(cast).astype(np.float32)
+    q = rng.standard_normal((1, 130, 2, d)).astype(cast)
+    k = (rng.standard_normal((1, 600, 1, d)) * 0.5).astype(cast)
+    v = rng.standard_normal((1, 600, 1, d)).astype(cast)
     q[0, :40] = np.abs(q[0, :40])
     k[0, 300] = 16.0
-    o, lse = prefill(q.astype(cast), k.astype(cast), v.astype(cast), return_lse=True,
-                     backend="interpret", target="sm_90a")
-    want_o, want_lse = attention_reference(q, k, v, return_lse=True)
+    o, lse = prefill(q, k, v, return_lse=True, backend="interpret", target="sm_90a")
     assert np.isfinite(o.astype(np.float32)).all()
-    np.testing.assert_allclose(o.astype(np.float64), want_o, atol=O_TOLERANCE, rtol=0)
-    np.testing.assert_allclose(lse, want_lse, atol=LSE_TOLERANCE, rtol=0)
+    assert_attention_close(o, q, k, v, lse=lse)
 
 
-def test_a_per_warp_vote_around_the_redo_is_caught(monkeypatch):
+def test_a_per_warp_vote_around_the_redo_is_caught(monkeypatch, rng):
     # The redo issues a WGMMA, which the whole warp group must reach: voting per warp
     # (any_lane) instead of per group lets some warps take it alone (a GPU hangs there).
     monkeypatch.setattr(prefill_hopper.nvidia_asm, "named_barrier_any",
                         lambda barrier, threads, flag: kiln.shuffle.any_lane(flag))
     with pytest.raises(kiln.KilnValueError, match="of the 128 threads of warp group"):
-        _check(np.random.default_rng(), sq=150, sk=290, d=128, window=(37, 5))
+        _check(rng, sq=150, sk=290, d=128, window=(37, 5))
 
 
 @pytest.mark.parametrize("mask", MASK_CASES.values(), ids=MASK_CASES.keys())
-def test_every_mask_kind(mask):
+def test_every_mask_kind(mask, rng):
     # 150 queries x 290 keys: partial query and key tiles, boundary and interior key tiles.
-    _check(np.random.default_rng(), sq=150, sk=290, **mask)
+    _check(rng, sq=150, sk=290, **mask)
 
 
-def test_fully_masked_key_tiles_are_never_read():
+# Tile-edge residues at D = 64: 128 query rows per CTA (two consumer groups), 192-key tiles.
+BLOCK_Q = 2 * prefill_hopper.WARP_GROUP_ROWS
+BLOCK_N = HopperPrefillConfig.for_head_dim(64).block_n
+RESIDUE_MASKS = {
+    "none": dict(),
+    "causal": dict(causal=True),
+    "window": dict(window=(BLOCK_N - 1, 1)),  # both bounds one key off a causal edge
+    "causal_window": dict(causal=True, window=(BLOCK_N + 1, -1)),
+    "chunk": dict(chunk=BLOCK_N - 1),
+}
+
+
+def _check_residues(rng, mask, *, every):
+    lengths = tile_edge_lengths(BLOCK_Q, BLOCK_N, every=every)
+    _check(rng, batch=len(lengths[0]), hq=1, hkv=1, d=64, ragged=lengths, **mask)
+
+
+@pytest.mark.parametrize("mask", RESIDUE_MASKS.values(), ids=RESIDUE_MASKS.keys())
+def test_masks_at_tile_edge_residues(mask, rng):
+    """Sk - Sq at 0, 1, 2, -2 and -1 modulo the key tile (and negative), Sq around a query
+    tile: a boundary tile whose mask is skipped or bounded one key off errs there."""
+    _check_residues(rng, mask, every=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask", RESIDUE_MASKS.values(), ids=RESIDUE_MASKS.keys())
+def test_masks_at_every_residue(mask, rng):
+    """Every residue of Sk - Sq modulo the 192-key tile, in one ragged launch per mask."""
+    _check_residues(rng, mask, every=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_whose_every_score_is_very_negative(causal, rng):
+    """Rows whose scores all lie near one offset from 0 down to -1e4 (natural units): the
+    sentinel start takes each row against its own max, so none underflows."""
+    _check(rng, hq=1, hkv=1, qkv=very_negative_scores(rng, sq=64, sk=250, d=64), causal=causal)
+
+
+def test_fully_masked_key_tiles_are_never_read(rng):
     # 128 queries at key positions 384..511 with window (10, 0) see keys 374..511: the key
     # tiles before the one holding key 374 are outside every row. Poisoned with NaN they must
     # not matter (a loaded V tile would spread NaN through 0 * NaN even where P is 0).
-    rng = np.random.default_rng()
-    q, k, v, _, _ = random_qkv(rng, batch=1, sq=128, sk=512, hq=2, hkv=1, d=64)
-    want = attention_reference(q, k, v, window=(10, 0))
+    bf = ml_dtypes.bfloat16
+    q, k, v = (x.astype(bf) for x in random_qkv(rng, batch=1, sq=128, sk=512, hq=2, hkv=1,
+                                                d=64)[:3])
     block_n = HopperPrefillConfig.for_head_dim(64).block_n
     skipped = 374 // block_n * block_n
     assert skipped >= 128  # at least one whole tile is skipped
-    bf = ml_dtypes.bfloat16
-    k_poisoned, v_poisoned = k.astype(bf), v.astype(bf)
+    k_poisoned, v_poisoned = k.copy(), v.copy()
     k_poisoned[:, :skipped] = np.nan
     v_poisoned[:, :skipped] = np.nan
-    o = prefill(q.astype(bf), k_poisoned, v_poisoned, window=(10, 0), backend="interpret")
-    np.testing.assert_allclose(o.astype(np.float64), want, atol=O_TOLERANCE, rtol=0)
+    o = prefill(q, k_poisoned, v_poisoned, window=(10, 0), backend="interpret")
+    assert_attention_close(o, q, k, v, window=(10, 0))
 
 
 @pytest.mark.parametrize("sq,sk", [(300, 100), (64, 64), (1, 200), (200, 1)])
-def test_causal_is_bottom_right_aligned_when_lengths_differ(sq, sk):
+def test_causal_is_bottom_right_aligned_when_lengths_differ(sq, sk, rng):
     # sq > sk leaves the first sq - sk query rows with no key at all (o = 0, lse = -inf).
-    want_lse = _check(np.random.default_rng(), sq=sq, sk=sk, causal=True)
+    want_lse = _check(rng, sq=sq, sk=sk, causal=True)
     assert np.isinf(want_lse).any() == (sq > sk)
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa4", "mqa8"])
-def test_grouped_query_heads(hq, hkv):
-    _check(np.random.default_rng(), sq=70, sk=130, hq=hq, hkv=hkv, causal=True)
+def test_grouped_query_heads(hq, hkv, rng):
+    _check(rng, sq=70, sk=130, hq=hq, hkv=hkv, causal=True)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_head_dims(d):
-    _check(np.random.default_rng(), sq=80, sk=200, d=d, window=(90, 20))
+def test_head_dims(d, rng):
+    _check(rng, sq=80, sk=200, d=d, window=(90, 20))
 
 
-def test_f16_and_custom_scale():
-    _check(np.random.default_rng(), sq=90, sk=90, dtype="f16", scale=0.3, causal=True)
+def test_f16_and_custom_scale(rng):
+    _check(rng, sq=90, sk=90, dtype="f16", scale=0.3, causal=True)
 
 
-def test_sinks_enlarge_the_denominator():
+def test_sinks_enlarge_the_denominator(rng):
     # Causal with sq > sk: rows without keys keep the sink alone (o = 0, lse = sink).
-    _check(np.random.default_rng(), sq=160, sk=120, causal=True, with_sinks=True)
-    _check(np.random.default_rng(), sq=64, sk=200, hq=4, hkv=2, with_sinks=True, chunk=64)
+    _check(rng, sq=160, sk=120, causal=True, with_sinks=True)
+    _check(rng, sq=64, sk=200, hq=4, hkv=2, with_sinks=True, chunk=64)
 
 
-def test_ragged_batch():
+def test_ragged_batch(rng):
     # Empty sequences, lengths below and above one tile, more keys than queries.
-    _check(np.random.default_rng(), batch=4, hq=4, hkv=2, d=128,
+    _check(rng, batch=4, hq=4, hkv=2, d=128,
            ragged=([33, 0, 140, 7], [50, 9, 150, 0]), causal=True, with_sinks=True)
 
 
-def test_ragged_batch_with_window():
-    _check(np.random.default_rng(), batch=2, ragged=([129, 40], [129, 300]), window=(60, 60))
+def test_ragged_batch_with_window(rng):
+    _check(rng, batch=2, ragged=([129, 40], [129, 300]), window=(60, 60))
 
 
-def test_numpy_output_without_lse_keeps_input_layout():
-    rng = np.random.default_rng()
-    q, k, v, _, _ = random_qkv(rng, batch=2, sq=20, sk=30, hq=2, hkv=2, d=64)
+def test_numpy_output_without_lse_keeps_input_layout(rng):
     bf = ml_dtypes.bfloat16
-    o = prefill(q.astype(bf), k.astype(bf), v.astype(bf), backend="interpret")
-    np.testing.assert_allclose(o.astype(np.float64), attention_reference(q, k, v),
-                               atol=O_TOLERANCE, rtol=0)
+    q, k, v = (x.astype(bf) for x in random_qkv(rng, batch=2, sq=20, sk=30, hq=2, hkv=2,
+                                                d=64)[:3])
+    o = prefill(q, k, v, backend="interpret")
+    assert_attention_close(o, q, k, v)
 
 
-def test_gfx950_target_dispatches_to_the_gfx950_kernel():
-    rng = np.random.default_rng()
-    q, k, v, _, _ = random_qkv(rng, batch=1, sq=40, sk=70, hq=2, hkv=1, d=64)
+def test_gfx950_target_dispatches_to_the_gfx950_kernel(rng):
     bf = ml_dtypes.bfloat16
-    o = prefill(q.astype(bf), k.astype(bf), v.astype(bf), causal=True, target="gfx950",
-                backend="interpret")
-    np.testing.assert_allclose(o.astype(np.float64), attention_reference(q, k, v, causal=True),
-                               atol=O_TOLERANCE, rtol=0)
+    q, k, v = (x.astype(bf) for x in random_qkv(rng, batch=1, sq=40, sk=70, hq=2, hkv=1,
+                                                d=64)[:3])
+    o = prefill(q, k, v, causal=True, target="gfx950", backend="interpret")
+    assert_attention_close(o, q, k, v, causal=True)
 
 
 @pytest.mark.parametrize("kwargs,error,words", [
