@@ -111,22 +111,23 @@ def exact_inputs(x):
         .astype(np.float32)
 
 
-def assert_attention_close(o, q, k, v, *, lse=None, slack=1.0, **reference_kwargs):
-    """Check a kernel's ``o`` (and ``lse``) elementwise against :func:`attention_reference` on
-    the same inputs ``q``, ``k``, ``v`` (the arrays the kernel got). Returns the reference LSE.
+def assert_attention_close(o, q, k, v, *, lse=None, **reference_kwargs):
+    """Check a kernel's ``o`` (and ``lse``; numpy or torch) elementwise against
+    :func:`attention_reference` on the same inputs ``q``, ``k``, ``v`` (the arrays the kernel
+    got). Returns the reference LSE.
 
-    Each element may err by ``slack * u * (|o| + sum_j P_j |v_j|)`` with ``u`` the unit
+    Each element may err by ``u * (|o| + sum_j P_j |v_j|)`` with ``u`` the unit
     roundoff of ``o``'s dtype: the bound for P rounded to that dtype before ``P V`` plus the
     rounding of the stored output. A key too many or too few in a row moves its output by
     ``P_key |v_key - o|``, well past that for rows that see a few hundred keys or fewer."""
-    got = np.asarray(o)
+    got = _host(o)
     u = UNIT_ROUNDOFF[got.dtype.name]
     want_o, want_lse = attention_reference(q, k, v, return_lse=True, **reference_kwargs)
     magnitude = attention_reference(q, k, np.abs(np.asarray(v, np.float64)), **reference_kwargs)
     got = got.astype(np.float64)
     assert got.shape == want_o.shape
     assert not np.isnan(got).any(), f"{np.isnan(got).sum()} NaN outputs"
-    tolerance = slack * u * (np.abs(want_o) + magnitude) + 1e-7
+    tolerance = u * (np.abs(want_o) + magnitude) + 1e-7
     excess = np.abs(got - want_o) - tolerance
     if (excess > 0).any():
         worst = np.unravel_index(np.argmax(excess), excess.shape)
@@ -135,7 +136,7 @@ def assert_attention_close(o, q, k, v, *, lse=None, slack=1.0, **reference_kwarg
             f"{worst}: got {got[worst]:.6g}, want {want_o[worst]:.6g}, tolerance "
             f"{tolerance[worst]:.3g} (index [batch, row, head, depth] or [token, head, depth])")
     if lse is not None:
-        lse = np.asarray(lse)
+        lse = _host(lse)
         assert lse.shape == want_lse.shape
         finite = np.isfinite(want_lse)
         assert np.array_equal(np.isfinite(lse), finite), "LSE is finite exactly where rows see keys"
@@ -201,3 +202,66 @@ def tile_edge_lengths(block_q: int, block_k: int, *, every: bool = False):
     # Sq > Sk: bottom-right alignment leaves the first rows with no key under a causal mask.
     pairs += [(sq, -r) for sq, r in ((block_q - 1, 1), (block_q + 1, block_q), (3, 2))]
     return [sq for sq, _ in pairs], [sq + r for sq, r in pairs]
+
+
+def paged_attention_reference(q, k_cache, v_cache, page_table, seq_lens, *, sinks=None,
+                              scale=None):
+    """Float64 ``(o [B, Sq, Hq, D], lse [B, Sq, Hq])`` of decode over a paged cache
+    ``[pages, page_size, Hkv, D]``: sequence ``b``'s logical key ``r`` is at
+    ``page_table[b, r // page_size]``, row ``r % page_size``; the ``Sq`` new tokens are the
+    last of the ``seq_lens[b]`` keys, causal among themselves (bottom-right alignment)."""
+    k_cache, v_cache = (np.asarray(c).astype(np.float64) for c in (k_cache, v_cache))
+    q, table, lens = np.asarray(q).astype(np.float64), np.asarray(page_table), np.asarray(seq_lens)
+    page_size = k_cache.shape[1]
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        rows = np.arange(int(lens[b]))
+        pages, offsets = table[b, rows // page_size], rows % page_size
+        o, lse = attention_reference(q[b:b + 1], k_cache[pages, offsets][None],
+                                     v_cache[pages, offsets][None], causal=True, sinks=sinks,
+                                     scale=scale, return_lse=True)
+        outs.append(o[0])
+        lses.append(lse[0].T)
+    return np.stack(outs), np.stack(lses)
+
+
+def assert_paged_attention_close(o, lse, q, k_cache, v_cache, page_table, seq_lens, *,
+                                 sinks=None, scale=None):
+    """:func:`assert_attention_close`'s elementwise bound for decode outputs (numpy or torch)
+    against :func:`paged_attention_reference` on the same inputs."""
+    o, lse, q, k_cache, v_cache, page_table, seq_lens = (
+        _host(x) for x in (o, lse, q, k_cache, v_cache, page_table, seq_lens))
+    sinks = None if sinks is None else _host(sinks)
+    want_o, want_lse = paged_attention_reference(q, k_cache, v_cache, page_table, seq_lens,
+                                                 sinks=sinks, scale=scale)
+    magnitude, _ = paged_attention_reference(q, k_cache, np.abs(v_cache.astype(np.float64)),
+                                             page_table, seq_lens, sinks=sinks, scale=scale)
+    got = o.astype(np.float64)
+    assert got.shape == want_o.shape and not np.isnan(got).any()
+    tolerance = UNIT_ROUNDOFF[o.dtype.name] * (np.abs(want_o) + magnitude) + 1e-7
+    excess = np.abs(got - want_o) - tolerance
+    assert (excess <= 0).all(), (f"{(excess > 0).sum()} outputs off, worst at "
+                                 f"{np.unravel_index(np.argmax(excess), excess.shape)}")
+    finite = np.isfinite(want_lse)
+    assert np.array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], want_lse[finite], atol=LSE_TOLERANCE,
+                               rtol=LSE_TOLERANCE)
+
+
+def _host(x):
+    """A torch tensor (any device) or array as a numpy array of the same dtype (bf16 kept)."""
+    if hasattr(x, "detach"):
+        import ml_dtypes
+        import torch
+
+        if x.dtype == torch.bfloat16:
+            return x.detach().view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def poison_cuda_pool(torch, nbytes: int) -> None:
+    """Fill ``nbytes`` of the CUDA caching allocator with NaN and free them, so an output an
+    entry point allocates itself (no ``out=`` argument) starts as NaN wherever it lands in
+    that memory rather than as an earlier result."""
+    torch.empty(-(-nbytes // 4), device="cuda").fill_(float("nan"))

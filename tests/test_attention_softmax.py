@@ -193,8 +193,7 @@ def check_lse(name, state, lse_ref):
 
 @pytest.mark.parametrize("name", sorted(TILES))
 @pytest.mark.parametrize("cadence", ["unconditional", "lazy", "lazy_deferred"])
-def test_recurrence_matches_float64(name, cadence):
-    rng = np.random.default_rng()
+def test_recurrence_matches_float64(name, cadence, rng):
     s, v = random_tiles(name, 3, rng)
     s[1] += 12.0 * rng.random(s.shape[1:])         # some rows grow past the lazy threshold
     o, state, _ = run_case(name, s, v, cadence=cadence)
@@ -204,8 +203,7 @@ def test_recurrence_matches_float64(name, cadence):
 
 
 @pytest.mark.parametrize("name", sorted(TILES))
-def test_scaled_methods_fold_the_scale(name):
-    rng = np.random.default_rng()
+def test_scaled_methods_fold_the_scale(name, rng):
     s, v = random_tiles(name, 3, rng, spread=10.0)
     log2_scale = float(rng.uniform(0.05, 0.3)) * np.log2(np.e)
     o, state, _ = run_case(name, s, v, cadence="lazy", scaled=log2_scale)
@@ -215,8 +213,7 @@ def test_scaled_methods_fold_the_scale(name):
 
 
 @pytest.mark.parametrize("name", sorted(TILES))
-def test_sink_seeds_the_denominator(name):
-    rng = np.random.default_rng()
+def test_sink_seeds_the_denominator(name, rng):
     s, v = random_tiles(name, 2, rng)
     sink = float(rng.uniform(1.0, 3.0))
     o, state, _ = run_case(name, s, v, cadence="unconditional", sink=sink)
@@ -251,8 +248,7 @@ def test_empty_start_takes_very_negative_rows_against_their_own_max(name, cadenc
 
 
 @pytest.mark.parametrize("name", sorted(TILES))
-def test_f16_scores(name):
-    rng = np.random.default_rng()
+def test_f16_scores(name, rng):
     s, v = random_tiles(name, 2, rng)
     s = s.astype(np.float16).astype(np.float64)     # the values the kernel sees
     o, _, _ = run_case(name, s, v, cadence="lazy", att=kiln.f16)
@@ -262,11 +258,10 @@ def test_f16_scores(name):
 
 @pytest.mark.parametrize("name", sorted(TILES))
 @pytest.mark.parametrize("cadence", ["lazy", "lazy_deferred"])
-def test_skip_path_resets_scale_after_sentinel_growth(name, cadence):
+def test_skip_path_resets_scale_after_sentinel_growth(name, cadence, rng):
     """Tile 0 fully masked (sentinel), tile 1 grows by ~10000 (fires with scale ~ 0), tile 2
     grows by < 8 (skips): scale must be exactly 1 again, so three epilogue rescales of the
     norm are identities and the output is finite and right."""
-    rng = np.random.default_rng()
     s, v = random_tiles(name, 3, rng, spread=1.0)
     s[0] = SENTINEL
     s[2] = s[1] + rng.uniform(0.0, 2.0, s.shape[1:])
@@ -281,10 +276,9 @@ def test_skip_path_resets_scale_after_sentinel_growth(name, cadence):
 
 @pytest.mark.parametrize("name", sorted(TILES))
 @pytest.mark.parametrize("cadence", ["lazy", "lazy_deferred"])
-def test_lazy_decision_is_warp_uniform(name, cadence):
+def test_lazy_decision_is_warp_uniform(name, cadence, rng):
     """Only query row 0 grows past the threshold; every lane of its warp fires (its max is
     not rolled back), lanes of other warps keep their rolled-back max."""
-    rng = np.random.default_rng()
     s, v = random_tiles(name, 2, rng, spread=0.5)
     q_axis = TILES[name][2]
     grow = np.zeros(tile_shape(name))
