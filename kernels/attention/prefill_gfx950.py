@@ -45,6 +45,8 @@ diagonal), so interior tiles pay one scalar branch for it; boundary tiles (for a
 the tiles crossing the block's 256-row diagonal band, and the padding) and the prologue /
 epilogue tiles are masked.
 
+The max starts empty (``OnlineSoftmax.reseed_empty``; a sink seeds it otherwise): tile 0's vote
+fires, as ``seed_tile0``, so rows are taken against their own max however negative the scores.
 Lazy rescale, threshold 8 (log2 units): when no row's max grew by more than 8 the max rolls back
 (P stays below ``2**8``) and ``scale_vec`` is 1; the vote is an OR over the wave, decided with
 selects. ``norm *= scale_vec`` and ``O *= scale`` then multiply by 1: both run every tile
