@@ -21,3 +21,32 @@ def marker_line(request):
         return hits[0]
 
     return find
+
+
+def pytest_addoption(parser):
+    parser.addoption("--seed", type=int, default=None,
+                     help="seed of the `rng` fixture (default: a fresh one per test, reported "
+                          "with every failure)")
+
+
+@pytest.fixture
+def rng(request):
+    """A ``numpy.random.Generator`` on a fresh seed (or ``--seed N``); a failing test reports
+    the seed, so ``pytest --seed N <test id>`` reruns it on the same inputs."""
+    import numpy as np
+
+    seed = request.config.getoption("--seed")
+    if seed is None:
+        seed = int(np.random.SeedSequence().generate_state(1)[0])
+    request.node.user_properties.append(("seed", seed))
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seeds = [value for key, value in item.user_properties if key == "seed"]
+    if seeds and report.failed:
+        report.sections.append(("random seed", f"rerun with: pytest --seed {seeds[0]} "
+                                               f"'{item.nodeid}'"))

@@ -13,7 +13,8 @@ import kiln
 from kiln.kernels.attention.decode import (DecodeConfig, decode, default_config,
                                            default_num_splits, early_launch_tiles)
 
-from attention_reference import attention_reference
+from attention_reference import (assert_paged_attention_close, attention_reference,
+                                 poison_cuda_pool)
 
 # The module, not the function the package exports under the same name.
 decode_module = importlib.import_module("kiln.kernels.attention.decode")
@@ -136,8 +137,7 @@ def _check_partials(got, want, counts_want):
 
 @pytest.mark.parametrize("page_size,group,sq", [(1, 1, 1), (16, 4, 4), (64, 8, 1),
                                                 (16, 8, 4), (64, 1, 4), (16, 4, 16)])
-def test_split_partials_match_numpy(page_size, group, sq):
-    rng = np.random.default_rng()
+def test_split_partials_match_numpy(page_size, group, sq, rng):
     hkv = 2 if group < 8 else 1
     lens = [int(rng.integers(sq, 3 * BN)), int(rng.integers(2 * BN, 4 * BN))]  # ragged
     q, kc, vc, table, seq_lens, _ = _problem(rng, 2, sq, group * hkv, hkv, page_size, lens)
@@ -151,12 +151,11 @@ def test_split_partials_match_numpy(page_size, group, sq):
 
 
 @pytest.mark.parametrize("lazy_rescale", [True, False])
-def test_a_key_that_dominates_after_the_first_tile_rescales_the_output(lazy_rescale):
+def test_a_key_that_dominates_after_the_first_tile_rescales_the_output(lazy_rescale, rng):
     """One CTA walks five tiles, and a key of tile 2 scores ~160 log2 units above every key
     before it for query head 0: the row's running max, sum and O must move to it (against the
     old max its probability would overflow f32), and match the float64 reference. With
     ``lazy_rescale`` only that tile's vote moves the max."""
-    rng = np.random.default_rng()
     q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 1, 4, 1, 16, [5 * BN])
     head = q[0, 0, 0].astype(np.float64)
     unit = D ** -0.5 * np.log2(np.e)  # log2 units of a unit dot product
@@ -173,9 +172,8 @@ def test_a_key_that_dominates_after_the_first_tile_rescales_the_output(lazy_resc
                                                                   D ** -0.5), **O_TOL)
 
 
-def test_sinks_scale_and_empty_sequence():
+def test_sinks_scale_and_empty_sequence(rng):
     """A zero-length sequence has no valid split; sinks only enlarge split 0's denominator."""
-    rng = np.random.default_rng()
     q, kc, vc, table, seq_lens, sinks = _problem(rng, 2, 1, 4, 2, 16, [0, BN + 5], sinks=True)
     got = decode(q, kc, vc, table, seq_lens, num_splits=2, scale=0.3, sinks=sinks,
                  backend="interpret")
@@ -185,9 +183,8 @@ def test_sinks_scale_and_empty_sequence():
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_block_sparse_selection(page_size):
+def test_block_sparse_selection(page_size, rng):
     """Slot j holds block block_table[b, i, kv, j]; -1 padding, empty rows give C = 0."""
-    rng = np.random.default_rng()
     B, Sq, Hq, Hkv, top_k = 2, 2, 4, 2, 3
     lens = [4 * BN, 3 * BN + 7]
     q, kc, vc, table, seq_lens, _ = _problem(rng, B, Sq, Hq, Hkv, page_size, lens)
@@ -218,8 +215,7 @@ def test_block_sparse_selection(page_size):
                     np.testing.assert_allclose(o[j, b, i, h], o_want, **O_TOL)
 
 
-def test_bad_inputs_raise_kiln_errors():
-    rng = np.random.default_rng()
+def test_bad_inputs_raise_kiln_errors(rng):
     q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 1, 3, 2, 16, [10])
     with pytest.raises(kiln.UnsupportedError, match="multiple of Hkv") as error:
         decode(q, kc, vc, table, seq_lens, backend="interpret")
@@ -250,10 +246,9 @@ def test_early_launch_is_chosen_by_the_tiles_a_split_holds():
     assert early_launch_tiles(config, 128, 16, 16384, 16) == 0  # 4 pages a tile
 
 
-def test_early_launch_reads_the_split_through_the_interpreter():
+def test_early_launch_reads_the_split_through_the_interpreter(rng):
     """A split of 8 tiles prefetches its first 3 tiles' pages before the grid-dependency wait
     (the interpreter runs the page look-ups and skips the prefetch) and still matches numpy."""
-    rng = np.random.default_rng()
     q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 1, 4, 1, 64, [16 * BN - 5])
     plan = decode_module._plan(q, kc, vc, table, seq_lens, 2, None, None, None, None,
                                "interpret", None, fused=False)
@@ -263,7 +258,7 @@ def test_early_launch_reads_the_split_through_the_interpreter():
     _check_partials(got, want, want[2])
 
 
-def test_short_splits_ring_four_stages():
+def test_short_splits_ring_four_stages(rng):
     """A default mma.sync config rings 4 stages where a split holds at most
     ``SHORT_SPLIT_TILES`` tiles, else 3; block-sparse calls (a block a split), WGMMA defaults
     and configs given by the caller keep theirs. A plan of 9 tiles a split takes the 4-stage
@@ -274,7 +269,6 @@ def test_short_splits_ring_four_stages():
     assert default_config(8, 128, tiles_per_split=17) == DecodeConfig()
     assert default_config(8, 128, block_sparse=True, tiles_per_split=1).stages == 3
     assert default_config(64, 128, tiles_per_split=64) == DecodeConfig(consumer="wgmma", stages=4)
-    rng = np.random.default_rng()
     q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 1, 4, 1, 64, [34 * BN - 5])
     plans = [decode_module._plan(q, kc, vc, table, seq_lens, splits, None, None, None, None,
                                  "interpret", config, fused=False)
@@ -316,7 +310,7 @@ def test_default_num_splits():
     assert default_num_splits(1, 1, 10) == 1
 
 
-def test_default_splits_fill_the_gpu_the_call_launches_on(monkeypatch):
+def test_default_splits_fill_the_gpu_the_call_launches_on(monkeypatch, rng):
     """The split count follows the device's SM count (114 on an H100 PCIe: 14 splits of 8 KV
     heads, one wave); interpreted calls keep DEFAULT_SMS, without asking for a device."""
     from kiln.lowering import cuda
@@ -327,7 +321,7 @@ def test_default_splits_fill_the_gpu_the_call_launches_on(monkeypatch):
             return 114
 
     monkeypatch.setattr(cuda, "driver", lambda: FakeDriver)
-    q, k_cache, v_cache, table, lens, _ = _problem(np.random.default_rng(), 1, 1, 64, 8, 64,
+    q, k_cache, v_cache, table, lens, _ = _problem(rng, 1, 1, 64, 8, 64,
                                                    [1024], head_dim=128)
     gpu_plan = decode_module._make_plan(decode_module._ArrayLib(q), q, k_cache, v_cache, table,
                                         lens, None, None, None, None, "sm_90a", None, None,
@@ -340,11 +334,10 @@ def test_default_splits_fill_the_gpu_the_call_launches_on(monkeypatch):
     assert interpreted.slots == 16
 
 
-def test_stale_cache_rows_never_reach_the_sums():
+def test_stale_cache_rows_never_reach_the_sums(rng):
     """NaN in the rows of a partially filled page past the sequence end: scores are masked
     and V rows zeroed, so O stays finite and exact. D=128 with 32 packed rows and whole-tile
     pages also takes the two-warp-group path."""
-    rng = np.random.default_rng()
     head_dim, page_size = 128, 64
     lens = [BN + 37, 2 * BN - 3]
     B, Sq, Hkv, group = 2, 4, 1, 8
@@ -368,11 +361,10 @@ def test_stale_cache_rows_never_reach_the_sums():
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_a_tile_that_ends_with_the_sequence_hides_later_draft_tokens_keys(page_size):
+def test_a_tile_that_ends_with_the_sequence_hides_later_draft_tokens_keys(page_size, rng):
     """Sequences a whole number of tiles long at Sq 4 (as in bench/decode.py): each last tile
     holds keys that the earlier draft tokens must not see. The pages after a sequence hold
     NaN and are never read."""
-    rng = np.random.default_rng()
     head_dim, Sq, group = 128, 4, 8
     lens = [BN, 3 * BN]
     q, kc, vc, table, seq_lens, _ = _problem(rng, 2, Sq, group, 1, page_size, lens,
@@ -386,13 +378,12 @@ def test_a_tile_that_ends_with_the_sequence_hides_later_draft_tokens_keys(page_s
 
 
 @pytest.mark.parametrize("page_size,sinks", [(1, False), (16, True), (64, False)])
-def test_one_cta_serves_sq4_gqa8_rows_at_d128(page_size, sinks):
+def test_one_cta_serves_sq4_gqa8_rows_at_d128(page_size, sinks, rng):
     """Sq 4 x GQA 8 = 32 packed rows at D = 128: one CTA per (split, KV head) (grid y == Hkv),
     two warp groups of one m16 tile each, every warp on 32 keys of a tile. Ragged lengths
     end mid-tile and mid-page; the merged partials match float64 causal attention."""
     from kiln.kernels.attention.decode import _PLANS
 
-    rng = np.random.default_rng()
     head_dim, B, Sq, group, Hkv, num_splits = 128, 2, 4, 8, 2, 2
     lens = [int(rng.integers(Sq, BN + 20)), int(rng.integers(2 * BN + 1, 3 * BN))]
     q, kc, vc, table, seq_lens, sink = _problem(rng, B, Sq, group * Hkv, Hkv, page_size, lens,
@@ -429,10 +420,9 @@ def test_warp_groups_widen_a_cta_within_the_accumulator_budget():
     assert not default_config(8, 256).lazy_rescale  # the lazy branch spills at D = 256
 
 
-def test_eight_warps_on_64_key_tiles_serve_two_groups():
+def test_eight_warps_on_64_key_tiles_serve_two_groups(rng):
     """DecodeConfig(num_warps=8): Sq 4 x GQA 8 runs as two groups of four warps with 16 keys
     each; with one query token the warps' 8-key slices are rejected before compiling."""
-    rng = np.random.default_rng()
     config = DecodeConfig(num_warps=8)
     q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 4, 8, 1, 16, [3 * BN + 5], head_dim=128)
     got = decode(q, kc, vc, table, seq_lens, num_splits=2, config=config, backend="interpret")
@@ -450,14 +440,13 @@ def test_eight_warps_on_64_key_tiles_serve_two_groups():
     (32, 4, 8, False, DecodeConfig(consumer="wgmma")),  # rows 32-63 of the m64 are padding
     (8, 1, 4, True, DecodeConfig(consumer="wgmma", block_n=128, stages=2)),
 ])
-def test_wgmma_consumer_matches_numpy(page_size, sq, group, sinks, config):
+def test_wgmma_consumer_matches_numpy(page_size, sq, group, sinks, config, rng):
     """``consumer='wgmma'``: one warp group, S and P V on ``wgmma`` with a tile's softmax
     between them, P V issued one iteration late. Ragged sequences of up to 11 tiles (the ring
     wraps several times with its stages held one iteration longer) end mid-page with NaN in
     the rest of the page, which the V rows zeroed in shared memory keep out of O."""
     from kiln.kernels.attention.decode import _PLANS
 
-    rng = np.random.default_rng()
     head_dim, B, Hkv = 128, 2, 2
     config_used = config or default_config(sq * group, head_dim, page_size)
     assert config_used.consumer == "wgmma"
@@ -490,14 +479,13 @@ def test_default_config_picks_wgmma_for_64_row_blocks_at_d128():
     assert DecodeConfig(consumer="wgmma").row_blocks(128, 128) == 2
 
 
-def test_wgmma_consumer_rejects_what_it_cannot_run():
+def test_wgmma_consumer_rejects_what_it_cannot_run(rng):
     with pytest.raises(kiln.UnsupportedError, match="one warp group"):
         DecodeConfig(consumer="wgmma", num_warps=8)
     with pytest.raises(kiln.KilnValueError, match="consumer='mma'"):
         DecodeConfig(consumer="mma")
     with pytest.raises(kiln.UnsupportedError, match="D <= 128"):
         DecodeConfig(consumer="wgmma").check_rows(8, 256)
-    rng = np.random.default_rng()
     q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 1, 8, 1, 4, [40], head_dim=128)
     with pytest.raises(kiln.UnsupportedError, match="pages of >= 8 rows") as error:
         decode(q, kc, vc, table, seq_lens, backend="interpret",
@@ -564,41 +552,33 @@ def test_accumulator_pairs_are_the_p_fragment_and_v_keys_match_the_mask():
 @pytest.mark.parametrize("page_size,group,sq", [(1, 8, 1), (16, 8, 4), (64, 4, 1), (64, 8, 4),
                                                 (128, 8, 1), (256, 8, 4), (64, 8, 8),
                                                 (16, 8, 16)])
-def test_decode_matches_torch(page_size, group, sq):
-    """Against gather + SDPA in float32 (the bottom-right causal mask of draft tokens); the
-    rows of each last page past its sequence hold NaN. Sq 8 and 16 x GQA 8 run the WGMMA
-    consumer."""
+def test_decode_matches_float64_on_gpu(page_size, group, sq, rng):
+    """Against the float64 paged reference on the same (seeded) inputs, elementwise; the rows
+    of each last page past its sequence hold NaN, and the allocator's pool is poisoned before
+    the call. Sq 8 and 16 x GQA 8 run the WGMMA consumer."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from kiln.kernels.attention.decode import decode_attention
 
-    rng = np.random.default_rng()
     B, Hkv, Dh = 3, 2, 128
     lens = [int(x) for x in rng.integers(sq, 3000, B)]
-    max_pages = -(-max(lens) // page_size)
-    num_pages = B * max_pages + 5
-    dev = "cuda"
-    kc = torch.randn(num_pages, page_size, Hkv, Dh, device=dev, dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    table = torch.randperm(num_pages, device=dev)[:B * max_pages].view(B, max_pages).int()
-    q = torch.randn(B, sq, Hkv * group, Dh, device=dev, dtype=torch.bfloat16)
-    seq_lens = torch.tensor(lens, device=dev, dtype=torch.int32)
+    q, kc, vc, table, seq_lens, _ = _problem(rng, B, sq, Hkv * group, Hkv, page_size, lens,
+                                             head_dim=Dh)
     for b, L in enumerate(lens):
-        kc[table[b, (L - 1) // page_size].long(), L % page_size or page_size:] = math.nan
-        vc[table[b, (L - 1) // page_size].long(), L % page_size or page_size:] = math.nan
-    out, _ = decode_attention(q, kc, vc, table, seq_lens)
-    for b, L in enumerate(lens):
-        rows = torch.arange(L, device=dev)
-        k = kc[table[b, rows // page_size].long(), rows % page_size].float()  # [L, Hkv, D]
-        v = vc[table[b, rows // page_size].long(), rows % page_size].float()
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        qb = q[b].float().transpose(0, 1)  # [Hq, Sq, D]
-        last_key = L - sq + torch.arange(sq, device=dev)
-        mask = torch.arange(L, device=dev)[None, :] <= last_key[:, None]
-        ref = torch.nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=mask)
-        torch.testing.assert_close(out[b].float().transpose(0, 1), ref, atol=2e-2, rtol=2e-2)
+        kc[table[b, (L - 1) // page_size], L % page_size or page_size:] = math.nan
+        vc[table[b, (L - 1) // page_size], L % page_size or page_size:] = math.nan
+    dev = [_to_cuda(torch, x) for x in (q, kc, vc, table, seq_lens)]
+    poison_cuda_pool(torch, 4 * q.size * 4)
+    out, lse = decode_attention(*dev)
+    assert_paged_attention_close(out, lse, q, kc, vc, table, seq_lens)
+
+
+def _to_cuda(torch, x):
+    """A numpy array (bf16 included, exactly) as a CUDA tensor of the same dtype."""
+    if x.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(x.astype(np.float32)).to("cuda", torch.bfloat16)
+    return torch.from_numpy(x).to("cuda")
 
 
 def _small_cuda_problem(torch, page=16, L=100):
@@ -613,7 +593,7 @@ def _small_cuda_problem(torch, page=16, L=100):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page,length,num_splits", [(16, 100, None), (64, 16 * 64, 2)])
-def test_calls_wait_for_the_kernels_queued_before_them(page, length, num_splits):
+def test_calls_wait_for_the_kernels_queued_before_them(page, length, num_splits, rng):
     """The split kernel may start while the previous kernel on the stream runs (programmatic
     dependent launch); its reads must still see what that kernel wrote. Each round rewrites q
     and the cache in place with torch kernels right before two back-to-back decode calls, and
@@ -625,6 +605,7 @@ def test_calls_wait_for_the_kernels_queued_before_them(page, length, num_splits)
         pytest.skip("needs a CUDA GPU")
     from kiln.kernels.attention.decode import decode_attention
 
+    torch.manual_seed(int(rng.integers(2 ** 31)))  # the inputs follow the reported seed
     q, kc, table, seq_lens = _small_cuda_problem(torch, page, length)
     L, group = int(seq_lens[0]), q.shape[2] // kc.shape[2]
     plan = decode_module._plan(q, kc, kc, table, seq_lens, num_splits, None, None, None, None,
@@ -681,13 +662,14 @@ def test_a_misaligned_q_is_rejected():
 
 
 @pytest.mark.gpu
-def test_decode_attention_replays_in_a_cuda_graph():
+def test_decode_attention_replays_in_a_cuda_graph(rng):
     """A serving loop captures decode + combine once and replays them (no host work per step):
     the bound launches go to the capturing stream, and replays follow new inputs written in
     place."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(int(rng.integers(2 ** 31)))  # the inputs follow the reported seed
     from kiln.kernels.attention.decode import decode_attention
 
     B, Sq, Hkv, group, page, L = 2, 1, 2, 8, 64, 1000
@@ -712,6 +694,7 @@ def test_decode_attention_replays_in_a_cuda_graph():
         graph.replay()
         want, want_lse = decode_attention(q, kc, vc, table, seq_lens)
         torch.cuda.synchronize()
+        assert_paged_attention_close(out, lse, q, kc, vc, table, seq_lens)
         torch.testing.assert_close(out, want, atol=0, rtol=0)
         torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
 
@@ -769,10 +752,9 @@ def test_partials_contract_is_natural_log_split_major():
         produced.check_consumer(Partials(producer="combine", max_splits=4))
 
 
-def test_decode_attention_combines_to_the_full_softmax():
+def test_decode_attention_combines_to_the_full_softmax(rng):
     from kiln.kernels.attention.decode import decode_attention
 
-    rng = np.random.default_rng()
     q, kc, vc, table, seq_lens, _ = _problem(rng, 2, 4, 8, 2, 16, [3 * BN - 5, 7])
     out, lse = decode_attention(q, kc, vc, table, seq_lens, num_splits=3, backend="interpret")
     want = _reference_attention(q, kc, vc, table, seq_lens, D ** -0.5)
@@ -794,28 +776,61 @@ def _check_attention(got, want):
     np.testing.assert_allclose(o, o_want, **BF16_OUT_TOL)
 
 
+def _check_decode_attention(rng, q, kc, vc, table, seq_lens, *, sinks=None, **options):
+    """decode_attention on the interpreter against the float64 reference, elementwise."""
+    from kiln.kernels.attention.decode import decode_attention
+
+    o, lse = decode_attention(q, kc, vc, table, seq_lens, sinks=sinks, backend="interpret",
+                              **options)
+    assert_paged_attention_close(o, lse, q, kc, vc, table, seq_lens, sinks=sinks)
+
+
+# Lengths whose visible key counts (L - Sq + i + 1 for row i) sit at the edges of a BN-key
+# tile: a tile whose causal bound is one key off errs there.
+TILE_EDGES = (0, 1, 2, BN - 2, BN - 1)
+
+
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["edges", "every_residue"])
+def test_causal_new_tokens_at_tile_edge_residues(every, rng):
+    """Sq = 4 new tokens, causal among themselves, over sequence lengths at every tile-edge
+    residue (``every``: every residue) modulo the 64-key tile, one and two tiles long, two
+    splits; one launch per case."""
+    residues = range(BN) if every else TILE_EDGES
+    lens = [length for r in residues for length in (r + 1, BN + r, 2 * BN + r)]
+    q, kc, vc, table, seq_lens, _ = _problem(rng, len(lens), 4, 2, 1, 16, lens)
+    _check_decode_attention(rng, q, kc, vc, table, seq_lens, num_splits=2)
+
+
+def test_rows_whose_every_score_is_very_negative(rng):
+    """Query rows whose scores all sit near one offset from 0 down to -1e4 (natural units):
+    the running max starts at -inf, so no row's denominator underflows."""
+    q, kc, vc, table, seq_lens, _ = _problem(rng, 2, 4, 8, 2, 16, [BN + 7, 3 * BN - 1])
+    offsets = -np.geomspace(1.0, 1.0e4, q.shape[0] * q.shape[1] * q.shape[2])
+    kc[..., 0] = -256.0
+    q[..., 0] = (-offsets * D ** 0.5 / 256.0).reshape(q.shape[:3]).astype(ml_dtypes.bfloat16)
+    _check_decode_attention(rng, q, kc, vc, table, seq_lens, num_splits=2)
+
+
 @pytest.mark.parametrize("page_size,group,sq,head_dim,sinks",
                          [(1, 1, 1, 64, False), (16, 4, 4, 64, True), (64, 8, 1, 128, False),
                           (16, 8, 4, 128, True)])
-def test_fused_decode_attention_matches_numpy(page_size, group, sq, head_dim, sinks):
+def test_fused_decode_attention_matches_numpy(page_size, group, sq, head_dim, sinks, rng):
     """Ragged lengths (one sequence empty: O = 0, LSE = -inf or the sink) over 3 splits."""
     from kiln.kernels.attention.decode import decode_attention
 
-    rng = np.random.default_rng()
     hkv = 2 if group < 8 else 1
     lens = [0 if sq == 1 else sq, int(rng.integers(2 * BN, 4 * BN))]
     q, kc, vc, table, seq_lens, sink = _problem(rng, 2, sq, group * hkv, hkv, page_size, lens,
                                                 sinks=sinks, head_dim=head_dim)
-    got = decode_attention(q, kc, vc, table, seq_lens, num_splits=3, sinks=sink,
-                           backend="interpret", fused_combine=True)
-    _check_attention(got, _reference_attention_lse(q, kc, vc, table, seq_lens,
-                                                   head_dim ** -0.5, sink))
+    o, lse = decode_attention(q, kc, vc, table, seq_lens, num_splits=3, sinks=sink,
+                              backend="interpret", fused_combine=True)
+    assert_paged_attention_close(o, lse, q, kc, vc, table, seq_lens, sinks=sink)
 
 
-def test_fused_and_two_kernel_decode_attention_agree():
+def test_fused_and_two_kernel_decode_attention_agree(rng):
     from kiln.kernels.attention.decode import decode_attention
 
-    rng = np.random.default_rng()
     q, kc, vc, table, seq_lens, _ = _problem(rng, 2, 2, 8, 2, 16, [3 * BN + 9, BN - 3])
     fused = decode_attention(q, kc, vc, table, seq_lens, num_splits=4, backend="interpret",
                              fused_combine=True)
@@ -826,11 +841,10 @@ def test_fused_and_two_kernel_decode_attention_agree():
     np.testing.assert_allclose(fused[1], separate[1], rtol=1e-5, atol=1e-5)
 
 
-def test_fused_block_sparse_rows_that_select_nothing():
+def test_fused_block_sparse_rows_that_select_nothing(rng):
     """Block-sparse slots merge in the last CTA too; a row with no block gets O = 0, LSE -inf."""
     from kiln.kernels.attention.decode import decode_attention
 
-    rng = np.random.default_rng()
     B, Sq, Hq, Hkv, top_k = 1, 2, 4, 2, 3
     q, kc, vc, table, seq_lens, _ = _problem(rng, B, Sq, Hq, Hkv, 16, [3 * BN + 7])
     blocks = np.full((B, Sq, Hkv, top_k), -1, np.int32)
@@ -848,7 +862,7 @@ def test_fused_block_sparse_rows_that_select_nothing():
 
 
 @pytest.mark.gpu
-def test_fused_decode_attention_on_the_gpu_repeats_on_two_streams():
+def test_fused_decode_attention_on_the_gpu_repeats_on_two_streams(rng):
     """The fused kernel's ticket counters advance by one launch's splits every launch (a
     repeat that misread them would merge too early) and are separate per stream; at Sq 4 x
     GQA 8 the last CTAs share the merge, waiting for the last; block-sparse rows that select
@@ -856,6 +870,7 @@ def test_fused_decode_attention_on_the_gpu_repeats_on_two_streams():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(int(rng.integers(2 ** 31)))  # the inputs follow the reported seed
     from kiln.kernels.attention.decode import decode_attention
 
     B, Sq, Hkv, group, page, Dh = 3, 4, 2, 8, 16, 128
@@ -880,15 +895,16 @@ def test_fused_decode_attention_on_the_gpu_repeats_on_two_streams():
                 want, want_lse = decode_attention(q, kc, vc, table, seq_lens,
                                                   block_table=selection, fused_combine=False)
             stream.synchronize()
+            if selection is None:  # independent of both Kiln paths
+                assert_paged_attention_close(out, lse, q, kc, vc, table, seq_lens)
             torch.testing.assert_close(out.float(), want.float(), atol=1e-2, rtol=1e-2)
             torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
     assert (lse[0, 1] == -float("inf")).all() and (out[0, 1] == 0).all()
 
 
-def test_decode_attention_fuses_the_combine_only_for_small_merges(monkeypatch):
+def test_decode_attention_fuses_the_combine_only_for_small_merges(monkeypatch, rng):
     """Default: fused while the last CTA reads at most FUSED_COMBINE_MAX_BYTES of partials."""
     monkeypatch.setattr(decode_module, "_PLANS", {})
-    rng = np.random.default_rng()
     q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 4, 8, 1, 64, [4 * BN], head_dim=128)
     plan = lambda splits, fused: decode_module._plan(  # noqa: E731
         q, kc, vc, table, seq_lens, splits, None, None, None, None, "interpret", None, fused)
@@ -897,12 +913,11 @@ def test_decode_attention_fuses_the_combine_only_for_small_merges(monkeypatch):
     assert plan(17, True).fused and not plan(16, False).fused
 
 
-def test_large_fused_merges_are_shared_by_the_last_ctas_on_the_gpu(monkeypatch):
+def test_large_fused_merges_are_shared_by_the_last_ctas_on_the_gpu(monkeypatch, rng):
     """32 packed rows (Sq 4 x GQA 8): on a GPU the CTAs that draw the last MERGE_SLICES
     tickets share the fused merge. 8 rows keep one merging CTA, and so does the interpreter,
     which runs one CTA at a time and could not run the others' wait."""
     monkeypatch.setattr(decode_module, "_PLANS", {})
-    rng = np.random.default_rng()
 
     def kernel_name(sq, backend, splits=16):
         q, kc, vc, table, seq_lens, _ = _problem(rng, 1, sq, 8, 1, 64, [4 * BN])

@@ -108,8 +108,7 @@ def _expected_rows(cache, table, page_size, logical_rows):
 
 @pytest.mark.parametrize("BN", [64, 128])
 @pytest.mark.parametrize("page_size", [0, 1, 16, 64, 128, 256])
-def test_row_mapping_full_tile(BN, page_size):
-    rng = np.random.default_rng()
+def test_row_mapping_full_tile(BN, page_size, rng):
     eff = kv_sub_tile_rows(BN, page_size)
     tile = 1 if page_size == 0 or page_size >= 2 * BN else 0  # second tile where it fits a page
     kv_row = tile * BN
@@ -126,8 +125,7 @@ def test_row_mapping_full_tile(BN, page_size):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_partial_pages_copy_only_valid_pages(page_size):
-    rng = np.random.default_rng()
+def test_partial_pages_copy_only_valid_pages(page_size, rng):
     BN = 64
     table = rng.permutation(80).astype(np.int32)
     cache = _cache(rng, 80, page_size)
@@ -143,10 +141,9 @@ def test_partial_pages_copy_only_valid_pages(page_size):
 
 @pytest.mark.parametrize("page_size", [16, 256])
 @pytest.mark.parametrize("is_leader", [True, False])
-def test_pair_cta_k_halves(page_size, is_leader):
+def test_pair_cta_k_halves(page_size, is_leader, rng):
     """The leader copies the first BN/2 rows, the peer the second half (index arithmetic of a
     2-CTA pair, run as one CTA: the interpreter has no clusters)."""
-    rng = np.random.default_rng()
     BN = 64
     table = rng.permutation(40).astype(np.int32)
     cache = _cache(rng, 40, page_size)
@@ -160,24 +157,34 @@ def test_pair_cta_k_halves(page_size, is_leader):
                                                  range(half, half + BN // 2)))
 
 
-@pytest.mark.parametrize("page_size", [16, 128])
-@pytest.mark.parametrize("sub_tile", [0, 1])
-def test_v_sub_tiles(page_size, sub_tile):
-    rng = np.random.default_rng()
+# Every page / sub-tile ratio of a 64-row tile: pages smaller than, equal to and larger than
+# a sub-tile, including 1 < num_pages < num_v_sub_tiles (page 32, 4 sub-tiles).
+V_SUB_TILE_CASES = [(page_size, subs, idx) for page_size in (0, 8, 16, 32, 64, 128)
+                    for subs in (1, 2, 4) for idx in range(subs)]
+
+
+@pytest.mark.parametrize("page_size,num_subs,sub_tile", V_SUB_TILE_CASES,
+                         ids=[f"page{p}-subs{n}-idx{i}" for p, n, i in V_SUB_TILE_CASES])
+def test_v_sub_tiles_read_their_own_pages(page_size, num_subs, sub_tile, rng):
+    """Each V sub-tile's rows come from the physical pages of its own logical rows (the table
+    is a random permutation, so a row of the neighbouring physical page is caught)."""
     BN = 64
-    table = rng.permutation(20).astype(np.int32)
-    cache = _cache(rng, 20, page_size)
-    kernel, slots_n, copy_rows = _copy_kernel(BN, page_size, "v", num_v_sub_tiles=2,
+    kv_row = BN if page_size == 0 or page_size >= 2 * BN else 2 * BN
+    num_phys = 40
+    table = rng.permutation(num_phys).astype(np.int32)
+    cache = _cache(rng, num_phys, page_size or (kv_row + BN))
+    kernel, slots_n, copy_rows = _copy_kernel(BN, page_size, "v", num_v_sub_tiles=num_subs,
                                               v_sub_tile_idx=sub_tile)
-    out = _run(kernel, slots_n, copy_rows, cache, table, 0, BN, slots_n)
-    first = sub_tile * BN // 2
-    np.testing.assert_array_equal(out.astype(np.float32).reshape(BN // 2, D),
+    out = _run(kernel, slots_n, copy_rows, cache, table, kv_row, 10 ** 6, slots_n)
+    sub_rows = BN // num_subs
+    assert slots_n * copy_rows == sub_rows
+    first = kv_row + sub_tile * sub_rows
+    np.testing.assert_array_equal(out.astype(np.float32).reshape(sub_rows, D),
                                   _expected_rows(cache, table, page_size,
-                                                 range(first, first + BN // 2)))
+                                                 range(first, first + sub_rows)))
 
 
-def test_v_oob_fill_pages_zero_the_rest():
-    rng = np.random.default_rng()
+def test_v_oob_fill_pages_zero_the_rest(rng):
     BN, page_size = 64, 16
     table = rng.permutation(8)[:2].astype(np.int32)  # the table ends after the valid pages
     cache = _cache(rng, 8, page_size)
@@ -189,10 +196,9 @@ def test_v_oob_fill_pages_zero_the_rest():
     np.testing.assert_array_equal(got[32:], 0.0)
 
 
-def test_populate_marks_pages_past_valid_rows_out_of_bounds():
+def test_populate_marks_pages_past_valid_rows_out_of_bounds(rng):
     """Pages past ``valid_rows`` are never looked up (the table may be shorter) and read as
     zeros through TMA's out-of-bounds fill."""
-    rng = np.random.default_rng()
     BN, page_size = 64, 16
     table = rng.permutation(6)[:1].astype(np.int32)
     cache = _cache(rng, 6, page_size)

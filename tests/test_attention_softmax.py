@@ -51,13 +51,15 @@ def tile_shape(name):
     return gm * tv.tile[0], gn * tv.tile[1]
 
 
-def make_kernel(name, *, tiles, cadence, att=kiln.f32, scaled=None, sink=None, epilogue=0):
+def make_kernel(name, *, tiles, cadence, att=kiln.f32, scaled=None, sink=None, epilogue=0,
+                empty=False):
     """A kernel running ``tiles`` KV tiles through the recurrence; writes o and the state.
 
     ``cadence``: "unconditional", "lazy" (threshold 8) or "lazy_deferred" (the same decision
     by ``lazy_scale_decision``, o rescaled after it under ``fired``); ``scaled``: log2_scale for the raw
     score methods; ``sink``: sink score in log2 units; ``epilogue``: extra unconditional
-    norm rescales after the loop (the tail clusters of the gfx950 epilogue).
+    norm rescales after the loop (the tail clusters of the gfx950 epilogue); ``empty``: start
+    from ``reseed_empty`` and take tile 0 through the cadence too (the gfx950 prefill's way).
     """
     tv, grid, q_axis, _, _ = TILES[name]
     nv, frags = tv.num_values, grid[0] * grid[1]
@@ -76,10 +78,12 @@ def make_kernel(name, *, tiles, cadence, att=kiln.f32, scaled=None, sink=None, e
         sm = Softmax.init(s, q_axis=q_axis)
         if sink is not None:
             sm.reseed_with_sink(sink)
+        elif empty:
+            sm.reseed_empty()
         o = RegTile.full(tv, grid, 0.0)
         for t in kiln.static_range(tiles):
             s = load(s_in, t)
-            if t == 0 and sink is None:
+            if t == 0 and sink is None and not empty:
                 s = sm.seed_tile0(s) if scaled is None else sm.seed_tile0_scaled(s, scaled)
                 fired = True
             else:
@@ -189,8 +193,7 @@ def check_lse(name, state, lse_ref):
 
 @pytest.mark.parametrize("name", sorted(TILES))
 @pytest.mark.parametrize("cadence", ["unconditional", "lazy", "lazy_deferred"])
-def test_recurrence_matches_float64(name, cadence):
-    rng = np.random.default_rng()
+def test_recurrence_matches_float64(name, cadence, rng):
     s, v = random_tiles(name, 3, rng)
     s[1] += 12.0 * rng.random(s.shape[1:])         # some rows grow past the lazy threshold
     o, state, _ = run_case(name, s, v, cadence=cadence)
@@ -200,8 +203,7 @@ def test_recurrence_matches_float64(name, cadence):
 
 
 @pytest.mark.parametrize("name", sorted(TILES))
-def test_scaled_methods_fold_the_scale(name):
-    rng = np.random.default_rng()
+def test_scaled_methods_fold_the_scale(name, rng):
     s, v = random_tiles(name, 3, rng, spread=10.0)
     log2_scale = float(rng.uniform(0.05, 0.3)) * np.log2(np.e)
     o, state, _ = run_case(name, s, v, cadence="lazy", scaled=log2_scale)
@@ -211,8 +213,7 @@ def test_scaled_methods_fold_the_scale(name):
 
 
 @pytest.mark.parametrize("name", sorted(TILES))
-def test_sink_seeds_the_denominator(name):
-    rng = np.random.default_rng()
+def test_sink_seeds_the_denominator(name, rng):
     s, v = random_tiles(name, 2, rng)
     sink = float(rng.uniform(1.0, 3.0))
     o, state, _ = run_case(name, s, v, cadence="unconditional", sink=sink)
@@ -222,8 +223,32 @@ def test_sink_seeds_the_denominator(name):
 
 
 @pytest.mark.parametrize("name", sorted(TILES))
-def test_f16_scores(name):
-    rng = np.random.default_rng()
+@pytest.mark.parametrize("cadence", ["unconditional", "lazy", "lazy_deferred"])
+def test_empty_start_takes_very_negative_rows_against_their_own_max(name, cadence, rng):
+    """reseed_empty, then every tile through the cadence: rows whose scores all sit near an
+    offset from 0 down to -1e4 * log2(e), and rows whose first tile is fully masked, come
+    out as in float64 (a max starting at 0 underflows the denominators below about -126)."""
+    s, v = random_tiles(name, 3, rng)
+    q_axis = TILES[name][2]
+    rows = s.shape[1] if q_axis == "row" else s.shape[2]
+    offsets = -np.geomspace(1.0, 1.0e4 * np.log2(np.e), rows)
+    offsets[::4] = 0.0
+    s = s + (offsets[None, :, None] if q_axis == "row" else offsets[None, None, :])
+    masked = np.zeros(s.shape[1:], bool)
+    if q_axis == "row":
+        masked[1::3, :] = True
+    else:
+        masked[:, 1::3] = True
+    s[0][masked] = -np.inf
+    s = s.astype(np.float32).astype(np.float64)     # the values the kernel sees
+    o, state, _ = run_case(name, s, v, cadence=cadence, empty=True)
+    o_ref, lse_ref = reference(name, s, v)
+    np.testing.assert_allclose(o, o_ref, rtol=2e-5, atol=2e-5)
+    check_lse(name, state, lse_ref)
+
+
+@pytest.mark.parametrize("name", sorted(TILES))
+def test_f16_scores(name, rng):
     s, v = random_tiles(name, 2, rng)
     s = s.astype(np.float16).astype(np.float64)     # the values the kernel sees
     o, _, _ = run_case(name, s, v, cadence="lazy", att=kiln.f16)
@@ -233,11 +258,10 @@ def test_f16_scores(name):
 
 @pytest.mark.parametrize("name", sorted(TILES))
 @pytest.mark.parametrize("cadence", ["lazy", "lazy_deferred"])
-def test_skip_path_resets_scale_after_sentinel_growth(name, cadence):
+def test_skip_path_resets_scale_after_sentinel_growth(name, cadence, rng):
     """Tile 0 fully masked (sentinel), tile 1 grows by ~10000 (fires with scale ~ 0), tile 2
     grows by < 8 (skips): scale must be exactly 1 again, so three epilogue rescales of the
     norm are identities and the output is finite and right."""
-    rng = np.random.default_rng()
     s, v = random_tiles(name, 3, rng, spread=1.0)
     s[0] = SENTINEL
     s[2] = s[1] + rng.uniform(0.0, 2.0, s.shape[1:])
@@ -252,10 +276,9 @@ def test_skip_path_resets_scale_after_sentinel_growth(name, cadence):
 
 @pytest.mark.parametrize("name", sorted(TILES))
 @pytest.mark.parametrize("cadence", ["lazy", "lazy_deferred"])
-def test_lazy_decision_is_warp_uniform(name, cadence):
+def test_lazy_decision_is_warp_uniform(name, cadence, rng):
     """Only query row 0 grows past the threshold; every lane of its warp fires (its max is
     not rolled back), lanes of other warps keep their rolled-back max."""
-    rng = np.random.default_rng()
     s, v = random_tiles(name, 2, rng, spread=0.5)
     q_axis = TILES[name][2]
     grow = np.zeros(tile_shape(name))

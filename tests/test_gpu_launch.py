@@ -148,12 +148,11 @@ def test_launch_configuration_beyond_the_device_is_a_resource_error(saxpy_kernel
     assert err.value.loc.filename == __file__
 
 
-def test_bound_combine_with_preallocated_outputs_on_a_side_stream():
+def test_bound_combine_with_preallocated_outputs_on_a_side_stream(rng):
     torch = pytest.importorskip("torch")
     import kiln
     from kiln.kernels.attention import combine
 
-    rng = np.random.default_rng()
     splits, batch, heads, head_dim = 2, 1, 32, 128
     o_np = rng.standard_normal((splits, batch, 1, heads, head_dim)).astype(np.float32)
     lse_np = rng.standard_normal((splits, batch, 1, heads)).astype(np.float32)

@@ -109,9 +109,9 @@ def test_register_atoms_are_registered_with_the_a_layout():
 
 @pytest.mark.lower
 @pytest.mark.parametrize("b_major, trans_b", [("k", 0), ("mn", 1)])
-def test_register_a_reaches_ptx_and_ptxas(b_major, trans_b, monkeypatch):
+def test_register_a_reaches_ptx_and_ptxas(b_major, trans_b, monkeypatch, rng):
     monkeypatch.setenv("KILN_NO_CACHE", "1")
-    a, b = _inputs("bf16", np.random.default_rng())
+    a, b = _inputs("bf16", rng)
     out = np.zeros((64, 64), np.float32)
     ck = RS_MATMUL["bf16"].compile(a, b, out, B_MAJOR=b_major, ACCUMULATE=True,
                                    target="sm_90a")
@@ -125,8 +125,7 @@ def test_register_a_reaches_ptx_and_ptxas(b_major, trans_b, monkeypatch):
 
 @pytest.mark.parametrize("dtype_name", ["bf16", "f16"])
 @pytest.mark.parametrize("b_major", ["k", "mn"])
-def test_interpreter_matches_float64(dtype_name, b_major):
-    rng = np.random.default_rng()
+def test_interpreter_matches_float64(dtype_name, b_major, rng):
     a, b = _inputs(dtype_name, rng)
     prior = rng.standard_normal((64, 64)).astype(np.float32)
     out = prior.copy()
@@ -136,8 +135,7 @@ def test_interpreter_matches_float64(dtype_name, b_major):
     np.testing.assert_allclose(out, _expected(a, b, b_major, prior), rtol=1e-5, atol=1e-4)
 
 
-def test_accumulate_false_ignores_the_old_accumulator():
-    rng = np.random.default_rng()
+def test_accumulate_false_ignores_the_old_accumulator(rng):
     a, b = _inputs("bf16", rng)
     out = np.full((64, 64), np.nan, np.float32)  # poison: must not leak into the result
     traced = RS_MATMUL["bf16"].trace(a, b, out, B_MAJOR="k", ACCUMULATE=False,
@@ -174,8 +172,7 @@ def p_times_v(s_in: kiln.Tensor[kiln.f32, 2], v: kiln.Tensor[kiln.bf16, 2],
         out[acc_layout(t, i)] = o.element(i)
 
 
-def test_accumulator_to_a_operand_feeds_the_next_product():
-    rng = np.random.default_rng()
+def test_accumulator_to_a_operand_feeds_the_next_product(rng):
     s = rng.standard_normal((64, 64)).astype(np.float32)
     v = rng.standard_normal((64, 64)).astype(ml_dtypes.bfloat16)
     out = np.full((64, 64), np.nan, np.float32)
@@ -199,8 +196,7 @@ def scaled_rows(s_in: kiln.Tensor[kiln.f32, 2], factors: kiln.Tensor[kiln.f32, 1
         out[acc_layout(t, i)] = s.element(i)
 
 
-def test_scale_rows_multiplies_each_of_a_threads_two_rows():
-    rng = np.random.default_rng()
+def test_scale_rows_multiplies_each_of_a_threads_two_rows(rng):
     s = rng.standard_normal((64, 64)).astype(np.float32)
     factors = rng.standard_normal(64).astype(np.float32)
     out = np.full((64, 64), np.nan, np.float32)
@@ -248,8 +244,7 @@ def test_register_wgmma_needs_sm90a():
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and driver")
 @pytest.mark.parametrize("b_major", ["k", "mn"])
-def test_register_a_matmul_on_gpu(b_major):
-    rng = np.random.default_rng()
+def test_register_a_matmul_on_gpu(b_major, rng):
     a, b = _inputs("bf16", rng)
     out = np.full((64, 64), np.nan, np.float32)  # poison: every element must be written
     RS_MATMUL["bf16"][(1, 1, 1)](a, b, out, B_MAJOR=b_major, ACCUMULATE=False,

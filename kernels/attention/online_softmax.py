@@ -51,7 +51,8 @@ output accumulator; the lazy cadence is the gfx950 MhaPrefillV2 main loop, thres
 
 ``max_vec``, ``max_vec_prev`` and ``scale_vec`` die at the last rescale; ``norm_vec`` lives to
 ``normalize_output``. With a sink, ``reseed_with_sink`` replaces ``seed_tile0``'s role: tile 0
-then goes through the ``col_max_acc`` cadence like every other tile.
+then goes through the ``col_max_acc`` cadence like every other tile; without one,
+``reseed_empty`` does (max = ``EMPTY_MAX``: the first key always fires the rescale).
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ from kiln import layout as kiln_layout
 from kiln.tiles import RegTile, TileVector
 
 LN2 = math.log(2.0)
+# The running max of a row that has seen no key (log2 units): finite, so EMPTY_MAX - EMPTY_MAX
+# is 0 (no inf - inf), and exp2(EMPTY_MAX - m) is 0 for any real score m, so the first key's
+# rescale wipes nothing that exists.
+EMPTY_MAX = -1.0e30
 SUPPORTED_ATT_DTYPES = (kiln.f32, kiln.f16)
 Q_AXES = ("row", "col")
 _KILN_DIRS = tuple(os.path.abspath(d) + os.sep for name in ("kiln", "kiln.lowering", "kiln.passes")
@@ -150,6 +155,19 @@ class OnlineSoftmax:
         zero = _full_vector(att, q_axis, 0.0)
         return cls(max_vec=zero, max_vec_prev=zero, norm_vec=zero,
                    scale_vec=_full_vector(att, q_axis, 1.0))
+
+    def reseed_empty(self) -> None:
+        """Start a row with no key seen: max = prev = :data:`EMPTY_MAX`, norm = 0, scale = 1.
+        For a kernel that sends tile 0 through the :meth:`col_max_acc` cadence instead of
+        :meth:`seed_tile0` (e.g. behind a lazy vote): the first tile with a key then always
+        grows the max past any threshold, so scores however negative are taken against their
+        own max (starting at 0 instead would leave a row whose scores are all below about -126
+        log2 units with a denormal or zero denominator). A row that never sees a key keeps
+        norm 0: output 0, LSE -inf."""
+        self.max_vec = self.max_vec.map(lambda _: kiln.values.constant(EMPTY_MAX, kiln.f32))
+        self.max_vec_prev = self.max_vec
+        self.norm_vec = self.norm_vec.map(lambda _: kiln.values.constant(0.0, kiln.f32))
+        self.reset_scale()
 
     def reseed_with_sink(self, sink_log2: Any) -> None:
         """Seed the virtual sink key: max = prev = ``sink_log2`` (its score in log2 units,

@@ -17,7 +17,8 @@ the page table once per tile; K and V then reuse the rows (no lazy look-ups), an
                                2-CTA cluster takes the second half of the pages (or, with a single
                                page, the same page ``BN/2`` rows further on)
 ``tma_copy_v``                 all pages of sub-tile ``v_sub_tile_idx`` of ``num_v_sub_tiles``
-                               (sub-tiles sharing one page add an intra-page row offset)
+                               (sub-tiles smaller than a page read their own page at an
+                               intra-page row offset)
 ``needs_partial=True``         a run-time switch on the number of valid pages whose every branch
                                is the fully unrolled copy sequence of that length
 ``oob_fill_pages=True`` (V)    also copy an out-of-bounds box into the remaining slots: TMA fills
@@ -166,7 +167,8 @@ def _get_row(self, offset):
     """Physical row of logical offset ``offset`` (int or traced) within the BN range, e.g.
     ``get_row(sub_tile * eff_page)``. A traced offset selects among the entries."""
     if isinstance(offset, int):
-        return self.row(offset // self.eff_page) + offset % self.eff_page
+        row = self.row(offset // self.eff_page)
+        return row + offset % self.eff_page if offset % self.eff_page else row
     entry = offset // self.eff_page
     row = self.row(0)
     for p in kiln.static_range(1, self.num_pages):
@@ -246,9 +248,8 @@ def _tma_copy_v(self, v_map, slots, bars, bar_index, *, column, elect, needs_par
                             eviction_policy=eviction_policy)
         return
     for p in kiln.static_range(pages if num_iters is None else num_iters):
-        if self.num_pages >= num_v_sub_tiles:
-            row = self.row(v_sub_tile_idx * pages + p)
-        else:  # one page covers the tile: sub-tiles step through it
-            row = self.row(0) + v_sub_tile_idx * sub_rows
+        # The copy's first logical row, resolved to its own page: a sub-tile smaller than a
+        # page steps through that page, never past it into the next entry's physical page.
+        row = self.get_row(v_sub_tile_idx * sub_rows + p * tile_rows)
         tma.load(v_map, slots.tile(first_slot + p), (column, row), bars, bar_index,
                  predicate=elect, eviction_policy=eviction_policy)

@@ -45,6 +45,8 @@ diagonal), so interior tiles pay one scalar branch for it; boundary tiles (for a
 the tiles crossing the block's 256-row diagonal band, and the padding) and the prologue /
 epilogue tiles are masked.
 
+The max starts empty (``OnlineSoftmax.reseed_empty``; a sink seeds it otherwise): tile 0's vote
+fires, as ``seed_tile0``, so rows are taken against their own max however negative the scores.
 Lazy rescale, threshold 8 (log2 units): when no row's max grew by more than 8 the max rolls back
 (P stays below ``2**8``) and ``scale_vec`` is 1; the vote is an OR over the wave, decided with
 selects. ``norm *= scale_vec`` and ``O *= scale`` then multiply by 1: both run every tile
@@ -452,6 +454,8 @@ def make_kernel(config: PrefillGfx950Config):
         sm = OnlineSoftmax[kiln.f32].init(s0, q_axis="col")
         if SINKS:
             sm.reseed_with_sink(sinks[head] * LOG2E)
+        else:  # seed_tile0's role: tile 0's vote fires, its scores taken against their own max
+            sm.reseed_empty()
         o_acc = RegTile.full(acc_layout, (d_tiles, 1), 0.0, kiln.f32)
 
         # Prologue: DMA ordered K0 K1 V0 K2 V1, the steady state's age order at the loop head.
