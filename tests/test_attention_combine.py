@@ -261,20 +261,20 @@ def _decode_inputs(rng, q_dtype=kiln.bf16.numpy):
 
 
 def test_decode_plans_miss_on_any_shape_or_dtype_change(monkeypatch, rng):
-    decode_module = importlib.import_module("kiln.kernels.attention.decode")
-    monkeypatch.setattr(decode_module, "_PLANS", {})
+    plan_module = importlib.import_module("kiln.kernels.attention.decode_plan")
+    monkeypatch.setattr(plan_module, "PLANS", {})
     inputs = _decode_inputs(rng)
-    first = decode_module._plan(*inputs, None, None, None, None, None, "interpret", None, False)
-    assert decode_module._plan(*_decode_inputs(rng), None, None, None, None, None,
-                               "interpret", None, False) is first
+    first = plan_module.get_plan(*inputs, None, None, None, None, None, "interpret", None, False)
+    assert plan_module.get_plan(*_decode_inputs(rng), None, None, None, None, None,
+                                "interpret", None, False) is first
     with pytest.raises(kiln.KilnTypeError, match="q must be bf16"):
-        decode_module._plan(*_decode_inputs(rng, np.float16), None, None, None, None, None,
-                            "interpret", None, False)
+        plan_module.get_plan(*_decode_inputs(rng, np.float16), None, None, None, None, None,
+                             "interpret", None, False)
     q, k, v, table, _ = inputs
     with pytest.raises(kiln.KilnValueError, match="seq_lens"):
-        decode_module._plan(q, k, v, table, np.array([100, 100], np.int32), None, None, None,
-                            None, None, "interpret", None, False)
-    assert len(decode_module._PLANS) == 1 and first.bound is None and first.merge is None
+        plan_module.get_plan(q, k, v, table, np.array([100, 100], np.int32), None, None, None,
+                             None, None, "interpret", None, False)
+    assert len(plan_module.PLANS) == 1 and first.bound is None and first.merge is None
     # the one partials allocation: O, then LSE, then counts at a 16-byte boundary
     assert (first.lse_offset, first.counts_offset % 4) == (first.slots * 8 * 64, 0)
     assert first.partial_words == first.counts_offset + 8

@@ -1,0 +1,348 @@
+"""Host side of :func:`kiln.kernels.attention.decode`: input checks, and the plan of one
+shape class (:class:`DecodePlan`: kernel, grid, placeholders and, for contiguous torch
+tensors, the bound launch), cached in :data:`PLANS`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+import kiln
+
+from ..inputs import (Dims, check_backend, check_heads, check_paged_lengths, check_positive,
+                      is_torch, resolve_target)
+from .decode_config import (DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MERGE_HELPER_MIN_ROWS,
+                            MERGE_SLICES, Q_ALIGN, SUPPORTED_HEAD_DIMS, DecodeShape,
+                            decode_partials, default_config, default_num_splits,
+                            early_launch_tiles, longest_split_tiles)
+from .decode_kernel import make_kernel
+from .paged import kv_sub_tile_rows
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What a decode call of one shape class needs, worked out once (see :data:`PLANS`)."""
+
+    kernel: object  # the @kiln.kernel of make_kernel
+    chip: object  # kiln.lowering.targets.Target
+    grid: tuple[int, int, int]
+    num_warps: int
+    slots: int
+    partial_shape: tuple[int, int, int, int, int]  # O_partial; LSE_partial drops D
+    cache_rows: int
+    cache_cols: int
+    scale_log2: float
+    no_block_table: object  # placeholders read by no kernel that lacks the feature
+    no_sinks: object
+    no_outputs: tuple  # (o_out, lse_out, tickets) of a kernel that does not combine
+    fused: bool = False  # decode_attention's kernel: the last split CTA combines
+    device: object = None  # torch device of q, or None for numpy
+    # kiln.lowering.launch.bind_launch of the first contiguous torch call: a repeat call only
+    # writes ten addresses into a prepared argument block.
+    bound: object = None
+    merge: object = None  # the combine plan (bound) for these partials, bound with `bound`
+    # Fused torch plans: the ticket counters (zeroed once) per stream handle. Each launch adds
+    # `slots` to each; calls on one stream are ordered, calls on two use two counter sets.
+    tickets: dict = field(default_factory=dict)
+
+    @property
+    def grid_cells(self) -> tuple[int, int, int]:
+        """Shape of the ticket counters: ``ARRIVED`` and ``PUBLISHED`` per (grid z, grid y)."""
+        return self.grid[2], self.grid[1], 2
+
+    def torch_tickets(self, stream: int | None):
+        counters = self.tickets.get(stream)
+        if counters is None:
+            import torch
+
+            counters = self.tickets[stream] = torch.zeros(self.grid_cells, dtype=torch.int64,
+                                                          device=self.device)
+        return counters
+
+    def outputs(self, like=None):
+        """Fresh ``(o, lse)`` of a fused call: bf16 ``[B, Sq, Hq, D]`` and f32 ``[B, Sq, Hq]``.
+        ``like``: an f32 torch tensor on the plan's device (the partials), whose ``new_empty``
+        skips parsing a device and a dtype, as :meth:`_CombinePlan.new_outputs` does; None:
+        numpy arrays, NaN-poisoned so an element the kernel missed shows."""
+        shape = self.partial_shape[1:]
+        if like is not None:
+            import torch
+
+            return like.new_empty(shape, dtype=torch.bfloat16), like.new_empty(shape[:3])
+        return (np.full(shape, np.nan, kiln.bf16.numpy), np.full(shape[:3], np.nan, np.float32))
+
+    @property
+    def lse_offset(self) -> int:
+        """f32 words before LSE_partial in the one partials allocation (after O_partial)."""
+        return math.prod(self.partial_shape)
+
+    @property
+    def counts_offset(self) -> int:
+        """f32 words before split_counts (after LSE_partial, 16-byte aligned)."""
+        return -(-(self.lse_offset + math.prod(self.partial_shape[:4])) // 4) * 4
+
+    @property
+    def partial_words(self) -> int:
+        return self.counts_offset + math.prod(self.partial_shape[1:4])
+
+    def torch_partial_words(self):
+        """One uninitialised device allocation for O_partial, LSE_partial and split_counts,
+        and their three addresses in it (what the bound launches take); the kernel writes
+        every element (each split all its rows, split 0 the counts)."""
+        import torch
+
+        words = torch.empty(self.partial_words, dtype=torch.float32, device=self.device)
+        base = words.data_ptr()
+        return words, (base, base + 4 * self.lse_offset, base + 4 * self.counts_offset)
+
+    def torch_partials(self, words=None):
+        """O_partial, LSE_partial (f32) and split_counts (int32): contiguous views of
+        ``words`` (default: a fresh :meth:`torch_partial_words` allocation)."""
+        import torch
+
+        shape = self.partial_shape
+        if words is None:
+            words = self.torch_partial_words()[0]
+        return (words[:self.lse_offset].view(shape),
+                words[self.lse_offset:self.lse_offset + math.prod(shape[:4])].view(shape[:4]),
+                words[self.counts_offset:].view(torch.int32).view(shape[1:4]))
+
+    def numpy_partials(self):
+        """The partials as numpy arrays filled with NaN / -1, so an element the kernel did
+        not write shows in the interpreter tests."""
+        shape = self.partial_shape
+        return (np.full(shape, np.nan, np.float32), np.full(shape[:4], np.nan, np.float32),
+                np.full(shape[1:4], -1, np.int32))
+
+
+# Plans by (array type, device, shapes, dtypes, options): a repeat call skips re-validation,
+# kernel selection and the placeholder and poison allocations.
+PLANS: dict[tuple, DecodePlan] = {}
+
+
+def get_plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale, sinks,
+             target, backend, config, fused) -> DecodePlan:
+    """The cached plan of this call's shape class. The key reads each tensor's shape and dtype
+    (any change is a new plan: the bound launch assumes them) and q's device."""
+    try:
+        key = (type(q), getattr(q, "device", None), q.shape, q.dtype, k_cache.shape,
+               k_cache.dtype, v_cache.shape, v_cache.dtype, page_table.shape, page_table.dtype,
+               seq_lens.shape, seq_lens.dtype,
+               None if block_table is None else (block_table.shape, block_table.dtype),
+               None if sinks is None else (sinks.shape, sinks.dtype),
+               num_splits, scale, target, backend, config, fused)
+        plan = PLANS.get(key)
+    except (TypeError, AttributeError):  # unhashable or not an array: validation reports it
+        key, plan = None, None
+    fresh = plan is None
+    if fresh:
+        plan = make_plan(ArrayLib(q), q, k_cache, v_cache, page_table, seq_lens, num_splits,
+                         block_table, scale, sinks, target, backend, config, fused)
+    if plan.bound is None and plan.device is not None and backend != "interpret" and \
+            plan.kernel is not None and \
+            bindable(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
+        plan, fresh = _bind(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
+                            target), True
+    if fresh and key is not None:
+        PLANS[key] = plan
+    return plan
+
+
+def _bind(plan: DecodePlan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
+          target) -> DecodePlan:
+    """``plan`` with its decode launch bound to these contiguous torch tensors' layouts, and
+    (unless the kernel combines itself) the bound combine plan of its partials."""
+    from kiln.lowering.launch import bind_launch
+
+    from .combine import plan_combine
+
+    partials = plan.torch_partials()
+    outputs = (*plan.outputs(like=partials[1]), plan.torch_tickets(None)) if plan.fused \
+        else plan.no_outputs
+    args = [q, k_cache.reshape(plan.cache_rows, plan.cache_cols),
+            v_cache.reshape(plan.cache_rows, plan.cache_cols), page_table, seq_lens,
+            block_table if block_table is not None else plan.no_block_table,
+            sinks if sinks is not None else plan.no_sinks, *partials, *outputs, plan.slots,
+            plan.scale_log2]
+    ck = plan.kernel.compile(*args, target=plan.chip.name, num_warps=plan.num_warps)
+    if plan.fused:
+        return replace(plan, bound=bind_launch(ck, plan.grid, args))
+    merge = plan_combine(*partials, max_splits=plan.slots, partials=decode_partials(plan.slots),
+                         target=target)
+    return replace(plan, bound=bind_launch(ck, plan.grid, args),
+                   merge=merge if merge.bound is not None else None)
+
+
+def make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
+              sinks, target, backend, config, fused) -> DecodePlan:
+    """The plan of a call's shape class, built from scratch (``lib``: the caller's
+    :class:`ArrayLib`); :func:`get_plan` caches it."""
+    dims = check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
+                        num_splits, scale)
+    B, Sq, Hq, D = (dims[d] for d in ("B", "Sq", "Hq", "D"))
+    num_pages, page_size, Hkv = dims["num_pages"], dims["page_size"], dims["Hkv"]
+    check_backend(backend)
+    if B * Sq * Hq == 0:  # nothing to attend: empty outputs, no kernel
+        slots = block_table.shape[3] if block_table is not None else num_splits or 1
+        return DecodePlan(kernel=None, chip=None, grid=(0, 0, 0), num_warps=0, slots=slots,
+                          partial_shape=(slots, B, Sq, Hq, D), cache_rows=0, cache_cols=0,
+                          scale_log2=0.0, no_block_table=None, no_sinks=None, no_outputs=(),
+                          fused=bool(fused), device=lib.device if lib.torch else None)
+    group = Hq // Hkv
+    q_rows = 1 if block_table is not None else Sq
+    chosen = config
+    config = config or default_config(q_rows * group, D, page_size,
+                                      block_sparse=block_table is not None)
+    kv_sub_tile_rows(config.block_n, page_size)  # page size must tile the key block
+    row_blocks = config.row_blocks(q_rows * group, D)
+    if block_table is not None:
+        slots = block_table.shape[3]
+        grid = (slots, Hkv * row_blocks, B * Sq)
+    else:
+        slots = num_splits or default_num_splits(B, Hkv, num_pages * page_size, config.block_n,
+                                                 sms=launch_sms(backend),
+                                                 row_blocks=row_blocks)
+        grid = (slots, Hkv * row_blocks, B)
+        if chosen is None:  # with the split count known only the stages can change
+            tiles = longest_split_tiles(page_table.shape[1] * page_size, config.block_n,
+                                        slots)
+            config = default_config(q_rows * group, D, page_size, tiles_per_split=tiles)
+    rows = DecodeShape(D, group, q_rows, page_size, config).combine_rows
+    if fused is None:
+        fused = slots * rows * D * 4 <= FUSED_COMBINE_MAX_BYTES
+    # The interpreter runs one CTA at a time: a CTA waiting for a later one would never return.
+    # The slices split D, so their count is a power of two, and at most one slice a split.
+    merge_slices = min(MERGE_SLICES, 1 << (int(slots).bit_length() - 1)) \
+        if fused and backend != "interpret" and rows >= MERGE_HELPER_MIN_ROWS else 1
+    prefetch_tiles = 0 if block_table is not None else early_launch_tiles(
+        config, D, page_size, page_table.shape[1] * page_size, int(slots))
+    kernel = make_kernel(D, group, q_rows, page_size, block_table is not None,
+                         sinks is not None, config, int(slots) if fused else 0, merge_slices,
+                         prefetch_tiles)
+    return DecodePlan(kernel=kernel, chip=nvidia_target(target), grid=grid,
+                      num_warps=config.num_warps, slots=int(slots),
+                      partial_shape=(slots, B, Sq, Hq, D), cache_rows=num_pages * page_size,
+                      cache_cols=Hkv * D,
+                      scale_log2=float((D ** -0.5 if scale is None else scale) * LOG2E),
+                      no_block_table=lib.full((1, 1, 1, 1), -1, "i32"),
+                      no_sinks=lib.full((1,), 0.0, "f32"),
+                      no_outputs=(lib.full((1, 1, 1, 1), 0.0, "bf16"),
+                                  lib.full((1, 1, 1), 0.0, "f32"), lib.full((1, 1, 2), 0, "i64")),
+                      fused=bool(fused), device=lib.device if lib.torch else None)
+
+
+def bindable(plan, q, *tensors) -> bool:
+    """Whether the bound launch may take these torch tensors' raw addresses: each contiguous
+    and on the plan's device (the plan's key reads only q's device), q 4-byte aligned."""
+    index = plan.device.index
+    return q.data_ptr() % Q_ALIGN == 0 and all(
+        t is None or (t.is_contiguous() and t.get_device() == index) for t in (q, *tensors))
+
+
+def launch_sms(backend) -> int:
+    """The SMs whose one wave of CTAs the default split count fills: those of the GPU the call
+    launches on (device 0, as every Kiln launch), or ``DEFAULT_SMS`` when interpreted. With
+    132 assumed, a GPU of 114 SMs (H100 PCIe) would run a second wave of 14 CTAs, doubling the
+    time."""
+    if backend == "interpret":
+        return DEFAULT_SMS
+    from kiln.lowering.cuda import driver
+
+    return driver().multiprocessor_count()
+
+
+def check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, num_splits,
+                 scale) -> Dims:
+    """Kinds, ranks, dtypes and agreeing sizes of a call's arguments (checked once per shape
+    class: the plan caches the result); values are checked per call (:func:`check_values`)."""
+    dims = Dims()
+    dims.tensor("q", q, "B Sq Hq D", dtype=kiln.bf16)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        dims.tensor(name, cache, "num_pages page_size Hkv D", dtype=kiln.bf16)
+    dims.tensor("page_table", page_table, "B max_pages", dtype=kiln.i32)
+    dims.tensor("seq_lens", seq_lens, "B", dtype=kiln.i32)
+    if block_table is not None:
+        dims.tensor("block_table", block_table, "B Sq Hkv top_k", dtype=kiln.i32)
+        check_positive("block_table's top_k", dims["top_k"], integer=True,
+                       fix="give every row at least one slot (-1 selects nothing)")
+    if sinks is not None:
+        dims.tensor("sinks", sinks, "Hq", dtype=kiln.f32)
+    check_heads(dims["Hq"], dims["Hkv"], q_name="q", kv_name="k_cache",
+                error=kiln.UnsupportedError)
+    if dims["D"] not in SUPPORTED_HEAD_DIMS:
+        raise kiln.UnsupportedError(f"head dim {dims['D']} is not supported",
+                                    fix=f"use one of {SUPPORTED_HEAD_DIMS}")
+    if dims["Sq"] > 16:
+        raise kiln.UnsupportedError(f"q has Sq={dims['Sq']} tokens; decode takes 0..16",
+                                    fix="use prefill for long Sq")
+    for dim in ("num_pages", "page_size"):
+        check_positive(f"k_cache's {dim}", dims[dim], integer=True,
+                       fix="a paged cache needs at least one page of at least one row")
+    if num_splits is not None:
+        check_positive("num_splits", num_splits, integer=True,
+                       fix="leave num_splits=None for the default")
+    if scale is not None:  # the kernel takes row maxima of unscaled scores
+        check_positive("scale", scale, fix="pass a positive softmax scale, or None for 1/sqrt(D)")
+    return dims
+
+
+def check_values(k_cache, page_table, seq_lens, block_table, validate) -> None:
+    """Page ids and lengths against the cache (see
+    :func:`kiln.kernels.inputs.check_paged_lengths`), block-sparse indices at least -1 (numpy
+    only: a larger index selects a block past the sequence, which the kernel skips)."""
+    check_paged_lengths(page_table, seq_lens, num_pages=int(k_cache.shape[0]),
+                        page_size=int(k_cache.shape[1]), validate=validate)
+    if block_table is not None and not is_torch(block_table) and \
+            np.asarray(block_table).size and int(np.asarray(block_table).min()) < -1:
+        raise kiln.KilnValueError("block_table holds an entry below -1",
+                                  fix="list selected block indices, padded with -1 at the end")
+
+
+def nvidia_target(target):
+    """The target chip of a decode call (None: the default); it must have TMA.
+    Example: ``nvidia_target("sm_90a").name == "sm_90a"``."""
+    chip = resolve_target(target)
+    if not chip.has_tma:
+        raise kiln.UnsupportedError(f"paged decode loads pages with TMA, which {chip.name} "
+                                    "lacks", fix="use target='sm_90a'")
+    return chip
+
+
+class ArrayLib:
+    """Allocation and views in the caller's array library (numpy, or torch on q's device)."""
+
+    def __init__(self, like):
+        self.torch = type(like).__module__.startswith("torch")
+        self.device = getattr(like, "device", None)
+
+    def full(self, shape, value, dtype):
+        if self.torch:
+            import torch
+
+            torch_dtype = {"f32": torch.float32, "i32": torch.int32, "i64": torch.int64,
+                           "bf16": torch.bfloat16}[dtype]
+            return torch.full(shape, value, dtype=torch_dtype, device=self.device)
+        return np.full(shape, value, kiln.dtype(dtype).numpy)
+
+    def rows(self, cache, rows, cols):
+        return cache.reshape(rows, cols)
+
+    @staticmethod
+    def numpy(x):
+        if type(x).__module__.startswith("torch"):
+            import torch
+
+            if x.dtype == torch.bfloat16:
+                return x.cpu().view(torch.int16).numpy().view(kiln.bf16.numpy)
+            return x.cpu().numpy()
+        return x
+
+    def like(self, array, template):
+        if type(template).__module__.startswith("torch"):
+            import torch
+
+            template.copy_(torch.from_numpy(array))
+            return template
+        return array
