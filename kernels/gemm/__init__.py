@@ -24,9 +24,11 @@ import kiln
 from kiln.autotune import autotune
 
 from ..inputs import Dims, check_backend, empty_like, resolve_target
+from .grouped import compile_grouped_matmul, grouped_matmul
 from .hopper import OUT_DTYPES, SUPPORTED_DTYPES, HopperGemmConfig, make_kernel
 
-__all__ = ["matmul", "compile_matmul", "HopperGemmConfig", "HOPPER_CONFIGS"]
+__all__ = ["matmul", "compile_matmul", "grouped_matmul", "compile_grouped_matmul",
+           "HopperGemmConfig", "HOPPER_CONFIGS"]
 
 # TMA global strides must be multiples of 16 bytes: 8 elements of a 2-byte dtype.
 STRIDE_ALIGN = 8
