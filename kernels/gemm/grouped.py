@@ -350,20 +350,39 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
     offsets = group_offsets.contiguous() if is_torch(group_offsets) else \
         np.ascontiguousarray(group_offsets)
     c = _empty_like(a, (total_m, np_), out)
-    args = [a_in, b_in, c, c, offsets, groups, total_m, np_, k, b_rows]
-    kernel = make_grouped_kernel(name, out, "k" if trans_b else "mn", cfg)
-    constexprs = _grouped_constexprs(cfg, groups)
     if backend == "interpret":
-        _interpret(kernel, chip, cfg, args, constexprs)
+        args = [a_in, b_in, c, c, offsets, groups, total_m, np_, k, b_rows]
+        kernel = make_grouped_kernel(name, out, "k" if trans_b else "mn", cfg)
+        _interpret(kernel, chip, cfg, args, _grouped_constexprs(cfg, groups))
     else:
-        from kiln.lowering.cuda import driver
-
-        grid = driver().multiprocessor_count()
-        if not is_torch(offsets):  # known tile count: no CTA without a tile
-            grid = max(1, min(grid, grouped_tiles(offsets, n, cfg)))
-        kernel[(grid, 1, 1)](*args, target=chip.name, num_warps=cfg.num_warps, **constexprs)
+        run_grouped(a_in, b_in, c, offsets, k=k, b_rows=b_rows, trans_b=trans_b,
+                    target=chip.name, config=cfg)
     return c if np_ == n else c[:, :n].contiguous() if is_torch(c) else \
         np.ascontiguousarray(c[:, :n])
+
+
+def run_grouped(a, b, c, offsets, *, k, b_rows, trans_b, target="sm_90a", config=None,
+                stream=None):
+    """Launch the grouped kernel on prepared operands: ``a`` ``[total_M, Kp]``, ``b`` viewed as
+    ``[G * b_rows, cols]`` (see :func:`make_grouped_kernel`), ``c`` ``[total_M, Np]`` (Kp, Np
+    multiples of 8), ``offsets`` int32 ``[G + 1]``; ``config`` defaults to
+    :func:`grouped_config`. The grid is one CTA per SM (for numpy offsets, at most one per
+    tile). Example (a poisoned ``c`` in a test): ``run_grouped(a, b, c, offs, k=k, b_rows=k,
+    trans_b=False)``."""
+    from kiln.lowering.cuda import driver
+
+    from ..inputs import is_torch
+
+    groups = int(offsets.shape[0]) - 1
+    (total_m, n), cfg = c.shape, config or grouped_config(groups)
+    grid = driver().multiprocessor_count()
+    if not is_torch(offsets):  # known tile count: no CTA without a tile
+        grid = max(1, min(grid, grouped_tiles(offsets, n, cfg)))
+    kernel = make_grouped_kernel(kiln.dtype(a.dtype).name, kiln.dtype(c.dtype).name,
+                                 "k" if trans_b else "mn", cfg)
+    kernel[(grid, 1, 1)](a, b, c, c, offsets, groups, total_m, n, k, b_rows, target=target,
+                         num_warps=cfg.num_warps, stream=stream,
+                         **_grouped_constexprs(cfg, groups))
 
 
 def check_group_offsets(offsets, total_m: int, *, validate: bool = False) -> None:
