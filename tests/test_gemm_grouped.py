@@ -251,3 +251,30 @@ def test_gpu_grouped_matmul_torch_and_numpy(trans_b, rng):
     bad = torch.from_numpy(offsets[::-1].copy()).cuda()
     with pytest.raises(kiln.KilnValueError, match="group_offsets"):
         grouped_matmul(*dev, bad, trans_b=trans_b, validate=True)
+
+
+def test_numpy_array_passed_twice_shares_one_device_copy():
+    """grouped_matmul passes C as a tensor map and as a tensor: two device copies of a numpy C
+    would each get half of the results, and the copy back would keep only one half."""
+    from kiln.lowering.launch import _Staging
+
+    class FakeDriver:
+        def __init__(self):
+            self.allocations = 0
+
+        def make_current(self):
+            pass
+
+        def mem_alloc(self, nbytes):
+            self.allocations += 1
+            return 4096 * self.allocations
+
+        def memcpy_htod(self, *args):
+            pass
+
+    driver = FakeDriver()
+    staging = _Staging(driver)
+    c = np.zeros((4, 8), np.float32)
+    first, second = staging.upload(c), staging.upload(c)
+    assert first[0] == second[0] and driver.allocations == 1
+    assert staging.upload(np.zeros(3))[0] != first[0]
