@@ -32,12 +32,13 @@ def _reference(a, b, offsets, trans_b) -> np.ndarray:
     return c
 
 
-def _assert_close(c, expected, out_dtype):
+def _assert_close(c, expected, out_dtype, atol=None):
     """Elementwise: f32 outputs to accumulation error, bf16 outputs to one bf16 rounding."""
     c = np.asarray(c, np.float64)
     assert c.shape == expected.shape
     assert np.isfinite(c).all(), "an element was not written (the output starts as NaN)"
-    rtol, atol = (1e-5, 1e-4) if out_dtype == "f32" else (8e-3, 1e-2)
+    rtol, default_atol = (1e-5, 1e-4) if out_dtype == "f32" else (8e-3, 1e-2)
+    atol = default_atol if atol is None else atol
     bad = ~(np.abs(c - expected) <= atol + rtol * np.abs(expected))
     assert not bad.any(), f"{bad.sum()} elements differ, first at {np.argwhere(bad)[0]}"
 
@@ -169,7 +170,8 @@ def test_ptx_has_the_hopper_pipeline_and_masked_epilogue(compiled):
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
     assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx  # TMA loads
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx  # TMA stores of whole slices
-    assert re.search(r"st\.global\.v4\.(b32|u32|f32)", ptx)  # 16-byte masked stores
+    # the group's last slice: 16-byte reads of the staged tile, 16-byte masked stores
+    assert re.search(r"ld\.shared\.v4\.b32", ptx) and re.search(r"st\.global\.v4\.b32", ptx)
     assert ".maxntid 384, 1, 1" in ptx
 
 
@@ -228,7 +230,8 @@ def test_gpu_matches_torch_with_poisoned_output(groups, total, k, n, trans_b, de
     for g in range(groups):
         rows = slice(int(offsets[g]), int(offsets[g + 1]))
         expected[rows] = a[rows].float() @ (b[g].float().T if trans_b else b[g].float())
-    _assert_close(c.cpu().numpy(), expected.cpu().numpy().astype(np.float64), "f32")
+    # Both sides accumulate in f32, in different orders: allow a few ulps of sqrt(K)-sized sums.
+    _assert_close(c.cpu().numpy(), expected.cpu().numpy().astype(np.float64), "f32", atol=2e-3)
 
 
 @pytest.mark.gpu
@@ -242,7 +245,7 @@ def test_gpu_grouped_matmul_torch_and_numpy(trans_b, rng):
     b = _random((groups, n, k) if trans_b else (groups, k, n), rng)
     expected = _reference(a, b, offsets, trans_b)
     host = grouped_matmul(a, b, offsets, trans_b=trans_b, out_dtype="f32")
-    _assert_close(host, expected, "f32")
+    _assert_close(host, expected, "f32", atol=1e-3)
     dev = [torch.from_numpy(x.astype(np.float32)).cuda().to(torch.bfloat16) for x in (a, b)]
     device = grouped_matmul(*dev, torch.from_numpy(offsets).cuda(), trans_b=trans_b,
                             validate=True)

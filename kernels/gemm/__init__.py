@@ -13,6 +13,16 @@ Two entry points::
 the output dtype defaults to the input dtype. On NVIDIA, ``matmul`` autotunes the tile
 configuration once per (shape, dtype) (``kiln.autotune``; results persist next to the compile
 cache). ``backend="interpret"`` runs the kernel of ``target`` in Kiln's CPU interpreter.
+
+Grouped (MoE) GEMM, one persistent launch over the tiles of all groups (:mod:`.grouped`,
+sm_90a and the interpreter; bf16/f16, FP8 not yet)::
+
+    from kiln.kernels.gemm import grouped_matmul, compile_grouped_matmul
+
+    # a: [total_M, K] rows of all groups back to back, w: [G, K, N], offs: int32 [G + 1]
+    c = grouped_matmul(a, w, offs)                 # c[offs[g]:offs[g+1]] = a[...] @ w[g]
+    c = grouped_matmul(a, w_t, offs, trans_b=True)  # w_t: [G, N, K]
+    ck = compile_grouped_matmul("bf16", target="sm_90a", groups=64)
 """
 
 import dataclasses

@@ -240,7 +240,8 @@ def _store_group_tile(acc, c_map, c, c_tiles, consumer, row0, col0, row_end, n, 
                 for q in kiln.static_range(ROW_BYTES // UNIT_BYTES // 2):
                     u = (lane % 2) * (ROW_BYTES // UNIT_BYTES // 2) + q
                     col = col0 + r * columns + j * tile_cols + u * unit
-                    values = staged.load(row, (u ^ (row % 8)) * unit, width=unit)
+                    values = staged.load(row, (u ^ (row % 8)) * unit, width=unit,
+                                         align=UNIT_BYTES)
                     if in_rows & (col < n):
                         c.store(row0 + row, col, values, align=UNIT_BYTES)
 
