@@ -22,7 +22,7 @@ from kiln.kernels.gemm.grouped import grouped_config, run_grouped
 from results_io import write_results
 from timing import time_ms
 
-TOKENS, TOP_K = 8192, 2
+TOKENS, TOP_K = 16384, 2
 GROUPS = (8, 16, 64)
 SHAPES = ((4096, 14336), (4096, 4096))  # (K, N) of one expert
 SEED = 20260

@@ -179,6 +179,8 @@ def test_ptx_has_the_hopper_pipeline_and_masked_epilogue(compiled):
 def test_no_spills_and_table_fits_beside_the_ring(compiled):
     assert compiled.metadata["spill_bytes"] == 0
     assert compiled.metadata["stack_bytes"] == 0
+    # The idle-consumer branch must not make ptxas serialise the main loop's WGMMAs.
+    assert compiled.metadata["wgmma_serialized"] is None
     assert compiled.signature.block == (384, 1, 1)
     # 1024 groups need a 2048-entry table: 3 stages leave room for it.
     big = compile_grouped_matmul("bf16", target="sm_90a", trans_b=True, out_dtype="f32",

@@ -12,7 +12,7 @@ rows are stored.
 | tile table | all threads, then thread 0 | thread ``i`` reads ``offs[i], offs[i+1]`` and writes group ``i``'s tile count ``ceil(M_i / BM) * ceil(N / BN)`` to a shared table (``TABLE`` entries, a power of two above ``G``; the rest a sentinel); thread 0 turns the counts into first-tile indices (an exclusive prefix sum); no host round trip, so device ``group_offsets`` need no synchronisation |
 | tile walk | every warp group | global tiles ``t = cta, cta + grid, ...`` up to the total; ``t``'s group is the last table entry ``<= t`` (a binary search of ``log2(TABLE)`` shared loads); within the group the tiles are swept column by column, ``GROUP_M`` row tiles at a time (:func:`.hopper._tile_origin`) |
 | producer | warp group 0, one thread | A box at row ``offs[g] + m``: its last tile reads rows of the next group, which only reach output rows that are not stored; B box at row ``g * b_rows`` of B viewed as ``[G * rows, cols]`` |
-| consumers | warp groups 1, 2 | WGMMA as in :mod:`.hopper`; the epilogue stages 64-row slices in swizzled shared tiles, and a slice that lies inside its group (or runs past ``total_M``, which TMA clips) leaves by TMA store, the group's last, partial slice by masked 16-byte stores of the rows ``< offs[g+1]`` |
+| consumers | warp groups 1, 2 | WGMMA as in :mod:`.hopper`, except that a consumer whose 64 rows all lie past its group's end (in the group's last tile) only waits for each stage and releases it, so the other consumer has the tensor cores: a group pads to 64 rows, not 128; the epilogue stages 64-row slices in swizzled shared tiles, and a slice that lies inside its group (or runs past ``total_M``, which TMA clips) leaves by TMA store, the group's last, partial slice by masked 16-byte stores of the rows ``< offs[g+1]`` |
 
 B's K edge: with B MN-major (``[G, K, N]``) a box past row ``K`` of group ``g`` would read group
 ``g + 1``'s rows (A's columns there are zero, but ``0 * inf`` is NaN), so the entry point pads
@@ -139,30 +139,42 @@ def make_grouped_kernel(dtype: str, out_dtype: str, b_major: str, config: Hopper
             for tile in kiln.range(first_tile, num_tiles, tile_step):
                 g, m0, n0, row_end = _locate_tile(table, offsets, tile, tiles_n, BM, BN,
                                                   GROUP_M, TABLE)
-                acc = wgmma.fragment_zeros(BN)
-                for kt in kiln.range(0, k_tiles):
-                    stage = use % STAGES
-                    full.try_wait(stage, (use // STAGES) % 2)
-                    stage64 = kiln.cast(stage, kiln.i64)
-                    a_desc = a_base + stage64 * a_stage_units
-                    b_desc = b_base + stage64 * b_stage_units
-                    wgmma.fence()
-                    for ks in kiln.static_range(BK // K_STEP):
-                        acc = wgmma.mma_async(acc, a_desc + ks * K_STEP * in_type.itemsize // 16,
-                                              b_desc + ks * b_k_step // 16, dtype=in_type,
-                                              b_major=b_major)
-                    wgmma.commit()
-                    wgmma.wait_group(1)
-                    if (kt > 0) & first_thread:
-                        empty.arrive((use + STAGES - 1) % STAGES)
-                    use = use + 1
-                wgmma.wait_group(0)
-                if first_thread & (k_tiles > 0):
-                    empty.arrive((use + STAGES - 1) % STAGES)
                 row0 = m0 + consumer * 64
-                _store_group_tile(acc, c_map, c, c_tiles, consumer, row0, n0,
-                                  kiln.minimum(row_end, m), n, first_thread,
-                                  BN // epilogue_n, c_tiles_per_round, c_cols)
+                # In a group's last tile the lower 64 rows may all lie past its end: that
+                # consumer only passes the stages on, leaving the tensor cores to the other.
+                active = row0 < row_end
+                acc = wgmma.fragment_zeros(BN)
+                if active:
+                    for kt in kiln.range(0, k_tiles):
+                        stage = use % STAGES
+                        full.try_wait(stage, (use // STAGES) % 2)
+                        stage64 = kiln.cast(stage, kiln.i64)
+                        a_desc = a_base + stage64 * a_stage_units
+                        b_desc = b_base + stage64 * b_stage_units
+                        wgmma.fence()
+                        for ks in kiln.static_range(BK // K_STEP):
+                            acc = wgmma.mma_async(acc,
+                                                  a_desc + ks * K_STEP * in_type.itemsize // 16,
+                                                  b_desc + ks * b_k_step // 16, dtype=in_type,
+                                                  b_major=b_major)
+                        wgmma.commit()
+                        wgmma.wait_group(1)
+                        if (kt > 0) & first_thread:
+                            empty.arrive((use + STAGES - 1) % STAGES)
+                        use = use + 1
+                    wgmma.wait_group(0)
+                    if first_thread & (k_tiles > 0):
+                        empty.arrive((use + STAGES - 1) % STAGES)
+                    _store_group_tile(acc, c_map, c, c_tiles, consumer, row0, n0,
+                                      kiln.minimum(row_end, m), n, first_thread,
+                                      BN // epilogue_n, c_tiles_per_round, c_cols)
+                else:
+                    for kt in kiln.range(0, k_tiles):
+                        stage = use % STAGES
+                        full.try_wait(stage, (use // STAGES) % 2)
+                        if first_thread:
+                            empty.arrive(stage)
+                        use = use + 1
             if first_thread:
                 tma.wait_group(0, read=True)  # the staging tiles must outlive the last store
 
