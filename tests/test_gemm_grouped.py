@@ -283,3 +283,22 @@ def test_numpy_array_passed_twice_shares_one_device_copy():
     first, second = staging.upload(c), staging.upload(c)
     assert first[0] == second[0] and driver.allocations == 1
     assert staging.upload(np.zeros(3))[0] != first[0]
+
+
+@pytest.mark.parametrize("offsets", [[0, 50, 20, 40], [0, 30, 90, 200], [-70, 10, 10, 40]],
+                         ids=["decreasing", "past_total_M", "negative"])
+def test_unchecked_bad_offsets_never_write_outside_c(offsets, rng):
+    """What an unvalidated device call sees (the kernel run directly, no host checks): bad
+    offsets give meaningless rows but every access stays inside the arrays (the interpreter
+    raises on any out-of-bounds access; a negative row start reaches the masked stores)."""
+    from kiln.kernels.gemm.grouped import (_grouped_constexprs, grouped_config,
+                                           make_grouped_kernel)
+
+    cfg = grouped_config(3)
+    a = _random((40, 64), rng)
+    b = _random((3 * 64, 64), rng)
+    c = np.full((40, 64), np.nan, np.float32)
+    kernel = make_grouped_kernel("bf16", "f32", "mn", cfg)
+    kernel.interpret[(2,)](a, b, c, c, np.array(offsets, np.int32), 3, 40, 64, 64, 64,
+                           target="sm_90a", num_warps=cfg.num_warps,
+                           **_grouped_constexprs(cfg, 3))
