@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.kernels.gemm import HopperGemmConfig, grouped_matmul, matmul
-from kiln.kernels.gemm.grouped import grouped_config, run_grouped
+from kiln.kernels.gemm.grouped import grouped_config
+from kiln.kernels.gemm.grouped_api import run_grouped
 from results_io import write_results
 from timing import time_ms
 

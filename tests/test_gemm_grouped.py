@@ -150,13 +150,55 @@ def test_bad_inputs_raise_kiln_errors_naming_the_argument(changes, error, words)
     assert words in str(raised.value)
 
 
-def test_too_many_groups_and_amd_targets_are_unsupported():
+def test_too_many_groups_and_targets_without_a_kernel_are_unsupported():
     with pytest.raises(kiln.UnsupportedError, match="at most 1024 groups"):
         grouped_matmul(np.ones((0, 16), BF16), np.ones((1025, 16, 8), BF16),
                        np.zeros(1026, np.int32), target="sm_90a")
-    with pytest.raises(kiln.UnsupportedError, match="no gfx950 kernel"):
-        grouped_matmul(np.ones((8, 16), BF16), np.ones((2, 16, 8), BF16), _offsets((3, 5)),
-                       target="gfx950", backend="interpret")
+    args = (np.ones((8, 16), BF16), np.ones((2, 16, 8), BF16), _offsets((3, 5)))
+    with pytest.raises(kiln.UnsupportedError, match="gfx942 lacks"):
+        grouped_matmul(*args, target="gfx942", backend="interpret")
+    with pytest.raises(kiln.UnsupportedError, match="needs WGMMA"):
+        grouped_matmul(*args, target="sm_80", backend="interpret")
+    with pytest.raises(kiln.UnsupportedError, match="cannot run gfx950 kernels"):
+        grouped_matmul(*args, target="gfx950")
+
+
+@pytest.mark.parametrize("sizes, k, n, trans_b, out_dtype", [
+    ((0, 37, 5), 48, 40, False, "f32"),
+    ((0, 37, 5), 48, 40, True, "bf16"),
+    ((70, 0, 130, 3), 72, 264, False, "f32"),  # 3 row tiles, 3 column tiles
+    ((130, 200), 136, 72, True, "f32"),  # 3 K steps: the two LDS stages alternate
+])
+def test_gfx950_interpreter_matches_float64(sizes, k, n, trans_b, out_dtype, rng):
+    """The AMD kernel (MFMA 32x32x16, buffer views; C's view ends at each group's last row)."""
+    offsets = _offsets(sizes)
+    a = _random((offsets[-1], k), rng)
+    b = _random((len(sizes), n, k) if trans_b else (len(sizes), k, n), rng)
+    c = grouped_matmul(a, b, offsets, trans_b=trans_b, out_dtype=out_dtype, target="gfx950",
+                       backend="interpret")
+    _assert_close(c, _reference(a, b, offsets, trans_b), out_dtype)
+
+
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+def test_gfx950_dma_feed_and_next_groups_b(b_layout, rng):
+    """The LDS-DMA feed of the AMD kernel, with an inf-filled empty group after group 0: the
+    K and N edges of group 0's B boxes must not reach it."""
+    from kiln.kernels.gemm.gfx950 import GemmConfig, make_kernel
+
+    cfg = GemmConfig(feed="dma", b_layout=b_layout, out_dtype="f32")
+    offsets = _offsets((70, 0, 60))
+    k, n = 72, 136
+    b_rows = n if b_layout == "nk" else 128  # per group: N, or K padded to whole 64-row boxes
+    a = _random((130, k), rng)
+    b = np.zeros((3, b_rows, k if b_layout == "nk" else n), BF16)
+    weights = _random((3, n, k) if b_layout == "nk" else (3, k, n), rng)
+    b[:, :weights.shape[1]] = weights
+    b[1] = np.inf
+    c = np.full((130, n), np.nan, np.float32)
+    make_kernel("bf16", cfg, grouped=True).interpret[(2,)](
+        a, b.reshape(3 * b_rows, -1), c, offsets, 3, 130, n, k, b_rows, 2, target="gfx950",
+        num_warps=cfg.num_warps, TABLE=64)
+    _assert_close(c, _reference(a, weights, offsets, b_layout == "nk"), "f32")
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +231,14 @@ def test_no_spills_and_table_fits_beside_the_ring(compiled):
 
 
 @pytest.mark.lower
+def test_gfx950_kernel_compiles_to_mfma_without_scratch():
+    ck = compile_grouped_matmul("bf16", target="gfx950", trans_b=True, groups=64)
+    assert "v_mfma_f32_32x32x16_bf16" in ck.asm["amdgcn"]
+    assert "buffer_load_dwordx4" in ck.asm["amdgcn"]
+    assert ck.metadata["scratch_bytes"] in (0, None)
+
+
+@pytest.mark.lower
 @pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
 def test_ptxas_honours_setmaxnreg(compiled, tmp_path):
     ptx = tmp_path / "grouped.ptx"
@@ -215,7 +265,7 @@ def _moe_sizes(groups: int, total: int, rng) -> np.ndarray:
 def test_gpu_matches_torch_with_poisoned_output(groups, total, k, n, trans_b, device_offsets,
                                                 rng):
     torch = pytest.importorskip("torch")
-    from kiln.kernels.gemm.grouped import run_grouped
+    from kiln.kernels.gemm.grouped_api import run_grouped
 
     offsets = _offsets(_moe_sizes(groups, total, rng))
     a = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
@@ -291,7 +341,7 @@ def test_unchecked_bad_offsets_never_write_outside_c(offsets, rng):
     """What an unvalidated device call sees (the kernel run directly, no host checks): bad
     offsets give meaningless rows but every access stays inside the arrays (the interpreter
     raises on any out-of-bounds access; a negative row start reaches the masked stores)."""
-    from kiln.kernels.gemm.grouped import (_grouped_constexprs, grouped_config,
+    from kiln.kernels.gemm.grouped import (grouped_config, grouped_constexprs,
                                            make_grouped_kernel)
 
     cfg = grouped_config(3)
@@ -301,4 +351,4 @@ def test_unchecked_bad_offsets_never_write_outside_c(offsets, rng):
     kernel = make_grouped_kernel("bf16", "f32", "mn", cfg)
     kernel.interpret[(2,)](a, b, c, c, np.array(offsets, np.int32), 3, 40, 64, 64, 64,
                            target="sm_90a", num_warps=cfg.num_warps,
-                           **_grouped_constexprs(cfg, 3))
+                           **grouped_constexprs(cfg, 3))

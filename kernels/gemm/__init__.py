@@ -14,8 +14,9 @@ the output dtype defaults to the input dtype. On NVIDIA, ``matmul`` autotunes th
 configuration once per (shape, dtype) (``kiln.autotune``; results persist next to the compile
 cache). ``backend="interpret"`` runs the kernel of ``target`` in Kiln's CPU interpreter.
 
-Grouped (MoE) GEMM, one persistent launch over the tiles of all groups (:mod:`.grouped`,
-sm_90a and the interpreter; bf16/f16, FP8 not yet)::
+Grouped (MoE) GEMM, one persistent launch over the tiles of all groups (:mod:`.grouped` on
+sm_90a, a grouped variant of the gfx950 kernel; host code in :mod:`.grouped_api`; bf16/f16,
+FP8 not yet)::
 
     from kiln.kernels.gemm import grouped_matmul, compile_grouped_matmul
 
@@ -34,7 +35,7 @@ import kiln
 from kiln.autotune import autotune
 
 from ..inputs import Dims, check_backend, empty_like, resolve_target
-from .grouped import compile_grouped_matmul, grouped_matmul
+from .grouped_api import compile_grouped_matmul, grouped_matmul
 from .hopper import OUT_DTYPES, SUPPORTED_DTYPES, HopperGemmConfig, make_kernel
 
 __all__ = ["matmul", "compile_matmul", "grouped_matmul", "compile_grouped_matmul",
