@@ -111,6 +111,7 @@ TABLES = {
         ("grouped", _get("grouped_tflops"), ".0f"), ("dense", _get("dense_tflops"), ".0f"),
         ("torch loop", _get("torch_loop_tflops"), ".0f"),
         ("grouped / dense", _get("ratio_vs_dense"), ".3f"),
+        ("grouped / dense, same config", _get("ratio_vs_dense_same_config"), ".3f"),
         ("grouped / loop", _get("ratio_vs_torch_loop"), ".2f")]),
     "launch_overhead": ("Launch overhead of a one-block kernel (host µs per launch)", [
         ("path", _get("path"), "s"), ("µs / launch", _get("us"), ".1f"),

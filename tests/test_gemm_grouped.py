@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kiln
-from kiln.kernels.gemm import compile_grouped_matmul, grouped_matmul
+from kiln.kernels.gemm import HopperGemmConfig, compile_grouped_matmul, grouped_matmul
 from kiln.lowering.cuda import cuda_available
 from kiln.lowering.tools import find_ptxas
 
@@ -72,6 +72,25 @@ def test_interpreter_matches_float64(sizes, k, n, trans_b, out_dtype, rng):
                        backend="interpret")
     assert c.dtype == kiln.dtype(out_dtype).numpy
     _assert_close(c, _reference(a, b, offsets, trans_b), out_dtype)
+
+
+@pytest.mark.parametrize("config", [HopperGemmConfig(block_n=192),
+                                    HopperGemmConfig(block_m=64, block_n=256, stages=4)],
+                         ids=lambda c: f"{c.block_m}x{c.block_n}")
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_other_tile_configs_match_float64(config, trans_b, rng):
+    """The configs bench/gemm.py --grouped --sweep compares (3 B chunks; one consumer)."""
+    from kiln.kernels.gemm.grouped import grouped_constexprs, make_grouped_kernel
+
+    offsets = _offsets((70, 0, 3, 60))
+    k, n = 64, 200
+    a = _random((133, k), rng)
+    b = _random((4, n, k) if trans_b else (4, k, n), rng)
+    c = np.full((133, n), np.nan, np.float32)
+    make_grouped_kernel("bf16", "f32", "k" if trans_b else "mn", config).interpret[(2,)](
+        a, b.reshape(4 * b.shape[1], -1), c, c, offsets, 4, 133, n, k, b.shape[1],
+        target="sm_90a", num_warps=config.num_warps, **grouped_constexprs(config, 4))
+    _assert_close(c, _reference(a, b, offsets, trans_b), "f32")
 
 
 @pytest.mark.parametrize("trans_b", [False, True])
