@@ -371,3 +371,27 @@ def test_unchecked_bad_offsets_never_write_outside_c(offsets, rng):
     kernel.interpret[(2,)](a, b, c, c, np.array(offsets, np.int32), 3, 40, 64, 64, 64,
                            target="sm_90a", num_warps=cfg.num_warps,
                            **grouped_constexprs(cfg, 3))
+    _check_clipped(c, a, b, offsets)
+
+
+def _check_clipped(c, a, b, offsets):
+    """Monotone offsets past total_M: the rows that exist are their groups' products."""
+    if offsets[0] == 0 and np.all(np.diff(offsets) >= 0):
+        clipped = np.minimum(offsets, c.shape[0])
+        _assert_close(c, _reference(a, b.reshape(3, 64, 64), clipped, False), "f32")
+
+
+@pytest.mark.parametrize("offsets", [[0, 50, 20, 40], [0, 30, 90, 200], [-70, 10, 10, 40]],
+                         ids=["decreasing", "past_total_M", "negative"])
+def test_gfx950_unchecked_bad_offsets_never_write_outside_c(offsets, rng):
+    """As on sm_90a: negative rows and rows past total_M fall outside C's buffer view."""
+    from kiln.kernels.gemm.gfx950 import GemmConfig, make_kernel
+
+    cfg = GemmConfig(b_layout="kn", out_dtype="f32")
+    a = _random((40, 64), rng)
+    b = _random((3 * 64, 64), rng)
+    c = np.full((40, 64), np.nan, np.float32)
+    make_kernel("bf16", cfg, grouped=True).interpret[(2,)](
+        a, b, c, np.array(offsets, np.int32), 3, 40, 64, 64, 64, 2, target="gfx950",
+        num_warps=cfg.num_warps, TABLE=64)
+    _check_clipped(c, a, b, offsets)
