@@ -13,8 +13,13 @@ stays out of the numbers.
 2-CTA clusters) at 8192^3 without the autotuner, each checked first, to show what each lever is
 worth.
 
+``--grouped`` times the grouped (MoE) GEMM instead (:func:`grouped_bench`): for G in 8, 16,
+64 experts with ragged, seeded router-like group sizes, Kiln's ``grouped_matmul`` against
+Kiln's dense ``matmul`` of the same FLOPs (one ``[total_M, K] x [K, N]``) and against a torch
+loop of one ``torch.matmul`` per group; ``--sweep`` with it also times each grouped config.
+
 Usage (on an H100): ``python bench/gemm.py [--json out.json] [--repeat 20] [--batch 10]
-[--sweep]``.
+[--sweep] [--grouped]``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ except ImportError:  # --help works without torch; running needs it
     torch = None
 
 from kiln.kernels.gemm import HOPPER_CONFIGS, hopper_autotuner, matmul, run_hopper
+from gemm_grouped import grouped_main
 from results_io import write_results
 from timing import time_ms
 
@@ -89,9 +95,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=10, help="calls per timed sample")
     parser.add_argument("--sweep", action="store_true",
                         help="also time every candidate config at 8192^3")
+    parser.add_argument("--grouped", action="store_true",
+                        help="time the grouped (MoE) GEMM against dense and a torch loop")
     args = parser.parse_args()
     if torch is None or not torch.cuda.is_available():
         raise SystemExit("bench/gemm.py needs torch with a CUDA GPU")
+    if args.grouped:
+        grouped_main(args, torch)
+        return
     swept = sweep(8192, 8192, 8192, args.repeat, args.batch) if args.sweep else []
     rows = [bench(m, n, k, args.repeat, args.batch) for m, n, k in SHAPES]
     device = torch.cuda.get_device_name()

@@ -103,12 +103,23 @@ TABLES = {
         ("Kiln / cuBLAS", _first(_get("ratio"),
                                  _ratio(_get("kiln_tflops"), _get("cublas_tflops"))), ".3f"),
         ("config", _get("config"), "s")]),
+    "gemm_grouped": ("Grouped (MoE) GEMM vs dense GEMM of the same FLOPs and a torch loop "
+                     "(bf16); TFLOP/s", [
+        ("G", _get("groups"), "d"), ("K×N", lambda row, doc: f"{row['k']}×{row['n']}", "s"),
+        ("total M", _get("total_m"), "d"),
+        ("group sizes", lambda row, doc: f"{row['min_group']}..{row['max_group']}", "s"),
+        ("grouped", _get("grouped_tflops"), ".0f"), ("dense", _get("dense_tflops"), ".0f"),
+        ("torch loop", _get("torch_loop_tflops"), ".0f"),
+        ("grouped / dense", _get("ratio_vs_dense"), ".3f"),
+        ("grouped / dense, same config", _get("ratio_vs_dense_same_config"), ".3f"),
+        ("grouped / loop", _get("ratio_vs_torch_loop"), ".2f")]),
     "launch_overhead": ("Launch overhead of a one-block kernel (host µs per launch)", [
         ("path", _get("path"), "s"), ("µs / launch", _get("us"), ".1f"),
         ("/ Triton", _triton_ratio, ".2f")]),
 }
 TABLES["combine-small"] = ("Split-KV combine, small calls", TABLES["combine"][1])
-ORDER = ("decode", "attention", "combine", "combine-small", "gemm", "launch_overhead")
+ORDER = ("decode", "attention", "combine", "combine-small", "gemm", "gemm_grouped",
+         "launch_overhead")
 
 
 def load_results(directory: pathlib.Path = RESULTS_DIR) -> list[dict]:

@@ -35,6 +35,8 @@ ENTRY_CALLS = {
         lambda fn: fn("bf16", target="sm_90a", head_dim=64),
     "kiln.kernels.gemm.gfx950.compile_gfx950": lambda fn: fn("bf16", target="gfx950"),
     "kiln.kernels.gemm.compile_matmul": lambda fn: fn("bf16", target="gfx950"),
+    "kiln.kernels.gemm.grouped_api.compile_grouped_matmul":
+        lambda fn: fn("bf16", target="gfx950"),
 }
 
 
@@ -80,6 +82,8 @@ HOPPER_CALLS = {
         "bf16", target="sm_90a", head_dim=64),
     "decode": lambda: importlib.import_module("kiln.kernels.attention.decode").compile_decode(
         "bf16", target="sm_90a", head_dim=64),
+    "grouped_gemm": lambda: importlib.import_module("kiln.kernels.gemm").compile_grouped_matmul(
+        "bf16", target="sm_90a"),
 }
 
 

@@ -13,6 +13,17 @@ Two entry points::
 the output dtype defaults to the input dtype. On NVIDIA, ``matmul`` autotunes the tile
 configuration once per (shape, dtype) (``kiln.autotune``; results persist next to the compile
 cache). ``backend="interpret"`` runs the kernel of ``target`` in Kiln's CPU interpreter.
+
+Grouped (MoE) GEMM, one persistent launch over the tiles of all groups (:mod:`.grouped` on
+sm_90a, a grouped variant of the gfx950 kernel; host code in :mod:`.grouped_api`; bf16/f16,
+FP8 not yet)::
+
+    from kiln.kernels.gemm import grouped_matmul, compile_grouped_matmul
+
+    # a: [total_M, K] rows of all groups back to back, w: [G, K, N], offs: int32 [G + 1]
+    c = grouped_matmul(a, w, offs)                 # c[offs[g]:offs[g+1]] = a[...] @ w[g]
+    c = grouped_matmul(a, w_t, offs, trans_b=True)  # w_t: [G, N, K]
+    ck = compile_grouped_matmul("bf16", target="sm_90a", groups=64)
 """
 
 import dataclasses
@@ -24,9 +35,11 @@ import kiln
 from kiln.autotune import autotune
 
 from ..inputs import Dims, check_backend, empty_like, resolve_target
+from .grouped_api import compile_grouped_matmul, grouped_matmul
 from .hopper import OUT_DTYPES, SUPPORTED_DTYPES, HopperGemmConfig, make_kernel
 
-__all__ = ["matmul", "compile_matmul", "HopperGemmConfig", "HOPPER_CONFIGS"]
+__all__ = ["matmul", "compile_matmul", "grouped_matmul", "compile_grouped_matmul",
+           "HopperGemmConfig", "HOPPER_CONFIGS"]
 
 # TMA global strides must be multiples of 16 bytes: 8 elements of a 2-byte dtype.
 STRIDE_ALIGN = 8

@@ -127,10 +127,10 @@ def _swizzled(swizzle, offset):
     return offset if swizzle is None else swizzle(offset)
 
 
-def make_kernel(dtype: str, config: GemmConfig):
+def make_kernel(dtype: str, config: GemmConfig, *, grouped: bool = False):
     """The ``@kiln.kernel`` for ``dtype`` inputs and ``config``; arguments ``(a, b, c, m, n, k)``
-    with ``a``: M x K, ``b``: N x K (``b_layout="nk"``) or K x N (``"kn"``), ``c``: M x N; grid
-    ``ceil(M/BM) * ceil(N/BN)`` blocks."""
+    with ``a``: M x K, ``b``: N x K (``"nk"``) or K x N (``"kn"``), ``c``: M x N; grid ``ceil(M/BM)
+    * ceil(N/BN)``. ``grouped``: the grouped GEMM (``grouped_gemm_gfx950``, see its docs)."""
     in_type = kiln.dtype(dtype)
     out_type = kiln.dtype(config.out_dtype or dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -265,7 +265,90 @@ def make_kernel(dtype: str, config: GemmConfig):
                                        n0 + wave_n * wn + j * MMA_SHAPE[1], transposed=not B_KN,
                                        limits=(m, n), b_layout=b_tr_layout)
 
-    return kiln.kernel(gemm_gfx950)
+    if not grouped:
+        return kiln.kernel(gemm_gfx950)
+    from .grouped import build_tile_table, locate_tile
+
+    group_m = 8  # row tiles per column sweep inside a group, as on Hopper
+    threads = waves * WAVE
+
+    def grouped_gemm_gfx950(a: kiln.Tensor[in_type, 2], b: kiln.Tensor[in_type, 2],
+                            c: kiln.Tensor[out_type, 2], offsets: kiln.Tensor[kiln.i32, 1],
+                            groups: kiln.i32, m: kiln.i32, n: kiln.i32, k: kiln.i32,
+                            b_rows: kiln.i32, ctas: kiln.i32, TABLE: kiln.constexpr):
+        """The grouped (MoE) GEMM of :mod:`.grouped` with this kernel's tiles and K loop:
+        ``c[offsets[g]:offsets[g+1]] = a[...] @ B[g]``, B viewed as ``[G * b_rows, cols]``, a
+        persistent grid of ``ctas`` workgroups (an argument: the grid size is a ROCm library
+        call) walking the tiles of all groups (the tile table of
+        :func:`.grouped.build_tile_table`); C's stores go through a buffer view that ends at
+        the group's last row, so rows of the next group are never written."""
+        a_lds = kiln.shared((STAGES * bm, bk), in_type)
+        b_lds = kiln.shared((STAGES * b_stage_rows, b_row_len), in_type)
+        table = kiln.shared((TABLE,), kiln.i32)
+        a_buf, b_buf = amd_buffer.buffer(a), amd_buffer.buffer(b)
+        atom = mma.atom(*MMA_SHAPE, in_type)
+        lane, wave = kiln.lane_id(), kiln.warp_id()
+        wave_m, wave_n = wave // warps_n, wave % warps_n
+        tiles = (n + bn - 1) // bn
+        build_tile_table(table, offsets, groups, tiles, kiln.thread_id(0), bm, TABLE, threads)
+        num_tiles = table[groups]
+        k_steps = (k + bk - 1) // bk
+        # Loads past a row's end are redirected to row `limits[0]`: past the whole array, not
+        # into the next group.
+        a_limits = (m, k)
+        b_limits = (groups * b_rows, n) if B_KN else (groups * b_rows, k)
+        for tile in kiln.range(kiln.block_id(0), num_tiles, ctas):
+            g, m0, n0, row_end = locate_tile(table, offsets, tile, tiles, bm, bn, group_m,
+                                             TABLE)
+            b0 = g * b_rows
+            b_origin = (b0, n0) if B_KN else (b0 + n0, 0)
+            amd_asm.s_barrier()  # every wave has finished reading the previous tile's LDS
+            acc = [kiln.values.constant(0.0, kiln.f32, (16,)) for _ in range(tiles_m * tiles_n)]
+            if FEED_DMA:
+                dma_tile(a_buf, a_lds, 0, a_stage, (m0, 0), a_limits, wave, lane)
+                dma_tile(b_buf, b_lds, 0, b_stage, b_origin, b_limits, wave, lane)
+            else:
+                store_tile(load_tile(a_buf, a_stage, (m0, 0), a_limits, wave, lane), a_lds, 0,
+                           a_stage, wave, lane)
+                store_tile(load_tile(b_buf, b_stage, b_origin, b_limits, wave, lane), b_lds,
+                           0, b_stage, wave, lane)
+            for step in kiln.range(k_steps):
+                stage = step % STAGES
+                k_next = (step + 1) * bk
+                a_next_row, b_next_row = (1 - stage) * bm, (1 - stage) * b_stage_rows
+                b_next = (b0 + k_next, n0) if B_KN else (b0 + n0, k_next)
+                if FEED_DMA:
+                    amd_asm.s_waitcnt(vmcnt=0)
+                    amd_asm.s_barrier()
+                    if step + 1 < k_steps:
+                        dma_tile(a_buf, a_lds, a_next_row, a_stage, (m0, k_next), a_limits,
+                                 wave, lane)
+                        dma_tile(b_buf, b_lds, b_next_row, b_stage, b_next, b_limits, wave,
+                                 lane)
+                    acc = mma_k_step(acc, a_lds, b_lds, stage, wave_m, wave_n, atom)
+                else:
+                    a_regs = load_tile(a_buf, a_stage, (m0, k_next), a_limits, wave, lane)
+                    b_regs = load_tile(b_buf, b_stage, b_next, b_limits, wave, lane)
+                    amd_asm.s_waitcnt(lgkmcnt=0)
+                    amd_asm.s_barrier()
+                    acc = mma_k_step(acc, a_lds, b_lds, stage, wave_m, wave_n, atom)
+                    store_tile(a_regs, a_lds, a_next_row, a_stage, wave, lane)
+                    store_tile(b_regs, b_lds, b_next_row, b_stage, wave, lane)
+            # C's rows past the group's end are outside this view, so their stores drop.
+            rows = kiln.minimum(row_end, m)
+            c_buf = amd_buffer.buffer(c, valid_bytes=kiln.cast(kiln.maximum(rows, 0), kiln.i64)
+                                      * n * out_type.itemsize)
+            for i in kiln.static_range(tiles_m):
+                for j in kiln.static_range(tiles_n):
+                    mfma.store_accumulator(acc[i * tiles_n + j], c_buf,
+                                           m0 + wave_m * wm + i * MMA_SHAPE[0],
+                                           n0 + wave_n * wn + j * MMA_SHAPE[1],
+                                           transposed=not B_KN, limits=(rows, n),
+                                           b_layout=b_tr_layout)
+
+    grouped_gemm_gfx950.__name__ = grouped_gemm_gfx950.__qualname__ = \
+        f"grouped_gemm_gfx950_{dtype}_{out_type.name}_{config.b_layout}"
+    return kiln.kernel(grouped_gemm_gfx950)
 
 
 def compile_gfx950(dtype, *, target: str = "gfx950", config: GemmConfig | None = None):

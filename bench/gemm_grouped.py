@@ -1,0 +1,130 @@
+"""``bench/gemm.py --grouped``: Kiln's grouped (MoE) GEMM against Kiln's dense GEMM of the same
+FLOPs and a torch loop over the groups.
+
+Shapes: ``TOKENS`` tokens routed to ``TOP_K`` of G experts (``total_M = TOKENS * TOP_K`` rows)
+for G in 8, 16, 64, each expert a ``K x N`` bf16 weight (two shapes: an up projection
+``4096 -> 14336`` and a square ``4096 -> 4096``). Group sizes are ragged: a multinomial draw
+over router probabilities ``softmax(N(0, 0.7))`` from a fixed seed, so the same sizes come back
+on every run (some experts get several times the average, a few almost none). Each result is
+checked against float32 torch first (elementwise, NaN-poisoned output), then timed with CUDA
+events as the dense benchmark is (``--repeat`` samples of ``--batch`` calls, median).
+
+``ratio_vs_dense`` = dense time (autotuned ``matmul``) / grouped time at equal FLOPs (the
+issue's goal: >= 0.9); ``ratio_vs_dense_same_config`` the same against the dense kernel with
+the grouped kernel's fixed tile config (what grouping itself costs: ragged groups pad to 64
+rows, the tile table); ``ratio_vs_torch_loop`` = torch loop time / grouped time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.kernels.gemm import HopperGemmConfig, grouped_matmul, matmul, run_hopper
+from kiln.kernels.gemm.grouped import grouped_config
+from kiln.kernels.gemm.grouped_api import run_grouped
+from results_io import write_results
+from timing import time_ms
+
+TOKENS, TOP_K = 16384, 2
+GROUPS = (8, 16, 64)
+SHAPES = ((4096, 14336), (4096, 4096))  # (K, N) of one expert
+SEED = 20260
+# Candidate configs of --sweep: the default, narrower tiles, and 64-row tiles (less padding
+# per group when groups are small).
+GROUPED_CONFIGS = (HopperGemmConfig(), HopperGemmConfig(block_n=192),
+                   HopperGemmConfig(block_m=64, block_n=256, stages=4))
+
+
+def moe_sizes(groups: int, total: int, seed: int = SEED) -> np.ndarray:
+    """Ragged expert loads summing to ``total`` (see the module docs)."""
+    rng = np.random.default_rng(seed + groups)
+    logits = rng.normal(0.0, 0.7, groups)
+    probabilities = np.exp(logits) / np.exp(logits).sum()
+    return rng.multinomial(total, probabilities)
+
+
+def _check(torch, c, a, b, offsets) -> float:
+    """Elementwise check against float32 torch; returns the largest relative deviation."""
+    worst = 0.0
+    for g in range(b.shape[0]):
+        rows = slice(int(offsets[g]), int(offsets[g + 1]))
+        if rows.start == rows.stop:
+            continue
+        expected = a[rows].float() @ b[g].float()
+        got = c[rows].float()
+        scale = expected.abs().max().item() + 1e-6
+        deviation = ((got - expected).abs().max().item()) / scale
+        if not deviation < 2e-2:  # also catches NaN
+            raise SystemExit(f"Kiln grouped GEMM wrong in group {g}: deviation {deviation}")
+        worst = max(worst, deviation)
+    return worst
+
+
+def grouped_bench(torch, groups: int, k: int, n: int, repeat: int, batch: int,
+                  sweep: bool) -> dict:
+    sizes = moe_sizes(groups, TOKENS * TOP_K)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    total = int(offsets[-1])
+    a = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(groups, k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    offs = torch.from_numpy(offsets).cuda()
+    c = torch.full((total, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    run_grouped(a, b.reshape(groups * k, n), c, offs, k=k, b_rows=k, trans_b=False)
+    deviation = _check(torch, c, a, b, offsets)
+    flops = 2.0 * total * n * k
+    grouped_ms = time_ms(lambda: grouped_matmul(a, b, offs), repeat, batch)
+    dense_b = b[0].contiguous()
+    dense_ms = time_ms(lambda: matmul(a, dense_b), repeat, batch)
+    # The dense kernel with the grouped kernel's own tile config (no autotuning, no clusters):
+    # what grouping costs apart from the choice of config.
+    dense_c = torch.empty(total, n, device="cuda", dtype=torch.bfloat16)
+    same_config = grouped_config(groups)
+    dense_same_ms = time_ms(lambda: run_hopper(a, dense_b, dense_c, total, n, k, dtype="bf16",
+                                               b_major="mn", target="sm_90a",
+                                               config=same_config), repeat, batch)
+    out = torch.empty(total, n, device="cuda", dtype=torch.bfloat16)
+    bounds = [(int(offsets[g]), int(offsets[g + 1])) for g in range(groups)]
+
+    def torch_loop():
+        for g, (lo, hi) in enumerate(bounds):
+            torch.matmul(a[lo:hi], b[g], out=out[lo:hi])
+    loop_ms = time_ms(torch_loop, repeat, batch)
+    row = {"groups": groups, "total_m": total, "k": k, "n": n,
+           "min_group": int(sizes.min()), "max_group": int(sizes.max()),
+           "max_deviation": deviation, "grouped_ms": grouped_ms, "dense_ms": dense_ms,
+           "torch_loop_ms": loop_ms, "grouped_tflops": flops / grouped_ms / 1e9,
+           "dense_tflops": flops / dense_ms / 1e9, "torch_loop_tflops": flops / loop_ms / 1e9,
+           "dense_same_config_tflops": flops / dense_same_ms / 1e9,
+           "ratio_vs_dense": dense_ms / grouped_ms,
+           "ratio_vs_dense_same_config": dense_same_ms / grouped_ms,
+           "ratio_vs_torch_loop": loop_ms / grouped_ms,
+           "config": repr(grouped_config(groups))}
+    if sweep:  # kept out of the flat row: one entry per config
+        b_view = b.reshape(groups * k, n)
+        row["sweep_ms"] = [(repr(cfg), time_ms(lambda cfg=cfg: run_grouped(
+            a, b_view, c, offs, k=k, b_rows=k, trans_b=False, config=cfg), repeat, batch))
+            for cfg in GROUPED_CONFIGS]
+    return row
+
+
+def grouped_main(args, torch) -> None:
+    rows = [grouped_bench(torch, g, k, n, args.repeat, args.batch, args.sweep)
+            for k, n in SHAPES for g in GROUPS]
+    swept = [{"groups": r["groups"], "k": r["k"], "n": r["n"], "config": config, "ms": ms,
+              "tflops": 2.0 * r["total_m"] * r["n"] * r["k"] / ms / 1e9}
+             for r in rows for config, ms in r.pop("sweep_ms", [])]
+    print(f"{torch.cuda.get_device_name()}, grouped GEMM, bf16 in / bf16 out, "
+          f"{TOKENS} tokens x top-{TOP_K}")
+    print(f"{'G':>3} {'K x N':>12} {'sizes':>12} {'grouped':>8} {'dense':>8} {'dense=cfg':>9} "
+          f"{'loop':>8} {'vs dense':>9} {'vs =cfg':>8} {'vs loop':>8}  (TFLOP/s)")
+    for r in rows:
+        print(f"{r['groups']:>3} {r['k']:>5}x{r['n']:<6} {r['min_group']:>5}..{r['max_group']:<5} "
+              f"{r['grouped_tflops']:8.1f} {r['dense_tflops']:8.1f} "
+              f"{r['dense_same_config_tflops']:9.1f} {r['torch_loop_tflops']:8.1f} "
+              f"{r['ratio_vs_dense']:9.3f} {r['ratio_vs_dense_same_config']:8.3f} "
+              f"{r['ratio_vs_torch_loop']:8.3f}")
+    for s in swept:
+        print(f"  G={s['groups']} {s['k']}x{s['n']} {s['config']}: {s['tflops']:.1f} TFLOP/s")
+    if args.json:
+        write_results(args.json, "gemm_grouped", rows, torch=torch, tokens=TOKENS, top_k=TOP_K,
+                      seed=SEED, sweep=swept)
