@@ -22,6 +22,7 @@ from kiln.errors import KilnTypeError, KilnValueError, UnsupportedError
 
 from . import (ops_amd, ops_ampere, ops_arith, ops_cluster, ops_control,  # noqa: F401 - register
                ops_gpu, ops_hopper, ops_mbarrier, ops_memory, ops_vector, ops_wgmma)
+from .global_races import GlobalAccesses
 from .plan import Plan, np_dtype
 from .state import CTA, Cluster, Context, ContextAborted, MemRef
 
@@ -172,6 +173,8 @@ def interpret_kernel(traced, grid, args, target) -> None:
     group = WARP_GROUP_THREADS if split else threads
     timeout = kiln_env.interpret_timeout()
     shape = _cluster_shape(signature, grid)
+    accesses = GlobalAccesses(grid)
+    accesses.register(values)
     for cluster_origin in np.ndindex(*(g // c for g, c in zip(grid[::-1], shape[::-1]))):
         cz, cy, cx = cluster_origin
         cluster = Cluster(shape, timeout)
@@ -180,6 +183,7 @@ def interpret_kernel(traced, grid, args, target) -> None:
             cta = CTA(block_id, block, grid, shared_bytes, cluster, rank)
             cta.warp_size = target.warp_size
             cta.dynamic_shared_offset = static
+            cta.globals, cta.linear_id = accesses, accesses.linear_block(block_id)
             cluster.ctas.append(cta)
         _run_cluster(plan, cluster, values, threads, group)
 
