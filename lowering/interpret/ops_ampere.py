@@ -76,13 +76,15 @@ def _cp_async(op, p):
         data = np.where(keep, s_mem.storage[np.where(keep, src_cols, s_flat[:, None])], 0)
         data = data.astype(d_mem.storage.dtype)
         d_cols = np.broadcast_to(d_flat, (n,))[lanes][:, None] + cols * d_mem.strides[-1]
+        d_bytes = element_bytes(d_mem, d_cols.reshape(-1))
+        shared, threads = ctx.cta.shared, ctx.thread_ids[lanes]
 
         def land(storage=d_mem.storage, d_cols=d_cols, data=data):
             storage[d_cols] = data
+            shared.record_store(d_bytes.reshape(threads.size, -1), threads, loc,
+                                "copied there with cp.async")
 
-        op_id = ctx.cta.shared.begin("cp.async copy", loc,
-                                     write_bytes=element_bytes(d_mem, d_cols.reshape(-1)),
-                                     land=land)
+        op_id = shared.begin("cp.async copy", loc, write_bytes=d_bytes, land=land)
         ctx.pending_cp_async.append(op_id)
         env[out] = np.zeros(1, np.int64)  # the token; groups are tracked per context
 

@@ -18,7 +18,10 @@ import numpy as np
 from mlir import ir
 
 from kiln import env as kiln_env
+from kiln.cluster import RECIPES_ATTR as _RECIPES
 from kiln.errors import KilnTypeError, KilnValueError, UnsupportedError
+from kiln.passes import build_pass_manager
+from kiln.passes.cluster_schedule import NAME as CLUSTER_SCHEDULE
 
 from . import (ops_amd, ops_ampere, ops_arith, ops_cluster, ops_control,  # noqa: F401 - register
                ops_gpu, ops_hopper, ops_mbarrier, ops_memory, ops_vector, ops_wgmma)
@@ -60,6 +63,8 @@ def _compile_plan(module_asm: str, kernel_name: str) -> _CompiledPlan:
     ctx.allow_unregistered_dialects = True
     with ctx:
         module = ir.Module.parse(module_asm)
+        if _RECIPES in module_asm:  # the cluster-ending barriers are part of the program
+            build_pass_manager([CLUSTER_SCHEDULE]).run(module.operation)
         gpu_module = next(op.operation for op in module.body.operations
                           if op.operation.name == "gpu.module")
         shared: dict[str, tuple] = {}

@@ -104,7 +104,7 @@ class SharedMemory:
         self.writer = np.full(nbytes, NO_WRITER, np.int32)
         self.writer_epoch = np.zeros(nbytes, np.int32)
         self.writer_site = np.zeros(nbytes, np.int32)
-        self.sites: list = [None]
+        self.sites: list = [(None, "")]  # (source line, how the thread wrote) per site
         self.epoch = 1
 
     def view(self, dtype: np.dtype) -> np.ndarray:
@@ -141,11 +141,14 @@ class SharedMemory:
         """A barrier released or an mbarrier phase completed: earlier stores are visible."""
         self.epoch += 1
 
-    def record_store(self, byte_addrs: np.ndarray, threads, loc) -> None:
+    def record_store(self, byte_addrs: np.ndarray, threads, loc, how: str = "stored") -> None:
         """Plain store of ``byte_addrs`` (shape ``(k, bytes)``) by ``threads`` (shape ``(k,)``,
-        or ``None`` when every active thread stored the same bytes)."""
-        if self.sites[-1] is not loc:
-            self.sites.append(loc)
+        or ``None`` when every active thread stored the same bytes); ``how`` says in race
+        messages how the thread wrote them (an async copy landing counts as its issuer's
+        store: its wait orders the data for the issuing thread only)."""
+        last = self.sites[-1]
+        if last[0] is not loc or last[1] != how:
+            self.sites.append((loc, how))
         self.writer[byte_addrs] = ALL_THREADS if threads is None else threads[:, None]
         self.writer_epoch[byte_addrs] = self.epoch
         self.writer_site[byte_addrs] = len(self.sites) - 1
@@ -167,11 +170,12 @@ class SharedMemory:
         if byte_addrs.shape[0] == 1 and threads.shape[0] > 1:
             reader = int(threads[threads != writer[row, col]][0])
         byte = int(byte_addrs[row, col])
+        site, how = self.sites[int(self.writer_site[byte])]
         raise RaceError(f"thread {reader} loads shared byte {byte} that thread "
-                        f"{int(writer[row, col])} stored at "
-                        f"{self.sites[int(self.writer_site[byte])]} with no barrier in between",
+                        f"{int(writer[row, col])} {how} at {site} with no barrier in between",
                         fix="put kiln.barrier() (or an mbarrier wait) between the store and "
-                            "the load", loc=loc)
+                            "the load (an async copy's wait orders it for the issuing thread "
+                            "only)", loc=loc)
 
     def check(self, byte_addrs: np.ndarray, is_write: bool, what: str, loc) -> None:
         """Raise RaceError if ``byte_addrs`` touch the destination of an in-flight copy, or (for
@@ -196,6 +200,13 @@ class SharedMemory:
                                 f"{op.loc} is still reading",
                                 fix="wait for that operation (wait_group) before reusing the buffer",
                                 loc=loc)
+
+
+def thread_ranges(threads: np.ndarray) -> str:
+    """``0-31, 64`` for the sorted thread ids ``[0, ..., 31, 64]``."""
+    cuts = np.flatnonzero(np.diff(threads) != 1) + 1
+    runs = [(int(r[0]), int(r[-1])) for r in np.split(threads, cuts) if r.size]
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def element_bytes(mem: MemRef, flat: np.ndarray) -> np.ndarray:
@@ -351,8 +362,12 @@ class CTA:
     def notify(self) -> None:
         self.cond.notify_all()
 
-    def barrier(self, ctx: Context, loc) -> None:
-        """``gpu.barrier``: rendezvous every live context of the CTA."""
+    def barrier(self, ctx: Context, loc, what: str = "kiln.barrier()", unit: int = 1) -> None:
+        """``gpu.barrier``: rendezvous every live context of the CTA. Every thread must arrive
+        (``unit=1``), or for a wave-level barrier (``s_barrier``, ``unit`` = wave size) every
+        wave with at least one active lane."""
+        if ctx.mask is not None:
+            self._check_converged(ctx, loc, what, unit)
         if self.live == 1:
             self.shared.synchronised()
             return
@@ -363,6 +378,21 @@ class CTA:
             return
         self.block_until(ctx, lambda: self._barrier_generation != generation,
                          "kiln.barrier() (gpu.barrier)", loc)
+
+    def _check_converged(self, ctx: Context, loc, what: str, unit: int) -> None:
+        """A CTA barrier that only some threads reach hangs (or is undefined) on a GPU."""
+        unit = unit if ctx.size % unit == 0 else 1
+        here = ctx.mask.reshape(-1, unit).any(axis=1).repeat(unit)
+        if here.all():
+            return
+        raise DeadlockError(
+            f"{what} in divergent control flow: threads {thread_ranges(ctx.thread_ids[here])} "
+            f"of block {self.block_id} arrive here, threads "
+            f"{thread_ranges(ctx.thread_ids[~here])} do not (they took another branch or left "
+            "a loop earlier)",
+            fix="move the barrier out of the if/loop so that every thread of the block reaches "
+                "it (kiln.nvidia_asm.named_barrier syncs a subset of warps)",
+            loc=loc)
 
     def named_barrier(self, ctx: Context, barrier_id: int, num_threads: int, loc) -> None:
         """``bar.sync id, n``: the arriving contexts' active threads count toward ``n``."""
