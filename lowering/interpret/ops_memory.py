@@ -65,6 +65,9 @@ def check_shared(mem: MemRef, flat: np.ndarray, ctx, is_write: bool, what: str, 
     if shared.in_flight:
         shared.check(per_thread.reshape(-1), is_write, what, loc)
     threads = ctx.thread_ids if ctx.mask is None else ctx.thread_ids[ctx.mask]
+    if shared.tma_loads and threads.shape[0]:
+        shared.check_observed(per_thread, threads, ctx.cta.cluster.clock, ctx.cta.rank,
+                              is_write, loc)
     if is_write:
         uniform = per_thread.shape[0] == 1 and threads.shape[0] > 1
         shared.record_store(per_thread, None if uniform else threads, loc)

@@ -26,6 +26,7 @@ from kiln.passes.cluster_schedule import NAME as CLUSTER_SCHEDULE
 from . import (ops_amd, ops_ampere, ops_arith, ops_cluster, ops_control,  # noqa: F401 - register
                ops_gpu, ops_hopper, ops_mbarrier, ops_memory, ops_vector, ops_wgmma)
 from .global_races import GlobalAccesses
+from .phase_clock import PhaseClock
 from .plan import Plan, np_dtype
 from .state import CTA, Cluster, Context, ContextAborted, MemRef
 
@@ -190,6 +191,7 @@ def interpret_kernel(traced, grid, args, target) -> None:
             cta.dynamic_shared_offset = static
             cta.globals, cta.linear_id = accesses, accesses.linear_block(block_id)
             cluster.ctas.append(cta)
+        cluster.clock = PhaseClock(threads, len(cluster.ctas))
         _run_cluster(plan, cluster, values, threads, group)
 
 

@@ -16,6 +16,8 @@ import numpy as np
 
 from kiln.errors import DeadlockError, OutOfBoundsError, RaceError, SourceLoc, UnsupportedError
 
+from .phase_clock import PhaseClock
+
 SHARED_SPACE = 3
 POISON_BYTE = 0xFF  # fresh shared memory reads as NaN (floats) or -1 (ints)
 NO_WRITER = -1
@@ -106,6 +108,12 @@ class SharedMemory:
         self.writer_site = np.zeros(nbytes, np.int32)
         self.sites: list = [(None, "")]  # (source line, how the thread wrote) per site
         self.epoch = 1
+        # TMA-landed bytes: the landing that wrote each (index into tma_loads, -1: none), the
+        # mbarrier's PhaseClock slot and the phase count a toucher must have observed.
+        self.tma_load = np.full(nbytes, -1, np.int32)
+        self.tma_slot = np.zeros(nbytes, np.int32)
+        self.tma_phase = np.zeros(nbytes, np.int32)
+        self.tma_loads: list[str] = []  # "the TMA load issued at ... by thread ..."
 
     def view(self, dtype: np.dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
@@ -123,6 +131,8 @@ class SharedMemory:
             self.check(write_bytes, True, f"{what}", loc)
             self.pending_write[write_bytes] = op_id
             self.writer[write_bytes] = NO_WRITER  # ordered by its own wait, checked above
+            if self.tma_loads:
+                self.tma_load[write_bytes] = -1
         if read_bytes is not None:
             self.check(read_bytes, False, f"{what}", loc)
             self.pending_read[read_bytes] = op_id
@@ -149,9 +159,44 @@ class SharedMemory:
         last = self.sites[-1]
         if last[0] is not loc or last[1] != how:
             self.sites.append((loc, how))
+        if self.tma_loads:
+            self.tma_load[byte_addrs] = -1
         self.writer[byte_addrs] = ALL_THREADS if threads is None else threads[:, None]
         self.writer_epoch[byte_addrs] = self.epoch
         self.writer_site[byte_addrs] = len(self.sites) - 1
+
+    def tma_landed(self, byte_addrs: np.ndarray, slot: int, phase: int, what: str) -> None:
+        """A TMA load (``what`` names it) landed on ``byte_addrs`` with the completion of phase
+        count ``phase`` of the mbarrier in PhaseClock slot ``slot``."""
+        self.tma_load[byte_addrs] = len(self.tma_loads)
+        self.tma_slot[byte_addrs] = slot
+        self.tma_phase[byte_addrs] = phase
+        self.tma_loads.append(what)
+
+    def check_observed(self, byte_addrs: np.ndarray, threads: np.ndarray, clock, rank: int,
+                       is_write: bool, loc) -> None:
+        """RaceError if a thread of ``threads`` touches TMA-landed bytes (``byte_addrs``: one
+        row per thread, or one row for all) before observing the mbarrier phase they landed
+        with."""
+        load = self.tma_load[byte_addrs]
+        marked = load >= 0
+        if not marked.any():
+            return
+        rows = (rank * clock.per_cta + threads)[:, None]
+        blind = marked & clock.missing(rows, np.where(marked, self.tma_slot[byte_addrs], 0),
+                                       self.tma_phase[byte_addrs])
+        if not blind.any():
+            return
+        row, col = np.unravel_index(int(np.argmax(blind)), blind.shape)
+        reader = int(threads[row])
+        byte = int(byte_addrs[row if byte_addrs.shape[0] > 1 else 0, col])
+        verb = "stores to" if is_write else "loads"
+        landing = self.tma_loads[int(self.tma_load[byte])]
+        raise RaceError(f"thread {reader} {verb} shared byte {byte} that {landing}, but "
+                        f"thread {reader} has not observed that mbarrier phase: it did "
+                        "not wait on it, nor pass a barrier after a thread that did",
+                        fix="wait on the mbarrier (try_wait) in every thread that reads the "
+                            "tile, or put kiln.barrier() after the wait", loc=loc)
 
     def check_load(self, byte_addrs: np.ndarray, threads: np.ndarray, loc) -> None:
         """RaceError if a thread of ``threads`` loads a byte of ``byte_addrs`` (one row per
@@ -261,6 +306,7 @@ class Cluster:
         self.barrier_threads = 0  # threads arrived at the current cluster barrier phase
         self.barrier_generation = 0
         self.arrived_in: dict[int, int] = {}  # context id -> generation it arrived in
+        self.clock = PhaseClock(0, 0)  # sized by the launcher once the CTAs are known
 
     def arrive(self, ctx: "Context") -> None:
         """``barrier.cluster.arrive``: this context's active threads arrive."""
@@ -271,6 +317,7 @@ class Cluster:
             self.barrier_generation += 1
             for cta in self.ctas:
                 cta.shared.synchronised()
+            self.clock.join()
             self.cond.notify_all()
 
     def wait(self, ctx: "Context", loc) -> None:
@@ -299,7 +346,8 @@ class CTA:
         self.live = 0  # live contexts of this CTA (gpu.barrier counts them)
         self._barrier_arrived = 0
         self._barrier_generation = 0
-        self._named: dict[int, list[int]] = {}  # barrier id -> [threads arrived, generation]
+        # barrier id -> [threads arrived, generation, PhaseClock rows of each arrival...]
+        self._named: dict[int, list] = {}
         self._named_votes: dict[tuple[int, int], bool] = {}  # (id, generation) -> bar.red.or
 
     @property
@@ -370,6 +418,7 @@ class CTA:
             self._check_converged(ctx, loc, what, unit)
         if self.live == 1:
             self.shared.synchronised()
+            self.cluster.clock.join(self.clock_rows())
             return
         generation = self._barrier_generation
         self._barrier_arrived += 1
@@ -424,19 +473,29 @@ class CTA:
         return votes[key]
 
     def _arrive_named(self, ctx: Context, state: list, num_threads: int) -> bool:
-        """Count ``ctx``'s active threads into ``state`` ([arrived, generation]); the arrival
-        that completes ``num_threads`` starts the next generation and wakes the waiters."""
+        """Count ``ctx``'s active threads into ``state`` ([arrived, generation, rows...]); the
+        arrival that completes ``num_threads`` starts the next generation, joins the arrivers'
+        PhaseClock knowledge and wakes the waiters."""
         state[0] += int(ctx.active().sum())
+        state.append(self.cluster.clock.rows(ctx))
         if state[0] < num_threads:
             return False
+        self.cluster.clock.join(np.concatenate(state[2:]))
+        del state[2:]
         state[0] = 0
         state[1] += 1
         self.shared.synchronised()
         self.cond.notify_all()
         return True
 
+    def clock_rows(self) -> np.ndarray:
+        """PhaseClock rows of all this CTA's threads."""
+        per = self.cluster.clock.per_cta
+        return np.arange(self.rank * per, (self.rank + 1) * per)
+
     def _release_barrier(self) -> None:
         self.shared.synchronised()
+        self.cluster.clock.join(self.clock_rows())
         self._barrier_arrived = 0
         self._barrier_generation += 1
         self.cond.notify_all()
