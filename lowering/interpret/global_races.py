@@ -31,13 +31,17 @@ _BLOCK_SHIFT = _THREAD_BITS + _SITE_BITS  # 32
 
 
 class _Shadow:
-    """The race state of one global tensor's storage."""
+    """The race state of one global tensor's storage (allocated at its first access: a
+    launch often leaves some arguments untouched)."""
 
     __slots__ = ("mem", "writer", "first_reader", "last_reader")
 
     def __init__(self, mem: MemRef):
         self.mem = mem
-        n = mem.storage.size
+        self.writer = None
+
+    def allocate(self) -> None:
+        n = self.mem.storage.size
         self.writer = np.full(n, -1, np.int64)
         self.first_reader = np.full(n, -1, np.int64)
         self.last_reader = np.full(n, -1, np.int64)
@@ -86,6 +90,8 @@ class GlobalAccesses:
         shadow = self._shadows.get(id(mem.storage))
         if shadow is None:  # a private array, or shared memory
             return
+        if shadow.writer is None:
+            shadow.allocate()
         threads = ctx.thread_ids
         if flat.shape[0] == 1:
             first = int(np.argmax(ctx.active())) if ctx.mask is not None else 0
