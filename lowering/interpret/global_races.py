@@ -5,8 +5,9 @@ accesses to one global element from different blocks, at least one of them a sto
 unless something orders the blocks. The interpreter runs blocks one after another, which hides
 such races (the later block simply wins); this module sees them. Per element of every global
 tensor argument it keeps the last plain store and the first and last plain loads of the launch,
-each packed into one int64 ``block << 32 | site << 12 | thread`` (``-1``: none), so that every
-access is a few vectorised gathers and one compare. The first and last loads suffice because
+each packed into one int64 ``(block + 1) << 32 | site << 12 | thread`` (``0``: none, so the
+shadows are ``np.zeros``, whose pages the OS maps only when touched), so that every access is a
+few vectorised gathers and one compare. The first and last loads suffice because
 blocks run in block order: if any block other than ``b`` loaded an element, the first or the
 last loader is not ``b``.
 
@@ -34,17 +35,18 @@ class _Shadow:
     """The race state of one global tensor's storage (allocated at its first access: a
     launch often leaves some arguments untouched)."""
 
-    __slots__ = ("mem", "writer", "first_reader", "last_reader")
+    __slots__ = ("mem", "writer", "first_reader", "last_reader", "written")
 
     def __init__(self, mem: MemRef):
         self.mem = mem
         self.writer = None
+        self.written = False  # no plain store yet: loads need not look for one
 
     def allocate(self) -> None:
         n = self.mem.storage.size
-        self.writer = np.full(n, -1, np.int64)
-        self.first_reader = np.full(n, -1, np.int64)
-        self.last_reader = np.full(n, -1, np.int64)
+        self.writer = np.zeros(n, np.int64)
+        self.first_reader = np.zeros(n, np.int64)
+        self.last_reader = np.zeros(n, np.int64)
 
 
 class GlobalAccesses:
@@ -53,13 +55,14 @@ class GlobalAccesses:
 
     Example (what ``interpret_kernel`` does)::
 
-        tracker = GlobalAccesses((4, 1, 1))
+        tracker = GlobalAccesses((4, 1, 1), concurrent=False)
         tracker.register(values)        # the converted arguments; MemRefs are tracked
         tracker.access(mem, flat, ctx, is_write=True, loc=loc)
     """
 
-    def __init__(self, grid: tuple[int, int, int]):
+    def __init__(self, grid: tuple[int, int, int], concurrent: bool = False):
         self.grid = grid
+        self.concurrent = concurrent  # blocks run together (clusters), not only in block order
         self._shadows: dict[int, _Shadow] = {}  # id(storage) -> shadow
         self._sites: list = [None]
         self._site_ids: dict[int, int] = {}
@@ -106,21 +109,28 @@ class GlobalAccesses:
             flat, threads = flat[keep], threads[keep]
         if not flat.size:
             return
-        block = ctx.cta.linear_id
-        me = (block << _BLOCK_SHIFT) | (self._site(loc) << _THREAD_BITS) | threads
-        others = [shadow.writer] + ([shadow.first_reader, shadow.last_reader] if is_write else [])
-        for record in others:
+        block = ctx.cta.linear_id + 1
+        lo = block << _BLOCK_SHIFT  # this block's records are [lo, lo + 2**32)
+        me = lo | (self._site(loc) << _THREAD_BITS) | threads
+        records = [shadow.writer] if shadow.written else []
+        if is_write:
+            records += [shadow.first_reader, shadow.last_reader]
+        for record in records:
             seen = record[flat]
-            clash = (seen >= 0) & ((seen >> _BLOCK_SHIFT) != block)
-            if clash.any():
+            # An earlier block's records lie in [1, lo) (0 wraps to the top as unsigned); only
+            # the CTAs of a cluster, which run together, can have left records above.
+            if (seen - 1).view(np.uint64).min() < lo - 1 or \
+                    (self.concurrent and seen.max() >= lo + (1 << _BLOCK_SHIFT)):
+                clash = (seen != 0) & ((seen >> _BLOCK_SHIFT) != block)
                 self._clash(shadow, flat, me, seen, clash, is_write, record is shadow.writer,
                             ctx, loc)
         if is_write:
             shadow.writer[flat] = me
+            shadow.written = True
         else:
             first = shadow.first_reader[flat]
-            fresh = first < 0
-            if fresh.any():
+            if first.min() == 0:  # some element's first load
+                fresh = first == 0
                 shadow.first_reader[flat[fresh]] = me[fresh]
             shadow.last_reader[flat] = me
 
@@ -144,7 +154,7 @@ class GlobalAccesses:
 
     def _clash(self, shadow, flat, me, seen, clash, is_write, with_store, ctx, loc) -> None:
         block = ctx.cta.linear_id
-        blocks = seen >> _BLOCK_SHIFT
+        blocks = (seen >> _BLOCK_SHIFT) - 1
         racing = [b for b in np.unique(blocks[clash]).tolist()
                   if not self._ordered_by_atomics(block, b)]
         if not racing:

@@ -143,8 +143,13 @@ def _ldmatrix(op, p):
                                            int(ctx.thread_ids[t]), ctx, loc)
             rows = flat[providers][:, None] + np.arange(row_elems) * mem.strides[-1]
             if mem.is_shared:
-                ctx.cta.shared.check(element_bytes(mem, rows.reshape(-1)), False,
-                                     "this ldmatrix", loc)
+                shared = ctx.cta.shared
+                row_bytes = element_bytes(mem, rows.reshape(-1))
+                shared.check(row_bytes, False, "this ldmatrix", loc)
+                if shared.tma_loads:  # every lane receives data from every row
+                    shared.check_observed(row_bytes[None, :], ctx.thread_ids[lanes],
+                                          ctx.cta.cluster.clock, ctx.cta.rank,
+                                          "reads (ldmatrix)", loc)
             matrices = mem.storage[rows].reshape(tiles, 8, row_elems)
             lane = np.arange(32)[:, None]
             v = np.arange(per_lane)[None, :]

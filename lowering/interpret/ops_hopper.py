@@ -250,7 +250,12 @@ def read_operand(desc: WarpGroupDescriptor, contiguous_rows: bool, ctx, loc) -> 
     logical = (c // chunk) * rows * swizzle + r * swizzle + (c % chunk) * item
     phys = _swizzle(swizzle)(_base_byte(mem) + logical)
     addrs = (phys[..., None] + np.arange(item)).reshape(-1)
-    ctx.cta.shared.check(addrs, False, "this WGMMA", loc)
+    shared = ctx.cta.shared
+    shared.check(addrs, False, "this WGMMA", loc)
+    if shared.tma_loads:  # the warp group's MMA reads the tile for all of its threads
+        active = ctx.thread_ids if ctx.mask is None else ctx.thread_ids[ctx.mask]
+        shared.check_observed(addrs[None, :], active, ctx.cta.cluster.clock, ctx.cta.rank,
+                              "reads (WGMMA operand)", loc)
     values = ctx.cta.shared.arena[addrs].view(mem.storage.dtype).reshape(rows, cols)
     return (values if contiguous_rows else values.T), addrs
 

@@ -67,7 +67,7 @@ def check_shared(mem: MemRef, flat: np.ndarray, ctx, is_write: bool, what: str, 
     threads = ctx.thread_ids if ctx.mask is None else ctx.thread_ids[ctx.mask]
     if shared.tma_loads and threads.shape[0]:
         shared.check_observed(per_thread, threads, ctx.cta.cluster.clock, ctx.cta.rank,
-                              is_write, loc)
+                              "stores to" if is_write else "loads", loc)
     if is_write:
         uniform = per_thread.shape[0] == 1 and threads.shape[0] > 1
         shared.record_store(per_thread, None if uniform else threads, loc)

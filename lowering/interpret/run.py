@@ -179,7 +179,7 @@ def interpret_kernel(traced, grid, args, target) -> None:
     group = WARP_GROUP_THREADS if split else threads
     timeout = kiln_env.interpret_timeout()
     shape = _cluster_shape(signature, grid)
-    accesses = GlobalAccesses(grid)
+    accesses = GlobalAccesses(grid, concurrent=int(np.prod(shape)) > 1)
     accesses.register(values)
     for cluster_origin in np.ndindex(*(g // c for g, c in zip(grid[::-1], shape[::-1]))):
         cz, cy, cx = cluster_origin

@@ -174,23 +174,31 @@ class SharedMemory:
         self.tma_loads.append(what)
 
     def check_observed(self, byte_addrs: np.ndarray, threads: np.ndarray, clock, rank: int,
-                       is_write: bool, loc) -> None:
-        """RaceError if a thread of ``threads`` touches TMA-landed bytes (``byte_addrs``: one
-        row per thread, or one row for all) before observing the mbarrier phase they landed
-        with."""
+                       verb: str, loc) -> None:
+        """RaceError if a thread of ``threads`` touches TMA-landed bytes before observing the
+        mbarrier phase they landed with. ``byte_addrs`` has one row per thread, or one row
+        that every thread touches (a uniform access, or a warp-level read whose data reaches
+        all of them)."""
         load = self.tma_load[byte_addrs]
         marked = load >= 0
         if not marked.any():
             return
-        rows = (rank * clock.per_cta + threads)[:, None]
-        blind = marked & clock.missing(rows, np.where(marked, self.tma_slot[byte_addrs], 0),
-                                       self.tma_phase[byte_addrs])
+        slots = np.where(marked, self.tma_slot[byte_addrs], 0)
+        phases = self.tma_phase[byte_addrs]
+        rows = rank * clock.per_cta + threads
+        shared_row = byte_addrs.shape[0] == 1 and rows.shape[0] > 1
+        if shared_row:  # what the least informed thread saw, then one gather per byte
+            have = clock.seen[rows].min(axis=0)[slots]
+        else:
+            have = clock.seen[rows[:, None], slots]
+        blind = marked & (have < phases)
         if not blind.any():
             return
         row, col = np.unravel_index(int(np.argmax(blind)), blind.shape)
+        byte = int(byte_addrs[row, col])
+        if shared_row:
+            row = int(np.argmax(clock.seen[rows, slots[0, col]] < phases[0, col]))
         reader = int(threads[row])
-        byte = int(byte_addrs[row if byte_addrs.shape[0] > 1 else 0, col])
-        verb = "stores to" if is_write else "loads"
         landing = self.tma_loads[int(self.tma_load[byte])]
         raise RaceError(f"thread {reader} {verb} shared byte {byte} that {landing}, but "
                         f"thread {reader} has not observed that mbarrier phase: it did "
