@@ -195,3 +195,48 @@ def test_a_store_to_an_element_another_block_loaded_is_a_race(marker_line):
     assert ("thread 0 of block (1, 0, 0) stores to element 1 of tensor 'x' that thread 0 of "
             "block (0, 0, 0) loaded at") in err.message
     assert f":{marker_line('@read-x1')}" in err.message
+
+
+def make_ldmatrix_reader(barrier_after_wait: bool):
+    @kiln.kernel
+    def fragments(x_map: kiln.TensorMap[bf16, (128,)], out: kiln.Tensor[bf16, 2]):
+        """Warp 0 waits for a TMA box (an 8 x 16 tile, row-major); both warps ldmatrix its
+        left 8x8 block."""
+        tile = kiln.shared((128,), bf16, align=128)  # the box, row-major
+        t = kiln.thread_id(0)
+        bars = mbarrier.group(num_barriers=1)
+        bars.init(0, count=1, predicate=t == 0)
+        kiln.barrier()
+        bars.arrive_expect_tx(0, tma.box_bytes(x_map), predicate=t == 0)
+        tma.load(x_map, tile, (0,), bars, 0, predicate=t == 0)  # @ldm-tma
+        if t < 32:
+            bars.try_wait(0, phase=0)
+        if barrier_after_wait:
+            kiln.barrier()
+        view = tiles.SharedTile.view(tile, (8, 16))
+        v = kiln.ldmatrix.ldmatrix(view, (0, 0), [(0, 0)])  # @ldmatrix
+        first, second = kiln.vectors.unpack(v)
+        out[t, 0] = first
+        out[t, 1] = second
+
+    return fragments
+
+
+def test_ldmatrix_of_a_tma_tile_by_a_warp_that_never_waited_is_a_race(marker_line):
+    x = np.random.default_rng().standard_normal((8, 16)).astype("bfloat16")
+    with pytest.raises(kiln.errors.RaceError) as info:
+        make_ldmatrix_reader(False).interpret[(1,)](x.reshape(-1), np.zeros((64, 2), x.dtype),
+                                                    num_warps=2)
+    err = info.value
+    assert err.loc.line == marker_line("@ldmatrix")
+    assert "thread 32 reads (ldmatrix) shared byte" in err.message
+    assert f":{marker_line('@ldm-tma')}" in err.message
+
+
+def test_ldmatrix_of_a_tma_tile_after_a_barrier_passes():
+    x = np.random.default_rng().standard_normal((8, 16)).astype("bfloat16")
+    out = np.full((64, 2), np.nan, np.float32).astype("bfloat16")
+    make_ldmatrix_reader(True).interpret[(1,)](x.reshape(-1), out, num_warps=2)
+    lane = np.arange(64) % 32
+    np.testing.assert_array_equal(out[:, 0], x[lane // 4, 2 * (lane % 4)])
+    np.testing.assert_array_equal(out[:, 1], x[lane // 4, 2 * (lane % 4) + 1])
