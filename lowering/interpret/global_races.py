@@ -7,9 +7,9 @@ such races (the later block simply wins); this module sees them. Per element of 
 tensor argument it keeps the last plain store and the first and last plain loads of the launch,
 each packed into one int64 ``(block + 1) << 32 | site << 12 | thread`` (``0``: none, so the
 shadows are ``np.zeros``, whose pages the OS maps only when touched), so that every access is a
-few vectorised gathers and one compare. The first and last loads suffice because
-blocks run in block order: if any block other than ``b`` loaded an element, the first or the
-last loader is not ``b``.
+few vectorised gathers and one compare. Blocks run in block order, so when block ``b`` stores
+to an element that another block loaded, the element's first loader is not ``b``; only the
+CTAs of a cluster run together, and for them the last loader is kept as well.
 
 Atomics are exempt, and they are the only cross-block ordering the interpreter knows: two
 blocks that both did an atomic (``memref.atomic_rmw``, or the counter read of
@@ -46,7 +46,7 @@ class _Shadow:
         n = self.mem.storage.size
         self.writer = np.zeros(n, np.int64)
         self.first_reader = np.zeros(n, np.int64)
-        self.last_reader = np.zeros(n, np.int64)
+        self.last_reader = np.zeros(n, np.int64)  # used when blocks run together only
 
 
 class GlobalAccesses:
@@ -114,7 +114,9 @@ class GlobalAccesses:
         me = lo | (self._site(loc) << _THREAD_BITS) | threads
         records = [shadow.writer] if shadow.written else []
         if is_write:
-            records += [shadow.first_reader, shadow.last_reader]
+            records.append(shadow.first_reader)
+            if self.concurrent:
+                records.append(shadow.last_reader)
         for record in records:
             seen = record[flat]
             # An earlier block's records lie in [1, lo) (0 wraps to the top as unsigned); only
@@ -130,9 +132,9 @@ class GlobalAccesses:
         else:
             first = shadow.first_reader[flat]
             if first.min() == 0:  # some element's first load
-                fresh = first == 0
-                shadow.first_reader[flat[fresh]] = me[fresh]
-            shadow.last_reader[flat] = me
+                shadow.first_reader[flat] = np.where(first == 0, me, first)
+            if self.concurrent:
+                shadow.last_reader[flat] = me
 
     def atomic(self, mem: MemRef, flat: np.ndarray, ctx) -> None:
         """An atomic (or an acquire load of a counter) on elements ``flat`` of ``mem``: it

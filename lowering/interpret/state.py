@@ -108,11 +108,10 @@ class SharedMemory:
         self.writer_site = np.zeros(nbytes, np.int32)
         self.sites: list = [(None, "")]  # (source line, how the thread wrote) per site
         self.epoch = 1
-        # TMA-landed bytes: the landing that wrote each (index into tma_loads, -1: none), the
-        # mbarrier's PhaseClock slot and the phase count a toucher must have observed.
-        self.tma_load = np.full(nbytes, -1, np.int32)
-        self.tma_slot = np.zeros(nbytes, np.int32)
-        self.tma_phase = np.zeros(nbytes, np.int32)
+        # TMA-landed bytes (allocated at the first landing): the landing that wrote each
+        # (index into tma_loads, -1: none), the mbarrier's PhaseClock slot and the phase count
+        # a toucher must have observed.
+        self.tma_load = self.tma_slot = self.tma_phase = None
         self.tma_loads: list[str] = []  # "the TMA load issued at ... by thread ..."
 
     def view(self, dtype: np.dtype) -> np.ndarray:
@@ -168,6 +167,10 @@ class SharedMemory:
     def tma_landed(self, byte_addrs: np.ndarray, slot: int, phase: int, what: str) -> None:
         """A TMA load (``what`` names it) landed on ``byte_addrs`` with the completion of phase
         count ``phase`` of the mbarrier in PhaseClock slot ``slot``."""
+        if self.tma_load is None:
+            n = self.arena.size
+            self.tma_load = np.full(n, -1, np.int32)
+            self.tma_slot, self.tma_phase = np.zeros(n, np.int32), np.zeros(n, np.int32)
         self.tma_load[byte_addrs] = len(self.tma_loads)
         self.tma_slot[byte_addrs] = slot
         self.tma_phase[byte_addrs] = phase
