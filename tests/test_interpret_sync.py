@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kiln
-from kiln import bf16, cp_async, f32, i32, mbarrier, tiles, tma
+from kiln import amd_asm, amd_buffer, bf16, cp_async, f32, i32, mbarrier, tiles, tma
 
 ROWS, COLS = 4, 32  # one f32 TMA box: 128 elements, one per thread of 4 warps
 
@@ -95,6 +95,43 @@ def test_cp_async_row_of_another_warp_read_after_a_barrier_passes():
     np.testing.assert_array_equal(out, np.roll(x, -32, axis=0))
 
 
+def make_dma_kernel(with_barrier: bool):
+    @kiln.kernel
+    def swap_halves(x: kiln.Tensor[bf16, 2], out: kiln.Tensor[bf16, 2]):
+        """Each of 2 waves DMAs 8 rows into LDS, waits for its own DMA, then reads the rows
+        the other wave copied."""
+        t = kiln.thread_id(0)
+        wave, lane = t // 64, t % 64
+        tile = kiln.shared((16, 64), bf16)
+        row, col = wave * 8 + lane // 8, (lane % 8) * 8
+        src = amd_buffer.buffer(x)
+        token = amd_buffer.copy_to_lds(src, (row, col), tile, (wave * 8, 0), width=8)  # @dma-rows
+        amd_asm.s_waitcnt(vmcnt=0, waits_for=[token])
+        if with_barrier:
+            amd_asm.s_barrier()
+        out.store(row, col, tile.load((row + 8) % 16, col, width=8))  # @other-wave
+
+    return swap_halves
+
+
+def test_lds_dma_rows_of_another_wave_read_after_own_waitcnt_is_a_race(marker_line):
+    x = np.random.default_rng().standard_normal((16, 64)).astype("bfloat16")
+    with pytest.raises(kiln.errors.RaceError) as info:
+        make_dma_kernel(False).interpret[(1,)](x, np.zeros_like(x), num_warps=2,
+                                               target="gfx950")
+    err = info.value
+    assert err.loc.line == marker_line("@other-wave")
+    assert "that thread 64 copied there with a global -> LDS DMA" in err.message
+    assert f":{marker_line('@dma-rows')}" in err.message
+
+
+def test_lds_dma_rows_of_another_wave_read_after_s_barrier_passes():
+    x = np.random.default_rng().standard_normal((16, 64)).astype("bfloat16")
+    out = np.full((16, 64), np.nan, np.float32).astype("bfloat16")
+    make_dma_kernel(True).interpret[(1,)](x, out, num_warps=2, target="gfx950")
+    np.testing.assert_array_equal(out, np.roll(x, -8, axis=0))
+
+
 def make_branchy_kernel(divergent: bool):
     @kiln.kernel
     def neighbours(x: kiln.Tensor[f32], y: kiln.Tensor[f32]):
@@ -128,6 +165,40 @@ def test_barrier_in_a_branch_every_thread_takes_passes():
     y = np.full(128, np.nan, np.float32)
     make_branchy_kernel(False).interpret[(1,)](x, y, num_warps=4)
     np.testing.assert_array_equal(y, np.roll(x, -1))
+
+
+def make_wave_barrier_kernel(wave_1_skips: bool):
+    @kiln.kernel
+    def halves(x: kiln.Tensor[f32], y: kiln.Tensor[f32]):
+        """Wave 0 only, or lanes 0-31 of both waves, pass an s_barrier between their store and
+        their load."""
+        tile = kiln.shared((128,), f32)
+        t = kiln.thread_id(0)
+        tile[t] = x[t]
+        if (t < 64) if wave_1_skips else (t % 64 < 32):
+            amd_asm.s_barrier()  # @s-barrier
+            y[t] = tile[(t + 64) % 128]
+
+    return halves
+
+
+def test_s_barrier_skipped_by_a_whole_wave_is_reported(marker_line):
+    x = np.random.default_rng().standard_normal(128).astype(np.float32)
+    with pytest.raises(kiln.errors.DeadlockError) as info:
+        make_wave_barrier_kernel(True).interpret[(1,)](x, np.zeros(128, np.float32),
+                                                       num_warps=2, target="gfx950")
+    assert info.value.loc.line == marker_line("@s-barrier")
+    assert ("s_barrier in divergent control flow: threads 0-63 of block (0, 0, 0) arrive "
+            "here, threads 64-127 do not") in info.value.message
+
+
+def test_s_barrier_reached_by_some_lanes_of_every_wave_passes():
+    """s_barrier is a scalar instruction: a wave executes it when any of its lanes does."""
+    x = np.random.default_rng().standard_normal(128).astype(np.float32)
+    y = np.full(128, np.nan, np.float32)
+    make_wave_barrier_kernel(False).interpret[(1,)](x, y, num_warps=2, target="gfx950")
+    lanes = np.arange(128) % 64 < 32
+    np.testing.assert_array_equal(y[lanes], np.roll(x, -64)[lanes])
 
 
 @kiln.kernel
