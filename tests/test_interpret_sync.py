@@ -59,6 +59,49 @@ def test_tma_tile_read_after_own_wait_or_a_barrier_passes(sync):
     np.testing.assert_array_equal(out, x.reshape(-1))
 
 
+def make_handoff_kernel(arrive_after_wait: bool):
+    @kiln.kernel
+    def handoff(x_map: kiln.TensorMap[f32, (ROWS, COLS)], out: kiln.Tensor[f32]):
+        """Warp 0 waits for the TMA tile (mbarrier 0) and arrives on mbarrier 1; warps 1-3
+        wait on mbarrier 1 only, then every thread reads the tile."""
+        tile = kiln.shared((ROWS, COLS), f32, align=128)
+        t = kiln.thread_id(0)
+        bars = mbarrier.group(num_barriers=2)
+        bars.init(0, count=1, predicate=t == 0)
+        bars.init(1, count=32, predicate=t == 0)
+        kiln.barrier()
+        bars.arrive_expect_tx(0, tma.box_bytes(x_map), predicate=t == 0)
+        tma.load(x_map, tile, (0, 0), bars, 0, predicate=t == 0)  # @handoff-tma
+        if t < 32:
+            if arrive_after_wait:
+                bars.try_wait(0, phase=0)
+                bars.arrive(1)
+            else:
+                bars.arrive(1)
+                bars.try_wait(0, phase=0)
+        else:
+            bars.try_wait(1, phase=0)
+        out[t] = tile[t // COLS, t % COLS]  # @handoff-read
+
+    return handoff
+
+
+def test_tma_tile_read_after_an_mbarrier_its_observer_arrived_on_passes():
+    x = np.random.default_rng().standard_normal((ROWS, COLS)).astype(np.float32)
+    out = np.full(128, np.nan, np.float32)
+    make_handoff_kernel(True).interpret[(1,)](x, out, num_warps=4)
+    np.testing.assert_array_equal(out, x.reshape(-1))
+
+
+def test_an_arrival_before_the_arriver_observed_the_tma_phase_orders_nothing(marker_line):
+    x = np.random.default_rng().standard_normal((ROWS, COLS)).astype(np.float32)
+    with pytest.raises(kiln.errors.RaceError) as info:
+        make_handoff_kernel(False).interpret[(1,)](x, np.zeros(128, np.float32), num_warps=4)
+    assert info.value.loc.line == marker_line("@handoff-read")
+    assert "thread 32 loads" in info.value.message
+    assert f":{marker_line('@handoff-tma')}" in info.value.message
+
+
 def make_cp_async_kernel(with_barrier: bool):
     @kiln.kernel
     def shift_rows(x: kiln.Tensor[bf16, 2], out: kiln.Tensor[bf16, 2]):
