@@ -4,8 +4,8 @@ The blocks of a launch may run in any order and at the same time on a GPU, so tw
 accesses to one global element from different blocks, at least one of them a store, are a race
 unless something orders the blocks. The interpreter runs blocks one after another, which hides
 such races (the later block simply wins); this module sees them. Per element of every global
-tensor argument it keeps the last plain store and the first and last plain loads of the launch,
-each packed into one int64 ``(block + 1) << 32 | site << 12 | thread`` (``0``: none, so the
+tensor argument it keeps the last plain store and the first plain load of the launch (and the
+last load, see below), each packed into one int64 ``(block + 1) << 32 | site << 12 | thread`` (``0``: none, so the
 shadows are ``np.zeros``, whose pages the OS maps only when touched), so that every access is a
 few vectorised gathers and one compare. Blocks run in block order, so when block ``b`` stores
 to an element that another block loaded, the element's first loader is not ``b``; only the
