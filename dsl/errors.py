@@ -177,14 +177,19 @@ class OutOfBoundsError(KilnError, IndexError):
 
 
 class RaceError(KilnError, RuntimeError):
-    """The CPU interpreter saw an access race with an in-flight async copy or MMA.
+    """The CPU interpreter saw a race: an access colliding with an in-flight async copy or MMA,
+    a shared load of another thread's store with no barrier between, a TMA tile touched by a
+    thread that did not observe its mbarrier phase, or two blocks of a launch touching one
+    global element (at least one storing) without atomics.
 
-    The message names both source lines: the access and the async operation it collides with.
+    The message names both sides: the threads (and blocks) and source lines of the access and
+    of the store, load or async operation it collides with.
     """
 
 
 class DeadlockError(KilnError, RuntimeError):
-    """The CPU interpreter found every execution context of a CTA blocked (barrier or mbarrier)."""
+    """The CPU interpreter found every execution context of a CTA blocked (barrier or mbarrier),
+    or a CTA barrier that only some of its threads reach (divergent control flow)."""
 
 
 class InternalError(KilnError):

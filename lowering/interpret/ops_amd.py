@@ -84,13 +84,15 @@ def _gather_to_lds(op, p):
             data = np.where(valid[:, None], s_mem.storage[np.where(valid[:, None], cols,
                                                                    s_mem.buffer[0])], 0)
         active = ctx.active()
-        writes, values = [], []
+        writes, values, issuers = [], [], []
         for lanes in _waves(ctx):
             on = lanes[active[lanes]]
             base = d_first[on[0]]
             targets = base + (lanes - lanes[0])[:, None] * width + np.arange(width)
             writes.append(targets[active[lanes]])
             values.append(data[on])
+            issuers.append(ctx.thread_ids[on])
+        threads = np.concatenate(issuers)
         targets = np.concatenate(writes).reshape(-1)
         data = np.concatenate(values).reshape(-1).astype(d_mem.storage.dtype)
         if targets.min(initial=0) < 0 or targets.max(initial=0) >= d_mem.storage.size:
@@ -98,11 +100,15 @@ def _gather_to_lds(op, p):
 
             raise OutOfBoundsError("a global -> LDS DMA writes past the end of LDS", loc=loc)
 
+        d_bytes = element_bytes(d_mem, targets)
+        shared = ctx.cta.shared
+
         def land(storage=d_mem.storage, targets=targets, data=data):
             storage[targets] = data
+            shared.record_store(d_bytes.reshape(threads.size, -1), threads, loc,
+                                "copied there with a global -> LDS DMA")
 
-        op_id = ctx.cta.shared.begin("global -> LDS DMA", loc,
-                                     write_bytes=element_bytes(d_mem, targets), land=land)
+        op_id = shared.begin("global -> LDS DMA", loc, write_bytes=d_bytes, land=land)
         ctx.async_groups.append(("vmcnt", [op_id]))
 
     return run
@@ -131,7 +137,7 @@ def _s_barrier(op, p):
     loc = location(op)
 
     def run(env, ctx):
-        ctx.cta.barrier(ctx, loc)
+        ctx.cta.barrier(ctx, loc, "s_barrier", WAVE)
 
     return run
 

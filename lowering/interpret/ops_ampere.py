@@ -76,13 +76,15 @@ def _cp_async(op, p):
         data = np.where(keep, s_mem.storage[np.where(keep, src_cols, s_flat[:, None])], 0)
         data = data.astype(d_mem.storage.dtype)
         d_cols = np.broadcast_to(d_flat, (n,))[lanes][:, None] + cols * d_mem.strides[-1]
+        d_bytes = element_bytes(d_mem, d_cols.reshape(-1))
+        shared, threads = ctx.cta.shared, ctx.thread_ids[lanes]
 
         def land(storage=d_mem.storage, d_cols=d_cols, data=data):
             storage[d_cols] = data
+            shared.record_store(d_bytes.reshape(threads.size, -1), threads, loc,
+                                "copied there with cp.async")
 
-        op_id = ctx.cta.shared.begin("cp.async copy", loc,
-                                     write_bytes=element_bytes(d_mem, d_cols.reshape(-1)),
-                                     land=land)
+        op_id = shared.begin("cp.async copy", loc, write_bytes=d_bytes, land=land)
         ctx.pending_cp_async.append(op_id)
         env[out] = np.zeros(1, np.int64)  # the token; groups are tracked per context
 
@@ -141,8 +143,13 @@ def _ldmatrix(op, p):
                                            int(ctx.thread_ids[t]), ctx, loc)
             rows = flat[providers][:, None] + np.arange(row_elems) * mem.strides[-1]
             if mem.is_shared:
-                ctx.cta.shared.check(element_bytes(mem, rows.reshape(-1)), False,
-                                     "this ldmatrix", loc)
+                shared = ctx.cta.shared
+                row_bytes = element_bytes(mem, rows.reshape(-1))
+                shared.check(row_bytes, False, "this ldmatrix", loc)
+                if shared.tma_loads:  # every lane receives data from every row
+                    shared.check_observed(row_bytes[None, :], ctx.thread_ids[lanes],
+                                          ctx.cta.cluster.clock, ctx.cta.rank,
+                                          "reads (ldmatrix)", loc)
             matrices = mem.storage[rows].reshape(tiles, 8, row_elems)
             lane = np.arange(32)[:, None]
             v = np.arange(per_lane)[None, :]

@@ -117,8 +117,10 @@ def _mbarrier_arrive(op, p):
     def run(env, ctx):
         active = ctx.active()
         handles = np.broadcast_to(env[address], active.shape)[active]
+        rows = ctx.cta.cluster.clock.rows(ctx, np.flatnonzero(active))
         arrivals = int(env[count[0]][0]) if count else 1
         for handle, threads in zip(*np.unique(handles, return_counts=True)):
+            mine = rows[handles == handle]
             handle = int(handle)
             rank = (handle >> _RANK_SHIFT) - 1
             cta = ctx.cta if rank < 0 else ctx.cta.cluster.ctas[rank]
@@ -131,7 +133,7 @@ def _mbarrier_arrive(op, p):
                                        "it yet)", fix="arrive through MBarrierGroup.arrive / "
                                                       "arrive_cluster after a cluster_sync()",
                                        loc=loc)
-            group.arrive(cta, index, int(threads) * arrivals, 0, loc)
+            group.arrive(cta, index, int(threads) * arrivals, 0, loc, mine)
         for out in outs:
             env[out] = np.zeros(1, np.int64)  # the state token: waits use the phase parity
 

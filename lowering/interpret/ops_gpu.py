@@ -146,6 +146,7 @@ def _wait_for_count(op, p, loc):
         storage = env[counters].storage
         where = np.broadcast_to(env[address], (ctx.size,)) // storage.itemsize
         goal = np.broadcast_to(env[target], (ctx.size,))
+        ctx.cta.globals.atomic(env[counters], where[ctx.active().reshape(-1)], ctx)
         for t in np.flatnonzero(ctx.active().reshape(-1)):
             if int(storage[where[t]]) < int(goal[t]):
                 raise UnsupportedError(

@@ -75,8 +75,11 @@ def _tma_load(op, p):
             if multicast:
                 targets = _multicast_targets(
                     ctx.cta, int(np.broadcast_to(env[multicast[0]], (n,))[lane]), loc)
+            issuer = f"thread {int(ctx.thread_ids[lane])}"
+            if multicast:
+                issuer += f" of cluster CTA rank {ctx.cta.rank}"
             for cta in targets:
-                _land_box(cta, group.in_cta(cta), i, phys, data, _base_byte(mem), loc)
+                _land_box(cta, group.in_cta(cta), i, phys, data, _base_byte(mem), loc, issuer)
 
     return run
 
@@ -93,20 +96,25 @@ def _multicast_targets(cta, mask: int, loc) -> list:
 
 
 def _land_box(cta, group, i: int, phys: np.ndarray, data: np.ndarray, base: int,
-              loc) -> None:
+              loc, issuer: str) -> None:
     """Start the copy of ``data`` into ``cta``'s shared bytes ``phys``: it lands, and its bytes
-    count on barrier ``i`` of ``group``, with that barrier's phase."""
+    count on barrier ``i`` of ``group``, with that barrier's phase; a thread may touch them
+    once it observed that phase (``PhaseClock``)."""
     shared = cta.shared
     if phys.max(initial=0) >= shared.arena.size:
         raise OutOfBoundsError(f"TMA box of {data.size} bytes at shared byte {base} "
                                f"overruns shared memory ({shared.arena.size} bytes)", loc=loc)
 
+    bar = group.get(i, loc)
+
     def land(arena=shared.arena, phys=phys, data=data):
         arena[phys] = data
+        shared.tma_landed(phys, cta.cluster.clock.slot(bar), bar.phase + 1,  # before the flip
+                          f"the TMA load issued at {loc} by {issuer} wrote (landing with phase "
+                          f"{bar.phase} of mbarrier {i} of the {group.name})")
 
     op_id = shared.begin("TMA load", loc, write_bytes=phys, land=land)
-    group.complete_tx(cta, group.get(i, loc), data.size,
-                      lambda shared=shared, op_id=op_id: shared.end(op_id))
+    group.complete_tx(cta, bar, data.size, lambda shared=shared, op_id=op_id: shared.end(op_id))
 
 
 @semantics("nvgpu.tma.async.store")
@@ -242,7 +250,12 @@ def read_operand(desc: WarpGroupDescriptor, contiguous_rows: bool, ctx, loc) -> 
     logical = (c // chunk) * rows * swizzle + r * swizzle + (c % chunk) * item
     phys = _swizzle(swizzle)(_base_byte(mem) + logical)
     addrs = (phys[..., None] + np.arange(item)).reshape(-1)
-    ctx.cta.shared.check(addrs, False, "this WGMMA", loc)
+    shared = ctx.cta.shared
+    shared.check(addrs, False, "this WGMMA", loc)
+    if shared.tma_loads:  # the warp group's MMA reads the tile for all of its threads
+        active = ctx.thread_ids if ctx.mask is None else ctx.thread_ids[ctx.mask]
+        shared.check_observed(addrs[None, :], active, ctx.cta.cluster.clock, ctx.cta.rank,
+                              "reads (WGMMA operand)", loc)
     values = ctx.cta.shared.arena[addrs].view(mem.storage.dtype).reshape(rows, cols)
     return (values if contiguous_rows else values.T), addrs
 

@@ -37,13 +37,16 @@ def operand_segments(op, p) -> list[list[int]]:
 class MBarrier:
     """One mbarrier's state; ``landing`` holds async copies that complete with the phase."""
 
-    __slots__ = ("count", "pending", "tx", "phase", "landing", "initialised", "ready")
+    __slots__ = ("count", "pending", "tx", "phase", "landing", "initialised", "ready", "slot",
+                 "heard", "known")
 
     def __init__(self):
         self.count = self.pending = self.tx = self.phase = 0
         self.landing: list = []
         self.initialised = False
         self.ready = False  # the phase's arrivals and bytes are all in; completion is pending
+        self.slot = None  # column in the cluster's PhaseClock
+        self.heard = self.known = None  # PhaseClock knowledge of arrivers / of the last phase
 
     def settle(self, cta) -> None:
         """Complete a ready phase: land its copies, flip the phase, re-arm the arrival count."""
@@ -55,6 +58,7 @@ class MBarrier:
         self.landing.clear()
         self.phase += 1
         self.pending = self.count
+        cta.cluster.clock.complete(self)
         cta.notify()
 
 
@@ -79,9 +83,12 @@ class MBarrierGroup:
                                  f"{len(self.barriers)}", fix="index within the group", loc=loc)
         return self.barriers[i]
 
-    def arrive(self, cta, i: int, arrivals: int, tx_bytes: int, loc) -> None:
+    def arrive(self, cta, i: int, arrivals: int, tx_bytes: int, loc, rows=None) -> None:
+        """``arrivals`` arrive on barrier ``i`` (from the threads at PhaseClock ``rows``)."""
         bar = self.get(i, loc)
         bar.settle(cta)
+        if rows is not None:
+            cta.cluster.clock.arrive(bar, rows)
         bar.tx += tx_bytes
         bar.pending -= arrivals
         self.maybe_complete(cta, bar)
@@ -100,16 +107,18 @@ class MBarrierGroup:
             cta.notify()
 
 
-def active_per_index(index: np.ndarray, predicate, ctx) -> list[tuple[int, int]]:
-    """``(barrier index, number of active predicated threads)`` pairs for an mbarrier op."""
+def active_per_index(index: np.ndarray, predicate, ctx) -> list[tuple[int, int, np.ndarray]]:
+    """``(barrier index, number of active predicated threads, their PhaseClock rows)`` for an
+    mbarrier op."""
     active = ctx.active()
     if predicate is not None:
         active = active & np.broadcast_to(predicate, active.shape)
     if not active.any():
         return []
     idx = np.broadcast_to(index, active.shape)[active]
+    rows = ctx.cta.cluster.clock.rows(ctx, np.flatnonzero(active))
     values, counts = np.unique(idx, return_counts=True)
-    return list(zip(values.tolist(), counts.tolist()))
+    return [(v, c, rows[idx == v]) for v, c in zip(values.tolist(), counts.tolist())]
 
 
 @semantics("nvgpu.mbarrier.create")
@@ -133,8 +142,9 @@ def _init(op, p):
 
     def run(env, ctx):
         g = env[group]
-        for i, _ in active_per_index(env[index], env[pred[0]] if pred else None, ctx):
+        for i, _, _ in active_per_index(env[index], env[pred[0]] if pred else None, ctx):
             bar = g.get(i, loc)
+            bar.slot = bar.heard = bar.known = None  # phases count from 0 again: a new clock slot
             bar.count = bar.pending = int(env[count][0])
             bar.tx = bar.phase = 0
             bar.landing.clear()
@@ -152,8 +162,8 @@ def _arrive(op, p):
 
     def run(env, ctx):
         g = env[group]
-        for i, k in active_per_index(env[index], None, ctx):
-            g.arrive(ctx.cta, i, k, 0, loc)
+        for i, k, rows in active_per_index(env[index], None, ctx):
+            g.arrive(ctx.cta, i, k, 0, loc, rows)
         env[out] = np.zeros(1, np.int64)  # the token: waits here use the phase parity instead
 
     return run
@@ -167,8 +177,8 @@ def _arrive_expect_tx(op, p):
     def run(env, ctx):
         g = env[group]
         nbytes = int(env[tx][0])
-        for i, k in active_per_index(env[index], env[pred[0]] if pred else None, ctx):
-            g.arrive(ctx.cta, i, k, k * nbytes, loc)
+        for i, k, rows in active_per_index(env[index], env[pred[0]] if pred else None, ctx):
+            g.arrive(ctx.cta, i, k, k * nbytes, loc, rows)
 
     return run
 
@@ -181,9 +191,11 @@ def _try_wait_parity(op, p):
     def run(env, ctx):
         g = env[group]
         active = ctx.active()
-        pairs = set(zip(np.broadcast_to(env[index], active.shape)[active].tolist(),
-                        np.broadcast_to(env[parity], active.shape)[active].tolist()))
+        indices = np.broadcast_to(env[index], active.shape)[active]
+        parities = np.broadcast_to(env[parity], active.shape)[active]
+        pairs = set(zip(indices.tolist(), parities.tolist()))
         cta = ctx.cta
+        rows = cta.cluster.clock.rows(ctx, np.flatnonzero(active))
         for i, par in sorted(pairs):
             bar = g.get(i, loc)
 
@@ -196,5 +208,6 @@ def _try_wait_parity(op, p):
                         f"{max(bar.pending, 0)} arrivals and {bar.tx} transaction bytes)")
 
             cta.block_until(ctx, done, what, loc)
+            cta.cluster.clock.observe(bar, rows[(indices == i) & (parities == par)])
 
     return run

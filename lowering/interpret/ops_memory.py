@@ -51,9 +51,11 @@ def _active_flat(flat: np.ndarray, ctx) -> np.ndarray:
 
 def check_shared(mem: MemRef, flat: np.ndarray, ctx, is_write: bool, what: str, loc,
                  width: int = 1) -> None:
-    """Race checks of a plain shared access: against in-flight async ops, and (loads) against
-    other threads' stores since the last barrier; stores are recorded for the latter."""
+    """Race checks of a plain access. Shared: against in-flight async ops, and (loads) against
+    other threads' stores since the last barrier; stores are recorded for the latter. Global:
+    against other blocks' accesses of the launch (``global_races``)."""
     if not mem.is_shared:
+        ctx.cta.globals.access(mem, flat, ctx, is_write, loc, width)
         return
     shared = ctx.cta.shared
     active = _active_flat(flat, ctx)
@@ -63,6 +65,9 @@ def check_shared(mem: MemRef, flat: np.ndarray, ctx, is_write: bool, what: str, 
     if shared.in_flight:
         shared.check(per_thread.reshape(-1), is_write, what, loc)
     threads = ctx.thread_ids if ctx.mask is None else ctx.thread_ids[ctx.mask]
+    if shared.tma_loads and threads.shape[0]:
+        shared.check_observed(per_thread, threads, ctx.cta.cluster.clock, ctx.cta.rank,
+                              "stores to" if is_write else "loads", loc)
     if is_write:
         uniform = per_thread.shape[0] == 1 and threads.shape[0] > 1
         shared.record_store(per_thread, None if uniform else threads, loc)
@@ -147,7 +152,8 @@ _ATOMIC_UPDATES = {
 def _atomic_rmw(op, p):
     """One thread at a time in thread order (the order the hardware may also pick): each
     active thread reads the element, stores the update and gets the old value. Atomics are
-    exempt from the shared-memory race checks: concurrent atomics are their purpose."""
+    exempt from the race checks (concurrent atomics are their purpose) and order the blocks
+    that did atomics on one element (``GlobalAccesses.atomic``)."""
     value, dst, *index = p.operands(op)
     out = p.result(op)
     loc = location(op)
@@ -163,6 +169,7 @@ def _atomic_rmw(op, p):
         new = np.broadcast_to(env[value], (ctx.size,))
         old = np.zeros(ctx.size, mem.storage.dtype)
         active = ctx.active().reshape(-1)
+        ctx.cta.globals.atomic(mem, flat[active], ctx)
         for t in np.flatnonzero(active):
             old[t] = mem.storage[flat[t]]
             mem.storage[flat[t]] = update(old[t], new[t])

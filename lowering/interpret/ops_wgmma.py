@@ -128,6 +128,10 @@ def _read_operand(ctx, desc: int, mn: int, k: int, dtype, k_major: bool, loc):
                                f"{int(byte_addrs.max())}, past the {shared.arena.size} bytes of "
                                "shared memory", loc=loc)
     shared.check(byte_addrs, False, "this wgmma", loc)
+    if shared.tma_loads:  # the warp group's MMA reads the tile for all of its threads
+        active = ctx.thread_ids if ctx.mask is None else ctx.thread_ids[ctx.mask]
+        shared.check_observed(byte_addrs[None, :], active, ctx.cta.cluster.clock,
+                              ctx.cta.rank, "reads (wgmma operand)", loc)
     values = shared.arena[byte_addrs].view(dtype).reshape(mn, k)
     return values, byte_addrs
 

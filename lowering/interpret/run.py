@@ -18,11 +18,16 @@ import numpy as np
 from mlir import ir
 
 from kiln import env as kiln_env
+from kiln.cluster import RECIPES_ATTR as _RECIPES
 from kiln.errors import KilnTypeError, KilnValueError, UnsupportedError
 from kiln.launch_args import check_int_argument, normalize_grid
+from kiln.passes import build_pass_manager
+from kiln.passes.cluster_schedule import NAME as CLUSTER_SCHEDULE
 
 from . import (ops_amd, ops_ampere, ops_arith, ops_cluster, ops_control,  # noqa: F401 - register
                ops_gpu, ops_hopper, ops_mbarrier, ops_memory, ops_vector, ops_wgmma)
+from .global_races import GlobalAccesses
+from .phase_clock import PhaseClock
 from .plan import Plan, np_dtype
 from .state import CTA, Cluster, Context, ContextAborted, MemRef
 
@@ -60,6 +65,8 @@ def _compile_plan(module_asm: str, kernel_name: str) -> _CompiledPlan:
     ctx.allow_unregistered_dialects = True
     with ctx:
         module = ir.Module.parse(module_asm)
+        if _RECIPES in module_asm:  # the cluster-ending barriers are part of the program
+            build_pass_manager([CLUSTER_SCHEDULE]).run(module.operation)
         gpu_module = next(op.operation for op in module.body.operations
                           if op.operation.name == "gpu.module")
         shared: dict[str, tuple] = {}
@@ -191,6 +198,8 @@ def interpret_kernel(traced, grid, args, target) -> None:
     group = WARP_GROUP_THREADS if split else threads
     timeout = kiln_env.interpret_timeout()
     shape = _cluster_shape(signature, grid)
+    accesses = GlobalAccesses(grid, concurrent=int(np.prod(shape)) > 1)
+    accesses.register(values)
     for cluster_origin in np.ndindex(*(g // c for g, c in zip(grid[::-1], shape[::-1]))):
         cz, cy, cx = cluster_origin
         cluster = Cluster(shape, timeout)
@@ -199,7 +208,9 @@ def interpret_kernel(traced, grid, args, target) -> None:
             cta = CTA(block_id, block, grid, shared_bytes, cluster, rank)
             cta.warp_size = target.warp_size
             cta.dynamic_shared_offset = static
+            cta.globals, cta.linear_id = accesses, accesses.linear_block(block_id)
             cluster.ctas.append(cta)
+        cluster.clock = PhaseClock(threads, len(cluster.ctas))
         _run_cluster(plan, cluster, values, threads, group)
     _check_read_only(copies)
 

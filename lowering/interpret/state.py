@@ -16,6 +16,8 @@ import numpy as np
 
 from kiln.errors import DeadlockError, OutOfBoundsError, RaceError, SourceLoc, UnsupportedError
 
+from .phase_clock import PhaseClock
+
 SHARED_SPACE = 3
 POISON_BYTE = 0xFF  # fresh shared memory reads as NaN (floats) or -1 (ints)
 NO_WRITER = -1
@@ -104,8 +106,13 @@ class SharedMemory:
         self.writer = np.full(nbytes, NO_WRITER, np.int32)
         self.writer_epoch = np.zeros(nbytes, np.int32)
         self.writer_site = np.zeros(nbytes, np.int32)
-        self.sites: list = [None]
+        self.sites: list = [(None, "")]  # (source line, how the thread wrote) per site
         self.epoch = 1
+        # TMA-landed bytes (allocated at the first landing): the landing that wrote each
+        # (index into tma_loads, -1: none), the mbarrier's PhaseClock slot and the phase count
+        # a toucher must have observed.
+        self.tma_load = self.tma_slot = self.tma_phase = None
+        self.tma_loads: list[str] = []  # "the TMA load issued at ... by thread ..."
 
     def view(self, dtype: np.dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
@@ -123,6 +130,8 @@ class SharedMemory:
             self.check(write_bytes, True, f"{what}", loc)
             self.pending_write[write_bytes] = op_id
             self.writer[write_bytes] = NO_WRITER  # ordered by its own wait, checked above
+            if self.tma_loads:
+                self.tma_load[write_bytes] = -1
         if read_bytes is not None:
             self.check(read_bytes, False, f"{what}", loc)
             self.pending_read[read_bytes] = op_id
@@ -141,14 +150,64 @@ class SharedMemory:
         """A barrier released or an mbarrier phase completed: earlier stores are visible."""
         self.epoch += 1
 
-    def record_store(self, byte_addrs: np.ndarray, threads, loc) -> None:
+    def record_store(self, byte_addrs: np.ndarray, threads, loc, how: str = "stored") -> None:
         """Plain store of ``byte_addrs`` (shape ``(k, bytes)``) by ``threads`` (shape ``(k,)``,
-        or ``None`` when every active thread stored the same bytes)."""
-        if self.sites[-1] is not loc:
-            self.sites.append(loc)
+        or ``None`` when every active thread stored the same bytes); ``how`` says in race
+        messages how the thread wrote them (an async copy landing counts as its issuer's
+        store: its wait orders the data for the issuing thread only)."""
+        last = self.sites[-1]
+        if last[0] is not loc or last[1] != how:
+            self.sites.append((loc, how))
+        if self.tma_loads:
+            self.tma_load[byte_addrs] = -1
         self.writer[byte_addrs] = ALL_THREADS if threads is None else threads[:, None]
         self.writer_epoch[byte_addrs] = self.epoch
         self.writer_site[byte_addrs] = len(self.sites) - 1
+
+    def tma_landed(self, byte_addrs: np.ndarray, slot: int, phase: int, what: str) -> None:
+        """A TMA load (``what`` names it) landed on ``byte_addrs`` with the completion of phase
+        count ``phase`` of the mbarrier in PhaseClock slot ``slot``."""
+        if self.tma_load is None:
+            n = self.arena.size
+            self.tma_load = np.full(n, -1, np.int32)
+            self.tma_slot, self.tma_phase = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        self.tma_load[byte_addrs] = len(self.tma_loads)
+        self.tma_slot[byte_addrs] = slot
+        self.tma_phase[byte_addrs] = phase
+        self.tma_loads.append(what)
+
+    def check_observed(self, byte_addrs: np.ndarray, threads: np.ndarray, clock, rank: int,
+                       verb: str, loc) -> None:
+        """RaceError if a thread of ``threads`` touches TMA-landed bytes before observing the
+        mbarrier phase they landed with. ``byte_addrs`` has one row per thread, or one row
+        that every thread touches (a uniform access, or a warp-level read whose data reaches
+        all of them)."""
+        load = self.tma_load[byte_addrs]
+        marked = load >= 0
+        if not marked.any():
+            return
+        slots = np.where(marked, self.tma_slot[byte_addrs], 0)
+        phases = self.tma_phase[byte_addrs]
+        rows = rank * clock.per_cta + threads
+        shared_row = byte_addrs.shape[0] == 1 and rows.shape[0] > 1
+        if shared_row:  # what the least informed thread saw, then one gather per byte
+            have = clock.seen[rows].min(axis=0)[slots]
+        else:
+            have = clock.seen[rows[:, None], slots]
+        blind = marked & (have < phases)
+        if not blind.any():
+            return
+        row, col = np.unravel_index(int(np.argmax(blind)), blind.shape)
+        byte = int(byte_addrs[row, col])
+        if shared_row:
+            row = int(np.argmax(clock.seen[rows, slots[0, col]] < phases[0, col]))
+        reader = int(threads[row])
+        landing = self.tma_loads[int(self.tma_load[byte])]
+        raise RaceError(f"thread {reader} {verb} shared byte {byte} that {landing}, but "
+                        f"thread {reader} has not observed that mbarrier phase: it did "
+                        "not wait on it, nor pass a barrier after a thread that did",
+                        fix="wait on the mbarrier (try_wait) in every thread that reads the "
+                            "tile, or put kiln.barrier() after the wait", loc=loc)
 
     def check_load(self, byte_addrs: np.ndarray, threads: np.ndarray, loc) -> None:
         """RaceError if a thread of ``threads`` loads a byte of ``byte_addrs`` (one row per
@@ -167,11 +226,12 @@ class SharedMemory:
         if byte_addrs.shape[0] == 1 and threads.shape[0] > 1:
             reader = int(threads[threads != writer[row, col]][0])
         byte = int(byte_addrs[row, col])
+        site, how = self.sites[int(self.writer_site[byte])]
         raise RaceError(f"thread {reader} loads shared byte {byte} that thread "
-                        f"{int(writer[row, col])} stored at "
-                        f"{self.sites[int(self.writer_site[byte])]} with no barrier in between",
+                        f"{int(writer[row, col])} {how} at {site} with no barrier in between",
                         fix="put kiln.barrier() (or an mbarrier wait) between the store and "
-                            "the load", loc=loc)
+                            "the load (an async copy's wait orders it for the issuing thread "
+                            "only)", loc=loc)
 
     def check(self, byte_addrs: np.ndarray, is_write: bool, what: str, loc) -> None:
         """Raise RaceError if ``byte_addrs`` touch the destination of an in-flight copy, or (for
@@ -196,6 +256,13 @@ class SharedMemory:
                                 f"{op.loc} is still reading",
                                 fix="wait for that operation (wait_group) before reusing the buffer",
                                 loc=loc)
+
+
+def thread_ranges(threads: np.ndarray) -> str:
+    """``0-31, 64`` for the sorted thread ids ``[0, ..., 31, 64]``."""
+    cuts = np.flatnonzero(np.diff(threads) != 1) + 1
+    runs = [(int(r[0]), int(r[-1])) for r in np.split(threads, cuts) if r.size]
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def element_bytes(mem: MemRef, flat: np.ndarray) -> np.ndarray:
@@ -250,6 +317,7 @@ class Cluster:
         self.barrier_threads = 0  # threads arrived at the current cluster barrier phase
         self.barrier_generation = 0
         self.arrived_in: dict[int, int] = {}  # context id -> generation it arrived in
+        self.clock = PhaseClock(0, 0)  # sized by the launcher once the CTAs are known
 
     def arrive(self, ctx: "Context") -> None:
         """``barrier.cluster.arrive``: this context's active threads arrive."""
@@ -260,6 +328,7 @@ class Cluster:
             self.barrier_generation += 1
             for cta in self.ctas:
                 cta.shared.synchronised()
+            self.clock.join()
             self.cond.notify_all()
 
     def wait(self, ctx: "Context", loc) -> None:
@@ -288,7 +357,8 @@ class CTA:
         self.live = 0  # live contexts of this CTA (gpu.barrier counts them)
         self._barrier_arrived = 0
         self._barrier_generation = 0
-        self._named: dict[int, list[int]] = {}  # barrier id -> [threads arrived, generation]
+        # barrier id -> [threads arrived, generation, PhaseClock rows of each arrival...]
+        self._named: dict[int, list] = {}
         self._named_votes: dict[tuple[int, int], bool] = {}  # (id, generation) -> bar.red.or
 
     @property
@@ -351,10 +421,15 @@ class CTA:
     def notify(self) -> None:
         self.cond.notify_all()
 
-    def barrier(self, ctx: Context, loc) -> None:
-        """``gpu.barrier``: rendezvous every live context of the CTA."""
+    def barrier(self, ctx: Context, loc, what: str = "kiln.barrier()", unit: int = 1) -> None:
+        """``gpu.barrier``: rendezvous every live context of the CTA. Every thread must arrive
+        (``unit=1``), or for a wave-level barrier (``s_barrier``, ``unit`` = wave size) every
+        wave with at least one active lane."""
+        if ctx.mask is not None:
+            self._check_converged(ctx, loc, what, unit)
         if self.live == 1:
             self.shared.synchronised()
+            self.cluster.clock.join(self.clock_rows())
             return
         generation = self._barrier_generation
         self._barrier_arrived += 1
@@ -363,6 +438,21 @@ class CTA:
             return
         self.block_until(ctx, lambda: self._barrier_generation != generation,
                          "kiln.barrier() (gpu.barrier)", loc)
+
+    def _check_converged(self, ctx: Context, loc, what: str, unit: int) -> None:
+        """A CTA barrier that only some threads reach hangs (or is undefined) on a GPU."""
+        unit = unit if ctx.size % unit == 0 else 1
+        here = ctx.mask.reshape(-1, unit).any(axis=1).repeat(unit)
+        if here.all():
+            return
+        raise DeadlockError(
+            f"{what} in divergent control flow: threads {thread_ranges(ctx.thread_ids[here])} "
+            f"of block {self.block_id} arrive here, threads "
+            f"{thread_ranges(ctx.thread_ids[~here])} do not (they took another branch or left "
+            "a loop earlier)",
+            fix="move the barrier out of the if/loop so that every thread of the block reaches "
+                "it (kiln.nvidia_asm.named_barrier syncs a subset of warps)",
+            loc=loc)
 
     def named_barrier(self, ctx: Context, barrier_id: int, num_threads: int, loc) -> None:
         """``bar.sync id, n``: the arriving contexts' active threads count toward ``n``."""
@@ -394,19 +484,29 @@ class CTA:
         return votes[key]
 
     def _arrive_named(self, ctx: Context, state: list, num_threads: int) -> bool:
-        """Count ``ctx``'s active threads into ``state`` ([arrived, generation]); the arrival
-        that completes ``num_threads`` starts the next generation and wakes the waiters."""
+        """Count ``ctx``'s active threads into ``state`` ([arrived, generation, rows...]); the
+        arrival that completes ``num_threads`` starts the next generation, joins the arrivers'
+        PhaseClock knowledge and wakes the waiters."""
         state[0] += int(ctx.active().sum())
+        state.append(self.cluster.clock.rows(ctx))
         if state[0] < num_threads:
             return False
+        self.cluster.clock.join(np.concatenate(state[2:]))
+        del state[2:]
         state[0] = 0
         state[1] += 1
         self.shared.synchronised()
         self.cond.notify_all()
         return True
 
+    def clock_rows(self) -> np.ndarray:
+        """PhaseClock rows of all this CTA's threads."""
+        per = self.cluster.clock.per_cta
+        return np.arange(self.rank * per, (self.rank + 1) * per)
+
     def _release_barrier(self) -> None:
         self.shared.synchronised()
+        self.cluster.clock.join(self.clock_rows())
         self._barrier_arrived = 0
         self._barrier_generation += 1
         self.cond.notify_all()
