@@ -350,15 +350,20 @@ class JITKernel:
 
     def _compile_specs(self, specs, options):
         from kiln.lowering.compiler import compile_kernel, load_cached
+        from kiln.lowering.profile import CompileProfile
 
-        if self._source_key is None:
-            self._source_key = source_key(self.fn)
-        key = cache_key(self._source_key, specs, options.key())
-        cached = load_cached(key)
+        profile = CompileProfile()
+        with profile.step("cache-lookup"):
+            if self._source_key is None:
+                self._source_key = source_key(self.fn)
+            key = cache_key(self._source_key, specs, options.key())
+            cached = load_cached(key)
         if cached is not None:
             return cached
-        traced = self._trace_specs(specs, options.target, options.num_warps)
-        return compile_kernel(traced.module_asm, traced.signature, options, cache_key=key)
+        with profile.step("trace"):
+            traced = self._trace_specs(specs, options.target, options.num_warps)
+        return compile_kernel(traced.module_asm, traced.signature, options, cache_key=key,
+                              profile=profile)
 
     @user_facing
     def compile(self, *args, target: str | None = None, num_warps: int = 4, opt_level: int = 3,

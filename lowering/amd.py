@@ -90,12 +90,13 @@ def _optimized_module(state: CompileState):
     is kept and every emission parses its own copy.
     """
     if "optimized_llvm" not in state.scratch:
-        machine = _target_machine(state.target.name, state.options.opt_level)
-        module = _parse_llvm(state, state.asm["llvm"])
-        tuning = llvmlite.create_pipeline_tuning_options(speed_level=state.options.opt_level)
-        builder = llvmlite.create_pass_builder(machine, tuning)
-        builder.getModulePassManager().run(module, builder)
-        state.scratch["optimized_llvm"] = str(module)
+        with state.step("amdgcn", "optimize"):
+            machine = _target_machine(state.target.name, state.options.opt_level)
+            module = _parse_llvm(state, state.asm["llvm"])
+            tuning = llvmlite.create_pipeline_tuning_options(speed_level=state.options.opt_level)
+            builder = llvmlite.create_pass_builder(machine, tuning)
+            builder.getModulePassManager().run(module, builder)
+            state.scratch["optimized_llvm"] = str(module)
     return _parse_llvm(state, state.scratch["optimized_llvm"])
 
 
@@ -111,13 +112,18 @@ def _parse_llvm(state: CompileState, text: str):
 
 def make_amdgcn(state: CompileState) -> str:
     machine = _target_machine(state.target.name, state.options.opt_level)
-    return machine.emit_assembly(_optimized_module(state))
+    module = _optimized_module(state)
+    with state.step("amdgcn", "emit"):
+        return machine.emit_assembly(module)
 
 
 def make_obj(state: CompileState) -> bytes:
     machine = _target_machine(state.target.name, state.options.opt_level)
-    obj = machine.emit_object(_optimized_module(state))
-    state.metadata.update(read_amd_metadata(obj, state.kernel))
+    module = _optimized_module(state)
+    with state.step("obj", "emit"):
+        obj = machine.emit_object(module)
+    with state.step("obj", "readelf"):
+        state.metadata.update(read_amd_metadata(obj, state.kernel))
     return obj
 
 
