@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -50,6 +51,7 @@ from .values import Value
 
 OPTION_NAMES = ("target", "num_warps", "opt_level", "ptx_version", "maxnreg")
 _default_target = "sm_90a"
+_TRACE_LOCK = threading.RLock()
 
 
 class constexpr:
@@ -265,6 +267,13 @@ class JITKernel:
     # ---- tracing ---------------------------------------------------------------------------
     def _trace_specs(self, specs: tuple[ArgSpec, ...], target_name: str,
                      num_warps: int) -> TracedKernel:
+        # The trace state (builder's stack) is global: threads (autotune's parallel compile)
+        # trace one at a time and lower concurrently.
+        with _TRACE_LOCK:
+            return self._trace_locked(specs, target_name, num_warps)
+
+    def _trace_locked(self, specs: tuple[ArgSpec, ...], target_name: str,
+                      num_warps: int) -> TracedKernel:
         from kiln.lowering.targets import get_target
 
         target = get_target(target_name)

@@ -75,11 +75,14 @@ def _reject_device_library_calls(state: CompileState, llvm_ir: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _target_machine(chip: str, opt_level: int):
+def _target_machine(chip: str, opt_level: int, verbose: bool = False):
     llvmlite.initialize_all_targets()
     llvmlite.initialize_all_asmprinters()
-    return llvmlite.Target.from_triple(TRIPLE).create_target_machine(
+    machine = llvmlite.Target.from_triple(TRIPLE).create_target_machine(
         cpu=chip, features="", opt=opt_level, reloc="pic", codemodel="default")
+    if verbose:
+        machine.set_asm_verbosity(True)
+    return machine
 
 
 def _optimized_module(state: CompileState):
@@ -111,7 +114,11 @@ def _parse_llvm(state: CompileState, text: str):
 
 
 def make_amdgcn(state: CompileState) -> str:
-    machine = _target_machine(state.target.name, state.options.opt_level)
+    """The assembly; verbose (comments on) when the kernel declares clusters, since LLVM
+    prints the cluster markers (empty sched_group_barriers) only there. Codegen is identical,
+    and emitting only the verbose text saves a whole codegen."""
+    verbose = bool(state.scratch.get("recipes"))
+    machine = _target_machine(state.target.name, state.options.opt_level, verbose)
     module = _optimized_module(state)
     with state.step("amdgcn", "emit"):
         return machine.emit_assembly(module)

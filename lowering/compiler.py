@@ -108,6 +108,7 @@ def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOpt
             module = parse_module(name, kiln_ir)
             recipes = _stamp_target(module, target)
         state = CompileState(name, target, options, signature, module, metadata, profile=profile)
+        state.scratch["recipes"] = recipes
         state.asm["kiln"] = kiln_ir
         dump_stage(name, "kiln", kiln_ir)
         for stage, make in stages_for(target).items():
@@ -149,30 +150,15 @@ def _stamp_target(module: ir.Module, target: Target) -> dict:
     return recipes
 
 
-def _verbose_amdgcn(state: CompileState) -> str:
-    """The assembly again with comments on: LLVM prints the cluster markers (empty
-    sched_group_barriers) only in verbose assembly. Codegen is identical; a fresh parse of the
-    optimised IR is used because llvmlite must never emit twice from one module."""
-    import llvmlite.binding as llvmlite
-
-    machine = llvmlite.Target.from_triple(amd.TRIPLE).create_target_machine(
-        cpu=state.target.name, features="", opt=state.options.opt_level, reloc="pic",
-        codemodel="default")
-    machine.set_asm_verbosity(True)
-    return machine.emit_assembly(llvmlite.parse_assembly(state.scratch["optimized_llvm"]))
-
-
 def check_amdgpu_assembly(state: CompileState, recipes: dict) -> str:
     """The assembly-level proofs: waits cover every load's registers (WaitError), clusters
     match their recipes (ScheduleWarning); live VGPRs per cluster go into the metadata.
-    Returns the assembly to keep (the verbose one, with markers, when there are clusters)."""
+    Returns the assembly to keep (the amdgcn stage made it verbose, with the cluster
+    markers, when there are clusters)."""
     from kiln.lowering import isa_amdgpu
     from kiln.passes.verify_schedule import verify_schedule
 
     asm = state.asm["amdgcn"]
-    if recipes and "optimized_llvm" in state.scratch:
-        with state.step("check-assembly", "verbose-emit"):
-            asm = _verbose_amdgcn(state)
     with state.step("check-assembly", "parse"):
         program = isa_amdgpu.parse(asm, state.kernel)
     with state.step("check-assembly", "verify-waits"):
