@@ -225,3 +225,27 @@ def test_nested_if_in_loop_with_mask():
 
     asm = trace(k, X, 8)
     assert asm.index("scf.for") < asm.index("scf.if")
+
+
+def test_rewrite_helpers_match_the_ast_module():
+    """The rewrite's own AST copy and location fill give what copy.deepcopy and
+    ast.fix_missing_locations give (the compiled kernel code must not change)."""
+    import ast
+    import copy
+    import inspect
+
+    from kiln import ast_rewrite
+    from kiln.kernels.attention import prefill_hopper
+
+    source = inspect.getsource(prefill_hopper)
+    tree = ast.parse(source)
+    functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    assert functions
+    for fdef in functions:  # leaves many generated nodes without locations
+        fdef.body = ast_rewrite._Rewriter("prefill_hopper.py")._stmts(fdef.body)
+    ours = ast_rewrite._clone(tree)
+    assert ast.dump(ours, include_attributes=True) == ast.dump(copy.deepcopy(tree),
+                                                               include_attributes=True)
+    assert ours is not tree and ours.body[0] is not tree.body[0]
+    expected = ast.dump(ast.fix_missing_locations(copy.deepcopy(tree)), include_attributes=True)
+    assert ast.dump(ast_rewrite.fix_missing_locations(ours), include_attributes=True) == expected
