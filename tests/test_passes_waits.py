@@ -243,6 +243,8 @@ def test_clustered_kernel_is_code_generated_once_per_artifact(monkeypatch):
     emission and one object emission, not a second assembly for the checks."""
     import llvmlite.binding as llvmlite
 
+    llvmlite.initialize_all_targets()
+    llvmlite.initialize_all_asmprinters()
     emitted = []
     machine_class = type(llvmlite.Target.from_triple("amdgcn-amd-amdhsa")
                          .create_target_machine(cpu="gfx950"))
