@@ -36,7 +36,6 @@ import json
 import os
 import statistics
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -232,6 +231,8 @@ class Autotuner:
 def compile_all(build: Callable[[Any], None], configs: Sequence) -> None:
     """``build(config)`` for every config at once on a thread pool. A config that fails to
     compile is left for the timing loop, which meets the same error and skips the config."""
+    from concurrent.futures import ThreadPoolExecutor  # only tuning needs it: keep import kiln lean
+
     def attempt(config):
         try:
             build(config)
