@@ -333,6 +333,7 @@ class WaitAnalysis:
         self._record = True
         self._steps: dict = {}    # ir.Operation -> Step, for events
         self._tokens: dict = {}   # kiln.token id -> event Step
+        self._operand_events: dict = {}  # ir.Value -> events reaching it (_value_events)
         body = self._build(func.regions[0].blocks[0])
         self._resolve_reads(body)
         self._walk(body, {})
@@ -369,7 +370,9 @@ class WaitAnalysis:
             else:
                 operands = list(op.operands)
             for operand in operands:
-                found = self._value_events(operand, set())
+                found = self._operand_events.get(operand)
+                if found is None:  # values feed many ops: walk each value's chain once
+                    found = self._operand_events[operand] = self._value_events(operand, set())
                 if step.counter == WGMMA:  # an accumulator chained into the next wgmma is no read
                     found = {e for e in found if e.counter != WGMMA}
                 needed |= found
