@@ -197,15 +197,18 @@ def fix_missing_locations(root: ast.AST) -> ast.AST:
                 node.end_col_offset = end_col
             else:
                 end_col = fields["end_col_offset"]
-        children = []
+        # A child's fill depends only on its ancestors, so the visiting order is free.
         for value in fields.values():
-            if isinstance(value, ast.AST):
-                children.append(value)
-            elif isinstance(value, list):
-                children.extend(v for v in value if isinstance(v, ast.AST))
-        # Reversed onto the stack: children are visited in field order, as ast's walk does.
-        stack.extend((child, lineno, col, end_lineno, end_col) for child in reversed(children))
+            if isinstance(value, list):
+                stack.extend([(v, lineno, col, end_lineno, end_col) for v in value
+                              if isinstance(v, ast.AST) and not isinstance(v, _UNLOCATED)])
+            elif isinstance(value, ast.AST) and not isinstance(value, _UNLOCATED):
+                stack.append((value, lineno, col, end_lineno, end_col))
     return root
+
+
+# Leaf nodes without positions (Load/Store, operators): nothing to fill, nothing below.
+_UNLOCATED = (ast.expr_context, ast.operator, ast.unaryop, ast.cmpop, ast.boolop)
 
 
 _SIMPLE = (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Assert,
