@@ -338,6 +338,29 @@ def rewrite(fn: Callable) -> Callable:
 
 
 def _rewrite(fn: Callable) -> Callable:
+    factory_code = _factory_code.get(fn.__code__)
+    if factory_code is None:
+        factory_code = _factory_code[fn.__code__] = _compile_factory(fn)
+    make = types.FunctionType(factory_code, fn.__globals__)
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:  # a cell not filled yet (e.g. a later-defined helper)
+            cells.append(None)
+    rewritten = make(_Runtime, *cells)
+    rewritten.__defaults__ = fn.__defaults__
+    rewritten.__kwdefaults__ = fn.__kwdefaults__
+    return rewritten
+
+
+# The rewritten code depends only on the source, so kernels a factory makes (one function
+# object per config or head dim, one code object) share it; each binds its own closure.
+_factory_code: dict[types.CodeType, types.CodeType] = {}
+
+
+def _compile_factory(fn: Callable) -> types.CodeType:
+    """The code of ``__kiln_factory(__kiln_rt, *freevars)``, which returns the rewritten fn."""
     try:
         source = textwrap.dedent(inspect.getsource(fn))
         filename = inspect.getsourcefile(fn) or fn.__code__.co_filename
@@ -362,15 +385,4 @@ def _rewrite(fn: Callable) -> Callable:
     factory = ast.copy_location(_function("__kiln_factory", [RT, *freevars], body), fdef)
     module = fix_missing_locations(ast.Module([factory], type_ignores=[]))
     code = compile(module, filename, "exec")
-    factory_code = next(c for c in code.co_consts if isinstance(c, types.CodeType))
-    make = types.FunctionType(factory_code, fn.__globals__)
-    cells = []
-    for cell in fn.__closure__ or ():
-        try:
-            cells.append(cell.cell_contents)
-        except ValueError:  # a cell not filled yet (e.g. a later-defined helper)
-            cells.append(None)
-    rewritten = make(_Runtime, *cells)
-    rewritten.__defaults__ = fn.__defaults__
-    rewritten.__kwdefaults__ = fn.__kwdefaults__
-    return rewritten
+    return next(c for c in code.co_consts if isinstance(c, types.CodeType))
