@@ -56,17 +56,32 @@ def run_passes(state: CompileState, stage: str, elements: Sequence[str], *,
     # costs a tenth of printing, which every stage used to pay).
     with state.step(stage, "snapshot"):
         before = state.module.operation.clone()
-    pm = build_pass_manager(elements, timer=lambda name: state.step(stage, f"passes.{name}"))
+    # Verified after Kiln's own passes and once at the end, not after every upstream pass (a
+    # third of the nvvm stage); a failure is replayed verifying after every pass.
+    pm = build_pass_manager(elements, timer=lambda name: state.step(stage, f"passes.{name}"),
+                            verify_each=False)
     try:
         with state.step(stage, "passes"):
             pm.run(state.module.operation)
+        with state.step(stage, "verify"):
+            state.module.operation.verify()
     except ir.MLIRError as err:
-        raise stage_error(state.kernel, stage, err, before.get_asm(enable_debug_info=True),
+        text = before.get_asm(enable_debug_info=True)
+        raise stage_error(state.kernel, stage, _replayed_error(before, elements) or err, text,
                           elements) from None
     if not text:
         return None
     with state.step(stage, "print"):
         return str(state.module)
+
+
+def _replayed_error(module: ir.Operation, elements: Sequence[str]) -> ir.MLIRError | None:
+    """The error of ``elements`` rerun on ``module`` verifying after every pass, else None."""
+    try:
+        build_pass_manager(elements).run(module)
+    except ir.MLIRError as err:
+        return err
+    return None
 
 
 def stage_error(kernel: str, stage: str, err: ir.MLIRError, module_text: str,

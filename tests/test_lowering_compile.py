@@ -192,3 +192,28 @@ def test_failed_pass_reproducer_is_the_stage_input(tmp_path, monkeypatch):
         compile_kernel(SAXPY_IR, SAXPY, CompileOptions("sm_90a"))
     text = Path(caught.value.reproducer).read_text()
     assert "kiln.mangled" not in text and "kiln.target" in text and "loc(" in text
+
+
+def test_invalid_ir_from_a_kiln_pass_stops_before_the_next_pass(monkeypatch):
+    """Upstream passes are not verified one by one, but a Kiln pass's output is: IR it broke
+    becomes a CompilationError naming the problem, not input to canonicalize."""
+    from kiln import passes
+    from kiln.lowering import nvidia
+
+    def drop_terminator(op, pass_):
+        def visit(inner):
+            if inner.name == "gpu.return":
+                inner.erase()
+                return ir.WalkResult.INTERRUPT
+            return ir.WalkResult.ADVANCE
+
+        op.operation.walk(visit)
+
+    from mlir import ir
+
+    monkeypatch.setitem(passes._REGISTRY, "kiln-test-break",
+                        passes.KilnPass("kiln-test-break", drop_terminator, "test: breaks IR"))
+    monkeypatch.setattr(nvidia, "GPU_STAGE_PASSES", ("kiln-test-break", "canonicalize", "cse"))
+    with pytest.raises(CompilationError, match="the 'gpu' stage failed") as caught:
+        compile_kernel(SAXPY_IR, SAXPY, CompileOptions("sm_90a"))
+    assert "terminator" in str(caught.value)
