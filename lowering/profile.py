@@ -3,7 +3,8 @@
 A :class:`CompileProfile` is filled while a kernel is traced and lowered; the compiled
 kernel carries it as ``metadata["compile_profile"]``, a list of ``(step, wall_ms, cpu_ms)``
 in the order the steps ran. CPU time counts this process and its finished child processes
-(``ptxas``, ``ld.lld``), so it stays meaningful on a loaded machine where wall time is not.
+(``ptxas``, ``ld.lld``), so it stays meaningful on a loaded machine where wall time is not;
+it is the whole process's, so during concurrent compiles (autotune) it includes other threads'.
 ``kiln compile FILE.py:KERNEL --report`` prints it as a table.
 
 Example::
