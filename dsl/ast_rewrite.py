@@ -26,7 +26,7 @@ Example (what the user writes; the rewrite is invisible)::
 from __future__ import annotations
 
 import ast
-import copy
+import gc
 import inspect
 import itertools
 import textwrap
@@ -163,7 +163,60 @@ class _ForbidEscapes(ast.NodeTransformer):
 
 def _forbid_escapes(stmts, in_if: bool = False):
     t = _ForbidEscapes(in_if)
-    return [t.visit(copy.deepcopy(s)) for s in stmts]
+    return [t.visit(s) for s in stmts]
+
+
+def _clone(node):
+    """A deep copy of an AST node or list of them (``copy.deepcopy`` is generic and took most
+    of the rewrite's time on the attention kernels)."""
+    if isinstance(node, list):
+        return [_clone(item) for item in node]
+    if not isinstance(node, ast.AST):
+        return node  # field values are immutable: str, int, None, constants
+    cls = type(node)
+    new = cls.__new__(cls)
+    fields = new.__dict__
+    for name, value in node.__dict__.items():
+        fields[name] = _clone(value) if isinstance(value, (list, ast.AST)) else value
+    return new
+
+
+def fix_missing_locations(root: ast.AST) -> ast.AST:
+    """:func:`ast.fix_missing_locations` with the same result, walking fields directly
+    (the generic ``iter_child_nodes`` walk was a third of the rewrite's time)."""
+    stack = [(root, 1, 0, 1, 0)]
+    while stack:
+        node, lineno, col, end_lineno, end_col = stack.pop()
+        fields = node.__dict__
+        if "lineno" in node._attributes:
+            if "lineno" in fields:
+                lineno = fields["lineno"]
+            else:
+                node.lineno = lineno
+            if fields.get("end_lineno") is None:
+                node.end_lineno = end_lineno
+            else:
+                end_lineno = fields["end_lineno"]
+            if "col_offset" in fields:
+                col = fields["col_offset"]
+            else:
+                node.col_offset = col
+            if fields.get("end_col_offset") is None:
+                node.end_col_offset = end_col
+            else:
+                end_col = fields["end_col_offset"]
+        # A child's fill depends only on its ancestors, so the visiting order is free.
+        for value in fields.values():
+            if isinstance(value, list):
+                stack.extend([(v, lineno, col, end_lineno, end_col) for v in value
+                              if isinstance(v, ast.AST) and not isinstance(v, _UNLOCATED)])
+            elif isinstance(value, ast.AST) and not isinstance(value, _UNLOCATED):
+                stack.append((value, lineno, col, end_lineno, end_col))
+    return root
+
+
+# Leaf nodes without positions (Load/Store, operators): nothing to fill, nothing below.
+_UNLOCATED = (ast.expr_context, ast.operator, ast.unaryop, ast.cmpop, ast.boolop)
 
 
 _SIMPLE = (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Assert,
@@ -231,15 +284,17 @@ class _Rewriter(ast.NodeTransformer):
         n = next(_counter)
         cond = f"__kiln_cond_{n}"
         names, loaded = region_names(node.body + node.orelse)
-        static_if = ast.If(ast.Name(cond, ast.Load()), self._stmts(copy.deepcopy(node.body)),
-                           self._stmts(copy.deepcopy(node.orelse)))
-        then_fn = self._branch_fn(f"__kiln_then_{n}", names, _forbid_escapes(node.body, True),
+        # The traced branches get copies; the static statement takes the original nodes.
+        traced_body, traced_orelse = _clone(node.body), _clone(node.orelse)
+        static_if = ast.If(ast.Name(cond, ast.Load()), self._stmts(node.body),
+                           self._stmts(node.orelse))
+        then_fn = self._branch_fn(f"__kiln_then_{n}", names, _forbid_escapes(traced_body, True),
                                   node)
         traced = [then_fn]
         else_ref: ast.expr = ast.Constant(None)
         if node.orelse:
             traced.append(self._branch_fn(f"__kiln_else_{n}", names,
-                                          _forbid_escapes(node.orelse, True), node))
+                                          _forbid_escapes(traced_orelse, True), node))
             else_ref = ast.Name(f"__kiln_else_{n}", ast.Load())
         call = _call("if_stmt", ast.Name(cond, ast.Load()),
                      ast.Name(f"__kiln_then_{n}", ast.Load()),
@@ -252,16 +307,18 @@ class _Rewriter(ast.NodeTransformer):
     def visit_For(self, node):
         n = next(_counter)
         it = f"__kiln_iter_{n}"
+        may_trace = isinstance(node.target, ast.Name) and not node.orelse
+        # The traced body gets a copy; the static loop takes the original nodes.
+        traced_body = _clone(node.body) if may_trace else None
         static_for = ast.For(node.target, ast.Name(it, ast.Load()),
-                             self._stmts(copy.deepcopy(node.body)), self._stmts(node.orelse),
-                             None)
+                             self._stmts(node.body), self._stmts(node.orelse), None)
         evaluate = self._at(node.iter, [ast.Assign([ast.Name(it, ast.Store())], node.iter)])
-        if not isinstance(node.target, ast.Name) or node.orelse:
+        if not may_trace:
             return [ast.copy_location(evaluate, node), ast.copy_location(static_for, node)]
-        stored, loaded = region_names(node.body)
+        stored, loaded = region_names(traced_body)
         names = [m for m in stored if m != node.target.id]
         body_fn = self._branch_fn(f"__kiln_body_{n}", [node.target.id] + names,
-                                  _forbid_escapes(node.body), node)
+                                  _forbid_escapes(traced_body), node)
         body_fn.body[-1] = ast.Return(_names_tuple(names, ast.Load))
         call = _call("for_stmt", ast.Name(it, ast.Load()), ast.Name(body_fn.name, ast.Load()),
                      _str_tuple(names), self._capture(names), self._structs(loaded))
@@ -288,6 +345,43 @@ def rewrite(fn: Callable) -> Callable:
     cached = _cache.get(fn)
     if cached is not None:
         return cached
+    # The rewrite allocates tens of thousands of acyclic AST nodes; the cyclic collector's
+    # passes over them (and the whole heap) were an eighth of a large kernel's trace.
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        rewritten = _rewrite(fn)
+    finally:
+        if paused:
+            gc.enable()
+    _cache[fn] = rewritten
+    return rewritten
+
+
+def _rewrite(fn: Callable) -> Callable:
+    factory_code = _factory_code.get(fn.__code__)
+    if factory_code is None:
+        factory_code = _factory_code[fn.__code__] = _compile_factory(fn)
+    make = types.FunctionType(factory_code, fn.__globals__)
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:  # a cell not filled yet (e.g. a later-defined helper)
+            cells.append(None)
+    rewritten = make(_Runtime, *cells)
+    rewritten.__defaults__ = fn.__defaults__
+    rewritten.__kwdefaults__ = fn.__kwdefaults__
+    return rewritten
+
+
+# The rewritten code depends only on the source, so kernels a factory makes (one function
+# object per config or head dim, one code object) share it; each binds its own closure.
+_factory_code: dict[types.CodeType, types.CodeType] = {}
+
+
+def _compile_factory(fn: Callable) -> types.CodeType:
+    """The code of ``__kiln_factory(__kiln_rt, *freevars)``, which returns the rewritten fn."""
     try:
         raw = inspect.getsource(fn)
         source = textwrap.dedent(raw)
@@ -311,20 +405,9 @@ def rewrite(fn: Callable) -> Callable:
         a.annotation = None  # annotations were read off the original function already
     body = [fdef, ast.Return(ast.Name(fdef.name, ast.Load()))]
     factory = ast.copy_location(_function("__kiln_factory", [RT, *freevars], body), fdef)
-    module = ast.fix_missing_locations(ast.Module([factory], type_ignores=[]))
+    module = fix_missing_locations(ast.Module([factory], type_ignores=[]))
     code = compile(module, filename, "exec")
     factory_code = next(c for c in code.co_consts if isinstance(c, types.CodeType))
     dedent = raw.index(raw.lstrip()[0]) - source.index(source.lstrip()[0])
     _record_column_shift(factory_code, dedent)
-    make = types.FunctionType(factory_code, fn.__globals__)
-    cells = []
-    for cell in fn.__closure__ or ():
-        try:
-            cells.append(cell.cell_contents)
-        except ValueError:  # a cell not filled yet (e.g. a later-defined helper)
-            cells.append(None)
-    rewritten = make(_Runtime, *cells)
-    rewritten.__defaults__ = fn.__defaults__
-    rewritten.__kwdefaults__ = fn.__kwdefaults__
-    _cache[fn] = rewritten
-    return rewritten
+    return factory_code

@@ -23,6 +23,11 @@ nothing, and trusted like the compile cache: a directory not yours or writable b
 used (one warning), nor is a file not yours. Configs that fail (a
 compile error, too much shared memory) are skipped. ``timer`` replaces the measurement, e.g. to
 tune on a CPU in tests: it gets a zero-argument callable running one config and returns ms.
+
+Before timing, every config's kernel is compiled at once on a thread pool (tracing takes turns;
+``ptxas`` and the compiler's native stages overlap), so tuning waits for about the slowest
+compile rather than their sum. For a kernel this is automatic; an entry function opts in with
+``precompile=fn``, called as ``fn(config, *args, **kwargs)`` to compile without running.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import functools
 import hashlib
 import inspect
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -44,7 +50,7 @@ BAR_WIDTH = 24
 
 def autotune(configs: Sequence, key: Sequence[str], *, warmup: int = 3, repeat: int = 10,
              timer: Callable[[Callable[[], None]], float] | None = None,
-             progress: bool = True) -> Callable:
+             progress: bool = True, precompile: Callable | None = None) -> Callable:
     """Decorator: see the module docs. ``key`` names arguments of the decorated function."""
     configs = tuple(configs)
     if not configs:
@@ -56,7 +62,7 @@ def autotune(configs: Sequence, key: Sequence[str], *, warmup: int = 3, repeat: 
 
     def decorate(target):
         return Autotuner(target, configs, tuple(key), warmup=warmup, repeat=repeat,
-                         timer=timer, progress=progress)
+                         timer=timer, progress=progress, precompile=precompile)
 
     return decorate
 
@@ -66,7 +72,7 @@ class Autotuner:
     (kernels) like the decorated object. ``best`` maps keys to the chosen config."""
 
     def __init__(self, target, configs: tuple, key: tuple[str, ...], *, warmup: int,
-                 repeat: int, timer, progress: bool):
+                 repeat: int, timer, progress: bool, precompile: Callable | None = None):
         from .kernel import JITKernel
 
         self.target = target
@@ -82,6 +88,7 @@ class Autotuner:
         self.configs, self.key = configs, key
         self.warmup, self.repeat, self.progress = warmup, repeat, progress
         self.timer = timer or cuda_event_timer
+        self.precompile = precompile
         self.best: dict[str, Any] = {}
         # Positions of the key arguments, so a positional call is keyed without binding.
         names = list(self._signature.parameters)
@@ -94,8 +101,13 @@ class Autotuner:
         if self.is_kernel:
             raise KilnTypeError(f"{self.name} is an autotuned kernel; launch it with a grid",
                                 fix="call it as kernel[grid](*args)")
+        build = None
+        if self.precompile is not None:
+            def build(cfg):
+                self.precompile(cfg, *args, **kwargs)
+
         config = self._config_for(args, kwargs, lambda cfg: self.target(*args, **kwargs,
-                                                                        config=cfg))
+                                                                        config=cfg), build)
         return self.target(*args, **kwargs, config=config)
 
     def __getitem__(self, grid):
@@ -108,7 +120,12 @@ class Autotuner:
         def run(cfg):
             self.target[grid](*args, **kwargs, **cfg)
 
-        config = self._config_for(args, kwargs, run)
+        compile_kwargs = {k: v for k, v in kwargs.items() if k != "stream"}
+
+        def build(cfg):
+            self.target.compile(*args, **compile_kwargs, **cfg)
+
+        config = self._config_for(args, kwargs, run, build)
         run(config)
 
     # ---- choosing ---------------------------------------------------------------------------
@@ -121,7 +138,8 @@ class Autotuner:
             parts.append(f"{name}={_key_value(value)}")
         return ",".join(parts)
 
-    def _config_for(self, args, kwargs, run: Callable[[Any], None]):
+    def _config_for(self, args, kwargs, run: Callable[[Any], None],
+                    build: Callable[[Any], None] | None = None):
         # Hot path: a repeat call with the key arguments passed positionally.
         fast_key = None
         if len(args) >= self._positional_arity:
@@ -130,23 +148,27 @@ class Autotuner:
                 return self._by_values[fast_key]
             except KeyError:
                 pass
-        config = self._config_for_key(self.key_of(args, kwargs), run)
+        config = self._config_for_key(self.key_of(args, kwargs), run, build)
         if fast_key is not None:
             self._by_values[fast_key] = config
         return config
 
-    def _config_for_key(self, key: str, run: Callable[[Any], None]):
+    def _config_for_key(self, key: str, run: Callable[[Any], None],
+                        build: Callable[[Any], None] | None = None):
         if key not in self.best:
             index = self._stored().get(key)
             if index is None or not 0 <= index < len(self.configs):
-                index = self._tune(key, run)
+                index = self._tune(key, run, build)
                 self._store(key, index)
             self.best[key] = self.configs[index]
         return self.best[key]
 
-    def _tune(self, key: str, run: Callable[[Any], None]) -> int:
+    def _tune(self, key: str, run: Callable[[Any], None],
+              build: Callable[[Any], None] | None = None) -> int:
         times: list[float] = []
         errors: list[str] = []
+        if build is not None:
+            compile_all(build, self.configs)
         for i, config in enumerate(self.configs):
             self._draw(key, i)
             try:
@@ -234,6 +256,27 @@ def _read_table(path: Path) -> dict[str, int]:
         warn_once(("autotune-entry", str(path)),
                   f"kiln: ignoring entries of autotune store {path} that are not config indices")
     return kept
+
+
+def compile_all(build: Callable[[Any], None], configs: Sequence) -> None:
+    """``build(config)`` for every config at once on a thread pool. A config that fails to
+    compile is left for the timing loop, which meets the same error and skips the config."""
+    from concurrent.futures import ThreadPoolExecutor  # only tuning needs it: keep import kiln lean
+
+    def attempt(config):
+        try:
+            build(config)
+        except KilnError:
+            pass
+
+    # More threads than cores: much of a compile waits on ptxas or holds no GIL.
+    workers = min(len(configs), max(4, os.cpu_count() or 1))
+    if workers <= 1:
+        for config in configs:
+            attempt(config)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kiln-autotune") as pool:
+        list(pool.map(attempt, configs))
 
 
 def cuda_event_timer(run: Callable[[], None]) -> float:

@@ -100,19 +100,27 @@ def placeholder_args(kernel, arg_types: dict[str, tuple[dtypes.DType, int | None
 
 
 def format_report(ck) -> str:
-    """Stages with their sizes, then every metadata entry, as an aligned table."""
+    """Stages with their sizes, every metadata entry, then where the compile spent its time
+    (wall and CPU ms per step, from ``metadata["compile_profile"]``), as aligned tables."""
     lines = [f"kernel {ck.name} for {ck.target.name}", "stages:"]
     for stage, artifact in ck.asm.items():
         unit = "bytes" if isinstance(artifact, bytes) else "chars"
         lines.append(f"  {stage:<8} {len(artifact):>9} {unit}")
     lines.append("resources:")
     for key, value in ck.metadata.items():
-        if key != "cluster_live_vgprs":
+        if key not in ("cluster_live_vgprs", "compile_profile"):
             lines.append(f"  {key:<16} {value}")
     live = ck.metadata.get("cluster_live_vgprs")
     if live:  # estimated from the assembly by kiln.lowering.isa_amdgpu
         lines.append("live VGPRs at cluster start (estimate):")
         lines.extend(f"  {cluster:<8} {count:>4}" for cluster, count in live.items())
+    profile = ck.metadata.get("compile_profile")
+    if profile:
+        from kiln.lowering.profile import format_profile
+
+        lines.append("compile profile (CPU ms include ptxas/ld.lld; from the first compile "
+                     "when the kernel came from the cache):")
+        lines.extend(format_profile(profile))
     return "\n".join(lines)
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -54,6 +55,7 @@ from .values import Value
 
 OPTION_NAMES = ("target", "num_warps", "num_threads", "opt_level", "ptx_version", "maxnreg")
 _default_target = "sm_90a"
+_TRACE_LOCK = threading.RLock()
 
 
 class constexpr:
@@ -299,6 +301,13 @@ class JITKernel:
     # ---- tracing ---------------------------------------------------------------------------
     def _trace_specs(self, specs: tuple[ArgSpec, ...], target_name: str,
                      num_warps: int) -> TracedKernel:
+        # The trace state (builder's stack) is global: threads (autotune's parallel compile)
+        # trace one at a time and lower concurrently.
+        with _TRACE_LOCK:
+            return self._trace_locked(specs, target_name, num_warps)
+
+    def _trace_locked(self, specs: tuple[ArgSpec, ...], target_name: str,
+                      num_warps: int) -> TracedKernel:
         from kiln.lowering.targets import get_target
 
         target = get_target(target_name)
@@ -388,14 +397,19 @@ class JITKernel:
 
     def _compile_specs(self, specs, options):
         from kiln.lowering.compiler import compile_kernel, load_cached
+        from kiln.lowering.profile import CompileProfile
 
-        # Global values are read again for every new specialisation (see lowering_bridge).
-        key = cache_key(self.fn, specs, options.key())
-        cached = load_cached(key)
+        profile = CompileProfile()
+        with profile.step("cache-lookup"):
+            # Global values are read again for every new specialisation (see lowering_bridge).
+            key = cache_key(self.fn, specs, options.key())
+            cached = load_cached(key)
         if cached is not None:
             return cached
-        traced = self._trace_specs(specs, options.target, options.num_warps)
-        return compile_kernel(traced.module_asm, traced.signature, options, cache_key=key)
+        with profile.step("trace"):
+            traced = self._trace_specs(specs, options.target, options.num_warps)
+        return compile_kernel(traced.module_asm, traced.signature, options, cache_key=key,
+                              profile=profile)
 
     @user_facing
     def compile(self, *args, target: str | None = None, num_warps: int | None = None,

@@ -95,11 +95,14 @@ def _reject_device_library_calls(state: CompileState, llvm_ir: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _target_machine(chip: str, opt_level: int):
+def _target_machine(chip: str, opt_level: int, verbose: bool = False):
     llvmlite.initialize_all_targets()
     llvmlite.initialize_all_asmprinters()
-    return llvmlite.Target.from_triple(TRIPLE).create_target_machine(
+    machine = llvmlite.Target.from_triple(TRIPLE).create_target_machine(
         cpu=chip, features="", opt=opt_level, reloc="pic", codemodel="default")
+    if verbose:
+        machine.set_asm_verbosity(True)
+    return machine
 
 
 def _optimized_module(state: CompileState):
@@ -110,12 +113,13 @@ def _optimized_module(state: CompileState):
     is kept and every emission parses its own copy.
     """
     if "optimized_llvm" not in state.scratch:
-        machine = _target_machine(state.target.name, state.options.opt_level)
-        module = _parse_llvm(state, state.asm["llvm"])
-        tuning = llvmlite.create_pipeline_tuning_options(speed_level=state.options.opt_level)
-        builder = llvmlite.create_pass_builder(machine, tuning)
-        builder.getModulePassManager().run(module, builder)
-        state.scratch["optimized_llvm"] = str(module)
+        with state.step("amdgcn", "optimize"):
+            machine = _target_machine(state.target.name, state.options.opt_level)
+            module = _parse_llvm(state, state.asm["llvm"])
+            tuning = llvmlite.create_pipeline_tuning_options(speed_level=state.options.opt_level)
+            builder = llvmlite.create_pass_builder(machine, tuning)
+            builder.getModulePassManager().run(module, builder)
+            state.scratch["optimized_llvm"] = str(module)
     return _parse_llvm(state, state.scratch["optimized_llvm"])
 
 
@@ -130,14 +134,23 @@ def _parse_llvm(state: CompileState, text: str):
 
 
 def make_amdgcn(state: CompileState) -> str:
-    machine = _target_machine(state.target.name, state.options.opt_level)
-    return machine.emit_assembly(_optimized_module(state))
+    """The assembly; verbose (comments on) when the kernel declares clusters, since LLVM
+    prints the cluster markers (empty sched_group_barriers) only there. Codegen is identical,
+    and emitting only the verbose text saves a whole codegen."""
+    verbose = bool(state.scratch.get("recipes"))
+    machine = _target_machine(state.target.name, state.options.opt_level, verbose)
+    module = _optimized_module(state)
+    with state.step("amdgcn", "emit"):
+        return machine.emit_assembly(module)
 
 
 def make_obj(state: CompileState) -> bytes:
     machine = _target_machine(state.target.name, state.options.opt_level)
-    obj = machine.emit_object(_optimized_module(state))
-    state.metadata.update(read_amd_metadata(obj, state.kernel))
+    module = _optimized_module(state)
+    with state.step("obj", "emit"):
+        obj = machine.emit_object(module)
+    with state.step("obj", "readelf"):
+        state.metadata.update(read_amd_metadata(obj, state.kernel))
     return obj
 
 

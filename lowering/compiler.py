@@ -23,6 +23,7 @@ from kiln.lowering import amd, nvidia
 from kiln.lowering.dump import dump_stage
 from kiln.lowering.options import CompileOptions
 from kiln.lowering.pipeline import CompileState, parse_module
+from kiln.lowering.profile import CompileProfile
 from kiln.lowering.signature import KernelSignature
 from kiln.lowering.targets import Target, get_target
 
@@ -67,9 +68,12 @@ class CompiledKernel:
 
     def to_artifact(self) -> dict:
         """Plain JSON data and bytes (the stage binaries), for the compile cache."""
+        metadata = dict(self.metadata)
+        if "compile_profile" in metadata:
+            metadata["compile_profile"] = list(metadata["compile_profile"])
         return {"format": ARTIFACT_FORMAT, "name": self.name, "target": self.target.name,
                 "options": dataclasses.asdict(self.options), "signature": self.signature.to_json(),
-                "asm": dict(self.asm), "metadata": dict(self.metadata)}
+                "asm": dict(self.asm), "metadata": metadata}
 
     @classmethod
     def from_artifact(cls, artifact: dict) -> CompiledKernel | None:
@@ -92,38 +96,52 @@ class CompiledKernel:
 
 
 def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOptions, *,
-                   cache_key: str | None = None) -> CompiledKernel:
+                   cache_key: str | None = None, profile: CompileProfile | None = None
+                   ) -> CompiledKernel:
     """Lower Kiln IR text through every stage of ``options.target``.
 
     Options and the block shape are validated before MLIR or LLVM sees them. With ``cache_key``
     the result is stored in the compile cache (unless ``KILN_NO_CACHE``). MLIR failures raise
     :class:`~kiln.errors.CompilationError` at the user's line, with a reproducer command.
+    ``profile`` (e.g. holding the trace already) gets every step's time; the kernel's
+    ``metadata["compile_profile"]`` holds its entries.
     """
     target = options.chip
     _check_launch_shape(signature, options, target)
     name = signature.name
-    metadata: dict = {"target": target.name, "num_warps": options.num_warps, "compile_ms": {}}
+    profile = profile if profile is not None else CompileProfile()
+    metadata: dict = {"target": target.name, "num_warps": options.num_warps, "compile_ms": {},
+                      "compile_profile": profile.entries}
     with ir.Context():
-        state = CompileState(name, target, options, signature, parse_module(name, kiln_ir), metadata)
-        recipes = _stamp_target(state.module, target)
+        with profile.step("parse"):
+            module = parse_module(name, kiln_ir)
+            recipes = _stamp_target(module, target)
+        state = CompileState(name, target, options, signature, module, metadata, profile=profile)
+        state.scratch["recipes"] = recipes
         state.asm["kiln"] = kiln_ir
         dump_stage(name, "kiln", kiln_ir)
         for stage, make in stages_for(target).items():
             start = time.perf_counter()
-            artifact = make(state)
+            with profile.step(stage):
+                artifact = make(state)
             metadata["compile_ms"][stage] = round((time.perf_counter() - start) * 1e3, 3)
             if artifact is not None:
                 state.asm[stage] = artifact
                 dump_stage(name, stage, artifact)
             if stage == "amdgcn":
-                state.asm[stage] = check_amdgpu_assembly(state, recipes)
+                with profile.step("check-assembly"):
+                    state.asm[stage] = check_amdgpu_assembly(state, recipes)
             if stage == "cubin" and artifact is not None and recipes:
-                check_sass_schedule(state, recipes)
+                with profile.step("check-sass"):
+                    check_sass_schedule(state, recipes)
     kernel = CompiledKernel(name, target, options, signature, state.asm, metadata)
     if cache_key is not None and not env.cache_disabled():
         from kiln.lowering import cache
 
+        # Recorded after the put: the stored profile cannot hold the time of its own storing.
+        started = profile.clock()
         cache.put(cache_key, kernel.to_artifact())
+        profile.add_since("cache-store", started)
     return kernel
 
 
@@ -141,34 +159,23 @@ def _stamp_target(module: ir.Module, target: Target) -> dict:
     return recipes
 
 
-def _verbose_amdgcn(state: CompileState) -> str:
-    """The assembly again with comments on: LLVM prints the cluster markers (empty
-    sched_group_barriers) only in verbose assembly. Codegen is identical; a fresh parse of the
-    optimised IR is used because llvmlite must never emit twice from one module."""
-    import llvmlite.binding as llvmlite
-
-    machine = llvmlite.Target.from_triple(amd.TRIPLE).create_target_machine(
-        cpu=state.target.name, features="", opt=state.options.opt_level, reloc="pic",
-        codemodel="default")
-    machine.set_asm_verbosity(True)
-    return machine.emit_assembly(llvmlite.parse_assembly(state.scratch["optimized_llvm"]))
-
-
 def check_amdgpu_assembly(state: CompileState, recipes: dict) -> str:
     """The assembly-level proofs: waits cover every load's registers (WaitError), clusters
     match their recipes (ScheduleWarning); live VGPRs per cluster go into the metadata.
-    Returns the assembly to keep (the verbose one, with markers, when there are clusters)."""
+    Returns the assembly to keep (the amdgcn stage made it verbose, with the cluster
+    markers, when there are clusters)."""
     from kiln.lowering import isa_amdgpu
     from kiln.passes.verify_schedule import verify_schedule
 
     asm = state.asm["amdgcn"]
-    if recipes and "optimized_llvm" in state.scratch:
-        asm = _verbose_amdgcn(state)
-    program = isa_amdgpu.parse(asm, state.kernel)
-    isa_amdgpu.verify_waits(program, state.kernel)
+    with state.step("check-assembly", "parse"):
+        program = isa_amdgpu.parse(asm, state.kernel)
+    with state.step("check-assembly", "verify-waits"):
+        isa_amdgpu.verify_waits(program, state.kernel)
     if recipes:
-        verify_schedule(program, recipes, state.kernel)
-        live = isa_amdgpu.live_vgprs_at_clusters(program)
+        with state.step("check-assembly", "verify-schedule"):
+            verify_schedule(program, recipes, state.kernel)
+            live = isa_amdgpu.live_vgprs_at_clusters(program)
         if live:
             state.metadata["cluster_live_vgprs"] = live
     return asm

@@ -53,11 +53,12 @@ def make_gpu(state: CompileState) -> str:
 
 
 def make_nvvm(state: CompileState) -> str:
-    text = run_passes(state, "nvvm", nvvm_passes(state))
-    if state.options.maxnreg is not None:
-        _set_maxnreg(state.module, state.kernel, state.options.maxnreg)
-        text = str(state.module)
-    return text
+    if state.options.maxnreg is None:
+        return run_passes(state, "nvvm", nvvm_passes(state))
+    run_passes(state, "nvvm", nvvm_passes(state), text=False)
+    _set_maxnreg(state.module, state.kernel, state.options.maxnreg)
+    with state.step("nvvm", "print"):
+        return str(state.module)
 
 
 def _set_maxnreg(module: ir.Module, kernel: str, maxnreg: int) -> None:
@@ -75,7 +76,7 @@ def make_llvm(state: CompileState) -> str:
 
 
 def make_ptx(state: CompileState) -> str:
-    run_passes(state, "ptx", ["gpu-module-to-binary{format=isa}"])
+    run_passes(state, "ptx", ["gpu-module-to-binary{format=isa}"], text=False)
     for op in state.module.body.operations:
         if op.operation.name == "gpu.binary":
             return gpu.ObjectAttr(op.operation.attributes["objects"][0]).object.decode()
@@ -93,7 +94,8 @@ def make_cubin(state: CompileState) -> bytes | None:
         ptx_path.write_text(state.asm["ptx"])
         command = [str(ptxas), f"-arch={state.target.name}", "-v", f"-O{state.options.opt_level}",
                    str(ptx_path), "-o", str(cubin_path)]
-        done = subprocess.run(command, capture_output=True, text=True)
+        with state.step("cubin", "ptxas"):
+            done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise CompilationError(
                 f"ptxas rejected the PTX of kernel {state.kernel!r}:\n{done.stderr.strip()}",

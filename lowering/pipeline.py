@@ -15,6 +15,7 @@ from mlir import ir
 from kiln.errors import CompilationError, SourceLoc, source_loc_from_mlir
 from kiln.lowering.dump import write_reproducer
 from kiln.lowering.options import CompileOptions
+from kiln.lowering.profile import CompileProfile
 from kiln.lowering.signature import KernelSignature
 from kiln.lowering.targets import Target
 from kiln.lowering.tools import kiln_opt_command
@@ -29,7 +30,8 @@ GPU_STAGE_PASSES = ("kiln-fold-block-dim", "kiln-cluster-schedule", "canonicaliz
 @dataclass
 class CompileState:
     """What the stages of one compile share. ``module`` is rewritten in place by MLIR stages;
-    ``scratch`` holds objects a later stage reuses (e.g. the optimised llvmlite module)."""
+    ``scratch`` holds objects a later stage reuses (e.g. the optimised llvmlite module);
+    ``profile`` times the steps inside a stage (``"<stage>.<step>"``)."""
 
     kernel: str
     target: Target
@@ -39,17 +41,47 @@ class CompileState:
     metadata: dict
     asm: dict = field(default_factory=dict)
     scratch: dict = field(default_factory=dict)
+    profile: CompileProfile = field(default_factory=CompileProfile)
+
+    def step(self, stage: str, name: str):
+        """Time a step of ``stage`` in the profile."""
+        return self.profile.step(f"{stage}.{name}")
 
 
-def run_passes(state: CompileState, stage: str, elements: Sequence[str]) -> str:
-    """Run ``elements`` on ``state.module``; return the module's text afterwards."""
-    before = state.module.operation.get_asm(enable_debug_info=True)
-    pm = build_pass_manager(elements)
+def run_passes(state: CompileState, stage: str, elements: Sequence[str], *,
+               text: bool = True) -> str | None:
+    """Run ``elements`` on ``state.module``; return the module's text afterwards (with
+    ``text``; printing a large module costs as much as a pass)."""
+    # A copy of the input for the reproducer, printed only when the stage fails (cloning
+    # costs a tenth of printing, which every stage used to pay).
+    with state.step(stage, "snapshot"):
+        before = state.module.operation.clone()
+    # Verified after Kiln's own passes and once at the end, not after every upstream pass (a
+    # third of the nvvm stage); a failure is replayed verifying after every pass.
+    pm = build_pass_manager(elements, timer=lambda name: state.step(stage, f"passes.{name}"),
+                            verify_each=False)
     try:
-        pm.run(state.module.operation)
+        with state.step(stage, "passes"):
+            pm.run(state.module.operation)
+        with state.step(stage, "verify"):
+            state.module.operation.verify()
     except ir.MLIRError as err:
-        raise stage_error(state.kernel, stage, err, before, elements) from None
-    return str(state.module)
+        text = before.get_asm(enable_debug_info=True)
+        raise stage_error(state.kernel, stage, _replayed_error(before, elements) or err, text,
+                          elements) from None
+    if not text:
+        return None
+    with state.step(stage, "print"):
+        return str(state.module)
+
+
+def _replayed_error(module: ir.Operation, elements: Sequence[str]) -> ir.MLIRError | None:
+    """The error of ``elements`` rerun on ``module`` verifying after every pass, else None."""
+    try:
+        build_pass_manager(elements).run(module)
+    except ir.MLIRError as err:
+        return err
+    return None
 
 
 def stage_error(kernel: str, stage: str, err: ir.MLIRError, module_text: str,

@@ -17,9 +17,9 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
-from mlir import passmanager
+from mlir import ir, passmanager
 
 from kiln.errors import KilnValueError
 
@@ -80,17 +80,25 @@ def pipeline_text(elements: Sequence[str]) -> str:
     return "builtin.module(" + ",".join(elements) + ")"
 
 
-def build_pass_manager(elements: Sequence[str]) -> passmanager.PassManager:
+def build_pass_manager(elements: Sequence[str], *,
+                       timer: Callable[[str], ContextManager] | None = None,
+                       verify_each: bool = True) -> passmanager.PassManager:
     """A ``builtin.module`` PassManager running ``elements`` in order (needs an active Context).
 
     Kiln passes must appear at the top level; inside ``gpu.module(...)`` they are rejected,
-    since Python passes cannot be nested in textual pipelines.
+    since Python passes cannot be nested in textual pipelines. ``timer(name)``, when given,
+    is entered around each Kiln pass's run (the compile profile). ``verify_each=False``
+    verifies only after the Kiln passes (upstream passes keep valid IR valid), so the caller
+    verifies the result once instead of after every pass.
     """
     pm = passmanager.PassManager("builtin.module")
+    pm.enable_verifier(verify_each)
     for element in elements:
         kiln_pass = _REGISTRY.get(element)
         if kiln_pass is not None:
-            pm.add(kiln_pass.run, name=kiln_pass.name, argument=kiln_pass.name,
+            run = kiln_pass.run if timer is None and verify_each else \
+                _wrapped(kiln_pass, timer, verify=not verify_each)
+            pm.add(run, name=kiln_pass.name, argument=kiln_pass.name,
                    description=kiln_pass.description)
             continue
         nested = [name for name in _REGISTRY if name in element]
@@ -104,6 +112,23 @@ def build_pass_manager(elements: Sequence[str]) -> passmanager.PassManager:
             raise KilnValueError(f"bad pipeline element {element!r}: {err}",
                                  fix="check the pass name and options with mlir-opt --help") from None
     return pm
+
+
+def _wrapped(kiln_pass: KilnPass, timer: Callable[[str], ContextManager] | None,
+             verify: bool) -> Callable:
+    def run(op, pass_):
+        if timer is None:
+            kiln_pass.run(op, pass_)
+        else:
+            with timer(kiln_pass.name):
+                kiln_pass.run(op, pass_)
+        if verify:  # a Kiln pass's invalid IR must not reach the next upstream pass
+            try:
+                op.operation.verify()
+            except ir.MLIRError:
+                pass_.signal_pass_failure()
+
+    return run
 
 
 from kiln.passes import fold_block_dim as _fold_block_dim  # noqa: E402  (registers itself)

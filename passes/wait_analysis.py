@@ -52,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlir import ir
+from mlir.dialects import llvm  # registers the class !llvm.ptr types are returned as
 
 # GFX9 (gfx90a/gfx942/gfx950) s_waitcnt simm16 layout:
 #   bits 3:0 vmcnt[3:0], 6:4 expcnt, 11:8 lgkmcnt, 15:14 vmcnt[5:4].
@@ -221,9 +222,10 @@ def _space(value: ir.Value) -> int | None:
 
 def _is_lds(value: ir.Value) -> bool:
     """Shared memory (LDS) memref or pointer: the only memory async copies write here."""
-    if isinstance(value.type, ir.MemRefType):
+    kind = value.type  # fetched once and tested by class: printing it was a third of the pass
+    if isinstance(kind, ir.MemRefType):
         return _space(value) == 3
-    return str(value.type) == "!llvm.ptr<3>"
+    return isinstance(kind, llvm.PointerType) and kind.address_space == 3
 
 
 def written_roots(op: ir.Operation) -> tuple | None:
@@ -331,6 +333,7 @@ class WaitAnalysis:
         self._record = True
         self._steps: dict = {}    # ir.Operation -> Step, for events
         self._tokens: dict = {}   # kiln.token id -> event Step
+        self._operand_events: dict = {}  # ir.Value -> events reaching it (_value_events)
         body = self._build(func.regions[0].blocks[0])
         self._resolve_reads(body)
         self._walk(body, {})
@@ -367,7 +370,9 @@ class WaitAnalysis:
             else:
                 operands = list(op.operands)
             for operand in operands:
-                found = self._value_events(operand, set())
+                found = self._operand_events.get(operand)
+                if found is None:  # values feed many ops: walk each value's chain once
+                    found = self._operand_events[operand] = self._value_events(operand, set())
                 if step.counter == WGMMA:  # an accumulator chained into the next wgmma is no read
                     found = {e for e in found if e.counter != WGMMA}
                 needed |= found

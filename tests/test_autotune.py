@@ -166,3 +166,62 @@ def test_an_untrusted_store_directory_is_not_used(private_cache, monkeypatch):
     with pytest.warns(CacheWarning, match=f"chmod 700 {store.parent}"):
         assert make_entry(cost, [])(None, 7) == "small:7"
     assert json.loads(store.read_text()) == {"n=7": 2}  # not written either
+
+
+def test_kernel_configs_are_compiled_concurrently_before_timing(monkeypatch):
+    """Every config's kernel is compiled (in memory) before the first timed launch, with the
+    lowering of several configs in flight at once (ptxas and native stages overlap)."""
+    import threading
+
+    from kiln.lowering import compiler
+
+    launched, in_flight, peak = [], [0], [0]
+    real_compile = compiler.compile_kernel
+    lock = threading.Lock()
+
+    def counting_compile(*args, **kwargs):
+        with lock:
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+        try:
+            return real_compile(*args, **kwargs)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    @kiln.kernel
+    def doubled(x: kiln.Tensor[kiln.f32], n: kiln.i32, BLOCK: kiln.constexpr):
+        i = kiln.block_id(0) * BLOCK + kiln.thread_id(0)
+        if i < n:
+            x[i] = x[i] * 2.0
+
+    def fake_launch(self, grid, *args, **kwargs):
+        launched.append(len(doubled._compiled))
+
+    monkeypatch.setattr(compiler, "compile_kernel", counting_compile)
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+    monkeypatch.setattr(type(doubled), "_launch", fake_launch)
+    configs = [{"BLOCK": 32 * 2 ** i, "num_warps": 1 + i % 2} for i in range(4)]
+    tuned = autotune(configs=configs, key=["n"], warmup=0, repeat=1, progress=False,
+                     timer=lambda run: run() or 1.0)(doubled)
+    tuned[(2,)](np.full(100, np.nan, np.float32), 100)
+    assert launched[0] == len(configs)  # all compiled before the first timed run
+    assert peak[0] >= 2
+
+
+def test_entry_precompile_runs_every_config_at_once():
+    barrier = __import__("threading").Barrier(3, timeout=10)
+    compiled, runs = [], []
+
+    def precompile(config, n):
+        barrier.wait()  # breaks (BrokenBarrierError) unless the three run concurrently
+        compiled.append(config)
+
+    @autotune(configs=[1, 2, 3], key=["n"], warmup=0, repeat=1, progress=False,
+              timer=lambda run: run() or 1.0, precompile=precompile)
+    def entry(n, *, config):
+        runs.append(list(compiled))
+        return config
+
+    assert entry(5) == 1
+    assert sorted(compiled) == [1, 2, 3] and runs[0] == compiled

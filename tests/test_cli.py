@@ -60,6 +60,35 @@ def test_report_lists_stages_and_resources(kernel_file, capsys):
         assert key in out
 
 
+def _profile_rows(out: str) -> dict[str, tuple[float, float]]:
+    """step -> (wall ms, cpu ms) from the report's compile profile table."""
+    table = out.split("compile profile", 1)[1].splitlines()[2:]
+    rows = {}
+    for line in table:
+        name, wall, cpu = line.split()
+        rows[name] = (float(wall), float(cpu))
+    return rows
+
+
+@pytest.mark.parametrize("target, steps", [
+    ("sm_90a", ["cache-lookup", "trace", "parse", "gpu", "gpu.passes",
+                "gpu.passes.kiln-insert-waits", "gpu.passes.kiln-verify-waits", "gpu.print",
+                "nvvm", "nvvm.passes", "llvm", "ptx", "ptx.passes", "cubin"]),
+    ("gfx950", ["cache-lookup", "trace", "parse", "gpu", "rocdl", "rocdl.passes", "llvm",
+                "amdgcn", "amdgcn.optimize", "amdgcn.emit", "check-assembly",
+                "check-assembly.verify-waits", "obj", "obj.emit", "hsaco"]),
+])
+def test_report_profiles_every_step(kernel_file, capsys, target, steps):
+    assert main(["compile", f"{kernel_file}:scale", "--target", target, "--report",
+                 "-D", "BLOCK=64"]) == 0
+    rows = _profile_rows(capsys.readouterr().out)
+    assert set(steps) <= set(rows), set(steps) - set(rows)
+    top = [name for name in rows if "." not in name and name != "total"]
+    assert all(rows[name][0] >= 0 and rows[name][1] >= 0 for name in rows)
+    assert rows["total"][0] == pytest.approx(sum(rows[n][0] for n in top), abs=0.1 * len(top))
+    assert rows["trace"][1] > 0 and rows["gpu"][0] > 0
+
+
 def test_arg_types_for_unannotated_parameters(kernel_file, capsys):
     assert main(["compile", f"{kernel_file}:untyped", "--arg", "x=bf16:1", "--arg", "n=i32"]) == 0
     assert "memref<?xbf16" in capsys.readouterr().out

@@ -225,3 +225,49 @@ def test_nested_if_in_loop_with_mask():
 
     asm = trace(k, X, 8)
     assert asm.index("scf.for") < asm.index("scf.if")
+
+
+def test_rewrite_helpers_match_the_ast_module():
+    """The rewrite's own AST copy and location fill give what copy.deepcopy and
+    ast.fix_missing_locations give (the compiled kernel code must not change)."""
+    import ast
+    import copy
+    import inspect
+
+    from kiln import ast_rewrite
+    from kiln.kernels.attention import prefill_hopper
+
+    source = inspect.getsource(prefill_hopper)
+    tree = ast.parse(source)
+    functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    assert functions
+    for fdef in functions:  # leaves many generated nodes without locations
+        fdef.body = ast_rewrite._Rewriter("prefill_hopper.py")._stmts(fdef.body)
+    ours = ast_rewrite._clone(tree)
+    assert ast.dump(ours, include_attributes=True) == ast.dump(copy.deepcopy(tree),
+                                                               include_attributes=True)
+    assert ours is not tree and ours.body[0] is not tree.body[0]
+    expected = ast.dump(ast.fix_missing_locations(copy.deepcopy(tree)), include_attributes=True)
+    assert ast.dump(ast_rewrite.fix_missing_locations(ours), include_attributes=True) == expected
+
+
+def test_factory_kernels_share_one_rewrite_and_keep_their_closures(monkeypatch):
+    """Kernels a factory makes share one code object: its source is rewritten and compiled
+    once, and each kernel still sees its own closure values."""
+    from kiln import ast_rewrite
+
+    def make(scale):
+        @kiln.kernel
+        def scaled(x: kiln.Tensor[f32]):
+            i = kiln.thread_id(0)
+            if i < 4:
+                x[i] = x[i] * scale
+        return scaled
+
+    compiled = []
+    real = ast_rewrite._compile_factory
+    monkeypatch.setattr(ast_rewrite, "_compile_factory",
+                        lambda fn: compiled.append(fn) or real(fn))
+    two, three = trace(make(2.0), X), trace(make(3.0), X)
+    assert len(compiled) == 1
+    assert "2.000000e+00" in two and "3.000000e+00" in three

@@ -153,3 +153,70 @@ def test_amd_device_library_call_is_a_compile_error(tmp_path):
     with pytest.raises(CompilationError, match="__ocml_exp2_f64") as info:
         module.exp2_f64.compile(np.zeros(4, np.float64), target="gfx950")
     assert "Fix:" in str(info.value)
+
+
+def test_profile_times_every_step_and_the_cache_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KILN_NO_CACHE", raising=False)
+    kernel = compile_kernel(SAXPY_IR, SAXPY, CompileOptions("gfx950", num_warps=2),
+                            cache_key="profile-test")
+    profile = kernel.metadata["compile_profile"]
+    steps = [name for name, _, _ in profile]
+    top = [s for s in steps if "." not in s]
+    assert top == ["parse", "gpu", "rocdl", "llvm", "amdgcn", "check-assembly", "obj", "hsaco",
+                   "cache-store"]
+    assert {"gpu.passes.kiln-insert-waits", "amdgcn.optimize", "amdgcn.emit", "obj.emit"} <= set(steps)
+    assert all(wall >= 0 and cpu >= 0 for _, wall, cpu in profile)
+    stage = dict((name, wall) for name, wall, _ in profile)
+    assert stage["amdgcn"] >= stage["amdgcn.emit"] > 0  # a nested step lies inside its stage
+    from kiln.lowering.compiler import load_cached
+
+    stored = load_cached("profile-test")  # stored before its own store was timed
+    assert [s for s, _, _ in stored.metadata["compile_profile"]] == steps[:-1]
+
+
+def test_failed_pass_reproducer_is_the_stage_input(tmp_path, monkeypatch):
+    """The reproducer holds the module as the stage received it, with locations, even though
+    the failing pass had already rewritten it."""
+    from mlir import ir
+
+    from kiln import passes
+    from kiln.lowering import nvidia
+
+    def mangle_then_fail(op, pass_):
+        op.attributes["kiln.mangled"] = ir.UnitAttr.get()
+        pass_.signal_pass_failure()
+
+    monkeypatch.setitem(passes._REGISTRY, "kiln-test-mangle",
+                        passes.KilnPass("kiln-test-mangle", mangle_then_fail, "test: fails"))
+    monkeypatch.setattr(nvidia, "GPU_STAGE_PASSES", ("kiln-test-mangle",))
+    monkeypatch.setenv("KILN_DUMP_DIR", str(tmp_path))
+    with pytest.raises(CompilationError, match="the 'gpu' stage failed") as caught:
+        compile_kernel(SAXPY_IR, SAXPY, CompileOptions("sm_90a"))
+    text = Path(caught.value.reproducer).read_text()
+    assert "kiln.mangled" not in text and "kiln.target" in text and "loc(" in text
+
+
+def test_invalid_ir_from_a_kiln_pass_stops_before_the_next_pass(monkeypatch):
+    """Upstream passes are not verified one by one, but a Kiln pass's output is: IR it broke
+    becomes a CompilationError naming the problem, not input to canonicalize."""
+    from kiln import passes
+    from kiln.lowering import nvidia
+
+    def drop_terminator(op, pass_):
+        def visit(inner):
+            if inner.name == "gpu.return":
+                inner.erase()
+                return ir.WalkResult.INTERRUPT
+            return ir.WalkResult.ADVANCE
+
+        op.operation.walk(visit)
+
+    from mlir import ir
+
+    monkeypatch.setitem(passes._REGISTRY, "kiln-test-break",
+                        passes.KilnPass("kiln-test-break", drop_terminator, "test: breaks IR"))
+    monkeypatch.setattr(nvidia, "GPU_STAGE_PASSES", ("kiln-test-break", "canonicalize", "cse"))
+    with pytest.raises(CompilationError, match="the 'gpu' stage failed") as caught:
+        compile_kernel(SAXPY_IR, SAXPY, CompileOptions("sm_90a"))
+    assert "terminator" in str(caught.value)

@@ -235,3 +235,25 @@ def test_assembly_gap_is_reported_at_the_python_line_of_the_read():
     read_line = next(n for n, text in enumerate(open(__file__), 1) if "ASM_READ_LINE" in text
                      and "next(" not in text)
     assert caught.value.loc.line == read_line
+
+
+@pytest.mark.lower
+def test_clustered_kernel_is_code_generated_once_per_artifact(monkeypatch):
+    """The verbose assembly (with cluster markers) is the amdgcn stage itself: one assembly
+    emission and one object emission, not a second assembly for the checks."""
+    import llvmlite.binding as llvmlite
+
+    llvmlite.initialize_all_targets()
+    llvmlite.initialize_all_asmprinters()
+    emitted = []
+    machine_class = type(llvmlite.Target.from_triple("amdgcn-amd-amdhsa")
+                         .create_target_machine(cpu="gfx950"))
+    for method in ("emit_assembly", "emit_object"):
+        real = getattr(machine_class, method)
+        monkeypatch.setattr(machine_class, method,
+                            lambda self, module, _real=real, _name=method:
+                            emitted.append(_name) or _real(self, module))
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+    ck = type(clustered)(clustered.fn).compile(*ARGS, target="gfx950", num_warps=2)
+    assert emitted == ["emit_assembly", "emit_object"]
+    assert "sched_group_barrier" in ck.asm["amdgcn"]  # the markers need the verbose text

@@ -129,7 +129,14 @@ def matmul(a, b, *, trans_b=False, out_dtype=None, target=None, backend=None):
     return c if np_ == n else _contiguous(c[:, :n])
 
 
-@autotune(configs=HOPPER_CONFIGS, key=["m", "n", "k", "dtype", "b_major", "out_dtype"])
+def _compile_hopper(config, a, b, c, m, n, k, dtype, b_major, out_dtype, target):
+    # autotune compiles every config up front, concurrently, before timing any
+    make_kernel(dtype, out_dtype, b_major, config).compile(
+        a, b, c, m, n, k, target=target, num_warps=config.num_warps, **_constexprs(config))
+
+
+@autotune(configs=HOPPER_CONFIGS, key=["m", "n", "k", "dtype", "b_major", "out_dtype"],
+          precompile=_compile_hopper)
 def hopper_autotuner(a, b, c, m, n, k, dtype, b_major, out_dtype, target, *, config):
     run_hopper(a, b, c, m, n, k, dtype=dtype, b_major=b_major, target=target, config=config)
 

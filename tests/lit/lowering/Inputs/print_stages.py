@@ -22,5 +22,6 @@ for chip in sys.argv[1:]:
     for stage, artifact in kernel.asm.items():
         print(f"// STAGE {chip} {stage}")
         print(f"<{len(artifact)} bytes>" if isinstance(artifact, bytes) else artifact)
-    fields = " ".join(f"{k}={v}" for k, v in sorted(kernel.metadata.items()) if k != "compile_ms")
+    timings = ("compile_ms", "compile_profile")
+    fields = " ".join(f"{k}={v}" for k, v in sorted(kernel.metadata.items()) if k not in timings)
     print(f"// METADATA {chip} {fields} stages={','.join(kernel.metadata['compile_ms'])}")

@@ -1,0 +1,83 @@
+"""Where a compile spends its time: wall and CPU milliseconds per pipeline step.
+
+A :class:`CompileProfile` is filled while a kernel is traced and lowered; the compiled
+kernel carries it as ``metadata["compile_profile"]``, a list of ``(step, wall_ms, cpu_ms)``
+in the order the steps ran. CPU time counts this process and its finished child processes
+(``ptxas``, ``ld.lld``), so it stays meaningful on a loaded machine where wall time is not;
+it is the whole process's, so during concurrent compiles (autotune) it includes other threads'.
+``kiln compile FILE.py:KERNEL --report`` prints it as a table.
+
+Example::
+
+    profile = CompileProfile()
+    with profile.step("trace"):
+        traced = kernel.trace(...)
+    profile.entries       # [("trace", 12.3, 11.9)]
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process plus its waited-for children (e.g. ptxas)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+class CompileProfile:
+    """An ordered list of ``(step, wall_ms, cpu_ms)``; steps may nest (``"gpu"`` holds
+    ``"gpu.kiln-insert-waits"``, named with a dot), so only top-level steps add up."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, float, float]] = []
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        """Time the body as step ``name``, listed where it started (before its nested steps)."""
+        slot = len(self.entries)
+        self.entries.append((name, 0.0, 0.0))
+        wall, cpu = self.clock()
+        try:
+            yield
+        finally:
+            self.entries[slot] = _entry(name, time.perf_counter() - wall, cpu_seconds() - cpu)
+
+    @staticmethod
+    def clock() -> tuple[float, float]:
+        """(wall, cpu) seconds now, for :meth:`add_since`."""
+        return time.perf_counter(), cpu_seconds()
+
+    def add_since(self, name: str, started: tuple[float, float]) -> None:
+        """Record step ``name`` as running from ``started`` (a :meth:`clock`) until now."""
+        self.entries.append(_entry(name, time.perf_counter() - started[0],
+                                   cpu_seconds() - started[1]))
+
+    def total(self) -> tuple[float, float]:
+        """(wall_ms, cpu_ms) of the top-level steps."""
+        return total_of(self.entries)
+
+
+def _entry(name: str, wall_s: float, cpu_s: float) -> tuple[str, float, float]:
+    return name, round(wall_s * 1e3, 3), round(cpu_s * 1e3, 3)
+
+
+def total_of(entries) -> tuple[float, float]:
+    """(wall_ms, cpu_ms) summed over the top-level steps of a profile's entries."""
+    top = [(wall, cpu) for name, wall, cpu in entries if "." not in name]
+    return sum(w for w, _ in top), sum(c for _, c in top)
+
+
+def format_profile(entries) -> list[str]:
+    """The profile as aligned table lines; nested steps (``a.b``) are indented per level."""
+    lines = [f"  {'step':<44} {'wall ms':>9} {'cpu ms':>9}"]
+    for name, wall_ms, cpu_ms in entries:
+        label = "  " * name.count(".") + name
+        lines.append(f"  {label:<44} {wall_ms:>9.1f} {cpu_ms:>9.1f}")
+    wall_ms, cpu_ms = total_of(entries)
+    lines.append(f"  {'total':<44} {wall_ms:>9.1f} {cpu_ms:>9.1f}")
+    return lines
