@@ -85,6 +85,8 @@ class CompiledKernel:
             if not (isinstance(asm, dict) and isinstance(metadata, dict)
                     and all(isinstance(v, (str, bytes)) for v in asm.values())):
                 return None
+            if "compile_profile" in metadata:  # JSON keeps its (step, wall, cpu) rows as lists
+                metadata["compile_profile"] = [tuple(row) for row in metadata["compile_profile"]]
             return cls(str(artifact["name"]), get_target(artifact["target"]),
                        CompileOptions(**artifact["options"]),
                        KernelSignature.from_json(artifact["signature"]), asm, metadata)
