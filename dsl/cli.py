@@ -35,6 +35,9 @@ def _load_kernel(spec: str):
     path = Path(path_text)
     if not path.is_file():
         raise KilnValueError(f"no such file: {path}", fix="check the path before ':'")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # sibling imports work, as under ``python FILE.py``
+        sys.path.insert(0, folder)
     module_spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[path.stem] = module  # kernels look up their globals through the module
