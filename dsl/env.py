@@ -5,7 +5,7 @@ Read them through these functions (not ``os.environ``) so the set stays document
 ============================  ==========================================================
 ``KILN_CACHE_DIR``            on-disk compile cache (default ``~/.cache/kiln``)
 ``KILN_NO_CACHE=1``           never read or write the compile cache
-``KILN_DUMP_DIR=dir``         write ``<kernel>.<stage>.<ext>`` for every compile stage
+``KILN_DUMP_DIR=dir``         write ``<kernel>.<target>.<key>.<stage>.<ext>`` for every stage
 ``KILN_SHOW_STACKTRACE=1``    keep Kiln's own frames in error tracebacks
 ``KILN_INTERPRET_CHECK_BOUNDS``  bounds checks in the CPU interpreter (default on)
 ``KILN_INTERPRET_TIMEOUT``    seconds a blocked interpreter context waits before a deadlock error

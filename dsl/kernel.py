@@ -377,6 +377,7 @@ class JITKernel:
             return self._compile_specs(specs, options)
         if compiled is None:
             compiled = self._compiled[key] = self._compile_specs(specs, options)
+        compiled.dump_stages()  # KILN_DUMP_DIR set since this kernel was compiled
         return compiled
 
     def __getitem__(self, grid) -> Callable:

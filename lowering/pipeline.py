@@ -39,6 +39,7 @@ class CompileState:
     metadata: dict
     asm: dict = field(default_factory=dict)
     scratch: dict = field(default_factory=dict)
+    dump_prefix: str = ""  # start of KILN_DUMP_DIR file names (lowering/dump.py); "" = kernel
 
 
 def run_passes(state: CompileState, stage: str, elements: Sequence[str]) -> str:
@@ -48,14 +49,15 @@ def run_passes(state: CompileState, stage: str, elements: Sequence[str]) -> str:
     try:
         pm.run(state.module.operation)
     except ir.MLIRError as err:
-        raise stage_error(state.kernel, stage, err, before, elements) from None
+        raise stage_error(state.kernel, stage, err, before, elements,
+                          dump_prefix=state.dump_prefix) from None
     return str(state.module)
 
 
 def stage_error(kernel: str, stage: str, err: ir.MLIRError, module_text: str,
-                elements: Sequence[str]) -> CompilationError:
+                elements: Sequence[str], *, dump_prefix: str = "") -> CompilationError:
     """A CompilationError at the user line of the first diagnostic, with a reproducer command."""
-    path = write_reproducer(kernel, stage, module_text)
+    path = write_reproducer(dump_prefix or kernel, stage, module_text)
     command = (f"{kiln_opt_command()} {shlex.quote(str(path))} "
                f"--pass-pipeline={shlex.quote(pipeline_text(elements))}")
     details = format_diagnostics(err)
@@ -90,9 +92,9 @@ def source_loc(loc: ir.Location) -> SourceLoc | None:
     return source_loc_from_mlir(loc)
 
 
-def parse_module(kernel: str, text: str) -> ir.Module:
+def parse_module(kernel: str, text: str, *, dump_prefix: str = "") -> ir.Module:
     """Parse (and verify) Kiln IR in the active Context; errors become CompilationError."""
     try:
         return ir.Module.parse(text)
     except ir.MLIRError as err:
-        raise stage_error(kernel, "kiln", err, text, ()) from None
+        raise stage_error(kernel, "kiln", err, text, (), dump_prefix=dump_prefix) from None
