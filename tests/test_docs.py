@@ -127,3 +127,48 @@ def _run_blocks(doc, blocks, namespace, tmp_path, monkeypatch):
                 f"{doc}:{line}: output differs.\n--- documented\n{expected}\n--- printed\n{printed}")
     if not_run:
         pytest.skip(f"the other examples pass; not run, their tool is missing: {'; '.join(not_run)}")
+
+
+def _stage_row(text: str, stage_cell: str) -> list[str]:
+    """The cells of lowering.md's stage-table row whose first cell is ``stage_cell``."""
+    (row,) = [line for line in text.splitlines() if line.startswith(f"| {stage_cell} |")]
+    return [cell.strip() for cell in row.strip("|").split("|")]
+
+
+def test_every_kiln_pass_is_documented_where_it_runs(capsys):
+    """``kiln-opt --list-passes`` and the docs cannot drift apart: passes.md names every
+    registered pass, and each Kiln pass a lowering stage runs is in that stage's table row."""
+    from types import SimpleNamespace
+
+    from kiln.lowering.amd import rocdl_passes
+    from kiln.lowering.nvidia import nvvm_passes
+    from kiln.lowering.options import CompileOptions
+    from kiln.lowering.pipeline import GPU_STAGE_PASSES
+    from kiln.passes import kiln_passes
+    from kiln.passes.opt import main
+
+    assert main(["--list-passes"]) == 0
+    registered = {line.split(":")[0] for line in capsys.readouterr().out.splitlines()}
+    assert registered == set(kiln_passes()) and len(registered) >= 8
+    passes_md = (DOCS / "passes.md").read_text()
+    assert sorted(p for p in registered if f"`{p}`" not in passes_md) == []
+    lowering_md = (DOCS / "lowering.md").read_text()
+
+    def kiln_names(pipeline) -> set[str]:
+        names = set(re.findall(r"kiln-[a-z0-9-]+", " ".join(pipeline)))
+        assert names <= registered, names - registered
+        return names
+
+    nvidia = CompileOptions("sm_90a", flush_denormals=True)
+    amd = CompileOptions("gfx950")
+    runs = [("`gpu`", 1, GPU_STAGE_PASSES), ("`gpu`", 2, GPU_STAGE_PASSES),
+            ("`nvvm` / `rocdl`", 1, nvvm_passes(SimpleNamespace(options=nvidia, target=nvidia.chip))),
+            ("`nvvm` / `rocdl`", 2, rocdl_passes(SimpleNamespace(options=amd, target=amd.chip)))]
+    used = set()
+    for stage_cell, column, pipeline in runs:
+        cell = _stage_row(lowering_md, stage_cell)[column]
+        cell = _stage_row(lowering_md, stage_cell)[1] if cell == "same" else cell
+        names = kiln_names(pipeline)
+        used |= names
+        assert sorted(n for n in names if f"`{n}`" not in cell) == [], (stage_cell, column)
+    assert used == registered  # every registered pass runs in some stage
