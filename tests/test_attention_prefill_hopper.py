@@ -117,6 +117,7 @@ def test_a_per_warp_vote_around_the_redo_is_caught(monkeypatch):
 
 
 @pytest.mark.parametrize("mask", MASK_CASES.values(), ids=MASK_CASES.keys())
+@pytest.mark.slow
 def test_every_mask_kind(mask):
     # 150 queries x 290 keys: partial query and key tiles, boundary and interior key tiles.
     _check(np.random.default_rng(), sq=150, sk=290, **mask)
@@ -153,6 +154,7 @@ def test_grouped_query_heads(hq, hkv):
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.slow
 def test_head_dims(d):
     _check(np.random.default_rng(), sq=80, sk=200, d=d, window=(90, 20))
 
@@ -271,6 +273,7 @@ def test_ptx_has_the_hopper_pipeline(causal_d128):
 
 @pytest.mark.lower
 @pytest.mark.parametrize("d,block_n", [(64, None), (128, None), (128, 144), (256, None)])
+@pytest.mark.slow
 def test_no_spills(d, block_n):
     tiles = {} if block_n is None else dict(block_n=block_n)
     ck = compile_prefill(target="sm_90a", head_dim=d, dtype="f16", window=(128, 0), group=4,
