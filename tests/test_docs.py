@@ -84,6 +84,20 @@ def test_doc_blocks_pairs_code_with_its_output():
     assert doc_blocks(text) == [(1, "print(1)\n", "1", ()), (10, "x = 2\n", None, ("needs-ld.lld",))]
 
 
+def test_blocks_needing_a_missing_tool_are_skipped_by_name(tmp_path, monkeypatch):
+    """Without ld.lld the other blocks still run (and must pass); the skip names the rest."""
+    monkeypatch.setitem(TOOLS, "needs-ld.lld", lambda: None)
+    monkeypatch.setitem(TOOLS, "needs-ptxas", lambda: "/bin/ptxas")
+    blocks = [(1, "print(1)\n", "1", ()), (5, "raise RuntimeError\n", None, ("needs-ld.lld",)),
+              (9, "print(3)\n", "3", ("needs-ptxas",))]
+    with pytest.raises(pytest.skip.Exception, match=r"not run, their tool is missing: "
+                                                    r"x\.md:5 \(needs-ld\.lld\)$"):
+        _run_blocks("x.md", blocks, {}, tmp_path / "first", monkeypatch)
+    blocks[2] = (9, "print(3)\n", "4", ("needs-ptxas",))
+    with pytest.raises(AssertionError, match="x.md:9: output differs"):
+        _run_blocks("x.md", blocks, {}, tmp_path / "second", monkeypatch)
+
+
 @pytest.mark.lower
 @pytest.mark.parametrize("doc", DOC_NAMES)
 def test_doc_examples_run(doc, tmp_path, monkeypatch):
@@ -111,7 +125,7 @@ def _run_blocks(doc, blocks, namespace, tmp_path, monkeypatch):
             not_run.append(f"{doc}:{line} ({', '.join(missing)})")
             continue
         folder = tmp_path / f"{doc.split('.')[0]}_{n}"
-        folder.mkdir()
+        folder.mkdir(parents=True)
         path = folder / "example.py"
         path.write_text(code)
         monkeypatch.chdir(folder)
