@@ -10,8 +10,9 @@ Examples::
 The file is imported with its folder first on ``sys.path`` (as ``python FILE.py`` runs it), so
 it may import its sibling modules. Parameters are specialised from their annotations
 (``kiln.Tensor[f32, 2]``, ``i32``...): tensors become placeholder arrays of that dtype and rank
-(rank 1 when not annotated), so no data is needed. ``--arg NAME=DTYPE[:RANK]`` types an unannotated parameter (a rank makes it a tensor);
-``-D NAME=VALUE`` sets a constexpr (VALUE is a Python literal, else a string).
+(rank 1 when not annotated), so no data is needed. ``--arg NAME=DTYPE[:RANK]`` types an
+unannotated parameter (a rank makes it a tensor); ``-D NAME=VALUE`` sets a constexpr (VALUE is a
+Python literal, else a string).
 """
 
 from __future__ import annotations

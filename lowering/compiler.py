@@ -111,7 +111,8 @@ def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOpt
     metadata: dict = {"target": target.name, "num_warps": options.num_warps, "compile_ms": {}}
     with ir.Context():
         module = parse_module(name, kiln_ir, dump_prefix=prefix)
-        state = CompileState(name, target, options, signature, module, metadata, dump_prefix=prefix)
+        state = CompileState(name, target, options, signature, module, metadata,
+                             dump_prefix=prefix)
         recipes = _stamp_target(state.module, target)
         state.asm["kiln"] = kiln_ir
         dump_stage(prefix, "kiln", kiln_ir)

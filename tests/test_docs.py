@@ -7,9 +7,9 @@ imports and kernels), each from its own file ``<dir>/<doc>_<n>/example.py``, so 
 source to trace and error messages show ``example.py:<line in the block>``. In expected output a
 line ``...`` matches any number of lines. A block whose fence also says ``needs-ld.lld`` or
 ``needs-ptxas`` runs only where that tool is found; the others still run, and the test then
-skips naming the blocks it could not check (``.ci/run`` installs ``ld.lld``). Nothing is launched, even on a GPU machine: the CUDA
-probe is patched to report no GPU, so ``cuda_available()`` guards skip and launches raise
-``LaunchError``. The compile cache goes to a temporary directory.
+skips naming the blocks it could not check (``.ci/run`` installs ``ld.lld``). Nothing is
+launched, even on a GPU machine: the CUDA probe is patched to report no GPU, so
+``cuda_available()`` guards skip and launches raise ``LaunchError``. The compile cache goes to a temporary directory.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def doc_blocks(text: str) -> list[tuple[int, str, str | None, tuple[str, ...]]]:
         unknown = set(words[1:]) - set(TOOLS)
         assert not unknown, f"line {line}: unknown fence words {sorted(unknown)}"
         expected = None
-        if k + 1 < len(fences) and (fences[k + 1][1], fences[k + 1][2]) == ("text", ("output",)):
+        following = fences[k + 1] if k + 1 < len(fences) else None
+        if following is not None and following[1:3] == ("text", ("output",)):
             expected = fences[k + 1][3]
         blocks.append((line, body + "\n", expected, words[1:]))
     return blocks
@@ -81,7 +82,8 @@ def test_output_matching_rules():
 def test_doc_blocks_pairs_code_with_its_output():
     text = ("```python runnable\nprint(1)\n```\n```text output\n1\n```\n"
             "```python\nnot run\n```\n```python runnable needs-ld.lld\nx = 2\n```\n")
-    assert doc_blocks(text) == [(1, "print(1)\n", "1", ()), (10, "x = 2\n", None, ("needs-ld.lld",))]
+    assert doc_blocks(text) == [(1, "print(1)\n", "1", ()),
+                                (10, "x = 2\n", None, ("needs-ld.lld",))]
 
 
 def test_blocks_needing_a_missing_tool_are_skipped_by_name(tmp_path, monkeypatch):
@@ -140,7 +142,8 @@ def _run_blocks(doc, blocks, namespace, tmp_path, monkeypatch):
             assert output_matches(expected, printed), (
                 f"{doc}:{line}: output differs.\n--- documented\n{expected}\n--- printed\n{printed}")
     if not_run:
-        pytest.skip(f"the other examples pass; not run, their tool is missing: {'; '.join(not_run)}")
+        pytest.skip("the other examples pass; not run, their tool is missing: "
+                    + "; ".join(not_run))
 
 
 def _stage_row(text: str, stage_cell: str) -> list[str]:
@@ -176,7 +179,8 @@ def test_every_kiln_pass_is_documented_where_it_runs(capsys):
     nvidia = CompileOptions("sm_90a", flush_denormals=True)
     amd = CompileOptions("gfx950")
     runs = [("`gpu`", 1, GPU_STAGE_PASSES), ("`gpu`", 2, GPU_STAGE_PASSES),
-            ("`nvvm` / `rocdl`", 1, nvvm_passes(SimpleNamespace(options=nvidia, target=nvidia.chip))),
+            ("`nvvm` / `rocdl`", 1, nvvm_passes(SimpleNamespace(options=nvidia,
+                                                                target=nvidia.chip))),
             ("`nvvm` / `rocdl`", 2, rocdl_passes(SimpleNamespace(options=amd, target=amd.chip)))]
     used = set()
     for stage_cell, column, pipeline in runs:
