@@ -7,10 +7,12 @@ Examples::
     kiln compile saxpy.py:saxpy --target sm_90a --report
     kiln compile k.py:k --arg x=bf16:2 --arg n=i32 ...   # types for unannotated parameters
 
-Parameters are specialised from their annotations (``kiln.Tensor[f32, 2]``, ``i32``...):
-tensors become placeholder arrays of that dtype and rank (rank 1 when not annotated), so no data
-is needed. ``--arg NAME=DTYPE[:RANK]`` types an unannotated parameter (a rank makes it a tensor);
-``-D NAME=VALUE`` sets a constexpr (VALUE is a Python literal, else a string).
+The file is imported with its folder first on ``sys.path`` (as ``python FILE.py`` runs it), so
+it may import its sibling modules. Parameters are specialised from their annotations
+(``kiln.Tensor[f32, 2]``, ``i32``...): tensors become placeholder arrays of that dtype and rank
+(rank 1 when not annotated), so no data is needed. ``--arg NAME=DTYPE[:RANK]`` types an
+unannotated parameter (a rank makes it a tensor); ``-D NAME=VALUE`` sets a constexpr (VALUE is a
+Python literal, else a string).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ def _load_kernel(spec: str):
     path = Path(path_text)
     if not path.is_file():
         raise KilnValueError(f"no such file: {path}", fix="check the path before ':'")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # sibling imports work, as under ``python FILE.py``
+        sys.path.insert(0, folder)
     module_spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[path.stem] = module  # kernels look up their globals through the module

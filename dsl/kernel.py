@@ -427,6 +427,7 @@ class JITKernel:
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self._compiled[key] = self._compile_specs(specs, options)
+        compiled.dump_stages()  # KILN_DUMP_DIR set since this kernel was compiled
         return compiled
 
     def __getitem__(self, grid) -> Callable:

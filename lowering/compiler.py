@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Sequence
 
 from mlir import ir
@@ -20,7 +21,7 @@ from mlir import ir
 from kiln import env
 from kiln.errors import KilnValueError
 from kiln.lowering import amd, nvidia
-from kiln.lowering.dump import dump_stage
+from kiln.lowering.dump import dump_prefix, dump_stage, ir_key
 from kiln.lowering.options import CompileOptions
 from kiln.lowering.pipeline import CompileState, parse_module
 from kiln.lowering.profile import CompileProfile
@@ -40,17 +41,20 @@ class CompiledKernel:
 
     ``asm`` maps stage names, in order, to artifacts (``"kiln"``, ``"gpu"``, ``"nvvm"``/``"rocdl"``,
     ``"llvm"``, ``"ptx"``/``"amdgcn"``, then ``"cubin"`` or ``"obj"``/``"hsaco"`` when made).
-    The launcher caches its host-side state on the instance.
+    The launcher caches its host-side state on the instance. ``dump_prefix`` starts the names of
+    its ``KILN_DUMP_DIR`` files (``lowering/dump.py``).
     """
 
     def __init__(self, name: str, target: Target, options: CompileOptions,
-                 signature: KernelSignature, asm: dict, metadata: dict):
+                 signature: KernelSignature, asm: dict, metadata: dict, dump_prefix: str = ""):
         self.name = name
         self.target = target
         self.options = options
         self.signature = signature
         self.asm = asm
         self.metadata = metadata
+        self.dump_prefix = dump_prefix or name
+        self._dumped_to: Path | None = None  # the KILN_DUMP_DIR that holds its stages
 
     @property
     def binary(self) -> str | bytes:
@@ -65,6 +69,16 @@ class CompiledKernel:
         from kiln.lowering.launch import launch  # launch pulls in the driver runtime; load on use
 
         launch(self, grid, args, stream=stream)
+
+    def dump_stages(self) -> None:
+        """Write every stage under ``KILN_DUMP_DIR`` unless this kernel already did (a cache hit
+        runs no stage, so this is where its stages get dumped)."""
+        directory = env.dump_dir()
+        if directory is None or directory == self._dumped_to:
+            return
+        for stage, artifact in self.asm.items():
+            dump_stage(self.dump_prefix, stage, artifact)
+        self._dumped_to = directory
 
     def to_artifact(self) -> dict:
         """Plain JSON data and bytes (the stage binaries), for the compile cache."""
@@ -112,16 +126,18 @@ def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOpt
     _check_launch_shape(signature, options, target)
     name = signature.name
     profile = profile if profile is not None else CompileProfile()
+    prefix = dump_prefix(name, target.name, cache_key or ir_key(kiln_ir, options.key()))
     metadata: dict = {"target": target.name, "num_warps": options.num_warps, "compile_ms": {},
                       "compile_profile": profile.entries}
     with ir.Context():
         with profile.step("parse"):
-            module = parse_module(name, kiln_ir)
+            module = parse_module(name, kiln_ir, dump_prefix=prefix)
             recipes = _stamp_target(module, target)
-        state = CompileState(name, target, options, signature, module, metadata, profile=profile)
+        state = CompileState(name, target, options, signature, module, metadata, profile=profile,
+                             dump_prefix=prefix)
         state.scratch["recipes"] = recipes
         state.asm["kiln"] = kiln_ir
-        dump_stage(name, "kiln", kiln_ir)
+        dump_stage(prefix, "kiln", kiln_ir)
         for stage, make in stages_for(target).items():
             start = time.perf_counter()
             with profile.step(stage):
@@ -129,14 +145,15 @@ def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOpt
             metadata["compile_ms"][stage] = round((time.perf_counter() - start) * 1e3, 3)
             if artifact is not None:
                 state.asm[stage] = artifact
-                dump_stage(name, stage, artifact)
+                dump_stage(prefix, stage, artifact)
             if stage == "amdgcn":
                 with profile.step("check-assembly"):
                     state.asm[stage] = check_amdgpu_assembly(state, recipes)
             if stage == "cubin" and artifact is not None and recipes:
                 with profile.step("check-sass"):
                     check_sass_schedule(state, recipes)
-    kernel = CompiledKernel(name, target, options, signature, state.asm, metadata)
+    kernel = CompiledKernel(name, target, options, signature, state.asm, metadata, prefix)
+    kernel._dumped_to = env.dump_dir()  # each stage was dumped as it was made
     if cache_key is not None and not env.cache_disabled():
         from kiln.lowering import cache
 
@@ -195,12 +212,13 @@ def check_sass_schedule(state: CompileState, recipes: dict) -> None:
     sass = isa_sass.dump_sass(state.asm["cubin"], cuobjdump) if cuobjdump is not None else None
     if sass is None:
         return
-    dump_stage(state.kernel, "sass", sass)
+    dump_stage(state.dump_prefix or state.kernel, "sass", sass)
     verify_schedule_sass(sass, recipes, state.kernel)
 
 
 def load_cached(cache_key: str) -> CompiledKernel | None:
-    """The kernel stored under ``cache_key``, or None (miss, stale format, or cache disabled)."""
+    """The kernel stored under ``cache_key``, or None (miss, stale format, or cache disabled).
+    A hit writes its stages under ``KILN_DUMP_DIR`` as a compile would."""
     if env.cache_disabled():
         return None
     from kiln.lowering import cache
@@ -211,6 +229,8 @@ def load_cached(cache_key: str) -> CompiledKernel | None:
     if kernel is not None:
         # A hit must fail like a compile would when KILN_PTXAS / KILN_LD_LLD names no tool.
         stage_tool("ptxas" if kernel.target.is_nvidia else "ld.lld")
+        kernel.dump_prefix = dump_prefix(kernel.name, kernel.target.name, cache_key)
+        kernel.dump_stages()
     return kernel
 
 

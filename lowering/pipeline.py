@@ -42,6 +42,7 @@ class CompileState:
     asm: dict = field(default_factory=dict)
     scratch: dict = field(default_factory=dict)
     profile: CompileProfile = field(default_factory=CompileProfile)
+    dump_prefix: str = ""  # start of KILN_DUMP_DIR file names (lowering/dump.py); "" = kernel
 
     def step(self, stage: str, name: str):
         """Time a step of ``stage`` in the profile."""
@@ -68,7 +69,7 @@ def run_passes(state: CompileState, stage: str, elements: Sequence[str], *,
     except ir.MLIRError as err:
         text = before.get_asm(enable_debug_info=True)
         raise stage_error(state.kernel, stage, _replayed_error(before, elements) or err, text,
-                          elements) from None
+                          elements, dump_prefix=state.dump_prefix) from None
     if not text:
         return None
     with state.step(stage, "print"):
@@ -85,9 +86,9 @@ def _replayed_error(module: ir.Operation, elements: Sequence[str]) -> ir.MLIRErr
 
 
 def stage_error(kernel: str, stage: str, err: ir.MLIRError, module_text: str,
-                elements: Sequence[str]) -> CompilationError:
+                elements: Sequence[str], *, dump_prefix: str = "") -> CompilationError:
     """A CompilationError at the user line of the first diagnostic, with a reproducer command."""
-    path = write_reproducer(kernel, stage, module_text)
+    path = write_reproducer(dump_prefix or kernel, stage, module_text)
     command = (f"{kiln_opt_command()} {shlex.quote(str(path))} "
                f"--pass-pipeline={shlex.quote(pipeline_text(elements))}")
     details = format_diagnostics(err)
@@ -122,9 +123,9 @@ def source_loc(loc: ir.Location) -> SourceLoc | None:
     return source_loc_from_mlir(loc)
 
 
-def parse_module(kernel: str, text: str) -> ir.Module:
+def parse_module(kernel: str, text: str, *, dump_prefix: str = "") -> ir.Module:
     """Parse (and verify) Kiln IR in the active Context; errors become CompilationError."""
     try:
         return ir.Module.parse(text)
     except ir.MLIRError as err:
-        raise stage_error(kernel, "kiln", err, text, ()) from None
+        raise stage_error(kernel, "kiln", err, text, (), dump_prefix=dump_prefix) from None

@@ -138,6 +138,7 @@ def _check_partials(got, want, counts_want):
 
 @pytest.mark.parametrize("page_size,group,sq", [(1, 1, 1), (16, 4, 4), (64, 8, 1),
                                                 (16, 8, 4), (64, 1, 4), (16, 4, 16)])
+@pytest.mark.slow
 def test_split_partials_match_numpy(page_size, group, sq, rng):
     hkv = 2 if group < 8 else 1
     lens = [int(rng.integers(sq, 3 * BN)), int(rng.integers(2 * BN, 4 * BN))]  # ragged

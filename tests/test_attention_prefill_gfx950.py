@@ -127,6 +127,7 @@ def test_rescale_across_tiles_whose_max_rises(causal, rng):
                                           (40, 600, 64, {}),
                                           (300, 330, 64, {"window": (100, 40)}),
                                           (600, 600, 64, {"chunk": 256})])
+@pytest.mark.slow
 def test_long_sequences_run_the_main_loop_over_interior_and_boundary_tiles(sq, sk, d, mask, rng):
     """Several main-loop iterations, with tiles that skip the mask (every key visible to the
     whole block) next to boundary tiles that need it."""
@@ -155,6 +156,7 @@ def test_head_dim_256_compiles_only_with_scratch_allowed():
                                      (64, {"chunk": 1}),
                                      (128, {"causal": True}),
                                      (128, {"window": (1, 1)})])
+@pytest.mark.slow
 def test_gfx950_assembly_has_no_scratch_fits_registers_and_follows_the_recipes(d, masks):
     from kiln.lowering.isa_amdgpu import parse, verify_waits
     from kiln.passes.verify_schedule import verify_schedule

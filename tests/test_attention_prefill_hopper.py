@@ -108,6 +108,7 @@ def test_a_per_warp_vote_around_the_redo_is_caught(monkeypatch, rng):
 
 
 @pytest.mark.parametrize("mask", MASK_CASES.values(), ids=MASK_CASES.keys())
+@pytest.mark.slow
 def test_every_mask_kind(mask, rng):
     # 150 queries x 290 keys: partial query and key tiles, boundary and interior key tiles.
     _check(rng, sq=150, sk=290, **mask)
@@ -181,6 +182,7 @@ def test_grouped_query_heads(hq, hkv, rng):
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.slow
 def test_head_dims(d, rng):
     _check(rng, sq=80, sk=200, d=d, window=(90, 20))
 
@@ -296,6 +298,7 @@ def test_ptx_has_the_hopper_pipeline(causal_d128):
 
 @pytest.mark.lower
 @pytest.mark.parametrize("d,block_n", [(64, None), (128, None), (128, 144), (256, None)])
+@pytest.mark.slow
 def test_no_spills(d, block_n):
     tiles = {} if block_n is None else dict(block_n=block_n)
     ck = compile_prefill(target="sm_90a", head_dim=d, dtype="f16", window=(128, 0), group=4,

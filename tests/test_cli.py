@@ -111,6 +111,25 @@ def test_unannotated_without_arg_type_is_an_error(kernel_file, capsys):
     assert "parameter 'x' has no annotation" in capsys.readouterr().err
 
 
+def test_kernel_file_imports_its_sibling_modules(tmp_path, monkeypatch, capsys):
+    """Like ``python FILE.py``, the kernel file's folder is on sys.path while it is imported."""
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "cli_sibling_consts.py").write_text("SCALE = 3.5\n")
+    (tmp_path / "cli_sibling_kernel.py").write_text(textwrap.dedent('''
+        import kiln
+        from kiln import f32
+        from cli_sibling_consts import SCALE
+
+        @kiln.kernel
+        def scaled(x: kiln.Tensor[f32]):
+            i = kiln.thread_id(0)
+            x[i] = x[i] * SCALE
+    '''))
+    assert main(["compile", f"{tmp_path / 'cli_sibling_kernel.py'}:scaled", "--emit", "kiln"]) == 0
+    assert "3.5" in capsys.readouterr().out
+
+
 def test_console_script_runs(kernel_file):
     done = subprocess.run([sys.executable, "-m", "kiln.cli", "compile", f"{kernel_file}:scale",
                            "-D", "BLOCK=32", "--emit", "kiln"], capture_output=True, text=True)

@@ -31,6 +31,7 @@ CONFIGS = [GemmConfig(), GemmConfig(feed="dma"), GemmConfig(b_layout="kn"),
 @pytest.mark.lower
 @pytest.mark.parametrize("config", CONFIGS, ids=repr)
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.slow
 def test_gemm_has_no_scratch_and_the_implied_mfma_count(dtype, config):
     compiled = compile_gfx950(dtype, config=config)
     asm = compiled.asm["amdgcn"]

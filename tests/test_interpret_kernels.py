@@ -221,6 +221,7 @@ def test_online_softmax_attention_rows():
 
 
 @pytest.mark.lower
+@pytest.mark.slow
 def test_attention_demo_runs_without_a_gpu(monkeypatch, capsys):
     """``make demo``: compiles both vendors' prefill and checks it in the interpreter here."""
     demo = load_example("attention_demo")

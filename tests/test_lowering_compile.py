@@ -51,12 +51,14 @@ def test_maxnreg_reaches_ptx():
 def test_dump_dir_gets_every_stage(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_DUMP_DIR", str(tmp_path))
     kernel = compile_kernel(SAXPY_IR, SAXPY, CompileOptions("gfx950", num_warps=2))
+    prefix = kernel.dump_prefix
+    assert prefix.startswith("saxpy.gfx950.") and len(prefix) == len("saxpy.gfx950.") + 8
     names = {p.name for p in tmp_path.iterdir()}
-    expected = {"saxpy.kiln.mlir", "saxpy.gpu.mlir", "saxpy.rocdl.mlir", "saxpy.llvm.ll",
-                "saxpy.amdgcn.s", "saxpy.obj.o"}
+    expected = {f"{prefix}.{stage}" for stage in ("kiln.mlir", "gpu.mlir", "rocdl.mlir", "llvm.ll",
+                                                  "amdgcn.s", "obj.o")}
     assert expected <= names
-    assert (tmp_path / "saxpy.amdgcn.s").read_text() == kernel.asm["amdgcn"]
-    assert (tmp_path / "saxpy.obj.o").read_bytes() == kernel.asm["obj"]
+    assert (tmp_path / f"{prefix}.amdgcn.s").read_text() == kernel.asm["amdgcn"]
+    assert (tmp_path / f"{prefix}.obj.o").read_bytes() == kernel.asm["obj"]
 
 
 def test_verifier_error_points_at_user_line_with_reproducer(tmp_path, monkeypatch):
