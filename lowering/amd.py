@@ -171,15 +171,6 @@ stages = {"gpu": make_gpu, "rocdl": make_rocdl, "llvm": make_llvm, "amdgcn": mak
           "obj": make_obj, "hsaco": make_hsaco}
 
 
-def _verbose_amdgcn(state: CompileState) -> str:
-    """The assembly again with comments on: LLVM prints the cluster markers (empty
-    sched_group_barriers) only in verbose assembly. Codegen is identical; a fresh parse of the
-    optimised IR is used because llvmlite must never emit twice from one module."""
-    machine = _new_target_machine(state.target.name, state.options.opt_level)  # not the shared one
-    machine.set_asm_verbosity(True)
-    return machine.emit_assembly(llvmlite.parse_assembly(state.scratch["optimized_llvm"]))
-
-
 def check_amdgpu_assembly(state: CompileState, recipes: dict) -> str:
     """The assembly-level proofs: waits cover every load's registers (WaitError), clusters
     match their recipes (ScheduleWarning); live VGPRs per cluster go into the metadata.
@@ -189,7 +180,11 @@ def check_amdgpu_assembly(state: CompileState, recipes: dict) -> str:
 
     asm = state.asm["amdgcn"]
     if recipes and "optimized_llvm" in state.scratch:
-        asm = _verbose_amdgcn(state)
+        # LLVM prints the cluster markers (empty sched_group_barriers) only in verbose assembly;
+        # codegen is identical. A fresh parse: llvmlite must never emit twice from one module.
+        machine = _new_target_machine(state.target.name, state.options.opt_level)  # unshared
+        machine.set_asm_verbosity(True)
+        asm = machine.emit_assembly(llvmlite.parse_assembly(state.scratch["optimized_llvm"]))
     program = isa_amdgpu.parse(asm, state.kernel)
     isa_amdgpu.verify_waits(program, state.kernel)
     if recipes:
