@@ -27,8 +27,6 @@ from kiln.lowering.signature import KernelSignature
 from kiln.lowering.targets import Target, get_target
 
 ARTIFACT_FORMAT = 2  # bump when the cached artifact dict changes shape
-
-
 BACKENDS: dict[str, Backend] = {b.name: b for b in (nvidia.NvidiaBackend(), amd.AmdBackend())}
 
 
