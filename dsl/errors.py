@@ -43,8 +43,9 @@ _SOURCE_ROOT = os.path.dirname(_PACKAGE_DIR)
 # Kiln's own code: the ``kiln`` package directory (an installed wheel keeps ``passes``,
 # ``lowering`` and ``kernels`` inside it) and, in a source checkout, those sibling directories,
 # so a bad argument to ``kiln.kernels.attention.decode`` names the caller's line in both.
-_FRAMEWORK_DIRS = (_PACKAGE_DIR + os.sep,) + tuple(
-    os.path.join(_SOURCE_ROOT, d) + os.sep for d in ("passes", "lowering", "kernels"))
+_COMPILER_DIRS = (_PACKAGE_DIR + os.sep,) + tuple(
+    os.path.join(_SOURCE_ROOT, d) + os.sep for d in ("passes", "lowering"))
+_FRAMEWORK_DIRS = _COMPILER_DIRS + (os.path.join(_SOURCE_ROOT, "kernels") + os.sep,)
 
 
 @dataclass(frozen=True)
@@ -97,15 +98,27 @@ def _is_framework_file(filename: str) -> bool:
     return path.startswith(_FRAMEWORK_DIRS) or "/mlir/" in path and "site-packages" in path
 
 
-def caller_location(skip_internal: bool = True) -> SourceLoc | None:
-    """The innermost stack frame that belongs to user code (outside Kiln's packages)."""
+def caller_location(skip_internal: bool = True, *, callers_of: str | None = None) -> SourceLoc | None:
+    """The innermost stack frame that belongs to user code (outside Kiln's packages).
+
+    ``callers_of`` (a kernel-library module's ``__file__``) names the frame that called into that
+    module instead, skipping only it and Kiln's compiler, so a library kernel's own line counts:
+    ``loc=caller_location(callers_of=__file__)``.
+    """
+    skip = _is_framework_file if callers_of is None else functools.partial(
+        _is_compiler_or, os.path.abspath(callers_of))
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not (skip_internal and _is_framework_file(filename)) and not filename.startswith("<"):
+        if not (skip_internal and skip(filename)) and not filename.startswith("<"):
             return SourceLoc(filename, frame.f_lineno)
         frame = frame.f_back
     return None
+
+
+def _is_compiler_or(module: str, filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path == module or path.startswith(_COMPILER_DIRS)
 
 
 class KilnError(Exception):

@@ -1,9 +1,10 @@
-"""AMD stages: Kiln IR -> gpu -> rocdl -> llvm -> amdgcn -> obj -> hsaco.
+"""AMD backend: Kiln IR -> gpu -> rocdl -> llvm -> amdgcn -> obj -> hsaco.
 
 The rocdl stage converts the gpu.module to the LLVM dialect with ROCDL intrinsics; LLVM IR is
 translated in-process, then optimised and compiled by llvmlite's AMDGPU backend (assembly
 and an ELF object). ``ld.lld``, when present, links the object into a loadable ``hsaco``.
 Resource usage comes from the object's code-object notes (``llvm-readelf --notes``).
+:class:`AmdBackend` adds the assembly-level wait and schedule proofs and the HIP launcher.
 
 Example::
 
@@ -22,9 +23,9 @@ from pathlib import Path
 import llvmlite.binding as llvmlite
 from mlir import ir
 
-from kiln.errors import CompilationError, UnsupportedError, source_loc_from_mlir
+from kiln.errors import CompilationError, LaunchError, UnsupportedError, source_loc_from_mlir
 from kiln.lowering.metadata import AMD_KEYS, parse_amd_notes
-from kiln.lowering.pipeline import GPU_STAGE_PASSES, CompileState, run_passes
+from kiln.lowering.pipeline import Backend, CompileState, make_gpu, run_passes
 from kiln.lowering.tools import llvm_tool, stage_tool
 from kiln.lowering.translate import device_llvm_ir
 
@@ -47,10 +48,6 @@ def rocdl_passes(state: CompileState) -> list[str]:
         # assembly-level wait proof names the Python line of a read.
         "ensure-debug-info-scope-on-llvm-func{emission-kind=LineTablesOnly}",
     ]
-
-
-def make_gpu(state: CompileState) -> str:
-    return run_passes(state, "gpu", GPU_STAGE_PASSES)
 
 
 def _reject_printf(state: CompileState) -> None:
@@ -103,6 +100,7 @@ def _target_machine(chip: str, opt_level: int, verbose: bool = False):
     if verbose:
         machine.set_asm_verbosity(True)
     return machine
+
 
 
 def _optimized_module(state: CompileState):
@@ -181,11 +179,48 @@ def make_hsaco(state: CompileState) -> bytes | None:
         return hsaco_path.read_bytes()
 
 
-stages = {
-    "gpu": make_gpu,
-    "rocdl": make_rocdl,
-    "llvm": make_llvm,
-    "amdgcn": make_amdgcn,
-    "obj": make_obj,
-    "hsaco": make_hsaco,
-}
+stages = {"gpu": make_gpu, "rocdl": make_rocdl, "llvm": make_llvm, "amdgcn": make_amdgcn,
+          "obj": make_obj, "hsaco": make_hsaco}
+
+
+def check_amdgpu_assembly(state: CompileState, recipes: dict) -> str:
+    """The assembly-level proofs: waits cover every load's registers (WaitError), clusters
+    match their recipes (ScheduleWarning); live VGPRs per cluster go into the metadata.
+    Returns the assembly to keep (the amdgcn stage made it verbose, with the cluster
+    markers, when there are clusters)."""
+    from kiln.lowering import isa_amdgpu
+    from kiln.passes.verify_schedule import verify_schedule
+
+    asm = state.asm["amdgcn"]
+    with state.step("check-assembly", "parse"):
+        program = isa_amdgpu.parse(asm, state.kernel)
+    with state.step("check-assembly", "verify-waits"):
+        isa_amdgpu.verify_waits(program, state.kernel)
+    if recipes:
+        with state.step("check-assembly", "verify-schedule"):
+            verify_schedule(program, recipes, state.kernel)
+            live = isa_amdgpu.live_vgprs_at_clusters(program)
+        if live:
+            state.metadata["cluster_live_vgprs"] = live
+    return asm
+
+
+class AmdBackend(Backend):
+    """The stages above, the assembly-level proofs, and launches through HIP."""
+
+    name = "amd"
+    stages = stages
+    binary_stages = ("hsaco", "obj")
+    binary_tool = "ld.lld"
+
+    def check(self, state: CompileState, recipes: dict) -> None:
+        with state.profile.step("check-assembly"):
+            state.asm["amdgcn"] = check_amdgpu_assembly(state, recipes)
+
+    def launcher(self, ck):
+        from kiln.lowering.amd_host import build_amd_launcher  # loads HIP on first launch
+
+        if "hsaco" not in ck.asm:
+            raise LaunchError(f"{ck.name} has no linked code object (hsaco) to launch",
+                              fix="install ld.lld or set KILN_LD_LLD so Kiln can link it")
+        return build_amd_launcher(ck.signature, ck.target, ck.asm["hsaco"]), None

@@ -23,17 +23,24 @@ from kiln.errors import KilnValueError
 from kiln.lowering import amd, nvidia
 from kiln.lowering.dump import dump_prefix, dump_stage, ir_key
 from kiln.lowering.options import CompileOptions
-from kiln.lowering.pipeline import CompileState, parse_module
+from kiln.lowering.pipeline import Backend, CompileState, parse_module
 from kiln.lowering.profile import CompileProfile
 from kiln.lowering.signature import KernelSignature
 from kiln.lowering.targets import Target, get_target
 
 ARTIFACT_FORMAT = 2  # bump when the cached artifact dict changes shape
+BACKENDS: dict[str, Backend] = {b.name: b for b in (nvidia.NvidiaBackend(), amd.AmdBackend())}
+
+
+def backend_for(target: Target) -> Backend:
+    """The vendor :class:`~kiln.lowering.pipeline.Backend` that compiles and launches for
+    ``target``, e.g. ``backend_for(get_target("gfx950")).stages``."""
+    return BACKENDS[target.vendor]
 
 
 def stages_for(target: Target) -> dict:
     """The ordered stage functions (name -> fn(state)) for ``target``'s vendor."""
-    return nvidia.stages if target.is_nvidia else amd.stages
+    return backend_for(target).stages
 
 
 class CompiledKernel:
@@ -59,7 +66,7 @@ class CompiledKernel:
     @property
     def binary(self) -> str | bytes:
         """What a loader takes: cubin (else PTX text for the driver JIT) or hsaco (else object)."""
-        for stage in ("cubin", "ptx") if self.target.is_nvidia else ("hsaco", "obj"):
+        for stage in backend_for(self.target).binary_stages:
             if stage in self.asm:
                 return self.asm[stage]
         raise KeyError(f"kernel {self.name!r} has no binary stage")
@@ -124,7 +131,7 @@ def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOpt
     """
     target = options.chip
     _check_launch_shape(signature, options, target)
-    name = signature.name
+    name, backend = signature.name, backend_for(target)
     profile = profile if profile is not None else CompileProfile()
     prefix = dump_prefix(name, target.name, cache_key or ir_key(kiln_ir, options.key()))
     metadata: dict = {"target": target.name, "num_warps": options.num_warps, "compile_ms": {},
@@ -138,7 +145,7 @@ def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOpt
         state.scratch["recipes"] = recipes
         state.asm["kiln"] = kiln_ir
         dump_stage(prefix, "kiln", kiln_ir)
-        for stage, make in stages_for(target).items():
+        for stage, make in backend.stages.items():
             start = time.perf_counter()
             with profile.step(stage):
                 artifact = make(state)
@@ -146,12 +153,7 @@ def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOpt
             if artifact is not None:
                 state.asm[stage] = artifact
                 dump_stage(prefix, stage, artifact)
-            if stage == "amdgcn":
-                with profile.step("check-assembly"):
-                    state.asm[stage] = check_amdgpu_assembly(state, recipes)
-            if stage == "cubin" and artifact is not None and recipes:
-                with profile.step("check-sass"):
-                    check_sass_schedule(state, recipes)
+        backend.check(state, recipes)
     kernel = CompiledKernel(name, target, options, signature, state.asm, metadata, prefix)
     kernel._dumped_to = env.dump_dir()  # each stage was dumped as it was made
     if cache_key is not None and not env.cache_disabled():
@@ -178,42 +180,8 @@ def _stamp_target(module: ir.Module, target: Target) -> dict:
     return recipes
 
 
-def check_amdgpu_assembly(state: CompileState, recipes: dict) -> str:
-    """The assembly-level proofs: waits cover every load's registers (WaitError), clusters
-    match their recipes (ScheduleWarning); live VGPRs per cluster go into the metadata.
-    Returns the assembly to keep (the amdgcn stage made it verbose, with the cluster
-    markers, when there are clusters)."""
-    from kiln.lowering import isa_amdgpu
-    from kiln.passes.verify_schedule import verify_schedule
-
-    asm = state.asm["amdgcn"]
-    with state.step("check-assembly", "parse"):
-        program = isa_amdgpu.parse(asm, state.kernel)
-    with state.step("check-assembly", "verify-waits"):
-        isa_amdgpu.verify_waits(program, state.kernel)
-    if recipes:
-        with state.step("check-assembly", "verify-schedule"):
-            verify_schedule(program, recipes, state.kernel)
-            live = isa_amdgpu.live_vgprs_at_clusters(program)
-        if live:
-            state.metadata["cluster_live_vgprs"] = live
-    return asm
-
-
-def check_sass_schedule(state: CompileState, recipes: dict) -> None:
-    """The NVIDIA schedule check (ScheduleWarning) on the cubin's SASS; skipped without a
-    working ``cuobjdump`` (it is not part of every CUDA install). The listing is dumped as the
-    ``sass`` stage under ``KILN_DUMP_DIR``."""
-    from kiln.lowering import isa_sass
-    from kiln.lowering.tools import stage_tool
-    from kiln.passes.verify_schedule import verify_schedule_sass
-
-    cuobjdump = stage_tool("cuobjdump")
-    sass = isa_sass.dump_sass(state.asm["cubin"], cuobjdump) if cuobjdump is not None else None
-    if sass is None:
-        return
-    dump_stage(state.dump_prefix or state.kernel, "sass", sass)
-    verify_schedule_sass(sass, recipes, state.kernel)
+# The ISA checks now live with their backends; these names stay importable from here.
+check_amdgpu_assembly, check_sass_schedule = amd.check_amdgpu_assembly, nvidia.check_sass_schedule
 
 
 def load_cached(cache_key: str) -> CompiledKernel | None:
@@ -228,7 +196,7 @@ def load_cached(cache_key: str) -> CompiledKernel | None:
     kernel = CompiledKernel.from_artifact(artifact) if artifact is not None else None
     if kernel is not None:
         # A hit must fail like a compile would when KILN_PTXAS / KILN_LD_LLD names no tool.
-        stage_tool("ptxas" if kernel.target.is_nvidia else "ld.lld")
+        stage_tool(backend_for(kernel.target).binary_tool)
         kernel.dump_prefix = dump_prefix(kernel.name, kernel.target.name, cache_key)
         kernel.dump_stages()
     return kernel

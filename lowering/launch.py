@@ -274,37 +274,14 @@ class _Staging:
 
 
 def _plan_of(ck) -> "_LaunchPlan":
+    """The launch plan cached on ``ck``, built on first use by its target's backend."""
     plan = getattr(ck, _PLAN_ATTRIBUTE, None)
     if plan is None:
-        plan = _make_plan(ck)
+        from kiln.lowering.compiler import backend_for
+
+        plan = _LaunchPlan(ck.name, ck.signature, *backend_for(ck.target).launcher(ck))
         setattr(ck, _PLAN_ATTRIBUTE, plan)
     return plan
-
-
-def _make_plan(ck) -> "_LaunchPlan":
-    """Build the launcher for ``ck``'s target (raises LaunchError where launching is impossible,
-    ResourceError where the launch configuration exceeds the device)."""
-    target = ck.target
-    if target.ptx_only:
-        raise LaunchError(f"{target.name} kernels cannot be launched by Kiln (PTX only)",
-                          fix="inspect kernel.asm['ptx'], or compile for sm_80/sm_90a to run")
-    if target.is_amd:
-        from kiln.lowering.amd_host import build_amd_launcher
-
-        if "hsaco" not in ck.asm:
-            raise LaunchError(f"{ck.name} has no linked code object (hsaco) to launch",
-                              fix="install ld.lld or set KILN_LD_LLD so Kiln can link it")
-        return _LaunchPlan(ck.name, ck.signature,
-                           build_amd_launcher(ck.signature, target, ck.asm["hsaco"]), None)
-    from kiln.lowering.cuda import driver
-    from kiln.lowering.host import build_nvidia_launcher
-
-    cuda_driver = driver()  # raises LaunchError without a GPU, before the JIT could abort
-    check_launch_config(ck.name, ck.signature, getattr(ck, "metadata", {}),
-                        cuda_driver.launch_limits())
-    launcher = build_nvidia_launcher(ck.signature, target, cubin=ck.asm.get("cubin"),
-                                     ptx=ck.asm.get("ptx"))
-    return _LaunchPlan(ck.name, ck.signature, launcher, cuda_driver)
 
 
 def check_launch_config(name: str, signature, metadata: dict, limits) -> None:

@@ -1,9 +1,10 @@
-"""NVIDIA stages: Kiln IR -> gpu -> nvvm -> llvm -> ptx -> cubin (Triton-backend style).
+"""NVIDIA backend: Kiln IR -> gpu -> nvvm -> llvm -> ptx -> cubin (Triton-backend style).
 
 Each stage is a short function of the shared :class:`~kiln.lowering.pipeline.CompileState`
 returning its artifact (text or bytes), or None when it is skipped. The nvvm pass list mirrors
 the device half of upstream ``gpu-lower-to-nvvm-pipeline``; PTX comes from the in-process NVPTX
 backend (``gpu-module-to-binary{format=isa}``); ``ptxas`` makes the cubin and reports registers.
+:class:`NvidiaBackend` adds the SASS schedule check and the CUDA-driver launcher.
 
 Example::
 
@@ -21,9 +22,10 @@ from pathlib import Path
 from mlir import ir
 from mlir.dialects import gpu
 
-from kiln.errors import CompilationError
+from kiln.errors import CompilationError, LaunchError
 from kiln.lowering.metadata import empty_nvidia_metadata, parse_ptxas_verbose
-from kiln.lowering.pipeline import GPU_STAGE_PASSES, CompileState, run_passes
+from kiln.lowering.dump import dump_stage
+from kiln.lowering.pipeline import Backend, CompileState, make_gpu, run_passes
 from kiln.lowering.tools import stage_tool
 from kiln.lowering.translate import device_llvm_ir
 
@@ -46,10 +48,6 @@ def nvvm_passes(state: CompileState) -> list[str]:
         "kiln-extern-dynamic-shared",  # static shared buffers must not sit in the dynamic region
         *flush,
     ]
-
-
-def make_gpu(state: CompileState) -> str:
-    return run_passes(state, "gpu", GPU_STAGE_PASSES)
 
 
 def make_nvvm(state: CompileState) -> str:
@@ -104,10 +102,47 @@ def make_cubin(state: CompileState) -> bytes | None:
         return cubin_path.read_bytes()
 
 
-stages = {
-    "gpu": make_gpu,
-    "nvvm": make_nvvm,
-    "llvm": make_llvm,
-    "ptx": make_ptx,
-    "cubin": make_cubin,
-}
+stages = {"gpu": make_gpu, "nvvm": make_nvvm, "llvm": make_llvm, "ptx": make_ptx, "cubin": make_cubin}
+
+
+def check_sass_schedule(state: CompileState, recipes: dict) -> None:
+    """The NVIDIA schedule check (ScheduleWarning) on the cubin's SASS; skipped without a
+    working ``cuobjdump`` (it is not part of every CUDA install). The listing is dumped as the
+    ``sass`` stage under ``KILN_DUMP_DIR``."""
+    from kiln.lowering import isa_sass
+    from kiln.passes.verify_schedule import verify_schedule_sass
+
+    cuobjdump = stage_tool("cuobjdump")
+    sass = isa_sass.dump_sass(state.asm["cubin"], cuobjdump) if cuobjdump is not None else None
+    if sass is None:
+        return
+    dump_stage(state.dump_prefix or state.kernel, "sass", sass)
+    verify_schedule_sass(sass, recipes, state.kernel)
+
+
+class NvidiaBackend(Backend):
+    """The stages above, the SASS schedule check, and launches through the CUDA driver."""
+
+    name = "nvidia"
+    stages = stages
+    binary_stages = ("cubin", "ptx")  # without ptxas the driver JIT-compiles the PTX
+    binary_tool = "ptxas"
+
+    def check(self, state: CompileState, recipes: dict) -> None:
+        if recipes and "cubin" in state.asm:
+            with state.profile.step("check-sass"):
+                check_sass_schedule(state, recipes)
+
+    def launcher(self, ck):
+        from kiln.lowering.cuda import driver  # the driver runtime loads on first launch
+        from kiln.lowering.host import build_nvidia_launcher
+        from kiln.lowering.launch import check_launch_config
+
+        if ck.target.ptx_only:
+            raise LaunchError(f"{ck.target.name} kernels cannot be launched by Kiln (PTX only)",
+                              fix="inspect kernel.asm['ptx'], or compile for sm_80/sm_90a to run")
+        cuda_driver = driver()  # raises LaunchError without a GPU, before the JIT could abort
+        check_launch_config(ck.name, ck.signature, getattr(ck, "metadata", {}),
+                            cuda_driver.launch_limits())
+        return build_nvidia_launcher(ck.signature, ck.target, cubin=ck.asm.get("cubin"),
+                                     ptx=ck.asm.get("ptx")), cuda_driver

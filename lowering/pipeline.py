@@ -1,4 +1,5 @@
-"""Running one stage's pass list, turning MLIR diagnostics into :class:`CompilationError`.
+"""The :class:`Backend` interface and running one stage's pass list, turning MLIR diagnostics
+into :class:`CompilationError`.
 
 A failing stage saves its input module (with locations) as a reproducer and the error message
 carries the exact ``kiln-opt`` command that replays the failure.
@@ -7,8 +8,9 @@ carries the exact ``kiln-opt`` command that replays the failure.
 from __future__ import annotations
 
 import shlex
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from mlir import ir
 
@@ -47,6 +49,34 @@ class CompileState:
     def step(self, stage: str, name: str):
         """Time a step of ``stage`` in the profile."""
         return self.profile.step(f"{stage}.{name}")
+
+
+def make_gpu(state: CompileState) -> str:
+    """Every backend's first stage: Kiln's passes on Kiln IR."""
+    return run_passes(state, "gpu", GPU_STAGE_PASSES)
+
+
+class Backend(ABC):
+    """One vendor's compiler, Triton-style: ``stages`` (name -> ``fn(state)`` returning the
+    artifact or None, in order), the ISA checks, ``binary_stages`` (what a loader takes, preferred
+    first), ``binary_tool`` (the tool making the first) and the launcher. The compile loop and
+    :class:`~kiln.lowering.compiler.CompiledKernel` call only these.
+
+    Example: ``for name, make in backend_for(get_target("gfx950")).stages.items(): make(state)``.
+    """
+
+    name: str
+    stages: dict[str, Callable[[CompileState], str | bytes | None]]
+    binary_stages: tuple[str, ...]
+    binary_tool: str
+
+    @abstractmethod
+    def check(self, state: CompileState, recipes: dict) -> None:
+        """The ISA-level proofs on the finished stages, given the cluster recipes."""
+
+    @abstractmethod
+    def launcher(self, ck) -> tuple[Callable, object]:
+        """``(launch function, driver or None)`` for ``ck``, or LaunchError / ResourceError."""
 
 
 def run_passes(state: CompileState, stage: str, elements: Sequence[str], *,

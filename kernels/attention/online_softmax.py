@@ -57,10 +57,7 @@ then goes through the ``col_max_acc`` cadence like every other tile; without one
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import sys
 from typing import Any
 
 import kiln
@@ -74,20 +71,11 @@ LN2 = math.log(2.0)
 EMPTY_MAX = -1.0e30
 SUPPORTED_ATT_DTYPES = (kiln.f32, kiln.f16)
 Q_AXES = ("row", "col")
-_KILN_DIRS = tuple(os.path.abspath(d) + os.sep for name in ("kiln", "kiln.lowering", "kiln.passes")
-                   for d in importlib.util.find_spec(name).submodule_search_locations)
 
 
 def _call_site() -> kiln.errors.SourceLoc | None:
     """The kernel line that called into this module: errors point there, not at the method."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = os.path.abspath(frame.f_code.co_filename)
-        if name != os.path.abspath(__file__) and not name.startswith(_KILN_DIRS) \
-                and not name.startswith("<"):
-            return kiln.errors.SourceLoc(name, frame.f_lineno)
-        frame = frame.f_back
-    return None
+    return kiln.errors.caller_location(callers_of=__file__)
 
 
 def _value_groups(tv: kiln_layout.ThreadValueLayout) -> tuple[int, ...]:
