@@ -75,8 +75,8 @@ def test_cache_hits_dump_their_stages(dirs, tmp_path, monkeypatch):
     fresh = write_kernel_module(tmp_path, "dump_hit_kernel", SOURCE)  # a new process's view
     hit = fresh.scale.compile(x, BLOCK=64, target="gfx942")  # disk-cache hit
     assert hit is not ck and hit.asm == ck.asm
-    (entry,) = cache_dir.rglob("*.pkl")
-    assert hit.dump_prefix == f"scale.gfx942.{entry.stem[:8]}"
+    (entry,) = cache_dir.rglob("meta.json")  # <root>/<key[:2]>/<key>/meta.json
+    assert hit.dump_prefix == f"scale.gfx942.{entry.parent.name[:8]}"
     files = _stage_files(dump, hit)
     assert set(files) == set(ck.asm)
     assert files["amdgcn"].read_text() == ck.asm["amdgcn"]
