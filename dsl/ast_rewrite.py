@@ -51,6 +51,7 @@ class _Runtime:
     for_stmt = staticmethod(trace_runtime.for_stmt)
     TracedRange = trace_runtime.TracedRange
     static_while_cond = staticmethod(trace_runtime.static_while_cond)
+    unrolled = staticmethod(trace_runtime.unrolled)
     traced_return = staticmethod(trace_runtime.traced_return)
     traced_break = staticmethod(trace_runtime.traced_break)
 
@@ -191,7 +192,8 @@ class _Rewriter(ast.NodeTransformer):
     visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
 
     def visit_While(self, node):
-        node.test = _call("static_while_cond", node.test)
+        node.test = _call("static_while_cond", node.test, ast.Constant(self.filename),
+                          ast.Constant(node.lineno))
         node.body = self._stmts(node.body)
         node.orelse = self._stmts(node.orelse)
         return node
@@ -239,7 +241,9 @@ class _Rewriter(ast.NodeTransformer):
     def visit_For(self, node):
         n = next(_counter)
         it = f"__kiln_iter_{n}"
-        static_for = ast.For(node.target, ast.Name(it, ast.Load()),
+        counted = _call("unrolled", ast.Name(it, ast.Load()), ast.Constant(self.filename),
+                        ast.Constant(node.lineno))
+        static_for = ast.For(node.target, counted,
                              self._stmts(copy.deepcopy(node.body)), self._stmts(node.orelse),
                              None)
         evaluate = self._at(node.iter, [ast.Assign([ast.Name(it, ast.Store())], node.iter)])

@@ -41,6 +41,7 @@ class TraceState:
     dynamic_shared_base: object = None  # (memref<?xi8>, aligned byte offset) once created
     cluster: tuple[int, int, int] | None = None  # CTA cluster shape (kiln.nvidia_asm.cluster_dims)
     programmatic_launch: bool = False  # waits on prior grids (kiln.nvidia_asm.grid_dependency_wait)
+    unrolled_iterations: int = 0  # Python loop iterations so far (trace_runtime's budget)
 
     def unique_symbol(self, base: str) -> str:
         name, n = base, 0

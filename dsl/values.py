@@ -111,10 +111,18 @@ class Value:
             raise UnsupportedError(
                 f"x ** {n!r}: only a constant non-negative Python int exponent is supported",
                 fix="use kiln.exp2(y * kiln.log2(x)) for real powers")
-        result = constant(1, self.dtype, self.shape)
-        for _ in range(n):
-            result = result * self
-        return result
+        if n.bit_length() > 64:
+            raise KilnValueError(f"x ** {n}: the exponent has more than 64 bits",
+                                 fix="use kiln.exp2(y * kiln.log2(x)), or a smaller exponent")
+        # Square-and-multiply: about 2 * log2(n) multiplies, so x ** 10**6 traces instantly.
+        result, base = None, self
+        while n:
+            if n & 1:
+                result = base if result is None else result * base
+            n >>= 1
+            if n:
+                base = base * base
+        return constant(1, self.dtype, self.shape) if result is None else result
 
     def __neg__(self):
         if self.dtype.is_float:
