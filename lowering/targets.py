@@ -31,13 +31,13 @@ SUPPORTED_PTX = (70, 71, 72, 73, 74, 75, 76, 77, 78, 80, 81, 82, 83, 84, 85, 86,
 # Features a chip may have, each a family of instructions ops check for (``Target.require``).
 FEATURES = {
     "ptx": "NVIDIA inline PTX",
-    "sm80": "NVIDIA sm_80+ instructions (cp.async, ldmatrix, mma.sync)",
-    "sm90": "NVIDIA sm_90+ instructions (clusters, mbarrier transactions, elect.sync, "
+    "sm80": "an NVIDIA sm_80 or newer target (cp.async, ldmatrix, mma.sync)",
+    "sm90": "an NVIDIA sm_90 or newer target (clusters, mbarrier transactions, elect.sync, "
             "fence.proxy, griddepcontrol)",
-    "tma": "the Tensor Memory Accelerator (cp.async.bulk.tensor)",
-    "wgmma": "warp-group MMA and setmaxnreg (sm_90a)",
+    "tma": "TMA (the Tensor Memory Accelerator)",
+    "wgmma": "WGMMA (warp-group MMA) and setmaxnreg (sm_90a)",
     "gfx9": "AMD GFX9 instructions (s_waitcnt, sched barriers, MFMA, buffer and LDS DMA)",
-    "gfx950": "AMD CDNA4 instructions (gfx950)",
+    "gfx950": "gfx950 (CDNA4) instructions",
 }
 _SM80 = frozenset({"ptx", "sm80"})
 _SM90 = _SM80 | {"sm90", "tma"}
@@ -82,7 +82,7 @@ class Target:
         if not self.has(feature):
             chips = [t.name for t in TARGETS.values() if feature in t.features]
             raise TargetError(f"{what} needs {FEATURES[feature]}; {self.name} does not have "
-                              "them", fix=f"compile for {' / '.join(chips)}, or guard the call "
+                              "it", fix=f"compile for {' / '.join(chips)}, or guard the call "
                                            "with a constexpr on kiln.current_target()")
         return self
 
