@@ -15,6 +15,7 @@ Read them through these functions (not ``os.environ``) so the set stays document
 ``KILN_CUOBJDUMP``            explicit ``cuobjdump`` path (SASS schedule check; needs ``nvdisasm``)
 ``KILN_ROCM_RUNTIME``         path of ``libmlir_rocm_runtime.so`` for AMD launches
 ``KILN_LAUNCH_BLOCKING=1``    synchronise after every CUDA launch and raise its error (debug)
+``KILN_FUZZ_EXAMPLES=N``      kernels ``tests/test_fuzz.py`` generates (long fuzzing runs)
 ============================  ==========================================================
 """
 
@@ -83,3 +84,9 @@ def rocm_runtime_override() -> Path | None:
 
 def launch_blocking() -> bool:
     return _flag("KILN_LAUNCH_BLOCKING")
+
+
+def fuzz_examples(default: int) -> int:
+    """Kernels ``tests/test_fuzz.py`` generates (``KILN_FUZZ_EXAMPLES``; CI uses ``default``)."""
+    value = os.environ.get("KILN_FUZZ_EXAMPLES")
+    return int(value) if value else default

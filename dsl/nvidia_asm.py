@@ -243,7 +243,6 @@ def l2_cache_policy(priority: str) -> ir.Value:
     """``createpolicy.fractional.L2::<priority>.b64``: the 64-bit L2 cache policy that
     gives every line an access touches ``priority`` (one of :data:`EVICTION_POLICIES`); the
     ``l2CacheHint`` operand of a TMA copy (see :func:`kiln.tma.load`)."""
-    require_feature("ptx", "l2_cache_policy")
     if priority not in EVICTION_POLICIES:
         raise KilnValueError(f"L2 eviction priority {priority!r} is not evict_first, evict_last "
                              "or evict_normal", fix="use one of those three")
