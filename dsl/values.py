@@ -189,13 +189,31 @@ def constant(value: Any, dtype: DType, shape: tuple[int, ...] = ()) -> Value:
     """An ``arith.constant`` of ``dtype`` (splat to ``vector<shape>`` when ``shape`` is given)."""
     elem = dtype.mlir_type()
     if dtype.is_float:
-        attr = ir.FloatAttr.get(elem, float(value))
+        try:
+            attr = ir.FloatAttr.get(elem, float(value))
+        except OverflowError:
+            raise KilnValueError(f"the constant {value} is too large for {dtype}",
+                                 fix="use a smaller value, or float('inf')") from None
     else:
-        attr = ir.IntegerAttr.get(elem, int(value))
+        attr = ir.IntegerAttr.get(elem, _int_constant(value, dtype))
     if shape:
         vtype = ir.VectorType.get(list(shape), elem)
         return Value(arith.constant(vtype, ir.DenseElementsAttr.get_splat(vtype, attr)), dtype)
     return Value(arith.constant(elem, attr), dtype)
+
+
+def _int_constant(value: Any, dtype: DType) -> int:
+    """``value`` as an int that fits ``dtype``'s bits (signed or unsigned; integers are
+    signless), else KilnValueError: MLIR's attribute builder takes at most 64 bits."""
+    if isinstance(value, float) and not -float("inf") < value < float("inf"):  # nan, inf
+        raise KilnValueError(f"{value} has no {dtype} value",
+                             fix="use a finite number for an integer constant")
+    v = int(value)
+    low, high = -(1 << (dtype.bits - 1)) if dtype.bits > 1 else -1, (1 << dtype.bits) - 1
+    if not low <= v <= high:
+        raise KilnValueError(f"the constant {value} does not fit {dtype} (range {low}..{high})",
+                             fix="use a value in range, or a wider dtype")
+    return v
 
 
 def _check_literal_range(value: int, dtype: DType) -> None:
