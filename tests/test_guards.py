@@ -3,7 +3,8 @@ trace. Each case runs in a child process with a timeout, so a regression fails t
 instead of killing pytest; the child must end normally, with the expected Kiln error (or with
 none, where the input is now supported: bool tensors and i1 shared arrays).
 
-Numeric checks of the now-supported inputs run in the interpreter (seeded, fresh inputs).
+Numeric checks of the now-supported inputs run in the interpreter (seeded, fresh inputs); the
+GPU test runs the bool kernel on a CUDA device.
 """
 
 from __future__ import annotations
@@ -70,12 +71,13 @@ def _child_source(target: str, body: list[str], args: str) -> str:
 
 
         try:
-            guard.compile({args}, target={target!r}, num_warps=4)
+            compiled = guard.compile({args}, target={target!r}, num_warps=4)
         except kiln.KilnError as err:
             print("KILN_ERROR", type(err).__name__)
             print(err)
         else:
             print("NO_ERROR")
+            print(compiled.asm["kiln"])
         """).format(lines=lines, args=args, target=target)
 
 
@@ -98,6 +100,8 @@ def test_input_ends_in_a_kiln_error_or_compiles(tmp_path, name, target, body, ar
     assert done.returncode == 0, f"child exited with {done.returncode}:\n{done.stderr[-3000:]}"
     if error is None:
         assert "NO_ERROR" in done.stdout, done.stdout
+        if "bool" in args:  # bool tensors are bytes in the kernel ABI
+            assert "memref<?xi8" in done.stdout and "memref<?xi1" not in done.stdout
     else:
         assert f"KILN_ERROR {error}" in done.stdout, done.stdout
         assert message in done.stdout, done.stdout
@@ -141,12 +145,6 @@ def test_bool_tensors_and_shared_arrays_in_the_interpreter():
     np.testing.assert_array_equal(y, x != flip, err_msg=f"seed {seed}")
 
 
-def test_bool_tensors_are_bytes_in_the_kernel_abi():
-    text = _bool_roundtrip.compile(np.zeros(4, bool), np.zeros(4, bool), np.zeros(4, np.int32), 4,
-                                   target="sm_90a").asm["kiln"]
-    assert "memref<?xi8" in text and "memref<?xi1" not in text
-
-
 @kiln.kernel
 def _power(x: kiln.Tensor[f64], y: kiln.Tensor[f64], k: kiln.Tensor[i32], P: kiln.constexpr):
     i = kiln.thread_id(0)
@@ -154,7 +152,7 @@ def _power(x: kiln.Tensor[f64], y: kiln.Tensor[f64], k: kiln.Tensor[i32], P: kil
     k[i] = k[i] ** P
 
 
-@pytest.mark.parametrize("power", [0, 1, 2, 7, 10**6])
+@pytest.mark.parametrize("power", [0, 1, 2, 7, 12345])
 def test_integer_powers_match_numpy(power):
     seed = 1000 + power % 997
     rng = np.random.default_rng(seed)
