@@ -22,9 +22,10 @@ from .errors import KilnTypeError, KilnValueError, SourceLoc, UnsupportedError
 from .values import Value, cast, constant, is_literal
 
 # Loop iterations one kernel trace may run in Python (every ``for`` not over kiln.range, and
-# ``while``, nested loops counting each inner iteration): 65536 trivial iterations trace in
-# about a second, ten million take minutes. A loop over the budget raises KilnValueError.
-MAX_UNROLLED_ITERATIONS = 1 << 16
+# ``while``, nested loops counting each inner iteration). The shipped kernels unroll at most
+# ~1000; 65536 iterations of a three-statement body took over a minute to trace. A loop past
+# the budget raises KilnValueError naming it.
+MAX_UNROLLED_ITERATIONS = 1 << 13
 
 
 class Undefined:
