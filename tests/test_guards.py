@@ -178,3 +178,48 @@ def test_bool_tensors_on_the_gpu():
     ref = x != (np.arange(n) % 3 == 0)
     np.testing.assert_array_equal(y, ref, err_msg=f"seed {seed}")
     np.testing.assert_array_equal(z, x * 10 + ref, err_msg=f"seed {seed}")
+
+
+@kiln.kernel
+def _fill_other(x, y, n: i32, OTHER: kiln.constexpr):
+    i = kiln.thread_id(0)
+    y[i] = x.load(i, mask=i < n, other=OTHER)
+
+
+@pytest.mark.parametrize("dtype,other", [(np.int16, 1e30), (np.int32, float("nan")),
+                                         (np.int32, 2**70), (np.float32, 2**2000)])
+def test_constants_that_do_not_fit_their_dtype_are_kiln_errors(dtype, other):
+    # They reached MLIR's attribute builders as TypeError / OverflowError / ValueError.
+    x = np.ones(128, dtype)
+    with pytest.raises(kiln.KilnValueError, match="constant|has no"):
+        _fill_other.compile(x, x.copy(), 100, other, target="sm_90a")
+
+
+@kiln.kernel
+def _copy(x, y):
+    i = kiln.thread_id(0)
+    y[i] = x[i]
+
+
+@pytest.mark.parametrize("dtype", [kiln.f8e4m3, kiln.f8e5m2])
+def test_fp8_arrays_in_the_interpreter(dtype):
+    # numpy's as_strided has no spelling for float8_e5m2 ("data type '<f1' not understood").
+    seed = 43
+    x = (np.random.default_rng(seed).standard_normal(128) * 4).astype(dtype.numpy)
+    y = np.full(128, np.nan, dtype.numpy)
+    _copy.interpret[(1,)](x, y)
+    np.testing.assert_array_equal(y.astype(np.float32), x.astype(np.float32),
+                                  err_msg=f"seed {seed}")
+
+
+def test_target_feature_model():
+    from kiln.lowering.targets import FEATURES, TARGETS, get_target
+
+    assert get_target("sm_90a").has("wgmma") and not get_target("sm_90").has("wgmma")
+    assert not get_target("gfx950").has("ptx") and get_target("gfx950").has("gfx950")
+    assert not get_target("sm_80").has("sm90") and get_target("sm_100a").has("tma")
+    assert all(t.features <= set(FEATURES) for t in TARGETS.values())
+    with pytest.raises(kiln.TargetError, match="sm_90 / sm_90a / sm_100a"):
+        get_target("sm_80").require("sm90", 'kiln.fence("cluster")')
+    with pytest.raises(kiln.TargetError, match="unknown target feature"):
+        get_target("sm_80").has("tensor_cores")
