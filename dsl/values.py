@@ -188,23 +188,29 @@ def _mlir_type(dtype: DType, shape: tuple[int, ...]) -> ir.Type:
 def constant(value: Any, dtype: DType, shape: tuple[int, ...] = ()) -> Value:
     """An ``arith.constant`` of ``dtype`` (splat to ``vector<shape>`` when ``shape`` is given)."""
     elem = dtype.mlir_type()
-    if dtype.is_float:
-        try:
-            attr = ir.FloatAttr.get(elem, float(value))
-        except OverflowError:
-            raise KilnValueError(f"the constant {value} is too large for {dtype}",
-                                 fix="use a smaller value, or float('inf')") from None
-    else:
-        attr = ir.IntegerAttr.get(elem, _int_constant(value, dtype))
+    attr = scalar_attr(value, dtype)
     if shape:
         vtype = ir.VectorType.get(list(shape), elem)
         return Value(arith.constant(vtype, ir.DenseElementsAttr.get_splat(vtype, attr)), dtype)
     return Value(arith.constant(elem, attr), dtype)
 
 
-def _int_constant(value: Any, dtype: DType) -> int:
+def scalar_attr(value: Any, dtype: DType) -> ir.Attribute:
+    """The ``FloatAttr``/``IntegerAttr`` of a Python number as ``dtype``; KilnValueError when it
+    cannot be one (an int past the dtype's bits, NaN for an integer, 2**2000 for a float)."""
+    if dtype.is_float:
+        try:
+            return ir.FloatAttr.get(dtype.mlir_type(), float(value))
+        except OverflowError:
+            raise KilnValueError(f"the constant {value} is too large for {dtype}",
+                                 fix="use a smaller value, or float('inf')") from None
+    return ir.IntegerAttr.get(dtype.mlir_type(), checked_int(value, dtype))
+
+
+def checked_int(value: Any, dtype: DType) -> int:
     """``value`` as an int that fits ``dtype``'s bits (signed or unsigned; integers are
-    signless), else KilnValueError: MLIR's attribute builder takes at most 64 bits."""
+    signless), else KilnValueError: MLIR's attribute builder takes at most 64 bits.
+    Example: ``checked_int(255, kiln.i8)`` is 255; ``checked_int(256, kiln.i8)`` raises."""
     if isinstance(value, float) and not -float("inf") < value < float("inf"):  # nan, inf
         raise KilnValueError(f"{value} has no {dtype} value",
                              fix="use a finite number for an integer constant")

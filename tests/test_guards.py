@@ -223,3 +223,21 @@ def test_target_feature_model():
         get_target("sm_80").require("sm90", 'kiln.fence("cluster")')
     with pytest.raises(kiln.TargetError, match="unknown target feature"):
         get_target("sm_80").has("tensor_cores")
+
+
+@kiln.kernel
+def _vector_constant(y: kiln.Tensor[i32], VALUES: kiln.constexpr, DT: kiln.constexpr):
+    y[0] = kiln.cast(kiln.unpack(kiln.vector_constant(list(VALUES), DT))[0], i32)
+
+
+@pytest.mark.parametrize("values,dtype", [((2**70,), kiln.i32), ((2,), kiln.i1),
+                                          ((float("nan"),), kiln.i16)])
+def test_vector_constants_that_do_not_fit_are_kiln_errors(values, dtype):
+    with pytest.raises(kiln.KilnValueError, match="does not fit|has no"):
+        _vector_constant.trace(np.zeros(4, np.int32), VALUES=values, DT=dtype)
+
+
+def test_vector_constants_take_unsigned_spellings():
+    y = np.zeros(4, np.int32)
+    _vector_constant.interpret[(1,)](y, VALUES=(2**32 - 5, 1), DT=kiln.i32)
+    assert y[0] == -5
