@@ -241,3 +241,19 @@ def test_vector_constants_take_unsigned_spellings():
     y = np.zeros(4, np.int32)
     _vector_constant.interpret[(1,)](y, VALUES=(2**32 - 5, 1), DT=kiln.i32)
     assert y[0] == -5
+
+
+@kiln.kernel
+def _vector_constant_f32(y: kiln.Tensor[kiln.f32], VALUES: kiln.constexpr, DT: kiln.constexpr):
+    vec = kiln.vector_constant(list(VALUES), DT)
+    for k in kiln.static_range(len(VALUES)):
+        y[k] = kiln.cast(kiln.unpack(vec)[k], kiln.f32)
+
+
+@pytest.mark.parametrize("dtype", [kiln.f16, kiln.bf16, kiln.f8e4m3, kiln.f8e5m2])
+def test_low_precision_vector_constants_in_the_interpreter(dtype):
+    # The bindings cannot export these dense constants; the interpreter raised a TypeError.
+    values = (0.5, -1.5, 3.0, float("nan"))
+    y = np.full(4, 7.0, np.float32)
+    _vector_constant_f32.interpret[(1,)](y, VALUES=values, DT=dtype)
+    np.testing.assert_array_equal(y, np.array(values, np.float32))
