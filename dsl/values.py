@@ -23,6 +23,7 @@ from typing import Any
 from mlir import ir
 from mlir.dialects import arith, math, vector
 
+from . import builder
 from . import dtypes as dt
 from .dtypes import DType
 from .errors import KilnTypeError, KilnValueError, UnsupportedError
@@ -42,6 +43,7 @@ class Value:
     __slots__ = ("ir", "dtype", "shape")
 
     def __init__(self, ir_value: ir.Value, dtype: DType | None = None):
+        builder.count_value()
         self.ir = ir_value
         t = ir_value.type
         is_vector = isinstance(t, ir.VectorType)

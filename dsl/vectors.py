@@ -48,6 +48,7 @@ def pack(values: Sequence[Any]) -> Value:
             raise KilnTypeError(f"kiln.pack got {v.dtype} next to {elem}",
                                 fix=f"cast every value to {elem} with kiln.cast first")
         scalars.append(v)
+    current_target().check_vector(len(scalars), elem.itemsize, "kiln.pack")
     vtype = ir.VectorType.get([len(scalars)], elem.mlir_type())
     return Value(vector.from_elements(vtype, [s.ir for s in scalars]), elem)
 
