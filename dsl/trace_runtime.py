@@ -345,8 +345,9 @@ def static_range(*args):
     if len(args) == 3 and args[2] == 0:
         raise KilnValueError("kiln.static_range step must not be zero", fix="use a step of 1")
     steps = range(*args)
-    if len(steps) > MAX_UNROLLED_ITERATIONS:
-        raise KilnValueError(f"kiln.static_range{args} unrolls {len(steps)} iterations at trace "
+    count = max(0, -((steps.start - steps.stop) // steps.step))  # len() overflows past 2**63
+    if count > MAX_UNROLLED_ITERATIONS:
+        raise KilnValueError(f"kiln.static_range{args} unrolls {count} iterations at trace "
                              f"time; the limit is {MAX_UNROLLED_ITERATIONS} "
                              "(kiln.MAX_UNROLLED_ITERATIONS)",
                              fix="use `for i in kiln.range(...)` for a loop that runs on the GPU")

@@ -47,6 +47,8 @@ CASES = [
      "KilnValueError", "power of two from 1 to 1024"),
     ("static_range", "sm_90a", ["for j in kiln.static_range(10**7):", "    y[j] = 1.0"],
      "F32, F32", "KilnValueError", "limit is 8192"),
+    ("static_range_huge", "gfx942", ["for j in kiln.static_range(2**70):", "    y[j] = 1.0"],
+     "F32, F32", "KilnValueError", "limit is 8192"),
     ("python_loop", "sm_90a", ["for j in range(10**6):", "    y[j] = 1.0"], "F32, F32",
      "KilnValueError", "passed 8192 iterations"),
     ("many_ops", "sm_90a", ["for j in range(2000):",
