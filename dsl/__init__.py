@@ -19,7 +19,7 @@ from .threads import ThreadCountWarning
 from .shared import SharedTensor, shared
 from .struct import struct
 from .tensor import Tensor, TensorRef
-from .trace_runtime import TracedRange as range, static_range
+from .trace_runtime import MAX_UNROLLED_ITERATIONS, TracedRange as range, static_range
 from .values import Handle, Value
 from .vectors import pack, unpack, vector_constant, vector_slice
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from mlir import ir
 from mlir.dialects import rocdl
 
-from .errors import KilnTypeError, KilnValueError, TargetError
+from .errors import KilnTypeError, KilnValueError
 from .nvidia_asm import current_target
 
 ASYNC_ATTR = "kiln.async"
@@ -45,7 +45,6 @@ GFX9_WAITCNT_FIELDS = (
     ("expcnt", 7, ((0, 3, 4),)),
     ("lgkmcnt", 15, ((0, 4, 8),)),
 )
-GFX9_CHIPS = ("gfx942", "gfx950")
 
 
 class SchedMask(enum.IntFlag):
@@ -68,20 +67,12 @@ class SchedMask(enum.IntFlag):
 
 def require_amd(what: str):
     """The current target if it is a GFX9 AMD chip, else TargetError."""
-    target = current_target()
-    if target.name not in GFX9_CHIPS:
-        raise TargetError(f"{what} is an AMD GFX9 instruction; {target.name} does not have it",
-                          fix=f"compile for {' or '.join(GFX9_CHIPS)}")
-    return target
+    return current_target().require("gfx9", what)
 
 
 def require_gfx950(what: str):
     """The current target if it is gfx950 (CDNA4-only instructions), else TargetError."""
-    target = current_target()
-    if target.name != "gfx950":
-        raise TargetError(f"{what} needs gfx950 (CDNA4); {target.name} does not have it",
-                          fix="compile for target='gfx950'")
-    return target
+    return current_target().require("gfx950", what)
 
 
 # ------------------------------------------------------------------------------- async tokens

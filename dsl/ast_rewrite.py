@@ -52,6 +52,7 @@ class _Runtime:
     for_stmt = staticmethod(trace_runtime.for_stmt)
     TracedRange = trace_runtime.TracedRange
     static_while_cond = staticmethod(trace_runtime.static_while_cond)
+    unrolled = staticmethod(trace_runtime.unrolled)
     traced_return = staticmethod(trace_runtime.traced_return)
     traced_break = staticmethod(trace_runtime.traced_break)
     traced_raise = staticmethod(trace_runtime.traced_raise)
@@ -310,8 +311,10 @@ class _Rewriter(ast.NodeTransformer):
         may_trace = isinstance(node.target, ast.Name) and not node.orelse
         # The traced body gets a copy; the static loop takes the original nodes.
         traced_body = _clone(node.body) if may_trace else None
-        static_for = ast.For(node.target, ast.Name(it, ast.Load()),
-                             self._stmts(node.body), self._stmts(node.orelse), None)
+        counted = _call("unrolled", ast.Name(it, ast.Load()), ast.Constant(self.filename),
+                        ast.Constant(node.lineno))
+        static_for = ast.For(node.target, counted, self._stmts(node.body),
+                             self._stmts(node.orelse), None)
         evaluate = self._at(node.iter, [ast.Assign([ast.Name(it, ast.Store())], node.iter)])
         if not may_trace:
             return [ast.copy_location(evaluate, node), ast.copy_location(static_for, node)]

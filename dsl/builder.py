@@ -21,6 +21,10 @@ from mlir import ir
 from .errors import KilnValueError, SourceLoc, trace_location
 
 KERNEL_MODULE_NAME = "kiln_kernels"
+# Values (about one MLIR op each) one kernel trace may build. Unrolled Python loops and
+# helpers that build many ops per step would otherwise trace for minutes; the shipped kernels
+# build at most about 15000.
+MAX_TRACED_VALUES = 1 << 18
 SHARED_MEMORY_SPACE = 3
 GLOBAL_MEMORY_SPACE = 1
 
@@ -41,6 +45,8 @@ class TraceState:
     dynamic_shared_base: object = None  # (memref<?xi8>, aligned byte offset) once created
     cluster: tuple[int, int, int] | None = None  # CTA cluster shape (kiln.nvidia_asm.cluster_dims)
     programmatic_launch: bool = False  # waits on prior grids (kiln.nvidia_asm.grid_dependency_wait)
+    unrolled_iterations: int = 0  # Python loop iterations so far (trace_runtime's budget)
+    values_built: int = 0  # kiln.Values so far (MAX_TRACED_VALUES)
 
     def unique_symbol(self, base: str) -> str:
         name, n = base, 0
@@ -72,6 +78,20 @@ def current() -> TraceState:
 
 def is_tracing() -> bool:
     return bool(_stack)
+
+
+def count_value() -> None:
+    """Count one traced Value against :data:`MAX_TRACED_VALUES` (KilnValueError past it)."""
+    if not _stack:
+        return
+    state = _stack[-1]
+    state.values_built += 1
+    if state.values_built > MAX_TRACED_VALUES:
+        raise KilnValueError(
+            f"the kernel's trace built more than {MAX_TRACED_VALUES} values "
+            "(kiln.builder.MAX_TRACED_VALUES) by this line: a Python loop or helper unrolls too "
+            "much", fix="use `for i in kiln.range(...)` for a loop that runs on the GPU, or "
+                        "unroll less")
 
 
 def current_target():

@@ -25,7 +25,7 @@ from mlir.dialects import nvgpu
 
 from . import builder
 from . import dtypes as dt
-from .errors import KilnTypeError, KilnValueError, TargetError
+from .errors import KilnTypeError, KilnValueError
 from .global_tile import GlobalTile
 from .shared_tile import SharedTile
 from .tensor import to_index
@@ -43,10 +43,7 @@ class Group(Handle):
 
 
 def _require_sm80(what: str) -> None:
-    target = builder.current_target()
-    if not (target.is_nvidia and target.sm >= 80):
-        raise TargetError(f"{what} needs an NVIDIA sm_80 or newer target, not {target.name}",
-                          fix="compile for sm_80/sm_90a; on AMD use kiln.amd_buffer DMA")
+    builder.current_target().require("sm80", what)
 
 
 def copy(dst: SharedTile, dst_pos: tuple[Any, Any], src: GlobalTile, src_pos: tuple[Any, Any], *,

@@ -59,6 +59,12 @@ class DType:
         return self.is_float and self.bits == 8
 
     @property
+    def storage(self) -> "DType":
+        """The dtype of this dtype's elements in memory: i1 is stored as i8 bytes (0 or 1, as
+        numpy stores bool), everything else as itself. ``kiln.i1.storage is kiln.i8``."""
+        return i8 if self.kind == "bool" else self
+
+    @property
     def itemsize(self) -> int:
         return max(self.bits // 8, 1)
 

@@ -22,6 +22,7 @@ the variable and what it takes (an empty value counts as unset). Flags accept ``
 ``KILN_CUOBJDUMP``                explicit ``cuobjdump`` path (SASS schedule check; same rule)
 ``KILN_ROCM_RUNTIME``             path of ``libmlir_rocm_runtime.so`` for AMD launches
 ``KILN_LAUNCH_BLOCKING`` (flag)   synchronise after every CUDA launch and raise its error
+``KILN_FUZZ_EXAMPLES=N``          kernels ``tests/test_fuzz.py`` generates (long fuzzing runs)
 ================================  ======================================================
 """
 
@@ -93,6 +94,17 @@ def interpret_timeout() -> float:
                        "a number of seconds, finite and > 0 (e.g. 60)")
     return seconds
 
+
+
+def fuzz_examples(default: int) -> int:
+    """Kernels ``tests/test_fuzz.py`` generates (``KILN_FUZZ_EXAMPLES``; CI uses ``default``)."""
+    value = os.environ.get("KILN_FUZZ_EXAMPLES", "").strip()
+    if value == "":
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise _invalid("KILN_FUZZ_EXAMPLES", os.environ["KILN_FUZZ_EXAMPLES"],
+                       "a positive whole number of kernels (e.g. 2000)")
+    return int(value)
 
 def cuda_root() -> Path | None:
     return _path("CUDA_ROOT") or _path("CUDA_HOME")

@@ -24,7 +24,7 @@ import numbers
 from mlir import ir
 from mlir.dialects import arith, llvm, nvvm
 
-from .errors import KilnTypeError, KilnValueError, TargetError
+from .errors import KilnTypeError, KilnValueError
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,26 +100,15 @@ def current_target():
 
 
 def require_feature(feature: str, what: str):
-    """Raise TargetError unless the target being compiled has ``feature`` (e.g. ``has_wgmma``).
-
-    Returns the current :class:`~kiln.lowering.targets.Target`.
-    """
-    target = current_target()
-    if not getattr(target, feature, False):
-        capable = "sm_90a" if feature == "has_wgmma" else "sm_90 / sm_90a / sm_100a"
-        raise TargetError(f"{what} needs {feature.removeprefix('has_').upper()}, which "
-                          f"{target.name} does not have",
-                          fix=f"compile for {capable}, e.g. target='sm_90a'")
-    return target
+    """The current :class:`~kiln.lowering.targets.Target` if it has ``feature`` (a name from
+    ``kiln.lowering.targets.FEATURES``: ``"wgmma"``, ``"tma"``, ``"sm90"``, ``"ptx"``, ...),
+    else TargetError naming ``what`` and the chips that have it."""
+    return current_target().require(feature, what)
 
 
 def require_sm90(what: str):
     """Raise TargetError unless compiling for an NVIDIA chip of compute capability >= 9.0."""
-    target = current_target()
-    if not (target.is_nvidia and target.sm >= 90):
-        raise TargetError(f"{what} needs an NVIDIA sm_90 or newer target, not {target.name}",
-                          fix="compile for sm_90a (H100) or guard the code with a constexpr")
-    return target
+    return require_feature("sm90", what)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +146,7 @@ def setmaxnreg(count: int, *, increase: bool) -> None:
 
     ``count`` must be a multiple of 8 in 24..256; every thread of the warp group executes it.
     """
-    require_feature("has_wgmma", "setmaxnreg")
+    require_feature("wgmma", "setmaxnreg")
     if not isinstance(count, int) or count % 8 or not 24 <= count <= 256:
         raise KilnValueError(f"setmaxnreg count must be a multiple of 8 in 24..256, got {count!r}",
                              fix="round the register count to a multiple of 8, e.g. 232 or 40")
@@ -173,6 +162,7 @@ def named_barrier(barrier_id, num_threads: int) -> None:
     ``bar.sync`` is PTX's aligned barrier: keep lane-divergent branches (``if tid % 128 == 0:``)
     off both sides of it. LLVM may copy the barrier into both arms of such a branch, and a warp
     whose lanes reach two copies hangs (``bench/RESULTS.md``, session 20)."""
+    require_feature("ptx", "named_barrier")
     # Inline PTX: nvvm.barrier's printed form does not parse back with its location attached
     # (MLIR 22), and Kiln round-trips every stage through text.
     llvm.inline_asm(None, _named_barrier_operands(barrier_id, num_threads), "bar.sync $0, $1;",
@@ -183,6 +173,7 @@ def named_barrier_arrive(barrier_id, num_threads: int) -> None:
     """``bar.arrive barrier_id, num_threads``: count this warp group toward ``num_threads``
     without waiting. Pairs with :func:`named_barrier` in another warp group to hand over a
     turn (ping-pong scheduling): ``named_barrier_arrive(other_turn, 256)``."""
+    require_feature("ptx", "named_barrier_arrive")
     llvm.inline_asm(None, _named_barrier_operands(barrier_id, num_threads), "bar.arrive $0, $1;",
                     "r,r", has_side_effects=True)
 
@@ -205,10 +196,7 @@ def named_barrier_any(barrier_id, num_threads: int, flag):
     from .dtypes import i32 as kiln_i32
     from .values import Value, cast, to_value
 
-    target = current_target()
-    if not target.is_nvidia:
-        raise TargetError(f"named_barrier_any needs an NVIDIA target, not {target.name}",
-                          fix="vote with kiln.shuffle.any_lane on AMD")
+    require_feature("ptx", "named_barrier_any")
     flag = to_value(flag)
     if flag.shape or flag.dtype.name not in ("i1", "i8", "i16", "i32"):
         raise KilnTypeError(f"named_barrier_any votes on a scalar bool or integer, got {flag!r}",
@@ -309,10 +297,7 @@ def _check_nvidia_buffer(buffer, dtype, memory_space: int, what: str, needs: str
                          fix: str) -> None:
     """TargetError off NVIDIA; KilnTypeError unless ``buffer`` is a ``dtype`` tensor in
     ``memory_space`` (the operand checks of the inline-PTX wrappers that take a buffer)."""
-    target_info = current_target()
-    if not target_info.is_nvidia:
-        raise TargetError(f"{what} needs an NVIDIA target, not {target_info.name}",
-                          fix="guard the call with a constexpr on the target")
+    require_feature("ptx", what)
     memref_type = getattr(getattr(buffer, "ir", None), "type", None)
     space = memref_type.memory_space if isinstance(memref_type, ir.MemRefType) else None
     if getattr(buffer, "dtype", None) is not dtype or not isinstance(space, ir.IntegerAttr) \

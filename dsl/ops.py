@@ -104,11 +104,14 @@ def fence(scope: str = "gpu") -> None:
             kiln.fence("gpu")
             ticket = counters.atomic_add(0, 1)
     """
-    scopes = _FENCE_SCOPES[builder.current_target().vendor]
+    target = builder.current_target()
+    scopes = _FENCE_SCOPES[target.vendor]
     if scope not in scopes:
         raise KilnValueError(f"fence scope {scope!r} is not one of {sorted(scopes)} on "
-                             f"{builder.current_target().name}",
+                             f"{target.name}",
                              fix='use kiln.fence("gpu") or kiln.fence("cta")')
+    if scope == "cluster":  # LLVM aborts on a cluster-scope fence below sm_90
+        target.require("sm90", 'kiln.fence("cluster")')
     llvm.fence(llvm.AtomicOrdering.acq_rel, syncscope=scopes[scope])
 
 

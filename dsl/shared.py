@@ -63,7 +63,7 @@ def shared(shape: Any, dtype: Any, *, align: int = 16) -> SharedTensor:
             fix="use smaller tiles, fewer stages or a narrower dtype")
     state.shared_bytes = total
     space = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), builder.SHARED_MEMORY_SPACE)
-    mtype = ir.MemRefType.get(list(shape), elem.mlir_type(), memory_space=space)
+    mtype = ir.MemRefType.get(list(shape), elem.storage.mlir_type(), memory_space=space)
     name = state.unique_symbol("kiln_shared")
     with ir.InsertionPoint.at_block_begin(state.gpu_module_block):
         memref.GlobalOp(name, mtype, sym_visibility="private", initial_value=ir.UnitAttr.get(),
@@ -105,7 +105,8 @@ def dynamic_shared(shape: Any, dtype: Any, *, align: int = 16) -> SharedTensor:
     state.dynamic_shared_bytes = requested
     raw, base = _dynamic_base(state)
     byte_shift = arith.addi(base, arith.constant(ir.IndexType.get(), offset))
-    view_type = ir.MemRefType.get(list(shape), elem.mlir_type(), memory_space=_workgroup_space())
+    view_type = ir.MemRefType.get(list(shape), elem.storage.mlir_type(),
+                                  memory_space=_workgroup_space())
     view = memref.view(view_type, raw, byte_shift, [])
     return DynamicSharedTensor(view, elem, shape, f"dynamic_shared@{offset}", raw, byte_shift)
 
@@ -136,7 +137,7 @@ class DynamicSharedTensor(SharedTensor):
         index = ir.IndexType.get()
         offset = arith.muli(as_index(i, "tile index"), arith.constant(index, slice_bytes))
         shift = arith.addi(self._byte_shift, offset)
-        view_type = ir.MemRefType.get(list(inner), self.dtype.mlir_type(),
+        view_type = ir.MemRefType.get(list(inner), self.dtype.storage.mlir_type(),
                                       memory_space=_workgroup_space())
         return SharedTensor(memref.view(view_type, self._raw, shift, []), self.dtype, inner,
                             f"{self.name}[tile]")
@@ -153,7 +154,7 @@ class DynamicSharedTensor(SharedTensor):
             raise KilnValueError(f"cannot view the {have} bytes of {self.name} as {shape} of "
                                  f"{elem} ({want} bytes)",
                                  fix="allocate the buffer with the larger of the two sizes")
-        view_type = ir.MemRefType.get(list(shape), elem.mlir_type(),
+        view_type = ir.MemRefType.get(list(shape), elem.storage.mlir_type(),
                                       memory_space=_workgroup_space())
         return DynamicSharedTensor(memref.view(view_type, self._raw, self._byte_shift, []), elem,
                                    shape, f"{self.name} as {elem}", self._raw, self._byte_shift)
@@ -173,9 +174,7 @@ def _check_request(shape: Any, dtype: Any, align: int, what: str):
     if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in shape):
         raise KilnValueError(f"{what} needs a shape of positive Python ints, got {shape!r}",
                              fix="use constants or kiln.constexpr values for the shape")
-    if not isinstance(align, int) or align <= 0 or align & (align - 1):
-        raise KilnValueError(f"align={align} is not a power of two",
-                             fix="use align=16 (1024 for 128-byte swizzled TMA tiles)")
+    builder.current_target().check_align(align, what)
     return shape, dt.dtype(dtype)
 
 

@@ -9,11 +9,13 @@ array passed is contiguous along it, else dynamic). In the body::
     n = x.shape[0]                # memref.dim, as an i32 Value
     s = x.stride(0)               # from memref.extract_strided_metadata, as an i32 Value
     v4 = x.load(i, width=4)       # vector.load of 4 consecutive elements along the last dim
+                                  # (at most the target's max_vector_bytes, 1 KB)
     x.store(i, v4)                # vector.store
     v = x.load(i, mask=i < n, other=0.0)   # masked scalar load (scf.if)
     old = c.atomic_add(i, 1)      # memref.atomic_rmw: returns the value before the add
 
-Shared-memory buffers from ``kiln.shared`` index the same way.
+Shared-memory buffers from ``kiln.shared`` index the same way. Tensors of ``kiln.i1`` (numpy
+``bool`` arrays) are stored as bytes: loads give ``x != 0``, stores write 0 or 1.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 from mlir import ir
 from mlir.dialects import arith, memref, scf, vector
 
+from . import builder
 from . import dtypes as dt
 from .builder import GLOBAL_MEMORY_SPACE
 from .dtypes import DType
@@ -65,8 +68,8 @@ def memref_type(dtype: DType, rank: int, contiguous: bool) -> ir.MemRefType:
     strides = [dyn] * (rank - 1) + [1 if contiguous else dyn]
     layout = ir.StridedLayoutAttr.get(dyn, strides)
     space = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), GLOBAL_MEMORY_SPACE)
-    return ir.MemRefType.get([ir.ShapedType.get_dynamic_size()] * rank, dtype.mlir_type(),
-                             layout=layout, memory_space=space)
+    return ir.MemRefType.get([ir.ShapedType.get_dynamic_size()] * rank,
+                             dtype.storage.mlir_type(), layout=layout, memory_space=space)
 
 
 def to_index(i: Any) -> ir.Value:
@@ -107,7 +110,23 @@ class TensorRef:
         return [to_index(i) for i in idx]
 
     def __getitem__(self, idx) -> Value:
-        return Value(memref.load(self.ir, self._indices(idx)), self.dtype)
+        return Value(self._from_storage(memref.load(self.ir, self._indices(idx))), self.dtype)
+
+    def _from_storage(self, loaded: ir.Value) -> ir.Value:
+        """A loaded scalar or vector as ``self.dtype`` (i1 elements are bytes in memory)."""
+        if self.dtype.kind != "bool":
+            return loaded
+        zero = arith.constant(loaded.type, _zero_attr(loaded.type))
+        return arith.cmpi(arith.CmpIPredicate.ne, loaded, zero)
+
+    def _to_storage(self, value: ir.Value) -> ir.Value:
+        """A scalar or vector of ``self.dtype`` as stored (i1 becomes a 0/1 byte)."""
+        if self.dtype.kind != "bool":
+            return value
+        byte = ir.IntegerType.get_signless(8)
+        if isinstance(value.type, ir.VectorType):
+            byte = ir.VectorType.get(ir.VectorType(value.type).shape, byte)
+        return arith.extui(byte, value)
 
     def element_address(self, *idx) -> ir.Value:
         """The i64 address of element ``idx`` (base + (offset + sum of index * stride) *
@@ -123,7 +142,7 @@ class TensorRef:
         return arith.index_cast(ir.IntegerType.get_signless(64), address)
 
     def __setitem__(self, idx, value) -> None:
-        memref.store(self._coerce(value, ()).ir, self.ir, self._indices(idx))
+        memref.store(self._to_storage(self._coerce(value, ()).ir), self.ir, self._indices(idx))
 
     def _coerce(self, value: Any, shape: tuple[int, ...]) -> Value:
         if is_literal(value):
@@ -169,14 +188,17 @@ class TensorRef:
         with ``mask`` (scalar loads only) returns ``other`` where the mask is false.
         ``align`` (bytes) promises the vector's address is that aligned, so it becomes one
         wide load (e.g. ``ld.global.v4.f32``) instead of ``width`` scalar loads."""
+        target = builder.current_target()
+        target.check_vector(width, self.dtype.itemsize, f"{self.name}.load")
+        alignment = _alignment(align, f"{self.name}.load")
         if width != 1:
             if mask is not None:
                 raise UnsupportedError("masked vector loads are not supported",
                                        fix="load scalars with mask=, or guard the load with if")
             self._require_unit_inner_stride("vector load")
-            vtype = ir.VectorType.get([width], self.dtype.mlir_type())
-            return Value(vector.load(vtype, self.ir, self._indices(idx),
-                                     alignment=_alignment(align)), self.dtype)
+            vtype = ir.VectorType.get([width], self.dtype.storage.mlir_type())
+            loaded = vector.load(vtype, self.ir, self._indices(idx), alignment=alignment)
+            return Value(self._from_storage(loaded), self.dtype)
         if mask is None:
             return self[idx]
         m = to_value(mask)
@@ -191,7 +213,7 @@ class TensorRef:
         indices = self._indices(idx)
         if_op = scf.IfOp(m.ir, [self.dtype.mlir_type()], has_else=True)
         with ir.InsertionPoint(if_op.then_block):
-            scf.YieldOp([memref.load(self.ir, indices)])
+            scf.YieldOp([self._from_storage(memref.load(self.ir, indices))])
         with ir.InsertionPoint(if_op.else_block):
             scf.YieldOp([(fallback if fallback is not None else constant(other, self.dtype)).ir])
         return Value(if_op.results[0], self.dtype)
@@ -200,14 +222,19 @@ class TensorRef:
     def store(self, *args, align: int | None = None) -> None:
         """``t.store(i, ..., value)``: store a scalar or a vector along the last dimension
         (``align`` as for :meth:`load`)."""
+        if not args:
+            raise KilnValueError(f"{self.name}.store takes the indices and then the value",
+                                 fix=f"e.g. {self.name}.store(i, value)")
         *idx, value = args
         v = to_value(value) if not is_literal(value) else constant(value, self.dtype)
+        alignment = _alignment(align, f"{self.name}.store")
         if not v.shape:
             self[tuple(idx)] = v
             return
         self._require_unit_inner_stride("vector store")
         v = self._coerce(v, v.shape)
-        vector.store(v.ir, self.ir, self._indices(tuple(idx)), alignment=_alignment(align))
+        vector.store(self._to_storage(v.ir), self.ir, self._indices(tuple(idx)),
+                     alignment=alignment)
 
     @checked_call
     def atomic_add(self, *args) -> Value:
@@ -268,13 +295,17 @@ _ATOMIC_KINDS = {
 }
 
 
-def _alignment(align: int | None):
+def _alignment(align: int | None, what: str):
     if align is None:
         return None
-    if not isinstance(align, int) or align < 1 or align & (align - 1):
-        raise KilnValueError(f"align must be a power of two in bytes, got {align!r}",
-                             fix="e.g. align=16 for a 16-byte vector")
+    builder.current_target().check_align(align, what)
     return ir.IntegerAttr.get(ir.IntegerType.get_signless(64), align)
+
+
+def _zero_attr(t: ir.Type) -> ir.Attribute:
+    if isinstance(t, ir.VectorType):
+        return ir.DenseElementsAttr.get_splat(t, ir.IntegerAttr.get(t.element_type, 0))
+    return ir.IntegerAttr.get(t, 0)
 
 
 def numel_bytes(shape: tuple[int, ...], dtype: DType) -> int:

@@ -134,7 +134,7 @@ def load(tensor_map, dst, coords, barriers, index=0, *, multicast_mask=None,
     Example: ``kiln.tma.load(k_map, k_tile, (0, row), bars, 0, predicate=leader,
     eviction_policy="evict_first")``.
     """
-    require_feature("has_tma", "kiln.tma.load")
+    require_feature("tma", "kiln.tma.load")
     if eviction_policy is not None and eviction_policy not in EVICTION_POLICIES:
         raise KilnValueError(f"TMA eviction_policy {eviction_policy!r} is not one of "
                              f"{', '.join(EVICTION_POLICIES)}",
@@ -163,7 +163,7 @@ def store(src, tensor_map, coords, *, predicate=None) -> None:
     """Start an async copy of shared tile ``src`` to the box at ``coords``
     (``nvgpu.tma.async.store``). Call :func:`kiln.nvidia_asm.fence_proxy_async` after the
     threads' shared-memory writes, then :func:`commit_group` / :func:`wait_group`."""
-    require_feature("has_tma", "kiln.tma.store")
+    require_feature("tma", "kiln.tma.store")
     src_value = _shared_tile(src, "TMA store source")
     nvgpu.tma_async_store(src_value, ir_value(tensor_map, "tensor map"),
                           _coords(coords, src_value.type.rank), predicate=as_predicate(predicate))
@@ -178,7 +178,7 @@ def prefetch(tensor_map, coords) -> None:
 
     Example: ``kiln.tma.prefetch(k_map, (0, row))``.
     """
-    require_feature("has_tma", "kiln.tma.prefetch")
+    require_feature("tma", "kiln.tma.prefetch")
     desc = ir_value(tensor_map, "tensor map")
     if not hasattr(tensor_map, "box"):
         raise KilnTypeError(f"kiln.tma.prefetch takes a tensor map descriptor, got "
@@ -194,21 +194,21 @@ def prefetch(tensor_map, coords) -> None:
 
 def prefetch_descriptor(tensor_map, *, predicate=None) -> None:
     """Prefetch the ``CUtensorMap`` into the descriptor cache (``prefetch.tensormap``)."""
-    require_feature("has_tma", "kiln.tma.prefetch_descriptor")
+    require_feature("tma", "kiln.tma.prefetch_descriptor")
     nvgpu.tma_prefetch_descriptor(ir_value(tensor_map, "tensor map"),
                                   predicate=as_predicate(predicate))
 
 
 def commit_group() -> None:
     """Close the current group of TMA stores (``cp.async.bulk.commit_group``)."""
-    require_feature("has_tma", "kiln.tma.commit_group")
+    require_feature("tma", "kiln.tma.commit_group")
     nvvm.cp_async_bulk_commit_group()
 
 
 def wait_group(pending: int = 0, *, read: bool = False) -> None:
     """Wait until at most ``pending`` TMA store groups are in flight. ``read=True`` only waits
     until their shared-memory sources may be overwritten."""
-    require_feature("has_tma", "kiln.tma.wait_group")
+    require_feature("tma", "kiln.tma.wait_group")
     if not isinstance(pending, int) or pending < 0:
         raise KilnValueError(f"pending must be an int >= 0, got {pending!r}",
                              fix="use 0 to wait for every committed store")

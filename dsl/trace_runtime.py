@@ -16,9 +16,16 @@ from typing import Any, Callable, Sequence
 from mlir import ir
 from mlir.dialects import scf
 
+from . import builder
 from . import dtypes as dt
-from .errors import KilnTypeError, SourceLoc, UnsupportedError
+from .errors import KilnTypeError, KilnValueError, SourceLoc, UnsupportedError
 from .values import Value, cast, constant, is_literal
+
+# Loop iterations one kernel trace may run in Python (every ``for`` not over kiln.range, and
+# ``while``, nested loops counting each inner iteration). The shipped kernels unroll at most
+# ~1000; 65536 iterations of a three-statement body took over a minute to trace. A loop past
+# the budget raises KilnValueError naming it.
+MAX_UNROLLED_ITERATIONS = 1 << 13
 
 
 class Undefined:
@@ -72,7 +79,30 @@ def static_while_cond(cond: Any, filename: str, line: int, col: int,
                                fix="use `for i in kiln.range(lo, hi)` with a traced bound, and "
                                    "`if` inside the body",
                                loc=SourceLoc(filename, line, col, end_col))
+    if cond:
+        _count_unrolled(filename, line, "while loop")
     return cond
+
+
+def unrolled(iterable: Any, filename: str, line: int):
+    """Iterate a Python-unrolled ``for`` (the rewrite wraps every one), counting its iterations
+    against :data:`MAX_UNROLLED_ITERATIONS`."""
+    for item in iterable:
+        _count_unrolled(filename, line, "for loop")
+        yield item
+
+
+def _count_unrolled(filename: str, line: int, what: str) -> None:
+    if not builder.is_tracing():
+        return
+    state = builder.current()
+    state.unrolled_iterations += 1
+    if state.unrolled_iterations > MAX_UNROLLED_ITERATIONS:
+        raise KilnValueError(
+            f"this {what} unrolls at trace time and the kernel's unrolled loops passed "
+            f"{MAX_UNROLLED_ITERATIONS} iterations (kiln.MAX_UNROLLED_ITERATIONS)",
+            fix="use `for i in kiln.range(...)` for a loop that runs on the GPU",
+            loc=SourceLoc(filename, line))
 
 
 def traced_return():
@@ -293,6 +323,11 @@ class TracedRange:
             raise KilnTypeError(f"kiln.range takes 1 to 3 positional bounds, got {len(args)}",
                                 fix="kiln.range(hi), kiln.range(lo, hi) or "
                                     "kiln.range(lo, hi, step)")
+        # A traced step is not known until run time; scf.for with step <= 0 never ends.
+        if isinstance(step, int) and not isinstance(step, bool) and step <= 0:
+            raise KilnValueError(f"kiln.range step must be positive, got {step}",
+                                 fix="count up with a positive step (kiln.range(lo, hi, 1)); "
+                                     "index from the end, e.g. hi - 1 - i, to go down")
         self.lo, self.hi, self.step = lo, hi, step
 
     def __iter__(self):
@@ -304,13 +339,29 @@ class TracedRange:
 def static_range(*args):
     """A loop unrolled at trace time (bounds must be Python ints / constexprs).
 
-    Example: ``for s in kiln.static_range(STAGES): ...``.
+    Its iterations count against :data:`MAX_UNROLLED_ITERATIONS` with every other Python loop
+    of the trace. Example: ``for s in kiln.static_range(STAGES): ...``.
     """
     for a in args:
         if isinstance(a, Value):
             raise KilnTypeError("kiln.static_range needs Python int bounds, got a traced value",
                                 fix="use kiln.range(...) for traced bounds")
-    return range(*args)
+        if not isinstance(a, int) or isinstance(a, bool):
+            raise KilnTypeError(f"kiln.static_range needs Python int bounds, got "
+                                f"{type(a).__name__} {a!r}", fix="pass ints or constexprs")
+    if not 1 <= len(args) <= 3:
+        raise KilnTypeError(f"kiln.static_range takes 1 to 3 ints, got {len(args)}",
+                            fix="kiln.static_range(hi), (lo, hi) or (lo, hi, step)")
+    if len(args) == 3 and args[2] == 0:
+        raise KilnValueError("kiln.static_range step must not be zero", fix="use a step of 1")
+    steps = range(*args)
+    count = max(0, -((steps.start - steps.stop) // steps.step))  # len() overflows past 2**63
+    if count > MAX_UNROLLED_ITERATIONS:
+        raise KilnValueError(f"kiln.static_range{args} unrolls {count} iterations at trace "
+                             f"time; the limit is {MAX_UNROLLED_ITERATIONS} "
+                             "(kiln.MAX_UNROLLED_ITERATIONS)",
+                             fix="use `for i in kiln.range(...)` for a loop that runs on the GPU")
+    return steps
 
 
 def _bound_dtype(bounds) -> dt.DType:

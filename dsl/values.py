@@ -27,6 +27,7 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import arith, math, vector
 
+from . import builder
 from . import dtypes as dt
 from . import pyhints
 from .dtypes import DType
@@ -47,6 +48,7 @@ class Value:
     __slots__ = ("ir", "dtype", "shape")
 
     def __init__(self, ir_value: ir.Value, dtype: DType | None = None):
+        builder.count_value()
         self.ir = ir_value
         t = ir_value.type
         is_vector = isinstance(t, ir.VectorType)
@@ -131,10 +133,18 @@ class Value:
             raise UnsupportedError(
                 f"x ** {n!r}: only a constant non-negative Python int exponent is supported",
                 fix="use kiln.exp2(y * kiln.log2(x)) for real powers")
-        result = constant(1, self.dtype, self.shape)
-        for _ in range(n):
-            result = result * self
-        return result
+        if n.bit_length() > 64:
+            raise KilnValueError(f"x ** {n}: the exponent has more than 64 bits",
+                                 fix="use kiln.exp2(y * kiln.log2(x)), or a smaller exponent")
+        # Square-and-multiply: about 2 * log2(n) multiplies, so x ** 10**6 traces instantly.
+        result, base = None, self
+        while n:
+            if n & 1:
+                result = base if result is None else result * base
+            n >>= 1
+            if n:
+                base = base * base
+        return constant(1, self.dtype, self.shape) if result is None else result
 
     def __neg__(self):
         if self.dtype.is_float:
@@ -200,14 +210,38 @@ def _mlir_type(dtype: DType, shape: tuple[int, ...]) -> ir.Type:
 def constant(value: Any, dtype: DType, shape: tuple[int, ...] = ()) -> Value:
     """An ``arith.constant`` of ``dtype`` (splat to ``vector<shape>`` when ``shape`` is given)."""
     elem = dtype.mlir_type()
-    if dtype.is_float:
-        attr = ir.FloatAttr.get(elem, float(value))
-    else:
-        attr = ir.IntegerAttr.get(elem, int(value))
+    attr = scalar_attr(value, dtype)
     if shape:
         vtype = ir.VectorType.get(list(shape), elem)
         return Value(arith.constant(vtype, ir.DenseElementsAttr.get_splat(vtype, attr)), dtype)
     return Value(arith.constant(elem, attr), dtype)
+
+
+def scalar_attr(value: Any, dtype: DType) -> ir.Attribute:
+    """The ``FloatAttr``/``IntegerAttr`` of a Python number as ``dtype``; KilnValueError when it
+    cannot be one (an int past the dtype's bits, NaN for an integer, 2**2000 for a float)."""
+    if dtype.is_float:
+        try:
+            return ir.FloatAttr.get(dtype.mlir_type(), float(value))
+        except OverflowError:
+            raise KilnValueError(f"the constant {value} is too large for {dtype}",
+                                 fix="use a smaller value, or float('inf')") from None
+    return ir.IntegerAttr.get(dtype.mlir_type(), checked_int(value, dtype))
+
+
+def checked_int(value: Any, dtype: DType) -> int:
+    """``value`` as an int that fits ``dtype``'s bits (signed or unsigned; integers are
+    signless), else KilnValueError: MLIR's attribute builder takes at most 64 bits.
+    Example: ``checked_int(255, kiln.i8)`` is 255; ``checked_int(256, kiln.i8)`` raises."""
+    if isinstance(value, float) and not -float("inf") < value < float("inf"):  # nan, inf
+        raise KilnValueError(f"{value} has no {dtype} value",
+                             fix="use a finite number for an integer constant")
+    v = int(value)
+    low, high = -(1 << (dtype.bits - 1)) if dtype.bits > 1 else -1, (1 << dtype.bits) - 1
+    if not low <= v <= high:
+        raise KilnValueError(f"the constant {value} does not fit {dtype} (range {low}..{high})",
+                             fix="use a value in range, or a wider dtype")
+    return v
 
 
 def _check_literal_range(value: int, dtype: DType) -> None:

@@ -20,9 +20,10 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import arith, vector
 
+from .builder import current_target
 from .dtypes import DType, dtype as to_dtype
 from .errors import KilnTypeError, KilnValueError
-from .values import Value, to_value
+from .values import Value, checked_int, is_literal, scalar_attr, to_value
 
 
 def pack(values: Sequence[Any]) -> Value:
@@ -47,6 +48,7 @@ def pack(values: Sequence[Any]) -> Value:
             raise KilnTypeError(f"kiln.pack got {v.dtype} next to {elem}",
                                 fix=f"cast every value to {elem} with kiln.cast first")
         scalars.append(v)
+    current_target().check_vector(len(scalars), elem.itemsize, "kiln.pack")
     vtype = ir.VectorType.get([len(scalars)], elem.mlir_type())
     return Value(vector.from_elements(vtype, [s.ir for s in scalars]), elem)
 
@@ -77,15 +79,21 @@ def vector_constant(values: Sequence[int | float], dtype: Any) -> Value:
     if not len(values):
         raise KilnValueError("kiln.vector_constant needs at least one value",
                              fix="pass a non-empty list")
+    current_target().check_vector(len(values), elem.itemsize, "kiln.vector_constant")
+    for v in values:
+        if not is_literal(v):
+            raise KilnTypeError(f"kiln.vector_constant takes Python numbers, got {v!r}",
+                                fix="use kiln.pack for traced values")
     vtype = ir.VectorType.get([len(values)], elem.mlir_type())
     if elem.is_float and elem.bits == 32:
         attr = ir.DenseElementsAttr.get(np.asarray(values, np.float32), type=vtype)
     elif elem.is_int and elem.bits in (8, 16, 32, 64):
-        attr = ir.DenseElementsAttr.get(np.asarray(values, getattr(np, f"int{elem.bits}")),
+        half = 1 << (elem.bits - 1)  # unsigned spellings of large values wrap to signed
+        ints = [(checked_int(v, elem) + half) % (2 * half) - half for v in values]
+        attr = ir.DenseElementsAttr.get(np.asarray(ints, getattr(np, f"int{elem.bits}")),
                                         type=vtype)
     else:  # f16/bf16/f64, i1: one typed attribute per element
-        make = ir.FloatAttr.get if elem.is_float else ir.IntegerAttr.get
-        attr = ir.DenseElementsAttr.get([make(elem.mlir_type(), v) for v in values], type=vtype)
+        attr = ir.DenseElementsAttr.get([scalar_attr(v, elem) for v in values], type=vtype)
     return Value(arith.constant(vtype, attr), elem)
 
 

@@ -77,7 +77,7 @@ class MatrixDescriptor:
 
 def accumulator(m: int, n: int, dtype=f32) -> Accumulator:
     """A zero-initialised ``m x n`` accumulator (``nvgpu.warpgroup.mma.init.accumulator``)."""
-    require_feature("has_wgmma", "kiln.wgmma.accumulator")
+    require_feature("wgmma", "kiln.wgmma.accumulator")
     acc_dtype = as_dtype(dtype)
     if acc_dtype is not f32:  # nvgpu.warpgroup.mma.store only handles f32 fragments
         raise UnsupportedError(f"WGMMA accumulator dtype {acc_dtype} is not supported",
@@ -90,7 +90,7 @@ def accumulator(m: int, n: int, dtype=f32) -> Accumulator:
 def descriptor(tile, tensor_map) -> MatrixDescriptor:
     """Describe shared tile ``tile`` (2-D, filled through ``tensor_map``) as a WGMMA operand
     (``nvgpu.warpgroup.generate.descriptor``)."""
-    require_feature("has_wgmma", "kiln.wgmma.descriptor")
+    require_feature("wgmma", "kiln.wgmma.descriptor")
     tile_value = ir_value(tile, "shared tile")
     tile_type = tile_value.type
     if not isinstance(tile_type, ir.MemRefType) or tile_type.rank != 2 \
@@ -119,7 +119,7 @@ def mma(acc: Accumulator, a: MatrixDescriptor, b: MatrixDescriptor, *, transpose
     ``m64nNk16`` steps, commits them as one group and waits until at most ``wait_group`` groups
     are pending (0: the result is ready in registers).
     """
-    require_feature("has_wgmma", "kiln.wgmma.mma")
+    require_feature("wgmma", "kiln.wgmma.mma")
     for name, obj, cls in (("acc", acc, Accumulator), ("a", a, MatrixDescriptor),
                            ("b", b, MatrixDescriptor)):
         if not isinstance(obj, cls):
@@ -149,7 +149,7 @@ def store(acc: Accumulator, dst, offsets=(0, 0)) -> None:
     ``dst`` is a 2-D global tensor or shared tile of the accumulator's dtype; ``offsets``
     ``(r0, c0)`` are ints or traced integers.
     """
-    require_feature("has_wgmma", "kiln.wgmma.store")
+    require_feature("wgmma", "kiln.wgmma.store")
     if not isinstance(acc, Accumulator):
         raise KilnTypeError(f"kiln.wgmma.store needs an Accumulator, got {type(acc).__name__}",
                             fix="pass the value returned by kiln.wgmma.mma")
@@ -178,13 +178,13 @@ def store(acc: Accumulator, dst, offsets=(0, 0)) -> None:
 
 def fence() -> None:
     """``wgmma.fence``: order register/shared writes before the next WGMMA reads them."""
-    require_feature("has_wgmma", "kiln.wgmma.fence")
+    require_feature("wgmma", "kiln.wgmma.fence")
     nvvm.wgmma_fence_aligned()
 
 
 def commit() -> None:
     """``wgmma.commit_group``: close the group of WGMMAs issued since the last commit."""
-    require_feature("has_wgmma", "kiln.wgmma.commit")
+    require_feature("wgmma", "kiln.wgmma.commit")
     nvvm.wgmma_commit_group_sync_aligned()
 
 
@@ -202,7 +202,7 @@ def wait_group(pending: int = 0, *, reads=()) -> None:
         p_next = kiln.wgmma.a_fragment_from_accumulator(s_next, kiln.bf16)
         kiln.wgmma.wait_group(0, reads=p)
     """
-    require_feature("has_wgmma", "kiln.wgmma.wait_group")
+    require_feature("wgmma", "kiln.wgmma.wait_group")
     if not isinstance(pending, int) or pending < 0:
         raise KilnValueError(f"pending must be an int >= 0, got {pending!r}",
                              fix="use 0 to wait for every committed WGMMA group")
@@ -330,7 +330,7 @@ def fragment_from_elements(values) -> Fragment:
     (softmax on WGMMA scores, rescaling an output) reads elements, computes, and rebuilds.
     Example: ``acc = fragment_from_elements([acc.element(i) * 2.0 for i in range(acc.n // 2)])``.
     """
-    require_feature("has_wgmma", "kiln.wgmma.fragment_from_elements")
+    require_feature("wgmma", "kiln.wgmma.fragment_from_elements")
     values = list(values)
     _check_mn(WARPGROUP_M, 2 * len(values))
     f32_type = f32.mlir_type()
@@ -361,7 +361,7 @@ def scale_rows(acc: Fragment, factors) -> Fragment:
 
 def fragment_zeros(n: int) -> Fragment:
     """A zero 64 x ``n`` accumulator for :func:`mma_async` (n a multiple of 8 up to 256)."""
-    require_feature("has_wgmma", "kiln.wgmma.fragment_zeros")
+    require_feature("wgmma", "kiln.wgmma.fragment_zeros")
     _check_mn(WARPGROUP_M, n)
     f32_type = f32.mlir_type()
     struct = llvm.StructType.get_literal([f32_type] * (n // 2))
@@ -386,7 +386,7 @@ def smem_descriptor(tile, *, leading_bytes: int, stride_bytes: int, byte_offset=
     """
     from .values import Value
 
-    require_feature("has_wgmma", "kiln.wgmma.smem_descriptor")
+    require_feature("wgmma", "kiln.wgmma.smem_descriptor")
     for name, value in (("leading_bytes", leading_bytes), ("stride_bytes", stride_bytes)):
         if not isinstance(value, int) or value % 16 or not 0 <= value < 2**18:
             raise KilnValueError(f"descriptor {name}={value!r} must be a multiple of 16 below "
@@ -425,7 +425,7 @@ def mma_async(acc: Fragment, a_desc, b_desc, *, dtype, a_major: str = "k",
                                        b_major="mn")
         kiln.wgmma.commit()
     """
-    require_feature("has_wgmma", "kiln.wgmma.mma_async")
+    require_feature("wgmma", "kiln.wgmma.mma_async")
     _check_accumulator(acc, "mma_async")
     name = _operand_dtype(dtype, "mma_async").name
     _check_major("a_major", a_major)
@@ -458,7 +458,7 @@ def store_fragment_swizzled(acc: Fragment, chunks, first_chunk, *, columns=None)
     from .ops import thread_id
     from .values import Value
 
-    require_feature("has_wgmma", "kiln.wgmma.store_fragment_swizzled")
+    require_feature("wgmma", "kiln.wgmma.store_fragment_swizzled")
     itemsize = chunks.dtype.itemsize
     chunk_cols = SWIZZLE_ROW_BYTES // itemsize
     if tuple(chunks.shape[1:]) != (WARPGROUP_M, chunk_cols):
@@ -533,7 +533,7 @@ def a_fragment_from_accumulator(acc, dtype) -> list:
     from .reg_tile import RegTile
     from .values import Value, cast
 
-    require_feature("has_wgmma", "kiln.wgmma.a_fragment_from_accumulator")
+    require_feature("wgmma", "kiln.wgmma.a_fragment_from_accumulator")
     out_dtype = _operand_dtype(dtype, "a_fragment_from_accumulator")
     if isinstance(acc, Fragment):
         n = acc.n
@@ -595,7 +595,7 @@ def mma_async_regs(acc: Fragment, a_frag, b_desc, *, dtype, b_major: str = "k",
     from .nvidia_asm import wgmma_mma_async_regs
     from .values import Value
 
-    require_feature("has_wgmma", "kiln.wgmma.mma_async_regs")
+    require_feature("wgmma", "kiln.wgmma.mma_async_regs")
     _check_accumulator(acc, "mma_async_regs")
     operand = _operand_dtype(dtype, "mma_async_regs")
     if not isinstance(a_frag, Value) or a_frag.dtype is not operand \

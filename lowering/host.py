@@ -99,7 +99,7 @@ def _host_param_type(param, ir, llvm):
         dynamic = ir.ShapedType.get_dynamic_size()
         layout = ir.StridedLayoutAttr.get(dynamic, [dynamic] * param.rank)
         space = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), GLOBAL_MEMORY_SPACE)
-        return ir.MemRefType.get([dynamic] * param.rank, to_dtype(param.dtype).mlir_type(),
+        return ir.MemRefType.get([dynamic] * param.rank, to_dtype(param.dtype).storage.mlir_type(),
                                  layout, space)
     if isinstance(param, TensorMapParam):
         return llvm.PointerType.get()

@@ -168,6 +168,8 @@ def _constant(op, p):
         dense = ir.DenseElementsAttr(attr)
         if dense.is_splat:
             value = np.full((1,) + shape, _scalar(dense.get_splat_value()), dtype)
+        elif dtype.kind in "fV" and dtype.itemsize <= 2:  # f16, bf16, fp8 (ml_dtypes)
+            value = _dense_from_text(attr, dtype).reshape((1,) + shape)
         else:
             value = np.array(dense, dtype=np.float64 if dtype.kind == "f" else None
                              ).astype(dtype).reshape((1,) + shape)
@@ -178,6 +180,17 @@ def _constant(op, p):
         env[out] = value
 
     return run
+
+
+def _dense_from_text(attr: ir.Attribute, dtype: np.dtype) -> np.ndarray:
+    """The elements of a non-splat f16/bf16/fp8 constant, which the bindings can neither index
+    nor export as a buffer: from the printed form, where specials are hex bit patterns."""
+    body = str(attr)
+    body = body[body.index("[") + 1:body.rindex("]")].replace("[", "").replace("]", "")
+    bits = np.dtype(f"u{dtype.itemsize}")
+    items = [t.strip() for t in body.split(",")]
+    return np.concatenate([np.array([int(t, 16)], bits).view(dtype) if t.startswith("0x")
+                           else np.array([float(t)]).astype(dtype) for t in items])
 
 
 def _scalar(attr: ir.Attribute):

@@ -125,7 +125,11 @@ def global_memref(array: np.ndarray, name: str) -> MemRef:
                                fix="pass np.ascontiguousarray(x)")
     strides = tuple(s // item for s in array.strides)
     span = 1 + sum((n - 1) * s for n, s in zip(array.shape, strides)) if array.size else 0
-    storage = np.lib.stride_tricks.as_strided(array, shape=(span,), strides=(item,))
+    # as_strided rebuilds the dtype from its array-interface string, which ml_dtypes'
+    # float8_e5m2 has no spelling for: stride over same-sized unsigned ints and view back.
+    carrier = array.view(np.dtype(f"u{item}"))
+    storage = np.lib.stride_tricks.as_strided(carrier, shape=(span,), strides=(item,))
+    storage = storage.view(array.dtype)
     return MemRef(storage, 0, tuple(array.shape), strides, f"tensor '{name}'")
 
 
