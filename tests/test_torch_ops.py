@@ -101,8 +101,7 @@ def test_fake_implementation_shapes(case, mode):
     assert all(o.device.type == ("cpu" if mode == "fake" else "meta") for o in outs)
 
 
-@pytest.mark.parametrize("case", ["prefill_lse", "decode_attention", "combine", "matmul",
-                                  "grouped_matmul"])
+@pytest.mark.parametrize("case", list(_fake_cases()))
 def test_dynamo_traces_ops_without_graph_break(case):
     """``torch.compile(fullgraph=True)`` traces a function calling the op into one graph that
     holds the op (meta inputs: the graph runs on the fake implementations)."""
@@ -124,8 +123,58 @@ def test_dynamo_traces_ops_without_graph_break(case):
         outs = torch.compile(fn, fullgraph=True, backend=backend)(torch.tensor(2.0))
     assert [(tuple(o.shape), o.dtype) for o in outs] == expected
     assert len(graphs) == 1
-    name = case.split("_lse")[0]
-    assert f"torch.ops.kiln.{name}" in graphs[0].code, graphs[0].code
+    name = next(op for op in OPS if case.startswith(op))
+    assert f"torch.ops.kiln.{name}(" in graphs[0].code, graphs[0].code
+
+
+def test_ops_forward_the_entry_points_keywords(monkeypatch):
+    """Each op's real implementation calls its entry point with the wrapper's keywords (schema
+    defaults mapped back: window (-1, -1) and chunk 0 are None) and returns its outputs."""
+    import kiln.kernels.attention as attention
+    import kiln.kernels.gemm as gemm
+
+    calls = {}
+
+    def recorder(name, outputs):
+        def entry(*args, **kwargs):
+            calls[name] = (args, kwargs)
+            return outputs(*args, **kwargs)
+        return entry
+
+    x = torch.ones(2, 3, 4, 64)
+    monkeypatch.setattr(attention, "prefill", recorder("prefill", lambda q, *_, return_lse, **__: (
+        (q + 1, torch.zeros(2, 4, 3)) if return_lse else q + 1)))
+    monkeypatch.setattr(attention, "decode_attention", recorder("decode", lambda q, *_, **__: (
+        q + 2, torch.zeros(q.shape[:3]))))
+    monkeypatch.setattr(attention, "combine", recorder("combine", lambda o, *_, **__: (
+        o[0] + 3, torch.zeros(o.shape[1:4]))))
+    monkeypatch.setattr(gemm, "matmul", recorder("matmul", lambda a, b, **_: a @ b))
+    monkeypatch.setattr(gemm, "grouped_matmul", recorder("grouped",
+                                                         lambda a, b, o, **_: a @ b[0].T))
+
+    o, lse = torch_ops.prefill(x, x, x, causal=True, window=(5, 0), scale=0.5, return_lse=True)
+    assert torch.equal(o, x + 1) and lse.shape == (2, 4, 3)
+    assert calls["prefill"][1] == dict(causal=True, window=(5, 0), chunk=None, sinks=None,
+                                       scale=0.5, cu_seqlens_q=None, cu_seqlens_k=None,
+                                       return_lse=True)
+    o = torch_ops.prefill(x, x, x, chunk=16)
+    assert torch.equal(o, x + 1)
+    assert calls["prefill"][1]["window"] is None and calls["prefill"][1]["chunk"] == 16
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    o, _ = torch_ops.decode_attention(x, x, x, table, lens, num_splits=3, fused_combine=False)
+    assert torch.equal(o, x + 2)
+    assert calls["decode"][1] == dict(num_splits=3, block_table=None, scale=None, sinks=None,
+                                      fused_combine=False)
+    parts = torch.ones(3, 2, 3, 4, 64)
+    o, _ = torch_ops.combine(parts, parts[..., 0], lens, max_splits=4, out_dtype=kiln.f32)
+    assert torch.equal(o, parts[0] + 3)
+    assert calls["combine"][1] == dict(max_splits=4, out_dtype="f32")
+    a = torch.ones(5, 64)
+    assert torch.equal(torch_ops.matmul(a, a.T, out_dtype=torch.float32), a @ a.T)
+    assert calls["matmul"][1] == dict(trans_b=False, out_dtype="f32")
+    torch_ops.grouped_matmul(a, a[None], torch.tensor([0, 5], dtype=torch.int32),
+                             trans_b=True)
+    assert calls["grouped"][1] == dict(trans_b=True, out_dtype=None)
 
 
 # --- the user-kernel helper ------------------------------------------------------------------
