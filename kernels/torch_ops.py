@@ -251,17 +251,26 @@ def custom_op(name: str, kernel, *, grid: Callable, outputs: dict, constexprs: d
         if all(not isinstance(x, torch.Tensor) or x.is_cuda for x in call):
             kernel[grid(*args)](*call, **options)
             return result(made)
-        host = [x.detach().contiguous().numpy() if isinstance(x, torch.Tensor) else x
-                for x in call]  # CPU tensors: the interpreter writes the arrays in place
-        kernel.interpret[grid(*args)](*host, **options)
-        for n, x in zip(names, host):
-            if n in made:
-                made[n].copy_(torch.from_numpy(x))
+        # CPU tensors: the outputs' arrays share their (fresh, contiguous) memory, which the
+        # interpreter writes in place.
+        kernel.interpret[grid(*args)](*(_host(x) for x in call), **options)
         return result(made)
 
     op = torch.library.custom_op(name, real, mutates_args=(), schema=schema)
     op.register_fake(lambda *args: result(allocate(args)))
     return op
+
+
+def _host(x):
+    """A CPU tensor as a numpy array sharing its memory (bf16 through ml_dtypes); others as is."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    x = x.detach().contiguous()
+    if x.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return x.numpy()
 
 
 def _schema_type(param) -> str:

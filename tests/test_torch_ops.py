@@ -231,6 +231,18 @@ def test_custom_op_helper_one_output_and_errors():
     assert str(torch.ops.kilntest.scale_add_one.default._schema).endswith("-> Tensor")
     x = torch.arange(5, dtype=torch.float32)
     torch.testing.assert_close(op(x, x, torch.empty(5), 5, 1.0), 2 * x.double())
+    copy = torch_ops.custom_op("kilntest::copy", _copy, constexprs=dict(BLOCK=64),
+                               outputs={"y": lambda x, n: (x.shape, x.dtype)},
+                               grid=lambda x, n: (1,))
+    x = torch.randn(50).to(BF16)  # bf16 reaches the interpreter as an ml_dtypes array
+    assert torch.equal(copy(x, 50), x)
+
+
+@kiln.kernel(num_threads="BLOCK")
+def _copy(x, y, n: kiln.i32, BLOCK: kiln.constexpr):
+    i = kiln.thread_id(0)
+    if i < n:
+        y[i] = x[i]
 
 
 # --- GPU: torch.compile and CUDA graphs -----------------------------------------------------
