@@ -431,3 +431,49 @@ def test_entry_point_replays_in_a_cuda_graph(name, via, rng):
         graph.replay()
         torch.cuda.synchronize()
         problem.check(out, *static)
+
+
+@kiln.kernel(num_threads="BLOCK")
+def _axpy(x, y, out, n: kiln.i32, a: kiln.f32, BLOCK: kiln.constexpr):
+    i = kiln.block_id(0) * BLOCK + kiln.thread_id(0)
+    if i < n:
+        out[i] = a * x[i] + y[i]
+
+
+_AXPY = torch_ops.custom_op("kilntest::axpy", _axpy, constexprs=dict(BLOCK=128),
+                            outputs={"out": lambda x, y, n, a: (x.shape, x.dtype)},
+                            grid=lambda x, y, n, a: (-(-n // 128),))
+
+
+@pytest.mark.gpu
+def test_custom_op_helper_compiles_and_replays_on_the_gpu(rng):
+    """A user kernel turned into an op: torch.compile(fullgraph=True) matches eager and a
+    float64 reference; a capture replays on fresh inputs with its output poisoned."""
+    dev = _cuda()
+    torch.manual_seed(int(rng.integers(2 ** 31)))
+    x, y = torch.randn(1000, device=dev), torch.randn(1000, device=dev)
+
+    def fn(x, y):
+        return _AXPY(x * 2, y, x.numel(), 0.5) * 2
+
+    def want(x, y):
+        return (2 * (x.double() + y.double())).cpu()
+
+    torch._dynamo.reset()
+    poison_cuda_pool(torch, 1 << 20)
+    eager = fn(x, y)
+    got = torch.compile(fn, fullgraph=True)(x, y)
+    torch.testing.assert_close(got, eager, atol=0, rtol=0)
+    torch.testing.assert_close(got.double().cpu(), want(x, y), atol=1e-5, rtol=1e-5)
+    _AXPY(x, y, x.numel(), 0.5)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _AXPY(x, y, x.numel(), 1.0)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        y.copy_(torch.randn_like(y))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.double().cpu(), (x.double() + y.double()).cpu(),
+                                   atol=1e-6, rtol=1e-6)
