@@ -114,6 +114,18 @@ def resolve_target(target):
     return get_target(default_target() if target is None else target)
 
 
+def refuse_inside_capture(what: str) -> None:
+    """A ``validate=True`` check of device tensors synchronises, which a CUDA graph capture
+    cannot contain: refuse it there rather than skip it silently."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise kiln.KilnValueError(
+            f"{what} of device tensors are checked with a synchronisation, which a CUDA graph "
+            "capture cannot contain",
+            fix="check them with validate=True before capturing, not inside the graph")
+
+
 def check_paged_lengths(page_table, seq_lens, *, num_pages: int, page_size: int,
                         validate: bool = False) -> None:
     """Every ``seq_lens[b]`` in ``[0, max_pages * page_size]`` and every page id a sequence
@@ -133,11 +145,7 @@ def check_paged_lengths(page_table, seq_lens, *, num_pages: int, page_size: int,
         return
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise kiln.KilnValueError(
-            "page ids and seq_lens of device tensors are checked with a synchronisation, which "
-            "a CUDA graph capture cannot contain",
-            fix="check them with validate=True before capturing, not inside the graph")
+    refuse_inside_capture("page ids and seq_lens")
     lens = seq_lens.to(torch.int64)
     width = page_table.shape[1]
     used = torch.arange(width, device=page_table.device)[None, :] < \

@@ -8,7 +8,8 @@ import numpy as np
 
 import kiln
 
-from ..inputs import Dims, check_backend, dtype_of, empty_like, is_torch, resolve_target
+from ..inputs import (Dims, check_backend, dtype_of, empty_like, is_torch, refuse_inside_capture,
+                      resolve_target)
 from .grouped import (MAX_GROUPS, grouped_config, grouped_constexprs, make_grouped_kernel,
                       table_size)
 
@@ -162,13 +163,7 @@ def check_group_offsets(offsets, total_m: int, *, validate: bool = False) -> Non
     if is_torch(offsets):
         if not validate:
             return
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise kiln.KilnValueError(
-                "group_offsets of device tensors are checked with a synchronisation, which a "
-                "CUDA graph capture cannot contain",
-                fix="check them with validate=True before capturing, not inside the graph")
+        refuse_inside_capture("group_offsets")
         ok = (offsets[0] == 0) & (offsets[-1] == total_m) & \
             (offsets[1:] >= offsets[:-1]).all()
         if bool(ok):  # the one synchronisation
