@@ -10,8 +10,8 @@ __version__ = "0.1.0"
 # The tracing DSL (see kiln.kernel for the user guide).
 from . import builder, values
 from .builder import current_target
-from .kernel import (JITKernel, KilnFunc, TensorMap, TracedKernel, constexpr, func, kernel,
-                     set_default_target)
+from .annotations import TensorMap, constexpr
+from .kernel import JITKernel, KilnFunc, TracedKernel, func, kernel, set_default_target
 from .ops import (abs, barrier, block_dim, block_id, cast, exp, exp2, fence, fma, lane_id, log,
                   log2, maximum, minimum, num_blocks, rcp, rsqrt, sqrt, thread_id, warp_id, where)
 from .printing import print
