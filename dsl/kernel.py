@@ -386,7 +386,9 @@ class JITKernel:
         entry = self._launches.get(typed)
         if entry is None:
             entry = self._launches[typed] = self._prepare_launch(args, dict(kwargs))
-        if fast_key is not None and all(type(v) in EXACT_KEY_TYPES or (type(v) is float and v)
+        # A NaN is never == another NaN object: each launch would add one more fast key.
+        if fast_key is not None and all(type(v) in EXACT_KEY_TYPES
+                                        or (type(v) is float and v and v == v)
                                         for v in kwargs.values()):
             self._launches[fast_key] = entry
         return entry

@@ -376,6 +376,19 @@ def test_launches_specialise_typed_constexprs_apart(monkeypatch, by_keyword):
     assert launched == [repr(v) for v in TYPED_VALUES] * 2
 
 
+def test_nan_keyword_launches_reuse_one_entry(monkeypatch):
+    # NaN != NaN: a fresh NaN object can never hit a fast key, so none may be stored for it.
+    kernel = kiln.kernel(typed.fn)
+    launched = []
+    monkeypatch.setattr(kernel, "_prepare_launch",
+                        lambda args, kwargs: (_RecordingLaunch("nan", launched), {}, True))
+    y = np.zeros(3, np.float32)
+    for _ in range(5):
+        kernel[1](y, D=float("nan"))
+    assert launched == ["nan"] * 5
+    assert len(kernel._launches) == 1  # the typed key only
+
+
 def test_the_same_kernel_in_another_file_of_the_same_module_name_gets_a_new_key(tmp_path):
     # Equal code objects in two files compare equal (co_filename is not compared): the key
     # must still name each file, whose path the compiled kernel's locations carry.
