@@ -454,8 +454,7 @@ class _Interpreted:
 
 def _launch_key_part(a: Any, is_constexpr: bool) -> Any:
     if is_constexpr:
-        kind = type(a)
-        return (kind, a) if kind is int or kind is bool or kind is str else constexpr_key(a)
+        return constexpr_key(a)
     kind = type(a)
     if kind is np.ndarray:
         return (a.dtype, a.ndim, a.ndim == 0 or a.strides[-1] == a.itemsize or a.shape[-1] <= 1)
