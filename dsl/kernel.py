@@ -90,9 +90,9 @@ class ArgSpec:
     typed: Any = None  # fingerprint.typed_key(value): 2, 2.0, True and -0.0 all differ
 
     def key(self) -> str:
-        """This spec's part of the on-disk key (constexprs: see lowering_bridge.cache_key)."""
-        if self.kind == "constexpr":
-            return f"{self.name}=constexpr:{self.typed!r}"
+        """A runtime argument's part of the on-disk key. A constexpr's part is its content
+        fingerprint, which lowering_bridge.cache_key computes (``typed`` holds functions by
+        identity: its repr has addresses, no key across processes)."""
         spec = f"{self.name}:{self.kind}:{self.dtype}:{self.rank}:{int(self.contiguous)}"
         if self.tensormap is not None:  # the box and swizzle change the traced IR
             spec += f":{self.tensormap.box}:{self.tensormap.swizzle}"
