@@ -128,6 +128,8 @@ def typed_key(value: Any, what: str) -> Any:
         return _canon(value, _identity)
     except Unfingerprintable as err:
         raise unkeyable(what, err.value) from None
+    except RecursionError:  # a container holding itself
+        raise unkeyable(what, value) from None
 
 
 def unkeyable(what: str, value) -> KilnTypeError:

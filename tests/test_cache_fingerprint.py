@@ -376,6 +376,13 @@ def test_launches_specialise_typed_constexprs_apart(monkeypatch, by_keyword):
     assert launched == [repr(v) for v in TYPED_VALUES] * 2
 
 
+def test_a_constexpr_holding_itself_is_a_kiln_type_error():
+    looped = [1]
+    looped.append(looped)
+    with pytest.raises(kiln.KilnTypeError, match="cannot key by content"):
+        kiln.kernel(typed.fn).trace(np.zeros(3, np.float32), looped)
+
+
 def test_nan_keyword_launches_reuse_one_entry(monkeypatch):
     # NaN != NaN: a fresh NaN object can never hit a fast key, so none may be stored for it.
     kernel = kiln.kernel(typed.fn)
