@@ -118,21 +118,24 @@ def python_number_error(what: str) -> KilnTypeError:
 def truth_value_error() -> KilnTypeError:
     """The error for ``bool(v)``; names ``@kiln.func`` when a plain helper holds the ``if``."""
     frame = _user_frame()
+    loc = None
     if frame is not None and _KILN_RT not in frame.f_code.co_freevars:
         loc, _ = _position(frame)
         text = (loc.source_line() or "").lstrip()
-        stmt = next((kw for kw in ("if", "elif", "while") if text.startswith(kw + " ")), None)
-        name = frame.f_code.co_name
-        what = f"`{stmt}` on a traced value" if stmt else "a traced value used as a Python bool"
-        return KilnTypeError(
-            f"{what} in {name}(), a plain Python function: only @kiln.kernel and @kiln.func "
-            "bodies turn `if` on traced values into scf.if",
-            fix=f"decorate {name} with @kiln.func (it is then inlined into the kernel with its "
-                "control flow rewritten)", loc=loc)
+        # Only an `if` becomes scf.if under @kiln.func; `and`/`or`, `while` still cannot work.
+        stmt = next((kw for kw in ("if", "elif") if text.startswith(kw + " ")), None)
+        if stmt is not None:
+            name = frame.f_code.co_name
+            return KilnTypeError(
+                f"`{stmt}` on a traced value in {name}(), a plain Python function: only "
+                "@kiln.kernel and @kiln.func bodies turn `if` on traced values into scf.if",
+                fix=f"decorate {name} with @kiln.func (it is then inlined into the kernel with "
+                    "its control flow rewritten)", loc=loc)
     return KilnTypeError(
         "a traced value has no Python truth value (used in `and`/`or`/`not`, a conditional "
         "expression, `assert` or a `while` condition)",
-        fix="use an `if` statement (becomes scf.if), `&`/`|` for logic, or kiln.where(c, a, b)")
+        fix="use an `if` statement (becomes scf.if), `&`/`|` for logic, or kiln.where(c, a, b)",
+        loc=loc)
 
 
 def local_name(value) -> str | None:

@@ -240,6 +240,22 @@ def test_if_in_plain_helper_names_kiln_func(marker_line):
     assert info.value.loc.line == marker_line("@plain-helper-if")
 
 
+def _plain_helper_and(a, b):
+    return a and b  # @plain-helper-and
+
+
+def test_and_in_plain_helper_does_not_suggest_kiln_func(marker_line):
+    # @kiln.func would not help: `and` on traced values fails there too.
+    @kiln.kernel
+    def k(x: kiln.Tensor[f32]):
+        x[0] = _plain_helper_and(x[1] > 0.0, x[2] > 0.0)
+
+    with pytest.raises(kiln.KilnTypeError, match="no Python truth value") as info:
+        k.trace(V)
+    assert "@kiln.func" not in info.value.fix
+    assert info.value.loc.line == marker_line("@plain-helper-and")
+
+
 def test_interpret_without_grid_says_how_to_index(marker_line):
     @kiln.kernel
     def k(x: kiln.Tensor[f32]):
