@@ -95,16 +95,17 @@ def interpret_timeout() -> float:
     return seconds
 
 
-
 def fuzz_examples(default: int) -> int:
     """Kernels ``tests/test_fuzz.py`` generates (``KILN_FUZZ_EXAMPLES``; CI uses ``default``)."""
     value = os.environ.get("KILN_FUZZ_EXAMPLES", "").strip()
     if value == "":
         return default
-    if not value.isdigit() or int(value) < 1:
+    # isdecimal, not isdigit: int() refuses digits such as "²" that isdigit accepts.
+    if not (value.isascii() and value.isdecimal()) or int(value) < 1:
         raise _invalid("KILN_FUZZ_EXAMPLES", os.environ["KILN_FUZZ_EXAMPLES"],
                        "a positive whole number of kernels (e.g. 2000)")
     return int(value)
+
 
 def cuda_root() -> Path | None:
     return _path("CUDA_ROOT") or _path("CUDA_HOME")

@@ -46,6 +46,17 @@ def test_interpret_timeout_takes_positive_finite_seconds(monkeypatch):
         assert "Fix: set KILN_INTERPRET_TIMEOUT" in str(err.value)
 
 
+def test_fuzz_examples_takes_a_positive_whole_number(monkeypatch):
+    monkeypatch.delenv("KILN_FUZZ_EXAMPLES", raising=False)
+    assert env.fuzz_examples(40) == 40
+    monkeypatch.setenv("KILN_FUZZ_EXAMPLES", " 2000 ")
+    assert env.fuzz_examples(40) == 2000
+    for bad in ("0", "-3", "1.5", "many", "\u00b2", "\u0663"):  # superscript 2, Arabic-Indic 3
+        monkeypatch.setenv("KILN_FUZZ_EXAMPLES", bad)
+        with pytest.raises(KilnValueError, match="KILN_FUZZ_EXAMPLES=.*positive whole number"):
+            env.fuzz_examples(40)
+
+
 def test_a_bad_timeout_fails_an_interpreted_launch_cleanly(monkeypatch):
     monkeypatch.setenv("KILN_INTERPRET_TIMEOUT", "abc")
     y = X.copy()
