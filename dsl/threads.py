@@ -75,6 +75,11 @@ def resolve_num_warps(kernel: str, declared: Any, constexprs: dict[str, Any], ta
     if num_threads is not None:
         asked = _threads_to_warps(num_threads, target, f"num_threads={num_threads}")
     elif num_warps is not None:
+        # trace and interpret get here without CompileOptions, which checks compile's
+        if isinstance(num_warps, bool) or not isinstance(num_warps, int) or num_warps < 1:
+            raise KilnValueError(f"num_warps must be a positive int, got {num_warps!r}",
+                                 fix="e.g. num_warps=4, or num_threads=128 for the same "
+                                     "count on every vendor")
         asked = num_warps
     if declared is None:
         return DEFAULT_NUM_WARPS if asked is None else asked

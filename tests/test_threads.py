@@ -165,6 +165,15 @@ def test_num_threads_must_be_whole_warps(threads, message):
         saxpy_assumes_block.trace(x, y, N, 2.0, BLOCK=256, num_threads=threads, target="gfx950")
 
 
+@pytest.mark.parametrize("warps", ["4", 2.0, True, 0])
+@pytest.mark.parametrize("how", ["trace", "interpret"])
+def test_num_warps_must_be_a_positive_int_without_compile_options(how, warps):
+    x, y, _ = _data()
+    run = saxpy_assumes_block.trace if how == "trace" else saxpy_assumes_block.interpret[1]
+    with pytest.raises(kiln.KilnValueError, match=f"num_warps must be a positive int, got {warps!r}"):
+        run(x, y, N, 2.0, BLOCK=128, num_warps=warps)
+
+
 def test_num_warps_and_num_threads_together_is_an_error():
     x, y, _ = _data()
     with pytest.raises(kiln.KilnValueError, match="both num_warps=4 and num_threads=128"):
