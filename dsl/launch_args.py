@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
+
 from .errors import KilnTypeError, KilnValueError
 
 GRID_LIMITS = (2**31 - 1, 65535, 65535)  # every CUDA device since compute capability 3.0
@@ -59,7 +61,8 @@ def check_int_argument(name: str, value, dtype: str) -> int:
     """``value`` as a Python int within the range of the scalar parameter's ``dtype``
     (KilnTypeError for a non-integer, KilnValueError naming ``name`` when it does not fit)."""
     try:
-        number = operator.index(value)
+        # numpy.bool_ has no __index__, but specialisation takes it as an i1 like a bool.
+        number = int(value) if isinstance(value, np.bool_) else operator.index(value)
     except TypeError:
         raise KilnTypeError(f"argument {name!r} must be an integer ({dtype}), got "
                             f"{type(value).__name__}", fix=f"pass int({name})") from None

@@ -148,6 +148,14 @@ def test_bad_grids_are_rejected(grid, error):
         launch_mod.normalize_grid(grid)
 
 
+def test_numpy_bools_are_i1_arguments_like_bools():
+    # Specialisation takes np.bool_ as an i1 (a bool mask's .any()); so must the launch.
+    assert launch_mod.check_int_argument("flag", np.True_, "i1") == 1
+    assert launch_mod.check_int_argument("flag", np.False_, "i1") == 0
+    with pytest.raises(KilnTypeError, match="must be an integer"):
+        launch_mod.check_int_argument("n", 2.0, "i32")
+
+
 def test_stream_handles():
     class TorchLikeStream:
         cuda_stream = 0x1234
