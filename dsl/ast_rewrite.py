@@ -362,9 +362,12 @@ def rewrite(fn: Callable) -> Callable:
 
 
 def _rewrite(fn: Callable) -> Callable:
-    factory_code = _factory_code.get(fn.__code__)
+    # Equal code objects in two files compare equal (co_filename is not compared), and the
+    # rewritten code carries its file in every location.
+    code_key = (fn.__code__, fn.__code__.co_filename)
+    factory_code = _factory_code.get(code_key)
     if factory_code is None:
-        factory_code = _factory_code[fn.__code__] = _compile_factory(fn)
+        factory_code = _factory_code[code_key] = _compile_factory(fn)
     make = types.FunctionType(factory_code, fn.__globals__)
     cells = []
     for cell in fn.__closure__ or ():
@@ -380,7 +383,7 @@ def _rewrite(fn: Callable) -> Callable:
 
 # The rewritten code depends only on the source, so kernels a factory makes (one function
 # object per config or head dim, one code object) share it; each binds its own closure.
-_factory_code: dict[types.CodeType, types.CodeType] = {}
+_factory_code: dict[tuple[types.CodeType, str], types.CodeType] = {}
 
 
 def _compile_factory(fn: Callable) -> types.CodeType:

@@ -408,6 +408,17 @@ def test_the_same_kernel_in_another_file_of_the_same_module_name_gets_a_new_key(
     assert keys[0] != keys[1]
 
 
+def test_the_same_kernel_in_another_file_traces_with_that_files_locations(tmp_path):
+    # The rewritten code is shared by equal code objects: it must not be shared across files.
+    x = np.zeros(4, np.float32)
+    for folder in ("copy_a", "copy_b"):
+        (tmp_path / folder).mkdir()
+        path = tmp_path / folder / "same.py"
+        path.write_text(textwrap.dedent(KERNEL_TEXT).lstrip())
+        asm = load_module(path, "same").k.trace(x).module_asm
+        assert f'"{path}"' in asm and ("copy_a" in asm) == (folder == "copy_a")
+
+
 KERNEL_TEXT = """
 import kiln
 from kiln import f32
