@@ -266,7 +266,8 @@ def checked_call(fn: F) -> F:
     Example: ``x.store(i, v, mask=m)`` -> ``x.store() got an unexpected keyword argument 'mask'
     ... Fix: call it as x.store(*args, align=None)``.
     """
-    # The wrapper closes over plain strings only: closures of Kiln ops enter the cache key.
+    # The wrapper closes over the op and strings only, not the Signature: closures of Kiln ops
+    # enter the cache key, which cannot key an inspect.Signature.
     params = [p.replace(annotation=p.empty) for p in inspect.signature(fn).parameters.values()]
     is_method = bool(params) and params[0].name == "self"
     name = f"{'x.' if is_method else 'kiln.'}{fn.__name__}"
