@@ -9,9 +9,10 @@ Two uses:
   user function and class its trace can reach (through globals, closures, defaults and
   ``module.attr`` chains) and the values of the globals they read. Kiln's own code (``kiln``,
   ``kiln.passes``, ``kiln.lowering``, ``kiln.kernels``) is covered by the Kiln-source hash of
-  :mod:`kiln.lowering.cache` and the standard library and installed packages by the toolchain
-  versions, so neither is read here; closures and defaults of Kiln's functions still are
-  (a library kernel made by a factory differs by what it closes over).
+  :mod:`kiln.lowering.cache`, so it is not read here (closures and defaults of Kiln's functions
+  still are: a library kernel made by a factory differs by what it closes over). Neither is the
+  standard library nor installed packages: their code is keyed by name, and only the
+  MLIR/LLVM/llvmlite/numpy versions of the toolchain part stand for it.
 
 Example::
 
