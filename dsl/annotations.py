@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from . import dtypes as dt
 from .errors import KilnTypeError, KilnValueError, SourceLoc
+from .fingerprint import closure_values
 from .tensor import TensorSpec
 
 
@@ -76,14 +77,8 @@ def resolve_annotation(fn: Callable, annotation: Any) -> Any:
     """Evaluate string annotations (``from __future__ import annotations``) in fn's scope."""
     if not isinstance(annotation, str):
         return annotation
-    scope = {}
-    for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
-        try:
-            scope[var] = cell.cell_contents
-        except ValueError:
-            pass
     try:
-        return eval(annotation, fn.__globals__, scope)  # noqa: S307 - the user's own annotation
+        return eval(annotation, fn.__globals__, closure_values(fn))  # noqa: S307 - the user's own annotation
     except NameError as err:
         try:
             return dt.dtype(annotation)  # a dtype name such as "f32"

@@ -266,7 +266,8 @@ def _static(fn) -> tuple[str, dict[tuple[str, ...], int]]:
     return found
 
 
-def _cells(fn) -> dict[str, Any]:
+def closure_values(fn) -> dict[str, Any]:
+    """``{free variable: value}`` of ``fn``'s closure (cells not yet assigned are left out)."""
     scope = {}
     for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
         try:
@@ -349,7 +350,7 @@ class DependencyWalk:
         self._keep.append(fn)
         self._labels[id(fn)] = f"fn:{name}@{fn.__code__.co_firstlineno} (recursive)"
         parts = [name]
-        reads: dict[str, Any] = {f"closure {k}": v for k, v in _cells(fn).items()}
+        reads: dict[str, Any] = {f"closure {k}": v for k, v in closure_values(fn).items()}
         if fn.__defaults__:
             reads["defaults"] = fn.__defaults__
         if fn.__kwdefaults__:
@@ -358,7 +359,7 @@ class DependencyWalk:
         if where == "user":
             source, loads = _static(fn)
             parts.append(source)
-            cells, scope = _cells(fn), fn.__globals__
+            cells, scope = closure_values(fn), fn.__globals__
             for chain, line in loads.items():
                 if len(chain) == 1:
                     if chain[0] in scope:
