@@ -350,7 +350,8 @@ class DependencyWalk:
         self._keep.append(fn)
         self._labels[id(fn)] = f"fn:{name}@{fn.__code__.co_firstlineno} (recursive)"
         parts = [name]
-        reads: dict[str, Any] = {f"closure {k}": v for k, v in closure_values(fn).items()}
+        cells = closure_values(fn)
+        reads: dict[str, Any] = {f"closure {k}": v for k, v in cells.items()}
         if fn.__defaults__:
             reads["defaults"] = fn.__defaults__
         if fn.__kwdefaults__:
@@ -359,7 +360,7 @@ class DependencyWalk:
         if where == "user":
             source, loads = _static(fn)
             parts.append(source)
-            cells, scope = closure_values(fn), fn.__globals__
+            scope = fn.__globals__
             for chain, line in loads.items():
                 if len(chain) == 1:
                     if chain[0] in scope:
