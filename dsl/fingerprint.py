@@ -299,11 +299,12 @@ class DependencyWalk:
             raise Unfingerprintable(v) from None
 
     def _callable(self, v) -> str:
+        from .autotune import Autotuner
         from .kernel import JITKernel, KilnFunc
 
         if isinstance(v, (KilnFunc, JITKernel)):
             return self.function(v.fn)
-        if type(v).__name__ == "Autotuner" and _object_origin(v) == "kiln":
+        if isinstance(v, Autotuner):  # keyed by what it tunes, not its caches of results
             return self._callable(v.target)
         if isinstance(v, types.FunctionType):
             return self.function(v)
