@@ -11,6 +11,7 @@ lists and any object with ``__kiln_flatten__`` / ``__kiln_unflatten__``, e.g. ``
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Sequence
 
 from mlir import ir
@@ -346,9 +347,11 @@ def static_range(*args):
         if isinstance(a, Value):
             raise KilnTypeError("kiln.static_range needs Python int bounds, got a traced value",
                                 fix="use kiln.range(...) for traced bounds")
-        if not isinstance(a, int) or isinstance(a, bool):
+        # Integers as Python's range takes them (numpy ints too, as before the budget); no bools.
+        if isinstance(a, bool) or not hasattr(type(a), "__index__"):
             raise KilnTypeError(f"kiln.static_range needs Python int bounds, got "
                                 f"{type(a).__name__} {a!r}", fix="pass ints or constexprs")
+    args = tuple(operator.index(a) for a in args)
     if not 1 <= len(args) <= 3:
         raise KilnTypeError(f"kiln.static_range takes 1 to 3 ints, got {len(args)}",
                             fix="kiln.static_range(hi), (lo, hi) or (lo, hi, step)")

@@ -181,6 +181,10 @@ def test_static_range_unrolls():
 
     asm = trace(k, X, STEPS=3)
     assert "scf.for" not in asm and asm.count("memref.load") == 3
+    # A constexpr computed with numpy is an int to range(), so to static_range too.
+    assert trace(k, X, STEPS=np.int64(3)).count("memref.load") == 3
+    with pytest.raises(kiln.KilnTypeError, match="needs Python int bounds, got bool"):
+        trace(k, X, STEPS=True)
 
 
 def test_while_on_traced_value_is_unsupported():
