@@ -20,6 +20,7 @@ raises a TargetError naming the chips that have the feature.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 from kiln.errors import KilnValueError, ResourceError, TargetError
@@ -121,10 +122,16 @@ class Target:
     def check_vector(self, width, itemsize: int, what: str) -> None:
         """KilnValueError unless ``width`` (a positive int) elements of ``itemsize`` bytes fit
         :attr:`max_vector_bytes`. Example: ``t.check_vector(8, 2, "x.load")``."""
-        if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        # numpy ints count (a constexpr computed with numpy), as MLIR's builders take them; a
+        # traced value's __index__ raises a KilnTypeError, which is a TypeError.
+        try:
+            count = None if isinstance(width, bool) else operator.index(width)
+        except TypeError:
+            count = None
+        if count is None or count < 1:
             raise KilnValueError(f"{what}: width must be a positive int, got {width!r}",
                                  fix="pass a Python int or constexpr, e.g. width=4")
-        if width * itemsize > self.max_vector_bytes:
+        if count * itemsize > self.max_vector_bytes:
             raise KilnValueError(
                 f"{what}: a vector of {width} x {itemsize}-byte elements is {width * itemsize} "
                 f"bytes; one register vector holds at most {self.max_vector_bytes} on "

@@ -69,6 +69,19 @@ def test_vector_load_store_along_last_dim():
     assert "vector.load" in asm and "vector<8xf16>" in asm and "vector.store" in asm
 
 
+def test_vector_width_is_an_int_constexpr_numpy_ints_included():
+    def k(x: kiln.Tensor[f32], W: kiln.constexpr):
+        x.store(0, x.load(0, width=W))
+
+    assert "vector<4xf32>" in trace(k, V, np.int64(4))  # a width computed with numpy
+
+    def traced_width(x: kiln.Tensor[f32], n: i32):
+        x.store(0, x.load(0, width=n))
+
+    with pytest.raises(kiln.KilnValueError, match="width must be a positive int"):
+        trace(traced_width, V, 4)
+
+
 def test_store_wrong_dtype_is_type_error_at_user_line(marker_line):
     def k(x: kiln.Tensor[f32], y: kiln.Tensor[bf16]):
         x[0] = y[0]  # @bad-store
