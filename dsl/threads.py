@@ -31,6 +31,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import numpy as np
 from mlir import ir
 
 from .errors import KilnValueError, source_loc_from_mlir
@@ -56,6 +57,8 @@ def check_declaration(kernel: str, num_threads: Any, constexprs: tuple[str, ...]
 
 
 def _threads_to_warps(threads: Any, target, what: str) -> int:
+    if isinstance(threads, np.integer):  # a constexpr computed with numpy
+        threads = int(threads)
     if (isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0
             or threads % target.warp_size):
         raise KilnValueError(f"{what} is not a positive multiple of {target.name}'s warp size "

@@ -174,6 +174,13 @@ def test_num_warps_must_be_a_positive_int_without_compile_options(how, warps):
         run(x, y, N, 2.0, BLOCK=128, num_warps=warps)
 
 
+def test_a_numpy_int_thread_count_is_a_thread_count():
+    x, y, _ = _data()
+    traced = saxpy_assumes_block.trace(x, y, N, 2.0, BLOCK=128, num_threads=np.int64(128),
+                                       target="gfx950")
+    assert traced.signature.block == (128, 1, 1)
+
+
 def test_num_warps_and_num_threads_together_is_an_error():
     x, y, _ = _data()
     with pytest.raises(kiln.KilnValueError, match="both num_warps=4 and num_threads=128"):
