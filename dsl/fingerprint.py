@@ -205,9 +205,13 @@ def origin(filename: str) -> str:
 
 
 def _object_origin(obj) -> str:
-    module = sys.modules.get(getattr(obj, "__module__", None) or "")
-    filename = getattr(module, "__file__", None)
-    return origin(filename) if filename else "external"
+    name = getattr(obj, "__module__", None) or ""
+    filename = getattr(sys.modules.get(name), "__file__", None)
+    if filename:
+        return origin(filename)
+    # No file: a built-in or frozen module, or the __main__ of a REPL, notebook or `python -c`,
+    # whose classes are user code (keyed by name only they would hit stale cache entries).
+    return "user" if name == "__main__" else "external"
 
 
 # ---- static facts of one code object, cached ----------------------------------------------

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import importlib
 import math
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -417,6 +418,30 @@ def test_the_same_kernel_in_another_file_traces_with_that_files_locations(tmp_pa
         path.write_text(textwrap.dedent(KERNEL_TEXT).lstrip())
         asm = load_module(path, "same").k.trace(x).module_asm
         assert f'"{path}"' in asm and ("copy_a" in asm) == (folder == "copy_a")
+
+
+MAIN_CLASS_TEXT = """
+from kiln.fingerprint import DependencyWalk
+
+class Config:
+    def rows(self):
+        return 1
+
+first = DependencyWalk().value(Config)
+
+class Config:
+    def rows(self):
+        return 2
+
+print(first != DependencyWalk().value(Config))
+"""
+
+
+def test_classes_of_a_main_without_a_file_are_keyed_by_content():
+    # `python -c`, a REPL or a notebook: __main__ has no __file__, its classes are user code.
+    done = subprocess.run([sys.executable, "-c", MAIN_CLASS_TEXT], capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
 
 
 KERNEL_TEXT = """
