@@ -45,7 +45,10 @@ _SOURCE_ROOT = os.path.dirname(_PACKAGE_DIR)
 # so a bad argument to ``kiln.kernels.attention.decode`` names the caller's line in both.
 _COMPILER_DIRS = (_PACKAGE_DIR + os.sep,) + tuple(
     os.path.join(_SOURCE_ROOT, d) + os.sep for d in ("passes", "lowering"))
-_FRAMEWORK_DIRS = _COMPILER_DIRS + (os.path.join(_SOURCE_ROOT, "kernels") + os.sep,)
+# The kernel library: inside the package in a wheel (so under _COMPILER_DIRS too), beside it here.
+_KERNEL_DIRS = tuple(os.path.join(root, "kernels") + os.sep
+                     for root in (_PACKAGE_DIR, _SOURCE_ROOT))
+_FRAMEWORK_DIRS = _COMPILER_DIRS + _KERNEL_DIRS
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,8 @@ def caller_location(skip_internal: bool = True, *, callers_of: str | None = None
 
 def _is_compiler_or(module: str, filename: str) -> bool:
     path = os.path.abspath(filename)
-    return path == module or path.startswith(_COMPILER_DIRS)
+    return path == module or (path.startswith(_COMPILER_DIRS)
+                              and not path.startswith(_KERNEL_DIRS))
 
 
 class KilnError(Exception):

@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 import kiln
 from kiln.errors import caller_location
 
@@ -15,7 +17,11 @@ def _function_in(path: str, source: str, name: str):
     return namespace[name]
 
 
-def test_callers_of_names_the_library_kernel_line_that_called_the_module():
+@pytest.mark.parametrize("layout", ["checkout", "wheel"])
+def test_callers_of_names_the_library_kernel_line_that_called_the_module(layout, monkeypatch):
+    if layout == "wheel":  # kiln/kernels/ sits inside the package directory, a compiler dir
+        monkeypatch.setattr(kiln.errors, "_COMPILER_DIRS",
+                            (os.path.join(SOURCE_ROOT, "kernels") + os.sep,))
     helper_path = os.path.join(SOURCE_ROOT, "kernels", "attention", "helper.py")
     kernel_path = os.path.join(SOURCE_ROOT, "kernels", "attention", "kernel.py")
     helper = _function_in(helper_path, "def where(callers_of):\n"
