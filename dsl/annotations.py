@@ -77,8 +77,9 @@ def resolve_annotation(fn: Callable, annotation: Any) -> Any:
     """Evaluate string annotations (``from __future__ import annotations``) in fn's scope."""
     if not isinstance(annotation, str):
         return annotation
+    scope = closure_values(fn)
     try:
-        return eval(annotation, fn.__globals__, closure_values(fn))  # noqa: S307 - the user's own annotation
+        return eval(annotation, fn.__globals__, scope)  # noqa: S307 - the user's own annotation
     except NameError as err:
         try:
             return dt.dtype(annotation)  # a dtype name such as "f32"
