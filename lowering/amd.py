@@ -18,6 +18,7 @@ import functools
 import re
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import llvmlite.binding as llvmlite
@@ -30,6 +31,9 @@ from kiln.lowering.tools import llvm_tool, stage_tool
 from kiln.lowering.translate import device_llvm_ir
 
 TRIPLE = "amdgcn-amd-amdhsa"
+# llvmlite parses into LLVM's one global context and the target machines below are shared;
+# neither is thread-safe, and autotune compiles its configs on a thread pool.
+_LLVMLITE_LOCK = threading.Lock()
 
 
 def rocdl_passes(state: CompileState) -> list[str]:
@@ -102,13 +106,12 @@ def _target_machine(chip: str, opt_level: int, verbose: bool = False):
     return machine
 
 
-
 def _optimized_module(state: CompileState):
     """A fresh llvmlite module of the O-level-optimised IR.
 
     Codegen rewrites the module it emits (e.g. inserts ``llvm.amdgcn.if``), and emitting the
     same module twice makes instruction selection abort the process; so the optimised IR text
-    is kept and every emission parses its own copy.
+    is kept and every emission parses its own copy. Call it holding ``_LLVMLITE_LOCK``.
     """
     if "optimized_llvm" not in state.scratch:
         with state.step("amdgcn", "optimize"):
@@ -118,6 +121,7 @@ def _optimized_module(state: CompileState):
             builder = llvmlite.create_pass_builder(machine, tuning)
             builder.getModulePassManager().run(module, builder)
             state.scratch["optimized_llvm"] = str(module)
+            module.close()  # now, under the lock, not whenever (and on whichever thread) GC runs
     return _parse_llvm(state, state.scratch["optimized_llvm"])
 
 
@@ -136,17 +140,22 @@ def make_amdgcn(state: CompileState) -> str:
     prints the cluster markers (empty sched_group_barriers) only there. Codegen is identical,
     and emitting only the verbose text saves a whole codegen."""
     verbose = bool(state.scratch.get("recipes"))
-    machine = _target_machine(state.target.name, state.options.opt_level, verbose)
-    module = _optimized_module(state)
-    with state.step("amdgcn", "emit"):
-        return machine.emit_assembly(module)
+    with _LLVMLITE_LOCK:
+        machine = _target_machine(state.target.name, state.options.opt_level, verbose)
+        module = _optimized_module(state)
+        with state.step("amdgcn", "emit"):
+            asm = machine.emit_assembly(module)
+        module.close()
+    return asm
 
 
 def make_obj(state: CompileState) -> bytes:
-    machine = _target_machine(state.target.name, state.options.opt_level)
-    module = _optimized_module(state)
-    with state.step("obj", "emit"):
-        obj = machine.emit_object(module)
+    with _LLVMLITE_LOCK:
+        machine = _target_machine(state.target.name, state.options.opt_level)
+        module = _optimized_module(state)
+        with state.step("obj", "emit"):
+            obj = machine.emit_object(module)
+        module.close()
     with state.step("obj", "readelf"):
         state.metadata.update(read_amd_metadata(obj, state.kernel))
     return obj
