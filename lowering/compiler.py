@@ -111,7 +111,7 @@ class CompiledKernel:
             return cls(str(artifact["name"]), get_target(artifact["target"]),
                        CompileOptions(**artifact["options"]),
                        KernelSignature.from_json(artifact["signature"]), asm, metadata)
-        except (KeyError, TypeError, ValueError):  # a malformed artifact is a miss, never an error
+        except (AttributeError, KeyError, TypeError, ValueError):  # malformed: a miss, not an error
             return None
 
     def __repr__(self) -> str:

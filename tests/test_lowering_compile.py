@@ -119,6 +119,14 @@ def test_artifact_round_trips_through_the_json_cache(tmp_path, monkeypatch):
     assert CompiledKernel.from_artifact({"format": -1}) is None
 
 
+@pytest.mark.parametrize("field, value", [("signature", []), ("signature", {"params": [1]}),
+                                          ("options", [1]), ("metadata", {"compile_profile": 3})])
+def test_malformed_artifact_is_a_miss_not_an_error(field, value):
+    artifact = compile_kernel(SAXPY_IR, SAXPY, CompileOptions("sm_90a")).to_artifact()
+    artifact[field] = value
+    assert CompiledKernel.from_artifact(artifact) is None
+
+
 def test_amd_math_uses_native_instructions_not_device_library(tmp_path):
     """exp2/log2/exp/log/sqrt/rsqrt become v_exp/v_log/v_sqrt/v_rcp: no __ocml_ call, no scratch."""
     module = write_kernel_module(tmp_path, "amd_math_kernel", """
