@@ -247,7 +247,7 @@ def _read_table(path: Path) -> dict[str, int]:
         table = json.loads(read_owned(path))
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as err:  # ValueError: bad JSON or a file not this user's
+    except (OSError, ValueError, RecursionError) as err:  # bad or too deep JSON, not yours
         warn_once(("autotune-entry", str(path)), f"kiln: ignoring autotune store {path} ({err})")
         return {}
     # Keep only well-formed entries: an index is a plain int (bounds are checked on use).

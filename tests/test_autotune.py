@@ -141,7 +141,8 @@ def _stored_file(private_cache):
 
 @pytest.mark.filterwarnings("ignore::kiln.errors.CacheWarning")
 @pytest.mark.parametrize("content", ['{"n=7": "2; import os"}', '{"n=7": true}', "[2]",
-                                     "not json", '{"n=7": 99}'])
+                                     "not json", '{"n=7": 99}',
+                                     "[" * 100_000])  # deep enough for RecursionError
 def test_a_malformed_store_is_ignored(private_cache, monkeypatch, content):
     from kiln.lowering import trusted_dir
 
