@@ -192,17 +192,15 @@ stages = {"gpu": make_gpu, "rocdl": make_rocdl, "llvm": make_llvm, "amdgcn": mak
           "obj": make_obj, "hsaco": make_hsaco}
 
 
-def check_amdgpu_assembly(state: CompileState, recipes: dict) -> str:
+def check_amdgpu_assembly(state: CompileState, recipes: dict) -> None:
     """The assembly-level proofs: waits cover every load's registers (WaitError), clusters
-    match their recipes (ScheduleWarning); live VGPRs per cluster go into the metadata.
-    Returns the assembly to keep (the amdgcn stage made it verbose, with the cluster
-    markers, when there are clusters)."""
+    match their recipes (ScheduleWarning; the amdgcn stage emitted verbose assembly, which
+    holds the cluster markers); live VGPRs per cluster go into the metadata."""
     from kiln.lowering import isa_amdgpu
     from kiln.passes.verify_schedule import verify_schedule
 
-    asm = state.asm["amdgcn"]
     with state.step("check-assembly", "parse"):
-        program = isa_amdgpu.parse(asm, state.kernel)
+        program = isa_amdgpu.parse(state.asm["amdgcn"], state.kernel)
     with state.step("check-assembly", "verify-waits"):
         isa_amdgpu.verify_waits(program, state.kernel)
     if recipes:
@@ -211,7 +209,6 @@ def check_amdgpu_assembly(state: CompileState, recipes: dict) -> str:
             live = isa_amdgpu.live_vgprs_at_clusters(program)
         if live:
             state.metadata["cluster_live_vgprs"] = live
-    return asm
 
 
 class AmdBackend(Backend):
@@ -224,7 +221,7 @@ class AmdBackend(Backend):
 
     def check(self, state: CompileState, recipes: dict) -> None:
         with state.profile.step("check-assembly"):
-            state.asm["amdgcn"] = check_amdgpu_assembly(state, recipes)
+            check_amdgpu_assembly(state, recipes)
 
     def launcher(self, ck):
         from kiln.lowering.amd_host import build_amd_launcher  # loads HIP on first launch

@@ -180,7 +180,7 @@ def _stamp_target(module: ir.Module, target: Target) -> dict:
     return recipes
 
 
-# The ISA checks now live with their backends; these names stay importable from here.
+# The backends' ISA checks, re-exported for callers that import them from the compiler.
 check_amdgpu_assembly, check_sass_schedule = amd.check_amdgpu_assembly, nvidia.check_sass_schedule
 
 
