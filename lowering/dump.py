@@ -1,8 +1,8 @@
 """Writing stage artifacts (``KILN_DUMP_DIR``) and failing pipelines' reproducers to disk.
 
 Every file of one compile starts with ``<kernel>.<target>.<key>``, ``key`` being 8 hex digits of
-the compile-cache key (the disk cache's ``<key>.pkl``), so neither two targets nor two
-specialisations of one kernel overwrite each other's dumps. With ``KILN_DUMP_DIR=out`` a compile
+the compile-cache key (that names the disk cache's entry directory), so neither two targets nor
+two specialisations of one kernel overwrite each other's dumps. With ``KILN_DUMP_DIR=out`` a compile
 of ``saxpy`` for sm_90a leaves ``out/saxpy.sm_90a.3f1c09ab.kiln.mlir``, ``....gpu.mlir``,
 ``....nvvm.mlir``, ``....llvm.ll``, ``....ptx.ptx`` and, with ``ptxas``, ``....cubin.cubin``.
 A directory that cannot be written is one warning; compiling goes on without the dumps.
