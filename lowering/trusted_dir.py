@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
@@ -91,13 +92,18 @@ def private_dir(path: Path, purpose: str, variable: str) -> Path | None:
 
 
 class UntrustedFile(ValueError):
-    """A file :func:`read_owned` refuses: not a regular file, or owned by another user."""
+    """A file :func:`read_owned` refuses: a symlink, not a regular file, or another user's."""
 
 
 def read_owned(path: Path) -> bytes:
-    """The bytes of ``path``; UntrustedFile if it is not a regular file this user owns,
-    FileNotFoundError if missing."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    """The bytes of ``path``; UntrustedFile if it is a symlink or not a regular file this user
+    owns, FileNotFoundError if missing."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # what O_NOFOLLOW gives for a symlink
+            raise UntrustedFile(f"{path} is a symlink") from None
+        raise
     with os.fdopen(fd, "rb") as handle:
         info = os.fstat(handle.fileno())
         uid = _uid()
