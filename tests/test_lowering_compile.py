@@ -1,5 +1,6 @@
 """compile_kernel end to end without a GPU: stages, dumps, errors with reproducers, artifacts."""
 
+import contextlib
 import shlex
 import subprocess
 from pathlib import Path
@@ -231,3 +232,31 @@ def test_invalid_ir_from_a_kiln_pass_stops_before_the_next_pass(monkeypatch):
     with pytest.raises(CompilationError, match="the 'gpu' stage failed") as caught:
         compile_kernel(SAXPY_IR, SAXPY, CompileOptions("sm_90a"))
     assert "terminator" in str(caught.value)
+
+
+@pytest.mark.parametrize("verify_each", [True, False])
+def test_a_kiln_pass_leaving_invalid_ir_fails_before_the_next_pass(monkeypatch, verify_each):
+    """verify_each=False skips the verifier between upstream passes, never after a Kiln pass:
+    invalid IR must not reach the next pass, which assumes valid input."""
+    from mlir import ir
+
+    from kiln import passes
+
+    def drop_terminator(op, pass_):
+        func = op.regions[0].blocks[0].operations[0]
+        block = func.regions[0].blocks[0]
+        block.operations[len(block.operations) - 1].erase()
+
+    ran = []
+    monkeypatch.setitem(passes._REGISTRY, "kiln-test-drop-terminator",
+                        passes.KilnPass("kiln-test-drop-terminator", drop_terminator, "test"))
+    monkeypatch.setitem(passes._REGISTRY, "kiln-test-record",
+                        passes.KilnPass("kiln-test-record", lambda op, p: ran.append(1), "test"))
+    with ir.Context():
+        module = ir.Module.parse("func.func @f() { return }")
+        pm = passes.build_pass_manager(["kiln-test-drop-terminator", "kiln-test-record"],
+                                       timer=lambda name: contextlib.nullcontext(),
+                                       verify_each=verify_each)
+        with pytest.raises(ir.MLIRError):
+            pm.run(module.operation)
+    assert ran == []
