@@ -196,8 +196,13 @@ def _decode(value, payloads: dict[str, bytes]):
     return value
 
 
-def _load(entry: Path, key: str) -> dict:
-    manifest = json.loads(read_owned(entry / MANIFEST))
+def _load(entry: Path, key: str) -> dict | None:
+    """The artifact, or None when there is no ``meta.json`` (the plain miss)."""
+    try:
+        raw = read_owned(entry / MANIFEST)
+    except FileNotFoundError:
+        return None
+    manifest = json.loads(raw)
     if not isinstance(manifest, dict) or manifest.get("format") != ENTRY_FORMAT:
         raise _BadEntry("foreign", "not a Kiln cache entry of this format")
     if manifest.get("key") != key:
@@ -227,9 +232,7 @@ def get(key: str) -> dict | None:
     entry = _entry_dir(root, key)
     try:
         return _load(entry, key)
-    except FileNotFoundError:
-        if not (entry / MANIFEST).exists():
-            return None  # the plain miss
+    except FileNotFoundError:  # meta.json was there: one of its payloads is not
         kind, detail = "corrupt", "a payload file is missing"
     except _BadEntry as err:
         kind, detail = err.kind, str(err)
