@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
-import warnings
 from pathlib import Path
 
 from kiln import env
+from kiln.lowering.trusted_dir import warn_once
 
 STAGE_EXTENSIONS = {
     "kiln": "mlir", "gpu": "mlir", "nvvm": "mlir", "rocdl": "mlir", "llvm": "ll",
     "ptx": "ptx", "cubin": "cubin", "sass": "sass", "amdgcn": "s", "obj": "o", "hsaco": "hsaco",
 }
-
-_warned: set[Path] = set()  # unusable dump directories already reported in this process
 
 
 def dump_prefix(kernel: str, target: str, key: str) -> str:
@@ -48,11 +46,10 @@ def _write(directory: Path, name: str, artifact: str | bytes) -> Path | None:
         else:
             path.write_text(artifact)
     except OSError as err:
-        if directory not in _warned:
-            _warned.add(directory)
-            warnings.warn(f"KILN_DUMP_DIR={directory} cannot be written ({err.strerror or err}); "
-                          "compiling goes on without dumping stages: point KILN_DUMP_DIR at a "
-                          "writable folder or unset it", UserWarning)
+        warn_once(("dump", directory),
+                  f"KILN_DUMP_DIR={directory} cannot be written ({err.strerror or err}); "
+                  "compiling goes on without dumping stages: point KILN_DUMP_DIR at a "
+                  "writable folder or unset it", UserWarning)
         return None
     return path
 

@@ -10,7 +10,7 @@ only when it is this user's and nobody else can write it:
 - :func:`read_owned` reads a regular file only if this user owns it (no symlinks followed).
 - :func:`write_atomic` writes a temporary file beside the target, then ``os.replace``: readers
   and writers killed half-way never leave a torn file visible.
-- :func:`warn_once` reports each problem once per process.
+- :func:`warn_once` reports each problem once per process (the dump directory's too).
 
 Example::
 
@@ -34,12 +34,13 @@ from kiln.errors import CacheWarning
 _warned: set = set()
 
 
-def warn_once(reason, message: str) -> None:
-    """Issue ``message`` as a CacheWarning the first time ``reason`` (any hashable) is seen."""
+def warn_once(reason, message: str, category: type[Warning] = CacheWarning) -> None:
+    """Issue ``message`` (a CacheWarning unless ``category`` says otherwise) the first time
+    ``reason`` (any hashable) is seen in this process."""
     if reason in _warned:
         return
     _warned.add(reason)
-    warnings.warn(message, CacheWarning, stacklevel=3)
+    warnings.warn(message, category, stacklevel=3)
 
 
 def _uid() -> int | None:
