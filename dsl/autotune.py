@@ -200,14 +200,10 @@ class Autotuner:
     # ---- persistence ------------------------------------------------------------------------
     def _path(self) -> Path | None:
         """The store file, or None when the cache is off or its directory is not safe to use."""
-        from kiln.lowering.cache import cache_root
+        from kiln.lowering.cache import usable_root
         from kiln.lowering.trusted_dir import private_dir
 
-        from . import env
-
-        if env.cache_disabled():
-            return None
-        root = private_dir(cache_root(), "compile cache", "KILN_CACHE_DIR")
+        root = usable_root()
         directory = root and private_dir(root / "autotune", "autotune store", "KILN_CACHE_DIR")
         if directory is None:
             return None

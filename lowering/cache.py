@@ -142,7 +142,9 @@ class _BadEntry(ValueError):
         self.kind = kind
 
 
-def _usable_root() -> Path | None:
+def usable_root() -> Path | None:
+    """:func:`cache_root` if the cache is on and the directory is safe to use, else None (one
+    CacheWarning says why). The autotune store lives under it too."""
     if env.cache_disabled():
         return None
     return private_dir(cache_root(), "compile cache", "KILN_CACHE_DIR")
@@ -226,7 +228,7 @@ def _load(entry: Path, key: str) -> dict | None:
 def get(key: str) -> dict | None:
     """The artifact stored under ``key``, or None: missing, cache off or unusable, or an entry
     that is foreign, corrupt, truncated or not this user's (warned about once per kind)."""
-    root = _usable_root()
+    root = usable_root()
     if root is None:
         return None
     entry = _entry_dir(root, key)
@@ -249,7 +251,7 @@ def get(key: str) -> dict | None:
 def put(key: str, artifact: dict) -> None:
     """Store ``artifact`` under ``key`` atomically; last writer wins, readers never see partial
     data. An unwritable cache is warned about once and otherwise ignored."""
-    root = _usable_root()
+    root = usable_root()
     if root is None:
         return
     payloads: dict[str, bytes] = {}
