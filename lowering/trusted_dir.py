@@ -100,7 +100,9 @@ def read_owned(path: Path) -> bytes:
     """The bytes of ``path``; UntrustedFile if it is a symlink or not a regular file this user
     owns, FileNotFoundError if missing."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        # O_NONBLOCK: opening a FIFO planted in place of a file must not wait for a writer.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_NONBLOCK", 0))
     except OSError as err:
         if err.errno == errno.ELOOP:  # what O_NOFOLLOW gives for a symlink
             raise UntrustedFile(f"{path} is a symlink") from None
