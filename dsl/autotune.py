@@ -200,14 +200,10 @@ class Autotuner:
     # ---- persistence ------------------------------------------------------------------------
     def _path(self) -> Path | None:
         """The store file, or None when the cache is off or its directory is not safe to use."""
-        from kiln.lowering.cache import cache_root
+        from kiln.lowering.cache import usable_root
         from kiln.lowering.trusted_dir import private_dir
 
-        from . import env
-
-        if env.cache_disabled():
-            return None
-        root = private_dir(cache_root(), "compile cache", "KILN_CACHE_DIR")
+        root = usable_root()
         directory = root and private_dir(root / "autotune", "autotune store", "KILN_CACHE_DIR")
         if directory is None:
             return None
@@ -247,7 +243,7 @@ def _read_table(path: Path) -> dict[str, int]:
         table = json.loads(read_owned(path))
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as err:  # ValueError: bad JSON or a file not this user's
+    except (OSError, ValueError, RecursionError) as err:  # bad or too deep JSON, not yours
         warn_once(("autotune-entry", str(path)), f"kiln: ignoring autotune store {path} ({err})")
         return {}
     # Keep only well-formed entries: an index is a plain int (bounds are checked on use).

@@ -18,6 +18,7 @@ import functools
 import re
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import llvmlite.binding as llvmlite
@@ -30,6 +31,9 @@ from kiln.lowering.tools import llvm_tool, stage_tool
 from kiln.lowering.translate import device_llvm_ir
 
 TRIPLE = "amdgcn-amd-amdhsa"
+# llvmlite parses into LLVM's one global context and the target machines below are shared;
+# neither is thread-safe, and autotune compiles its configs on a thread pool.
+_LLVMLITE_LOCK = threading.Lock()
 
 
 def rocdl_passes(state: CompileState) -> list[str]:
@@ -102,13 +106,12 @@ def _target_machine(chip: str, opt_level: int, verbose: bool = False):
     return machine
 
 
-
 def _optimized_module(state: CompileState):
     """A fresh llvmlite module of the O-level-optimised IR.
 
     Codegen rewrites the module it emits (e.g. inserts ``llvm.amdgcn.if``), and emitting the
     same module twice makes instruction selection abort the process; so the optimised IR text
-    is kept and every emission parses its own copy.
+    is kept and every emission parses its own copy. Call it holding ``_LLVMLITE_LOCK``.
     """
     if "optimized_llvm" not in state.scratch:
         with state.step("amdgcn", "optimize"):
@@ -118,6 +121,7 @@ def _optimized_module(state: CompileState):
             builder = llvmlite.create_pass_builder(machine, tuning)
             builder.getModulePassManager().run(module, builder)
             state.scratch["optimized_llvm"] = str(module)
+            module.close()  # now, under the lock, not whenever (and on whichever thread) GC runs
     return _parse_llvm(state, state.scratch["optimized_llvm"])
 
 
@@ -136,17 +140,22 @@ def make_amdgcn(state: CompileState) -> str:
     prints the cluster markers (empty sched_group_barriers) only there. Codegen is identical,
     and emitting only the verbose text saves a whole codegen."""
     verbose = bool(state.scratch.get("recipes"))
-    machine = _target_machine(state.target.name, state.options.opt_level, verbose)
-    module = _optimized_module(state)
-    with state.step("amdgcn", "emit"):
-        return machine.emit_assembly(module)
+    with _LLVMLITE_LOCK:
+        machine = _target_machine(state.target.name, state.options.opt_level, verbose)
+        module = _optimized_module(state)
+        with state.step("amdgcn", "emit"):
+            asm = machine.emit_assembly(module)
+        module.close()
+    return asm
 
 
 def make_obj(state: CompileState) -> bytes:
-    machine = _target_machine(state.target.name, state.options.opt_level)
-    module = _optimized_module(state)
-    with state.step("obj", "emit"):
-        obj = machine.emit_object(module)
+    with _LLVMLITE_LOCK:
+        machine = _target_machine(state.target.name, state.options.opt_level)
+        module = _optimized_module(state)
+        with state.step("obj", "emit"):
+            obj = machine.emit_object(module)
+        module.close()
     with state.step("obj", "readelf"):
         state.metadata.update(read_amd_metadata(obj, state.kernel))
     return obj
@@ -183,17 +192,15 @@ stages = {"gpu": make_gpu, "rocdl": make_rocdl, "llvm": make_llvm, "amdgcn": mak
           "obj": make_obj, "hsaco": make_hsaco}
 
 
-def check_amdgpu_assembly(state: CompileState, recipes: dict) -> str:
+def check_amdgpu_assembly(state: CompileState, recipes: dict) -> None:
     """The assembly-level proofs: waits cover every load's registers (WaitError), clusters
-    match their recipes (ScheduleWarning); live VGPRs per cluster go into the metadata.
-    Returns the assembly to keep (the amdgcn stage made it verbose, with the cluster
-    markers, when there are clusters)."""
+    match their recipes (ScheduleWarning; the amdgcn stage emitted verbose assembly, which
+    holds the cluster markers); live VGPRs per cluster go into the metadata."""
     from kiln.lowering import isa_amdgpu
     from kiln.passes.verify_schedule import verify_schedule
 
-    asm = state.asm["amdgcn"]
     with state.step("check-assembly", "parse"):
-        program = isa_amdgpu.parse(asm, state.kernel)
+        program = isa_amdgpu.parse(state.asm["amdgcn"], state.kernel)
     with state.step("check-assembly", "verify-waits"):
         isa_amdgpu.verify_waits(program, state.kernel)
     if recipes:
@@ -202,7 +209,6 @@ def check_amdgpu_assembly(state: CompileState, recipes: dict) -> str:
             live = isa_amdgpu.live_vgprs_at_clusters(program)
         if live:
             state.metadata["cluster_live_vgprs"] = live
-    return asm
 
 
 class AmdBackend(Backend):
@@ -215,7 +221,7 @@ class AmdBackend(Backend):
 
     def check(self, state: CompileState, recipes: dict) -> None:
         with state.profile.step("check-assembly"):
-            state.asm["amdgcn"] = check_amdgpu_assembly(state, recipes)
+            check_amdgpu_assembly(state, recipes)
 
     def launcher(self, ck):
         from kiln.lowering.amd_host import build_amd_launcher  # loads HIP on first launch

@@ -142,7 +142,9 @@ class _BadEntry(ValueError):
         self.kind = kind
 
 
-def _usable_root() -> Path | None:
+def usable_root() -> Path | None:
+    """:func:`cache_root` if the cache is on and the directory is safe to use, else None (one
+    CacheWarning says why). The autotune store lives under it too."""
     if env.cache_disabled():
         return None
     return private_dir(cache_root(), "compile cache", "KILN_CACHE_DIR")
@@ -196,8 +198,13 @@ def _decode(value, payloads: dict[str, bytes]):
     return value
 
 
-def _load(entry: Path, key: str) -> dict:
-    manifest = json.loads(read_owned(entry / MANIFEST))
+def _load(entry: Path, key: str) -> dict | None:
+    """The artifact, or None when there is no ``meta.json`` (the plain miss)."""
+    try:
+        raw = read_owned(entry / MANIFEST)
+    except FileNotFoundError:
+        return None
+    manifest = json.loads(raw)
     if not isinstance(manifest, dict) or manifest.get("format") != ENTRY_FORMAT:
         raise _BadEntry("foreign", "not a Kiln cache entry of this format")
     if manifest.get("key") != key:
@@ -221,15 +228,13 @@ def _load(entry: Path, key: str) -> dict:
 def get(key: str) -> dict | None:
     """The artifact stored under ``key``, or None: missing, cache off or unusable, or an entry
     that is foreign, corrupt, truncated or not this user's (warned about once per kind)."""
-    root = _usable_root()
+    root = usable_root()
     if root is None:
         return None
     entry = _entry_dir(root, key)
     try:
         return _load(entry, key)
-    except FileNotFoundError:
-        if not (entry / MANIFEST).exists():
-            return None  # the plain miss
+    except FileNotFoundError:  # meta.json was there: one of its payloads is not
         kind, detail = "corrupt", "a payload file is missing"
     except _BadEntry as err:
         kind, detail = err.kind, str(err)
@@ -246,7 +251,7 @@ def get(key: str) -> dict | None:
 def put(key: str, artifact: dict) -> None:
     """Store ``artifact`` under ``key`` atomically; last writer wins, readers never see partial
     data. An unwritable cache is warned about once and otherwise ignored."""
-    root = _usable_root()
+    root = usable_root()
     if root is None:
         return
     payloads: dict[str, bytes] = {}

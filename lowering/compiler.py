@@ -111,7 +111,7 @@ class CompiledKernel:
             return cls(str(artifact["name"]), get_target(artifact["target"]),
                        CompileOptions(**artifact["options"]),
                        KernelSignature.from_json(artifact["signature"]), asm, metadata)
-        except (KeyError, TypeError, ValueError):  # a malformed artifact is a miss, never an error
+        except (AttributeError, KeyError, TypeError, ValueError):  # malformed: a miss, not an error
             return None
 
     def __repr__(self) -> str:
@@ -180,7 +180,7 @@ def _stamp_target(module: ir.Module, target: Target) -> dict:
     return recipes
 
 
-# The ISA checks now live with their backends; these names stay importable from here.
+# The backends' ISA checks, re-exported for callers that import them from the compiler.
 check_amdgpu_assembly, check_sass_schedule = amd.check_amdgpu_assembly, nvidia.check_sass_schedule
 
 

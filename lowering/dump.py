@@ -1,8 +1,8 @@
 """Writing stage artifacts (``KILN_DUMP_DIR``) and failing pipelines' reproducers to disk.
 
 Every file of one compile starts with ``<kernel>.<target>.<key>``, ``key`` being 8 hex digits of
-the compile-cache key (the disk cache's ``<key>.pkl``), so neither two targets nor two
-specialisations of one kernel overwrite each other's dumps. With ``KILN_DUMP_DIR=out`` a compile
+the compile-cache key (that names the disk cache's entry directory), so neither two targets nor
+two specialisations of one kernel overwrite each other's dumps. With ``KILN_DUMP_DIR=out`` a compile
 of ``saxpy`` for sm_90a leaves ``out/saxpy.sm_90a.3f1c09ab.kiln.mlir``, ``....gpu.mlir``,
 ``....nvvm.mlir``, ``....llvm.ll``, ``....ptx.ptx`` and, with ``ptxas``, ``....cubin.cubin``.
 A directory that cannot be written is one warning; compiling goes on without the dumps.
@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
-import warnings
 from pathlib import Path
 
 from kiln import env
+from kiln.lowering.trusted_dir import warn_once
 
 STAGE_EXTENSIONS = {
     "kiln": "mlir", "gpu": "mlir", "nvvm": "mlir", "rocdl": "mlir", "llvm": "ll",
     "ptx": "ptx", "cubin": "cubin", "sass": "sass", "amdgcn": "s", "obj": "o", "hsaco": "hsaco",
 }
-
-_warned: set[Path] = set()  # unusable dump directories already reported in this process
 
 
 def dump_prefix(kernel: str, target: str, key: str) -> str:
@@ -48,11 +46,10 @@ def _write(directory: Path, name: str, artifact: str | bytes) -> Path | None:
         else:
             path.write_text(artifact)
     except OSError as err:
-        if directory not in _warned:
-            _warned.add(directory)
-            warnings.warn(f"KILN_DUMP_DIR={directory} cannot be written ({err.strerror or err}); "
-                          "compiling goes on without dumping stages: point KILN_DUMP_DIR at a "
-                          "writable folder or unset it", UserWarning)
+        warn_once(("dump", directory),
+                  f"KILN_DUMP_DIR={directory} cannot be written ({err.strerror or err}); "
+                  "compiling goes on without dumping stages: point KILN_DUMP_DIR at a "
+                  "writable folder or unset it", UserWarning)
         return None
     return path
 

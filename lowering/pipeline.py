@@ -83,8 +83,8 @@ def run_passes(state: CompileState, stage: str, elements: Sequence[str], *,
                text: bool = True) -> str | None:
     """Run ``elements`` on ``state.module``; return the module's text afterwards (with
     ``text``; printing a large module costs as much as a pass)."""
-    # A copy of the input for the reproducer, printed only when the stage fails (cloning
-    # costs a tenth of printing, which every stage used to pay).
+    # A copy of the input for the reproducer, printed only when the stage fails: cloning
+    # costs a tenth of printing.
     with state.step(stage, "snapshot"):
         before = state.module.operation.clone()
     # Verified after Kiln's own passes and once at the end, not after every upstream pass (a

@@ -93,7 +93,8 @@ class KernelSignature:
 
     @classmethod
     def from_json(cls, data: dict) -> KernelSignature:
-        """The signature :meth:`to_json` described; TypeError/ValueError/KeyError if malformed."""
+        """The signature :meth:`to_json` described; TypeError, ValueError, KeyError or
+        AttributeError (a list or number where a dict belongs) if malformed."""
         params = []
         for item in data["params"]:
             fields = {name: value for name, value in item.items() if name != "kind"}

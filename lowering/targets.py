@@ -44,6 +44,7 @@ _SM80 = frozenset({"ptx", "sm80"})
 _SM90 = _SM80 | {"sm90", "tma"}
 _GFX9 = frozenset({"gfx9"})
 
+
 @dataclass(frozen=True)
 class Target:
     """A GPU chip. ``vendor`` is ``"nvidia"`` or ``"amd"``; ``warp_size`` 32 or 64."""

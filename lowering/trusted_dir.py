@@ -10,7 +10,7 @@ only when it is this user's and nobody else can write it:
 - :func:`read_owned` reads a regular file only if this user owns it (no symlinks followed).
 - :func:`write_atomic` writes a temporary file beside the target, then ``os.replace``: readers
   and writers killed half-way never leave a torn file visible.
-- :func:`warn_once` reports each problem once per process.
+- :func:`warn_once` reports each problem once per process (the dump directory's too).
 
 Example::
 
@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
@@ -33,12 +34,13 @@ from kiln.errors import CacheWarning
 _warned: set = set()
 
 
-def warn_once(reason, message: str) -> None:
-    """Issue ``message`` as a CacheWarning the first time ``reason`` (any hashable) is seen."""
+def warn_once(reason, message: str, category: type[Warning] = CacheWarning) -> None:
+    """Issue ``message`` (a CacheWarning unless ``category`` says otherwise) the first time
+    ``reason`` (any hashable) is seen in this process."""
     if reason in _warned:
         return
     _warned.add(reason)
-    warnings.warn(message, CacheWarning, stacklevel=3)
+    warnings.warn(message, category, stacklevel=3)
 
 
 def _uid() -> int | None:
@@ -91,13 +93,20 @@ def private_dir(path: Path, purpose: str, variable: str) -> Path | None:
 
 
 class UntrustedFile(ValueError):
-    """A file :func:`read_owned` refuses: not a regular file, or owned by another user."""
+    """A file :func:`read_owned` refuses: a symlink, not a regular file, or another user's."""
 
 
 def read_owned(path: Path) -> bytes:
-    """The bytes of ``path``; UntrustedFile if it is not a regular file this user owns,
-    FileNotFoundError if missing."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    """The bytes of ``path``; UntrustedFile if it is a symlink or not a regular file this user
+    owns, FileNotFoundError if missing."""
+    try:
+        # O_NONBLOCK: opening a FIFO planted in place of a file must not wait for a writer.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_NONBLOCK", 0))
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # what O_NOFOLLOW gives for a symlink
+            raise UntrustedFile(f"{path} is a symlink") from None
+        raise
     with os.fdopen(fd, "rb") as handle:
         info = os.fstat(handle.fileno())
         uid = _uid()

@@ -141,7 +141,8 @@ def _stored_file(private_cache):
 
 @pytest.mark.filterwarnings("ignore::kiln.errors.CacheWarning")
 @pytest.mark.parametrize("content", ['{"n=7": "2; import os"}', '{"n=7": true}', "[2]",
-                                     "not json", '{"n=7": 99}'])
+                                     "not json", '{"n=7": 99}',
+                                     "[" * 100_000])  # deep enough for RecursionError
 def test_a_malformed_store_is_ignored(private_cache, monkeypatch, content):
     from kiln.lowering import trusted_dir
 
@@ -225,3 +226,24 @@ def test_entry_precompile_runs_every_config_at_once():
 
     assert entry(5) == 1
     assert sorted(compiled) == [1, 2, 3] and runs[0] == compiled
+
+
+def test_amd_configs_compile_concurrently_like_one_at_a_time(monkeypatch):
+    """compile_all lowers AMD configs on threads; llvmlite's global context and the shared
+    target machines are used under a lock, so each result matches its serial compile."""
+    from kiln.autotune import compile_all
+
+    @kiln.kernel
+    def scaled(x: kiln.Tensor[kiln.f32], n: kiln.i32, BLOCK: kiln.constexpr):
+        i = kiln.block_id(0) * BLOCK + kiln.thread_id(0)
+        if i < n:
+            x[i] = x[i] * 3.0
+
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+    x = np.full(64, np.nan, np.float32)
+    configs = [{"BLOCK": 64 * (i + 1), "num_warps": i + 1} for i in range(4)]
+    compile_all(lambda cfg: scaled.compile(x, 64, target="gfx950", **cfg), configs)
+    threaded = [scaled.compile(x, 64, target="gfx950", **cfg).asm["amdgcn"] for cfg in configs]
+    scaled._compiled.clear()
+    serial = [scaled.compile(x, 64, target="gfx950", **cfg).asm["amdgcn"] for cfg in configs]
+    assert threaded == serial

@@ -191,3 +191,22 @@ def test_any_artifact_keys_round_trip_and_keys_stay_inside_the_cache(cache_dir):
             cache.get(bad)
     with pytest.raises(TypeError, match="not JSON data or bytes"):
         cache.put(key, {"options": object()})
+
+
+def test_an_entry_stored_while_it_is_looked_up_is_a_plain_miss(cache_dir, monkeypatch, recwarn):
+    """A reader that finds no meta.json while another process stores the entry misses quietly:
+    no 'payload missing' warning because the manifest appeared a moment later."""
+    key = cache.make_key("racing")
+    real_read = cache.read_owned
+
+    def read_then_store(path):
+        if path.name == cache.MANIFEST and not path.exists():
+            monkeypatch.setattr(cache, "read_owned", real_read)
+            cache.put(key, {"v": 1})  # the other process finishes right after the failed read
+            raise FileNotFoundError(path)
+        return real_read(path)
+
+    monkeypatch.setattr(cache, "read_owned", read_then_store)
+    assert cache.get(key) is None
+    assert not [w for w in recwarn if issubclass(w.category, kiln.errors.CacheWarning)]
+    assert cache.get(key) == {"v": 1}

@@ -139,6 +139,29 @@ def test_an_entry_file_owned_by_another_user_is_a_miss(cache_dir):
         assert cache.get(key) is None
 
 
+def test_a_symlinked_entry_file_is_untrusted(cache_dir, tmp_path):
+    """A symlink is not followed even to a valid entry: whoever placed it could repoint it."""
+    key = cache.make_key("symlink")
+    cache.put(key, _artifact())
+    manifest = cache_dir / key[:2] / key / "meta.json"
+    elsewhere = tmp_path / "meta.json"
+    manifest.replace(elsewhere)
+    manifest.symlink_to(elsewhere)
+    with pytest.warns(CacheWarning, match="is a symlink"):
+        assert cache.get(key) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_fifo_in_place_of_an_entry_file_is_refused_without_hanging(cache_dir):
+    key = cache.make_key("fifo")
+    cache.put(key, _artifact())
+    manifest = cache_dir / key[:2] / key / "meta.json"
+    manifest.unlink()
+    os.mkfifo(manifest)  # opening it for reading would wait for a writer forever
+    with pytest.warns(CacheWarning, match="not a regular file"):
+        assert cache.get(key) is None
+
+
 def test_directories_are_created_private(tmp_path, monkeypatch):
     root = tmp_path / "made" / "for" / "kiln"
     monkeypatch.setenv("KILN_CACHE_DIR", str(root))

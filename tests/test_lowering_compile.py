@@ -1,5 +1,6 @@
 """compile_kernel end to end without a GPU: stages, dumps, errors with reproducers, artifacts."""
 
+import contextlib
 import shlex
 import subprocess
 from pathlib import Path
@@ -119,6 +120,14 @@ def test_artifact_round_trips_through_the_json_cache(tmp_path, monkeypatch):
     assert CompiledKernel.from_artifact({"format": -1}) is None
 
 
+@pytest.mark.parametrize("field, value", [("signature", []), ("signature", {"params": [1]}),
+                                          ("options", [1]), ("metadata", {"compile_profile": 3})])
+def test_malformed_artifact_is_a_miss_not_an_error(field, value):
+    artifact = compile_kernel(SAXPY_IR, SAXPY, CompileOptions("sm_90a")).to_artifact()
+    artifact[field] = value
+    assert CompiledKernel.from_artifact(artifact) is None
+
+
 def test_amd_math_uses_native_instructions_not_device_library(tmp_path):
     """exp2/log2/exp/log/sqrt/rsqrt become v_exp/v_log/v_sqrt/v_rcp: no __ocml_ call, no scratch."""
     module = write_kernel_module(tmp_path, "amd_math_kernel", """
@@ -223,3 +232,31 @@ def test_invalid_ir_from_a_kiln_pass_stops_before_the_next_pass(monkeypatch):
     with pytest.raises(CompilationError, match="the 'gpu' stage failed") as caught:
         compile_kernel(SAXPY_IR, SAXPY, CompileOptions("sm_90a"))
     assert "terminator" in str(caught.value)
+
+
+@pytest.mark.parametrize("verify_each", [True, False])
+def test_a_kiln_pass_leaving_invalid_ir_fails_before_the_next_pass(monkeypatch, verify_each):
+    """verify_each=False skips the verifier between upstream passes, never after a Kiln pass:
+    invalid IR must not reach the next pass, which assumes valid input."""
+    from mlir import ir
+
+    from kiln import passes
+
+    def drop_terminator(op, pass_):
+        func = op.regions[0].blocks[0].operations[0]
+        block = func.regions[0].blocks[0]
+        block.operations[len(block.operations) - 1].erase()
+
+    ran = []
+    monkeypatch.setitem(passes._REGISTRY, "kiln-test-drop-terminator",
+                        passes.KilnPass("kiln-test-drop-terminator", drop_terminator, "test"))
+    monkeypatch.setitem(passes._REGISTRY, "kiln-test-record",
+                        passes.KilnPass("kiln-test-record", lambda op, p: ran.append(1), "test"))
+    with ir.Context():
+        module = ir.Module.parse("func.func @f() { return }")
+        pm = passes.build_pass_manager(["kiln-test-drop-terminator", "kiln-test-record"],
+                                       timer=lambda name: contextlib.nullcontext(),
+                                       verify_each=verify_each)
+        with pytest.raises(ir.MLIRError):
+            pm.run(module.operation)
+    assert ran == []
