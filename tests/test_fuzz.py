@@ -8,7 +8,8 @@ shuffles, atomics, constexprs) and launch options (targets, ``num_warps``), then
 when the child dies by a signal, hangs, or raises anything but a ``KilnError`` (an
 ``InternalError`` counts as a failure: it is a Kiln bug).
 
-Seeded (``derandomize=True``): CI runs the same 120 kernels (about a minute). For a long run:
+Seeded (``derandomize=True``): the same 120 kernels every run (about a minute, so in the ``slow``
+tier: ``make test-slow``, which CI runs). For a long run:
 ``KILN_FUZZ_EXAMPLES=5000 pytest -s tests/test_fuzz.py`` (``-s`` prints the tally).
 """
 
@@ -243,6 +244,7 @@ def worker():
     print(f"\nfuzz tally over {sum(tally.values())} kernels: {dict(tally.most_common())}")
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.function_scoped_fixture])

@@ -54,8 +54,10 @@ def test_interpreter_prints_every_active_thread(capsys, target):
     x = _inputs()
     n = 5
     show.interpret[2](x, n, num_warps=1, target=target)
-    rows = _parse(capsys.readouterr().out.splitlines())
+    lines = capsys.readouterr().out.splitlines()
+    rows = _parse(lines)
     assert sorted(rows) == [(b, t) for b in range(2) for t in range(n)]  # inactive threads silent
+    assert len(lines) == len(rows)  # one line per thread, none printed twice
     for (b, t), (i, xv, h, neg, wide) in rows.items():
         assert i == t and neg == int(t < 1) and wide == 3 * t
         np.testing.assert_allclose(xv, x[t], rtol=1e-5)  # %g keeps 6 significant digits
