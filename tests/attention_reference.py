@@ -116,7 +116,7 @@ def assert_attention_close(o, q, k, v, *, lse=None, **reference_kwargs):
     :func:`attention_reference` on the same inputs ``q``, ``k``, ``v`` (the arrays the kernel
     got). Returns the reference LSE.
 
-    Each element may err by ``u * (|o| + sum_j P_j |v_j|)`` with ``u`` the unit
+    Each element may err by ``u * |o| + u * (1 + u) * sum_j P_j |v_j|`` with ``u`` the unit
     roundoff of ``o``'s dtype: the bound for P rounded to that dtype before ``P V`` plus the
     rounding of the stored output. A key too many or too few in a row moves its output by
     ``P_key |v_key - o|``, well past that for rows that see a few hundred keys or fewer."""
@@ -127,7 +127,8 @@ def assert_attention_close(o, q, k, v, *, lse=None, **reference_kwargs):
     got = got.astype(np.float64)
     assert got.shape == want_o.shape
     assert not np.isnan(got).any(), f"{np.isnan(got).sum()} NaN outputs"
-    tolerance = u * (np.abs(want_o) + magnitude) + 1e-7
+    # The stored output's rounding also scales P's rounding error: the u**2 term.
+    tolerance = u * np.abs(want_o) + u * (1 + u) * magnitude + 1e-7
     excess = np.abs(got - want_o) - tolerance
     if (excess > 0).any():
         worst = np.unravel_index(np.argmax(excess), excess.shape)
@@ -238,7 +239,8 @@ def assert_paged_attention_close(o, lse, q, k_cache, v_cache, page_table, seq_le
                                              page_table, seq_lens, sinks=sinks, scale=scale)
     got = o.astype(np.float64)
     assert got.shape == want_o.shape and not np.isnan(got).any()
-    tolerance = UNIT_ROUNDOFF[o.dtype.name] * (np.abs(want_o) + magnitude) + 1e-7
+    u = UNIT_ROUNDOFF[o.dtype.name]
+    tolerance = u * np.abs(want_o) + u * (1 + u) * magnitude + 1e-7  # as assert_attention_close
     excess = np.abs(got - want_o) - tolerance
     assert (excess <= 0).all(), (f"{(excess > 0).sum()} outputs off, worst at "
                                  f"{np.unravel_index(np.argmax(excess), excess.shape)}")
