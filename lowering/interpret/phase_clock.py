@@ -73,8 +73,3 @@ class PhaseClock:
             self.seen[:] = self.seen.max(axis=0)
         elif rows.size:
             self.seen[rows] = self.seen[rows].max(axis=0)
-
-    def missing(self, rows: np.ndarray, slots: np.ndarray, phases: np.ndarray) -> np.ndarray:
-        """Where thread ``rows`` (broadcast against ``slots``) has not observed phase count
-        ``phases`` of mbarrier ``slots``."""
-        return self.seen[rows, slots] < phases
