@@ -119,8 +119,8 @@ def matmul(a, b, *, trans_b=False, out_dtype=None, target=None, backend=None):
                                         "backend='interpret'")
     # TMA needs 16-byte aligned row strides: zero-pad K (adds nothing) and N (sliced off).
     kp, np_ = _round_up(k, STRIDE_ALIGN), _round_up(n, STRIDE_ALIGN)
-    a_in = _padded(a, m, kp)
-    b_in = _padded(b, np_, kp) if trans_b else _padded(b, kp, np_)
+    a_in = _padded(a, (m, kp))
+    b_in = _padded(b, (np_, kp) if trans_b else (kp, np_))
     c = _empty_like(a, (m, np_), out)
     if backend == "interpret":
         _interpret(chip, a_in, b_in, c, trans_b)
@@ -233,12 +233,12 @@ def _empty_like(x, shape, dtype_name):
     return empty_like(x, shape, kiln.dtype(dtype_name), fill=None if is_torch(x) else np.nan)
 
 
-def _padded(x, rows, cols):
-    """``x`` itself when already ``rows x cols`` and contiguous, else a zero-padded copy."""
-    if tuple(x.shape) == (rows, cols):
+def _padded(x, shape: tuple):
+    """``x`` itself when already ``shape`` and contiguous, else a zero-padded copy."""
+    if tuple(x.shape) == shape:
         return _contiguous(x)
-    out = x.new_zeros((rows, cols)) if is_torch(x) else np.zeros((rows, cols), x.dtype)
-    out[:x.shape[0], :x.shape[1]] = x
+    out = x.new_zeros(shape) if is_torch(x) else np.zeros(shape, x.dtype)
+    out[tuple(slice(0, s) for s in x.shape)] = x
     return out
 
 
