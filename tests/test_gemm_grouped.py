@@ -48,13 +48,6 @@ def _random(shape, rng):
     return rng.standard_normal(shape).astype(BF16)
 
 
-@pytest.fixture
-def rng(request):
-    seed = np.random.SeedSequence().entropy % 2**32
-    print(f"{request.node.name}: seed {seed}")
-    return np.random.default_rng(seed)
-
-
 # Each case runs in about a second in the interpreter (grid of at most 2 CTAs).
 @pytest.mark.parametrize("sizes, k, n, trans_b, out_dtype", [
     # an empty first group; both groups' single tiles straddle a group end (masked stores)
