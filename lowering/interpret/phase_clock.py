@@ -34,9 +34,10 @@ class PhaseClock:
 
     def rows(self, ctx, lanes: np.ndarray | None = None) -> np.ndarray:
         """Clock rows of ``ctx``'s active threads (or of its threads at ``lanes``)."""
-        ids = ctx.thread_ids if ctx.mask is None else ctx.thread_ids[ctx.mask]
         if lanes is not None:
             ids = ctx.thread_ids[lanes]
+        else:
+            ids = ctx.thread_ids if ctx.mask is None else ctx.thread_ids[ctx.mask]
         return ctx.cta.rank * self.per_cta + ids
 
     def slot(self, bar) -> int:
