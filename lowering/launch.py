@@ -44,8 +44,7 @@ from kiln.lowering.arrays import describe_array
 from kiln import env
 from kiln.dtypes import dtype as to_dtype
 from kiln.errors import KilnTypeError, KilnValueError, LaunchError, ResourceError
-from kiln.launch_args import (check_float_argument, check_int_argument,  # noqa: F401
-                               normalize_grid)  # re-exported
+from kiln.launch_args import check_float_argument, check_int_argument, normalize_grid
 from kiln.lowering.host import scalar_carrier
 from kiln.lowering.signature import ScalarParam, TensorMapParam, TensorParam
 
