@@ -7,6 +7,7 @@ Example::
     normalize_grid(4) == (4, 1, 1)
     normalize_grid(2.5)                    # KilnTypeError: grid dimension 0 is float
     check_int_argument("n", 2**33, "i32")  # KilnValueError: n = 8589934592 is outside i32
+    check_float_argument("eps", "1e-5", "f32")  # KilnTypeError: eps must be a number
 """
 
 from __future__ import annotations
@@ -72,3 +73,15 @@ def check_int_argument(name: str, value, dtype: str) -> int:
                              f"[{lo}, {hi}]", fix=f"pass a value that fits {dtype}, or declare "
                                                   f"{name} with a wider integer type")
     return number
+
+
+def check_float_argument(name: str, value, dtype: str) -> float:
+    """``value`` as a Python float for a float scalar parameter of ``dtype`` (KilnTypeError
+    naming ``name`` for anything that is not a number: ``float("1e-5")`` would parse a str)."""
+    if not isinstance(value, (str, bytes)):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    raise KilnTypeError(f"argument {name!r} must be a number ({dtype}), got "
+                        f"{type(value).__name__}", fix="pass a Python or numpy float")

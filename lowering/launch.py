@@ -44,7 +44,7 @@ from kiln.lowering.arrays import describe_array
 from kiln import env
 from kiln.dtypes import dtype as to_dtype
 from kiln.errors import KilnTypeError, KilnValueError, LaunchError, ResourceError
-from kiln.launch_args import check_int_argument, normalize_grid  # noqa: F401 - re-exported
+from kiln.launch_args import check_float_argument, check_int_argument, normalize_grid
 from kiln.lowering.host import scalar_carrier
 from kiln.lowering.signature import ScalarParam, TensorMapParam, TensorParam
 
@@ -522,21 +522,15 @@ def _scalar_converter(param: ScalarParam) -> Callable[[Any, list, Any], None]:
         view = np.uint16 if bits == 16 else np.uint8
 
         def to_bits(value, flat, staging):
-            flat.append(int(np.asarray(_as_float(param, value), dtype=np_type).view(view)))
+            number = check_float_argument(param.name, value, name)
+            flat.append(int(np.asarray(number, dtype=np_type).view(view)))
 
         return to_bits
     if name in ("f32", "f64"):
-        return lambda value, flat, staging: flat.append(_as_float(param, value))
+        return lambda value, flat, staging: flat.append(
+            check_float_argument(param.name, value, name))
 
     def to_int(value, flat, staging):
         flat.append(check_int_argument(param.name, value, name))
 
     return to_int
-
-
-def _as_float(param, value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise KilnTypeError(f"argument {param.name!r} must be a number ({param.dtype}), got "
-                            f"{type(value).__name__}", fix="pass a Python or numpy float")

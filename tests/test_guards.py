@@ -264,3 +264,12 @@ def test_low_precision_vector_constants_in_the_interpreter(dtype):
     y = np.full(4, 7.0, np.float32)
     _vector_constant_f32.interpret[(1,)](y, VALUES=values, DT=dtype)
     np.testing.assert_array_equal(y, np.array(values, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [kiln.f16, kiln.bf16, kiln.f8e4m3])
+def test_long_low_precision_vector_constants_in_the_interpreter(dtype):
+    # Over 100 elements print as one hex blob: the interpreter raised a ValueError.
+    values = (0.5, -1.5, 3.0, -2.0) * 32
+    y = np.full(len(values), 7.0, np.float32)
+    _vector_constant_f32.interpret[(1,)](y, VALUES=values, DT=dtype)
+    np.testing.assert_array_equal(y, np.array(values, np.float32))

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import kiln
-from kiln import amd_asm, amd_buffer, bf16, cp_async, f32, i32, mbarrier, tiles, tma
+from kiln import (amd_asm, amd_buffer, bf16, cp_async, f32, i32, mbarrier, nvidia_asm, tiles,
+                  tma)
 
 ROWS, COLS = 4, 32  # one f32 TMA box: 128 elements, one per thread of 4 warps
 
@@ -309,6 +310,37 @@ def test_a_store_to_an_element_another_block_loaded_is_a_race(marker_line):
     assert ("thread 0 of block (1, 0, 0) stores to element 1 of tensor 'x' that thread 0 of "
             "block (0, 0, 0) loaded at") in err.message
     assert f":{marker_line('@read-x1')}" in err.message
+
+
+def make_cluster_handoff(sync: bool):
+    @kiln.kernel
+    def handoff(x: kiln.Tensor[f32], out: kiln.Tensor[f32]):
+        """CTA 1 of a cluster pair stores x[0]; CTA 0 then loads it (after a cluster barrier,
+        which releases and acquires, with ``sync``)."""
+        nvidia_asm.cluster_dims(2)
+        rank = nvidia_asm.cluster_ctarank()
+        t = kiln.thread_id(0)
+        if (rank == 1) & (t == 0):
+            x[0] = 5.0  # @handoff-store
+        if sync:
+            nvidia_asm.cluster_sync()
+        if (rank == 0) & (t == 0):
+            out[0] = x[0]  # @handoff-load
+
+    return handoff
+
+
+def test_global_handoff_between_cluster_ctas_needs_the_cluster_barrier(marker_line):
+    """The cluster barrier orders its CTAs' global accesses (it used to be reported as a race);
+    without it the CTAs, which run together, race."""
+    x, out = np.ones(1, np.float32), np.full(1, np.nan, np.float32)
+    make_cluster_handoff(sync=True).interpret[(2,)](x, out, num_warps=1)
+    np.testing.assert_array_equal(out, [5.0])
+    with pytest.raises(kiln.errors.RaceError) as info:
+        make_cluster_handoff(sync=False).interpret[(2,)](np.ones(1, np.float32), out,
+                                                         num_warps=1)
+    assert "element 0 of tensor 'x'" in info.value.message
+    assert info.value.loc.line in (marker_line("@handoff-store"), marker_line("@handoff-load"))
 
 
 def make_ldmatrix_reader(barrier_after_wait: bool):

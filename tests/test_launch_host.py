@@ -282,6 +282,8 @@ def test_argument_mistakes_are_reported():
         plan((1,), [x, np.zeros((2, 2), np.float32), 4, 1.0], None)
     with pytest.raises(KilnTypeError, match="must be an integer"):
         plan((1,), [x, x, 4.0, 1.0], None)
+    with pytest.raises(KilnTypeError, match="'a' must be a number"):
+        plan((1,), [x, x, 4, "1.0"], None)  # float() would have parsed the str
     with pytest.raises(KilnValueError, match="innermost stride"):
         plan((1,), [DeviceArray(0x10, (4,), "<f4", strides=(8,)), x, 4, 1.0], None)
 

@@ -221,9 +221,6 @@ def _vector_width(head_dim: int, dtype: kiln.DType) -> int:
     return width
 
 
-_is_torch = is_torch
-
-
 def _check_inputs(o_partial, lse_partial, split_counts) -> tuple[int, int, int, int, int]:
     for name, x in (("O_partial", o_partial), ("LSE_partial", lse_partial),
                     ("split_counts", split_counts)):
@@ -393,7 +390,7 @@ def _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, part
         target=target, num_warps=config.num_warps(target),
         constexprs=_constexprs(head_dim, max_splits, contract.log_base, o_dtype, config),
         max_splits=max_splits, out_dtype=out_dtype, backend=backend)
-    if not _is_torch(o_partial) or backend == "interpret":
+    if not is_torch(o_partial) or backend == "interpret":
         return plan
     import torch
 
@@ -429,7 +426,7 @@ def plan_combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
     try:
         key = (type(o_partial), o_partial.shape, o_partial.dtype, lse_partial.shape,
                lse_partial.dtype, split_counts.shape, split_counts.dtype,
-               o_partial.device if _is_torch(o_partial) else None, max_splits, out_dtype,
+               o_partial.device if is_torch(o_partial) else None, max_splits, out_dtype,
                partials_of(partials), target, backend)
         plan = _PLANS.get(key)
     except (TypeError, AttributeError):  # unhashable or not an array: validation reports it
@@ -475,7 +472,7 @@ def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
     """
     plan = plan_combine(o_partial, lse_partial, split_counts, max_splits=max_splits,
                         out_dtype=out_dtype, partials=partials, target=target, backend=backend)
-    if _is_torch(o_partial) and backend is None:
+    if is_torch(o_partial) and backend is None:
         return plan.run_torch(o_partial, lse_partial, split_counts, out, lse_out)
     return plan.run_numpy(o_partial, lse_partial, split_counts, out, lse_out)
 

@@ -114,7 +114,7 @@ import numpy as np
 
 import kiln
 
-from ..inputs import empty_like
+from ..inputs import empty_like, is_torch
 from .decode_config import (AHEAD_PREFETCH_TILES, CTAS_PER_SM, DEFAULT_SMS, EARLY_LAUNCH_TILES,
                             FUSED_COMBINE_MAX_BYTES, KV_EVICTION, LAZY_RESCALE_HEAD_DIMS,
                             LAZY_RESCALE_THRESHOLD, MAX_ACCUMULATORS, MAX_COMBINE_LOADS,
@@ -280,14 +280,14 @@ def _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, s
 def _check_torch_inputs(q, **tensors) -> None:
     """torch inputs must share q's device: a kernel given another device's address faults.
     q must be 4-byte aligned: the kernel reads its bf16 pairs as 32-bit words."""
-    if not type(q).__module__.startswith("torch"):
+    if not is_torch(q):
         return
     if q.data_ptr() % Q_ALIGN:
         raise kiln.KilnValueError(f"q's address {q.data_ptr():#x} is not {Q_ALIGN}-byte "
                                   "aligned (a view starting at an odd element?)",
                                   fix="pass q.clone(), or a view that starts at an even element")
     for name, t in tensors.items():
-        if type(t).__module__.startswith("torch") and t.device != q.device:
+        if is_torch(t) and t.device != q.device:
             raise kiln.KilnValueError(f"{name} is on {t.device} but q is on {q.device}",
                                       fix=f"move {name} to {q.device}")
 

@@ -314,7 +314,7 @@ class ArrayLib:
     """Allocation and views in the caller's array library (numpy, or torch on q's device)."""
 
     def __init__(self, like):
-        self.torch = type(like).__module__.startswith("torch")
+        self.torch = is_torch(like)
         self.device = getattr(like, "device", None)
 
     def full(self, shape, value, dtype):
@@ -331,7 +331,7 @@ class ArrayLib:
 
     @staticmethod
     def numpy(x):
-        if type(x).__module__.startswith("torch"):
+        if is_torch(x):
             import torch
 
             if x.dtype == torch.bfloat16:
@@ -340,7 +340,7 @@ class ArrayLib:
         return x
 
     def like(self, array, template):
-        if type(template).__module__.startswith("torch"):
+        if is_torch(template):
             import torch
 
             template.copy_(torch.from_numpy(array))

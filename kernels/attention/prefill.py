@@ -23,14 +23,11 @@ import numpy as np
 import kiln
 
 from ..inputs import (check_backend, check_heads, check_positive, dtype_of, empty_like,
-                      resolve_target)
+                      is_torch, resolve_target)
 from .prefill_hopper import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, HopperPrefillConfig,
                              MaskSpec, make_kernel)
 
 __all__ = ["prefill", "compile_prefill"]
-
-BACKENDS = (None, "gpu", "interpret")
-_TORCH_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "i32": "int32"}
 
 
 def compile_prefill(dtype="bf16", *, target, head_dim=128, causal=False, window=None,
@@ -81,7 +78,7 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     Example: ``o = prefill(q, k, v, causal=True)`` with torch CUDA tensors.
     """
     if cu_seqlens_q is None and cu_seqlens_k is None and backend != "interpret" and \
-            _is_torch(q):
+            is_torch(q):
         plan = _dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, target,
                            backend)
         if plan is not None and q.is_contiguous() and k.is_contiguous() and \
@@ -150,9 +147,9 @@ def _operands(q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse):
         lse_row_mult, lse_head_stride = hq, sq
     cfg = HopperPrefillConfig.for_head_dim(d)
     group = hq // hkv
-    o2 = _empty(q, (total_q, hq * d), _dtype_name(q.dtype))
-    lse = _empty(q, (max(hq * total_q, 1) if return_lse else 1,), "f32")
-    sink_arr = _float32(sinks, q) if sinks is not None else _empty(q, (hq,), "f32")
+    o2 = empty_like(q, (total_q, hq * d), kiln.dtype(q.dtype))
+    lse = empty_like(q, (max(hq * total_q, 1) if return_lse else 1,), kiln.f32)
+    sink_arr = _float32(sinks, q) if sinks is not None else empty_like(q, (hq,), kiln.f32)
     kernel = make_kernel(_dtype_name(q.dtype), cfg, mask, group, sinks is not None, return_lse)
     args = [q2, k2, v2, o2, lse, sink_arr, cu_q_arr, cu_k_arr, float(scale) * math.log2(math.e),
             lse_row_mult, lse_head_stride]
@@ -230,7 +227,7 @@ def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, t
 def _validate(q, k, v, cu_q, cu_k, sinks, causal, window, chunk, scale, target, backend):
     """The checked chip, shapes, mask and softmax scale of a call (a KilnError on bad input)."""
     chip = resolve_target(target)
-    check_backend(backend, BACKENDS)
+    check_backend(backend)
     shapes = _check_inputs(q, k, v, cu_q, cu_k, sinks)
     mask = _mask_spec(causal, window, chunk)
     if scale is None:
@@ -348,16 +345,12 @@ def _dtype_name(dtype) -> str:
     return kiln.dtype(dtype).name
 
 
-def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch")
-
-
 def _contiguous(x):
-    return x.contiguous() if _is_torch(x) else np.ascontiguousarray(x)
+    return x.contiguous() if is_torch(x) else np.ascontiguousarray(x)
 
 
 def _numpy(x):
-    if _is_torch(x):
+    if is_torch(x):
         name = _dtype_name(x.dtype)
         return x.detach().cpu().float().numpy().astype(kiln.dtype(name).numpy) \
             if name in SUPPORTED_DTYPES else x.detach().cpu().numpy()
@@ -370,13 +363,13 @@ def _optional_numpy(x):
 
 def _outputs_like(template, out, return_lse):
     """Interpreter results (numpy) as tensors of ``template``'s kind and device."""
-    if not _is_torch(template):
+    if not is_torch(template):
         return out
     return tuple(_like(template, x) for x in out) if return_lse else _like(template, out)
 
 
 def _like(template, array):
-    if _is_torch(template):
+    if is_torch(template):
         import torch
 
         return torch.from_numpy(np.asarray(array, np.float32)).to(
@@ -384,17 +377,8 @@ def _like(template, array):
     return array
 
 
-def _empty(like, shape, dtype_name):
-    if _is_torch(like):
-        import torch
-
-        return torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype_name]),
-                           device=like.device)
-    return np.empty(shape, kiln.dtype(dtype_name).numpy)
-
-
 def _int32(x, like):
-    if _is_torch(like):
+    if is_torch(like):
         import torch
 
         return torch.as_tensor(x, device=like.device).to(torch.int32).contiguous()
@@ -402,7 +386,7 @@ def _int32(x, like):
 
 
 def _float32(x, like):
-    if _is_torch(like):
+    if is_torch(like):
         import torch
 
         return torch.as_tensor(x, device=like.device).to(torch.float32).contiguous()
@@ -412,7 +396,7 @@ def _float32(x, like):
 def _arange_like(like, batch, length):
     """``cu_seqlens`` of ``batch`` dense sequences of ``length``. On a torch device it is built
     there once per shape: copying it from host memory would synchronise the stream each call."""
-    if _is_torch(like):
+    if is_torch(like):
         return _device_offsets(str(like.device), batch, length)
     return np.arange(batch + 1, dtype=np.int32) * length
 

@@ -34,7 +34,7 @@ import numpy as np
 import kiln
 from kiln.autotune import autotune
 
-from ..inputs import Dims, check_backend, empty_like, resolve_target
+from ..inputs import Dims, check_backend, empty_like, is_torch, resolve_target
 from .grouped_api import compile_grouped_matmul, grouped_matmul
 from .hopper import OUT_DTYPES, SUPPORTED_DTYPES, HopperGemmConfig, make_kernel
 
@@ -119,8 +119,8 @@ def matmul(a, b, *, trans_b=False, out_dtype=None, target=None, backend=None):
                                         "backend='interpret'")
     # TMA needs 16-byte aligned row strides: zero-pad K (adds nothing) and N (sliced off).
     kp, np_ = _round_up(k, STRIDE_ALIGN), _round_up(n, STRIDE_ALIGN)
-    a_in = _padded(a, m, kp)
-    b_in = _padded(b, np_, kp) if trans_b else _padded(b, kp, np_)
+    a_in = _padded(a, (m, kp))
+    b_in = _padded(b, (np_, kp) if trans_b else (kp, np_))
     c = _empty_like(a, (m, np_), out)
     if backend == "interpret":
         _interpret(chip, a_in, b_in, c, trans_b)
@@ -227,41 +227,32 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch")
-
-
 def _empty_like(x, shape, dtype_name):
-    if _is_torch(x):
-        import torch
-
-        return torch.empty(shape, dtype=getattr(torch, {"f32": "float32", "f16": "float16",
-                                                        "bf16": "bfloat16"}[dtype_name]),
-                           device=x.device)
-    # NaN, so an element the kernel failed to write cannot pass for a result.
-    return np.full(shape, np.nan, kiln.dtype(dtype_name).numpy)
+    """The output: uninitialised on a torch device; NaN in numpy, so an element the kernel
+    failed to write cannot pass for a result."""
+    return empty_like(x, shape, kiln.dtype(dtype_name), fill=None if is_torch(x) else np.nan)
 
 
-def _padded(x, rows, cols):
-    """``x`` itself when already ``rows x cols`` and contiguous, else a zero-padded copy."""
-    if tuple(x.shape) == (rows, cols):
+def _padded(x, shape: tuple):
+    """``x`` itself when already ``shape`` and contiguous, else a zero-padded copy."""
+    if tuple(x.shape) == shape:
         return _contiguous(x)
-    out = x.new_zeros((rows, cols)) if _is_torch(x) else np.zeros((rows, cols), x.dtype)
-    out[:x.shape[0], :x.shape[1]] = x
+    out = x.new_zeros(shape) if is_torch(x) else np.zeros(shape, x.dtype)
+    out[tuple(slice(0, s) for s in x.shape)] = x
     return out
 
 
 def _contiguous(x):
-    return x.contiguous() if _is_torch(x) else np.ascontiguousarray(x)
+    return x.contiguous() if is_torch(x) else np.ascontiguousarray(x)
 
 
 def _numpy(x):
-    return x.cpu().float().numpy().astype(kiln.dtype(_dtype_name(x)).numpy) if _is_torch(x) \
+    return x.cpu().float().numpy().astype(kiln.dtype(_dtype_name(x)).numpy) if is_torch(x) \
         else x
 
 
 def _like(template, array):
-    if _is_torch(template):
+    if is_torch(template):
         import torch
 
         return torch.from_numpy(array.astype(np.float32)).to(template.device, template.dtype)

@@ -69,7 +69,8 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
         offs = torch.tensor([0, 300, 300, 1024], dtype=torch.int32, device="cuda")
         c = grouped_matmul(tokens, expert_weights, offs)   # [1024, K] x [3, K, N] -> [1024, N]
     """
-    from . import _empty_like, _output_dtype
+    from . import (STRIDE_ALIGN, _contiguous, _empty_like, _output_dtype, _padded,
+                   _round_up)
 
     chip = resolve_target(target)
     if scale_a is not None or scale_b is not None:
@@ -112,7 +113,7 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
                                     fix="use compile_grouped_matmul(...) to inspect the AMD "
                                         "kernel, or backend='interpret'")
     # Row strides of 16 bytes (TMA; AMD's 16-byte loads); K and N pads are zeros.
-    kp, np_ = _round_up(k, 8), _round_up(n, 8)
+    kp, np_ = _round_up(k, STRIDE_ALIGN), _round_up(n, STRIDE_ALIGN)
     if trans_b:
         b_rows = np_
         b_in = _padded(b, (groups, np_, kp)).reshape(groups * np_, kp)
@@ -121,8 +122,7 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
         b_rows = _round_up(k, BLOCK_K)
         b_in = _padded(b, (groups, b_rows, np_)).reshape(groups * b_rows, np_)
     a_in = _padded(a, (total_m, kp))
-    offsets = group_offsets.contiguous() if is_torch(group_offsets) else \
-        np.ascontiguousarray(group_offsets)
+    offsets = _contiguous(group_offsets)
     c = _empty_like(a, (total_m, np_), out)
     if backend == "interpret":
         _interpret(chip, name, out, trans_b, [a_in, b_in, c, offsets, groups, total_m, np_, k,
@@ -130,8 +130,7 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
     else:
         run_grouped(a_in, b_in, c, offsets, k=k, b_rows=b_rows, trans_b=trans_b,
                     target=chip.name)
-    return c if np_ == n else c[:, :n].contiguous() if is_torch(c) else \
-        np.ascontiguousarray(c[:, :n])
+    return c if np_ == n else _contiguous(c[:, :n])
 
 
 def run_grouped(a, b, c, offsets, *, k, b_rows, trans_b, target="sm_90a", config=None,
@@ -249,16 +248,3 @@ def _require_kernel(chip) -> None:
     if not chip.is_amd and not chip.has_wgmma:
         raise kiln.UnsupportedError(f"grouped_matmul needs WGMMA (sm_90a); {chip.name} has none",
                                     fix="compile for target='sm_90a'")
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
-def _padded(x, shape: tuple):
-    """``x`` itself when already ``shape`` and contiguous, else a zero-padded copy."""
-    if tuple(x.shape) == shape:
-        return x.contiguous() if is_torch(x) else np.ascontiguousarray(x)
-    out = x.new_zeros(shape) if is_torch(x) else np.zeros(shape, x.dtype)
-    out[tuple(slice(0, s) for s in x.shape)] = x
-    return out

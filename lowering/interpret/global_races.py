@@ -11,11 +11,12 @@ few vectorised gathers and one compare. Blocks run in block order, so when block
 to an element that another block loaded, the element's first loader is not ``b``; only the
 CTAs of a cluster run together, and for them the last loader is kept as well.
 
-Atomics are exempt, and they are the only cross-block ordering the interpreter knows: two
-blocks that both did an atomic (``memref.atomic_rmw``, or the counter read of
-``kiln.nvidia_asm.wait_for_count``) on one element are treated as ordered, whichever accesses
-and fences surround the atomics (the "last block reduces" pattern; a missing fence is not
-detected, as elsewhere in the interpreter).
+Atomics are exempt. The interpreter knows two cross-block orderings: two blocks that both did
+an atomic (``memref.atomic_rmw``, or the counter read of ``kiln.nvidia_asm.wait_for_count``) on
+one element, and two CTAs of a cluster once a cluster barrier released them (its arrive
+releases and its wait acquires), are treated as ordered, whichever accesses and fences surround
+the atomics or the barrier (the "last block reduces" pattern; a missing fence is not detected,
+as elsewhere in the interpreter).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class GlobalAccesses:
         self._sites: list = [None]
         self._site_ids: dict[int, int] = {}
         self._atomic_places: dict[int, set] = {}  # block -> elements it did atomics on
-        self._ordered: set[tuple[int, int]] = set()  # (block, block) pairs ordered by atomics
+        # (block, block) pairs ordered by atomics or a cluster barrier
+        self._ordered: set[tuple[int, int]] = set()
 
     def register(self, values: list) -> None:
         for value in values:
@@ -144,7 +146,11 @@ class GlobalAccesses:
         places = self._atomic_places.setdefault(ctx.cta.linear_id, set())
         places.update((id(mem.storage), int(f)) for f in np.unique(flat))
 
-    def _ordered_by_atomics(self, a: int, b: int) -> bool:
+    def order(self, blocks: list[int]) -> None:
+        """A cluster barrier released the CTAs ``blocks`` (linear ids): they are ordered."""
+        self._ordered.update((a, b) for a in blocks for b in blocks if a < b)
+
+    def _ordered_with(self, a: int, b: int) -> bool:
         pair = (min(a, b), max(a, b))
         if pair in self._ordered:
             return True
@@ -158,7 +164,7 @@ class GlobalAccesses:
         block = ctx.cta.linear_id
         blocks = (seen >> _BLOCK_SHIFT) - 1
         racing = [b for b in np.unique(blocks[clash]).tolist()
-                  if not self._ordered_by_atomics(block, b)]
+                  if not self._ordered_with(block, b)]
         if not racing:
             return
         k = int(np.argmax(clash & (blocks == racing[0])))

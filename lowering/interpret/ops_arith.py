@@ -184,10 +184,14 @@ def _constant(op, p):
 
 def _dense_from_text(attr: ir.Attribute, dtype: np.dtype) -> np.ndarray:
     """The elements of a non-splat f16/bf16/fp8 constant, which the bindings can neither index
-    nor export as a buffer: from the printed form, where specials are hex bit patterns."""
+    nor export as a buffer: from the printed form, where specials are hex bit patterns (and
+    a constant of over 100 elements is one little-endian hex blob, ``dense<"0x...">``)."""
     body = str(attr)
+    bits = np.dtype(f"<u{dtype.itemsize}")
+    if body.startswith('dense<"0x'):
+        blob = body[len('dense<"0x'):body.index('"', len('dense<"0x'))]
+        return np.frombuffer(bytes.fromhex(blob), bits).astype(bits.newbyteorder("=")).view(dtype)
     body = body[body.index("[") + 1:body.rindex("]")].replace("[", "").replace("]", "")
-    bits = np.dtype(f"u{dtype.itemsize}")
     items = [t.strip() for t in body.split(",")]
     return np.concatenate([np.array([int(t, 16)], bits).view(dtype) if t.startswith("0x")
                            else np.array([float(t)]).astype(dtype) for t in items])

@@ -34,9 +34,10 @@ class PhaseClock:
 
     def rows(self, ctx, lanes: np.ndarray | None = None) -> np.ndarray:
         """Clock rows of ``ctx``'s active threads (or of its threads at ``lanes``)."""
-        ids = ctx.thread_ids if ctx.mask is None else ctx.thread_ids[ctx.mask]
         if lanes is not None:
             ids = ctx.thread_ids[lanes]
+        else:
+            ids = ctx.thread_ids if ctx.mask is None else ctx.thread_ids[ctx.mask]
         return ctx.cta.rank * self.per_cta + ids
 
     def slot(self, bar) -> int:
@@ -73,8 +74,3 @@ class PhaseClock:
             self.seen[:] = self.seen.max(axis=0)
         elif rows.size:
             self.seen[rows] = self.seen[rows].max(axis=0)
-
-    def missing(self, rows: np.ndarray, slots: np.ndarray, phases: np.ndarray) -> np.ndarray:
-        """Where thread ``rows`` (broadcast against ``slots``) has not observed phase count
-        ``phases`` of mbarrier ``slots``."""
-        return self.seen[rows, slots] < phases

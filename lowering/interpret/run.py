@@ -20,7 +20,7 @@ from mlir import ir
 from kiln import env as kiln_env
 from kiln.cluster import RECIPES_ATTR as _RECIPES
 from kiln.errors import KilnTypeError, KilnValueError, UnsupportedError
-from kiln.launch_args import check_int_argument, normalize_grid
+from kiln.launch_args import check_float_argument, check_int_argument, normalize_grid
 from kiln.passes import build_pass_manager
 from kiln.passes.cluster_schedule import NAME as CLUSTER_SCHEDULE
 
@@ -146,7 +146,7 @@ def _convert_args(signature, args) -> tuple[list, dict]:
             if dtype.kind in ("int", "bool", "index"):
                 arg = check_int_argument(param.name, arg, dtype.name)
             else:
-                arg = _float_argument(param.name, arg, dtype.name)
+                arg = check_float_argument(param.name, arg, dtype.name)
             values.append(np.array([arg], dtype.numpy))
         elif isinstance(param, TensorMapParam):
             values.append(TensorMapArg(np.asarray(arg), tuple(param.box), param.swizzle,
@@ -157,14 +157,6 @@ def _convert_args(signature, args) -> tuple[list, dict]:
                 arg = copies[param.name][1]
             values.append(global_memref(arg, param.name))
     return values, copies
-
-
-def _float_argument(name: str, value, dtype: str) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise KilnTypeError(f"argument {name!r} must be a number ({dtype}), got "
-                            f"{type(value).__name__}", fix="pass a Python or numpy float") from None
 
 
 def _check_read_only(copies: dict) -> None:

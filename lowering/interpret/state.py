@@ -329,6 +329,8 @@ class Cluster:
             for cta in self.ctas:
                 cta.shared.synchronised()
             self.clock.join()
+            if len(self.ctas) > 1:  # release/acquire: the CTAs' global accesses are ordered too
+                self.ctas[0].globals.order([cta.linear_id for cta in self.ctas])
             self.cond.notify_all()
 
     def wait(self, ctx: "Context", loc) -> None:
