@@ -294,8 +294,8 @@ def check_values(k_cache, page_table, seq_lens, block_table, validate) -> None:
     only: a larger index selects a block past the sequence, which the kernel skips)."""
     check_paged_lengths(page_table, seq_lens, num_pages=int(k_cache.shape[0]),
                         page_size=int(k_cache.shape[1]), validate=validate)
-    if block_table is not None and not is_torch(block_table) and \
-            np.asarray(block_table).size and int(np.asarray(block_table).min()) < -1:
+    selected = None if block_table is None or is_torch(block_table) else np.asarray(block_table)
+    if selected is not None and selected.size and int(selected.min()) < -1:
         raise kiln.KilnValueError("block_table holds an entry below -1",
                                   fix="list selected block indices, padded with -1 at the end")
 
