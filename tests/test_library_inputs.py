@@ -81,6 +81,16 @@ def test_decode_rejects_bad_inputs_naming_them(entry, bad, words):
             args["lens"], backend=options.pop("backend", "interpret"), **options)
 
 
+@pytest.mark.parametrize("entry", [decode, decode_attention])
+def test_decode_rejects_block_indices_below_minus_one(entry):
+    """-1 pads a block selection; anything lower names no block and is refused."""
+    q, kc, vc, table, lens = _decode_problem(_rng())
+    selection = np.full((2, 1, 2, 2), -1, np.int32)
+    selection[1, 0, 1, 0] = -2
+    _raises(kiln.KilnValueError, "block_table holds an entry below -1", entry, q, kc, vc, table,
+            lens, block_table=selection, backend="interpret")
+
+
 class _Edit:
     """A numpy array and a one-element edit of a copy of it (``.at(i, j, value)``)."""
 
