@@ -445,11 +445,11 @@ class _Interpreted:
         if traced is None:
             traced = k._interpret_traces[key] = k._trace_specs(specs, target, num_warps)
         values = k._bind(args, kwargs)
+        chip = get_target(target)
         if callable(grid):
             meta = {p.name: v for p, v in zip(k.params, values) if p.kind == "constexpr"}
-            grid = grid(dict(meta, num_warps=num_warps,
-                             num_threads=num_warps * get_target(target).warp_size))
-        interpret_kernel(traced, grid, [values[i] for i in k._runtime_idx], get_target(target))
+            grid = grid(dict(meta, num_warps=num_warps, num_threads=num_warps * chip.warp_size))
+        interpret_kernel(traced, grid, [values[i] for i in k._runtime_idx], chip)
 
 
 def _launch_key_part(a: Any, is_constexpr: bool) -> Any:
