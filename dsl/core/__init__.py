@@ -1,0 +1,2 @@
+"""Kiln's bottom layer: the target model of arch families, dtypes, errors and environment
+settings. Every other layer may import it; it imports no other Kiln layer."""
