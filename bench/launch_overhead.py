@@ -17,7 +17,7 @@ the CPU. The real JIT-compiled host launchers are built with an in-process CUDA 
 ``mgpuLaunchKernel`` is a native no-op (a JIT-compiled empty function), for the tiny kernel
 and for the split-KV combine's signature (five rank-3..5 tensors, 60 flat C arguments):
 
-- ``bound launch``: :class:`~kiln.lowering.launch.BoundLaunch` (what ``combine()`` calls);
+- ``bound launch``: :class:`~kiln.runtime.launch.BoundLaunch` (what ``combine()`` calls);
 - ``launch plan``: ``CompiledKernel.launch`` on ``__cuda_array_interface__`` arrays;
 - ``packed launcher``: ``HostLauncher(flat, grid, stream)`` with ready flat arguments;
 - ``flat ctypes call``: the previous ABI, one ctypes call converting every flat C argument
@@ -81,7 +81,7 @@ def _triton_issue(torch, y):
 
 
 def run(launches: int, batches: int) -> dict:
-    from kiln.lowering.cuda import cuda_available
+    from kiln.runtime.cuda import cuda_available
 
     if not cuda_available():
         return {"skipped": "no CUDA GPU/driver available"}
@@ -107,7 +107,7 @@ def run(launches: int, batches: int) -> dict:
             launches, batches, sync)
         results["kiln_compiled_launch_us"] = _per_launch_us(
             lambda: compiled.launch((1, 1, 1), [y, N]), launches, batches, sync)
-        from kiln.lowering.launch import bind_launch
+        from kiln.runtime.launch import bind_launch
 
         bound = bind_launch(compiled, (1, 1, 1), [y, N])
         pointer = y.data_ptr()
@@ -207,10 +207,10 @@ def run_host_only(launches: int, batches: int) -> dict:
     import ctypes
     from types import SimpleNamespace
 
-    from kiln.lowering.host import HostLauncher, flat_c_argtypes, nvidia_kernel_object
-    from kiln.lowering.launch import _LaunchPlan, bind_launch
-    from kiln.lowering.signature import KernelSignature, ScalarParam, TensorParam
-    from kiln.lowering.targets import get_target
+    from kiln.runtime.host import HostLauncher, flat_c_argtypes, nvidia_kernel_object
+    from kiln.runtime.launch import _LaunchPlan, bind_launch
+    from kiln.signature import KernelSignature, ScalarParam, TensorParam
+    from kiln.core.targets import get_target
 
     runtime = _NoopRuntime()
     combine_shape = {"o_part": (2, 1, 1, 32, 128), "lse_part": (2, 1, 1, 32),

@@ -1,11 +1,14 @@
 """Kiln: write GPU kernels in Python, compile them through MLIR for NVIDIA and AMD GPUs."""
 
-from .dtypes import (DType, bf16, dtype, f8e4m3, f8e5m2, f16, f32, f64, i1, i8, i16, i32, i64,
-                     index)
-from .errors import (CompilationError, InternalError, KilnError, KilnTypeError, KilnValueError,
-                     LaunchError, ResourceError, TargetError, UnsupportedError)
+from .core.dtypes import (DType, bf16, dtype, f8e4m3, f8e5m2, f16, f32, f64, i1, i8, i16, i32, i64,
+                          index)
+from .core.errors import (CompilationError, InternalError, KilnError, KilnTypeError, KilnValueError,
+                          LaunchError, ResourceError, TargetError, UnsupportedError)
 
 __version__ = "0.1.0"
+
+# kiln.dtypes / kiln.errors / kiln.env: the core modules, kept as attributes of the facade.
+from .core import dtypes, env, errors
 
 # The tracing DSL (see kiln.kernel for the user guide).
 from . import builder, values
@@ -46,5 +49,5 @@ from .tiles import GlobalTile, RegTile, SharedTile
 # ``kiln.cluster`` is the context manager; the module stays importable as ``kiln.cluster`` only
 # through ``from kiln.cluster import ...``.
 from .cluster import ClusterRecipe, cluster, consumer_drain, manual_waits
-from .errors import (DeadlockError, OutOfBoundsError, RaceError, ScheduleError, ScheduleWarning,
-                     WaitError)
+from .core.errors import (DeadlockError, OutOfBoundsError, RaceError, ScheduleError,
+                          ScheduleWarning, WaitError)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from mlir import ir
 from mlir.dialects import rocdl
 
-from .errors import KilnTypeError, KilnValueError
+from .core.errors import KilnTypeError, KilnValueError
 from .nvidia_asm import current_target
 
 ASYNC_ATTR = "kiln.async"

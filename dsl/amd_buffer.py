@@ -30,9 +30,9 @@ from __future__ import annotations
 from mlir import ir
 from mlir.dialects import amdgpu
 
-from . import dtypes as dt
+from .core import dtypes as dt
 from .amd_asm import AsyncToken, mark_async, require_amd
-from .errors import KilnTypeError, KilnValueError, UnsupportedError
+from .core.errors import KilnTypeError, KilnValueError, UnsupportedError
 from .shared import SharedTensor
 from .tensor import TensorRef, to_index
 from .values import cast, to_value

@@ -14,8 +14,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import dtypes as dt
-from .errors import KilnTypeError, KilnValueError, SourceLoc
+from .core import dtypes as dt
+from .core.errors import KilnTypeError, KilnValueError, SourceLoc
 from .fingerprint import closure_values
 from .tensor import TensorSpec
 

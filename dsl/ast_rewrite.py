@@ -35,7 +35,7 @@ from typing import Callable
 
 from . import pyhints, trace_runtime
 from .builder import at_source
-from .errors import KilnValueError, SourceLoc
+from .core.errors import KilnValueError, SourceLoc
 
 RT = "__kiln_rt"
 _counter = itertools.count()

@@ -43,7 +43,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .errors import KilnError, KilnTypeError, KilnValueError
+from .core.errors import KilnError, KilnTypeError, KilnValueError
 
 BAR_WIDTH = 24
 
@@ -200,8 +200,8 @@ class Autotuner:
     # ---- persistence ------------------------------------------------------------------------
     def _path(self) -> Path | None:
         """The store file, or None when the cache is off or its directory is not safe to use."""
-        from kiln.lowering.cache import usable_root
-        from kiln.lowering.trusted_dir import private_dir
+        from kiln.runtime.cache import usable_root
+        from kiln.core.trusted_dir import private_dir
 
         root = usable_root()
         directory = root and private_dir(root / "autotune", "autotune store", "KILN_CACHE_DIR")
@@ -216,7 +216,7 @@ class Autotuner:
         return _read_table(path) if path is not None else {}
 
     def _store(self, key: str, index: int) -> None:
-        from kiln.lowering.trusted_dir import warn_once, write_atomic
+        from kiln.core.trusted_dir import warn_once, write_atomic
 
         path = self._path()
         if path is None:
@@ -237,7 +237,7 @@ class Autotuner:
 
 def _read_table(path: Path) -> dict[str, int]:
     """The stored ``{key: config index}``; a missing, foreign or corrupt file reads as empty."""
-    from kiln.lowering.trusted_dir import read_owned, warn_once
+    from kiln.core.trusted_dir import read_owned, warn_once
 
     try:
         table = json.loads(read_owned(path))

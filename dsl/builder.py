@@ -9,7 +9,7 @@ entered while a kernel body runs::
         state = kiln.builder.current()          # raises outside a kernel trace
         return kiln.Value(nvvm.elect_sync(...))  # builds at the kernel's insertion point
 
-``kiln.current_target()`` returns the :class:`~kiln.lowering.targets.Target` being traced for.
+``kiln.current_target()`` returns the :class:`~kiln.core.targets.Target` being traced for.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from mlir import ir
 
-from .errors import KilnValueError, SourceLoc, trace_location
+from .core.errors import KilnValueError, SourceLoc, trace_location
 
 KERNEL_MODULE_NAME = "kiln_kernels"
 # Values (about one MLIR op each) one kernel trace may build. Unrolled Python loops and
@@ -36,7 +36,7 @@ class TraceState:
     context: ir.Context
     module: ir.Module
     gpu_module_block: ir.Block  # body of ``gpu.module @kiln_kernels`` (shared globals go here)
-    target: object  # kiln.lowering.targets.Target
+    target: object  # kiln.core.targets.Target
     block: tuple[int, int, int]
     shared_bytes: int = 0
     shared_names: set[str] = field(default_factory=set)
@@ -95,7 +95,7 @@ def count_value() -> None:
 
 
 def current_target():
-    """The target chip of the kernel being traced (a ``kiln.lowering.targets.Target``).
+    """The target chip of the kernel being traced (a ``kiln.core.targets.Target``).
 
     Example: ``if kiln.current_target().is_nvidia: ...`` selects a code path at trace time.
     """

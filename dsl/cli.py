@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import dtypes
-from .errors import KilnError, KilnValueError
+from .core import dtypes
+from .core.errors import KilnError, KilnValueError
 
 
 def _load_kernel(spec: str):
@@ -121,7 +121,7 @@ def format_report(ck) -> str:
         lines.extend(f"  {cluster:<8} {count:>4}" for cluster, count in live.items())
     profile = ck.metadata.get("compile_profile")
     if profile:
-        from kiln.lowering.profile import format_profile
+        from kiln.core.profile import format_profile
 
         lines.append("compile profile (CPU ms include ptxas/ld.lld; from the first compile "
                      "when the kernel came from the cache):")

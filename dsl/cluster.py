@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from mlir import ir
 
 from . import builder
-from .errors import KilnValueError
+from .core.errors import KilnValueError
 
 # Work classes a recipe may name, with the LLVM AMDGPU sched_group_barrier mask of each
 # (llvm/lib/Target/AMDGPU/AMDGPUIGroupLP.cpp SchedGroupMask).

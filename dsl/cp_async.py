@@ -24,8 +24,8 @@ from mlir import ir
 from mlir.dialects import nvgpu
 
 from . import builder
-from . import dtypes as dt
-from .errors import KilnTypeError, KilnValueError
+from .core import dtypes as dt
+from .core.errors import KilnTypeError, KilnValueError
 from .global_tile import GlobalTile
 from .shared_tile import SharedTile
 from .tensor import to_index

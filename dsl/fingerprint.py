@@ -9,7 +9,7 @@ Two uses:
   user function and class its trace can reach (through globals, closures, defaults and
   ``module.attr`` chains) and the values of the globals they read. Kiln's own code (``kiln``,
   ``kiln.passes``, ``kiln.lowering``, ``kiln.kernels``) is covered by the Kiln-source hash of
-  :mod:`kiln.lowering.cache`, so it is not read here (closures and defaults of Kiln's functions
+  :mod:`kiln.runtime.cache`, so it is not read here (closures and defaults of Kiln's functions
   still are: a library kernel made by a factory differs by what it closes over). Neither is the
   standard library nor installed packages: their code is keyed by name, and only the
   MLIR/LLVM/llvmlite/numpy versions of the toolchain part stand for it.
@@ -36,8 +36,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .dtypes import DType
-from .errors import KilnTypeError, SourceLoc
+from .core.dtypes import DType
+from .core.errors import KilnTypeError, SourceLoc
 
 _FIX = ("pass it to the kernel as a kiln.constexpr parameter (or make it a number, string, "
         "tuple, dict, numpy array or frozen dataclass)")

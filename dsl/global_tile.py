@@ -20,8 +20,8 @@ from typing import Any
 from mlir import ir
 from mlir.dialects import scf, vector
 
-from . import dtypes as dt
-from .errors import KilnTypeError, KilnValueError
+from .core import dtypes as dt
+from .core.errors import KilnTypeError, KilnValueError
 from .tensor import TensorRef, to_index
 from .values import Value, constant
 

@@ -28,7 +28,7 @@ launches, ``stream``. The grid of ``kernel[grid]`` is an int, a tuple of up to 3
 callable receiving the constexprs (plus ``num_warps`` and ``num_threads``) and returning one.
 
 Compiled kernels are cached in memory per specialisation (dtype/rank/contiguity of tensors,
-dtype of scalars, constexpr values, options) and on disk (``kiln.lowering.cache``).
+dtype of scalars, constexpr values, options) and on disk (``kiln.runtime.cache``).
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ from mlir import ir
 from mlir.dialects import gpu, llvm
 
 from . import ast_rewrite, builder, threads
-from . import dtypes as dt
+from .core import dtypes as dt
 from .annotations import Param, TensorMapSpec, classify, resolve_annotation
-from .errors import (CompilationError, KilnTypeError, SourceLoc,
-                     source_loc_from_mlir, trace_location, user_facing)
+from .core.errors import (CompilationError, KilnTypeError, SourceLoc, source_loc_from_mlir,
+                          trace_location, user_facing)
 from .fingerprint import EXACT_KEY_TYPES, constexpr_key, keyword_key_part, typed_key
 from .launch_args import normalize_grid
-from .lowering_bridge import cache_key, lowering_signature, tensor_arg_spec
+from .driver import cache_key, lowering_signature, tensor_arg_spec
 from .tensor import TensorRef, memref_type
 from .values import Value
 
@@ -61,7 +61,7 @@ _TRACE_LOCK = threading.RLock()
 
 def set_default_target(target: str) -> None:
     """Target used when ``target=`` is not given. Example: ``kiln.set_default_target("gfx950")``."""
-    from kiln.lowering.targets import get_target
+    from kiln.core.targets import get_target
 
     global _default_target
     _default_target = get_target(target).name
@@ -106,7 +106,7 @@ class TracedKernel:
 
     name: str
     module_asm: str
-    signature: Any  # kiln.lowering.signature.KernelSignature
+    signature: Any  # kiln.signature.KernelSignature
     shared_bytes: int
 
 
@@ -202,7 +202,7 @@ class JITKernel:
     def _num_warps(self, specs: tuple[ArgSpec, ...], target: str | None,
                    num_warps: int | None, num_threads: int | None) -> int:
         """Warps per block from the declaration and the options (see kiln.threads)."""
-        from kiln.lowering.targets import get_target
+        from kiln.core.targets import get_target
 
         constexprs = {s.name: s.value for s in specs if s.kind == "constexpr"}
         return threads.resolve_num_warps(self.name, self.num_threads, constexprs,
@@ -219,7 +219,7 @@ class JITKernel:
 
     def _trace_locked(self, specs: tuple[ArgSpec, ...], target_name: str,
                       num_warps: int) -> TracedKernel:
-        from kiln.lowering.targets import get_target
+        from kiln.core.targets import get_target
 
         target = get_target(target_name)
         block = (num_warps * target.warp_size, 1, 1)
@@ -300,7 +300,7 @@ class JITKernel:
 
     # ---- compile and launch ---------------------------------------------------------------
     def _options(self, target, num_warps, opt_level, ptx_version, maxnreg):
-        from kiln.lowering.options import CompileOptions
+        from kiln.core.options import CompileOptions
 
         return CompileOptions(_target_or_default(target), num_warps=num_warps, opt_level=opt_level,
                               ptx_version=ptx_version, maxnreg=maxnreg,
@@ -308,7 +308,7 @@ class JITKernel:
 
     def _compile_specs(self, specs, options):
         from kiln.lowering.compiler import compile_kernel, load_cached
-        from kiln.lowering.profile import CompileProfile
+        from kiln.core.profile import CompileProfile
 
         profile = CompileProfile()
         with profile.step("cache-lookup"):
@@ -433,8 +433,8 @@ class _Interpreted:
     @user_facing
     def _run(self, grid, *args, target: str | None = None, num_warps: int | None = None,
              num_threads: int | None = None, **kwargs):
-        from kiln.lowering.interpret import interpret_kernel
-        from kiln.lowering.targets import get_target
+        from kiln.interpreter import interpret_kernel
+        from kiln.core.targets import get_target
 
         k = self.kernel
         target = _target_or_default(target)
@@ -463,7 +463,7 @@ def _launch_key_part(a: Any, is_constexpr: bool) -> Any:
     if hasattr(a, "data_ptr") and hasattr(a, "stride"):  # torch tensor: not keyed by identity
         return (a.dtype, a.dim(), a.dim() == 0 or a.stride(-1) == 1 or a.shape[-1] <= 1)
     if hasattr(a, "__cuda_array_interface__"):
-        from kiln.lowering.arrays import describe_array
+        from kiln.arrays import describe_array
 
         info = describe_array(a)
         return (info.dtype, info.rank, info.contiguous_last)

@@ -1,6 +1,6 @@
-"""Launch-argument checks shared by the GPU launch (``kiln.lowering.launch``) and the CPU
-interpreter (``kiln.lowering.interpret``), so both refuse the same grids and scalars with the
-same :class:`~kiln.errors.KilnError`.
+"""Launch-argument checks shared by the GPU launch (``kiln.runtime.launch``) and the CPU
+interpreter (``kiln.interpreter``), so both refuse the same grids and scalars with the
+same :class:`~kiln.core.errors.KilnError`.
 
 Example::
 
@@ -16,7 +16,7 @@ import operator
 
 import numpy as np
 
-from .errors import KilnTypeError, KilnValueError
+from .core.errors import KilnTypeError, KilnValueError
 
 GRID_LIMITS = (2**31 - 1, 65535, 65535)  # every CUDA device since compute capability 3.0
 # Signed range of each integer dtype a kernel scalar may have (i1 takes bools or 0/1).

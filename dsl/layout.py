@@ -31,7 +31,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from .errors import KilnValueError
+from .core.errors import KilnValueError
 
 IntTuple = Union[int, tuple]
 

@@ -26,7 +26,7 @@ from mlir import ir
 from mlir.dialects import nvgpu, vector
 
 from . import builder, ops
-from .errors import KilnTypeError, KilnValueError, TargetError
+from .core.errors import KilnTypeError, KilnValueError, TargetError
 from .reg_tile import _concat
 from .shared_tile import SharedTile
 from .tensor import to_index

@@ -58,10 +58,10 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import amdgpu, memref, nvgpu, vector
 
-from . import dtypes as dt
+from .core import dtypes as dt
 from .amd_asm import mark_async, require_amd, require_gfx950
 from .builder import current_target
-from .errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
+from .core.errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
 from .layout import Layout, ThreadValueLayout, concat_modes
 from .mfma import WAVE, values_per_lane
 from .shared import SharedTensor

@@ -19,7 +19,7 @@ from __future__ import annotations
 from mlir import ir
 from mlir.dialects import arith, llvm, nvgpu, nvvm
 
-from .errors import KilnValueError
+from .core.errors import KilnValueError
 from .nvidia_asm import as_index, as_predicate, ir_value, require_sm90
 
 # Spin budget per try_wait poll before the hardware suspends the thread; upstream's default.

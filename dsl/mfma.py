@@ -37,8 +37,8 @@ from typing import Any
 from mlir.dialects import amdgpu, vector
 
 from . import mma
-from .dtypes import DType, bf16, f8e4m3, f8e5m2, f16, f32
-from .errors import KilnTypeError, KilnValueError, UnsupportedError
+from .core.dtypes import DType, bf16, f8e4m3, f8e5m2, f16, f32
+from .core.errors import KilnTypeError, KilnValueError, UnsupportedError
 from .layout import (Layout, ThreadValueLayout, concat_modes, mfma_16x16_accumulator,
                      mfma_32x32_accumulator)
 from .values import Value, cast

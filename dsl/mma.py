@@ -26,8 +26,8 @@ from mlir.dialects import llvm, nvvm, vector
 
 from . import layout as L
 from . import wgmma
-from .dtypes import DType, bf16, dtype as as_dtype, f16, f32
-from .errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
+from .core.dtypes import DType, bf16, dtype as as_dtype, f16, f32
+from .core.errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
 from .layout import ThreadValueLayout
 from .values import Value
 
@@ -134,7 +134,7 @@ def register_atom(atom: MmaAtom) -> None:
 
 
 def _resolve_target(target):
-    from kiln.lowering.targets import get_target
+    from kiln.core.targets import get_target
 
     from .nvidia_asm import current_target
 

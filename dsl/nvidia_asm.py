@@ -24,7 +24,7 @@ import numbers
 from mlir import ir
 from mlir.dialects import arith, llvm, nvvm
 
-from .errors import KilnTypeError, KilnValueError
+from .core.errors import KilnTypeError, KilnValueError
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def compiling_for(target):
         with ir.Context(), ir.Location.unknown(), kiln.nvidia_asm.compiling_for("sm_90a"):
             ...  # build a gpu.func and call kiln.tma / kiln.wgmma wrappers in it
     """
-    from kiln.lowering.targets import get_target
+    from kiln.core.targets import get_target
 
     _target_stack.append(get_target(target))
     try:
@@ -100,8 +100,8 @@ def current_target():
 
 
 def require_feature(feature: str, what: str):
-    """The current :class:`~kiln.lowering.targets.Target` if it has ``feature`` (a name from
-    ``kiln.lowering.targets.FEATURES``: ``"wgmma"``, ``"tma"``, ``"sm90"``, ``"ptx"``, ...),
+    """The current :class:`~kiln.core.targets.Target` if it has ``feature`` (a name from
+    ``kiln.core.targets.FEATURES``: ``"wgmma"``, ``"tma"``, ``"sm90"``, ``"ptx"``, ...),
     else TargetError naming ``what`` and the chips that have it."""
     return current_target().require(feature, what)
 
@@ -193,7 +193,7 @@ def named_barrier_any(barrier_id, num_threads: int, flag):
         if kiln.nvidia_asm.named_barrier_any(7 + group, 128, x > limit):
             ...   # every warp of the group takes this branch, or none does
     """
-    from .dtypes import i32 as kiln_i32
+    from .core.dtypes import i32 as kiln_i32
     from .values import Value, cast, to_value
 
     require_feature("ptx", "named_barrier_any")
@@ -225,7 +225,7 @@ def sched_barrier(scratch, *index) -> None:
         kiln.nvidia_asm.sched_barrier(scratch, tid)    # ... in SASS too
         kiln.wgmma.wait_group(0)
     """
-    from . import dtypes as dt
+    from .core import dtypes as dt
     from .builder import SHARED_MEMORY_SPACE
 
     _check_nvidia_buffer(scratch, dt.i32, SHARED_MEMORY_SPACE, "sched_barrier",
@@ -277,7 +277,7 @@ def wait_for_count(counters, *index, target) -> None:
     The interpreter runs CTAs one at a time, so a wait passes there only where the CTAs before
     this one already brought the counter to ``target``; otherwise it raises UnsupportedError.
     """
-    from . import dtypes as dt
+    from .core import dtypes as dt
     from .builder import GLOBAL_MEMORY_SPACE
     from .values import cast, to_value
 

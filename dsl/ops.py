@@ -18,8 +18,8 @@ from typing import Any
 from mlir.dialects import arith, gpu, llvm, math
 
 from . import builder
-from . import dtypes as dt
-from .errors import KilnTypeError, KilnValueError, checked_call
+from .core import dtypes as dt
+from .core.errors import KilnTypeError, KilnValueError, checked_call
 from .values import Value, cast, constant, to_value, unify
 
 __all__ = ["block_id", "thread_id", "num_blocks", "block_dim", "lane_id", "warp_id", "barrier",

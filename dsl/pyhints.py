@@ -17,7 +17,7 @@ import re
 import sys
 import types
 
-from .errors import KilnTypeError, SourceLoc, _is_framework_file
+from .core.errors import KilnTypeError, SourceLoc, _is_framework_file
 
 # math.* / numpy.* names -> the Kiln function computing the same thing on traced values.
 KILN_EQUIVALENTS = {

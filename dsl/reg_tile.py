@@ -33,9 +33,9 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import vector
 
-from . import dtypes as dt
+from .core import dtypes as dt
 from . import ops
-from .errors import KilnTypeError, KilnValueError
+from .core.errors import KilnTypeError, KilnValueError
 from .layout import ThreadValueLayout, transpose
 from .shuffle import butterfly_reduce
 from .values import Value, broadcast, cast, constant, to_value, unify

@@ -24,9 +24,9 @@ from mlir import ir
 from mlir.dialects import arith, gpu, memref
 
 from . import builder
-from . import dtypes as dt
+from .core import dtypes as dt
 from . import pyhints
-from .errors import KilnValueError, ResourceError, checked_call
+from .core.errors import KilnValueError, ResourceError, checked_call
 from .tensor import TensorRef, numel_bytes
 from .values import Value
 

@@ -21,8 +21,8 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import memref, vector
 
-from . import dtypes as dt
-from .errors import KilnTypeError, KilnValueError
+from .core import dtypes as dt
+from .core.errors import KilnTypeError, KilnValueError
 from .layout import Layout, ThreadValueLayout, make_layout
 from .reg_tile import RegTile, _concat
 from .shared import shared

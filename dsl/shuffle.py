@@ -25,8 +25,8 @@ from mlir import ir
 from mlir.dialects import amdgpu, arith, gpu, nvvm, rocdl
 
 from . import builder
-from . import dtypes as dt
-from .errors import KilnTypeError, KilnValueError
+from .core import dtypes as dt
+from .core.errors import KilnTypeError, KilnValueError
 from .values import Value, constant
 
 _DPP_QUAD_PERMS = {1: [1, 0, 3, 2], 2: [2, 3, 0, 1]}

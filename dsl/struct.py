@@ -35,8 +35,8 @@ import functools
 from typing import Any, TypeVar
 
 from . import ast_rewrite
-from . import dtypes as dt
-from .errors import KilnTypeError
+from .core import dtypes as dt
+from .core.errors import KilnTypeError
 from .trace_runtime import flatten, unflatten
 from .values import Value, constant, is_literal
 

@@ -28,7 +28,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from .errors import KilnValueError
+from .core.errors import KilnValueError
 from .layout import Layout
 
 _MAX_BIT = 62  # offsets must stay representable in int64 (numpy evaluation)

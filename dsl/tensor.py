@@ -26,10 +26,10 @@ from mlir import ir
 from mlir.dialects import arith, memref, scf, vector
 
 from . import builder
-from . import dtypes as dt
+from .core import dtypes as dt
 from .builder import GLOBAL_MEMORY_SPACE
-from .dtypes import DType
-from .errors import KilnTypeError, KilnValueError, UnsupportedError, checked_call
+from .core.dtypes import DType
+from .core.errors import KilnTypeError, KilnValueError, UnsupportedError, checked_call
 from .values import Value, cast, constant, is_literal, to_value
 
 
@@ -63,7 +63,7 @@ class Tensor:
 
 
 def memref_type(dtype: DType, rank: int, contiguous: bool) -> ir.MemRefType:
-    """The kernel ABI type of a tensor parameter (see ``kiln.lowering.signature``)."""
+    """The kernel ABI type of a tensor parameter (see ``kiln.signature``)."""
     dyn = ir.ShapedType.get_dynamic_stride_or_offset()
     strides = [dyn] * (rank - 1) + [1 if contiguous else dyn]
     layout = ir.StridedLayoutAttr.get(dyn, strides)

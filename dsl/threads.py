@@ -9,7 +9,7 @@ threads:
   every target (it must be a multiple of the target's warp size);
 - ``@kiln.kernel(num_threads="BLOCK")`` (or an int) declares the kernel's thread count once,
   here tied to its constexpr ``BLOCK``; launches derive the block from it, and a launch asking
-  for a different count is a :class:`~kiln.errors.KilnValueError`.
+  for a different count is a :class:`~kiln.core.errors.KilnValueError`.
 
 ``kiln.block_dim(0)`` is the block's thread count as a constant, so indexing written as
 ``kiln.block_id(0) * kiln.block_dim(0) + kiln.thread_id(0)`` follows whatever block the launch
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from mlir import ir
 
-from .errors import KilnValueError, source_loc_from_mlir
+from .core.errors import KilnValueError, source_loc_from_mlir
 
 DEFAULT_NUM_WARPS = 4
 

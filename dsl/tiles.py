@@ -29,7 +29,7 @@ import numpy as np
 from mlir.dialects import vector
 
 from . import ops
-from .errors import KilnTypeError, KilnValueError
+from .core.errors import KilnTypeError, KilnValueError
 from .global_tile import GlobalTile
 from .layout import ThreadValueLayout
 from .reg_tile import COL_LANES, ROW_LANES, RegTile, TileVector, where

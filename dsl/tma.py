@@ -21,8 +21,8 @@ import math
 from mlir import ir
 from mlir.dialects import arith, builtin, llvm, nvgpu, nvvm
 
-from .dtypes import dtype as as_dtype
-from .errors import KilnTypeError, KilnValueError
+from .core.dtypes import dtype as as_dtype
+from .core.errors import KilnTypeError, KilnValueError
 from .nvidia_asm import EVICTION_POLICIES, as_index, as_predicate, ir_value, require_feature
 
 SHARED_MEMORY_SPACE = 3
@@ -101,7 +101,7 @@ def descriptor_from_pointer(pointer, dtype, box, swizzle: int = 0, *,
 def box_bytes(tensor_map) -> int:
     """Bytes one TMA copy of ``tensor_map``'s box moves: the mbarrier transaction count.
 
-    Accepts a :class:`TensorMapDescriptor`, a :class:`~kiln.lowering.signature.TensorMapParam`,
+    Accepts a :class:`TensorMapDescriptor`, a :class:`~kiln.signature.TensorMapParam`,
     any object with ``box`` and ``dtype`` (or a ``param`` holding one), or the static
     shared-memory tile being filled.
     Example: ``box_bytes(TensorMapParam("a", "bf16", 2, (64, 64), 128)) == 8192``.

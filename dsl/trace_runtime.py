@@ -18,8 +18,8 @@ from mlir import ir
 from mlir.dialects import scf
 
 from . import builder
-from . import dtypes as dt
-from .errors import KilnTypeError, KilnValueError, SourceLoc, UnsupportedError
+from .core import dtypes as dt
+from .core.errors import KilnTypeError, KilnValueError, SourceLoc, UnsupportedError
 from .values import Value, cast, constant, is_literal
 
 # Loop iterations one kernel trace may run in Python (every ``for`` not over kiln.range, and

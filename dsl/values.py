@@ -6,7 +6,7 @@ Inside a kernel every scalar is a ``Value`` wrapping an MLIR ``ir.Value``. Pytho
     i = kiln.block_id(0) * BLOCK + kiln.thread_id(0)   # i32 Value
     y = a * x[i] + 1.0                                 # 1.0 is a weak literal: takes a's dtype
 
-Promotion follows :func:`kiln.dtypes.promote` (same dtype unchanged; a Python literal takes the
+Promotion follows :func:`kiln.core.dtypes.promote` (same dtype unchanged; a Python literal takes the
 other side's dtype; bool < int < float; the wider integer or float wins; f16 with bf16 is f32;
 fp8 computes in f32). Integer ``/`` gives f32 like Python's true division; ``//`` and ``%`` on
 integers truncate toward zero as in C/CUDA (not Python's floor). Comparisons are signed for
@@ -28,10 +28,10 @@ from mlir import ir
 from mlir.dialects import arith, math, vector
 
 from . import builder
-from . import dtypes as dt
+from .core import dtypes as dt
 from . import pyhints
-from .dtypes import DType
-from .errors import KilnTypeError, KilnValueError, UnsupportedError
+from .core.dtypes import DType
+from .core.errors import KilnTypeError, KilnValueError, UnsupportedError
 
 
 _SCALAR_TYPE_NAMES = {"i1", "i8", "i16", "i32", "i64", "index", "f16", "bf16", "f32", "f64",

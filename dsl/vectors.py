@@ -21,8 +21,8 @@ from mlir import ir
 from mlir.dialects import arith, vector
 
 from .builder import current_target
-from .dtypes import DType, dtype as to_dtype
-from .errors import KilnTypeError, KilnValueError
+from .core.dtypes import DType, dtype as to_dtype
+from .core.errors import KilnTypeError, KilnValueError
 from .values import Value, checked_int, is_literal, scalar_attr, to_value
 
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 from mlir import ir
 from mlir.dialects import arith, llvm, memref, nvgpu, nvvm, vector
 
-from .dtypes import DType, dtype as as_dtype, f32, from_mlir
-from .errors import KilnTypeError, KilnValueError, UnsupportedError
+from .core.dtypes import DType, dtype as as_dtype, f32, from_mlir
+from .core.errors import KilnTypeError, KilnValueError, UnsupportedError
 from .nvidia_asm import as_index, ir_value, require_feature
 
 WARPGROUP_M = 64

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from kiln.kernels.attention import compile_prefill, prefill
-from kiln.lowering.cuda import cuda_available
+from kiln.runtime.cuda import cuda_available
 
 HEAD_DIM, GROUP = 64, 4  # query heads per KV head
 

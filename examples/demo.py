@@ -16,7 +16,7 @@ import numpy as np
 
 import kiln
 from kiln import f32, i32
-from kiln.lowering.cuda import cuda_available
+from kiln.runtime.cuda import cuda_available
 
 
 @kiln.kernel(num_threads="BLOCK")  # BLOCK threads per block on NVIDIA and AMD alike

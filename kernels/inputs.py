@@ -3,7 +3,7 @@
 
 Every check raises a :class:`kiln.KilnError` subclass that names the argument, what it
 expected and what it got, at the caller's line (the library's frames count as Kiln's own,
-see :func:`kiln.errors.caller_location`). Shapes are checked by *named dimensions*: the
+see :func:`kiln.core.errors.caller_location`). Shapes are checked by *named dimensions*: the
 first argument that has a dimension binds its size, later ones must agree::
 
     dims = Dims()
@@ -109,7 +109,7 @@ def check_heads(hq: int, hkv: int, *, q_name: str, kv_name: str,
 def resolve_target(target):
     """The chip ``target`` names; only None means Kiln's default target ("" is an error)."""
     from kiln.kernel import default_target
-    from kiln.lowering.targets import get_target
+    from kiln.core.targets import get_target
 
     return get_target(default_target() if target is None else target)
 

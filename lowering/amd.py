@@ -24,7 +24,7 @@ from pathlib import Path
 import llvmlite.binding as llvmlite
 from mlir import ir
 
-from kiln.errors import CompilationError, LaunchError, UnsupportedError, source_loc_from_mlir
+from kiln.core.errors import CompilationError, LaunchError, UnsupportedError, source_loc_from_mlir
 from kiln.lowering.metadata import AMD_KEYS, parse_amd_notes
 from kiln.lowering.pipeline import Backend, CompileState, make_gpu, run_passes
 from kiln.lowering.tools import llvm_tool, stage_tool
@@ -197,7 +197,7 @@ def check_amdgpu_assembly(state: CompileState, recipes: dict) -> None:
     match their recipes (ScheduleWarning; the amdgcn stage emitted verbose assembly, which
     holds the cluster markers); live VGPRs per cluster go into the metadata."""
     from kiln.lowering import isa_amdgpu
-    from kiln.passes.verify_schedule import verify_schedule
+    from kiln.lowering.verify_schedule import verify_schedule
 
     with state.step("check-assembly", "parse"):
         program = isa_amdgpu.parse(state.asm["amdgcn"], state.kernel)
@@ -224,7 +224,7 @@ class AmdBackend(Backend):
             check_amdgpu_assembly(state, recipes)
 
     def launcher(self, ck):
-        from kiln.lowering.amd_host import build_amd_launcher  # loads HIP on first launch
+        from kiln.runtime.amd_host import build_amd_launcher  # loads HIP on first launch
 
         if "hsaco" not in ck.asm:
             raise LaunchError(f"{ck.name} has no linked code object (hsaco) to launch",

@@ -18,15 +18,15 @@ from typing import Sequence
 
 from mlir import ir
 
-from kiln import env
-from kiln.errors import KilnValueError
+from kiln.core import env
+from kiln.core.errors import KilnValueError
 from kiln.lowering import amd, nvidia
 from kiln.lowering.dump import dump_prefix, dump_stage, ir_key
-from kiln.lowering.options import CompileOptions
+from kiln.core.options import CompileOptions
 from kiln.lowering.pipeline import Backend, CompileState, parse_module
-from kiln.lowering.profile import CompileProfile
-from kiln.lowering.signature import KernelSignature
-from kiln.lowering.targets import Target, get_target
+from kiln.core.profile import CompileProfile
+from kiln.signature import KernelSignature
+from kiln.core.targets import Target, get_target
 
 ARTIFACT_FORMAT = 2  # bump when the cached artifact dict changes shape
 BACKENDS: dict[str, Backend] = {b.name: b for b in (nvidia.NvidiaBackend(), amd.AmdBackend())}
@@ -73,7 +73,7 @@ class CompiledKernel:
 
     def launch(self, grid: tuple[int, int, int], args: Sequence, *, stream=None) -> None:
         """Run on the GPU over ``grid`` blocks; ``args`` follow ``signature.params``."""
-        from kiln.lowering.launch import launch  # launch pulls in the driver runtime; load on use
+        from kiln.runtime.launch import launch  # launch pulls in the driver runtime; load on use
 
         launch(self, grid, args, stream=stream)
 
@@ -125,7 +125,7 @@ def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOpt
 
     Options and the block shape are validated before MLIR or LLVM sees them. With ``cache_key``
     the result is stored in the compile cache (unless ``KILN_NO_CACHE``). MLIR failures raise
-    :class:`~kiln.errors.CompilationError` at the user's line, with a reproducer command.
+    :class:`~kiln.core.errors.CompilationError` at the user's line, with a reproducer command.
     ``profile`` (e.g. holding the trace already) gets every step's time; the kernel's
     ``metadata["compile_profile"]`` holds its entries.
     """
@@ -157,7 +157,7 @@ def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOpt
     kernel = CompiledKernel(name, target, options, signature, state.asm, metadata, prefix)
     kernel._dumped_to = env.dump_dir()  # each stage was dumped as it was made
     if cache_key is not None and not env.cache_disabled():
-        from kiln.lowering import cache
+        from kiln.runtime import cache
 
         # Recorded after the put: the stored profile cannot hold the time of its own storing.
         started = profile.clock()
@@ -189,7 +189,7 @@ def load_cached(cache_key: str) -> CompiledKernel | None:
     A hit writes its stages under ``KILN_DUMP_DIR`` as a compile would."""
     if env.cache_disabled():
         return None
-    from kiln.lowering import cache
+    from kiln.runtime import cache
     from kiln.lowering.tools import stage_tool
 
     artifact = cache.get(cache_key)

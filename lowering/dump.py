@@ -14,8 +14,8 @@ import hashlib
 import tempfile
 from pathlib import Path
 
-from kiln import env
-from kiln.lowering.trusted_dir import warn_once
+from kiln.core import env
+from kiln.core.trusted_dir import warn_once
 
 STAGE_EXTENSIONS = {
     "kiln": "mlir", "gpu": "mlir", "nvvm": "mlir", "rocdl": "mlir", "llvm": "ll",

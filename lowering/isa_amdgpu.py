@@ -19,7 +19,7 @@ Used by the assembly-level checks that run after the ``amdgcn`` stage:
 Example::
 
     program = parse(ck.asm["amdgcn"], "k")
-    verify_waits(program)                      # raises kiln.errors.WaitError on a gap
+    verify_waits(program)                      # raises kiln.core.errors.WaitError on a gap
     live_vgprs_at_clusters(program)            # {'c0': 48, 'c1': 52}
 """
 
@@ -29,7 +29,7 @@ import bisect
 import re
 from dataclasses import dataclass, field
 
-from kiln.errors import SourceLoc, WaitError
+from kiln.core.errors import SourceLoc, WaitError
 
 GFX9_MAX = {"vmcnt": 63, "lgkmcnt": 15, "expcnt": 7}
 _REG = re.compile(r"\b([vsa])(\d+)\b|\b([vsa])\[(\d+):(\d+)\]")

@@ -22,7 +22,7 @@ from pathlib import Path
 from mlir import ir
 from mlir.dialects import gpu
 
-from kiln.errors import CompilationError, LaunchError
+from kiln.core.errors import CompilationError, LaunchError
 from kiln.lowering.metadata import empty_nvidia_metadata, parse_ptxas_verbose
 from kiln.lowering.dump import dump_stage
 from kiln.lowering.pipeline import Backend, CompileState, make_gpu, run_passes
@@ -110,7 +110,7 @@ def check_sass_schedule(state: CompileState, recipes: dict) -> None:
     working ``cuobjdump`` (it is not part of every CUDA install). The listing is dumped as the
     ``sass`` stage under ``KILN_DUMP_DIR``."""
     from kiln.lowering import isa_sass
-    from kiln.passes.verify_schedule import verify_schedule_sass
+    from kiln.lowering.verify_schedule import verify_schedule_sass
 
     cuobjdump = stage_tool("cuobjdump")
     sass = isa_sass.dump_sass(state.asm["cubin"], cuobjdump) if cuobjdump is not None else None
@@ -134,9 +134,9 @@ class NvidiaBackend(Backend):
                 check_sass_schedule(state, recipes)
 
     def launcher(self, ck):
-        from kiln.lowering.cuda import driver  # the driver runtime loads on first launch
-        from kiln.lowering.host import build_nvidia_launcher
-        from kiln.lowering.launch import check_launch_config
+        from kiln.runtime.cuda import driver  # the driver runtime loads on first launch
+        from kiln.runtime.host import build_nvidia_launcher
+        from kiln.runtime.launch import check_launch_config
 
         if ck.target.ptx_only:
             raise LaunchError(f"{ck.target.name} kernels cannot be launched by Kiln (PTX only)",

@@ -14,12 +14,12 @@ from typing import Callable, Sequence
 
 from mlir import ir
 
-from kiln.errors import CompilationError, SourceLoc, source_loc_from_mlir
+from kiln.core.errors import CompilationError, SourceLoc, source_loc_from_mlir
 from kiln.lowering.dump import write_reproducer
-from kiln.lowering.options import CompileOptions
-from kiln.lowering.profile import CompileProfile
-from kiln.lowering.signature import KernelSignature
-from kiln.lowering.targets import Target
+from kiln.core.options import CompileOptions
+from kiln.core.profile import CompileProfile
+from kiln.signature import KernelSignature
+from kiln.core.targets import Target
 from kiln.lowering.tools import kiln_opt_command
 from kiln.passes import build_pass_manager, pipeline_text
 

@@ -20,8 +20,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from kiln import env
-from kiln.errors import KilnValueError
+from kiln.core import env
+from kiln.core.errors import KilnValueError
 
 
 # KILN_PTXAS=none (likewise KILN_LD_LLD, KILN_CUOBJDUMP): use no such tool, skip its stage.
@@ -122,4 +122,4 @@ def mlir_tool(name: str) -> Path | None:
 def kiln_opt_command() -> str:
     """The shell command that runs ``kiln-opt`` in this environment (for reproducer messages)."""
     script = Path(sys.executable).with_name("kiln-opt")
-    return str(script) if _executable(script) else f"{sys.executable} -m kiln.passes.opt"
+    return str(script) if _executable(script) else f"{sys.executable} -m kiln.lowering.opt"

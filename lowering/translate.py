@@ -5,7 +5,7 @@ from __future__ import annotations
 from mlir import ir
 from mlir.dialects import llvm
 
-from kiln.errors import CompilationError, InternalError
+from kiln.core.errors import CompilationError, InternalError
 
 # Dialects LLVM IR translation understands. The binding crashes the process (null module) on
 # anything else, so such ops are reported before translating.

@@ -21,7 +21,7 @@ from typing import Callable, ContextManager, Sequence
 
 from mlir import ir, passmanager
 
-from kiln.errors import KilnValueError
+from kiln.core.errors import KilnValueError
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from mlir import ir
 from mlir.dialects import arith, gpu, llvm, rocdl, scf
 
 from kiln.cluster import CLUSTER_ATTR, RECIPES_ATTR, SCHED_GROUP_MASKS, ClusterRecipe
-from kiln.errors import CompilationError, KilnValueError, UnsupportedError
+from kiln.core.errors import CompilationError, KilnValueError, UnsupportedError
 from kiln.passes import register_pass
 from kiln.passes.enclosing import enclosing_loops
 from kiln.passes.insert_waits import MMA_PREFIXES, func_vendor, gpu_funcs

@@ -30,7 +30,7 @@ from __future__ import annotations
 from mlir import ir
 from mlir.dialects import arith, nvgpu, nvvm, rocdl
 
-from kiln.errors import InternalError, WaitError
+from kiln.core.errors import InternalError, WaitError
 from kiln.passes import register_pass
 from kiln.passes.enclosing import enclosing_gpu_func, enclosing_loops
 from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, MBARRIER_WAIT, TMA_LOAD, WGMMA, Gap,

@@ -24,7 +24,7 @@ from __future__ import annotations
 from mlir import ir
 from mlir.dialects import nvvm
 
-from kiln.errors import InternalError
+from kiln.core.errors import InternalError
 from kiln.nvidia_asm import l2_cache_policy
 from kiln.passes import register_pass
 from kiln.tma import L2_HINT_LOCATION

@@ -3,14 +3,14 @@
 It runs :mod:`kiln.passes.wait_analysis` (docs/passes.md) over each ``gpu.func`` without
 changing anything: waits already in the IR retire events, and a read that still finds its
 event outstanding, or a DMA-written LDS buffer not yet retired, is a gap. The first gap raises
-:class:`kiln.errors.WaitError` at the Python line of the read, naming the event and the wait
+:class:`kiln.core.errors.WaitError` at the Python line of the read, naming the event and the wait
 that would cover it. After ``kiln-insert-waits`` there is never a gap unless the kernel opted
 out with ``kiln.manual_waits()``; the same proof is repeated on the final AMDGPU assembly by
 :func:`kiln.lowering.isa_amdgpu.verify_waits`.
 
 Example (a DMA into ``@tile`` read with no wait)::
 
-    kiln.errors.WaitError: k.py:12: this memref.load may read before the async
+    kiln.core.errors.WaitError: k.py:12: this memref.load may read before the async
     rocdl.global.load.lds at k.py:10 lands (vmcnt): no wait covers it on every path
     Fix: add s_waitcnt(vmcnt=0) before the read, or drop kiln.manual_waits() to let Kiln insert it
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from mlir import ir
 
-from kiln.errors import WaitError
+from kiln.core.errors import WaitError
 from kiln.passes import register_pass
 from kiln.passes.insert_waits import func_vendor, gpu_funcs
 from kiln.passes.wait_analysis import CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis, mbarrier_of

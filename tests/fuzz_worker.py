@@ -27,7 +27,7 @@ def _answer(status: str, kind: str = "", detail: str = "") -> None:
 
 
 def main() -> None:
-    from kiln.errors import InternalError, KilnError
+    from kiln.core.errors import InternalError, KilnError
 
     workdir = Path(tempfile.mkdtemp(prefix="kiln-fuzz-"))
     for n in itertools.count():

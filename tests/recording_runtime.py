@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ctypes
 
-from kiln.lowering.host import flat_c_argtypes
+from kiln.runtime.host import flat_c_argtypes
 
 
 class RecordingCudaRuntime:

@@ -9,7 +9,7 @@ import pytest
 import kiln
 from kiln import amd_asm, amd_buffer
 from kiln.amd_asm import SchedMask, encode_waitcnt
-from kiln.errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
+from kiln.core.errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
 
 rng = np.random.default_rng()
 

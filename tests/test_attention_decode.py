@@ -294,7 +294,7 @@ def test_default_num_splits():
 def test_default_splits_fill_the_gpu_the_call_launches_on(monkeypatch, rng):
     """The split count follows the device's SM count (114 on an H100 PCIe: 14 splits of 8 KV
     heads, one wave); interpreted calls keep DEFAULT_SMS, without asking for a device."""
-    from kiln.lowering import cuda
+    from kiln.runtime import cuda
 
     class FakeDriver:
         @staticmethod

@@ -159,7 +159,7 @@ def test_head_dim_256_compiles_only_with_scratch_allowed():
 @pytest.mark.slow
 def test_gfx950_assembly_has_no_scratch_fits_registers_and_follows_the_recipes(d, masks):
     from kiln.lowering.isa_amdgpu import parse, verify_waits
-    from kiln.passes.verify_schedule import verify_schedule
+    from kiln.lowering.verify_schedule import verify_schedule
 
     ck = compile_prefill_gfx950(head_dim=d, **masks)
     assert ck.metadata["scratch_bytes"] == 0

@@ -16,7 +16,7 @@ from attention_reference import (assert_attention_close, poison_cuda_pool, rando
 from kiln.kernels.attention import prefill_hopper
 from kiln.kernels.attention.prefill import compile_prefill, prefill
 from kiln.kernels.attention.prefill_hopper import HopperPrefillConfig, MaskSpec
-from kiln.lowering.cuda import cuda_available
+from kiln.runtime.cuda import cuda_available
 from kiln.lowering.tools import find_ptxas
 
 # The module, not the function the package exports under the same name.

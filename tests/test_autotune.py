@@ -139,12 +139,12 @@ def _stored_file(private_cache):
     return store
 
 
-@pytest.mark.filterwarnings("ignore::kiln.errors.CacheWarning")
+@pytest.mark.filterwarnings("ignore::kiln.core.errors.CacheWarning")
 @pytest.mark.parametrize("content", ['{"n=7": "2; import os"}', '{"n=7": true}', "[2]",
                                      "not json", '{"n=7": 99}',
                                      "[" * 100_000])  # deep enough for RecursionError
 def test_a_malformed_store_is_ignored(private_cache, monkeypatch, content):
-    from kiln.lowering import trusted_dir
+    from kiln.core import trusted_dir
 
     monkeypatch.setattr(trusted_dir, "_warned", set())
     store = _stored_file(private_cache)
@@ -156,8 +156,8 @@ def test_a_malformed_store_is_ignored(private_cache, monkeypatch, content):
 
 
 def test_an_untrusted_store_directory_is_not_used(private_cache, monkeypatch):
-    from kiln.errors import CacheWarning
-    from kiln.lowering import trusted_dir
+    from kiln.core.errors import CacheWarning
+    from kiln.core import trusted_dir
 
     monkeypatch.setattr(trusted_dir, "_warned", set())
     store = _stored_file(private_cache)

@@ -8,7 +8,7 @@ import os
 import pytest
 
 import kiln
-from kiln.lowering import cache
+from kiln.runtime import cache
 
 # Big enough that a non-atomic write would be observed half-done by a concurrent reader.
 _PAYLOAD_BYTES = 4 << 20
@@ -64,7 +64,7 @@ def test_round_trip_and_cache_root(cache_dir):
         b"\0\1\2", b"x" * 4000]
 
 
-@pytest.mark.filterwarnings("ignore::kiln.errors.CacheWarning")
+@pytest.mark.filterwarnings("ignore::kiln.core.errors.CacheWarning")
 def test_truncated_entry_is_a_miss(cache_dir):
     key = cache.make_key("truncated")
     cache.put(key, _artifact(1))
@@ -135,9 +135,8 @@ def test_compiler_source_and_tools_enter_the_key(monkeypatch, tmp_path):
 
 
 def test_signatures_and_options_round_trip_through_json():
-    from kiln.lowering.options import CompileOptions
-    from kiln.lowering.signature import (KernelSignature, ScalarParam, TensorMapParam,
-                                         TensorParam)
+    from kiln.core.options import CompileOptions
+    from kiln.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam
 
     sig = KernelSignature("k", (TensorParam("x", "bf16", 2, contiguous=False),
                                 ScalarParam("n", "i32"),
@@ -208,5 +207,5 @@ def test_an_entry_stored_while_it_is_looked_up_is_a_plain_miss(cache_dir, monkey
 
     monkeypatch.setattr(cache, "read_owned", read_then_store)
     assert cache.get(key) is None
-    assert not [w for w in recwarn if issubclass(w.category, kiln.errors.CacheWarning)]
+    assert not [w for w in recwarn if issubclass(w.category, kiln.core.errors.CacheWarning)]
     assert cache.get(key) == {"v": 1}

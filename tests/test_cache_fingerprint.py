@@ -23,9 +23,9 @@ from source_modules import load_module
 import kiln
 from kiln import f32
 from kiln.fingerprint import constexpr_key, keyword_key_part
-from kiln.lowering import cache
-from kiln.lowering.options import CompileOptions
-from kiln.lowering_bridge import source_key
+from kiln.runtime import cache
+from kiln.core.options import CompileOptions
+from kiln.driver import source_key
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import pytest
 
 import kiln
 from kiln import f32
-from kiln.lowering_bridge import source_key
+from kiln.driver import source_key
 
 SCALE = 2.0
 

@@ -12,8 +12,9 @@ import pytest
 from sample_kernels import saxpy
 
 import kiln
-from kiln.errors import CacheWarning
-from kiln.lowering import cache, trusted_dir
+from kiln.core.errors import CacheWarning
+from kiln.runtime import cache
+from kiln.core import trusted_dir
 
 X = np.arange(8, dtype=np.float32)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-import kiln.lowering.cuda
+import kiln.runtime.cuda
 from kiln.lowering.tools import find_ld_lld, find_ptxas
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -106,7 +106,7 @@ def test_doc_examples_run(doc, tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("KILN_DUMP_DIR", raising=False)
     monkeypatch.delenv("KILN_SHOW_STACKTRACE", raising=False)
-    monkeypatch.setattr(kiln.lowering.cuda, "_probe", lambda: "the docs examples are compile-only")
+    monkeypatch.setattr(kiln.runtime.cuda, "_probe", lambda: "the docs examples are compile-only")
     blocks = doc_blocks((DOCS / doc).read_text())
     assert blocks, f"{doc} has no runnable examples"
     namespace: dict = {"__name__": f"kiln_docs_{doc.split('.')[0]}"}
@@ -159,10 +159,10 @@ def test_every_kiln_pass_is_documented_where_it_runs(capsys):
 
     from kiln.lowering.amd import rocdl_passes
     from kiln.lowering.nvidia import nvvm_passes
-    from kiln.lowering.options import CompileOptions
+    from kiln.core.options import CompileOptions
     from kiln.lowering.pipeline import GPU_STAGE_PASSES
     from kiln.passes import kiln_passes
-    from kiln.passes.opt import main
+    from kiln.lowering.opt import main
 
     assert main(["--list-passes"]) == 0
     registered = {line.split(":")[0] for line in capsys.readouterr().out.splitlines()}

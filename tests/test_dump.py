@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from source_modules import write_kernel_module
 
-from kiln.errors import CompilationError
-from kiln.lowering import cache
+from kiln.core.errors import CompilationError
+from kiln.runtime import cache
 
 pytestmark = pytest.mark.lower
 

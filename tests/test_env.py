@@ -5,10 +5,11 @@ import pytest
 from sample_kernels import saxpy
 
 import kiln
-from kiln import env
-from kiln.errors import KilnValueError, TargetError
-from kiln.lowering import cache, tools
-from kiln.lowering.targets import TARGETS, get_target
+from kiln.core import env
+from kiln.core.errors import KilnValueError, TargetError
+from kiln.runtime import cache
+from kiln.lowering import tools
+from kiln.core.targets import TARGETS, get_target
 
 X = np.arange(8, dtype=np.float32)
 FLAGS = {"KILN_NO_CACHE": env.cache_disabled, "KILN_SHOW_STACKTRACE": env.show_stacktrace,

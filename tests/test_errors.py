@@ -53,7 +53,7 @@ def test_traceback_hides_kiln_frames():
         k.trace(V)
     frames = traceback.extract_tb(info.value.__traceback__)
     kiln_frames = [f.filename for f in frames if "/dsl/" in f.filename]
-    assert kiln_frames == [kiln.errors.__file__]  # only the re-raise in @user_facing
+    assert kiln_frames == [kiln.core.errors.__file__]  # only the re-raise in @user_facing
 
 
 def test_show_stacktrace_keeps_kiln_frames(monkeypatch):

@@ -66,7 +66,7 @@ def test_launch_path_is_memoised_and_passes_runtime_args(monkeypatch, tmp_path):
 
 def _cuda_ok() -> bool:
     try:
-        from kiln.lowering.cuda import cuda_available
+        from kiln.runtime.cuda import cuda_available
     except ImportError:
         return False
     return cuda_available()
@@ -122,7 +122,7 @@ def test_grid_dependency_wait_opts_the_kernel_into_programmatic_launch(tmp_path,
     with pytest.raises(kiln.KilnValueError, match="every path") as error:
         _conditional_wait.compile(X, target="sm_90a", num_warps=1)
     assert error.value.loc.line == marker_line("@conditional-wait")
-    with pytest.raises(kiln.errors.TargetError):
+    with pytest.raises(kiln.core.errors.TargetError):
         _dependent_copy.compile(X, X, target="gfx950", num_warps=1)
 
 
@@ -154,7 +154,7 @@ def test_wait_for_count_spins_with_acquire_loads(tmp_path, monkeypatch, marker_l
     with pytest.raises(kiln.KilnTypeError, match="must be an integer") as error:
         _wait_for_float.compile(COUNTERS, target="sm_90a", num_warps=1)
     assert error.value.loc.line == marker_line("@float-target")
-    with pytest.raises(kiln.errors.TargetError, match="NVIDIA"):
+    with pytest.raises(kiln.core.errors.TargetError, match="NVIDIA"):
         _wait_for_float.compile(COUNTERS, target="gfx950", num_warps=1)
 
 
@@ -196,7 +196,7 @@ def test_named_barrier_any_votes_over_the_whole_group_and_wait_group_checks_read
         np.testing.assert_array_equal(out, [want] * 128)
     ptx = _group_vote.compile(x, out, target="sm_90a", num_warps=4).asm["ptx"]
     assert "bar.red.or.pred p," in ptx
-    with pytest.raises(kiln.errors.TargetError, match="NVIDIA"):
+    with pytest.raises(kiln.core.errors.TargetError, match="NVIDIA"):
         _group_vote.compile(x, out, target="gfx950", num_warps=4)
     with pytest.raises(kiln.KilnTypeError, match="register A operand") as error:
         _wait_reading_a_float.compile(x, target="sm_90a", num_warps=4)
@@ -218,5 +218,5 @@ def test_any_lane_votes_per_warp_and_sched_barrier_checks_its_scratch(marker_lin
     with pytest.raises(kiln.KilnTypeError, match="shared tensor of i32") as error:
         _fence_on_global.compile(np.zeros(4, np.int32), target="sm_90a", num_warps=1)
     assert error.value.loc.line == marker_line("@global-scratch")
-    with pytest.raises(kiln.errors.TargetError, match="NVIDIA"):
+    with pytest.raises(kiln.core.errors.TargetError, match="NVIDIA"):
         _vote_and_fence.compile(x, out, target="gfx950", num_warps=1)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kiln
-from kiln import dtypes as dt
+from kiln.core import dtypes as dt
 from kiln import bf16, f16, f32, i8, i32, i64
 
 

@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kiln import env
+from kiln.core import env
 
 EXAMPLES = env.fuzz_examples(120)
 CASE_TIMEOUT_S = 60  # a trace + compile takes well under a second; a hang takes minutes

@@ -12,7 +12,7 @@ import pytest
 
 import kiln
 from kiln.kernels.gemm import HopperGemmConfig, compile_grouped_matmul, grouped_matmul
-from kiln.lowering.cuda import cuda_available
+from kiln.runtime.cuda import cuda_available
 from kiln.lowering.tools import find_ptxas
 
 needs_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and driver")
@@ -327,7 +327,7 @@ def test_gpu_grouped_matmul_torch_and_numpy(trans_b, rng):
 def test_numpy_array_passed_twice_shares_one_device_copy():
     """grouped_matmul passes C as a tensor map and as a tensor: two device copies of a numpy C
     would each get half of the results, and the copy back would keep only one half."""
-    from kiln.lowering.launch import _Staging
+    from kiln.runtime.launch import _Staging
 
     class FakeDriver:
         def __init__(self):

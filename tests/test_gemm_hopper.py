@@ -10,7 +10,7 @@ from gemm_reference import assert_matmul_close
 
 import kiln
 from kiln.kernels.gemm import HopperGemmConfig, compile_matmul, matmul
-from kiln.lowering.cuda import cuda_available
+from kiln.runtime.cuda import cuda_available
 from kiln.lowering.tools import find_ptxas
 
 needs_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and driver")
@@ -99,8 +99,8 @@ def test_cluster_launch_goes_through_mgpu_launch_cluster_kernel():
     from mlir import ir
     from mlir.dialects import llvm
 
-    from kiln.lowering.host import build_host_module, lower_host_module, nvidia_kernel_object
-    from kiln.lowering.targets import get_target
+    from kiln.runtime.host import build_host_module, lower_host_module, nvidia_kernel_object
+    from kiln.core.targets import get_target
 
     ck = compile_matmul("bf16", target="sm_90a", cluster_m=2)
     with ir.Context(), ir.Location.unknown():

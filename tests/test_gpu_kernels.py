@@ -11,7 +11,7 @@ from source_modules import load_example
 
 import kiln
 from kiln import f32
-from kiln.lowering.cuda import cuda_available
+from kiln.runtime.cuda import cuda_available
 from kiln.shared import dynamic_shared
 
 pytestmark = [pytest.mark.gpu,

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kiln.lowering.cuda import cuda_available
-from kiln.lowering.launch import launch
-from kiln.lowering.signature import KernelSignature, ScalarParam, TensorParam
-from kiln.lowering.targets import get_target
+from kiln.runtime.cuda import cuda_available
+from kiln.runtime.launch import launch
+from kiln.signature import KernelSignature, ScalarParam, TensorParam
+from kiln.core.targets import get_target
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and driver")]
@@ -107,7 +107,7 @@ def test_saxpy_torch_default_stream_partial_range(saxpy_kernel):
 
 def test_tensor_map_encoding_accepts_a_device_tensor():
     torch = pytest.importorskip("torch")
-    from kiln.lowering.cuda import driver
+    from kiln.runtime.cuda import driver
 
     tensor = torch.zeros((256, 128), dtype=torch.float16, device="cuda")
     float16, swizzle_128b, zero_fill = 6, 3, 0
@@ -134,8 +134,8 @@ def test_stream_none_launches_on_torchs_current_stream(saxpy_kernel):
 
 
 def test_launch_configuration_beyond_the_device_is_a_resource_error(saxpy_kernel):
-    from kiln.errors import ResourceError
-    from kiln.lowering.cuda import driver
+    from kiln.core.errors import ResourceError
+    from kiln.runtime.cuda import driver
 
     limits = driver().launch_limits()
     too_much = SimpleNamespace(name="saxpy", target=saxpy_kernel.target, asm=saxpy_kernel.asm,

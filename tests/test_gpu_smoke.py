@@ -13,7 +13,7 @@ from gemm_reference import assert_matmul_close
 from source_modules import load_example as load_example_module
 
 import kiln
-from kiln.lowering.cuda import cuda_available
+from kiln.runtime.cuda import cuda_available
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hopper_tma_wgmma_smoke.py"
 

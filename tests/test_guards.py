@@ -19,7 +19,7 @@ import pytest
 
 import kiln
 from kiln import f64, i1, i32
-from kiln.lowering.cuda import cuda_available
+from kiln.runtime.cuda import cuda_available
 
 CHILD_TIMEOUT_S = 60
 
@@ -220,7 +220,7 @@ def test_fp8_arrays_in_the_interpreter(dtype):
 
 
 def test_target_feature_model():
-    from kiln.lowering.targets import FEATURES, TARGETS, get_target
+    from kiln.core.targets import FEATURES, TARGETS, get_target
 
     assert get_target("sm_90a").has("wgmma") and not get_target("sm_90").has("wgmma")
     assert not get_target("gfx950").has("ptx") and get_target("gfx950").has("gfx950")

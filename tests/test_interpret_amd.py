@@ -55,7 +55,7 @@ def test_dma_lands_at_the_waitcnt():
 
 def test_reading_lds_before_the_dma_waitcnt_is_a_race(marker_line):
     x = np.random.default_rng().standard_normal((8, 64)).astype(ml_dtypes.bfloat16)
-    with pytest.raises(kiln.errors.RaceError) as info:
+    with pytest.raises(kiln.core.errors.RaceError) as info:
         make_dma_kernel(False).interpret[(1,)](x, np.zeros_like(x), num_warps=1,
                                                target="gfx950")
     err = info.value

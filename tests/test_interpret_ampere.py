@@ -45,7 +45,7 @@ def test_cp_async_lands_at_the_wait_and_zero_fills_masked_rows():
 
 def test_reading_a_cp_async_destination_before_the_wait_is_a_race(marker_line):
     x = np.random.default_rng().standard_normal((32, 8)).astype("bfloat16")
-    with pytest.raises(kiln.errors.RaceError) as info:
+    with pytest.raises(kiln.core.errors.RaceError) as info:
         make_copy_kernel(False).interpret[(1,)](x, np.zeros_like(x), 32, num_warps=1,
                                                 target="sm_80")
     err = info.value

@@ -113,7 +113,7 @@ def read_before_wait(x_map: kiln.TensorMap[f32, (ROWS, COLS)], out: kiln.Tensor[
 
 def test_reading_a_tma_destination_before_the_wait_is_a_race(marker_line):
     x = np.random.default_rng().standard_normal((ROWS, COLS)).astype(np.float32)
-    with pytest.raises(kiln.errors.RaceError) as info:
+    with pytest.raises(kiln.core.errors.RaceError) as info:
         read_before_wait.interpret[(1,)](x, np.zeros(128, np.float32))
     err = info.value
     assert err.loc.line == marker_line("@early-read")
@@ -150,7 +150,7 @@ def test_tma_store_then_overwrite_after_wait_group():
 def test_overwriting_a_tma_store_source_in_flight_is_a_race(marker_line):
     x = np.random.default_rng().standard_normal((ROWS, COLS)).astype(np.float32)
     y = np.zeros((ROWS, COLS), np.float32)
-    with pytest.raises(kiln.errors.RaceError) as info:
+    with pytest.raises(kiln.core.errors.RaceError) as info:
         make_store_kernel(False).interpret[(1,)](y, x, num_warps=8)
     err = info.value
     assert err.loc.line == marker_line("@overwrite")
@@ -186,7 +186,7 @@ def test_mbarrier_phases_alternate():
 
 def test_wrong_expect_tx_bytes_is_a_deadlock(marker_line):
     x = np.random.default_rng().standard_normal((ROWS, 2 * COLS)).astype(np.float32)
-    with pytest.raises(kiln.errors.DeadlockError) as info:
+    with pytest.raises(kiln.core.errors.DeadlockError) as info:
         make_phase_kernel(4).interpret[(1,)](x, np.zeros_like(x), num_warps=8)
     err = info.value
     assert err.loc.line == marker_line("@phase-wait")
@@ -248,7 +248,7 @@ def test_overwriting_an_operand_of_an_in_flight_wgmma_is_a_race(marker_line):
     import ml_dtypes
 
     a = np.ones((64, 64), ml_dtypes.bfloat16)
-    with pytest.raises(kiln.errors.RaceError) as info:
+    with pytest.raises(kiln.core.errors.RaceError) as info:
         make_wgmma_kernel(False).interpret[(1,)](a, a, np.zeros((64, 64), np.float32),
                                                  num_warps=4)
     err = info.value

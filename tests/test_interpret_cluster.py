@@ -8,7 +8,7 @@ import pytest
 
 import kiln
 from kiln import f32, mbarrier, nvidia_asm, tma
-from kiln.lowering.interpret import interpret_kernel
+from kiln.interpreter import interpret_kernel
 
 ROWS, COLS = 8, 32  # one f32 box: 8 rows of 128 bytes
 PAIR = 2
@@ -59,7 +59,7 @@ def test_multicast_lands_in_both_ctas_and_remote_arrivals_release_them():
 
 def test_missing_remote_arrival_is_a_deadlock_naming_the_wait(marker_line):
     x = np.random.default_rng().standard_normal((2 * ROWS, COLS)).astype(np.float32)
-    with pytest.raises(kiln.errors.DeadlockError) as info:
+    with pytest.raises(kiln.core.errors.DeadlockError) as info:
         make_multicast_kernel(0b11, PAIR + 1).interpret[(2,)](
             x, np.zeros((2, 2 * ROWS, COLS), np.float32), num_warps=8)
     err = info.value
@@ -68,7 +68,7 @@ def test_missing_remote_arrival_is_a_deadlock_naming_the_wait(marker_line):
 
 def test_multicast_mask_past_the_cluster_is_out_of_bounds(marker_line):
     x = np.random.default_rng().standard_normal((2 * ROWS, COLS)).astype(np.float32)
-    with pytest.raises(kiln.errors.OutOfBoundsError) as info:
+    with pytest.raises(kiln.core.errors.OutOfBoundsError) as info:
         make_multicast_kernel(0b101, PAIR).interpret[(2,)](
             x, np.zeros((2, 2 * ROWS, COLS), np.float32), num_warps=8)
     err = info.value

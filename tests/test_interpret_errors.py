@@ -8,9 +8,9 @@ import pytest
 import kiln
 from kiln import f32, i32, mbarrier
 from kiln.kernel import TracedKernel
-from kiln.lowering.interpret import interpret_kernel
-from kiln.lowering.signature import KernelSignature, TensorParam
-from kiln.lowering.targets import get_target
+from kiln.interpreter import interpret_kernel
+from kiln.signature import KernelSignature, TensorParam
+from kiln.core.targets import get_target
 
 
 @kiln.kernel
@@ -22,7 +22,7 @@ def unmasked_copy(x: kiln.Tensor[f32], y: kiln.Tensor[f32]):
 def test_global_out_of_bounds_names_index_tensor_and_line(marker_line):
     x = np.random.default_rng().standard_normal(100).astype(np.float32)
     y = np.full(100, np.nan, np.float32)
-    with pytest.raises(kiln.errors.OutOfBoundsError) as info:
+    with pytest.raises(kiln.core.errors.OutOfBoundsError) as info:
         unmasked_copy.interpret[(2,)](x, y, num_warps=2)
     err = info.value
     assert isinstance(err, IndexError) and err.loc.line == marker_line("@unmasked")
@@ -48,7 +48,7 @@ def shared_overrun(out: kiln.Tensor[f32]):
 
 
 def test_shared_out_of_bounds(marker_line):
-    with pytest.raises(kiln.errors.OutOfBoundsError) as info:
+    with pytest.raises(kiln.core.errors.OutOfBoundsError) as info:
         shared_overrun.interpret[(1,)](np.zeros(32, np.float32), num_warps=1)
     err = info.value
     assert err.loc.line == marker_line("@shared-overrun")
@@ -61,7 +61,7 @@ def vector_past_the_end(x: kiln.Tensor[f32, 2], out: kiln.Tensor[f32, 2]):
 
 
 def test_vector_load_past_the_last_dimension(marker_line):
-    with pytest.raises(kiln.errors.OutOfBoundsError) as info:
+    with pytest.raises(kiln.core.errors.OutOfBoundsError) as info:
         vector_past_the_end.interpret[(1,)](np.ones((2, 5), np.float32),
                                             np.zeros((2, 5), np.float32), num_warps=1)
     assert info.value.loc.line == marker_line("@vector-overrun")
@@ -86,7 +86,7 @@ def miscounted_barrier(x: kiln.Tensor[f32], out: kiln.Tensor[f32], COUNT: kiln.c
 
 def test_miscounted_mbarrier_between_warp_groups_is_a_deadlock(marker_line):
     x = np.random.default_rng().standard_normal(128).astype(np.float32)
-    with pytest.raises(kiln.errors.DeadlockError) as info:
+    with pytest.raises(kiln.core.errors.DeadlockError) as info:
         miscounted_barrier.interpret[(1,)](x, np.zeros(128, np.float32), COUNT=129, num_warps=8)
     err = info.value
     assert err.loc.line == marker_line("@consumer-wait")
@@ -106,7 +106,7 @@ def barrier_in_one_warp_group(out: kiln.Tensor[f32]):
 
 
 def test_barrier_and_mbarrier_wait_deadlock_names_both(marker_line):
-    with pytest.raises(kiln.errors.DeadlockError) as info:
+    with pytest.raises(kiln.core.errors.DeadlockError) as info:
         barrier_in_one_warp_group.interpret[(1,)](np.zeros(256, np.float32), num_warps=8)
     message = info.value.message
     assert f":{marker_line('@never-arrives')}" in message and "gpu.barrier" in message

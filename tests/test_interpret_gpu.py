@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gemm_reference import assert_matmul_close
 
-from kiln.lowering.cuda import cuda_available
+from kiln.runtime.cuda import cuda_available
 
 import test_interpret_async as async_kernels
 import test_interpret_kernels as kernels

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from kiln.kernel import TracedKernel
-from kiln.lowering.interpret import interpret_kernel
-from kiln.lowering.interpret.ops_amd import dpp_source_lanes
-from kiln.lowering.signature import KernelSignature, TensorParam
+from kiln.interpreter import interpret_kernel
+from kiln.interpreter.ops_amd import dpp_source_lanes
+from kiln.signature import KernelSignature, TensorParam
 
 MEMREF = "memref<?xf32, strided<[1], offset: ?>, 1>"
 

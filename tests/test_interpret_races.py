@@ -27,7 +27,7 @@ def make_neighbour_kernel(with_barrier: bool):
 
 def test_load_of_another_threads_store_without_barrier_is_a_race(marker_line):
     x = np.random.default_rng().standard_normal(N).astype(np.float32)
-    with pytest.raises(kiln.errors.RaceError) as info:
+    with pytest.raises(kiln.core.errors.RaceError) as info:
         make_neighbour_kernel(False).interpret[(1,)](x, np.zeros(N, np.float32), num_warps=2)
     err = info.value
     assert err.loc.line == marker_line("@load")

@@ -42,7 +42,7 @@ def make_tma_reader(sync: str):
 
 def test_tma_tile_read_by_threads_that_never_waited_is_a_race(marker_line):
     x = np.random.default_rng().standard_normal((ROWS, COLS)).astype(np.float32)
-    with pytest.raises(kiln.errors.RaceError) as info:
+    with pytest.raises(kiln.core.errors.RaceError) as info:
         make_tma_reader("warp0").interpret[(1,)](x, np.zeros(128, np.float32), num_warps=4)
     err = info.value
     assert err.loc.line == marker_line("@tile-read")
@@ -96,7 +96,7 @@ def test_tma_tile_read_after_an_mbarrier_its_observer_arrived_on_passes():
 
 def test_an_arrival_before_the_arriver_observed_the_tma_phase_orders_nothing(marker_line):
     x = np.random.default_rng().standard_normal((ROWS, COLS)).astype(np.float32)
-    with pytest.raises(kiln.errors.RaceError) as info:
+    with pytest.raises(kiln.core.errors.RaceError) as info:
         make_handoff_kernel(False).interpret[(1,)](x, np.zeros(128, np.float32), num_warps=4)
     assert info.value.loc.line == marker_line("@handoff-read")
     assert "thread 32 loads" in info.value.message
@@ -122,7 +122,7 @@ def make_cp_async_kernel(with_barrier: bool):
 
 def test_cp_async_row_of_another_warp_read_after_own_wait_is_a_race(marker_line):
     x = np.random.default_rng().standard_normal((64, 8)).astype("bfloat16")
-    with pytest.raises(kiln.errors.RaceError) as info:
+    with pytest.raises(kiln.core.errors.RaceError) as info:
         make_cp_async_kernel(False).interpret[(1,)](x, np.zeros_like(x), num_warps=2,
                                                     target="sm_80")
     err = info.value
@@ -160,7 +160,7 @@ def make_dma_kernel(with_barrier: bool):
 
 def test_lds_dma_rows_of_another_wave_read_after_own_waitcnt_is_a_race(marker_line):
     x = np.random.default_rng().standard_normal((16, 64)).astype("bfloat16")
-    with pytest.raises(kiln.errors.RaceError) as info:
+    with pytest.raises(kiln.core.errors.RaceError) as info:
         make_dma_kernel(False).interpret[(1,)](x, np.zeros_like(x), num_warps=2,
                                                target="gfx950")
     err = info.value
@@ -196,7 +196,7 @@ def make_branchy_kernel(divergent: bool):
 
 def test_barrier_in_divergent_control_flow_is_reported(marker_line):
     x = np.random.default_rng().standard_normal(128).astype(np.float32)
-    with pytest.raises(kiln.errors.DeadlockError) as info:
+    with pytest.raises(kiln.core.errors.DeadlockError) as info:
         make_branchy_kernel(True).interpret[(1,)](x, np.zeros(128, np.float32), num_warps=4)
     err = info.value
     assert err.loc.line == marker_line("@then-barrier")
@@ -228,7 +228,7 @@ def make_wave_barrier_kernel(wave_1_skips: bool):
 
 def test_s_barrier_skipped_by_a_whole_wave_is_reported(marker_line):
     x = np.random.default_rng().standard_normal(128).astype(np.float32)
-    with pytest.raises(kiln.errors.DeadlockError) as info:
+    with pytest.raises(kiln.core.errors.DeadlockError) as info:
         make_wave_barrier_kernel(True).interpret[(1,)](x, np.zeros(128, np.float32),
                                                        num_warps=2, target="gfx950")
     assert info.value.loc.line == marker_line("@s-barrier")
@@ -258,7 +258,7 @@ def test_blocks_overlapping_in_global_memory_is_a_race(marker_line):
     BLOCK=256 elements and the next block's."""
     rng = np.random.default_rng()
     x, y = rng.random(1000, np.float32), rng.random(1000, np.float32)
-    with pytest.raises(kiln.errors.RaceError) as info:
+    with pytest.raises(kiln.core.errors.RaceError) as info:
         saxpy.interpret[(4,)](x, y, 1000, 2.0, BLOCK=256, num_warps=8, target="gfx950")
     err = info.value
     assert err.loc.line == marker_line("@saxpy")
@@ -285,7 +285,7 @@ def all_blocks_write_the_total(x: kiln.Tensor[f32], out: kiln.Tensor[f32]):
 
 def test_two_blocks_storing_one_element_is_a_race(marker_line):
     x = np.random.default_rng().standard_normal(3).astype(np.float32)
-    with pytest.raises(kiln.errors.RaceError) as info:
+    with pytest.raises(kiln.core.errors.RaceError) as info:
         all_blocks_write_the_total.interpret[(3,)](x, np.zeros(1, np.float32), num_warps=1)
     assert ("thread 0 of block (1, 0, 0) stores to element 0 of tensor 'out' that thread 0 of "
             "block (0, 0, 0) stored at") in info.value.message
@@ -303,7 +303,7 @@ def read_then_overwrite(x: kiln.Tensor[f32]):
 
 def test_a_store_to_an_element_another_block_loaded_is_a_race(marker_line):
     x = np.random.default_rng().standard_normal(2).astype(np.float32)
-    with pytest.raises(kiln.errors.RaceError) as info:
+    with pytest.raises(kiln.core.errors.RaceError) as info:
         read_then_overwrite.interpret[(2,)](x, num_warps=1)
     err = info.value
     assert err.loc.line == marker_line("@write-xb")
@@ -336,7 +336,7 @@ def test_global_handoff_between_cluster_ctas_needs_the_cluster_barrier(marker_li
     x, out = np.ones(1, np.float32), np.full(1, np.nan, np.float32)
     make_cluster_handoff(sync=True).interpret[(2,)](x, out, num_warps=1)
     np.testing.assert_array_equal(out, [5.0])
-    with pytest.raises(kiln.errors.RaceError) as info:
+    with pytest.raises(kiln.core.errors.RaceError) as info:
         make_cluster_handoff(sync=False).interpret[(2,)](np.ones(1, np.float32), out,
                                                          num_warps=1)
     assert "element 0 of tensor 'x'" in info.value.message
@@ -370,7 +370,7 @@ def make_ldmatrix_reader(barrier_after_wait: bool):
 
 def test_ldmatrix_of_a_tma_tile_by_a_warp_that_never_waited_is_a_race(marker_line):
     x = np.random.default_rng().standard_normal((8, 16)).astype("bfloat16")
-    with pytest.raises(kiln.errors.RaceError) as info:
+    with pytest.raises(kiln.core.errors.RaceError) as info:
         make_ldmatrix_reader(False).interpret[(1,)](x.reshape(-1), np.zeros((64, 2), x.dtype),
                                                     num_warps=2)
     err = info.value

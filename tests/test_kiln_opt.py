@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from kiln.passes import split_pipeline
-from kiln.passes.opt import main
+from kiln.lowering.opt import main
 
 SAXPY = Path(__file__).parent / "lit" / "lowering" / "Inputs" / "saxpy.mlir"
 

@@ -14,12 +14,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kiln.errors import KilnTypeError, KilnValueError
+from kiln.core.errors import KilnTypeError, KilnValueError
 from recording_runtime import RecordingCudaRuntime
-from kiln.lowering import launch as launch_mod
-from kiln.lowering.host import HostLauncher, flat_c_argtypes, nvidia_kernel_object
-from kiln.lowering.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam
-from kiln.lowering.targets import get_target
+from kiln.runtime import launch as launch_mod
+from kiln.runtime.host import HostLauncher, flat_c_argtypes, nvidia_kernel_object
+from kiln.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam
+from kiln.core.targets import get_target
 
 SIG = KernelSignature("scale_rows", (TensorParam("x", "f32", 2), ScalarParam("n", "i32"),
                                      TensorParam("y", "f16", 1), ScalarParam("a", "f32")),

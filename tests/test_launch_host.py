@@ -16,15 +16,15 @@ import pytest
 from mlir import ir
 from mlir.dialects import llvm
 
-from kiln.errors import KilnTypeError, KilnValueError, LaunchError
+from kiln.core.errors import KilnTypeError, KilnValueError, LaunchError
 from recording_runtime import RecordingCudaRuntime
-from kiln.lowering import launch as launch_mod
-from kiln.lowering.amd_host import amd_host_llvm_ir, rocm_runtime_library
-from kiln.lowering.cuda import cuda_available
-from kiln.lowering.host import (HostLauncher, build_host_module, flat_c_argtypes,
-                                lower_host_module, nvidia_kernel_object)
-from kiln.lowering.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam
-from kiln.lowering.targets import get_target
+from kiln.runtime import launch as launch_mod
+from kiln.runtime.amd_host import amd_host_llvm_ir, rocm_runtime_library
+from kiln.runtime.cuda import cuda_available
+from kiln.runtime.host import (HostLauncher, build_host_module, flat_c_argtypes, lower_host_module,
+                               nvidia_kernel_object)
+from kiln.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam
+from kiln.core.targets import get_target
 
 SAXPY = KernelSignature("saxpy", (TensorParam("x", "f32", 1), TensorParam("y", "f32", 1),
                                   ScalarParam("n", "i32"), ScalarParam("a", "f32")),
@@ -106,10 +106,10 @@ def test_launch_without_gpu_raises_and_the_process_survives():
     script = textwrap.dedent("""
         import numpy as np
         from types import SimpleNamespace
-        from kiln.errors import LaunchError
-        from kiln.lowering.launch import launch
-        from kiln.lowering.signature import KernelSignature, TensorParam
-        from kiln.lowering.targets import get_target
+        from kiln.core.errors import LaunchError
+        from kiln.runtime.launch import launch
+        from kiln.signature import KernelSignature, TensorParam
+        from kiln.core.targets import get_target
         sig = KernelSignature("k", (TensorParam("x", "f32", 1),))
         ck = SimpleNamespace(name="k", target=get_target("sm_90a"), signature=sig,
                              asm={"ptx": "// ptx"})
@@ -169,7 +169,7 @@ def test_stream_handles():
 
 
 class HostMemoryDriver:
-    """Stands in for kiln.lowering.cuda.Driver: "device" memory is host memory."""
+    """Stands in for kiln.runtime.cuda.Driver: "device" memory is host memory."""
 
     def __init__(self):
         self.buffers, self.freed, self.synced, self.encoded = {}, [], [], []
@@ -398,7 +398,7 @@ class Limits:
     (KernelSignature("k", (), block=(1024, 1, 1)), {"registers": 128}, "131072 per block"),
 ])
 def test_launch_configurations_beyond_the_device_are_resource_errors(signature, metadata, match):
-    from kiln.errors import ResourceError
+    from kiln.core.errors import ResourceError
 
     with pytest.raises(ResourceError, match=match) as err:
         launch_mod.check_launch_config("k", signature, metadata, Limits())
@@ -429,8 +429,8 @@ def test_programmatic_launch_shim_passes_the_launch_and_its_attribute_to_the_dri
     """The shim a kernel that waits on prior grids launches through: one cuLaunchKernelEx with
     the launch's grid, block, shared bytes, stream and arguments, and the programmatic stream
     serialization attribute; the runtime's launch only when the driver refuses it."""
-    from kiln.lowering.cuda import _LaunchConfig
-    from kiln.lowering.host import ProgrammaticLaunchShim
+    from kiln.runtime.cuda import _LaunchConfig
+    from kiln.runtime.host import ProgrammaticLaunchShim
 
     max_dynamic_shared_size_bytes = 8  # cuda.h: CUfunction_attribute
     programmatic_stream_serialization = 6  # cuda.h: CUlaunchAttributeID

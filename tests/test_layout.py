@@ -5,7 +5,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kiln.errors import KilnValueError
+from kiln.core.errors import KilnValueError
 from kiln.layout import (Layout, ThreadValueLayout, blocked_product, coalesce, complement,
                          composition, concat_modes, flatten, left_inverse, logical_divide,
                          logical_product, make_layout, mfma_16x16_accumulator,

@@ -313,8 +313,8 @@ def test_interpreter_checks_integer_arguments_and_read_only_outputs():
 
 def test_gpu_launch_packs_integer_arguments_with_the_same_check():
     """The GPU path's argument converter refuses 2**33 for an i32 with the same error."""
-    from kiln.lowering.launch import _scalar_converter
-    from kiln.lowering.signature import ScalarParam
+    from kiln.runtime.launch import _scalar_converter
+    from kiln.signature import ScalarParam
 
     to_int = _scalar_converter(ScalarParam("n", "i32"))
     flat = []

@@ -10,7 +10,7 @@ import pytest
 import kiln
 from kiln import layout as L
 from kiln.loader import TiledMmaLoader
-from kiln.lowering.interpret import interpret_kernel
+from kiln.interpreter import interpret_kernel
 from kiln.swizzle import Swizzle
 
 LANES = np.arange(32)

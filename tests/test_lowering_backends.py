@@ -7,10 +7,10 @@ import pytest
 
 from kiln.lowering import amd, compiler, nvidia
 from kiln.lowering.compiler import CompiledKernel, backend_for, compile_kernel, stages_for
-from kiln.lowering.options import CompileOptions
+from kiln.core.options import CompileOptions
 from kiln.lowering.pipeline import Backend
-from kiln.lowering.signature import KernelSignature, ScalarParam, TensorParam
-from kiln.lowering.targets import TARGETS, get_target
+from kiln.signature import KernelSignature, ScalarParam, TensorParam
+from kiln.core.targets import TARGETS, get_target
 
 SAXPY_IR = (Path(__file__).parent / "lit" / "lowering" / "Inputs" / "saxpy.mlir").read_text()
 SAXPY = KernelSignature("saxpy", (TensorParam("x", "f32", 1), TensorParam("y", "f32", 1),

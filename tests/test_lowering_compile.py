@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from source_modules import write_kernel_module
 
-from kiln.errors import CompilationError, KilnValueError
+from kiln.core.errors import CompilationError, KilnValueError
 from kiln.lowering.compiler import CompiledKernel, compile_kernel
-from kiln.lowering.options import CompileOptions
-from kiln.lowering.signature import KernelSignature, ScalarParam, TensorParam
+from kiln.core.options import CompileOptions
+from kiln.signature import KernelSignature, ScalarParam, TensorParam
 
 pytestmark = pytest.mark.lower
 
@@ -107,7 +107,7 @@ def test_block_must_match_num_warps():
 
 
 def test_artifact_round_trips_through_the_json_cache(tmp_path, monkeypatch):
-    from kiln.lowering import cache
+    from kiln.runtime import cache
 
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("KILN_NO_CACHE", raising=False)

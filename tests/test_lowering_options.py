@@ -2,8 +2,8 @@
 
 import pytest
 
-from kiln.errors import KilnValueError, TargetError
-from kiln.lowering.options import CompileOptions
+from kiln.core.errors import KilnValueError, TargetError
+from kiln.core.options import CompileOptions
 
 
 @pytest.mark.parametrize("kwargs, error, message, fix", [

@@ -8,7 +8,7 @@ import kiln.amd_buffer as amd_buffer
 import kiln.loader
 import kiln.mfma as mfma
 from kiln import mma
-from kiln.errors import KilnTypeError, KilnValueError, UnsupportedError
+from kiln.core.errors import KilnTypeError, KilnValueError, UnsupportedError
 
 
 @pytest.fixture(autouse=True)

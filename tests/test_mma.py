@@ -14,7 +14,7 @@ import kiln
 import kiln.mma as mma
 import kiln.tiles as tiles
 from kiln import layout as L
-from kiln.lowering.cuda import cuda_available
+from kiln.runtime.cuda import cuda_available
 
 
 

@@ -12,7 +12,7 @@ from mlir.dialects import arith, gpu, llvm
 
 import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
-from kiln.lowering.signature import TensorMapParam
+from kiln.signature import TensorMapParam
 
 pytestmark = pytest.mark.lower  # builds IR and lowers it to PTX in-process; no GPU
 

@@ -7,9 +7,9 @@ import pytest
 import kiln
 from kiln import f32
 from kiln.cluster import ClusterRecipe, cluster
-from kiln.errors import KilnValueError, ScheduleError, ScheduleWarning
+from kiln.core.errors import KilnValueError, ScheduleError, ScheduleWarning
 from kiln.lowering import isa_amdgpu
-from kiln.passes.verify_schedule import verify_schedule
+from kiln.lowering.verify_schedule import verify_schedule
 
 
 def test_recipe_summary_round_trips_and_expands_its_interleave():

@@ -18,7 +18,7 @@ import kiln.passes.insert_waits
 from kiln.kernels.attention.prefill_gfx950 import PrefillGfx950Config, make_kernel
 from kiln.lowering import isa_amdgpu
 from kiln.lowering.compiler import compile_kernel
-from kiln.lowering.options import CompileOptions
+from kiln.core.options import CompileOptions
 from kiln.passes import build_pass_manager
 from kiln.passes.insert_waits import gpu_funcs
 

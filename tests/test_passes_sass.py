@@ -13,9 +13,9 @@ import pytest
 import kiln
 from kiln import f32
 from kiln.cluster import ClusterRecipe, cluster
-from kiln.errors import ScheduleError, ScheduleWarning
+from kiln.core.errors import ScheduleError, ScheduleWarning
 from kiln.lowering import isa_sass, tools
-from kiln.passes.verify_schedule import verify_schedule_sass
+from kiln.lowering.verify_schedule import verify_schedule_sass
 
 SASS = (Path(__file__).parent / "data" / "pingpong_exp.sm_90a.sass").read_text()
 RECIPE = ClusterRecipe(work=(("vmem_read", 2), ("trans", 1), ("valu", 1)), pingpong=(3, 4),

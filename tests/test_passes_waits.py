@@ -10,7 +10,7 @@ from mlir.dialects import arith, llvm, memref, rocdl
 import kiln
 from kiln import f32
 from kiln.cluster import ClusterRecipe, cluster, manual_waits
-from kiln.errors import WaitError
+from kiln.core.errors import WaitError
 from kiln.lowering import isa_amdgpu
 from kiln.passes.wait_analysis import decode_gfx9_waitcnt, encode_gfx9_waitcnt
 from kiln.shared import dynamic_shared
@@ -204,7 +204,7 @@ module attributes {gpu.container_module} {
 
 @pytest.mark.parametrize("pass_name", ["kiln-insert-waits", "kiln-verify-waits"])
 def test_reading_an_uncommitted_wgmma_result_asks_for_a_commit(pass_name):
-    from kiln.errors import WaitError
+    from kiln.core.errors import WaitError
     from kiln.passes import build_pass_manager
 
     with ir.Context():

@@ -11,7 +11,7 @@ import pytest
 
 import kiln
 from kiln import f32, i32
-from kiln.lowering.cuda import cuda_available
+from kiln.runtime.cuda import cuda_available
 
 SEED = 3801
 

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kiln
-from kiln.errors import KilnValueError
+from kiln.core.errors import KilnValueError
 from kiln.layout import Layout, make_layout
 from kiln.swizzle import AMD_LDS_TWO_XOR, ComposedSwizzle, Swizzle, SwizzledLayout
 

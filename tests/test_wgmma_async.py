@@ -7,7 +7,7 @@ import pytest
 
 import kiln
 from kiln import nvidia_asm, wgmma
-from kiln.lowering.cuda import cuda_available, driver
+from kiln.runtime.cuda import cuda_available, driver
 from kiln.shared import DYNAMIC_BASE_ALIGN, dynamic_shared
 
 # Descriptor of a K-major 128B-swizzled tile: LBO 16 B, SBO 1024 B, layout 1 (bits 62-63).

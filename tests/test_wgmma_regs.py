@@ -14,8 +14,8 @@ import kiln
 import kiln.mma
 from kiln import layout as L
 from kiln import wgmma
-from kiln.lowering.cuda import cuda_available
-from kiln.lowering.interpret import interpret_kernel
+from kiln.runtime.cuda import cuda_available
+from kiln.interpreter import interpret_kernel
 from kiln.shared import dynamic_shared
 from kiln.values import Value
 

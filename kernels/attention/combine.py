@@ -270,7 +270,7 @@ class _CombinePlan:
     backend: str | None
     torch_out_dtype: Any = None
     device: Any = None
-    bound: Any = None  # kiln.lowering.launch.BoundLaunch (torch on the GPU, rows > 0)
+    bound: Any = None  # kiln.runtime.launch.BoundLaunch (torch on the GPU, rows > 0)
 
     @property
     def empty(self) -> bool:
@@ -394,7 +394,7 @@ def _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, part
         return plan
     import torch
 
-    from kiln.lowering.launch import bind_launch
+    from kiln.runtime.launch import bind_launch
 
     plan = replace(plan, device=o_partial.device, torch_out_dtype=getattr(
         torch, {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[out_dtype.name]))

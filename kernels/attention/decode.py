@@ -266,7 +266,7 @@ def _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, s
             o_part, lse_part, counts, *outputs, plan.slots, plan.scale_log2]
     results = (10, 11) if plan.fused else (7, 8, 9)
     if backend == "interpret":
-        from kiln.lowering.interpret import interpret_kernel
+        from kiln.interpreter import interpret_kernel
 
         numpy_args = [lib.numpy(a) for a in args]
         traced = plan.kernel.trace(*numpy_args, target=plan.chip.name, num_warps=plan.num_warps)

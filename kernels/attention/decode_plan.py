@@ -26,7 +26,7 @@ class DecodePlan:
     """What a decode call of one shape class needs, worked out once (see :data:`PLANS`)."""
 
     kernel: object  # the @kiln.kernel of make_kernel
-    chip: object  # kiln.lowering.targets.Target
+    chip: object  # kiln.core.targets.Target
     grid: tuple[int, int, int]
     num_warps: int
     slots: int
@@ -39,7 +39,7 @@ class DecodePlan:
     no_outputs: tuple  # (o_out, lse_out, tickets) of a kernel that does not combine
     fused: bool = False  # decode_attention's kernel: the last split CTA combines
     device: object = None  # torch device of q, or None for numpy
-    # kiln.lowering.launch.bind_launch of the first contiguous torch call: a repeat call only
+    # kiln.runtime.launch.bind_launch of the first contiguous torch call: a repeat call only
     # writes ten addresses into a prepared argument block.
     bound: object = None
     merge: object = None  # the combine plan (bound) for these partials, bound with `bound`
@@ -154,7 +154,7 @@ def _bind(plan: DecodePlan, q, k_cache, v_cache, page_table, seq_lens, block_tab
           target) -> DecodePlan:
     """``plan`` with its decode launch bound to these contiguous torch tensors' layouts, and
     (unless the kernel combines itself) the bound combine plan of its partials."""
-    from kiln.lowering.launch import bind_launch
+    from kiln.runtime.launch import bind_launch
 
     from .combine import plan_combine
 
@@ -248,7 +248,7 @@ def launch_sms(backend) -> int:
     time."""
     if backend == "interpret":
         return DEFAULT_SMS
-    from kiln.lowering.cuda import driver
+    from kiln.runtime.cuda import driver
 
     return driver().multiprocessor_count()
 

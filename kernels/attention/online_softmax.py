@@ -73,9 +73,9 @@ SUPPORTED_ATT_DTYPES = (kiln.f32, kiln.f16)
 Q_AXES = ("row", "col")
 
 
-def _call_site() -> kiln.errors.SourceLoc | None:
+def _call_site() -> kiln.core.errors.SourceLoc | None:
     """The kernel line that called into this module: errors point there, not at the method."""
-    return kiln.errors.caller_location(callers_of=__file__)
+    return kiln.core.errors.caller_location(callers_of=__file__)
 
 
 def _value_groups(tv: kiln_layout.ThreadValueLayout) -> tuple[int, ...]:

@@ -112,7 +112,7 @@ def _run(target, q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse, *,
     kernel, args, grid, constexprs, num_warps = _operands(q, k, v, sinks, cu_q, cu_k, shapes,
                                                           mask, scale, return_lse)
     if interpret:
-        from kiln.lowering.interpret import interpret_kernel
+        from kiln.interpreter import interpret_kernel
 
         traced = kernel.trace(*args, target=target, num_warps=num_warps, **constexprs)
         interpret_kernel(traced, grid, args, target)
@@ -163,7 +163,7 @@ class _DensePlan:
     """A dense (not ragged) torch prefill of one shape class, bound once: a repeat call
     allocates ``o`` (and ``lse``) and writes eight addresses into a prepared launch."""
 
-    bound: Any  # kiln.lowering.launch.BoundLaunch
+    bound: Any  # kiln.runtime.launch.BoundLaunch
     torch_dtype: Any
     device: Any
     lse_shape: tuple | None  # [B, Hq, Sq] with return_lse, else None
@@ -206,7 +206,7 @@ def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, t
                      backend) -> _DensePlan | None:
     import torch
 
-    from kiln.lowering.launch import bind_launch
+    from kiln.runtime.launch import bind_launch
 
     chip, shapes, mask, scale = _validate(q, k, v, None, None, sinks, causal, window, chunk,
                                           scale, target, backend)

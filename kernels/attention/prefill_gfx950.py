@@ -533,7 +533,7 @@ def compile_prefill_gfx950(*, head_dim: int, dtype="bf16", causal=False, window=
                            allow_scratch: bool = False):
     """Compile (without running) the gfx950 prefill kernel; returns the ``CompiledKernel``
     (``.asm["amdgcn"]``, ``.metadata``) with ``.recipes`` (cluster -> ClusterRecipe) attached
-    for ``kiln.passes.verify_schedule``. ``window``/``chunk``/``sinks`` only need to be
+    for ``kiln.lowering.verify_schedule``. ``window``/``chunk``/``sinks`` only need to be
     not-None: the kernel is specialised on which masks exist, not on their values.
     ``head_dim=256`` does not fit in registers (module docs) and is refused unless
     ``allow_scratch=True`` accepts its spills.

@@ -148,7 +148,7 @@ def _run_tuned(a, b, c, m, n, k, b_major, dtype, target):
 def run_hopper(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=None):
     """Launch the Hopper kernel of ``config`` on prepared (aligned, contiguous) operands over a
     persistent grid of one CTA per SM (at most one per output tile)."""
-    from kiln.lowering.cuda import driver
+    from kiln.runtime.cuda import driver
 
     pair = config.cluster_m  # CTAs of a cluster share each (pair) tile's B
     tiles = -(-m // (config.block_m * pair)) * -(-n // config.block_n)
@@ -164,7 +164,7 @@ def run_hopper(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=None)
 def _resident_clusters(dtype, out_dtype, b_major, config) -> int:
     """Clusters of ``config``'s kernel that fit on the GPU at once: a persistent grid larger
     than this would run its last clusters in a second wave."""
-    from kiln.lowering.cuda import driver
+    from kiln.runtime.cuda import driver
 
     ck = compile_matmul(dtype, target="sm_90a", out_dtype=out_dtype, trans_b=b_major == "k",
                         **dataclasses.asdict(config))
@@ -174,7 +174,7 @@ def _resident_clusters(dtype, out_dtype, b_major, config) -> int:
 
 
 def _interpret(chip, a, b, c, trans_b):
-    from kiln.lowering.interpret import interpret_kernel
+    from kiln.interpreter import interpret_kernel
 
     to_numpy = [_numpy(x) for x in (a, b, c)]
     (m, k), n = to_numpy[0].shape, to_numpy[2].shape[1]

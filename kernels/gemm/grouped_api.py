@@ -141,7 +141,7 @@ def run_grouped(a, b, c, offsets, *, k, b_rows, trans_b, target="sm_90a", config
     :func:`grouped_config`. The grid is one CTA per SM (for numpy offsets, at most one per
     tile). Example (a poisoned ``c`` in a test): ``run_grouped(a, b, c, offs, k=k, b_rows=k,
     trans_b=False)``."""
-    from kiln.lowering.cuda import driver
+    from kiln.runtime.cuda import driver
 
     groups = int(offsets.shape[0]) - 1
     (total_m, n), cfg = c.shape, config or grouped_config(groups)
@@ -194,7 +194,7 @@ def _interpret(chip, name, out, trans_b, args) -> None:
     """Run the target's grouped kernel in the CPU interpreter on ``args`` (as for the GPU,
     without C's tensor map) with a grid of at most two CTAs: the persistent walk over several
     tiles and groups is what is tested."""
-    from kiln.lowering.interpret import interpret_kernel
+    from kiln.interpreter import interpret_kernel
 
     from . import _like, _numpy
 

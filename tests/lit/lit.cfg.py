@@ -22,7 +22,7 @@ config.environment["KILN_NO_CACHE"] = "1"
 
 kiln_opt = Path(sys.executable).with_name("kiln-opt")
 config.substitutions.append(
-    ("%kiln-opt", str(kiln_opt) if kiln_opt.exists() else f"{sys.executable} -m kiln.passes.opt"))
+    ("%kiln-opt", str(kiln_opt) if kiln_opt.exists() else f"{sys.executable} -m kiln.lowering.opt"))
 config.substitutions.append(("%python", sys.executable))
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from kiln.lowering.compiler import compile_kernel
-from kiln.lowering.options import CompileOptions
-from kiln.lowering.signature import KernelSignature, ScalarParam, TensorParam
+from kiln.core.options import CompileOptions
+from kiln.signature import KernelSignature, ScalarParam, TensorParam
 
 SIGNATURE = KernelSignature(
     "saxpy", (TensorParam("x", "f32", 1), TensorParam("y", "f32", 1),

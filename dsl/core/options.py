@@ -2,7 +2,7 @@
 
 LLVM aborts the whole process on some bad options (an unknown chip, a PTX version the chip
 does not know), so every option is checked here and rejected with a
-:class:`~kiln.errors.TargetError` or :class:`~kiln.errors.KilnValueError` naming the user's line.
+:class:`~kiln.core.errors.TargetError` or :class:`~kiln.core.errors.KilnValueError` naming the user's line.
 
 Example::
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.errors import KilnValueError, TargetError
-from kiln.lowering.targets import Target, get_target
+from kiln.core.errors import KilnValueError, TargetError
+from kiln.core.targets import Target, get_target
 
 MAX_NUM_WARPS = 32
 MAXNREG_RANGE = (24, 255)  # ptxas accepts .maxnreg in this range
@@ -26,7 +26,7 @@ MAXNREG_RANGE = (24, 255)  # ptxas accepts .maxnreg in this range
 class CompileOptions:
     """How to compile one kernel: chip, warps per block, optimisation and PTX knobs.
 
-    ``target`` is a chip name from :data:`kiln.lowering.targets.TARGETS`; ``ptx_version`` None
+    ``target`` is a chip name from :data:`kiln.core.targets.TARGETS`; ``ptx_version`` None
     means the chip's default; ``maxnreg`` caps registers per thread (NVIDIA only);
     ``flush_denormals`` makes f32 arithmetic and ``exp2`` flush denormals to zero, like
     ``nvcc -ftz=true`` (NVIDIA only; pass ``kiln-flush-f32-denormals``).
@@ -70,7 +70,7 @@ class CompileOptions:
 
     @property
     def chip(self) -> Target:
-        """The validated :class:`~kiln.lowering.targets.Target`."""
+        """The validated :class:`~kiln.core.targets.Target`."""
         return get_target(self.target)
 
     @property

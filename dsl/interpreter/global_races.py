@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.errors import RaceError
+from kiln.core.errors import RaceError
 
 from .state import MemRef
 

@@ -1,7 +1,7 @@
 """Every environment variable Kiln reads, in one place.
 
 Read them through these functions (not ``os.environ``) so the set stays documented. A value
-that is set but not one the variable accepts raises :class:`~kiln.errors.KilnValueError` naming
+that is set but not one the variable accepts raises :class:`~kiln.core.errors.KilnValueError` naming
 the variable and what it takes (an empty value counts as unset). Flags accept ``1``/``true``/
 ``yes``/``on`` and ``0``/``false``/``no``/``off`` (any case).
 
@@ -37,7 +37,7 @@ _FALSE = ("0", "false", "no", "off")
 
 
 def _invalid(name: str, value: str, accepts: str) -> Exception:
-    # Imported here: kiln.errors imports this module.
+    # Imported here: kiln.core.errors imports this module.
     from .errors import KilnValueError
 
     return KilnValueError(f"environment variable {name}={value!r} is not valid: it takes {accepts}",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.errors import UnsupportedError
+from kiln.core.errors import UnsupportedError
 
 from .plan import location, semantics
 

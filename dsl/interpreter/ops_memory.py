@@ -12,8 +12,8 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import arith
 
-from kiln import env as kiln_env
-from kiln.errors import OutOfBoundsError, UnsupportedError
+from kiln.core import env as kiln_env
+from kiln.core.errors import OutOfBoundsError, UnsupportedError
 
 from .plan import location, np_dtype, semantics
 from .state import MemRef, bounds_error, element_bytes

@@ -14,7 +14,7 @@ import re
 
 import numpy as np
 
-from kiln.errors import KilnValueError
+from kiln.core.errors import KilnValueError
 
 from .plan import location, semantics
 

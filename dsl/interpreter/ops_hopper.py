@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.errors import OutOfBoundsError, UnsupportedError
+from kiln.core.errors import OutOfBoundsError, UnsupportedError
 from kiln.swizzle import Swizzle
 
 from .ops_mbarrier import operand_segments

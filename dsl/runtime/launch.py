@@ -7,7 +7,7 @@ order (constexprs already removed):
   writeable array is copied back (convenient, slow);
 - torch / cupy CUDA tensors are passed zero-copy and the launch is asynchronous;
 - Python / numpy scalars are passed by value (f16/bf16/fp8 as bit patterns);
-- a :class:`~kiln.lowering.signature.TensorMapParam` takes the tensor itself: the 128-byte TMA
+- a :class:`~kiln.signature.TensorMapParam` takes the tensor itself: the 128-byte TMA
   descriptor is encoded on the host, copied to device memory and cached per
   (pointer, shape, strides, box, swizzle).
 
@@ -20,7 +20,7 @@ The JIT-compiled launcher and the per-parameter converters are built on the firs
 kept on the CompiledKernel (attribute ``_launch_plan``), so later launches cost a few µs. The
 launch configuration is checked against the device once, when that plan is built (threads per
 block, static + dynamic shared memory against the opt-in maximum, registers per block); every
-launch checks the grid (and its divisibility by the cluster shape). See :mod:`kiln.lowering.cuda`
+launch checks the grid (and its divisibility by the cluster shape). See :mod:`kiln.runtime.cuda`
 for how driver errors of the launch itself are reported.
 
 Example::
@@ -40,13 +40,13 @@ from typing import Any, Callable, Sequence
 import ml_dtypes
 import numpy as np
 
-from kiln.lowering.arrays import describe_array
-from kiln import env
-from kiln.dtypes import dtype as to_dtype
-from kiln.errors import KilnTypeError, KilnValueError, LaunchError, ResourceError
+from kiln.arrays import describe_array
+from kiln.core import env
+from kiln.core.dtypes import dtype as to_dtype
+from kiln.core.errors import KilnTypeError, KilnValueError, LaunchError, ResourceError
 from kiln.launch_args import check_float_argument, check_int_argument, normalize_grid
-from kiln.lowering.host import scalar_carrier
-from kiln.lowering.signature import ScalarParam, TensorMapParam, TensorParam
+from kiln.runtime.host import scalar_carrier
+from kiln.signature import ScalarParam, TensorMapParam, TensorParam
 
 _PLAN_ATTRIBUTE = "_launch_plan"
 TENSOR_MAP_CACHE_CAPACITY = 256  # encoded TMA descriptors kept in device memory per kernel
@@ -92,7 +92,7 @@ class BoundLaunch:
     tensor-map parameter (in parameter order) and an optional ``stream`` (None: the current
     stream of the example tensors' library, as for :func:`launch`).
 
-    The flat C arguments live in a :class:`~kiln.lowering.host.LaunchArguments` block built
+    The flat C arguments live in a :class:`~kiln.runtime.host.LaunchArguments` block built
     once; a call writes the addresses (and the stream) into their slots and makes one ctypes
     call. The addresses are not checked, so the caller must pass tensors laid out exactly like
     the example ones.
@@ -286,7 +286,7 @@ def _plan_of(ck) -> "_LaunchPlan":
 
 def check_launch_config(name: str, signature, metadata: dict, limits) -> None:
     """Raise ResourceError when ``signature``'s block, shared memory or registers exceed the
-    device's ``limits`` (a :class:`~kiln.lowering.cuda.LaunchLimits`); ``metadata`` supplies
+    device's ``limits`` (a :class:`~kiln.runtime.cuda.LaunchLimits`); ``metadata`` supplies
     the static shared bytes and registers per thread when the kernel has a ptxas report.
 
     ``mgpuLaunchKernel`` only prints the driver's refusal, so these are checked first.
@@ -392,7 +392,7 @@ def _free_descriptors(driver, entries: OrderedDict) -> None:
 class _LaunchPlan:
     """A kernel's launcher plus one converter per parameter, built once.
 
-    ``launcher`` is a :class:`~kiln.lowering.host.HostLauncher` (or anything with its
+    ``launcher`` is a :class:`~kiln.runtime.host.HostLauncher` (or anything with its
     interface); ``driver`` (None on AMD) stages numpy arrays and encodes tensor maps.
     """
 

@@ -1,7 +1,7 @@
 """What the front end hands to lowering: the kernel signature, the cache key, argument specs.
 
 Kept apart from :mod:`kiln.kernel` so the tracing code does not import lowering modules
-(``kiln.lowering.signature``/``arrays``/``cache`` are imported here, lazily where heavy).
+(``kiln.signature``/``arrays``/``cache`` are imported here, lazily where heavy).
 
 The on-disk cache key (:func:`cache_key`) is ``make_key(dependency fingerprint, argument
 specs, typed constexpr values, options.key())``, and ``make_key`` adds the toolchain (Kiln's
@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .dtypes import DType
-from .errors import KilnTypeError
+from .core.dtypes import DType
+from .core.errors import KilnTypeError
 from .fingerprint import DependencyWalk, Unfingerprintable, unkeyable
 
 def tensor_arg_spec(name: str, value: Any) -> tuple[DType, int, bool]:
     """(dtype, rank, innermost-stride-is-1) of an array argument."""
-    from kiln.lowering.arrays import describe_array, is_array
+    from kiln.arrays import describe_array, is_array
 
     if not is_array(value):
         raise KilnTypeError(f"argument '{name}' expects an array, got {type(value).__name__}",
@@ -40,8 +40,8 @@ def tensor_arg_spec(name: str, value: Any) -> tuple[DType, int, bool]:
 
 def lowering_signature(name: str, specs, block, constexprs, *, dynamic_shared_bytes: int = 0,
                        cluster=None, programmatic_launch: bool = False):
-    """The :class:`~kiln.lowering.signature.KernelSignature` of a traced specialisation."""
-    from kiln.lowering.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam
+    """The :class:`~kiln.signature.KernelSignature` of a traced specialisation."""
+    from kiln.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam
 
     params = []
     for s in specs:
@@ -67,7 +67,7 @@ def source_key(fn: Callable) -> str:
 def cache_key(fn: Callable, specs, options_key: str) -> str:
     """The on-disk key of ``fn`` specialised to ``specs`` under ``options_key`` (see the
     module docs for what it covers)."""
-    from kiln.lowering.cache import make_key
+    from kiln.runtime.cache import make_key
 
     walk = DependencyWalk()
     parts = [walk.function(fn)]

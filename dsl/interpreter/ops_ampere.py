@@ -18,9 +18,9 @@ import re
 import numpy as np
 from mlir import ir
 
-from kiln import env as kiln_env
+from kiln.core import env as kiln_env
 from kiln import layout as L
-from kiln.errors import UnsupportedError
+from kiln.core.errors import UnsupportedError
 
 from .ops_memory import flat_offsets
 from .ops_mbarrier import operand_segments
@@ -175,7 +175,7 @@ def _mma_sync(op, p):
         raise UnsupportedError(f"the interpreter runs mma.sync m16n8k16 row.col only, not "
                                f"m{shape[0]}n{shape[1]}k{shape[2]}", loc=loc)
     ptx_type = re.search(r"<(\w+)>", str(op.attributes["multiplicandAPtxType"])).group(1)
-    from kiln.dtypes import dtype as kiln_dtype
+    from kiln.core.dtypes import dtype as kiln_dtype
 
     operand_dtype = np.dtype(kiln_dtype(ptx_type).numpy)
     m, n, k = shape

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.errors import DeadlockError, OutOfBoundsError, RaceError, SourceLoc, UnsupportedError
+from kiln.core.errors import DeadlockError, OutOfBoundsError, RaceError, SourceLoc, UnsupportedError
 
 from .phase_clock import PhaseClock
 

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 from mlir import ir
 
-from kiln.errors import SourceLoc, UnsupportedError, source_loc_from_mlir
+from kiln.core.errors import SourceLoc, UnsupportedError, source_loc_from_mlir
 
 Run = Callable[[list, object], None]
 Builder = Callable[[ir.Operation, "Plan"], Run | None]
@@ -114,7 +114,7 @@ class Plan:
             if builder is None:
                 raise UnsupportedError(f"the interpreter has no semantics for {name} yet",
                                        fix="run this kernel on a GPU, or add the op's semantics "
-                                           "to kiln.lowering.interpret", loc=location(op))
+                                           "to kiln.interpreter", loc=location(op))
             step = builder(op, self)
             if step is not None:
                 runs.append(step)

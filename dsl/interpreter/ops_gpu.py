@@ -12,7 +12,7 @@ import sys
 import numpy as np
 from mlir import ir
 
-from kiln.errors import UnsupportedError
+from kiln.core.errors import UnsupportedError
 from kiln.nvidia_asm import (KEEP_REGISTERS_LIVE_ASM, NAMED_BARRIER_ANY_ASM, SCHED_BARRIER_ASM,
                              WAIT_FOR_COUNT_ASM)
 

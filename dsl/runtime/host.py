@@ -1,6 +1,6 @@
 """The host-side launcher: an MLIR module that loads the kernel binary and calls ``gpu.launch_func``.
 
-For a :class:`~kiln.lowering.signature.KernelSignature` and an already compiled device binary,
+For a :class:`~kiln.signature.KernelSignature` and an already compiled device binary,
 :func:`build_host_module` emits::
 
     module attributes {gpu.container_module} {
@@ -43,10 +43,10 @@ import struct
 import threading
 from typing import Mapping, Sequence
 
-from kiln.dtypes import dtype as to_dtype
-from kiln.errors import CompilationError, KilnValueError, LaunchError
-from kiln.lowering.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam
-from kiln.lowering.targets import Target
+from kiln.core.dtypes import dtype as to_dtype
+from kiln.core.errors import CompilationError, KilnValueError, LaunchError
+from kiln.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam
+from kiln.core.targets import Target
 
 BINARY_SYMBOL = "kiln_kernels"
 LAUNCH_SYMBOL = "kiln_launch"
@@ -402,7 +402,7 @@ def _describe_flat(signature: KernelSignature, flat_args: Sequence) -> str:
 def build_nvidia_launcher(signature: KernelSignature, target: Target, *,
                           cubin: bytes | None = None, ptx: str | None = None) -> HostLauncher:
     """A :class:`HostLauncher` for an NVIDIA kernel (needs a CUDA driver and GPU)."""
-    from kiln.lowering.cuda import cuda_runtime_libs, require_cuda
+    from kiln.runtime.cuda import cuda_runtime_libs, require_cuda
 
     require_cuda()  # the ExecutionEngine aborts the process if libcuda.so.1 is missing
     libs = cuda_runtime_libs()

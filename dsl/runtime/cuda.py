@@ -4,7 +4,7 @@ MLIR's ``ExecutionEngine`` aborts the process when ``libmlir_cuda_runtime.so`` c
 ``libcuda.so.1``, so :func:`cuda_available` probes the driver first. The runtime wrappers
 (``mgpu*``) print driver errors to stderr and return nothing, so memory copies, synchronisation
 and tensor-map encoding go straight to the driver here, where every result is checked and a
-failure raises :class:`~kiln.errors.LaunchError` with the driver's own message. Both sides use
+failure raises :class:`~kiln.core.errors.LaunchError` with the driver's own message. Both sides use
 device 0's primary context, the one torch and cupy use too.
 
 Example::
@@ -22,7 +22,7 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.errors import LaunchError
+from kiln.core.errors import LaunchError
 
 _c_size = ctypes.c_size_t
 _CUDA_SUCCESS = 0

@@ -17,7 +17,7 @@ processes, or one killed mid-write, never expose a partial entry.
 
 Nothing read back is trusted (see "Trust model" in docs/lowering.md): the directory is used only
 if it is this user's and not writable by group/others (else one
-:class:`~kiln.errors.CacheWarning` and compiling goes on uncached, as it does when the directory
+:class:`~kiln.core.errors.CacheWarning` and compiling goes on uncached, as it does when the directory
 is unwritable); files must be this user's; an entry whose format, key, digest, or payload
 hashes/sizes do not match is a miss (one warning per kind of problem), never an error and never
 another kernel. ``KILN_NO_CACHE=1`` turns the cache off; ``KILN_CACHE_DIR`` moves it.
@@ -41,9 +41,9 @@ import re
 from importlib import metadata
 from pathlib import Path
 
-from kiln import env
-from kiln.lowering.trusted_dir import (UntrustedFile, make_private_dirs, private_dir,
-                                       read_owned, warn_once, write_atomic)
+from kiln.core import env
+from kiln.core.trusted_dir import (UntrustedFile, make_private_dirs, private_dir, read_owned,
+                                   warn_once, write_atomic)
 
 # Bump when the layout of the stored artifact dict changes.
 FORMAT_VERSION = "2"

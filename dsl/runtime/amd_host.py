@@ -1,4 +1,4 @@
-"""The AMD host launcher: the same ``kiln_launch`` module as :mod:`kiln.lowering.host`, carrying a
+"""The AMD host launcher: the same ``kiln_launch`` module as :mod:`kiln.runtime.host`, carrying a
 ``#gpu.object<#rocdl.target<chip = "gfx950">, bin = "<hsaco>">`` and linked against MLIR's ROCm
 runtime wrappers (``libmlir_rocm_runtime.so``, which is not shipped with the MLIR wheel).
 
@@ -16,11 +16,11 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-from kiln import env
-from kiln.errors import LaunchError
-from kiln.lowering.host import HostLauncher, build_host_module, lower_host_module
-from kiln.lowering.signature import KernelSignature
-from kiln.lowering.targets import Target
+from kiln.core import env
+from kiln.core.errors import LaunchError
+from kiln.runtime.host import HostLauncher, build_host_module, lower_host_module
+from kiln.signature import KernelSignature
+from kiln.core.targets import Target
 
 _ROCM_RUNTIME_NAME = "libmlir_rocm_runtime.so"
 _ROCM_SEARCH_DIRS = (Path("/opt/rocm/lib"), Path("/opt/rocm/llvm/lib"))
@@ -66,6 +66,6 @@ def rocm_runtime_library() -> Path:
 
 
 def build_amd_launcher(signature: KernelSignature, target: Target, hsaco: bytes) -> HostLauncher:
-    """A :class:`~kiln.lowering.host.HostLauncher` for an AMD kernel (needs ROCm)."""
+    """A :class:`~kiln.runtime.host.HostLauncher` for an AMD kernel (needs ROCm)."""
     runtime = rocm_runtime_library()
     return HostLauncher(signature, lambda: amd_kernel_object(target, hsaco), [str(runtime)])

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 from mlir import ir
 
-from kiln import env as kiln_env
+from kiln.core import env as kiln_env
 from kiln.cluster import RECIPES_ATTR as _RECIPES
-from kiln.errors import KilnTypeError, KilnValueError, UnsupportedError
+from kiln.core.errors import KilnTypeError, KilnValueError, UnsupportedError
 from kiln.launch_args import check_float_argument, check_int_argument, normalize_grid
 from kiln.passes import build_pass_manager
 from kiln.passes.cluster_schedule import NAME as CLUSTER_SCHEDULE
@@ -136,8 +136,8 @@ def global_memref(array: np.ndarray, name: str) -> MemRef:
 def _convert_args(signature, args) -> tuple[list, dict]:
     """The interpreter's values of ``args``, and the writeable copies it made of read-only
     numpy arrays (by parameter name: ``(original, copy)``, see :func:`_check_read_only`)."""
-    from kiln.dtypes import dtype as kiln_dtype
-    from kiln.lowering.signature import ScalarParam, TensorMapParam
+    from kiln.core.dtypes import dtype as kiln_dtype
+    from kiln.signature import ScalarParam, TensorMapParam
 
     values, copies = [], {}
     for param, arg in zip(signature.params, args):
@@ -172,13 +172,13 @@ def interpret_kernel(traced, grid, args, target) -> None:
     """Run ``traced`` (a :class:`kiln.kernel.TracedKernel`) over ``grid`` on the CPU.
 
     ``args`` are the run-time arguments in signature order (numpy arrays are written in place);
-    ``target`` is a :class:`kiln.lowering.targets.Target` or its name.
+    ``target`` is a :class:`kiln.core.targets.Target` or its name.
     Example (what ``saxpy.interpret[grid](...)`` does)::
 
         traced = saxpy.trace(x, y, n, 2.0, BLOCK=256)
         interpret_kernel(traced, (n + 255) // 256, [x, y, n, 2.0], get_target("sm_90a"))
     """
-    from kiln.lowering.targets import get_target
+    from kiln.core.targets import get_target
 
     target = get_target(target)
     compiled = _compile_plan(traced.module_asm, traced.name)

@@ -23,7 +23,7 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import llvm
 
-from kiln.errors import KilnValueError, OutOfBoundsError, UnsupportedError
+from kiln.core.errors import KilnValueError, OutOfBoundsError, UnsupportedError
 from kiln.layout import wgmma_m64_accumulator
 from kiln.swizzle import Swizzle
 
@@ -176,7 +176,7 @@ _WGMMA_RS = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(bf
 
 def wgmma_rs_inline_asm(op, p, text: str):
     """Semantics of the register-A ``wgmma.mma_async`` inline PTX (module docstring)."""
-    from kiln.dtypes import dtype as kiln_dtype
+    from kiln.core.dtypes import dtype as kiln_dtype
     from kiln.wgmma import a_fragment_layout
 
     loc = location(op)
@@ -234,7 +234,7 @@ def _mma_async(op, p):
     if type_a not in ("f16", "bf16") or m != 64:
         raise UnsupportedError(f"the interpreter runs wgmma m64nNk16 with f16/bf16 operands, not "
                                f"m{m}n{n}k{k} {type_a}", loc=loc)
-    from kiln.dtypes import dtype as kiln_dtype
+    from kiln.core.dtypes import dtype as kiln_dtype
 
     dtype = kiln_dtype(type_a).numpy
     a_k_major = "row" in _attr_text(op, "layoutA")

@@ -17,7 +17,7 @@ import sys
 
 from mlir import ir
 
-from kiln.errors import CompilationError, KilnError, KilnValueError
+from kiln.core.errors import CompilationError, KilnError, KilnValueError
 
 MLIR_STAGES = ("gpu", "nvvm", "rocdl")
 TEXT_STAGES = ("llvm", "ptx", "amdgcn")
@@ -60,9 +60,9 @@ def run_stage(module: ir.Module, stage: str, target: str, num_warps: int, opt_le
     ``amdgcn`` compiles the ``llvm`` text), starting from the last MLIR stage's module.
     """
     from kiln.lowering.compiler import stages_for
-    from kiln.lowering.options import CompileOptions
+    from kiln.core.options import CompileOptions
     from kiln.lowering.pipeline import CompileState
-    from kiln.lowering.signature import KernelSignature
+    from kiln.signature import KernelSignature
 
     options = CompileOptions(target, num_warps=num_warps, opt_level=opt_level)
     chip = options.chip

@@ -2,7 +2,7 @@
 
 LLVM aborts the process (``report_fatal_error``) on some bad options, e.g. an unknown CPU or a
 PTX version too old for the chip. Every such option is validated here and rejected with a
-:class:`~kiln.errors.TargetError` instead.
+:class:`~kiln.core.errors.TargetError` instead.
 
 Example::
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-from kiln.errors import KilnValueError, ResourceError, TargetError
+from kiln.core.errors import KilnValueError, ResourceError, TargetError
 
 # PTX ISA versions this bundled LLVM's NVPTX backend can emit (llc -mattr=help).
 SUPPORTED_PTX = (70, 71, 72, 73, 74, 75, 76, 77, 78, 80, 81, 82, 83, 84, 85, 86, 87, 88, 90)

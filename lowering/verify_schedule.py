@@ -11,8 +11,8 @@ recipes come from the kernel's ``kiln.cluster_recipes``. Per instance it checks:
 - ``s_setprio P`` before the first work instruction and ``s_setprio 0`` after the last;
 - ``s_barrier`` present iff ``barrier_at_end``, with no work after it.
 
-A mismatch is a :class:`kiln.errors.ScheduleWarning` naming the cluster, expected and found
-counts, or a :class:`kiln.errors.ScheduleError` with ``strict=True``.
+A mismatch is a :class:`kiln.core.errors.ScheduleWarning` naming the cluster, expected and found
+counts, or a :class:`kiln.core.errors.ScheduleError` with ``strict=True``.
 
 :func:`verify_schedule_sass` is the NVIDIA half, on ``cuobjdump --dump-sass`` text
 (``lowering/isa_sass.py``; run after the ``cubin`` stage when ``cuobjdump`` is found). Only
@@ -32,7 +32,7 @@ from __future__ import annotations
 import warnings
 
 from kiln.cluster import ClusterRecipe
-from kiln.errors import ScheduleError, ScheduleWarning
+from kiln.core.errors import ScheduleError, ScheduleWarning
 from kiln.lowering import isa_sass
 from kiln.lowering.isa_amdgpu import Program, class_counts, cluster_instances, parse
 

@@ -5,7 +5,7 @@ only when it is this user's and nobody else can write it:
 
 - :func:`private_dir` creates a missing directory (and its missing parents) with mode 0700. A
   directory owned by another user, writable by group or others, or unusable (not a directory,
-  no permission) is refused: one :class:`~kiln.errors.CacheWarning` names it and the fix, and
+  no permission) is refused: one :class:`~kiln.core.errors.CacheWarning` names it and the fix, and
   the caller goes on without it.
 - :func:`read_owned` reads a regular file only if this user owns it (no symlinks followed).
 - :func:`write_atomic` writes a temporary file beside the target, then ``os.replace``: readers
@@ -29,7 +29,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from kiln.errors import CacheWarning
+from kiln.core.errors import CacheWarning
 
 _warned: set = set()
 

@@ -4,7 +4,7 @@ Every user mistake raises a :class:`KilnError` subclass whose message names the 
 ``file:line``, shows that source line with a caret under the offending expression and ends
 with a ``Fix:`` hint::
 
-    kiln.errors.KilnTypeError: saxpy.py:7: cannot store a bf16 value into a Tensor[f32]
+    kiln.core.errors.KilnTypeError: saxpy.py:7: cannot store a bf16 value into a Tensor[f32]
         y[i] = v
         ^^^^^^^^
     Fix: convert first, e.g. kiln.cast(v, kiln.f32)
@@ -38,7 +38,7 @@ from typing import Callable, TypeVar
 
 from . import env
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # kiln/, above core/
 _SOURCE_ROOT = os.path.dirname(_PACKAGE_DIR)
 # Kiln's own code: the ``kiln`` package directory (an installed wheel keeps ``passes``,
 # ``lowering`` and ``kernels`` inside it) and, in a source checkout, those sibling directories,
