@@ -5,10 +5,8 @@ from .core.dtypes import (DType, bf16, dtype, f8e4m3, f8e5m2, f16, f32, f64, i1,
 from .core.errors import (CompilationError, InternalError, KilnError, KilnTypeError, KilnValueError,
                           LaunchError, ResourceError, TargetError, UnsupportedError)
 
-__version__ = "0.1.0"
-
 # kiln.dtypes / kiln.errors / kiln.env: the core modules, kept as attributes of the facade.
-from .core import dtypes, env, errors
+from .core import __version__, dtypes, env, errors
 
 # The tracing DSL (see kiln.kernel for the user guide).
 from . import builder, values
@@ -51,3 +49,13 @@ from .tiles import GlobalTile, RegTile, SharedTile
 from .cluster import ClusterRecipe, cluster, consumer_drain, manual_waits
 from .core.errors import (DeadlockError, OutOfBoundsError, RaceError, ScheduleError,
                           ScheduleWarning, WaitError)
+
+# The upper layers behind @kiln.kernel (docs/architecture.md): the dsl declares kiln.driver.Driver
+# and the facade installs the runtime's compile and launch and the interpreter.
+from . import driver as _driver
+from .interpreter import interpret_kernel as _interpret_kernel
+from .runtime.cache import compile_specialisation as _compile_specialisation
+from .runtime.launch import launch as _launch
+
+_driver.install(_driver.Driver(compile=_compile_specialisation, launch=_launch,
+                               interpret=_interpret_kernel))

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .core.errors import KilnError, KilnTypeError, KilnValueError
+from .core.trusted_dir import private_dir, read_owned, usable_root, warn_once, write_atomic
 
 BAR_WIDTH = 24
 
@@ -200,9 +201,6 @@ class Autotuner:
     # ---- persistence ------------------------------------------------------------------------
     def _path(self) -> Path | None:
         """The store file, or None when the cache is off or its directory is not safe to use."""
-        from kiln.runtime.cache import usable_root
-        from kiln.core.trusted_dir import private_dir
-
         root = usable_root()
         directory = root and private_dir(root / "autotune", "autotune store", "KILN_CACHE_DIR")
         if directory is None:
@@ -216,8 +214,6 @@ class Autotuner:
         return _read_table(path) if path is not None else {}
 
     def _store(self, key: str, index: int) -> None:
-        from kiln.core.trusted_dir import warn_once, write_atomic
-
         path = self._path()
         if path is None:
             return
@@ -237,8 +233,6 @@ class Autotuner:
 
 def _read_table(path: Path) -> dict[str, int]:
     """The stored ``{key: config index}``; a missing, foreign or corrupt file reads as empty."""
-    from kiln.core.trusted_dir import read_owned, warn_once
-
     try:
         table = json.loads(read_owned(path))
     except FileNotFoundError:

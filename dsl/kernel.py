@@ -44,13 +44,16 @@ from mlir import ir
 from mlir.dialects import gpu, llvm
 
 from . import ast_rewrite, builder, threads
-from .core import dtypes as dt
 from .annotations import Param, TensorMapSpec, classify, resolve_annotation
+from .arrays import describe_array
+from .core import dtypes as dt
 from .core.errors import (CompilationError, KilnTypeError, SourceLoc, source_loc_from_mlir,
                           trace_location, user_facing)
+from .core.options import CompileOptions
+from .core.targets import get_target
+from .driver import installed, lowering_signature, tensor_arg_spec
 from .fingerprint import EXACT_KEY_TYPES, constexpr_key, keyword_key_part, typed_key
 from .launch_args import normalize_grid
-from .driver import cache_key, lowering_signature, tensor_arg_spec
 from .tensor import TensorRef, memref_type
 from .values import Value
 
@@ -61,8 +64,6 @@ _TRACE_LOCK = threading.RLock()
 
 def set_default_target(target: str) -> None:
     """Target used when ``target=`` is not given. Example: ``kiln.set_default_target("gfx950")``."""
-    from kiln.core.targets import get_target
-
     global _default_target
     _default_target = get_target(target).name
 
@@ -91,7 +92,7 @@ class ArgSpec:
 
     def key(self) -> str:
         """A runtime argument's part of the on-disk key. A constexpr's part is its content
-        fingerprint, which lowering_bridge.cache_key computes (``typed`` holds functions by
+        fingerprint, which kiln.driver.key_parts computes (``typed`` holds functions by
         identity: its repr has addresses, no key across processes)."""
         spec = f"{self.name}:{self.kind}:{self.dtype}:{self.rank}:{int(self.contiguous)}"
         if self.tensormap is not None:  # the box and swizzle change the traced IR
@@ -202,8 +203,6 @@ class JITKernel:
     def _num_warps(self, specs: tuple[ArgSpec, ...], target: str | None,
                    num_warps: int | None, num_threads: int | None) -> int:
         """Warps per block from the declaration and the options (see kiln.threads)."""
-        from kiln.core.targets import get_target
-
         constexprs = {s.name: s.value for s in specs if s.kind == "constexpr"}
         return threads.resolve_num_warps(self.name, self.num_threads, constexprs,
                                          get_target(_target_or_default(target)), num_warps,
@@ -219,8 +218,6 @@ class JITKernel:
 
     def _trace_locked(self, specs: tuple[ArgSpec, ...], target_name: str,
                       num_warps: int) -> TracedKernel:
-        from kiln.core.targets import get_target
-
         target = get_target(target_name)
         block = (num_warps * target.warp_size, 1, 1)
         target.check_block(block)
@@ -300,27 +297,15 @@ class JITKernel:
 
     # ---- compile and launch ---------------------------------------------------------------
     def _options(self, target, num_warps, opt_level, ptx_version, maxnreg):
-        from kiln.core.options import CompileOptions
-
         return CompileOptions(_target_or_default(target), num_warps=num_warps, opt_level=opt_level,
                               ptx_version=ptx_version, maxnreg=maxnreg,
                               flush_denormals=self.flush_denormals)
 
     def _compile_specs(self, specs, options):
-        from kiln.lowering.compiler import compile_kernel, load_cached
-        from kiln.core.profile import CompileProfile
-
-        profile = CompileProfile()
-        with profile.step("cache-lookup"):
-            # Global values are read again for every new specialisation (see lowering_bridge).
-            key = cache_key(self.fn, specs, options.key())
-            cached = load_cached(key)
-        if cached is not None:
-            return cached
-        with profile.step("trace"):
-            traced = self._trace_specs(specs, options.target, options.num_warps)
-        return compile_kernel(traced.module_asm, traced.signature, options, cache_key=key,
-                              profile=profile)
+        # The installed driver looks the cache up (global values are read again for every new
+        # specialisation, see kiln.driver) and traces only on a miss.
+        return installed().compile(self.fn, specs, options, lambda: self._trace_specs(
+            specs, options.target, options.num_warps))
 
     @user_facing
     def compile(self, *args, target: str | None = None, num_warps: int | None = None,
@@ -369,9 +354,7 @@ class JITKernel:
         else:
             values = self._bind(args, {k: v for k, v in kwargs.items() if k not in OPTION_NAMES})
             runtime = [values[i] for i in self._runtime_idx]
-        if callable(grid):
-            grid = grid(meta)
-        ck.launch(normalize_grid(grid), runtime, stream=stream)
+        ck.launch(normalize_grid(grid(meta) if callable(grid) else grid), runtime, stream=stream)
 
     def _launch_entry(self, fast_key, positional, args: tuple, kwargs: dict) -> tuple:
         """A launch's entry by the typed key of its keyword values. It is also kept under the
@@ -408,11 +391,14 @@ class JITKernel:
     def _prepare_launch(self, args: tuple, kwargs: dict) -> tuple:
         options = {k: kwargs.pop(k) for k in OPTION_NAMES if k in kwargs}
         ck = self.compile(*args, **options, **kwargs)
-        values = self._bind(args, kwargs)
-        meta = {p.name: v for p, v in zip(self.params, values) if p.kind == "constexpr"}
-        meta.update(num_warps=ck.options.num_warps, num_threads=ck.options.block_size)
+        meta = self._grid_meta(self._bind(args, kwargs), ck.options.num_warps, ck.target)
         by_position = all(i < len(args) for i in self._runtime_idx)
         return ck, meta, by_position
+
+    def _grid_meta(self, values: list, num_warps: int, target) -> dict:
+        """What a callable grid receives: the constexprs, ``num_warps`` and ``num_threads``."""
+        meta = {p.name: v for p, v in zip(self.params, values) if p.kind == "constexpr"}
+        return dict(meta, num_warps=num_warps, num_threads=num_warps * target.warp_size)
 
 
 class _Interpreted:
@@ -433,9 +419,6 @@ class _Interpreted:
     @user_facing
     def _run(self, grid, *args, target: str | None = None, num_warps: int | None = None,
              num_threads: int | None = None, **kwargs):
-        from kiln.interpreter import interpret_kernel
-        from kiln.core.targets import get_target
-
         k = self.kernel
         target = _target_or_default(target)
         specs = k.specialize(args, kwargs)
@@ -447,9 +430,8 @@ class _Interpreted:
         values = k._bind(args, kwargs)
         chip = get_target(target)
         if callable(grid):
-            meta = {p.name: v for p, v in zip(k.params, values) if p.kind == "constexpr"}
-            grid = grid(dict(meta, num_warps=num_warps, num_threads=num_warps * chip.warp_size))
-        interpret_kernel(traced, grid, [values[i] for i in k._runtime_idx], chip)
+            grid = grid(k._grid_meta(values, num_warps, chip))
+        installed().interpret(traced, grid, [values[i] for i in k._runtime_idx], chip)
 
 
 def _launch_key_part(a: Any, is_constexpr: bool) -> Any:
@@ -463,8 +445,6 @@ def _launch_key_part(a: Any, is_constexpr: bool) -> Any:
     if hasattr(a, "data_ptr") and hasattr(a, "stride"):  # torch tensor: not keyed by identity
         return (a.dtype, a.dim(), a.dim() == 0 or a.stride(-1) == 1 or a.shape[-1] <= 1)
     if hasattr(a, "__cuda_array_interface__"):
-        from kiln.arrays import describe_array
-
         info = describe_array(a)
         return (info.dtype, info.rank, info.contiguous_last)
     if isinstance(a, np.generic):

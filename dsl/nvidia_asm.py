@@ -24,6 +24,7 @@ import numbers
 from mlir import ir
 from mlir.dialects import arith, llvm, nvvm
 
+from . import builder
 from .core.errors import KilnTypeError, KilnValueError
 
 
@@ -94,9 +95,7 @@ def current_target():
     """The target the wrappers validate against: :func:`compiling_for`'s, else the kernel's."""
     if _target_stack:
         return _target_stack[-1]
-    import kiln  # the front end owns kiln.current_target(); imported late to avoid a cycle
-
-    return kiln.current_target()
+    return builder.current_target()
 
 
 def require_feature(feature: str, what: str):
@@ -388,8 +387,6 @@ def cluster_dims(x: int, y: int = 1, z: int = 1) -> None:
         rank = kiln.nvidia_asm.cluster_ctarank()  # 0 or 1
     """
     require_sm90("cluster_dims")
-    from . import builder
-
     shape = (x, y, z)
     if not all(isinstance(d, int) and d >= 1 for d in shape) \
             or x * y * z > MAX_PORTABLE_CLUSTER:
@@ -441,8 +438,6 @@ def grid_dependency_wait() -> None:
         n = lengths[kiln.block_id(0)]
     """
     require_sm90("grid_dependency_wait")
-    from . import builder
-
     state = builder.current()
     if ir.InsertionPoint.current.block != state.entry_block:
         raise KilnValueError("grid_dependency_wait() must run on every path: call it at the "

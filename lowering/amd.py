@@ -4,7 +4,7 @@ The rocdl stage converts the gpu.module to the LLVM dialect with ROCDL intrinsic
 translated in-process, then optimised and compiled by llvmlite's AMDGPU backend (assembly
 and an ELF object). ``ld.lld``, when present, links the object into a loadable ``hsaco``.
 Resource usage comes from the object's code-object notes (``llvm-readelf --notes``).
-:class:`AmdBackend` adds the assembly-level wait and schedule proofs and the HIP launcher.
+:class:`AmdBackend` adds the assembly-level wait and schedule proofs.
 
 Example::
 
@@ -24,11 +24,13 @@ from pathlib import Path
 import llvmlite.binding as llvmlite
 from mlir import ir
 
-from kiln.core.errors import CompilationError, LaunchError, UnsupportedError, source_loc_from_mlir
+from kiln.core.errors import CompilationError, UnsupportedError, source_loc_from_mlir
+from kiln.lowering import isa_amdgpu
 from kiln.lowering.metadata import AMD_KEYS, parse_amd_notes
 from kiln.lowering.pipeline import Backend, CompileState, make_gpu, run_passes
 from kiln.lowering.tools import llvm_tool, stage_tool
 from kiln.lowering.translate import device_llvm_ir
+from kiln.lowering.verify_schedule import verify_schedule
 
 TRIPLE = "amdgcn-amd-amdhsa"
 # llvmlite parses into LLVM's one global context and the target machines below are shared;
@@ -196,9 +198,6 @@ def check_amdgpu_assembly(state: CompileState, recipes: dict) -> None:
     """The assembly-level proofs: waits cover every load's registers (WaitError), clusters
     match their recipes (ScheduleWarning; the amdgcn stage emitted verbose assembly, which
     holds the cluster markers); live VGPRs per cluster go into the metadata."""
-    from kiln.lowering import isa_amdgpu
-    from kiln.lowering.verify_schedule import verify_schedule
-
     with state.step("check-assembly", "parse"):
         program = isa_amdgpu.parse(state.asm["amdgcn"], state.kernel)
     with state.step("check-assembly", "verify-waits"):
@@ -212,7 +211,8 @@ def check_amdgpu_assembly(state: CompileState, recipes: dict) -> None:
 
 
 class AmdBackend(Backend):
-    """The stages above, the assembly-level proofs, and launches through HIP."""
+    """The stages above and the assembly-level proofs (``kiln.runtime.launch`` launches its
+    code objects through HIP)."""
 
     name = "amd"
     stages = stages
@@ -222,11 +222,3 @@ class AmdBackend(Backend):
     def check(self, state: CompileState, recipes: dict) -> None:
         with state.profile.step("check-assembly"):
             check_amdgpu_assembly(state, recipes)
-
-    def launcher(self, ck):
-        from kiln.runtime.amd_host import build_amd_launcher  # loads HIP on first launch
-
-        if "hsaco" not in ck.asm:
-            raise LaunchError(f"{ck.name} has no linked code object (hsaco) to launch",
-                              fix="install ld.lld or set KILN_LD_LLD so Kiln can link it")
-        return build_amd_launcher(ck.signature, ck.target, ck.asm["hsaco"]), None

@@ -7,6 +7,9 @@ Example::
     ck = compile_kernel(kiln_ir_text, sig, CompileOptions("sm_90a"))
     print(ck.asm["ptx"], ck.metadata["registers"])
     ck.launch((blocks, 1, 1), [x, y, n, 2.0])
+
+The compile cache sits in the runtime (``kiln.runtime.cache.compile_cached`` looks a key up and
+stores what this module compiles); launching goes through the driver the facade installs.
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ from mlir import ir
 
 from kiln.core import env
 from kiln.core.errors import KilnValueError
+from kiln.core.options import CompileOptions
+from kiln.core.profile import CompileProfile
+from kiln.core.targets import Target, get_target
+from kiln.driver import installed
 from kiln.lowering import amd, nvidia
 from kiln.lowering.dump import dump_prefix, dump_stage, ir_key
-from kiln.core.options import CompileOptions
 from kiln.lowering.pipeline import Backend, CompileState, parse_module
-from kiln.core.profile import CompileProfile
+from kiln.passes.cluster_schedule import recipes_of
+from kiln.passes.insert_waits import gpu_funcs
 from kiln.signature import KernelSignature
-from kiln.core.targets import Target, get_target
 
 ARTIFACT_FORMAT = 2  # bump when the cached artifact dict changes shape
 BACKENDS: dict[str, Backend] = {b.name: b for b in (nvidia.NvidiaBackend(), amd.AmdBackend())}
@@ -72,10 +78,9 @@ class CompiledKernel:
         raise KeyError(f"kernel {self.name!r} has no binary stage")
 
     def launch(self, grid: tuple[int, int, int], args: Sequence, *, stream=None) -> None:
-        """Run on the GPU over ``grid`` blocks; ``args`` follow ``signature.params``."""
-        from kiln.runtime.launch import launch  # launch pulls in the driver runtime; load on use
-
-        launch(self, grid, args, stream=stream)
+        """Run on the GPU over ``grid`` blocks; ``args`` follow ``signature.params`` (through
+        the runtime's launcher, which the facade installs: ``kiln.runtime.launch.launch``)."""
+        installed().launch(self, grid, args, stream=stream)
 
     def dump_stages(self) -> None:
         """Write every stage under ``KILN_DUMP_DIR`` unless this kernel already did (a cache hit
@@ -119,12 +124,13 @@ class CompiledKernel:
 
 
 def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOptions, *,
-                   cache_key: str | None = None, profile: CompileProfile | None = None
+                   dump_key: str | None = None, profile: CompileProfile | None = None
                    ) -> CompiledKernel:
     """Lower Kiln IR text through every stage of ``options.target``.
 
-    Options and the block shape are validated before MLIR or LLVM sees them. With ``cache_key``
-    the result is stored in the compile cache (unless ``KILN_NO_CACHE``). MLIR failures raise
+    Options and the block shape are validated before MLIR or LLVM sees them. ``dump_key`` (the
+    cache key, when the runtime compiles for its cache) names the ``KILN_DUMP_DIR`` files;
+    without it they are named by a hash of the IR and options. MLIR failures raise
     :class:`~kiln.core.errors.CompilationError` at the user's line, with a reproducer command.
     ``profile`` (e.g. holding the trace already) gets every step's time; the kernel's
     ``metadata["compile_profile"]`` holds its entries.
@@ -133,7 +139,7 @@ def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOpt
     _check_launch_shape(signature, options, target)
     name, backend = signature.name, backend_for(target)
     profile = profile if profile is not None else CompileProfile()
-    prefix = dump_prefix(name, target.name, cache_key or ir_key(kiln_ir, options.key()))
+    prefix = dump_prefix(name, target.name, dump_key or ir_key(kiln_ir, options.key()))
     metadata: dict = {"target": target.name, "num_warps": options.num_warps, "compile_ms": {},
                       "compile_profile": profile.entries}
     with ir.Context():
@@ -156,22 +162,12 @@ def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOpt
         backend.check(state, recipes)
     kernel = CompiledKernel(name, target, options, signature, state.asm, metadata, prefix)
     kernel._dumped_to = env.dump_dir()  # each stage was dumped as it was made
-    if cache_key is not None and not env.cache_disabled():
-        from kiln.runtime import cache
-
-        # Recorded after the put: the stored profile cannot hold the time of its own storing.
-        started = profile.clock()
-        cache.put(cache_key, kernel.to_artifact())
-        profile.add_since("cache-store", started)
     return kernel
 
 
 def _stamp_target(module: ir.Module, target: Target) -> dict:
     """Tell Kiln's passes which chip each gpu.func is for (``kiln.target``); return the
     cluster recipes declared in the module (cluster -> ClusterRecipe)."""
-    from kiln.passes.cluster_schedule import recipes_of
-    from kiln.passes.insert_waits import gpu_funcs
-
     recipes: dict = {}
     for func in gpu_funcs(module.operation):
         if "kiln.target" not in func.attributes:
@@ -182,24 +178,6 @@ def _stamp_target(module: ir.Module, target: Target) -> dict:
 
 # The backends' ISA checks, re-exported for callers that import them from the compiler.
 check_amdgpu_assembly, check_sass_schedule = amd.check_amdgpu_assembly, nvidia.check_sass_schedule
-
-
-def load_cached(cache_key: str) -> CompiledKernel | None:
-    """The kernel stored under ``cache_key``, or None (miss, stale format, or cache disabled).
-    A hit writes its stages under ``KILN_DUMP_DIR`` as a compile would."""
-    if env.cache_disabled():
-        return None
-    from kiln.runtime import cache
-    from kiln.lowering.tools import stage_tool
-
-    artifact = cache.get(cache_key)
-    kernel = CompiledKernel.from_artifact(artifact) if artifact is not None else None
-    if kernel is not None:
-        # A hit must fail like a compile would when KILN_PTXAS / KILN_LD_LLD names no tool.
-        stage_tool(backend_for(kernel.target).binary_tool)
-        kernel.dump_prefix = dump_prefix(kernel.name, kernel.target.name, cache_key)
-        kernel.dump_stages()
-    return kernel
 
 
 def _check_launch_shape(signature: KernelSignature, options: CompileOptions, target: Target) -> None:

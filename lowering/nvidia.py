@@ -4,7 +4,7 @@ Each stage is a short function of the shared :class:`~kiln.lowering.pipeline.Com
 returning its artifact (text or bytes), or None when it is skipped. The nvvm pass list mirrors
 the device half of upstream ``gpu-lower-to-nvvm-pipeline``; PTX comes from the in-process NVPTX
 backend (``gpu-module-to-binary{format=isa}``); ``ptxas`` makes the cubin and reports registers.
-:class:`NvidiaBackend` adds the SASS schedule check and the CUDA-driver launcher.
+:class:`NvidiaBackend` adds the SASS schedule check.
 
 Example::
 
@@ -22,12 +22,14 @@ from pathlib import Path
 from mlir import ir
 from mlir.dialects import gpu
 
-from kiln.core.errors import CompilationError, LaunchError
+from kiln.core.errors import CompilationError
+from kiln.lowering import isa_sass
 from kiln.lowering.metadata import empty_nvidia_metadata, parse_ptxas_verbose
 from kiln.lowering.dump import dump_stage
 from kiln.lowering.pipeline import Backend, CompileState, make_gpu, run_passes
 from kiln.lowering.tools import stage_tool
 from kiln.lowering.translate import device_llvm_ir
+from kiln.lowering.verify_schedule import verify_schedule_sass
 
 TRIPLE = "nvptx64-nvidia-cuda"
 
@@ -109,9 +111,6 @@ def check_sass_schedule(state: CompileState, recipes: dict) -> None:
     """The NVIDIA schedule check (ScheduleWarning) on the cubin's SASS; skipped without a
     working ``cuobjdump`` (it is not part of every CUDA install). The listing is dumped as the
     ``sass`` stage under ``KILN_DUMP_DIR``."""
-    from kiln.lowering import isa_sass
-    from kiln.lowering.verify_schedule import verify_schedule_sass
-
     cuobjdump = stage_tool("cuobjdump")
     sass = isa_sass.dump_sass(state.asm["cubin"], cuobjdump) if cuobjdump is not None else None
     if sass is None:
@@ -121,7 +120,8 @@ def check_sass_schedule(state: CompileState, recipes: dict) -> None:
 
 
 class NvidiaBackend(Backend):
-    """The stages above, the SASS schedule check, and launches through the CUDA driver."""
+    """The stages above and the SASS schedule check (``kiln.runtime.launch`` launches its
+    binaries through the CUDA driver)."""
 
     name = "nvidia"
     stages = stages
@@ -132,17 +132,3 @@ class NvidiaBackend(Backend):
         if recipes and "cubin" in state.asm:
             with state.profile.step("check-sass"):
                 check_sass_schedule(state, recipes)
-
-    def launcher(self, ck):
-        from kiln.runtime.cuda import driver  # the driver runtime loads on first launch
-        from kiln.runtime.host import build_nvidia_launcher
-        from kiln.runtime.launch import check_launch_config
-
-        if ck.target.ptx_only:
-            raise LaunchError(f"{ck.target.name} kernels cannot be launched by Kiln (PTX only)",
-                              fix="inspect kernel.asm['ptx'], or compile for sm_80/sm_90a to run")
-        cuda_driver = driver()  # raises LaunchError without a GPU, before the JIT could abort
-        check_launch_config(ck.name, ck.signature, getattr(ck, "metadata", {}),
-                            cuda_driver.launch_limits())
-        return build_nvidia_launcher(ck.signature, ck.target, cubin=ck.asm.get("cubin"),
-                                     ptx=ck.asm.get("ptx")), cuda_driver

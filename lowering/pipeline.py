@@ -59,8 +59,10 @@ def make_gpu(state: CompileState) -> str:
 class Backend(ABC):
     """One vendor's compiler, Triton-style: ``stages`` (name -> ``fn(state)`` returning the
     artifact or None, in order), the ISA checks, ``binary_stages`` (what a loader takes, preferred
-    first), ``binary_tool`` (the tool making the first) and the launcher. The compile loop and
-    :class:`~kiln.lowering.compiler.CompiledKernel` call only these.
+    first) and ``binary_tool`` (the tool making the first). The compile loop and
+    :class:`~kiln.lowering.compiler.CompiledKernel` call only these; the runtime keeps one
+    launcher per backend ``name`` (``kiln.runtime.launch.LAUNCHERS``), since launching needs the
+    driver glue of the layer above.
 
     Example: ``for name, make in backend_for(get_target("gfx950")).stages.items(): make(state)``.
     """
@@ -74,9 +76,6 @@ class Backend(ABC):
     def check(self, state: CompileState, recipes: dict) -> None:
         """The ISA-level proofs on the finished stages, given the cluster recipes."""
 
-    @abstractmethod
-    def launcher(self, ck) -> tuple[Callable, object]:
-        """``(launch function, driver or None)`` for ``ck``, or LaunchError / ResourceError."""
 
 
 def run_passes(state: CompileState, stage: str, elements: Sequence[str], *,
@@ -142,15 +141,10 @@ def first_user_location(err: ir.MLIRError) -> SourceLoc | None:
     """The first file:line:col location among the diagnostics (and their notes)."""
     for diag in err.error_diagnostics:
         for candidate in (diag, *diag.notes):
-            loc = source_loc(candidate.location)
+            loc = source_loc_from_mlir(candidate.location)
             if loc is not None:
                 return loc
     return None
-
-
-def source_loc(loc: ir.Location) -> SourceLoc | None:
-    """Unwrap name/callsite/fused locations down to the innermost ``FileLineColLoc``."""
-    return source_loc_from_mlir(loc)
 
 
 def parse_module(kernel: str, text: str, *, dump_prefix: str = "") -> ir.Module:

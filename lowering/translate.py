@@ -5,7 +5,7 @@ from __future__ import annotations
 from mlir import ir
 from mlir.dialects import llvm
 
-from kiln.core.errors import CompilationError, InternalError
+from kiln.core.errors import CompilationError, InternalError, source_loc_from_mlir
 
 # Dialects LLVM IR translation understands. The binding crashes the process (null module) on
 # anything else, so such ops are reported before translating.
@@ -40,8 +40,6 @@ def device_llvm_ir(module: ir.Module, triple: str) -> str:
 
 
 def _check_translatable(module: ir.Module) -> None:
-    from kiln.lowering.pipeline import source_loc
-
     leftovers: list[ir.Operation] = []
 
     def visit(op: ir.Operation):
@@ -56,4 +54,4 @@ def _check_translatable(module: ir.Module) -> None:
             f"'{op.name}' was not lowered to the LLVM dialect, so the kernel cannot become LLVM IR",
             fix="this op is not supported on this target; rewrite that line with supported "
                 "operations, or report a Kiln bug with KILN_DUMP_DIR's files",
-            loc=source_loc(op.location))
+            loc=source_loc_from_mlir(op.location))

@@ -39,17 +39,10 @@ from mlir import ir
 from mlir.dialects import arith, gpu, llvm, rocdl, scf
 
 from kiln.cluster import CLUSTER_ATTR, RECIPES_ATTR, SCHED_GROUP_MASKS, ClusterRecipe
-from kiln.core.errors import CompilationError, KilnValueError, UnsupportedError
+from kiln.core.errors import CompilationError, KilnValueError, UnsupportedError, source_loc_from_mlir
 from kiln.passes import register_pass
 from kiln.passes.enclosing import enclosing_loops
 from kiln.passes.insert_waits import MMA_PREFIXES, func_vendor, gpu_funcs
-
-
-def source_loc(location):
-    """The user's file:line of an MLIR location (imported late: the pipeline imports passes)."""
-    from kiln.lowering.pipeline import source_loc as unwrap
-
-    return unwrap(location)
 
 
 NAME = "kiln-cluster-schedule"
@@ -125,7 +118,7 @@ def recipes_of(func: ir.Operation) -> dict[int, ClusterRecipe]:
     for entry in ir.DictAttr(func.attributes[RECIPES_ATTR]):
         if not entry.name.startswith("c") or not entry.name[1:].isdigit():
             raise KilnValueError(f"bad cluster key {entry.name!r} in {RECIPES_ATTR}",
-                                 fix="keys are c<k>, e.g. c0, c1", loc=source_loc(func.location))
+                                 fix="keys are c<k>, e.g. c0, c1", loc=source_loc_from_mlir(func.location))
         recipes[int(entry.name[1:])] = ClusterRecipe.parse(ir.StringAttr(entry.attr).value)
     return recipes
 
@@ -159,7 +152,7 @@ def _schedule_amd(span: ClusterSpan, recipe: ClusterRecipe, first_instance: bool
     if recipe.pingpong is not None:
         raise UnsupportedError(f"cluster {span.cluster}: pingpong is NVIDIA-only (recipe: {recipe})",
                                fix="drop pingpong on AMD targets; use setprio to favour a wave",
-                               loc=source_loc(span.ops[0].location))
+                               loc=source_loc_from_mlir(span.ops[0].location))
     tag = span.ops[0].attributes[CLUSTER_ATTR]
     first, last = span.ops[0], span.ops[-1]
     with ir.InsertionPoint(first), first.location:
@@ -240,7 +233,7 @@ def _schedule_nvidia(span: ClusterSpan, recipe: ClusterRecipe, first_instance: b
         raise UnsupportedError(
             f"cluster {span.cluster}: interleave/iglp/priority are AMD-only (recipe: {recipe})",
             fix="on NVIDIA declare only work, barrier_at_end and pingpong",
-            loc=source_loc(span.ops[0].location))
+            loc=source_loc_from_mlir(span.ops[0].location))
     if recipe.pingpong is not None:
         _schedule_pingpong(span, recipe, first_instance)
     if recipe.barrier_at_end:
@@ -262,7 +255,7 @@ def cluster_schedule(module_op: ir.Operation, pass_=None) -> None:
             if span.cluster not in recipes:
                 raise CompilationError(f"cluster {span.cluster} has no recipe in {RECIPES_ATTR}",
                                      fix="open it with kiln.cluster(k, recipe) (or add c<k>)",
-                                     loc=source_loc(span.ops[0].location))
+                                     loc=source_loc_from_mlir(span.ops[0].location))
             schedule = _schedule_nvidia if vendor == "nvidia" else _schedule_amd
             schedule(span, recipes[span.cluster], span.cluster not in seen)
             seen.add(span.cluster)

@@ -4,6 +4,7 @@ Example::
 
     func = enclosing_gpu_func(op)      # None outside any gpu.func
     loops = enclosing_loops(op)        # innermost first; [] when op is in no loop
+    where(op)                          # "kernel.py:12", for messages
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import itertools
 
 from mlir import ir
+
+from kiln.core.errors import source_loc_from_mlir
 
 LOOPS = ("scf.for", "scf.while")
 
@@ -33,3 +36,9 @@ def enclosing_loops(op: ir.Operation) -> list[ir.Operation]:
     first."""
     inside = itertools.takewhile(lambda parent: parent.name != "gpu.func", _ancestors(op))
     return [parent for parent in inside if parent.name in LOOPS]
+
+
+def where(op: ir.Operation) -> str:
+    """``file:line`` of ``op``'s user location, for messages."""
+    loc = source_loc_from_mlir(op.location)
+    return f"{loc.filename.rsplit('/', 1)[-1]}:{loc.line}" if loc else "an unknown line"

@@ -30,9 +30,10 @@ from __future__ import annotations
 from mlir import ir
 from mlir.dialects import arith, nvgpu, nvvm, rocdl
 
-from kiln.core.errors import InternalError, WaitError
+from kiln.core.errors import InternalError, WaitError, source_loc_from_mlir
+from kiln.mbarrier import DEFAULT_TICKS
 from kiln.passes import register_pass
-from kiln.passes.enclosing import enclosing_gpu_func, enclosing_loops
+from kiln.passes.enclosing import enclosing_gpu_func, enclosing_loops, where
 from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, MBARRIER_WAIT, TMA_LOAD, WGMMA, Gap,
                                        WaitAnalysis, encode_gfx9_waitcnt, mbarrier_of,
                                        same_mbarrier, wait_limits)
@@ -145,10 +146,9 @@ def later_phase_load(event: ir.Operation, place_before: ir.Operation) -> ir.Oper
 
 
 def _wait_error(gap: Gap, what: str, fix: str) -> WaitError:
-    from kiln.passes.verify_waits import source_loc, where
-
     return WaitError(f"this {gap.reader.name} may read before the {gap.event.name} at "
-                     f"{where(gap.event)} {what}", fix=fix, loc=source_loc(gap.reader.location))
+                     f"{where(gap.event)} {what}", fix=fix,
+                     loc=source_loc_from_mlir(gap.reader.location))
 
 
 def _build_mbarrier_wait(gap: Gap) -> None:
@@ -161,15 +161,11 @@ def _build_mbarrier_wait(gap: Gap) -> None:
                           "kiln.mbarrier.PhaseTracker in loops")
     later = later_phase_load(gap.event, gap.place_before)
     if later is not None:
-        from kiln.passes.verify_waits import where
-
         raise _wait_error(gap, f"lands, and the nvgpu.tma.async.load at {where(later)} may "
                           f"complete a later phase of its mbarrier first, so a wait for parity "
                           f"{phase} here could wait for a phase that never comes",
                           "wait for the load before the later loads on its mbarrier (e.g. "
                           "before the loop that issues them): barriers.try_wait(i, phase)")
-    from kiln.mbarrier import DEFAULT_TICKS
-
     index_type = ir.IndexType.get()
     nvgpu.mbarrier_try_wait_parity(barriers, arith.constant(ir.IntegerType.get_signless(1), phase),
                                    arith.constant(index_type, DEFAULT_TICKS),

@@ -19,25 +19,14 @@ from __future__ import annotations
 
 from mlir import ir
 
-from kiln.core.errors import WaitError
+from kiln.core.errors import WaitError, source_loc_from_mlir
 from kiln.passes import register_pass
+from kiln.passes.enclosing import where
 from kiln.passes.insert_waits import func_vendor, gpu_funcs
 from kiln.passes.wait_analysis import CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis, mbarrier_of
 
 
-def source_loc(location):
-    """The user's file:line of an MLIR location (imported late: the pipeline imports passes)."""
-    from kiln.lowering.pipeline import source_loc as unwrap
-
-    return unwrap(location)
-
-
 NAME = "kiln-verify-waits"
-
-
-def where(op: ir.Operation) -> str:
-    loc = source_loc(op.location)
-    return f"{loc.filename.rsplit('/', 1)[-1]}:{loc.line}" if loc else "an unknown line"
 
 
 def gap_error(gap: Gap) -> WaitError:
@@ -47,7 +36,7 @@ def gap_error(gap: Gap) -> WaitError:
             f"this {gap.reader.name} reads the result of the {gap.event.name} at "
             f"{where(gap.event)} before it is committed: no wgmma.wait_group can cover it",
             fix="call kiln.wgmma.commit() after the last mma_async, then kiln.wgmma.wait_group(0)",
-            loc=source_loc(gap.reader.location))
+            loc=source_loc_from_mlir(gap.reader.location))
     if gap.counter == MBARRIER:
         index = mbarrier_of(gap.event)[1]
         wait = (f"a try_wait on mbarrier {index if index is not None else '(computed index)'} "
@@ -62,7 +51,7 @@ def gap_error(gap: Gap) -> WaitError:
         f"this {gap.reader.name} may read before the async {gap.event.name} at {where(gap.event)} "
         f"lands ({gap.counter}): no wait covers it on every path",
         fix=f"add {wait} before the read, or drop kiln.manual_waits() to let Kiln insert it",
-        loc=source_loc(gap.reader.location))
+        loc=source_loc_from_mlir(gap.reader.location))
 
 
 def verify_waits(module_op: ir.Operation, pass_=None) -> None:

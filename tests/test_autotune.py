@@ -174,10 +174,10 @@ def test_kernel_configs_are_compiled_concurrently_before_timing(monkeypatch):
     lowering of several configs in flight at once (ptxas and native stages overlap)."""
     import threading
 
-    from kiln.lowering import compiler
+    from kiln.runtime import cache
 
     launched, in_flight, peak = [], [0], [0]
-    real_compile = compiler.compile_kernel
+    real_compile = cache.compile_kernel
     lock = threading.Lock()
 
     def counting_compile(*args, **kwargs):
@@ -199,7 +199,7 @@ def test_kernel_configs_are_compiled_concurrently_before_timing(monkeypatch):
     def fake_launch(self, grid, *args, **kwargs):
         launched.append(len(doubled._compiled))
 
-    monkeypatch.setattr(compiler, "compile_kernel", counting_compile)
+    monkeypatch.setattr(cache, "compile_kernel", counting_compile)
     monkeypatch.setenv("KILN_NO_CACHE", "1")
     monkeypatch.setattr(type(doubled), "_launch", fake_launch)
     configs = [{"BLOCK": 32 * 2 ** i, "num_warps": 1 + i % 2} for i in range(4)]

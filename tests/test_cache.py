@@ -102,7 +102,7 @@ def test_versions_enter_the_key(component, monkeypatch):
     before = cache.make_key("kernel")
     cache.toolchain_versions.cache_clear()
     if component == "kiln":
-        monkeypatch.setattr(kiln, "__version__", "99.0")
+        monkeypatch.setattr(kiln.core, "__version__", "99.0")
     else:
         real = cache._distribution_version
         monkeypatch.setattr(cache, "_distribution_version",

@@ -1,5 +1,6 @@
-"""The vendor backends: compile_kernel, CompiledKernel and launch ask ``backend_for(target)`` for
-stages, checks, binaries and the launcher, with no vendor branch of their own."""
+"""The vendor backends: compile_kernel and CompiledKernel ask ``backend_for(target)`` for stages,
+checks and binaries, and the runtime's launch asks ``LAUNCHERS[backend.name]``, with no vendor
+branch of their own."""
 
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from kiln.core.options import CompileOptions
 from kiln.lowering.pipeline import Backend
 from kiln.signature import KernelSignature, ScalarParam, TensorParam
 from kiln.core.targets import TARGETS, get_target
+from kiln.runtime import launch as launch_mod
 
 SAXPY_IR = (Path(__file__).parent / "lit" / "lowering" / "Inputs" / "saxpy.mlir").read_text()
 SAXPY = KernelSignature("saxpy", (TensorParam("x", "f32", 1), TensorParam("y", "f32", 1),
@@ -47,6 +49,7 @@ class RecordingBackend(Backend):
 def recording(monkeypatch):
     backend = RecordingBackend()
     monkeypatch.setitem(compiler.BACKENDS, "nvidia", backend)
+    monkeypatch.setitem(launch_mod.LAUNCHERS, "nvidia", backend.launcher)
     monkeypatch.delenv("KILN_DUMP_DIR", raising=False)
     return backend
 
@@ -58,7 +61,7 @@ def test_every_target_has_its_vendor_backend():
     assert isinstance(backend_for(get_target("sm_90a")), nvidia.NvidiaBackend)
     assert list(backend_for(get_target("gfx950")).stages) == list(amd.stages)
     with pytest.raises(TypeError):
-        Backend()  # check and launcher are abstract
+        Backend()  # check is abstract
 
 
 def test_compile_loop_runs_only_the_backends_stages_then_its_check(recording):
@@ -69,7 +72,7 @@ def test_compile_loop_runs_only_the_backends_stages_then_its_check(recording):
     assert ck.binary == "gpu text"  # the first of the backend's binary stages that exists
 
 
-def test_launch_uses_the_backends_launcher(recording):
+def test_launch_uses_the_runtimes_launcher_for_the_backend(recording):
     signature = KernelSignature("k", (ScalarParam("n", "i32"),), block=(128, 1, 1))
     ck = CompiledKernel("k", get_target("sm_90a"), CompileOptions("sm_90a"), signature,
                         {"ptx": "// ptx"}, {})

@@ -11,6 +11,7 @@ from source_modules import write_kernel_module
 
 from kiln.core.errors import CompilationError, KilnValueError
 from kiln.lowering.compiler import CompiledKernel, compile_kernel
+from kiln.runtime.cache import compile_cached, load_cached
 from kiln.core.options import CompileOptions
 from kiln.signature import KernelSignature, ScalarParam, TensorParam
 
@@ -169,8 +170,8 @@ def test_amd_device_library_call_is_a_compile_error(tmp_path):
 def test_profile_times_every_step_and_the_cache_store(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("KILN_NO_CACHE", raising=False)
-    kernel = compile_kernel(SAXPY_IR, SAXPY, CompileOptions("gfx950", num_warps=2),
-                            cache_key="profile-test")
+    kernel = compile_cached(SAXPY_IR, SAXPY, CompileOptions("gfx950", num_warps=2),
+                            "profile-test")
     profile = kernel.metadata["compile_profile"]
     steps = [name for name, _, _ in profile]
     top = [s for s in steps if "." not in s]
@@ -181,8 +182,6 @@ def test_profile_times_every_step_and_the_cache_store(tmp_path, monkeypatch):
     assert all(wall >= 0 and cpu >= 0 for _, wall, cpu in profile)
     stage = dict((name, wall) for name, wall, _ in profile)
     assert stage["amdgcn"] >= stage["amdgcn.emit"] > 0  # a nested step lies inside its stage
-    from kiln.lowering.compiler import load_cached
-
     stored = load_cached("profile-test")  # stored before its own store was timed
     assert [s for s, _, _ in stored.metadata["compile_profile"]] == steps[:-1]
 

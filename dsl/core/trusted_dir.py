@@ -29,6 +29,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from kiln.core import env
 from kiln.core.errors import CacheWarning
 
 _warned: set = set()
@@ -130,3 +131,16 @@ def write_atomic(path: Path, data: bytes) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def cache_root() -> Path:
+    """The cache directory (``KILN_CACHE_DIR``, default ``~/.cache/kiln``)."""
+    return env.cache_dir()
+
+
+def usable_root() -> Path | None:
+    """:func:`cache_root` if the cache is on and the directory is safe to use, else None (one
+    CacheWarning says why). The compile cache and the autotune store live under it."""
+    if env.cache_disabled():
+        return None
+    return private_dir(cache_root(), "compile cache", "KILN_CACHE_DIR")

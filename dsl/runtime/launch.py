@@ -45,7 +45,10 @@ from kiln.core import env
 from kiln.core.dtypes import dtype as to_dtype
 from kiln.core.errors import KilnTypeError, KilnValueError, LaunchError, ResourceError
 from kiln.launch_args import check_float_argument, check_int_argument, normalize_grid
-from kiln.runtime.host import scalar_carrier
+from kiln.lowering.compiler import backend_for
+from kiln.runtime.amd_host import build_amd_launcher
+from kiln.runtime.cuda import driver
+from kiln.runtime.host import build_nvidia_launcher, scalar_carrier
 from kiln.signature import ScalarParam, TensorMapParam, TensorParam
 
 _PLAN_ATTRIBUTE = "_launch_plan"
@@ -273,13 +276,35 @@ class _Staging:
             self.driver.mem_free(ptr)
 
 
+def nvidia_launcher(ck) -> tuple[Callable, object]:
+    """``(launch function, CUDA driver)`` for an NVIDIA kernel, or LaunchError/ResourceError."""
+    if ck.target.ptx_only:
+        raise LaunchError(f"{ck.target.name} kernels cannot be launched by Kiln (PTX only)",
+                          fix="inspect kernel.asm['ptx'], or compile for sm_80/sm_90a to run")
+    cuda_driver = driver()  # raises LaunchError without a GPU, before the JIT could abort
+    check_launch_config(ck.name, ck.signature, getattr(ck, "metadata", {}),
+                        cuda_driver.launch_limits())
+    return build_nvidia_launcher(ck.signature, ck.target, cubin=ck.asm.get("cubin"),
+                                 ptx=ck.asm.get("ptx")), cuda_driver
+
+
+def amd_launcher(ck) -> tuple[Callable, object]:
+    """``(launch function, None)`` for an AMD kernel (HIP loads on the first launch)."""
+    if "hsaco" not in ck.asm:
+        raise LaunchError(f"{ck.name} has no linked code object (hsaco) to launch",
+                          fix="install ld.lld or set KILN_LD_LLD so Kiln can link it")
+    return build_amd_launcher(ck.signature, ck.target, ck.asm["hsaco"]), None
+
+
+# One launcher per backend (Backend.name); tests replace entries to record launches.
+LAUNCHERS = {"nvidia": nvidia_launcher, "amd": amd_launcher}
+
+
 def _plan_of(ck) -> "_LaunchPlan":
-    """The launch plan cached on ``ck``, built on first use by its target's backend."""
+    """The launch plan cached on ``ck``, built on first use by its backend's launcher."""
     plan = getattr(ck, _PLAN_ATTRIBUTE, None)
     if plan is None:
-        from kiln.lowering.compiler import backend_for
-
-        plan = _LaunchPlan(ck.name, ck.signature, *backend_for(ck.target).launcher(ck))
+        plan = _LaunchPlan(ck.name, ck.signature, *LAUNCHERS[backend_for(ck.target).name](ck))
         setattr(ck, _PLAN_ATTRIBUTE, plan)
     return plan
 
