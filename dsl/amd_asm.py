@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from mlir import ir
 from mlir.dialects import rocdl
 
+from . import builder
 from .core.errors import KilnTypeError, KilnValueError
 from .nvidia_asm import current_target
 
@@ -99,8 +100,6 @@ class _TokenIds:
         self.next = 0
 
     def take(self) -> int:
-        from . import builder
-
         state = builder.current() if builder.is_tracing() else None
         if state is not self.trace:
             self.trace, self.next = state, 0

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kiln.core.dtypes import DType, dtype as to_dtype
+from kiln.core.errors import KilnTypeError
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,6 @@ def describe_array(value: Any) -> ArrayInfo:
         else:
             strides = tuple(s // np_dtype.itemsize for s in cai["strides"])
         return ArrayInfo(dt, shape, strides, True, int(cai["data"][0]))
-    from kiln.core.errors import KilnTypeError
 
     raise KilnTypeError(f"expected a numpy array or a CUDA tensor, got {type(value).__name__}",
                         fix="pass a numpy array, a torch/cupy CUDA tensor, or an object with "

@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence
 
 from .core.errors import KilnError, KilnTypeError, KilnValueError
 from .core.trusted_dir import private_dir, read_owned, usable_root, warn_once, write_atomic
+from .kernel import JITKernel
 
 BAR_WIDTH = 24
 
@@ -74,8 +75,6 @@ class Autotuner:
 
     def __init__(self, target, configs: tuple, key: tuple[str, ...], *, warmup: int,
                  repeat: int, timer, progress: bool, precompile: Callable | None = None):
-        from .kernel import JITKernel
-
         self.target = target
         self.is_kernel = isinstance(target, JITKernel)
         fn = target.fn if self.is_kernel else target

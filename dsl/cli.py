@@ -27,6 +27,8 @@ import numpy as np
 
 from .core import dtypes
 from .core.errors import KilnError, KilnValueError
+from .kernel import JITKernel
+from kiln.core.profile import format_profile
 
 
 def _load_kernel(spec: str):
@@ -45,7 +47,6 @@ def _load_kernel(spec: str):
     sys.modules[path.stem] = module  # kernels look up their globals through the module
     module_spec.loader.exec_module(module)
     kernel = getattr(module, name, None)
-    from .kernel import JITKernel
 
     if not isinstance(kernel, JITKernel):
         raise KilnValueError(f"{path} has no @kiln.kernel named {name!r}",
@@ -121,8 +122,6 @@ def format_report(ck) -> str:
         lines.extend(f"  {cluster:<8} {count:>4}" for cluster, count in live.items())
     profile = ck.metadata.get("compile_profile")
     if profile:
-        from kiln.core.profile import format_profile
-
         lines.append("compile profile (CPU ms include ptxas/ld.lld; from the first compile "
                      "when the kernel came from the cache):")
         lines.extend(format_profile(profile))

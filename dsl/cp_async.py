@@ -27,6 +27,7 @@ from . import builder
 from .core import dtypes as dt
 from .core.errors import KilnTypeError, KilnValueError
 from .global_tile import GlobalTile
+from .ops import where
 from .shared_tile import SharedTile
 from .tensor import to_index
 from .values import Handle, Value, cast
@@ -87,8 +88,6 @@ def _as_i32(x: Any) -> Any:
 
 
 def _select(cond: Value, a: Any, b: Any) -> Value:
-    from .ops import where
-
     return where(cond, a, b)
 
 

@@ -55,6 +55,7 @@ from .driver import installed, lowering_signature, tensor_arg_spec
 from .fingerprint import EXACT_KEY_TYPES, constexpr_key, keyword_key_part, typed_key
 from .launch_args import normalize_grid
 from .tensor import TensorRef, memref_type
+from .tma import descriptor_from_pointer
 from .values import Value
 
 OPTION_NAMES = ("target", "num_warps", "num_threads", "opt_level", "ptx_version", "maxnreg")
@@ -277,8 +278,6 @@ class JITKernel:
         if spec.kind == "tensor":
             return TensorRef(arg, spec.dtype, spec.name)
         if spec.kind == "tensormap":
-            from .tma import descriptor_from_pointer
-
             tm = spec.tensormap
             return descriptor_from_pointer(arg, tm.dtype, tm.box, tm.swizzle,
                                            oob_fill_nan=tm.oob_fill_nan)

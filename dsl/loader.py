@@ -64,8 +64,10 @@ from .builder import current_target
 from .core.errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
 from .layout import Layout, ThreadValueLayout, concat_modes
 from .mfma import WAVE, values_per_lane
+from .ops import lane_id
 from .shared import SharedTensor
 from .swizzle import ComposedSwizzle, Swizzle
+from .tensor import to_index
 from .values import Value, cast
 
 MAX_LDS_READ_BYTES = 16  # ds_read_b128
@@ -347,8 +349,6 @@ class TiledMmaLoader:
 
 
 def _lane() -> Value:
-    from .ops import lane_id
-
     return lane_id()
 
 
@@ -361,8 +361,6 @@ def _flat(smem: SharedTensor) -> ir.Value:
 
 
 def _index(offset: Any) -> ir.Value:
-    from .tensor import to_index
-
     return to_index(cast(offset, dt.i32) if isinstance(offset, Value) else offset)
 
 

@@ -37,10 +37,12 @@ from typing import Any
 from mlir.dialects import amdgpu, vector
 
 from . import mma
+from .amd_buffer import BufferTensor
 from .core.dtypes import DType, bf16, f8e4m3, f8e5m2, f16, f32
 from .core.errors import KilnTypeError, KilnValueError, UnsupportedError
 from .layout import (Layout, ThreadValueLayout, concat_modes, mfma_16x16_accumulator,
                      mfma_32x32_accumulator)
+from .ops import lane_id, where
 from .values import Value, cast
 
 WAVE = 64
@@ -158,9 +160,6 @@ def store_accumulator(c: Value, dst, row0: Any, col0: Any, *, transposed: bool =
 
     Example: ``store_accumulator(acc, c_buf, m0, n0, transposed=True, limits=(M, N))``.
     """
-    from .amd_buffer import BufferTensor
-    from .ops import lane_id, where
-
     if not isinstance(c, Value) or c.dtype is not f32 or c.shape not in ((16,), (4,)):
         raise KilnTypeError(f"store_accumulator needs a 32x32 (vector<16xf32>) or 16x16 "
                             f"(vector<4xf32>) MFMA accumulator, got {c!r}",

@@ -24,12 +24,15 @@ from typing import Any
 from mlir import ir
 from mlir.dialects import llvm, nvvm, vector
 
-from . import layout as L
+from . import layout as L, ops
 from . import wgmma
 from .core.dtypes import DType, bf16, dtype as as_dtype, f16, f32
 from .core.errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
 from .layout import ThreadValueLayout
+from .nvidia_asm import current_target
+from .reg_tile import RegTile
 from .values import Value
+from kiln.core.targets import get_target
 
 VENDORS = ("amd", "nvidia")
 
@@ -134,10 +137,6 @@ def register_atom(atom: MmaAtom) -> None:
 
 
 def _resolve_target(target):
-    from kiln.core.targets import get_target
-
-    from .nvidia_asm import current_target
-
     return current_target() if target is None else get_target(target)
 
 
@@ -365,23 +364,17 @@ class TiledMma:
 
     def warp_origin(self) -> tuple[Value, Value]:
         """``(row, col)`` of this warp's C block in the tile (traced i32)."""
-        from . import ops
-
         warp = ops.thread_id(0) // self.atom.spec.threads
         return (warp // self.warps_n) * self.warp_m, (warp % self.warps_n) * self.warp_n
 
     def accumulator(self, value: float = 0.0) -> "RegTile":
         """This warp's C block as a RegTile of ``value`` (grid ``rep_m x rep_n``)."""
-        from .reg_tile import RegTile
-
         s = self.atom.spec
         return RegTile.full(s.c_layout, (self.rep_m, self.rep_n), value, s.acc_dtype)
 
     def mma(self, acc: "RegTile", a: "RegTile", b: "RegTile") -> "RegTile":
         """``acc + a @ b`` for this warp's blocks: ``a`` a ``rep_m x rep_k`` grid of A
         fragments (rows of the warp's C block, ``tile_k`` columns), ``b`` ``rep_k x rep_n``."""
-        from .reg_tile import RegTile
-
         s = self.atom.spec
         for what, tile, layout, grid in (("acc", acc, s.c_layout, (self.rep_m, self.rep_n)),
                                          ("a", a, s.a_layout, (self.rep_m, self.rep_k)),

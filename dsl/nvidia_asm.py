@@ -25,7 +25,12 @@ from mlir import ir
 from mlir.dialects import arith, llvm, nvvm
 
 from . import builder
+from .builder import GLOBAL_MEMORY_SPACE, SHARED_MEMORY_SPACE
+from .core import dtypes as dt
+from .core.dtypes import i32 as kiln_i32
 from .core.errors import KilnTypeError, KilnValueError
+from .values import Value, cast, to_value
+from kiln.core.targets import get_target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,8 +87,6 @@ def compiling_for(target):
         with ir.Context(), ir.Location.unknown(), kiln.nvidia_asm.compiling_for("sm_90a"):
             ...  # build a gpu.func and call kiln.tma / kiln.wgmma wrappers in it
     """
-    from kiln.core.targets import get_target
-
     _target_stack.append(get_target(target))
     try:
         yield _target_stack[-1]
@@ -121,7 +124,6 @@ def elect_sync():
     of dtype i1 when the front end is loaded, usable as ``predicate=`` or in ``if``.
     """
     require_sm90("elect_sync")
-    from .values import Value
 
     return Value(nvvm.elect_sync(ir.IntegerType.get_signless(1)))
 
@@ -192,9 +194,6 @@ def named_barrier_any(barrier_id, num_threads: int, flag):
         if kiln.nvidia_asm.named_barrier_any(7 + group, 128, x > limit):
             ...   # every warp of the group takes this branch, or none does
     """
-    from .core.dtypes import i32 as kiln_i32
-    from .values import Value, cast, to_value
-
     require_feature("ptx", "named_barrier_any")
     flag = to_value(flag)
     if flag.shape or flag.dtype.name not in ("i1", "i8", "i16", "i32"):
@@ -224,9 +223,6 @@ def sched_barrier(scratch, *index) -> None:
         kiln.nvidia_asm.sched_barrier(scratch, tid)    # ... in SASS too
         kiln.wgmma.wait_group(0)
     """
-    from .core import dtypes as dt
-    from .builder import SHARED_MEMORY_SPACE
-
     _check_nvidia_buffer(scratch, dt.i32, SHARED_MEMORY_SPACE, "sched_barrier",
                          "stores to a shared tensor of i32 words",
                          "pass kiln.shared((threads,), kiln.i32)")
@@ -276,10 +272,6 @@ def wait_for_count(counters, *index, target) -> None:
     The interpreter runs CTAs one at a time, so a wait passes there only where the CTAs before
     this one already brought the counter to ``target``; otherwise it raises UnsupportedError.
     """
-    from .core import dtypes as dt
-    from .builder import GLOBAL_MEMORY_SPACE
-    from .values import cast, to_value
-
     _check_nvidia_buffer(counters, dt.i64, GLOBAL_MEMORY_SPACE, "wait_for_count",
                          "polls a global tensor of i64 counters",
                          "keep the counters in a kiln.Tensor[kiln.i64, ...]")
@@ -405,7 +397,6 @@ def cluster_dims(x: int, y: int = 1, z: int = 1) -> None:
 def cluster_ctarank():
     """This CTA's rank in its cluster (``%cluster_ctarank``, 0 .. CTAs per cluster - 1), an i32."""
     require_sm90("cluster_ctarank")
-    from .values import Value
 
     return Value(nvvm.read_ptx_sreg_cluster_ctarank(ir.IntegerType.get_signless(32)))
 

@@ -27,6 +27,7 @@ from . import builder
 from .core import dtypes as dt
 from . import pyhints
 from .core.errors import KilnValueError, ResourceError, checked_call
+from .nvidia_asm import as_index
 from .tensor import TensorRef, numel_bytes
 from .values import Value
 
@@ -124,8 +125,6 @@ class DynamicSharedTensor(SharedTensor):
 
         Example: ``kiln.tma.load(a_map, a_tiles.tile(stage), (k0, m0), full, stage)``.
         """
-        from .nvidia_asm import as_index
-
         if len(self.shape) < 2:
             raise KilnValueError(f"tile() needs a buffer of rank >= 2, {self.name} has shape "
                                  f"{self.shape}", fix="index rank-1 buffers element-wise")

@@ -21,6 +21,7 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import memref, vector
 
+from . import ops
 from .core import dtypes as dt
 from .core.errors import KilnTypeError, KilnValueError
 from .layout import Layout, ThreadValueLayout, make_layout
@@ -165,8 +166,6 @@ class SharedTile:
         ``lane`` defaults to ``kiln.lane_id() % tv.num_threads``. Example:
         ``a = a_s.load_fragments(mma_m16n8k16_a(), (2, 2), (tm.warp_origin()[0], 0))``.
         """
-        from . import ops
-
         if lane is None:
             lane = ops.lane_id() % tv.num_threads
         width = self.fragment_width(tv)

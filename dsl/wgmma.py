@@ -32,7 +32,12 @@ from mlir.dialects import arith, llvm, memref, nvgpu, nvvm, vector
 
 from .core.dtypes import DType, dtype as as_dtype, f32, from_mlir
 from .core.errors import KilnTypeError, KilnValueError, UnsupportedError
-from .nvidia_asm import as_index, ir_value, require_feature
+from .layout import wgmma_m64_accumulator
+from .nvidia_asm import (as_index, ir_value, keep_registers_live, require_feature,
+                         wgmma_mma_async_regs)
+from .ops import thread_id
+from .reg_tile import RegTile
+from .values import Value, cast
 
 WARPGROUP_M = 64
 INSTRUCTION_K = 16
@@ -209,8 +214,6 @@ def wait_group(pending: int = 0, *, reads=()) -> None:
     registers = [r for frag in reads for r in _a_registers(frag)]
     nvvm.wgmma_wait_group_sync_aligned(pending)
     if registers:
-        from .nvidia_asm import keep_registers_live
-
         keep_registers_live(registers)
 
 
@@ -281,8 +284,6 @@ class Fragment:
 
     def element(self, i: int):
         """Register ``i`` (0 <= i < n // 2) of this thread, as a ``kiln.Value`` f32."""
-        from .values import Value
-
         return Value(llvm.extractvalue(f32.mlir_type(), self.ir, [i]), f32)
 
 
@@ -292,10 +293,6 @@ def fragment_to_tile(acc: Fragment):
     (row reductions, ``OnlineSoftmax``) can work on WGMMA results.
     Example: ``s = fragment_to_tile(scores); m = s.row_max()``.
     """
-    from .layout import wgmma_m64_accumulator
-    from .reg_tile import RegTile
-    from .values import Value
-
     if not isinstance(acc, Fragment):
         raise KilnTypeError(f"fragment_to_tile needs a kiln.wgmma.Fragment, got "
                             f"{type(acc).__name__}", fix="pass the result of mma_async")
@@ -309,10 +306,6 @@ def fragment_from_tile(tile) -> Fragment:
     """The :class:`Fragment` holding a 1 x 1 f32 RegTile of layout ``wgmma_m64_accumulator``
     (the inverse of :func:`fragment_to_tile`), ready for :func:`mma_async` or
     :func:`store_fragment_swizzled`. Example: ``acc = fragment_from_tile(o_tile)``."""
-    from .layout import wgmma_m64_accumulator
-    from .reg_tile import RegTile
-    from .values import Value
-
     n = tile.shape[1] if isinstance(tile, RegTile) else None
     if n is None or tile.grid != (1, 1) or tile.dtype is not f32 \
             or tile.layout != wgmma_m64_accumulator(n):
@@ -384,8 +377,6 @@ def smem_descriptor(tile, *, leading_bytes: int, stride_bytes: int, byte_offset=
 
     Example: ``a = kiln.wgmma.smem_descriptor(a_tile, leading_bytes=16, stride_bytes=1024)``.
     """
-    from .values import Value
-
     require_feature("wgmma", "kiln.wgmma.smem_descriptor")
     for name, value in (("leading_bytes", leading_bytes), ("stride_bytes", stride_bytes)):
         if not isinstance(value, int) or value % 16 or not 0 <= value < 2**18:
@@ -455,9 +446,6 @@ def store_fragment_swizzled(acc: Fragment, chunks, first_chunk, *, columns=None)
     stores on distinct banks. Call from all 128 threads of the warp group.
     Example: ``store_fragment_swizzled(acc, c_tiles, group * 4)`` then ``kiln.tma.store``.
     """
-    from .ops import thread_id
-    from .values import Value
-
     require_feature("wgmma", "kiln.wgmma.store_fragment_swizzled")
     itemsize = chunks.dtype.itemsize
     chunk_cols = SWIZZLE_ROW_BYTES // itemsize
@@ -514,8 +502,6 @@ def a_fragment_layout():
         >>> kiln.wgmma.a_fragment_layout()(37, 5)
         (17, 11)
     """
-    from .layout import wgmma_m64_accumulator
-
     return wgmma_m64_accumulator(INSTRUCTION_K)
 
 
@@ -529,10 +515,6 @@ def a_fragment_from_accumulator(acc, dtype) -> list:
     Example: ``p = a_fragment_from_accumulator(s, kiln.bf16)`` then
     ``o = mma_async_regs(o, p[j], v_desc_j, dtype=kiln.bf16, b_major="mn")`` per 16 keys.
     """
-    from .layout import wgmma_m64_accumulator
-    from .reg_tile import RegTile
-    from .values import Value, cast
-
     require_feature("wgmma", "kiln.wgmma.a_fragment_from_accumulator")
     out_dtype = _operand_dtype(dtype, "a_fragment_from_accumulator")
     if isinstance(acc, Fragment):
@@ -558,8 +540,6 @@ def a_fragment_from_accumulator(acc, dtype) -> list:
 
 def _a_registers(a_frag) -> list[ir.Value]:
     """The four b32 registers of a register A operand (``vector<8 x bf16/f16>``)."""
-    from .values import Value
-
     if not isinstance(a_frag, Value) or a_frag.shape != (A_REGISTER_VALUES,) \
             or a_frag.dtype.itemsize != 2:
         got = repr(a_frag) if isinstance(a_frag, Value) else type(a_frag).__name__
@@ -592,9 +572,6 @@ def mma_async_regs(acc: Fragment, a_frag, b_desc, *, dtype, b_major: str = "k",
                                           b_major="mn")
         kiln.wgmma.commit()
     """
-    from .nvidia_asm import wgmma_mma_async_regs
-    from .values import Value
-
     require_feature("wgmma", "kiln.wgmma.mma_async_regs")
     _check_accumulator(acc, "mma_async_regs")
     operand = _operand_dtype(dtype, "mma_async_regs")

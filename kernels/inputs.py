@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 
 import kiln
+from kiln.core.targets import get_target
+from kiln.kernel import default_target
 
 BACKENDS = (None, "gpu", "interpret")
 
@@ -108,9 +110,6 @@ def check_heads(hq: int, hkv: int, *, q_name: str, kv_name: str,
 
 def resolve_target(target):
     """The chip ``target`` names; only None means Kiln's default target ("" is an error)."""
-    from kiln.kernel import default_target
-    from kiln.core.targets import get_target
-
     return get_target(default_target() if target is None else target)
 
 

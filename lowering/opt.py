@@ -18,6 +18,12 @@ import sys
 from mlir import ir
 
 from kiln.core.errors import CompilationError, KilnError, KilnValueError
+from kiln.core.options import CompileOptions
+from kiln.lowering.compiler import stages_for
+from kiln.lowering.pipeline import (CompileState, first_user_location, format_diagnostics,
+                                    parse_module)
+from kiln.passes import build_pass_manager, kiln_passes, split_pipeline
+from kiln.signature import KernelSignature
 
 MLIR_STAGES = ("gpu", "nvvm", "rocdl")
 TEXT_STAGES = ("llvm", "ptx", "amdgcn")
@@ -59,11 +65,6 @@ def run_stage(module: ir.Module, stage: str, target: str, num_warps: int, opt_le
     For text stages every text stage up to ``stage`` runs (``ptx`` needs no ``llvm``, but
     ``amdgcn`` compiles the ``llvm`` text), starting from the last MLIR stage's module.
     """
-    from kiln.lowering.compiler import stages_for
-    from kiln.core.options import CompileOptions
-    from kiln.lowering.pipeline import CompileState
-    from kiln.signature import KernelSignature
-
     options = CompileOptions(target, num_warps=num_warps, opt_level=opt_level)
     chip = options.chip
     stages = stages_for(chip)
@@ -85,8 +86,6 @@ def run_stage(module: ir.Module, stage: str, target: str, num_warps: int, opt_le
 
 def run(args: argparse.Namespace) -> str:
     """Run the pipeline or stage that parsed ``args`` ask for; return the output text."""
-    from kiln.passes import kiln_passes
-
     if args.list_passes:
         return "".join(f"{p.name}: {p.description}\n" for p in kiln_passes().values())
     if bool(args.pass_pipeline) == bool(args.kiln_stage):
@@ -100,9 +99,6 @@ def run(args: argparse.Namespace) -> str:
 
 
 def _run_one(args: argparse.Namespace, text: str) -> str:
-    from kiln.lowering.pipeline import first_user_location, format_diagnostics, parse_module
-    from kiln.passes import build_pass_manager, split_pipeline
-
     with ir.Context():
         module = parse_module("kiln-opt", text)
         if args.kiln_stage:

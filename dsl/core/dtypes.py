@@ -31,6 +31,8 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
+from .errors import InternalError, KilnTypeError
+
 
 @dataclass(frozen=True)
 class DType:
@@ -113,8 +115,6 @@ def dtype(spec: Any) -> DType:
 
     Example: ``kiln.dtype("torch.bfloat16") is kiln.bf16``.
     """
-    from .errors import KilnTypeError
-
     if isinstance(spec, DType):
         return spec
     if isinstance(spec, str):
@@ -145,8 +145,6 @@ def from_mlir(t) -> DType:
              "f16": f16, "bf16": bf16, "f32": f32, "f64": f64,
              "f8E4M3FN": f8e4m3, "f8E5M2": f8e5m2}
     if text not in table:
-        from .errors import InternalError
-
         raise InternalError(f"no Kiln dtype for MLIR type {text}")
     return table[text]
 
@@ -189,7 +187,6 @@ def literal_dtype(value: Any, other: DType | None) -> DType:
         if other is not None and other.is_float and not other.is_fp8:
             return other
         return f32
-    from .errors import KilnTypeError
 
     raise KilnTypeError(f"cannot use {type(value).__name__} value {value!r} in a kernel expression",
                         fix="use a Python int/float/bool, a traced value or a kiln.constexpr")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from mlir import ir
 
-from kiln.core.errors import UnsupportedError
+from kiln.core.errors import OutOfBoundsError, UnsupportedError
 from kiln.loader import transpose_read_model
 from kiln.mfma import _accumulator_layout, operand_a_layout, operand_b_layout
 
@@ -96,8 +96,6 @@ def _gather_to_lds(op, p):
         targets = np.concatenate(writes).reshape(-1)
         data = np.concatenate(values).reshape(-1).astype(d_mem.storage.dtype)
         if targets.min(initial=0) < 0 or targets.max(initial=0) >= d_mem.storage.size:
-            from kiln.core.errors import OutOfBoundsError
-
             raise OutOfBoundsError("a global -> LDS DMA writes past the end of LDS", loc=loc)
 
         d_bytes = element_bytes(d_mem, targets)

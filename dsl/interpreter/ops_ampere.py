@@ -27,6 +27,7 @@ from .ops_mbarrier import operand_segments
 from .ops_hopper import commit_group, retire_groups
 from .plan import attr_int, location, np_dtype, semantics
 from .state import bounds_error, element_bytes
+from kiln.core.dtypes import dtype as kiln_dtype
 
 
 def _warps(ctx, loc, what: str):
@@ -175,7 +176,6 @@ def _mma_sync(op, p):
         raise UnsupportedError(f"the interpreter runs mma.sync m16n8k16 row.col only, not "
                                f"m{shape[0]}n{shape[1]}k{shape[2]}", loc=loc)
     ptx_type = re.search(r"<(\w+)>", str(op.attributes["multiplicandAPtxType"])).group(1)
-    from kiln.core.dtypes import dtype as kiln_dtype
 
     operand_dtype = np.dtype(kiln_dtype(ptx_type).numpy)
     m, n, k = shape

@@ -81,8 +81,6 @@ _INLINE_ASM = {"bar.sync $0, $1;": "named_barrier",
 
 @semantics("llvm.inline_asm")
 def _inline_asm(op, p):
-    from mlir import ir
-
     text = ir.StringAttr(op.attributes["asm_string"]).value
     loc = location(op)
     kind = _INLINE_ASM.get(text)

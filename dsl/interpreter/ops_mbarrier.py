@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+from mlir import ir
 import numpy as np
 
 from kiln.core.errors import KilnValueError
@@ -23,8 +24,6 @@ _NUM_BARRIERS = re.compile(r"num_barriers\s*=\s*(\d+)")
 
 def operand_segments(op, p) -> list[list[int]]:
     """Operand slots split by the op's ``operandSegmentSizes``."""
-    from mlir import ir
-
     sizes = list(ir.DenseI32ArrayAttr(op.attributes["operandSegmentSizes"]))
     slots = p.operands(op)
     out, start = [], 0

@@ -30,6 +30,8 @@ from kiln.swizzle import Swizzle
 from .ops_hopper import commit_group, retire_groups
 from .plan import attr_int, location, np_dtype, semantics
 from .state import uniform
+from kiln.core.dtypes import dtype as kiln_dtype
+from kiln.wgmma import a_fragment_layout
 
 WARP_GROUP = 128
 INSTRUCTION_K = 16
@@ -176,9 +178,6 @@ _WGMMA_RS = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(bf
 
 def wgmma_rs_inline_asm(op, p, text: str):
     """Semantics of the register-A ``wgmma.mma_async`` inline PTX (module docstring)."""
-    from kiln.core.dtypes import dtype as kiln_dtype
-    from kiln.wgmma import a_fragment_layout
-
     loc = location(op)
     match = _WGMMA_RS.search(text)
     if match is None:
@@ -234,7 +233,6 @@ def _mma_async(op, p):
     if type_a not in ("f16", "bf16") or m != 64:
         raise UnsupportedError(f"the interpreter runs wgmma m64nNk16 with f16/bf16 operands, not "
                                f"m{m}n{n}k{k} {type_a}", loc=loc)
-    from kiln.core.dtypes import dtype as kiln_dtype
 
     dtype = kiln_dtype(type_a).numpy
     a_k_major = "row" in _attr_text(op, "layoutA")

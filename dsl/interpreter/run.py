@@ -30,6 +30,9 @@ from .global_races import GlobalAccesses
 from .phase_clock import PhaseClock
 from .plan import Plan, np_dtype
 from .state import CTA, Cluster, Context, ContextAborted, MemRef
+from kiln.core.dtypes import dtype as kiln_dtype
+from kiln.core.targets import get_target
+from kiln.signature import ScalarParam, TensorMapParam
 
 WARP_GROUP_THREADS = 128
 _BLOCKING_OPS = ("nvgpu.mbarrier.try_wait.parity", "nvgpu.mbarrier.test.wait")
@@ -136,9 +139,6 @@ def global_memref(array: np.ndarray, name: str) -> MemRef:
 def _convert_args(signature, args) -> tuple[list, dict]:
     """The interpreter's values of ``args``, and the writeable copies it made of read-only
     numpy arrays (by parameter name: ``(original, copy)``, see :func:`_check_read_only`)."""
-    from kiln.core.dtypes import dtype as kiln_dtype
-    from kiln.signature import ScalarParam, TensorMapParam
-
     values, copies = [], {}
     for param, arg in zip(signature.params, args):
         if isinstance(param, ScalarParam):
@@ -178,8 +178,6 @@ def interpret_kernel(traced, grid, args, target) -> None:
         traced = saxpy.trace(x, y, n, 2.0, BLOCK=256)
         interpret_kernel(traced, (n + 255) // 256, [x, y, n, 2.0], get_target("sm_90a"))
     """
-    from kiln.core.targets import get_target
-
     target = get_target(target)
     compiled = _compile_plan(traced.module_asm, traced.name)
     plan = compiled.plan

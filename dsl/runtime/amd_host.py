@@ -16,6 +16,9 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+from mlir import ir
+from mlir.dialects import gpu, llvm
+
 from kiln.core import env
 from kiln.core.errors import LaunchError
 from kiln.runtime.host import HostLauncher, build_host_module, lower_host_module
@@ -28,9 +31,6 @@ _ROCM_SEARCH_DIRS = (Path("/opt/rocm/lib"), Path("/opt/rocm/llvm/lib"))
 
 def amd_kernel_object(target: Target, hsaco: bytes):
     """``#gpu.object`` holding a linked AMDGPU code object (``hsaco``) for ``target``."""
-    from mlir import ir
-    from mlir.dialects import gpu
-
     # No typed Python builder exists for #rocdl.target.
     rocdl_target = ir.Attribute.parse(f'#rocdl.target<chip = "{target.name}">')
     return gpu.ObjectAttr.get(rocdl_target, int(gpu.CompilationTarget.Binary), bytes(hsaco))
@@ -38,9 +38,6 @@ def amd_kernel_object(target: Target, hsaco: bytes):
 
 def amd_host_llvm_ir(signature: KernelSignature, target: Target, hsaco: bytes) -> str:
     """Build, lower and verify the AMD host module; returns its LLVM IR (no ROCm needed)."""
-    from mlir import ir
-    from mlir.dialects import llvm
-
     with ir.Context(), ir.Location.unknown():
         module = build_host_module(signature, amd_kernel_object(target, hsaco))
         lower_host_module(module)

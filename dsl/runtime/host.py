@@ -43,10 +43,14 @@ import struct
 import threading
 from typing import Mapping, Sequence
 
+from mlir import execution_engine, ir, passmanager
+from mlir.dialects import _gpu_ops_gen, arith, builtin, func, gpu, llvm
+
 from kiln.core.dtypes import dtype as to_dtype
 from kiln.core.errors import CompilationError, KilnValueError, LaunchError
 from kiln.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam
 from kiln.core.targets import Target
+from kiln.runtime.cuda import cuda_runtime_libs, require_cuda
 
 BINARY_SYMBOL = "kiln_kernels"
 LAUNCH_SYMBOL = "kiln_launch"
@@ -112,9 +116,6 @@ def _host_param_type(param, ir, llvm):
 def build_host_module(signature: KernelSignature, kernel_object):
     """The host module (in the active ``ir.Context``) launching ``signature.name`` from
     ``kernel_object``, a ``#gpu.object`` attribute holding the device binary."""
-    from mlir import ir
-    from mlir.dialects import _gpu_ops_gen, arith, builtin, func, gpu, llvm
-
     module = ir.Module.create()
     module.operation.attributes["gpu.container_module"] = ir.UnitAttr.get()
     index = ir.IndexType.get()
@@ -159,8 +160,6 @@ def build_host_module(signature: KernelSignature, kernel_object):
 
 def lower_host_module(module) -> None:
     """Lower the host module to the LLVM dialect in place (raises CompilationError)."""
-    from mlir import ir, passmanager
-
     try:
         passmanager.PassManager.parse(HOST_PIPELINE).run(module.operation)
     except ir.MLIRError as err:
@@ -245,8 +244,6 @@ class ProgrammaticLaunchShim:
     Example: ``ProgrammaticLaunchShim(driver_symbols, cuda_runtime_libs()).address``."""
 
     def __init__(self, symbols: Mapping[str, int], runtime_libs: Sequence[str] = ()):
-        from mlir import execution_engine, ir
-
         self._context = ir.Context()
         with self._context, ir.Location.unknown():
             self._engine = execution_engine.ExecutionEngine(
@@ -282,9 +279,6 @@ def programmatic_launch_shim(runtime_libs: Sequence[str]) -> int:
 def nvidia_kernel_object(target: Target, *, cubin: bytes | None = None, ptx: str | None = None):
     """``#gpu.object`` for an NVIDIA kernel: the cubin when there is one, else PTX that the
     driver JIT-compiles at module load (``-O3``)."""
-    from mlir import ir
-    from mlir.dialects import gpu
-
     # No typed Python builder exists for #nvvm.target.
     nvvm_target = ir.Attribute.parse(f'#nvvm.target<chip = "{target.name}">')
     if cubin is not None:
@@ -336,8 +330,6 @@ class HostLauncher:
 
     def __init__(self, signature: KernelSignature, build_object, runtime_libs: Sequence[str],
                  runtime_symbols: Mapping[str, int] | None = None):
-        from mlir import execution_engine, ir
-
         self.signature = signature
         self._context = ir.Context()  # owned: the engine's module must outlive every launch
         with self._context, ir.Location.unknown():
@@ -402,8 +394,6 @@ def _describe_flat(signature: KernelSignature, flat_args: Sequence) -> str:
 def build_nvidia_launcher(signature: KernelSignature, target: Target, *,
                           cubin: bytes | None = None, ptx: str | None = None) -> HostLauncher:
     """A :class:`HostLauncher` for an NVIDIA kernel (needs a CUDA driver and GPU)."""
-    from kiln.runtime.cuda import cuda_runtime_libs, require_cuda
-
     require_cuda()  # the ExecutionEngine aborts the process if libcuda.so.1 is missing
     libs = cuda_runtime_libs()
     # A cluster kernel launches through mgpuLaunchClusterKernel, which keeps the stream order.

@@ -47,7 +47,7 @@ from kiln.core.errors import KilnTypeError, KilnValueError, LaunchError, Resourc
 from kiln.launch_args import check_float_argument, check_int_argument, normalize_grid
 from kiln.lowering.compiler import backend_for
 from kiln.runtime.amd_host import build_amd_launcher
-from kiln.runtime.cuda import driver
+from kiln.runtime import cuda
 from kiln.runtime.host import build_nvidia_launcher, scalar_carrier
 from kiln.signature import ScalarParam, TensorMapParam, TensorParam
 
@@ -281,7 +281,7 @@ def nvidia_launcher(ck) -> tuple[Callable, object]:
     if ck.target.ptx_only:
         raise LaunchError(f"{ck.target.name} kernels cannot be launched by Kiln (PTX only)",
                           fix="inspect kernel.asm['ptx'], or compile for sm_80/sm_90a to run")
-    cuda_driver = driver()  # raises LaunchError without a GPU, before the JIT could abort
+    cuda_driver = cuda.driver()  # raises LaunchError without a GPU, before the JIT could abort
     check_launch_config(ck.name, ck.signature, getattr(ck, "metadata", {}),
                         cuda_driver.launch_limits())
     return build_nvidia_launcher(ck.signature, ck.target, cubin=ck.asm.get("cubin"),
@@ -315,7 +315,7 @@ def check_launch_config(name: str, signature, metadata: dict, limits) -> None:
     the static shared bytes and registers per thread when the kernel has a ptxas report.
 
     ``mgpuLaunchKernel`` only prints the driver's refusal, so these are checked first.
-    Example: ``check_launch_config(ck.name, ck.signature, ck.metadata, driver().launch_limits())``.
+    Example: ``check_launch_config(ck.name, ck.signature, ck.metadata, cuda.driver().launch_limits())``.
     """
     block = signature.block
     threads = block[0] * block[1] * block[2]

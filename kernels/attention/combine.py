@@ -59,6 +59,7 @@ from kiln import f32, i32
 
 from ..inputs import check_backend, check_counts, dtype_of, is_torch
 from .partials import Partials, partials_of
+from kiln.runtime.launch import bind_launch
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -394,7 +395,6 @@ def _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, part
         return plan
     import torch
 
-    from kiln.runtime.launch import bind_launch
 
     plan = replace(plan, device=o_partial.device, torch_out_dtype=getattr(
         torch, {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[out_dtype.name]))

@@ -125,6 +125,7 @@ from .decode_config import (AHEAD_PREFETCH_TILES, CTAS_PER_SM, DEFAULT_SMS, EARL
                             default_num_splits, early_launch_tiles)
 from .decode_kernel import make_kernel
 from .decode_plan import ArrayLib, bindable, check_values, get_plan, nvidia_target
+from kiln.interpreter import interpret_kernel
 
 __all__ = [
     "AHEAD_PREFETCH_TILES", "CTAS_PER_SM", "DEFAULT_SMS", "EARLY_LAUNCH_TILES",
@@ -266,8 +267,6 @@ def _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, s
             o_part, lse_part, counts, *outputs, plan.slots, plan.scale_log2]
     results = (10, 11) if plan.fused else (7, 8, 9)
     if backend == "interpret":
-        from kiln.interpreter import interpret_kernel
-
         numpy_args = [lib.numpy(a) for a in args]
         traced = plan.kernel.trace(*numpy_args, target=plan.chip.name, num_warps=plan.num_warps)
         interpret_kernel(traced, plan.grid, numpy_args, plan.chip)

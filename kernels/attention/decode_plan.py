@@ -19,6 +19,8 @@ from .decode_config import (DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MERGE_H
                             early_launch_tiles, longest_split_tiles)
 from .decode_kernel import make_kernel
 from .paged import kv_sub_tile_rows
+from kiln.runtime import cuda
+from kiln.runtime.launch import bind_launch
 
 
 @dataclass(frozen=True)
@@ -154,8 +156,6 @@ def _bind(plan: DecodePlan, q, k_cache, v_cache, page_table, seq_lens, block_tab
           target) -> DecodePlan:
     """``plan`` with its decode launch bound to these contiguous torch tensors' layouts, and
     (unless the kernel combines itself) the bound combine plan of its partials."""
-    from kiln.runtime.launch import bind_launch
-
     from .combine import plan_combine
 
     partials = plan.torch_partials()
@@ -248,9 +248,8 @@ def launch_sms(backend) -> int:
     time."""
     if backend == "interpret":
         return DEFAULT_SMS
-    from kiln.runtime.cuda import driver
 
-    return driver().multiprocessor_count()
+    return cuda.driver().multiprocessor_count()
 
 
 def check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, num_splits,

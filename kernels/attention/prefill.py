@@ -26,6 +26,8 @@ from ..inputs import (check_backend, check_heads, check_positive, dtype_of, empt
                       is_torch, resolve_target)
 from .prefill_hopper import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, HopperPrefillConfig,
                              MaskSpec, make_kernel)
+from kiln.interpreter import interpret_kernel
+from kiln.runtime.launch import bind_launch
 
 __all__ = ["prefill", "compile_prefill"]
 
@@ -112,8 +114,6 @@ def _run(target, q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse, *,
     kernel, args, grid, constexprs, num_warps = _operands(q, k, v, sinks, cu_q, cu_k, shapes,
                                                           mask, scale, return_lse)
     if interpret:
-        from kiln.interpreter import interpret_kernel
-
         traced = kernel.trace(*args, target=target, num_warps=num_warps, **constexprs)
         interpret_kernel(traced, grid, args, target)
     else:
@@ -206,7 +206,6 @@ def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, t
                      backend) -> _DensePlan | None:
     import torch
 
-    from kiln.runtime.launch import bind_launch
 
     chip, shapes, mask, scale = _validate(q, k, v, None, None, sinks, causal, window, chunk,
                                           scale, target, backend)

@@ -37,6 +37,8 @@ from kiln.autotune import autotune
 from ..inputs import Dims, check_backend, empty_like, is_torch, resolve_target
 from .grouped_api import compile_grouped_matmul, grouped_matmul
 from .hopper import OUT_DTYPES, SUPPORTED_DTYPES, HopperGemmConfig, make_kernel
+from kiln.interpreter import interpret_kernel
+from kiln.runtime import cuda
 
 __all__ = ["matmul", "compile_matmul", "grouped_matmul", "compile_grouped_matmul",
            "HopperGemmConfig", "HOPPER_CONFIGS"]
@@ -148,11 +150,9 @@ def _run_tuned(a, b, c, m, n, k, b_major, dtype, target):
 def run_hopper(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=None):
     """Launch the Hopper kernel of ``config`` on prepared (aligned, contiguous) operands over a
     persistent grid of one CTA per SM (at most one per output tile)."""
-    from kiln.runtime.cuda import driver
-
     pair = config.cluster_m  # CTAs of a cluster share each (pair) tile's B
     tiles = -(-m // (config.block_m * pair)) * -(-n // config.block_n)
-    resident = driver().multiprocessor_count() if pair == 1 else \
+    resident = cuda.driver().multiprocessor_count() if pair == 1 else \
         _resident_clusters(dtype, _dtype_name(c), b_major, config)
     grid = (pair * max(1, min(tiles, resident)), 1, 1)
     make_kernel(dtype, _dtype_name(c), b_major, config)[grid](
@@ -164,18 +164,14 @@ def run_hopper(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=None)
 def _resident_clusters(dtype, out_dtype, b_major, config) -> int:
     """Clusters of ``config``'s kernel that fit on the GPU at once: a persistent grid larger
     than this would run its last clusters in a second wave."""
-    from kiln.runtime.cuda import driver
-
     ck = compile_matmul(dtype, target="sm_90a", out_dtype=out_dtype, trans_b=b_major == "k",
                         **dataclasses.asdict(config))
     sig = ck.signature
-    return driver().max_active_clusters(ck.asm["cubin"], sig.name, sig.block, sig.cluster,
+    return cuda.driver().max_active_clusters(ck.asm["cubin"], sig.name, sig.block, sig.cluster,
                                         sig.dynamic_shared_bytes)
 
 
 def _interpret(chip, a, b, c, trans_b):
-    from kiln.interpreter import interpret_kernel
-
     to_numpy = [_numpy(x) for x in (a, b, c)]
     (m, k), n = to_numpy[0].shape, to_numpy[2].shape[1]
     args = (*to_numpy, m, n, k)

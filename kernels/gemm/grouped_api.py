@@ -12,6 +12,8 @@ from ..inputs import (Dims, check_backend, dtype_of, empty_like, is_torch, refus
                       resolve_target)
 from .grouped import (MAX_GROUPS, grouped_config, grouped_constexprs, make_grouped_kernel,
                       table_size)
+from kiln.interpreter import interpret_kernel
+from kiln.runtime import cuda
 
 FP8_DTYPES = ("f8e4m3", "f8e5m2", "f8e4m3fn", "f8e4m3fnuz", "f8e5m2fnuz")
 FP8_UNSUPPORTED = "FP8 grouped GEMM is not supported yet"
@@ -141,11 +143,9 @@ def run_grouped(a, b, c, offsets, *, k, b_rows, trans_b, target="sm_90a", config
     :func:`grouped_config`. The grid is one CTA per SM (for numpy offsets, at most one per
     tile). Example (a poisoned ``c`` in a test): ``run_grouped(a, b, c, offs, k=k, b_rows=k,
     trans_b=False)``."""
-    from kiln.runtime.cuda import driver
-
     groups = int(offsets.shape[0]) - 1
     (total_m, n), cfg = c.shape, config or grouped_config(groups)
-    grid = driver().multiprocessor_count()
+    grid = cuda.driver().multiprocessor_count()
     if not is_torch(offsets):  # known tile count: no CTA without a tile
         grid = max(1, min(grid, grouped_tiles(offsets, n, cfg)))
     kernel = make_grouped_kernel(kiln.dtype(a.dtype).name, kiln.dtype(c.dtype).name,
@@ -194,8 +194,6 @@ def _interpret(chip, name, out, trans_b, args) -> None:
     """Run the target's grouped kernel in the CPU interpreter on ``args`` (as for the GPU,
     without C's tensor map) with a grid of at most two CTAs: the persistent walk over several
     tiles and groups is what is tested."""
-    from kiln.interpreter import interpret_kernel
-
     from . import _like, _numpy
 
     host = [_numpy(x) if hasattr(x, "shape") else x for x in args]
