@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .grouped import build_tile_table, locate_tile
 import kiln
 from kiln import amd_asm, amd_buffer, mfma, mma
 from kiln.loader import TiledMmaLoader
@@ -268,6 +267,7 @@ def make_kernel(dtype: str, config: GemmConfig, *, grouped: bool = False):
 
     if not grouped:
         return kiln.kernel(gemm_gfx950)
+    from .grouped import build_tile_table, locate_tile
 
     group_m = 8  # row tiles per column sweep inside a group, as on Hopper
     threads = waves * WAVE
