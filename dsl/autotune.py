@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence
 
 from .core.errors import KilnError, KilnTypeError, KilnValueError
 from .core.trusted_dir import private_dir, read_owned, usable_root, warn_once, write_atomic
+from .fingerprint import WRAPPERS
 from .kernel import JITKernel
 
 BAR_WIDTH = 24
@@ -289,3 +290,6 @@ def _key_value(value) -> str:
     if shape is not None and dtype is not None:
         return f"{tuple(shape)}:{dtype}"
     return repr(value)
+
+
+WRAPPERS[Autotuner] = lambda tuner: tuner.target  # keyed by what it tunes, not its results

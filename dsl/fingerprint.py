@@ -27,6 +27,7 @@ import dis
 import enum
 import functools
 import hashlib
+import importlib.util
 import inspect
 import sys
 import sysconfig
@@ -161,13 +162,17 @@ def keyword_key_part(item: tuple) -> Any:
     return (item[0], constexpr_key(item[1]))
 
 
+# Kiln's wrappers of user functions (kernels, @kiln.func, autotuners) -> what they wrap, keyed
+# by what they wrap and not by their caches; kiln.kernel and kiln.autotune register theirs (they
+# import this module).
+WRAPPERS: dict[type, Callable[[Any], Any]] = {}
+
+
 # ---- where code lives ----------------------------------------------------------------------
 _origins: dict[str, str] = {}
 
 
 def _roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    import importlib.util
-
     kiln_dirs = []
     for name in ("kiln", "kiln.passes", "kiln.lowering", "kiln.kernels"):
         spec = importlib.util.find_spec(name)
@@ -303,13 +308,9 @@ class DependencyWalk:
             raise Unfingerprintable(v) from None
 
     def _callable(self, v) -> str:
-        from .autotune import Autotuner
-        from .kernel import JITKernel, KilnFunc
-
-        if isinstance(v, (KilnFunc, JITKernel)):
-            return self.function(v.fn)
-        if isinstance(v, Autotuner):  # keyed by what it tunes, not its caches of results
-            return self._callable(v.target)
+        for kind, unwrap in WRAPPERS.items():
+            if isinstance(v, kind):
+                return self._callable(unwrap(v))
         if isinstance(v, types.FunctionType):
             return self.function(v)
         if isinstance(v, types.MethodType):

@@ -52,7 +52,8 @@ from .core.errors import (CompilationError, KilnTypeError, SourceLoc, source_loc
 from .core.options import CompileOptions
 from .core.targets import get_target
 from .driver import installed, lowering_signature, tensor_arg_spec
-from .fingerprint import EXACT_KEY_TYPES, constexpr_key, keyword_key_part, typed_key
+from .fingerprint import (EXACT_KEY_TYPES, WRAPPERS, constexpr_key, keyword_key_part,
+                          typed_key)
 from .launch_args import normalize_grid
 from .tensor import TensorRef, memref_type
 from .tma import descriptor_from_pointer
@@ -512,3 +513,6 @@ class KilnFunc:
 def func(fn: Callable) -> KilnFunc:
     """Decorator for device helpers called from kernels (inlined at trace time)."""
     return KilnFunc(fn)
+
+
+WRAPPERS[JITKernel] = WRAPPERS[KilnFunc] = lambda wrapper: wrapper.fn

@@ -15,7 +15,8 @@ Python numbers become text of the format; traced scalars become ``%d`` (i1..i32)
 - The interpreter (``kernel.interpret``, any target): each active thread prints one line to
   ``sys.stdout``, prefixed ``[block (x, y, z) thread t]``.
 - AMD: not supported (ROCm's printf needs the device libraries, which Kiln does not link);
-  compiling for gfx9xx raises :class:`~kiln.core.errors.UnsupportedError` at the ``kiln.print`` line.
+  compiling for gfx9xx raises :class:`~kiln.core.errors.UnsupportedError` at the ``kiln.print``
+  line.
 """
 
 from __future__ import annotations

@@ -20,45 +20,13 @@ from mlir.dialects import scf
 from . import builder
 from .core import dtypes as dt
 from .core.errors import KilnTypeError, KilnValueError, SourceLoc, UnsupportedError
-from .values import Value, cast, constant, is_literal
+from .values import Undefined, Value, cast, constant, is_literal
 
 # Loop iterations one kernel trace may run in Python (every ``for`` not over kiln.range, and
 # ``while``, nested loops counting each inner iteration). The shipped kernels unroll at most
 # ~1000; 65536 iterations of a three-statement body took over a minute to trace. A loop past
 # the budget raises KilnValueError naming it.
 MAX_UNROLLED_ITERATIONS = 1 << 13
-
-
-class Undefined:
-    """Stands for a variable that has no value after a traced ``if``/``for``; any use fails."""
-
-    __slots__ = ("name", "reason")
-
-    def __init__(self, name: str, reason: str):
-        self.name = name
-        self.reason = reason
-
-    def fail(self):
-        raise KilnTypeError(f"variable '{self.name}' is {self.reason} and has no value here",
-                            fix=f"assign '{self.name}' before the if/loop (e.g. "
-                                f"{self.name} = 0.0) so it has a value on every path")
-
-    def __getattr__(self, attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        self.fail()
-
-    def __bool__(self):
-        self.fail()
-
-    def __repr__(self):
-        return f"<undefined {self.name}>"
-
-    def _op(self, *args):
-        self.fail()
-
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = _op
-    __lt__ = __le__ = __gt__ = __ge__ = __getitem__ = __call__ = __neg__ = __iter__ = _op
 
 
 _MISSING = Undefined("?", "not defined")

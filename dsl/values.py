@@ -273,10 +273,23 @@ def to_value(x: Any, like: DType | None = None) -> Value:
                         fix="use a traced value, a tensor element or a Python int/float/bool")
 
 
+class Undefined:
+    """Stands for a variable that has no value after a traced ``if``/``for``; any use fails."""
+
+    __slots__ = ("name", "reason")
+
+    def __init__(self, name: str, reason: str):
+        self.name = name
+        self.reason = reason
+
+    def fail(self):
+        raise KilnTypeError(f"variable '{self.name}' is {self.reason} and has no value here",
+                            fix=f"assign '{self.name}' before the if/loop (e.g. "
+                                f"{self.name} = 0.0) so it has a value on every path")
+
+
 def check_defined(x: Any) -> None:
     """Raise the deferred error of a variable that is undefined after a traced if/for."""
-    from .trace_runtime import Undefined
-
     if isinstance(x, Undefined):
         x.fail()
 

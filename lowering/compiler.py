@@ -31,7 +31,7 @@ from kiln.lowering import amd, nvidia
 from kiln.lowering.dump import dump_prefix, dump_stage, ir_key
 from kiln.lowering.pipeline import Backend, CompileState, parse_module
 from kiln.passes.cluster_schedule import recipes_of
-from kiln.passes.insert_waits import gpu_funcs
+from kiln.passes.enclosing import gpu_funcs
 from kiln.signature import KernelSignature
 
 ARTIFACT_FORMAT = 2  # bump when the cached artifact dict changes shape

@@ -39,10 +39,10 @@ from mlir import ir
 from mlir.dialects import arith, gpu, llvm, rocdl, scf
 
 from kiln.cluster import CLUSTER_ATTR, RECIPES_ATTR, SCHED_GROUP_MASKS, ClusterRecipe
-from kiln.core.errors import CompilationError, KilnValueError, UnsupportedError, source_loc_from_mlir
+from kiln.core.errors import (CompilationError, KilnValueError, UnsupportedError,
+                              source_loc_from_mlir)
 from kiln.passes import register_pass
-from kiln.passes.enclosing import enclosing_loops
-from kiln.passes.insert_waits import MMA_PREFIXES, func_vendor, gpu_funcs
+from kiln.passes.enclosing import MMA_PREFIXES, enclosing_loops, func_vendor, gpu_funcs
 
 
 NAME = "kiln-cluster-schedule"
@@ -118,7 +118,8 @@ def recipes_of(func: ir.Operation) -> dict[int, ClusterRecipe]:
     for entry in ir.DictAttr(func.attributes[RECIPES_ATTR]):
         if not entry.name.startswith("c") or not entry.name[1:].isdigit():
             raise KilnValueError(f"bad cluster key {entry.name!r} in {RECIPES_ATTR}",
-                                 fix="keys are c<k>, e.g. c0, c1", loc=source_loc_from_mlir(func.location))
+                                 fix="keys are c<k>, e.g. c0, c1",
+                                 loc=source_loc_from_mlir(func.location))
         recipes[int(entry.name[1:])] = ClusterRecipe.parse(ir.StringAttr(entry.attr).value)
     return recipes
 

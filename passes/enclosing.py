@@ -16,6 +16,8 @@ from mlir import ir
 from kiln.core.errors import source_loc_from_mlir
 
 LOOPS = ("scf.for", "scf.while")
+MMA_PREFIXES = ("amdgpu.mfma", "amdgpu.scaled_mfma", "rocdl.mfma", "amdgpu.wmma",
+                "nvgpu.warpgroup.mma", "nvvm.wgmma.mma_async")
 
 
 def _ancestors(op: ir.Operation):
@@ -42,3 +44,38 @@ def where(op: ir.Operation) -> str:
     """``file:line`` of ``op``'s user location, for messages."""
     loc = source_loc_from_mlir(op.location)
     return f"{loc.filename.rsplit('/', 1)[-1]}:{loc.line}" if loc else "an unknown line"
+
+
+def func_vendor(func: ir.Operation) -> str | None:
+    """``"amd"``/``"nvidia"`` from ``kiln.target``, the gpu.module target, or the ops used."""
+    if "kiln.target" in func.attributes:
+        return "nvidia" if ir.StringAttr(func.attributes["kiln.target"]).value.startswith("sm_") else "amd"
+    module = func.parent.operation if func.parent is not None else None
+    if module is not None and "targets" in module.attributes:
+        text = str(module.attributes["targets"])
+        if "rocdl" in text or "nvvm" in text:
+            return "amd" if "rocdl" in text else "nvidia"
+    seen = []
+
+    def visit(op):
+        if op.name.startswith(("rocdl.", "amdgpu.")):
+            seen.append("amd")
+        elif op.name.startswith(("nvgpu.", "nvvm.")):
+            seen.append("nvidia")
+        return ir.WalkResult.ADVANCE
+
+    func.walk(visit, ir.WalkOrder.PRE_ORDER)
+    return seen[0] if seen else None
+
+
+def gpu_funcs(module_op: ir.Operation) -> list[ir.Operation]:
+    funcs = []
+
+    def visit(op):
+        if op.name == "gpu.func":
+            funcs.append(op)
+            return ir.WalkResult.SKIP
+        return ir.WalkResult.ADVANCE
+
+    module_op.walk(visit, ir.WalkOrder.PRE_ORDER)
+    return funcs

@@ -33,51 +33,16 @@ from mlir.dialects import arith, nvgpu, nvvm, rocdl
 from kiln.core.errors import InternalError, WaitError, source_loc_from_mlir
 from kiln.mbarrier import DEFAULT_TICKS
 from kiln.passes import register_pass
-from kiln.passes.enclosing import enclosing_gpu_func, enclosing_loops, where
+from kiln.passes.cluster_schedule import cluster_spans, recipes_of
+from kiln.passes.enclosing import (enclosing_gpu_func, enclosing_loops, func_vendor, gpu_funcs,
+                                   where)
 from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, MBARRIER_WAIT, TMA_LOAD, WGMMA, Gap,
                                        WaitAnalysis, encode_gfx9_waitcnt, mbarrier_of,
                                        same_mbarrier, wait_limits)
 
 NAME = "kiln-insert-waits"
-MMA_PREFIXES = ("amdgpu.mfma", "amdgpu.scaled_mfma", "rocdl.mfma", "amdgpu.wmma",
-                "nvgpu.warpgroup.mma", "nvvm.wgmma.mma_async")
 # Placement converges in two walks (see above); more means the analysis is wrong.
 MAX_ROUNDS = 4
-
-
-def func_vendor(func: ir.Operation) -> str | None:
-    """``"amd"``/``"nvidia"`` from ``kiln.target``, the gpu.module target, or the ops used."""
-    if "kiln.target" in func.attributes:
-        return "nvidia" if ir.StringAttr(func.attributes["kiln.target"]).value.startswith("sm_") else "amd"
-    module = func.parent.operation if func.parent is not None else None
-    if module is not None and "targets" in module.attributes:
-        text = str(module.attributes["targets"])
-        if "rocdl" in text or "nvvm" in text:
-            return "amd" if "rocdl" in text else "nvidia"
-    seen = []
-
-    def visit(op):
-        if op.name.startswith(("rocdl.", "amdgpu.")):
-            seen.append("amd")
-        elif op.name.startswith(("nvgpu.", "nvvm.")):
-            seen.append("nvidia")
-        return ir.WalkResult.ADVANCE
-
-    func.walk(visit, ir.WalkOrder.PRE_ORDER)
-    return seen[0] if seen else None
-
-
-def gpu_funcs(module_op: ir.Operation) -> list[ir.Operation]:
-    funcs = []
-
-    def visit(op):
-        if op.name == "gpu.func":
-            funcs.append(op)
-            return ir.WalkResult.SKIP
-        return ir.WalkResult.ADVANCE
-
-    module_op.walk(visit, ir.WalkOrder.PRE_ORDER)
-    return funcs
 
 
 def _in_loop(op: ir.Operation) -> bool:
@@ -190,8 +155,6 @@ def build_wait(gap: Gap) -> None:
 
 
 def _insert_drains(func: ir.Operation) -> None:
-    from kiln.passes.cluster_schedule import cluster_spans, recipes_of
-
     recipes = recipes_of(func)
     drain_all = "kiln.consumer_drain" in func.attributes
     for span in cluster_spans(func):

@@ -21,8 +21,7 @@ from mlir import ir
 
 from kiln.core.errors import WaitError, source_loc_from_mlir
 from kiln.passes import register_pass
-from kiln.passes.enclosing import where
-from kiln.passes.insert_waits import func_vendor, gpu_funcs
+from kiln.passes.enclosing import func_vendor, gpu_funcs, where
 from kiln.passes.wait_analysis import CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis, mbarrier_of
 
 

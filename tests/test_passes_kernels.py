@@ -20,7 +20,7 @@ from kiln.lowering import isa_amdgpu
 from kiln.lowering.compiler import compile_kernel
 from kiln.core.options import CompileOptions
 from kiln.passes import build_pass_manager
-from kiln.passes.insert_waits import gpu_funcs
+from kiln.passes.enclosing import gpu_funcs
 
 # How to compile each entry point: the AMD target where the kernel has one (the assembly is
 # proven too), else its only target (the Kiln IR proof alone). Small shapes keep it fast.

@@ -2,7 +2,8 @@
 
 LLVM aborts the whole process on some bad options (an unknown chip, a PTX version the chip
 does not know), so every option is checked here and rejected with a
-:class:`~kiln.core.errors.TargetError` or :class:`~kiln.core.errors.KilnValueError` naming the user's line.
+:class:`~kiln.core.errors.TargetError` or :class:`~kiln.core.errors.KilnValueError` naming the
+user's line.
 
 Example::
 

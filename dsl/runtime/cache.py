@@ -17,8 +17,8 @@ processes, or one killed mid-write, never expose a partial entry.
 
 Nothing read back is trusted (see "Trust model" in docs/lowering.md): the directory is used only
 if it is this user's and not writable by group/others (else one
-:class:`~kiln.core.errors.CacheWarning` and compiling goes on uncached, as it does when the directory
-is unwritable); files must be this user's; an entry whose format, key, digest, or payload
+:class:`~kiln.core.errors.CacheWarning` and compiling goes on uncached, as it does when the
+directory is unwritable); files must be this user's; an entry whose format, key, digest, or payload
 hashes/sizes do not match is a miss (one warning per kind of problem), never an error and never
 another kernel. ``KILN_NO_CACHE=1`` turns the cache off; ``KILN_CACHE_DIR`` moves it.
 

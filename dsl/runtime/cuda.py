@@ -22,6 +22,8 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlir
+
 from kiln.core.errors import LaunchError
 
 _c_size = ctypes.c_size_t
@@ -30,8 +32,6 @@ _CUDA_SUCCESS = 0
 
 def mlir_lib_dir() -> Path:
     """The ``mlir/lib`` directory of the installed MLIR tools (runtime wrapper libraries)."""
-    import mlir
-
     for root in mlir.__path__:
         candidate = Path(root) / "lib"
         if (candidate / "libmlir_cuda_runtime.so").exists():

@@ -315,7 +315,8 @@ def check_launch_config(name: str, signature, metadata: dict, limits) -> None:
     the static shared bytes and registers per thread when the kernel has a ptxas report.
 
     ``mgpuLaunchKernel`` only prints the driver's refusal, so these are checked first.
-    Example: ``check_launch_config(ck.name, ck.signature, ck.metadata, cuda.driver().launch_limits())``.
+    Example:
+    ``check_launch_config(ck.name, ck.signature, ck.metadata, cuda.driver().launch_limits())``.
     """
     block = signature.block
     threads = block[0] * block[1] * block[2]
