@@ -186,6 +186,30 @@ class RegTile:
         frag = constant(value, dt.dtype(dtype), (layout.num_values,))
         return cls([frag] * (grid[0] * grid[1]), layout, grid)
 
+    @classmethod
+    def from_registers(cls, registers: list[Any], layout: ThreadValueLayout,
+                       grid: tuple[int, int] = (1, 1)) -> "RegTile":
+        """The tile whose :meth:`registers` are ``registers`` (scalar ``kiln.Value`` s of one
+        dtype, fragment after fragment): the raw-list form of a fragment back as a tile.
+
+        Example: ``acc = RegTile.from_registers([x * 2.0 for x in acc.registers()],
+        acc.layout)``.
+        """
+        width = layout.num_values
+        values = [to_value(r) for r in registers]
+        if len(values) != width * grid[0] * grid[1]:
+            raise KilnValueError(f"a {grid[0]}x{grid[1]} RegTile of {width}-value fragments "
+                                 f"needs {width * grid[0] * grid[1]} registers, got "
+                                 f"{len(values)}", fix="pass every register of every fragment")
+        if any(v.shape or v.dtype is not values[0].dtype for v in values):
+            raise KilnTypeError("RegTile registers must be scalars of one dtype, got "
+                                f"{sorted({repr(v.dtype) for v in values})}",
+                                fix="kiln.cast the registers to one dtype first")
+        frag_type = ir.VectorType.get([width], values[0].ir.type)
+        frags = [Value(vector.from_elements(frag_type, [v.ir for v in values[k:k + width]]),
+                       values[0].dtype) for k in range(0, len(values), width)]
+        return cls(frags, layout, grid)
+
     @property
     def dtype(self) -> dt.DType:
         return self.fragments[0].dtype
@@ -197,6 +221,21 @@ class RegTile:
     def fragment(self, i: int, j: int) -> Value:
         """The fragment at grid position ``(i, j)``."""
         return self.fragments[i * self.grid[1] + j]
+
+    def element(self, i: int) -> Value:
+        """This thread's register ``i`` (value ``i % num_values`` of fragment
+        ``i // num_values``, row-major over the grid) as a scalar ``kiln.Value``."""
+        width = self.layout.num_values
+        if not 0 <= i < width * len(self.fragments):
+            raise KilnValueError(f"register {i} is outside this tile's "
+                                 f"{width * len(self.fragments)} registers per thread",
+                                 fix="index registers from 0")
+        frag = self.fragments[i // width]
+        return Value(vector.extract(frag.ir, [], [i % width]), frag.dtype)
+
+    def registers(self) -> list[Value]:
+        """All of this thread's registers, :meth:`element` order: the raw-list form."""
+        return [self.element(i) for i in range(self.layout.num_values * len(self.fragments))]
 
     @property
     def view(self) -> str:
