@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 from mlir import ir
-from mlir.dialects import vector
+from mlir.dialects import llvm, vector
 
 from . import dtypes as dt
 from . import ops
@@ -177,7 +177,8 @@ class RegTile:
                 raise KilnTypeError(f"RegTile fragments must be vector<{width}x T> values for "
                                     f"this layout, got {f!r}",
                                     fix="build fragments with this layout's num_values")
-        self.fragments, self.layout, self.grid = list(fragments), layout, grid
+        self._fragments, self.layout, self.grid = list(fragments), layout, grid
+        self._struct = None
 
     @classmethod
     def full(cls, layout: ThreadValueLayout, grid: tuple[int, int], value: float,
@@ -210,9 +211,57 @@ class RegTile:
                        values[0].dtype) for k in range(0, len(values), width)]
         return cls(frags, layout, grid)
 
+    @classmethod
+    def from_struct(cls, value: ir.Value, layout: ThreadValueLayout) -> "RegTile":
+        """The 1 x 1 tile whose register ``i`` is field ``i`` of ``value``, an
+        ``!llvm.struct`` of ``layout.num_values`` scalars: the form NVIDIA's WGMMA reads and
+        writes. The tile keeps the struct (no IR is emitted); :meth:`element` reads a field,
+        :attr:`fragments` builds the vector form where it is used.
+
+        Example: ``acc = RegTile.from_struct(wgmma_result, kiln.layout.wgmma_m64_accumulator(64))``.
+        """
+        body = llvm.StructType(value.type).body
+        if len(body) != layout.num_values or len(set(body)) != 1:
+            raise KilnTypeError(f"{value.type} is not a struct of {layout.num_values} registers "
+                                "of one type", fix="pass a WGMMA accumulator struct")
+        tile = cls.__new__(cls)
+        tile._fragments, tile.layout, tile.grid = None, layout, (1, 1)
+        tile._struct, tile._struct_dtype = value, dt.from_mlir(body[0])
+        return tile
+
+    def struct(self) -> ir.Value:
+        """A 1 x 1 tile's registers as an ``!llvm.struct`` (:meth:`from_struct`'s form): the
+        one it was built from, else built here from the registers."""
+        if self._struct is not None:
+            return self._struct
+        if self.grid != (1, 1):
+            raise KilnValueError(f"only a 1 x 1 RegTile has a struct form, this one is "
+                                 f"{self.grid[0]} x {self.grid[1]}",
+                                 fix="take one fragment: RegTile([t.fragment(i, j)], layout, (1, 1))")
+        registers = self.registers()
+        value = llvm.mlir_undef(llvm.StructType.get_literal([registers[0].ir.type]
+                                                             * len(registers)))
+        for i, register in enumerate(registers):
+            value = llvm.insertvalue(value, register.ir, [i])
+        return value
+
+    @property
+    def fragments(self) -> list[Value]:
+        """The fragment vectors, row-major over the grid (built here for a struct tile)."""
+        if self._struct is None:
+            return self._fragments
+        frag_type = ir.VectorType.get([self.layout.num_values], self._struct_dtype.mlir_type())
+        return [Value(vector.from_elements(frag_type, [r.ir for r in self.registers()]),
+                      self._struct_dtype)]
+
+    def unpacked(self) -> "RegTile":
+        """The tile with its fragments as vectors (one conversion here rather than one per
+        use of a struct tile's :attr:`fragments`)."""
+        return self if self._struct is None else RegTile(self.fragments, self.layout, self.grid)
+
     @property
     def dtype(self) -> dt.DType:
-        return self.fragments[0].dtype
+        return self._struct_dtype if self._struct is not None else self.fragments[0].dtype
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -226,16 +275,20 @@ class RegTile:
         """This thread's register ``i`` (value ``i % num_values`` of fragment
         ``i // num_values``, row-major over the grid) as a scalar ``kiln.Value``."""
         width = self.layout.num_values
-        if not 0 <= i < width * len(self.fragments):
-            raise KilnValueError(f"register {i} is outside this tile's "
-                                 f"{width * len(self.fragments)} registers per thread",
-                                 fix="index registers from 0")
-        frag = self.fragments[i // width]
+        count = width * self.grid[0] * self.grid[1]
+        if not 0 <= i < count:
+            raise KilnValueError(f"register {i} is outside this tile's {count} registers per "
+                                 "thread", fix="index registers from 0")
+        if self._struct is not None:
+            return Value(llvm.extractvalue(self._struct_dtype.mlir_type(), self._struct, [i]),
+                         self._struct_dtype)
+        frag = self._fragments[i // width]
         return Value(vector.extract(frag.ir, [], [i % width]), frag.dtype)
 
     def registers(self) -> list[Value]:
         """All of this thread's registers, :meth:`element` order: the raw-list form."""
-        return [self.element(i) for i in range(self.layout.num_values * len(self.fragments))]
+        return [self.element(i)
+                for i in range(self.layout.num_values * self.grid[0] * self.grid[1])]
 
     @property
     def view(self) -> str:
@@ -388,11 +441,16 @@ class RegTile:
         return RegTile(frags, self.layout, self.grid)
 
     def __kiln_flatten__(self):
+        if self._struct is not None:
+            return [self._struct], (self.layout, None)
         return [f.ir for f in self.fragments], (self.layout, self.grid)
 
     @classmethod
     def __kiln_unflatten__(cls, aux, values):
-        return cls([Value(v) for v in values], *aux)
+        layout, grid = aux
+        if grid is None:  # a struct tile stays one struct through loops and branches
+            return cls.from_struct(values[0], layout)
+        return cls([Value(v) for v in values], layout, grid)
 
 
 def where(cond: RegTile, a: Any, b: Any) -> RegTile:

@@ -148,7 +148,9 @@ def smem_descriptor(tile, *, leading_bytes: int, stride_bytes: int, byte_offset=
 def fragment_zeros(n: int) -> RegTile:
     """A zero 64 x ``n`` accumulator for :func:`mma_async` (n a multiple of 8 up to 256)."""
     require_feature("wgmma", "kiln.wgmma.fragment_zeros")
-    return RegTile.full(_accumulator_layout(n), (1, 1), 0.0, f32)
+    layout = _accumulator_layout(n)
+    zero = arith.constant(f32.mlir_type(), 0.0)
+    return RegTile.from_struct(_pack([zero] * (n // 2)), layout)
 
 
 def fragment_from_elements(values) -> RegTile:
@@ -165,17 +167,22 @@ def fragment_from_elements(values) -> RegTile:
         if not isinstance(element, Value) or element.shape or element.dtype is not f32:
             raise KilnTypeError(f"fragment element {i} must be an f32 scalar, got {element!r}",
                                 fix="kiln.cast the value to kiln.f32 first")
-    return RegTile.from_registers(values, layout)
+    return RegTile.from_struct(_pack([v.ir for v in values]), layout)
 
 
 def fragment_to_tile(acc: RegTile) -> RegTile:
-    """``acc`` itself, checked to be a WGMMA accumulator: kept from when accumulators were a
-    type of their own (they are RegTiles now). Example: ``s = fragment_to_tile(scores)``."""
+    """``acc`` with its registers as one vector fragment, for tile-level work (row reductions,
+    ``OnlineSoftmax``) that reads them all: one conversion here instead of one per use.
+    Example: ``s = fragment_to_tile(scores); m = s.row_max()``."""
     _check_accumulator(acc, "fragment_to_tile")
-    return acc
+    return acc.unpacked()
 
 
-fragment_from_tile = fragment_to_tile  # the inverse conversion: also the identity now
+def fragment_from_tile(tile: RegTile) -> RegTile:
+    """``tile`` (an accumulator RegTile) with its registers in the struct the WGMMA reads, the
+    inverse of :func:`fragment_to_tile`. Example: ``acc = fragment_from_tile(o_tile)``."""
+    n = _check_accumulator(tile, "fragment_from_tile")
+    return RegTile.from_struct(tile.struct(), wgmma_m64_accumulator(n))
 
 
 def scale_rows(acc: RegTile, factors) -> RegTile:
@@ -310,7 +317,7 @@ def mma_async(acc: RegTile, a, b_desc, *, dtype, a_major: str = "k", b_major: st
         result = wgmma_mma_async_regs([r.ir for r in acc.registers()], _a_registers(a_frag),
                                       b_value, _scale_d(accumulate), ptx_type=operand.name,
                                       trans_b=int(b_major == "mn"))
-        return _from_struct(result, n)
+        return RegTile.from_struct(result, wgmma_m64_accumulator(n))
     if not isinstance(accumulate, bool):
         raise UnsupportedError("a traced accumulate flag needs A in registers (nvvm.wgmma "
                                "takes scale-d as an attribute)",
@@ -322,12 +329,12 @@ def mma_async(acc: RegTile, a, b_desc, *, dtype, a_major: str = "k", b_major: st
     layout_a = nvvm.MMALayout.row if a_major == "k" else nvvm.MMALayout.col
     layout_b = nvvm.MMALayout.col if b_major == "k" else nvvm.MMALayout.row
     scale = nvvm.WGMMAScaleOut.one if accumulate else nvvm.WGMMAScaleOut.zero
-    struct = _as_struct(acc)
+    struct = acc.struct()
     result = nvvm.wgmma_mma_async(struct.type, struct, _descriptor(a, "A descriptor"), b_value,
                                   shape, kind, kind, nvvm.WGMMATypes.f32, scale,
                                   nvvm.WGMMAScaleIn.one, nvvm.WGMMAScaleIn.one, layout_a,
                                   layout_b)
-    return _from_struct(result, n)
+    return RegTile.from_struct(result, wgmma_m64_accumulator(n))
 
 
 mma_async_regs = mma_async  # the register-A op of earlier releases: the one op, A in registers
@@ -396,19 +403,12 @@ def _check_accumulator(acc, what: str) -> int:
     return n
 
 
-def _as_struct(acc: RegTile) -> ir.Value:
-    """The accumulator as the ``!llvm.struct`` of f32 registers ``nvvm.wgmma`` reads."""
-    registers = acc.registers()
+def _pack(registers: list[ir.Value]) -> ir.Value:
+    """f32 ``registers`` as the ``!llvm.struct`` a WGMMA reads and writes."""
     value = llvm.mlir_undef(llvm.StructType.get_literal([f32.mlir_type()] * len(registers)))
     for i, register in enumerate(registers):
-        value = llvm.insertvalue(value, register.ir, [i])
+        value = llvm.insertvalue(value, register, [i])
     return value
-
-
-def _from_struct(struct: ir.Value, n: int) -> RegTile:
-    """The accumulator RegTile of a WGMMA's ``!llvm.struct`` result."""
-    return RegTile.from_registers([Value(llvm.extractvalue(f32.mlir_type(), struct, [i]), f32)
-                                   for i in range(n // 2)], wgmma_m64_accumulator(n))
 
 
 def _a_registers(a_frag) -> list[ir.Value]:

@@ -97,7 +97,7 @@ DATA_MOVES = frozenset((
     "vector.insert", "vector.insertelement", "vector.insert_strided_slice", "vector.bitcast",
     "vector.shape_cast", "vector.broadcast", "vector.splat", "vector.from_elements",
     "vector.transpose", "vector.interleave", "vector.deinterleave", "arith.bitcast",
-    "llvm.bitcast", "llvm.extractvalue", "llvm.insertvalue", "builtin.unrealized_conversion_cast"))
+    "llvm.bitcast", "builtin.unrealized_conversion_cast"))
 # Ops that only forward a pointer/buffer: the root of a buffer is found through them.
 _FORWARDING = ("memref.subview", "memref.cast", "memref.reinterpret_cast", "memref.view",
                "memref.extract_aligned_pointer_as_index", "memref.memory_space_cast",
