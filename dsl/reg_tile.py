@@ -271,6 +271,17 @@ class RegTile:
         """The fragment at grid position ``(i, j)``."""
         return self.fragments[i * self.grid[1] + j]
 
+    def __len__(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    def __getitem__(self, k: int) -> Value:
+        """Fragment ``k``, row-major over the grid: a grid of operands reads like a list of
+        them, e.g. ``p[j]`` is the ``j``-th A operand of
+        :func:`kiln.wgmma.a_fragment_from_accumulator`."""
+        if not isinstance(k, int) or not -len(self) <= k < len(self):
+            raise IndexError(f"fragment {k!r} of a {self.grid[0]} x {self.grid[1]} RegTile")
+        return self.fragments[k]
+
     def element(self, i: int) -> Value:
         """This thread's register ``i`` (value ``i % num_values`` of fragment
         ``i // num_values``, row-major over the grid) as a scalar ``kiln.Value``."""

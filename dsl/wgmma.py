@@ -96,8 +96,7 @@ def wait_group(pending: int = 0, *, reads=()) -> None:
     if not isinstance(pending, int) or pending < 0:
         raise KilnValueError(f"pending must be an int >= 0, got {pending!r}",
                              fix="use 0 to wait for every committed WGMMA group")
-    operands = reads.fragments if isinstance(reads, RegTile) else reads
-    registers = [r for frag in operands for r in _a_registers(frag)]
+    registers = [r for frag in reads for r in _a_registers(frag)]
     nvvm.wgmma_wait_group_sync_aligned(pending)
     if registers:
         from .nvidia_asm import keep_registers_live

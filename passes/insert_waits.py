@@ -39,7 +39,7 @@ from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, MBARRIER_WAIT, TMA_LO
 
 NAME = "kiln-insert-waits"
 MMA_PREFIXES = ("amdgpu.mfma", "amdgpu.scaled_mfma", "rocdl.mfma", "amdgpu.wmma",
-                "nvgpu.warpgroup.mma", "nvvm.wgmma.mma_async")
+                "nvvm.wgmma.mma_async")
 # Placement converges in two walks (see above); more means the analysis is wrong.
 MAX_ROUNDS = 4
 
