@@ -309,7 +309,8 @@ def mma_async(acc: RegTile, a, b_desc, *, dtype, a_major: str = "k", b_major: st
                                    fix="drop a_major (or stage A in shared memory)")
         a_frag = a.fragment(0, 0) if isinstance(a, RegTile) else a
         if a_frag.dtype is not operand:
-            raise KilnTypeError(f"mma_async A operand is {a_frag.dtype}, dtype is {operand}",
+            raise KilnTypeError(f"mma_async A operand must be a vector<{A_REGISTER_VALUES}x"
+                                f"{operand}> per thread, got {a_frag!r}",
                                 fix="convert A with a_fragment_from_accumulator(acc, dtype)")
         from .nvidia_asm import wgmma_mma_async_regs
 
