@@ -237,7 +237,7 @@ class RegTile:
         if self.grid != (1, 1):
             raise KilnValueError(f"only a 1 x 1 RegTile has a struct form, this one is "
                                  f"{self.grid[0]} x {self.grid[1]}",
-                                 fix="take one fragment: RegTile([t.fragment(i, j)], layout, (1, 1))")
+                                 fix="take one: RegTile([t.fragment(i, j)], layout, (1, 1))")
         registers = self.registers()
         value = llvm.mlir_undef(llvm.StructType.get_literal([registers[0].ir.type]
                                                              * len(registers)))

@@ -1,21 +1,20 @@
 """Warp-group MMA (WGMMA, sm_90a): a 128-thread warp group computes ``D = A @ B + D``.
 
 One op, :func:`mma_async`, issues ``wgmma.mma_async.m64nNk16`` (f32 += f16/bf16 x f16/bf16),
-parameterised like the PTX instruction by where A lives and the operand majors:
+parameterised like the PTX instruction by where A lives (:func:`a_location`) and the operand
+majors:
 
-====================  ==========================================  ===========================
-A                     how it is passed                            majors
-====================  ==========================================  ===========================
-shared memory         an i64 matrix descriptor (:func:`smem_descriptor`)  ``a_major``, ``b_major``
-registers             ``vector<8 x T>`` per thread laid out as     ``a_major="k"`` only (PTX has
-                      :func:`a_fragment_layout` (a fragment of      no transpose for register
-                      :func:`a_fragment_from_accumulator`'s tile)   A); ``b_major``
-====================  ==========================================  ===========================
+- A in shared memory: an i64 matrix descriptor (:func:`smem_descriptor`), ``a_major`` ``"k"``
+  or ``"mn"``;
+- A in registers: ``vector<8 x T>`` per thread laid out as :func:`a_fragment_layout` (a
+  fragment of :func:`a_fragment_from_accumulator`'s tile), always K-major.
 
 B always comes through a descriptor. The accumulator is a :class:`~kiln.tiles.RegTile`, Kiln's
 one register-fragment type: a 1 x 1 tile of f32 registers in layout
-:func:`kiln.layout.wgmma_m64_accumulator` (``n // 2`` registers per thread). Tile-level code
-(row reductions, ``OnlineSoftmax``) works on it directly; ``acc.element(i)`` /
+:func:`kiln.layout.wgmma_m64_accumulator` (``n // 2`` registers per thread), held as the
+``!llvm.struct`` the instruction reads and writes. Tile-level code (row reductions,
+``OnlineSoftmax``) works on it directly, or on :func:`fragment_to_tile`'s vector form (one
+conversion instead of one per use); ``acc.element(i)`` and
 :meth:`~kiln.tiles.RegTile.from_registers` give and take the raw registers. The register A
 operands are a RegTile too (layout :func:`a_fragment_layout`, one fragment per 16 columns).
 
@@ -59,7 +58,6 @@ SWIZZLE_128B_LAYOUT = 1  # descriptor bits 62-63: 1 = 128-byte swizzle
 SWIZZLE_ATOM_BYTES = 1024  # 8 rows x 128 bytes: the repeating unit of a 128B-swizzled tile
 _WGMMA_TYPES = {"f16": nvvm.WGMMATypes.f16, "bf16": nvvm.WGMMATypes.bf16}
 MAJORS = ("k", "mn")
-A_LOCATIONS = ("shared", "registers")
 A_REGISTER_VALUES = 8  # 64 x 16 A tile over 128 threads: 8 elements = 4 packed b32 registers
 
 # The accumulator type of earlier releases: accumulators are RegTiles now.

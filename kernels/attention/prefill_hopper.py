@@ -18,7 +18,7 @@ One consumer iteration (prologue: S_0 and its softmax; epilogue: the last PV):
 | step | what | overlaps with |
 | --- | --- | --- |
 | 1 | wait ``k_full[j]``, ``v_full[j-1]``; wait for this group's turn (named barrier ``3 + g``) | |
-| 2 | issue ``S_j = Q K_j^T`` (``wgmma m64nBNk16``, K-major); rescale O by ``exp2(m_{j-2} - m_{j-1})`` while it runs; issue ``O += P_{j-1} V_{j-1}`` (MN-major V, P from registers as in FlashAttention-3: ``BLOCK_N / 16`` A operands of ``mma_async_regs``); hand the turn to the other group (``bar.arrive``) | the other group's softmax (ping-pong) |
+| 2 | issue ``S_j = Q K_j^T`` (``wgmma m64nBNk16``, K-major); rescale O by ``exp2(m_{j-2} - m_{j-1})`` while it runs; issue ``O += P_{j-1} V_{j-1}`` (MN-major V, P from registers as in FlashAttention-3: ``BLOCK_N / 16`` register A operands of ``mma_async``); hand the turn to the other group (``bar.arrive``) | the other group's softmax (ping-pong) |
 | 3 | ``wgmma.wait_group 1``: S_j is ready; mask it if the tile is a boundary tile; online softmax (``OnlineSoftmax``: running max, ``scale * log2 e`` folded into one FMA, ``exp2``, row sums); release ``k_empty[j]``; P_j cast to bf16/f16 into fresh registers | ``P_{j-1} V_{j-1}`` on the tensor cores (intra-warpgroup overlap) |
 | 4 | ``wgmma.wait_group 0``; release ``v_empty[j-1]`` | |
 
