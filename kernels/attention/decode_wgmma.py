@@ -111,7 +111,7 @@ def _issue_qk_wgmma(descs, q_frags, stage, shape):
     scores = wgmma.fragment_zeros(BN)
     wgmma.fence()
     for kk in kiln.static_range(D // 16):
-        scores = wgmma.mma_async(scores, q_frags[0][kk],
+        scores = wgmma.mma_async(scores, q_frags.fragment(0, kk),
                                  k + (kk // 4) * half_units + (kk % 4) * 2, dtype=kiln.bf16,
                                  b_major="k")
     wgmma.commit()
