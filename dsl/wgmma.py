@@ -162,7 +162,7 @@ def fragment_from_elements(values) -> RegTile:
     layout = _accumulator_layout(2 * len(values))
     for i, element in enumerate(values):
         if not isinstance(element, Value) or element.shape or element.dtype is not f32:
-            raise KilnTypeError(f"fragment element {i} must be an f32 scalar, got {element!r}",
+            raise KilnTypeError(f"fragment element {i} must be f32 (a scalar), got {element!r}",
                                 fix="kiln.cast the value to kiln.f32 first")
     return RegTile.from_struct(_pack([v.ir for v in values]), layout)
 
