@@ -88,6 +88,15 @@ def _concat(values: list[ir.Value]) -> ir.Value:
     return values[0]
 
 
+def pack_struct(registers: list[ir.Value]) -> ir.Value:
+    """Scalars of one type as an ``!llvm.struct`` (field ``i`` = ``registers[i]``): the form
+    of :meth:`RegTile.from_struct`."""
+    value = llvm.mlir_undef(llvm.StructType.get_literal([registers[0].type] * len(registers)))
+    for i, register in enumerate(registers):
+        value = llvm.insertvalue(value, register, [i])
+    return value
+
+
 class TileVector:
     """A per-row (``axis="row"``) or per-column vector reduced from a :class:`RegTile`.
 
@@ -238,12 +247,7 @@ class RegTile:
             raise KilnValueError(f"only a 1 x 1 RegTile has a struct form, this one is "
                                  f"{self.grid[0]} x {self.grid[1]}",
                                  fix="take one: RegTile([t.fragment(i, j)], layout, (1, 1))")
-        registers = self.registers()
-        value = llvm.mlir_undef(llvm.StructType.get_literal([registers[0].ir.type]
-                                                             * len(registers)))
-        for i, register in enumerate(registers):
-            value = llvm.insertvalue(value, register.ir, [i])
-        return value
+        return pack_struct([r.ir for r in self.registers()])
 
     @property
     def fragments(self) -> list[Value]:

@@ -38,13 +38,13 @@ operands in 128-byte-swizzled shared memory.
 from __future__ import annotations
 
 from mlir import ir
-from mlir.dialects import arith, llvm, memref, nvvm, vector
+from mlir.dialects import arith, memref, nvvm, vector
 
 from .dtypes import DType, dtype as as_dtype, f32
 from .errors import KilnTypeError, KilnValueError, UnsupportedError
 from .layout import ThreadValueLayout, wgmma_m64_accumulator
 from .nvidia_asm import as_index, ir_value, require_feature
-from .reg_tile import RegTile
+from .reg_tile import RegTile, pack_struct
 from .values import Value, cast
 
 WARPGROUP_M = 64
@@ -147,7 +147,7 @@ def fragment_zeros(n: int) -> RegTile:
     require_feature("wgmma", "kiln.wgmma.fragment_zeros")
     layout = _accumulator_layout(n)
     zero = arith.constant(f32.mlir_type(), 0.0)
-    return RegTile.from_struct(_pack([zero] * (n // 2)), layout)
+    return RegTile.from_struct(pack_struct([zero] * (n // 2)), layout)
 
 
 def fragment_from_elements(values) -> RegTile:
@@ -164,7 +164,7 @@ def fragment_from_elements(values) -> RegTile:
         if not isinstance(element, Value) or element.shape or element.dtype is not f32:
             raise KilnTypeError(f"fragment element {i} must be f32 (a scalar), got {element!r}",
                                 fix="kiln.cast the value to kiln.f32 first")
-    return RegTile.from_struct(_pack([v.ir for v in values]), layout)
+    return RegTile.from_struct(pack_struct([v.ir for v in values]), layout)
 
 
 def fragment_to_tile(acc: RegTile) -> RegTile:
@@ -399,14 +399,6 @@ def _check_accumulator(acc, what: str) -> int:
                             f"wgmma_m64_accumulator(n)), got {acc!r}",
                             fix="start from kiln.wgmma.fragment_zeros(n)")
     return n
-
-
-def _pack(registers: list[ir.Value]) -> ir.Value:
-    """f32 ``registers`` as the ``!llvm.struct`` a WGMMA reads and writes."""
-    value = llvm.mlir_undef(llvm.StructType.get_literal([f32.mlir_type()] * len(registers)))
-    for i, register in enumerate(registers):
-        value = llvm.insertvalue(value, register, [i])
-    return value
 
 
 def _a_registers(a_frag) -> list[ir.Value]:
