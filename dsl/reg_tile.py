@@ -452,7 +452,7 @@ class RegTile:
         converted = cast(whole, target)
         frags = [Value(vector.shuffle(converted.ir, converted.ir,
                                       list(range(k * width, (k + 1) * width))), target)
-                 for k in range(len(self.fragments))]
+                 for k in range(len(self))]
         return RegTile(frags, self.layout, self.grid)
 
     def __kiln_flatten__(self):
