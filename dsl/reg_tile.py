@@ -169,7 +169,11 @@ class TileVector:
 
 
 class RegTile:
-    """A matrix held in registers as a grid of MMA fragments (see the module docs).
+    """A matrix held in registers as a grid of MMA fragments (see the module docs): Kiln's one
+    register-fragment type, for ``mma.sync``/MFMA operands and accumulators, the WGMMA
+    accumulator and register A operands (:mod:`kiln.wgmma`), and raw lists of registers
+    (:meth:`from_registers`, :meth:`registers`). A 1 x 1 tile may keep its registers as the
+    ``!llvm.struct`` WGMMA reads and writes (:meth:`from_struct`); every method works on both.
 
     ``RegTile.full(layout, (2, 4), 0.0, kiln.f32)`` makes a 2x4 grid of zero fragments.
     """
