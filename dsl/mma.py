@@ -42,8 +42,9 @@ class MmaAtomSpec:
     """What one MMA instruction computes and how its operands sit in the lanes' registers.
 
     ``a_layout`` maps ``(lane, value)`` to ``(row, col)`` of the ``m x k`` A tile, ``b_layout``
-    into the ``k x n`` B tile, ``c_layout`` into the ``m x n`` C tile; ``a_layout``/``b_layout``
-    are None when that operand comes from shared memory (WGMMA descriptors).
+    into the ``k x n`` B tile, ``c_layout`` into the ``m x n`` C tile; ``b_layout`` is None
+    when B only comes from shared memory (WGMMA descriptors; WGMMA's ``a_layout`` is its
+    register form of A).
 
     Example::
 
@@ -256,39 +257,21 @@ def _mma_sync_spec(dt: DType) -> MmaAtomSpec:
 
 
 class WgmmaAtom(MmaAtom):
-    """``wgmma.mma_async.m64nNk16`` (sm_90a), delegating to :func:`kiln.wgmma.mma`.
+    """``wgmma.mma_async.m64nNk16`` (sm_90a): :func:`kiln.wgmma.mma_async`, the one WGMMA op.
 
-    A and B are :class:`~kiln.wgmma.MatrixDescriptor` s of shared-memory tiles (hence no A/B
-    register layouts); C is a :class:`~kiln.wgmma.Accumulator` whose per-thread layout is
-    :func:`~kiln.layout.wgmma_m64_accumulator`. Keyword arguments (``transpose_b=True``,
-    ``wait_group=``) go to :func:`kiln.wgmma.mma`.
+    ``atom(a, b, c)`` takes A as an i64 shared-memory descriptor or as registers
+    (``vector<8 x T>`` laid out as ``spec.a_layout``, :func:`~kiln.wgmma.a_fragment_layout`), B
+    as a descriptor (hence no B layout) and C as the accumulator RegTile
+    (:func:`~kiln.layout.wgmma_m64_accumulator`). Keyword arguments (``a_major``,
+    ``b_major``, ``accumulate``) go to :func:`kiln.wgmma.mma_async`.
     """
 
     def __call__(self, a, b, c, **options):
-        return wgmma.mma(c, a, b, **options)
+        return wgmma.mma_async(c, a, b, dtype=self.spec.a_dtype, **options)
 
 
 def _wgmma_spec(dt: DType, n: int) -> MmaAtomSpec:
     return MmaAtomSpec(name=f"wgmma_m64n{n}k16_{dt}", vendor="nvidia", m=64, n=n, k=16,
-                       a_dtype=dt, b_dtype=dt, acc_dtype=f32, threads=128, a_layout=None,
-                       b_layout=None, c_layout=L.wgmma_m64_accumulator(n), chips=("sm_90a",))
-
-
-class WgmmaRegsAtom(MmaAtom):
-    """``wgmma.mma_async.m64nNk16`` with A from registers (sm_90a), delegating to
-    :func:`kiln.wgmma.mma_async_regs`: ``atom(a, b, c)`` takes A as ``vector<8 x T>`` laid out
-    as :func:`~kiln.wgmma.a_fragment_layout`, B as a shared-memory descriptor (hence no B
-    layout) and C as a :class:`~kiln.wgmma.Fragment`. Keyword arguments (``b_major="mn"``,
-    ``accumulate=``) go to :func:`kiln.wgmma.mma_async_regs`. Same shape and dtypes as the
-    descriptor atom, so :func:`atom` returns that one; ask for this one with :func:`atom_named`.
-    """
-
-    def __call__(self, a, b, c, **options):
-        return wgmma.mma_async_regs(c, a, b, dtype=self.spec.a_dtype, **options)
-
-
-def _wgmma_regs_spec(dt: DType, n: int) -> MmaAtomSpec:
-    return MmaAtomSpec(name=f"wgmma_rs_m64n{n}k16_{dt}", vendor="nvidia", m=64, n=n, k=16,
                        a_dtype=dt, b_dtype=dt, acc_dtype=f32, threads=128,
                        a_layout=wgmma.a_fragment_layout(), b_layout=None,
                        c_layout=L.wgmma_m64_accumulator(n), chips=("sm_90a",))
@@ -296,7 +279,7 @@ def _wgmma_regs_spec(dt: DType, n: int) -> MmaAtomSpec:
 
 def atom_named(name: str) -> MmaAtom:
     """The registered atom called ``name`` (its ``spec.name``), for atoms :func:`atom` does not
-    pick by shape. Example: ``kiln.mma.atom_named("wgmma_rs_m64n64k16_bf16")``."""
+    pick by shape. Example: ``kiln.mma.atom_named("mma_sync_m16n8k16_bf16")``."""
     if name not in _REGISTRY:
         family = name.split("_m")[0]
         close = [n for n in _REGISTRY if n.split("_m")[0] == family][:4] or list(_REGISTRY)[:4]
@@ -309,7 +292,6 @@ for _dt in (bf16, f16):
     register_atom(MmaSyncAtom(_mma_sync_spec(_dt)))
     for _n in range(8, wgmma.MAX_N + 1, 8):
         register_atom(WgmmaAtom(_wgmma_spec(_dt, _n)))
-        register_atom(WgmmaRegsAtom(_wgmma_regs_spec(_dt, _n)))
 
 
 # ----------------------------------------------------------------------------- TiledMma
@@ -337,9 +319,9 @@ class TiledMma:
                                 fix="pass kiln.mma.atom(m, n, k, dtype)")
         s = atom.spec
         if s.a_layout is None or s.b_layout is None:
-            raise UnsupportedError(f"TiledMma needs register operands; {s.name} reads A and B "
+            raise UnsupportedError(f"TiledMma needs register operands; {s.name} reads B "
                                    "from shared memory",
-                                   fix="call the WGMMA atom (or kiln.wgmma.mma) directly")
+                                   fix="call the WGMMA atom (or kiln.wgmma.mma_async) directly")
         for name, v in (("warps_m", warps_m), ("warps_n", warps_n), ("tile_m", tile_m),
                         ("tile_n", tile_n), ("tile_k", tile_k)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 from mlir import ir
-from mlir.dialects import vector
+from mlir.dialects import llvm, vector
 
 from .core import dtypes as dt
 from . import ops
@@ -86,6 +86,15 @@ def _concat(values: list[ir.Value]) -> ir.Value:
             pairs.append(values[-1])
         values = pairs
     return values[0]
+
+
+def pack_struct(registers: list[ir.Value]) -> ir.Value:
+    """Scalars of one type as an ``!llvm.struct`` (field ``i`` = ``registers[i]``): the form
+    of :meth:`RegTile.from_struct`."""
+    value = llvm.mlir_undef(llvm.StructType.get_literal([registers[0].type] * len(registers)))
+    for i, register in enumerate(registers):
+        value = llvm.insertvalue(value, register, [i])
+    return value
 
 
 class TileVector:
@@ -160,7 +169,11 @@ class TileVector:
 
 
 class RegTile:
-    """A matrix held in registers as a grid of MMA fragments (see the module docs).
+    """A matrix held in registers as a grid of MMA fragments (see the module docs): Kiln's one
+    register-fragment type, for ``mma.sync``/MFMA operands and accumulators, the WGMMA
+    accumulator and register A operands (:mod:`kiln.wgmma`), and raw lists of registers
+    (:meth:`from_registers`, :meth:`registers`). A 1 x 1 tile may keep its registers as the
+    ``!llvm.struct`` WGMMA reads and writes (:meth:`from_struct`); every method works on both.
 
     ``RegTile.full(layout, (2, 4), 0.0, kiln.f32)`` makes a 2x4 grid of zero fragments.
     """
@@ -177,7 +190,8 @@ class RegTile:
                 raise KilnTypeError(f"RegTile fragments must be vector<{width}x T> values for "
                                     f"this layout, got {f!r}",
                                     fix="build fragments with this layout's num_values")
-        self.fragments, self.layout, self.grid = list(fragments), layout, grid
+        self._fragments, self.layout, self.grid = list(fragments), layout, grid
+        self._struct = None
 
     @classmethod
     def full(cls, layout: ThreadValueLayout, grid: tuple[int, int], value: float,
@@ -186,9 +200,76 @@ class RegTile:
         frag = constant(value, dt.dtype(dtype), (layout.num_values,))
         return cls([frag] * (grid[0] * grid[1]), layout, grid)
 
+    @classmethod
+    def from_registers(cls, registers: list[Any], layout: ThreadValueLayout,
+                       grid: tuple[int, int] = (1, 1)) -> "RegTile":
+        """The tile whose :meth:`registers` are ``registers`` (scalar ``kiln.Value`` s of one
+        dtype, fragment after fragment): the raw-list form of a fragment back as a tile.
+
+        Example: ``acc = RegTile.from_registers([x * 2.0 for x in acc.registers()],
+        acc.layout)``.
+        """
+        width = layout.num_values
+        values = [to_value(r) for r in registers]
+        if len(values) != width * grid[0] * grid[1]:
+            raise KilnValueError(f"a {grid[0]}x{grid[1]} RegTile of {width}-value fragments "
+                                 f"needs {width * grid[0] * grid[1]} registers, got "
+                                 f"{len(values)}", fix="pass every register of every fragment")
+        if any(v.shape or v.dtype is not values[0].dtype for v in values):
+            raise KilnTypeError("RegTile registers must be scalars of one dtype, got "
+                                f"{sorted({repr(v.dtype) for v in values})}",
+                                fix="kiln.cast the registers to one dtype first")
+        frag_type = ir.VectorType.get([width], values[0].ir.type)
+        frags = [Value(vector.from_elements(frag_type, [v.ir for v in values[k:k + width]]),
+                       values[0].dtype) for k in range(0, len(values), width)]
+        return cls(frags, layout, grid)
+
+    @classmethod
+    def from_struct(cls, value: ir.Value, layout: ThreadValueLayout) -> "RegTile":
+        """The 1 x 1 tile whose register ``i`` is field ``i`` of ``value``, an
+        ``!llvm.struct`` of ``layout.num_values`` scalars: the form NVIDIA's WGMMA reads and
+        writes. The tile keeps the struct (no IR is emitted); :meth:`element` reads a field,
+        :attr:`fragments` builds the vector form where it is used.
+
+        Example: ``acc = RegTile.from_struct(wgmma_result, kiln.layout.wgmma_m64_accumulator(64))``.
+        """
+        body = llvm.StructType(value.type).body
+        if len(body) != layout.num_values or len(set(body)) != 1:
+            raise KilnTypeError(f"{value.type} is not a struct of {layout.num_values} registers "
+                                "of one type", fix="pass a WGMMA accumulator struct")
+        tile = cls.__new__(cls)
+        tile._fragments, tile.layout, tile.grid = None, layout, (1, 1)
+        tile._struct, tile._struct_dtype = value, dt.from_mlir(body[0])
+        return tile
+
+    def struct(self) -> ir.Value:
+        """A 1 x 1 tile's registers as an ``!llvm.struct`` (:meth:`from_struct`'s form): the
+        one it was built from, else built here from the registers."""
+        if self._struct is not None:
+            return self._struct
+        if self.grid != (1, 1):
+            raise KilnValueError(f"only a 1 x 1 RegTile has a struct form, this one is "
+                                 f"{self.grid[0]} x {self.grid[1]}",
+                                 fix="take one: RegTile([t.fragment(i, j)], layout, (1, 1))")
+        return pack_struct([r.ir for r in self.registers()])
+
+    @property
+    def fragments(self) -> list[Value]:
+        """The fragment vectors, row-major over the grid (built here for a struct tile)."""
+        if self._struct is None:
+            return self._fragments
+        frag_type = ir.VectorType.get([self.layout.num_values], self._struct_dtype.mlir_type())
+        return [Value(vector.from_elements(frag_type, [r.ir for r in self.registers()]),
+                      self._struct_dtype)]
+
+    def unpacked(self) -> "RegTile":
+        """The tile with its fragments as vectors (one conversion here rather than one per
+        use of a struct tile's :attr:`fragments`)."""
+        return self if self._struct is None else RegTile(self.fragments, self.layout, self.grid)
+
     @property
     def dtype(self) -> dt.DType:
-        return self.fragments[0].dtype
+        return self._struct_dtype if self._struct is not None else self.fragments[0].dtype
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -197,6 +278,36 @@ class RegTile:
     def fragment(self, i: int, j: int) -> Value:
         """The fragment at grid position ``(i, j)``."""
         return self.fragments[i * self.grid[1] + j]
+
+    def __len__(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    def __getitem__(self, k: int) -> Value:
+        """Fragment ``k``, row-major over the grid: a grid of operands reads like a list of
+        them, e.g. ``p[j]`` is the ``j``-th A operand of
+        :func:`kiln.wgmma.a_fragment_from_accumulator`."""
+        if not isinstance(k, int) or not -len(self) <= k < len(self):
+            raise IndexError(f"fragment {k!r} of a {self.grid[0]} x {self.grid[1]} RegTile")
+        return self.fragments[k]
+
+    def element(self, i: int) -> Value:
+        """This thread's register ``i`` (value ``i % num_values`` of fragment
+        ``i // num_values``, row-major over the grid) as a scalar ``kiln.Value``."""
+        width = self.layout.num_values
+        count = width * self.grid[0] * self.grid[1]
+        if not 0 <= i < count:
+            raise KilnValueError(f"register {i} is outside this tile's {count} registers per "
+                                 "thread", fix="index registers from 0")
+        if self._struct is not None:
+            return Value(llvm.extractvalue(self._struct_dtype.mlir_type(), self._struct, [i]),
+                         self._struct_dtype)
+        frag = self._fragments[i // width]
+        return Value(vector.extract(frag.ir, [], [i % width]), frag.dtype)
+
+    def registers(self) -> list[Value]:
+        """All of this thread's registers, :meth:`element` order: the raw-list form."""
+        return [self.element(i)
+                for i in range(self.layout.num_values * self.grid[0] * self.grid[1])]
 
     @property
     def view(self) -> str:
@@ -345,15 +456,20 @@ class RegTile:
         converted = cast(whole, target)
         frags = [Value(vector.shuffle(converted.ir, converted.ir,
                                       list(range(k * width, (k + 1) * width))), target)
-                 for k in range(len(self.fragments))]
+                 for k in range(len(self))]
         return RegTile(frags, self.layout, self.grid)
 
     def __kiln_flatten__(self):
+        if self._struct is not None:
+            return [self._struct], (self.layout, None)
         return [f.ir for f in self.fragments], (self.layout, self.grid)
 
     @classmethod
     def __kiln_unflatten__(cls, aux, values):
-        return cls([Value(v) for v in values], *aux)
+        layout, grid = aux
+        if grid is None:  # a struct tile stays one struct through loops and branches
+            return cls.from_struct(values[0], layout)
+        return cls([Value(v) for v in values], layout, grid)
 
 
 def where(cond: RegTile, a: Any, b: Any) -> RegTile:

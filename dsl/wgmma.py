@@ -1,42 +1,51 @@
-"""Warp-group MMA (WGMMA, sm_90a): a 128-thread warp group multiplies shared-memory tiles.
+"""Warp-group MMA (WGMMA, sm_90a): a 128-thread warp group computes ``D = A @ B + D``.
 
-Thin wrappers over upstream ``nvgpu.warpgroup.*``. Operands live in shared memory and are named
-by matrix descriptors built from the tile and the TMA map that filled it (the map carries the
-swizzle); the accumulator lives in registers, fragmented over the warp group.
+One op, :func:`mma_async`, issues ``wgmma.mma_async.m64nNk16`` (f32 += f16/bf16 x f16/bf16),
+parameterised like the PTX instruction by where A lives (:func:`a_location`) and the operand
+majors:
 
-Example (A is an M x K tile, B a K x N tile with N contiguous, both TMA-loaded with 128B swizzle)::
+- A in shared memory: an i64 matrix descriptor (:func:`smem_descriptor`), ``a_major`` ``"k"``
+  or ``"mn"``;
+- A in registers: ``vector<8 x T>`` per thread laid out as :func:`a_fragment_layout` (a
+  fragment of :func:`a_fragment_from_accumulator`'s tile), always K-major.
 
-    acc = kiln.wgmma.accumulator(64, 64)                      # zeros, f32
-    a = kiln.wgmma.descriptor(a_smem, a_map)
-    b = kiln.wgmma.descriptor(b_smem, b_map)
-    acc = kiln.wgmma.mma(acc, a, b, transpose_b=True)         # m64n64k16 steps over K
-    kiln.wgmma.store(acc, c, (0, 0))                          # c[0:64, 0:64] = acc
+B always comes through a descriptor. The accumulator is a :class:`~kiln.tiles.RegTile`, Kiln's
+one register-fragment type: a 1 x 1 tile of f32 registers in layout
+:func:`kiln.layout.wgmma_m64_accumulator` (``n // 2`` registers per thread), held as the
+``!llvm.struct`` the instruction reads and writes. Tile-level code (row reductions,
+``OnlineSoftmax``) works on it directly, or on :func:`fragment_to_tile`'s vector form (one
+conversion instead of one per use); ``acc.element(i)`` and
+:meth:`~kiln.tiles.RegTile.from_registers` give and take the raw registers. The register A
+operands are a RegTile too (layout :func:`a_fragment_layout`, one fragment per 16 columns).
 
-For pipelined kernels the descriptor-level API below issues ``nvvm.wgmma.mma_async`` on
-hand-built descriptors (K- or MN-major operands, several groups in flight): ``smem_descriptor``,
-``fragment_zeros``, ``scale_rows``, ``mma_async`` + ``fence``/``commit``/``wait_group``, and
-``store_fragment_swizzled`` to stage the result for a TMA store (see
-``kiln/kernels/gemm/hopper.py``). ``mma_async_regs`` takes A from registers instead
-(``a_fragment_layout``; ``a_fragment_from_accumulator`` turns an f32 result such as softmax
-probabilities into those operands with one cast), as FlashAttention-3 does for ``P @ V``.
+Example (a pipelined product: issue, commit, wait)::
 
-Supported (what upstream ``nvgpu`` lowers): ``m64nNk16`` with f16 or bf16 inputs and f32
-accumulators; M a multiple of 64, N a multiple of 8 in 8..256, K a multiple of 16; operands loaded
-with a 128-byte swizzle whose box rows are exactly 128 bytes (64 elements).
+    a = kiln.wgmma.smem_descriptor(a_tile, leading_bytes=16, stride_bytes=1024)
+    b = kiln.wgmma.smem_descriptor(b_tile, leading_bytes=16, stride_bytes=1024)
+    acc = kiln.wgmma.fragment_zeros(64)
+    kiln.wgmma.fence()
+    for k in kiln.static_range(4):                       # K = 64: four k16 steps, 32 B each
+        acc = kiln.wgmma.mma_async(acc, a + 2 * k, b + 2 * k, dtype=kiln.bf16)
+    kiln.wgmma.commit()
+    kiln.wgmma.wait_group(0)
+
+``kiln.mma.atom(64, n, 16, dtype)`` on sm_90a is this op's atom. ``mma_async_regs`` and
+``Fragment`` are aliases kept from the separate register-A op and accumulator type.
+Supported: ``m64nNk16``, f16 or bf16 A/B, f32 accumulator, N a multiple of 8 in 8..256,
+operands in 128-byte-swizzled shared memory.
 """
 
 from __future__ import annotations
 
 from mlir import ir
-from mlir.dialects import arith, llvm, memref, nvgpu, nvvm, vector
+from mlir.dialects import arith, memref, nvvm, vector
 
-from .core.dtypes import DType, dtype as as_dtype, f32, from_mlir
+from .core.dtypes import DType, dtype as as_dtype, f32
 from .core.errors import KilnTypeError, KilnValueError, UnsupportedError
-from .layout import wgmma_m64_accumulator
-from .nvidia_asm import (as_index, ir_value, keep_registers_live, require_feature,
-                         wgmma_mma_async_regs)
+from .layout import ThreadValueLayout, wgmma_m64_accumulator
+from .nvidia_asm import as_index, ir_value, require_feature
 from .ops import thread_id
-from .reg_tile import RegTile
+from .reg_tile import RegTile, pack_struct
 from .values import Value, cast
 
 WARPGROUP_M = 64
@@ -44,141 +53,16 @@ INSTRUCTION_K = 16
 MAX_N = 256
 SWIZZLE_ROW_BYTES = 128
 OPERAND_DTYPES = ("f16", "bf16")
-SUPPORTED = ("m64nNk16 with f16 or bf16 A/B and an f32 accumulator; M % 64 == 0, N % 8 == 0 "
-             "with 8 <= N <= 256, K % 16 == 0")
+SUPPORTED = ("m64nNk16 with f16 or bf16 A/B and an f32 accumulator; N % 8 == 0 with "
+             "8 <= N <= 256")
+SWIZZLE_128B_LAYOUT = 1  # descriptor bits 62-63: 1 = 128-byte swizzle
+SWIZZLE_ATOM_BYTES = 1024  # 8 rows x 128 bytes: the repeating unit of a 128B-swizzled tile
+_WGMMA_TYPES = {"f16": nvvm.WGMMATypes.f16, "bf16": nvvm.WGMMATypes.bf16}
+MAJORS = ("k", "mn")
+A_REGISTER_VALUES = 8  # 64 x 16 A tile over 128 threads: 8 elements = 4 packed b32 registers
 
-
-class Accumulator:
-    """An ``m x n`` WGMMA accumulator held in the warp group's registers."""
-
-    def __init__(self, value: ir.Value, m: int, n: int, dtype: DType):
-        self.ir, self.m, self.n, self.dtype = value, m, n, dtype
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.m, self.n)
-
-    def __kiln_flatten__(self):
-        return [self.ir], (self.m, self.n, self.dtype)
-
-    @classmethod
-    def __kiln_unflatten__(cls, aux, values):
-        return cls(values[0], *aux)
-
-
-class MatrixDescriptor:
-    """A WGMMA operand: a shared-memory tile of ``shape`` and ``dtype`` plus its swizzle."""
-
-    def __init__(self, value: ir.Value, shape: tuple[int, int], dtype: DType):
-        self.ir, self.shape, self.dtype = value, shape, dtype
-
-    def __kiln_flatten__(self):
-        return [self.ir], (self.shape, self.dtype)
-
-    @classmethod
-    def __kiln_unflatten__(cls, aux, values):
-        return cls(values[0], *aux)
-
-
-def accumulator(m: int, n: int, dtype=f32) -> Accumulator:
-    """A zero-initialised ``m x n`` accumulator (``nvgpu.warpgroup.mma.init.accumulator``)."""
-    require_feature("wgmma", "kiln.wgmma.accumulator")
-    acc_dtype = as_dtype(dtype)
-    if acc_dtype is not f32:  # nvgpu.warpgroup.mma.store only handles f32 fragments
-        raise UnsupportedError(f"WGMMA accumulator dtype {acc_dtype} is not supported",
-                               fix=f"use kiln.f32 (supported: {SUPPORTED})")
-    _check_mn(m, n)
-    return Accumulator(nvgpu.warpgroup_mma_init_accumulator(_accumulator_type(m, n, acc_dtype)),
-                       m, n, acc_dtype)
-
-
-def descriptor(tile, tensor_map) -> MatrixDescriptor:
-    """Describe shared tile ``tile`` (2-D, filled through ``tensor_map``) as a WGMMA operand
-    (``nvgpu.warpgroup.generate.descriptor``)."""
-    require_feature("wgmma", "kiln.wgmma.descriptor")
-    tile_value = ir_value(tile, "shared tile")
-    tile_type = tile_value.type
-    if not isinstance(tile_type, ir.MemRefType) or tile_type.rank != 2 \
-            or not tile_type.has_static_shape:
-        raise KilnTypeError(f"WGMMA operand must be a static 2-D shared tile, got {tile_type}",
-                            fix="allocate it with kiln.shared((rows, cols), dtype, align=1024)")
-    element = from_mlir(tile_type.element_type)
-    if element.name not in OPERAND_DTYPES:
-        raise UnsupportedError(f"WGMMA operand dtype {element} is not supported",
-                               fix=f"use f16 or bf16 tiles (supported: {SUPPORTED})")
-    map_value = ir_value(tensor_map, "tensor map")
-    _check_operand_map(tensor_map, map_value)
-    # No typed getter exists in the Python bindings for nvgpu.warpgroup.descriptor.
-    desc_type = ir.Type.parse(f"!nvgpu.warpgroup.descriptor<tensor = {tile_type}>")
-    value = nvgpu.warpgroup_generate_descriptor(desc_type, tile_value, map_value)
-    return MatrixDescriptor(value, tuple(tile_type.shape), element)
-
-
-def mma(acc: Accumulator, a: MatrixDescriptor, b: MatrixDescriptor, *, transpose_a: bool = False,
-        transpose_b: bool = False, wait_group: int = 0) -> Accumulator:
-    """``acc + a @ b`` for ``a``: M x K, ``b``: K x N (``nvgpu.warpgroup.mma``); returns the new
-    accumulator.
-
-    ``transpose_b=True`` when B's tile is stored K x N with N contiguous (a row-major B loaded by
-    TMA); ``transpose_a`` likewise for an A stored with M contiguous. The op fences, issues the
-    ``m64nNk16`` steps, commits them as one group and waits until at most ``wait_group`` groups
-    are pending (0: the result is ready in registers).
-    """
-    require_feature("wgmma", "kiln.wgmma.mma")
-    for name, obj, cls in (("acc", acc, Accumulator), ("a", a, MatrixDescriptor),
-                           ("b", b, MatrixDescriptor)):
-        if not isinstance(obj, cls):
-            raise KilnTypeError(f"kiln.wgmma.mma argument {name} must be a {cls.__name__}, got "
-                                f"{type(obj).__name__}",
-                                fix="build it with kiln.wgmma.accumulator / kiln.wgmma.descriptor")
-    (m, k), (kb, n) = a.shape, b.shape
-    if a.dtype is not b.dtype:
-        raise UnsupportedError(f"WGMMA operands must share a dtype, got {a.dtype} @ {b.dtype}",
-                               fix=f"convert one tile (supported: {SUPPORTED})")
-    if k != kb or (m, n) != acc.shape or k % INSTRUCTION_K:
-        raise UnsupportedError(f"WGMMA shapes A {m}x{k} @ B {kb}x{n} -> acc {acc.m}x{acc.n} do "
-                               "not form an m64nNk16 product",
-                               fix=f"use A: M x K, B: K x N, acc: M x N ({SUPPORTED})")
-    if not isinstance(wait_group, int) or wait_group < 0:
-        raise KilnValueError(f"wait_group must be an int >= 0, got {wait_group!r}",
-                             fix="use 0 to have the result ready when mma returns")
-    result = nvgpu.warpgroup_mma(acc.ir.type, a.ir, b.ir, acc.ir, wait_group=wait_group,
-                                 transpose_a=True if transpose_a else None,
-                                 transpose_b=True if transpose_b else None)
-    return Accumulator(result, acc.m, acc.n, acc.dtype)
-
-
-def store(acc: Accumulator, dst, offsets=(0, 0)) -> None:
-    """Write ``acc`` to ``dst[r0:r0+M, c0:c0+N]`` (``nvgpu.warpgroup.mma.store``).
-
-    ``dst`` is a 2-D global tensor or shared tile of the accumulator's dtype; ``offsets``
-    ``(r0, c0)`` are ints or traced integers.
-    """
-    require_feature("wgmma", "kiln.wgmma.store")
-    if not isinstance(acc, Accumulator):
-        raise KilnTypeError(f"kiln.wgmma.store needs an Accumulator, got {type(acc).__name__}",
-                            fix="pass the value returned by kiln.wgmma.mma")
-    dst_value = ir_value(dst, "destination tensor")
-    dst_type = dst_value.type
-    if not isinstance(dst_type, ir.MemRefType) or dst_type.rank != 2:
-        raise KilnTypeError(f"WGMMA store destination must be a 2-D tensor, got {dst_type}",
-                            fix="store into a 2-D kiln.Tensor or kiln.shared tile")
-    if from_mlir(dst_type.element_type) is not acc.dtype:
-        raise KilnTypeError(f"cannot store a {acc.dtype} accumulator into a "
-                            f"{from_mlir(dst_type.element_type)} tensor",
-                            fix=f"make the output tensor {acc.dtype}")
-    if len(offsets) != 2:
-        raise KilnValueError(f"WGMMA store offsets must be (row, col), got {offsets!r}",
-                             fix="pass two offsets, e.g. (0, 0)")
-    # The op needs a destination of exactly M x N, so take a static-size window of dst.
-    strides, _ = dst_type.get_strides_and_offset()
-    dynamic = ir.ShapedType.get_dynamic_stride_or_offset()
-    window_type = ir.MemRefType.get([acc.m, acc.n], dst_type.element_type,
-                                    layout=ir.StridedLayoutAttr.get(dynamic, strides),
-                                    memory_space=dst_type.memory_space)
-    window = memref.subview(dst_value, [as_index(o, "store offset") for o in offsets],
-                            [acc.m, acc.n], [1, 1], result_type=window_type)
-    nvgpu.warpgroup_mma_store(acc.ir, window)
+# The accumulator type of earlier releases: accumulators are RegTiles now.
+Fragment = RegTile
 
 
 def fence() -> None:
@@ -196,13 +80,13 @@ def commit() -> None:
 def wait_group(pending: int = 0, *, reads=()) -> None:
     """``wgmma.wait_group pending``: wait until at most ``pending`` WGMMA groups are in flight.
 
-    ``reads``: the register A operands (:func:`mma_async_regs`) of the groups this wait
-    completes. LLVM takes a WGMMA's register operands as read when it is issued, and may then
-    give their registers to new values (say, the next P written while this P V is still on the
-    tensor cores); ptxas answers by serialising every WGMMA of the kernel. Naming them here
-    keeps them live until the wait. Example::
+    ``reads``: the register A operands (a RegTile from :func:`a_fragment_from_accumulator`, or
+    its fragments) of the groups this wait completes. LLVM takes a WGMMA's register operands
+    as read when it is issued, and may then give their registers to new values (say, the next
+    P written while this P V is still on the tensor cores); ptxas answers by serialising every
+    WGMMA of the kernel. Naming them here keeps them live until the wait. Example::
 
-        o = kiln.wgmma.mma_async_regs(o, p[0], v_desc, dtype=kiln.bf16, b_major="mn")
+        o = kiln.wgmma.mma_async(o, p.fragment(0, 0), v_desc, dtype=kiln.bf16, b_major="mn")
         kiln.wgmma.commit()
         p_next = kiln.wgmma.a_fragment_from_accumulator(s_next, kiln.bf16)
         kiln.wgmma.wait_group(0, reads=p)
@@ -216,153 +100,6 @@ def wait_group(pending: int = 0, *, reads=()) -> None:
     if registers:
         keep_registers_live(registers)
 
-
-def _check_operand_map(tensor_map, map_value: ir.Value) -> None:
-    """WGMMA descriptors assume the 128B-swizzled layout with 128-byte box rows."""
-    swizzle, box, dtype = (getattr(tensor_map, attr, None) for attr in ("swizzle", "box", "dtype"))
-    if swizzle is None:
-        # A raw descriptor value: the bindings expose no accessors, so read its swizzle from text.
-        swizzle = SWIZZLE_ROW_BYTES if "swizzle = swizzle_128b" in str(map_value.type) else 0
-    if swizzle != SWIZZLE_ROW_BYTES:
-        raise UnsupportedError(f"WGMMA operands must be loaded with a 128-byte swizzle, got "
-                               f"{map_value.type}",
-                               fix="declare the operand as kiln.TensorMap[dtype, box, 128]")
-    if box is not None and box[-1] * as_dtype(dtype).itemsize != SWIZZLE_ROW_BYTES:
-        raise UnsupportedError(f"WGMMA operand box {tuple(box)} of {as_dtype(dtype)} has "
-                               f"{box[-1] * as_dtype(dtype).itemsize}-byte rows; 128B-swizzled "
-                               "operands need rows of exactly 128 bytes",
-                               fix=f"use an innermost box dim of "
-                                   f"{SWIZZLE_ROW_BYTES // as_dtype(dtype).itemsize}")
-
-
-def _check_mn(m: int, n: int) -> None:
-    if not (isinstance(m, int) and isinstance(n, int) and m > 0 and m % WARPGROUP_M == 0
-            and n % 8 == 0 and 8 <= n <= MAX_N):
-        raise UnsupportedError(f"WGMMA accumulator {m}x{n} is not supported",
-                               fix=f"use e.g. 64x64 or 64x128 ({SUPPORTED})")
-
-
-def _accumulator_type(m: int, n: int, acc_dtype: DType) -> ir.Type:
-    fragment = ir.VectorType.get([m, n], acc_dtype.mlir_type())
-    # No typed getter exists in the Python bindings for nvgpu.warpgroup.accumulator.
-    return ir.Type.parse(f"!nvgpu.warpgroup.accumulator<fragmented = {fragment}>")
-
-
-# ---------------------------------------------------------------------------------------------
-# Descriptor-level WGMMA: hand-built shared-memory descriptors, asynchronous issue
-# ---------------------------------------------------------------------------------------------
-# ``nvgpu.warpgroup.mma`` above waits on every call and only knows K-major operands of one
-# 64-column box. Pipelined kernels keep several WGMMA groups in flight and read B in either
-# major order, so they build the 64-bit matrix descriptors themselves (PTX ISA, "Matrix
-# Descriptor Format"; https://docs.nvidia.com/cuda/parallel-thread-execution/#asynchronous-
-# warpgroup-level-matrix-shared-memory-layout-matrix-descriptor) and issue ``nvvm.wgmma.mma_async``.
-
-SWIZZLE_128B_LAYOUT = 1  # descriptor bits 62-63: 1 = 128-byte swizzle
-SWIZZLE_ATOM_BYTES = 1024  # 8 rows x 128 bytes: the repeating unit of a 128B-swizzled tile
-_WGMMA_TYPES = {"f16": nvvm.WGMMATypes.f16, "bf16": nvvm.WGMMATypes.bf16}
-MAJORS = ("k", "mn")
-
-
-class Fragment:
-    """A 64 x ``n`` f32 accumulator of :func:`mma_async`: ``n // 2`` registers per thread of the
-    warp group, as an ``!llvm.struct`` (what ``nvvm.wgmma.mma_async`` reads and writes).
-
-    Element ``i`` of thread ``t`` (warp ``w = t // 32``, lane ``l = t % 32``) holds
-    ``D[16*w + l//4 + 8*((i//2) % 2), 8*(i//4) + 2*(l%4) + i%2]`` — the accumulator layout
-    of ``kiln.layout.wgmma_m64_accumulator(n)``.
-    """
-
-    def __init__(self, value: ir.Value, n: int):
-        self.ir, self.n = value, n
-
-    def __kiln_flatten__(self):
-        return [self.ir], self.n
-
-    @classmethod
-    def __kiln_unflatten__(cls, aux, values):
-        return cls(values[0], aux)
-
-    def element(self, i: int):
-        """Register ``i`` (0 <= i < n // 2) of this thread, as a ``kiln.Value`` f32."""
-        return Value(llvm.extractvalue(f32.mlir_type(), self.ir, [i]), f32)
-
-
-def fragment_to_tile(acc: Fragment):
-    """``acc`` as a 1 x 1 :class:`~kiln.tiles.RegTile` of layout
-    :func:`~kiln.layout.wgmma_m64_accumulator` (same registers, same order), so tile-level code
-    (row reductions, ``OnlineSoftmax``) can work on WGMMA results.
-    Example: ``s = fragment_to_tile(scores); m = s.row_max()``.
-    """
-    if not isinstance(acc, Fragment):
-        raise KilnTypeError(f"fragment_to_tile needs a kiln.wgmma.Fragment, got "
-                            f"{type(acc).__name__}", fix="pass the result of mma_async")
-    width = acc.n // 2
-    vector_type = ir.VectorType.get([width], f32.mlir_type())
-    packed = vector.from_elements(vector_type, [acc.element(i).ir for i in range(width)])
-    return RegTile([Value(packed, f32)], wgmma_m64_accumulator(acc.n), (1, 1))
-
-
-def fragment_from_tile(tile) -> Fragment:
-    """The :class:`Fragment` holding a 1 x 1 f32 RegTile of layout ``wgmma_m64_accumulator``
-    (the inverse of :func:`fragment_to_tile`), ready for :func:`mma_async` or
-    :func:`store_fragment_swizzled`. Example: ``acc = fragment_from_tile(o_tile)``."""
-    n = tile.shape[1] if isinstance(tile, RegTile) else None
-    if n is None or tile.grid != (1, 1) or tile.dtype is not f32 \
-            or tile.layout != wgmma_m64_accumulator(n):
-        raise KilnTypeError(f"fragment_from_tile needs a 1 x 1 f32 RegTile of layout "
-                            f"wgmma_m64_accumulator(n), got {tile!r}",
-                            fix="build it with kiln.wgmma.fragment_to_tile")
-    packed = tile.fragment(0, 0).ir
-    return fragment_from_elements([Value(vector.extract(packed, [], [i]), f32)
-                                   for i in range(n // 2)])
-
-
-def fragment_from_elements(values) -> Fragment:
-    """The 64 x ``2 * len(values)`` accumulator whose register ``i`` is ``values[i]`` (f32
-    ``kiln.Value`` s, in :meth:`Fragment.element` order): elementwise work on an accumulator
-    (softmax on WGMMA scores, rescaling an output) reads elements, computes, and rebuilds.
-    Example: ``acc = fragment_from_elements([acc.element(i) * 2.0 for i in range(acc.n // 2)])``.
-    """
-    require_feature("wgmma", "kiln.wgmma.fragment_from_elements")
-    values = list(values)
-    _check_mn(WARPGROUP_M, 2 * len(values))
-    f32_type = f32.mlir_type()
-    value = llvm.mlir_undef(llvm.StructType.get_literal([f32_type] * len(values)))
-    for i, element in enumerate(values):
-        element_ir = ir_value(element, "fragment element")
-        if element_ir.type != f32_type:
-            raise KilnTypeError(f"fragment element {i} must be f32, got {element_ir.type}",
-                                fix="kiln.cast the value to kiln.f32 first")
-        value = llvm.insertvalue(value, element_ir, [i])
-    return Fragment(value, 2 * len(values))
-
-
-def scale_rows(acc: Fragment, factors) -> Fragment:
-    """``acc`` with each of the thread's two rows multiplied by its factor: ``factors[0]`` for
-    row ``16*w + l//4``, ``factors[1]`` for row ``+ 8`` (register ``i`` is on row
-    ``(i // 2) % 2``, see :class:`Fragment`). The online-softmax rescale of an output ``O``
-    whose width differs from the score tile's; call it before the :func:`fence` of the next
-    product that reads ``acc``, not while an earlier group is in flight (ptxas then serialises
-    every WGMMA). Example: ``o = kiln.wgmma.scale_rows(o, [alpha_top, alpha_bottom])``."""
-    _check_accumulator(acc, "scale_rows")
-    if len(factors) != 2:
-        raise KilnValueError(f"scale_rows needs 2 factors (the thread's two rows), got "
-                             f"{len(factors)}", fix="pass [top_row_factor, bottom_row_factor]")
-    return fragment_from_elements([acc.element(i) * factors[(i // 2) % 2]
-                                   for i in range(acc.n // 2)])
-
-
-def fragment_zeros(n: int) -> Fragment:
-    """A zero 64 x ``n`` accumulator for :func:`mma_async` (n a multiple of 8 up to 256)."""
-    require_feature("wgmma", "kiln.wgmma.fragment_zeros")
-    _check_mn(WARPGROUP_M, n)
-    f32_type = f32.mlir_type()
-    struct = llvm.StructType.get_literal([f32_type] * (n // 2))
-    value = llvm.mlir_undef(struct)
-    zero = arith.constant(f32_type, 0.0)
-    for i in range(n // 2):
-        value = llvm.insertvalue(value, zero, [i])
-    return Fragment(value, n)
 
 
 def smem_descriptor(tile, *, leading_bytes: int, stride_bytes: int, byte_offset=0):
@@ -399,43 +136,208 @@ def smem_descriptor(tile, *, leading_bytes: int, stride_bytes: int, byte_offset=
     return Value(arith.ori(start, arith.constant(i64, fields)))
 
 
-def mma_async(acc: Fragment, a_desc, b_desc, *, dtype, a_major: str = "k",
-              b_major: str = "k") -> Fragment:
+# ---------------------------------------------------------------------------------------------
+# Accumulators and register A operands: RegTiles
+# ---------------------------------------------------------------------------------------------
+
+
+def fragment_zeros(n: int) -> RegTile:
+    """A zero 64 x ``n`` accumulator for :func:`mma_async` (n a multiple of 8 up to 256)."""
+    require_feature("wgmma", "kiln.wgmma.fragment_zeros")
+    layout = _accumulator_layout(n)
+    zero = arith.constant(f32.mlir_type(), 0.0)
+    return RegTile.from_struct(pack_struct([zero] * (n // 2)), layout)
+
+
+def fragment_from_elements(values) -> RegTile:
+    """The 64 x ``2 * len(values)`` accumulator whose register ``i`` is ``values[i]`` (f32
+    ``kiln.Value`` s, in :meth:`~kiln.tiles.RegTile.element` order): elementwise work on an
+    accumulator (softmax on WGMMA scores, rescaling an output) reads registers, computes, and
+    rebuilds. Example:
+    ``acc = fragment_from_elements([acc.element(i) * 2.0 for i in range(acc.shape[1] // 2)])``.
+    """
+    require_feature("wgmma", "kiln.wgmma.fragment_from_elements")
+    values = list(values)
+    layout = _accumulator_layout(2 * len(values))
+    for i, element in enumerate(values):
+        if not isinstance(element, Value) or element.shape or element.dtype is not f32:
+            raise KilnTypeError(f"fragment element {i} must be f32 (a scalar), got {element!r}",
+                                fix="kiln.cast the value to kiln.f32 first")
+    return RegTile.from_struct(pack_struct([v.ir for v in values]), layout)
+
+
+def fragment_to_tile(acc: RegTile) -> RegTile:
+    """``acc`` with its registers as one vector fragment, for tile-level work (row reductions,
+    ``OnlineSoftmax``) that reads them all: one conversion here instead of one per use.
+    Example: ``s = fragment_to_tile(scores); m = s.row_max()``."""
+    _check_accumulator(acc, "fragment_to_tile")
+    return acc.unpacked()
+
+
+def fragment_from_tile(tile: RegTile) -> RegTile:
+    """``tile`` (an accumulator RegTile) with its registers in the struct the WGMMA reads, the
+    inverse of :func:`fragment_to_tile`. Example: ``acc = fragment_from_tile(o_tile)``."""
+    n = _check_accumulator(tile, "fragment_from_tile")
+    return RegTile.from_struct(tile.struct(), wgmma_m64_accumulator(n))
+
+
+def scale_rows(acc: RegTile, factors) -> RegTile:
+    """``acc`` with each of the thread's two rows multiplied by its factor: ``factors[0]`` for
+    row ``16*w + l//4``, ``factors[1]`` for row ``+ 8`` (register ``i`` is on row
+    ``(i // 2) % 2``, see :func:`kiln.layout.wgmma_m64_accumulator`). The online-softmax
+    rescale of an output ``O`` whose width differs from the score tile's; call it before the
+    :func:`fence` of the next product that reads ``acc``, not while an earlier group is in
+    flight (ptxas then serialises every WGMMA).
+    Example: ``o = kiln.wgmma.scale_rows(o, [alpha_top, alpha_bottom])``."""
+    n = _check_accumulator(acc, "scale_rows")
+    if len(factors) != 2:
+        raise KilnValueError(f"scale_rows needs 2 factors (the thread's two rows), got "
+                             f"{len(factors)}", fix="pass [top_row_factor, bottom_row_factor]")
+    return fragment_from_elements([acc.element(i) * factors[(i // 2) % 2]
+                                   for i in range(n // 2)])
+
+
+def a_fragment_layout() -> ThreadValueLayout:
+    """``(thread, value) -> (row, col)`` of the 64 x 16 A operand held in registers.
+
+    The same positions as the accumulator of a 64 x 16 product,
+    :func:`kiln.layout.wgmma_m64_accumulator` ``(16)`` (PTX ISA "Register Fragments, Matrix A"
+    for ``wgmma .m64nNk16``): warp ``w = t // 32`` owns rows ``16w..16w+15``; value ``v`` of lane
+    ``l`` is row ``16w + l // 4 + 8 * (v // 2 % 2)``, column ``8 * (v // 4) + 2 * (l % 4) + v % 2``.
+    Values ``2i, 2i+1`` share b32 register ``i`` (``2i`` in the low half).
+
+    Worked example: thread 37 (warp 1, lane 5) holds rows 17 and 25, columns 2, 3, 10, 11;
+    its value 5 is ``(17, 11)``::
+
+        >>> kiln.wgmma.a_fragment_layout()(37, 5)
+        (17, 11)
+    """
+    return wgmma_m64_accumulator(INSTRUCTION_K)
+
+
+def a_fragment_from_accumulator(acc: RegTile, dtype) -> RegTile:
+    """Convert a 64 x ``n`` f32 accumulator (e.g. ``P = softmax(S)``) to ``dtype`` with one
+    bulk cast, as the register A operands of :func:`mma_async`: a 1 x ``n // 16`` RegTile of
+    layout :func:`a_fragment_layout` whose fragment ``(0, j)`` (``vector<8 x dtype>``) holds
+    columns ``16j .. 16j+15`` (accumulator registers ``8j .. 8j+7`` are exactly that
+    fragment, so no data moves).
+
+    Example: ``p = a_fragment_from_accumulator(s, kiln.bf16)`` then
+    ``o = mma_async(o, p.fragment(0, j), v_desc_j, dtype=kiln.bf16, b_major="mn")`` per 16 keys.
+    """
+    require_feature("wgmma", "kiln.wgmma.a_fragment_from_accumulator")
+    out_dtype = _operand_dtype(dtype, "a_fragment_from_accumulator")
+    n = _check_accumulator(acc, "a_fragment_from_accumulator")
+    if n % INSTRUCTION_K:
+        raise UnsupportedError(f"a 64 x {n} accumulator does not split into 16-column A "
+                               "operands", fix="use an accumulator whose N is a multiple of 16")
+    converted = cast(acc.fragment(0, 0), out_dtype)
+    frags = [Value(vector.shuffle(converted.ir, converted.ir,
+                                  list(range(A_REGISTER_VALUES * j, A_REGISTER_VALUES * (j + 1)))),
+                   out_dtype) for j in range(n // INSTRUCTION_K)]
+    return RegTile(frags, a_fragment_layout(), (1, n // INSTRUCTION_K))
+
+
+# ---------------------------------------------------------------------------------------------
+# The WGMMA op
+# ---------------------------------------------------------------------------------------------
+# One instruction, two forms of A: a shared-memory descriptor (upstream ``nvvm.wgmma.mma_async``)
+# or four b32 registers (inline PTX, :func:`kiln.nvidia_asm.wgmma_mma_async_regs`, since the
+# upstream op only takes descriptors). Descriptors follow PTX "Matrix Descriptor Format":
+# https://docs.nvidia.com/cuda/parallel-thread-execution/#asynchronous-warpgroup-level-matrix-shared-memory-layout-matrix-descriptor
+
+
+def a_location(a) -> str:
+    """Where the A operand ``a`` of :func:`mma_async` lives: ``"shared"`` for an i64 matrix
+    descriptor, ``"registers"`` for a ``vector<8 x f16/bf16>`` fragment (or a 1 x 1 RegTile)
+    of :func:`a_fragment_layout`. Raises KilnTypeError for anything else."""
+    if isinstance(a, RegTile) and a.grid == (1, 1) and a.layout == a_fragment_layout():
+        return "registers"
+    if isinstance(a, Value) and a.shape == (A_REGISTER_VALUES,) \
+            and a.dtype.name in OPERAND_DTYPES:
+        return "registers"
+    value = getattr(a, "ir", a)
+    if isinstance(value, ir.Value) and value.type == ir.IntegerType.get_signless(64):
+        return "shared"
+    raise KilnTypeError(f"the WGMMA A operand must be an i64 shared-memory descriptor or a "
+                        f"vector<{A_REGISTER_VALUES} x bf16/f16> register fragment, got {a!r}",
+                        fix="build it with kiln.wgmma.smem_descriptor or "
+                            "kiln.wgmma.a_fragment_from_accumulator")
+
+
+def mma_async(acc: RegTile, a, b_desc, *, dtype, a_major: str = "k", b_major: str = "k",
+              accumulate=True) -> RegTile:
     """Issue one ``wgmma.mma_async.m64nNk16`` (f32 += ``dtype`` x ``dtype``): ``acc += A @ B``
-    with A (64 x 16) and B (16 x N) read through descriptors; returns the new accumulator.
+    with A (64 x 16) from shared memory or registers (:func:`a_location`) and B (16 x N)
+    through descriptor ``b_desc``; returns the new accumulator.
 
-    Asynchronous: bracket the issues with :func:`fence` before and :func:`commit` after, then
-    :func:`wait_group` before reading ``acc`` or overwriting the operands' shared memory.
-    ``b_major="mn"`` reads B stored with N contiguous (a row-major K x N matrix).
+    ``a_major``/``b_major``: ``"k"`` when K is the contiguous dimension of the operand's
+    shared tile, ``"mn"`` otherwise (``b_major="mn"`` reads a row-major K x N B); A in
+    registers is always ``"k"``. ``accumulate=False`` computes ``A @ B`` and ignores ``acc``'s
+    values; with A in registers it may be a traced boolean.
 
-    Example::
+    Asynchronous: bracket the issues with :func:`fence` before (it also orders writes of A's
+    registers) and :func:`commit` after, then :func:`wait_group` before reading ``acc`` or
+    overwriting the operands; do not touch ``acc`` or A in between.
+
+    Example (K-major A from shared memory, then FlashAttention-3's O += P @ V with P in
+    registers and V stored keys x depth)::
 
         kiln.wgmma.fence()
         for k in kiln.static_range(4):
-            acc = kiln.wgmma.mma_async(acc, a_desc + 2 * k, b_desc + 128 * k, dtype=kiln.bf16,
-                                       b_major="mn")
+            s = kiln.wgmma.mma_async(s, q_desc + 2 * k, k_desc + 2 * k, dtype=kiln.bf16)
+        kiln.wgmma.commit()
+        p = kiln.wgmma.a_fragment_from_accumulator(s, kiln.bf16)   # 64 x 64 P: 4 A operands
+        kiln.wgmma.fence()
+        for j in kiln.static_range(4):
+            o = kiln.wgmma.mma_async(o, p.fragment(0, j), v_desc + 128 * j, dtype=kiln.bf16,
+                                     b_major="mn")
         kiln.wgmma.commit()
     """
     require_feature("wgmma", "kiln.wgmma.mma_async")
-    _check_accumulator(acc, "mma_async")
-    name = _operand_dtype(dtype, "mma_async").name
+    n = _check_accumulator(acc, "mma_async")
+    operand = _operand_dtype(dtype, "mma_async")
     _check_major("a_major", a_major)
     _check_major("b_major", b_major)
-    descs = [_descriptor(a_desc, "A descriptor"), _descriptor(b_desc, "B descriptor")]
+    b_value = _descriptor(b_desc, "B descriptor")
+    if a_location(a) == "registers":
+        if a_major != "k":
+            raise UnsupportedError("a WGMMA A operand in registers is K-major by definition",
+                                   fix="drop a_major (or stage A in shared memory)")
+        a_frag = a.fragment(0, 0) if isinstance(a, RegTile) else a
+        if a_frag.dtype is not operand:
+            raise KilnTypeError(f"mma_async A operand must be a vector<{A_REGISTER_VALUES}x"
+                                f"{operand}> per thread, got {a_frag!r}",
+                                fix="convert A with a_fragment_from_accumulator(acc, dtype)")
+        from .nvidia_asm import wgmma_mma_async_regs
+
+        result = wgmma_mma_async_regs([r.ir for r in acc.registers()], _a_registers(a_frag),
+                                      b_value, _scale_d(accumulate), ptx_type=operand.name,
+                                      trans_b=int(b_major == "mn"))
+        return RegTile.from_struct(result, wgmma_m64_accumulator(n))
+    if not isinstance(accumulate, bool):
+        raise UnsupportedError("a traced accumulate flag needs A in registers (nvvm.wgmma "
+                               "takes scale-d as an attribute)",
+                               fix="pass accumulate=True/False, or start from fragment_zeros")
     # No typed getter exists in the Python bindings for #nvvm.shape.
-    shape = ir.Attribute.parse(f"#nvvm.shape<m = {WARPGROUP_M}, n = {acc.n}, k = "
-                               f"{INSTRUCTION_K}>")
-    kind = _WGMMA_TYPES[name]
+    shape = ir.Attribute.parse(f"#nvvm.shape<m = {WARPGROUP_M}, n = {n}, k = {INSTRUCTION_K}>")
+    kind = _WGMMA_TYPES[operand.name]
     # NVVM spells operand order as layouts: A "row" and B "col" are K-major (no transpose).
     layout_a = nvvm.MMALayout.row if a_major == "k" else nvvm.MMALayout.col
     layout_b = nvvm.MMALayout.col if b_major == "k" else nvvm.MMALayout.row
-    result = nvvm.wgmma_mma_async(acc.ir.type, acc.ir, descs[0], descs[1], shape, kind, kind,
-                                  nvvm.WGMMATypes.f32, nvvm.WGMMAScaleOut.one,
-                                  nvvm.WGMMAScaleIn.one, nvvm.WGMMAScaleIn.one, layout_a, layout_b)
-    return Fragment(result, acc.n)
+    scale = nvvm.WGMMAScaleOut.one if accumulate else nvvm.WGMMAScaleOut.zero
+    struct = acc.struct()
+    result = nvvm.wgmma_mma_async(struct.type, struct, _descriptor(a, "A descriptor"), b_value,
+                                  shape, kind, kind, nvvm.WGMMATypes.f32, scale,
+                                  nvvm.WGMMAScaleIn.one, nvvm.WGMMAScaleIn.one, layout_a,
+                                  layout_b)
+    return RegTile.from_struct(result, wgmma_m64_accumulator(n))
 
 
-def store_fragment_swizzled(acc: Fragment, chunks, first_chunk, *, columns=None) -> None:
+mma_async_regs = mma_async  # the register-A op of earlier releases: the one op, A in registers
+
+
+def store_fragment_swizzled(acc: RegTile, chunks, first_chunk, *, columns=None) -> None:
     """Stage ``acc`` (converted to ``chunks``' dtype) in shared memory for a TMA store.
 
     ``chunks`` is a :func:`kiln.dynamic_shared` buffer of 64 x ``128 / itemsize`` tiles laid out
@@ -447,16 +349,17 @@ def store_fragment_swizzled(acc: Fragment, chunks, first_chunk, *, columns=None)
     Example: ``store_fragment_swizzled(acc, c_tiles, group * 4)`` then ``kiln.tma.store``.
     """
     require_feature("wgmma", "kiln.wgmma.store_fragment_swizzled")
+    n = _check_accumulator(acc, "store_fragment_swizzled")
     itemsize = chunks.dtype.itemsize
     chunk_cols = SWIZZLE_ROW_BYTES // itemsize
     if tuple(chunks.shape[1:]) != (WARPGROUP_M, chunk_cols):
         raise KilnValueError(f"staging tiles must be {WARPGROUP_M} x {chunk_cols} "
                              f"{chunks.dtype}, got {chunks.shape[1:]}",
                              fix=f"allocate dynamic_shared((n, {WARPGROUP_M}, {chunk_cols}), ...)")
-    c0, c1 = columns if columns is not None else (0, acc.n)
-    if c0 % chunk_cols or c1 % chunk_cols or not 0 <= c0 < c1 <= acc.n:
+    c0, c1 = columns if columns is not None else (0, n)
+    if c0 % chunk_cols or c1 % chunk_cols or not 0 <= c0 < c1 <= n:
         raise KilnValueError(f"columns {columns} must be whole {chunk_cols}-column chunks of "
-                             f"0..{acc.n}", fix=f"use multiples of {chunk_cols}")
+                             f"0..{n}", fix=f"use multiples of {chunk_cols}")
     lane_in_group = thread_id(0) % 128
     warp, lane = lane_in_group // 32, lane_in_group % 32
     row = warp * 16 + lane // 4
@@ -476,124 +379,35 @@ def store_fragment_swizzled(acc: Fragment, chunks, first_chunk, *, columns=None)
             tile.store(r, (col % chunk_cols) ^ flip, Value(pair, chunks.dtype))
 
 
-# ---------------------------------------------------------------------------------------------
-# WGMMA with A from registers (FlashAttention-3's P @ V)
-# ---------------------------------------------------------------------------------------------
-# ``wgmma.mma_async`` also reads A from four b32 registers per thread instead of a descriptor,
-# so a softmax computed in registers feeds the next product without a trip through shared
-# memory. Upstream ``nvvm.wgmma.mma_async`` only takes descriptors: the PTX is inline asm in
-# :func:`kiln.nvidia_asm.wgmma_mma_async_regs`.
-
-A_REGISTER_VALUES = 8  # 64 x 16 A tile over 128 threads: 8 elements = 4 packed b32 registers
+def _accumulator_layout(n) -> ThreadValueLayout:
+    if not isinstance(n, int) or isinstance(n, bool) or n % 8 or not 8 <= n <= MAX_N:
+        raise UnsupportedError(f"WGMMA accumulator 64x{n} is not supported",
+                               fix=f"use e.g. 64x64 or 64x128 ({SUPPORTED})")
+    return wgmma_m64_accumulator(n)
 
 
-def a_fragment_layout():
-    """``(thread, value) -> (row, col)`` of the 64 x 16 A operand held in registers.
-
-    The same positions as the accumulator of a 64 x 16 product,
-    :func:`kiln.layout.wgmma_m64_accumulator` ``(16)`` (PTX ISA "Register Fragments, Matrix A"
-    for ``wgmma .m64nNk16``): warp ``w = t // 32`` owns rows ``16w..16w+15``; value ``v`` of lane
-    ``l`` is row ``16w + l // 4 + 8 * (v // 2 % 2)``, column ``8 * (v // 4) + 2 * (l % 4) + v % 2``.
-    Values ``2i, 2i+1`` share b32 register ``i`` (``2i`` in the low half).
-
-    Worked example: thread 37 (warp 1, lane 5) holds rows 17 and 25, columns 2, 3, 10, 11;
-    its value 5 is ``(17, 11)``::
-
-        >>> kiln.wgmma.a_fragment_layout()(37, 5)
-        (17, 11)
-    """
-    return wgmma_m64_accumulator(INSTRUCTION_K)
-
-
-def a_fragment_from_accumulator(acc, dtype) -> list:
-    """Convert a 64 x ``n`` f32 accumulator (a :class:`Fragment` or its
-    :func:`fragment_to_tile` RegTile, e.g. ``P = softmax(S)``) to ``dtype`` with one bulk cast
-    and split it into the ``n // 16`` A operands of :func:`mma_async_regs`: element ``j`` is
-    ``vector<8 x dtype>`` holding columns ``16j .. 16j+15`` in :func:`a_fragment_layout` order
-    (accumulator registers ``8j .. 8j+7`` are exactly that fragment, so no data moves).
-
-    Example: ``p = a_fragment_from_accumulator(s, kiln.bf16)`` then
-    ``o = mma_async_regs(o, p[j], v_desc_j, dtype=kiln.bf16, b_major="mn")`` per 16 keys.
-    """
-    require_feature("wgmma", "kiln.wgmma.a_fragment_from_accumulator")
-    out_dtype = _operand_dtype(dtype, "a_fragment_from_accumulator")
-    if isinstance(acc, Fragment):
-        n = acc.n
-        width = n // 2
-        packed = Value(vector.from_elements(ir.VectorType.get([width], f32.mlir_type()),
-                                            [acc.element(i).ir for i in range(width)]), f32)
-    elif isinstance(acc, RegTile) and acc.grid == (1, 1) and acc.dtype is f32 \
-            and acc.layout == wgmma_m64_accumulator(acc.shape[1]):
-        n, packed = acc.shape[1], acc.fragment(0, 0)
-    else:
-        raise KilnTypeError(f"a_fragment_from_accumulator needs a kiln.wgmma.Fragment or a "
-                            f"1 x 1 f32 RegTile of layout wgmma_m64_accumulator(n), got {acc!r}",
-                            fix="pass the mma_async result (or fragment_to_tile of it)")
-    if n % INSTRUCTION_K:
-        raise UnsupportedError(f"a 64 x {n} accumulator does not split into 16-column A "
-                               "operands", fix="use an accumulator whose N is a multiple of 16")
-    converted = cast(packed, out_dtype)
-    return [Value(vector.shuffle(converted.ir, converted.ir,
-                                 list(range(A_REGISTER_VALUES * j, A_REGISTER_VALUES * (j + 1)))),
-                  out_dtype) for j in range(n // INSTRUCTION_K)]
+def _check_accumulator(acc, what: str) -> int:
+    """``acc``'s N, after checking it is a 1 x 1 f32 RegTile of layout
+    ``wgmma_m64_accumulator(n)``."""
+    n = acc.shape[1] if isinstance(acc, RegTile) else None
+    if n is None or acc.grid != (1, 1) or acc.dtype is not f32 \
+            or acc.layout != wgmma_m64_accumulator(n):
+        raise KilnTypeError(f"{what} needs a WGMMA accumulator (a 1 x 1 f32 RegTile of layout "
+                            f"wgmma_m64_accumulator(n)), got {acc!r}",
+                            fix="start from kiln.wgmma.fragment_zeros(n)")
+    return n
 
 
 def _a_registers(a_frag) -> list[ir.Value]:
     """The four b32 registers of a register A operand (``vector<8 x bf16/f16>``)."""
     if not isinstance(a_frag, Value) or a_frag.shape != (A_REGISTER_VALUES,) \
             or a_frag.dtype.itemsize != 2:
-        got = repr(a_frag) if isinstance(a_frag, Value) else type(a_frag).__name__
         raise KilnTypeError(f"a register A operand must be a vector<{A_REGISTER_VALUES} x "
-                            f"bf16/f16> per thread, got {got}",
+                            f"bf16/f16> per thread, got {a_frag!r}",
                             fix="build it with kiln.wgmma.a_fragment_from_accumulator")
     i32 = ir.IntegerType.get_signless(32)
     packed = vector.bitcast(ir.VectorType.get([A_REGISTER_VALUES // 2], i32), a_frag.ir)
     return [vector.extract(packed, [], [i]) for i in range(A_REGISTER_VALUES // 2)]
-
-
-def mma_async_regs(acc: Fragment, a_frag, b_desc, *, dtype, b_major: str = "k",
-                   accumulate=True) -> Fragment:
-    """Issue one ``wgmma.mma_async.m64nNk16`` with A from registers: ``acc += A @ B`` where A
-    (64 x 16) is this warp group's ``a_frag`` (``vector<8 x dtype>`` laid out as
-    :func:`a_fragment_layout`) and B (16 x N) is read through descriptor ``b_desc``
-    (:func:`smem_descriptor`; ``b_major="mn"`` for B stored with N contiguous).
-
-    ``accumulate=False`` (or a traced boolean that is false) computes ``A @ B`` and ignores
-    ``acc``'s values. Asynchronous like :func:`mma_async`: :func:`fence` first (it also orders
-    the writes of ``a_frag``'s registers), :func:`commit` and :func:`wait_group` after; do not
-    touch ``acc`` or ``a_frag`` in between.
-
-    Example (FlashAttention-3's O += P @ V, V stored keys x depth with depth contiguous)::
-
-        p = kiln.wgmma.a_fragment_from_accumulator(s, kiln.bf16)   # 64 x 64 P: 4 A operands
-        kiln.wgmma.fence()
-        for j in kiln.static_range(4):
-            o = kiln.wgmma.mma_async_regs(o, p[j], v_desc + 128 * j, dtype=kiln.bf16,
-                                          b_major="mn")
-        kiln.wgmma.commit()
-    """
-    require_feature("wgmma", "kiln.wgmma.mma_async_regs")
-    _check_accumulator(acc, "mma_async_regs")
-    operand = _operand_dtype(dtype, "mma_async_regs")
-    if not isinstance(a_frag, Value) or a_frag.dtype is not operand \
-            or a_frag.shape != (A_REGISTER_VALUES,):
-        got = repr(a_frag) if isinstance(a_frag, Value) else type(a_frag).__name__
-        raise KilnTypeError(f"mma_async_regs A operand must be a vector<{A_REGISTER_VALUES}x"
-                            f"{operand}> per thread, got {got}",
-                            fix="build it with kiln.wgmma.a_fragment_from_accumulator")
-    _check_major("b_major", b_major)
-    b_value = _descriptor(b_desc, "B descriptor")
-    result = wgmma_mma_async_regs([acc.element(i).ir for i in range(acc.n // 2)],
-                                  _a_registers(a_frag),
-                                  b_value, _scale_d(accumulate), ptx_type=operand.name,
-                                  trans_b=int(b_major == "mn"))
-    return Fragment(result, acc.n)
-
-
-def _check_accumulator(acc, what: str) -> None:
-    if not isinstance(acc, Fragment):
-        raise KilnTypeError(f"{what} needs a kiln.wgmma.Fragment accumulator, got "
-                            f"{type(acc).__name__}", fix="start from kiln.wgmma.fragment_zeros(n)")
 
 
 def _check_major(what: str, major) -> None:

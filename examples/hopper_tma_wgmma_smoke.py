@@ -6,8 +6,9 @@ B: 64 x 64 bf16 (row-major, N contiguous), C: 64 x 64 f32:
 1. thread 0 initialises an mbarrier, announces the bytes both TMA boxes will deliver and issues
    the two TMA loads into 128B-swizzled shared tiles;
 2. every thread waits on the mbarrier (phase 0);
-3. the warp group runs ``nvgpu.warpgroup.mma`` (four m64n64k16 steps over K) into an f32
-   accumulator and stores it to C.
+3. the warp group issues four ``wgmma.mma_async.m64n64k16`` steps over K (``kiln.wgmma.mma_async``
+   with both operands read through shared-memory descriptors: A K-major, B MN-major), commits
+   them as one group, waits, and writes the f32 accumulator to C through its fragment layout.
 
 Run on an H100: ``python examples/hopper_tma_wgmma_smoke.py``.
 """
@@ -47,10 +48,19 @@ def tma_wgmma_smoke(a_map: kiln.TensorMap[kiln.bf16, (M, K), SWIZZLE],
     tma.load(b_map, b_smem, (0, 0), bars, 0, predicate=leader)  # coords: (n, k)
     bars.try_wait(0, phase=0)
 
-    acc = wgmma.accumulator(M, N, kiln.f32)
-    acc = wgmma.mma(acc, wgmma.descriptor(a_smem, a_map), wgmma.descriptor(b_smem, b_map),
-                    transpose_b=True)  # B is stored K x N with N contiguous
-    wgmma.store(acc, c, (0, 0))
+    # A: 64 rows of 128 bytes along K; a k16 step is 32 bytes (2 descriptor units) further.
+    a = wgmma.smem_descriptor(a_smem, leading_bytes=16, stride_bytes=1024)
+    # B is stored K x N with N contiguous (MN-major): a k16 step is 16 rows of 128 bytes.
+    b = wgmma.smem_descriptor(b_smem, leading_bytes=K * SWIZZLE, stride_bytes=1024)
+    acc = wgmma.fragment_zeros(N)
+    wgmma.fence()
+    for k in kiln.static_range(K // 16):
+        acc = wgmma.mma_async(acc, a + 2 * k, b + 128 * k, dtype=kiln.bf16, b_major="mn")
+    wgmma.commit()
+    wgmma.wait_group(0)
+    tid = kiln.thread_id(0)
+    for i in kiln.static_range(N // 2):  # register i of thread tid is C[acc.layout(tid, i)]
+        c[acc.layout(tid, i)] = acc.element(i)
 
 
 def reference_inputs(seed: int = 0):

@@ -17,7 +17,7 @@ from kiln.core.errors import source_loc_from_mlir
 
 LOOPS = ("scf.for", "scf.while")
 MMA_PREFIXES = ("amdgpu.mfma", "amdgpu.scaled_mfma", "rocdl.mfma", "amdgpu.wmma",
-                "nvgpu.warpgroup.mma", "nvvm.wgmma.mma_async")
+                "nvvm.wgmma.mma_async")
 
 
 def _ancestors(op: ir.Operation):

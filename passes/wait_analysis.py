@@ -108,10 +108,9 @@ _FORWARDING = ("memref.subview", "memref.cast", "memref.reinterpret_cast", "memr
                "rocdl.make.buffer.rsrc")
 # Ops that take a buffer without touching its memory.
 _NO_ACCESS = frozenset(_FORWARDING + ("memref.dim", "memref.rank", "memref.get_global",
-                                      "memref.extract_strided_metadata",
-                                      "nvgpu.warpgroup.generate.descriptor"))
-# MMAs that read shared memory through descriptors (i64 / !nvgpu.warpgroup.descriptor).
-_DESCRIPTOR_READERS = ("nvvm.wgmma.mma_async", "nvgpu.warpgroup.mma")
+                                      "memref.extract_strided_metadata"))
+# MMAs that read shared memory through i64 descriptors.
+_DESCRIPTOR_READERS = ("nvvm.wgmma.mma_async",)
 
 
 def op_counter(op: ir.Operation) -> str | None:

@@ -39,19 +39,23 @@ def on_hopper() -> bool:
 
 
 @pytest.mark.lit
-def test_smoke_kernel_traces_to_nvgpu_ops():
+def test_smoke_kernel_traces_to_nvgpu_and_nvvm_ops():
     text = smoke.tma_wgmma_smoke.trace(*INPUTS, target="sm_90a").module_asm
     assert "nvgpu.mbarrier.create" in text
     assert re.search(r"nvgpu.mbarrier.arrive.expect_tx .*%c16384", text)
     assert len(re.findall(r"nvgpu.tma.async.load .*swizzle_128b", text)) == 2
-    assert re.search(r"nvgpu.warpgroup.mma .*\{transposeB, waitGroup = 0 : i64\}", text)
-    assert "nvgpu.warpgroup.mma.store" in text
+    # four k16 steps, A K-major ("row") and B MN-major ("row"), then one commit and wait
+    issues = re.findall(r"nvvm.wgmma.mma_async .*A\[<bf16>, <one>, <row>\], "
+                        r"B\[<bf16>, <one>, <row>\].* loc\((#loc\d+)\)", text)
+    assert len(issues) == 4
+    assert text.count("nvvm.wgmma.commit.group.sync.aligned") == 1
+    assert "nvvm.wgmma.wait.group.sync.aligned 0" in text
+    assert "nvgpu.warpgroup" not in text
     assert re.search(r"memref.global .*memref<64x64xbf16, 3>.*alignment = 1024", text)
-    # the wrappers' ops carry the user's source line: the WGMMA op points at `wgmma.mma(`
-    alias = re.search(r"nvgpu.warpgroup.mma %.* loc\((#loc\d+)\)", text).group(1)
-    line = int(re.search(rf'^{alias} = loc\("[^"]*hopper_tma_wgmma_smoke.py":(\d+):', text,
+    # the wrappers' ops carry the user's source line: the WGMMA op points at `wgmma.mma_async(`
+    line = int(re.search(rf'^{issues[0]} = loc\("[^"]*hopper_tma_wgmma_smoke.py":(\d+):', text,
                          re.M).group(1))
-    assert "wgmma.mma(" in EXAMPLE.read_text().splitlines()[line - 1]
+    assert "wgmma.mma_async(" in EXAMPLE.read_text().splitlines()[line - 1]
 
 
 @pytest.mark.lower

@@ -8,7 +8,7 @@ import re
 
 import pytest
 from mlir import ir, passmanager
-from mlir.dialects import arith, gpu, llvm
+from mlir.dialects import arith, gpu, llvm, memref
 
 import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
@@ -242,20 +242,28 @@ def test_tma_needs_a_tma_target():
 
 # --- WGMMA ------------------------------------------------------------------------------------
 
+def _descriptors(k, a_index=0, b_index=1, b_major="k"):
+    """K-major A and B (or MN-major B) descriptors of 128B-swizzled shared tiles."""
+    a = wgmma.smem_descriptor(k.args[a_index], leading_bytes=16, stride_bytes=1024)
+    b = wgmma.smem_descriptor(k.args[b_index], leading_bytes=16 if b_major == "k" else 8192,
+                              stride_bytes=1024)
+    return a, b
+
+
 def test_wgmma_f16_inputs_lower_to_m64n128k16():
-    # B's 64 x 128 tile is filled by two 64 x 64 boxes (a 128B-swizzled row holds 64 f16).
-    with kernel(pointer, pointer, shared_tile((64, 64), kiln.f16), shared_tile((64, 128), kiln.f16),
-                global_matrix(kiln.f32)) as k:
-        a_map = tma.descriptor_from_pointer(k.args[0], kiln.f16, (64, 64), 128)
-        b_map = tma.descriptor_from_pointer(k.args[1], kiln.f16, (64, 64), 128)
-        acc = wgmma.accumulator(64, 128)
-        acc = wgmma.mma(acc, wgmma.descriptor(k.args[2], a_map), wgmma.descriptor(k.args[3], b_map),
-                        transpose_b=True)
-        assert (acc.shape, acc.dtype) == ((64, 128), kiln.f32)
-        wgmma.store(acc, k.args[4], (64, 0))
-    assert "vector<64x128xf32>" in k.text and "transposeB" in k.text
+    with kernel(shared_tile((64, 64), kiln.f16), shared_tile((128, 64), kiln.f16)) as k:
+        a, b = _descriptors(k)
+        acc = wgmma.fragment_zeros(128)
+        wgmma.fence()
+        for step in range(4):  # K = 64: four k16 steps, 32 bytes apart
+            acc = wgmma.mma_async(acc, a + 2 * step, b + 2 * step, dtype=kiln.f16)
+        wgmma.commit()
+        wgmma.wait_group(0)
+        assert (acc.shape, acc.dtype, acc.grid) == ((64, 128), kiln.f32, (1, 1))
+        assert acc.layout == kiln.layout.wgmma_m64_accumulator(128)
+    assert "nvgpu.warpgroup" not in k.text
     ptx = k.ptx()
-    assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16") == 4  # K=64: 4 steps
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16") == 4
     assert "wgmma.wait_group.sync.aligned 0" in ptx
 
 
@@ -270,77 +278,63 @@ def test_wgmma_explicit_fence_commit_wait():
     assert "wgmma.wait_group.sync.aligned 1" in ptx
 
 
-def _operands(k, a_shape, b_shape, dtype):
-    a_map = tma.descriptor_from_pointer(k.args[0], dtype, a_shape, 128)
-    b_map = tma.descriptor_from_pointer(k.args[1], dtype, b_shape, 128)
-    return wgmma.descriptor(k.args[2], a_map), wgmma.descriptor(k.args[3], b_map)
+@pytest.mark.parametrize("n", [264, 12, 0])
+def test_wgmma_accumulator_rejects_unsupported_n(n):
+    with pytest.raises(kiln.UnsupportedError, match=f"64x{n} is not supported"), kernel():
+        wgmma.fragment_zeros(n)
 
 
-@pytest.mark.parametrize("a_shape, b_shape, acc_args, dtype, message", [
-    ((64, 64), (32, 64), (64, 64), kiln.bf16, "do not form an m64nNk16"),
-    ((64, 64), (64, 64), (64, 32), kiln.bf16, "do not form"),
-    ((64, 64), (64, 64), (128, 64), kiln.f16, "do not form"),
-])
-def test_wgmma_mma_rejects_unsupported_shapes(a_shape, b_shape, acc_args, dtype, message):
-    with kernel(pointer, pointer, shared_tile(a_shape, dtype), shared_tile(b_shape, dtype)) as k:
-        a, b = _operands(k, a_shape, b_shape, dtype)
-        acc = wgmma.accumulator(*acc_args)
-        with pytest.raises(kiln.UnsupportedError, match=message) as err:
-            wgmma.mma(acc, a, b, transpose_b=True)
-    assert "m64nNk16" in str(err.value) and err.value.loc.filename == __file__
+def _bad_operands(k):
+    a, b = _descriptors(k)
+    return {"f32 operands": (lambda: wgmma.mma_async(wgmma.fragment_zeros(64), a, b,
+                                                     dtype=kiln.f32),
+                             kiln.UnsupportedError, "f16 or bf16"),
+            "a major": (lambda: wgmma.mma_async(wgmma.fragment_zeros(64), a, b, dtype=kiln.bf16,
+                                                a_major="row"),
+                        kiln.KilnValueError, "must be 'k' or 'mn'"),
+            "A kind": (lambda: wgmma.mma_async(wgmma.fragment_zeros(64), kiln.cast(1.0, kiln.f32),
+                                               b, dtype=kiln.bf16),
+                       kiln.KilnTypeError, "i64 shared-memory descriptor or a vector<8"),
+            "B kind": (lambda: wgmma.mma_async(wgmma.fragment_zeros(64), a,
+                                               kiln.cast(1, kiln.i32), dtype=kiln.bf16),
+                       kiln.KilnTypeError, "B descriptor must be an i64"),
+            "accumulator": (lambda: wgmma.mma_async(
+                kiln.RegTile.full(kiln.layout.mma_m16n8_accumulator(), (1, 1), 0.0), a, b,
+                dtype=kiln.bf16), kiln.KilnTypeError, "needs a WGMMA accumulator"),
+            "traced accumulate": (lambda: wgmma.mma_async(
+                wgmma.fragment_zeros(64), a, b, dtype=kiln.bf16,
+                accumulate=kiln.cast(1, kiln.i32) > 0),
+                kiln.UnsupportedError, "needs A in registers")}
 
 
-@pytest.mark.parametrize("m, n, dtype", [(48, 64, kiln.f32), (64, 264, kiln.f32),
-                                         (64, 12, kiln.f32), (64, 64, kiln.f16)])
-def test_wgmma_accumulator_rejects_unsupported(m, n, dtype):
-    with pytest.raises(kiln.UnsupportedError, match="m64nNk16"), kernel():
-        wgmma.accumulator(m, n, dtype)
-
-
-def test_wgmma_descriptor_rejects_f32_tiles():
-    with pytest.raises(kiln.UnsupportedError, match="f16 or bf16"), \
-            kernel(pointer, shared_tile((64, 16), kiln.f32)) as k:
-        wgmma.descriptor(k.args[1], tma.descriptor_from_pointer(k.args[0], kiln.f32, (64, 16)))
-
-
-@pytest.mark.parametrize("box, swizzle, message", [((64, 32), 64, "128-byte swizzle"),
-                                                    ((64, 16), 128, "32-byte rows")])
-def test_wgmma_descriptor_needs_128b_swizzled_rows(box, swizzle, message):
-    with pytest.raises(kiln.UnsupportedError, match=message), \
-            kernel(pointer, shared_tile(box, kiln.bf16)) as k:
-        desc = tma.descriptor_from_pointer(k.args[0], kiln.bf16, box, swizzle)
-        wgmma.descriptor(k.args[1], desc)
-
-
-def test_wgmma_descriptor_checks_swizzle_of_a_raw_descriptor_value():
-    with pytest.raises(kiln.UnsupportedError, match="128-byte swizzle"), \
-            kernel(pointer, shared_tile((64, 32), kiln.bf16)) as k:
-        desc = tma.descriptor_from_pointer(k.args[0], kiln.bf16, (64, 32), 64)
-        wgmma.descriptor(k.args[1], desc.ir)
-
-
-def test_wgmma_store_checks_destination_dtype():
-    with kernel(global_matrix(kiln.f16)) as k:
-        acc = wgmma.accumulator(64, 64)
-        with pytest.raises(kiln.KilnTypeError, match="f32 accumulator into a f16 tensor"):
-            wgmma.store(acc, k.args[0])
+@pytest.mark.parametrize("case", ["f32 operands", "a major", "A kind", "B kind", "accumulator",
+                                  "traced accumulate"])
+def test_wgmma_mma_async_rejects_bad_operands(case):
+    with kernel(shared_tile(), shared_tile()) as k:
+        issue, error, message = _bad_operands(k)[case]
+        with pytest.raises(error, match=message):
+            issue()
 
 
 @pytest.mark.parametrize("target", ["sm_90", "sm_80", "gfx950"])
 def test_wgmma_needs_wgmma_target(target):
     with pytest.raises(kiln.TargetError, match="WGMMA") as err, kernel(target=target):
-        wgmma.accumulator(64, 64)
+        wgmma.fragment_zeros(64)
     assert "sm_90a" in str(err.value)
 
 
 def test_accumulator_flattens_through_control_flow():
     with kernel():
-        acc = wgmma.accumulator(64, 64)
+        acc = wgmma.fragment_zeros(64)  # the struct the WGMMA reads: one value through loops
         values, aux = acc.__kiln_flatten__()
-        again = wgmma.Accumulator.__kiln_unflatten__(aux, values)
+        again = kiln.RegTile.__kiln_unflatten__(aux, values)
+        tile = wgmma.fragment_to_tile(acc)  # the vector form: one value per fragment
+        tile_again = kiln.RegTile.__kiln_unflatten__(*reversed(tile.__kiln_flatten__()))
         bars = mbarrier.group(2)
         bars_again = mbarrier.MBarrierGroup.__kiln_unflatten__(*reversed(bars.__kiln_flatten__()))
-    assert (again.ir, again.shape, again.dtype) == (acc.ir, (64, 64), kiln.f32)
+    assert len(values) == 1 and values[0] == acc.struct() and again.struct() == acc.struct()
+    assert (again.shape, again.dtype, again.layout) == ((64, 64), kiln.f32, acc.layout)
+    assert [f.ir for f in tile_again.fragments] == [f.ir for f in tile.fragments]
     assert (bars_again.ir, bars_again.num_barriers) == (bars.ir, 2)
 
 
@@ -388,9 +382,20 @@ def test_tma_mbarrier_wgmma_sequence_lowers_to_ptx():
         tma.load(a_map, a_smem, (0, 0), bars, 0, predicate=leader)
         tma.load(b_map, b_smem, (0, 0), bars, 0, predicate=leader)
         mbarrier.PhaseTracker(bars).wait(0)
-        acc = wgmma.mma(wgmma.accumulator(64, 64), wgmma.descriptor(a_smem, a_map),
-                        wgmma.descriptor(b_smem, b_map), transpose_b=True)
-        wgmma.store(acc, c)
+        a, b = _descriptors(k, 2, 3, b_major="mn")  # B is K x N with N contiguous
+        acc = wgmma.fragment_zeros(64)
+        wgmma.fence()
+        for step in range(4):
+            acc = wgmma.mma_async(acc, a + 2 * step, b + 128 * step, dtype=kiln.bf16,
+                                  b_major="mn")
+        wgmma.commit()
+        wgmma.wait_group(0)
+        tid = kiln.Value(arith.index_cast(ir.IntegerType.get_signless(32),
+                                          gpu.thread_id(gpu.Dimension.x)))
+        for i in range(32):
+            row, col = acc.layout(tid, i)
+            memref.store(acc.element(i).ir, c, [nvidia_asm.as_index(row, "row"),
+                                                nvidia_asm.as_index(col, "col")])
     ptx = k.ptx()
     tx_bytes = re.search(r"mov.b32 (%r\d+), 16384;", ptx).group(1)  # two 64 x 64 bf16 boxes
     assert re.search(rf"mbarrier.arrive.expect_tx.shared.b64 _, \[%r\d+\], {tx_bytes};", ptx)

@@ -1,6 +1,6 @@
-"""WGMMA with A from registers (``kiln.wgmma.mma_async_regs``): the A-fragment layout, the
-accumulator -> A conversion, the inline PTX through ptxas, the interpreter against float64
-numpy, and the same kernel on an H100."""
+"""WGMMA with A from registers (``kiln.wgmma.mma_async_regs``, the alias of ``mma_async`` with
+A in registers): the A-fragment layout, the accumulator -> A conversion, the inline PTX through
+ptxas, the interpreter against float64 numpy, and the same kernel on an H100."""
 
 import re
 
@@ -94,17 +94,6 @@ def test_a_fragment_layout_is_the_64x16_accumulator_layout():
     np.testing.assert_array_equal(cols, 8 * (v // 4) + 2 * (lane % 4) + v % 2)
     # Every element of the 64 x 16 tile exactly once.
     assert len(set(zip(rows.ravel(), cols.ravel()))) == 64 * 16
-
-
-def test_register_atoms_are_registered_with_the_a_layout():
-    atom = kiln.mma.atom_named("wgmma_rs_m64n64k16_bf16")
-    assert atom.spec.a_layout == wgmma.a_fragment_layout() and atom.spec.b_layout is None
-    assert atom.spec.chips == ("sm_90a",)
-    # Shape lookup keeps returning the descriptor atom.
-    assert kiln.mma.atom(64, 64, 16, kiln.bf16, target="sm_90a").spec.name \
-        == "wgmma_m64n64k16_bf16"
-    with pytest.raises(kiln.UnsupportedError, match="wgmma_rs_m64n8k16"):
-        kiln.mma.atom_named("wgmma_rs_m64n7k16_bf16")
 
 
 @pytest.mark.lower

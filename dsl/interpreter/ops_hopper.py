@@ -1,25 +1,24 @@
-"""Hopper async ops: TMA loads/stores (``nvgpu.tma.*``) and warp-group MMA (``nvgpu.warpgroup.*``).
+"""Hopper async ops: TMA loads/stores (``nvgpu.tma.*``) and bulk-copy groups.
 
 Shared memory is addressed exactly as the hardware does: a TMA box is written row-major at the
 destination's byte address with the tensor map's swizzle applied to the absolute shared address
-(``kiln.swizzle.Swizzle.tma``), and WGMMA reads its operand tiles back through the same swizzle.
-A TMA load lands when its mbarrier's phase completes (a multicast one in every masked CTA of
-the cluster, counting its bytes on each one's barrier at the same offset); a TMA store keeps its
-source "being read" until ``cp.async.bulk.wait_group``; an MMA issued with ``waitGroup > 0``
-keeps its operand tiles "being read" until ``wgmma.wait.group``. Touching those bytes meanwhile
-raises ``RaceError``.
+(``kiln.swizzle.Swizzle.tma``), and WGMMA (``ops_wgmma``) reads its operands back through the
+same swizzle. A TMA load lands when its mbarrier's phase completes (a multicast one in every
+masked CTA of the cluster, counting its bytes on each one's barrier at the same offset); a TMA
+store keeps its source "being read" until ``cp.async.bulk.wait_group``. Touching those bytes
+meanwhile raises ``RaceError``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kiln.core.errors import OutOfBoundsError, UnsupportedError
+from kiln.core.errors import OutOfBoundsError
 from kiln.swizzle import Swizzle
 
 from .ops_mbarrier import operand_segments
-from .plan import attr_int, has_attr, location, semantics
-from .state import MemRef, element_bytes
+from .plan import attr_int, location, semantics
+from .state import MemRef
 
 
 def _swizzle(swizzle_bytes: int):
@@ -177,126 +176,3 @@ def _bulk_wait(op, p):
         retire_groups(ctx, "bulk", keep)
 
     return run
-
-
-class WarpGroupAccumulator:
-    """A warp group's ``M x N`` accumulator as one tile (the fragment layout is the lowering's
-    business; ``nvgpu.warpgroup.mma.store`` writes the tile)."""
-
-    def __init__(self, tile: np.ndarray):
-        self.tile = tile
-
-    def merge(self, cond: np.ndarray, other) -> "WarpGroupAccumulator":
-        if cond.all():
-            return self
-        if not cond.any():
-            return other
-        raise UnsupportedError("a warp-group accumulator differs between threads of one warp "
-                               "group (a branch on a thread id around wgmma?)",
-                               fix="branch on warp-group-uniform values around WGMMA")
-
-
-class WarpGroupDescriptor:
-    def __init__(self, mem: MemRef, swizzle: int, shape: tuple[int, int]):
-        self.mem, self.swizzle, self.shape = mem, swizzle, shape
-
-
-@semantics("nvgpu.warpgroup.mma.init.accumulator")
-def _init_acc(op, p):
-    out = p.result(op)
-    shape = _fragment_shape(op.results[0].type)
-
-    def run(env, ctx):
-        env[out] = WarpGroupAccumulator(np.zeros(shape, np.float32))
-
-    return run
-
-
-def _fragment_shape(t) -> tuple[int, int]:
-    text = str(t)
-    dims = text.split("vector<")[1].split("x")
-    return int(dims[0]), int(dims[1])
-
-
-@semantics("nvgpu.warpgroup.generate.descriptor")
-def _descriptor(op, p):
-    tile, tmap = p.operands(op)
-    out = p.result(op)
-    shape = tuple(op.operands[0].type.shape)
-
-    def run(env, ctx):
-        env[out] = WarpGroupDescriptor(env[tile], env[tmap].swizzle, shape)
-
-    return run
-
-
-def read_operand(desc: WarpGroupDescriptor, contiguous_rows: bool, ctx, loc) -> tuple:
-    """The tile of ``desc`` as a matrix of its memref shape, plus the shared bytes it reads.
-
-    ``contiguous_rows``: the memref's last dimension is the contiguous one in shared memory
-    (else the tile is stored transposed). Rows wider than the swizzle span are stored as
-    consecutive swizzle-wide column blocks, as TMA boxes of swizzle width fill them.
-    """
-    mem, swizzle = desc.mem, desc.swizzle
-    rows, cols = desc.shape if contiguous_rows else desc.shape[::-1]
-    item = mem.storage.itemsize
-    if not swizzle:
-        raise UnsupportedError("the interpreter reads WGMMA operands loaded with a 32/64/128-byte "
-                               "swizzle only", fix="load the tiles with a swizzled TMA map",
-                               loc=loc)
-    chunk = swizzle // item
-    r = np.arange(rows)[:, None]
-    c = np.arange(cols)[None, :]
-    logical = (c // chunk) * rows * swizzle + r * swizzle + (c % chunk) * item
-    phys = _swizzle(swizzle)(_base_byte(mem) + logical)
-    addrs = (phys[..., None] + np.arange(item)).reshape(-1)
-    shared = ctx.cta.shared
-    shared.check(addrs, False, "this WGMMA", loc)
-    if shared.tma_loads:  # the warp group's MMA reads the tile for all of its threads
-        active = ctx.thread_ids if ctx.mask is None else ctx.thread_ids[ctx.mask]
-        shared.check_observed(addrs[None, :], active, ctx.cta.cluster.clock, ctx.cta.rank,
-                              "reads (WGMMA operand)", loc)
-    values = ctx.cta.shared.arena[addrs].view(mem.storage.dtype).reshape(rows, cols)
-    return (values if contiguous_rows else values.T), addrs
-
-
-@semantics("nvgpu.warpgroup.mma")
-def _mma(op, p):
-    a_slot, b_slot, c_slot = p.operands(op)
-    out = p.result(op)
-    trans_a, trans_b = has_attr(op, "transposeA"), has_attr(op, "transposeB")
-    wait_group = attr_int(op, "waitGroup", 0)
-    loc = location(op)
-
-    def run(env, ctx):
-        a, a_bytes = read_operand(env[a_slot], not trans_a, ctx, loc)
-        b, b_bytes = read_operand(env[b_slot], trans_b, ctx, loc)
-        acc = env[c_slot].tile
-        env[out] = WarpGroupAccumulator(
-            (acc.astype(np.float64) + a.astype(np.float64) @ b.astype(np.float64))
-            .astype(np.float32))
-        if wait_group:
-            shared = ctx.cta.shared
-            ids = [shared.begin("WGMMA", loc, read_bytes=np.concatenate([a_bytes, b_bytes]))]
-            ctx.async_groups.append(("wgmma", ids))
-            retire_groups(ctx, "wgmma", wait_group)
-
-    return run
-
-
-@semantics("nvgpu.warpgroup.mma.store")
-def _mma_store(op, p):
-    acc_slot, dst = p.operands(op)
-    loc = location(op)
-
-    def run(env, ctx):
-        tile, mem = env[acc_slot].tile, env[dst]
-        rows, cols = tile.shape
-        flat = (np.asarray(mem.offset).reshape(-1)[0] + np.arange(rows)[:, None] * mem.strides[0]
-                + np.arange(cols)[None, :] * mem.strides[1]).reshape(-1)
-        if mem.is_shared:
-            ctx.cta.shared.check(element_bytes(mem, flat), True, "this WGMMA store", loc)
-        mem.storage[flat] = tile.reshape(-1).astype(mem.storage.dtype)
-
-    return run
-

@@ -113,7 +113,7 @@ def _blocks_in_divergent_code(func) -> bool:
 
 
 def _has_warp_group_ops(func) -> bool:
-    return any(op.name.startswith(("nvgpu.warpgroup.", "nvvm.wgmma.")) for op, _ in _walk(func))
+    return any(op.name.startswith("nvvm.wgmma.") for op, _ in _walk(func))
 
 
 def global_memref(array: np.ndarray, name: str) -> MemRef:

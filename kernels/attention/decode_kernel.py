@@ -250,8 +250,9 @@ def _prefetch_tile(k_map, v_map, column, row, shape):
 
 
 def _load_q_fragments(q, b, q_first, kv_head, warp_row0, lane, shape):
-    """``[m tile][k16 step]`` m16n8k16 A fragments (``vector<8xbf16>``) of packed q rows
-    ``warp_row0 ..``, read from global memory in the order ``ldmatrix.x4`` gives: lane holds
+    """The m16n8k16 A fragments of packed q rows ``warp_row0 ..``: a RegTile of layout
+    ``kiln.layout.mma_m16n8k16_a()``, grid ``(m tiles, k16 steps)``, read from global memory in
+    the order ``ldmatrix.x4`` gives: lane holds
     rows ``lane // 4`` (+ 8) and columns ``2 (lane % 4)`` (+ 8) of each 16 x 16 block, as
     ``(row, col)``, ``(row + 8, col)``, ``(row, col + 8)``, ``(row + 8, col + 8)`` pairs.
     Padding rows past the packed rows are zeros."""
@@ -265,15 +266,14 @@ def _load_q_fragments(q, b, q_first, kv_head, warp_row0, lane, shape):
             tokens.append(q_first + row // group)
             heads.append(kv_head * group + row % group)
             live.append(r < packed)
-        frags.append([])
         for kk in range(shape.head_dim // 16):
             parts = []
             for col_half, half in ((0, 0), (0, 1), (1, 0), (1, 1)):
                 pair = q.load(b, tokens[half], heads[half], 16 * kk + 8 * col_half
                               + 2 * (lane % 4), width=2, align=4)
                 parts += kiln.unpack(kiln.where(live[half], pair, 0.0))
-            frags[i].append(kiln.pack(parts))
-    return frags
+            frags.append(kiln.pack(parts))
+    return kiln.RegTile(frags, kiln.layout.mma_m16n8k16_a(), (shape.m_tiles, shape.head_dim // 16))
 
 
 def _tile_rows(rows_params, page_table, b, tile, seq_len):

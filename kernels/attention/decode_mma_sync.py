@@ -89,7 +89,7 @@ def _attend(kv_s, q_frags, kv_row, first_key, lane, key_limit, seq_len, scale_lo
             pair = ldmatrix.ldmatrix(kv_s, (kv_row + 16 * jj, 16 * kk), K_PAIR_BLOCKS)
             k_frags += [kiln.vector_slice(pair, 0, 4), kiln.vector_slice(pair, 4, 4)]
         for i in kiln.static_range(MT):
-            a = q_frags[i][kk]
+            a = q_frags.fragment(i, kk)
             for j in kiln.static_range(keys // 8):
                 s[i][j] = atom(a, k_frags[j], s[i][j])
 

@@ -27,8 +27,8 @@ def start(m, l, ring, kv_s, shape):
     operands of its P V product, and O's pending rescale) and stage 0's K and V descriptors."""
     config, D = shape.config, shape.head_dim
     o = wgmma.fragment_zeros(D)
-    probs = [kiln.vector_constant([0.0] * 8, kiln.bf16)
-             for _ in range(config.block_n // 16)]
+    probs = kiln.RegTile.full(wgmma.a_fragment_layout(), (1, config.block_n // 16), 0.0,
+                              kiln.bf16)
     alphas = [kiln.cast(1.0, kiln.f32) for _ in range(2)]
     # Stage 0's K (K-major) and V (MN-major: the leading byte offset steps from one
     # 64-column half to the next); stage s is s * tile_bytes further.
@@ -111,9 +111,9 @@ def _issue_qk_wgmma(descs, q_frags, stage, shape):
     scores = wgmma.fragment_zeros(BN)
     wgmma.fence()
     for kk in kiln.static_range(D // 16):
-        scores = wgmma.mma_async_regs(scores, q_frags[0][kk],
-                                      k + (kk // 4) * half_units + (kk % 4) * 2,
-                                      dtype=kiln.bf16, b_major="k")
+        scores = wgmma.mma_async(scores, q_frags.fragment(0, kk),
+                                 k + (kk // 4) * half_units + (kk % 4) * 2, dtype=kiln.bf16,
+                                 b_major="k")
     wgmma.commit()
     return scores
 
@@ -125,8 +125,8 @@ def _issue_pv_wgmma(descs, o, probs, stage, shape):
     _, v = _stage_descriptors(descs, stage, shape)
     wgmma.fence()  # orders O's rescale and P's registers before the asynchronous reads
     for kk in kiln.static_range(shape.config.block_n // 16):
-        o = wgmma.mma_async_regs(o, probs[kk], v + kk * 16 * HALF * 2 // 16, dtype=kiln.bf16,
-                                 b_major="mn")
+        o = wgmma.mma_async(o, probs.fragment(0, kk), v + kk * 16 * HALF * 2 // 16,
+                            dtype=kiln.bf16, b_major="mn")
     wgmma.commit()
     return o
 

@@ -18,7 +18,7 @@ One consumer iteration (prologue: S_0 and its softmax; epilogue: the last PV):
 | step | what | overlaps with |
 | --- | --- | --- |
 | 1 | wait ``k_full[j]``, ``v_full[j-1]``; wait for this group's turn (named barrier ``3 + g``) | |
-| 2 | issue ``S_j = Q K_j^T`` (``wgmma m64nBNk16``, K-major); rescale O by ``exp2(m_{j-2} - m_{j-1})`` while it runs; issue ``O += P_{j-1} V_{j-1}`` (MN-major V, P from registers as in FlashAttention-3: ``BLOCK_N / 16`` A operands of ``mma_async_regs``); hand the turn to the other group (``bar.arrive``) | the other group's softmax (ping-pong) |
+| 2 | issue ``S_j = Q K_j^T`` (``wgmma m64nBNk16``, K-major); rescale O by ``exp2(m_{j-2} - m_{j-1})`` while it runs; issue ``O += P_{j-1} V_{j-1}`` (MN-major V, P from registers as in FlashAttention-3: ``BLOCK_N / 16`` register A operands of ``mma_async``); hand the turn to the other group (``bar.arrive``) | the other group's softmax (ping-pong) |
 | 3 | ``wgmma.wait_group 1``: S_j is ready; mask it if the tile is a boundary tile; online softmax (``OnlineSoftmax``: running max, ``scale * log2 e`` folded into one FMA, ``exp2``, row sums); release ``k_empty[j]``; P_j cast to bf16/f16 into fresh registers | ``P_{j-1} V_{j-1}`` on the tensor cores (intra-warpgroup overlap) |
 | 4 | ``wgmma.wait_group 0``; release ``v_empty[j-1]`` | |
 
@@ -273,7 +273,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                 nvidia_asm.setmaxnreg(CONSUMER_REGS, increase=True)
                 consumer = warp_group - 1
                 lane = tid % 32
-                # The two rows this thread holds in every m64 fragment (kiln.wgmma.Fragment).
+                # The two rows this thread holds in every m64 fragment (a WGMMA accumulator).
                 row0 = m0 + consumer * WARP_GROUP_ROWS + (tid % WARP_GROUP_THREADS) // 32 * 16 \
                     + lane // 4
                 rows = (row0, row0 + 8)
@@ -431,7 +431,7 @@ class _TileMask:
 def _mask_scores(scores, first_col, bounds):
     """Scores outside each row's visible key interval become -inf."""
     values = []
-    for i in range(scores.n // 2):
+    for i in range(scores.shape[1] // 2):
         lo, hi = bounds[_fragment_row(i)]
         col = first_col + _fragment_col(i)
         values.append(kiln.where((col >= lo) & (col <= hi), scores.element(i),
@@ -474,9 +474,9 @@ def _issue_pv(ops: _Operands, acc, probs, stage):
     base = ops.v + ops.stage_offset(stage)
     wgmma.fence()  # orders O's rescale and P's registers before the asynchronous reads
     for ks in range(ops.block_n // K_STEP):
-        acc = wgmma.mma_async_regs(acc, probs[ks],
-                                   base + ks * K_STEP * ROW_BYTES // DESCRIPTOR_UNIT,
-                                   dtype=ops.dtype, b_major="mn")
+        acc = wgmma.mma_async(acc, probs.fragment(0, ks),
+                              base + ks * K_STEP * ROW_BYTES // DESCRIPTOR_UNIT,
+                              dtype=ops.dtype, b_major="mn")
     wgmma.commit()
     return acc
 
@@ -549,7 +549,7 @@ def _write_output(out, lse_rows, max_rows, rows, o, lse, head, d, seq_q, q_start
     nvidia_asm.named_barrier(staging, WARP_GROUP_THREADS)  # every warp's QK reads of Q are done
     for r in range(2):
         local = rows[r] - m0 - first_local
-        for i in range(0, out.n // 2, 2):  # registers i, i + 1: adjacent columns of one row
+        for i in range(0, out.shape[1] // 2, 2):  # registers i, i + 1: adjacent columns of one row
             if _fragment_row(i) == r:
                 unit = 8 * (i // 4)  # first column of the 16-byte unit (static)
                 pair = kiln.pack([kiln.cast(out.element(i), o.dtype),

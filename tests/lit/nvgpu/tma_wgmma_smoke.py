@@ -27,9 +27,12 @@ for stage in ("kiln", "nvvm", "ptx"):
 # CHECK: nvgpu.mbarrier.arrive.expect_tx %{{.*}}[%{{.*}}], %c16384
 # CHECK-COUNT-2: nvgpu.tma.async.load {{.*}}swizzle = swizzle_128b
 # CHECK: nvgpu.mbarrier.try_wait.parity
-# CHECK: nvgpu.warpgroup.mma.init.accumulator -> <fragmented = vector<64x64xf32>>
-# CHECK: nvgpu.warpgroup.mma {{.*}} {transposeB, waitGroup = 0 : i64}
-# CHECK: nvgpu.warpgroup.mma.store {{.*}} to memref<64x64xf32, strided<[?, 1], offset: ?>, 1>
+# CHECK: nvvm.wgmma.fence.aligned
+# CHECK-COUNT-4: nvvm.wgmma.mma_async {{.*}} <m = 64, n = 64, k = 16>, D[<f32>, <one>], A[<bf16>, <one>, <row>], B[<bf16>, <one>, <row>]
+# CHECK: nvvm.wgmma.commit.group.sync.aligned
+# CHECK: nvvm.wgmma.wait.group.sync.aligned 0
+# CHECK-NOT: nvgpu.warpgroup
+# CHECK: memref.store {{.*}} : memref<?x?xf32, strided<[?, 1], offset: ?>, 1>
 
 # CHECK-LABEL: // STAGE nvvm
 # CHECK: llvm.func @tma_wgmma_smoke(
