@@ -43,7 +43,8 @@ from mlir.dialects import arith, memref, nvvm, vector
 from .core.dtypes import DType, dtype as as_dtype, f32
 from .core.errors import KilnTypeError, KilnValueError, UnsupportedError
 from .layout import ThreadValueLayout, wgmma_m64_accumulator
-from .nvidia_asm import as_index, ir_value, require_feature
+from .nvidia_asm import (as_index, ir_value, keep_registers_live, require_feature,
+                         wgmma_mma_async_regs)
 from .ops import thread_id
 from .reg_tile import RegTile, pack_struct
 from .values import Value, cast
@@ -309,7 +310,6 @@ def mma_async(acc: RegTile, a, b_desc, *, dtype, a_major: str = "k", b_major: st
             raise KilnTypeError(f"mma_async A operand must be a vector<{A_REGISTER_VALUES}x"
                                 f"{operand}> per thread, got {a_frag!r}",
                                 fix="convert A with a_fragment_from_accumulator(acc, dtype)")
-        from .nvidia_asm import wgmma_mma_async_regs
 
         result = wgmma_mma_async_regs([r.ir for r in acc.registers()], _a_registers(a_frag),
                                       b_value, _scale_d(accumulate), ptx_type=operand.name,
