@@ -1,6 +1,6 @@
 """Host side of :func:`kiln.kernels.attention.decode`: input checks, and the plan of one
 shape class (:class:`DecodePlan`: kernel, grid, placeholders and, for contiguous torch
-tensors, the bound launch), cached in :data:`PLANS`."""
+tensors, the bound launch), cached in :data:`PLANS` (a :class:`kiln.kernels.runtime.PlanCache`)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import numpy as np
 
 import kiln
 
-from ..inputs import (Dims, check_backend, check_heads, check_paged_lengths, check_positive,
-                      is_torch, resolve_target)
+from .. import runtime
+from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, check_heads,
+                       check_paged_lengths, check_positive, is_torch, resolve_target, spec)
 from .decode_config import (DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MERGE_HELPER_MIN_ROWS,
-                            MERGE_SLICES, Q_ALIGN, SUPPORTED_HEAD_DIMS, DecodeShape,
+                            MERGE_SLICES, SUPPORTED_HEAD_DIMS, DecodeShape,
                             decode_partials, default_config, default_num_splits,
                             early_launch_tiles, longest_split_tiles)
 from .decode_kernel import make_kernel
@@ -39,7 +40,7 @@ class DecodePlan:
     no_outputs: tuple  # (o_out, lse_out, tickets) of a kernel that does not combine
     fused: bool = False  # decode_attention's kernel: the last split CTA combines
     device: object = None  # torch device of q, or None for numpy
-    # kiln.lowering.launch.bind_launch of the first contiguous torch call: a repeat call only
+    # kiln.kernels.runtime.bind of the plan's contiguous torch tensors: a repeat call only
     # writes ten addresses into a prepared argument block.
     bound: object = None
     merge: object = None  # the combine plan (bound) for these partials, bound with `bound`
@@ -117,36 +118,26 @@ class DecodePlan:
                 np.full(shape[1:4], -1, np.int32))
 
 
-# Plans by (array type, device, shapes, dtypes, options): a repeat call skips re-validation,
-# kernel selection and the placeholder and poison allocations.
-PLANS: dict[tuple, DecodePlan] = {}
+# Plans of decode and decode_attention by the tensors' specs and the options (see
+# kiln.kernels.runtime): a repeat call skips validation, kernel selection and binding.
+PLANS = PlanCache("decode")
 
 
 def get_plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale, sinks,
              target, backend, config, fused) -> DecodePlan:
-    """The cached plan of this call's shape class. The key reads each tensor's shape and dtype
-    (any change is a new plan: the bound launch assumes them) and q's device."""
-    try:
-        key = (type(q), getattr(q, "device", None), q.shape, q.dtype, k_cache.shape,
-               k_cache.dtype, v_cache.shape, v_cache.dtype, page_table.shape, page_table.dtype,
-               seq_lens.shape, seq_lens.dtype,
-               None if block_table is None else (block_table.shape, block_table.dtype),
-               None if sinks is None else (sinks.shape, sinks.dtype),
-               num_splits, scale, target, backend, config, fused)
-        plan = PLANS.get(key)
-    except (TypeError, AttributeError):  # unhashable or not an array: validation reports it
-        key, plan = None, None
-    fresh = plan is None
-    if fresh:
+    """The cached plan of this call's shape class: the key holds each tensor's shape, dtype,
+    strides and device, so a plan's bound launch fits every call that finds it."""
+    key = (spec(q), spec(k_cache), spec(v_cache), spec(page_table), spec(seq_lens),
+           spec(block_table), spec(sinks), num_splits, scale, target, backend, config, fused)
+    plan = PLANS.lookup(key)
+    if plan is None:
         plan = make_plan(ArrayLib(q), q, k_cache, v_cache, page_table, seq_lens, num_splits,
                          block_table, scale, sinks, target, backend, config, fused)
-    if plan.bound is None and plan.device is not None and backend != "interpret" and \
-            plan.kernel is not None and \
-            bindable(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
-        plan, fresh = _bind(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
-                            target), True
-    if fresh and key is not None:
-        PLANS[key] = plan
+        if backend != "interpret" and plan.kernel is not None and \
+                runtime.bindable(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
+            plan = _bind(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
+                         target)
+        PLANS.add(key, plan)
     return plan
 
 
@@ -154,8 +145,6 @@ def _bind(plan: DecodePlan, q, k_cache, v_cache, page_table, seq_lens, block_tab
           target) -> DecodePlan:
     """``plan`` with its decode launch bound to these contiguous torch tensors' layouts, and
     (unless the kernel combines itself) the bound combine plan of its partials."""
-    from kiln.lowering.launch import bind_launch
-
     from .combine import plan_combine
 
     partials = plan.torch_partials()
@@ -166,13 +155,13 @@ def _bind(plan: DecodePlan, q, k_cache, v_cache, page_table, seq_lens, block_tab
             block_table if block_table is not None else plan.no_block_table,
             sinks if sinks is not None else plan.no_sinks, *partials, *outputs, plan.slots,
             plan.scale_log2]
-    ck = plan.kernel.compile(*args, target=plan.chip.name, num_warps=plan.num_warps)
+    bound = runtime.bind(plan.kernel, plan.grid, args, target=plan.chip.name,
+                         num_warps=plan.num_warps)
     if plan.fused:
-        return replace(plan, bound=bind_launch(ck, plan.grid, args))
+        return replace(plan, bound=bound)
     merge = plan_combine(*partials, max_splits=plan.slots, partials=decode_partials(plan.slots),
                          target=target)
-    return replace(plan, bound=bind_launch(ck, plan.grid, args),
-                   merge=merge if merge.bound is not None else None)
+    return replace(plan, bound=bound, merge=merge if merge.bound is not None else None)
 
 
 def make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
@@ -233,14 +222,6 @@ def make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block_
                       fused=bool(fused), device=lib.device if lib.torch else None)
 
 
-def bindable(plan, q, *tensors) -> bool:
-    """Whether the bound launch may take these torch tensors' raw addresses: each contiguous
-    and on the plan's device (the plan's key reads only q's device), q 4-byte aligned."""
-    index = plan.device.index
-    return q.data_ptr() % Q_ALIGN == 0 and all(
-        t is None or (t.is_contiguous() and t.get_device() == index) for t in (q, *tensors))
-
-
 def launch_sms(backend) -> int:
     """The SMs whose one wave of CTAs the default split count fills: those of the GPU the call
     launches on (device 0, as every Kiln launch), or ``DEFAULT_SMS`` when interpreted. With
@@ -248,9 +229,7 @@ def launch_sms(backend) -> int:
     time."""
     if backend == "interpret":
         return DEFAULT_SMS
-    from kiln.lowering.cuda import driver
-
-    return driver().multiprocessor_count()
+    return runtime.multiprocessor_count()
 
 
 def check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, num_splits,
@@ -290,7 +269,7 @@ def check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, 
 
 def check_values(k_cache, page_table, seq_lens, block_table, validate) -> None:
     """Page ids and lengths against the cache (see
-    :func:`kiln.kernels.inputs.check_paged_lengths`), block-sparse indices at least -1 (numpy
+    :func:`kiln.kernels.runtime.check_paged_lengths`), block-sparse indices at least -1 (numpy
     only: a larger index selects a block past the sequence, which the kernel skips)."""
     check_paged_lengths(page_table, seq_lens, num_pages=int(k_cache.shape[0]),
                         page_size=int(k_cache.shape[1]), validate=validate)
@@ -308,41 +287,3 @@ def nvidia_target(target):
         raise kiln.UnsupportedError(f"paged decode loads pages with TMA, which {chip.name} "
                                     "lacks", fix="use target='sm_90a'")
     return chip
-
-
-class ArrayLib:
-    """Allocation and views in the caller's array library (numpy, or torch on q's device)."""
-
-    def __init__(self, like):
-        self.torch = is_torch(like)
-        self.device = getattr(like, "device", None)
-
-    def full(self, shape, value, dtype):
-        if self.torch:
-            import torch
-
-            torch_dtype = {"f32": torch.float32, "i32": torch.int32, "i64": torch.int64,
-                           "bf16": torch.bfloat16}[dtype]
-            return torch.full(shape, value, dtype=torch_dtype, device=self.device)
-        return np.full(shape, value, kiln.dtype(dtype).numpy)
-
-    def rows(self, cache, rows, cols):
-        return cache.reshape(rows, cols)
-
-    @staticmethod
-    def numpy(x):
-        if is_torch(x):
-            import torch
-
-            if x.dtype == torch.bfloat16:
-                return x.cpu().view(torch.int16).numpy().view(kiln.bf16.numpy)
-            return x.cpu().numpy()
-        return x
-
-    def like(self, array, template):
-        if is_torch(template):
-            import torch
-
-            template.copy_(torch.from_numpy(array))
-            return template
-        return array

@@ -8,8 +8,9 @@ import numpy as np
 
 import kiln
 
-from ..inputs import (Dims, check_backend, dtype_of, empty_like, is_torch, refuse_inside_capture,
-                      resolve_target)
+from .. import runtime
+from ..runtime import (ArrayLib, Dims, check_backend, dtype_of, empty_like, is_torch,
+                       refuse_inside_capture, resolve_target)
 from .grouped import (MAX_GROUPS, grouped_config, grouped_constexprs, make_grouped_kernel,
                       table_size)
 
@@ -141,18 +142,16 @@ def run_grouped(a, b, c, offsets, *, k, b_rows, trans_b, target="sm_90a", config
     :func:`grouped_config`. The grid is one CTA per SM (for numpy offsets, at most one per
     tile). Example (a poisoned ``c`` in a test): ``run_grouped(a, b, c, offs, k=k, b_rows=k,
     trans_b=False)``."""
-    from kiln.lowering.cuda import driver
-
     groups = int(offsets.shape[0]) - 1
     (total_m, n), cfg = c.shape, config or grouped_config(groups)
-    grid = driver().multiprocessor_count()
+    grid = runtime.multiprocessor_count()
     if not is_torch(offsets):  # known tile count: no CTA without a tile
         grid = max(1, min(grid, grouped_tiles(offsets, n, cfg)))
     kernel = make_grouped_kernel(kiln.dtype(a.dtype).name, kiln.dtype(c.dtype).name,
                                  "k" if trans_b else "mn", cfg)
-    kernel[(grid, 1, 1)](a, b, c, c, offsets, groups, total_m, n, k, b_rows, target=target,
-                         num_warps=cfg.num_warps, stream=stream,
-                         **grouped_constexprs(cfg, groups))
+    runtime.launch(kernel, (grid, 1, 1), (a, b, c, c, offsets, groups, total_m, n, k, b_rows),
+                   target=target, num_warps=cfg.num_warps, stream=stream,
+                   **grouped_constexprs(cfg, groups))
 
 
 def check_group_offsets(offsets, total_m: int, *, validate: bool = False) -> None:
@@ -194,11 +193,7 @@ def _interpret(chip, name, out, trans_b, args) -> None:
     """Run the target's grouped kernel in the CPU interpreter on ``args`` (as for the GPU,
     without C's tensor map) with a grid of at most two CTAs: the persistent walk over several
     tiles and groups is what is tested."""
-    from kiln.lowering.interpret import interpret_kernel
-
-    from . import _like, _numpy
-
-    host = [_numpy(x) if hasattr(x, "shape") else x for x in args]
+    host = [ArrayLib.numpy(x) if hasattr(x, "shape") else x for x in args]
     offsets, groups, n = host[3], host[4], host[6]
     if chip.is_amd:
         amd = _amd_config(trans_b, out)
@@ -212,10 +207,10 @@ def _interpret(chip, name, out, trans_b, args) -> None:
         num_warps, constexprs = cfg.num_warps, grouped_constexprs(cfg, groups)
         grid = max(1, min(2, grouped_tiles(offsets, n, cfg)))
         launch_args = host[:3] + host[2:]  # C as tensor map and as tensor: one array
-    traced = kernel.trace(*launch_args, target=chip.name, num_warps=num_warps, **constexprs)
-    interpret_kernel(traced, (grid, 1, 1), launch_args, chip.name)
+    runtime.interpret(kernel, (grid, 1, 1), launch_args, target=chip.name, num_warps=num_warps,
+                      **constexprs)
     if host[2] is not args[2]:
-        args[2][...] = _like(args[2], host[2])
+        ArrayLib(args[2]).copy_into(args[2], host[2])
 
 
 def _amd_config(trans_b: bool, out: str):
