@@ -382,7 +382,7 @@ def _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, part
     contract = _consumer_contract(producer, o_dtype, max_splits)
     if producer is not None:
         producer.check_consumer(contract)
-    check_backend(backend, (None, "interpret"))
+    check_backend(backend)
     target = "sm_90a" if target is None else target  # "" is the compiler's TargetError
     rows = sq * heads
     config = choose_config(rows, batch, max_splits, head_dim)
@@ -470,7 +470,7 @@ def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
     """
     plan = plan_combine(o_partial, lse_partial, split_counts, max_splits=max_splits,
                         out_dtype=out_dtype, partials=partials, target=target, backend=backend)
-    if is_torch(o_partial) and backend is None:
+    if is_torch(o_partial) and backend != "interpret":
         return plan.run_torch(o_partial, lse_partial, split_counts, out, lse_out)
     return plan.run_numpy(o_partial, lse_partial, split_counts, out, lse_out)
 
