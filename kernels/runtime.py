@@ -318,13 +318,27 @@ def spec(x) -> Any:
     """The part of a plan key that one argument contributes: for an array its type, shape,
     dtype, element strides and device (about 0.3 µs for a torch tensor); other values as
     they are (an unhashable one makes the key unhashable: the call is planned afresh)."""
-    if is_torch(x):
+    kind = _KINDS.get(type(x))
+    if kind is None:
+        kind = _KINDS[type(x)] = _kind_of(x)
+    if kind == "torch":
         return x.shape, x.dtype, x.stride(), x.get_device()
-    if isinstance(x, np.ndarray):
+    if kind == "numpy":
         return np.ndarray, x.shape, x.dtype, x.strides
-    if is_cupy(x):
+    if kind == "cupy":
         return type(x), x.shape, x.dtype, x.strides, x.device.id
     return x
+
+
+_KINDS: dict[type, str] = {}  # the array library of each argument type seen, for spec
+
+
+def _kind_of(x) -> str:
+    if is_torch(x):
+        return "torch"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    return "cupy" if is_cupy(x) else "other"
 
 
 def bindable(*tensors) -> bool:
