@@ -269,6 +269,16 @@ class ArrayLib:
     def full(self, shape, value, dtype):
         return self.empty(shape, dtype, fill=value)
 
+    def asarray(self, x, dtype):
+        """``x`` (an array or a sequence) as a contiguous ``dtype`` array of this library."""
+        name = kiln.dtype(dtype).name
+        if self.torch:
+            import torch
+
+            return torch.as_tensor(x, device=self.device).to(
+                getattr(torch, _TORCH_DTYPES[name])).contiguous()
+        return np.ascontiguousarray(self.numpy(x), kiln.dtype(name).numpy)
+
     @staticmethod
     def numpy(x):
         """A host numpy copy of ``x`` (bf16 bits kept exactly); numpy arrays and scalars as
@@ -309,6 +319,11 @@ class ArrayLib:
         return template
 
 
+def contiguous(x):
+    """``x`` itself when contiguous, else a contiguous copy of the same kind."""
+    return x.contiguous() if is_torch(x) else np.ascontiguousarray(x)
+
+
 def data_ptr(x) -> int:
     """The device address of a torch or cupy array."""
     return x.data_ptr() if is_torch(x) else x.data.ptr
@@ -318,6 +333,8 @@ def spec(x) -> Any:
     """The part of a plan key that one argument contributes: for an array its type, shape,
     dtype, element strides and device (about 0.3 µs for a torch tensor); other values as
     they are (an unhashable one makes the key unhashable: the call is planned afresh)."""
+    if x is None:  # an optional input left out
+        return None
     kind = _KINDS.get(type(x))
     if kind is None:
         kind = _KINDS[type(x)] = _kind_of(x)

@@ -14,7 +14,7 @@ import pytest
 import kiln
 from kiln.kernels import runtime
 from kiln.kernels.attention import combine, decode, decode_attention, prefill
-from kiln.kernels.gemm import HOPPER_CONFIGS, grouped_matmul, hopper_autotuner, matmul
+from kiln.kernels.gemm import grouped_matmul, hopper_autotuner, matmul
 
 BF16 = ml_dtypes.bfloat16
 SEED = np.random.SeedSequence().entropy  # printed on failure: rerun with this seed

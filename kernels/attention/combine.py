@@ -48,6 +48,7 @@ by the two-split unroll (all loads of an iteration are independent) and several 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -273,7 +274,7 @@ class _CombinePlan:
     device: Any = None
     bound: Any = None  # kiln.kernels.runtime.bind's launch (torch on the GPU, rows > 0)
 
-    @property
+    @functools.cached_property
     def empty(self) -> bool:
         return self.grid[0] == 0 or self.grid[2] == 0
 
@@ -470,7 +471,7 @@ def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
     """
     plan = plan_combine(o_partial, lse_partial, split_counts, max_splits=max_splits,
                         out_dtype=out_dtype, partials=partials, target=target, backend=backend)
-    if is_torch(o_partial) and backend != "interpret":
+    if plan.device is not None:  # torch tensors on the GPU
         return plan.run_torch(o_partial, lse_partial, split_counts, out, lse_out)
     return plan.run_numpy(o_partial, lse_partial, split_counts, out, lse_out)
 

@@ -4,6 +4,7 @@ tensors, the bound launch), cached in :data:`PLANS` (a :class:`kiln.kernels.runt
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -68,23 +69,22 @@ class DecodePlan:
         skips parsing a device and a dtype, as :meth:`_CombinePlan.new_outputs` does; None:
         numpy arrays, NaN-poisoned so an element the kernel missed shows."""
         shape = self.partial_shape[1:]
-        if like is not None:
-            import torch
-
-            return like.new_empty(shape, dtype=torch.bfloat16), like.new_empty(shape[:3])
+        if like is not None:  # the bf16 placeholder's dtype: no torch import per call
+            return like.new_empty(shape, dtype=self.no_outputs[0].dtype), \
+                like.new_empty(shape[:3])
         return (np.full(shape, np.nan, kiln.bf16.numpy), np.full(shape[:3], np.nan, np.float32))
 
-    @property
+    @functools.cached_property
     def lse_offset(self) -> int:
         """f32 words before LSE_partial in the one partials allocation (after O_partial)."""
         return math.prod(self.partial_shape)
 
-    @property
+    @functools.cached_property
     def counts_offset(self) -> int:
         """f32 words before split_counts (after LSE_partial, 16-byte aligned)."""
         return -(-(self.lse_offset + math.prod(self.partial_shape[:4])) // 4) * 4
 
-    @property
+    @functools.cached_property
     def partial_words(self) -> int:
         return self.counts_offset + math.prod(self.partial_shape[1:4])
 
@@ -92,9 +92,7 @@ class DecodePlan:
         """One uninitialised device allocation for O_partial, LSE_partial and split_counts,
         and their three addresses in it (what the bound launches take); the kernel writes
         every element (each split all its rows, split 0 the counts)."""
-        import torch
-
-        words = torch.empty(self.partial_words, dtype=torch.float32, device=self.device)
+        words = self.no_sinks.new_empty(self.partial_words)  # f32, on the plan's device
         base = words.data_ptr()
         return words, (base, base + 4 * self.lse_offset, base + 4 * self.counts_offset)
 
@@ -177,8 +175,10 @@ def make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block_
         slots = block_table.shape[3] if block_table is not None else num_splits or 1
         return DecodePlan(kernel=None, chip=None, grid=(0, 0, 0), num_warps=0, slots=slots,
                           partial_shape=(slots, B, Sq, Hq, D), cache_rows=0, cache_cols=0,
-                          scale_log2=0.0, no_block_table=None, no_sinks=None, no_outputs=(),
-                          fused=bool(fused), device=lib.device if lib.torch else None)
+                          scale_log2=0.0, no_block_table=None,
+                          no_sinks=lib.full((1,), 0.0, "f32"),  # torch_partial_words' like
+                          no_outputs=(), fused=bool(fused),
+                          device=lib.device if lib.torch else None)
     group = Hq // Hkv
     q_rows = 1 if block_table is not None else Sq
     chosen = config

@@ -23,8 +23,8 @@ import numpy as np
 import kiln
 
 from .. import runtime
-from ..runtime import (ArrayLib, PlanCache, check_backend, check_heads, check_positive, dtype_of,
-                       empty_like, is_torch, resolve_target, spec)
+from ..runtime import (ArrayLib, PlanCache, check_backend, check_heads, check_positive,
+                       contiguous, dtype_of, empty_like, is_torch, resolve_target, spec)
 from .prefill_hopper import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, HopperPrefillConfig,
                              MaskSpec, make_kernel)
 
@@ -130,12 +130,12 @@ def _operands(q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse):
     included), grid, constexprs and warps."""
     b, hq, hkv, d = shapes["batch"], shapes["hq"], shapes["hkv"], shapes["d"]
     ragged = cu_q is not None
-    q2 = _contiguous(q).reshape(-1, hq * d)
-    k2 = _contiguous(k).reshape(-1, hkv * d)
-    v2 = _contiguous(v).reshape(-1, hkv * d)
+    q2 = contiguous(q).reshape(-1, hq * d)
+    k2 = contiguous(k).reshape(-1, hkv * d)
+    v2 = contiguous(v).reshape(-1, hkv * d)
     total_q = q2.shape[0]
     if ragged:
-        cu_q_arr, cu_k_arr = _int32(cu_q, q), _int32(cu_k, q)
+        cu_q_arr, cu_k_arr = (ArrayLib(q).asarray(cu, kiln.i32) for cu in (cu_q, cu_k))
         max_sq = shapes["max_sq"]
         lse_row_mult, lse_head_stride = 1, total_q
     else:
@@ -148,7 +148,8 @@ def _operands(q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse):
     group = hq // hkv
     o2 = empty_like(q, (total_q, hq * d), kiln.dtype(q.dtype))
     lse = empty_like(q, (max(hq * total_q, 1) if return_lse else 1,), kiln.f32)
-    sink_arr = _float32(sinks, q) if sinks is not None else empty_like(q, (hq,), kiln.f32)
+    sink_arr = ArrayLib(q).asarray(sinks, kiln.f32) if sinks is not None else \
+        empty_like(q, (hq,), kiln.f32)
     kernel = make_kernel(_dtype_name(q.dtype), cfg, mask, group, sinks is not None, return_lse)
     args = [q2, k2, v2, o2, lse, sink_arr, cu_q_arr, cu_k_arr, float(scale) * math.log2(math.e),
             lse_row_mult, lse_head_stride]
@@ -163,19 +164,16 @@ class _DensePlan:
     allocates ``o`` (and ``lse``) and writes eight addresses into a prepared launch."""
 
     bound: Any  # kiln.kernels.runtime.bind's launch
-    torch_dtype: Any
-    device: Any
     lse_shape: tuple | None  # [B, Hq, Sq] with return_lse, else None
     no_lse: Any  # the one-element LSE the kernel without an LSE output is bound to
     fixed_sinks: Any  # zeros read by no kernel without sinks (kept alive with the plan)
     cu_pointers: tuple[int, int]  # device cu_seqlens of the dense batch (cached, never freed)
 
     def run(self, q, k, v, sinks):
-        import torch
-
-        o = torch.empty(q.shape, dtype=self.torch_dtype, device=self.device)
+        # q's new_empty skips parsing a device (and, for o, a dtype); no_lse is f32
+        o = q.new_empty(q.shape)
         lse = self.no_lse if self.lse_shape is None else \
-            torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+            q.new_empty(self.lse_shape, dtype=self.no_lse.dtype)
         self.bound(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                    (self.fixed_sinks if sinks is None else sinks).data_ptr(), *self.cu_pointers)
         return o if self.lse_shape is None else (o, lse)
@@ -205,8 +203,7 @@ def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, t
     bound = runtime.bind(kernel, grid, args, target=chip.name, num_warps=num_warps,
                          **constexprs)
     lse_shape = (shapes["batch"], shapes["hq"], q.shape[1]) if return_lse else None
-    return _DensePlan(bound=bound, torch_dtype=q.dtype, device=q.device,
-                      lse_shape=lse_shape, no_lse=args[4], fixed_sinks=args[5],
+    return _DensePlan(bound=bound, lse_shape=lse_shape, no_lse=args[4], fixed_sinks=args[5],
                       cu_pointers=(args[6].data_ptr(), args[7].data_ptr()))
 
 
@@ -286,7 +283,7 @@ def _outputs_without_work(q, shapes, sinks, ragged, return_lse):
     if sinks is not None:  # the sink is the row's only logit
         heads = [1] * len(lse_shape)
         heads[0 if ragged else 1] = hq
-        lse[...] = _float32(sinks, q).reshape(heads)
+        lse[...] = ArrayLib(q).asarray(sinks, kiln.f32).reshape(heads)
     return o, lse
 
 
@@ -331,9 +328,6 @@ def _dtype_name(dtype) -> str:
     return kiln.dtype(dtype).name
 
 
-def _contiguous(x):
-    return x.contiguous() if is_torch(x) else np.ascontiguousarray(x)
-
 
 def _optional_numpy(x):
     return None if x is None else ArrayLib.numpy(x)
@@ -345,20 +339,6 @@ def _outputs_like(template, out, return_lse):
     return tuple(lib.like(x) for x in out) if return_lse else lib.like(out)
 
 
-def _int32(x, like):
-    if is_torch(like):
-        import torch
-
-        return torch.as_tensor(x, device=like.device).to(torch.int32).contiguous()
-    return np.ascontiguousarray(np.asarray(x), np.int32)
-
-
-def _float32(x, like):
-    if is_torch(like):
-        import torch
-
-        return torch.as_tensor(x, device=like.device).to(torch.float32).contiguous()
-    return np.ascontiguousarray(np.asarray(x), np.float32)
 
 
 def _arange_like(like, batch, length):

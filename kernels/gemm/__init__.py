@@ -35,8 +35,8 @@ import kiln
 from kiln.autotune import autotune
 
 from .. import runtime
-from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, empty_like, is_torch,
-                       resolve_target, spec)
+from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, contiguous, empty_like,
+                       is_torch, resolve_target, spec)
 from .grouped_api import compile_grouped_matmul, grouped_matmul
 from .hopper import OUT_DTYPES, SUPPORTED_DTYPES, HopperGemmConfig, make_kernel
 
@@ -172,7 +172,7 @@ def _matmul(a, b, trans_b, out_dtype, target, backend):
         _interpret(chip, a_in, b_in, c, trans_b)
     else:
         _run_tuned(a_in, b_in, c, m, np_, kp, "k" if trans_b else "mn", name, chip.name)
-    return c if np_ == n else _contiguous(c[:, :n])
+    return c if np_ == n else contiguous(c[:, :n])
 
 
 def _compile_hopper(config, a, b, c, m, n, k, dtype, b_major, out_dtype, target):
@@ -278,11 +278,7 @@ def _empty_like(x, shape, dtype_name):
 def _padded(x, shape: tuple):
     """``x`` itself when already ``shape`` and contiguous, else a zero-padded copy."""
     if tuple(x.shape) == shape:
-        return _contiguous(x)
+        return contiguous(x)
     out = x.new_zeros(shape) if is_torch(x) else np.zeros(shape, x.dtype)
     out[tuple(slice(0, s) for s in x.shape)] = x
     return out
-
-
-def _contiguous(x):
-    return x.contiguous() if is_torch(x) else np.ascontiguousarray(x)

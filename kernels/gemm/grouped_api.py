@@ -9,8 +9,8 @@ import numpy as np
 import kiln
 
 from .. import runtime
-from ..runtime import (ArrayLib, Dims, check_backend, dtype_of, empty_like, is_torch,
-                       refuse_inside_capture, resolve_target)
+from ..runtime import (ArrayLib, Dims, check_backend, contiguous, dtype_of, empty_like,
+                       is_torch, refuse_inside_capture, resolve_target)
 from .grouped import (MAX_GROUPS, grouped_config, grouped_constexprs, make_grouped_kernel,
                       table_size)
 
@@ -70,7 +70,7 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
         offs = torch.tensor([0, 300, 300, 1024], dtype=torch.int32, device="cuda")
         c = grouped_matmul(tokens, expert_weights, offs)   # [1024, K] x [3, K, N] -> [1024, N]
     """
-    from . import (STRIDE_ALIGN, _contiguous, _empty_like, _output_dtype, _padded,
+    from . import (STRIDE_ALIGN, _empty_like, _output_dtype, _padded,
                    _round_up)
 
     chip = resolve_target(target)
@@ -123,7 +123,7 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
         b_rows = _round_up(k, BLOCK_K)
         b_in = _padded(b, (groups, b_rows, np_)).reshape(groups * b_rows, np_)
     a_in = _padded(a, (total_m, kp))
-    offsets = _contiguous(group_offsets)
+    offsets = contiguous(group_offsets)
     c = _empty_like(a, (total_m, np_), out)
     if backend == "interpret":
         _interpret(chip, name, out, trans_b, [a_in, b_in, c, offsets, groups, total_m, np_, k,
@@ -131,7 +131,7 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
     else:
         run_grouped(a_in, b_in, c, offsets, k=k, b_rows=b_rows, trans_b=trans_b,
                     target=chip.name)
-    return c if np_ == n else _contiguous(c[:, :n])
+    return c if np_ == n else contiguous(c[:, :n])
 
 
 def run_grouped(a, b, c, offsets, *, k, b_rows, trans_b, target="sm_90a", config=None,
