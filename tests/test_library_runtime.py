@@ -206,3 +206,23 @@ def test_a_repeat_torch_call_is_a_plan_hit_and_bound_launches(dry, rng, entry):
     for x, y in zip(first if isinstance(first, tuple) else (first,),
                     again if isinstance(again, tuple) else (again,)):
         assert isinstance(y, torch.Tensor) and (y.shape, y.dtype) == (x.shape, x.dtype)
+
+
+# --- bench/launch_overhead.py: what runs without a GPU -----------------------------------------
+
+def test_the_launch_overhead_bench_times_the_library_without_a_gpu(monkeypatch):
+    import pathlib
+    import sys
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "bench"))
+    monkeypatch.setattr(hopper_autotuner, "best", dict(hopper_autotuner.best))
+    bench = importlib.import_module("launch_overhead")
+    results = bench.run(10, 1)  # on a GPU machine the whole run, here its skip
+    assert "skipped" in results or len(results["library"]) == 5
+    rows = bench.run_library_host_only(5, 1)
+    if "torch" not in sys.modules:
+        assert rows == "torch is not installed"
+        return
+    assert [row["path"].split()[0] for row in rows] == [
+        "prefill", "decode", "decode_attention", "combine", "matmul"]
+    assert all(row["us"] > 0 for row in rows)
