@@ -324,11 +324,6 @@ def contiguous(x):
     return x.contiguous() if is_torch(x) else np.ascontiguousarray(x)
 
 
-def data_ptr(x) -> int:
-    """The device address of a torch or cupy array."""
-    return x.data_ptr() if is_torch(x) else x.data.ptr
-
-
 def spec(x) -> Any:
     """The part of a plan key that one argument contributes: for an array its type, shape,
     dtype, element strides and device (about 0.3 µs for a torch tensor); other values as
@@ -381,7 +376,9 @@ class PlanCache(dict):
 
     Example::
 
-        plan = PLANS.lookup(key) or PLANS.add(key, make_plan(...))
+        plan = PLANS.lookup(key)
+        if plan is None:
+            plan = PLANS.add(key, make_plan(...))
     """
 
     def __init__(self, name: str):
