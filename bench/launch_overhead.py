@@ -1,4 +1,5 @@
-"""Host-side launch overhead of a cached Kiln kernel, next to Triton's when Triton is installed.
+"""Host-side launch overhead: Kiln's launch paths and library entry points, Triton, and a raw
+``cuLaunchKernel``, in one run.
 
 A tiny kernel (``y[i] += 1`` on 128 elements, one block) is launched many times back to back;
 the wall-clock time per launch after warm-up is the host overhead (the GPU finishes each launch
@@ -10,7 +11,14 @@ faster than the host issues the next). Reported: median over batches, in microse
 - ``kiln bound launch``: ``bind_launch(...)`` called with the tensor's address (library path);
 - ``kiln raw launcher``: the JIT-compiled ``kiln_launch`` called with ready-made C arguments
   (the floor: ctypes call + ``mgpuLaunchKernel``);
-- ``triton launch``: an equivalent ``@triton.jit`` kernel.
+- ``triton launch``: an equivalent ``@triton.jit`` kernel;
+- ``raw cuLaunchKernel``: the same cubin through ``libcuda`` by ctypes with prebuilt
+  parameters (skipped, with the reason, where libcuda cannot be loaded);
+- each library entry point (``prefill``, ``decode``, ``decode_attention``, ``combine``,
+  ``matmul``; decode on issue 42's shape: batch 1, 16k keys, Hq 32 / Hkv 8, D 128, pages of
+  64) at steady state: host µs per call (``LIBRARY_CALLS`` calls back to back, no sync, few
+  enough that the launch queue never fills), eager µs (the same calls with the final sync),
+  and GPU µs (the calls captured in a CUDA graph and replayed, timed by CUDA events).
 
 ``--host-only`` needs no GPU: it measures Kiln's per-call host work up to the driver call on
 the CPU. The real JIT-compiled host launchers are built with an in-process CUDA runtime whose
@@ -23,12 +31,17 @@ and for the split-KV combine's signature (five rank-3..5 tensors, 60 flat C argu
 - ``flat ctypes call``: the previous ABI, one ctypes call converting every flat C argument
   (to the same no-op), for comparison.
 
+``--host-only`` also times each library entry point on torch CPU tensors (when torch is
+installed) with :class:`kiln.kernels.runtime.DryRuntime`, which binds and launches nothing:
+the entry point's own work up to its bound launch (add the bound launch's row above for the
+call up to the driver). matmul's tuning is seeded with its first config there.
+
 Usage::
 
     python bench/launch_overhead.py --launches 2000 --batches 15 --json overhead.json
     python bench/launch_overhead.py --host-only
 
-Goal: <= 20 µs per Kiln launch with torch tensors.
+Goals (issue 42): <= 5 µs host per ``kernel[grid]`` launch, <= 8 µs per library call.
 """
 
 from __future__ import annotations
@@ -42,7 +55,9 @@ import kiln
 from kiln import f32, i32
 from results_io import write_results
 
-GOAL_US = 20.0
+GOAL_US = 5.0
+LIBRARY_GOAL_US = 8.0
+LIBRARY_CALLS = 100
 N = 128
 
 
@@ -78,6 +93,117 @@ def _triton_issue(torch, y):
         tl.store(y_ptr + offsets, tl.load(y_ptr + offsets, mask=mask) + 1.0, mask=mask)
 
     return lambda: add_one[(1,)](y, N, BLOCK=N)
+
+
+def _raw_cu_launch(compiled, y):
+    """``cuLaunchKernel`` of ``compiled`` (add_one) through ctypes with prebuilt parameters on
+    torch's current stream: the floor of any launcher called from Python."""
+    import ctypes
+
+    import torch
+
+    from kiln.runtime.host import flat_c_argtypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    sig = compiled.signature
+    module, function = ctypes.c_void_p(), ctypes.c_void_p()
+    for status in (cuda.cuModuleLoadData(ctypes.byref(module), compiled.asm["cubin"]),
+                   cuda.cuModuleGetFunction(ctypes.byref(function), module, sig.name.encode())):
+        if status:
+            raise OSError(f"CUDA driver error {status}")
+    values = [ctype(v) for ctype, v in zip(flat_c_argtypes(sig)[:-5],
+                                           [y.data_ptr(), y.data_ptr(), 0, N, 1, N])]
+    params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+    launch = cuda.cuLaunchKernel
+    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    stream = torch.cuda.current_stream().cuda_stream
+    block = sig.block
+    keep = (values, params, module)  # alive as long as the closure
+
+    def issue():
+        launch(function, 1, 1, 1, *block, sig.dynamic_shared_bytes, stream, params, None)
+        return keep
+
+    return issue
+
+
+def library_calls(torch, device: str, target: str = "sm_90a") -> dict:
+    """The library entry points on fixed torch inputs on ``device``, by name."""
+    from kiln.kernels.attention import combine, decode, decode_attention, prefill
+    from kiln.kernels.gemm import matmul
+
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=torch.bfloat16)
+
+    q, k_cache, v_cache = randn(1, 1, 32, 128), randn(256, 64, 8, 128), randn(256, 64, 8, 128)
+    table = torch.randperm(256, generator=gen).to(device=device, dtype=torch.int32)[None]
+    lens = torch.tensor([256 * 64], dtype=torch.int32, device=device)
+    paged = (q, k_cache, v_cache, table, lens)
+    o_part, lse_part, counts = decode(*paged, target=target)
+    dense, a, b = randn(1, 1024, 16, 128), randn(1024, 1024), randn(1024, 1024)
+    return {
+        "prefill (1x1024, 16 heads, D 128, causal)": lambda: prefill(
+            dense, dense, dense, causal=True, target=target),
+        "decode (1x16k, Hq 32 / Hkv 8, D 128)": lambda: decode(*paged, target=target),
+        "decode_attention (same)": lambda: decode_attention(*paged, target=target),
+        "combine (decode's partials)": lambda: combine(
+            o_part, lse_part, counts, max_splits=o_part.shape[0], target=target),
+        "matmul (1024^3 bf16)": lambda: matmul(a, b, target=target),
+    }
+
+
+def _graph_us(torch, call, per_graph: int = 10, replays: int = 20) -> float:
+    """GPU µs of one ``call``: ``per_graph`` calls captured in a CUDA graph, replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the default stream, as torch's docs say
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (per_graph * replays)
+
+
+def _eager_us(call, calls: int, batches: int, synchronize) -> float:
+    """µs per call of ``calls`` back-to-back calls, the final synchronisation included."""
+    samples = []
+    for _ in range(batches):
+        synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        synchronize()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def run_library(torch, batches: int) -> list[dict]:
+    """Host, eager and GPU µs per steady-state call of each library entry point."""
+    rows = []
+    sync = torch.cuda.synchronize
+    for name, call in library_calls(torch, "cuda").items():
+        row: dict = {"path": f"kiln {name}"}
+        try:
+            call()  # plans, compiles and (matmul) tunes
+            row["us"] = _per_launch_us(call, LIBRARY_CALLS, batches, sync)
+            row["eager_us"] = _eager_us(call, LIBRARY_CALLS, batches, sync)
+            row["gpu_us"] = _graph_us(torch, call)
+        except Exception as error:  # a path that fails is reported, not fatal to the run
+            row["error"] = f"{type(error).__name__}: {error}"
+        rows.append(row)
+    return rows
 
 
 def run(launches: int, batches: int) -> dict:
@@ -117,6 +243,13 @@ def run(launches: int, batches: int) -> dict:
         flat = [y.data_ptr(), y.data_ptr(), 0, N, 1, N]
         results["kiln_raw_launcher_us"] = _per_launch_us(
             lambda: plan.launcher(flat, (1, 1, 1), None), launches, batches, sync)
+        try:
+            raw = _raw_cu_launch(compiled, y)
+        except (OSError, AttributeError) as error:
+            results["raw_cu_launch_us"] = None
+            results["raw_cu_launch_skipped"] = f"libcuda not usable: {error}"
+        else:
+            results["raw_cu_launch_us"] = _per_launch_us(raw, launches, batches, sync)
         sync()
         results["torch_result_ok"] = bool((y > 0).all().item())
         try:
@@ -125,6 +258,7 @@ def run(launches: int, batches: int) -> dict:
             results["triton_launch_us"] = None
         else:
             results["triton_launch_us"] = _per_launch_us(issue, launches, batches, sync)
+        results["library"] = run_library(torch, batches)
     else:
         results["kiln_launch_torch_us"] = None
         results["triton_launch_us"] = None
@@ -137,23 +271,32 @@ def _rows(results: dict) -> list[dict]:
              ("kiln CompiledKernel.launch", "kiln_compiled_launch_us"),
              ("kiln bound launch", "kiln_bound_launch_us"),
              ("kiln raw launcher", "kiln_raw_launcher_us"),
+             ("raw cuLaunchKernel (ctypes)", "raw_cu_launch_us"),
              ("triton launch", "triton_launch_us"))
-    return [{"path": name, "us": results.get(key)} for name, key in paths]
+    return [{"path": name, "us": results.get(key)} for name, key in paths] + \
+        results.get("library", [])
 
 
 def _print_table(results: dict) -> None:
     if "skipped" in results:
         print(f"launch overhead: skipped ({results['skipped']})")
         return
-    print(f"{'path':<28}{'µs / launch (median)':>22}")
+    columns = (("us", "host µs"), ("eager_us", "eager µs"), ("gpu_us", "GPU µs (graph)"))
+    print(f"{'path':<56}" + "".join(f"{title:>16}" for _, title in columns))
     for row in _rows(results):
-        name, value = row["path"], row["us"]
-        shown = f"{value:.2f}" if value is not None else "n/a"
-        print(f"{name:<28}{shown:>22}")
+        cells = "".join(f"{row[key]:>16.2f}" if row.get(key) is not None else f"{'':>16}"
+                        for key, _ in columns)
+        print(f"{row['path']:<56}{cells}" + (f"  {row['error']}" if "error" in row else ""))
+    if results.get("raw_cu_launch_skipped"):
+        print(f"raw cuLaunchKernel skipped: {results['raw_cu_launch_skipped']}")
     kiln_us = results.get("kiln_launch_torch_us")
     if kiln_us is not None:
         verdict = "meets" if kiln_us <= GOAL_US else "misses"
-        print(f"goal <= {GOAL_US:.0f} µs: {verdict}")
+        print(f"kernel[grid] goal <= {GOAL_US:.0f} µs: {verdict}")
+    library = [row["us"] for row in results.get("library", []) if row.get("us") is not None]
+    if library:
+        verdict = "meets" if max(library) <= LIBRARY_GOAL_US else "misses"
+        print(f"library goal <= {LIBRARY_GOAL_US:.0f} µs a call: {verdict}")
 
 
 class _NoopRuntime:
@@ -256,6 +399,28 @@ def run_host_only(launches: int, batches: int) -> dict:
     return results
 
 
+def run_library_host_only(launches: int, batches: int) -> list[dict] | str:
+    """Per-call host µs of each library entry point on torch CPU tensors with a DryRuntime
+    (up to the bound launch), or why it could not run."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    from kiln.kernels import runtime
+    from kiln.kernels.gemm import HOPPER_CONFIGS, hopper_autotuner
+
+    # No GPU to time configs on: matmul's 1024^3 shape takes the first one.
+    key = hopper_autotuner.key_of((None, None, None, 1024, 1024, 1024, "bf16", "mn", "bf16",
+                                   "sm_90a"), {})
+    hopper_autotuner.best[key] = HOPPER_CONFIGS[0]
+    rows = []
+    with runtime.use_runtime(runtime.DryRuntime()):
+        for name, call in library_calls(torch, "cpu").items():
+            call()  # plans
+            rows.append({"path": name, "us": _per_launch_us(call, launches, batches, _pass)})
+    return rows
+
+
 def _pass() -> None:
     pass
 
@@ -268,6 +433,13 @@ def _print_host_table(results: dict) -> None:
         if isinstance(row, dict):
             print(f"{label:<36}" + "".join(f"{row[c]:>20.2f}" for c in columns))
     print("(µs per call, median of batches)")
+    library = results.get("library")
+    if isinstance(library, str):
+        print(f"library entry points: skipped ({library})")
+    elif library:
+        print("library entry points, torch CPU tensors, DryRuntime (up to the bound launch):")
+        for row in library:
+            print(f"{row['path']:<56}{row['us']:>10.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.host_only:
         results = run_host_only(args.launches, args.batches)
+        results["library"] = run_library_host_only(args.launches, args.batches)
         _print_host_table(results)
     else:
         results = run(args.launches, args.batches)
@@ -288,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.host_only:
             rows = [{"kernel": label, **row} for label, row in results.items()
                     if isinstance(row, dict)]
+            if isinstance(results["library"], list):
+                rows += [{"kernel": row["path"], "entry_point_us": row["us"]}
+                         for row in results["library"]]
             write_results(args.json, "launch_overhead-host", rows, results=results,
                           device="host CPU (driver call a no-op)", driver=None)
         else:

@@ -45,10 +45,11 @@ class ArrayInfo:
 def is_array(value: Any) -> bool:
     """True for numpy arrays and for device arrays Kiln can pass zero-copy."""
     return (isinstance(value, np.ndarray) or hasattr(value, "__cuda_array_interface__")
-            or _is_torch_tensor(value))
+            or is_torch_tensor(value))
 
 
-def _is_torch_tensor(value: Any) -> bool:
+def is_torch_tensor(value: Any) -> bool:
+    """True for a torch tensor (without importing torch)."""
     return type(value).__module__.startswith("torch") and hasattr(value, "data_ptr")
 
 
@@ -59,7 +60,7 @@ def describe_array(value: Any) -> ArrayInfo:
         return ArrayInfo(to_dtype(value.dtype), tuple(value.shape),
                          tuple(s // itemsize for s in value.strides), False,
                          value.ctypes.data)
-    if _is_torch_tensor(value):
+    if is_torch_tensor(value):
         on_device = value.device.type == "cuda"
         return ArrayInfo(to_dtype(str(value.dtype)), tuple(value.shape), tuple(value.stride()),
                          on_device, value.data_ptr())

@@ -17,6 +17,7 @@ from attention_reference import assert_paged_attention_close
 
 import kiln
 from kiln.kernels.attention import Partials, PartialsMismatchError, combine, compile_combine
+from kiln.kernels.runtime import PlanCache
 
 combine_module = importlib.import_module("kiln.kernels.attention.combine")
 CombineConfig, choose_config = combine_module.CombineConfig, combine_module.choose_config
@@ -68,7 +69,7 @@ def assert_matches(o, lse, o_ref, lse_ref, tol):
 def schedule(request, monkeypatch):
     """Run with the schedule the plan picks (split-parallel for these small problems), or with
     the wide one forced."""
-    monkeypatch.setattr(combine_module, "_PLANS", {})
+    monkeypatch.setattr(combine_module, "_PLANS", PlanCache("test"))
     if request.param == "wide":
         monkeypatch.setattr(combine_module, "choose_config", lambda *a: combine_module.WIDE)
     return request.param
@@ -181,7 +182,7 @@ def test_repeat_calls_reuse_one_plan_per_shape_class(monkeypatch, rng):
     make_plan = combine_module._make_plan
     monkeypatch.setattr(combine_module, "_make_plan",
                         lambda *a: made.append(a[3]) or make_plan(*a))
-    monkeypatch.setattr(combine_module, "_PLANS", {})
+    monkeypatch.setattr(combine_module, "_PLANS", PlanCache("test"))
     for max_splits in (5, 5, 7):  # fresh values each call; a new max_splits is a new plan
         o_p, lse_p, counts = make_partials(rng, 5, 2, 3, 4, 64)
         o, lse = combine(o_p, lse_p, counts, max_splits=max_splits, out_dtype=kiln.f32,
@@ -262,7 +263,7 @@ def _decode_inputs(rng, q_dtype=kiln.bf16.numpy):
 
 def test_decode_plans_miss_on_any_shape_or_dtype_change(monkeypatch, rng):
     plan_module = importlib.import_module("kiln.kernels.attention.decode_plan")
-    monkeypatch.setattr(plan_module, "PLANS", {})
+    monkeypatch.setattr(plan_module, "PLANS", PlanCache("test"))
     inputs = _decode_inputs(rng)
     first = plan_module.get_plan(*inputs, None, None, None, None, None, "interpret", None, False)
     assert plan_module.get_plan(*_decode_inputs(rng), None, None, None, None, None,

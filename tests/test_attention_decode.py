@@ -12,6 +12,7 @@ import pytest
 import kiln
 from kiln.kernels.attention.decode import (DecodeConfig, decode, default_config,
                                            default_num_splits, early_launch_tiles)
+from kiln.kernels.runtime import PlanCache
 
 from attention_reference import (assert_paged_attention_close, attention_reference,
                                  paged_attention_reference, poison_cuda_pool)
@@ -294,24 +295,19 @@ def test_default_num_splits():
 def test_default_splits_fill_the_gpu_the_call_launches_on(monkeypatch, rng):
     """The split count follows the device's SM count (114 on an H100 PCIe: 14 splits of 8 KV
     heads, one wave); interpreted calls keep DEFAULT_SMS, without asking for a device."""
-    from kiln.runtime import cuda
+    from kiln.kernels import runtime
 
-    class FakeDriver:
-        @staticmethod
-        def multiprocessor_count():
-            return 114
-
-    monkeypatch.setattr(cuda, "driver", lambda: FakeDriver)
     q, k_cache, v_cache, table, lens, _ = _problem(rng, 1, 1, 64, 8, 64,
                                                    [1024], head_dim=128)
-    gpu_plan = plan_module.make_plan(plan_module.ArrayLib(q), q, k_cache, v_cache, table,
-                                     lens, None, None, None, None, "sm_90a", None, None,
-                                     False)
+    with runtime.use_runtime(runtime.DryRuntime(sms=114)):
+        gpu_plan = plan_module.make_plan(plan_module.ArrayLib(q), q, k_cache, v_cache, table,
+                                         lens, None, None, None, None, "sm_90a", None, None,
+                                         False)
     assert gpu_plan.slots == 14 and gpu_plan.grid == (14, 8, 1)
-    monkeypatch.setattr(cuda, "driver", None)  # an interpreted call must not touch it
-    interpreted = plan_module.make_plan(plan_module.ArrayLib(q), q, k_cache, v_cache,
-                                        table, lens, None, None, None, None, "sm_90a",
-                                        "interpret", None, False)
+    with runtime.use_runtime(object()):  # an interpreted call must not ask a runtime
+        interpreted = plan_module.make_plan(plan_module.ArrayLib(q), q, k_cache, v_cache,
+                                            table, lens, None, None, None, None, "sm_90a",
+                                            "interpret", None, False)
     assert interpreted.slots == 16
 
 
@@ -876,7 +872,7 @@ def test_fused_decode_attention_on_the_gpu_repeats_on_two_streams(rng):
 
 def test_decode_attention_fuses_the_combine_only_for_small_merges(monkeypatch, rng):
     """Default: fused while the last CTA reads at most FUSED_COMBINE_MAX_BYTES of partials."""
-    monkeypatch.setattr(plan_module, "PLANS", {})
+    monkeypatch.setattr(plan_module, "PLANS", PlanCache("test"))
     q, kc, vc, table, seq_lens, _ = _problem(rng, 1, 4, 8, 1, 64, [4 * BN], head_dim=128)
     plan = lambda splits, fused: plan_module.get_plan(  # noqa: E731
         q, kc, vc, table, seq_lens, splits, None, None, None, None, "interpret", None, fused)
@@ -889,7 +885,7 @@ def test_large_fused_merges_are_shared_by_the_last_ctas_on_the_gpu(monkeypatch, 
     """32 packed rows (Sq 4 x GQA 8): on a GPU the CTAs that draw the last MERGE_SLICES
     tickets share the fused merge. 8 rows keep one merging CTA, and so does the interpreter,
     which runs one CTA at a time and could not run the others' wait."""
-    monkeypatch.setattr(plan_module, "PLANS", {})
+    monkeypatch.setattr(plan_module, "PLANS", PlanCache("test"))
 
     def kernel_name(sq, backend, splits=16):
         q, kc, vc, table, seq_lens, _ = _problem(rng, 1, sq, 8, 1, 64, [4 * BN])

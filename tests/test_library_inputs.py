@@ -366,7 +366,7 @@ def test_unchecked_out_of_range_page_ids_poison_their_rows(monkeypatch, page_siz
     """What ``validate=False`` leaves to the kernel (device tensors), run here by skipping the
     host check: an id outside the cache read a zero box (a quietly wrong output); now V's NaN
     out-of-bounds fill makes that sequence's rows NaN and leaves the others exact."""
-    import kiln.kernels.inputs as inputs
+    import kiln.kernels.runtime as inputs
 
     rng = _rng()
     q, kc, vc, table, lens = _decode_problem(rng, page_size=page_size, num_pages=6, width=3)
@@ -387,7 +387,7 @@ def test_an_unchecked_seq_len_past_the_table_poisons_instead_of_reading_past_it(
     read entries past its row (the interpreter's bounds check; another sequence's pages on a
     GPU); now the keys past the
     table read NaN boxes, so that sequence's rows are NaN and the others exact."""
-    import kiln.kernels.inputs as inputs
+    import kiln.kernels.runtime as inputs
 
     q, kc, vc, table, lens = _decode_problem(_rng(), num_pages=6, width=3)
     want_o, _ = decode_attention(q, kc, vc, table, lens, num_splits=2, backend="interpret")

@@ -48,6 +48,7 @@ by the two-split unroll (all loads of an iteration are independent) and several 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -57,9 +58,9 @@ import numpy as np
 import kiln
 from kiln import f32, i32
 
-from ..inputs import check_backend, check_counts, dtype_of, is_torch
+from .. import runtime
+from ..runtime import PlanCache, check_backend, check_counts, dtype_of, is_torch, spec
 from .partials import Partials, partials_of
-from kiln.runtime.launch import bind_launch
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -271,9 +272,9 @@ class _CombinePlan:
     backend: str | None
     torch_out_dtype: Any = None
     device: Any = None
-    bound: Any = None  # kiln.runtime.launch.BoundLaunch (torch on the GPU, rows > 0)
+    bound: Any = None  # kiln.kernels.runtime.bind's launch (torch on the GPU, rows > 0)
 
-    @property
+    @functools.cached_property
     def empty(self) -> bool:
         return self.grid[0] == 0 or self.grid[2] == 0
 
@@ -286,14 +287,8 @@ class _CombinePlan:
                 lse_partial.new_empty(self.out_shape[:3]))
 
     def run_torch(self, o_partial, lse_partial, split_counts, out=None, lse_out=None):
-        if not (o_partial.is_contiguous() and lse_partial.is_contiguous()
-                and split_counts.is_contiguous()) or o_partial.data_ptr() % VECTOR_BYTES:
-            raise kiln.KilnValueError("combine reads contiguous partials with a 16-byte aligned "
-                                      "O_partial (its rows are read in 16-byte vectors)",
-                                      fix="pass .contiguous() tensors")
-        if not (lse_partial.is_cuda and split_counts.is_cuda):
-            raise kiln.KilnTypeError("LSE_partial and split_counts must be CUDA tensors like "
-                                     "O_partial", fix="move them to O_partial's device")
+        if o_partial.data_ptr() % VECTOR_BYTES:  # layouts were checked with the plan
+            _refuse_layout()
         if out is None:
             out = lse_partial.new_empty(self.out_shape, dtype=self.torch_out_dtype)
         else:
@@ -314,7 +309,8 @@ class _CombinePlan:
 
     def check_output(self, tensor, name: str, shape: tuple, dtype) -> None:
         """A caller's output tensor must be laid out exactly as the bound launch writes it."""
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_cuda or \
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype or \
+                not runtime.bindable(tensor) or \
                 not tensor.is_contiguous() or tensor.data_ptr() % VECTOR_BYTES:
             raise kiln.KilnValueError(
                 f"combine's {name} must be a contiguous, 16-byte aligned {dtype} CUDA tensor of "
@@ -346,16 +342,22 @@ class _CombinePlan:
             lse[...] = -np.inf
         else:
             args = (o_partial, lse_partial, split_counts, o, lse, *_scalar_args(self.out_shape))
-            launcher = lse_merge.interpret if self.backend == "interpret" else lse_merge
-            launcher[self.grid](*args, target=self.target, num_warps=self.num_warps,
-                                **self.constexprs)
+            run = runtime.interpret if self.backend == "interpret" else runtime.launch
+            run(lse_merge, self.grid, args, target=self.target, num_warps=self.num_warps,
+                **self.constexprs)
         return o, lse
 
 
-# Plans by (array type, shapes, dtypes, device, options): a repeat call costs a dict look-up,
-# two output allocations (none with out= and lse_out=) and one bound launch, not a
-# re-validation and specialisation.
-_PLANS: dict[tuple, _CombinePlan] = {}
+# Plans by the partials' specs and the options (see kiln.kernels.runtime): a repeat call
+# costs a dict look-up, two output allocations (none with out= and lse_out=) and one bound
+# launch, not a re-validation and specialisation.
+_PLANS = PlanCache("combine")
+
+
+def _refuse_layout():
+    raise kiln.KilnValueError("combine reads contiguous partials with a 16-byte aligned "
+                              "O_partial (its rows are read in 16-byte vectors)",
+                              fix="pass .contiguous() tensors")
 
 
 def _scalar_args(out_shape) -> tuple[int, int]:
@@ -381,7 +383,7 @@ def _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, part
     contract = _consumer_contract(producer, o_dtype, max_splits)
     if producer is not None:
         producer.check_consumer(contract)
-    check_backend(backend, (None, "interpret"))
+    check_backend(backend)
     target = "sm_90a" if target is None else target  # "" is the compiler's TargetError
     rows = sq * heads
     config = choose_config(rows, batch, max_splits, head_dim)
@@ -395,15 +397,19 @@ def _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, part
         return plan
     import torch
 
-
+    if not all(t.is_contiguous() for t in (o_partial, lse_partial, split_counts)):
+        _refuse_layout()
+    if not runtime.bindable(o_partial, lse_partial, split_counts):
+        raise kiln.KilnTypeError("LSE_partial and split_counts must be CUDA tensors like "
+                                 "O_partial", fix="move them to O_partial's device")
     plan = replace(plan, device=o_partial.device, torch_out_dtype=getattr(
         torch, {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[out_dtype.name]))
     if plan.empty:
         return plan
     args = (o_partial, lse_partial, split_counts, *plan.new_outputs(lse_partial),
             *_scalar_args(plan.out_shape))
-    ck = lse_merge.compile(*args, target=target, num_warps=plan.num_warps, **plan.constexprs)
-    return replace(plan, bound=bind_launch(ck, plan.grid, args))
+    return replace(plan, bound=runtime.bind(lse_merge, plan.grid, args, target=target,
+                                            num_warps=plan.num_warps, **plan.constexprs))
 
 
 def _constexprs(head_dim: int, max_splits: int, log_base: str, o_dtype: kiln.DType,
@@ -423,19 +429,12 @@ def plan_combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
 
     Example: ``plan_combine(o_p, lse_p, counts, max_splits=33).grid``.
     """
-    try:
-        key = (type(o_partial), o_partial.shape, o_partial.dtype, lse_partial.shape,
-               lse_partial.dtype, split_counts.shape, split_counts.dtype,
-               o_partial.device if is_torch(o_partial) else None, max_splits, out_dtype,
-               partials_of(partials), target, backend)
-        plan = _PLANS.get(key)
-    except (TypeError, AttributeError):  # unhashable or not an array: validation reports it
-        key, plan = None, None
+    key = (spec(o_partial), spec(lse_partial), spec(split_counts), max_splits, out_dtype,
+           partials_of(partials), target, backend)
+    plan = _PLANS.lookup(key)
     if plan is None:
-        plan = _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, partials,
-                          target, backend)
-        if key is not None:
-            _PLANS[key] = plan
+        plan = _PLANS.add(key, _make_plan(o_partial, lse_partial, split_counts, max_splits,
+                                          out_dtype, partials, target, backend))
     return plan
 
 
@@ -472,7 +471,7 @@ def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
     """
     plan = plan_combine(o_partial, lse_partial, split_counts, max_splits=max_splits,
                         out_dtype=out_dtype, partials=partials, target=target, backend=backend)
-    if is_torch(o_partial) and backend is None:
+    if plan.device is not None:  # torch tensors on the GPU
         return plan.run_torch(o_partial, lse_partial, split_counts, out, lse_out)
     return plan.run_numpy(o_partial, lse_partial, split_counts, out, lse_out)
 

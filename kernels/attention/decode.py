@@ -114,7 +114,8 @@ import numpy as np
 
 import kiln
 
-from ..inputs import empty_like, is_torch
+from .. import runtime
+from ..runtime import ArrayLib, empty_like, is_torch
 from .decode_config import (AHEAD_PREFETCH_TILES, CTAS_PER_SM, DEFAULT_SMS, EARLY_LAUNCH_TILES,
                             FUSED_COMBINE_MAX_BYTES, KV_EVICTION, LAZY_RESCALE_HEAD_DIMS,
                             LAZY_RESCALE_THRESHOLD, MAX_ACCUMULATORS, MAX_COMBINE_LOADS,
@@ -124,8 +125,7 @@ from .decode_config import (AHEAD_PREFETCH_TILES, CTAS_PER_SM, DEFAULT_SMS, EARL
                             WGMMA_MIN_ROWS, DecodeConfig, decode_partials, default_config,
                             default_num_splits, early_launch_tiles)
 from .decode_kernel import make_kernel
-from .decode_plan import ArrayLib, bindable, check_values, get_plan, nvidia_target
-from kiln.interpreter import interpret_kernel
+from .decode_plan import check_values, get_plan, nvidia_target
 
 __all__ = [
     "AHEAD_PREFETCH_TILES", "CTAS_PER_SM", "DEFAULT_SMS", "EARLY_LAUNCH_TILES",
@@ -171,8 +171,7 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
     if plan.kernel is None:
         return plan.torch_partials() if plan.device is not None else plan.numpy_partials()
     check_values(k_cache, page_table, seq_lens, block_table, validate)
-    if plan.bound is not None and bindable(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                           block_table, sinks):
+    if plan.bound is not None and q.data_ptr() % Q_ALIGN == 0:
         words, partials = plan.torch_partial_words()
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
                                     block_table, sinks), *partials,
@@ -215,8 +214,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
         shape = plan.partial_shape[1:]
         return empty_like(q, shape, kiln.bf16), empty_like(q, shape[:3], kiln.f32)
     check_values(k_cache, page_table, seq_lens, block_table, validate)
-    can_bind = plan.bound is not None and bindable(plan, q, k_cache, v_cache, page_table,
-                                                   seq_lens, block_table, sinks)
+    can_bind = plan.bound is not None and q.data_ptr() % Q_ALIGN == 0
     if can_bind and plan.fused:
         words, partials = plan.torch_partial_words()  # freed once the launch is queued
         o, lse = plan.outputs(like=words)
@@ -260,19 +258,20 @@ def _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, s
         outputs = [o, lse, lib.full(plan.grid_cells, 0, "i64")]
     else:
         outputs = list(plan.no_outputs)
-    args = [q, lib.rows(k_cache, plan.cache_rows, plan.cache_cols),
-            lib.rows(v_cache, plan.cache_rows, plan.cache_cols), page_table, seq_lens,
+    args = [q, k_cache.reshape(plan.cache_rows, plan.cache_cols),
+            v_cache.reshape(plan.cache_rows, plan.cache_cols), page_table, seq_lens,
             block_table if block_table is not None else plan.no_block_table,
             sinks if sinks is not None else plan.no_sinks,
             o_part, lse_part, counts, *outputs, plan.slots, plan.scale_log2]
     results = (10, 11) if plan.fused else (7, 8, 9)
     if backend == "interpret":
         numpy_args = [lib.numpy(a) for a in args]
-        traced = plan.kernel.trace(*numpy_args, target=plan.chip.name, num_warps=plan.num_warps)
-        interpret_kernel(traced, plan.grid, numpy_args, plan.chip)
-        return tuple(lib.like(numpy_args[i], args[i]) for i in results)
+        runtime.interpret(plan.kernel, plan.grid, numpy_args, target=plan.chip.name,
+                          num_warps=plan.num_warps)
+        return tuple(lib.copy_into(args[i], numpy_args[i]) for i in results)
     # numpy arrays (copied per launch) and non-contiguous torch tensors (strides read per call)
-    plan.kernel[plan.grid](*args, target=plan.chip.name, num_warps=plan.num_warps)
+    runtime.launch(plan.kernel, plan.grid, args, target=plan.chip.name,
+                   num_warps=plan.num_warps)
     return tuple(args[i] for i in results)
 
 

@@ -1,9 +1,10 @@
 """Host side of :func:`kiln.kernels.attention.decode`: input checks, and the plan of one
 shape class (:class:`DecodePlan`: kernel, grid, placeholders and, for contiguous torch
-tensors, the bound launch), cached in :data:`PLANS`."""
+tensors, the bound launch), cached in :data:`PLANS` (a :class:`kiln.kernels.runtime.PlanCache`)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -11,16 +12,15 @@ import numpy as np
 
 import kiln
 
-from ..inputs import (Dims, check_backend, check_heads, check_paged_lengths, check_positive,
-                      is_torch, resolve_target)
+from .. import runtime
+from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, check_heads,
+                       check_paged_lengths, check_positive, is_torch, resolve_target, spec)
 from .decode_config import (DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MERGE_HELPER_MIN_ROWS,
-                            MERGE_SLICES, Q_ALIGN, SUPPORTED_HEAD_DIMS, DecodeShape,
+                            MERGE_SLICES, SUPPORTED_HEAD_DIMS, DecodeShape,
                             decode_partials, default_config, default_num_splits,
                             early_launch_tiles, longest_split_tiles)
 from .decode_kernel import make_kernel
 from .paged import kv_sub_tile_rows
-from kiln.runtime import cuda
-from kiln.runtime.launch import bind_launch
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class DecodePlan:
     no_outputs: tuple  # (o_out, lse_out, tickets) of a kernel that does not combine
     fused: bool = False  # decode_attention's kernel: the last split CTA combines
     device: object = None  # torch device of q, or None for numpy
-    # kiln.runtime.launch.bind_launch of the first contiguous torch call: a repeat call only
+    # kiln.kernels.runtime.bind of the plan's contiguous torch tensors: a repeat call only
     # writes ten addresses into a prepared argument block.
     bound: object = None
     merge: object = None  # the combine plan (bound) for these partials, bound with `bound`
@@ -69,23 +69,22 @@ class DecodePlan:
         skips parsing a device and a dtype, as :meth:`_CombinePlan.new_outputs` does; None:
         numpy arrays, NaN-poisoned so an element the kernel missed shows."""
         shape = self.partial_shape[1:]
-        if like is not None:
-            import torch
-
-            return like.new_empty(shape, dtype=torch.bfloat16), like.new_empty(shape[:3])
+        if like is not None:  # the bf16 placeholder's dtype: no torch import per call
+            return like.new_empty(shape, dtype=self.no_outputs[0].dtype), \
+                like.new_empty(shape[:3])
         return (np.full(shape, np.nan, kiln.bf16.numpy), np.full(shape[:3], np.nan, np.float32))
 
-    @property
+    @functools.cached_property
     def lse_offset(self) -> int:
         """f32 words before LSE_partial in the one partials allocation (after O_partial)."""
         return math.prod(self.partial_shape)
 
-    @property
+    @functools.cached_property
     def counts_offset(self) -> int:
         """f32 words before split_counts (after LSE_partial, 16-byte aligned)."""
         return -(-(self.lse_offset + math.prod(self.partial_shape[:4])) // 4) * 4
 
-    @property
+    @functools.cached_property
     def partial_words(self) -> int:
         return self.counts_offset + math.prod(self.partial_shape[1:4])
 
@@ -93,9 +92,7 @@ class DecodePlan:
         """One uninitialised device allocation for O_partial, LSE_partial and split_counts,
         and their three addresses in it (what the bound launches take); the kernel writes
         every element (each split all its rows, split 0 the counts)."""
-        import torch
-
-        words = torch.empty(self.partial_words, dtype=torch.float32, device=self.device)
+        words = self.no_sinks.new_empty(self.partial_words)  # f32, on the plan's device
         base = words.data_ptr()
         return words, (base, base + 4 * self.lse_offset, base + 4 * self.counts_offset)
 
@@ -119,36 +116,26 @@ class DecodePlan:
                 np.full(shape[1:4], -1, np.int32))
 
 
-# Plans by (array type, device, shapes, dtypes, options): a repeat call skips re-validation,
-# kernel selection and the placeholder and poison allocations.
-PLANS: dict[tuple, DecodePlan] = {}
+# Plans of decode and decode_attention by the tensors' specs and the options (see
+# kiln.kernels.runtime): a repeat call skips validation, kernel selection and binding.
+PLANS = PlanCache("decode")
 
 
 def get_plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale, sinks,
              target, backend, config, fused) -> DecodePlan:
-    """The cached plan of this call's shape class. The key reads each tensor's shape and dtype
-    (any change is a new plan: the bound launch assumes them) and q's device."""
-    try:
-        key = (type(q), getattr(q, "device", None), q.shape, q.dtype, k_cache.shape,
-               k_cache.dtype, v_cache.shape, v_cache.dtype, page_table.shape, page_table.dtype,
-               seq_lens.shape, seq_lens.dtype,
-               None if block_table is None else (block_table.shape, block_table.dtype),
-               None if sinks is None else (sinks.shape, sinks.dtype),
-               num_splits, scale, target, backend, config, fused)
-        plan = PLANS.get(key)
-    except (TypeError, AttributeError):  # unhashable or not an array: validation reports it
-        key, plan = None, None
-    fresh = plan is None
-    if fresh:
+    """The cached plan of this call's shape class: the key holds each tensor's shape, dtype,
+    strides and device, so a plan's bound launch fits every call that finds it."""
+    key = (spec(q), spec(k_cache), spec(v_cache), spec(page_table), spec(seq_lens),
+           spec(block_table), spec(sinks), num_splits, scale, target, backend, config, fused)
+    plan = PLANS.lookup(key)
+    if plan is None:
         plan = make_plan(ArrayLib(q), q, k_cache, v_cache, page_table, seq_lens, num_splits,
                          block_table, scale, sinks, target, backend, config, fused)
-    if plan.bound is None and plan.device is not None and backend != "interpret" and \
-            plan.kernel is not None and \
-            bindable(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
-        plan, fresh = _bind(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
-                            target), True
-    if fresh and key is not None:
-        PLANS[key] = plan
+        if backend != "interpret" and plan.kernel is not None and \
+                runtime.bindable(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
+            plan = _bind(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
+                         target)
+        PLANS.add(key, plan)
     return plan
 
 
@@ -166,13 +153,13 @@ def _bind(plan: DecodePlan, q, k_cache, v_cache, page_table, seq_lens, block_tab
             block_table if block_table is not None else plan.no_block_table,
             sinks if sinks is not None else plan.no_sinks, *partials, *outputs, plan.slots,
             plan.scale_log2]
-    ck = plan.kernel.compile(*args, target=plan.chip.name, num_warps=plan.num_warps)
+    bound = runtime.bind(plan.kernel, plan.grid, args, target=plan.chip.name,
+                         num_warps=plan.num_warps)
     if plan.fused:
-        return replace(plan, bound=bind_launch(ck, plan.grid, args))
+        return replace(plan, bound=bound)
     merge = plan_combine(*partials, max_splits=plan.slots, partials=decode_partials(plan.slots),
                          target=target)
-    return replace(plan, bound=bind_launch(ck, plan.grid, args),
-                   merge=merge if merge.bound is not None else None)
+    return replace(plan, bound=bound, merge=merge if merge.bound is not None else None)
 
 
 def make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
@@ -188,8 +175,10 @@ def make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block_
         slots = block_table.shape[3] if block_table is not None else num_splits or 1
         return DecodePlan(kernel=None, chip=None, grid=(0, 0, 0), num_warps=0, slots=slots,
                           partial_shape=(slots, B, Sq, Hq, D), cache_rows=0, cache_cols=0,
-                          scale_log2=0.0, no_block_table=None, no_sinks=None, no_outputs=(),
-                          fused=bool(fused), device=lib.device if lib.torch else None)
+                          scale_log2=0.0, no_block_table=None,
+                          no_sinks=lib.full((1,), 0.0, "f32"),  # torch_partial_words' like
+                          no_outputs=(), fused=bool(fused),
+                          device=lib.device if lib.torch else None)
     group = Hq // Hkv
     q_rows = 1 if block_table is not None else Sq
     chosen = config
@@ -233,14 +222,6 @@ def make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block_
                       fused=bool(fused), device=lib.device if lib.torch else None)
 
 
-def bindable(plan, q, *tensors) -> bool:
-    """Whether the bound launch may take these torch tensors' raw addresses: each contiguous
-    and on the plan's device (the plan's key reads only q's device), q 4-byte aligned."""
-    index = plan.device.index
-    return q.data_ptr() % Q_ALIGN == 0 and all(
-        t is None or (t.is_contiguous() and t.get_device() == index) for t in (q, *tensors))
-
-
 def launch_sms(backend) -> int:
     """The SMs whose one wave of CTAs the default split count fills: those of the GPU the call
     launches on (device 0, as every Kiln launch), or ``DEFAULT_SMS`` when interpreted. With
@@ -248,8 +229,7 @@ def launch_sms(backend) -> int:
     time."""
     if backend == "interpret":
         return DEFAULT_SMS
-
-    return cuda.driver().multiprocessor_count()
+    return runtime.multiprocessor_count()
 
 
 def check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, num_splits,
@@ -289,7 +269,7 @@ def check_inputs(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, 
 
 def check_values(k_cache, page_table, seq_lens, block_table, validate) -> None:
     """Page ids and lengths against the cache (see
-    :func:`kiln.kernels.inputs.check_paged_lengths`), block-sparse indices at least -1 (numpy
+    :func:`kiln.kernels.runtime.check_paged_lengths`), block-sparse indices at least -1 (numpy
     only: a larger index selects a block past the sequence, which the kernel skips)."""
     check_paged_lengths(page_table, seq_lens, num_pages=int(k_cache.shape[0]),
                         page_size=int(k_cache.shape[1]), validate=validate)
@@ -307,41 +287,3 @@ def nvidia_target(target):
         raise kiln.UnsupportedError(f"paged decode loads pages with TMA, which {chip.name} "
                                     "lacks", fix="use target='sm_90a'")
     return chip
-
-
-class ArrayLib:
-    """Allocation and views in the caller's array library (numpy, or torch on q's device)."""
-
-    def __init__(self, like):
-        self.torch = is_torch(like)
-        self.device = getattr(like, "device", None)
-
-    def full(self, shape, value, dtype):
-        if self.torch:
-            import torch
-
-            torch_dtype = {"f32": torch.float32, "i32": torch.int32, "i64": torch.int64,
-                           "bf16": torch.bfloat16}[dtype]
-            return torch.full(shape, value, dtype=torch_dtype, device=self.device)
-        return np.full(shape, value, kiln.dtype(dtype).numpy)
-
-    def rows(self, cache, rows, cols):
-        return cache.reshape(rows, cols)
-
-    @staticmethod
-    def numpy(x):
-        if is_torch(x):
-            import torch
-
-            if x.dtype == torch.bfloat16:
-                return x.cpu().view(torch.int16).numpy().view(kiln.bf16.numpy)
-            return x.cpu().numpy()
-        return x
-
-    def like(self, array, template):
-        if is_torch(template):
-            import torch
-
-            template.copy_(torch.from_numpy(array))
-            return template
-        return array

@@ -22,12 +22,11 @@ import numpy as np
 
 import kiln
 
-from ..inputs import (check_backend, check_heads, check_positive, dtype_of, empty_like,
-                      is_torch, resolve_target)
+from .. import runtime
+from ..runtime import (ArrayLib, PlanCache, check_backend, check_heads, check_positive,
+                       contiguous, dtype_of, empty_like, is_torch, resolve_target, spec)
 from .prefill_hopper import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, HopperPrefillConfig,
                              MaskSpec, make_kernel)
-from kiln.interpreter import interpret_kernel
-from kiln.runtime.launch import bind_launch
 
 __all__ = ["prefill", "compile_prefill"]
 
@@ -81,10 +80,13 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     """
     if cu_seqlens_q is None and cu_seqlens_k is None and backend != "interpret" and \
             is_torch(q):
-        plan = _dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, target,
-                           backend)
-        if plan is not None and q.is_contiguous() and k.is_contiguous() and \
-                v.is_contiguous() and (sinks is None or sinks.is_contiguous()):
+        key = (spec(q), spec(k), spec(v), spec(sinks), causal, window, chunk, scale,
+               return_lse, target, backend)
+        plan = _PLANS.lookup(key)
+        if plan is None:
+            plan = _PLANS.add(key, _make_dense_plan(q, k, v, causal, window, chunk, sinks,
+                                                    scale, return_lse, target, backend))
+        if plan:
             return plan.run(q, k, v, sinks)
     chip, shapes, mask, scale = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, causal,
                                           window, chunk, scale, target, backend)
@@ -93,15 +95,15 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     if chip.is_amd:
         from .prefill_gfx950 import run_prefill_gfx950
 
-        out = run_prefill_gfx950(*(_numpy(x) for x in (q, k, v)), causal=causal, window=window,
-                                 chunk=chunk, sinks=None if sinks is None else _numpy(sinks),
+        out = run_prefill_gfx950(*(ArrayLib.numpy(x) for x in (q, k, v)), causal=causal,
+                                 window=window, chunk=chunk, sinks=_optional_numpy(sinks),
                                  scale=scale, cu_seqlens_q=_optional_numpy(cu_seqlens_q),
                                  cu_seqlens_k=_optional_numpy(cu_seqlens_k),
                                  return_lse=return_lse, backend=backend)
         return _outputs_like(q, out, return_lse)
     _require_wgmma(chip)
     if backend == "interpret":
-        arrays = [_numpy(x) for x in (q, k, v)]
+        arrays = [ArrayLib.numpy(x) for x in (q, k, v)]
         extra = [_optional_numpy(x) for x in (sinks, cu_seqlens_q, cu_seqlens_k)]
         out = _run(chip.name, *arrays, *extra, shapes, mask, scale, return_lse, interpret=True)
         return _outputs_like(q, out, return_lse)
@@ -113,11 +115,8 @@ def _run(target, q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse, *,
     """Lay out the operands as the kernel wants them and launch (or interpret) it."""
     kernel, args, grid, constexprs, num_warps = _operands(q, k, v, sinks, cu_q, cu_k, shapes,
                                                           mask, scale, return_lse)
-    if interpret:
-        traced = kernel.trace(*args, target=target, num_warps=num_warps, **constexprs)
-        interpret_kernel(traced, grid, args, target)
-    else:
-        kernel[grid](*args, target=target, num_warps=num_warps, **constexprs)
+    run = runtime.interpret if interpret else runtime.launch
+    run(kernel, grid, args, target=target, num_warps=num_warps, **constexprs)
     o, lse = args[3].reshape(q.shape), args[4]
     if not return_lse:
         return o
@@ -131,12 +130,12 @@ def _operands(q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse):
     included), grid, constexprs and warps."""
     b, hq, hkv, d = shapes["batch"], shapes["hq"], shapes["hkv"], shapes["d"]
     ragged = cu_q is not None
-    q2 = _contiguous(q).reshape(-1, hq * d)
-    k2 = _contiguous(k).reshape(-1, hkv * d)
-    v2 = _contiguous(v).reshape(-1, hkv * d)
+    q2 = contiguous(q).reshape(-1, hq * d)
+    k2 = contiguous(k).reshape(-1, hkv * d)
+    v2 = contiguous(v).reshape(-1, hkv * d)
     total_q = q2.shape[0]
     if ragged:
-        cu_q_arr, cu_k_arr = _int32(cu_q, q), _int32(cu_k, q)
+        cu_q_arr, cu_k_arr = (ArrayLib(q).asarray(cu, kiln.i32) for cu in (cu_q, cu_k))
         max_sq = shapes["max_sq"]
         lse_row_mult, lse_head_stride = 1, total_q
     else:
@@ -149,7 +148,8 @@ def _operands(q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse):
     group = hq // hkv
     o2 = empty_like(q, (total_q, hq * d), kiln.dtype(q.dtype))
     lse = empty_like(q, (max(hq * total_q, 1) if return_lse else 1,), kiln.f32)
-    sink_arr = _float32(sinks, q) if sinks is not None else empty_like(q, (hq,), kiln.f32)
+    sink_arr = ArrayLib(q).asarray(sinks, kiln.f32) if sinks is not None else \
+        empty_like(q, (hq,), kiln.f32)
     kernel = make_kernel(_dtype_name(q.dtype), cfg, mask, group, sinks is not None, return_lse)
     args = [q2, k2, v2, o2, lse, sink_arr, cu_q_arr, cu_k_arr, float(scale) * math.log2(math.e),
             lse_row_mult, lse_head_stride]
@@ -163,63 +163,47 @@ class _DensePlan:
     """A dense (not ragged) torch prefill of one shape class, bound once: a repeat call
     allocates ``o`` (and ``lse``) and writes eight addresses into a prepared launch."""
 
-    bound: Any  # kiln.runtime.launch.BoundLaunch
-    torch_dtype: Any
-    device: Any
+    bound: Any  # kiln.kernels.runtime.bind's launch
     lse_shape: tuple | None  # [B, Hq, Sq] with return_lse, else None
     no_lse: Any  # the one-element LSE the kernel without an LSE output is bound to
     fixed_sinks: Any  # zeros read by no kernel without sinks (kept alive with the plan)
     cu_pointers: tuple[int, int]  # device cu_seqlens of the dense batch (cached, never freed)
 
     def run(self, q, k, v, sinks):
-        import torch
-
-        o = torch.empty(q.shape, dtype=self.torch_dtype, device=self.device)
+        # q's new_empty skips parsing a device (and, for o, a dtype); no_lse is f32
+        o = q.new_empty(q.shape)
         lse = self.no_lse if self.lse_shape is None else \
-            torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+            q.new_empty(self.lse_shape, dtype=self.no_lse.dtype)
         self.bound(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                    (self.fixed_sinks if sinks is None else sinks).data_ptr(), *self.cu_pointers)
         return o if self.lse_shape is None else (o, lse)
 
 
-# Dense torch plans by (shapes, dtypes, devices, options); None marks a shape class that
-# always takes the general path (AMD targets, sinks that need converting).
-_PLANS: dict[tuple, _DensePlan | None] = {}
-
-
-def _dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, target, backend):
-    """The cached plan of a dense torch call, or None when the general path must run it."""
-    try:
-        key = (q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, q.device, k.device,
-               v.device, None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
-               causal, window, chunk, scale, return_lse, target, backend)
-        if key in _PLANS:
-            return _PLANS[key]
-    except (TypeError, AttributeError):  # unhashable (a list window) or not a tensor
-        return None
-    plan = _PLANS[key] = _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale,
-                                          return_lse, target, backend)
-    return plan
+# Dense torch plans by the tensors' specs and the options (see kiln.kernels.runtime); False
+# marks a shape class that always takes the general path (AMD targets, strided tensors, sinks
+# that need converting).
+_PLANS = PlanCache("prefill")
 
 
 def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, target,
-                     backend) -> _DensePlan | None:
+                     backend) -> _DensePlan | bool:
+    """The plan of a dense torch call, or False when the general path must run it."""
     import torch
-
 
     chip, shapes, mask, scale = _validate(q, k, v, None, None, sinks, causal, window, chunk,
                                           scale, target, backend)
-    if _without_work(q, k, shapes, False) or chip.is_amd or (
-            sinks is not None and (sinks.dtype != torch.float32 or sinks.device != q.device)):
-        return None  # the general path runs it (converting the sinks, or without a kernel)
+    if _without_work(q, k, shapes, False) or chip.is_amd or \
+            not runtime.bindable(q, k, v, sinks) or \
+            (sinks is not None and sinks.dtype != torch.float32):
+        return False  # the general path runs it (converting the sinks, or without a kernel)
     _require_wgmma(chip)
     kernel, args, grid, constexprs, num_warps = _operands(
         q.contiguous(), k.contiguous(), v.contiguous(), sinks, None, None, shapes, mask, scale,
         return_lse)
-    ck = kernel.compile(*args, target=chip.name, num_warps=num_warps, **constexprs)
+    bound = runtime.bind(kernel, grid, args, target=chip.name, num_warps=num_warps,
+                         **constexprs)
     lse_shape = (shapes["batch"], shapes["hq"], q.shape[1]) if return_lse else None
-    return _DensePlan(bound=bind_launch(ck, grid, args), torch_dtype=q.dtype, device=q.device,
-                      lse_shape=lse_shape, no_lse=args[4], fixed_sinks=args[5],
+    return _DensePlan(bound=bound, lse_shape=lse_shape, no_lse=args[4], fixed_sinks=args[5],
                       cu_pointers=(args[6].data_ptr(), args[7].data_ptr()))
 
 
@@ -272,7 +256,7 @@ def _check_inputs(q, k, v, cu_q, cu_k, sinks) -> dict:
             raise kiln.KilnValueError(f"q batch {q.shape[0]} != k batch {k.shape[0]}",
                                       fix="q, k and v need the same batch size")
         return shapes | dict(batch=q.shape[0])
-    cq, ck = (np.asarray(_numpy(x)).astype(np.int64) for x in (cu_q, cu_k))
+    cq, ck = (np.asarray(ArrayLib.numpy(x)).astype(np.int64) for x in (cu_q, cu_k))
     if cq.ndim != 1 or cq.shape != ck.shape or len(cq) < 1 or cq[0] != 0 or ck[0] != 0 \
             or np.any(np.diff(cq) < 0) or np.any(np.diff(ck) < 0) \
             or cq[-1] != q.shape[0] or ck[-1] != k.shape[0]:
@@ -299,7 +283,7 @@ def _outputs_without_work(q, shapes, sinks, ragged, return_lse):
     if sinks is not None:  # the sink is the row's only logit
         heads = [1] * len(lse_shape)
         heads[0 if ragged else 1] = hq
-        lse[...] = _float32(sinks, q).reshape(heads)
+        lse[...] = ArrayLib(q).asarray(sinks, kiln.f32).reshape(heads)
     return o, lse
 
 
@@ -344,52 +328,17 @@ def _dtype_name(dtype) -> str:
     return kiln.dtype(dtype).name
 
 
-def _contiguous(x):
-    return x.contiguous() if is_torch(x) else np.ascontiguousarray(x)
-
-
-def _numpy(x):
-    if is_torch(x):
-        name = _dtype_name(x.dtype)
-        return x.detach().cpu().float().numpy().astype(kiln.dtype(name).numpy) \
-            if name in SUPPORTED_DTYPES else x.detach().cpu().numpy()
-    return np.asarray(x)
-
 
 def _optional_numpy(x):
-    return None if x is None else _numpy(x)
+    return None if x is None else ArrayLib.numpy(x)
 
 
 def _outputs_like(template, out, return_lse):
     """Interpreter results (numpy) as tensors of ``template``'s kind and device."""
-    if not is_torch(template):
-        return out
-    return tuple(_like(template, x) for x in out) if return_lse else _like(template, out)
+    lib = ArrayLib(template)
+    return tuple(lib.like(x) for x in out) if return_lse else lib.like(out)
 
 
-def _like(template, array):
-    if is_torch(template):
-        import torch
-
-        return torch.from_numpy(np.asarray(array, np.float32)).to(
-            template.device, template.dtype if array.dtype != np.float32 else torch.float32)
-    return array
-
-
-def _int32(x, like):
-    if is_torch(like):
-        import torch
-
-        return torch.as_tensor(x, device=like.device).to(torch.int32).contiguous()
-    return np.ascontiguousarray(np.asarray(x), np.int32)
-
-
-def _float32(x, like):
-    if is_torch(like):
-        import torch
-
-        return torch.as_tensor(x, device=like.device).to(torch.float32).contiguous()
-    return np.ascontiguousarray(np.asarray(x), np.float32)
 
 
 def _arange_like(like, batch, length):

@@ -34,11 +34,11 @@ import numpy as np
 import kiln
 from kiln.autotune import autotune
 
-from ..inputs import Dims, check_backend, empty_like, is_torch, resolve_target
+from .. import runtime
+from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, contiguous, empty_like,
+                       is_torch, resolve_target, spec)
 from .grouped_api import compile_grouped_matmul, grouped_matmul
 from .hopper import OUT_DTYPES, SUPPORTED_DTYPES, HopperGemmConfig, make_kernel
-from kiln.interpreter import interpret_kernel
-from kiln.runtime import cuda
 
 __all__ = ["matmul", "compile_matmul", "grouped_matmul", "compile_grouped_matmul",
            "HopperGemmConfig", "HOPPER_CONFIGS"]
@@ -95,8 +95,52 @@ def matmul(a, b, *, trans_b=False, out_dtype=None, target=None, backend=None):
     Inputs are validated before anything compiles (a :class:`kiln.KilnError` naming the
     operand: kinds, ranks, dtypes, agreeing K). ``M`` or ``N`` of 0 gives an empty ``c``;
     ``K = 0`` gives zeros; neither launches a kernel.
+    With contiguous torch CUDA tensors whose K and N are multiples of 8, a repeat call of one
+    shape class is a plan look-up, one allocation and one bound launch of the tuned config.
     Example: ``c = matmul(torch.randn(1000, 512, dtype=torch.bfloat16, device="cuda"), w)``.
     """
+    key = (spec(a), spec(b), trans_b, out_dtype, target, backend)
+    plan = _PLANS.lookup(key)
+    if plan is not None:
+        c = a.new_empty(plan.shape, dtype=plan.out)
+        plan.bound(a.data_ptr(), b.data_ptr(), c.data_ptr())
+        return c
+    c = _matmul(a, b, trans_b, out_dtype, target, backend)
+    chip = resolve_target(target)
+    if backend != "interpret" and chip.has_wgmma and runtime.bindable(a, b) and c.numel() and \
+            a.shape[1] % STRIDE_ALIGN == 0 and c.shape[1] % STRIDE_ALIGN == 0:  # not padded
+        _PLANS.add(key, _bind(a, b, c, trans_b, chip.name))
+    return c
+
+
+# Bound torch plans by the operands' specs and the options (see kiln.kernels.runtime), made
+# after a shape class's first call, which tunes the config they bind.
+_PLANS = PlanCache("matmul")
+
+
+@dataclasses.dataclass(frozen=True)
+class _MatmulPlan:
+    bound: object  # kiln.kernels.runtime.bind's launch of the tuned config
+    shape: tuple[int, int]
+    out: object  # torch dtype of C
+
+
+def _bind(a, b, c, trans_b, target) -> _MatmulPlan:
+    """The plan of aligned contiguous torch operands: the config the first call tuned, bound
+    to its persistent grid."""
+    (m, k), n = a.shape, c.shape[1]
+    dtype, out, b_major = _dtype_name(a), _dtype_name(c), "k" if trans_b else "mn"
+    config = hopper_autotuner.best[hopper_autotuner.key_of(
+        (a, b, c, m, n, k, dtype, b_major, out, target), {})]
+    args = [a, b, c, m, n, k]
+    bound = runtime.bind(make_kernel(dtype, out, b_major, config),
+                         _hopper_grid(m, n, dtype, out, b_major, config), args, target=target,
+                         num_warps=config.num_warps, **_constexprs(config))
+    return _MatmulPlan(bound=bound, shape=(m, n), out=c.dtype)
+
+
+def _matmul(a, b, trans_b, out_dtype, target, backend):
+    """The general path of :func:`matmul`: checks, padding, tuning, launch or interpretation."""
     chip = resolve_target(target)
     dims = Dims()
     dims.tensor("a", a, "M K")
@@ -128,7 +172,7 @@ def matmul(a, b, *, trans_b=False, out_dtype=None, target=None, backend=None):
         _interpret(chip, a_in, b_in, c, trans_b)
     else:
         _run_tuned(a_in, b_in, c, m, np_, kp, "k" if trans_b else "mn", name, chip.name)
-    return c if np_ == n else _contiguous(c[:, :n])
+    return c if np_ == n else contiguous(c[:, :n])
 
 
 def _compile_hopper(config, a, b, c, m, n, k, dtype, b_major, out_dtype, target):
@@ -150,47 +194,49 @@ def _run_tuned(a, b, c, m, n, k, b_major, dtype, target):
 def run_hopper(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=None):
     """Launch the Hopper kernel of ``config`` on prepared (aligned, contiguous) operands over a
     persistent grid of one CTA per SM (at most one per output tile)."""
+    out = _dtype_name(c)
+    runtime.launch(make_kernel(dtype, out, b_major, config),
+                   _hopper_grid(m, n, dtype, out, b_major, config), (a, b, c, m, n, k),
+                   target=target, num_warps=config.num_warps, stream=stream,
+                   **_constexprs(config))
+
+
+def _hopper_grid(m, n, dtype, out, b_major, config) -> tuple[int, int, int]:
+    """One CTA per SM (per resident cluster), at most one per output tile."""
     pair = config.cluster_m  # CTAs of a cluster share each (pair) tile's B
     tiles = -(-m // (config.block_m * pair)) * -(-n // config.block_n)
-    resident = cuda.driver().multiprocessor_count() if pair == 1 else \
-        _resident_clusters(dtype, _dtype_name(c), b_major, config)
-    grid = (pair * max(1, min(tiles, resident)), 1, 1)
-    make_kernel(dtype, _dtype_name(c), b_major, config)[grid](
-        a, b, c, m, n, k, target=target, num_warps=config.num_warps, stream=stream,
-        **_constexprs(config))
+    resident = runtime.multiprocessor_count() if pair == 1 else \
+        _resident_clusters(dtype, out, b_major, config)
+    return pair * max(1, min(tiles, resident)), 1, 1
 
 
 @functools.lru_cache(maxsize=None)
 def _resident_clusters(dtype, out_dtype, b_major, config) -> int:
     """Clusters of ``config``'s kernel that fit on the GPU at once: a persistent grid larger
     than this would run its last clusters in a second wave."""
-    ck = compile_matmul(dtype, target="sm_90a", out_dtype=out_dtype, trans_b=b_major == "k",
-                        **dataclasses.asdict(config))
-    sig = ck.signature
-    return cuda.driver().max_active_clusters(ck.asm["cubin"], sig.name, sig.block, sig.cluster,
-                                        sig.dynamic_shared_bytes)
+    return runtime.max_active_clusters(compile_matmul(
+        dtype, target="sm_90a", out_dtype=out_dtype, trans_b=b_major == "k",
+        **dataclasses.asdict(config)))
 
 
 def _interpret(chip, a, b, c, trans_b):
-    to_numpy = [_numpy(x) for x in (a, b, c)]
+    to_numpy = [ArrayLib.numpy(x) for x in (a, b, c)]
     (m, k), n = to_numpy[0].shape, to_numpy[2].shape[1]
     args = (*to_numpy, m, n, k)
     if chip.is_amd:
         from kiln.kernels.gemm.gfx950 import GemmConfig, make_kernel as make_amd_kernel
 
         amd = GemmConfig(b_layout="nk" if trans_b else "kn", out_dtype=_dtype_name(c))
-        traced = make_amd_kernel(_dtype_name(a), amd).trace(*args, target=chip.name,
-                                                            num_warps=amd.num_warps)
+        kernel, options = make_amd_kernel(_dtype_name(a), amd), dict(num_warps=amd.num_warps)
         tiles = -(-m // amd.block_m) * -(-n // amd.block_n)
     else:
         cfg = HopperGemmConfig()
         kernel = make_kernel(_dtype_name(a), _dtype_name(c), "k" if trans_b else "mn", cfg)
-        traced = kernel.trace(*args, target=chip.name, num_warps=cfg.num_warps,
-                              **_constexprs(cfg))
+        options = dict(num_warps=cfg.num_warps, **_constexprs(cfg))
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    interpret_kernel(traced, (tiles, 1, 1), list(args), chip.name)
+    runtime.interpret(kernel, (tiles, 1, 1), list(args), target=chip.name, **options)
     if to_numpy[2] is not c:
-        c[...] = _like(c, to_numpy[2])
+        ArrayLib(c).copy_into(c, to_numpy[2])
 
 
 def _constexprs(cfg: HopperGemmConfig) -> dict:
@@ -232,25 +278,7 @@ def _empty_like(x, shape, dtype_name):
 def _padded(x, shape: tuple):
     """``x`` itself when already ``shape`` and contiguous, else a zero-padded copy."""
     if tuple(x.shape) == shape:
-        return _contiguous(x)
+        return contiguous(x)
     out = x.new_zeros(shape) if is_torch(x) else np.zeros(shape, x.dtype)
     out[tuple(slice(0, s) for s in x.shape)] = x
     return out
-
-
-def _contiguous(x):
-    return x.contiguous() if is_torch(x) else np.ascontiguousarray(x)
-
-
-def _numpy(x):
-    return x.cpu().float().numpy().astype(kiln.dtype(_dtype_name(x)).numpy) if is_torch(x) \
-        else x
-
-
-def _like(template, array):
-    if is_torch(template):
-        import torch
-
-        return torch.from_numpy(array.astype(np.float32)).to(template.device, template.dtype)
-    return array
-

@@ -8,12 +8,11 @@ import numpy as np
 
 import kiln
 
-from ..inputs import (Dims, check_backend, dtype_of, empty_like, is_torch, refuse_inside_capture,
-                      resolve_target)
+from .. import runtime
+from ..runtime import (ArrayLib, Dims, check_backend, contiguous, dtype_of, empty_like,
+                       is_torch, refuse_inside_capture, resolve_target)
 from .grouped import (MAX_GROUPS, grouped_config, grouped_constexprs, make_grouped_kernel,
                       table_size)
-from kiln.interpreter import interpret_kernel
-from kiln.runtime import cuda
 
 FP8_DTYPES = ("f8e4m3", "f8e5m2", "f8e4m3fn", "f8e4m3fnuz", "f8e5m2fnuz")
 FP8_UNSUPPORTED = "FP8 grouped GEMM is not supported yet"
@@ -71,7 +70,7 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
         offs = torch.tensor([0, 300, 300, 1024], dtype=torch.int32, device="cuda")
         c = grouped_matmul(tokens, expert_weights, offs)   # [1024, K] x [3, K, N] -> [1024, N]
     """
-    from . import (STRIDE_ALIGN, _contiguous, _empty_like, _output_dtype, _padded,
+    from . import (STRIDE_ALIGN, _empty_like, _output_dtype, _padded,
                    _round_up)
 
     chip = resolve_target(target)
@@ -124,7 +123,7 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
         b_rows = _round_up(k, BLOCK_K)
         b_in = _padded(b, (groups, b_rows, np_)).reshape(groups * b_rows, np_)
     a_in = _padded(a, (total_m, kp))
-    offsets = _contiguous(group_offsets)
+    offsets = contiguous(group_offsets)
     c = _empty_like(a, (total_m, np_), out)
     if backend == "interpret":
         _interpret(chip, name, out, trans_b, [a_in, b_in, c, offsets, groups, total_m, np_, k,
@@ -132,7 +131,7 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
     else:
         run_grouped(a_in, b_in, c, offsets, k=k, b_rows=b_rows, trans_b=trans_b,
                     target=chip.name)
-    return c if np_ == n else _contiguous(c[:, :n])
+    return c if np_ == n else contiguous(c[:, :n])
 
 
 def run_grouped(a, b, c, offsets, *, k, b_rows, trans_b, target="sm_90a", config=None,
@@ -145,14 +144,14 @@ def run_grouped(a, b, c, offsets, *, k, b_rows, trans_b, target="sm_90a", config
     trans_b=False)``."""
     groups = int(offsets.shape[0]) - 1
     (total_m, n), cfg = c.shape, config or grouped_config(groups)
-    grid = cuda.driver().multiprocessor_count()
+    grid = runtime.multiprocessor_count()
     if not is_torch(offsets):  # known tile count: no CTA without a tile
         grid = max(1, min(grid, grouped_tiles(offsets, n, cfg)))
     kernel = make_grouped_kernel(kiln.dtype(a.dtype).name, kiln.dtype(c.dtype).name,
                                  "k" if trans_b else "mn", cfg)
-    kernel[(grid, 1, 1)](a, b, c, c, offsets, groups, total_m, n, k, b_rows, target=target,
-                         num_warps=cfg.num_warps, stream=stream,
-                         **grouped_constexprs(cfg, groups))
+    runtime.launch(kernel, (grid, 1, 1), (a, b, c, c, offsets, groups, total_m, n, k, b_rows),
+                   target=target, num_warps=cfg.num_warps, stream=stream,
+                   **grouped_constexprs(cfg, groups))
 
 
 def check_group_offsets(offsets, total_m: int, *, validate: bool = False) -> None:
@@ -194,9 +193,7 @@ def _interpret(chip, name, out, trans_b, args) -> None:
     """Run the target's grouped kernel in the CPU interpreter on ``args`` (as for the GPU,
     without C's tensor map) with a grid of at most two CTAs: the persistent walk over several
     tiles and groups is what is tested."""
-    from . import _like, _numpy
-
-    host = [_numpy(x) if hasattr(x, "shape") else x for x in args]
+    host = [ArrayLib.numpy(x) if hasattr(x, "shape") else x for x in args]
     offsets, groups, n = host[3], host[4], host[6]
     if chip.is_amd:
         amd = _amd_config(trans_b, out)
@@ -210,10 +207,10 @@ def _interpret(chip, name, out, trans_b, args) -> None:
         num_warps, constexprs = cfg.num_warps, grouped_constexprs(cfg, groups)
         grid = max(1, min(2, grouped_tiles(offsets, n, cfg)))
         launch_args = host[:3] + host[2:]  # C as tensor map and as tensor: one array
-    traced = kernel.trace(*launch_args, target=chip.name, num_warps=num_warps, **constexprs)
-    interpret_kernel(traced, (grid, 1, 1), launch_args, chip.name)
+    runtime.interpret(kernel, (grid, 1, 1), launch_args, target=chip.name, num_warps=num_warps,
+                      **constexprs)
     if host[2] is not args[2]:
-        args[2][...] = _like(args[2], host[2])
+        ArrayLib(args[2]).copy_into(args[2], host[2])
 
 
 def _amd_config(trans_b: bool, out: str):

@@ -1,0 +1,532 @@
+"""The kernel library's runtime: what every entry point (``prefill``, ``decode``,
+``decode_attention``, ``combine``, ``matmul``, ``grouped_matmul``) shares between its checks
+and its kernel, so that a library kernel is device code, a config and a short entry point.
+
+- **Backends and targets**: ``backend=None`` or ``"cuda"`` runs on the CUDA GPU (``"gpu"`` is
+  the older spelling), ``"interpret"`` in Kiln's CPU interpreter (:func:`check_backend`);
+  ``target=None`` is Kiln's default chip (:func:`resolve_target`).
+- **Arrays**: numpy arrays, torch tensors and cupy arrays in, outputs of the caller's kind out
+  (:class:`ArrayLib`); device arrays are passed zero-copy by address (``data_ptr()``,
+  ``__cuda_array_interface__``), numpy arrays are copied to the device per launch.
+- **Plans**: each entry point keeps a :class:`PlanCache` keyed by a cheap tuple of its
+  tensors' :func:`spec` (shape, dtype, strides, device) and its options. A plan holds what a
+  shape class needs (kernel, grid, output shapes and, for contiguous device tensors, the
+  bound launch), so a repeat call is: build the key, one dict hit, allocate the outputs, call
+  the bound launch(es). Nothing walks the data at steady state (``validate=True`` does).
+- **Launches** go through the active :class:`CudaRuntime`: :func:`bind` (a bound launch, the
+  steady-state path), :func:`launch` (``kernel[grid]``: numpy and strided inputs),
+  :func:`multiprocessor_count`. :func:`use_runtime` swaps in another runtime:
+  :class:`DryRuntime` records instead of launching, which is how the tests and
+  ``bench/launch_overhead.py --host-only`` time the host path up to the driver call on a
+  machine without a GPU. :func:`interpret` runs a kernel in the CPU interpreter.
+- **CUDA graphs**: a bound launch reads the current stream and allocates only through torch's
+  stream-ordered allocator, so it can be captured; the checks that synchronise refuse to run
+  inside a capture (:func:`refuse_inside_capture`).
+- **Errors**: every check raises a :class:`kiln.KilnError` subclass that names the argument,
+  what it expected and what it got, at the caller's line (the library's frames count as
+  Kiln's own, see :func:`kiln.core.errors.caller_location`). Shapes are checked by *named
+  dimensions*: the first argument that has a dimension binds its size, later ones must
+  agree::
+
+    dims = Dims()
+    dims.tensor("q", q, "B Sq Hq D", dtype=kiln.bf16)
+    dims.tensor("k_cache", k_cache, "num_pages page_size Hkv D", dtype=kiln.bf16)
+    # KilnValueError: k_cache's D is 64, but q's D is 128
+
+  Values (page ids, sequence lengths) are checked by :func:`check_paged_lengths`: always for
+  numpy inputs; for torch CUDA tensors with ``validate=True`` by a device-side reduction and
+  one synchronisation (see ``docs/kernels.md``, "Inputs and validation").
+
+This module is the library's one import of Kiln's runtime layer (launcher, driver).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+from typing import Any, Iterator
+
+import numpy as np
+
+import kiln
+from kiln.arrays import is_torch_tensor as is_torch
+from kiln.core.targets import get_target
+from kiln.kernel import default_target
+from kiln.runtime.cuda import driver
+from kiln.runtime.launch import bind_launch
+
+BACKENDS = (None, "cuda", "gpu", "interpret")
+
+
+def dtype_of(name: str, x: Any) -> kiln.DType:
+    """``x``'s element type as a Kiln dtype (KilnTypeError for an array of another kind)."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise kiln.KilnTypeError(f"{name} must be a numpy array or a torch tensor, got "
+                                 f"{type(x).__name__}", fix=f"pass {name} as an array")
+    try:
+        return kiln.dtype(x.dtype)
+    except (TypeError, ValueError, KeyError):
+        raise kiln.KilnTypeError(f"{name} has dtype {x.dtype}, which Kiln does not know",
+                                 fix=f"convert {name} to a supported dtype") from None
+
+
+class Dims:
+    """Named dimension sizes bound by the arguments of one call (see the module docs)."""
+
+    def __init__(self):
+        self.sizes: dict[str, int] = {}
+        self.bound_by: dict[str, str] = {}
+
+    def tensor(self, name: str, x: Any, dims: str, *, dtype: kiln.DType | None = None
+               ) -> tuple[int, ...]:
+        """Check ``x``'s kind, its rank against ``dims`` (space-separated dimension names),
+        each size against the argument that bound that name first, and its dtype. Returns the
+        shape as ints."""
+        got = dtype_of(name, x)
+        names = dims.split()
+        shape = tuple(int(d) for d in x.shape)
+        if len(shape) != len(names):
+            raise kiln.KilnValueError(f"{name} must be [{', '.join(names)}] (rank {len(names)}),"
+                                      f" got shape {shape}", fix=f"reshape {name}")
+        for dim, size in zip(names, shape):
+            if dim not in self.sizes:
+                self.sizes[dim], self.bound_by[dim] = size, name
+            elif self.sizes[dim] != size:
+                first = self.bound_by[dim]
+                raise kiln.KilnValueError(f"{name}'s {dim} is {size}, but {first}'s {dim} is "
+                                          f"{self.sizes[dim]}",
+                                          fix=f"give {name} and {first} the same {dim}")
+        if dtype is not None and got is not dtype:
+            raise kiln.KilnTypeError(f"{name} must be {dtype}, got {got}",
+                                     fix=f"convert {name} to {dtype}")
+        return shape
+
+    def __getitem__(self, dim: str) -> int:
+        return self.sizes[dim]
+
+
+def check_positive(name: str, value: Any, *, integer: bool = False, fix: str) -> None:
+    """``value`` must be a positive (int, with ``integer``) number; bools are not numbers."""
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+        what = " (an int)" if integer else ""
+        raise kiln.KilnValueError(f"{name}={value!r} must be positive{what}", fix=fix)
+
+
+def check_backend(backend: Any, allowed: tuple = BACKENDS) -> None:
+    """``backend`` must be one of ``allowed`` (an entry point without a GPU-only kernel may
+    allow fewer)."""
+    if backend not in allowed:
+        raise kiln.KilnValueError(f"backend={backend!r} is not one of "
+                                  f"{', '.join(map(repr, allowed))}",
+                                  fix="leave backend=None to run on the GPU")
+
+
+def check_heads(hq: int, hkv: int, *, q_name: str, kv_name: str,
+                error: type = kiln.KilnValueError) -> None:
+    """At least one KV head, and ``Hq`` a multiple of ``Hkv`` (MHA, GQA, MQA); ``error`` is
+    the class an entry point documented for this mistake."""
+    if hkv < 1:
+        raise kiln.KilnValueError(f"{kv_name} has Hkv={hkv} heads; attention needs at least one",
+                                  fix=f"pass {kv_name} with its KV heads")
+    if hq % hkv:
+        raise error(f"{q_name}'s Hq={hq} heads are not a multiple of Hkv={hkv} ({kv_name}'s)",
+                    fix="use Hq = group * Hkv (MHA, GQA or MQA)")
+
+
+def resolve_target(target):
+    """The chip ``target`` names; only None means Kiln's default target ("" is an error)."""
+    return get_target(default_target() if target is None else target)
+
+
+def refuse_inside_capture(what: str) -> None:
+    """A ``validate=True`` check of device tensors synchronises, which a CUDA graph capture
+    cannot contain: refuse it there rather than skip it silently."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise kiln.KilnValueError(
+            f"{what} of device tensors are checked with a synchronisation, which a CUDA graph "
+            "capture cannot contain",
+            fix="check them with validate=True before capturing, not inside the graph")
+
+
+def check_paged_lengths(page_table, seq_lens, *, num_pages: int, page_size: int,
+                        validate: bool = False) -> None:
+    """Every ``seq_lens[b]`` in ``[0, max_pages * page_size]`` and every page id a sequence
+    uses (``page_table[b, :ceil(seq_lens[b] / page_size)]``) in ``[0, num_pages)``.
+
+    numpy inputs are always checked, whatever ``validate`` says (the check costs little beside
+    a copy to the device or the interpreter). torch tensors only with ``validate=True``: one
+    device-side reduction and one synchronisation, then a CPU copy only to name the first bad
+    entry. Unchecked (the default, which keeps a call free of synchronisation and capturable
+    in a CUDA graph) a bad id poisons its rows with NaN in the kernel (decode's V tensor map
+    fills out-of-bounds boxes with NaN).
+    """
+    if not is_torch(page_table) and not is_torch(seq_lens):
+        _check_paged_numpy(np.asarray(page_table), np.asarray(seq_lens), num_pages, page_size)
+        return
+    if not validate:
+        return
+    import torch
+
+    refuse_inside_capture("page ids and seq_lens")
+    lens = seq_lens.to(torch.int64)
+    width = page_table.shape[1]
+    used = torch.arange(width, device=page_table.device)[None, :] < \
+        ((lens + page_size - 1) // page_size)[:, None]
+    bad = (used & ((page_table < 0) | (page_table >= num_pages))).any() | \
+        ((lens < 0) | (lens > width * page_size)).any()
+    if bool(bad):  # the one synchronisation
+        _check_paged_numpy(page_table.cpu().numpy(), seq_lens.cpu().numpy(), num_pages,
+                           page_size)
+
+
+def _check_paged_numpy(page_table: np.ndarray, seq_lens: np.ndarray, num_pages: int,
+                       page_size: int) -> None:
+    width = page_table.shape[1]
+    lens = seq_lens.astype(np.int64)
+    for b in np.flatnonzero((lens < 0) | (lens > width * page_size))[:1]:
+        raise kiln.KilnValueError(
+            f"seq_lens[{b}] = {lens[b]} is outside [0, {width * page_size}] (page_table holds "
+            f"{width} pages of {page_size} keys a sequence)",
+            fix="pass each sequence's key count, at most page_table.shape[1] * page_size")
+    used = np.arange(width)[None, :] < ((lens + page_size - 1) // page_size)[:, None]
+    bad = used & ((page_table < 0) | (page_table >= num_pages))
+    if bad.any():
+        b, p = (int(i) for i in np.argwhere(bad)[0])
+        raise kiln.KilnValueError(
+            f"page_table[{b}, {p}] = {page_table[b, p]} is not a page of the cache (ids "
+            f"0..{num_pages - 1}; sequence {b} of {lens[b]} keys uses its first "
+            f"{-(-lens[b] // page_size)} entries)",
+            fix="map every page a sequence uses to a cache page; entries past it are not read")
+
+
+def check_counts(name: str, counts, *, slots: int) -> None:
+    """Every entry of a numpy ``counts`` array in ``[0, slots]`` (device arrays: not read)."""
+    if is_torch(counts):
+        return
+    counts = np.asarray(counts)
+    bad = (counts < 0) | (counts > slots)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise kiln.KilnValueError(f"{name}{list(index)} = {counts[index]} is outside "
+                                  f"[0, {slots}] (the partials hold {slots} split slots)",
+                                  fix=f"count only the filled slots of each row, at most {slots}")
+
+
+def empty_like(like, shape: tuple, dtype: kiln.DType, fill: float | None = None):
+    """A new array of ``like``'s kind (numpy, torch on its device, cupy), filled if asked."""
+    return ArrayLib(like).empty(shape, dtype, fill)
+
+
+# --- arrays ---------------------------------------------------------------------------------
+
+_TORCH_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "i32": "int32",
+                 "i64": "int64", "i16": "int16", "i8": "int8"}
+
+
+def is_cupy(x: Any) -> bool:
+    return type(x).__module__.startswith("cupy")
+
+
+class ArrayLib:
+    """Allocation and conversion in the caller's array library: numpy, torch on ``like``'s
+    device, or cupy on its current device.
+
+    Example: ``ArrayLib(q).empty((2, 3), kiln.f32)`` is a torch tensor on q's device for a
+    torch ``q`` and a numpy array for a numpy one."""
+
+    def __init__(self, like):
+        self.torch = is_torch(like)
+        self.cupy = not self.torch and is_cupy(like)
+        self.device = like.device if self.torch else None
+
+    def empty(self, shape, dtype, fill=None):
+        """A new ``dtype`` array of ``shape`` (uninitialised unless ``fill``)."""
+        name = kiln.dtype(dtype).name
+        if self.torch:
+            import torch
+
+            torch_dtype = getattr(torch, _TORCH_DTYPES[name])
+            if fill is None:
+                return torch.empty(shape, dtype=torch_dtype, device=self.device)
+            return torch.full(shape, fill, dtype=torch_dtype, device=self.device)
+        if self.cupy:
+            import cupy
+
+            if name == "bf16":
+                raise kiln.KilnTypeError("cupy has no bfloat16 arrays for this output",
+                                         fix="pass torch tensors (or numpy arrays) instead")
+            numpy_dtype = kiln.dtype(name).numpy
+            return cupy.empty(shape, numpy_dtype) if fill is None else \
+                cupy.full(shape, fill, numpy_dtype)
+        if fill is None:
+            return np.empty(shape, kiln.dtype(name).numpy)
+        return np.full(shape, fill, kiln.dtype(name).numpy)
+
+    def full(self, shape, value, dtype):
+        return self.empty(shape, dtype, fill=value)
+
+    def asarray(self, x, dtype):
+        """``x`` (an array or a sequence) as a contiguous ``dtype`` array of this library."""
+        name = kiln.dtype(dtype).name
+        if self.torch:
+            import torch
+
+            return torch.as_tensor(x, device=self.device).to(
+                getattr(torch, _TORCH_DTYPES[name])).contiguous()
+        return np.ascontiguousarray(self.numpy(x), kiln.dtype(name).numpy)
+
+    @staticmethod
+    def numpy(x):
+        """A host numpy copy of ``x`` (bf16 bits kept exactly); numpy arrays and scalars as
+        they are, sequences as numpy arrays."""
+        if is_torch(x):
+            import torch
+
+            x = x.detach().cpu()
+            if x.dtype == torch.bfloat16:
+                return x.view(torch.int16).numpy().view(kiln.bf16.numpy)
+            return x.numpy()
+        if is_cupy(x):
+            return x.get()
+        return x if isinstance(x, numbers.Number) else np.asarray(x)
+
+    def like(self, array: np.ndarray):
+        """A numpy result as an array of this library (on its device)."""
+        if self.torch:
+            import torch
+
+            array = np.ascontiguousarray(array)
+            if array.dtype == kiln.bf16.numpy:
+                return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16).to(
+                    self.device)
+            return torch.from_numpy(array).to(self.device)
+        if self.cupy:
+            import cupy
+
+            return cupy.asarray(array)
+        return array
+
+    def copy_into(self, template, array: np.ndarray):
+        """Write a numpy result into ``template`` (an array of this library) and return it."""
+        if self.torch or self.cupy:
+            template[...] = self.like(array)
+        else:
+            template[...] = array
+        return template
+
+
+def contiguous(x):
+    """``x`` itself when contiguous, else a contiguous copy of the same kind."""
+    return x.contiguous() if is_torch(x) else np.ascontiguousarray(x)
+
+
+def spec(x) -> Any:
+    """The part of a plan key that one argument contributes: for an array its type, shape,
+    dtype, element strides and device (about 0.3 µs for a torch tensor); other values as
+    they are (an unhashable one makes the key unhashable: the call is planned afresh)."""
+    if x is None:  # an optional input left out
+        return None
+    kind = _KINDS.get(type(x))
+    if kind is None:
+        kind = _KINDS[type(x)] = _kind_of(x)
+    if kind == "torch":
+        return x.shape, x.dtype, x.stride(), x.get_device()
+    if kind == "numpy":
+        return np.ndarray, x.shape, x.dtype, x.strides
+    if kind == "cupy":
+        return type(x), x.shape, x.dtype, x.strides, x.device.id
+    return x
+
+
+_KINDS: dict[type, str] = {}  # the array library of each argument type seen, for spec
+
+
+def _kind_of(x) -> str:
+    if is_torch(x):
+        return "torch"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    return "cupy" if is_cupy(x) else "other"
+
+
+def bindable(*tensors) -> bool:
+    """Whether a plan for these arguments may use a bound launch: each (None entries are
+    features not used) a contiguous torch tensor on one device of the runtime's device type.
+    A plan decides this once: its key holds every tensor's strides and device."""
+    present = [t for t in tensors if t is not None]
+    if not present or not all(is_torch(t) for t in present):
+        return False
+    device = present[0].device
+    return device.type == _ACTIVE[0].device_type and all(
+        t.device == device and t.is_contiguous() for t in present)
+
+
+# --- plans ----------------------------------------------------------------------------------
+
+_CACHES: list["PlanCache"] = []
+
+
+class PlanCache(dict):
+    """One entry point's plans by key (see the module docs). ``builds`` counts the plans
+    made, so a test can tell a repeat call (a hit) from a re-plan.
+
+    Example::
+
+        plan = PLANS.lookup(key)
+        if plan is None:
+            plan = PLANS.add(key, make_plan(...))
+    """
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        self.builds = 0
+        _CACHES.append(self)
+
+    def lookup(self, key):
+        """The plan stored under ``key``, or None (also for an unhashable key)."""
+        try:
+            return self.get(key)
+        except TypeError:  # an unhashable option (a list window): planned per call
+            return None
+
+    def add(self, key, plan):
+        """Store ``plan`` under ``key`` (unless the key is unhashable) and return it."""
+        self.builds += 1
+        with contextlib.suppress(TypeError):
+            self[key] = plan
+        return plan
+
+
+def clear_plans() -> None:
+    """Forget every entry point's plans (they hold bound launches of the runtime that made
+    them)."""
+    for cache in _CACHES:
+        cache.clear()
+
+
+# --- launches -------------------------------------------------------------------------------
+
+class CudaRuntime:
+    """Launches on the CUDA GPU through Kiln's launcher: the runtime of every entry point
+    unless :func:`use_runtime` put another in (a test double with the same methods)."""
+
+    device_type = "cuda"  # torch tensors on devices of this type may take a bound launch
+
+    def bind(self, kernel, grid, args, **options):
+        """``kernel`` compiled for ``args`` and bound to ``grid``: a callable taking one device
+        address per tensor (see :func:`kiln.runtime.launch.bind_launch`)."""
+        return bind_launch(kernel.compile(*args, **options), grid, args)
+
+    def launch(self, kernel, grid, args, **options) -> None:
+        """``kernel[grid](*args, **options)``: numpy arrays (copied) and strided tensors."""
+        kernel[grid](*args, **options)
+
+    def multiprocessor_count(self) -> int:
+        return driver().multiprocessor_count()
+
+    def max_active_clusters(self, ck) -> int:
+        """Clusters of the compiled kernel ``ck`` resident on the GPU at once."""
+        sig = ck.signature
+        return driver().max_active_clusters(ck.asm["cubin"], sig.name, sig.block, sig.cluster,
+                                            sig.dynamic_shared_bytes)
+
+
+class DryRuntime:
+    """A runtime that compiles and launches nothing and records what it was asked: for
+    tests, and for timing an entry point's host path up to the driver call on a machine
+    without a GPU (``bench/launch_overhead.py --host-only``). Its ``device_type`` ("cpu")
+    lets torch CPU tensors take the bound-launch path.
+
+    Example::
+
+        with use_runtime(DryRuntime()) as dry:
+            combine(o_partial, lse_partial, counts)     # torch CPU tensors
+        assert dry.bound_calls == 1 and len(dry.binds) == 1
+    """
+
+    device_type = "cpu"
+
+    def __init__(self, sms: int = 132):
+        self.sms = sms
+        self.binds: list = []  # (kernel, grid, options) per bound launch made
+        self.launches: list = []  # (kernel, grid, options) per general launch
+        self.bound_calls = 0
+
+    def bind(self, kernel, grid, args, **options):
+        self.binds.append((kernel, grid, options))
+        return _DryBound(self)
+
+    def launch(self, kernel, grid, args, **options) -> None:
+        self.launches.append((kernel, grid, options))
+
+    def multiprocessor_count(self) -> int:
+        return self.sms
+
+    def max_active_clusters(self, ck) -> int:
+        return self.sms // 2
+
+
+class _DryBound:
+    """A bound launch of :class:`DryRuntime`: counts its calls."""
+
+    def __init__(self, owner: DryRuntime):
+        self._owner = owner
+
+    def __call__(self, *pointers: int, stream=None) -> None:
+        self._owner.bound_calls += 1
+
+    def current_stream(self) -> None:
+        return None
+
+
+_ACTIVE: list = [CudaRuntime()]
+
+
+@contextlib.contextmanager
+def use_runtime(runtime) -> Iterator:
+    """Run the library's launches on ``runtime`` (an object with :class:`CudaRuntime`'s
+    methods and ``device_type``) inside the ``with`` block. Plans are dropped on entry and on
+    exit: they hold bound launches of the runtime that made them.
+
+    Example::
+
+        with use_runtime(DryRuntime()) as dry:
+            decode_attention(q, k_cache, v_cache, page_table, seq_lens)
+        assert dry.launches or dry.bound_calls
+    """
+    previous = _ACTIVE[0]
+    clear_plans()
+    _ACTIVE[0] = runtime
+    try:
+        yield runtime
+    finally:
+        clear_plans()
+        _ACTIVE[0] = previous
+
+
+def bind(kernel, grid, args, **options):
+    """The active runtime's bound launch of ``kernel`` (see :meth:`CudaRuntime.bind`)."""
+    return _ACTIVE[0].bind(kernel, grid, args, **options)
+
+
+def launch(kernel, grid, args, **options) -> None:
+    """Launch ``kernel`` on the active runtime (see :meth:`CudaRuntime.launch`)."""
+    _ACTIVE[0].launch(kernel, grid, args, **options)
+
+
+def multiprocessor_count() -> int:
+    """SMs of the GPU the active runtime launches on."""
+    return _ACTIVE[0].multiprocessor_count()
+
+
+def max_active_clusters(ck) -> int:
+    return _ACTIVE[0].max_active_clusters(ck)
+
+
+def interpret(kernel, grid, args, **options) -> None:
+    """Run ``kernel`` in Kiln's CPU interpreter on numpy ``args`` (written in place)."""
+    kernel.interpret[grid](*args, **options)
