@@ -43,13 +43,13 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import gpu, llvm
 
-from . import ast_rewrite, builder, threads
+from . import ast_rewrite, builder, env, threads
 from . import dtypes as dt
 from .annotations import Param, TensorMapSpec, classify, resolve_annotation
-from .errors import (CompilationError, KilnTypeError, SourceLoc,
+from .errors import (CompilationError, KilnError, KilnTypeError, SourceLoc,
                      source_loc_from_mlir, trace_location, user_facing)
-from .fingerprint import EXACT_KEY_TYPES, constexpr_key, keyword_key_part, typed_key
-from .launch_args import normalize_grid
+from .fingerprint import EXACT_KEY_TYPES, keyword_key_part, typed_key
+from .launch_args import launch_key_part, normalize_grid
 from .lowering_bridge import cache_key, lowering_signature, tensor_arg_spec
 from .tensor import TensorRef, memref_type
 from .values import Value
@@ -345,33 +345,54 @@ class JITKernel:
         """``kernel[grid](*args, **constexprs_and_options)`` launches (see module docs)."""
         return functools.partial(self._launch, grid)
 
-    @user_facing
     def _launch(self, grid, *args, stream=None, **kwargs):
-        # The hot path of a repeat launch: one dict lookup on a cheap key (dtype/rank/contiguity
-        # of arrays, Python scalar types, typed positional constexprs, keyword values and their
-        # types); the full specialisation is computed once per distinct key.
+        # The hot path of a repeat launch: one dict lookup on a cheap key (kind/dtype/rank/
+        # contiguity of arrays, Python scalar types, typed positional constexprs, keyword values
+        # and their types), then the launcher generated for that specialisation; the full
+        # specialisation is computed once per distinct key.
+        # @user_facing, inlined: its wrapper would cost every launch one more call.
         try:
-            positional = tuple(map(_launch_key_part, args, self._constexpr_flags))
+            positional = self._positional_key(args, kwargs)
+            try:
+                key = (positional, len(args), tuple(kwargs.items()),
+                       tuple(map(type, kwargs.values())), _default_target)
+                entry = self._launches.get(key)
+            except TypeError:  # an unhashable keyword value (an array): the typed key only
+                key, entry = None, None
+            if entry is None:
+                entry = self._launch_entry(key, positional, args, kwargs)
+            if entry.fast:
+                entry.fast(grid(entry.meta) if callable(grid) else grid, args, stream)
+            else:
+                self._launch_checked(entry, grid, args, kwargs, stream)
+        except KilnError as err:
+            if env.show_stacktrace():
+                raise
+            raise err.with_traceback(None) from None
+
+    def _positional_key(self, args: tuple, kwargs: dict) -> tuple:
+        try:
+            return tuple(map(launch_key_part, args, self._constexpr_flags))
         except KilnTypeError:  # a constexpr with no sound key: say which one
             self.specialize(args, {k: v for k, v in kwargs.items() if k not in OPTION_NAMES})
             raise
-        try:
-            key = (positional, len(args), tuple(kwargs.items()),
-                   tuple(map(type, kwargs.values())), _default_target)
-            entry = self._launches.get(key)
-        except TypeError:  # an unhashable keyword value (an array): the typed key only
-            key, entry = None, None
-        if entry is None:
-            entry = self._launch_entry(key, positional, args, kwargs)
-        ck, meta, by_position = entry
-        if by_position:
+
+    def _launch_checked(self, entry: "_LaunchEntry", grid, args: tuple, kwargs: dict,
+                        stream) -> None:
+        """A launch through ``CompiledKernel.launch``, which checks every argument; the first
+        one of an entry then asks the kernel for a launcher generated for these kinds of
+        arguments (``entry.fast``)."""
+        if entry.by_position:
             runtime = [args[i] for i in self._runtime_idx]
         else:
             values = self._bind(args, {k: v for k, v in kwargs.items() if k not in OPTION_NAMES})
             runtime = [values[i] for i in self._runtime_idx]
         if callable(grid):
-            grid = grid(meta)
-        ck.launch(normalize_grid(grid), runtime, stream=stream)
+            grid = grid(entry.meta)
+        entry.ck.launch(normalize_grid(grid), runtime, stream=stream)
+        if entry.fast is None:
+            make = getattr(entry.ck, "specialized_launcher", None) if entry.by_position else None
+            entry.fast = (make and make(args, self._runtime_idx)) or False
 
     def _launch_entry(self, fast_key, positional, args: tuple, kwargs: dict) -> tuple:
         """A launch's entry by the typed key of its keyword values. It is also kept under the
@@ -385,7 +406,8 @@ class JITKernel:
             raise
         entry = self._launches.get(typed)
         if entry is None:
-            entry = self._launches[typed] = self._prepare_launch(args, dict(kwargs))
+            entry = self._launches[typed] = _LaunchEntry(*self._prepare_launch(args,
+                                                                              dict(kwargs)))
         # A NaN is never == another NaN object: each launch would add one more fast key.
         if fast_key is not None and all(type(v) in EXACT_KEY_TYPES
                                         or (type(v) is float and v and v == v)
@@ -413,6 +435,17 @@ class JITKernel:
         meta.update(num_warps=ck.options.num_warps, num_threads=ck.options.block_size)
         by_position = all(i < len(args) for i in self._runtime_idx)
         return ck, meta, by_position
+
+
+class _LaunchEntry:
+    """One launch specialisation of a JITKernel: the compiled kernel, the grid callable's
+    ``meta``, whether every run-time argument is positional, and ``fast``, the launcher
+    generated after its first launch (None before it, False when there is none)."""
+
+    __slots__ = ("ck", "meta", "by_position", "fast")
+
+    def __init__(self, ck, meta: dict, by_position: bool):
+        self.ck, self.meta, self.by_position, self.fast = ck, meta, by_position, None
 
 
 class _Interpreted:
@@ -450,26 +483,6 @@ class _Interpreted:
             meta = {p.name: v for p, v in zip(k.params, values) if p.kind == "constexpr"}
             grid = grid(dict(meta, num_warps=num_warps, num_threads=num_warps * chip.warp_size))
         interpret_kernel(traced, grid, [values[i] for i in k._runtime_idx], chip)
-
-
-def _launch_key_part(a: Any, is_constexpr: bool) -> Any:
-    if is_constexpr:
-        return constexpr_key(a)
-    kind = type(a)
-    if kind is np.ndarray:
-        return (a.dtype, a.ndim, a.ndim == 0 or a.strides[-1] == a.itemsize or a.shape[-1] <= 1)
-    if kind is int or kind is float or kind is bool:
-        return kind
-    if hasattr(a, "data_ptr") and hasattr(a, "stride"):  # torch tensor: not keyed by identity
-        return (a.dtype, a.dim(), a.dim() == 0 or a.stride(-1) == 1 or a.shape[-1] <= 1)
-    if hasattr(a, "__cuda_array_interface__"):
-        from kiln.lowering.arrays import describe_array
-
-        info = describe_array(a)
-        return (info.dtype, info.rank, info.contiguous_last)
-    if isinstance(a, np.generic):
-        return a.dtype
-    return kind  # anything else is rejected (or accepted) by the full specialisation
 
 
 def _verify(module: ir.Module, name: str) -> None:

@@ -77,6 +77,13 @@ class CompiledKernel:
 
         launch(self, grid, args, stream=stream)
 
+    def specialized_launcher(self, args: Sequence, positions: Sequence[int]):
+        """After a launch: a faster launcher for arguments of the kinds of ``args`` (see
+        :mod:`kiln.lowering.launch_fast`), or None when there is none."""
+        from kiln.lowering.launch_fast import specialized_launcher
+
+        return specialized_launcher(self, args, positions)
+
     def dump_stages(self) -> None:
         """Write every stage under ``KILN_DUMP_DIR`` unless this kernel already did (a cache hit
         runs no stage, so this is where its stages get dumped)."""
