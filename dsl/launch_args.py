@@ -130,9 +130,11 @@ def _key_part_of_type(kind: type) -> Callable[[Any], Any]:
 
 
 def _instance_key_part(a: Any) -> Any:
-    """The key part of a value whose type says nothing (an instance may carry its own
-    ``__cuda_array_interface__``); anything else is rejected or accepted by the full
-    specialisation."""
+    """The key part of a value whose type does not say it is an array (an instance may carry
+    its own attributes); anything else is rejected or accepted by the full specialisation."""
+    if hasattr(a, "data_ptr") and hasattr(a, "stride"):
+        return (type(a), a.dtype, a.dim(), getattr(a, "is_cuda", None),
+                a.dim() == 0 or a.stride(-1) == 1 or a.shape[-1] <= 1)
     if hasattr(a, "__cuda_array_interface__") or hasattr(a, "__dlpack__"):
         from kiln.lowering.arrays import describe_array
 

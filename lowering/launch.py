@@ -5,7 +5,8 @@ order (constexprs already removed):
 
 - numpy arrays are copied to the device, the kernel runs, the stream is synchronised and every
   writeable array is copied back (convenient, slow);
-- torch / cupy CUDA tensors are passed zero-copy and the launch is asynchronous;
+- torch / cupy CUDA tensors and other device arrays (``__cuda_array_interface__``, DLPack's
+  ``__dlpack__``, e.g. JAX) are passed zero-copy and the launch is asynchronous;
 - Python / numpy scalars are passed by value (f16/bf16/fp8 as bit patterns);
 - a :class:`~kiln.lowering.signature.TensorMapParam` takes the tensor itself: the 128-byte TMA
   descriptor is encoded on the host, copied to device memory and cached per
@@ -486,10 +487,14 @@ def _device_view(param, value, staging) -> tuple[int, tuple[int, ...], tuple[int
                                 fix="move it to the GPU (.cuda()) or pass tensor.numpy()")
         _check_tensor(param, value.dim(), _dtype_name(value.dtype))
         return value.data_ptr(), tuple(value.shape), tuple(value.stride())
-    if not hasattr(value, "__cuda_array_interface__"):
+    if not (hasattr(value, "__cuda_array_interface__") or hasattr(value, "__dlpack__")):
         raise KilnTypeError(f"argument {param.name!r} must be a tensor, got {type(value).__name__}",
-                            fix="pass a numpy array or a torch/cupy CUDA tensor")
+                            fix="pass a numpy array or a torch/cupy/JAX device array")
     info = describe_array(value)
+    if not info.on_device:
+        raise KilnTypeError(f"argument {param.name!r} is a {type(value).__name__} in host memory",
+                            fix="pass np.asarray(x) (copied to the device per launch) or a "
+                                "device array")
     _check_tensor(param, info.rank, info.dtype.name)
     return info.data_ptr, info.shape, info.strides
 

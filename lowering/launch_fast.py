@@ -94,7 +94,9 @@ def specialized_launcher(ck, args: Sequence, positions: Sequence[int]
         *(["    after_launch()"] if plan.after_launch is not None else []),
     ])
     exec(compile(source, f"<kiln launcher of {ck.name}>", "exec"), namespace)
-    return namespace["launch"]
+    # Out of its own globals: a cycle would keep the plan (and its loaded module) alive until
+    # the cyclic collector, which may tear the launcher down in any order.
+    return namespace.pop("launch")
 
 
 def _fields(i: int, param, value, plan, namespace: dict, pointers: list) -> str:
