@@ -48,8 +48,9 @@ from . import dtypes as dt
 from .annotations import Param, TensorMapSpec, classify, resolve_annotation
 from .errors import (CompilationError, KilnError, KilnTypeError, SourceLoc,
                      source_loc_from_mlir, trace_location, user_facing)
-from .fingerprint import EXACT_KEY_TYPES, keyword_key_part, typed_key
-from .launch_args import launch_key_part, normalize_grid
+from .fingerprint import keyword_key_part, typed_key
+from .launch_args import normalize_grid
+from .launch_key import exact_keywords, launch_guard, launch_key_part
 from .lowering_bridge import cache_key, lowering_signature, tensor_arg_spec
 from .tensor import TensorRef, memref_type
 from .values import Value
@@ -141,7 +142,8 @@ class JITKernel:
         self._constexpr_flags = tuple(p.kind == "constexpr" for p in self.params)
         self._compiled: dict[tuple, Any] = {}  # (arg specs, options) -> CompiledKernel
         # cheap launch key -> (CompiledKernel, grid meta, runtime args all positional)
-        self._launches: dict[tuple, tuple] = {}
+        self._launches: dict[tuple, _LaunchEntry] = {}
+        self._last_launch: _LaunchEntry | None = None  # tried first, by its guard
         self._interpret_traces: dict[tuple, TracedKernel] = {}
 
     def __repr__(self):
@@ -352,6 +354,10 @@ class JITKernel:
         # specialisation is computed once per distinct key.
         # @user_facing, inlined: its wrapper would cost every launch one more call.
         try:
+            last = self._last_launch
+            if last is not None and last.target == _default_target and last.guard(args, kwargs):
+                last.fast(grid(last.meta) if callable(grid) else grid, args, stream)
+                return
             positional = self._positional_key(args, kwargs)
             try:
                 key = (positional, len(args), tuple(kwargs.items()),
@@ -363,6 +369,10 @@ class JITKernel:
                 entry = self._launch_entry(key, positional, args, kwargs)
             if entry.fast:
                 entry.fast(grid(entry.meta) if callable(grid) else grid, args, stream)
+                if entry.guard is None:
+                    entry.guard = launch_guard(args, kwargs, self._constexpr_flags) or False
+                if entry.guard:
+                    self._last_launch = entry
             else:
                 self._launch_checked(entry, grid, args, kwargs, stream)
         except KilnError as err:
@@ -408,10 +418,9 @@ class JITKernel:
         if entry is None:
             entry = self._launches[typed] = _LaunchEntry(*self._prepare_launch(args,
                                                                               dict(kwargs)))
+            entry.target = _default_target
         # A NaN is never == another NaN object: each launch would add one more fast key.
-        if fast_key is not None and all(type(v) in EXACT_KEY_TYPES
-                                        or (type(v) is float and v and v == v)
-                                        for v in kwargs.values()):
+        if fast_key is not None and exact_keywords(kwargs):
             self._launches[fast_key] = entry
         return entry
 
@@ -439,13 +448,17 @@ class JITKernel:
 
 class _LaunchEntry:
     """One launch specialisation of a JITKernel: the compiled kernel, the grid callable's
-    ``meta``, whether every run-time argument is positional, and ``fast``, the launcher
-    generated after its first launch (None before it, False when there is none)."""
+    ``meta``, whether every run-time argument is positional, ``fast``, the launcher generated
+    after its first launch, and ``guard`` (kiln.launch_key.launch_guard) of its first fast
+    launch (each None before it is made, False when there is none); ``target`` is the default
+    target it was keyed under."""
 
-    __slots__ = ("ck", "meta", "by_position", "fast")
+    __slots__ = ("ck", "meta", "by_position", "fast", "guard", "target")
 
     def __init__(self, ck, meta: dict, by_position: bool):
-        self.ck, self.meta, self.by_position, self.fast = ck, meta, by_position, None
+        self.ck, self.meta, self.by_position = ck, meta, by_position
+        self.fast = self.guard = None
+        self.target = None
 
 
 class _Interpreted:

@@ -1,7 +1,6 @@
 """Launch-argument checks shared by the GPU launch (``kiln.lowering.launch``) and the CPU
 interpreter (``kiln.lowering.interpret``), so both refuse the same grids and scalars with the
-same :class:`~kiln.errors.KilnError`; and :func:`launch_key_part`, the cheap per-argument key
-that ``kernel[grid](...)`` looks its launch up by.
+same :class:`~kiln.errors.KilnError`.
 
 Example::
 
@@ -14,12 +13,10 @@ Example::
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable
 
 import numpy as np
 
 from .errors import KilnTypeError, KilnValueError
-from .fingerprint import constexpr_key
 
 GRID_LIMITS = (2**31 - 1, 65535, 65535)  # every CUDA device since compute capability 3.0
 # Signed range of each integer dtype a kernel scalar may have (i1 takes bools or 0/1).
@@ -95,49 +92,3 @@ def check_float_argument(name: str, value, dtype: str) -> float:
             pass
     raise KilnTypeError(f"argument {name!r} must be a number ({dtype}), got "
                         f"{type(value).__name__}", fix="pass a Python or numpy float")
-
-
-def launch_key_part(a: Any, is_constexpr: bool) -> Any:
-    """One positional argument's part of ``kernel[grid](...)``'s cheap launch key: a
-    constexpr's typed key, a Python scalar's type, an array's kind, dtype, rank and innermost
-    stride 1 (plus ``is_cuda`` for torch); two calls with equal keys launch the same binary."""
-    if is_constexpr:
-        return constexpr_key(a)
-    kind = type(a)
-    if kind is int or kind is float or kind is bool:
-        return kind
-    keyer = _key_parts.get(kind)
-    if keyer is None:
-        keyer = _key_parts.setdefault(kind, _key_part_of_type(kind))
-    return keyer(a)
-
-
-# Array type -> its launch key part: kind, dtype, rank, innermost stride 1 (plus is_cuda for
-# torch). The kind is in it because each kind takes another launcher (kiln.lowering.launch_fast).
-_key_parts: dict[type, Callable[[Any], Any]] = {}
-
-
-def _key_part_of_type(kind: type) -> Callable[[Any], Any]:
-    if kind is np.ndarray:
-        return lambda a: (kind, a.dtype, a.ndim,
-                          a.ndim == 0 or a.strides[-1] == a.itemsize or a.shape[-1] <= 1)
-    if all(hasattr(kind, name) for name in ("data_ptr", "stride", "is_cuda")):  # torch
-        return lambda a: (kind, a.dtype, a.dim(), a.is_cuda,
-                          a.dim() == 0 or a.stride(-1) == 1 or a.shape[-1] <= 1)
-    if issubclass(kind, np.generic):
-        return lambda a: a.dtype
-    return _instance_key_part
-
-
-def _instance_key_part(a: Any) -> Any:
-    """The key part of a value whose type does not say it is an array (an instance may carry
-    its own attributes); anything else is rejected or accepted by the full specialisation."""
-    if hasattr(a, "data_ptr") and hasattr(a, "stride"):
-        return (type(a), a.dtype, a.dim(), getattr(a, "is_cuda", None),
-                a.dim() == 0 or a.stride(-1) == 1 or a.shape[-1] <= 1)
-    if hasattr(a, "__cuda_array_interface__") or hasattr(a, "__dlpack__"):
-        from kiln.lowering.arrays import describe_array
-
-        info = describe_array(a)
-        return (type(a), info.dtype, info.rank, info.contiguous_last)
-    return type(a)

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from kiln.launch_args import normalize_grid
 from kiln.lowering.host import HostLauncher
 from kiln.lowering.launch import (_PLAN_ATTRIBUTE, _convert_tensor, _device_view,
                                   _scalar_converter, _stream_source, stream_handle)
@@ -69,7 +70,9 @@ def specialized_launcher(ck, args: Sequence, positions: Sequence[int]
         "pack_into": launcher.layout.pack_into, "entry": launcher.entry,
         "blocks": launcher.thread_blocks, "thread_block": launcher.thread_arguments,
         "get_ident": threading.get_ident, "current_stream": _stream_source(values),
-        "stream_handle": stream_handle, "check_grid": plan.check_grid,
+        "stream_handle": stream_handle,
+        # Without a cluster shape to divide, the grid check is normalize_grid's alone.
+        "check_grid": plan.check_grid if ck.signature.cluster else normalize_grid,
         "after_launch": plan.after_launch, "struct": struct,
         "fallback": lambda grid, call, stream: ck.launch(
             grid, [call[p] for p in positions], stream=stream),

@@ -121,6 +121,7 @@ def runtimes(monkeypatch, tmp_path):
     for kernel in (axpy, touch):
         monkeypatch.setattr(kernel, "_compiled", {})
         monkeypatch.setattr(kernel, "_launches", {})
+        monkeypatch.setattr(kernel, "_last_launch", None)
     return made
 
 
@@ -304,3 +305,15 @@ def test_numpy_arguments_and_launcher_doubles_keep_the_checked_path(runtimes):
                                _launch_plan=SimpleNamespace(launcher=lambda *a: None))
     assert specialized_launcher(stand_in, (x, x, 256, 1.0), (0, 1, 2, 3)) is None
     assert specialized_launcher(SimpleNamespace(), (x,), (0,)) is None  # never launched
+
+
+def test_the_last_launch_is_reused_only_under_the_same_default_target(runtimes, monkeypatch):
+    x = Tensor(0x1000, (256,))
+    for _ in range(3):
+        axpy[2](x, x, 256, 1.0, BLOCK=128)
+    (entry,) = set(axpy._launches.values())
+    assert axpy._last_launch is entry and entry.guard
+    monkeypatch.setattr(sys.modules["kiln.kernel"], "_default_target", "sm_80")
+    axpy[2](x, x, 256, 1.0, BLOCK=128)
+    launches = {ck.target.name: len(runtime.launches) for ck, runtime in runtimes.items()}
+    assert launches == {"sm_90a": 3, "sm_80": 1}
