@@ -113,9 +113,9 @@ def _fields(i: int, param, value, plan, namespace: dict, pointers: list) -> str:
         return f"*tensor{i}(a{i})"
     if isinstance(param, TensorMapParam):
         tensor_maps = plan.tensor_maps
-        namespace[f"tensor_map{i}"] = lambda v: tensor_maps.descriptor(
-            param, *_device_view(param, v, None))
-        return f"tensor_map{i}(a{i})"
+        namespace[f"tensor_map{i}"] = lambda v, stream: tensor_maps.descriptor(
+            param, *_device_view(param, v, None), stream=stream)
+        return f"tensor_map{i}(a{i}, handle)"
     assert isinstance(param, ScalarParam)
     if (type(value) is int and param.dtype in _DIRECT_INTS) or (
             type(value) in (int, float) and param.dtype in _DIRECT_FLOATS):
