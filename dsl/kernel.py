@@ -141,8 +141,7 @@ class JITKernel:
         self._runtime_idx = tuple(i for i, p in enumerate(self.params) if p.kind != "constexpr")
         self._constexpr_flags = tuple(p.kind == "constexpr" for p in self.params)
         self._compiled: dict[tuple, Any] = {}  # (arg specs, options) -> CompiledKernel
-        # cheap launch key -> (CompiledKernel, grid meta, runtime args all positional)
-        self._launches: dict[tuple, _LaunchEntry] = {}
+        self._launches: dict[tuple, _LaunchEntry] = {}  # cheap launch key -> its entry
         self._last_launch: _LaunchEntry | None = None  # tried first, by its guard
         self._interpret_traces: dict[tuple, TracedKernel] = {}
 
@@ -348,10 +347,10 @@ class JITKernel:
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, stream=None, **kwargs):
-        # The hot path of a repeat launch: one dict lookup on a cheap key (kind/dtype/rank/
-        # contiguity of arrays, Python scalar types, typed positional constexprs, keyword values
-        # and their types), then the launcher generated for that specialisation; the full
-        # specialisation is computed once per distinct key.
+        # The hot path of a repeat launch: the last launch's guard, else one dict lookup on a
+        # cheap key (kind/dtype/rank/contiguity of arrays, Python scalar types, typed positional
+        # constexprs, keyword values and their types; kiln.launch_key), then the launcher
+        # generated for that specialisation; the full specialisation runs once per key.
         # @user_facing, inlined: its wrapper would cost every launch one more call.
         try:
             last = self._last_launch
@@ -404,7 +403,7 @@ class JITKernel:
             make = getattr(entry.ck, "specialized_launcher", None) if entry.by_position else None
             entry.fast = (make and make(args, self._runtime_idx)) or False
 
-    def _launch_entry(self, fast_key, positional, args: tuple, kwargs: dict) -> tuple:
+    def _launch_entry(self, fast_key, positional, args: tuple, kwargs: dict) -> "_LaunchEntry":
         """A launch's entry by the typed key of its keyword values. It is also kept under the
         fast key where == on those values is exact (equal and same type means the same kernel):
         not for -0.0 == 0.0, containers (2 == 2.0 inside) or objects compared by identity."""
@@ -416,9 +415,8 @@ class JITKernel:
             raise
         entry = self._launches.get(typed)
         if entry is None:
-            entry = self._launches[typed] = _LaunchEntry(*self._prepare_launch(args,
-                                                                              dict(kwargs)))
-            entry.target = _default_target
+            entry = self._launches[typed] = _LaunchEntry(
+                *self._prepare_launch(args, dict(kwargs)), target=_default_target)
         # A NaN is never == another NaN object: each launch would add one more fast key.
         if fast_key is not None and exact_keywords(kwargs):
             self._launches[fast_key] = entry
@@ -455,10 +453,9 @@ class _LaunchEntry:
 
     __slots__ = ("ck", "meta", "by_position", "fast", "guard", "target")
 
-    def __init__(self, ck, meta: dict, by_position: bool):
-        self.ck, self.meta, self.by_position = ck, meta, by_position
+    def __init__(self, ck, meta: dict, by_position: bool, *, target: str):
+        self.ck, self.meta, self.by_position, self.target = ck, meta, by_position, target
         self.fast = self.guard = None
-        self.target = None
 
 
 class _Interpreted:
