@@ -6,7 +6,6 @@ performs them when the "graph" is replayed."""
 import ctypes
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from kiln.errors import LaunchError
