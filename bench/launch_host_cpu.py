@@ -2,7 +2,8 @@
 
 saxpy is traced and compiled for sm_90a as usual; its launcher is the real JIT-compiled host
 module, but the ``mgpu*`` runtime functions it calls are native no-ops compiled here, so the
-time is Kiln's own: key, argument packing, the ctypes call into ``kiln_launch``. Arguments
+time is Kiln's own: key, argument packing, the ctypes call into ``kiln_launch`` (also timed
+alone: what a launch costs here before any Python work). Arguments
 are stand-ins for CUDA torch tensors (Python attributes where torch has C ones). Prints µs per
 call, best of five (CPU time of the process)::
 
@@ -111,7 +112,11 @@ def main() -> None:
         "kernel[grid](...)": lambda: saxpy[(16,)](x, y, n, 2.0, BLOCK=256),
         "ck.launch(grid, args)": lambda: ck.launch((16, 1, 1), [x, y, n, 2.0]),
         "bind_launch(...)(pointers)": lambda: bound(0x10000, 0x20000),
+        "ctypes call into kiln_launch": lambda: launcher.launch_packed(arguments),
     }
+    arguments = launcher.new_arguments()
+    launcher.pack(arguments, [0x10000, 0x10000, 0, n, 1, 0x20000, 0x20000, 0, n, 1, n, 2.0],
+                  (16, 1, 1), None)
     try:
         for case in cases.values():
             case()  # compile, plan, generated launcher
@@ -124,7 +129,7 @@ def main() -> None:
         # The launcher's engine unloads its module through the no-ops: release it first.
         saxpy._launches.clear()
         saxpy._last_launch = None
-        del cases, bound, launcher
+        del cases, bound, launcher, arguments
         delattr(ck, _PLAN_ATTRIBUTE)
         gc.collect()
         del keep
