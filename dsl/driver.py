@@ -38,11 +38,14 @@ class Driver:
 
     ``compile(fn, specs, options, trace)`` returns a compiled kernel (cache lookup, then
     ``trace()`` and the backend's stages); ``launch(ck, grid, args, stream=)`` runs one on the
-    GPU; ``interpret(traced, grid, args, target)`` runs a traced kernel on the CPU.
+    GPU; ``specialized_launcher(ck, args, positions)`` returns, after a launch, a faster
+    launcher for arguments of the kinds of ``args`` (or None); ``interpret(traced, grid, args,
+    target)`` runs a traced kernel on the CPU.
     """
 
     compile: Callable
     launch: Callable
+    specialized_launcher: Callable
     interpret: Callable
 
 

@@ -45,16 +45,16 @@ from mlir.dialects import gpu, llvm
 
 from . import ast_rewrite, builder, threads
 from .annotations import Param, TensorMapSpec, classify, resolve_annotation
-from .arrays import describe_array
 from .core import dtypes as dt
-from .core.errors import (CompilationError, KilnTypeError, SourceLoc, source_loc_from_mlir,
-                          trace_location, user_facing)
+from .core import env
+from .core.errors import (CompilationError, KilnError, KilnTypeError, SourceLoc,
+                          source_loc_from_mlir, trace_location, user_facing)
 from .core.options import CompileOptions
 from .core.targets import get_target
 from .driver import installed, lowering_signature, tensor_arg_spec
-from .fingerprint import (EXACT_KEY_TYPES, WRAPPERS, constexpr_key, keyword_key_part,
-                          typed_key)
+from .fingerprint import WRAPPERS, keyword_key_part, typed_key
 from .launch_args import normalize_grid
+from .launch_key import exact_keywords, launch_guard, launch_key_part
 from .tensor import TensorRef, memref_type
 from .tma import descriptor_from_pointer
 from .values import Value
@@ -143,8 +143,8 @@ class JITKernel:
         self._runtime_idx = tuple(i for i, p in enumerate(self.params) if p.kind != "constexpr")
         self._constexpr_flags = tuple(p.kind == "constexpr" for p in self.params)
         self._compiled: dict[tuple, Any] = {}  # (arg specs, options) -> CompiledKernel
-        # cheap launch key -> (CompiledKernel, grid meta, runtime args all positional)
-        self._launches: dict[tuple, tuple] = {}
+        self._launches: dict[tuple, _LaunchEntry] = {}  # cheap launch key -> its entry
+        self._last_launch: _LaunchEntry | None = None  # tried first, by its guard
         self._interpret_traces: dict[tuple, TracedKernel] = {}
 
     def __repr__(self):
@@ -330,33 +330,64 @@ class JITKernel:
         """``kernel[grid](*args, **constexprs_and_options)`` launches (see module docs)."""
         return functools.partial(self._launch, grid)
 
-    @user_facing
     def _launch(self, grid, *args, stream=None, **kwargs):
-        # The hot path of a repeat launch: one dict lookup on a cheap key (dtype/rank/contiguity
-        # of arrays, Python scalar types, typed positional constexprs, keyword values and their
-        # types); the full specialisation is computed once per distinct key.
+        # The hot path of a repeat launch: the last launch's guard, else one dict lookup on a
+        # cheap key (kind/dtype/rank/contiguity of arrays, Python scalar types, typed positional
+        # constexprs, keyword values and their types; kiln.launch_key), then the launcher
+        # generated for that specialisation; the full specialisation runs once per key.
+        # @user_facing, inlined: its wrapper would cost every launch one more call.
         try:
-            positional = tuple(map(_launch_key_part, args, self._constexpr_flags))
+            last = self._last_launch
+            if last is not None and last.target == _default_target and last.guard(args, kwargs):
+                last.fast(grid(last.meta) if callable(grid) else grid, args, stream)
+                return
+            positional = self._positional_key(args, kwargs)
+            try:
+                key = (positional, len(args), tuple(kwargs.items()),
+                       tuple(map(type, kwargs.values())), _default_target)
+                entry = self._launches.get(key)
+            except TypeError:  # an unhashable keyword value (an array): the typed key only
+                key, entry = None, None
+            if entry is None:
+                entry = self._launch_entry(key, positional, args, kwargs)
+            if entry.fast:
+                entry.fast(grid(entry.meta) if callable(grid) else grid, args, stream)
+                if entry.guard is None:
+                    entry.guard = launch_guard(args, kwargs, self._constexpr_flags) or False
+                if entry.guard:
+                    self._last_launch = entry
+            else:
+                self._launch_checked(entry, grid, args, kwargs, stream)
+        except KilnError as err:
+            if env.show_stacktrace():
+                raise
+            raise err.with_traceback(None) from None
+
+    def _positional_key(self, args: tuple, kwargs: dict) -> tuple:
+        try:
+            return tuple(map(launch_key_part, args, self._constexpr_flags))
         except KilnTypeError:  # a constexpr with no sound key: say which one
             self.specialize(args, {k: v for k, v in kwargs.items() if k not in OPTION_NAMES})
             raise
-        try:
-            key = (positional, len(args), tuple(kwargs.items()),
-                   tuple(map(type, kwargs.values())), _default_target)
-            entry = self._launches.get(key)
-        except TypeError:  # an unhashable keyword value (an array): the typed key only
-            key, entry = None, None
-        if entry is None:
-            entry = self._launch_entry(key, positional, args, kwargs)
-        ck, meta, by_position = entry
-        if by_position:
+
+    def _launch_checked(self, entry: "_LaunchEntry", grid, args: tuple, kwargs: dict,
+                        stream) -> None:
+        """A launch through ``CompiledKernel.launch``, which checks every argument; the first
+        one of an entry then asks the runtime for a launcher generated for these kinds of
+        arguments (``entry.fast``)."""
+        if entry.by_position:
             runtime = [args[i] for i in self._runtime_idx]
         else:
             values = self._bind(args, {k: v for k, v in kwargs.items() if k not in OPTION_NAMES})
             runtime = [values[i] for i in self._runtime_idx]
-        ck.launch(normalize_grid(grid(meta) if callable(grid) else grid), runtime, stream=stream)
+        if callable(grid):
+            grid = grid(entry.meta)
+        entry.ck.launch(normalize_grid(grid), runtime, stream=stream)
+        if entry.fast is None:
+            entry.fast = entry.by_position and installed().specialized_launcher(
+                entry.ck, args, self._runtime_idx) or False
 
-    def _launch_entry(self, fast_key, positional, args: tuple, kwargs: dict) -> tuple:
+    def _launch_entry(self, fast_key, positional, args: tuple, kwargs: dict) -> "_LaunchEntry":
         """A launch's entry by the typed key of its keyword values. It is also kept under the
         fast key where == on those values is exact (equal and same type means the same kernel):
         not for -0.0 == 0.0, containers (2 == 2.0 inside) or objects compared by identity."""
@@ -368,11 +399,10 @@ class JITKernel:
             raise
         entry = self._launches.get(typed)
         if entry is None:
-            entry = self._launches[typed] = self._prepare_launch(args, dict(kwargs))
+            entry = self._launches[typed] = _LaunchEntry(
+                *self._prepare_launch(args, dict(kwargs)), target=_default_target)
         # A NaN is never == another NaN object: each launch would add one more fast key.
-        if fast_key is not None and all(type(v) in EXACT_KEY_TYPES
-                                        or (type(v) is float and v and v == v)
-                                        for v in kwargs.values()):
+        if fast_key is not None and exact_keywords(kwargs):
             self._launches[fast_key] = entry
         return entry
 
@@ -399,6 +429,20 @@ class JITKernel:
         """What a callable grid receives: the constexprs, ``num_warps`` and ``num_threads``."""
         meta = {p.name: v for p, v in zip(self.params, values) if p.kind == "constexpr"}
         return dict(meta, num_warps=num_warps, num_threads=num_warps * target.warp_size)
+
+
+class _LaunchEntry:
+    """One launch specialisation of a JITKernel: the compiled kernel, the grid callable's
+    ``meta``, whether every run-time argument is positional, ``fast``, the launcher generated
+    after its first launch, and ``guard`` (kiln.launch_key.launch_guard) of its first fast
+    launch (each None before it is made, False when there is none); ``target`` is the default
+    target it was keyed under."""
+
+    __slots__ = ("ck", "meta", "by_position", "fast", "guard", "target")
+
+    def __init__(self, ck, meta: dict, by_position: bool, *, target: str):
+        self.ck, self.meta, self.by_position, self.target = ck, meta, by_position, target
+        self.fast = self.guard = None
 
 
 class _Interpreted:
@@ -432,24 +476,6 @@ class _Interpreted:
         if callable(grid):
             grid = grid(k._grid_meta(values, num_warps, chip))
         installed().interpret(traced, grid, [values[i] for i in k._runtime_idx], chip)
-
-
-def _launch_key_part(a: Any, is_constexpr: bool) -> Any:
-    if is_constexpr:
-        return constexpr_key(a)
-    kind = type(a)
-    if kind is np.ndarray:
-        return (a.dtype, a.ndim, a.ndim == 0 or a.strides[-1] == a.itemsize or a.shape[-1] <= 1)
-    if kind is int or kind is float or kind is bool:
-        return kind
-    if hasattr(a, "data_ptr") and hasattr(a, "stride"):  # torch tensor: not keyed by identity
-        return (a.dtype, a.dim(), a.dim() == 0 or a.stride(-1) == 1 or a.shape[-1] <= 1)
-    if hasattr(a, "__cuda_array_interface__"):
-        info = describe_array(a)
-        return (info.dtype, info.rank, info.contiguous_last)
-    if isinstance(a, np.generic):
-        return a.dtype
-    return kind  # anything else is rejected (or accepted) by the full specialisation
 
 
 def _verify(module: ir.Module, name: str) -> None:

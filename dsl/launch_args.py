@@ -28,11 +28,18 @@ _INT_RANGES = {"i1": (0, 1), "i8": (-2**7, 2**7 - 1), "i16": (-2**15, 2**15 - 1)
 def normalize_grid(grid) -> tuple[int, int, int]:
     """``grid`` (an int or 1 to 3 ints) as three ints in ``1..GRID_LIMITS``; a
     KilnTypeError for a non-integer dimension, a KilnValueError for a bad count or size."""
-    if type(grid) is tuple and len(grid) == 3:  # the common case, checked without loops
+    kind = type(grid)
+    if kind is tuple and len(grid) == 3:  # the common cases, checked without loops
         x, y, z = grid
         if (type(x) is int and type(y) is int and type(z) is int and 0 < x <= GRID_LIMITS[0]
                 and 0 < y <= GRID_LIMITS[1] and 0 < z <= GRID_LIMITS[2]):
             return grid
+    elif kind is int and 0 < grid <= GRID_LIMITS[0]:
+        return grid, 1, 1
+    elif kind is tuple and len(grid) == 1:
+        x = grid[0]
+        if type(x) is int and 0 < x <= GRID_LIMITS[0]:
+            return x, 1, 1
     # Sequences (tuples, lists, torch.Size, 1-D arrays) give the dimensions; anything else is one.
     iterable = hasattr(grid, "__iter__") and not isinstance(grid, (str, bytes))
     dims = tuple(grid) if iterable else (grid,)

@@ -21,7 +21,6 @@ import tempfile
 import threading
 from pathlib import Path
 
-import llvmlite.binding as llvmlite
 from mlir import ir
 
 from kiln.core.errors import CompilationError, UnsupportedError, source_loc_from_mlir
@@ -99,6 +98,7 @@ def _reject_device_library_calls(state: CompileState, llvm_ir: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _target_machine(chip: str, opt_level: int, verbose: bool = False):
+    import llvmlite.binding as llvmlite  # ~50 ms to import: only AMD compiles pay it
     llvmlite.initialize_all_targets()
     llvmlite.initialize_all_asmprinters()
     machine = llvmlite.Target.from_triple(TRIPLE).create_target_machine(
@@ -117,6 +117,8 @@ def _optimized_module(state: CompileState):
     """
     if "optimized_llvm" not in state.scratch:
         with state.step("amdgcn", "optimize"):
+            import llvmlite.binding as llvmlite
+
             machine = _target_machine(state.target.name, state.options.opt_level)
             module = _parse_llvm(state, state.asm["llvm"])
             tuning = llvmlite.create_pipeline_tuning_options(speed_level=state.options.opt_level)
@@ -128,6 +130,8 @@ def _optimized_module(state: CompileState):
 
 
 def _parse_llvm(state: CompileState, text: str):
+    import llvmlite.binding as llvmlite
+
     try:
         module = llvmlite.parse_assembly(text)
         module.verify()

@@ -105,6 +105,12 @@ class CountingDriver:
     def mem_free(self, ptr):
         self.freed.append(ptr)
 
+    mem_alloc_host = mem_alloc  # the capture arena's page-locked block
+    mem_free_host = mem_free
+
+    def stream_capturing(self, stream):
+        return False
+
     def memcpy_htod(self, dst, src, nbytes):
         assert nbytes == 128
 

@@ -392,9 +392,6 @@ def test_op_under_torch_compile_matches_eager_and_reference(name, rng):
         torch.testing.assert_close(g, e, atol=0, rtol=0, equal_nan=False)
 
 
-_TMA_OUTPUT = ("c is written through a TMA descriptor encoded per address: the one of a c "
-               "allocated inside the capture is encoded with cuMemAlloc and a synchronous copy, "
-               "which a capture refuses (drop this mark if it passes)")
 _RAGGED = "ragged prefill checks cu_seqlens on the host (a copy to the CPU), which a capture refuses"
 
 
@@ -402,8 +399,7 @@ _RAGGED = "ragged prefill checks cu_seqlens on the host (a copy to the CPU), whi
 @pytest.mark.parametrize("via", ["entry", "op"])
 @pytest.mark.parametrize("name", [
     "prefill", "decode_attention", "combine",
-    pytest.param("matmul", marks=pytest.mark.xfail(strict=True, reason=_TMA_OUTPUT)),
-    pytest.param("grouped_matmul", marks=pytest.mark.xfail(strict=True, reason=_TMA_OUTPUT)),
+    "matmul", "grouped_matmul",  # c's descriptor, new inside the capture: its arena
     pytest.param("prefill_ragged", marks=pytest.mark.xfail(strict=True, reason=_RAGGED))])
 def test_entry_point_replays_in_a_cuda_graph(name, via, rng):
     """Each entry point (and its op) is captured once after a warm-up (compile, autotune,

@@ -95,6 +95,7 @@ class LaunchLimits:
 
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_STREAM_CAPTURE_STATUS_NONE = 0  # cuda.h: CUstreamCaptureStatus
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 
 
@@ -141,6 +142,11 @@ class Driver:
         lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, _c_size]
         lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _c_size]
         lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cuStreamIsCapturing.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), _c_size, ctypes.c_uint]
+        lib.cuMemFreeHost.argtypes = [ctypes.c_void_p]
+        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, _c_size,
+                                             ctypes.c_void_p]
         lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
         lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
@@ -223,6 +229,29 @@ class Driver:
     def memcpy_htod(self, dst: int, src: int, nbytes: int) -> None:
         if nbytes:
             self._check(self._lib.cuMemcpyHtoD_v2(dst, src, nbytes), "cuMemcpyHtoD")
+
+    def mem_alloc_host(self, nbytes: int) -> int:
+        """Page-locked host memory (``cuMemHostAlloc``): a copy from it can be captured."""
+        ptr = ctypes.c_void_p()
+        self._check(self._lib.cuMemHostAlloc(ctypes.byref(ptr), max(nbytes, 1), 0),
+                    "cuMemHostAlloc")
+        return ptr.value
+
+    def mem_free_host(self, ptr: int) -> None:
+        self._check(self._lib.cuMemFreeHost(ptr), "cuMemFreeHost")
+
+    def memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: int | None) -> None:
+        """``cuMemcpyHtoDAsync`` on ``stream``; from page-locked ``src`` it is captured into a
+        CUDA graph being recorded on ``stream``."""
+        self._check(self._lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream),
+                    "cuMemcpyHtoDAsync")
+
+    def stream_capturing(self, stream: int | None) -> bool:
+        """Whether a CUDA graph is being captured on ``stream`` (``cuStreamIsCapturing``)."""
+        status = ctypes.c_int()
+        self._check(self._lib.cuStreamIsCapturing(stream, ctypes.byref(status)),
+                    "cuStreamIsCapturing")
+        return status.value != _CU_STREAM_CAPTURE_STATUS_NONE
 
     def memcpy_dtoh(self, dst: int, src: int, nbytes: int) -> None:
         if nbytes:

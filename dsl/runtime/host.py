@@ -326,6 +326,8 @@ class HostLauncher:
     (:meth:`new_arguments`, :meth:`pack` once), rewrites the changing slots and calls
     :meth:`launch_packed`. Slot indices: parameters from 0 (``flat_c_argtypes`` order),
     then :attr:`grid_slot` (3 slots), the dynamic shared bytes, :attr:`stream_slot`.
+    A generated launcher (:mod:`kiln.lowering.launch_fast`) packs :attr:`layout` into its
+    thread's block (:meth:`thread_arguments`) itself and calls :attr:`entry` on its address.
     """
 
     def __init__(self, signature: KernelSignature, build_object, runtime_libs: Sequence[str],
@@ -341,25 +343,26 @@ class HostLauncher:
                 self._engine.raw_register_runtime(name, ctypes.c_void_p(address))
             self._engine.initialize()
         # The packed entry of a void function reads args[0..n-1] and writes nothing back.
-        self._entry = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(
+        self.entry = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(
             self._engine.raw_lookup(LAUNCH_SYMBOL))
         argtypes = flat_c_argtypes(signature)
-        self._layout = struct.Struct("<" + "".join(_SLOT_CODES[t] for t in argtypes))
+        self.layout = struct.Struct("<" + "".join(_SLOT_CODES[t] for t in argtypes))
         self.grid_slot = len(argtypes) - 5
         self.stream_slot = len(argtypes) - 1
         self._smem = signature.dynamic_shared_bytes
-        self._per_thread: dict[int, LaunchArguments] = {}  # the ctypes call releases the GIL
+        # Thread id -> its argument block (the ctypes call releases the GIL).
+        self.thread_blocks: dict[int, LaunchArguments] = {}
 
     def new_arguments(self) -> LaunchArguments:
         """A fresh, zeroed argument block for :meth:`pack` / :meth:`launch_packed`."""
-        return LaunchArguments(self._layout.size // SLOT_BYTES)
+        return LaunchArguments(self.layout.size // SLOT_BYTES)
 
     def pack(self, arguments: LaunchArguments, flat_args: Sequence,
              grid: tuple[int, int, int], stream: int | None) -> None:
         """Write every slot of ``arguments`` (KilnValueError when a value does not fit its C
         type, e.g. 2**31 for an i32 parameter)."""
         try:
-            self._layout.pack_into(arguments.words, 0, *flat_args, *grid, self._smem, stream or 0)
+            self.layout.pack_into(arguments.words, 0, *flat_args, *grid, self._smem, stream or 0)
         except struct.error as err:
             raise KilnValueError(f"launch arguments of {self.signature.name} do not fit their C "
                                  f"types ({err}): {_describe_flat(self.signature, flat_args)}",
@@ -368,14 +371,19 @@ class HostLauncher:
 
     def launch_packed(self, arguments: LaunchArguments) -> None:
         """Launch with the slots as they are (one ctypes call)."""
-        self._entry(arguments.address)
+        self.entry(arguments.address)
+
+    def thread_arguments(self) -> LaunchArguments:
+        """The calling thread's own argument block (made on its first launch)."""
+        arguments = self.thread_blocks.get(threading.get_ident())
+        if arguments is None:
+            arguments = self.thread_blocks.setdefault(threading.get_ident(), self.new_arguments())
+        return arguments
 
     def __call__(self, flat_args: Sequence, grid: tuple[int, int, int], stream: int | None) -> None:
-        arguments = self._per_thread.get(threading.get_ident())
-        if arguments is None:
-            arguments = self._per_thread.setdefault(threading.get_ident(), self.new_arguments())
+        arguments = self.thread_arguments()
         self.pack(arguments, flat_args, grid, stream)
-        self._entry(arguments.address)
+        self.entry(arguments.address)
 
 
 def _describe_flat(signature: KernelSignature, flat_args: Sequence) -> str:

@@ -5,7 +5,8 @@ order (constexprs already removed):
 
 - numpy arrays are copied to the device, the kernel runs, the stream is synchronised and every
   writeable array is copied back (convenient, slow);
-- torch / cupy CUDA tensors are passed zero-copy and the launch is asynchronous;
+- torch / cupy CUDA tensors and other device arrays (``__cuda_array_interface__``, DLPack's
+  ``__dlpack__``, e.g. JAX) are passed zero-copy and the launch is asynchronous;
 - Python / numpy scalars are passed by value (f16/bf16/fp8 as bit patterns);
 - a :class:`~kiln.signature.TensorMapParam` takes the tensor itself: the 128-byte TMA
   descriptor is encoded on the host, copied to device memory and cached per
@@ -49,10 +50,12 @@ from kiln.lowering.compiler import backend_for
 from kiln.runtime.amd_host import build_amd_launcher
 from kiln.runtime import cuda
 from kiln.runtime.host import build_nvidia_launcher, scalar_carrier
+from kiln.runtime.tensor_map_capture import CaptureArena
 from kiln.signature import ScalarParam, TensorMapParam, TensorParam
 
 _PLAN_ATTRIBUTE = "_launch_plan"
 TENSOR_MAP_CACHE_CAPACITY = 256  # encoded TMA descriptors kept in device memory per kernel
+CAPTURE_ARENA_SLOTS = 64  # descriptors a kernel may first need inside CUDA-graph captures
 
 # CUtensorMapDataType and CUtensorMapSwizzle enumerators (cuda.h).
 _TMA_DATA_TYPES = {"i8": 0, "f8e4m3": 0, "f8e5m2": 0, "i16": 1, "i32": 3, "i64": 5, "f16": 6,
@@ -146,13 +149,14 @@ class BoundLaunch:
         if threading.get_ident() != self._owner:
             arguments = self._thread_arguments()
         words = arguments.words
+        handle = self._current_stream() if stream is None else stream_handle(stream)
         for slot, pointer in zip(self._slots, pointers):
             if slot >= 0:
                 words[slot] = words[slot + 1] = pointer  # memref allocated and aligned pointers
             else:
                 param, shape, strides = self._map_views[~slot]
-                words[~slot] = self._tensor_maps.descriptor(param, pointer, shape, strides)
-        handle = self._current_stream() if stream is None else stream_handle(stream)
+                words[~slot] = self._tensor_maps.descriptor(param, pointer, shape, strides,
+                                                            stream=handle)
         words[self._stream_slot] = handle or 0
         self._launcher.launch_packed(arguments)
         if self._after_launch is not None:
@@ -357,26 +361,36 @@ class TensorMapCache:
         self._driver = driver
         self.capacity = capacity
         self._entries: OrderedDict[tuple, int] = OrderedDict()
+        # Descriptors first needed inside a CUDA-graph capture (kiln.lowering.tensor_map_capture):
+        # the arena is made with the first descriptor, before any capture can need it.
+        self._arena: CaptureArena | None = None
+        self._captured: dict[tuple, int] = {}
         weakref.finalize(self, _free_descriptors, driver, self._entries)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def descriptor(self, param: TensorMapParam, ptr: int, shape: tuple, strides: tuple,
-                   staging=None) -> int:
+                   staging=None, stream: int | None = None) -> int:
         """Device address of the descriptor of tensor (``ptr``, ``shape``, ``strides``) for
-        ``param``. With ``staging`` (a temporary copy of a numpy array) the descriptor lives
-        in the staging memory and is not cached."""
+        ``param``, for a launch on ``stream``. With ``staging`` (a temporary copy of a numpy
+        array) the descriptor lives in the staging memory and is not cached. A new descriptor
+        while ``stream`` captures a CUDA graph goes to the capture arena, written by a copy
+        the graph records."""
         key = (param.dtype, param.box, param.swizzle, param.oob_fill_nan, ptr, shape, strides)
         if staging is None:
             cached = self._entries.get(key)
             if cached is not None:
                 self._entries.move_to_end(key)
                 return cached
+            if stream and self._driver.stream_capturing(stream):
+                return self._captured_descriptor(key, param, ptr, shape, strides, stream)
         encoded = self._encode(param, ptr, shape, strides)
         if staging is not None:
             device_ptr = staging.allocate(len(encoded))
         else:
+            if self._arena is None:
+                self._arena = CaptureArena(self._driver, CAPTURE_ARENA_SLOTS)
             device_ptr = self._driver.mem_alloc(len(encoded))
             self._entries[key] = device_ptr
             while len(self._entries) > self.capacity:
@@ -384,6 +398,19 @@ class TensorMapCache:
         self._driver.memcpy_htod(device_ptr, np.frombuffer(encoded, np.uint8).ctypes.data,
                                  len(encoded))
         return device_ptr
+
+    def _captured_descriptor(self, key: tuple, param: TensorMapParam, ptr: int, shape: tuple,
+                             strides: tuple, stream: int) -> int:
+        # Only captured launches read these slots: each replay writes them before its kernel.
+        captured = self._captured.get(key)
+        if captured is None:
+            if self._arena is None:
+                raise LaunchError("a TMA descriptor was needed inside a CUDA-graph capture "
+                                  "before the kernel ever launched outside one",
+                                  fix="launch once before capturing (it also compiles)")
+            captured = self._captured[key] = self._arena.put(
+                self._encode(param, ptr, shape, strides), stream)
+        return captured
 
     def _encode(self, param: TensorMapParam, ptr: int, shape: tuple, strides: tuple) -> bytes:
         if strides[-1] != 1:
@@ -459,7 +486,7 @@ class _LaunchPlan:
             for convert, value in zip(self.converters, args):
                 if isinstance(value, np.ndarray) and staging is None:
                     staging = self._new_staging()
-                convert(value, flat, staging)
+                convert(value, flat, staging, handle)
             self.launcher(flat, grid, handle)
             if self.after_launch is not None:
                 self.after_launch()
@@ -476,16 +503,19 @@ class _LaunchPlan:
                                 fix="pass torch (ROCm) device tensors")
         return _Staging(self.driver)
 
-    def _converter(self, param) -> Callable[[Any, list, Any], None]:
+    def _converter(self, param) -> Callable[..., None]:
+        """``convert(value, flat, staging, stream=None)`` appends ``value``'s flat C arguments
+        (``stream``: the launch's, which a tensor map's descriptor may be copied on)."""
         # Converters hold no reference to the plan: a plan must not sit in a reference cycle,
         # so its launcher (and the loaded module) is released as soon as the kernel is.
         if isinstance(param, TensorParam):
-            return lambda value, flat, staging: _convert_tensor(param, value, flat, staging)
+            return lambda value, flat, staging, stream=None: _convert_tensor(param, value, flat,
+                                                                             staging)
         if isinstance(param, TensorMapParam):
             tensor_maps = self.tensor_maps
-            return lambda value, flat, staging: flat.append(
+            return lambda value, flat, staging, stream=None: flat.append(
                 tensor_maps.descriptor(param, *_device_view(param, value, staging),
-                                       staging=staging))
+                                       staging=staging, stream=stream))
         return _scalar_converter(param)
 
 
@@ -512,10 +542,14 @@ def _device_view(param, value, staging) -> tuple[int, tuple[int, ...], tuple[int
                                 fix="move it to the GPU (.cuda()) or pass tensor.numpy()")
         _check_tensor(param, value.dim(), _dtype_name(value.dtype))
         return value.data_ptr(), tuple(value.shape), tuple(value.stride())
-    if not hasattr(value, "__cuda_array_interface__"):
+    if not (hasattr(value, "__cuda_array_interface__") or hasattr(value, "__dlpack__")):
         raise KilnTypeError(f"argument {param.name!r} must be a tensor, got {type(value).__name__}",
-                            fix="pass a numpy array or a torch/cupy CUDA tensor")
+                            fix="pass a numpy array or a torch/cupy/JAX device array")
     info = describe_array(value)
+    if not info.on_device:
+        raise KilnTypeError(f"argument {param.name!r} is a {type(value).__name__} in host memory",
+                            fix="pass np.asarray(x) (copied to the device per launch) or a "
+                                "device array")
     _check_tensor(param, info.rank, info.dtype.name)
     return info.data_ptr, info.shape, info.strides
 
@@ -540,23 +574,23 @@ def _check_tensor(param, rank: int, dtype_name: str) -> None:
                             fix=f"convert it first, e.g. x.astype('{param.dtype}') / x.to(...)")
 
 
-def _scalar_converter(param: ScalarParam) -> Callable[[Any, list, Any], None]:
+def _scalar_converter(param: ScalarParam) -> Callable[..., None]:
     name = to_dtype(param.dtype).name
     carrier, bits = scalar_carrier(name)
     if bits is not None:
         np_type = _BIT_PATTERN_DTYPES[name]
         view = np.uint16 if bits == 16 else np.uint8
 
-        def to_bits(value, flat, staging):
+        def to_bits(value, flat, staging, stream=None):
             number = check_float_argument(param.name, value, name)
             flat.append(int(np.asarray(number, dtype=np_type).view(view)))
 
         return to_bits
     if name in ("f32", "f64"):
-        return lambda value, flat, staging: flat.append(
+        return lambda value, flat, staging, stream=None: flat.append(
             check_float_argument(param.name, value, name))
 
-    def to_int(value, flat, staging):
+    def to_int(value, flat, staging, stream=None):
         flat.append(check_int_argument(param.name, value, name))
 
     return to_int
