@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from kiln.core.errors import LaunchError
-from kiln.lowering import launch as launch_mod
+from kiln.runtime import launch as launch_mod
 from kiln.runtime.host import HostLauncher, nvidia_kernel_object
 from kiln.runtime.launch_fast import specialized_launcher
 from kiln.signature import KernelSignature, ScalarParam, TensorMapParam, TensorParam

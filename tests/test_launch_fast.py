@@ -18,7 +18,7 @@ import pytest
 
 import kiln
 from kiln.core.errors import KilnTypeError, KilnValueError
-from kiln.lowering import launch as launch_mod
+from kiln.runtime import launch as launch_mod
 from kiln.arrays import describe_array
 from kiln.runtime.host import HostLauncher, nvidia_kernel_object
 from kiln.runtime.launch_fast import specialized_launcher
