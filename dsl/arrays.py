@@ -119,8 +119,6 @@ _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 def _describe_dlpack(value: Any) -> ArrayInfo:
     """A device array exported through ``__dlpack__``: the capsule is read, not consumed (its
     destructor returns it to the producer), and ``value`` keeps the memory alive."""
-    from kiln.errors import KilnTypeError
-
     capsule = value.__dlpack__()
     tensor = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
     code, bits, lanes = tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes

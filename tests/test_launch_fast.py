@@ -22,7 +22,6 @@ from kiln.runtime import launch as launch_mod
 from kiln.arrays import describe_array
 from kiln.runtime.host import HostLauncher, nvidia_kernel_object
 from kiln.runtime.launch_fast import specialized_launcher
-from kiln.lowering.nvidia import NvidiaBackend
 from recording_runtime import RecordingCudaRuntime
 
 
@@ -108,7 +107,7 @@ def runtimes(monkeypatch, tmp_path):
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
     made = {}
 
-    def launcher(self, ck):
+    def launcher(ck):
         runtime = RecordingCudaRuntime(ck.signature)
         host = HostLauncher(ck.signature,
                             lambda: nvidia_kernel_object(ck.target, ptx=ck.asm["ptx"]), [],
@@ -117,7 +116,7 @@ def runtimes(monkeypatch, tmp_path):
         made[ck] = runtime
         return host, None
 
-    monkeypatch.setattr(NvidiaBackend, "launcher", launcher)
+    monkeypatch.setitem(launch_mod.LAUNCHERS, "nvidia", launcher)
     for kernel in (axpy, touch):
         monkeypatch.setattr(kernel, "_compiled", {})
         monkeypatch.setattr(kernel, "_launches", {})
@@ -282,13 +281,13 @@ def test_other_threads_launch_from_their_own_argument_blocks(runtimes):
 def test_launch_blocking_waits_after_fast_launches(runtimes, monkeypatch):
     monkeypatch.setenv("KILN_LAUNCH_BLOCKING", "1")
     waits = []
-    original = NvidiaBackend.launcher
+    original = launch_mod.LAUNCHERS["nvidia"]
 
-    def with_driver(self, ck):
-        host, _ = original(self, ck)
+    def with_driver(ck):
+        host, _ = original(ck)
         return host, SimpleNamespace(synchronize=lambda: waits.append(ck.name))
 
-    monkeypatch.setattr(NvidiaBackend, "launcher", with_driver)
+    monkeypatch.setitem(launch_mod.LAUNCHERS, "nvidia", with_driver)
     x = Tensor(0x1000, (256,))
     for _ in range(3):
         axpy[2](x, x, 256, 1.0, BLOCK=128)
