@@ -26,17 +26,21 @@ from .vectors import pack, unpack, vector_constant, vector_slice
 max = maximum
 min = minimum
 
-# Hardware-concept modules: kiln.layout / kiln.swizzle (layout algebra), kiln.tma, kiln.mbarrier,
-# kiln.wgmma and kiln.nvidia_asm (NVIDIA Hopper wrappers over upstream nvgpu/nvvm ops).
-from . import layout, mbarrier, nvidia_asm, swizzle, tma, wgmma
+# Hardware-concept modules: kiln.layout / kiln.swizzle (layout algebra), kiln.wgmma, and the
+# instruction families of kiln.nvidia / kiln.amd under their old names (kiln.tma is
+# kiln.nvidia.tma, kiln.nvidia_asm is kiln.nvidia.sync, kiln.amd_asm is kiln.amd.sched, ...).
+from . import layout, swizzle, wgmma
+from .nvidia import cp_async, ldmatrix, mbarrier, tma
+from .nvidia import sync as nvidia_asm
+from .amd import buffer as amd_buffer, loader
+from .amd import sched as amd_asm
 from .layout import Layout, ThreadValueLayout, make_layout
 from .swizzle import ComposedSwizzle, Swizzle, SwizzledLayout
 
 # Tiles and tensor-core atoms (kiln.mma registry; importing kiln.mfma registers the AMD atoms),
 # NVIDIA sm_80 loads (ldmatrix, cp.async), AMD LDS/buffer/DMA and the rocdl intrinsic wrappers.
-from . import (amd_asm, amd_buffer, cp_async, global_tile, ldmatrix, loader, mfma, mma,
-               reg_tile, shared_tile, shuffle, tiles)
-from .loader import TiledMmaLoader
+from . import global_tile, mfma, mma, reg_tile, shared_tile, shuffle, tiles
+from .amd.loader import TiledMmaLoader
 from .mma import TiledMma
 from .autotune import autotune
 from .shared import DynamicSharedTensor, dynamic_shared
@@ -48,3 +52,13 @@ from .tiles import GlobalTile, RegTile, SharedTile
 from .cluster import ClusterRecipe, cluster, consumer_drain, manual_waits
 from .errors import (DeadlockError, OutOfBoundsError, RaceError, ScheduleError, ScheduleWarning,
                      WaitError)
+
+# ``import kiln.tma`` / ``from kiln.amd_asm import ...``: the old module paths name the moved
+# family modules.
+import sys as _sys
+
+for _old, _module in (("tma", tma), ("mbarrier", mbarrier), ("cp_async", cp_async),
+                      ("ldmatrix", ldmatrix), ("nvidia_asm", nvidia_asm), ("amd_asm", amd_asm),
+                      ("amd_buffer", amd_buffer), ("loader", loader)):
+    _sys.modules[f"{__name__}.{_old}"] = _module
+del _sys, _old, _module

@@ -280,7 +280,7 @@ class JITKernel:
         if spec.kind == "tensor":
             return TensorRef(arg, spec.dtype, spec.name)
         if spec.kind == "tensormap":
-            from .tma import descriptor_from_pointer
+            from .nvidia.tma import descriptor_from_pointer
 
             tm = spec.tensormap
             return descriptor_from_pointer(arg, tm.dtype, tm.box, tm.swizzle,

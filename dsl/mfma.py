@@ -158,7 +158,7 @@ def store_accumulator(c: Value, dst, row0: Any, col0: Any, *, transposed: bool =
 
     Example: ``store_accumulator(acc, c_buf, m0, n0, transposed=True, limits=(M, N))``.
     """
-    from .amd_buffer import BufferTensor
+    from .amd.buffer import BufferTensor
     from .ops import lane_id, where
 
     if not isinstance(c, Value) or c.dtype is not f32 or c.shape not in ((16,), (4,)):

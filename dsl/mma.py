@@ -136,7 +136,7 @@ def register_atom(atom: MmaAtom) -> None:
 def _resolve_target(target):
     from kiln.lowering.targets import get_target
 
-    from .nvidia_asm import current_target
+    from .nvidia.sync import current_target
 
     return current_target() if target is None else get_target(target)
 

@@ -124,7 +124,7 @@ class DynamicSharedTensor(SharedTensor):
 
         Example: ``kiln.tma.load(a_map, a_tiles.tile(stage), (k0, m0), full, stage)``.
         """
-        from .nvidia_asm import as_index
+        from .nvidia.sync import as_index
 
         if len(self.shape) < 2:
             raise KilnValueError(f"tile() needs a buffer of rank >= 2, {self.name} has shape "

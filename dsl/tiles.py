@@ -79,7 +79,7 @@ def copy(src: GlobalTile, dst: SharedTile, *, threads: int, async_copy: bool = F
         chunk = tid + step * threads
         r, c = chunk // chunks_per_row, (chunk % chunks_per_row) * width
         if async_copy:
-            from . import cp_async
+            from .nvidia import cp_async
 
             tokens.append(cp_async.copy(dst, (dst_origin[0] + r, dst_origin[1] + c), src, (r, c),
                                         width=width))

@@ -32,7 +32,7 @@ from mlir.dialects import arith, llvm, memref, nvgpu, nvvm, vector
 
 from .dtypes import DType, dtype as as_dtype, f32, from_mlir
 from .errors import KilnTypeError, KilnValueError, UnsupportedError
-from .nvidia_asm import as_index, ir_value, require_feature
+from .nvidia.sync import as_index, ir_value, require_feature
 
 WARPGROUP_M = 64
 INSTRUCTION_K = 16
@@ -209,7 +209,7 @@ def wait_group(pending: int = 0, *, reads=()) -> None:
     registers = [r for frag in reads for r in _a_registers(frag)]
     nvvm.wgmma_wait_group_sync_aligned(pending)
     if registers:
-        from .nvidia_asm import keep_registers_live
+        from .nvidia.sync import keep_registers_live
 
         keep_registers_live(registers)
 
@@ -592,7 +592,7 @@ def mma_async_regs(acc: Fragment, a_frag, b_desc, *, dtype, b_major: str = "k",
                                           b_major="mn")
         kiln.wgmma.commit()
     """
-    from .nvidia_asm import wgmma_mma_async_regs
+    from .nvidia.sync import wgmma_mma_async_regs
     from .values import Value
 
     require_feature("wgmma", "kiln.wgmma.mma_async_regs")

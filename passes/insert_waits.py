@@ -168,7 +168,7 @@ def _build_mbarrier_wait(gap: Gap) -> None:
                           f"{phase} here could wait for a phase that never comes",
                           "wait for the load before the later loads on its mbarrier (e.g. "
                           "before the loop that issues them): barriers.try_wait(i, phase)")
-    from kiln.mbarrier import DEFAULT_TICKS
+    from kiln.nvidia.mbarrier import DEFAULT_TICKS
 
     index_type = ir.IndexType.get()
     nvgpu.mbarrier_try_wait_parity(barriers, arith.constant(ir.IntegerType.get_signless(1), phase),

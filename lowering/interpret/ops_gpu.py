@@ -13,7 +13,7 @@ import numpy as np
 from mlir import ir
 
 from kiln.errors import UnsupportedError
-from kiln.nvidia_asm import (KEEP_REGISTERS_LIVE_ASM, NAMED_BARRIER_ANY_ASM, SCHED_BARRIER_ASM,
+from kiln.nvidia.sync import (KEEP_REGISTERS_LIVE_ASM, NAMED_BARRIER_ANY_ASM, SCHED_BARRIER_ASM,
                              WAIT_FOR_COUNT_ASM)
 
 from .ops_wgmma import WGMMA_RS_PREFIX, wgmma_rs_inline_asm

@@ -24,7 +24,7 @@ import numbers
 from mlir import ir
 from mlir.dialects import arith, llvm, nvvm
 
-from .errors import KilnTypeError, KilnValueError
+from ..errors import KilnTypeError, KilnValueError
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def elect_sync():
     of dtype i1 when the front end is loaded, usable as ``predicate=`` or in ``if``.
     """
     require_sm90("elect_sync")
-    from .values import Value
+    from ..values import Value
 
     return Value(nvvm.elect_sync(ir.IntegerType.get_signless(1)))
 
@@ -193,8 +193,8 @@ def named_barrier_any(barrier_id, num_threads: int, flag):
         if kiln.nvidia_asm.named_barrier_any(7 + group, 128, x > limit):
             ...   # every warp of the group takes this branch, or none does
     """
-    from .dtypes import i32 as kiln_i32
-    from .values import Value, cast, to_value
+    from ..dtypes import i32 as kiln_i32
+    from ..values import Value, cast, to_value
 
     require_feature("ptx", "named_barrier_any")
     flag = to_value(flag)
@@ -225,8 +225,8 @@ def sched_barrier(scratch, *index) -> None:
         kiln.nvidia_asm.sched_barrier(scratch, tid)    # ... in SASS too
         kiln.wgmma.wait_group(0)
     """
-    from . import dtypes as dt
-    from .builder import SHARED_MEMORY_SPACE
+    from .. import dtypes as dt
+    from ..builder import SHARED_MEMORY_SPACE
 
     _check_nvidia_buffer(scratch, dt.i32, SHARED_MEMORY_SPACE, "sched_barrier",
                          "stores to a shared tensor of i32 words",
@@ -277,9 +277,9 @@ def wait_for_count(counters, *index, target) -> None:
     The interpreter runs CTAs one at a time, so a wait passes there only where the CTAs before
     this one already brought the counter to ``target``; otherwise it raises UnsupportedError.
     """
-    from . import dtypes as dt
-    from .builder import GLOBAL_MEMORY_SPACE
-    from .values import cast, to_value
+    from .. import dtypes as dt
+    from ..builder import GLOBAL_MEMORY_SPACE
+    from ..values import cast, to_value
 
     _check_nvidia_buffer(counters, dt.i64, GLOBAL_MEMORY_SPACE, "wait_for_count",
                          "polls a global tensor of i64 counters",
@@ -388,7 +388,7 @@ def cluster_dims(x: int, y: int = 1, z: int = 1) -> None:
         rank = kiln.nvidia_asm.cluster_ctarank()  # 0 or 1
     """
     require_sm90("cluster_dims")
-    from . import builder
+    from .. import builder
 
     shape = (x, y, z)
     if not all(isinstance(d, int) and d >= 1 for d in shape) \
@@ -408,7 +408,7 @@ def cluster_dims(x: int, y: int = 1, z: int = 1) -> None:
 def cluster_ctarank():
     """This CTA's rank in its cluster (``%cluster_ctarank``, 0 .. CTAs per cluster - 1), an i32."""
     require_sm90("cluster_ctarank")
-    from .values import Value
+    from ..values import Value
 
     return Value(nvvm.read_ptx_sreg_cluster_ctarank(ir.IntegerType.get_signless(32)))
 
@@ -441,7 +441,7 @@ def grid_dependency_wait() -> None:
         n = lengths[kiln.block_id(0)]
     """
     require_sm90("grid_dependency_wait")
-    from . import builder
+    from .. import builder
 
     state = builder.current()
     if ir.InsertionPoint.current.block != state.entry_block:

@@ -23,13 +23,13 @@ from typing import Any, Sequence
 from mlir import ir
 from mlir.dialects import nvgpu
 
-from . import builder
-from . import dtypes as dt
-from .errors import KilnTypeError, KilnValueError
-from .global_tile import GlobalTile
-from .shared_tile import SharedTile
-from .tensor import to_index
-from .values import Handle, Value, cast
+from .. import builder
+from .. import dtypes as dt
+from ..errors import KilnTypeError, KilnValueError
+from ..global_tile import GlobalTile
+from ..shared_tile import SharedTile
+from ..tensor import to_index
+from ..values import Handle, Value, cast
 
 COPY_BYTES = (4, 8, 16)
 
@@ -87,7 +87,7 @@ def _as_i32(x: Any) -> Any:
 
 
 def _select(cond: Value, a: Any, b: Any) -> Value:
-    from .ops import where
+    from ..ops import where
 
     return where(cond, a, b)
 

@@ -58,15 +58,15 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import amdgpu, memref, nvgpu, vector
 
-from . import dtypes as dt
-from .amd_asm import mark_async, require_amd, require_gfx950
-from .builder import current_target
-from .errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
-from .layout import Layout, ThreadValueLayout, concat_modes
-from .mfma import WAVE, values_per_lane
-from .shared import SharedTensor
-from .swizzle import ComposedSwizzle, Swizzle
-from .values import Value, cast
+from .. import dtypes as dt
+from .sched import mark_async, require_amd, require_gfx950
+from ..builder import current_target
+from ..errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
+from ..layout import Layout, ThreadValueLayout, concat_modes
+from ..mfma import WAVE, values_per_lane
+from ..shared import SharedTensor
+from ..swizzle import ComposedSwizzle, Swizzle
+from ..values import Value, cast
 
 MAX_LDS_READ_BYTES = 16  # ds_read_b128
 MAX_IMM_OFFSET = 65535  # the DS instructions' 16-bit unsigned offset field
@@ -347,7 +347,7 @@ class TiledMmaLoader:
 
 
 def _lane() -> Value:
-    from .ops import lane_id
+    from ..ops import lane_id
 
     return lane_id()
 
@@ -361,7 +361,7 @@ def _flat(smem: SharedTensor) -> ir.Value:
 
 
 def _index(offset: Any) -> ir.Value:
-    from .tensor import to_index
+    from ..tensor import to_index
 
     return to_index(cast(offset, dt.i32) if isinstance(offset, Value) else offset)
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from mlir import ir
 from mlir.dialects import rocdl
 
-from .errors import KilnTypeError, KilnValueError
-from .nvidia_asm import current_target
+from ..errors import KilnTypeError, KilnValueError
+from ..nvidia.sync import current_target
 
 ASYNC_ATTR = "kiln.async"
 TOKEN_ATTR = "kiln.token"
@@ -99,7 +99,7 @@ class _TokenIds:
         self.next = 0
 
     def take(self) -> int:
-        from . import builder
+        from .. import builder
 
         state = builder.current() if builder.is_tracing() else None
         if state is not self.trace:

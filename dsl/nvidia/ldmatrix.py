@@ -25,12 +25,12 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import nvgpu, vector
 
-from . import builder, ops
-from .errors import KilnTypeError, KilnValueError, TargetError
-from .reg_tile import _concat
-from .shared_tile import SharedTile
-from .tensor import to_index
-from .values import Value
+from .. import builder, ops
+from ..errors import KilnTypeError, KilnValueError, TargetError
+from ..reg_tile import _concat
+from ..shared_tile import SharedTile
+from ..tensor import to_index
+from ..values import Value
 
 BLOCK = 8
 A_BLOCKS = ((0, 0), (8, 0), (0, 8), (8, 8))  # a0a1, a2a3, a4a5, a6a7 of the m16n8k16 A fragment

@@ -19,8 +19,8 @@ from __future__ import annotations
 from mlir import ir
 from mlir.dialects import arith, llvm, nvgpu, nvvm
 
-from .errors import KilnValueError
-from .nvidia_asm import as_index, as_predicate, ir_value, require_sm90
+from ..errors import KilnValueError
+from .sync import as_index, as_predicate, ir_value, require_sm90
 
 # Spin budget per try_wait poll before the hardware suspends the thread; upstream's default.
 DEFAULT_TICKS = 10_000_000

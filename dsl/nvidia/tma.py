@@ -21,9 +21,9 @@ import math
 from mlir import ir
 from mlir.dialects import arith, builtin, llvm, nvgpu, nvvm
 
-from .dtypes import dtype as as_dtype
-from .errors import KilnTypeError, KilnValueError
-from .nvidia_asm import EVICTION_POLICIES, as_index, as_predicate, ir_value, require_feature
+from ..dtypes import dtype as as_dtype
+from ..errors import KilnTypeError, KilnValueError
+from .sync import EVICTION_POLICIES, as_index, as_predicate, ir_value, require_feature
 
 SHARED_MEMORY_SPACE = 3
 # nvgpu.tma.async.load has no cache-hint operand, and convert-nvgpu-to-nvvm keeps an op's

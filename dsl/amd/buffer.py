@@ -30,12 +30,12 @@ from __future__ import annotations
 from mlir import ir
 from mlir.dialects import amdgpu
 
-from . import dtypes as dt
-from .amd_asm import AsyncToken, mark_async, require_amd
-from .errors import KilnTypeError, KilnValueError, UnsupportedError
-from .shared import SharedTensor
-from .tensor import TensorRef, to_index
-from .values import cast, to_value
+from .. import dtypes as dt
+from .sched import AsyncToken, mark_async, require_amd
+from ..errors import KilnTypeError, KilnValueError, UnsupportedError
+from ..shared import SharedTensor
+from ..tensor import TensorRef, to_index
+from ..values import cast, to_value
 
 #: Bytes one lane may move per DMA instruction: dword on every GFX9 chip, dwordx4 on gfx950
 #: (1- and 2-byte transfers are padded to 4 in LDS and 12-byte ones to 16, so Kiln leaves
