@@ -209,7 +209,7 @@ def wait_group(pending: int = 0, *, reads=()) -> None:
     registers = [r for frag in reads for r in _a_registers(frag)]
     nvvm.wgmma_wait_group_sync_aligned(pending)
     if registers:
-        from .nvidia.sync import keep_registers_live
+        from .nvidia.wgmma import keep_registers_live
 
         keep_registers_live(registers)
 
@@ -494,7 +494,7 @@ def store_fragment_swizzled(acc: Fragment, chunks, first_chunk, *, columns=None)
 # ``wgmma.mma_async`` also reads A from four b32 registers per thread instead of a descriptor,
 # so a softmax computed in registers feeds the next product without a trip through shared
 # memory. Upstream ``nvvm.wgmma.mma_async`` only takes descriptors: the PTX is inline asm in
-# :func:`kiln.nvidia_asm.wgmma_mma_async_regs`.
+# :func:`kiln.nvidia.wgmma.wgmma_mma_async_regs`.
 
 A_REGISTER_VALUES = 8  # 64 x 16 A tile over 128 threads: 8 elements = 4 packed b32 registers
 
@@ -592,7 +592,7 @@ def mma_async_regs(acc: Fragment, a_frag, b_desc, *, dtype, b_major: str = "k",
                                           b_major="mn")
         kiln.wgmma.commit()
     """
-    from .nvidia.sync import wgmma_mma_async_regs
+    from .nvidia.wgmma import wgmma_mma_async_regs
     from .values import Value
 
     require_feature("wgmma", "kiln.wgmma.mma_async_regs")

@@ -33,9 +33,9 @@ from mlir.dialects import arith, nvgpu, nvvm, rocdl
 from kiln.errors import InternalError, WaitError
 from kiln.passes import register_pass
 from kiln.passes.enclosing import enclosing_gpu_func, enclosing_loops
-from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, MBARRIER_WAIT, TMA_LOAD, WGMMA, Gap,
-                                       WaitAnalysis, encode_gfx9_waitcnt, mbarrier_of,
-                                       same_mbarrier, wait_limits)
+from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis,
+                                       encode_gfx9_waitcnt, is_mbarrier_wait, mbarrier_of,
+                                       op_counter, op_label, same_mbarrier, wait_limits)
 
 NAME = "kiln-insert-waits"
 MMA_PREFIXES = ("amdgpu.mfma", "amdgpu.scaled_mfma", "rocdl.mfma", "amdgpu.wmma",
@@ -97,7 +97,7 @@ def static_phase(tma_load: ir.Operation) -> int | None:
         if op == tma_load:
             done.append(op)
             return ir.WalkResult.INTERRUPT
-        if op.name == MBARRIER_WAIT and same_mbarrier(mbarrier_of(op), signal):
+        if is_mbarrier_wait(op) and same_mbarrier(mbarrier_of(op), signal):
             earlier.append(op)
         return ir.WalkResult.ADVANCE
 
@@ -118,7 +118,8 @@ def later_phase_load(event: ir.Operation, place_before: ir.Operation) -> ir.Oper
     found, started = [], []
 
     def later(op):
-        return op != event and op.name == TMA_LOAD and same_mbarrier(mbarrier_of(op), signal)
+        return (op != event and op_counter(op) == MBARRIER
+                and same_mbarrier(mbarrier_of(op), signal))
 
     def visit(op):
         if op == stop:
@@ -147,7 +148,7 @@ def later_phase_load(event: ir.Operation, place_before: ir.Operation) -> ir.Oper
 def _wait_error(gap: Gap, what: str, fix: str) -> WaitError:
     from kiln.passes.verify_waits import source_loc, where
 
-    return WaitError(f"this {gap.reader.name} may read before the {gap.event.name} at "
+    return WaitError(f"this {op_label(gap.reader)} may read before the {op_label(gap.event)} at "
                      f"{where(gap.event)} {what}", fix=fix, loc=source_loc(gap.reader.location))
 
 
@@ -163,7 +164,7 @@ def _build_mbarrier_wait(gap: Gap) -> None:
     if later is not None:
         from kiln.passes.verify_waits import where
 
-        raise _wait_error(gap, f"lands, and the nvgpu.tma.async.load at {where(later)} may "
+        raise _wait_error(gap, f"lands, and the {later.name} at {where(later)} may "
                           f"complete a later phase of its mbarrier first, so a wait for parity "
                           f"{phase} here could wait for a phase that never comes",
                           "wait for the load before the later loads on its mbarrier (e.g. "

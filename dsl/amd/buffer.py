@@ -31,6 +31,7 @@ from mlir import ir
 from mlir.dialects import amdgpu
 
 from .. import dtypes as dt
+from ..core.ops import VMCNT, Effects, declare, shared_operands
 from .sched import AsyncToken, mark_async, require_amd
 from ..errors import KilnTypeError, KilnValueError, UnsupportedError
 from ..shared import SharedTensor
@@ -50,6 +51,19 @@ class BufferTensor(TensorRef):
     def __init__(self, ir_value: ir.Value, dtype: dt.DType, name: str):
         super().__init__(ir_value, dtype, name)
 
+
+# LDS DMA (global -> LDS without registers): vmcnt events that write their LDS operand.
+GATHER_TO_LDS = declare("amd.lds_dma.gather_to_lds", feature="gfx9",
+                        mlir_names=("amdgpu.gather_to_lds",),
+                        effects=Effects(counter=VMCNT, writes=shared_operands))
+LOAD_TO_LDS = declare("amd.lds_dma.load_to_lds", feature="gfx9",
+                      mlir_names=("rocdl.global.load.lds", "rocdl.load.to.lds",
+                                  "rocdl.raw.ptr.buffer.load.lds"),
+                      effects=Effects(counter=VMCNT, writes=shared_operands))
+# Buffer loads into registers: vmcnt events their consumers read.
+BUFFER_LOAD = declare("amd.buffer.load", feature="gfx9",
+                      mlir_names=("rocdl.raw.ptr.buffer.load", "amdgpu.raw_buffer_load"),
+                      effects=Effects(counter=VMCNT))
 
 def buffer(tensor: TensorRef, *, valid_bytes=None) -> BufferTensor:
     """A bounds-checked buffer view of global tensor ``tensor`` (``amdgpu.fat_raw_buffer_cast``).

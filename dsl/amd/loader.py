@@ -59,6 +59,7 @@ from mlir import ir
 from mlir.dialects import amdgpu, memref, nvgpu, vector
 
 from .. import dtypes as dt
+from ..core.ops import LGKMCNT, VMCNT, Effects, declare
 from .sched import mark_async, require_amd, require_gfx950
 from ..builder import current_target
 from ..errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
@@ -98,6 +99,19 @@ def _swizzle_keeps_runs(swizzle, run: int) -> bool:
     runs = table.reshape(-1, run)
     return bool(np.all(runs == runs[:, :1] + np.arange(run)) and np.all(runs[:, 0] % run == 0))
 
+
+# Transposed reads: LDS ones count on lgkmcnt, global ones on vmcnt; consumers read the result.
+DS_READ_TR = declare("amd.loader.ds_read_tr", feature="gfx950",
+                     mlir_names=("amdgpu.transpose_load", "rocdl.ds.read.tr4.b64",
+                                 "rocdl.ds.read.tr6.b96", "rocdl.ds.read.tr8.b64",
+                                 "rocdl.ds.read.tr16.b64"),
+                     effects=Effects(counter=LGKMCNT))
+GLOBAL_LOAD_TR = declare("amd.loader.global_load_tr", feature="gfx950",
+                         mlir_names=("rocdl.global.load.tr4.b64", "rocdl.global.load.tr6.b96",
+                                     "rocdl.global.load.tr.b64", "rocdl.global.load.tr.b128"),
+                         effects=Effects(counter=VMCNT))
+DS_BPERMUTE = declare("amd.loader.ds_bpermute", feature="gfx9", mlir_names=("rocdl.ds_bpermute",),
+                      effects=Effects(counter=LGKMCNT))
 
 @dataclass(frozen=True)
 class TiledMmaLoader:

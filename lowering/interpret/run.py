@@ -19,6 +19,7 @@ from mlir import ir
 
 from kiln import env as kiln_env
 from kiln.cluster import RECIPES_ATTR as _RECIPES
+from kiln.core.ops import effects_of, lookup
 from kiln.errors import KilnTypeError, KilnValueError, UnsupportedError
 from kiln.launch_args import check_float_argument, check_int_argument, normalize_grid
 from kiln.passes import build_pass_manager
@@ -32,7 +33,6 @@ from .plan import Plan, np_dtype
 from .state import CTA, Cluster, Context, ContextAborted, MemRef
 
 WARP_GROUP_THREADS = 128
-_BLOCKING_OPS = ("nvgpu.mbarrier.try_wait.parity", "nvgpu.mbarrier.test.wait")
 _SHARED_ALIGN = 16
 
 
@@ -106,11 +106,18 @@ def _walk(op: ir.Operation, depth: int = 0):
 
 
 def _blocks_in_divergent_code(func) -> bool:
-    return any(op.name in _BLOCKING_OPS and depth > 0 for op, depth in _walk(func))
+    return any(depth > 0 and effects_of(op).blocks for op, depth in _walk(func))
 
 
 def _has_warp_group_ops(func) -> bool:
-    return any(op.name.startswith(("nvgpu.warpgroup.", "nvvm.wgmma.")) for op, _ in _walk(func))
+    """Whether ``func`` issues WGMMA-family ops (declared ``nvidia.wgmma.*``, or the undeclared
+    ``nvgpu.warpgroup`` stack)."""
+    for op, _ in _walk(func):
+        opdef = lookup(op)
+        if op.name.startswith("nvgpu.warpgroup.") or (
+                opdef is not None and opdef.name.startswith("nvidia.wgmma.")):
+            return True
+    return False
 
 
 def global_memref(array: np.ndarray, name: str) -> MemRef:
