@@ -317,7 +317,7 @@ class WaitAnalysis:
             step = Step(op, kind, limits=found.waits(op) if found.waits else {},
                         barrier=found.barrier, commit=found.commits == WGMMA,
                         signal=found.mbarrier(op) if found.mbarrier else None,
-                        descriptors=found.reads_descriptors or name == _WARPGROUP_MMA,
+                        descriptors=found.indirect_shared or name == _WARPGROUP_MMA,
                         accumulates=found.accumulates,
                         arrive=found.arrives(op) if found.arrives else None)
             step.counter = found.counter

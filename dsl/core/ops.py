@@ -53,8 +53,9 @@ class Effects:
 
     ``counter``: the async counter or group each issue adds one event to (:data:`COUNTERS`).
     ``writes(op)``: the shared-memory operands it writes asynchronously (None: it writes only
-    registers, which its consumers read). ``reads_descriptors``: it reads shared memory through
-    the matrix descriptors among its operands. ``accumulates``: a result chained into the next
+    registers, which its consumers read). ``indirect_shared``: it accesses shared memory through
+    the matrix descriptors or i64 addresses among its operands (found by walking them back
+    to their buffers). ``accumulates``: a result chained into the next
     op of the same counter (a WGMMA accumulator) is not a read. ``commits``: it closes the
     uncommitted events of that counter into a group. ``waits(op)``: counter -> N, the events
     it retires (all but the N youngest). ``mbarrier(op)``: ``(barrier group value, constant index
@@ -65,7 +66,7 @@ class Effects:
 
     counter: str | None = None
     writes: Callable[[ir.Operation], tuple] | None = None
-    reads_descriptors: bool = False
+    indirect_shared: bool = False
     accumulates: bool = False
     commits: str | None = None
     waits: Callable[[ir.Operation], dict] | None = None

@@ -24,7 +24,7 @@ from mlir.dialects import llvm
 
 from ..core.ops import WGMMA, Effects, declare, int_attr
 
-_EVENT = Effects(counter=WGMMA, reads_descriptors=True, accumulates=True)
+_EVENT = Effects(counter=WGMMA, indirect_shared=True, accumulates=True)
 
 MMA_ASYNC = declare("nvidia.wgmma.mma_async", feature="wgmma", effects=_EVENT,
                     mlir_names=("nvvm.wgmma.mma_async",),
