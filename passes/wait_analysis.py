@@ -219,6 +219,7 @@ class Step:
     descriptors: bool = False    # reads shared memory through matrix descriptors
     accumulates: bool = False    # a same-counter event's result chained in is no read
     arrive: object = None        # the mbarrier group an arrive hands back (mbarrier_protocol)
+    data: bool = True            # touches shared data (not only mbarriers)
     signal: tuple | None = None  # the mbarrier a TMA load signals / a try_wait waits on
     blocks: list = field(default_factory=list)  # nested blocks, each a list of Steps
     reads: tuple = ()            # events this op consumes (filled after all events are known)
@@ -319,7 +320,8 @@ class WaitAnalysis:
                         signal=found.mbarrier(op) if found.mbarrier else None,
                         descriptors=found.indirect_shared or name == _WARPGROUP_MMA,
                         accumulates=found.accumulates,
-                        arrive=found.arrives(op) if found.arrives else None)
+                        arrive=found.arrives(op) if found.arrives else None,
+                        data=found.data)
             step.counter = found.counter
             if step.counter is not None:
                 step.roots = written_roots(op)
@@ -352,8 +354,8 @@ class WaitAnalysis:
                 if lds_events and step.descriptors and not is_shared(operand):
                     roots = descriptor_roots(operand)
                     needed |= {e for e in lds_events for r in roots if _aliases(r, e.roots)}
-                if (lds_events and step.roots is None and name not in _NO_ACCESS
-                        and is_shared(operand)):
+                if (lds_events and step.roots is None and step.data
+                        and name not in _NO_ACCESS and is_shared(operand)):
                     root = buffer_root(operand)
                     needed |= {e for e in lds_events if _aliases(root, e.roots)}
             if "kiln.waits_for" in op.attributes:

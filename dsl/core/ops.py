@@ -61,7 +61,8 @@ class Effects:
     it retires (all but the N youngest). ``mbarrier(op)``: ``(barrier group value, constant index
     or None)`` the op signals (with a counter) or waits on (without). ``arrives(op)``: the
     mbarrier group it arrives on (a consumer handing a buffer back). ``barrier``: every thread
-    of the block meets here. ``blocks``: a thread may stop here until others progress.
+    of the block meets here. ``blocks``: a thread may stop here until others progress. ``data``: False
+    when its shared operands are mbarriers only (it reads or writes no shared data).
     """
 
     counter: str | None = None
@@ -74,6 +75,7 @@ class Effects:
     arrives: Callable[[ir.Operation], ir.Value] | None = None
     barrier: bool = False
     blocks: bool = False
+    data: bool = True
 
     def __post_init__(self):
         for counter in (self.counter, self.commits):

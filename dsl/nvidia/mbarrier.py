@@ -31,20 +31,24 @@ MAX_BARRIERS = 1024  # nvgpu.mbarrier.group is a static shared array; keep it a 
 
 
 # try_wait retires the TMA loads of the phase it waits for (operands: group, parity, ticks, index).
+# mbarrier ops touch only the barrier words, no shared data (data=False).
 TRY_WAIT = declare("nvidia.mbarrier.try_wait", feature="sm90",
                    mlir_names=("nvgpu.mbarrier.try_wait.parity",),
                    effects=Effects(mbarrier=lambda op: (op.operands[0],
                                                         constant_int(op.operands[3])),
-                                   blocks=True))
+                                   blocks=True, data=False))
 TEST_WAIT = declare("nvidia.mbarrier.test_wait", feature="sm90",
-                    mlir_names=("nvgpu.mbarrier.test.wait",), effects=Effects(blocks=True))
+                    mlir_names=("nvgpu.mbarrier.test.wait",),
+                    effects=Effects(blocks=True, data=False))
 CREATE = declare("nvidia.mbarrier.create", feature="sm90",
-                 mlir_names=("nvgpu.mbarrier.create", "nvgpu.mbarrier.init", "nvgpu.mbarrier.get"))
+                 mlir_names=("nvgpu.mbarrier.create", "nvgpu.mbarrier.init", "nvgpu.mbarrier.get"),
+                 effects=Effects(data=False))
 ARRIVE = declare("nvidia.mbarrier.arrive", feature="sm90",
                  mlir_names=("nvgpu.mbarrier.arrive", "nvgpu.mbarrier.arrive.expect_tx"),
-                 effects=Effects(arrives=lambda op: op.operands[0]))
+                 effects=Effects(arrives=lambda op: op.operands[0], data=False))
 ARRIVE_CLUSTER = declare("nvidia.mbarrier.arrive_cluster", feature="sm90",
-                         mlir_names=("nvvm.mapa", "nvvm.mbarrier.arrive"))
+                         mlir_names=("nvvm.mapa", "nvvm.mbarrier.arrive"),
+                         effects=Effects(data=False))
 
 
 def group_type(num_barriers: int) -> ir.Type:
