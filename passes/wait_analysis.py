@@ -29,8 +29,11 @@ Which events an op reads does not depend on the path, so it is computed once per
   operands to their results instead of consuming it; any other op (arithmetic, MMA, store,
   an ``scf.if`` condition, loop bounds) is a consumer;
 - the events that write an LDS buffer the op accesses (global->LDS DMA, ``cp.async``). Buffers
-  are told apart by their root (``memref.get_global`` symbol, kernel argument, ``memref.alloc``;
-  an unknown root aliases every buffer); view ops (``memref.collapse_shape``, ...) access nothing;
+  are told apart by their root (``memref.get_global`` symbol, kernel argument, ``memref.alloc``,
+  a ``kiln.dynamic_shared`` allocation by its ``kiln.buffer`` offset; an unknown root aliases
+  every buffer); view ops (``memref.collapse_shape``, ...) and ops that touch only mbarriers
+  (``Effects.data``) access nothing; descriptor readers (``Effects.indirect_shared``) access
+  the buffers their descriptors are computed from;
 - the events named by ``kiln.waits_for = [tokens]`` (``kiln.token`` ids).
 
 A read whose event is still in the state is a :class:`Gap`. Its wait goes before the last
@@ -38,6 +41,10 @@ barrier between the event and the read when the event writes LDS (other waves re
 that barrier), with the event's count *at that barrier*; else right before the read.
 ``scf.for`` bodies run to a fixed point (steady state across the back-edge) and are then walked
 once more to record gaps; ``scf.if`` joins both arms; other region ops are walked once and joined.
+
+Reads of a buffer that another warp group TMA-loads (the other arm of an ``scf.if``) never see
+the load in their state; :mod:`kiln.passes.mbarrier_protocol` checks their mbarrier hand-over
+and adds its gaps to the same list.
 
 With ``place=True`` each gap is closed as it is found: the wait is built in the IR and applied
 to the state, so later reads see it. A loop's fixed point was computed before that walk, so a
@@ -53,9 +60,9 @@ from dataclasses import dataclass, field
 from mlir import ir
 from mlir.dialects import llvm  # noqa: F401 - registers the class !llvm.ptr types are returned as
 
-from kiln.amd.sched import decode_waitcnt as decode_gfx9_waitcnt
-from kiln.core.ops import (CP_ASYNC, MBARRIER, NO_EFFECTS, OP_ATTR, WGMMA, Effects, is_shared,
-                           lookup)
+from kiln.amd.sched import decode_waitcnt as decode_gfx9_waitcnt  # noqa: F401 - the inverse
+from kiln.core.ops import CP_ASYNC  # noqa: F401 - the passes' counter names live in kiln.core.ops
+from kiln.core.ops import MBARRIER, NO_EFFECTS, OP_ATTR, WGMMA, Effects, is_shared, lookup
 
 # GFX9 (gfx90a/gfx942/gfx950) s_waitcnt simm16 layout:
 #   bits 3:0 vmcnt[3:0], 6:4 expcnt, 11:8 lgkmcnt, 15:14 vmcnt[5:4].

@@ -32,7 +32,8 @@ from mlir.dialects import amdgpu
 
 from .. import dtypes as dt
 from ..core.ops import VMCNT, Effects, declare, shared_operands
-from .sched import AsyncToken, mark_async, require_amd
+from ..nvidia.sync import current_target
+from .sched import AsyncToken, mark_async
 from ..errors import KilnTypeError, KilnValueError, UnsupportedError
 from ..shared import SharedTensor
 from ..tensor import TensorRef, to_index
@@ -60,6 +61,7 @@ LOAD_TO_LDS = declare("amd.lds_dma.load_to_lds", feature="gfx9",
                       mlir_names=("rocdl.global.load.lds", "rocdl.load.to.lds",
                                   "rocdl.raw.ptr.buffer.load.lds"),
                       effects=Effects(counter=VMCNT, writes=shared_operands))
+BUFFER_VIEW = declare("amd.buffer.view", feature="gfx9", mlir_names=("amdgpu.fat_raw_buffer_cast",))
 # Buffer loads into registers: vmcnt events their consumers read.
 BUFFER_LOAD = declare("amd.buffer.load", feature="gfx9",
                       mlir_names=("rocdl.raw.ptr.buffer.load", "amdgpu.raw_buffer_load"),
@@ -71,7 +73,7 @@ def buffer(tensor: TensorRef, *, valid_bytes=None) -> BufferTensor:
     ``valid_bytes`` (an int or integer Value) limits the readable range, counted from the tensor's
     first element; by default it is the tensor's extent. Example: ``b = buffer(x)``.
     """
-    require_amd("kiln.amd_buffer.buffer")
+    BUFFER_VIEW.require(current_target(), "kiln.amd_buffer.buffer")
     if not isinstance(tensor, TensorRef) or isinstance(tensor, (SharedTensor, BufferTensor)):
         raise KilnTypeError(f"kiln.amd_buffer.buffer needs a global kiln.Tensor parameter, got "
                             f"{tensor!r}", fix="pass a kernel argument annotated kiln.Tensor[...]")
@@ -98,7 +100,7 @@ def copy_to_lds(src: TensorRef, src_index, dst: SharedTensor, dst_index, *,
 
         t = copy_to_lds(a_buf, (row0 + lane // 8, (lane % 8) * 8), tile, (0, 0), width=8)
     """
-    target = require_amd("kiln.amd_buffer.copy_to_lds")
+    target = GATHER_TO_LDS.require(current_target(), "kiln.amd_buffer.copy_to_lds")
     if not isinstance(src, TensorRef) or isinstance(src, SharedTensor):
         raise KilnTypeError(f"copy_to_lds reads global memory, got {src!r}",
                             fix="pass a kiln.Tensor parameter or a kiln.amd_buffer.buffer view")

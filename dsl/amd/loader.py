@@ -60,7 +60,8 @@ from mlir.dialects import amdgpu, memref, nvgpu, vector
 
 from .. import dtypes as dt
 from ..core.ops import LGKMCNT, VMCNT, Effects, declare
-from .sched import mark_async, require_amd, require_gfx950
+from ..nvidia.sync import current_target as op_target  # honours compiling_for, as require_amd
+from .sched import mark_async, require_amd
 from ..builder import current_target
 from ..errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
 from ..layout import Layout, ThreadValueLayout, concat_modes
@@ -266,7 +267,7 @@ class TiledMmaLoader:
             imm = self._imm_elems(imm_offset_bytes, LDMATRIX_ROW)
             offset = self.ldmatrix_b_tr_offsets(_lane(), row_stride, k0, n0)
             return _ldmatrix(smem, offset + imm, 1, self.dtype, trans=True)[0]
-        require_gfx950("TiledMmaLoader.load_b_tr")
+        DS_READ_TR.require(op_target(), "TiledMmaLoader.load_b_tr")
         self._require_tr16("load_b_tr")
         row_stride = self._check_tile(smem)
         per = TR_READ_BYTES // self.dtype.itemsize
@@ -282,7 +283,7 @@ class TiledMmaLoader:
         tile: four ``ds_read_b64_tr_b8``; returns ``vector<32 x dtype>`` laid out as
         :meth:`v_fp8_strip_layout`. Example: ``v = loader.load_v_fp8_strip(v_tile, depth0=16)``.
         """
-        require_gfx950("TiledMmaLoader.load_v_fp8_strip")
+        DS_READ_TR.require(op_target(), "TiledMmaLoader.load_v_fp8_strip")
         self._require_v_fp8("load_v_fp8_strip")
         row_stride = self._check_tile(smem)
         self._check_swizzle(TR_READ_BYTES, "load_v_fp8_strip")

@@ -71,11 +71,6 @@ def require_amd(what: str):
     return current_target().require("gfx9", what)
 
 
-def require_gfx950(what: str):
-    """The current target if it is gfx950 (CDNA4-only instructions), else TargetError."""
-    return current_target().require("gfx950", what)
-
-
 # ------------------------------------------------------------------------------- async tokens
 
 

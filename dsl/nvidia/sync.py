@@ -107,11 +107,6 @@ def require_feature(feature: str, what: str):
     return current_target().require(feature, what)
 
 
-def require_sm90(what: str):
-    """Raise TargetError unless compiling for an NVIDIA chip of compute capability >= 9.0."""
-    return require_feature("sm90", what)
-
-
 # ---------------------------------------------------------------------------------------------
 # Declarations (kiln.core.ops): identity, chips, effects, interpreter semantics
 # ---------------------------------------------------------------------------------------------
