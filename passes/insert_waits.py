@@ -179,6 +179,10 @@ def _build_mbarrier_wait(gap: Gap) -> None:
 
 def build_wait(gap: Gap) -> None:
     """Build the wait that closes ``gap`` before ``gap.place_before``, at the reader's location."""
+    if gap.overwrite:  # the phase of the readers' hand-over is the program's to compute
+        from kiln.passes.verify_waits import gap_error
+
+        raise gap_error(gap)
     with ir.InsertionPoint(gap.place_before), gap.reader.location:
         if gap.counter == CP_ASYNC:
             nvgpu.device_async_wait(gap.event.result, num_groups=gap.count)

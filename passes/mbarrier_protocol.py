@@ -14,9 +14,14 @@ unnoticed. This module checks the handshake instead, over the same op tree:
   fixed point).
 
 A read that does not is a :class:`~kiln.passes.wait_analysis.Gap` on the load (counter
-``mbarrier``). Barrier indices are not told apart (stages of one group are one group), and
-write-after-read hand-overs (the producer's wait on E, ``wgmma.wait_group`` before an arrive)
-are not checked: that needs per-stage buffer identities.
+``mbarrier``). The producer's side of the hand-over is checked by shape: a TMA load in a loop
+whose buffer another warp group reads must follow, in its block and with no load on another mbarrier
+group in between, a wait on an "empty" barrier (one that threads arrive on and no TMA load
+completes): it refills the buffer only once the readers gave it back. Else it is a Gap with
+``overwrite``. Barrier indices are not
+told apart (stages of one group are one group), so a ``wgmma.wait_group`` before an arrive
+(the MMA must be done reading before the release) is not checked: that needs per-stage buffer
+identities.
 """
 
 from __future__ import annotations
@@ -106,6 +111,47 @@ class _Walk:
             self.gaps.append(Gap(step.op, event.op, MBARRIER, 0, step.op))
 
 
+def _producer_gaps(body, arms: dict) -> list:
+    """The overwrite gaps of the producers' loads (module docstring)."""
+    from kiln.passes.wait_analysis import Gap
+
+    readers, arrived, signalled = {}, set(), set()
+
+    def index(steps):
+        for step in steps:
+            for event in step.reads:
+                if event.counter == MBARRIER and _cross(arms[event], arms[step]):
+                    readers.setdefault(event, step)
+            if step.arrive is not None:
+                arrived.add(step.arrive)
+            if step.counter == MBARRIER:
+                signalled.add(step.signal[0])
+            for block in step.blocks:
+                index(block)
+
+    index(body)
+    empty = arrived - signalled  # barriers readers hand buffers back on (no TMA completes them)
+    gaps = []
+
+    def visit(steps, in_loop: bool, last_wait, loaded: set):
+        for step in steps:
+            if step.signal is not None and step.counter is None:
+                last_wait, loaded = step.signal[0], set()
+            elif step.counter == MBARRIER:
+                reader = readers.get(step)
+                if in_loop and reader is not None and not (
+                        last_wait in empty and loaded <= {step.signal[0]}):
+                    gaps.append(Gap(step.op, reader.op, MBARRIER, 0, step.op, overwrite=True))
+                loaded = loaded | {step.signal[0]}
+            for block in step.blocks:  # a loop body starts afresh each iteration
+                fresh = step.kind == "for"
+                visit(block, in_loop or fresh, None if fresh else last_wait,
+                      set() if fresh else loaded)
+
+    visit(body, False, None, set())
+    return gaps
+
+
 def cross_thread_gaps(body) -> list:
     """The reads in ``body`` (a WaitAnalysis op tree) of buffers TMA-loaded by another thread
     with no acquisition of the load's mbarrier on every path (module docstring)."""
@@ -117,4 +163,4 @@ def cross_thread_gaps(body) -> list:
     walk = _Walk(body)
     walk.record = True
     walk.walk(body, frozenset())
-    return walk.gaps
+    return walk.gaps + _producer_gaps(body, walk.arms)

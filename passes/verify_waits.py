@@ -43,6 +43,14 @@ def where(op: ir.Operation) -> str:
 
 def gap_error(gap: Gap) -> WaitError:
     """The WaitError for one uncovered read, at the read's user location."""
+    if gap.overwrite:
+        return WaitError(
+            f"this {op_label(gap.reader)} may overwrite the buffer that the "
+            f"{op_label(gap.event)} at {where(gap.event)} reads in another warp group, before "
+            "that warp group hands it back: no wait on an mbarrier the readers arrive on "
+            "precedes it", fix="wait on the buffer's empty mbarrier right before the load: "
+                               "empty.try_wait(stage, phase)",
+            loc=source_loc(gap.reader.location))
     if gap.counter == WGMMA and gap.count < 0:
         return WaitError(
             f"this {op_label(gap.reader)} reads the result of the {op_label(gap.event)} at "

@@ -244,13 +244,16 @@ class Pending:
 
 @dataclass
 class Gap:
-    """A read that no wait covers: the read, the event, and where the wait should go."""
+    """A read that no wait covers: the read, the event, and where the wait should go. With
+    ``overwrite``, ``reader`` is a TMA load that may overwrite the buffer ``event`` (in another
+    warp group) reads before that warp group released it."""
 
     reader: ir.Operation
     event: ir.Operation
     counter: str
     count: int
     place_before: ir.Operation
+    overwrite: bool = False
 
 
 State = dict  # event Step -> Pending

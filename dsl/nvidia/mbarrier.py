@@ -46,9 +46,25 @@ CREATE = declare("nvidia.mbarrier.create", feature="sm90",
 ARRIVE = declare("nvidia.mbarrier.arrive", feature="sm90",
                  mlir_names=("nvgpu.mbarrier.arrive", "nvgpu.mbarrier.arrive.expect_tx"),
                  effects=Effects(arrives=lambda op: op.operands[0], data=False))
+def _remote_group(op):
+    """The group an ``arrive_cluster`` arrives on: its address comes from ``mbarrier.get``
+    through casts and ``mapa`` (None for the ``mapa`` itself)."""
+    if op.name != "nvvm.mbarrier.arrive":
+        return None
+    value = op.operands[0]
+    for _ in range(8):  # get -> inttoptr -> mapa -> arrive, a few casts at most
+        owner = value.owner
+        if isinstance(owner, ir.Block) or not owner.operation.operands:
+            return None
+        if owner.operation.name == "nvgpu.mbarrier.get":
+            return owner.operation.operands[0]
+        value = owner.operation.operands[0]
+    return None
+
+
 ARRIVE_CLUSTER = declare("nvidia.mbarrier.arrive_cluster", feature="sm90",
                          mlir_names=("nvvm.mapa", "nvvm.mbarrier.arrive"),
-                         effects=Effects(data=False))
+                         effects=Effects(arrives=_remote_group, data=False))
 
 
 def group_type(num_barriers: int) -> ir.Type:
