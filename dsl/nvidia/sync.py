@@ -450,3 +450,8 @@ def launch_dependents() -> None:
     loop. Example: ``kiln.nvidia_asm.launch_dependents()``."""
     GRIDDEPCONTROL.require(current_target(), "launch_dependents")
     nvvm.griddepcontrol(nvvm.GridDepActionKind.launch_dependents)
+
+
+# kiln.nvidia_asm's former names for the WGMMA inline-PTX helpers, now in kiln.nvidia.wgmma.
+from .wgmma import (KEEP_REGISTERS_LIVE_ASM, keep_registers_live,  # noqa: E402,F401
+                    wgmma_mma_async_regs, wgmma_rs_asm)
