@@ -5,7 +5,7 @@ from .core.dtypes import (DType, bf16, dtype, f8e4m3, f8e5m2, f16, f32, f64, i1,
 from .core.errors import (CompilationError, InternalError, KilnError, KilnTypeError, KilnValueError,
                           LaunchError, ResourceError, TargetError, UnsupportedError)
 
-# kiln.dtypes / kiln.errors / kiln.env: the core modules, kept as attributes of the facade.
+# kiln.core.dtypes / kiln.core.errors / kiln.core.env: the core modules, kept as attributes of the facade.
 from .core import __version__, dtypes, env, errors
 
 # The tracing DSL (see kiln.kernel for the user guide).
@@ -27,17 +27,22 @@ from .vectors import pack, unpack, vector_constant, vector_slice
 max = maximum
 min = minimum
 
-# Hardware-concept modules: kiln.layout / kiln.swizzle (layout algebra), kiln.tma, kiln.mbarrier,
-# kiln.wgmma and kiln.nvidia_asm (NVIDIA Hopper wrappers over upstream nvgpu/nvvm ops).
-from . import layout, mbarrier, nvidia_asm, swizzle, tma, wgmma
+# Hardware-concept modules: kiln.layout / kiln.swizzle (layout algebra), kiln.wgmma, and the
+# instruction families of kiln.nvidia / kiln.amd under their old names (kiln.tma is
+# kiln.nvidia.tma, kiln.nvidia_asm is kiln.nvidia.sync, kiln.amd_asm is kiln.amd.sched, ...).
+from . import layout, swizzle, wgmma
+from .nvidia import cp_async, ldmatrix, mbarrier, tma
+from .nvidia import wgmma as _wgmma_ops  # noqa: F401 - declares the WGMMA ops (kiln.core.ops)
+from .nvidia import sync as nvidia_asm
+from .amd import buffer as amd_buffer, loader
+from .amd import sched as amd_asm
 from .layout import Layout, ThreadValueLayout, make_layout
 from .swizzle import ComposedSwizzle, Swizzle, SwizzledLayout
 
 # Tiles and tensor-core atoms (kiln.mma registry; importing kiln.mfma registers the AMD atoms),
 # NVIDIA sm_80 loads (ldmatrix, cp.async), AMD LDS/buffer/DMA and the rocdl intrinsic wrappers.
-from . import (amd_asm, amd_buffer, cp_async, global_tile, ldmatrix, loader, mfma, mma,
-               reg_tile, shared_tile, shuffle, tiles)
-from .loader import TiledMmaLoader
+from . import global_tile, mfma, mma, reg_tile, shared_tile, shuffle, tiles
+from .amd.loader import TiledMmaLoader
 from .mma import TiledMma
 from .autotune import autotune
 from .shared import DynamicSharedTensor, dynamic_shared
@@ -61,3 +66,13 @@ from .runtime.launch_fast import specialized_launcher as _specialized_launcher
 _driver.install(_driver.Driver(compile=_compile_specialisation, launch=_launch,
                                specialized_launcher=_specialized_launcher,
                                interpret=_interpret_kernel))
+
+# ``import kiln.tma`` / ``from kiln.amd_asm import ...``: the old module paths name the moved
+# family modules.
+import sys as _sys
+
+for _old, _module in (("tma", tma), ("mbarrier", mbarrier), ("cp_async", cp_async),
+                      ("ldmatrix", ldmatrix), ("nvidia_asm", nvidia_asm), ("amd_asm", amd_asm),
+                      ("amd_buffer", amd_buffer), ("loader", loader)):
+    _sys.modules[f"{__name__}.{_old}"] = _module
+del _sys, _old, _module

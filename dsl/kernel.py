@@ -56,7 +56,7 @@ from .fingerprint import WRAPPERS, keyword_key_part, typed_key
 from .launch_args import normalize_grid
 from .launch_key import exact_keywords, launch_guard, launch_key_part
 from .tensor import TensorRef, memref_type
-from .tma import descriptor_from_pointer
+from .nvidia.tma import descriptor_from_pointer
 from .values import Value
 
 OPTION_NAMES = ("target", "num_warps", "num_threads", "opt_level", "ptx_version", "maxnreg")
@@ -82,7 +82,6 @@ def _target_or_default(target) -> str:
 @dataclass(frozen=True)
 class ArgSpec:
     """How one argument specialises the kernel (part of the cache key)."""
-
     name: str
     kind: str  # "tensor" | "scalar" | "constexpr" | "tensormap"
     dtype: dt.DType | None = None
@@ -106,7 +105,6 @@ class ArgSpec:
 @dataclass
 class TracedKernel:
     """The kiln IR of one specialisation: ``module_asm`` (with locations) and ``signature``."""
-
     name: str
     module_asm: str
     signature: Any  # kiln.signature.KernelSignature
@@ -127,7 +125,6 @@ def _scalar_dtype_of(value: Any) -> dt.DType | None:
 
 class JITKernel:
     """What ``@kiln.kernel`` returns: call ``.compile(...)``, ``.trace(...)`` or ``[grid](...)``."""
-
     def __init__(self, fn: Callable, *, flush_denormals: bool = False,
                  num_threads: int | str | None = None):
         functools.update_wrapper(self, fn)
@@ -279,6 +276,7 @@ class JITKernel:
         if spec.kind == "tensor":
             return TensorRef(arg, spec.dtype, spec.name)
         if spec.kind == "tensormap":
+
             tm = spec.tensormap
             return descriptor_from_pointer(arg, tm.dtype, tm.box, tm.swizzle,
                                            oob_fill_nan=tm.oob_fill_nan)
@@ -437,7 +435,6 @@ class _LaunchEntry:
     after its first launch, and ``guard`` (kiln.launch_key.launch_guard) of its first fast
     launch (each None before it is made, False when there is none); ``target`` is the default
     target it was keyed under."""
-
     __slots__ = ("ck", "meta", "by_position", "fast", "guard", "target")
 
     def __init__(self, ck, meta: dict, by_position: bool, *, target: str):
@@ -447,7 +444,6 @@ class _LaunchEntry:
 
 class _Interpreted:
     """``kernel.interpret``: indexing with a grid gives the CPU-interpreter launcher."""
-
     def __init__(self, kernel: JITKernel):
         self.kernel = kernel
 
@@ -526,7 +522,6 @@ class KilnFunc:
         def relu(v):
             return kiln.maximum(v, 0.0)
     """
-
     def __init__(self, fn: Callable):
         functools.update_wrapper(self, fn)
         self.fn = fn

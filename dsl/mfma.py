@@ -37,7 +37,7 @@ from typing import Any
 from mlir.dialects import amdgpu, vector
 
 from . import mma
-from .amd_buffer import BufferTensor
+from .amd.buffer import BufferTensor
 from .core.dtypes import DType, bf16, f8e4m3, f8e5m2, f16, f32
 from .core.errors import KilnTypeError, KilnValueError, UnsupportedError
 from .layout import (Layout, ThreadValueLayout, concat_modes, mfma_16x16_accumulator,
@@ -94,7 +94,6 @@ def instruction_name(m: int, n: int, k: int, a: DType, b: DType) -> str:
 
 class MfmaAtom(mma.MmaAtom):
     """One ``amdgpu.mfma`` shape/dtype combination (see the module docstring for the table)."""
-
     def __call__(self, a, b, c):
         """``c + a @ b`` for this lane's fragments; returns the new C fragment (f32 vector).
 

@@ -29,7 +29,7 @@ from . import wgmma
 from .core.dtypes import DType, bf16, dtype as as_dtype, f16, f32
 from .core.errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
 from .layout import ThreadValueLayout
-from .nvidia_asm import current_target
+from .nvidia.sync import current_target
 from .reg_tile import RegTile
 from .values import Value
 from kiln.core.targets import get_target
@@ -52,7 +52,6 @@ class MmaAtomSpec:
         >>> spec.c_layout(5, 2), spec.a_layout.num_values
         ((9, 2), 8)
     """
-
     name: str
     vendor: str
     m: int
@@ -99,7 +98,6 @@ class MmaAtom:
     ``atom(a, b, c)`` takes this lane's fragments (``kiln.Value`` vectors of
     ``a_layout.num_values`` ``a_dtype`` elements, and so on) and returns the new C fragment.
     """
-
     spec: MmaAtomSpec
 
     def __init__(self, spec: MmaAtomSpec):
@@ -138,6 +136,7 @@ def register_atom(atom: MmaAtom) -> None:
 
 
 def _resolve_target(target):
+
     return current_target() if target is None else get_target(target)
 
 
@@ -217,7 +216,6 @@ class MmaSyncAtom(MmaAtom):
     takes 2-D fragments (``vector<4x2xT>``) whose reshapes the NVVM pipeline cannot lower, and
     its bf16 lowering emits operands ``nvvm.mma.sync`` rejects (bf16 pairs must be packed i32).
     """
-
     def __call__(self, a: Value, b: Value, c: Value) -> Value:
         self.check_fragments(a, b, c)
         spec = self.spec
@@ -265,7 +263,6 @@ class WgmmaAtom(MmaAtom):
     (:func:`~kiln.layout.wgmma_m64_accumulator`). Keyword arguments (``a_major``,
     ``b_major``, ``accumulate``) go to :func:`kiln.wgmma.mma_async`.
     """
-
     def __call__(self, a, b, c, **options):
         return wgmma.mma_async(c, a, b, dtype=self.spec.a_dtype, **options)
 
@@ -311,7 +308,6 @@ class TiledMma:
         acc = tm.accumulator()                       # RegTile, grid (2, 4) of 16x8 fragments
         acc = tm.mma(acc, a_frags, b_frags)          # a: grid (2, 2) of 16x16, b: (2, 4) of 16x8
     """
-
     def __init__(self, atom: MmaAtom, warps_m: int, warps_n: int, tile_m: int, tile_n: int,
                  tile_k: int):
         if not isinstance(atom, MmaAtom):

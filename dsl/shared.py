@@ -27,7 +27,7 @@ from . import builder
 from .core import dtypes as dt
 from . import pyhints
 from .core.errors import KilnValueError, ResourceError, checked_call
-from .nvidia_asm import as_index
+from .nvidia.sync import as_index
 from .tensor import TensorRef, numel_bytes
 from .values import Value
 
@@ -35,7 +35,6 @@ from .values import Value
 class SharedTensor(TensorRef):
     """A shared-memory buffer: ``.ir`` (``memref<shape x T, 3>``), ``.shape`` (Python ints),
     ``.dtype``; indexing, ``load``/``store`` as for tensors."""
-
     def __init__(self, ir_value: ir.Value, dtype: dt.DType, shape: tuple[int, ...], name: str):
         super().__init__(ir_value, dtype, name)
         self.static_shape = shape
@@ -108,16 +107,29 @@ def dynamic_shared(shape: Any, dtype: Any, *, align: int = 16) -> SharedTensor:
     byte_shift = arith.addi(base, arith.constant(ir.IndexType.get(), offset))
     view_type = ir.MemRefType.get(list(shape), elem.storage.mlir_type(),
                                   memory_space=_workgroup_space())
-    view = memref.view(view_type, raw, byte_shift, [])
-    return DynamicSharedTensor(view, elem, shape, f"dynamic_shared@{offset}", raw, byte_shift)
+    view = _tagged_view(view_type, raw, byte_shift, offset)
+    return DynamicSharedTensor(view, elem, shape, f"dynamic_shared@{offset}", raw, byte_shift,
+                               offset)
+
+
+# Each view of dynamic shared memory names its allocation (``kiln.buffer = <byte offset>``), so
+# the wait passes tell allocations apart (they share one base pointer).
+BUFFER_ATTR = "kiln.buffer"
+
+
+def _tagged_view(view_type, raw: ir.Value, shift: ir.Value, offset: int) -> ir.Value:
+    view = memref.view(view_type, raw, shift, [])
+    view.owner.attributes[BUFFER_ATTR] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64),
+                                                            offset)
+    return view
 
 
 class DynamicSharedTensor(SharedTensor):
     """A :func:`dynamic_shared` buffer; :meth:`tile` views one slice of its first dimension."""
-
-    def __init__(self, ir_value, dtype, shape, name, raw: ir.Value, byte_shift: ir.Value):
+    def __init__(self, ir_value, dtype, shape, name, raw: ir.Value, byte_shift: ir.Value,
+                 offset: int):
         super().__init__(ir_value, dtype, shape, name)
-        self._raw, self._byte_shift = raw, byte_shift
+        self._raw, self._byte_shift, self._offset = raw, byte_shift, offset
 
     def tile(self, i) -> SharedTensor:
         """Slice ``i`` (int or traced) of the first dimension as a buffer of ``shape[1:]`` with
@@ -138,8 +150,8 @@ class DynamicSharedTensor(SharedTensor):
         shift = arith.addi(self._byte_shift, offset)
         view_type = ir.MemRefType.get(list(inner), self.dtype.storage.mlir_type(),
                                       memory_space=_workgroup_space())
-        return SharedTensor(memref.view(view_type, self._raw, shift, []), self.dtype, inner,
-                            f"{self.name}[tile]")
+        return SharedTensor(_tagged_view(view_type, self._raw, shift, self._offset), self.dtype,
+                            inner, f"{self.name}[tile]")
 
     def reinterpret(self, shape: Any, dtype: Any) -> "DynamicSharedTensor":
         """The same bytes as a ``shape`` x ``dtype`` buffer (no copy): e.g. a TMA ring viewed
@@ -155,8 +167,9 @@ class DynamicSharedTensor(SharedTensor):
                                  fix="allocate the buffer with the larger of the two sizes")
         view_type = ir.MemRefType.get(list(shape), elem.storage.mlir_type(),
                                       memory_space=_workgroup_space())
-        return DynamicSharedTensor(memref.view(view_type, self._raw, self._byte_shift, []), elem,
-                                   shape, f"{self.name} as {elem}", self._raw, self._byte_shift)
+        view = _tagged_view(view_type, self._raw, self._byte_shift, self._offset)
+        return DynamicSharedTensor(view, elem, shape, f"{self.name} as {elem}", self._raw,
+                                   self._byte_shift, self._offset)
 
 
 def _check_request(shape: Any, dtype: Any, align: int, what: str):

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 from mlir.dialects import vector
 
-from . import cp_async, ops
+from . import ops
+from .nvidia import cp_async
 from .core.errors import KilnTypeError, KilnValueError
 from .global_tile import GlobalTile
 from .layout import ThreadValueLayout
@@ -79,6 +80,7 @@ def copy(src: GlobalTile, dst: SharedTile, *, threads: int, async_copy: bool = F
         chunk = tid + step * threads
         r, c = chunk // chunks_per_row, (chunk % chunks_per_row) * width
         if async_copy:
+
             tokens.append(cp_async.copy(dst, (dst_origin[0] + r, dst_origin[1] + c), src, (r, c),
                                         width=width))
         else:

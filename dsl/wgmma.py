@@ -43,8 +43,8 @@ from mlir.dialects import arith, memref, nvvm, vector
 from .core.dtypes import DType, dtype as as_dtype, f32
 from .core.errors import KilnTypeError, KilnValueError, UnsupportedError
 from .layout import ThreadValueLayout, wgmma_m64_accumulator
-from .nvidia_asm import (as_index, ir_value, keep_registers_live, require_feature,
-                         wgmma_mma_async_regs)
+from .nvidia.sync import as_index, ir_value, require_feature
+from .nvidia.wgmma import keep_registers_live, wgmma_mma_async_regs
 from .ops import thread_id
 from .reg_tile import RegTile, pack_struct
 from .values import Value, cast

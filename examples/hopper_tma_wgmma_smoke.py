@@ -20,7 +20,7 @@ import numpy as np
 
 import kiln
 from kiln import mbarrier, tma, wgmma
-from kiln.nvidia_asm import fence_mbarrier_init
+from kiln.nvidia.sync import fence_mbarrier_init
 
 M, N, K = 64, 64, 64
 SWIZZLE = 128  # bytes: one 64-element bf16 row, the layout WGMMA reads without bank conflicts

@@ -202,3 +202,108 @@ def dump_sass(cubin: bytes, cuobjdump: Path) -> str | None:
         done = subprocess.run([str(cuobjdump), "--dump-sass", str(cubin_path)],
                               capture_output=True, text=True, env={**os.environ, "PATH": path})
     return done.stdout if done.returncode == 0 and "Function" in done.stdout else None
+
+
+# ---- WGMMA waits on SASS ----------------------------------------------------------------------
+# The declared effects of the WGMMA family (kiln.nvidia.wgmma) as SASS spells them: each
+# ``HGMMA`` is an event writing its accumulator registers (and reading four A registers in the
+# register-A form) asynchronously; the ``HGMMA`` carrying ``gsb0`` closes a commit group;
+# ``WARPGROUP.DEPBAR.LE gsb0, N`` retires every group but the N youngest.
+
+_REGISTER = re.compile(r"\bR(\d+)\b")
+_HGMMA_SHAPE = re.compile(r"HGMMA\.64x(\d+)x\d+\.F32")
+_STORES = frozenset({"STS", "STG", "ST", "STL", "STSM", "RED", "ATOM", "ATOMS", "ATOMG"})
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Registers an in-flight WGMMA group writes / reads, and its age in commit groups (-1:
+    not yet committed)."""
+
+    writes: frozenset
+    reads: frozenset
+    younger: int
+
+
+def _registers(operand: str, opcode: str) -> set[int]:
+    base = {int(r) for r in _REGISTER.findall(operand)}
+    width = 4 if ".128" in opcode else 2 if ".64" in opcode else 1
+    return {r + k for r in base for k in range(width)} if not operand.startswith("[") else base
+
+
+def _hgmma_group(ins: SassInstruction) -> _Group | None:
+    shape = _HGMMA_SHAPE.match(ins.opcode)
+    if shape is None or not ins.operands:
+        return None
+    dest = int(_REGISTER.findall(ins.operands[0])[0])
+    a_regs = set()
+    if len(ins.operands) > 1 and _REGISTER.fullmatch(ins.operands[1]):
+        a0 = int(ins.operands[1][1:])
+        a_regs = set(range(a0, a0 + 4))
+    return _Group(frozenset(range(dest, dest + int(shape.group(1)) // 2)), frozenset(a_regs), -1)
+
+
+def _transfer(ins: SassInstruction, state: frozenset, problems: list[str] | None) -> frozenset:
+    if ins.base == "HGMMA":
+        group = _hgmma_group(ins)
+        if group is None:
+            return state
+        state = state | {group}
+        if "gsb0" in ins.operands:  # commits the uncommitted HGMMAs, ages the committed ones
+            state = frozenset(_Group(g.writes, g.reads, g.younger + 1) for g in state)
+        return state
+    if ins.opcode.startswith("WARPGROUP.DEPBAR"):
+        keep = int(ins.operands[-1], 16) if ins.operands and ins.operands[-1].startswith("0x") else 0
+        return frozenset(g for g in state if not 0 <= keep <= g.younger)
+    if problems is not None and state:
+        sources = ins.operands if ins.base in _STORES else ins.operands[1:]
+        read = set().union(*(_registers(o, ins.opcode) for o in sources)) if sources else set()
+        written = set() if ins.base in _STORES or not ins.operands \
+            else _registers(ins.operands[0], ins.opcode)
+        for g in state:
+            if read & g.writes:
+                problems.append(f"{ins.address:#06x} {ins.text}: reads R{min(read & g.writes)}, "
+                                "a WGMMA result no WARPGROUP.DEPBAR has waited for")
+            elif written & (g.writes | g.reads):
+                problems.append(f"{ins.address:#06x} {ins.text}: overwrites "
+                                f"R{min(written & (g.writes | g.reads))}, which an in-flight "
+                                "WGMMA still uses")
+    return state
+
+
+def wgmma_wait_problems(kernel: SassKernel) -> list[str]:
+    """The instructions that read an HGMMA's accumulator, or overwrite its registers, while
+    the HGMMA may still be in flight on some path (a forward dataflow over the basic blocks;
+    paths join by union). Example: ``wgmma_wait_problems(parse(sass)) == []``."""
+    blocks = kernel.basic_blocks()
+    start = {b[0].address: i for i, b in enumerate(blocks)}
+    successors = []
+    for i, block in enumerate(blocks):
+        last, out = block[-1], []
+        target = last.branch_target()
+        if target is not None and target in start:
+            out.append(start[target])
+        falls = last.base not in _BRANCHES or last.predicated
+        if falls and last.base not in ("RET",) and i + 1 < len(blocks):
+            out.append(i + 1)
+        successors.append(out)
+    entry = [frozenset() for _ in blocks]
+    work = list(range(len(blocks)))
+    for _ in range(64 * max(1, len(blocks))):  # a finite lattice: the bound is never reached
+        if not work:
+            break
+        i = work.pop(0)
+        state = entry[i]
+        for ins in blocks[i]:
+            state = _transfer(ins, state, None)
+        for j in successors[i]:
+            joined = entry[j] | state
+            if joined != entry[j]:
+                entry[j] = joined
+                work.append(j)
+    problems: list[str] = []
+    for i, block in enumerate(blocks):
+        state = entry[i]
+        for ins in block:
+            state = _transfer(ins, state, problems)
+    return problems

@@ -31,14 +31,13 @@ from mlir import ir
 from mlir.dialects import arith, nvgpu, nvvm, rocdl
 
 from kiln.core.errors import InternalError, WaitError, source_loc_from_mlir
-from kiln.mbarrier import DEFAULT_TICKS
+from kiln.nvidia.mbarrier import DEFAULT_TICKS
 from kiln.passes import register_pass
-from kiln.passes.cluster_schedule import cluster_spans, recipes_of
-from kiln.passes.enclosing import (enclosing_gpu_func, enclosing_loops, func_vendor, gpu_funcs,
-                                   where)
-from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, MBARRIER_WAIT, TMA_LOAD, WGMMA, Gap,
-                                       WaitAnalysis, encode_gfx9_waitcnt, mbarrier_of,
-                                       same_mbarrier, wait_limits)
+from kiln.passes.enclosing import enclosing_gpu_func, enclosing_loops, func_vendor, gpu_funcs, where
+from kiln.passes.verify_waits import gap_error
+from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis,
+                                       encode_gfx9_waitcnt, is_mbarrier_wait, mbarrier_of,
+                                       op_counter, op_label, same_mbarrier, wait_limits)
 
 NAME = "kiln-insert-waits"
 # Placement converges in two walks (see above); more means the analysis is wrong.
@@ -63,7 +62,7 @@ def static_phase(tma_load: ir.Operation) -> int | None:
         if op == tma_load:
             done.append(op)
             return ir.WalkResult.INTERRUPT
-        if op.name == MBARRIER_WAIT and same_mbarrier(mbarrier_of(op), signal):
+        if is_mbarrier_wait(op) and same_mbarrier(mbarrier_of(op), signal):
             earlier.append(op)
         return ir.WalkResult.ADVANCE
 
@@ -84,7 +83,8 @@ def later_phase_load(event: ir.Operation, place_before: ir.Operation) -> ir.Oper
     found, started = [], []
 
     def later(op):
-        return op != event and op.name == TMA_LOAD and same_mbarrier(mbarrier_of(op), signal)
+        return (op != event and op_counter(op) == MBARRIER
+                and same_mbarrier(mbarrier_of(op), signal))
 
     def visit(op):
         if op == stop:
@@ -111,9 +111,8 @@ def later_phase_load(event: ir.Operation, place_before: ir.Operation) -> ir.Oper
 
 
 def _wait_error(gap: Gap, what: str, fix: str) -> WaitError:
-    return WaitError(f"this {gap.reader.name} may read before the {gap.event.name} at "
-                     f"{where(gap.event)} {what}", fix=fix,
-                     loc=source_loc_from_mlir(gap.reader.location))
+    return WaitError(f"this {op_label(gap.reader)} may read before the {op_label(gap.event)} at "
+                     f"{where(gap.event)} {what}", fix=fix, loc=source_loc_from_mlir(gap.reader.location))
 
 
 def _build_mbarrier_wait(gap: Gap) -> None:
@@ -126,7 +125,7 @@ def _build_mbarrier_wait(gap: Gap) -> None:
                           "kiln.mbarrier.PhaseTracker in loops")
     later = later_phase_load(gap.event, gap.place_before)
     if later is not None:
-        raise _wait_error(gap, f"lands, and the nvgpu.tma.async.load at {where(later)} may "
+        raise _wait_error(gap, f"lands, and the {later.name} at {where(later)} may "
                           f"complete a later phase of its mbarrier first, so a wait for parity "
                           f"{phase} here could wait for a phase that never comes",
                           "wait for the load before the later loads on its mbarrier (e.g. "
@@ -139,6 +138,8 @@ def _build_mbarrier_wait(gap: Gap) -> None:
 
 def build_wait(gap: Gap) -> None:
     """Build the wait that closes ``gap`` before ``gap.place_before``, at the reader's location."""
+    if gap.overwrite:  # the phase of the readers' hand-over is the program's to compute
+        raise gap_error(gap)
     with ir.InsertionPoint(gap.place_before), gap.reader.location:
         if gap.counter == CP_ASYNC:
             nvgpu.device_async_wait(gap.event.result, num_groups=gap.count)

@@ -25,9 +25,9 @@ from mlir import ir
 from mlir.dialects import nvvm
 
 from kiln.core.errors import InternalError
-from kiln.nvidia_asm import l2_cache_policy
+from kiln.nvidia.sync import l2_cache_policy
 from kiln.passes import register_pass
-from kiln.tma import L2_HINT_LOCATION
+from kiln.nvidia.tma import L2_HINT_LOCATION
 
 NAME = "kiln-tma-l2-hints"
 TMA_LOAD = "nvvm.cp.async.bulk.tensor.shared.cluster.global"

@@ -22,7 +22,8 @@ from mlir import ir
 from kiln.core.errors import WaitError, source_loc_from_mlir
 from kiln.passes import register_pass
 from kiln.passes.enclosing import func_vendor, gpu_funcs, where
-from kiln.passes.wait_analysis import CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis, mbarrier_of
+from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis, mbarrier_of,
+                                       op_label)
 
 
 NAME = "kiln-verify-waits"
@@ -30,9 +31,17 @@ NAME = "kiln-verify-waits"
 
 def gap_error(gap: Gap) -> WaitError:
     """The WaitError for one uncovered read, at the read's user location."""
+    if gap.overwrite:
+        return WaitError(
+            f"this {op_label(gap.reader)} may overwrite the buffer that the "
+            f"{op_label(gap.event)} at {where(gap.event)} reads in another warp group, before "
+            "that warp group hands it back: no wait on an mbarrier the readers arrive on "
+            "precedes it", fix="wait on the buffer's empty mbarrier right before the load: "
+                               "empty.try_wait(stage, phase)",
+            loc=source_loc_from_mlir(gap.reader.location))
     if gap.counter == WGMMA and gap.count < 0:
         return WaitError(
-            f"this {gap.reader.name} reads the result of the {gap.event.name} at "
+            f"this {op_label(gap.reader)} reads the result of the {op_label(gap.event)} at "
             f"{where(gap.event)} before it is committed: no wgmma.wait_group can cover it",
             fix="call kiln.wgmma.commit() after the last mma_async, then kiln.wgmma.wait_group(0)",
             loc=source_loc_from_mlir(gap.reader.location))
@@ -47,7 +56,8 @@ def gap_error(gap: Gap) -> WaitError:
     else:
         wait = f"s_waitcnt({gap.counter}={gap.count})"
     return WaitError(
-        f"this {gap.reader.name} may read before the async {gap.event.name} at {where(gap.event)} "
+        f"this {op_label(gap.reader)} may read before the async {op_label(gap.event)} at "
+        f"{where(gap.event)} "
         f"lands ({gap.counter}): no wait covers it on every path",
         fix=f"add {wait} before the read, or drop kiln.manual_waits() to let Kiln insert it",
         loc=source_loc_from_mlir(gap.reader.location))

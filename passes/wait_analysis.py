@@ -7,17 +7,15 @@ it ("younger", minimised over paths) and the last barrier it crossed. A wait ``c
 retires every event with ``younger >= N`` (the counters retire in order); N is at most the
 counter's maximum minus one (``vmcnt(63)`` waits for nothing).
 
-Tracked events (each is exactly one hardware instruction, so counts are exact):
-
-- AMD ``vmcnt``: ``rocdl.global.load.lds``, ``rocdl.raw.ptr.buffer.load[.lds]``,
-  ``rocdl.load.to.lds``, ``rocdl.global.load.tr*``, ``amdgpu.raw_buffer_load``,
-  ``amdgpu.gather_to_lds``, and any op tagged ``kiln.async = "vmcnt"``;
-- AMD ``lgkmcnt``: ``rocdl.ds.read.tr*``, ``rocdl.ds_bpermute``, ops tagged
-  ``kiln.async = "lgkmcnt"``;
-- NVIDIA ``cp.async`` groups: ``nvgpu.device_async_create_group`` over ``nvgpu.device_async_copy``;
-- NVIDIA ``wgmma``: ``nvvm.wgmma.mma_async``, uncommitted until the next commit_group, counted
-  in commit groups (``wgmma.wait_group N``);
-- NVIDIA ``mbarrier``: ``nvgpu.tma.async.load``, retired only by a try_wait on its mbarrier.
+Tracked events are the ops whose declaration (:mod:`kiln.core.ops`, found by
+:func:`kiln.core.ops.lookup`) gives an async ``counter`` -- each is exactly one hardware
+instruction, so counts are exact -- and ops tagged ``kiln.async = "<counter>"``
+(:func:`kiln.amd.sched.mark_async`). The declared effects say the rest: which shared buffers an
+event writes (``writes``), which ops read shared memory through descriptors, which commit
+(``commits``: WGMMA events are uncommitted until the next commit group and then counted in
+groups), which wait (``waits``: counter -> N) or wait on an mbarrier (``mbarrier``; a TMA load
+is retired only by a wait on its barrier), and which are block-wide barriers. Nothing here
+names an op: a new async op is covered once its family module declares it.
 
 Plain ``memref``/``vector`` loads and stores also use the counters but LLVM may merge, split or
 scalarise them, so they are *not counted*: leaving them out only makes a computed wait stricter.
@@ -31,8 +29,11 @@ Which events an op reads does not depend on the path, so it is computed once per
   operands to their results instead of consuming it; any other op (arithmetic, MMA, store,
   an ``scf.if`` condition, loop bounds) is a consumer;
 - the events that write an LDS buffer the op accesses (global->LDS DMA, ``cp.async``). Buffers
-  are told apart by their root (``memref.get_global`` symbol, kernel argument, ``memref.alloc``;
-  an unknown root aliases every buffer); view ops (``memref.collapse_shape``, ...) access nothing;
+  are told apart by their root (``memref.get_global`` symbol, kernel argument, ``memref.alloc``,
+  a ``kiln.dynamic_shared`` allocation by its ``kiln.buffer`` offset; an unknown root aliases
+  every buffer); view ops (``memref.collapse_shape``, ...) and ops that touch only mbarriers
+  (``Effects.data``) access nothing; descriptor readers (``Effects.indirect_shared``) access
+  the buffers their descriptors are computed from;
 - the events named by ``kiln.waits_for = [tokens]`` (``kiln.token`` ids).
 
 A read whose event is still in the state is a :class:`Gap`. Its wait goes before the last
@@ -40,6 +41,10 @@ barrier between the event and the read when the event writes LDS (other waves re
 that barrier), with the event's count *at that barrier*; else right before the read.
 ``scf.for`` bodies run to a fixed point (steady state across the back-edge) and are then walked
 once more to record gaps; ``scf.if`` joins both arms; other region ops are walked once and joined.
+
+Reads of a buffer that another warp group TMA-loads (the other arm of an ``scf.if``) never see
+the load in their state; :mod:`kiln.passes.mbarrier_protocol` checks their mbarrier hand-over
+and adds its gaps to the same list.
 
 With ``place=True`` each gap is closed as it is found: the wait is built in the IR and applied
 to the state, so later reads see it. A loop's fixed point was computed before that walk, so a
@@ -49,25 +54,21 @@ then a superset of the true one and every placed wait stays sufficient.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from mlir import ir
-from mlir.dialects import llvm  # registers the class !llvm.ptr types are returned as
+from mlir.dialects import llvm  # noqa: F401 - registers the class !llvm.ptr types are returned as
+
+from kiln.amd.sched import decode_waitcnt as decode_gfx9_waitcnt  # noqa: F401 - the inverse
+from kiln.core.ops import CP_ASYNC  # noqa: F401 - the passes' counter names live in kiln.core.ops
+from kiln.core.ops import MBARRIER, NO_EFFECTS, OP_ATTR, WGMMA, Effects, is_shared, lookup
+from kiln.passes.mbarrier_protocol import cross_thread_gaps
 
 # GFX9 (gfx90a/gfx942/gfx950) s_waitcnt simm16 layout:
 #   bits 3:0 vmcnt[3:0], 6:4 expcnt, 11:8 lgkmcnt, 15:14 vmcnt[5:4].
 GFX9_MAX = {"vmcnt": 63, "expcnt": 7, "lgkmcnt": 15}
-CP_ASYNC = "cp_async_group"
-# NVIDIA wgmma: events are mma_async ops, counted per commit group (``wgmma.wait_group N``).
-WGMMA = "wgmma"
-WGMMA_OPS = ("nvvm.wgmma.mma_async",)
-WGMMA_COMMIT = "nvvm.wgmma.commit.group.sync.aligned"
-WGMMA_WAIT = "nvvm.wgmma.wait.group.sync.aligned"
 UNCOMMITTED = -1  # ``younger`` of an mma_async not yet in a commit group: no wait retires it
-# NVIDIA TMA: a load into shared memory completes on an mbarrier; only a wait on it retires it.
-MBARRIER = "mbarrier"
-TMA_LOAD = "nvgpu.tma.async.load"
-MBARRIER_WAIT = "nvgpu.mbarrier.try_wait.parity"
 
 
 def encode_gfx9_waitcnt(*, vmcnt: int = 63, expcnt: int = 7, lgkmcnt: int = 15) -> int:
@@ -79,25 +80,13 @@ def encode_gfx9_waitcnt(*, vmcnt: int = 63, expcnt: int = 7, lgkmcnt: int = 15) 
     return (vmcnt & 0xF) | ((expcnt & 0x7) << 4) | ((lgkmcnt & 0xF) << 8) | ((vmcnt >> 4) << 14)
 
 
-def decode_gfx9_waitcnt(imm: int) -> dict[str, int]:
-    """Inverse of :func:`encode_gfx9_waitcnt`."""
-    return {"vmcnt": (imm & 0xF) | ((imm >> 14) & 0x3) << 4, "expcnt": (imm >> 4) & 0x7,
-            "lgkmcnt": (imm >> 8) & 0xF}
-
-
-VMCNT_OPS = ("rocdl.global.load.lds", "rocdl.raw.ptr.buffer.load", "rocdl.raw.ptr.buffer.load.lds",
-             "rocdl.load.to.lds", "amdgpu.raw_buffer_load", "amdgpu.gather_to_lds")
-LDS_WRITING_OPS = ("rocdl.global.load.lds", "rocdl.raw.ptr.buffer.load.lds", "rocdl.load.to.lds",
-                   "amdgpu.gather_to_lds")
-BARRIER_OPS = ("rocdl.s.barrier", "gpu.barrier", "amdgpu.lds_barrier", "nvvm.barrier",
-               "nvvm.barrier0")
 # Register data movement: the result is pending on whatever its operands are pending on.
 DATA_MOVES = frozenset((
     "vector.shuffle", "vector.extract", "vector.extractelement", "vector.extract_strided_slice",
     "vector.insert", "vector.insertelement", "vector.insert_strided_slice", "vector.bitcast",
     "vector.shape_cast", "vector.broadcast", "vector.splat", "vector.from_elements",
     "vector.transpose", "vector.interleave", "vector.deinterleave", "arith.bitcast",
-    "llvm.bitcast", "builtin.unrealized_conversion_cast"))
+    "llvm.bitcast", "llvm.extractvalue", "llvm.insertvalue", "builtin.unrealized_conversion_cast"))
 # Ops that only forward a pointer/buffer: the root of a buffer is found through them.
 _FORWARDING = ("memref.subview", "memref.cast", "memref.reinterpret_cast", "memref.view",
                "memref.extract_aligned_pointer_as_index", "memref.memory_space_cast",
@@ -108,60 +97,50 @@ _FORWARDING = ("memref.subview", "memref.cast", "memref.reinterpret_cast", "memr
                "rocdl.make.buffer.rsrc")
 # Ops that take a buffer without touching its memory.
 _NO_ACCESS = frozenset(_FORWARDING + ("memref.dim", "memref.rank", "memref.get_global",
-                                      "memref.extract_strided_metadata"))
-# MMAs that read shared memory through i64 descriptors.
-_DESCRIPTOR_READERS = ("nvvm.wgmma.mma_async",)
+                                      "memref.extract_strided_metadata",
+                                      "nvgpu.warpgroup.generate.descriptor"))
+# The nvgpu.warpgroup stack (undeclared; being retired) reads shared memory through descriptors.
+_WARPGROUP_MMA = "nvgpu.warpgroup.mma"
+
+
+def effects(op: ir.Operation) -> Effects:
+    """The declared effects of ``op``; an op tagged ``kiln.async`` (mark_async) declares its
+    counter on itself, and one without results writes the shared buffers among its operands."""
+    opdef = lookup(op)
+    if "kiln.async" not in op.attributes:
+        return NO_EFFECTS if opdef is None else opdef.effects
+    counter = ir.StringAttr(op.attributes["kiln.async"]).value
+    writes = None if len(op.results) else (lambda o: tuple(v for v in o.operands if is_shared(v)))
+    return Effects(counter=counter, writes=writes)
 
 
 def op_counter(op: ir.Operation) -> str | None:
     """The counter a tracked async op increments, or None if the op is not tracked."""
-    if "kiln.async" in op.attributes:
-        return ir.StringAttr(op.attributes["kiln.async"]).value
-    name = op.name
-    if name in VMCNT_OPS or name.startswith("rocdl.global.load.tr"):
-        return "vmcnt"
-    if name.startswith("rocdl.ds.read.tr") or name == "rocdl.ds_bpermute":
-        return "lgkmcnt"
-    if name == "nvgpu.device_async_create_group":
-        return CP_ASYNC
-    if name in WGMMA_OPS:
-        return WGMMA
-    if name == TMA_LOAD:
-        return MBARRIER
-    return None
+    return effects(op).counter
 
 
 def wait_limits(op: ir.Operation) -> dict[str, int]:
     """Counter -> N for a wait op (the counters it does not wait on are absent)."""
-    if op.name == "rocdl.s.waitcnt":
-        decoded = decode_gfx9_waitcnt(ir.IntegerAttr(op.attributes["bitfield"]).value)
-        return {c: n for c, n in decoded.items() if n < GFX9_MAX[c]}
-    if op.name == "amdgpu.lds_barrier":
-        return {"lgkmcnt": 0}
-    if op.name == "nvgpu.device_async_wait":
-        groups = op.attributes["numGroups"] if "numGroups" in op.attributes else None
-        return {CP_ASYNC: ir.IntegerAttr(groups).value if groups is not None else 0}
-    if op.name == WGMMA_WAIT:
-        return {WGMMA: ir.IntegerAttr(op.attributes["group"]).value}
-    return {}
-
-
-def _constant(value: ir.Value) -> int | None:
-    owner = value.owner
-    if isinstance(owner, ir.Block) or owner.operation.name != "arith.constant":
-        return None
-    attr = owner.operation.attributes["value"]
-    return ir.IntegerAttr(attr).value if isinstance(attr, ir.IntegerAttr) else None
+    waits = effects(op).waits
+    return {} if waits is None else waits(op)
 
 
 def mbarrier_of(op: ir.Operation) -> tuple | None:
     """``(group value, constant index or None)`` a TMA load signals or a try_wait waits on."""
-    if op.name == TMA_LOAD:
-        view = op.opview
-        return (view.barriers, _constant(view.mbarId))
-    if op.name == MBARRIER_WAIT:
-        return (op.operands[0], _constant(op.operands[3]))
-    return None
+    read = effects(op).mbarrier
+    return None if read is None else read(op)
+
+
+def op_label(op: ir.Operation) -> str:
+    """How messages name ``op``: its declared name for inline asm (``kiln.op``), else its MLIR
+    name."""
+    return ir.StringAttr(op.attributes[OP_ATTR]).value if OP_ATTR in op.attributes else op.name
+
+
+def is_mbarrier_wait(op: ir.Operation) -> bool:
+    """Whether ``op`` waits on an mbarrier (declares a barrier and no counter)."""
+    found = effects(op)
+    return found.mbarrier is not None and found.counter is None
 
 
 def same_mbarrier(a: tuple, b: tuple) -> bool:
@@ -171,25 +150,32 @@ def same_mbarrier(a: tuple, b: tuple) -> bool:
 
 
 def descriptor_roots(value: ir.Value) -> tuple:
-    """Shared buffers a descriptor value is computed from (its backward slice, 64 ops at most)."""
-    roots, stack, seen = [], [value], set()
-    while stack and len(seen) < 64:
-        current = stack.pop()
+    """Shared buffers a descriptor value is computed from: its backward slice, breadth first
+    (the base descriptor sits a hop or two above the stage offset's arithmetic), 256 values
+    at most. Register operands (floats, i32 A fragments) are no descriptors: none."""
+    kind = value.type
+    if isinstance(kind, (ir.FloatType, ir.VectorType)) or (
+            isinstance(kind, ir.IntegerType) and kind.width != 64):
+        return ()
+    roots, queue, seen = [], deque([value]), set()
+    while queue and len(seen) < 256:
+        current = queue.popleft()
         if current in seen or isinstance(current.owner, ir.Block):
             continue
         seen.add(current)
         for operand in current.owner.operation.operands:
-            if _is_lds(operand):
+            if is_shared(operand):
                 roots.append(buffer_root(operand))
             else:
-                stack.append(operand)
+                queue.append(operand)
     return tuple(roots)
 
 
 def buffer_root(value: ir.Value):
     """A hashable name for the buffer ``value`` points into: ``("global", sym)``,
-    ``("arg", n)``, ``("op", op)`` or ``("dynamic",)`` (the kernel's dynamic shared memory,
-    every view of it one buffer); None when unknown (aliases every buffer)."""
+    ``("arg", n)``, ``("op", op)``, ``("dynamic", offset)`` (a ``kiln.dynamic_shared``
+    allocation) or ``("dynamic",)`` (an untagged view: any of them); None when unknown
+    (aliases every buffer)."""
     for _ in range(64):
         if isinstance(value.owner, ir.Block):
             owner = value.owner.owner
@@ -202,49 +188,29 @@ def buffer_root(value: ir.Value):
             return ("op", op)
         if op.name == "gpu.dynamic_shared_memory":
             return ("dynamic",)
+        if op.name == "memref.view" and "kiln.buffer" in op.attributes:  # kiln.dynamic_shared
+            return ("dynamic", ir.IntegerAttr(op.attributes["kiln.buffer"]).value)
         if op.name not in _FORWARDING or not op.operands:
             return None
         value = op.operands[0]
     return None
 
 
-def _space(value: ir.Value) -> int | None:
-    if not isinstance(value.type, ir.MemRefType):
-        return None
-    space = ir.MemRefType(value.type).memory_space
-    if space is None:
-        return None
-    if isinstance(space, ir.IntegerAttr):
-        return space.value
-    return 3 if "workgroup" in str(space) else None  # #gpu.address_space<workgroup> is LDS
-
-
-def _is_lds(value: ir.Value) -> bool:
-    """Shared memory (LDS) memref or pointer: the only memory async copies write here."""
-    kind = value.type  # fetched once and tested by class: printing it was a third of the pass
-    if isinstance(kind, ir.MemRefType):
-        return _space(value) == 3
-    return isinstance(kind, llvm.PointerType) and kind.address_space == 3
-
-
 def written_roots(op: ir.Operation) -> tuple | None:
     """Buffers an async op writes behind the program's back; None if it only writes registers."""
-    if op.name == "nvgpu.device_async_create_group":
-        copies = [t.owner.operation for t in op.operands if not isinstance(t.owner, ir.Block)]
-        return tuple(buffer_root(c.operands[0]) for c in copies
-                     if c.name == "nvgpu.device_async_copy")
-    if op.name == TMA_LOAD:
-        return (buffer_root(op.operands[0]),)
-    if op.name in LDS_WRITING_OPS:
-        lds = [v for v in op.operands if _is_lds(v)]
-        return tuple(buffer_root(v) for v in lds) or (None,)
-    if "kiln.async" in op.attributes and len(op.results) == 0:
-        return tuple(buffer_root(v) for v in op.operands if _space(v) == 3) or (None,)
-    return None
+    writes = effects(op).writes
+    if writes is None:
+        return None
+    return tuple(buffer_root(v) for v in writes(op)) or (None,)
 
 
 def _aliases(root, written: tuple) -> bool:
-    return any(root is None or w is None or root == w for w in written)
+    return any(root is None or w is None or root == w or _same_dynamic(root, w) for w in written)
+
+
+def _same_dynamic(a: tuple, b: tuple) -> bool:
+    """An untagged view of dynamic shared memory (``("dynamic",)``) may be any allocation."""
+    return a[0] == b[0] == "dynamic" and (len(a) == 1 or len(b) == 1)
 
 
 @dataclass(eq=False)
@@ -258,6 +224,10 @@ class Step:
     limits: dict = field(default_factory=dict)
     barrier: bool = False
     commit: bool = False         # wgmma.commit_group: uncommitted mma_async ops form a group
+    descriptors: bool = False    # reads shared memory through matrix descriptors
+    accumulates: bool = False    # a same-counter event's result chained in is no read
+    arrive: object = None        # the mbarrier group an arrive hands back (mbarrier_protocol)
+    data: bool = True            # touches shared data (not only mbarriers)
     signal: tuple | None = None  # the mbarrier a TMA load signals / a try_wait waits on
     blocks: list = field(default_factory=list)  # nested blocks, each a list of Steps
     reads: tuple = ()            # events this op consumes (filled after all events are known)
@@ -275,13 +245,16 @@ class Pending:
 
 @dataclass
 class Gap:
-    """A read that no wait covers: the read, the event, and where the wait should go."""
+    """A read that no wait covers: the read, the event, and where the wait should go. With
+    ``overwrite``, ``reader`` is a TMA load that may overwrite the buffer ``event`` (in another
+    warp group) reads before that warp group released it."""
 
     reader: ir.Operation
     event: ir.Operation
     counter: str
     count: int
     place_before: ir.Operation
+    overwrite: bool = False
 
 
 State = dict  # event Step -> Pending
@@ -314,6 +287,8 @@ def _retire_mbarrier(state: State, signal: tuple) -> State:
             if not (k.counter == MBARRIER and same_mbarrier(k.signal, signal))}
 
 
+
+
 class WaitAnalysis:
     """Forward dataflow over one ``gpu.func``.
 
@@ -336,6 +311,11 @@ class WaitAnalysis:
         body = self._build(func.regions[0].blocks[0])
         self._resolve_reads(body)
         self._walk(body, {})
+        for gap in cross_thread_gaps(body, Gap):
+            self.gaps.append(gap)
+            if self._place is not None:
+                self._place(gap)
+                self.placed += 1
 
     # -- the op tree -------------------------------------------------------------------------
     def _build(self, block: ir.Block) -> list[Step]:
@@ -344,9 +324,15 @@ class WaitAnalysis:
             op = view.operation
             name = op.name
             kind = "for" if name == "scf.for" else "if" if name == "scf.if" else "op"
-            step = Step(op, kind, limits=wait_limits(op), barrier=name in BARRIER_OPS,
-                        commit=name == WGMMA_COMMIT, signal=mbarrier_of(op))
-            step.counter = op_counter(op)
+            found = effects(op)
+            step = Step(op, kind, limits=found.waits(op) if found.waits else {},
+                        barrier=found.barrier, commit=found.commits == WGMMA,
+                        signal=found.mbarrier(op) if found.mbarrier else None,
+                        descriptors=found.indirect_shared or name == _WARPGROUP_MMA,
+                        accumulates=found.accumulates,
+                        arrive=found.arrives(op) if found.arrives else None,
+                        data=found.data)
+            step.counter = found.counter
             if step.counter is not None:
                 step.roots = written_roots(op)
                 self._steps[op] = step
@@ -372,14 +358,14 @@ class WaitAnalysis:
                 found = self._operand_events.get(operand)
                 if found is None:  # values feed many ops: walk each value's chain once
                     found = self._operand_events[operand] = self._value_events(operand, set())
-                if step.counter == WGMMA:  # an accumulator chained into the next wgmma is no read
-                    found = {e for e in found if e.counter != WGMMA}
+                if step.accumulates:  # an accumulator chained into the next MMA is no read
+                    found = {e for e in found if e.counter != step.counter}
                 needed |= found
-                if lds_events and name in _DESCRIPTOR_READERS and not _is_lds(operand):
+                if lds_events and step.descriptors and not is_shared(operand):
                     roots = descriptor_roots(operand)
                     needed |= {e for e in lds_events for r in roots if _aliases(r, e.roots)}
-                if (lds_events and step.roots is None and name not in _NO_ACCESS
-                        and _is_lds(operand)):
+                if (lds_events and step.roots is None and step.data
+                        and name not in _NO_ACCESS and is_shared(operand)):
                     root = buffer_root(operand)
                     needed |= {e for e in lds_events if _aliases(root, e.roots)}
             if "kiln.waits_for" in op.attributes:

@@ -8,7 +8,7 @@ import pytest
 
 import kiln
 from kiln import amd_asm, amd_buffer
-from kiln.amd_asm import SchedMask, encode_waitcnt
+from kiln.amd.sched import SchedMask, encode_waitcnt
 from kiln.core.errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
 
 rng = np.random.default_rng()

@@ -6,7 +6,7 @@ import pytest
 
 import kiln
 from kiln import f32, mbarrier, tma
-from kiln.nvidia_asm import fence_mbarrier_init, fence_proxy_async
+from kiln.nvidia.sync import fence_mbarrier_init, fence_proxy_async
 from kiln.layout import wgmma_m64_accumulator
 from kiln.swizzle import Swizzle
 

@@ -6,7 +6,7 @@ import pytest
 
 import kiln
 from kiln.core.errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
-from kiln.loader import TiledMmaLoader, transpose_read_model
+from kiln.amd.loader import TiledMmaLoader, transpose_read_model
 from kiln.mfma import operand_b_layout
 from kiln.swizzle import AMD_LDS_TWO_XOR, Swizzle
 

@@ -9,7 +9,7 @@ import pytest
 
 import kiln
 from kiln import layout as L
-from kiln.loader import TiledMmaLoader
+from kiln.amd.loader import TiledMmaLoader
 from kiln.interpreter import interpret_kernel
 from kiln.swizzle import Swizzle
 

@@ -21,7 +21,7 @@ import numpy as np
 from mlir import ir
 
 from kiln.core.errors import OutOfBoundsError, UnsupportedError
-from kiln.loader import transpose_read_model
+from kiln.amd.loader import transpose_read_model
 from kiln.mfma import _accumulator_layout, operand_a_layout, operand_b_layout
 
 from .ops_hopper import retire_groups

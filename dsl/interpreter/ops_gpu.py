@@ -13,10 +13,8 @@ import numpy as np
 from mlir import ir
 
 from kiln.core.errors import UnsupportedError
-from kiln.nvidia_asm import (KEEP_REGISTERS_LIVE_ASM, NAMED_BARRIER_ANY_ASM, SCHED_BARRIER_ASM,
-                             WAIT_FOR_COUNT_ASM)
+from kiln.nvidia.sync import NAMED_BARRIER_ANY, WAIT_FOR_COUNT
 
-from .ops_wgmma import WGMMA_RS_PREFIX, wgmma_rs_inline_asm
 from .plan import location, semantics
 
 _AXES = {"x": 0, "y": 1, "z": 2}
@@ -74,39 +72,19 @@ def _barrier(op, p):
     return run
 
 
-# Inline PTX the DSL emits (kiln.nvidia_asm), by asm string.
-_INLINE_ASM = {"bar.sync $0, $1;": "named_barrier",
-               "bar.arrive $0, $1;": "named_barrier_arrive"}
-
-
 @semantics("llvm.inline_asm")
 def _inline_asm(op, p):
+    """Inline asm the DSL emits carries its declaration (``kiln.op``), whose semantics the plan
+    runs instead; any other inline asm is opaque."""
     text = ir.StringAttr(op.attributes["asm_string"]).value
-    loc = location(op)
-    kind = _INLINE_ASM.get(text)
-    if text.startswith(WGMMA_RS_PREFIX):
-        return wgmma_rs_inline_asm(op, p, text)
-    if text == KEEP_REGISTERS_LIVE_ASM:  # emits nothing; only LLVM's liveness sees it
-        return None
-    if text == WAIT_FOR_COUNT_ASM:
-        return _wait_for_count(op, p, loc)
-    if text == SCHED_BARRIER_ASM:  # orders SASS only; its scratch word is never read
-        return lambda env, ctx: None
-    if text == NAMED_BARRIER_ANY_ASM:
-        return _named_barrier_any(op, p, loc)
-    if kind is None:
-        raise UnsupportedError(f"the interpreter has no semantics for inline asm {text!r} yet",
-                               fix="use the DSL's wrappers (kiln.nvidia_asm)", loc=loc)
-    barrier_id, count = p.operands(op)
-
-    def run(env, ctx):
-        getattr(ctx.cta, kind)(ctx, int(env[barrier_id][0]), int(env[count][0]), loc)
-
-    return run
+    raise UnsupportedError(f"the interpreter has no semantics for inline asm {text!r} yet",
+                           fix="emit it through a declared op (kiln.core.ops)", loc=location(op))
 
 
-def _named_barrier_any(op, p, loc):
+@semantics(NAMED_BARRIER_ANY.name)
+def _named_barrier_any(op, p):
     flag, barrier_id, count = p.operands(op)
+    loc = location(op)
     out = p.result(op)
 
     def run(env, ctx):
@@ -133,12 +111,14 @@ def _counters_of(address):
                            "element_address", fix="pass the counters as a kiln.Tensor")
 
 
-def _wait_for_count(op, p, loc):
+@semantics(WAIT_FOR_COUNT.name)
+def _wait_for_count(op, p):
     """The wait of :func:`kiln.nvidia_asm.wait_for_count`: CTAs run one at a time here, so a
     counter short of its target would never grow; the wait passes when the CTAs run before
     this one already brought the counter there, and raises otherwise."""
     address, target = p.operands(op)
     counters = p.slot(_counters_of(op.operands[0]))
+    loc = location(op)
 
     def wait(env, ctx):
         storage = env[counters].storage

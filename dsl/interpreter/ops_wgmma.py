@@ -8,8 +8,9 @@ registers into the 64 x n tile through ``kiln.layout.wgmma_m64_accumulator(n)``,
 and scatters back. The MMA keeps its operand bytes "being read" until ``wgmma.wait.group``
 retires its group, so a TMA load into a stage an MMA still reads is a race.
 
-WGMMA with A from registers is inline PTX (``kiln.nvidia_asm.wgmma_mma_async_regs``):
-:func:`wgmma_rs_inline_asm` reads shape, dtype and ``imm-trans-b`` from the asm string, gathers
+WGMMA with A from registers is inline PTX (``kiln.nvidia.wgmma.wgmma_mma_async_regs``), declared
+as ``nvidia.wgmma.mma_async.rs``: :func:`_mma_async_rs` reads shape, dtype and ``imm-trans-b``
+from the op's ``kiln.op_args``, gathers
 A from the four b32 registers of each thread (element ``2i`` in the low half of register ``i``)
 through ``kiln.wgmma.a_fragment_layout()``, B through its descriptor, and applies
 ``D = A @ B + (scale_d != 0) * D`` like the descriptor form.
@@ -23,8 +24,10 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import llvm
 
+from kiln.core.ops import op_args
 from kiln.core.errors import KilnValueError, OutOfBoundsError, UnsupportedError
 from kiln.layout import wgmma_m64_accumulator
+from kiln.nvidia.wgmma import MMA_ASYNC_RS
 from kiln.swizzle import Swizzle
 
 from .ops_hopper import commit_group, retire_groups
@@ -171,20 +174,13 @@ def _issue(ctx, loc, byte_sets) -> None:
     ctx.pending_wgmma.append(op_id)
 
 
-WGMMA_RS_PREFIX = "{\n.reg .pred p;\nsetp.ne.b32 p, $"
-_WGMMA_RS = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(bf16|f16)\.\2 "
-                       r"\{[^}]*\}, \{[^}]*\}, \$\d+, p, 1, 1, ([01]);")
-
-
-def wgmma_rs_inline_asm(op, p, text: str):
-    """Semantics of the register-A ``wgmma.mma_async`` inline PTX (module docstring)."""
+@semantics(MMA_ASYNC_RS.name)
+def _mma_async_rs(op, p):
+    """Semantics of the register-A ``wgmma.mma_async`` (module docstring)."""
     loc = location(op)
-    match = _WGMMA_RS.search(text)
-    if match is None:
-        raise UnsupportedError(f"the interpreter does not know this wgmma inline asm: {text!r}",
-                               fix="emit it through kiln.wgmma.mma_async_regs", loc=loc)
-    n, type_name, trans_b = int(match.group(1)), match.group(2), match.group(3) == "1"
-    dtype = kiln_dtype(type_name).numpy
+    args = op_args(op)
+    n, trans_b = args["n"], args["trans_b"] == 1
+    dtype = kiln_dtype(args["dtype"]).numpy
     operands = p.operands(op)
     half = n // 2
     # Operands: the n/2 accumulators (tied to the outputs), 4 A registers, B, scale-d.

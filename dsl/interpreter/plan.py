@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 from mlir import ir
 
+from kiln.core.ops import lookup
 from kiln.core.errors import SourceLoc, UnsupportedError, source_loc_from_mlir
 
 Run = Callable[[list, object], None]
@@ -22,7 +23,8 @@ _SEMANTICS: dict[str, Builder] = {}
 
 
 def semantics(*names: str):
-    """Register the plan builder of one or more MLIR ops: ``@semantics("arith.addf")``."""
+    """Register the plan builder of one or more MLIR ops, ``@semantics("arith.addf")``, or of
+    declared ops (``kiln.core.ops``) by their registry name: ``@semantics("nvidia.wgmma.mma_async.rs")``."""
 
     def register(fn: Builder) -> Builder:
         for name in names:
@@ -85,6 +87,8 @@ class Plan:
         self.entry = self.block(func.regions[0].blocks[0])
         self.num_slots = len(self.slots)
 
+    location = staticmethod(location)  # for semantics written outside the interpreter
+
     def slot(self, value: ir.Value) -> int:
         s = self.slots.get(value)
         if s is None:
@@ -110,7 +114,7 @@ class Plan:
             if name in ("scf.yield", "gpu.return", "gpu.terminator"):
                 yields = self.operands(op)
                 continue
-            builder = _SEMANTICS.get(name)
+            builder = _builder(op)
             if builder is None:
                 raise UnsupportedError(f"the interpreter has no semantics for {name} yet",
                                        fix="run this kernel on a GPU, or add the op's semantics "
@@ -119,6 +123,17 @@ class Plan:
             if step is not None:
                 runs.append(step)
         return Block(runs, args, yields)
+
+
+def _builder(op: ir.Operation) -> Builder | None:
+    """The declaration's semantics, else the builder registered under its registry name, else
+    the one registered under the MLIR op name."""
+    opdef = lookup(op)
+    if opdef is not None:
+        builder = opdef.interpret or _SEMANTICS.get(opdef.name)
+        if builder is not None:
+            return builder
+    return _SEMANTICS.get(op.name)
 
 
 def attr_int(op: ir.Operation, name: str, default: int | None = None) -> int | None:

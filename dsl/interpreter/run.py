@@ -19,6 +19,7 @@ from mlir import ir
 
 from kiln.core import env as kiln_env
 from kiln.cluster import RECIPES_ATTR as _RECIPES
+from kiln.core.ops import effects_of, lookup
 from kiln.core.errors import KilnTypeError, KilnValueError, UnsupportedError
 from kiln.launch_args import check_float_argument, check_int_argument, normalize_grid
 from kiln.passes import build_pass_manager
@@ -35,7 +36,6 @@ from kiln.core.targets import get_target
 from kiln.signature import ScalarParam, TensorMapParam
 
 WARP_GROUP_THREADS = 128
-_BLOCKING_OPS = ("nvgpu.mbarrier.try_wait.parity", "nvgpu.mbarrier.test.wait")
 _SHARED_ALIGN = 16
 
 
@@ -109,11 +109,13 @@ def _walk(op: ir.Operation, depth: int = 0):
 
 
 def _blocks_in_divergent_code(func) -> bool:
-    return any(op.name in _BLOCKING_OPS and depth > 0 for op, depth in _walk(func))
+    return any(depth > 0 and effects_of(op).blocks for op, depth in _walk(func))
 
 
 def _has_warp_group_ops(func) -> bool:
-    return any(op.name.startswith("nvvm.wgmma.") for op, _ in _walk(func))
+    """Whether ``func`` issues WGMMA ops (declared ``nvidia.wgmma.*``)."""
+    return any((opdef := lookup(op)) is not None and opdef.name.startswith("nvidia.wgmma.")
+               for op, _ in _walk(func))
 
 
 def global_memref(array: np.ndarray, name: str) -> MemRef:

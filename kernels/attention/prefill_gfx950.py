@@ -99,7 +99,7 @@ import kiln
 from kiln import amd_asm, amd_buffer, mma
 from kiln.cluster import ClusterRecipe
 from kiln.layout import mfma_32x32_accumulator
-from kiln.loader import TiledMmaLoader
+from kiln.amd.loader import TiledMmaLoader
 from kiln.tiles import RegTile, TileVector
 
 from .online_softmax import OnlineSoftmax

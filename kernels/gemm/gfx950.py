@@ -38,7 +38,7 @@ import numpy as np
 
 import kiln
 from kiln import amd_asm, amd_buffer, mfma, mma
-from kiln.loader import TiledMmaLoader
+from kiln.amd.loader import TiledMmaLoader
 from kiln.swizzle import Swizzle
 
 MMA_SHAPE = (32, 32, 16)

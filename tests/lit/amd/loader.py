@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).parent / "Inputs"))
 from amd_lit import arrays, case, show  # noqa: E402
 
 import kiln  # noqa: E402
-from kiln.loader import TiledMmaLoader  # noqa: E402
+from kiln.amd.loader import TiledMmaLoader  # noqa: E402
 from kiln.swizzle import Swizzle  # noqa: E402
 
 

@@ -34,9 +34,9 @@ for stage in ("nvvm", "ptx"):
     print(compiled.asm[stage])
 
 # CHECK-LABEL: // STAGE nvvm
-# CHECK: llvm.inline_asm has_side_effects "{\0A.reg .u32 t;\0Amov.u32 t, %clock;\0Ast.shared.u32 [$0], t;\0A}", "l"
+# CHECK: llvm.inline_asm has_side_effects {kiln.op = "nvidia.sync.sched_barrier"} "{\0A.reg .u32 t;\0Amov.u32 t, %clock;\0Ast.shared.u32 [$0], t;\0A}", "l"
 # CHECK: nvvm.vote.sync {{ *}}any
-# CHECK: llvm.inline_asm has_side_effects "{\0A.reg .pred p, q;\0Asetp.ne.b32 q, $1, 0;\0Abar.red.or.pred p, $2, $3, q;\0Aselp.u32 $0, 1, 0, p;\0A}", "=r,r,r,r"
+# CHECK: llvm.inline_asm has_side_effects {kiln.op = "nvidia.sync.named_barrier_any"} "{\0A.reg .pred p, q;\0Asetp.ne.b32 q, $1, 0;\0Abar.red.or.pred p, $2, $3, q;\0Aselp.u32 $0, 1, 0, p;\0A}", "=r,r,r,r"
 
 # CHECK-LABEL: // STAGE ptx
 # CHECK: ex2.approx

@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 
 import kiln  # noqa: E402
 from kiln import mbarrier, tma  # noqa: E402
-from kiln.nvidia_asm import fence_mbarrier_init  # noqa: E402
+from kiln.nvidia.sync import fence_mbarrier_init  # noqa: E402
 
 BOX = (64, 64)
 
@@ -42,7 +42,7 @@ for stage in ("nvvm", "ptx"):
     print(compiled.asm[stage])
 
 # CHECK-LABEL: // STAGE nvvm
-# CHECK: %[[POLICY:.*]] = llvm.inline_asm "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l"
+# CHECK: %[[POLICY:.*]] = llvm.inline_asm {kiln.op = "nvidia.sync.l2_cache_policy"} "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l"
 # CHECK-NEXT: cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [$0], [$1, {$2,$3} ], [$4], $5;"{{.*}}, %[[POLICY]],
 # CHECK-NOT: cache_hint
 # CHECK: cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1, {$2,$3} ], [$4];"

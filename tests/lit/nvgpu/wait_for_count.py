@@ -34,7 +34,7 @@ for stage in ("nvvm", "ptx"):
 
 # CHECK-LABEL: // STAGE nvvm
 # CHECK: llvm.atomicrmw add {{.*}} : !llvm.ptr<1>, i64
-# CHECK: llvm.inline_asm has_side_effects "{\0A.reg .pred p;\0A.reg .b64 v;\0AKILN_WAIT_FOR_COUNT:\0Ald.acquire.gpu.global.b64 v, [$0];\0Asub.s64 v, v, $1;\0Asetp.lt.s64 p, v, 0;\0A@p bra KILN_WAIT_FOR_COUNT;\0A}", "l,l,~{memory}"
+# CHECK: llvm.inline_asm has_side_effects {kiln.op = "nvidia.sync.wait_for_count"} "{\0A.reg .pred p;\0A.reg .b64 v;\0AKILN_WAIT_FOR_COUNT:\0Ald.acquire.gpu.global.b64 v, [$0];\0Asub.s64 v, v, $1;\0Asetp.lt.s64 p, v, 0;\0A@p bra KILN_WAIT_FOR_COUNT;\0A}", "l,l,~{memory}"
 # CHECK: llvm.load
 
 # CHECK-LABEL: // STAGE ptx

@@ -38,7 +38,7 @@ for stage in ("kiln", "ptx"):
 # CHECK: nvvm.wgmma.fence.aligned
 # CHECK: vector.bitcast %{{.*}} : vector<8xbf16> to vector<4xi32>
 # 32 outputs, 32 inputs tied to them, 4 A registers, the B descriptor, scale-d.
-# CHECK: llvm.inline_asm has_side_effects {{.*}}wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {$0, {{.*}}, $31}, {$64, $65, $66, $67}, $68, p, 1, 1, 1;{{.*}}"{{(=f,)+}}0,1,{{.*}},31,r,r,r,r,l,r" {{.*}} -> !llvm.struct<(f32, {{.*}})>
+# CHECK: llvm.inline_asm has_side_effects {kiln.op = "nvidia.wgmma.mma_async.rs", kiln.op_args = {dtype = "bf16", n = 64 : i64, trans_b = 1 : i64}} {{.*}}wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {$0, {{.*}}, $31}, {$64, $65, $66, $67}, $68, p, 1, 1, 1;{{.*}}"{{(=f,)+}}0,1,{{.*}},31,r,r,r,r,l,r" {{.*}} -> !llvm.struct<(f32, {{.*}})>
 # CHECK: nvvm.wgmma.commit.group.sync.aligned
 
 # CHECK-LABEL: // STAGE ptx

@@ -2,17 +2,20 @@
 
 // Two wgmma commit groups: reading the older accumulator leaves the younger group in flight
 // (wait_group 1); reading the younger then needs wait_group 0. Chaining an accumulator into
-// the next mma_async is not a read.
+// the next mma_async is not a read, nor is llvm.extractvalue (it only names a register): each
+// wait goes before the store that reads the value.
 // CHECK-LABEL: gpu.func @wgmma_groups
 // CHECK: nvvm.wgmma.mma_async
 // CHECK-NEXT: nvvm.wgmma.mma_async
 // CHECK-NEXT: nvvm.wgmma.commit.group.sync.aligned
 // CHECK-NEXT: nvvm.wgmma.mma_async
 // CHECK-NEXT: nvvm.wgmma.commit.group.sync.aligned
-// CHECK-NEXT: nvvm.wgmma.wait.group.sync.aligned 1
 // CHECK-NEXT: llvm.extractvalue
+// CHECK-NEXT: llvm.extractvalue
+// CHECK: nvvm.wgmma.wait.group.sync.aligned 1
+// CHECK-NEXT: memref.store
 // CHECK-NEXT: nvvm.wgmma.wait.group.sync.aligned 0
-// CHECK-NEXT: llvm.extractvalue
+// CHECK-NEXT: memref.store
 // CHECK-NOT: nvvm.wgmma.wait.group
 module attributes {gpu.container_module} {
   gpu.module @kiln_kernels {

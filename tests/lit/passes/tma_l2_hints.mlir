@@ -4,9 +4,9 @@
 // gets that policy as its cache-hint operand; its predicate stays. A load with a plain
 // location is left alone.
 // CHECK-LABEL: llvm.func @k(
-// CHECK: %[[POLICY:.*]] = llvm.inline_asm "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l"
+// CHECK: %[[POLICY:.*]] = llvm.inline_asm {kiln.op = "nvidia.sync.l2_cache_policy"} "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l"
 // CHECK-NEXT: nvvm.cp.async.bulk.tensor.shared.cluster.global %arg1, %arg0, %arg2, box[%arg3, %arg4] l2_cache_hint = %[[POLICY]] predicate = %arg5
-// CHECK: %[[LAST:.*]] = llvm.inline_asm "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;", "=l"
+// CHECK: %[[LAST:.*]] = llvm.inline_asm {kiln.op = "nvidia.sync.l2_cache_policy"} "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;", "=l"
 // CHECK-NEXT: nvvm.cp.async.bulk.tensor.shared.cluster.global %arg1, %arg0, %arg2, box[%arg3, %arg4] multicast_mask = %arg6 l2_cache_hint = %[[LAST]] :
 // CHECK-NEXT: nvvm.cp.async.bulk.tensor.shared.cluster.global %arg1, %arg0, %arg2, box[%arg3, %arg4] :
 // CHECK-NOT: l2_cache_hint

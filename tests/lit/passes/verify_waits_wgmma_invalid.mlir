@@ -1,7 +1,8 @@
 // RUN: not %kiln-opt %s --pass-pipeline='builtin.module(kiln-verify-waits)' 2>&1 | FileCheck %s
 
-// A committed wgmma group read with no wait_group: rejected at the read, naming the wait.
-// CHECK: kiln-opt: error: {{.*}}:13{{.*}}llvm.extractvalue may read before the async nvvm.wgmma.mma_async at {{.*}}:11 lands (wgmma)
+// A committed wgmma group read with no wait_group: rejected at the read (the store; the
+// extractvalue only names a register), naming the wait.
+// CHECK: kiln-opt: error: {{.*}}:15{{.*}}memref.store may read before the async nvvm.wgmma.mma_async at {{.*}}:12 lands (wgmma)
 // CHECK: Fix: add kiln.wgmma.wait_group(0) before the read
 module attributes {gpu.container_module} {
   gpu.module @kiln_kernels {

@@ -23,14 +23,15 @@ from typing import Any, Sequence
 from mlir import ir
 from mlir.dialects import nvgpu
 
-from . import builder
-from .core import dtypes as dt
-from .core.errors import KilnTypeError, KilnValueError
-from .global_tile import GlobalTile
-from .ops import where
-from .shared_tile import SharedTile
-from .tensor import to_index
-from .values import Handle, Value, cast
+from .. import builder
+from ..core.ops import CP_ASYNC, Effects, declare, int_attr
+from ..core import dtypes as dt
+from ..core.errors import KilnTypeError, KilnValueError
+from ..global_tile import GlobalTile
+from ..shared_tile import SharedTile
+from ..tensor import to_index
+from ..values import Handle, Value, cast
+from ..ops import where
 
 COPY_BYTES = (4, 8, 16)
 
@@ -43,15 +44,26 @@ class Group(Handle):
     """A committed group of copies; :func:`wait` on it or by count."""
 
 
-def _require_sm80(what: str) -> None:
-    builder.current_target().require("sm80", what)
+def _copied_to(op) -> tuple:
+    """The shared buffers the copies of a cp.async group write (each copy's destination)."""
+    copies = [t.owner.operation for t in op.operands if not isinstance(t.owner, ir.Block)]
+    return tuple(c.operands[0] for c in copies if c.name == "nvgpu.device_async_copy")
+
+
+# A copy is issued alone; its group (create_group) is the event that the wait retires.
+COPY = declare("nvidia.cp_async.copy", feature="sm80", mlir_names=("nvgpu.device_async_copy",))
+COMMIT = declare("nvidia.cp_async.commit", feature="sm80",
+                 mlir_names=("nvgpu.device_async_create_group",),
+                 effects=Effects(counter=CP_ASYNC, writes=_copied_to))
+WAIT = declare("nvidia.cp_async.wait", feature="sm80", mlir_names=("nvgpu.device_async_wait",),
+               effects=Effects(waits=lambda op: {CP_ASYNC: int_attr("numGroups", 0)(op)}))
 
 
 def copy(dst: SharedTile, dst_pos: tuple[Any, Any], src: GlobalTile, src_pos: tuple[Any, Any], *,
          width: int) -> Token:
     """Start copying ``src[src_pos .. +width]`` to ``dst[dst_pos .. +width]`` (along the row);
     a masked source row (past ``src.row_end``) fills zeros and reads nothing."""
-    _require_sm80("cp_async.copy")
+    COPY.require(builder.current_target(), "cp_async.copy")
     if not isinstance(dst, SharedTile) or not isinstance(src, GlobalTile):
         raise KilnTypeError("cp_async.copy copies a GlobalTile into a SharedTile",
                             fix="wrap the tensor in kiln.tiles.GlobalTile and the buffer in "
@@ -88,12 +100,13 @@ def _as_i32(x: Any) -> Any:
 
 
 def _select(cond: Value, a: Any, b: Any) -> Value:
+
     return where(cond, a, b)
 
 
 def commit(tokens: Sequence[Token]) -> Group:
     """``cp.async.commit_group`` over ``tokens`` (the copies issued since the last commit)."""
-    _require_sm80("cp_async.commit")
+    COMMIT.require(builder.current_target(), "cp_async.commit")
     if not tokens or not all(isinstance(t, Token) for t in tokens):
         raise KilnTypeError("cp_async.commit needs a non-empty list of cp_async.copy tokens",
                             fix="collect the values returned by kiln.cp_async.copy")
@@ -103,7 +116,7 @@ def commit(tokens: Sequence[Token]) -> Group:
 def wait(group: Group, *, pending: int = 0) -> None:
     """``cp.async.wait_group pending``: block until at most ``pending`` committed groups are in
     flight (0: everything, including ``group``, has landed)."""
-    _require_sm80("cp_async.wait")
+    WAIT.require(builder.current_target(), "cp_async.wait")
     if not isinstance(group, Group):
         raise KilnTypeError(f"cp_async.wait needs a Group from cp_async.commit, got {group!r}",
                             fix="pass the value returned by kiln.cp_async.commit")

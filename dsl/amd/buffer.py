@@ -30,12 +30,14 @@ from __future__ import annotations
 from mlir import ir
 from mlir.dialects import amdgpu
 
-from .core import dtypes as dt
-from .amd_asm import AsyncToken, mark_async, require_amd
-from .core.errors import KilnTypeError, KilnValueError, UnsupportedError
-from .shared import SharedTensor
-from .tensor import TensorRef, to_index
-from .values import cast, to_value
+from ..core import dtypes as dt
+from ..core.ops import VMCNT, Effects, declare, shared_operands
+from ..nvidia.sync import current_target
+from .sched import AsyncToken, mark_async
+from ..core.errors import KilnTypeError, KilnValueError, UnsupportedError
+from ..shared import SharedTensor
+from ..tensor import TensorRef, to_index
+from ..values import cast, to_value
 
 #: Bytes one lane may move per DMA instruction: dword on every GFX9 chip, dwordx4 on gfx950
 #: (1- and 2-byte transfers are padded to 4 in LDS and 12-byte ones to 16, so Kiln leaves
@@ -51,13 +53,27 @@ class BufferTensor(TensorRef):
         super().__init__(ir_value, dtype, name)
 
 
+# LDS DMA (global -> LDS without registers): vmcnt events that write their LDS operand.
+GATHER_TO_LDS = declare("amd.lds_dma.gather_to_lds", feature="gfx9",
+                        mlir_names=("amdgpu.gather_to_lds",),
+                        effects=Effects(counter=VMCNT, writes=shared_operands))
+LOAD_TO_LDS = declare("amd.lds_dma.load_to_lds", feature="gfx9",
+                      mlir_names=("rocdl.global.load.lds", "rocdl.load.to.lds",
+                                  "rocdl.raw.ptr.buffer.load.lds"),
+                      effects=Effects(counter=VMCNT, writes=shared_operands))
+BUFFER_VIEW = declare("amd.buffer.view", feature="gfx9", mlir_names=("amdgpu.fat_raw_buffer_cast",))
+# Buffer loads into registers: vmcnt events their consumers read.
+BUFFER_LOAD = declare("amd.buffer.load", feature="gfx9",
+                      mlir_names=("rocdl.raw.ptr.buffer.load", "amdgpu.raw_buffer_load"),
+                      effects=Effects(counter=VMCNT))
+
 def buffer(tensor: TensorRef, *, valid_bytes=None) -> BufferTensor:
     """A bounds-checked buffer view of global tensor ``tensor`` (``amdgpu.fat_raw_buffer_cast``).
 
     ``valid_bytes`` (an int or integer Value) limits the readable range, counted from the tensor's
     first element; by default it is the tensor's extent. Example: ``b = buffer(x)``.
     """
-    require_amd("kiln.amd_buffer.buffer")
+    BUFFER_VIEW.require(current_target(), "kiln.amd_buffer.buffer")
     if not isinstance(tensor, TensorRef) or isinstance(tensor, (SharedTensor, BufferTensor)):
         raise KilnTypeError(f"kiln.amd_buffer.buffer needs a global kiln.Tensor parameter, got "
                             f"{tensor!r}", fix="pass a kernel argument annotated kiln.Tensor[...]")
@@ -84,7 +100,7 @@ def copy_to_lds(src: TensorRef, src_index, dst: SharedTensor, dst_index, *,
 
         t = copy_to_lds(a_buf, (row0 + lane // 8, (lane % 8) * 8), tile, (0, 0), width=8)
     """
-    target = require_amd("kiln.amd_buffer.copy_to_lds")
+    target = GATHER_TO_LDS.require(current_target(), "kiln.amd_buffer.copy_to_lds")
     if not isinstance(src, TensorRef) or isinstance(src, SharedTensor):
         raise KilnTypeError(f"copy_to_lds reads global memory, got {src!r}",
                             fix="pass a kiln.Tensor parameter or a kiln.amd_buffer.buffer view")

@@ -58,17 +58,19 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import amdgpu, memref, nvgpu, vector
 
-from .core import dtypes as dt
-from .amd_asm import mark_async, require_amd, require_gfx950
-from .builder import current_target
-from .core.errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
-from .layout import Layout, ThreadValueLayout, concat_modes
-from .mfma import WAVE, values_per_lane
-from .ops import lane_id
-from .shared import SharedTensor
-from .swizzle import ComposedSwizzle, Swizzle
-from .tensor import to_index
-from .values import Value, cast
+from ..core import dtypes as dt
+from ..core.ops import LGKMCNT, VMCNT, Effects, declare
+from ..nvidia.sync import current_target as op_target  # honours compiling_for, as require_amd
+from .sched import mark_async, require_amd
+from ..builder import current_target
+from ..core.errors import KilnTypeError, KilnValueError, TargetError, UnsupportedError
+from ..layout import Layout, ThreadValueLayout, concat_modes
+from ..mfma import WAVE, values_per_lane
+from ..shared import SharedTensor
+from ..swizzle import ComposedSwizzle, Swizzle
+from ..values import Value, cast
+from ..ops import lane_id
+from ..tensor import to_index
 
 MAX_LDS_READ_BYTES = 16  # ds_read_b128
 MAX_IMM_OFFSET = 65535  # the DS instructions' 16-bit unsigned offset field
@@ -101,6 +103,19 @@ def _swizzle_keeps_runs(swizzle, run: int) -> bool:
     return bool(np.all(runs == runs[:, :1] + np.arange(run)) and np.all(runs[:, 0] % run == 0))
 
 
+# Transposed reads: LDS ones count on lgkmcnt, global ones on vmcnt; consumers read the result.
+DS_READ_TR = declare("amd.loader.ds_read_tr", feature="gfx950",
+                     mlir_names=("amdgpu.transpose_load", "rocdl.ds.read.tr4.b64",
+                                 "rocdl.ds.read.tr6.b96", "rocdl.ds.read.tr8.b64",
+                                 "rocdl.ds.read.tr16.b64"),
+                     effects=Effects(counter=LGKMCNT))
+GLOBAL_LOAD_TR = declare("amd.loader.global_load_tr", feature="gfx950",
+                         mlir_names=("rocdl.global.load.tr4.b64", "rocdl.global.load.tr6.b96",
+                                     "rocdl.global.load.tr.b64", "rocdl.global.load.tr.b128"),
+                         effects=Effects(counter=VMCNT))
+DS_BPERMUTE = declare("amd.loader.ds_bpermute", feature="gfx9", mlir_names=("rocdl.ds_bpermute",),
+                      effects=Effects(counter=LGKMCNT))
+
 @dataclass(frozen=True)
 class TiledMmaLoader:
     """LDS -> register loader for one dtype, MFMA shape and swizzle pair (module docstring).
@@ -110,7 +125,6 @@ class TiledMmaLoader:
         loader = TiledMmaLoader(kiln.f8e4m3, (16, 16, 128))
         frags = loader.load_b(k_tile, n_tiles=2)     # two vector<32xf8e4m3>, 2 x ds_read_b128 each
     """
-
     dtype: dt.DType
     mma_shape: tuple[int, int, int]
     swizzle: Any = None
@@ -254,7 +268,7 @@ class TiledMmaLoader:
             imm = self._imm_elems(imm_offset_bytes, LDMATRIX_ROW)
             offset = self.ldmatrix_b_tr_offsets(_lane(), row_stride, k0, n0)
             return _ldmatrix(smem, offset + imm, 1, self.dtype, trans=True)[0]
-        require_gfx950("TiledMmaLoader.load_b_tr")
+        DS_READ_TR.require(op_target(), "TiledMmaLoader.load_b_tr")
         self._require_tr16("load_b_tr")
         row_stride = self._check_tile(smem)
         per = TR_READ_BYTES // self.dtype.itemsize
@@ -270,7 +284,7 @@ class TiledMmaLoader:
         tile: four ``ds_read_b64_tr_b8``; returns ``vector<32 x dtype>`` laid out as
         :meth:`v_fp8_strip_layout`. Example: ``v = loader.load_v_fp8_strip(v_tile, depth0=16)``.
         """
-        require_gfx950("TiledMmaLoader.load_v_fp8_strip")
+        DS_READ_TR.require(op_target(), "TiledMmaLoader.load_v_fp8_strip")
         self._require_v_fp8("load_v_fp8_strip")
         row_stride = self._check_tile(smem)
         self._check_swizzle(TR_READ_BYTES, "load_v_fp8_strip")
@@ -349,6 +363,7 @@ class TiledMmaLoader:
 
 
 def _lane() -> Value:
+
     return lane_id()
 
 
@@ -361,6 +376,7 @@ def _flat(smem: SharedTensor) -> ir.Value:
 
 
 def _index(offset: Any) -> ir.Value:
+
     return to_index(cast(offset, dt.i32) if isinstance(offset, Value) else offset)
 
 

@@ -22,15 +22,15 @@ import contextlib
 import numbers
 
 from mlir import ir
-from mlir.dialects import arith, llvm, nvvm
+from mlir.dialects import arith, nvvm
 
-from . import builder
-from .builder import GLOBAL_MEMORY_SPACE, SHARED_MEMORY_SPACE
-from .core import dtypes as dt
-from .core.dtypes import i32 as kiln_i32
-from .core.errors import KilnTypeError, KilnValueError
-from .values import Value, cast, to_value
-from kiln.core.targets import get_target
+from .. import builder
+from ..builder import GLOBAL_MEMORY_SPACE, SHARED_MEMORY_SPACE
+from ..core import dtypes as dt
+from ..core.dtypes import i32 as kiln_i32
+from ..core.errors import KilnTypeError, KilnValueError
+from ..core.ops import Effects, declare
+from ..values import Value, cast, to_value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,9 +108,48 @@ def require_feature(feature: str, what: str):
     return current_target().require(feature, what)
 
 
-def require_sm90(what: str):
-    """Raise TargetError unless compiling for an NVIDIA chip of compute capability >= 9.0."""
-    return require_feature("sm90", what)
+# ---------------------------------------------------------------------------------------------
+# Declarations (kiln.core.ops): identity, chips, effects, interpreter semantics
+# ---------------------------------------------------------------------------------------------
+
+def _barrier_semantics(method: str):
+    """Interpreter semantics of ``bar.sync`` / ``bar.arrive``: the CTA's named barrier ``method``."""
+    def build(op, plan):
+        barrier_id, count = plan.operands(op)
+        loc = plan.location(op)
+
+        def run(env, ctx):
+            getattr(ctx.cta, method)(ctx, int(env[barrier_id][0]), int(env[count][0]), loc)
+
+        return run
+    return build
+
+
+BARRIER = declare("nvidia.sync.barrier", feature="ptx", effects=Effects(barrier=True),
+                  mlir_names=("nvvm.barrier", "nvvm.barrier0"))
+NAMED_BARRIER = declare("nvidia.sync.named_barrier", feature="ptx",
+                        interpret=_barrier_semantics("named_barrier"))
+NAMED_BARRIER_ARRIVE = declare("nvidia.sync.named_barrier_arrive", feature="ptx",
+                               interpret=_barrier_semantics("named_barrier_arrive"))
+NAMED_BARRIER_ANY = declare("nvidia.sync.named_barrier_any", feature="ptx")
+# Orders SASS only; its scratch word is never read, so the interpreter has nothing to run.
+SCHED_BARRIER = declare("nvidia.sync.sched_barrier", feature="ptx",
+                        interpret=lambda op, plan: None)
+L2_CACHE_POLICY = declare("nvidia.sync.l2_cache_policy", feature="ptx")
+WAIT_FOR_COUNT = declare("nvidia.sync.wait_for_count", feature="ptx")
+ELECT_SYNC = declare("nvidia.sync.elect_sync", feature="sm90", mlir_names=("nvvm.elect.sync",))
+FENCE_PROXY_ASYNC = declare("nvidia.sync.fence_proxy_async", feature="sm90",
+                            mlir_names=("nvvm.fence.proxy",))
+FENCE_MBARRIER_INIT = declare("nvidia.sync.fence_mbarrier_init", feature="sm90",
+                              mlir_names=("nvvm.fence.mbarrier.init",))
+SETMAXNREG = declare("nvidia.sync.setmaxnreg", feature="wgmma",
+                     mlir_names=("nvvm.setmaxregister",))
+CLUSTER_CTARANK = declare("nvidia.cluster.ctarank", feature="sm90",
+                          mlir_names=("nvvm.read.ptx.sreg.cluster.ctarank",))
+CLUSTER_SYNC = declare("nvidia.cluster.sync", feature="sm90",
+                       mlir_names=("nvvm.cluster.arrive", "nvvm.cluster.wait"))
+GRIDDEPCONTROL = declare("nvidia.sync.griddepcontrol", feature="sm90",
+                         mlir_names=("nvvm.griddepcontrol",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,22 +162,21 @@ def elect_sync():
     Cheaper than ``lane_id == 0`` and lets ptxas see a uniform leader. Returns a ``kiln.Value``
     of dtype i1 when the front end is loaded, usable as ``predicate=`` or in ``if``.
     """
-    require_sm90("elect_sync")
-
+    ELECT_SYNC.require(current_target(), "elect_sync")
     return Value(nvvm.elect_sync(ir.IntegerType.get_signless(1)))
 
 
 def fence_proxy_async() -> None:
     """``fence.proxy.async.shared::cta``: order generic-proxy shared-memory writes before
     async-proxy reads (a TMA store or WGMMA reading what threads just wrote)."""
-    require_sm90("fence_proxy_async")
+    FENCE_PROXY_ASYNC.require(current_target(), "fence_proxy_async")
     nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
 
 
 def fence_mbarrier_init() -> None:
     """``fence.mbarrier_init.release.cluster``: publish ``mbarrier.init`` to the async proxy
     (and to other CTAs of a cluster) before TMA transactions complete on the barrier."""
-    require_sm90("fence_mbarrier_init")
+    FENCE_MBARRIER_INIT.require(current_target(), "fence_mbarrier_init")
     nvvm.fence_mbarrier_init()
 
 
@@ -147,7 +185,7 @@ def setmaxnreg(count: int, *, increase: bool) -> None:
 
     ``count`` must be a multiple of 8 in 24..256; every thread of the warp group executes it.
     """
-    require_feature("wgmma", "setmaxnreg")
+    SETMAXNREG.require(current_target(), "setmaxnreg")
     if not isinstance(count, int) or count % 8 or not 24 <= count <= 256:
         raise KilnValueError(f"setmaxnreg count must be a multiple of 8 in 24..256, got {count!r}",
                              fix="round the register count to a multiple of 8, e.g. 232 or 40")
@@ -163,20 +201,20 @@ def named_barrier(barrier_id, num_threads: int) -> None:
     ``bar.sync`` is PTX's aligned barrier: keep lane-divergent branches (``if tid % 128 == 0:``)
     off both sides of it. LLVM may copy the barrier into both arms of such a branch, and a warp
     whose lanes reach two copies hangs (``bench/RESULTS.md``, session 20)."""
-    require_feature("ptx", "named_barrier")
+    NAMED_BARRIER.require(current_target(), "named_barrier")
     # Inline PTX: nvvm.barrier's printed form does not parse back with its location attached
     # (MLIR 22), and Kiln round-trips every stage through text.
-    llvm.inline_asm(None, _named_barrier_operands(barrier_id, num_threads), "bar.sync $0, $1;",
-                    "r,r", has_side_effects=True)
+    NAMED_BARRIER.inline_asm(None, _named_barrier_operands(barrier_id, num_threads),
+                             "bar.sync $0, $1;", "r,r")
 
 
 def named_barrier_arrive(barrier_id, num_threads: int) -> None:
     """``bar.arrive barrier_id, num_threads``: count this warp group toward ``num_threads``
     without waiting. Pairs with :func:`named_barrier` in another warp group to hand over a
     turn (ping-pong scheduling): ``named_barrier_arrive(other_turn, 256)``."""
-    require_feature("ptx", "named_barrier_arrive")
-    llvm.inline_asm(None, _named_barrier_operands(barrier_id, num_threads), "bar.arrive $0, $1;",
-                    "r,r", has_side_effects=True)
+    NAMED_BARRIER_ARRIVE.require(current_target(), "named_barrier_arrive")
+    NAMED_BARRIER_ARRIVE.inline_asm(None, _named_barrier_operands(barrier_id, num_threads),
+                                    "bar.arrive $0, $1;", "r,r")
 
 
 # ``named_barrier_any``: bar.red.or.pred on the flag's truth, the result back as 0/1.
@@ -194,14 +232,14 @@ def named_barrier_any(barrier_id, num_threads: int, flag):
         if kiln.nvidia_asm.named_barrier_any(7 + group, 128, x > limit):
             ...   # every warp of the group takes this branch, or none does
     """
-    require_feature("ptx", "named_barrier_any")
+    NAMED_BARRIER_ANY.require(current_target(), "named_barrier_any")
     flag = to_value(flag)
     if flag.shape or flag.dtype.name not in ("i1", "i8", "i16", "i32"):
         raise KilnTypeError(f"named_barrier_any votes on a scalar bool or integer, got {flag!r}",
                             fix="compare first, e.g. x > limit")
     operands = [cast(flag, kiln_i32).ir, *_named_barrier_operands(barrier_id, num_threads)]
-    vote = llvm.inline_asm(ir.IntegerType.get_signless(32), operands, NAMED_BARRIER_ANY_ASM,
-                           "=r,r,r,r", has_side_effects=True)
+    vote = NAMED_BARRIER_ANY.inline_asm(ir.IntegerType.get_signless(32), operands,
+                                        NAMED_BARRIER_ANY_ASM, "=r,r,r,r")
     return Value(vote, kiln_i32) != 0
 
 
@@ -226,8 +264,8 @@ def sched_barrier(scratch, *index) -> None:
     _check_nvidia_buffer(scratch, dt.i32, SHARED_MEMORY_SPACE, "sched_barrier",
                          "stores to a shared tensor of i32 words",
                          "pass kiln.shared((threads,), kiln.i32)")
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [scratch.element_address(*index)],
-                    SCHED_BARRIER_ASM, "l", has_side_effects=True)
+    SCHED_BARRIER.inline_asm(ir.Type.parse("!llvm.void"), [scratch.element_address(*index)],
+                             SCHED_BARRIER_ASM, "l")
 
 
 # L2 eviction priorities a cache policy can give (PTX createpolicy.fractional.L2::<name>).
@@ -241,8 +279,9 @@ def l2_cache_policy(priority: str) -> ir.Value:
     if priority not in EVICTION_POLICIES:
         raise KilnValueError(f"L2 eviction priority {priority!r} is not evict_first, evict_last "
                              "or evict_normal", fix="use one of those three")
-    return llvm.inline_asm(ir.IntegerType.get_signless(64), [],
-                           f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;", "=l")
+    return L2_CACHE_POLICY.inline_asm(ir.IntegerType.get_signless(64), [],
+                                      f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;",
+                                      "=l", has_side_effects=False)
 
 
 # ``wait_for_count``: poll with an acquire load until the signed difference ``counter - target``
@@ -268,7 +307,6 @@ def wait_for_count(counters, *index, target) -> None:
             ticket = counters.atomic_add(0, 1)
             kiln.nvidia_asm.wait_for_count(counters, 0, target=ticket - ticket % n + n)
         kiln.barrier()
-
     The interpreter runs CTAs one at a time, so a wait passes there only where the CTAs before
     this one already brought the counter to ``target``; otherwise it raises UnsupportedError.
     """
@@ -279,9 +317,9 @@ def wait_for_count(counters, *index, target) -> None:
     if goal.dtype.kind != "int":
         raise KilnTypeError(f"wait_for_count's target must be an integer, got {goal.dtype}",
                             fix="compute the target from the ticket (an integer)")
-    llvm.inline_asm(ir.Type.parse("!llvm.void"),
-                    [counters.element_address(*index), cast(goal, dt.i64).ir],
-                    WAIT_FOR_COUNT_ASM, "l,l,~{memory}", has_side_effects=True)
+    WAIT_FOR_COUNT.inline_asm(ir.Type.parse("!llvm.void"),
+                              [counters.element_address(*index), cast(goal, dt.i64).ir],
+                              WAIT_FOR_COUNT_ASM, "l,l,~{memory}")
 
 
 def _check_nvidia_buffer(buffer, dtype, memory_space: int, what: str, needs: str,
@@ -309,58 +347,6 @@ def _named_barrier_operands(barrier_id, num_threads: int) -> list:
     return [identifier, arith.constant(i32, num_threads)]
 
 
-def wgmma_rs_asm(n: int, ptx_type: str, trans_b: int) -> str:
-    """The inline PTX of :func:`wgmma_mma_async_regs` for ``m64n{n}k16`` (operands ``$0..``:
-    ``n/2`` accumulator outputs, the same ``n/2`` tied inputs, four A registers, the B
-    descriptor, the scale-d flag)."""
-    half = n // 2
-    d = ", ".join(f"${i}" for i in range(half))
-    a = ", ".join(f"${i}" for i in range(n, n + 4))
-    # scale-d must be a predicate; imm-scale-a/b = 1 (no negation), imm-trans-b 0/1.
-    return ("{\n.reg .pred p;\n"
-            f"setp.ne.b32 p, ${n + 5}, 0;\n"
-            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "
-            f"{{{d}}}, {{{a}}}, ${n + 4}, p, 1, 1, {trans_b};\n}}")
-
-
-def wgmma_mma_async_regs(accumulators: list[ir.Value], a_registers: list[ir.Value],
-                         b_descriptor: ir.Value, scale_d: ir.Value, *, ptx_type: str,
-                         trans_b: int) -> ir.Value:
-    """``wgmma.mma_async.sync.aligned.m64nNk16.f32.T.T`` with A from four b32 registers
-    (PTX ISA "wgmma.mma_async", register A form); returns the ``!llvm.struct`` of the
-    ``len(accumulators)`` updated f32 registers. ``scale_d`` (i32) = 0 ignores the old D.
-
-    Low-level: :func:`kiln.wgmma.mma_async_regs` validates operands and is the one to call.
-    """
-    half = len(accumulators)
-    f32 = ir.F32Type.get()
-    # LLVM IR has no "+f": outputs "=f", then inputs tied to them by index ("0", "1", ...),
-    # which is what clang makes of CUDA's "+f" read-write operands.
-    constraints = ",".join(["=f"] * half + [str(i) for i in range(half)]
-                           + ["r"] * 4 + ["l", "r"])
-    return llvm.inline_asm(llvm.StructType.get_literal([f32] * half),
-                           [*accumulators, *a_registers, b_descriptor, scale_d],
-                           wgmma_rs_asm(2 * half, ptx_type, trans_b), constraints,
-                           has_side_effects=True)
-
-
-# ``keep_registers_live``: no instruction at all; only the operand list matters (to LLVM).
-KEEP_REGISTERS_LIVE_ASM = ""
-
-
-def keep_registers_live(registers: list[ir.Value]) -> None:
-    """An empty inline asm that reads ``registers`` (b32): LLVM keeps them live up to here, so
-    it cannot give their PTX registers to new values before this point (an in-flight WGMMA
-    may still be reading them). Emits no instruction. It is not ``.aligned`` PTX, so LLVM may
-    copy it into both arms of a lane-divergent branch, which an inline ``wgmma.wait_group``
-    must never be (a warp reaching an aligned instruction at two addresses hangs).
-
-    Low-level: :func:`kiln.wgmma.wait_group` with ``reads=`` is the one to call.
-    """
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), registers, KEEP_REGISTERS_LIVE_ASM,
-                    ",".join(["r"] * len(registers)), has_side_effects=True)
-
-
 # ---------------------------------------------------------------------------------------------
 # Thread-block clusters (sm_90+)
 # ---------------------------------------------------------------------------------------------
@@ -378,7 +364,7 @@ def cluster_dims(x: int, y: int = 1, z: int = 1) -> None:
         kiln.nvidia_asm.cluster_dims(2)           # pairs of CTAs along x
         rank = kiln.nvidia_asm.cluster_ctarank()  # 0 or 1
     """
-    require_sm90("cluster_dims")
+    CLUSTER_SYNC.require(current_target(), "cluster_dims")
     shape = (x, y, z)
     if not all(isinstance(d, int) and d >= 1 for d in shape) \
             or x * y * z > MAX_PORTABLE_CLUSTER:
@@ -396,8 +382,7 @@ def cluster_dims(x: int, y: int = 1, z: int = 1) -> None:
 
 def cluster_ctarank():
     """This CTA's rank in its cluster (``%cluster_ctarank``, 0 .. CTAs per cluster - 1), an i32."""
-    require_sm90("cluster_ctarank")
-
+    CLUSTER_CTARANK.require(current_target(), "cluster_ctarank")
     return Value(nvvm.read_ptx_sreg_cluster_ctarank(ir.IntegerType.get_signless(32)))
 
 
@@ -405,7 +390,7 @@ def cluster_sync() -> None:
     """``barrier.cluster.arrive`` + ``barrier.cluster.wait``: every thread of every CTA of the
     cluster must reach it. Use it after initialising mbarriers that peer CTAs will signal, and
     before exiting while peers may still write this CTA's shared memory."""
-    require_sm90("cluster_sync")
+    CLUSTER_SYNC.require(current_target(), "cluster_sync")
     nvvm.cluster_arrive()
     nvvm.cluster_wait()
 
@@ -428,7 +413,7 @@ def grid_dependency_wait() -> None:
         kiln.nvidia_asm.grid_dependency_wait()
         n = lengths[kiln.block_id(0)]
     """
-    require_sm90("grid_dependency_wait")
+    GRIDDEPCONTROL.require(current_target(), "grid_dependency_wait")
     state = builder.current()
     if ir.InsertionPoint.current.block != state.entry_block:
         raise KilnValueError("grid_dependency_wait() must run on every path: call it at the "
@@ -445,5 +430,10 @@ def launch_dependents() -> None:
     launching. It orders no memory: that kernel's wait still lasts until this grid completes.
     Call it where the grid's remaining work no longer needs whole SMs, e.g. after the main
     loop. Example: ``kiln.nvidia_asm.launch_dependents()``."""
-    require_sm90("launch_dependents")
+    GRIDDEPCONTROL.require(current_target(), "launch_dependents")
     nvvm.griddepcontrol(nvvm.GridDepActionKind.launch_dependents)
+
+
+# kiln.nvidia_asm's former names for the WGMMA inline-PTX helpers, now in kiln.nvidia.wgmma.
+from .wgmma import (KEEP_REGISTERS_LIVE_ASM, keep_registers_live,  # noqa: E402,F401
+                    wgmma_mma_async_regs, wgmma_rs_asm)

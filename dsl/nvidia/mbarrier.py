@@ -19,14 +19,52 @@ from __future__ import annotations
 from mlir import ir
 from mlir.dialects import arith, llvm, nvgpu, nvvm
 
-from .core.errors import KilnValueError
-from .nvidia_asm import as_index, as_predicate, ir_value, require_sm90
+from ..core.errors import KilnValueError
+from ..core.ops import Effects, constant_int, declare
+from .sync import as_index, as_predicate, current_target, ir_value
 
 # Spin budget per try_wait poll before the hardware suspends the thread; upstream's default.
 DEFAULT_TICKS = 10_000_000
 SHARED_MEMORY_SPACE = 3
 SHARED_CLUSTER_SPACE = 7  # NVPTX address space of another CTA's shared memory (shared::cluster)
 MAX_BARRIERS = 1024  # nvgpu.mbarrier.group is a static shared array; keep it a sane size
+
+
+# try_wait retires the TMA loads of the phase it waits for (operands: group, parity, ticks, index).
+# mbarrier ops touch only the barrier words, no shared data (data=False).
+TRY_WAIT = declare("nvidia.mbarrier.try_wait", feature="sm90",
+                   mlir_names=("nvgpu.mbarrier.try_wait.parity",),
+                   effects=Effects(mbarrier=lambda op: (op.operands[0],
+                                                        constant_int(op.operands[3])),
+                                   blocks=True, data=False))
+TEST_WAIT = declare("nvidia.mbarrier.test_wait", feature="sm90",
+                    mlir_names=("nvgpu.mbarrier.test.wait",),
+                    effects=Effects(blocks=True, data=False))
+CREATE = declare("nvidia.mbarrier.create", feature="sm90",
+                 mlir_names=("nvgpu.mbarrier.create", "nvgpu.mbarrier.init", "nvgpu.mbarrier.get"),
+                 effects=Effects(data=False))
+ARRIVE = declare("nvidia.mbarrier.arrive", feature="sm90",
+                 mlir_names=("nvgpu.mbarrier.arrive", "nvgpu.mbarrier.arrive.expect_tx"),
+                 effects=Effects(arrives=lambda op: op.operands[0], data=False))
+def _remote_group(op):
+    """The group an ``arrive_cluster`` arrives on: its address comes from ``mbarrier.get``
+    through casts and ``mapa`` (None for the ``mapa`` itself)."""
+    if op.name != "nvvm.mbarrier.arrive":
+        return None
+    value = op.operands[0]
+    for _ in range(8):  # get -> inttoptr -> mapa -> arrive, a few casts at most
+        owner = value.owner
+        if isinstance(owner, ir.Block) or not owner.operation.operands:
+            return None
+        if owner.operation.name == "nvgpu.mbarrier.get":
+            return owner.operation.operands[0]
+        value = owner.operation.operands[0]
+    return None
+
+
+ARRIVE_CLUSTER = declare("nvidia.mbarrier.arrive_cluster", feature="sm90",
+                         mlir_names=("nvvm.mapa", "nvvm.mbarrier.arrive"),
+                         effects=Effects(arrives=_remote_group, data=False))
 
 
 def group_type(num_barriers: int) -> ir.Type:
@@ -81,7 +119,7 @@ class MBarrierGroup:
         producer that multicasts into its shared memory that a stage is free.
         Example: ``empty.arrive_cluster(stage, 1 - kiln.nvidia_asm.cluster_ctarank())``.
         """
-        require_sm90("MBarrierGroup.arrive_cluster")
+        ARRIVE_CLUSTER.require(current_target(), "MBarrierGroup.arrive_cluster")
         i32 = ir.IntegerType.get_signless(32)
         address = nvgpu.mbarrier_get(i32, self.ir, self._index(i))  # 32-bit shared address
         local = llvm.inttoptr(llvm.PointerType.get(SHARED_MEMORY_SPACE), address)
@@ -119,7 +157,7 @@ def group(num_barriers: int = 1) -> MBarrierGroup:
 
     Example: ``bars = kiln.mbarrier.group(num_barriers=stages)``.
     """
-    require_sm90("kiln.mbarrier.group")
+    CREATE.require(current_target(), "kiln.mbarrier.group")
     if not isinstance(num_barriers, int) or not 1 <= num_barriers <= MAX_BARRIERS:
         raise KilnValueError(f"num_barriers must be an int in 1..{MAX_BARRIERS}, got "
                              f"{num_barriers!r}", fix="pass the pipeline depth, e.g. 2 or 3")

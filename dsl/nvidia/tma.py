@@ -21,9 +21,10 @@ import math
 from mlir import ir
 from mlir.dialects import arith, builtin, llvm, nvgpu, nvvm
 
-from .core.dtypes import dtype as as_dtype
-from .core.errors import KilnTypeError, KilnValueError
-from .nvidia_asm import EVICTION_POLICIES, as_index, as_predicate, ir_value, require_feature
+from ..core.dtypes import dtype as as_dtype
+from ..core.errors import KilnTypeError, KilnValueError
+from ..core.ops import MBARRIER, Effects, constant_int, declare
+from .sync import EVICTION_POLICIES, as_index, as_predicate, current_target, ir_value
 
 SHARED_MEMORY_SPACE = 3
 # nvgpu.tma.async.load has no cache-hint operand, and convert-nvgpu-to-nvvm keeps an op's
@@ -35,6 +36,27 @@ SWIZZLE_KINDS = {0: nvgpu.TensorMapSwizzleKind.SWIZZLE_NONE,
                  64: nvgpu.TensorMapSwizzleKind.SWIZZLE_64B,
                  128: nvgpu.TensorMapSwizzleKind.SWIZZLE_128B}
 MAX_BOX_DIM = 256  # cuTensorMapEncodeTiled limit per box dimension
+
+
+def _load_barrier(op) -> tuple:
+    view = op.opview
+    return (view.barriers, constant_int(view.mbarId))
+
+
+# A load writes its shared tile behind the program's back and completes a transaction on its
+# mbarrier; only a wait on that mbarrier retires it. Stores (bulk async groups) are not tracked.
+LOAD = declare("nvidia.tma.load", feature="tma", mlir_names=("nvgpu.tma.async.load",),
+               effects=Effects(counter=MBARRIER, writes=lambda op: (op.operands[0],),
+                               mbarrier=_load_barrier))
+STORE = declare("nvidia.tma.store", feature="tma", mlir_names=("nvgpu.tma.async.store",))
+PREFETCH = declare("nvidia.tma.prefetch", feature="tma",
+                   mlir_names=("nvvm.cp.async.bulk.tensor.prefetch",))
+PREFETCH_DESCRIPTOR = declare("nvidia.tma.prefetch_descriptor", feature="tma",
+                              mlir_names=("nvgpu.tma.prefetch.descriptor",))
+COMMIT_GROUP = declare("nvidia.tma.commit_group", feature="tma",
+                       mlir_names=("nvvm.cp.async.bulk.commit.group",))
+WAIT_GROUP = declare("nvidia.tma.wait_group", feature="tma",
+                     mlir_names=("nvvm.cp.async.bulk.wait_group",))
 
 
 def descriptor_type(dtype, box, swizzle: int = 0, *, oob_fill_nan: bool = False) -> ir.Type:
@@ -134,7 +156,7 @@ def load(tensor_map, dst, coords, barriers, index=0, *, multicast_mask=None,
     Example: ``kiln.tma.load(k_map, k_tile, (0, row), bars, 0, predicate=leader,
     eviction_policy="evict_first")``.
     """
-    require_feature("tma", "kiln.tma.load")
+    LOAD.require(current_target(), "kiln.tma.load")
     if eviction_policy is not None and eviction_policy not in EVICTION_POLICIES:
         raise KilnValueError(f"TMA eviction_policy {eviction_policy!r} is not one of "
                              f"{', '.join(EVICTION_POLICIES)}",
@@ -163,7 +185,7 @@ def store(src, tensor_map, coords, *, predicate=None) -> None:
     """Start an async copy of shared tile ``src`` to the box at ``coords``
     (``nvgpu.tma.async.store``). Call :func:`kiln.nvidia_asm.fence_proxy_async` after the
     threads' shared-memory writes, then :func:`commit_group` / :func:`wait_group`."""
-    require_feature("tma", "kiln.tma.store")
+    STORE.require(current_target(), "kiln.tma.store")
     src_value = _shared_tile(src, "TMA store source")
     nvgpu.tma_async_store(src_value, ir_value(tensor_map, "tensor map"),
                           _coords(coords, src_value.type.rank), predicate=as_predicate(predicate))
@@ -178,7 +200,7 @@ def prefetch(tensor_map, coords) -> None:
 
     Example: ``kiln.tma.prefetch(k_map, (0, row))``.
     """
-    require_feature("tma", "kiln.tma.prefetch")
+    PREFETCH.require(current_target(), "kiln.tma.prefetch")
     desc = ir_value(tensor_map, "tensor map")
     if not hasattr(tensor_map, "box"):
         raise KilnTypeError(f"kiln.tma.prefetch takes a tensor map descriptor, got "
@@ -194,21 +216,21 @@ def prefetch(tensor_map, coords) -> None:
 
 def prefetch_descriptor(tensor_map, *, predicate=None) -> None:
     """Prefetch the ``CUtensorMap`` into the descriptor cache (``prefetch.tensormap``)."""
-    require_feature("tma", "kiln.tma.prefetch_descriptor")
+    PREFETCH_DESCRIPTOR.require(current_target(), "kiln.tma.prefetch_descriptor")
     nvgpu.tma_prefetch_descriptor(ir_value(tensor_map, "tensor map"),
                                   predicate=as_predicate(predicate))
 
 
 def commit_group() -> None:
     """Close the current group of TMA stores (``cp.async.bulk.commit_group``)."""
-    require_feature("tma", "kiln.tma.commit_group")
+    COMMIT_GROUP.require(current_target(), "kiln.tma.commit_group")
     nvvm.cp_async_bulk_commit_group()
 
 
 def wait_group(pending: int = 0, *, read: bool = False) -> None:
     """Wait until at most ``pending`` TMA store groups are in flight. ``read=True`` only waits
     until their shared-memory sources may be overwritten."""
-    require_feature("tma", "kiln.tma.wait_group")
+    WAIT_GROUP.require(current_target(), "kiln.tma.wait_group")
     if not isinstance(pending, int) or pending < 0:
         raise KilnValueError(f"pending must be an int >= 0, got {pending!r}",
                              fix="use 0 to wait for every committed store")

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from mlir import ir
 from mlir.dialects import rocdl
 
-from . import builder
-from .core.errors import KilnTypeError, KilnValueError
-from .nvidia_asm import current_target
+from ..core.ops import LGKMCNT, Effects, declare
+from ..core.errors import KilnTypeError, KilnValueError
+from ..nvidia.sync import current_target
+from .. import builder
 
 ASYNC_ATTR = "kiln.async"
 TOKEN_ATTR = "kiln.token"
@@ -51,7 +52,6 @@ GFX9_WAITCNT_FIELDS = (
 class SchedMask(enum.IntFlag):
     """Instruction classes for ``sched_barrier``/``sched_group_barrier`` masks (LLVM's
     ``llvm.amdgcn.sched.group.barrier`` encoding)."""
-
     NONE = 0x0
     ALU = 0x1
     VALU = 0x2
@@ -71,11 +71,6 @@ def require_amd(what: str):
     return current_target().require("gfx9", what)
 
 
-def require_gfx950(what: str):
-    """The current target if it is gfx950 (CDNA4-only instructions), else TargetError."""
-    return current_target().require("gfx950", what)
-
-
 # ------------------------------------------------------------------------------- async tokens
 
 
@@ -86,7 +81,6 @@ class AsyncToken:
     Pass tokens to :func:`s_waitcnt` (``waits_for=``) so passes and the interpreter know which
     copies a wait covers. Example: ``t = kiln.amd_buffer.copy_to_lds(...); t.counter == "vmcnt"``.
     """
-
     op: ir.Operation
     counter: str
     id: int
@@ -94,12 +88,12 @@ class AsyncToken:
 
 class _TokenIds:
     """Per-kernel token numbering: restarts at 0 for each trace so the IR is deterministic."""
-
     def __init__(self):
         self.trace = None
         self.next = 0
 
     def take(self) -> int:
+
         state = builder.current() if builder.is_tracing() else None
         if state is not self.trace:
             self.trace, self.next = state, 0
@@ -149,6 +143,33 @@ def encode_waitcnt(vmcnt: int | None = None, lgkmcnt: int | None = None,
     return imm
 
 
+def decode_waitcnt(imm: int) -> dict[str, int]:
+    """Inverse of :func:`encode_waitcnt`: every counter's N (its maximum when not waited on)."""
+    out = {}
+    for name, _, pieces in GFX9_WAITCNT_FIELDS:
+        out[name] = sum(((imm >> imm_bit) & ((1 << width) - 1)) << value_bit
+                        for value_bit, width, imm_bit in pieces)
+    return out
+
+
+def _waitcnt_limits(op) -> dict[str, int]:
+    decoded = decode_waitcnt(ir.IntegerAttr(op.attributes["bitfield"]).value)
+    return {name: decoded[name] for name, limit, _ in GFX9_WAITCNT_FIELDS if decoded[name] < limit}
+
+
+WAITCNT = declare("amd.sched.s_waitcnt", feature="gfx9", mlir_names=("rocdl.s.waitcnt",),
+                  effects=Effects(waits=_waitcnt_limits))
+S_BARRIER = declare("amd.sched.s_barrier", feature="gfx9", mlir_names=("rocdl.s.barrier",),
+                    effects=Effects(barrier=True))
+# amdgpu.lds_barrier lowers to s_waitcnt lgkmcnt(0) + s_barrier.
+LDS_BARRIER = declare("amd.sched.lds_barrier", feature="gfx9", mlir_names=("amdgpu.lds_barrier",),
+                      effects=Effects(barrier=True, waits=lambda op: {LGKMCNT: 0}))
+SETPRIO = declare("amd.sched.s_setprio", feature="gfx9", mlir_names=("rocdl.s.setprio",))
+SCHED_BARRIER = declare("amd.sched.sched_barrier", feature="gfx9",
+                        mlir_names=("rocdl.sched.barrier", "rocdl.sched.group.barrier",
+                                    "rocdl.iglp.opt"))
+
+
 def s_waitcnt(vmcnt: int | None = None, lgkmcnt: int | None = None, expcnt: int | None = None,
               *, waits_for=()) -> ir.Operation:
     """``s_waitcnt``: wait until at most ``vmcnt``/``lgkmcnt``/``expcnt`` operations are
@@ -157,7 +178,7 @@ def s_waitcnt(vmcnt: int | None = None, lgkmcnt: int | None = None, expcnt: int 
 
     Example: ``kiln.amd_asm.s_waitcnt(vmcnt=0, lgkmcnt=0)``.
     """
-    require_amd("s_waitcnt")
+    WAITCNT.require(current_target(), "s_waitcnt")
     op = rocdl.s_waitcnt(encode_waitcnt(vmcnt, lgkmcnt, expcnt))
     tokens = list(waits_for)
     for token in tokens:
@@ -174,14 +195,14 @@ def s_waitcnt(vmcnt: int | None = None, lgkmcnt: int | None = None, expcnt: int 
 def s_barrier() -> None:
     """``s_barrier``: every wave of the workgroup waits here (no memory fence; pair it with
     :func:`s_waitcnt` when LDS writes must be visible). Example: ``kiln.amd_asm.s_barrier()``."""
-    require_amd("s_barrier")
+    S_BARRIER.require(current_target(), "s_barrier")
     rocdl.s_barrier()
 
 
 def s_setprio(priority: int) -> None:
     """``s_setprio priority`` (0..3): raise this wave's issue priority, e.g. around an MFMA
     burst so it is not starved by waves issuing memory ops. Example: ``s_setprio(1)``."""
-    require_amd("s_setprio")
+    SETPRIO.require(current_target(), "s_setprio")
     _check_range("s_setprio priority", priority, 0, 3)
     rocdl.s_setprio(priority)
 
@@ -189,7 +210,7 @@ def s_setprio(priority: int) -> None:
 def sched_barrier(mask: int = SchedMask.NONE) -> None:
     """``llvm.amdgcn.sched.barrier``: LLVM's scheduler may move only the instruction classes
     in ``mask`` across this point (``SchedMask.NONE``: nothing crosses)."""
-    require_amd("sched_barrier")
+    SCHED_BARRIER.require(current_target(), "sched_barrier")
     _check_range("sched_barrier mask", int(mask), 0, 0x7FF)
     rocdl.sched_barrier(int(mask))
 
@@ -202,7 +223,7 @@ def sched_group_barrier(mask: int, size: int, sync_id: int = 0) -> None:
 
         sched_group_barrier(SchedMask.MFMA, 1); sched_group_barrier(SchedMask.DS_READ, 2)
     """
-    require_amd("sched_group_barrier")
+    SCHED_BARRIER.require(current_target(), "sched_group_barrier")
     _check_range("sched_group_barrier mask", int(mask), 0, 0x7FF)
     _check_range("sched_group_barrier size", size, 0, 2**31 - 1)
     _check_range("sched_group_barrier sync_id", sync_id, 0, 2**31 - 1)
@@ -211,7 +232,7 @@ def sched_group_barrier(mask: int, size: int, sync_id: int = 0) -> None:
 
 def iglp_opt(variant: int) -> None:
     """``llvm.amdgcn.iglp.opt variant``: one of LLVM's canned MFMA/DS interleavings (0..3)."""
-    require_amd("iglp_opt")
+    SCHED_BARRIER.require(current_target(), "iglp_opt")
     _check_range("iglp_opt variant", variant, 0, 3)
     rocdl.iglp_opt(variant)
 

@@ -1,0 +1,175 @@
+"""Every wait of every shipped kernel is needed, and the proofs know why: deleting it from the
+kernel's Kiln IR makes ``kiln-verify-waits`` reject the program naming the async op it covered,
+and ``kiln-insert-waits`` on the stripped program gives back a program the verifier accepts.
+
+Two kinds of waits are exempt from the rejection, each recognised by its shape, so that any
+other wait the verifier lets go fails here:
+
+- drains (gfx950): an ``s_waitcnt lgkmcnt(0)`` that covers only plain LDS reads, which the
+  analysis does not count because LLVM places their waits itself; the kernel compiled without
+  it must still pass the proof on its final assembly (``isa_amdgpu.verify_waits``);
+- write-after-read hand-overs (Hopper) the analysis cannot decide: a ``wgmma.wait_group``
+  right before an arrive on an "empty" mbarrier (the MMA must be done reading a stage before
+  it is handed back; stages of one buffer are not told apart), and, in the decode kernels
+  (:data:`SAME_PATH_PRODUCERS`, whose producer and consumers share one path and whose first
+  loads sit in the main loop under ``it == 0``), the producer's wait on the empty mbarrier.
+  Warp-specialised producers' empty waits (prefill, GEMM) are proven
+  (passes/mbarrier_protocol.py).
+
+``kiln-insert-waits`` cannot restore an mbarrier wait whose phase the program computes (a wait
+in a pipelined loop); it then refuses with a WaitError naming the load, which is checked too.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+from mlir import ir
+
+import kiln  # noqa: F401 - declares the ops
+from kiln.core.ops import effects_of
+from kiln.core.errors import WaitError
+from kiln.kernels.attention.decode import compile_decode
+from kiln.kernels.attention.decode_config import DecodeConfig
+from kiln.kernels.attention.prefill import compile_prefill
+from kiln.kernels.gemm import compile_matmul
+from kiln.lowering import isa_amdgpu
+from kiln.lowering.compiler import compile_kernel
+from kiln.core.options import CompileOptions
+from kiln.passes import build_pass_manager
+from kiln.passes.insert_waits import gpu_funcs
+from kiln.passes.wait_analysis import is_mbarrier_wait, op_label, wait_limits
+
+KERNELS = {
+    "prefill_sm90": lambda: compile_prefill("bf16", target="sm_90a", head_dim=128, causal=True),
+    "decode_mma_sync": lambda: compile_decode("bf16", target="sm_90a", head_dim=128, group=8,
+                                              config=DecodeConfig(consumer="mma_sync")),
+    "decode_wgmma": lambda: compile_decode("bf16", target="sm_90a", head_dim=128, group=8,
+                                           config=DecodeConfig(consumer="wgmma", num_warps=4)),
+    "gemm_sm90": lambda: compile_matmul("bf16", target="sm_90a"),
+    "prefill_gfx950": lambda: compile_prefill("bf16", target="gfx950", head_dim=128,
+                                              causal=True),
+    "gemm_gfx950": lambda: compile_matmul("bf16", target="gfx950"),
+}
+SAME_PATH_PRODUCERS = ("paged_decode",)  # kernel names (decode_kernel.py): see the docstring
+_NAMED = re.compile(r"before the (?:async )?(\S+) at|the result of the (\S+) at|"
+                    r"this (\S+) may overwrite")
+
+
+def _walk(module) -> list:
+    ops = []
+    module.operation.walk(lambda op: ops.append(op.operation) or ir.WalkResult.ADVANCE)
+    return ops
+
+
+def _is_wait(op) -> bool:
+    return bool(wait_limits(op)) or is_mbarrier_wait(op)
+
+
+def _stripped(text: str, index: int):
+    """The module with its ``index``-th wait deleted (and kiln.manual_waits dropped, so the
+    insertion pass works on it); returns (module, description of the wait)."""
+    module = ir.Module.parse(text)
+    wait = [op for op in _walk(module) if _is_wait(op)][index]
+    described = (op_label(wait), str(wait.location))
+    for func in gpu_funcs(module.operation):
+        if "kiln.manual_waits" in func.attributes:
+            del func.attributes["kiln.manual_waits"]
+    wait.erase()
+    return module, described
+
+
+def _verify(module) -> WaitError | None:
+    try:
+        build_pass_manager(["kiln-verify-waits"]).run(module.operation)
+    except WaitError as err:
+        return err
+    return None
+
+
+def _async_labels(module) -> set[str]:
+    return {op_label(op) for op in _walk(module) if effects_of(op).counter is not None}
+
+
+def _exempt(ck, index: int) -> str | None:
+    """Why the ``index``-th wait may be deleted unnoticed (module docstring), else None."""
+    module = ir.Module.parse(ck.asm["kiln"])
+    ops = _walk(module)
+    wait = [op for op in ops if _is_wait(op)][index]
+    if ck.target.is_amd and set(wait_limits(wait)) == {"lgkmcnt"}:
+        wait.erase()  # the rest of the program, its hand-placed waits included, as it is
+        warps = math.prod(ck.signature.block) // ck.target.warp_size
+        lowered = compile_kernel(str(module), ck.signature,
+                                 CompileOptions(ck.target.name, num_warps=warps))
+        isa_amdgpu.verify_waits(isa_amdgpu.parse(lowered.asm["amdgcn"], ck.name), ck.name)
+        return "drain of plain LDS reads: the final assembly is still proven"
+    arrived = {str(effects_of(op).arrives(op)) for op in ops if effects_of(op).arrives}
+    signalled = {str(effects_of(op).mbarrier(op)[0]) for op in ops
+                 if effects_of(op).counter == "mbarrier"}
+    if ck.name.startswith(SAME_PATH_PRODUCERS) and is_mbarrier_wait(wait) \
+            and str(effects_of(wait).mbarrier(wait)[0]) in arrived - signalled:
+        return "a same-path producer's wait on an empty barrier"
+    if "wgmma" in wait_limits(wait):
+        position = ops.index(wait)
+        for op in ops[position + 1:]:
+            if effects_of(op).arrives:
+                return "wgmma.wait_group before a release"
+            if effects_of(op).counter == "wgmma":
+                break
+    return None
+
+
+def _check_kernel(name: str, only=None) -> tuple[list[str], list[str]]:
+    """Delete each wait of kernel ``name`` in turn (``only``: a predicate on the wait's label);
+    returns the problems found and the async ops the rejections named."""
+    ck = KERNELS[name]()
+    text = ck.asm["kiln"]
+    problems, named = [], []
+    with ir.Context():
+        parsed = ir.Module.parse(text)  # held: its ops die with it
+        count = len([op for op in _walk(parsed) if _is_wait(op)])
+    for index in range(count):
+        with ir.Context():
+            module, (label, loc) = _stripped(text, index)
+            if only is not None and not only(label):
+                continue
+            err = _verify(module)
+            if err is None:
+                if _exempt(ck, index) is None:
+                    problems.append(f"{name}: deleting the {label} at {loc} is not rejected")
+                continue
+            match = _NAMED.search(str(err))
+            event = match and next(g for g in match.groups() if g)
+            named.append(event)
+            if event not in _async_labels(module):
+                problems.append(f"{name}: deleting the {label} at {loc}: the error names no "
+                                f"async op: {err}")
+            try:
+                build_pass_manager(["kiln-insert-waits"]).run(module.operation)
+            except WaitError as refused:
+                if not (label.startswith("nvgpu.mbarrier") and "mbarrier" in str(refused)):
+                    problems.append(f"{name}: kiln-insert-waits refused the {label} at {loc}: "
+                                    f"{refused}")
+                continue
+            if _verify(module) is not None:
+                problems.append(f"{name}: kiln-insert-waits left a gap after deleting the "
+                                f"{label} at {loc}")
+    return problems, named
+
+
+@pytest.mark.lower
+def test_prefill_wgmma_waits_are_required():
+    """The issue's example: each WGMMA wait of the causal D128 Hopper prefill is needed and
+    restored, the two after its register-A P.V WGMMAs (inline PTX) included."""
+    problems, named = _check_kernel("prefill_sm90", only=lambda label: "wgmma" in label)
+    assert problems == []
+    assert named.count("nvidia.wgmma.mma_async.rs") >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.lower
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_every_wait_is_required(name):
+    assert _check_kernel(name)[0] == []
