@@ -33,6 +33,7 @@ from mlir.dialects import arith, nvgpu, nvvm, rocdl
 from kiln.core.errors import InternalError, WaitError, source_loc_from_mlir
 from kiln.nvidia.mbarrier import DEFAULT_TICKS
 from kiln.passes import register_pass
+from kiln.passes.cluster_schedule import cluster_spans, recipes_of
 from kiln.passes.enclosing import enclosing_gpu_func, enclosing_loops, func_vendor, gpu_funcs, where
 from kiln.passes.verify_waits import gap_error
 from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis,

@@ -30,6 +30,7 @@ from ..core import dtypes as dt
 from ..core.dtypes import i32 as kiln_i32
 from ..core.errors import KilnTypeError, KilnValueError
 from ..core.ops import Effects, declare
+from ..core.targets import get_target
 from ..values import Value, cast, to_value
 
 
