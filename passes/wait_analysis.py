@@ -97,10 +97,7 @@ _FORWARDING = ("memref.subview", "memref.cast", "memref.reinterpret_cast", "memr
                "rocdl.make.buffer.rsrc")
 # Ops that take a buffer without touching its memory.
 _NO_ACCESS = frozenset(_FORWARDING + ("memref.dim", "memref.rank", "memref.get_global",
-                                      "memref.extract_strided_metadata",
-                                      "nvgpu.warpgroup.generate.descriptor"))
-# The nvgpu.warpgroup stack (undeclared; being retired) reads shared memory through descriptors.
-_WARPGROUP_MMA = "nvgpu.warpgroup.mma"
+                                      "memref.extract_strided_metadata"))
 
 
 def effects(op: ir.Operation) -> Effects:
@@ -328,7 +325,7 @@ class WaitAnalysis:
             step = Step(op, kind, limits=found.waits(op) if found.waits else {},
                         barrier=found.barrier, commit=found.commits == WGMMA,
                         signal=found.mbarrier(op) if found.mbarrier else None,
-                        descriptors=found.indirect_shared or name == _WARPGROUP_MMA,
+                        descriptors=found.indirect_shared,
                         accumulates=found.accumulates,
                         arrive=found.arrives(op) if found.arrives else None,
                         data=found.data)
