@@ -24,6 +24,6 @@ run_sanitized() {  # tool, name, command...
 for tool in memcheck racecheck synccheck; do
   run_sanitized $tool smoke python3 examples/hopper_tma_wgmma_smoke.py
   run_sanitized $tool prefill python3 bench/attention.py --sanitize
-  run_sanitized $tool decode_combine python3 -m pytest -q -x -m gpu tests/test_attention_decode.py tests/test_attention_combine.py
+  run_sanitized $tool decode_combine python3 -m pytest -q -x -m gpu tests/test_attention_decode*.py tests/test_attention_combine.py
 done | tee -a "$OUT/summary.txt"
 tar -C "$LOGS" -czf "$OUT/logs.tar.gz" .

@@ -14,10 +14,9 @@ from __future__ import annotations
 import ast
 import operator
 import re
-import sys
 import types
 
-from .core.errors import KilnTypeError, SourceLoc, _is_framework_file
+from .core.errors import KilnTypeError, SourceLoc, caller_frame
 
 # math.* / numpy.* names -> the Kiln function computing the same thing on traced values.
 KILN_EQUIVALENTS = {
@@ -41,15 +40,6 @@ _KILN_RT = "__kiln_rt"  # every AST-rewritten function (kernel, @kiln.func) clos
 # Code objects of AST-rewritten functions -> how far their source was dedented (their column
 # offsets are relative to the dedented text); filled by kiln.ast_rewrite.
 COLUMN_SHIFT: dict[types.CodeType, int] = {}
-
-
-def _user_frame() -> types.FrameType | None:
-    """The innermost frame outside Kiln (the kernel line evaluating the expression)."""
-    frame = sys._getframe(1)
-    while frame is not None and (_is_framework_file(frame.f_code.co_filename)
-                                 or frame.f_code.co_filename.startswith("<")):
-        frame = frame.f_back
-    return frame
 
 
 def _position(frame: types.FrameType) -> tuple[SourceLoc, str | None]:
@@ -97,7 +87,7 @@ def _suggestion(name: str) -> str:
 
 def python_number_error(what: str) -> KilnTypeError:
     """The error for ``float(v)``/``int(v)``/``math.f(v)``/``range(v)`` on a traced value."""
-    frame = _user_frame()
+    frame = caller_frame()
     loc, segment = _position(frame) if frame is not None else (None, None)
     called = _called_name(segment)
     if called is not None and called[0] and called[1] != "range":
@@ -117,7 +107,7 @@ def python_number_error(what: str) -> KilnTypeError:
 
 def truth_value_error() -> KilnTypeError:
     """The error for ``bool(v)``; names ``@kiln.func`` when a plain helper holds the ``if``."""
-    frame = _user_frame()
+    frame = caller_frame()
     loc = None
     if frame is not None and _KILN_RT not in frame.f_code.co_freevars:
         loc, _ = _position(frame)
@@ -140,7 +130,7 @@ def truth_value_error() -> KilnTypeError:
 
 def local_name(value) -> str | None:
     """The name of the user's variable holding ``value`` (e.g. the kernel parameter ``B``)."""
-    frame = _user_frame()
+    frame = caller_frame()
     if frame is None:
         return None
     return next((name for name, v in frame.f_locals.items() if v is value), None)

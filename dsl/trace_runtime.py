@@ -359,11 +359,7 @@ def for_stmt(rng: TracedRange, body_fn: Callable, names: Sequence[str], initial:
     carried_pos = [k for k, v in enumerate(initial) if v is not _MISSING]
     labels = [names[k] for k in carried_pos] + [type(o).__name__ for o in objects]
     inits = [materialize(initial[k]) for k in carried_pos] + [_copy(o) for o in objects]
-    init_leaves, specs = [], []
-    for v in inits:
-        leaves, spec = flatten(v)
-        init_leaves += leaves
-        specs.append((spec, len(leaves)))
+    init_leaves, (_, _, specs) = flatten(inits)  # per init: (its spec, its leaf count)
     loop = scf.ForOp(lo.ir, hi.ir, step.ir, init_leaves)
     block_args = list(loop.inner_iter_args)
 

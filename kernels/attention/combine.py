@@ -279,10 +279,8 @@ class _CombinePlan:
         return self.grid[0] == 0 or self.grid[2] == 0
 
     def new_outputs(self, lse_partial):
-        """Fresh ``(o, lse)`` torch tensors on the device of ``lse_partial`` (an f32 tensor).
-        ``new_empty`` of the f32 partials skips parsing a device and, for ``lse``, a dtype:
-        4.0 us of host time for both against 5.1 for two ``torch.empty`` (H200 box; one
-        allocation split into two views took 7.3)."""
+        """Fresh ``(o, lse)`` torch tensors on the device of ``lse_partial`` (an f32 tensor):
+        ``new_empty`` skips parsing a device and, for ``lse``, a dtype (less host time)."""
         return (lse_partial.new_empty(self.out_shape, dtype=self.torch_out_dtype),
                 lse_partial.new_empty(self.out_shape[:3]))
 

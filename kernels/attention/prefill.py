@@ -274,7 +274,7 @@ def _without_work(q, k, shapes, ragged) -> bool:
 
 def _outputs_without_work(q, shapes, sinks, ragged, return_lse):
     """``o`` like q (zeros: a row without keys) and the LSE: ``-inf``, or a sink's logit."""
-    o = empty_like(q, tuple(q.shape), kiln.dtype(_dtype_name(q.dtype)), fill=0.0)
+    o = empty_like(q, tuple(q.shape), kiln.dtype(q.dtype), fill=0.0)
     if not return_lse:
         return o
     hq = shapes["hq"]
@@ -328,7 +328,6 @@ def _dtype_name(dtype) -> str:
     return kiln.dtype(dtype).name
 
 
-
 def _optional_numpy(x):
     return None if x is None else ArrayLib.numpy(x)
 
@@ -337,8 +336,6 @@ def _outputs_like(template, out, return_lse):
     """Interpreter results (numpy) as tensors of ``template``'s kind and device."""
     lib = ArrayLib(template)
     return tuple(lib.like(x) for x in out) if return_lse else lib.like(out)
-
-
 
 
 def _arange_like(like, batch, length):

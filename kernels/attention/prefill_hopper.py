@@ -79,16 +79,11 @@ OUTPUT_BARRIER = 5  # named barriers 5, 6: one consumer group staging its output
 VOTE_BARRIER = 7  # named barriers 7, 8: one consumer group's rescale vote (exp_before_max)
 SHARED_BUDGET = 227 * 1024 - 1024 - 256
 ORDER_SCRATCH_BYTES = 3 * WARP_GROUP_THREADS * 4  # one i32 per thread for sched_barrier
-# head_dim -> (block_n, stages). Since K and V stages are released separately (a K stage as soon
-# as its QK is done), 2 stages beat the 3 that shared memory holds at D = 128: 656-660 vs
-# 641-649 TFLOP/s non-causal on an H200 (bench/RESULTS.md, session 8). At D = 64, 192-key tiles
-# with 2 stages beat 3 (449 vs 434); at D = 256, 80-key tiles beat 64 (732 vs 698) and still
-# keep S + O in registers.
+# head_dim -> (block_n, stages): K and V stages are released separately, so 2 stages beat 3; the
+# fastest tiles that keep S + O in registers (bench/LEDGER.md, session 8).
 DEFAULT_TILES = {64: (192, 2), 128: (128, 2), 256: (80, 2)}
-# Head dims whose O is rescaled lazily (``lazy_rescale``) and whose P is taken before the tile's
-# max (``exp_before_max``), chosen on an H200 (bench/RESULTS.md, sessions 21-22): D = 128 +4 to
-# +8% (it also beats the 176-key tiles sessions 8 and 17 kept for long unmasked rows), D = 64
-# +5 to +14%, D = 256 the lazy rescale alone (+4%; exp_before_max spills and loses 8%).
+# Head dims where ``lazy_rescale`` / ``exp_before_max`` are faster (at D = 256 exp_before_max
+# spills; bench/LEDGER.md, sessions 21-22).
 LAZY_RESCALE_HEAD_DIMS = (64, 128, 256)
 EXP_BEFORE_MAX_HEAD_DIMS = (64, 128)
 
@@ -100,8 +95,7 @@ class HopperPrefillConfig:
 
     ``pin_pv_wait``: hold each consumer's wait for its own ``P V`` after the softmax in SASS too
     (:func:`kiln.nvidia_asm.sched_barrier`; ptxas otherwise hoists the wait above it). Off by
-    default: ``exp_before_max``'s vote barrier holds it there already (+0.8-1.8% at D = 128
-    without it, session 21).
+    default: ``exp_before_max``'s vote barrier holds it there already.
     ``lazy_rescale``: rescale O only when a row's max grew by more than
     ``LAZY_RESCALE_THRESHOLD`` (:meth:`OnlineSoftmax.lazy_scale_decision`).
     ``exp_before_max`` (with ``lazy_rescale``): P against the running max without reducing the
@@ -157,8 +151,8 @@ class HopperPrefillConfig:
 
     def grid_q_tiles_first(self, mask: "MaskSpec") -> bool:
         """Whether grid x walks the query tiles of one head (CTAs running together share that
-        head's K/V in L2: +2-4% non-causal on an H200) rather than the heads (causal masks:
-        longest tiles of many heads first, +3%). ``q_tiles_first=None`` picks by the mask."""
+        head's K/V in L2) rather than the heads (causal masks: longest tiles of many heads
+        first). ``q_tiles_first=None`` picks by the mask."""
         return (not mask.causal) if self.q_tiles_first is None else self.q_tiles_first
 
     @classmethod
@@ -373,7 +367,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
     suffix = f"d{d}_n{bn}_{'c' if mask.causal else ''}w{mask.window_left}_{mask.window_right}" \
              f"_k{mask.chunk}_g{group}{'_sink' if has_sinks else ''}{'_lse' if return_lse else ''}"
     prefill.__name__ = prefill.__qualname__ = f"hopper_prefill_{dtype}_{suffix}".replace("-", "m")
-    # The softmax is exp2-bound: flushing f32 denormals makes each exp2 one MUFU op (+4-5%).
+    # The softmax is exp2-bound: flushing f32 denormals makes each exp2 one MUFU op.
     return kiln.kernel(prefill, flush_denormals=True)
 
 
