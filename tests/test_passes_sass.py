@@ -120,7 +120,7 @@ def test_compile_checks_the_sass_when_cuobjdump_is_found(monkeypatch, tmp_path):
     for kernel in (pingpong_exp, pingpong_miscounted):
         monkeypatch.setattr(kernel, "_compiled", {})
     pingpong_exp.compile(*_args(), target="sm_90a", num_warps=8)
-    (dump,) = tmp_path.glob("pingpong_exp.sm_90a.*.sass.sass")  # <kernel>.<target>.<key8>.<stage>.<ext>
+    (dump,) = tmp_path.glob("pingpong_exp.sm_90a.*.sass.sass")  # kernel.target.key8.stage.ext
     sass = dump.read_text()
     assert len(isa_sass.cluster_instances(isa_sass.parse(sass))) >= 2
     with pytest.warns(ScheduleWarning, match="vmem_read: expected 7, found 1"):
