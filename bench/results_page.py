@@ -113,9 +113,10 @@ TABLES = {
         ("grouped / dense", _get("ratio_vs_dense"), ".3f"),
         ("grouped / dense, same config", _get("ratio_vs_dense_same_config"), ".3f"),
         ("grouped / loop", _get("ratio_vs_torch_loop"), ".2f")]),
-    "launch_overhead": ("Launch overhead of a one-block kernel (host µs per launch)", [
-        ("path", _get("path"), "s"), ("µs / launch", _get("us"), ".1f"),
-        ("/ Triton", _triton_ratio, ".2f")]),
+    "launch_overhead": ("Host cost per launch: a one-block kernel and the library entry points", [
+        ("path", _get("path"), "s"), ("host µs / call", _get("us"), ".1f"),
+        ("/ Triton", _triton_ratio, ".2f"), ("eager back-to-back µs", _get("eager_us"), ".1f"),
+        ("GPU µs (graph replay)", _get("gpu_us"), ".1f")]),
 }
 TABLES["combine-small"] = ("Split-KV combine, small calls", TABLES["combine"][1])
 ORDER = ("decode", "attention", "combine", "combine-small", "gemm", "gemm_grouped",
