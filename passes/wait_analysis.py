@@ -36,6 +36,11 @@ Which events an op reads does not depend on the path, so it is computed once per
   the buffers their descriptors are computed from;
 - the events named by ``kiln.waits_for = [tokens]`` (``kiln.token`` ids).
 
+A release arrive declaring ``releases`` (``{wgmma: N}``: the buffer it hands back was read by
+WGMMA groups older than the newest N) is checked against the count of committed WGMMA groups
+that may be in flight (the state's :data:`GROUPS` entry): more than N is a Gap on the WGMMA,
+whose ``wgmma.wait_group(N)`` goes before the ``scf.if`` ops around the arrive.
+
 A read whose event is still in the state is a :class:`Gap`. Its wait goes before the last
 barrier between the event and the read when the event writes LDS (other waves read it only after
 that barrier), with the event's count *at that barrier*; else right before the read.
@@ -301,6 +306,7 @@ def _retire_mbarrier(state: State, signal: tuple) -> State:
 
 
 def _touches_wgmma(op: ir.Operation) -> bool:
+    """Whether ``op`` or an op nested in it issues, commits or waits on WGMMA groups."""
     found = []
 
     def visit(inner):
@@ -515,7 +521,8 @@ class WaitAnalysis:
     def _check_release(self, step: Step, state: State) -> State:
         """A release arrive needs every WGMMA group but the newest N retired (N declared)."""
         count = step.releases[WGMMA]
-        if state.get(GROUPS, Pending(0)).younger <= count:
+        groups = state.get(GROUPS, Pending(0)).younger
+        if groups <= count and groups < MAX_GROUPS:  # a saturated count may be any larger one
             return state
         mmas = [e for e in state if e.counter == WGMMA]
         event = max(mmas, key=lambda e: state[e].younger).op if mmas else step.op
