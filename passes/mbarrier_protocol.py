@@ -19,9 +19,9 @@ whose buffer another warp group reads must follow, in its block and with no load
 group in between, a wait on an "empty" barrier (one that threads arrive on and no TMA load
 completes): it refills the buffer only once the readers gave it back. Else it is a Gap with
 ``overwrite``. Barrier indices are not
-told apart (stages of one group are one group), so a ``wgmma.wait_group`` before an arrive
-(the MMA must be done reading before the release) is not checked: that needs per-stage buffer
-identities.
+told apart (stages of one group are one group); the ``wgmma.wait_group`` before an arrive (the
+MMA must be done reading before the release) is checked by the wait analysis where the arrive
+declares ``wgmma_pending`` (:meth:`kiln.mbarrier.MBarrierGroup.arrive`).
 """
 
 from __future__ import annotations

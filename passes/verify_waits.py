@@ -39,6 +39,15 @@ def gap_error(gap: Gap) -> WaitError:
             "precedes it", fix="wait on the buffer's empty mbarrier right before the load: "
                                "empty.try_wait(stage, phase)",
             loc=source_loc_from_mlir(gap.reader.location))
+    if gap.release:
+        return WaitError(
+            f"this {op_label(gap.reader)} hands back a buffer before the async "
+            f"{op_label(gap.event)} at {where(gap.event)} that may read it is retired (wgmma): "
+            f"it declares wgmma_pending={gap.count}, and no wait leaves only {gap.count} "
+            "WGMMA group(s) in flight on every path",
+            fix=f"add kiln.wgmma.wait_group({gap.count}) before the arrive, or drop "
+                "kiln.manual_waits() to let Kiln insert it",
+            loc=source_loc_from_mlir(gap.reader.location))
     if gap.counter == WGMMA and gap.count < 0:
         return WaitError(
             f"this {op_label(gap.reader)} reads the result of the {op_label(gap.event)} at "

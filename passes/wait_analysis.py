@@ -36,6 +36,11 @@ Which events an op reads does not depend on the path, so it is computed once per
   the buffers their descriptors are computed from;
 - the events named by ``kiln.waits_for = [tokens]`` (``kiln.token`` ids).
 
+A release arrive declaring ``releases`` (``{wgmma: N}``: the buffer it hands back was read by
+WGMMA groups older than the newest N) is checked against the count of committed WGMMA groups
+that may be in flight (the state's :data:`GROUPS` entry): more than N is a Gap on the WGMMA,
+whose ``wgmma.wait_group(N)`` goes before the ``scf.if`` ops around the arrive.
+
 A read whose event is still in the state is a :class:`Gap`. Its wait goes before the last
 barrier between the event and the read when the event writes LDS (other waves read it only after
 that barrier), with the event's count *at that barrier*; else right before the read.
@@ -224,6 +229,7 @@ class Step:
     descriptors: bool = False    # reads shared memory through matrix descriptors
     accumulates: bool = False    # a same-counter event's result chained in is no read
     arrive: object = None        # the mbarrier group an arrive hands back (mbarrier_protocol)
+    releases: dict = field(default_factory=dict)  # counter -> N groups a release may leave
     data: bool = True            # touches shared data (not only mbarriers)
     signal: tuple | None = None  # the mbarrier a TMA load signals / a try_wait waits on
     blocks: list = field(default_factory=list)  # nested blocks, each a list of Steps
@@ -244,7 +250,8 @@ class Pending:
 class Gap:
     """A read that no wait covers: the read, the event, and where the wait should go. With
     ``overwrite``, ``reader`` is a TMA load that may overwrite the buffer ``event`` (in another
-    warp group) reads before that warp group released it."""
+    warp group) reads before that warp group released it. With ``release``, ``reader`` is an
+    arrive handing back a buffer that WGMMA groups older than the newest ``count`` read."""
 
     reader: ir.Operation
     event: ir.Operation
@@ -252,9 +259,15 @@ class Gap:
     count: int
     place_before: ir.Operation
     overwrite: bool = False
+    release: bool = False
 
 
 State = dict  # event Step -> Pending
+# The state's key for the count of committed WGMMA groups not known retired (its ``younger``,
+# maximised over paths): a re-issued mma_async replaces its older instance in the state, so
+# releases count groups instead. Saturates at MAX_GROUPS to keep loop fixed points finite.
+GROUPS = Step(None, "groups")
+MAX_GROUPS = 8
 
 
 def _join(a: State, b: State) -> State:
@@ -267,13 +280,19 @@ def _join(a: State, b: State) -> State:
             same = pend.barrier is other.barrier
             out[key] = Pending(min(pend.younger, other.younger), pend.barrier if same else None,
                                min(pend.at_barrier, other.at_barrier) if same else 0)
+    if GROUPS in a or GROUPS in b:  # absent: no group committed on that path
+        out[GROUPS] = Pending(max(a.get(GROUPS, Pending(0)).younger,
+                                  b.get(GROUPS, Pending(0)).younger))
     return out
 
 
 def _retire(state: State, counter: str, count: int, barrier=None) -> State:
     """``state`` after ``counter(count)``; with ``barrier``, the wait sits right before it."""
     if barrier is None:
-        return {k: p for k, p in state.items() if not (k.counter == counter and p.younger >= count)}
+        out = {k: p for k, p in state.items() if not (k.counter == counter and p.younger >= count)}
+        if counter == WGMMA and GROUPS in out:
+            out[GROUPS] = Pending(min(out[GROUPS].younger, count))
+        return out
     return {k: p for k, p in state.items() if not (
         k.counter == counter and p.barrier is barrier and p.at_barrier >= count)}
 
@@ -284,6 +303,39 @@ def _retire_mbarrier(state: State, signal: tuple) -> State:
             if not (k.counter == MBARRIER and same_mbarrier(k.signal, signal))}
 
 
+
+
+def _touches_wgmma(op: ir.Operation) -> bool:
+    """Whether ``op`` or an op nested in it issues, commits or waits on WGMMA groups."""
+    found = []
+
+    def visit(inner):
+        declared = effects(inner.operation)
+        if WGMMA in (declared.counter, declared.commits) or (
+                declared.waits is not None and WGMMA in declared.waits(inner.operation)):
+            found.append(inner)
+            return ir.WalkResult.INTERRUPT
+        return ir.WalkResult.ADVANCE
+
+    op.walk(visit)
+    return bool(found)
+
+
+def release_point(op: ir.Operation) -> ir.Operation:
+    """Where the wait a release ``op`` lacks goes: before the ``scf.if`` ops around it
+    (``wgmma.wait_group`` is warp-group aligned; the arrive often runs on one thread), as long
+    as nothing ahead of it in their arms touches WGMMA groups (the count is the same there)."""
+    point = op
+    while point.parent is not None and point.parent.operation.name == "scf.if":
+        ahead = []
+        for view in point.block.operations:
+            if view.operation == point:
+                break
+            ahead.append(view.operation)
+        if any(_touches_wgmma(o) for o in ahead):
+            break
+        point = point.parent.operation
+    return point
 
 
 class WaitAnalysis:
@@ -328,6 +380,7 @@ class WaitAnalysis:
                         descriptors=found.indirect_shared,
                         accumulates=found.accumulates,
                         arrive=found.arrives(op) if found.arrives else None,
+                        releases=found.releases(op) if found.releases else {},
                         data=found.data)
             step.counter = found.counter
             if step.counter is not None:
@@ -416,6 +469,8 @@ class WaitAnalysis:
     def _transfer(self, step: Step, state: State) -> State:
         if step.reads and self._record:
             state = self._check_reads(step, state)
+        if WGMMA in step.releases and self._record:
+            state = self._check_release(step, state)
         if step.kind == "for":
             return self._loop(step, state)
         if step.kind == "if":
@@ -428,6 +483,7 @@ class WaitAnalysis:
         if step.commit:
             state = {k: (Pending(p.younger + 1, p.barrier, p.at_barrier) if k.counter == WGMMA
                          else p) for k, p in state.items()}
+            state[GROUPS] = Pending(min(state.get(GROUPS, Pending(0)).younger + 1, MAX_GROUPS))
         if step.signal is not None and step.counter is None:
             state = _retire_mbarrier(state, step.signal)
         if step.barrier:
@@ -462,6 +518,22 @@ class WaitAnalysis:
         return out
 
     # -- reads -------------------------------------------------------------------------------
+    def _check_release(self, step: Step, state: State) -> State:
+        """A release arrive needs every WGMMA group but the newest N retired (N declared)."""
+        count = step.releases[WGMMA]
+        groups = state.get(GROUPS, Pending(0)).younger
+        if groups <= count and groups < MAX_GROUPS:  # a saturated count may be any larger one
+            return state
+        mmas = [e for e in state if e.counter == WGMMA]
+        event = max(mmas, key=lambda e: state[e].younger).op if mmas else step.op
+        self.gaps.append(Gap(step.op, event, WGMMA, count, release_point(step.op),
+                             release=True))
+        if self._place is None:
+            return state
+        self._place(self.gaps[-1])
+        self.placed += 1
+        return _retire(state, WGMMA, count)
+
     def _check_reads(self, step: Step, state: State) -> State:
         needed = [e for e in step.reads if e in state]
         for event in sorted(needed, key=lambda e: state[e].younger):

@@ -114,6 +114,20 @@ def test_mbarrier_group_ops_and_ptx():
     assert re.search(r"mbarrier.try_wait.parity.shared.b64 \w+, \[%r\d+\], 1,", ptx)
 
 
+def test_release_arrive_declares_wgmma_pending():
+    """``wgmma_pending=N`` is stamped on the arrive op itself (what kiln-verify-waits reads);
+    a plain arrive carries nothing."""
+    with kernel() as k:
+        bars = mbarrier.group(num_barriers=2)
+        bars.arrive(0)
+        bars.arrive(1, wgmma_pending=1)
+        bars.arrive_cluster(1, 0, wgmma_pending=0)
+    text = k.text
+    assert len(re.findall(r"nvgpu.mbarrier.arrive %\S+\[%\S+\] :", text)) == 1
+    assert re.search(r"nvgpu.mbarrier.arrive %\S+\[%\S+\] \{kiln.wgmma_pending = 1 : i64\}", text)
+    assert re.search(r"nvvm.mbarrier.arrive %\S+ \{kiln.wgmma_pending = 0 : i64\}", text)
+
+
 def test_phase_tracker_python_iterations():
     with kernel():
         ring = mbarrier.PhaseTracker(mbarrier.group(num_barriers=2))
@@ -139,6 +153,8 @@ def test_phase_tracker_traced_iteration_computes_index_and_parity():
     (lambda: mbarrier.group(1).init(0, count=0), "arrival count"),
     (lambda: mbarrier.group(1).try_wait(0, phase=2), "parity must be 0 or 1"),
     (lambda: mbarrier.group(1).arrive_expect_tx(0, 1 << 20), "transaction count"),
+    (lambda: mbarrier.group(1).arrive(0, wgmma_pending=8), "wgmma_pending must be"),
+    (lambda: mbarrier.group(1).arrive_cluster(0, 0, wgmma_pending=True), "wgmma_pending must be"),
     (lambda: mbarrier.PhaseTracker(mbarrier.group(2), stages=3), "stages=3"),
 ])
 def test_mbarrier_rejects_bad_arguments(build, message):

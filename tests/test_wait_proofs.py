@@ -8,13 +8,12 @@ other wait the verifier lets go fails here:
 - drains (gfx950): an ``s_waitcnt lgkmcnt(0)`` that covers only plain LDS reads, which the
   analysis does not count because LLVM places their waits itself; the kernel compiled without
   it must still pass the proof on its final assembly (``isa_amdgpu.verify_waits``);
-- write-after-read hand-overs (Hopper) the analysis cannot decide: a ``wgmma.wait_group``
-  right before an arrive on an "empty" mbarrier (the MMA must be done reading a stage before
-  it is handed back; stages of one buffer are not told apart), and, in the decode kernels
+- a write-after-read hand-over (Hopper) the analysis cannot decide: in the decode kernels
   (:data:`SAME_PATH_PRODUCERS`, whose producer and consumers share one path and whose first
   loads sit in the main loop under ``it == 0``), the producer's wait on the empty mbarrier.
   Warp-specialised producers' empty waits (prefill, GEMM) are proven
-  (passes/mbarrier_protocol.py).
+  (passes/mbarrier_protocol.py), and so is the ``wgmma.wait_group`` before a release arrive
+  (the arrive declares ``wgmma_pending=N``: the analysis counts the WGMMA groups in flight).
 
 ``kiln-insert-waits`` cannot restore an mbarrier wait whose phase the program computes (a wait
 in a pipelined loop); it then refuses with a WaitError naming the load, which is checked too.
@@ -111,13 +110,6 @@ def _exempt(ck, index: int) -> str | None:
     if ck.name.startswith(SAME_PATH_PRODUCERS) and is_mbarrier_wait(wait) \
             and str(effects_of(wait).mbarrier(wait)[0]) in arrived - signalled:
         return "a same-path producer's wait on an empty barrier"
-    if "wgmma" in wait_limits(wait):
-        position = ops.index(wait)
-        for op in ops[position + 1:]:
-            if effects_of(op).arrives:
-                return "wgmma.wait_group before a release"
-            if effects_of(op).counter == "wgmma":
-                break
     return None
 
 

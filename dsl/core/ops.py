@@ -60,7 +60,9 @@ class Effects:
     uncommitted events of that counter into a group. ``waits(op)``: counter -> N, the events
     it retires (all but the N youngest). ``mbarrier(op)``: ``(barrier group value, constant index
     or None)`` the op signals (with a counter) or waits on (without). ``arrives(op)``: the
-    mbarrier group it arrives on (a consumer handing a buffer back). ``barrier``: every thread
+    mbarrier group it arrives on (a consumer handing a buffer back). ``releases(op)``: counter ->
+    N, the groups of that counter older than the newest N read the buffers the op hands back, so
+    they must be retired when it runs (checked like a wait's limit). ``barrier``: every thread
     of the block meets here. ``blocks``: a thread may stop here until others progress. ``data``: False
     when its shared operands are mbarriers only (it reads or writes no shared data).
     """
@@ -73,6 +75,7 @@ class Effects:
     waits: Callable[[ir.Operation], dict] | None = None
     mbarrier: Callable[[ir.Operation], tuple] | None = None
     arrives: Callable[[ir.Operation], ir.Value] | None = None
+    releases: Callable[[ir.Operation], dict] | None = None
     barrier: bool = False
     blocks: bool = False
     data: bool = True

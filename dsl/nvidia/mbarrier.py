@@ -20,7 +20,7 @@ from mlir import ir
 from mlir.dialects import arith, llvm, nvgpu, nvvm
 
 from ..core.errors import KilnValueError
-from ..core.ops import Effects, constant_int, declare
+from ..core.ops import WGMMA, Effects, constant_int, declare
 from .sync import as_index, as_predicate, current_target, ir_value
 
 # Spin budget per try_wait poll before the hardware suspends the thread; upstream's default.
@@ -43,9 +43,21 @@ TEST_WAIT = declare("nvidia.mbarrier.test_wait", feature="sm90",
 CREATE = declare("nvidia.mbarrier.create", feature="sm90",
                  mlir_names=("nvgpu.mbarrier.create", "nvgpu.mbarrier.init", "nvgpu.mbarrier.get"),
                  effects=Effects(data=False))
+# A release arrive declares the WGMMA groups still allowed to read what it hands back.
+WGMMA_PENDING_ATTR = "kiln.wgmma_pending"
+
+
+def _releases(op) -> dict:
+    """``{wgmma: N}`` for an arrive declared with ``wgmma_pending=N``, else no release."""
+    if WGMMA_PENDING_ATTR not in op.attributes:
+        return {}
+    return {WGMMA: ir.IntegerAttr(op.attributes[WGMMA_PENDING_ATTR]).value}
+
+
 ARRIVE = declare("nvidia.mbarrier.arrive", feature="sm90",
                  mlir_names=("nvgpu.mbarrier.arrive", "nvgpu.mbarrier.arrive.expect_tx"),
-                 effects=Effects(arrives=lambda op: op.operands[0], data=False))
+                 effects=Effects(arrives=lambda op: op.operands[0], releases=_releases,
+                                 data=False))
 def _remote_group(op):
     """The group an ``arrive_cluster`` arrives on: its address comes from ``mbarrier.get``
     through casts and ``mapa`` (None for the ``mapa`` itself)."""
@@ -64,7 +76,8 @@ def _remote_group(op):
 
 ARRIVE_CLUSTER = declare("nvidia.mbarrier.arrive_cluster", feature="sm90",
                          mlir_names=("nvvm.mapa", "nvvm.mbarrier.arrive"),
-                         effects=Effects(arrives=_remote_group, data=False))
+                         effects=Effects(arrives=_remote_group, releases=_releases,
+                                         data=False))
 
 
 def group_type(num_barriers: int) -> ir.Type:
@@ -107,16 +120,24 @@ class MBarrierGroup:
         nvgpu.mbarrier_init(self.ir, as_index(count, "arrival count"), self._index(i),
                             predicate=as_predicate(predicate))
 
-    def arrive(self, i) -> None:
-        """Arrive on barrier ``i`` (counts toward the expected arrivals)."""
-        token_type = ir.Type.parse("!nvgpu.mbarrier.token")  # no typed getter in the bindings
-        nvgpu.mbarrier_arrive(self.ir, self._index(i), results=[token_type])
+    def arrive(self, i, *, wgmma_pending: int | None = None) -> None:
+        """Arrive on barrier ``i`` (counts toward the expected arrivals).
 
-    def arrive_cluster(self, i, cta_rank) -> None:
+        ``wgmma_pending=N`` declares a release: the buffer handed back was read by WGMMA groups
+        older than the newest ``N``, so ``kiln-verify-waits`` requires those retired here (a
+        missing ``kiln.wgmma.wait_group(N)`` is then an error naming the WGMMA).
+        Example: ``wgmma.wait_group(1); empty.arrive(previous, wgmma_pending=1)``.
+        """
+        token_type = ir.Type.parse("!nvgpu.mbarrier.token")  # no typed getter in the bindings
+        token = nvgpu.mbarrier_arrive(self.ir, self._index(i), results=[token_type])
+        _declare_release(token.owner, wgmma_pending)
+
+    def arrive_cluster(self, i, cta_rank, *, wgmma_pending: int | None = None) -> None:
         """Arrive on barrier ``i`` of the CTA of rank ``cta_rank`` in this cluster (this CTA's
         rank included): ``mapa`` to the peer's address of the barrier, then
         ``mbarrier.arrive.release.cta.shared::cluster``. This is how a consumer tells every
         producer that multicasts into its shared memory that a stage is free.
+        ``wgmma_pending`` declares a release, as in :meth:`arrive`.
         Example: ``empty.arrive_cluster(stage, 1 - kiln.nvidia_asm.cluster_ctarank())``.
         """
         ARRIVE_CLUSTER.require(current_target(), "MBarrierGroup.arrive_cluster")
@@ -128,7 +149,7 @@ class MBarrierGroup:
         remote = nvvm.mapa(llvm.PointerType.get(SHARED_CLUSTER_SPACE), local, rank)
         # Release at CTA scope, as CUTLASS's cluster barrier does: the WGMMA reads of the stage
         # have completed (wgmma.wait_group) and the peer's TMA write is ordered by the barrier.
-        nvvm.MBarrierArriveOp(None, remote)
+        _declare_release(nvvm.MBarrierArriveOp(None, remote), wgmma_pending)
 
     def arrive_expect_tx(self, i, nbytes, *, predicate=None) -> None:
         """Arrive on barrier ``i`` and expect ``nbytes`` more bytes of async (TMA) transactions.
@@ -150,6 +171,18 @@ class MBarrierGroup:
         """
         nvgpu.mbarrier_try_wait_parity(self.ir, _as_parity(phase),
                                        as_index(ticks, "ticks"), self._index(i))
+
+
+def _declare_release(op, wgmma_pending) -> None:
+    """Stamp ``kiln.wgmma_pending`` on a release arrive (none when ``wgmma_pending`` is None)."""
+    if wgmma_pending is None:
+        return
+    if isinstance(wgmma_pending, bool) or not isinstance(wgmma_pending, int) \
+            or not 0 <= wgmma_pending <= 7:
+        raise KilnValueError(f"wgmma_pending must be an int in 0..7, got {wgmma_pending!r}",
+                             fix="pass the N of the kiln.wgmma.wait_group(N) before the arrive")
+    op.operation.attributes[WGMMA_PENDING_ATTR] = ir.IntegerAttr.get(
+        ir.IntegerType.get_signless(64), wgmma_pending)
 
 
 def group(num_barriers: int = 1) -> MBarrierGroup:

@@ -68,7 +68,7 @@ def step(state, descs, it, stage, key0, q_frags, key_limit, seq_len, seq_q, scal
                                              scale_log2, shape, True)
     wgmma.wait_group(0)  # on every path: ptxas then knows O is ready after it
     if it > 0:
-        empty.arrive(previous)
+        empty.arrive(previous, wgmma_pending=0)
     return o, m, l, probs, alphas
 
 
@@ -81,7 +81,7 @@ def drain(state, descs, num_tiles, empty, shape):
         o = _issue_pv_wgmma(descs, wgmma.scale_rows(o, alphas), probs, last_stage,
                             shape)
         wgmma.wait_group(0)
-        empty.arrive(last_stage)
+        empty.arrive(last_stage, wgmma_pending=0)
     return o, m, l
 
 

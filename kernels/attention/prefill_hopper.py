@@ -302,7 +302,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                     wgmma.wait_group(0)
                     if first_thread:
-                        k_empty.arrive(0)
+                        k_empty.arrive(0, wgmma_pending=0)
                     probs, rescale_pending = _softmax_tile(
                         softmax, scores, first_tile * bn, tile_mask, scale_log2, in_type,
                         config.lazy_rescale)
@@ -328,10 +328,10 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                                 softmax, scores, j * bn, tile_mask, scale_log2, in_type, ops,
                                 stage, VOTE_BARRIER + consumer)
                             if first_thread:  # K_j is not read again
-                                k_empty.arrive(stage)
+                                k_empty.arrive(stage, wgmma_pending=1)
                         else:
                             if first_thread:  # S_j is done with K_j
-                                k_empty.arrive(stage)
+                                k_empty.arrive(stage, wgmma_pending=1)
                             next_probs, rescale_pending = _softmax_tile(
                                 softmax, scores, j * bn, tile_mask, scale_log2, in_type,
                                 config.lazy_rescale)
@@ -340,7 +340,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                         # P_j must not take P_{j-1}'s registers while P_{j-1} V_{j-1} runs.
                         wgmma.wait_group(0, reads=probs)
                         if first_thread:
-                            v_empty.arrive(previous)
+                            v_empty.arrive(previous, wgmma_pending=0)
                         probs = next_probs
                     # Epilogue: the last tile's PV product.
                     last = end_tile - 1 - first_tile
@@ -352,7 +352,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
                     wgmma.wait_group(0)
                     if first_thread:
-                        v_empty.arrive(last % STAGES)
+                        v_empty.arrive(last % STAGES, wgmma_pending=0)
                 if consumer == 0:  # absorb consumer 1's last hand-over
                     nvidia_asm.named_barrier(PINGPONG_BARRIER, 2 * WARP_GROUP_THREADS)
                 inverse_norm = [kiln.where(n > 0.0, kiln.rcp(n), 0.0)

@@ -160,14 +160,15 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
                 tma.load(b_map, destination, coords, full, stage,
                          multicast_mask=(1 << pair) - 1, predicate=rank == j % pair)
 
-    def release(empty, stage):
+    def release(empty, stage, wgmma_pending):
         """Hand ``stage`` back to the producer(s) writing it: this CTA's, and in a pair also
-        the peer's, whose multicast B lands here too."""
+        the peer's, whose multicast B lands here too; WGMMA groups but the newest
+        ``wgmma_pending`` are done reading it."""
         if pair == 1:
-            empty.arrive(stage)
+            empty.arrive(stage, wgmma_pending=wgmma_pending)
         else:
             for r in range(pair):
-                empty.arrive_cluster(stage, r)
+                empty.arrive_cluster(stage, r, wgmma_pending=wgmma_pending)
 
     def gemm(a_map: kiln.TensorMap[in_type, (bm, bk), SWIZZLE],
              b_map: kiln.TensorMap[in_type, b_box, SWIZZLE],
@@ -254,11 +255,11 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
                     # its stage, which goes back to the producer.
                     wgmma.wait_group(1)
                     if (kt > 0) & first_thread:
-                        release(empty, (use + STAGES - 1) % STAGES)
+                        release(empty, (use + STAGES - 1) % STAGES, 1)
                     use = use + 1
                 wgmma.wait_group(0)
                 if first_thread:
-                    release(empty, (use + STAGES - 1) % STAGES)
+                    release(empty, (use + STAGES - 1) % STAGES, 0)
                 _store_tile(acc, c_map, c_tiles, consumer, m0 + consumer * 64, n0, first_thread,
                             BN // epilogue_n, c_tiles_per_round, c_cols)
             if first_thread:
