@@ -101,7 +101,7 @@ class MfmaAtom(mma.MmaAtom):
         """
         spec = self.spec
         chip = mma._resolve_target(None)
-        if chip.name not in spec.chips:
+        if not chip.has(spec.feature):
             raise UnsupportedError(
                 f"{instruction_name(spec.m, spec.n, spec.k, spec.a_dtype, spec.b_dtype)} "
                 f"({spec.describe()}) does not exist on {chip.name}",
@@ -111,12 +111,12 @@ class MfmaAtom(mma.MmaAtom):
         return Value(amdgpu.mfma(spec.m, spec.n, spec.k, a.ir, b.ir, c.ir), f32)
 
 
-def _atom(m: int, n: int, k: int, a: DType, b: DType, chips: tuple[str, ...]) -> MfmaAtom:
+def _atom(m: int, n: int, k: int, a: DType, b: DType, feature: str) -> MfmaAtom:
     suffix = a.name if a is b else f"{a.name}_{b.name}"
     spec = mma.MmaAtomSpec(
         name=f"mfma_f32_{m}x{n}x{k}_{suffix}", vendor="amd", m=m, n=n, k=k, a_dtype=a,
         b_dtype=b, acc_dtype=f32, threads=WAVE, a_layout=operand_a_layout(m, k),
-        b_layout=operand_b_layout(k, n), c_layout=_accumulator_layout(m), chips=chips)
+        b_layout=operand_b_layout(k, n), c_layout=_accumulator_layout(m), feature=feature)
     return MfmaAtom(spec)
 
 
@@ -124,11 +124,11 @@ def _all_atoms() -> list[MfmaAtom]:
     atoms = []
     for dt in (bf16, f16):
         for shape in GFX950_HALF_SHAPES:
-            chips = ("gfx942", "gfx950") if shape in GFX942_SHAPES else ("gfx950",)
-            atoms.append(_atom(*shape, dt, dt, chips))
+            feature = "gfx9" if shape in GFX942_SHAPES else "gfx950"  # gfx942 and gfx950, or gfx950
+            atoms.append(_atom(*shape, dt, dt, feature))
     for a in FP8_DTYPES:
         for b in FP8_DTYPES:
-            atoms.extend(_atom(*shape, a, b, ("gfx950",)) for shape in GFX950_FP8_SHAPES)
+            atoms.extend(_atom(*shape, a, b, "gfx950") for shape in GFX950_FP8_SHAPES)
     return atoms
 
 

@@ -32,7 +32,7 @@ from .layout import ThreadValueLayout
 from .nvidia.sync import current_target
 from .reg_tile import RegTile
 from .values import Value
-from kiln.core.targets import get_target
+from kiln.core.targets import FEATURES, TARGETS, get_target
 
 VENDORS = ("amd", "nvidia")
 
@@ -44,7 +44,8 @@ class MmaAtomSpec:
     ``a_layout`` maps ``(lane, value)`` to ``(row, col)`` of the ``m x k`` A tile, ``b_layout``
     into the ``k x n`` B tile, ``c_layout`` into the ``m x n`` C tile; ``b_layout`` is None
     when B only comes from shared memory (WGMMA descriptors; WGMMA's ``a_layout`` is its
-    register form of A).
+    register form of A). ``feature`` is the target-model feature a chip needs for it
+    (``"sm80"``, ``"wgmma"``, ``"gfx9"``, ``"gfx950"``); :attr:`chips` lists those chips.
 
     Example::
 
@@ -64,15 +65,20 @@ class MmaAtomSpec:
     a_layout: ThreadValueLayout | None
     b_layout: ThreadValueLayout | None
     c_layout: ThreadValueLayout
-    chips: tuple[str, ...]
+    feature: str
+
+    @property
+    def chips(self) -> tuple[str, ...]:
+        """The chips whose target model has :attr:`feature`."""
+        return tuple(name for name, t in TARGETS.items() if self.feature in t.features)
 
     def __post_init__(self):
         if self.vendor not in VENDORS:
             raise KilnValueError(f"MMA atom {self.name}: vendor must be one of {VENDORS}, "
                                  f"got {self.vendor!r}", fix='use "amd" or "nvidia"')
-        if not self.chips:
-            raise KilnValueError(f"MMA atom {self.name} names no chips",
-                                 fix='list the targets that have it, e.g. chips=("gfx950",)')
+        if self.feature not in FEATURES:
+            raise KilnValueError(f"MMA atom {self.name}: unknown target feature "
+                                 f"{self.feature!r}", fix=f"use one of {', '.join(FEATURES)}")
         expected = (("a_layout", self.a_layout, (self.m, self.k)),
                     ("b_layout", self.b_layout, (self.k, self.n)),
                     ("c_layout", self.c_layout, (self.m, self.n)))
@@ -142,8 +148,8 @@ def _resolve_target(target):
 
 def atoms_for(target=None) -> list[MmaAtom]:
     """The registered atoms that ``target`` (a name or Target; default: the kernel's) has."""
-    chip = _resolve_target(target).name
-    return [a for a in _REGISTRY.values() if chip in a.spec.chips]
+    chip = _resolve_target(target)
+    return [a for a in _REGISTRY.values() if chip.has(a.spec.feature)]
 
 
 def _summary(atoms: list[MmaAtom]) -> str:
@@ -201,7 +207,6 @@ def atom(m: int, n: int, k: int, a_dtype, *, b_dtype=None, acc_dtype=f32,
 
 # ----------------------------------------------------------------------------- NVIDIA mma.sync
 
-MMA_SYNC_CHIPS = ("sm_80", "sm_90", "sm_90a", "sm_100a")
 
 
 class MmaSyncAtom(MmaAtom):
@@ -248,7 +253,7 @@ def _mma_sync_spec(dt: DType) -> MmaAtomSpec:
     return MmaAtomSpec(name=f"mma_sync_m16n8k16_{dt}", vendor="nvidia", m=16, n=8, k=16,
                        a_dtype=dt, b_dtype=dt, acc_dtype=f32, threads=32,
                        a_layout=L.mma_m16n8k16_a(), b_layout=L.mma_m16n8k16_b(),
-                       c_layout=L.mma_m16n8_accumulator(), chips=MMA_SYNC_CHIPS)
+                       c_layout=L.mma_m16n8_accumulator(), feature="sm80")
 
 
 # ----------------------------------------------------------------------------- NVIDIA WGMMA
@@ -271,7 +276,7 @@ def _wgmma_spec(dt: DType, n: int) -> MmaAtomSpec:
     return MmaAtomSpec(name=f"wgmma_m64n{n}k16_{dt}", vendor="nvidia", m=64, n=n, k=16,
                        a_dtype=dt, b_dtype=dt, acc_dtype=f32, threads=128,
                        a_layout=wgmma.a_fragment_layout(), b_layout=None,
-                       c_layout=L.wgmma_m64_accumulator(n), chips=("sm_90a",))
+                       c_layout=L.wgmma_m64_accumulator(n), feature="wgmma")
 
 
 def atom_named(name: str) -> MmaAtom:

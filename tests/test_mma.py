@@ -64,7 +64,18 @@ def test_spec_checks_layout_shapes():
     with pytest.raises(kiln.KilnValueError, match="expected"):
         mma.MmaAtomSpec("bad", "nvidia", 16, 8, 16, kiln.bf16, kiln.bf16, kiln.f32, 32,
                         L.mma_m16n8k16_b(), L.mma_m16n8k16_b(), L.mma_m16n8_accumulator(),
-                        ("sm_80",))
+                        "sm80")
+
+
+def test_atom_chips_come_from_the_target_model():
+    """An atom names a feature of the target model; its chips are the targets that have it."""
+    assert mma.atom(16, 8, 16, kiln.bf16, target="sm_80").spec.chips == \
+        ("sm_80", "sm_90", "sm_90a", "sm_100a")
+    assert mma.atom(64, 64, 16, kiln.bf16, target="sm_90a").spec.feature == "wgmma"
+    with pytest.raises(kiln.KilnValueError, match="unknown target feature"):
+        mma.MmaAtomSpec("bad", "nvidia", 16, 8, 16, kiln.bf16, kiln.bf16, kiln.f32, 32,
+                        L.mma_m16n8k16_a(), L.mma_m16n8k16_b(), L.mma_m16n8_accumulator(),
+                        "sm_80")
 
 
 def test_tiled_mma_partitions_and_validates():
