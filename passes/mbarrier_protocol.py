@@ -26,6 +26,8 @@ declares ``wgmma_pending`` (:meth:`kiln.mbarrier.MBarrierGroup.arrive`).
 
 from __future__ import annotations
 
+from mlir import ir
+
 from kiln.core.ops import MBARRIER
 
 
@@ -110,15 +112,55 @@ class _Walk:
             self.gaps.append(self.make_gap(step.op, event.op, MBARRIER, 0, step.op))
 
 
+def _constant(value):
+    """The value of an ``arith.constant`` index or integer, else None."""
+    if not isinstance(value, ir.OpResult) or value.owner.name != "arith.constant":
+        return None
+    return ir.IntegerAttr(value.owner.attributes["value"]).value
+
+
+def _first_only(if_step, loop) -> bool:
+    """Whether the first arm of ``if_step`` runs only in the first iteration of ``loop``: its
+    condition is a conjunction (``arith.andi``) with a term ``iv == lower bound``."""
+    iv, lower = loop.op.regions[0].blocks[0].arguments[0], loop.op.operands[0]
+
+    def first(value) -> bool:
+        if not isinstance(value, ir.OpResult):
+            return False
+        op = value.owner
+        if op.name == "arith.andi":
+            return any(first(operand) for operand in op.operands)
+        if op.name != "arith.cmpi" or ir.IntegerAttr(op.attributes["predicate"]).value != 0:
+            return False  # predicate 0 is eq
+        a, b = op.operands
+        for x, y in ((a, b), (b, a)):
+            if x == iv and (y == lower or _constant(y) is not None
+                            and _constant(y) == _constant(lower)):
+                return True
+        return False
+
+    return first(if_step.op.operands[0])
+
+
+def _loops_of(steps, loops: tuple, out: dict) -> None:
+    """``out[step]``: the loops around each step, outermost first."""
+    for step in steps:
+        out[step] = loops
+        for block in step.blocks:
+            _loops_of(block, loops + ((step,) if step.kind == "for" else ()), out)
+
+
 def _producer_gaps(body, arms: dict, make_gap) -> list:
-    """The overwrite gaps of the producers' loads (module docstring)."""
+    """The overwrite gaps of the TMA loads (module docstring)."""
     readers, arrived, signalled = {}, set(), set()
+    loops = {}
+    _loops_of(body, (), loops)
 
     def index(steps):
         for step in steps:
             for event in step.reads:
-                if event.counter == MBARRIER and _cross(arms[event], arms[step]):
-                    readers.setdefault(event, step)
+                if event.counter == MBARRIER:
+                    readers.setdefault(event, []).append(step)
             if step.arrive is not None:
                 arrived.add(step.arrive)
             if step.counter == MBARRIER:
@@ -128,25 +170,55 @@ def _producer_gaps(body, arms: dict, make_gap) -> list:
 
     index(body)
     empty = arrived - signalled  # barriers readers hand buffers back on (no TMA completes them)
-    gaps = []
+    gaps = {}  # load Step -> Gap: loop bodies are walked to a fixed point
 
-    def visit(steps, in_loop: bool, last_wait, loaded: set):
+    def racing(load, first: frozenset):
+        """The first reader that may still read ``load``'s buffer when it issues, if any: one
+        in another arm when ``load`` is in a loop, or on its path in a loop around both that
+        does not run ``load`` only in its first iteration."""
+        for reader in readers.get(load, ()):
+            if _cross(arms[load], arms[reader]):
+                if loops[load]:
+                    return reader
+            elif set(loops[load]) & set(loops[reader]) - first:
+                return reader
+        return None
+
+    def visit(steps, last_wait, loaded: set, read: frozenset, first: frozenset) -> frozenset:
+        """Walk ``steps`` in order from ``read`` (the groups whose buffers some thread may have
+        read since the last block-wide barrier, on some path); returns it after them."""
         for step in steps:
+            if step.barrier:
+                read = frozenset()
             if step.signal is not None and step.counter is None:
                 last_wait, loaded = step.signal[0], set()
             elif step.counter == MBARRIER:
-                reader = readers.get(step)
-                if in_loop and reader is not None and not (
-                        last_wait in empty and loaded <= {step.signal[0]}):
-                    gaps.append(make_gap(step.op, reader.op, MBARRIER, 0, step.op, overwrite=True))
-                loaded = loaded | {step.signal[0]}
-            for block in step.blocks:  # a loop body starts afresh each iteration
-                fresh = step.kind == "for"
-                visit(block, in_loop or fresh, None if fresh else last_wait,
-                      set() if fresh else loaded)
+                group = step.signal[0]
+                reader = racing(step, first)
+                handed_back = last_wait in empty and loaded <= {group}
+                fenced = group not in read and not _cross(arms[step], arms[reader or step])
+                if reader is not None and not handed_back and not fenced:
+                    gaps.setdefault(step, make_gap(step.op, reader.op, MBARRIER, 0, step.op,
+                                                   overwrite=True))
+                loaded = loaded | {group}
+            read = read | {e.signal[0] for e in step.reads if e.counter == MBARRIER}
+            if step.kind == "for":  # the body starts with no wait, from its own end state
+                entry = read
+                for _ in range(64):  # a finite lattice: the bound is never reached
+                    joined = entry | visit(step.blocks[0], None, set(), entry, first)
+                    if joined == entry:
+                        break
+                    entry = joined
+                read = entry
+            else:
+                for i, block in enumerate(step.blocks):
+                    only = frozenset(loop for loop in loops[step] if i == 0 and
+                                     step.kind == "if" and _first_only(step, loop))
+                    read = read | visit(block, last_wait, loaded, read, first | only)
+        return read
 
-    visit(body, False, None, set())
-    return gaps
+    visit(body, None, set(), frozenset(), frozenset())
+    return list(gaps.values())
 
 
 def cross_thread_gaps(body, make_gap) -> list:

@@ -34,9 +34,9 @@ def gap_error(gap: Gap) -> WaitError:
     if gap.overwrite:
         return WaitError(
             f"this {op_label(gap.reader)} may overwrite the buffer that the "
-            f"{op_label(gap.event)} at {where(gap.event)} reads in another warp group, before "
-            "that warp group hands it back: no wait on an mbarrier the readers arrive on "
-            "precedes it", fix="wait on the buffer's empty mbarrier right before the load: "
+            f"{op_label(gap.event)} at {where(gap.event)} reads in other threads, before they "
+            "hand it back: no wait on an mbarrier the readers arrive on (or block-wide "
+            "barrier after their reads) precedes it", fix="wait on the buffer's empty mbarrier right before the load: "
                                "empty.try_wait(stage, phase)",
             loc=source_loc_from_mlir(gap.reader.location))
     if gap.release:

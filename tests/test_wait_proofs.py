@@ -52,7 +52,6 @@ KERNELS = {
                                               causal=True),
     "gemm_gfx950": lambda: compile_matmul("bf16", target="gfx950"),
 }
-SAME_PATH_PRODUCERS = ("paged_decode",)  # kernel names (decode_kernel.py): see the docstring
 _NAMED = re.compile(r"before the (?:async )?(\S+) at|the result of the (\S+) at|"
                     r"this (\S+) may overwrite")
 
@@ -104,12 +103,6 @@ def _exempt(ck, index: int) -> str | None:
                                  CompileOptions(ck.target.name, num_warps=warps))
         isa_amdgpu.verify_waits(isa_amdgpu.parse(lowered.asm["amdgcn"], ck.name), ck.name)
         return "drain of plain LDS reads: the final assembly is still proven"
-    arrived = {str(effects_of(op).arrives(op)) for op in ops if effects_of(op).arrives}
-    signalled = {str(effects_of(op).mbarrier(op)[0]) for op in ops
-                 if effects_of(op).counter == "mbarrier"}
-    if ck.name.startswith(SAME_PATH_PRODUCERS) and is_mbarrier_wait(wait) \
-            and str(effects_of(wait).mbarrier(wait)[0]) in arrived - signalled:
-        return "a same-path producer's wait on an empty barrier"
     return None
 
 
