@@ -150,6 +150,19 @@ def _loops_of(steps, loops: tuple, out: dict) -> None:
             _loops_of(block, loops + ((step,) if step.kind == "for" else ()), out)
 
 
+def _reads_loads(blocks) -> bool:
+    """Whether any step in ``blocks`` reads a TMA-loaded buffer."""
+    return any(any(e.counter == MBARRIER for e in step.reads) or _reads_loads(step.blocks)
+               for block in blocks for step in block)
+
+
+def _loaded_groups(blocks) -> set:
+    """The mbarrier groups that TMA loads in ``blocks`` signal."""
+    return {step.signal[0] for block in blocks for step in block
+            if step.counter == MBARRIER} | {g for block in blocks for step in block
+                                           for g in _loaded_groups(step.blocks)}
+
+
 def _producer_gaps(body, arms: dict, make_gap) -> list:
     """The overwrite gaps of the TMA loads (module docstring)."""
     readers, arrived, signalled = {}, set(), set()
@@ -202,10 +215,13 @@ def _producer_gaps(body, arms: dict, make_gap) -> list:
                                                    overwrite=True))
                 loaded = loaded | {group}
             read = read | {e.signal[0] for e in step.reads if e.counter == MBARRIER}
-            if step.kind == "for":  # the body starts with no wait, from its own end state
+            if step.kind == "for":  # the body starts from its own end state
+                # a loop reading no loaded buffer (a load per page) stays under the wait before it
+                start = (None, set()) if _reads_loads(step.blocks) else (
+                    last_wait, loaded | _loaded_groups(step.blocks))  # earlier iterations' too
                 entry = read
                 for _ in range(64):  # a finite lattice: the bound is never reached
-                    joined = entry | visit(step.blocks[0], None, set(), entry, first)
+                    joined = entry | visit(step.blocks[0], *start, entry, first)
                     if joined == entry:
                         break
                     entry = joined
