@@ -1,4 +1,4 @@
-"""Warp-specialised TMA pipelines: reads of a buffer that *another thread* TMA-loads.
+"""TMA pipelines: reads of a buffer that *another thread* TMA-loads, and its refills.
 
 :class:`~kiln.passes.wait_analysis.WaitAnalysis` follows one thread's path, so a load issued by
 a producer warp group (one arm of an ``scf.if``) never reaches the state of the consumer (the
@@ -14,14 +14,20 @@ unnoticed. This module checks the handshake instead, over the same op tree:
   fixed point).
 
 A read that does not is a :class:`~kiln.passes.wait_analysis.Gap` on the load (counter
-``mbarrier``). The producer's side of the hand-over is checked by shape: a TMA load in a loop
-whose buffer another warp group reads must follow, in its block and with no load on another mbarrier
-group in between, a wait on an "empty" barrier (one that threads arrive on and no TMA load
-completes): it refills the buffer only once the readers gave it back. Else it is a Gap with
-``overwrite``. Barrier indices are not
-told apart (stages of one group are one group); the ``wgmma.wait_group`` before an arrive (the
-MMA must be done reading before the release) is checked by the wait analysis where the arrive
-declares ``wgmma_pending`` (:meth:`kiln.mbarrier.MBarrierGroup.arrive`).
+``mbarrier``). The producer's side of the hand-over (write after read) is checked for every TMA
+load whose buffer other threads read: in another arm (warp-specialised) when the load is in a
+loop, or on its own path (decode: one warp issues, every warp reads) in a loop around both
+unless the load runs only in that loop's first iteration (under ``iv == lower bound``, e.g.
+``it == 0``). Such a load must follow either, in its block (or before a loop that reads no
+loaded buffer) and with no load on another mbarrier group in between, a wait on an "empty"
+barrier (one that threads arrive on and no TMA load completes): it refills the buffer only once
+the readers gave it back; or, for same-path readers, a block-wide barrier with no read of its
+group since on any path (loops run to a fixed point). Else it is a Gap with ``overwrite``
+naming the load and a read it races with. Barrier indices are not told apart (stages of one
+group are one group); the ``wgmma.wait_group`` before an arrive (the MMA must be done reading
+before the release) is checked by the wait analysis where the arrive declares
+``wgmma_pending`` (:meth:`kiln.mbarrier.MBarrierGroup.arrive`). A first-iteration load's reads
+earlier in that same iteration are not checked (the shipped kernels read after it).
 """
 
 from __future__ import annotations

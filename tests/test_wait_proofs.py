@@ -2,18 +2,15 @@
 kernel's Kiln IR makes ``kiln-verify-waits`` reject the program naming the async op it covered,
 and ``kiln-insert-waits`` on the stripped program gives back a program the verifier accepts.
 
-Two kinds of waits are exempt from the rejection, each recognised by its shape, so that any
-other wait the verifier lets go fails here:
-
-- drains (gfx950): an ``s_waitcnt lgkmcnt(0)`` that covers only plain LDS reads, which the
-  analysis does not count because LLVM places their waits itself; the kernel compiled without
-  it must still pass the proof on its final assembly (``isa_amdgpu.verify_waits``);
-- a write-after-read hand-over (Hopper) the analysis cannot decide: in the decode kernels
-  (:data:`SAME_PATH_PRODUCERS`, whose producer and consumers share one path and whose first
-  loads sit in the main loop under ``it == 0``), the producer's wait on the empty mbarrier.
-  Warp-specialised producers' empty waits (prefill, GEMM) are proven
-  (passes/mbarrier_protocol.py), and so is the ``wgmma.wait_group`` before a release arrive
-  (the arrive declares ``wgmma_pending=N``: the analysis counts the WGMMA groups in flight).
+One kind of wait is exempt from the rejection, recognised by its shape, so that any other
+wait the verifier lets go fails here: drains (gfx950), an ``s_waitcnt lgkmcnt(0)`` that covers
+only plain LDS reads, which the analysis does not count because LLVM places their waits
+itself; the kernel compiled without it must still pass the proof on its final assembly
+(``isa_amdgpu.verify_waits``). Producers' waits on the empty mbarrier are all proven
+(passes/mbarrier_protocol.py): warp-specialised ones (prefill, GEMM) and the decode kernels',
+whose producer and consumers share one path and whose first loads sit in the main loop under
+``it == 0``; so is the ``wgmma.wait_group`` before a release arrive (the arrive declares
+``wgmma_pending=N``: the analysis counts the WGMMA groups in flight).
 
 ``kiln-insert-waits`` cannot restore an mbarrier wait whose phase the program computes (a wait
 in a pipelined loop); it then refuses with a WaitError naming the load, which is checked too.
