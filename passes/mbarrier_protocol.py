@@ -193,13 +193,15 @@ def _producer_gaps(body, arms: dict, make_gap) -> list:
 
     def racing(load, first: frozenset):
         """The first reader that may still read ``load``'s buffer when it issues, if any: one
-        in another arm when ``load`` is in a loop, or on its path in a loop around both that
-        does not run ``load`` only in its first iteration."""
+        in another arm when ``load`` is in a loop, or on its path unless every loop around both
+        runs ``load`` only in its first iteration (the read set then tells if it came before;
+        a first-iteration load's reads before it in that iteration are not checked)."""
         for reader in readers.get(load, ()):
+            common = set(loops[load]) & set(loops[reader])
             if _cross(arms[load], arms[reader]):
                 if loops[load]:
                     return reader
-            elif set(loops[load]) & set(loops[reader]) - first:
+            elif common - first or not (common or first):
                 return reader
         return None
 
@@ -233,10 +235,11 @@ def _producer_gaps(body, arms: dict, make_gap) -> list:
                     entry = joined
                 read = entry
             else:
+                before = read  # each arm starts from the state before the op
                 for i, block in enumerate(step.blocks):
                     only = frozenset(loop for loop in loops[step] if i == 0 and
                                      step.kind == "if" and _first_only(step, loop))
-                    read = read | visit(block, last_wait, loaded, read, first | only)
+                    read = read | visit(block, last_wait, loaded, before, first | only)
         return read
 
     visit(body, None, set(), frozenset(), frozenset())
