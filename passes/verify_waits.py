@@ -36,8 +36,9 @@ def gap_error(gap: Gap) -> WaitError:
             f"this {op_label(gap.reader)} may overwrite the buffer that the "
             f"{op_label(gap.event)} at {where(gap.event)} reads in other threads, before they "
             "hand it back: no wait on an mbarrier the readers arrive on (or block-wide "
-            "barrier after their reads) precedes it", fix="wait on the buffer's empty mbarrier right before the load: "
-                               "empty.try_wait(stage, phase)",
+            "barrier after their reads) precedes it",
+            fix="wait on the buffer's empty mbarrier right before the load: "
+                "empty.try_wait(stage, phase)",
             loc=source_loc_from_mlir(gap.reader.location))
     if gap.release:
         return WaitError(
