@@ -21,8 +21,9 @@ loop, or on its own path (decode: one warp issues, every warp reads) in a loop a
 iteration (under ``iv == lower bound``, e.g. ``it == 0``). Such a load must follow either, in
 its block (or before a loop that reads no loaded buffer) and with no load on another mbarrier
 group in between, a wait on an "empty" barrier (one that threads arrive on and no TMA load
-completes): it refills the buffer only once the readers gave it back; or, for same-path readers, a block-wide barrier with no read of its
-group since on any path (loops run to a fixed point). Else it is a Gap with ``overwrite``
+completes): it refills the buffer only once the readers gave it back; or, for same-path
+readers, a block-wide barrier with no read of its group since on any path (loops run to a
+fixed point). Else it is a Gap with ``overwrite``
 naming the load and a read it races with. Barrier indices are not told apart (stages of one
 group are one group); the ``wgmma.wait_group`` before an arrive (the MMA must be done reading
 before the release) is checked by the wait analysis where the arrive declares
