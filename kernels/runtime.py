@@ -202,6 +202,13 @@ _TORCH_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "i32": 
                  "i64": "int64", "i16": "int16", "i8": "int8"}
 
 
+def torch_dtype(dtype):
+    """The torch dtype of a Kiln dtype (or name). Example: ``torch_dtype("bf16")``."""
+    import torch
+
+    return getattr(torch, _TORCH_DTYPES[kiln.dtype(dtype).name])
+
+
 def is_cupy(x: Any) -> bool:
     return type(x).__module__.startswith("cupy")
 
@@ -224,10 +231,9 @@ class ArrayLib:
         if self.torch:
             import torch
 
-            torch_dtype = getattr(torch, _TORCH_DTYPES[name])
             if fill is None:
-                return torch.empty(shape, dtype=torch_dtype, device=self.device)
-            return torch.full(shape, fill, dtype=torch_dtype, device=self.device)
+                return torch.empty(shape, dtype=torch_dtype(name), device=self.device)
+            return torch.full(shape, fill, dtype=torch_dtype(name), device=self.device)
         if self.cupy:
             import cupy
 
@@ -246,13 +252,11 @@ class ArrayLib:
 
     def asarray(self, x, dtype):
         """``x`` (an array or a sequence) as a contiguous ``dtype`` array of this library."""
-        name = kiln.dtype(dtype).name
         if self.torch:
             import torch
 
-            return torch.as_tensor(x, device=self.device).to(
-                getattr(torch, _TORCH_DTYPES[name])).contiguous()
-        return np.ascontiguousarray(self.numpy(x), kiln.dtype(name).numpy)
+            return torch.as_tensor(x, device=self.device).to(torch_dtype(dtype)).contiguous()
+        return np.ascontiguousarray(self.numpy(x), kiln.dtype(dtype).numpy)
 
     @staticmethod
     def numpy(x):

@@ -393,15 +393,13 @@ def _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, part
         max_splits=max_splits, out_dtype=out_dtype, backend=backend)
     if not is_torch(o_partial) or backend == "interpret":
         return plan
-    import torch
-
     if not all(t.is_contiguous() for t in (o_partial, lse_partial, split_counts)):
         _refuse_layout()
     if not runtime.bindable(o_partial, lse_partial, split_counts):
         raise kiln.KilnTypeError("LSE_partial and split_counts must be CUDA tensors like "
                                  "O_partial", fix="move them to O_partial's device")
-    plan = replace(plan, device=o_partial.device, torch_out_dtype=getattr(
-        torch, {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[out_dtype.name]))
+    plan = replace(plan, device=o_partial.device,
+                   torch_out_dtype=runtime.torch_dtype(out_dtype))
     if plan.empty:
         return plan
     args = (o_partial, lse_partial, split_counts, *plan.new_outputs(lse_partial),
