@@ -30,8 +30,7 @@ import re
 from dataclasses import dataclass, field
 
 from kiln.core.errors import SourceLoc, WaitError
-
-GFX9_MAX = {"vmcnt": 63, "lgkmcnt": 15, "expcnt": 7}
+from kiln.passes.wait_analysis import GFX9_MAX
 _REG = re.compile(r"\b([vsa])(\d+)\b|\b([vsa])\[(\d+):(\d+)\]")
 _WAIT = re.compile(r"(vmcnt|lgkmcnt|expcnt)\((\d+)\)")
 _LABEL = re.compile(r"^([.\w$]+):")

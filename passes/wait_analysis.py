@@ -65,24 +65,15 @@ from dataclasses import dataclass, field
 from mlir import ir
 from mlir.dialects import llvm  # noqa: F401 - registers the class !llvm.ptr types are returned as
 
-from kiln.amd.sched import decode_waitcnt as decode_gfx9_waitcnt  # noqa: F401 - the inverse
+# The GFX9 s_waitcnt immediate, under the names the passes and their tests use.
+from kiln.amd.sched import decode_waitcnt as decode_gfx9_waitcnt  # noqa: F401
+from kiln.amd.sched import GFX9_WAITCNT_FIELDS, encode_waitcnt as encode_gfx9_waitcnt
 from kiln.core.ops import CP_ASYNC  # noqa: F401 - the passes' counter names live in kiln.core.ops
 from kiln.core.ops import MBARRIER, NO_EFFECTS, OP_ATTR, WGMMA, Effects, is_shared, lookup
 from kiln.passes.mbarrier_protocol import cross_thread_gaps
 
-# GFX9 (gfx90a/gfx942/gfx950) s_waitcnt simm16 layout:
-#   bits 3:0 vmcnt[3:0], 6:4 expcnt, 11:8 lgkmcnt, 15:14 vmcnt[5:4].
-GFX9_MAX = {"vmcnt": 63, "expcnt": 7, "lgkmcnt": 15}
+GFX9_MAX = {name: limit for name, limit, _ in GFX9_WAITCNT_FIELDS}  # counter(max) waits for nothing
 UNCOMMITTED = -1  # ``younger`` of an mma_async not yet in a commit group: no wait retires it
-
-
-def encode_gfx9_waitcnt(*, vmcnt: int = 63, expcnt: int = 7, lgkmcnt: int = 15) -> int:
-    """The ``s_waitcnt`` immediate for gfx942/gfx950 (an omitted counter is not waited on).
-
-    >>> encode_gfx9_waitcnt(vmcnt=0) == 0x0F70
-    True
-    """
-    return (vmcnt & 0xF) | ((expcnt & 0x7) << 4) | ((lgkmcnt & 0xF) << 8) | ((vmcnt >> 4) << 14)
 
 
 # Register data movement: the result is pending on whatever its operands are pending on.

@@ -22,6 +22,7 @@ from mlir import ir
 
 from kiln.core.errors import OutOfBoundsError, UnsupportedError
 from kiln.amd.loader import transpose_read_model
+from kiln.amd.sched import decode_waitcnt
 from kiln.mfma import _accumulator_layout, operand_a_layout, operand_b_layout
 
 from .ops_hopper import retire_groups
@@ -31,7 +32,6 @@ from .plan import attr_int, has_attr, location, semantics
 from .state import MemRef, element_bytes
 
 WAVE = 64
-_VMCNT_BITS = ((0, 4, 0), (4, 2, 14))  # (value bit, width, immediate bit): imm[3:0], imm[15:14]
 
 
 def _waves(ctx) -> list[np.ndarray]:
@@ -112,17 +112,9 @@ def _gather_to_lds(op, p):
     return run
 
 
-def decode_vmcnt(imm: int) -> int:
-    """The ``vmcnt`` field of a GFX9 ``s_waitcnt`` immediate (bits 3:0 and 15:14)."""
-    value = 0
-    for value_bit, bits, imm_bit in _VMCNT_BITS:
-        value |= ((imm >> imm_bit) & ((1 << bits) - 1)) << value_bit
-    return value
-
-
 @semantics("rocdl.s.waitcnt")
 def _waitcnt(op, p):
-    keep = decode_vmcnt(ir.IntegerAttr(op.attributes["bitfield"]).value)
+    keep = decode_waitcnt(ir.IntegerAttr(op.attributes["bitfield"]).value)["vmcnt"]
 
     def run(env, ctx):
         retire_groups(ctx, "vmcnt", keep)
