@@ -15,14 +15,17 @@ from kiln.kernels.attention.mla_decode import (compile_mla_decode, default_mla_s
 from mla_problems import assert_mla_close, mla_problem, mla_reference
 
 
-@pytest.mark.parametrize("heads,sq,num_splits", [(16, 1, 1), (16, 2, 3), (20, 2, 1),
-                                                 (64, 1, 2), (40, 2, 2)])
-def test_matches_float64_on_odd_lengths(heads, sq, num_splits, rng):
+@pytest.mark.parametrize("heads,sq,num_splits,split_keys", [
+    (16, 1, 1, True), (16, 2, 3, True), (20, 2, 1, True), (64, 1, 2, True), (40, 2, 2, True),
+    (16, 2, 3, False), (40, 2, 1, False)])
+def test_matches_float64_on_odd_lengths(heads, sq, num_splits, split_keys, rng):
     """Lengths 1, 63, 65 and 200 in one batch (a page's end and start, a ragged last page,
     with Sq 2 a first query that sees nothing); pages shuffled through the cache; the rows
-    past each sequence and the unused pages hold NaN; 40 x 2 rows take two row blocks."""
+    past each sequence and the unused pages hold NaN; 40 x 2 rows take two row blocks. Both
+    scores schedules (``split_keys``)."""
     q, kv, table, lens = mla_problem(rng, heads, sq, [1, 63, 65, 200])
-    o, lse = mla_decode(q, kv, table, lens, num_splits=num_splits, backend="interpret")
+    o, lse = mla_decode(q, kv, table, lens, num_splits=num_splits, backend="interpret",
+                        split_keys=split_keys)
     assert o.shape == (4, sq, heads, 512) and o.dtype == ml_dtypes.bfloat16
     assert lse.shape == (4, sq, heads) and lse.dtype == np.float32
     assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
@@ -132,10 +135,11 @@ def test_default_splits_fill_one_wave():
 
 
 @pytest.mark.lower
-def test_compiles_for_sm90a_without_spills():
-    ck = compile_mla_decode(target="sm_90a")
+@pytest.mark.parametrize("split_keys,scores_n", [(True, 32), (False, 64)])
+def test_compiles_for_sm90a_without_spills(split_keys, scores_n):
+    ck = compile_mla_decode(target="sm_90a", split_keys=split_keys)
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["registers"] <= 255
     ptx = ck.asm["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
-    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{scores_n}k16.f32.bf16.bf16" in ptx
     assert "cp.async.bulk.tensor.2d" in ptx

@@ -47,9 +47,10 @@ def torch_mla(torch, q, kv, table, seq_lens, scale=None):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split_keys", [True, False])
 @pytest.mark.parametrize("heads,sq,num_splits", [(16, 1, None), (16, 2, 3), (128, 1, None),
                                                  (128, 2, 5), (64, 2, 1), (40, 1, 7)])
-def test_matches_float64_on_gpu(heads, sq, num_splits, rng):
+def test_matches_float64_on_gpu(heads, sq, num_splits, split_keys, rng):
     """Odd and page-aligned lengths, shuffled pages, NaN past every sequence and in the unused
     pages; the output pool is poisoned before the call."""
     torch = _torch()
@@ -59,7 +60,7 @@ def test_matches_float64_on_gpu(heads, sq, num_splits, rng):
     q, kv, table, seq_lens = mla_problem(rng, heads, sq, lens)
     dev = [_to_cuda(torch, x) for x in (q, kv, table, seq_lens)]
     torch.empty(1 << 26, device="cuda").fill_(float("nan"))
-    o, lse = mla_decode(*dev, num_splits=num_splits, validate=True)
+    o, lse = mla_decode(*dev, num_splits=num_splits, validate=True, split_keys=split_keys)
     assert o.dtype == torch.bfloat16 and o.shape == (len(lens), sq, heads, DV)
     assert_mla_close(_numpy(torch, o), _numpy(torch, lse), *mla_reference(q, kv, table, seq_lens))
 

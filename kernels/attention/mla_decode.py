@@ -26,7 +26,8 @@ from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, check_paged_len
                        check_positive, is_torch, resolve_target, spec)
 from .combine import combine
 from .decode_config import DEFAULT_SMS, LOG2E, MAX_DEFAULT_SPLITS
-from .mla_kernel import BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS, make_mla_kernel
+from .mla_kernel import (BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS, SPLIT_KEYS,
+                         make_mla_kernel)
 from .partials import Partials
 
 PRODUCER = "kiln.kernels.attention.mla_decode"  # the Partials producer name combine checks
@@ -68,7 +69,7 @@ PLANS = PlanCache("mla_decode")
 
 
 def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scale=None,
-               num_splits=None, target=None, backend=None, validate=False):
+               num_splits=None, target=None, backend=None, validate=False, split_keys=None):
     """Multi-head latent attention decode over a paged cache; returns ``(o, lse)``.
 
     ``q``: ``[B, Sq, H, 576]`` bf16 (``Sq`` 1-2; contiguous); ``kv_cache``: ``[num_pages,
@@ -76,7 +77,9 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     columns are V; ``page_table``: ``[B, max_pages]`` int32; ``seq_lens``: ``[B]`` int32
     (keys per sequence, the ``Sq`` new tokens included). ``scale`` defaults to
     ``576 ** -0.5``; ``num_splits`` (None: fill the GPU's SMs) splits each sequence's pages;
-    ``backend="interpret"`` runs on the CPU interpreter. Returns ``o [B, Sq, H, 512]`` bf16
+    ``backend="interpret"`` runs on the CPU interpreter; ``split_keys`` picks the kernel's
+    scores schedule (None: ``SPLIT_KEYS``; see :mod:`~kiln.kernels.attention.mla_kernel`).
+    Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
     ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
 
@@ -90,7 +93,7 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
         o, lse = mla_decode(q, kv_cache, page_table, seq_lens)   # q [B, 1, 128, 576]
     """
     plan = _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
-                     backend)
+                     backend, split_keys)
     lib = ArrayLib(q)
     B, Sq, H = plan.shape
     if plan.kernel is None:
@@ -121,18 +124,18 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
 
 
 def _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
-              backend) -> MlaPlan:
+              backend, split_keys) -> MlaPlan:
     key = (spec(q), spec(kv_cache), spec(page_table), spec(seq_lens), head_dim_v, scale,
-           num_splits, target, backend)
+           num_splits, target, backend, split_keys)
     plan = PLANS.lookup(key)
     if plan is None:
         plan = PLANS.add(key, _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale,
-                                         num_splits, target, backend))
+                                         num_splits, target, backend, split_keys))
     return plan
 
 
 def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
-               backend) -> MlaPlan:
+               backend, split_keys) -> MlaPlan:
     dims = check_inputs(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits)
     check_backend(backend)
     B, Sq, H = dims["B"], dims["Sq"], dims["H"]
@@ -142,8 +145,9 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
         B, row_blocks, dims["max_pages"] * page_size,
         sms=DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()) \
         if B * Sq * H else 1
-    kernel = make_mla_kernel(page_size) if B * Sq * H else None
-    return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(int(slots), row_blocks, B),
+    split_keys = SPLIT_KEYS if split_keys is None else bool(split_keys)
+    kernel = make_mla_kernel(page_size, split_keys) if B * Sq * H else None
+    return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
                    scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E))
 
@@ -210,7 +214,8 @@ def _check_devices(q, **tensors) -> None:
                                       fix=f"move {name} to {q.device}")
 
 
-def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1):
+def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
+                       split_keys=SPLIT_KEYS):
     """Compile (without running) the MLA decode kernel; returns the ``CompiledKernel``
     (``.asm`` stages, ``.metadata``).
     Example: ``compile_mla_decode(target="sm_90a").metadata["registers"]``."""
@@ -221,4 +226,4 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1):
             np.zeros((1, 1, sq, heads, HEAD_DIM_V), np.float32),
             np.zeros((1, 1, sq, heads), np.float32), np.zeros((1, sq, heads), np.int32),
             1, heads, sq, 0.1]
-    return make_mla_kernel(page_size).compile(*args, target=chip.name, num_warps=NUM_WARPS)
+    return make_mla_kernel(page_size, split_keys).compile(*args, target=chip.name, num_warps=NUM_WARPS)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
@@ -49,16 +50,20 @@ BOX_BYTES = BLOCK_N * CHUNK * 2
 TILE_BYTES = CHUNKS * BOX_BYTES
 BOX_UNITS = BOX_BYTES // 16  # one box in 16-byte descriptor units
 ZERO_BARRIER = 1  # named barrier: both groups done with K before V rows are zeroed, and after
+MAX_BARRIER, P_BARRIER = 2, 3  # split_keys: row maxima exchanged; P fragments exchanged
+# The default schedule: each group scores half of a page's keys (True), or both score all of
+# them (False, twice the QK work, no exchange).
+SPLIT_KEYS = True
 
 
 @functools.lru_cache(maxsize=None)
-def make_mla_kernel(page_size: int = 64):
+def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
-    64). Run-time parameters: ``q_map`` (``[B * Sq * H, 576]``), ``kv_map``
+    64); ``split_keys``: the scores schedule (module docs). Run-time parameters: ``q_map`` (``[B * Sq * H, 576]``), ``kv_map``
     (``[num_pages * page_size, 576]``), ``page_table``, ``seq_lens``, the partials ``o_part``
     ``[splits, B, Sq, H, 512]``, ``lse_part``, ``counts``, then ``num_splits``,
     ``heads`` (H), ``seq_q`` (Sq) and ``scale_log2``.
-    Example: ``make_mla_kernel(64).name == "mla_decode_p64"``."""
+    Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     Rows = PagedRowIndices[BLOCK_N, page_size]
     if Rows.num_pages != 1:
         raise kiln.UnsupportedError(f"MLA decode reads pages of a multiple of {BLOCK_N} rows, "
@@ -74,6 +79,8 @@ def make_mla_kernel(page_size: int = 64):
         boxes = dynamic_shared(((1 + STAGES) * CHUNKS, BLOCK_N, CHUNK), kiln.bf16, align=1024)
         full = mbarrier.group(num_barriers=STAGES)
         empty = mbarrier.group(num_barriers=STAGES)
+        # split_keys: the groups' row maxima, sums and P fragments, exchanged in shared memory.
+        exchange = _Exchange() if split_keys else None
         tid = kiln.thread_id(0)
         warp = tid // 32
         lane = tid % 32
@@ -87,8 +94,10 @@ def make_mla_kernel(page_size: int = 64):
         kiln.tma.prefetch_descriptor(q_map, predicate=producer)
         kiln.tma.prefetch_descriptor(kv_map, predicate=producer)
 
-        split = kiln.block_id(0)
-        row0 = kiln.block_id(1) * ROWS
+        # Grid (row blocks, splits, B): the CTAs that read the same pages launch side by side
+        # and share them in L2.
+        row0 = kiln.block_id(0) * ROWS
+        split = kiln.block_id(1)
         b = kiln.block_id(2)
         packed = heads * seq_q
         seq_len = seq_lens[b]
@@ -133,13 +142,21 @@ def make_mla_kernel(page_size: int = 64):
                                ahead % STAGES, producer, arm=True)
             full.try_wait(stage, (it // STAGES) % 2)
             key0 = (tile_begin + it) * BLOCK_N
-            o, m, l = _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len,
-                                    seq_q, scale_log2, tid)
+            if split_keys:
+                o, m, l = _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0,
+                                              key_limit, seq_len, seq_q, scale_log2, tid, group)
+            else:
+                o, m, l = _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len,
+                                        seq_q, scale_log2, tid)
             empty.arrive(stage, wgmma_pending=0)
+        l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
+        if split_keys:  # each group summed its own keys: the row's sum is both groups'
+            l = exchange.sum_rows(l, tid, group)
         _store_rows(o, m, l, rows, o_part, lse_part, counts, split, b, heads, packed, group,
                     lane, seq_len, seq_q, tiles_per_split)
 
-    mla_decode.__name__ = mla_decode.__qualname__ = f"mla_decode_p{page_size}"
+    mla_decode.__name__ = mla_decode.__qualname__ = \
+        f"mla_decode_p{page_size}{'_split' if split_keys else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
 
@@ -228,6 +245,15 @@ def _zero_rows_past_end(boxes, stage, valid_keys, tid):
     once both groups' ``S`` reads of the tile are done: ``0 * NaN`` in ``P V`` would poison a
     row. A whole 128-byte row is zeroed, so the swizzle does not matter."""
     nvidia_asm.named_barrier(ZERO_BARRIER, THREADS)
+    _zero_v_rows(boxes, stage, valid_keys, tid)
+    nvidia_asm.fence_proxy_async()
+    nvidia_asm.named_barrier(ZERO_BARRIER, THREADS)
+
+
+@kiln.func
+def _zero_v_rows(boxes, stage, valid_keys, tid):
+    """Zero the 128-byte rows of V's eight boxes of ring ``stage`` from key ``valid_keys``
+    on (the CTA's threads share the 16-byte stores)."""
     zeros = kiln.vector_constant([0.0] * 8, kiln.bf16)
     units = V_CHUNKS * BLOCK_N * 8  # 16-byte units of V
     for step in kiln.static_range(units // THREADS):
@@ -236,8 +262,6 @@ def _zero_rows_past_end(boxes, stage, valid_keys, tid):
         if key >= valid_keys:
             boxes.store(CHUNKS * (1 + stage) + index // (8 * BLOCK_N), key, index % 8 * 8,
                         zeros, align=16)
-    nvidia_asm.fence_proxy_async()
-    nvidia_asm.named_barrier(ZERO_BARRIER, THREADS)
 
 
 @kiln.func
@@ -247,7 +271,7 @@ def _store_rows(o, m, l, rows, o_part, lse_part, counts, split, b, heads, packed
     quad's 8-byte stores fill 32-byte sectors); group 0's quad leaders write the natural-log
     LSE and, on split 0, the split count."""
     for half in kiln.static_range(2):
-        total = kiln.shuffle.butterfly_reduce(l[half], (1, 2), lambda a, c: a + c)
+        total = l[half]
         row = rows[half]
         if row < packed:
             token = row // heads
@@ -265,3 +289,103 @@ def _store_rows(o, m, l, rows, o_part, lse_part, counts, split, b, heads, packed
                     counts[b, token, head] = split_count(None, b, token, 0,
                                                          seq_len - seq_q + token + 1,
                                                          tiles_per_split, BLOCK_N, False)
+
+
+class _Exchange:
+    """Shared memory through which the two groups of ``split_keys`` meet: per packed row of
+    the CTA each group's row max (and, at the end, its row sum), and each group's P as its
+    threads' A fragments (fragment ``j`` of thread ``t`` of either group covers the same rows:
+    group ``g`` writes keys ``32 g + 16 j ..``, and every thread reads back all four)."""
+
+    def __init__(self):
+        self.rows = kiln.shared((WARP_GROUPS, ROWS), kiln.f32)
+        self.probs = kiln.shared((WARP_GROUPS * 2, 128, 8), kiln.bf16)
+
+    def row_max(self, local_max, tid, group):
+        """The tile's row maxima over both groups' keys, from this group's ``local_max``."""
+        return self._both(local_max, tid, group, MAX_BARRIER, kiln.maximum)
+
+    def sum_rows(self, sums, tid, group):
+        """The rows' sums over both groups' keys (after the loop)."""
+        return self._both(sums, tid, group, MAX_BARRIER, operator.add)
+
+    def _both(self, mine, tid, group, barrier, combine):
+        # Every lane of a quad writes its row's (equal) value: no lane-divergent branch
+        # beside the barrier.
+        local = [(tid % 128) // 32 * 16 + (tid % 32) // 4 + 8 * half for half in range(2)]
+        for half in kiln.static_range(2):
+            self.rows[group, local[half]] = mine[half]
+        nvidia_asm.named_barrier(barrier, THREADS)
+        both = [combine(mine[half], self.rows[1 - group, local[half]]) for half in range(2)]
+        # The other group may write again only after this group's next barrier: none of the
+        # reads above can see the next tile's values.
+        return both
+
+    def full_probs(self, probs, tid, group):
+        """All four 16-key A fragments of the page from this group's two (a 1 x 2 RegTile);
+        the exchange barrier also orders the V rows zeroed before it."""
+        for j in kiln.static_range(2):
+            self.probs.store(2 * group + j, tid % 128, 0, probs.fragment(0, j), align=16)
+        nvidia_asm.fence_proxy_async()  # V rows zeroed by generic stores, read by the WGMMA
+        nvidia_asm.named_barrier(P_BARRIER, THREADS)
+        return [self.probs.load(j, tid % 128, 0, width=8, align=16)
+                for j in range(2 * WARP_GROUPS)]
+
+
+@kiln.func
+def _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0, key_limit, seq_len,
+                        seq_q, scale_log2, tid, group):
+    """One page with ``split_keys``: group ``g`` scores keys ``32 g .. 32 g + 31`` (Q from
+    shared memory, 36 ``m64n32k16``), the row maxima meet in shared memory, each group takes
+    P of its keys and keeps its own row sums, the P fragments meet, and each group adds
+    ``P V`` of all 64 keys to its 256 columns of O; returns ``(o, m, l)``."""
+    units = kiln.cast(stage * TILE_BYTES // 16, kiln.i64)
+    half_keys = kiln.cast(group * (BLOCK_N // 2) * 128 // 16, kiln.i64)  # 32 rows of 128 B
+    scores = wgmma.fragment_zeros(BLOCK_N // 2)
+    wgmma.fence()
+    for ks in kiln.static_range(HEAD_DIM // 16):
+        offset = (ks // 4) * BOX_UNITS + (ks % 4) * 2
+        scores = wgmma.mma_async(scores, descs[0] + offset,
+                                 descs[1] + units + half_keys + offset, dtype=kiln.bf16)
+    wgmma.commit()
+    wgmma.wait_group(0)
+    col = key0 + group * (BLOCK_N // 2) + 2 * (tid % 4)
+    masked = key0 + BLOCK_N > seq_len - seq_q + 1
+    x = []
+    for i in kiln.static_range(BLOCK_N // 4):
+        xi = scores.element(i) * scale_log2
+        x.append(kiln.where(masked & (col + 8 * (i // 4) + i % 2 > key_limit[(i // 2) % 2]),
+                            -math.inf, xi))
+    local_max = []
+    for half in kiln.static_range(2):
+        mine = [x[i] for i in range(BLOCK_N // 4) if (i // 2) % 2 == half]
+        row_max = mine[0]
+        for xi in mine[1:]:
+            row_max = kiln.maximum(row_max, xi)
+        local_max.append(kiln.shuffle.butterfly_reduce(row_max, (1, 2), kiln.maximum))
+    tile_max = exchange.row_max(local_max, tid, group)  # both groups are done with K here
+    if key0 + BLOCK_N > seq_len:
+        _zero_v_rows(boxes, stage, seq_len - key0, tid)
+    alphas, safes, new_m, new_l = [], [], [], []
+    for half in kiln.static_range(2):
+        m_next, m_safe, alpha = advance_row_max(m[half], tile_max[half])
+        alphas.append(alpha)
+        safes.append(m_safe)
+        new_m.append(m_next)
+    probs = [kiln.exp2(x[i] - safes[(i // 2) % 2]) for i in range(BLOCK_N // 4)]
+    for half in kiln.static_range(2):
+        total = l[half] * alphas[half]
+        for i in kiln.static_range(BLOCK_N // 4):
+            if (i // 2) % 2 == half:
+                total = total + probs[i]
+        new_l.append(total)
+    p = exchange.full_probs(wgmma.a_fragment_from_accumulator(
+        wgmma.fragment_from_elements(probs), kiln.bf16), tid, group)
+    o = wgmma.scale_rows(o, alphas)
+    wgmma.fence()
+    for ks in kiln.static_range(BLOCK_N // 16):
+        o = wgmma.mma_async(o, p[ks], descs[2] + units + ks * 16 * 128 // 16, dtype=kiln.bf16,
+                            b_major="mn")
+    wgmma.commit()
+    wgmma.wait_group(0)
+    return o, new_m, new_l
