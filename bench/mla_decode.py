@@ -7,7 +7,8 @@ copy bandwidth at batch >= 32) and Sq 2 (Sq x heads = 256: goal >= 500 TFLOP/s).
 
 Method: every shape is first checked against a float32 torch reference (max abs error <
 2e-2; NaN fails). Kiln (``mla_decode``: kernel + combine; "repl us": the
-``split_keys=False`` schedule, both groups scoring every key) and torch SDPA (each sequence's
+``split_keys=False`` schedule, both groups scoring every key; "1-split": ``num_splits=1``,
+no combine) and torch SDPA (each sequence's
 rows contiguous, ``[B, 1, L, 576]`` keys and ``[B, 1, L, 512]`` values, the ``Sq x H`` query
 rows of a sequence as one head's queries, the causal mask of the new tokens as a boolean
 mask) are timed with CUDA events queued behind a busy stream (GPU time only), median of
@@ -83,6 +84,7 @@ def bench(torch, batch, ctx, sq, heads, repeat, calls, copy_gbs) -> dict:
     flops = 2 * batch * sq * heads * ctx * (DQK + DV)
     kiln_ms = queued_ms(lambda: mla_decode(*problem), repeat, calls)
     replicated_ms = queued_ms(lambda: mla_decode(*problem, split_keys=False), repeat, calls)
+    one_split_ms = queued_ms(lambda: mla_decode(*problem, num_splits=1), repeat, calls)
     try:
         torch_ms = queued_ms(lambda: sdpa(q, k, v, attn_mask=mask, scale=scale), repeat, calls)
     except RuntimeError as error_:  # e.g. out of memory on the math path
@@ -91,6 +93,7 @@ def bench(torch, batch, ctx, sq, heads, repeat, calls, copy_gbs) -> dict:
     kiln_gbs = nbytes / kiln_ms / 1e6
     return {"batch": batch, "ctx": ctx, "sq": sq, "heads": heads, "max_abs_error": error,
             "kiln_ms": kiln_ms, "kiln_replicated_ms": replicated_ms,
+            "kiln_one_split_ms": one_split_ms,
             "torch_sdpa_ms": torch_ms, "kiln_gbs": kiln_gbs,
             "kiln_tflops": flops / kiln_ms / 1e9, "torch_tflops": flops / torch_ms / 1e9,
             "copy_gbs": copy_gbs, "ratio_to_copy": kiln_gbs / copy_gbs,
@@ -112,11 +115,13 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: MLA 576/512, bf16, page {PAGE}; copy bandwidth "
           f"{copy_gbs:.0f} GB/s; GPU time only (queued)")
     print(f"{'batch':>5} {'ctx':>6} {'Sq':>3} {'H':>4} {'Kiln us':>8} {'repl us':>8} "
+          f"{'1-split':>8} "
           f"{'SDPA us':>8} "
           f"{'Kiln GB/s':>9} {'/copy':>6} {'Kiln TF/s':>9} {'SDPA TF/s':>9} {'vs SDPA':>7}")
     for r in rows:
         print(f"{r['batch']:>5} {r['ctx']:>6} {r['sq']:>3} {r['heads']:>4} "
               f"{1e3 * r['kiln_ms']:8.1f} {1e3 * r['kiln_replicated_ms']:8.1f} "
+              f"{1e3 * r['kiln_one_split_ms']:8.1f} "
               f"{1e3 * r['torch_sdpa_ms']:8.1f} {r['kiln_gbs']:9.0f} "
               f"{r['ratio_to_copy']:6.2f} {r['kiln_tflops']:9.0f} {r['torch_tflops']:9.0f} "
               f"{r['speedup_vs_torch']:7.2f}")

@@ -135,9 +135,10 @@ def test_default_splits_fill_one_wave():
 
 
 @pytest.mark.lower
-@pytest.mark.parametrize("split_keys,scores_n", [(True, 32), (False, 64)])
-def test_compiles_for_sm90a_without_spills(split_keys, scores_n):
-    ck = compile_mla_decode(target="sm_90a", split_keys=split_keys)
+@pytest.mark.parametrize("split_keys,scores_n,direct", [(True, 32, False), (False, 64, False),
+                                                        (True, 32, True)])
+def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct):
+    ck = compile_mla_decode(target="sm_90a", split_keys=split_keys, direct=direct)
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["registers"] <= 255
     ptx = ck.asm["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx

@@ -9,7 +9,9 @@ columns are also the values, and returns ``(o [B, Sq, H, 512] bf16, lse [B, Sq, 
 The Hopper kernel (:mod:`~kiln.kernels.attention.mla_kernel`) splits each sequence's pages
 over ``num_splits`` CTAs per 64 packed query rows, loads every page once with TMA through
 the page table, and writes per-split partials (the :class:`Partials` contract of
-:func:`mla_partials`) that :func:`kiln.kernels.attention.combine` merges.
+:func:`mla_partials`) that :func:`kiln.kernels.attention.combine` merges; with one split
+(``num_splits=1``, or the default where the batch alone fills the GPU) the kernel writes
+``o`` and ``lse`` itself and no combine runs.
 """
 
 from __future__ import annotations
@@ -104,23 +106,32 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     _check_devices(q, kv_cache=kv_cache, page_table=page_table, seq_lens=seq_lens)
     slots = plan.slots
     # The kernel writes every element (each split all its rows, split 0 the counts); numpy
-    # partials are poisoned so that an element it missed shows.
+    # outputs are poisoned so that an element it missed shows.
     fill = (None, None) if lib.torch else (math.nan, -1)
-    o_part = lib.empty((slots, B, Sq, H, HEAD_DIM_V), "f32", fill[0])
-    lse_part = lib.empty((slots, B, Sq, H), "f32", fill[0])
-    counts = lib.empty((B, Sq, H), "i32", fill[1])
+    direct = slots == 1  # one split writes o and lse itself: no partials, no combine
+    o = lib.empty((B, Sq, H, HEAD_DIM_V) if direct else (1, 1, 1, 1), "bf16", fill[0])
+    lse = lib.empty((B, Sq, H) if direct else (1, 1, 1), "f32", fill[0])
+    part_shape = (1, 1, 1, 1) if direct else (slots, B, Sq, H)
+    o_part = lib.empty((*part_shape, 1 if direct else HEAD_DIM_V), "f32", fill[0])
+    lse_part = lib.empty(part_shape, "f32", fill[0])
+    counts = lib.empty(part_shape[1:], "i32", fill[1])
     args = [q.reshape(B * Sq * H, HEAD_DIM), kv_cache.reshape(plan.cache_rows, HEAD_DIM),
-            page_table, seq_lens, o_part, lse_part, counts, slots, H, Sq, plan.scale_log2]
+            page_table, seq_lens, o_part, lse_part, counts, o, lse, slots, H, Sq,
+            plan.scale_log2]
+    results = (7, 8) if direct else (4, 5, 6)
     if backend == "interpret":
         numpy_args = [lib.numpy(a) for a in args]
         runtime.interpret(plan.kernel, plan.grid, numpy_args, target=plan.chip.name,
                           num_warps=NUM_WARPS)
-        o_part, lse_part, counts = (lib.copy_into(args[i], numpy_args[i]) for i in (4, 5, 6))
+        outputs = [lib.copy_into(args[i], numpy_args[i]) for i in results]
     else:
         runtime.launch(plan.kernel, plan.grid, args, target=plan.chip.name,
                        num_warps=NUM_WARPS)
-    return combine(o_part, lse_part, counts, max_splits=slots, partials=mla_partials(slots),
-                   target=target, backend=backend)
+        outputs = [args[i] for i in results]
+    if direct:
+        return tuple(outputs)
+    return combine(*outputs, max_splits=slots, partials=mla_partials(slots), target=target,
+                   backend=backend)
 
 
 def _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
@@ -146,7 +157,7 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
         sms=DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()) \
         if B * Sq * H else 1
     split_keys = SPLIT_KEYS if split_keys is None else bool(split_keys)
-    kernel = make_mla_kernel(page_size, split_keys) if B * Sq * H else None
+    kernel = make_mla_kernel(page_size, split_keys, slots == 1) if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
                    scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E))
@@ -215,9 +226,10 @@ def _check_devices(q, **tensors) -> None:
 
 
 def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
-                       split_keys=SPLIT_KEYS):
-    """Compile (without running) the MLA decode kernel; returns the ``CompiledKernel``
-    (``.asm`` stages, ``.metadata``).
+                       split_keys=SPLIT_KEYS, direct=False):
+    """Compile (without running) the MLA decode kernel (``direct``: the one-split kernel that
+    writes ``o`` and ``lse`` itself); returns the ``CompiledKernel`` (``.asm`` stages,
+    ``.metadata``).
     Example: ``compile_mla_decode(target="sm_90a").metadata["registers"]``."""
     chip = mla_target(target)
     bf16 = kiln.bf16.numpy
@@ -225,5 +237,6 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
             np.zeros((1, 2), np.int32), np.zeros(1, np.int32),
             np.zeros((1, 1, sq, heads, HEAD_DIM_V), np.float32),
             np.zeros((1, 1, sq, heads), np.float32), np.zeros((1, sq, heads), np.int32),
+            np.zeros((1, sq, heads, HEAD_DIM_V), bf16), np.zeros((1, sq, heads), np.float32),
             1, heads, sq, 0.1]
-    return make_mla_kernel(page_size, split_keys).compile(*args, target=chip.name, num_warps=NUM_WARPS)
+    return make_mla_kernel(page_size, split_keys, direct).compile(*args, target=chip.name, num_warps=NUM_WARPS)

@@ -57,11 +57,14 @@ SPLIT_KEYS = True
 
 
 @functools.lru_cache(maxsize=None)
-def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS):
+def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
-    64); ``split_keys``: the scores schedule (module docs). Run-time parameters: ``q_map`` (``[B * Sq * H, 576]``), ``kv_map``
+    64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
+    go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials. Run-time
+    parameters: ``q_map`` (``[B * Sq * H, 576]``), ``kv_map``
     (``[num_pages * page_size, 576]``), ``page_table``, ``seq_lens``, the partials ``o_part``
-    ``[splits, B, Sq, H, 512]``, ``lse_part``, ``counts``, then ``num_splits``,
+    ``[splits, B, Sq, H, 512]``, ``lse_part``, ``counts``, ``o_out`` ``[B, Sq, H, 512]``,
+    ``lse_out`` (placeholders where not written), then ``num_splits``,
     ``heads`` (H), ``seq_q`` (Sq) and ``scale_log2``.
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     Rows = PagedRowIndices[BLOCK_N, page_size]
@@ -73,7 +76,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS):
                    kv_map: kiln.TensorMap[kiln.bf16, (BLOCK_N, CHUNK), 128],
                    page_table: kiln.Tensor[kiln.i32, 2], seq_lens: kiln.Tensor[kiln.i32, 1],
                    o_part: kiln.Tensor[kiln.f32, 5], lse_part: kiln.Tensor[kiln.f32, 4],
-                   counts: kiln.Tensor[kiln.i32, 3], num_splits: kiln.i32, heads: kiln.i32,
+                   counts: kiln.Tensor[kiln.i32, 3], o_out: kiln.Tensor[kiln.bf16, 4],
+                   lse_out: kiln.Tensor[kiln.f32, 3], num_splits: kiln.i32, heads: kiln.i32,
                    seq_q: kiln.i32, scale_log2: kiln.f32):
         # Box 0 .. 8: Q; box 9 + 9 s + c: column chunk c of ring stage s.
         boxes = dynamic_shared(((1 + STAGES) * CHUNKS, BLOCK_N, CHUNK), kiln.bf16, align=1024)
@@ -152,11 +156,12 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS):
         l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
         if split_keys:  # each group summed its own keys: the row's sum is both groups'
             l = exchange.sum_rows(l, tid, group)
-        _store_rows(o, m, l, rows, o_part, lse_part, counts, split, b, heads, packed, group,
-                    lane, seq_len, seq_q, tiles_per_split)
+        _store_rows(o, m, l, rows, o_out if direct else o_part,
+                    lse_out if direct else lse_part, counts, split, b, heads, packed, group,
+                    lane, seq_len, seq_q, tiles_per_split, direct)
 
     mla_decode.__name__ = mla_decode.__qualname__ = \
-        f"mla_decode_p{page_size}{'_split' if split_keys else ''}"
+        f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
 
@@ -266,10 +271,11 @@ def _zero_v_rows(boxes, stage, valid_keys, tid):
 
 @kiln.func
 def _store_rows(o, m, l, rows, o_part, lse_part, counts, split, b, heads, packed, group, lane,
-                seq_len, seq_q, tiles_per_split):
+                seq_len, seq_q, tiles_per_split, direct):
     """This thread's two rows of its group's 256 columns of ``O / l`` into ``O_partial`` (a
-    quad's 8-byte stores fill 32-byte sectors); group 0's quad leaders write the natural-log
-    LSE and, on split 0, the split count."""
+    quad's stores fill 32-byte sectors); group 0's quad leaders write the natural-log LSE and,
+    on split 0, the split count. ``direct``: ``o_part`` and ``lse_part`` are the outputs
+    (bf16 O, no split axis, no counts)."""
     for half in kiln.static_range(2):
         total = l[half]
         row = rows[half]
@@ -277,18 +283,20 @@ def _store_rows(o, m, l, rows, o_part, lse_part, counts, split, b, heads, packed
             token = row // heads
             head = row % heads
             inv = kiln.where(total > 0.0, 1.0 / kiln.maximum(total, 1e-30), 0.0)
+            where = (b, token, head) if direct else (split, b, token, head)
             for n in kiln.static_range(GROUP_COLS // 8):
                 pair = kiln.pack([o.element(4 * n + 2 * half), o.element(4 * n + 2 * half + 1)])
-                o_part.store(split, b, token, head, group * GROUP_COLS + 8 * n + 2 * (lane % 4),
-                             pair * inv, align=8)
+                o_part.store(*where, group * GROUP_COLS + 8 * n + 2 * (lane % 4),
+                             kiln.cast(pair * inv, o_part.dtype), align=4 if direct else 8)
             if (lane % 4 == 0) & (group == 0):
-                lse_part[split, b, token, head] = kiln.where(
+                lse_part[where] = kiln.where(
                     total > 0.0, (m[half] + kiln.log2(kiln.maximum(total, 1e-30)))
                     * math.log(2.0), -math.inf)
-                if split == 0:
-                    counts[b, token, head] = split_count(None, b, token, 0,
-                                                         seq_len - seq_q + token + 1,
-                                                         tiles_per_split, BLOCK_N, False)
+                if not direct:
+                    if split == 0:
+                        counts[b, token, head] = split_count(None, b, token, 0,
+                                                             seq_len - seq_q + token + 1,
+                                                             tiles_per_split, BLOCK_N, False)
 
 
 class _Exchange:
