@@ -125,6 +125,8 @@ def test_bad_input_names_the_argument(change, error, words, rng):
         mla_decode(args.pop("q"), args.pop("kv_cache"), args.pop("page_table"),
                    args.pop("seq_lens"), backend=args.pop("backend", "interpret"), **args)
     assert words in str(info.value)
+    assert info.value.loc is not None and info.value.loc.filename == __file__
+    assert info.value.fix
 
 
 def test_default_splits_fill_one_wave():
