@@ -216,13 +216,17 @@ def check_inputs(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_split
 
 
 def _check_devices(q, **tensors) -> None:
-    """torch inputs must share q's device: a kernel given another device's address faults."""
+    """torch inputs must share q's device (a kernel given another device's address faults),
+    and TMA reads q and the cache from 16-byte aligned addresses."""
     if not is_torch(q):
         return
-    for name, t in tensors.items():
+    for name, t in (("q", q), *tensors.items()):
         if is_torch(t) and t.device != q.device:
             raise kiln.KilnValueError(f"{name} is on {t.device} but q is on {q.device}",
                                       fix=f"move {name} to {q.device}")
+        if name in ("q", "kv_cache") and t.data_ptr() % 16:
+            raise kiln.KilnValueError(f"{name}'s address {t.data_ptr():#x} is not 16-byte "
+                                      "aligned (TMA reads it)", fix=f"pass {name}.clone()")
 
 
 def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
