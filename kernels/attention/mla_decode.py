@@ -243,4 +243,5 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
             np.zeros((1, 1, sq, heads), np.float32), np.zeros((1, sq, heads), np.int32),
             np.zeros((1, sq, heads, HEAD_DIM_V), bf16), np.zeros((1, sq, heads), np.float32),
             1, heads, sq, 0.1]
-    return make_mla_kernel(page_size, split_keys, direct).compile(*args, target=chip.name, num_warps=NUM_WARPS)
+    return make_mla_kernel(page_size, split_keys, direct).compile(*args, target=chip.name,
+                                                                  num_warps=NUM_WARPS)

@@ -8,14 +8,15 @@ token ``r // H``, head ``r % H``: the rows of ``q[b]`` in memory order) as the `
 | step (per 64-key page) | who | what |
 | --- | --- | --- |
 | load | warp 0, one elected lane | with the first page, the CTA's Q (nine 64-column TMA boxes of ``64 x 64``); each page's ``64 x 576`` tile as nine boxes into ring stage ``t % 2``, completing on ``full[s]``; page ``t + 1`` is loaded while page ``t`` is consumed |
-| scores | each warp group | ``S = Q K^T`` (``m64n64k16`` x 36, Q and K from 128-byte swizzled shared memory): both groups compute the same ``S`` |
-| softmax | each warp group | base-2 streaming update (each row is a thread quad's); keys past a row's causal limit are ``-inf``; in a page that ends past the sequence, the V rows past it are zeroed in shared memory first (both groups done with K: named barrier) |
+| scores | each warp group | ``split_keys`` (default): group ``g`` scores keys ``32 g .. 32 g + 31`` of the page (``m64n32k16`` x 36, Q and K from 128-byte swizzled shared memory); otherwise both groups compute the whole ``S`` (``m64n64k16`` x 36) |
+| softmax | each warp group | base-2 streaming update (each row is a thread quad's); keys past a row's causal limit are ``-inf``; in a page that ends past the sequence, the V rows past it are zeroed in shared memory once both groups are done with K. ``split_keys``: the groups' row maxima meet in shared memory (named barrier), each group keeps the row sums of its keys (added at the end), and its P, as A fragments in register order, meets the other's (named barrier) |
 | P V | warp group ``g`` | ``O_g += P V[:, 256 g : 256 g + 256]`` (``m64n256k16`` x 4, P from registers, V MN-major: the first 512 columns of the same tile, read once from HBM) |
 | release | every thread | arrive on ``empty[s]`` |
 | store | each warp group | its 256 columns of ``O / l`` into ``O_partial``; group 0 the LSE (and, on split 0, the split count) |
 
 Shared memory: Q (73,728 bytes) and two stages of one page (73,728 bytes each), every box a
-``64 x 64`` bf16 tile of 128-byte rows (TMA 128-byte swizzle), 216 KB in all.
+``64 x 64`` bf16 tile of 128-byte rows (TMA 128-byte swizzle), 216 KB, and with
+``split_keys`` 8.5 KB of exchange (row maxima and sums, P fragments).
 Causal rule among the new tokens (bottom-right): query ``i`` of ``Sq`` sees keys
 ``0 .. seq_len - Sq + i``. Keys past ``seq_len`` never reach the sums, even when the page
 holds NaN there. The partials follow :func:`~kiln.kernels.attention.mla_decode.mla_partials`.
