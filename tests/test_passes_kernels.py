@@ -33,6 +33,8 @@ ENTRY_CALLS = {
         lambda fn: fn(kiln.f32, head_dim=64, target="gfx950"),
     "kiln.kernels.attention.decode.compile_decode":  # paged pages arrive by TMA: NVIDIA only
         lambda fn: fn("bf16", target="sm_90a", head_dim=64),
+    "kiln.kernels.attention.mla_decode.compile_mla_decode":  # TMA and WGMMA: sm_90a only
+        lambda fn: fn(target="sm_90a"),
     "kiln.kernels.gemm.gfx950.compile_gfx950": lambda fn: fn("bf16", target="gfx950"),
     "kiln.kernels.gemm.compile_matmul": lambda fn: fn("bf16", target="gfx950"),
     "kiln.kernels.gemm.grouped_api.compile_grouped_matmul":

@@ -1,5 +1,6 @@
-"""Attention kernels: online softmax, prefill, paged decode, split-KV combine."""
+"""Attention kernels: online softmax, prefill, paged decode, MLA decode, split-KV combine."""
 from .decode import decode, decode_attention
+from .mla_decode import compile_mla_decode, mla_decode
 from .paged import PagedRowIndices, kv_sub_tile_rows
 from .combine import combine, compile_combine
 from .online_softmax import OnlineSoftmax

@@ -1,0 +1,247 @@
+"""MLA decode (DeepSeek-V2/V3 multi-head latent attention) over a paged latent cache.
+
+``mla_decode(q, kv_cache, page_table, seq_lens)`` attends ``q[B, Sq, H, 576]`` (bf16; ``Sq``
+1-2 new tokens, bottom-right causal among them: query ``i`` sees keys ``0 .. seq_len - Sq +
+i``) to one latent head per token, ``kv_cache[num_pages, 64, 576]`` (bf16), whose first 512
+columns are also the values, and returns ``(o [B, Sq, H, 512] bf16, lse [B, Sq, H] f32)``
+(natural-log LSE, ``-inf`` for a row that sees no key).
+
+The Hopper kernel (:mod:`~kiln.kernels.attention.mla_kernel`) splits each sequence's pages
+over ``num_splits`` CTAs per 64 packed query rows, loads every page once with TMA through
+the page table, and writes per-split partials (the :class:`Partials` contract of
+:func:`mla_partials`) that :func:`kiln.kernels.attention.combine` merges; with one split
+(``num_splits=1``, or the default where the batch alone fills the GPU) the kernel writes
+``o`` and ``lse`` itself and no combine runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+import kiln
+
+from .. import runtime
+from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, check_paged_lengths,
+                       check_positive, is_torch, resolve_target, spec)
+from .combine import combine
+from .decode_config import DEFAULT_SMS, LOG2E, MAX_DEFAULT_SPLITS
+from .mla_kernel import (BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS, SPLIT_KEYS,
+                         make_mla_kernel)
+from .partials import Partials
+
+PRODUCER = "kiln.kernels.attention.mla_decode"  # the Partials producer name combine checks
+MAX_SQ = 2  # new tokens a call takes (the MTP draft of DeepSeek-V3 is one)
+
+__all__ = ["HEAD_DIM", "HEAD_DIM_V", "MAX_SQ", "compile_mla_decode", "default_mla_splits",
+           "mla_decode", "mla_partials"]
+
+
+def mla_partials(num_slots: int) -> Partials:
+    """The :class:`Partials` contract of MLA decode's ``num_slots`` split slots: split-major
+    f32 O of 512 columns, natural-log LSE, natural depth order, empty split = (-inf, zeros).
+    Example: ``mla_partials(8).max_splits == 8``."""
+    return Partials(producer=PRODUCER, max_splits=num_slots)
+
+
+def default_mla_splits(batch: int, row_blocks: int, max_seq_len: int,
+                       sms: int = DEFAULT_SMS) -> int:
+    """Splits that fill one wave of one CTA per SM (a CTA takes 216 KB of shared memory),
+    without splitting below one page each. Example: ``default_mla_splits(1, 2, 4096) == 64``."""
+    tiles = max(1, -(-max_seq_len // BLOCK_N))
+    return max(1, min(tiles, sms // (batch * row_blocks), MAX_DEFAULT_SPLITS))
+
+
+@dataclass(frozen=True)
+class MlaPlan:
+    """What an MLA decode call of one shape class needs, worked out once."""
+
+    kernel: object
+    chip: object
+    grid: tuple[int, int, int]
+    slots: int
+    shape: tuple[int, int, int]  # (B, Sq, H)
+    cache_rows: int
+    scale_log2: float
+
+
+PLANS = PlanCache("mla_decode")
+
+
+def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scale=None,
+               num_splits=None, target=None, backend=None, validate=False, split_keys=None):
+    """Multi-head latent attention decode over a paged cache; returns ``(o, lse)``.
+
+    ``q``: ``[B, Sq, H, 576]`` bf16 (``Sq`` 1-2; contiguous); ``kv_cache``: ``[num_pages,
+    page_size, 576]`` bf16 (``page_size`` 64), one latent head whose first ``head_dim_v = 512``
+    columns are V; ``page_table``: ``[B, max_pages]`` int32; ``seq_lens``: ``[B]`` int32
+    (keys per sequence, the ``Sq`` new tokens included). ``scale`` defaults to
+    ``576 ** -0.5``; ``num_splits`` (None: fill the GPU's SMs) splits each sequence's pages;
+    ``backend="interpret"`` runs on the CPU interpreter; ``split_keys`` picks the kernel's
+    scores schedule (None: ``SPLIT_KEYS``; see :mod:`~kiln.kernels.attention.mla_kernel`).
+    Returns ``o [B, Sq, H, 512]`` bf16
+    and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
+    ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
+
+    Inputs are validated (a :class:`kiln.KilnError` naming the argument): kinds, ranks, dtypes
+    and agreeing sizes; ``seq_lens`` within the page table and every page id a sequence uses
+    within the cache (always for numpy; for torch tensors only with ``validate=True``, which
+    synchronises).
+
+    Example::
+
+        o, lse = mla_decode(q, kv_cache, page_table, seq_lens)   # q [B, 1, 128, 576]
+    """
+    plan = _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
+                     backend, split_keys)
+    lib = ArrayLib(q)
+    B, Sq, H = plan.shape
+    if plan.kernel is None:
+        return (runtime.empty_like(q, (B, Sq, H, HEAD_DIM_V), kiln.bf16),
+                runtime.empty_like(q, (B, Sq, H), kiln.f32))
+    check_paged_lengths(page_table, seq_lens, num_pages=int(kv_cache.shape[0]),
+                        page_size=int(kv_cache.shape[1]), validate=validate)
+    _check_devices(q, kv_cache=kv_cache, page_table=page_table, seq_lens=seq_lens)
+    slots = plan.slots
+    # The kernel writes every element (each split all its rows, split 0 the counts); numpy
+    # outputs are poisoned so that an element it missed shows.
+    fill = (None, None) if lib.torch else (math.nan, -1)
+    direct = slots == 1  # one split writes o and lse itself: no partials, no combine
+    o = lib.empty((B, Sq, H, HEAD_DIM_V) if direct else (1, 1, 1, 1), "bf16", fill[0])
+    lse = lib.empty((B, Sq, H) if direct else (1, 1, 1), "f32", fill[0])
+    part_shape = (1, 1, 1, 1) if direct else (slots, B, Sq, H)
+    o_part = lib.empty((*part_shape, 1 if direct else HEAD_DIM_V), "f32", fill[0])
+    lse_part = lib.empty(part_shape, "f32", fill[0])
+    counts = lib.empty(part_shape[1:], "i32", fill[1])
+    args = [q.reshape(B * Sq * H, HEAD_DIM), kv_cache.reshape(plan.cache_rows, HEAD_DIM),
+            page_table, seq_lens, o_part, lse_part, counts, o, lse, slots, H, Sq,
+            plan.scale_log2]
+    results = (7, 8) if direct else (4, 5, 6)
+    if backend == "interpret":
+        numpy_args = [lib.numpy(a) for a in args]
+        runtime.interpret(plan.kernel, plan.grid, numpy_args, target=plan.chip.name,
+                          num_warps=NUM_WARPS)
+        outputs = [lib.copy_into(args[i], numpy_args[i]) for i in results]
+    else:
+        runtime.launch(plan.kernel, plan.grid, args, target=plan.chip.name,
+                       num_warps=NUM_WARPS)
+        outputs = [args[i] for i in results]
+    if direct:
+        return tuple(outputs)
+    return combine(*outputs, max_splits=slots, partials=mla_partials(slots), target=target,
+                   backend=backend)
+
+
+def _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
+              backend, split_keys) -> MlaPlan:
+    key = (spec(q), spec(kv_cache), spec(page_table), spec(seq_lens), head_dim_v, scale,
+           num_splits, target, backend, split_keys)
+    plan = PLANS.lookup(key)
+    if plan is None:
+        plan = PLANS.add(key, _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale,
+                                         num_splits, target, backend, split_keys))
+    return plan
+
+
+def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
+               backend, split_keys) -> MlaPlan:
+    dims = check_inputs(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits)
+    check_backend(backend)
+    B, Sq, H = dims["B"], dims["Sq"], dims["H"]
+    num_pages, page_size = dims["num_pages"], dims["page_size"]
+    row_blocks = -(-(Sq * H) // ROWS)
+    slots = num_splits or default_mla_splits(
+        B, row_blocks, dims["max_pages"] * page_size,
+        sms=DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()) \
+        if B * Sq * H else 1
+    split_keys = SPLIT_KEYS if split_keys is None else bool(split_keys)
+    kernel = make_mla_kernel(page_size, split_keys, slots == 1) if B * Sq * H else None
+    return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
+                   slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
+                   scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E))
+
+
+def mla_target(target):
+    """The chip of an MLA decode call (None: the default); it needs TMA and WGMMA.
+    Example: ``mla_target("sm_90a").name == "sm_90a"``."""
+    chip = resolve_target(target)
+    if not (chip.has_tma and chip.has_wgmma):
+        raise kiln.UnsupportedError(f"MLA decode runs on Hopper's TMA and WGMMA, which "
+                                    f"{chip.name} lacks", fix="use target='sm_90a'")
+    return chip
+
+
+def check_inputs(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits) -> Dims:
+    """Kinds, ranks, dtypes and agreeing sizes of a call's arguments (once per shape class)."""
+    dims = Dims()
+    dims.tensor("q", q, "B Sq H D", dtype=kiln.bf16)
+    dims.tensor("kv_cache", kv_cache, "num_pages page_size D", dtype=kiln.bf16)
+    dims.tensor("page_table", page_table, "B max_pages", dtype=kiln.i32)
+    dims.tensor("seq_lens", seq_lens, "B", dtype=kiln.i32)
+    if dims["D"] != HEAD_DIM:
+        raise kiln.UnsupportedError(f"q and kv_cache have head dim {dims['D']}; MLA decode "
+                                    f"reads the {HEAD_DIM}-column latent head",
+                                    fix=f"pass [.., {HEAD_DIM}] q and kv_cache (512 latent + "
+                                        "64 rotary columns)")
+    if head_dim_v != HEAD_DIM_V:
+        raise kiln.UnsupportedError(f"head_dim_v={head_dim_v!r}: V is the first {HEAD_DIM_V} "
+                                    "columns of the latent head", fix="leave head_dim_v=512")
+    if dims["Sq"] > MAX_SQ:
+        raise kiln.UnsupportedError(f"q has Sq={dims['Sq']} tokens; MLA decode takes "
+                                    f"0..{MAX_SQ}", fix="split the new tokens into calls")
+    if dims["page_size"] != BLOCK_N:
+        raise kiln.UnsupportedError(f"kv_cache has pages of {dims['page_size']} rows; MLA "
+                                    f"decode reads pages of {BLOCK_N}",
+                                    fix=f"allocate the cache as [num_pages, {BLOCK_N}, "
+                                        f"{HEAD_DIM}]")
+    check_positive("kv_cache's num_pages", dims["num_pages"], integer=True,
+                   fix="a paged cache needs at least one page")
+    if num_splits is not None:
+        check_positive("num_splits", num_splits, integer=True,
+                       fix="leave num_splits=None for the default")
+        if num_splits > MAX_DEFAULT_SPLITS:
+            raise kiln.UnsupportedError(f"num_splits={num_splits} is more than the combine "
+                                        f"merges ({MAX_DEFAULT_SPLITS})",
+                                        fix=f"pass at most {MAX_DEFAULT_SPLITS}")
+    if scale is not None:  # the kernel takes row maxima of unscaled scores
+        check_positive("scale", scale, fix="pass a positive softmax scale, or None for "
+                                           "576 ** -0.5")
+    for name, x in (("q", q), ("kv_cache", kv_cache)):
+        if not (x.is_contiguous() if is_torch(x) else x.flags.c_contiguous):
+            raise kiln.KilnValueError(f"{name} is not contiguous (TMA reads it as rows)",
+                                      fix=f"pass {name}.contiguous()")
+    return dims
+
+
+def _check_devices(q, **tensors) -> None:
+    """torch inputs must share q's device (a kernel given another device's address faults),
+    and TMA reads q and the cache from 16-byte aligned addresses."""
+    if not is_torch(q):
+        return
+    for name, t in (("q", q), *tensors.items()):
+        if is_torch(t) and t.device != q.device:
+            raise kiln.KilnValueError(f"{name} is on {t.device} but q is on {q.device}",
+                                      fix=f"move {name} to {q.device}")
+        if name in ("q", "kv_cache") and t.data_ptr() % 16:
+            raise kiln.KilnValueError(f"{name}'s address {t.data_ptr():#x} is not 16-byte "
+                                      "aligned (TMA reads it)", fix=f"pass {name}.clone()")
+
+
+def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
+                       split_keys=SPLIT_KEYS, direct=False):
+    """Compile (without running) the MLA decode kernel (``direct``: the one-split kernel that
+    writes ``o`` and ``lse`` itself); returns the ``CompiledKernel`` (``.asm`` stages,
+    ``.metadata``).
+    Example: ``compile_mla_decode(target="sm_90a").metadata["registers"]``."""
+    chip = mla_target(target)
+    bf16 = kiln.bf16.numpy
+    args = [np.zeros((sq * heads, HEAD_DIM), bf16), np.zeros((2 * page_size, HEAD_DIM), bf16),
+            np.zeros((1, 2), np.int32), np.zeros(1, np.int32),
+            np.zeros((1, 1, sq, heads, HEAD_DIM_V), np.float32),
+            np.zeros((1, 1, sq, heads), np.float32), np.zeros((1, sq, heads), np.int32),
+            np.zeros((1, sq, heads, HEAD_DIM_V), bf16), np.zeros((1, sq, heads), np.float32),
+            1, heads, sq, 0.1]
+    return make_mla_kernel(page_size, split_keys, direct).compile(*args, target=chip.name,
+                                                                  num_warps=NUM_WARPS)

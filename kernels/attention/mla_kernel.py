@@ -1,0 +1,400 @@
+"""The Hopper (``sm_90a``) MLA decode kernel (:func:`make_mla_kernel`): one latent KV head of
+``576`` columns whose first ``512`` are V, attended by ``H x Sq`` query rows with WGMMA.
+
+A CTA serves one split of one sequence's pages and 64 *packed* query rows (row ``r`` = query
+token ``r // H``, head ``r % H``: the rows of ``q[b]`` in memory order) as the ``M`` of every
+``wgmma.m64nNk16``. Two warp groups (256 threads) share the rows:
+
+| step (per 64-key page) | who | what |
+| --- | --- | --- |
+| load | warp 0, one elected lane | with the first page, the CTA's Q (nine 64-column TMA boxes of ``64 x 64``); each page's ``64 x 576`` tile as nine boxes into ring stage ``t % 2``, completing on ``full[s]``; page ``t + 1`` is loaded while page ``t`` is consumed |
+| scores | each warp group | ``split_keys`` (default): group ``g`` scores keys ``32 g .. 32 g + 31`` of the page (``m64n32k16`` x 36, Q and K from 128-byte swizzled shared memory); otherwise both groups compute the whole ``S`` (``m64n64k16`` x 36) |
+| softmax | each warp group | base-2 streaming update (each row is a thread quad's); keys past a row's causal limit are ``-inf``; in a page that ends past the sequence, the V rows past it are zeroed in shared memory once both groups are done with K. ``split_keys``: the groups' row maxima meet in shared memory (named barrier), each group keeps the row sums of its keys (added at the end), and its P, as A fragments in register order, meets the other's (named barrier) |
+| P V | warp group ``g`` | ``O_g += P V[:, 256 g : 256 g + 256]`` (``m64n256k16`` x 4, P from registers, V MN-major: the first 512 columns of the same tile, read once from HBM) |
+| release | every thread | arrive on ``empty[s]`` |
+| store | each warp group | its 256 columns of ``O / l`` into ``O_partial``; group 0 the LSE (and, on split 0, the split count) |
+
+Shared memory: Q (73,728 bytes) and two stages of one page (73,728 bytes each), every box a
+``64 x 64`` bf16 tile of 128-byte rows (TMA 128-byte swizzle), 216 KB, and with
+``split_keys`` 8.5 KB of exchange (row maxima and sums, P fragments).
+Causal rule among the new tokens (bottom-right): query ``i`` of ``Sq`` sees keys
+``0 .. seq_len - Sq + i``. Keys past ``seq_len`` never reach the sums, even when the page
+holds NaN there. The partials follow :func:`~kiln.kernels.attention.mla_decode.mla_partials`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+
+import kiln
+from kiln import mbarrier, nvidia_asm, tma, wgmma
+from kiln.shared import dynamic_shared
+
+from .decode_rows import advance_row_max, split_count
+from .paged import PagedRowIndices, PageTableRow
+
+HEAD_DIM = 576  # the latent KV head: 512 V columns and 64 rotary columns
+HEAD_DIM_V = 512
+BLOCK_N = 64  # keys per tile: one page
+ROWS = 64  # packed query rows per CTA: one wgmma M
+CHUNK = 64  # columns per 128-byte swizzled TMA box
+CHUNKS = HEAD_DIM // CHUNK
+V_CHUNKS = HEAD_DIM_V // CHUNK
+STAGES = 2
+WARP_GROUPS = 2
+THREADS = 128 * WARP_GROUPS
+NUM_WARPS = THREADS // 32
+GROUP_COLS = HEAD_DIM_V // WARP_GROUPS  # O columns of one warp group
+BOX_BYTES = BLOCK_N * CHUNK * 2
+TILE_BYTES = CHUNKS * BOX_BYTES
+BOX_UNITS = BOX_BYTES // 16  # one box in 16-byte descriptor units
+ZERO_BARRIER = 1  # named barrier: both groups done with K before V rows are zeroed, and after
+MAX_BARRIER, P_BARRIER = 2, 3  # split_keys: row maxima exchanged; P fragments exchanged
+# The default schedule: each group scores half of a page's keys (True), or both score all of
+# them (False, twice the QK work, no exchange).
+SPLIT_KEYS = True
+
+
+@functools.lru_cache(maxsize=None)
+def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False):
+    """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
+    64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
+    go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials. Run-time
+    parameters: ``q_map`` (``[B * Sq * H, 576]``), ``kv_map``
+    (``[num_pages * page_size, 576]``), ``page_table``, ``seq_lens``, the partials ``o_part``
+    ``[splits, B, Sq, H, 512]``, ``lse_part``, ``counts``, ``o_out`` ``[B, Sq, H, 512]``,
+    ``lse_out`` (placeholders where not written), then ``num_splits``,
+    ``heads`` (H), ``seq_q`` (Sq) and ``scale_log2``.
+    Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
+    Rows = PagedRowIndices[BLOCK_N, page_size]
+    if Rows.num_pages != 1:
+        raise kiln.UnsupportedError(f"MLA decode reads pages of a multiple of {BLOCK_N} rows, "
+                                    f"not {page_size}", fix=f"use page_size={BLOCK_N}")
+
+    def mla_decode(q_map: kiln.TensorMap[kiln.bf16, (ROWS, CHUNK), 128],
+                   kv_map: kiln.TensorMap[kiln.bf16, (BLOCK_N, CHUNK), 128],
+                   page_table: kiln.Tensor[kiln.i32, 2], seq_lens: kiln.Tensor[kiln.i32, 1],
+                   o_part: kiln.Tensor[kiln.f32, 5], lse_part: kiln.Tensor[kiln.f32, 4],
+                   counts: kiln.Tensor[kiln.i32, 3], o_out: kiln.Tensor[kiln.bf16, 4],
+                   lse_out: kiln.Tensor[kiln.f32, 3], num_splits: kiln.i32, heads: kiln.i32,
+                   seq_q: kiln.i32, scale_log2: kiln.f32):
+        # Box 0 .. 8: Q; box 9 + 9 s + c: column chunk c of ring stage s.
+        boxes = dynamic_shared(((1 + STAGES) * CHUNKS, BLOCK_N, CHUNK), kiln.bf16, align=1024)
+        full = mbarrier.group(num_barriers=STAGES)
+        empty = mbarrier.group(num_barriers=STAGES)
+        # split_keys: the groups' row maxima, sums and P fragments, exchanged in shared memory.
+        exchange = _Exchange() if split_keys else None
+        tid = kiln.thread_id(0)
+        warp = tid // 32
+        lane = tid % 32
+        group = tid // 128
+        producer = nvidia_asm.elect_sync() & (warp == 0)  # converged, before any branch
+        for s in kiln.static_range(STAGES):
+            full.init(s, count=1, predicate=tid == 0)
+            empty.init(s, count=THREADS, predicate=tid == 0)
+        nvidia_asm.fence_mbarrier_init()
+        kiln.barrier()
+        kiln.tma.prefetch_descriptor(q_map, predicate=producer)
+        kiln.tma.prefetch_descriptor(kv_map, predicate=producer)
+
+        # Grid (row blocks, splits, B): the CTAs that read the same pages launch side by side
+        # and share them in L2.
+        row0 = kiln.block_id(0) * ROWS
+        split = kiln.block_id(1)
+        b = kiln.block_id(2)
+        packed = heads * seq_q
+        seq_len = seq_lens[b]
+        tiles_total = (seq_len + BLOCK_N - 1) // BLOCK_N
+        tiles_per_split = kiln.maximum((tiles_total + num_splits - 1) // num_splits, 1)
+        tile_begin = split * tiles_per_split
+        num_tiles = kiln.maximum(kiln.minimum(tile_begin + tiles_per_split, tiles_total)
+                                 - tile_begin, 0)
+        table = PageTableRow(page_table, b)
+
+        # This thread's two rows of its warp's 16 in each m64 product, and their last keys.
+        rows = [row0 + (tid % 128) // 32 * 16 + lane // 4 + 8 * half for half in range(2)]
+        key_limit = [seq_len - seq_q + kiln.minimum(r, packed - 1) // heads for r in rows]
+        descs = (wgmma.smem_descriptor(boxes.tile(0), leading_bytes=16, stride_bytes=1024),
+                 wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=16, stride_bytes=1024),
+                 wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=BOX_BYTES,
+                                       stride_bytes=1024)
+                 + kiln.cast(group * (GROUP_COLS // CHUNK) * BOX_UNITS, kiln.i64))
+        o = wgmma.fragment_zeros(GROUP_COLS)
+        m = [kiln.cast(-math.inf, kiln.f32) for _ in range(2)]
+        l = [kiln.cast(0.0, kiln.f32) for _ in range(2)]
+        for it in kiln.range(0, num_tiles):
+            stage = it % STAGES
+            # Every TMA is followed by a wait on its barrier on every path: the first pages
+            # (and Q, on stage 0's barrier) load inside the loop.
+            if (it == 0) & (warp == 0):
+                full.arrive_expect_tx(0, TILE_BYTES + CHUNKS * tma.box_bytes(q_map),
+                                      predicate=producer)
+                for c in kiln.static_range(CHUNKS):
+                    tma.load(q_map, boxes.tile(c), (c * CHUNK, b * packed + row0), full, 0,
+                             predicate=producer)
+                _load_tile(page_size, table, tile_begin, seq_len, kv_map, boxes, full, 0, producer,
+                           arm=False)
+                if num_tiles > 1:
+                    _load_tile(page_size, table, tile_begin + 1, seq_len, kv_map, boxes, full, 1,
+                               producer, arm=True)
+            ahead = it + STAGES - 1
+            if (it > 0) & (ahead < num_tiles):
+                if warp == 0:  # warp-uniform: the producer warp waits, one lane issues
+                    empty.try_wait(ahead % STAGES, ((it - 1) // STAGES) % 2)
+                    _load_tile(page_size, table, tile_begin + ahead, seq_len, kv_map, boxes, full,
+                               ahead % STAGES, producer, arm=True)
+            full.try_wait(stage, (it // STAGES) % 2)
+            key0 = (tile_begin + it) * BLOCK_N
+            if split_keys:
+                o, m, l = _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0,
+                                              key_limit, seq_len, seq_q, scale_log2, tid, group)
+            else:
+                o, m, l = _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len,
+                                        seq_q, scale_log2, tid)
+            empty.arrive(stage, wgmma_pending=0)
+        l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
+        if split_keys:  # each group summed its own keys: the row's sum is both groups'
+            l = exchange.sum_rows(l, tid, group)
+        _store_rows(o, m, l, rows, o_out if direct else o_part,
+                    lse_out if direct else lse_part, counts, split, b, heads, packed, group,
+                    lane, seq_len, seq_q, tiles_per_split, direct)
+
+    mla_decode.__name__ = mla_decode.__qualname__ = \
+        f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}"
+    # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
+    return kiln.kernel(mla_decode, flush_denormals=True)
+
+
+@kiln.func
+def _load_tile(page_size, table, tile, seq_len, kv_map, boxes, full, stage, producer, arm):
+    """TMA page ``tile``'s ``64 x 576`` rows into ring ``stage`` as nine column boxes
+    (``arm``: this call expects the tile's bytes on ``full[stage]``; the first page's are
+    expected together with Q's)."""
+    if arm:
+        full.arrive_expect_tx(stage, TILE_BYTES, predicate=producer)
+    row = PagedRowIndices[BLOCK_N, page_size].populate(table, tile * BLOCK_N, seq_len).row(0)
+    for c in kiln.static_range(CHUNKS):
+        tma.load(kv_map, boxes.tile(CHUNKS * (1 + stage) + c), (c * CHUNK, row), full, stage,
+                 predicate=producer)
+
+
+@kiln.func
+def _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len, seq_q, scale_log2,
+                  tid):
+    """One page: ``S = Q K^T``, the streaming softmax, ``O = alpha O + P V`` of this warp
+    group's columns; returns ``(o, m, l)``."""
+    units = kiln.cast(stage * TILE_BYTES // 16, kiln.i64)
+    scores = wgmma.fragment_zeros(BLOCK_N)
+    wgmma.fence()
+    for ks in kiln.static_range(HEAD_DIM // 16):
+        offset = (ks // 4) * BOX_UNITS + (ks % 4) * 2  # 16 columns = 32 bytes of a box
+        scores = wgmma.mma_async(scores, descs[0] + offset, descs[1] + units + offset,
+                                 dtype=kiln.bf16)
+    wgmma.commit()
+    wgmma.wait_group(0)
+    if key0 + BLOCK_N <= seq_len - seq_q + 1:  # every key visible to every row
+        m, l, probs, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2, False)
+    else:
+        if key0 + BLOCK_N > seq_len:
+            _zero_rows_past_end(boxes, stage, seq_len - key0, tid)
+        m, l, probs, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2, True)
+    o = wgmma.scale_rows(o, alphas)
+    wgmma.fence()  # orders O's rescale and P's registers before the asynchronous reads
+    for ks in kiln.static_range(BLOCK_N // 16):
+        o = wgmma.mma_async(o, probs.fragment(0, ks), descs[2] + units + ks * 16 * 128 // 16,
+                            dtype=kiln.bf16, b_major="mn")
+    wgmma.commit()
+    wgmma.wait_group(0)
+    return o, m, l
+
+
+@kiln.func
+def _softmax(scores, m, l, key0, tid, key_limit, scale_log2, masked):
+    """The streaming softmax of one ``64 x 64`` score tile (each row a thread quad's):
+    new ``(m, l)`` (base 2; ``l`` per lane until the end), P as bf16 A operands, and the
+    factors O is rescaled by. ``masked``: keys past each row's ``key_limit`` are -inf."""
+    # Register i: row half (i // 2) % 2, key key0 + 8 (i // 4) + 2 (lane % 4) + i % 2.
+    col = key0 + 2 * (tid % 4)
+    x = []
+    for i in kiln.static_range(BLOCK_N // 2):
+        xi = scores.element(i) * scale_log2
+        if masked:
+            xi = kiln.where(col + 8 * (i // 4) + i % 2 <= key_limit[(i // 2) % 2], xi,
+                            -math.inf)
+        x.append(xi)
+    alphas, safes, new_m, new_l = [], [], [], []
+    for half in kiln.static_range(2):
+        mine = [x[i] for i in range(BLOCK_N // 2) if (i // 2) % 2 == half]
+        row_max = mine[0]
+        for xi in mine[1:]:
+            row_max = kiln.maximum(row_max, xi)
+        m_next, m_safe, alpha = advance_row_max(m[half], row_max)
+        alphas.append(alpha)
+        safes.append(m_safe)
+        new_m.append(m_next)
+    probs = [kiln.exp2(x[i] - safes[(i // 2) % 2]) for i in range(BLOCK_N // 2)]
+    for half in kiln.static_range(2):
+        total = l[half] * alphas[half]
+        for i in kiln.static_range(BLOCK_N // 2):
+            if (i // 2) % 2 == half:
+                total = total + probs[i]
+        new_l.append(total)
+    p = wgmma.a_fragment_from_accumulator(wgmma.fragment_from_elements(probs), kiln.bf16)
+    return new_m, new_l, p, alphas
+
+
+@kiln.func
+def _zero_rows_past_end(boxes, stage, valid_keys, tid):
+    """Zero V's rows (its eight column boxes) of ring ``stage`` from key ``valid_keys`` on,
+    once both groups' ``S`` reads of the tile are done: ``0 * NaN`` in ``P V`` would poison a
+    row. A whole 128-byte row is zeroed, so the swizzle does not matter."""
+    nvidia_asm.named_barrier(ZERO_BARRIER, THREADS)
+    _zero_v_rows(boxes, stage, valid_keys, tid)
+    nvidia_asm.fence_proxy_async()
+    nvidia_asm.named_barrier(ZERO_BARRIER, THREADS)
+
+
+@kiln.func
+def _zero_v_rows(boxes, stage, valid_keys, tid):
+    """Zero the 128-byte rows of V's eight boxes of ring ``stage`` from key ``valid_keys``
+    on (the CTA's threads share the 16-byte stores)."""
+    zeros = kiln.vector_constant([0.0] * 8, kiln.bf16)
+    units = V_CHUNKS * BLOCK_N * 8  # 16-byte units of V
+    for step in kiln.static_range(units // THREADS):
+        index = step * THREADS + tid
+        key = index // 8 % BLOCK_N
+        if key >= valid_keys:
+            boxes.store(CHUNKS * (1 + stage) + index // (8 * BLOCK_N), key, index % 8 * 8,
+                        zeros, align=16)
+
+
+@kiln.func
+def _store_rows(o, m, l, rows, o_part, lse_part, counts, split, b, heads, packed, group, lane,
+                seq_len, seq_q, tiles_per_split, direct):
+    """This thread's two rows of its group's 256 columns of ``O / l`` into ``O_partial`` (a
+    quad's stores fill 32-byte sectors); group 0's quad leaders write the natural-log LSE and,
+    on split 0, the split count. ``direct``: ``o_part`` and ``lse_part`` are the outputs
+    (bf16 O, no split axis, no counts)."""
+    for half in kiln.static_range(2):
+        total = l[half]
+        row = rows[half]
+        if row < packed:
+            token = row // heads
+            head = row % heads
+            inv = kiln.where(total > 0.0, 1.0 / kiln.maximum(total, 1e-30), 0.0)
+            where = (b, token, head) if direct else (split, b, token, head)
+            for n in kiln.static_range(GROUP_COLS // 8):
+                pair = kiln.pack([o.element(4 * n + 2 * half), o.element(4 * n + 2 * half + 1)])
+                o_part.store(*where, group * GROUP_COLS + 8 * n + 2 * (lane % 4),
+                             kiln.cast(pair * inv, o_part.dtype), align=4 if direct else 8)
+            if (lane % 4 == 0) & (group == 0):
+                lse_part[where] = kiln.where(
+                    total > 0.0, (m[half] + kiln.log2(kiln.maximum(total, 1e-30)))
+                    * math.log(2.0), -math.inf)
+                if not direct:
+                    if split == 0:
+                        counts[b, token, head] = split_count(None, b, token, 0,
+                                                             seq_len - seq_q + token + 1,
+                                                             tiles_per_split, BLOCK_N, False)
+
+
+class _Exchange:
+    """Shared memory through which the two groups of ``split_keys`` meet: per packed row of
+    the CTA each group's row max (and, at the end, its row sum), and each group's P as its
+    threads' A fragments (fragment ``j`` of thread ``t`` of either group covers the same rows:
+    group ``g`` writes keys ``32 g + 16 j ..``, and every thread reads back all four)."""
+
+    def __init__(self):
+        self.rows = kiln.shared((WARP_GROUPS, ROWS), kiln.f32)
+        self.probs = kiln.shared((WARP_GROUPS * 2, 128, 8), kiln.bf16)
+
+    def row_max(self, local_max, tid, group):
+        """The tile's row maxima over both groups' keys, from this group's ``local_max``."""
+        return self._both(local_max, tid, group, MAX_BARRIER, kiln.maximum)
+
+    def sum_rows(self, sums, tid, group):
+        """The rows' sums over both groups' keys (after the loop)."""
+        return self._both(sums, tid, group, MAX_BARRIER, operator.add)
+
+    def _both(self, mine, tid, group, barrier, combine):
+        # Every lane of a quad writes its row's (equal) value: no lane-divergent branch
+        # beside the barrier.
+        local = [(tid % 128) // 32 * 16 + (tid % 32) // 4 + 8 * half for half in range(2)]
+        for half in kiln.static_range(2):
+            self.rows[group, local[half]] = mine[half]
+        nvidia_asm.named_barrier(barrier, THREADS)
+        both = [combine(mine[half], self.rows[1 - group, local[half]]) for half in range(2)]
+        # The other group may write again only after this group's next barrier: none of the
+        # reads above can see the next tile's values.
+        return both
+
+    def full_probs(self, probs, tid, group):
+        """All four 16-key A fragments of the page from this group's two (a 1 x 2 RegTile);
+        the exchange barrier also orders the V rows zeroed before it."""
+        for j in kiln.static_range(2):
+            self.probs.store(2 * group + j, tid % 128, 0, probs.fragment(0, j), align=16)
+        nvidia_asm.fence_proxy_async()  # V rows zeroed by generic stores, read by the WGMMA
+        nvidia_asm.named_barrier(P_BARRIER, THREADS)
+        return [self.probs.load(j, tid % 128, 0, width=8, align=16)
+                for j in range(2 * WARP_GROUPS)]
+
+
+@kiln.func
+def _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0, key_limit, seq_len,
+                        seq_q, scale_log2, tid, group):
+    """One page with ``split_keys``: group ``g`` scores keys ``32 g .. 32 g + 31`` (Q from
+    shared memory, 36 ``m64n32k16``), the row maxima meet in shared memory, each group takes
+    P of its keys and keeps its own row sums, the P fragments meet, and each group adds
+    ``P V`` of all 64 keys to its 256 columns of O; returns ``(o, m, l)``."""
+    units = kiln.cast(stage * TILE_BYTES // 16, kiln.i64)
+    half_keys = kiln.cast(group * (BLOCK_N // 2) * 128 // 16, kiln.i64)  # 32 rows of 128 B
+    scores = wgmma.fragment_zeros(BLOCK_N // 2)
+    wgmma.fence()
+    for ks in kiln.static_range(HEAD_DIM // 16):
+        offset = (ks // 4) * BOX_UNITS + (ks % 4) * 2
+        scores = wgmma.mma_async(scores, descs[0] + offset,
+                                 descs[1] + units + half_keys + offset, dtype=kiln.bf16)
+    wgmma.commit()
+    wgmma.wait_group(0)
+    col = key0 + group * (BLOCK_N // 2) + 2 * (tid % 4)
+    masked = key0 + BLOCK_N > seq_len - seq_q + 1
+    x = []
+    for i in kiln.static_range(BLOCK_N // 4):
+        xi = scores.element(i) * scale_log2
+        x.append(kiln.where(masked & (col + 8 * (i // 4) + i % 2 > key_limit[(i // 2) % 2]),
+                            -math.inf, xi))
+    local_max = []
+    for half in kiln.static_range(2):
+        mine = [x[i] for i in range(BLOCK_N // 4) if (i // 2) % 2 == half]
+        row_max = mine[0]
+        for xi in mine[1:]:
+            row_max = kiln.maximum(row_max, xi)
+        local_max.append(kiln.shuffle.butterfly_reduce(row_max, (1, 2), kiln.maximum))
+    tile_max = exchange.row_max(local_max, tid, group)  # both groups are done with K here
+    if key0 + BLOCK_N > seq_len:
+        _zero_v_rows(boxes, stage, seq_len - key0, tid)
+    alphas, safes, new_m, new_l = [], [], [], []
+    for half in kiln.static_range(2):
+        m_next, m_safe, alpha = advance_row_max(m[half], tile_max[half])
+        alphas.append(alpha)
+        safes.append(m_safe)
+        new_m.append(m_next)
+    probs = [kiln.exp2(x[i] - safes[(i // 2) % 2]) for i in range(BLOCK_N // 4)]
+    for half in kiln.static_range(2):
+        total = l[half] * alphas[half]
+        for i in kiln.static_range(BLOCK_N // 4):
+            if (i // 2) % 2 == half:
+                total = total + probs[i]
+        new_l.append(total)
+    p = exchange.full_probs(wgmma.a_fragment_from_accumulator(
+        wgmma.fragment_from_elements(probs), kiln.bf16), tid, group)
+    o = wgmma.scale_rows(o, alphas)
+    wgmma.fence()
+    for ks in kiln.static_range(BLOCK_N // 16):
+        o = wgmma.mma_async(o, p[ks], descs[2] + units + ks * 16 * 128 // 16, dtype=kiln.bf16,
+                            b_major="mn")
+    wgmma.commit()
+    wgmma.wait_group(0)
+    return o, new_m, new_l

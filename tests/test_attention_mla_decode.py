@@ -1,0 +1,148 @@
+"""MLA decode on the interpreter against a float64 reference; input validation; the sm_90a
+compile."""
+
+import importlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kiln
+from kiln.kernels.attention import mla_decode
+from kiln.kernels.attention.mla_decode import (compile_mla_decode, default_mla_splits,
+                                               mla_partials)
+
+from mla_problems import assert_mla_close, mla_problem, mla_reference
+
+
+@pytest.mark.parametrize("heads,sq,num_splits,split_keys", [
+    (16, 1, 1, True), (16, 2, 3, True), (20, 2, 1, True), (64, 1, 2, True), (40, 2, 2, True),
+    (16, 2, 3, False), (40, 2, 1, False)])
+def test_matches_float64_on_odd_lengths(heads, sq, num_splits, split_keys, rng):
+    """Lengths 1, 63, 65 and 200 in one batch (a page's end and start, a ragged last page,
+    with Sq 2 a first query that sees nothing); pages shuffled through the cache; the rows
+    past each sequence and the unused pages hold NaN; 40 x 2 rows take two row blocks. Both
+    scores schedules (``split_keys``)."""
+    q, kv, table, lens = mla_problem(rng, heads, sq, [1, 63, 65, 200])
+    o, lse = mla_decode(q, kv, table, lens, num_splits=num_splits, backend="interpret",
+                        split_keys=split_keys)
+    assert o.shape == (4, sq, heads, 512) and o.dtype == ml_dtypes.bfloat16
+    assert lse.shape == (4, sq, heads) and lse.dtype == np.float32
+    assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
+
+
+@pytest.mark.slow
+def test_deepseek_heads_two_tokens(rng):
+    """H 128 x Sq 2: four row blocks of 64 packed rows, the default split count."""
+    q, kv, table, lens = mla_problem(rng, 128, 2, [130, 77])
+    o, lse = mla_decode(q, kv, table, lens, backend="interpret")
+    assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
+
+
+def test_scale_and_a_dominant_key_in_a_later_page(rng):
+    """A key of page 2 scores far above every earlier one for head 0 (its running max, sum
+    and O must move to it), under a custom scale."""
+    q, kv, table, lens = mla_problem(rng, 16, 1, [4 * 64 - 3])
+    head = q[0, 0, 0].astype(np.float64)
+    kv[table[0, 2], 5] = (6.0 * head / np.linalg.norm(head) * 8).astype(ml_dtypes.bfloat16)
+    o, lse = mla_decode(q, kv, table, lens, scale=0.2, num_splits=1, backend="interpret")
+    want = mla_reference(q, kv, table, lens, scale=0.2)
+    assert want[1][0, 0, 0] > 40  # the key dominates head 0's row
+    assert_mla_close(o, lse, *want)
+
+
+def test_partials_follow_the_combine_contract(rng):
+    """The kernel's partials, merged by combine, are what mla_decode returns; every slot a row
+    counts is written (the interpreter's partials start as NaN)."""
+    module = importlib.import_module("kiln.kernels.attention.mla_decode")
+
+    q, kv, table, lens = mla_problem(rng, 16, 2, [150, 3])
+    seen = {}
+    real_combine = module.combine
+
+    def spy(o_part, lse_part, counts, **kw):
+        seen.update(o=o_part.copy(), lse=lse_part.copy(), counts=counts.copy(), **kw)
+        return real_combine(o_part, lse_part, counts, **kw)
+
+    module.combine = spy
+    try:
+        mla_decode(q, kv, table, lens, num_splits=3, backend="interpret")
+    finally:
+        module.combine = real_combine
+    assert seen["partials"] == mla_partials(3)
+    counts = seen["counts"]
+    np.testing.assert_array_equal(counts[0], 3)  # 150 keys: pages 1 + 1 + 1
+    np.testing.assert_array_equal(counts[1, 0], 1)  # 2 keys visible: one page
+    for b, i, h in np.ndindex(counts.shape):
+        assert np.isfinite(seen["o"][:counts[b, i, h], b, i, h]).all()
+        assert not np.isnan(seen["lse"][:counts[b, i, h], b, i, h]).any()
+
+
+def test_empty_batch_and_zero_length_rows(rng):
+    q, kv, table, lens = mla_problem(rng, 16, 1, [0, 5], poison_tail=False)
+    o, lse = mla_decode(q, kv, table, lens, backend="interpret")
+    np.testing.assert_array_equal(o[0].astype(np.float32), 0.0)
+    assert np.isneginf(lse[0]).all()
+    assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
+    o, lse = mla_decode(q[:0], kv, table[:0], lens[:0], backend="interpret")
+    assert o.shape == (0, 1, 16, 512) and lse.shape == (0, 1, 16)
+
+
+def _args(rng):
+    q, kv, table, lens = mla_problem(rng, 16, 1, [70], poison_tail=False)
+    return dict(q=q, kv_cache=kv, page_table=table, seq_lens=lens)
+
+
+@pytest.mark.parametrize("change,error,words", [
+    (lambda a: a.update(q=a["q"].astype(np.float32)), kiln.KilnTypeError, "q must be bf16"),
+    (lambda a: a.update(q=a["q"][..., :512].copy()), kiln.KilnValueError, "q's D"),
+    (lambda a: a.update(q=a["q"][..., :512].copy(), kv_cache=a["kv_cache"][..., :512].copy()),
+     kiln.UnsupportedError, "head dim 512"),
+    (lambda a: a.update(kv_cache=a["kv_cache"][:, :32].copy()), kiln.UnsupportedError,
+     "pages of 32"),
+    (lambda a: a.update(q=np.concatenate([a["q"]] * 3, axis=1)), kiln.UnsupportedError,
+     "Sq=3"),
+    (lambda a: a.update(page_table=a["page_table"].astype(np.int64)), kiln.KilnTypeError,
+     "page_table must be i32"),
+    (lambda a: a.update(seq_lens=np.array([70, 1], np.int32)), kiln.KilnValueError,
+     "seq_lens's B"),
+    (lambda a: a.update(seq_lens=np.array([1000], np.int32)), kiln.KilnValueError,
+     "seq_lens[0] = 1000"),
+    (lambda a: a["page_table"].__setitem__((0, 1), 99), kiln.KilnValueError, "page_table"),
+    (lambda a: a.update(q=a["q"][:, :, ::2]), kiln.KilnValueError, "q is not contiguous"),
+    (lambda a: a.update(head_dim_v=256), kiln.UnsupportedError, "head_dim_v=256"),
+    (lambda a: a.update(num_splits=0), kiln.KilnValueError, "num_splits=0"),
+    (lambda a: a.update(num_splits=65), kiln.UnsupportedError, "num_splits=65"),
+    (lambda a: a.update(scale=-1.0), kiln.KilnValueError, "scale=-1.0"),
+    (lambda a: a.update(backend="cpu"), kiln.KilnValueError, "backend='cpu'"),
+    (lambda a: a.update(target="gfx950"), kiln.UnsupportedError, "gfx950"),
+    (lambda a: a.update(q=a["q"].tolist()), kiln.KilnTypeError, "q must be"),
+])
+def test_bad_input_names_the_argument(change, error, words, rng):
+    args = _args(rng)
+    change(args)
+    with pytest.raises(error) as info:
+        mla_decode(args.pop("q"), args.pop("kv_cache"), args.pop("page_table"),
+                   args.pop("seq_lens"), backend=args.pop("backend", "interpret"), **args)
+    assert words in str(info.value)
+    assert info.value.loc is not None and info.value.loc.filename == __file__
+    assert info.value.fix
+
+
+def test_default_splits_fill_one_wave():
+    assert default_mla_splits(1, 2, 4096) == 64
+    assert default_mla_splits(32, 2, 4096, sms=132) == 2  # 128 CTAs
+    assert default_mla_splits(64, 2, 4096, sms=132) == 1
+    assert default_mla_splits(1, 1, 100) == 2  # never below one page a split
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("split_keys,scores_n,direct", [(True, 32, False), (False, 64, False),
+                                                        (True, 32, True)])
+def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct):
+    ck = compile_mla_decode(target="sm_90a", split_keys=split_keys, direct=direct)
+    assert ck.metadata["spill_bytes"] == 0 and ck.metadata["registers"] <= 255
+    ptx = ck.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{scores_n}k16.f32.bf16.bf16" in ptx
+    assert "cp.async.bulk.tensor.2d" in ptx
