@@ -164,8 +164,8 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     q_full.arrive_expect_tx(0, chunks * tma.box_bytes(q_map))
                     for c in kiln.static_range(chunks):
                         tma.load(q_map, q_boxes.tile(c),
-                                 _box_coords(config.padded_qk, head, d, c, q_start + m0),
-                                 q_full, 0)
+                                 (c * CHUNK_COLS, head, q_start + m0) if config.padded_qk
+                                 else (head * d + c * CHUNK_COLS, q_start + m0), q_full, 0)
                     for j in kiln.range(first_tile, end_tile):
                         use = j - first_tile
                         stage = use % STAGES
