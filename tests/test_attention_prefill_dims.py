@@ -168,3 +168,37 @@ def test_fa_acceptance_on_gpu(case, rng):
                        - want).max()
     assert got_err <= 2 * pt_err + noise, (got_err, pt_err, noise)
     assert_attention_close(o, q, k, v, causal=causal, softcap=softcap)
+
+
+@pytest.mark.lower
+@pytest.mark.slow
+@pytest.mark.parametrize("d,dv,softcap,masks", [
+    (96, None, 0.0, dict(causal=True)), (192, 128, 0.0, dict(causal=True)),
+    (256, None, 0.0, dict(window=(1, 1))), (40, None, 0.0, dict(chunk=1)),
+    (64, 104, 0.0, dict(causal=True, sinks=True)), (128, None, 30.0, dict(causal=True))])
+def test_gfx950_assembly_has_no_scratch_and_verified_waits(d, dv, softcap, masks):
+    from kiln.kernels.attention.prefill_gfx950 import PrefillGfx950Config, compile_prefill_gfx950
+    from kiln.lowering.isa_amdgpu import parse, verify_waits
+    from kiln.lowering.verify_schedule import verify_schedule
+
+    ck = compile_prefill_gfx950(head_dim=d, head_dim_v=dv, softcap=softcap, **masks)
+    config = PrefillGfx950Config(head_dim=d, head_dim_v=dv)
+    assert ck.metadata["scratch_bytes"] == 0
+    # 8 waves: two per SIMD, 256 registers each; 4 waves (a 256-wide operand): one, 512.
+    budget = 256 if config.waves == 8 else 512
+    assert ck.metadata["vgpr_count"] + ck.metadata["agpr_count"] <= budget
+    program = parse(ck.asm["amdgcn"], "prefill_gfx950")
+    verify_waits(program)
+    assert verify_schedule(program, ck.recipes, "prefill_gfx950", strict=True) == []
+
+
+def test_gfx950_widths_and_waves():
+    from kiln.kernels.attention.prefill_gfx950 import PrefillGfx950Config
+
+    for d in range(8, 257, 8):
+        for dv in range(8, 257, 8):
+            cfg = PrefillGfx950Config(head_dim=d, head_dim_v=dv)
+            assert cfg.qk_width >= d and cfg.v_width >= dv
+            assert min(cfg.dmas_per_tile) >= 1 and cfg.lds_bytes <= 64 * 1024
+    assert PrefillGfx950Config(head_dim=192, head_dim_v=128).waves == 4
+    assert PrefillGfx950Config(head_dim=96).waves == 8
