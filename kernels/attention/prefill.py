@@ -264,11 +264,11 @@ def _check_inputs(q, k, v, cu_q, cu_k, sinks) -> dict:
         raise kiln.KilnValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ",
                                   fix="k and v must have the same shape but for the head dim")
     d, dv, hq, hkv = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
+    check_head_dim("q/k head dim", int(d))
+    check_head_dim("v head dim", int(dv))
     if k.shape[-1] != d:
         raise kiln.KilnValueError(f"q's head dim {d} and k's {k.shape[-1]} differ",
                                   fix="q and k need the same head dim (v's may differ)")
-    check_head_dim("q/k head dim", int(d))
-    check_head_dim("v head dim", int(dv))
     check_heads(hq, hkv, q_name="q", kv_name="k")
     if sinks is not None:
         dtype_of("sinks", sinks)
