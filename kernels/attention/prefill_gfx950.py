@@ -4,8 +4,13 @@
 accumulation, the conventions of ``kiln.kernels.attention.prefill`` (masks, sinks, GQA, ragged
 batches, LSE; see ``tests/attention_reference.py``).
 
-Work split: one block of 8 waves per (query head, 256-row Q block, sequence); wave ``w`` owns
-the 32-row Q stripe ``w``. Scores are computed transposed, ``S^T = K Q^T`` on
+Head dims (:mod:`.prefill_gfx950_config`): Q/K and V each run on the next of 64 / 128 / 256
+columns (any multiple of 8 up to 256, V's may differ from Q/K's); padding columns read zeros
+and are not stored. ``softcap`` caps the scores first (:mod:`.softcap`; the softmax then runs
+at a log2 scale of 1).
+
+Work split: one block of 8 waves (4 when an operand is 256 wide: registers, below) per
+(query head, ``32 * waves``-row Q block, sequence); wave ``w`` owns the 32-row Q stripe ``w``. Scores are computed transposed, ``S^T = K Q^T`` on
 ``v_mfma_f32_32x32x16``, so in the accumulator's ``col_l`` view a lane owns one query row and
 the online-softmax state (``OnlineSoftmax``, ``q_axis="col"``) is one f32 per lane. PV is
 ``O^T = V^T P^T``: P is the B operand straight from the score registers and V^T comes from
@@ -77,14 +82,16 @@ The vote selects instead of branching for the same reason. K/V fragment offsets 
 
 Registers: 8 waves of 64 lanes per block put two waves on each SIMD, so a wave gets 256 of the
 512 unified VGPR+AGPR registers (LLVM enforces it; no AGPR is used). Measured for every mask
-kind: head_dim 64 uses 182-189 VGPRs, 128 uses 199-209, no scratch. head_dim 256 does not fit:
-the O^T accumulator (128 VGPRs), Q (64) and the V tile of one PV cluster (64 at 32 keys, the
-fewest a 32x32 MFMA row block holds) already need 256, so ``compile_prefill_gfx950`` refuses it
-unless ``allow_scratch=True`` (it then spills 556-580 bytes); the interpreter runs every head
-dim. GQA head remap: block ``x`` serves query head ``(x % GROUP) * NUM_KV_HEADS + x // GROUP``.
+kind: head_dim 64 uses 182-189 VGPRs, 128 uses 199-209, no scratch. A 256-wide operand does not
+fit there (at head_dim 256 the O^T accumulator, Q and one PV cluster's V tile already need 256),
+so those head dims run 4 waves per block: one wave per SIMD and all 512 registers. Measured
+(causal): 256 and 192 use 376 VGPRs + 120 AGPRs, 192/128 272 + 16, no scratch; a kernel that
+would still spill is refused unless ``allow_scratch=True``. GQA head remap: block ``x`` serves
+query head ``(x % GROUP) * NUM_KV_HEADS + x // GROUP``.
 
-Edges: Q, K, V and O go through buffer views; rows past a sequence are redirected past the
-tensor's end, so they read zeros and their stores are dropped.
+Edges: Q, K, V and O go through buffer views; rows past a sequence, and the padding columns of
+a head dim narrower than its tile, are redirected past the tensor's end, so they read zeros and
+their stores are dropped.
 """
 
 from __future__ import annotations

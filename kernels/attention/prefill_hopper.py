@@ -41,6 +41,10 @@ The softmax starts from a virtual first key: the sink (logit ``sinks[h]``, zero 
 without sinks, a key of logit ``-1e30`` whose weight becomes exactly 0 at the first real key,
 so rows that see no key stay finite (o = 0; their LSE is written as -inf).
 
+Other head dims (any multiple of 8 up to 256, V's apart from Q/K's) run on the next 64-column
+tile through zero-filled 3-D TMA boxes (:mod:`.prefill_config`); ``softcap`` caps each score
+(:mod:`.softcap`) before the mask, and the softmax then runs at a log2 scale of 1.
+
 Grid: ``(query tiles, Hq, B)`` without a causal mask, so the CTAs running together share one
 head's K/V in L2; ``(Hq, query tiles, B)`` with one, query tiles longest-first. Along the head
 axis, query heads are remapped ``(x % GROUP) * HKV + x // GROUP`` so neighbouring heads read
