@@ -76,7 +76,7 @@ def test_softcap_off_is_the_plain_kernel(softcap, rng):
     _check(rng, "sm_90a", d=64, sq=20, sk=40, softcap=softcap)
 
 
-@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), "3", True])
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), "3", True, [2.0]])
 def test_bad_softcap_is_refused(bad):
     x = np.zeros((1, 4, 1, 64), ml_dtypes.bfloat16)
     with pytest.raises(kiln.KilnValueError, match="softcap"):
@@ -109,7 +109,8 @@ def test_every_head_dim_pair_has_a_config_that_fits():
 @pytest.mark.lower
 @pytest.mark.slow
 @pytest.mark.parametrize("d,dv,softcap", [(96, None, 0.0), (192, 128, 0.0), (192, None, 0.0),
-                                          (40, None, 0.0), (128, None, 30.0)])
+                                          (40, None, 0.0), (128, None, 30.0), (136, 72, 0.0),
+                                          (256, 64, 0.0), (8, 256, 5.0), (248, None, 0.0)])
 def test_sm90_no_spills(d, dv, softcap):
     ck = compile_prefill("bf16", target="sm_90a", head_dim=d, head_dim_v=dv, causal=True,
                          group=4, return_lse=True, softcap=softcap)

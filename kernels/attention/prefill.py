@@ -93,6 +93,7 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     and ``lse = -inf`` (a sink's logit with ``sinks``), as for any row that sees no key.
     Example: ``o = prefill(q, k, v, causal=True)`` with torch CUDA tensors.
     """
+    softcap = check_softcap(softcap)  # a float before it enters a plan's key
     if cu_seqlens_q is None and cu_seqlens_k is None and backend != "interpret" and \
             is_torch(q):
         key = (spec(q), spec(k), spec(v), spec(sinks), causal, window, chunk, scale,
@@ -106,7 +107,6 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
             return plan.run(q, k, v, sinks)
     chip, shapes, mask, scale = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, causal,
                                           window, chunk, scale, target, backend)
-    softcap = check_softcap(softcap)
     if _without_work(q, k, shapes, cu_seqlens_q is not None):
         return _outputs_without_work(q, shapes, sinks, cu_seqlens_q is not None, return_lse)
     if chip.is_amd:
@@ -214,7 +214,6 @@ def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, softcap, retu
 
     chip, shapes, mask, scale = _validate(q, k, v, None, None, sinks, causal, window, chunk,
                                           scale, target, backend)
-    softcap = check_softcap(softcap)
     if _without_work(q, k, shapes, False) or chip.is_amd or \
             not runtime.bindable(q, k, v, sinks) or \
             (sinks is not None and sinks.dtype != torch.float32):

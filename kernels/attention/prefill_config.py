@@ -173,9 +173,11 @@ class HopperPrefillConfig:
         q_bytes = cls.block_m * max(tile_width(head_dim), tile_width(dv)) * 2
         while q_bytes + stages * block_n * widths * 2 > SHARED_BUDGET:
             block_n -= 16
+        # exp_before_max re-issues Q K^T; past one 128-column Q tile that spills (192/128).
         return cls(head_dim=head_dim, head_dim_v=head_dim_v, block_n=block_n, stages=stages,
                    lazy_rescale=tuned in LAZY_RESCALE_HEAD_DIMS,
-                   exp_before_max=tuned in EXP_BEFORE_MAX_HEAD_DIMS)
+                   exp_before_max=tuned in EXP_BEFORE_MAX_HEAD_DIMS
+                   and tile_width(head_dim) <= 128)
 
 
 @dataclass(frozen=True)
