@@ -3,6 +3,6 @@ from .decode import decode, decode_attention
 from .paged import PagedRowIndices, kv_sub_tile_rows
 from .combine import combine, compile_combine
 from .online_softmax import OnlineSoftmax
-from .partials import Partials, PartialsMismatchError
+from .partials import Partials, PartialsMismatchError, fake_to_real, real_to_fake
 from .prefill_gfx950 import compile_prefill_gfx950, run_prefill_gfx950
 from .prefill import compile_prefill, prefill
