@@ -123,7 +123,8 @@ def partials_of(obj: Any) -> Partials | None:
 
 
 def stg128_vector(dtype) -> int:
-    """Values per 16-byte store of ``dtype``: the ``V`` of the ``stg128`` order (f32: 4)."""
+    """Values per 16-byte store of ``dtype``: the ``V`` of the ``stg128`` order.
+    Example: ``stg128_vector(kiln.f32) == 4``."""
     return STG128_BYTES // kiln.dtype(dtype).itemsize
 
 

@@ -38,7 +38,9 @@ EXP_BEFORE_MAX_HEAD_DIMS = (64, 128)
 
 
 def check_head_dim(name: str, d) -> None:
-    """A KilnError naming ``name`` unless ``d`` is a multiple of 8 in 8..256."""
+    """A KilnError naming ``name`` unless ``d`` is a multiple of 8 in 8..256.
+    Example: ``check_head_dim("head_dim", 96)`` passes, ``check_head_dim("head_dim", 100)``
+    raises."""
     if not isinstance(d, int) or isinstance(d, bool) or not 0 < d <= MAX_HEAD_DIM \
             or d % HEAD_DIM_MULTIPLE:
         raise kiln.UnsupportedError(f"{name}={d!r} is not supported by the Hopper prefill "
@@ -47,7 +49,8 @@ def check_head_dim(name: str, d) -> None:
 
 
 def tile_width(d: int) -> int:
-    """Columns the kernel computes for head dim ``d``: the next multiple of 64."""
+    """Columns the kernel computes for head dim ``d``: the next multiple of 64.
+    Example: ``tile_width(96) == 128``."""
     return -(-d // CHUNK_COLS) * CHUNK_COLS
 
 

@@ -23,7 +23,7 @@ LOG2E = 1.0 / math.log(2.0)
 
 def check_softcap(softcap) -> float:
     """``softcap`` as a float: 0.0 (off) for None or 0, else it must be positive and finite
-    (a KilnError naming the argument)."""
+    (a KilnError naming the argument). Example: ``check_softcap(None) == 0.0``."""
     if softcap is None:
         return 0.0
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or \
