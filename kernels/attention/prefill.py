@@ -192,8 +192,9 @@ class _DensePlan:
     cu_pointers: tuple[int, int]  # device cu_seqlens of the dense batch (cached, never freed)
 
     def run(self, q, k, v, sinks):
-        # q's new_empty skips parsing a device (and, for o, a dtype); no_lse is f32
-        o = q.new_empty(q.shape)
+        # q's new_empty skips parsing a device (and, for o, a dtype); no_lse is f32. o takes
+        # v's head dim (192/128).
+        o = q.new_empty(q.shape[:-1] + v.shape[-1:])
         lse = self.no_lse if self.lse_shape is None else \
             q.new_empty(self.lse_shape, dtype=self.no_lse.dtype)
         self.bound(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
