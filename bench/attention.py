@@ -2,7 +2,10 @@
 
 Shapes, in one run: the FlashAttention benchmark grid (sequence 512 .. 16k with batch * seq =
 16k tokens, heads * D = 2048, D in {64, 128}, causal and not) and GQA (B16, Hq 64, Hkv 8,
-D 128, seq ``--gqa-seq``). bf16 inputs laid out ``[B, S, H, D]`` (SDPA reads the same memory
+D 128, seq ``--gqa-seq``), and the head-dim rows (``DIM_ROWS``: D 96, D_qk 192 with D_v 128
+(DeepSeek's MLA prefill), D 192, and D 128 with a Gemma-2 ``softcap``; ``--dims-only`` runs just
+those). SDPA has no softcap: its softcap rows time SDPA uncapped (the ratio is then Kiln capped
+vs SDPA uncapped, and Kiln's output is not compared there). bf16 inputs laid out ``[B, S, H, D]`` (SDPA reads the same memory
 through ``transpose(1, 2)``, no copies).
 
 Method: every shape is checked first (Kiln vs the SDPA FlashAttention output: max abs error
@@ -37,6 +40,8 @@ SEQS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)
 MAX_ERROR = 3e-2
 SWEEP_SEQ = 4096
+# Head dims the FlashAttention grid lacks: (D, D_v, softcap) at seq 1k and 4k, 16k tokens.
+DIM_ROWS = ((96, 96, None), (192, 128, None), (192, 192, None), (128, 128, 30.0))
 # (D, causal) -> (block_n, stages) candidates; all fit shared memory and compile without spills
 # with the default softmax schedule.
 SWEEP = {(128, False): ((128, 2), (128, 3), (144, 2), (160, 2)),
@@ -58,6 +63,8 @@ def parse_args(argv=None):
                              "time counted, for every implementation alike")
     parser.add_argument("--no-sweep", action="store_true",
                         help="skip the block_n / stages sweep of the Hopper kernel")
+    parser.add_argument("--dims-only", action="store_true",
+                        help="only the head-dim rows (DIM_ROWS), no sweep")
     parser.add_argument("--sanitize", action="store_true",
                         help="run one causal, one ragged and one long unmasked call for "
                              "compute-sanitizer, no timing")
@@ -69,7 +76,10 @@ def shapes(args) -> list[dict]:
     rows = [dict(batch=TOKENS // s, seq=s, hq=HIDDEN // d, hkv=HIDDEN // d, d=d, causal=c)
             for d in HEAD_DIMS for c in (False, True) for s in seqs]
     rows += [dict(batch=16, seq=args.gqa_seq, hq=64, hkv=8, d=128, causal=c) for c in (False, True)]
-    return rows
+    dims = [dict(batch=TOKENS // s, seq=s, hq=16, hkv=16, d=d, dv=dv, softcap=cap, causal=c)
+            for d, dv, cap in DIM_ROWS for c in (False, True)
+            for s in ((4096,) if args.quick else (1024, 4096))]
+    return dims if args.dims_only else rows + dims
 
 
 def sdpa_call(backend_name: str, q, k, v, causal: bool):
@@ -100,19 +110,19 @@ def random_inputs(row: dict):
     b, s, hq, hkv, d = (row[k] for k in ("batch", "seq", "hq", "hkv", "d"))
     q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, s, hkv, row.get("dv", d), device="cuda", dtype=torch.bfloat16)
     return q, k, v
 
 
 def row_flops(row: dict) -> float:
     b, s, hq, d = (row[k] for k in ("batch", "seq", "hq", "d"))
-    return 4.0 * b * hq * s * s * d / (2 if row["causal"] else 1)
+    return 2.0 * b * hq * s * s * (d + row.get("dv", d)) / (2 if row["causal"] else 1)
 
 
 def bench_shape(row: dict, args) -> dict:
     from kiln.kernels.attention import prefill
 
-    causal = row["causal"]
+    causal, softcap = row["causal"], row.get("softcap")
     q, k, v = random_inputs(row)
     flops = row_flops(row)
     result = dict(row)
@@ -122,16 +132,17 @@ def bench_shape(row: dict, args) -> dict:
         if call is None:
             result[f"{name}_tflops"] = None
             continue
-        if reference is None:
+        if reference is None and not softcap:
             reference = call().transpose(1, 2).float()
         result[f"{name}_tflops"] = flops / _timer(args)(call) / 1e9
-    out = prefill(q, k, v, causal=causal)
+    out = prefill(q, k, v, causal=causal, softcap=softcap)
     if reference is not None:
         error = (out.float() - reference).abs().max().item()
         if not error < MAX_ERROR:  # also catches NaN
             raise SystemExit(f"Kiln prefill wrong at {row}: max abs error {error} vs SDPA")
         result["max_abs_error"] = error
-    result["kiln_tflops"] = flops / _timer(args)(lambda: prefill(q, k, v, causal=causal)) / 1e9
+    result["kiln_tflops"] = flops / _timer(args)(
+        lambda: prefill(q, k, v, causal=causal, softcap=softcap)) / 1e9
     peers = [result[f"{n}_tflops"] for n in ("flash", "cudnn") if result[f"{n}_tflops"]]
     result["ratio_vs_best_sdpa"] = result["kiln_tflops"] / max(peers) if peers else None
     return result
@@ -195,7 +206,10 @@ def table(results: list[dict]) -> str:
     lines = ["| B | seq | Hq/Hkv | D | causal | Kiln TFLOP/s | cuDNN | flash | Kiln / best |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
-        lines.append(f"| {r['batch']} | {r['seq']} | {r['hq']}/{r['hkv']} | {r['d']} | "
+        dims = f"{r['d']}" if r.get("dv", r["d"]) == r["d"] else f"{r['d']}/{r['dv']}"
+        if r.get("softcap"):
+            dims += f" cap {r['softcap']:g}"
+        lines.append(f"| {r['batch']} | {r['seq']} | {r['hq']}/{r['hkv']} | {dims} | "
                      f"{'yes' if r['causal'] else 'no'} | {cell(r['kiln_tflops'], '.0f')} | "
                      f"{cell(r['cudnn_tflops'], '.0f')} | {cell(r['flash_tflops'], '.0f')} | "
                      f"{cell(r['ratio_vs_best_sdpa'], '.2f')} |")
@@ -208,7 +222,7 @@ def plot(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    grid = [r for r in results if r["hq"] == r["hkv"]]
+    grid = [r for r in results if r["hq"] == r["hkv"] and "dv" not in r]
     panels = sorted({(r["d"], r["causal"]) for r in grid})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
     for ax, (d, causal) in zip(axes[0], panels):
@@ -282,9 +296,10 @@ def main(argv=None) -> None:
         results.append(bench_shape(row, args))
         print(table(results[-1:]).splitlines()[-1], flush=True)
     print(table(results))
-    plot(results, args.plot)
-    print(f"plot: {args.plot}")
-    tuning = [] if args.no_sweep else sweep(args)
+    if not args.dims_only:
+        plot(results, args.plot)
+        print(f"plot: {args.plot}")
+    tuning = [] if args.no_sweep or args.dims_only else sweep(args)
     if tuning:
         print(sweep_table(tuning))
     if args.json:

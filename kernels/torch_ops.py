@@ -52,36 +52,39 @@ def _dtype_name(dtype) -> Optional[str]:
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
              window_left: int, window_right: int, chunk: int, sinks: Optional[torch.Tensor],
              scale: Optional[float], cu_seqlens_q: Optional[torch.Tensor],
-             cu_seqlens_k: Optional[torch.Tensor], return_lse: bool
+             cu_seqlens_k: Optional[torch.Tensor], return_lse: bool, softcap: float = 0.0
              ) -> tuple[torch.Tensor, torch.Tensor]:
     from kiln.kernels.attention import prefill as run
 
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
     out = run(q, k, v, causal=causal, window=window, chunk=chunk or None, sinks=sinks,
-              scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-              return_lse=return_lse)
+              scale=scale, softcap=softcap, cu_seqlens_q=cu_seqlens_q,
+              cu_seqlens_k=cu_seqlens_k, return_lse=return_lse)
     return out if return_lse else (out, q.new_empty((0,), dtype=torch.float32))
 
 
 @_prefill.register_fake
 def _(q, k, v, causal, window_left, window_right, chunk, sinks, scale, cu_seqlens_q,
-      cu_seqlens_k, return_lse):
+      cu_seqlens_k, return_lse, softcap=0.0):
     if not return_lse:
         lse_shape = (0,)
     elif cu_seqlens_q is not None:  # ragged q [total, Hq, D]
         lse_shape = (q.shape[1], q.shape[0])
     else:
         lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+    # o takes v's head dim (DeepSeek's 192/128)
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), \
+        q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale=None,
-            cu_seqlens_q=None, cu_seqlens_k=None, return_lse=False):
+            softcap=None, cu_seqlens_q=None, cu_seqlens_k=None, return_lse=False):
     """:func:`kiln.kernels.attention.prefill` as ``torch.ops.kiln.prefill`` (same keywords,
     the default target). Example: ``o, lse = prefill(q, k, v, causal=True, return_lse=True)``."""
     left, right = (-1, -1) if window is None else window
     o, lse = torch.ops.kiln.prefill(q, k, v, bool(causal), left, right, chunk or 0, sinks,
-                                    scale, cu_seqlens_q, cu_seqlens_k, bool(return_lse))
+                                    scale, cu_seqlens_q, cu_seqlens_k, bool(return_lse),
+                                    float(softcap or 0.0))
     return (o, lse) if return_lse else o
 
 

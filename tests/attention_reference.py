@@ -46,7 +46,7 @@ def visible_keys(sq: int, sk: int, *, causal=False, window=None, chunk=None) -> 
     return visible
 
 
-def _one_sequence(q, k, v, *, scale, sinks, **mask):
+def _one_sequence(q, k, v, *, scale, sinks, softcap=None, **mask):
     """q `[Sq, Hq, D]`, k/v `[Sk, Hkv, D]` → o `[Sq, Hq, D]`, lse `[Hq, Sq]` (float64)."""
     sq, hq, _ = q.shape
     sk, hkv, dv = v.shape
@@ -54,6 +54,8 @@ def _one_sequence(q, k, v, *, scale, sinks, **mask):
     kh = np.repeat(k, group, axis=1)
     vh = np.repeat(v, group, axis=1)
     scores = np.einsum("qhd,khd->hqk", q, kh) * scale
+    if softcap:  # Gemma-2 soft-capping of the scaled scores, before the mask
+        scores = softcap * np.tanh(scores / softcap)
     visible = visible_keys(sq, sk, **mask)[None]
     scores = np.where(visible, scores, -np.inf)
     row_max = scores.max(axis=-1, initial=-np.inf)
@@ -72,14 +74,15 @@ def _one_sequence(q, k, v, *, scale, sinks, **mask):
 
 
 def attention_reference(q, k, v, *, causal=False, window=None, chunk=None, sinks=None,
-                        scale=None, cu_seqlens_q=None, cu_seqlens_k=None, return_lse=False):
+                        scale=None, softcap=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                        return_lse=False):
     """Attention forward in float64; same arguments and shapes as `prefill` (module docstring)."""
     q = np.asarray(q, np.float64)
     k = np.asarray(k, np.float64)
     v = np.asarray(v, np.float64)
     if scale is None:
         scale = 1.0 / np.sqrt(q.shape[-1])
-    mask = dict(causal=causal, window=window, chunk=chunk)
+    mask = dict(causal=causal, window=window, chunk=chunk, softcap=softcap)
     if cu_seqlens_q is None:
         outs = [_one_sequence(q[b], k[b], v[b], scale=scale, sinks=sinks, **mask)
                 for b in range(q.shape[0])]
@@ -147,17 +150,19 @@ def assert_attention_close(o, q, k, v, *, lse=None, **reference_kwargs):
     return want_lse
 
 
-def random_qkv(rng, *, batch, sq, sk, hq, hkv, d, dtype=np.float32, ragged_q=None, ragged_k=None):
+def random_qkv(rng, *, batch, sq, sk, hq, hkv, d, dtype=np.float32, ragged_q=None, ragged_k=None,
+               dv=None):
     """Fresh random q/k/v (values exactly representable in both bf16 and f16, see
-    :func:`exact_inputs`) and, for ragged batches, int32 `cu_seqlens` from per-sequence length
-    lists."""
+    :func:`exact_inputs`; v's head dim ``dv``, default ``d``) and, for ragged batches, int32
+    `cu_seqlens` from per-sequence length lists."""
+    dv = d if dv is None else dv
     def draw(*shape):
         return exact_inputs(rng.standard_normal(shape)).astype(dtype)
     if ragged_q is None:
-        return draw(batch, sq, hq, d), draw(batch, sk, hkv, d), draw(batch, sk, hkv, d), None, None
+        return draw(batch, sq, hq, d), draw(batch, sk, hkv, d), draw(batch, sk, hkv, dv), None, None
     cu_q = np.concatenate([[0], np.cumsum(ragged_q)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(ragged_k)]).astype(np.int32)
-    return (draw(int(cu_q[-1]), hq, d), draw(int(cu_k[-1]), hkv, d), draw(int(cu_k[-1]), hkv, d),
+    return (draw(int(cu_q[-1]), hq, d), draw(int(cu_k[-1]), hkv, d), draw(int(cu_k[-1]), hkv, dv),
             cu_q, cu_k)
 
 

@@ -151,7 +151,7 @@ def test_producer_carrying_partials_is_accepted(rng):
 
 @pytest.mark.parametrize("field,value,match", [
     ("max_splits", 64, "max_splits: decode may write 64 splits, .*combine is sized for 32"),
-    ("depth_order", "stg128", "depth_order: decode writes 'stg128', .*combine reads 'natural'"),
+    ("depth_order", "blocked", "depth_order: decode writes 'blocked', .*combine reads 'natural'"),
     ("layout", ("b", "q", "h", "split", "d"), "layout: decode writes"),
     ("dtype", kiln.bf16, "dtype: decode writes .*bf16"),
 ])

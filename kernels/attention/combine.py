@@ -10,40 +10,15 @@ in base 2 (``exp2``/``log2``; one multiply by ``log2 e`` per LSE difference when
 producer's LSE is natural-log). Partials follow the :class:`~kiln.kernels.attention.partials.Partials`
 contract the producer declares; ``combine`` checks it when it compiles.
 
-Schedule (grid ``(ceil(Sq * H / rows_per_cta), 1, B)``; a CTA reduces ``rows_per_cta`` flat
-``(q, h)`` rows of one batch with ``8 * split_groups`` threads per row). The plan picks one
-of two :class:`CombineConfig` specialisations of the same kernel:
+Layouts: dense partials ``O_partial [split, B, Sq, H, D]``, ``LSE_partial [split, B, Sq, H]``,
+``split_counts [B, Sq, H]`` give ``o [B, Sq, H, D]``, ``lse [B, Sq, H]``; ragged ones (the MSA
+seed's: ``cu_seqlens_q`` of ``B + 1`` prefix sums) are token-major, ``O_partial [split,
+total_q, H, D]``, ``LSE_partial [split, total_q, H]``, with ``split_counts [B, max_seqlen_q, H]``
+indexed by the query's position inside its sequence, and give ``o [total_q, H, D]``, ``lse
+[total_q, H]``. A producer whose partials keep the ``stg128`` depth order
+(:mod:`.partials`) declares it in its ``Partials``; ``o`` is always in natural order.
 
-- *wide* (``rows_per_cta = 64``, ``split_groups = 1``): for many rows. 8 threads per row walk
-  all of the row's splits; many CTAs per SM hide the latency.
-- *split-parallel* (``split_groups`` up to 64, ``rows_per_cta * split_groups = 64``, fewer
-  for ``D > 128``): for few rows with many splits (decode at batch 1: 64 rows x 33 splits is
-  ONE wide CTA whose threads walk 17 dependent DRAM round trips). Group ``g`` of a row
-  merges split pairs ``g, g + G, ...`` so a row's loads are all in flight at once; the
-  groups' partial sums meet in shared memory.
-
-=======  ===================================================================================
-phase    work
-=======  ===================================================================================
-LSE      each thread loads ``max_splits / 8`` LSE slots of its row (slots ``>= C`` masked to
-         ``-inf``), max and sum of ``exp2`` over the row's 8 threads with XOR shuffles; group
-         0 writes the normalised weights ``w_s / Z`` to a ``rows x max_splits`` f32 shared
-         tile (the other groups computed the same sums from the same, cached, LSE loads)
-merge    loop over this group's ``s < C`` only, two splits per iteration: 16-byte vector
-         loads of both splits' ``O_partial`` rows are issued before either is accumulated,
-         so every thread keeps ``2 * D / 16`` loads in flight
-reduce   split-parallel only: every group stores its ``rows x D`` f32 sums to shared memory;
-         after a barrier each thread adds one ``WIDTH``-vector column over the groups
-store    ``O`` cast to ``out_dtype`` in vector stores, ``LSE`` by one thread per row
-=======  ===================================================================================
-
-Why plain vector loads (not cp.async or TMA): every ``O_partial`` byte is read exactly once
-and consumed straight from registers, so staging through shared memory would only add
-traffic; the eight threads of a row read 128 contiguous bytes per step, which keeps every
-32-byte sector fully used. Eight (not four) threads per row keep a thread's two splits of
-in-flight vectors at 32 registers: with four, ptxas spilled at D = 128. Latency is hidden
-by the two-split unroll (all loads of an iteration are independent) and several CTAs per SM
-(wide), or by spreading the splits over the groups (split-parallel).
+The kernel and its schedules: :mod:`.combine_kernel`.
 """
 
 from __future__ import annotations
@@ -60,168 +35,12 @@ from kiln import f32, i32
 
 from .. import runtime
 from ..runtime import PlanCache, check_backend, check_counts, dtype_of, is_torch, spec
-from .partials import Partials, partials_of
+from .combine_kernel import (LOG2E, THREADS_PER_ROW, VECTOR_BYTES, WIDE, CombineConfig,
+                             choose_config, lse_merge, lse_merge_ragged, _vector_width)
+from .partials import DEPTH_ORDERS, STG128_DEPTH, Partials, partials_of, stg128_vector
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-THREADS_PER_ROW = 8
-VECTOR_BYTES = 16
-_ROW_LANE_MASKS = tuple(1 << b for b in range(THREADS_PER_ROW.bit_length() - 1))
-# The wide schedule is kept while it launches at least this many CTAs (two per SM of an
-# H100/H200): enough CTAs in flight hide the latency of its sequential split walk.
-WIDE_MIN_CTAS = 264
-# Row-groups per split-parallel CTA: 64 (512 threads) with the partial sums' shared tile capped
-# at 32 KB, so D = 256 runs 32 row-groups (256 threads).
-MAX_ROW_GROUPS = 64
-PARTIAL_SUM_BYTES = 32 * 1024
-
-
-@dataclass(frozen=True)
-class CombineConfig:
-    """Tile shape: ``rows_per_cta`` flat rows, each reduced by ``split_groups`` groups of
-    ``THREADS_PER_ROW`` threads (group ``g`` merges split pairs ``g, g + split_groups, ...``).
-
-    Example: ``CombineConfig(rows_per_cta=2, split_groups=32).threads == 512``.
-    """
-
-    rows_per_cta: int = 64
-    split_groups: int = 1
-
-    def __post_init__(self):
-        if self.rows_per_cta < 1 or self.split_groups < 1:
-            raise kiln.KilnValueError(f"{self} needs positive rows and groups",
-                                      fix="use CombineConfig() or choose_config(...)")
-
-    @property
-    def threads(self) -> int:
-        return self.rows_per_cta * self.split_groups * THREADS_PER_ROW
-
-    def num_warps(self, target: str) -> int:
-        return -(-self.threads // (64 if target.startswith("gfx") else 32))
-
-    def grid(self, rows: int, batch: int) -> tuple[int, int, int]:
-        return (-(-rows // self.rows_per_cta), 1, batch)
-
-    def constexprs(self) -> dict:
-        return dict(ROWS_PER_CTA=self.rows_per_cta, SPLIT_GROUPS=self.split_groups)
-
-
-WIDE = CombineConfig()
-
-
-def choose_config(rows: int, batch: int, max_splits: int, head_dim: int) -> CombineConfig:
-    """The wide schedule unless it would launch fewer than :data:`WIDE_MIN_CTAS` CTAs for more
-    than one split pair per row; then enough split groups to give each pair its own group.
-
-    Example: ``choose_config(64, 1, 33, 128) == CombineConfig(rows_per_cta=2, split_groups=32)``.
-    """
-    pairs = -(-max_splits // 2)
-    if pairs == 1 or WIDE.grid(rows, batch)[0] * batch >= WIDE_MIN_CTAS:
-        return WIDE
-    row_groups = max(1, min(MAX_ROW_GROUPS, PARTIAL_SUM_BYTES // (head_dim * 4)))
-    groups = min(1 << (pairs - 1).bit_length(), 1 << (row_groups.bit_length() - 1))
-    return CombineConfig(rows_per_cta=max(1, row_groups // groups), split_groups=groups)
-
-
-@kiln.kernel
-def lse_merge(o_part, lse_part, counts, o_out, lse_out, heads: i32, rows: i32,
-              HEAD_DIM: kiln.constexpr, MAX_SPLITS: kiln.constexpr, LOG2_PER_UNIT: kiln.constexpr,
-              WIDTH: kiln.constexpr, ROWS_PER_CTA: kiln.constexpr, SPLIT_GROUPS: kiln.constexpr):
-    """``ROWS_PER_CTA`` rows of one batch, ``SPLIT_GROUPS`` groups each (module schedule)."""
-    tpr = THREADS_PER_ROW
-    tid = kiln.thread_id(0)
-    part = tid % tpr
-    local_row = (tid // tpr) % ROWS_PER_CTA
-    group = tid // (tpr * ROWS_PER_CTA)
-    b = kiln.block_id(2)
-    row = kiln.block_id(0) * ROWS_PER_CTA + local_row
-    # Rows past the end compute on the last row (every lane joins the shuffles); no store.
-    q = kiln.min(row, rows - 1) // heads
-    h = kiln.min(row, rows - 1) % heads
-    count = kiln.min(kiln.min(counts[b, q, h], MAX_SPLITS), lse_part.shape[0])
-
-    # --- LSE phase: this thread's slots part, part + tpr, ...
-    slots = (MAX_SPLITS + tpr - 1) // tpr
-    lse = []
-    for k in kiln.static_range(slots):
-        s = part + k * tpr
-        lse.append(lse_part.load(s, b, q, h, mask=s < count, other=-float("inf")))
-    m = lse[0]
-    for x in lse[1:]:
-        m = kiln.max(m, x)
-    m = kiln.shuffle.butterfly_reduce(m, _ROW_LANE_MASKS, kiln.max)
-    m_safe = kiln.where(m == -float("inf"), 0.0, m)       # no (-inf) - (-inf) = NaN
-    # Subtract in the producer's units, then go to base 2: exact for the large LSEs of long
-    # contexts, where scaling first would round away the small differences.
-    w = [kiln.exp2((x - m_safe) * LOG2_PER_UNIT) for x in lse]
-    z = w[0]
-    for x in w[1:]:
-        z = z + x
-    z = kiln.shuffle.butterfly_reduce(z, _ROW_LANE_MASKS, lambda a, c: a + c)
-    valid = (z > 0.0) & (z < float("inf"))                  # NaN compares false
-    inv_z = kiln.where(valid, kiln.rcp(z), 0.0)
-    weights = kiln.shared((ROWS_PER_CTA, slots * tpr), f32)
-    if group == 0:
-        for k in kiln.static_range(slots):
-            # A NaN or +inf LSE makes z NaN: its row gets O = 0 (w * 0 would stay NaN).
-            weights[local_row, part + k * tpr] = kiln.where(valid, w[k] * inv_z, 0.0)
-    kiln.barrier()
-
-    # --- merge phase: this group's split pairs, two splits per iteration, loads first
-    chunks = HEAD_DIM // (WIDTH * tpr)
-    ALIGN = WIDTH * o_part.dtype.itemsize  # contiguous rows, HEAD_DIM % (tpr * WIDTH) == 0
-    cols = [(part + k * tpr) * WIDTH for k in range(chunks)]
-    acc = [kiln.values.constant(0.0, f32, (WIDTH,)) for _ in range(chunks)]
-    for s in kiln.range(2 * group, count, 2 * SPLIT_GROUPS):
-        s1 = kiln.min(s + 1, count - 1)
-        x0 = [o_part.load(s, b, q, h, c, width=WIDTH, align=ALIGN) for c in cols]
-        x1 = [o_part.load(s1, b, q, h, c, width=WIDTH, align=ALIGN) for c in cols]
-        w0 = weights[local_row, s]
-        w1 = kiln.where(s + 1 < count, weights[local_row, s1], 0.0)
-        acc = [kiln.fma(kiln.cast(b1, f32), w1, kiln.fma(kiln.cast(a0, f32), w0, a))
-               for a, a0, b1 in zip(acc, x0, x1)]
-
-    # --- reduce over the groups (split-parallel) and store
-    out_align = WIDTH * o_out.dtype.itemsize
-    if SPLIT_GROUPS == 1:
-        if row < rows:
-            for c, a in zip(cols, acc):
-                o_out.store(b, q, h, c, kiln.cast(a, o_out.dtype), align=out_align)
-    else:
-        sums = kiln.shared((SPLIT_GROUPS, ROWS_PER_CTA, HEAD_DIM), f32)
-        for c, a in zip(cols, acc):
-            sums.store(group, local_row, c, a, align=WIDTH * 4)
-        kiln.barrier()
-        vectors_per_row = HEAD_DIM // WIDTH
-        threads = tpr * ROWS_PER_CTA * SPLIT_GROUPS
-        for k in kiln.static_range(-(-ROWS_PER_CTA * vectors_per_row // threads)):
-            v = tid + k * threads
-            out_local = kiln.min(v // vectors_per_row, ROWS_PER_CTA - 1)
-            c = (v % vectors_per_row) * WIDTH
-            total = sums.load(0, out_local, c, width=WIDTH, align=WIDTH * 4)
-            for g in kiln.static_range(1, SPLIT_GROUPS):
-                total = total + sums.load(g, out_local, c, width=WIDTH, align=WIDTH * 4)
-            out_row = kiln.block_id(0) * ROWS_PER_CTA + out_local
-            if (v < ROWS_PER_CTA * vectors_per_row) & (out_row < rows):
-                o_out.store(b, out_row // heads, out_row % heads, c,
-                            kiln.cast(total, o_out.dtype), align=out_align)
-    if (row < rows) & (part == 0) & (group == 0):
-        nat_per_unit = 1.0 if LOG2_PER_UNIT != 1.0 else LN2
-        lse_out[b, q, h] = kiln.where(valid, kiln.fma(m_safe, nat_per_unit,
-                                                      kiln.log2(z) * LN2), -float("inf"))
-
-
-def _vector_width(head_dim: int, dtype: kiln.DType) -> int:
-    width = max(VECTOR_BYTES // dtype.itemsize, 1)
-    while width > 1 and head_dim % (width * THREADS_PER_ROW):
-        width //= 2
-    if head_dim % (width * THREADS_PER_ROW):
-        raise kiln.UnsupportedError(f"combine needs a head dim divisible by "
-                                    f"{THREADS_PER_ROW}, got {head_dim}",
-                                    fix=f"pad the head dimension to a multiple of "
-                                        f"{THREADS_PER_ROW}")
-    return width
-
+__all__ = ["combine", "plan_combine", "compile_combine", "CombineConfig", "choose_config", "WIDE",
+           "THREADS_PER_ROW", "VECTOR_BYTES", "lse_merge", "lse_merge_ragged"]
 
 def _check_inputs(o_partial, lse_partial, split_counts) -> tuple[int, int, int, int, int]:
     for name, x in (("O_partial", o_partial), ("LSE_partial", lse_partial),
@@ -252,9 +71,13 @@ def _check_inputs(o_partial, lse_partial, split_counts) -> tuple[int, int, int, 
 
 def _consumer_contract(producer: Partials | None, o_dtype: kiln.DType,
                        max_splits: int) -> Partials:
-    """What this combine reads: the producer's log base is followed (both are supported)."""
+    """What this combine reads: the producer's log base and depth order are followed (both
+    of each are supported; an unknown depth order stays natural and fails the check)."""
+    depth = producer.depth_order if producer and producer.depth_order in DEPTH_ORDERS \
+        else DEPTH_ORDERS[0]
     return Partials(producer="kiln.kernels.attention.combine", max_splits=max_splits,
-                    dtype=o_dtype, log_base=producer.log_base if producer else "e")
+                    dtype=o_dtype, log_base=producer.log_base if producer else "e",
+                    depth_order=depth)
 
 
 @dataclass(frozen=True)
@@ -262,7 +85,7 @@ class _CombinePlan:
     """What a combine call of one shape class needs, worked out once (see :data:`_PLANS`):
     validated sizes, grid, constexprs and, for torch CUDA tensors, the bound launch."""
 
-    out_shape: tuple[int, int, int, int]
+    out_shape: tuple[int, ...]  # [B, Sq, H, D], ragged [total_q, H, D]
     grid: tuple[int, int, int]
     target: str
     num_warps: int
@@ -270,9 +93,24 @@ class _CombinePlan:
     max_splits: int
     out_dtype: kiln.DType
     backend: str | None
+    scalars: tuple = ()  # the kernel's trailing i32 arguments
+    ragged: bool = False  # lse_merge_ragged, with cu_seqlens_q after the outputs
     torch_out_dtype: Any = None
     device: Any = None
     bound: Any = None  # kiln.kernels.runtime.bind's launch (torch on the GPU, rows > 0)
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        return self.out_shape[:-1]
+
+    @property
+    def kernel(self):
+        return lse_merge_ragged if self.ragged else lse_merge
+
+    def args(self, o_partial, lse_partial, split_counts, o, lse, cu_q) -> tuple:
+        """The kernel's arguments in order (``cu_q`` only for ragged partials)."""
+        ragged = (cu_q,) if self.ragged else ()
+        return (o_partial, lse_partial, split_counts, o, lse, *ragged, *self.scalars)
 
     @functools.cached_property
     def empty(self) -> bool:
@@ -282,9 +120,10 @@ class _CombinePlan:
         """Fresh ``(o, lse)`` torch tensors on the device of ``lse_partial`` (an f32 tensor):
         ``new_empty`` skips parsing a device and, for ``lse``, a dtype (less host time)."""
         return (lse_partial.new_empty(self.out_shape, dtype=self.torch_out_dtype),
-                lse_partial.new_empty(self.out_shape[:3]))
+                lse_partial.new_empty(self.lse_shape))
 
-    def run_torch(self, o_partial, lse_partial, split_counts, out=None, lse_out=None):
+    def run_torch(self, o_partial, lse_partial, split_counts, out=None, lse_out=None,
+                  cu_q=None):
         if o_partial.data_ptr() % VECTOR_BYTES:  # layouts were checked with the plan
             _refuse_layout()
         if out is None:
@@ -292,17 +131,17 @@ class _CombinePlan:
         else:
             self.check_output(out, "out", self.out_shape, self.torch_out_dtype)
         if lse_out is None:
-            lse_out = lse_partial.new_empty(self.out_shape[:3])  # f32, as checked
+            lse_out = lse_partial.new_empty(self.lse_shape)  # f32, as checked
         else:
             import torch
 
-            self.check_output(lse_out, "lse_out", self.out_shape[:3], torch.float32)
+            self.check_output(lse_out, "lse_out", self.lse_shape, torch.float32)
         if self.empty:  # no rows, or no split slots: every row is O = 0, LSE = -inf
             out.zero_()
             lse_out.fill_(-math.inf)
         if self.bound is not None:
-            self.bound(o_partial.data_ptr(), lse_partial.data_ptr(), split_counts.data_ptr(),
-                       out.data_ptr(), lse_out.data_ptr())
+            self.bound(*(x.data_ptr() for x in self.args(o_partial, lse_partial, split_counts,
+                                                         out, lse_out, cu_q)[:5 + self.ragged]))
         return out, lse_out
 
     def check_output(self, tensor, name: str, shape: tuple, dtype) -> None:
@@ -316,7 +155,8 @@ class _CombinePlan:
                 fix=f"allocate it with torch.empty({shape}, dtype={dtype}, device=...) or "
                     f"leave {name}=None")
 
-    def run_numpy(self, o_partial, lse_partial, split_counts, out=None, lse_out=None):
+    def run_numpy(self, o_partial, lse_partial, split_counts, out=None, lse_out=None,
+                  cu_q=None):
         if isinstance(split_counts, np.ndarray) and split_counts.size and \
                 int(split_counts.max()) > self.max_splits:
             raise kiln.KilnValueError(f"split_counts holds {int(split_counts.max())} splits, "
@@ -325,9 +165,9 @@ class _CombinePlan:
         o_partial, lse_partial, split_counts = (np.ascontiguousarray(a) for a in
                                                 (o_partial, lse_partial, split_counts))
         o = np.empty(self.out_shape, self.out_dtype.numpy) if out is None else out
-        lse = np.empty(self.out_shape[:3], np.float32) if lse_out is None else lse_out
+        lse = np.empty(self.lse_shape, np.float32) if lse_out is None else lse_out
         for array, name, shape, dtype in ((o, "out", self.out_shape, self.out_dtype.numpy),
-                                          (lse, "lse_out", self.out_shape[:3], np.float32)):
+                                          (lse, "lse_out", self.lse_shape, np.float32)):
             if not isinstance(array, np.ndarray) or array.shape != shape or \
                     array.dtype != dtype or not array.flags.c_contiguous:
                 raise kiln.KilnValueError(
@@ -339,9 +179,10 @@ class _CombinePlan:
             o[...] = 0
             lse[...] = -np.inf
         else:
-            args = (o_partial, lse_partial, split_counts, o, lse, *_scalar_args(self.out_shape))
+            args = self.args(o_partial, lse_partial, split_counts, o, lse,
+                             None if cu_q is None else np.ascontiguousarray(cu_q, np.int32))
             run = runtime.interpret if self.backend == "interpret" else runtime.launch
-            run(lse_merge, self.grid, args, target=self.target, num_warps=self.num_warps,
+            run(self.kernel, self.grid, args, target=self.target, num_warps=self.num_warps,
                 **self.constexprs)
         return o, lse
 
@@ -358,14 +199,60 @@ def _refuse_layout():
                               fix="pass .contiguous() tensors")
 
 
-def _scalar_args(out_shape) -> tuple[int, int]:
-    _, sq, heads, _ = out_shape
-    return heads, sq * heads  # (heads, flat rows per batch)
+def _check_ragged(o_partial, lse_partial, split_counts, cu_q, max_seqlen_q):
+    """Shapes of token-ragged partials (module docs): ``(splits, batch, max_seqlen_q, heads,
+    head_dim, total_q)``; numpy ``cu_seqlens_q`` are checked against ``max_seqlen_q`` too."""
+    for name, x in (("O_partial", o_partial), ("LSE_partial", lse_partial),
+                    ("split_counts", split_counts), ("cu_seqlens_q", cu_q)):
+        dtype_of(name, x)
+    if len(o_partial.shape) != 4 or len(lse_partial.shape) != 3 or \
+            len(split_counts.shape) != 3 or len(cu_q.shape) != 1 or cu_q.shape[0] < 1:
+        raise kiln.KilnValueError(
+            f"ragged combine expects O_partial [split, total_q, h, D], LSE_partial "
+            f"[split, total_q, h], split_counts [b, max_seqlen_q, h] and cu_seqlens_q [b + 1]; "
+            f"got {tuple(o_partial.shape)}, {tuple(lse_partial.shape)}, "
+            f"{tuple(split_counts.shape)}, {tuple(cu_q.shape)}",
+            fix="pass token-major partials with cu_seqlens_q, or dense [split, b, q, h, D] ones "
+                "without it")
+    splits, total_q, heads, head_dim = (int(d) for d in o_partial.shape)
+    batch, max_sq = int(cu_q.shape[0]) - 1, int(split_counts.shape[1])
+    if max_seqlen_q is None:
+        max_seqlen_q = max_sq
+    if tuple(lse_partial.shape) != (splits, total_q, heads) or \
+            tuple(split_counts.shape) != (batch, max_sq, heads) or \
+            not isinstance(max_seqlen_q, int) or not 0 <= max_seqlen_q <= max_sq:
+        raise kiln.KilnValueError(
+            f"ragged partials disagree: O_partial {tuple(o_partial.shape)}, LSE_partial "
+            f"{tuple(lse_partial.shape)}, split_counts {tuple(split_counts.shape)}, "
+            f"cu_seqlens_q of {batch + 1}, max_seqlen_q={max_seqlen_q!r}",
+            fix="split_counts must be [len(cu_seqlens_q) - 1, max_seqlen_q, h] and "
+                "max_seqlen_q an int up to its second dimension")
+    if isinstance(cu_q, np.ndarray):
+        cu = cu_q.astype(np.int64)
+        if cu[0] != 0 or cu[-1] != total_q or np.any(np.diff(cu) < 0) or \
+                np.diff(cu).max(initial=0) > max_seqlen_q:
+            raise kiln.KilnValueError(
+                f"cu_seqlens_q must be non-decreasing prefix sums from 0 to total_q={total_q} "
+                f"with no sequence longer than max_seqlen_q={max_seqlen_q}",
+                fix="build it as concatenate([[0], cumsum(lengths)]) and pass max_seqlen_q="
+                    "max(lengths)")
+    if kiln.dtype(cu_q.dtype) is not i32:
+        raise kiln.KilnTypeError(f"cu_seqlens_q must be int32, got {cu_q.dtype}",
+                                 fix="cast it with .astype(np.int32)")
+    return splits, batch, max_seqlen_q, heads, head_dim, total_q
 
 
 def _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, partials, target,
-               backend) -> _CombinePlan:
-    splits, batch, sq, heads, head_dim = _check_inputs(o_partial, lse_partial, split_counts)
+               backend, cu_q=None, max_seqlen_q=None) -> _CombinePlan:
+    ragged = cu_q is not None
+    if ragged:
+        splits, batch, sq, heads, head_dim, total_q = _check_ragged(
+            o_partial, lse_partial, split_counts, cu_q, max_seqlen_q)
+    else:
+        if max_seqlen_q is not None:
+            raise kiln.KilnValueError("max_seqlen_q is for ragged partials",
+                                      fix="pass cu_seqlens_q with it, or neither")
+        splits, batch, sq, heads, head_dim = _check_inputs(o_partial, lse_partial, split_counts)
     o_dtype = kiln.dtype(o_partial.dtype)
     if o_dtype not in (f32, kiln.bf16, kiln.f16):
         raise kiln.UnsupportedError(f"combine reads f32, bf16 or f16 O_partial, got {o_dtype}",
@@ -386,58 +273,83 @@ def _make_plan(o_partial, lse_partial, split_counts, max_splits, out_dtype, part
     rows = sq * heads
     config = choose_config(rows, batch, max_splits, head_dim)
     plan = _CombinePlan(
-        out_shape=(batch, sq, heads, head_dim),
+        out_shape=(total_q, heads, head_dim) if ragged else (batch, sq, heads, head_dim),
         grid=config.grid(rows, batch) if splits else (0, 1, batch),
         target=target, num_warps=config.num_warps(target),
-        constexprs=_constexprs(head_dim, max_splits, contract.log_base, o_dtype, config),
-        max_splits=max_splits, out_dtype=out_dtype, backend=backend)
+        constexprs=_constexprs(head_dim, max_splits, contract, o_dtype, config),
+        max_splits=max_splits, out_dtype=out_dtype, backend=backend,
+        scalars=(heads,) if ragged else (heads, sq * heads), ragged=ragged)
     if not is_torch(o_partial) or backend == "interpret":
         return plan
-    if not all(t.is_contiguous() for t in (o_partial, lse_partial, split_counts)):
+    tensors = (o_partial, lse_partial, split_counts) + ((cu_q,) if ragged else ())
+    if not all(t.is_contiguous() for t in tensors):
         _refuse_layout()
-    if not runtime.bindable(o_partial, lse_partial, split_counts):
-        raise kiln.KilnTypeError("LSE_partial and split_counts must be CUDA tensors like "
-                                 "O_partial", fix="move them to O_partial's device")
+    if not runtime.bindable(*tensors):
+        raise kiln.KilnTypeError("LSE_partial, split_counts (and cu_seqlens_q) must be CUDA "
+                                 "tensors like O_partial", fix="move them to O_partial's device")
     plan = replace(plan, device=o_partial.device,
                    torch_out_dtype=runtime.torch_dtype(out_dtype))
     if plan.empty:
         return plan
-    args = (o_partial, lse_partial, split_counts, *plan.new_outputs(lse_partial),
-            *_scalar_args(plan.out_shape))
-    return replace(plan, bound=runtime.bind(lse_merge, plan.grid, args, target=target,
+    args = plan.args(o_partial, lse_partial, split_counts, *plan.new_outputs(lse_partial), cu_q)
+    return replace(plan, bound=runtime.bind(plan.kernel, plan.grid, args, target=target,
                                             num_warps=plan.num_warps, **plan.constexprs))
 
 
-def _constexprs(head_dim: int, max_splits: int, log_base: str, o_dtype: kiln.DType,
+def _constexprs(head_dim: int, max_splits: int, contract: Partials, o_dtype: kiln.DType,
                 config: CombineConfig) -> dict:
+    depth = {}
+    if contract.depth_order == STG128_DEPTH:
+        vector = stg128_vector(o_dtype)
+        if head_dim % (4 * vector):
+            raise kiln.UnsupportedError(
+                f"stg128 partials of {o_dtype} permute depths in groups of {4 * vector} "
+                f"columns; head dim {head_dim} is not a multiple", fix="pad the head dim, or "
+                "write the partials in natural depth order")
+        depth = dict(DEPTH_VEC=vector)
     return dict(HEAD_DIM=head_dim, MAX_SPLITS=max_splits,
-                LOG2_PER_UNIT=LOG2E if log_base == "e" else 1.0,
-                WIDTH=_vector_width(head_dim, o_dtype), **config.constexprs())
+                LOG2_PER_UNIT=LOG2E if contract.log_base == "e" else 1.0,
+                WIDTH=_vector_width(head_dim, o_dtype), **config.constexprs(), **depth)
 
 
 def plan_combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
                  out_dtype=kiln.bf16, partials: Any = None, target: str | None = None,
-                 backend: str | None = None) -> _CombinePlan:
+                 backend: str | None = None, cu_seqlens_q=None,
+                 max_seqlen_q: int | None = None) -> _CombinePlan:
     """The (cached) plan :func:`combine` runs for these arguments' shape class. A producer
     that calls combine in a loop keeps it and calls ``plan.new_outputs(lse_partial)`` and
     ``plan.bound(o_partial_ptr, lse_partial_ptr, counts_ptr, o_ptr, lse_ptr)`` itself
-    (torch CUDA tensors, contiguous and laid out like the first call's).
+    (torch CUDA tensors, contiguous and laid out like the first call's; ragged partials add
+    ``cu_seqlens_q``'s address last). Numpy ``cu_seqlens_q`` are checked when the plan is
+    made, so the plan of a ragged numpy call is not cached.
 
     Example: ``plan_combine(o_p, lse_p, counts, max_splits=33).grid``.
     """
+    args = (o_partial, lse_partial, split_counts, max_splits, out_dtype, partials, target,
+            backend, cu_seqlens_q, max_seqlen_q)
+    if isinstance(cu_seqlens_q, np.ndarray):  # its values are checked: no cached plan
+        return _make_plan(*args)
     key = (spec(o_partial), spec(lse_partial), spec(split_counts), max_splits, out_dtype,
-           partials_of(partials), target, backend)
+           partials_of(partials), target, backend, spec(cu_seqlens_q), max_seqlen_q)
     plan = _PLANS.lookup(key)
     if plan is None:
-        plan = _PLANS.add(key, _make_plan(o_partial, lse_partial, split_counts, max_splits,
-                                          out_dtype, partials, target, backend))
+        plan = _PLANS.add(key, _make_plan(*args))
     return plan
 
 
 def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
             out_dtype=kiln.bf16, partials: Any = None, target: str | None = None,
-            backend: str | None = None, out=None, lse_out=None):
+            backend: str | None = None, out=None, lse_out=None, cu_seqlens_q=None,
+            max_seqlen_q: int | None = None):
     """Merge split-KV partials into ``(o [b, q, h, D] out_dtype, lse [b, q, h] f32)``.
+
+    Ragged partials (the module docs' layouts): with ``cu_seqlens_q`` (int32 ``[B + 1]``
+    prefix sums over the token rows of ``O_partial [split, total_q, h, D]``), ``split_counts``
+    is ``[B, max_seqlen_q, h]`` by position in the sequence and the results are ``o
+    [total_q, h, D]``, ``lse [total_q, h]``; ``max_seqlen_q`` (default: ``split_counts``'
+    second dimension) sizes the grid, and no sequence may be longer (checked for numpy).
+    A producer writing the ``stg128`` depth order says so in ``partials``
+    (``Partials(..., depth_order="stg128")``); ``o`` comes out in natural order.
 
     ``max_splits`` is compile-time sizing (at least the largest ``split_counts`` entry);
     ``partials`` is the producer's :class:`Partials` (or an object with ``.partials``), checked
@@ -466,25 +378,35 @@ def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
                 backend="interpret", out=o, lse_out=lse)   # writes into o and lse
     """
     plan = plan_combine(o_partial, lse_partial, split_counts, max_splits=max_splits,
-                        out_dtype=out_dtype, partials=partials, target=target, backend=backend)
+                        out_dtype=out_dtype, partials=partials, target=target, backend=backend,
+                        cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
     if plan.device is not None:  # torch tensors on the GPU
-        return plan.run_torch(o_partial, lse_partial, split_counts, out, lse_out)
-    return plan.run_numpy(o_partial, lse_partial, split_counts, out, lse_out)
+        return plan.run_torch(o_partial, lse_partial, split_counts, out, lse_out, cu_seqlens_q)
+    return plan.run_numpy(o_partial, lse_partial, split_counts, out, lse_out, cu_seqlens_q)
 
 
 def compile_combine(dtype=f32, *, head_dim: int = 128, max_splits: int = 32,
                     out_dtype=kiln.bf16, log_base: str = "e", target: str = "sm_90a",
-                    config: CombineConfig = WIDE):
+                    config: CombineConfig = WIDE, depth_order: str = "natural",
+                    ragged: bool = False):
     """The compiled combine kernel (stages, metadata) for ``dtype`` partials, without running;
     ``config`` picks the schedule (:data:`WIDE`, or a split-parallel one of
-    :func:`choose_config`).
+    :func:`choose_config`); ``depth_order`` is the partials' (``"natural"`` or ``"stg128"``),
+    ``ragged`` compiles the token-ragged kernel.
 
-    Example: ``print(compile_combine("f32", target="gfx950").metadata)``.
+    Example: ``print(compile_combine("f32", target="gfx950", depth_order="stg128").metadata)``.
     """
     dtype, out_dtype = kiln.dtype(dtype), kiln.dtype(out_dtype)
-    o_part = np.zeros((1, 1, 1, 1, head_dim), dtype.numpy)
-    args = (o_part, np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1, 1), np.int32),
-            np.zeros((1, 1, 1, head_dim), out_dtype.numpy), np.zeros((1, 1, 1), np.float32),
-            1, 1)
-    return lse_merge.compile(*args, target=target, num_warps=config.num_warps(target),
-                             **_constexprs(head_dim, max_splits, log_base, dtype, config))
+    if depth_order not in DEPTH_ORDERS:
+        raise kiln.KilnValueError(f"depth_order={depth_order!r} is not one of {DEPTH_ORDERS}",
+                                  fix="use 'natural' or 'stg128'")
+    contract = Partials(producer="compile_combine", max_splits=max_splits, dtype=dtype,
+                        log_base=log_base, depth_order=depth_order)
+    lead = (1,) if ragged else (1, 1)
+    args = (np.zeros((1, *lead, 1, head_dim), dtype.numpy), np.zeros((1, *lead, 1), np.float32),
+            np.zeros((1, 1, 1), np.int32), np.zeros((*lead, 1, head_dim), out_dtype.numpy),
+            np.zeros((*lead, 1), np.float32))
+    args += (np.zeros(2, np.int32), 1) if ragged else (1, 1)
+    kernel = lse_merge_ragged if ragged else lse_merge
+    return kernel.compile(*args, target=target, num_warps=config.num_warps(target),
+                          **_constexprs(head_dim, max_splits, contract, dtype, config))

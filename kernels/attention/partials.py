@@ -18,14 +18,27 @@ Fields (the defaults are what ``combine`` reads):
 ================  ============================================================================
 ``layout``        axis order of ``O_partial``; ``LSE_partial`` is the same without ``"d"``.
                   Only split-major ``("split", "b", "q", "h", "d")`` is defined.
-``depth_order``   ``"natural"``: column ``d`` of O holds head-dim element ``d`` (a producer
-                  that stores a vector-store-friendly permutation declares another name).
+``depth_order``   ``"natural"``: column ``d`` of O holds head-dim element ``d``; ``"stg128"``:
+                  the permutation an MMA accumulator leaves when each thread stores its
+                  registers as 16-byte vectors (``real_to_fake`` below; the MSA seed's order).
 ``log_base``      ``"e"`` (natural log, the default) or ``"2"``.
 ``empty_split``   ``"lse_neg_inf_o_zero"``: a slot ``s < C`` that saw no key has LSE ``-inf``
                   and a finite O (zeros); slots ``s >= C`` are never read (any contents).
 ``dtype``         dtype of ``O_partial`` (LSE is always f32, counts int32).
 ``max_splits``    the most slots any row may use (the consumer's compile-time sizing).
 ================  ============================================================================
+
+The ``stg128`` depth order. An MMA accumulator (``mma.sync`` m16n8, WGMMA m64nN) gives the
+thread of quad lane ``t`` the column pair ``2t, 2t + 1`` of every 8-column block. A producer
+that stores those registers straight out as 16-byte vectors of ``V = 16 / itemsize`` values
+(``V / 2`` pairs from ``V / 2`` consecutive blocks) puts natural ("real") column ``r`` at stored
+("fake") column ``real_to_fake(r, V)``, a permutation inside each ``4 V``-column group::
+
+    real_to_fake(r) = r - r % 4V + V * (r % 8 // 2) + 2 * (r % 4V // 8) + r % 2
+    fake_to_real(f) = f - f % 4V + 8 * (f % V // 2) + 2 * (f % 4V // V) + f % 2
+
+(f32 partials: V = 4, groups of 16 columns; bf16: V = 8, groups of 32). ``combine`` reads such
+partials pair by pair at their fake columns and writes ``O`` in natural order.
 """
 
 from __future__ import annotations
@@ -38,6 +51,9 @@ import kiln
 
 SPLIT_MAJOR = ("split", "b", "q", "h", "d")
 NATURAL_DEPTH = "natural"
+STG128_DEPTH = "stg128"
+DEPTH_ORDERS = (NATURAL_DEPTH, STG128_DEPTH)
+STG128_BYTES = 16
 NEG_INF_ZERO = "lse_neg_inf_o_zero"
 LOG_BASES = ("e", "2")
 
@@ -104,3 +120,23 @@ def partials_of(obj: Any) -> Partials | None:
                              f"{type(obj).__name__}",
                              fix="pass the producer's declared Partials, e.g. "
                                  "partials=DECODE_PARTIALS")
+
+
+def stg128_vector(dtype) -> int:
+    """Values per 16-byte store of ``dtype``: the ``V`` of the ``stg128`` order.
+    Example: ``stg128_vector(kiln.f32) == 4``."""
+    return STG128_BYTES // kiln.dtype(dtype).itemsize
+
+
+def real_to_fake(r, vector: int):
+    """The stored column of natural depth ``r`` in the ``stg128`` order of ``vector``-value
+    stores (module docs); ints or traced i32 alike. Example: ``real_to_fake(8, 4) == 2``."""
+    group = 4 * vector
+    return r - r % group + vector * (r % 8 // 2) + 2 * (r % group // 8) + r % 2
+
+
+def fake_to_real(f, vector: int):
+    """The natural depth stored at column ``f`` (inverse of :func:`real_to_fake`).
+    Example: ``fake_to_real(2, 4) == 8``."""
+    group = 4 * vector
+    return f - f % group + 8 * (f % vector // 2) + 2 * (f % group // vector) + f % 2

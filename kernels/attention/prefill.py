@@ -9,6 +9,7 @@ Example::
     # q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]
     o, lse = prefill(q, k, v, causal=True, return_lse=True)
     o = prefill(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)  # ragged q [total, Hq, D]
+    o = prefill(q192, k192, v128, causal=True, softcap=30.0)   # D_qk 192, D_v 128, capped
 """
 
 from __future__ import annotations
@@ -25,51 +26,65 @@ import kiln
 from .. import runtime
 from ..runtime import (ArrayLib, PlanCache, check_backend, check_heads, check_positive,
                        contiguous, dtype_of, empty_like, is_torch, resolve_target, spec)
-from .prefill_hopper import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, HopperPrefillConfig,
-                             MaskSpec, make_kernel)
+from .prefill_config import check_head_dim
+from .prefill_hopper import SUPPORTED_DTYPES, HopperPrefillConfig, MaskSpec, make_kernel
+from .softcap import check_softcap
 
 __all__ = ["prefill", "compile_prefill"]
 
 
-def compile_prefill(dtype="bf16", *, target, head_dim=128, causal=False, window=None,
-                    chunk=None, group=1, sinks=False, return_lse=False, **config):
+def compile_prefill(dtype="bf16", *, target, head_dim=128, head_dim_v=None, causal=False,
+                    window=None, chunk=None, group=1, sinks=False, return_lse=False, softcap=0.0,
+                    **config):
     """Compile (without running) the prefill kernel for ``target``; returns the
     ``CompiledKernel`` (``.asm`` stages, ``.metadata``; on gfx950 also the schedule report).
 
     ``dtype`` may also be given positionally (``compile_prefill("bf16", target=...)``, the
     shape every ``compile_*`` entry of the kernel library accepts). ``group`` is query heads
     per KV head; ``sinks`` / ``return_lse`` are booleans selecting the
-    specialisation; ``config`` keywords are :class:`HopperPrefillConfig` fields on NVIDIA.
-    Example: ``compile_prefill(target="sm_90a", head_dim=128, dtype="bf16").asm["ptx"]``.
+    specialisation; ``head_dim`` is Q/K's and ``head_dim_v`` V's (None: the same; each a
+    multiple of 8 up to 256); ``softcap`` > 0 compiles the soft-capped kernel;
+    ``config`` keywords are :class:`HopperPrefillConfig` fields on NVIDIA.
+    Example: ``compile_prefill(target="sm_90a", head_dim=192, head_dim_v=128).asm["ptx"]``.
     """
     chip = resolve_target(target)
     name = _dtype_name(dtype)
     mask = _mask_spec(causal, window, chunk)
+    softcap = check_softcap(softcap)
+    check_head_dim("head_dim", head_dim)
+    if head_dim_v is not None:
+        check_head_dim("head_dim_v", head_dim_v)
     if chip.is_amd:  # specialised on which masks and sinks exist, not on group or LSE
         from .prefill_gfx950 import compile_prefill_gfx950
 
-        return compile_prefill_gfx950(head_dim=head_dim, dtype=name, causal=causal,
-                                      window=window, chunk=chunk, sinks=True if sinks else None,
+        return compile_prefill_gfx950(head_dim=head_dim, head_dim_v=head_dim_v, dtype=name,
+                                      causal=causal, window=window, chunk=chunk,
+                                      sinks=True if sinks else None, softcap=softcap,
                                       target=chip.name, **config)
     _require_wgmma(chip)
-    cfg = _config(head_dim, config)
-    kernel = make_kernel(name, cfg, mask, int(group), bool(sinks), bool(return_lse))
-    args = _placeholder_args(name, cfg.head_dim, group)
+    cfg = _config(head_dim, head_dim_v, config)
+    kernel = make_kernel(name, cfg, mask, int(group), bool(sinks), bool(return_lse), softcap)
+    args = _placeholder_args(name, cfg, group)
     return kernel.compile(*args, target=chip.name, num_warps=cfg.num_warps,
                           **_constexprs(cfg, 1))
 
 
 def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale=None,
-            cu_seqlens_q=None, cu_seqlens_k=None, return_lse=False, target=None, backend=None):
+            softcap=None, cu_seqlens_q=None, cu_seqlens_k=None, return_lse=False, target=None,
+            backend=None):
     """Attention forward ``softmax(scale * q k^T + mask) v``; see the module docs and
     ``tests/attention_reference.py`` for the exact conventions.
 
-    q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]`` (or ragged ``[total, H, D]`` with int32
-    ``cu_seqlens_q/k`` of ``B + 1`` prefix sums); bf16 or f16; D in 64/128/256; ``Hq % Hkv == 0``.
+    q ``[B, Sq, Hq, D]``, k ``[B, Sk, Hkv, D]``, v ``[B, Sk, Hkv, Dv]`` (or ragged
+    ``[total, H, D]`` with int32 ``cu_seqlens_q/k`` of ``B + 1`` prefix sums); bf16 or f16; D and
+    Dv multiples of 8 up to 256 (64/128/256 have tuned tiles, the others run on the next
+    64-column tile; Dv may differ from D, e.g. DeepSeek's 192/128); ``Hq % Hkv == 0``.
     ``window=(left, right)`` as FlashAttention's ``window_size`` (-1 unbounded); ``chunk=C``
     limits keys to the query's chunk; ``sinks`` are per-head logits of a virtual zero-value key;
-    ``scale`` defaults to ``1/sqrt(D)``. Returns ``o`` like q, and with ``return_lse`` the
-    natural-log LSE ``[B, Hq, Sq]`` (ragged: ``[Hq, total_q]``), f32.
+    ``scale`` defaults to ``1/sqrt(D)``; ``softcap`` (FlashAttention's, Gemma-2's) replaces
+    each scaled score ``s`` by ``softcap * tanh(s / softcap)`` before the mask and softmax
+    (0.0 or None: off). Returns ``o`` ``[B, Sq, Hq, Dv]`` in q's dtype, and with
+    ``return_lse`` the natural-log LSE ``[B, Hq, Sq]`` (ragged: ``[Hq, total_q]``), f32.
 
     Inputs are validated before anything compiles (a :class:`kiln.KilnError` naming the
     argument: kinds, ranks, dtypes, agreeing shapes, ``Hq % Hkv``, ``scale > 0``, the ragged
@@ -78,14 +93,16 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     and ``lse = -inf`` (a sink's logit with ``sinks``), as for any row that sees no key.
     Example: ``o = prefill(q, k, v, causal=True)`` with torch CUDA tensors.
     """
+    softcap = check_softcap(softcap)  # a float before it enters a plan's key
     if cu_seqlens_q is None and cu_seqlens_k is None and backend != "interpret" and \
             is_torch(q):
         key = (spec(q), spec(k), spec(v), spec(sinks), causal, window, chunk, scale,
-               return_lse, target, backend)
+               softcap, return_lse, target, backend)
         plan = _PLANS.lookup(key)
         if plan is None:
             plan = _PLANS.add(key, _make_dense_plan(q, k, v, causal, window, chunk, sinks,
-                                                    scale, return_lse, target, backend))
+                                                    scale, softcap, return_lse, target,
+                                                    backend))
         if plan:
             return plan.run(q, k, v, sinks)
     chip, shapes, mask, scale = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, causal,
@@ -97,7 +114,8 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
 
         out = run_prefill_gfx950(*(ArrayLib.numpy(x) for x in (q, k, v)), causal=causal,
                                  window=window, chunk=chunk, sinks=_optional_numpy(sinks),
-                                 scale=scale, cu_seqlens_q=_optional_numpy(cu_seqlens_q),
+                                 scale=scale, softcap=softcap,
+                                 cu_seqlens_q=_optional_numpy(cu_seqlens_q),
                                  cu_seqlens_k=_optional_numpy(cu_seqlens_k),
                                  return_lse=return_lse, backend=backend)
         return _outputs_like(q, out, return_lse)
@@ -105,19 +123,21 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     if backend == "interpret":
         arrays = [ArrayLib.numpy(x) for x in (q, k, v)]
         extra = [_optional_numpy(x) for x in (sinks, cu_seqlens_q, cu_seqlens_k)]
-        out = _run(chip.name, *arrays, *extra, shapes, mask, scale, return_lse, interpret=True)
+        out = _run(chip.name, *arrays, *extra, shapes, mask, scale, softcap, return_lse,
+                   interpret=True)
         return _outputs_like(q, out, return_lse)
     return _run(chip.name, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, shapes, mask, scale,
-                return_lse, interpret=False)
+                softcap, return_lse, interpret=False)
 
 
-def _run(target, q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse, *, interpret):
+def _run(target, q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, softcap, return_lse, *,
+         interpret):
     """Lay out the operands as the kernel wants them and launch (or interpret) it."""
     kernel, args, grid, constexprs, num_warps = _operands(q, k, v, sinks, cu_q, cu_k, shapes,
-                                                          mask, scale, return_lse)
+                                                          mask, scale, softcap, return_lse)
     run = runtime.interpret if interpret else runtime.launch
     run(kernel, grid, args, target=target, num_warps=num_warps, **constexprs)
-    o, lse = args[3].reshape(q.shape), args[4]
+    o, lse = args[3].reshape(*q.shape[:-1], shapes["dv"]), args[4]
     if not return_lse:
         return o
     total_q, hq = args[0].shape[0], shapes["hq"]
@@ -125,14 +145,16 @@ def _run(target, q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse, *,
         lse.reshape(shapes["batch"], hq, q.shape[1])
 
 
-def _operands(q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse):
+def _operands(q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, softcap, return_lse):
     """The kernel of this shape class, its run-time arguments (fresh ``o`` and ``lse``
     included), grid, constexprs and warps."""
-    b, hq, hkv, d = shapes["batch"], shapes["hq"], shapes["hkv"], shapes["d"]
+    b, hq, hkv, d, dv = (shapes[n] for n in ("batch", "hq", "hkv", "d", "dv"))
     ragged = cu_q is not None
-    q2 = contiguous(q).reshape(-1, hq * d)
-    k2 = contiguous(k).reshape(-1, hkv * d)
-    v2 = contiguous(v).reshape(-1, hkv * d)
+    cfg = HopperPrefillConfig.for_head_dim(d, dv)
+    # 2-D [rows, H * D] views, or 3-D [rows, H, D] ones whose columns past D read zeros.
+    q2 = contiguous(q).reshape((-1, hq, d) if cfg.padded_qk else (-1, hq * d))
+    k2 = contiguous(k).reshape((-1, hkv, d) if cfg.padded_qk else (-1, hkv * d))
+    v2 = contiguous(v).reshape((-1, hkv, dv) if cfg.padded_v else (-1, hkv * dv))
     total_q = q2.shape[0]
     if ragged:
         cu_q_arr, cu_k_arr = (ArrayLib(q).asarray(cu, kiln.i32) for cu in (cu_q, cu_k))
@@ -144,13 +166,13 @@ def _operands(q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, return_lse):
         cu_k_arr = _arange_like(q, b, sk)
         max_sq = sq
         lse_row_mult, lse_head_stride = hq, sq
-    cfg = HopperPrefillConfig.for_head_dim(d)
     group = hq // hkv
-    o2 = empty_like(q, (total_q, hq * d), kiln.dtype(q.dtype))
+    o2 = empty_like(q, (total_q, hq * dv), kiln.dtype(q.dtype))
     lse = empty_like(q, (max(hq * total_q, 1) if return_lse else 1,), kiln.f32)
     sink_arr = ArrayLib(q).asarray(sinks, kiln.f32) if sinks is not None else \
         empty_like(q, (hq,), kiln.f32)
-    kernel = make_kernel(_dtype_name(q.dtype), cfg, mask, group, sinks is not None, return_lse)
+    kernel = make_kernel(_dtype_name(q.dtype), cfg, mask, group, sinks is not None, return_lse,
+                         softcap)
     args = [q2, k2, v2, o2, lse, sink_arr, cu_q_arr, cu_k_arr, float(scale) * math.log2(math.e),
             lse_row_mult, lse_head_stride]
     q_tiles = -(-max_sq // cfg.block_m)
@@ -170,8 +192,9 @@ class _DensePlan:
     cu_pointers: tuple[int, int]  # device cu_seqlens of the dense batch (cached, never freed)
 
     def run(self, q, k, v, sinks):
-        # q's new_empty skips parsing a device (and, for o, a dtype); no_lse is f32
-        o = q.new_empty(q.shape)
+        # q's new_empty skips parsing a device (and, for o, a dtype); no_lse is f32. o takes
+        # v's head dim (192/128).
+        o = q.new_empty(q.shape[:-1] + v.shape[-1:])
         lse = self.no_lse if self.lse_shape is None else \
             q.new_empty(self.lse_shape, dtype=self.no_lse.dtype)
         self.bound(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
@@ -185,7 +208,7 @@ class _DensePlan:
 _PLANS = PlanCache("prefill")
 
 
-def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, target,
+def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, softcap, return_lse, target,
                      backend) -> _DensePlan | bool:
     """The plan of a dense torch call, or False when the general path must run it."""
     import torch
@@ -199,7 +222,7 @@ def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, return_lse, t
     _require_wgmma(chip)
     kernel, args, grid, constexprs, num_warps = _operands(
         q.contiguous(), k.contiguous(), v.contiguous(), sinks, None, None, shapes, mask, scale,
-        return_lse)
+        softcap, return_lse)
     bound = runtime.bind(kernel, grid, args, target=chip.name, num_warps=num_warps,
                          **constexprs)
     lse_shape = (shapes["batch"], shapes["hq"], q.shape[1]) if return_lse else None
@@ -237,20 +260,22 @@ def _check_inputs(q, k, v, cu_q, cu_k, sinks) -> dict:
     if len(set(names.values())) != 1 or names["q"] not in SUPPORTED_DTYPES:
         raise kiln.UnsupportedError(f"q/k/v dtypes {names} are not supported",
                                     fix=f"pass q, k and v all in one of {SUPPORTED_DTYPES}")
-    if tuple(k.shape) != tuple(v.shape):
+    if tuple(k.shape[:-1]) != tuple(v.shape[:-1]):
         raise kiln.KilnValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ",
-                                  fix="k and v must have the same shape")
-    d, hq, hkv = q.shape[-1], q.shape[-2], k.shape[-2]
-    if d not in SUPPORTED_HEAD_DIMS or k.shape[-1] != d:
-        raise kiln.UnsupportedError(f"head dim q {d} / k {k.shape[-1]} is not supported",
-                                    fix=f"use one of {SUPPORTED_HEAD_DIMS} for q, k and v")
+                                  fix="k and v must have the same shape but for the head dim")
+    d, dv, hq, hkv = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
+    check_head_dim("q/k head dim", int(d))
+    check_head_dim("v head dim", int(dv))
+    if k.shape[-1] != d:
+        raise kiln.KilnValueError(f"q's head dim {d} and k's {k.shape[-1]} differ",
+                                  fix="q and k need the same head dim (v's may differ)")
     check_heads(hq, hkv, q_name="q", kv_name="k")
     if sinks is not None:
         dtype_of("sinks", sinks)
     if sinks is not None and tuple(sinks.shape) != (hq,):
         raise kiln.KilnValueError(f"sinks has shape {tuple(sinks.shape)}; expected ({hq},)",
                                   fix="pass one sink logit per query head")
-    shapes = dict(d=d, hq=hq, hkv=hkv)
+    shapes = dict(d=d, dv=dv, hq=hq, hkv=hkv)
     if not ragged:
         if q.shape[0] != k.shape[0]:
             raise kiln.KilnValueError(f"q batch {q.shape[0]} != k batch {k.shape[0]}",
@@ -274,7 +299,7 @@ def _without_work(q, k, shapes, ragged) -> bool:
 
 def _outputs_without_work(q, shapes, sinks, ragged, return_lse):
     """``o`` like q (zeros: a row without keys) and the LSE: ``-inf``, or a sink's logit."""
-    o = empty_like(q, tuple(q.shape), kiln.dtype(q.dtype), fill=0.0)
+    o = empty_like(q, (*q.shape[:-1], shapes["dv"]), kiln.dtype(q.dtype), fill=0.0)
     if not return_lse:
         return o
     hq = shapes["hq"]
@@ -302,8 +327,8 @@ def _mask_spec(causal, window, chunk) -> MaskSpec:
                     chunk=int(chunk or 0))
 
 
-def _config(head_dim, overrides) -> HopperPrefillConfig:
-    return replace(HopperPrefillConfig.for_head_dim(head_dim), **overrides)
+def _config(head_dim, head_dim_v, overrides) -> HopperPrefillConfig:
+    return replace(HopperPrefillConfig.for_head_dim(head_dim, head_dim_v), **overrides)
 
 
 def _constexprs(cfg: HopperPrefillConfig, num_kv_heads: int) -> dict:
@@ -311,11 +336,13 @@ def _constexprs(cfg: HopperPrefillConfig, num_kv_heads: int) -> dict:
                 CONSUMER_REGS=cfg.consumer_registers)
 
 
-def _placeholder_args(name, head_dim, group):
+def _placeholder_args(name, cfg: HopperPrefillConfig, group):
     """Arrays carrying dtype and rank only: the kernel is specialised on them."""
-    x = np.empty((1, head_dim * group), kiln.dtype(name).numpy)
+    x = np.empty((1, cfg.head_dim * group), kiln.dtype(name).numpy)
+    qk = np.empty((1, group, cfg.head_dim), x.dtype) if cfg.padded_qk else x
+    v = np.empty((1, 1, cfg.dv), x.dtype) if cfg.padded_v else x
     f, i = np.empty(1, np.float32), np.empty(1, np.int32)
-    return [x, x, x, x, f, f, i, i, 1.0, 1, 1]
+    return [qk, qk, v, x, f, f, i, i, 1.0, 1, 1]
 
 
 def _require_wgmma(chip):

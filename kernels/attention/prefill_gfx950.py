@@ -4,8 +4,13 @@
 accumulation, the conventions of ``kiln.kernels.attention.prefill`` (masks, sinks, GQA, ragged
 batches, LSE; see ``tests/attention_reference.py``).
 
-Work split: one block of 8 waves per (query head, 256-row Q block, sequence); wave ``w`` owns
-the 32-row Q stripe ``w``. Scores are computed transposed, ``S^T = K Q^T`` on
+Head dims (:mod:`.prefill_gfx950_config`): Q/K and V each run on the next of 64 / 128 / 256
+columns (any multiple of 8 up to 256, V's may differ from Q/K's); padding columns read zeros
+and are not stored. ``softcap`` caps the scores first (:mod:`.softcap`; the softmax then runs
+at a log2 scale of 1).
+
+Work split: one block of 8 waves (4 when an operand is 256 wide: registers, below) per
+(query head, ``32 * waves``-row Q block, sequence); wave ``w`` owns the 32-row Q stripe ``w``. Scores are computed transposed, ``S^T = K Q^T`` on
 ``v_mfma_f32_32x32x16``, so in the accumulator's ``col_l`` view a lane owns one query row and
 the online-softmax state (``OnlineSoftmax``, ``q_axis="col"``) is one f32 per lane. PV is
 ``O^T = V^T P^T``: P is the B operand straight from the score registers and V^T comes from
@@ -77,151 +82,62 @@ The vote selects instead of branching for the same reason. K/V fragment offsets 
 
 Registers: 8 waves of 64 lanes per block put two waves on each SIMD, so a wave gets 256 of the
 512 unified VGPR+AGPR registers (LLVM enforces it; no AGPR is used). Measured for every mask
-kind: head_dim 64 uses 182-189 VGPRs, 128 uses 199-209, no scratch. head_dim 256 does not fit:
-the O^T accumulator (128 VGPRs), Q (64) and the V tile of one PV cluster (64 at 32 keys, the
-fewest a 32x32 MFMA row block holds) already need 256, so ``compile_prefill_gfx950`` refuses it
-unless ``allow_scratch=True`` (it then spills 556-580 bytes); the interpreter runs every head
-dim. GQA head remap: block ``x`` serves query head ``(x % GROUP) * NUM_KV_HEADS + x // GROUP``.
+kind: head_dim 64 uses 182-189 VGPRs, 128 uses 199-209, no scratch. A 256-wide operand does not
+fit there (at head_dim 256 the O^T accumulator, Q and one PV cluster's V tile already need 256),
+so those head dims run 4 waves per block: one wave per SIMD and all 512 registers. Measured
+(causal): 256 and 192 use 376 VGPRs + 120 AGPRs, 192/128 272 + 16, no scratch; a kernel that
+would still spill is refused unless ``allow_scratch=True``. GQA head remap: block ``x`` serves
+query head ``(x % GROUP) * NUM_KV_HEADS + x // GROUP``.
 
-Edges: Q, K, V and O go through buffer views; rows past a sequence are redirected past the
-tensor's end, so they read zeros and their stores are dropped.
+Edges: Q, K, V and O go through buffer views; rows past a sequence, and the padding columns of
+a head dim narrower than its tile, are redirected past the tensor's end, so they read zeros and
+their stores are dropped.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
 
 import kiln
 from kiln import amd_asm, amd_buffer, mma
-from kiln.cluster import ClusterRecipe
 from kiln.layout import mfma_32x32_accumulator
 from kiln.amd.loader import TiledMmaLoader
 from kiln.tiles import RegTile, TileVector
 
 from .online_softmax import OnlineSoftmax
+from .prefill_gfx950_config import (DMA_ELEMS, EPILOGUE, KEY_BLOCK, MMA_SHAPE, PROLOGUE,
+                                    STRIP_KEYS, STRIPE, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS,
+                                    WAVE, PrefillGfx950Config)
+from .prefill_gfx950_config import swap_bits_2_3 as _swap_bits_2_3
+from .prefill_gfx950_config import tr_depth as _tr_depth
+from .softcap import soft_cap, soft_cap_constants
 
-MMA_SHAPE = (32, 32, 16)
-WAVE = 64
-WAVES = 8
-STRIPE = 32  # Q rows per wave: one MFMA column block
-BLOCK_Q = WAVES * STRIPE
-KEY_BLOCK = MMA_SHAPE[0]  # keys per score fragment (S^T rows)
-STRIP_KEYS = 8  # score values of one strip per lane (16 keys over the two half-waves)
-DMA_ELEMS = 8  # 16 bytes of a 2-byte dtype per lane per DMA
 RESCALE_THRESHOLD = 8.0
 EPILOGUE_TILES = 4  # the epilogue drains four tiles
 # At least one main-loop iteration: a loop LLVM sees run at least once has no zero-trip path,
 # whose structurized flow block would keep the prologue's P and K registers live across it.
 MIN_TILES = EPILOGUE_TILES + 2
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-MAX_REGISTER_HEAD_DIM = 128  # larger head dims spill (module docs)
-SUPPORTED_DTYPES = ("bf16", "f16")
 LOG2E = 1.0 / math.log(2.0)
 
-# Cluster numbers: C0-C7 the main loop, then the prologue and the epilogue.
-PROLOGUE = tuple(range(8, 12))
-EPILOGUE = tuple(range(12, 25))
-
-
-@dataclass(frozen=True)
-class PrefillGfx950Config:
-    """Compile-time shape of the gfx950 prefill kernel.
-
-    Example: ``PrefillGfx950Config(head_dim=128).mfmas_per_tile == (8, 8)`` (QK, PV).
-    """
-
-    head_dim: int = 128
-    dtype: str = "bf16"
-    causal: bool = False
-    window: bool = False
-    chunk: bool = False
-    sinks: bool = False
-
-    def __post_init__(self):
-        if self.head_dim not in SUPPORTED_HEAD_DIMS:
-            raise kiln.UnsupportedError(f"gfx950 prefill head_dim={self.head_dim} is not "
-                                        "supported", fix=f"use one of {SUPPORTED_HEAD_DIMS}")
-        if kiln.dtype(self.dtype).name not in SUPPORTED_DTYPES:
-            raise kiln.UnsupportedError(f"gfx950 prefill does not support {self.dtype} inputs",
-                                        fix=f"use one of {', '.join(SUPPORTED_DTYPES)}")
-
-    @property
-    def block_kv(self) -> int:
-        """Keys per K/V tile: 64 for head_dim 64, else 32 (registers; see the module docs)."""
-        return 64 if self.head_dim == 64 else 32
-
-    @property
-    def strips(self) -> int:
-        """PV k-steps per tile = softmax strips (16 keys each)."""
-        return self.block_kv // MMA_SHAPE[2]
-
-    @property
-    def mfmas_per_tile(self) -> tuple[int, int]:
-        """(QK, PV) MFMAs one wave issues per K/V tile."""
-        d = self.head_dim
-        return self.block_kv // KEY_BLOCK * d // MMA_SHAPE[2], d // MMA_SHAPE[0] * self.strips
-
-    @property
-    def dmas_per_tile(self) -> int:
-        """``buffer_load_dwordx4 ... lds`` one wave issues per K (or V) tile."""
-        return self.block_kv * self.head_dim // (WAVE * DMA_ELEMS * WAVES)
-
-    @property
-    def lds_bytes(self) -> int:
-        return 2 * 2 * self.block_kv * self.head_dim * 2  # K and V, two slots each
-
-    def recipes(self) -> dict[int, ClusterRecipe]:
-        """Cluster number -> recipe: the schedule tables of the module docs as data."""
-        qk, pv = self.mfmas_per_tile
-        dma = self.dmas_per_tile
-        d_tiles = self.head_dim // MMA_SHAPE[0]
-        v_reads = 2 * pv  # two transposed reads per V fragment
-        k_reads = qk  # one ds_read_b128 per K fragment
-        exps = self.strips * STRIP_KEYS
-        qk_only = ClusterRecipe(work=(("mfma", qk),), priority=1)
-        load_v_vote = ClusterRecipe(work=(("dma", dma), ("ds_read", v_reads)))
-        pv_partial = ClusterRecipe(work=(("mfma", pv), ("trans", exps)),
-                                   interleave=(("mfma", d_tiles), ("trans", STRIP_KEYS)),
-                                   priority=1)
-        load_k = ClusterRecipe(work=(("dma", dma), ("ds_read", k_reads)))
-        v_only = ClusterRecipe(work=(("ds_read", v_reads),))
-        loop = [qk_only, load_v_vote, pv_partial, load_k]
-        prologue = [ClusterRecipe(work=(("dma", 3 * dma),)),
-                    ClusterRecipe(work=(("ds_read", k_reads), ("mfma", qk)), priority=1),
-                    ClusterRecipe(work=(("dma", dma), ("trans", exps))),
-                    load_k]
-        epilogue = loop + [qk_only, v_only, pv_partial, load_k,
-                           qk_only, v_only, pv_partial, v_only,
-                           ClusterRecipe(work=(("mfma", pv),), priority=1)]
-        return dict(enumerate(loop + loop)) | dict(zip(PROLOGUE, prologue)) | \
-            dict(zip(EPILOGUE, epilogue))
-
-
-def _swap_bits_2_3(r):
-    """The key held by K's LDS row ``r`` (an involution): swapping row bits 2 and 3 makes the
-    score accumulator's rows line up with the K-groups of the PV MFMA's P operand."""
-    return r - (r % 16) + (r % 4) + ((r // 4) % 2) * 8 + ((r // 8) % 2) * 4
-
-
-def _tr_depth(r):
-    """The depth held by row ``r`` of an O^T accumulator whose V^T operand came from
-    ``ds_read_b64_tr_b16`` (its rows are permuted inside 16-row blocks)."""
-    return r - (r % 16) + (r % 4) * 4 + (r % 16) // 4
+__all__ = ["PrefillGfx950Config", "make_kernel", "compile_prefill_gfx950", "run_prefill_gfx950",
+           "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES"]
 
 
 def make_kernel(config: PrefillGfx950Config):
     """The ``@kiln.kernel`` for ``config``; arguments ``(q, k, v, o, lse, cu_q, cu_k, sinks,
-    hq, hkv, scale_log2, window_left, window_right, chunk)`` with q/o ``[tokens * Hq, D]``,
-    k/v ``[tokens * Hkv, D]``, lse ``[Hq, tokens]``; grid ``(Hq, ceil(max Sq / 256), B)``."""
+    hq, hkv, scale_log2, window_left, window_right, chunk)`` with q ``[tokens * Hq, D]``,
+    k ``[tokens * Hkv, D]``, v ``[tokens * Hkv, Dv]``, o ``[tokens * Hq, Dv]``, lse
+    ``[Hq, tokens]``; grid ``(Hq, ceil(max Sq / config.block_q), B)``."""
     dtype = kiln.dtype(config.dtype)
-    d = config.head_dim
-    k_steps = d // MMA_SHAPE[2]
-    d_tiles = d // MMA_SHAPE[0]
-    dmas = config.dmas_per_tile
+    d, dv = config.head_dim, config.dv  # the real head dims
+    qk_w, v_w = config.qk_width, config.v_width  # the tiles' widths (module docs)
+    k_steps = qk_w // MMA_SHAPE[2]
+    d_tiles = v_w // MMA_SHAPE[0]
+    dma_k, dma_v = config.dmas_per_tile
+    waves = config.waves
     block_kv, strips = config.block_kv, config.strips
     key_frags = block_kv // KEY_BLOCK  # score fragments per tile
     CAUSAL, WINDOW, CHUNK, SINKS = config.causal, config.window, config.chunk, config.sinks  # noqa: N806
@@ -233,15 +149,20 @@ def make_kernel(config: PrefillGfx950Config):
     key_of_value = [_swap_bits_2_3(8 * (v // 4) + v % 4) for v in range(16)]
 
     def dma_tile(src, lds, tile, geo, permute):
-        """This wave's share of one K/V tile (relative index ``tile``) into ``lds``."""
-        for i in kiln.static_range(dmas):
-            chunk = geo.wave + i * WAVES
+        """This wave's share of one K (``permute``) or V tile (relative index ``tile``) into
+        ``lds``; keys past ``Sk`` and columns past the head dim read zeros."""
+        width, real = (qk_w, d) if permute else (v_w, dv)
+        for i in kiln.static_range(dma_k if permute else dma_v):
+            chunk = geo.wave + i * waves
             position = chunk * (WAVE * DMA_ELEMS) + geo.lane * DMA_ELEMS
-            row, col = position // d, position % d
+            row, col = position // width, position % width
             key = (geo.tile_lo + tile) * block_kv + (_swap_bits_2_3(row) if permute else row)
-            src_row = kiln.where(key < geo.sk, (geo.seq_k0 + key) * geo.hkv + geo.kv_head,
+            inside = key < geo.sk
+            if real != width:  # a padded head dim: its extra columns come from past the end
+                inside = inside & (col < real)
+            src_row = kiln.where(inside, (geo.seq_k0 + key) * geo.hkv + geo.kv_head,
                                  geo.k_rows)
-            first = chunk * (WAVE * DMA_ELEMS) // d
+            first = chunk * (WAVE * DMA_ELEMS) // width
             amd_buffer.copy_to_lds(src, (src_row, col), lds, (first, 0), width=DMA_ELEMS)
 
     def mask_scores(s, tile, geo):
@@ -303,7 +224,11 @@ def make_kernel(config: PrefillGfx950Config):
         the threshold): ``scale_vec`` = exp2(prev - max), prev = max. Skipped: max rolls back
         to prev (so P stays below 2**8) and ``scale_vec`` = 1, which makes the rescales of
         ``o`` and ``norm`` identities. The vote selects rather than branches: LLVM's
-        MachineSink moves pure work past a branch towards its uses, out of its cluster."""
+        MachineSink moves pure work past a branch towards its uses, out of its cluster.
+        With a softcap the scores are capped first (log2 units, ``geo.scale_log2`` is 1)."""
+        if config.softcap:
+            s = RegTile([soft_cap(s.fragment(f, 0), *geo.cap) for f in range(key_frags)],
+                        s.layout, s.grid)
         s = mask_scores(s, tile, geo) if masked else mask_boundary_tile(s, tile, geo)
         sm.col_max_acc_scaled(s, geo.scale_log2)
         fired = kiln.shuffle.any_lane((sm.max_vec - sm.max_vec_prev).any_greater(
@@ -328,12 +253,12 @@ def make_kernel(config: PrefillGfx950Config):
     # folds them into each ds_read's offset field instead of keeping one loop-invariant address
     # register per fragment and slot live across the main loop.
     def load_v(v_lds):
-        return [[loader.load_b_tr(v_lds, imm_offset_bytes=2 * (kk * MMA_SHAPE[2] * d
+        return [[loader.load_b_tr(v_lds, imm_offset_bytes=2 * (kk * MMA_SHAPE[2] * v_w
                                                                 + dt * MMA_SHAPE[0]))
                  for dt in range(d_tiles)] for kk in range(strips)]
 
     def load_k(k_lds):
-        return [loader.load_b(k_lds, imm_offset_bytes=2 * (nt * MMA_SHAPE[1] * d
+        return [loader.load_b(k_lds, imm_offset_bytes=2 * (nt * MMA_SHAPE[1] * qk_w
                                                            + kk * MMA_SHAPE[2]))[0]
                 for nt in range(key_frags) for kk in range(k_steps)]
 
@@ -368,8 +293,9 @@ def make_kernel(config: PrefillGfx950Config):
         return RegTile(frags, o.layout, o.grid), (exps if x is not None else None)
 
     def drain_dma(outstanding):
-        """Before the cluster's barrier: all but the ``outstanding`` youngest tile DMAs done."""
-        amd_asm.s_waitcnt(vmcnt=outstanding * dmas)
+        """Before the cluster's barrier: all but the ``outstanding`` youngest tile DMAs done
+        (the youngest is always a V tile, the one before it a K tile)."""
+        amd_asm.s_waitcnt(vmcnt=(0, dma_v, dma_v + dma_k)[outstanding])
 
     def iteration(ids, j, state, geo, last, masked):
         """C0-C7 (cluster numbers ``ids``) for ``j``; ``last``: the epilogue's E0-E7, which
@@ -409,8 +335,8 @@ def make_kernel(config: PrefillGfx950Config):
         kiln.manual_waits()
         # One LDS buffer per slot, so the wait verifier tells the slots apart.
         bufs = SimpleNamespace(k=amd_buffer.buffer(k), v=amd_buffer.buffer(v),
-                               k_lds=[kiln.shared((block_kv, d), dtype) for _ in range(2)],
-                               v_lds=[kiln.shared((block_kv, d), dtype) for _ in range(2)])
+                               k_lds=[kiln.shared((block_kv, qk_w), dtype) for _ in range(2)],
+                               v_lds=[kiln.shared((block_kv, v_w), dtype) for _ in range(2)])
         q_buf, o_buf = amd_buffer.buffer(q), amd_buffer.buffer(o)
         lane, wave = kiln.lane_id(), kiln.warp_id()
         group = hq // hkv
@@ -419,12 +345,12 @@ def make_kernel(config: PrefillGfx950Config):
         seq_q0, seq_k0 = cu_q[batch], cu_k[batch]
         sq, sk = cu_q[batch + 1] - seq_q0, cu_k[batch + 1] - seq_k0
         q_rows = q.shape[0]
-        block_q0 = kiln.block_id(1) * BLOCK_Q
+        block_q0 = kiln.block_id(1) * config.block_q
         q_row = block_q0 + wave * STRIPE + lane % STRIPE  # this lane's query row
 
         # Key range any row of the block may see: tiles outside it are not visited.
         first_pos = block_q0 + sk - sq
-        last_pos = kiln.minimum(block_q0 + BLOCK_Q, sq) - 1 + sk - sq
+        last_pos = kiln.minimum(block_q0 + config.block_q, sq) - 1 + sk - sq
         key_lo, key_hi = 0, sk
         if CAUSAL:
             key_hi = kiln.minimum(key_hi, last_pos + 1)
@@ -442,10 +368,18 @@ def make_kernel(config: PrefillGfx950Config):
         q_reg = []
         q_src = kiln.where(q_row < sq, (seq_q0 + q_row) * hq + head, q_rows)
         for kk in kiln.static_range(k_steps):
-            q_reg.append(q_buf.load(q_src, kk * MMA_SHAPE[2] + 8 * (lane // 32), width=8))
+            col = kk * MMA_SHAPE[2] + 8 * (lane // 32)
+            src = q_src
+            if (kk + 1) * MMA_SHAPE[2] > d:  # padding columns: read from past the end, zeros
+                src = kiln.where(col < d, q_src, q_rows)
+            q_reg.append(q_buf.load(src, col, width=8))
         geo = SimpleNamespace(lane=lane, wave=wave, seq_k0=seq_k0, sk=sk, kv_head=head // group,
                               hkv=hkv, k_rows=k.shape[0], q_pos=q_row + sk - sq,
-                              first_pos=first_pos, last_pos=last_pos, scale_log2=scale_log2,
+                              first_pos=first_pos, last_pos=last_pos,
+                              # capped scores leave soft_cap in log2 units: a softmax scale of 1
+                              scale_log2=1.0 if config.softcap else scale_log2,
+                              cap=soft_cap_constants(scale_log2, config.softcap)
+                              if config.softcap else None,
                               window_left=window_left, window_right=window_right, chunk=chunk,
                               tile_lo=tile_lo, q_reg=q_reg, bufs=bufs,
                               atom=mma.atom(*MMA_SHAPE, dtype))
@@ -507,59 +441,66 @@ def make_kernel(config: PrefillGfx950Config):
                 values = kiln.unpack(kiln.cast(o_rows.fragment(0, dt), dtype))
                 for value in kiln.static_range(16):
                     row, col = o_rows.layout(lane, value)
-                    o_buf[dst, dt * MMA_SHAPE[0] + _tr_depth(col)] = values[value]
+                    depth = dt * MMA_SHAPE[0] + _tr_depth(col)
+                    if (dt + 1) * MMA_SHAPE[0] > dv:  # padding rows of O^T are dropped
+                        o_buf[kiln.where(depth < dv, dst, q_rows), depth] = values[value]
+                    else:
+                        o_buf[dst, depth] = values[value]
             if (q_row < sq) & (lane < STRIPE):
                 lse[head, seq_q0 + q_row] = lse_row
 
     return kiln.kernel(prefill_gfx950)
 
 
-def _config(head_dim, dtype, *, causal=False, window=None, chunk=None, sinks=None):
+def _config(head_dim, dtype, *, causal=False, window=None, chunk=None, sinks=None,
+            head_dim_v=None, softcap=0.0):
     return PrefillGfx950Config(head_dim=head_dim, dtype=kiln.dtype(dtype).name,
                                causal=bool(causal), window=window is not None,
-                               chunk=chunk is not None, sinks=sinks is not None)
+                               chunk=chunk is not None, sinks=sinks is not None,
+                               head_dim_v=None if head_dim_v == head_dim else head_dim_v,
+                               softcap=float(softcap or 0.0))
 
 
 def _placeholders(config: PrefillGfx950Config):
     """Arrays carrying only dtype and rank: the kernel is specialised on them."""
     x = np.empty((1, config.head_dim), kiln.dtype(config.dtype).numpy)
+    xv = np.empty((1, config.dv), x.dtype)
     i32 = np.zeros(2, np.int32)
-    return (x, x, x, x, np.empty((1, 1), np.float32), i32, i32, np.zeros(1, np.float32),
+    return (x, x, xv, xv, np.empty((1, 1), np.float32), i32, i32, np.zeros(1, np.float32),
             1, 1, 1.0, -1, -1, 1)
 
 
 def compile_prefill_gfx950(*, head_dim: int, dtype="bf16", causal=False, window=None,
-                           chunk=None, sinks=None, target: str = "gfx950",
-                           allow_scratch: bool = False):
+                           chunk=None, sinks=None, head_dim_v=None, softcap=0.0,
+                           target: str = "gfx950", allow_scratch: bool = False):
     """Compile (without running) the gfx950 prefill kernel; returns the ``CompiledKernel``
     (``.asm["amdgcn"]``, ``.metadata``) with ``.recipes`` (cluster -> ClusterRecipe) attached
     for ``kiln.lowering.verify_schedule``. ``window``/``chunk``/``sinks`` only need to be
-    not-None: the kernel is specialised on which masks exist, not on their values.
-    ``head_dim=256`` does not fit in registers (module docs) and is refused unless
-    ``allow_scratch=True`` accepts its spills.
+    not-None: the kernel is specialised on which masks exist, not on their values;
+    ``head_dim_v`` is V's head dim (None: ``head_dim``), ``softcap`` > 0 caps the scores.
+    A kernel that would spill to scratch is refused unless ``allow_scratch=True``.
 
-    Example: ``compile_prefill_gfx950(head_dim=128).metadata["scratch_bytes"] == 0``.
+    Example: ``compile_prefill_gfx950(head_dim=192, head_dim_v=128).metadata["scratch_bytes"]``.
     """
     if str(target) != "gfx950":
         raise kiln.UnsupportedError(f"the MhaPrefillV2 kernel uses gfx950 MFMAs and transposed "
                                     f"LDS reads, which {target} lacks", fix="target='gfx950'")
-    if head_dim > MAX_REGISTER_HEAD_DIM and not allow_scratch:
-        raise kiln.UnsupportedError(
-            f"gfx950 prefill head_dim={head_dim} spills to scratch: the O^T accumulator "
-            f"({head_dim // 2} VGPRs), Q ({head_dim // 4}) and one 32-key V tile "
-            f"({head_dim // 4}) alone fill the 256 registers a wave of an 8-wave block gets",
-            fix=f"use head_dim <= {MAX_REGISTER_HEAD_DIM}, run it on the interpreter, or pass "
-                "allow_scratch=True to compile it with spills")
-    config = _config(head_dim, dtype, causal=causal, window=window, chunk=chunk, sinks=sinks)
+    config = _config(head_dim, dtype, causal=causal, window=window, chunk=chunk, sinks=sinks,
+                     head_dim_v=head_dim_v, softcap=softcap)
     compiled = make_kernel(config).compile(*_placeholders(config), target=target,
-                                           num_warps=WAVES)
+                                           num_warps=config.waves)
+    if compiled.metadata.get("scratch_bytes") and not allow_scratch:
+        raise kiln.ResourceError(
+            f"gfx950 prefill head_dim={head_dim}/{config.dv} spills "
+            f"{compiled.metadata['scratch_bytes']} bytes to scratch",
+            fix="run it on the interpreter, or pass allow_scratch=True to compile it with spills")
     compiled.recipes = config.recipes()
     return compiled
 
 
 def run_prefill_gfx950(q, k, v, *, causal=False, window=None, chunk=None, sinks=None,
-                       scale=None, cu_seqlens_q=None, cu_seqlens_k=None, return_lse=False,
-                       backend=None):
+                       scale=None, softcap=0.0, cu_seqlens_q=None, cu_seqlens_k=None,
+                       return_lse=False, backend=None):
     """Run the gfx950 kernel on numpy inputs (shapes and conventions of ``prefill``).
     Only ``backend="interpret"`` exists: no AMD GPU launch path is available.
 
@@ -580,21 +521,21 @@ def run_prefill_gfx950(q, k, v, *, causal=False, window=None, chunk=None, sinks=
         cu_q = (np.arange(batch + 1) * max_sq).astype(np.int32)
         cu_k = (np.arange(batch + 1) * sk).astype(np.int32)
         q_tokens, k_tokens = batch * max_sq, batch * sk
-    hq, d = q.shape[-2], q.shape[-1]
+    hq, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
     hkv = k.shape[-2]
     config = _config(d, kiln.dtype(q.dtype).name, causal=causal, window=window, chunk=chunk,
-                     sinks=sinks)
+                     sinks=sinks, head_dim_v=dv, softcap=softcap)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    o = np.full((q_tokens * hq, d), np.nan, q.dtype)
+    o = np.full((q_tokens * hq, dv), np.nan, q.dtype)
     lse = np.full((hq, q_tokens), np.nan, np.float32)
     sink_logits = np.zeros(hq, np.float32) if sinks is None else np.asarray(sinks, np.float32)
     left, right = window if window is not None else (-1, -1)
-    grid = (hq, max(1, -(-max_sq // BLOCK_Q)), batch)
+    grid = (hq, max(1, -(-max_sq // config.block_q)), batch)
     make_kernel(config).interpret[grid](
-        q.reshape(q_tokens * hq, d), k.reshape(k_tokens * hkv, d), v.reshape(k_tokens * hkv, d),
+        q.reshape(q_tokens * hq, d), k.reshape(k_tokens * hkv, d), v.reshape(k_tokens * hkv, dv),
         o, lse, cu_q, cu_k, sink_logits, hq, hkv, scale * LOG2E, int(left), int(right),
-        int(chunk or 1), target="gfx950", num_warps=WAVES)
-    o = o.reshape(q.shape)
+        int(chunk or 1), target="gfx950", num_warps=config.waves)
+    o = o.reshape(*q.shape[:-1], dv)
     if not ragged:
         lse = lse.reshape(hq, batch, max_sq).transpose(1, 0, 2)
     return (o, lse) if return_lse else o

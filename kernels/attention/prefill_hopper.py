@@ -41,6 +41,10 @@ The softmax starts from a virtual first key: the sink (logit ``sinks[h]``, zero 
 without sinks, a key of logit ``-1e30`` whose weight becomes exactly 0 at the first real key,
 so rows that see no key stay finite (o = 0; their LSE is written as -inf).
 
+Other head dims (any multiple of 8 up to 256, V's apart from Q/K's) run on the next 64-column
+tile through zero-filled 3-D TMA boxes (:mod:`.prefill_config`); ``softcap`` caps each score
+(:mod:`.softcap`) before the mask, and the softmax then runs at a log2 scale of 1.
+
 Grid: ``(query tiles, Hq, B)`` without a causal mask, so the CTAs running together share one
 head's K/V in L2; ``(Hq, query tiles, B)`` with one, query tiles longest-first. Along the head
 axis, query heads are remapped ``(x % GROUP) * HKV + x // GROUP`` so neighbouring heads read
@@ -51,24 +55,26 @@ different KV heads. The output leaves through shared memory (each consumer's own
 import functools
 import math
 import operator
-from dataclasses import dataclass
 
 import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
 from kiln.shared import dynamic_shared
 
 from .online_softmax import OnlineSoftmax
+from .prefill_config import (CHUNK_COLS, DEFAULT_TILES, EXP_BEFORE_MAX_HEAD_DIMS, K_STEP,
+                             LAZY_RESCALE_HEAD_DIMS, ORDER_SCRATCH_BYTES, SHARED_BUDGET,
+                             SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, WARP_GROUP_ROWS,
+                             WARP_GROUP_THREADS, HopperPrefillConfig, MaskSpec)
+from .softcap import soft_cap, soft_cap_constants
 
-WARP_GROUP_THREADS = 128
-WARP_GROUP_ROWS = 64  # rows of one wgmma.m64nNk16
+__all__ = ["make_kernel", "HopperPrefillConfig", "MaskSpec", "SUPPORTED_DTYPES",
+           "SUPPORTED_HEAD_DIMS", "DEFAULT_TILES", "LAZY_RESCALE_HEAD_DIMS",
+           "EXP_BEFORE_MAX_HEAD_DIMS", "SHARED_BUDGET", "ORDER_SCRATCH_BYTES"]
+
 SWIZZLE = 128  # bytes: one 64-element row of bf16/f16
 SWIZZLE_ALIGN = 1024
-CHUNK_COLS = 64  # head-dim columns per 128-byte swizzled box
-K_STEP = 16
 ROW_BYTES = 128
 DESCRIPTOR_UNIT = 16  # matrix descriptors address shared memory in 16-byte units
-SUPPORTED_DTYPES = ("bf16", "f16")
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
 LOG2E = 1.4426950408889634
 # Finite stand-in for -inf as the initial row max: exp2(-inf - sentinel) is 0 and
 # sentinel - sentinel is 0, so rows that see no key stay NaN-free.
@@ -77,134 +83,48 @@ LAZY_RESCALE_THRESHOLD = 8.0  # log2 units: P stays below 2**8 between rescales
 PINGPONG_BARRIER = 3  # named barriers 3, 4: the consumers' turns
 OUTPUT_BARRIER = 5  # named barriers 5, 6: one consumer group staging its output
 VOTE_BARRIER = 7  # named barriers 7, 8: one consumer group's rescale vote (exp_before_max)
-SHARED_BUDGET = 227 * 1024 - 1024 - 256
-ORDER_SCRATCH_BYTES = 3 * WARP_GROUP_THREADS * 4  # one i32 per thread for sched_barrier
-# head_dim -> (block_n, stages): K and V stages are released separately, so 2 stages beat 3; the
-# fastest tiles that keep S + O in registers (bench/LEDGER.md, session 8).
-DEFAULT_TILES = {64: (192, 2), 128: (128, 2), 256: (80, 2)}
-# Head dims where ``lazy_rescale`` / ``exp_before_max`` are faster (at D = 256 exp_before_max
-# spills; bench/LEDGER.md, sessions 21-22).
-LAZY_RESCALE_HEAD_DIMS = (64, 128, 256)
-EXP_BEFORE_MAX_HEAD_DIMS = (64, 128)
-
-
-@dataclass(frozen=True)
-class HopperPrefillConfig:
-    """Tiles and pipeline of :func:`make_kernel`: ``block_n`` keys per tile, ``stages`` K/V
-    buffers in the ring, registers per thread of the producer and the two consumer groups.
-
-    ``pin_pv_wait``: hold each consumer's wait for its own ``P V`` after the softmax in SASS too
-    (:func:`kiln.nvidia_asm.sched_barrier`; ptxas otherwise hoists the wait above it). Off by
-    default: ``exp_before_max``'s vote barrier holds it there already.
-    ``lazy_rescale``: rescale O only when a row's max grew by more than
-    ``LAZY_RESCALE_THRESHOLD`` (:meth:`OnlineSoftmax.lazy_scale_decision`).
-    ``exp_before_max`` (with ``lazy_rescale``): P against the running max without reducing the
-    tile's max; the max only when the group's vote says some P passed ``2**threshold`` (the
-    module docstring's step 3)."""
-
-    head_dim: int = 128
-    block_n: int = 128
-    stages: int = 2
-    producer_registers: int = 24
-    consumer_registers: int = 240
-    q_tiles_first: bool | None = None
-    pin_pv_wait: bool = False
-    lazy_rescale: bool = False
-    exp_before_max: bool = False
-
-    block_m = 2 * WARP_GROUP_ROWS  # two consumer warp groups
-    num_warps = 12
-
-    def __post_init__(self):
-        if self.head_dim not in SUPPORTED_HEAD_DIMS:
-            raise kiln.UnsupportedError(f"head_dim={self.head_dim} is not supported by the "
-                                        "Hopper prefill kernel",
-                                        fix=f"use one of {SUPPORTED_HEAD_DIMS}")
-        if self.block_n % 16 or not 64 <= self.block_n <= 256:
-            raise kiln.UnsupportedError(f"block_n={self.block_n} is not supported",
-                                        fix="use a multiple of 16 in 64..256")
-        if not 1 <= self.stages <= 4:
-            raise kiln.KilnValueError(f"stages={self.stages} must be in 1..4",
-                                      fix="use 2 stages")
-        if self.exp_before_max and not self.lazy_rescale:
-            raise kiln.KilnValueError("exp_before_max needs lazy_rescale: P is taken against "
-                                      "the running max, which only the lazy vote keeps",
-                                      fix="set lazy_rescale=True")
-        scratch = ORDER_SCRATCH_BYTES if self.pin_pv_wait else 0
-        if self.shared_bytes() + scratch > SHARED_BUDGET:
-            raise kiln.ResourceError(f"Q and {self.stages} K/V stages of {self.block_n} x "
-                                     f"{self.head_dim} need {self.shared_bytes() + scratch} "
-                                     "bytes of shared memory (227 KB available)",
-                                     fix="use fewer stages or a smaller block_n")
-        if (2 * self.consumer_registers + self.producer_registers) * WARP_GROUP_THREADS > 65536:
-            raise kiln.ResourceError("two consumer groups of "
-                                     f"{self.consumer_registers} + {self.producer_registers} "
-                                     "registers per thread exceed the 64K register file",
-                                     fix="lower consumer_registers")
-
-    def shared_bytes(self, itemsize: int = 2) -> int:
-        """Dynamic shared memory: the Q tile and the K/V ring (``pin_pv_wait``'s scratch is
-        static, ``ORDER_SCRATCH_BYTES``)."""
-        q = self.block_m * self.head_dim
-        kv = 2 * self.stages * self.block_n * self.head_dim
-        return (q + kv) * itemsize
-
-    def grid_q_tiles_first(self, mask: "MaskSpec") -> bool:
-        """Whether grid x walks the query tiles of one head (CTAs running together share that
-        head's K/V in L2) rather than the heads (causal masks: longest tiles of many heads
-        first). ``q_tiles_first=None`` picks by the mask."""
-        return (not mask.causal) if self.q_tiles_first is None else self.q_tiles_first
-
-    @classmethod
-    def for_head_dim(cls, head_dim: int) -> "HopperPrefillConfig":
-        """The configuration :func:`~kiln.kernels.attention.prefill` uses: ``DEFAULT_TILES``'
-        tiles and the softmax schedule of ``LAZY_RESCALE_HEAD_DIMS`` and
-        ``EXP_BEFORE_MAX_HEAD_DIMS``. Example: ``for_head_dim(128).block_n == 128``."""
-        block_n, stages = DEFAULT_TILES[head_dim]
-        return cls(head_dim=head_dim, block_n=block_n, stages=stages,
-                   lazy_rescale=head_dim in LAZY_RESCALE_HEAD_DIMS,
-                   exp_before_max=head_dim in EXP_BEFORE_MAX_HEAD_DIMS)
-
-
-@dataclass(frozen=True)
-class MaskSpec:
-    """The compile-time mask: ``causal``, ``window = (left, right)`` (-1 unbounded) and
-    ``chunk`` (0: none). The kernel is specialised on it."""
-
-    causal: bool = False
-    window_left: int = -1
-    window_right: int = -1
-    chunk: int = 0
 
 
 @functools.lru_cache(maxsize=None)
 def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: int,
-                has_sinks: bool, return_lse: bool):
+                has_sinks: bool, return_lse: bool, softcap: float = 0.0):
     """The ``@kiln.kernel`` for ``dtype`` Q/K/V, ``config``'s tiles, ``mask``, ``group`` query
-    heads per KV head, with or without sinks and an LSE output.
+    heads per KV head, with or without sinks and an LSE output; ``softcap > 0`` caps the scores
+    (:mod:`.softcap`).
 
-    Run-time parameters: ``q_map`` / ``k_map`` / ``v_map`` (2-D ``[rows, heads * D]`` views),
-    ``o`` (``[total_q, Hq * D]``), ``lse`` (f32, flat), ``sinks`` (f32 ``[Hq]``), ``cu_q`` /
+    Run-time parameters: ``q_map`` / ``k_map`` / ``v_map`` (2-D ``[rows, heads * D]`` views, or
+    3-D ``[rows, heads, D]`` for a head dim that is not a multiple of 64: see
+    :mod:`.prefill_config`), ``o`` (``[total_q, Hq * Dv]``), ``lse`` (f32, flat), ``sinks``
+    (f32 ``[Hq]``), ``cu_q`` /
     ``cu_k`` (int32 ``[B + 1]``), ``scale_log2`` (softmax scale times log2 e), and the LSE
     addressing ``lse[q_start * lse_row_mult + h * lse_head_stride + i]``.
     """
     in_type = kiln.dtype(dtype)
-    bm, bn, d = config.block_m, config.block_n, config.head_dim
-    chunks = d // CHUNK_COLS
+    bm, bn, d, dv = config.block_m, config.block_n, config.head_dim, config.dv
+    chunks = config.qk_width // CHUNK_COLS
+    v_chunks = config.v_width // CHUNK_COLS
     box_units = bn * ROW_BYTES // DESCRIPTOR_UNIT  # one K/V box in descriptor units
+    # A 3-D [rows, heads, D] view: its columns past D are out of bounds and read zeros.
+    qk_box = (1, CHUNK_COLS) if config.padded_qk else (CHUNK_COLS,)
+    v_box = (1, CHUNK_COLS) if config.padded_v else (CHUNK_COLS,)
 
-    def prefill(q_map: kiln.TensorMap[in_type, (bm, CHUNK_COLS), SWIZZLE],
-                k_map: kiln.TensorMap[in_type, (bn, CHUNK_COLS), SWIZZLE],
-                v_map: kiln.TensorMap[in_type, (bn, CHUNK_COLS), SWIZZLE],
+    def prefill(q_map: kiln.TensorMap[in_type, (bm, *qk_box), SWIZZLE],
+                k_map: kiln.TensorMap[in_type, (bn, *qk_box), SWIZZLE],
+                v_map: kiln.TensorMap[in_type, (bn, *v_box), SWIZZLE],
                 o: kiln.Tensor[in_type, 2], lse: kiln.Tensor[kiln.f32, 1],
                 sinks: kiln.Tensor[kiln.f32, 1], cu_q: kiln.Tensor[kiln.i32, 1],
                 cu_k: kiln.Tensor[kiln.i32, 1], scale_log2: kiln.f32,
                 lse_row_mult: kiln.i32, lse_head_stride: kiln.i32,
                 HKV: kiln.constexpr, STAGES: kiln.constexpr, PRODUCER_REGS: kiln.constexpr,
                 CONSUMER_REGS: kiln.constexpr):
-        q_tiles = dynamic_shared((chunks, bm, CHUNK_COLS), in_type, align=SWIZZLE_ALIGN)
+        # Q's tile also stages O: as many boxes as the wider of the two.
+        q_tiles = dynamic_shared((max(chunks, v_chunks), bm, CHUNK_COLS), in_type,
+                                 align=SWIZZLE_ALIGN)
         k_tiles = dynamic_shared((STAGES * chunks, bn, CHUNK_COLS), in_type, align=SWIZZLE_ALIGN)
-        v_tiles = dynamic_shared((STAGES * chunks, bn, CHUNK_COLS), in_type, align=SWIZZLE_ALIGN)
+        v_tiles = dynamic_shared((STAGES * v_chunks, bn, CHUNK_COLS), in_type,
+                                 align=SWIZZLE_ALIGN)
+        q_boxes, k_boxes = (_box_view(t, config.padded_qk) for t in (q_tiles, k_tiles))
+        v_boxes = _box_view(v_tiles, config.padded_v)
         q_full = mbarrier.group(num_barriers=1)
         k_full = mbarrier.group(num_barriers=STAGES)
         v_full = mbarrier.group(num_barriers=STAGES)
@@ -247,8 +167,9 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                 if tid == 0:
                     q_full.arrive_expect_tx(0, chunks * tma.box_bytes(q_map))
                     for c in kiln.static_range(chunks):
-                        tma.load(q_map, q_tiles.tile(c),
-                                 (head * d + c * CHUNK_COLS, q_start + m0), q_full, 0)
+                        tma.load(q_map, q_boxes.tile(c),
+                                 (c * CHUNK_COLS, head, q_start + m0) if config.padded_qk
+                                 else (head * d + c * CHUNK_COLS, q_start + m0), q_full, 0)
                     for j in kiln.range(first_tile, end_tile):
                         use = j - first_tile
                         stage = use % STAGES
@@ -256,13 +177,15 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                         row = k_start + j * bn
                         k_full.arrive_expect_tx(stage, chunks * tma.box_bytes(k_map))
                         for c in kiln.static_range(chunks):
-                            tma.load(k_map, k_tiles.tile(stage * chunks + c),
-                                     (kv_head * d + c * CHUNK_COLS, row), k_full, stage)
+                            tma.load(k_map, k_boxes.tile(stage * chunks + c),
+                                     _box_coords(config.padded_qk, kv_head, d, c, row),
+                                     k_full, stage)
                         v_empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
-                        v_full.arrive_expect_tx(stage, chunks * tma.box_bytes(v_map))
-                        for c in kiln.static_range(chunks):
-                            tma.load(v_map, v_tiles.tile(stage * chunks + c),
-                                     (kv_head * d + c * CHUNK_COLS, row), v_full, stage)
+                        v_full.arrive_expect_tx(stage, v_chunks * tma.box_bytes(v_map))
+                        for c in kiln.static_range(v_chunks):
+                            tma.load(v_map, v_boxes.tile(stage * v_chunks + c),
+                                     _box_coords(config.padded_v, kv_head, dv, c, row),
+                                     v_full, stage)
             else:
                 nvidia_asm.setmaxnreg(CONSUMER_REGS, increase=True)
                 consumer = warp_group - 1
@@ -272,21 +195,25 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     + lane // 4
                 rows = (row0, row0 + 8)
                 first_col = 2 * (lane % 4)
-                tile_mask = _TileMask(rows, seq_q, seq_k, mask, lo_last, hi_first, bn)
+                tile_mask = _TileMask(rows, seq_q, seq_k, mask, lo_last, hi_first, bn,
+                                      soft_cap_constants(scale_log2, softcap) if softcap
+                                      else None)
+                # Capped scores come out of soft_cap in log2 units: the softmax scale is 1.
+                log2_scale = 1.0 if softcap else scale_log2
                 ops = _Operands(
                     q=wgmma.smem_descriptor(q_tiles.tile(0), leading_bytes=16, stride_bytes=1024,
                                             byte_offset=consumer * WARP_GROUP_ROWS * ROW_BYTES),
                     k=wgmma.smem_descriptor(k_tiles.tile(0), leading_bytes=16, stride_bytes=1024),
                     v=wgmma.smem_descriptor(v_tiles.tile(0), leading_bytes=bn * ROW_BYTES,
                                             stride_bytes=1024),
-                    dtype=in_type, head_dim=d, block_n=bn, box_units=box_units,
+                    dtype=in_type, config=config, box_units=box_units,
                     q_box_units=bm * ROW_BYTES // DESCRIPTOR_UNIT)
                 first_thread = tid % WARP_GROUP_THREADS == 0
                 my_turn = PINGPONG_BARRIER + consumer
                 other_turn = PINGPONG_BARRIER + 1 - consumer
                 if consumer == 1:  # consumer 0 issues its WGMMAs first
                     nvidia_asm.named_barrier_arrive(PINGPONG_BARRIER, 2 * WARP_GROUP_THREADS)
-                acc = wgmma.fragment_zeros(d)
+                acc = wgmma.fragment_zeros(config.v_width)
                 softmax = OnlineSoftmax[kiln.f32].init(wgmma.fragment_to_tile(
                     wgmma.fragment_zeros(bn)), q_axis="row")
                 # A sink is a virtual first key; without one, a key of logit MAX_SENTINEL whose
@@ -304,7 +231,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     if first_thread:
                         k_empty.arrive(0, wgmma_pending=0)
                     probs, rescale_pending = _softmax_tile(
-                        softmax, scores, first_tile * bn, tile_mask, scale_log2, in_type,
+                        softmax, scores, first_tile * bn, tile_mask, log2_scale, in_type,
                         config.lazy_rescale)
                     for j in kiln.range(first_tile + 1, end_tile):
                         use = j - first_tile
@@ -325,7 +252,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                         # P_j lands in new registers: P_{j-1}'s are still the PV operand.
                         if config.exp_before_max:
                             next_probs, rescale_pending = _softmax_tile_max_on_demand(
-                                softmax, scores, j * bn, tile_mask, scale_log2, in_type, ops,
+                                softmax, scores, j * bn, tile_mask, log2_scale, in_type, ops,
                                 stage, VOTE_BARRIER + consumer)
                             if first_thread:  # K_j is not read again
                                 k_empty.arrive(stage, wgmma_pending=1)
@@ -333,7 +260,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                             if first_thread:  # S_j is done with K_j
                                 k_empty.arrive(stage, wgmma_pending=1)
                             next_probs, rescale_pending = _softmax_tile(
-                                softmax, scores, j * bn, tile_mask, scale_log2, in_type,
+                                softmax, scores, j * bn, tile_mask, log2_scale, in_type,
                                 config.lazy_rescale)
                         if config.pin_pv_wait:  # else ptxas waits before the softmax
                             nvidia_asm.sched_barrier(order_scratch, tid)
@@ -360,12 +287,14 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                 out = wgmma.scale_rows(acc, inverse_norm)
                 lse_rows = softmax.log_sum_exp().values[0]
                 max_rows = softmax.max_vec.values[0]
-                _write_output(out, lse_rows, max_rows, rows, o, lse, head, d, seq_q, q_start,
+                _write_output(out, lse_rows, max_rows, rows, o, lse, head, dv, seq_q, q_start,
                               first_col, lane, lse_row_mult, lse_head_stride, return_lse,
                               q_tiles, m0, consumer)
 
-    suffix = f"d{d}_n{bn}_{'c' if mask.causal else ''}w{mask.window_left}_{mask.window_right}" \
-             f"_k{mask.chunk}_g{group}{'_sink' if has_sinks else ''}{'_lse' if return_lse else ''}"
+    dims = f"d{d}" if dv == d else f"d{d}v{dv}"
+    cap = f"_cap{softcap:g}".replace(".", "p") if softcap else ""
+    suffix = f"{dims}_n{bn}_{'c' if mask.causal else ''}w{mask.window_left}_{mask.window_right}" \
+             f"_k{mask.chunk}_g{group}{'_sink' if has_sinks else ''}{'_lse' if return_lse else ''}{cap}"
     prefill.__name__ = prefill.__qualname__ = f"hopper_prefill_{dtype}_{suffix}".replace("-", "m")
     # The softmax is exp2-bound: flushing f32 denormals makes each exp2 one MUFU op.
     return kiln.kernel(prefill, flush_denormals=True)
@@ -410,9 +339,17 @@ class _TileMask:
     ``n0 ..`` has any invisible key for any row of the CTA, ``apply`` masks it. The per-row
     bounds are recomputed inside the (rare) masked branch rather than kept live in registers."""
 
-    def __init__(self, rows, seq_q, seq_k, mask, lo_last, hi_first, block_n):
+    def __init__(self, rows, seq_q, seq_k, mask, lo_last, hi_first, block_n, cap):
         self.rows, self.seq_q, self.seq_k, self.mask = rows, seq_q, seq_k, mask
         self.lo_last, self.hi_first, self.block_n = lo_last, hi_first, block_n
+        self.cap = cap  # soft_cap_constants, or None
+
+    def soft_cap(self, scores):
+        """The soft-capped scores (log2 units) with a softcap, else ``scores`` unchanged."""
+        if self.cap is None:
+            return scores
+        return wgmma.fragment_from_elements([soft_cap(scores.element(i), *self.cap)
+                                             for i in range(scores.shape[1] // 2)])
 
     def needed(self, n0):
         return (n0 < self.lo_last) | (n0 + self.block_n - 1 > self.hi_first)
@@ -437,23 +374,39 @@ class _Operands:
     """The consumer's WGMMA operand descriptors (i64 base addresses, see
     :func:`kiln.wgmma.smem_descriptor`) and the strides between their boxes."""
 
-    def __init__(self, *, q, k, v, dtype, head_dim, block_n, box_units, q_box_units):
+    def __init__(self, *, q, k, v, dtype, config, box_units, q_box_units):
         self.q, self.k, self.v = q, k, v
-        self.dtype, self.head_dim, self.block_n = dtype, head_dim, block_n
+        self.dtype, self.config, self.block_n = dtype, config, config.block_n
         self.box_units, self.q_box_units = box_units, q_box_units
 
-    def stage_offset(self, stage):
-        """Descriptor offset of K/V ring stage ``stage`` (``D / 64`` boxes per stage)."""
-        return kiln.cast(stage * (self.head_dim // CHUNK_COLS) * self.box_units, kiln.i64)
+    def stage_offset(self, stage, width):
+        """Descriptor offset of ring stage ``stage`` of a K or V ring of ``width`` columns
+        (``width / 64`` boxes per stage)."""
+        return kiln.cast(stage * (width // CHUNK_COLS) * self.box_units, kiln.i64)
+
+
+def _box_view(tiles, padded):
+    """The TMA destinations of a ring: one ``[rows, 1, 64]`` box per 3-D (padded) load."""
+    if not padded:
+        return tiles
+    count, rows, cols = tiles.shape
+    return tiles.reinterpret((count, rows, 1, cols), tiles.dtype)
+
+
+def _box_coords(padded, head, d, chunk, row):
+    """TMA coordinates (innermost first) of box ``chunk`` of ``head``'s columns at ``row``."""
+    if padded:
+        return (chunk * CHUNK_COLS, head, row)
+    return (head * d + chunk * CHUNK_COLS, row)
 
 
 def _issue_qk(ops: _Operands, stage):
     """Issue ``S = Q K^T`` on ring stage ``stage`` as one WGMMA group (K is K-major: each
     16-wide K step moves 32 bytes inside a 64-column box, every 4 steps the next box)."""
-    base = ops.k + ops.stage_offset(stage)
+    base = ops.k + ops.stage_offset(stage, ops.config.qk_width)
     scores = wgmma.fragment_zeros(ops.block_n)
     wgmma.fence()
-    for ks in range(ops.head_dim // K_STEP):
+    for ks in range(ops.config.qk_steps):  # columns past the head dim are zeros: skipped
         scores = wgmma.mma_async(scores, ops.q + (ks // 4) * ops.q_box_units + (ks % 4) * 2,
                                  base + (ks // 4) * ops.box_units + (ks % 4) * 2,
                                  dtype=ops.dtype)
@@ -465,7 +418,7 @@ def _issue_pv(ops: _Operands, acc, probs, stage):
     """Issue ``O += P V`` on ring stage ``stage`` as one WGMMA group: P from registers (``probs``,
     one A operand per 16 keys), V MN-major (its ``D / 64`` boxes are the descriptor's leading
     dimension; each 16-key step moves 16 rows of 128 bytes)."""
-    base = ops.v + ops.stage_offset(stage)
+    base = ops.v + ops.stage_offset(stage, ops.config.v_width)
     wgmma.fence()  # orders O's rescale and P's registers before the asynchronous reads
     for ks in range(ops.block_n // K_STEP):
         acc = wgmma.mma_async(acc, probs.fragment(0, ks),
@@ -481,6 +434,7 @@ def _softmax_tile(softmax, scores, n0, tile_mask, scale_log2, dtype, lazy_rescal
     tiles only), fold ``scale * log2 e`` into the max subtraction, return P in ``dtype`` as the
     ``BLOCK_N / 16`` register A operands of the PV product.
     ``softmax.scale_vec`` then holds the factor O must be rescaled by before ``P V``."""
+    scores = tile_mask.soft_cap(scores)
     if tile_mask.needed(n0):
         scores = tile_mask.apply(scores, n0)
     raw = wgmma.fragment_to_tile(scores)
@@ -505,6 +459,7 @@ def _softmax_tile_max_on_demand(softmax, scores, n0, tile_mask, scale_log2, dtyp
     is not reduced at all. Otherwise (rare: a row's max grew, or a row saw its first key) the
     group issues ``S = Q K^T`` again on ``stage`` (K is released after this call) and takes
     the tile the usual way. Returns P's A operands and whether O must be rescaled."""
+    scores = tile_mask.soft_cap(scores)
     if tile_mask.needed(n0):
         scores = tile_mask.apply(scores, n0)
     probs = softmax.sub_max_scaled(wgmma.fragment_to_tile(scores), scale_log2).exp2()
@@ -515,6 +470,7 @@ def _softmax_tile_max_on_demand(softmax, scores, n0, tile_mask, scale_log2, dtyp
     if rescale_pending:
         scores = _issue_qk(ops, stage)
         wgmma.wait_group(0)
+        scores = tile_mask.soft_cap(scores)
         if tile_mask.needed(n0):
             scores = tile_mask.apply(scores, n0)
         raw = wgmma.fragment_to_tile(scores)
@@ -532,7 +488,8 @@ def _softmax_tile_max_on_demand(softmax, scores, n0, tile_mask, scale_log2, dtyp
 @kiln.func
 def _write_output(out, lse_rows, max_rows, rows, o, lse, head, d, seq_q, q_start, first_col,
                   lane, lse_row_mult, lse_head_stride, return_lse, q_tiles, m0, consumer):
-    """Store the normalised rows inside the sequence with 16-byte stores: the group's own 64
+    """Store the normalised rows inside the sequence with 16-byte stores (``d`` columns: O's
+    padding columns past V's head dim stay behind): the group's own 64
     rows of the Q tile (no longer read once its last QK is waited) stage O, with the 16-byte
     units of a row XOR-swizzled by ``row % 8`` so both the fragment-order writes and the
     row-order reads are free of bank conflicts. The quad's first lane writes the LSE (-inf for
@@ -544,7 +501,7 @@ def _write_output(out, lse_rows, max_rows, rows, o, lse, head, d, seq_q, q_start
     for r in range(2):
         local = rows[r] - m0 - first_local
         for i in range(0, out.shape[1] // 2, 2):  # registers i, i + 1: adjacent columns of one row
-            if _fragment_row(i) == r:
+            if _fragment_row(i) == r and 8 * (i // 4) < d:
                 unit = 8 * (i // 4)  # first column of the 16-byte unit (static)
                 pair = kiln.pack([kiln.cast(out.element(i), o.dtype),
                                   kiln.cast(out.element(i + 1), o.dtype)])
@@ -557,12 +514,20 @@ def _write_output(out, lse_rows, max_rows, rows, o, lse, head, d, seq_q, q_start
                     max_rows[r] > MAX_SENTINEL, lse_rows[r], kiln.cast(-math.inf, kiln.f32))
     nvidia_asm.named_barrier(staging, WARP_GROUP_THREADS)
     units_per_row = d // 8
-    for step in range(WARP_GROUP_ROWS * units_per_row // WARP_GROUP_THREADS):
+    units = WARP_GROUP_ROWS * units_per_row
+    for step in range(-(-units // WARP_GROUP_THREADS)):
         index = step * WARP_GROUP_THREADS + group_thread
+        partial = (step + 1) * WARP_GROUP_THREADS > units  # the last step of an odd width
+        if partial:  # threads past the last unit re-read it; their store is dropped
+            keep = index < units
+            index = kiln.minimum(index, units - 1)
         local = index // units_per_row
         unit = index % units_per_row
         values = q_tiles.load(unit // 8, first_local + local, (unit % 8 ^ local % 8) * 8,
                               width=8, align=16)
         row = m0 + first_local + local
-        if row < seq_q:
+        inside = row < seq_q
+        if partial:
+            inside = inside & keep
+        if inside:
             o.store(q_start + row, head * d + unit * 8, values, align=16)

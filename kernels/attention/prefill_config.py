@@ -1,0 +1,194 @@
+"""Tiles and masks of the Hopper prefill kernel (:mod:`.prefill_hopper`): ``HopperPrefillConfig``
+and ``MaskSpec``, with the head dims the kernel serves.
+
+Head dims: the kernel's tiles are 64-column TMA boxes, so Q/K and V each run at the next
+multiple of 64 (``qk_width``, ``v_width``). A head dim that is not one (any multiple of 8 up to
+256, e.g. 96, 192, or a V narrower than Q/K: DeepSeek's 192/128) is read through a 3-D
+``[rows, heads, D]`` TMA view whose columns past ``D`` are out of bounds and land as zeros;
+``S = Q K^T`` runs only ``ceil(D / 16)`` k-steps and the store skips the padding columns.
+
+Example::
+
+    cfg = HopperPrefillConfig.for_head_dim(192, 128)
+    (cfg.qk_width, cfg.v_width, cfg.block_n)   # (192, 128, 128)
+"""
+
+from dataclasses import dataclass
+
+import kiln
+
+WARP_GROUP_THREADS = 128
+WARP_GROUP_ROWS = 64  # rows of one wgmma.m64nNk16
+CHUNK_COLS = 64  # head-dim columns per 128-byte swizzled box
+K_STEP = 16
+SUPPORTED_DTYPES = ("bf16", "f16")
+# Head dims with their own tuned tiles (DEFAULT_TILES); every multiple of 8 up to 256 runs.
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+HEAD_DIM_MULTIPLE = 8  # TMA strides are 16-byte multiples: D * 2 bytes
+MAX_HEAD_DIM = 256
+SHARED_BUDGET = 227 * 1024 - 1024 - 256
+ORDER_SCRATCH_BYTES = 3 * WARP_GROUP_THREADS * 4  # one i32 per thread for sched_barrier
+# head_dim -> (block_n, stages): K and V stages are released separately, so 2 stages beat 3; the
+# fastest tiles that keep S + O in registers (bench/LEDGER.md, session 8).
+DEFAULT_TILES = {64: (192, 2), 128: (128, 2), 256: (80, 2)}
+# Head dims where ``lazy_rescale`` / ``exp_before_max`` are faster (at D = 256 exp_before_max
+# spills; bench/LEDGER.md, sessions 21-22).
+LAZY_RESCALE_HEAD_DIMS = (64, 128, 256)
+EXP_BEFORE_MAX_HEAD_DIMS = (64, 128)
+
+
+def check_head_dim(name: str, d) -> None:
+    """A KilnError naming ``name`` unless ``d`` is a multiple of 8 in 8..256.
+    Example: ``check_head_dim("head_dim", 96)`` passes, ``check_head_dim("head_dim", 100)``
+    raises."""
+    if not isinstance(d, int) or isinstance(d, bool) or not 0 < d <= MAX_HEAD_DIM \
+            or d % HEAD_DIM_MULTIPLE:
+        raise kiln.UnsupportedError(f"{name}={d!r} is not supported by the Hopper prefill "
+                                    "kernel", fix=f"use a multiple of {HEAD_DIM_MULTIPLE} up to "
+                                                  f"{MAX_HEAD_DIM}")
+
+
+def tile_width(d: int) -> int:
+    """Columns the kernel computes for head dim ``d``: the next multiple of 64.
+    Example: ``tile_width(96) == 128``."""
+    return -(-d // CHUNK_COLS) * CHUNK_COLS
+
+
+@dataclass(frozen=True)
+class HopperPrefillConfig:
+    """Tiles and pipeline of :func:`~.prefill_hopper.make_kernel`: ``head_dim`` of Q/K,
+    ``head_dim_v`` of V and O (None: ``head_dim``), ``block_n`` keys per tile, ``stages`` K/V
+    buffers in the ring, registers per thread of the producer and the two consumer groups.
+
+    ``pin_pv_wait``: hold each consumer's wait for its own ``P V`` after the softmax in SASS too
+    (:func:`kiln.nvidia_asm.sched_barrier`; ptxas otherwise hoists the wait above it). Off by
+    default: ``exp_before_max``'s vote barrier holds it there already.
+    ``lazy_rescale``: rescale O only when a row's max grew by more than
+    ``LAZY_RESCALE_THRESHOLD`` (:meth:`OnlineSoftmax.lazy_scale_decision`).
+    ``exp_before_max`` (with ``lazy_rescale``): P against the running max without reducing the
+    tile's max; the max only when the group's vote says some P passed ``2**threshold`` (the
+    kernel module's docstring, step 3)."""
+
+    head_dim: int = 128
+    block_n: int = 128
+    stages: int = 2
+    producer_registers: int = 24
+    consumer_registers: int = 240
+    q_tiles_first: bool | None = None
+    pin_pv_wait: bool = False
+    lazy_rescale: bool = False
+    exp_before_max: bool = False
+    head_dim_v: int | None = None
+
+    block_m = 2 * WARP_GROUP_ROWS  # two consumer warp groups
+    num_warps = 12
+
+    def __post_init__(self):
+        check_head_dim("head_dim", self.head_dim)
+        if self.head_dim_v is not None:
+            check_head_dim("head_dim_v", self.head_dim_v)
+        if self.block_n % 16 or not 64 <= self.block_n <= 256:
+            raise kiln.UnsupportedError(f"block_n={self.block_n} is not supported",
+                                        fix="use a multiple of 16 in 64..256")
+        if not 1 <= self.stages <= 4:
+            raise kiln.KilnValueError(f"stages={self.stages} must be in 1..4",
+                                      fix="use 2 stages")
+        if self.exp_before_max and not self.lazy_rescale:
+            raise kiln.KilnValueError("exp_before_max needs lazy_rescale: P is taken against "
+                                      "the running max, which only the lazy vote keeps",
+                                      fix="set lazy_rescale=True")
+        scratch = ORDER_SCRATCH_BYTES if self.pin_pv_wait else 0
+        if self.shared_bytes() + scratch > SHARED_BUDGET:
+            raise kiln.ResourceError(f"Q and {self.stages} K/V stages of {self.block_n} x "
+                                     f"{self.qk_width} + {self.v_width} need "
+                                     f"{self.shared_bytes() + scratch} bytes of shared memory "
+                                     "(227 KB available)",
+                                     fix="use fewer stages or a smaller block_n")
+        if (2 * self.consumer_registers + self.producer_registers) * WARP_GROUP_THREADS > 65536:
+            raise kiln.ResourceError("two consumer groups of "
+                                     f"{self.consumer_registers} + {self.producer_registers} "
+                                     "registers per thread exceed the 64K register file",
+                                     fix="lower consumer_registers")
+
+    @property
+    def dv(self) -> int:
+        """V's (and O's) head dim."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def qk_width(self) -> int:
+        """Q/K columns in shared memory: ``head_dim`` rounded up to a 64-column box."""
+        return tile_width(self.head_dim)
+
+    @property
+    def v_width(self) -> int:
+        """V columns in shared memory and O columns in registers (64-column boxes)."""
+        return tile_width(self.dv)
+
+    @property
+    def qk_steps(self) -> int:
+        """16-wide k-steps of ``S = Q K^T`` (columns past ``head_dim`` are zeros)."""
+        return -(-self.head_dim // K_STEP)
+
+    @property
+    def padded_qk(self) -> bool:
+        """Whether Q/K are read through the 3-D view that zero-fills the columns past D."""
+        return self.head_dim != self.qk_width
+
+    @property
+    def padded_v(self) -> bool:
+        return self.dv != self.v_width
+
+    def shared_bytes(self, itemsize: int = 2) -> int:
+        """Dynamic shared memory: the Q tile (which also stages O) and the K/V ring
+        (``pin_pv_wait``'s scratch is static, ``ORDER_SCRATCH_BYTES``)."""
+        q = self.block_m * max(self.qk_width, self.v_width)
+        kv = self.stages * self.block_n * (self.qk_width + self.v_width)
+        return (q + kv) * itemsize
+
+    def grid_q_tiles_first(self, mask: "MaskSpec") -> bool:
+        """Whether grid x walks the query tiles of one head (CTAs running together share that
+        head's K/V in L2) rather than the heads (causal masks: longest tiles of many heads
+        first). ``q_tiles_first=None`` picks by the mask."""
+        return (not mask.causal) if self.q_tiles_first is None else self.q_tiles_first
+
+    @classmethod
+    def for_head_dim(cls, head_dim: int, head_dim_v: int | None = None) -> "HopperPrefillConfig":
+        """The configuration :func:`~kiln.kernels.attention.prefill` uses: ``DEFAULT_TILES``'
+        tiles and the softmax schedule of ``LAZY_RESCALE_HEAD_DIMS`` and
+        ``EXP_BEFORE_MAX_HEAD_DIMS``; other head dims take those of the tuned head dim whose
+        O accumulator is as wide (the next of 64/128/256 above ``v_width``), with ``block_n``
+        lowered in steps of 16 until Q and the K/V ring fit in shared memory.
+        Example: ``for_head_dim(128).block_n == 128``, ``for_head_dim(192, 128).block_n == 128``."""
+        if head_dim_v == head_dim:
+            head_dim_v = None
+        if head_dim_v is None and head_dim in DEFAULT_TILES:
+            block_n, stages = DEFAULT_TILES[head_dim]
+            return cls(head_dim=head_dim, block_n=block_n, stages=stages,
+                       lazy_rescale=head_dim in LAZY_RESCALE_HEAD_DIMS,
+                       exp_before_max=head_dim in EXP_BEFORE_MAX_HEAD_DIMS)
+        check_head_dim("head_dim", head_dim)
+        dv = head_dim if head_dim_v is None else head_dim_v
+        check_head_dim("head_dim_v", dv)
+        tuned = min(t for t in DEFAULT_TILES if t >= tile_width(dv))
+        block_n, stages = DEFAULT_TILES[tuned]
+        widths = tile_width(head_dim) + tile_width(dv)
+        q_bytes = cls.block_m * max(tile_width(head_dim), tile_width(dv)) * 2
+        while q_bytes + stages * block_n * widths * 2 > SHARED_BUDGET:
+            block_n -= 16
+        # exp_before_max re-issues Q K^T; past one 128-column Q tile that spills (192/128).
+        return cls(head_dim=head_dim, head_dim_v=head_dim_v, block_n=block_n, stages=stages,
+                   lazy_rescale=tuned in LAZY_RESCALE_HEAD_DIMS,
+                   exp_before_max=tuned in EXP_BEFORE_MAX_HEAD_DIMS
+                   and tile_width(head_dim) <= 128)
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """The compile-time mask: ``causal``, ``window = (left, right)`` (-1 unbounded) and
+    ``chunk`` (0: none). The kernel is specialised on it."""
+
+    causal: bool = False
+    window_left: int = -1
+    window_right: int = -1
+    chunk: int = 0
