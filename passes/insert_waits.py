@@ -11,9 +11,12 @@ outstanding events (the gfx950 prefill kernel: about 0.1 s).
 
 Waits already in the IR (``rocdl.s.waitcnt``, ``nvgpu.device_async_wait``, ``amdgpu.lds_barrier``,
 ``nvvm.wgmma.wait.group.sync.aligned``, ``nvgpu.mbarrier.try_wait.parity``) are kept and counted.
-NVIDIA: ``wgmma.wait_group N`` before a consumer of a committed ``mma_async`` result, and a
-``mbarrier.try_wait.parity`` with the statically known phase before a read of a TMA-loaded
-buffer (:func:`static_phase`; unknown phase: ``WaitError`` naming the barrier). Under ``kiln.consumer_drain`` (or a recipe's ``drain``) every cluster that
+NVIDIA: ``wgmma.wait_group N`` before a consumer of a committed ``mma_async`` result; before a
+read of a TMA-loaded buffer, a ``mbarrier.try_wait.parity`` for the use the reading thread
+acquires next, and before a TMA load that may overwrite a buffer other threads read, a wait on
+the paired empty ring for the release of that slot's previous use. Slot and parity are derived
+by counting the ring's uses along the thread's path (:mod:`kiln.passes.mbarrier_rings`); where
+no count is derived the pass refuses with a ``WaitError`` naming the load. Under ``kiln.consumer_drain`` (or a recipe's ``drain``) every cluster that
 holds MFMA work opens with ``s_waitcnt lgkmcnt(0)``. Functions marked ``kiln.manual_waits`` are
 left alone (the verifier still checks them).
 
@@ -35,112 +38,130 @@ from kiln.nvidia.mbarrier import DEFAULT_TICKS
 from kiln.passes import register_pass
 from kiln.passes.cluster_schedule import cluster_spans, recipes_of
 from kiln.passes.enclosing import enclosing_gpu_func, enclosing_loops, func_vendor, gpu_funcs, where
-from kiln.passes.verify_waits import gap_error
+from kiln.passes.mbarrier_rings import Rings, ring_of, slot_and_parity, stages_of
 from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis,
-                                       encode_gfx9_waitcnt, is_mbarrier_wait, mbarrier_of,
-                                       op_counter, op_label, same_mbarrier, wait_limits)
+                                       encode_gfx9_waitcnt, mbarrier_of, op_label, wait_limits)
 
 NAME = "kiln-insert-waits"
-# Placement converges in two walks (see above); more means the analysis is wrong.
-MAX_ROUNDS = 4
+# A walk places every same-thread wait and one cross-thread (mbarrier hand-over) wait, whose
+# use count depends on the waits before it; more rounds than this means the analysis is wrong.
+MAX_ROUNDS = 16
 
 
-def _in_loop(op: ir.Operation) -> bool:
-    return bool(enclosing_loops(op))
+def _refuse(gap: Gap, load: ir.Operation, what: str, fix: str) -> WaitError:
+    return WaitError(f"kiln-insert-waits cannot derive the mbarrier wait for the "
+                     f"{op_label(load)} at {where(load)}: {what}", fix=fix,
+                     loc=source_loc_from_mlir(gap.reader.location))
 
 
-def static_phase(tma_load: ir.Operation) -> int | None:
-    """The parity of the phase a TMA load completes, when the program fixes it: the load and
-    every earlier try_wait on its mbarrier (constant index) are outside loops, so the phase is
-    the number of those waits, mod 2. None otherwise."""
-    signal = mbarrier_of(tma_load)
-    if signal[1] is None or _in_loop(tma_load):
-        return None
-    func = enclosing_gpu_func(tma_load)
-    earlier, done = [], []
-
-    def visit(op):
-        if op == tma_load:
-            done.append(op)
-            return ir.WalkResult.INTERRUPT
-        if is_mbarrier_wait(op) and same_mbarrier(mbarrier_of(op), signal):
-            earlier.append(op)
-        return ir.WalkResult.ADVANCE
-
-    func.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
-    if any(_in_loop(op) for op in earlier):
-        return None
-    return len(earlier) % 2
+def _try_wait(group: ir.Value, n, stages: int, offset: int) -> None:
+    slot, parity = slot_and_parity(n, stages, offset)
+    nvgpu.mbarrier_try_wait_parity(group, parity,
+                                   arith.constant(ir.IndexType.get(), DEFAULT_TICKS), slot)
 
 
-def later_phase_load(event: ir.Operation, place_before: ir.Operation) -> ir.Operation | None:
-    """A TMA load other than ``event`` that may complete a later phase of ``event``'s mbarrier
-    before a wait placed before ``place_before`` runs: one between them in program order, or
-    one in a loop around ``place_before``. A wait for ``event``'s phase parity there could
-    then wait for a later phase of the same parity, which may never come."""
-    signal = mbarrier_of(event)
-    stop = place_before.operation
-    func = enclosing_gpu_func(event)
-    found, started = [], []
-
-    def later(op):
-        return (op != event and op_counter(op) == MBARRIER
-                and same_mbarrier(mbarrier_of(op), signal))
-
-    def visit(op):
-        if op == stop:
-            return ir.WalkResult.INTERRUPT
-        if op == event:
-            started.append(op)
-        elif started and later(op):
-            found.append(op)
-            return ir.WalkResult.INTERRUPT
-        return ir.WalkResult.ADVANCE
-
-    def anywhere(op):
-        if later(op):
-            found.append(op)
-            return ir.WalkResult.INTERRUPT
-        return ir.WalkResult.ADVANCE
-
-    func.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
-    for loop in enclosing_loops(stop):
-        if found:
+def _build_full_wait(gap: Gap) -> None:
+    """A read of a TMA-loaded buffer: wait on the load's ring for the use the reading thread
+    acquires next (its count of waits on that ring, the new one included), placed before the
+    read or, hoisted, before the op around it that runs once per use."""
+    func = enclosing_gpu_func(gap.event)
+    group = mbarrier_of(gap.event)[0]
+    point = gap.place_before
+    while True:
+        rings = Rings(func, virtual=(point, group))
+        loops = enclosing_loops(point)
+        if rings.virtual_count is not None and (
+                not loops or rings.steps.get((loops[0], (group, "wait"))) == 1):
             break
-        loop.walk(anywhere, ir.WalkOrder.PRE_ORDER)
-    return found[0] if found else None
+        parent = point.parent
+        if parent is None or parent.operation.name == "gpu.func" or any(
+                _within(op, parent.operation) for op, ring in rings.ops
+                if ring[1] == group and ring[0] in ("arm", "fill")):  # the producer's side
+            raise _refuse(gap, gap.event, "the reading thread's uses of its ring are not "
+                          "counted (no loop of one wait per iteration holds the read)",
+                          "wait for it by hand before the read, "
+                          "kiln.mbarrier.PhaseTracker(barriers).wait(use)")
+        point = parent.operation
+    point, rings = _hoist_out_of_ifs(func, group, point, rings)
+    with ir.InsertionPoint(point), gap.reader.location:
+        _try_wait(group, rings.virtual_count, stages_of(group), 0)
 
 
-def _wait_error(gap: Gap, what: str, fix: str) -> WaitError:
-    return WaitError(f"this {op_label(gap.reader)} may read before the {op_label(gap.event)} at "
-                     f"{where(gap.event)} {what}", fix=fix, loc=source_loc_from_mlir(gap.reader.location))
+def _hoist_out_of_ifs(func, group, point, rings):
+    """Move a wait for a use that is armed once, outside loops (a Q tile), before the
+    ``scf.if`` ops around it that hold no other op of its ring, so reads after them are covered
+    too (the use is armed on every path, so waiting for it there cannot hang)."""
+    arms = [op for op, ring in rings.ops if ring[1] == group and ring[0] in ("arm", "fill")]
+    if any(enclosing_loops(op) for op in arms) or not rings.virtual_count.is_const:
+        return point, rings
+    while point.parent is not None and point.parent.operation.name == "scf.if":
+        outer = point.parent.operation
+        inside = [op for op, ring in rings.ops if ring[1] == group and _within(op, outer)]
+        hoisted = Rings(func, virtual=(outer, group))
+        if inside or hoisted.virtual_count != rings.virtual_count:
+            break
+        point, rings = outer, hoisted
+    return point, rings
 
 
-def _build_mbarrier_wait(gap: Gap) -> None:
-    barriers, index = mbarrier_of(gap.event)
-    phase = static_phase(gap.event)
-    if phase is None:
-        raise _wait_error(gap, "lands, and the phase of its mbarrier is not known statically",
-                          f"wait on mbarrier {index if index is not None else '(computed index)'} "
-                          "of its group before the read: barriers.try_wait(i, phase), or a "
-                          "kiln.mbarrier.PhaseTracker in loops")
-    later = later_phase_load(gap.event, gap.place_before)
-    if later is not None:
-        raise _wait_error(gap, f"lands, and the {later.name} at {where(later)} may "
-                          f"complete a later phase of its mbarrier first, so a wait for parity "
-                          f"{phase} here could wait for a phase that never comes",
-                          "wait for the load before the later loads on its mbarrier (e.g. "
-                          "before the loop that issues them): barriers.try_wait(i, phase)")
-    index_type = ir.IndexType.get()
-    nvgpu.mbarrier_try_wait_parity(barriers, arith.constant(ir.IntegerType.get_signless(1), phase),
-                                   arith.constant(index_type, DEFAULT_TICKS),
-                                   arith.constant(index_type, index))
+def _within(op: ir.Operation, outer: ir.Operation) -> bool:
+    parent = op.parent
+    while parent is not None:
+        if parent.operation == outer:
+            return True
+        parent = parent.operation.parent
+    return False
+
+
+def _empty_group(rings: Rings, full: ir.Value):
+    """The empty ring paired with ``full``: the one empty ring whose waits guard no other
+    ring's arms, else None."""
+    taken = set()
+    for op, ring in rings.ops:
+        if ring[0] == "wait" and ring[1] in rings.empty:
+            arm = rings.guarded_arm(op)
+            if arm is not None and arm[1][1] != full:
+                taken.add(ring[1])
+    left = [g for g in rings.empty if g not in taken]
+    return left[0] if len(left) == 1 else None
+
+
+def _build_empty_wait(gap: Gap) -> None:
+    """A TMA load that may overwrite a buffer others read: before the arm of its use n, wait on
+    the paired empty ring for the release of use n - S (slot n % S, parity (n // S + 1) % 2),
+    n being the arm's count on its thread's path."""
+    load = gap.reader
+    rings = Rings(enclosing_gpu_func(load))
+    group = ring_of(load)[1]
+    arm = None
+    for view in load.block.operations:
+        if view.operation == load:
+            break
+        ring = ring_of(view.operation)
+        if ring is not None and ring[0] == "arm" and ring[1] == group:
+            arm = view.operation
+    count = rings.counts.get(arm) if arm is not None else None
+    empty = _empty_group(rings, group)
+    if arm is None or count is None:
+        raise _refuse(gap, load, "the arm (arrive_expect_tx) that opens its use is not counted "
+                      "on its thread's path (arms under conditions that loop counts do not "
+                      "express)", "wait on the ring's empty barrier by hand before the arm: "
+                      "empty.try_wait(n % S, (n // S + 1) % 2) for use n")
+    if empty is None or stages_of(empty) != stages_of(group):
+        raise _refuse(gap, load, "no single empty ring (one the readers arrive on) pairs with "
+                      "its ring", "wait on the ring's empty barrier by hand before the arm")
+    with ir.InsertionPoint(arm), load.location:
+        _try_wait(empty, count, stages_of(group), 1)
 
 
 def build_wait(gap: Gap) -> None:
     """Build the wait that closes ``gap`` before ``gap.place_before``, at the reader's location."""
-    if gap.overwrite:  # the phase of the readers' hand-over is the program's to compute
-        raise gap_error(gap)
+    if gap.overwrite:
+        _build_empty_wait(gap)
+        return
+    if gap.counter == MBARRIER:
+        _build_full_wait(gap)
+        return
     with ir.InsertionPoint(gap.place_before), gap.reader.location:
         if gap.counter == CP_ASYNC:
             nvgpu.device_async_wait(gap.event.result, num_groups=gap.count)
@@ -150,8 +171,6 @@ def build_wait(gap: Gap) -> None:
                                   "call kiln.wgmma.commit() after the last mma_async, then "
                                   "read the accumulator")
             nvvm.wgmma_wait_group_sync_aligned(gap.count)
-        elif gap.counter == MBARRIER:
-            _build_mbarrier_wait(gap)
         else:
             rocdl.s_waitcnt(encode_gfx9_waitcnt(**{gap.counter: gap.count}))
 
