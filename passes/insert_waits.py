@@ -67,6 +67,8 @@ def _build_full_wait(gap: Gap) -> None:
     func = enclosing_gpu_func(gap.event)
     group = mbarrier_of(gap.event)[0]
     point = gap.place_before
+    if _dominating_wait(point, group):  # placed this walk, before the arms it was found in
+        return
     while True:
         rings = Rings(func, virtual=(point, group))
         loops = enclosing_loops(point)
@@ -74,9 +76,10 @@ def _build_full_wait(gap: Gap) -> None:
                 not loops or rings.steps.get((loops[0], (group, "wait"))) == 1):
             break
         parent = point.parent
-        if parent is None or parent.operation.name == "gpu.func" or any(
-                _within(op, parent.operation) for op, ring in rings.ops
-                if ring[1] == group and ring[0] in ("arm", "fill")):  # the producer's side
+        if parent is None or parent.operation.name == "gpu.func" or (
+                parent.operation.name == "scf.if" and any(
+                    _within(op, parent.operation) for op, ring in rings.ops
+                    if ring[1] == group and ring[0] in ("arm", "fill"))):  # the producer's side
             raise _refuse(gap, gap.event, "the reading thread's uses of its ring are not "
                           "counted (no loop of one wait per iteration holds the read)",
                           "wait for it by hand before the read, "
@@ -110,6 +113,23 @@ def _within(op: ir.Operation, outer: ir.Operation) -> bool:
         if parent.operation == outer:
             return True
         parent = parent.operation.parent
+    return False
+
+
+def _dominating_wait(point: ir.Operation, group: ir.Value) -> bool:
+    """Whether a wait on ``group`` runs before ``point`` in a block around it, inside the
+    innermost loop (an earlier iteration's wait acquired an earlier use)."""
+    op = point
+    while op is not None and op.name != "gpu.func":
+        for view in op.block.operations:
+            if view.operation == op:
+                break
+            ring = ring_of(view.operation)
+            if ring is not None and ring[0] == "wait" and ring[1] == group:
+                return True
+        op = op.parent.operation if op.parent is not None else None
+        if op is not None and op.name == "scf.for":  # this iteration's waits only
+            return False
     return False
 
 

@@ -544,8 +544,8 @@ class WaitAnalysis:
                 continue
             self._place(gap)
             self.placed += 1
-            if event.counter == MBARRIER:
-                state = _retire_mbarrier(state, event.signal)
+            if event.counter == MBARRIER:  # a ring wait: the read's use, whichever slot
+                state = _retire_mbarrier(state, (event.signal[0], None))
             else:
                 state = _retire(state, event.counter, count,
                                 pend.barrier if before_barrier else None)
