@@ -130,7 +130,7 @@ class Exprs:
                 break
             op = owner.operation
             args = list(op.operands)
-            two = len(args) == 2 and constant_int(args[1])
+            two = len(args) == 2 and _constant(args[1])
             if op.name in _CASTS or op.name == "arith.trunci":
                 value = args[0]
             elif op.name == "arith.xori" and two is not None and two is not False:
@@ -161,6 +161,8 @@ def cond_facts(exprs: Exprs, cond: ir.Value) -> list[Lin]:
 
 def nonneg(e: Lin, facts) -> bool:
     """Whether ``e >= 0`` follows from one fact, or the sum of two, plus a constant >= 0."""
+    # a remainder by a positive constant is >= 0 (the proofs check the argument's sign apart)
+    e = Lin(frozenset((a, c) for a, c in e.terms if not (a[0] == "mod" and c > 0)), e.const)
     if e.is_const:
         return e.const >= 0
     facts = list(facts)
