@@ -48,6 +48,11 @@ NAME = "kiln-insert-waits"
 MAX_ROUNDS = 16
 
 
+def _wait_error(gap: Gap, what: str, fix: str) -> WaitError:
+    return WaitError(f"this {op_label(gap.reader)} may read before the {op_label(gap.event)} at "
+                     f"{where(gap.event)} {what}", fix=fix, loc=source_loc_from_mlir(gap.reader.location))
+
+
 def _refuse(gap: Gap, load: ir.Operation, what: str, fix: str) -> WaitError:
     return WaitError(f"kiln-insert-waits cannot derive the mbarrier wait for the "
                      f"{op_label(load)} at {where(load)}: {what}", fix=fix,
