@@ -39,6 +39,7 @@ from kiln.passes import register_pass
 from kiln.passes.cluster_schedule import cluster_spans, recipes_of
 from kiln.passes.enclosing import enclosing_gpu_func, enclosing_loops, func_vendor, gpu_funcs, where
 from kiln.passes.mbarrier_rings import Rings, ring_of, slot_and_parity, stages_of
+from kiln.passes.verify_waits import gap_error
 from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis,
                                        encode_gfx9_waitcnt, mbarrier_of, op_label, wait_limits)
 
@@ -167,14 +168,13 @@ def _build_empty_wait(gap: Gap) -> None:
             arm = view.operation
     count = rings.counts.get(arm) if arm is not None else None
     empty = _empty_group(rings, group)
+    if empty is None or stages_of(empty) != stages_of(group):
+        raise gap_error(gap)  # no ring the readers hand the buffer back on: nothing to wait for
     if arm is None or count is None:
         raise _refuse(gap, load, "the arm (arrive_expect_tx) that opens its use is not counted "
                       "on its thread's path (arms under conditions that loop counts do not "
                       "express)", "wait on the ring's empty barrier by hand before the arm: "
                       "empty.try_wait(n % S, (n // S + 1) % 2) for use n")
-    if empty is None or stages_of(empty) != stages_of(group):
-        raise _refuse(gap, load, "no single empty ring (one the readers arrive on) pairs with "
-                      "its ring", "wait on the ring's empty barrier by hand before the arm")
     with ir.InsertionPoint(arm), load.location:
         _try_wait(empty, count, stages_of(group), 1)
 

@@ -36,7 +36,9 @@ from mlir import ir
 from mlir.dialects import arith
 
 from kiln.nvidia.mbarrier import RING_STAGES_ATTR
+from kiln.passes.enclosing import enclosing_loops
 from kiln.passes.ring_exprs import ZERO, Exprs, Lin, cond_facts, nonneg
+from kiln.passes.ring_guards import guarded_count
 from kiln.passes.wait_analysis import effects
 
 UNKNOWN = None
@@ -84,6 +86,19 @@ class Rings:
         self.empty = {r[1] for _, r in self.ops if r[0] == "release"} - self.full
         if self.ops:
             self._block(func.regions[0].blocks[0], {}, (), record=True)
+            self._guarded_arms()
+
+    def _guarded_arms(self) -> None:
+        """Count the arms the path count lost under conditions (:mod:`ring_guards`)."""
+        arms: dict = {}
+        for op, ring in self.ops:
+            if ring[0] == "arm":
+                arms.setdefault(ring[1], []).append(op)
+        for group_arms in arms.values():
+            for op in group_arms:
+                if self.counts.get(op, UNKNOWN) is UNKNOWN and op in self.facts:
+                    self.counts[op] = guarded_count(self.exprs, op, self.facts[op], group_arms,
+                                                    enclosing_loops)
 
     def _collect(self, op):
         ring = ring_of(op.operation)
