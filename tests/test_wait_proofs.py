@@ -18,8 +18,11 @@ producers' empty waits (the decode kernels' look-ahead ones too, counted by
 passes/ring_guards.py) and constant-slot waits (Q tiles, prologues). The gfx950 drains stay
 exempt: the plain LDS reads they cover are ``memref``/``vector`` loads that LLVM may merge,
 split or scalarise into any number of ``ds_read`` instructions, so no declaration can give
-their lgkmcnt count in the Kiln IR (and the drain is also what orders them before the MFMA
-cluster's schedule, which LLVM does not see); the final assembly carries the proof.
+their lgkmcnt count in the Kiln IR. Counting them as events of unknown size would leave only
+``lgkmcnt(0)`` to retire them, before every consumer of their registers, where LLVM now places
+its own finer ``lgkmcnt(N)``: the assembly would change. The drain is a schedule choice (the
+MFMA cluster starts with the LDS reads done); without it LLVM's own waits keep the program
+correct, which the final-assembly proof (``isa_amdgpu.verify_waits``) checks.
 
 Mutating a shipped kernel's wait parity or slot (flipped, off by one stage) is rejected too.
 """

@@ -250,6 +250,9 @@ class PhaseTracker:
         ring = kiln.mbarrier.PhaseTracker(bars)       # stages = bars.num_barriers
         for k in range(num_k_tiles):
             ring.wait(k)                              # waits bars[k % S] at the right parity
+
+    The stage count is recorded on the group (``kiln.ring_stages``): the wait passes derive
+    each wait's use from it and prove it by counting (:mod:`kiln.passes.mbarrier_rings`).
     """
 
     def __init__(self, barriers: MBarrierGroup, stages: int | None = None):
