@@ -28,8 +28,8 @@ fixed point). Else it is a Gap with ``overwrite``
 naming the load and a read it races with. Barrier indices are not told apart (stages of one
 group are one group); the ``wgmma.wait_group`` before an arrive (the MMA must be done reading
 before the release) is checked by the wait analysis where the arrive declares
-``wgmma_pending`` (:meth:`kiln.mbarrier.MBarrierGroup.arrive`). Whether a wait names the right use of its
-ring (slot and parity) is :mod:`kiln.passes.mbarrier_rings`'s proof.
+``wgmma_pending`` (:meth:`kiln.mbarrier.MBarrierGroup.arrive`). Whether a wait names the right
+use of its ring (slot and parity) is :mod:`kiln.passes.mbarrier_rings`'s proof.
 """
 
 from __future__ import annotations

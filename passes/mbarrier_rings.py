@@ -47,11 +47,12 @@ UNKNOWN = None
 @dataclass(frozen=True)
 class Named:
     """The use a wait names: ``n`` modulo ``modulus`` (2S when slot and parity both say), and
-    the parity offset it waits with (``(n // S + offset) % 2``)."""
+    the parity offset it waits with (``(n // S + offset) % 2``; -1: slot and parity disagree;
+    None: both constant, the parity folded into ``n`` at offset 0)."""
 
     n: Lin
     modulus: int
-    offset: int
+    offset: int | None
 
 
 def ring_of(op: ir.Operation):
@@ -144,7 +145,7 @@ class Rings:
             else:
                 for region in op.regions:
                     for b in region.blocks:
-                        state = _join(state, self._block(b, state, facts, record), lose=True)
+                        state = _join(state, self._block(b, state, facts, record))
         return state
 
     def _loop(self, op, state: dict, facts: tuple, record: bool) -> dict:
@@ -167,7 +168,7 @@ class Rings:
                                                           ends, (lo, hi, step, ivl), facts,
                                                           inner)
             self.steps[(op, key)] = per
-            if per is not UNKNOWN and start[key] is not UNKNOWN and not start[key].is_const:
+            if start[key] is not UNKNOWN and not start[key].is_const:
                 inner = inner + (start[key],)  # a count is >= 0
         self._block(body, start, inner, record)
         return after
@@ -188,7 +189,8 @@ class Rings:
             end = self._block(body, {**probe, key: carried}, facts, record=False).get(key)
             if end is not UNKNOWN and end == self.exprs.lin(term.operands[i]):
                 per = end - carried
-                return carried, self.exprs.lin(op.results[i]), per.const if per.is_const else 0
+                steps = per.const if per.is_const else UNKNOWN
+                return carried, self.exprs.lin(op.results[i]), steps
         end = ends.get(key)
         per = UNKNOWN if end is UNKNOWN else end - probe[key]
         if per is UNKNOWN or not per.is_const:
@@ -232,8 +234,8 @@ class Rings:
             if not shift.is_const or shift.const % stages:
                 return Named(by_slot[0], stages, -1)  # slot and parity name different uses
             return Named(by_slot[0], 2 * stages, (e.const + flip + shift.const // stages) % 2)
-        if e.is_const and s.is_const:
-            return Named(Lin(const=s.const + stages * ((e.const + flip) % 2)), 2 * stages, 0)
+        if e.is_const and s.is_const:  # offset None: the parity bit is folded into n
+            return Named(Lin(const=s.const + stages * ((e.const + flip) % 2)), 2 * stages, None)
         return None
 
     def guarded_arm(self, wait: ir.Operation):
@@ -258,7 +260,7 @@ def _inside(op, loop) -> bool:
     return False
 
 
-def _join(a: dict, b: dict, lose: bool = False) -> dict:
+def _join(a: dict, b: dict) -> dict:
     """Counts both paths agree on; UNKNOWN elsewhere."""
     out = {}
     for key in set(a) | set(b):
@@ -290,7 +292,8 @@ def ring_errors(func: ir.Operation) -> list[tuple[ir.Operation, str]]:
     errors = []
     for op, ring in rings.ops:
         role, group = ring[0], ring[1]
-        if role not in ("wait", "arm") or (role == "wait" and group not in rings.full | rings.empty):
+        ringed = rings.full | rings.empty
+        if role not in ("wait", "arm") or (role == "wait" and group not in ringed):
             continue
         stages = stages_of(group)
         named = rings.named(op, ring)
@@ -302,30 +305,38 @@ def ring_errors(func: ir.Operation) -> list[tuple[ir.Operation, str]]:
             errors.append((op, "its slot and its parity name different uses of the "
                                f"{stages}-stage ring"))
             continue
+        if named.offset is None:  # constant slot and parity: the use at the expected offset
+            named = Named(named.n - stages * want, named.modulus, want)
         if named.modulus == 2 * stages and named.offset != want:
-            errors.append((op, f"its parity is flipped: a wait on {'a full' if full else 'an empty'}"
-                               f" ring for use n waits on parity (n // {stages}"
-                               f"{'' if full else ' + 1'}) % 2"))
+            kind, plus = ("a full", "") if full else ("an empty", " + 1")
+            errors.append((op, f"its parity is flipped: a wait on {kind} ring for use n waits "
+                               f"on parity (n // {stages}{plus}) % 2"))
             continue
         expected = expected_use(rings, op, ring)
         if expected is None:
             continue
         n, modulus = expected
         diff = named.n - n
-        modulus = min(modulus, named.modulus)
-        if not diff.is_const or diff.const % modulus:
-            what = "the arm after it opens" if role == "wait" and not full else \
-                f"it is the {role} number {_show(n)} on its ring in its thread"
-            errors.append((op, f"it names use {_show(named.n)} of the {stages}-stage ring, but "
-                               f"{what} {'use ' + _show(n) if role == 'wait' and not full else ''}"
-                               .rstrip()))
+        if not diff.is_const or diff.const % min(modulus, named.modulus):
+            if role == "wait" and not full:
+                what = f"the arm after it opens use {show(n)}"
+            else:
+                what = f"it is {role} number {show(n)} on that ring in its thread"
+            errors.append((op, f"it names use {show(named.n)} of the {stages}-stage ring, but "
+                               f"{what}"))
     return errors
 
 
-def _show(e: Lin) -> str:
-    if e.is_const:
-        return str(e.const)
-    return "a computed use" if len(e.terms) > 1 else "the loop's use"
+def show(e: Lin) -> str:
+    """``e`` as text for messages: values by their IR names (``%arg9 + 1``)."""
+    parts = []
+    for atom, coeff in sorted(e.terms, key=str):
+        text = atom[1].get_name() if atom[0] == "v" else \
+            f"({show(atom[1])} {'//' if atom[0] == 'div' else '%'} {atom[2]})"
+        parts.append(text if coeff == 1 else f"{coeff}*{text}")
+    if e.const or not parts:
+        parts.append(str(e.const))
+    return " + ".join(parts)
 
 
 # -- building the wait a gap needs -------------------------------------------------------------

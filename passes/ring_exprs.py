@@ -32,7 +32,8 @@ def _constant(value: ir.Value) -> int | None:
     """An ``arith.constant`` integer, ``true``/``false`` (a BoolAttr) included."""
     known = constant_int(value)
     owner = value.owner
-    if known is None and not isinstance(owner, ir.Block) and owner.operation.name == "arith.constant":
+    if known is None and not isinstance(owner, ir.Block) and \
+            owner.operation.name == "arith.constant":
         attr = owner.operation.attributes["value"]
         return int(ir.BoolAttr(attr).value) if isinstance(attr, ir.BoolAttr) else None
     return known
