@@ -60,6 +60,7 @@ KERNELS = {
                                               causal=True),
     "gemm_gfx950": lambda: compile_matmul("bf16", target="gfx950"),
 }
+_GEMM_TEXT: dict = {}  # the Hopper GEMM's Kiln IR, compiled once for the mutation cases
 _NAMED = re.compile(r"before the (?:async )?(\S+) at|the result of the (\S+) at|"
                     r"this (\S+) may overwrite")
 
@@ -167,23 +168,27 @@ def test_every_wait_is_required(name):
     assert _check_kernel(name)[0] == []
 
 
-def _gemm_ring_wait(module):
-    """The GEMM consumer's full wait (in its K loop): ``full.try_wait(use % 4, (use // 4) % 2)``."""
+def _gemm_ring_wait(module, which: str):
+    """The GEMM producer's empty wait (``empty.try_wait(use % 4, (use // 4) % 2 ^ 1)``) or its
+    consumer's full wait (``full.try_wait(use % 4, (use // 4) % 2)``), both in K loops."""
     waits = [op for op in _walk(module) if is_mbarrier_wait(op)]
-    return waits[-1]
+    return waits[0] if which == "empty" else waits[-1]
 
 
 @pytest.mark.lower
+@pytest.mark.parametrize("which", ["full", "empty"])
 @pytest.mark.parametrize("mutation", ["flip_parity", "next_slot", "next_use"])
-def test_wrong_ring_phase_is_rejected(mutation):
+def test_wrong_ring_phase_is_rejected(mutation, which):
     """A wait on the wrong slot or parity of a ring is rejected naming the wait: a flipped
-    parity, a slot one stage ahead, and slot and parity both one use ahead (the count)."""
+    parity, a slot one stage ahead, and slot and parity both one use ahead (the count, or
+    for the empty wait the arm after it)."""
     from mlir.dialects import arith
-    text = KERNELS["gemm_sm90"]().asm["kiln"]
+    text = _GEMM_TEXT.get("text") or _GEMM_TEXT.setdefault("text",
+                                                           KERNELS["gemm_sm90"]().asm["kiln"])
     with ir.Context(), ir.Location.unknown():
         module = ir.Module.parse(text)
         assert _verify(module) is None
-        wait = _gemm_ring_wait(module)
+        wait = _gemm_ring_wait(module, which)
         with ir.InsertionPoint(wait):
             i1, index = ir.IntegerType.get_signless(1), ir.IndexType.get()
             if mutation == "flip_parity":
@@ -198,6 +203,8 @@ def test_wrong_ring_phase_is_rejected(mutation):
                 four = arith.constant(use.type, 4)
                 wait.operands[3] = arith.index_cast(index, arith.remsi(nxt, four))
                 wraps = arith.remsi(arith.divsi(nxt, four), arith.constant(use.type, 2))
+                if which == "empty":
+                    wraps = arith.xori(wraps, arith.constant(use.type, 1))
                 wait.operands[1] = arith.trunci(i1, wraps)
         err = _verify(module)
     assert err is not None and "try_wait" in str(err) and "wrong phase" in str(err), err
