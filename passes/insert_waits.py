@@ -4,10 +4,11 @@ The analysis is :mod:`kiln.passes.wait_analysis` (shared with ``kiln-verify-wait
 tracked, what counts as a read, where a wait goes). This pass runs it with placement on: every
 gap is closed where it is found by the loosest wait that covers it (``vmcnt(N)`` with N the
 event's younger same-counter events), and the wait is applied to the state at once, so later
-reads are checked against it. One walk places every wait; a second walk confirms nothing is
-left (it places nothing unless a loop body's new wait changed what flows across a back-edge,
-which can only retire more). Cost: a few walks of the function, linear in its ops times the
-outstanding events (the gfx950 prefill kernel: about 0.1 s).
+reads are checked against it. One walk places every same-thread wait and the first
+cross-thread (mbarrier hand-over) wait, whose use count depends on the waits before it; further
+walks place the rest, and the last confirms nothing is left (a loop body's new wait may change
+what flows across a back-edge, which can only retire more). Cost: a few walks of the function,
+linear in its ops times the outstanding events (the gfx950 prefill kernel: about 0.1 s).
 
 Waits already in the IR (``rocdl.s.waitcnt``, ``nvgpu.device_async_wait``, ``amdgpu.lds_barrier``,
 ``nvvm.wgmma.wait.group.sync.aligned``, ``nvgpu.mbarrier.try_wait.parity``) are kept and counted.
@@ -16,8 +17,9 @@ read of a TMA-loaded buffer, a ``mbarrier.try_wait.parity`` for the use the read
 acquires next, and before a TMA load that may overwrite a buffer other threads read, a wait on
 the paired empty ring for the release of that slot's previous use. Slot and parity are derived
 by counting the ring's uses along the thread's path (:mod:`kiln.passes.mbarrier_rings`); where
-no count is derived the pass refuses with a ``WaitError`` naming the load. Under ``kiln.consumer_drain`` (or a recipe's ``drain``) every cluster that
-holds MFMA work opens with ``s_waitcnt lgkmcnt(0)``. Functions marked ``kiln.manual_waits`` are
+no count is derived the pass refuses with a ``WaitError`` naming the load. Under
+``kiln.consumer_drain`` (or a recipe's ``drain``) every cluster that holds MFMA work opens with
+``s_waitcnt lgkmcnt(0)``. Functions marked ``kiln.manual_waits`` are
 left alone (the verifier still checks them).
 
 Example::
@@ -97,9 +99,10 @@ def _build_full_wait(gap: Gap) -> None:
 
 
 def _hoist_out_of_ifs(func, group, point, rings):
-    """Move a wait for a use that is armed once, outside loops (a Q tile), before the
-    ``scf.if`` ops around it that hold no other op of its ring, so reads after them are covered
-    too (the use is armed on every path, so waiting for it there cannot hang)."""
+    """Move a wait for a use whose ring is armed only outside loops (a Q tile) before the
+    ``scf.if`` ops around it that hold no other op of its ring (never past the producer's
+    side), so reads after them are covered too; the count there is the same. That the use is
+    armed at all is the program's (a missing arm hangs: the interpreter reports it)."""
     arms = [op for op, ring in rings.ops if ring[1] == group and ring[0] in ("arm", "fill")]
     if any(enclosing_loops(op) for op in arms) or not rings.virtual_count.is_const:
         return point, rings
