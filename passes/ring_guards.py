@@ -30,6 +30,7 @@ from kiln.passes.ring_exprs import Exprs, Lin, cond_facts, nonneg
 
 
 def _conjuncts(cond: ir.Value) -> list[ir.Value]:
+    """The terms of an ``arith.andi`` chain."""
     owner = cond.owner
     if not isinstance(owner, ir.Block) and owner.operation.name == "arith.andi":
         return [c for arg in owner.operation.operands for c in _conjuncts(arg)]
@@ -49,6 +50,7 @@ def _guards(op: ir.Operation, loop: ir.Operation) -> list[ir.Value] | None:
 
 
 def _defined_in(value: ir.Value, loop: ir.Operation) -> bool:
+    """Whether ``value`` is a block argument or result inside ``loop`` (or its iv)."""
     owner = value.owner
     op = owner.owner if isinstance(owner, ir.Block) else owner.operation
     while op is not None:
@@ -60,11 +62,8 @@ def _defined_in(value: ir.Value, loop: ir.Operation) -> bool:
 
 def _varies(e: Lin, loop: ir.Operation) -> bool:
     """Whether ``e`` has an atom defined in ``loop`` (its induction variable included)."""
-    for atom, _ in e.terms:
-        if atom[0] == "v" and _defined_in(atom[1], loop) or atom[0] != "v" and _varies(atom[1],
-                                                                                       loop):
-            return True
-    return False
+    return any(_defined_in(atom[1], loop) if atom[0] == "v" else _varies(atom[1], loop)
+               for atom, _ in e.terms)
 
 
 class _Counter:

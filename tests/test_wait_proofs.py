@@ -208,3 +208,13 @@ def test_wrong_ring_phase_is_rejected(mutation, which):
                 wait.operands[1] = arith.trunci(i1, wraps)
         err = _verify(module)
     assert err is not None and "try_wait" in str(err) and "wrong phase" in str(err), err
+
+
+@pytest.mark.lower
+def test_decode_ring_waits_are_required_and_restored():
+    """The decode kernel's two mbarrier waits: the consumer's full wait (use ``it``) and the
+    look-ahead producer's empty wait, whose arm's use ``it + S - 1 - lag`` is counted under its
+    conditions (passes/ring_guards.py); each is rejected when deleted and restored."""
+    problems, named = _check_kernel("decode_mma_sync", only=lambda label: "mbarrier" in label)
+    assert problems == []
+    assert named == ["nvgpu.tma.async.load"] * 2
