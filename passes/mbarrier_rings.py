@@ -26,6 +26,12 @@ Where a count is not derived (arms under conditions that loop counts cannot expr
 decode kernel's first-iteration and look-ahead loads), the count check is skipped: slot and
 parity are still checked against each other and against the arm they guard. Release arrives'
 slots and the loads' barrier indices are not checked (the loads use their arm's value).
+
+Example::
+
+    ring_errors(func)      # [(try_wait op, "its parity is flipped: ...")] for a bad wait
+    rings = Rings(func, virtual=(read_op, group))
+    rings.virtual_count    # the use a wait placed before read_op would acquire (a Lin)
 """
 
 from __future__ import annotations
