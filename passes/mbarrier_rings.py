@@ -22,9 +22,10 @@ What is derived, never trusted (:mod:`kiln.passes.ring_exprs` reads the index ar
   ``use = use + 1`` counter carried through nested loops); an ``scf.if`` keeps a count its arms
   agree on. A wait on an empty ring must name the use of the arm after it in its block.
 
-Where a count is not derived (arms under conditions that loop counts cannot express, as the
-decode kernel's first-iteration and look-ahead loads), the count check is skipped: slot and
-parity are still checked against each other and against the arm they guard. Release arrives'
+Arms the path count loses under conditions (the decode kernel's first-iteration and
+look-ahead loads) are counted where they run by :mod:`kiln.passes.ring_guards`. Where no count
+is derived, the count check is skipped: slot and parity are still checked against each other
+and against the arm they guard (and ``kiln-insert-waits`` refuses rather than guess). Release arrives'
 slots and the loads' barrier indices are not checked (the loads use their arm's value).
 
 Example::
