@@ -33,17 +33,16 @@ Example::
 from __future__ import annotations
 
 from mlir import ir
-from mlir.dialects import arith, nvgpu, nvvm, rocdl
+from mlir.dialects import nvgpu, nvvm, rocdl
 
 from kiln.core.errors import InternalError, WaitError, source_loc_from_mlir
-from kiln.nvidia.mbarrier import DEFAULT_TICKS
 from kiln.passes import register_pass
 from kiln.passes.cluster_schedule import cluster_spans, recipes_of
 from kiln.passes.enclosing import enclosing_gpu_func, enclosing_loops, func_vendor, gpu_funcs, where
-from kiln.passes.mbarrier_rings import Rings, ring_of, slot_and_parity, stages_of
+from kiln.passes.mbarrier_rings import Rings, build_wait as build_ring_wait
 from kiln.passes.verify_waits import gap_error
 from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis,
-                                       encode_gfx9_waitcnt, mbarrier_of, op_label, wait_limits)
+                                       encode_gfx9_waitcnt, op_label, wait_limits)
 
 NAME = "kiln-insert-waits"
 # A walk places every same-thread wait and one cross-thread (mbarrier hand-over) wait, whose
@@ -62,54 +61,48 @@ def _refuse(gap: Gap, load: ir.Operation, what: str, fix: str) -> WaitError:
                      loc=source_loc_from_mlir(gap.reader.location))
 
 
-def _try_wait(group: ir.Value, n, stages: int, offset: int) -> None:
-    slot, parity = slot_and_parity(n, stages, offset)
-    nvgpu.mbarrier_try_wait_parity(group, parity,
-                                   arith.constant(ir.IndexType.get(), DEFAULT_TICKS), slot)
-
-
 def _build_full_wait(gap: Gap) -> None:
     """A read of a TMA-loaded buffer: wait on the load's ring for the use the reading thread
     acquires next (its count of waits on that ring, the new one included), placed before the
     read or, hoisted, before the op around it that runs once per use."""
     func = enclosing_gpu_func(gap.event)
-    group = mbarrier_of(gap.event)[0]
+    unit = Rings(func).unit_of(gap.event)
     point = gap.place_before
-    if _dominating_wait(point, group):  # placed this walk, before the arms it was found in
+    if _dominating_wait(func, point, unit, gap.event):  # placed this walk, before the arms it was found in
         return
     while True:
-        rings = Rings(func, virtual=(point, group))
+        rings = Rings(func, virtual=(point, unit))
         loops = enclosing_loops(point)
         if rings.virtual_count is not None and (
-                not loops or rings.steps.get((loops[0], (group, "wait"))) == 1):
+                not loops or rings.steps.get((loops[0], (unit, "wait"))) == 1):
             break
         parent = point.parent
-        if parent is None or parent.operation.name == "gpu.func" or (
-                parent.operation.name == "scf.if" and any(
+        if parent is None or parent.operation.name == "gpu.func" or _within(
+                gap.event, parent.operation) or (parent.operation.name == "scf.if" and any(
                     _within(op, parent.operation) for op, ring in rings.ops
-                    if ring[1] == group and ring[0] in ("arm", "fill"))):  # the producer's side
+                    if ring[1] == unit and ring[0] in ("arm", "fill"))):  # the producer's side
             raise _refuse(gap, gap.event, "the reading thread's uses of its ring are not "
                           "counted (no loop of one wait per iteration holds the read)",
                           "wait for it by hand before the read, "
                           "kiln.mbarrier.PhaseTracker(barriers).wait(use)")
         point = parent.operation
-    point, rings = _hoist_out_of_ifs(func, group, point, rings)
+    point, rings = _hoist_out_of_ifs(func, unit, point, rings)
     with ir.InsertionPoint(point), gap.reader.location:
-        _try_wait(group, rings.virtual_count, stages_of(group), 0)
+        build_ring_wait(unit, rings.virtual_count, rings.stages[unit], 0)
 
 
-def _hoist_out_of_ifs(func, group, point, rings):
+def _hoist_out_of_ifs(func, unit, point, rings):
     """Move a wait for a use whose ring is armed only outside loops (a Q tile) before the
     ``scf.if`` ops around it that hold no other op of its ring (never past the producer's
     side), so reads after them are covered too; the count there is the same. That the use is
     armed at all is the program's (a missing arm hangs: the interpreter reports it)."""
-    arms = [op for op, ring in rings.ops if ring[1] == group and ring[0] in ("arm", "fill")]
+    arms = [op for op, ring in rings.ops if ring[1] == unit and ring[0] in ("arm", "fill")]
     if any(enclosing_loops(op) for op in arms) or not rings.virtual_count.is_const:
         return point, rings
     while point.parent is not None and point.parent.operation.name == "scf.if":
         outer = point.parent.operation
-        inside = [op for op, ring in rings.ops if ring[1] == group and _within(op, outer)]
-        hoisted = Rings(func, virtual=(outer, group))
+        inside = [op for op, ring in rings.ops if ring[1] == unit and _within(op, outer)]
+        hoisted = Rings(func, virtual=(outer, unit))
         if inside or hoisted.virtual_count != rings.virtual_count:
             break
         point, rings = outer, hoisted
@@ -125,24 +118,29 @@ def _within(op: ir.Operation, outer: ir.Operation) -> bool:
     return False
 
 
-def _dominating_wait(point: ir.Operation, group: ir.Value) -> bool:
-    """Whether a wait on ``group`` runs before ``point`` in a block around it, inside the
-    innermost loop (an earlier iteration's wait acquired an earlier use)."""
+def _dominating_wait(func: ir.Operation, point: ir.Operation, unit, event) -> bool:
+    """Whether a wait on ``unit`` runs after ``event`` and before ``point`` in a block around
+    ``point``, inside the innermost loop (an earlier iteration's wait acquired an earlier use)."""
+    waits = {op for op, ring in Rings(func).ops if ring[0] == "wait" and ring[1] == unit}
     op = point
     while op is not None and op.name != "gpu.func":
+        found = False
         for view in op.block.operations:
             if view.operation == op:
                 break
-            ring = ring_of(view.operation)
-            if ring is not None and ring[0] == "wait" and ring[1] == group:
-                return True
+            if view.operation in waits:
+                found = True
+            elif view.operation == event or _within(event, view.operation):
+                found = False  # a wait before the load does not cover it
+        if found:
+            return True
         op = op.parent.operation if op.parent is not None else None
         if op is not None and op.name == "scf.for":  # this iteration's waits only
             return False
     return False
 
 
-def _empty_group(rings: Rings, full: ir.Value):
+def _empty_group(rings: Rings, full):
     """The empty ring paired with ``full``: the one empty ring whose waits guard no other
     ring's arms, else None."""
     taken = set()
@@ -161,17 +159,17 @@ def _build_empty_wait(gap: Gap) -> None:
     n being the arm's count on its thread's path."""
     load = gap.reader
     rings = Rings(enclosing_gpu_func(load))
-    group = ring_of(load)[1]
+    unit = rings.unit_of(load)
+    arms = {op for op, ring in rings.ops if ring[0] == "arm" and ring[1] == unit}
     arm = None
     for view in load.block.operations:
         if view.operation == load:
             break
-        ring = ring_of(view.operation)
-        if ring is not None and ring[0] == "arm" and ring[1] == group:
+        if view.operation in arms:
             arm = view.operation
     count = rings.counts.get(arm) if arm is not None else None
-    empty = _empty_group(rings, group)
-    if empty is None or stages_of(empty) != stages_of(group):
+    empty = _empty_group(rings, unit)
+    if empty is None or rings.stages[empty] != rings.stages[unit]:
         raise gap_error(gap)  # no ring the readers hand the buffer back on: nothing to wait for
     if arm is None or count is None:
         raise _refuse(gap, load, "the arm (arrive_expect_tx) that opens its use is not counted "
@@ -179,7 +177,7 @@ def _build_empty_wait(gap: Gap) -> None:
                       "express)", "wait on the ring's empty barrier by hand before the arm: "
                       "empty.try_wait(n % S, (n // S + 1) % 2) for use n")
     with ir.InsertionPoint(arm), load.location:
-        _try_wait(empty, count, stages_of(group), 1)
+        build_ring_wait(empty, count, rings.stages[unit], 1)
 
 
 def build_wait(gap: Gap) -> None:

@@ -40,9 +40,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlir import ir
-from mlir.dialects import arith
+from mlir.dialects import arith, nvgpu
 
-from kiln.nvidia.mbarrier import RING_STAGES_ATTR
+from kiln.nvidia.mbarrier import DEFAULT_TICKS, RING_STAGES_ATTR
 from kiln.passes.enclosing import enclosing_loops
 from kiln.passes.ring_exprs import ZERO, Exprs, Lin, cond_facts, nonneg
 from kiln.passes.ring_guards import guarded_count
@@ -90,6 +90,7 @@ class Rings:
         self.virtual_count = UNKNOWN
         self.ops: list = []
         func.operation.walk(self._collect)
+        self.stages = self._units()
         self.full = {r[1] for _, r in self.ops if r[0] == "fill"}
         self.empty = {r[1] for _, r in self.ops if r[0] == "release"} - self.full
         if self.ops:
@@ -114,6 +115,27 @@ class Rings:
             self.ops.append((op.operation, ring))
         return ir.WalkResult.ADVANCE
 
+    def _units(self) -> dict:
+        """Rewrite each ring op's group to its *unit* and give each unit's stage count: a group
+        whose ops all name constant barriers is used as independent barriers, each its own
+        1-stage ring ``(group, index)``; any other group is one ring of ``stages_of`` stages."""
+        constant: dict = {}
+        for _, (role, group, slot, _) in self.ops:
+            constant[group] = constant.get(group, True) and self.exprs.lin(slot).is_const
+        stages, ops = {}, []
+        for op, (role, group, slot, parity) in self.ops:
+            unit = (group, self.exprs.lin(slot).const) if constant[group] else group
+            stages[unit] = 1 if constant[group] else stages_of(group)
+            ops.append((op, (role, unit, slot, parity)))
+        self.ops = ops
+        self._by_op = dict(ops)
+        return stages
+
+    def unit_of(self, op: ir.Operation):
+        """The ring unit (a group, or ``(group, index)``) of a ring op, else None."""
+        ring = self._by_op.get(op)
+        return None if ring is None else ring[1]
+
     @staticmethod
     def _key(ring):
         return (ring[1], ring[0]) if ring[0] in ("wait", "arm") else None
@@ -137,7 +159,7 @@ class Rings:
                     self.facts[None] = facts
                 now = state.get(key, ZERO)
                 state[key] = UNKNOWN if now is UNKNOWN else now + 1
-            ring = ring_of(op)
+            ring = self._by_op.get(op)
             if ring is not None and self._key(ring) is not None:
                 self._count(state, self._key(ring), op, facts, record)
             if op.name == "scf.for":
@@ -214,12 +236,12 @@ class Rings:
     def named(self, op, ring) -> Named | None:
         """The use a wait (or, without parity, an arm) names; None where the index arithmetic
         is not one of the derivable forms (module docstring) or a division may be negative."""
-        _, group, slot, parity = ring
-        stages = stages_of(group)
+        _, unit, slot, parity = ring
+        stages = self.stages[unit]
         facts = self.facts.get(op, ())
         count = self.counts.get(op)
         facts = facts + ((count,) if count is not UNKNOWN and count is not None else ())
-        s = self.exprs.lin(slot)
+        s = Lin() if isinstance(unit, tuple) else self.exprs.lin(slot)
         by_slot = s.single("mod")
         if by_slot is not None and (by_slot[1] != stages or not nonneg(by_slot[0], facts)):
             return None
@@ -252,7 +274,7 @@ class Rings:
             if view.operation == wait:
                 after = True
             elif after:
-                ring = ring_of(view.operation)
+                ring = self._by_op.get(view.operation)
                 if ring is not None and ring[0] == "arm":
                     return view.operation, ring
         return None
@@ -302,7 +324,7 @@ def ring_errors(func: ir.Operation) -> list[tuple[ir.Operation, str]]:
         ringed = rings.full | rings.empty
         if role not in ("wait", "arm") or (role == "wait" and group not in ringed):
             continue
-        stages = stages_of(group)
+        stages = rings.stages[group]
         named = rings.named(op, ring)
         if named is None:
             continue
@@ -364,6 +386,21 @@ def materialise(e: Lin) -> ir.Value:
             value = arith.muli(value, arith.constant(index, coeff))
         total = arith.addi(total, value)
     return total
+
+
+def build_wait(unit, n: Lin, stages: int, offset: int) -> None:
+    """``try_wait`` on ring ``unit`` for use ``n`` at parity offset ``offset``, built here."""
+    group, fixed = unit if isinstance(unit, tuple) else (unit, None)
+    index, i1 = ir.IndexType.get(), ir.IntegerType.get_signless(1)
+    if fixed is not None:  # an independent barrier of its group: a 1-stage ring
+        parity = arith.constant(i1, (n.const + offset) % 2) if n.is_const else \
+            slot_and_parity(n, 1, offset)[1]
+        ticks = arith.constant(index, DEFAULT_TICKS)
+        slot = arith.constant(index, fixed)
+    else:
+        slot, parity = slot_and_parity(n, stages, offset)
+        ticks = arith.constant(index, DEFAULT_TICKS)
+    nvgpu.mbarrier_try_wait_parity(group, parity, ticks, slot)
 
 
 def slot_and_parity(n: Lin, stages: int, offset: int) -> tuple[ir.Value, ir.Value]:
