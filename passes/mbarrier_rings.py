@@ -1,7 +1,8 @@
 """Pipelined mbarrier rings: which use each wait names, and the proof that it is the right one.
 
 A ring is an mbarrier group of S stages (its size, or the ``kiln.ring_stages`` a
-:class:`kiln.mbarrier.PhaseTracker` records on it). Its *uses* are numbered 0, 1, 2, ... in the
+:class:`kiln.mbarrier.PhaseTracker` records on it); a group whose ops all name constant
+barriers is a set of independent 1-stage rings, one per barrier. Its *uses* are numbered 0, 1, 2, ... in the
 order a thread opens them: use n lives on barrier ``n % S`` and completes that barrier's phase
 ``n // S``, so a wait for it names slot ``n % S`` and parity ``(n // S) % 2``. The ops declare
 their part (``Effects.ring``): ``arm`` (arrive + expect_tx: opens a use of a *full* ring, one
