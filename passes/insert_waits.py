@@ -4,17 +4,22 @@ The analysis is :mod:`kiln.passes.wait_analysis` (shared with ``kiln-verify-wait
 tracked, what counts as a read, where a wait goes). This pass runs it with placement on: every
 gap is closed where it is found by the loosest wait that covers it (``vmcnt(N)`` with N the
 event's younger same-counter events), and the wait is applied to the state at once, so later
-reads are checked against it. One walk places every wait; a second walk confirms nothing is
-left (it places nothing unless a loop body's new wait changed what flows across a back-edge,
-which can only retire more). Cost: a few walks of the function, linear in its ops times the
-outstanding events (the gfx950 prefill kernel: about 0.1 s).
+reads are checked against it. One walk places every same-thread wait and the first
+cross-thread (mbarrier hand-over) wait, whose use count depends on the waits before it; further
+walks place the rest, and the last confirms nothing is left (a loop body's new wait may change
+what flows across a back-edge, which can only retire more). Cost: a few walks of the function,
+linear in its ops times the outstanding events (the gfx950 prefill kernel: about 0.1 s).
 
 Waits already in the IR (``rocdl.s.waitcnt``, ``nvgpu.device_async_wait``, ``amdgpu.lds_barrier``,
 ``nvvm.wgmma.wait.group.sync.aligned``, ``nvgpu.mbarrier.try_wait.parity``) are kept and counted.
-NVIDIA: ``wgmma.wait_group N`` before a consumer of a committed ``mma_async`` result, and a
-``mbarrier.try_wait.parity`` with the statically known phase before a read of a TMA-loaded
-buffer (:func:`static_phase`; unknown phase: ``WaitError`` naming the barrier). Under ``kiln.consumer_drain`` (or a recipe's ``drain``) every cluster that
-holds MFMA work opens with ``s_waitcnt lgkmcnt(0)``. Functions marked ``kiln.manual_waits`` are
+NVIDIA: ``wgmma.wait_group N`` before a consumer of a committed ``mma_async`` result; before a
+read of a TMA-loaded buffer, a ``mbarrier.try_wait.parity`` for the use the reading thread
+acquires next, and before a TMA load that may overwrite a buffer other threads read, a wait on
+the paired empty ring for the release of that slot's previous use. Slot and parity are derived
+by counting the ring's uses along the thread's path (:mod:`kiln.passes.mbarrier_rings`); where
+no count is derived the pass refuses with a ``WaitError`` naming the load. Under
+``kiln.consumer_drain`` (or a recipe's ``drain``) every cluster that holds MFMA work opens with
+``s_waitcnt lgkmcnt(0)``. Functions marked ``kiln.manual_waits`` are
 left alone (the verifier still checks them).
 
 Example::
@@ -28,87 +33,21 @@ Example::
 from __future__ import annotations
 
 from mlir import ir
-from mlir.dialects import arith, nvgpu, nvvm, rocdl
+from mlir.dialects import nvgpu, nvvm, rocdl
 
 from kiln.core.errors import InternalError, WaitError, source_loc_from_mlir
-from kiln.nvidia.mbarrier import DEFAULT_TICKS
 from kiln.passes import register_pass
 from kiln.passes.cluster_schedule import cluster_spans, recipes_of
 from kiln.passes.enclosing import enclosing_gpu_func, enclosing_loops, func_vendor, gpu_funcs, where
+from kiln.passes.mbarrier_rings import Rings, build_wait as build_ring_wait
 from kiln.passes.verify_waits import gap_error
 from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis,
-                                       encode_gfx9_waitcnt, is_mbarrier_wait, mbarrier_of,
-                                       op_counter, op_label, same_mbarrier, wait_limits)
+                                       encode_gfx9_waitcnt, op_label, wait_limits)
 
 NAME = "kiln-insert-waits"
-# Placement converges in two walks (see above); more means the analysis is wrong.
-MAX_ROUNDS = 4
-
-
-def _in_loop(op: ir.Operation) -> bool:
-    return bool(enclosing_loops(op))
-
-
-def static_phase(tma_load: ir.Operation) -> int | None:
-    """The parity of the phase a TMA load completes, when the program fixes it: the load and
-    every earlier try_wait on its mbarrier (constant index) are outside loops, so the phase is
-    the number of those waits, mod 2. None otherwise."""
-    signal = mbarrier_of(tma_load)
-    if signal[1] is None or _in_loop(tma_load):
-        return None
-    func = enclosing_gpu_func(tma_load)
-    earlier, done = [], []
-
-    def visit(op):
-        if op == tma_load:
-            done.append(op)
-            return ir.WalkResult.INTERRUPT
-        if is_mbarrier_wait(op) and same_mbarrier(mbarrier_of(op), signal):
-            earlier.append(op)
-        return ir.WalkResult.ADVANCE
-
-    func.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
-    if any(_in_loop(op) for op in earlier):
-        return None
-    return len(earlier) % 2
-
-
-def later_phase_load(event: ir.Operation, place_before: ir.Operation) -> ir.Operation | None:
-    """A TMA load other than ``event`` that may complete a later phase of ``event``'s mbarrier
-    before a wait placed before ``place_before`` runs: one between them in program order, or
-    one in a loop around ``place_before``. A wait for ``event``'s phase parity there could
-    then wait for a later phase of the same parity, which may never come."""
-    signal = mbarrier_of(event)
-    stop = place_before.operation
-    func = enclosing_gpu_func(event)
-    found, started = [], []
-
-    def later(op):
-        return (op != event and op_counter(op) == MBARRIER
-                and same_mbarrier(mbarrier_of(op), signal))
-
-    def visit(op):
-        if op == stop:
-            return ir.WalkResult.INTERRUPT
-        if op == event:
-            started.append(op)
-        elif started and later(op):
-            found.append(op)
-            return ir.WalkResult.INTERRUPT
-        return ir.WalkResult.ADVANCE
-
-    def anywhere(op):
-        if later(op):
-            found.append(op)
-            return ir.WalkResult.INTERRUPT
-        return ir.WalkResult.ADVANCE
-
-    func.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
-    for loop in enclosing_loops(stop):
-        if found:
-            break
-        loop.walk(anywhere, ir.WalkOrder.PRE_ORDER)
-    return found[0] if found else None
+# A walk places every same-thread wait and one cross-thread (mbarrier hand-over) wait, whose
+# use count depends on the waits before it; more rounds than this means the analysis is wrong.
+MAX_ROUNDS = 16
 
 
 def _wait_error(gap: Gap, what: str, fix: str) -> WaitError:
@@ -116,31 +55,139 @@ def _wait_error(gap: Gap, what: str, fix: str) -> WaitError:
                      f"{where(gap.event)} {what}", fix=fix, loc=source_loc_from_mlir(gap.reader.location))
 
 
-def _build_mbarrier_wait(gap: Gap) -> None:
-    barriers, index = mbarrier_of(gap.event)
-    phase = static_phase(gap.event)
-    if phase is None:
-        raise _wait_error(gap, "lands, and the phase of its mbarrier is not known statically",
-                          f"wait on mbarrier {index if index is not None else '(computed index)'} "
-                          "of its group before the read: barriers.try_wait(i, phase), or a "
-                          "kiln.mbarrier.PhaseTracker in loops")
-    later = later_phase_load(gap.event, gap.place_before)
-    if later is not None:
-        raise _wait_error(gap, f"lands, and the {later.name} at {where(later)} may "
-                          f"complete a later phase of its mbarrier first, so a wait for parity "
-                          f"{phase} here could wait for a phase that never comes",
-                          "wait for the load before the later loads on its mbarrier (e.g. "
-                          "before the loop that issues them): barriers.try_wait(i, phase)")
-    index_type = ir.IndexType.get()
-    nvgpu.mbarrier_try_wait_parity(barriers, arith.constant(ir.IntegerType.get_signless(1), phase),
-                                   arith.constant(index_type, DEFAULT_TICKS),
-                                   arith.constant(index_type, index))
+def _refuse(gap: Gap, load: ir.Operation, what: str, fix: str) -> WaitError:
+    return WaitError(f"kiln-insert-waits cannot derive the mbarrier wait for the "
+                     f"{op_label(load)} at {where(load)}: {what}", fix=fix,
+                     loc=source_loc_from_mlir(gap.reader.location))
+
+
+def _build_full_wait(gap: Gap) -> None:
+    """A read of a TMA-loaded buffer: wait on the load's ring for the use the reading thread
+    acquires next (its count of waits on that ring, the new one included), placed before the
+    read or, hoisted, before the op around it that runs once per use."""
+    func = enclosing_gpu_func(gap.event)
+    unit = Rings(func).unit_of(gap.event)
+    point = gap.place_before
+    if _dominating_wait(func, point, unit, gap.event):  # placed this walk, before the arms it was found in
+        return
+    while True:
+        rings = Rings(func, virtual=(point, unit))
+        loops = enclosing_loops(point)
+        if rings.virtual_count is not None and (
+                not loops or rings.steps.get((loops[0], (unit, "wait"))) == 1):
+            break
+        parent = point.parent
+        if parent is None or parent.operation.name == "gpu.func" or _within(
+                gap.event, parent.operation) or (parent.operation.name == "scf.if" and any(
+                    _within(op, parent.operation) for op, ring in rings.ops
+                    if ring[1] == unit and ring[0] in ("arm", "fill"))):  # the producer's side
+            raise _refuse(gap, gap.event, "the reading thread's uses of its ring are not "
+                          "counted (no loop of one wait per iteration holds the read)",
+                          "wait for it by hand before the read, "
+                          "kiln.mbarrier.PhaseTracker(barriers).wait(use)")
+        point = parent.operation
+    point, rings = _hoist_out_of_ifs(func, unit, point, rings)
+    with ir.InsertionPoint(point), gap.reader.location:
+        build_ring_wait(unit, rings.virtual_count, rings.stages[unit], 0)
+
+
+def _hoist_out_of_ifs(func, unit, point, rings):
+    """Move a wait for a use whose ring is armed only outside loops (a Q tile) before the
+    ``scf.if`` ops around it that hold no other op of its ring (never past the producer's
+    side), so reads after them are covered too; the count there is the same. That the use is
+    armed at all is the program's (a missing arm hangs: the interpreter reports it)."""
+    arms = [op for op, ring in rings.ops if ring[1] == unit and ring[0] in ("arm", "fill")]
+    if any(enclosing_loops(op) for op in arms) or not rings.virtual_count.is_const:
+        return point, rings
+    while point.parent is not None and point.parent.operation.name == "scf.if":
+        outer = point.parent.operation
+        inside = [op for op, ring in rings.ops if ring[1] == unit and _within(op, outer)]
+        hoisted = Rings(func, virtual=(outer, unit))
+        if inside or hoisted.virtual_count != rings.virtual_count:
+            break
+        point, rings = outer, hoisted
+    return point, rings
+
+
+def _within(op: ir.Operation, outer: ir.Operation) -> bool:
+    parent = op.parent
+    while parent is not None:
+        if parent.operation == outer:
+            return True
+        parent = parent.operation.parent
+    return False
+
+
+def _dominating_wait(func: ir.Operation, point: ir.Operation, unit, event) -> bool:
+    """Whether a wait on ``unit`` runs after ``event`` and before ``point`` in a block around
+    ``point``, inside the innermost loop (an earlier iteration's wait acquired an earlier use)."""
+    waits = {op for op, ring in Rings(func).ops if ring[0] == "wait" and ring[1] == unit}
+    op = point
+    while op is not None and op.name != "gpu.func":
+        found = False
+        for view in op.block.operations:
+            if view.operation == op:
+                break
+            if view.operation in waits:
+                found = True
+            elif view.operation == event or _within(event, view.operation):
+                found = False  # a wait before the load does not cover it
+        if found:
+            return True
+        op = op.parent.operation if op.parent is not None else None
+        if op is not None and op.name == "scf.for":  # this iteration's waits only
+            return False
+    return False
+
+
+def _empty_group(rings: Rings, full):
+    """The empty ring paired with ``full``: the one empty ring whose waits guard no other
+    ring's arms, else None."""
+    taken = set()
+    for op, ring in rings.ops:
+        if ring[0] == "wait" and ring[1] in rings.empty:
+            arm = rings.guarded_arm(op)
+            if arm is not None and arm[1][1] != full:
+                taken.add(ring[1])
+    left = [g for g in rings.empty if g not in taken]
+    return left[0] if len(left) == 1 else None
+
+
+def _build_empty_wait(gap: Gap) -> None:
+    """A TMA load that may overwrite a buffer others read: before the arm of its use n, wait on
+    the paired empty ring for the release of use n - S (slot n % S, parity (n // S + 1) % 2),
+    n being the arm's count on its thread's path."""
+    load = gap.reader
+    rings = Rings(enclosing_gpu_func(load))
+    unit = rings.unit_of(load)
+    arms = {op for op, ring in rings.ops if ring[0] == "arm" and ring[1] == unit}
+    arm = None
+    for view in load.block.operations:
+        if view.operation == load:
+            break
+        if view.operation in arms:
+            arm = view.operation
+    count = rings.counts.get(arm) if arm is not None else None
+    empty = _empty_group(rings, unit)
+    if empty is None or rings.stages[empty] != rings.stages[unit]:
+        raise gap_error(gap)  # no ring the readers hand the buffer back on: nothing to wait for
+    if arm is None or count is None:
+        raise _refuse(gap, load, "the arm (arrive_expect_tx) that opens its use is not counted "
+                      "on its thread's path (arms under conditions that loop counts do not "
+                      "express)", "wait on the ring's empty barrier by hand before the arm: "
+                      "empty.try_wait(n % S, (n // S + 1) % 2) for use n")
+    with ir.InsertionPoint(arm), load.location:
+        build_ring_wait(empty, count, rings.stages[unit], 1)
 
 
 def build_wait(gap: Gap) -> None:
     """Build the wait that closes ``gap`` before ``gap.place_before``, at the reader's location."""
-    if gap.overwrite:  # the phase of the readers' hand-over is the program's to compute
-        raise gap_error(gap)
+    if gap.overwrite:
+        _build_empty_wait(gap)
+        return
+    if gap.counter == MBARRIER:
+        _build_full_wait(gap)
+        return
     with ir.InsertionPoint(gap.place_before), gap.reader.location:
         if gap.counter == CP_ASYNC:
             nvgpu.device_async_wait(gap.event.result, num_groups=gap.count)
@@ -150,8 +197,6 @@ def build_wait(gap: Gap) -> None:
                                   "call kiln.wgmma.commit() after the last mma_async, then "
                                   "read the accumulator")
             nvvm.wgmma_wait_group_sync_aligned(gap.count)
-        elif gap.counter == MBARRIER:
-            _build_mbarrier_wait(gap)
         else:
             rocdl.s_waitcnt(encode_gfx9_waitcnt(**{gap.counter: gap.count}))
 

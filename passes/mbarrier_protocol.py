@@ -18,7 +18,8 @@ A read that does not is a :class:`~kiln.passes.wait_analysis.Gap` on the load (c
 load whose buffer other threads read: in another arm (warp-specialised) when the load is in a
 loop, or on its own path (decode: one warp issues, every warp reads) in a loop around both
 (or earlier on the path, outside such loops) unless the load runs only in that loop's first
-iteration (under ``iv == lower bound``, e.g. ``it == 0``). Such a load must follow either, in
+iteration (under ``iv == lower bound``, e.g. ``it == 0``) and the read comes after it in the
+loop body (a read before it runs in that first iteration too). Such a load must follow either, in
 its block (or before a loop that reads no loaded buffer) and with no load on another mbarrier
 group in between, a wait on an "empty" barrier (one that threads arrive on and no TMA load
 completes): it refills the buffer only once the readers gave it back; or, for same-path
@@ -27,8 +28,8 @@ fixed point). Else it is a Gap with ``overwrite``
 naming the load and a read it races with. Barrier indices are not told apart (stages of one
 group are one group); the ``wgmma.wait_group`` before an arrive (the MMA must be done reading
 before the release) is checked by the wait analysis where the arrive declares
-``wgmma_pending`` (:meth:`kiln.mbarrier.MBarrierGroup.arrive`). A first-iteration load's reads
-earlier in that same iteration are not checked (the shipped kernels read after it).
+``wgmma_pending`` (:meth:`kiln.mbarrier.MBarrierGroup.arrive`). Whether a wait names the right
+use of its ring (slot and parity) is :mod:`kiln.passes.mbarrier_rings`'s proof.
 """
 
 from __future__ import annotations
@@ -157,6 +158,14 @@ def _loops_of(steps, loops: tuple, out: dict) -> None:
             _loops_of(block, loops + ((step,) if step.kind == "for" else ()), out)
 
 
+def _preorder(steps, out: dict) -> None:
+    """``out[step]``: the step's place in program order (a region op before its body)."""
+    for step in steps:
+        out[step] = len(out)
+        for block in step.blocks:
+            _preorder(block, out)
+
+
 def _reads_loads(blocks) -> bool:
     """Whether any step in ``blocks`` reads a TMA-loaded buffer."""
     return any(any(e.counter == MBARRIER for e in step.reads) or _reads_loads(step.blocks)
@@ -173,8 +182,9 @@ def _loaded_groups(blocks) -> set:
 def _producer_gaps(body, arms: dict, make_gap) -> list:
     """The overwrite gaps of the TMA loads (module docstring)."""
     readers, arrived, signalled = {}, set(), set()
-    loops = {}
+    loops, order = {}, {}
     _loops_of(body, (), loops)
+    _preorder(body, order)
 
     def index(steps):
         for step in steps:
@@ -195,14 +205,16 @@ def _producer_gaps(body, arms: dict, make_gap) -> list:
     def racing(load, first: frozenset):
         """The first reader that may still read ``load``'s buffer when it issues, if any: one
         in another arm when ``load`` is in a loop, or on its path unless every loop around both
-        runs ``load`` only in its first iteration (the read set then tells if it came before;
-        a first-iteration load's reads before it in that iteration are not checked)."""
+        runs ``load`` only in its first iteration and the read comes after it in the body (the
+        read set then tells if it came before; one before it runs in that first iteration
+        too, before the load, and races with it)."""
         for reader in readers.get(load, ()):
             common = set(loops[load]) & set(loops[reader])
             if _cross(arms[load], arms[reader]):
                 if loops[load]:
                     return reader
-            elif common - first or not (common or first):
+            elif common - first or not (common or first) or (
+                    common and order[reader] < order[load]):  # read earlier in that iteration
                 return reader
         return None
 

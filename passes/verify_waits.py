@@ -22,6 +22,7 @@ from mlir import ir
 from kiln.core.errors import WaitError, source_loc_from_mlir
 from kiln.passes import register_pass
 from kiln.passes.enclosing import func_vendor, gpu_funcs, where
+from kiln.passes.mbarrier_rings import ring_errors
 from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis, mbarrier_of,
                                        op_label)
 
@@ -73,14 +74,27 @@ def gap_error(gap: Gap) -> WaitError:
         loc=source_loc_from_mlir(gap.reader.location))
 
 
+def ring_error(op: ir.Operation, why: str) -> WaitError:
+    """The WaitError for an mbarrier wait (or arm) that names the wrong use of its ring."""
+    return WaitError(f"this {op_label(op)} waits for the wrong phase of its mbarrier ring: {why}",
+                     fix="wait for use n on slot n % S with parity (n // S) % 2 (on an empty "
+                         "ring before use n's arm: (n // S + 1) % 2), e.g. "
+                         "kiln.mbarrier.PhaseTracker(barriers).wait(n)",
+                     loc=source_loc_from_mlir(op.location))
+
+
 def verify_waits(module_op: ir.Operation, pass_=None) -> None:
-    """Raise WaitError for the first uncovered async read in any gpu.func."""
+    """Raise WaitError for the first uncovered async read, or mbarrier wait on the wrong
+    slot or parity (:mod:`kiln.passes.mbarrier_rings`), in any gpu.func."""
     for func in gpu_funcs(module_op):
         if func_vendor(func) is None:
             continue
         gaps = WaitAnalysis(func).gaps
         if gaps:
             raise gap_error(gaps[0])
+        wrong = ring_errors(func)
+        if wrong:
+            raise ring_error(*wrong[0])
 
 
 register_pass(NAME, verify_waits, "Prove every async read is covered by a wait (WaitError if not)")

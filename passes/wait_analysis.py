@@ -353,9 +353,10 @@ class WaitAnalysis:
         self._walk(body, {})
         for gap in cross_thread_gaps(body, Gap):
             self.gaps.append(gap)
-            if self._place is not None:
+            if self._place is not None:  # one per walk: its wait may cover the later reads
                 self._place(gap)
                 self.placed += 1
+                break
 
     # -- the op tree -------------------------------------------------------------------------
     def _build(self, block: ir.Block) -> list[Step]:
@@ -543,8 +544,8 @@ class WaitAnalysis:
                 continue
             self._place(gap)
             self.placed += 1
-            if event.counter == MBARRIER:
-                state = _retire_mbarrier(state, event.signal)
+            if event.counter == MBARRIER:  # a ring wait: the read's use, whichever slot
+                state = _retire_mbarrier(state, (event.signal[0], None))
             else:
                 state = _retire(state, event.counter, count,
                                 pend.barrier if before_barrier else None)

@@ -12,8 +12,19 @@ whose producer and consumers share one path and whose first loads sit in the mai
 ``it == 0``; so is the ``wgmma.wait_group`` before a release arrive (the arrive declares
 ``wgmma_pending=N``: the analysis counts the WGMMA groups in flight).
 
-``kiln-insert-waits`` cannot restore an mbarrier wait whose phase the program computes (a wait
-in a pipelined loop); it then refuses with a WaitError naming the load, which is checked too.
+``kiln-insert-waits`` restores every deleted wait, mbarrier waits whose phase the program
+computes included (pipelined rings, passes/mbarrier_rings.py): consumers' full waits,
+producers' empty waits (the decode kernels' look-ahead ones too, counted by
+passes/ring_guards.py) and constant-slot waits (Q tiles, prologues). The gfx950 drains stay
+exempt: the plain LDS reads they cover are ``memref``/``vector`` loads that LLVM may merge,
+split or scalarise into any number of ``ds_read`` instructions, so no declaration can give
+their lgkmcnt count in the Kiln IR. Counting them as events of unknown size would leave only
+``lgkmcnt(0)`` to retire them, before every consumer of their registers, where LLVM now places
+its own finer ``lgkmcnt(N)``: the assembly would change. The drain is a schedule choice (the
+MFMA cluster starts with the LDS reads done); without it LLVM's own waits keep the program
+correct, which the final-assembly proof (``isa_amdgpu.verify_waits``) checks.
+
+Mutating a shipped kernel's wait parity or slot (flipped, off by one stage) is rejected too.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ KERNELS = {
                                               causal=True),
     "gemm_gfx950": lambda: compile_matmul("bf16", target="gfx950"),
 }
+_GEMM_TEXT: dict = {}  # the Hopper GEMM's Kiln IR, compiled once for the mutation cases
 _NAMED = re.compile(r"before the (?:async )?(\S+) at|the result of the (\S+) at|"
                     r"this (\S+) may overwrite")
 
@@ -131,9 +143,8 @@ def _check_kernel(name: str, only=None) -> tuple[list[str], list[str]]:
             try:
                 build_pass_manager(["kiln-insert-waits"]).run(module.operation)
             except WaitError as refused:
-                if not (label.startswith("nvgpu.mbarrier") and "mbarrier" in str(refused)):
-                    problems.append(f"{name}: kiln-insert-waits refused the {label} at {loc}: "
-                                    f"{refused}")
+                problems.append(f"{name}: kiln-insert-waits refused the {label} at {loc}: "
+                                f"{refused}")
                 continue
             if _verify(module) is not None:
                 problems.append(f"{name}: kiln-insert-waits left a gap after deleting the "
@@ -155,3 +166,55 @@ def test_prefill_wgmma_waits_are_required():
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_every_wait_is_required(name):
     assert _check_kernel(name)[0] == []
+
+
+def _gemm_ring_wait(module, which: str):
+    """The GEMM producer's empty wait (``empty.try_wait(use % 4, (use // 4) % 2 ^ 1)``) or its
+    consumer's full wait (``full.try_wait(use % 4, (use // 4) % 2)``), both in K loops."""
+    waits = [op for op in _walk(module) if is_mbarrier_wait(op)]
+    return waits[0] if which == "empty" else waits[-1]
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("which", ["full", "empty"])
+@pytest.mark.parametrize("mutation", ["flip_parity", "next_slot", "next_use"])
+def test_wrong_ring_phase_is_rejected(mutation, which):
+    """A wait on the wrong slot or parity of a ring is rejected naming the wait: a flipped
+    parity, a slot one stage ahead, and slot and parity both one use ahead (the count, or
+    for the empty wait the arm after it)."""
+    from mlir.dialects import arith
+    text = _GEMM_TEXT.get("text") or _GEMM_TEXT.setdefault("text",
+                                                           KERNELS["gemm_sm90"]().asm["kiln"])
+    with ir.Context(), ir.Location.unknown():
+        module = ir.Module.parse(text)
+        assert _verify(module) is None
+        wait = _gemm_ring_wait(module, which)
+        with ir.InsertionPoint(wait):
+            i1, index = ir.IntegerType.get_signless(1), ir.IndexType.get()
+            if mutation == "flip_parity":
+                wait.operands[1] = arith.xori(wait.operands[1], arith.constant(i1, 1))
+            elif mutation == "next_slot":
+                one = arith.constant(index, 1)
+                wait.operands[3] = arith.remui(arith.addi(wait.operands[3], one),
+                                               arith.constant(index, 4))
+            else:  # use + 1 in both: consistent, but not the use this wait acquires
+                use = wait.operands[3].owner.operands[0].owner.operands[0]
+                nxt = arith.addi(use, arith.constant(use.type, 1))
+                four = arith.constant(use.type, 4)
+                wait.operands[3] = arith.index_cast(index, arith.remsi(nxt, four))
+                wraps = arith.remsi(arith.divsi(nxt, four), arith.constant(use.type, 2))
+                if which == "empty":
+                    wraps = arith.xori(wraps, arith.constant(use.type, 1))
+                wait.operands[1] = arith.trunci(i1, wraps)
+        err = _verify(module)
+    assert err is not None and "try_wait" in str(err) and "wrong phase" in str(err), err
+
+
+@pytest.mark.lower
+def test_decode_ring_waits_are_required_and_restored():
+    """The decode kernel's two mbarrier waits: the consumer's full wait (use ``it``) and the
+    look-ahead producer's empty wait, whose arm's use ``it + S - 1 - lag`` is counted under its
+    conditions (passes/ring_guards.py); each is rejected when deleted and restored."""
+    problems, named = _check_kernel("decode_mma_sync", only=lambda label: "mbarrier" in label)
+    assert problems == []
+    assert named == ["nvgpu.tma.async.load"] * 2

@@ -65,6 +65,10 @@ class Effects:
     they must be retired when it runs (checked like a wait's limit). ``barrier``: every thread
     of the block meets here. ``blocks``: a thread may stop here until others progress. ``data``: False
     when its shared operands are mbarriers only (it reads or writes no shared data).
+    ``ring(op)``: its place in an mbarrier ring, ``(role, group, slot index value, parity value
+    or None)`` with role ``"wait"`` (try_wait), ``"arm"`` (arrive + expect_tx: opens a use),
+    ``"fill"`` (a TMA load completing that use) or ``"release"`` (a consumer's arrive); the
+    passes derive which use each names (:mod:`kiln.passes.mbarrier_rings`).
     """
 
     counter: str | None = None
@@ -76,6 +80,7 @@ class Effects:
     mbarrier: Callable[[ir.Operation], tuple] | None = None
     arrives: Callable[[ir.Operation], ir.Value] | None = None
     releases: Callable[[ir.Operation], dict] | None = None
+    ring: Callable[[ir.Operation], tuple] | None = None
     barrier: bool = False
     blocks: bool = False
     data: bool = True

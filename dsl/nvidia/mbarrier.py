@@ -36,6 +36,8 @@ TRY_WAIT = declare("nvidia.mbarrier.try_wait", feature="sm90",
                    mlir_names=("nvgpu.mbarrier.try_wait.parity",),
                    effects=Effects(mbarrier=lambda op: (op.operands[0],
                                                         constant_int(op.operands[3])),
+                                   ring=lambda op: ("wait", op.operands[0], op.operands[3],
+                                                    op.operands[1]),
                                    blocks=True, data=False))
 TEST_WAIT = declare("nvidia.mbarrier.test_wait", feature="sm90",
                     mlir_names=("nvgpu.mbarrier.test.wait",),
@@ -54,10 +56,20 @@ def _releases(op) -> dict:
     return {WGMMA: ir.IntegerAttr(op.attributes[WGMMA_PENDING_ATTR]).value}
 
 
+def _ring_arrive(op) -> tuple:
+    """An arrive with expect_tx opens a use of its ring (an "arm"); a plain one releases."""
+    view = op.opview
+    role = "arm" if op.name == "nvgpu.mbarrier.arrive.expect_tx" else "release"
+    return role, view.barriers, view.mbarId, None
+
+
 ARRIVE = declare("nvidia.mbarrier.arrive", feature="sm90",
                  mlir_names=("nvgpu.mbarrier.arrive", "nvgpu.mbarrier.arrive.expect_tx"),
                  effects=Effects(arrives=lambda op: op.operands[0], releases=_releases,
-                                 data=False))
+                                 ring=_ring_arrive, data=False))
+# The stage count a PhaseTracker gives its group's ring (default: the group's size), on the
+# nvgpu.mbarrier.create op; the passes read it to derive each wait's use (mbarrier_rings).
+RING_STAGES_ATTR = "kiln.ring_stages"
 def _remote_group(op):
     """The group an ``arrive_cluster`` arrives on: its address comes from ``mbarrier.get``
     through casts and ``mapa`` (None for the ``mapa`` itself)."""
@@ -185,6 +197,22 @@ def _declare_release(op, wgmma_pending) -> None:
         ir.IntegerType.get_signless(64), wgmma_pending)
 
 
+def _record_stages(barriers: MBarrierGroup, stages: int) -> None:
+    """Stamp the ring's stage count on the group's ``nvgpu.mbarrier.create`` (kept out of the
+    lowered code), so the wait passes derive slot and parity with it; a second tracker on the
+    same group must agree."""
+    owner = barriers.ir.owner
+    if isinstance(owner, ir.Block) or owner.operation.name != "nvgpu.mbarrier.create":
+        return  # a group passed in from elsewhere: the passes use its size
+    attrs = owner.operation.attributes
+    if RING_STAGES_ATTR in attrs and ir.IntegerAttr(attrs[RING_STAGES_ATTR]).value != stages:
+        raise KilnValueError(f"PhaseTracker stages={stages} disagrees with another tracker of "
+                             f"the same mbarrier group "
+                             f"(stages={ir.IntegerAttr(attrs[RING_STAGES_ATTR]).value})",
+                             fix="use one stage count per ring")
+    attrs[RING_STAGES_ATTR] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), stages)
+
+
 def group(num_barriers: int = 1) -> MBarrierGroup:
     """Allocate ``num_barriers`` mbarriers in shared memory (``nvgpu.mbarrier.create``).
 
@@ -222,6 +250,9 @@ class PhaseTracker:
         ring = kiln.mbarrier.PhaseTracker(bars)       # stages = bars.num_barriers
         for k in range(num_k_tiles):
             ring.wait(k)                              # waits bars[k % S] at the right parity
+
+    The stage count is recorded on the group (``kiln.ring_stages``): the wait passes derive
+    each wait's use from it and prove it by counting (:mod:`kiln.passes.mbarrier_rings`).
     """
 
     def __init__(self, barriers: MBarrierGroup, stages: int | None = None):
@@ -231,6 +262,7 @@ class PhaseTracker:
             raise KilnValueError(f"PhaseTracker stages={self.stages} must be in 1.."
                                  f"{barriers.num_barriers} (the group's size)",
                                  fix="allocate one barrier per pipeline stage")
+        _record_stages(barriers, self.stages)
 
     def slot(self, n):
         """``(barrier index, parity)`` for use ``n``: Python ints for an int ``n``, else traced

@@ -47,7 +47,9 @@ def _load_barrier(op) -> tuple:
 # mbarrier; only a wait on that mbarrier retires it. Stores (bulk async groups) are not tracked.
 LOAD = declare("nvidia.tma.load", feature="tma", mlir_names=("nvgpu.tma.async.load",),
                effects=Effects(counter=MBARRIER, writes=lambda op: (op.operands[0],),
-                               mbarrier=_load_barrier))
+                               mbarrier=_load_barrier,
+                               ring=lambda op: ("fill", op.opview.barriers, op.opview.mbarId,
+                                                None)))
 STORE = declare("nvidia.tma.store", feature="tma", mlir_names=("nvgpu.tma.async.store",))
 PREFETCH = declare("nvidia.tma.prefetch", feature="tma",
                    mlir_names=("nvvm.cp.async.bulk.tensor.prefetch",))

@@ -1,10 +1,11 @@
 // RUN: not %kiln-opt %s --pass-pipeline='builtin.module(kiln-insert-waits)' 2>&1 | FileCheck %s
 
 // A TMA load before a loop whose own loads complete later phases of the same mbarrier, read
-// only after the loop: a wait for its parity placed there could wait for a later phase that
-// never comes (a stage that completed an even number of phases hangs), so the pass refuses.
-// CHECK: kiln-opt: error: {{.*}}:27{{.*}}memref.load may read before the nvgpu.tma.async.load at {{.*}}:18 lands, and the nvgpu.tma.async.load at {{.*}}:22 may complete a later phase of its mbarrier first
-// CHECK: Fix: wait for the load before the later loads on its mbarrier
+// only after the loop: which use of the barrier the read needs depends on the loop's trip
+// count, which the ring count does not know (a wait for a fixed parity there could wait for a
+// phase that never comes), so the pass refuses, naming the load.
+// CHECK: kiln-opt: error: {{.*}}:28{{.*}}cannot derive the mbarrier wait for the nvgpu.tma.async.load at {{.*}}:19: the reading thread's uses of its ring are not counted
+// CHECK: Fix: wait for it by hand before the read
 module attributes {gpu.container_module} {
   gpu.module @kiln_kernels {
     memref.global "private" @first : memref<64x64xbf16, 3>
