@@ -1,0 +1,178 @@
+"""The FP8 GEMM (sm_90a WGMMA e4m3/e5m2; scales of kiln.kernels.gemm.scales): compile-only
+checks, the interpreter against float64 on the dequantised operands, input errors, GPU runs."""
+
+import re
+
+import numpy as np
+import pytest
+from fp8_reference import assert_fp8_close, dequantized, quantized
+
+import kiln
+from kiln.kernels.gemm import compile_matmul, matmul
+from kiln.kernels.gemm.fp8_api import run_fp8
+from kiln.kernels.gemm.fp8_hopper import Fp8GemmConfig
+from kiln.runtime.cuda import cuda_available
+
+needs_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and driver")
+# (scale_a kind, scale_b kind) -> how B's scale is drawn (rows per block)
+MODES = {"tensor": ("tensor", "tensor"), "row_col": ("row", "col"),
+         "tensor_col": ("tensor", "col"), "block": ("block", "block")}
+
+
+def _operands(rng, m, n, k, modes, dtype="f8e4m3"):
+    a, sa = quantized(rng, m, k, modes[0], dtype)
+    b, sb = quantized(rng, n, k, modes[1], dtype, rows_per_block=128)
+    a64 = dequantized(a, sa, modes[0])
+    b64 = dequantized(b, sb, modes[1], rows_per_block=128)
+    return a, b, sa, sb, a64, b64
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("dtype", ["f8e4m3", "f8e5m2"])
+@pytest.mark.parametrize("scales,n", [(("tensor", "tensor"), 256), (("block", "block"), 128)])
+def test_ptx_issues_fp8_wgmma_without_spills(dtype, scales, n):
+    ck = compile_matmul(dtype, target="sm_90a", trans_b=True, scales=scales)
+    ptx = ck.asm["ptx"]
+    kind = dtype[2:]
+    assert f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.{kind}.{kind}" in ptx
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 232" in re.sub(r"\s+", " ", ptx)
+    assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
+
+
+@pytest.mark.lower
+def test_block_scales_promote_after_each_k_block():
+    """Block scaling waits for each 128-K step's WGMMAs (wait_group 0) before promoting; the
+    epilogue-scaled kernel keeps one group in flight (wait_group 1)."""
+    block, scaled = (re.sub(r"\s+", " ", compile_matmul(
+        "f8e4m3", target="sm_90a", trans_b=True, scales=scales).asm["ptx"])
+        for scales in (("block", "block"), ("tensor", "tensor")))
+    assert "wgmma.wait_group.sync.aligned 1;" not in block
+    assert "wgmma.wait_group.sync.aligned 0;" in block
+    assert "wgmma.wait_group.sync.aligned 1;" in scaled
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("shape", [(130, 200, 300), (64, 72, 128), (7, 264, 520)])
+def test_interpreter_matches_float64(mode, shape, rng):
+    m, n, k = shape
+    a, b, sa, sb, a64, b64 = _operands(rng, m, n, k, MODES[mode])
+    c = matmul(a, b, scale_a=sa, scale_b=sb, trans_b=True, out_dtype="f32", target="sm_90a",
+               backend="interpret")
+    assert c.dtype == np.float32  # NaN-poisoned by the entry point: every element written
+    assert_fp8_close(c, a64, b64)
+
+
+@pytest.mark.parametrize("dtype", ["f8e4m3", "f8e5m2"])
+def test_interpreter_bf16_output_and_e5m2(dtype, rng):
+    a, b, sa, sb, a64, b64 = _operands(rng, 100, 136, 260, ("block", "block"), dtype)
+    c = matmul(a, b, scale_a=sa, scale_b=sb, trans_b=True, target="sm_90a",
+               backend="interpret")
+    assert c.dtype == kiln.bf16.numpy
+    assert_fp8_close(c, a64, b64)
+
+
+def test_scalar_scales_as_zero_d_arrays(rng):
+    a, b, sa, sb, a64, b64 = _operands(rng, 65, 64, 160, ("tensor", "tensor"))
+    c = matmul(a, b, scale_a=np.float32(sa).reshape(()), scale_b=np.array([sb], np.float32),
+               trans_b=True, out_dtype="f32", target="sm_90a", backend="interpret")
+    assert_fp8_close(c, a64, b64)
+
+
+def test_bad_fp8_requests_raise_kiln_errors(rng):
+    a, b, sa, sb, *_ = _operands(rng, 130, 200, 300, ("row", "col"))
+    with pytest.raises(kiln.KilnValueError, match="FP8 inputs require scale_a"):
+        matmul(a, b, trans_b=True, backend="interpret", target="sm_90a")
+    with pytest.raises(kiln.KilnValueError, match="trans_b=True"):
+        matmul(a, b.T, scale_a=sa, scale_b=sb, backend="interpret", target="sm_90a")
+    with pytest.raises(kiln.KilnValueError, match="trans_b=True"):
+        compile_matmul("f8e4m3", target="sm_90a")
+    with pytest.raises(kiln.KilnValueError, match="scale_b has shape"):
+        matmul(a, b, scale_a=sa, scale_b=sb[:-1], trans_b=True, backend="interpret",
+               target="sm_90a")
+    with pytest.raises(kiln.KilnTypeError, match="float32"):
+        matmul(a, b, scale_a=sa.astype(np.float64), scale_b=sb, trans_b=True,
+               backend="interpret", target="sm_90a")
+    block_a = np.ones((130, 3), np.float32)
+    with pytest.raises(kiln.KilnValueError, match="block scales apply to both"):
+        matmul(a, b, scale_a=block_a, scale_b=sb, trans_b=True, backend="interpret",
+               target="sm_90a")
+    with pytest.raises(kiln.UnsupportedError, match="cannot write f16"):
+        matmul(a, b, scale_a=sa, scale_b=sb, trans_b=True, out_dtype="f16",
+               backend="interpret", target="sm_90a")
+    with pytest.raises(kiln.KilnTypeError, match="share an FP8 dtype"):
+        matmul(a, b.astype(np.float32), scale_a=sa, scale_b=sb, trans_b=True,
+               backend="interpret", target="sm_90a")
+    bf16 = np.ones((4, 8), kiln.bf16.numpy)
+    with pytest.raises(kiln.KilnValueError, match="apply to FP8 inputs"):
+        matmul(bf16, bf16, scale_a=1.0, scale_b=1.0, trans_b=True, backend="interpret",
+               target="sm_90a")
+    with pytest.raises(kiln.KilnValueError, match="block_n=128"):
+        compile_matmul("f8e4m3", target="sm_90a", trans_b=True, scales=("block", "block"),
+                       block_n=256)
+
+
+def test_k_zero_gives_zeros_without_a_launch():
+    a = np.zeros((5, 0), kiln.f8e4m3.numpy)
+    b = np.zeros((6, 0), kiln.f8e4m3.numpy)
+    c = matmul(a, b, scale_a=1.0, scale_b=1.0, trans_b=True, backend="interpret",
+               target="sm_90a")
+    assert c.shape == (5, 6) and not c.astype(np.float32).any()
+
+
+# ---- GPU ------------------------------------------------------------------------------------
+
+def _to_torch(x, torch):
+    """A numpy array (FP8 through its bytes) as a CUDA tensor."""
+    if isinstance(x, float):
+        return x
+    if x.dtype.itemsize == 1:
+        fp8 = torch.float8_e4m3fn if x.dtype == kiln.f8e4m3.numpy else torch.float8_e5m2
+        return torch.from_numpy(x.view(np.uint8)).to("cuda").view(fp8)
+    return torch.from_numpy(x).to("cuda")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("shape", [(1000, 1000, 1000), (257, 520, 136), (4096, 4096, 4096)])
+@pytest.mark.parametrize("out", ["bf16", "f32"])
+def test_gpu_matches_float64(mode, shape, out, rng):
+    torch = pytest.importorskip("torch")
+    m, n, k = shape
+    a, b, sa, sb, a64, b64 = _operands(rng, m, n, k, MODES[mode])
+    torch.empty(m * n, device="cuda").fill_(float("nan"))  # poison the pool C comes from
+    c = matmul(*(_to_torch(x, torch) for x in (a, b)), scale_a=_to_torch(sa, torch),
+               scale_b=_to_torch(sb, torch), trans_b=True, out_dtype=out)
+    assert_fp8_close(c, a64, b64)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("scales,config", [(("tensor", "col"), Fp8GemmConfig(block_n=192)),
+                                           (("block", "block"), Fp8GemmConfig(block_n=128,
+                                                                              stages=6))])
+def test_gpu_each_config_with_poisoned_output(scales, config, rng):
+    torch = pytest.importorskip("torch")
+    m, n, k = 777, 1000, 1040
+    a, b, sa, sb, a64, b64 = _operands(rng, m, n, k, scales)
+    c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32)
+    args = [_to_torch(x, torch) for x in (a, b)]
+    sa_t = torch.tensor([sa], device="cuda") if isinstance(sa, float) else _to_torch(sa, torch)
+    run_fp8(*args, c, sa_t, _to_torch(sb, torch), m, n, k, dtype="f8e4m3", out="f32",
+            mode=scales, target="sm_90a", config=config)
+    assert_fp8_close(c, a64, b64)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_per_tensor_agrees_with_torch_scaled_mm(rng):
+    torch = pytest.importorskip("torch")
+    a, b, sa, sb, a64, b64 = _operands(rng, 2048, 1536, 1024, ("tensor", "tensor"))
+    a_t, b_t = _to_torch(a, torch), _to_torch(b, torch)
+    sa_t, sb_t = (torch.tensor(s, device="cuda", dtype=torch.float32) for s in (sa, sb))
+    ours = matmul(a_t, b_t, scale_a=sa_t, scale_b=sb_t, trans_b=True, out_dtype="f32")
+    theirs = torch._scaled_mm(a_t, b_t.t(), scale_a=sa_t, scale_b=sb_t,
+                              out_dtype=torch.float32)
+    assert_fp8_close(ours, a64, b64)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
