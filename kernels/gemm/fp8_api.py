@@ -98,6 +98,8 @@ def fp8_matmul(a, b, *, scale_a, scale_b, trans_b, out_dtype, target, backend):
                                         "backend='interpret'")
     kp, np_ = _round_up(k, K_ALIGN), _round_up(n, N_ALIGN)
     a_in, b_in = padded(a, (m, kp)), padded(b, (n, kp))
+    if mode[1] == "col":  # the kernel's N is the padded one; those columns are sliced off
+        sb = padded(sb, (np_,))
     c = empty_like(a, (m, np_), kiln.dtype(out), fill=None if is_torch(a) else np.nan)
     if backend == "interpret":
         interpret_fp8(chip, [a_in, b_in, c, sa, sb, m, np_, kp], name, out, mode)
