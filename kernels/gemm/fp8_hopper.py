@@ -29,7 +29,6 @@ from kiln.shared import dynamic_shared
 from .hopper import ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN, WARP_GROUP_THREADS, _store_tile, _tile_origin
 
 FP8_K_STEP = 32  # K of one wgmma.m64nNk32: 32 bytes, two descriptor units
-FP8_DTYPES = ("f8e4m3", "f8e5m2")
 FP8_OUT_DTYPES = ("bf16", "f32")
 SCALE_BLOCK = 128  # DeepSeek-V3 block: 1 x 128 for A, 128 x 128 for B
 SHARED_BUDGET = 227 * 1024 - 1024 - 256  # as in .hopper: alignment slack and mbarriers

@@ -44,9 +44,9 @@ def check_scales(scale_a, scale_b, *, m: int, n: int, k: int, like):
     "block")``) and the scales as contiguous f32 arrays of ``like``'s kind (a python float
     becomes a one-element array). Raises :class:`kiln.KilnValueError` naming the argument for
     a missing scale, a wrong dtype or a shape that is none of the kinds."""
-    a_mode, sa = _one_scale("scale_a", scale_a, {(m,): "row", (m, blocks(k)): "block"}, like,
+    a_mode, sa = scale_kind("scale_a", scale_a, {(m,): "row", (m, blocks(k)): "block"}, like,
                             f"[M]=[{m}] or [M, ceil(K/128)]=[{m}, {blocks(k)}]")
-    b_mode, sb = _one_scale("scale_b", scale_b,
+    b_mode, sb = scale_kind("scale_b", scale_b,
                             {(n,): "col", (blocks(n), blocks(k)): "block"}, like,
                             f"[N]=[{n}] or [ceil(N/128), ceil(K/128)]=[{blocks(n)}, "
                             f"{blocks(k)}]")
@@ -66,7 +66,10 @@ def refuse_scales(scale_a, scale_b, dtype: str) -> None:
                                                   "operands")
 
 
-def _one_scale(what, scale, shapes: dict, like, expected: str):
+def scale_kind(what: str, scale, shapes: dict, like, expected: str):
+    """``(kind, array)`` of one scale: "tensor" for a float or a one-element array (as a
+    contiguous ``[1]`` f32 array of ``like``'s kind), else ``shapes[scale.shape]`` (the array
+    made contiguous); ``expected`` describes the accepted shapes in the error message."""
     if scale is None:
         raise kiln.KilnValueError(f"FP8 inputs require {what}",
                                   fix=f"pass {what}: a float (per tensor), a vector or block "
