@@ -14,9 +14,15 @@ the output dtype defaults to the input dtype. On NVIDIA, ``matmul`` autotunes th
 configuration once per (shape, dtype) (``kiln.autotune``; results persist next to the compile
 cache). ``backend="interpret"`` runs the kernel of ``target`` in Kiln's CPU interpreter.
 
+FP8 (f8e4m3 / f8e5m2, B stored N x K with ``trans_b=True``) with per-tensor, per-row/column
+or DeepSeek-V3 block scales (:mod:`.scales`; kernels :mod:`.fp8_hopper`, :mod:`.fp8_gfx950`,
+host code :mod:`.fp8_api`)::
+
+    c = matmul(a8, w8, scale_a=sa, scale_b=sw, trans_b=True)   # bf16 C = (A sa) @ (W sw)^T
+
 Grouped (MoE) GEMM, one persistent launch over the tiles of all groups (:mod:`.grouped` on
 sm_90a, a grouped variant of the gfx950 kernel; host code in :mod:`.grouped_api`; bf16/f16,
-FP8 not yet)::
+and FP8 on sm_90a through :mod:`.fp8_grouped`)::
 
     from kiln.kernels.gemm import grouped_matmul, compile_grouped_matmul
 
