@@ -64,6 +64,8 @@ def bench_shape(torch, m, n, k, repeat, batch) -> list[dict]:
                       batch)
     peer_ms = time_ms(lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw,
                                                out_dtype=torch.bfloat16), repeat, batch)
+    peer = torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16)
+    check(peer[0] if isinstance(peer, tuple) else peer, reference, "torch._scaled_mm")
     rows.append({"kind": "per_tensor", "m": m, "n": n, "k": k, "rel_error": error,
                  "kiln_ms": kiln_ms, "scaled_mm_ms": peer_ms,
                  "kiln_tflops": flops / kiln_ms / 1e9, "scaled_mm_tflops": flops / peer_ms / 1e9,
