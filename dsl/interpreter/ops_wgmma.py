@@ -1,7 +1,8 @@
 """Raw ``nvvm.wgmma.*`` (what ``kiln.wgmma.mma_async`` emits) and LLVM struct accumulators.
 
-``nvvm.wgmma.mma_async`` (f16/bf16 ``m64nNk16``, e4m3/e5m2 ``m64nNk32``; products and sums in
-float64, then rounded to the f32 accumulator) reads A and B through 64-bit shared-memory matrix descriptors, decoded
+``nvvm.wgmma.mma_async`` (f16/bf16 ``m64nNk16``, e4m3/e5m2 ``m64nNk32``; products and sums
+in float64, rounded to the f32 accumulator) reads A and B through 64-bit shared-memory matrix
+descriptors, decoded
 as PTX defines them (start address, leading/stride byte offsets, swizzle mode), so a descriptor
 that points at the wrong bytes gives wrong numbers here too. The accumulator is an
 ``!llvm.struct`` of ``n/2`` f32 registers per thread: the interpreter gathers the 128 threads'
