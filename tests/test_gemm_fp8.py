@@ -41,6 +41,31 @@ def test_ptx_issues_fp8_wgmma_without_spills(dtype, scales, n):
 
 
 @pytest.mark.lower
+@pytest.mark.parametrize("scales, config", [
+    (("tensor", "col"), Fp8GemmConfig(cluster_m=2)),
+    (("block", "block"), Fp8GemmConfig(block_n=128, stages=5, cluster_m=2))],
+    ids=["col", "block"])
+def test_interpreter_cta_pairs_multicast_b(scales, config, rng):
+    """2-CTA clusters (B halves multicast, stages released on both CTAs) on 2 pair tiles of
+    rows, the second pair partly past M; NaN-poisoned C."""
+    from kiln.kernels import runtime
+    from kiln.kernels.gemm.fp8_hopper import fp8_constexprs, make_fp8_kernel
+
+    m, n, k = 300, 208, 272
+    a, b, sa, sb, a64, b64 = _operands(rng, m, n, k, scales)
+    sa = np.array([sa], np.float32) if isinstance(sa, float) else sa
+    sb = np.array([sb], np.float32) if isinstance(sb, float) else sb
+    c = np.full((m, n), np.nan, np.float32)
+    runtime.interpret(make_fp8_kernel("f8e4m3", "f32", scales, config), (4, 1, 1),
+                      [a, b, c, sa, sb, m, n, k], target="sm_90a", num_warps=config.num_warps,
+                      **fp8_constexprs(config))
+    assert_fp8_close(c, a64, b64)
+    ptx = compile_matmul("f8e4m3", target="sm_90a", trans_b=True, scales=scales,
+                         **vars(config)).asm["ptx"]
+    assert ".multicast::cluster" in ptx and "mapa" in ptx
+
+
+@pytest.mark.lower
 def test_block_scales_promote_after_each_k_block():
     """Block scaling waits for each 128-K step's WGMMAs (wait_group 0) before promoting; the
     epilogue-scaled kernel keeps one group in flight (wait_group 1)."""
@@ -150,18 +175,22 @@ def test_gpu_matches_float64(mode, shape, out, rng):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("scales,config", [(("tensor", "col"), Fp8GemmConfig(block_n=192)),
-                                           (("block", "block"), Fp8GemmConfig(block_n=128,
-                                                                              stages=6))])
+@pytest.mark.parametrize("scales,config", [
+    (("tensor", "col"), Fp8GemmConfig(block_n=192)),
+    (("row", "tensor"), Fp8GemmConfig(cluster_m=2)),
+    (("block", "block"), Fp8GemmConfig(block_n=128, stages=6)),
+    (("block", "block"), Fp8GemmConfig(block_n=128, stages=5, cluster_m=2))],
+    ids=lambda x: f"{x.block_n}s{x.stages}c{x.cluster_m}" if hasattr(x, "stages") else x[0])
 def test_gpu_each_config_with_poisoned_output(scales, config, rng):
     torch = pytest.importorskip("torch")
     m, n, k = 777, 1000, 1040
     a, b, sa, sb, a64, b64 = _operands(rng, m, n, k, scales)
     c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32)
     args = [_to_torch(x, torch) for x in (a, b)]
-    sa_t = torch.tensor([sa], device="cuda") if isinstance(sa, float) else _to_torch(sa, torch)
-    run_fp8(*args, c, sa_t, _to_torch(sb, torch), m, n, k, dtype="f8e4m3", out="f32",
-            mode=scales, target="sm_90a", config=config)
+    sa_t, sb_t = (torch.tensor([s], device="cuda", dtype=torch.float32)
+                  if isinstance(s, float) else _to_torch(s, torch) for s in (sa, sb))
+    run_fp8(*args, c, sa_t, sb_t, m, n, k, dtype="f8e4m3", out="f32", mode=scales,
+            target="sm_90a", config=config)
     assert_fp8_close(c, a64, b64)
 
 

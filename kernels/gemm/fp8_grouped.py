@@ -163,7 +163,7 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
                         if block:
                             wgmma.wait_group(0)
                             if first_thread:
-                                empty.arrive(stage)
+                                empty.arrive(stage, wgmma_pending=0)
                             scale = [s_top, s_bottom]
                             total = wgmma.fragment_from_elements(
                                 [total.element(i) + acc.element(i) * scale[(i // 2) % 2]
@@ -171,14 +171,14 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
                         else:
                             wgmma.wait_group(1)
                             if (kt > 0) & first_thread:
-                                empty.arrive((use + STAGES - 1) % STAGES)
+                                empty.arrive((use + STAGES - 1) % STAGES, wgmma_pending=1)
                         use = use + 1
                     if block:
                         out = total
                     else:
                         wgmma.wait_group(0)
                         if first_thread & (k_tiles > 0):
-                            empty.arrive((use + STAGES - 1) % STAGES)
+                            empty.arrive((use + STAGES - 1) % STAGES, wgmma_pending=0)
                         out = scale_group_accumulator(acc, scale_a, scale_b, g, row0, n0, m, n,
                                                       a_mode, b_mode)
                     _store_group_tile(out, c_map, c, c_tiles, consumer, row0, n0,

@@ -16,7 +16,10 @@ What differs is where the scales enter:
 
 Block scaling needs ``block_n = 128`` (one B scale block per tile column range). Scale
 indices are clamped to the matrix (rows/columns past the edge are never stored), so no scale
-load needs a mask.
+load needs a mask. With ``cluster_m=2`` CTAs run in pairs on vertically adjacent tiles that
+share B, as in :mod:`.hopper`: each producer loads its A box and one half of B (rows
+``BN/2 * rank ..``) multicast to both CTAs; consumers release each stage on both CTAs'
+``empty`` barriers.
 """
 
 import functools
@@ -50,9 +53,11 @@ class Fp8GemmConfig:
     group_m: int = 8
     producer_registers: int = 40
     consumer_registers: int = 232
+    cluster_m: int = 1
 
     def __post_init__(self):
         checks = ((self.block_m in (64, 128), f"block_m={self.block_m} must be 64 or 128"),
+                  (self.cluster_m in (1, 2), f"cluster_m={self.cluster_m} must be 1 or 2"),
                   (self.block_n % 64 == 0 and 64 <= self.block_n <= 256,
                    f"block_n={self.block_n} must be a multiple of 64 up to 256"),
                   (self.block_k == ROW_BYTES, f"block_k={self.block_k} must be {ROW_BYTES} "
@@ -92,7 +97,7 @@ class Fp8GemmConfig:
 def fp8_constexprs(cfg: Fp8GemmConfig) -> dict:
     return dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, STAGES=cfg.stages,
                 GROUP_M=cfg.group_m, PRODUCER_REGS=cfg.producer_registers,
-                CONSUMER_REGS=cfg.consumer_registers)
+                CONSUMER_REGS=cfg.consumer_registers, CLUSTER_M=cfg.cluster_m)
 
 
 def scale_tensor_type(mode: str):
@@ -154,17 +159,38 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
     epilogue_n = config.epilogue_columns(out_type.itemsize)
     c_tiles_per_round = epilogue_n // c_cols
     step_units = FP8_K_STEP // 16  # descriptor address units per k32 step
+    pair = config.cluster_m
+    b_box = (bn // pair, bk)  # in a pair, each CTA loads (and multicasts) one half of B
+
+    def load_b(b_map, b_tiles, full, stage, k0, n0, rank):
+        for j in range(pair):
+            if pair == 1:
+                tma.load(b_map, b_tiles.tile(stage), (k0, n0), full, stage)
+            else:  # the halves stack into the stage's K-major BN x BK tile
+                tma.load(b_map, b_tiles.tile(stage * pair + j), (k0, n0 + bn // pair * j), full,
+                         stage, multicast_mask=(1 << pair) - 1, predicate=rank == j)
+
+    def release(empty, stage, wgmma_pending):
+        """Hand ``stage`` back to its producer(s): in a pair also the peer's, whose multicast B
+        lands here too."""
+        if pair == 1:
+            empty.arrive(stage, wgmma_pending=wgmma_pending)
+        else:
+            for r in range(pair):
+                empty.arrive_cluster(stage, r, wgmma_pending=wgmma_pending)
 
     def gemm_fp8(a_map: kiln.TensorMap[in_type, (bm, bk), SWIZZLE],
-                 b_map: kiln.TensorMap[in_type, (bn, bk), SWIZZLE],
+                 b_map: kiln.TensorMap[in_type, b_box, SWIZZLE],
                  c_map: kiln.TensorMap[out_type, (64, c_cols), SWIZZLE],
                  scale_a: scale_tensor_type(a_mode), scale_b: scale_tensor_type(b_mode),
                  m: kiln.i32, n: kiln.i32, k: kiln.i32,
                  BM: kiln.constexpr, BN: kiln.constexpr, BK: kiln.constexpr,
                  STAGES: kiln.constexpr, GROUP_M: kiln.constexpr, PRODUCER_REGS: kiln.constexpr,
-                 CONSUMER_REGS: kiln.constexpr):
+                 CONSUMER_REGS: kiln.constexpr, CLUSTER_M: kiln.constexpr):
+        if CLUSTER_M > 1:
+            nvidia_asm.cluster_dims(CLUSTER_M)
         a_tiles = dynamic_shared((STAGES, BM, BK), in_type, align=SWIZZLE_ALIGN)
-        b_tiles = dynamic_shared((STAGES, BN, BK), in_type, align=SWIZZLE_ALIGN)
+        b_tiles = dynamic_shared((STAGES * CLUSTER_M,) + b_box, in_type, align=SWIZZLE_ALIGN)
         c_tiles = dynamic_shared((BM // 64 * c_tiles_per_round, 64, c_cols), out_type,
                                  align=SWIZZLE_ALIGN)
         full = mbarrier.group(num_barriers=STAGES)
@@ -174,28 +200,39 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
         first_thread = tid % WARP_GROUP_THREADS == 0
         for s in kiln.static_range(STAGES):
             full.init(s, count=1, predicate=tid == 0)
-            empty.init(s, count=BM // 64, predicate=tid == 0)
+            empty.init(s, count=BM // 64 * CLUSTER_M, predicate=tid == 0)
         nvidia_asm.fence_mbarrier_init()
-        kiln.barrier()
-        tiles_m = (m + BM - 1) // BM
+        if CLUSTER_M > 1:
+            nvidia_asm.cluster_sync()  # the peer's barriers exist before anything signals them
+            rank = nvidia_asm.cluster_ctarank()
+        else:
+            kiln.barrier()
+            rank = 0
+        # A pair of CTAs works on CLUSTER_M vertically adjacent tiles (a "pair tile") at once.
+        tiles_m = (m + BM * CLUSTER_M - 1) // (BM * CLUSTER_M)
         tiles_n = (n + BN - 1) // BN
         k_tiles = (k + BK - 1) // BK
         num_tiles = tiles_m * tiles_n
-        stage_bytes = tma.box_bytes(a_map) + tma.box_bytes(b_map)
+        first_tile = kiln.block_id(0) // CLUSTER_M
+        tile_step = kiln.num_blocks(0) // CLUSTER_M
+        group_m = max(1, GROUP_M // CLUSTER_M)
+        # All of B arrives on each CTA's barrier, half of it from the peer's multicast.
+        stage_bytes = tma.box_bytes(a_map) + CLUSTER_M * tma.box_bytes(b_map)
         if warp_group == 0:
             nvidia_asm.setmaxnreg(PRODUCER_REGS, increase=False)
             if tid == 0:
                 tma.prefetch_descriptor(a_map)
                 tma.prefetch_descriptor(b_map)
                 use = 0
-                for tile in kiln.range(kiln.block_id(0), num_tiles, kiln.num_blocks(0)):
-                    m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+                for tile in kiln.range(first_tile, num_tiles, tile_step):
+                    m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM * CLUSTER_M, BN, group_m)
+                    m0 = m0 + rank * BM
                     for kt in kiln.range(0, k_tiles):
                         stage = use % STAGES
                         empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
                         full.arrive_expect_tx(stage, stage_bytes)
                         tma.load(a_map, a_tiles.tile(stage), (kt * BK, m0), full, stage)
-                        tma.load(b_map, b_tiles.tile(stage), (kt * BK, n0), full, stage)
+                        load_b(b_map, b_tiles, full, stage, kt * BK, n0, rank)
                         use = use + 1
         else:
             nvidia_asm.setmaxnreg(CONSUMER_REGS, increase=True)
@@ -206,9 +243,9 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
             a_stage_units = BM * BK // 16  # descriptor address units
             b_stage_units = BN * BK // 16
             use = 0
-            for tile in kiln.range(kiln.block_id(0), num_tiles, kiln.num_blocks(0)):
-                m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
-                row0 = m0 + consumer * 64
+            for tile in kiln.range(first_tile, num_tiles, tile_step):
+                m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM * CLUSTER_M, BN, group_m)
+                row0 = m0 + rank * BM + consumer * 64
                 acc = wgmma.fragment_zeros(BN)
                 if block:
                     total = wgmma.fragment_zeros(BN)
@@ -232,7 +269,7 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
                     if block:
                         wgmma.wait_group(0)
                         if first_thread:
-                            empty.arrive(stage)
+                            release(empty, stage, 0)
                         scale = [s_top, s_bottom]
                         total = wgmma.fragment_from_elements(
                             [total.element(i) + acc.element(i) * scale[(i // 2) % 2]
@@ -240,20 +277,22 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
                     else:
                         wgmma.wait_group(1)  # keep this K step in flight, free the last stage
                         if (kt > 0) & first_thread:
-                            empty.arrive((use + STAGES - 1) % STAGES)
+                            release(empty, (use + STAGES - 1) % STAGES, 1)
                     use = use + 1
                 if block:
                     out = total
                 else:
                     wgmma.wait_group(0)
                     if first_thread:
-                        empty.arrive((use + STAGES - 1) % STAGES)
+                        release(empty, (use + STAGES - 1) % STAGES, 0)
                     out = scale_accumulator(acc, scale_a, scale_b, row0, n0, m, n, a_mode,
                                             b_mode)
                 _store_tile(out, c_map, c_tiles, consumer, row0, n0, first_thread,
                             BN // epilogue_n, c_tiles_per_round, c_cols)
             if first_thread:
                 tma.wait_group(0, read=True)  # the staging tiles must outlive the last store
+        if CLUSTER_M > 1:
+            nvidia_asm.cluster_sync()  # the peer may still arrive on this CTA's barriers
 
     gemm_fp8.__name__ = gemm_fp8.__qualname__ = \
         f"hopper_gemm_{dtype}_{out_dtype}_{a_mode}_{b_mode}"
