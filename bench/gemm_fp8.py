@@ -82,7 +82,8 @@ def bench_shape(torch, m, n, k, repeat, batch) -> list[dict]:
                  "kiln_ms": kiln_ms, "kiln_bf16_ms": bf16_ms, "cublas_bf16_ms": torch_ms,
                  "kiln_tflops": flops / kiln_ms / 1e9, "kiln_bf16_tflops": flops / bf16_ms / 1e9,
                  "cublas_bf16_tflops": flops / torch_ms / 1e9,
-                 "ratio_vs_kiln_bf16": bf16_ms / kiln_ms, "ratio_vs_cublas_bf16": torch_ms / kiln_ms})
+                 "ratio_vs_kiln_bf16": bf16_ms / kiln_ms,
+                 "ratio_vs_cublas_bf16": torch_ms / kiln_ms})
     return rows
 
 

@@ -3,10 +3,10 @@
 ``nvvm.wgmma.mma_async`` (f16/bf16 ``m64nNk16``, e4m3/e5m2 ``m64nNk32``; products and sums
 in float64, rounded to the f32 accumulator) reads A and B through 64-bit shared-memory matrix
 descriptors, decoded as PTX defines them (start address, leading/stride byte offsets, swizzle
-mode), so a descriptor that points at the wrong bytes gives wrong numbers here too. The accumulator is an
-``!llvm.struct`` of ``n/2`` f32 registers per thread: the interpreter gathers the 128 threads'
-registers into the 64 x n tile through ``kiln.layout.wgmma_m64_accumulator(n)``, multiplies,
-and scatters back. The MMA keeps its operand bytes "being read" until ``wgmma.wait.group``
+mode), so a descriptor that points at the wrong bytes gives wrong numbers here too. The
+accumulator is an ``!llvm.struct`` of ``n/2`` f32 registers per thread: the interpreter gathers
+the 128 threads' registers into the 64 x n tile through
+``kiln.layout.wgmma_m64_accumulator(n)``, multiplies, and scatters back. The MMA keeps its operand bytes "being read" until ``wgmma.wait.group``
 retires its group, so a TMA load into a stage an MMA still reads is a race.
 
 WGMMA with A from registers is inline PTX (``kiln.nvidia.wgmma.wgmma_mma_async_regs``), declared

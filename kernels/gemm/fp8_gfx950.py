@@ -15,9 +15,9 @@ f32 accumulation, bf16 or f32 C. The schedule is the bf16 kernel's register feed
 
 LDS rows are ``BK = 128`` fp8 values (128 bytes) swizzled by ``Swizzle(3, 4, 3)`` (16-byte
 chunk ^= row % 8, as the bf16 kernel's ``Swizzle(3, 3, 3)`` on 2-byte elements). The MFMA is
-issued as ``B A^T``, as in the bf16 ``"nk"`` kernel, so every accumulator holds a tile of ``C^T``: lane ``l``
-owns row ``l % 32`` of its 32 x 32 tile and value ``v`` column ``8 (v // 4) + 4 (l // 32) +
-v % 4``; each row needs one A scale and the columns' B scales come 4 at a time.
+issued as ``B A^T``, as in the bf16 ``"nk"`` kernel, so every accumulator holds a tile of
+``C^T``: lane ``l`` owns row ``l % 32`` of its 32 x 32 tile and value ``v`` column
+``8 (v // 4) + 4 (l // 32) + v % 4``; each row needs one A scale, the columns one B scale each.
 """
 
 from dataclasses import dataclass
