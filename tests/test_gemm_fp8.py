@@ -257,3 +257,26 @@ def test_gfx950_e5m2_bf16_output(rng):
                backend="interpret")
     assert c.dtype == kiln.bf16.numpy
     assert_fp8_close(c, a64, b64)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("scales", [("tensor", "tensor"), ("block", "block")], ids=str)
+def test_gpu_repeat_call_takes_the_bound_plan(scales, rng):
+    """The second call of a shape class (fresh operands and scales) is a bound launch."""
+    torch = pytest.importorskip("torch")
+    from kiln.kernels.gemm import fp8_api
+
+    m, n, k = 384, 520, 384
+    results = []
+    for _ in range(2):
+        a, b, sa, sb, a64, b64 = _operands(rng, m, n, k, scales)
+        sa_t, sb_t = (torch.tensor(s, device="cuda", dtype=torch.float32)
+                      if isinstance(s, float) else _to_torch(s, torch) for s in (sa, sb))
+        builds = fp8_api._PLANS.builds
+        torch.empty(m * n, device="cuda").fill_(float("nan"))
+        c = matmul(_to_torch(a, torch), _to_torch(b, torch), scale_a=sa_t, scale_b=sb_t,
+                   trans_b=True)
+        results.append(fp8_api._PLANS.builds - builds)
+        assert_fp8_close(c, a64, b64)
+    assert results == [1, 0]

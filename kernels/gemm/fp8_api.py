@@ -16,8 +16,8 @@ import kiln
 from kiln.autotune import autotune
 
 from .. import runtime
-from ..runtime import ArrayLib, Dims, check_backend, contiguous, empty_like, is_torch, \
-    resolve_target
+from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, contiguous, empty_like,
+                       is_torch, resolve_target, spec)
 from .fp8_hopper import (FP8_OUT_DTYPES, Fp8GemmConfig, fp8_constexprs, make_fp8_kernel)
 from .scales import check_scales, is_fp8
 
@@ -77,7 +77,55 @@ def compile_fp8_matmul(dtype: str, *, target, out_dtype=None, trans_b=False,
 
 
 def fp8_matmul(a, b, *, scale_a, scale_b, trans_b, out_dtype, target, backend):
-    """:func:`kiln.kernels.gemm.matmul` for FP8 operands (see its docs and :mod:`.scales`)."""
+    """:func:`kiln.kernels.gemm.matmul` for FP8 operands (see its docs and :mod:`.scales`).
+
+    With contiguous torch CUDA operands and scales (K a multiple of 16, N of 8), a repeat call
+    of one shape class is a plan look-up, one allocation and one bound launch of the tuned
+    config, as for bf16."""
+    key = (spec(a), spec(b), spec(scale_a), spec(scale_b), trans_b, out_dtype, target, backend)
+    plan = _PLANS.lookup(key)
+    if plan is not None:
+        c = a.new_empty(plan.shape, dtype=plan.out)
+        plan.bound(a.data_ptr(), b.data_ptr(), c.data_ptr(), scale_a.data_ptr(),
+                   scale_b.data_ptr())
+        return c
+    c = _fp8_matmul(a, b, scale_a, scale_b, trans_b, out_dtype, target, backend)
+    chip = resolve_target(target)
+    if backend != "interpret" and chip.has_wgmma and c.numel() and \
+            runtime.bindable(a, b, scale_a, scale_b) and a.shape[1] % K_ALIGN == 0 and \
+            c.shape[1] % N_ALIGN == 0:  # nothing padded: the caller's tensors are the kernel's
+        _PLANS.add(key, _bind(a, b, c, scale_a, scale_b, chip.name))
+    return c
+
+
+# Bound torch plans by the operands' and scales' specs and the options (see
+# kiln.kernels.runtime), made after a shape class's first call, which tunes the config.
+_PLANS = PlanCache("matmul_fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fp8Plan:
+    bound: object  # kiln.kernels.runtime.bind's launch of the tuned config
+    shape: tuple[int, int]
+    out: object  # torch dtype of C
+
+
+def _bind(a, b, c, scale_a, scale_b, target) -> _Fp8Plan:
+    (m, k), n = a.shape, c.shape[1]
+    dtype, out = kiln.dtype(a.dtype).name, kiln.dtype(c.dtype).name
+    mode, sa, sb = check_scales(scale_a, scale_b, m=m, n=n, k=k, like=a)
+    args = (a, b, c, sa, sb, m, n, k, dtype, out, mode, target)
+    tuner = _tuner(mode)
+    config = tuner.best[tuner.key_of(args, {})]
+    bound = runtime.bind(make_fp8_kernel(dtype, out, mode, config),
+                         fp8_grid(m, n, dtype, out, mode, config), list(args[:8]),
+                         target=target, num_warps=config.num_warps, **fp8_constexprs(config))
+    return _Fp8Plan(bound=bound, shape=(m, n), out=c.dtype)
+
+
+def _fp8_matmul(a, b, scale_a, scale_b, trans_b, out_dtype, target, backend):
+    """The general path of :func:`fp8_matmul`: checks, padding, tuning, launch or
+    interpretation."""
     chip = resolve_target(target)
     dims = Dims()
     dims.tensor("a", a, "M K")
