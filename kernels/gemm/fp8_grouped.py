@@ -20,7 +20,8 @@ import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
 from kiln.shared import dynamic_shared
 
-from .fp8_hopper import FP8_K_STEP, SCALE_BLOCK, Fp8GemmConfig, thread_rows
+from .fp8_hopper import (FP8_K_STEP, SCALE_BLOCK, Fp8GemmConfig, promote, rescale,
+                         thread_columns, thread_rows)
 from .grouped import _store_group_tile, build_tile_table, locate_tile
 from .hopper import ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN, WARP_GROUP_THREADS
 
@@ -40,23 +41,14 @@ def grouped_fp8_constexprs(cfg: Fp8GemmConfig, table: int) -> dict:
 def scale_group_accumulator(acc, scale_a, scale_b, g, row0, col0, m, n, a_mode, b_mode):
     """``acc * sa[r] * sb[g, c]`` for one consumer's 64 x BN accumulator (clamped indices:
     rows past ``m`` and columns past ``n`` are never stored)."""
-    bn = acc.shape[1]
     top, bottom = thread_rows(row0)
-    if a_mode == "row":
-        row_scale = [scale_a[kiln.minimum(r, m - 1)] for r in (top, bottom)]
-    else:
-        row_scale = [scale_a[0]] * 2
+    rows = [scale_a[kiln.minimum(r, m - 1)] for r in (top, bottom)] if a_mode == "row" \
+        else [scale_a[0]] * 2
     if b_mode == "tensor":
-        factor = [s * scale_b[g, 0] for s in row_scale]
-        return wgmma.fragment_from_elements([acc.element(i) * factor[(i // 2) % 2]
-                                             for i in range(bn // 2)])
-    first = col0 + 2 * (kiln.thread_id(0) % 4)
-    # Register i is column 8 * (i // 4) + i % 2 past the thread's first (i and i + 2 share it).
-    col_scale = [scale_b[g, kiln.minimum(first + 8 * j + e, n - 1)]
-                 for j in range(bn // 8) for e in range(2)]
-    return wgmma.fragment_from_elements([acc.element(i) * row_scale[(i // 2) % 2] *
-                                         col_scale[(i // 4) * 2 + i % 2]
-                                         for i in range(bn // 2)])
+        sb = scale_b[g, 0]
+        return rescale(acc, [r * sb for r in rows])
+    return rescale(acc, rows, [scale_b[g, kiln.minimum(c, n - 1)]
+                               for c in thread_columns(col0, acc.shape[1])])
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,10 +156,7 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
                             wgmma.wait_group(0)
                             if first_thread:
                                 empty.arrive(stage, wgmma_pending=0)
-                            scale = [s_top, s_bottom]
-                            total = wgmma.fragment_from_elements(
-                                [total.element(i) + acc.element(i) * scale[(i // 2) % 2]
-                                 for i in range(BN // 2)])
+                            total = promote(total, acc, [s_top, s_bottom])
                         else:
                             wgmma.wait_group(1)
                             if (kt > 0) & first_thread:

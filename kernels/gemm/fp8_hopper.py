@@ -114,26 +114,41 @@ def thread_rows(row0):
     return top, top + 8
 
 
+def thread_columns(col0, bn: int) -> list:
+    """The ``bn / 4`` accumulator columns of this thread, in register order: register ``i`` is
+    column ``8 (i // 4) + i % 2`` past the thread's first (``i`` and ``i + 2`` share one)."""
+    first = col0 + 2 * (kiln.thread_id(0) % 4)
+    return [first + 8 * j + e for j in range(bn // 8) for e in range(2)]
+
+
+def rescale(acc, row_scale: list, col_scale: list | None = None):
+    """``acc`` (64 x BN) times ``row_scale[0]`` / ``[1]`` on the thread's top / bottom row and,
+    if given, ``col_scale[q]`` on its column ``q`` (:func:`thread_columns` order)."""
+    values = [acc.element(i) * row_scale[(i // 2) % 2] for i in range(acc.shape[1] // 2)]
+    if col_scale is not None:
+        values = [v * col_scale[(i // 4) * 2 + i % 2] for i, v in enumerate(values)]
+    return wgmma.fragment_from_elements(values)
+
+
+def promote(total, acc, row_scale: list):
+    """Block-scale promotion: ``total + acc * row_scale[top / bottom row]`` in f32 registers
+    (``row_scale`` already holds ``sa[r, kb] * sb[c / 128, kb]``)."""
+    return wgmma.fragment_from_elements([total.element(i) + acc.element(i) *
+                                         row_scale[(i // 2) % 2]
+                                         for i in range(acc.shape[1] // 2)])
+
+
 def scale_accumulator(acc, scale_a, scale_b, row0, col0, m, n, a_mode: str, b_mode: str):
     """``acc[r, c] * sa[r] * sb[c]`` for a 64 x BN accumulator at (row0, col0); a per-tensor
     scale reads its one element. Indices are clamped: edge rows/columns are never stored."""
-    bn = acc.shape[1]
     top, bottom = thread_rows(row0)
-    if a_mode == "row":
-        row_scale = [scale_a[kiln.minimum(r, m - 1)] for r in (top, bottom)]
-    else:
-        row_scale = [scale_a[0]] * 2
+    rows = [scale_a[kiln.minimum(r, m - 1)] for r in (top, bottom)] if a_mode == "row" \
+        else [scale_a[0]] * 2
     if b_mode == "tensor":
-        return wgmma.fragment_from_elements([acc.element(i) * (row_scale[(i // 2) % 2] *
-                                                               scale_b[0])
-                                             for i in range(bn // 2)])
-    first = col0 + 2 * (kiln.thread_id(0) % 4)
-    # Register i is column 8 * (i // 4) + i % 2 past the thread's first (i and i + 2 share it).
-    col_scale = [scale_b[kiln.minimum(first + 8 * j + e, n - 1)]
-                 for j in range(bn // 8) for e in range(2)]
-    values = [acc.element(i) * row_scale[(i // 2) % 2] * col_scale[(i // 4) * 2 + i % 2]
-              for i in range(bn // 2)]
-    return wgmma.fragment_from_elements(values)
+        sb = scale_b[0]
+        return rescale(acc, [r * sb for r in rows])
+    return rescale(acc, rows, [scale_b[kiln.minimum(c, n - 1)]
+                               for c in thread_columns(col0, acc.shape[1])])
 
 
 @functools.lru_cache(maxsize=None)
@@ -270,10 +285,7 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
                         wgmma.wait_group(0)
                         if first_thread:
                             release(empty, stage, 0)
-                        scale = [s_top, s_bottom]
-                        total = wgmma.fragment_from_elements(
-                            [total.element(i) + acc.element(i) * scale[(i // 2) % 2]
-                             for i in range(BN // 2)])
+                        total = promote(total, acc, [s_top, s_bottom])
                     else:
                         wgmma.wait_group(1)  # keep this K step in flight, free the last stage
                         if (kt > 0) & first_thread:
