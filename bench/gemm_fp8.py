@@ -87,10 +87,31 @@ def bench_shape(torch, m, n, k, repeat, batch) -> list[dict]:
     return rows
 
 
+def precompile(configs) -> None:
+    """Compile every (scale kinds, config) kernel at once: ptxas runs overlap."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kiln.kernels.gemm import compile_matmul
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for future in [pool.submit(compile_matmul, "f8e4m3", target="sm_90a", trans_b=True,
+                                   scales=mode, **vars(config)) for mode, config in configs]:
+            future.result()
+
+
 def quick_shape(torch, m, n, k, repeat, batch) -> list[dict]:
-    """Each FP8 config at one shape without the tuner, against the same peers."""
+    """Each FP8 config at one shape without the tuner, against the same peers; each row is
+    printed as soon as it is measured."""
     flops = 2.0 * m * n * k
     rows = []
+    precompile([(("tensor", "tensor"), c) for c in SCALED_CONFIGS] +
+               [(("block", "block"), c) for c in BLOCK_CONFIGS])
+
+    def add(row):
+        rows.append(row)
+        print(f"{m}x{n}x{k} {row['kind']:>11} {row['kiln_tflops']:8.1f} TFLOP/s "
+              f"{row.get('config', '')}", flush=True)
+
     for kind, configs in (("per_tensor", SCALED_CONFIGS), ("block", BLOCK_CONFIGS)):
         a8, w8, sa, sw, reference = operands(torch, m, n, k, block=kind == "block")
         mode = ("block", "block") if kind == "block" else ("tensor", "tensor")
@@ -104,13 +125,13 @@ def quick_shape(torch, m, n, k, repeat, batch) -> list[dict]:
             run()
             error = check(c, reference, f"Kiln FP8 {kind} {config}")
             ms = time_ms(run, repeat, batch)
-            rows.append({"kind": kind, "config": repr(config), "m": m, "n": n, "k": k,
-                         "rel_error": error, "kiln_ms": ms, "kiln_tflops": flops / ms / 1e9})
+            add({"kind": kind, "config": repr(config), "m": m, "n": n, "k": k,
+                 "rel_error": error, "kiln_ms": ms, "kiln_tflops": flops / ms / 1e9})
         if kind == "per_tensor":
             peer = time_ms(lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw,
                                                     out_dtype=torch.bfloat16), repeat, batch)
-            rows.append({"kind": "scaled_mm", "m": m, "n": n, "k": k, "kiln_ms": peer,
-                         "kiln_tflops": flops / peer / 1e9})
+            add({"kind": "scaled_mm", "m": m, "n": n, "k": k, "kiln_ms": peer,
+                 "kiln_tflops": flops / peer / 1e9})
     a16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     c16 = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -119,8 +140,8 @@ def quick_shape(torch, m, n, k, repeat, batch) -> list[dict]:
                                                       config=HopperGemmConfig(block_n=192))),
                      ("cublas_bf16", lambda: torch.matmul(a16, w16.t()))):
         ms = time_ms(fn, repeat, batch)
-        rows.append({"kind": name, "m": m, "n": n, "k": k, "kiln_ms": ms,
-                     "kiln_tflops": flops / ms / 1e9})
+        add({"kind": name, "m": m, "n": n, "k": k, "kiln_ms": ms,
+             "kiln_tflops": flops / ms / 1e9})
     return rows
 
 
@@ -131,9 +152,6 @@ def fp8_main(args, torch) -> None:
     if args.quick:
         rows = [r for shape in QUICK_SHAPES for r in quick_shape(torch, *shape, args.repeat,
                                                                   args.batch)]
-        for r in rows:
-            print(f"{r['m']}x{r['n']}x{r['k']} {r['kind']:>11} {r['kiln_tflops']:8.1f} TFLOP/s "
-                  f"{r.get('config', '')}")
     else:
         rows = [r for shape in SHAPES for r in bench_shape(torch, *shape, args.repeat,
                                                             args.batch)]
