@@ -1,6 +1,6 @@
-"""Grouped (MoE) FP8 GEMM: the sm_90a kernel in the interpreter against float64 on the
-dequantised operands for each scale kind (ragged and empty groups, odd N and K), input errors,
-PTX checks and GPU runs."""
+"""Grouped (MoE) FP8 GEMM: the sm_90a and gfx950 kernels in the interpreter against float64 on
+the dequantised operands for each scale kind (ragged and empty groups, odd N and K), input
+errors, PTX / ISA checks and GPU runs."""
 
 import re
 
@@ -70,12 +70,35 @@ def test_bad_fp8_grouped_requests_raise_kiln_errors(rng):
     with pytest.raises(kiln.KilnValueError, match="block scales apply to both"):
         grouped_matmul(a, b, offsets, trans_b=True, scale_a=np.ones((8, 1), np.float32),
                        scale_b=sb, **call)
-    with pytest.raises(kiln.UnsupportedError, match="runs on sm_90a"):
-        grouped_matmul(a, b, offsets, trans_b=True, scale_a=sa, scale_b=sb, target="gfx950",
+    with pytest.raises(kiln.UnsupportedError, match="gfx942 lacks"):
+        grouped_matmul(a, b, offsets, trans_b=True, scale_a=sa, scale_b=sb, target="gfx942",
                        backend="interpret")
+    with pytest.raises(kiln.UnsupportedError, match="cannot run gfx950 kernels"):
+        grouped_matmul(a, b, offsets, trans_b=True, scale_a=sa, scale_b=sb, target="gfx950")
     with pytest.raises(kiln.KilnValueError, match="group_offsets decreases"):
         grouped_matmul(a, b, np.array([0, 6, 5], np.int32), trans_b=True, scale_a=1.0,
                        scale_b=1.0, **call)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "row_col", "block"])
+def test_gfx950_interpreter_matches_float64(kind, rng):
+    a, b, offsets, sa, sb, a64, b64 = _problem(rng, (0, 37, 130, 3), 203, 300, kind)
+    c = grouped_matmul(a, b, offsets, trans_b=True, scale_a=sa, scale_b=sb, out_dtype="f32",
+                       target="gfx950", backend="interpret")
+    _check(c, offsets, a64, b64)
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("scales", [("row", "col"), ("block", "block")])
+def test_gfx950_grouped_double_rate_mfma_no_scratch_waits_verified(scales):
+    from kiln.lowering.isa_amdgpu import parse, verify_waits
+
+    ck = compile_grouped_matmul("f8e4m3", target="gfx950", trans_b=True, groups=16,
+                                scales=scales)
+    asm = ck.asm["amdgcn"]
+    assert ck.metadata["scratch_bytes"] == 0
+    assert asm.count("v_mfma_f32_32x32x64_f8f6f4") == 8
+    verify_waits(parse(asm, ck.name), ck.name)
 
 
 @pytest.mark.lower

@@ -83,10 +83,12 @@ PIECE = WAVE * LOAD_BYTES  # elements one wave moves per load
 
 
 def make_fp8_gfx950_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
-                           config: Fp8Gfx950Config):
+                           config: Fp8Gfx950Config, *, grouped: bool = False):
     """The ``@kiln.kernel`` with arguments ``(a, b, c, scale_a, scale_b, m, n, k)``: ``a`` M x K,
     ``b`` N x K (FP8), ``c`` M x N, the scales of ``scale_mode``; grid ``ceil(M/BM) *
-    ceil(N/BN)``. Block scales need ``block_n = 128``."""
+    ceil(N/BN)``. Block scales need ``block_n = 128``. ``grouped``: the grouped (MoE) variant,
+    arguments ``(a, b, c, offsets, scale_a, scale_b, groups, m, n, k, b_rows, ctas)`` and the
+    ``TABLE`` constexpr (see :mod:`.grouped`)."""
     a_mode, b_mode = scale_mode
     block = a_mode == "block"
     if block and config.block_n != SCALE_BLOCK:
@@ -132,6 +134,41 @@ def make_fp8_gfx950_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
     def zeros():
         return [kiln.values.constant(0.0, kiln.f32, (16,)) for _ in range(tiles_m * tiles_n)]
 
+    def lane_rows(m0, m, wave_m, lane):
+        """This lane's C row in each row tile (clamped to ``m - 1``: edge rows are not
+        stored), for the A scales."""
+        return [kiln.minimum(m0 + wave_m * wm + i * 32 + lane % 32, m - 1)
+                for i in range(tiles_m)]
+
+    def block_step(total, a_lds, b_lds, stage, wave_m, wave_n, atom, row_scale, sb):
+        """One 128-K scale block: its product from zero, promoted into ``total`` with
+        ``sa[row, step] * sb``."""
+        part = k_step(zeros(), a_lds, b_lds, stage, wave_m, wave_n, atom)
+        factor = [r * sb for r in row_scale]
+        return [total[t] + part[t] * factor[t // tiles_n] for t in range(tiles_m * tiles_n)]
+
+    def epilogue_scale(acc, row_scale, col0, b_scale):
+        """``acc * sa[row] * sb[col]``: ``b_scale(col)`` reads B's scale of a column (one value
+        for per-tensor scales: ``b_scale(None)``)."""
+        out = list(acc)
+        for j in kiln.static_range(tiles_n):
+            if b_mode == "col":  # value v: column 8 (v // 4) + v % 4 past the lane's first
+                col_scale = kiln.pack([b_scale(col0 + j * 32 + 8 * (v // 4) + v % 4)
+                                       for v in range(16)])
+            else:
+                col_scale = b_scale(None)
+            for i in kiln.static_range(tiles_m):
+                out[i * tiles_n + j] = acc[i * tiles_n + j] * (col_scale * row_scale[i])
+        return out
+
+    def store(total, c_buf, m0, n0, wave_m, wave_n, limits):
+        for i in kiln.static_range(tiles_m):
+            for j in kiln.static_range(tiles_n):
+                mfma.store_accumulator(total[i * tiles_n + j], c_buf,
+                                       m0 + wave_m * wm + i * MMA_SHAPE[0],
+                                       n0 + wave_n * wn + j * MMA_SHAPE[1], transposed=True,
+                                       limits=limits)
+
     def gemm_fp8_gfx950(a: kiln.Tensor[in_type, 2], b: kiln.Tensor[in_type, 2],
                         c: kiln.Tensor[out_type, 2], scale_a: scale_tensor_type(a_mode),
                         scale_b: scale_tensor_type(b_mode), m: kiln.i32, n: kiln.i32,
@@ -146,10 +183,7 @@ def make_fp8_gfx950_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
         m0 = (kiln.block_id(0) // block_n_count) * bm
         n0 = (kiln.block_id(0) % block_n_count) * bn
         k_steps = (k + bk - 1) // bk
-        # This lane's C rows (one per row tile) and the first C column of each value group.
-        rows = [kiln.minimum(m0 + wave_m * wm + i * 32 + lane % 32, m - 1)
-                for i in range(tiles_m)]
-        col0 = n0 + wave_n * wn + 4 * (lane // 32)
+        rows = lane_rows(m0, m, wave_m, lane)
         acc = zeros()
         total = zeros()
         store_tile(load_tile(a_buf, bm, (m0, 0), (m, k), wave, lane), a_lds, 0, wave, lane)
@@ -163,38 +197,88 @@ def make_fp8_gfx950_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
             amd_asm.s_waitcnt(lgkmcnt=0)  # this wave's ds_writes of `step` are done ...
             amd_asm.s_barrier()            # ... and every wave's
             if block:
-                sb = scale_b[n0 // bn, step]
-                step_scale = [scale_a[rows[i], step] * sb for i in range(tiles_m)]
-                part = k_step(zeros(), a_lds, b_lds, stage, wave_m, wave_n, atom)
-                total = [total[t] + part[t] * step_scale[t // tiles_n]
-                         for t in range(tiles_m * tiles_n)]
+                total = block_step(total, a_lds, b_lds, stage, wave_m, wave_n, atom,
+                                   [scale_a[r, step] for r in rows], scale_b[n0 // bn, step])
             else:
                 acc = k_step(acc, a_lds, b_lds, stage, wave_m, wave_n, atom)
             store_tile(a_next, a_lds, (1 - stage) * bm, wave, lane)
             store_tile(b_next, b_lds, (1 - stage) * bn, wave, lane)
-
         if not block:
-            row_scale = [scale_a[rows[i]] if a_mode == "row" else scale_a[0]
-                         for i in range(tiles_m)]
-            for j in kiln.static_range(tiles_n):
-                if b_mode == "col":
-                    cols = [scale_b[kiln.minimum(col0 + j * 32 + 8 * (v // 4) + v % 4, n - 1)]
-                            for v in range(16)]
-                    col_scale = kiln.pack(cols)
-                else:
-                    col_scale = scale_b[0]
-                for i in kiln.static_range(tiles_m):
-                    total[i * tiles_n + j] = acc[i * tiles_n + j] * (col_scale * row_scale[i])
-        for i in kiln.static_range(tiles_m):
-            for j in kiln.static_range(tiles_n):
-                mfma.store_accumulator(total[i * tiles_n + j], c_buf,
-                                       m0 + wave_m * wm + i * MMA_SHAPE[0],
-                                       n0 + wave_n * wn + j * MMA_SHAPE[1], transposed=True,
-                                       limits=(m, n))
+            total = epilogue_scale(acc, [scale_a[r] if a_mode == "row" else scale_a[0]
+                                         for r in rows], n0 + wave_n * wn + 4 * (lane // 32),
+                                   lambda col: scale_b[0] if col is None else
+                                   scale_b[kiln.minimum(col, n - 1)])
+        store(total, c_buf, m0, n0, wave_m, wave_n, (m, n))
 
     gemm_fp8_gfx950.__name__ = gemm_fp8_gfx950.__qualname__ = \
         f"gemm_gfx950_{dtype}_{out_dtype}_{a_mode}_{b_mode}"
-    return kiln.kernel(gemm_fp8_gfx950)
+    if not grouped:
+        return kiln.kernel(gemm_fp8_gfx950)
+    from .grouped import build_tile_table, locate_tile
+
+    threads = waves * WAVE
+
+    def grouped_gemm_fp8_gfx950(a: kiln.Tensor[in_type, 2], b: kiln.Tensor[in_type, 2],
+                                c: kiln.Tensor[out_type, 2], offsets: kiln.Tensor[kiln.i32, 1],
+                                scale_a: scale_tensor_type(a_mode),
+                                scale_b: kiln.Tensor[kiln.f32, 2], groups: kiln.i32,
+                                m: kiln.i32, n: kiln.i32, k: kiln.i32, b_rows: kiln.i32,
+                                ctas: kiln.i32, TABLE: kiln.constexpr):
+        """The grouped FP8 GEMM (scales as in :mod:`.fp8_grouped`): the tile walk of the bf16
+        grouped gfx950 kernel over B viewed as ``[G * b_rows, K]``, this kernel's K loop."""
+        a_lds = kiln.shared((STAGES * bm, bk), in_type)
+        b_lds = kiln.shared((STAGES * bn, bk), in_type)
+        table = kiln.shared((TABLE,), kiln.i32)
+        a_buf, b_buf = amd_buffer.buffer(a), amd_buffer.buffer(b)
+        atom = mma.atom(*MMA_SHAPE, in_type)
+        lane, wave = kiln.lane_id(), kiln.warp_id()
+        wave_m, wave_n = wave // warps_n, wave % warps_n
+        tiles = (n + bn - 1) // bn
+        n_blocks = (n + SCALE_BLOCK - 1) // SCALE_BLOCK
+        build_tile_table(table, offsets, groups, tiles, kiln.thread_id(0), bm, TABLE, threads)
+        num_tiles = table[groups]
+        k_steps = (k + bk - 1) // bk
+        b_limits = (groups * b_rows, k)  # past a row's K: the row past the whole array
+        for tile in kiln.range(kiln.block_id(0), num_tiles, ctas):
+            g, m0, n0, row_end = locate_tile(table, offsets, tile, tiles, bm, bn, 8, TABLE)
+            b0 = g * b_rows + n0
+            rows = lane_rows(m0, m, wave_m, lane)
+            amd_asm.s_barrier()  # every wave has finished reading the previous tile's LDS
+            acc = zeros()
+            total = zeros()
+            store_tile(load_tile(a_buf, bm, (m0, 0), (m, k), wave, lane), a_lds, 0, wave, lane)
+            store_tile(load_tile(b_buf, bn, (b0, 0), b_limits, wave, lane), b_lds, 0, wave,
+                       lane)
+            for step in kiln.range(k_steps):
+                stage = step % STAGES
+                k_next = (step + 1) * bk
+                a_next = load_tile(a_buf, bm, (m0, k_next), (m, k), wave, lane)
+                b_next = load_tile(b_buf, bn, (b0, k_next), b_limits, wave, lane)
+                amd_asm.s_waitcnt(lgkmcnt=0)
+                amd_asm.s_barrier()
+                if block:
+                    total = block_step(total, a_lds, b_lds, stage, wave_m, wave_n, atom,
+                                       [scale_a[r, step] for r in rows],
+                                       scale_b[g * n_blocks + n0 // bn, step])
+                else:
+                    acc = k_step(acc, a_lds, b_lds, stage, wave_m, wave_n, atom)
+                store_tile(a_next, a_lds, (1 - stage) * bm, wave, lane)
+                store_tile(b_next, b_lds, (1 - stage) * bn, wave, lane)
+            if not block:
+                total = epilogue_scale(acc, [scale_a[r] if a_mode == "row" else scale_a[0]
+                                             for r in rows],
+                                       n0 + wave_n * wn + 4 * (lane // 32),
+                                       lambda col: scale_b[g, 0] if col is None else
+                                       scale_b[g, kiln.minimum(col, n - 1)])
+            # C's rows past the group's end are outside this view, so their stores drop.
+            end = kiln.minimum(row_end, m)
+            c_buf = amd_buffer.buffer(c, valid_bytes=kiln.cast(kiln.maximum(end, 0), kiln.i64)
+                                      * n * out_type.itemsize)
+            store(total, c_buf, m0, n0, wave_m, wave_n, (end, n))
+
+    grouped_gemm_fp8_gfx950.__name__ = grouped_gemm_fp8_gfx950.__qualname__ = \
+        f"grouped_gemm_gfx950_{dtype}_{out_dtype}_{a_mode}_{b_mode}"
+    return kiln.kernel(grouped_gemm_fp8_gfx950)
 
 
 def compile_fp8_gfx950(dtype, *, target: str = "gfx950", out_dtype: str = "bf16",

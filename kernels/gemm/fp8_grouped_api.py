@@ -1,4 +1,5 @@
-"""Host side of the grouped FP8 GEMM (:mod:`.fp8_grouped`): what
+"""Host side of the grouped FP8 GEMM (:mod:`.fp8_grouped` on sm_90a, the ``grouped=True``
+variant of :mod:`.fp8_gfx950` in the interpreter or compile-only): what
 :func:`kiln.kernels.gemm.grouped_matmul` runs for f8e4m3/f8e5m2 operands.
 
 Scales (f32; the kind is read off the shape, ``Kb = ceil(K/128)``, ``Nb = ceil(N/128)``):
@@ -54,12 +55,14 @@ def grouped_fp8_matmul(a, b, group_offsets, *, trans_b, scale_a, scale_b, out_dt
     if groups > MAX_GROUPS:
         raise kiln.UnsupportedError(f"grouped_matmul supports at most {MAX_GROUPS} groups, "
                                     f"got {groups}", fix="split the call into several")
-    if chip.is_amd or not chip.has_wgmma:
-        raise kiln.UnsupportedError(f"the grouped FP8 GEMM runs on sm_90a (WGMMA), not "
-                                    f"{chip.name}", fix="target='sm_90a'")
+    _require_kernel(chip)
     out = fp8_output_dtype(out_dtype)
     mode, sa, sb = _grouped_scales(scale_a, scale_b, groups, total_m, n, k, a)
     check_backend(backend)
+    if chip.is_amd and backend != "interpret":
+        raise kiln.UnsupportedError(f"Kiln cannot run {chip.name} kernels on this machine",
+                                    fix="use compile_grouped_matmul(...) to inspect the AMD "
+                                        "kernel, or backend='interpret'")
     check_group_offsets(group_offsets, total_m, validate=validate)
     if total_m * n * k == 0:
         return empty_like(a, (total_m, n), kiln.dtype(out), fill=0.0)
@@ -71,6 +74,9 @@ def grouped_fp8_matmul(a, b, group_offsets, *, trans_b, scale_a, scale_b, out_dt
     offsets = contiguous(group_offsets)
     args = [padded(a, (total_m, kp)), b_in, c, c, offsets, sa, sb, groups, total_m, np_, kp,
             np_]
+    if chip.is_amd:
+        _interpret_gfx950(args[:3] + args[4:], name, out, mode, groups)
+        return c if np_ == n else contiguous(c[:, :n])
     cfg = grouped_fp8_config(groups, mode[0] == "block")
     kernel = make_grouped_fp8_kernel(name, out, mode, cfg)
     options = dict(num_warps=cfg.num_warps, **grouped_fp8_constexprs(cfg, table_size(groups)))
@@ -96,19 +102,51 @@ def compile_grouped_fp8_matmul(dtype, *, target, out_dtype=None, trans_b=False, 
     trans_b=True, scales=("block", "block")).asm["ptx"]``."""
     chip = resolve_target(target)
     require_trans_b(trans_b, "b[g]")
-    if chip.is_amd or not chip.has_wgmma:
-        raise kiln.UnsupportedError(f"the grouped FP8 GEMM runs on sm_90a (WGMMA), not "
-                                    f"{chip.name}", fix="target='sm_90a'")
+    _require_kernel(chip)
     out, mode = fp8_output_dtype(out_dtype), tuple(scales)
-    cfg = grouped_fp8_config(groups, mode[0] == "block")
     x = np.empty((1, 1), kiln.dtype(dtype).numpy)
     c = np.empty((1, 1), kiln.dtype(out).numpy)
     sa = np.empty((1,) * (2 if mode[0] == "block" else 1), np.float32)
     sb = np.empty((1, 1), np.float32)
+    offsets = np.zeros(groups + 1, np.int32)
+    if chip.is_amd:
+        from .fp8_gfx950 import Fp8Gfx950Config, make_fp8_gfx950_kernel
+
+        amd = Fp8Gfx950Config()
+        return make_fp8_gfx950_kernel(kiln.dtype(dtype).name, out, mode, amd,
+                                      grouped=True).compile(
+            x, x, c, offsets, sa, sb, groups, 1, 1, 1, 1, 1, target=chip.name,
+            num_warps=amd.num_warps, TABLE=table_size(groups))
+    cfg = grouped_fp8_config(groups, mode[0] == "block")
     return make_grouped_fp8_kernel(kiln.dtype(dtype).name, out, mode, cfg).compile(
-        x, x, c, c, np.zeros(groups + 1, np.int32), sa, sb, groups, 1, 1, 1, 1,
+        x, x, c, c, offsets, sa, sb, groups, 1, 1, 1, 1,
         target=chip.name, num_warps=cfg.num_warps,
         **grouped_fp8_constexprs(cfg, table_size(groups)))
+
+
+def _require_kernel(chip) -> None:
+    if chip.is_amd and chip.name != "gfx950":
+        raise kiln.UnsupportedError(f"the grouped FP8 GEMM uses v_mfma_f32_32x32x64_f8f6f4, "
+                                    f"which {chip.name} lacks", fix="target gfx950")
+    if not chip.is_amd and not chip.has_wgmma:
+        raise kiln.UnsupportedError(f"the grouped FP8 GEMM needs WGMMA (sm_90a); {chip.name} "
+                                    "has none", fix="target='sm_90a'")
+
+
+def _interpret_gfx950(args, dtype, out, mode, groups) -> None:
+    """The gfx950 grouped FP8 kernel in the CPU interpreter (at most 2 workgroups walking all
+    tiles) on ``args`` (a, b, c, offsets, sa, sb, groups, m, n, k, b_rows)."""
+    from .fp8_gfx950 import Fp8Gfx950Config, make_fp8_gfx950_kernel
+    from .grouped_api import grouped_tiles
+
+    host = [to_numpy(x) if hasattr(x, "shape") else x for x in args]
+    cfg = Fp8Gfx950Config()
+    grid = max(1, min(2, grouped_tiles(host[3], host[8], cfg)))
+    runtime.interpret(make_fp8_gfx950_kernel(dtype, out, mode, cfg, grouped=True),
+                      (grid, 1, 1), host + [grid], target="gfx950", num_warps=cfg.num_warps,
+                      TABLE=table_size(groups))
+    if host[2] is not args[2]:
+        ArrayLib(args[2]).copy_into(args[2], host[2])
 
 
 def _grouped_scales(scale_a, scale_b, groups, total_m, n, k, like):
