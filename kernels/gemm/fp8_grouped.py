@@ -20,8 +20,8 @@ import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
 from kiln.shared import dynamic_shared
 
-from .fp8_hopper import (FP8_K_STEP, SCALE_BLOCK, Fp8GemmConfig, promote, rescale,
-                         thread_columns, thread_rows)
+from .fp8_hopper import (FP8_K_STEP, SCALE_BLOCK, Fp8GemmConfig, block_scales, promote,
+                         rescale, thread_columns, thread_rows)
 from .grouped import _store_group_tile, build_tile_table, locate_tile
 from .hopper import ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN, WARP_GROUP_THREADS
 
@@ -137,11 +137,10 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
                         total = wgmma.fragment_zeros(BN)
                         top, bottom = thread_rows(row0)
                         top, bottom = kiln.minimum(top, m - 1), kiln.minimum(bottom, m - 1)
+                        b_row = g * n_blocks + n0 // BN
+                        ahead = block_scales(scale_a, scale_b, top, bottom, b_row, 0)
                     for kt in kiln.range(0, k_tiles):
                         stage = use % STAGES
-                        if block:
-                            sb = scale_b[g * n_blocks + n0 // BN, kt]
-                            s_top, s_bottom = scale_a[top, kt] * sb, scale_a[bottom, kt] * sb
                         full.try_wait(stage, (use // STAGES) % 2)
                         stage64 = kiln.cast(stage, kiln.i64)
                         a_desc = a_base + stage64 * a_stage_units
@@ -153,10 +152,14 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
                                                   accumulate=not block or ks > 0)
                         wgmma.commit()
                         if block:
+                            # Load the next block's scales while these WGMMAs run.
+                            current = ahead
+                            ahead = block_scales(scale_a, scale_b, top, bottom, b_row,
+                                                 kiln.minimum(kt + 1, k_tiles - 1))
                             wgmma.wait_group(0)
                             if first_thread:
                                 empty.arrive(stage, wgmma_pending=0)
-                            total = promote(total, acc, [s_top, s_bottom])
+                            total = promote(total, acc, current)
                         else:
                             wgmma.wait_group(1)
                             if (kt > 0) & first_thread:

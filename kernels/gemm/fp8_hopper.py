@@ -130,9 +130,16 @@ def rescale(acc, row_scale: list, col_scale: list | None = None):
     return wgmma.fragment_from_elements(values)
 
 
-def promote(total, acc, row_scale: list):
-    """Block-scale promotion: ``total + acc * row_scale[top / bottom row]`` in f32 registers
-    (``row_scale`` already holds ``sa[r, kb] * sb[c / 128, kb]``)."""
+def block_scales(scale_a, scale_b, top, bottom, b_row, kb) -> list:
+    """The raw scales of K block ``kb`` for this thread: ``[sa[top, kb], sa[bottom, kb],
+    sb[b_row, kb]]`` (loaded a block ahead of :func:`promote`, which multiplies them)."""
+    return [scale_a[top, kb], scale_a[bottom, kb], scale_b[b_row, kb]]
+
+
+def promote(total, acc, scales: list):
+    """Block-scale promotion in f32 registers: ``total + acc * sa[row, kb] * sb[kb]`` with
+    ``scales`` from :func:`block_scales`."""
+    row_scale = [scales[0] * scales[2], scales[1] * scales[2]]
     return wgmma.fragment_from_elements([total.element(i) + acc.element(i) *
                                          row_scale[(i // 2) % 2]
                                          for i in range(acc.shape[1] // 2)])
@@ -266,11 +273,9 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
                     total = wgmma.fragment_zeros(BN)
                     top, bottom = thread_rows(row0)
                     top, bottom = kiln.minimum(top, m - 1), kiln.minimum(bottom, m - 1)
+                    ahead = block_scales(scale_a, scale_b, top, bottom, n0 // BN, 0)
                 for kt in kiln.range(0, k_tiles):
                     stage = use % STAGES
-                    if block:  # loaded before the wait: the latency hides behind it
-                        sb = scale_b[n0 // BN, kt]
-                        s_top, s_bottom = scale_a[top, kt] * sb, scale_a[bottom, kt] * sb
                     full.try_wait(stage, (use // STAGES) % 2)
                     stage64 = kiln.cast(stage, kiln.i64)
                     a_desc = a_base + stage64 * a_stage_units
@@ -282,10 +287,14 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
                                               accumulate=not block or ks > 0)
                     wgmma.commit()
                     if block:
+                        # Load the next block's scales while these WGMMAs run.
+                        current = ahead
+                        ahead = block_scales(scale_a, scale_b, top, bottom, n0 // BN,
+                                             kiln.minimum(kt + 1, k_tiles - 1))
                         wgmma.wait_group(0)
                         if first_thread:
                             release(empty, stage, 0)
-                        total = promote(total, acc, [s_top, s_bottom])
+                        total = promote(total, acc, current)
                     else:
                         wgmma.wait_group(1)  # keep this K step in flight, free the last stage
                         if (kt > 0) & first_thread:
