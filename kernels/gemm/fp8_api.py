@@ -241,9 +241,14 @@ def to_numpy(x):
 
 
 def padded(x, shape: tuple):
-    """``x`` itself when already ``shape`` and contiguous, else a zero-padded copy."""
+    """``x`` itself when already ``shape`` and contiguous, else a zero-padded copy (torch FP8
+    through its bytes: FP8 zero is byte 0, and byte copies work on every torch version)."""
     if tuple(x.shape) == shape:
         return contiguous(x)
+    if is_torch(x) and x.element_size() == 1 and x.is_floating_point():
+        import torch
+
+        return padded(x.view(torch.uint8), shape).view(x.dtype)
     out = x.new_zeros(shape) if is_torch(x) else np.zeros(shape, x.dtype)
     out[tuple(slice(0, s) for s in x.shape)] = x
     return out
