@@ -18,8 +18,11 @@ worth.
 Kiln's dense ``matmul`` of the same FLOPs (one ``[total_M, K] x [K, N]``) and against a torch
 loop of one ``torch.matmul`` per group; ``--sweep`` with it also times each grouped config.
 
+``--fp8`` times the FP8 GEMM instead (:mod:`gemm_fp8`): per-tensor against
+``torch._scaled_mm``, DeepSeek-V3 block scales against Kiln's and cuBLAS's bf16.
+
 Usage (on an H100): ``python bench/gemm.py [--json out.json] [--repeat 20] [--batch 10]
-[--sweep] [--grouped]``.
+[--sweep] [--grouped] [--fp8 [--quick]]``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ except ImportError:  # --help works without torch; running needs it
     torch = None
 
 from kiln.kernels.gemm import HOPPER_CONFIGS, hopper_autotuner, matmul, run_hopper
+from gemm_fp8 import fp8_main
 from gemm_grouped import grouped_main
 from results_io import write_results
 from timing import time_ms
@@ -97,11 +101,18 @@ def main() -> None:
                         help="also time every candidate config at 8192^3")
     parser.add_argument("--grouped", action="store_true",
                         help="time the grouped (MoE) GEMM against dense and a torch loop")
+    parser.add_argument("--fp8", action="store_true",
+                        help="time the FP8 GEMM against torch._scaled_mm and bf16 (gemm_fp8.py)")
+    parser.add_argument("--quick", action="store_true",
+                        help="with --fp8: each FP8 config at 8192^3 only, no tuner")
     args = parser.parse_args()
     if torch is None or not torch.cuda.is_available():
         raise SystemExit("bench/gemm.py needs torch with a CUDA GPU")
     if args.grouped:
         grouped_main(args, torch)
+        return
+    if args.fp8:
+        fp8_main(args, torch)
         return
     swept = sweep(8192, 8192, 8192, args.repeat, args.batch) if args.sweep else []
     rows = [bench(m, n, k, args.repeat, args.batch) for m, n, k in SHAPES]

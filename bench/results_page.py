@@ -113,13 +113,23 @@ TABLES = {
         ("grouped / dense", _get("ratio_vs_dense"), ".3f"),
         ("grouped / dense, same config", _get("ratio_vs_dense_same_config"), ".3f"),
         ("grouped / loop", _get("ratio_vs_torch_loop"), ".2f")]),
+    "gemm_fp8": ("FP8 GEMM (e4m3, bf16 out): per-tensor vs torch._scaled_mm, block-scaled "
+                 "vs bf16 GEMMs; TFLOP/s", [
+        ("scales", _get("kind"), "s"),
+        ("M×N×K", lambda row, doc: f"{row['m']}×{row['n']}×{row['k']}", "s"),
+        ("Kiln", _get("kiln_tflops"), ".0f"), ("_scaled_mm", _get("scaled_mm_tflops"), ".0f"),
+        ("Kiln / _scaled_mm", _get("ratio_vs_scaled_mm"), ".3f"),
+        ("Kiln bf16", _get("kiln_bf16_tflops"), ".0f"),
+        ("cuBLAS bf16", _get("cublas_bf16_tflops"), ".0f"),
+        ("/ Kiln bf16", _get("ratio_vs_kiln_bf16"), ".2f"),
+        ("/ cuBLAS bf16", _get("ratio_vs_cublas_bf16"), ".2f"), ("config", _get("config"), "s")]),
     "launch_overhead": ("Host cost per launch: a one-block kernel and the library entry points", [
         ("path", _get("path"), "s"), ("host µs / call", _get("us"), ".1f"),
         ("/ Triton", _triton_ratio, ".2f"), ("eager back-to-back µs", _get("eager_us"), ".1f"),
         ("GPU µs (graph replay)", _get("gpu_us"), ".1f")]),
 }
 TABLES["combine-small"] = ("Split-KV combine, small calls", TABLES["combine"][1])
-ORDER = ("decode", "attention", "combine", "combine-small", "gemm", "gemm_grouped",
+ORDER = ("decode", "attention", "combine", "combine-small", "gemm", "gemm_grouped", "gemm_fp8",
          "launch_overhead")
 
 

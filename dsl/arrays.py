@@ -45,9 +45,11 @@ class ArrayInfo:
 
 
 def is_array(value: Any) -> bool:
-    """True for numpy arrays and for device arrays Kiln can pass zero-copy."""
-    return (isinstance(value, np.ndarray) or hasattr(value, "__cuda_array_interface__")
-            or hasattr(value, "__dlpack__") or is_torch_tensor(value))
+    """True for numpy arrays and for device arrays Kiln can pass zero-copy. Torch tensors are
+    recognised first: ``hasattr(t, "__cuda_array_interface__")`` raises KeyError for torch
+    dtypes without a typestr (float8_e4m3fn, float8_e5m2)."""
+    return (isinstance(value, np.ndarray) or is_torch_tensor(value)
+            or hasattr(value, "__cuda_array_interface__") or hasattr(value, "__dlpack__"))
 
 
 def is_torch_tensor(value: Any) -> bool:

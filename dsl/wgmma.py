@@ -32,7 +32,9 @@ Example (a pipelined product: issue, commit, wait)::
 ``kiln.mma.atom(64, n, 16, dtype)`` on sm_90a is this op's atom. ``mma_async_regs`` and
 ``Fragment`` are aliases kept from the separate register-A op and accumulator type.
 Supported: ``m64nNk16``, f16 or bf16 A/B, f32 accumulator, N a multiple of 8 in 8..256,
-operands in 128-byte-swizzled shared memory.
+operands in 128-byte-swizzled shared memory; and ``m64nNk32`` with f8e4m3/f8e5m2 A and B
+(``dtype=kiln.f8e4m3``), both K-major in shared memory (one k32 step is 32 bytes, as for k16
+of a 2-byte dtype, so descriptors advance by 2 units per step either way).
 """
 
 from __future__ import annotations
@@ -54,11 +56,14 @@ INSTRUCTION_K = 16
 MAX_N = 256
 SWIZZLE_ROW_BYTES = 128
 OPERAND_DTYPES = ("f16", "bf16")
-SUPPORTED = ("m64nNk16 with f16 or bf16 A/B and an f32 accumulator; N % 8 == 0 with "
-             "8 <= N <= 256")
+FP8_DTYPES = ("f8e4m3", "f8e5m2")  # m64nNk32, A and B K-major in shared memory
+FP8_K = 32
+SUPPORTED = ("m64nNk16 with f16 or bf16 A/B, or m64nNk32 with f8e4m3/f8e5m2 A/B (K-major, "
+             "from shared memory), and an f32 accumulator; N % 8 == 0 with 8 <= N <= 256")
 SWIZZLE_128B_LAYOUT = 1  # descriptor bits 62-63: 1 = 128-byte swizzle
 SWIZZLE_ATOM_BYTES = 1024  # 8 rows x 128 bytes: the repeating unit of a 128B-swizzled tile
-_WGMMA_TYPES = {"f16": nvvm.WGMMATypes.f16, "bf16": nvvm.WGMMATypes.bf16}
+_WGMMA_TYPES = {"f16": nvvm.WGMMATypes.f16, "bf16": nvvm.WGMMATypes.bf16,
+                "f8e4m3": nvvm.WGMMATypes.e4m3, "f8e5m2": nvvm.WGMMATypes.e5m2}
 MAJORS = ("k", "mn")
 A_REGISTER_VALUES = 8  # 64 x 16 A tile over 128 threads: 8 elements = 4 packed b32 registers
 
@@ -297,10 +302,14 @@ def mma_async(acc: RegTile, a, b_desc, *, dtype, a_major: str = "k", b_major: st
     """
     require_feature("wgmma", "kiln.wgmma.mma_async")
     n = _check_accumulator(acc, "mma_async")
-    operand = _operand_dtype(dtype, "mma_async")
+    operand = _operand_dtype(dtype, "mma_async", fp8=True)
     _check_major("a_major", a_major)
     _check_major("b_major", b_major)
     b_value = _descriptor(b_desc, "B descriptor")
+    instruction_k = INSTRUCTION_K
+    if operand.name in FP8_DTYPES:
+        _check_fp8_operands(a, a_major, b_major)
+        instruction_k = FP8_K
     if a_location(a) == "registers":
         if a_major != "k":
             raise UnsupportedError("a WGMMA A operand in registers is K-major by definition",
@@ -320,7 +329,7 @@ def mma_async(acc: RegTile, a, b_desc, *, dtype, a_major: str = "k", b_major: st
                                "takes scale-d as an attribute)",
                                fix="pass accumulate=True/False, or start from fragment_zeros")
     # No typed getter exists in the Python bindings for #nvvm.shape.
-    shape = ir.Attribute.parse(f"#nvvm.shape<m = {WARPGROUP_M}, n = {n}, k = {INSTRUCTION_K}>")
+    shape = ir.Attribute.parse(f"#nvvm.shape<m = {WARPGROUP_M}, n = {n}, k = {instruction_k}>")
     kind = _WGMMA_TYPES[operand.name]
     # NVVM spells operand order as layouts: A "row" and B "col" are K-major (no transpose).
     layout_a = nvvm.MMALayout.row if a_major == "k" else nvvm.MMALayout.col
@@ -425,12 +434,23 @@ def _descriptor(desc, what: str) -> ir.Value:
     return value
 
 
-def _operand_dtype(dtype, what: str) -> DType:
+def _operand_dtype(dtype, what: str, *, fp8: bool = False) -> DType:
     operand = as_dtype(dtype)
-    if operand.name not in OPERAND_DTYPES:
+    if operand.name not in OPERAND_DTYPES + (FP8_DTYPES if fp8 else ()):
         raise UnsupportedError(f"{what} operand dtype {operand} is not supported",
                                fix=f"use f16 or bf16 (supported: {SUPPORTED})")
     return operand
+
+
+def _check_fp8_operands(a, a_major: str, b_major: str) -> None:
+    """FP8 WGMMA (``m64nNk32``) reads both operands K-major from shared memory (PTX ISA:
+    the transpose immediates are only valid for f16/bf16)."""
+    if a_location(a) != "shared" or a_major != "k" or b_major != "k":
+        raise UnsupportedError("FP8 wgmma.mma_async needs A and B K-major in shared memory "
+                               f"(got A in {a_location(a)}, a_major={a_major!r}, "
+                               f"b_major={b_major!r})",
+                               fix="stage both operands K-major (B stored N x K) and pass "
+                                   "shared-memory descriptors")
 
 
 def _scale_d(accumulate) -> ir.Value:

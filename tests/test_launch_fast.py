@@ -19,7 +19,7 @@ import pytest
 import kiln
 from kiln.core.errors import KilnTypeError, KilnValueError
 from kiln.runtime import launch as launch_mod
-from kiln.arrays import describe_array
+from kiln.arrays import describe_array, is_array
 from kiln.runtime.host import HostLauncher, nvidia_kernel_object
 from kiln.runtime.launch_fast import specialized_launcher
 from recording_runtime import RecordingCudaRuntime
@@ -229,6 +229,23 @@ def test_bad_values_on_the_fast_path_raise_what_the_checked_launch_raises(runtim
         axpy[2](DLPackArray(0x1000, (256,), device_type=1), y, 256, 1.0, BLOCK=128)
     (runtime,) = runtimes.values()
     assert len(runtime.launches) == 2
+
+
+class Fp8Tensor(Tensor):
+    """A torch float8 tensor: torch's ``__cuda_array_interface__`` raises KeyError for it."""
+
+    __module__ = "torch"
+
+    @property
+    def __cuda_array_interface__(self):
+        raise KeyError("torch.float8_e4m3fn")
+
+
+def test_torch_fp8_tensors_are_arrays():
+    x = Fp8Tensor(0x1000, (4, 8), dtype=kiln.f8e4m3.numpy)
+    assert is_array(x)
+    info = describe_array(x)
+    assert (info.dtype, info.shape, info.data_ptr) == (kiln.f8e4m3, (4, 8), 0x1000)
 
 
 def test_dlpack_arrays_pass_their_address_shape_and_strides(runtimes):

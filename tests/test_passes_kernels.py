@@ -39,6 +39,12 @@ ENTRY_CALLS = {
     "kiln.kernels.gemm.compile_matmul": lambda fn: fn("bf16", target="gfx950"),
     "kiln.kernels.gemm.grouped_api.compile_grouped_matmul":
         lambda fn: fn("bf16", target="gfx950"),
+    "kiln.kernels.gemm.fp8_api.compile_fp8_matmul":
+        lambda fn: fn("f8e4m3", target="gfx950", trans_b=True, scales=("block", "block")),
+    "kiln.kernels.gemm.fp8_gfx950.compile_fp8_gfx950":
+        lambda fn: fn("f8e5m2", scales=("row", "col")),
+    "kiln.kernels.gemm.fp8_grouped_api.compile_grouped_fp8_matmul":
+        lambda fn: fn("f8e4m3", target="gfx950", trans_b=True, scales=("block", "block")),
 }
 
 
@@ -88,6 +94,14 @@ HOPPER_CALLS = {
         "bf16", target="sm_90a", head_dim=64),
     "grouped_gemm": lambda: importlib.import_module("kiln.kernels.gemm").compile_grouped_matmul(
         "bf16", target="sm_90a"),
+    "fp8_gemm": lambda: importlib.import_module("kiln.kernels.gemm").compile_matmul(
+        "f8e4m3", target="sm_90a", trans_b=True, scales=("row", "col")),
+    "fp8_gemm_block_pairs": lambda: importlib.import_module("kiln.kernels.gemm").compile_matmul(
+        "f8e4m3", target="sm_90a", trans_b=True, scales=("block", "block"), block_n=128,
+        stages=5, cluster_m=2),
+    "fp8_grouped_gemm": lambda: importlib.import_module(
+        "kiln.kernels.gemm").compile_grouped_matmul("f8e4m3", target="sm_90a", trans_b=True,
+                                                    scales=("block", "block")),
 }
 
 

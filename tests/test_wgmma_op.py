@@ -123,6 +123,73 @@ def test_one_op_with_f16_operands(a_loc, rng):
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-4)
 
 
+def _make_fp8_matmul(DTYPE):
+    @kiln.kernel
+    def fp8_matmul(a: kiln.Tensor[DTYPE, 2], b: kiln.Tensor[DTYPE, 2],
+                   out: kiln.Tensor[kiln.f32, 2]):
+        """out += A @ B^T, A 64 x 128 and B 64 x 128 (both K-major, one 128-byte swizzled row
+        of FP8 each): four m64n64k32 steps, 32 bytes apart."""
+        t = kiln.thread_id(0)
+        a_s = dynamic_shared((64, 128), DTYPE, align=1024)
+        b_s = dynamic_shared((64, 128), DTYPE, align=1024)
+        row, half = t // 2, t % 2
+        for i in range(64):  # 16-byte units of a row XORed with the row's index mod 8
+            col = 64 * half + i
+            a_s[row, ((col // 16) ^ (row % 8)) * 16 + col % 16] = a[row, col]
+            b_s[row, ((col // 16) ^ (row % 8)) * 16 + col % 16] = b[row, col]
+        kiln.barrier()
+        kiln.nvidia_asm.fence_proxy_async()
+        acc_layout = L.wgmma_m64_accumulator(64)
+        acc = wgmma.fragment_from_elements([out[acc_layout(t, i)] for i in range(32)])
+        wgmma.fence()
+        for j in kiln.static_range(4):
+            acc = wgmma.mma_async(
+                acc, wgmma.smem_descriptor(a_s, leading_bytes=16, stride_bytes=1024,
+                                           byte_offset=32 * j),
+                wgmma.smem_descriptor(b_s, leading_bytes=16, stride_bytes=1024,
+                                      byte_offset=32 * j), dtype=DTYPE)
+        wgmma.commit()
+        wgmma.wait_group(0)
+        for i in kiln.static_range(32):
+            out[acc_layout(t, i)] = acc.element(i)
+
+    return fp8_matmul
+
+
+@pytest.mark.parametrize("dtype", [kiln.f8e4m3, kiln.f8e5m2], ids=str)
+def test_fp8_k32_op_matches_float64(dtype, rng):
+    """FP8 operands select ``m64nNk32`` (e4m3/e5m2), K-major from shared memory."""
+    a = rng.standard_normal((64, 128)).astype(dtype.numpy)
+    b = rng.standard_normal((64, 128)).astype(dtype.numpy)
+    prior = rng.standard_normal((64, 64)).astype(np.float32)
+    out = prior.copy()
+    traced = _make_fp8_matmul(dtype).trace(a, b, out, target="sm_90a")
+    interpret_kernel(traced, (1, 1, 1), [a, b, out], "sm_90a")
+    expected = prior + a.astype(np.float64) @ b.astype(np.float64).T
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-4)
+    kind = dtype.name[2:]
+    assert traced.module_asm.count(f"A[<{kind}>, <one>, <row>], B[<{kind}>, <one>, <col>]") == 4
+    assert traced.module_asm.count("k = 32") == 4
+
+
+@kiln.kernel
+def bad_fp8_form(out: kiln.Tensor[kiln.f32], WHAT: kiln.constexpr):
+    s = dynamic_shared((64, 128), kiln.f8e4m3, align=1024)
+    desc = wgmma.smem_descriptor(s, leading_bytes=16, stride_bytes=1024)
+    acc = wgmma.fragment_zeros(64)
+    if WHAT == "mn-major B":
+        wgmma.mma_async(acc, desc, desc, dtype=kiln.f8e4m3, b_major="mn")
+    elif WHAT == "register A":
+        p = wgmma.a_fragment_from_accumulator(acc, kiln.bf16)
+        wgmma.mma_async(acc, p.fragment(0, 0), desc, dtype=kiln.f8e4m3)
+
+
+@pytest.mark.parametrize("what", ["mn-major B", "register A"])
+def test_fp8_forms_the_instruction_lacks_are_rejected(what):
+    with pytest.raises(kiln.UnsupportedError, match="FP8 wgmma.mma_async needs A and B K-major"):
+        bad_fp8_form.trace(np.zeros(4, np.float32), WHAT=what, target="sm_90a")
+
+
 @kiln.kernel
 def bad_form(out: kiln.Tensor[kiln.f32], WHAT: kiln.constexpr):
     b_s = dynamic_shared((64, 64), kiln.bf16, align=1024)

@@ -1,11 +1,12 @@
 """Raw ``nvvm.wgmma.*`` (what ``kiln.wgmma.mma_async`` emits) and LLVM struct accumulators.
 
-``nvvm.wgmma.mma_async`` reads A and B through 64-bit shared-memory matrix descriptors, decoded
-as PTX defines them (start address, leading/stride byte offsets, swizzle mode), so a descriptor
-that points at the wrong bytes gives wrong numbers here too. The accumulator is an
-``!llvm.struct`` of ``n/2`` f32 registers per thread: the interpreter gathers the 128 threads'
-registers into the 64 x n tile through ``kiln.layout.wgmma_m64_accumulator(n)``, multiplies,
-and scatters back. The MMA keeps its operand bytes "being read" until ``wgmma.wait.group``
+``nvvm.wgmma.mma_async`` (f16/bf16 ``m64nNk16``, e4m3/e5m2 ``m64nNk32``; products and sums
+in float64, rounded to the f32 accumulator) reads A and B through 64-bit shared-memory matrix
+descriptors, decoded as PTX defines them (start address, leading/stride byte offsets, swizzle
+mode), so a descriptor that points at the wrong bytes gives wrong numbers here too. The
+accumulator is an ``!llvm.struct`` of ``n/2`` f32 registers per thread: the interpreter gathers
+the 128 threads' registers into the 64 x n tile through
+``kiln.layout.wgmma_m64_accumulator(n)``, multiplies, and scatters back. The MMA keeps its operand bytes "being read" until ``wgmma.wait.group``
 retires its group, so a TMA load into a stage an MMA still reads is a race.
 
 WGMMA with A from registers is inline PTX (``kiln.nvidia.wgmma.wgmma_mma_async_regs``), declared
@@ -39,6 +40,8 @@ from kiln.wgmma import a_fragment_layout
 WARP_GROUP = 128
 INSTRUCTION_K = 16
 _SWIZZLE_BYTES = {1: 128, 2: 64, 3: 32}  # descriptor bits 62-63
+# (operand type, K) of the descriptor form: k16 for 2-byte types, k32 for FP8.
+_SHAPES = {("f16", 16), ("bf16", 16), ("e4m3", 32), ("e5m2", 32)}
 
 
 # ---- LLVM struct values: arrays of shape (threads, fields) ----------------------------------
@@ -226,11 +229,13 @@ def _mma_async(op, p):
     loc = location(op)
     m, n, k = (int(v) for v in re.findall(r"=\s*(\d+)", _attr_text(op, "shape")))
     type_a = re.search(r"<(\w+)>", _attr_text(op, "typeA")).group(1)
-    if type_a not in ("f16", "bf16") or m != 64:
-        raise UnsupportedError(f"the interpreter runs wgmma m64nNk16 with f16/bf16 operands, not "
-                               f"m{m}n{n}k{k} {type_a}", loc=loc)
+    type_b = re.search(r"<(\w+)>", _attr_text(op, "typeB")).group(1)
+    if (type_a, k) not in _SHAPES or (type_b, k) not in _SHAPES or m != 64:
+        raise UnsupportedError(f"the interpreter runs wgmma m64nNk16 with f16/bf16 operands or "
+                               f"m64nNk32 with e4m3/e5m2, not m{m}n{n}k{k} {type_a}/{type_b}",
+                               loc=loc)
 
-    dtype = kiln_dtype(type_a).numpy
+    dtype, b_dtype = kiln_dtype(type_a).numpy, kiln_dtype(type_b).numpy
     a_k_major = "row" in _attr_text(op, "layoutA")
     b_k_major = "col" in _attr_text(op, "layoutB")
     accumulate = "one" in _attr_text(op, "scaleD")
@@ -243,7 +248,7 @@ def _mma_async(op, p):
             a_desc = int(uniform(_lanes_of(env[a_slot], lanes), None, "the A descriptor", loc))
             b_desc = int(uniform(_lanes_of(env[b_slot], lanes), None, "the B descriptor", loc))
             a, a_bytes = _read_operand(ctx, a_desc, m, k, dtype, a_k_major, loc)
-            b, b_bytes = _read_operand(ctx, b_desc, n, k, dtype, b_k_major, loc)
+            b, b_bytes = _read_operand(ctx, b_desc, n, k, b_dtype, b_k_major, loc)
             tile = np.zeros((m, n), np.float64)
             if accumulate:
                 tile[rows[t], cols[t]] = acc[lanes]

@@ -28,7 +28,8 @@ _EVENT = Effects(counter=WGMMA, indirect_shared=True, accumulates=True)
 
 MMA_ASYNC = declare("nvidia.wgmma.mma_async", feature="wgmma", effects=_EVENT,
                     mlir_names=("nvvm.wgmma.mma_async",),
-                    doc="D = A @ B (+ D), A and B read through shared-memory descriptors")
+                    doc="D = A @ B (+ D), A and B read through shared-memory descriptors "
+                        "(f16/bf16 m64nNk16; e4m3/e5m2 m64nNk32, both K-major)")
 MMA_ASYNC_RS = declare("nvidia.wgmma.mma_async.rs", feature="wgmma", effects=_EVENT,
                        doc="D = A @ B (+ D), A from four b32 registers per thread")
 COMMIT_GROUP = declare("nvidia.wgmma.commit_group", feature="wgmma",

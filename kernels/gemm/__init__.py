@@ -14,9 +14,15 @@ the output dtype defaults to the input dtype. On NVIDIA, ``matmul`` autotunes th
 configuration once per (shape, dtype) (``kiln.autotune``; results persist next to the compile
 cache). ``backend="interpret"`` runs the kernel of ``target`` in Kiln's CPU interpreter.
 
+FP8 (f8e4m3 / f8e5m2, B stored N x K with ``trans_b=True``) with per-tensor, per-row/column
+or DeepSeek-V3 block scales (:mod:`.scales`; kernels :mod:`.fp8_hopper`, :mod:`.fp8_gfx950`,
+host code :mod:`.fp8_api`)::
+
+    c = matmul(a8, w8, scale_a=sa, scale_b=sw, trans_b=True)   # bf16 C = (A sa) @ (W sw)^T
+
 Grouped (MoE) GEMM, one persistent launch over the tiles of all groups (:mod:`.grouped` on
 sm_90a, a grouped variant of the gfx950 kernel; host code in :mod:`.grouped_api`; bf16/f16,
-FP8 not yet)::
+and FP8 on sm_90a through :mod:`.fp8_grouped`)::
 
     from kiln.kernels.gemm import grouped_matmul, compile_grouped_matmul
 
@@ -37,8 +43,10 @@ from kiln.autotune import autotune
 from .. import runtime
 from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, contiguous, empty_like,
                        is_torch, resolve_target, spec)
+from .fp8_api import compile_fp8_matmul, fp8_matmul
 from .grouped_api import compile_grouped_matmul, grouped_matmul
 from .hopper import OUT_DTYPES, SUPPORTED_DTYPES, HopperGemmConfig, make_kernel
+from .scales import is_fp8, refuse_scales
 
 __all__ = ["matmul", "compile_matmul", "grouped_matmul", "compile_grouped_matmul",
            "HopperGemmConfig", "HOPPER_CONFIGS"]
@@ -62,9 +70,16 @@ def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
 
     ``config`` keywords are the fields of :class:`HopperGemmConfig` on NVIDIA, or of the
     gfx950 kernel's ``GemmConfig`` on AMD (where ``trans_b`` and ``out_dtype`` fill its
-    ``b_layout`` and ``out_dtype`` unless given).
-    Example: ``compile_matmul("bf16", target="sm_90a", stages=3).metadata["registers"]``.
+    ``b_layout`` and ``out_dtype`` unless given). FP8 (``"f8e4m3"``, ``"f8e5m2"``) needs
+    ``trans_b=True``; its keywords are ``scales`` (the scale-kind pair, default
+    ``("tensor", "tensor")``, or ``("block", "block")``) and the fields of
+    :class:`~.fp8_hopper.Fp8GemmConfig` (sm_90a) or :class:`~.fp8_gfx950.Fp8Gfx950Config`.
+    Example: ``compile_matmul("bf16", target="sm_90a", stages=3).metadata["registers"]``,
+    ``compile_matmul("f8e4m3", target="sm_90a", trans_b=True, scales=("block", "block"))``.
     """
+    if is_fp8(kiln.dtype(dtype).name):
+        return compile_fp8_matmul(kiln.dtype(dtype).name, target=target, out_dtype=out_dtype,
+                                  trans_b=trans_b, **config)
     chip = resolve_target(target)
     name = _input_dtype(dtype)
     if chip.is_amd:
@@ -87,8 +102,14 @@ def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
                                                         **_constexprs(cfg))
 
 
-def matmul(a, b, *, trans_b=False, out_dtype=None, target=None, backend=None):
+def matmul(a, b, *, scale_a=None, scale_b=None, trans_b=False, out_dtype=None, target=None,
+           backend=None):
     """``a @ b`` (``a @ b.T`` with ``trans_b``) on the GPU; see the module docs.
+
+    FP8 operands (f8e4m3 / f8e5m2, B stored N x K with ``trans_b=True``) require ``scale_a``
+    and ``scale_b`` (per tensor, per row / column, or DeepSeek-V3 block scales, see
+    :mod:`.scales`) and give bf16 (default) or f32:
+    ``matmul(a8, w8, scale_a=sa, scale_b=sw, trans_b=True)``.
 
     Accepts torch CUDA tensors (returns a torch tensor, asynchronous on the current stream)
     or numpy arrays (copied to the device and back). Shapes need not be multiples of the tile.
@@ -99,6 +120,10 @@ def matmul(a, b, *, trans_b=False, out_dtype=None, target=None, backend=None):
     shape class is a plan look-up, one allocation and one bound launch of the tuned config.
     Example: ``c = matmul(torch.randn(1000, 512, dtype=torch.bfloat16, device="cuda"), w)``.
     """
+    if hasattr(a, "dtype") and is_fp8(_dtype_name(a)):
+        return fp8_matmul(a, b, scale_a=scale_a, scale_b=scale_b, trans_b=trans_b,
+                          out_dtype=out_dtype, target=target, backend=backend)
+    refuse_scales(scale_a, scale_b, "bf16/f16")
     key = (spec(a), spec(b), trans_b, out_dtype, target, backend)
     plan = _PLANS.lookup(key)
     if plan is not None:

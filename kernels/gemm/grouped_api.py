@@ -11,20 +11,28 @@ import kiln
 from .. import runtime
 from ..runtime import (ArrayLib, Dims, check_backend, contiguous, dtype_of, empty_like,
                        is_torch, refuse_inside_capture, resolve_target)
+from .scales import is_fp8, refuse_scales
 from .grouped import (MAX_GROUPS, grouped_config, grouped_constexprs, make_grouped_kernel,
                       table_size)
 
-FP8_DTYPES = ("f8e4m3", "f8e5m2", "f8e4m3fn", "f8e4m3fnuz", "f8e5m2fnuz")
-FP8_UNSUPPORTED = "FP8 grouped GEMM is not supported yet"
 BLOCK_K = 64  # K of one tile on both targets: MN-major B pads each group's K to it
 
 
-def compile_grouped_matmul(dtype, *, target, out_dtype=None, trans_b=False, groups=8):
+def compile_grouped_matmul(dtype, *, target, out_dtype=None, trans_b=False, groups=8,
+                           **fp8):
     """Compile (without running) the grouped GEMM for ``dtype`` inputs and ``groups`` groups
     (which sets the tile table's size) on ``target`` (sm_90a or gfx950); returns the
     ``CompiledKernel``. Example: ``compile_grouped_matmul("bf16", target="sm_90a").asm["ptx"]``.
+    FP8 (sm_90a, ``trans_b=True``) takes ``scales=`` (the kind pair, as for ``compile_matmul``).
     """
     from . import _output_dtype
+
+    if is_fp8(kiln.dtype(dtype).name):
+        from .fp8_grouped_api import compile_grouped_fp8_matmul
+
+        return compile_grouped_fp8_matmul(kiln.dtype(dtype).name, target=target,
+                                          out_dtype=out_dtype, trans_b=trans_b, groups=groups,
+                                          **fp8)
 
     chip = resolve_target(target)
     name = _grouped_input_dtype(dtype)
@@ -53,8 +61,9 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
     (``[G, N, K]`` with ``trans_b``), ``group_offsets`` int32 ``[G + 1]``: non-decreasing, from
     0 to ``total_M`` (empty groups allowed), ``G <= 1024``. Inputs are bf16 or f16 (f32
     accumulation); the output is bf16 unless ``out_dtype`` says otherwise (bf16, f16, f32).
-    ``scale_a`` / ``scale_b`` and FP8 inputs are accepted by the signature but raise
-    :class:`kiln.UnsupportedError` ("FP8 grouped GEMM is not supported yet").
+    FP8 inputs (f8e4m3 / f8e5m2, ``b`` ``[G, N, K]`` with ``trans_b=True``) require
+    ``scale_a`` / ``scale_b``: per tensor, per token / per expert output column, or block
+    scales (see :mod:`.fp8_grouped_api`); their output is bf16 (default) or f32.
 
     torch CUDA tensors run asynchronously on the current stream and return a torch tensor;
     numpy arrays are copied to the device and back (or, with ``backend="interpret"``, run in
@@ -73,10 +82,14 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
     from . import (STRIDE_ALIGN, _empty_like, _output_dtype, _padded,
                    _round_up)
 
+    if hasattr(a, "dtype") and is_fp8(dtype_of("a", a).name):
+        from .fp8_grouped_api import grouped_fp8_matmul
+
+        return grouped_fp8_matmul(a, b, group_offsets, trans_b=trans_b, scale_a=scale_a,
+                                  scale_b=scale_b, out_dtype=out_dtype, target=target,
+                                  backend=backend, validate=validate)
     chip = resolve_target(target)
-    if scale_a is not None or scale_b is not None:
-        raise kiln.UnsupportedError(f"{FP8_UNSUPPORTED} (scale_a / scale_b were given)",
-                                    fix="pass bf16 or f16 operands without scales")
+    refuse_scales(scale_a, scale_b, "bf16/f16")
     dims = Dims()
     dims.tensor("a", a, "total_M K")
     dims.tensor("b", b, "G N K" if trans_b else "G K N")
@@ -227,9 +240,9 @@ def _amd_kernel(name: str, config):
 
 def _grouped_input_dtype(dtype, what: str = "dtype") -> str:
     name = kiln.dtype(dtype).name
-    if name in FP8_DTYPES or name.startswith("f8"):
-        raise kiln.UnsupportedError(f"{FP8_UNSUPPORTED} ({what} is {name})",
-                                    fix="convert the operands to bf16")
+    if is_fp8(name):  # a bf16/f16 a with an FP8 b
+        raise kiln.KilnTypeError(f"grouped_matmul operands must share a dtype, got a {name} "
+                                 f"{what}", fix="quantise both operands, or neither")
     if name not in ("bf16", "f16"):
         raise kiln.UnsupportedError(f"grouped_matmul does not support {name} inputs "
                                     f"({what})", fix="convert to bf16 or f16")

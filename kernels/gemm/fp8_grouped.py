@@ -1,0 +1,191 @@
+"""Grouped (MoE) FP8 GEMM on Hopper: the grouped walk of :mod:`.grouped` with the FP8 main loop
+and scales of :mod:`.fp8_hopper`.
+
+``C[o[g]:o[g+1]] = (A[o[g]:o[g+1]] * sa) @ (B[g] * sb[g])^T``: A ``[total_M, K]`` FP8, B
+``[G, N, K]`` FP8 (K-major, ``trans_b=True``), f32 accumulation, bf16/f32 C. The tile table,
+the tile walk, the inactive-consumer rule and the masked epilogue of the group's last 64-row
+slice are :mod:`.grouped`'s; the K loop is :mod:`.fp8_hopper`'s (``BK = 128``, four
+``wgmma.m64nNk32`` per stage). Scales as the kernel sees them (the entry point,
+:func:`.grouped_api.grouped_matmul`, normalises the user's forms to these):
+
+| ``scale_mode`` | ``scale_a`` | ``scale_b`` | applied |
+| --- | --- | --- | --- |
+| ``(tensor or row, tensor or col)`` | ``[1]`` or ``[total_M]`` | ``[G, 1]`` (one per expert) or ``[G, N]`` | in the epilogue, ``acc * sa[r] * sb[g, c]`` |
+| ``(block, block)`` | ``[total_M, ceil(K/128)]`` | ``[G * ceil(N/128), ceil(K/128)]`` | per 128-K step, promoted into an f32 register total |
+"""
+
+import functools
+
+import kiln
+from kiln import mbarrier, nvidia_asm, tma, wgmma
+from kiln.shared import dynamic_shared
+
+from .fp8_hopper import (FP8_K_STEP, SCALE_BLOCK, Fp8GemmConfig, block_scales, promote,
+                         rescale, thread_columns, thread_rows)
+from .grouped import _store_group_tile, build_tile_table, locate_tile
+from .hopper import ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN, WARP_GROUP_THREADS
+
+
+def grouped_fp8_config(groups: int, block: bool) -> Fp8GemmConfig:
+    """128 x 128 tiles with block scales (one B scale block per tile), else 128 x 256; one
+    stage fewer than the dense kernel for the tile table beside the ring."""
+    return Fp8GemmConfig(block_n=128, stages=5) if block else Fp8GemmConfig(stages=3)
+
+
+def grouped_fp8_constexprs(cfg: Fp8GemmConfig, table: int) -> dict:
+    return dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, STAGES=cfg.stages,
+                GROUP_M=cfg.group_m, PRODUCER_REGS=cfg.producer_registers,
+                CONSUMER_REGS=cfg.consumer_registers, TABLE=table)
+
+
+def scale_group_accumulator(acc, scale_a, scale_b, g, row0, col0, m, n, a_mode, b_mode):
+    """``acc * sa[r] * sb[g, c]`` for one consumer's 64 x BN accumulator (clamped indices:
+    rows past ``m`` and columns past ``n`` are never stored)."""
+    top, bottom = thread_rows(row0)
+    rows = [scale_a[kiln.minimum(r, m - 1)] for r in (top, bottom)] if a_mode == "row" \
+        else [scale_a[0]] * 2
+    if b_mode == "tensor":
+        sb = scale_b[g, 0]
+        return rescale(acc, [r * sb for r in rows])
+    return rescale(acc, rows, [scale_b[g, kiln.minimum(c, n - 1)]
+                               for c in thread_columns(col0, acc.shape[1])])
+
+
+@functools.lru_cache(maxsize=None)
+def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
+                            config: Fp8GemmConfig):
+    """The ``@kiln.kernel``: run-time parameters ``a_map`` (box BM x BK), ``b_map`` (B viewed as
+    ``[G * Np, Kp]``, box BN x BK), ``c_map``, ``c``, ``offsets`` (i32 ``[G + 1]``),
+    ``scale_a``, ``scale_b`` (see the module table), ``groups``, ``m`` (total_M), ``n`` (Np),
+    ``k`` (Kp), ``b_rows`` (Np)."""
+    a_mode, b_mode = scale_mode
+    block = a_mode == "block"
+    in_type, out_type = kiln.dtype(dtype), kiln.dtype(out_dtype)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    c_cols = ROW_BYTES // out_type.itemsize
+    epilogue_n = config.epilogue_columns(out_type.itemsize)
+    c_tiles_per_round = epilogue_n // c_cols
+    threads = WARP_GROUP_THREADS * (config.consumers + 1)
+    step_units = FP8_K_STEP // 16
+
+    def grouped_gemm_fp8(a_map: kiln.TensorMap[in_type, (bm, bk), SWIZZLE],
+                         b_map: kiln.TensorMap[in_type, (bn, bk), SWIZZLE],
+                         c_map: kiln.TensorMap[out_type, (64, c_cols), SWIZZLE],
+                         c: kiln.Tensor[out_type, 2], offsets: kiln.Tensor[kiln.i32, 1],
+                         scale_a: kiln.Tensor[kiln.f32, 2 if block else 1],
+                         scale_b: kiln.Tensor[kiln.f32, 2],
+                         groups: kiln.i32, m: kiln.i32, n: kiln.i32, k: kiln.i32,
+                         b_rows: kiln.i32, BM: kiln.constexpr, BN: kiln.constexpr,
+                         BK: kiln.constexpr, STAGES: kiln.constexpr, GROUP_M: kiln.constexpr,
+                         PRODUCER_REGS: kiln.constexpr, CONSUMER_REGS: kiln.constexpr,
+                         TABLE: kiln.constexpr):
+        a_tiles = dynamic_shared((STAGES, BM, BK), in_type, align=SWIZZLE_ALIGN)
+        b_tiles = dynamic_shared((STAGES, BN, BK), in_type, align=SWIZZLE_ALIGN)
+        c_tiles = dynamic_shared((BM // 64 * c_tiles_per_round, 64, c_cols), out_type,
+                                 align=SWIZZLE_ALIGN)
+        table = kiln.shared((TABLE,), kiln.i32)
+        full = mbarrier.group(num_barriers=STAGES)
+        empty = mbarrier.group(num_barriers=STAGES)
+        tid = kiln.thread_id(0)
+        warp_group = tid // WARP_GROUP_THREADS
+        first_thread = tid % WARP_GROUP_THREADS == 0
+        for s in kiln.static_range(STAGES):
+            full.init(s, count=1, predicate=tid == 0)
+            empty.init(s, count=BM // 64, predicate=tid == 0)
+        nvidia_asm.fence_mbarrier_init()
+        tiles_n = (n + BN - 1) // BN
+        build_tile_table(table, offsets, groups, tiles_n, tid, BM, TABLE, threads)
+        num_tiles = table[groups]
+        k_tiles = (k + BK - 1) // BK
+        n_blocks = (n + SCALE_BLOCK - 1) // SCALE_BLOCK
+        stage_bytes = tma.box_bytes(a_map) + tma.box_bytes(b_map)
+        if warp_group == 0:
+            nvidia_asm.setmaxnreg(PRODUCER_REGS, increase=False)
+            if tid == 0:
+                tma.prefetch_descriptor(a_map)
+                tma.prefetch_descriptor(b_map)
+                use = 0
+                for tile in kiln.range(kiln.block_id(0), num_tiles, kiln.num_blocks(0)):
+                    g, m0, n0, row_end = locate_tile(table, offsets, tile, tiles_n, BM, BN,
+                                                      GROUP_M, TABLE)
+                    for kt in kiln.range(0, k_tiles):
+                        stage = use % STAGES
+                        empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
+                        full.arrive_expect_tx(stage, stage_bytes)
+                        tma.load(a_map, a_tiles.tile(stage), (kt * BK, m0), full, stage)
+                        tma.load(b_map, b_tiles.tile(stage), (kt * BK, g * b_rows + n0), full,
+                                 stage)
+                        use = use + 1
+        else:
+            nvidia_asm.setmaxnreg(CONSUMER_REGS, increase=True)
+            consumer = warp_group - 1
+            a_base = wgmma.smem_descriptor(a_tiles.tile(0), leading_bytes=16, stride_bytes=1024,
+                                           byte_offset=consumer * 64 * ROW_BYTES)
+            b_base = wgmma.smem_descriptor(b_tiles.tile(0), leading_bytes=16, stride_bytes=1024)
+            a_stage_units = BM * BK // 16
+            b_stage_units = BN * BK // 16
+            use = 0
+            for tile in kiln.range(kiln.block_id(0), num_tiles, kiln.num_blocks(0)):
+                g, m0, n0, row_end = locate_tile(table, offsets, tile, tiles_n, BM, BN,
+                                                  GROUP_M, TABLE)
+                row0 = m0 + consumer * 64
+                # A consumer whose 64 rows all lie past its group's end passes stages on.
+                active = row0 < row_end
+                if active:
+                    acc = wgmma.fragment_zeros(BN)
+                    if block:
+                        total = wgmma.fragment_zeros(BN)
+                        top, bottom = thread_rows(row0)
+                        top, bottom = kiln.minimum(top, m - 1), kiln.minimum(bottom, m - 1)
+                        b_row = g * n_blocks + n0 // BN
+                        ahead = block_scales(scale_a, scale_b, top, bottom, b_row, 0)
+                    for kt in kiln.range(0, k_tiles):
+                        stage = use % STAGES
+                        full.try_wait(stage, (use // STAGES) % 2)
+                        stage64 = kiln.cast(stage, kiln.i64)
+                        a_desc = a_base + stage64 * a_stage_units
+                        b_desc = b_base + stage64 * b_stage_units
+                        wgmma.fence()
+                        for ks in kiln.static_range(BK // FP8_K_STEP):
+                            acc = wgmma.mma_async(acc, a_desc + ks * step_units,
+                                                  b_desc + ks * step_units, dtype=in_type,
+                                                  accumulate=not block or ks > 0)
+                        wgmma.commit()
+                        if block:
+                            # Load the next block's scales while these WGMMAs run.
+                            current = ahead
+                            ahead = block_scales(scale_a, scale_b, top, bottom, b_row,
+                                                 kiln.minimum(kt + 1, k_tiles - 1))
+                            wgmma.wait_group(0)
+                            if first_thread:
+                                empty.arrive(stage, wgmma_pending=0)
+                            total = promote(total, acc, current)
+                        else:
+                            wgmma.wait_group(1)
+                            if (kt > 0) & first_thread:
+                                empty.arrive((use + STAGES - 1) % STAGES, wgmma_pending=1)
+                        use = use + 1
+                    if block:
+                        out = total
+                    else:
+                        wgmma.wait_group(0)
+                        if first_thread & (k_tiles > 0):
+                            empty.arrive((use + STAGES - 1) % STAGES, wgmma_pending=0)
+                        out = scale_group_accumulator(acc, scale_a, scale_b, g, row0, n0, m, n,
+                                                      a_mode, b_mode)
+                    _store_group_tile(out, c_map, c, c_tiles, consumer, row0, n0,
+                                      kiln.minimum(row_end, m), n, first_thread,
+                                      BN // epilogue_n, c_tiles_per_round, c_cols)
+                else:
+                    for kt in kiln.range(0, k_tiles):
+                        stage = use % STAGES
+                        full.try_wait(stage, (use // STAGES) % 2)
+                        if first_thread:
+                            empty.arrive(stage)
+                        use = use + 1
+            if first_thread:
+                tma.wait_group(0, read=True)  # the staging tiles must outlive the last store
+
+    grouped_gemm_fp8.__name__ = grouped_gemm_fp8.__qualname__ = \
+        f"hopper_grouped_gemm_{dtype}_{out_dtype}_{a_mode}_{b_mode}"
+    return kiln.kernel(grouped_gemm_fp8)

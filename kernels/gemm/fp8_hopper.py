@@ -1,0 +1,320 @@
+"""Hopper FP8 GEMM: TMA + WGMMA ``m64nNk32`` (e4m3/e5m2), warp-specialised, persistent grid.
+
+``C[M, N] = (A[M, K] @ B[N, K]^T)`` with the scales of :mod:`.scales` applied, f32
+accumulation, a bf16 or f32 output. FP8 WGMMA reads both operands K-major, so B is stored
+``N x K`` (``matmul(..., trans_b=True)``); the entry points refuse K x N FP8 B.
+
+The pipeline is the bf16 kernel's (:mod:`.hopper`): one producer warp group TMA-loads the A and
+B boxes of each K step into a ring of ``stages`` 128B-swizzled buffers (``BK = 128`` one-byte
+elements = one swizzled row), two consumer warp groups issue four ``wgmma.m64nNk32`` per stage.
+What differs is where the scales enter:
+
+| scales (``scale_mode``) | consumer K loop | epilogue |
+| --- | --- | --- |
+| ``("tensor" or "row", "tensor" or "col")`` | as in bf16: keep one WGMMA group in flight, release the previous stage | ``acc[r, c] *= sa[r] * sb[c]`` (one index for a per-tensor scale) before staging and TMA-storing the tile |
+| ``("block", "block")`` (DeepSeek-V3) | each 128-K step is one scale block: the four WGMMAs start a fresh accumulator (scale-d = 0), ``wait_group(0)``, release the stage, then promote ``total += acc * sa[r, kt] * sb[n0 / 128, kt]`` in f32 registers (the scales are loaded before the ``full`` wait, so their latency hides behind it); the other consumer's WGMMAs fill the tensor cores meanwhile | ``total`` is staged and stored |
+
+Block scaling needs ``block_n = 128`` (one B scale block per tile column range). Scale
+indices are clamped to the matrix (rows/columns past the edge are never stored), so no scale
+load needs a mask. With ``cluster_m=2`` CTAs run in pairs on vertically adjacent tiles that
+share B, as in :mod:`.hopper`: each producer loads its A box and one half of B (rows
+``BN/2 * rank ..``) multicast to both CTAs; consumers release each stage on both CTAs'
+``empty`` barriers.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import kiln
+from kiln import mbarrier, nvidia_asm, tma, wgmma
+from kiln.shared import dynamic_shared
+
+from .hopper import ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN, WARP_GROUP_THREADS, _store_tile, _tile_origin
+
+FP8_K_STEP = 32  # K of one wgmma.m64nNk32: 32 bytes, two descriptor units
+FP8_OUT_DTYPES = ("bf16", "f32")
+SCALE_BLOCK = 128  # DeepSeek-V3 block: 1 x 128 for A, 128 x 128 for B
+SHARED_BUDGET = 227 * 1024 - 1024 - 256  # as in .hopper: alignment slack and mbarriers
+A_MODES = ("tensor", "row", "block")
+B_MODES = ("tensor", "col", "block")
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """Tiles and pipeline of :func:`make_fp8_kernel`: ``block_m`` 64 per consumer warp group,
+    ``block_n`` a multiple of 64 up to 256 (128 with block scales), ``block_k`` 128 (one
+    128-byte swizzled row of FP8, one scale block). Example: ``Fp8GemmConfig(block_n=128,
+    stages=5)``."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 128
+    stages: int = 4
+    group_m: int = 8
+    producer_registers: int = 40
+    consumer_registers: int = 232
+    cluster_m: int = 1
+
+    def __post_init__(self):
+        checks = ((self.block_m in (64, 128), f"block_m={self.block_m} must be 64 or 128"),
+                  (self.cluster_m in (1, 2), f"cluster_m={self.cluster_m} must be 1 or 2"),
+                  (self.block_n % 64 == 0 and 64 <= self.block_n <= 256,
+                   f"block_n={self.block_n} must be a multiple of 64 up to 256"),
+                  (self.block_k == ROW_BYTES, f"block_k={self.block_k} must be {ROW_BYTES} "
+                   "(one 128-byte swizzled row of FP8)"),
+                  (2 <= self.stages <= 8, f"stages={self.stages} must be in 2..8"),
+                  (self.group_m >= 1, f"group_m={self.group_m} must be >= 1"),
+                  (self.ring_bytes + self.block_m * 32 <= SHARED_BUDGET,
+                   f"{self.stages} stages of {self.ring_bytes // self.stages} bytes leave no "
+                   "room for the epilogue in 227 KB of shared memory"))
+        for ok, message in checks:
+            if not ok:
+                raise kiln.KilnValueError(f"Fp8GemmConfig: {message}",
+                                          fix="start from Fp8GemmConfig() and change one field")
+
+    @property
+    def consumers(self) -> int:
+        return self.block_m // 64
+
+    @property
+    def num_warps(self) -> int:
+        return 4 * (self.consumers + 1)
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.stages * (self.block_m + self.block_n) * self.block_k
+
+    def epilogue_columns(self, out_itemsize: int) -> int:
+        """Columns of C staged per epilogue round: all of ``block_n`` when they fit beside the
+        ring, else the largest slice of 128-byte tiles that does."""
+        tile_cols = ROW_BYTES // out_itemsize
+        slices = [c for c in range(self.block_n, 0, -tile_cols) if self.block_n % c == 0]
+        return next((c for c in slices
+                     if self.ring_bytes + self.block_m * c * out_itemsize <= SHARED_BUDGET),
+                    slices[-1])
+
+
+def fp8_constexprs(cfg: Fp8GemmConfig) -> dict:
+    return dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, STAGES=cfg.stages,
+                GROUP_M=cfg.group_m, PRODUCER_REGS=cfg.producer_registers,
+                CONSUMER_REGS=cfg.consumer_registers, CLUSTER_M=cfg.cluster_m)
+
+
+def scale_tensor_type(mode: str):
+    """The kernel parameter type of a scale of ``mode``: f32 ``[M]``/``[N]`` (one element for
+    per tensor) or ``[rows, K blocks]`` for block scales."""
+    return kiln.Tensor[kiln.f32, 2 if mode == "block" else 1]
+
+
+@kiln.func
+def thread_rows(row0):
+    """(top, bottom) accumulator rows of this thread in its warp group's 64-row slice."""
+    lane = kiln.thread_id(0) % WARP_GROUP_THREADS
+    top = row0 + (lane // 32) * 16 + (lane % 32) // 4
+    return top, top + 8
+
+
+def thread_columns(col0, bn: int) -> list:
+    """The ``bn / 4`` accumulator columns of this thread, in register order: register ``i`` is
+    column ``8 (i // 4) + i % 2`` past the thread's first (``i`` and ``i + 2`` share one)."""
+    first = col0 + 2 * (kiln.thread_id(0) % 4)
+    return [first + 8 * j + e for j in range(bn // 8) for e in range(2)]
+
+
+def rescale(acc, row_scale: list, col_scale: list | None = None):
+    """``acc`` (64 x BN) times ``row_scale[0]`` / ``[1]`` on the thread's top / bottom row and,
+    if given, ``col_scale[q]`` on its column ``q`` (:func:`thread_columns` order)."""
+    values = [acc.element(i) * row_scale[(i // 2) % 2] for i in range(acc.shape[1] // 2)]
+    if col_scale is not None:
+        values = [v * col_scale[(i // 4) * 2 + i % 2] for i, v in enumerate(values)]
+    return wgmma.fragment_from_elements(values)
+
+
+def block_scales(scale_a, scale_b, top, bottom, b_row, kb) -> list:
+    """The raw scales of K block ``kb`` for this thread: ``[sa[top, kb], sa[bottom, kb],
+    sb[b_row, kb]]`` (loaded a block ahead of :func:`promote`, which multiplies them)."""
+    return [scale_a[top, kb], scale_a[bottom, kb], scale_b[b_row, kb]]
+
+
+def promote(total, acc, scales: list):
+    """Block-scale promotion in f32 registers: ``total + acc * sa[row, kb] * sb[kb]`` with
+    ``scales`` from :func:`block_scales`."""
+    row_scale = [scales[0] * scales[2], scales[1] * scales[2]]
+    return wgmma.fragment_from_elements([total.element(i) + acc.element(i) *
+                                         row_scale[(i // 2) % 2]
+                                         for i in range(acc.shape[1] // 2)])
+
+
+def scale_accumulator(acc, scale_a, scale_b, row0, col0, m, n, a_mode: str, b_mode: str):
+    """``acc[r, c] * sa[r] * sb[c]`` for a 64 x BN accumulator at (row0, col0); a per-tensor
+    scale reads its one element. Indices are clamped: edge rows/columns are never stored."""
+    top, bottom = thread_rows(row0)
+    rows = [scale_a[kiln.minimum(r, m - 1)] for r in (top, bottom)] if a_mode == "row" \
+        else [scale_a[0]] * 2
+    if b_mode == "tensor":
+        sb = scale_b[0]
+        return rescale(acc, [r * sb for r in rows])
+    return rescale(acc, rows, [scale_b[kiln.minimum(c, n - 1)]
+                               for c in thread_columns(col0, acc.shape[1])])
+
+
+@functools.lru_cache(maxsize=None)
+def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8GemmConfig):
+    """The ``@kiln.kernel`` for FP8 ``dtype`` A and B (N x K), ``out_dtype`` C and the scales
+    of ``scale_mode`` (``(a_mode, b_mode)``, see the module docstring).
+
+    Run-time parameters: ``a_map`` (box BM x BK), ``b_map`` (box BN x BK), ``c_map`` (box
+    64 x 128 bytes), ``scale_a``, ``scale_b`` (f32, :func:`scale_tensor_type`), ``m, n, k``.
+    """
+    a_mode, b_mode = scale_mode
+    block = a_mode == "block"
+    if block != (b_mode == "block") or a_mode not in A_MODES or b_mode not in B_MODES:
+        raise kiln.KilnValueError(f"scale modes {scale_mode} do not combine",
+                                  fix="use block scales for both operands, or per-tensor / "
+                                      "per-row / per-column scales for both")
+    if block and config.block_n != SCALE_BLOCK:
+        raise kiln.KilnValueError(f"block scales need block_n={SCALE_BLOCK}, got "
+                                  f"{config.block_n}", fix="use Fp8GemmConfig(block_n=128)")
+    in_type, out_type = kiln.dtype(dtype), kiln.dtype(out_dtype)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    c_cols = ROW_BYTES // out_type.itemsize
+    epilogue_n = config.epilogue_columns(out_type.itemsize)
+    c_tiles_per_round = epilogue_n // c_cols
+    step_units = FP8_K_STEP // 16  # descriptor address units per k32 step
+    pair = config.cluster_m
+    b_box = (bn // pair, bk)  # in a pair, each CTA loads (and multicasts) one half of B
+
+    def load_b(b_map, b_tiles, full, stage, k0, n0, rank):
+        for j in range(pair):
+            if pair == 1:
+                tma.load(b_map, b_tiles.tile(stage), (k0, n0), full, stage)
+            else:  # the halves stack into the stage's K-major BN x BK tile
+                tma.load(b_map, b_tiles.tile(stage * pair + j), (k0, n0 + bn // pair * j), full,
+                         stage, multicast_mask=(1 << pair) - 1, predicate=rank == j)
+
+    def release(empty, stage, wgmma_pending):
+        """Hand ``stage`` back to its producer(s): in a pair also the peer's, whose multicast B
+        lands here too."""
+        if pair == 1:
+            empty.arrive(stage, wgmma_pending=wgmma_pending)
+        else:
+            for r in range(pair):
+                empty.arrive_cluster(stage, r, wgmma_pending=wgmma_pending)
+
+    def gemm_fp8(a_map: kiln.TensorMap[in_type, (bm, bk), SWIZZLE],
+                 b_map: kiln.TensorMap[in_type, b_box, SWIZZLE],
+                 c_map: kiln.TensorMap[out_type, (64, c_cols), SWIZZLE],
+                 scale_a: scale_tensor_type(a_mode), scale_b: scale_tensor_type(b_mode),
+                 m: kiln.i32, n: kiln.i32, k: kiln.i32,
+                 BM: kiln.constexpr, BN: kiln.constexpr, BK: kiln.constexpr,
+                 STAGES: kiln.constexpr, GROUP_M: kiln.constexpr, PRODUCER_REGS: kiln.constexpr,
+                 CONSUMER_REGS: kiln.constexpr, CLUSTER_M: kiln.constexpr):
+        if CLUSTER_M > 1:
+            nvidia_asm.cluster_dims(CLUSTER_M)
+        a_tiles = dynamic_shared((STAGES, BM, BK), in_type, align=SWIZZLE_ALIGN)
+        b_tiles = dynamic_shared((STAGES * CLUSTER_M,) + b_box, in_type, align=SWIZZLE_ALIGN)
+        c_tiles = dynamic_shared((BM // 64 * c_tiles_per_round, 64, c_cols), out_type,
+                                 align=SWIZZLE_ALIGN)
+        full = mbarrier.group(num_barriers=STAGES)
+        empty = mbarrier.group(num_barriers=STAGES)
+        tid = kiln.thread_id(0)
+        warp_group = tid // WARP_GROUP_THREADS
+        first_thread = tid % WARP_GROUP_THREADS == 0
+        for s in kiln.static_range(STAGES):
+            full.init(s, count=1, predicate=tid == 0)
+            empty.init(s, count=BM // 64 * CLUSTER_M, predicate=tid == 0)
+        nvidia_asm.fence_mbarrier_init()
+        if CLUSTER_M > 1:
+            nvidia_asm.cluster_sync()  # the peer's barriers exist before anything signals them
+            rank = nvidia_asm.cluster_ctarank()
+        else:
+            kiln.barrier()
+            rank = 0
+        # A pair of CTAs works on CLUSTER_M vertically adjacent tiles (a "pair tile") at once.
+        tiles_m = (m + BM * CLUSTER_M - 1) // (BM * CLUSTER_M)
+        tiles_n = (n + BN - 1) // BN
+        k_tiles = (k + BK - 1) // BK
+        num_tiles = tiles_m * tiles_n
+        first_tile = kiln.block_id(0) // CLUSTER_M
+        tile_step = kiln.num_blocks(0) // CLUSTER_M
+        group_m = max(1, GROUP_M // CLUSTER_M)
+        # All of B arrives on each CTA's barrier, half of it from the peer's multicast.
+        stage_bytes = tma.box_bytes(a_map) + CLUSTER_M * tma.box_bytes(b_map)
+        if warp_group == 0:
+            nvidia_asm.setmaxnreg(PRODUCER_REGS, increase=False)
+            if tid == 0:
+                tma.prefetch_descriptor(a_map)
+                tma.prefetch_descriptor(b_map)
+                use = 0
+                for tile in kiln.range(first_tile, num_tiles, tile_step):
+                    m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM * CLUSTER_M, BN, group_m)
+                    m0 = m0 + rank * BM
+                    for kt in kiln.range(0, k_tiles):
+                        stage = use % STAGES
+                        empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
+                        full.arrive_expect_tx(stage, stage_bytes)
+                        tma.load(a_map, a_tiles.tile(stage), (kt * BK, m0), full, stage)
+                        load_b(b_map, b_tiles, full, stage, kt * BK, n0, rank)
+                        use = use + 1
+        else:
+            nvidia_asm.setmaxnreg(CONSUMER_REGS, increase=True)
+            consumer = warp_group - 1
+            a_base = wgmma.smem_descriptor(a_tiles.tile(0), leading_bytes=16, stride_bytes=1024,
+                                           byte_offset=consumer * 64 * ROW_BYTES)
+            b_base = wgmma.smem_descriptor(b_tiles.tile(0), leading_bytes=16, stride_bytes=1024)
+            a_stage_units = BM * BK // 16  # descriptor address units
+            b_stage_units = BN * BK // 16
+            use = 0
+            for tile in kiln.range(first_tile, num_tiles, tile_step):
+                m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM * CLUSTER_M, BN, group_m)
+                row0 = m0 + rank * BM + consumer * 64
+                acc = wgmma.fragment_zeros(BN)
+                if block:
+                    total = wgmma.fragment_zeros(BN)
+                    top, bottom = thread_rows(row0)
+                    top, bottom = kiln.minimum(top, m - 1), kiln.minimum(bottom, m - 1)
+                    ahead = block_scales(scale_a, scale_b, top, bottom, n0 // BN, 0)
+                for kt in kiln.range(0, k_tiles):
+                    stage = use % STAGES
+                    full.try_wait(stage, (use // STAGES) % 2)
+                    stage64 = kiln.cast(stage, kiln.i64)
+                    a_desc = a_base + stage64 * a_stage_units
+                    b_desc = b_base + stage64 * b_stage_units
+                    wgmma.fence()
+                    for ks in kiln.static_range(BK // FP8_K_STEP):
+                        acc = wgmma.mma_async(acc, a_desc + ks * step_units,
+                                              b_desc + ks * step_units, dtype=in_type,
+                                              accumulate=not block or ks > 0)
+                    wgmma.commit()
+                    if block:
+                        # Load the next block's scales while these WGMMAs run.
+                        current = ahead
+                        ahead = block_scales(scale_a, scale_b, top, bottom, n0 // BN,
+                                             kiln.minimum(kt + 1, k_tiles - 1))
+                        wgmma.wait_group(0)
+                        if first_thread:
+                            release(empty, stage, 0)
+                        total = promote(total, acc, current)
+                    else:
+                        wgmma.wait_group(1)  # keep this K step in flight, free the last stage
+                        if (kt > 0) & first_thread:
+                            release(empty, (use + STAGES - 1) % STAGES, 1)
+                    use = use + 1
+                if block:
+                    out = total
+                else:
+                    wgmma.wait_group(0)
+                    if first_thread:
+                        release(empty, (use + STAGES - 1) % STAGES, 0)
+                    out = scale_accumulator(acc, scale_a, scale_b, row0, n0, m, n, a_mode,
+                                            b_mode)
+                _store_tile(out, c_map, c_tiles, consumer, row0, n0, first_thread,
+                            BN // epilogue_n, c_tiles_per_round, c_cols)
+            if first_thread:
+                tma.wait_group(0, read=True)  # the staging tiles must outlive the last store
+        if CLUSTER_M > 1:
+            nvidia_asm.cluster_sync()  # the peer may still arrive on this CTA's barriers
+
+    gemm_fp8.__name__ = gemm_fp8.__qualname__ = \
+        f"hopper_gemm_{dtype}_{out_dtype}_{a_mode}_{b_mode}"
+    return kiln.kernel(gemm_fp8)

@@ -1,0 +1,131 @@
+"""Grouped (MoE) FP8 GEMM: the sm_90a and gfx950 kernels in the interpreter against float64 on
+the dequantised operands for each scale kind (ragged and empty groups, odd N and K), input
+errors, PTX / ISA checks and GPU runs."""
+
+import re
+
+import numpy as np
+import pytest
+from fp8_reference import assert_fp8_close, dequantized, quantized
+
+import kiln
+from kiln.kernels.gemm import compile_grouped_matmul, grouped_matmul
+from kiln.runtime.cuda import cuda_available
+
+needs_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and driver")
+# scale kind -> (A's kind, each expert's B kind, how scale_b is passed)
+KINDS = {"tensor": ("tensor", "tensor", "one"), "expert": ("tensor", "tensor", "per_expert"),
+         "row_col": ("row", "col", "stack"), "block": ("block", "block", "stack")}
+
+
+def _problem(rng, sizes, n, k, kind, dtype="f8e4m3"):
+    """FP8 a, b ``[G, N, K]``, offsets, scales and the float64 dequantised operands."""
+    a_kind, b_kind, passed = KINDS[kind]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    a, sa = quantized(rng, int(offsets[-1]), k, a_kind, dtype)
+    experts = [quantized(rng, n, k, b_kind, dtype, rows_per_block=128) for _ in sizes]
+    if passed == "one":
+        experts = [(b, experts[0][1]) for b, _ in experts]
+        sb = experts[0][1]
+    else:
+        sb = np.array([s for _, s in experts], np.float32)
+    b64 = [dequantized(b, s, b_kind, rows_per_block=128) for b, s in experts]
+    b = np.stack([b for b, _ in experts])
+    return a, b, offsets, sa, sb, dequantized(a, sa, a_kind), b64
+
+
+def _check(c, offsets, a64, b64):
+    assert not np.isnan(np.asarray(c, np.float64)).any()
+    for g, bg in enumerate(b64):
+        assert_fp8_close(c[offsets[g]:offsets[g + 1]], a64[offsets[g]:offsets[g + 1]], bg)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("sizes, n, k", [((0, 37, 130, 3), 203, 300), ((70, 64), 136, 128)])
+def test_interpreter_matches_float64(kind, sizes, n, k, rng):
+    a, b, offsets, sa, sb, a64, b64 = _problem(rng, sizes, n, k, kind)
+    c = grouped_matmul(a, b, offsets, trans_b=True, scale_a=sa, scale_b=sb, out_dtype="f32",
+                       target="sm_90a", backend="interpret")
+    assert c.dtype == np.float32
+    _check(c, offsets, a64, b64)
+
+
+def test_interpreter_e5m2_bf16_output(rng):
+    a, b, offsets, sa, sb, a64, b64 = _problem(rng, (5, 60), 72, 160, "block", "f8e5m2")
+    c = grouped_matmul(a, b, offsets, trans_b=True, scale_a=sa, scale_b=sb, target="sm_90a",
+                       backend="interpret")
+    assert c.dtype == kiln.bf16.numpy
+    _check(c, offsets, a64, b64)
+
+
+def test_bad_fp8_grouped_requests_raise_kiln_errors(rng):
+    a, b, offsets, sa, sb, *_ = _problem(rng, (3, 5), 16, 32, "row_col")
+    call = dict(target="sm_90a", backend="interpret")
+    with pytest.raises(kiln.KilnValueError, match="FP8 inputs require scale_b"):
+        grouped_matmul(a, b, offsets, trans_b=True, scale_a=sa, **call)
+    with pytest.raises(kiln.KilnValueError, match="trans_b=True"):
+        grouped_matmul(a, b.transpose(0, 2, 1), offsets, scale_a=sa, scale_b=sb, **call)
+    with pytest.raises(kiln.KilnValueError, match="scale_b has shape"):
+        grouped_matmul(a, b, offsets, trans_b=True, scale_a=sa, scale_b=sb[:, :3], **call)
+    with pytest.raises(kiln.KilnValueError, match="block scales apply to both"):
+        grouped_matmul(a, b, offsets, trans_b=True, scale_a=np.ones((8, 1), np.float32),
+                       scale_b=sb, **call)
+    with pytest.raises(kiln.UnsupportedError, match="gfx942 lacks"):
+        grouped_matmul(a, b, offsets, trans_b=True, scale_a=sa, scale_b=sb, target="gfx942",
+                       backend="interpret")
+    with pytest.raises(kiln.UnsupportedError, match="cannot run gfx950 kernels"):
+        grouped_matmul(a, b, offsets, trans_b=True, scale_a=sa, scale_b=sb, target="gfx950")
+    with pytest.raises(kiln.KilnValueError, match="group_offsets decreases"):
+        grouped_matmul(a, b, np.array([0, 6, 5], np.int32), trans_b=True, scale_a=1.0,
+                       scale_b=1.0, **call)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "row_col", "block"])
+def test_gfx950_interpreter_matches_float64(kind, rng):
+    a, b, offsets, sa, sb, a64, b64 = _problem(rng, (0, 37, 130, 3), 203, 300, kind)
+    c = grouped_matmul(a, b, offsets, trans_b=True, scale_a=sa, scale_b=sb, out_dtype="f32",
+                       target="gfx950", backend="interpret")
+    _check(c, offsets, a64, b64)
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("scales", [("row", "col"), ("block", "block")])
+def test_gfx950_grouped_double_rate_mfma_no_scratch_waits_verified(scales):
+    from kiln.lowering.isa_amdgpu import parse, verify_waits
+
+    ck = compile_grouped_matmul("f8e4m3", target="gfx950", trans_b=True, groups=16,
+                                scales=scales)
+    asm = ck.asm["amdgcn"]
+    assert ck.metadata["scratch_bytes"] == 0
+    assert asm.count("v_mfma_f32_32x32x64_f8f6f4") == 8
+    verify_waits(parse(asm, ck.name), ck.name)
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("scales, n", [(("tensor", "tensor"), 256), (("block", "block"), 128)])
+def test_ptx_issues_fp8_wgmma_without_spills(scales, n):
+    ck = compile_grouped_matmul("f8e4m3", target="sm_90a", trans_b=True, groups=64,
+                                scales=scales)
+    assert f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3" in ck.asm["ptx"]
+    assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
+    assert "setmaxnreg.inc.sync.aligned.u32 232" in re.sub(r"\s+", " ", ck.asm["ptx"])
+
+
+def _torch_fp8(x, torch):
+    fp8 = torch.float8_e4m3fn if x.dtype == kiln.f8e4m3.numpy else torch.float8_e5m2
+    return torch.from_numpy(x.view(np.uint8)).to("cuda").view(fp8)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_gpu_matches_float64(kind, rng):
+    torch = pytest.importorskip("torch")
+    sizes = tuple(int(s) for s in rng.multinomial(3000, np.full(8, 1 / 8)))
+    a, b, offsets, sa, sb, a64, b64 = _problem(rng, (0,) + sizes, 1000, 520, kind)
+    scale = (lambda s: s if isinstance(s, float) else torch.from_numpy(s).to("cuda"))
+    torch.empty(3000 * 1000, device="cuda").fill_(float("nan"))  # poison C's pool
+    c = grouped_matmul(_torch_fp8(a, torch), _torch_fp8(b, torch),
+                       torch.from_numpy(offsets).to("cuda"), trans_b=True, scale_a=scale(sa),
+                       scale_b=scale(sb), out_dtype="f32")
+    _check(c.cpu().numpy(), offsets, a64, b64)
