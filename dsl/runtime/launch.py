@@ -37,7 +37,9 @@ from kiln.launch_args import check_float_argument, check_int_argument, normalize
 from kiln.lowering.compiler import backend_for
 from kiln.runtime.amd_host import build_amd_launcher
 from kiln.runtime import cuda
+from kiln.runtime.driver_launch import load_driver_launcher
 from kiln.runtime.host import build_nvidia_launcher, scalar_carrier
+from kiln.runtime.native import native_module
 from kiln.runtime.tensor_map_capture import CaptureArena
 from kiln.signature import ScalarParam, TensorMapParam, TensorParam
 
@@ -128,11 +130,25 @@ class BoundLaunch:
         self._launcher.pack(self._arguments, flat, grid, None)
         self._owner = threading.get_ident()
         self._other_threads: dict[int, Any] = {}  # the ctypes call releases the GIL
+        # The native shim writes the addresses and launches in one C call, under the GIL.
+        shim = getattr(self._launcher, "shim", None)
+        self._native = None
+        if shim is not None:
+            self._arguments.bind_pointer_slots(self._slots)
+            self._native, self._record = shim.launch_pointers, self._arguments.address
 
     def __call__(self, *pointers: int, stream=None) -> None:
         if len(pointers) != len(self._slots):
             raise KilnValueError(f"this launch binds {len(self._slots)} tensors, got "
                                  f"{len(pointers)} addresses", fix="pass one per tensor parameter")
+        if self._native is not None:
+            handle = self._current_stream() if stream is None else stream_handle(stream)
+            if self._map_views:
+                pointers = self._with_descriptors(pointers, handle)
+            self._native(self._record, handle, *pointers)
+            if self._after_launch is not None:
+                self._after_launch()
+            return
         arguments = self._arguments
         if threading.get_ident() != self._owner:
             arguments = self._thread_arguments()
@@ -154,6 +170,16 @@ class BoundLaunch:
         """The handle a call with ``stream=None`` would launch on (the current stream of the
         example tensors' library); pass it back as ``stream=`` to launch there."""
         return self._current_stream()
+
+    def _with_descriptors(self, pointers: tuple, handle) -> list:
+        """``pointers`` with each tensor map's tensor address replaced by its descriptor's."""
+        pointers = list(pointers)
+        for i, slot in enumerate(self._slots):
+            if slot < 0:
+                param, shape, strides = self._map_views[~slot]
+                pointers[i] = self._tensor_maps.descriptor(param, pointers[i], shape, strides,
+                                                           stream=handle)
+        return pointers
 
     def _thread_arguments(self):
         ident = threading.get_ident()
@@ -276,7 +302,12 @@ def nvidia_launcher(ck) -> tuple[Callable, object]:
     cuda_driver = cuda.driver()  # raises LaunchError without a GPU, before the JIT could abort
     check_launch_config(ck.name, ck.signature, getattr(ck, "metadata", {}),
                         cuda_driver.launch_limits())
-    return build_nvidia_launcher(ck.signature, ck.target, cubin=ck.asm.get("cubin"),
+    cubin, choice = ck.asm.get("cubin"), env.launcher()
+    if cubin is not None and choice != "mlir":
+        # The pipeline's cubin, loaded once; per launch only cuLaunchKernel (driver_launch).
+        shim = native_module() if choice == "native" else None
+        return load_driver_launcher(ck.signature, cubin, cuda_driver, shim), cuda_driver
+    return build_nvidia_launcher(ck.signature, ck.target, cubin=cubin,
                                  ptx=ck.asm.get("ptx")), cuda_driver
 
 

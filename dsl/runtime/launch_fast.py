@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kiln.launch_args import normalize_grid
+from kiln.runtime.driver_launch import DriverLauncher
 from kiln.runtime.host import HostLauncher
 from kiln.runtime.launch import (_PLAN_ATTRIBUTE, _convert_tensor, _device_view,
                                   _scalar_converter, _stream_source, stream_handle)
@@ -59,7 +60,7 @@ def specialized_launcher(ck, args: Sequence, positions: Sequence[int]
     :class:`HostLauncher`, or an argument is a numpy array. The result is called as
     ``fast(grid, args, stream)`` with the same ``stream`` values as ``ck.launch``."""
     plan = getattr(ck, _PLAN_ATTRIBUTE, None)
-    if plan is None or not isinstance(plan.launcher, HostLauncher):
+    if plan is None or not isinstance(plan.launcher, (HostLauncher, DriverLauncher)):
         return None
     params = ck.signature.params
     values = [args[p] for p in positions]
