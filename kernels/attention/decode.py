@@ -174,8 +174,7 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
     if plan.bound is not None and q.data_ptr() % Q_ALIGN == 0:
         words, partials = plan.torch_partial_words()
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                    block_table, sinks), *partials,
-                   *(t.data_ptr() for t in plan.no_outputs))
+                                    block_table, sinks), *partials, *plan.no_output_pointers)
         return plan.torch_partials(words)
     return _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
                         backend)
@@ -216,20 +215,21 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     check_values(k_cache, page_table, seq_lens, block_table, validate)
     can_bind = plan.bound is not None and q.data_ptr() % Q_ALIGN == 0
     if can_bind and plan.fused:
-        words, partials = plan.torch_partial_words()  # freed once the launch is queued
-        o, lse = plan.outputs(like=words)
         stream = plan.bound.current_stream()
+        o, lse = plan.outputs(like=plan.no_sinks)
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                    block_table, sinks), *partials, o.data_ptr(),
-                   lse.data_ptr(), plan.torch_tickets(stream).data_ptr(), stream=stream)
+                                    block_table, sinks), *plan.scratch_partials(stream),
+                   o.data_ptr(), lse.data_ptr(), plan.torch_tickets(stream).data_ptr(),
+                   stream=stream)
         return o, lse
     if can_bind and plan.merge is not None:
-        words, partials = plan.torch_partial_words()
-        o, lse = plan.merge.new_outputs(words)
+        stream = plan.bound.current_stream()
+        partials = plan.scratch_partials(stream)
+        o, lse = plan.merge.new_outputs(plan.no_sinks)
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                    block_table, sinks), *partials,
-                   *(t.data_ptr() for t in plan.no_outputs))
-        plan.merge.bound(*partials, o.data_ptr(), lse.data_ptr())
+                                    block_table, sinks), *partials, *plan.no_output_pointers,
+                   stream=stream)
+        plan.merge.bound(*partials, o.data_ptr(), lse.data_ptr(), stream=stream)
         return o, lse
     if plan.fused:
         return _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
