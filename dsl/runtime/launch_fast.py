@@ -14,18 +14,16 @@ does not (a scalar's range, a grid) still is. For saxpy on two torch tensors the
         a0 = args[0]; a1 = args[1]; a2 = args[2]; a3 = args[3]
         handle = current_stream() if stream is None else stream_handle(stream)
         grid = check_grid(grid)
+        arguments = blocks.get(get_ident()) or thread_block()
         p0 = a0.data_ptr(); p1 = a1.data_ptr()
         try:
-            pack_into(words, 0, p0, p0, 0, *a0.shape, *a0.stride(),
+            pack_into(arguments.words, 0, p0, p0, 0, *a0.shape, *a0.stride(),
                       p1, p1, 0, *a1.shape, *a1.stride(), a2, a3, *grid, 0, handle or 0)
         except (struct.error, OverflowError, TypeError):
             return fallback(grid, args, stream)    # the generic launch reports the bad value
-        entry(address)
+        entry(arguments.address)
 
-``words`` and ``address`` are those of the one argument block of a
-:class:`~kiln.runtime.driver_launch.DriverLauncher` with the native shim (its launch holds the
-GIL); otherwise the calling thread's block is looked up first (a ctypes call releases the
-GIL, so another thread may pack its own meanwhile).
+Each thread packs its own block: another thread may run between the packing and the launch.
 
 Numpy arguments (staged through device copies) never take this path, nor launchers that are
 neither (test doubles of the launcher).
@@ -88,26 +86,19 @@ def specialized_launcher(ck, args: Sequence, positions: Sequence[int]
     for i, (param, value, position) in enumerate(zip(params, values, positions)):
         loads.append(f"a{i} = args[{position}]")
         fields.append(_fields(i, param, value, plan, namespace, pointers))
-    if getattr(launcher, "shim", None) is not None:
-        # The shim launches under the GIL: one block serves every thread.
-        block = launcher.thread_arguments()
-        namespace.update(words=block.words, address=block.address)
-        select = []
-    else:
-        select = ["arguments = blocks.get(get_ident()) or thread_block()",
-                  "words = arguments.words", "address = arguments.address"]
     source = "\n".join([
         "def launch(grid, args, stream):",
         *(f"    {line}" for line in loads),
         "    handle = current_stream() if stream is None else stream_handle(stream)",
         "    grid = check_grid(grid)",
-        *(f"    {line}" for line in select + pointers),
+        "    arguments = blocks.get(get_ident()) or thread_block()",
+        *(f"    {line}" for line in pointers),
         "    try:",
-        f"        pack_into(words, 0, {''.join(f + ', ' for f in fields)}*grid, "
+        f"        pack_into(arguments.words, 0, {''.join(f + ', ' for f in fields)}*grid, "
         f"{ck.signature.dynamic_shared_bytes}, handle or 0)",
         "    except (struct.error, OverflowError, TypeError):",
         "        return fallback(grid, args, stream)",
-        "    entry(address)",
+        "    entry(arguments.address)",
         *(["    after_launch()"] if plan.after_launch is not None else []),
     ])
     exec(compile(source, f"<kiln launcher of {ck.name}>", "exec"), namespace)
