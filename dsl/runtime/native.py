@@ -56,7 +56,7 @@ def native_module():
 def load_shim(compiler: str | None, root: Path | None = None):
     """The shim built by ``compiler`` (None: no shim), cached under ``root`` (default: the
     compile cache's ``native/`` directory, when usable). Not memoised: for tests."""
-    if compiler is None:
+    if compiler is None or not SOURCE.exists():
         return None
     identity = compiler_identity(compiler)
     include = sysconfig.get_paths()["include"]
