@@ -37,9 +37,13 @@ def axpy(x: kiln.Tensor[f32], y: kiln.Tensor[f32], out: kiln.Tensor[f32], n: i32
 def _use_launcher(monkeypatch, kind: str) -> None:
     """Launch through ``kind`` from now on: every compiled kernel's plan and every cached
     launch made with another launcher is dropped."""
+    monkeypatch.setenv("KILN_LAUNCHER", kind)
+    _drop_launchers()
+
+
+def _drop_launchers() -> None:
     from kiln.kernels import runtime
 
-    monkeypatch.setenv("KILN_LAUNCHER", kind)
     runtime.clear_plans()
     for obj in gc.get_objects():
         if isinstance(obj, CompiledKernel) and "_launch_plan" in vars(obj):
@@ -47,6 +51,13 @@ def _use_launcher(monkeypatch, kind: str) -> None:
         elif isinstance(obj, JITKernel):
             obj._launches.clear()
             obj._last_launch = None
+
+
+@pytest.fixture(autouse=True)
+def _default_launcher_afterwards():
+    """Later tests in the process launch through the default launcher again."""
+    yield
+    _drop_launchers()
 
 
 @pytest.mark.parametrize("kind", LAUNCHERS)
