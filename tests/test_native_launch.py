@@ -147,9 +147,9 @@ def test_bound_launches_write_addresses_and_descriptors(kind, shim, rng):
 class _Device:
     """A device array by ``__cuda_array_interface__``; never dereferenced."""
 
-    def __init__(self, ptr, shape):
-        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": "<f4",
-                                         "strides": None, "version": 3}
+    def __init__(self, ptr, shape, typestr="<f4"):
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape,
+                                         "typestr": typestr, "strides": None, "version": 3}
 
 
 # --- the shim's build cache ------------------------------------------------------------------
@@ -257,3 +257,33 @@ def test_the_record_layout_matches_the_shim(shim):
 
     assert shim.RECORD_BYTES == ctypes.sizeof(_Record)
     assert struct.calcsize("P") == 8
+
+
+@pytest.mark.parametrize("kind", SHIMS)
+def test_bound_descriptor_memo_follows_evictions_and_skips_captures(kind, shim):
+    from test_launch_capture import CapturingDriver
+
+    signature = KernelSignature("m", (TensorMapParam("t", "f16", 2, (64, 64), 128),),
+                                block=(32, 1, 1))
+    launcher, recorder = _launcher(kind, shim, signature)
+    device = CapturingDriver()
+    plan = _LaunchPlan("m", signature, launcher, device)
+    plan.tensor_maps.capacity = 2
+    ck = type("CK", (), {"name": "m", "signature": signature, "_launch_plan": plan})()
+    bound = bind_launch(ck, (1, 1, 1), [_Device(0x10000, (256, 128), "<f2")])
+    encoded = len(device.encoded)
+    for _ in range(3):  # a repeat address: the memo, no new descriptor
+        bound(0x20000)
+    assert len(device.encoded) == encoded + 1
+    first = recorder.launches[-1][5][0]
+    bound(0x30000)
+    bound(0x40000)  # evicts 0x20000's descriptor (capacity 2): the memo is dropped
+    bound(0x20000)
+    assert device.freed and recorder.launches[-1][5][0] not in (first,) + tuple(device.freed)
+    assert device.encoded[-1] == 0x20000
+    device.capturing.add(0x77)
+    bound(0x50000, stream=0x77)  # first needed in a capture: the arena's slot, not memoised
+    captured = recorder.launches[-1][5][0]
+    device.capturing.clear()
+    bound(0x50000, stream=0x77)
+    assert recorder.launches[-1][5][0] != captured and device.encoded[-1] == 0x50000

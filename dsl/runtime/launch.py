@@ -131,6 +131,9 @@ class BoundLaunch:
         self._owner = threading.get_ident()
         self._other_threads: dict[int, Any] = {}  # the ctypes call releases the GIL
         # The native shim writes the addresses and launches in one C call, under the GIL.
+        self._map_positions = tuple((i, slot) for i, slot in enumerate(slots) if slot < 0)
+        self._memo: dict[tuple[int, int], int] = {}
+        self._memo_evictions = self._tensor_maps.evictions
         shim = getattr(self._launcher, "shim", None)
         self._native = None
         if shim is not None:
@@ -172,13 +175,24 @@ class BoundLaunch:
         return self._current_stream()
 
     def _with_descriptors(self, pointers: tuple, handle) -> list:
-        """``pointers`` with each tensor map's tensor address replaced by its descriptor's."""
+        """``pointers`` with each tensor map's tensor address replaced by its descriptor's:
+        from this launch's memo of (slot, address) -> descriptor, valid while the cache has
+        freed nothing since it was filled; captured descriptors are never memoised (only a
+        graph's replay writes them)."""
+        cache, memo = self._tensor_maps, self._memo
+        if self._memo_evictions != cache.evictions:
+            memo.clear()
+            self._memo_evictions = cache.evictions
         pointers = list(pointers)
-        for i, slot in enumerate(self._slots):
-            if slot < 0:
+        for i, slot in self._map_positions:
+            pointer = pointers[i]
+            address = memo.get((slot, pointer))
+            if address is None:
                 param, shape, strides = self._map_views[~slot]
-                pointers[i] = self._tensor_maps.descriptor(param, pointers[i], shape, strides,
-                                                           stream=handle)
+                address = cache.descriptor(param, pointer, shape, strides, stream=handle)
+                if address in cache.addresses:
+                    memo[slot, pointer] = address
+            pointers[i] = address
         return pointers
 
     def _thread_arguments(self):
@@ -380,6 +394,8 @@ class TensorMapCache:
         self._driver = driver
         self.capacity = capacity
         self._entries: OrderedDict[tuple, int] = OrderedDict()
+        self.addresses: set[int] = set()  # of the cached descriptors (not the captured ones)
+        self.evictions = 0  # descriptors freed so far: memos of addresses check it
         # Descriptors first needed inside a CUDA-graph capture (kiln.lowering.tensor_map_capture):
         # the arena is made with the first descriptor, before any capture can need it.
         self._arena: CaptureArena | None = None
@@ -412,8 +428,12 @@ class TensorMapCache:
                 self._arena = CaptureArena(self._driver, CAPTURE_ARENA_SLOTS)
             device_ptr = self._driver.mem_alloc(len(encoded))
             self._entries[key] = device_ptr
+            self.addresses.add(device_ptr)
             while len(self._entries) > self.capacity:
-                self._driver.mem_free(self._entries.popitem(last=False)[1])
+                self.evictions += 1
+                evicted = self._entries.popitem(last=False)[1]
+                self.addresses.discard(evicted)
+                self._driver.mem_free(evicted)
         self._driver.memcpy_htod(device_ptr, np.frombuffer(encoded, np.uint8).ctypes.data,
                                  len(encoded))
         return device_ptr

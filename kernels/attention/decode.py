@@ -170,7 +170,8 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
                     sinks, target, backend, config, fused=False)
     if plan.kernel is None:
         return plan.torch_partials() if plan.device is not None else plan.numpy_partials()
-    check_values(k_cache, page_table, seq_lens, block_table, validate)
+    if validate or plan.bound is None:  # bound plans take torch tensors, checked on request
+        check_values(k_cache, page_table, seq_lens, block_table, validate)
     if plan.bound is not None and q.data_ptr() % Q_ALIGN == 0:
         words, partials = plan.torch_partial_words()
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
@@ -212,7 +213,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     if plan.kernel is None:
         shape = plan.partial_shape[1:]
         return empty_like(q, shape, kiln.bf16), empty_like(q, shape[:3], kiln.f32)
-    check_values(k_cache, page_table, seq_lens, block_table, validate)
+    if validate or plan.bound is None:  # bound plans take torch tensors, checked on request
+        check_values(k_cache, page_table, seq_lens, block_table, validate)
     can_bind = plan.bound is not None and q.data_ptr() % Q_ALIGN == 0
     if can_bind and plan.fused:
         stream = plan.bound.current_stream()
