@@ -199,13 +199,14 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     partials (every shape of ``bench/decode.py``'s grid).
 
     With contiguous torch CUDA tensors a repeat call of one shape class is one bound launch
-    and three allocations (the partials, freed to torch's stream-ordered allocator once the
-    launch is queued, and the returned ``o`` and ``lse``), and it can be captured in a CUDA
-    graph (``torch.cuda.graph``) and replayed with no host work per step (check the page table
-    before capturing, e.g. with one ``validate=True`` call; the kernel poisons rows with bad
-    ids). The
-    ticket counters are kept per plan and per stream; each launch adds the split count to each
-    of them.
+    (two: decode's and combine's, back to back, when not fused) and two allocations (the
+    returned ``o`` and ``lse``), and it can be captured in a CUDA graph (``torch.cuda.graph``)
+    and replayed with no host work per step (check the page table before capturing, e.g. with
+    one ``validate=True`` call; the kernel poisons rows with bad ids). The ticket counters and
+    the partials (up to ``SCRATCH_MAX_BYTES``; larger ones are allocated per call) are kept per
+    plan and per stream: calls on one stream are ordered, so each reuses the last one's, and
+    calls that may run at once must be on different streams (a graph's launches are those of
+    its capture stream). Each launch adds the split count to each ticket counter.
     Example: ``o, lse = decode_attention(q, k_cache, v_cache, page_table, seq_lens)``.
     """
     plan = get_plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
