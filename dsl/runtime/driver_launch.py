@@ -34,6 +34,7 @@ import weakref
 from typing import Mapping, Sequence
 
 from kiln.core.errors import KilnValueError, LaunchError
+from kiln.runtime import cuda
 from kiln.runtime.cuda import _LaunchAttribute, _LaunchConfig
 from kiln.runtime.host import SLOT_BYTES, _SLOT_CODES, _describe_flat, flat_c_argtypes
 from kiln.signature import KernelSignature
@@ -166,9 +167,8 @@ class DriverArguments:
 
 def raise_launch_error(code: int) -> None:
     """Raise the LaunchError of a launch the driver refused with CUresult ``code``."""
-    from kiln.runtime.cuda import cuda_available, driver
-
-    message = driver().error_message(code) if cuda_available() else f"CUDA error {code}"
+    message = cuda.driver().error_message(code) if cuda.cuda_available() else \
+        f"CUDA error {code}"
     raise LaunchError(f"cuLaunchKernel failed: {message}",
                       fix="check the kernel's indices and the launch grid; rerun with "
                           "KILN_LAUNCH_BLOCKING=1 or compute-sanitizer to locate a fault")
