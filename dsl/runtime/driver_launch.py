@@ -20,7 +20,8 @@ and one with another context current launches inside a push/pop of it.
 
 Example::
 
-    launcher = load_driver_launcher(ck.signature, ck.asm["cubin"], cuda.driver())
+    launcher = load_driver_launcher(ck.signature, ck.asm["cubin"], cuda.driver(),
+                                    native_module())
     launcher(flat_args, (gx, gy, gz), stream)
 """
 

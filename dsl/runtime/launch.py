@@ -88,10 +88,10 @@ class BoundLaunch:
     tensor-map parameter (in parameter order) and an optional ``stream`` (None: the current
     stream of the example tensors' library, as for :func:`launch`).
 
-    The flat C arguments live in a :class:`~kiln.runtime.host.LaunchArguments` block built
-    once; a call writes the addresses (and the stream) into their slots and makes one ctypes
-    call. The addresses are not checked, so the caller must pass tensors laid out exactly like
-    the example ones.
+    The flat C arguments live in an argument block built once; a call writes the addresses
+    (and the stream) into their slots and launches: one C call into the native launch shim
+    (:mod:`kiln.runtime.driver_launch`), or one ctypes call. The addresses are not checked, so
+    the caller must pass tensors laid out exactly like the example ones.
     """
 
     def __init__(self, ck, grid, args: Sequence):
