@@ -152,12 +152,15 @@ def library_calls(torch, device: str, target: str = "sm_90a") -> dict:
     lens = torch.tensor([256 * 64], dtype=torch.int32, device=device)
     paged = (q, k_cache, v_cache, table, lens)
     o_part, lse_part, counts = decode(*paged, target=target)
+    o_out, lse_out = decode_attention(*paged, target=target)  # reused by the out= row
     dense, a, b = randn(1, 1024, 16, 128), randn(1024, 1024), randn(1024, 1024)
     return {
         "prefill (1x1024, 16 heads, D 128, causal)": lambda: prefill(
             dense, dense, dense, causal=True, target=target),
         "decode (1x16k, Hq 32 / Hkv 8, D 128)": lambda: decode(*paged, target=target),
         "decode_attention (same)": lambda: decode_attention(*paged, target=target),
+        "decode_attention (same, out=, lse_out=)": lambda: decode_attention(
+            *paged, target=target, out=o_out, lse_out=lse_out),
         "combine (decode's partials)": lambda: combine(
             o_part, lse_part, counts, max_splits=o_part.shape[0], target=target),
         "matmul (1024^3 bf16)": lambda: matmul(a, b, target=target),

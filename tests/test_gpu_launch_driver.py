@@ -130,3 +130,33 @@ def test_dynamic_shared_memory_beyond_48k_launches_through_the_driver(monkeypatc
         torch.cuda.synchronize()
         assert_paged_attention_close(o, lse, q, kc, vc, table, lens)
         q = torch.randn_like(q)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_attention_into_given_outputs_allocates_nothing_and_matches(fused, rng):
+    """out= / lse_out= on the bound paths: the caller's tensors are written (poisoned first)
+    and returned, equal to a fresh call's outputs; a misaligned or mis-shaped one is refused."""
+    torch = pytest.importorskip("torch")
+    from kiln.kernels.attention import decode_attention
+
+    torch.manual_seed(int(rng.integers(2 ** 31)))
+    kc = torch.randn(30, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(30, device="cuda").view(1, 30).int()
+    lens = torch.tensor([30 * 64 - 17], device="cuda", dtype=torch.int32)
+    out = torch.empty(1, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
+    lse_out = torch.empty(1, 1, 16, device="cuda")
+    for _ in range(3):
+        q = torch.randn(1, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
+        out.fill_(float("nan"))
+        lse_out.fill_(float("nan"))
+        o, lse = decode_attention(q, kc, vc, table, lens, fused_combine=fused, out=out,
+                                  lse_out=lse_out)
+        want, want_lse = decode_attention(q, kc, vc, table, lens, fused_combine=fused)
+        assert o is out and lse is lse_out
+        assert torch.equal(out, want) and torch.equal(lse_out, want_lse)
+    assert_paged_attention_close(out, lse_out, q, kc, vc, table, lens)
+    odd = torch.empty(out.numel() + 1, device="cuda", dtype=torch.bfloat16)[1:].view(out.shape)
+    for name, bad in (("out", odd), ("lse_out", torch.empty(1, 16, device="cuda"))):
+        with pytest.raises(kiln.KilnValueError, match=f"{name} must be"):
+            decode_attention(q, kc, vc, table, lens, fused_combine=fused, **{name: bad})
