@@ -287,3 +287,29 @@ def test_bound_descriptor_memo_follows_evictions_and_skips_captures(kind, shim):
     device.capturing.clear()
     bound(0x50000, stream=0x77)
     assert recorder.launches[-1][5][0] != captured and device.encoded[-1] == 0x50000
+
+
+@pytest.mark.parametrize("kind", SHIMS)
+def test_the_module_is_loaded_once_and_unloaded_with_the_launcher(kind, shim):
+    from kiln.runtime.driver_launch import (MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                            load_driver_launcher)
+
+    recorder = RecordingDriver(SIGNATURE)
+    calls = []
+    fake = type("FakeDriver", (), {
+        "context": 0x7777,
+        "launch_symbols": lambda self: recorder.symbols(),
+        "load_function": lambda self, image, name: calls.append(("load", image, name)) or
+        (0x10, RecordingDriver.FUNCTION),
+        "set_function_attribute": lambda self, f, a, v: calls.append(("attribute", f, a, v)),
+        "unload_module": lambda self, module: calls.append(("unload", module)),
+    })()
+    launcher = load_driver_launcher(SIGNATURE, b"cubin", fake, shim if kind == "native" else None)
+    flat, expected = _random_flat(np.random.default_rng(2))
+    for _ in range(3):
+        launcher(flat, (1, 1, 1), None)
+    assert calls == [("load", b"cubin", "mixed"),
+                     ("attribute", RecordingDriver.FUNCTION, MAX_DYNAMIC_SHARED_SIZE_BYTES, 4096)]
+    assert [launch[5] for launch in recorder.launches] == [expected] * 3
+    del launcher  # no reference cycle: unloaded at once, not by the cyclic collector
+    assert calls[-1] == ("unload", 0x10)

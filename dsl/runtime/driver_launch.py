@@ -94,7 +94,12 @@ class DriverArguments:
     them. ``address`` is what the launcher's ``entry`` takes."""
 
     def __init__(self, launcher: "DriverLauncher"):
-        self._launcher = launcher
+        # What a launch reads, held directly: the launcher keeps its blocks, and a cycle back
+        # to it would delay unloading its module to the cyclic collector.
+        self._owner = weakref.ref(launcher)
+        self._function, self._functions = launcher.function, launcher.functions
+        self._grid_slot, self._block = launcher.grid_slot, launcher.signature.block
+        self._plain_fallback = launcher.plain_fallback
         count = launcher.layout.size // SLOT_BYTES
         self.words = (ctypes.c_uint64 * count)()
         base = ctypes.addressof(self.words)
@@ -124,7 +129,7 @@ class DriverArguments:
         self.record.pointer_count = len(slots)
 
     def copy(self) -> "DriverArguments":
-        twin = DriverArguments(self._launcher)
+        twin = DriverArguments(self._owner())
         ctypes.memmove(twin.words, self.words, ctypes.sizeof(self.words))
         if self._slots is not None:
             twin.bind_pointer_slots(list(self._slots)[:self.record.pointer_count])
@@ -137,7 +142,7 @@ class DriverArguments:
             raise_launch_error(code)
 
     def _launch_in_context(self) -> int:
-        functions = self._launcher.functions
+        functions = self._functions
         code = self._launch_once()
         if code == 0 or not functions.context:
             return code
@@ -150,20 +155,19 @@ class DriverArguments:
         return code
 
     def _launch_once(self) -> int:
-        launcher, words = self._launcher, self.words
-        slot = launcher.grid_slot
+        words, slot = self.words, self._grid_slot
         grid, smem, stream = words[slot:slot + 3], words[slot + 3] & 0xFFFFFFFF, words[slot + 4]
-        functions = launcher.functions
+        functions = self._functions
         if self._config is not None:
             config = self._config
             config.grid_x, config.grid_y, config.grid_z = grid
             config.shared_bytes, config.stream = smem, stream or None
-            code = functions.launch_ex(ctypes.addressof(config), launcher.function,
+            code = functions.launch_ex(ctypes.addressof(config), self._function,
                                        ctypes.addressof(self._params), None)
-            if code == 0 or not launcher.plain_fallback:
+            if code == 0 or not self._plain_fallback:
                 return code
-        return functions.launch(launcher.function, *grid, *launcher.signature.block, smem,
-                                stream or None, ctypes.addressof(self._params), None)
+        return functions.launch(self._function, *grid, *self._block, smem, stream or None,
+                                ctypes.addressof(self._params), None)
 
 
 def raise_launch_error(code: int) -> None:
