@@ -214,6 +214,7 @@ def run_library(torch, batches: int, graphs: bool = True) -> list[dict]:
             row["eager_us"] = _eager_us(call, LIBRARY_CALLS, batches, sync)
             if graphs:
                 row["gpu_us"] = _graph_us(torch, call)
+            print(f"  measured {row}", file=sys.stderr, flush=True)  # partial results on a timeout
         except Exception as error:  # a path that fails is reported, not fatal to the run
             row["error"] = f"{type(error).__name__}: {error}"
         rows.append(row)
@@ -265,6 +266,7 @@ def _launch_paths(torch, y, launches: int, batches: int, kind: str) -> dict:
                                      batches, sync)
     times["launcher"] = type(plan.launcher).__name__ + (
         "" if getattr(plan.launcher, "shim", 1) is not None else " (ctypes)")
+    print(f"  measured {kind}: {times}", file=sys.stderr, flush=True)
     return times
 
 
