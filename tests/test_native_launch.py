@@ -313,3 +313,17 @@ def test_the_module_is_loaded_once_and_unloaded_with_the_launcher(kind, shim):
     assert [launch[5] for launch in recorder.launches] == [expected] * 3
     del launcher  # no reference cycle: unloaded at once, not by the cyclic collector
     assert calls[-1] == ("unload", 0x10)
+
+
+def test_the_launcher_and_compiler_variables_are_checked(monkeypatch):
+    from kiln.core import env
+
+    monkeypatch.setenv("KILN_LAUNCHER", "cuda-bindings")
+    with pytest.raises(KilnValueError, match="KILN_LAUNCHER.*native or ctypes or mlir"):
+        env.launcher()
+    monkeypatch.setenv("KILN_LAUNCHER", " MLIR ")
+    assert env.launcher() == "mlir"
+    monkeypatch.setenv("KILN_CC", "None")
+    assert env.c_compiler() is None
+    monkeypatch.setenv("KILN_CC", "clang")
+    assert env.c_compiler() == "clang"
