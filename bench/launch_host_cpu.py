@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
     base = results.get("kernel[grid](...) [mlir]")
     for kind in ("native", "ctypes"):
         if f"kernel[grid](...) [{kind}]" in results and base:
-            print(f"kernel[grid] {kind} / mlir: {results[f'kernel[grid](...) [{kind}]'] / base:.2f}")
+            ratio = results[f"kernel[grid](...) [{kind}]"] / base
+            print(f"kernel[grid] {kind} / mlir: {ratio:.2f}")
     if options.json:
         write_results(options.json, "launch_host_cpu",
                       [{"path": label, "us": us} for label, us in results.items()],

@@ -27,7 +27,8 @@ faster than the host issues the next). Reported: median over batches, in microse
   entry point's eager / graph time (issue 42's goal: within 1.15 for batch-1 decode).
 
 ``--host-only`` needs no GPU: it measures Kiln's per-call host work up to the driver call on
-the CPU. The real JIT-compiled host launchers are built with an in-process CUDA runtime whose
+the CPU (CPU time of the process, steadier than wall time on a shared machine). The real
+JIT-compiled host launchers are built with an in-process CUDA runtime whose
 ``mgpuLaunchKernel`` is a native no-op (a JIT-compiled empty function), for the tiny kernel
 and for the split-KV combine's signature (five rank-3..5 tensors, 60 flat C arguments):
 
@@ -77,16 +78,17 @@ def add_one(y: kiln.Tensor[f32], n: i32, BLOCK: kiln.constexpr):
         y[i] = y[i] + 1.0
 
 
-def _per_launch_us(issue, launches: int, batches: int, synchronize) -> float:
+def _per_launch_us(issue, launches: int, batches: int, synchronize,
+                   clock=time.perf_counter) -> float:
     for _ in range(max(launches // 10, 50)):  # warm-up: JIT, caches, clocks
         issue()
     synchronize()
     samples = []
     for _ in range(batches):
-        start = time.perf_counter()
+        start = clock()
         for _ in range(launches):
             issue()
-        samples.append((time.perf_counter() - start) / launches * 1e6)
+        samples.append((clock() - start) / launches * 1e6)
         synchronize()
     return statistics.median(samples)
 
@@ -449,6 +451,9 @@ def run_host_only(launches: int, batches: int) -> dict:
     from kiln.runtime.driver_launch import DriverFunctions
     from launch_host_cpu import no_op_driver
 
+    def timed(issue) -> float:  # CPU time: steadier than wall time on a shared machine
+        return _per_launch_us(issue, launches, batches, _pass, time.process_time)
+
     runtime = _NoopRuntime()
     keep_driver, driver_symbols = no_op_driver()
     driver_functions = DriverFunctions(driver_symbols, None)
@@ -487,22 +492,16 @@ def run_host_only(launches: int, batches: int) -> dict:
             driver_bound = bind_launch(SimpleNamespace(name=signature.name, signature=signature,
                                                        _launch_plan=driver_plan), (1, 1, 1), args)
             results[f"{label} [{kind}]"] = {
-                "bound_launch_us": _per_launch_us(lambda: driver_bound(*pointers), launches,
-                                                  batches, _pass),
-                "launch_plan_us": _per_launch_us(lambda: driver_plan((1, 1, 1), args, None),
-                                                 launches, batches, _pass),
-                "packed_launcher_us": _per_launch_us(
-                    lambda: driver_launcher(flat, (1, 1, 1), None), launches, batches, _pass),
+                "bound_launch_us": timed(lambda: driver_bound(*pointers)),
+                "launch_plan_us": timed(lambda: driver_plan((1, 1, 1), args, None)),
+                "packed_launcher_us": timed(lambda: driver_launcher(flat, (1, 1, 1), None)),
                 "flat_ctypes_call_us": None,
             }
         results[label] = {
-            "bound_launch_us": _per_launch_us(lambda: bound(*pointers), launches, batches, _pass),
-            "launch_plan_us": _per_launch_us(lambda: plan((1, 1, 1), args, None), launches,
-                                             batches, _pass),
-            "packed_launcher_us": _per_launch_us(lambda: launcher(flat, (1, 1, 1), None),
-                                                 launches, batches, _pass),
-            "flat_ctypes_call_us": _per_launch_us(lambda: flat_call(*flat, *tail), launches,
-                                                  batches, _pass),
+            "bound_launch_us": timed(lambda: bound(*pointers)),
+            "launch_plan_us": timed(lambda: plan((1, 1, 1), args, None)),
+            "packed_launcher_us": timed(lambda: launcher(flat, (1, 1, 1), None)),
+            "flat_ctypes_call_us": timed(lambda: flat_call(*flat, *tail)),
         }
         del bound, plan, ck, launcher  # the engines unload through the runtime: before it
     return results
@@ -537,7 +536,8 @@ def run_library_host_only(launches: int, batches: int) -> list[dict] | str:
     with runtime.use_runtime(runtime.DryRuntime()):
         for name, call in library_calls(torch, "cpu").items():
             call()  # plans
-            rows.append({"path": name, "us": _per_launch_us(call, launches, batches, _pass)})
+            rows.append({"path": name, "us": _per_launch_us(call, launches, batches, _pass,
+                                                            time.process_time)})
     return rows
 
 

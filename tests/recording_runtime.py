@@ -75,7 +75,8 @@ class RecordingDriver:
         }
 
     def symbols(self):
-        return {name: ctypes.cast(cb, ctypes.c_void_p).value for name, cb in self._callbacks.items()}
+        return {name: ctypes.cast(cb, ctypes.c_void_p).value
+                for name, cb in self._callbacks.items()}
 
     def _context(self, what, context):
         self.context_calls.append((what, context))
