@@ -46,9 +46,10 @@ def _drop_launchers() -> None:
 
     runtime.clear_plans()
     for obj in gc.get_objects():
-        if isinstance(obj, CompiledKernel) and "_launch_plan" in vars(obj):
+        kind = type(obj)  # not isinstance: it would read lazy attributes of torch's modules
+        if kind is CompiledKernel and "_launch_plan" in vars(obj):
             del obj._launch_plan
-        elif isinstance(obj, JITKernel):
+        elif kind is JITKernel:
             obj._launches.clear()
             obj._last_launch = None
 

@@ -266,15 +266,22 @@ def _check_outputs(plan, q, out, lse_out) -> None:
     """``out`` / ``lse_out`` as :func:`decode_attention` documents them (KilnValueError naming
     the argument otherwise)."""
     shape = tuple(plan.partial_shape[1:])
+    bound = plan.bound is not None  # torch dtypes to compare with: the placeholders'
     for name, given, want_shape, dtype in (("out", out, shape, kiln.bf16),
                                            ("lse_out", lse_out, shape[:3], kiln.f32)):
         if given is None:
             continue
-        fits = is_torch(given) == is_torch(q) and tuple(given.shape) == want_shape and \
-            runtime.dtype_of(name, given) is dtype
-        if fits and is_torch(q):
-            fits = given.device == q.device and given.is_contiguous() and \
-                given.data_ptr() % OUT_ALIGN == 0
+        if bound:  # the per-call check of a serving loop: torch attributes only
+            like = plan.no_outputs[0] if name == "out" else plan.no_sinks
+            fits = is_torch(given) and given.dtype == like.dtype and \
+                given.shape == want_shape and given.get_device() == q.get_device() and \
+                given.is_contiguous() and given.data_ptr() % OUT_ALIGN == 0
+        else:
+            fits = is_torch(given) == is_torch(q) and tuple(given.shape) == want_shape and \
+                runtime.dtype_of(name, given) is dtype
+            if fits and is_torch(q):
+                fits = given.device == q.device and given.is_contiguous() and \
+                    given.data_ptr() % OUT_ALIGN == 0
         if not fits:
             raise kiln.KilnValueError(
                 f"decode_attention's {name} must be a contiguous, {OUT_ALIGN}-byte aligned "
