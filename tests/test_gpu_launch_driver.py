@@ -15,7 +15,7 @@ from kiln import f32, i32
 from kiln.kernel import JITKernel
 from kiln.lowering.compiler import CompiledKernel
 from kiln.runtime.cuda import cuda_available
-from kiln.runtime.launch import bind_launch
+from kiln.runtime.launch import _plan_of, bind_launch
 
 from attention_reference import assert_paged_attention_close
 
@@ -74,7 +74,7 @@ def test_every_launcher_matches_the_reference(kind, monkeypatch, rng):
         want = a * x.double() + y.double()
         torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-6)
     ck = axpy.compile(x, y, out, n, a, BLOCK=BLOCK)
-    assert type(ck._launch_plan.launcher).__name__ == LAUNCHERS[kind]
+    assert type(_plan_of(ck).launcher).__name__ == LAUNCHERS[kind]
     bound = bind_launch(ck, ((n + BLOCK - 1) // BLOCK, 1, 1), [x, y, out, n, a])
     for _ in range(2):
         x2 = torch.randn(n, device="cuda")
