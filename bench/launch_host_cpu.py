@@ -1,17 +1,25 @@
 """Host cost of a launch up to the driver, measured on any machine (no GPU needed).
 
-saxpy is traced and compiled for sm_90a as usual; its launcher is the real JIT-compiled host
-module, but the ``mgpu*`` runtime functions it calls are native no-ops compiled here, so the
-time is Kiln's own: key, argument packing, the ctypes call into ``kiln_launch`` (also timed
-alone: what a launch costs here before any Python work). Arguments
-are stand-ins for CUDA torch tensors (Python attributes where torch has C ones). Prints µs per
-call, best of five (CPU time of the process)::
+saxpy is traced and compiled for sm_90a as usual and launched through each of Kiln's CUDA
+launchers, with the driver replaced by native no-ops compiled here, so the time is Kiln's own:
+
+- ``mlir``: the JIT-compiled host module (``KILN_LAUNCHER=mlir``), its ``mgpu*`` runtime
+  functions no-ops: key, argument packing, the ctypes call into ``kiln_launch``;
+- ``native``: :class:`~kiln.runtime.driver_launch.DriverLauncher` through the C shim (the
+  default), ``cuLaunchKernel`` a no-op;
+- ``ctypes``: the same launcher without the shim (no C compiler).
+
+Rows: ``kernel[grid](...)``, ``ck.launch``, a bound launch, and the launcher's bare call
+(what a launch costs before any Python work). Arguments are stand-ins for CUDA torch tensors
+(Python attributes where torch has C ones). Prints µs per call, best of five (CPU time of the
+process), and JSON with ``--json FILE``::
 
     .venv/bin/python bench/launch_host_cpu.py
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import time
@@ -25,6 +33,7 @@ import kiln
 from kiln import f32, i32
 from kiln.runtime.host import HostLauncher, nvidia_kernel_object
 from kiln.runtime.launch import _PLAN_ATTRIBUTE, _LaunchPlan, bind_launch
+from results_io import write_results
 
 # Native stand-ins for the MLIR CUDA runtime wrappers: a module load, a function lookup and a
 # launch that do nothing, and their addresses.
@@ -54,6 +63,33 @@ llvm.func @addresses(%out: !llvm.ptr) {
   llvm.return }
 """
 _NAMES = ("mgpuModuleLoadJIT", "mgpuModuleGetFunction", "mgpuLaunchKernel", "mgpuModuleUnload")
+
+
+_NO_OP_DRIVER = """
+llvm.func @ok() -> i32 {
+  %0 = llvm.mlir.constant(0 : i32) : i32
+  llvm.return %0 : i32 }
+llvm.func @address(%out: !llvm.ptr) {
+  %a = llvm.mlir.addressof @ok : !llvm.ptr
+  llvm.store %a, %out : !llvm.ptr, !llvm.ptr
+  llvm.return }
+"""
+
+
+def no_op_driver() -> tuple[object, dict[str, int]]:
+    """(engine to keep alive, driver function name -> address of a native function that
+    returns CUDA_SUCCESS at once, whatever its arguments), for a DriverLauncher."""
+    from kiln.runtime.driver_launch import SYMBOLS
+
+    context = ir.Context()
+    with context, ir.Location.unknown():
+        engine = execution_engine.ExecutionEngine(ir.Module.parse(_NO_OP_DRIVER), opt_level=2)
+        engine.initialize()
+    slot = ctypes.c_void_p()
+    pointer = ctypes.c_void_p(ctypes.addressof(slot))
+    args = (ctypes.c_void_p * 1)(ctypes.addressof(pointer))
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(engine.raw_lookup("address"))(ctypes.addressof(args))
+    return (context, engine), {name: slot.value for name in SYMBOLS}
 
 
 def no_op_runtime() -> tuple[object, dict[str, int]]:
@@ -98,41 +134,73 @@ def saxpy(x: kiln.Tensor[f32], y: kiln.Tensor[f32], n: i32, a: f32, BLOCK: kiln.
         y[i] = a * x[i] + y[i]
 
 
-def main() -> None:
+def launchers(ck):
+    """(label, launcher, keep-alive) of each CUDA launcher of ``ck`` over no-op drivers."""
+    from kiln.runtime.driver_launch import DriverFunctions, DriverLauncher
+    from kiln.runtime.native import native_module
+
+    keep, symbols = no_op_runtime()
+    mlir = HostLauncher(ck.signature, lambda: nvidia_kernel_object(ck.target, ptx=ck.asm["ptx"]),
+                        [], runtime_symbols=symbols)
+    yield "mlir", mlir, keep
+    keep, symbols = no_op_driver()
+    functions = DriverFunctions(symbols, None)
+    shim = native_module()
+    if shim is not None:
+        yield "native", DriverLauncher(ck.signature, 0x1000, functions, shim), keep
+    yield "ctypes", DriverLauncher(ck.signature, 0x1000, functions, None), keep
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--number", type=int, default=20000, help="calls per timing")
+    options = parser.parse_args(argv)
     n = 4096
     x, y = Tensor(0x10000, n), Tensor(0x20000, n)
     ck = saxpy.compile(x, y, n, 2.0, BLOCK=256)
-    keep, symbols = no_op_runtime()
-    launcher = HostLauncher(ck.signature, lambda: nvidia_kernel_object(ck.target,
-                                                                       ptx=ck.asm["ptx"]),
-                            [], runtime_symbols=symbols)
-    setattr(ck, _PLAN_ATTRIBUTE, _LaunchPlan(ck.name, ck.signature, launcher, None))
-    bound = bind_launch(ck, (16, 1, 1), [x, y, n, 2.0])
-    cases = {
-        "kernel[grid](...)": lambda: saxpy[(16,)](x, y, n, 2.0, BLOCK=256),
-        "ck.launch(grid, args)": lambda: ck.launch((16, 1, 1), [x, y, n, 2.0]),
-        "bind_launch(...)(pointers)": lambda: bound(0x10000, 0x20000),
-        "ctypes call into kiln_launch": lambda: launcher.launch_packed(arguments),
-    }
-    arguments = launcher.new_arguments()
-    launcher.pack(arguments, [0x10000, 0x10000, 0, n, 1, 0x20000, 0x20000, 0, n, 1, n, 2.0],
-                  (16, 1, 1), None)
-    try:
-        for case in cases.values():
-            case()  # compile, plan, generated launcher
-        for label, case in cases.items():
-            # CPU time of this process: steadier than wall time on a shared machine.
-            timer = timeit.Timer(case, timer=time.process_time)
-            best = min(timer.repeat(number=20000, repeat=5)) / 20000 * 1e6
-            print(f"{label:28s} {best:6.2f} us", flush=True)
-    finally:
-        # The launcher's engine unloads its module through the no-ops: release it first.
+    results: dict = {}
+    for kind, launcher, keep in launchers(ck):
+        setattr(ck, _PLAN_ATTRIBUTE, _LaunchPlan(ck.name, ck.signature, launcher, None))
         saxpy._launches.clear()
         saxpy._last_launch = None
-        del cases, bound, launcher, arguments
-        delattr(ck, _PLAN_ATTRIBUTE)
-        gc.collect()
-        del keep
+        bound = bind_launch(ck, (16, 1, 1), [x, y, n, 2.0])
+        arguments = launcher.new_arguments()
+        launcher.pack(arguments, [0x10000, 0x10000, 0, n, 1, 0x20000, 0x20000, 0, n, 1, n, 2.0],
+                      (16, 1, 1), None)
+        cases = {
+            "kernel[grid](...)": lambda: saxpy[(16,)](x, y, n, 2.0, BLOCK=256),
+            "ck.launch(grid, args)": lambda: ck.launch((16, 1, 1), [x, y, n, 2.0]),
+            "bind_launch(...)(pointers)": lambda: bound(0x10000, 0x20000),
+            "launcher's bare call": lambda: launcher.launch_packed(arguments),
+        }
+        try:
+            for case in cases.values():
+                case()  # plan, generated launcher
+            for label, case in cases.items():
+                # CPU time of this process: steadier than wall time on a shared machine.
+                timer = timeit.Timer(case, timer=time.process_time)
+                best = min(timer.repeat(number=options.number, repeat=5)) / options.number * 1e6
+                results[f"{label} [{kind}]"] = best
+                print(f"{label:28s} {kind:7s} {best:6.2f} us", flush=True)
+        finally:
+            # An MLIR launcher's engine unloads its module through the no-ops: release it first.
+            saxpy._launches.clear()
+            saxpy._last_launch = None
+            del cases, bound, launcher, arguments
+            delattr(ck, _PLAN_ATTRIBUTE)
+            gc.collect()
+            del keep
+    base = results.get("kernel[grid](...) [mlir]")
+    for kind in ("native", "ctypes"):
+        if f"kernel[grid](...) [{kind}]" in results and base:
+            ratio = results[f"kernel[grid](...) [{kind}]"] / base
+            print(f"kernel[grid] {kind} / mlir: {ratio:.2f}")
+    if options.json:
+        write_results(options.json, "launch_host_cpu",
+                      [{"path": label, "us": us} for label, us in results.items()],
+                      results=results, device="host CPU (driver call a no-op)", driver=None)
+    return results
 
 
 if __name__ == "__main__":

@@ -47,3 +47,60 @@ class RecordingCudaRuntime:
         args = [ctypes.cast(params[i], ctypes.POINTER(ctype))[0]
                 for i, ctype in enumerate(self.kernel_types)]
         self.launches.append((function, (gx, gy, gz), (bx, by, bz), smem, stream, args, count))
+
+
+class RecordingDriver:
+    """Stand-ins for the driver functions a ``DriverLauncher`` calls (``symbols()`` go to
+    ``DriverFunctions``): ``launches`` holds what ``RecordingCudaRuntime`` records, the
+    same tuple for ``cuLaunchKernel`` and ``cuLaunchKernelEx``; ``configs`` the attributes
+    ``(id, value[0..2])`` of each ``cuLaunchKernelEx``; ``refuse`` is a list of CUresults
+    the next launches return (before any is recorded), ``context_calls`` names each
+    ``cuCtx*`` call."""
+
+    FUNCTION = 0x2222
+
+    def __init__(self, signature):
+        from kiln.runtime.driver_launch import (_CONTEXT, _LAUNCH, _LAUNCH_EX, _POP_CONTEXT,
+                                                _LaunchConfig)
+
+        self._config_type = _LaunchConfig
+        self.kernel_types = flat_c_argtypes(signature)[:-5]
+        self.launches, self.configs, self.refuse, self.context_calls = [], [], [], []
+        self._callbacks = {
+            "cuLaunchKernel": _LAUNCH(self.launch),
+            "cuLaunchKernelEx": _LAUNCH_EX(self.launch_ex),
+            "cuCtxSetCurrent": _CONTEXT(lambda c: self._context("set", c)),
+            "cuCtxPushCurrent_v2": _CONTEXT(lambda c: self._context("push", c)),
+            "cuCtxPopCurrent_v2": _POP_CONTEXT(lambda c: self._context("pop", None)),
+        }
+
+    def symbols(self):
+        return {name: ctypes.cast(cb, ctypes.c_void_p).value
+                for name, cb in self._callbacks.items()}
+
+    def _context(self, what, context):
+        self.context_calls.append((what, context))
+        return 0
+
+    def _args(self, params):
+        params = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        return [ctypes.cast(params[i], ctypes.POINTER(ctype))[0]
+                for i, ctype in enumerate(self.kernel_types)]
+
+    def launch(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        if self.refuse:
+            return self.refuse.pop(0)
+        self.launches.append((function, (gx, gy, gz), (bx, by, bz), smem, stream,
+                              self._args(params), len(self.kernel_types)))
+        return 0
+
+    def launch_ex(self, config, function, params, extra):
+        if self.refuse:
+            return self.refuse.pop(0)
+        c = self._config_type.from_address(config)
+        self.configs.append([(c.attrs[i].id, tuple(c.attrs[i].value[:3]))
+                             for i in range(c.num_attrs)])
+        self.launches.append((function, (c.grid_x, c.grid_y, c.grid_z),
+                              (c.block_x, c.block_y, c.block_z), c.shared_bytes, c.stream,
+                              self._args(params), len(self.kernel_types)))
+        return 0

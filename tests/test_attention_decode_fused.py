@@ -250,3 +250,22 @@ def test_decode_modules_are_split_by_job_and_keep_the_public_names():
                  "default_config", "default_num_splits", "early_launch_tiles",
                  "decode_partials", "SHORT_SPLIT_TILES", "FUSED_COMBINE_MAX_BYTES"):
         assert hasattr(decode_module, name), name
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_attention_writes_into_given_outputs(fused, rng):
+    from kiln.kernels.attention.decode import decode_attention
+
+    q, kc, vc, table, seq_lens, _ = problem(rng, 1, 2, 4, 2, 16, [2 * BN + 5])
+    shape = q.shape
+    out = np.full(shape, np.nan, ml_dtypes.bfloat16)
+    lse_out = np.full(shape[:3], np.nan, np.float32)
+    o, lse = decode_attention(q, kc, vc, table, seq_lens, num_splits=2, backend="interpret",
+                              fused_combine=fused, out=out, lse_out=lse_out)
+    assert o is out and lse is lse_out
+    assert_paged_attention_close(out, lse_out, q, kc, vc, table, seq_lens)
+    for name, bad in (("out", np.zeros(shape, np.float32)),
+                      ("lse_out", np.zeros(shape[:2], np.float32))):
+        with pytest.raises(kiln.KilnValueError, match=f"decode_attention's {name} must be"):
+            decode_attention(q, kc, vc, table, seq_lens, num_splits=2, backend="interpret",
+                             **{name: bad})

@@ -20,9 +20,11 @@ import kiln
 from kiln.core.errors import KilnTypeError, KilnValueError
 from kiln.runtime import launch as launch_mod
 from kiln.arrays import describe_array, is_array
+from kiln.runtime.driver_launch import DriverFunctions, DriverLauncher
 from kiln.runtime.host import HostLauncher, nvidia_kernel_object
 from kiln.runtime.launch_fast import specialized_launcher
-from recording_runtime import RecordingCudaRuntime
+from kiln.runtime.native import native_module
+from recording_runtime import RecordingCudaRuntime, RecordingDriver
 
 
 @kiln.kernel(num_threads="BLOCK")
@@ -101,17 +103,26 @@ class DLPackArray:
 _RUNTIMES_ALIVE: list = []
 
 
-@pytest.fixture
-def runtimes(monkeypatch, tmp_path):
-    """Compiled kernel -> the recording runtime its launcher calls."""
+@pytest.fixture(params=["mlir", "native", "ctypes"])
+def runtimes(request, monkeypatch, tmp_path):
+    """Compiled kernel -> the recording runtime its launcher calls: the ExecutionEngine's
+    host module, or the driver launcher through the native shim or ctypes."""
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
     made = {}
+    shim = native_module() if request.param == "native" else None
+    if request.param == "native" and shim is None:
+        pytest.skip("no C compiler to build the native launch shim")
 
     def launcher(ck):
-        runtime = RecordingCudaRuntime(ck.signature)
-        host = HostLauncher(ck.signature,
-                            lambda: nvidia_kernel_object(ck.target, ptx=ck.asm["ptx"]), [],
-                            runtime_symbols=runtime.symbols())
+        if request.param == "mlir":
+            runtime = RecordingCudaRuntime(ck.signature)
+            host = HostLauncher(ck.signature,
+                                lambda: nvidia_kernel_object(ck.target, ptx=ck.asm["ptx"]), [],
+                                runtime_symbols=runtime.symbols())
+        else:
+            runtime = RecordingDriver(ck.signature)
+            host = DriverLauncher(ck.signature, RecordingDriver.FUNCTION,
+                                  DriverFunctions(runtime.symbols(), None), shim)
         _RUNTIMES_ALIVE.append(runtime)
         made[ck] = runtime
         return host, None

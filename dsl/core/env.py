@@ -22,6 +22,11 @@ the variable and what it takes (an empty value counts as unset). Flags accept ``
 ``KILN_CUOBJDUMP``                explicit ``cuobjdump`` path (SASS schedule check; same rule)
 ``KILN_ROCM_RUNTIME``             path of ``libmlir_rocm_runtime.so`` for AMD launches
 ``KILN_LAUNCH_BLOCKING`` (flag)   synchronise after every CUDA launch and raise its error
+``KILN_LAUNCHER``                 how CUDA kernels launch: ``native`` (default: the C shim,
+                                  else ctypes), ``ctypes`` (``cuLaunchKernel`` by ctypes) or
+                                  ``mlir`` (the ExecutionEngine host launcher)
+``KILN_CC``                       C compiler for the native launch shim (default ``cc``);
+                                  ``none``: never build it (the ctypes launcher)
 ``KILN_FUZZ_EXAMPLES=N``          kernels ``tests/test_fuzz.py`` generates (long fuzzing runs)
 ================================  ======================================================
 """
@@ -129,3 +134,24 @@ def rocm_runtime_override() -> Path | None:
 
 def launch_blocking() -> bool:
     return _flag("KILN_LAUNCH_BLOCKING")
+
+
+LAUNCHERS = ("native", "ctypes", "mlir")
+
+
+def launcher() -> str:
+    """``KILN_LAUNCHER``: one of :data:`LAUNCHERS` (default ``native``)."""
+    value = os.environ.get("KILN_LAUNCHER", "").strip().lower()
+    if value == "":
+        return "native"
+    if value not in LAUNCHERS:
+        raise _invalid("KILN_LAUNCHER", os.environ["KILN_LAUNCHER"], " or ".join(LAUNCHERS))
+    return value
+
+
+def c_compiler() -> str | None:
+    """``KILN_CC`` (default ``cc``); None when set to ``none``."""
+    value = os.environ.get("KILN_CC", "").strip()
+    if value.lower() == "none":
+        return None
+    return value or "cc"

@@ -218,6 +218,40 @@ class Driver:
         finally:
             self._lib.cuModuleUnload(module)
 
+    @property
+    def context(self) -> int:
+        """Device 0's primary context (the one every Kiln module is loaded in)."""
+        return self._context.value
+
+    def launch_symbols(self) -> dict[str, int]:
+        """Addresses of the driver functions a :class:`~kiln.runtime.driver_launch.
+        DriverLauncher` calls per launch, by name."""
+        return {name: ctypes.cast(self._lib[name], ctypes.c_void_p).value
+                for name in ("cuLaunchKernel", "cuLaunchKernelEx", "cuCtxSetCurrent",
+                             "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2")}
+
+    def load_function(self, image: bytes, name: str) -> tuple[int, int]:
+        """``(module, function)``: ``image`` (a cubin) loaded into the primary context
+        (``cuModuleLoadData``) and its kernel ``name``; unload with :meth:`unload_module`."""
+        self.make_current()
+        module, function = ctypes.c_void_p(), ctypes.c_void_p()
+        self._check(self._lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
+        try:
+            self._check(self._lib.cuModuleGetFunction(ctypes.byref(function), module,
+                                                      name.encode()), "cuModuleGetFunction")
+        except LaunchError:
+            self._lib.cuModuleUnload(module)
+            raise
+        return module.value, function.value
+
+    def set_function_attribute(self, function: int, attribute: int, value: int) -> None:
+        """``cuFuncSetAttribute`` (e.g. the dynamic shared memory a launch may ask for)."""
+        self._check(self._lib.cuFuncSetAttribute(function, attribute, value),
+                    "cuFuncSetAttribute")
+
+    def unload_module(self, module: int) -> None:
+        self._check(self._lib.cuModuleUnload(module), "cuModuleUnload")
+
     def mem_alloc(self, nbytes: int) -> int:
         ptr = ctypes.c_uint64()
         self._check(self._lib.cuMemAlloc_v2(ctypes.byref(ptr), max(nbytes, 1)), "cuMemAlloc")

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import weakref
-from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import ml_dtypes
@@ -37,18 +35,14 @@ from kiln.launch_args import check_float_argument, check_int_argument, normalize
 from kiln.lowering.compiler import backend_for
 from kiln.runtime.amd_host import build_amd_launcher
 from kiln.runtime import cuda
+from kiln.runtime.driver_launch import load_driver_launcher
 from kiln.runtime.host import build_nvidia_launcher, scalar_carrier
-from kiln.runtime.tensor_map_capture import CaptureArena
+from kiln.runtime.native import native_module
+from kiln.runtime.tensor_maps import (CAPTURE_ARENA_SLOTS, TENSOR_MAP_CACHE_CAPACITY,  # noqa: F401
+                                      TensorMapCache)
 from kiln.signature import ScalarParam, TensorMapParam, TensorParam
 
 _PLAN_ATTRIBUTE = "_launch_plan"
-TENSOR_MAP_CACHE_CAPACITY = 256  # encoded TMA descriptors kept in device memory per kernel
-CAPTURE_ARENA_SLOTS = 64  # descriptors a kernel may first need inside CUDA-graph captures
-
-# CUtensorMapDataType and CUtensorMapSwizzle enumerators (cuda.h).
-_TMA_DATA_TYPES = {"i8": 0, "f8e4m3": 0, "f8e5m2": 0, "i16": 1, "i32": 3, "i64": 5, "f16": 6,
-                   "f32": 7, "f64": 8, "bf16": 9}
-_TMA_SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}
 _BIT_PATTERN_DTYPES = {"f16": np.float16, "bf16": ml_dtypes.bfloat16,
                        "f8e4m3": ml_dtypes.float8_e4m3fn, "f8e5m2": ml_dtypes.float8_e5m2}
 
@@ -86,10 +80,10 @@ class BoundLaunch:
     tensor-map parameter (in parameter order) and an optional ``stream`` (None: the current
     stream of the example tensors' library, as for :func:`launch`).
 
-    The flat C arguments live in a :class:`~kiln.runtime.host.LaunchArguments` block built
-    once; a call writes the addresses (and the stream) into their slots and makes one ctypes
-    call. The addresses are not checked, so the caller must pass tensors laid out exactly like
-    the example ones.
+    The flat C arguments live in an argument block built once; a call writes the addresses
+    (and the stream) into their slots and launches: one C call into the native launch shim
+    (:mod:`kiln.runtime.driver_launch`), or one ctypes call. The addresses are not checked, so
+    the caller must pass tensors laid out exactly like the example ones.
     """
 
     def __init__(self, ck, grid, args: Sequence):
@@ -128,11 +122,28 @@ class BoundLaunch:
         self._launcher.pack(self._arguments, flat, grid, None)
         self._owner = threading.get_ident()
         self._other_threads: dict[int, Any] = {}  # the ctypes call releases the GIL
+        # The native shim writes the addresses and launches in one C call, under the GIL.
+        self._map_positions = tuple((i, slot) for i, slot in enumerate(slots) if slot < 0)
+        self._memo: dict[tuple[int, int], int] = {}
+        self._memo_evictions = self._tensor_maps.evictions
+        shim = getattr(self._launcher, "shim", None)
+        self._native = None
+        if shim is not None:
+            self._arguments.bind_pointer_slots(self._slots)
+            self._native, self._record = shim.launch_pointers, self._arguments.address
 
     def __call__(self, *pointers: int, stream=None) -> None:
         if len(pointers) != len(self._slots):
             raise KilnValueError(f"this launch binds {len(self._slots)} tensors, got "
                                  f"{len(pointers)} addresses", fix="pass one per tensor parameter")
+        if self._native is not None:
+            handle = self._current_stream() if stream is None else stream_handle(stream)
+            if self._map_views:
+                pointers = self._with_descriptors(pointers, handle)
+            self._native(self._record, handle, *pointers)
+            if self._after_launch is not None:
+                self._after_launch()
+            return
         arguments = self._arguments
         if threading.get_ident() != self._owner:
             arguments = self._thread_arguments()
@@ -154,6 +165,27 @@ class BoundLaunch:
         """The handle a call with ``stream=None`` would launch on (the current stream of the
         example tensors' library); pass it back as ``stream=`` to launch there."""
         return self._current_stream()
+
+    def _with_descriptors(self, pointers: tuple, handle) -> list:
+        """``pointers`` with each tensor map's tensor address replaced by its descriptor's:
+        from this launch's memo of (slot, address) -> descriptor, valid while the cache has
+        freed nothing since it was filled; captured descriptors are never memoised (only a
+        graph's replay writes them)."""
+        cache, memo = self._tensor_maps, self._memo
+        if self._memo_evictions != cache.evictions:
+            memo.clear()
+            self._memo_evictions = cache.evictions
+        pointers = list(pointers)
+        for i, slot in self._map_positions:
+            pointer = pointers[i]
+            address = memo.get((slot, pointer))
+            if address is None:
+                param, shape, strides = self._map_views[~slot]
+                address = cache.descriptor(param, pointer, shape, strides, stream=handle)
+                if address in cache.addresses:
+                    memo[slot, pointer] = address
+            pointers[i] = address
+        return pointers
 
     def _thread_arguments(self):
         ident = threading.get_ident()
@@ -276,7 +308,12 @@ def nvidia_launcher(ck) -> tuple[Callable, object]:
     cuda_driver = cuda.driver()  # raises LaunchError without a GPU, before the JIT could abort
     check_launch_config(ck.name, ck.signature, getattr(ck, "metadata", {}),
                         cuda_driver.launch_limits())
-    return build_nvidia_launcher(ck.signature, ck.target, cubin=ck.asm.get("cubin"),
+    cubin, choice = ck.asm.get("cubin"), env.launcher()
+    if cubin is not None and choice != "mlir":
+        # The pipeline's cubin, loaded once; per launch only cuLaunchKernel (driver_launch).
+        shim = native_module() if choice == "native" else None
+        return load_driver_launcher(ck.signature, cubin, cuda_driver, shim), cuda_driver
+    return build_nvidia_launcher(ck.signature, ck.target, cubin=cubin,
                                  ptx=ck.asm.get("ptx")), cuda_driver
 
 
@@ -331,103 +368,6 @@ def check_launch_config(name: str, signature, metadata: dict, limits) -> None:
                             f"{registers * threads} per block; this GPU has "
                             f"{limits.max_registers_per_block}",
                             fix="lower num_warps, or cap registers with maxnreg=")
-
-
-class TensorMapCache:
-    """Encoded TMA descriptors in device memory, one per (dtype, box, swizzle, fill, address,
-    shape, strides), at most ``capacity`` of them: the least recently used is freed first, and
-    all are freed when the cache is collected or the interpreter exits.
-
-    A freed descriptor may still be read by a queued kernel only if ``cuMemFree`` returned
-    before that kernel ran, and it does not: like ``cudaFree`` it waits for the device first.
-    Eviction therefore costs a synchronisation, which the capacity keeps rare.
-
-    Example: ``cache.descriptor(param, x.data_ptr(), tuple(x.shape), tuple(x.stride()))``.
-    """
-
-    def __init__(self, driver, capacity: int = TENSOR_MAP_CACHE_CAPACITY):
-        self._driver = driver
-        self.capacity = capacity
-        self._entries: OrderedDict[tuple, int] = OrderedDict()
-        # Descriptors first needed inside a CUDA-graph capture (kiln.lowering.tensor_map_capture):
-        # the arena is made with the first descriptor, before any capture can need it.
-        self._arena: CaptureArena | None = None
-        self._captured: dict[tuple, int] = {}
-        weakref.finalize(self, _free_descriptors, driver, self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def descriptor(self, param: TensorMapParam, ptr: int, shape: tuple, strides: tuple,
-                   staging=None, stream: int | None = None) -> int:
-        """Device address of the descriptor of tensor (``ptr``, ``shape``, ``strides``) for
-        ``param``, for a launch on ``stream``. With ``staging`` (a temporary copy of a numpy
-        array) the descriptor lives in the staging memory and is not cached. A new descriptor
-        while ``stream`` captures a CUDA graph goes to the capture arena, written by a copy
-        the graph records."""
-        key = (param.dtype, param.box, param.swizzle, param.oob_fill_nan, ptr, shape, strides)
-        if staging is None:
-            cached = self._entries.get(key)
-            if cached is not None:
-                self._entries.move_to_end(key)
-                return cached
-            if stream and self._driver.stream_capturing(stream):
-                return self._captured_descriptor(key, param, ptr, shape, strides, stream)
-        encoded = self._encode(param, ptr, shape, strides)
-        if staging is not None:
-            device_ptr = staging.allocate(len(encoded))
-        else:
-            if self._arena is None:
-                self._arena = CaptureArena(self._driver, CAPTURE_ARENA_SLOTS)
-            device_ptr = self._driver.mem_alloc(len(encoded))
-            self._entries[key] = device_ptr
-            while len(self._entries) > self.capacity:
-                self._driver.mem_free(self._entries.popitem(last=False)[1])
-        self._driver.memcpy_htod(device_ptr, np.frombuffer(encoded, np.uint8).ctypes.data,
-                                 len(encoded))
-        return device_ptr
-
-    def _captured_descriptor(self, key: tuple, param: TensorMapParam, ptr: int, shape: tuple,
-                             strides: tuple, stream: int) -> int:
-        # Only captured launches read these slots: each replay writes them before its kernel.
-        captured = self._captured.get(key)
-        if captured is None:
-            if self._arena is None:
-                raise LaunchError("a TMA descriptor was needed inside a CUDA-graph capture "
-                                  "before the kernel ever launched outside one",
-                                  fix="launch once before capturing (it also compiles)")
-            captured = self._captured[key] = self._arena.put(
-                self._encode(param, ptr, shape, strides), stream)
-        return captured
-
-    def _encode(self, param: TensorMapParam, ptr: int, shape: tuple, strides: tuple) -> bytes:
-        if strides[-1] != 1:
-            raise KilnValueError(f"TMA argument {param.name!r} needs innermost stride 1, got "
-                                 f"{strides[-1]}", fix="pass a contiguous tensor (.contiguous())")
-        itemsize = to_dtype(param.dtype).itemsize
-        misaligned = [s * itemsize for s in strides[:-1] if s * itemsize % 16]
-        if misaligned or ptr % 16:
-            # cuTensorMapEncodeTiled would only say "invalid argument".
-            raise KilnValueError(f"TMA argument {param.name!r} needs a 16-byte aligned address "
-                                 f"and row strides that are multiples of 16 bytes; it has "
-                                 f"strides of {[s * itemsize for s in strides]} bytes",
-                                 fix=f"pad the innermost dimension to a multiple of "
-                                     f"{16 // itemsize if itemsize < 16 else 1} elements")
-        self._driver.make_current()
-        return self._driver.tensor_map_encode_tiled(
-            _TMA_DATA_TYPES[to_dtype(param.dtype).name], ptr, list(reversed(shape)),
-            [s * itemsize for s in reversed(strides[:-1])], list(reversed(param.box)),
-            _TMA_SWIZZLES[param.swizzle], 1 if param.oob_fill_nan else 0)
-
-
-def _free_descriptors(driver, entries: OrderedDict) -> None:
-    """Free every cached descriptor (at collection or interpreter exit, so errors of a driver
-    that is already shutting down are ignored)."""
-    while entries:
-        try:
-            driver.mem_free(entries.popitem()[1])
-        except LaunchError:
-            pass
 
 
 class _LaunchPlan:

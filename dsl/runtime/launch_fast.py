@@ -3,8 +3,10 @@
 A ``kernel[grid](...)`` call whose cheap key (kinds, dtypes, ranks and contiguity of the
 arguments, constexprs, options) hits a launch that already ran once takes this path: a Python
 function generated for exactly that specialisation and those kinds of arguments packs every
-flat C argument of ``kiln_launch`` with one ``struct.pack_into`` and makes one ctypes call into
-the launcher the MLIR pipeline produced (:class:`~kiln.runtime.host.HostLauncher`). What the
+flat C argument with one ``struct.pack_into`` and makes one call into the launcher: the
+native shim's ``cuLaunchKernel`` of the pipeline's cubin
+(:class:`~kiln.runtime.driver_launch.DriverLauncher`), or a ctypes call into the host module
+the MLIR pipeline produced (:class:`~kiln.runtime.host.HostLauncher`). What the
 key already proves (dtype, rank, innermost stride, ``is_cuda``) is not checked again; what it
 does not (a scalar's range, a grid) still is. For saxpy on two torch tensors the function is::
 
@@ -21,8 +23,10 @@ does not (a scalar's range, a grid) still is. For saxpy on two torch tensors the
             return fallback(grid, args, stream)    # the generic launch reports the bad value
         entry(arguments.address)
 
+Each thread packs its own block: another thread may run between the packing and the launch.
+
 Numpy arguments (staged through device copies) never take this path, nor launchers that are
-not a ``HostLauncher`` (test doubles of the launcher).
+neither (test doubles of the launcher).
 
 Example::
 
@@ -40,6 +44,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kiln.launch_args import normalize_grid
+from kiln.runtime.driver_launch import DriverLauncher
 from kiln.runtime.host import HostLauncher
 from kiln.runtime.launch import (_PLAN_ATTRIBUTE, _convert_tensor, _device_view,
                                   _scalar_converter, _stream_source, stream_handle)
@@ -59,7 +64,7 @@ def specialized_launcher(ck, args: Sequence, positions: Sequence[int]
     :class:`HostLauncher`, or an argument is a numpy array. The result is called as
     ``fast(grid, args, stream)`` with the same ``stream`` values as ``ck.launch``."""
     plan = getattr(ck, _PLAN_ATTRIBUTE, None)
-    if plan is None or not isinstance(plan.launcher, HostLauncher):
+    if plan is None or not isinstance(plan.launcher, (HostLauncher, DriverLauncher)):
         return None
     params = ck.signature.params
     values = [args[p] for p in positions]

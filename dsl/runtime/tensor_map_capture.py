@@ -1,7 +1,7 @@
 """TMA descriptors for launches recorded into a CUDA graph.
 
 Outside a capture a new descriptor gets its own ``cuMemAlloc`` and a synchronous copy
-(:class:`~kiln.runtime.launch.TensorMapCache`). Inside one both are refused (the capture is
+(:class:`~kiln.runtime.tensor_maps.TensorMapCache`). Inside one both are refused (the capture is
 invalidated), which is what made a GEMM whose output is allocated inside the capture
 uncapturable. A :class:`CaptureArena` is allocated beforehand, with the cache's first
 descriptor: page-locked host slots and device slots of 128 bytes. A descriptor first needed

@@ -127,6 +127,8 @@ from .decode_config import (AHEAD_PREFETCH_TILES, CTAS_PER_SM, DEFAULT_SMS, EARL
 from .decode_kernel import make_kernel
 from .decode_plan import check_values, get_plan, nvidia_target
 
+OUT_ALIGN = 16  # bytes: the alignment decode_attention's out= and lse_out= must have
+
 __all__ = [
     "AHEAD_PREFETCH_TILES", "CTAS_PER_SM", "DEFAULT_SMS", "EARLY_LAUNCH_TILES",
     "FUSED_COMBINE_MAX_BYTES", "KV_EVICTION", "LAZY_RESCALE_HEAD_DIMS", "LAZY_RESCALE_THRESHOLD",
@@ -170,12 +172,12 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
                     sinks, target, backend, config, fused=False)
     if plan.kernel is None:
         return plan.torch_partials() if plan.device is not None else plan.numpy_partials()
-    check_values(k_cache, page_table, seq_lens, block_table, validate)
+    if validate or plan.bound is None:  # bound plans take torch tensors, checked on request
+        check_values(k_cache, page_table, seq_lens, block_table, validate)
     if plan.bound is not None and q.data_ptr() % Q_ALIGN == 0:
         words, partials = plan.torch_partial_words()
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                    block_table, sinks), *partials,
-                   *(t.data_ptr() for t in plan.no_outputs))
+                                    block_table, sinks), *partials, *plan.no_output_pointers)
         return plan.torch_partials(words)
     return _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
                         backend)
@@ -183,7 +185,7 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
 
 def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None,
                      block_table=None, scale=None, sinks=None, target=None, backend=None,
-                     config=None, fused_combine=None, validate=False):
+                     config=None, fused_combine=None, validate=False, out=None, lse_out=None):
     """Split-KV decode attention with the splits merged: the attention output
     ``[B, Sq, Hq, D]`` (bf16) and its natural-log LSE ``[B, Sq, Hq]`` (f32). Same keywords as
     :func:`decode`.
@@ -199,41 +201,54 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     partials (every shape of ``bench/decode.py``'s grid).
 
     With contiguous torch CUDA tensors a repeat call of one shape class is one bound launch
-    and three allocations (the partials, freed to torch's stream-ordered allocator once the
-    launch is queued, and the returned ``o`` and ``lse``), and it can be captured in a CUDA
-    graph (``torch.cuda.graph``) and replayed with no host work per step (check the page table
-    before capturing, e.g. with one ``validate=True`` call; the kernel poisons rows with bad
-    ids). The
-    ticket counters are kept per plan and per stream; each launch adds the split count to each
-    of them.
+    (two: decode's and combine's, back to back, when not fused) and two allocations (the
+    returned ``o`` and ``lse``), and it can be captured in a CUDA graph (``torch.cuda.graph``)
+    and replayed with no host work per step (check the page table before capturing, e.g. with
+    one ``validate=True`` call; the kernel poisons rows with bad ids). The ticket counters and
+    the partials (up to ``SCRATCH_MAX_BYTES``; larger ones are allocated per call) are kept per
+    plan and per stream: calls on one stream are ordered, so each reuses the last one's, and
+    calls that may run at once must be on different streams (a graph's launches are those of
+    its capture stream). Each launch adds the split count to each ticket counter.
+    ``out`` / ``lse_out``: optional preallocated outputs (``[B, Sq, Hq, D]`` bf16 and
+    ``[B, Sq, Hq]`` float32 of q's kind; torch ones on q's device, contiguous and 16-byte
+    aligned), written and returned instead of fresh ones: a decode loop that reuses them
+    allocates nothing per call. Either may be given alone.
     Example: ``o, lse = decode_attention(q, k_cache, v_cache, page_table, seq_lens)``.
     """
     plan = get_plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
                     sinks, target, backend, config, fused=fused_combine)
+    given = out is not None or lse_out is not None
+    if given:
+        _check_outputs(plan, q, out, lse_out)
     if plan.kernel is None:
         shape = plan.partial_shape[1:]
-        return empty_like(q, shape, kiln.bf16), empty_like(q, shape[:3], kiln.f32)
-    check_values(k_cache, page_table, seq_lens, block_table, validate)
+        return _delivered((empty_like(q, shape, kiln.bf16), empty_like(q, shape[:3], kiln.f32)),
+                          out, lse_out)
+    if validate or plan.bound is None:  # bound plans take torch tensors, checked on request
+        check_values(k_cache, page_table, seq_lens, block_table, validate)
     can_bind = plan.bound is not None and q.data_ptr() % Q_ALIGN == 0
     if can_bind and plan.fused:
-        words, partials = plan.torch_partial_words()  # freed once the launch is queued
-        o, lse = plan.outputs(like=words)
         stream = plan.bound.current_stream()
+        o, lse = _bound_outputs(plan, out, lse_out) if given else \
+            plan.outputs(like=plan.no_sinks)
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                    block_table, sinks), *partials, o.data_ptr(),
-                   lse.data_ptr(), plan.torch_tickets(stream).data_ptr(), stream=stream)
+                                    block_table, sinks), *plan.scratch_partials(stream),
+                   o.data_ptr(), lse.data_ptr(), plan.torch_tickets(stream).data_ptr(),
+                   stream=stream)
         return o, lse
     if can_bind and plan.merge is not None:
-        words, partials = plan.torch_partial_words()
-        o, lse = plan.merge.new_outputs(words)
+        stream = plan.bound.current_stream()
+        partials = plan.scratch_partials(stream)
+        o, lse = _bound_outputs(plan, out, lse_out) if given else \
+            plan.merge.new_outputs(plan.no_sinks)
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                    block_table, sinks), *partials,
-                   *(t.data_ptr() for t in plan.no_outputs))
-        plan.merge.bound(*partials, o.data_ptr(), lse.data_ptr())
+                                    block_table, sinks), *partials, *plan.no_output_pointers,
+                   stream=stream)
+        plan.merge.bound(*partials, o.data_ptr(), lse.data_ptr(), stream=stream)
         return o, lse
     if plan.fused:
-        return _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
-                            backend)
+        return _delivered(_run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens,
+                                       block_table, sinks, backend), out, lse_out)
     from .combine import combine
 
     o_part, lse_part, counts = decode(q, k_cache, v_cache, page_table, seq_lens,
@@ -241,8 +256,61 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
                                       scale=scale, sinks=sinks, target=target, backend=backend,
                                       config=config, validate=False)  # checked above
     slots = o_part.shape[0]
-    return combine(o_part, lse_part, counts, max_splits=slots, partials=decode_partials(slots),
-                   target=target, backend="interpret" if backend == "interpret" else None)
+    return _delivered(combine(o_part, lse_part, counts, max_splits=slots,
+                              partials=decode_partials(slots), target=target,
+                              backend="interpret" if backend == "interpret" else None),
+                      out, lse_out)
+
+
+def _check_outputs(plan, q, out, lse_out) -> None:
+    """``out`` / ``lse_out`` as :func:`decode_attention` documents them (KilnValueError naming
+    the argument otherwise)."""
+    shape = tuple(plan.partial_shape[1:])
+    bound = plan.bound is not None  # torch dtypes to compare with: the placeholders'
+    for name, given, want_shape, dtype in (("out", out, shape, kiln.bf16),
+                                           ("lse_out", lse_out, shape[:3], kiln.f32)):
+        if given is None:
+            continue
+        if bound:  # the per-call check of a serving loop: torch attributes only
+            like = plan.no_outputs[0] if name == "out" else plan.no_sinks
+            fits = is_torch(given) and given.dtype == like.dtype and \
+                given.shape == want_shape and given.get_device() == q.get_device() and \
+                given.is_contiguous() and given.data_ptr() % OUT_ALIGN == 0
+        else:
+            fits = is_torch(given) == is_torch(q) and tuple(given.shape) == want_shape and \
+                runtime.dtype_of(name, given) is dtype
+            if fits and is_torch(q):
+                fits = given.device == q.device and given.is_contiguous() and \
+                    given.data_ptr() % OUT_ALIGN == 0
+        if not fits:
+            raise kiln.KilnValueError(
+                f"decode_attention's {name} must be a contiguous, {OUT_ALIGN}-byte aligned "
+                f"{dtype} array of shape {want_shape} like q (same kind and device); got "
+                f"{type(given).__name__} {getattr(given, 'dtype', '?')} of shape "
+                f"{tuple(getattr(given, 'shape', ()))}",
+                fix=f"allocate it like q with shape {want_shape} and dtype {dtype}, or leave "
+                    f"{name}=None")
+
+
+def _bound_outputs(plan, out, lse_out):
+    """``(o, lse)`` of a bound call with caller outputs: those given (checked), fresh ones for
+    the other."""
+    if out is None or lse_out is None:
+        o, lse = plan.outputs(like=plan.no_sinks)
+        return (o if out is None else out), (lse if lse_out is None else lse_out)
+    return out, lse_out
+
+
+def _delivered(results, out, lse_out):
+    """``results`` (o, lse) written into the caller's outputs where given."""
+    o, lse = results
+    if out is not None:
+        out[...] = o
+        o = out
+    if lse_out is not None:
+        lse_out[...] = lse
+        lse = lse_out
+    return o, lse
 
 
 def _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, backend):

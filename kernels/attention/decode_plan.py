@@ -22,6 +22,8 @@ from .decode_config import (DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MERGE_H
 from .decode_kernel import make_kernel
 from .paged import kv_sub_tile_rows
 
+SCRATCH_MAX_BYTES = 16 << 20  # internal partials kept per plan and stream up to this size
+
 
 @dataclass(frozen=True)
 class DecodePlan:
@@ -48,6 +50,9 @@ class DecodePlan:
     # Fused torch plans: the ticket counters (zeroed once) per stream handle. Each launch adds
     # `slots` to each; calls on one stream are ordered, calls on two use two counter sets.
     tickets: dict = field(default_factory=dict)
+    # Partials that never leave decode_attention (fused or merged), per stream handle, when
+    # at most SCRATCH_MAX_BYTES: calls on one stream are ordered, so each reuses the last's.
+    scratch: dict = field(default_factory=dict)
 
     @property
     def grid_cells(self) -> tuple[int, int, int]:
@@ -75,6 +80,11 @@ class DecodePlan:
         return (np.full(shape, np.nan, kiln.bf16.numpy), np.full(shape[:3], np.nan, np.float32))
 
     @functools.cached_property
+    def no_output_pointers(self) -> tuple:
+        """Addresses of :attr:`no_outputs` (what a kernel that does not combine is bound to)."""
+        return tuple(t.data_ptr() for t in self.no_outputs)
+
+    @functools.cached_property
     def lse_offset(self) -> int:
         """f32 words before LSE_partial in the one partials allocation (after O_partial)."""
         return math.prod(self.partial_shape)
@@ -95,6 +105,19 @@ class DecodePlan:
         words = self.no_sinks.new_empty(self.partial_words)  # f32, on the plan's device
         base = words.data_ptr()
         return words, (base, base + 4 * self.lse_offset, base + 4 * self.counts_offset)
+
+    def scratch_partials(self, stream: int | None) -> tuple:
+        """The three partials' addresses for a call on ``stream`` whose partials stay inside
+        :func:`decode_attention`: the stream's kept allocation, or (above
+        ``SCRATCH_MAX_BYTES``) a fresh one, freed to torch's stream-ordered allocator once
+        the launches are queued."""
+        kept = self.scratch.get(stream)
+        if kept is not None:
+            return kept[1]
+        words, partials = self.torch_partial_words()
+        if 4 * self.partial_words <= SCRATCH_MAX_BYTES:
+            self.scratch[stream] = words, partials
+        return partials
 
     def torch_partials(self, words=None):
         """O_partial, LSE_partial (f32) and split_counts (int32): contiguous views of

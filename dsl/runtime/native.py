@@ -1,0 +1,181 @@
+"""The native launch shim (``native_launch.c``): built at first use, cached, checked, loaded.
+
+:func:`native_module` returns the shim's extension module, or None when it cannot be had (no
+C compiler, no Python headers, ``KILN_CC=none``, a failed build): the launcher then calls the
+driver through ctypes (:mod:`kiln.runtime.driver_launch`), slower by about a microsecond.
+
+The shim is content-addressed: its key hashes the C source, the compiler (path and
+``--version``) and the Python build (version, ABI suffix, headers). It lives in the compile
+cache's owner-only directory (``<cache>/native/<key>.so`` beside ``<key>.json``, which records
+the key, size and SHA-256 of the library) under the same trust model (docs/lowering.md, "Trust
+model"): files not owned by you or that are symlinks are not read, a library whose size or
+digest does not match its record, or a record of another key, is never loaded but rebuilt
+(one :class:`~kiln.core.errors.CacheWarning`). The checked bytes themselves are what is
+loaded: they are copied to a fresh private file first, so a swap after the check loads
+nothing unchecked. Without a usable cache the shim is built in a private temporary directory
+once per process.
+
+Example::
+
+    shim = native_module()
+    if shim is not None:
+        shim.launch(record_address)
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+from kiln.core import env
+from kiln.core.trusted_dir import (UntrustedFile, make_private_dirs, read_owned, usable_root,
+                                   warn_once, write_atomic)
+
+SOURCE = Path(__file__).with_name("native_launch.c")
+MODULE_NAME = "_kiln_launch"
+RECORD_FORMAT = "kiln-native-shim/1"
+BUILD_TIMEOUT_S = 60
+
+
+@functools.lru_cache(maxsize=1)
+def native_module():
+    """The loaded shim for this process (built or read from the cache once), or None."""
+    return load_shim(env.c_compiler())
+
+
+def load_shim(compiler: str | None, root: Path | None = None):
+    """The shim built by ``compiler`` (None: no shim), cached under ``root`` (default: the
+    compile cache's ``native/`` directory, when usable). Not memoised: for tests."""
+    if compiler is None or not SOURCE.exists():
+        return None
+    identity = compiler_identity(compiler)
+    include = sysconfig.get_paths()["include"]
+    if identity is None or not (Path(include) / "Python.h").exists():
+        return None
+    source = SOURCE.read_bytes()
+    key = shim_key(source, identity, include)
+    if root is None:
+        base = usable_root()
+        root = None if base is None else base / "native"
+    if root is None:
+        with tempfile.TemporaryDirectory(prefix="kiln-native-") as private:
+            built = _build(compiler, Path(private), key)
+            return None if built is None else _load(built.read_bytes(), Path(private))
+    make_private_dirs(root)
+    data = _cached(root, key)
+    if data is None:
+        built = _build(compiler, root, key)
+        if built is None:
+            return None
+        data = built.read_bytes()
+        try:
+            write_atomic(root / f"{key}.json", json.dumps(_record(key, data)).encode())
+        except OSError as err:
+            warn_once(("native-record", str(root)), f"kiln: cannot record the native launch "
+                      f"shim in {root} ({err}); it is rebuilt next time")
+    return _load(data, root)
+
+
+def compiler_identity(compiler: str) -> str | None:
+    """``compiler``'s resolved path and ``--version`` output, or None when it does not run."""
+    path = shutil.which(compiler)
+    if path is None:
+        return None
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True,
+                                 timeout=BUILD_TIMEOUT_S, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{os.path.realpath(path)}\n{version}"
+
+
+def shim_key(source: bytes, identity: str, include: str) -> str:
+    """SHA-256 of the shim's source, the compiler and the Python build it is made for."""
+    digest = hashlib.sha256()
+    for part in (source, identity.encode(), sys.version.encode(),
+                 str(sysconfig.get_config_var("EXT_SUFFIX")).encode(), include.encode()):
+        digest.update(f"{len(part)}:".encode())
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def _record(key: str, data: bytes) -> dict:
+    return {"format": RECORD_FORMAT, "key": key, "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _cached(root: Path, key: str) -> bytes | None:
+    """The cached library of ``key`` if its record and bytes check out, else None."""
+    try:
+        record = json.loads(read_owned(root / f"{key}.json"))
+        data = read_owned(root / f"{key}.so")
+    except FileNotFoundError:
+        return None
+    except (UntrustedFile, OSError, ValueError) as err:
+        warn_once(("native-untrusted", str(root)),
+                  f"kiln: not loading the cached native launch shim in {root} ({err}); "
+                  "rebuilding it")
+        return None
+    if record != _record(key, data):
+        warn_once(("native-corrupt", str(root)),
+                  f"kiln: the cached native launch shim {root / key}.so does not match its "
+                  "record (corrupt or foreign); rebuilding it")
+        return None
+    return data
+
+
+def _build(compiler: str, directory: Path, key: str) -> Path | None:
+    """Compile the shim to ``directory/<key>.so`` (replacing any file there), or None."""
+    target = directory / f"{key}.so"
+    fd, scratch = tempfile.mkstemp(dir=directory, prefix=f".{key[:16]}.", suffix=".so")
+    os.close(fd)
+    command = [compiler, "-O2", "-shared", "-fPIC", "-std=c11",
+               f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o", scratch]
+    try:
+        subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+                       check=True)
+        os.chmod(scratch, 0o600)
+        os.replace(scratch, target)
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", "") or err
+        warn_once(("native-build", compiler), f"kiln: could not build the native launch shim "
+                  f"with {compiler} ({str(detail).strip()[:300]}); launching through ctypes")
+        _unlink(scratch)
+        return None
+    return target
+
+
+def _load(data: bytes, directory: Path):
+    """Load checked library bytes from a fresh private copy (removed once loaded)."""
+    fd, private = tempfile.mkstemp(dir=directory, prefix=".load.", suffix=".so")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, private)
+        spec = importlib.util.spec_from_file_location(MODULE_NAME, private, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        return module
+    except ImportError as err:
+        warn_once(("native-load", str(directory)), f"kiln: could not load the native launch "
+                  f"shim ({err}); launching through ctypes")
+        return None
+    finally:
+        _unlink(private)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
