@@ -39,6 +39,7 @@ from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, contiguous, emp
                        is_torch, resolve_target, spec)
 from .grouped_api import compile_grouped_matmul, grouped_matmul
 from .hopper import OUT_DTYPES, SUPPORTED_DTYPES, HopperGemmConfig, make_kernel
+from .hopper import kernel_constexprs as _constexprs
 
 __all__ = ["matmul", "compile_matmul", "grouped_matmul", "compile_grouped_matmul",
            "HopperGemmConfig", "HOPPER_CONFIGS"]
@@ -237,12 +238,6 @@ def _interpret(chip, a, b, c, trans_b):
     runtime.interpret(kernel, (tiles, 1, 1), list(args), target=chip.name, **options)
     if to_numpy[2] is not c:
         ArrayLib(c).copy_into(c, to_numpy[2])
-
-
-def _constexprs(cfg: HopperGemmConfig) -> dict:
-    return dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, STAGES=cfg.stages,
-                GROUP_M=cfg.group_m, PRODUCER_REGS=cfg.producer_registers,
-                CONSUMER_REGS=cfg.consumer_registers, CLUSTER_M=cfg.cluster_m)
 
 
 def _input_dtype(dtype) -> str:

@@ -46,6 +46,7 @@ OUT_DTYPES = ("bf16", "f16", "f32")
 # H100's 227 KB of shared memory per block, less the dynamic region's alignment slack and
 # the mbarriers.
 SHARED_BUDGET = 227 * 1024 - 1024 - 256
+MAX_SPLIT_K = 16
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,11 @@ class HopperGemmConfig:
     ``block_m`` is 64 per consumer warp group; ``block_n`` a multiple of 64 up to 256;
     ``block_k`` is 64 (one 128-byte swizzled row); ``stages`` buffers in the ring;
     ``cluster_m`` 2 runs CTA pairs on vertically adjacent tiles that share (multicast) B.
+    ``split_k`` > 1 cuts K into that many slices, one work unit each, whose f32 partial tiles
+    a second kernel sums (:mod:`.splitk`); ``swap_ab`` computes ``C.T = B.T @ A.T`` so a
+    small M becomes WGMMA's N (``block_n`` 32 allowed), through the same f32 partials.
+    Both are *partials* configs (:attr:`partials`). Example:
+    ``HopperGemmConfig(block_m=128, block_n=32, swap_ab=True, split_k=4)`` for M <= 32.
     """
 
     block_m: int = 128
@@ -65,14 +71,22 @@ class HopperGemmConfig:
     producer_registers: int = 40
     consumer_registers: int = 232
     cluster_m: int = 1
+    split_k: int = 1
+    swap_ab: bool = False
 
     def __post_init__(self):
         if self.block_m % 64 or not 64 <= self.block_m <= 256:
             raise kiln.UnsupportedError(f"block_m={self.block_m} is not supported",
                                         fix="use 64, 128 or 192 (64 rows per consumer group)")
-        if self.block_n % 64 or not 64 <= self.block_n <= 256:
+        # f32 partials stage 32-column (128-byte) tiles; bf16/f16 C needs 64 columns.
+        narrowest = 32 if self.partials else 64
+        if self.block_n % narrowest or not narrowest <= self.block_n <= 256:
             raise kiln.UnsupportedError(f"block_n={self.block_n} is not supported",
-                                        fix="use a multiple of 64 up to 256")
+                                        fix=f"use a multiple of {narrowest} up to 256 (32 "
+                                            "only with split_k > 1 or swap_ab)")
+        if not 1 <= self.split_k <= MAX_SPLIT_K:
+            raise kiln.KilnValueError(f"split_k={self.split_k} must be in 1..{MAX_SPLIT_K}",
+                                      fix="use 1 (no split) or e.g. 2, 4, 8")
         if self.block_k != 64:
             raise kiln.UnsupportedError(f"block_k={self.block_k} is not supported",
                                         fix="use block_k=64 (one 128-byte swizzled row)")
@@ -97,6 +111,11 @@ class HopperGemmConfig:
                                      f"{self.consumer_registers} + {self.producer_registers} "
                                      "registers per thread exceed the 64K register file",
                                      fix="lower consumer_registers")
+
+    @property
+    def partials(self) -> bool:
+        """Whether the kernel writes f32 partial tiles that :mod:`.splitk` reduces into C."""
+        return self.split_k > 1 or self.swap_ab
 
     @property
     def consumers(self) -> int:
@@ -131,6 +150,9 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
     """
     in_type, out_type = kiln.dtype(dtype), kiln.dtype(out_dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
+    if b_major == "mn" and bn % 64:
+        raise kiln.UnsupportedError(f"block_n={bn} needs B stored N x K (64-column MN-major "
+                                    "chunks otherwise)", fix="use trans_b=True, or block_n 64")
     pair = config.cluster_m
     # TMA boxes of B per stage: 64-column chunks when MN-major; when K-major one box, or one
     # half per CTA of a pair (the halves stack into the same K-major layout).
@@ -176,7 +198,8 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
              m: kiln.i32, n: kiln.i32, k: kiln.i32,
              BM: kiln.constexpr, BN: kiln.constexpr, BK: kiln.constexpr,
              STAGES: kiln.constexpr, GROUP_M: kiln.constexpr, PRODUCER_REGS: kiln.constexpr,
-             CONSUMER_REGS: kiln.constexpr, CLUSTER_M: kiln.constexpr):
+             CONSUMER_REGS: kiln.constexpr, CLUSTER_M: kiln.constexpr,
+             SPLIT_K: kiln.constexpr):
         if CLUSTER_M > 1:
             nvidia_asm.cluster_dims(CLUSTER_M)
         a_tiles = dynamic_shared((STAGES, BM, BK), in_type, align=SWIZZLE_ALIGN)
@@ -203,7 +226,11 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
         tiles_m = (m + BM * CLUSTER_M - 1) // (BM * CLUSTER_M)
         tiles_n = (n + BN - 1) // BN
         k_tiles = (k + BK - 1) // BK
-        num_tiles = tiles_m * tiles_n
+        if SPLIT_K > 1:  # work unit = (K slice, tile); every slice has at least one K step
+            slice_steps = (k_tiles + SPLIT_K - 1) // SPLIT_K
+            num_tiles = tiles_m * tiles_n * ((k_tiles + slice_steps - 1) // slice_steps)
+        else:
+            num_tiles = tiles_m * tiles_n
         first_tile = kiln.block_id(0) // CLUSTER_M
         tile_step = kiln.num_blocks(0) // CLUSTER_M
         group_m = max(1, GROUP_M // CLUSTER_M)
@@ -215,9 +242,10 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
                 tma.prefetch_descriptor(b_map)
                 use = 0
                 for tile in kiln.range(first_tile, num_tiles, tile_step):
-                    m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM * CLUSTER_M, BN, group_m)
+                    m0, n0, k_first, k_end, _ = work_unit(tile, tiles_m, tiles_n, k_tiles,
+                                                          group_m, SPLIT_K)
                     m0 = m0 + rank * BM
-                    for kt in kiln.range(0, k_tiles):
+                    for kt in kiln.range(k_first, k_end):
                         stage = use % STAGES
                         empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
                         # All of B arrives here, half of it from the peer's multicast.
@@ -236,10 +264,11 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
             b_stage_units = BN * BK * in_type.itemsize // 16
             use = 0
             for tile in kiln.range(first_tile, num_tiles, tile_step):
-                m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM * CLUSTER_M, BN, group_m)
+                m0, n0, k_first, k_end, row0 = work_unit(tile, tiles_m, tiles_n, k_tiles,
+                                                         group_m, SPLIT_K)
                 m0 = m0 + rank * BM
                 acc = wgmma.fragment_zeros(BN)
-                for kt in kiln.range(0, k_tiles):
+                for kt in kiln.range(k_first, k_end):
                     stage = use % STAGES
                     full.try_wait(stage, (use // STAGES) % 2)
                     stage64 = kiln.cast(stage, kiln.i64)
@@ -254,12 +283,14 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
                     # Keep this K step's group in flight; the previous one has finished reading
                     # its stage, which goes back to the producer.
                     wgmma.wait_group(1)
-                    if (kt > 0) & first_thread:
+                    if (kt > k_first) & first_thread:
                         release(empty, (use + STAGES - 1) % STAGES, 1)
                     use = use + 1
                 wgmma.wait_group(0)
                 if first_thread:
                     release(empty, (use + STAGES - 1) % STAGES, 0)
+                if SPLIT_K > 1:  # slice s of the partials starts at row s * tiles_m * BM
+                    m0 = m0 + row0
                 _store_tile(acc, c_map, c_tiles, consumer, m0 + consumer * 64, n0, first_thread,
                             BN // epilogue_n, c_tiles_per_round, c_cols)
             if first_thread:
@@ -267,8 +298,31 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
         if CLUSTER_M > 1:
             nvidia_asm.cluster_sync()  # the peer may still arrive on this CTA's barriers
 
+    def work_unit(tile, tiles_m, tiles_n, k_tiles, group_m, split_k):
+        """Origin, K steps ``[k_first, k_end)`` and the partials' row offset of work unit
+        ``tile``: a whole output tile, or with ``split_k`` one K slice of one tile (slice-major,
+        so CTAs running together share the slice's A and B columns)."""
+        if split_k == 1:  # the plain GEMM's tile walk, unchanged
+            m0, n0 = _tile_origin(tile, tiles_m, tiles_n, bm * pair, bn, group_m)
+            return m0, n0, 0, k_tiles, 0
+        per_slice = tiles_m * tiles_n
+        slice_steps = (k_tiles + split_k - 1) // split_k
+        piece = tile // per_slice
+        m0, n0 = _tile_origin(tile % per_slice, tiles_m, tiles_n, bm * pair, bn, group_m)
+        k_first = piece * slice_steps
+        return (m0, n0, k_first, kiln.minimum(k_first + slice_steps, k_tiles),
+                piece * tiles_m * bm * pair)
+
     gemm.__name__ = gemm.__qualname__ = f"hopper_gemm_{dtype}_{out_dtype}_{b_major}"
     return kiln.kernel(gemm)
+
+
+def kernel_constexprs(cfg: HopperGemmConfig) -> dict:
+    """The constexpr arguments of :func:`make_kernel`'s kernel for ``cfg``."""
+    return dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, STAGES=cfg.stages,
+                GROUP_M=cfg.group_m, PRODUCER_REGS=cfg.producer_registers,
+                CONSUMER_REGS=cfg.consumer_registers, CLUSTER_M=cfg.cluster_m,
+                SPLIT_K=cfg.split_k)
 
 
 @kiln.func
