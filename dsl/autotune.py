@@ -139,6 +139,18 @@ class Autotuner:
             parts.append(f"{name}={_key_value(value)}")
         return ",".join(parts)
 
+    def cached(self, args: tuple, kwargs: dict):
+        """The config chosen for this call's key (in memory, else in the store), or None
+        when the key was never tuned; tunes nothing. Example: a caller that falls back to a
+        heuristic, ``tuner.cached(args, {}) or default_config``."""
+        key = self.key_of(args, kwargs)
+        if key not in self.best:
+            index = self._stored().get(key)
+            if index is None or not 0 <= index < len(self.configs):
+                return None
+            self.best[key] = self.configs[index]
+        return self.best[key]
+
     def _config_for(self, args, kwargs, run: Callable[[Any], None],
                     build: Callable[[Any], None] | None = None):
         # Hot path: a repeat call with the key arguments passed positionally.

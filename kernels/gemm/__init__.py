@@ -37,11 +37,12 @@ from kiln.autotune import autotune
 from .. import runtime
 from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, contiguous, empty_like,
                        is_torch, resolve_target, spec)
+from . import small_m, splitk
 from .grouped_api import compile_grouped_matmul, grouped_matmul
 from .hopper import OUT_DTYPES, SUPPORTED_DTYPES, HopperGemmConfig, make_kernel
 from .hopper import kernel_constexprs as _constexprs
 
-__all__ = ["matmul", "compile_matmul", "grouped_matmul", "compile_grouped_matmul",
+__all__ = ["matmul", "matmul_config", "compile_matmul", "grouped_matmul", "compile_grouped_matmul",
            "HopperGemmConfig", "HOPPER_CONFIGS"]
 
 # TMA global strides must be multiples of 16 bytes: 8 elements of a 2-byte dtype.
@@ -131,8 +132,13 @@ def _bind(a, b, c, trans_b, target) -> _MatmulPlan:
     to its persistent grid."""
     (m, k), n = a.shape, c.shape[1]
     dtype, out, b_major = _dtype_name(a), _dtype_name(c), "k" if trans_b else "mn"
-    config = hopper_autotuner.best[hopper_autotuner.key_of(
-        (a, b, c, m, n, k, dtype, b_major, out, target), {})]
+    config = small_m.chosen_config(m, n, k, dtype, b_major, out) or \
+        hopper_autotuner.best[hopper_autotuner.key_of(
+            (a, b, c, m, n, k, dtype, b_major, out, target), {})]
+    if config.partials:
+        bound = splitk.bind_partials(a, b, c, m, n, k, dtype=dtype, b_major=b_major,
+                                     target=target, config=config)
+        return _MatmulPlan(bound=bound, shape=(m, n), out=c.dtype)
     args = [a, b, c, m, n, k]
     bound = runtime.bind(make_kernel(dtype, out, b_major, config),
                          _hopper_grid(m, n, dtype, out, b_major, config), args, target=target,
@@ -140,7 +146,22 @@ def _bind(a, b, c, trans_b, target) -> _MatmulPlan:
     return _MatmulPlan(bound=bound, shape=(m, n), out=c.dtype)
 
 
-def _matmul(a, b, trans_b, out_dtype, target, backend):
+def matmul_config(a, b, config, *, trans_b=False, out_dtype=None, target=None, backend=None):
+    """:func:`matmul` with a fixed :class:`HopperGemmConfig` instead of the tuned or heuristic
+    one (sm_90a, or its interpreter): to pin a config, or to compare configs in benchmarks
+    and tests. Example:
+    ``matmul_config(a, w, HopperGemmConfig(block_n=32, swap_ab=True, split_k=4), trans_b=True)``.
+    """
+    if not isinstance(config, HopperGemmConfig):
+        raise kiln.KilnTypeError(f"config must be a HopperGemmConfig, got {config!r}",
+                                 fix="pass e.g. HopperGemmConfig(block_m=64, split_k=2)")
+    if resolve_target(target).is_amd:
+        raise kiln.UnsupportedError("matmul_config takes Hopper configs",
+                                    fix="use matmul(...) for gfx950")
+    return _matmul(a, b, trans_b, out_dtype, target, backend, config)
+
+
+def _matmul(a, b, trans_b, out_dtype, target, backend, config=None):
     """The general path of :func:`matmul`: checks, padding, tuning, launch or interpretation."""
     chip = resolve_target(target)
     dims = Dims()
@@ -169,10 +190,16 @@ def _matmul(a, b, trans_b, out_dtype, target, backend):
     a_in = _padded(a, (m, kp))
     b_in = _padded(b, (np_, kp) if trans_b else (kp, np_))
     c = _empty_like(a, (m, np_), out)
+    b_major = "k" if trans_b else "mn"
+    if config is None and m <= small_m.SMALL_M and chip.has_wgmma:
+        config = small_m.chosen_config(m, np_, kp, name, b_major, out)
     if backend == "interpret":
-        _interpret(chip, a_in, b_in, c, trans_b)
+        _interpret(chip, a_in, b_in, c, trans_b, config)
+    elif config is not None:
+        run_hopper(a_in, b_in, c, m, np_, kp, dtype=name, b_major=b_major, target=chip.name,
+                   config=config)
     else:
-        _run_tuned(a_in, b_in, c, m, np_, kp, "k" if trans_b else "mn", name, chip.name)
+        _run_tuned(a_in, b_in, c, m, np_, kp, b_major, name, chip.name)
     return c if np_ == n else contiguous(c[:, :n])
 
 
@@ -195,6 +222,10 @@ def _run_tuned(a, b, c, m, n, k, b_major, dtype, target):
 def run_hopper(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=None):
     """Launch the Hopper kernel of ``config`` on prepared (aligned, contiguous) operands over a
     persistent grid of one CTA per SM (at most one per output tile)."""
+    if config.partials:  # split-K / swap-AB: f32 partials, then a reduction into c
+        splitk.run_partials(a, b, c, m, n, k, dtype=dtype, b_major=b_major, target=target,
+                            config=config, stream=stream)
+        return
     out = _dtype_name(c)
     runtime.launch(make_kernel(dtype, out, b_major, config),
                    _hopper_grid(m, n, dtype, out, b_major, config), (a, b, c, m, n, k),
@@ -220,7 +251,7 @@ def _resident_clusters(dtype, out_dtype, b_major, config) -> int:
         **dataclasses.asdict(config)))
 
 
-def _interpret(chip, a, b, c, trans_b):
+def _interpret(chip, a, b, c, trans_b, config=None):
     to_numpy = [ArrayLib.numpy(x) for x in (a, b, c)]
     (m, k), n = to_numpy[0].shape, to_numpy[2].shape[1]
     args = (*to_numpy, m, n, k)
@@ -230,12 +261,17 @@ def _interpret(chip, a, b, c, trans_b):
         amd = GemmConfig(b_layout="nk" if trans_b else "kn", out_dtype=_dtype_name(c))
         kernel, options = make_amd_kernel(_dtype_name(a), amd), dict(num_warps=amd.num_warps)
         tiles = -(-m // amd.block_m) * -(-n // amd.block_n)
+    elif config is not None and config.partials:
+        splitk.run_partials(*args, dtype=_dtype_name(a), b_major="k" if trans_b else "mn",
+                            target=chip.name, config=config, interpret=True)
+        kernel = None
     else:
-        cfg = HopperGemmConfig()
+        cfg = config or HopperGemmConfig()
         kernel = make_kernel(_dtype_name(a), _dtype_name(c), "k" if trans_b else "mn", cfg)
         options = dict(num_warps=cfg.num_warps, **_constexprs(cfg))
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    runtime.interpret(kernel, (tiles, 1, 1), list(args), target=chip.name, **options)
+    if kernel is not None:
+        runtime.interpret(kernel, (tiles, 1, 1), list(args), target=chip.name, **options)
     if to_numpy[2] is not c:
         ArrayLib(c).copy_into(c, to_numpy[2])
 
