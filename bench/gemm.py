@@ -18,8 +18,12 @@ worth.
 Kiln's dense ``matmul`` of the same FLOPs (one ``[total_M, K] x [K, N]``) and against a torch
 loop of one ``torch.matmul`` per group; ``--sweep`` with it also times each grouped config.
 
+``--llm`` runs the LLM sweep instead (:mod:`gemm_llm`: Llama-3-8B/70B layers x M from 1 to
+16384, with GB/s against copy bandwidth; ``--quick`` a subset, ``--tune`` tunes the small-M
+cells first, ``--configs`` times every small-M candidate config).
+
 Usage (on an H100): ``python bench/gemm.py [--json out.json] [--repeat 20] [--batch 10]
-[--sweep] [--grouped]``.
+[--sweep] [--grouped] [--llm [--quick] [--tune] [--configs]]``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ except ImportError:  # --help works without torch; running needs it
 
 from kiln.kernels.gemm import HOPPER_CONFIGS, hopper_autotuner, matmul, run_hopper
 from gemm_grouped import grouped_main
+from gemm_llm import llm_main
 from results_io import write_results
 from timing import time_ms
 
@@ -97,11 +102,20 @@ def main() -> None:
                         help="also time every candidate config at 8192^3")
     parser.add_argument("--grouped", action="store_true",
                         help="time the grouped (MoE) GEMM against dense and a torch loop")
+    parser.add_argument("--llm", action="store_true",
+                        help="the LLM sweep: Llama-3 8B/70B layers x M in 1..16384")
+    parser.add_argument("--quick", action="store_true", help="--llm: a subset (< 60 s)")
+    parser.add_argument("--tune", action="store_true", help="--llm: tune the small-M cells")
+    parser.add_argument("--configs", action="store_true",
+                        help="--llm: time every small-M candidate config too")
     args = parser.parse_args()
     if torch is None or not torch.cuda.is_available():
         raise SystemExit("bench/gemm.py needs torch with a CUDA GPU")
     if args.grouped:
         grouped_main(args, torch)
+        return
+    if args.llm:
+        llm_main(args, torch)
         return
     swept = sweep(8192, 8192, 8192, args.repeat, args.batch) if args.sweep else []
     rows = [bench(m, n, k, args.repeat, args.batch) for m, n, k in SHAPES]

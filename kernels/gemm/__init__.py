@@ -132,7 +132,8 @@ def _bind(a, b, c, trans_b, target) -> _MatmulPlan:
     to its persistent grid."""
     (m, k), n = a.shape, c.shape[1]
     dtype, out, b_major = _dtype_name(a), _dtype_name(c), "k" if trans_b else "mn"
-    config = small_m.chosen_config(m, n, k, dtype, b_major, out) or \
+    config = small_m.chosen_config(m, n, k, dtype, b_major, out,
+                                   sms=runtime.multiprocessor_count()) or \
         hopper_autotuner.best[hopper_autotuner.key_of(
             (a, b, c, m, n, k, dtype, b_major, out, target), {})]
     if config.partials:
@@ -192,7 +193,8 @@ def _matmul(a, b, trans_b, out_dtype, target, backend, config=None):
     c = _empty_like(a, (m, np_), out)
     b_major = "k" if trans_b else "mn"
     if config is None and m <= small_m.SMALL_M and chip.has_wgmma:
-        config = small_m.chosen_config(m, np_, kp, name, b_major, out)
+        sms = small_m.DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()
+        config = small_m.chosen_config(m, np_, kp, name, b_major, out, sms=sms)
     if backend == "interpret":
         _interpret(chip, a_in, b_in, c, trans_b, config)
     elif config is not None:
