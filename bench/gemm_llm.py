@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from kiln.autotune import compile_all
-from kiln.kernels.gemm import HopperGemmConfig, matmul, matmul_config
+from kiln.kernels.gemm import HopperGemmConfig, compile_matmul, matmul, matmul_config
 from kiln.kernels.gemm.small_m import SMALL_M, SMALL_M_CONFIGS, tune_small_m
 from results_io import write_results
 from timing import queued_ms, time_ms
@@ -77,7 +77,9 @@ def cell(torch, model: str, layer: str, m: int, repeat: int, batch: int, *, tune
 def _per_config(torch, x, w, repeat: int, cublas_ms: float) -> dict:
     """Kernel milliseconds (queued) of every small-M candidate on this cell, each checked
     first and printed as it is measured (ratio to cuBLAS, microseconds, config)."""
-    compile_all(lambda config: matmul_config(x, w, config, trans_b=True), SMALL_M_CONFIGS)
+    compile_all(lambda config: compile_matmul(  # all at once, on a thread pool
+        "bf16", target="sm_90a", trans_b=True, out_dtype="f32" if config.partials else "bf16",
+        **vars(config)), SMALL_M_CONFIGS)
     times = {}
     for config in SMALL_M_CONFIGS:
         _check(torch, matmul_config(x, w, config, trans_b=True), x, w)
