@@ -12,7 +12,10 @@ Two entry points::
 ``a`` is M x K, ``b`` K x N (or N x K with ``trans_b``), bf16 or f16; accumulation is f32 and
 the output dtype defaults to the input dtype. On NVIDIA, ``matmul`` autotunes the tile
 configuration once per (shape, dtype) (``kiln.autotune``; results persist next to the compile
-cache). ``backend="interpret"`` runs the kernel of ``target`` in Kiln's CPU interpreter.
+cache); for M <= 512 it takes a stored small-M tuning or a heuristic config instead (small
+tiles, split-K, swap-AB: :mod:`.small_m`, :mod:`.splitk`). ``matmul_config(a, b, config)``
+runs one fixed config. ``backend="interpret"`` runs the kernel of ``target`` in Kiln's CPU
+interpreter.
 
 Grouped (MoE) GEMM, one persistent launch over the tiles of all groups (:mod:`.grouped` on
 sm_90a, a grouped variant of the gfx950 kernel; host code in :mod:`.grouped_api`; bf16/f16,
@@ -62,7 +65,8 @@ def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
     """Compile (without running) the GEMM for ``dtype`` inputs on ``target``; returns the
     ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
 
-    ``config`` keywords are the fields of :class:`HopperGemmConfig` on NVIDIA, or of the
+    ``config`` keywords are the fields of :class:`HopperGemmConfig` on NVIDIA (with
+    ``split_k``/``swap_ab``: the kernel writing f32 partials), or of the
     gfx950 kernel's ``GemmConfig`` on AMD (where ``trans_b`` and ``out_dtype`` fill its
     ``b_layout`` and ``out_dtype`` unless given).
     Example: ``compile_matmul("bf16", target="sm_90a", stages=3).metadata["registers"]``.
@@ -78,8 +82,11 @@ def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
     if not chip.has_wgmma:
         raise kiln.UnsupportedError(f"the Kiln GEMM needs WGMMA (sm_90a); {chip.name} has none",
                                     fix="compile for target='sm_90a', or gfx950 on AMD")
-    out = _output_dtype(out_dtype, name)
     cfg = HopperGemmConfig(**config)
+    # A split-K / swap-AB config's kernel writes f32 partials (see .splitk).
+    out = "f32" if cfg.partials else _output_dtype(out_dtype, name)
+    if cfg.swap_ab and not trans_b:
+        raise kiln.UnsupportedError("swap_ab needs B stored N x K", fix="pass trans_b=True")
     b_major = "k" if trans_b else "mn"
     # Placeholder arrays carry dtype and rank only: the kernel is specialised on them.
     a = np.empty((1, 1), kiln.dtype(name).numpy)
