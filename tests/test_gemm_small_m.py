@@ -90,7 +90,8 @@ def test_partials_layout_keeps_every_slice_non_empty():
     assert PartialsLayout.of(4096, 3, 64, C(block_n=32, swap_ab=True, split_k=8)).cols == 4
 
 
-def test_autotuner_cached_reads_without_tuning():
+def test_autotuner_cached_reads_without_tuning(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))  # a fresh store
     calls = []
 
     @kiln.autotune(configs=["a", "b"], key=["n"], timer=lambda run: (run(), 1.0)[1],
