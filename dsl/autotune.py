@@ -91,6 +91,7 @@ class Autotuner:
         self.timer = timer or cuda_event_timer
         self.precompile = precompile
         self.best: dict[str, Any] = {}
+        self._untuned: set[str] = set()  # keys :meth:`cached` found in no store
         # Positions of the key arguments, so a positional call is keyed without binding.
         names = list(self._signature.parameters)
         self._key_positions = tuple(names.index(k) for k in key)
@@ -145,8 +146,11 @@ class Autotuner:
         heuristic, ``tuner.cached(args, {}) or default_config``."""
         key = self.key_of(args, kwargs)
         if key not in self.best:
+            if key in self._untuned:  # read the store once per key, not once per call
+                return None
             index = self._stored().get(key)
             if index is None or not 0 <= index < len(self.configs):
+                self._untuned.add(key)
                 return None
             self.best[key] = self.configs[index]
         return self.best[key]
@@ -174,6 +178,7 @@ class Autotuner:
                 index = self._tune(key, run, build)
                 self._store(key, index)
             self.best[key] = self.configs[index]
+            self._untuned.discard(key)
         return self.best[key]
 
     def _tune(self, key: str, run: Callable[[Any], None],
