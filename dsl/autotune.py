@@ -178,7 +178,6 @@ class Autotuner:
                 index = self._tune(key, run, build)
                 self._store(key, index)
             self.best[key] = self.configs[index]
-            self._untuned.discard(key)
         return self.best[key]
 
     def _tune(self, key: str, run: Callable[[Any], None],
