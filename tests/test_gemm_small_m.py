@@ -26,6 +26,13 @@ FAMILIES = {  # one config per family, with every new knob somewhere
     "bm64_bn128_split3": C(block_m=64, block_n=128, stages=8, split_k=3),
     "bm64_bn256_split2": C(block_m=64, block_n=256, stages=4, split_k=2),
     "bm128_bn128_split2": C(block_n=128, stages=6, split_k=2),
+    # the in-kernel reduction (last slice of a tile to finish sums the partials)
+    "fused_swap32": C(block_n=32, stages=8, swap_ab=True, fused_reduce=True),
+    "fused_swap32_split4": C(block_n=32, stages=8, swap_ab=True, split_k=4, fused_reduce=True),
+    "fused_swap64_split3": C(block_n=64, stages=8, swap_ab=True, split_k=3, fused_reduce=True),
+    "fused_bm64_bn128_split3": C(block_m=64, block_n=128, stages=8, split_k=3,
+                                 fused_reduce=True),
+    "fused_bm128_bn128_split2": C(block_n=128, stages=6, split_k=2, fused_reduce=True),
 }
 SWAP_FAMILIES = [name for name, cfg in FAMILIES.items() if cfg.swap_ab]
 # M of a decode step, N and K off the tile grid (K = 520: 9 K steps, uneven slices).
@@ -68,7 +75,7 @@ def test_default_config_still_interprets_at_small_m(rng):
 
 def test_heuristic_shapes_the_work_to_the_gpu():
     decode = heuristic_config(1, 4096, 4096, "k", sms=132)
-    assert decode.swap_ab and decode.block_n == 32
+    assert decode.swap_ab and decode.block_n == 32 and decode.fused_reduce
     units = PartialsLayout.of(4096, 1, 4096, decode).units
     assert 64 < units <= 132  # split-K fills the SMs without a second wave
     assert heuristic_config(48, 4096, 4096, "k", sms=132).block_n == 64
@@ -104,6 +111,39 @@ def test_autotuner_cached_reads_without_tuning(tmp_path, monkeypatch):
     assert tuned.cached((7,), {}) == "a" and tuned.cached((8,), {}) is None
 
 
+def test_fused_tickets_carry_over_between_launches(rng):
+    """The fused reduction's tickets are never reset: a plan reuses them launch after launch
+    and ``ticket % slices`` still picks the last slice of each tile (three launches)."""
+    from kiln.kernels.gemm import splitk
+    from kiln.kernels.runtime import interpret
+
+    config = FAMILIES["fused_swap32_split4"]
+    m, n, k = 5, 136, 520  # the kernel's problem is n x m (swap-AB)
+    a, b, _ = _operands(m, n, k, True, rng)
+    work, tickets = splitk._fused_buffers(a, n, m, k, config)
+    for _ in range(3):
+        a, b, b_kn = _operands(m, n, k, True, rng)
+        c = np.full((m, n), np.nan, np.float32)
+        work[:] = np.nan
+        kernel, grid, args, options = splitk._fused_launch(b, a, c, n, m, k, "bf16", "k",
+                                                           config, (work, tickets))
+        interpret(kernel, (grid[1], 1, 1), list(args), target="sm_90a", **options)
+        assert_matmul_close(c, a, b_kn)
+    layout = PartialsLayout.of(n, m, k, config)
+    assert (tickets == 3 * layout.slices).all()
+
+
+@pytest.mark.lower
+def test_fused_reduce_ptx_publishes_then_takes_a_ticket():
+    ck = compile_matmul("bf16", target="sm_90a", trans_b=True, block_n=32, stages=8,
+                        swap_ab=True, split_k=4, fused_reduce=True)
+    ptx = ck.asm["ptx"]
+    assert len(re.findall(r"atom\.[^\s]*add", ptx)) == 1  # one ticket per tile and consumer
+    assert len(re.findall(r"fence\.[a-z_.]*gpu", ptx)) == 2  # release, then acquire if last
+    assert "cp.async.bulk.tensor.2d.global.shared" not in ptx  # C leaves by plain stores
+    assert ck.metadata["spill_bytes"] == 0
+
+
 @pytest.mark.lower
 def test_swap_ab_ptx_reads_a_as_wgmma_n32():
     ck = compile_matmul("bf16", target="sm_90a", trans_b=True, out_dtype="f32", block_n=32,
@@ -135,7 +175,9 @@ def test_bad_small_m_configs_raise_kiln_errors(rng):
     with pytest.raises(kiln.UnsupportedError, match="trans_b=True"):
         matmul_config(a, b, C(block_n=32, swap_ab=True), target="sm_90a", backend="interpret")
     with pytest.raises(kiln.UnsupportedError, match="cluster_m=1"):
-        matmul_config(a, b, C(split_k=2, cluster_m=2), target="sm_90a", backend="interpret")
+        C(split_k=2, cluster_m=2)
+    with pytest.raises(kiln.KilnValueError, match="fused_reduce"):
+        C(fused_reduce=True)  # nothing to reduce
     with pytest.raises(kiln.KilnTypeError, match="HopperGemmConfig"):
         matmul_config(a, b, {"split_k": 2}, target="sm_90a", backend="interpret")
 

@@ -83,15 +83,19 @@ def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
         raise kiln.UnsupportedError(f"the Kiln GEMM needs WGMMA (sm_90a); {chip.name} has none",
                                     fix="compile for target='sm_90a', or gfx950 on AMD")
     cfg = HopperGemmConfig(**config)
-    # A split-K / swap-AB config's kernel writes f32 partials (see .splitk).
-    out = "f32" if cfg.partials else _output_dtype(out_dtype, name)
+    # A split-K / swap-AB config's kernel writes f32 partials unless it reduces them itself.
+    out = "f32" if cfg.partials and not cfg.fused_reduce else _output_dtype(out_dtype, name)
     if cfg.swap_ab and not trans_b:
         raise kiln.UnsupportedError("swap_ab needs B stored N x K", fix="pass trans_b=True")
     b_major = "k" if trans_b else "mn"
     # Placeholder arrays carry dtype and rank only: the kernel is specialised on them.
     a = np.empty((1, 1), kiln.dtype(name).numpy)
     c = np.empty((1, 1), kiln.dtype(out).numpy)
-    return make_kernel(name, out, b_major, cfg).compile(a, a, c, 1, 1, 1, target=chip.name,
+    # the fused reduction's partial slots and tickets (and C for swap-AB's transposed stores)
+    fused = (np.empty(1, np.float32), np.empty(1, np.int64)) + ((c,) if cfg.swap_ab else ()) \
+        if cfg.fused_reduce else ()
+    return make_kernel(name, out, b_major, cfg).compile(a, a, c, 1, 1, 1, *fused,
+                                                        target=chip.name,
                                                         num_warps=cfg.num_warps,
                                                         **_constexprs(cfg))
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from kiln.autotune import autotune
 
-from .hopper import HopperGemmConfig, kernel_constexprs, make_kernel
+from .hopper import HopperGemmConfig
 
 SMALL_M = 512
 DEFAULT_SMS = 132  # H100/H200 SXM: the heuristic's SM count where no GPU is asked
@@ -40,7 +40,14 @@ SMALL_M_CONFIGS = (
     C(block_m=64, block_n=256, stages=4), C(block_m=64, block_n=256, stages=4, split_k=2),
     # 128-row tiles for M of 65..512.
     C(block_n=128, stages=6), C(block_n=128, stages=6, split_k=2),
-    C(block_n=128, stages=6, split_k=4), C())
+    C(block_n=128, stages=6, split_k=4), C(),
+    # The same, reducing in the GEMM kernel (no second launch).
+    C(block_n=32, stages=8, swap_ab=True, fused_reduce=True),
+    C(block_n=32, stages=8, swap_ab=True, split_k=4, fused_reduce=True),
+    C(block_n=32, stages=8, swap_ab=True, split_k=8, fused_reduce=True),
+    C(block_n=64, stages=8, swap_ab=True, split_k=2, fused_reduce=True),
+    C(block_m=64, block_n=128, stages=8, split_k=4, fused_reduce=True),
+    C(block_n=128, stages=6, split_k=2, fused_reduce=True))
 del C
 
 
@@ -62,7 +69,9 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
     split = 1
     if tiles < FULL_WAVE * sms:
         split = max(1, min(16, sms // tiles, k_tiles // MIN_SLICE_STEPS))
-    return HopperGemmConfig(split_k=split, **shape)
+    # Partials are summed by the last slice of each tile to finish: one launch, not two.
+    return HopperGemmConfig(split_k=split, fused_reduce=split > 1 or shape.get("swap_ab", False),
+                            **shape)
 
 
 def chosen_config(m: int, n: int, k: int, dtype: str, b_major: str, out_dtype: str, *,
@@ -78,13 +87,10 @@ def chosen_config(m: int, n: int, k: int, dtype: str, b_major: str, out_dtype: s
 
 
 def _compile(config, a, b, c, m, n, k, dtype, b_major, out_dtype, target):
-    partials = config.partials
-    swap = config.swap_ab and b_major == "k"
-    kernel = make_kernel(dtype, "f32" if partials else out_dtype, "k" if swap else b_major,
-                         config)
-    x, y = (b, a) if swap else (a, b)
-    kernel.compile(x, y, c.float() if partials and hasattr(c, "float") else c, m, n, k,
-                   target=target, num_warps=config.num_warps, **kernel_constexprs(config))
+    from . import compile_matmul  # the package's compile entry; it imports this module
+
+    compile_matmul(dtype, target=target, out_dtype=out_dtype, trans_b=b_major == "k",
+                   **vars(config))
 
 
 @autotune(configs=SMALL_M_CONFIGS, key=["m", "n", "k", "dtype", "b_major", "out_dtype"],

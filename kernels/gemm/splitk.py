@@ -75,13 +75,17 @@ def run_partials(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=Non
     """``c = a @ b`` (``b_major`` as in :func:`.hopper.make_kernel`) with a partials
     ``config``: the kernel into an f32 workspace, then :func:`reduce_kernel` into ``c``.
     ``interpret`` runs both kernels in the CPU interpreter (numpy operands)."""
-    if config.cluster_m != 1:
-        raise kiln.UnsupportedError("split-K and swap-AB configs run single CTAs",
-                                    fix="use cluster_m=1 with split_k or swap_ab")
-    if config.swap_ab and b_major != "k":
-        raise kiln.UnsupportedError("swap-AB needs B stored N x K (it becomes the K-major A "
-                                    "operand)", fix="pass trans_b=True, or swap_ab=False")
+    _check_layout(config, b_major)
     x, y, pm, pn = (b, a, n, m) if config.swap_ab else (a, b, m, n)
+    if config.fused_reduce:
+        kernel, grid, args, options = _fused_launch(x, y, c, pm, pn, k, dtype, b_major, config,
+                                                    _fused_buffers(c, pm, pn, k, config))
+        options.update(target=target)
+        if interpret:
+            runtime.interpret(kernel, (grid[1], 1, 1), list(args), **options)
+        else:
+            runtime.launch(kernel, grid[0], args, stream=stream, **options)
+        return
     layout = PartialsLayout.of(pm, pn, k, config)
     w = empty_like(c, (layout.slices * layout.slice_rows, layout.cols), kiln.f32,
                    fill=None if is_torch(c) else np.nan)
@@ -103,12 +107,16 @@ def run_partials(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=Non
 
 
 def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
-    """A bound launch pair for torch operands shaped like ``a, b, c``: a callable taking the
-    three data pointers, which allocates the workspace per call (the caching allocator makes
-    that cheap and keeps concurrent streams apart)."""
+    """A bound launch pair (one launch with ``fused_reduce``) for torch operands shaped like
+    ``a, b, c``: a callable taking the three data pointers, which allocates the workspace per
+    call (the caching allocator makes that cheap and keeps concurrent streams apart); the
+    fused reduction's tickets are kept per stream (they only grow, see
+    :func:`.hopper._finish_fused`)."""
     import torch
 
     x, y, pm, pn = (b, a, n, m) if config.swap_ab else (a, b, m, n)
+    if config.fused_reduce:
+        return _bind_fused(x, y, c, pm, pn, k, dtype, b_major, target, config, torch)
     layout = PartialsLayout.of(pm, pn, k, config)
     shape = (layout.slices * layout.slice_rows, layout.cols)
     w = torch.empty(shape, dtype=torch.float32, device=c.device)
@@ -127,6 +135,54 @@ def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
         ws = torch.empty(shape, dtype=torch.float32, device=device).data_ptr()
         main(b_ptr, a_ptr, ws) if config.swap_ab else main(a_ptr, b_ptr, ws)
         reduce(ws, c_ptr)
+
+    return launch
+
+
+def _check_layout(config: HopperGemmConfig, b_major: str) -> None:
+    if config.swap_ab and b_major != "k":
+        raise kiln.UnsupportedError("swap-AB needs B stored N x K (it becomes the K-major A "
+                                    "operand)", fix="pass trans_b=True, or swap_ab=False")
+
+
+def _fused_buffers(c, m, n, k, config) -> tuple:
+    """The fused reduction's f32 slots (one per tile, consumer and slice; NaN in numpy) and
+    zeroed i64 tickets (one per tile and consumer) for the kernel's ``m x n x k`` problem."""
+    layout = PartialsLayout.of(m, n, k, config)
+    slots = layout.tiles * config.consumers
+    work = empty_like(c, (slots * layout.slices * 64 * config.block_n,), kiln.f32,
+                      fill=None if is_torch(c) else np.nan)
+    return work, empty_like(c, (slots,), kiln.i64, fill=0)
+
+
+def _fused_launch(x, y, c, m, n, k, dtype, b_major, config, buffers):
+    """Kernel, (GPU grid, interpreter grid), arguments and options of a fused launch."""
+    layout = PartialsLayout.of(m, n, k, config)
+    kernel = make_kernel(dtype, kiln.dtype(c.dtype).name, "k" if config.swap_ab else b_major,
+                         config)
+    # C is the TMA store target (unused with swap-AB, which stores C.T through c_out).
+    args = (x, y, c, m, n, k, *buffers) + ((c,) if config.swap_ab else ())
+    grid = ((max(1, min(layout.units, runtime.multiprocessor_count())), 1, 1), layout.units) \
+        if is_torch(c) else (None, layout.units)
+    return kernel, grid, args, dict(num_warps=config.num_warps, **kernel_constexprs(config))
+
+
+def _bind_fused(x, y, c, m, n, k, dtype, b_major, target, config, torch):
+    work, tickets = _fused_buffers(c, m, n, k, config)
+    kernel, grid, args, options = _fused_launch(x, y, c, m, n, k, dtype, b_major, config,
+                                                (work, tickets))
+    bound = runtime.bind(kernel, grid[0], list(args), target=target, **options)
+    per_stream = {}
+
+    def launch(a_ptr, b_ptr, c_ptr):
+        stream = torch.cuda.current_stream(c.device).cuda_stream
+        counters = per_stream.get(stream)
+        if counters is None:
+            counters = per_stream[stream] = torch.zeros_like(tickets)
+        ws = torch.empty_like(work).data_ptr()
+        x_ptr, y_ptr = (b_ptr, a_ptr) if config.swap_ab else (a_ptr, b_ptr)
+        bound(x_ptr, y_ptr, c_ptr, ws, counters.data_ptr(),
+              *((c_ptr,) if config.swap_ab else ()))
 
     return launch
 
