@@ -37,7 +37,7 @@ MODELS = {
 }
 M_VALUES = (1, 16, 64, 256, 1024, 4096, 16384)
 QUICK_CELLS = [("llama3-8b", layer, m) for layer in ("o", "gate_up", "down")
-               for m in (1, 16, 64, 256, 4096)]
+               for m in (1, 16, 64, 256, 512, 4096)]
 GOAL = 0.95
 
 
