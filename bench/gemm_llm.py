@@ -84,8 +84,7 @@ def _per_config(x, w, reference, repeat: int, cublas_ms: float) -> dict:
     """Kernel milliseconds (queued) of every small-M candidate on this cell, each checked
     first and printed as it is measured (ratio to cuBLAS, microseconds, config)."""
     compile_all(lambda config: compile_matmul(  # all at once, on a thread pool
-        "bf16", target="sm_90a", trans_b=True, out_dtype="f32" if config.partials else "bf16",
-        **vars(config)), SMALL_M_CONFIGS)
+        "bf16", target="sm_90a", trans_b=True, **vars(config)), SMALL_M_CONFIGS)
     times = {}
     for config in SMALL_M_CONFIGS:
         try:
