@@ -126,8 +126,9 @@ def test_fused_tickets_carry_over_between_launches(rng):
         c = np.full((m, n), np.nan, np.float32)
         work[:] = np.nan
         kernel, grid, args, options = splitk._fused_launch(b, a, c, n, m, k, "bf16", "k",
-                                                           config, (work, tickets))
-        interpret(kernel, (grid[1], 1, 1), list(args), target="sm_90a", **options)
+                                                           config, (work, tickets),
+                                                           interpret=True)
+        interpret(kernel, grid, list(args), target="sm_90a", **options)
         assert_matmul_close(c, a, b_kn)
     layout = PartialsLayout.of(n, m, k, config)
     assert (tickets == 3 * layout.slices).all()

@@ -79,12 +79,12 @@ def run_partials(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=Non
     x, y, pm, pn = (b, a, n, m) if config.swap_ab else (a, b, m, n)
     if config.fused_reduce:
         kernel, grid, args, options = _fused_launch(x, y, c, pm, pn, k, dtype, b_major, config,
-                                                    _fused_buffers(c, pm, pn, k, config))
-        options.update(target=target)
+                                                    _fused_buffers(c, pm, pn, k, config),
+                                                    interpret=interpret)
         if interpret:
-            runtime.interpret(kernel, (grid[1], 1, 1), list(args), **options)
+            runtime.interpret(kernel, grid, list(args), target=target, **options)
         else:
-            runtime.launch(kernel, grid[0], args, stream=stream, **options)
+            runtime.launch(kernel, grid, args, stream=stream, target=target, **options)
         return
     layout = PartialsLayout.of(pm, pn, k, config)
     w = empty_like(c, (layout.slices * layout.slice_rows, layout.cols), kiln.f32,
@@ -155,23 +155,24 @@ def _fused_buffers(c, m, n, k, config) -> tuple:
     return work, empty_like(c, (slots,), kiln.i64, fill=0)
 
 
-def _fused_launch(x, y, c, m, n, k, dtype, b_major, config, buffers):
-    """Kernel, (GPU grid, interpreter grid), arguments and options of a fused launch."""
+def _fused_launch(x, y, c, m, n, k, dtype, b_major, config, buffers, *, interpret=False):
+    """Kernel, grid (one CTA per SM, at most one per work unit; in the interpreter one per
+    work unit), arguments and options of a fused launch."""
     layout = PartialsLayout.of(m, n, k, config)
     kernel = make_kernel(dtype, kiln.dtype(c.dtype).name, "k" if config.swap_ab else b_major,
                          config)
     # C is the TMA store target (unused with swap-AB, which stores C.T through c_out).
     args = (x, y, c, m, n, k, *buffers) + ((c,) if config.swap_ab else ())
-    grid = ((max(1, min(layout.units, runtime.multiprocessor_count())), 1, 1), layout.units) \
-        if is_torch(c) else (None, layout.units)
-    return kernel, grid, args, dict(num_warps=config.num_warps, **kernel_constexprs(config))
+    ctas = layout.units if interpret else min(layout.units, runtime.multiprocessor_count())
+    return kernel, (max(1, ctas), 1, 1), args, dict(num_warps=config.num_warps,
+                                                    **kernel_constexprs(config))
 
 
 def _bind_fused(x, y, c, m, n, k, dtype, b_major, target, config, torch):
     work, tickets = _fused_buffers(c, m, n, k, config)
     kernel, grid, args, options = _fused_launch(x, y, c, m, n, k, dtype, b_major, config,
                                                 (work, tickets))
-    bound = runtime.bind(kernel, grid[0], list(args), target=target, **options)
+    bound = runtime.bind(kernel, grid, list(args), target=target, **options)
     per_stream = {}
 
     def launch(a_ptr, b_ptr, c_ptr):
