@@ -108,10 +108,10 @@ def run_partials(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=Non
 
 def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
     """A bound launch pair (one launch with ``fused_reduce``) for torch operands shaped like
-    ``a, b, c``: a callable taking the three data pointers, which allocates the workspace per
-    call (the caching allocator makes that cheap and keeps concurrent streams apart); the
-    fused reduction's tickets are kept per stream (they only grow, see
-    :func:`.hopper._finish_fused`)."""
+    ``a, b, c``: a callable taking the three data pointers. The workspace (and the fused
+    reduction's tickets, which only grow: see :func:`.hopper._finish_fused`) is kept per
+    stream: launches on one stream run in order, and every launch writes each partial before
+    reading it."""
     import torch
 
     x, y, pm, pn = (b, a, n, m) if config.swap_ab else (a, b, m, n)
@@ -129,12 +129,16 @@ def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
                           [w, c, m, n, layout.slice_rows, layout.slices], target=target,
                           num_warps=REDUCE_THREADS // 32, SWAP=int(config.swap_ab),
                           WIDTH=width)
-    device = c.device
+    per_stream = {}
 
     def launch(a_ptr, b_ptr, c_ptr):
-        ws = torch.empty(shape, dtype=torch.float32, device=device).data_ptr()
-        main(b_ptr, a_ptr, ws) if config.swap_ab else main(a_ptr, b_ptr, ws)
-        reduce(ws, c_ptr)
+        stream = torch.cuda.current_stream(c.device).cuda_stream
+        ws = per_stream.get(stream)
+        if ws is None:
+            ws = per_stream[stream] = torch.empty_like(w)
+        main(b_ptr, a_ptr, ws.data_ptr()) if config.swap_ab else \
+            main(a_ptr, b_ptr, ws.data_ptr())
+        reduce(ws.data_ptr(), c_ptr)
 
     return launch
 
@@ -177,12 +181,11 @@ def _bind_fused(x, y, c, m, n, k, dtype, b_major, target, config, torch):
 
     def launch(a_ptr, b_ptr, c_ptr):
         stream = torch.cuda.current_stream(c.device).cuda_stream
-        counters = per_stream.get(stream)
-        if counters is None:
-            counters = per_stream[stream] = torch.zeros_like(tickets)
-        ws = torch.empty_like(work).data_ptr()
+        buffers = per_stream.get(stream)
+        if buffers is None:  # kept alive here: the launches only see their addresses
+            buffers = per_stream[stream] = (torch.empty_like(work), torch.zeros_like(tickets))
         x_ptr, y_ptr = (b_ptr, a_ptr) if config.swap_ab else (a_ptr, b_ptr)
-        bound(x_ptr, y_ptr, c_ptr, ws, counters.data_ptr(),
+        bound(x_ptr, y_ptr, c_ptr, buffers[0].data_ptr(), buffers[1].data_ptr(),
               *((c_ptr,) if config.swap_ab else ()))
 
     return launch
