@@ -75,14 +75,20 @@ def test_default_config_still_interprets_at_small_m(rng):
 
 def test_heuristic_shapes_the_work_to_the_gpu():
     decode = heuristic_config(1, 4096, 4096, "k", sms=132)
-    assert decode.swap_ab and decode.block_n == 32 and decode.fused_reduce
+    assert decode.swap_ab and decode.block_n == 32 and not decode.fused_reduce
     units = PartialsLayout.of(4096, 1, 4096, decode).units
     assert 64 < units <= 132  # split-K fills the SMs without a second wave
-    assert heuristic_config(48, 4096, 4096, "k", sms=132).block_n == 64
+    mid = heuristic_config(48, 4096, 4096, "k", sms=132)
+    assert (mid.block_m, mid.block_n, mid.swap_ab, mid.split_k) == (64, 128, False, 4)
+    # enough 64 x 128 tiles for the GPU at M = 256, N = 4096: no split
+    one_wave = heuristic_config(256, 4096, 4096, "k", sms=132)
+    assert (one_wave.block_m, one_wave.block_n, one_wave.split_k) == (64, 128, 1)
+    wide_n = heuristic_config(1, 28672, 4096, "k", sms=132)  # 224 tiles: no swap, no split
+    assert not wide_n.partials and wide_n.block_m == 64
     row_major = heuristic_config(16, 4096, 4096, "mn", sms=132)
     assert not row_major.swap_ab and row_major.block_m == 64 and row_major.split_k > 1
     wide = heuristic_config(512, 28672, 4096, "k", sms=132)
-    assert wide.split_k == 1 and not wide.partials  # 896 tiles: no split
+    assert wide == HopperGemmConfig()  # 448 tiles of 128 x 256: the large-GEMM default
     short = heuristic_config(1, 4096, 128, "k", sms=132)
     assert short.split_k == 1  # 2 K steps: nothing to split
     assert chosen_config(SMALL_M + 1, 4096, 4096, "bf16", "k", "bf16") is None

@@ -4,8 +4,8 @@ At small M a GEMM reads all of B once and little else, so it is memory-bound: wh
 is that every SM streams B with enough bytes in flight. The default 128 x 256 tiling gives
 ``ceil(N / 256)`` CTAs (16 at N = 4096, for 132 SMs); the configs here use narrower tiles,
 split-K (:mod:`.splitk`) so that ``tiles * slices`` fills the GPU, deep rings (small stages),
-and swap-AB when B is stored N x K, so an M of 1..64 pads to a 32- or 64-column WGMMA N
-instead of a 64-row M.
+and swap-AB when B is stored N x K, so an M of 1..32 pads to a 32-column WGMMA N instead of
+a 64-row M.
 
 ``matmul`` picks, for M <= :data:`SMALL_M`, the config the small-M autotuner stored for the
 shape (``tune_small_m``, e.g. run by ``bench/gemm.py --llm --tune``), else
@@ -13,6 +13,7 @@ shape (``tune_small_m``, e.g. run by ``bench/gemm.py --llm --tune``), else
 each on first use would stall serving. Example::
 
     cfg = heuristic_config(16, 4096, 4096, "k", sms=132)  # swap-AB, 32 wide, 4 K slices
+    cfg = heuristic_config(256, 4096, 4096, "k", sms=132)  # 64 x 128 tiles, one wave
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from .hopper import HopperGemmConfig
 
 SMALL_M = 512
 DEFAULT_SMS = 132  # H100/H200 SXM: the heuristic's SM count where no GPU is asked
-MIN_SLICE_STEPS = 4  # K steps (of 64) per slice: shorter slices cost more in partials
-FULL_WAVE = 0.75  # tiles / SMs above which splitting K no longer pays
+MIN_SLICE_STEPS = 16  # K steps (of 64) per slice: shorter slices were slower on an H100
+WAVE = 0.9  # a tile shape "fills the GPU" with at least this many tiles per SM
+SWAP_M = 32  # swap-AB (32 columns) up to this M; above, 64-row tiles were faster
+# Whole-tile shapes (block_m, block_n, stages), largest first: the first that fills the GPU.
+TILE_SHAPES = ((128, 256, 4), (128, 128, 6), (64, 256, 4), (64, 128, 8))
 
 C = HopperGemmConfig
 SMALL_M_CONFIGS = (
@@ -41,37 +45,34 @@ SMALL_M_CONFIGS = (
     # 128-row tiles for M of 65..512.
     C(block_n=128, stages=6), C(block_n=128, stages=6, split_k=2),
     C(block_n=128, stages=6, split_k=4), C(),
-    # The same, reducing in the GEMM kernel (no second launch).
-    C(block_n=32, stages=8, swap_ab=True, fused_reduce=True),
+    # Reducing in the GEMM kernel (one launch; slower than the reduction kernel on an H100
+    # at the Llama-3 shapes: every slice publishes a whole f32 tile).
     C(block_n=32, stages=8, swap_ab=True, split_k=4, fused_reduce=True),
-    C(block_n=32, stages=8, swap_ab=True, split_k=8, fused_reduce=True),
-    C(block_n=64, stages=8, swap_ab=True, split_k=2, fused_reduce=True),
-    C(block_m=64, block_n=128, stages=8, split_k=4, fused_reduce=True),
-    C(block_n=128, stages=6, split_k=2, fused_reduce=True))
+    C(block_m=64, block_n=128, stages=8, split_k=4, fused_reduce=True))
 del C
 
 
 def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> HopperGemmConfig:
-    """A sensible untuned config for ``m <= SMALL_M``: swap-AB for M <= 64 with B stored
-    N x K, 64-row tiles for M <= 64 otherwise, 128-row tiles above; then as many K slices as
-    keep ``tiles * slices`` within one wave of ``sms`` and each slice 4+ K steps.
-    Example: ``heuristic_config(1, 14336, 4096, "k", sms=132).swap_ab``."""
-    k_tiles = -(-k // 64)
-    if m <= 64 and b_major == "k":
-        shape = dict(block_m=128, block_n=32 if m <= 32 else 64, stages=8, swap_ab=True)
-        tiles = -(-n // 128)
-    elif m <= 64:
-        shape = dict(block_m=64, block_n=128, stages=8)
-        tiles = -(-n // 128)
-    else:
-        shape = dict(block_m=128, block_n=128, stages=6)
-        tiles = -(-m // 128) * -(-n // 128)
-    split = 1
-    if tiles < FULL_WAVE * sms:
-        split = max(1, min(16, sms // tiles, k_tiles // MIN_SLICE_STEPS))
-    # Partials are summed by the last slice of each tile to finish: one launch, not two.
-    return HopperGemmConfig(split_k=split, fused_reduce=split > 1 or shape.get("swap_ab", False),
-                            **shape)
+    """A sensible untuned config for ``m <= SMALL_M`` (chosen from per-config timings of the
+    Llama-3-8B layers on an H100, ``bench/gemm.py --llm --configs``):
+
+    1. the largest tile of :data:`TILE_SHAPES` (only 64-row ones for M <= 64) that makes at
+       least ``0.9 * sms`` tiles, without splitting K;
+    2. else (too few tiles for the GPU) K slices of at least 16 steps, enough to bring the
+       tiles near one wave: of swap-AB 128 x 32 tiles for M <= 32 with B stored N x K (the
+       fastest there), else of 64 x 128 tiles.
+
+    Example: ``heuristic_config(1, 4096, 4096, "k", sms=132)`` is swap-AB with 4 K slices."""
+    for block_m, block_n, stages in TILE_SHAPES:
+        if (block_m == 64 or m > 64) and \
+                -(-m // block_m) * -(-n // block_n) >= WAVE * sms:
+            return HopperGemmConfig(block_m=block_m, block_n=block_n, stages=stages)
+    swap = m <= SWAP_M and b_major == "k"
+    shape = dict(block_m=128, block_n=32, swap_ab=True) if swap else \
+        dict(block_m=64, block_n=128)
+    tiles = -(-n // shape["block_m"]) if swap else -(-m // 64) * -(-n // 128)
+    split = max(1, min(16, sms // tiles, -(-k // 64) // MIN_SLICE_STEPS))
+    return HopperGemmConfig(stages=8, split_k=split, **shape)
 
 
 def chosen_config(m: int, n: int, k: int, dtype: str, b_major: str, out_dtype: str, *,
