@@ -407,7 +407,7 @@ def _finish_fused(acc, c_map, c_tiles, work, tickets, c_out, owners, consumer, r
     n_half = acc.shape[1] // 2
     lane = kiln.thread_id(0) % WARP_GROUP_THREADS
     part = 64 * acc.shape[1]  # floats of one slot
-    _publish_partial(acc, work, (slot * slices + piece) * part + lane)
+    _publish_partial(acc, work, (slot * slices + piece) * part + lane, row0, col0, m, n)
     nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
     if first_thread:
         kiln.fence("gpu")  # this slice's stores (seen through the barrier), then the ticket
@@ -420,7 +420,8 @@ def _finish_fused(acc, c_map, c_tiles, work, tickets, c_out, owners, consumer, r
     if owners[consumer] == 1:
         total = wgmma.fragment_zeros(acc.shape[1])
         for s in kiln.range(0, slices):
-            total = _add_partial(total, work, (slot * slices + s) * part + lane, n_half)
+            total = _add_partial(total, work, (slot * slices + s) * part + lane, row0, col0, m,
+                                 n, n_half)
         if SWAP:
             _store_transposed(total, c_out, row0, col0, m, n)
         else:
@@ -428,16 +429,32 @@ def _finish_fused(acc, c_map, c_tiles, work, tickets, c_out, owners, consumer, r
                         tiles_per_round, tile_cols)
 
 
-def _publish_partial(acc, work, base):
-    """``work[base + j * 128] = acc.element(j)`` for every register ``j`` of this thread."""
-    for j in range(acc.shape[1] // 2):
-        work.store(base + j * WARP_GROUP_THREADS, acc.element(j))
+@kiln.func
+def _publish_partial(acc, work, base, row0, col0, m, n):
+    """``work[base + j * 128] = acc.element(j)`` for every register ``j`` of this thread whose
+    element lies inside the ``m x n`` problem: at decode sizes most of a swap-AB tile's
+    columns (or a 64-row tile's rows) are padding, and are neither written nor read."""
+    for j in kiln.static_range(acc.shape[1] // 2):
+        if _inside(j, row0, col0, m, n):
+            work.store(base + j * WARP_GROUP_THREADS, acc.element(j))
 
 
-def _add_partial(total, work, base, n_half):
-    """``total`` plus the slot written by :func:`_publish_partial` at ``base``."""
-    return wgmma.fragment_from_elements([total.element(j) + work[base + j * WARP_GROUP_THREADS]
-                                         for j in range(n_half)])
+def _add_partial(total, work, base, row0, col0, m, n, n_half):
+    """``total`` plus the slot written by :func:`_publish_partial` at ``base`` (zeros where
+    it wrote nothing)."""
+    return wgmma.fragment_from_elements([
+        total.element(j) + work.load(base + j * WARP_GROUP_THREADS,
+                                     mask=_inside(j, row0, col0, m, n), other=0.0)
+        for j in range(n_half)])
+
+
+def _inside(e, row0, col0, m, n):
+    """Whether register ``e`` of this thread, in the 64-row tile at (``row0``, ``col0``), is
+    an element of the ``m x n`` result (layout: :func:`_store_transposed`)."""
+    lane = kiln.thread_id(0) % WARP_GROUP_THREADS
+    row = row0 + 16 * (lane // 32) + (lane % 32) // 4 + 8 * ((e // 2) % 2)
+    col = col0 + 8 * (e // 4) + 2 * (lane % 4) + e % 2
+    return (row < m) & (col < n)
 
 
 @kiln.func
