@@ -20,9 +20,12 @@ loop of one ``torch.matmul`` per group; ``--sweep`` with it also times each grou
 
 ``--fp8`` times the FP8 GEMM instead (:mod:`gemm_fp8`): per-tensor against
 ``torch._scaled_mm``, DeepSeek-V3 block scales against Kiln's and cuBLAS's bf16.
+``--llm`` runs the LLM sweep instead (:mod:`gemm_llm`: Llama-3-8B/70B layers x M from 1 to
+16384, with GB/s against copy bandwidth; ``--quick`` a subset, ``--tune`` tunes the small-M
+cells first, ``--configs`` times every small-M candidate config).
 
 Usage (on an H100): ``python bench/gemm.py [--json out.json] [--repeat 20] [--batch 10]
-[--sweep] [--grouped] [--fp8 [--quick]]``.
+[--sweep] [--grouped] [--fp8 [--quick]] [--llm [--quick] [--tune] [--configs]]``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ except ImportError:  # --help works without torch; running needs it
 from kiln.kernels.gemm import HOPPER_CONFIGS, hopper_autotuner, matmul, run_hopper
 from gemm_fp8 import fp8_main
 from gemm_grouped import grouped_main
+from gemm_llm import llm_main
 from results_io import write_results
 from timing import time_ms
 
@@ -103,8 +107,13 @@ def main() -> None:
                         help="time the grouped (MoE) GEMM against dense and a torch loop")
     parser.add_argument("--fp8", action="store_true",
                         help="time the FP8 GEMM against torch._scaled_mm and bf16 (gemm_fp8.py)")
+    parser.add_argument("--llm", action="store_true",
+                        help="the LLM sweep: Llama-3 8B/70B layers x M in 1..16384")
     parser.add_argument("--quick", action="store_true",
-                        help="with --fp8: each FP8 config at 8192^3 only, no tuner")
+                        help="--fp8: each FP8 config at 8192^3 only, no tuner; --llm: a subset")
+    parser.add_argument("--tune", action="store_true", help="--llm: tune the small-M cells")
+    parser.add_argument("--configs", action="store_true",
+                        help="--llm: time every small-M candidate config too")
     args = parser.parse_args()
     if torch is None or not torch.cuda.is_available():
         raise SystemExit("bench/gemm.py needs torch with a CUDA GPU")
@@ -113,6 +122,9 @@ def main() -> None:
         return
     if args.fp8:
         fp8_main(args, torch)
+        return
+    if args.llm:
+        llm_main(args, torch)
         return
     swept = sweep(8192, 8192, 8192, args.repeat, args.batch) if args.sweep else []
     rows = [bench(m, n, k, args.repeat, args.batch) for m, n, k in SHAPES]

@@ -91,6 +91,7 @@ class Autotuner:
         self.timer = timer or cuda_event_timer
         self.precompile = precompile
         self.best: dict[str, Any] = {}
+        self._untuned: set[str] = set()  # keys :meth:`cached` found in no store
         # Positions of the key arguments, so a positional call is keyed without binding.
         names = list(self._signature.parameters)
         self._key_positions = tuple(names.index(k) for k in key)
@@ -138,6 +139,21 @@ class Autotuner:
             value = bound.arguments.get(name, self._signature.parameters[name].default)
             parts.append(f"{name}={_key_value(value)}")
         return ",".join(parts)
+
+    def cached(self, args: tuple, kwargs: dict):
+        """The config chosen for this call's key (in memory, else in the store), or None
+        when the key was never tuned; tunes nothing. Example: a caller that falls back to a
+        heuristic, ``tuner.cached(args, {}) or default_config``."""
+        key = self.key_of(args, kwargs)
+        if key not in self.best:
+            if key in self._untuned:  # read the store once per key, not once per call
+                return None
+            index = self._stored().get(key)
+            if index is None or not 0 <= index < len(self.configs):
+                self._untuned.add(key)
+                return None
+            self.best[key] = self.configs[index]
+        return self.best[key]
 
     def _config_for(self, args, kwargs, run: Callable[[Any], None],
                     build: Callable[[Any], None] | None = None):

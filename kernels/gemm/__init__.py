@@ -12,7 +12,10 @@ Two entry points::
 ``a`` is M x K, ``b`` K x N (or N x K with ``trans_b``), bf16 or f16; accumulation is f32 and
 the output dtype defaults to the input dtype. On NVIDIA, ``matmul`` autotunes the tile
 configuration once per (shape, dtype) (``kiln.autotune``; results persist next to the compile
-cache). ``backend="interpret"`` runs the kernel of ``target`` in Kiln's CPU interpreter.
+cache); for M <= 512 it takes a stored small-M tuning or a heuristic config instead (small
+tiles, split-K, swap-AB: :mod:`.small_m`, :mod:`.splitk`). ``matmul_config(a, b, config)``
+runs one fixed config. ``backend="interpret"`` runs the kernel of ``target`` in Kiln's CPU
+interpreter.
 
 FP8 (f8e4m3 / f8e5m2, B stored N x K with ``trans_b=True``) with per-tensor, per-row/column
 or DeepSeek-V3 block scales (:mod:`.scales`; kernels :mod:`.fp8_hopper`, :mod:`.fp8_gfx950`,
@@ -43,12 +46,14 @@ from kiln.autotune import autotune
 from .. import runtime
 from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, contiguous, empty_like,
                        is_torch, resolve_target, spec)
+from . import small_m, splitk
 from .fp8_api import compile_fp8_matmul, fp8_matmul
 from .grouped_api import compile_grouped_matmul, grouped_matmul
 from .hopper import OUT_DTYPES, SUPPORTED_DTYPES, HopperGemmConfig, make_kernel
+from .hopper import kernel_constexprs as _constexprs
 from .scales import is_fp8, refuse_scales
 
-__all__ = ["matmul", "compile_matmul", "grouped_matmul", "compile_grouped_matmul",
+__all__ = ["matmul", "matmul_config", "compile_matmul", "grouped_matmul", "compile_grouped_matmul",
            "HopperGemmConfig", "HOPPER_CONFIGS"]
 
 # TMA global strides must be multiples of 16 bytes: 8 elements of a 2-byte dtype.
@@ -68,7 +73,8 @@ def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
     """Compile (without running) the GEMM for ``dtype`` inputs on ``target``; returns the
     ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
 
-    ``config`` keywords are the fields of :class:`HopperGemmConfig` on NVIDIA, or of the
+    ``config`` keywords are the fields of :class:`HopperGemmConfig` on NVIDIA (with
+    ``split_k``/``swap_ab``: the kernel writing f32 partials), or of the
     gfx950 kernel's ``GemmConfig`` on AMD (where ``trans_b`` and ``out_dtype`` fill its
     ``b_layout`` and ``out_dtype`` unless given). FP8 (``"f8e4m3"``, ``"f8e5m2"``) needs
     ``trans_b=True``; its keywords are ``scales`` (the scale-kind pair, default
@@ -91,13 +97,20 @@ def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
     if not chip.has_wgmma:
         raise kiln.UnsupportedError(f"the Kiln GEMM needs WGMMA (sm_90a); {chip.name} has none",
                                     fix="compile for target='sm_90a', or gfx950 on AMD")
-    out = _output_dtype(out_dtype, name)
     cfg = HopperGemmConfig(**config)
+    # A split-K / swap-AB config's kernel writes f32 partials unless it reduces them itself.
+    out = "f32" if cfg.partials and not cfg.fused_reduce else _output_dtype(out_dtype, name)
+    if cfg.swap_ab and not trans_b:
+        raise kiln.UnsupportedError("swap_ab needs B stored N x K", fix="pass trans_b=True")
     b_major = "k" if trans_b else "mn"
     # Placeholder arrays carry dtype and rank only: the kernel is specialised on them.
     a = np.empty((1, 1), kiln.dtype(name).numpy)
     c = np.empty((1, 1), kiln.dtype(out).numpy)
-    return make_kernel(name, out, b_major, cfg).compile(a, a, c, 1, 1, 1, target=chip.name,
+    # the fused reduction's partial slots and tickets (and C for swap-AB's transposed stores)
+    fused = (np.empty(1, np.float32), np.empty(1, np.int64)) + ((c,) if cfg.swap_ab else ()) \
+        if cfg.fused_reduce else ()
+    return make_kernel(name, out, b_major, cfg).compile(a, a, c, 1, 1, 1, *fused,
+                                                        target=chip.name,
                                                         num_warps=cfg.num_warps,
                                                         **_constexprs(cfg))
 
@@ -155,8 +168,14 @@ def _bind(a, b, c, trans_b, target) -> _MatmulPlan:
     to its persistent grid."""
     (m, k), n = a.shape, c.shape[1]
     dtype, out, b_major = _dtype_name(a), _dtype_name(c), "k" if trans_b else "mn"
-    config = hopper_autotuner.best[hopper_autotuner.key_of(
-        (a, b, c, m, n, k, dtype, b_major, out, target), {})]
+    config = small_m.chosen_config(m, n, k, dtype, b_major, out,
+                                   sms=runtime.multiprocessor_count()) or \
+        hopper_autotuner.best[hopper_autotuner.key_of(
+            (a, b, c, m, n, k, dtype, b_major, out, target), {})]
+    if config.partials:
+        bound = splitk.bind_partials(a, b, c, m, n, k, dtype=dtype, b_major=b_major,
+                                     target=target, config=config)
+        return _MatmulPlan(bound=bound, shape=(m, n), out=c.dtype)
     args = [a, b, c, m, n, k]
     bound = runtime.bind(make_kernel(dtype, out, b_major, config),
                          _hopper_grid(m, n, dtype, out, b_major, config), args, target=target,
@@ -164,7 +183,22 @@ def _bind(a, b, c, trans_b, target) -> _MatmulPlan:
     return _MatmulPlan(bound=bound, shape=(m, n), out=c.dtype)
 
 
-def _matmul(a, b, trans_b, out_dtype, target, backend):
+def matmul_config(a, b, config, *, trans_b=False, out_dtype=None, target=None, backend=None):
+    """:func:`matmul` with a fixed :class:`HopperGemmConfig` instead of the tuned or heuristic
+    one (sm_90a, or its interpreter): to pin a config, or to compare configs in benchmarks
+    and tests. Example:
+    ``matmul_config(a, w, HopperGemmConfig(block_n=32, swap_ab=True, split_k=4), trans_b=True)``.
+    """
+    if not isinstance(config, HopperGemmConfig):
+        raise kiln.KilnTypeError(f"config must be a HopperGemmConfig, got {config!r}",
+                                 fix="pass e.g. HopperGemmConfig(block_m=64, split_k=2)")
+    if resolve_target(target).is_amd:
+        raise kiln.UnsupportedError("matmul_config takes Hopper configs",
+                                    fix="use matmul(...) for gfx950")
+    return _matmul(a, b, trans_b, out_dtype, target, backend, config)
+
+
+def _matmul(a, b, trans_b, out_dtype, target, backend, config=None):
     """The general path of :func:`matmul`: checks, padding, tuning, launch or interpretation."""
     chip = resolve_target(target)
     dims = Dims()
@@ -193,10 +227,17 @@ def _matmul(a, b, trans_b, out_dtype, target, backend):
     a_in = _padded(a, (m, kp))
     b_in = _padded(b, (np_, kp) if trans_b else (kp, np_))
     c = _empty_like(a, (m, np_), out)
+    b_major = "k" if trans_b else "mn"
+    if config is None and m <= small_m.SMALL_M and chip.has_wgmma:
+        sms = small_m.DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()
+        config = small_m.chosen_config(m, np_, kp, name, b_major, out, sms=sms)
     if backend == "interpret":
-        _interpret(chip, a_in, b_in, c, trans_b)
+        _interpret(chip, a_in, b_in, c, trans_b, config)
+    elif config is not None:
+        run_hopper(a_in, b_in, c, m, np_, kp, dtype=name, b_major=b_major, target=chip.name,
+                   config=config)
     else:
-        _run_tuned(a_in, b_in, c, m, np_, kp, "k" if trans_b else "mn", name, chip.name)
+        _run_tuned(a_in, b_in, c, m, np_, kp, b_major, name, chip.name)
     return c if np_ == n else contiguous(c[:, :n])
 
 
@@ -219,6 +260,10 @@ def _run_tuned(a, b, c, m, n, k, b_major, dtype, target):
 def run_hopper(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=None):
     """Launch the Hopper kernel of ``config`` on prepared (aligned, contiguous) operands over a
     persistent grid of one CTA per SM (at most one per output tile)."""
+    if config.partials:  # split-K / swap-AB: f32 partials, then a reduction into c
+        splitk.run_partials(a, b, c, m, n, k, dtype=dtype, b_major=b_major, target=target,
+                            config=config, stream=stream)
+        return
     out = _dtype_name(c)
     runtime.launch(make_kernel(dtype, out, b_major, config),
                    _hopper_grid(m, n, dtype, out, b_major, config), (a, b, c, m, n, k),
@@ -244,7 +289,7 @@ def _resident_clusters(dtype, out_dtype, b_major, config) -> int:
         **dataclasses.asdict(config)))
 
 
-def _interpret(chip, a, b, c, trans_b):
+def _interpret(chip, a, b, c, trans_b, config=None):
     to_numpy = [ArrayLib.numpy(x) for x in (a, b, c)]
     (m, k), n = to_numpy[0].shape, to_numpy[2].shape[1]
     args = (*to_numpy, m, n, k)
@@ -254,20 +299,19 @@ def _interpret(chip, a, b, c, trans_b):
         amd = GemmConfig(b_layout="nk" if trans_b else "kn", out_dtype=_dtype_name(c))
         kernel, options = make_amd_kernel(_dtype_name(a), amd), dict(num_warps=amd.num_warps)
         tiles = -(-m // amd.block_m) * -(-n // amd.block_n)
+    elif config is not None and config.partials:
+        splitk.run_partials(*args, dtype=_dtype_name(a), b_major="k" if trans_b else "mn",
+                            target=chip.name, config=config, interpret=True)
+        kernel = None
     else:
-        cfg = HopperGemmConfig()
+        cfg = config or HopperGemmConfig()
         kernel = make_kernel(_dtype_name(a), _dtype_name(c), "k" if trans_b else "mn", cfg)
         options = dict(num_warps=cfg.num_warps, **_constexprs(cfg))
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    runtime.interpret(kernel, (tiles, 1, 1), list(args), target=chip.name, **options)
+    if kernel is not None:
+        runtime.interpret(kernel, (tiles, 1, 1), list(args), target=chip.name, **options)
     if to_numpy[2] is not c:
         ArrayLib(c).copy_into(c, to_numpy[2])
-
-
-def _constexprs(cfg: HopperGemmConfig) -> dict:
-    return dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, STAGES=cfg.stages,
-                GROUP_M=cfg.group_m, PRODUCER_REGS=cfg.producer_registers,
-                CONSUMER_REGS=cfg.consumer_registers, CLUSTER_M=cfg.cluster_m)
 
 
 def _input_dtype(dtype) -> str:

@@ -46,6 +46,7 @@ OUT_DTYPES = ("bf16", "f16", "f32")
 # H100's 227 KB of shared memory per block, less the dynamic region's alignment slack and
 # the mbarriers.
 SHARED_BUDGET = 227 * 1024 - 1024 - 256
+MAX_SPLIT_K = 16
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,12 @@ class HopperGemmConfig:
     ``block_m`` is 64 per consumer warp group; ``block_n`` a multiple of 64 up to 256;
     ``block_k`` is 64 (one 128-byte swizzled row); ``stages`` buffers in the ring;
     ``cluster_m`` 2 runs CTA pairs on vertically adjacent tiles that share (multicast) B.
+    ``split_k`` > 1 cuts K into that many slices, one work unit each, whose f32 partial tiles
+    a second kernel sums (:mod:`.splitk`); ``swap_ab`` computes ``C.T = B.T @ A.T`` so a
+    small M becomes WGMMA's N (``block_n`` 32 allowed), through the same f32 partials.
+    Both are *partials* configs (:attr:`partials`); ``fused_reduce`` has the last K slice of
+    each tile to finish sum the partials in the GEMM kernel itself (no second kernel). Example:
+    ``HopperGemmConfig(block_m=128, block_n=32, swap_ab=True, split_k=4)`` for M <= 32.
     """
 
     block_m: int = 128
@@ -65,14 +72,29 @@ class HopperGemmConfig:
     producer_registers: int = 40
     consumer_registers: int = 232
     cluster_m: int = 1
+    split_k: int = 1
+    swap_ab: bool = False
+    fused_reduce: bool = False
 
     def __post_init__(self):
         if self.block_m % 64 or not 64 <= self.block_m <= 256:
             raise kiln.UnsupportedError(f"block_m={self.block_m} is not supported",
                                         fix="use 64, 128 or 192 (64 rows per consumer group)")
-        if self.block_n % 64 or not 64 <= self.block_n <= 256:
+        # f32 partials stage 32-column (128-byte) tiles; bf16/f16 C needs 64 columns.
+        narrowest = 32 if self.partials else 64
+        if self.block_n % narrowest or not narrowest <= self.block_n <= 256:
             raise kiln.UnsupportedError(f"block_n={self.block_n} is not supported",
-                                        fix="use a multiple of 64 up to 256")
+                                        fix=f"use a multiple of {narrowest} up to 256 (32 "
+                                            "only with split_k > 1 or swap_ab)")
+        if self.partials and self.cluster_m != 1:
+            raise kiln.UnsupportedError("split-K and swap-AB configs run single CTAs",
+                                        fix="use cluster_m=1 with split_k or swap_ab")
+        if self.fused_reduce and not self.partials:
+            raise kiln.KilnValueError("fused_reduce sums split-K / swap-AB partials; this config "
+                                      "has none", fix="add split_k > 1 or swap_ab=True")
+        if not 1 <= self.split_k <= MAX_SPLIT_K:
+            raise kiln.KilnValueError(f"split_k={self.split_k} must be in 1..{MAX_SPLIT_K}",
+                                      fix="use 1 (no split) or e.g. 2, 4, 8")
         if self.block_k != 64:
             raise kiln.UnsupportedError(f"block_k={self.block_k} is not supported",
                                         fix="use block_k=64 (one 128-byte swizzled row)")
@@ -97,6 +119,11 @@ class HopperGemmConfig:
                                      f"{self.consumer_registers} + {self.producer_registers} "
                                      "registers per thread exceed the 64K register file",
                                      fix="lower consumer_registers")
+
+    @property
+    def partials(self) -> bool:
+        """Whether the kernel writes f32 partial tiles that :mod:`.splitk` reduces into C."""
+        return self.split_k > 1 or self.swap_ab
 
     @property
     def consumers(self) -> int:
@@ -131,6 +158,14 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
     """
     in_type, out_type = kiln.dtype(dtype), kiln.dtype(out_dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
+    # Run-time tensors of the in-kernel reduction (constexpr placeholders, None, otherwise).
+    fused = config.fused_reduce
+    fused_types = (kiln.Tensor[kiln.f32, 1] if fused else kiln.constexpr,
+                   kiln.Tensor[kiln.i64, 1] if fused else kiln.constexpr,
+                   kiln.Tensor[out_type, 2] if fused and config.swap_ab else kiln.constexpr)
+    if b_major == "mn" and bn % 64:
+        raise kiln.UnsupportedError(f"block_n={bn} needs B stored N x K (64-column MN-major "
+                                    "chunks otherwise)", fix="use trans_b=True, or block_n 64")
     pair = config.cluster_m
     # TMA boxes of B per stage: 64-column chunks when MN-major; when K-major one box, or one
     # half per CTA of a pair (the halves stack into the same K-major layout).
@@ -144,6 +179,9 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
     c_cols = ROW_BYTES // out_type.itemsize  # columns of one swizzled C staging tile
     epilogue_n = config.epilogue_columns(out_type.itemsize)
     c_tiles_per_round = epilogue_n // c_cols
+    if fused and not config.swap_ab and bn % c_cols:
+        raise kiln.UnsupportedError(f"block_n={bn} is narrower than a {out_dtype} C staging tile",
+                                    fix=f"use block_n a multiple of {c_cols}, or swap_ab")
 
     def b_coords(k0, n0):  # TMA coordinates, innermost first
         return (n0, k0) if b_major == "mn" else (k0, n0)
@@ -174,15 +212,21 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
              b_map: kiln.TensorMap[in_type, b_box, SWIZZLE],
              c_map: kiln.TensorMap[out_type, (64, c_cols), SWIZZLE],
              m: kiln.i32, n: kiln.i32, k: kiln.i32,
+             work: fused_types[0], tickets: fused_types[1], c_out: fused_types[2],
              BM: kiln.constexpr, BN: kiln.constexpr, BK: kiln.constexpr,
              STAGES: kiln.constexpr, GROUP_M: kiln.constexpr, PRODUCER_REGS: kiln.constexpr,
-             CONSUMER_REGS: kiln.constexpr, CLUSTER_M: kiln.constexpr):
+             CONSUMER_REGS: kiln.constexpr, CLUSTER_M: kiln.constexpr,
+             SPLIT_K: kiln.constexpr):
         if CLUSTER_M > 1:
             nvidia_asm.cluster_dims(CLUSTER_M)
         a_tiles = dynamic_shared((STAGES, BM, BK), in_type, align=SWIZZLE_ALIGN)
         b_tiles = dynamic_shared((STAGES * chunks,) + b_box, in_type, align=SWIZZLE_ALIGN)
-        c_tiles = dynamic_shared((BM // 64 * c_tiles_per_round, 64, c_cols), out_type,
-                                 align=SWIZZLE_ALIGN)
+        c_tiles = None  # swap-AB's fused reduction writes C with plain stores
+        if not (fused and config.swap_ab):
+            c_tiles = dynamic_shared((BM // 64 * c_tiles_per_round, 64, c_cols), out_type,
+                                     align=SWIZZLE_ALIGN)
+        if fused:  # per consumer: whether it sums its tile's partials (see _finish_fused)
+            owners = dynamic_shared((BM // 64,), kiln.i32)
         full = mbarrier.group(num_barriers=STAGES)
         empty = mbarrier.group(num_barriers=STAGES)
         tid = kiln.thread_id(0)
@@ -203,7 +247,13 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
         tiles_m = (m + BM * CLUSTER_M - 1) // (BM * CLUSTER_M)
         tiles_n = (n + BN - 1) // BN
         k_tiles = (k + BK - 1) // BK
-        num_tiles = tiles_m * tiles_n
+        if SPLIT_K > 1:  # work unit = (K slice, tile); every slice has at least one K step
+            slice_steps = (k_tiles + SPLIT_K - 1) // SPLIT_K
+            slices = (k_tiles + slice_steps - 1) // slice_steps
+            num_tiles = tiles_m * tiles_n * slices
+        else:
+            slices = 1
+            num_tiles = tiles_m * tiles_n
         first_tile = kiln.block_id(0) // CLUSTER_M
         tile_step = kiln.num_blocks(0) // CLUSTER_M
         group_m = max(1, GROUP_M // CLUSTER_M)
@@ -215,9 +265,10 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
                 tma.prefetch_descriptor(b_map)
                 use = 0
                 for tile in kiln.range(first_tile, num_tiles, tile_step):
-                    m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM * CLUSTER_M, BN, group_m)
+                    m0, n0, k_first, k_end, _, _ = work_unit(tile, tiles_m, tiles_n, k_tiles,
+                                                             group_m, SPLIT_K)
                     m0 = m0 + rank * BM
-                    for kt in kiln.range(0, k_tiles):
+                    for kt in kiln.range(k_first, k_end):
                         stage = use % STAGES
                         empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
                         # All of B arrives here, half of it from the peer's multicast.
@@ -236,10 +287,11 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
             b_stage_units = BN * BK * in_type.itemsize // 16
             use = 0
             for tile in kiln.range(first_tile, num_tiles, tile_step):
-                m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM * CLUSTER_M, BN, group_m)
+                m0, n0, k_first, k_end, piece, mn_tile = work_unit(tile, tiles_m, tiles_n,
+                                                                   k_tiles, group_m, SPLIT_K)
                 m0 = m0 + rank * BM
                 acc = wgmma.fragment_zeros(BN)
-                for kt in kiln.range(0, k_tiles):
+                for kt in kiln.range(k_first, k_end):
                     stage = use % STAGES
                     full.try_wait(stage, (use // STAGES) % 2)
                     stage64 = kiln.cast(stage, kiln.i64)
@@ -254,21 +306,55 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
                     # Keep this K step's group in flight; the previous one has finished reading
                     # its stage, which goes back to the producer.
                     wgmma.wait_group(1)
-                    if (kt > 0) & first_thread:
+                    if (kt > k_first) & first_thread:
                         release(empty, (use + STAGES - 1) % STAGES, 1)
                     use = use + 1
                 wgmma.wait_group(0)
                 if first_thread:
                     release(empty, (use + STAGES - 1) % STAGES, 0)
-                _store_tile(acc, c_map, c_tiles, consumer, m0 + consumer * 64, n0, first_thread,
-                            BN // epilogue_n, c_tiles_per_round, c_cols)
+                if fused:
+                    _finish_fused(acc, c_map, c_tiles, work, tickets, c_out, owners, consumer,
+                                  m0 + consumer * 64, n0, mn_tile * (BM // 64) + consumer,
+                                  piece, slices, m, n, first_thread, BN // epilogue_n,
+                                  c_tiles_per_round, c_cols, config.swap_ab)
+                else:
+                    if SPLIT_K > 1:  # slice s of the partials starts at row s * tiles_m * BM
+                        m0 = m0 + piece * tiles_m * BM * CLUSTER_M
+                    _store_tile(acc, c_map, c_tiles, consumer, m0 + consumer * 64, n0,
+                                first_thread, BN // epilogue_n, c_tiles_per_round, c_cols)
             if first_thread:
                 tma.wait_group(0, read=True)  # the staging tiles must outlive the last store
         if CLUSTER_M > 1:
             nvidia_asm.cluster_sync()  # the peer may still arrive on this CTA's barriers
 
+    def work_unit(tile, tiles_m, tiles_n, k_tiles, group_m, split_k):
+        """Origin, K steps ``[k_first, k_end)``, K slice and output tile of work unit
+        ``tile``: a whole output tile, or with ``split_k`` one K slice of one tile (slice-major,
+        so CTAs running together share the slice's A and B columns)."""
+        if split_k == 1:  # the plain GEMM's tile walk, unchanged
+            m0, n0 = _tile_origin(tile, tiles_m, tiles_n, bm * pair, bn, group_m)
+            return m0, n0, 0, k_tiles, 0, tile
+        per_slice = tiles_m * tiles_n
+        slice_steps = (k_tiles + split_k - 1) // split_k
+        piece = tile // per_slice
+        m0, n0 = _tile_origin(tile % per_slice, tiles_m, tiles_n, bm * pair, bn, group_m)
+        k_first = piece * slice_steps
+        return (m0, n0, k_first, kiln.minimum(k_first + slice_steps, k_tiles), piece,
+                tile % per_slice)
+
     gemm.__name__ = gemm.__qualname__ = f"hopper_gemm_{dtype}_{out_dtype}_{b_major}"
     return kiln.kernel(gemm)
+
+
+def kernel_constexprs(cfg: HopperGemmConfig) -> dict:
+    """The constexpr arguments of :func:`make_kernel`'s kernel for ``cfg`` (with None for the
+    in-kernel reduction's tensors where ``cfg`` has none: see :mod:`.splitk`)."""
+    unused = () if cfg.swap_ab else ("c_out",)
+    placeholders = dict.fromkeys(unused if cfg.fused_reduce else ("work", "tickets", "c_out"))
+    return dict(placeholders, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, STAGES=cfg.stages,
+                GROUP_M=cfg.group_m, PRODUCER_REGS=cfg.producer_registers,
+                CONSUMER_REGS=cfg.consumer_registers, CLUSTER_M=cfg.cluster_m,
+                SPLIT_K=cfg.split_k)
 
 
 @kiln.func
@@ -304,3 +390,84 @@ def _store_tile(acc, c_map, c_tiles, consumer, row0, col0, first_thread, rounds,
                 tma.store(c_tiles.tile(consumer * tiles_per_round + j), c_map,
                           (col0 + r * columns + j * tile_cols, row0))
             tma.commit_group()
+
+
+@kiln.func
+def _finish_fused(acc, c_map, c_tiles, work, tickets, c_out, owners, consumer, row0, col0,
+                  slot, piece, slices, m, n, first_thread, rounds, tiles_per_round, tile_cols,
+                  SWAP):
+    """In-kernel split-K reduction of one consumer's 64-row part of a work unit (the CUTLASS
+    split-K semaphore pattern): store ``acc`` to its slice's slot of ``work`` (register ``j``
+    of thread ``t`` at ``j * 128 + t``: every store instruction writes 512 contiguous bytes);
+    barrier, then one thread fences (gpu scope) and draws a ticket for the (tile, consumer)
+    ``slot``. Tickets only grow (each launch adds ``slices``), so ``ticket % slices`` is the
+    arrival order; the last to arrive fences again (acquire) and its warp group sums the
+    slices' slots in slice order (bitwise reproducible whoever arrives last) into ``C``: a
+    TMA store, or with ``SWAP`` (``acc`` holds C.T) masked stores of ``c_out`` transposed."""
+    n_half = acc.shape[1] // 2
+    lane = kiln.thread_id(0) % WARP_GROUP_THREADS
+    part = 64 * acc.shape[1]  # floats of one slot
+    _publish_partial(acc, work, (slot * slices + piece) * part + lane, row0, col0, m, n)
+    nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
+    if first_thread:
+        kiln.fence("gpu")  # this slice's stores (seen through the barrier), then the ticket
+        ticket = tickets.atomic_add(slot, 1)
+        last = ticket % kiln.cast(slices, kiln.i64) == kiln.cast(slices - 1, kiln.i64)
+        if last:
+            kiln.fence("gpu")  # acquire: the other slices published before their tickets
+        owners[consumer] = kiln.cast(last, kiln.i32)
+    nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
+    if owners[consumer] == 1:
+        total = wgmma.fragment_zeros(acc.shape[1])
+        for s in kiln.range(0, slices):
+            total = _add_partial(total, work, (slot * slices + s) * part + lane, row0, col0, m,
+                                 n, n_half)
+        if SWAP:
+            _store_transposed(total, c_out, row0, col0, m, n)
+        else:
+            _store_tile(total, c_map, c_tiles, consumer, row0, col0, first_thread, rounds,
+                        tiles_per_round, tile_cols)
+
+
+@kiln.func
+def _publish_partial(acc, work, base, row0, col0, m, n):
+    """``work[base + j * 128] = acc.element(j)`` for every register ``j`` of this thread whose
+    element lies inside the ``m x n`` problem: at decode sizes most of a swap-AB tile's
+    columns (or a 64-row tile's rows) are padding, and are neither written nor read."""
+    for j in kiln.static_range(acc.shape[1] // 2):
+        if _inside(j, row0, col0, m, n):
+            work.store(base + j * WARP_GROUP_THREADS, acc.element(j))
+
+
+def _add_partial(total, work, base, row0, col0, m, n, n_half):
+    """``total`` plus the slot written by :func:`_publish_partial` at ``base`` (zeros where
+    it wrote nothing)."""
+    return wgmma.fragment_from_elements([
+        total.element(j) + work.load(base + j * WARP_GROUP_THREADS,
+                                     mask=_inside(j, row0, col0, m, n), other=0.0)
+        for j in range(n_half)])
+
+
+def _inside(e, row0, col0, m, n):
+    """Whether register ``e`` of this thread, in the 64-row tile at (``row0``, ``col0``), is
+    an element of the ``m x n`` result (layout: :func:`_store_transposed`)."""
+    lane = kiln.thread_id(0) % WARP_GROUP_THREADS
+    row = row0 + 16 * (lane // 32) + (lane % 32) // 4 + 8 * ((e // 2) % 2)
+    col = col0 + 8 * (e // 4) + 2 * (lane % 4) + e % 2
+    return (row < m) & (col < n)
+
+
+@kiln.func
+def _store_transposed(total, c_out, row0, col0, m, n):
+    """``c_out[col, row] = total[row, col]`` for the tile at (``row0``, ``col0``) of C.T (an
+    ``m x n`` problem), inside C only. Register ``e`` of lane ``l`` holds row
+    ``16 * (l // 32) + (l % 32) // 4 + 8 * ((e // 2) % 2)``, column
+    ``8 * (e // 4) + 2 * (l % 4) + e % 2`` (:func:`kiln.layout.wgmma_m64_accumulator`)."""
+    lane = kiln.thread_id(0) % WARP_GROUP_THREADS
+    row_base = row0 + 16 * (lane // 32) + (lane % 32) // 4
+    col_base = col0 + 2 * (lane % 4)
+    for e in kiln.static_range(total.shape[1] // 2):
+        row = row_base + 8 * ((e // 2) % 2)
+        col = col_base + 8 * (e // 4) + e % 2
+        if (row < m) & (col < n):
+            c_out.store(col, row, kiln.cast(total.element(e), c_out.dtype))

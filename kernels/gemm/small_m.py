@@ -1,0 +1,110 @@
+"""Decode-sized GEMMs (M <= 512): the config space, its autotuner and the untuned heuristic.
+
+At small M a GEMM reads all of B once and little else, so it is memory-bound: what matters
+is that every SM streams B with enough bytes in flight. The default 128 x 256 tiling gives
+``ceil(N / 256)`` CTAs (16 at N = 4096, for 132 SMs); the configs here use narrower tiles,
+split-K (:mod:`.splitk`) so that ``tiles * slices`` fills the GPU, deep rings (small stages),
+and swap-AB when B is stored N x K, so an M of 1..32 pads to a 32-column WGMMA N instead of
+a 64-row M.
+
+``matmul`` picks, for M <= :data:`SMALL_M`, the config the small-M autotuner stored for the
+shape (``tune_small_m``, e.g. run by ``bench/gemm.py --llm --tune``), else
+:func:`heuristic_config` without timing anything: decode sees many distinct M, and tuning
+each on first use would stall serving. Example::
+
+    cfg = heuristic_config(16, 4096, 4096, "k", sms=132)  # swap-AB, 32 wide, 4 K slices
+    cfg = heuristic_config(256, 4096, 4096, "k", sms=132)  # 64 x 128 tiles, one wave
+"""
+
+from __future__ import annotations
+
+from kiln.autotune import autotune
+
+from .hopper import HopperGemmConfig
+
+SMALL_M = 512
+DEFAULT_SMS = 132  # H100/H200 SXM: the heuristic's SM count where no GPU is asked
+MIN_SLICE_STEPS = 16  # K steps (of 64) per slice: shorter slices were slower on an H100
+WAVE = 0.9  # a tile shape "fills the GPU" with at least this many tiles per SM
+SWAP_M = 32  # swap-AB (32 columns) up to this M; above, 64-row tiles were faster
+# Whole-tile shapes (block_m, block_n, stages), largest first: the first that fills the GPU.
+TILE_SHAPES = ((128, 256, 4), (128, 128, 6), (64, 256, 4), (64, 128, 8))
+
+C = HopperGemmConfig
+SMALL_M_CONFIGS = (
+    # swap-AB (B stored N x K): M pads to WGMMA N = 32 or 64.
+    C(block_n=32, stages=8, swap_ab=True), C(block_n=32, stages=8, swap_ab=True, split_k=2),
+    C(block_n=32, stages=8, swap_ab=True, split_k=4),
+    C(block_n=32, stages=8, swap_ab=True, split_k=8),
+    C(block_n=64, stages=8, swap_ab=True), C(block_n=64, stages=8, swap_ab=True, split_k=2),
+    C(block_n=64, stages=8, swap_ab=True, split_k=4),
+    # 64-row tiles, any B layout.
+    C(block_m=64, block_n=128, stages=8), C(block_m=64, block_n=128, stages=8, split_k=2),
+    C(block_m=64, block_n=128, stages=8, split_k=4),
+    C(block_m=64, block_n=256, stages=4), C(block_m=64, block_n=256, stages=4, split_k=2),
+    # 128-row tiles for M of 65..512.
+    C(block_n=128, stages=6), C(block_n=128, stages=6, split_k=2),
+    C(block_n=128, stages=6, split_k=4), C(),
+    # Reducing in the GEMM kernel (one launch). Measured slower than the reduction kernel on
+    # an H100 while every slice published its whole f32 tile; now only in-bounds elements.
+    C(block_n=32, stages=8, swap_ab=True, split_k=4, fused_reduce=True),
+    C(block_m=64, block_n=128, stages=8, split_k=4, fused_reduce=True))
+del C
+
+
+def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> HopperGemmConfig:
+    """A sensible untuned config for ``m <= SMALL_M`` (chosen from per-config timings of the
+    Llama-3-8B layers on an H100, ``bench/gemm.py --llm --configs``):
+
+    1. the largest tile of :data:`TILE_SHAPES` (only 64-row ones for M <= 64) that makes at
+       least ``0.9 * sms`` tiles, without splitting K;
+    2. else (too few tiles for the GPU) K slices of at least 16 steps, enough to bring the
+       tiles near one wave: of swap-AB 128 x 32 tiles for M <= 32 with B stored N x K (the
+       fastest there), else of 64 x 128 tiles.
+
+    Example: ``heuristic_config(1, 4096, 4096, "k", sms=132)`` is swap-AB with 4 K slices."""
+    for block_m, block_n, stages in TILE_SHAPES:
+        if (block_m == 64 or m > 64) and \
+                -(-m // block_m) * -(-n // block_n) >= WAVE * sms:
+            return HopperGemmConfig(block_m=block_m, block_n=block_n, stages=stages)
+    swap = m <= SWAP_M and b_major == "k"
+    shape = dict(block_m=128, block_n=32, swap_ab=True) if swap else \
+        dict(block_m=64, block_n=128)
+    tiles = -(-n // shape["block_m"]) if swap else -(-m // 64) * -(-n // 128)
+    split = max(1, min(16, sms // tiles, -(-k // 64) // MIN_SLICE_STEPS))
+    return HopperGemmConfig(stages=8, split_k=split, **shape)
+
+
+def chosen_config(m: int, n: int, k: int, dtype: str, b_major: str, out_dtype: str, *,
+                  sms: int = DEFAULT_SMS) -> HopperGemmConfig | None:
+    """The config ``matmul`` runs for a small ``m``: the small-M autotuner's stored choice for
+    this shape, else :func:`heuristic_config`; None when ``m > SMALL_M`` (the large-GEMM
+    autotuner decides)."""
+    if m > SMALL_M:
+        return None
+    stored = small_m_autotuner.cached((None, None, None, m, n, k, dtype, b_major, out_dtype,
+                                       None), {})
+    return stored or heuristic_config(m, n, k, b_major, sms=sms)
+
+
+def _compile(config, a, b, c, m, n, k, dtype, b_major, out_dtype, target):
+    from . import compile_matmul  # the package's compile entry; it imports this module
+
+    compile_matmul(dtype, target=target, out_dtype=out_dtype, trans_b=b_major == "k",
+                   **vars(config))
+
+
+@autotune(configs=SMALL_M_CONFIGS, key=["m", "n", "k", "dtype", "b_major", "out_dtype"],
+          precompile=_compile)
+def small_m_autotuner(a, b, c, m, n, k, dtype, b_major, out_dtype, target, *, config):
+    """Runs one small-M config (the tuner times each; see :func:`tune_small_m`)."""
+    from . import run_hopper  # the package's launcher; it imports this module
+
+    run_hopper(a, b, c, m, n, k, dtype=dtype, b_major=b_major, target=target, config=config)
+
+
+def tune_small_m(a, b, c, m, n, k, dtype, b_major, out_dtype, target) -> HopperGemmConfig:
+    """Time every :data:`SMALL_M_CONFIGS` entry on prepared operands (as ``run_hopper``
+    takes them), store the winner for ``matmul`` and return it."""
+    small_m_autotuner(a, b, c, m, n, k, dtype, b_major, out_dtype, target)
+    return small_m_autotuner.cached((a, b, c, m, n, k, dtype, b_major, out_dtype, target), {})

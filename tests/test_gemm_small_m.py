@@ -1,0 +1,232 @@
+"""Small-M GEMM configs (``kiln.kernels.gemm.small_m``, ``.splitk``): small tiles, split-K and
+swap-AB, in the interpreter (odd shapes, float64 reference, NaN-poisoned outputs and
+workspaces), at the PTX level, the untuned heuristic, and on a GPU (``gpu``)."""
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+from gemm_reference import assert_matmul_close
+
+import kiln
+from kiln.kernels.gemm import HopperGemmConfig, compile_matmul, matmul, matmul_config
+from kiln.kernels.gemm.small_m import (SMALL_M, SMALL_M_CONFIGS, chosen_config,
+                                       heuristic_config)
+from kiln.kernels.gemm.splitk import PartialsLayout
+from kiln.runtime.cuda import cuda_available
+
+needs_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and driver")
+C = HopperGemmConfig
+FAMILIES = {  # one config per family, with every new knob somewhere
+    "swap32": C(block_n=32, stages=8, swap_ab=True),
+    "swap32_split4": C(block_n=32, stages=8, swap_ab=True, split_k=4),
+    "swap64_split2": C(block_n=64, stages=8, swap_ab=True, split_k=2),
+    "bm64_bn128": C(block_m=64, block_n=128, stages=8),
+    "bm64_bn128_split3": C(block_m=64, block_n=128, stages=8, split_k=3),
+    "bm64_bn256_split2": C(block_m=64, block_n=256, stages=4, split_k=2),
+    "bm128_bn128_split2": C(block_n=128, stages=6, split_k=2),
+    # the in-kernel reduction (last slice of a tile to finish sums the partials)
+    "fused_swap32": C(block_n=32, stages=8, swap_ab=True, fused_reduce=True),
+    "fused_swap32_split4": C(block_n=32, stages=8, swap_ab=True, split_k=4, fused_reduce=True),
+    "fused_swap64_split3": C(block_n=64, stages=8, swap_ab=True, split_k=3, fused_reduce=True),
+    "fused_bm64_bn128_split3": C(block_m=64, block_n=128, stages=8, split_k=3,
+                                 fused_reduce=True),
+    "fused_bm128_bn128_split2": C(block_n=128, stages=6, split_k=2, fused_reduce=True),
+}
+SWAP_FAMILIES = [name for name, cfg in FAMILIES.items() if cfg.swap_ab]
+# M of a decode step, N and K off the tile grid (K = 520: 9 K steps, uneven slices).
+SHAPES = [(1, 100, 300), (3, 264, 520), (17, 70, 136), (100, 136, 200)]
+
+
+def _operands(m, n, k, trans_b, rng, dtype=ml_dtypes.bfloat16):
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(dtype)
+    return a, b, (b.T if trans_b else b)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_interpreted_config_matches_float64(family, shape, rng):
+    config = FAMILIES[family]
+    m, n, k = shape
+    trans_b = config.swap_ab or m % 2 == 1  # both B layouts across the shapes
+    a, b, b_kn = _operands(m, n, k, trans_b, rng)
+    # numpy outputs and workspaces start as NaN: an element never written fails the check
+    c = matmul_config(a, b, config, trans_b=trans_b, out_dtype="f32", target="sm_90a",
+                      backend="interpret")
+    assert_matmul_close(c, a, b_kn)
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 100, 512])
+def test_matmul_small_m_uses_the_heuristic_in_the_interpreter(m, rng):
+    a, b, b_kn = _operands(m, 72, 264, True, rng)
+    c = matmul(a, b, trans_b=True, target="sm_90a", backend="interpret")
+    assert c.dtype == ml_dtypes.bfloat16
+    assert_matmul_close(c, a, b_kn)
+
+
+def test_default_config_still_interprets_at_small_m(rng):
+    a, b, b_kn = _operands(100, 264, 136, False, rng, np.float16)
+    c = matmul_config(a, b, HopperGemmConfig(), out_dtype="f16", target="sm_90a",
+                      backend="interpret")
+    assert_matmul_close(c, a, b_kn)
+
+
+def test_heuristic_shapes_the_work_to_the_gpu():
+    decode = heuristic_config(1, 4096, 4096, "k", sms=132)
+    assert decode.swap_ab and decode.block_n == 32 and not decode.fused_reduce
+    units = PartialsLayout.of(4096, 1, 4096, decode).units
+    assert 64 < units <= 132  # split-K fills the SMs without a second wave
+    mid = heuristic_config(48, 4096, 4096, "k", sms=132)
+    assert (mid.block_m, mid.block_n, mid.swap_ab, mid.split_k) == (64, 128, False, 4)
+    # enough 64 x 128 tiles for the GPU at M = 256, N = 4096: no split
+    one_wave = heuristic_config(256, 4096, 4096, "k", sms=132)
+    assert (one_wave.block_m, one_wave.block_n, one_wave.split_k) == (64, 128, 1)
+    wide_n = heuristic_config(1, 28672, 4096, "k", sms=132)  # 224 tiles: no swap, no split
+    assert not wide_n.partials and wide_n.block_m == 64
+    row_major = heuristic_config(16, 4096, 4096, "mn", sms=132)
+    assert not row_major.swap_ab and row_major.block_m == 64 and row_major.split_k > 1
+    wide = heuristic_config(512, 28672, 4096, "k", sms=132)
+    assert wide == HopperGemmConfig()  # 448 tiles of 128 x 256: the large-GEMM default
+    short = heuristic_config(1, 4096, 128, "k", sms=132)
+    assert short.split_k == 1  # 2 K steps: nothing to split
+    assert chosen_config(SMALL_M + 1, 4096, 4096, "bf16", "k", "bf16") is None
+    assert all(isinstance(cfg, HopperGemmConfig) for cfg in SMALL_M_CONFIGS)
+
+
+def test_partials_layout_keeps_every_slice_non_empty():
+    cfg = C(block_m=64, block_n=128, split_k=4)
+    # 5 K steps in slices of 2: 3 slices, not 4 (the kernel computes the same)
+    layout = PartialsLayout.of(100, 136, 5 * 64, cfg)
+    assert (layout.slices, layout.slice_rows, layout.cols, layout.tiles) == (3, 128, 136, 4)
+    assert PartialsLayout.of(4096, 3, 64, C(block_n=32, swap_ab=True, split_k=8)).cols == 4
+
+
+def test_autotuner_cached_reads_without_tuning(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))  # a fresh store
+    calls = []
+
+    @kiln.autotune(configs=["a", "b"], key=["n"], timer=lambda run: (run(), 1.0)[1],
+                   progress=False)
+    def tuned(n, *, config):
+        calls.append(config)
+
+    assert tuned.cached((7,), {}) is None and not calls
+    tuned(7)
+    assert tuned.cached((7,), {}) == "a" and tuned.cached((8,), {}) is None
+
+
+def test_fused_tickets_carry_over_between_launches(rng):
+    """The fused reduction's tickets are never reset: a plan reuses them launch after launch
+    and ``ticket % slices`` still picks the last slice of each tile (three launches)."""
+    from kiln.kernels.gemm import splitk
+    from kiln.kernels.runtime import interpret
+
+    config = FAMILIES["fused_swap32_split4"]
+    m, n, k = 5, 136, 520  # the kernel's problem is n x m (swap-AB)
+    a, b, _ = _operands(m, n, k, True, rng)
+    work, tickets = splitk._fused_buffers(a, n, m, k, config)
+    for _ in range(3):
+        a, b, b_kn = _operands(m, n, k, True, rng)
+        c = np.full((m, n), np.nan, np.float32)
+        work[:] = np.nan
+        kernel, grid, args, options = splitk._fused_launch(b, a, c, n, m, k, "bf16", "k",
+                                                           config, (work, tickets),
+                                                           interpret=True)
+        interpret(kernel, grid, list(args), target="sm_90a", **options)
+        assert_matmul_close(c, a, b_kn)
+    layout = PartialsLayout.of(n, m, k, config)
+    assert (tickets == 3 * layout.slices).all()
+
+
+@pytest.mark.lower
+def test_fused_reduce_ptx_publishes_then_takes_a_ticket():
+    ck = compile_matmul("bf16", target="sm_90a", trans_b=True, block_n=32, stages=8,
+                        swap_ab=True, split_k=4, fused_reduce=True)
+    ptx = ck.asm["ptx"]
+    assert len(re.findall(r"atom\.[^\s]*add", ptx)) == 1  # one ticket per tile and consumer
+    assert len(re.findall(r"fence\.[a-z_.]*gpu", ptx)) == 2  # release, then acquire if last
+    assert "cp.async.bulk.tensor.2d.global.shared" not in ptx  # C leaves by plain stores
+    assert ck.metadata["spill_bytes"] == 0
+
+
+@pytest.mark.lower
+def test_swap_ab_ptx_reads_a_as_wgmma_n32():
+    ck = compile_matmul("bf16", target="sm_90a", trans_b=True, out_dtype="f32", block_n=32,
+                        stages=8, swap_ab=True, split_k=4)
+    ptx = ck.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16" in ptx
+    assert re.search(r"wgmma\.mma_async[^;]*, 1,\s*1, 0,\s*0;", ptx, re.S)  # both K-major
+    assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("family", ["bm64_bn128_split3", "bm128_bn128_split2"])
+def test_split_k_kernels_compile_without_spills(family):
+    cfg = FAMILIES[family]
+    ck = compile_matmul("bf16", target="sm_90a", out_dtype="f32", **vars(cfg))
+    assert f"m64n{cfg.block_n}k16" in ck.asm["ptx"]
+    assert ck.metadata["spill_bytes"] == 0
+
+
+@pytest.mark.lower
+def test_bad_small_m_configs_raise_kiln_errors(rng):
+    with pytest.raises(kiln.UnsupportedError, match="block_n=32"):
+        C(block_n=32)  # 32-column tiles only for f32 partials
+    with pytest.raises(kiln.KilnValueError, match="split_k=0"):
+        C(split_k=0)
+    with pytest.raises(kiln.KilnValueError, match="split_k=17"):
+        C(split_k=17)
+    a, b, _ = _operands(3, 64, 64, False, rng)
+    with pytest.raises(kiln.UnsupportedError, match="trans_b=True"):
+        matmul_config(a, b, C(block_n=32, swap_ab=True), target="sm_90a", backend="interpret")
+    with pytest.raises(kiln.UnsupportedError, match="cluster_m=1"):
+        C(split_k=2, cluster_m=2)
+    with pytest.raises(kiln.KilnValueError, match="fused_reduce"):
+        C(fused_reduce=True)  # nothing to reduce
+    with pytest.raises(kiln.KilnTypeError, match="HopperGemmConfig"):
+        matmul_config(a, b, {"split_k": 2}, target="sm_90a", backend="interpret")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("shape", SHAPES + [(64, 4096, 4096), (512, 1000, 1000)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gpu_config_matches_float64(family, shape, rng):
+    torch = pytest.importorskip("torch")
+    from kiln.kernels.gemm import run_hopper
+
+    config = FAMILIES[family]
+    m, n, k = shape
+    trans_b = config.swap_ab or m % 2 == 1
+    a, b, b_kn = _operands(m, n, k, trans_b, rng)
+    a_dev, b_dev = (torch.from_numpy(x.astype(np.float32)).to("cuda", torch.bfloat16)
+                    for x in (a, b))
+    if n % 8 or k % 8:  # unaligned: through matmul_config, which pads
+        torch.empty(m * n * 8, device="cuda").fill_(float("nan"))  # poison the pool
+        c = matmul_config(a_dev, b_dev, config, trans_b=trans_b)
+    else:
+        c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        run_hopper(a_dev, b_dev, c, m, n, k, dtype="bf16", b_major="k" if trans_b else "mn",
+                   target="sm_90a", config=config)
+    assert_matmul_close(c, a, b_kn)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 256, 512])
+@pytest.mark.parametrize("trans_b", [True, False])
+def test_gpu_matmul_small_m_plans(m, trans_b, rng):
+    """The heuristic config through matmul: the first call plans, the repeat call is the
+    bound launch pair (workspace allocated per call)."""
+    torch = pytest.importorskip("torch")
+    n, k = 1024, 2048
+    a, b, b_kn = _operands(m, n, k, trans_b, rng)
+    a_dev, b_dev = (torch.from_numpy(x.astype(np.float32)).to("cuda", torch.bfloat16)
+                    for x in (a, b))
+    for _ in range(2):
+        torch.empty(m * n * 8, device="cuda").fill_(float("nan"))
+        c = matmul(a_dev, b_dev, trans_b=trans_b)
+        assert_matmul_close(c, a, b_kn)
