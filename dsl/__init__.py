@@ -47,6 +47,8 @@ from .mma import TiledMma
 from .autotune import autotune
 from .shared import DynamicSharedTensor, dynamic_shared
 from .tiles import GlobalTile, RegTile, SharedTile
+from .tile_copy import copy, load
+from .tile_reduce import reduce
 
 # Cluster scheduling annotations (the kiln-cluster-schedule / kiln-insert-waits passes read them).
 # ``kiln.cluster`` is the context manager; the module stays importable as ``kiln.cluster`` only
