@@ -35,14 +35,19 @@ from .values import Value, broadcast, constant, to_value
 
 class GlobalTile:
     """A ``shape`` window of 2-D tensor ``tensor`` at ``origin``; tensor rows ``>= row_end``
-    and columns ``>= col_end`` are masked (loads give ``fill``, stores skip them)."""
+    and columns ``>= col_end`` are masked (loads give ``fill``, stores skip them). A 1-D
+    tensor is one row: ``GlobalTile(x, (1, BLOCK), (0, start), col_end=n)``."""
 
     def __init__(self, tensor: TensorRef, shape: tuple[int, int], origin: tuple[Any, Any] = (0, 0),
-                 *, row_end: Any = None, col_end: Any = None, fill: float = 0):
-        if not isinstance(tensor, TensorRef) or tensor.rank != 2:
-            raise KilnTypeError(f"GlobalTile needs a 2-D kiln.Tensor, got {tensor!r}",
+                 *, row_end: Any = None, col_end: Any = None, fill: float = 0,
+                 align: int | None = None):
+        if not isinstance(tensor, TensorRef) or tensor.rank not in (1, 2):
+            raise KilnTypeError(f"GlobalTile needs a 1-D or 2-D kiln.Tensor, got {tensor!r}",
                                 fix="declare the parameter as kiln.Tensor[dtype, 2]")
         shape = tuple(shape)
+        if tensor.rank == 1 and (len(shape) != 2 or shape[0] != 1):
+            raise KilnValueError(f"a GlobalTile of a 1-D tensor is one row, (1, cols), got "
+                                 f"{shape!r}", fix="use shape (1, BLOCK) and origin (0, start)")
         if len(shape) != 2 or any(not isinstance(s, int) or s <= 0 for s in shape):
             raise KilnValueError(f"a GlobalTile shape is (rows, cols) of positive ints, got "
                                  f"{shape!r}", fix="use compile-time constants, e.g. (64, 32)")
@@ -50,7 +55,11 @@ class GlobalTile:
             raise KilnTypeError(f"GlobalTile fill must be a Python number, got {fill!r}",
                                 fix='pass e.g. fill=0.0 or fill=-float("inf")')
         self.tensor, self.shape, self.origin, self.row_end = tensor, shape, tuple(origin), row_end
-        self.col_end, self.fill = col_end, fill
+        if align is not None and (isinstance(align, bool) or not isinstance(align, int)
+                                  or align <= 0 or align & (align - 1)):
+            raise KilnValueError(f"GlobalTile align must be a power-of-two byte count, got "
+                                 f"{align!r}", fix="e.g. align=16 when rows start 16-byte aligned")
+        self.col_end, self.fill, self.align = col_end, fill, align
 
     @classmethod
     def ragged(cls, tensor: TensorRef, shape: tuple[int, int], *, start: Any, length: Any,
@@ -87,8 +96,18 @@ class GlobalTile:
             whole = whole & valid
         return mask, whole
 
+    def _alignment(self, width: int) -> ir.IntegerAttr | None:
+        """The byte alignment ``align`` promises for a ``width``-element access (None: the
+        element's own, which LLVM splits a vector access into scalars for)."""
+        if self.align is None:
+            return None
+        return ir.IntegerAttr.get(ir.IntegerType.get_signless(64),
+                                  min(self.align, width * self.dtype.itemsize))
+
     def indices(self, row: Any, col: Any) -> tuple[Any, Any]:
-        """Tensor indices of tile element ``(row, col)``."""
+        """Tensor indices of tile element ``(row, col)`` (the column alone for a 1-D tensor)."""
+        if self.tensor.rank == 1:
+            return (self.origin[1] + col,)
         return self.origin[0] + row, self.origin[1] + col
 
     def load(self, row: Any, col: Any, *, width: int = 1) -> Value:
@@ -96,16 +115,19 @@ class GlobalTile:
         vtype = ir.VectorType.get([width], self.dtype.mlir_type())
         idx = [to_index(i) for i in self.indices(row, col)]
         masks = self.col_mask(row, col, width)
+        align = self._alignment(width)
         if masks is not None:
-            return self._masked(masks, lambda: vector.load(vtype, self.tensor.ir, idx),
+            return self._masked(masks, lambda: vector.load(vtype, self.tensor.ir, idx,
+                                                           alignment=align),
                                 lambda m: vector.maskedload(vtype, self.tensor.ir, idx, m.ir,
-                                                            self._fill(width).ir), vtype)
+                                                            self._fill(width).ir,
+                                                            alignment=align), vtype)
         valid = self.row_valid(row)
         if valid is None:
-            return Value(vector.load(vtype, self.tensor.ir, idx), self.dtype)
+            return Value(vector.load(vtype, self.tensor.ir, idx, alignment=align), self.dtype)
         if_op = scf.IfOp(valid.ir, [vtype], has_else=True)
         with ir.InsertionPoint(if_op.then_block):
-            scf.YieldOp([vector.load(vtype, self.tensor.ir, idx)])
+            scf.YieldOp([vector.load(vtype, self.tensor.ir, idx, alignment=align)])
         with ir.InsertionPoint(if_op.else_block):
             scf.YieldOp([self._fill(width).ir])
         return Value(if_op.results[0], self.dtype)
@@ -132,15 +154,18 @@ class GlobalTile:
                                 f"{value!r}", fix=f"kiln.cast to kiln.{self.dtype}")
         idx = [to_index(i) for i in self.indices(row, col)]
         masks = self.col_mask(row, col, value.shape[0])
+        align = self._alignment(value.shape[0])
         if masks is not None:
-            self._masked(masks, lambda: vector.store(value.ir, self.tensor.ir, idx),
-                         lambda m: vector.maskedstore(self.tensor.ir, idx, m.ir, value.ir))
+            self._masked(masks, lambda: vector.store(value.ir, self.tensor.ir, idx,
+                                                     alignment=align),
+                         lambda m: vector.maskedstore(self.tensor.ir, idx, m.ir, value.ir,
+                                                      alignment=align))
             return
         valid = self.row_valid(row)
         if valid is None:
-            vector.store(value.ir, self.tensor.ir, idx)
+            vector.store(value.ir, self.tensor.ir, idx, alignment=align)
             return
         if_op = scf.IfOp(valid.ir, [], has_else=False)
         with ir.InsertionPoint(if_op.then_block):
-            vector.store(value.ir, self.tensor.ir, idx)
+            vector.store(value.ir, self.tensor.ir, idx, alignment=align)
             scf.YieldOp([])

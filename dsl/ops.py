@@ -169,6 +169,8 @@ rsqrt = _unary_math("rsqrt", math.rsqrt, "1/sqrt(x). Example: ``kiln.rsqrt(var +
 @checked_call
 def rcp(x: Any) -> Value:
     """1/x for floats. Example: ``inv = kiln.rcp(l)``."""
+    if _tile(x):
+        return x.__kiln_elementwise__(rcp)
     v = _float(x)
     return Value(arith.divf(constant(1.0, v.dtype, v.shape).ir, v.ir), v.dtype)
 
@@ -208,6 +210,8 @@ def minimum(a: Any, b: Any) -> Value:
 @checked_call
 def abs(x: Any) -> Value:  # noqa: A001 - mirrors Python's abs for kiln.abs
     """Absolute value (``math.absf`` / ``math.absi``). Example: ``kiln.abs(x - y)``."""
+    if _tile(x):
+        return x.__kiln_elementwise__(abs)
     return to_value(x).__abs__()
 
 

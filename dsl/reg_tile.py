@@ -142,6 +142,15 @@ class TileVector:
         """Every scalar converted to ``dtype``."""
         return self.map(lambda x: cast(x, dtype))
 
+    def item(self) -> Value:
+        """The one scalar of a vector reduced from a single row or column (e.g. a block-wide
+        row of :func:`kiln.layout.blocked`): ``mean = kiln.reduce(x, "sum", 1).item() / n``."""
+        if len(self.values) != 1 or len(self.values[0]) != 1:
+            raise KilnValueError(f"this {self.axis} vector holds {len(self.values)} x "
+                                 f"{len(self.values[0])} scalars per thread, not one",
+                                 fix="reduce a one-row tile, or index .values[line][group]")
+        return self.values[0][0]
+
     def maximum(self, other: Any) -> "TileVector":
         """Elementwise max with a scalar or a TileVector: ``m_new = m_old.maximum(s.row_max())``."""
         return self._zip(other, ops.maximum)

@@ -162,13 +162,3 @@ def copy(src: Any, dst: Any) -> Any:
                         fix="copy GlobalTile -> SharedTile, a tile -> a layout (registers), or "
                             "a RegTile -> GlobalTile/SharedTile")
 
-
-def coords(layout: ThreadValueLayout) -> tuple[RegTile, RegTile]:
-    """i32 register tiles of every element's row and column in ``layout``: masks in registers,
-    e.g. ``_, cols = kiln.tiles.coords(tv); x = kiln.where(cols < n, x - mean, 0.0)``."""
-    thread = _thread(layout)
-    vtype = ir.VectorType.get([layout.num_values], dt.i32.mlir_type())
-    pairs = [layout(thread, v) for v in range(layout.num_values)]
-    return tuple(RegTile([Value(vector.from_elements(vtype, [ops.cast(p[k], dt.i32).ir
-                                                             for p in pairs]), dt.i32)],
-                         layout, (1, 1)) for k in (0, 1))

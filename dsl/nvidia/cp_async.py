@@ -81,6 +81,9 @@ def copy(dst: SharedTile, dst_pos: tuple[Any, Any], src: GlobalTile, src_pos: tu
     if not dst.contiguous_width(width):
         raise KilnValueError(f"{width}-element chunks are not contiguous in the SharedTile",
                              fix="use a narrower width or a coarser swizzle")
+    if src.tensor.rank != 2:
+        raise KilnTypeError("cp_async.copy reads a GlobalTile of a 2-D tensor",
+                            fix="view the 1-D tensor as 2-D (one row) on the host")
     row, col = src.indices(*src_pos)
     valid = src.row_valid(src_pos[0])
     src_elements = None
