@@ -49,6 +49,9 @@ from .tiles import copy as copy_to_shared, copy_width, row_run_width
 from .values import Value
 
 MAX_VECTOR_BYTES = 16
+# Marks the async copies whose waits the program leaves to kiln-insert-waits: the interpreter
+# runs that pass on modules carrying it, as the compile does, so it executes the same waits.
+AUTO_WAIT_ATTR = "kiln.auto_wait"
 
 
 def _thread(layout: ThreadValueLayout) -> Value:
@@ -151,7 +154,9 @@ def copy(src: Any, dst: Any) -> Any:
     if isinstance(src, GlobalTile) and isinstance(dst, SharedTile):
         threads = builder.current().block[0]
         if _async_ok(src, dst):
-            return cp_async.commit(copy_to_shared(src, dst, threads=threads, async_copy=True))
+            group = cp_async.commit(copy_to_shared(src, dst, threads=threads, async_copy=True))
+            group.ir.owner.attributes[AUTO_WAIT_ATTR] = ir.UnitAttr.get()
+            return group
         copy_to_shared(src, dst, threads=threads)
         return None
     if isinstance(src, SharedTile) and isinstance(dst, GlobalTile):
