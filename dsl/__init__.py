@@ -13,8 +13,9 @@ from . import builder, values
 from .builder import current_target
 from .annotations import TensorMap, constexpr
 from .kernel import JITKernel, KilnFunc, TracedKernel, func, kernel, set_default_target
-from .ops import (abs, barrier, block_dim, block_id, cast, exp, exp2, fence, fma, lane_id, log,
-                  log2, maximum, minimum, num_blocks, rcp, rsqrt, sqrt, thread_id, warp_id, where)
+from .ops import (abs, barrier, block_dim, block_id, cast, exp, exp2, fence, fma, global_id,
+                  lane_id, log, log2, maximum, minimum, num_blocks, rcp, rsqrt, sqrt, thread_id,
+                  warp_id, where)
 from .printing import print
 from .threads import ThreadCountWarning
 from .shared import SharedTensor, shared

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from . import builder
 from .core.errors import KilnValueError
 from .layout_algebra import (  # noqa: F401 (re-exported: kiln.layout is the public home)
     IntTuple, Layout, Tiler, blocked_product, coalesce, complement, composition, concat_modes,
@@ -252,7 +253,8 @@ def transpose(tv: ThreadValueLayout) -> ThreadValueLayout:
     return result
 
 
-def blocked(tile: tuple[int, int], threads: int, vec: int = 4) -> ThreadValueLayout:
+def blocked(tile: tuple[int, int], threads: int | None = None, vec: int = 4
+            ) -> ThreadValueLayout:
     """A block-wide register layout for elementwise work and reductions (Triton's "blocked"
     layout): each thread owns runs of ``vec`` consecutive columns; threads sweep the columns
     first, then the rows, and the pattern repeats over the tile (more values per thread).
@@ -260,12 +262,17 @@ def blocked(tile: tuple[int, int], threads: int, vec: int = 4) -> ThreadValueLay
     row-major tensor coalesce, and :func:`kiln.reduce` along a row stays inside as few warps
     as the row allows.
 
+    ``threads=None`` (inside a kernel) spreads the tile over the block's threads, whatever the
+    launch or the vendor makes them: ``kiln.layout.blocked((1, BLOCK))``.
+
     Example: a 4 x 2048 tile over 256 threads, 4-wide::
 
         >>> tv = blocked((4, 2048), 256, vec=4)
         >>> tv.num_values, tv(1, 0), tv(1, 4)       # thread 1: columns 4..7, then 1028..
         (32, (0, 4), (0, 1028))
     """
+    if threads is None:
+        threads = builder.current().block[0]
     if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0
                for x in (*tile, threads, vec)) or len(tile) != 2:
         raise KilnValueError(f"blocked(tile={tile!r}, threads={threads!r}, vec={vec!r}) needs "

@@ -68,6 +68,14 @@ def block_dim(d: int = 0) -> Value:
 
 
 @checked_call
+def global_id(d: int = 0) -> Value:
+    """This thread's index in the whole grid along ``d``:
+    ``block_id(d) * block_dim(d) + thread_id(d)``, right for whatever block size the launch has
+    on either vendor. Example: ``i = kiln.global_id(0); if i < n: y[i] = x[i]``."""
+    return block_id(d) * block_dim(d) + thread_id(d)
+
+
+@checked_call
 def lane_id() -> Value:
     """This thread's lane inside its warp (wavefront on AMD): ``thread_id(0) % warp_size``."""
     return thread_id(0) % builder.current_target().warp_size

@@ -235,3 +235,28 @@ def test_load_and_tile_errors():
         blocked((1, 64), 128, vec=4)
     with pytest.raises(kiln.KilnValueError, match="vec=3"):
         blocked((4, 64), 16, vec=3)
+
+
+@kiln.kernel
+def block_agnostic(x: kiln.Tensor[f32], y: kiln.Tensor[f32], n: i32):
+    i = kiln.global_id(0)
+    if i < n:
+        y[i] = x[i] * 3.0
+    tv = blocked((1, 1024))                      # over the block's threads, whatever they are
+    start = kiln.block_id(0) * 1024
+    t = kiln.load(kiln.GlobalTile(x, (1, 1024), (0, start), col_end=n), tv)
+    kiln.copy(t + kiln.reduce(t, "sum", 1), kiln.GlobalTile(y, (1, 1024), (0, n + start),
+                                                            col_end=2 * n))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_global_id_and_default_blocked_threads_follow_the_launch(target):
+    """4 warps are 128 threads on sm_90a and 256 on gfx950: the kernel is right on both."""
+    rng = np.random.default_rng()
+    n = 1000
+    x = rng.standard_normal(n).astype(np.float32)
+    y = np.full(2 * n, np.nan, np.float32)
+    threads = 4 * kiln.core.targets.get_target(target).warp_size
+    block_agnostic.interpret[(-(-n // threads),)](x, y, n, num_warps=4, target=target)
+    np.testing.assert_allclose(y[:n], x * 3.0, rtol=1e-6)
+    np.testing.assert_allclose(y[n:], x + x.astype(np.float64).sum(), rtol=1e-5, atol=1e-4)
