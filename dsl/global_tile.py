@@ -36,7 +36,8 @@ from .values import Value, broadcast, constant, to_value
 class GlobalTile:
     """A ``shape`` window of 2-D tensor ``tensor`` at ``origin``; tensor rows ``>= row_end``
     and columns ``>= col_end`` are masked (loads give ``fill``, stores skip them). A 1-D
-    tensor is one row: ``GlobalTile(x, (1, BLOCK), (0, start), col_end=n)``."""
+    tensor is one row: ``GlobalTile(x, (1, BLOCK), (0, start), col_end=n)``; a taller tile of
+    it reads that row in every row (a bias broadcast down a GEMM tile)."""
 
     def __init__(self, tensor: TensorRef, shape: tuple[int, int], origin: tuple[Any, Any] = (0, 0),
                  *, row_end: Any = None, col_end: Any = None, fill: float = 0,
@@ -45,9 +46,6 @@ class GlobalTile:
             raise KilnTypeError(f"GlobalTile needs a 1-D or 2-D kiln.Tensor, got {tensor!r}",
                                 fix="declare the parameter as kiln.Tensor[dtype, 2]")
         shape = tuple(shape)
-        if tensor.rank == 1 and (len(shape) != 2 or shape[0] != 1):
-            raise KilnValueError(f"a GlobalTile of a 1-D tensor is one row, (1, cols), got "
-                                 f"{shape!r}", fix="use shape (1, BLOCK) and origin (0, start)")
         if len(shape) != 2 or any(not isinstance(s, int) or s <= 0 for s in shape):
             raise KilnValueError(f"a GlobalTile shape is (rows, cols) of positive ints, got "
                                  f"{shape!r}", fix="use compile-time constants, e.g. (64, 32)")
@@ -152,6 +150,10 @@ class GlobalTile:
         if not isinstance(value, Value) or value.dtype is not self.dtype or not value.shape:
             raise KilnTypeError(f"GlobalTile of {self.dtype} stores vectors of {self.dtype}, got "
                                 f"{value!r}", fix=f"kiln.cast to kiln.{self.dtype}")
+        if self.tensor.rank == 1 and self.shape[0] > 1:
+            raise KilnValueError(f"a {self.shape} GlobalTile of a 1-D tensor repeats one row; "
+                                 "storing to it would write each element once per row",
+                                 fix="store through a (1, cols) GlobalTile of the 1-D tensor")
         idx = [to_index(i) for i in self.indices(row, col)]
         masks = self.col_mask(row, col, value.shape[0])
         align = self._alignment(value.shape[0])

@@ -222,14 +222,16 @@ def test_load_and_tile_errors():
 
     @kiln.kernel(num_threads=128)
     def one_d_rows(x: kiln.Tensor[f32]):
-        kiln.GlobalTile(x, (2, 512))
+        tv = blocked((2, 512), 128)
+        g = kiln.GlobalTile(x, (2, 512))
+        kiln.copy(kiln.load(g, tv), g)
 
     x2 = np.zeros((2, 512), np.float32)
     with pytest.raises(kiln.KilnValueError, match="layout covers a 1x512"):
         wrong_layout.trace(x2, target="sm_90a")
     with pytest.raises(kiln.KilnValueError, match="128 threads"):
         too_many_threads.trace(x2, target="sm_90a")
-    with pytest.raises(kiln.KilnValueError, match="one row"):
+    with pytest.raises(kiln.KilnValueError, match="repeats one row"):
         one_d_rows.trace(np.zeros(512, np.float32), target="sm_90a")
     with pytest.raises(kiln.KilnValueError, match="cannot spread"):
         blocked((1, 64), 128, vec=4)
