@@ -1,11 +1,15 @@
 """The tutorials (examples/tutorials/) against their Triton peers and copy bandwidth.
 
-Peers follow the designs of Triton's own tutorials (01 vector add, 02 fused softmax, 05 layer
-norm), written here from their public description: vector add in 1024-element blocks with a
-tail mask; softmax with the whole row in one program (``BLOCK = next_power_of_2(N)``, masked
-loads with ``-inf``), a persistent loop over rows; layer norm forward with one program per row
-looping over ``BLOCK``-column chunks three times (mean, variance, normalise), ``BLOCK =
-min(65536 / 4, next_power_of_2(N))``, ``num_warps = min(max(BLOCK // 256, 1), 8)``.
+Peers follow the designs of Triton's own tutorials (01 vector add, 02 fused softmax, 03 matrix
+multiplication, 05 layer norm), written here from their public description: vector add in
+1024-element blocks with a tail mask; softmax with the whole row in one program (``BLOCK =
+next_power_of_2(N)``, masked loads with ``-inf``), a persistent loop over rows; layer norm
+forward with one program per row looping over ``BLOCK``-column chunks three times (mean,
+variance, normalise), ``BLOCK = min(65536 / 4, next_power_of_2(N))``, ``num_warps =
+min(max(BLOCK // 256, 1), 8)``; matmul with grouped tile ordering (``GROUP_M = 8``), masked
+``tl.dot`` K loop, 128 x 256 x 64 tiles, 8 warps, 3 stages (a config the tutorial's autotuner
+lists for Hopper), and the same bias + GELU epilogue as Kiln's tutorial. cuBLAS is
+``torch.matmul`` (bf16, no epilogue).
 
 Method: every shape is first checked on the GPU against a float64 reference (Kiln and Triton;
 a wrong result fails the run). Times are ``timing.queued_ms`` (kernel time only: calls queued
@@ -35,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fused_softmax  # noqa: E402
 import layernorm  # noqa: E402
+import matmul  # noqa: E402
 import vector_add  # noqa: E402
 from timing import queued_ms, time_ms  # noqa: E402
 
@@ -103,7 +108,36 @@ def triton_peers():
             x = tl.load(X + cols, mask=mask, other=0.).to(tl.float32)
             tl.store(Y + cols, (x - mean) * rstd * w + b, mask=mask)
 
-    return triton, add_kernel, softmax_kernel, layernorm_kernel
+    @triton.jit
+    def matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, s_am, s_bk, s_cm,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+        pid = tl.program_id(0)
+        n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+        group = pid // (GROUP_M * n_n)
+        first_m = group * GROUP_M
+        size_m = min(n_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
+        pid_n = (pid % (GROUP_M * n_n)) // size_m
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        a_p = a_ptr + rm[:, None] * s_am + rk[None, :]
+        b_p = b_ptr + rk[:, None] * s_bk + rn[None, :]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BK)):
+            a = tl.load(a_p, mask=(rm[:, None] < M) & (rk[None, :] < K - k * BK), other=0.0)
+            b = tl.load(b_p, mask=(rk[:, None] < K - k * BK) & (rn[None, :] < N), other=0.0)
+            acc = tl.dot(a, b, acc)
+            a_p += BK
+            b_p += BK * s_bk
+        x = acc + tl.load(bias_ptr + rn, mask=rn < N)[None, :]
+        z = (x + 0.044715 * x * x * x) * 1.5957691216057308
+        y = x / (1.0 + tl.exp(-z))
+        tl.store(c_ptr + rm[:, None] * s_cm + rn[None, :], y.to(tl.bfloat16),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    return triton, add_kernel, softmax_kernel, layernorm_kernel, matmul_kernel
 
 
 def check(name, got, want, tol):
@@ -121,7 +155,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    triton, t_add, t_softmax, t_layernorm = triton_peers()
+    triton, t_add, t_softmax, t_layernorm, t_matmul = triton_peers()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     src = torch.empty(1 << 29, dtype=torch.int16, device="cuda")
     dst = torch.empty_like(src)
@@ -131,6 +165,7 @@ def main() -> None:
         "vector_add": (code_lines(vector_add.add_kernel.fn), code_lines(t_add.fn)),
         "softmax": (code_lines(fused_softmax.softmax_kernel.fn), code_lines(t_softmax.fn)),
         "layernorm": (code_lines(layernorm.layernorm_kernel.fn), code_lines(t_layernorm.fn)),
+        "matmul": (code_lines(matmul.matmul_kernel.fn), code_lines(t_matmul.fn)),
     }
     rows = []
 
@@ -159,7 +194,7 @@ def main() -> None:
         record("vector_add", (n,), 12 * n, lambda: vector_add.add(x, y, out),
                lambda: t_add[(triton.cdiv(n, 1024),)](x, y, ref, n, BLOCK=1024), err)
 
-    cols = [4096, 16384, 32768] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
+    cols = [4096, 32768] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
     for n in cols:
         m = (1 << (24 if args.quick else 26)) // n
         x = torch.randn(m, n, device="cuda", generator=gen)
@@ -196,6 +231,45 @@ def main() -> None:
                   check("triton layernorm", ref, want, 1e-4))
         record("layernorm", (m, n), 8 * m * n, lambda: layernorm.layernorm(x, w, b, y, mean, rstd),
                t_ln, err)
+
+    for size in ([4096] if args.quick else [4096, 8192]):
+        m = n = k = size
+        a = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", generator=gen).to(torch.bfloat16)
+        bias = torch.randn(n, device="cuda", generator=gen)
+        c, ref = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        grid = (triton.cdiv(m, 128) * triton.cdiv(n, 256),)
+
+        def t_mm():
+            t_matmul[grid](a, b, bias, ref, m, n, k, a.stride(0), b.stride(0), ref.stride(0),
+                           BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+        matmul.matmul(a, b, bias, c)
+        t_mm()
+        x = a.float() @ b.float() + bias
+        want = (0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3))))
+        scale = float(want.abs().max())
+        err = 0.0
+        for name, got in (("kiln matmul", c), ("triton matmul", ref)):
+            e = float((got.float() - want).abs().max()) / scale
+            if not e < 2e-2:
+                raise SystemExit(f"{name}: max relative error {e:.3g}")
+            err = max(err, e)
+        flops = 2.0 * m * n * k
+        k_ms, t_ms = queued_ms(lambda: matmul.matmul(a, b, bias, c), args.repeat), \
+            queued_ms(t_mm, args.repeat)
+        cublas_ms = queued_ms(lambda: torch.matmul(a, b), args.repeat)
+        row = {"op": "matmul", "shape": [m, n, k], "kiln_us": k_ms * 1e3,
+               "triton_us": t_ms * 1e3, "cublas_us": cublas_ms * 1e3,
+               "kiln_tflops": flops / k_ms / 1e9, "triton_tflops": flops / t_ms / 1e9,
+               "cublas_tflops": flops / cublas_ms / 1e9, "vs_triton": t_ms / k_ms,
+               "vs_cublas": cublas_ms / k_ms, "max_err": err,
+               "kiln_lines": lines["matmul"][0], "triton_lines": lines["matmul"][1]}
+        rows.append(row)
+        print(f"matmul     {str((m, n, k)):16s} kiln {row['kiln_tflops']:6.1f} TFLOP/s  triton "
+              f"{row['triton_tflops']:6.1f}  cublas {row['cublas_tflops']:6.1f}  "
+              f"x{row['vs_triton']:.2f} of triton, x{row['vs_cublas']:.2f} of cublas  "
+              f"lines {lines['matmul'][0]} vs {lines['matmul'][1]}", flush=True)
 
     print(f"copy bandwidth {copy_gbs:.0f} GB/s")
     summary = {"benchmark": "tutorials", "device": torch.cuda.get_device_name(0),

@@ -11,8 +11,9 @@ shared -> registers     the same with ``ld.shared`` / ``ds_read_b128``
 registers -> global     ``kiln.copy(tile, g)``: vector stores, masked elements skipped
 registers -> shared     vector stores into the SharedTile's layout and swizzle
 global -> shared        every thread of the block takes 16-byte chunks: ``cp.async`` (committed
-                        as one group) on sm_80+ when the chunk is 4/8/16 bytes and the fill is
-                        0; vector loads and stores otherwise (:func:`kiln.tiles.copy`)
+                        as one group) on sm_80+ when the chunk is 4/8/16 bytes, the fill is 0
+                        and the threads divide the chunks; vector loads and stores otherwise
+                        (:func:`kiln.tiles.copy`)
 ======================  =====================================================================
 
 The asynchronous path needs no wait from the user: ``kiln-insert-waits`` puts the
@@ -126,10 +127,13 @@ def store(tile: RegTile, dst: GlobalTile | SharedTile) -> None:
                 dst.store(i * fr + row, j * fc + col, piece)
 
 
-def _async_ok(src: GlobalTile, dst: SharedTile) -> bool:
+def _async_ok(src: GlobalTile, dst: SharedTile, threads: int) -> bool:
+    """cp.async fits: sm_80+, 4/8/16-byte chunks, zero fill, every thread one chunk per step."""
     target = builder.current_target()
-    nbytes = copy_width(dst) * dst.dtype.itemsize
-    return target.has("sm80") and nbytes in cp_async.COPY_BYTES and src.fill == 0
+    width = copy_width(dst)
+    chunks = src.shape[0] * (src.shape[1] // width)
+    return (target.has("sm80") and width * dst.dtype.itemsize in cp_async.COPY_BYTES
+            and src.fill == 0 and src.tensor.rank == 2 and chunks % threads == 0)
 
 
 def copy(src: Any, dst: Any) -> Any:
@@ -153,7 +157,7 @@ def copy(src: Any, dst: Any) -> Any:
         return None
     if isinstance(src, GlobalTile) and isinstance(dst, SharedTile):
         threads = builder.current().block[0]
-        if _async_ok(src, dst):
+        if _async_ok(src, dst, threads):
             group = cp_async.commit(copy_to_shared(src, dst, threads=threads, async_copy=True))
             group.ir.owner.attributes[AUTO_WAIT_ATTR] = ir.UnitAttr.get()
             return group

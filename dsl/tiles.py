@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 from mlir import ir
-from mlir.dialects import vector
+from mlir.dialects import scf, vector
 
 from . import ops
 from .nvidia import cp_async
@@ -61,7 +61,8 @@ def copy(src: GlobalTile, dst: SharedTile, *, threads: int, async_copy: bool = F
     ``dst_origin`` selects e.g. one stage of a multi-buffered SharedTile.
 
     ``async_copy=True`` issues ``cp.async`` and returns the list of tokens (commit them with
-    :func:`kiln.cp_async.commit`); otherwise loads and stores, returning None.
+    :func:`kiln.cp_async.commit`; ``threads`` must divide the chunks); otherwise loads and
+    stores, returning None (threads past the last chunk idle).
     """
     if not isinstance(src, GlobalTile) or not isinstance(dst, SharedTile):
         raise KilnTypeError("kiln.tiles.copy copies a GlobalTile into a SharedTile",
@@ -78,18 +79,22 @@ def copy(src: GlobalTile, dst: SharedTile, *, threads: int, async_copy: bool = F
     rows, cols = src.shape
     chunks_per_row = cols // width
     chunks = rows * chunks_per_row
-    if chunks % threads:
+    if async_copy and chunks % threads:
         raise KilnValueError(f"{chunks} chunks of {width} elements do not split over {threads} "
                              "threads", fix="use a thread count that divides the chunk count")
     tid = ops.thread_id(0) % threads
     tokens = []
-    for step in range(chunks // threads):
+    for step in range(-(-chunks // threads)):
         chunk = tid + step * threads
         r, c = chunk // chunks_per_row, (chunk % chunks_per_row) * width
         if async_copy:
-
             tokens.append(cp_async.copy(dst, (dst_origin[0] + r, dst_origin[1] + c), src, (r, c),
                                         width=width))
+        elif (step + 1) * threads > chunks:  # the last, partial step: threads past the end idle
+            guard = scf.IfOp((chunk < chunks).ir, [], has_else=False)
+            with ir.InsertionPoint(guard.then_block):
+                dst.store(dst_origin[0] + r, dst_origin[1] + c, src.load(r, c, width=width))
+                scf.YieldOp([])
         else:
             dst.store(dst_origin[0] + r, dst_origin[1] + c, src.load(r, c, width=width))
     return tokens if async_copy else None

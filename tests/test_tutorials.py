@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -15,6 +16,7 @@ TUTORIALS = EXAMPLES / "tutorials"
 vector_add = load_module(TUTORIALS / "vector_add.py", "kiln_tutorial_vector_add")
 fused_softmax = load_module(TUTORIALS / "fused_softmax.py", "kiln_tutorial_fused_softmax")
 layernorm = load_module(TUTORIALS / "layernorm.py", "kiln_tutorial_layernorm")
+matmul = load_module(TUTORIALS / "matmul.py", "kiln_tutorial_matmul")
 
 TARGETS = ("sm_90a", "gfx950")
 
@@ -52,6 +54,36 @@ def test_layernorm(target, shape):
     np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(mean, mean_ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(rstd, rstd_ref, rtol=1e-4)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("shape", [(200, 150, 100), (129, 257, 40)])
+def test_matmul_bias_gelu(target, shape):
+    rng = np.random.default_rng()
+    m, n, k = shape
+    a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((k, n)).astype(ml_dtypes.bfloat16)
+    bias = rng.standard_normal(n).astype(np.float32)
+    c = np.full((m, n), np.nan, ml_dtypes.bfloat16)
+    matmul.matmul(a, b, bias, c, backend="interpret", target=target)
+    want = matmul.reference(a, b, bias)
+    np.testing.assert_allclose(c.astype(np.float64), want, rtol=1e-2,
+                               atol=1e-2 * np.abs(want).max())
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("target", ("sm_80", "sm_90a", "gfx950"))
+def test_matmul_compiles_to_the_targets_mma_without_spills(target):
+    a = np.zeros((256, 256), ml_dtypes.bfloat16)
+    ck = matmul.matmul_kernel.compile(a, a, np.zeros(256, np.float32), a, 256, 256, 256,
+                                      BM=matmul.BM, BN=matmul.BN, BK=matmul.BK,
+                                      THREADS=matmul.THREADS, target=target)
+    if target.startswith("sm"):
+        assert ck.metadata["spill_bytes"] == 0
+        assert "mma.sync.aligned.m16n8k16" in ck.asm["ptx"] and "cp.async" in ck.asm["ptx"]
+    else:
+        assert ck.metadata["scratch_bytes"] == 0
+        assert "v_mfma_f32_32x32x16_bf16" in ck.asm["amdgcn"]
 
 
 def _compile(name, n, target):
@@ -113,3 +145,19 @@ def test_tutorials_on_gpu(shape):
     out = torch.full_like(flat, float("nan"))
     vector_add.add(flat, other, out)
     assert torch.equal(out, flat + other)
+
+
+@pytest.mark.gpu
+def test_matmul_on_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    m, n, k = 1000, 515, 333
+    a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda")
+    c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    matmul.matmul(a, b, bias, c)
+    want = matmul.reference(a.float().cpu().numpy(), b.float().cpu().numpy(), bias.cpu().numpy())
+    got = c.float().cpu().numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
