@@ -197,12 +197,14 @@ def _mma_sync(op, p):
         size = ctx.size
         a, b, c = (np.broadcast_to(x, (size,) + x.shape[1:]) for x in (a, b, c))
         d = np.zeros((size, c_rows.shape[1]), np.float32)
-        for lanes in _warps(ctx, loc, "nvvm.mma.sync"):
-            ta, tb, tc = (np.zeros(s) for s in ((m, k), (k, n), (m, n)))
-            ta[a_rows, a_cols] = a[lanes]
-            tb[b_rows, b_cols] = b[lanes]
-            tc[c_rows, c_cols] = c[lanes]
-            d[lanes] = (tc + ta @ tb)[c_rows, c_cols]
+        warps = _warps(ctx, loc, "nvvm.mma.sync")
+        if warps:  # every warp's m x n x k product at once: [warps, lanes] index arrays
+            lanes = np.stack(warps)
+            ta, tb, tc = (np.zeros((len(warps),) + s) for s in ((m, k), (k, n), (m, n)))
+            ta[:, a_rows, a_cols] = a[lanes]
+            tb[:, b_rows, b_cols] = b[lanes]
+            tc[:, c_rows, c_cols] = c[lanes]
+            d[lanes] = (tc + ta @ tb)[:, c_rows, c_cols]
         env[out] = d
 
     return run
