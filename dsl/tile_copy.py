@@ -114,6 +114,14 @@ def store(tile: RegTile, dst: GlobalTile | SharedTile) -> None:
         raise KilnValueError(f"a {tile.shape} register tile does not fit the {dst.shape} "
                              f"{type(dst).__name__}", fix="copy into a tile at least as large")
     layout = tile.layout
+    threads = builder.current().block[0]
+    if layout.num_threads < threads:
+        raise KilnValueError(f"this register tile is held by {layout.num_threads} threads (one "
+                             f"warp's fragments?) but the block has {threads}: every group of "
+                             f"{layout.num_threads} would store it to the same place",
+                             fix="store a warp's fragments with kiln.tiles.store(tile, g, "
+                                 "warp_origin), or use a block-wide layout (kiln.gemm's "
+                                 "accumulator, kiln.layout.blocked)")
     width = _run_width(layout, tile.dtype, dst)
     thread = _thread(layout)
     fr, fc = layout.tile

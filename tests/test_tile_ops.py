@@ -226,7 +226,14 @@ def test_load_and_tile_errors():
         g = kiln.GlobalTile(x, (2, 512))
         kiln.copy(kiln.load(g, tv), g)
 
+    @kiln.kernel(num_threads=128)
+    def warp_tile_store(x: kiln.Tensor[f32, 2]):
+        acc = kiln.RegTile.full(kiln.layout.mma_m16n8_accumulator(), (1, 1), 0.0)
+        kiln.copy(acc, kiln.GlobalTile(x, (16, 8)))
+
     x2 = np.zeros((2, 512), np.float32)
+    with pytest.raises(kiln.KilnValueError, match="held by 32 threads"):
+        warp_tile_store.trace(np.zeros((16, 8), np.float32), target="sm_90a")
     with pytest.raises(kiln.KilnValueError, match="layout covers a 1x512"):
         wrong_layout.trace(x2, target="sm_90a")
     with pytest.raises(kiln.KilnValueError, match="128 threads"):
