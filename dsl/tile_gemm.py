@@ -12,7 +12,9 @@ gfx942     ``v_mfma_f32_32x32x8`` / ``16x16x16`` bf16/f16
 =========  =======================================================================
 
 The biggest atom that tiles the block over its warps wins; the warps form the most square grid
-that divides the tile. The accumulator is a :class:`~kiln.reg_tile.RegTile` whose layout is
+that divides the tile. Operands reach the registers with ``ldmatrix`` on NVIDIA (16-bit tiles
+whose 16-byte chunks stay whole) and per-lane vector loads elsewhere; :func:`operand_swizzle`
+gives the SharedTile swizzle that keeps those reads free of bank conflicts. The accumulator is a :class:`~kiln.reg_tile.RegTile` whose layout is
 *derived*: the atom's C fragment layout, stamped over the warps and the atom repeats, as one
 block-wide :class:`~kiln.layout.ThreadValueLayout` of the whole ``BM x BN`` tile. So the
 epilogue is tile code: ``kiln.copy(acc, c_tile)`` stores it, ``acc + bias``, ``kiln.exp``,
@@ -37,7 +39,9 @@ from .layout import Layout, ThreadValueLayout, concat_modes
 from .layout_algebra import flatten
 from .mma import TiledMma, atoms_for
 from .reg_tile import RegTile, _concat
+from .nvidia import ldmatrix
 from .shared_tile import SharedTile
+from .swizzle import Swizzle
 from .values import Value
 
 
@@ -98,6 +102,43 @@ def accumulator_layout(tm: TiledMma) -> ThreadValueLayout:
     return ThreadValueLayout(concat_modes(threads, regs), (tm.tile_m, tm.tile_n))
 
 
+def operand_swizzle(shape: tuple[int, int], dtype: Any) -> Swizzle | None:
+    """The XOR swizzle that keeps a row-major ``shape`` SharedTile of ``dtype`` free of bank
+    conflicts when eight lanes read one 16-byte chunk of eight consecutive rows (``ldmatrix``,
+    16-byte fragment loads): each row's chunks are XORed with the index of the 128-byte line
+    the row sits in, so the eight rows' chunks land in eight different 16-byte bank groups.
+
+    ``None`` when a row holds a single chunk. Example: ``SharedTile((128, 32), kiln.bf16,
+    swizzle=kiln.tiles.operand_swizzle((128, 32), kiln.bf16))`` (64-byte rows: ``Swizzle(2, 3,
+    3)``)."""
+    dtype = dt.dtype(dtype)
+    chunk = max(16 // dtype.itemsize, 1)              # elements per 16-byte chunk
+    chunks = shape[1] // chunk                         # chunks per row
+    if chunks < 2 or chunks & (chunks - 1) or shape[1] % chunk:
+        return None
+    bits = min(chunks.bit_length() - 1, 3)
+    # rows shorter than 128 bytes: XOR with the 128-byte line index (skip the row bits inside
+    # one line); longer rows: with the row index itself
+    shift = 3 if chunks < 8 else chunks.bit_length() - 1
+    return Swizzle(bits, chunk.bit_length() - 1, shift)
+
+
+def _fragments(tm: TiledMma, a: SharedTile, b: SharedTile, row: Any, col: Any):
+    """A and B operand RegTiles of this warp: ``ldmatrix`` (x4 for A, x2.trans for B) on
+    NVIDIA where the tiles keep 16-byte rows together, else per-lane vector loads."""
+    s = tm.atom.spec
+    if builder.current_target().is_nvidia and s.m == 16 and a.dtype.bits == 16 \
+            and a.contiguous_width(8) and b.contiguous_width(8):
+        a_frags = [ldmatrix.load_a(a, (row + i * 16, kk * 16))
+                   for i in range(tm.rep_m) for kk in range(tm.rep_k)]
+        b_frags = [ldmatrix.load_b(b, (kk * 16, col + j * 8), trans=True)
+                   for kk in range(tm.rep_k) for j in range(tm.rep_n)]
+        return (RegTile(a_frags, s.a_layout, (tm.rep_m, tm.rep_k)),
+                RegTile(b_frags, s.b_layout, (tm.rep_k, tm.rep_n)))
+    return (a.load_fragments(s.a_layout, (tm.rep_m, tm.rep_k), (row, 0)),
+            b.load_fragments(s.b_layout, (tm.rep_k, tm.rep_n), (0, col)))
+
+
 def _check(a: Any, b: Any) -> tuple[int, int, int]:
     if not isinstance(a, SharedTile) or not isinstance(b, SharedTile):
         raise KilnTypeError(f"kiln.gemm multiplies SharedTiles, got {type(a).__name__} and "
@@ -133,8 +174,7 @@ def gemm(a: SharedTile, b: SharedTile, acc: RegTile | None = None) -> RegTile:
                             fix="acc = kiln.accumulator(a_s, b_s) before the loop")
     s = tm.atom.spec
     row, col = tm.warp_origin()
-    a_frags = a.load_fragments(s.a_layout, (tm.rep_m, tm.rep_k), (row, 0))
-    b_frags = b.load_fragments(s.b_layout, (tm.rep_k, tm.rep_n), (0, col))
+    a_frags, b_frags = _fragments(tm, a, b, row, col)
     whole, per = acc.fragment(0, 0), s.c_layout.num_values
     frags = [Value(vector.shuffle(whole.ir, whole.ir, list(range(f * per, (f + 1) * per))),
                    dt.f32) for f in range(tm.rep_m * tm.rep_n)]

@@ -43,11 +43,13 @@ def test_accumulator_layout_places_every_fragment_where_the_warp_computes_it(nam
 @kiln.kernel(num_threads="THREADS")
 def gemm_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], c: kiln.Tensor[f32, 2],
                 m: i32, n: i32, k: i32, BM: kiln.constexpr, BN: kiln.constexpr,
-                BK: kiln.constexpr, THREADS: kiln.constexpr):
+                BK: kiln.constexpr, THREADS: kiln.constexpr, SWIZZLE: kiln.constexpr):
     row0 = kiln.block_id(0) * BM
     col0 = kiln.block_id(1) * BN
-    a_s = kiln.SharedTile((BM, BK), bf16)
-    b_s = kiln.SharedTile((BK, BN), bf16)
+    a_sw = kiln.tiles.operand_swizzle((BM, BK), bf16) if SWIZZLE else None
+    b_sw = kiln.tiles.operand_swizzle((BK, BN), bf16) if SWIZZLE else None
+    a_s = kiln.SharedTile((BM, BK), bf16, swizzle=a_sw)
+    b_s = kiln.SharedTile((BK, BN), bf16, swizzle=b_sw)
     acc = kiln.accumulator(a_s, b_s)
     for k0 in kiln.range(0, k, BK):
         kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k), a_s)
@@ -61,9 +63,11 @@ def gemm_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], c: kiln.Tensor
 
 
 @pytest.mark.parametrize("target", ALL_TARGETS)
+@pytest.mark.parametrize("swizzle", (False, True))
 @pytest.mark.parametrize("shape,tile,threads", [((100, 70, 90), (64, 64, 32), 256),
                                                 ((33, 130, 40), (32, 128, 16), 128)])
-def test_ragged_gemm_in_the_interpreter(target, shape, tile, threads):
+def test_ragged_gemm_in_the_interpreter(target, shape, tile, threads, swizzle):
+    """Unswizzled tiles and operand_swizzle ones (ldmatrix on NVIDIA) give the same product."""
     if threads % get_target(target).warp_size:
         pytest.skip("thread count below the wavefront")
     rng = np.random.default_rng()
@@ -75,7 +79,8 @@ def test_ragged_gemm_in_the_interpreter(target, shape, tile, threads):
     c = np.full((m, n), np.nan, np.float32)
     bm, bn, bk = tile
     gemm_kernel.interpret[(-(-m // bm), -(-n // bn))](a, b, c, m, n, k, BM=bm, BN=bn, BK=bk,
-                                                      THREADS=threads, target=target)
+                                                      THREADS=threads, SWIZZLE=swizzle,
+                                                      target=target)
     np.testing.assert_allclose(c, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-5,
                                atol=1e-4)
 
@@ -87,10 +92,24 @@ def test_ragged_gemm_in_the_interpreter(target, shape, tile, threads):
 def test_gemm_picks_the_biggest_atom_of_the_target(target, atom_name):
     a = np.zeros((64, 64), ml_dtypes.bfloat16)
     text = gemm_kernel.trace(a, a, np.zeros((64, 64), np.float32), 64, 64, 64, BM=64, BN=64,
-                             BK=32, THREADS=256, target=target).module_asm
+                             BK=32, THREADS=256, SWIZZLE=True, target=target).module_asm
     marker = {"mma_sync": "nvvm.mma.sync", "mfma_f32_32x32x8": "amdgpu.mfma 32x32x8 ",
               "mfma_f32_32x32x16": "amdgpu.mfma 32x32x16 "}
     assert next(v for key, v in marker.items() if atom_name.startswith(key)) in text
+    assert ("nvgpu.ldmatrix" in text) == target.startswith("sm")
+
+
+@pytest.mark.parametrize("shape", [(128, 32), (32, 128), (64, 64), (16, 16), (32, 256)])
+def test_operand_swizzle_is_conflict_free_for_eight_row_chunk_reads(shape):
+    sw = kiln.tiles.operand_swizzle(shape, bf16)
+    offsets = kiln.SharedTile.__new__(kiln.SharedTile)
+    offsets._describe(shape, bf16, None, sw)
+    off = offsets.offsets()
+    for r0 in range(0, shape[0] - 7, 8):
+        for c in range(0, shape[1], 8):
+            slots = {int(off[r0 + i, c]) * 2 // 16 % 8 for i in range(8)}
+            assert len(slots) == 8, (shape, r0, c)
+    assert kiln.tiles.operand_swizzle((64, 8), bf16) is None     # one chunk per row
 
 
 def test_gemm_errors():

@@ -4,8 +4,9 @@
 all be ragged. Each block computes a ``BM x BN`` tile of C: per K step it copies a tile of A
 and of B into shared memory (``cp.async`` on sm_80+, vector loads elsewhere; masked rows and
 columns read as 0, which adds nothing), and ``kiln.gemm`` multiplies them with the target's
-MMA (``mma.sync`` on NVIDIA, the double-rate MFMA on gfx950) into an accumulator whose register
-layout Kiln derives. The epilogue is plain tile math on that accumulator: the bias is a 1-D
+MMA (``mma.sync`` fed by ``ldmatrix`` on NVIDIA, the double-rate MFMA on gfx950) into an
+accumulator whose register layout Kiln derives. ``kiln.tiles.operand_swizzle`` picks the shared
+tiles' XOR swizzle that keeps the operand reads free of bank conflicts. The epilogue is plain tile math on that accumulator: the bias is a 1-D
 tensor read as a tile (every row the same), GELU is the tanh form written as a sigmoid,
 ``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the unmasked part.
 
@@ -32,8 +33,8 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
                   BN: kiln.constexpr, BK: kiln.constexpr, THREADS: kiln.constexpr):
     row0 = kiln.block_id(0) * BM
     col0 = kiln.block_id(1) * BN
-    a_s = kiln.SharedTile((BM, BK), bf16)
-    b_s = kiln.SharedTile((BK, BN), bf16)
+    a_s = kiln.SharedTile((BM, BK), bf16, swizzle=kiln.tiles.operand_swizzle((BM, BK), bf16))
+    b_s = kiln.SharedTile((BK, BN), bf16, swizzle=kiln.tiles.operand_swizzle((BK, BN), bf16))
     acc = kiln.accumulator(a_s, b_s)
     for k0 in kiln.range(0, k, BK):
         kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k), a_s)
