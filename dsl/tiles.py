@@ -1,17 +1,19 @@
 """Tiles: global, shared and register views of a matrix, and the copies between them.
 
 =================  ===========================================================================
-``GlobalTile``     static-shape window of a 2-D ``kiln.Tensor`` at traced offsets, with masked
-                   (ragged) rows (:mod:`kiln.global_tile`)
+``GlobalTile``     static-shape window of a 1-D or 2-D ``kiln.Tensor`` at traced offsets, with
+                   masked (ragged) rows and columns and a fill value (:mod:`kiln.global_tile`)
 ``SharedTile``     shared memory / LDS with a layout and swizzle (:mod:`kiln.shared_tile`)
-``RegTile``        MMA fragments in registers; elementwise math, row/column reductions, casts
-                   (:mod:`kiln.reg_tile`)
+``RegTile``        a tile in registers (MMA fragments or a block-wide layout); elementwise
+                   math, row/column reductions, casts (:mod:`kiln.reg_tile`)
 =================  ===========================================================================
 
 :func:`copy` moves a GlobalTile into a SharedTile with every thread of the block taking
 ``width``-element chunks (``width`` derived from the dtype and the shared layout: up to 16 bytes),
 synchronously or with ``cp.async`` on sm_80+. ``SharedTile.load_fragments`` and
-:mod:`kiln.ldmatrix` take it on into RegTiles.
+:mod:`kiln.ldmatrix` take it on into RegTiles. The block-level ops built on these —
+``kiln.load``/``kiln.copy`` (:mod:`kiln.tile_copy`), ``kiln.reduce`` (:mod:`kiln.tile_reduce`)
+and ``kiln.gemm`` (:mod:`kiln.tile_gemm`) — are described in docs/tiles.md.
 
 Example::
 
