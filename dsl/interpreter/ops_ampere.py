@@ -74,7 +74,9 @@ def _cp_async(op, p):
         cols = np.arange(count)
         src_cols = s_flat[:, None] + cols * s_mem.strides[-1]
         keep = cols[None, :] < valid[:, None]
-        data = np.where(keep, s_mem.storage[np.where(keep, src_cols, s_flat[:, None])], 0)
+        # lanes reading nothing gather a harmless in-storage element (their address may be
+        # anywhere: cp.async with src-size 0 does not dereference it)
+        data = np.where(keep, s_mem.storage[np.where(keep, src_cols, 0)], 0)
         data = data.astype(d_mem.storage.dtype)
         d_cols = np.broadcast_to(d_flat, (n,))[lanes][:, None] + cols * d_mem.strides[-1]
         d_bytes = element_bytes(d_mem, d_cols.reshape(-1))

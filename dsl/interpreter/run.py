@@ -20,7 +20,7 @@ from mlir import ir
 from kiln.core import env as kiln_env
 from kiln.cluster import RECIPES_ATTR as _RECIPES
 from kiln.core.ops import effects_of, lookup
-from kiln.core.errors import KilnTypeError, KilnValueError, UnsupportedError
+from kiln.core.errors import CompilationError, KilnTypeError, KilnValueError, UnsupportedError
 from kiln.launch_args import check_float_argument, check_int_argument, normalize_grid
 from kiln.passes import build_pass_manager
 from kiln.passes.cluster_schedule import NAME as CLUSTER_SCHEDULE
@@ -76,7 +76,13 @@ def _compile_plan(module_asm: str, kernel_name: str) -> _CompiledPlan:
         if AUTO_WAIT_ATTR in module_asm:
             passes.append(INSERT_WAITS)
         if passes:
-            build_pass_manager(passes).run(module.operation)
+            try:
+                build_pass_manager(passes).run(module.operation)
+            except ir.MLIRError as err:
+                raise CompilationError(
+                    f"{', '.join(passes)} failed on kernel {kernel_name}: {err}",
+                    fix="the diagnostic names the construct the pass rejected; compiling the "
+                        "kernel writes a reproducer") from None
         gpu_module = next(op.operation for op in module.body.operations
                           if op.operation.name == "gpu.module")
         shared: dict[str, tuple] = {}

@@ -87,16 +87,19 @@ def copy(dst: SharedTile, dst_pos: tuple[Any, Any], src: GlobalTile, src_pos: tu
     row, col = src.indices(*src_pos)
     valid = src.row_valid(src_pos[0])
     src_elements = None
-    if valid is not None:
+    if src.col_end is not None:
+        # Columns past col_end read nothing (zero-filled). A chunk with nothing to read still
+        # needs an address inside the tensor, and the tile may lie wholly past its end (the
+        # next K step of a pipeline): element (0, 0).
+        src_elements = ops.minimum(ops.maximum(src.col_end - col, 0), width)
+        if valid is not None:
+            src_elements = _select(valid, src_elements, 0)
+        reads = src_elements > 0
+        row, col = _select(reads, row, 0), _select(reads, col, 0)
+    elif valid is not None:
         # A masked row still needs an address inside the tensor: clamp it to the view's start.
         row = _select(valid, row, src.origin[0])
         src_elements = _select(valid, width, 0)
-    if src.col_end is not None:
-        # Columns past col_end read nothing (zero-filled); a chunk wholly past it reads from the
-        # view's first column, which is inside the tensor.
-        inside = ops.minimum(ops.maximum(src.col_end - col, 0), width)
-        col = _select(inside > 0, col, src.origin[1])
-        src_elements = inside if src_elements is None else ops.minimum(src_elements, inside)
     if src_elements is not None:
         src_elements = cast(src_elements, dt.index).ir
     dst_index = to_index(_as_i32(dst.offset(*dst_pos)))
