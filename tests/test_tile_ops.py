@@ -269,3 +269,25 @@ def test_global_id_and_default_blocked_threads_follow_the_launch(target):
     block_agnostic.interpret[(-(-n // threads),)](x, y, n, num_warps=4, target=target)
     np.testing.assert_allclose(y[:n], x * 3.0, rtol=1e-6)
     np.testing.assert_allclose(y[n:], x + x.astype(np.float64).sum(), rtol=1e-5, atol=1e-4)
+
+
+@kiln.kernel(num_threads=128)
+def past_the_end(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32):
+    s = kiln.SharedTile((32, 32), f32)
+    # block 1's tile starts past both ends of x: every chunk reads nothing, fills zeros
+    g = kiln.GlobalTile(x, (32, 32), (kiln.block_id(0) * 32, kiln.block_id(0) * 32),
+                        row_end=m, col_end=n)
+    kiln.copy(g, s)
+    kiln.barrier()
+    kiln.copy(kiln.load(s, blocked((32, 32), 128)),
+              kiln.GlobalTile(y, (32, 32), (kiln.block_id(0) * 32, 0)))
+
+
+@pytest.mark.parametrize("target", ("sm_80", "gfx950"))
+def test_copy_of_a_tile_wholly_past_the_end_reads_nothing(target):
+    x = np.random.default_rng().standard_normal((29, 19)).astype(np.float32)
+    y = np.full((64, 32), np.nan, np.float32)
+    past_the_end.interpret[(2,)](x, y, 29, 19, target=target)
+    want = np.zeros_like(y)
+    want[:29, :19] = x
+    np.testing.assert_array_equal(y, want)
