@@ -291,3 +291,59 @@ def test_copy_of_a_tile_wholly_past_the_end_reads_nothing(target):
     want = np.zeros_like(y)
     want[:29, :19] = x
     np.testing.assert_array_equal(y, want)
+
+
+@kiln.kernel(num_threads=128)
+def no_barrier(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2]):
+    s = kiln.SharedTile((32, 32), f32)
+    kiln.copy(kiln.GlobalTile(x, (32, 32)), s)
+    # no kiln.barrier(): threads read chunks other threads copied
+    kiln.copy(kiln.load(s, blocked((32, 32), 128, vec=1)), kiln.GlobalTile(y, (32, 32)))
+
+
+@pytest.mark.parametrize("target", ("sm_80", "gfx950"))
+def test_interpreter_still_catches_a_missing_barrier_after_a_tile_copy(target):
+    x = np.ones((32, 32), np.float32)
+    with pytest.raises(kiln.RaceError):
+        no_barrier.interpret[(1,)](x, np.zeros_like(x), target=target)
+
+
+@kiln.kernel(num_threads=128)
+def overreach(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], n: i32):
+    tv = blocked((1, 256), 128, vec=2)
+    # col_end past the tensor's width: the mask lets out-of-bounds elements through
+    t = kiln.load(kiln.GlobalTile(x, (1, 256), col_end=n + 8), tv)
+    kiln.copy(t, kiln.GlobalTile(y, (1, 256), col_end=n))
+
+
+def test_masked_loads_are_still_bounds_checked_per_element():
+    x = np.ones((1, 200), np.float32)
+    with pytest.raises(kiln.OutOfBoundsError):
+        overreach.interpret[(1,)](x, np.zeros((1, 256), np.float32), 200, target="sm_90a")
+
+
+def test_tile_argument_errors_name_the_fix():
+    @kiln.kernel(num_threads=128)
+    def bad_axis(x: kiln.Tensor[f32, 2]):
+        kiln.reduce(kiln.load(kiln.GlobalTile(x, (1, 512)), blocked((1, 512), 128)), "sum", 2)
+
+    @kiln.kernel(num_threads=128)
+    def bad_copy(x: kiln.Tensor[f32, 2]):
+        kiln.copy(x, kiln.GlobalTile(x, (1, 512)))
+
+    @kiln.kernel(num_threads=128)
+    def bad_align(x: kiln.Tensor[f32, 2]):
+        kiln.GlobalTile(x, (1, 512), align=12)
+
+    @kiln.kernel(num_threads=128)
+    def bad_fill(x: kiln.Tensor[f32, 2]):
+        kiln.GlobalTile(x, (1, 512), fill="zero")
+
+    x = np.zeros((1, 512), np.float32)
+    for kernel, error, text in ((bad_axis, kiln.KilnValueError, "axis"),
+                                (bad_copy, kiln.KilnTypeError, "cannot copy a TensorRef"),
+                                (bad_align, kiln.KilnValueError, "power-of-two"),
+                                (bad_fill, kiln.KilnTypeError, "fill")):
+        with pytest.raises(error, match=text) as info:
+            kernel.trace(x, target="sm_90a")
+        assert "test_tile_ops.py" in str(info.value) and "Fix:" in str(info.value)
