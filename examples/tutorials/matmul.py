@@ -33,15 +33,24 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
                   BN: kiln.constexpr, BK: kiln.constexpr, THREADS: kiln.constexpr):
     row0 = kiln.block_id(0) * BM
     col0 = kiln.block_id(1) * BN
-    a_s = kiln.SharedTile((BM, BK), bf16, swizzle=kiln.tiles.operand_swizzle((BM, BK), bf16))
-    b_s = kiln.SharedTile((BK, BN), bf16, swizzle=kiln.tiles.operand_swizzle((BK, BN), bf16))
-    acc = kiln.accumulator(a_s, b_s)
-    for k0 in kiln.range(0, k, BK):
-        kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k), a_s)
-        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=k, col_end=n), b_s)
-        kiln.barrier()
-        acc = kiln.gemm(a_s, b_s, acc)
-        kiln.barrier()
+    # two stages: while one pair of tiles is multiplied, the copies into the other fly
+    a_s = [kiln.SharedTile((BM, BK), bf16, swizzle=kiln.tiles.operand_swizzle((BM, BK), bf16))
+           for _ in range(2)]
+    b_s = [kiln.SharedTile((BK, BN), bf16, swizzle=kiln.tiles.operand_swizzle((BK, BN), bf16))
+           for _ in range(2)]
+
+    def fetch(stage, k0):
+        kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k), a_s[stage])
+        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=k, col_end=n), b_s[stage])
+
+    acc = kiln.accumulator(a_s[0], b_s[0])
+    fetch(0, 0)
+    for k0 in kiln.range(0, k, 2 * BK):
+        for stage in kiln.static_range(2):
+            fetch(1 - stage, k0 + (stage + 1) * BK)   # past k: masked, reads nothing
+            kiln.barrier()
+            acc = kiln.gemm(a_s[stage], b_s[stage], acc)
+            kiln.barrier()
     x = acc + kiln.load(kiln.GlobalTile(bias, (BM, BN), (0, col0), col_end=n), acc.layout)
     z = (x + 0.044715 * x * x * x) * (2.0 * SQRT_2_OVER_PI)
     y = x * kiln.rcp(1.0 + kiln.exp(-z))
