@@ -347,3 +347,42 @@ def test_tile_argument_errors_name_the_fix():
         with pytest.raises(error, match=text) as info:
             kernel.trace(x, target="sm_90a")
         assert "test_tile_ops.py" in str(info.value) and "Fix:" in str(info.value)
+
+
+@kiln.kernel(num_threads=128)
+def two_stage_sum(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], rows: i32):
+    """Sum of 32-row slabs of x, double-buffered: slab i + 1 is copied while slab i is read."""
+    s = [kiln.SharedTile((32, 32), f32) for _ in range(2)]
+    tv = blocked((32, 32), 128)
+
+    def fetch(stage, r0):
+        kiln.copy(kiln.GlobalTile(x, (32, 32), (r0, 0), row_end=rows), s[stage])
+
+    acc = kiln.load(kiln.GlobalTile(y, (32, 32)), tv) * 0.0
+    fetch(0, 0)
+    for r0 in kiln.range(0, rows, 64):
+        for stage in kiln.static_range(2):
+            fetch(1 - stage, r0 + (stage + 1) * 32)
+            kiln.barrier()
+            acc = acc + kiln.load(s[stage], tv)
+            kiln.barrier()
+    kiln.copy(acc, kiln.GlobalTile(y, (32, 32)))
+
+
+@pytest.mark.parametrize("target", ("sm_80", "gfx950"))
+def test_two_stage_pipeline_waits_are_placed_by_the_pass(target):
+    rng = np.random.default_rng()
+    x = rng.standard_normal((200, 32)).astype(np.float32)
+    y = np.zeros((32, 32), np.float32)
+    two_stage_sum.interpret[(1,)](x, y, 200, target=target)
+    padded = np.zeros((256, 32))
+    padded[:200] = x
+    np.testing.assert_allclose(y, padded.reshape(-1, 32, 32).sum(axis=0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.lower
+def test_two_stage_pipeline_compiles_with_a_wait_per_stage():
+    x = np.zeros((200, 32), np.float32)
+    gpu = two_stage_sum.compile(x, x[:32], 200, target="sm_80").asm["gpu"]
+    waits = [line for line in gpu.splitlines() if "nvgpu.device_async_wait" in line]
+    assert waits and all("numGroups = 1" in w for w in waits), waits
