@@ -10,7 +10,10 @@ tiles' XOR swizzle that keeps the operand reads free of bank conflicts. The epil
 tensor read as a tile (every row the same), GELU is the tanh form written as a sigmoid,
 ``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the unmasked part.
 
-This first version is not pipelined (issue 41's ``kiln.pipeline`` is the next step).
+Two shared stages overlap the copies of the next K step with the multiply of this one. The
+``cp.async`` waits are not in the program: ``kiln-insert-waits`` places them (``wait_group 3``
+then ``2`` before each stage's barrier: the A and B groups of the other stage may still fly).
+Issue 41's ``kiln.pipeline`` is to write this schedule for any number of stages.
 
 Run: ``python examples/tutorials/matmul.py``.
 """
