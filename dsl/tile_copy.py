@@ -11,9 +11,9 @@ shared -> registers     the same with ``ld.shared`` / ``ds_read_b128``
 registers -> global     ``kiln.copy(tile, g)``: vector stores, masked elements skipped
 registers -> shared     vector stores into the SharedTile's layout and swizzle
 global -> shared        every thread of the block takes 16-byte chunks: ``cp.async`` (committed
-                        as one group) on sm_80+ when the chunk is 4/8/16 bytes, the fill is 0
-                        and the threads divide the chunks; vector loads and stores otherwise
-                        (:func:`kiln.tiles.copy`)
+                        as one group) on sm_80+ when the GlobalTile's ``align`` promises 4/8/16-
+                        byte aligned chunks, the fill is 0 and the threads divide the chunks;
+                        vector loads and stores otherwise (:func:`kiln.tiles.copy`)
 ======================  =====================================================================
 
 The asynchronous path needs no wait from the user: ``kiln-insert-waits`` puts the
@@ -135,13 +135,19 @@ def store(tile: RegTile, dst: GlobalTile | SharedTile) -> None:
                 dst.store(i * fr + row, j * fc + col, piece)
 
 
-def _async_ok(src: GlobalTile, dst: SharedTile, threads: int) -> bool:
-    """cp.async fits: sm_80+, 4/8/16-byte chunks, zero fill, every thread one chunk per step."""
-    target = builder.current_target()
-    width = copy_width(dst)
+def _async_width(src: GlobalTile, dst: SharedTile, threads: int) -> int | None:
+    """The cp.async chunk width (elements) when cp.async fits, else None: sm_80+, zero fill,
+    4/8/16-byte chunks that the GlobalTile's ``align`` promises are aligned in global memory
+    (cp.async faults on a misaligned source; without ``align`` nothing is promised), and every
+    thread one chunk per step."""
+    if not builder.current_target().has("sm80") or src.fill != 0 or src.align is None \
+            or src.tensor.rank != 2:
+        return None
+    width = min(copy_width(dst), max(src.align // dst.dtype.itemsize, 1))
     chunks = src.shape[0] * (src.shape[1] // width)
-    return (target.has("sm80") and width * dst.dtype.itemsize in cp_async.COPY_BYTES
-            and src.fill == 0 and src.tensor.rank == 2 and chunks % threads == 0)
+    if width * dst.dtype.itemsize not in cp_async.COPY_BYTES or chunks % threads:
+        return None
+    return width
 
 
 def copy(src: Any, dst: Any) -> Any:
@@ -165,8 +171,10 @@ def copy(src: Any, dst: Any) -> Any:
         return None
     if isinstance(src, GlobalTile) and isinstance(dst, SharedTile):
         threads = builder.current().block[0]
-        if _async_ok(src, dst, threads):
-            group = cp_async.commit(copy_to_shared(src, dst, threads=threads, async_copy=True))
+        width = _async_width(src, dst, threads)
+        if width is not None:
+            group = cp_async.commit(copy_to_shared(src, dst, threads=threads, async_copy=True,
+                                                   width=width))
             group.ir.owner.attributes[AUTO_WAIT_ATTR] = ir.UnitAttr.get()
             return group
         copy_to_shared(src, dst, threads=threads)

@@ -7,6 +7,8 @@ element that is written, or one that is missed, fails."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -75,36 +77,54 @@ def test_masked_accesses_compile_to_vector_and_masked_ops():
 
 
 @kiln.kernel(num_threads=128)
-def shared_copy(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32):
+def shared_copy(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32,
+                ALIGN: kiln.constexpr):
     s = kiln.SharedTile((32, 32), f32)
-    kiln.copy(kiln.GlobalTile(x, (32, 32), (0, 0), row_end=m, col_end=n), s)
+    kiln.copy(kiln.GlobalTile(x, (32, 32), (0, 0), row_end=m, col_end=n, align=ALIGN), s)
     kiln.barrier()
     kiln.copy(kiln.load(s, blocked((32, 32), 128)), kiln.GlobalTile(y, (32, 32)))
 
 
 @pytest.mark.parametrize("target", ("sm_80", "sm_90a", "gfx950"))
-def test_copy_global_to_shared_masks_both_dims(target):
+@pytest.mark.parametrize("width,align", [(19, 4), (20, 16)])
+def test_copy_global_to_shared_masks_both_dims(target, width, align):
+    """Rows of 19 floats promise 4-byte alignment (synchronous copies), rows of 20 promise 16
+    (cp.async on NVIDIA); 19 columns are valid either way."""
     rng = np.random.default_rng()
-    x = rng.standard_normal((29, 19)).astype(np.float32)
+    x = rng.standard_normal((29, width)).astype(np.float32)
     y = np.full((32, 32), np.nan, np.float32)
-    shared_copy.interpret[(1,)](x, y, 29, 19, target=target)
+    shared_copy.interpret[(1,)](x, y, 29, 19, ALIGN=align, target=target)
     want = np.zeros_like(y)
-    want[:29, :19] = x
+    want[:29, :19] = x[:, :19]
     np.testing.assert_array_equal(y, want)
 
 
-def test_copy_global_to_shared_is_cp_async_on_sm80_with_waits_inserted():
+def _cp_async_widths(text: str) -> set[int]:
+    return {int(w) for w in re.findall(r"nvgpu.device_async_copy [^:]*\], (\d+)", text)}
+
+
+def test_copy_global_to_shared_is_cp_async_as_wide_as_the_alignment_on_sm80():
+    x = np.zeros((29, 20), np.float32)
+    assert _cp_async_widths(shared_copy.trace(x, x, 29, 19, ALIGN=16,
+                                              target="sm_80").module_asm) == {4}
+    assert _cp_async_widths(shared_copy.trace(x, x, 29, 19, ALIGN=4,
+                                              target="sm_80").module_asm) == {1}
+    assert not _cp_async_widths(shared_copy.trace(x, x, 29, 19, ALIGN=16,
+                                                  target="gfx950").module_asm)
+
+
+def test_a_broken_alignment_promise_is_caught_by_the_interpreter():
+    """cp.async from a misaligned address faults on the GPU; the interpreter says where."""
     x = np.zeros((29, 19), np.float32)
-    assert "nvgpu.device_async_copy" in shared_copy.trace(x, x, 29, 19,
-                                                          target="sm_80").module_asm
-    assert "nvgpu.device_async_copy" not in shared_copy.trace(x, x, 29, 19,
-                                                              target="gfx950").module_asm
+    with pytest.raises(kiln.KilnValueError, match="not 16-byte aligned"):
+        shared_copy.interpret[(1,)](x, np.zeros((32, 32), np.float32), 29, 19, ALIGN=16,
+                                    target="sm_80")
 
 
 @pytest.mark.lower
 def test_cp_async_wait_is_placed_by_the_pass():
-    x = np.zeros((29, 19), np.float32)
-    ptx = shared_copy.compile(x, x, 29, 19, target="sm_80").asm["ptx"]
+    x = np.zeros((29, 20), np.float32)
+    ptx = shared_copy.compile(x, x, 29, 19, ALIGN=16, target="sm_80").asm["ptx"]
     copy_at, wait_at = ptx.index("cp.async.cg"), ptx.index("cp.async.wait_group")
     assert copy_at < wait_at < ptx.index("bar.sync", wait_at - 200 if wait_at > 200 else 0)
 
@@ -276,7 +296,7 @@ def past_the_end(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32)
     s = kiln.SharedTile((32, 32), f32)
     # block 1's tile starts past both ends of x: every chunk reads nothing, fills zeros
     g = kiln.GlobalTile(x, (32, 32), (kiln.block_id(0) * 32, kiln.block_id(0) * 32),
-                        row_end=m, col_end=n)
+                        row_end=m, col_end=n, align=16)
     kiln.copy(g, s)
     kiln.barrier()
     kiln.copy(kiln.load(s, blocked((32, 32), 128)),
@@ -285,11 +305,11 @@ def past_the_end(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32)
 
 @pytest.mark.parametrize("target", ("sm_80", "gfx950"))
 def test_copy_of_a_tile_wholly_past_the_end_reads_nothing(target):
-    x = np.random.default_rng().standard_normal((29, 19)).astype(np.float32)
+    x = np.random.default_rng().standard_normal((29, 20)).astype(np.float32)
     y = np.full((64, 32), np.nan, np.float32)
     past_the_end.interpret[(2,)](x, y, 29, 19, target=target)
     want = np.zeros_like(y)
-    want[:29, :19] = x
+    want[:29, :19] = x[:, :19]
     np.testing.assert_array_equal(y, want)
 
 
@@ -356,7 +376,7 @@ def two_stage_sum(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], rows: i32):
     tv = blocked((32, 32), 128)
 
     def fetch(stage, r0):
-        kiln.copy(kiln.GlobalTile(x, (32, 32), (r0, 0), row_end=rows), s[stage])
+        kiln.copy(kiln.GlobalTile(x, (32, 32), (r0, 0), row_end=rows, align=16), s[stage])
 
     acc = kiln.load(kiln.GlobalTile(y, (32, 32)), tv) * 0.0
     fetch(0, 0)

@@ -57,8 +57,9 @@ def test_layernorm(target, shape):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("shape", [(200, 150, 100), (129, 257, 40)])
+@pytest.mark.parametrize("shape", [(200, 150, 100), (129, 257, 40), (96, 136, 72)])
 def test_matmul_bias_gelu(target, shape):
+    """Ragged (synchronous copies: rows not 16-byte aligned) and aligned (cp.async) shapes."""
     rng = np.random.default_rng()
     m, n, k = shape
     a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
@@ -77,7 +78,7 @@ def test_matmul_compiles_to_the_targets_mma_without_spills(target):
     a = np.zeros((256, 256), ml_dtypes.bfloat16)
     ck = matmul.matmul_kernel.compile(a, a, np.zeros(256, np.float32), a, 256, 256, 256,
                                       BM=matmul.BM, BN=matmul.BN, BK=matmul.BK,
-                                      THREADS=matmul.THREADS, target=target)
+                                      THREADS=matmul.THREADS, ALIGN=16, target=target)
     if target.startswith("sm"):
         assert ck.metadata["spill_bytes"] == 0
         assert "mma.sync.aligned.m16n8k16" in ck.asm["ptx"] and "cp.async" in ck.asm["ptx"]

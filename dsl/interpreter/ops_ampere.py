@@ -20,7 +20,7 @@ from mlir import ir
 
 from kiln.core import env as kiln_env
 from kiln import layout as L
-from kiln.core.errors import UnsupportedError
+from kiln.core.errors import KilnValueError, UnsupportedError
 
 from .ops_memory import flat_offsets
 from .ops_mbarrier import operand_segments
@@ -63,6 +63,16 @@ def _cp_async(op, p):
         s_flat = np.broadcast_to(flat_offsets(s_mem, [env[i] for i in src_index], ctx, loc,
                                               check=False), (n,))[lanes]
         reading = valid > 0
+        nbytes = count * s_mem.storage.itemsize
+        misaligned = reading & ((s_flat * s_mem.storage.itemsize) % nbytes != 0)
+        if misaligned.any():  # the GPU faults (misaligned address) or copies garbage
+            t = int(np.argmax(misaligned))
+            raise KilnValueError(
+                f"cp.async of {nbytes} bytes reads {s_mem.name} at element "
+                f"{tuple(int(j[t]) for j in s_idx)}, which is not {nbytes}-byte aligned "
+                f"(thread {int(ctx.thread_ids[lanes[t]])} of block {ctx.cta.block_id})",
+                fix="copy from rows whose start is aligned (a row length that is a multiple of "
+                    "the copy width), or copy synchronously", loc=loc)
         if kiln_env.interpret_check_bounds() and reading.any():
             for dim, (i, size) in enumerate(zip(s_idx, s_mem.sizes)):
                 last = size - valid if dim == len(s_idx) - 1 else size - 1

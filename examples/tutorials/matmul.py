@@ -2,7 +2,8 @@
 
 ``A`` (M x K) and ``B`` (K x N) are bf16, ``bias`` (N) f32, ``C`` (M x N) bf16; M, N and K may
 all be ragged. Each block computes a ``BM x BN`` tile of C: per K step it copies a tile of A
-and of B into shared memory (``cp.async`` on sm_80+, vector loads elsewhere; masked rows and
+and of B into shared memory (``cp.async`` on sm_80+ where ``align=16`` promises aligned rows,
+vector loads elsewhere; masked rows and
 columns read as 0, which adds nothing), and ``kiln.gemm`` multiplies them with the target's
 MMA (``mma.sync`` fed by ``ldmatrix`` on NVIDIA, the double-rate MFMA on gfx950) into an
 accumulator whose register layout Kiln derives. ``kiln.tiles.operand_swizzle`` picks the shared
@@ -33,7 +34,8 @@ SQRT_2_OVER_PI = 0.7978845608028654
 @kiln.kernel(num_threads="THREADS")
 def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tensor[f32],
                   c: kiln.Tensor[bf16, 2], m: i32, n: i32, k: i32, BM: kiln.constexpr,
-                  BN: kiln.constexpr, BK: kiln.constexpr, THREADS: kiln.constexpr):
+                  BN: kiln.constexpr, BK: kiln.constexpr, THREADS: kiln.constexpr,
+                  ALIGN: kiln.constexpr):
     row0 = kiln.block_id(0) * BM
     col0 = kiln.block_id(1) * BN
     # two stages: while one pair of tiles is multiplied, the copies into the other fly
@@ -43,8 +45,10 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
            for _ in range(2)]
 
     def fetch(stage, k0):
-        kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k), a_s[stage])
-        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=k, col_end=n), b_s[stage])
+        kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k, align=ALIGN),
+                  a_s[stage])
+        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=k, col_end=n, align=ALIGN),
+                  b_s[stage])
 
     acc = kiln.accumulator(a_s[0], b_s[0])
     fetch(0, 0)
@@ -64,13 +68,22 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
 BM, BN, BK, THREADS = 128, 128, 32, 256
 
 
+def alignment(k: int, n: int, *arrays) -> int:
+    """Bytes the 8-element chunks of A's and B's rows are aligned to: 16 when the rows (of
+    ``k`` and ``n`` bf16) keep the arrays' 16-byte start alignment, else 2 (the copies are then
+    synchronous: ``cp.async`` needs aligned sources)."""
+    pointers = [a.data_ptr() for a in arrays if hasattr(a, "data_ptr")]
+    return 16 if k % 8 == 0 and n % 8 == 0 and all(p % 16 == 0 for p in pointers) else 2
+
+
 def matmul(a, b, bias, c, *, backend: str = "gpu", target: str | None = None):
     """``c = gelu(a @ b + bias)`` (tanh GELU) for bf16 ``a``, ``b``, ``c`` and f32 ``bias``."""
     (m, k), n = a.shape, b.shape[1]
     grid = (-(-m // BM), -(-n // BN))
     launch = matmul_kernel.interpret[grid] if backend == "interpret" else matmul_kernel[grid]
     extra = {"target": target} if target else {}
-    launch(a, b, bias, c, m, n, k, BM=BM, BN=BN, BK=BK, THREADS=THREADS, **extra)
+    launch(a, b, bias, c, m, n, k, BM=BM, BN=BN, BK=BK, THREADS=THREADS,
+           ALIGN=alignment(k, n, a, b), **extra)
     return c
 
 
