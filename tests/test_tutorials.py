@@ -41,7 +41,7 @@ def test_fused_softmax(target, shape):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("shape", [(3, 7), (5, 1000), (2, 4099)])
+@pytest.mark.parametrize("shape", [(3, 7), (5, 1000), (2, 4099), (2, 20001)])
 def test_layernorm(target, shape):
     rng = np.random.default_rng()
     m, n = shape
@@ -100,7 +100,8 @@ def _compile(name, n, target):
         return module.softmax_kernel.compile(x2, x2, n, BLOCK=block, THREADS=threads, ALIGN=16,
                                              target=target)
     return module.layernorm_kernel.compile(x2, x1, x1, x2, x1, x1, n, 1e-5, BLOCK=block,
-                                           THREADS=threads, ALIGN=16, target=target)
+                                           CHUNK=min(block, 4096), THREADS=threads, ALIGN=16,
+                                           target=target)
 
 
 VECTOR_ACCESS = {"ptx": (r"ld\.global\.v4\.\w32", r"st\.global\.v4\.\w32"),
@@ -110,7 +111,8 @@ VECTOR_ACCESS = {"ptx": (r"ld\.global\.v4\.\w32", r"st\.global\.v4\.\w32"),
 @pytest.mark.lower
 @pytest.mark.parametrize("target", ("sm_80", "sm_90a", "gfx950"))
 @pytest.mark.parametrize("name,n", [("vector_add", 4096), ("softmax", 4096),
-                                    ("softmax", 32768), ("layernorm", 8192)])
+                                    ("softmax", 32768), ("layernorm", 8192),
+                                    ("layernorm", 32768)])
 def test_tutorials_compile_with_vector_accesses_and_no_spills(target, name, n):
     ck = _compile(name, n, target)
     md = ck.metadata

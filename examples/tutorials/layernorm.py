@@ -5,7 +5,10 @@
 The row stays in registers between the two reductions, so ``x`` is read once: the mean
 (``kiln.reduce`` sum), then the variance of the centred row, two-pass as in float64
 references (columns past ``N`` are zeroed with ``kiln.where`` on the tile's column
-coordinates, since ``x - mean`` is not 0 there).
+coordinates, since ``x - mean`` is not 0 there). Rows longer than 4096 are held as several
+4096-column tiles (a Python list): they are summed elementwise before each reduction (one
+cross-warp stage per statistic), and ``w``/``b`` are loaded one tile at a time, which keeps a
+32768-column row within the 64 registers a thread of a 1024-thread block has.
 
 Run: ``python examples/tutorials/layernorm.py``.
 """
@@ -23,19 +26,25 @@ from kiln.runtime.cuda import cuda_available
 def layernorm_kernel(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f32],
                      y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
                      rstd_out: kiln.Tensor[f32], n: i32, eps: f32,
-                     BLOCK: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr):
+                     BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
+                     ALIGN: kiln.constexpr):
     row = kiln.block_id(0)
-    tv = kiln.layout.blocked((1, BLOCK), THREADS, vec=4)
-    t = kiln.load(kiln.GlobalTile(x, (1, BLOCK), (row, 0), col_end=n, align=ALIGN), tv)
-    inv_n = 1.0 / kiln.cast(n, f32)
-    mean = kiln.reduce(t, "sum", axis=1) * inv_n
+    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
     _, cols = kiln.tiles.coords(tv)
-    xc = kiln.where(cols < n, t - mean, 0.0)
-    rstd = kiln.rsqrt(kiln.reduce(xc * xc, "sum", axis=1) * inv_n + eps)
-    gamma = kiln.load(kiln.GlobalTile(w, (1, BLOCK), col_end=n, align=ALIGN), tv)
-    beta = kiln.load(kiln.GlobalTile(b, (1, BLOCK), col_end=n, align=ALIGN), tv)
-    out = kiln.GlobalTile(y, (1, BLOCK), (row, 0), col_end=n, align=ALIGN)
-    kiln.copy(xc * rstd * gamma + beta, out)
+    xs = [kiln.load(kiln.GlobalTile(x, (1, CHUNK), (row, c * CHUNK), col_end=n, align=ALIGN), tv)
+          for c in range(BLOCK // CHUNK)]
+    inv_n = 1.0 / kiln.cast(n, f32)
+    mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
+    xcs = [kiln.where(cols + c * CHUNK < n, t - mean, 0.0) for c, t in enumerate(xs)]
+    rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]), "sum",
+                                  axis=1) * inv_n + eps)
+    for c, xc in enumerate(xcs):   # w and b a chunk at a time: fewer live registers
+        gamma = kiln.load(kiln.GlobalTile(w, (1, CHUNK), (0, c * CHUNK), col_end=n,
+                                          align=ALIGN), tv)
+        beta = kiln.load(kiln.GlobalTile(b, (1, CHUNK), (0, c * CHUNK), col_end=n,
+                                         align=ALIGN), tv)
+        kiln.copy(xc * rstd * gamma + beta, kiln.GlobalTile(y, (1, CHUNK), (row, c * CHUNK),
+                                                            col_end=n, align=ALIGN))
     if kiln.thread_id(0) == 0:
         mean_out[row] = mean.item()
         rstd_out[row] = rstd.item()
@@ -63,8 +72,8 @@ def layernorm(x, w, b, y, mean, rstd, eps: float = 1e-5, *, backend: str = "gpu"
     kernel = layernorm_kernel.interpret[(m,)] if backend == "interpret" \
         else layernorm_kernel[(m,)]
     extra = {"target": target} if target else {}
-    kernel(x, w, b, y, mean, rstd, n, eps, BLOCK=block, THREADS=threads,
-           ALIGN=alignment(n, x, y, w, b), **extra)
+    kernel(x, w, b, y, mean, rstd, n, eps, BLOCK=block, CHUNK=min(block, 4096),
+           THREADS=threads, ALIGN=alignment(n, x, y, w, b), **extra)
     return y
 
 
