@@ -14,11 +14,12 @@ gfx942     ``v_mfma_f32_32x32x8`` / ``16x16x16`` bf16/f16
 The biggest atom that tiles the block over its warps wins; the warps form the most square grid
 that divides the tile. Operands reach the registers with ``ldmatrix`` on NVIDIA (16-bit tiles
 whose 16-byte chunks stay whole) and per-lane vector loads elsewhere; :func:`operand_swizzle`
-gives the SharedTile swizzle that keeps those reads free of bank conflicts. The accumulator is a :class:`~kiln.reg_tile.RegTile` whose layout is
-*derived*: the atom's C fragment layout, stamped over the warps and the atom repeats, as one
-block-wide :class:`~kiln.layout.ThreadValueLayout` of the whole ``BM x BN`` tile. So the
-epilogue is tile code: ``kiln.copy(acc, c_tile)`` stores it, ``acc + bias``, ``kiln.exp``,
-``kiln.reduce(acc, "max", 1)`` work on it as on any register tile.
+gives the SharedTile swizzle that keeps those reads free of bank conflicts. The accumulator is a
+:class:`~kiln.reg_tile.RegTile` whose layout is *derived*: the atom's C fragment layout, stamped
+over the warps and the atom repeats, as one block-wide :class:`~kiln.layout.ThreadValueLayout`
+of the whole ``BM x BN`` tile. So the epilogue is tile code: ``kiln.copy(acc, c_tile)`` stores
+it, ``acc + bias``, ``kiln.exp``, ``kiln.reduce(acc, "max", 1)`` work on it as on any register
+tile.
 
 Example (one K step; see examples/tutorials/matmul.py)::
 

@@ -122,7 +122,8 @@ def row_run_width(tv: ThreadValueLayout) -> int:
 def store(tile: RegTile, dst: GlobalTile, origin: tuple[Any, Any] = (0, 0), *,
           lane: Any = None) -> None:
     """Write ``tile`` to ``dst`` with its top-left at tile position ``origin`` (masked rows
-    and columns are skipped), in vectors of :func:`row_run_width`. Example: ``store(acc, c_tile, warp_origin)``.
+    and columns are skipped), in vectors of :func:`row_run_width`.
+    Example: ``store(acc, c_tile, warp_origin)``.
     """
     if not isinstance(tile, RegTile) or not isinstance(dst, GlobalTile):
         raise KilnTypeError("kiln.tiles.store writes a RegTile into a GlobalTile",

@@ -1,13 +1,13 @@
 """Tutorial 4: matmul with a fused epilogue, ``C = gelu(A @ B + bias)``, portable.
 
 ``A`` (M x K) and ``B`` (K x N) are bf16, ``bias`` (N) f32, ``C`` (M x N) bf16; M, N and K may
-all be ragged. Each block computes a ``BM x BN`` tile of C: per K step it copies a tile of A
-and of B into shared memory (``cp.async`` on sm_80+ where ``align=16`` promises aligned rows,
-vector loads elsewhere; masked rows and
-columns read as 0, which adds nothing), and ``kiln.gemm`` multiplies them with the target's
-MMA (``mma.sync`` fed by ``ldmatrix`` on NVIDIA, the double-rate MFMA on gfx950) into an
-accumulator whose register layout Kiln derives. ``kiln.tiles.operand_swizzle`` picks the shared
-tiles' XOR swizzle that keeps the operand reads free of bank conflicts. The epilogue is plain tile math on that accumulator: the bias is a 1-D
+all be ragged. Each block computes a ``BM x BN`` tile of C: per K step it copies a tile of A and
+of B into shared memory (``cp.async`` on sm_80+ where ``align=16`` promises aligned rows, vector
+loads elsewhere; masked rows and columns read as 0, which adds nothing), and ``kiln.gemm``
+multiplies them with the target's MMA (``mma.sync`` fed by ``ldmatrix`` on NVIDIA, the
+double-rate MFMA on gfx950) into an accumulator whose register layout Kiln derives.
+``kiln.tiles.operand_swizzle`` picks the shared tiles' XOR swizzle that keeps the operand reads
+free of bank conflicts. The epilogue is plain tile math on that accumulator: the bias is a 1-D
 tensor read as a tile (every row the same), GELU is the tanh form written as a sigmoid,
 ``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the unmasked part.
 

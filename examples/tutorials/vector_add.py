@@ -5,8 +5,9 @@ Each block adds one ``BLOCK``-element tile of ``x`` and ``y``. The tile lives in
 load and store is one 16-byte vector access and a warp's accesses coalesce. The last tile is
 ragged: ``col_end=n`` masks the elements past the end (masked loads read nothing, masked
 stores write nothing). ``align=16`` tells the compiler the 4-element runs are 16-byte aligned
-(the arrays start aligned), which is what lets LLVM keep them single vector accesses. The block size is declared once (``num_threads="THREADS"``), so the
-same kernel launches 256 threads on NVIDIA (8 warps of 32) and on AMD (4 wavefronts of 64).
+(the arrays start aligned), which is what lets LLVM keep them single vector accesses. The block
+size is declared once (``num_threads="THREADS"``), so the same kernel launches 256 threads on
+NVIDIA (8 warps of 32) and on AMD (4 wavefronts of 64).
 
 Run: ``python examples/tutorials/vector_add.py`` (GPU if there is one, else the interpreter).
 """
