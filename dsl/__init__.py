@@ -13,8 +13,9 @@ from . import builder, values
 from .builder import current_target
 from .annotations import TensorMap, constexpr
 from .kernel import JITKernel, KilnFunc, TracedKernel, func, kernel, set_default_target
-from .ops import (abs, barrier, block_dim, block_id, cast, exp, exp2, fence, fma, lane_id, log,
-                  log2, maximum, minimum, num_blocks, rcp, rsqrt, sqrt, thread_id, warp_id, where)
+from .ops import (abs, barrier, block_dim, block_id, cast, exp, exp2, fence, fma, global_id,
+                  lane_id, log, log2, maximum, minimum, num_blocks, rcp, rsqrt, sqrt, thread_id,
+                  warp_id, where)
 from .printing import print
 from .threads import ThreadCountWarning
 from .shared import SharedTensor, shared
@@ -47,6 +48,9 @@ from .mma import TiledMma
 from .autotune import autotune
 from .shared import DynamicSharedTensor, dynamic_shared
 from .tiles import GlobalTile, RegTile, SharedTile
+from .tile_copy import copy, load
+from .tile_reduce import reduce
+from .tile_gemm import accumulator, gemm
 
 # Cluster scheduling annotations (the kiln-cluster-schedule / kiln-insert-waits passes read them).
 # ``kiln.cluster`` is the context manager; the module stays importable as ``kiln.cluster`` only

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from . import builder
 from .core.errors import KilnValueError
 from .layout_algebra import (  # noqa: F401 (re-exported: kiln.layout is the public home)
     IntTuple, Layout, Tiler, blocked_product, coalesce, complement, composition, concat_modes,
@@ -250,3 +251,40 @@ def transpose(tv: ThreadValueLayout) -> ThreadValueLayout:
         raise KilnValueError(f"layout {tv.layout} cannot be transposed by re-tagging",
                              fix="transpose fragments whose modes each walk rows or columns")
     return result
+
+
+def blocked(tile: tuple[int, int], threads: int | None = None, vec: int = 4
+            ) -> ThreadValueLayout:
+    """A block-wide register layout for elementwise work and reductions (Triton's "blocked"
+    layout): each thread owns runs of ``vec`` consecutive columns; threads sweep the columns
+    first, then the rows, and the pattern repeats over the tile (more values per thread).
+    Consecutive threads touch consecutive ``vec``-wide chunks of a row, so global loads of a
+    row-major tensor coalesce, and :func:`kiln.reduce` along a row stays inside as few warps
+    as the row allows.
+
+    ``threads=None`` (inside a kernel) spreads the tile over the block's threads, whatever the
+    launch or the vendor makes them: ``kiln.layout.blocked((1, BLOCK))``.
+
+    Example: a 4 x 2048 tile over 256 threads, 4-wide::
+
+        >>> tv = blocked((4, 2048), 256, vec=4)
+        >>> tv.num_values, tv(1, 0), tv(1, 4)       # thread 1: columns 4..7, then 1028..
+        (32, (0, 4), (0, 1028))
+    """
+    if threads is None:
+        threads = builder.current().block[0]
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+               for x in (*tile, threads, vec)) or len(tile) != 2:
+        raise KilnValueError(f"blocked(tile={tile!r}, threads={threads!r}, vec={vec!r}) needs "
+                             "positive ints", fix="e.g. blocked((4, 1024), 256, vec=4)")
+    rows, cols = tile
+    if cols % vec:
+        raise KilnValueError(f"vec={vec} does not divide the tile's {cols} columns",
+                             fix="use a power-of-two tile width and vec")
+    t_cols = min(threads, cols // vec)
+    if threads % t_cols or rows % (threads // t_cols):
+        raise KilnValueError(f"{threads} threads cannot spread evenly over a {rows}x{cols} tile "
+                             f"in {vec}-wide runs ({t_cols} per row, {threads // t_cols} rows "
+                             "at once)", fix="use power-of-two tile sizes with rows * cols / vec "
+                                             ">= threads, or fewer threads")
+    return partition_tile((rows, cols), (threads // t_cols, t_cols), (1, vec))

@@ -68,6 +68,14 @@ def block_dim(d: int = 0) -> Value:
 
 
 @checked_call
+def global_id(d: int = 0) -> Value:
+    """This thread's index in the whole grid along ``d``:
+    ``block_id(d) * block_dim(d) + thread_id(d)``, right for whatever block size the launch has
+    on either vendor. Example: ``i = kiln.global_id(0); if i < n: y[i] = x[i]``."""
+    return block_id(d) * block_dim(d) + thread_id(d)
+
+
+@checked_call
 def lane_id() -> Value:
     """This thread's lane inside its warp (wavefront on AMD): ``thread_id(0) % warp_size``."""
     return thread_id(0) % builder.current_target().warp_size
@@ -118,9 +126,12 @@ def fence(scope: str = "gpu") -> None:
 @checked_call
 def where(cond: Any, a: Any, b: Any) -> Value:
     """``a`` where ``cond`` is true else ``b`` (``arith.select``); promotes like ``a + b``.
+    An i1 register tile ``cond`` selects per element (:func:`kiln.tiles.where`).
 
     Example: ``y = kiln.where(x > 0.0, x, 0.0)``.
     """
+    if _tile(cond):
+        return cond.__kiln_where__(a, b)
     c = to_value(cond)
     if c.dtype is not dt.i1:
         raise KilnTypeError(f"kiln.where needs an i1 condition, got {c.dtype}",
@@ -138,8 +149,15 @@ def _float(x: Any) -> Value:
     return v
 
 
+def _tile(x: Any) -> bool:
+    """A register tile or reduced vector (kiln.tiles): math on it applies per element."""
+    return hasattr(x, "__kiln_elementwise__")
+
+
 def _unary_math(name: str, op, doc: str):
     def fn(x):
+        if _tile(x):
+            return x.__kiln_elementwise__(fn)
         v = _float(x)
         return Value(op(v.ir), v.dtype)
 
@@ -159,13 +177,24 @@ rsqrt = _unary_math("rsqrt", math.rsqrt, "1/sqrt(x). Example: ``kiln.rsqrt(var +
 @checked_call
 def rcp(x: Any) -> Value:
     """1/x for floats. Example: ``inv = kiln.rcp(l)``."""
+    if _tile(x):
+        return x.__kiln_elementwise__(rcp)
     v = _float(x)
     return Value(arith.divf(constant(1.0, v.dtype, v.shape).ir, v.ir), v.dtype)
 
 
+def _tile_binary(a: Any, b: Any, fn) -> Any:
+    if _tile(a):
+        return a.__kiln_binary__(b, fn)
+    return b.__kiln_binary__(a, lambda y, x: fn(x, y))
+
+
 @checked_call
 def maximum(a: Any, b: Any) -> Value:
-    """Elementwise max (NaN-propagating for floats, signed for ints): ``kiln.max(m, x)``."""
+    """Elementwise max (NaN-propagating for floats, signed for ints): ``kiln.max(m, x)``;
+    on register tiles too (``kiln.max(tile, 0.0)``)."""
+    if _tile(a) or _tile(b):
+        return _tile_binary(a, b, maximum)
     x, y = unify(a, b)
     if x.dtype.is_float:
         return Value(arith.maximumf(x.ir, y.ir), x.dtype)
@@ -175,7 +204,10 @@ def maximum(a: Any, b: Any) -> Value:
 
 @checked_call
 def minimum(a: Any, b: Any) -> Value:
-    """Elementwise min (NaN-propagating for floats, signed for ints): ``kiln.min(a, b)``."""
+    """Elementwise min (NaN-propagating for floats, signed for ints): ``kiln.min(a, b)``;
+    on register tiles too."""
+    if _tile(a) or _tile(b):
+        return _tile_binary(a, b, minimum)
     x, y = unify(a, b)
     if x.dtype.is_float:
         return Value(arith.minimumf(x.ir, y.ir), x.dtype)
@@ -186,6 +218,8 @@ def minimum(a: Any, b: Any) -> Value:
 @checked_call
 def abs(x: Any) -> Value:  # noqa: A001 - mirrors Python's abs for kiln.abs
     """Absolute value (``math.absf`` / ``math.absi``). Example: ``kiln.abs(x - y)``."""
+    if _tile(x):
+        return x.__kiln_elementwise__(abs)
     return to_value(x).__abs__()
 
 

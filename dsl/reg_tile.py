@@ -133,6 +133,24 @@ class TileVector:
     def __radd__(self, o): return self + o
     def __rmul__(self, o): return self * o
 
+    __kiln_elementwise__ = map  # kiln.exp(v), kiln.sqrt(v): per scalar
+
+    def __kiln_binary__(self, other: Any, fn) -> "TileVector":
+        return self._zip(other, fn)
+
+    def cast(self, dtype) -> "TileVector":
+        """Every scalar converted to ``dtype``."""
+        return self.map(lambda x: cast(x, dtype))
+
+    def item(self) -> Value:
+        """The one scalar of a vector reduced from a single row or column (e.g. a block-wide
+        row of :func:`kiln.layout.blocked`): ``mean = kiln.reduce(x, "sum", 1).item() / n``."""
+        if len(self.values) != 1 or len(self.values[0]) != 1:
+            raise KilnValueError(f"this {self.axis} vector holds {len(self.values)} x "
+                                 f"{len(self.values[0])} scalars per thread, not one",
+                                 fix="reduce a one-row tile, or index .values[line][group]")
+        return self.values[0][0]
+
     def maximum(self, other: Any) -> "TileVector":
         """Elementwise max with a scalar or a TileVector: ``m_new = m_old.maximum(s.row_max())``."""
         return self._zip(other, ops.maximum)
@@ -334,6 +352,14 @@ class RegTile:
     def map(self, fn: Callable[[Value], Value]) -> "RegTile":
         """``fn`` applied to every fragment vector. Example: ``p = s.map(kiln.exp2)``."""
         return RegTile([fn(f) for f in self.fragments], self.layout, self.grid)
+
+    __kiln_elementwise__ = map  # kiln.exp(tile), kiln.rsqrt(tile): per fragment
+
+    def __kiln_binary__(self, other: Any, fn) -> "RegTile":
+        return self._zip(other, fn)
+
+    def __kiln_where__(self, a: Any, b: Any) -> "RegTile":
+        return where(self, a, b)
 
     def exp2(self) -> "RegTile":
         """``2**x`` elementwise (``math.exp2`` on each fragment)."""

@@ -1,23 +1,25 @@
 """Tiles: global, shared and register views of a matrix, and the copies between them.
 
 =================  ===========================================================================
-``GlobalTile``     static-shape window of a 2-D ``kiln.Tensor`` at traced offsets, with masked
-                   (ragged) rows (:mod:`kiln.global_tile`)
+``GlobalTile``     static-shape window of a 1-D or 2-D ``kiln.Tensor`` at traced offsets, with
+                   masked (ragged) rows and columns and a fill value (:mod:`kiln.global_tile`)
 ``SharedTile``     shared memory / LDS with a layout and swizzle (:mod:`kiln.shared_tile`)
-``RegTile``        MMA fragments in registers; elementwise math, row/column reductions, casts
-                   (:mod:`kiln.reg_tile`)
+``RegTile``        a tile in registers (MMA fragments or a block-wide layout); elementwise
+                   math, row/column reductions, casts (:mod:`kiln.reg_tile`)
 =================  ===========================================================================
 
 :func:`copy` moves a GlobalTile into a SharedTile with every thread of the block taking
 ``width``-element chunks (``width`` derived from the dtype and the shared layout: up to 16 bytes),
 synchronously or with ``cp.async`` on sm_80+. ``SharedTile.load_fragments`` and
-:mod:`kiln.ldmatrix` take it on into RegTiles.
+:mod:`kiln.ldmatrix` take it on into RegTiles. The block-level ops built on these —
+``kiln.load``/``kiln.copy`` (:mod:`kiln.tile_copy`), ``kiln.reduce`` (:mod:`kiln.tile_reduce`)
+and ``kiln.gemm`` (:mod:`kiln.tile_gemm`) — are described in docs/tiles.md.
 
 Example::
 
-    a_g = kiln.tiles.GlobalTile(a, (64, 32), (row0, k0), row_end=m)
+    a_g = kiln.tiles.GlobalTile(a, (64, 32), (row0, k0), row_end=m, col_end=k)
     a_s = kiln.tiles.SharedTile((64, 32), kiln.bf16)
-    kiln.tiles.copy(a_g, a_s, threads=128)        # rows past m are zero-filled
+    kiln.tiles.copy(a_g, a_s, threads=128)        # rows past m, columns past k are zero-filled
     kiln.barrier()
 """
 
@@ -26,7 +28,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from mlir.dialects import vector
+from mlir import ir
+from mlir.dialects import scf, vector
 
 from . import ops
 from .nvidia import cp_async
@@ -35,10 +38,12 @@ from .global_tile import GlobalTile
 from .layout import ThreadValueLayout
 from .reg_tile import COL_LANES, ROW_LANES, RegTile, TileVector, where
 from .shared_tile import SharedTile
-from .values import Value
+from .core import dtypes as dt
+from .values import Value, cast
+from .tile_gemm import operand_swizzle
 
 __all__ = ["GlobalTile", "SharedTile", "RegTile", "TileVector", "where", "copy", "copy_width",
-           "store", "row_run_width", "ROW_LANES", "COL_LANES"]
+           "store", "row_run_width", "coords", "operand_swizzle", "ROW_LANES", "COL_LANES"]
 
 MAX_COPY_BYTES = 16
 
@@ -54,11 +59,13 @@ def copy_width(dst: SharedTile) -> int:
 def copy(src: GlobalTile, dst: SharedTile, *, threads: int, async_copy: bool = False,
          width: int | None = None, dst_origin: tuple[Any, Any] = (0, 0)):
     """Copy ``src`` into ``dst[dst_origin + ...]`` with ``threads`` threads (thread ``t``
-    takes chunks ``t, t + threads, ...`` in row-major order); masked rows are written as zeros.
+    takes chunks ``t, t + threads, ...`` in row-major order); masked elements (rows past
+    ``src.row_end``, columns past ``src.col_end``) are written as ``src.fill``.
     ``dst_origin`` selects e.g. one stage of a multi-buffered SharedTile.
 
     ``async_copy=True`` issues ``cp.async`` and returns the list of tokens (commit them with
-    :func:`kiln.cp_async.commit`); otherwise loads and stores, returning None.
+    :func:`kiln.cp_async.commit`; ``threads`` must divide the chunks); otherwise loads and
+    stores, returning None (threads past the last chunk idle).
     """
     if not isinstance(src, GlobalTile) or not isinstance(dst, SharedTile):
         raise KilnTypeError("kiln.tiles.copy copies a GlobalTile into a SharedTile",
@@ -67,22 +74,30 @@ def copy(src: GlobalTile, dst: SharedTile, *, threads: int, async_copy: bool = F
         raise KilnValueError(f"cannot copy a {src.shape} {src.dtype} GlobalTile into a "
                              f"{dst.shape} {dst.dtype} SharedTile",
                              fix="use a SharedTile at least as large, of the same dtype")
+    if async_copy and src.fill != 0:
+        raise KilnValueError(f"cp.async zero-fills masked elements; this GlobalTile's fill is "
+                             f"{src.fill}", fix="copy synchronously (async_copy=False), or "
+                                                "fill=0 and apply the fill value in registers")
     width = copy_width(dst) if width is None else width
     rows, cols = src.shape
     chunks_per_row = cols // width
     chunks = rows * chunks_per_row
-    if chunks % threads:
+    if async_copy and chunks % threads:
         raise KilnValueError(f"{chunks} chunks of {width} elements do not split over {threads} "
                              "threads", fix="use a thread count that divides the chunk count")
     tid = ops.thread_id(0) % threads
     tokens = []
-    for step in range(chunks // threads):
+    for step in range(-(-chunks // threads)):
         chunk = tid + step * threads
         r, c = chunk // chunks_per_row, (chunk % chunks_per_row) * width
         if async_copy:
-
             tokens.append(cp_async.copy(dst, (dst_origin[0] + r, dst_origin[1] + c), src, (r, c),
                                         width=width))
+        elif (step + 1) * threads > chunks:  # the last, partial step: threads past the end idle
+            guard = scf.IfOp((chunk < chunks).ir, [], has_else=False)
+            with ir.InsertionPoint(guard.then_block):
+                dst.store(dst_origin[0] + r, dst_origin[1] + c, src.load(r, c, width=width))
+                scf.YieldOp([])
         else:
             dst.store(dst_origin[0] + r, dst_origin[1] + c, src.load(r, c, width=width))
     return tokens if async_copy else None
@@ -106,8 +121,9 @@ def row_run_width(tv: ThreadValueLayout) -> int:
 
 def store(tile: RegTile, dst: GlobalTile, origin: tuple[Any, Any] = (0, 0), *,
           lane: Any = None) -> None:
-    """Write ``tile`` to ``dst`` with its top-left at tile position ``origin`` (masked rows are
-    skipped), in vectors of :func:`row_run_width`. Example: ``store(acc, c_tile, warp_origin)``.
+    """Write ``tile`` to ``dst`` with its top-left at tile position ``origin`` (masked rows
+    and columns are skipped), in vectors of :func:`row_run_width`.
+    Example: ``store(acc, c_tile, warp_origin)``.
     """
     if not isinstance(tile, RegTile) or not isinstance(dst, GlobalTile):
         raise KilnTypeError("kiln.tiles.store writes a RegTile into a GlobalTile",
@@ -128,3 +144,18 @@ def store(tile: RegTile, dst: GlobalTile, origin: tuple[Any, Any] = (0, 0), *,
                 piece = Value(vector.shuffle(frag.ir, frag.ir, list(range(v, v + width))),
                               frag.dtype)
                 dst.store(origin[0] + i * fr + r, origin[1] + j * fc + c, piece)
+
+
+def coords(layout: ThreadValueLayout) -> tuple[RegTile, RegTile]:
+    """i32 register tiles of every element's row and column in a block-wide ``layout`` (thread
+    ``t`` holds ``layout(t % num_threads, v)``): masks in registers. Example::
+
+        _, cols = kiln.tiles.coords(tv)
+        xc = kiln.where(cols < n, x - mean, 0.0)
+    """
+    thread = ops.thread_id(0) % layout.num_threads
+    vtype = ir.VectorType.get([layout.num_values], dt.i32.mlir_type())
+    pairs = [layout(thread, v) for v in range(layout.num_values)]
+    return tuple(RegTile([Value(vector.from_elements(vtype, [cast(p[k], dt.i32).ir
+                                                             for p in pairs]), dt.i32)],
+                         layout, (1, 1)) for k in (0, 1))

@@ -301,6 +301,8 @@ def cast(x: Any, dtype: Any) -> Value:
     Example: ``kiln.cast(acc, kiln.bf16)``.
     """
     target = dt.dtype(dtype)
+    if hasattr(x, "__kiln_elementwise__"):  # a register tile (kiln.tiles): RegTile.cast
+        return x.cast(target)
     if not isinstance(x, Value):
         return constant(x, target) if is_literal(x) else to_value(x)
     src = x.dtype

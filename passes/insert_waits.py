@@ -180,6 +180,29 @@ def _build_empty_wait(gap: Gap) -> None:
         build_ring_wait(empty, count, rings.stages[unit], 1)
 
 
+def _dominating_group(gap: Gap) -> ir.Value:
+    """A cp.async group token defined before ``gap.place_before``: the event's own where it
+    dominates the wait, else a group committed earlier in the wait's block or an
+    enclosing one. The wait's count says what it retires (the token is only an operand); a
+    group from a later iteration of a loop (a software pipeline's next stage) does not dominate
+    the wait, so an earlier one stands in."""
+    nearest = None
+    op = gap.place_before
+    while op is not None and op.name != "gpu.func":
+        for candidate in op.block.operations:
+            candidate = candidate.operation
+            if candidate == op:
+                break
+            if candidate == gap.event:
+                return gap.event.result
+            if nearest is None and candidate.name == gap.event.name:
+                nearest = candidate
+        op = op.parent
+    if nearest is None:
+        raise gap_error(gap)
+    return nearest.result
+
+
 def build_wait(gap: Gap) -> None:
     """Build the wait that closes ``gap`` before ``gap.place_before``, at the reader's location."""
     if gap.overwrite:
@@ -190,7 +213,7 @@ def build_wait(gap: Gap) -> None:
         return
     with ir.InsertionPoint(gap.place_before), gap.reader.location:
         if gap.counter == CP_ASYNC:
-            nvgpu.device_async_wait(gap.event.result, num_groups=gap.count)
+            nvgpu.device_async_wait(_dominating_group(gap), num_groups=gap.count)
         elif gap.counter == WGMMA:
             if gap.count < 0:
                 raise _wait_error(gap, "is committed (no wgmma.wait_group can cover it)",

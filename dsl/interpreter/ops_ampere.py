@@ -20,7 +20,7 @@ from mlir import ir
 
 from kiln.core import env as kiln_env
 from kiln import layout as L
-from kiln.core.errors import UnsupportedError
+from kiln.core.errors import KilnValueError, UnsupportedError
 
 from .ops_memory import flat_offsets
 from .ops_mbarrier import operand_segments
@@ -63,6 +63,16 @@ def _cp_async(op, p):
         s_flat = np.broadcast_to(flat_offsets(s_mem, [env[i] for i in src_index], ctx, loc,
                                               check=False), (n,))[lanes]
         reading = valid > 0
+        nbytes = count * s_mem.storage.itemsize
+        misaligned = reading & ((s_flat * s_mem.storage.itemsize) % nbytes != 0)
+        if misaligned.any():  # the GPU faults (misaligned address) or copies garbage
+            t = int(np.argmax(misaligned))
+            raise KilnValueError(
+                f"cp.async of {nbytes} bytes reads {s_mem.name} at element "
+                f"{tuple(int(j[t]) for j in s_idx)}, which is not {nbytes}-byte aligned "
+                f"(thread {int(ctx.thread_ids[lanes[t]])} of block {ctx.cta.block_id})",
+                fix="copy from rows whose start is aligned (a row length that is a multiple of "
+                    "the copy width), or copy synchronously", loc=loc)
         if kiln_env.interpret_check_bounds() and reading.any():
             for dim, (i, size) in enumerate(zip(s_idx, s_mem.sizes)):
                 last = size - valid if dim == len(s_idx) - 1 else size - 1
@@ -74,7 +84,9 @@ def _cp_async(op, p):
         cols = np.arange(count)
         src_cols = s_flat[:, None] + cols * s_mem.strides[-1]
         keep = cols[None, :] < valid[:, None]
-        data = np.where(keep, s_mem.storage[np.where(keep, src_cols, s_flat[:, None])], 0)
+        # lanes reading nothing gather a harmless in-storage element (their address may be
+        # anywhere: cp.async with src-size 0 does not dereference it)
+        data = np.where(keep, s_mem.storage[np.where(keep, src_cols, 0)], 0)
         data = data.astype(d_mem.storage.dtype)
         d_cols = np.broadcast_to(d_flat, (n,))[lanes][:, None] + cols * d_mem.strides[-1]
         d_bytes = element_bytes(d_mem, d_cols.reshape(-1))
@@ -197,12 +209,14 @@ def _mma_sync(op, p):
         size = ctx.size
         a, b, c = (np.broadcast_to(x, (size,) + x.shape[1:]) for x in (a, b, c))
         d = np.zeros((size, c_rows.shape[1]), np.float32)
-        for lanes in _warps(ctx, loc, "nvvm.mma.sync"):
-            ta, tb, tc = (np.zeros(s) for s in ((m, k), (k, n), (m, n)))
-            ta[a_rows, a_cols] = a[lanes]
-            tb[b_rows, b_cols] = b[lanes]
-            tc[c_rows, c_cols] = c[lanes]
-            d[lanes] = (tc + ta @ tb)[c_rows, c_cols]
+        warps = _warps(ctx, loc, "nvvm.mma.sync")
+        if warps:  # every warp's m x n x k product at once: [warps, lanes] index arrays
+            lanes = np.stack(warps)
+            ta, tb, tc = (np.zeros((len(warps),) + s) for s in ((m, k), (k, n), (m, n)))
+            ta[:, a_rows, a_cols] = a[lanes]
+            tb[:, b_rows, b_cols] = b[lanes]
+            tc[:, c_rows, c_cols] = c[lanes]
+            d[lanes] = (tc + ta @ tb)[:, c_rows, c_cols]
         env[out] = d
 
     return run

@@ -16,7 +16,7 @@ from kiln.core import env as kiln_env
 from kiln.core.errors import OutOfBoundsError, UnsupportedError
 
 from .plan import location, np_dtype, semantics
-from .state import MemRef, bounds_error, element_bytes
+from .state import Context, MemRef, bounds_error, element_bytes
 
 _DYNAMIC = ir.ShapedType.get_dynamic_size()
 
@@ -444,5 +444,59 @@ def _aligned_pointer(op, p):
     def run(env, ctx):
         mem = env[src]
         env[out] = np.array([mem.pointer * mem.storage.itemsize], np.int64)
+
+    return run
+
+
+def _element_access(env, ctx, index_slots, mask_slot, width):
+    """``(mem, flat, ectx, keep)`` for a masked vector access seen as ``threads x width``
+    scalar accesses: ``ectx`` has one entry per element, active where the thread is and its
+    mask bit is set, so bounds and race checks see only the elements really touched."""
+    n = ctx.size
+    keep = np.broadcast_to(env[mask_slot], (n, width)) & ctx.active()[:, None]
+    idx = [np.broadcast_to(env[i], (n,)) for i in index_slots]
+    idx = [np.repeat(i, width) for i in idx[:-1]] + \
+          [(idx[-1][:, None] + np.arange(width)).reshape(-1)]
+    ectx = Context(ctx.cta, np.repeat(ctx.thread_ids, width), keep.reshape(-1))
+    return idx, ectx, keep
+
+
+@semantics("vector.maskedload")
+def _masked_load(op, p):
+    """Elements whose mask bit is clear read nothing and give ``pass_thru``."""
+    src, *index, mask, passthru = p.operands(op)
+    out = p.result(op)
+    width = ir.VectorType(op.results[0].type).shape[-1]
+    loc = location(op)
+
+    def run(env, ctx):
+        mem = env[src]
+        idx, ectx, keep = _element_access(env, ctx, index, mask, width)
+        fill = np.broadcast_to(env[passthru], (ctx.size, width))
+        if not keep.any():
+            env[out] = fill
+            return
+        flat = flat_offsets(mem, idx, ectx, loc)
+        check_shared(mem, flat, ectx, False, "this masked vector load", loc)
+        env[out] = np.where(keep, gather(mem, flat, ectx).reshape(ctx.size, width), fill)
+
+    return run
+
+
+@semantics("vector.maskedstore")
+def _masked_store(op, p):
+    """Only elements whose mask bit is set are written."""
+    dst, *index, mask, value = p.operands(op)
+    width = ir.VectorType(op.operands[-1].type).shape[-1]
+    loc = location(op)
+
+    def run(env, ctx):
+        mem = env[dst]
+        idx, ectx, keep = _element_access(env, ctx, index, mask, width)
+        if not keep.any():
+            return
+        flat = flat_offsets(mem, idx, ectx, loc)
+        check_shared(mem, flat, ectx, True, "this masked vector store", loc)
+        scatter(mem, flat, np.broadcast_to(env[value], (ctx.size, width)).reshape(-1), ectx)
 
     return run

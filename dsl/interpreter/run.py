@@ -20,10 +20,12 @@ from mlir import ir
 from kiln.core import env as kiln_env
 from kiln.cluster import RECIPES_ATTR as _RECIPES
 from kiln.core.ops import effects_of, lookup
-from kiln.core.errors import KilnTypeError, KilnValueError, UnsupportedError
+from kiln.core.errors import CompilationError, KilnTypeError, KilnValueError, UnsupportedError
 from kiln.launch_args import check_float_argument, check_int_argument, normalize_grid
 from kiln.passes import build_pass_manager
 from kiln.passes.cluster_schedule import NAME as CLUSTER_SCHEDULE
+from kiln.passes.insert_waits import NAME as INSERT_WAITS
+from kiln.tile_copy import AUTO_WAIT_ATTR
 
 from . import (ops_amd, ops_ampere, ops_arith, ops_cluster, ops_control,  # noqa: F401 - register
                ops_gpu, ops_hopper, ops_mbarrier, ops_memory, ops_vector, ops_wgmma)
@@ -68,8 +70,19 @@ def _compile_plan(module_asm: str, kernel_name: str) -> _CompiledPlan:
     ctx.allow_unregistered_dialects = True
     with ctx:
         module = ir.Module.parse(module_asm)
-        if _RECIPES in module_asm:  # the cluster-ending barriers are part of the program
-            build_pass_manager([CLUSTER_SCHEDULE]).run(module.operation)
+        # The cluster-ending barriers, and the waits of kiln.copy's async copies, are part of
+        # the program: run the passes that place them, as the compile does.
+        passes = [CLUSTER_SCHEDULE] if _RECIPES in module_asm else []
+        if AUTO_WAIT_ATTR in module_asm:
+            passes.append(INSERT_WAITS)
+        if passes:
+            try:
+                build_pass_manager(passes).run(module.operation)
+            except ir.MLIRError as err:
+                raise CompilationError(
+                    f"{', '.join(passes)} failed on kernel {kernel_name}: {err}",
+                    fix="the diagnostic names the construct the pass rejected; compiling the "
+                        "kernel writes a reproducer") from None
         gpu_module = next(op.operation for op in module.body.operations
                           if op.operation.name == "gpu.module")
         shared: dict[str, tuple] = {}

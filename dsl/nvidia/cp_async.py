@@ -31,6 +31,7 @@ from ..global_tile import GlobalTile
 from ..shared_tile import SharedTile
 from ..tensor import to_index
 from ..values import Handle, Value, cast
+from .. import ops
 from ..ops import where
 
 COPY_BYTES = (4, 8, 16)
@@ -62,7 +63,8 @@ WAIT = declare("nvidia.cp_async.wait", feature="sm80", mlir_names=("nvgpu.device
 def copy(dst: SharedTile, dst_pos: tuple[Any, Any], src: GlobalTile, src_pos: tuple[Any, Any], *,
          width: int) -> Token:
     """Start copying ``src[src_pos .. +width]`` to ``dst[dst_pos .. +width]`` (along the row);
-    a masked source row (past ``src.row_end``) fills zeros and reads nothing."""
+    masked source elements (rows past ``src.row_end``, columns past ``src.col_end``) fill zeros
+    and read nothing (``cp.async``'s ``src-size``)."""
     COPY.require(builder.current_target(), "cp_async.copy")
     if not isinstance(dst, SharedTile) or not isinstance(src, GlobalTile):
         raise KilnTypeError("cp_async.copy copies a GlobalTile into a SharedTile",
@@ -79,13 +81,27 @@ def copy(dst: SharedTile, dst_pos: tuple[Any, Any], src: GlobalTile, src_pos: tu
     if not dst.contiguous_width(width):
         raise KilnValueError(f"{width}-element chunks are not contiguous in the SharedTile",
                              fix="use a narrower width or a coarser swizzle")
+    if src.tensor.rank != 2:
+        raise KilnTypeError("cp_async.copy reads a GlobalTile of a 2-D tensor",
+                            fix="view the 1-D tensor as 2-D (one row) on the host")
     row, col = src.indices(*src_pos)
     valid = src.row_valid(src_pos[0])
     src_elements = None
-    if valid is not None:
+    if src.col_end is not None:
+        # Columns past col_end read nothing (zero-filled). A chunk with nothing to read still
+        # needs an address inside the tensor, and the tile may lie wholly past its end (the
+        # next K step of a pipeline): element (0, 0).
+        src_elements = ops.minimum(ops.maximum(src.col_end - col, 0), width)
+        if valid is not None:
+            src_elements = _select(valid, src_elements, 0)
+        reads = src_elements > 0
+        row, col = _select(reads, row, 0), _select(reads, col, 0)
+    elif valid is not None:
         # A masked row still needs an address inside the tensor: clamp it to the view's start.
         row = _select(valid, row, src.origin[0])
-        src_elements = cast(_select(valid, width, 0), dt.index).ir
+        src_elements = _select(valid, width, 0)
+    if src_elements is not None:
+        src_elements = cast(src_elements, dt.index).ir
     dst_index = to_index(_as_i32(dst.offset(*dst_pos)))
     token = nvgpu.device_async_copy(dst.buffer.ir, [dst_index], src.tensor.ir,
                                     [to_index(row), to_index(col)],

@@ -1,0 +1,203 @@
+"""The tutorials (examples/tutorials/) against their Triton peers and copy bandwidth.
+
+Peers follow the designs of Triton's own tutorials (01 vector add, 02 fused softmax, 03 matrix
+multiplication, 05 layer norm), written here from their public description: vector add in
+1024-element blocks with a tail mask; softmax with the whole row in one program (``BLOCK =
+next_power_of_2(N)``, masked loads with ``-inf``), a persistent loop over rows; layer norm
+forward with one program per row looping over ``BLOCK``-column chunks three times (mean,
+variance, normalise), ``BLOCK = min(65536 / 4, next_power_of_2(N))``, ``num_warps =
+min(max(BLOCK // 256, 1), 8)``; matmul with grouped tile ordering (``GROUP_M = 8``), masked
+``tl.dot`` K loop, 128 x 256 x 64 tiles, 8 warps, 3 stages (a config the tutorial's autotuner
+lists for Hopper), and the same bias + GELU epilogue as Kiln's tutorial. cuBLAS is
+``torch.matmul`` (bf16, no epilogue).
+
+Method: every shape is first checked on the GPU against a float64 reference (Kiln and Triton;
+a wrong result fails the run). Times are ``timing.queued_ms`` (kernel time only: calls queued
+behind a busy stream), median of ``--repeat`` samples. GB/s counts the bytes each op must move
+(softmax and layer norm: the matrix read and written once; vector add: two inputs, one output).
+The copy bandwidth is a torch device-to-device copy of a 1 GiB buffer in the same run.
+"lines" is the kernel function's code lines (no blank lines, comments or docstrings).
+
+Usage (on an H100/H200): ``python bench/tutorials.py [--quick] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "tutorials"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fused_softmax  # noqa: E402
+import layernorm  # noqa: E402
+import matmul  # noqa: E402
+import vector_add  # noqa: E402
+from timing import queued_ms, time_ms  # noqa: E402
+
+
+def code_lines(fn) -> int:
+    """Lines of code of ``fn``'s definition (decorators included; no blank lines, comments or
+    docstring)."""
+    source = textwrap.dedent(inspect.getsource(fn))
+    tree = ast.parse(source).body[0]
+    skip = set()
+    if tree.body and isinstance(tree.body[0], ast.Expr) and \
+            isinstance(tree.body[0].value, ast.Constant):
+        skip = set(range(tree.body[0].lineno, tree.body[0].end_lineno + 1))
+    return sum(1 for i, line in enumerate(source.splitlines(), 1)
+               if line.strip() and not line.strip().startswith("#") and i not in skip)
+
+
+def check(name, got, want, tol):
+    err = float(np.abs(got.double().cpu().numpy() - want).max())
+    if not err <= tol:
+        raise SystemExit(f"{name}: max error {err:.3g} > {tol}")
+    return err
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes (about a minute)")
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    import torch
+
+    import triton
+    from tutorials_triton import add_kernel as t_add, layernorm_kernel as t_layernorm, \
+        matmul_kernel as t_matmul, softmax_kernel as t_softmax
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    src = torch.empty(1 << 29, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.numel() * 2 / time_ms(lambda: dst.copy_(src), args.repeat) / 1e6
+    del src, dst
+    lines = {
+        "vector_add": (code_lines(vector_add.add_kernel.fn), code_lines(t_add.fn)),
+        "softmax": (code_lines(fused_softmax.softmax_kernel.fn), code_lines(t_softmax.fn)),
+        "layernorm": (code_lines(layernorm.layernorm_kernel.fn), code_lines(t_layernorm.fn)),
+        "matmul": (code_lines(matmul.matmul_kernel.fn), code_lines(t_matmul.fn)),
+    }
+    rows = []
+
+    def record(op, shape, nbytes, kiln_fn, triton_fn, err):
+        k_ms = queued_ms(kiln_fn, args.repeat)
+        t_ms = queued_ms(triton_fn, args.repeat)
+        k_gbs, t_gbs = nbytes / k_ms / 1e6, nbytes / t_ms / 1e6
+        row = {"op": op, "shape": list(shape), "kiln_us": k_ms * 1e3, "triton_us": t_ms * 1e3,
+               "kiln_gbs": k_gbs, "triton_gbs": t_gbs, "vs_triton": k_gbs / t_gbs,
+               "of_copy": k_gbs / copy_gbs, "triton_of_copy": t_gbs / copy_gbs,
+               "max_err": err, "kiln_lines": lines[op][0], "triton_lines": lines[op][1]}
+        rows.append(row)
+        print(f"{op:10s} {str(shape):16s} kiln {k_gbs:7.0f} GB/s  triton {t_gbs:7.0f} GB/s  "
+              f"x{row['vs_triton']:.2f}  {row['of_copy']:.0%} of copy  "
+              f"lines {lines[op][0]} vs {lines[op][1]}", flush=True)
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n in ([1 << 26] if args.quick else [1 << 20, 1 << 24, 1 << 26]):
+        n = n + 3
+        x, y = (torch.randn(n, device="cuda", generator=gen) for _ in range(2))
+        out, ref = torch.empty_like(x), torch.empty_like(x)
+        vector_add.add(x, y, out)
+        t_add[(triton.cdiv(n, 1024),)](x, y, ref, n, BLOCK=1024)
+        want = (x.double() + y.double()).cpu().numpy()
+        err = max(check("kiln add", out, want, 1e-6), check("triton add", ref, want, 1e-6))
+        record("vector_add", (n,), 12 * n, lambda: vector_add.add(x, y, out),
+               lambda: t_add[(triton.cdiv(n, 1024),)](x, y, ref, n, BLOCK=1024), err)
+
+    cols = [4096, 32768] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
+    for n in cols:
+        m = (1 << (24 if args.quick else 26)) // n
+        x = torch.randn(m, n, device="cuda", generator=gen)
+        y, ref = torch.empty_like(x), torch.empty_like(x)
+        block = triton.next_power_of_2(n)
+        warps = 8 if block <= 8192 else 16
+        grid = (min(m, sms * 4),)
+
+        def t_run():
+            t_softmax[grid](ref, x, x.stride(0), ref.stride(0), m, n, BLOCK=block,
+                            num_warps=warps)
+
+        fused_softmax.softmax(x, y)
+        t_run()
+        want = fused_softmax.reference(x.cpu().numpy())
+        err = max(check("kiln softmax", y, want, 1e-6), check("triton softmax", ref, want, 1e-6))
+        record("softmax", (m, n), 8 * m * n, lambda: fused_softmax.softmax(x, y), t_run, err)
+
+        w = torch.randn(n, device="cuda", generator=gen)
+        b = torch.randn(n, device="cuda", generator=gen)
+        mean, rstd = torch.empty(m, device="cuda"), torch.empty(m, device="cuda")
+        t_mean, t_rstd = torch.empty_like(mean), torch.empty_like(rstd)
+        ln_block = min(65536 // 4, block)
+        ln_warps = min(max(ln_block // 256, 1), 8)
+
+        def t_ln():
+            t_layernorm[(m,)](x, ref, w, b, t_mean, t_rstd, x.stride(0), n, 1e-5,
+                              BLOCK=ln_block, num_warps=ln_warps)
+
+        layernorm.layernorm(x, w, b, y, mean, rstd)
+        t_ln()
+        want, _, _ = layernorm.reference(x.cpu().numpy(), w.cpu().numpy(), b.cpu().numpy())
+        err = max(check("kiln layernorm", y, want, 1e-4),
+                  check("triton layernorm", ref, want, 1e-4))
+        record("layernorm", (m, n), 8 * m * n, lambda: layernorm.layernorm(x, w, b, y, mean, rstd),
+               t_ln, err)
+
+    for size in ([4096] if args.quick else [4096, 8192]):
+        m = n = k = size
+        a = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", generator=gen).to(torch.bfloat16)
+        bias = torch.randn(n, device="cuda", generator=gen)
+        c, ref = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        grid = (triton.cdiv(m, 128) * triton.cdiv(n, 256),)
+
+        def t_mm():
+            t_matmul[grid](a, b, bias, ref, m, n, k, a.stride(0), b.stride(0), ref.stride(0),
+                           BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+        matmul.matmul(a, b, bias, c)
+        t_mm()
+        x = a.float() @ b.float() + bias
+        want = (0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3))))
+        scale = float(want.abs().max())
+        err = 0.0
+        for name, got in (("kiln matmul", c), ("triton matmul", ref)):
+            e = float((got.float() - want).abs().max()) / scale
+            if not e < 2e-2:
+                raise SystemExit(f"{name}: max relative error {e:.3g}")
+            err = max(err, e)
+        flops = 2.0 * m * n * k
+        k_ms, t_ms = queued_ms(lambda: matmul.matmul(a, b, bias, c), args.repeat), \
+            queued_ms(t_mm, args.repeat)
+        cublas_ms = queued_ms(lambda: torch.matmul(a, b), args.repeat)
+        row = {"op": "matmul", "shape": [m, n, k], "kiln_us": k_ms * 1e3,
+               "triton_us": t_ms * 1e3, "cublas_us": cublas_ms * 1e3,
+               "kiln_tflops": flops / k_ms / 1e9, "triton_tflops": flops / t_ms / 1e9,
+               "cublas_tflops": flops / cublas_ms / 1e9, "vs_triton": t_ms / k_ms,
+               "vs_cublas": cublas_ms / k_ms, "max_err": err,
+               "kiln_lines": lines["matmul"][0], "triton_lines": lines["matmul"][1]}
+        rows.append(row)
+        print(f"matmul     {str((m, n, k)):16s} kiln {row['kiln_tflops']:6.1f} TFLOP/s  triton "
+              f"{row['triton_tflops']:6.1f}  cublas {row['cublas_tflops']:6.1f}  "
+              f"x{row['vs_triton']:.2f} of triton, x{row['vs_cublas']:.2f} of cublas  "
+              f"lines {lines['matmul'][0]} vs {lines['matmul'][1]}", flush=True)
+
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s")
+    summary = {"benchmark": "tutorials", "device": torch.cuda.get_device_name(0),
+               "copy_gbs": copy_gbs, "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Triton peers of the tutorials (bench/tutorials.py), following the designs of Triton's own
+tutorials (01 vector add, 02 fused softmax, 03 matrix multiplication, 05 layer norm), written from
+their public description. Imported only where Triton is installed (the GPU machine)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    y = tl.load(y_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, x + y, mask=mask)
+
+
+@triton.jit
+def softmax_kernel(out_ptr, in_ptr, in_stride, out_stride, n_rows, n_cols,
+                   BLOCK: tl.constexpr):
+    for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(in_ptr + row * in_stride + cols, mask=cols < n_cols, other=-float("inf"))
+        z = x - tl.max(x, axis=0)
+        num = tl.exp(z)
+        tl.store(out_ptr + row * out_stride + cols, num / tl.sum(num, axis=0),
+                 mask=cols < n_cols)
+
+
+@triton.jit
+def layernorm_kernel(X, Y, W, B, Mean, Rstd, stride, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    X += row * stride
+    Y += row * stride
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(0, N, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        acc += tl.load(X + cols, mask=cols < N, other=0.).to(tl.float32)
+    mean = tl.sum(acc, axis=0) / N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(0, N, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(X + cols, mask=cols < N, other=0.).to(tl.float32)
+        x = tl.where(cols < N, x - mean, 0.)
+        acc += x * x
+    rstd = 1 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+    tl.store(Mean + row, mean)
+    tl.store(Rstd + row, rstd)
+    for off in range(0, N, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        mask = cols < N
+        w = tl.load(W + cols, mask=mask)
+        b = tl.load(B + cols, mask=mask)
+        x = tl.load(X + cols, mask=mask, other=0.).to(tl.float32)
+        tl.store(Y + cols, (x - mean) * rstd * w + b, mask=mask)
+
+
+@triton.jit
+def matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, s_am, s_bk, s_cm,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    group = pid // (GROUP_M * n_n)
+    first_m = group * GROUP_M
+    size_m = min(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
+    pid_n = (pid % (GROUP_M * n_n)) // size_m
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    a_p = a_ptr + rm[:, None] * s_am + rk[None, :]
+    b_p = b_ptr + rk[:, None] * s_bk + rn[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        a = tl.load(a_p, mask=(rm[:, None] < M) & (rk[None, :] < K - k * BK), other=0.0)
+        b = tl.load(b_p, mask=(rk[:, None] < K - k * BK) & (rn[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_p += BK
+        b_p += BK * s_bk
+    x = acc + tl.load(bias_ptr + rn, mask=rn < N)[None, :]
+    z = (x + 0.044715 * x * x * x) * 1.5957691216057308
+    y = x / (1.0 + tl.exp(-z))
+    tl.store(c_ptr + rm[:, None] * s_cm + rn[None, :], y.to(tl.bfloat16),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))

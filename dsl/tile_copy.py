@@ -1,0 +1,189 @@
+"""``kiln.copy`` and ``kiln.load``: move whole tiles between global, shared and registers.
+
+One call per tile; the instruction is chosen from the tiles' kinds, layouts and the target:
+
+======================  =====================================================================
+global -> registers     ``kiln.load(g, layout)`` / ``kiln.copy(g, layout)``: per thread, one
+                        vector load per run of consecutive columns it owns (up to 16 bytes:
+                        ``ld.global.v4`` / ``global_load_dwordx4``); masked rows and columns
+                        read nothing and give the GlobalTile's ``fill``
+shared -> registers     the same with ``ld.shared`` / ``ds_read_b128``
+registers -> global     ``kiln.copy(tile, g)``: vector stores, masked elements skipped
+registers -> shared     vector stores into the SharedTile's layout and swizzle
+global -> shared        every thread of the block takes 16-byte chunks: ``cp.async`` (committed
+                        as one group) on sm_80+ when the GlobalTile's ``align`` promises 4/8/16-
+                        byte aligned chunks, the fill is 0 and the threads divide the chunks;
+                        vector loads and stores otherwise (:func:`kiln.tiles.copy`)
+======================  =====================================================================
+
+The asynchronous path needs no wait from the user: ``kiln-insert-waits`` puts the
+``cp.async.wait_group`` before the first read of the shared tile (a ``kiln.barrier()`` is still
+needed before reading what other threads copied, as with a synchronous copy).
+
+A register tile is a :class:`~kiln.reg_tile.RegTile` of one fragment held by the block's
+threads ``0 .. layout.num_threads - 1`` (thread ``t`` holds ``layout(t % num_threads, v)``),
+usually with a :func:`kiln.layout.blocked` layout.
+
+Example (one row of a softmax)::
+
+    tv = kiln.layout.blocked((1, BLOCK), THREADS)
+    x = kiln.load(kiln.GlobalTile(x_t, (1, BLOCK), (row, 0), col_end=n, fill=-inf), tv)
+    kiln.copy(x * 2.0, kiln.GlobalTile(y_t, (1, BLOCK), (row, 0), col_end=n))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlir import ir
+from mlir.dialects import vector
+
+from . import builder, ops
+from .core import dtypes as dt
+from .core.errors import KilnTypeError, KilnValueError
+from .global_tile import GlobalTile
+from .layout import ThreadValueLayout
+from .nvidia import cp_async
+from .reg_tile import RegTile, _concat
+from .shared_tile import SharedTile
+from .tiles import copy as copy_to_shared, copy_width, row_run_width
+from .values import Value
+
+MAX_VECTOR_BYTES = 16
+# Marks the async copies whose waits the program leaves to kiln-insert-waits: the interpreter
+# runs that pass on modules carrying it, as the compile does, so it executes the same waits.
+AUTO_WAIT_ATTR = "kiln.auto_wait"
+
+
+def _thread(layout: ThreadValueLayout) -> Value:
+    return ops.thread_id(0) % layout.num_threads
+
+
+def _run_width(layout: ThreadValueLayout, dtype: dt.DType, mem: Any) -> int:
+    """The vector width of one access: the layout's run of consecutive columns, at most 16
+    bytes, and (shared) contiguous in the SharedTile's swizzle."""
+    width = min(row_run_width(layout), max(MAX_VECTOR_BYTES // dtype.itemsize, 1))
+    while isinstance(mem, SharedTile) and width > 1 and not mem.contiguous_width(width):
+        width //= 2
+    return width
+
+
+def _check_cover(tile: Any, layout: ThreadValueLayout, what: str) -> None:
+    if tuple(layout.tile) != tuple(tile.shape):
+        raise KilnValueError(f"{what}: the layout covers a {layout.tile[0]}x{layout.tile[1]} "
+                             f"tile but the {type(tile).__name__} is "
+                             f"{tile.shape[0]}x{tile.shape[1]}",
+                             fix="build the layout for the tile's shape, e.g. "
+                                 f"kiln.layout.blocked({tuple(tile.shape)}, THREADS)")
+    threads = builder.current().block[0]
+    if layout.num_threads > threads:
+        raise KilnValueError(f"{what}: the layout spreads over {layout.num_threads} threads but "
+                             f"the block has {threads}",
+                             fix="build the layout for kiln.block_dim(0) threads or fewer")
+
+
+def load(src: GlobalTile | SharedTile, layout: ThreadValueLayout) -> RegTile:
+    """The register tile holding ``src`` in ``layout`` (vector loads; see the module table).
+
+    Example: ``x = kiln.load(kiln.GlobalTile(x_t, (4, 256), (r0, 0), col_end=n), tv)``.
+    """
+    if not isinstance(src, (GlobalTile, SharedTile)) or not isinstance(layout, ThreadValueLayout):
+        raise KilnTypeError(f"kiln.load reads a GlobalTile or SharedTile into a layout, got "
+                            f"{type(src).__name__} and {type(layout).__name__}",
+                            fix="kiln.load(kiln.GlobalTile(t, shape, origin), "
+                                "kiln.layout.blocked(shape, THREADS))")
+    _check_cover(src, layout, "kiln.load")
+    width = _run_width(layout, src.dtype, src)
+    thread = _thread(layout)
+    pieces = []
+    for v in range(0, layout.num_values, width):
+        row, col = layout(thread, v)
+        piece = (src._vector_load(row, col, width) if isinstance(src, SharedTile)
+                 else src.load(row, col, width=width))
+        pieces.append(piece.ir)
+    return RegTile([Value(_concat(pieces), src.dtype)], layout, (1, 1))
+
+
+def store(tile: RegTile, dst: GlobalTile | SharedTile) -> None:
+    """Write every fragment of ``tile`` into ``dst`` (masked elements of a GlobalTile are
+    skipped), one vector store per run of consecutive columns."""
+    if tile.dtype is not dst.dtype:
+        raise KilnTypeError(f"cannot store a {tile.dtype} register tile into a {dst.dtype} "
+                            f"{type(dst).__name__}", fix=f"kiln.cast(tile, kiln.{dst.dtype}) first")
+    if tile.shape[0] > dst.shape[0] or tile.shape[1] > dst.shape[1]:
+        raise KilnValueError(f"a {tile.shape} register tile does not fit the {dst.shape} "
+                             f"{type(dst).__name__}", fix="copy into a tile at least as large")
+    layout = tile.layout
+    threads = builder.current().block[0]
+    if layout.num_threads < threads:
+        raise KilnValueError(f"this register tile is held by {layout.num_threads} threads (one "
+                             f"warp's fragments?) but the block has {threads}: every group of "
+                             f"{layout.num_threads} would store it to the same place",
+                             fix="store a warp's fragments with kiln.tiles.store(tile, g, "
+                                 "warp_origin), or use a block-wide layout (kiln.gemm's "
+                                 "accumulator, kiln.layout.blocked)")
+    width = _run_width(layout, tile.dtype, dst)
+    thread = _thread(layout)
+    fr, fc = layout.tile
+    for i in range(tile.grid[0]):
+        for j in range(tile.grid[1]):
+            frag = tile.fragment(i, j)
+            for v in range(0, layout.num_values, width):
+                row, col = layout(thread, v)
+                piece = Value(vector.shuffle(frag.ir, frag.ir, list(range(v, v + width))),
+                              frag.dtype)
+                dst.store(i * fr + row, j * fc + col, piece)
+
+
+def _async_width(src: GlobalTile, dst: SharedTile, threads: int) -> int | None:
+    """The cp.async chunk width (elements) when cp.async fits, else None: sm_80+, zero fill,
+    4/8/16-byte chunks that the GlobalTile's ``align`` promises are aligned in global memory
+    (cp.async faults on a misaligned source; without ``align`` nothing is promised), and every
+    thread one chunk per step."""
+    if not builder.current_target().has("sm80") or src.fill != 0 or src.align is None \
+            or src.tensor.rank != 2:
+        return None
+    width = min(copy_width(dst), max(src.align // dst.dtype.itemsize, 1))
+    chunks = src.shape[0] * (src.shape[1] // width)
+    if width * dst.dtype.itemsize not in cp_async.COPY_BYTES or chunks % threads:
+        return None
+    return width
+
+
+def copy(src: Any, dst: Any) -> Any:
+    """Copy tile ``src`` into ``dst`` (see the module table for what each pair compiles to).
+
+    ``dst`` may be a :class:`~kiln.layout.ThreadValueLayout`: the loaded register tile is
+    returned (:func:`load`). Global -> shared returns the ``cp.async`` group when it went
+    asynchronously (else None); read the shared tile after a ``kiln.barrier()``.
+
+    Example::
+
+        a_s = kiln.SharedTile((64, 32), kiln.bf16)
+        kiln.copy(kiln.GlobalTile(a, (64, 32), (m0, k0), row_end=m, col_end=k), a_s)
+        kiln.barrier()
+        kiln.copy(acc.cast(kiln.bf16), kiln.GlobalTile(c, (64, 64), (m0, n0), col_end=n))
+    """
+    if isinstance(dst, ThreadValueLayout):
+        return load(src, dst)
+    if isinstance(src, RegTile) and isinstance(dst, (GlobalTile, SharedTile)):
+        store(src, dst)
+        return None
+    if isinstance(src, GlobalTile) and isinstance(dst, SharedTile):
+        threads = builder.current().block[0]
+        width = _async_width(src, dst, threads)
+        if width is not None:
+            group = cp_async.commit(copy_to_shared(src, dst, threads=threads, async_copy=True,
+                                                   width=width))
+            group.ir.owner.attributes[AUTO_WAIT_ATTR] = ir.UnitAttr.get()
+            return group
+        copy_to_shared(src, dst, threads=threads)
+        return None
+    if isinstance(src, SharedTile) and isinstance(dst, GlobalTile):
+        raise KilnTypeError("kiln.copy from shared to global goes through registers",
+                            fix="kiln.copy(kiln.load(s, layout), g)")
+    raise KilnTypeError(f"kiln.copy cannot copy a {type(src).__name__} into a "
+                        f"{type(dst).__name__}",
+                        fix="copy GlobalTile -> SharedTile, a tile -> a layout (registers), or "
+                            "a RegTile -> GlobalTile/SharedTile")
+

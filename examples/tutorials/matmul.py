@@ -1,0 +1,107 @@
+"""Tutorial 4: matmul with a fused epilogue, ``C = gelu(A @ B + bias)``, portable.
+
+``A`` (M x K) and ``B`` (K x N) are bf16, ``bias`` (N) f32, ``C`` (M x N) bf16; M, N and K may
+all be ragged. Each block computes a ``BM x BN`` tile of C: per K step it copies a tile of A and
+of B into shared memory (``cp.async`` on sm_80+ where ``align=16`` promises aligned rows, vector
+loads elsewhere; masked rows and columns read as 0, which adds nothing), and ``kiln.gemm``
+multiplies them with the target's MMA (``mma.sync`` fed by ``ldmatrix`` on NVIDIA, the
+double-rate MFMA on gfx950) into an accumulator whose register layout Kiln derives.
+``kiln.tiles.operand_swizzle`` picks the shared tiles' XOR swizzle that keeps the operand reads
+free of bank conflicts. The epilogue is plain tile math on that accumulator: the bias is a 1-D
+tensor read as a tile (every row the same), GELU is the tanh form written as a sigmoid,
+``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the unmasked part.
+
+Two shared stages overlap the copies of the next K step with the multiply of this one. The
+``cp.async`` waits are not in the program: ``kiln-insert-waits`` places them (``wait_group 3``
+then ``2`` before each stage's barrier: the A and B groups of the other stage may still fly).
+Issue 41's ``kiln.pipeline`` is to write this schedule for any number of stages.
+
+Run: ``python examples/tutorials/matmul.py``.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+import kiln
+from kiln import bf16, f32, i32
+from kiln.runtime.cuda import cuda_available
+
+SQRT_2_OVER_PI = 0.7978845608028654
+
+
+@kiln.kernel(num_threads="THREADS")
+def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tensor[f32],
+                  c: kiln.Tensor[bf16, 2], m: i32, n: i32, k: i32, BM: kiln.constexpr,
+                  BN: kiln.constexpr, BK: kiln.constexpr, THREADS: kiln.constexpr,
+                  ALIGN: kiln.constexpr):
+    row0 = kiln.block_id(0) * BM
+    col0 = kiln.block_id(1) * BN
+    # two stages: while one pair of tiles is multiplied, the copies into the other fly
+    a_s = [kiln.SharedTile((BM, BK), bf16, swizzle=kiln.tiles.operand_swizzle((BM, BK), bf16))
+           for _ in range(2)]
+    b_s = [kiln.SharedTile((BK, BN), bf16, swizzle=kiln.tiles.operand_swizzle((BK, BN), bf16))
+           for _ in range(2)]
+
+    def fetch(stage, k0):
+        kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k, align=ALIGN),
+                  a_s[stage])
+        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=k, col_end=n, align=ALIGN),
+                  b_s[stage])
+
+    acc = kiln.accumulator(a_s[0], b_s[0])
+    fetch(0, 0)
+    for k0 in kiln.range(0, k, 2 * BK):
+        for stage in kiln.static_range(2):
+            fetch(1 - stage, k0 + (stage + 1) * BK)   # past k: masked, reads nothing
+            kiln.barrier()
+            acc = kiln.gemm(a_s[stage], b_s[stage], acc)
+            kiln.barrier()
+    x = acc + kiln.load(kiln.GlobalTile(bias, (BM, BN), (0, col0), col_end=n), acc.layout)
+    z = (x + 0.044715 * x * x * x) * (2.0 * SQRT_2_OVER_PI)
+    y = x * kiln.rcp(1.0 + kiln.exp(-z))
+    kiln.copy(kiln.cast(y, bf16), kiln.GlobalTile(c, (BM, BN), (row0, col0), row_end=m,
+                                                  col_end=n))
+
+
+BM, BN, BK, THREADS = 128, 128, 32, 256
+
+
+def alignment(k: int, n: int, *arrays) -> int:
+    """Bytes the 8-element chunks of A's and B's rows are aligned to: 16 when the rows (of
+    ``k`` and ``n`` bf16) keep the arrays' 16-byte start alignment, else 2 (the copies are then
+    synchronous: ``cp.async`` needs aligned sources)."""
+    pointers = [a.data_ptr() for a in arrays if hasattr(a, "data_ptr")]
+    return 16 if k % 8 == 0 and n % 8 == 0 and all(p % 16 == 0 for p in pointers) else 2
+
+
+def matmul(a, b, bias, c, *, backend: str = "gpu", target: str | None = None):
+    """``c = gelu(a @ b + bias)`` (tanh GELU) for bf16 ``a``, ``b``, ``c`` and f32 ``bias``."""
+    (m, k), n = a.shape, b.shape[1]
+    grid = (-(-m // BM), -(-n // BN))
+    launch = matmul_kernel.interpret[grid] if backend == "interpret" else matmul_kernel[grid]
+    extra = {"target": target} if target else {}
+    launch(a, b, bias, c, m, n, k, BM=BM, BN=BN, BK=BK, THREADS=THREADS,
+           ALIGN=alignment(k, n, a, b), **extra)
+    return c
+
+
+def reference(a, b, bias):
+    x = a.astype(np.float64) @ b.astype(np.float64) + bias
+    return 0.5 * x * (1.0 + np.tanh(SQRT_2_OVER_PI * (x + 0.044715 * x ** 3)))
+
+
+if __name__ == "__main__":
+    rng = np.random.default_rng(0)
+    m, n, k = 200, 150, 100
+    a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((k, n)).astype(ml_dtypes.bfloat16)
+    bias = rng.standard_normal(n).astype(np.float32)
+    c = np.full((m, n), np.nan, ml_dtypes.bfloat16)
+    backend = "gpu" if cuda_available() else "interpret"
+    matmul(a, b, bias, c, backend=backend)
+    want = reference(a, b, bias)
+    err = np.abs(c.astype(np.float64) - want).max() / np.abs(want).max()
+    assert err < 1e-2, err
+    print(f"matmul + bias + gelu of {m}x{n}x{k} ({backend}): max relative error {err:.2e}")

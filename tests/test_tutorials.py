@@ -1,0 +1,166 @@
+"""examples/tutorials: each runs in the interpreter against float64 at ragged sizes (as on
+NVIDIA and as on AMD), compiles for sm_80, sm_90a and gfx950 without spills or scratch and with
+16-byte vector accesses, and (gpu) runs on the GPU."""
+
+from __future__ import annotations
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from source_modules import EXAMPLES, load_module
+
+TUTORIALS = EXAMPLES / "tutorials"
+vector_add = load_module(TUTORIALS / "vector_add.py", "kiln_tutorial_vector_add")
+fused_softmax = load_module(TUTORIALS / "fused_softmax.py", "kiln_tutorial_fused_softmax")
+layernorm = load_module(TUTORIALS / "layernorm.py", "kiln_tutorial_layernorm")
+matmul = load_module(TUTORIALS / "matmul.py", "kiln_tutorial_matmul")
+
+TARGETS = ("sm_90a", "gfx950")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("n", [1, 2047, 2048 * 3 + 5])
+def test_vector_add(target, n):
+    rng = np.random.default_rng()
+    x, y = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    out = np.full(n, np.nan, np.float32)
+    vector_add.add(x, y, out, backend="interpret", target=target)
+    np.testing.assert_array_equal(out, (x.astype(np.float64) + y).astype(np.float32))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("shape", [(3, 1), (5, 100), (4, 1531), (2, 4099)])
+def test_fused_softmax(target, shape):
+    x = np.random.default_rng().standard_normal(shape).astype(np.float32) * 4
+    y = np.full_like(x, np.nan)
+    fused_softmax.softmax(x, y, backend="interpret", target=target)
+    np.testing.assert_allclose(y, fused_softmax.reference(x), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("shape", [(3, 7), (5, 1000), (2, 4099), (2, 20001)])
+def test_layernorm(target, shape):
+    rng = np.random.default_rng()
+    m, n = shape
+    x = rng.standard_normal(shape).astype(np.float32) * 3 + 2
+    w, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    y = np.full_like(x, np.nan)
+    mean, rstd = np.full(m, np.nan, np.float32), np.full(m, np.nan, np.float32)
+    layernorm.layernorm(x, w, b, y, mean, rstd, backend="interpret", target=target)
+    y_ref, mean_ref, rstd_ref = layernorm.reference(x, w, b)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(mean, mean_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(rstd, rstd_ref, rtol=1e-4)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("shape", [(200, 150, 100), (129, 257, 40), (96, 136, 72)])
+def test_matmul_bias_gelu(target, shape):
+    """Ragged (synchronous copies: rows not 16-byte aligned) and aligned (cp.async) shapes."""
+    rng = np.random.default_rng()
+    m, n, k = shape
+    a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((k, n)).astype(ml_dtypes.bfloat16)
+    bias = rng.standard_normal(n).astype(np.float32)
+    c = np.full((m, n), np.nan, ml_dtypes.bfloat16)
+    matmul.matmul(a, b, bias, c, backend="interpret", target=target)
+    want = matmul.reference(a, b, bias)
+    np.testing.assert_allclose(c.astype(np.float64), want, rtol=1e-2,
+                               atol=1e-2 * np.abs(want).max())
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("target", ("sm_80", "sm_90a", "gfx950"))
+def test_matmul_compiles_to_the_targets_mma_without_spills(target):
+    a = np.zeros((256, 256), ml_dtypes.bfloat16)
+    ck = matmul.matmul_kernel.compile(a, a, np.zeros(256, np.float32), a, 256, 256, 256,
+                                      BM=matmul.BM, BN=matmul.BN, BK=matmul.BK,
+                                      THREADS=matmul.THREADS, ALIGN=16, target=target)
+    if target.startswith("sm"):
+        assert ck.metadata["spill_bytes"] == 0
+        assert "mma.sync.aligned.m16n8k16" in ck.asm["ptx"] and "cp.async" in ck.asm["ptx"]
+    else:
+        assert ck.metadata["scratch_bytes"] == 0
+        assert "v_mfma_f32_32x32x16_bf16" in ck.asm["amdgcn"]
+
+
+def _compile(name, n, target):
+    x2 = np.zeros((2, n), np.float32)
+    x1 = np.zeros(n, np.float32)
+    if name == "vector_add":
+        return vector_add.add_kernel.compile(x1, x1, x1, n, BLOCK=vector_add.BLOCK,
+                                             THREADS=vector_add.THREADS, ALIGN=16,
+                                             target=target)
+    module = fused_softmax if name == "softmax" else layernorm
+    block, threads = module.config(n)
+    if name == "softmax":
+        return module.softmax_kernel.compile(x2, x2, n, BLOCK=block, THREADS=threads, ALIGN=16,
+                                             target=target)
+    return module.layernorm_kernel.compile(x2, x1, x1, x2, x1, x1, n, 1e-5, BLOCK=block,
+                                           CHUNK=min(block, 4096), THREADS=threads, ALIGN=16,
+                                           target=target)
+
+
+VECTOR_ACCESS = {"ptx": (r"ld\.global\.v4\.\w32", r"st\.global\.v4\.\w32"),
+                 "amdgcn": (r"global_load_dwordx4", r"global_store_dwordx4")}
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("target", ("sm_80", "sm_90a", "gfx950"))
+@pytest.mark.parametrize("name,n", [("vector_add", 4096), ("softmax", 4096),
+                                    ("softmax", 32768), ("layernorm", 8192),
+                                    ("layernorm", 32768)])
+def test_tutorials_compile_with_vector_accesses_and_no_spills(target, name, n):
+    ck = _compile(name, n, target)
+    md = ck.metadata
+    stage = "ptx" if target.startswith("sm") else "amdgcn"
+    if stage == "ptx":
+        assert md["spill_bytes"] == 0 and md["stack_bytes"] == 0
+    else:
+        assert md["scratch_bytes"] == 0
+    load, store = VECTOR_ACCESS[stage]
+    asm = ck.asm[stage]
+    assert re.search(load, asm) and re.search(store, asm), f"{name} has no 16-byte accesses"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(64, 1000), (257, 4096), (33, 32768)])
+def test_tutorials_on_gpu(shape):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    m, n = shape
+    x = torch.randn(m, n, device="cuda") * 3
+    y = torch.full_like(x, float("nan"))
+    fused_softmax.softmax(x, y)
+    np.testing.assert_allclose(y.cpu().numpy(), fused_softmax.reference(x.cpu().numpy()),
+                               rtol=1e-5, atol=1e-7)
+    w, b = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    mean, rstd = torch.empty(m, device="cuda"), torch.empty(m, device="cuda")
+    layernorm.layernorm(x, w, b, y, mean, rstd)
+    y_ref, mean_ref, _ = layernorm.reference(x.cpu().numpy(), w.cpu().numpy(), b.cpu().numpy())
+    np.testing.assert_allclose(y.cpu().numpy(), y_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(mean.cpu().numpy(), mean_ref, rtol=1e-5, atol=1e-5)
+    flat, other = x.reshape(-1)[: m * n - 3], torch.randn(m * n - 3, device="cuda")
+    out = torch.full_like(flat, float("nan"))
+    vector_add.add(flat, other, out)
+    assert torch.equal(out, flat + other)
+
+
+@pytest.mark.gpu
+def test_matmul_on_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    m, n, k = 1000, 515, 333
+    a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda")
+    c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    matmul.matmul(a, b, bias, c)
+    want = matmul.reference(a.float().cpu().numpy(), b.float().cpu().numpy(), bias.cpu().numpy())
+    got = c.float().cpu().numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
