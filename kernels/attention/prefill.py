@@ -24,7 +24,7 @@ import numpy as np
 
 import kiln
 
-from .. import runtime
+from .. import dlpack, runtime
 from ..runtime import (ArrayLib, PlanCache, check_backend, check_heads, check_positive,
                        contiguous, dtype_of, empty_like, is_cupy, is_torch, resolve_target, spec)
 from .prefill_hopper import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, HopperPrefillConfig,
@@ -101,6 +101,12 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
                                                     scale, return_lse, target, backend))
         if plan:
             return plan.run(q, k, v, sinks)
+    if dlpack.foreign(q):  # cupy / JAX / DLPack device arrays: zero-copy through torch
+        return dlpack.through_torch(prefill, q, k, v, causal=causal, window=window, chunk=chunk,
+                                    sinks=sinks, scale=scale, cu_seqlens_q=cu_seqlens_q,
+                                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                    max_seqlen_k=max_seqlen_k, return_lse=return_lse,
+                                    target=target, backend=backend)
     chip, shapes, mask, scale = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, causal,
                                           window, chunk, scale, target, backend,
                                           max_seqlen_q, max_seqlen_k)

@@ -34,7 +34,7 @@ import numpy as np
 import kiln
 from kiln.autotune import autotune
 
-from .. import runtime
+from .. import dlpack, runtime
 from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, contiguous, empty_like,
                        is_torch, resolve_target, spec)
 from .grouped_api import compile_grouped_matmul, grouped_matmul
@@ -105,6 +105,9 @@ def matmul(a, b, *, trans_b=False, out_dtype=None, target=None, backend=None):
         c = a.new_empty(plan.shape, dtype=plan.out)
         plan.bound(a.data_ptr(), b.data_ptr(), c.data_ptr())
         return c
+    if dlpack.foreign(a):  # cupy / JAX / DLPack device arrays: zero-copy through torch
+        return dlpack.through_torch(matmul, a, b, trans_b=trans_b, out_dtype=out_dtype,
+                                    target=target, backend=backend)
     c = _matmul(a, b, trans_b, out_dtype, target, backend)
     chip = resolve_target(target)
     if backend != "interpret" and chip.has_wgmma and runtime.bindable(a, b) and c.numel() and \

@@ -8,7 +8,7 @@ import numpy as np
 
 import kiln
 
-from .. import runtime
+from .. import dlpack, runtime
 from ..runtime import (ArrayLib, Dims, check_backend, contiguous, dtype_of, empty_like,
                        is_torch, refuse_inside_capture, resolve_target)
 from .grouped import (MAX_GROUPS, grouped_config, grouped_constexprs, make_grouped_kernel,
@@ -73,6 +73,10 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
     from . import (STRIDE_ALIGN, _empty_like, _output_dtype, _padded,
                    _round_up)
 
+    if dlpack.foreign(a):  # cupy / JAX / DLPack device arrays: zero-copy through torch
+        return dlpack.through_torch(grouped_matmul, a, b, group_offsets, trans_b=trans_b,
+                                    scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                                    target=target, backend=backend, validate=validate)
     chip = resolve_target(target)
     if scale_a is not None or scale_b is not None:
         raise kiln.UnsupportedError(f"{FP8_UNSUPPORTED} (scale_a / scale_b were given)",
