@@ -351,6 +351,7 @@ class WaitAnalysis:
         self._steps: dict = {}    # ir.Operation -> Step, for events
         self._tokens: dict = {}   # kiln.token id -> event Step
         self._operand_events: dict = {}  # ir.Value -> events reaching it (_value_events)
+        self._roots: dict = {}  # ir.Value -> descriptor_roots (WGMMAs share descriptors)
         body = self._build(func.regions[0].blocks[0])
         self._resolve_reads(body)
         self._walk(body, {})
@@ -404,7 +405,9 @@ class WaitAnalysis:
                     found = {e for e in found if e.counter != step.counter}
                 needed |= found
                 if lds_events and step.descriptors and not is_shared(operand):
-                    roots = descriptor_roots(operand)
+                    roots = self._roots.get(operand)
+                    if roots is None:
+                        roots = self._roots[operand] = descriptor_roots(operand)
                     needed |= {e for e in lds_events for r in roots if _aliases(r, e.roots)}
                 if (lds_events and step.roots is None and step.data
                         and name not in _NO_ACCESS and is_shared(operand)):
