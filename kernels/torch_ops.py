@@ -1,12 +1,12 @@
 """The kernel library as ``torch.library`` custom ops, and :func:`custom_op` for user kernels.
 
 Importing this module imports torch and registers, in the ``kiln`` namespace, one custom op per
-library entry point (``torch.ops.kiln.prefill``, ``decode``, ``decode_attention``, ``combine``,
-``matmul``, ``grouped_matmul``). Each op's real implementation calls the entry point; its fake (meta)
-implementation allocates outputs of the right shape, dtype and device without running anything,
-so ``torch.compile(fullgraph=True)`` traces through the ops without a graph break. No op mutates
-its inputs; every output is a fresh tensor. ``import kiln`` / ``import kiln.kernels`` never
-import torch: only this module does.
+library entry point (``torch.ops.kiln.prefill``, ``decode``, ``decode_attention``,
+``combine``, ``matmul``, ``grouped_matmul``). Each op's real implementation calls the entry
+point; its fake (meta) implementation allocates outputs of the right shape, dtype and device
+without running anything, so ``torch.compile(fullgraph=True)`` traces through the ops without
+a graph break. No op mutates its inputs; every output is a fresh tensor. ``import kiln`` /
+``import kiln.kernels`` never import torch: only this module does.
 
 The Python wrappers below take the entry points' keywords (those a schema can carry) and call
 ``torch.ops.kiln.<name>``. Example::
@@ -25,7 +25,8 @@ import torch
 
 import kiln
 
-__all__ = ["prefill", "decode", "decode_attention", "combine", "matmul", "grouped_matmul", "custom_op"]
+__all__ = ["prefill", "decode", "decode_attention", "combine", "matmul", "grouped_matmul",
+           "custom_op"]
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
