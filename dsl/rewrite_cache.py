@@ -6,8 +6,8 @@ Entries live under the compile cache's private directory (``rewrite/<key>.code``
 ``marshal`` of the factory's code object, as Python's own ``__pycache__`` holds), with the same
 trust rules (:mod:`kiln.core.trusted_dir`: a directory only this user can write, files this
 user owns) and the same switch (``KILN_NO_CACHE`` turns it off). The key covers the function's
-source, file and first line, the rewriter's own source and the Python version, so editing either
-makes a new entry. Anything unreadable is a miss.
+source, file and first line, the rewriter's and the trace runtime's sources and the Python
+version, so editing any of them makes a new entry. Anything unreadable is a miss.
 
 Example::
 
@@ -71,6 +71,9 @@ def _path(key: str) -> Path | None:
 
 @functools.lru_cache(maxsize=1)
 def _rewriter_digest() -> str:
-    """The rewriter's source (its rules decide the code): a new rule is a new key."""
-    here = Path(__file__).with_name("ast_rewrite.py")
-    return hashlib.sha256(here.read_bytes()).hexdigest()
+    """The rewriter's source (its rules decide the code) and the trace runtime's (the code
+    calls it by name): a change to either is a new key."""
+    digest = hashlib.sha256()
+    for name in ("ast_rewrite.py", "trace_runtime.py"):
+        digest.update(Path(__file__).with_name(name).read_bytes())
+    return digest.hexdigest()
