@@ -348,6 +348,16 @@ class _Problem:
             return (api.matmul(*x),)
         return (api.grouped_matmul(*x, out_dtype=kiln.f32),)
 
+    def written(self, out):
+        """``out`` with what the op leaves unwritten set to a fixed value: decode's partial
+        slots at or past a row's split count (the combine reads only the first ``counts``)."""
+        if self.name != "decode":
+            return list(out)
+        o_p, lse_p, counts = out
+        live = torch.arange(o_p.shape[0], device=o_p.device)[:, None, None, None] < counts
+        return [torch.where(live[..., None], o_p, 0.0),
+                torch.where(live, lse_p, float("-inf")), counts]
+
     def check(self, out, *x):
         if self.name == "prefill":
             q, k, v = (t.float().cpu().numpy() for t in x)
@@ -384,13 +394,15 @@ def _halve_first(x):
 
 
 def _combine_reference(o_p, lse_p, counts):
-    """Float64 merge of each row's first ``counts`` splits (natural-log LSE)."""
-    slots = np.arange(o_p.shape[0])[:, None, None, None]
-    lse = np.where(slots < counts[None], lse_p, -np.inf)
+    """Float64 merge of each row's first ``counts`` splits (natural-log LSE); the slots past
+    them are never read (decode leaves them unwritten: NaN-poisoned here)."""
+    live = np.arange(o_p.shape[0])[:, None, None, None] < counts[None]
+    lse = np.where(live, lse_p, -np.inf)
     m = lse.max(axis=0)
     w = np.exp(lse - m[None])
     z = w.sum(axis=0)
-    return (w[..., None] * o_p).sum(axis=0) / z[..., None], m + np.log(z)
+    o = (w[..., None] * np.where(live[..., None], o_p, 0.0)).sum(axis=0)
+    return o / z[..., None], m + np.log(z)
 
 
 class _Module(torch.nn.Module):
@@ -422,7 +434,7 @@ def test_op_under_torch_compile_matches_eager_and_reference(name, rng):
     got = compiled(*x)
     torch.cuda.synchronize()
     problem.check([o * 0.5 for o in got], *_halve_first(x))
-    for g, e in zip(got, eager):
+    for g, e in zip(*(problem.written([o * 0.5 for o in out]) for out in (got, eager))):
         torch.testing.assert_close(g, e, atol=0, rtol=0, equal_nan=False)
 
 
