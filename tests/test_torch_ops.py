@@ -2,6 +2,7 @@
 (meta) implementations, dynamo tracing without graph breaks, the user-kernel helper on the
 interpreter; on a GPU, torch.compile(fullgraph=True) and CUDA-graph capture of every entry."""
 
+import math
 import subprocess
 import sys
 import types
@@ -201,6 +202,39 @@ def test_ops_forward_the_entry_points_keywords(monkeypatch):
     torch_ops.grouped_matmul(a, a[None], torch.tensor([0, 5], dtype=torch.int32),
                              trans_b=True)
     assert calls["grouped"][1] == dict(trans_b=True, out_dtype=None)
+
+
+def test_decode_op_runs_compiled_on_partials_sharing_one_allocation(monkeypatch):
+    """The entry point's three partials are views of one allocation (as decode's are): the op
+    returns them without aliasing, and a compiled graph around it (aot_eager: real outputs
+    through the traced graph) gives eager's values."""
+    import kiln.kernels.attention as attention
+
+    def partials(q, *_, num_splits, **__):
+        shape = (num_splits, *q.shape)
+        o_size, lse_size = math.prod(shape), math.prod(shape[:4])
+        words = torch.full((o_size + lse_size + lse_size // num_splits,), float("nan"))
+        o = words[:o_size].view(shape).copy_(q[None] + torch.arange(num_splits)[:, None,
+                                                                          None, None, None])
+        lse = words[o_size:o_size + lse_size].view(shape[:4]).fill_(0.5)
+        counts = words[o_size + lse_size:].view(torch.int32).view(shape[1:4]).fill_(2)
+        return o, lse, counts
+
+    monkeypatch.setattr(attention, "decode", partials)
+    q, cache = torch.randn(2, 1, 16, 64), torch.zeros(4, 64, 2, 64)
+    table, lens = torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+
+    def fn(q):
+        o, lse, counts = torch_ops.decode(q * 2, cache, cache, table, lens, num_splits=3)
+        return o - 1, lse * 4, counts + 1
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q)
+    for g, e in zip(got, fn(q)):
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
+    assert got[0].shape == (3, 2, 1, 16, 64)
+    torch.testing.assert_close(got[0][2], 2 * q + 1)  # slot 2 holds 2q + 2, less one
+    assert torch.equal(got[2], torch.full((2, 1, 16), 3, dtype=torch.int32))
 
 
 # --- the user-kernel helper ------------------------------------------------------------------
