@@ -33,7 +33,7 @@ import textwrap
 import types
 from typing import Callable
 
-from . import pyhints, trace_runtime
+from . import pyhints, rewrite_cache, trace_runtime
 from .builder import at_source
 from .core.errors import KilnValueError, SourceLoc
 
@@ -397,6 +397,18 @@ def _compile_factory(fn: Callable) -> types.CodeType:
                              fix="define kernels in a .py file (not at an interactive prompt)",
                              loc=SourceLoc(fn.__code__.co_filename,
                                            fn.__code__.co_firstlineno)) from None
+    key = rewrite_cache.key_of(raw, filename, fn.__code__.co_firstlineno)
+    factory_code = rewrite_cache.load(key)
+    if factory_code is None:
+        factory_code = _rewrite_source(fn, source, filename)
+        rewrite_cache.store(key, factory_code)
+    dedent = raw.index(raw.lstrip()[0]) - source.index(source.lstrip()[0])
+    _record_column_shift(factory_code, dedent)
+    return factory_code
+
+
+def _rewrite_source(fn: Callable, source: str, filename: str) -> types.CodeType:
+    """Parse, rewrite and compile ``fn``'s (dedented) source into the factory's code."""
     tree = ast.parse(source)
     fdef = tree.body[0]
     if not isinstance(fdef, ast.FunctionDef):
@@ -413,7 +425,4 @@ def _compile_factory(fn: Callable) -> types.CodeType:
     factory = ast.copy_location(_function("__kiln_factory", [RT, *freevars], body), fdef)
     module = fix_missing_locations(ast.Module([factory], type_ignores=[]))
     code = compile(module, filename, "exec")
-    factory_code = next(c for c in code.co_consts if isinstance(c, types.CodeType))
-    dedent = raw.index(raw.lstrip()[0]) - source.index(source.lstrip()[0])
-    _record_column_shift(factory_code, dedent)
-    return factory_code
+    return next(c for c in code.co_consts if isinstance(c, types.CodeType))

@@ -1,12 +1,12 @@
 """The kernel library as ``torch.library`` custom ops, and :func:`custom_op` for user kernels.
 
 Importing this module imports torch and registers, in the ``kiln`` namespace, one custom op per
-library entry point (``torch.ops.kiln.prefill``, ``decode_attention``, ``combine``, ``matmul``,
-``grouped_matmul``). Each op's real implementation calls the entry point; its fake (meta)
-implementation allocates outputs of the right shape, dtype and device without running anything,
-so ``torch.compile(fullgraph=True)`` traces through the ops without a graph break. No op mutates
-its inputs; every output is a fresh tensor. ``import kiln`` / ``import kiln.kernels`` never
-import torch: only this module does.
+library entry point (``torch.ops.kiln.prefill``, ``decode``, ``decode_attention``,
+``combine``, ``matmul``, ``grouped_matmul``). Each op's real implementation calls the entry
+point; its fake (meta) implementation allocates outputs of the right shape, dtype and device
+without running anything, so ``torch.compile(fullgraph=True)`` traces through the ops without
+a graph break. No op mutates its inputs; every output is a fresh tensor. ``import kiln`` /
+``import kiln.kernels`` never import torch: only this module does.
 
 The Python wrappers below take the entry points' keywords (those a schema can carry) and call
 ``torch.ops.kiln.<name>``. Example::
@@ -25,7 +25,8 @@ import torch
 
 import kiln
 
-__all__ = ["prefill", "decode_attention", "combine", "matmul", "grouped_matmul", "custom_op"]
+__all__ = ["prefill", "decode", "decode_attention", "combine", "matmul", "grouped_matmul",
+           "custom_op"]
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
@@ -52,20 +53,22 @@ def _dtype_name(dtype) -> Optional[str]:
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
              window_left: int, window_right: int, chunk: int, sinks: Optional[torch.Tensor],
              scale: Optional[float], cu_seqlens_q: Optional[torch.Tensor],
-             cu_seqlens_k: Optional[torch.Tensor], return_lse: bool, softcap: float = 0.0
+             cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: Optional[int],
+             max_seqlen_k: Optional[int], return_lse: bool, softcap: float = 0.0
              ) -> tuple[torch.Tensor, torch.Tensor]:
     from kiln.kernels.attention import prefill as run
 
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
     out = run(q, k, v, causal=causal, window=window, chunk=chunk or None, sinks=sinks,
               scale=scale, softcap=softcap, cu_seqlens_q=cu_seqlens_q,
-              cu_seqlens_k=cu_seqlens_k, return_lse=return_lse)
+              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+              return_lse=return_lse)
     return out if return_lse else (out, q.new_empty((0,), dtype=torch.float32))
 
 
 @_prefill.register_fake
 def _(q, k, v, causal, window_left, window_right, chunk, sinks, scale, cu_seqlens_q,
-      cu_seqlens_k, return_lse, softcap=0.0):
+      cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse, softcap=0.0):
     if not return_lse:
         lse_shape = (0,)
     elif cu_seqlens_q is not None:  # ragged q [total, Hq, D]
@@ -78,14 +81,56 @@ def _(q, k, v, causal, window_left, window_right, chunk, sinks, scale, cu_seqlen
 
 
 def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale=None,
-            softcap=None, cu_seqlens_q=None, cu_seqlens_k=None, return_lse=False):
+            softcap=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+            max_seqlen_k=None, return_lse=False):
     """:func:`kiln.kernels.attention.prefill` as ``torch.ops.kiln.prefill`` (same keywords,
-    the default target). Example: ``o, lse = prefill(q, k, v, causal=True, return_lse=True)``."""
+    the default target). A ragged batch is CUDA-graph capturable with ``max_seqlen_q`` (host
+    ints, as FlashAttention's varlen call). Example:
+    ``o, lse = prefill(q, k, v, causal=True, return_lse=True)``."""
     left, right = (-1, -1) if window is None else window
     o, lse = torch.ops.kiln.prefill(q, k, v, bool(causal), left, right, chunk or 0, sinks,
-                                    scale, cu_seqlens_q, cu_seqlens_k, bool(return_lse),
-                                    float(softcap or 0.0))
+                                    scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, bool(return_lse), float(softcap or 0.0))
     return (o, lse) if return_lse else o
+
+
+# --- decode --------------------------------------------------------------------------------
+
+@torch.library.custom_op("kiln::decode", mutates_args=())
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            page_table: torch.Tensor, seq_lens: torch.Tensor, num_splits: Optional[int],
+            block_table: Optional[torch.Tensor], scale: Optional[float],
+            sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from kiln.kernels.attention import decode as run
+
+    o_part, lse_part, counts = run(q, k_cache, v_cache, page_table, seq_lens,
+                                   num_splits=num_splits, block_table=block_table, scale=scale,
+                                   sinks=sinks)
+    # The entry point's three partials share one allocation; an op's outputs may not alias,
+    # so the two small ones are copied.
+    return o_part, lse_part.clone(), counts.clone()
+
+
+@_decode.register_fake
+def _(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale, sinks):
+    from kiln.kernels.attention.decode_plan import partial_slots
+
+    slots = partial_slots(tuple(q.shape), tuple(k_cache.shape), page_table.shape[1],
+                          None if block_table is None else block_table.shape[3], num_splits)
+    shape = (slots, *q.shape)
+    return q.new_empty(shape, dtype=torch.float32), \
+        q.new_empty(shape[:4], dtype=torch.float32), \
+        q.new_empty(shape[1:4], dtype=torch.int32)
+
+
+def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_table=None,
+           scale=None, sinks=None):
+    """:func:`kiln.kernels.attention.decode` as ``torch.ops.kiln.decode``: the split-KV
+    partials ``(o_partial, lse_partial, split_counts)`` for :func:`combine` (page ids are not
+    validated, as in :func:`decode_attention`). Example:
+    ``o_p, lse_p, counts = decode(q, kc, vc, table, lens, num_splits=4)``."""
+    return torch.ops.kiln.decode(q, k_cache, v_cache, page_table, seq_lens, num_splits,
+                                 block_table, scale, sinks)
 
 
 # --- decode_attention ----------------------------------------------------------------------

@@ -147,18 +147,23 @@ def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOpt
             module = parse_module(name, kiln_ir, dump_prefix=prefix)
             recipes = _stamp_target(module, target)
         state = CompileState(name, target, options, signature, module, metadata, profile=profile,
-                             dump_prefix=prefix)
+                             dump_prefix=prefix, defer_text=True)
         state.scratch["recipes"] = recipes
         state.asm["kiln"] = kiln_ir
         dump_stage(prefix, "kiln", kiln_ir)
-        for stage, make in backend.stages.items():
-            start = time.perf_counter()
-            with profile.step(stage):
-                artifact = make(state)
-            metadata["compile_ms"][stage] = round((time.perf_counter() - start) * 1e3, 3)
-            if artifact is not None:
-                state.asm[stage] = artifact
-                dump_stage(prefix, stage, artifact)
+        try:
+            for stage, make in backend.stages.items():
+                start = time.perf_counter()
+                with profile.step(stage):
+                    artifact = make(state)
+                metadata["compile_ms"][stage] = round((time.perf_counter() - start) * 1e3, 3)
+                if artifact is not None:
+                    state.asm[stage] = artifact
+                    dump_stage(prefix, stage, artifact)
+        finally:  # text no stage read (made while ptxas ran, else here; dumped on failure too)
+            if state.deferred:
+                with profile.step("text"):
+                    state.run_deferred("text")
         backend.check(state, recipes)
     kernel = CompiledKernel(name, target, options, signature, state.asm, metadata, prefix)
     kernel._dumped_to = env.dump_dir()  # each stage was dumped as it was made

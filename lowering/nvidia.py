@@ -28,7 +28,7 @@ from kiln.lowering.metadata import empty_nvidia_metadata, parse_ptxas_verbose
 from kiln.lowering.dump import dump_stage
 from kiln.lowering.pipeline import Backend, CompileState, make_gpu, run_passes
 from kiln.lowering.tools import stage_tool
-from kiln.lowering.translate import device_llvm_ir
+from kiln.lowering.translate import device_llvm_module, translate
 from kiln.lowering.verify_schedule import verify_schedule_sass
 
 TRIPLE = "nvptx64-nvidia-cuda"
@@ -57,8 +57,7 @@ def make_nvvm(state: CompileState) -> str:
         return run_passes(state, "nvvm", nvvm_passes(state))
     run_passes(state, "nvvm", nvvm_passes(state), text=False)
     _set_maxnreg(state.module, state.kernel, state.options.maxnreg)
-    with state.step("nvvm", "print"):
-        return str(state.module)
+    return state.module_text("nvvm")
 
 
 def _set_maxnreg(module: ir.Module, kernel: str, maxnreg: int) -> None:
@@ -71,8 +70,12 @@ def _set_maxnreg(module: ir.Module, kernel: str, maxnreg: int) -> None:
     module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
 
 
-def make_llvm(state: CompileState) -> str:
-    return device_llvm_ir(state.module, TRIPLE)
+def make_llvm(state: CompileState) -> str | None:
+    inner = device_llvm_module(state.module, TRIPLE)
+    if not state.defer_text:
+        return translate(inner)
+    state.defer("llvm", lambda: translate(inner))  # no later stage reads the LLVM IR text
+    return None
 
 
 def make_ptx(state: CompileState) -> str:
@@ -94,13 +97,18 @@ def make_cubin(state: CompileState) -> bytes | None:
         ptx_path.write_text(state.asm["ptx"])
         command = [str(ptxas), f"-arch={state.target.name}", "-v", f"-O{state.options.opt_level}",
                    str(ptx_path), "-o", str(cubin_path)]
-        with state.step("cubin", "ptxas"):
-            done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
+        with state.step("cubin", "ptxas"):  # the deferred text is made while ptxas runs
+            process = subprocess.Popen(command, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+            try:
+                state.run_deferred("cubin.ptxas")
+            finally:
+                _, stderr = process.communicate()
+        if process.returncode != 0:
             raise CompilationError(
-                f"ptxas rejected the PTX of kernel {state.kernel!r}:\n{done.stderr.strip()}",
+                f"ptxas rejected the PTX of kernel {state.kernel!r}:\n{stderr.strip()}",
                 fix="set KILN_DUMP_DIR to inspect the .ptx; if the kernel is valid, report a Kiln bug")
-        state.metadata.update(parse_ptxas_verbose(done.stderr, state.kernel))
+        state.metadata.update(parse_ptxas_verbose(stderr, state.kernel))
         return cubin_path.read_bytes()
 
 

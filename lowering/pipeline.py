@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 from mlir import ir
 
 from kiln.core.errors import CompilationError, SourceLoc, source_loc_from_mlir
-from kiln.lowering.dump import write_reproducer
+from kiln.lowering.dump import dump_stage, write_reproducer
 from kiln.core.options import CompileOptions
 from kiln.core.profile import CompileProfile
 from kiln.signature import KernelSignature
@@ -45,10 +45,42 @@ class CompileState:
     scratch: dict = field(default_factory=dict)
     profile: CompileProfile = field(default_factory=CompileProfile)
     dump_prefix: str = ""  # start of KILN_DUMP_DIR file names (lowering/dump.py); "" = kernel
+    # Make text artifacts no later stage reads (printed modules, LLVM IR) after the stages,
+    # from copies, while ptxas runs: printing costs as much as a pass (compile_kernel sets it).
+    defer_text: bool = False
+    deferred: list = field(default_factory=list)  # (stage, fn() -> artifact), in stage order
 
     def step(self, stage: str, name: str):
         """Time a step of ``stage`` in the profile."""
         return self.profile.step(f"{stage}.{name}")
+
+    def module_text(self, stage: str) -> str | None:
+        """The module's text as ``stage``'s artifact: printed now, or (``defer_text``) from a
+        copy that :meth:`run_deferred` prints, returning None."""
+        if not self.defer_text:
+            with self.step(stage, "print"):
+                return str(self.module)
+        with self.step(stage, "copy"):
+            copy = self.module.operation.clone()
+        self.defer(stage, lambda: str(copy))
+        return None
+
+    def defer(self, stage: str, make: Callable[[], str | bytes]) -> None:
+        """Make ``stage``'s artifact later (:meth:`run_deferred`); its slot in ``asm`` keeps the
+        stage order."""
+        self.asm[stage] = None
+        self.deferred.append((stage, make))
+
+    def run_deferred(self, step: str) -> list[str]:
+        """Make the deferred artifacts (timed as ``<step>.<stage>``); the stages made."""
+        made = []
+        while self.deferred:
+            stage, make = self.deferred.pop(0)
+            with self.profile.step(f"{step}.{stage}"):
+                self.asm[stage] = make()
+            dump_stage(self.dump_prefix or self.kernel, stage, self.asm[stage])
+            made.append(stage)
+        return made
 
 
 def make_gpu(state: CompileState) -> str:
@@ -98,10 +130,7 @@ def run_passes(state: CompileState, stage: str, elements: Sequence[str], *,
         text = before.get_asm(enable_debug_info=True)
         raise stage_error(state.kernel, stage, _replayed_error(before, elements) or err, text,
                           elements, dump_prefix=state.dump_prefix) from None
-    if not text:
-        return None
-    with state.step(stage, "print"):
-        return str(state.module)
+    return state.module_text(stage) if text else None
 
 
 def _replayed_error(module: ir.Operation, elements: Sequence[str]) -> ir.MLIRError | None:

@@ -26,6 +26,17 @@ def device_llvm_ir(module: ir.Module, triple: str) -> str:
     The body is cloned into a plain module because translation expects a ``builtin.module``;
     the gpu.module's data layout, when it has one, is carried over.
     """
+    return translate(device_llvm_module(module, triple))
+
+
+def translate(inner: ir.Module) -> str:
+    """LLVM IR text of a module :func:`device_llvm_module` made."""
+    return str(llvm.translate_module_to_llvmir(inner.operation))
+
+
+def device_llvm_module(module: ir.Module, triple: str) -> ir.Module:
+    """The ``gpu.module`` body cloned into a checked, translatable ``builtin.module`` (a copy
+    :func:`translate` may turn into text later, while ``module`` is lowered further)."""
     gpu_module = device_module(module)
     with ir.Location.unknown(module.context):
         inner = ir.Module.create()
@@ -36,7 +47,7 @@ def device_llvm_ir(module: ir.Module, triple: str) -> str:
         for op in gpu_module.regions[0].blocks[0].operations:
             op.operation.clone()
     _check_translatable(inner)
-    return str(llvm.translate_module_to_llvmir(inner.operation))
+    return inner
 
 
 def _check_translatable(module: ir.Module) -> None:

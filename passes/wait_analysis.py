@@ -329,6 +329,9 @@ def release_point(op: ir.Operation) -> ir.Operation:
     return point
 
 
+_NO_CYCLE = 1 << 30  # a walk that closed no cycle above its value
+
+
 class WaitAnalysis:
     """Forward dataflow over one ``gpu.func``.
 
@@ -348,6 +351,7 @@ class WaitAnalysis:
         self._steps: dict = {}    # ir.Operation -> Step, for events
         self._tokens: dict = {}   # kiln.token id -> event Step
         self._operand_events: dict = {}  # ir.Value -> events reaching it (_value_events)
+        self._roots: dict = {}  # ir.Value -> descriptor_roots (WGMMAs share descriptors)
         body = self._build(func.regions[0].blocks[0])
         self._resolve_reads(body)
         self._walk(body, {})
@@ -397,14 +401,14 @@ class WaitAnalysis:
             else:
                 operands = list(op.operands)
             for operand in operands:
-                found = self._operand_events.get(operand)
-                if found is None:  # values feed many ops: walk each value's chain once
-                    found = self._operand_events[operand] = self._value_events(operand, set())
+                found = self._value_events(operand)
                 if step.accumulates:  # an accumulator chained into the next MMA is no read
                     found = {e for e in found if e.counter != step.counter}
                 needed |= found
                 if lds_events and step.descriptors and not is_shared(operand):
-                    roots = descriptor_roots(operand)
+                    roots = self._roots.get(operand)
+                    if roots is None:
+                        roots = self._roots[operand] = descriptor_roots(operand)
                     needed |= {e for e in lds_events for r in roots if _aliases(r, e.roots)}
                 if (lds_events and step.roots is None and step.data
                         and name not in _NO_ACCESS and is_shared(operand)):
@@ -419,38 +423,65 @@ class WaitAnalysis:
             for block in step.blocks:
                 self._resolve_reads(block)
 
-    def _value_events(self, value: ir.Value, seen: set) -> set:
-        """Events whose register result reaches ``value`` through forwarding ops."""
-        if value in seen:
-            return set()
-        seen.add(value)
+    def _value_events(self, value: ir.Value) -> set:
+        """Events whose register result reaches ``value`` through forwarding ops (memoised:
+        values share long forwarding chains, which a walk per operand revisited)."""
+        found = self._operand_events.get(value)
+        if found is None:
+            found, _ = self._reaching(value, {})
+        return found
+
+    def _reaching(self, value: ir.Value, stack: dict) -> tuple[set, int]:
+        """``(events reaching value, lowest stack depth of a cycle it closed)``. A value whose
+        walk closed a cycle only through itself or deeper is complete and memoised; one that
+        reached an ancestor still on the stack misses that ancestor's other inputs, so it is
+        walked again when met outside that cycle."""
+        found = self._operand_events.get(value)
+        if found is not None:
+            return found, _NO_CYCLE
+        if value in stack:
+            return set(), stack[value]
+        depth = stack[value] = len(stack)
+        found, low = set(), _NO_CYCLE
+        for source in self._sources(value):
+            if isinstance(source, Step):
+                found.add(source)
+                continue
+            events, closed = self._reaching(source, stack)
+            found |= events
+            low = min(low, closed)
+        del stack[value]
+        if low >= depth:
+            self._operand_events[value] = found
+            return found, _NO_CYCLE
+        return found, low
+
+    def _sources(self, value: ir.Value) -> list:
+        """What feeds ``value``: the event Step that produced it, or the values it forwards."""
         owner = value.owner
         if isinstance(owner, ir.Block):
             parent = owner.owner.operation if owner.owner is not None else None
             n = ir.BlockArgument(value).arg_number - 1  # scf.for argument 0 is the induction var
             if parent is None or parent.name != "scf.for" or n < 0:
-                return set()
+                return []
             yielded = owner.operations[len(owner.operations) - 1].operands[n]
-            return (self._value_events(parent.operands[3 + n], seen)
-                    | self._value_events(yielded, seen))
+            return [parent.operands[3 + n], yielded]
         op = owner.operation
         event = self._steps.get(op)
         if event is not None and event.roots is None:
-            return {event}
-        found = set()
+            return [event]
         if op.name in DATA_MOVES:
-            for operand in op.operands:
-                found |= self._value_events(operand, seen)
-        elif op.name in ("scf.for", "scf.if"):
-            n = ir.OpResult(value).result_number
-            if op.name == "scf.for":
-                found |= self._value_events(op.operands[3 + n], seen)  # zero-trip loop
-            for region in op.regions:
-                for block in region.blocks:
-                    term = block.operations[len(block.operations) - 1]
-                    if n < len(term.operands):
-                        found |= self._value_events(term.operands[n], seen)
-        return found
+            return list(op.operands)
+        if op.name not in ("scf.for", "scf.if"):
+            return []
+        n = ir.OpResult(value).result_number
+        sources = [op.operands[3 + n]] if op.name == "scf.for" else []  # zero-trip loop
+        for region in op.regions:
+            for block in region.blocks:
+                term = block.operations[len(block.operations) - 1]
+                if n < len(term.operands):
+                    sources.append(term.operands[n])
+        return sources
 
     # -- transfer functions ------------------------------------------------------------------
     def _walk(self, steps: list[Step], state: State) -> State:

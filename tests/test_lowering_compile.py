@@ -176,14 +176,41 @@ def test_profile_times_every_step_and_the_cache_store(tmp_path, monkeypatch):
     steps = [name for name, _, _ in profile]
     top = [s for s in steps if "." not in s]
     # The backend's ISA checks run once every stage is made.
-    assert top == ["parse", "gpu", "rocdl", "llvm", "amdgcn", "obj", "hsaco", "check-assembly",
-                   "cache-store"]
+    # The printed gpu and rocdl modules ("text") are made after the stages, from copies.
+    assert top == ["parse", "gpu", "rocdl", "llvm", "amdgcn", "obj", "hsaco", "text",
+                   "check-assembly", "cache-store"]
     assert {"gpu.passes.kiln-insert-waits", "amdgcn.optimize", "amdgcn.emit", "obj.emit"} <= set(steps)
     assert all(wall >= 0 and cpu >= 0 for _, wall, cpu in profile)
     stage = dict((name, wall) for name, wall, _ in profile)
     assert stage["amdgcn"] >= stage["amdgcn.emit"] > 0  # a nested step lies inside its stage
     stored = load_cached("profile-test")  # stored before its own store was timed
     assert [s for s, _, _ in stored.metadata["compile_profile"]] == steps[:-1]
+
+
+def test_text_made_beside_ptxas_is_the_text_printed_in_stage_order(monkeypatch):
+    """The gpu, nvvm and llvm texts are made from copies while ptxas runs (steps
+    ``cubin.ptxas.<stage>``), yet equal the texts printed as each stage ends."""
+    from kiln.lowering import compiler, pipeline
+    from kiln.lowering.tools import find_ptxas
+
+    if find_ptxas() is None:
+        pytest.skip("needs ptxas")
+    beside = compile_kernel(SAXPY_IR, SAXPY, CompileOptions("sm_90a"))
+    steps = [name for name, _, _ in beside.metadata["compile_profile"]]
+    assert {"cubin.ptxas.gpu", "cubin.ptxas.nvvm", "cubin.ptxas.llvm"} <= set(steps)
+    assert "text" not in steps  # nothing was left for after the stages
+
+    class InOrder(pipeline.CompileState):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **(kwargs | dict(defer_text=False)))
+
+    monkeypatch.setattr(compiler, "CompileState", InOrder)
+    in_order = compile_kernel(SAXPY_IR, SAXPY, CompileOptions("sm_90a"))
+    assert list(beside.asm) == list(in_order.asm) == ["kiln", "gpu", "nvvm", "llvm", "ptx",
+                                                      "cubin"]
+    for stage in ("gpu", "nvvm", "llvm", "ptx"):
+        assert beside.asm[stage] == in_order.asm[stage], stage
+    assert "gpu.print" in [name for name, _, _ in in_order.metadata["compile_profile"]]
 
 
 def test_failed_pass_reproducer_is_the_stage_input(tmp_path, monkeypatch):

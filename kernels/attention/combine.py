@@ -33,7 +33,7 @@ import numpy as np
 import kiln
 from kiln import f32, i32
 
-from .. import runtime
+from .. import dlpack, runtime
 from ..runtime import PlanCache, check_backend, check_counts, dtype_of, is_torch, spec
 from .combine_kernel import (LOG2E, THREADS_PER_ROW, VECTOR_BYTES, WIDE, CombineConfig,
                              choose_config, lse_merge, lse_merge_ragged, _vector_width)
@@ -377,6 +377,11 @@ def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
         combine(o_partial, lse_partial, split_counts, max_splits=16, out_dtype=kiln.f32,
                 backend="interpret", out=o, lse_out=lse)   # writes into o and lse
     """
+    if dlpack.foreign(o_partial):  # cupy / JAX / DLPack device arrays: zero-copy via torch
+        return dlpack.through_torch(combine, o_partial, lse_partial, split_counts,
+                                    max_splits=max_splits, out_dtype=out_dtype,
+                                    partials=partials, target=target, backend=backend, out=out,
+                                    lse_out=lse_out)
     plan = plan_combine(o_partial, lse_partial, split_counts, max_splits=max_splits,
                         out_dtype=out_dtype, partials=partials, target=target, backend=backend,
                         cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)

@@ -204,23 +204,10 @@ def make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block_
                           device=lib.device if lib.torch else None)
     group = Hq // Hkv
     q_rows = 1 if block_table is not None else Sq
-    chosen = config
-    config = config or default_config(q_rows * group, D, page_size,
-                                      block_sparse=block_table is not None)
-    kv_sub_tile_rows(config.block_n, page_size)  # page size must tile the key block
-    row_blocks = config.row_blocks(q_rows * group, D)
-    if block_table is not None:
-        slots = block_table.shape[3]
-        grid = (slots, Hkv * row_blocks, B * Sq)
-    else:
-        slots = num_splits or default_num_splits(B, Hkv, num_pages * page_size, config.block_n,
-                                                 sms=launch_sms(backend),
-                                                 row_blocks=row_blocks)
-        grid = (slots, Hkv * row_blocks, B)
-        if chosen is None:  # with the split count known only the stages can change
-            tiles = longest_split_tiles(page_table.shape[1] * page_size, config.block_n,
-                                        slots)
-            config = default_config(q_rows * group, D, page_size, tiles_per_split=tiles)
+    slots, row_blocks, config = split_layout(
+        B, Sq, Hq, Hkv, D, page_size, num_pages, page_table.shape[1],
+        None if block_table is None else block_table.shape[3], num_splits, config, backend)
+    grid = (slots, Hkv * row_blocks, B * Sq if block_table is not None else B)
     rows = DecodeShape(D, group, q_rows, page_size, config).combine_rows
     if fused is None:
         fused = slots * rows * D * 4 <= FUSED_COMBINE_MAX_BYTES
@@ -243,6 +230,39 @@ def make_plan(lib, q, k_cache, v_cache, page_table, seq_lens, num_splits, block_
                       no_outputs=(lib.full((1, 1, 1, 1), 0.0, "bf16"),
                                   lib.full((1, 1, 1), 0.0, "f32"), lib.full((1, 1, 2), 0, "i64")),
                       fused=bool(fused), device=lib.device if lib.torch else None)
+
+
+def split_layout(B, Sq, Hq, Hkv, D, page_size, num_pages, max_pages, block_slots, num_splits,
+                 config, backend) -> tuple[int, int, object]:
+    """``(slots, row_blocks, config)`` of a call from its sizes alone (``block_slots``: a
+    block table's ``top_k``, else None): the partials' first dimension, so the torch op's fake
+    implementation shapes them as the plan does."""
+    q_rows = 1 if block_slots is not None else Sq
+    packed = q_rows * (Hq // Hkv)
+    chosen = config
+    config = config or default_config(packed, D, page_size, block_sparse=block_slots is not None)
+    kv_sub_tile_rows(config.block_n, page_size)  # page size must tile the key block
+    row_blocks = config.row_blocks(packed, D)
+    if block_slots is not None:
+        return block_slots, row_blocks, config
+    slots = num_splits or default_num_splits(B, Hkv, num_pages * page_size, config.block_n,
+                                             sms=launch_sms(backend), row_blocks=row_blocks)
+    if chosen is None:  # with the split count known only the stages can change
+        tiles = longest_split_tiles(max_pages * page_size, config.block_n, slots)
+        config = default_config(packed, D, page_size, tiles_per_split=tiles)
+    return slots, row_blocks, config
+
+
+def partial_slots(q_shape, cache_shape, max_pages, block_slots, num_splits, backend=None) -> int:
+    """The partials' slot count of a :func:`decode` call on tensors of these shapes (q
+    ``[B, Sq, Hq, D]``, cache ``[num_pages, page_size, Hkv, D]``), for a fake implementation.
+    Example: ``partial_slots((1, 1, 32, 128), (256, 64, 8, 128), 256, None, None)``."""
+    B, Sq, Hq, D = q_shape
+    num_pages, page_size, Hkv, _ = cache_shape
+    if B * Sq * Hq == 0:
+        return block_slots if block_slots is not None else num_splits or 1
+    return int(split_layout(B, Sq, Hq, Hkv, D, page_size, num_pages, max_pages, block_slots,
+                            num_splits, None, backend)[0])
 
 
 def launch_sms(backend) -> int:

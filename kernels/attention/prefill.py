@@ -10,6 +10,8 @@ Example::
     o, lse = prefill(q, k, v, causal=True, return_lse=True)
     o = prefill(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)  # ragged q [total, Hq, D]
     o = prefill(q192, k192, v128, causal=True, softcap=30.0)   # D_qk 192, D_v 128, capped
+    # ragged, with FlashAttention's host-side bounds: no synchronisation, capturable
+    o = prefill(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=512, max_seqlen_k=512)
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import numpy as np
 
 import kiln
 
-from .. import runtime
+from .. import dlpack, runtime
 from ..runtime import (ArrayLib, PlanCache, check_backend, check_heads, check_positive,
-                       contiguous, dtype_of, empty_like, is_torch, resolve_target, spec)
+                       contiguous, dtype_of, empty_like, is_cupy, is_torch, resolve_target, spec)
 from .prefill_config import check_head_dim
 from .prefill_hopper import SUPPORTED_DTYPES, HopperPrefillConfig, MaskSpec, make_kernel
 from .softcap import check_softcap
@@ -70,8 +72,8 @@ def compile_prefill(dtype="bf16", *, target, head_dim=128, head_dim_v=None, caus
 
 
 def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale=None,
-            softcap=None, cu_seqlens_q=None, cu_seqlens_k=None, return_lse=False, target=None,
-            backend=None):
+            softcap=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+            max_seqlen_k=None, return_lse=False, target=None, backend=None):
     """Attention forward ``softmax(scale * q k^T + mask) v``; see the module docs and
     ``tests/attention_reference.py`` for the exact conventions.
 
@@ -86,6 +88,16 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     (0.0 or None: off). Returns ``o`` ``[B, Sq, Hq, Dv]`` in q's dtype, and with
     ``return_lse`` the natural-log LSE ``[B, Hq, Sq]`` (ragged: ``[Hq, total_q]``), f32.
 
+    Ragged batches size their grid by the longest query sequence. ``max_seqlen_q`` (and
+    ``max_seqlen_k``), host ints as in FlashAttention's ``flash_attn_varlen_func``, give it
+    without reading ``cu_seqlens``: the kernel reads the prefix sums on the device, so a call on
+    CUDA tensors never synchronises and can be captured in a CUDA graph. They must bound every
+    sequence (a longer one's rows past ``max_seqlen_q`` are not written), and the prefix sums on
+    a device are then not checked (check them once with a call without ``max_seqlen_q``).
+    Without them the prefix sums are copied to the host, checked and measured: a
+    synchronisation, which a CUDA-graph capture refuses. Host (numpy, CPU) prefix sums are
+    always checked, bounds included; ``max_seqlen_k=0`` launches nothing (no row sees a key).
+
     Inputs are validated before anything compiles (a :class:`kiln.KilnError` naming the
     argument: kinds, ranks, dtypes, agreeing shapes, ``Hq % Hkv``, ``scale > 0``, the ragged
     prefix sums). Zero-size inputs launch nothing: no query row (``B``, ``Sq``, ``Hq`` or
@@ -94,8 +106,8 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     Example: ``o = prefill(q, k, v, causal=True)`` with torch CUDA tensors.
     """
     softcap = check_softcap(softcap)  # a float before it enters a plan's key
-    if cu_seqlens_q is None and cu_seqlens_k is None and backend != "interpret" and \
-            is_torch(q):
+    if cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and \
+            max_seqlen_k is None and backend != "interpret" and is_torch(q):
         key = (spec(q), spec(k), spec(v), spec(sinks), causal, window, chunk, scale,
                softcap, return_lse, target, backend)
         plan = _PLANS.lookup(key)
@@ -105,9 +117,17 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
                                                     backend))
         if plan:
             return plan.run(q, k, v, sinks)
+    if dlpack.foreign(q):  # cupy / JAX / DLPack device arrays: zero-copy through torch
+        return dlpack.through_torch(prefill, q, k, v, causal=causal, window=window, chunk=chunk,
+                                    sinks=sinks, scale=scale, softcap=softcap,
+                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                    max_seqlen_q=max_seqlen_q,
+                                    max_seqlen_k=max_seqlen_k, return_lse=return_lse,
+                                    target=target, backend=backend)
     chip, shapes, mask, scale = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, causal,
-                                          window, chunk, scale, target, backend)
-    if _without_work(q, k, shapes, cu_seqlens_q is not None):
+                                          window, chunk, scale, target, backend,
+                                          max_seqlen_q, max_seqlen_k)
+    if _without_work(q, k, shapes, cu_seqlens_q is not None) or shapes.get("max_sk") == 0:
         return _outputs_without_work(q, shapes, sinks, cu_seqlens_q is not None, return_lse)
     if chip.is_amd:
         from .prefill_gfx950 import run_prefill_gfx950
@@ -230,11 +250,13 @@ def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, softcap, retu
                       cu_pointers=(args[6].data_ptr(), args[7].data_ptr()))
 
 
-def _validate(q, k, v, cu_q, cu_k, sinks, causal, window, chunk, scale, target, backend):
+def _validate(q, k, v, cu_q, cu_k, sinks, causal, window, chunk, scale, target, backend,
+              max_q=None, max_k=None):
     """The checked chip, shapes, mask and softmax scale of a call (a KilnError on bad input)."""
     chip = resolve_target(target)
     check_backend(backend)
     shapes = _check_inputs(q, k, v, cu_q, cu_k, sinks)
+    shapes |= _check_ragged(q, k, cu_q, cu_k, max_q, max_k)
     mask = _mask_spec(causal, window, chunk)
     if scale is None:
         scale = 1.0 / math.sqrt(shapes["d"])
@@ -276,11 +298,32 @@ def _check_inputs(q, k, v, cu_q, cu_k, sinks) -> dict:
         raise kiln.KilnValueError(f"sinks has shape {tuple(sinks.shape)}; expected ({hq},)",
                                   fix="pass one sink logit per query head")
     shapes = dict(d=d, dv=dv, hq=hq, hkv=hkv)
-    if not ragged:
-        if q.shape[0] != k.shape[0]:
-            raise kiln.KilnValueError(f"q batch {q.shape[0]} != k batch {k.shape[0]}",
-                                      fix="q, k and v need the same batch size")
-        return shapes | dict(batch=q.shape[0])
+    if not ragged and q.shape[0] != k.shape[0]:
+        raise kiln.KilnValueError(f"q batch {q.shape[0]} != k batch {k.shape[0]}",
+                                  fix="q, k and v need the same batch size")
+    return shapes
+
+
+def _check_ragged(q, k, cu_q, cu_k, max_q, max_k) -> dict:
+    """The batch and grid extent: from the prefix sums (read on the host) or, for device
+    prefix sums with ``max_seqlen_q``, from their length and the bounds alone."""
+    for name, bound in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+        if bound is not None and (isinstance(bound, bool) or
+                                  not isinstance(bound, (int, np.integer)) or bound < 0):
+            raise kiln.KilnValueError(f"{name}={bound!r} must be an int >= 0",
+                                      fix=f"pass the longest sequence's length as {name}, "
+                                          "or None")
+    if cu_q is None:
+        if max_q is not None or max_k is not None:
+            raise kiln.KilnValueError("max_seqlen_q/k are given but cu_seqlens_q/k are not",
+                                      fix="pass them only with a ragged batch's cu_seqlens")
+        return dict(batch=q.shape[0])
+    if max_q is not None and _on_device(cu_q) and _on_device(cu_k):
+        if len(cu_q.shape) != 1 or tuple(cu_q.shape) != tuple(cu_k.shape) or not cu_q.shape[0]:
+            raise kiln.KilnValueError(f"cu_seqlens_q {tuple(cu_q.shape)} / cu_seqlens_k "
+                                      f"{tuple(cu_k.shape)} must both have B + 1 entries",
+                                      fix="build them as concatenate([[0], cumsum(lengths)])")
+        return dict(batch=cu_q.shape[0] - 1, max_sq=max(int(max_q), 1), max_sk=max_k)
     cq, ck = (np.asarray(ArrayLib.numpy(x)).astype(np.int64) for x in (cu_q, cu_k))
     if cq.ndim != 1 or cq.shape != ck.shape or len(cq) < 1 or cq[0] != 0 or ck[0] != 0 \
             or np.any(np.diff(cq) < 0) or np.any(np.diff(ck) < 0) \
@@ -288,7 +331,18 @@ def _check_inputs(q, k, v, cu_q, cu_k, sinks) -> dict:
         raise kiln.KilnValueError("cu_seqlens_q/k must be non-decreasing prefix sums of B + 1 "
                                   "entries from 0 to the total rows of q and k",
                                   fix="build them as concatenate([[0], cumsum(lengths)])")
-    return shapes | dict(batch=len(cq) - 1, max_sq=int(max(np.diff(cq).max(initial=0), 1)))
+    longest_q, longest_k = (int(np.diff(c).max(initial=0)) for c in (cq, ck))
+    for name, bound, longest in (("max_seqlen_q", max_q, longest_q),
+                                 ("max_seqlen_k", max_k, longest_k)):
+        if bound is not None and bound < longest:
+            raise kiln.KilnValueError(f"{name}={bound} is below the longest sequence "
+                                      f"({longest})", fix=f"pass {name}={longest} or more")
+    return dict(batch=len(cq) - 1, max_sq=max(longest_q, 1), max_sk=max_k)
+
+
+def _on_device(x) -> bool:
+    """A torch CUDA tensor or a cupy array: reading it on the host synchronises."""
+    return (is_torch(x) and x.is_cuda) or is_cupy(x)
 
 
 def _without_work(q, k, shapes, ragged) -> bool:

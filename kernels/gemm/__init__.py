@@ -43,7 +43,7 @@ import numpy as np
 import kiln
 from kiln.autotune import autotune
 
-from .. import runtime
+from .. import dlpack, runtime
 from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, contiguous, empty_like,
                        is_torch, resolve_target, spec)
 from . import small_m, splitk
@@ -143,6 +143,9 @@ def matmul(a, b, *, scale_a=None, scale_b=None, trans_b=False, out_dtype=None, t
         c = a.new_empty(plan.shape, dtype=plan.out)
         plan.bound(a.data_ptr(), b.data_ptr(), c.data_ptr())
         return c
+    if dlpack.foreign(a):  # cupy / JAX / DLPack device arrays: zero-copy through torch
+        return dlpack.through_torch(matmul, a, b, trans_b=trans_b, out_dtype=out_dtype,
+                                    target=target, backend=backend)
     c = _matmul(a, b, trans_b, out_dtype, target, backend)
     chip = resolve_target(target)
     if backend != "interpret" and chip.has_wgmma and runtime.bindable(a, b) and c.numel() and \

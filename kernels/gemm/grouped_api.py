@@ -8,7 +8,7 @@ import numpy as np
 
 import kiln
 
-from .. import runtime
+from .. import dlpack, runtime
 from ..runtime import (ArrayLib, Dims, check_backend, contiguous, dtype_of, empty_like,
                        is_torch, refuse_inside_capture, resolve_target)
 from .scales import is_fp8, refuse_scales
@@ -82,6 +82,10 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
     from . import (STRIDE_ALIGN, _empty_like, _output_dtype, _padded,
                    _round_up)
 
+    if dlpack.foreign(a):  # cupy / JAX / DLPack device arrays: zero-copy through torch
+        return dlpack.through_torch(grouped_matmul, a, b, group_offsets, trans_b=trans_b,
+                                    scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                                    target=target, backend=backend, validate=validate)
     if hasattr(a, "dtype") and is_fp8(dtype_of("a", a).name):
         from .fp8_grouped_api import grouped_fp8_matmul
 
