@@ -171,14 +171,14 @@ def test_ops_forward_the_entry_points_keywords(monkeypatch):
     o, lse = torch_ops.prefill(x, x, x, causal=True, window=(5, 0), scale=0.5, return_lse=True)
     assert torch.equal(o, x + 1) and lse.shape == (2, 4, 3)
     assert calls["prefill"][1] == dict(causal=True, window=(5, 0), chunk=None, sinks=None,
-                                       scale=0.5, cu_seqlens_q=None, cu_seqlens_k=None,
+                                       scale=0.5, softcap=0.0, cu_seqlens_q=None, cu_seqlens_k=None,
                                        max_seqlen_q=None, max_seqlen_k=None, return_lse=True)
     cu = torch.tensor([0, 2], dtype=torch.int32)
     torch_ops.prefill(x[0], x[0], x[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2,
                       max_seqlen_k=3)
     assert calls["prefill"][1] | dict(cu_seqlens_q=None, cu_seqlens_k=None) == dict(
-        causal=False, window=None, chunk=None, sinks=None, scale=None, cu_seqlens_q=None,
-        cu_seqlens_k=None, max_seqlen_q=2, max_seqlen_k=3, return_lse=False)
+        causal=False, window=None, chunk=None, sinks=None, scale=None, softcap=0.0,
+        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=2, max_seqlen_k=3, return_lse=False)
     o = torch_ops.prefill(x, x, x, chunk=16)
     assert torch.equal(o, x + 1)
     assert calls["prefill"][1]["window"] is None and calls["prefill"][1]["chunk"] == 16

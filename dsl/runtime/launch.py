@@ -245,6 +245,8 @@ def _make_stream_getter(library: str) -> Callable[[], int | None]:
                        getattr(module._C, "_cuda_getDevice", None))
         if raw is not None and device is not None:
             return lambda: raw(device()) or None
+        if not module.cuda.is_available():  # a CPU-only build: no stream to follow
+            return _no_stream
         return lambda: module.cuda.current_stream().cuda_stream or None
     if library == "cupy" and module is not None:
         return lambda: module.cuda.get_current_stream().ptr or None
