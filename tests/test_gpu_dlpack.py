@@ -1,9 +1,11 @@
-"""Library entry points on a GPU with cupy arrays (zero-copy through DLPack, results as cupy
-arrays, ordered after the producer's stream) and on torch's current stream.
+"""Library entry points on a GPU with cupy and JAX arrays (zero-copy through DLPack, results in
+the caller's library, ordered after the producer's stream) and on torch's current stream.
 
 Every result is checked against a float64 reference on fresh random inputs; outputs land in
 NaN-poisoned memory. f16 throughout: cupy has no bfloat16.
 """
+
+import os
 
 import numpy as np
 import pytest
@@ -24,6 +26,38 @@ def cupy():
     cp = pytest.importorskip("cupy")
     poison_cuda_pool(torch, 1 << 24)  # the outputs are torch's allocations, viewed by cupy
     return cp
+
+
+@pytest.fixture
+def jax_gpu():
+    """JAX and its first GPU, where this JAX build has one."""
+    pytest.importorskip("torch")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU
+    jax = pytest.importorskip("jax")
+    try:
+        return jax, jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("this JAX build has no GPU backend")
+
+
+def test_entry_points_take_jax_gpu_arrays(rng, jax_gpu):
+    """JAX CUDA arrays into matmul and a ragged prefill: results come back as JAX arrays on
+    the same GPU, equal to the float64 references."""
+    jax, gpu = jax_gpu
+    a = rng.standard_normal((200, 64)).astype(np.float16)
+    b = rng.standard_normal((64, 72)).astype(np.float16)
+    c = matmul(jax.device_put(a, gpu), jax.device_put(b, gpu))
+    assert isinstance(c, jax.Array) and c.devices() == {gpu}
+    assert_matmul_close(np.asarray(c), a, b)
+    q, k, v, cu_q, cu_k = random_qkv(rng, batch=3, sq=None, sk=None, hq=4, hkv=2, d=64,
+                                     ragged_q=[33, 0, 7], ragged_k=[40, 5, 90],
+                                     dtype=np.float16)
+    o = prefill(*(jax.device_put(x, gpu) for x in (q, k, v)),
+                cu_seqlens_q=jax.device_put(cu_q, gpu), cu_seqlens_k=jax.device_put(cu_k, gpu),
+                max_seqlen_q=33, max_seqlen_k=90, causal=True)
+    assert isinstance(o, jax.Array) and o.devices() == {gpu}
+    assert_attention_close(np.asarray(o), q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                           causal=True)
 
 
 def _is_cupy(*arrays):

@@ -7,6 +7,8 @@ views, the interpreter instead of a launch). A stand-in exporter over numpy memo
 views share memory (``out=`` writes land in it); JAX CPU arrays come back as JAX arrays.
 tests/test_gpu_dlpack.py runs cupy arrays on a GPU."""
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -18,6 +20,8 @@ from kiln.kernels.attention import combine, prefill
 from kiln.kernels.gemm import matmul
 
 torch = pytest.importorskip("torch")
+# A CUDA build of JAX would otherwise take most of the GPU at its first array.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 CPU = 1  # kDLCPU
 
@@ -93,20 +97,25 @@ def test_prefill_takes_exporters(rng, cpu_is_a_device):
     assert_attention_close(o, q, k, v, lse=lse, causal=True)
 
 
+def _on_jax_cpu(jax, x):
+    """``x`` as a JAX array in host memory (a CUDA build of JAX defaults to the GPU)."""
+    return jax.device_put(x, jax.devices("cpu")[0])
+
+
 def test_jax_arrays_come_back_as_jax_arrays(rng, cpu_is_a_device):
-    """JAX arrays (CPU here) through matmul and a ragged prefill: the results are JAX arrays
+    """JAX CPU arrays through matmul and a ragged prefill: the results are JAX arrays
     holding the float64 reference's values."""
-    jnp = pytest.importorskip("jax.numpy")
+    jax = pytest.importorskip("jax")
     a = rng.standard_normal((33, 64)).astype(np.float16)
     b = rng.standard_normal((64, 40)).astype(np.float16)
-    c = matmul(jnp.asarray(a), jnp.asarray(b), out_dtype="f32", backend="interpret")
+    c = matmul(_on_jax_cpu(jax, a), _on_jax_cpu(jax, b), out_dtype="f32", backend="interpret")
     assert type(c).__module__.split(".")[0] in ("jax", "jaxlib")
     np.testing.assert_allclose(np.asarray(c), a.astype(np.float64) @ b, rtol=2e-3, atol=2e-3)
     q, k, v, cu_q, cu_k = random_qkv(rng, batch=3, sq=None, sk=None, hq=2, hkv=2, d=64,
                                      ragged_q=[5, 0, 17], ragged_k=[9, 3, 17],
                                      dtype=np.float16)
-    o = prefill(*(jnp.asarray(x) for x in (q, k, v)), cu_seqlens_q=jnp.asarray(cu_q),
-                cu_seqlens_k=jnp.asarray(cu_k), max_seqlen_q=17, max_seqlen_k=17,
+    o = prefill(*(_on_jax_cpu(jax, x) for x in (q, k, v)), cu_seqlens_q=_on_jax_cpu(jax, cu_q),
+                cu_seqlens_k=_on_jax_cpu(jax, cu_k), max_seqlen_q=17, max_seqlen_k=17,
                 backend="interpret")
     assert type(o).__module__.split(".")[0] in ("jax", "jaxlib")
     assert_attention_close(np.asarray(o), q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
@@ -116,7 +125,7 @@ def test_jax_cpu_arrays_are_described_through_dlpack(rng):
     """Kiln's own reading of a DLPack capsule (kiln.arrays): a JAX CPU array's shape, strides,
     dtype and address, in host memory (a launch refuses it, naming the argument)."""
     jax = pytest.importorskip("jax")
-    x = jax.numpy.asarray(rng.standard_normal((3, 5)).astype(ml_dtypes.bfloat16))
+    x = _on_jax_cpu(jax, rng.standard_normal((3, 5)).astype(ml_dtypes.bfloat16))
     info = describe_array(x)
     assert (info.dtype.name, info.shape, info.strides, info.on_device) == \
         ("bf16", (3, 5), (5, 1), False)
