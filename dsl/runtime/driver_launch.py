@@ -30,14 +30,13 @@ from __future__ import annotations
 import ctypes
 import math
 import struct
-import threading
 import weakref
 from typing import Mapping, Sequence
 
-from kiln.core.errors import KilnValueError, LaunchError
+from kiln.core.errors import LaunchError
 from kiln.runtime import cuda
 from kiln.runtime.cuda import _LaunchAttribute, _LaunchConfig
-from kiln.runtime.host import SLOT_BYTES, _SLOT_CODES, _describe_flat, flat_c_argtypes
+from kiln.runtime.host import SLOT_BYTES, _SLOT_CODES, PackedLaunches, flat_c_argtypes
 from kiln.signature import KernelSignature
 
 # CUlaunchAttributeID, CUclusterSchedulingPolicy and CUfunction_attribute enumerators (cuda.h).
@@ -179,7 +178,7 @@ def raise_launch_error(code: int) -> None:
                           "KILN_LAUNCH_BLOCKING=1 or compute-sanitizer to locate a fault")
 
 
-class DriverLauncher:
+class DriverLauncher(PackedLaunches):
     """A kernel loaded once and launched through the driver (see the module docs); the same
     interface as :class:`~kiln.runtime.host.HostLauncher`: ``launcher(flat, grid, stream)``,
     or :meth:`new_arguments` / :meth:`pack` once and :meth:`launch_packed` per launch, or
@@ -234,34 +233,6 @@ class DriverLauncher:
     def new_arguments(self) -> DriverArguments:
         """A fresh, zeroed argument block for :meth:`pack` / :meth:`launch_packed`."""
         return DriverArguments(self)
-
-    def pack(self, arguments: DriverArguments, flat_args: Sequence,
-             grid: tuple[int, int, int], stream: int | None) -> None:
-        """Write every slot of ``arguments`` (KilnValueError when a value does not fit its C
-        type, e.g. 2**31 for an i32 parameter)."""
-        try:
-            self.layout.pack_into(arguments.words, 0, *flat_args, *grid, self._smem, stream or 0)
-        except struct.error as err:
-            raise KilnValueError(f"launch arguments of {self.signature.name} do not fit their C "
-                                 f"types ({err}): {_describe_flat(self.signature, flat_args)}",
-                                 fix="pass values within the range of each parameter's dtype"
-                                 ) from None
-
-    def launch_packed(self, arguments: DriverArguments) -> None:
-        """Launch with the slots as they are (one call into the shim)."""
-        self.entry(arguments.address)
-
-    def thread_arguments(self) -> DriverArguments:
-        """The calling thread's own argument block (made on its first launch)."""
-        arguments = self.thread_blocks.get(threading.get_ident())
-        if arguments is None:
-            arguments = self.thread_blocks.setdefault(threading.get_ident(), self.new_arguments())
-        return arguments
-
-    def __call__(self, flat_args: Sequence, grid: tuple[int, int, int], stream: int | None) -> None:
-        arguments = self.thread_arguments()
-        self.pack(arguments, flat_args, grid, stream)
-        self.entry(arguments.address)
 
 
 def load_driver_launcher(signature: KernelSignature, cubin: bytes, driver,

@@ -307,13 +307,47 @@ class LaunchArguments:
                                                           SLOT_BYTES))
         self.address = ctypes.c_void_p(ctypes.addressof(self._pointers))
 
-    def copy(self) -> "LaunchArguments":
+    def copy(self) -> LaunchArguments:
         twin = LaunchArguments(len(self.words))
         ctypes.memmove(twin.words, self.words, ctypes.sizeof(self.words))
         return twin
 
 
-class HostLauncher:
+class PackedLaunches:
+    """Launching from argument blocks, shared by :class:`HostLauncher` and the driver
+    launcher: a subclass sets ``layout`` (the slots' struct), ``signature``, ``_smem``,
+    ``entry`` (called with a block's address), ``thread_blocks`` and ``new_arguments()``."""
+
+    def pack(self, arguments: LaunchArguments, flat_args: Sequence,
+             grid: tuple[int, int, int], stream: int | None) -> None:
+        """Write every slot of ``arguments`` (KilnValueError when a value does not fit its C
+        type, e.g. 2**31 for an i32 parameter)."""
+        try:
+            self.layout.pack_into(arguments.words, 0, *flat_args, *grid, self._smem, stream or 0)
+        except struct.error as err:
+            raise KilnValueError(f"launch arguments of {self.signature.name} do not fit their C "
+                                 f"types ({err}): {_describe_flat(self.signature, flat_args)}",
+                                 fix="pass values within the range of each parameter's dtype"
+                                 ) from None
+
+    def launch_packed(self, arguments: LaunchArguments) -> None:
+        """Launch with the slots as they are (one call: ctypes, or the native shim)."""
+        self.entry(arguments.address)
+
+    def thread_arguments(self) -> LaunchArguments:
+        """The calling thread's own argument block (made on its first launch)."""
+        arguments = self.thread_blocks.get(threading.get_ident())
+        if arguments is None:
+            arguments = self.thread_blocks.setdefault(threading.get_ident(), self.new_arguments())
+        return arguments
+
+    def __call__(self, flat_args: Sequence, grid: tuple[int, int, int], stream: int | None) -> None:
+        arguments = self.thread_arguments()
+        self.pack(arguments, flat_args, grid, stream)
+        self.entry(arguments.address)
+
+
+class HostLauncher(PackedLaunches):
     """A JIT-compiled ``kiln_launch``; call it with the flat parameter values.
 
     ``runtime_libs`` are the MLIR GPU runtime wrapper libraries the launcher links against;
@@ -356,35 +390,6 @@ class HostLauncher:
     def new_arguments(self) -> LaunchArguments:
         """A fresh, zeroed argument block for :meth:`pack` / :meth:`launch_packed`."""
         return LaunchArguments(self.layout.size // SLOT_BYTES)
-
-    def pack(self, arguments: LaunchArguments, flat_args: Sequence,
-             grid: tuple[int, int, int], stream: int | None) -> None:
-        """Write every slot of ``arguments`` (KilnValueError when a value does not fit its C
-        type, e.g. 2**31 for an i32 parameter)."""
-        try:
-            self.layout.pack_into(arguments.words, 0, *flat_args, *grid, self._smem, stream or 0)
-        except struct.error as err:
-            raise KilnValueError(f"launch arguments of {self.signature.name} do not fit their C "
-                                 f"types ({err}): {_describe_flat(self.signature, flat_args)}",
-                                 fix="pass values within the range of each parameter's dtype"
-                                 ) from None
-
-    def launch_packed(self, arguments: LaunchArguments) -> None:
-        """Launch with the slots as they are (one ctypes call)."""
-        self.entry(arguments.address)
-
-    def thread_arguments(self) -> LaunchArguments:
-        """The calling thread's own argument block (made on its first launch)."""
-        arguments = self.thread_blocks.get(threading.get_ident())
-        if arguments is None:
-            arguments = self.thread_blocks.setdefault(threading.get_ident(), self.new_arguments())
-        return arguments
-
-    def __call__(self, flat_args: Sequence, grid: tuple[int, int, int], stream: int | None) -> None:
-        arguments = self.thread_arguments()
-        self.pack(arguments, flat_args, grid, stream)
-        self.entry(arguments.address)
-
 
 def _describe_flat(signature: KernelSignature, flat_args: Sequence) -> str:
     """``name=value`` per parameter for an error message (tensors by their address)."""
