@@ -98,6 +98,20 @@ def test_quantized_operands_saturate_instead_of_nan(mode):
     assert not np.isnan(dequantized(a, sa, mode)).any()
 
 
+def test_error_model_catches_a_dropped_block_a_wrong_scale_and_a_shifted_tile(rng):
+    """fp8_tolerance (the tensor core's ~14-bit in-block accumulation) is loose enough for the
+    hardware yet flags most elements of each typical bug."""
+    a, b, sa, sb, a64, b64 = _operands(rng, 200, 150, 1000, ("row", "col"))
+    want = a64 @ b64.T
+    tolerance = fp8_tolerance(want, a64, b64, "float32")
+    wrong = {"dropped K block": want - a64[:, 128:256] @ b64[:, 128:256].T,
+             "scale of the next row": dequantized(a, np.roll(sa, 1), "row") @ b64.T,
+             "tile shifted a row": np.roll(want, 1, axis=0)}
+    for what, c in wrong.items():
+        assert (np.abs(c - want) > tolerance).mean() > 0.5, what
+    assert (np.abs(a64.astype(np.float32) @ b64.astype(np.float32).T - want) <= tolerance).all()
+
+
 def test_config_refuses_block_n_past_the_register_budget():
     with pytest.raises(kiln.KilnValueError, match="up to 192"):
         Fp8GemmConfig(block_n=256)
