@@ -21,6 +21,7 @@ f32 register total, as cuBLAS does without fast accumulation:
 
 The accumulator and the total take ``block_n`` f32 registers per thread, hence
 ``block_n <= 192``.
+
 Block scaling needs ``block_n = 128`` (one B scale block per tile column range). Scale
 indices are clamped to the matrix (rows/columns past the edge are never stored), so no scale
 load needs a mask. With ``cluster_m=2`` CTAs run in pairs on vertically adjacent tiles that
