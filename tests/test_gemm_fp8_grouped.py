@@ -102,11 +102,14 @@ def test_gfx950_grouped_double_rate_mfma_no_scratch_waits_verified(scales):
 
 
 @pytest.mark.lower
-@pytest.mark.parametrize("scales, n", [(("tensor", "tensor"), 256), (("block", "block"), 128)])
-def test_ptx_issues_fp8_wgmma_without_spills(scales, n):
+@pytest.mark.parametrize("scales", [("tensor", "tensor"), ("row", "col"), ("block", "block")])
+def test_ptx_issues_fp8_wgmma_without_spills(scales):
+    """128 x 128 tiles for every scale kind, promoted after each 128-K block (no WGMMA group
+    kept in flight)."""
     ck = compile_grouped_matmul("f8e4m3", target="sm_90a", trans_b=True, groups=64,
                                 scales=scales)
-    assert f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3" in ck.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ck.asm["ptx"]
+    assert "wgmma.wait_group.sync.aligned 1;" not in re.sub(r"\s+", " ", ck.asm["ptx"])
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
     assert "setmaxnreg.inc.sync.aligned.u32 232" in re.sub(r"\s+", " ", ck.asm["ptx"])
 

@@ -10,7 +10,7 @@ slice are :mod:`.grouped`'s; the K loop is :mod:`.fp8_hopper`'s (``BK = 128``, f
 
 | ``scale_mode`` | ``scale_a`` | ``scale_b`` | applied |
 | --- | --- | --- | --- |
-| ``(tensor or row, tensor or col)`` | ``[1]`` or ``[total_M]`` | ``[G, 1]`` (one per expert) or ``[G, N]`` | in the epilogue, ``acc * sa[r] * sb[g, c]`` |
+| ``(tensor or row, tensor or col)`` | ``[1]`` or ``[total_M]`` | ``[G, 1]`` (one per expert) or ``[G, N]`` | promoted per 128-K step (``total += acc``), scaled in the epilogue: ``total * sa[r] * sb[g, c]`` |
 | ``(block, block)`` | ``[total_M, ceil(K/128)]`` | ``[G * ceil(N/128), ceil(K/128)]`` | per 128-K step, promoted into an f32 register total |
 """
 
@@ -26,10 +26,9 @@ from .grouped import _store_group_tile, build_tile_table, locate_tile
 from .hopper import ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN, WARP_GROUP_THREADS
 
 
-def grouped_fp8_config(groups: int, block: bool) -> Fp8GemmConfig:
-    """128 x 128 tiles with block scales (one B scale block per tile), else 128 x 256; one
-    stage fewer than the dense kernel for the tile table beside the ring."""
-    return Fp8GemmConfig(block_n=128, stages=5) if block else Fp8GemmConfig(stages=3)
+# 128 x 128 tiles for every scale kind (one B scale block per tile with block scales; the
+# promoted total doubles the accumulator registers), five stages beside the tile table.
+GROUPED_FP8_CONFIG = Fp8GemmConfig(block_n=128, stages=5)
 
 
 def grouped_fp8_constexprs(cfg: Fp8GemmConfig, table: int) -> dict:
@@ -133,8 +132,8 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
                 active = row0 < row_end
                 if active:
                     acc = wgmma.fragment_zeros(BN)
+                    total = wgmma.fragment_zeros(BN)
                     if block:
-                        total = wgmma.fragment_zeros(BN)
                         top, bottom = thread_rows(row0)
                         top, bottom = kiln.minimum(top, m - 1), kiln.minimum(bottom, m - 1)
                         b_row = g * n_blocks + n0 // BN
@@ -149,30 +148,20 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
                         for ks in kiln.static_range(BK // FP8_K_STEP):
                             acc = wgmma.mma_async(acc, a_desc + ks * step_units,
                                                   b_desc + ks * step_units, dtype=in_type,
-                                                  accumulate=not block or ks > 0)
+                                                  accumulate=ks > 0)
                         wgmma.commit()
                         if block:
                             # Load the next block's scales while these WGMMAs run.
                             current = ahead
                             ahead = block_scales(scale_a, scale_b, top, bottom, b_row,
                                                  kiln.minimum(kt + 1, k_tiles - 1))
-                            wgmma.wait_group(0)
-                            if first_thread:
-                                empty.arrive(stage, wgmma_pending=0)
-                            total = promote(total, acc, current)
-                        else:
-                            wgmma.wait_group(1)
-                            if (kt > 0) & first_thread:
-                                empty.arrive((use + STAGES - 1) % STAGES, wgmma_pending=1)
-                        use = use + 1
-                    if block:
-                        out = total
-                    else:
                         wgmma.wait_group(0)
-                        if first_thread & (k_tiles > 0):
-                            empty.arrive((use + STAGES - 1) % STAGES, wgmma_pending=0)
-                        out = scale_group_accumulator(acc, scale_a, scale_b, g, row0, n0, m, n,
-                                                      a_mode, b_mode)
+                        if first_thread:
+                            empty.arrive(stage, wgmma_pending=0)
+                        total = promote(total, acc, current) if block else promote(total, acc)
+                        use = use + 1
+                    out = total if block else scale_group_accumulator(
+                        total, scale_a, scale_b, g, row0, n0, m, n, a_mode, b_mode)
                     _store_group_tile(out, c_map, c, c_tiles, consumer, row0, n0,
                                       kiln.minimum(row_end, m), n, first_thread,
                                       BN // epilogue_n, c_tiles_per_round, c_cols)

@@ -21,7 +21,7 @@ from .. import runtime
 from ..runtime import ArrayLib, Dims, check_backend, contiguous, empty_like, is_torch, \
     resolve_target
 from .fp8_api import fp8_output_dtype, padded, require_trans_b, to_numpy
-from .fp8_grouped import grouped_fp8_config, grouped_fp8_constexprs, make_grouped_fp8_kernel
+from .fp8_grouped import GROUPED_FP8_CONFIG, grouped_fp8_constexprs, make_grouped_fp8_kernel
 from .grouped import MAX_GROUPS, table_size
 from .scales import blocks, scale_kind
 
@@ -77,7 +77,7 @@ def grouped_fp8_matmul(a, b, group_offsets, *, trans_b, scale_a, scale_b, out_dt
     if chip.is_amd:
         _interpret_gfx950(args[:3] + args[4:], name, out, mode, groups)
         return c if np_ == n else contiguous(c[:, :n])
-    cfg = grouped_fp8_config(groups, mode[0] == "block")
+    cfg = GROUPED_FP8_CONFIG
     kernel = make_grouped_fp8_kernel(name, out, mode, cfg)
     options = dict(num_warps=cfg.num_warps, **grouped_fp8_constexprs(cfg, table_size(groups)))
     if backend == "interpret":
@@ -117,7 +117,7 @@ def compile_grouped_fp8_matmul(dtype, *, target, out_dtype=None, trans_b=False, 
                                       grouped=True).compile(
             x, x, c, offsets, sa, sb, groups, 1, 1, 1, 1, 1, target=chip.name,
             num_warps=amd.num_warps, TABLE=table_size(groups))
-    cfg = grouped_fp8_config(groups, mode[0] == "block")
+    cfg = GROUPED_FP8_CONFIG
     return make_grouped_fp8_kernel(kiln.dtype(dtype).name, out, mode, cfg).compile(
         x, x, c, c, offsets, sa, sb, groups, 1, 1, 1, 1,
         target=chip.name, num_warps=cfg.num_warps,

@@ -7,12 +7,20 @@ accumulation, a bf16 or f32 output. FP8 WGMMA reads both operands K-major, so B 
 The pipeline is the bf16 kernel's (:mod:`.hopper`): one producer warp group TMA-loads the A and
 B boxes of each K step into a ring of ``stages`` 128B-swizzled buffers (``BK = 128`` one-byte
 elements = one swizzled row), two consumer warp groups issue four ``wgmma.m64nNk32`` per stage.
-What differs is where the scales enter:
 
-| scales (``scale_mode``) | consumer K loop | epilogue |
+Hopper's FP8 WGMMA adds its products with only ~14 mantissa bits in the tensor core
+(DeepSeek-V3 §3.3.2), so every 128-K step, whatever the scales, starts a fresh accumulator
+(four WGMMAs, the first with scale-d = 0), waits for it (``wait_group(0)``; the other
+consumer's WGMMAs fill the tensor cores meanwhile), releases the stage and promotes it into an
+f32 register total, as cuBLAS does without fast accumulation:
+
+| scales (``scale_mode``) | promotion per 128-K step | epilogue |
 | --- | --- | --- |
-| ``("tensor" or "row", "tensor" or "col")`` | as in bf16: keep one WGMMA group in flight, release the previous stage | ``acc[r, c] *= sa[r] * sb[c]`` (one index for a per-tensor scale) before staging and TMA-storing the tile |
-| ``("block", "block")`` (DeepSeek-V3) | each 128-K step is one scale block: the four WGMMAs start a fresh accumulator (scale-d = 0), ``wait_group(0)``, release the stage, then promote ``total += acc * sa[r, kt] * sb[n0 / 128, kt]`` in f32 registers (the scales are loaded before the ``full`` wait, so their latency hides behind it); the other consumer's WGMMAs fill the tensor cores meanwhile | ``total`` is staged and stored |
+| ``("tensor" or "row", "tensor" or "col")`` | ``total += acc`` | ``total[r, c] *= sa[r] * sb[c]`` (one index for a per-tensor scale) before staging and TMA-storing the tile |
+| ``("block", "block")`` (DeepSeek-V3) | ``total += acc * sa[r, kt] * sb[n0 / 128, kt]`` (the scales are loaded before the ``full`` wait, so their latency hides behind it) | ``total`` is staged and stored |
+
+The accumulator and the total take ``block_n`` f32 registers per thread, hence
+``block_n <= 192``.
 
 Block scaling needs ``block_n = 128`` (one B scale block per tile column range). Scale
 indices are clamped to the matrix (rows/columns past the edge are never stored), so no scale
@@ -37,17 +45,19 @@ SCALE_BLOCK = 128  # DeepSeek-V3 block: 1 x 128 for A, 128 x 128 for B
 SHARED_BUDGET = 227 * 1024 - 1024 - 256  # as in .hopper: alignment slack and mbarriers
 A_MODES = ("tensor", "row", "block")
 B_MODES = ("tensor", "col", "block")
+MAX_BLOCK_N = 192  # 256 would need 256 accumulator registers (acc + total): ptxas spills
 
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
     """Tiles and pipeline of :func:`make_fp8_kernel`: ``block_m`` 64 per consumer warp group,
-    ``block_n`` a multiple of 64 up to 256 (128 with block scales), ``block_k`` 128 (one
+    ``block_n`` a multiple of 64 up to 192 (128 with block scales: the WGMMA accumulator and
+    the promoted total take ``block_n`` f32 registers per thread), ``block_k`` 128 (one
     128-byte swizzled row of FP8, one scale block). Example: ``Fp8GemmConfig(block_n=128,
     stages=5)``."""
 
     block_m: int = 128
-    block_n: int = 256
+    block_n: int = 192
     block_k: int = 128
     stages: int = 4
     group_m: int = 8
@@ -58,8 +68,9 @@ class Fp8GemmConfig:
     def __post_init__(self):
         checks = ((self.block_m in (64, 128), f"block_m={self.block_m} must be 64 or 128"),
                   (self.cluster_m in (1, 2), f"cluster_m={self.cluster_m} must be 1 or 2"),
-                  (self.block_n % 64 == 0 and 64 <= self.block_n <= 256,
-                   f"block_n={self.block_n} must be a multiple of 64 up to 256"),
+                  (self.block_n % 64 == 0 and 64 <= self.block_n <= MAX_BLOCK_N,
+                   f"block_n={self.block_n} must be a multiple of 64 up to {MAX_BLOCK_N} (the "
+                   "accumulator and its promoted total share 232 registers)"),
                   (self.block_k == ROW_BYTES, f"block_k={self.block_k} must be {ROW_BYTES} "
                    "(one 128-byte swizzled row of FP8)"),
                   (2 <= self.stages <= 8, f"stages={self.stages} must be in 2..8"),
@@ -136,9 +147,13 @@ def block_scales(scale_a, scale_b, top, bottom, b_row, kb) -> list:
     return [scale_a[top, kb], scale_a[bottom, kb], scale_b[b_row, kb]]
 
 
-def promote(total, acc, scales: list):
-    """Block-scale promotion in f32 registers: ``total + acc * sa[row, kb] * sb[kb]`` with
-    ``scales`` from :func:`block_scales`."""
+def promote(total, acc, scales: list | None = None):
+    """Promotion into f32 registers after one 128-K step (the tensor core accumulates FP8
+    products with ~14 mantissa bits only): ``total + acc``, times ``sa[row, kb] * sb[kb]``
+    with block ``scales`` from :func:`block_scales`."""
+    if scales is None:
+        return wgmma.fragment_from_elements([total.element(i) + acc.element(i)
+                                             for i in range(acc.shape[1] // 2)])
     row_scale = [scales[0] * scales[2], scales[1] * scales[2]]
     return wgmma.fragment_from_elements([total.element(i) + acc.element(i) *
                                          row_scale[(i // 2) % 2]
@@ -269,8 +284,8 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
                 m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM * CLUSTER_M, BN, group_m)
                 row0 = m0 + rank * BM + consumer * 64
                 acc = wgmma.fragment_zeros(BN)
+                total = wgmma.fragment_zeros(BN)
                 if block:
-                    total = wgmma.fragment_zeros(BN)
                     top, bottom = thread_rows(row0)
                     top, bottom = kiln.minimum(top, m - 1), kiln.minimum(bottom, m - 1)
                     ahead = block_scales(scale_a, scale_b, top, bottom, n0 // BN, 0)
@@ -284,30 +299,20 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
                     for ks in kiln.static_range(BK // FP8_K_STEP):
                         acc = wgmma.mma_async(acc, a_desc + ks * step_units,
                                               b_desc + ks * step_units, dtype=in_type,
-                                              accumulate=not block or ks > 0)
+                                              accumulate=ks > 0)
                     wgmma.commit()
                     if block:
                         # Load the next block's scales while these WGMMAs run.
                         current = ahead
                         ahead = block_scales(scale_a, scale_b, top, bottom, n0 // BN,
                                              kiln.minimum(kt + 1, k_tiles - 1))
-                        wgmma.wait_group(0)
-                        if first_thread:
-                            release(empty, stage, 0)
-                        total = promote(total, acc, current)
-                    else:
-                        wgmma.wait_group(1)  # keep this K step in flight, free the last stage
-                        if (kt > 0) & first_thread:
-                            release(empty, (use + STAGES - 1) % STAGES, 1)
-                    use = use + 1
-                if block:
-                    out = total
-                else:
                     wgmma.wait_group(0)
                     if first_thread:
-                        release(empty, (use + STAGES - 1) % STAGES, 0)
-                    out = scale_accumulator(acc, scale_a, scale_b, row0, n0, m, n, a_mode,
-                                            b_mode)
+                        release(empty, stage, 0)
+                    total = promote(total, acc, current) if block else promote(total, acc)
+                    use = use + 1
+                out = total if block else scale_accumulator(total, scale_a, scale_b, row0, n0,
+                                                            m, n, a_mode, b_mode)
                 _store_tile(out, c_map, c_tiles, consumer, row0, n0, first_thread,
                             BN // epilogue_n, c_tiles_per_round, c_cols)
             if first_thread:
