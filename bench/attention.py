@@ -305,7 +305,8 @@ def main(argv=None) -> None:
     if args.json:
         import torch
 
-        write_results(args.json, "attention", results, torch=torch, sweep=tuning,
+        benchmark = "attention_head_dims" if args.dims_only else "attention"
+        write_results(args.json, benchmark, results, torch=torch, sweep=tuning,
                       plot=os.path.basename(args.plot))
 
 

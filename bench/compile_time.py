@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+from results_io import metadata
+
 # name -> (goal seconds, the Python expression that compiles it; `k` holds the kernel modules)
 _LIBRARY_GOAL, _USER_GOAL = 1.5, 0.3
 JOBS = {
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{row['kernel']}:")
             for step, wall in row.get("steps", {}).items():
                 print(f"  {'  ' * step.count('.') + step:<46} {wall:>9.1f} ms")
-    result = {"benchmark": "compile_time", "python": sys.version.split()[0], "rows": rows}
+    result = {**metadata("compile_time"), "python": sys.version.split()[0], "rows": rows}
     if ns.json:
         with open(ns.json, "w") as out:
             json.dump(result, out, indent=1)

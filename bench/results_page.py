@@ -127,10 +127,35 @@ TABLES = {
         ("path", _get("path"), "s"), ("host µs / call", _get("us"), ".1f"),
         ("/ Triton", _triton_ratio, ".2f"), ("eager back-to-back µs", _get("eager_us"), ".1f"),
         ("GPU µs (graph replay)", _get("gpu_us"), ".1f")]),
+    "gemm_llm": ("LLM GEMM sweep (bf16, weights N×K) vs cuBLAS; ratio = cuBLAS time / Kiln time", [
+        ("model", _get("model"), "s"), ("layer", _get("layer"), "s"), ("M", _get("m"), "d"),
+        ("N×K", lambda row, doc: f"{row['n']}×{row['k']}", "s"),
+        ("Kiln TFLOP/s", _get("kiln_tflops"), ".1f"),
+        ("cuBLAS TFLOP/s", _get("cublas_tflops"), ".1f"),
+        ("Kiln / copy", _get("kiln_copy_fraction"), ".2f"), ("ratio (call)", _get("ratio"), ".3f"),
+        ("ratio (GPU time)", _get("ratio_gpu"), ".3f")]),
+    "mla_decode": ("MLA decode (576/512, page 64) vs copy bandwidth and torch SDPA", [
+        ("batch", _get("batch"), "d"), ("ctx", _get("ctx"), "d"), ("Sq", _get("sq"), "d"),
+        ("H", _get("heads"), "d"), ("Kiln µs", _get("kiln_ms", 1e3), ".1f"),
+        ("SDPA µs", _get("torch_sdpa_ms", 1e3), ".1f"), ("Kiln GB/s", _get("kiln_gbs"), ".0f"),
+        ("Kiln / copy", _get("ratio_to_copy"), ".2f"), ("Kiln TFLOP/s", _get("kiln_tflops"), ".0f"),
+        ("SDPA / Kiln time", _get("speedup_vs_torch"), ".1f")]),
+    "compile_time": ("Cold compile of the library kernels (cache off, fresh process); seconds", [
+        ("kernel", _get("kernel"), "s"), ("compile s", _get("compile_s"), ".2f"),
+        ("goal s", _get("goal_s"), ".1f"), ("import s", _get("import_s"), ".2f"),
+        ("trace ms", lambda row, doc: row["stages"].get("trace"), ".0f"),
+        ("MLIR ms", lambda row, doc: sum(row["stages"].get(k, 0) for k in ("gpu", "nvvm", "llvm")),
+         ".0f"),
+        ("PTX ms", lambda row, doc: row["stages"].get("ptx"), ".0f"),
+        ("ptxas ms", lambda row, doc: row["stages"].get("cubin"), ".0f")]),
 }
 TABLES["combine-small"] = ("Split-KV combine, small calls", TABLES["combine"][1])
-ORDER = ("decode", "attention", "combine", "combine-small", "gemm", "gemm_grouped", "gemm_fp8",
-         "launch_overhead")
+TABLES["attention_head_dims"] = ("Attention prefill at other head dims and softcap vs torch SDPA "
+                                 "(SDPA uncapped); TFLOP/s", [
+    *TABLES["attention"][1][:4], ("Dv", _get("dv"), "d"), ("softcap", _get("softcap"), "g"),
+    *TABLES["attention"][1][4:]])
+ORDER = ("decode", "attention", "attention_head_dims", "combine", "combine-small", "mla_decode",
+         "gemm", "gemm_grouped", "gemm_llm", "gemm_fp8", "launch_overhead", "compile_time")
 
 
 def load_results(directory: pathlib.Path = RESULTS_DIR) -> list[dict]:
