@@ -8,19 +8,15 @@ pass, the MLIR pipelines, LLVM/NVPTX, ptxas, the AMD llvmlite and link steps: th
 ``kiln compile --report`` prints). The goal (issue 42) is at most 1.5 s per library kernel and
 0.3 s for saxpy; the table's ``goal`` column is the ratio to it.
 
-``--known-source`` also times the case of the issue's "first call of prefill at a new head
-dim": a fresh process, a compile cache without this specialisation, but holding the AST
-rewrites of the kernel's functions (``kiln.rewrite_cache``; primed by compiling the kernel in
-another cache and copying only its ``rewrite/`` folder). Example::
+Example::
 
     .venv/bin/python bench/compile_time.py                     # every kernel, table + JSON
-    .venv/bin/python bench/compile_time.py prefill_sm90_d128 saxpy_sm90 --known-source
+    .venv/bin/python bench/compile_time.py prefill_sm90_d128 saxpy_sm90
     .venv/bin/python bench/compile_time.py --list
 
 The last line of stdout is the JSON (``{"benchmark": "compile_time", "rows": [...]}``); each
 row holds ``kernel``, ``import_s``, ``compile_s``, ``goal_s``, ``cpu_s`` and ``stages`` (the
-profile's top-level steps in ms) and ``steps`` (every step, nested ones named ``a.b``); with
-``--known-source`` also ``known_source``: the same fields for that case.
+profile's top-level steps in ms) and ``steps`` (every step, nested ones named ``a.b``).
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,31 +95,17 @@ print(json.dumps({"import_s": t1 - t0, "compile_s": t2 - t1, "cpu_s": cpu_second
 """
 
 
-def run_one(name: str, timeout: float, known_source: bool = False) -> dict:
-    """Compile ``name`` cold in a fresh process (and, with ``known_source``, with the rewrites
-    cached); its row (``error`` set when it failed)."""
+def run_one(name: str, timeout: float) -> dict:
+    """Compile ``name`` cold in a fresh process; its row (``error`` set when it failed)."""
     goal = _USER_GOAL if name.startswith("saxpy") else _LIBRARY_GOAL
     with tempfile.TemporaryDirectory(prefix="kiln-compile-time-") as work:
-        row = {"kernel": name, "goal_s": goal} | _compile_in_child(name, work, None, timeout)
-        if known_source and "error" not in row:
-            primed, measured = os.path.join(work, "primed"), os.path.join(work, "measured")
-            _compile_in_child(name, work, primed, timeout)
-            os.makedirs(measured)
-            if os.path.isdir(os.path.join(primed, "rewrite")):
-                shutil.copytree(os.path.join(primed, "rewrite"),
-                                os.path.join(measured, "rewrite"))
-            row["known_source"] = _compile_in_child(name, work, measured, timeout)
-    return row
+        return {"kernel": name, "goal_s": goal} | _compile_in_child(name, work, timeout)
 
 
-def _compile_in_child(name: str, work: str, cache: str | None, timeout: float) -> dict:
-    """One compile of ``name`` in a fresh process: with the cache off (``cache`` None) or
-    under the cache directory ``cache``."""
-    env = dict(os.environ, KILN_CACHE_DIR=cache or work)
+def _compile_in_child(name: str, work: str, timeout: float) -> dict:
+    """One compile of ``name`` in a fresh process with the compile cache off."""
+    env = dict(os.environ, KILN_CACHE_DIR=work, KILN_NO_CACHE="1")
     env.pop("KILN_DUMP_DIR", None)  # dumping would be timed too
-    env.pop("KILN_NO_CACHE", None)
-    if cache is None:
-        env["KILN_NO_CACHE"] = "1"
     child = os.path.join(work, "compile_one.py")
     with open(child, "w") as script:
         script.write(_CHILD)
@@ -152,24 +133,18 @@ def format_table(rows: list[dict]) -> str:
     stages = []
     for row in rows:
         stages += [s for s in row.get("stages", {}) if s not in stages]
-    known = any("known_source" in row for row in rows)
     head = f"{'kernel':<24} {'import s':>8} {'compile s':>9} {'cpu s':>6} {'goal':>6} " + \
-        ("known s  goal " if known else "") + " ".join(f"{s[:9]:>9}" for s in stages)
+        " ".join(f"{s[:9]:>9}" for s in stages)
     lines = [head]
     for row in rows:
         if "error" in row:
             lines.append(f"{row['kernel']:<24} error: {row['error']}")
             continue
         cells = " ".join(f"{row['stages'].get(s, 0):>9.0f}" for s in stages)
-        second = row.get("known_source", {})
-        extra = "" if not known else "    error     " if "error" in second else \
-            f"{second['compile_s']:>7.2f} {second['compile_s'] / row['goal_s']:>5.2f}x "
         lines.append(f"{row['kernel']:<24} {row['import_s']:>8.2f} {row['compile_s']:>9.2f} "
-                     f"{row['cpu_s']:>6.2f} {row['compile_s'] / row['goal_s']:>5.2f}x "
-                     f"{extra}{cells}")
+                     f"{row['cpu_s']:>6.2f} {row['compile_s'] / row['goal_s']:>5.2f}x {cells}")
     lines.append("(stage columns: wall ms of the cold compile; cpu: this process and ptxas; "
-                 "goal: compile s / goal s, at most 1.00x is met; known: rewrites cached, "
-                 "compile cache without the kernel)")
+                 "goal: compile s / goal s, at most 1.00x is met)")
     return "\n".join(lines)
 
 
@@ -180,8 +155,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", action="store_true", help="print every step per kernel")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per kernel")
     parser.add_argument("--list", action="store_true", help="list the kernels and exit")
-    parser.add_argument("--known-source", action="store_true",
-                        help="also time a new specialisation of a kernel whose rewrite is cached")
     ns = parser.parse_args(argv)
     if ns.list:
         print("\n".join(JOBS))
@@ -189,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [k for k in ns.kernels if k not in JOBS]
     if unknown:
         parser.error(f"unknown kernels {unknown}; --list names them")
-    rows = [run_one(name, ns.timeout, ns.known_source) for name in ns.kernels or JOBS]
+    rows = [run_one(name, ns.timeout) for name in ns.kernels or JOBS]
     print(format_table(rows))
     if ns.steps:
         for row in rows:
@@ -201,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(ns.json, "w") as out:
             json.dump(result, out, indent=1)
     print(json.dumps(result))
-    failed = any("error" in row or "error" in row.get("known_source", {}) for row in rows)
+    failed = any("error" in row for row in rows)
     return 1 if failed else 0
 
 

@@ -33,7 +33,7 @@ import textwrap
 import types
 from typing import Callable
 
-from . import pyhints, rewrite_cache, trace_runtime
+from . import pyhints, trace_runtime
 from .builder import at_source
 from .core.errors import KilnValueError, SourceLoc
 
@@ -397,11 +397,7 @@ def _compile_factory(fn: Callable) -> types.CodeType:
                              fix="define kernels in a .py file (not at an interactive prompt)",
                              loc=SourceLoc(fn.__code__.co_filename,
                                            fn.__code__.co_firstlineno)) from None
-    key = rewrite_cache.key_of(raw, filename, fn.__code__.co_firstlineno)
-    factory_code = rewrite_cache.load(key)
-    if factory_code is None:
-        factory_code = _rewrite_source(fn, source, filename)
-        rewrite_cache.store(key, factory_code)
+    factory_code = _rewrite_source(fn, source, filename)
     dedent = raw.index(raw.lstrip()[0]) - source.index(source.lstrip()[0])
     _record_column_shift(factory_code, dedent)
     return factory_code
