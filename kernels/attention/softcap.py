@@ -55,7 +55,8 @@ def soft_cap_constants(scale_log2, softcap: float):
     Python float or a traced f32), inside the kernel trace: with a hardware tanh ``pre``
     scales a raw score to ``y = scale * s / softcap``, else to ``2 y log2 e`` (the ``exp2``
     argument); the capped score in log2 units is ``cap_log2 * tanh(y)``."""
-    return scale_log2 * ((1.0 if _hardware_tanh() else 2.0) / softcap), softcap * LOG2E
+    cap_log2 = softcap * LOG2E
+    return scale_log2 * (1.0 / cap_log2 if _hardware_tanh() else 2.0 / softcap), cap_log2
 
 
 def soft_cap(raw, pre, cap_log2):
