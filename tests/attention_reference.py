@@ -135,7 +135,8 @@ def assert_attention_close(o, q, k, v, *, lse=None, score_error=0.0, **reference
     assert got.shape == want_o.shape
     assert not np.isnan(got).any(), f"{np.isnan(got).sum()} NaN outputs"
     # The stored output's rounding also scales P's rounding error: the u**2 term.
-    tolerance = u * np.abs(want_o) + (u * (1 + u) + np.expm1(2 * score_error)) * magnitude + 1e-7
+    p_error = u * (1 + u) + np.expm1(2 * score_error)  # P's rounding, plus the scores' error
+    tolerance = u * np.abs(want_o) + p_error * magnitude + 1e-7
     excess = np.abs(got - want_o) - tolerance
     if (excess > 0).any():
         worst = np.unravel_index(np.argmax(excess), excess.shape)
@@ -249,7 +250,7 @@ def assert_paged_attention_close(o, lse, q, k_cache, v_cache, page_table, seq_le
     got = o.astype(np.float64)
     assert got.shape == want_o.shape and not np.isnan(got).any()
     u = UNIT_ROUNDOFF[o.dtype.name]
-    tolerance = u * np.abs(want_o) + (u * (1 + u) + np.expm1(2 * score_error)) * magnitude + 1e-7  # as assert_attention_close
+    tolerance = u * np.abs(want_o) + u * (1 + u) * magnitude + 1e-7  # as assert_attention_close
     excess = np.abs(got - want_o) - tolerance
     assert (excess <= 0).all(), (f"{(excess > 0).sum()} outputs off, worst at "
                                  f"{np.unravel_index(np.argmax(excess), excess.shape)}")

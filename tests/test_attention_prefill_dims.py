@@ -180,8 +180,9 @@ def _tanh_approx_score_error(q, k, softcap):
         return 0.0
     scale = q.shape[-1] ** -0.5
     group = q.shape[2] // k.shape[2]
-    q32, k32 = (np.asarray(x, np.float32) for x in (q, np.repeat(k, group, axis=2)))
-    largest = np.abs(np.einsum("bqhd,bkhd->bhqk", q32, k32)).max() * scale
+    q32 = np.asarray(q, np.float32).transpose(0, 2, 1, 3)  # [b, h, q, d]
+    k32 = np.asarray(np.repeat(k, group, axis=2), np.float32).transpose(0, 2, 3, 1)
+    largest = np.abs(q32 @ k32).max() * scale
     return TANH_APPROX_REL_ERROR * min(softcap, largest)
 
 

@@ -58,8 +58,8 @@ def _tanh_scalar(x: Value) -> Value:
 def tanh_approx(x: Any) -> Value:
     """``tanh(x)`` with one ``tanh.approx.f32`` per element (NVIDIA sm_75+; relative error at
     most ``2**-11``, saturating to ``+-1``) of an f32 scalar, 1-D vector or register tile
-    (other floats are cast to f32, the result is f32). A TargetError on chips without it (AMD): there, build
-    tanh from ``kiln.exp2`` and ``kiln.rcp``.
+    (other floats are cast to f32, the result is f32). A TargetError on chips without it
+    (AMD): there, build tanh from ``kiln.exp2`` and ``kiln.rcp``.
 
     Example: ``s = softcap * kiln.tanh_approx(s * (1.0 / softcap))``.
     """
