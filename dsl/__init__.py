@@ -34,6 +34,7 @@ min = minimum
 from . import layout, swizzle, wgmma
 from .nvidia import cp_async, ldmatrix, mbarrier, tma
 from .nvidia import wgmma as _wgmma_ops  # noqa: F401 - declares the WGMMA ops (kiln.core.ops)
+from .nvidia.fastmath import tanh_approx
 from .nvidia import sync as nvidia_asm
 from .amd import buffer as amd_buffer, loader
 from .amd import sched as amd_asm

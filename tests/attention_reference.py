@@ -114,7 +114,7 @@ def exact_inputs(x):
         .astype(np.float32)
 
 
-def assert_attention_close(o, q, k, v, *, lse=None, **reference_kwargs):
+def assert_attention_close(o, q, k, v, *, lse=None, score_error=0.0, **reference_kwargs):
     """Check a kernel's ``o`` (and ``lse``; numpy or torch) elementwise against
     :func:`attention_reference` on the same inputs ``q``, ``k``, ``v`` (the arrays the kernel
     got). Returns the reference LSE.
@@ -122,7 +122,11 @@ def assert_attention_close(o, q, k, v, *, lse=None, **reference_kwargs):
     Each element may err by ``u * |o| + u * (1 + u) * sum_j P_j |v_j|`` with ``u`` the unit
     roundoff of ``o``'s dtype: the bound for P rounded to that dtype before ``P V`` plus the
     rounding of the stored output. A key too many or too few in a row moves its output by
-    ``P_key |v_key - o|``, well past that for rows that see a few hundred keys or fewer."""
+    ``P_key |v_key - o|``, well past that for rows that see a few hundred keys or fewer.
+
+    ``score_error``: the most an approximate op may move each (natural-unit) score, e.g. a
+    hardware tanh's; it moves each P by a factor within ``exp(+-2 score_error)``, so adds
+    ``(exp(2 score_error) - 1) sum_j P_j |v_j|``."""
     got = _host(o)
     u = UNIT_ROUNDOFF[got.dtype.name]
     want_o, want_lse = attention_reference(q, k, v, return_lse=True, **reference_kwargs)
@@ -131,7 +135,8 @@ def assert_attention_close(o, q, k, v, *, lse=None, **reference_kwargs):
     assert got.shape == want_o.shape
     assert not np.isnan(got).any(), f"{np.isnan(got).sum()} NaN outputs"
     # The stored output's rounding also scales P's rounding error: the u**2 term.
-    tolerance = u * np.abs(want_o) + u * (1 + u) * magnitude + 1e-7
+    p_error = u * (1 + u) + np.expm1(2 * score_error)  # P's rounding, plus the scores' error
+    tolerance = u * np.abs(want_o) + p_error * magnitude + 1e-7
     excess = np.abs(got - want_o) - tolerance
     if (excess > 0).any():
         worst = np.unravel_index(np.argmax(excess), excess.shape)
