@@ -187,8 +187,6 @@ def _tanh_approx_score_error(q, k, softcap):
 
 
 @pytest.mark.lower
-@pytest.mark.slow
-@pytest.mark.lower
 def test_sm90_softcap_is_one_sfu_op_per_score():
     """On NVIDIA the cap is one tanh.approx.f32 per score: the capped kernel runs exactly the
     uncapped kernel's ex2 (the softmax's) and no rcp (the exp2/rcp tanh's second op)."""
@@ -200,6 +198,8 @@ def test_sm90_softcap_is_one_sfu_op_per_score():
     assert "rcp.approx" not in ptx[30.0]
 
 
+@pytest.mark.lower
+@pytest.mark.slow
 @pytest.mark.parametrize("d,dv,softcap,masks", [
     (96, None, 0.0, dict(causal=True)), (192, 128, 0.0, dict(causal=True)),
     (256, None, 0.0, dict(window=(1, 1))), (40, None, 0.0, dict(chunk=1)),
