@@ -67,7 +67,8 @@ from mlir.dialects import llvm  # noqa: F401 - registers the class !llvm.ptr typ
 
 # The GFX9 s_waitcnt immediate, under the names the passes and their tests use.
 from kiln.amd.sched import decode_waitcnt as decode_gfx9_waitcnt  # noqa: F401
-from kiln.amd.sched import GFX9_WAITCNT_FIELDS, encode_waitcnt as encode_gfx9_waitcnt
+from kiln.amd.sched import GFX9_WAITCNT_FIELDS
+from kiln.amd.sched import encode_waitcnt as encode_gfx9_waitcnt  # noqa: F401
 from kiln.core.ops import CP_ASYNC  # noqa: F401 - the passes' counter names live in kiln.core.ops
 from kiln.core.ops import MBARRIER, NO_EFFECTS, OP_ATTR, WGMMA, Effects, is_shared, lookup
 from kiln.passes.mbarrier_protocol import cross_thread_gaps

@@ -15,7 +15,7 @@ from attention_reference import (assert_attention_close, poison_cuda_pool, rando
                                  tile_edge_lengths, very_negative_scores)
 from kiln.kernels.attention import prefill_hopper
 from kiln.kernels.attention.prefill import compile_prefill, prefill
-from kiln.kernels.attention.prefill_hopper import HopperPrefillConfig, MaskSpec
+from kiln.kernels.attention.prefill_hopper import HopperPrefillConfig
 from kiln.runtime.cuda import cuda_available
 from kiln.lowering.tools import find_ptxas
 
