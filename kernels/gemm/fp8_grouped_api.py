@@ -22,7 +22,7 @@ from ..runtime import ArrayLib, Dims, check_backend, contiguous, empty_like, is_
     resolve_target
 from .fp8_api import fp8_output_dtype, padded, require_trans_b, to_numpy
 from .fp8_grouped import GROUPED_FP8_CONFIG, grouped_fp8_constexprs, make_grouped_fp8_kernel
-from .grouped import MAX_GROUPS, table_size
+from .grouped import table_size
 from .scales import blocks, scale_kind
 
 K_ALIGN, N_ALIGN = 16, 8
@@ -31,7 +31,7 @@ K_ALIGN, N_ALIGN = 16, 8
 def grouped_fp8_matmul(a, b, group_offsets, *, trans_b, scale_a, scale_b, out_dtype, target,
                        backend, validate):
     """:func:`kiln.kernels.gemm.grouped_matmul` for FP8 operands (see this module's table)."""
-    from .grouped_api import check_group_offsets, grouped_tiles
+    from .grouped_api import check_group_offsets, group_extents, grouped_tiles
 
     chip = resolve_target(target)
     dims = Dims()
@@ -43,18 +43,7 @@ def grouped_fp8_matmul(a, b, group_offsets, *, trans_b, scale_a, scale_b, out_dt
         raise kiln.KilnTypeError(f"grouped_matmul operands must share a dtype, got a: {name} "
                                  f"and b: {b_name}", fix="quantise both to the same FP8 dtype")
     require_trans_b(trans_b, "b[g]")
-    if kiln.dtype(group_offsets.dtype) is not kiln.i32:
-        raise kiln.KilnTypeError(f"group_offsets must be int32, got "
-                                 f"{kiln.dtype(group_offsets.dtype)}",
-                                 fix="convert it, e.g. offsets.astype(np.int32)")
-    groups, total_m, k, n = dims["G"], dims["total_M"], dims["K"], dims["N"]
-    if dims["G_plus_1"] != groups + 1:
-        raise kiln.KilnValueError(f"group_offsets has {dims['G_plus_1']} entries, but b holds "
-                                  f"G={groups} groups (G + 1 entries expected)",
-                                  fix="pass the G + 1 row boundaries, starting with 0")
-    if groups > MAX_GROUPS:
-        raise kiln.UnsupportedError(f"grouped_matmul supports at most {MAX_GROUPS} groups, "
-                                    f"got {groups}", fix="split the call into several")
+    groups, total_m, k, n = group_extents(dims, group_offsets)
     _require_kernel(chip)
     out = fp8_output_dtype(out_dtype)
     mode, sa, sb = _grouped_scales(scale_a, scale_b, groups, total_m, n, k, a)

@@ -103,19 +103,7 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
         raise kiln.KilnTypeError(f"grouped_matmul operands must share a dtype, got a: {name} "
                                  f"and b: {dtype_of('b', b).name}",
                                  fix="convert one operand first")
-    if dtype_of("group_offsets", group_offsets) is not kiln.i32:
-        raise kiln.KilnTypeError(f"group_offsets must be int32, got "
-                                 f"{dtype_of('group_offsets', group_offsets)}",
-                                 fix="convert it, e.g. offsets.astype(np.int32) / "
-                                     ".to(torch.int32)")
-    groups, total_m, k, n = dims["G"], dims["total_M"], dims["K"], dims["N"]
-    if dims["G_plus_1"] != groups + 1:
-        raise kiln.KilnValueError(f"group_offsets has {dims['G_plus_1']} entries, but b holds "
-                                  f"G={groups} groups (G + 1 entries expected)",
-                                  fix="pass the G + 1 row boundaries, starting with 0")
-    if groups > MAX_GROUPS:
-        raise kiln.UnsupportedError(f"grouped_matmul supports at most {MAX_GROUPS} groups, "
-                                    f"got {groups}", fix="split the call into several")
+    groups, total_m, k, n = group_extents(dims, group_offsets)
     kinds = {is_torch(x) for x in (a, b, group_offsets)}
     if len(kinds) > 1:
         raise kiln.KilnTypeError("a, b and group_offsets must all be numpy arrays or all torch "
@@ -169,6 +157,25 @@ def run_grouped(a, b, c, offsets, *, k, b_rows, trans_b, target="sm_90a", config
     runtime.launch(kernel, (grid, 1, 1), (a, b, c, c, offsets, groups, total_m, n, k, b_rows),
                    target=target, num_warps=cfg.num_warps, stream=stream,
                    **grouped_constexprs(cfg, groups))
+
+
+def group_extents(dims: Dims, group_offsets) -> tuple[int, int, int, int]:
+    """``(G, total_M, K, N)`` of checked grouped operands (``dims`` holds a, b and
+    group_offsets): int32 offsets, ``G + 1`` of them, at most ``MAX_GROUPS`` groups."""
+    if dtype_of("group_offsets", group_offsets) is not kiln.i32:
+        raise kiln.KilnTypeError(f"group_offsets must be int32, got "
+                                 f"{dtype_of('group_offsets', group_offsets)}",
+                                 fix="convert it, e.g. offsets.astype(np.int32) / "
+                                     ".to(torch.int32)")
+    groups = dims["G"]
+    if dims["G_plus_1"] != groups + 1:
+        raise kiln.KilnValueError(f"group_offsets has {dims['G_plus_1']} entries, but b holds "
+                                  f"G={groups} groups (G + 1 entries expected)",
+                                  fix="pass the G + 1 row boundaries, starting with 0")
+    if groups > MAX_GROUPS:
+        raise kiln.UnsupportedError(f"grouped_matmul supports at most {MAX_GROUPS} groups, "
+                                    f"got {groups}", fix="split the call into several")
+    return groups, dims["total_M"], dims["K"], dims["N"]
 
 
 def check_group_offsets(offsets, total_m: int, *, validate: bool = False) -> None:
