@@ -503,6 +503,14 @@ def multiprocessor_count() -> int:
     return _ACTIVE[0].multiprocessor_count()
 
 
+def persistent_grid(tiles: int, cluster: int = 1, resident_clusters=None) -> tuple[int, int, int]:
+    """A persistent kernel's grid: one CTA per SM (with ``cluster > 1``, per resident cluster,
+    ``resident_clusters()`` of them), at most one per tile. Example:
+    ``persistent_grid(tiles=4096)`` is ``(132, 1, 1)`` on an H100."""
+    resident = multiprocessor_count() if cluster == 1 else resident_clusters()
+    return cluster * max(1, min(tiles, resident)), 1, 1
+
+
 def max_active_clusters(ck) -> int:
     return _ACTIVE[0].max_active_clusters(ck)
 

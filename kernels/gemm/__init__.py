@@ -278,9 +278,8 @@ def _hopper_grid(m, n, dtype, out, b_major, config) -> tuple[int, int, int]:
     """One CTA per SM (per resident cluster), at most one per output tile."""
     pair = config.cluster_m  # CTAs of a cluster share each (pair) tile's B
     tiles = -(-m // (config.block_m * pair)) * -(-n // config.block_n)
-    resident = runtime.multiprocessor_count() if pair == 1 else \
-        _resident_clusters(dtype, out, b_major, config)
-    return pair * max(1, min(tiles, resident)), 1, 1
+    return runtime.persistent_grid(tiles, pair,
+                                   lambda: _resident_clusters(dtype, out, b_major, config))
 
 
 @functools.lru_cache(maxsize=None)

@@ -173,9 +173,8 @@ def fp8_grid(m, n, dtype, out, mode, config) -> tuple[int, int, int]:
     """One CTA per SM (per resident cluster of ``cluster_m`` CTAs), at most one per tile."""
     pair = config.cluster_m
     tiles = -(-m // (config.block_m * pair)) * -(-n // config.block_n)
-    resident = runtime.multiprocessor_count() if pair == 1 else \
-        _resident_clusters(dtype, out, mode, config)
-    return pair * max(1, min(tiles, resident)), 1, 1
+    return runtime.persistent_grid(tiles, pair,
+                                   lambda: _resident_clusters(dtype, out, mode, config))
 
 
 @functools.lru_cache(maxsize=None)

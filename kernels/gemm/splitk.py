@@ -101,7 +101,7 @@ def run_partials(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=Non
         runtime.interpret(kernel, (layout.units, 1, 1), [x, y, w, pm, pn, k], **options)
         runtime.interpret(reduce, reduce_grid, list(reduce_args), **reduce_options)
         return
-    grid = (max(1, min(layout.units, runtime.multiprocessor_count())), 1, 1)
+    grid = runtime.persistent_grid(layout.units)
     runtime.launch(kernel, grid, (x, y, w, pm, pn, k), stream=stream, **options)
     runtime.launch(reduce, reduce_grid, reduce_args, stream=stream, **reduce_options)
 
@@ -121,7 +121,7 @@ def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
     shape = (layout.slices * layout.slice_rows, layout.cols)
     w = torch.empty(shape, dtype=torch.float32, device=c.device)
     kernel = make_kernel(dtype, "f32", "k" if config.swap_ab else b_major, config)
-    grid = (max(1, min(layout.units, runtime.multiprocessor_count())), 1, 1)
+    grid = runtime.persistent_grid(layout.units)
     main = runtime.bind(kernel, grid, [x, y, w, pm, pn, k], target=target,
                         num_warps=config.num_warps, **kernel_constexprs(config))
     width = 1 if config.swap_ab else VECTOR
