@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 
 import kiln
+from gemm_reference import assert_within
 
 BLOCK = 128
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8}
@@ -78,12 +79,7 @@ def assert_fp8_close(c, a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
     assert not np.isnan(a64).any() and not np.isnan(b64).any(), "NaN operands"
     assert not np.isnan(c).any(), f"{np.isnan(c).sum()} NaN outputs"
     tolerance = fp8_tolerance(want, a64, b64, dtype)
-    bad = np.abs(c - want) > tolerance
-    if bad.any():
-        i, j = np.argwhere(bad)[0]
-        raise AssertionError(f"{bad.sum()} of {bad.size} elements off, first at ({i}, {j}): "
-                             f"got {c[i, j]:.6g}, want {want[i, j]:.6g}, tolerance "
-                             f"{tolerance[i, j]:.3g}")
+    assert_within(c, want, tolerance)
     return c
 
 

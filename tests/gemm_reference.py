@@ -32,6 +32,12 @@ def assert_matmul_close(c, a, b):
     k = a64.shape[1]
     tolerance = UNIT_ROUNDOFF[dtype] * np.abs(want) \
         + ACCUMULATION_SLACK * k * 2.0 ** -24 * (np.abs(a64) @ np.abs(b64))
+    assert_within(c, want, tolerance)
+
+
+def assert_within(c: np.ndarray, want: np.ndarray, tolerance: np.ndarray) -> None:
+    """Every ``|c - want| <= tolerance`` (2-D float64 arrays); reports how many elements are
+    off and the first of them."""
     bad = np.abs(c - want) > tolerance
     if bad.any():
         i, j = np.argwhere(bad)[0]
