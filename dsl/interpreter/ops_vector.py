@@ -29,11 +29,16 @@ def _broadcast(op, p):
 
 
 def _position(op, p, dynamic_slots):
+    """A function of ``env`` giving the index tuple (threads first) of the op's position."""
     static = list(ir.DenseI64ArrayAttr(op.attributes["static_position"]))
+    if _DYNAMIC_POSITION not in static:
+        index = (slice(None),) + tuple(static)
+        return lambda env: index
 
     def resolve(env):
         dyn = iter(dynamic_slots)
-        return tuple(int(env[next(dyn)][0]) if s == _DYNAMIC_POSITION else s for s in static)
+        return (slice(None),) + tuple(int(env[next(dyn)][0]) if s == _DYNAMIC_POSITION else s
+                                      for s in static)
 
     return resolve
 
@@ -45,7 +50,7 @@ def _extract(op, p):
     position = _position(op, p, dyn)
 
     def run(env, ctx):
-        env[out] = env[src][(slice(None),) + position(env)]
+        env[out] = env[src][position(env)]
 
     return run
 
@@ -58,9 +63,11 @@ def _insert(op, p):
 
     def run(env, ctx):
         v, d = env[value], env[dest]
-        lead = max(v.shape[0], d.shape[0])
-        result = np.array(np.broadcast_to(d, (lead,) + d.shape[1:]))
-        result[(slice(None),) + position(env)] = v
+        if d.shape[0] >= v.shape[0]:
+            result = d.copy()
+        else:
+            result = np.array(np.broadcast_to(d, (v.shape[0],) + d.shape[1:]))
+        result[position(env)] = v
         env[out] = result
 
     return run
@@ -124,6 +131,14 @@ def _shuffle(op, p):
     a, b = p.operands(op)
     out = p.result(op)
     mask = list(ir.DenseI64ArrayAttr(op.attributes["mask"]))
+    first = vector_shape(op.operands[0].type)[0]
+    if max(mask) < first and mask == list(range(mask[0], mask[0] + len(mask))):
+        part = slice(mask[0], mask[0] + len(mask))  # a run of the first operand: a view
+
+        def run(env, ctx):
+            env[out] = env[a][:, part]
+
+        return run
 
     def run(env, ctx):
         x, y = np.broadcast_arrays(env[a], env[b]) if env[a].shape[0] != env[b].shape[0] \

@@ -355,6 +355,7 @@ class CTA:
         self.objects: dict[int, Any] = {}  # per-CTA objects created by ops (mbarrier groups)
         self.cluster = cluster
         self.rank = rank  # %cluster_ctarank
+        self.check_bounds = True  # KILN_INTERPRET_CHECK_BOUNDS, read once per launch
         self.cond = cluster.cond
         self.live = 0  # live contexts of this CTA (gpu.barrier counts them)
         self._barrier_arrived = 0
