@@ -1,8 +1,8 @@
 """Seconds the CPU interpreter takes on the tutorials and a library kernel (no GPU needed).
 
 Each case runs once to build its plan (tracing and parsing are not what is measured), then
-``--repeat`` times; the JSON line gives the median seconds and the interpreter's op dispatches
-(closures run) per call. Cases: the 512^3 tile GEMM tutorial (bias + GELU), fused softmax and
+``--repeat`` times; the JSON line gives the median wall and CPU seconds (CPU time is steadier
+on a shared machine) and the interpreter's op dispatches (closures run by blocks) per call. Cases: the 512^3 tile GEMM tutorial (bias + GELU), fused softmax and
 layer norm over 64 x 4096 f32, and the library ``matmul`` (bf16, 256 x 256 x 256, sm_90a's
 WGMMA kernel, warp-group contexts).
 
@@ -86,12 +86,14 @@ def main() -> None:
         fn()  # trace, compile the plan
         with _Dispatches() as counted:
             fn()
-        seconds = []
+        seconds, cpu = [], []
         for _ in range(args.repeat):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
             seconds.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
         print(json.dumps({"case": name, "seconds": round(statistics.median(seconds), 3),
+                          "cpu_seconds": round(statistics.median(cpu), 3),
                           "dispatches": counted.count}), flush=True)
 
 

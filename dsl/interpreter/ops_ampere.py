@@ -29,13 +29,19 @@ from .state import bounds_error, element_bytes
 from kiln.core.dtypes import dtype as kiln_dtype
 
 
+_LANES: dict[tuple[int, int], np.ndarray] = {}  # (threads, warp size) -> [warps, lanes]
+
+
 def _warps(ctx, loc, what: str) -> np.ndarray:
     """Lane indices of each warp of the context, ``[warps, warp_size]``; ``what`` needs the
     whole warp active."""
     ws = ctx.cta.warp_size
     if ctx.size % ws:
         raise UnsupportedError(f"{what} needs whole warps", loc=loc)
-    lanes = np.arange(ctx.size).reshape(-1, ws)
+    lanes = _LANES.get((ctx.size, ws))
+    if lanes is None:
+        lanes = _LANES[ctx.size, ws] = np.arange(ctx.size).reshape(-1, ws)
+        lanes.flags.writeable = False
     if ctx.mask is not None:
         per_warp = ctx.mask.reshape(-1, ws)
         if np.any(per_warp.any(axis=1) & ~per_warp.all(axis=1)):
@@ -156,9 +162,10 @@ def _ldmatrix(op, p):
         flat = np.broadcast_to(flat_offsets(mem, [env[i] for i in index], ctx, loc, check=False),
                                (n,))
         rows = flat[providers][..., None] + np.arange(row_elems) * mem.strides[-1]
+        shared = ctx.cta.shared
         if mem.is_shared:
-            shared = ctx.cta.shared
-            shared.check(element_bytes(mem, rows.reshape(-1)), False, "this ldmatrix", loc)
+            if shared.in_flight:  # bytes an async copy has yet to write
+                shared.check(element_bytes(mem, rows.reshape(-1)), False, "this ldmatrix", loc)
             if shared.tma_loads:  # every lane receives data from every row of its warp
                 for w, lanes in enumerate(warps):
                     shared.check_observed(element_bytes(mem, rows[w].reshape(-1))[None, :],
@@ -170,6 +177,34 @@ def _ldmatrix(op, p):
         env[out] = result
 
     return run
+
+
+def _groups(op) -> list[list]:
+    """The op's operand values split by its ``operandSegmentSizes``."""
+    values, groups = list(op.operands), []
+    for n in ir.DenseI32ArrayAttr(op.attributes["operandSegmentSizes"]):
+        groups.append(values[:n])
+        values = values[n:]
+    return groups
+
+
+def _operand_reader(op, p, values: list, dtype: np.dtype):
+    """A function of ``env`` giving the registers ``values`` side by side, ``[threads, n]``:
+    the vector they were extracted from when they are all of one (its extracts are dropped),
+    or the ``dtype`` elements that vector was bitcast from."""
+    source = p.whole_vector(values)
+    if source is not None:
+        p.drop_unused(values, [op])
+        cast = source.owner.operation if isinstance(source.owner, (ir.Operation, ir.OpView)) \
+            else None
+        if cast is not None and cast.name == "vector.bitcast" and \
+                np_dtype(cast.operands[0].type) == dtype:  # read the halves, not the i32s
+            p.drop_unused([source], [op] + [v.owner.operation for v in values])
+            source = cast.operands[0]
+        slot = p.slot(source)
+        return lambda env: env[slot]
+    slots = [p.slot(v) for v in values]
+    return lambda env: _registers(env, slots)
 
 
 def _registers(env, slots) -> np.ndarray:
@@ -202,7 +237,6 @@ _MMA_LAYOUTS = {(16, 8, 16): (L.mma_m16n8k16_a, L.mma_m16n8k16_b, L.mma_m16n8_ac
 
 @semantics("nvvm.mma.sync")
 def _mma_sync(op, p):
-    a_regs, b_regs, c_regs = operand_segments(op, p)
     out = p.result(op)
     loc = location(op)
     shape = tuple(int(v) for v in re.findall(r"=\s*(\d+)", str(op.attributes["shape"])))
@@ -213,6 +247,8 @@ def _mma_sync(op, p):
     ptx_type = re.search(r"<(\w+)>", str(op.attributes["multiplicandAPtxType"])).group(1)
 
     operand_dtype = np.dtype(kiln_dtype(ptx_type).numpy)
+    a_regs, b_regs, c_regs = (_operand_reader(op, p, group, dtype) for group, dtype in
+                              zip(_groups(op), (operand_dtype, operand_dtype, np.float32)))
     m, n, k = shape
     (a_rows, a_cols), (b_rows, b_cols), (c_rows, c_cols) = (f().coords()
                                                              for f in _MMA_LAYOUTS[shape])
@@ -223,29 +259,36 @@ def _mma_sync(op, p):
                                                           (c_rows, c_cols, n)))
     c_to = (c_rows * n + c_cols).reshape(-1)
 
-    def unpack(slots, env):
+    def unpack(read, env):
         """Registers (i32 holding packed halves, or plain values) as [threads, values]."""
-        regs = _registers(env, slots)
+        regs = read(env)
         if regs.dtype.itemsize != operand_dtype.itemsize:
-            regs = regs.view(operand_dtype)  # _registers' array is contiguous
+            regs = np.ascontiguousarray(regs).view(operand_dtype)
         return regs.reshape(regs.shape[0], -1)
 
     def run(env, ctx):
         size = ctx.size
-        d = np.zeros((size, c_rows.shape[1]), np.float32)
         warps = _warps(ctx, loc, "nvvm.mma.sync")
-        if warps.size:  # every warp's m x n x k product at once
-            w = len(warps)
-            a, b = unpack(a_regs, env), unpack(b_regs, env)
-            c = _registers(env, c_regs)
-            whole = ctx.mask is None  # warps are then all the threads, in order
-            a, b, c = (x.reshape(w, -1) if whole and x.shape[0] == size else
-                       np.broadcast_to(x, (size, x.shape[1]))[warps].reshape(w, -1)
-                       for x in (a, b, c))
-            ta = a[:, a_from].reshape(w, m, k).astype(np.float64)
-            tb = b[:, b_from].reshape(w, k, n).astype(np.float64)
-            tc = c[:, c_from].reshape(w, m, n).astype(np.float64)
-            d[warps] = (tc + ta @ tb).reshape(w, m * n)[:, c_to].reshape(w, 32, -1)
-        env[out] = d
+        whole = ctx.mask is None  # warps are then all the threads, in order
+        if not warps.size:
+            env[out] = np.zeros((size, c_rows.shape[1]), np.float32)
+            return
+        w = len(warps)
+        a, b, c = unpack(a_regs, env), unpack(b_regs, env), c_regs(env)
+        a, b, c = (x.reshape(w, -1) if whole and x.shape[0] == size else
+                   np.broadcast_to(x, (size, x.shape[1]))[warps].reshape(w, -1)
+                   for x in (a, b, c))
+        # every warp's m x n x k product at once, in float64: one rounding, to f32
+        ta = a[:, a_from].reshape(w, m, k).astype(np.float64)
+        tb = b[:, b_from].reshape(w, k, n).astype(np.float64)
+        tc = c[:, c_from].reshape(w, m, n)
+        d = np.matmul(ta, tb).reshape(w, m * n)[:, c_to].reshape(w * 32, -1)
+        d += tc.reshape(w, m * n)[:, c_to].reshape(w * 32, -1)
+        if whole:
+            env[out] = d.astype(np.float32)
+            return
+        result = np.zeros((size, c_rows.shape[1]), np.float32)
+        result[warps.reshape(-1)] = d
+        env[out] = result
 
     return run

@@ -57,6 +57,18 @@ def _extract(op, p):
 
 @semantics("vector.insert")
 def _insert(op, p):
+    fields = _struct_fields(op)
+    if fields is not None:  # the chain's result is fields of the struct: read them at once
+        struct, first, n, chain = fields
+        for link in chain:
+            p.drop_unused([link.results[0]] + [link.operands[0]], chain)
+        src, part, out = p.slot(struct), slice(first, first + n), p.result(op)
+        dtype = np_dtype(op.results[0].type)
+
+        def run(env, ctx):
+            env[out] = env[src][:, part].astype(dtype, copy=False)
+
+        return run
     value, dest, *dyn = p.operands(op)
     out = p.result(op)
     position = _position(op, p, dyn)
@@ -71,6 +83,38 @@ def _insert(op, p):
         env[out] = result
 
     return run
+
+
+def _struct_fields(op):
+    """``(struct, first, n, chain)`` when ``op`` ends a chain of ``vector.insert`` ops that put
+    fields ``first .. first + n - 1`` of one ``llvm.extractvalue``-d struct at positions
+    ``0 .. n - 1`` of a 1-D ``vector<n>`` (how MMA results return to registers), each link
+    used only by the next; else None."""
+    shape = vector_shape(op.results[0].type)
+    if len(shape) != 1:
+        return None
+    chain, struct, first, link = [], None, None, op
+    for i in reversed(range(shape[0])):
+        if link is None or link.name != "vector.insert" or len(link.operands) != 2 or \
+                list(ir.DenseI64ArrayAttr(link.attributes["static_position"])) != [i]:
+            return None
+        field = link.operands[0].owner
+        if not isinstance(field, (ir.Operation, ir.OpView)) or \
+                field.operation.name != "llvm.extractvalue":
+            return None
+        (pos,) = ir.DenseI64ArrayAttr(field.attributes["position"])
+        if struct is None:
+            struct, first = field.operands[0], pos - i
+        elif field.operands[0] != struct or pos - i != first:
+            return None
+        chain.append(link)
+        if i:
+            dest = link.operands[1]
+            if len(list(dest.uses)) != 1:
+                return None
+            link = dest.owner.operation if isinstance(dest.owner, (ir.Operation, ir.OpView)) \
+                else None
+    return struct, first, shape[0], [c.operation for c in chain]
 
 
 _REDUCTIONS = {"add": np.sum, "mul": np.prod, "maximumf": np.max, "minimumf": np.min,
@@ -140,9 +184,12 @@ def _shuffle(op, p):
 
         return run
 
+    pick = None if mask == list(range(len(mask))) else mask  # None: the two side by side
+
     def run(env, ctx):
         x, y = np.broadcast_arrays(env[a], env[b]) if env[a].shape[0] != env[b].shape[0] \
             else (env[a], env[b])
-        env[out] = np.concatenate([x, y], axis=1)[:, mask]
+        both = np.concatenate([x, y], axis=1)
+        env[out] = both if pick is None else both[:, pick]
 
     return run

@@ -111,8 +111,10 @@ class Plan:
         self.shared_globals = shared_globals  # symbol -> (byte offset, shape, dtype)
         self.invariant: set[int] = set()  # slots of launch-invariant values
         self.hoisted: list[Run] = []  # their ops, in program order
+        self._step_of: dict[int, tuple[list, Run]] = {}  # result slot -> (its block's runs, step)
         self.entry = self.block(func.regions[0].blocks[0])
         self.num_slots = len(self.slots)
+        self._step_of = {}
         self.hoisted_slots = sorted(self.invariant)
 
     def start(self, env: list, ctx, cache: dict) -> None:
@@ -146,6 +148,34 @@ class Plan:
     def result(self, op: ir.Operation) -> int:
         return self.slot(op.results[0])
 
+    def whole_vector(self, values: list) -> ir.Value | None:
+        """The 1-D vector ``v`` when ``values`` are ``v[0], v[1], ..., v[n-1]`` (static
+        ``vector.extract`` ops of all of ``v``), else None: a consumer reads ``v`` instead."""
+        source = None
+        for i, value in enumerate(values):
+            op = _owner(value)
+            if op is None or op.name != "vector.extract" or len(op.operands) != 1 or \
+                    list(ir.DenseI64ArrayAttr(op.attributes["static_position"])) != [i]:
+                return None
+            if source is None:
+                source = op.operands[0]
+            elif op.operands[0] != source:
+                return None
+        shape = vector_shape(source.type) if source is not None else ()
+        return source if shape == (len(values),) else None
+
+    def drop_unused(self, values, readers: list) -> None:
+        """Drop the steps computing ``values`` (planned before) when every use of them is by one
+        of ``readers``, ops that read the data another way (a fused operand): fewer dispatches."""
+        readers = [r.operation for r in readers]
+        for value in values:
+            slot = self.slots.get(value)
+            if slot is None or slot in self.invariant or slot not in self._step_of:
+                continue
+            if all(_owner_of_use(use) in readers for use in value.uses):
+                runs, step = self._step_of.pop(slot)
+                runs.remove(step)
+
     def block(self, block: ir.Block) -> Block:
         args = [self.slot(a) for a in block.arguments]
         runs: list[Run] = []
@@ -169,7 +199,19 @@ class Plan:
                     self.hoisted.append(step)
             elif step is not None:
                 runs.append(step)
+                if len(op.results) == 1:
+                    self._step_of[self.slot(op.results[0])] = (runs, step)
         return Block(runs, args, yields)
+
+
+def _owner(value: ir.Value) -> ir.Operation | None:
+    """The op defining ``value`` (None for a block argument)."""
+    owner = value.owner
+    return owner.operation if isinstance(owner, (ir.Operation, ir.OpView)) else None
+
+
+def _owner_of_use(use) -> ir.Operation:
+    return use.owner.operation
 
 
 def _builder(op: ir.Operation) -> Builder | None:
