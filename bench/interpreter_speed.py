@@ -2,7 +2,7 @@
 
 Each case runs once to build its plan (tracing and parsing are not what is measured), then
 ``--repeat`` times; the JSON line gives the median wall and CPU seconds (CPU time is steadier
-on a shared machine) and the interpreter's op dispatches (closures run by blocks) per call. Cases: the 512^3 tile GEMM tutorial (bias + GELU), fused softmax and
+on a shared machine) and the interpreter's op dispatches (closures run by blocks) per call. Cases: the 512^3 tile GEMM tutorial (bias + GELU; sm_90a's mma.sync and gfx950's MFMA), fused softmax and
 layer norm over 64 x 4096 f32, and the library ``matmul`` (bf16, 256 x 256 x 256, sm_90a's
 WGMMA kernel, warp-group contexts).
 
@@ -47,6 +47,8 @@ def cases(rng):
     return {
         "matmul_tutorial_512": lambda: matmul.matmul(a, b, bias, c, backend="interpret",
                                                      target="sm_90a"),
+        "matmul_tutorial_512_gfx950": lambda: matmul.matmul(a, b, bias, c, backend="interpret",
+                                                            target="gfx950"),
         "softmax_64x4096": lambda: fused_softmax.softmax(x, y, backend="interpret",
                                                          target="sm_90a"),
         "layernorm_64x4096": lambda: layernorm.layernorm(x, w, bb, y, mean, rstd,
