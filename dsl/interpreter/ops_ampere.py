@@ -220,11 +220,12 @@ def _registers(env, slots) -> np.ndarray:
 def _check_rows(mem, index: list, providers: np.ndarray, row_elems: int, ctx, loc) -> None:
     """Bounds of the row addresses ``index`` (``[warps, rows]`` per dimension); the first warp
     with a bad row is reported, at its first bad dimension, as a warp-by-warp check would."""
-    bad = [(i < 0) | (i > (size - row_elems if dim == len(index) - 1 else size - 1))
-           for dim, (i, size) in enumerate(zip(index, mem.sizes))]
+    last = [size - row_elems if dim == len(index) - 1 else size - 1
+            for dim, size in enumerate(mem.sizes)]
+    if all(i.min() >= 0 and i.max() <= end for i, end in zip(index, last)):
+        return  # the common case, in two reductions a dimension
+    bad = [(i < 0) | (i > end) for i, end in zip(index, last)]
     per_warp = np.stack([b.any(axis=1) for b in bad])  # [dims, warps]
-    if not per_warp.any():
-        return
     w = int(np.argmax(per_warp.any(axis=0)))
     dim = int(np.argmax(per_warp[:, w]))
     j = int(np.argmax(bad[dim][w]))
