@@ -2,9 +2,10 @@
 
 Each case runs once to build its plan (tracing and parsing are not what is measured), then
 ``--repeat`` times; the JSON line gives the median wall and CPU seconds (CPU time is steadier
-on a shared machine) and the interpreter's op dispatches (closures run by blocks) per call. Cases: the 512^3 tile GEMM tutorial (bias + GELU; sm_90a's mma.sync and gfx950's MFMA), fused softmax and
-layer norm over 64 x 4096 f32, and the library ``matmul`` (bf16, 256 x 256 x 256, sm_90a's
-WGMMA kernel, warp-group contexts).
+on a shared machine) and the interpreter's op dispatches (closures run by blocks) per call.
+Cases: the 512^3 tile GEMM tutorial (bias + GELU; sm_90a's mma.sync and gfx950's MFMA), fused
+softmax and layer norm over 64 x 4096 f32, the library ``matmul`` (bf16, 256 x 256 x 256,
+sm_90a's WGMMA kernel, warp-group contexts) and ``prefill`` (causal, 2 heads of 256 x 64).
 
 Usage: ``python bench/interpreter_speed.py [--repeat 3] [--only matmul]``.
 """
@@ -29,6 +30,7 @@ import layernorm  # noqa: E402
 import matmul  # noqa: E402
 
 from kiln.interpreter import plan as _plan  # noqa: E402
+from kiln.kernels.attention import prefill  # noqa: E402
 from kiln.kernels.gemm import matmul as library_matmul  # noqa: E402
 
 
@@ -44,6 +46,7 @@ def cases(rng):
     w, bb = rng.standard_normal(4096).astype(np.float32), rng.standard_normal(4096).astype(np.float32)
     y, mean, rstd = np.zeros_like(x), np.zeros(64, np.float32), np.zeros(64, np.float32)
     la, lb = _bf16(rng, (256, 256)), _bf16(rng, (256, 256))
+    q, k, v = _bf16(rng, (1, 256, 2, 64)), _bf16(rng, (1, 256, 2, 64)), _bf16(rng, (1, 256, 2, 64))
     return {
         "matmul_tutorial_512": lambda: matmul.matmul(a, b, bias, c, backend="interpret",
                                                      target="sm_90a"),
@@ -55,6 +58,8 @@ def cases(rng):
                                                          backend="interpret", target="sm_90a"),
         "library_matmul_256": lambda: library_matmul(la, lb, target="sm_90a",
                                                      backend="interpret"),
+        "library_prefill_256_causal": lambda: prefill(q, k, v, causal=True, target="sm_90a",
+                                                      backend="interpret"),
     }
 
 
