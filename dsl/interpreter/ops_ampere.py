@@ -24,7 +24,7 @@ from kiln.core.errors import KilnValueError, UnsupportedError
 from .ops_memory import flat_offsets
 from .ops_mbarrier import operand_segments
 from .ops_hopper import commit_group, retire_groups
-from .plan import attr_int, location, np_dtype, semantics
+from .plan import attr_int, defining_op, location, np_dtype, semantics
 from .state import bounds_error, element_bytes
 from kiln.core.dtypes import dtype as kiln_dtype
 
@@ -195,8 +195,7 @@ def _operand_reader(op, p, values: list, dtype: np.dtype):
     source = p.whole_vector(values)
     if source is not None:
         p.drop_unused(values, [op])
-        cast = source.owner.operation if isinstance(source.owner, (ir.Operation, ir.OpView)) \
-            else None
+        cast = defining_op(source)
         if cast is not None and cast.name == "vector.bitcast" and \
                 np_dtype(cast.operands[0].type) == dtype:  # read the halves, not the i32s
             p.drop_unused([source], [op] + [v.owner.operation for v in values])

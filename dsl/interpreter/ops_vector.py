@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from mlir import ir
 
-from .plan import np_dtype, semantics, vector_shape
+from .plan import defining_op, np_dtype, semantics, vector_shape
 
 _DYNAMIC_POSITION = ir.ShapedType.get_dynamic_size()
 
@@ -98,9 +98,8 @@ def _struct_fields(op):
         if link is None or link.name != "vector.insert" or len(link.operands) != 2 or \
                 list(ir.DenseI64ArrayAttr(link.attributes["static_position"])) != [i]:
             return None
-        field = link.operands[0].owner
-        if not isinstance(field, (ir.Operation, ir.OpView)) or \
-                field.operation.name != "llvm.extractvalue":
+        field = defining_op(link.operands[0])
+        if field is None or field.name != "llvm.extractvalue":
             return None
         (pos,) = ir.DenseI64ArrayAttr(field.attributes["position"])
         if struct is None:
@@ -112,9 +111,8 @@ def _struct_fields(op):
             dest = link.operands[1]
             if len(list(dest.uses)) != 1:
                 return None
-            link = dest.owner.operation if isinstance(dest.owner, (ir.Operation, ir.OpView)) \
-                else None
-    return struct, first, shape[0], [c.operation for c in chain]
+            link = defining_op(dest)
+    return struct, first, shape[0], chain
 
 
 _REDUCTIONS = {"add": np.sum, "mul": np.prod, "maximumf": np.max, "minimumf": np.min,

@@ -153,7 +153,7 @@ class Plan:
         ``vector.extract`` ops of all of ``v``), else None: a consumer reads ``v`` instead."""
         source = None
         for i, value in enumerate(values):
-            op = _owner(value)
+            op = defining_op(value)
             if op is None or op.name != "vector.extract" or len(op.operands) != 1 or \
                     list(ir.DenseI64ArrayAttr(op.attributes["static_position"])) != [i]:
                 return None
@@ -172,7 +172,7 @@ class Plan:
             slot = self.slots.get(value)
             if slot is None or slot in self.invariant or slot not in self._step_of:
                 continue
-            if all(_owner_of_use(use) in readers for use in value.uses):
+            if all(use.owner.operation in readers for use in value.uses):
                 runs, step = self._step_of.pop(slot)
                 runs.remove(step)
 
@@ -204,14 +204,10 @@ class Plan:
         return Block(runs, args, yields)
 
 
-def _owner(value: ir.Value) -> ir.Operation | None:
+def defining_op(value: ir.Value) -> ir.Operation | None:
     """The op defining ``value`` (None for a block argument)."""
     owner = value.owner
     return owner.operation if isinstance(owner, (ir.Operation, ir.OpView)) else None
-
-
-def _owner_of_use(use) -> ir.Operation:
-    return use.owner.operation
 
 
 def _builder(op: ir.Operation) -> Builder | None:
