@@ -1,5 +1,6 @@
 """The docs' examples run: every ```` ```python runnable ```` block of ``docs/language.md``,
-``docs/lowering.md`` and ``docs/tiles.md`` is executed, and a ```` ```text output ```` block
+``docs/lowering.md``, ``docs/tiles.md`` and the library pages ``docs/library/*.md`` (which run the
+kernels with ``backend="interpret"``) is executed, and a ```` ```text output ```` block
 right after it must match what the block printed.
 
 Blocks of one document run in order in one namespace (a later block may use an earlier block's
@@ -26,7 +27,8 @@ import kiln.runtime.cuda
 from kiln.lowering.tools import find_ld_lld, find_ptxas
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-DOC_NAMES = ("language.md", "lowering.md", "tiles.md")
+DOC_NAMES = ("language.md", "lowering.md", "tiles.md", "library/prefill.md", "library/decode.md",
+             "library/combine.md", "library/matmul.md")
 _FENCE = re.compile(r"^```(\w*)((?:[ \t]+[\w.-]+)*)[ \t]*$")
 TOOLS = {"needs-ld.lld": find_ld_lld, "needs-ptxas": find_ptxas}  # fence word -> tool finder
 

@@ -12,7 +12,6 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import arith
 
-from kiln.core import env as kiln_env
 from kiln.core.errors import OutOfBoundsError, UnsupportedError
 
 from .plan import location, np_dtype, semantics
@@ -27,7 +26,7 @@ def flat_offsets(mem: MemRef, index: list, ctx, loc, width: int = 1, check: bool
     for i, stride in zip(index, mem.strides):
         flat = flat + i.astype(np.int64) * stride
     flat = np.asarray(flat, np.int64).reshape(-1)
-    if check and mem.buffer is None and kiln_env.interpret_check_bounds():
+    if check and mem.buffer is None and ctx.cta.check_bounds:
         _check_bounds(mem, index, ctx, loc, width)
     return flat
 
@@ -333,7 +332,7 @@ def _subview(op, p):
         offset = mem.offset
         for oi, stride in zip(o, mem.strides):
             offset = offset + oi * stride
-        if kiln_env.interpret_check_bounds():
+        if ctx.cta.check_bounds:
             _check_subview(mem, o, n, s, loc)
         new_sizes = list(n)
         new_strides = [a * b for a, b in zip(mem.strides, s)]

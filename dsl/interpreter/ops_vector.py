@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from mlir import ir
 
-from .plan import np_dtype, semantics, vector_shape
+from .plan import defining_op, np_dtype, semantics, vector_shape
 
 _DYNAMIC_POSITION = ir.ShapedType.get_dynamic_size()
 
@@ -29,11 +29,16 @@ def _broadcast(op, p):
 
 
 def _position(op, p, dynamic_slots):
+    """A function of ``env`` giving the index tuple (threads first) of the op's position."""
     static = list(ir.DenseI64ArrayAttr(op.attributes["static_position"]))
+    if _DYNAMIC_POSITION not in static:
+        index = (slice(None),) + tuple(static)
+        return lambda env: index
 
     def resolve(env):
         dyn = iter(dynamic_slots)
-        return tuple(int(env[next(dyn)][0]) if s == _DYNAMIC_POSITION else s for s in static)
+        return (slice(None),) + tuple(int(env[next(dyn)][0]) if s == _DYNAMIC_POSITION else s
+                                      for s in static)
 
     return resolve
 
@@ -45,25 +50,69 @@ def _extract(op, p):
     position = _position(op, p, dyn)
 
     def run(env, ctx):
-        env[out] = env[src][(slice(None),) + position(env)]
+        env[out] = env[src][position(env)]
 
     return run
 
 
 @semantics("vector.insert")
 def _insert(op, p):
+    fields = _struct_fields(op)
+    if fields is not None:  # the chain's result is fields of the struct: read them at once
+        struct, first, n, chain = fields
+        for link in chain:
+            p.drop_unused([link.results[0]] + [link.operands[0]], chain)
+        src, part, out = p.slot(struct), slice(first, first + n), p.result(op)
+        dtype = np_dtype(op.results[0].type)
+
+        def run(env, ctx):
+            env[out] = env[src][:, part].astype(dtype, copy=False)
+
+        return run
     value, dest, *dyn = p.operands(op)
     out = p.result(op)
     position = _position(op, p, dyn)
 
     def run(env, ctx):
         v, d = env[value], env[dest]
-        lead = max(v.shape[0], d.shape[0])
-        result = np.array(np.broadcast_to(d, (lead,) + d.shape[1:]))
-        result[(slice(None),) + position(env)] = v
+        if d.shape[0] >= v.shape[0]:
+            result = d.copy()
+        else:
+            result = np.array(np.broadcast_to(d, (v.shape[0],) + d.shape[1:]))
+        result[position(env)] = v
         env[out] = result
 
     return run
+
+
+def _struct_fields(op):
+    """``(struct, first, n, chain)`` when ``op`` ends a chain of ``vector.insert`` ops that put
+    fields ``first .. first + n - 1`` of one ``llvm.extractvalue``-d struct at positions
+    ``0 .. n - 1`` of a 1-D ``vector<n>`` (how MMA results return to registers), each link
+    used only by the next; else None."""
+    shape = vector_shape(op.results[0].type)
+    if len(shape) != 1:
+        return None
+    chain, struct, first, link = [], None, None, op
+    for i in reversed(range(shape[0])):
+        if link is None or link.name != "vector.insert" or len(link.operands) != 2 or \
+                list(ir.DenseI64ArrayAttr(link.attributes["static_position"])) != [i]:
+            return None
+        field = defining_op(link.operands[0])
+        if field is None or field.name != "llvm.extractvalue":
+            return None
+        (pos,) = ir.DenseI64ArrayAttr(field.attributes["position"])
+        if struct is None:
+            struct, first = field.operands[0], pos - i
+        elif field.operands[0] != struct or pos - i != first:
+            return None
+        chain.append(link)
+        if i:
+            dest = link.operands[1]
+            if len(list(dest.uses)) != 1:
+                return None
+            link = defining_op(dest)
+    return struct, first, shape[0], chain
 
 
 _REDUCTIONS = {"add": np.sum, "mul": np.prod, "maximumf": np.max, "minimumf": np.min,
@@ -124,10 +173,21 @@ def _shuffle(op, p):
     a, b = p.operands(op)
     out = p.result(op)
     mask = list(ir.DenseI64ArrayAttr(op.attributes["mask"]))
+    first = vector_shape(op.operands[0].type)[0]
+    if max(mask) < first and mask == list(range(mask[0], mask[0] + len(mask))):
+        part = slice(mask[0], mask[0] + len(mask))  # a run of the first operand: a view
+
+        def run(env, ctx):
+            env[out] = env[a][:, part]
+
+        return run
+
+    pick = None if mask == list(range(len(mask))) else mask  # None: the two side by side
 
     def run(env, ctx):
         x, y = np.broadcast_arrays(env[a], env[b]) if env[a].shape[0] != env[b].shape[0] \
             else (env[a], env[b])
-        env[out] = np.concatenate([x, y], axis=1)[:, mask]
+        both = np.concatenate([x, y], axis=1)
+        env[out] = both if pick is None else both[:, pick]
 
     return run

@@ -209,18 +209,20 @@ def interpret_kernel(traced, grid, args, target) -> None:
     shape = _cluster_shape(signature, grid)
     accesses = GlobalAccesses(grid, concurrent=int(np.prod(shape)) > 1)
     accesses.register(values)
+    check_bounds = kiln_env.interpret_check_bounds()  # read once: ops consult it per access
+    invariants: dict = {}  # launch-invariant values, by thread range (Plan.start)
     for cluster_origin in np.ndindex(*(g // c for g, c in zip(grid[::-1], shape[::-1]))):
         cz, cy, cx = cluster_origin
         cluster = Cluster(shape, timeout)
         for rank, (dz, dy, dx) in enumerate(np.ndindex(*shape[::-1])):
             block_id = (cx * shape[0] + dx, cy * shape[1] + dy, cz * shape[2] + dz)
             cta = CTA(block_id, block, grid, shared_bytes, cluster, rank)
-            cta.warp_size = target.warp_size
+            cta.warp_size, cta.check_bounds = target.warp_size, check_bounds
             cta.dynamic_shared_offset = static
             cta.globals, cta.linear_id = accesses, accesses.linear_block(block_id)
             cluster.ctas.append(cta)
         cluster.clock = PhaseClock(threads, len(cluster.ctas))
-        _run_cluster(plan, cluster, values, threads, group)
+        _run_cluster(plan, cluster, values, threads, group, invariants)
     _check_read_only(copies)
 
 
@@ -233,7 +235,8 @@ def _cluster_shape(signature, grid: tuple) -> tuple[int, int, int]:
     return shape
 
 
-def _run_cluster(plan: Plan, cluster: Cluster, values: list, threads: int, group: int) -> None:
+def _run_cluster(plan: Plan, cluster: Cluster, values: list, threads: int, group: int,
+                 invariants: dict) -> None:
     """Run every context of every CTA of ``cluster`` (CTAs of one cluster run together)."""
     contexts = []
     for cta in cluster.ctas:
@@ -248,6 +251,7 @@ def _run_cluster(plan: Plan, cluster: Cluster, values: list, threads: int, group
             env[slot] = value
         with cluster.cond, np.errstate(all="ignore"):
             try:
+                plan.start(env, ctx, invariants)
                 plan.entry.run(env, ctx)
             except ContextAborted:
                 pass

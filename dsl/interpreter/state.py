@@ -57,6 +57,7 @@ class AsyncOp:
     what: str
     loc: SourceLoc | None
     land: Any = None
+    touched: tuple = ()  # the byte-address arrays it marked pending (read or write)
 
 
 def uniform(value: np.ndarray, mask, what: str, loc) -> Any:
@@ -125,7 +126,8 @@ class SharedMemory:
         """Start an async op that will write ``write_bytes`` (calling ``land`` on completion)
         and/or keeps reading ``read_bytes``; returns its id for :meth:`end`."""
         op_id = len(self.async_ops)
-        self.async_ops[op_id] = AsyncOp(what, loc, land)
+        touched = tuple(b for b in (write_bytes, read_bytes) if b is not None)
+        self.async_ops[op_id] = AsyncOp(what, loc, land, touched)
         if write_bytes is not None:
             self.check(write_bytes, True, f"{what}", loc)
             self.pending_write[write_bytes] = op_id
@@ -139,11 +141,12 @@ class SharedMemory:
         return op_id
 
     def end(self, op_id: int) -> None:
-        land = self.async_ops[op_id].land
-        if land is not None:
-            land()
-        np.copyto(self.pending_write, 0, where=self.pending_write == op_id)
-        np.copyto(self.pending_read, 0, where=self.pending_read == op_id)
+        op = self.async_ops[op_id]
+        if op.land is not None:
+            op.land()
+        for pending in (self.pending_write, self.pending_read):
+            for addrs in op.touched:  # only these bytes can hold its id
+                pending[addrs[pending[addrs] == op_id]] = 0
         self.in_flight -= 1
 
     def synchronised(self) -> None:
@@ -355,6 +358,7 @@ class CTA:
         self.objects: dict[int, Any] = {}  # per-CTA objects created by ops (mbarrier groups)
         self.cluster = cluster
         self.rank = rank  # %cluster_ctarank
+        self.check_bounds = True  # KILN_INTERPRET_CHECK_BOUNDS, read once per launch
         self.cond = cluster.cond
         self.live = 0  # live contexts of this CTA (gpu.barrier counts them)
         self._barrier_arrived = 0
