@@ -35,9 +35,9 @@ the next tile's scores: ``interleave mfma=v_width/128 trans=8``, four times.
 
 Registers: 8 waves (two per SIMD, 256 VGPR + AGPR each) up to 128-wide operands, 4 waves
 (512) for a 256-wide one; a kernel that would spill is refused unless ``allow_scratch=True``.
-Head dims: multiples of 8 up to 256; Q/K and V run on 128 or 256 columns and the padding
-columns of Q read zeros, so whatever K's padding columns hold adds nothing (V's padding rows of
-O^T are never stored).
+Head dims: multiples of 16 up to 256 (a 16-byte DMA lane never runs past the head dim's end);
+Q/K and V run on 128 or 256 columns, the padding columns read zeros and V's padding rows of O^T
+are never stored.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from .prefill_gfx950_fp8_config import (DMA_ELEMS, KEY_BLOCK, MMA_SHAPE, STRIP_K
                                         WAVE, PrefillGfx950Fp8Config, strip_depth)
 from .softcap import soft_cap, soft_cap_constants
 
-Q_PIECE = 8  # Q columns one padded load reads: head dims are multiples of 8
+Q_PIECE = 16  # Q columns one padded load reads: head dims are multiples of 16
 
 __all__ = ["PrefillGfx950Fp8Config", "make_fp8_kernel", "compile_prefill_gfx950_fp8",
            "run_prefill_gfx950_fp8", "fp8_descales"]
@@ -261,7 +261,7 @@ def make_fp8_kernel(config: PrefillGfx950Fp8Config):
 
     def load_q(q_buf, q_src, q_rows, lane):
         """Q as the QK MFMA's B operand: lane ``l`` holds 32 columns from ``32 (l // 32)`` of
-        each 64-column k-step; 8-column pieces past the head dim read zeros (past the end)."""
+        each 64-column k-step; 16-column pieces past the head dim read zeros (past the end)."""
         q_reg = []
         for kk in kiln.static_range(k_steps):
             col = kk * MMA_SHAPE[2] + 32 * (lane // 32)

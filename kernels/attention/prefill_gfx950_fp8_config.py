@@ -1,11 +1,11 @@
 """Compile-time shape of the gfx950 FP8 prefill kernel (:mod:`.prefill_gfx950_fp8`):
 ``PrefillGfx950Fp8Config``, its cluster recipes and the O^T row -> depth map of its V strip.
 
-FP8 K/V run on ``v_mfma_f32_32x32x64_f8f6f4``: a K/V tile holds 64 keys (one PV k-step), Q/K
-and V each run at the next of 128 / 256 columns (an MFMA's K is 64 fp8 values and a 16-byte
-DMA lane moves 16 of them, so eight waves share a 64-key tile evenly only from 128 columns:
-head dims up to 128 run on the 128-wide tile, their extra columns read zeros and are never
-stored). Up to 128 columns the block has 8 waves (256 VGPR + AGPR registers each), a 256-wide
+FP8 K/V run on ``v_mfma_f32_32x32x64_f8f6f4``: a K/V tile holds 64 keys (one PV k-step). Head
+dims are multiples of 16 up to 256; Q/K and V each run at the next of 128 / 256 columns (an
+MFMA's K is 64 fp8 values and a 16-byte DMA lane moves 16 of them, so eight waves share a
+64-key tile evenly only from 128 columns: head dims up to 128 run on the 128-wide tile, their
+extra columns read zeros and are never stored). Up to 128 columns the block has 8 waves (256 VGPR + AGPR registers each), a 256-wide
 operand takes 4 waves (all 512), as in the bf16 kernel.
 
 ``att_bf16_full`` is the seed's kernel-scope P cache (named after its bf16 path): on, each
@@ -33,7 +33,9 @@ BLOCK_KV = MMA_SHAPE[2]  # keys per K/V tile: one PV k-step
 STRIP_KEYS = 8  # score values of one softmax strip per lane
 DMA_ELEMS = 16  # 16 bytes of fp8 per lane per DMA
 WIDTHS = (128, 256)
-HEAD_DIM_MULTIPLE = 8
+# A 16-byte DMA lane must not run past the head dim's end: at the tensor's last row the buffer
+# range check would drop the whole access, real columns included.
+HEAD_DIM_MULTIPLE = DMA_ELEMS
 MAX_HEAD_DIM = 256
 EIGHT_WAVE_WIDTH = 128
 SUPPORTED_DTYPES = ("f8e4m3",)
