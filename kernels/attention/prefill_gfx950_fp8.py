@@ -28,8 +28,11 @@ no K-row permutation, no cross-lane move. The O^T rows come out in the strip's d
 (:func:`.prefill_gfx950_fp8_config.strip_depth`), undone by the store's addresses.
 
 ``att_bf16_full`` (the seed's kernel-scope P cache, :mod:`.prefill_gfx950_fp8_config`): on, the
-softmax cluster casts P to fp8 once into a persistent 8-register tile that crosses the loop to
-the PV; off, P crosses in f32 (32 registers) and the PV cluster casts it. C2/C6 interleave one
+softmax cluster casts P to fp8 once into a persistent 8-register tile that crosses to the PV;
+off, P crosses in f32 (32 registers) and the PV cluster casts it, ahead of its MFMAs. Found in
+the assembly: with the cache, C6's cast stays in C6 (its P crosses the loop back-edge in fp8),
+but LLVM's MachineSink moves C2's to C5, behind C5's mask branch (as the bf16 kernel's notes
+say of its casts), so P[j-2] still spends C3-C4 in f32; either way no cast precedes a PV MFMA. C2/C6 interleave one
 PV MFMA per 32 depths (``v_width / 32`` over 64 keys) with the 8 ``v_exp_f32`` of a strip of
 the next tile's scores: ``interleave mfma=v_width/128 trans=8``, four times.
 
