@@ -253,6 +253,14 @@ def test_descales_need_fp8_inputs_and_fp8_needs_gfx950():
         run_prefill_gfx950_fp8(x8, x8, x8)
 
 
+def test_no_keys_gives_bf16_zeros():
+    q, k = np.ones((1, 3, 2, 64), F8), np.ones((1, 0, 1, 64), F8)
+    o, lse = prefill(q, k, k, descale_q=2.0, return_lse=True, target="gfx950",
+                     backend="interpret")
+    assert o.dtype == kiln.bf16.numpy and not o.astype(np.float32).any()
+    assert (lse == -np.inf).all()
+
+
 def test_descales_broadcast_to_batch_and_head():
     dq, dk, dv = fp8_descales(2, 4, 2, descale_q=0.5, descale_v=[[1, 2], [3, 4]])
     assert dq.tolist() == [0.5] * 8 and dk.tolist() == [1.0] * 4

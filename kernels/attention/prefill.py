@@ -394,8 +394,10 @@ def _without_work(q, k, shapes, ragged) -> bool:
 
 
 def _outputs_without_work(q, shapes, sinks, ragged, return_lse):
-    """``o`` like q (zeros: a row without keys) and the LSE: ``-inf``, or a sink's logit."""
-    o = empty_like(q, (*q.shape[:-1], shapes["dv"]), kiln.dtype(q.dtype), fill=0.0)
+    """``o`` like q (zeros: a row without keys; bf16 for FP8 inputs) and the LSE: ``-inf``, or
+    a sink's logit."""
+    out_dtype = kiln.bf16 if _dtype_name(q.dtype) in FP8_DTYPES else kiln.dtype(q.dtype)
+    o = empty_like(q, (*q.shape[:-1], shapes["dv"]), out_dtype, fill=0.0)
     if not return_lse:
         return o
     hq = shapes["hq"]

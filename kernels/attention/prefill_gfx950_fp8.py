@@ -173,7 +173,7 @@ def make_fp8_kernel(config: PrefillGfx950Fp8Config):
             col = kk * MMA_SHAPE[2] + 32 * (lane // 32)
             if (kk + 1) * MMA_SHAPE[2] <= d:
                 q_reg.append(q_buf.load(q_src, col, width=32))
-            else:  # a padded k-step: each 8-column piece past d comes from past the end
+            else:  # a padded k-step: each 16-column piece past d comes from past the end
                 q_reg.append(kiln.vector_concat([
                     q_buf.load(kiln.where(col + c < d, q_src, q_rows), col + c, width=Q_PIECE)
                     for c in range(0, 32, Q_PIECE)]))
