@@ -139,7 +139,7 @@ def make_kernel(config: PrefillGfx950Config):
     waves = config.waves
     block_kv, strips = config.block_kv, config.strips
     key_frags = block_kv // KEY_BLOCK  # score fragments per tile
-    SINKS = config.sinks  # noqa: N806
+    SINKS, CACHE = config.sinks, config.att_bf16_full  # noqa: N806
     recipes = config.recipes()
     loader = TiledMmaLoader(dtype, MMA_SHAPE)
     acc_layout = mfma_32x32_accumulator()
@@ -194,7 +194,9 @@ def make_kernel(config: PrefillGfx950Config):
 
         Each P strip is cast to bf16 once, at the PV k-step that reads it. P crosses the loop
         back-edge in f32: a loop-carried bf16 vector makes LLVM split the latch and shuffle
-        every carried register through copies each iteration."""
+        every carried register through copies each iteration. ``att_bf16_full`` (the seed's
+        kernel-scope P cache, off by default) casts the strips here instead, after the exps,
+        and P crosses to the PV in bf16."""
         amd_asm.s_waitcnt(lgkmcnt=0)  # consumer-side drain: V's transposed reads are done
         x = sm.sub_max_scaled(s, geo.scale_log2) if s is not None else None
         if p is not None:
@@ -202,7 +204,7 @@ def make_kernel(config: PrefillGfx950Config):
         frags, exps = list(o.fragments), []
         for kk in kiln.static_range(strips):
             if p is not None:
-                p_operand = kiln.cast(p[kk], dtype)
+                p_operand = p[kk] if CACHE else kiln.cast(p[kk], dtype)
                 for dt in kiln.static_range(d_tiles):
                     frags[dt] = geo.atom(v_frags[kk][dt], p_operand, frags[dt])
             if x is not None:
@@ -214,6 +216,8 @@ def make_kernel(config: PrefillGfx950Config):
             sm.col_sum_acc(RegTile([kiln.pack(kiln.unpack(exps[2 * f])
                                               + kiln.unpack(exps[2 * f + 1]))
                                     for f in range(key_frags)], acc_layout, (key_frags, 1)))
+        if x is not None and CACHE:
+            exps = [kiln.cast(e, dtype) for e in exps]
         return RegTile(frags, o.layout, o.grid), (exps if x is not None else None)
 
     steps = SimpleNamespace(qk=qk, dma_tile=dma_tile, load_v=load_v, load_k=load_k,
@@ -340,12 +344,13 @@ def make_kernel(config: PrefillGfx950Config):
 
 
 def _config(head_dim, dtype, *, causal=False, window=None, chunk=None, sinks=None,
-            head_dim_v=None, softcap=0.0):
+            head_dim_v=None, softcap=0.0, att_bf16_full=False):
     return PrefillGfx950Config(head_dim=head_dim, dtype=kiln.dtype(dtype).name,
                                causal=bool(causal), window=window is not None,
                                chunk=chunk is not None, sinks=sinks is not None,
                                head_dim_v=None if head_dim_v == head_dim else head_dim_v,
-                               softcap=float(softcap or 0.0))
+                               softcap=float(softcap or 0.0),
+                               att_bf16_full=bool(att_bf16_full))
 
 
 def _placeholders(config: PrefillGfx950Config):
@@ -359,13 +364,14 @@ def _placeholders(config: PrefillGfx950Config):
 
 def compile_prefill_gfx950(*, head_dim: int, dtype="bf16", causal=False, window=None,
                            chunk=None, sinks=None, head_dim_v=None, softcap=0.0,
-                           target: str = "gfx950", allow_scratch: bool = False):
+                           att_bf16_full=False, target: str = "gfx950",
+                           allow_scratch: bool = False):
     """Compile (without running) the gfx950 prefill kernel; returns the ``CompiledKernel``
     (``.asm["amdgcn"]``, ``.metadata``) with ``.recipes`` (cluster -> ClusterRecipe) attached
     for ``kiln.lowering.verify_schedule``. ``window``/``chunk``/``sinks`` only need to be
     not-None: the kernel is specialised on which masks exist, not on their values;
-    ``head_dim_v`` is V's head dim (None: ``head_dim``), ``softcap`` > 0 caps the scores.
-    A kernel that would spill to scratch is refused unless ``allow_scratch=True``.
+    ``head_dim_v`` is V's head dim (None: ``head_dim``), ``softcap`` > 0 caps the scores,
+    ``att_bf16_full`` selects the seed's persistent P cache. A kernel that would spill to scratch is refused unless ``allow_scratch=True``.
 
     Example: ``compile_prefill_gfx950(head_dim=192, head_dim_v=128).metadata["scratch_bytes"]``.
     """
@@ -373,7 +379,7 @@ def compile_prefill_gfx950(*, head_dim: int, dtype="bf16", causal=False, window=
         raise kiln.UnsupportedError(f"the MhaPrefillV2 kernel uses gfx950 MFMAs and transposed "
                                     f"LDS reads, which {target} lacks", fix="target='gfx950'")
     config = _config(head_dim, dtype, causal=causal, window=window, chunk=chunk, sinks=sinks,
-                     head_dim_v=head_dim_v, softcap=softcap)
+                     head_dim_v=head_dim_v, softcap=softcap, att_bf16_full=att_bf16_full)
     compiled = make_kernel(config).compile(*_placeholders(config), target=target,
                                            num_warps=config.waves)
     if compiled.metadata.get("scratch_bytes") and not allow_scratch:
@@ -387,7 +393,7 @@ def compile_prefill_gfx950(*, head_dim: int, dtype="bf16", causal=False, window=
 
 def run_prefill_gfx950(q, k, v, *, causal=False, window=None, chunk=None, sinks=None,
                        scale=None, softcap=0.0, cu_seqlens_q=None, cu_seqlens_k=None,
-                       return_lse=False, backend=None):
+                       return_lse=False, backend=None, att_bf16_full=False):
     """Run the gfx950 kernel on numpy inputs (shapes and conventions of ``prefill``).
     Only ``backend="interpret"`` exists: no AMD GPU launch path is available.
 
@@ -411,7 +417,7 @@ def run_prefill_gfx950(q, k, v, *, causal=False, window=None, chunk=None, sinks=
     hq, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
     hkv = k.shape[-2]
     config = _config(d, kiln.dtype(q.dtype).name, causal=causal, window=window, chunk=chunk,
-                     sinks=sinks, head_dim_v=dv, softcap=softcap)
+                     sinks=sinks, head_dim_v=dv, softcap=softcap, att_bf16_full=att_bf16_full)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     o = np.full((q_tokens * hq, dv), np.nan, q.dtype)
     lse = np.full((hq, q_tokens), np.nan, np.float32)
