@@ -23,7 +23,7 @@ from .struct import struct
 from .tensor import Tensor, TensorRef
 from .trace_runtime import MAX_UNROLLED_ITERATIONS, TracedRange as range, static_range
 from .values import Handle, Value
-from .vectors import pack, unpack, vector_constant, vector_slice
+from .vectors import pack, unpack, vector_concat, vector_constant, vector_slice
 
 max = maximum
 min = minimum

@@ -1,11 +1,13 @@
-"""Short register vectors: build one from scalars, take it apart, slice it, spell a constant.
+"""Short register vectors: build one from scalars, take it apart, slice or join them, spell a
+constant.
 
-Kernels keep most data in tiles and fragments; these four ops are for the edges where a kernel
+Kernels keep most data in tiles and fragments; these ops are for the edges where a kernel
 must assemble a vector itself, e.g. eight bf16 outputs into one 16-byte store:
 
     vec = kiln.pack([kiln.cast(x, kiln.bf16) for x in row])   # vector<8xbf16>
     o.store(r, c, vec, align=16)                              # one st.global.v4.b32
     lo, hi = kiln.vector_slice(vec, 0, 4), kiln.vector_slice(vec, 4, 4)
+    kiln.vector_concat([hi, lo])                              # vector<8xbf16> again
 
 They build ``vector.from_elements``, ``vector.extract``, ``vector.shuffle`` and a dense
 ``arith.constant``, which the interpreter runs like any other vector op, and which lower to
@@ -71,6 +73,30 @@ def vector_slice(vec: Value, start: int, width: int) -> Value:
                              fix="use Python ints with 0 <= start and start + width <= width "
                                  "of the vector")
     return Value(vector.shuffle(vec.ir, vec.ir, list(range(start, start + width))), vec.dtype)
+
+
+def vector_concat(parts: Sequence[Value]) -> Value:
+    """The 1-D vectors ``parts`` (one dtype) end to end, as one vector (``vector.shuffle``
+    pairwise: register re-tags, no data movement).
+
+    Example: ``kiln.vector_concat([lo, hi])`` is a ``vector<8xf8e4m3>`` for two 4-wide halves.
+    """
+    if not parts:
+        raise KilnValueError("kiln.vector_concat needs at least one vector",
+                             fix="pass a non-empty list of 1-D vectors")
+    widths = [_width(p, "kiln.vector_concat") for p in parts]
+    if any(p.dtype != parts[0].dtype for p in parts):
+        raise KilnTypeError(f"kiln.vector_concat got {sorted({str(p.dtype) for p in parts})}",
+                            fix="cast every part to one dtype with kiln.cast first")
+    current_target().check_vector(sum(widths), parts[0].dtype.itemsize, "kiln.vector_concat")
+    parts = list(parts)
+    while len(parts) > 1:  # pairwise, so each shuffle joins two equal-depth halves
+        joined = []
+        for a, b in zip(parts[::2], parts[1::2]):
+            width = a.shape[0] + b.shape[0]
+            joined.append(Value(vector.shuffle(a.ir, b.ir, list(range(width))), a.dtype))
+        parts = joined + parts[len(parts) - len(parts) % 2:]
+    return parts[0]
 
 
 def vector_constant(values: Sequence[int | float], dtype: Any) -> Value:

@@ -44,6 +44,9 @@ def rocdl_passes(state: CompileState) -> list[str]:
         "convert-vector-to-scf", "expand-strided-metadata", "lower-affine",
         # Before convert-gpu-to-rocdl turns math ops into ROCm device-library calls.
         "kiln-amdgpu-native-math",
+        # f32 -> fp8 casts (4 lanes at most: wider ones leave strided-slice ops with no
+        # lowering here) become v_cvt_pk_fp8_f32; LLVM has no fp8 type.
+        f"convert-arith-to-amdgpu{{chipset={chip}}}",
         f"gpu.module(convert-scf-to-cf,convert-amdgpu-to-rocdl{{chipset={chip}}},"
         f"convert-gpu-to-rocdl{{chipset={chip} index-bitwidth=64}},canonicalize,cse,"
         "reconcile-unrealized-casts)",

@@ -164,3 +164,28 @@ def test_gfx950_assembly_has_no_scratch_fits_registers_and_follows_the_recipes(d
     program = parse(ck.asm["amdgcn"], "prefill_gfx950")
     verify_waits(program)
     assert verify_schedule(program, ck.recipes, "prefill_gfx950", strict=True) == []
+
+
+def test_p_cache_gives_the_same_output(rng):
+    """``att_bf16_full`` casts P to bf16 in the softmax cluster instead of at the PV: the
+    same casts of the same values, so the outputs agree bit for bit."""
+    q, k, v, _, _ = random_qkv(rng, batch=1, sq=40, sk=150, hq=2, hkv=1, d=64, dtype=BF16)
+    o = [run_prefill_gfx950(q, k, v, causal=True, backend="interpret", att_bf16_full=cache)
+         for cache in (True, False)]
+    assert_attention_close(o[0], q, k, v, causal=True)
+    assert np.array_equal(o[0].view(np.uint16), o[1].view(np.uint16))
+
+
+@pytest.mark.lower
+@pytest.mark.slow
+def test_p_cache_spills_and_is_refused_without_allow_scratch():
+    """The loop-carried bf16 P (module docs) costs registers: at D 128 the kernel spills, so
+    compiling it needs ``allow_scratch=True``; its waits still verify."""
+    from kiln.lowering.isa_amdgpu import parse, verify_waits
+
+    with pytest.raises(kiln.ResourceError, match="spills"):
+        compile_prefill_gfx950(head_dim=128, causal=True, att_bf16_full=True)
+    ck = compile_prefill_gfx950(head_dim=128, causal=True, att_bf16_full=True,
+                                allow_scratch=True)
+    assert ck.metadata["scratch_bytes"] > 0
+    verify_waits(parse(ck.asm["amdgcn"], "prefill_gfx950"))

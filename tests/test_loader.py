@@ -121,6 +121,32 @@ def test_load_v_fp8_strip_gives_32_keys_at_a_butterfly_depth(swizzle):
     assert np.array_equal(key, 32 * (LANES[:, None] // 16) + np.arange(32)[None, :])
 
 
+@pytest.mark.parametrize("swizzle", [None, Swizzle(3, 3, 3)], ids=str)
+def test_load_v_fp8_strip_32x32x64_follows_the_seed_coordinates(swizzle):
+    loader = TiledMmaLoader(kiln.f8e4m3, (32, 32, 64), swizzle=swizzle)
+    rel_key, hw_key_shift, depth_base = loader.v_fp8_strip_coords(LANES)
+    # The seed's per-lane coordinates, written out from its description.
+    seed = [(8 * ((lane % 16) // 8) + ((lane % 16) // 2) % 4, 4 if lane >= 32 else 0,
+             [0, 8, 16, 24][2 * ((lane // 16) % 2) + lane % 2]) for lane in range(64)]
+    assert [tuple(int(x) for x in c) for c in zip(rel_key, hw_key_shift, depth_base)] == seed
+    v = rng.standard_normal((192, 96))  # keys x depth
+    lds = _lds_holding(v, loader)
+    key0, depth0 = 64, 32
+    offsets = loader.v_fp8_strip_offsets(LANES, v.shape[1], key0, depth0)
+    for c, off in enumerate(offsets):  # key_base 0, 16, 32, 48
+        unswizzled = (key0 + 16 * c + rel_key + hw_key_shift) * v.shape[1] + depth0 + depth_base
+        assert np.array_equal(off, loader.swizzled(unswizzled))
+    fragment = np.concatenate([transpose_read_model(_read(lds, off, 8)) for off in offsets],
+                              axis=1)
+    depth, key = loader.v_fp8_strip_layout().coords()
+    assert np.array_equal(fragment, v[key0 + key, depth0 + depth])
+    # Keys: the 32x32 accumulator's rows of values v % 16 in lane l, two accumulators.
+    acc_row = 8 * ((np.arange(32) % 16) // 4) + 4 * (LANES[:, None] // 32) + np.arange(32) % 4
+    assert np.array_equal(key, acc_row + 32 * (np.arange(32)[None, :] // 16))
+    assert np.array_equal(depth[:, 0], depth_base + (LANES % 16) // 2)
+    assert sorted(depth[:32, 0]) == list(range(32))  # each depth exactly once per half-wave
+
+
 def test_loader_rejects_bad_parameters():
     with pytest.raises(UnsupportedError, match="single-block MFMA shape"):
         TiledMmaLoader(kiln.bf16, (32, 16, 8))
@@ -129,7 +155,7 @@ def test_loader_rejects_bad_parameters():
     with pytest.raises(UnsupportedError, match=r"b_tr_layout of bf16 \(32, 32, 8\)"):
         TiledMmaLoader(kiln.bf16, (32, 32, 8)).b_tr_layout()
     with pytest.raises(UnsupportedError, match="v_fp8_strip_layout of f8e4m3"):
-        TiledMmaLoader(kiln.f8e4m3, (32, 32, 64)).v_fp8_strip_layout()
+        TiledMmaLoader(kiln.f8e4m3, (32, 32, 128)).v_fp8_strip_layout()
 
 
 def _compile(body, dtype, chip="gfx950", shape=(64, 64)):
@@ -160,6 +186,10 @@ def test_gfx950_instructions_fold_the_immediate_offset():
     assert [ln.split()[-1] for ln in lines] == ["offset:256", "offset:768"]
     v = TiledMmaLoader(kiln.f8e4m3, (16, 16, 128))
     asm = _compile(lambda t: v.load_v_fp8_strip(t, imm_offset_bytes=64), kiln.f8e4m3,
+                   shape=(128, 64)).asm["amdgcn"]
+    assert asm.count("ds_read_b64_tr_b8") == 4
+    v32 = TiledMmaLoader(kiln.f8e4m3, (32, 32, 64))
+    asm = _compile(lambda t: v32.load_v_fp8_strip(t, key0=64, depth0=32), kiln.f8e4m3,
                    shape=(128, 64)).asm["amdgcn"]
     assert asm.count("ds_read_b64_tr_b8") == 4
     fp8 = TiledMmaLoader(kiln.f8e4m3, (16, 16, 128))

@@ -27,6 +27,8 @@ from kiln.passes.enclosing import gpu_funcs
 ENTRY_CALLS = {
     "kiln.kernels.attention.prefill_gfx950.compile_prefill_gfx950":
         lambda fn: fn(head_dim=64, dtype="bf16", causal=True),
+    "kiln.kernels.attention.prefill_gfx950_fp8.compile_prefill_gfx950_fp8":
+        lambda fn: fn(head_dim=128, causal=True),
     "kiln.kernels.attention.prefill.compile_prefill":
         lambda fn: fn("bf16", target="gfx950", head_dim=64),
     "kiln.kernels.attention.combine.compile_combine":

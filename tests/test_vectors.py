@@ -1,4 +1,5 @@
-"""kiln.pack / unpack / vector_slice / vector_constant: IR, interpreter semantics, errors."""
+"""kiln.pack / unpack / vector_slice / vector_concat / vector_constant: IR, interpreter semantics,
+errors."""
 
 import ml_dtypes
 import numpy as np
@@ -29,6 +30,32 @@ def test_pack_slice_and_constant_run_in_the_interpreter():
     np.testing.assert_array_equal(y, x.reshape(32, 2, 4)[:, :, ::-1].reshape(256))
 
 
+@kiln.kernel
+def rotate_quads(x: kiln.Tensor[kiln.f32, 1], y: kiln.Tensor[kiln.f8e4m3, 1]):
+    """y[12t .. 12t+12] = fp8 of x's 12 elements with the three quads rotated by one."""
+    base = kiln.thread_id(0) * 12
+    quads = [kiln.cast(x.load(base + 4 * i, width=4), kiln.f8e4m3) for i in range(3)]
+    y.store(base, kiln.vector_concat(quads[1:] + quads[:1]))
+
+
+def test_vector_concat_joins_in_order_in_the_interpreter():
+    rng = np.random.default_rng()
+    x = rng.standard_normal(32 * 12).astype(np.float32)
+    y = np.full(32 * 12, np.nan, ml_dtypes.float8_e4m3fn)
+    rotate_quads.interpret[(1,)](x, y, num_warps=1)
+    want = x.reshape(32, 3, 4)[:, [1, 2, 0]].reshape(-1).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(y.astype(np.float32), want.astype(np.float32))
+
+
+@pytest.mark.lower
+def test_fp8_casts_of_quads_become_packed_conversions_on_gfx950():
+    """arith-to-amdgpu turns a 4-wide f32 -> fp8 cast into v_cvt_pk_fp8_f32 (two per quad)."""
+    x = np.zeros(4, np.float32)
+    asm = rotate_quads.compile(x, np.zeros(4, ml_dtypes.float8_e4m3fn), target="gfx950",
+                               num_warps=1).asm["amdgcn"]
+    assert asm.count("v_cvt_pk_fp8_f32") == 6
+
+
 def test_pack_builds_from_elements_and_slices_are_shuffles():
     x = np.zeros(32, np.float32)
     asm = reverse_in_pairs.trace(x, x, target="sm_90a", num_warps=1).module_asm
@@ -56,6 +83,9 @@ def test_packed_bf16_store_is_one_wide_store_in_ptx():
     (lambda x: kiln.pack([x[0], kiln.cast(x[1], kiln.bf16)]), "cast every value"),
     (lambda x: kiln.vector_slice(kiln.pack([x[0], x[1]]), 1, 2), "outside a vector"),
     (lambda x: kiln.unpack(x[0]), "1-D vector"),
+    (lambda x: kiln.vector_concat([]), "at least one vector"),
+    (lambda x: kiln.vector_concat([kiln.pack([x[0]]), kiln.pack([kiln.cast(x[1], kiln.bf16)])]),
+     "cast every part"),
 ])
 def test_bad_vectors_are_reported_at_the_call(build, message):
     @kiln.kernel

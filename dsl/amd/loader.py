@@ -23,9 +23,13 @@ The three loads:
 - :meth:`TiledMmaLoader.load_b_tr` -- B stored K x N (N contiguous, a row-major B), gfx950
   bf16/f16 32x32x16 and 16x16x32: two ``ds_read_b64_tr_b16`` (K rows ``8g+0..3`` then
   ``8g+4..7`` of each lane's K group) joined into the 8-value fragment.
-- :meth:`TiledMmaLoader.load_v_fp8_strip` -- fp8 V stored keys x depth, gfx950 16x16x128:
-  four ``ds_read_b64_tr_b8`` with paired-lane addressing give lane ``l`` 32 consecutive keys at
-  one depth: the A operand of the ``P V`` MFMA computed as ``O^T = V^T P^T``.
+- :meth:`TiledMmaLoader.load_v_fp8_strip` -- fp8 V stored keys x depth, gfx950 16x16x128 and
+  32x32x64: four ``ds_read_b64_tr_b8`` with paired-lane addressing give lane ``l`` 32 keys at
+  one depth: the A operand of the ``P V`` MFMA computed as ``O^T = V^T P^T``. At 16x16x128 the
+  keys are consecutive; at 32x32x64 (the seed's ``rel_key`` / ``hw_key_shift`` /
+  ``depth_base`` addressing, :meth:`TiledMmaLoader.v_fp8_strip_coords`) they follow the
+  32x32 accumulator's row pattern, so the scores of ``S^T = K Q^T`` feed the PV MFMA as its
+  B operand without any permutation.
 
 On NVIDIA (``mma_shape=(16, 8, 16)``, bf16/f16, sm_80+), the same two methods build
 ``mma.sync`` m16n8k16 B fragments (``vector<4 x dtype>``, :func:`kiln.layout.mma_m16n8k16_b`)
@@ -76,8 +80,9 @@ MAX_LDS_READ_BYTES = 16  # ds_read_b128
 MAX_IMM_OFFSET = 65535  # the DS instructions' 16-bit unsigned offset field
 TR_READ_BYTES = 8  # ds_read_b64_tr_b{8,16}
 TR16_SHAPES = ((32, 32, 16), (16, 16, 32))
-V_FP8_SHAPE = (16, 16, 128)
+V_FP8_SHAPES = ((16, 16, 128), (32, 32, 64))
 V_FP8_KEYS_PER_READ = 8
+V_FP8_KEY_BASE = 16  # 32x32x64: the four reads start 16 keys apart (key_base 0, 16, 32, 48)
 MMA_SYNC_SHAPE = (16, 8, 16)  # NVIDIA mma.sync m16n8k16
 LDMATRIX_ROW = 8  # elements of one ldmatrix row address (16 bytes of 16-bit data)
 SUPPORTED = ("AMD GFX9: MFMA shapes (32, 32, k) / (16, 16, k) (load_b_tr: bf16/f16 (32, 32, 16) "
@@ -185,11 +190,29 @@ class TiledMmaLoader:
         return [self.swizzled((k0 + (lane // n) * 2 * per + h * per + in_group // (16 // per))
                               * row_stride + col) for h in range(2)]
 
+    def v_fp8_strip_coords(self, lane: Any) -> tuple:
+        """The seed's per-lane coordinates of the 32x32x64 V strip, lane-only (hoist them out of
+        the strip loop): ``rel_key`` -- the key lane ``L`` of its 16-lane row reads within a
+        16-key block, ``8 * (L // 8) + (L // 2) % 4``; ``hw_key_shift`` -- +4 in the upper
+        half-wave (the accumulator's ``4 * (l // 32)`` row term); ``depth_base`` -- 0, 8, 16 or
+        24: ``16 * ((l // 16) % 2) + 8 * (l % 2)``, the first of the 8 depths it reads."""
+        in_row = lane % 16
+        rel_key = 8 * (in_row // 8) + (in_row // 2) % 4
+        hw_key_shift = 4 * (lane // 32)
+        depth_base = 16 * ((lane // 16) % 2) + 8 * (lane % 2)
+        return rel_key, hw_key_shift, depth_base
+
     def v_fp8_strip_offsets(self, lane: Any, row_stride: int, key0: Any = 0,
                             depth0: Any = 0) -> list:
-        """Element offsets of the four ``ds_read_b64_tr_b8`` reads of :meth:`load_v_fp8_strip`:
-        even lane ``2p`` of 16-lane group ``g`` reads depths ``0..7`` of key
-        ``32g + 8c + p``, odd lane ``2p + 1`` depths ``8..15`` of the same key (read ``c``)."""
+        """Element offsets of the four ``ds_read_b64_tr_b8`` reads of :meth:`load_v_fp8_strip`.
+        16x16x128: even lane ``2p`` of 16-lane group ``g`` reads depths ``0..7`` of key
+        ``32g + 8c + p``, odd lane ``2p + 1`` depths ``8..15`` of the same key (read ``c``).
+        32x32x64: lane ``l`` reads depths ``depth_base .. +7`` of key ``16c + rel_key +
+        hw_key_shift`` (:meth:`v_fp8_strip_coords`)."""
+        if self.mma_shape == V_FP8_SHAPES[1]:
+            rel_key, hw_key_shift, depth_base = self.v_fp8_strip_coords(lane)
+            return [self.swizzled((key0 + V_FP8_KEY_BASE * c + rel_key + hw_key_shift)
+                                  * row_stride + depth0 + depth_base) for c in range(4)]
         group, pair, odd = lane // 16, (lane % 16) // 2, lane % 2
         return [self.swizzled((key0 + 32 * group + V_FP8_KEYS_PER_READ * c + pair) * row_stride
                               + depth0 + 8 * odd) for c in range(4)]
@@ -220,9 +243,17 @@ class TiledMmaLoader:
         return ThreadValueLayout(concat_modes(lanes, Layout(8, n)), (k, n))
 
     def v_fp8_strip_layout(self) -> ThreadValueLayout:
-        """``(lane, value) -> (depth, key)`` of :meth:`load_v_fp8_strip` in the 16 x 128 tile:
-        lane ``l`` holds keys ``32 * (l // 16) + v`` at depth ``(l % 16) // 2 + 8 * (l % 2)``."""
+        """``(lane, value) -> (depth, key)`` of :meth:`load_v_fp8_strip`. 16x16x128 (a 16 x 128
+        tile): lane ``l`` holds keys ``32 * (l // 16) + v`` at depth ``(l % 16) // 2 + 8 *
+        (l % 2)``. 32x32x64 (a 32 x 64 tile): lane ``l`` holds depth ``depth_base + (l % 16) //
+        2`` and, for value ``v``, key ``16 * (v // 8) + 8 * ((v % 8) // 4) + 4 * (l // 32) +
+        v % 4``: the rows of a 32x32 accumulator's values ``v % 16`` in lane ``l``, two
+        accumulators (64 keys) per strip."""
         self._require_v_fp8("v_fp8_strip_layout")
+        if self.mma_shape == V_FP8_SHAPES[1]:
+            lanes = Layout((2, 8, 2, 2), (8 * 64, 64, 16 * 64, 4))
+            values = Layout((4, 2, 4), (1, 8, 16))
+            return ThreadValueLayout(concat_modes(lanes, values), (32, 64))
         lanes = Layout((2, 8, 4), (8 * 128, 128, 32))
         return ThreadValueLayout(concat_modes(lanes, Layout(32, 1)), (16, 128))
 
@@ -280,9 +311,10 @@ class TiledMmaLoader:
 
     def load_v_fp8_strip(self, smem: SharedTensor, *, key0: Any = 0, depth0: Any = 0,
                          imm_offset_bytes: int = 0) -> Value:
-        """The 16 (depth) x 128 (key) fp8 A fragment of a 16x16x128 MFMA from a keys x depth LDS
-        tile: four ``ds_read_b64_tr_b8``; returns ``vector<32 x dtype>`` laid out as
-        :meth:`v_fp8_strip_layout`. Example: ``v = loader.load_v_fp8_strip(v_tile, depth0=16)``.
+        """The fp8 A fragment of one ``P V`` MFMA from a keys x depth LDS tile: 16 (depth) x 128
+        (key) at 16x16x128, 32 x 64 at 32x32x64; four ``ds_read_b64_tr_b8``; returns
+        ``vector<32 x dtype>`` laid out as :meth:`v_fp8_strip_layout`.
+        Example: ``v = loader.load_v_fp8_strip(v_tile, key0=64, depth0=32)``.
         """
         DS_READ_TR.require(op_target(), "TiledMmaLoader.load_v_fp8_strip")
         self._require_v_fp8("load_v_fp8_strip")
@@ -331,9 +363,9 @@ class TiledMmaLoader:
                                        "(16, 16, 32)")
 
     def _require_v_fp8(self, what: str) -> None:
-        if not self.dtype.is_fp8 or self.mma_shape != V_FP8_SHAPE:
+        if not self.dtype.is_fp8 or self.mma_shape not in V_FP8_SHAPES:
             raise UnsupportedError(f"{what} of {self.dtype} {self.mma_shape} is not supported",
-                                   fix="use f8e4m3 or f8e5m2 with (16, 16, 128)")
+                                   fix="use f8e4m3 or f8e5m2 with (16, 16, 128) or (32, 32, 64)")
 
     def _check_tile(self, smem: SharedTensor) -> int:
         if not isinstance(smem, SharedTensor) or len(smem.shape) != 2:

@@ -6,4 +6,5 @@ from .combine import combine, compile_combine
 from .online_softmax import OnlineSoftmax
 from .partials import Partials, PartialsMismatchError, fake_to_real, real_to_fake
 from .prefill_gfx950 import compile_prefill_gfx950, run_prefill_gfx950
+from .prefill_gfx950_fp8 import compile_prefill_gfx950_fp8, run_prefill_gfx950_fp8
 from .prefill import compile_prefill, prefill

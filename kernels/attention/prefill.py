@@ -1,7 +1,8 @@
 """Attention prefill: the public entries ``prefill`` and ``compile_prefill``.
 
 ``prefill`` checks the inputs, then runs the Hopper kernel (:mod:`.prefill_hopper`, ``sm_90a``,
-the default) or the gfx950 kernel (:mod:`.prefill_gfx950`; CPU interpreter only here).
+the default) or the gfx950 kernel (:mod:`.prefill_gfx950`, FP8: :mod:`.prefill_gfx950_fp8`;
+CPU interpreter only here).
 
 Example::
 
@@ -10,6 +11,8 @@ Example::
     o, lse = prefill(q, k, v, causal=True, return_lse=True)
     o = prefill(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)  # ragged q [total, Hq, D]
     o = prefill(q192, k192, v128, causal=True, softcap=30.0)   # D_qk 192, D_v 128, capped
+    o = prefill(q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv, target="gfx950",
+                backend="interpret")                           # f8e4m3 in, bf16 out
     # ragged, with FlashAttention's host-side bounds: no synchronisation, capturable
     o = prefill(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=512, max_seqlen_k=512)
 """
@@ -29,6 +32,7 @@ from .. import dlpack, runtime
 from ..runtime import (ArrayLib, PlanCache, check_backend, check_heads, check_positive,
                        contiguous, dtype_of, empty_like, is_cupy, is_torch, resolve_target, spec)
 from .prefill_config import check_head_dim
+from .prefill_gfx950_fp8_config import SUPPORTED_DTYPES as FP8_DTYPES
 from .prefill_hopper import SUPPORTED_DTYPES, HopperPrefillConfig, MaskSpec, make_kernel
 from .softcap import check_softcap
 
@@ -56,6 +60,13 @@ def compile_prefill(dtype="bf16", *, target, head_dim=128, head_dim_v=None, caus
     check_head_dim("head_dim", head_dim)
     if head_dim_v is not None:
         check_head_dim("head_dim_v", head_dim_v)
+    if chip.is_amd and name in FP8_DTYPES:
+        from .prefill_gfx950_fp8 import compile_prefill_gfx950_fp8
+
+        return compile_prefill_gfx950_fp8(head_dim=head_dim, head_dim_v=head_dim_v,
+                                          causal=causal, window=window, chunk=chunk,
+                                          sinks=True if sinks else None, softcap=softcap,
+                                          target=chip.name, **config)
     if chip.is_amd:  # specialised on which masks and sinks exist, not on group or LSE
         from .prefill_gfx950 import compile_prefill_gfx950
 
@@ -73,7 +84,8 @@ def compile_prefill(dtype="bf16", *, target, head_dim=128, head_dim_v=None, caus
 
 def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale=None,
             softcap=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-            max_seqlen_k=None, return_lse=False, target=None, backend=None):
+            max_seqlen_k=None, return_lse=False, target=None, backend=None, descale_q=None,
+            descale_k=None, descale_v=None):
     """Attention forward ``softmax(scale * q k^T + mask) v``; see the module docs and
     ``tests/attention_reference.py`` for the exact conventions.
 
@@ -87,6 +99,10 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     each scaled score ``s`` by ``softcap * tanh(s / softcap)`` before the mask and softmax
     (0.0 or None: off). Returns ``o`` ``[B, Sq, Hq, Dv]`` in q's dtype, and with
     ``return_lse`` the natural-log LSE ``[B, Hq, Sq]`` (ragged: ``[Hq, total_q]``), f32.
+
+    FP8 (gfx950, interpreter): f8e4m3 q/k/v with FlashAttention-3's descales ``descale_q``
+    (a scalar or ``[B, Hq]``), ``descale_k`` / ``descale_v`` (a scalar or ``[B, Hkv]``; None:
+    1), so the inputs stand for ``q * descale_q`` etc.; the output is bf16.
 
     Ragged batches size their grid by the longest query sequence. ``max_seqlen_q`` (and
     ``max_seqlen_k``), host ints as in FlashAttention's ``flash_attn_varlen_func``, give it
@@ -106,6 +122,7 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     Example: ``o = prefill(q, k, v, causal=True)`` with torch CUDA tensors.
     """
     softcap = check_softcap(softcap)  # a float before it enters a plan's key
+    _check_descales(q, descale_q, descale_k, descale_v)
     if cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and \
             max_seqlen_k is None and backend != "interpret" and is_torch(q):
         key = (spec(q), spec(k), spec(v), spec(sinks), causal, window, chunk, scale,
@@ -129,6 +146,19 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
                                           max_seqlen_q, max_seqlen_k)
     if _without_work(q, k, shapes, cu_seqlens_q is not None) or shapes.get("max_sk") == 0:
         return _outputs_without_work(q, shapes, sinks, cu_seqlens_q is not None, return_lse)
+    if chip.is_amd and _dtype_name(q.dtype) in FP8_DTYPES:
+        from .prefill_gfx950_fp8 import run_prefill_gfx950_fp8
+
+        out = run_prefill_gfx950_fp8(*(ArrayLib.numpy(x) for x in (q, k, v)), causal=causal,
+                                     window=window, chunk=chunk, sinks=_optional_numpy(sinks),
+                                     scale=scale, softcap=softcap,
+                                     cu_seqlens_q=_optional_numpy(cu_seqlens_q),
+                                     cu_seqlens_k=_optional_numpy(cu_seqlens_k),
+                                     return_lse=return_lse, backend=backend,
+                                     **{n: _optional_numpy(x) for n, x in (
+                                         ("descale_q", descale_q), ("descale_k", descale_k),
+                                         ("descale_v", descale_v))})
+        return _outputs_like(q, out, return_lse)
     if chip.is_amd:
         from .prefill_gfx950 import run_prefill_gfx950
 
@@ -258,6 +288,9 @@ def _validate(q, k, v, cu_q, cu_k, sinks, causal, window, chunk, scale, target, 
     shapes = _check_inputs(q, k, v, cu_q, cu_k, sinks)
     shapes |= _check_ragged(q, k, cu_q, cu_k, max_q, max_k)
     mask = _mask_spec(causal, window, chunk)
+    if _dtype_name(q.dtype) in FP8_DTYPES and not chip.is_amd:
+        raise kiln.UnsupportedError(f"FP8 prefill is not available on {chip.name} here",
+                                    fix="pass target='gfx950' (interpreter), or bf16/f16 inputs")
     if scale is None:
         scale = 1.0 / math.sqrt(shapes["d"])
     check_positive("scale", scale, fix="pass a positive softmax scale, or None for 1/sqrt(D)")
@@ -279,9 +312,10 @@ def _check_inputs(q, k, v, cu_q, cu_k, sinks) -> dict:
                                       fix="ragged batches take [total, H, D] with cu_seqlens, "
                                           "dense ones [B, S, H, D]")
     names = {n: _dtype_name(x.dtype) for n, x in (("q", q), ("k", k), ("v", v))}
-    if len(set(names.values())) != 1 or names["q"] not in SUPPORTED_DTYPES:
+    dtypes = SUPPORTED_DTYPES + FP8_DTYPES
+    if len(set(names.values())) != 1 or names["q"] not in dtypes:
         raise kiln.UnsupportedError(f"q/k/v dtypes {names} are not supported",
-                                    fix=f"pass q, k and v all in one of {SUPPORTED_DTYPES}")
+                                    fix=f"pass q, k and v all in one of {dtypes}")
     if tuple(k.shape[:-1]) != tuple(v.shape[:-1]):
         raise kiln.KilnValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ",
                                   fix="k and v must have the same shape but for the head dim")
@@ -340,6 +374,14 @@ def _check_ragged(q, k, cu_q, cu_k, max_q, max_k) -> dict:
     return dict(batch=len(cq) - 1, max_sq=max(longest_q, 1), max_sk=max_k)
 
 
+def _check_descales(q, *descales) -> None:
+    """Descales scale FP8 inputs only (their shapes are checked with the batch known)."""
+    if any(x is not None for x in descales) and \
+            _dtype_name(dtype_of("q", q)) not in FP8_DTYPES:
+        raise kiln.KilnValueError(f"descale_q/k/v are given for {_dtype_name(q.dtype)} inputs",
+                                  fix=f"pass them only with {' or '.join(FP8_DTYPES)} q, k, v")
+
+
 def _on_device(x) -> bool:
     """A torch CUDA tensor or a cupy array: reading it on the host synchronises."""
     return (is_torch(x) and x.is_cuda) or is_cupy(x)
@@ -352,8 +394,10 @@ def _without_work(q, k, shapes, ragged) -> bool:
 
 
 def _outputs_without_work(q, shapes, sinks, ragged, return_lse):
-    """``o`` like q (zeros: a row without keys) and the LSE: ``-inf``, or a sink's logit."""
-    o = empty_like(q, (*q.shape[:-1], shapes["dv"]), kiln.dtype(q.dtype), fill=0.0)
+    """``o`` like q (zeros: a row without keys; bf16 for FP8 inputs) and the LSE: ``-inf``, or
+    a sink's logit."""
+    out_dtype = kiln.bf16 if _dtype_name(q.dtype) in FP8_DTYPES else kiln.dtype(q.dtype)
+    o = empty_like(q, (*q.shape[:-1], shapes["dv"]), out_dtype, fill=0.0)
     if not return_lse:
         return o
     hq = shapes["hq"]

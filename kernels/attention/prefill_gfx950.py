@@ -89,6 +89,9 @@ so those head dims run 4 waves per block: one wave per SIMD and all 512 register
 would still spill is refused unless ``allow_scratch=True``. GQA head remap: block ``x`` serves
 query head ``(x % GROUP) * NUM_KV_HEADS + x // GROUP``.
 
+The key range, the mask and vote, the DMA drains and the C0-C7 iteration live in
+:mod:`.prefill_gfx950_steps`, shared with the FP8 kernel (:mod:`.prefill_gfx950_fp8`).
+
 Edges: Q, K, V and O go through buffer views; rows past a sequence, and the padding columns of
 a head dim narrower than its tile, are redirected past the tensor's end, so they read zeros and
 their stores are dropped.
@@ -105,7 +108,7 @@ import kiln
 from kiln import amd_asm, amd_buffer, mma
 from kiln.layout import mfma_32x32_accumulator
 from kiln.amd.loader import TiledMmaLoader
-from kiln.tiles import RegTile, TileVector
+from kiln.tiles import RegTile
 
 from .online_softmax import OnlineSoftmax
 from .prefill_gfx950_config import (DMA_ELEMS, EPILOGUE, KEY_BLOCK, MMA_SHAPE, PROLOGUE,
@@ -113,13 +116,9 @@ from .prefill_gfx950_config import (DMA_ELEMS, EPILOGUE, KEY_BLOCK, MMA_SHAPE, P
                                     WAVE, PrefillGfx950Config)
 from .prefill_gfx950_config import swap_bits_2_3 as _swap_bits_2_3
 from .prefill_gfx950_config import tr_depth as _tr_depth
-from .softcap import soft_cap, soft_cap_constants
+from .prefill_gfx950_steps import EPILOGUE_TILES, key_range, make_iteration, make_mask_and_vote
+from .softcap import soft_cap_constants
 
-RESCALE_THRESHOLD = 8.0
-EPILOGUE_TILES = 4  # the epilogue drains four tiles
-# At least one main-loop iteration: a loop LLVM sees run at least once has no zero-trip path,
-# whose structurized flow block would keep the prologue's P and K registers live across it.
-MIN_TILES = EPILOGUE_TILES + 2
 LOG2E = 1.0 / math.log(2.0)
 
 __all__ = ["PrefillGfx950Config", "make_kernel", "compile_prefill_gfx950", "run_prefill_gfx950",
@@ -140,7 +139,7 @@ def make_kernel(config: PrefillGfx950Config):
     waves = config.waves
     block_kv, strips = config.block_kv, config.strips
     key_frags = block_kv // KEY_BLOCK  # score fragments per tile
-    CAUSAL, WINDOW, CHUNK, SINKS = config.causal, config.window, config.chunk, config.sinks  # noqa: N806
+    SINKS, CACHE = config.sinks, config.att_bf16_full  # noqa: N806
     recipes = config.recipes()
     loader = TiledMmaLoader(dtype, MMA_SHAPE)
     acc_layout = mfma_32x32_accumulator()
@@ -164,81 +163,6 @@ def make_kernel(config: PrefillGfx950Config):
                                  geo.k_rows)
             first = chunk * (WAVE * DMA_ELEMS) // width
             amd_buffer.copy_to_lds(src, (src_row, col), lds, (first, 0), width=DMA_ELEMS)
-
-    def mask_scores(s, tile, geo):
-        """-inf where a key is past the sequence or hidden by the mask (``geo.q_pos``: this
-        lane's query position aligned to the keys, bottom-right). The visible keys of a row
-        are one interval; it is computed per lane relative to the fragment's first key, and
-        compared with the constant key offsets: two compares per score and no per-value
-        vector that LLVM could hoist out of the loop (and keep live across it)."""
-        q_pos, frags = geo.q_pos, []
-        offsets = kiln.vector_constant(key_of_value, kiln.i32)
-        for f in range(key_frags):
-            base = (geo.tile_lo + tile) * block_kv + f * KEY_BLOCK + 8 * (geo.lane // 32)
-            lo, hi = -base, geo.sk - 1 - base
-            if CAUSAL:
-                hi = kiln.minimum(hi, q_pos - base)
-            if WINDOW:
-                lo = kiln.where(geo.window_left < 0, lo,
-                                kiln.maximum(lo, q_pos - geo.window_left - base))
-                hi = kiln.where(geo.window_right < 0, hi,
-                                kiln.minimum(hi, q_pos + geo.window_right - base))
-            if CHUNK:
-                start = (kiln.maximum(q_pos, 0) // geo.chunk) * geo.chunk
-                lo = kiln.maximum(lo, start - base)
-                hi = kiln.where(q_pos < 0, -1 - block_kv,
-                                kiln.minimum(hi, start + geo.chunk - 1 - base))
-            visible = (offsets >= lo) & (offsets <= hi)
-            frags.append(kiln.where(visible, s.fragment(f, 0), -math.inf))
-        return RegTile(frags, s.layout, s.grid)
-
-    def is_boundary(tile, geo):
-        """Wave-uniform: some key of ``tile`` is past ``Sk`` or hidden from some row of the
-        block, so the tile needs :func:`mask_scores`; interior tiles skip it."""
-        first = (geo.tile_lo + tile) * block_kv
-        last = first + block_kv - 1
-        boundary = last >= geo.sk
-        if CAUSAL:
-            boundary = boundary | (last > geo.first_pos)
-        if WINDOW:
-            boundary = boundary | ((geo.window_left >= 0)
-                                   & (first < geo.last_pos - geo.window_left))
-            boundary = boundary | ((geo.window_right >= 0)
-                                   & (last > geo.first_pos + geo.window_right))
-        if CHUNK:
-            chunk_of_block = geo.first_pos // geo.chunk
-            boundary = boundary | (geo.first_pos < 0) \
-                | (geo.last_pos // geo.chunk != chunk_of_block) \
-                | (first // geo.chunk != chunk_of_block) | (last // geo.chunk != chunk_of_block)
-        return boundary
-
-    @kiln.func
-    def mask_boundary_tile(s, tile, geo):
-        if is_boundary(tile, geo):  # a scalar branch: interior tiles skip the mask's VALU
-            s = mask_scores(s, tile, geo)
-        return s
-
-    def mask_and_vote(sm, s, tile, geo, masked):
-        """Mask (``masked``: always, else on boundary tiles only), running max and the
-        lazy-rescale vote of ``s``; returns ``s``. Fired (some row's max grew by more than
-        the threshold): ``scale_vec`` = exp2(prev - max), prev = max. Skipped: max rolls back
-        to prev (so P stays below 2**8) and ``scale_vec`` = 1, which makes the rescales of
-        ``o`` and ``norm`` identities. The vote selects rather than branches: LLVM's
-        MachineSink moves pure work past a branch towards its uses, out of its cluster.
-        With a softcap the scores are capped first (log2 units, ``geo.scale_log2`` is 1)."""
-        if config.softcap:
-            s = RegTile([soft_cap(s.fragment(f, 0), *geo.cap) for f in range(key_frags)],
-                        s.layout, s.grid)
-        s = mask_scores(s, tile, geo) if masked else mask_boundary_tile(s, tile, geo)
-        sm.col_max_acc_scaled(s, geo.scale_log2)
-        fired = kiln.shuffle.any_lane((sm.max_vec - sm.max_vec_prev).any_greater(
-            RESCALE_THRESHOLD))
-        sm.max_vec = TileVector([[kiln.where(fired, m, prev) for m, prev in zip(*lines)]
-                                 for lines in zip(sm.max_vec.values, sm.max_vec_prev.values)],
-                                sm.max_vec.group_of, sm.max_vec.axis)
-        sm.scale_vec = (sm.max_vec_prev - sm.max_vec).map(kiln.exp2)  # 1 when skipped
-        sm.max_vec_prev = sm.max_vec
-        return s
 
     def qk(k_reg, geo):
         """``S^T = K Q^T`` for one tile from the whole-tile ``k_reg`` (MFMAs only)."""
@@ -270,7 +194,9 @@ def make_kernel(config: PrefillGfx950Config):
 
         Each P strip is cast to bf16 once, at the PV k-step that reads it. P crosses the loop
         back-edge in f32: a loop-carried bf16 vector makes LLVM split the latch and shuffle
-        every carried register through copies each iteration."""
+        every carried register through copies each iteration. ``att_bf16_full`` (the seed's
+        kernel-scope P cache, off by default) casts the strips here instead, after the exps,
+        and P crosses to the PV in bf16."""
         amd_asm.s_waitcnt(lgkmcnt=0)  # consumer-side drain: V's transposed reads are done
         x = sm.sub_max_scaled(s, geo.scale_log2) if s is not None else None
         if p is not None:
@@ -278,7 +204,7 @@ def make_kernel(config: PrefillGfx950Config):
         frags, exps = list(o.fragments), []
         for kk in kiln.static_range(strips):
             if p is not None:
-                p_operand = kiln.cast(p[kk], dtype)
+                p_operand = p[kk] if CACHE else kiln.cast(p[kk], dtype)
                 for dt in kiln.static_range(d_tiles):
                     frags[dt] = geo.atom(v_frags[kk][dt], p_operand, frags[dt])
             if x is not None:
@@ -290,39 +216,16 @@ def make_kernel(config: PrefillGfx950Config):
             sm.col_sum_acc(RegTile([kiln.pack(kiln.unpack(exps[2 * f])
                                               + kiln.unpack(exps[2 * f + 1]))
                                     for f in range(key_frags)], acc_layout, (key_frags, 1)))
+        if x is not None and CACHE:
+            exps = [kiln.cast(e, dtype) for e in exps]
         return RegTile(frags, o.layout, o.grid), (exps if x is not None else None)
 
-    def drain_dma(outstanding):
-        """Before the cluster's barrier: all but the ``outstanding`` youngest tile DMAs done
-        (the youngest is always a V tile, the one before it a K tile)."""
-        amd_asm.s_waitcnt(vmcnt=(0, dma_v, dma_v + dma_k)[outstanding])
-
-    def iteration(ids, j, state, geo, last, masked):
-        """C0-C7 (cluster numbers ``ids``) for ``j``; ``last``: the epilogue's E0-E7, which
-        DMA no K[j+1]; ``masked``: mask every tile (else boundary tiles only)."""
-        sm, o, k_reg, p, o_scale = state
-        bufs = geo.bufs
-        for half in kiln.static_range(2):
-            t = j - 2 + half  # the tile whose QK this half runs; j is odd: t % 2 == 1 - half
-            base = 4 * half
-            same, other = (half + 1) % 2, half % 2  # LDS slots of tiles t (and t + 2), t +- 1
-            with kiln.cluster(ids[base + 0], recipes[ids[base + 0]]):
-                s = qk(k_reg, geo)
-                drain_dma(2)  # V[t-1] landed (read next)
-            with kiln.cluster(ids[base + 1], recipes[ids[base + 1]]):
-                if not (last and half == 1):
-                    dma_tile(bufs.k, bufs.k_lds[same], t + 2, geo, True)
-                v_frags = load_v(bufs.v_lds[other])  # V[t-1]
-                s = mask_and_vote(sm, s, t, geo, masked)
-                scale_t = sm.scale_vec  # o's rescale for tile t, due before PV[t]
-            with kiln.cluster(ids[base + 2], recipes[ids[base + 2]]):
-                o, p = pv_and_partial(o, p, v_frags, sm, s, geo, o_scale)
-                o_scale = scale_t
-                drain_dma(1 if last and half == 1 else 2)  # K[t+1] landed (read next)
-            with kiln.cluster(ids[base + 3], recipes[ids[base + 3]]):
-                dma_tile(bufs.v, bufs.v_lds[other], t + 1, geo, False)  # V[t+1]
-                k_reg = load_k(bufs.k_lds[other])  # K[t+1]
-        return sm, o, k_reg, p, o_scale
+    steps = SimpleNamespace(qk=qk, dma_tile=dma_tile, load_v=load_v, load_k=load_k,
+                            pv_and_partial=pv_and_partial, mask_and_vote=make_mask_and_vote(
+                                config, block_kv=block_kv, key_frags=key_frags,
+                                key_of_value=key_of_value, lane_key_shift=8))
+    mask_and_vote = steps.mask_and_vote
+    iteration, drain_dma = make_iteration(recipes, config.dmas_per_tile, steps)
 
     def prefill_gfx950(q: kiln.Tensor[dtype, 2], k: kiln.Tensor[dtype, 2],
                        v: kiln.Tensor[dtype, 2], o: kiln.Tensor[dtype, 2],
@@ -349,21 +252,9 @@ def make_kernel(config: PrefillGfx950Config):
         q_row = block_q0 + wave * STRIPE + lane % STRIPE  # this lane's query row
 
         # Key range any row of the block may see: tiles outside it are not visited.
-        first_pos = block_q0 + sk - sq
-        last_pos = kiln.minimum(block_q0 + config.block_q, sq) - 1 + sk - sq
-        key_lo, key_hi = 0, sk
-        if CAUSAL:
-            key_hi = kiln.minimum(key_hi, last_pos + 1)
-        if WINDOW:
-            key_lo = kiln.where(window_left >= 0, kiln.maximum(first_pos - window_left, 0), 0)
-            key_hi = kiln.where(window_right >= 0,
-                                kiln.minimum(key_hi, last_pos + window_right + 1), key_hi)
-        if CHUNK:
-            key_lo = kiln.maximum(key_lo, (kiln.maximum(first_pos, 0) // chunk) * chunk)
-            key_hi = kiln.minimum(key_hi, (kiln.maximum(last_pos, 0) // chunk + 1) * chunk)
-        tile_lo = key_lo // block_kv
-        tiles = kiln.maximum((key_hi + block_kv - 1) // block_kv - tile_lo, 0)
-        n_tiles = kiln.maximum(tiles + tiles % 2, MIN_TILES)  # even, >= 6; padding is masked
+        keys = key_range(config, block_kv, block_q0, sq, sk, window_left, window_right, chunk)
+        first_pos, last_pos, tile_lo, n_tiles = (keys.first_pos, keys.last_pos, keys.tile_lo,
+                                                 keys.n_tiles)
 
         q_reg = []
         q_src = kiln.where(q_row < sq, (seq_q0 + q_row) * hq + head, q_rows)
@@ -453,12 +344,13 @@ def make_kernel(config: PrefillGfx950Config):
 
 
 def _config(head_dim, dtype, *, causal=False, window=None, chunk=None, sinks=None,
-            head_dim_v=None, softcap=0.0):
+            head_dim_v=None, softcap=0.0, att_bf16_full=False):
     return PrefillGfx950Config(head_dim=head_dim, dtype=kiln.dtype(dtype).name,
                                causal=bool(causal), window=window is not None,
                                chunk=chunk is not None, sinks=sinks is not None,
                                head_dim_v=None if head_dim_v == head_dim else head_dim_v,
-                               softcap=float(softcap or 0.0))
+                               softcap=float(softcap or 0.0),
+                               att_bf16_full=bool(att_bf16_full))
 
 
 def _placeholders(config: PrefillGfx950Config):
@@ -472,13 +364,14 @@ def _placeholders(config: PrefillGfx950Config):
 
 def compile_prefill_gfx950(*, head_dim: int, dtype="bf16", causal=False, window=None,
                            chunk=None, sinks=None, head_dim_v=None, softcap=0.0,
-                           target: str = "gfx950", allow_scratch: bool = False):
+                           att_bf16_full=False, target: str = "gfx950",
+                           allow_scratch: bool = False):
     """Compile (without running) the gfx950 prefill kernel; returns the ``CompiledKernel``
     (``.asm["amdgcn"]``, ``.metadata``) with ``.recipes`` (cluster -> ClusterRecipe) attached
     for ``kiln.lowering.verify_schedule``. ``window``/``chunk``/``sinks`` only need to be
     not-None: the kernel is specialised on which masks exist, not on their values;
-    ``head_dim_v`` is V's head dim (None: ``head_dim``), ``softcap`` > 0 caps the scores.
-    A kernel that would spill to scratch is refused unless ``allow_scratch=True``.
+    ``head_dim_v`` is V's head dim (None: ``head_dim``), ``softcap`` > 0 caps the scores,
+    ``att_bf16_full`` selects the seed's persistent P cache. A kernel that would spill to scratch is refused unless ``allow_scratch=True``.
 
     Example: ``compile_prefill_gfx950(head_dim=192, head_dim_v=128).metadata["scratch_bytes"]``.
     """
@@ -486,7 +379,7 @@ def compile_prefill_gfx950(*, head_dim: int, dtype="bf16", causal=False, window=
         raise kiln.UnsupportedError(f"the MhaPrefillV2 kernel uses gfx950 MFMAs and transposed "
                                     f"LDS reads, which {target} lacks", fix="target='gfx950'")
     config = _config(head_dim, dtype, causal=causal, window=window, chunk=chunk, sinks=sinks,
-                     head_dim_v=head_dim_v, softcap=softcap)
+                     head_dim_v=head_dim_v, softcap=softcap, att_bf16_full=att_bf16_full)
     compiled = make_kernel(config).compile(*_placeholders(config), target=target,
                                            num_warps=config.waves)
     if compiled.metadata.get("scratch_bytes") and not allow_scratch:
@@ -500,7 +393,7 @@ def compile_prefill_gfx950(*, head_dim: int, dtype="bf16", causal=False, window=
 
 def run_prefill_gfx950(q, k, v, *, causal=False, window=None, chunk=None, sinks=None,
                        scale=None, softcap=0.0, cu_seqlens_q=None, cu_seqlens_k=None,
-                       return_lse=False, backend=None):
+                       return_lse=False, backend=None, att_bf16_full=False):
     """Run the gfx950 kernel on numpy inputs (shapes and conventions of ``prefill``).
     Only ``backend="interpret"`` exists: no AMD GPU launch path is available.
 
@@ -524,7 +417,7 @@ def run_prefill_gfx950(q, k, v, *, causal=False, window=None, chunk=None, sinks=
     hq, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
     hkv = k.shape[-2]
     config = _config(d, kiln.dtype(q.dtype).name, causal=causal, window=window, chunk=chunk,
-                     sinks=sinks, head_dim_v=dv, softcap=softcap)
+                     sinks=sinks, head_dim_v=dv, softcap=softcap, att_bf16_full=att_bf16_full)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     o = np.full((q_tokens * hq, dv), np.nan, q.dtype)
     lse = np.full((hq, q_tokens), np.nan, np.float32)

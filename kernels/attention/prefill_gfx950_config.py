@@ -52,8 +52,10 @@ def _width(d: int) -> int:
 @dataclass(frozen=True)
 class PrefillGfx950Config:
     """Compile-time shape of the gfx950 prefill kernel: Q/K's ``head_dim``, V's
-    ``head_dim_v`` (None: the same), the input dtype, which masks exist, sinks, and the
-    ``softcap`` (0.0: off; the kernel is specialised on its value).
+    ``head_dim_v`` (None: the same), the input dtype, which masks exist, sinks, the
+    ``softcap`` (0.0: off; the kernel is specialised on its value) and ``att_bf16_full`` (the
+    seed's kernel-scope P cache: P cast to the input dtype in the softmax cluster and carried
+    so to the PV; off, the default, P crosses in f32 and each PV k-step casts its strip).
 
     Example: ``PrefillGfx950Config(head_dim=128).mfmas_per_tile == (8, 8)`` (QK, PV).
     """
@@ -66,6 +68,7 @@ class PrefillGfx950Config:
     sinks: bool = False
     head_dim_v: int | None = None
     softcap: float = 0.0
+    att_bf16_full: bool = False
 
     def __post_init__(self):
         _check_dim("head_dim", self.head_dim)
