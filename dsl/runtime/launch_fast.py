@@ -37,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 from typing import Any, Callable, Sequence
@@ -54,6 +55,7 @@ from kiln.signature import ScalarParam, TensorMapParam, TensorParam
 # Scalars of these dtypes given as a Python int (float) go straight into struct, whose range
 # check (struct.error) matches check_int_argument's; i1 and bit-pattern dtypes convert first.
 _DIRECT_INTS = frozenset({"i8", "i16", "i32", "i64", "index"})
+_INT_BITS = {"i8": 8, "i16": 16, "i32": 32, "i64": 64, "index": 64}
 _DIRECT_FLOATS = frozenset({"f32", "f64"})
 
 
@@ -99,6 +101,9 @@ def guarded_launcher(ck, args: tuple, kwargs: dict, positions: Sequence[int],
     if made is None:
         return None
     plan, values, namespace = made
+    native = _native_guarded(ck, plan, values, kwargs, meta, namespace)
+    if native is not None:
+        return native
     namespace.update(KW=dict(kwargs), META=meta)
     types, checks, reads, pointers, fields = [], [], [], [], []
     for i, a in enumerate(args):
@@ -144,6 +149,49 @@ def guarded_launcher(ck, args: tuple, kwargs: dict, positions: Sequence[int],
         "    return True",
     ])
     return _compiled(source, ck, namespace)
+
+
+def _native_guarded(ck, plan, values: list, kwargs: dict, meta: dict, namespace: dict
+                    ) -> Callable[[Any, tuple, dict, Any], bool] | None:
+    """The guarded launcher as one call into the native shim (``launch_guarded`` of
+    native_launch.c, on an argument block of its own: the call holds the GIL from the first
+    write to the launch), or None where the shim is not there or cannot pack every parameter
+    (tensor maps, i1 and bit-pattern scalars, cluster grids, ``KILN_LAUNCH_BLOCKING``).
+
+    Its spec: ``(keywords, ((name, type), ...), arguments, meta, current_stream,
+    stream_handle)``, one argument spec per parameter: ``(0, type, dtype, rank, is_cuda,
+    contiguous_last, slot)`` for a torch tensor (its launch key part), ``(kind, type, bits,
+    slot)`` for a scalar (kind 1: an int of ``bits``; 2: f32; 3: f64)."""
+    launcher = plan.launcher
+    shim = getattr(launcher, "shim", None)
+    if shim is None or not hasattr(shim, "launch_guarded") or ck.signature.cluster or \
+            plan.after_launch is not None:
+        return None
+    specs, slot = [], 0
+    for param, value in zip(ck.signature.params, values):
+        kind = type(value)
+        if isinstance(param, TensorParam):
+            part = launch_key_part(value, False)
+            specs.append((0, kind, *part[1:], slot))
+            slot += 3 + 2 * part[2]
+        elif isinstance(param, ScalarParam) and kind is int and param.dtype in _INT_BITS:
+            specs.append((1, kind, _INT_BITS[param.dtype], slot))
+            slot += 1
+        elif isinstance(param, ScalarParam) and kind in (int, float) and \
+                param.dtype in _DIRECT_FLOATS:
+            specs.append((2 if param.dtype == "f32" else 3, kind, 0, slot))
+            slot += 1
+        else:
+            return None
+    if slot != launcher.grid_slot:  # the flat layout is not the one written here
+        return None
+    block = launcher.new_arguments()
+    block.words[launcher.grid_slot + 3] = ck.signature.dynamic_shared_bytes
+    spec = (dict(kwargs), tuple((name, type(v)) for name, v in kwargs.items()), tuple(specs),
+            meta, namespace["current_stream"], stream_handle)
+    launch = functools.partial(shim.launch_guarded, block.address, spec)
+    launch.block = block  # the record's memory lives as long as the launcher
+    return launch
 
 
 def _prepared(ck, args: Sequence, positions: Sequence[int]) -> tuple | None:
