@@ -377,8 +377,8 @@ def _input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens, block_table
     their tensors' addresses; absent features read the plan's placeholders)."""
     return (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), page_table.data_ptr(),
             seq_lens.data_ptr(),
-            (block_table if block_table is not None else plan.no_block_table).data_ptr(),
-            (sinks if sinks is not None else plan.no_sinks).data_ptr())
+            plan.placeholder_pointers[0] if block_table is None else block_table.data_ptr(),
+            plan.placeholder_pointers[1] if sinks is None else sinks.data_ptr())
 
 
 def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_size=64,

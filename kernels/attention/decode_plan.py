@@ -88,6 +88,12 @@ class DecodePlan:
                                     (shape[:3], self.no_sinks.dtype))
 
     @functools.cached_property
+    def placeholder_pointers(self) -> tuple[int, int]:
+        """Addresses of :attr:`no_block_table` and :attr:`no_sinks` (bound for absent
+        features)."""
+        return self.no_block_table.data_ptr(), self.no_sinks.data_ptr()
+
+    @functools.cached_property
     def no_output_pointers(self) -> tuple:
         """Addresses of :attr:`no_outputs` (what a kernel that does not combine is bound to)."""
         return tuple(t.data_ptr() for t in self.no_outputs)
