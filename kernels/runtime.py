@@ -313,7 +313,7 @@ class TorchOutputs:
         import torch
 
         self._empty_like, self._contiguous = torch.empty_like, torch.contiguous_format
-        self._templates = tuple(like.new_empty(1, dtype=dtype).expand(shape)
+        self._templates = tuple(like.new_empty((), dtype=dtype).expand(shape)
                                 for shape, dtype in specs)
 
     def __call__(self) -> tuple:
