@@ -20,7 +20,9 @@ process), and JSON with ``--json FILE``::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import sys
 import gc
 import time
 import timeit
@@ -107,7 +109,7 @@ def no_op_runtime() -> tuple[object, dict[str, int]]:
 
 
 class Tensor:
-    """A CUDA torch tensor as the launch path reads one."""
+    """A CUDA torch tensor as the launch path reads one (where torch is not installed)."""
 
     __module__ = "torch"
     device = SimpleNamespace(type="cuda")
@@ -127,6 +129,36 @@ class Tensor:
         return (1,) if dim is None else 1
 
 
+@contextlib.contextmanager
+def cpu_torch_as_device():
+    """Let the checked launch take torch CPU tensors as device ones (their attributes cost
+    what a CUDA tensor's do; only ``is_cuda`` differs, and the launch key keeps it)."""
+    from kiln.runtime import launch
+
+    checked = launch._device_view
+
+    def device_view(param, value, staging):
+        if type(value).__module__.startswith("torch") and not value.is_cuda:
+            return value.data_ptr(), tuple(value.shape), tuple(value.stride())
+        return checked(param, value, staging)
+
+    launch._device_view = device_view
+    try:
+        yield
+    finally:
+        launch._device_view = checked
+
+
+def raw_ctypes_call(symbols: dict[str, int]):
+    """A ``cuLaunchKernel``-shaped ctypes call (11 arguments, prebuilt) into the no-op: what
+    a launcher that calls the driver through ctypes pays at least, as Triton's did."""
+    from kiln.runtime.driver_launch import _LAUNCH
+
+    launch = _LAUNCH(symbols["cuLaunchKernel"])
+    params = (ctypes.c_void_p * 4)()
+    return lambda: launch(0x1000, 16, 1, 1, 256, 1, 1, 0, None, params, None)
+
+
 @kiln.kernel(num_threads="BLOCK")
 def saxpy(x: kiln.Tensor[f32], y: kiln.Tensor[f32], n: i32, a: f32, BLOCK: kiln.constexpr):
     i = kiln.block_id(0) * kiln.block_dim(0) + kiln.thread_id(0)
@@ -140,9 +172,12 @@ def launchers(ck):
     from kiln.runtime.native import native_module
 
     keep, symbols = no_op_runtime()
-    mlir = HostLauncher(ck.signature, lambda: nvidia_kernel_object(ck.target, ptx=ck.asm["ptx"]),
-                        [], runtime_symbols=symbols)
-    yield "mlir", mlir, keep
+    # No local keeps the launcher: its engine unloads through the no-ops when the caller drops
+    # it, before the no-ops' engine goes (the other way round jumps into freed code).
+    yield "mlir", HostLauncher(ck.signature,
+                               lambda: nvidia_kernel_object(ck.target, ptx=ck.asm["ptx"]), [],
+                               runtime_symbols=symbols), keep
+    del keep
     keep, symbols = no_op_driver()
     functions = DriverFunctions(symbols, None)
     shim = native_module()
@@ -151,13 +186,14 @@ def launchers(ck):
     yield "ctypes", DriverLauncher(ck.signature, 0x1000, functions, None), keep
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write the results to this JSON file")
-    parser.add_argument("--number", type=int, default=20000, help="calls per timing")
-    options = parser.parse_args(argv)
-    n = 4096
-    x, y = Tensor(0x10000, n), Tensor(0x20000, n)
+def _timed(case, number: int) -> float:
+    # CPU time of this process: steadier than wall time on a shared machine.
+    timer = timeit.Timer(case, timer=time.process_time)
+    return min(timer.repeat(number=number, repeat=5)) / number * 1e6
+
+
+def launch_rows(x, y, n: int, number: int) -> dict:
+    """µs per call of each launch path of saxpy on ``x``, ``y`` over each launcher."""
     ck = saxpy.compile(x, y, n, 2.0, BLOCK=256)
     results: dict = {}
     for kind, launcher, keep in launchers(ck):
@@ -178,10 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
             for case in cases.values():
                 case()  # plan, generated launcher
             for label, case in cases.items():
-                # CPU time of this process: steadier than wall time on a shared machine.
-                timer = timeit.Timer(case, timer=time.process_time)
-                best = min(timer.repeat(number=options.number, repeat=5)) / options.number * 1e6
-                results[f"{label} [{kind}]"] = best
+                results[f"{label} [{kind}]"] = best = _timed(case, number)
                 print(f"{label:28s} {kind:7s} {best:6.2f} us", flush=True)
         finally:
             # An MLIR launcher's engine unloads its module through the no-ops: release it first.
@@ -191,16 +224,75 @@ def main(argv: list[str] | None = None) -> dict:
             delattr(ck, _PLAN_ATTRIBUTE)
             gc.collect()
             del keep
+    return results
+
+
+def library_rows(number: int) -> dict:
+    """µs per steady-state call of each library entry point on torch CPU tensors up to its
+    bound launch (a DryRuntime), by name; empty without torch."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    from launch_overhead import run_library_host_only
+
+    return {row["path"]: row["us"] for row in run_library_host_only(number, 5)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--number", type=int, default=20000, help="calls per timing")
+    parser.add_argument("--tensors", choices=("torch", "stand-in"), default=None,
+                        help="torch CPU tensors (the default where torch is installed) or "
+                             "stand-ins")
+    parser.add_argument("--no-library", action="store_true", help="skip the entry points")
+    options = parser.parse_args(argv)
+    n = 4096
+    tensors = options.tensors or ("torch" if _torch_installed() else "stand-in")
+    print(f"arguments: {tensors} tensors", flush=True)
+    if tensors == "torch":
+        import torch
+
+        x, y = torch.zeros(n), torch.zeros(n)
+        with cpu_torch_as_device():
+            results = launch_rows(x, y, n, options.number)
+    else:
+        results = launch_rows(Tensor(0x10000, n), Tensor(0x20000, n), n, options.number)
+    keep, symbols = no_op_driver()
+    results["raw ctypes cuLaunchKernel-shaped call"] = raw = _timed(raw_ctypes_call(symbols),
+                                                                    options.number)
+    print(f"{'raw ctypes call (floor of a ctypes launcher)':44s} {raw:6.2f} us")
+    del keep
+    if not options.no_library:
+        library = library_rows(max(options.number // 20, 200))
+        for label, us in library.items():
+            results[f"library {label} (up to the bound launch)"] = us
+            print(f"{label:56s} {us:6.2f} us", flush=True)
+        if not library:
+            print("library entry points: skipped (torch is not installed)")
     base = results.get("kernel[grid](...) [mlir]")
+    ratios = {}
     for kind in ("native", "ctypes"):
-        if f"kernel[grid](...) [{kind}]" in results and base:
-            ratio = results[f"kernel[grid](...) [{kind}]"] / base
-            print(f"kernel[grid] {kind} / mlir: {ratio:.2f}")
+        ours = results.get(f"kernel[grid](...) [{kind}]")
+        if ours and base:
+            ratios[f"kernel[grid] {kind} / mlir"] = ours / base
+        if ours:
+            ratios[f"kernel[grid] {kind} / raw ctypes call"] = ours / raw
+    for label, ratio in ratios.items():
+        print(f"{label}: {ratio:.2f}")
     if options.json:
         write_results(options.json, "launch_host_cpu",
                       [{"path": label, "us": us} for label, us in results.items()],
-                      results=results, device="host CPU (driver call a no-op)", driver=None)
+                      results=results, ratios=ratios, tensors=tensors,
+                      device="host CPU (driver call a no-op)", driver=None)
     return results
+
+
+def _torch_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
 
 
 if __name__ == "__main__":

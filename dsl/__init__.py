@@ -66,11 +66,12 @@ from . import driver as _driver
 from .interpreter import interpret_kernel as _interpret_kernel
 from .runtime.cache import compile_specialisation as _compile_specialisation
 from .runtime.launch import launch as _launch
+from .runtime.launch_fast import guarded_launcher as _guarded_launcher
 from .runtime.launch_fast import specialized_launcher as _specialized_launcher
 
 _driver.install(_driver.Driver(compile=_compile_specialisation, launch=_launch,
                                specialized_launcher=_specialized_launcher,
-                               interpret=_interpret_kernel))
+                               interpret=_interpret_kernel, guarded_launcher=_guarded_launcher))
 
 # ``import kiln.tma`` / ``from kiln.amd_asm import ...``: the old module paths name the moved
 # family modules.

@@ -39,14 +39,18 @@ class Driver:
     ``compile(fn, specs, options, trace)`` returns a compiled kernel (cache lookup, then
     ``trace()`` and the backend's stages); ``launch(ck, grid, args, stream=)`` runs one on the
     GPU; ``specialized_launcher(ck, args, positions)`` returns, after a launch, a faster
-    launcher for arguments of the kinds of ``args`` (or None); ``interpret(traced, grid, args,
-    target)`` runs a traced kernel on the CPU.
+    launcher for arguments of the kinds of ``args`` (or None);
+    ``guarded_launcher(ck, args, kwargs, positions, constexpr_flags, meta)`` one that also
+    checks that a call has the launch key of ``(args, kwargs)`` (returning False, having
+    launched nothing, when not); ``interpret(traced, grid, args, target)`` runs a traced kernel
+    on the CPU.
     """
 
     compile: Callable
     launch: Callable
     specialized_launcher: Callable
     interpret: Callable
+    guarded_launcher: Callable
 
 
 _installed: list[Driver] = []

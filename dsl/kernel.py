@@ -54,7 +54,7 @@ from .core.targets import get_target
 from .driver import installed, lowering_signature, tensor_arg_spec
 from .fingerprint import WRAPPERS, keyword_key_part, typed_key
 from .launch_args import normalize_grid
-from .launch_key import exact_keywords, launch_guard, launch_key_part
+from .launch_key import exact_keywords, launch_key_part
 from .tensor import TensorRef, memref_type
 from .nvidia.tma import descriptor_from_pointer
 from .values import Value
@@ -329,15 +329,16 @@ class JITKernel:
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, stream=None, **kwargs):
-        # The hot path of a repeat launch: the last launch's guard, else one dict lookup on a
+        # The hot path of a repeat launch: the last launch's guarded launcher (its launch key's
+        # check fused with the packing, kiln.runtime.launch_fast), else one dict lookup on a
         # cheap key (kind/dtype/rank/contiguity of arrays, Python scalar types, typed positional
         # constexprs, keyword values and their types; kiln.launch_key), then the launcher
         # generated for that specialisation; the full specialisation runs once per key.
         # @user_facing, inlined: its wrapper would cost every launch one more call.
         try:
             last = self._last_launch
-            if last is not None and last.target == _default_target and last.guard(args, kwargs):
-                last.fast(grid(last.meta) if callable(grid) else grid, args, stream)
+            if last is not None and last.target == _default_target and \
+                    last.guarded(grid, args, kwargs, stream):
                 return
             positional = self._positional_key(args, kwargs)
             try:
@@ -350,9 +351,11 @@ class JITKernel:
                 entry = self._launch_entry(key, positional, args, kwargs)
             if entry.fast:
                 entry.fast(grid(entry.meta) if callable(grid) else grid, args, stream)
-                if entry.guard is None:
-                    entry.guard = launch_guard(args, kwargs, self._constexpr_flags) or False
-                if entry.guard:
+                if entry.guarded is None:
+                    entry.guarded = installed().guarded_launcher(
+                        entry.ck, args, kwargs, self._runtime_idx, self._constexpr_flags,
+                        entry.meta) or False
+                if entry.guarded:
                     self._last_launch = entry
             else:
                 self._launch_checked(entry, grid, args, kwargs, stream)
@@ -432,14 +435,14 @@ class JITKernel:
 class _LaunchEntry:
     """One launch specialisation of a JITKernel: the compiled kernel, the grid callable's
     ``meta``, whether every run-time argument is positional, ``fast``, the launcher generated
-    after its first launch, and ``guard`` (kiln.launch_key.launch_guard) of its first fast
-    launch (each None before it is made, False when there is none); ``target`` is the default
-    target it was keyed under."""
-    __slots__ = ("ck", "meta", "by_position", "fast", "guard", "target")
+    after its first launch, and ``guarded`` (kiln.runtime.launch_fast.guarded_launcher) of its
+    first fast launch (each None before it is made, False when there is none); ``target`` is
+    the default target it was keyed under."""
+    __slots__ = ("ck", "meta", "by_position", "fast", "guarded", "target")
 
     def __init__(self, ck, meta: dict, by_position: bool, *, target: str):
         self.ck, self.meta, self.by_position, self.target = ck, meta, by_position, target
-        self.fast = self.guard = None
+        self.fast = self.guarded = None
 
 
 class _Interpreted:

@@ -6,9 +6,10 @@ key, a Python scalar's type, an array's kind, dtype, rank and whether its innerm
 their types and the default target) launch the same binary.
 
 :func:`launch_guard` compiles, for one call, a function that is true exactly when another call
-would have the same key, without building it: the kernel keeps its last launch and its guard,
-so a loop launching one specialisation skips the key, its hashing and the dict look-up. A torch
-tensor's part is written once (``_TORCH_PART``) and used by both.
+would have the same key, without building it: it decides where an exact guard exists, and
+:func:`kiln.runtime.launch_fast.guarded_launcher` fuses the same checks with the packing of
+the kernel's last launch, so a loop launching one specialisation skips the key, its hashing
+and the dict look-up. A torch tensor's part is written once (``_TORCH_PART``).
 
 Example::
 

@@ -339,7 +339,7 @@ def test_the_last_launch_is_reused_only_under_the_same_default_target(runtimes, 
     for _ in range(3):
         axpy[2](x, x, 256, 1.0, BLOCK=128)
     (entry,) = set(axpy._launches.values())
-    assert axpy._last_launch is entry and entry.guard
+    assert axpy._last_launch is entry and entry.guarded
     monkeypatch.setattr(sys.modules["kiln.kernel"], "_default_target", "sm_80")
     axpy[2](x, x, 256, 1.0, BLOCK=128)
     launches = {ck.target.name: len(runtime.launches) for ck, runtime in runtimes.items()}

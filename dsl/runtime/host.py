@@ -321,10 +321,10 @@ class PackedLaunches:
     def pack(self, arguments: LaunchArguments, flat_args: Sequence,
              grid: tuple[int, int, int], stream: int | None) -> None:
         """Write every slot of ``arguments`` (KilnValueError when a value does not fit its C
-        type, e.g. 2**31 for an i32 parameter)."""
+        type, e.g. 2**31 for an i32 parameter, 1e39 for an f32 one)."""
         try:
             self.layout.pack_into(arguments.words, 0, *flat_args, *grid, self._smem, stream or 0)
-        except struct.error as err:
+        except (struct.error, OverflowError) as err:  # OverflowError: a float past f32
             raise KilnValueError(f"launch arguments of {self.signature.name} do not fit their C "
                                  f"types ({err}): {_describe_flat(self.signature, flat_args)}",
                                  fix="pass values within the range of each parameter's dtype"

@@ -137,7 +137,9 @@ class BoundLaunch:
             raise KilnValueError(f"this launch binds {len(self._slots)} tensors, got "
                                  f"{len(pointers)} addresses", fix="pass one per tensor parameter")
         if self._native is not None:
-            handle = self._current_stream() if stream is None else stream_handle(stream)
+            # An int is a raw handle (what current_stream() returned to an entry point).
+            handle = self._current_stream() if stream is None else \
+                (stream or None) if type(stream) is int else stream_handle(stream)
             if self._map_views:
                 pointers = self._with_descriptors(pointers, handle)
             self._native(self._record, handle, *pointers)

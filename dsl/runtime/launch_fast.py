@@ -37,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 from typing import Any, Callable, Sequence
@@ -44,6 +45,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kiln.launch_args import normalize_grid
+from kiln.launch_key import launch_guard, launch_key_part
 from kiln.runtime.driver_launch import DriverLauncher
 from kiln.runtime.host import HostLauncher
 from kiln.runtime.launch import (_PLAN_ATTRIBUTE, _convert_tensor, _device_view,
@@ -53,6 +55,7 @@ from kiln.signature import ScalarParam, TensorMapParam, TensorParam
 # Scalars of these dtypes given as a Python int (float) go straight into struct, whose range
 # check (struct.error) matches check_int_argument's; i1 and bit-pattern dtypes convert first.
 _DIRECT_INTS = frozenset({"i8", "i16", "i32", "i64", "index"})
+_INT_BITS = {"i8": 8, "i16": 16, "i32": 32, "i64": 64, "index": 64}
 _DIRECT_FLOATS = frozenset({"f32", "f64"})
 
 
@@ -63,6 +66,137 @@ def specialized_launcher(ck, args: Sequence, positions: Sequence[int]
     None when there is none to make: ``ck`` has not launched yet, its launcher is not a
     :class:`HostLauncher`, or an argument is a numpy array. The result is called as
     ``fast(grid, args, stream)`` with the same ``stream`` values as ``ck.launch``."""
+    made = _prepared(ck, args, positions)
+    if made is None:
+        return None
+    plan, values, namespace = made
+    loads, pointers, fields = [], [], []
+    for i, (param, value, position) in enumerate(zip(ck.signature.params, values, positions)):
+        loads.append(f"a{i} = args[{position}]")
+        fields.append(_fields(i, param, value, plan, namespace, pointers))
+    source = "\n".join([
+        "def launch(grid, args, stream):",
+        *(f"    {line}" for line in loads),
+        *_launch_lines(ck, plan, pointers, fields),
+    ])
+    return _compiled(source, ck, namespace)
+
+
+def guarded_launcher(ck, args: tuple, kwargs: dict, positions: Sequence[int],
+                     constexpr_flags: Sequence[bool], meta: dict
+                     ) -> Callable[[Any, tuple, dict, Any], bool] | None:
+    """:func:`specialized_launcher` fused with the launch's guard
+    (:func:`kiln.launch_key.launch_guard`): ``launch(grid, args, kwargs, stream)`` launches and
+    returns True when this call's launch key equals that of ``(args, kwargs)`` (the default
+    target aside), else returns False having done nothing. Each torch tensor's shape and
+    strides are read once, for the key's rank and innermost stride and for the packing. A
+    callable ``grid`` is called with ``meta``. None where there is no exact guard
+    (``launch_guard``'s cases) or no specialised launcher."""
+    # With no positional constexpr (launch_guard's condition) the i-th argument is the i-th
+    # run-time parameter.
+    if launch_guard(args, kwargs, constexpr_flags) is None or \
+            list(positions) != list(range(len(args))):
+        return None
+    made = _prepared(ck, args, positions)
+    if made is None:
+        return None
+    plan, values, namespace = made
+    native = _native_guarded(ck, plan, values, kwargs, meta, namespace)
+    if native is not None:
+        return native
+    namespace.update(KW=dict(kwargs), META=meta)
+    types, checks, reads, pointers, fields = [], [], [], [], []
+    for i, a in enumerate(args):
+        namespace[f"T{i}"] = type(a)
+        types.append(f"type(a{i}) is T{i}")
+    types.append("kwargs == KW")
+    for j, (name, value) in enumerate(kwargs.items()):
+        namespace[f"K{j}"] = type(value)
+        types.append(f"type(kwargs[{name!r}]) is K{j}")
+    for i, (param, value) in enumerate(zip(ck.signature.params, values)):
+        a = f"a{i}"
+        if type(value) in (int, float, bool) or isinstance(param, TensorMapParam):
+            fields.append(_fields(i, param, value, plan, namespace, pointers))
+            if type(value) in (int, float, bool):
+                continue
+        # A torch tensor (launch_guard takes no other array): its key part, from one read of
+        # its shape and strides.
+        dtype, rank, on_device, contiguous_last = launch_key_part(value, False)[1:]
+        if type(on_device) is not bool or type(contiguous_last) is not bool:
+            return None
+        namespace[f"D{i}"] = dtype
+        reads.append(f"s{i} = {a}.shape; r{i} = {a}.stride()")
+        check = f"{a}.dtype == D{i} and len(s{i}) == {int(rank)} and {a}.is_cuda is {on_device}"
+        if rank:
+            check += f" and {'' if contiguous_last else 'not '}(r{i}[-1] == 1 or s{i}[-1] <= 1)"
+        checks.append(check)
+        if isinstance(param, TensorParam):
+            pointers.append(f"p{i} = {a}.data_ptr()")
+            fields.append(f"p{i}, p{i}, 0, *s{i}, *r{i}")
+    unpack = "".join(f"a{i}, " for i in range(len(args)))
+    source = "\n".join([
+        "def launch(grid, args, kwargs, stream):",
+        f"    if len(args) != {len(args)}:",
+        "        return False",
+        *([f"    {unpack}= args"] if args else []),
+        f"    if not ({' and '.join(types)}):",
+        "        return False",
+        *(f"    {line}" for line in reads),
+        *([f"    if not ({' and '.join(checks)}):", "        return False"] if checks else []),
+        "    if callable(grid):",
+        "        grid = grid(META)",
+        *_launch_lines(ck, plan, pointers, fields, launched="True"),
+        "    return True",
+    ])
+    return _compiled(source, ck, namespace)
+
+
+def _native_guarded(ck, plan, values: list, kwargs: dict, meta: dict, namespace: dict
+                    ) -> Callable[[Any, tuple, dict, Any], bool] | None:
+    """The guarded launcher as one call into the native shim (``launch_guarded`` of
+    native_launch.c, on an argument block of its own: the call holds the GIL from the first
+    write to the launch), or None where the shim is not there or cannot pack every parameter
+    (tensor maps, i1 and bit-pattern scalars, cluster grids, ``KILN_LAUNCH_BLOCKING``).
+
+    Its spec: ``(keywords, ((name, type), ...), arguments, meta, current_stream,
+    stream_handle)``, one argument spec per parameter: ``(0, type, dtype, rank, is_cuda,
+    contiguous_last, slot)`` for a torch tensor (its launch key part), ``(kind, type, bits,
+    slot)`` for a scalar (kind 1: an int of ``bits``; 2: f32; 3: f64)."""
+    launcher = plan.launcher
+    shim = getattr(launcher, "shim", None)
+    if shim is None or not hasattr(shim, "launch_guarded") or ck.signature.cluster or \
+            plan.after_launch is not None:
+        return None
+    specs, slot = [], 0
+    for param, value in zip(ck.signature.params, values):
+        kind = type(value)
+        if isinstance(param, TensorParam):
+            part = launch_key_part(value, False)
+            specs.append((0, kind, *part[1:], slot))
+            slot += 3 + 2 * part[2]
+        elif isinstance(param, ScalarParam) and kind is int and param.dtype in _INT_BITS:
+            specs.append((1, kind, _INT_BITS[param.dtype], slot))
+            slot += 1
+        elif isinstance(param, ScalarParam) and kind in (int, float) and \
+                param.dtype in _DIRECT_FLOATS:
+            specs.append((2 if param.dtype == "f32" else 3, kind, 0, slot))
+            slot += 1
+        else:
+            return None
+    if slot != launcher.grid_slot:  # the flat layout is not the one written here
+        return None
+    block = launcher.new_arguments()
+    block.words[launcher.grid_slot + 3] = ck.signature.dynamic_shared_bytes
+    spec = (dict(kwargs), tuple((name, type(v)) for name, v in kwargs.items()), tuple(specs),
+            meta, namespace["current_stream"], stream_handle)
+    launch = functools.partial(shim.launch_guarded, block.address, spec)
+    launch.block = block  # the record's memory lives as long as the launcher
+    return launch
+
+
+def _prepared(ck, args: Sequence, positions: Sequence[int]) -> tuple | None:
+    """``(plan, run-time values, namespace)`` of a generated launcher of ``ck``, or None when
+    there is none to make (see :func:`specialized_launcher`)."""
     plan = getattr(ck, _PLAN_ATTRIBUTE, None)
     if plan is None or not isinstance(plan.launcher, (HostLauncher, DriverLauncher)):
         return None
@@ -82,13 +216,14 @@ def specialized_launcher(ck, args: Sequence, positions: Sequence[int]
         "fallback": lambda grid, call, stream: ck.launch(
             grid, [call[p] for p in positions], stream=stream),
     }
-    loads, pointers, fields = [], [], []
-    for i, (param, value, position) in enumerate(zip(params, values, positions)):
-        loads.append(f"a{i} = args[{position}]")
-        fields.append(_fields(i, param, value, plan, namespace, pointers))
-    source = "\n".join([
-        "def launch(grid, args, stream):",
-        *(f"    {line}" for line in loads),
+    return plan, values, namespace
+
+
+def _launch_lines(ck, plan, pointers: list, fields: list, launched: str = "") -> list[str]:
+    """The body of a generated launcher after its arguments are loaded: stream, grid check,
+    this thread's argument block, one pack of every field, one call into the launcher
+    (``launched``: what the launcher returns after the checked path launched instead)."""
+    return [
         "    handle = current_stream() if stream is None else stream_handle(stream)",
         "    grid = check_grid(grid)",
         "    arguments = blocks.get(get_ident()) or thread_block()",
@@ -97,10 +232,14 @@ def specialized_launcher(ck, args: Sequence, positions: Sequence[int]
         f"        pack_into(arguments.words, 0, {''.join(f + ', ' for f in fields)}*grid, "
         f"{ck.signature.dynamic_shared_bytes}, handle or 0)",
         "    except (struct.error, OverflowError, TypeError):",
-        "        return fallback(grid, args, stream)",
+        "        fallback(grid, args, stream)",
+        f"        return {launched}".rstrip(),
         "    entry(arguments.address)",
         *(["    after_launch()"] if plan.after_launch is not None else []),
-    ])
+    ]
+
+
+def _compiled(source: str, ck, namespace: dict) -> Callable:
     exec(compile(source, f"<kiln launcher of {ck.name}>", "exec"), namespace)
     # Out of its own globals: a cycle would keep the plan (and its loaded module) alive until
     # the cyclic collector, which may tear the launcher down in any order.

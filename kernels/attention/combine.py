@@ -34,7 +34,7 @@ import kiln
 from kiln import f32, i32
 
 from .. import dlpack, runtime
-from ..runtime import PlanCache, check_backend, check_counts, dtype_of, is_torch, spec
+from ..runtime import PlanCache, check_backend, check_counts, dtype_of, is_torch, key_of
 from .combine_kernel import (LOG2E, THREADS_PER_ROW, VECTOR_BYTES, WIDE, CombineConfig,
                              choose_config, lse_merge, lse_merge_ragged, _vector_width)
 from .partials import DEPTH_ORDERS, STG128_DEPTH, Partials, partials_of, stg128_vector
@@ -117,31 +117,52 @@ class _CombinePlan:
         return self.grid[0] == 0 or self.grid[2] == 0
 
     def new_outputs(self, lse_partial):
-        """Fresh ``(o, lse)`` torch tensors on the device of ``lse_partial`` (an f32 tensor):
-        ``new_empty`` skips parsing a device and, for ``lse``, a dtype (less host time)."""
-        return (lse_partial.new_empty(self.out_shape, dtype=self.torch_out_dtype),
-                lse_partial.new_empty(self.lse_shape))
+        """Fresh ``(o, lse)`` torch tensors on the device of ``lse_partial`` (an f32 tensor on
+        the plan's device)."""
+        return self.fresh_outputs(lse_partial)()
+
+    def fresh_outputs(self, lse_partial) -> runtime.TorchOutputs:
+        """The plan's maker of fresh ``(o, lse)`` (built on first use, like ``lse_partial``)."""
+        fresh = self.__dict__.get("_fresh")
+        if fresh is None:  # a frozen dataclass: its __dict__ holds the cache, as cached_property
+            fresh = self.__dict__["_fresh"] = runtime.TorchOutputs(
+                lse_partial, (self.out_shape, self.torch_out_dtype),
+                (self.lse_shape, lse_partial.dtype))
+        return fresh
 
     def run_torch(self, o_partial, lse_partial, split_counts, out=None, lse_out=None,
                   cu_q=None):
         if o_partial.data_ptr() % VECTOR_BYTES:  # layouts were checked with the plan
             _refuse_layout()
-        if out is None:
-            out = lse_partial.new_empty(self.out_shape, dtype=self.torch_out_dtype)
+        if out is None and lse_out is None:
+            out, lse_out = self.fresh_outputs(lse_partial)()
         else:
-            self.check_output(out, "out", self.out_shape, self.torch_out_dtype)
-        if lse_out is None:
-            lse_out = lse_partial.new_empty(self.lse_shape)  # f32, as checked
-        else:
-            import torch
-
-            self.check_output(lse_out, "lse_out", self.lse_shape, torch.float32)
+            out, lse_out = self._given_outputs(lse_partial, out, lse_out)
         if self.empty:  # no rows, or no split slots: every row is O = 0, LSE = -inf
             out.zero_()
             lse_out.fill_(-math.inf)
         if self.bound is not None:
-            self.bound(*(x.data_ptr() for x in self.args(o_partial, lse_partial, split_counts,
-                                                         out, lse_out, cu_q)[:5 + self.ragged]))
+            if self.ragged:
+                self.bound(o_partial.data_ptr(), lse_partial.data_ptr(),
+                           split_counts.data_ptr(), out.data_ptr(), lse_out.data_ptr(),
+                           cu_q.data_ptr())
+            else:
+                self.bound(o_partial.data_ptr(), lse_partial.data_ptr(),
+                           split_counts.data_ptr(), out.data_ptr(), lse_out.data_ptr())
+        return out, lse_out
+
+    def _given_outputs(self, lse_partial, out, lse_out) -> tuple:
+        """``(out, lse_out)`` with the caller's checked and the missing one fresh."""
+        import torch
+
+        if out is None:
+            out = self.fresh_outputs(lse_partial).one(0)
+        else:
+            self.check_output(out, "out", self.out_shape, self.torch_out_dtype)
+        if lse_out is None:
+            lse_out = self.fresh_outputs(lse_partial).one(1)  # f32, as checked
+        else:
+            self.check_output(lse_out, "lse_out", self.lse_shape, torch.float32)
         return out, lse_out
 
     def check_output(self, tensor, name: str, shape: tuple, dtype) -> None:
@@ -329,11 +350,11 @@ def plan_combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
             backend, cu_seqlens_q, max_seqlen_q)
     if isinstance(cu_seqlens_q, np.ndarray):  # its values are checked: no cached plan
         return _make_plan(*args)
-    key = (spec(o_partial), spec(lse_partial), spec(split_counts), max_splits, out_dtype,
-           partials_of(partials), target, backend, spec(cu_seqlens_q), max_seqlen_q)
-    plan = _PLANS.lookup(key)
+    values = (o_partial, lse_partial, split_counts, max_splits, out_dtype,
+              partials_of(partials), target, backend, cu_seqlens_q, max_seqlen_q)
+    plan = _PLANS.find(values)
     if plan is None:
-        plan = _PLANS.add(key, _make_plan(*args))
+        plan = _PLANS.add(key_of(values), _make_plan(*args), values)
     return plan
 
 

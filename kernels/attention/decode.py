@@ -115,6 +115,7 @@ import numpy as np
 import kiln
 
 from .. import runtime
+from ..plan_guard import make_guard
 from ..runtime import ArrayLib, empty_like, is_torch
 from .decode_config import (AHEAD_PREFETCH_TILES, CTAS_PER_SM, DEFAULT_SMS, EARLY_LAUNCH_TILES,
                             FUSED_COMBINE_MAX_BYTES, KV_EVICTION, LAZY_RESCALE_HEAD_DIMS,
@@ -219,7 +220,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
                     sinks, target, backend, config, fused=fused_combine)
     given = out is not None or lse_out is not None
     if given:
-        _check_outputs(plan, q, out, lse_out)
+        _check_given_outputs(plan, q, out, lse_out)
     if plan.kernel is None:
         shape = plan.partial_shape[1:]
         return _delivered((empty_like(q, shape, kiln.bf16), empty_like(q, shape[:3], kiln.f32)),
@@ -260,6 +261,19 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
                               partials=decode_partials(slots), target=target,
                               backend="interpret" if backend == "interpret" else None),
                       out, lse_out)
+
+
+def _check_given_outputs(plan, q, out, lse_out) -> None:
+    """:func:`_check_outputs` unless these outputs are laid out as the last checked ones
+    (their guard) and aligned (the addresses are read per call)."""
+    guard = plan.checked_outputs[0]
+    if guard is not None and guard((out, lse_out)) and \
+            (out is None or out.data_ptr() % OUT_ALIGN == 0) and \
+            (lse_out is None or lse_out.data_ptr() % OUT_ALIGN == 0):
+        return
+    _check_outputs(plan, q, out, lse_out)
+    if plan.bound is not None:  # the plan's key fixed q's device, which these were checked on
+        plan.checked_outputs[0] = make_guard((out, lse_out))
 
 
 def _check_outputs(plan, q, out, lse_out) -> None:
@@ -363,8 +377,8 @@ def _input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens, block_table
     their tensors' addresses; absent features read the plan's placeholders)."""
     return (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), page_table.data_ptr(),
             seq_lens.data_ptr(),
-            (block_table if block_table is not None else plan.no_block_table).data_ptr(),
-            (sinks if sinks is not None else plan.no_sinks).data_ptr())
+            plan.placeholder_pointers[0] if block_table is None else block_table.data_ptr(),
+            plan.placeholder_pointers[1] if sinks is None else sinks.data_ptr())
 
 
 def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_size=64,

@@ -14,7 +14,7 @@ import kiln
 
 from .. import runtime
 from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, check_heads,
-                       check_paged_lengths, check_positive, is_torch, resolve_target, spec)
+                       check_paged_lengths, check_positive, is_torch, key_of, resolve_target)
 from .decode_config import (DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MERGE_HELPER_MIN_ROWS,
                             MERGE_SLICES, SUPPORTED_HEAD_DIMS, DecodeShape,
                             decode_partials, default_config, default_num_splits,
@@ -53,6 +53,9 @@ class DecodePlan:
     # Partials that never leave decode_attention (fused or merged), per stream handle, when
     # at most SCRATCH_MAX_BYTES: calls on one stream are ordered, so each reuses the last's.
     scratch: dict = field(default_factory=dict)
+    # decode_attention's out= / lse_out= layouts checked last (kiln.kernels.plan_guard of
+    # (out, lse_out)): a serving loop passing the same buffers skips the full check.
+    checked_outputs: list = field(default_factory=lambda: [None])
 
     @property
     def grid_cells(self) -> tuple[int, int, int]:
@@ -70,14 +73,25 @@ class DecodePlan:
 
     def outputs(self, like=None):
         """Fresh ``(o, lse)`` of a fused call: bf16 ``[B, Sq, Hq, D]`` and f32 ``[B, Sq, Hq]``.
-        ``like``: an f32 torch tensor on the plan's device (the partials), whose ``new_empty``
-        skips parsing a device and a dtype, as :meth:`_CombinePlan.new_outputs` does; None:
+        ``like``: a torch tensor on the plan's device (:attr:`torch_outputs` makes them); None:
         numpy arrays, NaN-poisoned so an element the kernel missed shows."""
+        if like is not None:
+            return self.torch_outputs()
         shape = self.partial_shape[1:]
-        if like is not None:  # the bf16 placeholder's dtype: no torch import per call
-            return like.new_empty(shape, dtype=self.no_outputs[0].dtype), \
-                like.new_empty(shape[:3])
         return (np.full(shape, np.nan, kiln.bf16.numpy), np.full(shape[:3], np.nan, np.float32))
+
+    @functools.cached_property
+    def torch_outputs(self) -> runtime.TorchOutputs:
+        """Fresh torch ``(o, lse)`` on the plan's device (the placeholders' dtypes)."""
+        shape = self.partial_shape[1:]
+        return runtime.TorchOutputs(self.no_sinks, (shape, self.no_outputs[0].dtype),
+                                    (shape[:3], self.no_sinks.dtype))
+
+    @functools.cached_property
+    def placeholder_pointers(self) -> tuple[int, int]:
+        """Addresses of :attr:`no_block_table` and :attr:`no_sinks` (bound for absent
+        features)."""
+        return self.no_block_table.data_ptr(), self.no_sinks.data_ptr()
 
     @functools.cached_property
     def no_output_pointers(self) -> tuple:
@@ -122,14 +136,27 @@ class DecodePlan:
     def torch_partials(self, words=None):
         """O_partial, LSE_partial (f32) and split_counts (int32): contiguous views of
         ``words`` (default: a fresh :meth:`torch_partial_words` allocation)."""
-        import torch
-
-        shape = self.partial_shape
         if words is None:
             words = self.torch_partial_words()[0]
-        return (words[:self.lse_offset].view(shape),
-                words[self.lse_offset:self.lse_offset + math.prod(shape[:4])].view(shape[:4]),
-                words[self.counts_offset:].view(torch.int32).view(shape[1:4]))
+        # One as_strided a view (slicing then reshaping costs two torch calls each).
+        (o_shape, o_strides), (lse_shape, lse_strides), (counts_shape, counts_strides), \
+            counts_dtype = self.partial_views
+        return (words.as_strided(o_shape, o_strides, 0),
+                words.as_strided(lse_shape, lse_strides, self.lse_offset),
+                words.view(counts_dtype).as_strided(counts_shape, counts_strides,
+                                                    self.counts_offset))
+
+    @functools.cached_property
+    def partial_views(self) -> tuple:
+        """(shape, contiguous strides) of O_partial, LSE_partial and split_counts, and the
+        torch dtype of the counts (int32, as f32 words)."""
+        import torch
+
+        def contiguous(shape: tuple) -> tuple:
+            return shape, tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+        shape = tuple(self.partial_shape)
+        return contiguous(shape), contiguous(shape[:4]), contiguous(shape[1:4]), torch.int32
 
     def numpy_partials(self):
         """The partials as numpy arrays filled with NaN / -1, so an element the kernel did
@@ -148,9 +175,9 @@ def get_plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table,
              target, backend, config, fused) -> DecodePlan:
     """The cached plan of this call's shape class: the key holds each tensor's shape, dtype,
     strides and device, so a plan's bound launch fits every call that finds it."""
-    key = (spec(q), spec(k_cache), spec(v_cache), spec(page_table), spec(seq_lens),
-           spec(block_table), spec(sinks), num_splits, scale, target, backend, config, fused)
-    plan = PLANS.lookup(key)
+    values = (q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, num_splits, scale,
+              target, backend, config, fused)
+    plan = PLANS.find(values)
     if plan is None:
         plan = make_plan(ArrayLib(q), q, k_cache, v_cache, page_table, seq_lens, num_splits,
                          block_table, scale, sinks, target, backend, config, fused)
@@ -158,7 +185,7 @@ def get_plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table,
                 runtime.bindable(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
             plan = _bind(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
                          target)
-        PLANS.add(key, plan)
+        PLANS.add(key_of(values), plan, values)
     return plan
 
 

@@ -30,7 +30,7 @@ import kiln
 
 from .. import dlpack, runtime
 from ..runtime import (ArrayLib, PlanCache, check_backend, check_heads, check_positive,
-                       contiguous, dtype_of, empty_like, is_cupy, is_torch, resolve_target, spec)
+                       contiguous, dtype_of, empty_like, is_cupy, is_torch, key_of, resolve_target)
 from .prefill_config import check_head_dim
 from .prefill_gfx950_fp8_config import SUPPORTED_DTYPES as FP8_DTYPES
 from .prefill_hopper import SUPPORTED_DTYPES, HopperPrefillConfig, MaskSpec, make_kernel
@@ -125,13 +125,13 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     _check_descales(q, descale_q, descale_k, descale_v)
     if cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and \
             max_seqlen_k is None and backend != "interpret" and is_torch(q):
-        key = (spec(q), spec(k), spec(v), spec(sinks), causal, window, chunk, scale,
-               softcap, return_lse, target, backend)
-        plan = _PLANS.lookup(key)
+        values = (q, k, v, sinks, causal, window, chunk, scale, softcap, return_lse, target,
+                  backend)
+        plan = _PLANS.find(values)
         if plan is None:
-            plan = _PLANS.add(key, _make_dense_plan(q, k, v, causal, window, chunk, sinks,
-                                                    scale, softcap, return_lse, target,
-                                                    backend))
+            plan = _PLANS.add(key_of(values), _make_dense_plan(
+                q, k, v, causal, window, chunk, sinks, scale, softcap, return_lse, target,
+                backend), values)
         if plan:
             return plan.run(q, k, v, sinks)
     if dlpack.foreign(q):  # cupy / JAX / DLPack device arrays: zero-copy through torch
@@ -240,13 +240,15 @@ class _DensePlan:
     no_lse: Any  # the one-element LSE the kernel without an LSE output is bound to
     fixed_sinks: Any  # zeros read by no kernel without sinks (kept alive with the plan)
     cu_pointers: tuple[int, int]  # device cu_seqlens of the dense batch (cached, never freed)
+    # Fresh o [B, Sq, Hq, Dv] in q's dtype (Dv: v's head dim, 192/128) and, with an LSE, the
+    # f32 lse (kiln.kernels.runtime.TorchOutputs on q's device).
+    fresh: Any = None
 
     def run(self, q, k, v, sinks):
-        # q's new_empty skips parsing a device (and, for o, a dtype); no_lse is f32. o takes
-        # v's head dim (192/128).
-        o = q.new_empty(q.shape[:-1] + v.shape[-1:])
-        lse = self.no_lse if self.lse_shape is None else \
-            q.new_empty(self.lse_shape, dtype=self.no_lse.dtype)
+        if self.lse_shape is None:
+            o, lse = self.fresh.one(), self.no_lse
+        else:
+            o, lse = self.fresh()
         self.bound(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                    (self.fixed_sinks if sinks is None else sinks).data_ptr(), *self.cu_pointers)
         return o if self.lse_shape is None else (o, lse)
@@ -276,8 +278,12 @@ def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, softcap, retu
     bound = runtime.bind(kernel, grid, args, target=chip.name, num_warps=num_warps,
                          **constexprs)
     lse_shape = (shapes["batch"], shapes["hq"], q.shape[1]) if return_lse else None
+    outputs = [(q.shape[:-1] + v.shape[-1:], q.dtype)]
+    if lse_shape is not None:
+        outputs.append((lse_shape, args[4].dtype))
     return _DensePlan(bound=bound, lse_shape=lse_shape, no_lse=args[4], fixed_sinks=args[5],
-                      cu_pointers=(args[6].data_ptr(), args[7].data_ptr()))
+                      cu_pointers=(args[6].data_ptr(), args[7].data_ptr()),
+                      fresh=runtime.TorchOutputs(q, *outputs))
 
 
 def _validate(q, k, v, cu_q, cu_k, sinks, causal, window, chunk, scale, target, backend,

@@ -35,6 +35,7 @@ and FP8 on sm_90a through :mod:`.fp8_grouped`)::
     ck = compile_grouped_matmul("bf16", target="sm_90a", groups=64)
 """
 
+import contextlib
 import dataclasses
 import functools
 
@@ -45,7 +46,7 @@ from kiln.autotune import autotune
 
 from .. import dlpack, runtime
 from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, contiguous, empty_like,
-                       is_torch, resolve_target, spec)
+                       is_torch, key_of, resolve_target)
 from . import small_m, splitk
 from .fp8_api import compile_fp8_matmul, fp8_matmul
 from .grouped_api import compile_grouped_matmul, grouped_matmul
@@ -133,16 +134,17 @@ def matmul(a, b, *, scale_a=None, scale_b=None, trans_b=False, out_dtype=None, t
     shape class is a plan look-up, one allocation and one bound launch of the tuned config.
     Example: ``c = matmul(torch.randn(1000, 512, dtype=torch.bfloat16, device="cuda"), w)``.
     """
+    values = (a, b, trans_b, out_dtype, target, backend)
+    # Only bf16/f16 plans are stored here (the plan's key holds a's dtype): a hit is not FP8.
+    plan = _PLANS.find(values) if scale_a is None and scale_b is None else None
+    if plan is not None:
+        c = plan.fresh_c.one()
+        plan.bound(a.data_ptr(), b.data_ptr(), c.data_ptr())
+        return c
     if hasattr(a, "dtype") and is_fp8(_dtype_name(a)):
         return fp8_matmul(a, b, scale_a=scale_a, scale_b=scale_b, trans_b=trans_b,
                           out_dtype=out_dtype, target=target, backend=backend)
     refuse_scales(scale_a, scale_b, "bf16/f16")
-    key = (spec(a), spec(b), trans_b, out_dtype, target, backend)
-    plan = _PLANS.lookup(key)
-    if plan is not None:
-        c = a.new_empty(plan.shape, dtype=plan.out)
-        plan.bound(a.data_ptr(), b.data_ptr(), c.data_ptr())
-        return c
     if dlpack.foreign(a):  # cupy / JAX / DLPack device arrays: zero-copy through torch
         return dlpack.through_torch(matmul, a, b, trans_b=trans_b, out_dtype=out_dtype,
                                     target=target, backend=backend)
@@ -150,7 +152,7 @@ def matmul(a, b, *, scale_a=None, scale_b=None, trans_b=False, out_dtype=None, t
     chip = resolve_target(target)
     if backend != "interpret" and chip.has_wgmma and runtime.bindable(a, b) and c.numel() and \
             a.shape[1] % STRIDE_ALIGN == 0 and c.shape[1] % STRIDE_ALIGN == 0:  # not padded
-        _PLANS.add(key, _bind(a, b, c, trans_b, chip.name))
+        _PLANS.add(key_of(values), _bind(a, b, c, trans_b, chip.name), values)
     return c
 
 
@@ -162,8 +164,7 @@ _PLANS = PlanCache("matmul")
 @dataclasses.dataclass(frozen=True)
 class _MatmulPlan:
     bound: object  # kiln.kernels.runtime.bind's launch of the tuned config
-    shape: tuple[int, int]
-    out: object  # torch dtype of C
+    fresh_c: object  # kiln.kernels.runtime.TorchOutputs of C [M, N] (its dtype, a's device)
 
 
 def _bind(a, b, c, trans_b, target) -> _MatmulPlan:
@@ -178,12 +179,12 @@ def _bind(a, b, c, trans_b, target) -> _MatmulPlan:
     if config.partials:
         bound = splitk.bind_partials(a, b, c, m, n, k, dtype=dtype, b_major=b_major,
                                      target=target, config=config)
-        return _MatmulPlan(bound=bound, shape=(m, n), out=c.dtype)
+        return _MatmulPlan(bound=bound, fresh_c=runtime.TorchOutputs(c, ((m, n), c.dtype)))
     args = [a, b, c, m, n, k]
     bound = runtime.bind(make_kernel(dtype, out, b_major, config),
                          _hopper_grid(m, n, dtype, out, b_major, config), args, target=target,
                          num_warps=config.num_warps, **_constexprs(config))
-    return _MatmulPlan(bound=bound, shape=(m, n), out=c.dtype)
+    return _MatmulPlan(bound=bound, fresh_c=runtime.TorchOutputs(c, ((m, n), c.dtype)))
 
 
 def matmul_config(a, b, config, *, trans_b=False, out_dtype=None, target=None, backend=None):
@@ -333,7 +334,17 @@ def _output_dtype(out_dtype, input_name: str) -> str:
 
 
 def _dtype_name(x) -> str:
-    return kiln.dtype(x.dtype).name
+    library_dtype = x.dtype
+    try:
+        return _DTYPE_NAMES[library_dtype]
+    except (KeyError, TypeError):  # a new (or unhashable) dtype: converted, and kept if it can
+        name = kiln.dtype(library_dtype).name
+        with contextlib.suppress(TypeError):
+            _DTYPE_NAMES[library_dtype] = name
+        return name
+
+
+_DTYPE_NAMES: dict = {}  # library dtype -> Kiln dtype name (kiln.dtype costs ~2 µs a call)
 
 
 def _round_up(x: int, multiple: int) -> int:

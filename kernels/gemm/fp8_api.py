@@ -17,7 +17,7 @@ from kiln.autotune import autotune
 
 from .. import runtime
 from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, contiguous, empty_like,
-                       is_torch, resolve_target, spec)
+                       is_torch, key_of, resolve_target)
 from .fp8_hopper import (FP8_OUT_DTYPES, Fp8GemmConfig, fp8_constexprs, make_fp8_kernel)
 from .scales import check_scales, is_fp8
 
@@ -82,10 +82,10 @@ def fp8_matmul(a, b, *, scale_a, scale_b, trans_b, out_dtype, target, backend):
     With contiguous torch CUDA operands and scales (K a multiple of 16, N of 8), a repeat call
     of one shape class is a plan look-up, one allocation and one bound launch of the tuned
     config, as for bf16."""
-    key = (spec(a), spec(b), spec(scale_a), spec(scale_b), trans_b, out_dtype, target, backend)
-    plan = _PLANS.lookup(key)
+    values = (a, b, scale_a, scale_b, trans_b, out_dtype, target, backend)
+    plan = _PLANS.find(values)
     if plan is not None:
-        c = a.new_empty(plan.shape, dtype=plan.out)
+        c = plan.fresh_c.one()
         plan.bound(a.data_ptr(), b.data_ptr(), c.data_ptr(), scale_a.data_ptr(),
                    scale_b.data_ptr())
         return c
@@ -94,7 +94,7 @@ def fp8_matmul(a, b, *, scale_a, scale_b, trans_b, out_dtype, target, backend):
     if backend != "interpret" and chip.has_wgmma and c.numel() and \
             runtime.bindable(a, b, scale_a, scale_b) and a.shape[1] % K_ALIGN == 0 and \
             c.shape[1] % N_ALIGN == 0:  # nothing padded: the caller's tensors are the kernel's
-        _PLANS.add(key, _bind(a, b, c, scale_a, scale_b, chip.name))
+        _PLANS.add(key_of(values), _bind(a, b, c, scale_a, scale_b, chip.name), values)
     return c
 
 
@@ -106,8 +106,7 @@ _PLANS = PlanCache("matmul_fp8")
 @dataclasses.dataclass(frozen=True)
 class _Fp8Plan:
     bound: object  # kiln.kernels.runtime.bind's launch of the tuned config
-    shape: tuple[int, int]
-    out: object  # torch dtype of C
+    fresh_c: object  # kiln.kernels.runtime.TorchOutputs of C [M, N] (its dtype, a's device)
 
 
 def _bind(a, b, c, scale_a, scale_b, target) -> _Fp8Plan:
@@ -120,7 +119,7 @@ def _bind(a, b, c, scale_a, scale_b, target) -> _Fp8Plan:
     bound = runtime.bind(make_fp8_kernel(dtype, out, mode, config),
                          fp8_grid(m, n, dtype, out, mode, config), list(args[:8]),
                          target=target, num_warps=config.num_warps, **fp8_constexprs(config))
-    return _Fp8Plan(bound=bound, shape=(m, n), out=c.dtype)
+    return _Fp8Plan(bound=bound, fresh_c=runtime.TorchOutputs(c, ((m, n), c.dtype)))
 
 
 def _fp8_matmul(a, b, scale_a, scale_b, trans_b, out_dtype, target, backend):

@@ -1,0 +1,75 @@
+"""Guards of the library's plan caches: the steady-state look-up of a repeat call.
+
+A :class:`kiln.kernels.runtime.PlanCache` finds a plan by a key built from every argument
+(:func:`~kiln.kernels.runtime.spec`: a torch tensor's shape, dtype, strides and device), then
+hashed: about 2 µs for decode's five tensors on a fast host. A serving loop calls an entry
+point with one shape class over and over, so the cache also keeps the guard of the last plan
+it returned: a function generated for that call's values that is true exactly when another
+call's values would make an equal key (tensors compared field by field, without building or
+hashing a key; other values by type and ``==``). A call whose guard fails takes the keyed
+look-up, which then makes its plan's guard the last one.
+
+Example::
+
+    guard = make_guard((q, None, 2, "sm_90a"))
+    guard((q2, None, 2, "sm_90a"))   # True: q2 has q's shape, dtype, strides and device
+    guard((q2.T, None, 2, "sm_90a"))  # False: other strides
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from kiln.arrays import is_torch_tensor
+
+# The part of a guard that checks a torch tensor ``{a}`` against the call it was made for:
+# what spec() keys it by (shape, dtype, strides, device), and its type. A contiguous tensor's
+# strides are its shape's (``is_contiguous()`` reads no tuple: half the time of ``stride()``),
+# up to those of size-1 dimensions, which no index reaches.
+_TORCH_CHECK = ("type({a}) is T{i} and {a}.shape == S{i} and {a}.dtype is D{i} and "
+                "{strides} and {a}.get_device() == G{i}")
+
+
+def make_guard(values: tuple) -> Callable[[tuple], bool] | None:
+    """A function of a values tuple, true exactly when each value matches ``values``' (torch
+    tensors by type, shape, dtype, strides and device, a contiguous one's strides by
+    contiguity; None by identity; other values by type and ``==``); None when some value
+    cannot be guarded exactly (a numpy or other array, a value not equal to itself such as
+    NaN)."""
+    namespace: dict[str, Any] = {}
+    checks = [f"len(values) != {len(values)}"]
+    for i, value in enumerate(values):
+        a = f"v{i}"
+        if value is None:
+            checks.append(f"{a} is None")
+        elif is_torch_tensor(value):
+            namespace.update({f"T{i}": type(value), f"S{i}": value.shape, f"D{i}": value.dtype,
+                              f"R{i}": value.stride(), f"G{i}": value.get_device()})
+            strides = f"{a}.is_contiguous()" if value.is_contiguous() else \
+                f"{a}.stride() == R{i}"
+            checks.append(_TORCH_CHECK.format(a=a, i=i, strides=strides))
+        elif _exact(value):
+            namespace.update({f"T{i}": type(value), f"C{i}": value})
+            checks.append(f"type({a}) is T{i} and {a} == C{i}")
+        else:
+            return None
+    lines = ["def guard(values):", f"    if {checks[0]}:", "        return False"]
+    if values:
+        lines.append(f"    {''.join(f'v{i}, ' for i in range(len(values)))}= values")
+    lines.append(f"    return {' and '.join(checks[1:]) or 'True'}")
+    source = "\n".join(lines) + "\n"
+    exec(compile(source, "<kiln plan guard>", "exec"), namespace)
+    return namespace.pop("guard")
+
+
+def _exact(value: Any) -> bool:
+    """Whether ``value`` is a plain value whose ``==`` with itself is exactly True (not an
+    array, not NaN): a guard may compare another call's value with it."""
+    if hasattr(value, "__array__") or hasattr(value, "__cuda_array_interface__") or \
+            hasattr(value, "__dlpack__") or hasattr(value, "data_ptr"):
+        return False
+    try:
+        hash(value)
+        return (value == value) is True
+    except Exception:  # an unhashable or odd __eq__: not guarded, the keyed look-up decides
+        return False

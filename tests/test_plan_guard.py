@@ -1,0 +1,175 @@
+"""The library's steady-state plan look-up (``kiln.kernels.plan_guard``,
+``PlanCache.find``): the last plan's guard must pass exactly the calls whose plan key equals
+its own (up to the strides of size-1 dimensions of contiguous tensors, which no index reaches),
+so a call with another shape, dtype, layout or device never runs a stale plan. No GPU needed:
+torch tensors are stand-ins here, and real torch CPU tensors on a ``DryRuntime`` where torch is
+installed.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import kiln
+from kiln.kernels import runtime
+from kiln.kernels.attention import combine, decode_attention, prefill
+from kiln.kernels.gemm import matmul
+from kiln.kernels.plan_guard import make_guard
+from kiln.kernels.runtime import PlanCache, key_of
+from test_library_runtime import BF16, _decode_args, _partials, dry  # noqa: F401
+
+
+class Tensor:
+    """A torch tensor as spec() and the guards read one."""
+
+    __module__ = "torch"
+
+    def __init__(self, shape, dtype="bf16", strides=None, device=0):
+        self.shape, self.dtype, self._device = tuple(shape), dtype, device
+        self._strides = strides or tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+
+    def stride(self):
+        return self._strides
+
+    def get_device(self):
+        return self._device
+
+    def data_ptr(self):
+        return 0x1000
+
+    def is_contiguous(self):
+        expected = 1
+        for size, stride in reversed(list(zip(self.shape, self._strides))):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+
+def _pool():
+    return [
+        Tensor((2, 8)), Tensor((2, 8)), Tensor((2, 8), "f32"), Tensor((8, 2)),
+        Tensor((2, 8), strides=(1, 2)), Tensor((2, 8), strides=(16, 1)),
+        Tensor((1, 8), strides=(99, 1)), Tensor((1, 8)), Tensor((2, 8), device=1),
+        Tensor((2, 8), device=-1), None, 2, 2.0, True, "sm_90a", (1, 2), 0.5,
+    ]
+
+
+def _equivalent(a, b) -> bool:
+    """Same key, or contiguous tensors whose keys differ only in size-1 strides."""
+    if key_of((a,)) == key_of((b,)):
+        return True
+    return isinstance(a, Tensor) and isinstance(b, Tensor) and a.is_contiguous() and \
+        b.is_contiguous() and (a.shape, a.dtype, a._device) == (b.shape, b.dtype, b._device)
+
+
+def test_a_guard_passes_exactly_the_values_of_its_key():
+    pool = _pool()
+    for a, b, c in itertools.product(pool, pool[:4] + [None, 2], ["x", 3]):
+        guard = make_guard((a, b, c))
+        for a2, b2, c2 in itertools.product(pool, pool[:4] + [None, 2], ["x", 3]):
+            same_key = key_of((a, b, c)) == key_of((a2, b2, c2))
+            passed = guard((a2, b2, c2))
+            assert passed or not same_key or type(a) is not type(a2), (a, b, c, a2, b2, c2)
+            if passed:
+                assert _equivalent(a, a2) and _equivalent(b, b2) and c == c2
+                assert (type(a), type(b), type(c)) == (type(a2), type(b2), type(c2))
+        assert not guard((a, b)) and not guard((a, b, c, None))
+
+
+@pytest.mark.parametrize("make", [lambda: np.zeros(4, np.float32), lambda: float("nan"),
+                                  lambda: [1, 2], lambda: (1, float("nan"))])
+def test_no_guard_passes_values_whose_equality_is_not_exact(make):
+    """Arrays and lists get no guard; a NaN passes only as the same object, as in the key."""
+    guard = make_guard((Tensor((2,)), make()))
+    assert guard is None or not guard((Tensor((2,)), make()))
+
+
+def test_find_takes_the_guard_then_the_key_and_clear_forgets_both():
+    cache = PlanCache("test-guard")
+    x, other = Tensor((4, 4)), Tensor((4, 4), strides=(1, 4))
+    assert cache.find((x, 2)) is None
+    cache.add(key_of((x, 2)), "plan-x", (x, 2))
+    cache.add(key_of((other, 2)), "plan-other", (other, 2))
+    builds = cache.builds
+    assert cache.find((Tensor((4, 4)), 2)) == "plan-x"       # keyed, then guarded
+    assert cache.find((Tensor((4, 4)), 2)) == "plan-x"
+    assert cache.find((Tensor((4, 4), strides=(1, 4)), 2)) == "plan-other"
+    assert cache.find((Tensor((4, 4), "f32"), 2)) is None
+    assert cache.find((Tensor((4, 4)), 3)) is None
+    assert cache.builds == builds
+    cache.clear()
+    assert cache.find((Tensor((4, 4)), 2)) is None and cache.find((x, 2)) is None
+
+
+def _noncontiguous(torch, x):
+    """A non-contiguous tensor of ``x``'s shape, dtype and values."""
+    wide = torch.zeros((*x.shape[:-1], 2 * x.shape[-1]), dtype=x.dtype)
+    view = wide[..., :x.shape[-1]]
+    view.copy_(x)
+    return view
+
+
+def _torch_entry_points(torch, rng):
+    """(name, call(first argument)) of each entry point and its first argument."""
+    def t(x):
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16) \
+            if x.dtype == BF16 else torch.from_numpy(np.ascontiguousarray(x))
+
+    q = t(rng.standard_normal((1, 128, 2, 64)).astype(BF16))
+    decode_args = _decode_args(rng, lib=t)
+    partials = [t(x) for x in _partials(rng)]
+    a, b = (t(rng.standard_normal(s).astype(BF16)) for s in ((64, 32), (32, 48)))
+    return {
+        "prefill": (lambda x: prefill(x, q, q, causal=True), q),
+        "decode_attention": (lambda x: decode_attention(x, *decode_args[1:]), decode_args[0]),
+        "combine": (lambda x: combine(x, *partials[1:]), partials[0]),
+        "matmul": (lambda x: matmul(x, b), a),
+    }
+
+
+@pytest.mark.parametrize("entry", ["prefill", "decode_attention", "combine", "matmul"])
+def test_a_changed_layout_or_dtype_never_runs_the_last_plan(dry, rng, entry):
+    """After hits, a non-contiguous view of the same shape, or another dtype, misses: a new
+    plan, the general path, or the full checks' refusal."""
+    torch = pytest.importorskip("torch")
+    call, first = _torch_entry_points(torch, rng)[entry]
+    call(first)
+
+    def state():
+        return ([cache.builds for cache in runtime._CACHES], len(dry.binds), len(dry.launches))
+
+    before, bound = state(), dry.bound_calls
+    call(first.clone())
+    assert state() == before and dry.bound_calls > bound  # a hit: bound launches only
+    for changed in (_noncontiguous(torch, first),
+                    first.to(torch.float16 if first.dtype != torch.float16 else torch.float32)):
+        before = state()
+        try:
+            call(changed)
+        except kiln.KilnError:
+            continue  # refused by the full checks (another dtype, a layout combine refuses)
+        assert state() != before  # not the last plan: planned, bound or launched afresh
+
+
+def test_decode_attention_rechecks_given_outputs_that_change(dry, rng):
+    """out= / lse_out= laid out like the last checked ones skip the full check; any other
+    dtype, shape, layout or a misaligned address is refused, after hits too."""
+    torch = pytest.importorskip("torch")
+
+    def t(x):
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
+
+    args = tuple(t(a) if a.dtype == BF16 else torch.from_numpy(a) for a in _decode_args(rng))
+    o, lse = decode_attention(*args)
+    for _ in range(2):
+        assert decode_attention(*args, out=o, lse_out=lse)[0] is o
+    flat = torch.empty(o.numel() + 8, dtype=o.dtype)
+    for bad in (o.float(), o[..., :-1], _noncontiguous(torch, o),
+                flat[1:1 + o.numel()].view(o.shape)):  # 2 bytes past a 16-byte boundary
+        with pytest.raises(kiln.KilnValueError, match="out"):
+            decode_attention(*args, out=bad, lse_out=lse)
+    with pytest.raises(kiln.KilnValueError, match="lse_out"):
+        decode_attention(*args, out=o, lse_out=lse.to(torch.float64))
+    assert decode_attention(*args, out=o, lse_out=lse)[1] is lse
