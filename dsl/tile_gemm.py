@@ -214,6 +214,10 @@ def _ldmatrix(tm: TiledMma, tile: SharedTile) -> bool:
     return builder.current_target().is_nvidia and tm.atom.spec.m == 16 and tile.dtype.bits == 16
 
 
+# ldmatrix.x4 blocks of B fragments j and j + 1: stored K x N (.trans) / N x K (plain)
+PAIR_BLOCKS = {True: ((0, 0), (8, 0), (0, 8), (8, 8)), False: ((0, 0), (0, 8), (8, 0), (8, 8))}
+
+
 def _fragments(tm: TiledMma, a: SharedTile | RegTile, b: SharedTile, row: Any, col: Any):
     """A and B operand RegTiles of this warp: A from registers (:func:`_a_from_registers`) or
     shared memory; ``ldmatrix`` on NVIDIA where the tiles keep 16-byte rows together (B stored
@@ -221,14 +225,22 @@ def _fragments(tm: TiledMma, a: SharedTile | RegTile, b: SharedTile, row: Any, c
     s = tm.atom.spec
     a_frags = (_a_from_registers(tm, a, row) if isinstance(a, RegTile)
                else _a_from_shared(tm, a, row))
-    if _ldmatrix(tm, b) and b.contiguous_width(8):
-        b_frags = [ldmatrix.load_b(b, (kk * 16, col + j * 8), trans=True)
-                   for kk in range(tm.rep_k) for j in range(tm.rep_n)]
-    elif _ldmatrix(tm, b) and b.T.contiguous_width(8):
-        b_frags = [ldmatrix.load_b(b.T, (col + j * 8, kk * 16))
-                   for kk in range(tm.rep_k) for j in range(tm.rep_n)]
-    else:
+    if not _ldmatrix(tm, b) or not (b.contiguous_width(8) or b.T.contiguous_width(8)):
         return a_frags, b.load_fragments(s.b_layout, (tm.rep_k, tm.rep_n), (0, col))
+    trans = b.contiguous_width(8)
+    src = b if trans else b.T
+    b_frags = []
+    for kk in range(tm.rep_k):
+        for j in range(0, tm.rep_n, 2):
+            origin = (kk * 16, col + j * 8) if trans else (col + j * 8, kk * 16)
+            if j + 1 == tm.rep_n:
+                b_frags.append(ldmatrix.load_b(src, origin, trans=trans))
+                continue
+            # two neighbouring fragments in one ldmatrix.x4: half the instructions and the
+            # address registers (which LLVM hoists out of a loop)
+            x4 = ldmatrix.ldmatrix(src, origin, PAIR_BLOCKS[trans], trans=trans)
+            b_frags += [Value(vector.shuffle(x4.ir, x4.ir, list(range(h, h + 4))), b.dtype)
+                        for h in (0, 4)]
     return a_frags, RegTile(b_frags, s.b_layout, (tm.rep_k, tm.rep_n))
 
 

@@ -46,9 +46,12 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
     col0 = kiln.block_id(1) * D                       # the head's columns
     start = cu_seqlens[kiln.block_id(2)]
     length = cu_seqlens[kiln.block_id(2) + 1] - start
-    q_s = kiln.SharedTile((BM, D), bf16, swizzle=kiln.tiles.operand_swizzle((BM, D), bf16))
-    k_s = kiln.SharedTile((BN, D), bf16, swizzle=kiln.tiles.operand_swizzle((BN, D), bf16))
-    v_s = kiln.SharedTile((BN, D), bf16, swizzle=kiln.tiles.operand_swizzle((BN, D), bf16))
+    def tile(n):                                      # dynamic: past the 48 KB static cap
+        swizzle = kiln.tiles.operand_swizzle((n, D), bf16)
+        return kiln.SharedTile.view(kiln.dynamic_shared((n * D,), bf16, align=1024), (n, D),
+                                    swizzle=swizzle)
+
+    q_s, k_s, v_s = tile(BM), tile(BN), tile(BN)
 
     def rows(t, n, r0):                               # rows past the sequence read as 0
         return kiln.GlobalTile(t, (n, D), (start + r0, col0), row_end=start + length,
@@ -60,7 +63,6 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
     acc = kiln.accumulator(kiln.cast(s0, bf16), v_s, warps="rows")
     m = kiln.tiles.TileVector.full(s0.layout, -float("inf"))
     l = kiln.tiles.TileVector.full(s0.layout, 0.0)
-    q_row, k_col = kiln.tiles.coords(s0.layout)
     # keys [0, full) need no mask; [full, end) are the ragged tail or the causal diagonal
     end = length
     full = length // BN * BN
@@ -74,7 +76,8 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
         kiln.barrier()                                # K_j landed; P V_j-1 is done with v_s
         kiln.copy(rows(v, BN, kv0), v_s)
         s = kiln.gemm(q_s, k_s.T, s0) * qk_scale
-        if masked:
+        if masked:                                    # index tiles, live in this loop only
+            q_row, k_col = kiln.tiles.coords(s.layout)
             col = k_col + kv0
             s = kiln.where(col < length, s, -float("inf"))
             if CAUSAL:
@@ -95,14 +98,14 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
     kiln.copy(kiln.cast(acc / l, bf16), rows(o, BM, row0))
 
 
-def config(d: int, target: str | None) -> dict:
-    """Block sizes: 128 query rows over 4 warps (32 rows each), 64 keys per step; on AMD 4
-    wavefronts of 64 lanes."""
+def config(d: int, target: str | None, bm: int = 128, bn: int = 64, warps: int = 8) -> dict:
+    """Block sizes: 128 query rows over 8 warps (16 rows each), 64 keys per step; on AMD 4
+    wavefronts of 64 lanes (32 rows each)."""
     if d not in (64, 128):
         raise kiln.KilnValueError(f"the attention tutorial takes head dim 64 or 128, got {d}",
                                   fix="pad the head dimension to 64 or 128")
-    threads = 256 if (target or "").startswith("gfx") else 128
-    return dict(D=d, BM=128, BN=64, THREADS=threads)
+    threads = 256 if (target or "").startswith("gfx") else 32 * warps
+    return dict(D=d, BM=bm, BN=bn, THREADS=threads)
 
 
 def attention(q, k, v, o, cu_seqlens, max_seqlen: int, heads: int, *, causal: bool = False,
