@@ -131,7 +131,7 @@ def reference(q, k, v, cu_seqlens, heads: int, causal: bool, scale: float | None
     out = np.zeros(q.shape, np.float64)
     for b in range(len(cu_seqlens) - 1):
         lo, hi = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
-        for h in range(heads):
+        for h in range(heads if hi > lo else 0):
             cols = slice(h * d, (h + 1) * d)
             qh, kh, vh = (t[lo:hi, cols].astype(np.float64) for t in (q, k, v))
             s = qh @ kh.T * scale
