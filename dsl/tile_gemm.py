@@ -12,7 +12,10 @@ gfx942     ``v_mfma_f32_32x32x8`` / ``16x16x16`` bf16/f16
 =========  =======================================================================
 
 The biggest atom that tiles the block over its warps wins; the warps form the most square grid
-that divides the tile. Operands reach the registers with ``ldmatrix`` on NVIDIA (16-bit tiles
+that divides the tile, or the grid ``kiln.accumulator(..., warps=)`` asks for (``"rows"``: each
+warp owns whole rows). ``a`` may also be a register tile (:func:`register_gather`: a register
+renaming for the ``mma.sync`` accumulator of a ``"rows"`` gemm, FlashAttention-2's P, else a
+shared-memory stage), and ``b`` a transposed view (``k_s.T``). Operands reach the registers with ``ldmatrix`` on NVIDIA (16-bit tiles
 whose 16-byte chunks stay whole) and per-lane vector loads elsewhere; :func:`operand_swizzle`
 gives the SharedTile swizzle that keeps those reads free of bank conflicts. The accumulator is a
 :class:`~kiln.reg_tile.RegTile` whose layout is *derived*: the atom's C fragment layout, stamped
@@ -25,6 +28,11 @@ Example (one K step; see examples/tutorials/matmul.py)::
 
     acc = kiln.accumulator(a_s, b_s)            # zeros, f32, the derived layout
     acc = kiln.gemm(a_s, b_s, acc)              # acc += a_s @ b_s
+
+Attention (examples/tutorials/attention.py)::
+
+    s = kiln.gemm(q_s, k_s.T, kiln.accumulator(q_s, k_s.T, warps="rows"))
+    o = kiln.gemm(kiln.cast(p, kiln.bf16), v_s, o)       # p: s's layout, o: warps="rows"
 """
 
 from __future__ import annotations
