@@ -424,9 +424,10 @@ class RegTile:
         index = {} if v.keys is None else {k: g for g, k in enumerate(v.keys)}
         keys = _row_keys(tv) if index and len(v.values) == lines else ()
         if not keys or any(k not in index for k in keys):
-            raise KilnTypeError(f"this {v.axis} vector was reduced from a tile whose threads "
-                                "hold other rows", fix="broadcast a reduction onto a tile of "
-                                "the same layout, or of a layout with the same rows per thread")
+            raise KilnTypeError(f"this {v.axis} vector was reduced from a tile of another "
+                                "layout, whose threads hold other rows",
+                                fix="broadcast a reduction onto a tile of the same layout, or "
+                                    "of one with the same rows per thread")
         return TileVector([[line[index[k]] for k in keys] for line in v.values], group_of,
                           v.axis, keys)
 

@@ -15,9 +15,10 @@ The biggest atom that tiles the block over its warps wins; the warps form the mo
 that divides the tile, or the grid ``kiln.accumulator(..., warps=)`` asks for (``"rows"``: each
 warp owns whole rows). ``a`` may also be a register tile (:func:`register_gather`: a register
 renaming for the ``mma.sync`` accumulator of a ``"rows"`` gemm, FlashAttention-2's P, else a
-shared-memory stage), and ``b`` a transposed view (``k_s.T``). Operands reach the registers with ``ldmatrix`` on NVIDIA (16-bit tiles
-whose 16-byte chunks stay whole) and per-lane vector loads elsewhere; :func:`operand_swizzle`
-gives the SharedTile swizzle that keeps those reads free of bank conflicts. The accumulator is a
+shared-memory stage), and ``b`` a transposed view (``k_s.T``). Operands reach the registers
+with ``ldmatrix`` on NVIDIA (16-bit tiles whose 16-byte chunks stay whole) and per-lane vector
+loads elsewhere; :func:`operand_swizzle` gives the SharedTile swizzle that keeps those reads
+free of bank conflicts. The accumulator is a
 :class:`~kiln.reg_tile.RegTile` whose layout is *derived*: the atom's C fragment layout, stamped
 over the warps and the atom repeats, as one block-wide :class:`~kiln.layout.ThreadValueLayout`
 of the whole ``BM x BN`` tile. So the epilogue is tile code: ``kiln.copy(acc, c_tile)`` stores
@@ -86,7 +87,8 @@ def _check_warps(warps: Any) -> tuple[int, int] | None:
     if warps == "rows":
         return block, 1
     if (not isinstance(warps, tuple) or len(warps) != 2
-            or any(not isinstance(w, int) or w <= 0 for w in warps) or warps[0] * warps[1] != block):
+            or any(not isinstance(w, int) or w <= 0 for w in warps)
+            or warps[0] * warps[1] != block):
         raise KilnValueError(f"warps must be \"rows\" or (warps_m, warps_n) with warps_m * "
                              f"warps_n = {block} (the block's warps), got {warps!r}",
                              fix=f"e.g. warps=({block}, 1): each warp owns whole rows")
