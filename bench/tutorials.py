@@ -362,10 +362,10 @@ def main() -> None:
               f"x{row['vs_triton']:.2f} of triton, x{row['vs_cublas']:.2f} of cublas  "
               f"lines {lines['matmul'][0]} vs {lines['matmul'][1]}", flush=True)
 
-    if wanted("attention"):
-        rows += bench_attention(args, lines["attention"])
     if wanted("grouped"):
         rows += bench_grouped(args, lines["grouped"], sms)
+    if wanted("attention"):
+        rows += bench_attention(args, lines["attention"])
     print(f"copy bandwidth {copy_gbs:.0f} GB/s")
     summary = {"benchmark": "tutorials", "device": torch.cuda.get_device_name(0),
                "copy_gbs": copy_gbs, "rows": rows,
