@@ -211,11 +211,45 @@ def _a_from_registers(tm: TiledMma, a: RegTile, row: Any) -> RegTile:
     return _a_from_shared(tm, stage, row)
 
 
+def _constant_delta(offsets: np.ndarray, dr: int, dc: int) -> int | None:
+    """``offset(r + dr, c + dc) - offset(r, c)`` when it is one constant over the whole tile
+    (e.g. whole swizzle periods of rows apart), else None."""
+    rows, cols = offsets.shape
+    if abs(dr) >= rows or abs(dc) >= cols:
+        return None
+    here = offsets[max(0, -dr):rows - max(0, dr), max(0, -dc):cols - max(0, dc)]
+    there = offsets[max(0, dr):rows - max(0, -dr), max(0, dc):cols - max(0, -dc)]
+    diff = there - here
+    return int(diff.flat[0]) if np.all(diff == diff.flat[0]) else None
+
+
+def _ldmatrix_grid(tile: SharedTile, origin: tuple[Any, Any], steps: list[tuple[int, int]],
+                   blocks: Any, trans: bool) -> list[Value]:
+    """``ldmatrix`` at ``origin + step`` for every step. A step a constant offset away from an
+    earlier one everywhere in the tile reuses its address plus an immediate: LLVM hoists every
+    distinct address out of the K/V loop, where each would hold a register."""
+    offsets = tile.offsets()
+    bases: list[tuple[tuple[int, int], Any]] = []
+    out = []
+    for step in steps:
+        for (r, c), base in bases:
+            delta = _constant_delta(offsets, step[0] - r, step[1] - c)
+            if delta is not None:
+                offset = base + delta
+                break
+        else:
+            offset = ldmatrix.row_offset(tile, (origin[0] + step[0], origin[1] + step[1]),
+                                         blocks, ops.lane_id())
+            bases.append((step, offset))
+        out.append(ldmatrix.ldmatrix(tile, None, blocks, trans=trans, offset=offset))
+    return out
+
+
 def _a_from_shared(tm: TiledMma, a: SharedTile, row: Any) -> RegTile:
     s = tm.atom.spec
     if _ldmatrix(tm, a) and a.contiguous_width(8):
-        return RegTile([ldmatrix.load_a(a, (row + i * 16, kk * 16))
-                        for i in range(tm.rep_m) for kk in range(tm.rep_k)],
+        steps = [(i * 16, kk * 16) for i in range(tm.rep_m) for kk in range(tm.rep_k)]
+        return RegTile(_ldmatrix_grid(a, (row, 0), steps, ldmatrix.A_BLOCKS, False),
                        s.a_layout, (tm.rep_m, tm.rep_k))
     return a.load_fragments(s.a_layout, (tm.rep_m, tm.rep_k), (row, 0))
 
@@ -224,14 +258,16 @@ def _ldmatrix(tm: TiledMma, tile: SharedTile) -> bool:
     return builder.current_target().is_nvidia and tm.atom.spec.m == 16 and tile.dtype.bits == 16
 
 
-# ldmatrix.x4 blocks of B fragments j and j + 1: stored K x N (.trans) / N x K (plain)
+# ldmatrix.x4 blocks of B fragments j and j + 1, and x2 of one: stored K x N (.trans) / N x K
 PAIR_BLOCKS = {True: ((0, 0), (8, 0), (0, 8), (8, 8)), False: ((0, 0), (0, 8), (8, 0), (8, 8))}
+ONE_BLOCKS = {True: ((0, 0), (8, 0)), False: ((0, 0), (0, 8))}
 
 
 def _fragments(tm: TiledMma, a: SharedTile | RegTile, b: SharedTile, row: Any, col: Any):
     """A and B operand RegTiles of this warp: A from registers (:func:`_a_from_registers`) or
     shared memory; ``ldmatrix`` on NVIDIA where the tiles keep 16-byte rows together (B stored
-    K x N: ``.trans``; stored N x K, a ``k_s.T`` view: plain), else per-lane vector loads."""
+    K x N: ``.trans``; stored N x K, a ``k_s.T`` view: plain; two B fragments per
+    ``ldmatrix.x4``), else per-lane vector loads."""
     s = tm.atom.spec
     a_frags = (_a_from_registers(tm, a, row) if isinstance(a, RegTile)
                else _a_from_shared(tm, a, row))
@@ -239,17 +275,24 @@ def _fragments(tm: TiledMma, a: SharedTile | RegTile, b: SharedTile, row: Any, c
         return a_frags, b.load_fragments(s.b_layout, (tm.rep_k, tm.rep_n), (0, col))
     trans = b.contiguous_width(8)
     src = b if trans else b.T
+    origin = (0, col) if trans else (col, 0)
+    def step(kk, j):
+        return (kk * 16, j * 8) if trans else (j * 8, kk * 16)
+
+    pairs = [(kk, j) for kk in range(tm.rep_k) for j in range(0, tm.rep_n - 1, 2)]
+    loaded = dict(zip(pairs, _ldmatrix_grid(src, origin, [step(*p) for p in pairs],
+                                            PAIR_BLOCKS[trans], trans)))
+    singles = [(kk, tm.rep_n - 1) for kk in range(tm.rep_k)] if tm.rep_n % 2 else []
+    loaded.update(zip(singles, _ldmatrix_grid(src, origin, [step(*p) for p in singles],
+                                              ONE_BLOCKS[trans], trans)))
     b_frags = []
     for kk in range(tm.rep_k):
         for j in range(0, tm.rep_n, 2):
-            origin = (kk * 16, col + j * 8) if trans else (col + j * 8, kk * 16)
+            x = loaded[kk, j]
             if j + 1 == tm.rep_n:
-                b_frags.append(ldmatrix.load_b(src, origin, trans=trans))
+                b_frags.append(x)
                 continue
-            # two neighbouring fragments in one ldmatrix.x4: half the instructions and the
-            # address registers (which LLVM hoists out of a loop)
-            x4 = ldmatrix.ldmatrix(src, origin, PAIR_BLOCKS[trans], trans=trans)
-            b_frags += [Value(vector.shuffle(x4.ir, x4.ir, list(range(h, h + 4))), b.dtype)
+            b_frags += [Value(vector.shuffle(x.ir, x.ir, list(range(h, h + 4))), b.dtype)
                         for h in (0, 4)]
     return a_frags, RegTile(b_frags, s.b_layout, (tm.rep_k, tm.rep_n))
 
