@@ -203,12 +203,42 @@ def _a_from_registers(tm: TiledMma, a: RegTile, row: Any) -> RegTile:
         whole = a.fragment(0, 0)
         return RegTile([Value(vector.shuffle(whole.ir, whole.ir, g), a.dtype) for g in gather],
                        s.a_layout, (tm.rep_m, tm.rep_k))
-    from .tile_copy import store  # tile_copy imports tiles, which imports this module
     stage = SharedTile(a.shape, a.dtype, swizzle=operand_swizzle(a.shape, a.dtype))
     ops.barrier()                  # the stage is reused by the next call in a loop
-    store(a, stage)
+    _store_stage(a, stage)
     ops.barrier()
     return _a_from_shared(tm, stage, row)
+
+
+def _store_stage(a: RegTile, stage: SharedTile) -> None:
+    """Every thread stores its registers of ``a`` into ``stage``, in runs of up to 16 bytes of
+    consecutive columns."""
+    layout = a.layout
+    if layout.num_threads != builder.current().block[0]:
+        raise KilnValueError(f"kiln.gemm takes A from a block-wide register tile; this one is "
+                             f"held by {layout.num_threads} threads",
+                             fix="pass an accumulator of kiln.gemm (cast), or kiln.load it in "
+                                 "a kiln.layout.blocked layout of the block's threads")
+    rows, cols = layout.coords()
+    width = max(16 // a.dtype.itemsize, 1)
+    while width > 1:
+        if layout.num_values % width == 0:
+            r = rows.reshape(rows.shape[0], -1, width)
+            c = cols.reshape(cols.shape[0], -1, width)
+            if np.all(r == r[..., :1]) and np.all(c == c[..., :1] + np.arange(width)) and \
+                    np.all(c[..., 0] % width == 0) and stage.contiguous_width(width):
+                break
+        width //= 2
+    thread = ops.thread_id(0) % layout.num_threads
+    fr, fc = layout.tile
+    for i in range(a.grid[0]):
+        for j in range(a.grid[1]):
+            frag = a.fragment(i, j)
+            for v in range(0, layout.num_values, width):
+                r, c = layout(thread, v)
+                stage.store(i * fr + r, j * fc + c,
+                            Value(vector.shuffle(frag.ir, frag.ir, list(range(v, v + width))),
+                                  a.dtype))
 
 
 def _constant_delta(offsets: np.ndarray, dr: int, dc: int) -> int | None:
