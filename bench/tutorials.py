@@ -92,6 +92,8 @@ def check(name, got, want, tol):
 
 # (BM, BN, num_warps) of the Triton peer per head dim, 3 stages
 T_ATTENTION_CONFIGS = {64: [(128, 64, 4)], 128: [(128, 128, 8), (128, 64, 8)]}
+# (BM, BN, warps) the Kiln tutorial tries on each head dim's first shape; the fastest runs all
+K_ATTENTION_CONFIGS = {64: [(128, 64, 8), (128, 128, 8)], 128: [(128, 64, 8), (64, 64, 4)]}
 
 
 def bench_attention(args, lines) -> list[dict]:
@@ -119,6 +121,7 @@ def bench_attention(args, lines) -> list[dict]:
     seqs = (4096, 16384) if args.quick else (4096, 8192, 16384)
     for d in dims:
         heads = 2048 // d
+        k_config = None
         for seq in seqs:
             batch = max(16384 // seq, 1)
             q4, k4, v4 = (torch.randn(batch, seq, heads, d, device="cuda", generator=gen)
@@ -129,8 +132,9 @@ def bench_attention(args, lines) -> list[dict]:
             for causal in (False, True):
                 o, ref = torch.empty_like(q), torch.empty_like(q)
 
-                def k_run():
-                    attention.attention(q, k, v, o, cu, seq, heads, causal=causal)
+                def k_run(config=None):
+                    attention.attention(q, k, v, o, cu, seq, heads, causal=causal,
+                                        block=config or k_config)
 
                 def t_run(config=None):
                     bm, bn, warps = config or t_config
@@ -141,6 +145,12 @@ def bench_attention(args, lines) -> list[dict]:
                 def p_run():
                     return prefill(q4, k4, v4, causal=causal, scale=scale)
 
+                if k_config is None:
+                    tried = {c: queued_ms(lambda: k_run(c), args.repeat)
+                             for c in K_ATTENTION_CONFIGS[d]}
+                    k_config = min(tried, key=tried.get)
+                    print(f"kiln attention d{d} blocks (BM, BN, warps): "
+                          + ", ".join(f"{c} {ms * 1e3:.0f} us" for c, ms in tried.items()))
                 k_run()
                 # the tutorial autotuner's Hopper picks; the first that fits shared memory
                 for t_config in T_ATTENTION_CONFIGS[d]:
@@ -163,7 +173,8 @@ def bench_attention(args, lines) -> list[dict]:
                        "kiln_tflops": flops / k_ms / 1e9, "triton_tflops": flops / t_ms / 1e9,
                        "prefill_tflops": flops / p_ms / 1e9, "vs_triton": t_ms / k_ms,
                        "vs_prefill": p_ms / k_ms, "max_err": err, "kiln_lines": lines[0],
-                       "triton_lines": lines[1], "triton_config": list(t_config)}
+                       "triton_lines": lines[1], "triton_config": list(t_config),
+                       "kiln_config": list(k_config)}
                 rows.append(row)
                 print(f"attention  {str((batch, seq, heads, d)):16s} causal={causal:d} kiln "
                       f"{row['kiln_tflops']:6.1f} TFLOP/s  triton {row['triton_tflops']:6.1f}  "

@@ -98,22 +98,28 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
     kiln.copy(kiln.cast(acc / l, bf16), rows(o, BM, row0))
 
 
-def config(d: int, target: str | None, bm: int = 128, bn: int = 64, warps: int = 8) -> dict:
-    """Block sizes: 128 query rows over 8 warps (16 rows each), 64 keys per step; on AMD 4
-    wavefronts of 64 lanes (32 rows each)."""
+BLOCKS = {64: (128, 64, 8), 128: (128, 64, 8)}   # (BM, BN, NVIDIA warps) per head dim
+
+
+def config(d: int, target: str | None, block: tuple[int, int, int] | None = None) -> dict:
+    """Block sizes: ``block = (BM, BN, warps)``, by default 128 query rows over 8 warps (16 rows
+    each) and 64 keys per step; on AMD 4 wavefronts of 64 lanes (32 rows each)."""
     if d not in (64, 128):
         raise kiln.KilnValueError(f"the attention tutorial takes head dim 64 or 128, got {d}",
                                   fix="pad the head dimension to 64 or 128")
+    bm, bn, warps = block or BLOCKS[d]
     threads = 256 if (target or "").startswith("gfx") else 32 * warps
     return dict(D=d, BM=bm, BN=bn, THREADS=threads)
 
 
 def attention(q, k, v, o, cu_seqlens, max_seqlen: int, heads: int, *, causal: bool = False,
-              scale: float | None = None, backend: str = "gpu", target: str | None = None):
+              scale: float | None = None, backend: str = "gpu", target: str | None = None,
+              block: tuple[int, int, int] | None = None):
     """``o = attention(q, k, v)`` for packed bf16 ``[total, heads * D]`` tensors and int32
-    ``cu_seqlens`` (``B + 1`` prefix sums); ``scale`` defaults to ``1 / sqrt(D)``."""
+    ``cu_seqlens`` (``B + 1`` prefix sums); ``scale`` defaults to ``1 / sqrt(D)``; ``block``
+    is :func:`config`'s."""
     d = q.shape[1] // heads
-    cfg = config(d, target)
+    cfg = config(d, target, block)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     grid = (-(-max_seqlen // cfg["BM"]), heads, len(cu_seqlens) - 1)
     launch = attention_kernel.interpret[grid] if backend == "interpret" else attention_kernel[grid]
