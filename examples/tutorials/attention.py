@@ -46,6 +46,7 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
     col0 = kiln.block_id(1) * D                       # the head's columns
     start = cu_seqlens[kiln.block_id(2)]
     length = cu_seqlens[kiln.block_id(2) + 1] - start
+
     def tile(n):                                      # dynamic: past the 48 KB static cap
         swizzle = kiln.tiles.operand_swizzle((n, D), bf16)
         return kiln.SharedTile.view(kiln.dynamic_shared((n * D,), bf16, align=1024), (n, D),
