@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import inspect
 import json
 import sys
@@ -41,16 +42,24 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "tutorials"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import attention  # noqa: E402
-import fused_softmax  # noqa: E402
-import grouped_matmul  # noqa: E402
-import layernorm  # noqa: E402
-import matmul  # noqa: E402
-import vector_add  # noqa: E402
 from timing import queued_ms, time_ms  # noqa: E402
+
+
+def _tutorial(name: str):
+    """examples/tutorials/<name>.py, loaded by path (bench/ has an ``attention`` module too)."""
+    spec = importlib.util.spec_from_file_location(f"kiln_tutorial_{name}",
+                                                  ROOT / "examples" / "tutorials" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+attention, fused_softmax, grouped_matmul, layernorm, matmul, vector_add = (
+    _tutorial(n) for n in ("attention", "fused_softmax", "grouped_matmul", "layernorm", "matmul",
+                           "vector_add"))
 
 
 def code_lines(*fns) -> int:
