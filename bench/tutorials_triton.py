@@ -1,6 +1,7 @@
 """Triton peers of the tutorials (bench/tutorials.py), following the designs of Triton's own
-tutorials (01 vector add, 02 fused softmax, 03 matrix multiplication, 05 layer norm), written from
-their public description. Imported only where Triton is installed (the GPU machine)."""
+tutorials (01 vector add, 02 fused softmax, 03 matrix multiplication, 05 layer norm, 06 fused
+attention, 08 grouped GEMM), written from their public description. Imported only where Triton
+is installed (the GPU machine)."""
 
 import triton
 import triton.language as tl
@@ -83,3 +84,83 @@ def matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, s_am, s_bk, s_cm,
     y = x / (1.0 + tl.exp(-z))
     tl.store(c_ptr + rm[:, None] * s_cm + rn[None, :], y.to(tl.bfloat16),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _attention_inner(acc, l_i, m_i, q, k_ptr, v_ptr, stride, qk_scale, lo, hi, offs_m, offs_n,
+                     offs_d, BN: tl.constexpr, MASK: tl.constexpr):
+    for start_n in range(lo, hi, BN):
+        start_n = tl.multiple_of(start_n, BN)
+        rows = start_n + offs_n
+        k = tl.load(k_ptr + rows[None, :] * stride + offs_d[:, None])
+        qk = tl.dot(q, k)
+        if MASK:
+            qk = qk * qk_scale + tl.where(offs_m[:, None] >= rows[None, :], 0, -1.0e6)
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            qk -= m_ij[:, None]
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale - m_ij[:, None]
+        p = tl.math.exp2(qk)
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + rows[:, None] * stride + offs_d[None, :])
+        acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_kernel(Q, K, V, O, stride, qk_scale, N_CTX, H, D: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, CAUSAL: tl.constexpr):
+    start_m = tl.program_id(0)
+    b, h = tl.program_id(1) // H, tl.program_id(1) % H
+    base = b.to(tl.int64) * N_CTX * stride + h * D
+    offs_m = start_m * BM + tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + base + offs_m[:, None] * stride + offs_d[None, :])
+    m_i = tl.zeros([BM], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BM], dtype=tl.float32) + 1.0
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    if CAUSAL:
+        hi = start_m * BM
+    else:
+        hi = N_CTX
+    acc, l_i, m_i = _attention_inner(acc, l_i, m_i, q, K + base, V + base, stride, qk_scale, 0,
+                                     hi, offs_m, offs_n, offs_d, BN, False)
+    if CAUSAL:
+        acc, l_i, m_i = _attention_inner(acc, l_i, m_i, q, K + base, V + base, stride, qk_scale,
+                                         hi, hi + BM, offs_m, offs_n, offs_d, BN, True)
+    acc = acc / l_i[:, None]
+    tl.store(O + base + offs_m[:, None] * stride + offs_d[None, :], acc.to(tl.bfloat16))
+
+
+@triton.jit
+def grouped_matmul_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, G, N, K, NUM_SM: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    tile = tl.program_id(0)
+    last = 0
+    n_n = tl.cdiv(N, BN)
+    for g in range(G):
+        lo = tl.load(offs_ptr + g)
+        hi = tl.load(offs_ptr + g + 1)
+        tiles = tl.cdiv(hi - lo, BM) * n_n
+        while tile >= last and tile < last + tiles:
+            local = tile - last
+            rm = lo + (local // n_n) * BM + tl.arange(0, BM)
+            rn = (local % n_n) * BN + tl.arange(0, BN)
+            rk = tl.arange(0, BK)
+            a_p = a_ptr + rm[:, None] * K + rk[None, :]
+            b_p = b_ptr + (g * K + rk[:, None]).to(tl.int64) * N + rn[None, :]
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k in range(0, tl.cdiv(K, BK)):
+                a = tl.load(a_p, mask=(rm[:, None] < hi) & (rk[None, :] < K - k * BK), other=0.0)
+                b = tl.load(b_p, mask=(rk[:, None] < K - k * BK) & (rn[None, :] < N), other=0.0)
+                acc = tl.dot(a, b, acc)
+                a_p += BK
+                b_p += BK * N
+            tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16),
+                     mask=(rm[:, None] < hi) & (rn[None, :] < N))
+            tile += NUM_SM
+        last += tiles

@@ -74,6 +74,16 @@ def _row_structure(tv: ThreadValueLayout) -> tuple[tuple[int, ...], tuple[int, .
     return group_of, masks
 
 
+def _row_keys(tv: ThreadValueLayout) -> tuple[tuple[int, ...], ...]:
+    """Every value group's rows, one per thread (:func:`_row_structure`'s group order): what a
+    row vector needs to broadcast onto another layout whose threads hold the same rows."""
+    rows, _ = tv.coords()
+    keys: dict[tuple, int] = {}
+    for v in range(tv.num_values):
+        keys.setdefault(tuple(int(r) for r in rows[:, v]), len(keys))
+    return tuple(keys)
+
+
 def _concat(values: list[ir.Value]) -> ir.Value:
     """One vector holding ``values`` (1-D vectors) back to back, built with ``vector.shuffle``."""
     while len(values) > 1:
@@ -102,16 +112,34 @@ class TileVector:
 
     ``values[i][g]`` is this lane's scalar for grid line ``i`` and value group ``g``;
     ``group_of[v]`` names the group fragment value ``v`` belongs to. Elementwise ops with
-    scalars and other TileVectors of the same structure work like RegTile's.
+    scalars and other TileVectors of the same structure work like RegTile's. ``keys`` (from
+    ``kiln.reduce`` and :meth:`full`) are each group's rows per thread: with them the vector
+    also broadcasts onto a tile of another layout whose threads hold the same rows, e.g. an
+    attention row max of ``S`` (``BM x BN``) onto the output accumulator (``BM x D``).
     """
 
-    def __init__(self, values: list[list[Value]], group_of: tuple[int, ...], axis: str):
-        self.values, self.group_of, self.axis = values, group_of, axis
+    def __init__(self, values: list[list[Value]], group_of: tuple[int, ...], axis: str,
+                 keys: tuple | None = None):
+        self.values, self.group_of, self.axis, self.keys = values, group_of, axis, keys
+
+    @classmethod
+    def full(cls, layout: ThreadValueLayout, value: float, dtype=dt.f32,
+             axis: int = 1) -> "TileVector":
+        """The vector ``kiln.reduce(tile, op, axis)`` of a one-fragment tile in ``layout``
+        gives, with every scalar ``value``: the start of a running reduction.
+
+        Example: ``m = kiln.tiles.TileVector.full(s.layout, -float("inf"))``.
+        """
+        tv = layout if axis == 1 else transpose(layout)
+        group_of, _ = _row_structure(tv)
+        scalar = constant(value, dt.dtype(dtype))
+        return cls([[scalar] * (max(group_of) + 1)], group_of, "row" if axis == 1 else "col",
+                   _row_keys(tv))
 
     def map(self, fn: Callable[[Value], Value]) -> "TileVector":
         """``fn`` applied to every scalar. Example: ``scale = (m_old - m).map(kiln.exp2)``."""
         return TileVector([[fn(x) for x in line] for line in self.values], self.group_of,
-                          self.axis)
+                          self.axis, self.keys)
 
     def _zip(self, other: Any, fn) -> "TileVector":
         if isinstance(other, TileVector):
@@ -122,7 +150,7 @@ class TileVector:
                                     fix="combine reductions of tiles with the same layout")
             return TileVector([[fn(x, y) for x, y in zip(a, b)]
                                for a, b in zip(self.values, other.values)], self.group_of,
-                              self.axis)
+                              self.axis, self.keys if self.keys == other.keys else None)
         return self.map(lambda x: fn(x, other))
 
     def __add__(self, o): return self._zip(o, lambda a, b: a + b)
@@ -176,14 +204,14 @@ class TileVector:
 
     def __kiln_flatten__(self):
         flat = [x.ir for line in self.values for x in line]
-        return flat, (len(self.values), self.group_of, self.axis)
+        return flat, (len(self.values), self.group_of, self.axis, self.keys)
 
     @classmethod
     def __kiln_unflatten__(cls, aux, values):
-        lines, group_of, axis = aux
+        lines, group_of, axis, keys = aux
         per = len(values) // lines
         return cls([[Value(v) for v in values[i * per:(i + 1) * per]] for i in range(lines)],
-                   group_of, axis)
+                   group_of, axis, keys)
 
 
 class RegTile:
@@ -380,10 +408,28 @@ class RegTile:
 
     def _zip(self, other: Any, fn) -> "RegTile":
         if isinstance(other, TileVector):
-            self._check_vector(other)
+            other = self._fit_vector(other)
         gm, gn = self.grid
         return RegTile([fn(self.fragment(i, j), self._operand(other, i, j))
                         for i in range(gm) for j in range(gn)], self.layout, self.grid)
+
+    def _fit_vector(self, v: TileVector) -> TileVector:
+        """``v`` with this tile's value groups: as it is, or regrouped by its ``keys`` when
+        this tile's threads hold the same rows in other registers."""
+        tv = self.layout if v.axis == "row" else transpose(self.layout)
+        group_of = _row_structure(tv)[0]
+        lines = self.grid[0] if v.axis == "row" else self.grid[1]
+        if v.group_of == group_of and len(v.values) == lines:
+            return v
+        index = {} if v.keys is None else {k: g for g, k in enumerate(v.keys)}
+        keys = _row_keys(tv) if index and len(v.values) == lines else ()
+        if not keys or any(k not in index for k in keys):
+            raise KilnTypeError(f"this {v.axis} vector was reduced from a tile of another "
+                                "layout, whose threads hold other rows",
+                                fix="broadcast a reduction onto a tile of the same layout, or "
+                                    "of one with the same rows per thread")
+        return TileVector([[line[index[k]] for k in keys] for line in v.values], group_of,
+                          v.axis, keys)
 
     def _check_vector(self, v: TileVector) -> None:
         structure = _row_structure(self.layout if v.axis == "row" else transpose(self.layout))

@@ -24,7 +24,7 @@ from mlir.dialects import memref, vector
 from . import ops
 from .core import dtypes as dt
 from .core.errors import KilnTypeError, KilnValueError
-from .layout import Layout, ThreadValueLayout, make_layout
+from .layout import Layout, ThreadValueLayout, concat_modes, make_layout
 from .reg_tile import RegTile, _concat
 from .shared import shared
 from .swizzle import ComposedSwizzle, Swizzle
@@ -81,6 +81,15 @@ class SharedTile:
                                  fix="view a flat buffer holding every offset of the layout")
         tile.buffer = buffer
         return tile
+
+    @property
+    def T(self) -> "SharedTile":  # noqa: N802 - the matrix transpose, as in numpy
+        """The same memory read as the transposed matrix (no copy): element ``(c, r)`` of the
+        view is element ``(r, c)`` of this tile. ``kiln.gemm(q_s, k_s.T, acc)`` multiplies by
+        ``K^T`` where ``k_s`` holds ``K`` row-major (``ldmatrix`` without ``.trans`` on NVIDIA).
+        """
+        return SharedTile.view(self.buffer, self.shape[::-1],
+                               concat_modes(self.layout[1], self.layout[0]), self.swizzle)
 
     def offset(self, row: Any, col: Any) -> Any:
         """Element offset of ``(row, col)``: ``swizzle(layout((row, col)))`` for ints, numpy

@@ -36,7 +36,7 @@ from mlir.dialects import vector
 from . import builder, ops
 from .core import dtypes as dt
 from .core.errors import KilnTypeError, KilnValueError
-from .reg_tile import RegTile, TileVector, _pairwise, _row_structure
+from .reg_tile import RegTile, TileVector, _pairwise, _row_keys, _row_structure
 from .shared import shared
 from .shuffle import butterfly_reduce
 from .values import Value
@@ -124,4 +124,4 @@ def reduce(tile: RegTile, op: Any = "sum", axis: int = 1) -> TileVector:
                       for m in members])
     if warp_masks:
         lines = _across_warps(lines, warp_masks, combine, layout.num_threads, tile.dtype)
-    return TileVector(lines, group_of, "row" if axis == 1 else "col")
+    return TileVector(lines, group_of, "row" if axis == 1 else "col", _row_keys(layout))

@@ -40,10 +40,11 @@ from .reg_tile import COL_LANES, ROW_LANES, RegTile, TileVector, where
 from .shared_tile import SharedTile
 from .core import dtypes as dt
 from .values import Value, cast
-from .tile_gemm import operand_swizzle
+from .tile_gemm import operand_swizzle, register_gather
 
 __all__ = ["GlobalTile", "SharedTile", "RegTile", "TileVector", "where", "copy", "copy_width",
-           "store", "row_run_width", "coords", "operand_swizzle", "ROW_LANES", "COL_LANES"]
+           "store", "row_run_width", "coords", "operand_swizzle", "register_gather", "ROW_LANES",
+           "COL_LANES"]
 
 MAX_COPY_BYTES = 16
 

@@ -126,3 +126,98 @@ def test_gemm_errors():
         mismatched.trace(a, target="sm_90a")
     with pytest.raises(kiln.UnsupportedError, match="24x40x32"):
         untileable.trace(a, target="gfx950")
+
+
+@pytest.mark.parametrize("target,renamed", [("sm_80", True), ("gfx950", False)])
+def test_register_gather_of_the_accumulator_as_the_next_a_operand(target, renamed):
+    """mma.sync: the m16n8 accumulator of a (warps, 1) grid is the m16n8k16 A fragment, two
+    C fragments side by side; MFMA: a lane holds a column of C but a row of A."""
+    from kiln.tile_gemm import register_gather
+    a = atom(16, 8, 16, bf16, target="sm_80") if renamed else atom(32, 32, 16, bf16,
+                                                                    target="gfx950")
+    s = a.spec
+    first = TiledMma(a, 4, 1, 128, 64, 64)            # S = Q K^T: 128 x 64
+    second = TiledMma(a, 4, 1, 128, 128, 64)          # O += P V: K = 64
+    gather = register_gather(second, accumulator_layout(first))
+    if not renamed:
+        assert gather is None
+        return
+    per, rep_n = s.c_layout.num_values, first.rep_n
+    assert len(gather) == second.rep_m * second.rep_k
+    for i in range(second.rep_m):
+        for kk in range(second.rep_k):
+            base = (i * rep_n + 2 * kk) * per
+            assert gather[i * second.rep_k + kk] == list(range(base, base + 2 * per))
+    assert register_gather(TiledMma(a, 2, 2, 128, 128, 64), accumulator_layout(first)) is None
+
+
+@kiln.kernel(num_threads="THREADS")
+def chain_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], d: kiln.Tensor[bf16, 2],
+                 c: kiln.Tensor[f32, 2], BM: kiln.constexpr, BN: kiln.constexpr,
+                 BK: kiln.constexpr, THREADS: kiln.constexpr):
+    """c = (a @ b^T, rounded to bf16, scaled by its row max) @ d: b is stored N x K and read
+    through a .T view; the product feeds the second gemm from registers."""
+    a_s, b_s = kiln.SharedTile((BM, BK), bf16), kiln.SharedTile((BN, BK), bf16)
+    d_s = kiln.SharedTile((BN, BN), bf16, swizzle=kiln.tiles.operand_swizzle((BN, BN), bf16))
+    kiln.copy(kiln.GlobalTile(a, (BM, BK), (0, 0)), a_s)
+    kiln.copy(kiln.GlobalTile(b, (BN, BK), (0, 0)), b_s)
+    kiln.copy(kiln.GlobalTile(d, (BN, BN), (0, 0)), d_s)
+    kiln.barrier()
+    s = kiln.gemm(a_s, b_s.T, kiln.accumulator(a_s, b_s.T, warps="rows"))
+    rmax = kiln.reduce(kiln.abs(s), "max", axis=1)
+    p = kiln.cast(s / rmax, bf16)
+    o = kiln.gemm(p, d_s, kiln.accumulator(p, d_s, warps="rows"))
+    kiln.copy(o * rmax, kiln.GlobalTile(c, (BM, BN), (0, 0)))      # S's rows onto O's
+
+
+@pytest.mark.parametrize("target", ("sm_90a", "gfx950"))
+def test_gemm_with_a_from_registers_and_a_transposed_b(target):
+    rng = np.random.default_rng()
+    bm, bn, bk = 64, 64, 32
+    a = rng.standard_normal((bm, bk)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((bn, bk)).astype(ml_dtypes.bfloat16)
+    d = rng.standard_normal((bn, bn)).astype(ml_dtypes.bfloat16)
+    c = np.full((bm, bn), np.nan, np.float32)
+    chain_kernel.interpret[(1,)](a, b, d, c, BM=bm, BN=bn, BK=bk, THREADS=128, target=target)
+    s = a.astype(np.float64) @ b.astype(np.float64).T
+    rmax = np.abs(s).max(axis=1, keepdims=True)
+    p = (s / rmax).astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    np.testing.assert_allclose(c, (p @ d.astype(np.float64)) * rmax, rtol=1e-4,
+                               atol=1e-3 * np.abs(s).max())
+
+
+@kiln.kernel(num_threads=256)
+def row_max_kernel(a: kiln.Tensor[bf16, 2], c: kiln.Tensor[f32, 2]):
+    a_s = kiln.SharedTile((128, 32), bf16)
+    b_s = kiln.SharedTile((32, 64), bf16)
+    acc = kiln.accumulator(a_s, b_s, 1.0, warps="rows")
+    kiln.copy(acc - kiln.reduce(acc, "max", axis=1), kiln.GlobalTile(c, (128, 64), (0, 0)))
+
+
+def test_row_reduce_of_a_rows_accumulator_is_quad_shuffles_only():
+    """Every warp owns whole rows: the row max is two XOR shuffles within each quad of lanes
+    per row group, no shared memory, no barrier."""
+    text = row_max_kernel.trace(np.zeros((128, 32), ml_dtypes.bfloat16),
+                                np.zeros((128, 64), np.float32), target="sm_90a").module_asm
+    assert "gpu.barrier" not in text
+    assert text.count("gpu.shuffle") == 2 * 2           # 2 row groups (rows r, r + 8) x 2
+
+
+def test_gemm_warps_and_row_vector_errors():
+    @kiln.kernel(num_threads=128)
+    def bad_warps(a: kiln.Tensor[bf16, 2]):
+        kiln.accumulator(kiln.SharedTile((64, 32), bf16), kiln.SharedTile((32, 64), bf16),
+                         warps=(3, 1))
+
+    @kiln.kernel(num_threads=128)
+    def other_rows(a: kiln.Tensor[bf16, 2]):
+        a_s, b_s = kiln.SharedTile((64, 32), bf16), kiln.SharedTile((32, 64), bf16)
+        rows = kiln.accumulator(a_s, b_s, warps="rows")
+        square = kiln.accumulator(a_s, b_s, warps=(2, 2))
+        square * kiln.reduce(rows, "max", axis=1)
+
+    a = np.zeros((64, 64), ml_dtypes.bfloat16)
+    with pytest.raises(kiln.KilnValueError, match="warps must be"):
+        bad_warps.trace(a, target="sm_90a")
+    with pytest.raises(kiln.KilnTypeError, match="other rows"):
+        other_rows.trace(a, target="sm_90a")

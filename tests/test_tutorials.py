@@ -17,6 +17,8 @@ vector_add = load_module(TUTORIALS / "vector_add.py", "kiln_tutorial_vector_add"
 fused_softmax = load_module(TUTORIALS / "fused_softmax.py", "kiln_tutorial_fused_softmax")
 layernorm = load_module(TUTORIALS / "layernorm.py", "kiln_tutorial_layernorm")
 matmul = load_module(TUTORIALS / "matmul.py", "kiln_tutorial_matmul")
+attention = load_module(TUTORIALS / "attention.py", "kiln_tutorial_attention")
+grouped = load_module(TUTORIALS / "grouped_matmul.py", "kiln_tutorial_grouped_matmul")
 
 TARGETS = ("sm_90a", "gfx950")
 
@@ -79,6 +81,78 @@ def test_matmul_compiles_to_the_targets_mma_without_spills(target):
     ck = matmul.matmul_kernel.compile(a, a, np.zeros(256, np.float32), a, 256, 256, 256,
                                       BM=matmul.BM, BN=matmul.BN, BK=matmul.BK,
                                       THREADS=matmul.THREADS, ALIGN=16, target=target)
+    if target.startswith("sm"):
+        assert ck.metadata["spill_bytes"] == 0
+        assert "mma.sync.aligned.m16n8k16" in ck.asm["ptx"] and "cp.async" in ck.asm["ptx"]
+    else:
+        assert ck.metadata["scratch_bytes"] == 0
+        assert "v_mfma_f32_32x32x16_bf16" in ck.asm["amdgcn"]
+
+
+def _packed(rng, lengths, width):
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return cu, [rng.standard_normal((int(cu[-1]), width)).astype(ml_dtypes.bfloat16)
+                for _ in range(3)]
+
+
+@pytest.mark.parametrize("target,d,causal", [("sm_90a", 64, False), ("sm_90a", 128, True),
+                                             ("gfx950", 64, True), ("gfx950", 128, False)])
+def test_attention(target, d, causal):
+    """Ragged lengths (an empty sequence, a tail past a key tile, a query tile past the end),
+    NaN-poisoned output: every row of every sequence is written, within bf16 of float64."""
+    rng = np.random.default_rng()
+    heads = 2
+    cu, (q, k, v) = _packed(rng, [100, 0, 37, 130], heads * d)
+    o = np.full(q.shape, np.nan, ml_dtypes.bfloat16)
+    attention.attention(q, k, v, o, cu, 130, heads, causal=causal, backend="interpret",
+                        target=target)
+    want = attention.reference(q, k, v, cu, heads, causal)
+    np.testing.assert_allclose(o.astype(np.float64), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("sizes,k,n", [([130, 0, 7, 64], 96, 72), ([1, 200], 40, 136)])
+def test_grouped_matmul(target, sizes, k, n):
+    """Uneven and empty groups, ragged K and N (synchronous copies) and aligned ones."""
+    rng = np.random.default_rng()
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    a = rng.standard_normal((int(offsets[-1]), k)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((len(sizes), k, n)).astype(ml_dtypes.bfloat16)
+    c = np.full((a.shape[0], n), np.nan, ml_dtypes.bfloat16)
+    grouped.grouped_matmul(a, b, c, offsets, backend="interpret", target=target)
+    want = grouped.reference(a, b, offsets)
+    np.testing.assert_allclose(c.astype(np.float64), want, rtol=1e-2,
+                               atol=1e-2 * np.abs(want).max())
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("target", ("sm_80", "sm_90a", "gfx950"))
+@pytest.mark.parametrize("d", (64, 128))
+def test_attention_compiles_to_the_targets_mma_without_spills(target, d):
+    x = np.zeros((256, 2 * d), ml_dtypes.bfloat16)
+    ck = attention.attention_kernel.compile(x, x, x, x, np.array([0, 256], np.int32), 1.0,
+                                            CAUSAL=True, ALIGN=16, **attention.config(d, target),
+                                            target=target)
+    if target.startswith("sm"):
+        ptx = ck.asm["ptx"]
+        assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
+        assert "mma.sync.aligned.m16n8k16" in ptx and "ldmatrix" in ptx and "cp.async" in ptx
+        # P reaches the second mma straight from registers: no shared stage, two barriers a
+        # key tile (two loops)
+        assert ptx.count("bar.sync") == 4
+    else:
+        assert ck.metadata["scratch_bytes"] == 0
+        assert "v_mfma_f32_32x32x16_bf16" in ck.asm["amdgcn"]
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("target", ("sm_80", "sm_90a", "gfx950"))
+def test_grouped_matmul_compiles_to_the_targets_mma_without_spills(target):
+    a = np.zeros((256, 256), ml_dtypes.bfloat16)
+    ck = grouped.grouped_matmul_kernel.compile(a, a, a, np.array([0, 100, 256], np.int32), 2,
+                                               256, 256, BM=grouped.BM, BN=grouped.BN,
+                                               BK=grouped.BK, THREADS=grouped.THREADS, ALIGN=16,
+                                               target=target)
     if target.startswith("sm"):
         assert ck.metadata["spill_bytes"] == 0
         assert "mma.sync.aligned.m16n8k16" in ck.asm["ptx"] and "cp.async" in ck.asm["ptx"]
@@ -164,3 +238,38 @@ def test_matmul_on_gpu():
     want = matmul.reference(a.float().cpu().numpy(), b.float().cpu().numpy(), bias.cpu().numpy())
     got = c.float().cpu().numpy()
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", (64, 128))
+def test_attention_on_gpu(d):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    heads, lengths = 2, [1000, 0, 37, 700]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v = (torch.randn(int(cu[-1]), heads * d, device="cuda").to(torch.bfloat16)
+               for _ in range(3))
+    for causal in (False, True):
+        o = torch.full_like(q, float("nan"))
+        attention.attention(q, k, v, o, torch.from_numpy(cu).cuda(), max(lengths), heads,
+                            causal=causal)
+        want = attention.reference(*(t.float().cpu().numpy() for t in (q, k, v)), cu, heads,
+                                   causal)
+        np.testing.assert_allclose(o.float().cpu().numpy(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_grouped_matmul_on_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    sizes, k, n = [300, 0, 1, 517], 264, 520
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    a = torch.randn(int(offsets[-1]), k, device="cuda").to(torch.bfloat16)
+    b = torch.randn(len(sizes), k, n, device="cuda").to(torch.bfloat16)
+    c = torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_matmul(a, b, c, torch.from_numpy(offsets).cuda())
+    want = grouped.reference(a.float().cpu().numpy(), b.float().cpu().numpy(), offsets)
+    np.testing.assert_allclose(c.float().cpu().numpy(), want, rtol=2e-2,
+                               atol=2e-2 * np.abs(want).max())

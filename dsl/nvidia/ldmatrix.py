@@ -59,15 +59,18 @@ def _check(tile: SharedTile, num: int) -> None:
 
 
 def ldmatrix(tile: SharedTile, origin: tuple[Any, Any], blocks: Sequence[tuple[int, int]], *,
-             trans: bool = False) -> Value:
+             trans: bool = False, offset: Any = None) -> Value:
     """Load ``len(blocks)`` 8x8 blocks whose top-left corners are ``origin + blocks[i]``
     (tile row, column); returns this lane's ``vector<2*num x T>`` (see the module docs).
+    ``offset``: this lane's :func:`row_offset` for ``origin`` when the caller has it (e.g. that
+    of another origin plus a constant), so loads can share one address register.
 
     Example: ``ldmatrix(tile, (r0, c0), [(0, 0), (0, 8)])`` loads two side-by-side blocks.
     """
     num = len(blocks)
     _check(tile, num)
-    offset = row_offset(tile, origin, blocks, ops.lane_id())
+    if offset is None:
+        offset = row_offset(tile, origin, blocks, ops.lane_id())
     elem = tile.dtype.mlir_type()
     result = nvgpu.ldmatrix(ir.VectorType.get([num, 2], elem), tile.buffer.ir,
                             [to_index(offset)], trans, num)

@@ -1,0 +1,164 @@
+"""Tutorial 5: fused attention forward, ``O = softmax(scale * Q K^T + mask) V``, causal or not.
+
+Q, K, V and O are bf16 ``[total, heads * D]`` (a packed batch of sequences, ``cu_seqlens`` the
+``B + 1`` int32 prefix sums of their lengths; ``[B, S, H, D]`` tensors are this with every
+sequence ``S`` long), ``D`` 64 or 128. The FlashAttention-2 design: a block owns ``BM`` query
+rows of one head of one sequence, keeps them in shared memory, and walks the keys ``BN`` at a
+time, never writing the ``BM x S`` scores out:
+
+1. ``S = Q K_j^T`` (``kiln.gemm(q_s, k_s.T, ...)``: K is stored row-major, ``.T`` reads it
+   transposed). The accumulators are built with ``warps="rows"``: every warp owns whole rows,
+   so the row max and sum are a few shuffles inside a quad of lanes, with no shared memory.
+2. Online softmax in base 2: ``m' = max(m, rowmax(S))``, ``P = exp2(S - m')``,
+   ``l' = l * exp2(m - m') + rowsum(P)``, and the output accumulator is rescaled by
+   ``exp2(m - m')`` (a row vector of S's layout broadcast onto O's: the same rows per thread).
+3. ``O += P V_j`` with P straight from registers: ``kiln.gemm(kiln.cast(p, bf16), v_s, o)``.
+   On NVIDIA the m16n8 accumulator of S *is* the m16n8k16 A fragment of P (no data moves); on
+   AMD, where an MFMA lane holds a column of C but a row of A, P goes through shared memory.
+
+Keys past the sequence, and with ``causal`` keys after the query, are masked to ``-inf``: only
+the last (ragged or diagonal) key tiles pay for the mask, in a second loop. Copies are
+``cp.async`` on NVIDIA: V_j flies while S and the softmax are computed, K_j+1 while P V_j is.
+
+Run: ``python examples/tutorials/attention.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+import kiln
+from kiln import bf16, f32, i32
+from kiln.runtime.cuda import cuda_available
+
+LOG2E = 1.4426950408889634
+
+
+@kiln.kernel(num_threads="THREADS")
+def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Tensor[bf16, 2],
+                     o: kiln.Tensor[bf16, 2], cu_seqlens: kiln.Tensor[i32], qk_scale: f32,
+                     D: kiln.constexpr, BM: kiln.constexpr, BN: kiln.constexpr,
+                     THREADS: kiln.constexpr, CAUSAL: kiln.constexpr, ALIGN: kiln.constexpr):
+    row0 = kiln.block_id(0) * BM
+    col0 = kiln.block_id(1) * D                       # the head's columns
+    start = cu_seqlens[kiln.block_id(2)]
+    length = cu_seqlens[kiln.block_id(2) + 1] - start
+
+    def tile(n):                                      # dynamic: past the 48 KB static cap
+        swizzle = kiln.tiles.operand_swizzle((n, D), bf16)
+        return kiln.SharedTile.view(kiln.dynamic_shared((n * D,), bf16, align=1024), (n, D),
+                                    swizzle=swizzle)
+
+    q_s, k_s, v_s = tile(BM), tile(BN), tile(BN)
+
+    def rows(t, n, r0):                               # rows past the sequence read as 0
+        return kiln.GlobalTile(t, (n, D), (start + r0, col0), row_end=start + length,
+                               align=ALIGN)
+
+    kiln.copy(rows(q, BM, row0), q_s)
+    kiln.copy(rows(k, BN, 0), k_s)
+    s0 = kiln.accumulator(q_s, k_s.T, warps="rows")
+    acc = kiln.accumulator(kiln.cast(s0, bf16), v_s, warps="rows")
+    m = kiln.tiles.TileVector.full(s0.layout, -float("inf"))
+    l = kiln.tiles.TileVector.full(s0.layout, 0.0)
+    # keys [0, full) need no mask; [full, end) are the ragged tail or the causal diagonal
+    end = length
+    full = length // BN * BN
+    if CAUSAL:
+        end = kiln.min(length, row0 + BM)
+        full = kiln.min(full, (row0 + 1) // BN * BN)
+    end = kiln.where(row0 < length, end, 0)           # a block past the sequence does nothing
+    full = kiln.min(full, end)
+
+    def step(kv0, acc, m, l, masked):
+        kiln.barrier()                                # K_j landed; P V_j-1 is done with v_s
+        kiln.copy(rows(v, BN, kv0), v_s)
+        s = kiln.gemm(q_s, k_s.T, s0) * qk_scale
+        if masked:                                    # index tiles, live in this loop only
+            q_row, k_col = kiln.tiles.coords(s.layout)
+            col = k_col + kv0
+            s = kiln.where(col < length, s, -float("inf"))
+            if CAUSAL:
+                s = kiln.where(col <= q_row + row0, s, -float("inf"))
+        m_new = m.maximum(kiln.reduce(s, "max", axis=1))
+        p = kiln.exp2(s - m_new)
+        alpha = kiln.exp2(m - m_new)
+        l = l * alpha + kiln.reduce(p, "sum", axis=1)
+        kiln.barrier()                                # V_j landed; S is done with k_s
+        kiln.copy(rows(k, BN, kv0 + BN), k_s)         # past the end: masked, reads nothing
+        acc = kiln.gemm(kiln.cast(p, bf16), v_s, acc * alpha)
+        return acc, m_new, l
+
+    for kv0 in kiln.range(0, full, BN):
+        acc, m, l = step(kv0, acc, m, l, False)
+    for kv0 in kiln.range(full, end, BN):
+        acc, m, l = step(kv0, acc, m, l, True)
+    kiln.copy(kiln.cast(acc / l, bf16), rows(o, BM, row0))
+
+
+BLOCKS = {64: (128, 64, 8), 128: (128, 64, 8)}   # (BM, BN, NVIDIA warps) per head dim
+
+
+def config(d: int, target: str | None, block: tuple[int, int, int] | None = None) -> dict:
+    """Block sizes: ``block = (BM, BN, warps)``, by default 128 query rows over 8 warps (16 rows
+    each) and 64 keys per step; on AMD 4 wavefronts of 64 lanes (32 rows each)."""
+    if d not in (64, 128):
+        raise kiln.KilnValueError(f"the attention tutorial takes head dim 64 or 128, got {d}",
+                                  fix="pad the head dimension to 64 or 128")
+    bm, bn, warps = block or BLOCKS[d]
+    threads = 256 if (target or "").startswith("gfx") else 32 * warps
+    return dict(D=d, BM=bm, BN=bn, THREADS=threads)
+
+
+def attention(q, k, v, o, cu_seqlens, max_seqlen: int, heads: int, *, causal: bool = False,
+              scale: float | None = None, backend: str = "gpu", target: str | None = None,
+              block: tuple[int, int, int] | None = None):
+    """``o = attention(q, k, v)`` for packed bf16 ``[total, heads * D]`` tensors and int32
+    ``cu_seqlens`` (``B + 1`` prefix sums); ``scale`` defaults to ``1 / sqrt(D)``; ``block``
+    is :func:`config`'s."""
+    d = q.shape[1] // heads
+    cfg = config(d, target, block)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    grid = (-(-max_seqlen // cfg["BM"]), heads, len(cu_seqlens) - 1)
+    launch = attention_kernel.interpret[grid] if backend == "interpret" else attention_kernel[grid]
+    extra = {"target": target} if target else {}
+    pointers = [t.data_ptr() for t in (q, k, v, o) if hasattr(t, "data_ptr")]
+    align = 16 if all(p % 16 == 0 for p in pointers) and q.shape[1] % 8 == 0 else 2
+    launch(q, k, v, o, cu_seqlens, scale * LOG2E, CAUSAL=causal, ALIGN=align, **cfg, **extra)
+    return o
+
+
+def reference(q, k, v, cu_seqlens, heads: int, causal: bool, scale: float | None = None):
+    """float64 attention of every sequence and head."""
+    d = q.shape[1] // heads
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = np.zeros(q.shape, np.float64)
+    for b in range(len(cu_seqlens) - 1):
+        lo, hi = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+        for h in range(heads if hi > lo else 0):
+            cols = slice(h * d, (h + 1) * d)
+            qh, kh, vh = (t[lo:hi, cols].astype(np.float64) for t in (q, k, v))
+            s = qh @ kh.T * scale
+            if causal:
+                s = np.where(np.tril(np.ones(s.shape, bool)), s, -np.inf)
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            out[lo:hi, cols] = (p / p.sum(axis=1, keepdims=True)) @ vh
+    return out
+
+
+if __name__ == "__main__":
+    rng = np.random.default_rng(0)
+    heads, d, lengths = 2, 64, [100, 37, 200]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v = (rng.standard_normal((int(cu[-1]), heads * d)).astype(ml_dtypes.bfloat16)
+               for _ in range(3))
+    backend = "gpu" if cuda_available() else "interpret"
+    for causal in (False, True):
+        o = np.full(q.shape, np.nan, ml_dtypes.bfloat16)
+        attention(q, k, v, o, cu, max(lengths), heads, causal=causal, backend=backend)
+        err = np.abs(o.astype(np.float64) - reference(q, k, v, cu, heads, causal)).max()
+        assert err < 2e-2, err
+        print(f"attention causal={causal} ({backend}): max error {err:.2e}")
