@@ -8,6 +8,12 @@ their new values, so ``x = 1.0`` inside a traced branch becomes an ``scf.if`` re
 runs in Python (unrolled). ``while`` conditions must be Python values, and a ``raise`` cannot
 sit in a traced ``if`` (it would run at trace time whatever the condition).
 
+A plain-Python condition runs the taken branch's function too (``trace_runtime.static_if``),
+so each branch is rewritten once and nested ``if``s do not double the code per level; branches
+whose meaning a function would change (``return``/``break``/``continue`` leaving them,
+``raise``, nested ``def``/``lambda``/generators, ``del``, ``global``/``nonlocal``, ``locals()``,
+zero-argument ``super()``) keep the original statement for the static path instead.
+
 Line numbers are kept (the rewritten code is compiled under the user's file name at the
 original lines), and every simple statement runs inside ``kiln.builder.at_source(...)`` so the
 ops it builds carry ``loc("file":line:col)`` and Kiln errors point at it.
