@@ -6,17 +6,23 @@ call of an entry point at a new shape class pays. Per kernel it prints the wall 
 ``import kiln`` + the library, of the compile itself, and the compile profile (trace, each Kiln
 pass, the MLIR pipelines, LLVM/NVPTX, ptxas, the AMD llvmlite and link steps: the same steps
 ``kiln compile --report`` prints). The goal (issue 42) is at most 1.5 s per library kernel and
-0.3 s for saxpy; the table's ``goal`` column is the ratio to it.
+0.3 s for saxpy; the table's ``goal`` column is the ratio to it. The ``beside`` column is the
+Python work done while ptxas runs (printing the stages' text, the wait proof: the
+``cubin.ptxas.*`` steps), which costs no wall time where a second core is free; ``--repeat N``
+keeps each kernel's fastest of N cold compiles (on a shared machine the first may wait for a
+core).
 
 Example::
 
     .venv/bin/python bench/compile_time.py                     # every kernel, table + JSON
     .venv/bin/python bench/compile_time.py prefill_sm90_d128 saxpy_sm90
     .venv/bin/python bench/compile_time.py --list
+    .venv/bin/python bench/compile_time.py --repeat 3 prefill_sm90_d128   # fastest of three
 
 The last line of stdout is the JSON (``{"benchmark": "compile_time", "rows": [...]}``); each
-row holds ``kernel``, ``import_s``, ``compile_s``, ``goal_s``, ``cpu_s`` and ``stages`` (the
-profile's top-level steps in ms) and ``steps`` (every step, nested ones named ``a.b``).
+row holds ``kernel``, ``import_s``, ``compile_s``, ``goal_s``, ``cpu_s``, ``beside_ms``,
+``stages`` (the profile's top-level steps in ms) and ``steps`` (every step, nested ones named
+``a.b``).
 """
 
 from __future__ import annotations
@@ -95,11 +101,19 @@ print(json.dumps({"import_s": t1 - t0, "compile_s": t2 - t1, "cpu_s": cpu_second
 """
 
 
-def run_one(name: str, timeout: float) -> dict:
-    """Compile ``name`` cold in a fresh process; its row (``error`` set when it failed)."""
+def run_one(name: str, timeout: float, repeat: int = 1) -> dict:
+    """Compile ``name`` cold in a fresh process (the fastest of ``repeat``, each with an empty
+    cache); its row (``error`` set when one failed)."""
     goal = _USER_GOAL if name.startswith("saxpy") else _LIBRARY_GOAL
-    with tempfile.TemporaryDirectory(prefix="kiln-compile-time-") as work:
-        return {"kernel": name, "goal_s": goal} | _compile_in_child(name, work, timeout)
+    best: dict = {}
+    for _ in range(repeat):
+        with tempfile.TemporaryDirectory(prefix="kiln-compile-time-") as work:
+            row = _compile_in_child(name, work, timeout)
+        if "error" in row:
+            return {"kernel": name, "goal_s": goal} | row
+        if not best or row["compile_s"] < best["compile_s"]:
+            best = row
+    return {"kernel": name, "goal_s": goal, "runs": repeat} | best
 
 
 def _compile_in_child(name: str, work: str, timeout: float) -> dict:
@@ -123,6 +137,8 @@ def _compile_in_child(name: str, work: str, timeout: float) -> dict:
     steps = [tuple(step) for step in measured["steps"]]
     row.update(import_s=round(measured["import_s"], 3), compile_s=round(measured["compile_s"], 3),
                cpu_s=round(measured["cpu_s"], 3),
+               beside_ms=round(sum(wall for s, wall, _ in steps
+                                   if s.startswith("cubin.ptxas.")), 1),
                stages={s: wall for s, wall, _ in steps if "." not in s},
                steps={s: wall for s, wall, _ in steps})
     return row
@@ -134,7 +150,7 @@ def format_table(rows: list[dict]) -> str:
     for row in rows:
         stages += [s for s in row.get("stages", {}) if s not in stages]
     head = f"{'kernel':<24} {'import s':>8} {'compile s':>9} {'cpu s':>6} {'goal':>6} " + \
-        " ".join(f"{s[:9]:>9}" for s in stages)
+        " ".join(f"{s[:9]:>9}" for s in stages) + f" {'beside':>7}"
     lines = [head]
     for row in rows:
         if "error" in row:
@@ -142,9 +158,11 @@ def format_table(rows: list[dict]) -> str:
             continue
         cells = " ".join(f"{row['stages'].get(s, 0):>9.0f}" for s in stages)
         lines.append(f"{row['kernel']:<24} {row['import_s']:>8.2f} {row['compile_s']:>9.2f} "
-                     f"{row['cpu_s']:>6.2f} {row['compile_s'] / row['goal_s']:>5.2f}x {cells}")
+                     f"{row['cpu_s']:>6.2f} {row['compile_s'] / row['goal_s']:>5.2f}x {cells} "
+                     f"{row['beside_ms']:>7.0f}")
     lines.append("(stage columns: wall ms of the cold compile; cpu: this process and ptxas; "
-                 "goal: compile s / goal s, at most 1.00x is met)")
+                 "goal: compile s / goal s, at most 1.00x is met; beside: ms of Python work "
+                 "inside the cubin column, done while ptxas ran)")
     return "\n".join(lines)
 
 
@@ -154,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the JSON to this file")
     parser.add_argument("--steps", action="store_true", help="print every step per kernel")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per kernel")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="cold compiles per kernel; the fastest is reported")
     parser.add_argument("--list", action="store_true", help="list the kernels and exit")
     ns = parser.parse_args(argv)
     if ns.list:
@@ -162,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [k for k in ns.kernels if k not in JOBS]
     if unknown:
         parser.error(f"unknown kernels {unknown}; --list names them")
-    rows = [run_one(name, ns.timeout) for name in ns.kernels or JOBS]
+    rows = [run_one(name, ns.timeout, max(1, ns.repeat)) for name in ns.kernels or JOBS]
     print(format_table(rows))
     if ns.steps:
         for row in rows:

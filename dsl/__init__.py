@@ -63,11 +63,19 @@ from .core.errors import (DeadlockError, OutOfBoundsError, RaceError, ScheduleEr
 # The upper layers behind @kiln.kernel (docs/architecture.md): the dsl declares kiln.driver.Driver
 # and the facade installs the runtime's compile and launch and the interpreter.
 from . import driver as _driver
-from .interpreter import interpret_kernel as _interpret_kernel
 from .runtime.cache import compile_specialisation as _compile_specialisation
 from .runtime.launch import launch as _launch
 from .runtime.launch_fast import guarded_launcher as _guarded_launcher
 from .runtime.launch_fast import specialized_launcher as _specialized_launcher
+
+
+
+def _interpret_kernel(*args, **kwargs):
+    """``kiln.interpreter.interpret_kernel``, imported on the first interpreted launch."""
+    from .interpreter import interpret_kernel  # start-up cost: its op tables, unused by compiles
+
+    return interpret_kernel(*args, **kwargs)
+
 
 _driver.install(_driver.Driver(compile=_compile_specialisation, launch=_launch,
                                specialized_launcher=_specialized_launcher,

@@ -8,6 +8,12 @@ their new values, so ``x = 1.0`` inside a traced branch becomes an ``scf.if`` re
 runs in Python (unrolled). ``while`` conditions must be Python values, and a ``raise`` cannot
 sit in a traced ``if`` (it would run at trace time whatever the condition).
 
+A plain-Python condition runs the taken branch's function too (``trace_runtime.static_if``),
+so each branch is rewritten once and nested ``if``s do not double the code per level; branches
+whose meaning a function would change (``return``/``break``/``continue`` leaving them,
+``raise``, nested ``def``/``lambda``/generators, ``del``, ``global``/``nonlocal``, ``locals()``,
+zero-argument ``super()``) keep the original statement for the static path instead.
+
 Line numbers are kept (the rewritten code is compiled under the user's file name at the
 original lines), and every simple statement runs inside ``kiln.builder.at_source(...)`` so the
 ops it builds carry ``loc("file":line:col)`` and Kiln errors point at it.
@@ -49,6 +55,8 @@ class _Runtime:
     reachable_structs = staticmethod(trace_runtime.reachable_structs)
     is_traced = staticmethod(trace_runtime.is_traced)
     if_stmt = staticmethod(trace_runtime.if_stmt)
+    static_if = staticmethod(trace_runtime.static_if)
+    missing = trace_runtime.MISSING
     for_stmt = staticmethod(trace_runtime.for_stmt)
     TracedRange = trace_runtime.TracedRange
     static_while_cond = staticmethod(trace_runtime.static_while_cond)
@@ -184,13 +192,17 @@ def _clone(node):
 
 def fix_missing_locations(root: ast.AST) -> ast.AST:
     """:func:`ast.fix_missing_locations` with the same result, walking fields directly
-    (the generic ``iter_child_nodes`` walk was a third of the rewrite's time)."""
+    (the generic ``iter_child_nodes`` walk was a third of the rewrite's time). An expression
+    that has its position came from the parsed source (or a clone of it): the rewrite builds
+    new nodes around source expressions, never inside them, so its subtree is complete."""
     stack = [(root, 1, 0, 1, 0)]
     while stack:
         node, lineno, col, end_lineno, end_col = stack.pop()
         fields = node.__dict__
         if "lineno" in node._attributes:
             if "lineno" in fields:
+                if isinstance(node, ast.expr):
+                    continue
                 lineno = fields["lineno"]
             else:
                 node.lineno = lineno
@@ -223,10 +235,45 @@ _UNLOCATED = (ast.expr_context, ast.operator, ast.unaryop, ast.cmpop, ast.boolop
 _SIMPLE = (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Assert,
            ast.Delete, ast.Raise)
 
+# What a branch body may not hold for its static run to go through the branch function: the
+# function would change what they mean (leaving the enclosing function or loop, a raise the
+# traced path defers, unbinding, names bound in the enclosing scope or captured late by a
+# nested scope, frame introspection).
+_UNSHAREABLE = (ast.Return, ast.Raise, ast.Yield, ast.YieldFrom, ast.Await, ast.Global,
+                ast.Nonlocal, ast.Delete, ast.NamedExpr, ast.Lambda, ast.FunctionDef,
+                ast.AsyncFunctionDef, ast.ClassDef, ast.GeneratorExp, ast.AsyncFor,
+                ast.AsyncWith)
+_INTROSPECTION = frozenset({"locals", "vars", "eval", "exec", "dir", "super", "__class__"})
+
+
+def _shareable(stmts, in_loop: bool = False) -> bool:
+    """Whether ``stmts`` (an ``if``'s branches) mean the same run inside a function that
+    takes and returns the names they assign."""
+    for stmt in stmts:
+        stack = [(stmt, in_loop)]
+        while stack:
+            node, looped = stack.pop()
+            if isinstance(node, _UNSHAREABLE):
+                return False
+            if isinstance(node, (ast.Break, ast.Continue)) and not looped:
+                return False
+            if isinstance(node, ast.Name) and node.id in _INTROSPECTION:
+                return False
+            inner = looped or isinstance(node, (ast.For, ast.While))
+            stack.extend((child, inner) for child in ast.iter_child_nodes(node))
+    return True
+
+
+def _declares_outer_names(fdef: ast.FunctionDef) -> bool:
+    """Whether ``fdef`` rebinds globals or enclosing names (``locals()`` cannot pass them)."""
+    return any(isinstance(node, (ast.Global, ast.Nonlocal)) for node in ast.walk(fdef))
+
 
 class _Rewriter(ast.NodeTransformer):
-    def __init__(self, filename: str):
+    def __init__(self, filename: str, share: bool = True):
         self.filename = filename
+        self.share = share  # False when the function declares global/nonlocal names
+        self.depth = 0  # branch/body functions being built around the current statement
 
     def _at(self, node: ast.AST, body: list[ast.stmt]) -> ast.With:
         end = node.end_col_offset if node.end_lineno == node.lineno else None
@@ -264,7 +311,12 @@ class _Rewriter(ast.NodeTransformer):
 
     def _branch_fn(self, name, params, body, node):
         ret = ast.Return(_names_tuple(params, ast.Load))
-        return ast.copy_location(_function(name, params, self._stmts(body) + [ret]), node)
+        self.depth += 1
+        try:
+            stmts = self._stmts(body)
+        finally:
+            self.depth -= 1
+        return ast.copy_location(_function(name, params, stmts + [ret]), node)
 
     def _assign_results(self, names, call, node):
         if names:
@@ -285,6 +337,8 @@ class _Rewriter(ast.NodeTransformer):
         n = next(_counter)
         cond = f"__kiln_cond_{n}"
         names, loaded = region_names(node.body + node.orelse)
+        if self.share and _shareable(node.body + node.orelse):
+            return self._shared_if(node, n, cond, names, loaded)
         # The traced branches get copies; the static statement takes the original nodes.
         traced_body, traced_orelse = _clone(node.body), _clone(node.orelse)
         static_if = ast.If(ast.Name(cond, ast.Load()), self._stmts(node.body),
@@ -304,6 +358,30 @@ class _Rewriter(ast.NodeTransformer):
         evaluate = self._at(node.test, [ast.Assign([ast.Name(cond, ast.Store())], node.test)])
         dispatch = ast.If(_call("is_traced", ast.Name(cond, ast.Load())), traced, [static_if])
         return [ast.copy_location(evaluate, node), ast.copy_location(dispatch, node)]
+
+    def _shared_if(self, node, n, cond, names, loaded):
+        """One rewrite of the branches serves both paths: the branch functions the traced
+        path passes to ``if_stmt`` also run a static condition (``static_if``), so nested
+        ``if``s are not rewritten twice per level (the copies grew the code 25-fold)."""
+        fns = [self._branch_fn(f"__kiln_then_{n}", names, node.body, node)]
+        else_ref: ast.expr = ast.Constant(None)
+        if node.orelse:
+            fns.append(self._branch_fn(f"__kiln_else_{n}", names, node.orelse, node))
+            else_ref = ast.Name(f"__kiln_else_{n}", ast.Load())
+        refs = (ast.Name(cond, ast.Load()), ast.Name(f"__kiln_then_{n}", ast.Load()), else_ref)
+        traced = _call("if_stmt", *refs, _str_tuple(names), self._capture(names),
+                       self._structs(loaded))
+        static = [self._assign_results(names, _call("static_if", *_clone(list(refs)),
+                                                    self._capture(names)), node)]
+        # A name the taken branch left unbound stays unbound in the kernel's own body; inside a
+        # branch or loop-body function it is a parameter, left MISSING as the traced path does.
+        for name in names if self.depth == 0 else ():
+            missing = ast.Compare(ast.Name(name, ast.Load()), [ast.Is()], [_rt("missing")])
+            static.append(ast.If(missing, [ast.Delete([ast.Name(name, ast.Del())])], []))
+        evaluate = self._at(node.test, [ast.Assign([ast.Name(cond, ast.Store())], node.test)])
+        dispatch = ast.If(_call("is_traced", ast.Name(cond, ast.Load())),
+                          [self._assign_results(names, traced, node)], static)
+        return [ast.copy_location(stmt, node) for stmt in (evaluate, *fns, dispatch)]
 
     def visit_For(self, node):
         n = next(_counter)
@@ -412,7 +490,7 @@ def _rewrite_source(fn: Callable, source: str, filename: str) -> types.CodeType:
                              fix="decorate a `def` (lambdas and async functions are not supported)")
     ast.increment_lineno(tree, fn.__code__.co_firstlineno - 1)
     fdef.decorator_list = []
-    fdef.body = _Rewriter(filename)._stmts(fdef.body)
+    fdef.body = _Rewriter(filename, share=not _declares_outer_names(fdef))._stmts(fdef.body)
     freevars = fn.__code__.co_freevars
     fdef.returns = None
     for a in fdef.args.posonlyargs + fdef.args.args + fdef.args.kwonlyargs:

@@ -47,7 +47,7 @@ from . import ast_rewrite, builder, threads
 from .annotations import Param, TensorMapSpec, classify, resolve_annotation
 from .core import dtypes as dt
 from .core import env
-from .core.errors import (CompilationError, KilnError, KilnTypeError, SourceLoc,
+from .core.errors import (CompilationError, InternalError, KilnError, KilnTypeError, SourceLoc,
                           source_loc_from_mlir, trace_location, user_facing)
 from .core.options import CompileOptions
 from .core.targets import get_target
@@ -102,13 +102,54 @@ class ArgSpec:
         return spec
 
 
-@dataclass
+def kiln_asm(module: ir.Module | ir.Operation) -> str:
+    """Kiln IR text as the trace prints it: with locations (errors and the interpreter point
+    at the user's lines through them)."""
+    return module.operation.get_asm(enable_debug_info=True)
+
+
 class TracedKernel:
-    """The kiln IR of one specialisation: ``module_asm`` (with locations) and ``signature``."""
-    name: str
-    module_asm: str
-    signature: Any  # kiln.signature.KernelSignature
-    shared_bytes: int
+    """The kiln IR of one specialisation: ``module_asm`` (with locations), ``signature`` and
+    ``shared_bytes``.
+
+    A trace keeps its ``ir.Module`` and prints ``module_asm`` on first read: printing with
+    locations costs as much as a third of the trace, and a compile takes the module itself
+    (:meth:`take_module`) and prints the text beside ptxas. Example::
+
+        traced = saxpy.trace(x, y, n, 2.0, BLOCK=256)
+        print(traced.module_asm)
+    """
+
+    def __init__(self, name: str, module_asm: str | None, signature: Any, shared_bytes: int,
+                 *, module: ir.Module | None = None):
+        if module_asm is None and module is None:
+            raise InternalError("a TracedKernel needs its IR text or its module")
+        self.name = name
+        self.signature = signature  # kiln.signature.KernelSignature
+        self.shared_bytes = shared_bytes
+        self._asm = module_asm
+        self._module = module
+
+    @property
+    def module_asm(self) -> str:
+        """The kiln IR text (printed from the traced module on first read)."""
+        if self._asm is None:
+            if self._module is None:
+                raise InternalError(f"the traced module of {self.name} was handed to the "
+                                    "compiler before its text was read; read the compiled "
+                                    "kernel's asm['kiln'] instead")
+            self._asm = kiln_asm(self._module)
+            self._module = None
+        return self._asm
+
+    def take_module(self) -> ir.Module | None:
+        """The traced module, unprinted, for the compiler to lower in place (its own Context);
+        None once ``module_asm`` was read. ``module_asm`` is unavailable afterwards."""
+        module, self._module = self._module, None
+        return module
+
+    def __repr__(self) -> str:
+        return f"TracedKernel({self.name!r}, signature={self.signature!r})"
 
 
 def _scalar_dtype_of(value: Any) -> dt.DType | None:
@@ -253,13 +294,12 @@ class JITKernel:
                 builder.pop()
             _verify(module, self.name)
             threads.check_thread_indexing(module, self.name, block[0], target, num_warps)
-            asm = module.operation.get_asm(enable_debug_info=True)
         constexprs = tuple((s.name, repr(s.value)) for s in specs if s.kind == "constexpr")
         signature = lowering_signature(self.name, specs, block, constexprs,
                                        dynamic_shared_bytes=state.dynamic_shared_bytes,
                                        cluster=state.cluster,
                                        programmatic_launch=state.programmatic_launch)
-        return TracedKernel(self.name, asm, signature, state.shared_bytes)
+        return TracedKernel(self.name, None, signature, state.shared_bytes, module=module)
 
     @staticmethod
     def _arg_type(spec: ArgSpec) -> ir.Type:

@@ -26,6 +26,7 @@ copies; the named constructors give the accumulator fragments of NVIDIA ``mma.sy
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,8 @@ class ThreadValueLayout:
             raise KilnValueError(f"a thread-value layout needs modes (thread, value), got {self.layout}",
                                  fix="build it with concat_modes(thread_layout, value_layout)")
         rows, cols = tile
+        # Sizes read per register by the tiles (thousands of times a trace): computed once.
+        object.__setattr__(self, "_sizes", (self.layout[0].size(), self.layout[1].size()))
         offsets = self.layout.offsets()
         counts = np.bincount(offsets, minlength=rows * cols)
         if len(counts) != rows * cols or not np.all(counts == 1):
@@ -79,12 +82,12 @@ class ThreadValueLayout:
 
     @property
     def num_threads(self) -> int:
-        return self.layout[0].size()
+        return self._sizes[0]
 
     @property
     def num_values(self) -> int:
         """Values (registers) per thread."""
-        return self.layout[1].size()
+        return self._sizes[1]
 
     def __call__(self, thread: Any, value: Any) -> tuple[Any, Any]:
         """``(row, col)`` of ``thread``'s ``value``-th element (ints, arrays or traced values)."""
@@ -140,6 +143,7 @@ def partition_tile(tile: tuple[int, int], threads: tuple[int, int],
     return ThreadValueLayout(concat_modes(thread_layout, value_layout), (rows, cols))
 
 
+@functools.lru_cache(maxsize=None)  # immutable; every atom and tile asks again
 def mma_m16n8_accumulator() -> ThreadValueLayout:
     """The C/D fragment of NVIDIA ``mma.sync.m16n8k{8,16,32}`` with 32-bit accumulators.
 
@@ -167,11 +171,17 @@ def wgmma_m64_accumulator(n: int) -> ThreadValueLayout:
     if n % 8 or n > 256:
         raise KilnValueError(f"wgmma N must be a multiple of 8 in 8..256, got {n}",
                              fix="use N in (8, 16, 24, ..., 256)")
+    return _wgmma_m64_accumulator(n)
+
+
+@functools.lru_cache(maxsize=None)  # immutable, and built for every WGMMA of a trace
+def _wgmma_m64_accumulator(n: int) -> ThreadValueLayout:
     threads = Layout((4, 8, 4), (2, n, 16 * n))
     values = Layout((2, 2, n // 8), (1, 8 * n, 8))
     return ThreadValueLayout(concat_modes(threads, values), (64, n))
 
 
+@functools.lru_cache(maxsize=None)  # immutable; every atom and tile asks again
 def mfma_32x32_accumulator() -> ThreadValueLayout:
     """The C/D fragment of AMD ``v_mfma_f32_32x32x*`` (CDNA3/CDNA4, one block, wave64).
 
@@ -186,6 +196,7 @@ def mfma_32x32_accumulator() -> ThreadValueLayout:
     return ThreadValueLayout(concat_modes(lanes, values), (32, 32))
 
 
+@functools.lru_cache(maxsize=None)  # immutable; every atom and tile asks again
 def mfma_16x16_accumulator() -> ThreadValueLayout:
     """The C/D fragment of AMD ``v_mfma_f32_16x16x*`` (CDNA3/CDNA4, one block, wave64).
 
@@ -198,6 +209,7 @@ def mfma_16x16_accumulator() -> ThreadValueLayout:
     return ThreadValueLayout(concat_modes(lanes, values), (16, 16))
 
 
+@functools.lru_cache(maxsize=None)  # immutable; every atom and tile asks again
 def mma_m16n8k16_a() -> ThreadValueLayout:
     """The A fragment (16 x 16, row = m, col = k) of NVIDIA ``mma.sync.m16n8k16`` for f16/bf16.
 
@@ -211,6 +223,7 @@ def mma_m16n8k16_a() -> ThreadValueLayout:
     return ThreadValueLayout(concat_modes(lanes, values), (16, 16))
 
 
+@functools.lru_cache(maxsize=None)  # immutable; every atom and tile asks again
 def mma_m16n8k16_b() -> ThreadValueLayout:
     """The B fragment (16 x 8, row = k, col = n) of NVIDIA ``mma.sync.m16n8k16`` for f16/bf16.
 

@@ -32,6 +32,8 @@ back with the C layout.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 from mlir.dialects import amdgpu, vector
@@ -57,6 +59,7 @@ def values_per_lane(m: int, k: int) -> int:
     return m * k // WAVE
 
 
+@functools.lru_cache(maxsize=None)  # immutable; built per atom and per tile
 def operand_a_layout(m: int, k: int) -> ThreadValueLayout:
     """The A fragment of a single-block ``m x n x k`` MFMA, as a ``(lane, value) -> (row, col)``
     layout of the ``m x k`` tile: row ``l % m``, column ``(l // m) * kpl + v``.
@@ -68,6 +71,7 @@ def operand_a_layout(m: int, k: int) -> ThreadValueLayout:
     return ThreadValueLayout(concat_modes(lanes, Layout(kpl, 1)), (m, k))
 
 
+@functools.lru_cache(maxsize=None)  # immutable; built per atom and per tile
 def operand_b_layout(k: int, n: int) -> ThreadValueLayout:
     """The B fragment (``k x n`` tile): column ``l % n``, rows ``(l // n) * kpl + v``.
 

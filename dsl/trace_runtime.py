@@ -30,6 +30,7 @@ MAX_UNROLLED_ITERATIONS = 1 << 13
 
 
 _MISSING = Undefined("?", "not defined")
+MISSING = _MISSING  # what capture() gives an unbound name (the rewrite unbinds it again)
 
 
 def capture(frame_locals: dict, names: Sequence[str]) -> list:
@@ -258,6 +259,14 @@ def if_stmt(cond: Value, then_fn: Callable, else_fn: Callable | None, names: Seq
     for obj, new in zip(objects, outputs[len(names):]):
         obj.__kiln_assign__(new)
     return tuple(outputs[:len(names)])
+
+
+def static_if(cond: Any, then_fn: Callable, else_fn: Callable | None, initial: list) -> tuple:
+    """An ``if`` on a plain Python condition: the taken branch's function on the current
+    values of the names the branches assign (``MISSING`` for unbound ones); their new values."""
+    if cond:
+        return then_fn(*initial)
+    return else_fn(*initial) if else_fn is not None else tuple(initial)
 
 
 def _fresh(values: list) -> list:

@@ -27,6 +27,7 @@ from kiln.core.options import CompileOptions
 from kiln.core.profile import CompileProfile
 from kiln.core.targets import Target, get_target
 from kiln.driver import installed
+from kiln.kernel import kiln_asm
 from kiln.lowering import amd, nvidia
 from kiln.lowering.dump import dump_prefix, dump_stage, ir_key
 from kiln.lowering.pipeline import Backend, CompileState, parse_module
@@ -123,34 +124,48 @@ class CompiledKernel:
         return f"CompiledKernel({self.name!r}, target={self.target.name}, stages={list(self.asm)})"
 
 
-def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOptions, *,
-                   dump_key: str | None = None, profile: CompileProfile | None = None
-                   ) -> CompiledKernel:
-    """Lower Kiln IR text through every stage of ``options.target``.
+def compile_kernel(kiln_ir: str | ir.Module, signature: KernelSignature,
+                   options: CompileOptions, *, dump_key: str | None = None,
+                   profile: CompileProfile | None = None) -> CompiledKernel:
+    """Lower Kiln IR (text, or a traced ``ir.Module``) through every stage of ``options.target``.
 
-    Options and the block shape are validated before MLIR or LLVM sees them. ``dump_key`` (the
-    cache key, when the runtime compiles for its cache) names the ``KILN_DUMP_DIR`` files;
-    without it they are named by a hash of the IR and options. MLIR failures raise
-    :class:`~kiln.core.errors.CompilationError` at the user's line, with a reproducer command.
-    ``profile`` (e.g. holding the trace already) gets every step's time; the kernel's
-    ``metadata["compile_profile"]`` holds its entries.
+    Options and the block shape are validated before MLIR or LLVM sees them. A module (what
+    ``TracedKernel.take_module`` hands over) is lowered in place in its own Context, without
+    the print and parse of its text: ``asm["kiln"]`` is printed from a copy beside ptxas.
+    ``dump_key`` (the cache key, when the runtime compiles for its cache) names the
+    ``KILN_DUMP_DIR`` files; without it they are named by a hash of the IR and options. MLIR
+    failures raise :class:`~kiln.core.errors.CompilationError` at the user's line, with a
+    reproducer command. ``profile`` (e.g. holding the trace already) gets every step's time;
+    the kernel's ``metadata["compile_profile"]`` holds its entries.
     """
     target = options.chip
     _check_launch_shape(signature, options, target)
     name, backend = signature.name, backend_for(target)
     profile = profile if profile is not None else CompileProfile()
-    prefix = dump_prefix(name, target.name, dump_key or ir_key(kiln_ir, options.key()))
+    module = kiln_ir if isinstance(kiln_ir, ir.Module) else None
+    text = None if module is not None else kiln_ir
+    if text is None and dump_key is None:  # the dump files are named by the IR's hash
+        text = kiln_asm(module)
+    prefix = dump_prefix(name, target.name, dump_key or ir_key(text, options.key()))
     metadata: dict = {"target": target.name, "num_warps": options.num_warps, "compile_ms": {},
                       "compile_profile": profile.entries}
-    with ir.Context():
-        with profile.step("parse"):
-            module = parse_module(name, kiln_ir, dump_prefix=prefix)
+    with module.context if module is not None else ir.Context():
+        with profile.step("parse"):  # a traced module: only the copy its text is printed from
+            if module is None:
+                module = parse_module(name, text, dump_prefix=prefix)
+                traced = None
+            else:
+                traced = module.operation.clone() if text is None else None
             recipes = _stamp_target(module, target)
         state = CompileState(name, target, options, signature, module, metadata, profile=profile,
-                             dump_prefix=prefix, defer_text=True)
+                             dump_prefix=prefix, defer_text=True,
+                             defer_proofs=backend.defers_proofs)
         state.scratch["recipes"] = recipes
-        state.asm["kiln"] = kiln_ir
-        dump_stage(prefix, "kiln", kiln_ir)
+        if traced is not None:
+            state.defer("kiln", lambda: kiln_asm(traced))
+        else:
+            state.asm["kiln"] = text
+            dump_stage(prefix, "kiln", text)
         try:
             for stage, make in backend.stages.items():
                 start = time.perf_counter()
@@ -160,8 +175,8 @@ def compile_kernel(kiln_ir: str, signature: KernelSignature, options: CompileOpt
                 if artifact is not None:
                     state.asm[stage] = artifact
                     dump_stage(prefix, stage, artifact)
-        finally:  # text no stage read (made while ptxas ran, else here; dumped on failure too)
-            if state.deferred:
+        finally:  # proofs and text left for later (run beside ptxas, else here; also on failure)
+            if state.pending():
                 with profile.step("text"):
                     state.run_deferred("text")
         backend.check(state, recipes)

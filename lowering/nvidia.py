@@ -135,6 +135,7 @@ class NvidiaBackend(Backend):
     stages = stages
     binary_stages = ("cubin", "ptx")  # without ptxas the driver JIT-compiles the PTX
     binary_tool = "ptxas"
+    defers_proofs = True  # make_cubin runs them while ptxas runs
 
     def check(self, state: CompileState, recipes: dict) -> None:
         if recipes and "cubin" in state.asm:

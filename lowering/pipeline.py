@@ -27,6 +27,9 @@ from kiln.passes import build_pass_manager, pipeline_text
 # (after cleanup, so they see the final op order) and their proof (docs/passes.md).
 GPU_STAGE_PASSES = ("kiln-fold-block-dim", "kiln-cluster-schedule", "canonicalize", "cse",
                     "kiln-insert-waits", "kiln-verify-waits")
+# Passes that only prove and change nothing: a backend with ``defers_proofs`` runs them on a
+# copy beside its binary tool (ptxas), off the compile's critical path.
+PROOF_PASSES = frozenset({"kiln-verify-waits"})
 
 
 @dataclass
@@ -49,6 +52,9 @@ class CompileState:
     # from copies, while ptxas runs: printing costs as much as a pass (compile_kernel sets it).
     defer_text: bool = False
     deferred: list = field(default_factory=list)  # (stage, fn() -> artifact), in stage order
+    # Run PROOF_PASSES later, with the deferred text (a failing proof still fails the compile).
+    defer_proofs: bool = False
+    proofs: list = field(default_factory=list)  # (stage, pass names, module copy)
 
     def step(self, stage: str, name: str):
         """Time a step of ``stage`` in the profile."""
@@ -71,8 +77,23 @@ class CompileState:
         self.asm[stage] = None
         self.deferred.append((stage, make))
 
+    def defer_proof(self, stage: str, elements: Sequence[str]) -> None:
+        """Run the proof passes ``elements`` of ``stage`` later (:meth:`run_deferred`), on a
+        copy of the module as it is now."""
+        with self.step(stage, "proof-copy"):
+            copy = self.module.operation.clone()
+        self.proofs.append((stage, tuple(elements), copy))
+
+    def pending(self) -> bool:
+        """Whether proofs or artifacts wait for :meth:`run_deferred`."""
+        return bool(self.proofs or self.deferred)
+
     def run_deferred(self, step: str) -> list[str]:
-        """Make the deferred artifacts (timed as ``<step>.<stage>``); the stages made."""
+        """Run the deferred proofs (timed as ``<step>.<pass>``; the first failing one raises),
+        then make the deferred artifacts (timed as ``<step>.<stage>``); the stages made."""
+        while self.proofs:
+            stage, elements, module = self.proofs.pop(0)
+            _prove(self, stage, elements, module, step)
         made = []
         while self.deferred:
             stage, make = self.deferred.pop(0)
@@ -84,8 +105,15 @@ class CompileState:
 
 
 def make_gpu(state: CompileState) -> str:
-    """Every backend's first stage: Kiln's passes on Kiln IR."""
-    return run_passes(state, "gpu", GPU_STAGE_PASSES)
+    """Every backend's first stage: Kiln's passes on Kiln IR (the proofs later, on a copy,
+    when ``state.defer_proofs``)."""
+    if not state.defer_proofs:
+        return run_passes(state, "gpu", GPU_STAGE_PASSES)
+    proofs = [name for name in GPU_STAGE_PASSES if name in PROOF_PASSES]
+    text = run_passes(state, "gpu", [name for name in GPU_STAGE_PASSES if name not in proofs])
+    if proofs:
+        state.defer_proof("gpu", proofs)
+    return text
 
 
 class Backend(ABC):
@@ -103,6 +131,7 @@ class Backend(ABC):
     stages: dict[str, Callable[[CompileState], str | bytes | None]]
     binary_stages: tuple[str, ...]
     binary_tool: str
+    defers_proofs = False  # a stage runs CompileState.run_deferred beside a tool process
 
     @abstractmethod
     def check(self, state: CompileState, recipes: dict) -> None:
@@ -131,6 +160,20 @@ def run_passes(state: CompileState, stage: str, elements: Sequence[str], *,
         raise stage_error(state.kernel, stage, _replayed_error(before, elements) or err, text,
                           elements, dump_prefix=state.dump_prefix) from None
     return state.module_text(stage) if text else None
+
+
+def _prove(state: CompileState, stage: str, elements: Sequence[str], module: ir.Operation,
+           step: str) -> None:
+    """Run the proof passes ``elements`` of ``stage`` on ``module`` (a copy; a proof raises
+    its own KilnError, a pass failure becomes the stage's CompilationError)."""
+    pm = build_pass_manager(elements, timer=lambda name: state.profile.step(f"{step}.{name}"),
+                            verify_each=False)
+    try:
+        pm.run(module)
+    except ir.MLIRError as err:
+        text = module.get_asm(enable_debug_info=True)
+        raise stage_error(state.kernel, stage, _replayed_error(module, elements) or err, text,
+                          elements, dump_prefix=state.dump_prefix) from None
 
 
 def _replayed_error(module: ir.Operation, elements: Sequence[str]) -> ir.MLIRError | None:

@@ -72,7 +72,7 @@ def _profile_rows(out: str) -> dict[str, tuple[float, float]]:
 
 @pytest.mark.parametrize("target, steps", [
     ("sm_90a", ["cache-lookup", "trace", "parse", "gpu", "gpu.passes",
-                "gpu.passes.kiln-insert-waits", "gpu.passes.kiln-verify-waits", "gpu.copy",
+                "gpu.passes.kiln-insert-waits", "gpu.proof-copy", "gpu.copy",
                 "nvvm", "nvvm.passes", "nvvm.copy", "llvm", "ptx", "ptx.passes", "cubin"]),
     ("gfx950", ["cache-lookup", "trace", "parse", "gpu", "rocdl", "rocdl.passes", "llvm",
                 "amdgcn", "amdgcn.optimize", "amdgcn.emit", "check-assembly",
@@ -84,10 +84,10 @@ def test_report_profiles_every_step(kernel_file, capsys, target, steps):
                  "-D", "BLOCK=64"]) == 0
     rows = _profile_rows(capsys.readouterr().out)
     assert set(steps) <= set(rows), set(steps) - set(rows)
-    if target == "sm_90a":  # the printed modules and LLVM IR: beside ptxas, or after the stages
-        made = {f"{at}.{stage}" for at in ("cubin.ptxas", "text") for stage in
-                ("gpu", "nvvm", "llvm")}
-        assert len(made & set(rows)) == 3, set(rows)
+    if target == "sm_90a":  # the printed modules, LLVM IR and the wait proof: beside ptxas,
+        made = {f"{at}.{stage}" for at in ("cubin.ptxas", "text") for stage in  # or after
+                ("kiln", "gpu", "nvvm", "llvm", "kiln-verify-waits")}
+        assert len(made & set(rows)) == 5, set(rows)
     top = [name for name in rows if "." not in name and name != "total"]
     assert all(rows[name][0] >= 0 and rows[name][1] >= 0 for name in rows)
     assert rows["total"][0] == pytest.approx(sum(rows[n][0] for n in top), abs=0.1 * len(top))

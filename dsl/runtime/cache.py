@@ -266,10 +266,11 @@ def load_cached(key: str) -> CompiledKernel | None:
     return kernel
 
 
-def compile_cached(kiln_ir: str, signature, options, key: str,
+def compile_cached(kiln_ir, signature, options, key: str,
                    profile: CompileProfile | None = None) -> CompiledKernel:
-    """:func:`~kiln.lowering.compiler.compile_kernel`, then the result stored under ``key``
-    (unless ``KILN_NO_CACHE``); the profile gets a ``cache-store`` step."""
+    """:func:`~kiln.lowering.compiler.compile_kernel` of ``kiln_ir`` (text, or a traced
+    ``ir.Module`` it lowers in place), then the result stored under ``key`` (unless
+    ``KILN_NO_CACHE``); the profile gets a ``cache-store`` step."""
     profile = profile if profile is not None else CompileProfile()
     kernel = compile_kernel(kiln_ir, signature, options, dump_key=key, profile=profile)
     if not env.cache_disabled():
@@ -291,4 +292,6 @@ def compile_specialisation(fn, specs, options, trace) -> CompiledKernel:
         return cached
     with profile.step("trace"):
         traced = trace()
-    return compile_cached(traced.module_asm, traced.signature, options, key, profile)
+    module = traced.take_module()  # lowered in place: no print and parse of its text
+    return compile_cached(traced.module_asm if module is None else module, traced.signature,
+                          options, key, profile)

@@ -1,0 +1,152 @@
+"""A cold compile's critical path: the traced module is lowered without printing and parsing
+its text, and the wait proof runs on a copy beside ptxas. Neither may change an artifact or
+let a wrong kernel through."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+from mlir import ir
+
+import kiln
+import kiln.cp_async as cp_async
+import kiln.tiles as tiles
+from kiln.cluster import manual_waits
+from kiln.core.errors import CompilationError, InternalError, WaitError
+from kiln.core.options import CompileOptions
+from kiln.lowering import compiler, nvidia, pipeline
+from kiln.lowering.compiler import compile_kernel
+from kiln.lowering.tools import find_ptxas
+
+pytestmark = pytest.mark.lower
+
+
+@kiln.kernel
+def staged_copy(x: kiln.Tensor[kiln.bf16, 2], out: kiln.Tensor[kiln.bf16], rows: kiln.i32,
+                MANUAL: kiln.constexpr):
+    if MANUAL:
+        manual_waits()  # and no cp_async.wait: the read below is uncovered
+    s = tiles.SharedTile((16, 64), kiln.bf16)
+    src = tiles.GlobalTile(x, (16, 64), (kiln.block_id(0) * 16, 0), row_end=rows)
+    r = kiln.thread_id(0) % 16
+    cp_async.commit([cp_async.copy(s, (r, 0), src, (r, 0), width=8)])
+    kiln.barrier()
+    out.store(0, s.load(r, 0, width=8))  # READ_LINE
+
+
+READ_LINE = next(n for n, line in enumerate(inspect.getsource(inspect.getmodule(staged_copy))
+                                            .splitlines(), 1) if line.endswith("# READ_LINE"))
+
+
+def _args():
+    rows = int(np.random.default_rng().integers(17, 64))
+    return (np.random.rand(rows, 64).astype(kiln.bf16.numpy), np.zeros(8, kiln.bf16.numpy), rows)
+
+
+def _steps(kernel) -> list[str]:
+    return [name for name, _, _ in kernel.metadata["compile_profile"]]
+
+
+def test_traced_module_compiles_to_the_artifacts_of_its_text(monkeypatch):
+    """Lowering the traced module in place gives every stage of the text's compile, byte for
+    byte; the kiln text is the trace's own print."""
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+    args = _args()
+    traced = staged_copy.trace(*args, MANUAL=False, target="sm_90a")
+    text = traced.module_asm
+    options = CompileOptions("sm_90a")
+    from_text = compile_kernel(text, traced.signature, options)
+    held = staged_copy.trace(*args, MANUAL=False, target="sm_90a")
+    module = held.take_module()
+    assert isinstance(module, ir.Module)
+    from_module = compile_kernel(module, held.signature, options)
+    assert list(from_module.asm) == list(from_text.asm)
+    for stage in ("kiln", "gpu", "nvvm", "llvm", "ptx"):
+        assert from_module.asm[stage] == from_text.asm[stage], stage
+    assert from_module.asm["kiln"] == text
+    assert "parse" in _steps(from_module)
+
+
+def test_a_handed_over_module_has_no_text_and_a_printed_one_is_not_handed_over():
+    traced = staged_copy.trace(*_args(), MANUAL=False, target="sm_90a")
+    assert traced.take_module() is not None
+    assert traced.take_module() is None  # handed over once
+    with pytest.raises(InternalError, match="asm\\['kiln'\\]"):
+        traced.module_asm
+    printed = staged_copy.trace(*_args(), MANUAL=False, target="sm_90a")
+    assert "nvgpu.device_async_copy" in printed.module_asm
+    assert printed.take_module() is None  # the compiler then parses the text
+    assert printed.module_asm.startswith("#loc") or "module" in printed.module_asm
+
+
+def test_the_wait_proof_runs_beside_ptxas_or_after_the_stages(monkeypatch):
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+    ck = staged_copy.compile(*_args(), MANUAL=False, target="sm_90a")
+    steps = _steps(ck)
+    where = "cubin.ptxas" if find_ptxas() is not None else "text"
+    assert f"{where}.kiln-verify-waits" in steps and f"{where}.kiln" in steps
+    assert "gpu.passes.kiln-verify-waits" not in steps  # not on the critical path
+    assert "gpu.passes.kiln-insert-waits" in steps
+    assert "cp.async.wait_group" in ck.asm["ptx"]
+
+
+def test_a_missing_wait_still_fails_the_compile_at_the_read(monkeypatch):
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+    with pytest.raises(WaitError) as caught:
+        staged_copy.compile(*_args(), MANUAL=True, target="sm_90a")
+    assert caught.value.loc.line == READ_LINE
+    assert "cp_async" in caught.value.message or "device_async_copy" in caught.value.message
+
+
+def test_the_proof_error_wins_over_a_later_stage_failure(monkeypatch):
+    """The proof ran before the later stages once; a failure there must not hide its error."""
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+
+    def broken_ptx(state):
+        raise CompilationError("planted ptx failure", fix="none")
+
+    monkeypatch.setitem(nvidia.NvidiaBackend.stages, "ptx", broken_ptx)
+    with pytest.raises(WaitError) as caught:
+        staged_copy.compile(*_args(), MANUAL=True, target="sm_90a")
+    assert caught.value.loc.line == READ_LINE
+    with pytest.raises(CompilationError, match="planted ptx failure"):  # a sound kernel
+        staged_copy.compile(*_args(), MANUAL=False, target="sm_90a", num_warps=2)
+
+
+def test_a_failing_deferred_proof_is_the_gpu_stage_error_with_a_reproducer(monkeypatch,
+                                                                          tmp_path):
+    from kiln import passes
+
+    def refuse(op, pass_):
+        pass_.signal_pass_failure()
+
+    monkeypatch.setitem(passes._REGISTRY, "kiln-test-refuse",
+                        passes.KilnPass("kiln-test-refuse", refuse, "test: a failing proof"))
+    monkeypatch.setattr(pipeline, "GPU_STAGE_PASSES",
+                        pipeline.GPU_STAGE_PASSES + ("kiln-test-refuse",))
+    monkeypatch.setattr(pipeline, "PROOF_PASSES", pipeline.PROOF_PASSES | {"kiln-test-refuse"})
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+    monkeypatch.setenv("KILN_DUMP_DIR", str(tmp_path))
+    with pytest.raises(CompilationError, match="the 'gpu' stage failed") as caught:
+        staged_copy.compile(*_args(), MANUAL=False, target="sm_90a", num_warps=8)
+    assert "kiln-test-refuse" in str(caught.value)
+    reproducer = open(caught.value.reproducer).read()
+    assert "nvgpu.device_async_wait" in reproducer  # the proof's input: waits inserted
+
+
+@kiln.kernel
+def scale(x: kiln.Tensor[kiln.f32], y: kiln.Tensor[kiln.f32]):
+    i = kiln.thread_id(0)
+    y[i] = x[i] * 3.0
+
+
+def test_backends_without_a_tool_window_prove_in_the_stage(monkeypatch):
+    """AMD has no ptxas to overlap: its proof stays in the gpu stage, in order."""
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+    assert compiler.BACKENDS["nvidia"].defers_proofs and not compiler.BACKENDS["amd"].defers_proofs
+    x = np.random.rand(64).astype(np.float32)
+    ck = scale.compile(x, np.zeros_like(x), target="gfx950", num_warps=1)
+    assert "gpu.passes.kiln-verify-waits" in _steps(ck)
+    assert "text.kiln" in _steps(ck)  # its traced module was still lowered without a parse
