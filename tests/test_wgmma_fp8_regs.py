@@ -137,10 +137,10 @@ def packs(x: kiln.Tensor[kiln.f32, 2], out: kiln.Tensor[kiln.i32, 1]):
 
 
 def test_pack_f8x4_rounds_saturates_and_packs_low_byte_first(rng):
-    x = (rng.standard_normal((32, 4)) * 100).astype(np.float32)
+    x = (rng.standard_normal((128, 4)) * 100).astype(np.float32)
     x[0] = [1000.0, -1000.0, np.nan, 2.0 ** -10]
-    out = np.zeros(32, np.int32)
+    out = np.zeros(128, np.int32)
     interpret_kernel(packs.trace(x, out, target="sm_90a"), (1, 1, 1), [x, out], "sm_90a")
     expected = np.clip(x, -448.0, 448.0).astype(E4M3)
-    got = out.view(np.uint8).reshape(32, 4).view(E4M3)
+    got = out.view(np.uint8).reshape(128, 4).view(E4M3)
     np.testing.assert_array_equal(got.astype(np.float32), expected.astype(np.float32))
