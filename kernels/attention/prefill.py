@@ -12,6 +12,8 @@ Example::
     o = prefill(q192, k192, v128, causal=True, softcap=30.0)   # D_qk 192, D_v 128, capped
     # ragged, with FlashAttention's host-side bounds: no synchronisation, capturable
     o = prefill(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=512, max_seqlen_k=512)
+    # FP8 (Hopper): e4m3 q/k/v, descales scalar or [B, Hq] / [B, Hkv]; bf16 output
+    o = prefill(q8, k8, v8, causal=True, descale_q=dq, descale_k=dk, descale_v=dv)
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from .. import dlpack, runtime
 from ..runtime import (ArrayLib, PlanCache, check_backend, check_heads, check_positive,
                        contiguous, dtype_of, empty_like, is_cupy, is_torch, resolve_target, spec)
 from .prefill_config import check_head_dim
+from .prefill_fp8 import check_descales, compile_prefill_fp8, run_prefill_fp8
 from .prefill_hopper import SUPPORTED_DTYPES, HopperPrefillConfig, MaskSpec, make_kernel
+from .prefill_hopper_fp8_config import FP8_DTYPES
 from .softcap import check_softcap
 
 __all__ = ["prefill", "compile_prefill"]
@@ -64,6 +68,9 @@ def compile_prefill(dtype="bf16", *, target, head_dim=128, head_dim_v=None, caus
                                       sinks=True if sinks else None, softcap=softcap,
                                       target=chip.name, **config)
     _require_wgmma(chip)
+    if name in FP8_DTYPES:  # e4m3: its own kernel (prefill_hopper_fp8)
+        return compile_prefill_fp8(chip, mask, head_dim, head_dim_v, group, sinks, return_lse,
+                                   softcap, config)
     cfg = _config(head_dim, head_dim_v, config)
     kernel = make_kernel(name, cfg, mask, int(group), bool(sinks), bool(return_lse), softcap)
     args = _placeholder_args(name, cfg, group)
@@ -73,7 +80,8 @@ def compile_prefill(dtype="bf16", *, target, head_dim=128, head_dim_v=None, caus
 
 def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale=None,
             softcap=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-            max_seqlen_k=None, return_lse=False, target=None, backend=None):
+            max_seqlen_k=None, return_lse=False, target=None, backend=None, descale_q=None,
+            descale_k=None, descale_v=None):
     """Attention forward ``softmax(scale * q k^T + mask) v``; see the module docs and
     ``tests/attention_reference.py`` for the exact conventions.
 
@@ -103,10 +111,19 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     prefix sums). Zero-size inputs launch nothing: no query row (``B``, ``Sq``, ``Hq`` or
     ``total_q`` of 0) gives empty outputs; no key (``Sk`` or ``total_k`` of 0) gives ``o = 0``
     and ``lse = -inf`` (a sink's logit with ``sinks``), as for any row that sees no key.
+    FP8 (Hopper): f8e4m3 q, k and v (D and Dv multiples of 16) give a bf16 ``o`` of
+    ``softmax(scale * (dq q)(dk k)^T) (dv v)`` with ``descale_q/k/v`` each None, a scalar or
+    one per (batch, head): ``[B, Hq]`` for q, ``[B, Hkv]`` for k and v (FlashAttention-3's
+    convention; :mod:`.prefill_fp8`).
+
     Example: ``o = prefill(q, k, v, causal=True)`` with torch CUDA tensors.
     """
     softcap = check_softcap(softcap)  # a float before it enters a plan's key
-    if cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and \
+    descales = dict(descale_q=descale_q, descale_k=descale_k, descale_v=descale_v)
+    fp8 = hasattr(q, "dtype") and _known_dtype_name(q.dtype) in FP8_DTYPES
+    if not fp8:
+        check_descales(_known_dtype_name(getattr(q, "dtype", None)), descales)
+    if not fp8 and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and \
             max_seqlen_k is None and backend != "interpret" and is_torch(q):
         key = (spec(q), spec(k), spec(v), spec(sinks), causal, window, chunk, scale,
                softcap, return_lse, target, backend)
@@ -123,12 +140,24 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
                                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                     max_seqlen_q=max_seqlen_q,
                                     max_seqlen_k=max_seqlen_k, return_lse=return_lse,
-                                    target=target, backend=backend)
+                                    target=target, backend=backend, **descales)
     chip, shapes, mask, scale = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, causal,
                                           window, chunk, scale, target, backend,
                                           max_seqlen_q, max_seqlen_k)
     if _without_work(q, k, shapes, cu_seqlens_q is not None) or shapes.get("max_sk") == 0:
         return _outputs_without_work(q, shapes, sinks, cu_seqlens_q is not None, return_lse)
+    if fp8 and not chip.is_amd:
+        _require_wgmma(chip)
+        if backend == "interpret":
+            out = run_prefill_fp8(chip.name, *(ArrayLib.numpy(x) for x in (q, k, v)),
+                                  *(_optional_numpy(x) for x in (sinks, cu_seqlens_q,
+                                                                 cu_seqlens_k)),
+                                  shapes, mask, scale, softcap, return_lse,
+                                  {n: _optional_numpy(x) for n, x in descales.items()},
+                                  interpret=True)
+            return _outputs_like(q, out, return_lse)
+        return run_prefill_fp8(chip.name, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, shapes,
+                               mask, scale, softcap, return_lse, descales, interpret=False)
     if chip.is_amd:
         from .prefill_gfx950 import run_prefill_gfx950
 
@@ -279,9 +308,10 @@ def _check_inputs(q, k, v, cu_q, cu_k, sinks) -> dict:
                                       fix="ragged batches take [total, H, D] with cu_seqlens, "
                                           "dense ones [B, S, H, D]")
     names = {n: _dtype_name(x.dtype) for n, x in (("q", q), ("k", k), ("v", v))}
-    if len(set(names.values())) != 1 or names["q"] not in SUPPORTED_DTYPES:
+    if len(set(names.values())) != 1 or names["q"] not in SUPPORTED_DTYPES + FP8_DTYPES:
         raise kiln.UnsupportedError(f"q/k/v dtypes {names} are not supported",
-                                    fix=f"pass q, k and v all in one of {SUPPORTED_DTYPES}")
+                                    fix="pass q, k and v all in one of "
+                                        f"{SUPPORTED_DTYPES + FP8_DTYPES}")
     if tuple(k.shape[:-1]) != tuple(v.shape[:-1]):
         raise kiln.KilnValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ",
                                   fix="k and v must have the same shape but for the head dim")
@@ -407,6 +437,14 @@ def _require_wgmma(chip):
 
 def _dtype_name(dtype) -> str:
     return kiln.dtype(dtype).name
+
+
+def _known_dtype_name(dtype):
+    """Kiln's name of ``dtype``, or None for one Kiln does not know (checked later)."""
+    try:
+        return kiln.dtype(dtype).name
+    except (TypeError, ValueError, KeyError):
+        return None
 
 
 def _optional_numpy(x):
