@@ -14,8 +14,8 @@ Schedule (3 warp groups, ``BLOCK_M x BLOCK_N = 128 x 128``):
 
 | warp group | registers | job |
 | --- | --- | --- |
-| 0 producer | 40 | thread 0 TMA-loads Q, then per key tile ``j`` K_{j+1} (``k_full``/``k_empty``, released by the consumers) and raw V_{j + raw_stages - 1} (``v_full``); all 128 threads then wait ``v_full[j]`` and ``vt_empty[j]``, transpose V_j into ``Vt`` (4 x 4-byte blocks: four 4-byte loads of four keys, a byte transpose, four 4-byte stores of four keys), ``fence.proxy.async`` (the WGMMA reads through the async proxy), meet on a named barrier (the raw stage is free again) and thread 0 arrives on ``vt_full[j]`` |
-| 1, 2 consumers | 232 | the bf16 kernel's iteration, waiting ``vt_full`` instead of ``v_full`` |
+| 0 producer | 24 | thread 0 TMA-loads Q, then per key tile ``j`` K_{j+1} (``k_full``/``k_empty``, released by the consumers) and raw V_{j + raw_stages - 1} (``v_full``/``v_empty``); all 128 threads then wait ``v_full[j]`` and ``vt_empty[j]``, transpose V_j into ``Vt`` (4 x 4-byte blocks: four 4-byte loads of four keys, a byte transpose, four 4-byte stores of four keys), arrive on ``v_empty[j]``, ``fence.proxy.async`` (the WGMMA reads through the async proxy) and arrive on ``vt_full[j]`` (128 arrivals each) |
+| 1, 2 consumers | 240 | the bf16 kernel's iteration, waiting ``vt_full`` instead of ``v_full`` |
 
 Descales (FlashAttention-3's convention, ``[B, Hq]`` for q, ``[B, Hkv]`` for k and v, scalars
 broadcast by the caller): ``softmax(scale * dq * dk * q k^T) (dv * v)``: the softmax scale of a
@@ -41,7 +41,6 @@ from .softcap import soft_cap_constants
 
 __all__ = ["make_fp8_kernel", "HopperFp8PrefillConfig"]
 
-TRANSPOSE_BARRIER = 9  # named barrier 9: the producer warp group's transpose of one V tile
 OUT_COLS = 64  # bf16 output columns per 128-byte staging row (the bf16 kernel's boxes)
 WORDS = ROW_BYTES // 4  # 4-byte words per 128-byte row
 # Where key slot i of a 4-key transpose block comes from: the block of logical keys
@@ -94,6 +93,7 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
         k_full = mbarrier.group(num_barriers=STAGES)
         k_empty = mbarrier.group(num_barriers=STAGES)
         v_full = mbarrier.group(num_barriers=RAW_STAGES)
+        v_empty = mbarrier.group(num_barriers=RAW_STAGES)
         vt_full = mbarrier.group(num_barriers=STAGES)
         vt_empty = mbarrier.group(num_barriers=STAGES)
         tid = kiln.thread_id(0)
@@ -101,10 +101,11 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
         for s in kiln.static_range(STAGES):
             k_full.init(s, count=1, predicate=tid == 0)
             k_empty.init(s, count=2, predicate=tid == 0)
-            vt_full.init(s, count=1, predicate=tid == 0)
+            vt_full.init(s, count=WARP_GROUP_THREADS, predicate=tid == 0)
             vt_empty.init(s, count=2, predicate=tid == 0)
         for s in kiln.static_range(RAW_STAGES):
             v_full.init(s, count=1, predicate=tid == 0)
+            v_empty.init(s, count=WARP_GROUP_THREADS, predicate=tid == 0)
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
 
@@ -131,7 +132,7 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
             if warp_group == 0:
                 nvidia_asm.setmaxnreg(PRODUCER_REGS, increase=False)
                 loads = _Loads(k_map, v_map, k_boxes, raw_boxes, k_full, k_empty, v_full,
-                               config, chunks, v_chunks, kv_head, k_start, first_tile)
+                               v_empty, config, chunks, v_chunks, kv_head, k_start, first_tile)
                 if tid == 0:
                     q_full.arrive_expect_tx(0, chunks * tma.box_bytes(q_map))
                     for c in kiln.static_range(chunks):
@@ -158,10 +159,9 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
                     vt_empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
                     _transpose_v(raw_words, vt_words, raw * v_chunks, stage, tid,
                                  config.v_width)
+                    v_empty.arrive(raw)
                     nvidia_asm.fence_proxy_async()  # Vt's generic writes -> the WGMMA's reads
-                    nvidia_asm.named_barrier(TRANSPOSE_BARRIER, WARP_GROUP_THREADS)
-                    if tid == 0:
-                        vt_full.arrive(stage)
+                    vt_full.arrive(stage, fills=True)  # filled by the stores above
             else:
                 nvidia_asm.setmaxnreg(CONSUMER_REGS, increase=True)
                 consumer = warp_group - 1
@@ -266,12 +266,12 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
 class _Loads:
     """The producer's TMA loads of key tile ``j``: its K boxes into the K ring (waiting for
     both consumers to release the stage), its raw V boxes into the raw ring (free once the
-    producer's own transpose barrier has passed)."""
+    producer's 128 threads have read it: ``v_empty``)."""
 
-    def __init__(self, k_map, v_map, k_boxes, raw_boxes, k_full, k_empty, v_full, config,
-                 chunks, v_chunks, kv_head, k_start, first_tile):
+    def __init__(self, k_map, v_map, k_boxes, raw_boxes, k_full, k_empty, v_full, v_empty,
+                 config, chunks, v_chunks, kv_head, k_start, first_tile):
         self.k_map, self.v_map, self.k_boxes, self.raw_boxes = k_map, v_map, k_boxes, raw_boxes
-        self.k_full, self.k_empty, self.v_full = k_full, k_empty, v_full
+        self.k_full, self.k_empty, self.v_full, self.v_empty = k_full, k_empty, v_full, v_empty
         self.config, self.chunks, self.v_chunks = config, chunks, v_chunks
         self.kv_head, self.k_start, self.first_tile = kv_head, k_start, first_tile
 
@@ -286,7 +286,9 @@ class _Loads:
                                  self.k_start + j * FP8_BLOCK_N), self.k_full, stage)
 
     def v(self, j, raw_stages):
-        raw = (j - self.first_tile) % raw_stages
+        use = j - self.first_tile
+        raw = use % raw_stages
+        self.v_empty.try_wait(raw, (use // raw_stages) % 2 ^ 1)
         self.v_full.arrive_expect_tx(raw, self.v_chunks * tma.box_bytes(self.v_map))
         for c in kiln.static_range(self.v_chunks):
             tma.load(self.v_map, self.raw_boxes.tile(raw * self.v_chunks + c),
@@ -340,7 +342,7 @@ def _transpose_v(raw_words, vt_words, raw_box, stage, tid, v_width):
     stores spread over the 128-byte swizzle (at most 2-way bank conflicts)."""
     warp, lane = tid // 32, tid % 32
     w_blocks = v_width // 16  # groups of 4 d-words
-    for u in range(w_blocks):
+    for u in kiln.range(w_blocks):  # a loop, not unrolled: the producer has 24 registers
         block = warp + 4 * u
         w = lane % 4 + 4 * (block % w_blocks)
         kw = (lane // 4) % 4 + 4 * (lane // 16 + 2 * (block // w_blocks))
