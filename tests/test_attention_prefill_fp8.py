@@ -208,7 +208,7 @@ def test_ptx_has_the_fp8_pipeline(fp8_causal_d128):
     # The producer transposes V: 4-byte shared loads and stores, its fence, 128 arrivals.
     assert "fence.proxy.async.shared::cta" in ptx
     assert "ld.shared.u32" in ptx or "ld.shared.b32" in ptx
-    assert "setmaxnreg.dec.sync.aligned.u32 24" in ptx
+    assert "setmaxnreg.dec.sync.aligned.u32 32" in ptx
     assert "setmaxnreg.inc.sync.aligned.u32 240" in ptx
     assert "ex2.approx.ftz.f32" in ptx
 

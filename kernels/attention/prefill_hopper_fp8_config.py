@@ -56,8 +56,8 @@ def fp8_shared_bytes(head_dim: int, dv: int, stages: int, raw_stages: int) -> in
 class HopperFp8PrefillConfig:
     """Tiles and pipeline of :func:`~.prefill_hopper_fp8.make_fp8_kernel`: ``head_dim`` of
     Q/K, ``head_dim_v`` of V and O (None: ``head_dim``), ``stages`` K and V^T buffers,
-    ``raw_stages`` V buffers before the transpose, registers per thread of the producer (its
-    transpose loop fits in the bf16 kernel's 24) and of the two consumer groups;
+    ``raw_stages`` V buffers before the transpose, registers per thread of the producer (32: its
+    transpose loop spills in the bf16 kernel's 24) and of the two consumer groups;
     ``lazy_rescale`` / ``exp_before_max`` as in :class:`~.prefill_config.HopperPrefillConfig`
     (P stays below ``2**8``, inside e4m3's 448)."""
 
@@ -65,7 +65,7 @@ class HopperFp8PrefillConfig:
     head_dim_v: int | None = None
     stages: int = 2
     raw_stages: int = 2
-    producer_registers: int = 24
+    producer_registers: int = 32
     consumer_registers: int = 240
     q_tiles_first: bool | None = None
     pin_pv_wait: bool = False
