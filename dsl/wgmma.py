@@ -382,7 +382,8 @@ def mma_async(acc: RegTile, a, b_desc, *, dtype, a_major: str = "k", b_major: st
                                    fix="drop a_major (or stage A in shared memory)")
         a_frag = a.fragment(0, 0) if isinstance(a, RegTile) else a
         if a_frag.dtype is not operand:
-            raise KilnTypeError(f"mma_async A operand must be a vector<{A_REGISTER_VALUES}x"
+            values = A_REGISTER_VALUES_8BIT if operand.is_fp8 else A_REGISTER_VALUES
+            raise KilnTypeError(f"mma_async A operand must be a vector<{values}x"
                                 f"{operand}> per thread, got {a_frag!r}",
                                 fix="convert A with a_fragment_from_accumulator(acc, dtype)")
 
