@@ -255,7 +255,7 @@ def test_exact_p_on_gpu(case, rng):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_random_ragged_on_gpu(rng):
+def test_ragged_on_gpu(rng):
     import torch
 
     (q8, k8, v8), descales, cu_q, cu_k = exact_problem(

@@ -68,7 +68,6 @@ class HopperFp8PrefillConfig:
     producer_registers: int = 32
     consumer_registers: int = 240
     q_tiles_first: bool | None = None
-    pin_pv_wait: bool = False
     lazy_rescale: bool = True
     exp_before_max: bool = True
 
