@@ -14,7 +14,7 @@ Schedule (3 warp groups, ``BLOCK_M x BLOCK_N = 128 x 128``):
 
 | warp group | registers | job |
 | --- | --- | --- |
-| 0 producer | 32 | thread 0 TMA-loads Q, then per key tile ``j`` K_{j+1} (``k_full``/``k_empty``, released by the consumers) and raw V_{j + raw_stages - 1} (``v_full``/``v_empty``); all 128 threads then wait ``v_full[j]`` and ``vt_empty[j]``, transpose V_j into ``Vt`` (4 x 4-byte blocks: four 4-byte loads of four keys, a byte transpose, four 4-byte stores of four keys), arrive on ``v_empty[j]``, ``fence.proxy.async`` (the WGMMA reads through the async proxy) and arrive on ``vt_full[j]`` (128 arrivals each) |
+| 0 producer | 32 | thread 0 TMA-loads Q, then per key tile ``j`` K_{j+1} (``k_full``/``k_empty``, released by the consumers) and raw V_{j + raw_stages - 1} (``v_full``/``v_empty``); all 128 threads then wait ``v_full[j]`` and ``vt_empty[j]``, transpose V_j into ``Vt`` (4 x 4-byte blocks: four 4-byte loads of four keys, a byte transpose of eight ``prmt``, four 4-byte stores of four keys), arrive on ``v_empty[j]``, ``fence.proxy.async`` (the WGMMA reads through the async proxy) and arrive on ``vt_full[j]`` (128 arrivals each) |
 | 1, 2 consumers | 240 | the bf16 kernel's iteration, waiting ``vt_full`` instead of ``v_full`` |
 
 Descales (FlashAttention-3's convention, ``[B, Hq]`` for q, ``[B, Hkv]`` for k and v, scalars
@@ -24,6 +24,8 @@ multiplied by ``dv[b, h // group]``.
 """
 
 import functools
+
+from mlir.dialects import vector
 
 import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
@@ -144,8 +146,8 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
                     for j in kiln.range(first_tile, kiln.minimum(first_tile + RAW_STAGES - 1,
                                                                  end_tile)):
                         loads.v(j, RAW_STAGES)
-                raw_words = raw_tiles.reinterpret((RAW_STAGES * v_chunks, bn, WORDS), kiln.i32)
-                vt_words = vt_tiles.reinterpret((STAGES, config.v_width, WORDS), kiln.i32)
+                raw_bytes = raw_tiles.reinterpret((RAW_STAGES * v_chunks, bn, ROW_BYTES), kiln.i8)
+                vt_bytes = vt_tiles.reinterpret((STAGES, config.v_width, ROW_BYTES), kiln.i8)
                 for j in kiln.range(first_tile, end_tile):
                     use = j - first_tile
                     if tid == 0:  # the next K tile, and the V tile raw_stages - 1 ahead
@@ -157,7 +159,7 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
                     raw = use % RAW_STAGES
                     v_full.try_wait(raw, (use // RAW_STAGES) % 2)
                     vt_empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
-                    _transpose_v(raw_words, vt_words, raw * v_chunks, stage, tid,
+                    _transpose_v(raw_bytes, vt_bytes, raw * v_chunks, stage, tid,
                                  config.v_width)
                     v_empty.arrive(raw)
                     nvidia_asm.fence_proxy_async()  # Vt's generic writes -> the WGMMA's reads
@@ -333,13 +335,14 @@ def _issue_pv(ops: _Fp8Operands, acc, probs, stage):
 
 
 @kiln.func
-def _transpose_v(raw_words, vt_words, raw_box, stage, tid, v_width):
+def _transpose_v(raw_bytes, vt_bytes, raw_box, stage, tid, v_width):
     """``Vt[stage][d, k] = V[key(k), d]`` for one 128-key tile, by the producer's 128 threads:
     logical keys ``4kw .. 4kw+3`` of ``Vt``'s rows (``wgmma.FP8_A_K_ORDER``) come from
     physical keys ``16 (kw // 4) + 2 (kw % 4) + KEY_SLOTS``. Each thread moves 4 x 4-byte
-    blocks: four words of four keys (d ``4w .. 4w+3``) in, a byte transpose, four words of four
-    keys out. A warp covers 4 d-words x 8 key-words per block, so both its loads and its
-    stores spread over the 128-byte swizzle (at most 2-way bank conflicts)."""
+    blocks: four 4-byte loads of four keys (d ``4w .. 4w+3``), a byte transpose (eight
+    ``prmt``), four 4-byte stores of four keys. A warp covers 4 d-words x 8 key-words per
+    block, so both its loads and its stores spread over the 128-byte swizzle (at most 2-way
+    bank conflicts)."""
     warp, lane = tid // 32, tid % 32
     w_blocks = v_width // 16  # groups of 4 d-words
     for u in kiln.range(w_blocks):  # a loop, not unrolled: the producer has 32 registers
@@ -351,9 +354,22 @@ def _transpose_v(raw_words, vt_words, raw_box, stage, tid, v_width):
         words = []
         for slot in KEY_SLOTS:
             key = first_key + slot
-            words.append(raw_words[box, key, ((ww // 4) ^ (key % 8)) * 4 + ww % 4])
-        for dd in range(4):
-            byte = [(x >> (8 * dd)) & 0xFF for x in words]
-            out = byte[0] | (byte[1] << 8) | (byte[2] << 16) | (byte[3] << 24)
+            words.append(raw_bytes.load(box, key, (((ww // 4) ^ (key % 8)) * 4 + ww % 4) * 4,
+                                        width=4, align=4))
+        for dd, out in enumerate(_byte_transpose(words)):
             row = 4 * w + dd
-            vt_words[stage, row, ((kw // 4) ^ (row % 8)) * 4 + kw % 4] = out
+            vt_bytes.store(stage, row, (((kw // 4) ^ (row % 8)) * 4 + kw % 4) * 4, out,
+                           align=4)
+
+
+def _byte_transpose(words):
+    """The 4 x 4 byte transpose of four ``vector<4 x i8>``: result ``d`` holds byte ``d`` of
+    each input, in input order (two rounds of byte shuffles, one ``prmt`` each)."""
+    pairs = [_shuffle(words[i], words[i + 1], order) for i in (0, 2)
+             for order in ((0, 4, 1, 5), (2, 6, 3, 7))]
+    return [_shuffle(pairs[h], pairs[2 + h], order) for h in (0, 1)
+            for order in ((0, 1, 4, 5), (2, 3, 6, 7))]
+
+
+def _shuffle(a, b, order):
+    return kiln.Value(vector.shuffle(a.ir, b.ir, list(order)), a.dtype)
