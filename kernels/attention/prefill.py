@@ -50,8 +50,10 @@ def compile_prefill(dtype="bf16", *, target, head_dim=128, head_dim_v=None, caus
     per KV head; ``sinks`` / ``return_lse`` are booleans selecting the
     specialisation; ``head_dim`` is Q/K's and ``head_dim_v`` V's (None: the same; each a
     multiple of 8 up to 256); ``softcap`` > 0 compiles the soft-capped kernel;
-    ``config`` keywords are :class:`HopperPrefillConfig` fields on NVIDIA.
-    Example: ``compile_prefill(target="sm_90a", head_dim=192, head_dim_v=128).asm["ptx"]``.
+    ``config`` keywords are :class:`HopperPrefillConfig` fields on NVIDIA
+    (``HopperFp8PrefillConfig`` fields for ``"f8e4m3"``, the FP8 kernel, sm_90a).
+    Example: ``compile_prefill(target="sm_90a", head_dim=192, head_dim_v=128).asm["ptx"]``,
+    ``compile_prefill("f8e4m3", target="sm_90a", head_dim=128, causal=True)``.
     """
     chip = resolve_target(target)
     name = _dtype_name(dtype)
