@@ -31,7 +31,7 @@ from .. import dlpack, runtime
 from ..runtime import (ArrayLib, PlanCache, check_backend, check_heads, check_positive,
                        contiguous, dtype_of, empty_like, is_cupy, is_torch, resolve_target, spec)
 from .prefill_config import check_head_dim
-from .prefill_fp8 import check_descales, compile_prefill_fp8, run_prefill_fp8
+from .prefill_fp8 import check_descales, compiled_prefill_fp8, run_prefill_fp8
 from .prefill_hopper import SUPPORTED_DTYPES, HopperPrefillConfig, MaskSpec, make_kernel
 from .prefill_hopper_fp8_config import FP8_DTYPES
 from .softcap import check_softcap
@@ -71,7 +71,7 @@ def compile_prefill(dtype="bf16", *, target, head_dim=128, head_dim_v=None, caus
                                       target=chip.name, **config)
     _require_wgmma(chip)
     if name in FP8_DTYPES:  # e4m3: its own kernel (prefill_hopper_fp8)
-        return compile_prefill_fp8(chip, mask, head_dim, head_dim_v, group, sinks, return_lse,
+        return compiled_prefill_fp8(chip, mask, head_dim, head_dim_v, group, sinks, return_lse,
                                    softcap, config)
     cfg = _config(head_dim, head_dim_v, config)
     kernel = make_kernel(name, cfg, mask, int(group), bool(sinks), bool(return_lse), softcap)

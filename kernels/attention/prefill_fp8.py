@@ -27,7 +27,7 @@ from ..runtime import ArrayLib, contiguous, empty_like, is_torch
 from .prefill_hopper_fp8 import make_fp8_kernel
 from .prefill_hopper_fp8_config import FP8_DTYPES, HopperFp8PrefillConfig, check_fp8_head_dim
 
-__all__ = ["run_prefill_fp8", "check_descales", "compile_prefill_fp8"]
+__all__ = ["run_prefill_fp8", "check_descales", "compiled_prefill_fp8"]
 
 
 def check_descales(dtype_name: str, descales: dict) -> None:
@@ -41,7 +41,7 @@ def check_descales(dtype_name: str, descales: dict) -> None:
                                   fix=f"drop {given[0]}, or pass f8e4m3 q, k and v")
 
 
-def compile_prefill_fp8(chip, mask, head_dim, head_dim_v, group, sinks, return_lse, softcap,
+def compiled_prefill_fp8(chip, mask, head_dim, head_dim_v, group, sinks, return_lse, softcap,
                         overrides):
     """:func:`~.prefill.compile_prefill` for ``"f8e4m3"`` (sm_90a)."""
     cfg = _config(head_dim, head_dim_v, overrides)
