@@ -194,6 +194,9 @@ def test_config_picks_raw_stages_that_fit():
     assert HopperFp8PrefillConfig.for_head_dim(256).raw_stages == 1
     with pytest.raises(kiln.ResourceError, match="shared memory"):
         HopperFp8PrefillConfig(head_dim=256, stages=3)
+    # 2 x 240 + 32 > 3 x 168: the consumers' setmaxnreg.inc would hang on the GPU.
+    with pytest.raises(kiln.ResourceError, match="setmaxnreg.inc would wait forever"):
+        HopperFp8PrefillConfig(producer_registers=32, consumer_registers=240)
 
 
 @pytest.fixture(scope="module")
@@ -217,8 +220,8 @@ def test_ptx_has_the_fp8_pipeline(fp8_causal_d128):
     # stores per 4 x 4 block (in a loop), then its fence.
     assert "fence.proxy.async.shared::cta" in ptx
     assert len(re.findall(r"ld\.shared\.[ub]32", ptx)) == 4 and ptx.count("prmt.b32") == 8
-    assert "setmaxnreg.dec.sync.aligned.u32 32" in ptx
-    assert "setmaxnreg.inc.sync.aligned.u32 240" in ptx
+    assert "setmaxnreg.dec.sync.aligned.u32 40" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 232" in ptx
     assert "ex2.approx.ftz.f32" in ptx
 
 

@@ -14,8 +14,8 @@ Schedule (3 warp groups, ``BLOCK_M x BLOCK_N = 128 x 128``):
 
 | warp group | registers | job |
 | --- | --- | --- |
-| 0 producer | 32 | thread 0 TMA-loads Q, then per key tile ``j`` K_{j+1} (``k_full``/``k_empty``, released by the consumers) and raw V_{j + raw_stages - 1} (``v_full``/``v_empty``); all 128 threads then wait ``v_full[j]`` and ``vt_empty[j]``, transpose V_j into ``Vt`` (4 x 4-byte blocks: four 4-byte loads of four keys, a byte transpose of eight ``prmt``, four 4-byte stores of four keys), arrive on ``v_empty[j]``, ``fence.proxy.async`` (the WGMMA reads through the async proxy) and arrive on ``vt_full[j]`` (128 arrivals each) |
-| 1, 2 consumers | 240 | the bf16 kernel's iteration, waiting ``vt_full`` instead of ``v_full`` |
+| 0 producer | 40 | thread 0 TMA-loads Q, then per key tile ``j`` K_{j+1} (``k_full``/``k_empty``, released by the consumers) and raw V_{j + raw_stages - 1} (``v_full``/``v_empty``); all 128 threads then wait ``v_full[j]`` and ``vt_empty[j]``, transpose V_j into ``Vt`` (4 x 4-byte blocks: four 4-byte loads of four keys, a byte transpose of eight ``prmt``, four 4-byte stores of four keys), arrive on ``v_empty[j]``, ``fence.proxy.async`` (the WGMMA reads through the async proxy) and arrive on ``vt_full[j]`` (128 arrivals each) |
+| 1, 2 consumers | 232 | the bf16 kernel's iteration, waiting ``vt_full`` instead of ``v_full`` |
 
 Descales (FlashAttention-3's convention, ``[B, Hq]`` for q, ``[B, Hkv]`` for k and v, scalars
 broadcast by the caller): ``softmax(scale * dq * dk * q k^T) (dv * v)``: the softmax scale of a
@@ -345,7 +345,7 @@ def _transpose_v(raw_bytes, vt_bytes, raw_box, stage, tid, v_width):
     bank conflicts)."""
     warp, lane = tid // 32, tid % 32
     w_blocks = v_width // 16  # groups of 4 d-words
-    for u in kiln.range(w_blocks):  # a loop, not unrolled: the producer has 32 registers
+    for u in kiln.range(w_blocks):  # a loop, not unrolled: the producer has 40 registers
         block = warp + 4 * u
         w = lane % 4 + 4 * (block % w_blocks)
         kw = (lane // 4) % 4 + 4 * (lane // 16 + 2 * (block // w_blocks))

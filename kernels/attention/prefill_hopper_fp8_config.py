@@ -27,6 +27,7 @@ FP8_BLOCK_N = 128  # keys per tile: one 128-byte row of V^T
 FP8_HEAD_DIM_MULTIPLE = 16  # TMA strides are 16-byte multiples: D * 1 byte
 FP8_DTYPES = ("f8e4m3",)
 OUT_ITEMSIZE = 2  # bf16 output
+LAUNCH_REGISTERS = 168  # per thread of a 384-thread CTA: 65536 / 384, in units of 8
 
 
 def check_fp8_head_dim(name: str, d) -> None:
@@ -56,8 +57,10 @@ def fp8_shared_bytes(head_dim: int, dv: int, stages: int, raw_stages: int) -> in
 class HopperFp8PrefillConfig:
     """Tiles and pipeline of :func:`~.prefill_hopper_fp8.make_fp8_kernel`: ``head_dim`` of
     Q/K, ``head_dim_v`` of V and O (None: ``head_dim``), ``stages`` K and V^T buffers,
-    ``raw_stages`` V buffers before the transpose, registers per thread of the producer (32: its
-    transpose loop spills in the bf16 kernel's 24) and of the two consumer groups;
+    ``raw_stages`` V buffers before the transpose, registers per thread of the producer (40: its
+    transpose loop spills in the bf16 kernel's 24) and of the two consumer groups (232: the
+    three groups share the 3 x 168 registers a thread of the 384-thread launch gets, and
+    ``setmaxnreg.inc`` waits forever for registers the CTA was never given);
     ``lazy_rescale`` / ``exp_before_max`` as in :class:`~.prefill_config.HopperPrefillConfig`
     (P stays below ``2**8``, inside e4m3's 448)."""
 
@@ -65,8 +68,8 @@ class HopperFp8PrefillConfig:
     head_dim_v: int | None = None
     stages: int = 2
     raw_stages: int = 2
-    producer_registers: int = 32
-    consumer_registers: int = 240
+    producer_registers: int = 40
+    consumer_registers: int = 232
     q_tiles_first: bool | None = None
     lazy_rescale: bool = True
     exp_before_max: bool = True
@@ -89,9 +92,12 @@ class HopperFp8PrefillConfig:
             raise kiln.ResourceError(f"the FP8 prefill's tiles need {self.shared_bytes()} bytes "
                                      "of shared memory (227 KB available)",
                                      fix="use fewer stages or raw_stages")
-        if (2 * self.consumer_registers + self.producer_registers) * 128 > 65536:
-            raise kiln.ResourceError("two consumer groups and the producer exceed the 64K "
-                                     "register file", fix="lower consumer_registers")
+        if 2 * self.consumer_registers + self.producer_registers > 3 * LAUNCH_REGISTERS:
+            raise kiln.ResourceError("two consumer groups and the producer ask for more than "
+                                     f"the 3 x {LAUNCH_REGISTERS} registers per thread the "
+                                     "CTA is given (setmaxnreg.inc would wait forever)",
+                                     fix="keep 2 * consumer_registers + producer_registers "
+                                         f"<= {3 * LAUNCH_REGISTERS}")
 
     @property
     def dv(self) -> int:
