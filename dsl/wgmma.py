@@ -7,7 +7,8 @@ majors:
 - A in shared memory: an i64 matrix descriptor (:func:`smem_descriptor`), ``a_major`` ``"k"``
   or ``"mn"``;
 - A in registers: ``vector<8 x T>`` per thread laid out as :func:`a_fragment_layout` (a
-  fragment of :func:`a_fragment_from_accumulator`'s tile), always K-major.
+  fragment of :func:`a_fragment_from_accumulator`'s tile), always K-major; for FP8
+  (``m64nNk32``) ``vector<16 x f8>`` laid out as :func:`a_fragment_layout_8bit`.
 
 B always comes through a descriptor. The accumulator is a :class:`~kiln.tiles.RegTile`, Kiln's
 one register-fragment type: a 1 x 1 tile of f32 registers in layout
@@ -34,7 +35,10 @@ Example (a pipelined product: issue, commit, wait)::
 Supported: ``m64nNk16``, f16 or bf16 A/B, f32 accumulator, N a multiple of 8 in 8..256,
 operands in 128-byte-swizzled shared memory; and ``m64nNk32`` with f8e4m3/f8e5m2 A and B
 (``dtype=kiln.f8e4m3``), both K-major in shared memory (one k32 step is 32 bytes, as for k16
-of a 2-byte dtype, so descriptors advance by 2 units per step either way).
+of a 2-byte dtype, so descriptors advance by 2 units per step either way), or with FP8 A
+from registers (:func:`a_fragment_from_accumulator` with ``k_permuted=True``: the 8-bit A
+fragment holds other columns than the accumulator, so the keys come in the order
+:data:`FP8_A_K_ORDER`, which B's K rows must follow).
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ from mlir.dialects import arith, memref, nvvm, vector
 
 from .core.dtypes import DType, dtype as as_dtype, f32
 from .core.errors import KilnTypeError, KilnValueError, UnsupportedError
-from .layout import ThreadValueLayout, wgmma_m64_accumulator
+from .layout import Layout, ThreadValueLayout, concat_modes, wgmma_m64_accumulator
+from .nvidia.cvt import pack_f8x4
 from .nvidia.sync import as_index, ir_value, require_feature
 from .nvidia.wgmma import keep_registers_live, wgmma_mma_async_regs
 from .ops import thread_id
@@ -58,14 +63,23 @@ SWIZZLE_ROW_BYTES = 128
 OPERAND_DTYPES = ("f16", "bf16")
 FP8_DTYPES = ("f8e4m3", "f8e5m2")  # m64nNk32, A and B K-major in shared memory
 FP8_K = 32
-SUPPORTED = ("m64nNk16 with f16 or bf16 A/B, or m64nNk32 with f8e4m3/f8e5m2 A/B (K-major, "
-             "from shared memory), and an f32 accumulator; N % 8 == 0 with 8 <= N <= 256")
+SUPPORTED = ("m64nNk16 with f16 or bf16 A/B, or m64nNk32 with f8e4m3/f8e5m2 A/B (K-major; A "
+             "from shared memory or registers), and an f32 accumulator; N % 8 == 0 with "
+             "8 <= N <= 256")
 SWIZZLE_128B_LAYOUT = 1  # descriptor bits 62-63: 1 = 128-byte swizzle
 SWIZZLE_ATOM_BYTES = 1024  # 8 rows x 128 bytes: the repeating unit of a 128B-swizzled tile
 _WGMMA_TYPES = {"f16": nvvm.WGMMATypes.f16, "bf16": nvvm.WGMMATypes.bf16,
                 "f8e4m3": nvvm.WGMMATypes.e4m3, "f8e5m2": nvvm.WGMMATypes.e5m2}
 MAJORS = ("k", "mn")
 A_REGISTER_VALUES = 8  # 64 x 16 A tile over 128 threads: 8 elements = 4 packed b32 registers
+A_REGISTER_VALUES_8BIT = 16  # 64 x 32 FP8 A tile over 128 threads: 16 bytes = 4 b32 registers
+# Column of a 32-column accumulator block that FP8 A column k holds (a_fragment_from_accumulator
+# with k_permuted=True): thread l%4 holds accumulator columns 2t, 2t+1, 2t+8, 2t+9 (+16) of its
+# rows, the 8-bit A fragment wants columns 4t..4t+3 (+16); relabelling the K index costs nothing.
+FP8_A_K_ORDER = tuple(16 * (k // 16) + 2 * ((k % 16) // 4) + k % 2 + 8 * ((k % 4) // 2)
+                      for k in range(FP8_K))
+# Accumulator register (within a 32-column block: 16 per thread) of FP8 A value v.
+_FP8_A_FROM_ACC = (0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15)
 
 # The accumulator type of earlier releases: accumulators are RegTiles now.
 Fragment = RegTile
@@ -221,7 +235,26 @@ def a_fragment_layout() -> ThreadValueLayout:
     return wgmma_m64_accumulator(INSTRUCTION_K)
 
 
-def a_fragment_from_accumulator(acc: RegTile, dtype) -> RegTile:
+def a_fragment_layout_8bit() -> ThreadValueLayout:
+    """``(thread, value) -> (row, col)`` of the 64 x 32 FP8 A operand held in registers.
+
+    PTX ISA "Register Fragments, Matrix A" for ``wgmma .m64nNk32`` with ``.e4m3``/``.e5m2``:
+    warp ``w`` owns rows ``16w..16w+15``; value ``v`` (byte ``v % 4`` of b32 register
+    ``v // 4``) of lane ``l`` is row ``16w + l // 4 + 8 * (v // 4 % 2)``, column
+    ``4 * (l % 4) + v % 4 + 16 * (v // 8)``.
+
+    Worked example: thread 37 (warp 1, lane 5) holds rows 17 and 25, columns 4..7 and 20..23;
+    its value 9 is ``(17, 21)``::
+
+        >>> kiln.wgmma.a_fragment_layout_8bit()(37, 9)
+        (17, 21)
+    """
+    threads = Layout((4, 8, 4), (4, FP8_K, 16 * FP8_K))
+    values = Layout((4, 2, 2), (1, 8 * FP8_K, 16))
+    return ThreadValueLayout(concat_modes(threads, values), (WARPGROUP_M, FP8_K))
+
+
+def a_fragment_from_accumulator(acc: RegTile, dtype, *, k_permuted: bool = False) -> RegTile:
     """Convert a 64 x ``n`` f32 accumulator (e.g. ``P = softmax(S)``) to ``dtype`` with one
     bulk cast, as the register A operands of :func:`mma_async`: a 1 x ``n // 16`` RegTile of
     layout :func:`a_fragment_layout` whose fragment ``(0, j)`` (``vector<8 x dtype>``) holds
@@ -230,10 +263,19 @@ def a_fragment_from_accumulator(acc: RegTile, dtype) -> RegTile:
 
     Example: ``p = a_fragment_from_accumulator(s, kiln.bf16)`` then
     ``o = mma_async(o, p.fragment(0, j), v_desc_j, dtype=kiln.bf16, b_major="mn")`` per 16 keys.
+
+    FP8 (``f8e4m3``/``f8e5m2``, ``k_permuted=True`` required): a 1 x ``n // 32`` RegTile of
+    layout :func:`a_fragment_layout_8bit` (``vector<16 x f8>``, rounded and saturated by
+    ``cvt.rn.satfinite``) whose column ``k`` of fragment ``j`` is accumulator column
+    ``32j + FP8_A_K_ORDER[k]``: no data crosses threads, so row ``k`` of the B operand must be
+    the product's row ``32j + FP8_A_K_ORDER[k]`` (FP8 attention writes V's transpose in that
+    order). Example: ``p = a_fragment_from_accumulator(s, kiln.f8e4m3, k_permuted=True)``.
     """
     require_feature("wgmma", "kiln.wgmma.a_fragment_from_accumulator")
-    out_dtype = _operand_dtype(dtype, "a_fragment_from_accumulator")
+    out_dtype = _operand_dtype(dtype, "a_fragment_from_accumulator", fp8=True)
     n = _check_accumulator(acc, "a_fragment_from_accumulator")
+    if out_dtype.name in FP8_DTYPES:
+        return _fp8_a_fragments(acc, out_dtype, n, k_permuted)
     if n % INSTRUCTION_K:
         raise UnsupportedError(f"a 64 x {n} accumulator does not split into 16-column A "
                                "operands", fix="use an accumulator whose N is a multiple of 16")
@@ -242,6 +284,27 @@ def a_fragment_from_accumulator(acc: RegTile, dtype) -> RegTile:
                                   list(range(A_REGISTER_VALUES * j, A_REGISTER_VALUES * (j + 1)))),
                    out_dtype) for j in range(n // INSTRUCTION_K)]
     return RegTile(frags, a_fragment_layout(), (1, n // INSTRUCTION_K))
+
+
+def _fp8_a_fragments(acc: RegTile, dtype: DType, n: int, k_permuted: bool) -> RegTile:
+    """:func:`a_fragment_from_accumulator` for an FP8 dtype: four ``cvt`` pairs per register."""
+    if not k_permuted:
+        raise UnsupportedError("FP8 register A operands hold the accumulator's columns in the "
+                               "order FP8_A_K_ORDER, not 0..31",
+                               fix="pass k_permuted=True and store B's K rows in "
+                                   "kiln.wgmma.FP8_A_K_ORDER")
+    if n % FP8_K:
+        raise UnsupportedError(f"a 64 x {n} accumulator does not split into 32-column FP8 A "
+                               "operands", fix="use an accumulator whose N is a multiple of 32")
+    i32 = ir.IntegerType.get_signless(32)
+    frag_type = ir.VectorType.get([A_REGISTER_VALUES_8BIT], dtype.mlir_type())
+    frags = []
+    for j in range(n // FP8_K):
+        source = [acc.element(FP8_K // 2 * j + r) for r in _FP8_A_FROM_ACC]
+        words = [pack_f8x4(source[4 * w:4 * w + 4], dtype).ir for w in range(4)]
+        packed = vector.from_elements(ir.VectorType.get([4], i32), words)
+        frags.append(Value(vector.bitcast(frag_type, packed), dtype))
+    return RegTile(frags, a_fragment_layout_8bit(), (1, n // FP8_K))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,10 +320,13 @@ def a_location(a) -> str:
     """Where the A operand ``a`` of :func:`mma_async` lives: ``"shared"`` for an i64 matrix
     descriptor, ``"registers"`` for a ``vector<8 x f16/bf16>`` fragment (or a 1 x 1 RegTile)
     of :func:`a_fragment_layout`. Raises KilnTypeError for anything else."""
-    if isinstance(a, RegTile) and a.grid == (1, 1) and a.layout == a_fragment_layout():
+    if isinstance(a, RegTile) and a.grid == (1, 1) \
+            and a.layout in (a_fragment_layout(), a_fragment_layout_8bit()):
         return "registers"
-    if isinstance(a, Value) and a.shape == (A_REGISTER_VALUES,) \
-            and a.dtype.name in OPERAND_DTYPES:
+    if isinstance(a, Value) and ((a.shape == (A_REGISTER_VALUES,)
+                                  and a.dtype.name in OPERAND_DTYPES)
+                                 or (a.shape == (A_REGISTER_VALUES_8BIT,)
+                                     and a.dtype.name in FP8_DTYPES)):
         return "registers"
     value = getattr(a, "ir", a)
     if isinstance(value, ir.Value) and value.type == ir.IntegerType.get_signless(64):
@@ -316,12 +382,15 @@ def mma_async(acc: RegTile, a, b_desc, *, dtype, a_major: str = "k", b_major: st
                                    fix="drop a_major (or stage A in shared memory)")
         a_frag = a.fragment(0, 0) if isinstance(a, RegTile) else a
         if a_frag.dtype is not operand:
-            raise KilnTypeError(f"mma_async A operand must be a vector<{A_REGISTER_VALUES}x"
+            values = A_REGISTER_VALUES_8BIT if operand.is_fp8 else A_REGISTER_VALUES
+            raise KilnTypeError(f"mma_async A operand must be a vector<{values}x"
                                 f"{operand}> per thread, got {a_frag!r}",
                                 fix="convert A with a_fragment_from_accumulator(acc, dtype)")
 
+        ptx_type = _WGMMA_TYPES[operand.name].name if operand.name in FP8_DTYPES \
+            else operand.name
         result = wgmma_mma_async_regs([r.ir for r in acc.registers()], _a_registers(a_frag),
-                                      b_value, _scale_d(accumulate), ptx_type=operand.name,
+                                      b_value, _scale_d(accumulate), ptx_type=ptx_type,
                                       trans_b=int(b_major == "mn"))
         return RegTile.from_struct(result, wgmma_m64_accumulator(n))
     if not isinstance(accumulate, bool):
@@ -408,9 +477,10 @@ def _check_accumulator(acc, what: str) -> int:
 
 
 def _a_registers(a_frag) -> list[ir.Value]:
-    """The four b32 registers of a register A operand (``vector<8 x bf16/f16>``)."""
-    if not isinstance(a_frag, Value) or a_frag.shape != (A_REGISTER_VALUES,) \
-            or a_frag.dtype.itemsize != 2:
+    """The four b32 registers of a register A operand (``vector<8 x bf16/f16>``, or
+    ``vector<16 x f8>``)."""
+    if not isinstance(a_frag, Value) or a_frag.shape != (16 // a_frag.dtype.itemsize,) \
+            or a_frag.dtype.itemsize not in (1, 2):
         raise KilnTypeError(f"a register A operand must be a vector<{A_REGISTER_VALUES} x "
                             f"bf16/f16> per thread, got {a_frag!r}",
                             fix="build it with kiln.wgmma.a_fragment_from_accumulator")
@@ -443,14 +513,15 @@ def _operand_dtype(dtype, what: str, *, fp8: bool = False) -> DType:
 
 
 def _check_fp8_operands(a, a_major: str, b_major: str) -> None:
-    """FP8 WGMMA (``m64nNk32``) reads both operands K-major from shared memory (PTX ISA:
-    the transpose immediates are only valid for f16/bf16)."""
-    if a_location(a) != "shared" or a_major != "k" or b_major != "k":
-        raise UnsupportedError("FP8 wgmma.mma_async needs A and B K-major in shared memory "
+    """FP8 WGMMA (``m64nNk32``) reads both operands K-major (PTX ISA: the transpose
+    immediates are only valid for f16/bf16); A from shared memory or from registers."""
+    if a_major != "k" or b_major != "k":
+        raise UnsupportedError("FP8 wgmma.mma_async needs A and B K-major "
                                f"(got A in {a_location(a)}, a_major={a_major!r}, "
                                f"b_major={b_major!r})",
-                               fix="stage both operands K-major (B stored N x K) and pass "
-                                   "shared-memory descriptors")
+                               fix="stage both operands K-major (B stored N x K, e.g. V "
+                                   "transposed in shared memory) and pass shared-memory "
+                                   "descriptors or FP8 register A operands")
 
 
 def _scale_d(accumulate) -> ir.Value:

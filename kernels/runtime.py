@@ -262,14 +262,16 @@ class ArrayLib:
 
     @staticmethod
     def numpy(x):
-        """A host numpy copy of ``x`` (bf16 bits kept exactly); numpy arrays and scalars as
-        they are, sequences as numpy arrays."""
+        """A host numpy copy of ``x`` (bf16 and FP8 bits kept exactly); numpy arrays and
+        scalars as they are, sequences as numpy arrays."""
         if is_torch(x):
             import torch
 
             x = x.detach().cpu()
             if x.dtype == torch.bfloat16:
                 return x.view(torch.int16).numpy().view(kiln.bf16.numpy)
+            if x.element_size() == 1 and x.is_floating_point():  # FP8: .numpy() refuses it
+                return x.view(torch.uint8).numpy().view(kiln.dtype(x.dtype).numpy)
             return x.numpy()
         if is_cupy(x):
             return x.get()

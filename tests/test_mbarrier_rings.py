@@ -68,3 +68,39 @@ def test_phase_tracker_records_its_stage_count():
 
     text = tracked.compile(np.zeros(4, np.float32), 1, target="sm_90a").asm["kiln"]
     assert "kiln.ring_stages = 2" in text
+
+
+def make_store_filled_ring(fills: bool):
+    @kiln.kernel
+    def store_filled(out: kiln.Tensor[f32, 1], n: kiln.i32):
+        """Warp 0 fills a 2-stage ring with plain stores and arrives; warp 1 waits for each use
+        (a full ring's parity) and reads it."""
+        tiles = kiln.shared((2, 32), f32)
+        t = kiln.thread_id(0)
+        full = mbarrier.group(num_barriers=2)
+        for s in kiln.static_range(2):
+            full.init(s, count=32, predicate=t == 0)
+        fence_mbarrier_init()
+        kiln.barrier()
+        acc = kiln.cast(0.0, f32)
+        if t < 32:
+            for use in kiln.range(0, 2):  # two uses: no slot is refilled
+                tiles[use, t] = kiln.cast(use, f32)
+                full.arrive(use, fills=fills)
+        else:
+            for use in kiln.range(0, 2):
+                full.try_wait(use % 2, (use // 2) % 2)
+                acc = acc + tiles[use, t % 32]
+        out[t] = acc
+
+    return store_filled
+
+
+def test_a_store_filled_ring_is_a_full_ring():
+    """``arrive(fills=True)`` makes the ring full: its waits take a full ring's parity; a plain
+    arrive makes it an empty ring, whose waits that parity flips."""
+    args = (np.zeros(64, np.float32), 2)
+    assert "fill" in make_store_filled_ring(True).compile(*args, target="sm_90a",
+                                                          num_warps=2).asm["kiln"]
+    with pytest.raises(WaitError, match="parity is flipped"):
+        make_store_filled_ring(False).compile(*args, target="sm_90a", num_warps=2)

@@ -12,8 +12,9 @@ retires its group, so a TMA load into a stage an MMA still reads is a race.
 WGMMA with A from registers is inline PTX (``kiln.nvidia.wgmma.wgmma_mma_async_regs``), declared
 as ``nvidia.wgmma.mma_async.rs``: :func:`_mma_async_rs` reads shape, dtype and ``imm-trans-b``
 from the op's ``kiln.op_args``, gathers
-A from the four b32 registers of each thread (element ``2i`` in the low half of register ``i``)
-through ``kiln.wgmma.a_fragment_layout()``, B through its descriptor, and applies
+A from the four b32 registers of each thread (element ``2i`` in the low half of register ``i``;
+FP8: byte ``j`` of register ``i`` is element ``4i + j``)
+through ``kiln.wgmma.a_fragment_layout()`` (``a_fragment_layout_8bit()`` for e4m3/e5m2, k32), B through its descriptor, and applies
 ``D = A @ B + (scale_d != 0) * D`` like the descriptor form.
 """
 
@@ -35,13 +36,14 @@ from .ops_hopper import commit_group, retire_groups
 from .plan import attr_int, location, np_dtype, semantics
 from .state import uniform
 from kiln.core.dtypes import dtype as kiln_dtype
-from kiln.wgmma import a_fragment_layout
+from kiln.wgmma import a_fragment_layout, a_fragment_layout_8bit
 
 WARP_GROUP = 128
 INSTRUCTION_K = 16
 _SWIZZLE_BYTES = {1: 128, 2: 64, 3: 32}  # descriptor bits 62-63
 # (operand type, K) of the descriptor form: k16 for 2-byte types, k32 for FP8.
 _SHAPES = {("f16", 16), ("bf16", 16), ("e4m3", 32), ("e5m2", 32)}
+_FP8_PTX = {"e4m3": "f8e4m3", "e5m2": "f8e5m2"}  # register-A op's dtype arg -> kiln dtype
 
 
 # ---- LLVM struct values: arrays of shape (threads, fields) ----------------------------------
@@ -183,14 +185,17 @@ def _mma_async_rs(op, p):
     loc = location(op)
     args = op_args(op)
     n, trans_b = args["n"], args["trans_b"] == 1
-    dtype = kiln_dtype(args["dtype"]).numpy
+    fp8 = args["dtype"] in _FP8_PTX
+    dtype = kiln_dtype(_FP8_PTX.get(args["dtype"], args["dtype"])).numpy
+    k = 2 * INSTRUCTION_K if fp8 else INSTRUCTION_K
+    layout = a_fragment_layout_8bit() if fp8 else a_fragment_layout()
     operands = p.operands(op)
     half = n // 2
     # Operands: the n/2 accumulators (tied to the outputs), 4 A registers, B, scale-d.
     acc_slots, a_slots = operands[:half], operands[half:half + 4]
     b_slot, scale_slot = operands[half + 4], operands[half + 5]
     out = p.result(op)
-    a_rows, a_cols = a_fragment_layout().coords()  # [128 threads, 8 values]
+    a_rows, a_cols = layout.coords()  # [128 threads, 8 values (16 for FP8)]
     rows, cols = wgmma_m64_accumulator(n).coords()
 
     def run(env, ctx):
@@ -199,7 +204,7 @@ def _mma_async_rs(op, p):
 
         acc = np.stack([lanes_of(s) for s in acc_slots], axis=1).astype(np.float32)
         packed = np.stack([lanes_of(s) for s in a_slots], axis=1).astype(np.int32)
-        a_values = np.ascontiguousarray(packed).view(np.uint16).view(dtype)  # [threads, 8]
+        a_values = np.ascontiguousarray(packed).view(dtype)  # [threads, 8 or 16]
         accumulate = lanes_of(scale_slot) != 0
         result = np.empty_like(acc)
         for lanes, t in _warp_groups(ctx, loc):
@@ -208,8 +213,8 @@ def _mma_async_rs(op, p):
                                        "warp group", loc=loc)
             b_desc = int(uniform(_lanes_of(env[b_slot], lanes), None, "the B descriptor", loc))
             keep = uniform(accumulate[lanes], None, "the scale-d flag", loc)
-            b, b_bytes = _read_operand(ctx, b_desc, n, INSTRUCTION_K, dtype, not trans_b, loc)
-            a = np.empty((64, INSTRUCTION_K))
+            b, b_bytes = _read_operand(ctx, b_desc, n, k, dtype, not trans_b, loc)
+            a = np.empty((64, k))
             a[a_rows[t], a_cols[t]] = a_values[lanes].astype(np.float64)
             tile = np.zeros((64, n), np.float64)
             if keep:

@@ -47,6 +47,8 @@ CREATE = declare("nvidia.mbarrier.create", feature="sm90",
                  effects=Effects(data=False))
 # A release arrive declares the WGMMA groups still allowed to read what it hands back.
 WGMMA_PENDING_ATTR = "kiln.wgmma_pending"
+# A plain arrive that completes a use of a full ring its threads' stores filled (fills=True).
+FILLS_ATTR = "kiln.ring_fill"
 
 
 def _releases(op) -> dict:
@@ -57,9 +59,11 @@ def _releases(op) -> dict:
 
 
 def _ring_arrive(op) -> tuple:
-    """An arrive with expect_tx opens a use of its ring (an "arm"); a plain one releases."""
+    """An arrive with expect_tx opens a use of its ring (an "arm"); a plain one releases,
+    unless declared ``fills=True`` (thread stores filled the buffer: a "fill", like a load's)."""
     view = op.opview
-    role = "arm" if op.name == "nvgpu.mbarrier.arrive.expect_tx" else "release"
+    role = "arm" if op.name == "nvgpu.mbarrier.arrive.expect_tx" else \
+        "fill" if FILLS_ATTR in op.attributes else "release"
     return role, view.barriers, view.mbarId, None
 
 
@@ -132,8 +136,14 @@ class MBarrierGroup:
         nvgpu.mbarrier_init(self.ir, as_index(count, "arrival count"), self._index(i),
                             predicate=as_predicate(predicate))
 
-    def arrive(self, i, *, wgmma_pending: int | None = None) -> None:
+    def arrive(self, i, *, wgmma_pending: int | None = None, fills: bool = False) -> None:
         """Arrive on barrier ``i`` (counts toward the expected arrivals).
+
+        ``fills=True`` declares that the arrive completes a use of a *full* ring whose buffer
+        the arriving threads filled with ordinary stores (then ``fence_proxy_async`` when a
+        WGMMA or TMA reads it): the ring passes are told it is filled like a TMA-loaded one,
+        so its waits are a full ring's. Example (FP8 attention's V transpose):
+        ``store ...; kiln.nvidia_asm.fence_proxy_async(); vt_full.arrive(stage, fills=True)``.
 
         ``wgmma_pending=N`` declares a release: the buffer handed back was read by WGMMA groups
         older than the newest ``N``, so ``kiln-verify-waits`` requires those retired here (a
@@ -143,6 +153,8 @@ class MBarrierGroup:
         token_type = ir.Type.parse("!nvgpu.mbarrier.token")  # no typed getter in the bindings
         token = nvgpu.mbarrier_arrive(self.ir, self._index(i), results=[token_type])
         _declare_release(token.owner, wgmma_pending)
+        if fills:
+            token.owner.attributes[FILLS_ATTR] = ir.UnitAttr.get()
 
     def arrive_cluster(self, i, cta_rank, *, wgmma_pending: int | None = None) -> None:
         """Arrive on barrier ``i`` of the CTA of rank ``cta_rank`` in this cluster (this CTA's

@@ -44,24 +44,30 @@ KEEP_REGISTERS_LIVE = declare("nvidia.wgmma.keep_registers_live", feature="ptx",
                               doc="holds registers live for an in-flight WGMMA")
 
 
+FP8_PTX_TYPES = ("e4m3", "e5m2")  # m64nNk32, no transpose immediate
+
+
 def wgmma_rs_asm(n: int, ptx_type: str, trans_b: int) -> str:
-    """The inline PTX of :func:`wgmma_mma_async_regs` for ``m64n{n}k16`` (operands ``$0..``:
-    ``n/2`` accumulator outputs, the same ``n/2`` tied inputs, four A registers, the B
-    descriptor, the scale-d flag)."""
+    """The inline PTX of :func:`wgmma_mma_async_regs` for ``m64n{n}k16`` (``m64n{n}k32`` for
+    e4m3/e5m2; operands ``$0..``: ``n/2`` accumulator outputs, the same ``n/2`` tied inputs,
+    four A registers, the B descriptor, the scale-d flag)."""
     half = n // 2
     d = ", ".join(f"${i}" for i in range(half))
     a = ", ".join(f"${i}" for i in range(n, n + 4))
-    # scale-d must be a predicate; imm-scale-a/b = 1 (no negation), imm-trans-b 0/1.
+    # scale-d must be a predicate; imm-scale-a/b = 1 (no negation), imm-trans-b 0/1 (16-bit
+    # types only: FP8 B is K-major by definition).
+    k, trans = (32, "") if ptx_type in FP8_PTX_TYPES else (16, f", {trans_b}")
     return ("{\n.reg .pred p;\n"
             f"setp.ne.b32 p, ${n + 5}, 0;\n"
-            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "
-            f"{{{d}}}, {{{a}}}, ${n + 4}, p, 1, 1, {trans_b};\n}}")
+            f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ptx_type}.{ptx_type} "
+            f"{{{d}}}, {{{a}}}, ${n + 4}, p, 1, 1{trans};\n}}")
 
 
 def wgmma_mma_async_regs(accumulators: list[ir.Value], a_registers: list[ir.Value],
                          b_descriptor: ir.Value, scale_d: ir.Value, *, ptx_type: str,
                          trans_b: int) -> ir.Value:
-    """``wgmma.mma_async.sync.aligned.m64nNk16.f32.T.T`` with A from four b32 registers
+    """``wgmma.mma_async.sync.aligned.m64nNk16.f32.T.T`` (``k32`` for FP8) with A from four b32
+    registers
     (PTX ISA "wgmma.mma_async", register A form); returns the ``!llvm.struct`` of the
     ``len(accumulators)`` updated f32 registers. ``scale_d`` (i32) = 0 ignores the old D.
 

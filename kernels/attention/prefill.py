@@ -15,6 +15,8 @@ Example::
                 backend="interpret")                           # f8e4m3 in, bf16 out
     # ragged, with FlashAttention's host-side bounds: no synchronisation, capturable
     o = prefill(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=512, max_seqlen_k=512)
+    # FP8 (Hopper): e4m3 q/k/v, descales scalar or [B, Hq] / [B, Hkv]; bf16 output
+    o = prefill(q8, k8, v8, causal=True, descale_q=dq, descale_k=dk, descale_v=dv)
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from .. import dlpack, runtime
 from ..runtime import (ArrayLib, PlanCache, check_backend, check_heads, check_positive,
                        contiguous, dtype_of, empty_like, is_cupy, is_torch, key_of, resolve_target)
 from .prefill_config import check_head_dim
-from .prefill_gfx950_fp8_config import SUPPORTED_DTYPES as FP8_DTYPES
+from .prefill_fp8 import check_descales, compiled_prefill_fp8, run_prefill_fp8
 from .prefill_hopper import SUPPORTED_DTYPES, HopperPrefillConfig, MaskSpec, make_kernel
+from .prefill_hopper_fp8_config import FP8_DTYPES
 from .softcap import check_softcap
 
 __all__ = ["prefill", "compile_prefill"]
@@ -50,8 +53,10 @@ def compile_prefill(dtype="bf16", *, target, head_dim=128, head_dim_v=None, caus
     per KV head; ``sinks`` / ``return_lse`` are booleans selecting the
     specialisation; ``head_dim`` is Q/K's and ``head_dim_v`` V's (None: the same; each a
     multiple of 8 up to 256); ``softcap`` > 0 compiles the soft-capped kernel;
-    ``config`` keywords are :class:`HopperPrefillConfig` fields on NVIDIA.
-    Example: ``compile_prefill(target="sm_90a", head_dim=192, head_dim_v=128).asm["ptx"]``.
+    ``config`` keywords are :class:`HopperPrefillConfig` fields on NVIDIA
+    (``HopperFp8PrefillConfig`` fields for ``"f8e4m3"``, the FP8 kernel, sm_90a).
+    Example: ``compile_prefill(target="sm_90a", head_dim=192, head_dim_v=128).asm["ptx"]``,
+    ``compile_prefill("f8e4m3", target="sm_90a", head_dim=128, causal=True)``.
     """
     chip = resolve_target(target)
     name = _dtype_name(dtype)
@@ -75,6 +80,9 @@ def compile_prefill(dtype="bf16", *, target, head_dim=128, head_dim_v=None, caus
                                       sinks=True if sinks else None, softcap=softcap,
                                       target=chip.name, **config)
     _require_wgmma(chip)
+    if name in FP8_DTYPES:  # e4m3: its own kernel (prefill_hopper_fp8)
+        return compiled_prefill_fp8(chip, mask, head_dim, head_dim_v, group, sinks, return_lse,
+                                   softcap, config)
     cfg = _config(head_dim, head_dim_v, config)
     kernel = make_kernel(name, cfg, mask, int(group), bool(sinks), bool(return_lse), softcap)
     args = _placeholder_args(name, cfg, group)
@@ -119,11 +127,19 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     prefix sums). Zero-size inputs launch nothing: no query row (``B``, ``Sq``, ``Hq`` or
     ``total_q`` of 0) gives empty outputs; no key (``Sk`` or ``total_k`` of 0) gives ``o = 0``
     and ``lse = -inf`` (a sink's logit with ``sinks``), as for any row that sees no key.
+    FP8 (Hopper): f8e4m3 q, k and v (D and Dv multiples of 16) give a bf16 ``o`` of
+    ``softmax(scale * (dq q)(dk k)^T) (dv v)`` with ``descale_q/k/v`` each None, a scalar or
+    one per (batch, head): ``[B, Hq]`` for q, ``[B, Hkv]`` for k and v (FlashAttention-3's
+    convention; :mod:`.prefill_fp8`).
+
     Example: ``o = prefill(q, k, v, causal=True)`` with torch CUDA tensors.
     """
     softcap = check_softcap(softcap)  # a float before it enters a plan's key
-    _check_descales(q, descale_q, descale_k, descale_v)
-    if cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and \
+    descales = dict(descale_q=descale_q, descale_k=descale_k, descale_v=descale_v)
+    fp8 = hasattr(q, "dtype") and _known_dtype_name(q.dtype) in FP8_DTYPES
+    if not fp8:
+        check_descales(_known_dtype_name(getattr(q, "dtype", None)), descales)
+    if not fp8 and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and \
             max_seqlen_k is None and backend != "interpret" and is_torch(q):
         values = (q, k, v, sinks, causal, window, chunk, scale, softcap, return_lse, target,
                   backend)
@@ -140,7 +156,7 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
                                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                     max_seqlen_q=max_seqlen_q,
                                     max_seqlen_k=max_seqlen_k, return_lse=return_lse,
-                                    target=target, backend=backend)
+                                    target=target, backend=backend, **descales)
     chip, shapes, mask, scale = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, causal,
                                           window, chunk, scale, target, backend,
                                           max_seqlen_q, max_seqlen_k)
@@ -159,6 +175,18 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
                                          ("descale_q", descale_q), ("descale_k", descale_k),
                                          ("descale_v", descale_v))})
         return _outputs_like(q, out, return_lse)
+    if fp8 and not chip.is_amd:
+        _require_wgmma(chip)
+        if backend == "interpret":
+            out = run_prefill_fp8(chip.name, *(ArrayLib.numpy(x) for x in (q, k, v)),
+                                  *(_optional_numpy(x) for x in (sinks, cu_seqlens_q,
+                                                                 cu_seqlens_k)),
+                                  shapes, mask, scale, softcap, return_lse,
+                                  {n: _optional_numpy(x) for n, x in descales.items()},
+                                  interpret=True)
+            return _outputs_like(q, out, return_lse)
+        return run_prefill_fp8(chip.name, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, shapes,
+                               mask, scale, softcap, return_lse, descales, interpret=False)
     if chip.is_amd:
         from .prefill_gfx950 import run_prefill_gfx950
 
@@ -294,9 +322,6 @@ def _validate(q, k, v, cu_q, cu_k, sinks, causal, window, chunk, scale, target, 
     shapes = _check_inputs(q, k, v, cu_q, cu_k, sinks)
     shapes |= _check_ragged(q, k, cu_q, cu_k, max_q, max_k)
     mask = _mask_spec(causal, window, chunk)
-    if _dtype_name(q.dtype) in FP8_DTYPES and not chip.is_amd:
-        raise kiln.UnsupportedError(f"FP8 prefill is not available on {chip.name} here",
-                                    fix="pass target='gfx950' (interpreter), or bf16/f16 inputs")
     if scale is None:
         scale = 1.0 / math.sqrt(shapes["d"])
     check_positive("scale", scale, fix="pass a positive softmax scale, or None for 1/sqrt(D)")
@@ -318,10 +343,10 @@ def _check_inputs(q, k, v, cu_q, cu_k, sinks) -> dict:
                                       fix="ragged batches take [total, H, D] with cu_seqlens, "
                                           "dense ones [B, S, H, D]")
     names = {n: _dtype_name(x.dtype) for n, x in (("q", q), ("k", k), ("v", v))}
-    dtypes = SUPPORTED_DTYPES + FP8_DTYPES
-    if len(set(names.values())) != 1 or names["q"] not in dtypes:
+    if len(set(names.values())) != 1 or names["q"] not in SUPPORTED_DTYPES + FP8_DTYPES:
         raise kiln.UnsupportedError(f"q/k/v dtypes {names} are not supported",
-                                    fix=f"pass q, k and v all in one of {dtypes}")
+                                    fix="pass q, k and v all in one of "
+                                        f"{SUPPORTED_DTYPES + FP8_DTYPES}")
     if tuple(k.shape[:-1]) != tuple(v.shape[:-1]):
         raise kiln.KilnValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ",
                                   fix="k and v must have the same shape but for the head dim")
@@ -378,14 +403,6 @@ def _check_ragged(q, k, cu_q, cu_k, max_q, max_k) -> dict:
             raise kiln.KilnValueError(f"{name}={bound} is below the longest sequence "
                                       f"({longest})", fix=f"pass {name}={longest} or more")
     return dict(batch=len(cq) - 1, max_sq=max(longest_q, 1), max_sk=max_k)
-
-
-def _check_descales(q, *descales) -> None:
-    """Descales scale FP8 inputs only (their shapes are checked with the batch known)."""
-    if any(x is not None for x in descales) and \
-            _dtype_name(dtype_of("q", q)) not in FP8_DTYPES:
-        raise kiln.KilnValueError(f"descale_q/k/v are given for {_dtype_name(q.dtype)} inputs",
-                                  fix=f"pass them only with {' or '.join(FP8_DTYPES)} q, k, v")
 
 
 def _on_device(x) -> bool:
@@ -457,6 +474,14 @@ def _require_wgmma(chip):
 
 def _dtype_name(dtype) -> str:
     return kiln.dtype(dtype).name
+
+
+def _known_dtype_name(dtype):
+    """Kiln's name of ``dtype``, or None for one Kiln does not know (checked later)."""
+    try:
+        return kiln.dtype(dtype).name
+    except (TypeError, ValueError, KeyError):
+        return None
 
 
 def _optional_numpy(x):

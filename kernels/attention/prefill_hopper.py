@@ -447,7 +447,7 @@ def _softmax_tile(softmax, scores, n0, tile_mask, scale_log2, dtype, lazy_rescal
     probs = softmax.sub_max_scaled(raw, scale_log2).exp2()
     softmax.apply_unconditional_norm_rescale()
     softmax.col_sum_acc(probs)
-    return wgmma.a_fragment_from_accumulator(probs, dtype), rescale_pending
+    return _p_operands(probs, dtype), rescale_pending
 
 
 @kiln.func
@@ -482,7 +482,13 @@ def _softmax_tile_max_on_demand(softmax, scores, n0, tile_mask, scale_log2, dtyp
         softmax.reset_scale()
     softmax.apply_unconditional_norm_rescale()
     softmax.norm_vec = softmax.norm_vec + probs.reduce_lanes(partial, operator.add)
-    return wgmma.a_fragment_from_accumulator(probs, dtype), rescale_pending
+    return _p_operands(probs, dtype), rescale_pending
+
+
+def _p_operands(probs, dtype):
+    """P as the register A operands of ``P V``: FP8 ones hold each 32-key block's keys in
+    ``wgmma.FP8_A_K_ORDER`` (:mod:`.prefill_hopper_fp8` writes V's transpose in that order)."""
+    return wgmma.a_fragment_from_accumulator(probs, dtype, k_permuted=dtype.is_fp8)
 
 
 @kiln.func

@@ -1,0 +1,106 @@
+"""Kiln's FP8 (e4m3) Hopper prefill vs Kiln's own bf16 prefill, in one run.
+
+Shapes: D 128, seq ``--seqs`` (default 4k, 8k, 16k) with batch * seq = 16k tokens, 16 heads
+(heads * D = 2048, the FlashAttention grid of ``bench/attention.py``), causal and not. Inputs:
+bf16 ``randn`` q/k/v, quantised per (batch, head) to e4m3 with FlashAttention-3's descales
+(``[B, H]``: amax / 448); the bf16 prefill runs on the bf16 inputs.
+
+Method: each shape is checked first (the FP8 output against the bf16 prefill of the
+*dequantised* FP8 inputs: max abs error < ``MAX_ERROR``, NaN fails; exact checks against
+float64 live in ``tests/test_attention_prefill_fp8.py``), then both are timed with CUDA events
+(``--repeat`` samples of ``--batch`` calls queued behind a busy stream, median: kernel time,
+no host time, for both alike; ``timing.queued_ms``). TFLOP/s = 4 * B * H * S^2 * D / time,
+halved for causal; ``ratio`` = FP8 / bf16 (goal: >= 1.6 at seq 4k-16k). Prints one JSON
+object per row and a table.
+
+Usage (on an H100/H200): ``python bench/attention_fp8.py [--json out.json] [--seqs 4096 8192]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from results_io import write_results
+from timing import queued_ms
+
+TOKENS = 16 * 1024
+HIDDEN = 2048
+HEAD_DIM = 128
+SEQS = (4096, 8192, 16384)
+FP8_MAX = 448.0
+MAX_ERROR = 6e-2  # P in e4m3 (3 mantissa bits) against a bf16 P: measured ~1e-2 on randn
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--seqs", type=int, nargs="+", default=list(SEQS))
+    parser.add_argument("--repeat", type=int, default=10, help="timed samples per shape")
+    parser.add_argument("--batch", type=int, default=5, help="queued calls per sample")
+    return parser.parse_args(argv)
+
+
+def quantise(x):
+    """``(x8, descale)``: e4m3 ``x / descale`` with one descale per (batch, head), ``[B, H]``."""
+    import torch
+
+    amax = x.abs().amax(dim=(1, 3)).float().clamp(min=1e-6)  # [B, H]
+    descale = amax / FP8_MAX
+    x8 = (x.float() / descale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return x8, descale
+
+
+def bench_row(row: dict, args) -> dict:
+    import torch
+
+    from kiln.kernels.attention import prefill
+
+    b, s, h, d, causal = (row[k] for k in ("batch", "seq", "heads", "d", "causal"))
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    (q8, dq), (k8, dk), (v8, dv) = quantise(q), quantise(k), quantise(v)
+
+    def fp8():
+        return prefill(q8, k8, v8, causal=causal, descale_q=dq, descale_k=dk, descale_v=dv)
+
+    def bf16():
+        return prefill(q, k, v, causal=causal)
+
+    dequantised = [(x8.float() * ds[:, None, :, None]).to(torch.bfloat16)
+                   for x8, ds in ((q8, dq), (k8, dk), (v8, dv))]
+    reference = prefill(*dequantised, causal=causal).float()
+    out = fp8()
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    error = (out.float() - reference).abs().max().item()
+    if not error < MAX_ERROR:  # also catches NaN
+        raise SystemExit(f"FP8 prefill wrong at {row}: max abs error {error} vs bf16")
+    flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
+    result = dict(row, max_abs_error=error)
+    result["fp8_tflops"] = flops / queued_ms(fp8, args.repeat, args.batch) / 1e9
+    result["bf16_tflops"] = flops / queued_ms(bf16, args.repeat, args.batch) / 1e9
+    result["ratio_fp8_vs_bf16"] = result["fp8_tflops"] / result["bf16_tflops"]
+    return result
+
+
+def main(argv=None) -> None:
+    import torch
+
+    args = parse_args(argv)
+    rows = [dict(batch=TOKENS // s, seq=s, heads=HIDDEN // HEAD_DIM, d=HEAD_DIM, causal=c)
+            for c in (False, True) for s in args.seqs]
+    results = []
+    for row in rows:
+        result = bench_row(row, args)
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    print(f"{'seq':>6} {'causal':>6} {'fp8 TF/s':>9} {'bf16 TF/s':>9} {'ratio':>6} {'err':>8}")
+    for r in results:
+        print(f"{r['seq']:>6} {str(r['causal']):>6} {r['fp8_tflops']:>9.1f} "
+              f"{r['bf16_tflops']:>9.1f} {r['ratio_fp8_vs_bf16']:>6.2f} "
+              f"{r['max_abs_error']:>8.4f}")
+    if args.json:
+        write_results(args.json, "attention_fp8", results, torch=torch)
+
+
+if __name__ == "__main__":
+    main()
