@@ -99,7 +99,7 @@ def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
                                     fix="compile for target='sm_90a', or gfx950 on AMD")
     cfg = HopperGemmConfig(**config)
     # A split-K / swap-AB config's kernel writes f32 partials unless it reduces them itself.
-    out = "f32" if cfg.partials and not cfg.fused_reduce else _output_dtype(out_dtype, name)
+    out = "f32" if cfg.partials and not cfg.reduces_in_kernel else _output_dtype(out_dtype, name)
     if cfg.swap_ab and not trans_b:
         raise kiln.UnsupportedError("swap_ab needs B stored N x K", fix="pass trans_b=True")
     b_major = "k" if trans_b else "mn"
@@ -108,7 +108,7 @@ def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
     c = np.empty((1, 1), kiln.dtype(out).numpy)
     # the fused reduction's partial slots and tickets (and C for swap-AB's transposed stores)
     fused = (np.empty(1, np.float32), np.empty(1, np.int64)) + ((c,) if cfg.swap_ab else ()) \
-        if cfg.fused_reduce else ()
+        if cfg.reduces_in_kernel else ()
     return make_kernel(name, out, b_major, cfg).compile(a, a, c, 1, 1, 1, *fused,
                                                         target=chip.name,
                                                         num_warps=cfg.num_warps,

@@ -228,7 +228,7 @@ def locate_tile(table, offsets, tile, tiles_n, BM, BN, GROUP_M, TABLE):
 def _store_group_tile(acc, c_map, c, c_tiles, consumer, row0, col0, row_end, n, first_thread,
                       rounds, tiles_per_round, tile_cols):
     """Epilogue of one consumer's 64 rows: stage ``acc`` in swizzled shared tiles as
-    :func:`.hopper._store_tile` does; rows that all lie before ``row_end`` (the group's end,
+    :func:`.epilogue.store_tile` does; rows that all lie before ``row_end`` (the group's end,
     capped at total_M) leave by TMA store (which clips C's edges), a slice that straddles
     ``row_end`` by masked 16-byte stores of its rows before it."""
     columns = tiles_per_round * tile_cols
