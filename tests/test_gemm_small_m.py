@@ -126,14 +126,14 @@ def test_fused_tickets_carry_over_between_launches(rng):
     config = FAMILIES["fused_swap32_split4"]
     m, n, k = 5, 136, 520  # the kernel's problem is n x m (swap-AB)
     a, b, _ = _operands(m, n, k, True, rng)
-    work, tickets = splitk._fused_buffers(a, n, m, k, config)
+    grid = splitk._fused_grid(n, m, k, config, interpret=True)
+    work, tickets = splitk._fused_buffers(a, n, m, k, config, grid)
     for _ in range(3):
         a, b, b_kn = _operands(m, n, k, True, rng)
         c = np.full((m, n), np.nan, np.float32)
         work[:] = np.nan
-        kernel, grid, args, options = splitk._fused_launch(b, a, c, n, m, k, "bf16", "k",
-                                                           config, (work, tickets),
-                                                           interpret=True)
+        kernel, args, options = splitk._fused_launch(b, a, c, n, m, k, "bf16", "k", config,
+                                                     (work, tickets))
         interpret(kernel, grid, list(args), target="sm_90a", **options)
         assert_matmul_close(c, a, b_kn)
     layout = PartialsLayout.of(n, m, k, config)

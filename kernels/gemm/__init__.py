@@ -66,7 +66,9 @@ HOPPER_CONFIGS = (HopperGemmConfig(),
                   HopperGemmConfig(block_m=64, block_n=256, stages=4),
                   # CTA pairs multicasting B: a third less L2->SM traffic per CTA.
                   HopperGemmConfig(cluster_m=2),
-                  HopperGemmConfig(block_n=192, cluster_m=2))
+                  HopperGemmConfig(block_n=192, cluster_m=2),
+                  # 4096^3 is 3.9 waves of 128 x 256 tiles: share the last ones out by K steps.
+                  HopperGemmConfig(stream_k=True))
 
 
 def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
@@ -246,8 +248,8 @@ def _matmul(a, b, trans_b, out_dtype, target, backend, config=None):
 
 def _compile_hopper(config, a, b, c, m, n, k, dtype, b_major, out_dtype, target):
     # autotune compiles every config up front, concurrently, before timing any
-    make_kernel(dtype, out_dtype, b_major, config).compile(
-        a, b, c, m, n, k, target=target, num_warps=config.num_warps, **_constexprs(config))
+    compile_matmul(dtype, target=target, out_dtype=out_dtype, trans_b=b_major == "k",
+                   **dataclasses.asdict(config))
 
 
 @autotune(configs=HOPPER_CONFIGS, key=["m", "n", "k", "dtype", "b_major", "out_dtype"],

@@ -48,7 +48,10 @@ SMALL_M_CONFIGS = (
     # Reducing in the GEMM kernel (one launch). Measured slower than the reduction kernel on
     # an H100 while every slice published its whole f32 tile; now only in-bounds elements.
     C(block_n=32, stages=8, swap_ab=True, split_k=4, fused_reduce=True),
-    C(block_m=64, block_n=128, stages=8, split_k=4, fused_reduce=True))
+    C(block_m=64, block_n=128, stages=8, split_k=4, fused_reduce=True),
+    # Stream-K (:mod:`.streamk`): every SM an equal share of the K steps, one launch.
+    C(block_n=32, stages=8, swap_ab=True, stream_k=True),
+    C(block_m=64, block_n=128, stages=8, stream_k=True), C(block_n=128, stages=6, stream_k=True))
 del C
 
 

@@ -1,0 +1,72 @@
+"""Where the grouped (MoE) GEMM loses against the dense GEMM of the same FLOPs: one run that
+separates the causes (``bench/gemm.py --grouped`` reports only the end result).
+
+At ``TOKENS * TOP_K`` rows, expert ``K x N`` = 4096 x 14336 and 4096 x 4096, G in 8 and 64,
+all with the grouped kernel's own tile config (no autotuning, so configs do not differ):
+
+| row | what it isolates |
+| --- | --- |
+| ``dense`` | the plain Hopper kernel on one ``[total_M, K] x [K, N]`` (the goal's denominator) |
+| ``grouped G=1`` | the grouped kernel's own costs (tile table, tile look-up, masked epilogue) |
+| ``uniform`` | G equal groups of a multiple of 128 rows: G weights to stream, no ragged tails |
+| ``ragged`` | the router-like sizes of ``bench/gemm.py --grouped`` (tails padded to 64 rows) |
+
+plus, per case, the time to read every expert's weights once at the device's copy bandwidth
+(the floor a grouped GEMM cannot beat however it schedules) and each grouped config of
+``GROUPED_CONFIGS`` on the ragged case. Usage: ``python bench/gemm_grouped_probe.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kiln.kernels.gemm import run_hopper
+from kiln.kernels.gemm.grouped import grouped_config
+from kiln.kernels.gemm.grouped_api import run_grouped
+from gemm_grouped import GROUPED_CONFIGS, TOKENS, TOP_K, moe_sizes
+from gemm_llm import copy_gbps
+from timing import time_ms
+
+CASES = ((64, 4096, 14336), (8, 4096, 14336), (64, 4096, 4096))  # (G, K, N)
+
+
+def grouped_ms(a, sizes, k, n, config=None) -> float:
+    groups = len(sizes)
+    offs = torch.from_numpy(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)).cuda()
+    b = torch.randn(groups * k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    c = torch.empty(a.shape[0], n, device="cuda", dtype=torch.bfloat16)
+    kwargs = {} if config is None else {"config": config}
+    return time_ms(lambda: run_grouped(a, b, c, offs, k=k, b_rows=k, trans_b=False, **kwargs),
+                   5, 3)
+
+
+def main() -> None:
+    bandwidth = copy_gbps(torch) / 2  # read bytes per second: half of read + write
+    total = TOKENS * TOP_K
+    print(f"{torch.cuda.get_device_name()}: grouped GEMM probe, {total} rows, TFLOP/s")
+    for groups, k, n in CASES:
+        a = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+        flops = 2.0 * total * n * k
+        dense_b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        c = torch.empty(total, n, device="cuda", dtype=torch.bfloat16)
+        config = grouped_config(groups)
+        dense = time_ms(lambda: run_hopper(a, dense_b, c, total, n, k, dtype="bf16",
+                                           b_major="mn", target="sm_90a", config=config), 5, 3)
+        rows = {"dense": dense, "grouped G=1": grouped_ms(a, [total], k, n),
+                "uniform": grouped_ms(a, [total // groups] * groups, k, n),
+                "ragged": grouped_ms(a, moe_sizes(groups, total), k, n)}
+        for cfg in GROUPED_CONFIGS[1:]:
+            rows[f"ragged {cfg.block_m}x{cfg.block_n}"] = grouped_ms(
+                a, moe_sizes(groups, total), k, n, cfg)
+        floor_ms = groups * k * n * 2 / bandwidth / 1e6
+        sizes = moe_sizes(groups, total)
+        print(f"G={groups} K={k} N={n}: sizes {sizes.min()}..{sizes.max()}, weights-read floor "
+              f"{floor_ms:.2f} ms, dense {dense:.2f} ms")
+        for name, ms in rows.items():
+            print(f"  {name:>22} {flops / ms / 1e9:7.1f} TFLOP/s  {ms:7.3f} ms  "
+                  f"vs dense {dense / ms:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
