@@ -6,8 +6,9 @@ stored N x K), times ``torch.matmul`` (cuBLAS) and every candidate config with
 skipped): for M <= 512 the small-M candidates (split-K, swap-AB, small tiles, stream-K) and the
 heuristic's own pick, above that the large-GEMM autotuner's configs and their stream-K forms.
 Times are kernel-only (calls queued behind a busy stream), few repeats: this is a survey, not
-a benchmark. Cells run small M first, 70B before 8B (:func:`priority`); ``--budget`` seconds stops the survey between
-cells, and the JSON (written after every cell) keeps what was measured.
+a benchmark. Cells run small M first, 70B before 8B (:func:`priority`); ``--budget`` seconds
+stops the survey between cells, and the JSON (written after every cell) keeps what was
+measured.
 
 Usage: ``python bench/gemm_config_sweep.py --json sweep.json [--budget 100] [--models llama3-70b]``
 Prints one line per cell: cuBLAS microseconds, the heuristic / autotuner-space best ratio and
@@ -25,7 +26,7 @@ import torch
 
 import kiln
 from kiln.autotune import compile_all
-from kiln.kernels.gemm import (HOPPER_CONFIGS, HopperGemmConfig, compile_matmul, matmul_config)
+from kiln.kernels.gemm import HOPPER_CONFIGS, HopperGemmConfig, compile_matmul, matmul_config
 from kiln.kernels.gemm.small_m import SMALL_M, SMALL_M_CONFIGS, heuristic_config
 from gemm_llm import M_VALUES, MODELS
 from timing import queued_ms
@@ -40,7 +41,10 @@ EXTRA_SMALL = (C(block_n=32, stages=8, swap_ab=True, stream_k=True),
                C(block_m=64, block_n=256, stages=4, stream_k=True),
                C(block_n=128, stages=6, stream_k=True),
                C(block_n=32, stages=8, swap_ab=True, split_k=16),
-               C(block_m=64, block_n=128, stages=8, split_k=8))
+               C(block_m=64, block_n=128, stages=8, split_k=8),
+               C(block_m=64, block_n=32, stages=8, swap_ab=True, split_k=2),
+               C(block_m=64, block_n=32, stages=8, swap_ab=True, stream_k=True),
+               C(block_m=64, block_n=64, stages=8, swap_ab=True, split_k=2))
 LARGE_CONFIGS = HOPPER_CONFIGS + tuple(c for c in EXTRA_LARGE if c not in HOPPER_CONFIGS)
 SMALL_CONFIGS = SMALL_M_CONFIGS + tuple(c for c in EXTRA_SMALL if c not in SMALL_M_CONFIGS)
 TARGET_MS = 3.0  # GPU time per timed sample: enough calls to swamp the event overhead
@@ -99,8 +103,9 @@ def summary(row) -> str:
     picked = [c for c in timed if c["config"] == row["heuristic"]]
     pick = f" heur {row['cublas_ms'] / picked[0]['ms']:.3f}" if picked else ""
     bad = len(row["configs"]) - len(timed)
-    return (f"{head} cublas {row['cublas_ms'] * 1e3:8.1f}us best {row['cublas_ms'] / best['ms']:.3f}"
-            f"{pick} {best['config']}" + (f" ({bad} not timed)" if bad else ""))
+    return (f"{head} cublas {row['cublas_ms'] * 1e3:8.1f}us best "
+            f"{row['cublas_ms'] / best['ms']:.3f}{pick} {best['config']}"
+            + (f" ({bad} not timed)" if bad else ""))
 
 
 def main() -> None:
