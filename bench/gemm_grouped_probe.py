@@ -9,7 +9,12 @@ all with the grouped kernel's own tile config (no autotuning, so configs do not 
 | ``dense`` | the plain Hopper kernel on one ``[total_M, K] x [K, N]`` (the goal's denominator) |
 | ``grouped G=1`` | the grouped kernel's own costs (tile table, tile look-up, masked epilogue) |
 | ``uniform`` | G equal groups of a multiple of 128 rows: G weights to stream, no ragged tails |
+| ``uniform -32`` | 32 rows fewer per group: each group's last tile has 96 rows (both consumers busy, all tiles cost the same) |
+| ``uniform -64`` | 64 fewer: each last tile has 64 rows (one consumer idles: tiles of unequal cost, which desynchronise the CTAs that share B in L2) |
 | ``ragged`` | the router-like sizes of ``bench/gemm.py --grouped`` (tails padded to 64 rows) |
+
+TFLOP/s count the rows multiplied (the ``-32`` / ``-64`` cases leave the last rows of ``A``
+unused).
 
 plus, per case, the time to read every expert's weights once at the device's copy bandwidth
 (the floor a grouped GEMM cannot beat however it schedules) and each grouped config of
@@ -53,19 +58,21 @@ def main() -> None:
         config = grouped_config(groups)
         dense = time_ms(lambda: run_hopper(a, dense_b, c, total, n, k, dtype="bf16",
                                            b_major="mn", target="sm_90a", config=config), 5, 3)
-        rows = {"dense": dense, "grouped G=1": grouped_ms(a, [total], k, n),
-                "uniform": grouped_ms(a, [total // groups] * groups, k, n),
-                "ragged": grouped_ms(a, moe_sizes(groups, total), k, n)}
-        for cfg in GROUPED_CONFIGS[1:]:
-            rows[f"ragged {cfg.block_m}x{cfg.block_n}"] = grouped_ms(
-                a, moe_sizes(groups, total), k, n, cfg)
-        floor_ms = groups * k * n * 2 / bandwidth / 1e6
+        each = total // groups
         sizes = moe_sizes(groups, total)
         print(f"G={groups} K={k} N={n}: sizes {sizes.min()}..{sizes.max()}, weights-read floor "
-              f"{floor_ms:.2f} ms, dense {dense:.2f} ms")
-        for name, ms in rows.items():
-            print(f"  {name:>22} {flops / ms / 1e9:7.1f} TFLOP/s  {ms:7.3f} ms  "
-                  f"vs dense {dense / ms:.3f}", flush=True)
+              f"{groups * k * n * 2 / bandwidth / 1e6:.2f} ms, dense {dense:.2f} ms "
+              f"({flops / dense / 1e9:.1f} TFLOP/s)", flush=True)
+        cases = [("grouped G=1", [total], None), ("uniform", [each] * groups, None),
+                 ("uniform -32", [each - 32] * groups, None),
+                 ("uniform -64", [each - 64] * groups, None), ("ragged", sizes, None)]
+        cases += [(f"ragged {cfg.block_m}x{cfg.block_n}", sizes, cfg)
+                  for cfg in GROUPED_CONFIGS[1:]]
+        for name, group_sizes, cfg in cases:  # printed as measured: a cut-off run reports
+            ms = grouped_ms(a, group_sizes, k, n, cfg)
+            tflops = 2.0 * int(np.sum(group_sizes)) * n * k / ms / 1e9
+            print(f"  {name:>22} {tflops:7.1f} TFLOP/s  {ms:7.3f} ms  "
+                  f"vs dense {tflops / (flops / dense / 1e9):.3f}", flush=True)
 
 
 if __name__ == "__main__":
