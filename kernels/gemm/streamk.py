@@ -94,9 +94,10 @@ def finish(acc, c_map, c_tiles, work, tickets, c_out, owners, consumer, row0, co
     ctas = kiln.num_blocks(0)
     origin = sk_tile * k_tiles
     split = (k_first > 0) | (k_end < k_tiles)
-    # CTAs whose ranges hold the tile's first and last steps: the pieces, in order
-    first_cta = ((origin + 1) * ctas - 1) // steps
-    pieces = ((origin + k_tiles) * ctas - 1) // steps - first_cta + 1
+    # CTAs whose ranges hold the tile's first and last steps: the pieces, in order (steps
+    # is 0 when every tile is data-parallel: nothing is split then)
+    first_cta = ((origin + 1) * ctas - 1) // kiln.maximum(steps, 1)
+    pieces = ((origin + k_tiles) * ctas - 1) // kiln.maximum(steps, 1) - first_cta + 1
     if split:
         own = 2 * kiln.block_id(0) + kiln.where(origin > start, 1, 0)
         publish_partial(acc, work, (own * CONSUMERS + consumer) * part + lane, row0, col0, m, n)
