@@ -116,17 +116,19 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="*", default=list(M_VALUES))
     args = parser.parse_args()
     start = time.perf_counter()
-    every = list(SMALL_CONFIGS) + list(LARGE_CONFIGS)
-    compile_all(lambda config: compile_matmul("bf16", target="sm_90a", trans_b=True,
-                                              **vars(config)), every)
-    print(f"{torch.cuda.get_device_name()}: compiled {len(every)} configs in "
-          f"{time.perf_counter() - start:.0f} s", flush=True)
-    rows = []
+    rows, compiled = [], set()
     for model, layer, m in sorted(((model, layer, m) for model in args.models
                                    for layer in MODELS[model] for m in args.m), key=priority):
         if time.perf_counter() - start > args.budget:
             print(f"budget of {args.budget:.0f} s spent: {len(rows)} cells surveyed")
             return
+        space = SMALL_CONFIGS if m <= SMALL_M else LARGE_CONFIGS
+        if space not in compiled:  # each space's kernels at once, when first needed
+            compile_all(lambda config: compile_matmul("bf16", target="sm_90a", trans_b=True,
+                                                      **vars(config)), space)
+            compiled.add(space)
+            print(f"{torch.cuda.get_device_name()}: {len(space)} configs compiled by "
+                  f"{time.perf_counter() - start:.0f} s", flush=True)
         rows.append(survey_cell(model, layer, m))
         print(summary(rows[-1]), flush=True)
         with open(args.json, "w") as f:
