@@ -249,7 +249,7 @@ def test_ptx_has_the_hopper_pipeline_and_masked_epilogue(compiled):
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx  # TMA stores of whole slices
     # the group's last slice: 16-byte reads of the staged tile, 16-byte masked stores
     assert re.search(r"ld\.shared\.v4\.b32", ptx) and re.search(r"st\.global\.v4\.b32", ptx)
-    assert ".maxntid 384, 1, 1" in ptx
+    assert ".maxntid 256, 1, 1" in ptx
 
 
 @pytest.mark.lower
@@ -258,9 +258,9 @@ def test_no_spills_and_table_fits_beside_the_ring(compiled):
     assert compiled.metadata["stack_bytes"] == 0
     # The idle-consumer branch must not make ptxas serialise the main loop's WGMMAs.
     assert compiled.metadata["wgmma_serialized"] is None
-    assert compiled.signature.block == (384, 1, 1)
+    assert compiled.signature.block == (256, 1, 1)  # 64 x 256 tiles: one consumer
     # Static (table, barriers) + dynamic shared memory within H100's 227 KB a block, up to
-    # 255 groups beside 4 stages; 1024 groups (a 2048-entry table) with 3 stages.
+    # 1024 groups (a 2048-entry table) beside 4 stages.
     for groups in (255, 1024):
         ck = compile_grouped_matmul("bf16", target="sm_90a", trans_b=True, out_dtype="f32",
                                     groups=groups)
