@@ -18,7 +18,7 @@ TFLOP/s count the rows multiplied (the ``-32`` / ``-64`` cases leave the last ro
 unused).
 
 plus, per case, the time to read every expert's weights once at the device's copy bandwidth
-(the floor a grouped GEMM cannot beat however it schedules) and each grouped config of
+(the floor a grouped GEMM cannot beat however it schedules) and each other config of
 ``GROUPED_CONFIGS`` on the ragged case. Usage: ``python bench/gemm_grouped_probe.py``.
 """
 
@@ -80,7 +80,8 @@ def main() -> None:
                  ("uniform -32", [each - 32] * groups, None, False),
                  ("grouped G=1", [total], None, False)]
         cases += [(f"ragged {cfg.block_m}x{cfg.block_n}{' dynamic' * dynamic}", sizes, cfg,
-                   dynamic) for cfg in GROUPED_CONFIGS[1:] for dynamic in (False, True)]
+                   dynamic) for cfg in GROUPED_CONFIGS if cfg != config
+                  for dynamic in (False, True)]
         for name, group_sizes, cfg, dynamic in cases:  # printed as measured
             ms = grouped_ms(a, group_sizes, k, n, cfg, dynamic)
             tflops = 2.0 * int(np.sum(group_sizes)) * n * k / ms / 1e9
