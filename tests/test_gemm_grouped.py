@@ -88,6 +88,29 @@ def test_other_tile_configs_match_float64(config, trans_b, rng):
 
 
 @pytest.mark.parametrize("trans_b", [False, True])
+def test_dynamic_tile_claims_match_float64_and_reset_the_counters(trans_b, rng):
+    """``dynamic=True``: 3 CTAs claim 2 x 3 + 1 tiles of 3 groups from a counter pair, which
+    the last CTA to finish zeroes again: a second launch on the same counters is right too."""
+    from kiln.kernels.gemm.grouped import grouped_constexprs, make_grouped_kernel
+
+    config = HopperGemmConfig()
+    offsets = _offsets((200, 0, 3, 60))
+    k, n = 136, 520
+    counters = np.zeros(2, np.int32)
+    kernel = make_grouped_kernel("bf16", "f32", "k" if trans_b else "mn", config, True)
+    for _ in range(2):
+        a = _random((263, k), rng)
+        b = _random((4, n, k) if trans_b else (4, k, n), rng)
+        c = np.full((263, n), np.nan, np.float32)
+        kernel.interpret[(3,)](a, b.reshape(4 * b.shape[1], -1), c, c, offsets, 4, 263, n, k,
+                               b.shape[1], counters, target="sm_90a",
+                               num_warps=config.num_warps,
+                               **grouped_constexprs(config, 4, dynamic=True))
+        _assert_close(c, _reference(a, b, offsets, trans_b), "f32")
+        assert (counters == 0).all()
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
 def test_next_groups_b_never_reaches_a_group(trans_b, rng):
     """A B box past K (or N) of group 0 lies in group 1's B; filled with inf there, any leak
     would turn group 0's rows into NaN (0 * inf), so K = 72 must be padded per group."""
@@ -226,7 +249,7 @@ def test_ptx_has_the_hopper_pipeline_and_masked_epilogue(compiled):
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx  # TMA stores of whole slices
     # the group's last slice: 16-byte reads of the staged tile, 16-byte masked stores
     assert re.search(r"ld\.shared\.v4\.b32", ptx) and re.search(r"st\.global\.v4\.b32", ptx)
-    assert ".maxntid 384, 1, 1" in ptx
+    assert ".maxntid 256, 1, 1" in ptx
 
 
 @pytest.mark.lower
@@ -235,9 +258,9 @@ def test_no_spills_and_table_fits_beside_the_ring(compiled):
     assert compiled.metadata["stack_bytes"] == 0
     # The idle-consumer branch must not make ptxas serialise the main loop's WGMMAs.
     assert compiled.metadata["wgmma_serialized"] is None
-    assert compiled.signature.block == (384, 1, 1)
+    assert compiled.signature.block == (256, 1, 1)  # 64 x 256 tiles: one consumer
     # Static (table, barriers) + dynamic shared memory within H100's 227 KB a block, up to
-    # 255 groups beside 4 stages; 1024 groups (a 2048-entry table) with 3 stages.
+    # 1024 groups (a 2048-entry table) beside 4 stages.
     for groups in (255, 1024):
         ck = compile_grouped_matmul("bf16", target="sm_90a", trans_b=True, out_dtype="f32",
                                     groups=groups)
@@ -277,8 +300,9 @@ def _moe_sizes(groups: int, total: int, rng) -> np.ndarray:
 @pytest.mark.parametrize("groups, total, k, n", [(8, 3000, 1024, 520), (64, 5000, 520, 1024)])
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("device_offsets", [True, False])
+@pytest.mark.parametrize("dynamic", [False, True])
 def test_gpu_matches_torch_with_poisoned_output(groups, total, k, n, trans_b, device_offsets,
-                                                rng):
+                                                dynamic, rng):
     torch = pytest.importorskip("torch")
     from kiln.kernels.gemm.grouped_api import run_grouped
 
@@ -292,7 +316,7 @@ def test_gpu_matches_torch_with_poisoned_output(groups, total, k, n, trans_b, de
     b_rows = n if trans_b else -(-k // 64) * 64
     b_in = b if trans_b else torch.nn.functional.pad(b, (0, 0, 0, b_rows - k))
     run_grouped(a, b_in.reshape(-1, b_in.shape[-1]), c, offs, k=k, b_rows=b_rows,
-                trans_b=trans_b)
+                trans_b=trans_b, dynamic=dynamic)
     expected = torch.empty_like(c)
     for g in range(groups):
         rows = slice(int(offsets[g]), int(offsets[g + 1]))

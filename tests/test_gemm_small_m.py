@@ -91,6 +91,14 @@ def test_heuristic_shapes_the_work_to_the_gpu():
     assert wide == HopperGemmConfig()  # 448 tiles of 128 x 256: the large-GEMM default
     short = heuristic_config(1, 4096, 128, "k", sms=132)
     assert short.split_k == 1  # 2 K steps: nothing to split
+    # 448 swap-AB tiles (Llama-3-70B gate/up at decode): stream-K balances the 3.4 waves
+    many = heuristic_config(1, 57344, 8192, "k", sms=132)
+    assert many.swap_ab and many.stream_k and many.split_k == 1
+    # slices: sms // tiles as a power of two (64 tiles: 2); 64 x 128 tiles split only when
+    # they are at most a third of the SMs (32: 4 slices; 48: none)
+    assert heuristic_config(16, 8192, 8192, "k", sms=132).split_k == 2
+    assert heuristic_config(64, 4096, 4096, "k", sms=132).split_k == 4
+    assert heuristic_config(64, 6144, 4096, "k", sms=132).split_k == 1
     assert chosen_config(SMALL_M + 1, 4096, 4096, "bf16", "k", "bf16") is None
     assert all(isinstance(cfg, HopperGemmConfig) for cfg in SMALL_M_CONFIGS)
 
@@ -126,14 +134,14 @@ def test_fused_tickets_carry_over_between_launches(rng):
     config = FAMILIES["fused_swap32_split4"]
     m, n, k = 5, 136, 520  # the kernel's problem is n x m (swap-AB)
     a, b, _ = _operands(m, n, k, True, rng)
-    work, tickets = splitk._fused_buffers(a, n, m, k, config)
+    grid = splitk._fused_grid(n, m, k, config, interpret=True)
+    work, tickets = splitk._fused_buffers(a, n, m, k, config, grid)
     for _ in range(3):
         a, b, b_kn = _operands(m, n, k, True, rng)
         c = np.full((m, n), np.nan, np.float32)
         work[:] = np.nan
-        kernel, grid, args, options = splitk._fused_launch(b, a, c, n, m, k, "bf16", "k",
-                                                           config, (work, tickets),
-                                                           interpret=True)
+        kernel, args, options = splitk._fused_launch(b, a, c, n, m, k, "bf16", "k", config,
+                                                     (work, tickets))
         interpret(kernel, grid, list(args), target="sm_90a", **options)
         assert_matmul_close(c, a, b_kn)
     layout = PartialsLayout.of(n, m, k, config)

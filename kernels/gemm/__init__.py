@@ -67,7 +67,9 @@ HOPPER_CONFIGS = (HopperGemmConfig(),
                   HopperGemmConfig(block_m=64, block_n=256, stages=4),
                   # CTA pairs multicasting B: a third less L2->SM traffic per CTA.
                   HopperGemmConfig(cluster_m=2),
-                  HopperGemmConfig(block_n=192, cluster_m=2))
+                  HopperGemmConfig(block_n=192, cluster_m=2),
+                  # 4096^3 is 3.9 waves of 128 x 256 tiles: share the last ones out by K steps.
+                  HopperGemmConfig(stream_k=True))
 
 
 def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
@@ -100,7 +102,7 @@ def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
                                     fix="compile for target='sm_90a', or gfx950 on AMD")
     cfg = HopperGemmConfig(**config)
     # A split-K / swap-AB config's kernel writes f32 partials unless it reduces them itself.
-    out = "f32" if cfg.partials and not cfg.fused_reduce else _output_dtype(out_dtype, name)
+    out = "f32" if cfg.partials and not cfg.reduces_in_kernel else _output_dtype(out_dtype, name)
     if cfg.swap_ab and not trans_b:
         raise kiln.UnsupportedError("swap_ab needs B stored N x K", fix="pass trans_b=True")
     b_major = "k" if trans_b else "mn"
@@ -109,7 +111,7 @@ def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
     c = np.empty((1, 1), kiln.dtype(out).numpy)
     # the fused reduction's partial slots and tickets (and C for swap-AB's transposed stores)
     fused = (np.empty(1, np.float32), np.empty(1, np.int64)) + ((c,) if cfg.swap_ab else ()) \
-        if cfg.fused_reduce else ()
+        if cfg.reduces_in_kernel else ()
     return make_kernel(name, out, b_major, cfg).compile(a, a, c, 1, 1, 1, *fused,
                                                         target=chip.name,
                                                         num_warps=cfg.num_warps,
@@ -247,8 +249,8 @@ def _matmul(a, b, trans_b, out_dtype, target, backend, config=None):
 
 def _compile_hopper(config, a, b, c, m, n, k, dtype, b_major, out_dtype, target):
     # autotune compiles every config up front, concurrently, before timing any
-    make_kernel(dtype, out_dtype, b_major, config).compile(
-        a, b, c, m, n, k, target=target, num_warps=config.num_warps, **_constexprs(config))
+    compile_matmul(dtype, target=target, out_dtype=out_dtype, trans_b=b_major == "k",
+                   **dataclasses.asdict(config))
 
 
 @autotune(configs=HOPPER_CONFIGS, key=["m", "n", "k", "dtype", "b_major", "out_dtype"],

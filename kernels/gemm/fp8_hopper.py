@@ -37,7 +37,8 @@ import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
 from kiln.shared import dynamic_shared
 
-from .hopper import ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN, WARP_GROUP_THREADS, _store_tile, _tile_origin
+from .epilogue import store_tile
+from .hopper import ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN, WARP_GROUP_THREADS, _tile_origin
 
 FP8_K_STEP = 32  # K of one wgmma.m64nNk32: 32 bytes, two descriptor units
 FP8_OUT_DTYPES = ("bf16", "f32")
@@ -313,8 +314,8 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
                     use = use + 1
                 out = total if block else scale_accumulator(total, scale_a, scale_b, row0, n0,
                                                             m, n, a_mode, b_mode)
-                _store_tile(out, c_map, c_tiles, consumer, row0, n0, first_thread,
-                            BN // epilogue_n, c_tiles_per_round, c_cols)
+                store_tile(out, c_map, c_tiles, consumer, row0, n0, first_thread,
+                           BN // epilogue_n, c_tiles_per_round, c_cols)
             if first_thread:
                 tma.wait_group(0, read=True)  # the staging tiles must outlive the last store
         if CLUSTER_M > 1:

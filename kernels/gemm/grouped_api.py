@@ -140,23 +140,43 @@ def grouped_matmul(a, b, group_offsets, *, trans_b=False, scale_a=None, scale_b=
 
 
 def run_grouped(a, b, c, offsets, *, k, b_rows, trans_b, target="sm_90a", config=None,
-                stream=None):
+                stream=None, dynamic=False):
     """Launch the grouped kernel on prepared operands: ``a`` ``[total_M, Kp]``, ``b`` viewed as
     ``[G * b_rows, cols]`` (see :func:`make_grouped_kernel`), ``c`` ``[total_M, Np]`` (Kp, Np
     multiples of 8), ``offsets`` int32 ``[G + 1]``; ``config`` defaults to
-    :func:`grouped_config`. The grid is one CTA per SM (for numpy offsets, at most one per
-    tile). Example (a poisoned ``c`` in a test): ``run_grouped(a, b, c, offs, k=k, b_rows=k,
-    trans_b=False)``."""
+    :func:`grouped_config`; ``dynamic`` has CTAs claim tiles from a zeroed counter pair. The
+    grid is one CTA per SM (for numpy offsets, at most one per tile). Example (a poisoned
+    ``c`` in a test): ``run_grouped(a, b, c, offs, k=k, b_rows=k, trans_b=False)``."""
     groups = int(offsets.shape[0]) - 1
     (total_m, n), cfg = c.shape, config or grouped_config(groups)
     grid = runtime.multiprocessor_count()
     if not is_torch(offsets):  # known tile count: no CTA without a tile
         grid = max(1, min(grid, grouped_tiles(offsets, n, cfg)))
     kernel = make_grouped_kernel(kiln.dtype(a.dtype).name, kiln.dtype(c.dtype).name,
-                                 "k" if trans_b else "mn", cfg)
-    runtime.launch(kernel, (grid, 1, 1), (a, b, c, c, offsets, groups, total_m, n, k, b_rows),
+                                 "k" if trans_b else "mn", cfg, dynamic)
+    counters = (_claim_counters(offsets),) if dynamic else ()
+    runtime.launch(kernel, (grid, 1, 1),
+                   (a, b, c, c, offsets, groups, total_m, n, k, b_rows) + counters,
                    target=target, num_warps=cfg.num_warps, stream=stream,
-                   **grouped_constexprs(cfg, groups))
+                   **grouped_constexprs(cfg, groups, dynamic))
+
+
+# Zeroed tile-claim counters per (device, stream): launches on one stream run in order, and
+# each launch's last CTA zeroes its counters again (:func:`.grouped.claim_tile`).
+_COUNTERS = {}
+
+
+def _claim_counters(like):
+    """The dynamic tile walk's counter pair for a launch on the current stream of ``like``'s
+    device (a fresh zeroed pair for numpy operands)."""
+    if not is_torch(like):
+        return empty_like(like, (2,), kiln.i32, fill=0)
+    import torch
+
+    key = (like.device.index, torch.cuda.current_stream(like.device).cuda_stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=like.device)
+    return _COUNTERS[key]
 
 
 def group_extents(dims: Dims, group_offsets) -> tuple[int, int, int, int]:

@@ -36,7 +36,9 @@ import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
 from kiln.shared import dynamic_shared  # kiln.dynamic_shared once exported
 
-WARP_GROUP_THREADS = 128
+from . import streamk
+from .epilogue import WARP_GROUP_THREADS, finish_fused, store_tile
+
 SWIZZLE = 128  # bytes: one 64-element row of bf16/f16, the layout WGMMA reads conflict-free
 SWIZZLE_ALIGN = 1024  # 128B-swizzled tiles start on a 1024-byte boundary
 K_STEP = 16  # K of one wgmma.m64nNk16
@@ -60,8 +62,11 @@ class HopperGemmConfig:
     a second kernel sums (:mod:`.splitk`); ``swap_ab`` computes ``C.T = B.T @ A.T`` so a
     small M becomes WGMMA's N (``block_n`` 32 allowed), through the same f32 partials.
     Both are *partials* configs (:attr:`partials`); ``fused_reduce`` has the last K slice of
-    each tile to finish sum the partials in the GEMM kernel itself (no second kernel). Example:
-    ``HopperGemmConfig(block_m=128, block_n=32, swap_ab=True, split_k=4)`` for M <= 32.
+    each tile to finish sum the partials in the GEMM kernel itself (no second kernel).
+    ``stream_k`` gives every CTA an equal share of the K steps of the last tiles (all tiles when
+    there are fewer than CTAs), fixing split tiles up in the kernel (:mod:`.streamk`). Example:
+    ``HopperGemmConfig(block_m=128, block_n=32, swap_ab=True, split_k=4)`` for M <= 32,
+    ``HopperGemmConfig(stream_k=True)`` for 4096 x 4096 (3.9 waves of 128 x 256 tiles).
     """
 
     block_m: int = 128
@@ -75,6 +80,7 @@ class HopperGemmConfig:
     split_k: int = 1
     swap_ab: bool = False
     fused_reduce: bool = False
+    stream_k: bool = False
 
     def __post_init__(self):
         if self.block_m % 64 or not 64 <= self.block_m <= 256:
@@ -89,6 +95,9 @@ class HopperGemmConfig:
         if self.partials and self.cluster_m != 1:
             raise kiln.UnsupportedError("split-K and swap-AB configs run single CTAs",
                                         fix="use cluster_m=1 with split_k or swap_ab")
+        if self.stream_k and self.split_k > 1:
+            raise kiln.KilnValueError("stream_k splits K across CTAs itself",
+                                      fix="use split_k=1 with stream_k=True")
         if self.fused_reduce and not self.partials:
             raise kiln.KilnValueError("fused_reduce sums split-K / swap-AB partials; this config "
                                       "has none", fix="add split_k > 1 or swap_ab=True")
@@ -123,7 +132,12 @@ class HopperGemmConfig:
     @property
     def partials(self) -> bool:
         """Whether the kernel writes f32 partial tiles that :mod:`.splitk` reduces into C."""
-        return self.split_k > 1 or self.swap_ab
+        return self.split_k > 1 or self.swap_ab or self.stream_k
+
+    @property
+    def reduces_in_kernel(self) -> bool:
+        """Whether the GEMM kernel itself sums the partials (``fused_reduce``, stream-K)."""
+        return self.fused_reduce or self.stream_k
 
     @property
     def consumers(self) -> int:
@@ -159,7 +173,8 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
     in_type, out_type = kiln.dtype(dtype), kiln.dtype(out_dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     # Run-time tensors of the in-kernel reduction (constexpr placeholders, None, otherwise).
-    fused = config.fused_reduce
+    fused = config.reduces_in_kernel
+    stream_k = config.stream_k
     fused_types = (kiln.Tensor[kiln.f32, 1] if fused else kiln.constexpr,
                    kiln.Tensor[kiln.i64, 1] if fused else kiln.constexpr,
                    kiln.Tensor[out_type, 2] if fused and config.swap_ab else kiln.constexpr)
@@ -225,7 +240,7 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
         if not (fused and config.swap_ab):
             c_tiles = dynamic_shared((BM // 64 * c_tiles_per_round, 64, c_cols), out_type,
                                      align=SWIZZLE_ALIGN)
-        if fused:  # per consumer: whether it sums its tile's partials (see _finish_fused)
+        if fused:  # per consumer: whether it sums its tile's partials (see epilogue.finish_fused)
             owners = dynamic_shared((BM // 64,), kiln.i32)
         full = mbarrier.group(num_barriers=STAGES)
         empty = mbarrier.group(num_barriers=STAGES)
@@ -256,6 +271,10 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
             num_tiles = tiles_m * tiles_n
         first_tile = kiln.block_id(0) // CLUSTER_M
         tile_step = kiln.num_blocks(0) // CLUSTER_M
+        plan = None
+        if stream_k:  # this CTA's units: data-parallel tiles, then a range of K steps
+            plan = streamk.schedule(num_tiles, k_tiles)
+            first_tile, num_tiles, tile_step = 0, plan[0], 1
         group_m = max(1, GROUP_M // CLUSTER_M)
         stage_bytes = tma.box_bytes(a_map) + chunks * tma.box_bytes(b_map)
         if warp_group == 0:
@@ -266,7 +285,7 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
                 use = 0
                 for tile in kiln.range(first_tile, num_tiles, tile_step):
                     m0, n0, k_first, k_end, _, _ = work_unit(tile, tiles_m, tiles_n, k_tiles,
-                                                             group_m, SPLIT_K)
+                                                             group_m, SPLIT_K, plan)
                     m0 = m0 + rank * BM
                     for kt in kiln.range(k_first, k_end):
                         stage = use % STAGES
@@ -288,7 +307,8 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
             use = 0
             for tile in kiln.range(first_tile, num_tiles, tile_step):
                 m0, n0, k_first, k_end, piece, mn_tile = work_unit(tile, tiles_m, tiles_n,
-                                                                   k_tiles, group_m, SPLIT_K)
+                                                                   k_tiles, group_m, SPLIT_K,
+                                                                   plan)
                 m0 = m0 + rank * BM
                 acc = wgmma.fragment_zeros(BN)
                 for kt in kiln.range(k_first, k_end):
@@ -312,25 +332,36 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
                 wgmma.wait_group(0)
                 if first_thread:
                     release(empty, (use + STAGES - 1) % STAGES, 0)
-                if fused:
-                    _finish_fused(acc, c_map, c_tiles, work, tickets, c_out, owners, consumer,
+                if stream_k:
+                    streamk.finish(acc, c_map, c_tiles, work, tickets, c_out, owners, consumer,
+                                   m0 + consumer * 64, n0, piece, k_first, k_end, k_tiles,
+                                   plan[3], plan[4], m, n, first_thread, BN // epilogue_n,
+                                   c_tiles_per_round, c_cols, config.swap_ab, BM // 64)
+                elif fused:
+                    finish_fused(acc, c_map, c_tiles, work, tickets, c_out, owners, consumer,
                                   m0 + consumer * 64, n0, mn_tile * (BM // 64) + consumer,
                                   piece, slices, m, n, first_thread, BN // epilogue_n,
                                   c_tiles_per_round, c_cols, config.swap_ab)
                 else:
                     if SPLIT_K > 1:  # slice s of the partials starts at row s * tiles_m * BM
                         m0 = m0 + piece * tiles_m * BM * CLUSTER_M
-                    _store_tile(acc, c_map, c_tiles, consumer, m0 + consumer * 64, n0,
+                    store_tile(acc, c_map, c_tiles, consumer, m0 + consumer * 64, n0,
                                 first_thread, BN // epilogue_n, c_tiles_per_round, c_cols)
             if first_thread:
                 tma.wait_group(0, read=True)  # the staging tiles must outlive the last store
         if CLUSTER_M > 1:
             nvidia_asm.cluster_sync()  # the peer may still arrive on this CTA's barriers
 
-    def work_unit(tile, tiles_m, tiles_n, k_tiles, group_m, split_k):
+    def work_unit(tile, tiles_m, tiles_n, k_tiles, group_m, split_k, plan):
         """Origin, K steps ``[k_first, k_end)``, K slice and output tile of work unit
         ``tile``: a whole output tile, or with ``split_k`` one K slice of one tile (slice-major,
-        so CTAs running together share the slice's A and B columns)."""
+        so CTAs running together share the slice's A and B columns); with stream-K (``plan``
+        from :func:`.streamk.schedule`) unit ``tile`` of this CTA, its "slice" the stream-K
+        tile index."""
+        if plan is not None:
+            tile, k_first, k_end, sk_tile = streamk.unit(tile, k_tiles, *plan[1:3], *plan[4:])
+            m0, n0 = _tile_origin(tile, tiles_m, tiles_n, bm, bn, group_m)
+            return m0, n0, k_first, k_end, sk_tile, tile
         if split_k == 1:  # the plain GEMM's tile walk, unchanged
             m0, n0 = _tile_origin(tile, tiles_m, tiles_n, bm * pair, bn, group_m)
             return m0, n0, 0, k_tiles, 0, tile
@@ -350,7 +381,7 @@ def kernel_constexprs(cfg: HopperGemmConfig) -> dict:
     """The constexpr arguments of :func:`make_kernel`'s kernel for ``cfg`` (with None for the
     in-kernel reduction's tensors where ``cfg`` has none: see :mod:`.splitk`)."""
     unused = () if cfg.swap_ab else ("c_out",)
-    placeholders = dict.fromkeys(unused if cfg.fused_reduce else ("work", "tickets", "c_out"))
+    placeholders = dict.fromkeys(unused if cfg.reduces_in_kernel else ("work", "tickets", "c_out"))
     return dict(placeholders, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, STAGES=cfg.stages,
                 GROUP_M=cfg.group_m, PRODUCER_REGS=cfg.producer_registers,
                 CONSUMER_REGS=cfg.consumer_registers, CLUSTER_M=cfg.cluster_m,
@@ -367,107 +398,3 @@ def _tile_origin(tile, tiles_m, tiles_n, BM, BN, GROUP_M):
     tile_m = first_m + (tile % per_group) % group_rows
     tile_n = (tile % per_group) // group_rows
     return tile_m * BM, tile_n * BN
-
-
-@kiln.func
-def _store_tile(acc, c_map, c_tiles, consumer, row0, col0, first_thread, rounds,
-                tiles_per_round, tile_cols):
-    """Epilogue of one consumer: stage ``acc`` in swizzled shared tiles and TMA-store them,
-    ``rounds`` slices of columns in turn (TMA clips rows and columns outside C). The stores run
-    on while the warp group starts its next tile; only the next reuse of the staging tiles
-    waits for them to have been read."""
-    columns = tiles_per_round * tile_cols
-    for r in kiln.static_range(rounds):
-        if first_thread:
-            tma.wait_group(0, read=True)
-        nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
-        wgmma.store_fragment_swizzled(acc, c_tiles, consumer * tiles_per_round,
-                                      columns=(r * columns, (r + 1) * columns))
-        nvidia_asm.fence_proxy_async()  # generic-proxy writes before the async-proxy TMA read
-        nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
-        if first_thread:
-            for j in kiln.static_range(tiles_per_round):
-                tma.store(c_tiles.tile(consumer * tiles_per_round + j), c_map,
-                          (col0 + r * columns + j * tile_cols, row0))
-            tma.commit_group()
-
-
-@kiln.func
-def _finish_fused(acc, c_map, c_tiles, work, tickets, c_out, owners, consumer, row0, col0,
-                  slot, piece, slices, m, n, first_thread, rounds, tiles_per_round, tile_cols,
-                  SWAP):
-    """In-kernel split-K reduction of one consumer's 64-row part of a work unit (the CUTLASS
-    split-K semaphore pattern): store ``acc`` to its slice's slot of ``work`` (register ``j``
-    of thread ``t`` at ``j * 128 + t``: every store instruction writes 512 contiguous bytes);
-    barrier, then one thread fences (gpu scope) and draws a ticket for the (tile, consumer)
-    ``slot``. Tickets only grow (each launch adds ``slices``), so ``ticket % slices`` is the
-    arrival order; the last to arrive fences again (acquire) and its warp group sums the
-    slices' slots in slice order (bitwise reproducible whoever arrives last) into ``C``: a
-    TMA store, or with ``SWAP`` (``acc`` holds C.T) masked stores of ``c_out`` transposed."""
-    n_half = acc.shape[1] // 2
-    lane = kiln.thread_id(0) % WARP_GROUP_THREADS
-    part = 64 * acc.shape[1]  # floats of one slot
-    _publish_partial(acc, work, (slot * slices + piece) * part + lane, row0, col0, m, n)
-    nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
-    if first_thread:
-        kiln.fence("gpu")  # this slice's stores (seen through the barrier), then the ticket
-        ticket = tickets.atomic_add(slot, 1)
-        last = ticket % kiln.cast(slices, kiln.i64) == kiln.cast(slices - 1, kiln.i64)
-        if last:
-            kiln.fence("gpu")  # acquire: the other slices published before their tickets
-        owners[consumer] = kiln.cast(last, kiln.i32)
-    nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
-    if owners[consumer] == 1:
-        total = wgmma.fragment_zeros(acc.shape[1])
-        for s in kiln.range(0, slices):
-            total = _add_partial(total, work, (slot * slices + s) * part + lane, row0, col0, m,
-                                 n, n_half)
-        if SWAP:
-            _store_transposed(total, c_out, row0, col0, m, n)
-        else:
-            _store_tile(total, c_map, c_tiles, consumer, row0, col0, first_thread, rounds,
-                        tiles_per_round, tile_cols)
-
-
-@kiln.func
-def _publish_partial(acc, work, base, row0, col0, m, n):
-    """``work[base + j * 128] = acc.element(j)`` for every register ``j`` of this thread whose
-    element lies inside the ``m x n`` problem: at decode sizes most of a swap-AB tile's
-    columns (or a 64-row tile's rows) are padding, and are neither written nor read."""
-    for j in kiln.static_range(acc.shape[1] // 2):
-        if _inside(j, row0, col0, m, n):
-            work.store(base + j * WARP_GROUP_THREADS, acc.element(j))
-
-
-def _add_partial(total, work, base, row0, col0, m, n, n_half):
-    """``total`` plus the slot written by :func:`_publish_partial` at ``base`` (zeros where
-    it wrote nothing)."""
-    return wgmma.fragment_from_elements([
-        total.element(j) + work.load(base + j * WARP_GROUP_THREADS,
-                                     mask=_inside(j, row0, col0, m, n), other=0.0)
-        for j in range(n_half)])
-
-
-def _inside(e, row0, col0, m, n):
-    """Whether register ``e`` of this thread, in the 64-row tile at (``row0``, ``col0``), is
-    an element of the ``m x n`` result (layout: :func:`_store_transposed`)."""
-    lane = kiln.thread_id(0) % WARP_GROUP_THREADS
-    row = row0 + 16 * (lane // 32) + (lane % 32) // 4 + 8 * ((e // 2) % 2)
-    col = col0 + 8 * (e // 4) + 2 * (lane % 4) + e % 2
-    return (row < m) & (col < n)
-
-
-@kiln.func
-def _store_transposed(total, c_out, row0, col0, m, n):
-    """``c_out[col, row] = total[row, col]`` for the tile at (``row0``, ``col0``) of C.T (an
-    ``m x n`` problem), inside C only. Register ``e`` of lane ``l`` holds row
-    ``16 * (l // 32) + (l % 32) // 4 + 8 * ((e // 2) % 2)``, column
-    ``8 * (e // 4) + 2 * (l % 4) + e % 2`` (:func:`kiln.layout.wgmma_m64_accumulator`)."""
-    lane = kiln.thread_id(0) % WARP_GROUP_THREADS
-    row_base = row0 + 16 * (lane // 32) + (lane % 32) // 4
-    col_base = col0 + 2 * (lane % 4)
-    for e in kiln.static_range(total.shape[1] // 2):
-        row = row_base + 8 * ((e // 2) % 2)
-        col = col_base + 8 * (e // 4) + e % 2
-        if (row < m) & (col < n):
-            c_out.store(col, row, kiln.cast(total.element(e), c_out.dtype))

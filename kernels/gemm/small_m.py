@@ -25,7 +25,9 @@ from .hopper import HopperGemmConfig
 SMALL_M = 512
 DEFAULT_SMS = 132  # H100/H200 SXM: the heuristic's SM count where no GPU is asked
 MIN_SLICE_STEPS = 16  # K steps (of 64) per slice: shorter slices were slower on an H100
-WAVE = 0.9  # a tile shape "fills the GPU" with at least this many tiles per SM
+WAVE = 0.7  # a tile shape "fills the GPU" with at least this many tiles per SM
+ONE_WAVE = 0.8  # swap-AB gives way to 64 x 256 tiles that make one near-full wave
+SPLIT_TILES = 3  # 64 x 128 tiles split K only when there are at most sms / 3 of them
 SWAP_M = 32  # swap-AB (32 columns) up to this M; above, 64-row tiles were faster
 # Whole-tile shapes (block_m, block_n, stages), largest first: the first that fills the GPU.
 TILE_SHAPES = ((128, 256, 4), (128, 128, 6), (64, 256, 4), (64, 128, 8))
@@ -48,31 +50,50 @@ SMALL_M_CONFIGS = (
     # Reducing in the GEMM kernel (one launch). Measured slower than the reduction kernel on
     # an H100 while every slice published its whole f32 tile; now only in-bounds elements.
     C(block_n=32, stages=8, swap_ab=True, split_k=4, fused_reduce=True),
-    C(block_m=64, block_n=128, stages=8, split_k=4, fused_reduce=True))
+    C(block_m=64, block_n=128, stages=8, split_k=4, fused_reduce=True),
+    # Stream-K (:mod:`.streamk`): every SM an equal share of the K steps, one launch.
+    C(block_n=32, stages=8, swap_ab=True, stream_k=True),
+    C(block_m=64, block_n=128, stages=8, stream_k=True), C(block_n=128, stages=6, stream_k=True))
 del C
 
 
 def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> HopperGemmConfig:
-    """A sensible untuned config for ``m <= SMALL_M`` (chosen from per-config timings of the
-    Llama-3-8B layers on an H100, ``bench/gemm.py --llm --configs``):
+    """A sensible untuned config for ``m <= SMALL_M``, fitted to per-config timings of the
+    Llama-3-8B and -70B layers at M of 1, 16, 64 and 256 on an H200
+    (``bench/gemm_config_sweep.py``):
 
-    1. the largest tile of :data:`TILE_SHAPES` (only 64-row ones for M <= 64) that makes at
-       least ``0.9 * sms`` tiles, without splitting K;
-    2. else (too few tiles for the GPU) K slices of at least 16 steps, enough to bring the
-       tiles near one wave: of swap-AB 128 x 32 tiles for M <= 32 with B stored N x K (the
-       fastest there), else of 64 x 128 tiles.
+    1. M <= 32 with B stored N x K: 64 x 256 tiles if they make one near-full wave
+       (``0.8 * sms .. sms``); else swap-AB 128 x 32 tiles, with stream-K when there are at
+       least ``sms`` of them, else split into ``sms // tiles`` K slices (a power of two, slices
+       of at least 16 steps);
+    2. the largest tile of :data:`TILE_SHAPES` (only 64-row ones for M <= 64) that makes at
+       least ``0.7 * sms`` tiles, without splitting K;
+    3. else 64 x 128 tiles, K split as in 1 only when they are at most ``sms / 3``.
 
     Example: ``heuristic_config(1, 4096, 4096, "k", sms=132)`` is swap-AB with 4 K slices."""
+    steps = -(-k // 64)
+    if m <= SWAP_M and b_major == "k":
+        if ONE_WAVE * sms <= -(-n // 256) <= sms:
+            return HopperGemmConfig(block_m=64, block_n=256, stages=4)
+        tiles = -(-n // 128)
+        if tiles >= sms:
+            return HopperGemmConfig(block_n=32, stages=8, swap_ab=True, stream_k=True)
+        return HopperGemmConfig(block_n=32, stages=8, swap_ab=True,
+                                split_k=_slices(sms // tiles, steps))
     for block_m, block_n, stages in TILE_SHAPES:
         if (block_m == 64 or m > 64) and \
                 -(-m // block_m) * -(-n // block_n) >= WAVE * sms:
             return HopperGemmConfig(block_m=block_m, block_n=block_n, stages=stages)
-    swap = m <= SWAP_M and b_major == "k"
-    shape = dict(block_m=128, block_n=32, swap_ab=True) if swap else \
-        dict(block_m=64, block_n=128)
-    tiles = -(-n // shape["block_m"]) if swap else -(-m // 64) * -(-n // 128)
-    split = max(1, min(16, sms // tiles, -(-k // 64) // MIN_SLICE_STEPS))
-    return HopperGemmConfig(stages=8, split_k=split, **shape)
+    tiles = -(-m // 64) * -(-n // 128)
+    split = _slices(sms // tiles, steps) if tiles * SPLIT_TILES <= sms else 1
+    return HopperGemmConfig(block_m=64, block_n=128, stages=8, split_k=split)
+
+
+def _slices(wanted: int, steps: int) -> int:
+    """K slices: ``wanted`` at most, each of at least MIN_SLICE_STEPS steps, at most 16, a
+    power of two (the measured factors)."""
+    split = max(1, min(16, wanted, steps // MIN_SLICE_STEPS))
+    return 1 << (split.bit_length() - 1)
 
 
 def chosen_config(m: int, n: int, k: int, dtype: str, b_major: str, out_dtype: str, *,

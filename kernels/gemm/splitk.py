@@ -33,11 +33,13 @@ import kiln
 
 from .. import runtime
 from ..runtime import empty_like, is_torch
+from . import streamk
 from .hopper import HopperGemmConfig, kernel_constexprs, make_kernel
 
 REDUCE_THREADS = 256
 VECTOR = 4  # f32 partials per thread and load when the reduction does not transpose
 PARTIALS_ALIGN = 4  # f32 elements per 16 bytes: TMA's row-stride granule
+INTERPRET_STREAM_K_CTAS = 5  # few CTAs, so that interpreted stream-K tiles split across them
 
 
 @dataclass(frozen=True)
@@ -71,16 +73,17 @@ class PartialsLayout:
 
 
 def run_partials(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=None,
-                 interpret=False) -> None:
+                 interpret=False, ctas=None) -> None:
     """``c = a @ b`` (``b_major`` as in :func:`.hopper.make_kernel`) with a partials
     ``config``: the kernel into an f32 workspace, then :func:`reduce_kernel` into ``c``.
-    ``interpret`` runs both kernels in the CPU interpreter (numpy operands)."""
+    ``interpret`` runs both kernels in the CPU interpreter (numpy operands); ``ctas`` sets a
+    stream-K grid (default: one CTA per SM, :data:`INTERPRET_STREAM_K_CTAS` interpreted)."""
     _check_layout(config, b_major)
     x, y, pm, pn = (b, a, n, m) if config.swap_ab else (a, b, m, n)
-    if config.fused_reduce:
-        kernel, grid, args, options = _fused_launch(x, y, c, pm, pn, k, dtype, b_major, config,
-                                                    _fused_buffers(c, pm, pn, k, config),
-                                                    interpret=interpret)
+    if config.reduces_in_kernel:
+        grid = _fused_grid(pm, pn, k, config, interpret, ctas)
+        kernel, args, options = _fused_launch(x, y, c, pm, pn, k, dtype, b_major, config,
+                                              _fused_buffers(c, pm, pn, k, config, grid))
         if interpret:
             runtime.interpret(kernel, grid, list(args), target=target, **options)
         else:
@@ -109,13 +112,13 @@ def run_partials(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=Non
 def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
     """A bound launch pair (one launch with ``fused_reduce``) for torch operands shaped like
     ``a, b, c``: a callable taking the three data pointers. The workspace (and the fused
-    reduction's tickets, which only grow: see :func:`.hopper._finish_fused`) is kept per
+    reduction's tickets, which only grow: see :func:`.epilogue.finish_fused`) is kept per
     stream: launches on one stream run in order, and every launch writes each partial before
     reading it."""
     import torch
 
     x, y, pm, pn = (b, a, n, m) if config.swap_ab else (a, b, m, n)
-    if config.fused_reduce:
+    if config.reduces_in_kernel:
         return _bind_fused(x, y, c, pm, pn, k, dtype, b_major, target, config, torch)
     layout = PartialsLayout.of(pm, pn, k, config)
     shape = (layout.slices * layout.slice_rows, layout.cols)
@@ -149,33 +152,48 @@ def _check_layout(config: HopperGemmConfig, b_major: str) -> None:
                                     "operand)", fix="pass trans_b=True, or swap_ab=False")
 
 
-def _fused_buffers(c, m, n, k, config) -> tuple:
-    """The fused reduction's f32 slots (one per tile, consumer and slice; NaN in numpy) and
-    zeroed i64 tickets (one per tile and consumer) for the kernel's ``m x n x k`` problem."""
+def _fused_grid(m, n, k, config, interpret, ctas=None) -> tuple[int, int, int]:
+    """One CTA per SM, at most one per work unit (split-K) or K step (stream-K); in the
+    interpreter one per work unit, or :data:`INTERPRET_STREAM_K_CTAS` for stream-K."""
     layout = PartialsLayout.of(m, n, k, config)
-    slots = layout.tiles * config.consumers
-    work = empty_like(c, (slots * layout.slices * 64 * config.block_n,), kiln.f32,
+    if config.stream_k:
+        sms = ctas or (INTERPRET_STREAM_K_CTAS if interpret else runtime.multiprocessor_count())
+        return streamk.grid_size(layout.tiles, -(-k // config.block_k), sms), 1, 1
+    return max(1, layout.units if interpret else
+               min(layout.units, runtime.multiprocessor_count())), 1, 1
+
+
+def _fused_buffers(c, m, n, k, config, grid) -> tuple:
+    """The in-kernel reduction's f32 slots (NaN in numpy) and zeroed i64 tickets for the
+    kernel's ``m x n x k`` problem: split-K, one slot per tile, consumer and slice and one
+    ticket per tile and consumer; stream-K (:mod:`.streamk`), two slots per CTA and consumer
+    and one ticket per stream-K tile and consumer."""
+    layout = PartialsLayout.of(m, n, k, config)
+    if config.stream_k:
+        slots = streamk.SLOTS_PER_CTA * grid[0] * config.consumers
+        tickets = max(1, streamk.stream_k_tiles(layout.tiles, grid[0])) * config.consumers
+    else:
+        slots = layout.tiles * config.consumers * layout.slices
+        tickets = layout.tiles * config.consumers
+    work = empty_like(c, (slots * 64 * config.block_n,), kiln.f32,
                       fill=None if is_torch(c) else np.nan)
-    return work, empty_like(c, (slots,), kiln.i64, fill=0)
+    return work, empty_like(c, (tickets,), kiln.i64, fill=0)
 
 
-def _fused_launch(x, y, c, m, n, k, dtype, b_major, config, buffers, *, interpret=False):
-    """Kernel, grid (one CTA per SM, at most one per work unit; in the interpreter one per
-    work unit), arguments and options of a fused launch."""
-    layout = PartialsLayout.of(m, n, k, config)
+def _fused_launch(x, y, c, m, n, k, dtype, b_major, config, buffers):
+    """Kernel, arguments and options of a fused launch."""
     kernel = make_kernel(dtype, kiln.dtype(c.dtype).name, "k" if config.swap_ab else b_major,
                          config)
     # C is the TMA store target (unused with swap-AB, which stores C.T through c_out).
     args = (x, y, c, m, n, k, *buffers) + ((c,) if config.swap_ab else ())
-    ctas = layout.units if interpret else min(layout.units, runtime.multiprocessor_count())
-    return kernel, (max(1, ctas), 1, 1), args, dict(num_warps=config.num_warps,
-                                                    **kernel_constexprs(config))
+    return kernel, args, dict(num_warps=config.num_warps, **kernel_constexprs(config))
 
 
 def _bind_fused(x, y, c, m, n, k, dtype, b_major, target, config, torch):
-    work, tickets = _fused_buffers(c, m, n, k, config)
-    kernel, grid, args, options = _fused_launch(x, y, c, m, n, k, dtype, b_major, config,
-                                                (work, tickets))
+    grid = _fused_grid(m, n, k, config, False)
+    work, tickets = _fused_buffers(c, m, n, k, config, grid)
+    kernel, args, options = _fused_launch(x, y, c, m, n, k, dtype, b_major, config,
+                                          (work, tickets))
     bound = runtime.bind(kernel, grid, list(args), target=target, **options)
     per_stream = {}
 
