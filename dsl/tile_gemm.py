@@ -44,6 +44,7 @@ from .nvidia import ldmatrix
 from .shared_tile import SharedTile
 from .swizzle import Swizzle
 from .values import Value
+from . import tile_gemm_wgmma
 
 
 def _warp_grids(warps: int, tile_m: int, tile_n: int, m: int, n: int):
@@ -151,11 +152,21 @@ def _check(a: Any, b: Any) -> tuple[int, int, int]:
     return a.shape[0], b.shape[1], a.shape[1]
 
 
+def _check_accumulator(acc: Any, layout: ThreadValueLayout) -> None:
+    if not isinstance(acc, RegTile) or acc.layout != layout or acc.dtype is not dt.f32:
+        raise KilnTypeError("kiln.gemm's accumulator must come from kiln.accumulator(a, b) or "
+                            "an earlier kiln.gemm of the same tiles",
+                            fix="acc = kiln.accumulator(a_s, b_s) before the loop")
+
+
 def accumulator(a: SharedTile, b: SharedTile, value: float = 0.0) -> RegTile:
     """A ``BM x BN`` f32 tile of ``value`` in the layout :func:`gemm` gives ``a @ b``.
 
     Example: ``acc = kiln.accumulator(a_s, b_s)`` before the K loop."""
-    tm = tiled_mma(_check(a, b), a.dtype)
+    shape = _check(a, b)
+    if tile_gemm_wgmma.applies(a, b):
+        return tile_gemm_wgmma.accumulator(a, b, value)
+    tm = tiled_mma(shape, a.dtype)
     return RegTile.full(accumulator_layout(tm), (1, 1), value, dt.f32)
 
 
@@ -165,14 +176,16 @@ def gemm(a: SharedTile, b: SharedTile, acc: RegTile | None = None) -> RegTile:
     Example: ``acc = kiln.gemm(a_s, b_s, acc)`` after a ``kiln.barrier()`` that follows the
     copies into ``a_s`` and ``b_s``."""
     shape = _check(a, b)
+    if tile_gemm_wgmma.applies(a, b):
+        layout = tile_gemm_wgmma.accumulator_layout(shape[0], shape[1])
+        acc = tile_gemm_wgmma.accumulator(a, b) if acc is None else acc
+        _check_accumulator(acc, layout)
+        return tile_gemm_wgmma.gemm(a, b, acc)
     tm = tiled_mma(shape, a.dtype)
     layout = accumulator_layout(tm)
     if acc is None:
         acc = RegTile.full(layout, (1, 1), 0.0, dt.f32)
-    if not isinstance(acc, RegTile) or acc.layout != layout or acc.dtype is not dt.f32:
-        raise KilnTypeError("kiln.gemm's accumulator must come from kiln.accumulator(a, b) or "
-                            "an earlier kiln.gemm of the same tiles",
-                            fix="acc = kiln.accumulator(a_s, b_s) before the loop")
+    _check_accumulator(acc, layout)
     s = tm.atom.spec
     row, col = tm.warp_origin()
     a_frags, b_frags = _fragments(tm, a, b, row, col)
