@@ -42,6 +42,7 @@ from . import builder, ops
 from .core.errors import KilnTypeError, KilnValueError
 from .tile_gemm_wgmma import GROUPS_ATTR
 from .trace_runtime import TracedRange, for_stmt
+from .values import Value
 from . import wgmma
 
 MAX_STAGES = 8
@@ -97,8 +98,12 @@ class Pipeline(TracedRange):
 
         state = builder.current()
         before = getattr(state, GROUPS_ATTR, 0)
-        results = for_stmt(TracedRange(self.lo, self.hi, n * step), group, names, initial,
-                           objects)
+        # at least one group of steps (masked when hi <= lo): a loop that may not run has a
+        # zero-trip exit path whose moves into the accumulator make ptxas serialise WGMMA
+        hi = self.hi
+        if self.pending and isinstance(hi, Value):
+            hi = ops.maximum(hi, self.lo + 1)
+        results = for_stmt(TracedRange(self.lo, hi, n * step), group, names, initial, objects)
         if getattr(state, GROUPS_ATTR, 0) != before:
             # retire the last group here, before the loop's exit merges the accumulator with
             # the zero-trip path: a later wait has ptxas serialise every WGMMA

@@ -95,12 +95,19 @@ def load(src: GlobalTile | SharedTile, layout: ThreadValueLayout) -> RegTile:
     _check_cover(src, layout, "kiln.load")
     width = _run_width(layout, src.dtype, src)
     thread = _thread(layout)
+    # a 1-D tensor reads the same row in every row: one load per distinct run of columns
+    broadcast = isinstance(src, GlobalTile) and src.tensor.rank == 1
+    cols = layout.coords()[1] if broadcast else None
+    loaded: dict[tuple, Any] = {}
     pieces = []
     for v in range(0, layout.num_values, width):
-        row, col = layout(thread, v)
-        piece = (src._vector_load(row, col, width) if isinstance(src, SharedTile)
-                 else src.load(row, col, width=width))
-        pieces.append(piece.ir)
+        key = tuple(cols[:, v]) if broadcast else v
+        if key not in loaded:
+            row, col = layout(thread, v)
+            piece = (src._vector_load(row, col, width) if isinstance(src, SharedTile)
+                     else src.load(row, col, width=width))
+            loaded[key] = piece.ir
+        pieces.append(loaded[key])
     return RegTile([Value(_concat(pieces), src.dtype)], layout, (1, 1))
 
 

@@ -63,7 +63,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from mlir import ir
-from mlir.dialects import llvm  # noqa: F401 - registers the class !llvm.ptr types are returned as
+from mlir.dialects import llvm  # also registers the class !llvm.ptr types are returned as
 
 # The GFX9 s_waitcnt immediate, under the names the passes and their tests use.
 from kiln.amd.sched import decode_waitcnt as decode_gfx9_waitcnt  # noqa: F401
@@ -146,9 +146,10 @@ def same_mbarrier(a: tuple, b: tuple) -> bool:
 def descriptor_roots(value: ir.Value) -> tuple:
     """Shared buffers a descriptor value is computed from: its backward slice, breadth first
     (the base descriptor sits a hop or two above the stage offset's arithmetic), 256 values
-    at most. Register operands (floats, i32 A fragments) are no descriptors: none."""
+    at most. Register operands (floats, i32 A fragments, WGMMA accumulator structs: their
+    slice is the earlier MMAs of the chain, not this one's operands) are no descriptors: none."""
     kind = value.type
-    if isinstance(kind, (ir.FloatType, ir.VectorType)) or (
+    if isinstance(kind, (ir.FloatType, ir.VectorType, llvm.StructType)) or (
             isinstance(kind, ir.IntegerType) and kind.width != 64):
         return ()
     roots, queue, seen = [], deque([value]), set()
