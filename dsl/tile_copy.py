@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlir import ir
-from mlir.dialects import vector
+from mlir.dialects import scf, vector
 
 from . import builder, ops
 from .core import dtypes as dt
@@ -47,7 +47,7 @@ from .nvidia import cp_async
 from .reg_tile import RegTile, _concat
 from .shared_tile import SharedTile
 from .tiles import copy as copy_to_shared, copy_width, row_run_width
-from .values import Value
+from .values import Value, to_value
 
 MAX_VECTOR_BYTES = 16
 # Marks the async copies whose waits the program leaves to kiln-insert-waits: the interpreter
@@ -94,11 +94,18 @@ def load(src: GlobalTile | SharedTile, layout: ThreadValueLayout) -> RegTile:
                                 "kiln.layout.blocked(shape, THREADS))")
     _check_cover(src, layout, "kiln.load")
     width = _run_width(layout, src.dtype, src)
+    if isinstance(src, GlobalTile) and src.tensor.rank == 1 and src.col_end is not None:
+        return RegTile([_broadcast_row(src, layout, width)], layout, (1, 1))
+    return RegTile([_pieces(src, layout, width)], layout, (1, 1))
+
+
+def _pieces(src: GlobalTile | SharedTile, layout: ThreadValueLayout, width: int) -> Value:
+    """The thread's values of ``src`` in ``layout``, ``width`` at a time; a 1-D tensor (the
+    same row in every row) is read once per distinct run of columns."""
     thread = _thread(layout)
-    # a 1-D tensor reads the same row in every row: one load per distinct run of columns
     broadcast = isinstance(src, GlobalTile) and src.tensor.rank == 1
     cols = layout.coords()[1] if broadcast else None
-    loaded: dict[tuple, Any] = {}
+    loaded: dict[Any, Any] = {}
     pieces = []
     for v in range(0, layout.num_values, width):
         key = tuple(cols[:, v]) if broadcast else v
@@ -108,7 +115,22 @@ def load(src: GlobalTile | SharedTile, layout: ThreadValueLayout) -> RegTile:
                      else src.load(row, col, width=width))
             loaded[key] = piece.ir
         pieces.append(loaded[key])
-    return RegTile([Value(_concat(pieces), src.dtype)], layout, (1, 1))
+    return Value(_concat(pieces), src.dtype)
+
+
+def _broadcast_row(src: GlobalTile, layout: ThreadValueLayout, width: int) -> Value:
+    """A masked 1-D row broadcast down the tile (a GEMM bias): unmasked loads in one block
+    when the whole row is inside (one uniform branch, so ptxas can issue each load just
+    before its use instead of holding every column's value in registers), else masked."""
+    inside = (src.origin[1] + src.shape[1]) <= src.col_end
+    whole = GlobalTile(src.tensor, src.shape, src.origin, fill=src.fill, align=src.align)
+    vtype = ir.VectorType.get([layout.num_values], src.dtype.mlir_type())
+    branch = scf.IfOp(to_value(inside).ir, [vtype], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+        scf.YieldOp([_pieces(whole, layout, width).ir])
+    with ir.InsertionPoint(branch.else_block):
+        scf.YieldOp([_pieces(src, layout, width).ir])
+    return Value(branch.results[0], src.dtype)
 
 
 def store(tile: RegTile, dst: GlobalTile | SharedTile) -> None:
