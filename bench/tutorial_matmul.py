@@ -19,8 +19,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import matmul  # noqa: E402
 from timing import queued_ms  # noqa: E402
 
-CONFIGS = [dict(BM=128, BN=256, BK=64, STAGES=4, THREADS=256),
-           dict(BM=128, BN=128, BK=64, STAGES=4, THREADS=256)]
+CONFIGS = [dict(BM=128, BN=256, BK=64, STAGES=4, GROUP_M=8, THREADS=256),
+           dict(BM=128, BN=128, BK=64, STAGES=4, GROUP_M=8, THREADS=256)]
 
 
 def main() -> None:
@@ -54,7 +54,7 @@ def main() -> None:
         cublas = flops / queued_ms(lambda: torch.matmul(a, b), args.repeat) / 1e9
         tri = flops / queued_ms(t_mm, args.repeat) / 1e9
         for cfg in CONFIGS:
-            gl = ((m + cfg["BM"] - 1) // cfg["BM"], (n + cfg["BN"] - 1) // cfg["BN"])
+            gl = ((m + cfg["BM"] - 1) // cfg["BM"] * ((n + cfg["BN"] - 1) // cfg["BN"]),)
 
             def run():
                 matmul.matmul_kernel[gl](a, b, bias, c, m, n, k, **cfg, ALIGN=16)

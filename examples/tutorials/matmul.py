@@ -36,9 +36,13 @@ SQRT_2_OVER_PI = 0.7978845608028654
 def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tensor[f32],
                   c: kiln.Tensor[bf16, 2], m: i32, n: i32, k: i32, BM: kiln.constexpr,
                   BN: kiln.constexpr, BK: kiln.constexpr, STAGES: kiln.constexpr,
-                  THREADS: kiln.constexpr, ALIGN: kiln.constexpr):
-    row0 = kiln.block_id(0) * BM
-    col0 = kiln.block_id(1) * BN
+                  GROUP_M: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr):
+    # grouped order: GROUP_M row tiles sweep the columns together, sharing B tiles in L2
+    pid, tiles_m, tiles_n = kiln.block_id(0), (m + BM - 1) // BM, (n + BN - 1) // BN
+    first = pid // (GROUP_M * tiles_n) * GROUP_M
+    rows = kiln.min(tiles_m - first, GROUP_M)
+    row0 = (first + pid % (GROUP_M * tiles_n) % rows) * BM
+    col0 = pid % (GROUP_M * tiles_n) // rows * BN
     # one pair of shared tiles per stage, laid out for the target's MMA (WGMMA on sm_90a)
     a_s = [kiln.tiles.operand_tile((BM, BK), bf16, "a") for _ in range(STAGES)]
     b_s = [kiln.tiles.operand_tile((BK, BN), bf16, "b") for _ in range(STAGES)]
@@ -64,8 +68,8 @@ def config(target: str | None) -> dict:
     sm_90a (3 x 48 KB of shared tiles); 128 x 128 x 32, 8 warps, 3 stages elsewhere."""
     name = target or default_target()
     if name.startswith("sm_90"):
-        return dict(BM=128, BN=256, BK=64, STAGES=4, THREADS=256)
-    return dict(BM=128, BN=128, BK=32, STAGES=3, THREADS=256)
+        return dict(BM=128, BN=256, BK=64, STAGES=4, GROUP_M=8, THREADS=256)
+    return dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, THREADS=256)
 
 
 def alignment(k: int, n: int, *arrays) -> int:
@@ -80,7 +84,7 @@ def matmul(a, b, bias, c, *, backend: str = "gpu", target: str | None = None):
     """``c = gelu(a @ b + bias)`` (tanh GELU) for bf16 ``a``, ``b``, ``c`` and f32 ``bias``."""
     (m, k), n = a.shape, b.shape[1]
     cfg = config(target)
-    grid = (-(-m // cfg["BM"]), -(-n // cfg["BN"]))
+    grid = (-(-m // cfg["BM"]) * -(-n // cfg["BN"]),)
     launch = matmul_kernel.interpret[grid] if backend == "interpret" else matmul_kernel[grid]
     extra = {"target": target} if target else {}
     launch(a, b, bias, c, m, n, k, **cfg, ALIGN=alignment(k, n, a, b), **extra)
