@@ -56,21 +56,39 @@ K_STEP = wgmma.INSTRUCTION_K
 GROUPS_ATTR = "_kiln_wgmma_groups"
 
 
-def _chunked(rows: int, cols: int, chunk: int, major: str) -> Layout:
+def _chunked(rows: int, cols: int, chunk: int) -> Layout:
     """``rows x cols`` as ``cols / chunk`` chunks of ``rows x chunk`` row-major elements."""
     if cols == chunk:
         return make_layout((rows, cols))
     return Layout((rows, (chunk, cols // chunk)), (chunk, (1, rows * chunk)))
 
 
-def wgmma_operand(shape: tuple[int, int], dtype: Any, operand: str) -> bool:
-    """Whether a ``shape`` tile of ``dtype`` can be WGMMA operand ``operand`` on this target."""
+def wgmma_operand(shape: tuple[int, int], dtype: Any, operand: str, target=None) -> bool:
+    """Whether a ``shape`` tile of ``dtype`` can be WGMMA operand ``operand`` on ``target``
+    (default: the kernel's)."""
     dtype = dt.dtype(dtype)
-    if not builder.current_target().has_wgmma or dtype.name not in wgmma.OPERAND_DTYPES:
+    target = builder.current_target() if target is None else target
+    if not target.has_wgmma or dtype.name not in wgmma.OPERAND_DTYPES:
         return False
     chunk = CHUNK_BYTES // dtype.itemsize
     return shape[1] % chunk == 0 and shape[0] % 8 == 0 and (operand == "a" or
                                                             shape[1] <= wgmma.MAX_N)
+
+
+def operand_layout(shape: tuple[int, int], dtype: Any, operand: str, target=None):
+    """``(layout, swizzle, wgmma)`` of :func:`operand_tile` for ``target`` (default: the
+    kernel's): WGMMA's chunks (``wgmma`` True) or row-major with ``operand_swizzle``.
+
+    Example: ``operand_layout((128, 64), kiln.bf16, "a", get_target("sm_90a"))``."""
+    from .tile_gemm import operand_swizzle  # the mma.sync/MFMA swizzle lives beside its reader
+    if operand not in ("a", "b"):
+        raise KilnValueError(f"operand must be 'a' or 'b', got {operand!r}",
+                             fix="'a' for the BM x BK tile, 'b' for the BK x BN tile")
+    dtype = dt.dtype(dtype)
+    if wgmma_operand(shape, dtype, operand, target):
+        layout = _chunked(shape[0], shape[1], CHUNK_BYTES // dtype.itemsize)
+        return layout, Swizzle.sw128b(dtype.itemsize), True
+    return None, operand_swizzle(shape, dtype), False
 
 
 def operand_tile(shape: tuple[int, int], dtype: Any, operand: str) -> SharedTile:
@@ -78,25 +96,15 @@ def operand_tile(shape: tuple[int, int], dtype: Any, operand: str) -> SharedTile
     operand ``"a"`` (``BM x BK``) or ``"b"`` (``BK x BN``) of :func:`kiln.gemm` on this target:
     WGMMA's 128-byte-swizzled 64-column chunks (module table) on sm_90a where the shape allows
     (64-column multiples of bf16/f16, ``BN <= 256``), else row-major with
-    :func:`kiln.tiles.operand_swizzle` (``ldmatrix``/MFMA reads free of bank conflicts).
+    :func:`kiln.tiles.operand_swizzle` (``ldmatrix``/MFMA reads free of bank conflicts). Each
+    call is its own allocation, so the waits of a pipeline's stages are told apart.
 
     Example: ``a_s = [kiln.tiles.operand_tile((128, 64), kiln.bf16, "a") for _ in range(3)]``.
     """
-    from .tile_gemm import operand_swizzle  # the mma.sync/MFMA swizzle lives beside its reader
-    if operand not in ("a", "b"):
-        raise KilnValueError(f"operand must be 'a' or 'b', got {operand!r}",
-                             fix="'a' for the BM x BK tile, 'b' for the BK x BN tile")
-    dtype = dt.dtype(dtype)
-    rows, cols = shape
-    if wgmma_operand(shape, dtype, operand):
-        layout = _chunked(rows, cols, CHUNK_BYTES // dtype.itemsize, operand)
-        swizzle = Swizzle.sw128b(dtype.itemsize)
-    else:
-        layout, swizzle = None, operand_swizzle(shape, dtype)
-    flat = dynamic_shared((rows * cols,), dtype, align=ATOM_BYTES)
+    layout, swizzle, is_wgmma = operand_layout(shape, dtype, operand)
+    flat = dynamic_shared((shape[0] * shape[1],), dtype, align=ATOM_BYTES)
     tile = SharedTile.view(flat, shape, layout, swizzle)
-    tile.wgmma_operand = operand if swizzle == Swizzle.sw128b(dtype.itemsize) \
-        and wgmma_operand(shape, dtype, operand) else None
+    tile.wgmma_operand = operand if is_wgmma else None
     return tile
 
 
