@@ -5,6 +5,8 @@ accumulator's register layout chosen for the target.
 ``BM x BN`` product, each running a grid of MMA atoms:
 
 =========  =======================================================================
+sm_90a     ``wgmma.mma_async.m64nNk16`` for tiles from :func:`kiln.tiles.operand_tile`
+           (:mod:`kiln.tile_gemm_wgmma`: one 64-row slab per warpgroup, in flight)
 NVIDIA     ``mma.sync.m16n8k16`` (bf16/f16 -> f32), sm_80 and up
 gfx950     ``v_mfma_f32_32x32x16`` (the double-rate bf16/f16 MFMA), ``32x32x64`` fp8;
            16x16 atoms where a 32x32 grid does not fit the tile

@@ -1,20 +1,20 @@
 """Tutorial 4: matmul with a fused epilogue, ``C = gelu(A @ B + bias)``, portable.
 
 ``A`` (M x K) and ``B`` (K x N) are bf16, ``bias`` (N) f32, ``C`` (M x N) bf16; M, N and K may
-all be ragged. Each block computes a ``BM x BN`` tile of C: per K step it copies a tile of A and
-of B into shared memory (``cp.async`` on sm_80+ where ``align=16`` promises aligned rows, vector
-loads elsewhere; masked rows and columns read as 0, which adds nothing), and ``kiln.gemm``
-multiplies them with the target's MMA (``mma.sync`` fed by ``ldmatrix`` on NVIDIA, the
-double-rate MFMA on gfx950) into an accumulator whose register layout Kiln derives.
-``kiln.tiles.operand_swizzle`` picks the shared tiles' XOR swizzle that keeps the operand reads
-free of bank conflicts. The epilogue is plain tile math on that accumulator: the bias is a 1-D
-tensor read as a tile (every row the same), GELU is the tanh form written as a sigmoid,
-``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the unmasked part.
-
-Two shared stages overlap the copies of the next K step with the multiply of this one. The
-``cp.async`` waits are not in the program: ``kiln-insert-waits`` places them (``wait_group 3``
-then ``2`` before each stage's barrier: the A and B groups of the other stage may still fly).
-Issue 41's ``kiln.pipeline`` is to write this schedule for any number of stages.
+all be ragged. Each block computes a ``BM x BN`` tile of C (blocks visit the tiles in grouped
+order: ``GROUP_M`` row tiles sweep the columns together, so they share B tiles in L2).
+``kiln.pipeline`` runs the K loop over ``STAGES`` pairs of shared tiles: ``fetch`` copies a K
+step's tiles of A and B into one stage (``cp.async`` on sm_80+ where ``align=16`` promises
+aligned rows, vector loads elsewhere; masked rows and columns read as 0, which adds nothing)
+while ``kiln.gemm`` multiplies an earlier stage with the target's MMA into an accumulator whose
+register layout Kiln derives. ``kiln.tiles.operand_tile`` lays each shared tile out for that
+MMA: WGMMA's 128-byte-swizzled chunks on sm_90a (two warpgroups, each 64 rows of a 128 x 256
+tile, one WGMMA group kept in flight), ``mma.sync`` fed by ``ldmatrix`` on sm_80, the
+double-rate MFMA on gfx950. No wait is in the program: ``kiln-insert-waits`` places the
+``cp.async`` and WGMMA waits (docs/tiles.md has the schedule). The epilogue is plain tile math
+on the accumulator: the bias is a 1-D tensor read as a tile (every row the same), GELU is the
+tanh form written as a sigmoid, ``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the
+unmasked part.
 
 Run: ``python examples/tutorials/matmul.py``.
 """
