@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from . import builder, ops
 from .core.errors import KilnTypeError, KilnValueError
-from .tile_gemm_wgmma import GROUPS_ATTR
+from .tile_gemm_wgmma import GROUPS_ATTR, PIPELINE_ATTR
 from .trace_runtime import TracedRange, for_stmt
 from .values import Value
 from . import wgmma
@@ -89,7 +89,11 @@ class Pipeline(TracedRange):
                 ops.barrier()
                 state = builder.current()
                 before = getattr(state, GROUPS_ATTR, 0)
-                out = list(body_fn(Step(k, i), *values))
+                setattr(state, PIPELINE_ATTR, getattr(state, PIPELINE_ATTR, 0) + 1)
+                try:
+                    out = list(body_fn(Step(k, i), *values))
+                finally:
+                    setattr(state, PIPELINE_ATTR, getattr(state, PIPELINE_ATTR) - 1)
                 if getattr(state, GROUPS_ATTR, 0) != before:
                     wgmma.wait_group(self.pending)
                 self.fetch(k + self.ahead * step, (i + self.ahead) % n)

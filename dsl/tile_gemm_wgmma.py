@@ -3,7 +3,8 @@ memory, and the shared operand tiles WGMMA reads (:func:`operand_tile`).
 
 The block's warpgroups (128 threads each) split the ``BM x BN`` tile by rows: warpgroup ``g``
 computes rows ``64g .. 64g+63`` with ``BK / 16`` instructions ``wgmma.m64nBNk16`` (f32 += bf16
-or f16), one commit group per :func:`gemm` call. WGMMA reads 128-byte-swizzled shared tiles
+or f16), one commit group per :func:`gemm` call, left in flight inside a :func:`kiln.pipeline`
+body (which retires it on its schedule) and retired before :func:`gemm` returns elsewhere. WGMMA reads 128-byte-swizzled shared tiles
 through matrix descriptors (PTX ISA "Matrix Descriptor Format"):
 
 =====  ===================================  ==============================================
@@ -52,8 +53,10 @@ WARPGROUP = 128
 CHUNK_BYTES = 128          # one swizzled row: 64 elements of a 2-byte dtype
 ATOM_BYTES = 1024          # 8 swizzled rows: the descriptor's stride and the tile alignment
 K_STEP = wgmma.INSTRUCTION_K
-# The gemm calls whose groups the enclosing kiln.pipeline step must retire (see pipeline.py).
+# The gemm calls whose groups the enclosing kiln.pipeline step must retire (see pipeline.py),
+# and how many pipeline bodies are being traced (outside one, a gemm retires its own group).
 GROUPS_ATTR = "_kiln_wgmma_groups"
+PIPELINE_ATTR = "_kiln_pipeline_depth"
 
 
 def _chunked(rows: int, cols: int, chunk: int) -> Layout:
@@ -142,7 +145,9 @@ def _descriptor(tile: SharedTile, byte_offset: Any, leading: int) -> Any:
 
 def gemm(a: SharedTile, b: SharedTile, acc: RegTile) -> RegTile:
     """Issue ``acc += a @ b`` as one WGMMA commit group (fence, ``BK / 16`` instructions,
-    commit) and return the in-flight accumulator; the reads of it wait (kiln-insert-waits)."""
+    commit) and return the accumulator: in flight inside a :func:`kiln.pipeline` body (the
+    pipeline retires it, the reads of it wait via kiln-insert-waits), else retired here
+    (``wait_group 0``: the caller may overwrite ``a`` and ``b`` next)."""
     from .ops import thread_id
     tile_m, tile_n, tile_k = a.shape[0], b.shape[1], a.shape[1]
     item = a.dtype.itemsize
@@ -164,4 +169,7 @@ def gemm(a: SharedTile, b: SharedTile, acc: RegTile) -> RegTile:
     wgmma.commit()
     state = builder.current()
     setattr(state, GROUPS_ATTR, getattr(state, GROUPS_ATTR, 0) + 1)
+    if not getattr(state, PIPELINE_ATTR, 0):
+        # no pipeline to retire it: the caller may overwrite a and b once gemm returns
+        wgmma.wait_group(0)
     return RegTile.from_struct(out.struct(), acc.layout)

@@ -143,6 +143,37 @@ def test_pipeline_on_mma_sync_and_mfma(target, stages):
     _run(target, (100, 72, 136), dict(BM=64, BN=64, BK=32, STAGES=stages, THREADS=128), 16)
 
 
+@kiln.kernel(num_threads=128)
+def hand_loop_gemm(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], c: kiln.Tensor[f32, 2],
+                   m: i32, n: i32, k: i32):
+    a_s = kiln.tiles.operand_tile((64, 64), bf16, "a")
+    b_s = kiln.tiles.operand_tile((64, 64), bf16, "b")
+    row0, col0 = kiln.block_id(0) * 64, kiln.block_id(1) * 64
+    acc = kiln.accumulator(a_s, b_s)
+    for k0 in kiln.range(0, k, 64):
+        kiln.copy(kiln.GlobalTile(a, (64, 64), (row0, k0), row_end=m, col_end=k), a_s)
+        kiln.copy(kiln.GlobalTile(b, (64, 64), (k0, col0), row_end=k, col_end=n), b_s)
+        kiln.barrier()
+        acc = kiln.gemm(a_s, b_s, acc)
+        kiln.barrier()
+    kiln.copy(acc, kiln.GlobalTile(c, (64, 64), (row0, col0), row_end=m, col_end=n))
+
+
+def test_wgmma_gemm_outside_a_pipeline_retires_its_group():
+    """A hand-written loop rewrites the operand tiles after kiln.gemm: the WGMMA is retired
+    (wait_group 0 after its commit), and the product is right."""
+    rng = np.random.default_rng()
+    a = rng.standard_normal((70, 150)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((150, 90)).astype(ml_dtypes.bfloat16)
+    c = np.full((70, 90), np.nan, np.float32)
+    hand_loop_gemm.interpret[(2, 2)](a, b, c, 70, 90, 150, target="sm_90a")
+    np.testing.assert_allclose(c, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-4,
+                               atol=1e-3)
+    gpu = hand_loop_gemm.compile(a, b, c, 70, 90, 150, target="sm_90a").asm["gpu"]
+    assert re.search(r"wgmma.commit.group.sync.aligned\n\s*nvvm.wgmma.wait.group.sync.aligned 0",
+                     gpu)
+
+
 def _compile(stages=4, target="sm_90a", **cfg):
     a = np.zeros((256, 256), ml_dtypes.bfloat16)
     params = dict(BM=128, BN=128, BK=64, THREADS=256, STAGES=stages)
@@ -185,7 +216,8 @@ def test_deleting_a_placed_wait_fails_verify_waits():
     is required: without it kiln-verify-waits raises a WaitError naming the async op."""
     text = _compile(4).asm["gpu"]
     with ir.Context():
-        labels = [op_label(w) for w in _waits(ir.Module.parse(text))]
+        parsed = ir.Module.parse(text)  # held: its ops die with it
+        labels = [op_label(w) for w in _waits(parsed)]
     required = [i for i, label in enumerate(labels)
                 if "wgmma" not in label or i == len(labels) - 1]
     assert len(required) == 5
