@@ -1,14 +1,15 @@
 """``kiln.gemm`` on sm_90a: warpgroup MMA (``wgmma.mma_async``) with both operands in shared
-memory, and the shared operand tiles WGMMA reads (:func:`operand_tile`).
+memory, and the layout of the shared operand tiles it reads (``kiln.tiles.operand_tile``).
 
 The block's warpgroups (128 threads each) split the ``BM x BN`` tile by rows: warpgroup ``g``
 computes rows ``64g .. 64g+63`` with ``BK / 16`` instructions ``wgmma.m64nBNk16`` (f32 += bf16
-or f16), one commit group per :func:`gemm` call, left in flight inside a :func:`kiln.pipeline`
-body (which retires it on its schedule) and retired before :func:`gemm` returns elsewhere. WGMMA reads 128-byte-swizzled shared tiles
-through matrix descriptors (PTX ISA "Matrix Descriptor Format"):
+or f16), one commit group per :func:`gemm` call, left in flight inside a
+:func:`kiln.pipeline` body (which retires it on its schedule) and retired before :func:`gemm`
+returns elsewhere. WGMMA reads 128-byte-swizzled shared tiles through matrix descriptors (PTX
+ISA "Matrix Descriptor Format"):
 
 =====  ===================================  ==============================================
-tile   layout (:func:`operand_tile`)        descriptor
+tile   layout (``operand_tile``)           descriptor
 =====  ===================================  ==============================================
 A      ``BM x BK``, K-major: 64-column      leading 16 B, stride 1024 B (8 rows); a k16
        chunks of ``BM`` 128-byte rows        step is +32 B, a 64-column chunk +``BM*128`` B
@@ -40,13 +41,11 @@ from mlir.dialects import arith
 
 from . import builder
 from .core import dtypes as dt
-from .core.errors import KilnValueError
 from .layout import Layout, ThreadValueLayout, concat_modes, make_layout
 from .nvidia.sync import fence_proxy_async
+from .ops import thread_id
 from .reg_tile import RegTile, pack_struct
-from .shared import dynamic_shared
 from .shared_tile import SharedTile
-from .swizzle import Swizzle
 from . import wgmma
 
 WARPGROUP = 128
@@ -66,6 +65,11 @@ def _chunked(rows: int, cols: int, chunk: int) -> Layout:
     return Layout((rows, (chunk, cols // chunk)), (chunk, (1, rows * chunk)))
 
 
+def chunked_layout(rows: int, cols: int, dtype: Any) -> Layout:
+    """WGMMA's operand layout of a ``rows x cols`` tile: 128-byte chunks of ``rows`` rows."""
+    return _chunked(rows, cols, CHUNK_BYTES // dt.dtype(dtype).itemsize)
+
+
 def wgmma_operand(shape: tuple[int, int], dtype: Any, operand: str, target=None) -> bool:
     """Whether a ``shape`` tile of ``dtype`` can be WGMMA operand ``operand`` on ``target``
     (default: the kernel's)."""
@@ -78,41 +82,8 @@ def wgmma_operand(shape: tuple[int, int], dtype: Any, operand: str, target=None)
                                                             shape[1] <= wgmma.MAX_N)
 
 
-def operand_layout(shape: tuple[int, int], dtype: Any, operand: str, target=None):
-    """``(layout, swizzle, wgmma)`` of :func:`operand_tile` for ``target`` (default: the
-    kernel's): WGMMA's chunks (``wgmma`` True) or row-major with ``operand_swizzle``.
-
-    Example: ``operand_layout((128, 64), kiln.bf16, "a", get_target("sm_90a"))``."""
-    from .tile_gemm import operand_swizzle  # the mma.sync/MFMA swizzle lives beside its reader
-    if operand not in ("a", "b"):
-        raise KilnValueError(f"operand must be 'a' or 'b', got {operand!r}",
-                             fix="'a' for the BM x BK tile, 'b' for the BK x BN tile")
-    dtype = dt.dtype(dtype)
-    if wgmma_operand(shape, dtype, operand, target):
-        layout = _chunked(shape[0], shape[1], CHUNK_BYTES // dtype.itemsize)
-        return layout, Swizzle.sw128b(dtype.itemsize), True
-    return None, operand_swizzle(shape, dtype), False
-
-
-def operand_tile(shape: tuple[int, int], dtype: Any, operand: str) -> SharedTile:
-    """A ``shape`` SharedTile (its own dynamic shared memory, 1024-byte aligned) laid out for
-    operand ``"a"`` (``BM x BK``) or ``"b"`` (``BK x BN``) of :func:`kiln.gemm` on this target:
-    WGMMA's 128-byte-swizzled 64-column chunks (module table) on sm_90a where the shape allows
-    (64-column multiples of bf16/f16, ``BN <= 256``), else row-major with
-    :func:`kiln.tiles.operand_swizzle` (``ldmatrix``/MFMA reads free of bank conflicts). Each
-    call is its own allocation, so the waits of a pipeline's stages are told apart.
-
-    Example: ``a_s = [kiln.tiles.operand_tile((128, 64), kiln.bf16, "a") for _ in range(3)]``.
-    """
-    layout, swizzle, is_wgmma = operand_layout(shape, dtype, operand)
-    flat = dynamic_shared((shape[0] * shape[1],), dtype, align=ATOM_BYTES)
-    tile = SharedTile.view(flat, shape, layout, swizzle)
-    tile.wgmma_operand = operand if is_wgmma else None
-    return tile
-
-
 def applies(a: SharedTile, b: SharedTile) -> bool:
-    """Whether :func:`gemm` runs ``a @ b``: WGMMA-laid-out tiles (:func:`operand_tile`) and one
+    """Whether :func:`gemm` runs ``a @ b``: WGMMA-laid-out tiles (``kiln.tiles.operand_tile``) and one
     64-row slab per warpgroup."""
     groups = builder.current().block[0] // WARPGROUP
     return (getattr(a, "wgmma_operand", None) == "a" and getattr(b, "wgmma_operand", None) == "b"
@@ -148,7 +119,6 @@ def gemm(a: SharedTile, b: SharedTile, acc: RegTile) -> RegTile:
     commit) and return the accumulator: in flight inside a :func:`kiln.pipeline` body (the
     pipeline retires it, the reads of it wait via kiln-insert-waits), else retired here
     (``wait_group 0``: the caller may overwrite ``a`` and ``b`` next)."""
-    from .ops import thread_id
     tile_m, tile_n, tile_k = a.shape[0], b.shape[1], a.shape[1]
     item = a.dtype.itemsize
     chunk = CHUNK_BYTES // item

@@ -41,7 +41,7 @@ from .shared_tile import SharedTile
 from .core import dtypes as dt
 from .values import Value, cast
 from .tile_gemm import operand_swizzle
-from .tile_gemm_wgmma import operand_tile
+from .operand_tiles import operand_tile
 
 __all__ = ["GlobalTile", "SharedTile", "RegTile", "TileVector", "where", "copy", "copy_width",
            "store", "row_run_width", "coords", "operand_swizzle", "operand_tile", "ROW_LANES", "COL_LANES"]

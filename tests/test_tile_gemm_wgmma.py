@@ -20,7 +20,8 @@ from kiln.passes import build_pass_manager
 from kiln.passes.wait_analysis import op_label, wait_limits
 from kiln.core.targets import get_target
 from kiln.shared_tile import SharedTile
-from kiln.tile_gemm_wgmma import accumulator_layout, operand_layout
+from kiln.operand_tiles import operand_layout
+from kiln.tile_gemm_wgmma import accumulator_layout
 
 
 def test_accumulator_layout_stamps_the_warpgroup_layout_down_the_rows():
