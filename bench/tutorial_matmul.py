@@ -20,7 +20,7 @@ import matmul  # noqa: E402
 from timing import queued_ms  # noqa: E402
 
 CONFIGS = [dict(BM=128, BN=256, BK=64, STAGES=4, GROUP_M=8, THREADS=256),
-           dict(BM=128, BN=128, BK=64, STAGES=4, GROUP_M=8, THREADS=256)]
+           dict(BM=128, BN=128, BK=64, STAGES=6, GROUP_M=8, THREADS=256)]
 
 
 def main() -> None:
