@@ -21,7 +21,8 @@ step ``i - 2``'s group (``N = 2``: ``P = 0``, ``D = 1``). The body sees ``it.k``
 first index, traced) and ``it.stage`` (an int). Steps past ``hi`` (up to ``N - 1`` of them,
 when ``(hi - lo) / step`` is not a multiple of ``N``) and their fetches run too: masks on the
 fetched GlobalTiles (``col_end=k``) make them read fill values, zeros that add nothing to a
-product.
+product. On sm_90a the loop runs at least one group of steps even when ``hi <= lo`` (see the
+last wait in docs/tiles.md); the masks make it add nothing.
 
 Example (the matmul tutorial's main loop)::
 
