@@ -39,8 +39,8 @@ def operand_layout(shape: tuple[int, int], dtype: Any, operand: str, target=None
 def operand_tile(shape: tuple[int, int], dtype: Any, operand: str) -> SharedTile:
     """A ``shape`` SharedTile (its own dynamic shared memory, 1024-byte aligned) laid out for
     operand ``"a"`` (``BM x BK``) or ``"b"`` (``BK x BN``) of :func:`kiln.gemm` on this target:
-    WGMMA's 128-byte-swizzled 64-column chunks (:mod:`kiln.tile_gemm_wgmma`) on sm_90a where the shape allows
-    (64-column multiples of bf16/f16, ``BN <= 256``), else row-major with
+    WGMMA's 128-byte-swizzled 64-column chunks (:mod:`kiln.tile_gemm_wgmma`) on sm_90a where
+    the shape allows (64-column multiples of bf16/f16, ``BN <= 256``), else row-major with
     :func:`kiln.tiles.operand_swizzle` (``ldmatrix``/MFMA reads free of bank conflicts). Each
     call is its own allocation, so the waits of a pipeline's stages are told apart.
 

@@ -83,8 +83,8 @@ def wgmma_operand(shape: tuple[int, int], dtype: Any, operand: str, target=None)
 
 
 def applies(a: SharedTile, b: SharedTile) -> bool:
-    """Whether :func:`gemm` runs ``a @ b``: WGMMA-laid-out tiles (``kiln.tiles.operand_tile``) and one
-    64-row slab per warpgroup."""
+    """Whether :func:`gemm` runs ``a @ b``: tiles laid out for WGMMA
+    (``kiln.tiles.operand_tile``) and one 64-row slab of A per warpgroup."""
     groups = builder.current().block[0] // WARPGROUP
     return (getattr(a, "wgmma_operand", None) == "a" and getattr(b, "wgmma_operand", None) == "b"
             and builder.current().block[0] % WARPGROUP == 0

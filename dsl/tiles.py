@@ -44,7 +44,8 @@ from .tile_gemm import operand_swizzle
 from .operand_tiles import operand_tile
 
 __all__ = ["GlobalTile", "SharedTile", "RegTile", "TileVector", "where", "copy", "copy_width",
-           "store", "row_run_width", "coords", "operand_swizzle", "operand_tile", "ROW_LANES", "COL_LANES"]
+           "store", "row_run_width", "coords", "operand_swizzle", "operand_tile", "ROW_LANES",
+           "COL_LANES"]
 
 MAX_COPY_BYTES = 16
 
