@@ -8,21 +8,24 @@ tiles are their own allocations, which the wait analysis tells apart):
 
 ====================  ==========================================================================
 before the loop       ``fetch(lo + j * step, j)`` for ``j < D``
-step ``i``            ``kiln.barrier()`` (``kiln-insert-waits`` puts the ``cp.async.wait_group``
-                      retiring stage ``i % N``'s copies before it); ``body(it)``; on sm_90a, when
-                      the body issued WGMMA groups, ``wgmma.wait_group(P)``;
-                      ``fetch(k_i + D * step, (i + D) % N)``
+step ``i``            ``kiln.barrier()``; ``body(it)``; ``fetch(k_i + D * step, (i + D) % N)``
+after the loop        on sm_90a, when the body issued WGMMA groups, ``wgmma.wait_group(0)``
 ====================  ==========================================================================
 
+The waits inside are ``kiln-insert-waits``': before step ``i``'s barrier, the
+``cp.async.wait_group`` that retires stage ``i % N``'s copies and (WGMMA) the
+``wgmma.wait_group`` that retires the group which read the stage the step's fetch refills.
 ``D = N - 1`` for synchronous MMAs (``mma.sync``, MFMA): after step ``i``'s barrier every warp
-is done reading stage ``(i - 1) % N``, which the fetch overwrites. With WGMMA one group stays in
-flight (``P = 1``) and ``D = N - 2``: after step ``i``'s barrier every warpgroup has retired
-step ``i - 2``'s group (``N = 2``: ``P = 0``, ``D = 1``). The body sees ``it.k`` (the step's
-first index, traced) and ``it.stage`` (an int). Steps past ``hi`` (up to ``N - 1`` of them,
-when ``(hi - lo) / step`` is not a multiple of ``N``) and their fetches run too: masks on the
-fetched GlobalTiles (``col_end=k``) make them read fill values, zeros that add nothing to a
-product. On sm_90a the loop runs at least one group of steps even when ``hi <= lo`` (see the
-last wait in docs/tiles.md); the masks make it add nothing.
+is done reading stage ``(i - 1) % N``, which the fetch overwrites. With WGMMA ``D = N - 2``
+(``N = 2``: 1): the fetch refills the stage of step ``i - 2``, whose group every warpgroup
+retired before step ``i``'s barrier (``wait_group 1``: step ``i - 1``'s group stays in flight
+while step ``i``'s is issued). The body sees ``it.k`` (the step's first index, traced) and
+``it.stage`` (an int). Steps past ``hi`` (up to ``N - 1`` of them, when ``(hi - lo) / step``
+is not a multiple of ``N``) and their fetches run too: masks on the fetched GlobalTiles
+(``col_end=k``) make them read fill values, zeros that add nothing to a product. On sm_90a
+the loop runs at least one group of steps even when ``hi <= lo``, and its last WGMMA group is
+retired right after it: a loop exit that may merge in-flight accumulators with the zero-trip
+path has ptxas serialise every WGMMA.
 
 Example (the matmul tutorial's main loop)::
 
@@ -41,7 +44,7 @@ from typing import Any, Callable
 
 from . import builder, ops
 from .core.errors import KilnTypeError, KilnValueError
-from .tile_gemm_wgmma import GROUPS_ATTR, PIPELINE_ATTR
+from .tile_gemm_wgmma import GROUPS_ATTR
 from .trace_runtime import TracedRange, for_stmt
 from .values import Value
 from . import wgmma
@@ -73,8 +76,9 @@ class Pipeline(TracedRange):
             raise KilnTypeError(f"kiln.pipeline fetch must be a function (k, stage), got "
                                 f"{fetch!r}", fix="def fetch(k0, s): kiln.copy(..., a_s[s])")
         self.stages, self.fetch = stages, fetch
-        self.pending = min(1, stages - 2) if builder.current_target().has_wgmma else 0
-        self.ahead = stages - 1 - self.pending
+        # WGMMA: one group stays in flight across a step, so the fetch goes one stage less ahead
+        in_flight = min(1, stages - 2) if builder.current_target().has_wgmma else 0
+        self.ahead = stages - 1 - in_flight
 
     def __kiln_for__(self, body_fn: Callable, names, initial: list, objects: list) -> tuple:
         """Trace the prologue, then an ``scf.for`` whose body runs the ``stages`` steps (module
@@ -88,15 +92,7 @@ class Pipeline(TracedRange):
             for i in range(n):
                 k = k0 + i * step
                 ops.barrier()
-                state = builder.current()
-                before = getattr(state, GROUPS_ATTR, 0)
-                setattr(state, PIPELINE_ATTR, getattr(state, PIPELINE_ATTR, 0) + 1)
-                try:
-                    out = list(body_fn(Step(k, i), *values))
-                finally:
-                    setattr(state, PIPELINE_ATTR, getattr(state, PIPELINE_ATTR) - 1)
-                if getattr(state, GROUPS_ATTR, 0) != before:
-                    wgmma.wait_group(self.pending)
+                out = list(body_fn(Step(k, i), *values))
                 self.fetch(k + self.ahead * step, (i + self.ahead) % n)
                 values = out
             return tuple(values)
@@ -104,14 +100,14 @@ class Pipeline(TracedRange):
         state = builder.current()
         before = getattr(state, GROUPS_ATTR, 0)
         # at least one group of steps (masked when hi <= lo): a loop that may not run has a
-        # zero-trip exit path whose moves into the accumulator make ptxas serialise WGMMA
+        # zero-trip exit path whose moves into the accumulators make ptxas serialise WGMMA
         hi = self.hi
-        if self.pending and isinstance(hi, Value):
+        if builder.current_target().has_wgmma and isinstance(hi, Value):
             hi = ops.maximum(hi, self.lo + 1)
         results = for_stmt(TracedRange(self.lo, hi, n * step), group, names, initial, objects)
         if getattr(state, GROUPS_ATTR, 0) != before:
-            # retire the last group here, before the loop's exit merges the accumulator with
-            # the zero-trip path: a later wait has ptxas serialise every WGMMA
+            # retire the last group right after the loop: with the wait further down (before
+            # the epilogue's first read) ptxas serialises every WGMMA
             wgmma.wait_group(0)
         return results
 

@@ -41,6 +41,7 @@ from mlir.dialects import scf, vector
 from . import builder, ops
 from .core import dtypes as dt
 from .core.errors import KilnTypeError, KilnValueError
+from .core.ops import AUTO_WAIT_ATTR
 from .global_tile import GlobalTile
 from .layout import ThreadValueLayout
 from .nvidia import cp_async
@@ -50,9 +51,6 @@ from .tiles import copy as copy_to_shared, copy_width, row_run_width
 from .values import Value, to_value
 
 MAX_VECTOR_BYTES = 16
-# Marks the async copies whose waits the program leaves to kiln-insert-waits: the interpreter
-# runs that pass on modules carrying it, as the compile does, so it executes the same waits.
-AUTO_WAIT_ATTR = "kiln.auto_wait"
 
 
 def _thread(layout: ThreadValueLayout) -> Value:
@@ -179,6 +177,18 @@ def _async_width(src: GlobalTile, dst: SharedTile, threads: int) -> int | None:
     return width
 
 
+def _mark_shared_stores(ops: list) -> None:
+    """Mark a synchronous copy's stores (``AUTO_WAIT_ATTR``) so kiln-insert-waits retires
+    the WGMMAs still reading the SharedTile before them, as for an async copy's group."""
+    def visit(op):
+        if op.name in ("vector.store", "vector.maskedstore", "memref.store"):
+            op.attributes[AUTO_WAIT_ATTR] = ir.UnitAttr.get()
+        return ir.WalkResult.ADVANCE
+
+    for op in ops:
+        op.operation.walk(visit)
+
+
 def copy(src: Any, dst: Any) -> Any:
     """Copy tile ``src`` into ``dst`` (see the module table for what each pair compiles to).
 
@@ -206,7 +216,10 @@ def copy(src: Any, dst: Any) -> Any:
                                                    width=width))
             group.ir.owner.attributes[AUTO_WAIT_ATTR] = ir.UnitAttr.get()
             return group
+        block = ir.InsertionPoint.current.block
+        first = len(block.operations)
         copy_to_shared(src, dst, threads=threads)
+        _mark_shared_stores(list(block.operations)[first:])
         return None
     if isinstance(src, SharedTile) and isinstance(dst, GlobalTile):
         raise KilnTypeError("kiln.copy from shared to global goes through registers",

@@ -3,10 +3,11 @@ memory, and the layout of the shared operand tiles it reads (``kiln.tiles.operan
 
 The block's warpgroups (128 threads each) split the ``BM x BN`` tile by rows: warpgroup ``g``
 computes rows ``64g .. 64g+63`` with ``BK / 16`` instructions ``wgmma.m64nBNk16`` (f32 += bf16
-or f16), one commit group per :func:`gemm` call, left in flight inside a
-:func:`kiln.pipeline` body (which retires it on its schedule) and retired before :func:`gemm`
-returns elsewhere. WGMMA reads 128-byte-swizzled shared tiles through matrix descriptors (PTX
-ISA "Matrix Descriptor Format"):
+or f16), one commit group per :func:`gemm` call, left in flight: ``kiln-insert-waits`` puts
+the ``wgmma.wait_group`` before the first read of the accumulator and before the barrier ahead
+of a copy that refills ``a`` or ``b`` (so every warpgroup's group is retired). WGMMA reads
+128-byte-swizzled shared tiles through matrix descriptors (PTX ISA "Matrix Descriptor
+Format"):
 
 =====  ===================================  ==============================================
 tile   layout (``operand_tile``)           descriptor
@@ -37,10 +38,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlir.dialects import arith
+from mlir import ir
+from mlir.dialects import arith, nvvm
 
 from . import builder
 from .core import dtypes as dt
+from .core.ops import AUTO_WAIT_ATTR
 from .layout import Layout, ThreadValueLayout, concat_modes, make_layout
 from .nvidia.sync import fence_proxy_async
 from .ops import thread_id
@@ -52,10 +55,8 @@ WARPGROUP = 128
 CHUNK_BYTES = 128          # one swizzled row: 64 elements of a 2-byte dtype
 ATOM_BYTES = 1024          # 8 swizzled rows: the descriptor's stride and the tile alignment
 K_STEP = wgmma.INSTRUCTION_K
-# The gemm calls whose groups the enclosing kiln.pipeline step must retire (see pipeline.py),
-# and how many pipeline bodies are being traced (outside one, a gemm retires its own group).
+# Counts the gemm calls traced so far: kiln.pipeline retires a loop's last group after it.
 GROUPS_ATTR = "_kiln_wgmma_groups"
-PIPELINE_ATTR = "_kiln_pipeline_depth"
 
 
 def _chunked(rows: int, cols: int, chunk: int) -> Layout:
@@ -116,9 +117,8 @@ def _descriptor(tile: SharedTile, byte_offset: Any, leading: int) -> Any:
 
 def gemm(a: SharedTile, b: SharedTile, acc: RegTile) -> RegTile:
     """Issue ``acc += a @ b`` as one WGMMA commit group (fence, ``BK / 16`` instructions,
-    commit) and return the accumulator: in flight inside a :func:`kiln.pipeline` body (the
-    pipeline retires it, the reads of it wait via kiln-insert-waits), else retired here
-    (``wait_group 0``: the caller may overwrite ``a`` and ``b`` next)."""
+    commit) and return the accumulator in flight: kiln-insert-waits retires the group before
+    its result is read and before a copy or store may overwrite ``a`` or ``b``."""
     tile_m, tile_n, tile_k = a.shape[0], b.shape[1], a.shape[1]
     item = a.dtype.itemsize
     chunk = CHUNK_BYTES // item
@@ -136,10 +136,10 @@ def gemm(a: SharedTile, b: SharedTile, acc: RegTile) -> RegTile:
         out = wgmma.mma_async(out, _descriptor(a, a_off, 16),
                               _descriptor(b, b_off, tile_k * CHUNK_BYTES), dtype=a.dtype,
                               b_major="mn")
-    wgmma.commit()
+    wgmma.require_feature("wgmma", "kiln.gemm")
+    # the group's waits are kiln-insert-waits' (the interpreter runs the pass on such kernels)
+    nvvm.wgmma_commit_group_sync_aligned().operation.attributes[AUTO_WAIT_ATTR] = \
+        ir.UnitAttr.get()
     state = builder.current()
     setattr(state, GROUPS_ATTR, getattr(state, GROUPS_ATTR, 0) + 1)
-    if not getattr(state, PIPELINE_ATTR, 0):
-        # no pipeline to retire it: the caller may overwrite a and b once gemm returns
-        wgmma.wait_group(0)
     return RegTile.from_struct(out.struct(), acc.layout)

@@ -160,9 +160,10 @@ def hand_loop_gemm(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], c: kiln.Ten
     kiln.copy(acc, kiln.GlobalTile(c, (64, 64), (row0, col0), row_end=m, col_end=n))
 
 
-def test_wgmma_gemm_outside_a_pipeline_retires_its_group():
-    """A hand-written loop rewrites the operand tiles after kiln.gemm: the WGMMA is retired
-    (wait_group 0 after its commit), and the product is right."""
+def test_wgmma_gemm_in_a_hand_written_loop():
+    """A hand-written loop refills the operand tiles after kiln.gemm: kiln-insert-waits
+    retires the WGMMA before the barrier ahead of the refill (wait_group 0), and the product
+    is right."""
     rng = np.random.default_rng()
     a = rng.standard_normal((70, 150)).astype(ml_dtypes.bfloat16)
     b = rng.standard_normal((150, 90)).astype(ml_dtypes.bfloat16)
@@ -171,8 +172,8 @@ def test_wgmma_gemm_outside_a_pipeline_retires_its_group():
     np.testing.assert_allclose(c, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-4,
                                atol=1e-3)
     gpu = hand_loop_gemm.compile(a, b, c, 70, 90, 150, target="sm_90a").asm["gpu"]
-    assert re.search(r"wgmma.commit.group.sync.aligned\n\s*nvvm.wgmma.wait.group.sync.aligned 0",
-                     gpu)
+    assert re.search(r"wgmma.commit.group.sync.aligned[^\n]*\n\s*nvvm.wgmma.wait.group.sync"
+                     r".aligned 0\n\s*gpu.barrier", gpu)
 
 
 def _compile(stages=4, target="sm_90a", **cfg):
@@ -186,9 +187,10 @@ def _compile(stages=4, target="sm_90a", **cfg):
 @pytest.mark.lower
 @pytest.mark.parametrize("stages", [3, 4])
 def test_wgmma_pipeline_waits(stages):
-    """Per step: cp.async.wait_group 2 * (stages - 3) (the A and B groups of the stages still
-    in flight), a barrier, one WGMMA group kept in flight (wait_group 1); wait_group 0 after
-    the loop; nothing serialised."""
+    """Per step, before its barrier: cp.async.wait_group 2 * (stages - 3) (the A and B groups
+    of the stages still in flight) and wgmma.wait_group 1 (the group that read the stage the
+    step refills; the previous step's stays in flight); wait_group 0 after the loop; nothing
+    serialised."""
     ck = _compile(stages)
     ptx = ck.asm["ptx"]
     assert ck.metadata["wgmma_serialized"] is None and ck.metadata["spill_bytes"] == 0
@@ -197,6 +199,7 @@ def test_wgmma_pipeline_waits(stages):
     assert re.findall(r"wgmma\.wait_group\.sync\.aligned \t(\d+);", ptx) == ["1"] * stages + ["0"]
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 4 * stages
     assert ptx.count("fence.proxy.async.shared::cta") == stages
+    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned \t1;\n\s*bar\.sync", ptx)) == stages
 
 
 def _waits(module):
@@ -213,16 +216,16 @@ def _waits(module):
 
 @pytest.mark.lower
 def test_deleting_a_placed_wait_fails_verify_waits():
-    """Each cp.async wait kiln-insert-waits placed, and the WGMMA wait before the epilogue,
-    is required: without it kiln-verify-waits raises a WaitError naming the async op."""
+    """Each wait of the pipelined WGMMA loop is required: without it kiln-verify-waits raises
+    a WaitError naming the async op (the cp.async waits: a read before the copies land; the
+    wgmma.wait_group 1: a refill of a stage an in-flight WGMMA reads; the last: the epilogue's
+    read of the accumulator)."""
     text = _compile(4).asm["gpu"]
     with ir.Context():
         parsed = ir.Module.parse(text)  # held: its ops die with it
         labels = [op_label(w) for w in _waits(parsed)]
-    required = [i for i, label in enumerate(labels)
-                if "wgmma" not in label or i == len(labels) - 1]
-    assert len(required) == 5
-    for index in required:
+    assert sum("wgmma" in label for label in labels) == 5 and len(labels) == 9
+    for index in range(len(labels)):
         with ir.Context():
             module = ir.Module.parse(text)
             _waits(module)[index].erase()

@@ -1,10 +1,11 @@
 # RUN: %python %s | FileCheck %s
 # kiln.gemm on sm_90a through kiln.pipeline (3 stages, 64 x 128 x 64 over one warpgroup): the
-# prologue fetches one stage (cp.async groups A and B); each of the 3 unrolled steps waits for
-# its stage (kiln-insert-waits: cp.async.wait_group 0 with one stage ahead), crosses the
-# barrier, fences the proxies, issues 4 wgmma m64n128k16 from descriptors (B N-major) as one
-# commit group and keeps it in flight (wait_group 1) before fetching the next stage; the loop
-# ends with wait_group 0, before the epilogue reads the accumulator.
+# prologue fetches one stage (cp.async groups A and B); before each of the 3 unrolled steps'
+# barriers kiln-insert-waits retires the stage's copies (cp.async.wait_group 0, one stage
+# ahead) and the WGMMA group that read the stage the step refills (wait_group 1: the previous
+# step's stays in flight); the step fences the proxies, issues 4 wgmma m64n128k16 from
+# descriptors (B N-major) as one commit group, and fetches the next stage; the loop ends with
+# wait_group 0, before the epilogue reads the accumulator.
 import os
 
 os.environ["KILN_PTXAS"] = "none"  # stop at PTX: the checks must not depend on ptxas
@@ -42,17 +43,19 @@ print(ck.asm["ptx"])
 # CHECK: nvgpu.device_async_create_group
 # CHECK: scf.for
 # CHECK: nvgpu.device_async_wait {{.*}} {numGroups = 0 : i32}
+# CHECK-NEXT: nvvm.wgmma.wait.group.sync.aligned 1
 # CHECK-NEXT: gpu.barrier
 # CHECK: nvvm.fence.proxy {kind = #nvvm.proxy_kind<async.shared>, space = #nvvm.shared_space<cta>}
 # CHECK-NEXT: nvvm.wgmma.fence.aligned
 # CHECK-COUNT-4: nvvm.wgmma.mma_async {{.*}} <m = 64, n = 128, k = 16>, D[<f32>, <one>], A[<bf16>, <one>, <row>], B[<bf16>, <one>, <row>]
 # CHECK: nvvm.wgmma.commit.group.sync.aligned
-# CHECK-NEXT: nvvm.wgmma.wait.group.sync.aligned 1
 # CHECK: nvgpu.device_async_create_group
 # CHECK: scf.yield
 # CHECK-NEXT: }
 # CHECK-NEXT: nvvm.wgmma.wait.group.sync.aligned 0
+# CHECK: cp.async.wait_group 0;
+# CHECK-NEXT: wgmma.wait_group.sync.aligned 1;
+# CHECK-NEXT: bar.sync 0;
 # CHECK: wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16
 # CHECK: wgmma.commit_group.sync.aligned;
-# CHECK-NEXT: wgmma.wait_group.sync.aligned 1;
 # CHECK: wgmma.wait_group.sync.aligned 0;
