@@ -45,6 +45,7 @@ from .core.ops import AUTO_WAIT_ATTR
 from .global_tile import GlobalTile
 from .layout import ThreadValueLayout
 from .nvidia import cp_async
+from .nvidia.sync import fence_proxy_async
 from .reg_tile import RegTile, _concat
 from .shared_tile import SharedTile
 from .tiles import copy as copy_to_shared, copy_width, row_run_width
@@ -220,6 +221,9 @@ def copy(src: Any, dst: Any) -> Any:
         first = len(block.operations)
         copy_to_shared(src, dst, threads=threads)
         _mark_shared_stores(list(block.operations)[first:])
+        if getattr(dst, "wgmma_operand", None):
+            # st.shared is a generic-proxy write; WGMMA reads through the async proxy
+            fence_proxy_async()
         return None
     if isinstance(src, SharedTile) and isinstance(dst, GlobalTile):
         raise KilnTypeError("kiln.copy from shared to global goes through registers",

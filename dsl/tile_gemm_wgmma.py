@@ -45,7 +45,6 @@ from . import builder
 from .core import dtypes as dt
 from .core.ops import AUTO_WAIT_ATTR
 from .layout import Layout, ThreadValueLayout, concat_modes, make_layout
-from .nvidia.sync import fence_proxy_async
 from .ops import thread_id
 from .reg_tile import RegTile, pack_struct
 from .shared_tile import SharedTile
@@ -127,7 +126,6 @@ def gemm(a: SharedTile, b: SharedTile, acc: RegTile) -> RegTile:
     a_base = group * (wgmma.WARPGROUP_M * CHUNK_BYTES)
     one = wgmma.wgmma_m64_accumulator(tile_n)
     out = RegTile.from_struct(acc.struct(), one)
-    fence_proxy_async()       # the cp.async / st.shared writes before WGMMA's async-proxy reads
     wgmma.fence()
     for kk in range(tile_k // K_STEP):
         col = kk * K_STEP
