@@ -52,6 +52,7 @@ from .tiles import GlobalTile, RegTile, SharedTile
 from .tile_copy import copy, load
 from .tile_reduce import reduce
 from .tile_gemm import accumulator, gemm
+from .pipeline import pipeline
 
 # Cluster scheduling annotations (the kiln-cluster-schedule / kiln-insert-waits passes read them).
 # ``kiln.cluster`` is the context manager; the module stays importable as ``kiln.cluster`` only

@@ -36,23 +36,22 @@ from __future__ import annotations
 from typing import Any
 
 from mlir import ir
-from mlir.dialects import vector
+from mlir.dialects import scf, vector
 
 from . import builder, ops
 from .core import dtypes as dt
 from .core.errors import KilnTypeError, KilnValueError
+from .core.ops import AUTO_WAIT_ATTR
 from .global_tile import GlobalTile
 from .layout import ThreadValueLayout
 from .nvidia import cp_async
+from .nvidia.sync import fence_proxy_async
 from .reg_tile import RegTile, _concat
 from .shared_tile import SharedTile
 from .tiles import copy as copy_to_shared, copy_width, row_run_width
-from .values import Value
+from .values import Value, to_value
 
 MAX_VECTOR_BYTES = 16
-# Marks the async copies whose waits the program leaves to kiln-insert-waits: the interpreter
-# runs that pass on modules carrying it, as the compile does, so it executes the same waits.
-AUTO_WAIT_ATTR = "kiln.auto_wait"
 
 
 def _thread(layout: ThreadValueLayout) -> Value:
@@ -94,14 +93,43 @@ def load(src: GlobalTile | SharedTile, layout: ThreadValueLayout) -> RegTile:
                                 "kiln.layout.blocked(shape, THREADS))")
     _check_cover(src, layout, "kiln.load")
     width = _run_width(layout, src.dtype, src)
+    if isinstance(src, GlobalTile) and src.tensor.rank == 1 and src.col_end is not None:
+        return RegTile([_broadcast_row(src, layout, width)], layout, (1, 1))
+    return RegTile([_pieces(src, layout, width)], layout, (1, 1))
+
+
+def _pieces(src: GlobalTile | SharedTile, layout: ThreadValueLayout, width: int) -> Value:
+    """The thread's values of ``src`` in ``layout``, ``width`` at a time; a 1-D tensor (the
+    same row in every row) is read once per distinct run of columns."""
     thread = _thread(layout)
+    broadcast = isinstance(src, GlobalTile) and src.tensor.rank == 1
+    cols = layout.coords()[1] if broadcast else None
+    loaded: dict[Any, Any] = {}
     pieces = []
     for v in range(0, layout.num_values, width):
-        row, col = layout(thread, v)
-        piece = (src._vector_load(row, col, width) if isinstance(src, SharedTile)
-                 else src.load(row, col, width=width))
-        pieces.append(piece.ir)
-    return RegTile([Value(_concat(pieces), src.dtype)], layout, (1, 1))
+        key = tuple(cols[:, v]) if broadcast else v
+        if key not in loaded:
+            row, col = layout(thread, v)
+            piece = (src._vector_load(row, col, width) if isinstance(src, SharedTile)
+                     else src.load(row, col, width=width))
+            loaded[key] = piece.ir
+        pieces.append(loaded[key])
+    return Value(_concat(pieces), src.dtype)
+
+
+def _broadcast_row(src: GlobalTile, layout: ThreadValueLayout, width: int) -> Value:
+    """A masked 1-D row broadcast down the tile (a GEMM bias): unmasked loads in one block
+    when the whole row is inside (one uniform branch, so ptxas can issue each load just
+    before its use instead of holding every column's value in registers), else masked."""
+    inside = (src.origin[1] + src.shape[1]) <= src.col_end
+    whole = GlobalTile(src.tensor, src.shape, src.origin, fill=src.fill, align=src.align)
+    vtype = ir.VectorType.get([layout.num_values], src.dtype.mlir_type())
+    branch = scf.IfOp(to_value(inside).ir, [vtype], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+        scf.YieldOp([_pieces(whole, layout, width).ir])
+    with ir.InsertionPoint(branch.else_block):
+        scf.YieldOp([_pieces(src, layout, width).ir])
+    return Value(branch.results[0], src.dtype)
 
 
 def store(tile: RegTile, dst: GlobalTile | SharedTile) -> None:
@@ -150,6 +178,18 @@ def _async_width(src: GlobalTile, dst: SharedTile, threads: int) -> int | None:
     return width
 
 
+def _mark_shared_stores(ops: list) -> None:
+    """Mark a synchronous copy's stores (``AUTO_WAIT_ATTR``) so kiln-insert-waits retires
+    the WGMMAs still reading the SharedTile before them, as for an async copy's group."""
+    def visit(op):
+        if op.name in ("vector.store", "vector.maskedstore", "memref.store"):
+            op.attributes[AUTO_WAIT_ATTR] = ir.UnitAttr.get()
+        return ir.WalkResult.ADVANCE
+
+    for op in ops:
+        op.operation.walk(visit)
+
+
 def copy(src: Any, dst: Any) -> Any:
     """Copy tile ``src`` into ``dst`` (see the module table for what each pair compiles to).
 
@@ -177,7 +217,13 @@ def copy(src: Any, dst: Any) -> Any:
                                                    width=width))
             group.ir.owner.attributes[AUTO_WAIT_ATTR] = ir.UnitAttr.get()
             return group
+        block = ir.InsertionPoint.current.block
+        first = len(block.operations)
         copy_to_shared(src, dst, threads=threads)
+        _mark_shared_stores(list(block.operations)[first:])
+        if getattr(dst, "wgmma_operand", None):
+            # st.shared is a generic-proxy write; WGMMA reads through the async proxy
+            fence_proxy_async()
         return None
     if isinstance(src, SharedTile) and isinstance(dst, GlobalTile):
         raise KilnTypeError("kiln.copy from shared to global goes through registers",

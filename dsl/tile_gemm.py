@@ -5,6 +5,8 @@ accumulator's register layout chosen for the target.
 ``BM x BN`` product, each running a grid of MMA atoms:
 
 =========  =======================================================================
+sm_90a     ``wgmma.mma_async.m64nNk16`` for tiles from :func:`kiln.tiles.operand_tile`
+           (:mod:`kiln.tile_gemm_wgmma`: one 64-row slab per warpgroup, in flight)
 NVIDIA     ``mma.sync.m16n8k16`` (bf16/f16 -> f32), sm_80 and up
 gfx950     ``v_mfma_f32_32x32x16`` (the double-rate bf16/f16 MFMA), ``32x32x64`` fp8;
            16x16 atoms where a 32x32 grid does not fit the tile
@@ -54,6 +56,7 @@ from .nvidia import ldmatrix
 from .shared_tile import SharedTile
 from .swizzle import Swizzle
 from .values import Value
+from . import tile_gemm_wgmma
 
 
 def _warp_grids(warps: int, tile_m: int, tile_n: int, m: int, n: int):
@@ -340,6 +343,12 @@ def _check(a: Any, b: Any) -> tuple[int, int, int]:
     return a.shape[0], b.shape[1], a.shape[1]
 
 
+def _foreign_accumulator() -> KilnTypeError:
+    return KilnTypeError("kiln.gemm's accumulator must come from kiln.accumulator(a, b) or an "
+                         "earlier kiln.gemm of the same tiles",
+                         fix="acc = kiln.accumulator(a_s, b_s) before the loop")
+
+
 def _choose(a: SharedTile | RegTile, b: SharedTile, warps: Any = None,
             layout: ThreadValueLayout | None = None) -> TiledMma:
     """The TiledMma for ``a @ b``: with ``layout``, the one whose accumulator it is; with a
@@ -356,9 +365,7 @@ def _choose(a: SharedTile | RegTile, b: SharedTile, warps: Any = None,
     if not tms:
         if layout is None:
             return tiled_mma(shape, a.dtype, warps)
-        raise KilnTypeError("kiln.gemm's accumulator must come from kiln.accumulator(a, b) or "
-                            "an earlier kiln.gemm of the same tiles",
-                            fix="acc = kiln.accumulator(a_s, b_s) before the loop")
+        raise _foreign_accumulator()
     return tms[0]
 
 
@@ -372,6 +379,9 @@ def accumulator(a: SharedTile | RegTile, b: SharedTile, value: float = 0.0, *,
 
     Example: ``acc = kiln.accumulator(a_s, b_s)`` before the K loop.
     """
+    if warps is None and tile_gemm_wgmma.applies(a, b):
+        _check(a, b)
+        return tile_gemm_wgmma.accumulator(a, b, value)
     tm = _choose(a, b, warps)
     return RegTile.full(accumulator_layout(tm), (1, 1), value, dt.f32)
 
@@ -384,9 +394,13 @@ def gemm(a: SharedTile | RegTile, b: SharedTile, acc: RegTile | None = None) -> 
     Example: ``acc = kiln.gemm(a_s, b_s, acc)`` after a ``kiln.barrier()`` that follows the
     copies into ``a_s`` and ``b_s``."""
     if acc is not None and (not isinstance(acc, RegTile) or acc.dtype is not dt.f32):
-        raise KilnTypeError("kiln.gemm's accumulator must come from kiln.accumulator(a, b) or "
-                            "an earlier kiln.gemm of the same tiles",
-                            fix="acc = kiln.accumulator(a_s, b_s) before the loop")
+        raise _foreign_accumulator()
+    if tile_gemm_wgmma.applies(a, b):
+        shape = _check(a, b)
+        acc = tile_gemm_wgmma.accumulator(a, b) if acc is None else acc
+        if acc.layout != tile_gemm_wgmma.accumulator_layout(shape[0], shape[1]):
+            raise _foreign_accumulator()
+        return tile_gemm_wgmma.gemm(a, b, acc)
     tm = _choose(a, b, layout=None if acc is None else acc.layout)
     layout = accumulator_layout(tm)
     if acc is None:

@@ -41,9 +41,11 @@ from .shared_tile import SharedTile
 from .core import dtypes as dt
 from .values import Value, cast
 from .tile_gemm import operand_swizzle, register_gather
+from .operand_tiles import operand_tile
 
 __all__ = ["GlobalTile", "SharedTile", "RegTile", "TileVector", "where", "copy", "copy_width",
-           "store", "row_run_width", "coords", "operand_swizzle", "register_gather", "ROW_LANES",
+           "store", "row_run_width", "coords", "operand_swizzle", "operand_tile",
+           "register_gather", "ROW_LANES",
            "COL_LANES"]
 
 MAX_COPY_BYTES = 16

@@ -361,7 +361,11 @@ def for_stmt(rng: TracedRange, body_fn: Callable, names: Sequence[str], initial:
     """Build ``scf.for`` for a kiln.range loop; returns the values of ``names`` after it.
 
     Names bound before the loop and struct ``objects`` the body reads are loop-carried.
+    A loop object with ``__kiln_for__`` (``kiln.pipeline``) builds its own loop.
     """
+    custom = getattr(rng, "__kiln_for__", None)
+    if custom is not None:
+        return custom(body_fn, names, initial, objects)
     idx_dtype = _bound_dtype((rng.lo, rng.hi, rng.step))
     lo, hi, step = (cast(b, idx_dtype) if isinstance(b, Value) else constant(b, idx_dtype)
                     for b in (rng.lo, rng.hi, rng.step))

@@ -50,6 +50,14 @@ def gap_error(gap: Gap) -> WaitError:
             fix=f"add kiln.wgmma.wait_group({gap.count}) before the arrive, or drop "
                 "kiln.manual_waits() to let Kiln insert it",
             loc=source_loc_from_mlir(gap.reader.location))
+    if gap.rewrite:
+        return WaitError(
+            f"this {op_label(gap.reader)} may overwrite a buffer that the {op_label(gap.event)} "
+            f"at {where(gap.event)} still reads: no wgmma.wait_group retires it before the "
+            "barrier that precedes the copies, so another warpgroup's may still be in flight",
+            fix=f"add kiln.wgmma.wait_group({max(gap.count, 0)}) before that barrier, or drop "
+                "kiln.manual_waits() to let Kiln insert it",
+            loc=source_loc_from_mlir(gap.reader.location))
     if gap.counter == WGMMA and gap.count < 0:
         return WaitError(
             f"this {op_label(gap.reader)} reads the result of the {op_label(gap.event)} at "

@@ -63,14 +63,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from mlir import ir
-from mlir.dialects import llvm  # noqa: F401 - registers the class !llvm.ptr types are returned as
+from mlir.dialects import llvm  # also registers the class !llvm.ptr types are returned as
 
 # The GFX9 s_waitcnt immediate, under the names the passes and their tests use.
 from kiln.amd.sched import decode_waitcnt as decode_gfx9_waitcnt  # noqa: F401
 from kiln.amd.sched import GFX9_WAITCNT_FIELDS
 from kiln.amd.sched import encode_waitcnt as encode_gfx9_waitcnt  # noqa: F401
 from kiln.core.ops import CP_ASYNC  # noqa: F401 - the passes' counter names live in kiln.core.ops
-from kiln.core.ops import MBARRIER, NO_EFFECTS, OP_ATTR, WGMMA, Effects, is_shared, lookup
+from kiln.core.ops import (AUTO_WAIT_ATTR, MBARRIER, NO_EFFECTS, OP_ATTR, WGMMA, Effects,
+                            is_shared, lookup)
 from kiln.passes.mbarrier_protocol import cross_thread_gaps
 
 GFX9_MAX = {name: limit for name, limit, _ in GFX9_WAITCNT_FIELDS}  # counter(max) waits for nothing
@@ -146,9 +147,10 @@ def same_mbarrier(a: tuple, b: tuple) -> bool:
 def descriptor_roots(value: ir.Value) -> tuple:
     """Shared buffers a descriptor value is computed from: its backward slice, breadth first
     (the base descriptor sits a hop or two above the stage offset's arithmetic), 256 values
-    at most. Register operands (floats, i32 A fragments) are no descriptors: none."""
+    at most. Register operands (floats, i32 A fragments, WGMMA accumulator structs: their
+    slice is the earlier MMAs of the chain, not this one's operands) are no descriptors: none."""
     kind = value.type
-    if isinstance(kind, (ir.FloatType, ir.VectorType)) or (
+    if isinstance(kind, (ir.FloatType, ir.VectorType, llvm.StructType)) or (
             isinstance(kind, ir.IntegerType) and kind.width != 64):
         return ()
     roots, queue, seen = [], deque([value]), set()
@@ -202,6 +204,11 @@ def _aliases(root, written: tuple) -> bool:
     return any(root is None or w is None or root == w or _same_dynamic(root, w) for w in written)
 
 
+def _exact(root) -> bool:
+    """Whether ``root`` names one buffer (not unknown, not any dynamic allocation)."""
+    return root is not None and root != ("dynamic",)
+
+
 def _same_dynamic(a: tuple, b: tuple) -> bool:
     """An untagged view of dynamic shared memory (``("dynamic",)``) may be any allocation."""
     return a[0] == b[0] == "dynamic" and (len(a) == 1 or len(b) == 1)
@@ -226,6 +233,8 @@ class Step:
     signal: tuple | None = None  # the mbarrier a TMA load signals / a try_wait waits on
     blocks: list = field(default_factory=list)  # nested blocks, each a list of Steps
     reads: tuple = ()            # events this op consumes (filled after all events are known)
+    shared_reads: tuple = ()     # buffers a WGMMA event reads through its descriptors
+    refills: tuple = ()          # buffers a cp.async group or a shared store (re)writes
 
 
 @dataclass(frozen=True)
@@ -252,12 +261,17 @@ class Gap:
     place_before: ir.Operation
     overwrite: bool = False
     release: bool = False
+    rewrite: bool = False  # reader: a cp.async group refilling a buffer the WGMMA event reads
 
 
 State = dict  # event Step -> Pending
 # The state's key for the count of committed WGMMA groups not known retired (its ``younger``,
 # maximised over paths): a re-issued mma_async replaces its older instance in the state, so
 # releases count groups instead. Saturates at MAX_GROUPS to keep loop fixed points finite.
+# Synchronous writes of shared memory a WGMMA in flight may still read (_check_rewrites): those
+# tile copies (kiln.copy) mark with AUTO_WAIT_ATTR, as their cp.async groups. Hand-written
+# kernels' writes are not checked: stages of one ring buffer are not told apart.
+SHARED_STORES = frozenset(("vector.store", "vector.maskedstore", "memref.store"))
 GROUPS = Step(None, "groups")
 MAX_GROUPS = 8
 
@@ -379,9 +393,16 @@ class WaitAnalysis:
                         arrive=found.arrives(op) if found.arrives else None,
                         releases=found.releases(op) if found.releases else {},
                         data=found.data)
+            if name in SHARED_STORES and AUTO_WAIT_ATTR in op.attributes:
+                step.refills = tuple(buffer_root(v) for v in op.operands if is_shared(v))
             step.counter = found.counter
             if step.counter is not None:
                 step.roots = written_roots(op)
+                if step.counter == WGMMA and step.descriptors:
+                    step.shared_reads = tuple(r for v in op.operands
+                                              for r in self._descriptor_roots(v))
+                if step.counter == CP_ASYNC and AUTO_WAIT_ATTR in op.attributes:
+                    step.refills = step.roots or ()
                 self._steps[op] = step
                 if "kiln.token" in op.attributes:
                     self._tokens[ir.IntegerAttr(op.attributes["kiln.token"]).value] = step
@@ -407,9 +428,7 @@ class WaitAnalysis:
                     found = {e for e in found if e.counter != step.counter}
                 needed |= found
                 if lds_events and step.descriptors and not is_shared(operand):
-                    roots = self._roots.get(operand)
-                    if roots is None:
-                        roots = self._roots[operand] = descriptor_roots(operand)
+                    roots = self._descriptor_roots(operand)
                     needed |= {e for e in lds_events for r in roots if _aliases(r, e.roots)}
                 if (lds_events and step.roots is None and step.data
                         and name not in _NO_ACCESS and is_shared(operand)):
@@ -423,6 +442,15 @@ class WaitAnalysis:
             step.reads = tuple(needed)
             for block in step.blocks:
                 self._resolve_reads(block)
+
+    def _descriptor_roots(self, value: ir.Value) -> tuple:
+        """:func:`descriptor_roots`, memoised (WGMMAs share descriptors)."""
+        if is_shared(value):
+            return ()
+        roots = self._roots.get(value)
+        if roots is None:
+            roots = self._roots[value] = descriptor_roots(value)
+        return roots
 
     def _value_events(self, value: ir.Value) -> set:
         """Events whose register result reaches ``value`` through forwarding ops (memoised:
@@ -493,6 +521,8 @@ class WaitAnalysis:
     def _transfer(self, step: Step, state: State) -> State:
         if step.reads and self._record:
             state = self._check_reads(step, state)
+        if step.refills and self._record:
+            state = self._check_rewrites(step, state)
         if WGMMA in step.releases and self._record:
             state = self._check_release(step, state)
         if step.kind == "for":
@@ -557,6 +587,33 @@ class WaitAnalysis:
         self._place(self.gaps[-1])
         self.placed += 1
         return _retire(state, WGMMA, count)
+
+    def _check_rewrites(self, step: Step, state: State) -> State:
+        """A cp.async group or shared store refilling a buffer that a WGMMA in flight reads
+        (a pipeline stage overwritten too early): the WGMMA must be retired before the last
+        barrier since its issue, so that every warpgroup's is, or before the write when there
+        is none."""
+        # exact buffers only: a descriptor whose root is unknown is left to the kernel's own
+        # waits (the hand-written kernels' hand-overs), not taken to read every buffer
+        hits = [e for e in state if e.counter == WGMMA
+                and any(r in step.refills for r in e.shared_reads if _exact(r))]
+        for event in sorted(hits, key=lambda e: state[e].younger):
+            pend = state.get(event)
+            if pend is None:  # a wait placed for an earlier WGMMA retired it
+                continue
+            before_barrier = pend.barrier is not None
+            count = pend.at_barrier if before_barrier else pend.younger
+            first_copy = (step.op.operands[0].owner if step.counter == CP_ASYNC
+                          and len(step.op.operands) else step.op)
+            gap = Gap(step.op, event.op, WGMMA, count,
+                      pend.barrier.op if before_barrier else first_copy, rewrite=True)
+            self.gaps.append(gap)
+            if self._place is None:
+                continue
+            self._place(gap)
+            self.placed += 1
+            state = _retire(state, WGMMA, count, pend.barrier if before_barrier else None)
+        return state
 
     def _check_reads(self, step: Step, state: State) -> State:
         needed = [e for e in step.reads if e in state]

@@ -79,9 +79,14 @@ def test_matmul_bias_gelu(target, shape):
 def test_matmul_compiles_to_the_targets_mma_without_spills(target):
     a = np.zeros((256, 256), ml_dtypes.bfloat16)
     ck = matmul.matmul_kernel.compile(a, a, np.zeros(256, np.float32), a, 256, 256, 256,
-                                      BM=matmul.BM, BN=matmul.BN, BK=matmul.BK,
-                                      THREADS=matmul.THREADS, ALIGN=16, target=target)
-    if target.startswith("sm"):
+                                      **matmul.config(target), ALIGN=16, target=target)
+    if target == "sm_90a":  # WGMMA fed by cp.async stages, one group kept in flight
+        assert ck.metadata["spill_bytes"] == 0 and ck.metadata["wgmma_serialized"] is None
+        ptx = ck.asm["ptx"]
+        assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
+        assert "wgmma.wait_group.sync.aligned \t1;" in ptx and "cp.async.cg" in ptx
+        assert "mma.sync" not in ptx
+    elif target == "sm_80":
         assert ck.metadata["spill_bytes"] == 0
         assert "mma.sync.aligned.m16n8k16" in ck.asm["ptx"] and "cp.async" in ck.asm["ptx"]
     else:
@@ -225,11 +230,13 @@ def test_tutorials_on_gpu(shape):
 
 
 @pytest.mark.gpu
-def test_matmul_on_gpu():
+@pytest.mark.parametrize("shape", [(1000, 515, 333), (1000, 520, 336), (256, 512, 4096)])
+def test_matmul_on_gpu(shape):
+    """Ragged (synchronous copies) and aligned (cp.async) shapes, WGMMA on Hopper."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device for torch")
-    m, n, k = 1000, 515, 333
+    m, n, k = shape
     a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
     bias = torch.randn(n, device="cuda")

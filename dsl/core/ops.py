@@ -36,6 +36,9 @@ from mlir.dialects import llvm
 from kiln.core.errors import InternalError
 
 OP_ATTR = "kiln.op"
+# Marks async ops whose waits the program leaves to kiln-insert-waits (kiln.copy's cp.async
+# groups, kiln.gemm's WGMMA groups): the interpreter runs that pass on modules carrying it.
+AUTO_WAIT_ATTR = "kiln.auto_wait"
 ARGS_ATTR = "kiln.op_args"  # the parameters of a parameterised inline-asm op (shape, dtype, ...)
 
 # Async counters and groups an op may add to (Effects.counter).

@@ -1,20 +1,20 @@
 """Tutorial 4: matmul with a fused epilogue, ``C = gelu(A @ B + bias)``, portable.
 
 ``A`` (M x K) and ``B`` (K x N) are bf16, ``bias`` (N) f32, ``C`` (M x N) bf16; M, N and K may
-all be ragged. Each block computes a ``BM x BN`` tile of C: per K step it copies a tile of A and
-of B into shared memory (``cp.async`` on sm_80+ where ``align=16`` promises aligned rows, vector
-loads elsewhere; masked rows and columns read as 0, which adds nothing), and ``kiln.gemm``
-multiplies them with the target's MMA (``mma.sync`` fed by ``ldmatrix`` on NVIDIA, the
-double-rate MFMA on gfx950) into an accumulator whose register layout Kiln derives.
-``kiln.tiles.operand_swizzle`` picks the shared tiles' XOR swizzle that keeps the operand reads
-free of bank conflicts. The epilogue is plain tile math on that accumulator: the bias is a 1-D
-tensor read as a tile (every row the same), GELU is the tanh form written as a sigmoid,
-``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the unmasked part.
-
-Two shared stages overlap the copies of the next K step with the multiply of this one. The
-``cp.async`` waits are not in the program: ``kiln-insert-waits`` places them (``wait_group 3``
-then ``2`` before each stage's barrier: the A and B groups of the other stage may still fly).
-Issue 41's ``kiln.pipeline`` is to write this schedule for any number of stages.
+all be ragged. Each block computes a ``BM x BN`` tile of C (blocks visit the tiles in grouped
+order: ``GROUP_M`` row tiles sweep the columns together, so they share B tiles in L2).
+``kiln.pipeline`` runs the K loop over ``STAGES`` pairs of shared tiles: ``fetch`` copies a K
+step's tiles of A and B into one stage (``cp.async`` on sm_80+ where ``align=16`` promises
+aligned rows, vector loads elsewhere; masked rows and columns read as 0, which adds nothing)
+while ``kiln.gemm`` multiplies an earlier stage with the target's MMA into an accumulator whose
+register layout Kiln derives. ``kiln.tiles.operand_tile`` lays each shared tile out for that
+MMA: WGMMA's 128-byte-swizzled chunks on sm_90a (two warpgroups, each 64 rows of a 128 x 256
+tile, one WGMMA group kept in flight), ``mma.sync`` fed by ``ldmatrix`` on sm_80, the
+double-rate MFMA on gfx950. No wait is in the program: ``kiln-insert-waits`` places the
+``cp.async`` and WGMMA waits (docs/tiles.md has the schedule). The epilogue is plain tile math
+on the accumulator: the bias is a 1-D tensor read as a tile (every row the same), GELU is the
+tanh form written as a sigmoid, ``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the
+unmasked part.
 
 Run: ``python examples/tutorials/matmul.py``.
 """
@@ -26,6 +26,7 @@ import numpy as np
 
 import kiln
 from kiln import bf16, f32, i32
+from kiln.kernel import default_target
 from kiln.runtime.cuda import cuda_available
 
 SQRT_2_OVER_PI = 0.7978845608028654
@@ -34,30 +35,27 @@ SQRT_2_OVER_PI = 0.7978845608028654
 @kiln.kernel(num_threads="THREADS")
 def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tensor[f32],
                   c: kiln.Tensor[bf16, 2], m: i32, n: i32, k: i32, BM: kiln.constexpr,
-                  BN: kiln.constexpr, BK: kiln.constexpr, THREADS: kiln.constexpr,
-                  ALIGN: kiln.constexpr):
-    row0 = kiln.block_id(0) * BM
-    col0 = kiln.block_id(1) * BN
-    # two stages: while one pair of tiles is multiplied, the copies into the other fly
-    a_s = [kiln.SharedTile((BM, BK), bf16, swizzle=kiln.tiles.operand_swizzle((BM, BK), bf16))
-           for _ in range(2)]
-    b_s = [kiln.SharedTile((BK, BN), bf16, swizzle=kiln.tiles.operand_swizzle((BK, BN), bf16))
-           for _ in range(2)]
+                  BN: kiln.constexpr, BK: kiln.constexpr, STAGES: kiln.constexpr,
+                  GROUP_M: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr):
+    # grouped order: GROUP_M row tiles sweep the columns together, sharing B tiles in L2
+    pid, tiles_m, tiles_n = kiln.block_id(0), (m + BM - 1) // BM, (n + BN - 1) // BN
+    first = pid // (GROUP_M * tiles_n) * GROUP_M
+    rows = kiln.min(tiles_m - first, GROUP_M)
+    row0 = (first + pid % (GROUP_M * tiles_n) % rows) * BM
+    col0 = pid % (GROUP_M * tiles_n) // rows * BN
+    # one pair of shared tiles per stage, laid out for the target's MMA (WGMMA on sm_90a)
+    a_s = [kiln.tiles.operand_tile((BM, BK), bf16, "a") for _ in range(STAGES)]
+    b_s = [kiln.tiles.operand_tile((BK, BN), bf16, "b") for _ in range(STAGES)]
 
-    def fetch(stage, k0):
+    def fetch(k0, s):   # masked rows and columns read as 0, which adds nothing
         kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k, align=ALIGN),
-                  a_s[stage])
+                  a_s[s])
         kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=k, col_end=n, align=ALIGN),
-                  b_s[stage])
+                  b_s[s])
 
     acc = kiln.accumulator(a_s[0], b_s[0])
-    fetch(0, 0)
-    for k0 in kiln.range(0, k, 2 * BK):
-        for stage in kiln.static_range(2):
-            fetch(1 - stage, k0 + (stage + 1) * BK)   # past k: masked, reads nothing
-            kiln.barrier()
-            acc = kiln.gemm(a_s[stage], b_s[stage], acc)
-            kiln.barrier()
+    for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch):
+        acc = kiln.gemm(a_s[it.stage], b_s[it.stage], acc)
     x = acc + kiln.load(kiln.GlobalTile(bias, (BM, BN), (0, col0), col_end=n), acc.layout)
     z = (x + 0.044715 * x * x * x) * (2.0 * SQRT_2_OVER_PI)
     y = x * kiln.rcp(1.0 + kiln.exp(-z))
@@ -65,7 +63,14 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
                                                   col_end=n))
 
 
-BM, BN, BK, THREADS = 128, 128, 32, 256
+def config(target: str | None) -> dict:
+    """Tile sizes per target: 128 x 256 x 64 over two WGMMA warpgroups and 4 stages on
+    sm_90a (4 x 48 KB of shared tiles: two stages of copies in flight beside the WGMMA
+    group); 128 x 128 x 32, 8 warps, 3 stages elsewhere."""
+    name = target or default_target()
+    if name.startswith("sm_90"):
+        return dict(BM=128, BN=256, BK=64, STAGES=4, GROUP_M=8, THREADS=256)
+    return dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, THREADS=256)
 
 
 def alignment(k: int, n: int, *arrays) -> int:
@@ -79,11 +84,11 @@ def alignment(k: int, n: int, *arrays) -> int:
 def matmul(a, b, bias, c, *, backend: str = "gpu", target: str | None = None):
     """``c = gelu(a @ b + bias)`` (tanh GELU) for bf16 ``a``, ``b``, ``c`` and f32 ``bias``."""
     (m, k), n = a.shape, b.shape[1]
-    grid = (-(-m // BM), -(-n // BN))
+    cfg = config(target)
+    grid = (-(-m // cfg["BM"]) * -(-n // cfg["BN"]),)
     launch = matmul_kernel.interpret[grid] if backend == "interpret" else matmul_kernel[grid]
     extra = {"target": target} if target else {}
-    launch(a, b, bias, c, m, n, k, BM=BM, BN=BN, BK=BK, THREADS=THREADS,
-           ALIGN=alignment(k, n, a, b), **extra)
+    launch(a, b, bias, c, m, n, k, **cfg, ALIGN=alignment(k, n, a, b), **extra)
     return c
 
 

@@ -1,0 +1,130 @@
+"""``kiln.pipeline(lo, hi, step, stages=N, fetch=fn)``: a software-pipelined ``kiln.range``.
+
+The loop runs the body once per ``step`` from ``lo`` while ``fetch(k, stage)`` — the user's
+copies of step ``k``'s tiles into stage ``stage``'s shared tiles — runs ``D`` steps ahead, so
+``D`` steps of copies are in flight while the body computes. The loop is an ``scf.for`` over
+groups of ``N`` steps, unrolled by ``N`` so every stage index is a Python int (each stage's
+tiles are their own allocations, which the wait analysis tells apart):
+
+====================  ==========================================================================
+before the loop       ``fetch(lo + j * step, j)`` for ``j < D``
+step ``i``            ``kiln.barrier()``; ``body(it)``; ``fetch(k_i + D * step, (i + D) % N)``
+after the loop        on sm_90a, when the body issued WGMMA groups, ``wgmma.wait_group(0)``
+====================  ==========================================================================
+
+The waits inside are ``kiln-insert-waits``': before step ``i``'s barrier, the
+``cp.async.wait_group`` that retires stage ``i % N``'s copies and (WGMMA) the
+``wgmma.wait_group`` that retires the group which read the stage the step's fetch refills.
+``D = N - 1`` for synchronous MMAs (``mma.sync``, MFMA): after step ``i``'s barrier every warp
+is done reading stage ``(i - 1) % N``, which the fetch overwrites. With WGMMA ``D = N - 2``
+(``N = 2``: 1): the fetch refills the stage of step ``i - 2``, whose group every warpgroup
+retired before step ``i``'s barrier (``wait_group 1``: step ``i - 1``'s group stays in flight
+while step ``i``'s is issued). The body sees ``it.k`` (the step's first index, traced) and
+``it.stage`` (an int). Steps past ``hi`` (up to ``N - 1`` of them, when ``(hi - lo) / step``
+is not a multiple of ``N``) and their fetches run too: masks on the fetched GlobalTiles
+(``col_end=k``) make them read fill values, zeros that add nothing to a product. On sm_90a
+the loop runs at least one group of steps even when ``hi <= lo``, and its last WGMMA group is
+retired right after it: a loop exit that may merge in-flight accumulators with the zero-trip
+path has ptxas serialise every WGMMA.
+
+Example (the matmul tutorial's main loop)::
+
+    def fetch(k0, s):
+        kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k, align=16), a_s[s])
+        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=k, col_end=n, align=16), b_s[s])
+
+    for it in kiln.pipeline(0, k, BK, stages=3, fetch=fetch):
+        acc = kiln.gemm(a_s[it.stage], b_s[it.stage], acc)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import builder, ops
+from .core.errors import KilnTypeError, KilnValueError
+from .tile_gemm_wgmma import GROUPS_ATTR
+from .trace_runtime import TracedRange, for_stmt
+from .values import Value
+from . import wgmma
+
+MAX_STAGES = 8
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a :func:`pipeline` loop: ``k`` (traced) and ``stage`` (a Python int)."""
+
+    k: Any
+    stage: int
+
+
+class Pipeline(TracedRange):
+    """The loop object :func:`pipeline` returns; drives a ``for`` statement in a kernel."""
+
+    def __init__(self, lo: Any, hi: Any, step: int, *, stages: int, fetch: Callable):
+        super().__init__(lo, hi, step)
+        if not isinstance(stages, int) or isinstance(stages, bool) \
+                or not 2 <= stages <= MAX_STAGES:
+            raise KilnValueError(f"kiln.pipeline stages={stages!r} must be an int in "
+                                 f"2..{MAX_STAGES}", fix="use 2 to 4 stages")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise KilnTypeError(f"kiln.pipeline step must be a Python int, got {step!r}",
+                                fix="pass the tile's K extent, a kiln.constexpr")
+        if not callable(fetch):
+            raise KilnTypeError(f"kiln.pipeline fetch must be a function (k, stage), got "
+                                f"{fetch!r}", fix="def fetch(k0, s): kiln.copy(..., a_s[s])")
+        self.stages, self.fetch = stages, fetch
+        # WGMMA: one group stays in flight across a step, so the fetch goes one stage less ahead
+        in_flight = min(1, stages - 2) if builder.current_target().has_wgmma else 0
+        self.ahead = stages - 1 - in_flight
+
+    def __kiln_for__(self, body_fn: Callable, names, initial: list, objects: list) -> tuple:
+        """Trace the prologue, then an ``scf.for`` whose body runs the ``stages`` steps (module
+        table); returns the values of ``names`` after the loop (as ``for_stmt``)."""
+        n, step = self.stages, self.step
+        for j in range(self.ahead):
+            self.fetch(self.lo + j * step, j)
+
+        def group(k0, *args):
+            values = list(args)
+            for i in range(n):
+                k = k0 + i * step
+                ops.barrier()
+                out = list(body_fn(Step(k, i), *values))
+                self.fetch(k + self.ahead * step, (i + self.ahead) % n)
+                values = out
+            return tuple(values)
+
+        state = builder.current()
+        before = getattr(state, GROUPS_ATTR, 0)
+        # at least one group of steps (masked when hi <= lo): a loop that may not run has a
+        # zero-trip exit path whose moves into the accumulators make ptxas serialise WGMMA
+        hi = self.hi
+        if builder.current_target().has_wgmma and isinstance(hi, Value):
+            hi = ops.maximum(hi, self.lo + 1)
+        results = for_stmt(TracedRange(self.lo, hi, n * step), group, names, initial, objects)
+        if getattr(state, GROUPS_ATTR, 0) != before:
+            # retire the last group right after the loop: with the wait further down (before
+            # the epilogue's first read) ptxas serialises every WGMMA
+            wgmma.wait_group(0)
+        return results
+
+
+def pipeline(*args, stages: int, fetch: Callable) -> Pipeline:
+    """``for it in kiln.pipeline(lo, hi, step, stages=N, fetch=fn)``: a ``kiln.range`` whose
+    copies (``fn(k, stage)``) run ahead of the body in ``N`` shared-memory stages (see the
+    module docs for the schedule and the waits).
+
+    Example: ``for it in kiln.pipeline(0, k, BK, stages=3, fetch=fetch): acc =
+    kiln.gemm(a_s[it.stage], b_s[it.stage], acc)``.
+    """
+    if len(args) != 3:
+        raise KilnTypeError(f"kiln.pipeline takes (lo, hi, step), got {len(args)} bounds",
+                            fix="kiln.pipeline(0, k, BK, stages=3, fetch=fetch)")
+    lo, hi, step = args
+    return Pipeline(lo, hi, step, stages=stages, fetch=fetch)
+
+
+__all__ = ["pipeline", "Pipeline", "Step"]
