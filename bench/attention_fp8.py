@@ -6,7 +6,8 @@ bf16 ``randn`` q/k/v, quantised per (batch, head) to e4m3 with FlashAttention-3'
 (``[B, H]``: amax / 448); the bf16 prefill runs on the bf16 inputs.
 
 Method: each shape is checked first (the FP8 output against the bf16 prefill of the
-*dequantised* FP8 inputs: max abs error < ``MAX_ERROR``, NaN fails; exact checks against
+*dequantised* FP8 inputs: max abs error below FP8's bound ``2**-4 max|v| + 2**-7 max|o|`` (P's
+e4m3 rounding, at most ``2**-4 sum_j P_j |v_j|``, plus bf16's), NaN fails; exact checks against
 float64 live in ``tests/test_attention_prefill_fp8.py``), then both are timed with CUDA events
 (``--repeat`` samples of ``--batch`` calls queued behind a busy stream, median: kernel time,
 no host time, for both alike; ``timing.queued_ms``). TFLOP/s = 4 * B * H * S^2 * D / time,
@@ -29,7 +30,6 @@ HIDDEN = 2048
 HEAD_DIM = 128
 SEQS = (4096, 8192, 16384)
 FP8_MAX = 448.0
-MAX_ERROR = 6e-2  # P in e4m3 (3 mantissa bits) against a bf16 P: measured ~1e-2 on randn
 
 
 def parse_args(argv=None):
@@ -72,8 +72,10 @@ def bench_row(row: dict, args) -> dict:
     out = fp8()
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     error = (out.float() - reference).abs().max().item()
-    if not error < MAX_ERROR:  # also catches NaN
-        raise SystemExit(f"FP8 prefill wrong at {row}: max abs error {error} vs bf16")
+    bound = 2 ** -4 * dequantised[2].float().abs().max().item() + \
+        2 ** -7 * reference.abs().max().item()
+    if not error < bound:  # also catches NaN
+        raise SystemExit(f"FP8 prefill wrong at {row}: max abs error {error} > {bound:.4f}")
     flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
     result = dict(row, max_abs_error=error)
     result["fp8_tflops"] = flops / queued_ms(fp8, args.repeat, args.batch) / 1e9
