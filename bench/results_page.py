@@ -148,6 +148,23 @@ TABLES = {
          ".0f"),
         ("PTX ms", lambda row, doc: row["stages"].get("ptx"), ".0f"),
         ("ptxas ms", lambda row, doc: row["stages"].get("cubin"), ".0f")]),
+    "tutorials": ("Tile-level tutorials vs Triton's tutorial kernels (and cuBLAS, Kiln's "
+                  "prefill); lines = kernel code", [
+        ("tutorial", _get("op"), "s"), ("shape", _get("shape"), "s"),
+        ("causal", _get("causal"), "s"), ("Kiln GB/s", _get("kiln_gbs"), ".0f"),
+        ("Triton GB/s", _get("triton_gbs"), ".0f"), ("Kiln / copy", _get("of_copy"), ".2f"),
+        ("Kiln TFLOP/s", _get("kiln_tflops"), ".0f"),
+        ("Triton TFLOP/s", _get("triton_tflops"), ".0f"),
+        ("cuBLAS TFLOP/s", _get("cublas_tflops"), ".0f"),
+        ("prefill TFLOP/s", _get("prefill_tflops"), ".0f"),
+        ("Kiln / Triton", _get("vs_triton"), ".2f"), ("Kiln / cuBLAS", _get("vs_cublas"), ".2f"),
+        ("Kiln / prefill", _get("vs_prefill"), ".2f"),
+        ("lines Kiln", _get("kiln_lines"), "d"), ("lines Triton", _get("triton_lines"), "d")]),
+    "attention_fp8": ("FP8 (e4m3) prefill vs Kiln's bf16 prefill, D 128; TFLOP/s", [
+        ("B", _get("batch"), "d"), ("seq", _get("seq"), "d"), ("heads", _get("heads"), "d"),
+        ("causal", _get("causal"), "s"), ("FP8", _get("fp8_tflops"), ".0f"),
+        ("bf16", _get("bf16_tflops"), ".0f"), ("FP8 / bf16", _get("ratio_fp8_vs_bf16"), ".2f"),
+        ("max abs error vs bf16 of dequantised", _get("max_abs_error"), ".4f")]),
 }
 TABLES["combine-small"] = ("Split-KV combine, small calls", TABLES["combine"][1])
 TABLES["attention_head_dims"] = ("Attention prefill at other head dims and softcap vs torch SDPA "
@@ -155,7 +172,8 @@ TABLES["attention_head_dims"] = ("Attention prefill at other head dims and softc
     *TABLES["attention"][1][:4], ("Dv", _get("dv"), "d"), ("softcap", _get("softcap"), "g"),
     *TABLES["attention"][1][4:]])
 ORDER = ("decode", "attention", "attention_head_dims", "combine", "combine-small", "mla_decode",
-         "gemm", "gemm_grouped", "gemm_llm", "gemm_fp8", "launch_overhead", "compile_time")
+         "attention_fp8", "gemm", "gemm_grouped", "gemm_llm", "gemm_fp8", "tutorials",
+         "launch_overhead", "compile_time")
 
 
 def load_results(directory: pathlib.Path = RESULTS_DIR) -> list[dict]:

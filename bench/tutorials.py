@@ -44,6 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from results_io import write_results  # noqa: E402
 from timing import queued_ms, time_ms  # noqa: E402
 
 
@@ -387,12 +388,10 @@ def main() -> None:
     if wanted("attention"):
         rows += bench_attention(args, lines["attention"])
     print(f"copy bandwidth {copy_gbs:.0f} GB/s")
-    summary = {"benchmark": "tutorials", "device": torch.cuda.get_device_name(0),
-               "copy_gbs": copy_gbs, "rows": rows,
-               "lines": {k: {"kiln": v[0], "triton": v[1]} for k, v in lines.items()}}
+    line_counts = {k: {"kiln": v[0], "triton": v[1]} for k, v in lines.items()}
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary))
+        write_results(args.json, "tutorials", rows, torch, copy_gbs=copy_gbs, lines=line_counts)
+    print(json.dumps({"copy_gbs": copy_gbs, "lines": line_counts, "rows": rows}))
 
 
 if __name__ == "__main__":
