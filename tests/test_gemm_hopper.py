@@ -127,6 +127,9 @@ def test_bad_requests_raise_kiln_errors():
         compile_matmul("f32", target="sm_90a")
     with pytest.raises(kiln.UnsupportedError, match="WGMMA"):
         compile_matmul("bf16", target="sm_80")
+    x = np.ones((8, 8), ml_dtypes.bfloat16)
+    with pytest.raises(kiln.UnsupportedError, match="WGMMA"):  # not a shared-memory overflow
+        matmul(x, x, target="sm_80", backend="interpret")
     with pytest.raises(kiln.UnsupportedError, match="block_n"):
         HopperGemmConfig(block_n=320)
     with pytest.raises(kiln.ResourceError, match="register file"):

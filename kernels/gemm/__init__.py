@@ -222,6 +222,9 @@ def _matmul(a, b, trans_b, out_dtype, target, backend, config=None):
                                   f"{'.T' if trans_b else ''} do not agree on K",
                                   fix="pass A: M x K and B: K x N (or N x K with trans_b=True)")
     check_backend(backend)
+    if not chip.is_amd and not chip.has_wgmma:  # the interpreter runs the same WGMMA kernel
+        raise kiln.UnsupportedError(f"the Kiln GEMM needs WGMMA (sm_90a); {chip.name} has none",
+                                    fix="pass target='sm_90a' (or gfx950 on AMD)")
     if m * n * k == 0:  # nothing to multiply: an empty C, or zeros for K = 0
         return empty_like(a, (m, n), kiln.dtype(out), fill=0.0)
     if chip.is_amd and backend != "interpret":
