@@ -344,9 +344,6 @@ def release_point(op: ir.Operation) -> ir.Operation:
     return point
 
 
-_NO_CYCLE = 1 << 30  # a walk that closed no cycle above its value
-
-
 class WaitAnalysis:
     """Forward dataflow over one ``gpu.func``.
 
@@ -457,33 +454,51 @@ class WaitAnalysis:
         values share long forwarding chains, which a walk per operand revisited)."""
         found = self._operand_events.get(value)
         if found is None:
-            found, _ = self._reaching(value, {})
+            self._reach_components(value)
+            found = self._operand_events[value]
         return found
 
-    def _reaching(self, value: ir.Value, stack: dict) -> tuple[set, int]:
-        """``(events reaching value, lowest stack depth of a cycle it closed)``. A value whose
-        walk closed a cycle only through itself or deeper is complete and memoised; one that
-        reached an ancestor still on the stack misses that ancestor's other inputs, so it is
-        walked again when met outside that cycle."""
-        found = self._operand_events.get(value)
-        if found is not None:
-            return found, _NO_CYCLE
-        if value in stack:
-            return set(), stack[value]
-        depth = stack[value] = len(stack)
-        found, low = set(), _NO_CYCLE
-        for source in self._sources(value):
-            if isinstance(source, Step):
-                found.add(source)
-                continue
-            events, closed = self._reaching(source, stack)
-            found |= events
-            low = min(low, closed)
-        del stack[value]
-        if low >= depth:
-            self._operand_events[value] = found
-            return found, _NO_CYCLE
-        return found, low
+    def _reach_components(self, root: ir.Value) -> None:
+        """Memoise the events reaching every value met from ``root``, one strongly connected
+        component at a time (Tarjan): values of one loop-carried cycle reach the same events,
+        so each is walked once however many cycles an unrolled pipeline interleaves."""
+        index: dict = {}
+        low: dict = {}
+        stack: list = []
+        edges: dict = {}  # value -> (events it reads directly, values it forwards)
+
+        def visit(value) -> None:
+            index[value] = low[value] = len(index)
+            stack.append(value)
+            direct, forwarded = set(), []
+            for source in self._sources(value):
+                if isinstance(source, Step):
+                    direct.add(source)
+                elif source in self._operand_events:  # a finished component
+                    direct |= self._operand_events[source]
+                else:
+                    if source not in index:
+                        visit(source)
+                        low[value] = min(low[value], low[source])
+                    elif source not in self._operand_events:  # still on the stack
+                        low[value] = min(low[value], index[source])
+                    forwarded.append(source)
+            edges[value] = (direct, forwarded)
+            if low[value] != index[value]:
+                return
+            component = [stack.pop()]
+            while component[-1] != value:
+                component.append(stack.pop())
+            found = set()
+            for member in component:
+                direct, forwarded = edges[member]
+                found |= direct
+                for source in forwarded:  # members of this component add nothing new
+                    found |= self._operand_events.get(source, set())
+            for member in component:
+                self._operand_events[member] = found
+
+        visit(root)
 
     def _sources(self, value: ir.Value) -> list:
         """What feeds ``value``: the event Step that produced it, or the values it forwards."""
