@@ -246,3 +246,18 @@ def test_pipeline_rejects_bad_arguments():
 def _bad_fetch(x: kiln.Tensor[f32]):
     for it in kiln.pipeline(0, 4, 1, stages=2, fetch=None):
         x[it.k] = 1.0
+
+
+@pytest.mark.lower
+def test_wait_analysis_walks_each_value_once_per_pipeline(monkeypatch):
+    """The events reaching a value are found per strongly connected component: a 4-stage
+    mma.sync pipeline interleaves many loop-carried cycles, which a walk per cycle re-entered
+    millions of times (41 s to compile)."""
+    from kiln.passes.wait_analysis import WaitAnalysis
+
+    calls = []
+    sources = WaitAnalysis._sources
+    monkeypatch.setattr(WaitAnalysis, "_sources", lambda self, v: calls.append(1) or
+                        sources(self, v))
+    _compile(4, "sm_80", BM=64, BN=64, BK=32, THREADS=128)
+    assert 0 < len(calls) < 20_000, len(calls)
