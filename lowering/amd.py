@@ -3,7 +3,7 @@
 The rocdl stage converts the gpu.module to the LLVM dialect with ROCDL intrinsics; LLVM IR is
 translated in-process, then optimised and compiled by llvmlite's AMDGPU backend (assembly
 and an ELF object). ``ld.lld``, when present, links the object into a loadable ``hsaco``.
-Resource usage comes from the object's code-object notes (``llvm-readelf --notes``).
+Resource usage comes from the assembly's ``.amdgpu_metadata`` (the code-object notes' YAML).
 :class:`AmdBackend` adds the assembly-level wait and schedule proofs.
 
 Example::
@@ -25,9 +25,9 @@ from mlir import ir
 
 from kiln.core.errors import CompilationError, UnsupportedError, source_loc_from_mlir
 from kiln.lowering import isa_amdgpu
-from kiln.lowering.metadata import AMD_KEYS, parse_amd_notes
+from kiln.lowering.metadata import parse_amd_notes
 from kiln.lowering.pipeline import Backend, CompileState, make_gpu, run_passes
-from kiln.lowering.tools import llvm_tool, stage_tool
+from kiln.lowering.tools import stage_tool
 from kiln.lowering.translate import device_llvm_ir
 from kiln.lowering.verify_schedule import verify_schedule
 
@@ -155,6 +155,8 @@ def make_amdgcn(state: CompileState) -> str:
         with state.step("amdgcn", "emit"):
             asm = machine.emit_assembly(module)
         module.close()
+    # the assembly carries the code object's metadata: no object or llvm-readelf needed
+    state.metadata.update(parse_amd_notes(asm, state.kernel))
     return asm
 
 
@@ -165,21 +167,7 @@ def make_obj(state: CompileState) -> bytes:
         with state.step("obj", "emit"):
             obj = machine.emit_object(module)
         module.close()
-    with state.step("obj", "readelf"):
-        state.metadata.update(read_amd_metadata(obj, state.kernel))
     return obj
-
-
-def read_amd_metadata(obj: bytes, kernel: str) -> dict:
-    """Register, scratch and LDS usage of ``kernel`` from an AMDGPU object's notes."""
-    readelf = llvm_tool("llvm-readelf")
-    if readelf is None:
-        return dict.fromkeys(AMD_KEYS)
-    with tempfile.TemporaryDirectory(prefix="kiln-amd-") as tmp:
-        path = Path(tmp) / "kernel.o"
-        path.write_bytes(obj)
-        done = subprocess.run([str(readelf), "--notes", str(path)], capture_output=True, text=True)
-    return parse_amd_notes(done.stdout, kernel)
 
 
 def make_hsaco(state: CompileState) -> bytes | None:

@@ -1,4 +1,4 @@
-"""Resource usage reported by the vendor tools: ``ptxas -v`` text and AMD code-object notes.
+"""Resource usage reported by the vendor tools: ``ptxas -v`` text and AMD code-object metadata.
 
 Example::
 
@@ -70,7 +70,8 @@ def parse_ptxas_verbose(text: str, kernel: str) -> dict:
 
 
 def parse_amd_notes(text: str, kernel: str) -> dict:
-    """VGPR/AGPR/SGPR counts, scratch and LDS bytes of ``kernel`` from ``llvm-readelf --notes``.
+    """VGPR/AGPR/SGPR counts, scratch and LDS bytes of ``kernel`` from the ``amdhsa.kernels``
+    YAML: the assembly's ``.amdgpu_metadata`` block, or ``llvm-readelf --notes`` of an object.
 
     The notes hold an ``amdhsa.kernels`` YAML list; each kernel's own fields sit at one
     indentation (its ``.args`` entries, which also have ``.name``, sit deeper).

@@ -1,6 +1,14 @@
 """Parsers for ptxas -v output and AMD code-object notes, fed recorded tool output."""
 
-from kiln.lowering.metadata import parse_amd_notes, parse_ptxas_verbose
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+import kiln
+from kiln.lowering.metadata import AMD_KEYS, parse_amd_notes, parse_ptxas_verbose
+from kiln.lowering.tools import llvm_tool
 
 # ptxas 13.0 -v for two kernels; the second spills, uses shared memory and has its WGMMAs
 # serialised.
@@ -87,3 +95,31 @@ def test_amd_notes_per_kernel():
 
 def test_amd_argument_names_are_not_kernels():
     assert set(parse_amd_notes(AMD_NOTES, "x").values()) == {None}
+
+
+
+@kiln.kernel(num_threads=64)
+def scale_rows(x: kiln.Tensor[kiln.f32], y: kiln.Tensor[kiln.f32], n: kiln.i32):
+    i = kiln.block_id(0) * 64 + kiln.thread_id(0)
+    if i < n:
+        y[i] = x[i] * 3.0
+
+
+@pytest.mark.lower
+def test_amd_metadata_comes_from_the_assembly_and_matches_the_object_notes(tmp_path):
+    """The assembly's .amdgpu_metadata gives the resource keys without llvm-readelf (the GPU
+    machine has none); where llvm-readelf exists, the object's notes agree."""
+    x = np.ones(64, np.float32)
+    ck = scale_rows.compile(x, x, 64, target="gfx950")
+    found = {key: ck.metadata[key] for key in AMD_KEYS}
+    assert all(isinstance(v, int) for v in found.values()), found
+    assert found["vgpr_count"] > 0 and found["scratch_bytes"] == 0
+    readelf = llvm_tool("llvm-readelf")
+    if readelf is None or "obj" not in ck.asm:
+        pytest.skip("no llvm-readelf to compare the object's notes with")
+    obj = tmp_path / "kernel.o"
+    obj.write_bytes(ck.asm["obj"])
+    notes = subprocess.run([str(readelf), "--notes", str(obj)], capture_output=True,
+                           text=True).stdout
+    kernels = re.findall(r"^\s*\.name:\s*(\w+)\s*$", notes, re.M)
+    assert parse_amd_notes(notes, kernels[-1]) == found
