@@ -60,7 +60,7 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
     z = (x + 0.044715 * x * x * x) * (2.0 * SQRT_2_OVER_PI)
     y = x * kiln.rcp(1.0 + kiln.exp(-z))
     kiln.copy(kiln.cast(y, bf16), kiln.GlobalTile(c, (BM, BN), (row0, col0), row_end=m,
-                                                  col_end=n))
+                                                  col_end=n, align=ALIGN))
 
 
 def config(target: str | None) -> dict:
@@ -74,9 +74,9 @@ def config(target: str | None) -> dict:
 
 
 def alignment(k: int, n: int, *arrays) -> int:
-    """Bytes the 8-element chunks of A's and B's rows are aligned to: 16 when the rows (of
-    ``k`` and ``n`` bf16) keep the arrays' 16-byte start alignment, else 2 (the copies are then
-    synchronous: ``cp.async`` needs aligned sources)."""
+    """Bytes the 8-element chunks of A's, B's and C's rows are aligned to: 16 when the rows
+    (of ``k`` and ``n`` bf16) keep the arrays' 16-byte start alignment, else 2 (the copies are
+    then synchronous: ``cp.async`` needs aligned sources; C's pairs are stored as scalars)."""
     pointers = [a.data_ptr() for a in arrays if hasattr(a, "data_ptr")]
     return 16 if k % 8 == 0 and n % 8 == 0 and all(p % 16 == 0 for p in pointers) else 2
 
@@ -88,7 +88,7 @@ def matmul(a, b, bias, c, *, backend: str = "gpu", target: str | None = None):
     grid = (-(-m // cfg["BM"]) * -(-n // cfg["BN"]),)
     launch = matmul_kernel.interpret[grid] if backend == "interpret" else matmul_kernel[grid]
     extra = {"target": target} if target else {}
-    launch(a, b, bias, c, m, n, k, **cfg, ALIGN=alignment(k, n, a, b), **extra)
+    launch(a, b, bias, c, m, n, k, **cfg, ALIGN=alignment(k, n, a, b, c), **extra)
     return c
 
 
