@@ -48,10 +48,10 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
     b_s = [kiln.tiles.operand_tile((BK, BN), bf16, "b") for _ in range(STAGES)]
 
     def fetch(k0, s):   # masked rows and columns read as 0, which adds nothing
-        kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k, align=ALIGN),
-                  a_s[s])
-        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=k, col_end=n, align=ALIGN),
-                  b_s[s])
+        kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k, align=ALIGN,
+                                  col_multiple=ALIGN // 2), a_s[s])
+        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=k, col_end=n, align=ALIGN,
+                                  col_multiple=ALIGN // 2), b_s[s])
 
     acc = kiln.accumulator(a_s[0], b_s[0])
     for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch):
