@@ -5,15 +5,16 @@ all be ragged. Each block computes a ``BM x BN`` tile of C (blocks visit the til
 order: ``GROUP_M`` row tiles sweep the columns together, so they share B tiles in L2).
 ``kiln.pipeline`` runs the K loop over ``STAGES`` pairs of shared tiles: ``fetch`` copies a K
 step's tiles of A and B into one stage (``cp.async`` on sm_80+ where ``align=16`` promises
-aligned rows, vector loads elsewhere; masked rows and columns read as 0, which adds nothing)
-while ``kiln.gemm`` multiplies an earlier stage with the target's MMA into an accumulator whose
-register layout Kiln derives. ``kiln.tiles.operand_tile`` lays each shared tile out for that
-MMA: WGMMA's 128-byte-swizzled chunks on sm_90a (two warpgroups, each 64 rows of a 128 x 256
-tile, one WGMMA group kept in flight), ``mma.sync`` fed by ``ldmatrix`` on sm_80, the
-double-rate MFMA on gfx950. No wait is in the program: ``kiln-insert-waits`` places the
-``cp.async`` and WGMMA waits (docs/tiles.md has the schedule). The epilogue is plain tile math
-on the accumulator: the bias is a 1-D tensor read as a tile (every row the same), GELU is the
-tanh form written as a sigmoid, ``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the
+aligned rows, and ``col_multiple`` that K and N are multiples of 8, so each 16-byte chunk is
+copied whole or not at all; vector loads elsewhere; masked rows and columns read as 0, which
+adds nothing) while ``kiln.gemm`` multiplies an earlier stage with the target's MMA into an
+accumulator whose register layout Kiln derives. ``kiln.tiles.operand_tile`` lays each shared
+tile out for that MMA: WGMMA's 128-byte-swizzled chunks on sm_90a (two warpgroups, each 64 rows
+of a 128 x 256 tile, one WGMMA group kept in flight), ``mma.sync`` fed by ``ldmatrix`` on
+sm_80, the double-rate MFMA on gfx950. No wait is in the program: ``kiln-insert-waits`` places
+the ``cp.async`` and WGMMA waits (docs/tiles.md has the schedule). The epilogue is plain tile
+math on the accumulator: the bias is a 1-D tensor read as a tile (every row the same), GELU is
+the tanh form written as a sigmoid, ``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the
 unmasked part.
 
 Run: ``python examples/tutorials/matmul.py``.
