@@ -37,11 +37,14 @@ class GlobalTile:
     """A ``shape`` window of 2-D tensor ``tensor`` at ``origin``; tensor rows ``>= row_end``
     and columns ``>= col_end`` are masked (loads give ``fill``, stores skip them). A 1-D
     tensor is one row: ``GlobalTile(x, (1, BLOCK), (0, start), col_end=n)``; a taller tile of
-    it reads that row in every row (a bias broadcast down a GEMM tile)."""
+    it reads that row in every row (a bias broadcast down a GEMM tile). ``col_multiple=8``
+    promises that ``col_end`` is a multiple of 8: an aligned chunk of up to 8 elements is then
+    wholly inside or wholly masked, and ``cp.async`` copies it with a 0-or-16-byte source
+    size (a predicated copy, no partial zero fill)."""
 
     def __init__(self, tensor: TensorRef, shape: tuple[int, int], origin: tuple[Any, Any] = (0, 0),
                  *, row_end: Any = None, col_end: Any = None, fill: float = 0,
-                 align: int | None = None):
+                 align: int | None = None, col_multiple: int = 1):
         if not isinstance(tensor, TensorRef) or tensor.rank not in (1, 2):
             raise KilnTypeError(f"GlobalTile needs a 1-D or 2-D kiln.Tensor, got {tensor!r}",
                                 fix="declare the parameter as kiln.Tensor[dtype, 2]")
@@ -57,7 +60,13 @@ class GlobalTile:
                                   or align <= 0 or align & (align - 1)):
             raise KilnValueError(f"GlobalTile align must be a power-of-two byte count, got "
                                  f"{align!r}", fix="e.g. align=16 when rows start 16-byte aligned")
+        if isinstance(col_multiple, bool) or not isinstance(col_multiple, int) \
+                or col_multiple <= 0:
+            raise KilnValueError(f"GlobalTile col_multiple must be a positive int, got "
+                                 f"{col_multiple!r}", fix="e.g. col_multiple=8 when col_end "
+                                                          "is a multiple of 8")
         self.col_end, self.fill, self.align = col_end, fill, align
+        self.col_multiple = col_multiple
 
     @classmethod
     def ragged(cls, tensor: TensorRef, shape: tuple[int, int], *, start: Any, length: Any,

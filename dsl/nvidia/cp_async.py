@@ -87,19 +87,16 @@ def copy(dst: SharedTile, dst_pos: tuple[Any, Any], src: GlobalTile, src_pos: tu
     row, col = src.indices(*src_pos)
     valid = src.row_valid(src_pos[0])
     src_elements = None
-    if src.col_end is not None:
-        # Columns past col_end read nothing (zero-filled). A chunk with nothing to read still
-        # needs an address inside the tensor, and the tile may lie wholly past its end (the
-        # next K step of a pipeline): element (0, 0).
+    # A masked chunk keeps its (possibly out-of-bounds) address: cp.async with src-size 0
+    # reads nothing, and an address affine in the loop's k lets LLVM hoist its arithmetic.
+    if src.col_end is not None and src.col_multiple % width == 0:
+        # whole chunks (col_end a multiple of the width): a 0-or-width source size, which
+        # ptxas issues as a predicated copy instead of a partial zero fill
+        src_elements = _select(col < src.col_end, width, 0)
+    elif src.col_end is not None:
         src_elements = ops.minimum(ops.maximum(src.col_end - col, 0), width)
-        if valid is not None:
-            src_elements = _select(valid, src_elements, 0)
-        reads = src_elements > 0
-        row, col = _select(reads, row, 0), _select(reads, col, 0)
-    elif valid is not None:
-        # A masked row still needs an address inside the tensor: clamp it to the view's start.
-        row = _select(valid, row, src.origin[0])
-        src_elements = _select(valid, width, 0)
+    if valid is not None:
+        src_elements = _select(valid, width if src_elements is None else src_elements, 0)
     if src_elements is not None:
         src_elements = cast(src_elements, dt.index).ir
     dst_index = to_index(_as_i32(dst.offset(*dst_pos)))

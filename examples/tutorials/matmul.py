@@ -5,15 +5,16 @@ all be ragged. Each block computes a ``BM x BN`` tile of C (blocks visit the til
 order: ``GROUP_M`` row tiles sweep the columns together, so they share B tiles in L2).
 ``kiln.pipeline`` runs the K loop over ``STAGES`` pairs of shared tiles: ``fetch`` copies a K
 step's tiles of A and B into one stage (``cp.async`` on sm_80+ where ``align=16`` promises
-aligned rows, vector loads elsewhere; masked rows and columns read as 0, which adds nothing)
-while ``kiln.gemm`` multiplies an earlier stage with the target's MMA into an accumulator whose
-register layout Kiln derives. ``kiln.tiles.operand_tile`` lays each shared tile out for that
-MMA: WGMMA's 128-byte-swizzled chunks on sm_90a (two warpgroups, each 64 rows of a 128 x 256
-tile, one WGMMA group kept in flight), ``mma.sync`` fed by ``ldmatrix`` on sm_80, the
-double-rate MFMA on gfx950. No wait is in the program: ``kiln-insert-waits`` places the
-``cp.async`` and WGMMA waits (docs/tiles.md has the schedule). The epilogue is plain tile math
-on the accumulator: the bias is a 1-D tensor read as a tile (every row the same), GELU is the
-tanh form written as a sigmoid, ``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the
+aligned rows, and ``col_multiple`` that K and N are multiples of 8, so each 16-byte chunk is
+copied whole or not at all; vector loads elsewhere; masked rows and columns read as 0, which
+adds nothing) while ``kiln.gemm`` multiplies an earlier stage with the target's MMA into an
+accumulator whose register layout Kiln derives. ``kiln.tiles.operand_tile`` lays each shared
+tile out for that MMA: WGMMA's 128-byte-swizzled chunks on sm_90a (two warpgroups, each 64 rows
+of a 128 x 256 tile, one WGMMA group kept in flight), ``mma.sync`` fed by ``ldmatrix`` on
+sm_80, the double-rate MFMA on gfx950. No wait is in the program: ``kiln-insert-waits`` places
+the ``cp.async`` and WGMMA waits (docs/tiles.md has the schedule). The epilogue is plain tile
+math on the accumulator: the bias is a 1-D tensor read as a tile (every row the same), GELU is
+the tanh form written as a sigmoid, ``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the
 unmasked part.
 
 Run: ``python examples/tutorials/matmul.py``.
@@ -48,10 +49,10 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
     b_s = [kiln.tiles.operand_tile((BK, BN), bf16, "b") for _ in range(STAGES)]
 
     def fetch(k0, s):   # masked rows and columns read as 0, which adds nothing
-        kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k, align=ALIGN),
-                  a_s[s])
-        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=k, col_end=n, align=ALIGN),
-                  b_s[s])
+        kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k, align=ALIGN,
+                                  col_multiple=ALIGN // 2), a_s[s])
+        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=k, col_end=n, align=ALIGN,
+                                  col_multiple=ALIGN // 2), b_s[s])
 
     acc = kiln.accumulator(a_s[0], b_s[0])
     for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch):
@@ -60,7 +61,7 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
     z = (x + 0.044715 * x * x * x) * (2.0 * SQRT_2_OVER_PI)
     y = x * kiln.rcp(1.0 + kiln.exp(-z))
     kiln.copy(kiln.cast(y, bf16), kiln.GlobalTile(c, (BM, BN), (row0, col0), row_end=m,
-                                                  col_end=n))
+                                                  col_end=n, align=ALIGN))
 
 
 def config(target: str | None) -> dict:
@@ -74,9 +75,9 @@ def config(target: str | None) -> dict:
 
 
 def alignment(k: int, n: int, *arrays) -> int:
-    """Bytes the 8-element chunks of A's and B's rows are aligned to: 16 when the rows (of
-    ``k`` and ``n`` bf16) keep the arrays' 16-byte start alignment, else 2 (the copies are then
-    synchronous: ``cp.async`` needs aligned sources)."""
+    """Bytes the 8-element chunks of A's, B's and C's rows are aligned to: 16 when the rows
+    (of ``k`` and ``n`` bf16) keep the arrays' 16-byte start alignment, else 2 (the copies are
+    then synchronous: ``cp.async`` needs aligned sources; C's pairs are stored as scalars)."""
     pointers = [a.data_ptr() for a in arrays if hasattr(a, "data_ptr")]
     return 16 if k % 8 == 0 and n % 8 == 0 and all(p % 16 == 0 for p in pointers) else 2
 
@@ -88,7 +89,7 @@ def matmul(a, b, bias, c, *, backend: str = "gpu", target: str | None = None):
     grid = (-(-m // cfg["BM"]) * -(-n // cfg["BN"]),)
     launch = matmul_kernel.interpret[grid] if backend == "interpret" else matmul_kernel[grid]
     extra = {"target": target} if target else {}
-    launch(a, b, bias, c, m, n, k, **cfg, ALIGN=alignment(k, n, a, b), **extra)
+    launch(a, b, bias, c, m, n, k, **cfg, ALIGN=alignment(k, n, a, b, c), **extra)
     return c
 
 
