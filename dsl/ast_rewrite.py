@@ -483,14 +483,17 @@ def _compile_factory(fn: Callable) -> types.CodeType:
 
 def _rewrite_source(fn: Callable, source: str, filename: str) -> types.CodeType:
     """Parse, rewrite and compile ``fn``'s (dedented) source into the factory's code."""
-    tree = ast.parse(source)
+    # parsed at its own first line (blank lines before it), not moved there by
+    # ast.increment_lineno's walk of the whole tree
+    tree = ast.parse("\n" * (fn.__code__.co_firstlineno - 1) + source)
     fdef = tree.body[0]
     if not isinstance(fdef, ast.FunctionDef):
         raise KilnValueError(f"{fn.__qualname__} is not a plain `def` function",
                              fix="decorate a `def` (lambdas and async functions are not supported)")
-    ast.increment_lineno(tree, fn.__code__.co_firstlineno - 1)
     fdef.decorator_list = []
-    fdef.body = _Rewriter(filename, share=not _declares_outer_names(fdef))._stmts(fdef.body)
+    # a source without the keywords declares nothing: no walk of the tree
+    declares = ("global" in source or "nonlocal" in source) and _declares_outer_names(fdef)
+    fdef.body = _Rewriter(filename, share=not declares)._stmts(fdef.body)
     freevars = fn.__code__.co_freevars
     fdef.returns = None
     for a in fdef.args.posonlyargs + fdef.args.args + fdef.args.kwonlyargs:
