@@ -260,7 +260,13 @@ def _shareable(stmts, in_loop: bool = False) -> bool:
             if isinstance(node, ast.Name) and node.id in _INTROSPECTION:
                 return False
             inner = looped or isinstance(node, (ast.For, ast.While))
-            stack.extend((child, inner) for child in ast.iter_child_nodes(node))
+            # the children, read off the fields directly (ast.iter_child_nodes is a generic
+            # walk; the visiting order does not matter here)
+            for value in node.__dict__.values():
+                if isinstance(value, list):
+                    stack.extend((child, inner) for child in value if isinstance(child, ast.AST))
+                elif isinstance(value, ast.AST):
+                    stack.append((value, inner))
     return True
 
 
