@@ -88,49 +88,48 @@ def _function(name: str, params, body) -> ast.FunctionDef:
     return ast.FunctionDef(name=name, args=args, body=body, decorator_list=[], returns=None)
 
 
-class _Names(ast.NodeVisitor):
-    """Names a region rebinds (``stored``) and names it reads (``loaded``).
-
-    Loaded names matter for ``@kiln.struct`` objects mutated in place (``s.m = v`` or a method
-    call such as ``s.update(v)``): the runtime carries every struct the region can reach.
-    """
-
-    def __init__(self):
-        self.stored: list[str] = []
-        self.loaded: list[str] = []
-        self.inner_scope = 0  # inside a nested def/lambda/comprehension: its stores are its own
-
-    @staticmethod
-    def _add(names: list[str], name: str):
-        if name not in names and not name.startswith("__kiln_"):
-            names.append(name)
-
-    def visit_Name(self, node):
-        if not isinstance(node.ctx, ast.Store):
-            self._add(self.loaded, node.id)
-        elif not self.inner_scope:
-            self._add(self.stored, node.id)
-
-    def _inner(self, node):
-        self.inner_scope += 1
-        self.generic_visit(node)  # a nested scope can still read and mutate a struct
-        self.inner_scope -= 1
-
-    def visit_FunctionDef(self, node):
-        if not self.inner_scope:
-            self._add(self.stored, node.name)
-        self._inner(node)
-
-    visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
-    visit_Lambda = visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _inner
+# Nodes that open a scope of their own: the names they store are not the region's.
+_NAMED_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+_ANONYMOUS_SCOPES = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 
 
 def region_names(stmts) -> tuple[list[str], list[str]]:
-    """(stored names, loaded-only names) of a list of statements."""
-    v = _Names()
-    for s in stmts:
-        v.visit(s)
-    return v.stored, [n for n in v.loaded if n not in v.stored]
+    """(stored names, loaded-only names) of a list of statements, each in first-seen order.
+
+    Loaded names matter for ``@kiln.struct`` objects mutated in place (``s.m = v`` or a method
+    call such as ``s.update(v)``): the runtime carries every struct the region can reach. A
+    nested def/lambda/comprehension's stores are its own, but it can still read and mutate a
+    struct. The walk is ``ast.NodeVisitor``'s order, without its per-node dispatch (every
+    nested ``if`` walks its region again).
+    """
+    stored: dict[str, None] = {}  # ordered sets
+    loaded: dict[str, None] = {}
+
+    def visit(node: ast.AST, inner: bool) -> None:
+        kind = type(node)
+        if kind is ast.Name:
+            names = loaded if not isinstance(node.ctx, ast.Store) else None if inner else stored
+            if names is not None and node.id not in names and not node.id.startswith("__kiln_"):
+                names[node.id] = None
+            return
+        if kind in _NAMED_SCOPES:
+            if not inner and node.name not in stored and not node.name.startswith("__kiln_"):
+                stored[node.name] = None
+            inner = True
+        elif kind in _ANONYMOUS_SCOPES:
+            inner = True
+        for field in node._fields:
+            value = getattr(node, field, None)
+            if isinstance(value, list):
+                for item in value:
+                    if isinstance(item, ast.AST):
+                        visit(item, inner)
+            elif isinstance(value, ast.AST):
+                visit(value, inner)
+
+    for stmt in stmts:
+        visit(stmt, False)
+    return list(stored), [name for name in loaded if name not in stored]
 
 
 class _ForbidEscapes(ast.NodeTransformer):
