@@ -41,7 +41,7 @@ def flush_f32_denormals(op: ir.Operation, pass_=None) -> None:
         if candidate.name == "llvm.func":
             functions.append(candidate)
             return ir.WalkResult.SKIP  # a function body holds no functions or modules
-        elif candidate.name == "gpu.module":
+        if candidate.name == "gpu.module":
             modules.append(candidate)
         return ir.WalkResult.ADVANCE
 
