@@ -88,49 +88,48 @@ def _function(name: str, params, body) -> ast.FunctionDef:
     return ast.FunctionDef(name=name, args=args, body=body, decorator_list=[], returns=None)
 
 
-class _Names(ast.NodeVisitor):
-    """Names a region rebinds (``stored``) and names it reads (``loaded``).
-
-    Loaded names matter for ``@kiln.struct`` objects mutated in place (``s.m = v`` or a method
-    call such as ``s.update(v)``): the runtime carries every struct the region can reach.
-    """
-
-    def __init__(self):
-        self.stored: list[str] = []
-        self.loaded: list[str] = []
-        self.inner_scope = 0  # inside a nested def/lambda/comprehension: its stores are its own
-
-    @staticmethod
-    def _add(names: list[str], name: str):
-        if name not in names and not name.startswith("__kiln_"):
-            names.append(name)
-
-    def visit_Name(self, node):
-        if not isinstance(node.ctx, ast.Store):
-            self._add(self.loaded, node.id)
-        elif not self.inner_scope:
-            self._add(self.stored, node.id)
-
-    def _inner(self, node):
-        self.inner_scope += 1
-        self.generic_visit(node)  # a nested scope can still read and mutate a struct
-        self.inner_scope -= 1
-
-    def visit_FunctionDef(self, node):
-        if not self.inner_scope:
-            self._add(self.stored, node.name)
-        self._inner(node)
-
-    visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
-    visit_Lambda = visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _inner
+# Nodes that open a scope of their own: the names they store are not the region's.
+_NAMED_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+_ANONYMOUS_SCOPES = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 
 
 def region_names(stmts) -> tuple[list[str], list[str]]:
-    """(stored names, loaded-only names) of a list of statements."""
-    v = _Names()
-    for s in stmts:
-        v.visit(s)
-    return v.stored, [n for n in v.loaded if n not in v.stored]
+    """(stored names, loaded-only names) of a list of statements, each in first-seen order.
+
+    Loaded names matter for ``@kiln.struct`` objects mutated in place (``s.m = v`` or a method
+    call such as ``s.update(v)``): the runtime carries every struct the region can reach. A
+    nested def/lambda/comprehension's stores are its own, but it can still read and mutate a
+    struct. The walk is ``ast.NodeVisitor``'s order, without its per-node dispatch (every
+    nested ``if`` walks its region again).
+    """
+    stored: dict[str, None] = {}  # ordered sets
+    loaded: dict[str, None] = {}
+
+    def visit(node: ast.AST, inner: bool) -> None:
+        kind = type(node)
+        if kind is ast.Name:
+            names = loaded if not isinstance(node.ctx, ast.Store) else None if inner else stored
+            if names is not None and node.id not in names and not node.id.startswith("__kiln_"):
+                names[node.id] = None
+            return
+        if kind in _NAMED_SCOPES:
+            if not inner and node.name not in stored and not node.name.startswith("__kiln_"):
+                stored[node.name] = None
+            inner = True
+        elif kind in _ANONYMOUS_SCOPES:
+            inner = True
+        for field in node._fields:
+            value = getattr(node, field, None)
+            if isinstance(value, list):
+                for item in value:
+                    if isinstance(item, ast.AST):
+                        visit(item, inner)
+            elif isinstance(value, ast.AST):
+                visit(value, inner)
+
+    for stmt in stmts:
+        visit(stmt, False)
+    return list(stored), [name for name in loaded if name not in stored]
 
 
 class _ForbidEscapes(ast.NodeTransformer):
@@ -260,7 +259,13 @@ def _shareable(stmts, in_loop: bool = False) -> bool:
             if isinstance(node, ast.Name) and node.id in _INTROSPECTION:
                 return False
             inner = looped or isinstance(node, (ast.For, ast.While))
-            stack.extend((child, inner) for child in ast.iter_child_nodes(node))
+            # the children, read off the fields directly (ast.iter_child_nodes is a generic
+            # walk; the visiting order does not matter here)
+            for value in node.__dict__.values():
+                if isinstance(value, list):
+                    stack.extend((child, inner) for child in value if isinstance(child, ast.AST))
+                elif isinstance(value, ast.AST):
+                    stack.append((value, inner))
     return True
 
 
@@ -483,14 +488,17 @@ def _compile_factory(fn: Callable) -> types.CodeType:
 
 def _rewrite_source(fn: Callable, source: str, filename: str) -> types.CodeType:
     """Parse, rewrite and compile ``fn``'s (dedented) source into the factory's code."""
-    tree = ast.parse(source)
+    # parsed at its own first line (blank lines before it), not moved there by
+    # ast.increment_lineno's walk of the whole tree
+    tree = ast.parse("\n" * (fn.__code__.co_firstlineno - 1) + source)
     fdef = tree.body[0]
     if not isinstance(fdef, ast.FunctionDef):
         raise KilnValueError(f"{fn.__qualname__} is not a plain `def` function",
                              fix="decorate a `def` (lambdas and async functions are not supported)")
-    ast.increment_lineno(tree, fn.__code__.co_firstlineno - 1)
     fdef.decorator_list = []
-    fdef.body = _Rewriter(filename, share=not _declares_outer_names(fdef))._stmts(fdef.body)
+    # a source without the keywords declares nothing: no walk of the tree
+    declares = ("global" in source or "nonlocal" in source) and _declares_outer_names(fdef)
+    fdef.body = _Rewriter(filename, share=not declares)._stmts(fdef.body)
     freevars = fn.__code__.co_freevars
     fdef.returns = None
     for a in fdef.args.posonlyargs + fdef.args.args + fdef.args.kwonlyargs:

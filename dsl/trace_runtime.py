@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 from mlir import ir
 from mlir.dialects import scf
+from mlir.dialects._scf_ops_gen import IfOp as _IfOpRegions  # scf.IfOp without its blocks
 
 from . import builder
 from .core import dtypes as dt
@@ -243,13 +244,11 @@ def if_stmt(cond: Value, then_fn: Callable, else_fn: Callable | None, names: Seq
         scf.YieldOp(yields_else)
     final = draft
     if result_types:  # result types are known only after tracing: move the bodies over
-        final = scf.IfOp(cond.ir, result_types, has_else=True, ip=ir.InsertionPoint(draft))
-        for old, new in ((draft.then_block, final.then_block),
-                         (draft.else_block, final.else_block)):
-            ip = ir.InsertionPoint(new)
-            for op in list(old.operations):
-                op.detach_from_parent()
-                ip.insert(op)
+        # the generated builder leaves both regions empty; whole blocks move (moving their ops
+        # one by one cost each nesting level a pass over every op inside it)
+        final = _IfOpRegions(result_types, cond.ir, ip=ir.InsertionPoint(draft))
+        draft.then_block.append_to(final.regions[0])
+        draft.else_block.append_to(final.regions[1])
         draft.operation.erase()
     pos = 0
     results = list(final.results)

@@ -63,9 +63,11 @@ def make_nvvm(state: CompileState) -> str:
 def _set_maxnreg(module: ir.Module, kernel: str, maxnreg: int) -> None:
     # Becomes the PTX ".maxnreg" directive, which ptxas honours per kernel.
     def visit(op: ir.Operation):
-        if op.name == "llvm.func" and ir.StringAttr(op.attributes["sym_name"]).value == kernel:
+        if op.name != "llvm.func":
+            return ir.WalkResult.ADVANCE
+        if ir.StringAttr(op.attributes["sym_name"]).value == kernel:
             op.attributes["nvvm.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), maxnreg)
-        return ir.WalkResult.ADVANCE
+        return ir.WalkResult.SKIP  # no function inside a function body
 
     module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
 

@@ -81,10 +81,6 @@ class ClusterSpan:
         return any(MARKER_ATTR in op.attributes for op in self.ops)
 
 
-def _cluster_of(op: ir.Operation) -> int | None:
-    return ir.IntegerAttr(op.attributes[CLUSTER_ATTR]).value if CLUSTER_ATTR in op.attributes else None
-
-
 def cluster_spans(func: ir.Operation) -> list[ClusterSpan]:
     """Every cluster instance in ``func``, in walk order (blocks inside a cluster are not split)."""
     spans: list[ClusterSpan] = []
@@ -93,12 +89,14 @@ def cluster_spans(func: ir.Operation) -> list[ClusterSpan]:
         current = None
         for view in block.operations:
             op = view.operation
-            k = _cluster_of(op)
+            attrs = op.attributes  # read once: each access builds a new dictionary view
+            k = ir.IntegerAttr(attrs[CLUSTER_ATTR]).value if CLUSTER_ATTR in attrs else None
             if k is None:
                 current = None
-                for region in op.regions:
-                    for inner in region.blocks:
-                        scan(inner)
+                if len(op.regions):  # listing the regions costs ten times asking their number
+                    for region in op.regions:
+                        for inner in region.blocks:
+                            scan(inner)
                 continue
             if current is None or current.cluster != k:
                 current = ClusterSpan(k, [])

@@ -33,6 +33,8 @@ def extern_dynamic_shared(op: ir.Operation, pass_=None) -> None:
     """Give every lowered dynamic shared-memory global external linkage."""
 
     def visit(candidate: ir.Operation):
+        if candidate.name == "llvm.func":
+            return ir.WalkResult.SKIP  # globals sit in modules, never in a function body
         if candidate.name == "llvm.mlir.global" and ir.StringAttr(
                 candidate.attributes["sym_name"]).value.startswith(SYMBOL_PREFIX):
             candidate.attributes["linkage"] = ir.Attribute.parse("#llvm.linkage<external>")

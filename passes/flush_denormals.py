@@ -40,7 +40,8 @@ def flush_f32_denormals(op: ir.Operation, pass_=None) -> None:
     def collect(candidate: ir.Operation):
         if candidate.name == "llvm.func":
             functions.append(candidate)
-        elif candidate.name == "gpu.module":
+            return ir.WalkResult.SKIP  # a function body holds no functions or modules
+        if candidate.name == "gpu.module":
             modules.append(candidate)
         return ir.WalkResult.ADVANCE
 

@@ -71,7 +71,7 @@ from kiln.amd.sched import GFX9_WAITCNT_FIELDS
 from kiln.amd.sched import encode_waitcnt as encode_gfx9_waitcnt  # noqa: F401
 from kiln.core.ops import CP_ASYNC  # noqa: F401 - the passes' counter names live in kiln.core.ops
 from kiln.core.ops import (AUTO_WAIT_ATTR, MBARRIER, NO_EFFECTS, OP_ATTR, WGMMA, Effects,
-                            is_shared, lookup)
+                            is_shared, lookup_named)
 from kiln.passes.mbarrier_protocol import cross_thread_gaps
 
 GFX9_MAX = {name: limit for name, limit, _ in GFX9_WAITCNT_FIELDS}  # counter(max) waits for nothing
@@ -101,10 +101,15 @@ _NO_ACCESS = frozenset(_FORWARDING + ("memref.dim", "memref.rank", "memref.get_g
 def effects(op: ir.Operation) -> Effects:
     """The declared effects of ``op``; an op tagged ``kiln.async`` (mark_async) declares its
     counter on itself, and one without results writes the shared buffers among its operands."""
-    opdef = lookup(op)
-    if "kiln.async" not in op.attributes:
+    return _effects(op, op.name, op.attributes)
+
+
+def _effects(op: ir.Operation, name: str, attrs) -> Effects:
+    """:func:`effects` given the op's name and attributes (read once by the caller)."""
+    opdef = lookup_named(name, attrs)
+    if "kiln.async" not in attrs:
         return NO_EFFECTS if opdef is None else opdef.effects
-    counter = ir.StringAttr(op.attributes["kiln.async"]).value
+    counter = ir.StringAttr(attrs["kiln.async"]).value
     writes = None if len(op.results) else (lambda o: tuple(v for v in o.operands if is_shared(v)))
     return Effects(counter=counter, writes=writes)
 
@@ -235,6 +240,7 @@ class Step:
     reads: tuple = ()            # events this op consumes (filled after all events are known)
     shared_reads: tuple = ()     # buffers a WGMMA event reads through its descriptors
     refills: tuple = ()          # buffers a cp.async group or a shared store (re)writes
+    tokens: tuple = ()           # the kiln.token ids its kiln.waits_for names
 
 
 @dataclass(frozen=True)
@@ -380,17 +386,13 @@ class WaitAnalysis:
         for view in block.operations:
             op = view.operation
             name = op.name
-            kind = "for" if name == "scf.for" else "if" if name == "scf.if" else "op"
-            found = effects(op)
-            step = Step(op, kind, limits=found.waits(op) if found.waits else {},
-                        barrier=found.barrier, commit=found.commits == WGMMA,
-                        signal=found.mbarrier(op) if found.mbarrier else None,
-                        descriptors=found.indirect_shared,
-                        accumulates=found.accumulates,
-                        arrive=found.arrives(op) if found.arrives else None,
-                        releases=found.releases(op) if found.releases else {},
-                        data=found.data)
-            if name in SHARED_STORES and AUTO_WAIT_ATTR in op.attributes:
+            attrs = op.attributes  # read once: each access builds a new dictionary view
+            found = _effects(op, name, attrs)
+            if found is NO_EFFECTS:  # most ops: nothing to declare, no attributes to read
+                step = Step(op, "for" if name == "scf.for" else "if" if name == "scf.if" else "op")
+            else:
+                step = self._declared_step(op, name, found)
+            if name in SHARED_STORES and AUTO_WAIT_ATTR in attrs:
                 step.refills = tuple(buffer_root(v) for v in op.operands if is_shared(v))
             step.counter = found.counter
             if step.counter is not None:
@@ -398,17 +400,43 @@ class WaitAnalysis:
                 if step.counter == WGMMA and step.descriptors:
                     step.shared_reads = tuple(r for v in op.operands
                                               for r in self._descriptor_roots(v))
-                if step.counter == CP_ASYNC and AUTO_WAIT_ATTR in op.attributes:
+                if step.counter == CP_ASYNC and AUTO_WAIT_ATTR in attrs:
                     step.refills = step.roots or ()
                 self._steps[op] = step
-                if "kiln.token" in op.attributes:
-                    self._tokens[ir.IntegerAttr(op.attributes["kiln.token"]).value] = step
-            step.blocks = [self._build(b) for r in op.regions for b in r.blocks]
+                if "kiln.token" in attrs:
+                    self._tokens[ir.IntegerAttr(attrs["kiln.token"]).value] = step
+            if "kiln.waits_for" in attrs:
+                step.tokens = tuple(ir.IntegerAttr(t).value
+                                    for t in ir.ArrayAttr(attrs["kiln.waits_for"]))
+            if len(op.regions):  # listing an op's regions costs ten times asking their number
+                step.blocks = [self._build(b) for r in op.regions for b in r.blocks]
             steps.append(step)
         return steps
 
+    @staticmethod
+    def _declared_step(op: ir.Operation, name: str, found: Effects) -> Step:
+        kind = "for" if name == "scf.for" else "if" if name == "scf.if" else "op"
+        return Step(op, kind, limits=found.waits(op) if found.waits else {},
+                    barrier=found.barrier, commit=found.commits == WGMMA,
+                    signal=found.mbarrier(op) if found.mbarrier else None,
+                    descriptors=found.indirect_shared,
+                    accumulates=found.accumulates,
+                    arrive=found.arrives(op) if found.arrives else None,
+                    releases=found.releases(op) if found.releases else {},
+                    data=found.data)
+
     def _resolve_reads(self, steps: list[Step]) -> None:
         lds_events = [s for s in self._steps.values() if s.roots is not None]
+        writers: dict = {}  # buffer root -> the LDS events that may write it
+        self._resolve_block(steps, lds_events, writers)
+
+    def _resolve_block(self, steps: list[Step], lds_events: list, writers: dict) -> None:
+        def written(root) -> set:
+            found = writers.get(root)
+            if found is None:
+                found = writers[root] = {e for e in lds_events if _aliases(root, e.roots)}
+            return found
+
         for step in steps:
             op = step.op
             name = op.name
@@ -416,29 +444,33 @@ class WaitAnalysis:
             if name == "scf.for":
                 operands = list(op.operands)[:3]  # bounds; the iter_args inits are forwarded
             elif name in DATA_MOVES or name == "scf.yield":
-                operands = []
+                operands = ()
             else:
-                operands = list(op.operands)
+                operands = op.operands
+            # whether an operand's buffer (direct, or behind a descriptor) is read: asked once
+            indirect = bool(lds_events) and step.descriptors
+            direct = (bool(lds_events) and step.roots is None and step.data
+                      and name not in _NO_ACCESS)
             for operand in operands:
                 found = self._value_events(operand)
                 if step.accumulates:  # an accumulator chained into the next MMA is no read
                     found = {e for e in found if e.counter != step.counter}
                 needed |= found
-                if lds_events and step.descriptors and not is_shared(operand):
-                    roots = self._descriptor_roots(operand)
-                    needed |= {e for e in lds_events for r in roots if _aliases(r, e.roots)}
-                if (lds_events and step.roots is None and step.data
-                        and name not in _NO_ACCESS and is_shared(operand)):
-                    root = buffer_root(operand)
-                    needed |= {e for e in lds_events if _aliases(root, e.roots)}
-            if "kiln.waits_for" in op.attributes:
-                for token in ir.ArrayAttr(op.attributes["kiln.waits_for"]):
-                    event = self._tokens.get(ir.IntegerAttr(token).value)
-                    if event is not None:
-                        needed.add(event)
+                if not (indirect or direct):
+                    continue
+                shared = is_shared(operand)
+                if indirect and not shared:
+                    for root in self._descriptor_roots(operand):
+                        needed |= written(root)
+                if direct and shared:
+                    needed |= written(buffer_root(operand))
+            for token in step.tokens:
+                event = self._tokens.get(token)
+                if event is not None:
+                    needed.add(event)
             step.reads = tuple(needed)
             for block in step.blocks:
-                self._resolve_reads(block)
+                self._resolve_block(block, lds_events, writers)
 
     def _descriptor_roots(self, value: ir.Value) -> tuple:
         """:func:`descriptor_roots`, memoised (WGMMAs share descriptors)."""

@@ -171,10 +171,14 @@ def declared(name: str) -> OpDef:
 
 def lookup(op: ir.Operation) -> OpDef | None:
     """The declaration of ``op``: by its ``kiln.op`` attribute, else by its MLIR name."""
-    attrs = op.attributes
+    return lookup_named(op.name, op.attributes)
+
+
+def lookup_named(name: str, attrs) -> OpDef | None:
+    """:func:`lookup` given an op's name and attributes (for walks that read them once)."""
     if OP_ATTR in attrs:
         return declared(ir.StringAttr(attrs[OP_ATTR]).value)
-    return _BY_MLIR_NAME.get(op.name)
+    return _BY_MLIR_NAME.get(name)
 
 
 def effects_of(op: ir.Operation) -> Effects:
