@@ -57,6 +57,12 @@ JOBS = {
     "matmul_sm90": "k.compile_matmul('bf16', target='sm_90a')",
     "matmul_gfx950": "k.compile_matmul('bf16', target='gfx950')",
     "grouped_matmul_sm90": "k.compile_grouped_matmul('bf16', target='sm_90a')",
+    "prefill_fp8_sm90_d128": "k.compile_prefill('f8e4m3', target='sm_90a', head_dim=128, "
+                             "causal=True)",
+    "prefill_fp8_gfx950_d128": "k.compile_prefill('f8e4m3', target='gfx950', head_dim=128, "
+                               "causal=True)",
+    "matmul_fp8_sm90": "k.compile_matmul('f8e4m3', target='sm_90a', trans_b=True)",
+    "mla_decode_sm90": "k.compile_mla_decode(target='sm_90a')",
     "saxpy_sm90": "k.saxpy_compile('sm_90a')",
     "saxpy_gfx950": "k.saxpy_compile('gfx950')",
 }
@@ -75,6 +81,7 @@ from kiln.kernels.attention.decode import compile_decode
 from kiln.kernels.attention.decode_config import DecodeConfig
 from kiln.kernels.gemm import compile_matmul
 from kiln.kernels.gemm.grouped_api import compile_grouped_matmul
+from kiln.kernels.attention import compile_mla_decode
 
 @kiln.kernel(num_threads="BLOCK")
 def saxpy(x: kiln.Tensor[kiln.f32], y: kiln.Tensor[kiln.f32], n: kiln.i32, a: kiln.f32,
@@ -91,6 +98,7 @@ k = types.SimpleNamespace(compile_prefill=compile_prefill, compile_combine=compi
                           compile_decode=compile_decode, DecodeConfig=DecodeConfig,
                           compile_matmul=compile_matmul,
                           compile_grouped_matmul=compile_grouped_matmul,
+                          compile_mla_decode=compile_mla_decode,
                           saxpy_compile=saxpy_compile)
 t1 = time.perf_counter()
 c0 = cpu_seconds()
