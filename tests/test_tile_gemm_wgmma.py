@@ -255,6 +255,8 @@ def test_wait_analysis_walks_each_value_once_per_pipeline(monkeypatch):
     millions of times (41 s to compile)."""
     from kiln.passes.wait_analysis import WaitAnalysis
 
+    monkeypatch.setenv("KILN_NO_CACHE", "1")  # an earlier test's compile would be reused
+    monkeypatch.setattr(pipelined_gemm, "_compiled", {})
     calls = []
     sources = WaitAnalysis._sources
     monkeypatch.setattr(WaitAnalysis, "_sources", lambda self, v: calls.append(1) or
