@@ -73,18 +73,12 @@ from kiln.core.ops import CP_ASYNC  # noqa: F401 - the passes' counter names liv
 from kiln.core.ops import (AUTO_WAIT_ATTR, MBARRIER, NO_EFFECTS, OP_ATTR, WGMMA, Effects,
                             is_shared, lookup_named)
 from kiln.passes.mbarrier_protocol import cross_thread_gaps
+from kiln.passes.reaching_events import DATA_MOVES, ReachingEvents
 
 GFX9_MAX = {name: limit for name, limit, _ in GFX9_WAITCNT_FIELDS}  # counter(max) waits for nothing
 UNCOMMITTED = -1  # ``younger`` of an mma_async not yet in a commit group: no wait retires it
 
 
-# Register data movement: the result is pending on whatever its operands are pending on.
-DATA_MOVES = frozenset((
-    "vector.shuffle", "vector.extract", "vector.extractelement", "vector.extract_strided_slice",
-    "vector.insert", "vector.insertelement", "vector.insert_strided_slice", "vector.bitcast",
-    "vector.shape_cast", "vector.broadcast", "vector.splat", "vector.from_elements",
-    "vector.transpose", "vector.interleave", "vector.deinterleave", "arith.bitcast",
-    "llvm.bitcast", "llvm.extractvalue", "llvm.insertvalue", "builtin.unrealized_conversion_cast"))
 # Ops that only forward a pointer/buffer: the root of a buffer is found through them.
 _FORWARDING = ("memref.subview", "memref.cast", "memref.reinterpret_cast", "memref.view",
                "memref.extract_aligned_pointer_as_index", "memref.memory_space_cast",
@@ -368,9 +362,11 @@ class WaitAnalysis:
         self._record = True
         self._steps: dict = {}    # ir.Operation -> Step, for events
         self._tokens: dict = {}   # kiln.token id -> event Step
-        self._operand_events: dict = {}  # ir.Value -> events reaching it (_value_events)
         self._roots: dict = {}  # ir.Value -> descriptor_roots (WGMMAs share descriptors)
         body = self._build(func.regions[0].blocks[0])
+        # events whose register result is the data (LDS writes are found by buffer instead)
+        self._value_events = ReachingEvents({op: s for op, s in self._steps.items()
+                                             if s.roots is None})
         self._resolve_reads(body)
         self._walk(body, {})
         for gap in cross_thread_gaps(body, Gap):
@@ -480,84 +476,6 @@ class WaitAnalysis:
         if roots is None:
             roots = self._roots[value] = descriptor_roots(value)
         return roots
-
-    def _value_events(self, value: ir.Value) -> set:
-        """Events whose register result reaches ``value`` through forwarding ops (memoised:
-        values share long forwarding chains, which a walk per operand revisited)."""
-        found = self._operand_events.get(value)
-        if found is None:
-            self._reach_components(value)
-            found = self._operand_events[value]
-        return found
-
-    def _reach_components(self, root: ir.Value) -> None:
-        """Memoise the events reaching every value met from ``root``, one strongly connected
-        component at a time (Tarjan): values of one loop-carried cycle reach the same events,
-        so each is walked once however many cycles an unrolled pipeline interleaves."""
-        index: dict = {}
-        low: dict = {}
-        stack: list = []
-        edges: dict = {}  # value -> (events it reads directly, values it forwards)
-
-        def visit(value) -> None:
-            index[value] = low[value] = len(index)
-            stack.append(value)
-            direct, forwarded = set(), []
-            for source in self._sources(value):
-                if isinstance(source, Step):
-                    direct.add(source)
-                elif source in self._operand_events:  # a finished component
-                    direct |= self._operand_events[source]
-                else:
-                    if source not in index:
-                        visit(source)
-                        low[value] = min(low[value], low[source])
-                    elif source not in self._operand_events:  # still on the stack
-                        low[value] = min(low[value], index[source])
-                    forwarded.append(source)
-            edges[value] = (direct, forwarded)
-            if low[value] != index[value]:
-                return
-            component = [stack.pop()]
-            while component[-1] != value:
-                component.append(stack.pop())
-            found = set()
-            for member in component:
-                direct, forwarded = edges[member]
-                found |= direct
-                for source in forwarded:  # members of this component add nothing new
-                    found |= self._operand_events.get(source, set())
-            for member in component:
-                self._operand_events[member] = found
-
-        visit(root)
-
-    def _sources(self, value: ir.Value) -> list:
-        """What feeds ``value``: the event Step that produced it, or the values it forwards."""
-        owner = value.owner
-        if isinstance(owner, ir.Block):
-            parent = owner.owner.operation if owner.owner is not None else None
-            n = ir.BlockArgument(value).arg_number - 1  # scf.for argument 0 is the induction var
-            if parent is None or parent.name != "scf.for" or n < 0:
-                return []
-            yielded = owner.operations[len(owner.operations) - 1].operands[n]
-            return [parent.operands[3 + n], yielded]
-        op = owner.operation
-        event = self._steps.get(op)
-        if event is not None and event.roots is None:
-            return [event]
-        if op.name in DATA_MOVES:
-            return list(op.operands)
-        if op.name not in ("scf.for", "scf.if"):
-            return []
-        n = ir.OpResult(value).result_number
-        sources = [op.operands[3 + n]] if op.name == "scf.for" else []  # zero-trip loop
-        for region in op.regions:
-            for block in region.blocks:
-                term = block.operations[len(block.operations) - 1]
-                if n < len(term.operands):
-                    sources.append(term.operands[n])
-        return sources
 
     # -- transfer functions ------------------------------------------------------------------
     def _walk(self, steps: list[Step], state: State) -> State:

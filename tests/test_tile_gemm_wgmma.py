@@ -253,13 +253,13 @@ def test_wait_analysis_walks_each_value_once_per_pipeline(monkeypatch):
     """The events reaching a value are found per strongly connected component: a 4-stage
     mma.sync pipeline interleaves many loop-carried cycles, which a walk per cycle re-entered
     millions of times (41 s to compile)."""
-    from kiln.passes.wait_analysis import WaitAnalysis
+    from kiln.passes.reaching_events import ReachingEvents
 
     monkeypatch.setenv("KILN_NO_CACHE", "1")  # an earlier test's compile would be reused
     monkeypatch.setattr(pipelined_gemm, "_compiled", {})
     calls = []
-    sources = WaitAnalysis._sources
-    monkeypatch.setattr(WaitAnalysis, "_sources", lambda self, v: calls.append(1) or
+    sources = ReachingEvents.sources
+    monkeypatch.setattr(ReachingEvents, "sources", lambda self, v: calls.append(1) or
                         sources(self, v))
     _compile(4, "sm_80", BM=64, BN=64, BK=32, THREADS=128)
     assert 0 < len(calls) < 20_000, len(calls)
