@@ -54,8 +54,45 @@ def tile_width(d: int) -> int:
     return -(-d // CHUNK_COLS) * CHUNK_COLS
 
 
+class HeadDimTiles:
+    """What a Hopper prefill config derives from ``head_dim`` / ``head_dim_v``: shared by the
+    bf16 config and the FP8 one, which name their ``tile_width`` rule and ``k_step``."""
+
+    tile_width = staticmethod(tile_width)
+    k_step = K_STEP
+
+    @property
+    def dv(self) -> int:
+        """V's (and O's) head dim."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def qk_width(self) -> int:
+        """Q/K columns in shared memory: ``head_dim`` rounded up to a whole box."""
+        return self.tile_width(self.head_dim)
+
+    @property
+    def v_width(self) -> int:
+        """V columns in shared memory and O columns in registers (whole boxes)."""
+        return self.tile_width(self.dv)
+
+    @property
+    def qk_steps(self) -> int:
+        """``k_step``-wide k-steps of ``S = Q K^T`` (columns past ``head_dim`` are zeros)."""
+        return -(-self.head_dim // self.k_step)
+
+    @property
+    def padded_qk(self) -> bool:
+        """Whether Q/K are read through the 3-D view that zero-fills the columns past D."""
+        return self.head_dim != self.qk_width
+
+    @property
+    def padded_v(self) -> bool:
+        return self.dv != self.v_width
+
+
 @dataclass(frozen=True)
-class HopperPrefillConfig:
+class HopperPrefillConfig(HeadDimTiles):
     """Tiles and pipeline of :func:`~.prefill_hopper.make_kernel`: ``head_dim`` of Q/K,
     ``head_dim_v`` of V and O (None: ``head_dim``), ``block_n`` keys per tile, ``stages`` K/V
     buffers in the ring, registers per thread of the producer and the two consumer groups.
@@ -109,35 +146,6 @@ class HopperPrefillConfig:
                                      f"{self.consumer_registers} + {self.producer_registers} "
                                      "registers per thread exceed the 64K register file",
                                      fix="lower consumer_registers")
-
-    @property
-    def dv(self) -> int:
-        """V's (and O's) head dim."""
-        return self.head_dim if self.head_dim_v is None else self.head_dim_v
-
-    @property
-    def qk_width(self) -> int:
-        """Q/K columns in shared memory: ``head_dim`` rounded up to a 64-column box."""
-        return tile_width(self.head_dim)
-
-    @property
-    def v_width(self) -> int:
-        """V columns in shared memory and O columns in registers (64-column boxes)."""
-        return tile_width(self.dv)
-
-    @property
-    def qk_steps(self) -> int:
-        """16-wide k-steps of ``S = Q K^T`` (columns past ``head_dim`` are zeros)."""
-        return -(-self.head_dim // K_STEP)
-
-    @property
-    def padded_qk(self) -> bool:
-        """Whether Q/K are read through the 3-D view that zero-fills the columns past D."""
-        return self.head_dim != self.qk_width
-
-    @property
-    def padded_v(self) -> bool:
-        return self.dv != self.v_width
 
     def shared_bytes(self, itemsize: int = 2) -> int:
         """Dynamic shared memory: the Q tile (which also stages O) and the K/V ring

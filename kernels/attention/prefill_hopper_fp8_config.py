@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import kiln
 
-from .prefill_config import MAX_HEAD_DIM, SHARED_BUDGET
+from .prefill_config import MAX_HEAD_DIM, SHARED_BUDGET, HeadDimTiles
 
 FP8_CHUNK_COLS = 128  # FP8 head-dim columns per 128-byte swizzled box
 FP8_K_STEP = 32  # K of one wgmma.m64nNk32
@@ -54,7 +54,7 @@ def fp8_shared_bytes(head_dim: int, dv: int, stages: int, raw_stages: int) -> in
 
 
 @dataclass(frozen=True)
-class HopperFp8PrefillConfig:
+class HopperFp8PrefillConfig(HeadDimTiles):
     """Tiles and pipeline of :func:`~.prefill_hopper_fp8.make_fp8_kernel`: ``head_dim`` of
     Q/K, ``head_dim_v`` of V and O (None: ``head_dim``), ``stages`` K and V^T buffers,
     ``raw_stages`` V buffers before the transpose, registers per thread of the producer (40: its
@@ -63,6 +63,9 @@ class HopperFp8PrefillConfig:
     ``setmaxnreg.inc`` waits forever for registers the CTA was never given);
     ``lazy_rescale`` / ``exp_before_max`` as in :class:`~.prefill_config.HopperPrefillConfig`
     (P stays below ``2**8``, inside e4m3's 448)."""
+
+    tile_width = staticmethod(fp8_tile_width)  # 128-column (128-byte) boxes
+    k_step = FP8_K_STEP
 
     head_dim: int = 128
     head_dim_v: int | None = None
@@ -98,31 +101,6 @@ class HopperFp8PrefillConfig:
                                      "CTA is given (setmaxnreg.inc would wait forever)",
                                      fix="keep 2 * consumer_registers + producer_registers "
                                          f"<= {3 * LAUNCH_REGISTERS}")
-
-    @property
-    def dv(self) -> int:
-        return self.head_dim if self.head_dim_v is None else self.head_dim_v
-
-    @property
-    def qk_width(self) -> int:
-        return fp8_tile_width(self.head_dim)
-
-    @property
-    def v_width(self) -> int:
-        return fp8_tile_width(self.dv)
-
-    @property
-    def qk_steps(self) -> int:
-        """32-wide k-steps of ``S = Q K^T`` (columns past ``head_dim`` are zeros)."""
-        return -(-self.head_dim // FP8_K_STEP)
-
-    @property
-    def padded_qk(self) -> bool:
-        return self.head_dim != self.qk_width
-
-    @property
-    def padded_v(self) -> bool:
-        return self.dv != self.v_width
 
     def shared_bytes(self) -> int:
         return fp8_shared_bytes(self.head_dim, self.dv, self.stages, self.raw_stages)
