@@ -97,9 +97,7 @@ def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
         config.setdefault("b_layout", "nk" if trans_b else "kn")
         config.setdefault("out_dtype", out_dtype and kiln.dtype(out_dtype).name)
         return gfx950.compile_gfx950(name, target=chip.name, config=gfx950.GemmConfig(**config))
-    if not chip.has_wgmma:
-        raise kiln.UnsupportedError(f"the Kiln GEMM needs WGMMA (sm_90a); {chip.name} has none",
-                                    fix="compile for target='sm_90a', or gfx950 on AMD")
+    _require_wgmma(chip)
     cfg = HopperGemmConfig(**config)
     # A split-K / swap-AB config's kernel writes f32 partials unless it reduces them itself.
     out = "f32" if cfg.partials and not cfg.reduces_in_kernel else _output_dtype(out_dtype, name)
@@ -204,6 +202,12 @@ def matmul_config(a, b, config, *, trans_b=False, out_dtype=None, target=None, b
     return _matmul(a, b, trans_b, out_dtype, target, backend, config)
 
 
+def _require_wgmma(chip) -> None:
+    if not chip.has_wgmma:
+        raise kiln.UnsupportedError(f"the Kiln GEMM needs WGMMA (sm_90a); {chip.name} has none",
+                                    fix="pass target='sm_90a', or gfx950 on AMD")
+
+
 def _matmul(a, b, trans_b, out_dtype, target, backend, config=None):
     """The general path of :func:`matmul`: checks, padding, tuning, launch or interpretation."""
     chip = resolve_target(target)
@@ -222,9 +226,8 @@ def _matmul(a, b, trans_b, out_dtype, target, backend, config=None):
                                   f"{'.T' if trans_b else ''} do not agree on K",
                                   fix="pass A: M x K and B: K x N (or N x K with trans_b=True)")
     check_backend(backend)
-    if not chip.is_amd and not chip.has_wgmma:  # the interpreter runs the same WGMMA kernel
-        raise kiln.UnsupportedError(f"the Kiln GEMM needs WGMMA (sm_90a); {chip.name} has none",
-                                    fix="pass target='sm_90a' (or gfx950 on AMD)")
+    if not chip.is_amd:  # the interpreter runs the same WGMMA kernel
+        _require_wgmma(chip)
     if m * n * k == 0:  # nothing to multiply: an empty C, or zeros for K = 0
         return empty_like(a, (m, n), kiln.dtype(out), fill=0.0)
     if chip.is_amd and backend != "interpret":
