@@ -144,8 +144,9 @@ def _stage_rows(torch, name, call, decode_plan, combine_module, decode_module, p
         if plan.fused:
             rows["outputs (2 fresh)"] = timed(lambda: plan.outputs(like=plan.no_sinks))
             o, lse = plan.outputs(like=plan.no_sinks)
-            args = (*inputs, *plan.scratch_partials(stream), o.data_ptr(), lse.data_ptr(),
-                    plan.torch_tickets(stream).data_ptr())
+            owners, (p0, p1, p2, tickets) = plan.spaces.get(stream)
+            rows["workspace get"] = timed(lambda: plan.spaces.get(stream))
+            args = (*inputs, p0, p1, p2, o.data_ptr(), lse.data_ptr(), tickets)
         else:
             rows["partial words (1 alloc)"] = timed(plan.torch_partial_words)
             words, partials = plan.torch_partial_words()

@@ -230,16 +230,15 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     can_bind = plan.bound is not None and q.data_ptr() % Q_ALIGN == 0
     if can_bind and plan.fused:
         stream = plan.bound.current_stream()
-        o, lse = _bound_outputs(plan, out, lse_out) if given else \
-            plan.outputs(like=plan.no_sinks)
+        o, lse = _bound_outputs(plan, out, lse_out) if given else plan.torch_outputs()
+        owners, (o_part, lse_part, counts, tickets) = plan.spaces.get(stream)
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                    block_table, sinks), *plan.scratch_partials(stream),
-                   o.data_ptr(), lse.data_ptr(), plan.torch_tickets(stream).data_ptr(),
-                   stream=stream)
+                                    block_table, sinks), o_part, lse_part, counts,
+                   o.data_ptr(), lse.data_ptr(), tickets, stream=stream)
         return o, lse
     if can_bind and plan.merge is not None:
         stream = plan.bound.current_stream()
-        partials = plan.scratch_partials(stream)
+        owners, partials = plan.spaces.get(stream)  # owners: held until both are queued
         o, lse = _bound_outputs(plan, out, lse_out) if given else \
             plan.merge.new_outputs(plan.no_sinks)
         plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
