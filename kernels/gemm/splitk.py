@@ -33,6 +33,7 @@ import kiln
 
 from .. import runtime
 from ..runtime import empty_like, is_torch
+from ..workspaces import StreamWorkspaces
 from . import streamk
 from .hopper import HopperGemmConfig, kernel_constexprs, make_kernel
 
@@ -114,7 +115,8 @@ def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
     ``a, b, c``: a callable taking the three data pointers. The workspace (and the fused
     reduction's tickets, which only grow: see :func:`.epilogue.finish_fused`) is kept per
     stream: launches on one stream run in order, and every launch writes each partial before
-    reading it."""
+    reading it; a call inside a CUDA-graph capture gets its own
+    (:class:`~kiln.kernels.workspaces.StreamWorkspaces`)."""
     import torch
 
     x, y, pm, pn = (b, a, n, m) if config.swap_ab else (a, b, m, n)
@@ -132,16 +134,18 @@ def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
                           [w, c, m, n, layout.slice_rows, layout.slices], target=target,
                           num_warps=REDUCE_THREADS // 32, SWAP=int(config.swap_ab),
                           WIDTH=width)
-    per_stream = {}
+    def new_workspace():
+        ws = torch.empty_like(w)
+        return ws, ws.data_ptr()
+
+    spaces = StreamWorkspaces(new_workspace)
 
     def launch(a_ptr, b_ptr, c_ptr):
-        stream = torch.cuda.current_stream(c.device).cuda_stream
-        ws = per_stream.get(stream)
-        if ws is None:
-            ws = per_stream[stream] = torch.empty_like(w)
-        main(b_ptr, a_ptr, ws.data_ptr()) if config.swap_ab else \
-            main(a_ptr, b_ptr, ws.data_ptr())
-        reduce(ws.data_ptr(), c_ptr)
+        stream = main.current_stream()
+        ws, ws_ptr = spaces.get(stream)  # ws held until both launches are queued
+        main(b_ptr, a_ptr, ws_ptr, stream=stream) if config.swap_ab else \
+            main(a_ptr, b_ptr, ws_ptr, stream=stream)
+        reduce(ws_ptr, c_ptr, stream=stream)
 
     return launch
 
@@ -195,16 +199,18 @@ def _bind_fused(x, y, c, m, n, k, dtype, b_major, target, config, torch):
     kernel, args, options = _fused_launch(x, y, c, m, n, k, dtype, b_major, config,
                                           (work, tickets))
     bound = runtime.bind(kernel, grid, list(args), target=target, **options)
-    per_stream = {}
+    def new_buffers():
+        buffers = torch.empty_like(work), torch.zeros_like(tickets)
+        return buffers, tuple(t.data_ptr() for t in buffers)
+
+    spaces = StreamWorkspaces(new_buffers)
 
     def launch(a_ptr, b_ptr, c_ptr):
-        stream = torch.cuda.current_stream(c.device).cuda_stream
-        buffers = per_stream.get(stream)
-        if buffers is None:  # kept alive here: the launches only see their addresses
-            buffers = per_stream[stream] = (torch.empty_like(work), torch.zeros_like(tickets))
+        stream = bound.current_stream()
+        buffers, pointers = spaces.get(stream)  # buffers held until the launch is queued
         x_ptr, y_ptr = (b_ptr, a_ptr) if config.swap_ab else (a_ptr, b_ptr)
-        bound(x_ptr, y_ptr, c_ptr, buffers[0].data_ptr(), buffers[1].data_ptr(),
-              *((c_ptr,) if config.swap_ab else ()))
+        bound(x_ptr, y_ptr, c_ptr, *pointers, *((c_ptr,) if config.swap_ab else ()),
+              stream=stream)
 
     return launch
 
