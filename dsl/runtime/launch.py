@@ -122,15 +122,20 @@ class BoundLaunch:
         self._launcher.pack(self._arguments, flat, grid, None)
         self._owner = threading.get_ident()
         self._other_threads: dict[int, Any] = {}  # the ctypes call releases the GIL
-        # The native shim writes the addresses and launches in one C call, under the GIL.
+        # The native shim writes the addresses and launches in one C call, under the GIL; a
+        # tensor map's descriptor comes from the record's memo (launch_mapped), or on a miss
+        # from the cache (_launch_missed, which memoises it).
         self._map_positions = tuple((i, slot) for i, slot in enumerate(slots) if slot < 0)
-        self._memo: dict[tuple[int, int], int] = {}
-        self._memo_evictions = self._tensor_maps.evictions
         shim = getattr(self._launcher, "shim", None)
         self._native = None
         if shim is not None:
             self._arguments.bind_pointer_slots(self._slots)
-            self._native, self._record = shim.launch_pointers, self._arguments.address
+            self._record, self._native_pointers = self._arguments.address, shim.launch_pointers
+            self._native = shim.launch_pointers
+            if self._map_views:
+                self._arguments.bind_map_memo(shim.MEMO_WAYS,
+                                              self._tensor_maps.evictions_address)
+                self._native, self._memo_store = shim.launch_mapped, shim.memo_store
 
     def __call__(self, *pointers: int, stream=None) -> None:
         if len(pointers) != len(self._slots):
@@ -140,9 +145,8 @@ class BoundLaunch:
             # An int is a raw handle (what current_stream() returned to an entry point).
             handle = self._current_stream() if stream is None else \
                 (stream or None) if type(stream) is int else stream_handle(stream)
-            if self._map_views:
-                pointers = self._with_descriptors(pointers, handle)
-            self._native(self._record, handle, *pointers)
+            if self._native(self._record, handle, *pointers) is False:  # a descriptor missed
+                self._launch_missed(pointers, handle)
             if self._after_launch is not None:
                 self._after_launch()
             return
@@ -168,26 +172,19 @@ class BoundLaunch:
         example tensors' library); pass it back as ``stream=`` to launch there."""
         return self._current_stream()
 
-    def _with_descriptors(self, pointers: tuple, handle) -> list:
-        """``pointers`` with each tensor map's tensor address replaced by its descriptor's:
-        from this launch's memo of (slot, address) -> descriptor, valid while the cache has
-        freed nothing since it was filled; captured descriptors are never memoised (only a
-        graph's replay writes them)."""
-        cache, memo = self._tensor_maps, self._memo
-        if self._memo_evictions != cache.evictions:
-            memo.clear()
-            self._memo_evictions = cache.evictions
+    def _launch_missed(self, pointers: tuple, handle) -> None:
+        """The launch of ``pointers`` whose descriptors were not all in the record's memo:
+        each from the cache (encoded on a miss there) and memoised, unless captured (only a
+        graph's replay writes those)."""
+        cache = self._tensor_maps
         pointers = list(pointers)
         for i, slot in self._map_positions:
-            pointer = pointers[i]
-            address = memo.get((slot, pointer))
-            if address is None:
-                param, shape, strides = self._map_views[~slot]
-                address = cache.descriptor(param, pointer, shape, strides, stream=handle)
-                if address in cache.addresses:
-                    memo[slot, pointer] = address
+            param, shape, strides = self._map_views[~slot]
+            address = cache.descriptor(param, pointers[i], shape, strides, stream=handle)
+            if address in cache.addresses:
+                self._memo_store(self._record, i, pointers[i], address)
             pointers[i] = address
-        return pointers
+        self._native_pointers(self._record, handle, *pointers)
 
     def _thread_arguments(self):
         ident = threading.get_ident()
