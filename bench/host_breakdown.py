@@ -152,26 +152,23 @@ def _stage_rows(torch, name, call, decode_plan, combine_module, decode_module, p
             words, partials = plan.torch_partial_words()
             rows["partial views (3 as_strided)"] = timed(lambda: plan.torch_partials(words))
             args = (*inputs, *partials, *plan.no_output_pointers)
-        rows["bound launch"] = timed(lambda: bound(*args, stream=stream))
-        if bound._native is not None and not bound._map_views:
-            rows["native launch"] = timed(lambda: bound._native(bound._record, stream, *args))
+        _launch_rows(rows, timed, bound, args)
     elif name.startswith("combine"):
         plan = combine_module._PLANS._last[1]
         fresh = plan.fresh_outputs(None)
         rows["outputs (2 fresh)"] = timed(fresh)
         o, lse = fresh()
-        o_p, lse_p, counts = _decode_partials(decode_plan)
-        ptrs = (o_p.data_ptr(), lse_p.data_ptr(), counts.data_ptr(), o.data_ptr(),
-                lse.data_ptr())
-        rows["bound launch"] = timed(lambda: plan.bound(*ptrs))
+        given = _closure(call)
+        o_p, lse_p, counts = given["o_part"], given["lse_part"], given["counts"]
+        _launch_rows(rows, timed, plan.bound, (o_p.data_ptr(), lse_p.data_ptr(),
+                                               counts.data_ptr(), o.data_ptr(), lse.data_ptr()))
         rows["plan_combine (guard)"] = timed(lambda: combine_module.plan_combine(
             o_p, lse_p, counts, max_splits=o_p.shape[0], target="sm_90a"))
     elif name.startswith("matmul"):
         plan = gemm._PLANS._last[1]
         rows["output (1 fresh)"] = timed(plan.fresh_c.one)
         c = plan.fresh_c.one()
-        rows["bound launch"] = timed(lambda: plan.bound(c.data_ptr(), c.data_ptr(),
-                                                        c.data_ptr()))
+        _launch_rows(rows, timed, plan.bound, (c.data_ptr(),) * 3)
     elif name.startswith("prefill"):
         plan = prefill_module._PLANS._last[1]
         rows["output (1 fresh)"] = timed(plan.fresh.one)
@@ -179,8 +176,17 @@ def _stage_rows(torch, name, call, decode_plan, combine_module, decode_module, p
         o = plan.fresh.one()
         ptrs = (dense.data_ptr(),) * 3 + (o.data_ptr(), plan.no_lse.data_ptr(),
                                           plan.fixed_sinks.data_ptr(), *plan.cu_pointers)
-        rows["bound launch"] = timed(lambda: plan.bound(*ptrs))
+        _launch_rows(rows, timed, plan.bound, ptrs)
     return rows
+
+
+def _launch_rows(rows: dict, timed, bound, args: tuple) -> None:
+    """The bound launch with ready addresses, and (native shim) its one C call alone."""
+    rows["bound launch"] = timed(lambda: bound(*args))
+    native = getattr(bound, "_native", None)
+    if native is not None:
+        stream = bound.current_stream()
+        rows["shim call"] = timed(lambda: native(bound._record, stream, *args))
 
 
 def _closure(call) -> dict:
@@ -188,14 +194,7 @@ def _closure(call) -> dict:
     return dict(zip(call.__code__.co_freevars, (c.cell_contents for c in call.__closure__)))
 
 
-def _decode_partials(decode_plan):
-    for plan in decode_plan.PLANS.values():
-        if not plan.fused and plan.bound is not None:
-            return plan.torch_partials()
-    raise RuntimeError("no unfused decode plan")
-
-
-def _profile(call, sync, calls: int = CALLS, top: int = 14) -> list:
+def _profile(call, sync, calls: int = CALLS, top: int = 10) -> list:
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
