@@ -140,7 +140,7 @@ def _stage_rows(torch, name, call, decode_plan, combine_module, decode_module, p
         inputs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
                   lens.data_ptr(), *plan.placeholder_pointers)
         rows["input pointers"] = timed(lambda: decode_module._input_pointers(
-            plan, q, k_cache, v_cache, table, lens, None, None))
+            plan, q.data_ptr(), k_cache, v_cache, table, lens, None, None))
         if plan.fused:
             rows["outputs (2 fresh)"] = timed(lambda: plan.outputs(like=plan.no_sinks))
             o, lse = plan.outputs(like=plan.no_sinks)
