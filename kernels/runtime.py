@@ -533,6 +533,9 @@ class _DryBound:
     def __call__(self, *pointers: int, stream=None) -> None:
         self._owner.bound_calls += 1
 
+    def launch_on(self, stream, *pointers: int) -> None:
+        self._owner.bound_calls += 1
+
     def current_stream(self) -> None:
         return None
 

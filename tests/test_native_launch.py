@@ -292,7 +292,8 @@ def test_bound_descriptor_memo_follows_evictions_and_skips_captures(kind, shim):
 @pytest.mark.parametrize("kind", SHIMS)
 def test_bound_descriptor_memo_serves_many_tensors_in_turn(kind, shim):
     """A serving loop cycles through many caches (one per layer): every address keeps its
-    descriptor (encoded once), whichever memo way it shares with others."""
+    descriptor (encoded once), whichever memo way it shares with others, through the bound
+    launch and through launch_on (a miss there calls the bound launch back)."""
     from test_launch_capture import CapturingDriver
 
     signature = KernelSignature("m", (TensorMapParam("t", "f16", 2, (64, 64), 128),
@@ -307,7 +308,11 @@ def test_bound_descriptor_memo_serves_many_tensors_in_turn(kind, shim):
     before, seen = len(device.encoded), {}
     for round_ in range(3):
         for i, address in enumerate(addresses):
-            bound(address, 0x9000 + i)
+            if (round_ + i) % 2:  # an entry point's C call on the stream it read
+                bound.launch_on(0x5150 + i, address, 0x9000 + i)
+                assert recorder.launches[-1][4] == 0x5150 + i
+            else:
+                bound(address, 0x9000 + i)
             descriptor, pointer = recorder.launches[-1][5][:2]
             assert pointer == 0x9000 + i
             assert seen.setdefault(address, descriptor) == descriptor

@@ -20,8 +20,10 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
+import weakref
 from typing import Any, Callable, Sequence
 
 import ml_dtypes
@@ -84,6 +86,11 @@ class BoundLaunch:
     (and the stream) into their slots and launches: one C call into the native launch shim
     (:mod:`kiln.runtime.driver_launch`), or one ctypes call. The addresses are not checked, so
     the caller must pass tensors laid out exactly like the example ones.
+
+    ``current_stream()`` is the handle a call with ``stream=None`` would launch on (the
+    current stream of the example tensors' library); ``launch_on(stream, *pointers)`` launches
+    on such a handle: through the shim it is a C callable, so a library entry point that read
+    the stream pays no Python frame per launch.
     """
 
     def __init__(self, ck, grid, args: Sequence):
@@ -116,6 +123,7 @@ class BoundLaunch:
             convert(value, flat, None)
         self._slots = tuple(slots)
         self._current_stream = _stream_source(args)
+        self.current_stream = self._current_stream  # an instance attribute: no method frame
         self._after_launch = plan.after_launch
         self._stream_slot = self._launcher.stream_slot
         self._arguments = self._launcher.new_arguments()
@@ -136,6 +144,12 @@ class BoundLaunch:
                 self._arguments.bind_map_memo(shim.MEMO_WAYS,
                                               self._tensor_maps.evictions_address)
                 self._native, self._memo_store = shim.launch_mapped, shim.memo_store
+        # launch_on(stream, *pointers): through the shim one C call (no Python frame; a memo
+        # miss calls this launch back), else the method. No reference back to self: a cycle
+        # would leave the launcher's teardown to the cyclic collector.
+        if shim is not None and self._after_launch is None:
+            self.launch_on = functools.partial(shim.launch_direct, self._record,
+                                               _fallback(weakref.ref(self), self._arguments))
 
     def __call__(self, *pointers: int, stream=None) -> None:
         if len(pointers) != len(self._slots):
@@ -167,10 +181,9 @@ class BoundLaunch:
         if self._after_launch is not None:
             self._after_launch()
 
-    def current_stream(self) -> int | None:
-        """The handle a call with ``stream=None`` would launch on (the current stream of the
-        example tensors' library); pass it back as ``stream=`` to launch there."""
-        return self._current_stream()
+    def launch_on(self, stream, *pointers: int) -> None:
+        """``self(*pointers, stream=stream)``; see the class docs."""
+        self(*pointers, stream=stream)
 
     def _launch_missed(self, pointers: tuple, handle) -> None:
         """The launch of ``pointers`` whose descriptors were not all in the record's memo:
@@ -192,6 +205,20 @@ class BoundLaunch:
         if arguments is None:
             arguments = self._other_threads[ident] = self._arguments.copy()
         return arguments
+
+
+def _fallback(bound_ref, arguments) -> Callable:
+    """What a shim's ``launch_on`` calls on a descriptor memo miss: the bound launch (by weak
+    reference); it holds the argument block, whose launch record the C call reads, alive."""
+    def launch(stream, *pointers: int) -> None:
+        bound = bound_ref()
+        if bound is None:
+            raise LaunchError("this launch_on outlived its bound launch",
+                              fix="keep the BoundLaunch as long as its launch_on")
+        bound(*pointers, stream=stream)
+
+    launch.arguments = arguments
+    return launch
 
 
 def stream_handle(stream) -> int | None:

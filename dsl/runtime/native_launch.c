@@ -217,6 +217,28 @@ static PyObject *launch_mapped(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_TRUE;
 }
 
+/* launch_direct(record_address, fallback, stream, *addresses): a bound launch in one C call,
+ * what BoundLaunch.launch_on partially applies to its record and fallback: launch_mapped for
+ * a record with a descriptor memo, launch_pointers for one without; on a memo miss it returns
+ * fallback(stream, *addresses), which encodes and launches in Python. */
+static PyObject *launch_direct(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 3) {
+        PyErr_SetString(PyExc_TypeError, "launch_direct(record, fallback, stream, *addresses)");
+        return NULL;
+    }
+    launch_record *r = record_of(args[0]);
+    if (r == NULL)
+        return NULL;
+    PyObject *const *call = args + 1;  /* (record, stream, *addresses) for put_pointers */
+    int put = put_pointers(r, call, nargs - 1, r->map_memo != NULL);
+    if (put < 0)
+        return NULL;
+    if (put == 0)
+        return PyObject_Vectorcall(args[1], args + 2, (size_t)(nargs - 2), NULL);
+    return finish(launch_in_context(r));
+}
+
 /* memo_store(record_address, position, tensor_address, descriptor_address): remember the
  * descriptor of the tensor at that address position (replacing its way's entry); a stale
  * memo (the cache evicted since) is emptied first. */
@@ -522,6 +544,9 @@ static PyMethodDef methods[] = {
     {"launch_mapped", (PyCFunction)(void (*)(void))launch_mapped, METH_FASTCALL,
      "launch_mapped(record_address, stream, *addresses): launch_pointers with tensor maps "
      "looked up in the record's memo (True), or nothing on a miss (False)."},
+    {"launch_direct", (PyCFunction)(void (*)(void))launch_direct, METH_FASTCALL,
+     "launch_direct(record_address, fallback, stream, *addresses): launch_mapped (or "
+     "launch_pointers) that calls fallback(stream, *addresses) on a memo miss."},
     {"memo_store", (PyCFunction)(void (*)(void))memo_store, METH_FASTCALL,
      "memo_store(record_address, position, address, descriptor): memoise a descriptor."},
     {"launch_guarded", (PyCFunction)(void (*)(void))launch_guarded, METH_FASTCALL,

@@ -141,14 +141,16 @@ class _CombinePlan:
         if self.empty:  # no rows, or no split slots: every row is O = 0, LSE = -inf
             out.zero_()
             lse_out.fill_(-math.inf)
-        if self.bound is not None:
+        bound = self.bound
+        if bound is not None:
             if self.ragged:
-                self.bound(o_partial.data_ptr(), lse_partial.data_ptr(),
-                           split_counts.data_ptr(), out.data_ptr(), lse_out.data_ptr(),
-                           cu_q.data_ptr())
+                bound.launch_on(bound.current_stream(), o_partial.data_ptr(),
+                                lse_partial.data_ptr(), split_counts.data_ptr(),
+                                out.data_ptr(), lse_out.data_ptr(), cu_q.data_ptr())
             else:
-                self.bound(o_partial.data_ptr(), lse_partial.data_ptr(),
-                           split_counts.data_ptr(), out.data_ptr(), lse_out.data_ptr())
+                bound.launch_on(bound.current_stream(), o_partial.data_ptr(),
+                                lse_partial.data_ptr(), split_counts.data_ptr(),
+                                out.data_ptr(), lse_out.data_ptr())
         return out, lse_out
 
     def _given_outputs(self, lse_partial, out, lse_out) -> tuple:

@@ -180,8 +180,10 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
         q_ptr = q.data_ptr()
         if q_ptr % Q_ALIGN == 0:
             words, partials = plan.torch_partial_words()
-            bound(*_input_pointers(plan, q_ptr, k_cache, v_cache, page_table, seq_lens,
-                                   block_table, sinks), *partials, *plan.no_output_pointers)
+            bound.launch_on(bound.current_stream(),
+                            *_input_pointers(plan, q_ptr, k_cache, v_cache, page_table,
+                                             seq_lens, block_table, sinks),
+                            *partials, *plan.no_output_pointers)
             return plan.torch_partials(words)
     return _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
                         backend)
@@ -239,14 +241,14 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
         if plan.fused:
             o, lse = _bound_outputs(plan, out, lse_out) if given else plan.torch_outputs()
             owners, (o_part, lse_part, counts, tickets) = plan.spaces.get(stream)
-            bound(*inputs, o_part, lse_part, counts, o.data_ptr(), lse.data_ptr(), tickets,
-                  stream=stream)
+            bound.launch_on(stream, *inputs, o_part, lse_part, counts, o.data_ptr(),
+                            lse.data_ptr(), tickets)
             return o, lse
         owners, partials = plan.spaces.get(stream)  # owners: held until both are queued
         o, lse = _bound_outputs(plan, out, lse_out) if given else \
             plan.merge.new_outputs(plan.no_sinks)
-        bound(*inputs, *partials, *plan.no_output_pointers, stream=stream)
-        plan.merge.bound(*partials, o.data_ptr(), lse.data_ptr(), stream=stream)
+        bound.launch_on(stream, *inputs, *partials, *plan.no_output_pointers)
+        plan.merge.bound.launch_on(stream, *partials, o.data_ptr(), lse.data_ptr())
         return o, lse
     if plan.fused:
         return _delivered(_run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens,

@@ -281,8 +281,11 @@ class _DensePlan:
             o, lse = self.fresh.one(), self.no_lse
         else:
             o, lse = self.fresh()
-        self.bound(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-                   (self.fixed_sinks if sinks is None else sinks).data_ptr(), *self.cu_pointers)
+        bound = self.bound
+        bound.launch_on(bound.current_stream(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                        o.data_ptr(), lse.data_ptr(),
+                        (self.fixed_sinks if sinks is None else sinks).data_ptr(),
+                        *self.cu_pointers)
         return o if self.lse_shape is None else (o, lse)
 
 

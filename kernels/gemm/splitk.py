@@ -112,7 +112,7 @@ def run_partials(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=Non
 
 def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
     """A bound launch pair (one launch with ``fused_reduce``) for torch operands shaped like
-    ``a, b, c``: a callable taking the three data pointers. The workspace (and the fused
+    ``a, b, c``: a :class:`PairedLaunch`, called with the three data pointers. The workspace (and the fused
     reduction's tickets, which only grow: see :func:`.epilogue.finish_fused`) is kept per
     stream: launches on one stream run in order, and every launch writes each partial before
     reading it; a call inside a CUDA-graph capture gets its own
@@ -140,14 +140,13 @@ def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
 
     spaces = StreamWorkspaces(new_workspace)
 
-    def launch(a_ptr, b_ptr, c_ptr):
-        stream = main.current_stream()
+    def launch_on(stream, a_ptr, b_ptr, c_ptr):
         ws, ws_ptr = spaces.get(stream)  # ws held until both launches are queued
-        main(b_ptr, a_ptr, ws_ptr, stream=stream) if config.swap_ab else \
-            main(a_ptr, b_ptr, ws_ptr, stream=stream)
-        reduce(ws_ptr, c_ptr, stream=stream)
+        main.launch_on(stream, b_ptr, a_ptr, ws_ptr) if config.swap_ab else \
+            main.launch_on(stream, a_ptr, b_ptr, ws_ptr)
+        reduce.launch_on(stream, ws_ptr, c_ptr)
 
-    return launch
+    return PairedLaunch(main.current_stream, launch_on)
 
 
 def _check_layout(config: HopperGemmConfig, b_major: str) -> None:
@@ -205,14 +204,26 @@ def _bind_fused(x, y, c, m, n, k, dtype, b_major, target, config, torch):
 
     spaces = StreamWorkspaces(new_buffers)
 
-    def launch(a_ptr, b_ptr, c_ptr):
-        stream = bound.current_stream()
+    def launch_on(stream, a_ptr, b_ptr, c_ptr):
         buffers, pointers = spaces.get(stream)  # buffers held until the launch is queued
         x_ptr, y_ptr = (b_ptr, a_ptr) if config.swap_ab else (a_ptr, b_ptr)
-        bound(x_ptr, y_ptr, c_ptr, *pointers, *((c_ptr,) if config.swap_ab else ()),
-              stream=stream)
+        bound.launch_on(stream, x_ptr, y_ptr, c_ptr, *pointers,
+                        *((c_ptr,) if config.swap_ab else ()))
 
-    return launch
+    return PairedLaunch(bound.current_stream, launch_on)
+
+
+class PairedLaunch:
+    """The bound launches of one split-K GEMM call (main and reduce, or one fused launch)
+    behind a bound launch's interface: ``launch(a_ptr, b_ptr, c_ptr, stream=None)``,
+    ``current_stream()`` and ``launch_on(stream, a_ptr, b_ptr, c_ptr)``."""
+
+    def __init__(self, current_stream, launch_on):
+        self.current_stream, self.launch_on = current_stream, launch_on
+
+    def __call__(self, a_ptr: int, b_ptr: int, c_ptr: int, stream=None) -> None:
+        self.launch_on(self.current_stream() if stream is None else stream, a_ptr, b_ptr,
+                       c_ptr)
 
 
 @functools.lru_cache(maxsize=None)
