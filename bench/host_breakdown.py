@@ -183,9 +183,10 @@ def _stage_rows(torch, name, call, decode_plan, combine_module, decode_module, p
 def _launch_rows(rows: dict, timed, bound, args: tuple) -> None:
     """The bound launch with ready addresses, and (native shim) its one C call alone."""
     rows["bound launch"] = timed(lambda: bound(*args))
+    stream = bound.current_stream()
+    rows["launch_on"] = timed(lambda: bound.launch_on(stream, *args))
     native = getattr(bound, "_native", None)
     if native is not None:
-        stream = bound.current_stream()
         rows["shim call"] = timed(lambda: native(bound._record, stream, *args))
 
 
