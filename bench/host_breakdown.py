@@ -124,6 +124,8 @@ def stages(torch, target: str = "sm_90a") -> dict:
 def _stage_rows(torch, name, call, decode_plan, combine_module, decode_module, prefill_module,
                 gemm, sync) -> dict:
     """The stages of one entry point's steady state, each timed alone (µs)."""
+    from kiln.kernels.runtime import TorchOutputs
+
     rows: dict = {}
     timed = lambda f: per_call_us(f, 300, 9, sync)  # noqa: E731
     if name.startswith("decode"):
@@ -151,6 +153,13 @@ def _stage_rows(torch, name, call, decode_plan, combine_module, decode_module, p
             rows["partial words (1 alloc)"] = timed(plan.torch_partial_words)
             words, partials = plan.torch_partial_words()
             rows["partial views (3 as_strided)"] = timed(lambda: plan.torch_partials(words))
+            shape = tuple(plan.partial_shape)
+            three = TorchOutputs(plan.no_sinks, (shape, torch.float32),
+                                 (shape[:4], torch.float32), (shape[1:4], torch.int32))
+            rows["partials as 3 fresh tensors"] = timed(three)
+            two = TorchOutputs(plan.no_sinks, (shape[1:], torch.bfloat16),
+                               (shape[1:4], torch.float32))
+            rows["2 fresh tensors (decode_attention's o, lse)"] = timed(two)
             args = (*inputs, *partials, *plan.no_output_pointers)
         _launch_rows(rows, timed, bound, args)
     elif name.startswith("combine"):
