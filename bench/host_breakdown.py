@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import importlib
 import io
 import json
@@ -80,10 +81,20 @@ def primitives(torch) -> dict:
         "o.get_device()": o.get_device,
         "o.device": lambda: o.device,
         "raw current stream": lambda: raw(device()),
+        "raw current stream of device -1": lambda: raw(-1),
+        "partial(raw, -1)": functools.partial(raw, -1),
+        "torch.empty(n, dtype, device object)": lambda: torch.empty(
+            8192, dtype=torch.float32, device=x.device),
         "torch.cuda.is_current_stream_capturing()": torch.cuda.is_current_stream_capturing,
     }
     base = per_call_us(ops.pop("empty lambda"), 5000, 5)
-    return {name: round(per_call_us(op, 5000, 5) - base, 3) for name, op in ops.items()}
+    results = {name: round(per_call_us(op, 5000, 5) - base, 3) for name, op in ops.items()}
+    side = torch.cuda.Stream()
+    same = [raw(-1) == raw(device())]
+    with torch.cuda.stream(side):
+        same.append(raw(-1) == raw(device()) == side.cuda_stream)
+    results["raw(-1) is the current stream (default, side)"] = same
+    return results
 
 
 def stages(torch, target: str = "sm_90a") -> dict:
@@ -232,7 +243,7 @@ def main(argv=None) -> int:
     if args.only != "stages":
         results["primitives"] = primitives(torch)
         for name, us in results["primitives"].items():
-            print(f"  {name:<48}{us:>8.3f} µs", flush=True)
+            print(f"  {name:<48}{us} µs", flush=True)
     if args.only != "primitives":
         results["stages"] = stages(torch)
         for name, row in results["stages"].items():
