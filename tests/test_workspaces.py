@@ -70,9 +70,9 @@ def test_decode_attention_workspaces_on_two_streams_and_around_a_capture(fused, 
                                    None, fused))
     assert plan is not None and plan.bound is not None and (plan.merge is not None or fused)
     streams = torch.cuda.Stream(), torch.cuda.Stream()
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
     queries = [torch.randn_like(q) for _ in streams]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())  # the inputs above
     results = []
     for s, qs in zip(streams, queries):  # queued back to back: the two may overlap
         with torch.cuda.stream(s):
