@@ -20,8 +20,8 @@ from .decode_config import (DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MERGE_H
                             MERGE_SLICES, SUPPORTED_HEAD_DIMS, DecodeShape,
                             decode_partials, default_config, default_num_splits,
                             early_launch_tiles, longest_split_tiles)
-from .decode_kernel import make_kernel
 from ..workspaces import StreamWorkspaces
+from .decode_kernel import make_kernel
 from .paged import kv_sub_tile_rows
 
 SCRATCH_MAX_BYTES = 16 << 20  # internal partials kept per plan and stream up to this size

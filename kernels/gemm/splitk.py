@@ -112,10 +112,10 @@ def run_partials(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=Non
 
 def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
     """A bound launch pair (one launch with ``fused_reduce``) for torch operands shaped like
-    ``a, b, c``: a :class:`PairedLaunch`, called with the three data pointers. The workspace (and the fused
-    reduction's tickets, which only grow: see :func:`.epilogue.finish_fused`) is kept per
-    stream: launches on one stream run in order, and every launch writes each partial before
-    reading it; a call inside a CUDA-graph capture gets its own
+    ``a, b, c``: a :class:`PairedLaunch`, called with the three data pointers. The workspace
+    (and the fused reduction's tickets, which only grow: see :func:`.epilogue.finish_fused`) is
+    kept per stream: launches on one stream run in order, and every launch writes each partial
+    before reading it; a call inside a CUDA-graph capture gets its own
     (:class:`~kiln.kernels.workspaces.StreamWorkspaces`)."""
     import torch
 
@@ -134,6 +134,7 @@ def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
                           [w, c, m, n, layout.slice_rows, layout.slices], target=target,
                           num_warps=REDUCE_THREADS // 32, SWAP=int(config.swap_ab),
                           WIDTH=width)
+
     def new_workspace():
         ws = torch.empty_like(w)
         return ws, ws.data_ptr()
@@ -198,6 +199,7 @@ def _bind_fused(x, y, c, m, n, k, dtype, b_major, target, config, torch):
     kernel, args, options = _fused_launch(x, y, c, m, n, k, dtype, b_major, config,
                                           (work, tickets))
     bound = runtime.bind(kernel, grid, list(args), target=target, **options)
+
     def new_buffers():
         buffers = torch.empty_like(work), torch.zeros_like(tickets)
         return buffers, tuple(t.data_ptr() for t in buffers)
