@@ -16,11 +16,11 @@ from .. import runtime
 from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, check_heads,
                        check_paged_lengths, check_positive, empty_like, is_torch, key_of,
                        resolve_target)
+from ..workspaces import StreamWorkspaces
 from .decode_config import (DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MERGE_HELPER_MIN_ROWS,
                             MERGE_SLICES, SUPPORTED_HEAD_DIMS, DecodeShape,
                             decode_partials, default_config, default_num_splits,
                             early_launch_tiles, longest_split_tiles)
-from ..workspaces import StreamWorkspaces
 from .decode_kernel import make_kernel
 from .paged import kv_sub_tile_rows
 
