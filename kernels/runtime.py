@@ -13,7 +13,8 @@ first argument that has a dimension binds its size, later ones must agree::
     dims.tensor("k_cache", k_cache, "num_pages page_size Hkv D", dtype=kiln.bf16)
     # KilnValueError: k_cache's D is 64, but q's D is 128
 
-This module is the library's one import of Kiln's runtime layer (launcher, driver).
+This module is the library's one import of Kiln's runtime layer (launcher, driver; the plan
+guards use the native launch shim's ``guard_values``, see :mod:`kiln.kernels.plan_guard`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kiln.kernel import default_target
 from kiln.runtime.cuda import driver
 from kiln.runtime.launch import bind_launch
 
-from .plan_guard import make_guard
+from .plan_guard import guard_of
 
 BACKENDS = (None, "cuda", "gpu", "interpret")
 
@@ -442,7 +443,7 @@ class PlanCache(dict):
     def _remember(self, key, values: tuple, plan) -> None:
         guard = self._guards.get(key, _never)
         if guard is _never:
-            guard = self._guards[key] = make_guard(values)
+            guard = self._guards[key] = guard_of(values)
         self._last = (guard, plan) if guard is not None else (_never, None)
 
 

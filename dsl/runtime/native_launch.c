@@ -529,6 +529,76 @@ static PyObject *launch_guarded(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_TRUE;
 }
 
+/* --- guard_values: a library plan's guard (kiln.kernels.plan_guard) in one C call ---------
+ *
+ * spec: one entry per value: None (the value must be None), (GUARD_VALUE, type, constant)
+ * (type(v) is type and v == constant), or (GUARD_TENSOR, type, shape, dtype, device, strides)
+ * (type(v) is type, v.shape == shape, v.dtype is dtype, v.is_contiguous() when strides is
+ * None else v.stride() == strides, v.get_device() == device). */
+
+enum { GUARD_VALUE = 0, GUARD_TENSOR = 1 };
+static PyObject *s_is_contiguous, *s_get_device;
+
+/* 1 the value matches its entry, 0 not, -1 error. */
+static int guard_one(PyObject *entry, PyObject *v)
+{
+    if (entry == Py_None)
+        return v == Py_None;
+    if ((PyObject *)Py_TYPE(v) != PyTuple_GET_ITEM(entry, 1))
+        return 0;
+    if (PyLong_AsLong(PyTuple_GET_ITEM(entry, 0)) == GUARD_VALUE)
+        return PyObject_RichCompareBool(v, PyTuple_GET_ITEM(entry, 2), Py_EQ);
+    PyObject *got = PyObject_GetAttr(v, s_shape);
+    if (got == NULL)
+        return -1;
+    int ok = same(got, PyTuple_GET_ITEM(entry, 2));
+    Py_DECREF(got);
+    if (ok != 1)
+        return ok;
+    got = PyObject_GetAttr(v, s_dtype);
+    if (got == NULL)
+        return -1;
+    ok = got == PyTuple_GET_ITEM(entry, 3);
+    Py_DECREF(got);
+    if (!ok)
+        return 0;
+    PyObject *strides = PyTuple_GET_ITEM(entry, 5);
+    got = PyObject_CallMethodNoArgs(v, strides == Py_None ? s_is_contiguous : s_stride);
+    if (got == NULL)
+        return -1;
+    ok = strides == Py_None ? PyObject_IsTrue(got) : same(got, strides);
+    Py_DECREF(got);
+    if (ok != 1)
+        return ok;
+    got = PyObject_CallMethodNoArgs(v, s_get_device);
+    if (got == NULL)
+        return -1;
+    ok = same(got, PyTuple_GET_ITEM(entry, 4));
+    Py_DECREF(got);
+    return ok;
+}
+
+/* guard_values(spec, values): True when every value matches its entry, else False. */
+static PyObject *guard_values(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "guard_values(spec, values)");
+        return NULL;
+    }
+    PyObject *spec = args[0], *values = args[1];
+    Py_ssize_t n = PyTuple_GET_SIZE(spec);
+    if (!PyTuple_Check(values) || PyTuple_GET_SIZE(values) != n)
+        Py_RETURN_FALSE;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int ok = guard_one(PyTuple_GET_ITEM(spec, i), PyTuple_GET_ITEM(values, i));
+        if (ok < 0)
+            return NULL;
+        if (!ok)
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 /* set_error_handler(callable): called with the CUresult of a failed launch; it raises. */
 static PyObject *set_error_handler(PyObject *self, PyObject *handler)
 {
@@ -552,6 +622,8 @@ static PyMethodDef methods[] = {
     {"launch_guarded", (PyCFunction)(void (*)(void))launch_guarded, METH_FASTCALL,
      "launch_guarded(record, spec, grid, args, kwargs, stream): kernel[grid](...) if it "
      "matches the spec (True), else False."},
+    {"guard_values", (PyCFunction)(void (*)(void))guard_values, METH_FASTCALL,
+     "guard_values(spec, values): whether values match a plan guard's spec."},
     {"set_error_handler", set_error_handler, METH_O,
      "set_error_handler(callable): what a failed launch calls with its CUresult."},
     {NULL, NULL, 0, NULL},
@@ -568,11 +640,16 @@ PyMODINIT_FUNC PyInit__kiln_launch(void)
     s_stride = PyUnicode_InternFromString("stride");
     s_is_cuda = PyUnicode_InternFromString("is_cuda");
     s_data_ptr = PyUnicode_InternFromString("data_ptr");
-    if (!s_dtype || !s_shape || !s_stride || !s_is_cuda || !s_data_ptr)
+    s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+    s_get_device = PyUnicode_InternFromString("get_device");
+    if (!s_dtype || !s_shape || !s_stride || !s_is_cuda || !s_data_ptr || !s_is_contiguous ||
+        !s_get_device)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddIntConstant(m, "RECORD_BYTES", sizeof(launch_record)) < 0 ||
-                      PyModule_AddIntConstant(m, "MEMO_WAYS", MEMO_WAYS) < 0)) {
+                      PyModule_AddIntConstant(m, "MEMO_WAYS", MEMO_WAYS) < 0 ||
+                      PyModule_AddIntConstant(m, "GUARD_VALUE", GUARD_VALUE) < 0 ||
+                      PyModule_AddIntConstant(m, "GUARD_TENSOR", GUARD_TENSOR) < 0)) {
         Py_DECREF(m);
         return NULL;
     }
