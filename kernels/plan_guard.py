@@ -8,8 +8,9 @@ it returned: a function generated for that call's values that is true exactly wh
 call's values would make an equal key (tensors compared field by field, without building or
 hashing a key; other values by type and ``==``). A call whose guard fails takes the keyed
 look-up, which then makes its plan's guard the last one. Where the native launch shim was
-built (:mod:`kiln.runtime.native`), :func:`guard_of` makes the same checks in one C call
-(``guard_values``, a partial application to the values' spec), not in generated Python.
+built (:mod:`kiln.runtime.native`), :func:`kiln.kernels.runtime.guard_of` makes the same
+checks in one C call (``guard_values``, a partial application to the values' spec), not in
+generated Python.
 
 Example::
 
@@ -73,20 +74,6 @@ def make_guard(values: tuple, native: Callable | None = None
     source = "\n".join(lines) + "\n"
     exec(compile(source, "<kiln plan guard>", "exec"), namespace)
     return namespace.pop("guard")
-
-
-def guard_of(values: tuple) -> Callable[[tuple], bool] | None:
-    """:func:`make_guard` of ``values``, checked in one C call by the native launch shim where
-    it was built (else a generated Python function)."""
-    return make_guard(values, _native_guard())
-
-
-@functools.lru_cache(maxsize=1)
-def _native_guard() -> Callable | None:
-    from kiln.runtime.native import native_module
-
-    shim = native_module()
-    return None if shim is None else shim.guard_values
 
 
 def _exact(value: Any) -> bool:

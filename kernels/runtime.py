@@ -13,8 +13,8 @@ first argument that has a dimension binds its size, later ones must agree::
     dims.tensor("k_cache", k_cache, "num_pages page_size Hkv D", dtype=kiln.bf16)
     # KilnValueError: k_cache's D is 64, but q's D is 128
 
-This module is the library's one import of Kiln's runtime layer (launcher, driver; the plan
-guards use the native launch shim's ``guard_values``, see :mod:`kiln.kernels.plan_guard`).
+This module is the library's one import of Kiln's runtime layer (launcher, driver, the
+native shim's plan guards).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from kiln.core.targets import get_target
 from kiln.kernel import default_target
 from kiln.runtime.cuda import driver
 from kiln.runtime.launch import bind_launch
+from kiln.runtime.native import native_module
 
-from .plan_guard import guard_of
+from .plan_guard import make_guard
 
 BACKENDS = (None, "cuda", "gpu", "interpret")
 
@@ -449,6 +450,13 @@ class PlanCache(dict):
 
 def _never(values) -> bool:
     return False
+
+
+def guard_of(values: tuple):
+    """:func:`~kiln.kernels.plan_guard.make_guard` of ``values``, checked in one C call by the
+    native launch shim where it was built (else by generated Python)."""
+    shim = native_module()
+    return make_guard(values, None if shim is None else shim.guard_values)
 
 
 def key_of(values: tuple) -> tuple:

@@ -115,7 +115,6 @@ import numpy as np
 import kiln
 
 from .. import runtime
-from ..plan_guard import guard_of
 from ..runtime import ArrayLib, empty_like, is_torch
 from .decode_config import (AHEAD_PREFETCH_TILES, CTAS_PER_SM, DEFAULT_SMS, EARLY_LAUNCH_TILES,
                             FUSED_COMBINE_MAX_BYTES, KV_EVICTION, LAZY_RESCALE_HEAD_DIMS,
@@ -276,7 +275,7 @@ def _check_given_outputs(plan, q, out, lse_out) -> None:
         return
     _check_outputs(plan, q, out, lse_out)
     if plan.bound is not None:  # the plan's key fixed q's device, which these were checked on
-        plan.checked_outputs[0] = guard_of((out, lse_out))
+        plan.checked_outputs[0] = runtime.guard_of((out, lse_out))
 
 
 def _check_outputs(plan, q, out, lse_out) -> None:
