@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import ml_dtypes
 import numpy as np
 
-from kiln.arrays import describe_array
+from kiln.arrays import describe_array, is_torch_tensor
 from kiln.core import env
 from kiln.core.dtypes import dtype as to_dtype
 from kiln.core.errors import KilnTypeError, KilnValueError, LaunchError, ResourceError
@@ -122,7 +122,7 @@ class BoundLaunch:
                 slots.append(len(flat))
             convert(value, flat, None)
         self._slots = tuple(slots)
-        self._current_stream = _stream_source(args)
+        self._current_stream = _bound_stream_source(args)
         self.current_stream = self._current_stream  # an instance attribute: no method frame
         self._after_launch = plan.after_launch
         self._stream_slot = self._launcher.stream_slot
@@ -290,6 +290,19 @@ def _stream_source(args: Sequence) -> Callable[[], int | None]:
         if getter is not _no_stream:
             return getter
     return _no_stream
+
+
+def _bound_stream_source(args: Sequence) -> Callable[[], int | None]:
+    """A bound launch's current-stream getter: for a torch CUDA tensor among ``args``, torch's
+    raw-stream getter bound to that tensor's device (one C call a launch, no Python frame; it
+    gives 0, not None, for the legacy default stream), else :func:`_stream_source`'s."""
+    for value in args:
+        if is_torch_tensor(value) and value.is_cuda:
+            raw = getattr(sys.modules["torch"]._C, "_cuda_getCurrentRawStream", None)
+            if raw is not None:
+                return functools.partial(raw, value.get_device())
+            break
+    return _stream_source(args)
 
 
 class _Staging:
