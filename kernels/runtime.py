@@ -589,6 +589,12 @@ def multiprocessor_count() -> int:
     return _ACTIVE[0].multiprocessor_count()
 
 
+def capture_id(stream: int | None):
+    """The id of the CUDA-graph capture under way on ``stream``, or None (see
+    :class:`kiln.kernels.workspaces.StreamWorkspaces`)."""
+    return driver().capture_id(stream)
+
+
 def persistent_grid(tiles: int, cluster: int = 1, resident_clusters=None) -> tuple[int, int, int]:
     """A persistent kernel's grid: one CTA per SM (with ``cluster > 1``, per resident cluster,
     ``resident_clusters()`` of them), at most one per tile. Example:

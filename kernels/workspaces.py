@@ -8,13 +8,16 @@ once are on different streams and get different sets.
 
 A CUDA-graph capture is the exception. A graph's kernels may replay at any later time, on any
 stream, beside eager calls on the stream it was captured on (or on a new stream that reuses
-that handle), so a captured call never takes a kept set, and never keeps the one it gets: it
-allocates a fresh one inside the capture (from the graph's private memory pool, which keeps it
-for the replays; a zero fill becomes a memset node that every replay runs first).
+that handle), so a captured call never takes an eagerly kept set: each capture gets its own,
+allocated inside it at its first call (from the graph's private memory pool, which keeps it
+for the replays; a zero fill becomes a memset node that every replay runs first) and shared
+by the calls it records, which run in order on its stream. Another graph, even one captured
+on the same stream, gets another set, so graphs may replay side by side.
 
 Example::
 
-    spaces = StreamWorkspaces(lambda: torch.zeros(4, dtype=torch.int64, device="cuda"))
+    spaces = StreamWorkspaces(lambda: torch.zeros(4, dtype=torch.int64, device="cuda"),
+                              runtime.capture_id)
     tickets = spaces.get(stream)        # the same tensor for every eager call on `stream`
 """
 
@@ -26,19 +29,25 @@ from typing import Any, Callable
 class StreamWorkspaces:
     """Buffers made by ``make()`` (any object holding device tensors and their addresses),
     one kept per stream handle for eager calls (with ``keep=False``, made per call: sets too
-    large to keep), a fresh one per call while ``capturing()`` (default: the current torch
-    stream captures a CUDA graph; see the module docs).
+    large to keep), and one per CUDA-graph capture for the calls it records (see the module
+    docs). ``capture_id(stream)``: the id of the capture under way on ``stream``, or None;
+    ``capturing()``: whether the current torch stream captures (default: torch's check), the
+    cheap test every call makes first.
 
-    The caller must hold what :meth:`get` returns until its launches are queued: a captured
-    set is owned by nothing else, and memory freed inside a capture may back the next
-    allocation of the same capture.
+    The caller must hold what :meth:`get` returns until its launches are queued: a set made
+    for a capture is owned by nothing else once the capture is over, and memory freed inside
+    a capture may back the next allocation of the same capture.
     """
 
-    def __init__(self, make: Callable[[], Any], keep: bool = True,
-                 capturing: Callable[[], bool] | None = None):
+    CAPTURES_KEPT = 4  # sets of the latest captures held (captures may run in several threads)
+
+    def __init__(self, make: Callable[[], Any], capture_id: Callable[[Any], Any],
+                 keep: bool = True, capturing: Callable[[], bool] | None = None):
         self._make = make
         self._kept: dict = {}
+        self._captured: dict = {}  # capture id -> its set, the latest CAPTURES_KEPT
         self._keep = keep  # False: sets too large to keep are made per call
+        self._capture_id = capture_id
         # Whether the current stream captures: torch's check unless a test passes its own.
         self._capturing = capturing or _capture_check()
 
@@ -47,7 +56,9 @@ class StreamWorkspaces:
         kept = self._kept.get(stream)
         if kept is not None and not self._capturing():
             return kept
-        if not self._keep or self._capturing():
+        if self._capturing():
+            return self._for_capture(self._capture_id(stream))
+        if not self._keep:
             return self._make()
         kept = self._kept[stream] = self._make()
         return kept
@@ -55,6 +66,16 @@ class StreamWorkspaces:
     def __len__(self) -> int:
         """Sets kept for eager calls (one per stream seen outside captures)."""
         return len(self._kept)
+
+    def _for_capture(self, capture) -> Any:
+        """One set per capture: its calls are ordered on the capture stream, as eager calls on
+        one stream (a zero fill made once, a memset node that each replay runs first)."""
+        made = self._captured.get(capture)
+        if made is None:
+            while len(self._captured) >= self.CAPTURES_KEPT:
+                self._captured.pop(next(iter(self._captured)))
+            made = self._captured[capture] = self._make()
+        return made
 
 
 def _capture_check() -> Callable[[], bool]:

@@ -1,5 +1,5 @@
 """Per-stream internal buffers of library plans (kiln.kernels.workspaces): one kept set per
-stream for eager calls, a fresh set per call inside a CUDA-graph capture; on the GPU,
+stream for eager calls, one set per CUDA-graph capture; on the GPU,
 decode_attention's partials and tickets on two concurrent streams and around a capture."""
 
 import itertools
@@ -16,8 +16,12 @@ def _counter():
     return lambda: ("set", next(made))
 
 
+def _no_capture(stream):
+    raise AssertionError("no capture id is asked for outside a capture")
+
+
 def test_eager_calls_reuse_one_set_per_stream():
-    spaces = StreamWorkspaces(_counter(), capturing=lambda: False)
+    spaces = StreamWorkspaces(_counter(), _no_capture, capturing=lambda: False)
     first, second = spaces.get(11), spaces.get(22)
     assert first != second  # two streams may run at once: two sets
     assert spaces.get(11) is first and spaces.get(22) is second and spaces.get(None) not in (
@@ -25,19 +29,33 @@ def test_eager_calls_reuse_one_set_per_stream():
     assert len(spaces) == 3
 
 
-def test_captured_calls_get_a_fresh_set_and_keep_none():
-    capturing = [False]
-    spaces = StreamWorkspaces(_counter(), capturing=lambda: capturing[0])
+def test_each_capture_gets_its_own_set_and_keeps_no_eager_one():
+    capturing, capture = [False], [None]
+    spaces = StreamWorkspaces(_counter(), lambda stream: capture[0],
+                              capturing=lambda: capturing[0])
     eager = spaces.get(7)
-    capturing[0] = True  # a graph captured on the stream the eager set is kept for
-    captured = [spaces.get(7), spaces.get(7), spaces.get(8)]
-    assert eager not in captured and len(set(captured)) == 3
+    capturing[0], capture[0] = True, 101  # a graph captured on the stream eager calls use
+    first = [spaces.get(7), spaces.get(7)]
+    capture[0] = 102  # another graph, on the same stream
+    second = [spaces.get(7), spaces.get(7)]
+    assert first[0] is first[1] and second[0] is second[1]  # one set a capture
+    assert len({eager, first[0], second[0]}) == 3
     capturing[0] = False
-    assert spaces.get(7) is eager and len(spaces) == 1  # the capture kept nothing
+    assert spaces.get(7) is eager and len(spaces) == 1  # captures kept no eager set
+
+
+def test_only_the_latest_captures_sets_are_held():
+    capture = [0]
+    spaces = StreamWorkspaces(_counter(), lambda stream: capture[0], capturing=lambda: True)
+    sets = []
+    for capture[0] in range(StreamWorkspaces.CAPTURES_KEPT + 2):
+        sets.append(spaces.get(1))
+    assert len(set(sets)) == len(sets)
+    assert len(spaces._captured) == StreamWorkspaces.CAPTURES_KEPT
 
 
 def test_sets_too_large_to_keep_are_made_per_call():
-    spaces = StreamWorkspaces(_counter(), keep=False, capturing=lambda: False)
+    spaces = StreamWorkspaces(_counter(), _no_capture, keep=False, capturing=lambda: False)
     assert spaces.get(1) != spaces.get(1) and len(spaces) == 0
 
 
@@ -88,8 +106,9 @@ def test_decode_attention_workspaces_on_two_streams_and_around_a_capture(fused, 
     plan.spaces._make = lambda: made.append(1) or make()
     graph, capture_stream = torch.cuda.CUDAGraph(), streams[0]
     with torch.cuda.graph(graph, stream=capture_stream):
+        decode_attention(q, kc, vc, table, lens, fused_combine=fused)  # shares the set
         out, lse = decode_attention(q, kc, vc, table, lens, fused_combine=fused)
-    assert made and len(plan.spaces) == kept  # its own set, not kept
+    assert len(made) == 1 and len(plan.spaces) == kept  # one set of its own, not kept
     eager_q = torch.randn_like(q)
     for _ in range(3):
         q.copy_(torch.randn_like(q))

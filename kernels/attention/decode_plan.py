@@ -113,10 +113,10 @@ class DecodePlan:
         ``spaces.get(stream)`` is ``(owners, addresses)``, the addresses of the three partials
         (that never leave the call) and, fused, of the ticket counters (zeroed once; each
         launch adds ``slots`` to each), in the order the launch takes them. Kept per stream up
-        to ``SCRATCH_MAX_BYTES`` of partials, made per call above it and inside a CUDA-graph
-        capture; the caller holds ``owners`` until its launches are queued (see
+        to ``SCRATCH_MAX_BYTES`` of partials (made per call above it), one per CUDA-graph
+        capture for the calls it records; the caller holds ``owners`` until its launches are queued (see
         :class:`~kiln.kernels.workspaces.StreamWorkspaces`)."""
-        return StreamWorkspaces(self._new_workspace,
+        return StreamWorkspaces(self._new_workspace, runtime.capture_id,
                                 keep=4 * self.partial_words <= SCRATCH_MAX_BYTES)
 
     def _new_workspace(self) -> tuple:

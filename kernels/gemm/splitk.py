@@ -115,7 +115,7 @@ def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
     ``a, b, c``: a :class:`PairedLaunch`, called with the three data pointers. The workspace
     (and the fused reduction's tickets, which only grow: see :func:`.epilogue.finish_fused`) is
     kept per stream: launches on one stream run in order, and every launch writes each partial
-    before reading it; a call inside a CUDA-graph capture gets its own
+    before reading it; a CUDA-graph capture gets its own for the calls it records
     (:class:`~kiln.kernels.workspaces.StreamWorkspaces`)."""
     import torch
 
@@ -139,7 +139,7 @@ def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
         ws = torch.empty_like(w)
         return ws, ws.data_ptr()
 
-    spaces = StreamWorkspaces(new_workspace)
+    spaces = StreamWorkspaces(new_workspace, runtime.capture_id)
 
     def launch_on(stream, a_ptr, b_ptr, c_ptr):
         ws, ws_ptr = spaces.get(stream)  # ws held until both launches are queued
@@ -204,7 +204,7 @@ def _bind_fused(x, y, c, m, n, k, dtype, b_major, target, config, torch):
         buffers = torch.empty_like(work), torch.zeros_like(tickets)
         return buffers, tuple(t.data_ptr() for t in buffers)
 
-    spaces = StreamWorkspaces(new_buffers)
+    spaces = StreamWorkspaces(new_buffers, runtime.capture_id)
 
     def launch_on(stream, a_ptr, b_ptr, c_ptr):
         buffers, pointers = spaces.get(stream)  # buffers held until the launch is queued
