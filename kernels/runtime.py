@@ -34,6 +34,7 @@ from kiln.runtime.launch import bind_launch
 from kiln.runtime.native import native_module
 
 from .plan_guard import make_guard
+from .workspaces import TorchOutputs  # noqa: F401  (kiln.kernels.runtime.TorchOutputs)
 
 BACKENDS = (None, "cuda", "gpu", "interpret")
 
@@ -302,35 +303,6 @@ class ArrayLib:
         else:
             template[...] = array
         return template
-
-
-class TorchOutputs:
-    """Fresh contiguous torch tensors of fixed shapes and dtypes on ``like``'s device, for a
-    plan's repeat calls: ``torch.empty_like`` of one-element expanded templates costs about
-    0.6 of ``like.new_empty(shape, dtype=...)``'s host time (no shape or dtype to parse).
-
-    Example: ``fresh = TorchOutputs(q, ((2, 3), torch.bfloat16), ((2,), torch.float32))``;
-    ``o, lse = fresh()``.
-    """
-
-    def __init__(self, like, *specs):
-        import torch
-
-        self._empty_like, self._contiguous = torch.empty_like, torch.contiguous_format
-        self._templates = tuple(like.new_empty((), dtype=dtype).expand(shape)
-                                for shape, dtype in specs)
-
-    def __call__(self) -> tuple:
-        empty_like, contiguous_format, templates = self._empty_like, self._contiguous, \
-            self._templates
-        if len(templates) == 2:  # (o, lse): no generator frame per call
-            return (empty_like(templates[0], memory_format=contiguous_format),
-                    empty_like(templates[1], memory_format=contiguous_format))
-        return tuple(empty_like(t, memory_format=contiguous_format) for t in templates)
-
-    def one(self, index: int = 0):
-        """A fresh tensor of the ``index``-th shape alone."""
-        return self._empty_like(self._templates[index], memory_format=self._contiguous)
 
 
 def contiguous(x):
