@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 
@@ -92,21 +93,28 @@ class TorchOutputs:
     def __init__(self, like, *specs):
         import torch
 
-        self._empty_like, self._contiguous = torch.empty_like, torch.contiguous_format
-        self._templates = tuple(like.new_empty((), dtype=dtype).expand(shape)
-                                for shape, dtype in specs)
+        self._makers = tuple(_maker(torch, like.new_empty((), dtype=dtype).expand(shape))
+                             for shape, dtype in specs)
 
     def __call__(self) -> tuple:
-        empty_like, contiguous_format, templates = self._empty_like, self._contiguous, \
-            self._templates
-        if len(templates) == 2:  # (o, lse): no generator frame per call
-            return (empty_like(templates[0], memory_format=contiguous_format),
-                    empty_like(templates[1], memory_format=contiguous_format))
-        return tuple(empty_like(t, memory_format=contiguous_format) for t in templates)
+        makers = self._makers
+        if len(makers) == 2:  # (o, lse): no generator frame per call
+            return makers[0](), makers[1]()
+        return tuple(make() for make in makers)
 
     def one(self, index: int = 0):
         """A fresh tensor of the ``index``-th shape alone."""
-        return self._empty_like(self._templates[index], memory_format=self._contiguous)
+        return self._makers[index]()
+
+
+def _maker(torch, template) -> Callable:
+    """``torch.empty_like`` of ``template`` as a C callable: without a memory format (torch
+    then parses no keyword) where that already gives a contiguous tensor of its shape, else
+    asking for the contiguous format."""
+    probe = torch.empty_like(template)
+    if probe.is_contiguous() and probe.shape == template.shape:
+        return functools.partial(torch.empty_like, template)
+    return functools.partial(torch.empty_like, template, memory_format=torch.contiguous_format)
 
 
 def _capture_check() -> Callable[[], bool]:
