@@ -297,9 +297,10 @@ def _bound_stream_source(args: Sequence) -> Callable[[], int | None]:
     raw-stream getter bound to that tensor's device (one C call a launch, no Python frame; it
     gives 0, not None, for the legacy default stream), else :func:`_stream_source`'s."""
     for value in args:
-        if is_torch_tensor(value) and value.is_cuda:
-            raw = getattr(sys.modules["torch"]._C, "_cuda_getCurrentRawStream", None)
-            if raw is not None:
+        if is_torch_tensor(value) and getattr(value, "is_cuda", False):
+            torch_c = getattr(sys.modules.get("torch"), "_C", None)
+            raw = getattr(torch_c, "_cuda_getCurrentRawStream", None)
+            if raw is not None and hasattr(value, "get_device"):
                 return functools.partial(raw, value.get_device())
             break
     return _stream_source(args)
