@@ -7,7 +7,10 @@ point with one shape class over and over, so the cache also keeps the guard of t
 it returned: a function generated for that call's values that is true exactly when another
 call's values would make an equal key (tensors compared field by field, without building or
 hashing a key; other values by type and ``==``). A call whose guard fails takes the keyed
-look-up, which then makes its plan's guard the last one.
+look-up, which then makes its plan's guard the last one. Where the native launch shim was
+built (:mod:`kiln.runtime.native`), :func:`kiln.kernels.runtime.guard_of` makes the same
+checks in one C call (``guard_values``, a partial application to the values' spec), not in
+generated Python.
 
 Example::
 
@@ -18,10 +21,12 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 from kiln.arrays import is_torch_tensor
 
+GUARD_VALUE, GUARD_TENSOR = 0, 1  # guard_values' entry kinds (native_launch.c's enum)
 # The part of a guard that checks a torch tensor ``{a}`` against the call it was made for:
 # what spec() keys it by (shape, dtype, strides, device), and its type. A contiguous tensor's
 # strides are its shape's (``is_contiguous()`` reads no tuple: half the time of ``stride()``),
@@ -30,29 +35,38 @@ _TORCH_CHECK = ("type({a}) is T{i} and {a}.shape == S{i} and {a}.dtype is D{i} a
                 "{strides} and {a}.get_device() == G{i}")
 
 
-def make_guard(values: tuple) -> Callable[[tuple], bool] | None:
+def make_guard(values: tuple, native: Callable | None = None
+               ) -> Callable[[tuple], bool] | None:
     """A function of a values tuple, true exactly when each value matches ``values``' (torch
     tensors by type, shape, dtype, strides and device, a contiguous one's strides by
     contiguity; None by identity; other values by type and ``==``); None when some value
     cannot be guarded exactly (a numpy or other array, a value not equal to itself such as
-    NaN)."""
+    NaN). ``native``: the native launch shim's ``guard_values``, which makes the same checks
+    in one C call (a partial application of it to the spec); else a generated function."""
     namespace: dict[str, Any] = {}
     checks = [f"len(values) != {len(values)}"]
+    spec: list = []  # guard_values' entries (see native_launch.c)
     for i, value in enumerate(values):
         a = f"v{i}"
         if value is None:
             checks.append(f"{a} is None")
+            spec.append(None)
         elif is_torch_tensor(value):
+            contiguous = value.is_contiguous()
             namespace.update({f"T{i}": type(value), f"S{i}": value.shape, f"D{i}": value.dtype,
                               f"R{i}": value.stride(), f"G{i}": value.get_device()})
-            strides = f"{a}.is_contiguous()" if value.is_contiguous() else \
-                f"{a}.stride() == R{i}"
+            strides = f"{a}.is_contiguous()" if contiguous else f"{a}.stride() == R{i}"
             checks.append(_TORCH_CHECK.format(a=a, i=i, strides=strides))
+            spec.append((GUARD_TENSOR, type(value), tuple(value.shape), value.dtype,
+                         value.get_device(), None if contiguous else tuple(value.stride())))
         elif _exact(value):
             namespace.update({f"T{i}": type(value), f"C{i}": value})
             checks.append(f"type({a}) is T{i} and {a} == C{i}")
+            spec.append((GUARD_VALUE, type(value), value))
         else:
             return None
+    if native is not None:
+        return functools.partial(native, tuple(spec))
     lines = ["def guard(values):", f"    if {checks[0]}:", "        return False"]
     if values:
         lines.append(f"    {''.join(f'v{i}, ' for i in range(len(values)))}= values")

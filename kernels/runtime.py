@@ -13,7 +13,8 @@ first argument that has a dimension binds its size, later ones must agree::
     dims.tensor("k_cache", k_cache, "num_pages page_size Hkv D", dtype=kiln.bf16)
     # KilnValueError: k_cache's D is 64, but q's D is 128
 
-This module is the library's one import of Kiln's runtime layer (launcher, driver).
+This module is the library's one import of Kiln's runtime layer (launcher, driver, the
+native shim's plan guards).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from kiln.core.targets import get_target
 from kiln.kernel import default_target
 from kiln.runtime.cuda import driver
 from kiln.runtime.launch import bind_launch
+from kiln.runtime.native import native_module
 
 from .plan_guard import make_guard
+from .workspaces import TorchOutputs  # noqa: F401  (kiln.kernels.runtime.TorchOutputs)
 
 BACKENDS = (None, "cuda", "gpu", "interpret")
 
@@ -302,35 +305,6 @@ class ArrayLib:
         return template
 
 
-class TorchOutputs:
-    """Fresh contiguous torch tensors of fixed shapes and dtypes on ``like``'s device, for a
-    plan's repeat calls: ``torch.empty_like`` of one-element expanded templates costs about
-    0.6 of ``like.new_empty(shape, dtype=...)``'s host time (no shape or dtype to parse).
-
-    Example: ``fresh = TorchOutputs(q, ((2, 3), torch.bfloat16), ((2,), torch.float32))``;
-    ``o, lse = fresh()``.
-    """
-
-    def __init__(self, like, *specs):
-        import torch
-
-        self._empty_like, self._contiguous = torch.empty_like, torch.contiguous_format
-        self._templates = tuple(like.new_empty((), dtype=dtype).expand(shape)
-                                for shape, dtype in specs)
-
-    def __call__(self) -> tuple:
-        empty_like, contiguous_format, templates = self._empty_like, self._contiguous, \
-            self._templates
-        if len(templates) == 2:  # (o, lse): no generator frame per call
-            return (empty_like(templates[0], memory_format=contiguous_format),
-                    empty_like(templates[1], memory_format=contiguous_format))
-        return tuple(empty_like(t, memory_format=contiguous_format) for t in templates)
-
-    def one(self, index: int = 0):
-        """A fresh tensor of the ``index``-th shape alone."""
-        return self._empty_like(self._templates[index], memory_format=self._contiguous)
-
-
 def contiguous(x):
     """``x`` itself when contiguous, else a contiguous copy of the same kind."""
     return x.contiguous() if is_torch(x) else np.ascontiguousarray(x)
@@ -442,12 +416,19 @@ class PlanCache(dict):
     def _remember(self, key, values: tuple, plan) -> None:
         guard = self._guards.get(key, _never)
         if guard is _never:
-            guard = self._guards[key] = make_guard(values)
+            guard = self._guards[key] = guard_of(values)
         self._last = (guard, plan) if guard is not None else (_never, None)
 
 
 def _never(values) -> bool:
     return False
+
+
+def guard_of(values: tuple):
+    """:func:`~kiln.kernels.plan_guard.make_guard` of ``values``, checked in one C call by the
+    native launch shim where it was built (else by generated Python)."""
+    shim = native_module()
+    return make_guard(values, None if shim is None else shim.guard_values)
 
 
 def key_of(values: tuple) -> tuple:
@@ -533,6 +514,9 @@ class _DryBound:
     def __call__(self, *pointers: int, stream=None) -> None:
         self._owner.bound_calls += 1
 
+    def launch_on(self, stream, *pointers: int) -> None:
+        self._owner.bound_calls += 1
+
     def current_stream(self) -> None:
         return None
 
@@ -575,6 +559,12 @@ def launch(kernel, grid, args, **options) -> None:
 def multiprocessor_count() -> int:
     """SMs of the GPU the active runtime launches on."""
     return _ACTIVE[0].multiprocessor_count()
+
+
+def capture_id(stream: int | None):
+    """The id of the CUDA-graph capture under way on ``stream``, or None (see
+    :class:`kiln.kernels.workspaces.StreamWorkspaces`)."""
+    return driver().capture_id(stream)
 
 
 def persistent_grid(tiles: int, cluster: int = 1, resident_clusters=None) -> tuple[int, int, int]:

@@ -153,6 +153,9 @@ def _fake_torch(monkeypatch, current_stream):
         def data_ptr(self):
             return self._ptr
 
+        def get_device(self):
+            return 0
+
         def dim(self):
             return len(self.shape)
 

@@ -290,6 +290,37 @@ def test_bound_descriptor_memo_follows_evictions_and_skips_captures(kind, shim):
 
 
 @pytest.mark.parametrize("kind", SHIMS)
+def test_bound_descriptor_memo_serves_many_tensors_in_turn(kind, shim):
+    """A serving loop cycles through many caches (one per layer): every address keeps its
+    descriptor (encoded once), whichever memo way it shares with others, through the bound
+    launch and through launch_on (a miss there calls the bound launch back)."""
+    from test_launch_capture import CapturingDriver
+
+    signature = KernelSignature("m", (TensorMapParam("t", "f16", 2, (64, 64), 128),
+                                      TensorParam("x", "f32", 1)), block=(32, 1, 1))
+    launcher, recorder = _launcher(kind, shim, signature)
+    device = CapturingDriver()
+    plan = _LaunchPlan("m", signature, launcher, device)
+    ck = type("CK", (), {"name": "m", "signature": signature, "_launch_plan": plan})()
+    bound = bind_launch(ck, (1, 1, 1), [_Device(0x10000, (256, 128), "<f2"),
+                                        _Device(0x8000, (4,), "<f4")])
+    addresses = [0x100000 + 0x200 * i * (7 if i % 2 else 1) for i in range(40)]
+    before, seen = len(device.encoded), {}
+    for round_ in range(3):
+        for i, address in enumerate(addresses):
+            if (round_ + i) % 2:  # an entry point's C call on the stream it read
+                bound.launch_on(0x5150 + i, address, 0x9000 + i)
+                assert recorder.launches[-1][4] == 0x5150 + i
+            else:
+                bound(address, 0x9000 + i)
+            descriptor, pointer = recorder.launches[-1][5][:2]
+            assert pointer == 0x9000 + i
+            assert seen.setdefault(address, descriptor) == descriptor
+    assert len(set(seen.values())) == len(addresses)
+    assert device.encoded[before:] == addresses  # once each, in the first round
+
+
+@pytest.mark.parametrize("kind", SHIMS)
 def test_the_module_is_loaded_once_and_unloaded_with_the_launcher(kind, shim):
     from kiln.runtime.driver_launch import (MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                             load_driver_launcher)

@@ -64,10 +64,27 @@ def _equivalent(a, b) -> bool:
         b.is_contiguous() and (a.shape, a.dtype, a._device) == (b.shape, b.dtype, b._device)
 
 
-def test_a_guard_passes_exactly_the_values_of_its_key():
+@pytest.fixture(params=["python", "native"])
+def native(request):
+    """make_guard's ``native`` argument: None (a generated function) or the native launch
+    shim's guard_values (skipped where no C compiler built the shim)."""
+    if request.param == "python":
+        return None
+    from kiln.kernels import plan_guard
+    from kiln.runtime.native import native_module
+
+    shim = native_module()
+    if shim is None:
+        pytest.skip("no native launch shim here")
+    assert (shim.GUARD_VALUE, shim.GUARD_TENSOR) == (plan_guard.GUARD_VALUE,
+                                                     plan_guard.GUARD_TENSOR)
+    return shim.guard_values
+
+
+def test_a_guard_passes_exactly_the_values_of_its_key(native):
     pool = _pool()
     for a, b, c in itertools.product(pool, pool[:4] + [None, 2], ["x", 3]):
-        guard = make_guard((a, b, c))
+        guard = make_guard((a, b, c), native)
         for a2, b2, c2 in itertools.product(pool, pool[:4] + [None, 2], ["x", 3]):
             same_key = key_of((a, b, c)) == key_of((a2, b2, c2))
             passed = guard((a2, b2, c2))
@@ -80,9 +97,9 @@ def test_a_guard_passes_exactly_the_values_of_its_key():
 
 @pytest.mark.parametrize("make", [lambda: np.zeros(4, np.float32), lambda: float("nan"),
                                   lambda: [1, 2], lambda: (1, float("nan"))])
-def test_no_guard_passes_values_whose_equality_is_not_exact(make):
+def test_no_guard_passes_values_whose_equality_is_not_exact(make, native):
     """Arrays and lists get no guard; a NaN passes only as the same object, as in the key."""
-    guard = make_guard((Tensor((2,)), make()))
+    guard = make_guard((Tensor((2,)), make()), native)
     assert guard is None or not guard((Tensor((2,)), make()))
 
 

@@ -287,6 +287,19 @@ class Driver:
                     "cuStreamIsCapturing")
         return status.value != _CU_STREAM_CAPTURE_STATUS_NONE
 
+    def capture_id(self, stream: int | None) -> int | None:
+        """The id of the CUDA-graph capture under way on ``stream`` (unique per capture in the
+        process), or None when it captures nothing (``cuStreamGetCaptureInfo``)."""
+        status, capture = ctypes.c_int(), ctypes.c_uint64()
+        # _v2 (CUDA 11.3+) takes three optional outputs more (graph, dependencies), left NULL.
+        info = getattr(self._lib, "cuStreamGetCaptureInfo_v2", None)
+        extra = (None, None, None) if info is not None else ()
+        if info is None:
+            info = self._lib.cuStreamGetCaptureInfo
+        self._check(info(ctypes.c_void_p(stream), ctypes.byref(status), ctypes.byref(capture),
+                         *extra), "cuStreamGetCaptureInfo")
+        return None if status.value == _CU_STREAM_CAPTURE_STATUS_NONE else capture.value
+
     def memcpy_dtoh(self, dst: int, src: int, nbytes: int) -> None:
         if nbytes:
             self._check(self._lib.cuMemcpyDtoH_v2(dst, src, nbytes), "cuMemcpyDtoH")

@@ -68,7 +68,8 @@ class _Record(ctypes.Structure):
                 ("words", ctypes.c_void_p), ("params", ctypes.c_void_p),
                 ("pointer_slots", ctypes.c_void_p), ("pointer_count", ctypes.c_uint32),
                 ("grid_slot", ctypes.c_uint32), ("block", ctypes.c_uint32 * 3),
-                ("plain_fallback", ctypes.c_uint32)]
+                ("plain_fallback", ctypes.c_uint32), ("map_memo", ctypes.c_void_p),
+                ("evictions", ctypes.c_void_p), ("memo_evictions", ctypes.c_uint64)]
 
 
 class DriverFunctions:
@@ -126,6 +127,16 @@ class DriverArguments:
         self._slots = (ctypes.c_int32 * max(len(slots), 1))(*slots)
         self.record.pointer_slots = ctypes.addressof(self._slots)
         self.record.pointer_count = len(slots)
+
+    def bind_map_memo(self, ways: int, evictions_address: int) -> None:
+        """Room for the shim's ``launch_mapped`` memo: ``ways`` (tensor address, descriptor
+        address) pairs per address position (after :meth:`bind_pointer_slots`), valid while
+        the uint64 at ``evictions_address`` (the descriptor cache's eviction count) keeps the
+        value it had when they were stored."""
+        self._memo = (ctypes.c_uint64 * max(2 * ways * self.record.pointer_count, 1))()
+        self.record.map_memo = ctypes.addressof(self._memo)
+        self.record.evictions = evictions_address
+        self.record.memo_evictions = ctypes.c_uint64.from_address(evictions_address).value
 
     def copy(self) -> "DriverArguments":
         twin = DriverArguments(self._owner())

@@ -20,14 +20,16 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
+import weakref
 from typing import Any, Callable, Sequence
 
 import ml_dtypes
 import numpy as np
 
-from kiln.arrays import describe_array
+from kiln.arrays import describe_array, is_torch_tensor
 from kiln.core import env
 from kiln.core.dtypes import dtype as to_dtype
 from kiln.core.errors import KilnTypeError, KilnValueError, LaunchError, ResourceError
@@ -84,6 +86,11 @@ class BoundLaunch:
     (and the stream) into their slots and launches: one C call into the native launch shim
     (:mod:`kiln.runtime.driver_launch`), or one ctypes call. The addresses are not checked, so
     the caller must pass tensors laid out exactly like the example ones.
+
+    ``current_stream()`` is the handle a call with ``stream=None`` would launch on (the
+    current stream of the example tensors' library); ``launch_on(stream, *pointers)`` launches
+    on such a handle: through the shim it is a C callable, so a library entry point that read
+    the stream pays no Python frame per launch.
     """
 
     def __init__(self, ck, grid, args: Sequence):
@@ -115,22 +122,34 @@ class BoundLaunch:
                 slots.append(len(flat))
             convert(value, flat, None)
         self._slots = tuple(slots)
-        self._current_stream = _stream_source(args)
+        self._current_stream = _bound_stream_source(args)
+        self.current_stream = self._current_stream  # an instance attribute: no method frame
         self._after_launch = plan.after_launch
         self._stream_slot = self._launcher.stream_slot
         self._arguments = self._launcher.new_arguments()
         self._launcher.pack(self._arguments, flat, grid, None)
         self._owner = threading.get_ident()
         self._other_threads: dict[int, Any] = {}  # the ctypes call releases the GIL
-        # The native shim writes the addresses and launches in one C call, under the GIL.
+        # The native shim writes the addresses and launches in one C call, under the GIL; a
+        # tensor map's descriptor comes from the record's memo (launch_mapped), or on a miss
+        # from the cache (_launch_missed, which memoises it).
         self._map_positions = tuple((i, slot) for i, slot in enumerate(slots) if slot < 0)
-        self._memo: dict[tuple[int, int], int] = {}
-        self._memo_evictions = self._tensor_maps.evictions
         shim = getattr(self._launcher, "shim", None)
         self._native = None
         if shim is not None:
             self._arguments.bind_pointer_slots(self._slots)
-            self._native, self._record = shim.launch_pointers, self._arguments.address
+            self._record, self._native_pointers = self._arguments.address, shim.launch_pointers
+            self._native = shim.launch_pointers
+            if self._map_views:
+                self._arguments.bind_map_memo(shim.MEMO_WAYS,
+                                              self._tensor_maps.evictions_address)
+                self._native, self._memo_store = shim.launch_mapped, shim.memo_store
+        # launch_on(stream, *pointers): through the shim one C call (no Python frame; a memo
+        # miss calls this launch back), else the method. No reference back to self: a cycle
+        # would leave the launcher's teardown to the cyclic collector.
+        if shim is not None and self._after_launch is None:
+            self.launch_on = functools.partial(shim.launch_direct, self._record,
+                                               _fallback(weakref.ref(self), self._arguments))
 
     def __call__(self, *pointers: int, stream=None) -> None:
         if len(pointers) != len(self._slots):
@@ -140,9 +159,8 @@ class BoundLaunch:
             # An int is a raw handle (what current_stream() returned to an entry point).
             handle = self._current_stream() if stream is None else \
                 (stream or None) if type(stream) is int else stream_handle(stream)
-            if self._map_views:
-                pointers = self._with_descriptors(pointers, handle)
-            self._native(self._record, handle, *pointers)
+            if self._native(self._record, handle, *pointers) is False:  # a descriptor missed
+                self._launch_missed(pointers, handle)
             if self._after_launch is not None:
                 self._after_launch()
             return
@@ -163,31 +181,23 @@ class BoundLaunch:
         if self._after_launch is not None:
             self._after_launch()
 
-    def current_stream(self) -> int | None:
-        """The handle a call with ``stream=None`` would launch on (the current stream of the
-        example tensors' library); pass it back as ``stream=`` to launch there."""
-        return self._current_stream()
+    def launch_on(self, stream, *pointers: int) -> None:
+        """``self(*pointers, stream=stream)``; see the class docs."""
+        self(*pointers, stream=stream)
 
-    def _with_descriptors(self, pointers: tuple, handle) -> list:
-        """``pointers`` with each tensor map's tensor address replaced by its descriptor's:
-        from this launch's memo of (slot, address) -> descriptor, valid while the cache has
-        freed nothing since it was filled; captured descriptors are never memoised (only a
-        graph's replay writes them)."""
-        cache, memo = self._tensor_maps, self._memo
-        if self._memo_evictions != cache.evictions:
-            memo.clear()
-            self._memo_evictions = cache.evictions
+    def _launch_missed(self, pointers: tuple, handle) -> None:
+        """The launch of ``pointers`` whose descriptors were not all in the record's memo:
+        each from the cache (encoded on a miss there) and memoised, unless captured (only a
+        graph's replay writes those)."""
+        cache = self._tensor_maps
         pointers = list(pointers)
         for i, slot in self._map_positions:
-            pointer = pointers[i]
-            address = memo.get((slot, pointer))
-            if address is None:
-                param, shape, strides = self._map_views[~slot]
-                address = cache.descriptor(param, pointer, shape, strides, stream=handle)
-                if address in cache.addresses:
-                    memo[slot, pointer] = address
+            param, shape, strides = self._map_views[~slot]
+            address = cache.descriptor(param, pointers[i], shape, strides, stream=handle)
+            if address in cache.addresses:
+                self._memo_store(self._record, i, pointers[i], address)
             pointers[i] = address
-        return pointers
+        self._native_pointers(self._record, handle, *pointers)
 
     def _thread_arguments(self):
         ident = threading.get_ident()
@@ -195,6 +205,20 @@ class BoundLaunch:
         if arguments is None:
             arguments = self._other_threads[ident] = self._arguments.copy()
         return arguments
+
+
+def _fallback(bound_ref, arguments) -> Callable:
+    """What a shim's ``launch_on`` calls on a descriptor memo miss: the bound launch (by weak
+    reference); it holds the argument block, whose launch record the C call reads, alive."""
+    def launch(stream, *pointers: int) -> None:
+        bound = bound_ref()
+        if bound is None:
+            raise LaunchError("this launch_on outlived its bound launch",
+                              fix="keep the BoundLaunch as long as its launch_on")
+        bound(*pointers, stream=stream)
+
+    launch.arguments = arguments
+    return launch
 
 
 def stream_handle(stream) -> int | None:
@@ -266,6 +290,20 @@ def _stream_source(args: Sequence) -> Callable[[], int | None]:
         if getter is not _no_stream:
             return getter
     return _no_stream
+
+
+def _bound_stream_source(args: Sequence) -> Callable[[], int | None]:
+    """A bound launch's current-stream getter: for a torch CUDA tensor among ``args``, torch's
+    raw-stream getter bound to that tensor's device (one C call a launch, no Python frame; it
+    gives 0, not None, for the legacy default stream), else :func:`_stream_source`'s."""
+    for value in args:
+        if is_torch_tensor(value) and getattr(value, "is_cuda", False):
+            torch_c = getattr(sys.modules.get("torch"), "_C", None)
+            raw = getattr(torch_c, "_cuda_getCurrentRawStream", None)
+            if raw is not None and hasattr(value, "get_device"):
+                return functools.partial(raw, value.get_device())
+            break
+    return _stream_source(args)
 
 
 class _Staging:

@@ -46,7 +46,21 @@ typedef struct {
     uint32_t grid_slot;
     uint32_t block[3];
     uint32_t plain_fallback;        /* programmatic: plain launch when the attribute is refused */
+    /* launch_mapped: per address position, MEMO_WAYS (tensor address, descriptor address)
+     * pairs, valid while the descriptor cache's eviction count equals memo_evictions. */
+    uint64_t *map_memo;
+    const uint64_t *evictions;
+    uint64_t memo_evictions;
 } launch_record;
+
+enum { MEMO_WAYS = 16 };
+
+/* A tensor address's way in its position's memo (allocations are 512-byte aligned). */
+static inline uint64_t *memo_entry(launch_record *r, Py_ssize_t position, uint64_t address)
+{
+    uint64_t way = ((address >> 9) ^ (address >> 21)) & (MEMO_WAYS - 1);
+    return r->map_memo + 2 * ((uint64_t)position * MEMO_WAYS + way);
+}
 
 enum { CUDA_ERROR_INVALID_CONTEXT = 201 };
 
@@ -120,42 +134,140 @@ static PyObject *launch(PyObject *self, PyObject *address)
     return finish(launch_in_context(r));
 }
 
-/* launch_pointers(record_address, stream, *addresses): write each address into its slot
- * (a tensor's allocated and aligned pointers, or one word), the stream (None: 0), launch. */
-static PyObject *launch_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* Write each address into its slot (a tensor's allocated and aligned pointers, or one word;
+ * with `mapped`, a tensor map's tensor address becomes its memoised descriptor's) and the
+ * stream (None: 0): 1 done, 0 a memo miss (nothing launched), -1 error. */
+static int put_pointers(launch_record *r, PyObject *const *args, Py_ssize_t nargs, int mapped)
+{
+    if ((size_t)(nargs - 2) != r->pointer_count) {
+        PyErr_Format(PyExc_TypeError, "this launch binds %u addresses, got %zd",
+                     r->pointer_count, nargs - 2);
+        return -1;
+    }
+    if (mapped && *r->evictions != r->memo_evictions)
+        return 0;
+    uint64_t stream = 0;
+    if (args[1] != Py_None) {
+        stream = PyLong_AsUnsignedLongLong(args[1]);
+        if (PyErr_Occurred())
+            return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs - 2; i++) {
+        uint64_t value = PyLong_AsUnsignedLongLong(args[i + 2]);
+        if (value == (uint64_t)-1 && PyErr_Occurred())
+            return -1;
+        int32_t slot = r->pointer_slots[i];
+        if (slot >= 0) {
+            r->words[slot] = value;
+            r->words[slot + 1] = value;
+            continue;
+        }
+        if (mapped) {
+            const uint64_t *entry = memo_entry(r, i, value);
+            if (entry[0] != value || entry[1] == 0)
+                return 0;
+            value = entry[1];
+        }
+        r->words[~slot] = value;
+    }
+    r->words[r->grid_slot + 4] = stream;
+    return 1;
+}
+
+static launch_record *checked_record(PyObject *const *args, Py_ssize_t nargs, const char *usage)
 {
     if (nargs < 2) {
-        PyErr_SetString(PyExc_TypeError, "launch_pointers(record, stream, *addresses)");
+        PyErr_SetString(PyExc_TypeError, usage);
+        return NULL;
+    }
+    return record_of(args[0]);
+}
+
+/* launch_pointers(record_address, stream, *addresses): write the addresses (a tensor map's
+ * descriptor address for its slot) and the stream, launch. */
+static PyObject *launch_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    launch_record *r = checked_record(args, nargs, "launch_pointers(record, stream, *addresses)");
+    if (r == NULL || put_pointers(r, args, nargs, 0) < 0)
+        return NULL;
+    return finish(launch_in_context(r));
+}
+
+/* launch_mapped(record_address, stream, *addresses): launch_pointers with each tensor map's
+ * tensor address, looked up in the record's memo: True launched, False a miss or a stale
+ * memo (nothing launched; the caller encodes, memo_store()s and uses launch_pointers). */
+static PyObject *launch_mapped(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    launch_record *r = checked_record(args, nargs, "launch_mapped(record, stream, *addresses)");
+    if (r == NULL)
+        return NULL;
+    if (r->map_memo == NULL) {
+        PyErr_SetString(PyExc_ValueError, "this launch record has no descriptor memo");
+        return NULL;
+    }
+    int put = put_pointers(r, args, nargs, 1);
+    if (put < 0)
+        return NULL;
+    if (put == 0)
+        Py_RETURN_FALSE;
+    PyObject *result = finish(launch_in_context(r));
+    if (result == NULL)
+        return NULL;
+    Py_DECREF(result);
+    Py_RETURN_TRUE;
+}
+
+/* launch_direct(record_address, fallback, stream, *addresses): a bound launch in one C call,
+ * what BoundLaunch.launch_on partially applies to its record and fallback: launch_mapped for
+ * a record with a descriptor memo, launch_pointers for one without; on a memo miss it returns
+ * fallback(stream, *addresses), which encodes and launches in Python. */
+static PyObject *launch_direct(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 3) {
+        PyErr_SetString(PyExc_TypeError, "launch_direct(record, fallback, stream, *addresses)");
         return NULL;
     }
     launch_record *r = record_of(args[0]);
     if (r == NULL)
         return NULL;
-    if ((size_t)(nargs - 2) != r->pointer_count) {
-        PyErr_Format(PyExc_TypeError, "this launch binds %u addresses, got %zd",
-                     r->pointer_count, nargs - 2);
+    PyObject *const *call = args + 1;  /* (record, stream, *addresses) for put_pointers */
+    int put = put_pointers(r, call, nargs - 1, r->map_memo != NULL);
+    if (put < 0)
+        return NULL;
+    if (put == 0)
+        return PyObject_Vectorcall(args[1], args + 2, (size_t)(nargs - 2), NULL);
+    return finish(launch_in_context(r));
+}
+
+/* memo_store(record_address, position, tensor_address, descriptor_address): remember the
+ * descriptor of the tensor at that address position (replacing its way's entry); a stale
+ * memo (the cache evicted since) is emptied first. */
+static PyObject *memo_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "memo_store(record, position, address, descriptor)");
         return NULL;
     }
-    uint64_t stream = 0;
-    if (args[1] != Py_None) {
-        stream = PyLong_AsUnsignedLongLong(args[1]);
-        if (PyErr_Occurred())
-            return NULL;
+    launch_record *r = record_of(args[0]);
+    if (r == NULL)
+        return NULL;
+    Py_ssize_t position = PyLong_AsSsize_t(args[1]);
+    uint64_t address = PyLong_AsUnsignedLongLong(args[2]);
+    uint64_t descriptor = PyLong_AsUnsignedLongLong(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (position < 0 || (size_t)position >= r->pointer_count || r->map_memo == NULL) {
+        PyErr_SetString(PyExc_ValueError, "no memo at this address position");
+        return NULL;
     }
-    for (Py_ssize_t i = 0; i < nargs - 2; i++) {
-        uint64_t value = PyLong_AsUnsignedLongLong(args[i + 2]);
-        if (value == (uint64_t)-1 && PyErr_Occurred())
-            return NULL;
-        int32_t slot = r->pointer_slots[i];
-        if (slot >= 0) {
-            r->words[slot] = value;
-            r->words[slot + 1] = value;
-        } else {
-            r->words[~slot] = value;
-        }
+    if (*r->evictions != r->memo_evictions) {
+        memset(r->map_memo, 0, 2 * sizeof(uint64_t) * MEMO_WAYS * r->pointer_count);
+        r->memo_evictions = *r->evictions;
     }
-    r->words[r->grid_slot + 4] = stream;
-    return finish(launch_in_context(r));
+    uint64_t *entry = memo_entry(r, position, address);
+    entry[0] = address;
+    entry[1] = descriptor;
+    Py_RETURN_NONE;
 }
 
 /* --- launch_guarded: kernel[grid](...)'s steady state in one C call ------------------------
@@ -417,6 +529,76 @@ static PyObject *launch_guarded(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_TRUE;
 }
 
+/* --- guard_values: a library plan's guard (kiln.kernels.plan_guard) in one C call ---------
+ *
+ * spec: one entry per value: None (the value must be None), (GUARD_VALUE, type, constant)
+ * (type(v) is type and v == constant), or (GUARD_TENSOR, type, shape, dtype, device, strides)
+ * (type(v) is type, v.shape == shape, v.dtype is dtype, v.is_contiguous() when strides is
+ * None else v.stride() == strides, v.get_device() == device). */
+
+enum { GUARD_VALUE = 0, GUARD_TENSOR = 1 };
+static PyObject *s_is_contiguous, *s_get_device;
+
+/* 1 the value matches its entry, 0 not, -1 error. */
+static int guard_one(PyObject *entry, PyObject *v)
+{
+    if (entry == Py_None)
+        return v == Py_None;
+    if ((PyObject *)Py_TYPE(v) != PyTuple_GET_ITEM(entry, 1))
+        return 0;
+    if (PyLong_AsLong(PyTuple_GET_ITEM(entry, 0)) == GUARD_VALUE)
+        return PyObject_RichCompareBool(v, PyTuple_GET_ITEM(entry, 2), Py_EQ);
+    PyObject *got = PyObject_GetAttr(v, s_shape);
+    if (got == NULL)
+        return -1;
+    int ok = same(got, PyTuple_GET_ITEM(entry, 2));
+    Py_DECREF(got);
+    if (ok != 1)
+        return ok;
+    got = PyObject_GetAttr(v, s_dtype);
+    if (got == NULL)
+        return -1;
+    ok = got == PyTuple_GET_ITEM(entry, 3);
+    Py_DECREF(got);
+    if (!ok)
+        return 0;
+    PyObject *strides = PyTuple_GET_ITEM(entry, 5);
+    got = PyObject_CallMethodNoArgs(v, strides == Py_None ? s_is_contiguous : s_stride);
+    if (got == NULL)
+        return -1;
+    ok = strides == Py_None ? PyObject_IsTrue(got) : same(got, strides);
+    Py_DECREF(got);
+    if (ok != 1)
+        return ok;
+    got = PyObject_CallMethodNoArgs(v, s_get_device);
+    if (got == NULL)
+        return -1;
+    ok = same(got, PyTuple_GET_ITEM(entry, 4));
+    Py_DECREF(got);
+    return ok;
+}
+
+/* guard_values(spec, values): True when every value matches its entry, else False. */
+static PyObject *guard_values(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "guard_values(spec, values)");
+        return NULL;
+    }
+    PyObject *spec = args[0], *values = args[1];
+    Py_ssize_t n = PyTuple_GET_SIZE(spec);
+    if (!PyTuple_Check(values) || PyTuple_GET_SIZE(values) != n)
+        Py_RETURN_FALSE;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int ok = guard_one(PyTuple_GET_ITEM(spec, i), PyTuple_GET_ITEM(values, i));
+        if (ok < 0)
+            return NULL;
+        if (!ok)
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 /* set_error_handler(callable): called with the CUresult of a failed launch; it raises. */
 static PyObject *set_error_handler(PyObject *self, PyObject *handler)
 {
@@ -429,9 +611,19 @@ static PyMethodDef methods[] = {
     {"launch", launch, METH_O, "launch(record_address): launch with the record's slots."},
     {"launch_pointers", (PyCFunction)(void (*)(void))launch_pointers, METH_FASTCALL,
      "launch_pointers(record_address, stream, *addresses): write the addresses, launch."},
+    {"launch_mapped", (PyCFunction)(void (*)(void))launch_mapped, METH_FASTCALL,
+     "launch_mapped(record_address, stream, *addresses): launch_pointers with tensor maps "
+     "looked up in the record's memo (True), or nothing on a miss (False)."},
+    {"launch_direct", (PyCFunction)(void (*)(void))launch_direct, METH_FASTCALL,
+     "launch_direct(record_address, fallback, stream, *addresses): launch_mapped (or "
+     "launch_pointers) that calls fallback(stream, *addresses) on a memo miss."},
+    {"memo_store", (PyCFunction)(void (*)(void))memo_store, METH_FASTCALL,
+     "memo_store(record_address, position, address, descriptor): memoise a descriptor."},
     {"launch_guarded", (PyCFunction)(void (*)(void))launch_guarded, METH_FASTCALL,
      "launch_guarded(record, spec, grid, args, kwargs, stream): kernel[grid](...) if it "
      "matches the spec (True), else False."},
+    {"guard_values", (PyCFunction)(void (*)(void))guard_values, METH_FASTCALL,
+     "guard_values(spec, values): whether values match a plan guard's spec."},
     {"set_error_handler", set_error_handler, METH_O,
      "set_error_handler(callable): what a failed launch calls with its CUresult."},
     {NULL, NULL, 0, NULL},
@@ -448,10 +640,16 @@ PyMODINIT_FUNC PyInit__kiln_launch(void)
     s_stride = PyUnicode_InternFromString("stride");
     s_is_cuda = PyUnicode_InternFromString("is_cuda");
     s_data_ptr = PyUnicode_InternFromString("data_ptr");
-    if (!s_dtype || !s_shape || !s_stride || !s_is_cuda || !s_data_ptr)
+    s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+    s_get_device = PyUnicode_InternFromString("get_device");
+    if (!s_dtype || !s_shape || !s_stride || !s_is_cuda || !s_data_ptr || !s_is_contiguous ||
+        !s_get_device)
         return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "RECORD_BYTES", sizeof(launch_record)) < 0) {
+    if (m != NULL && (PyModule_AddIntConstant(m, "RECORD_BYTES", sizeof(launch_record)) < 0 ||
+                      PyModule_AddIntConstant(m, "MEMO_WAYS", MEMO_WAYS) < 0 ||
+                      PyModule_AddIntConstant(m, "GUARD_VALUE", GUARD_VALUE) < 0 ||
+                      PyModule_AddIntConstant(m, "GUARD_TENSOR", GUARD_TENSOR) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from collections import OrderedDict
 
@@ -45,7 +46,10 @@ class TensorMapCache:
         self.capacity = capacity
         self._entries: OrderedDict[tuple, int] = OrderedDict()
         self.addresses: set[int] = set()  # of the cached descriptors (not the captured ones)
-        self.evictions = 0  # descriptors freed so far: memos of addresses check it
+        # Descriptors freed so far: memos of addresses check it (the native shim's through
+        # evictions_address).
+        self._evictions = ctypes.c_uint64(0)
+        self.evictions_address = ctypes.addressof(self._evictions)
         # Descriptors first needed inside a CUDA-graph capture (kiln.lowering.tensor_map_capture):
         # the arena is made with the first descriptor, before any capture can need it.
         self._arena: CaptureArena | None = None
@@ -54,6 +58,10 @@ class TensorMapCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def evictions(self) -> int:
+        return self._evictions.value
 
     def descriptor(self, param: TensorMapParam, ptr: int, shape: tuple, strides: tuple,
                    staging=None, stream: int | None = None) -> int:
@@ -80,7 +88,7 @@ class TensorMapCache:
             self._entries[key] = device_ptr
             self.addresses.add(device_ptr)
             while len(self._entries) > self.capacity:
-                self.evictions += 1
+                self._evictions.value += 1
                 evicted = self._entries.popitem(last=False)[1]
                 self.addresses.discard(evicted)
                 self._driver.mem_free(evicted)

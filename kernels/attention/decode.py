@@ -115,7 +115,6 @@ import numpy as np
 import kiln
 
 from .. import runtime
-from ..plan_guard import make_guard
 from ..runtime import ArrayLib, empty_like, is_torch
 from .decode_config import (AHEAD_PREFETCH_TILES, CTAS_PER_SM, DEFAULT_SMS, EARLY_LAUNCH_TILES,
                             FUSED_COMBINE_MAX_BYTES, KV_EVICTION, LAZY_RESCALE_HEAD_DIMS,
@@ -171,15 +170,20 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
     """
     plan = get_plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
                     sinks, target, backend, config, fused=False)
-    if plan.kernel is None:
-        return plan.torch_partials() if plan.device is not None else plan.numpy_partials()
-    if validate or plan.bound is None:  # bound plans take torch tensors, checked on request
+    bound = plan.bound
+    if validate or bound is None:  # bound plans take torch tensors, checked on request
+        if plan.kernel is None:
+            return plan.torch_partials() if plan.device is not None else plan.numpy_partials()
         check_values(k_cache, page_table, seq_lens, block_table, validate)
-    if plan.bound is not None and q.data_ptr() % Q_ALIGN == 0:
-        words, partials = plan.torch_partial_words()
-        plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                    block_table, sinks), *partials, *plan.no_output_pointers)
-        return plan.torch_partials(words)
+    if bound is not None:
+        q_ptr = q.data_ptr()
+        if q_ptr % Q_ALIGN == 0:
+            words, partials = plan.torch_partial_words()
+            bound.launch_on(bound.current_stream(),
+                            *_input_pointers(plan, q_ptr, k_cache, v_cache, page_table,
+                                             seq_lens, block_table, sinks),
+                            *partials, *plan.no_output_pointers)
+            return plan.torch_partials(words)
     return _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
                         backend)
 
@@ -218,34 +222,32 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     """
     plan = get_plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
                     sinks, target, backend, config, fused=fused_combine)
+    bound = plan.bound
     given = out is not None or lse_out is not None
     if given:
         _check_given_outputs(plan, q, out, lse_out)
-    if plan.kernel is None:
-        shape = plan.partial_shape[1:]
-        return _delivered((empty_like(q, shape, kiln.bf16), empty_like(q, shape[:3], kiln.f32)),
-                          out, lse_out)
-    if validate or plan.bound is None:  # bound plans take torch tensors, checked on request
+    if validate or bound is None:  # bound plans take torch tensors, checked on request
+        if plan.kernel is None:
+            shape = plan.partial_shape[1:]
+            return _delivered((empty_like(q, shape, kiln.bf16),
+                               empty_like(q, shape[:3], kiln.f32)), out, lse_out)
         check_values(k_cache, page_table, seq_lens, block_table, validate)
-    can_bind = plan.bound is not None and q.data_ptr() % Q_ALIGN == 0
-    if can_bind and plan.fused:
-        stream = plan.bound.current_stream()
-        o, lse = _bound_outputs(plan, out, lse_out) if given else \
-            plan.outputs(like=plan.no_sinks)
-        plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                    block_table, sinks), *plan.scratch_partials(stream),
-                   o.data_ptr(), lse.data_ptr(), plan.torch_tickets(stream).data_ptr(),
-                   stream=stream)
-        return o, lse
-    if can_bind and plan.merge is not None:
-        stream = plan.bound.current_stream()
-        partials = plan.scratch_partials(stream)
+    q_ptr = None if bound is None else q.data_ptr()
+    if q_ptr is not None and q_ptr % Q_ALIGN == 0 and (plan.fused or plan.merge is not None):
+        stream = bound.current_stream()
+        inputs = _input_pointers(plan, q_ptr, k_cache, v_cache, page_table, seq_lens,
+                                 block_table, sinks)
+        if plan.fused:
+            o, lse = _bound_outputs(plan, out, lse_out) if given else plan.torch_outputs()
+            owners, (o_part, lse_part, counts, tickets) = plan.spaces.get(stream)
+            bound.launch_on(stream, *inputs, o_part, lse_part, counts, o.data_ptr(),
+                            lse.data_ptr(), tickets)
+            return o, lse
+        owners, partials = plan.spaces.get(stream)  # owners: held until both are queued
         o, lse = _bound_outputs(plan, out, lse_out) if given else \
             plan.merge.new_outputs(plan.no_sinks)
-        plan.bound(*_input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens,
-                                    block_table, sinks), *partials, *plan.no_output_pointers,
-                   stream=stream)
-        plan.merge.bound(*partials, o.data_ptr(), lse.data_ptr(), stream=stream)
+        bound.launch_on(stream, *inputs, *partials, *plan.no_output_pointers)
+        plan.merge.bound.launch_on(stream, *partials, o.data_ptr(), lse.data_ptr())
         return o, lse
     if plan.fused:
         return _delivered(_run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens,
@@ -273,7 +275,7 @@ def _check_given_outputs(plan, q, out, lse_out) -> None:
         return
     _check_outputs(plan, q, out, lse_out)
     if plan.bound is not None:  # the plan's key fixed q's device, which these were checked on
-        plan.checked_outputs[0] = make_guard((out, lse_out))
+        plan.checked_outputs[0] = runtime.guard_of((out, lse_out))
 
 
 def _check_outputs(plan, q, out, lse_out) -> None:
@@ -372,10 +374,11 @@ def _check_torch_inputs(q, **tensors) -> None:
                                       fix=f"move {name} to {q.device}")
 
 
-def _input_pointers(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
-    """Device addresses of the seven inputs of the bound launch (the caches' row views share
-    their tensors' addresses; absent features read the plan's placeholders)."""
-    return (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), page_table.data_ptr(),
+def _input_pointers(plan, q_ptr, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
+    """Device addresses of the seven inputs of the bound launch (``q_ptr``: q's; the caches'
+    row views share their tensors' addresses; absent features read the plan's
+    placeholders)."""
+    return (q_ptr, k_cache.data_ptr(), v_cache.data_ptr(), page_table.data_ptr(),
             seq_lens.data_ptr(),
             plan.placeholder_pointers[0] if block_table is None else block_table.data_ptr(),
             plan.placeholder_pointers[1] if sinks is None else sinks.data_ptr())

@@ -14,7 +14,9 @@ import kiln
 
 from .. import runtime
 from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, check_heads,
-                       check_paged_lengths, check_positive, is_torch, key_of, resolve_target)
+                       check_paged_lengths, check_positive, empty_like, is_torch, key_of,
+                       resolve_target)
+from ..workspaces import StreamWorkspaces
 from .decode_config import (DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MERGE_HELPER_MIN_ROWS,
                             MERGE_SLICES, SUPPORTED_HEAD_DIMS, DecodeShape,
                             decode_partials, default_config, default_num_splits,
@@ -47,12 +49,6 @@ class DecodePlan:
     # writes ten addresses into a prepared argument block.
     bound: object = None
     merge: object = None  # the combine plan (bound) for these partials, bound with `bound`
-    # Fused torch plans: the ticket counters (zeroed once) per stream handle. Each launch adds
-    # `slots` to each; calls on one stream are ordered, calls on two use two counter sets.
-    tickets: dict = field(default_factory=dict)
-    # Partials that never leave decode_attention (fused or merged), per stream handle, when
-    # at most SCRATCH_MAX_BYTES: calls on one stream are ordered, so each reuses the last's.
-    scratch: dict = field(default_factory=dict)
     # decode_attention's out= / lse_out= layouts checked last (kiln.kernels.plan_guard of
     # (out, lse_out)): a serving loop passing the same buffers skips the full check.
     checked_outputs: list = field(default_factory=lambda: [None])
@@ -61,15 +57,6 @@ class DecodePlan:
     def grid_cells(self) -> tuple[int, int, int]:
         """Shape of the ticket counters: ``ARRIVED`` and ``PUBLISHED`` per (grid z, grid y)."""
         return self.grid[2], self.grid[1], 2
-
-    def torch_tickets(self, stream: int | None):
-        counters = self.tickets.get(stream)
-        if counters is None:
-            import torch
-
-            counters = self.tickets[stream] = torch.zeros(self.grid_cells, dtype=torch.int64,
-                                                          device=self.device)
-        return counters
 
     def outputs(self, like=None):
         """Fresh ``(o, lse)`` of a fused call: bf16 ``[B, Sq, Hq, D]`` and f32 ``[B, Sq, Hq]``.
@@ -120,18 +107,26 @@ class DecodePlan:
         base = words.data_ptr()
         return words, (base, base + 4 * self.lse_offset, base + 4 * self.counts_offset)
 
-    def scratch_partials(self, stream: int | None) -> tuple:
-        """The three partials' addresses for a call on ``stream`` whose partials stay inside
-        :func:`decode_attention`: the stream's kept allocation, or (above
-        ``SCRATCH_MAX_BYTES``) a fresh one, freed to torch's stream-ordered allocator once
-        the launches are queued."""
-        kept = self.scratch.get(stream)
-        if kept is not None:
-            return kept[1]
+    @functools.cached_property
+    def spaces(self) -> StreamWorkspaces:
+        """The internal buffers of bound :func:`decode_attention` calls, per stream:
+        ``spaces.get(stream)`` is ``(owners, addresses)``, the addresses of the three partials
+        (that never leave the call) and, fused, of the ticket counters (zeroed once; each
+        launch adds ``slots`` to each), in the order the launch takes them. Kept per stream up
+        to ``SCRATCH_MAX_BYTES`` of partials (made per call above it), one per CUDA-graph
+        capture for the calls it records; the caller holds ``owners`` until its launches are queued (see
+        :class:`~kiln.kernels.workspaces.StreamWorkspaces`)."""
+        return StreamWorkspaces(self._new_workspace, runtime.capture_id,
+                                keep=4 * self.partial_words <= SCRATCH_MAX_BYTES)
+
+    def _new_workspace(self) -> tuple:
+        import torch
+
         words, partials = self.torch_partial_words()
-        if 4 * self.partial_words <= SCRATCH_MAX_BYTES:
-            self.scratch[stream] = words, partials
-        return partials
+        if not self.fused:
+            return words, partials
+        tickets = torch.zeros(self.grid_cells, dtype=torch.int64, device=self.device)
+        return (words, tickets), (*partials, tickets.data_ptr())
 
     def torch_partials(self, words=None):
         """O_partial, LSE_partial (f32) and split_counts (int32): contiguous views of
@@ -196,8 +191,10 @@ def _bind(plan: DecodePlan, q, k_cache, v_cache, page_table, seq_lens, block_tab
     from .combine import plan_combine
 
     partials = plan.torch_partials()
-    outputs = (*plan.outputs(like=partials[1]), plan.torch_tickets(None)) if plan.fused \
-        else plan.no_outputs
+    # The example tickets carry the shape and strides the launch binds (the addresses of the
+    # per-stream counters are passed per call).
+    outputs = (*plan.outputs(like=partials[1]), empty_like(partials[1], plan.grid_cells, "i64")) \
+        if plan.fused else plan.no_outputs
     args = [q, k_cache.reshape(plan.cache_rows, plan.cache_cols),
             v_cache.reshape(plan.cache_rows, plan.cache_cols), page_table, seq_lens,
             block_table if block_table is not None else plan.no_block_table,

@@ -134,20 +134,24 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
 
     Example: ``o = prefill(q, k, v, causal=True)`` with torch CUDA tensors.
     """
-    softcap = check_softcap(softcap)  # a float before it enters a plan's key
+    dense = cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and \
+        max_seqlen_k is None and descale_q is None and descale_k is None and descale_v is None
+    plan = None
+    if dense:  # a repeat call of a bound shape class: its plan, found first
+        values = (q, k, v, sinks, causal, window, chunk, scale, softcap, return_lse, target,
+                  backend)
+        plan = _PLANS.find(values)
+        if plan:
+            return plan.run(q, k, v, sinks)
+    softcap = check_softcap(softcap)  # a float from here on (the key holds what was passed)
     descales = dict(descale_q=descale_q, descale_k=descale_k, descale_v=descale_v)
     fp8 = hasattr(q, "dtype") and _known_dtype_name(q.dtype) in FP8_DTYPES
     if not fp8:
         check_descales(_known_dtype_name(getattr(q, "dtype", None)), descales)
-    if not fp8 and cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and \
-            max_seqlen_k is None and backend != "interpret" and is_torch(q):
-        values = (q, k, v, sinks, causal, window, chunk, scale, softcap, return_lse, target,
-                  backend)
-        plan = _PLANS.find(values)
-        if plan is None:
-            plan = _PLANS.add(key_of(values), _make_dense_plan(
-                q, k, v, causal, window, chunk, sinks, scale, softcap, return_lse, target,
-                backend), values)
+    if dense and plan is None and not fp8 and backend != "interpret" and is_torch(q):
+        plan = _PLANS.add(key_of(values), _make_dense_plan(
+            q, k, v, causal, window, chunk, sinks, scale, softcap, return_lse, target,
+            backend), values)
         if plan:
             return plan.run(q, k, v, sinks)
     if dlpack.foreign(q):  # cupy / JAX / DLPack device arrays: zero-copy through torch
@@ -277,8 +281,11 @@ class _DensePlan:
             o, lse = self.fresh.one(), self.no_lse
         else:
             o, lse = self.fresh()
-        self.bound(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-                   (self.fixed_sinks if sinks is None else sinks).data_ptr(), *self.cu_pointers)
+        bound = self.bound
+        bound.launch_on(bound.current_stream(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                        o.data_ptr(), lse.data_ptr(),
+                        (self.fixed_sinks if sinks is None else sinks).data_ptr(),
+                        *self.cu_pointers)
         return o if self.lse_shape is None else (o, lse)
 
 

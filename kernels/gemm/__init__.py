@@ -138,8 +138,8 @@ def matmul(a, b, *, scale_a=None, scale_b=None, trans_b=False, out_dtype=None, t
     # Only bf16/f16 plans are stored here (the plan's key holds a's dtype): a hit is not FP8.
     plan = _PLANS.find(values) if scale_a is None and scale_b is None else None
     if plan is not None:
-        c = plan.fresh_c.one()
-        plan.bound(a.data_ptr(), b.data_ptr(), c.data_ptr())
+        c, bound = plan.fresh_c.one(), plan.bound
+        bound.launch_on(bound.current_stream(), a.data_ptr(), b.data_ptr(), c.data_ptr())
         return c
     if hasattr(a, "dtype") and is_fp8(_dtype_name(a)):
         return fp8_matmul(a, b, scale_a=scale_a, scale_b=scale_b, trans_b=trans_b,
@@ -163,7 +163,8 @@ _PLANS = PlanCache("matmul")
 
 @dataclasses.dataclass(frozen=True)
 class _MatmulPlan:
-    bound: object  # kiln.kernels.runtime.bind's launch of the tuned config
+    # kiln.kernels.runtime.bind's launch of the tuned config (split-K: splitk.PairedLaunch)
+    bound: object
     fresh_c: object  # kiln.kernels.runtime.TorchOutputs of C [M, N] (its dtype, a's device)
 
 

@@ -33,6 +33,7 @@ import kiln
 
 from .. import runtime
 from ..runtime import empty_like, is_torch
+from ..workspaces import StreamWorkspaces
 from . import streamk
 from .hopper import HopperGemmConfig, kernel_constexprs, make_kernel
 
@@ -111,10 +112,11 @@ def run_partials(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=Non
 
 def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
     """A bound launch pair (one launch with ``fused_reduce``) for torch operands shaped like
-    ``a, b, c``: a callable taking the three data pointers. The workspace (and the fused
-    reduction's tickets, which only grow: see :func:`.epilogue.finish_fused`) is kept per
-    stream: launches on one stream run in order, and every launch writes each partial before
-    reading it."""
+    ``a, b, c``: a :class:`PairedLaunch`, called with the three data pointers. The workspace
+    (and the fused reduction's tickets, which only grow: see :func:`.epilogue.finish_fused`) is
+    kept per stream: launches on one stream run in order, and every launch writes each partial
+    before reading it; a CUDA-graph capture gets its own for the calls it records
+    (:class:`~kiln.kernels.workspaces.StreamWorkspaces`)."""
     import torch
 
     x, y, pm, pn = (b, a, n, m) if config.swap_ab else (a, b, m, n)
@@ -132,18 +134,20 @@ def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
                           [w, c, m, n, layout.slice_rows, layout.slices], target=target,
                           num_warps=REDUCE_THREADS // 32, SWAP=int(config.swap_ab),
                           WIDTH=width)
-    per_stream = {}
 
-    def launch(a_ptr, b_ptr, c_ptr):
-        stream = torch.cuda.current_stream(c.device).cuda_stream
-        ws = per_stream.get(stream)
-        if ws is None:
-            ws = per_stream[stream] = torch.empty_like(w)
-        main(b_ptr, a_ptr, ws.data_ptr()) if config.swap_ab else \
-            main(a_ptr, b_ptr, ws.data_ptr())
-        reduce(ws.data_ptr(), c_ptr)
+    def new_workspace():
+        ws = torch.empty_like(w)
+        return ws, ws.data_ptr()
 
-    return launch
+    spaces = StreamWorkspaces(new_workspace, runtime.capture_id)
+
+    def launch_on(stream, a_ptr, b_ptr, c_ptr):
+        ws, ws_ptr = spaces.get(stream)  # ws held until both launches are queued
+        main.launch_on(stream, b_ptr, a_ptr, ws_ptr) if config.swap_ab else \
+            main.launch_on(stream, a_ptr, b_ptr, ws_ptr)
+        reduce.launch_on(stream, ws_ptr, c_ptr)
+
+    return PairedLaunch(main.current_stream, launch_on)
 
 
 def _check_layout(config: HopperGemmConfig, b_major: str) -> None:
@@ -195,18 +199,33 @@ def _bind_fused(x, y, c, m, n, k, dtype, b_major, target, config, torch):
     kernel, args, options = _fused_launch(x, y, c, m, n, k, dtype, b_major, config,
                                           (work, tickets))
     bound = runtime.bind(kernel, grid, list(args), target=target, **options)
-    per_stream = {}
 
-    def launch(a_ptr, b_ptr, c_ptr):
-        stream = torch.cuda.current_stream(c.device).cuda_stream
-        buffers = per_stream.get(stream)
-        if buffers is None:  # kept alive here: the launches only see their addresses
-            buffers = per_stream[stream] = (torch.empty_like(work), torch.zeros_like(tickets))
+    def new_buffers():
+        buffers = torch.empty_like(work), torch.zeros_like(tickets)
+        return buffers, tuple(t.data_ptr() for t in buffers)
+
+    spaces = StreamWorkspaces(new_buffers, runtime.capture_id)
+
+    def launch_on(stream, a_ptr, b_ptr, c_ptr):
+        buffers, pointers = spaces.get(stream)  # buffers held until the launch is queued
         x_ptr, y_ptr = (b_ptr, a_ptr) if config.swap_ab else (a_ptr, b_ptr)
-        bound(x_ptr, y_ptr, c_ptr, buffers[0].data_ptr(), buffers[1].data_ptr(),
-              *((c_ptr,) if config.swap_ab else ()))
+        bound.launch_on(stream, x_ptr, y_ptr, c_ptr, *pointers,
+                        *((c_ptr,) if config.swap_ab else ()))
 
-    return launch
+    return PairedLaunch(bound.current_stream, launch_on)
+
+
+class PairedLaunch:
+    """The bound launches of one split-K GEMM call (main and reduce, or one fused launch)
+    behind a bound launch's interface: ``launch(a_ptr, b_ptr, c_ptr, stream=None)``,
+    ``current_stream()`` and ``launch_on(stream, a_ptr, b_ptr, c_ptr)``."""
+
+    def __init__(self, current_stream, launch_on):
+        self.current_stream, self.launch_on = current_stream, launch_on
+
+    def __call__(self, a_ptr: int, b_ptr: int, c_ptr: int, stream=None) -> None:
+        self.launch_on(self.current_stream() if stream is None else stream, a_ptr, b_ptr,
+                       c_ptr)
 
 
 @functools.lru_cache(maxsize=None)
