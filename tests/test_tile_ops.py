@@ -406,3 +406,33 @@ def test_two_stage_pipeline_compiles_with_a_wait_per_stage():
     gpu = two_stage_sum.compile(x, x[:32], 200, target="sm_80").asm["gpu"]
     waits = [line for line in gpu.splitlines() if "nvgpu.device_async_wait" in line]
     assert waits and all("numGroups = 1" in w for w in waits), waits
+
+
+@kiln.kernel(num_threads=128)
+def reciprocal(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], APPROX: kiln.constexpr):
+    tv = blocked((8, 64), 128, vec=4)
+    t = kiln.load(kiln.GlobalTile(x, (8, 64)), tv)
+    kiln.copy(kiln.rcp(1.0 + kiln.exp(-t), approx=APPROX), kiln.GlobalTile(y, (8, 64)))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_approximate_reciprocal_on_tiles_matches_numpy_through_overflow(target):
+    """A sigmoid whose ``1 + exp(-x)`` overflows to inf for half the inputs: 0 there."""
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((8, 64)) * 200).astype(np.float32)
+    y = np.full_like(x, np.nan)
+    reciprocal.interpret[(1,)](x, y, APPROX=True, target=target)
+    with np.errstate(over="ignore"):
+        want = 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("target,fast,slow", [("sm_90a", "rcp.approx.f32", "rcp.rn.f32"),
+                                              ("gfx950", "v_rcp_f32", "v_div_scale_f32")])
+def test_approximate_reciprocal_has_no_slow_path(target, fast, slow):
+    x = np.zeros((8, 64), np.float32)
+    asm = "ptx" if target.startswith("sm") else "amdgcn"
+    approx = reciprocal.compile(x, x, APPROX=True, target=target).asm[asm]
+    exact = reciprocal.compile(x, x, APPROX=False, target=target).asm[asm]
+    assert fast in approx and slow not in approx and slow in exact

@@ -13,9 +13,11 @@ tile out for that MMA: WGMMA's 128-byte-swizzled chunks on sm_90a (two warpgroup
 of a 128 x 256 tile, one WGMMA group kept in flight), ``mma.sync`` fed by ``ldmatrix`` on
 sm_80, the double-rate MFMA on gfx950. No wait is in the program: ``kiln-insert-waits`` places
 the ``cp.async`` and WGMMA waits (docs/tiles.md has the schedule). The epilogue is plain tile
-math on the accumulator: the bias is a 1-D tensor read as a tile (every row the same), GELU is
-the tanh form written as a sigmoid, ``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the
-unmasked part.
+math on the accumulator: the bias is a 1-D tensor read as a tile (every row the same; vector
+loads where ``align`` allows), GELU is the tanh form written as a sigmoid whose reciprocal is
+the hardware's approximate one (``kiln.rcp(approx=True)``: the correctly rounded ``rcp.rn``
+runs a slow path for every lane whose ``1 + exp(-z)`` overflowed, about half of them),
+``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the unmasked part.
 
 Run: ``python examples/tutorials/matmul.py``.
 """
@@ -57,9 +59,10 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
     acc = kiln.accumulator(a_s[0], b_s[0])
     for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch):
         acc = kiln.gemm(a_s[it.stage], b_s[it.stage], acc)
-    x = acc + kiln.load(kiln.GlobalTile(bias, (BM, BN), (0, col0), col_end=n), acc.layout)
+    x = acc + kiln.load(kiln.GlobalTile(bias, (BM, BN), (0, col0), col_end=n, align=ALIGN),
+                        acc.layout)
     z = (x + 0.044715 * x * x * x) * (2.0 * SQRT_2_OVER_PI)
-    y = x * kiln.rcp(1.0 + kiln.exp(-z))
+    y = x * kiln.rcp(1.0 + kiln.exp(-z), approx=True)   # no slow path where exp(-z) is inf
     kiln.copy(kiln.cast(y, bf16), kiln.GlobalTile(c, (BM, BN), (row0, col0), row_end=m,
                                                   col_end=n, align=ALIGN))
 
@@ -75,9 +78,10 @@ def config(target: str | None) -> dict:
 
 
 def alignment(k: int, n: int, *arrays) -> int:
-    """Bytes the 8-element chunks of A's, B's and C's rows are aligned to: 16 when the rows
-    (of ``k`` and ``n`` bf16) keep the arrays' 16-byte start alignment, else 2 (the copies are
-    then synchronous: ``cp.async`` needs aligned sources; C's pairs are stored as scalars)."""
+    """Bytes the 8-element chunks of A's, B's and C's rows (and the bias) are aligned to: 16
+    when the rows (of ``k`` and ``n`` bf16) keep the arrays' 16-byte start alignment, else 2
+    (the copies are then synchronous: ``cp.async`` needs aligned sources; C's pairs are stored
+    and the bias read as scalars)."""
     pointers = [a.data_ptr() for a in arrays if hasattr(a, "data_ptr")]
     return 16 if k % 8 == 0 and n % 8 == 0 and all(p % 16 == 0 for p in pointers) else 2
 
@@ -89,7 +93,7 @@ def matmul(a, b, bias, c, *, backend: str = "gpu", target: str | None = None):
     grid = (-(-m // cfg["BM"]) * -(-n // cfg["BN"]),)
     launch = matmul_kernel.interpret[grid] if backend == "interpret" else matmul_kernel[grid]
     extra = {"target": target} if target else {}
-    launch(a, b, bias, c, m, n, k, **cfg, ALIGN=alignment(k, n, a, b, c), **extra)
+    launch(a, b, bias, c, m, n, k, **cfg, ALIGN=alignment(k, n, a, b, bias, c), **extra)
     return c
 
 
