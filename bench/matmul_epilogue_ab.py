@@ -65,11 +65,26 @@ def ab_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tenso
         kiln.copy(kiln.cast(y, bf16), out)
 
 
-# (name, stages, EPI, RCP_APPROX)
-VARIANTS = [("tutorial s4", 4, 0, False), ("approx s4", 4, 0, True),
-            ("approx bias16 s4", 4, 1, True), ("approx bias16 s3", 3, 1, True),
-            ("approx staged s3", 3, 2, True), ("nobias s4", 4, 3, False),
-            ("nobias staged s3", 3, 4, False)]
+# name: (BM, BN, BK, STAGES, THREADS, EPI, RCP_APPROX, maxnreg)
+VARIANTS = {
+    "tutorial s4": (128, 256, 64, 4, 256, 0, False, None),
+    "approx s4": (128, 256, 64, 4, 256, 0, True, None),
+    "approx bias16 s4": (128, 256, 64, 4, 256, 1, True, None),
+    "approx staged s3": (128, 256, 64, 3, 256, 2, True, None),
+    "128x128 s3 2cta": (128, 128, 64, 3, 256, 1, True, 128),
+    "256x128 s4 4wg": (256, 128, 64, 4, 512, 1, True, 128),
+    "approx bias16 s3": (128, 256, 64, 3, 256, 1, True, None),
+    "nobias s4": (128, 256, 64, 4, 256, 3, False, None),
+    "nobias staged s3": (128, 256, 64, 3, 256, 4, False, None),
+}
+
+
+def config(name: str) -> tuple[dict, dict]:
+    """(constexprs, launch options) of variant ``name``."""
+    bm, bn, bk, stages, threads, epi, approx, maxnreg = VARIANTS[name]
+    cfg = dict(BM=bm, BN=bn, BK=bk, STAGES=stages, GROUP_M=8, THREADS=threads, EPI=epi,
+               RCP_APPROX=approx)
+    return cfg, ({} if maxnreg is None else {"maxnreg": maxnreg})
 
 
 def main() -> None:
@@ -114,14 +129,15 @@ def main() -> None:
             cublas = flops / queued_ms(lambda: torch.matmul(a, b), args.repeat) / 1e9
             tri = flops / queued_ms(t_mm, args.repeat) / 1e9
             print(f"{size}^3 cublas {cublas:6.1f} TFLOP/s  triton {tri:6.1f}", flush=True)
-        for name, stages, epi, approx in VARIANTS:
+        for name in VARIANTS:
             if only is not None and name not in only:
                 continue
-            cfg = dict(BM=128, BN=256, BK=64, STAGES=stages, GROUP_M=8, THREADS=256, EPI=epi,
-                       RCP_APPROX=approx)
+            cfg, opts = config(name)
+            epi = cfg["EPI"]
+            k_grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
 
             def run():
-                ab_kernel[grid](a, b, bias, c, m, n, k, **cfg)
+                ab_kernel[k_grid](a, b, bias, c, m, n, k, **cfg, **opts)
 
             c.fill_(float("nan"))
             try:

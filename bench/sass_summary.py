@@ -29,10 +29,10 @@ def main() -> None:
     parser.add_argument("--dump", type=Path, default=None)
     args = parser.parse_args()
     a = np.zeros((256, 256), ml_dtypes.bfloat16)
-    for name, stages, epi, approx in ab.VARIANTS:
-        ck = ab.ab_kernel.compile(a, a, np.zeros(256, np.float32), a, 256, 256, 256, BM=128,
-                                  BN=256, BK=64, STAGES=stages, GROUP_M=8, THREADS=256,
-                                  EPI=epi, RCP_APPROX=approx, target="sm_90a")
+    for name in ab.VARIANTS:
+        cfg, opts = ab.config(name)
+        ck = ab.ab_kernel.compile(a, a, np.zeros(256, np.float32), a, 256, 256, 256, **cfg,
+                                  **opts, target="sm_90a")
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(ck.asm["cubin"])
             f.flush()
@@ -42,7 +42,8 @@ def main() -> None:
                                   re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)",
                                               sass))
         total = sum(ops.values())
-        print(f"sass {name:18s} total {total:5d} " +
+        print(f"sass {name:18s} regs {ck.metadata['registers']} spill "
+              f"{ck.metadata['spill_bytes']} total {total:5d} " +
               " ".join(f"{k} {ops.get(k, 0)}" for k in KEYS), flush=True)
         if args.dump:
             args.dump.mkdir(parents=True, exist_ok=True)
