@@ -56,13 +56,7 @@ def ab_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tenso
         z = (x + 0.044715 * x * x * x) * (2.0 * SQRT_2_OVER_PI)
         y = x * kiln.rcp(1.0 + kiln.exp(-z), approx=RCP_APPROX)
     out = kiln.GlobalTile(c, (BM, BN), (row0, col0), row_end=m, col_end=n, align=16)
-    if EPI == 2 or EPI == 4:
-        c_s = kiln.tiles.operand_tile((BM, BN), bf16, "a")
-        kiln.copy(kiln.cast(y, bf16), c_s)
-        kiln.barrier()
-        kiln.copy(kiln.load(c_s, kiln.layout.blocked((BM, BN), THREADS, vec=8)), out)
-    else:
-        kiln.copy(kiln.cast(y, bf16), out)
+    kiln.copy(kiln.cast(y, bf16), out, staged=EPI == 2 or EPI == 4)
 
 
 # name: (BM, BN, BK, STAGES, THREADS, EPI, RCP_APPROX, maxnreg)
