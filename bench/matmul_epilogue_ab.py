@@ -1,9 +1,11 @@
 """A/B of the matmul tutorial's epilogue and stages (bench-local variants of
 examples/tutorials/matmul.py's kernel) against cuBLAS and Triton's tutorial matmul, one run.
 
-``RCP_APPROX``: the GELU's reciprocal ``rcp.approx`` (else ``rcp.rn``, whose slow path runs
-for every lane whose ``1 + exp(-z)`` overflowed). ``EPI``: 0 the tutorial's epilogue (scalar bias loads, C stored from the accumulator's
-layout); 1 the bias read with 16-byte alignment (vector loads); 2 as 1 with C staged through a
+``IN_FLIGHT``: ``kiln.pipeline``'s ``mma_in_flight`` (None: one WGMMA group kept in flight
+across a step, the fetch 2 stages ahead of 4; 0: none, 3 ahead). ``RCP_APPROX``: the GELU's
+reciprocal ``rcp.approx`` (else ``rcp.rn``, whose slow path runs for every lane whose
+``1 + exp(-z)`` overflowed). ``EPI``: 0 the tutorial's epilogue (scalar bias loads, C stored
+from the accumulator's layout); 1 the bias read with 16-byte alignment (vector loads); 2 as 1 with C staged through a
 swizzled shared tile and stored 16 bytes a thread (coalesced rows); 3 no bias and no GELU
 (the accumulator cast and stored: the floor of the epilogue); 4 as 3, staged like 2.
 
@@ -31,7 +33,7 @@ def ab_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tenso
               c: kiln.Tensor[bf16, 2], m: i32, n: i32, k: i32, BM: kiln.constexpr,
               BN: kiln.constexpr, BK: kiln.constexpr, STAGES: kiln.constexpr,
               GROUP_M: kiln.constexpr, THREADS: kiln.constexpr, EPI: kiln.constexpr,
-              RCP_APPROX: kiln.constexpr):
+              RCP_APPROX: kiln.constexpr, IN_FLIGHT: kiln.constexpr = None):
     pid, tiles_m, tiles_n = kiln.block_id(0), (m + BM - 1) // BM, (n + BN - 1) // BN
     first = pid // (GROUP_M * tiles_n) * GROUP_M
     rows = kiln.min(tiles_m - first, GROUP_M)
@@ -47,7 +49,7 @@ def ab_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tenso
                                   col_multiple=8), b_s[s])
 
     acc = kiln.accumulator(a_s[0], b_s[0])
-    for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch):
+    for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch, mma_in_flight=IN_FLIGHT):
         acc = kiln.gemm(a_s[it.stage], b_s[it.stage], acc)
     y = acc
     if EPI < 3:
@@ -59,25 +61,31 @@ def ab_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tenso
     kiln.copy(kiln.cast(y, bf16), out, staged=EPI == 2 or EPI == 4)
 
 
-# name: (BM, BN, BK, STAGES, THREADS, EPI, RCP_APPROX, maxnreg)
+# name: (BM, BN, BK, STAGES, THREADS, EPI, RCP_APPROX, maxnreg, GROUP_M, IN_FLIGHT)
 VARIANTS = {
-    "tutorial s4": (128, 256, 64, 4, 256, 0, False, None),
-    "approx s4": (128, 256, 64, 4, 256, 0, True, None),
-    "approx bias16 s4": (128, 256, 64, 4, 256, 1, True, None),
-    "approx staged s3": (128, 256, 64, 3, 256, 2, True, None),
-    "128x128 s3 2cta": (128, 128, 64, 3, 256, 1, True, 128),
-    "256x128 s4 4wg": (256, 128, 64, 4, 512, 1, True, 128),
-    "approx bias16 s3": (128, 256, 64, 3, 256, 1, True, None),
-    "nobias s4": (128, 256, 64, 4, 256, 3, False, None),
-    "nobias staged s3": (128, 256, 64, 3, 256, 4, False, None),
+    "tutorial s4": (128, 256, 64, 4, 256, 0, False, None, 8, None),
+    "approx s4": (128, 256, 64, 4, 256, 0, True, None, 8, None),
+    "approx s4 if0": (128, 256, 64, 4, 256, 0, True, None, 8, 0),
+    "approx s4 g16": (128, 256, 64, 4, 256, 0, True, None, 16, None),
+    "approx s4 g4": (128, 256, 64, 4, 256, 0, True, None, 4, None),
+    "approx s4 if0 g16": (128, 256, 64, 4, 256, 0, True, None, 16, 0),
+    "256x128 s4 if0": (256, 128, 64, 4, 512, 0, True, 128, 8, 0),
+    "128x192 s5": (128, 192, 64, 5, 256, 0, True, None, 8, None),
+    "approx bias16 s4": (128, 256, 64, 4, 256, 1, True, None, 8, None),
+    "approx staged s3": (128, 256, 64, 3, 256, 2, True, None, 8, None),
+    "128x128 s3 2cta": (128, 128, 64, 3, 256, 1, True, 128, 8, None),
+    "256x128 s4 4wg": (256, 128, 64, 4, 512, 1, True, 128, 8, None),
+    "approx bias16 s3": (128, 256, 64, 3, 256, 1, True, None, 8, None),
+    "nobias s4": (128, 256, 64, 4, 256, 3, False, None, 8, None),
+    "nobias staged s3": (128, 256, 64, 3, 256, 4, False, None, 8, None),
 }
 
 
 def config(name: str) -> tuple[dict, dict]:
     """(constexprs, launch options) of variant ``name``."""
-    bm, bn, bk, stages, threads, epi, approx, maxnreg = VARIANTS[name]
-    cfg = dict(BM=bm, BN=bn, BK=bk, STAGES=stages, GROUP_M=8, THREADS=threads, EPI=epi,
-               RCP_APPROX=approx)
+    bm, bn, bk, stages, threads, epi, approx, maxnreg, group_m, in_flight = VARIANTS[name]
+    cfg = dict(BM=bm, BN=bn, BK=bk, STAGES=stages, GROUP_M=group_m, THREADS=threads, EPI=epi,
+               RCP_APPROX=approx, IN_FLIGHT=in_flight)
     return cfg, ({} if maxnreg is None else {"maxnreg": maxnreg})
 
 
@@ -85,6 +93,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                        help="variant names to time, in order (default all)")
     parser.add_argument("--only", default=None,
                         help="comma-separated variant names and/or 'triton': launch each once, "
                              "no timing (for ncu)")
@@ -123,7 +133,7 @@ def main() -> None:
             cublas = flops / queued_ms(lambda: torch.matmul(a, b), args.repeat) / 1e9
             tri = flops / queued_ms(t_mm, args.repeat) / 1e9
             print(f"{size}^3 cublas {cublas:6.1f} TFLOP/s  triton {tri:6.1f}", flush=True)
-        for name in VARIANTS:
+        for name in args.variants:
             if only is not None and name not in only:
                 continue
             cfg, opts = config(name)

@@ -490,3 +490,14 @@ def test_staged_copy_errors_name_the_fix():
 
     with pytest.raises(kiln.KilnTypeError, match="must be a bool"):
         not_bool.trace(x, target="sm_90a")
+
+
+@pytest.mark.gpu
+def test_staged_store_on_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    x = torch.randn(100, 200, device="cuda").to(torch.bfloat16)
+    y = torch.full_like(x, float("nan"))
+    accumulator_store[(2, 2)](x, y, 100, 200, STAGED=True)
+    assert torch.equal(y, x)
