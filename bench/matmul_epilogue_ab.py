@@ -1,7 +1,8 @@
 """A/B of the matmul tutorial's epilogue and stages (bench-local variants of
 examples/tutorials/matmul.py's kernel) against cuBLAS and Triton's tutorial matmul, one run.
 
-``IN_FLIGHT``: ``kiln.pipeline``'s ``mma_in_flight`` (None: one WGMMA group kept in flight
+``EARLY``: ``kiln.pipeline``'s ``barrier_before_fetch`` (copies N - 1 ahead with a group in
+flight, a second barrier a step). ``IN_FLIGHT``: ``kiln.pipeline``'s ``mma_in_flight`` (None: one WGMMA group kept in flight
 across a step, the fetch 2 stages ahead of 4; 0: none, 3 ahead). ``RCP_APPROX``: the GELU's
 reciprocal ``rcp.approx`` (else ``rcp.rn``, whose slow path runs for every lane whose
 ``1 + exp(-z)`` overflowed). ``EPI``: 0 the tutorial's epilogue (scalar bias loads, C stored
@@ -33,7 +34,8 @@ def ab_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tenso
               c: kiln.Tensor[bf16, 2], m: i32, n: i32, k: i32, BM: kiln.constexpr,
               BN: kiln.constexpr, BK: kiln.constexpr, STAGES: kiln.constexpr,
               GROUP_M: kiln.constexpr, THREADS: kiln.constexpr, EPI: kiln.constexpr,
-              RCP_APPROX: kiln.constexpr, IN_FLIGHT: kiln.constexpr = None):
+              RCP_APPROX: kiln.constexpr, IN_FLIGHT: kiln.constexpr = None,
+              EARLY: kiln.constexpr = False):
     pid, tiles_m, tiles_n = kiln.block_id(0), (m + BM - 1) // BM, (n + BN - 1) // BN
     first = pid // (GROUP_M * tiles_n) * GROUP_M
     rows = kiln.min(tiles_m - first, GROUP_M)
@@ -49,7 +51,8 @@ def ab_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tenso
                                   col_multiple=8), b_s[s])
 
     acc = kiln.accumulator(a_s[0], b_s[0])
-    for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch, mma_in_flight=IN_FLIGHT):
+    for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch, mma_in_flight=IN_FLIGHT,
+                            barrier_before_fetch=EARLY):
         acc = kiln.gemm(a_s[it.stage], b_s[it.stage], acc)
     y = acc
     if EPI < 3:
@@ -61,7 +64,7 @@ def ab_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tenso
     kiln.copy(kiln.cast(y, bf16), out, staged=EPI == 2 or EPI == 4)
 
 
-# name: (BM, BN, BK, STAGES, THREADS, EPI, RCP_APPROX, maxnreg, GROUP_M, IN_FLIGHT)
+# name: (BM, BN, BK, STAGES, THREADS, EPI, RCP_APPROX, maxnreg, GROUP_M, IN_FLIGHT[, EARLY])
 VARIANTS = {
     "tutorial s4": (128, 256, 64, 4, 256, 0, False, None, 8, None),
     "approx s4": (128, 256, 64, 4, 256, 0, True, None, 8, None),
@@ -71,6 +74,8 @@ VARIANTS = {
     "approx s4 if0 g16": (128, 256, 64, 4, 256, 0, True, None, 16, 0),
     "256x128 s4 if0": (256, 128, 64, 4, 512, 0, True, 128, 8, 0),
     "128x192 s5": (128, 192, 64, 5, 256, 0, True, None, 8, None),
+    "approx s3 early": (128, 256, 64, 3, 256, 0, True, None, 8, None, True),
+    "approx s4 early": (128, 256, 64, 4, 256, 0, True, None, 8, None, True),
     "approx bias16 s4": (128, 256, 64, 4, 256, 1, True, None, 8, None),
     "approx staged s3": (128, 256, 64, 3, 256, 2, True, None, 8, None),
     "128x128 s3 2cta": (128, 128, 64, 3, 256, 1, True, 128, 8, None),
@@ -83,9 +88,10 @@ VARIANTS = {
 
 def config(name: str) -> tuple[dict, dict]:
     """(constexprs, launch options) of variant ``name``."""
-    bm, bn, bk, stages, threads, epi, approx, maxnreg, group_m, in_flight = VARIANTS[name]
+    bm, bn, bk, stages, threads, epi, approx, maxnreg, group_m, in_flight, *early = \
+        VARIANTS[name]
     cfg = dict(BM=bm, BN=bn, BK=bk, STAGES=stages, GROUP_M=group_m, THREADS=threads, EPI=epi,
-               RCP_APPROX=approx, IN_FLIGHT=in_flight)
+               RCP_APPROX=approx, IN_FLIGHT=in_flight, EARLY=bool(early and early[0]))
     return cfg, ({} if maxnreg is None else {"maxnreg": maxnreg})
 
 

@@ -40,7 +40,7 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
                   c: kiln.Tensor[bf16, 2], m: i32, n: i32, k: i32, BM: kiln.constexpr,
                   BN: kiln.constexpr, BK: kiln.constexpr, STAGES: kiln.constexpr,
                   GROUP_M: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr,
-                  IN_FLIGHT: kiln.constexpr):
+                  IN_FLIGHT: kiln.constexpr, EARLY: kiln.constexpr):
     # grouped order: GROUP_M row tiles sweep the columns together, sharing B tiles in L2
     pid, tiles_m, tiles_n = kiln.block_id(0), (m + BM - 1) // BM, (n + BN - 1) // BN
     first = pid // (GROUP_M * tiles_n) * GROUP_M
@@ -58,7 +58,8 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
                                   col_multiple=ALIGN // 2), b_s[s])
 
     acc = kiln.accumulator(a_s[0], b_s[0])
-    for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch, mma_in_flight=IN_FLIGHT):
+    for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch, mma_in_flight=IN_FLIGHT,
+                            barrier_before_fetch=EARLY):
         acc = kiln.gemm(a_s[it.stage], b_s[it.stage], acc)
     x = acc + kiln.load(kiln.GlobalTile(bias, (BM, BN), (0, col0), col_end=n), acc.layout)
     z = (x + 0.044715 * x * x * x) * (2.0 * SQRT_2_OVER_PI)
@@ -74,8 +75,10 @@ def config(target: str | None) -> dict:
     (``IN_FLIGHT=0``: a synchronous MMA has no group in flight)."""
     name = target or default_target()
     if name.startswith("sm_90"):
-        return dict(BM=128, BN=256, BK=64, STAGES=4, GROUP_M=8, THREADS=256, IN_FLIGHT=1)
-    return dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, THREADS=256, IN_FLIGHT=0)
+        return dict(BM=128, BN=256, BK=64, STAGES=4, GROUP_M=8, THREADS=256, IN_FLIGHT=1,
+                    EARLY=False)
+    return dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, THREADS=256, IN_FLIGHT=0,
+                EARLY=False)
 
 
 def alignment(k: int, n: int, *arrays) -> int:
