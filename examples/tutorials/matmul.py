@@ -39,8 +39,7 @@ SQRT_2_OVER_PI = 0.7978845608028654
 def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tensor[f32],
                   c: kiln.Tensor[bf16, 2], m: i32, n: i32, k: i32, BM: kiln.constexpr,
                   BN: kiln.constexpr, BK: kiln.constexpr, STAGES: kiln.constexpr,
-                  GROUP_M: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr,
-                  IN_FLIGHT: kiln.constexpr, EARLY: kiln.constexpr):
+                  GROUP_M: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr):
     # grouped order: GROUP_M row tiles sweep the columns together, sharing B tiles in L2
     pid, tiles_m, tiles_n = kiln.block_id(0), (m + BM - 1) // BM, (n + BN - 1) // BN
     first = pid // (GROUP_M * tiles_n) * GROUP_M
@@ -58,8 +57,7 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
                                   col_multiple=ALIGN // 2), b_s[s])
 
     acc = kiln.accumulator(a_s[0], b_s[0])
-    for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch, mma_in_flight=IN_FLIGHT,
-                            barrier_before_fetch=EARLY):
+    for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch):
         acc = kiln.gemm(a_s[it.stage], b_s[it.stage], acc)
     x = acc + kiln.load(kiln.GlobalTile(bias, (BM, BN), (0, col0), col_end=n), acc.layout)
     z = (x + 0.044715 * x * x * x) * (2.0 * SQRT_2_OVER_PI)
@@ -70,15 +68,15 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
 
 def config(target: str | None) -> dict:
     """Tile sizes per target: 128 x 256 x 64 over two WGMMA warpgroups and 4 stages on
-    sm_90a (4 x 48 KB of shared tiles: two stages of copies in flight beside the WGMMA group,
-    ``IN_FLIGHT=1``; 3 stages run at 0.63 of 4); 128 x 128 x 32, 8 warps, 3 stages elsewhere
-    (``IN_FLIGHT=0``: a synchronous MMA has no group in flight)."""
+    sm_90a (4 x 48 KB of shared tiles: two stages of copies in flight beside the WGMMA group;
+    on an H200 this beat 3 stages, 3 stages with ``barrier_before_fetch``, 4 with it or with
+    ``mma_in_flight=0``, ``GROUP_M=16`` and 128 x 192 tiles in 5 stages: bench/
+    tutorial_matmul.py, bench/matmul_epilogue_ab.py);
+    128 x 128 x 32, 8 warps, 3 stages elsewhere."""
     name = target or default_target()
     if name.startswith("sm_90"):
-        return dict(BM=128, BN=256, BK=64, STAGES=4, GROUP_M=8, THREADS=256, IN_FLIGHT=1,
-                    EARLY=False)
-    return dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, THREADS=256, IN_FLIGHT=0,
-                EARLY=False)
+        return dict(BM=128, BN=256, BK=64, STAGES=4, GROUP_M=8, THREADS=256)
+    return dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, THREADS=256)
 
 
 def alignment(k: int, n: int, *arrays) -> int:
