@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlir import ir
 from mlir.dialects import arith, gpu, llvm, math
 
 from . import builder
@@ -175,12 +176,22 @@ rsqrt = _unary_math("rsqrt", math.rsqrt, "1/sqrt(x). Example: ``kiln.rsqrt(var +
 
 
 @checked_call
-def rcp(x: Any) -> Value:
-    """1/x for floats. Example: ``inv = kiln.rcp(l)``."""
+def rcp(x: Any, *, approx: bool = False) -> Value:
+    """1/x for floats, correctly rounded; ``approx=True`` allows the hardware's approximate
+    reciprocal (``afn``: one ``rcp.approx.f32`` / ``v_rcp_f32``, about 1 ulp), which has no
+    slow path for infinities and denormals: ``rcp.rn`` branches to one for every lane whose
+    input is huge (a GELU or sigmoid's ``1 + exp(-z)`` overflowing to inf).
+
+    Example: ``inv = kiln.rcp(l)``; ``y = x * kiln.rcp(1.0 + kiln.exp(-z), approx=True)``.
+    """
+    if not isinstance(approx, bool):
+        raise KilnTypeError(f"kiln.rcp approx= must be a bool, got {approx!r}",
+                            fix="pass approx=True or approx=False")
     if _tile(x):
-        return x.__kiln_elementwise__(rcp)
+        return x.__kiln_elementwise__(lambda v: rcp(v, approx=approx))
     v = _float(x)
-    return Value(arith.divf(constant(1.0, v.dtype, v.shape).ir, v.ir), v.dtype)
+    flags = ir.Attribute.parse("#arith.fastmath<afn>") if approx else None
+    return Value(arith.divf(constant(1.0, v.dtype, v.shape).ir, v.ir, fastmath=flags), v.dtype)
 
 
 def _tile_binary(a: Any, b: Any, fn) -> Any:

@@ -20,7 +20,13 @@ is done reading stage ``(i - 1) % N``, which the fetch overwrites. With WGMMA ``
 (``N = 2``: 1): the fetch refills the stage of step ``i - 2``, whose group every warpgroup
 retired before step ``i``'s barrier (``wait_group 1``: step ``i - 1``'s group stays in flight
 while step ``i``'s is issued). The body sees ``it.k`` (the step's first index, traced) and
-``it.stage`` (an int). Steps past ``hi`` (up to ``N - 1`` of them, when ``(hi - lo) / step``
+``it.stage`` (an int). ``mma_in_flight=0`` keeps no WGMMA group in flight across a step
+(``wait_group 0`` before each barrier) and fetches ``N - 1`` ahead, as for a synchronous MMA:
+one more stage of copies in flight for a step's tensor work. ``barrier_before_fetch=True``
+(WGMMA, one group in flight) adds a second barrier per step, between the body and the fetch:
+the wait analysis retires the previous step's group before it (``wait_group 1``, after this
+step's group is issued), so the fetch refills that stage and runs ``N - 1`` ahead with a group
+still in flight (Triton's Hopper schedule). Steps past ``hi`` (up to ``N - 1`` of them, when ``(hi - lo) / step``
 is not a multiple of ``N``) and their fetches run too: masks on the fetched GlobalTiles
 (``col_end=k``) make them read fill values, zeros that add nothing to a product. On sm_90a
 the loop runs at least one group of steps even when ``hi <= lo``, and its last WGMMA group is
@@ -63,7 +69,8 @@ class Step:
 class Pipeline(TracedRange):
     """The loop object :func:`pipeline` returns; drives a ``for`` statement in a kernel."""
 
-    def __init__(self, lo: Any, hi: Any, step: int, *, stages: int, fetch: Callable):
+    def __init__(self, lo: Any, hi: Any, step: int, *, stages: int, fetch: Callable,
+                 mma_in_flight: int | None = None, barrier_before_fetch: bool = False):
         super().__init__(lo, hi, step)
         if not isinstance(stages, int) or isinstance(stages, bool) \
                 or not 2 <= stages <= MAX_STAGES:
@@ -78,7 +85,20 @@ class Pipeline(TracedRange):
         self.stages, self.fetch = stages, fetch
         # WGMMA: one group stays in flight across a step, so the fetch goes one stage less ahead
         in_flight = min(1, stages - 2) if builder.current_target().has_wgmma else 0
-        self.ahead = stages - 1 - in_flight
+        if mma_in_flight is not None:
+            if mma_in_flight not in (0, 1) or isinstance(mma_in_flight, bool) \
+                    or mma_in_flight > in_flight:
+                raise KilnValueError(f"kiln.pipeline mma_in_flight={mma_in_flight!r} must be 0 "
+                                     f"or, with WGMMA and 3+ stages, 1",
+                                     fix="leave it None (1 where allowed) or pass 0")
+            in_flight = mma_in_flight
+        if barrier_before_fetch not in (False, True) or barrier_before_fetch and not in_flight:
+            raise KilnValueError(f"kiln.pipeline barrier_before_fetch={barrier_before_fetch!r} "
+                                 "is for a WGMMA group kept in flight (3+ stages)",
+                                 fix="pass barrier_before_fetch=False here")
+        self.barrier_before_fetch = barrier_before_fetch
+        # the second barrier lets the fetch refill the stage of the group just retired
+        self.ahead = stages - 1 - (0 if barrier_before_fetch else in_flight)
 
     def __kiln_for__(self, body_fn: Callable, names, initial: list, objects: list) -> tuple:
         """Trace the prologue, then an ``scf.for`` whose body runs the ``stages`` steps (module
@@ -93,6 +113,8 @@ class Pipeline(TracedRange):
                 k = k0 + i * step
                 ops.barrier()
                 out = list(body_fn(Step(k, i), *values))
+                if self.barrier_before_fetch:
+                    ops.barrier()
                 self.fetch(k + self.ahead * step, (i + self.ahead) % n)
                 values = out
             return tuple(values)
@@ -112,7 +134,8 @@ class Pipeline(TracedRange):
         return results
 
 
-def pipeline(*args, stages: int, fetch: Callable) -> Pipeline:
+def pipeline(*args, stages: int, fetch: Callable, mma_in_flight: int | None = None,
+             barrier_before_fetch: bool = False) -> Pipeline:
     """``for it in kiln.pipeline(lo, hi, step, stages=N, fetch=fn)``: a ``kiln.range`` whose
     copies (``fn(k, stage)``) run ahead of the body in ``N`` shared-memory stages (see the
     module docs for the schedule and the waits).
@@ -124,7 +147,8 @@ def pipeline(*args, stages: int, fetch: Callable) -> Pipeline:
         raise KilnTypeError(f"kiln.pipeline takes (lo, hi, step), got {len(args)} bounds",
                             fix="kiln.pipeline(0, k, BK, stages=3, fetch=fetch)")
     lo, hi, step = args
-    return Pipeline(lo, hi, step, stages=stages, fetch=fetch)
+    return Pipeline(lo, hi, step, stages=stages, fetch=fetch, mma_in_flight=mma_in_flight,
+                    barrier_before_fetch=barrier_before_fetch)
 
 
 __all__ = ["pipeline", "Pipeline", "Step"]

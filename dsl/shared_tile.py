@@ -143,7 +143,9 @@ class SharedTile:
             memref.store(value.ir, self.buffer.ir, [self._index(row, col)])
             return
         self._check_width(value.shape[0])
-        vector.store(value.ir, self.buffer.ir, [self._index(row, col)])
+        # the run is width-aligned in the buffer; without the alignment NVPTX splits the store
+        vector.store(value.ir, self.buffer.ir, [self._index(row, col)],
+                     alignment=value.shape[0] * self.dtype.itemsize)
 
     def fragment_width(self, tv: ThreadValueLayout) -> int:
         """The widest vector (power of two) each lane can load its fragment values with when the

@@ -8,7 +8,10 @@ global -> registers     ``kiln.load(g, layout)`` / ``kiln.copy(g, layout)``: per
                         ``ld.global.v4`` / ``global_load_dwordx4``); masked rows and columns
                         read nothing and give the GlobalTile's ``fill``
 shared -> registers     the same with ``ld.shared`` / ``ds_read_b128``
-registers -> global     ``kiln.copy(tile, g)``: vector stores, masked elements skipped
+registers -> global     ``kiln.copy(tile, g)``: vector stores, masked elements skipped;
+                        ``staged=True``: through a swizzled shared tile, then 16 bytes a
+                        thread along whole rows (an MMA accumulator's 4-byte runs scattered
+                        over 8 rows become coalesced row stores)
 registers -> shared     vector stores into the SharedTile's layout and swizzle
 global -> shared        every thread of the block takes 16-byte chunks: ``cp.async`` (committed
                         as one group) on sm_80+ when the GlobalTile's ``align`` promises 4/8/16-
@@ -48,6 +51,10 @@ from .nvidia import cp_async
 from .nvidia.sync import fence_proxy_async
 from .reg_tile import RegTile, _concat
 from .shared_tile import SharedTile
+from .layout import blocked
+from .shared import dynamic_shared
+from .swizzle import Swizzle
+from .tile_gemm_wgmma import ATOM_BYTES, CHUNK_BYTES, chunked_layout
 from .tiles import copy as copy_to_shared, copy_width, row_run_width
 from .values import Value, to_value
 
@@ -163,6 +170,37 @@ def store(tile: RegTile, dst: GlobalTile | SharedTile) -> None:
                 dst.store(i * fr + row, j * fc + col, piece)
 
 
+def _check_staged(tile: RegTile, dst: GlobalTile) -> None:
+    if tile.dtype is not dst.dtype:
+        raise KilnTypeError(f"cannot store a {tile.dtype} register tile into a {dst.dtype} "
+                            "GlobalTile", fix=f"kiln.cast(tile, kiln.{dst.dtype}) first")
+    if tuple(tile.shape) != tuple(dst.shape):
+        raise KilnValueError(f"kiln.copy(staged=True) of a {tile.shape} register tile into a "
+                             f"{dst.shape} GlobalTile", fix="stage a tile of the GlobalTile's "
+                                                            "shape")
+
+
+def _staged_store(tile: RegTile, dst: GlobalTile) -> None:
+    """``store(tile, dst)`` through shared memory: the tile goes into its own shared tile in
+    128-byte-swizzled chunks of rows (each run of 8 rows of a chunk hits every bank once), then
+    every thread stores 16-byte runs of whole rows (coalesced, masked like any store)."""
+    rows, cols = tile.shape
+    itemsize = tile.dtype.itemsize
+    chunk = CHUNK_BYTES // itemsize
+    swizzled = cols % chunk == 0 and rows % 8 == 0
+    layout = chunked_layout(rows, cols, tile.dtype) if swizzled else None
+    flat = dynamic_shared((rows * cols,), tile.dtype, align=ATOM_BYTES)
+    stage = SharedTile.view(flat, (rows, cols), layout,
+                            Swizzle.sw128b(itemsize) if swizzled else None)
+    ops.barrier()   # threads still reading the stage from this copy's last run (in a loop)
+    store(tile, stage)
+    ops.barrier()
+    vec = max(MAX_VECTOR_BYTES // itemsize, 1)
+    while cols % vec:
+        vec //= 2
+    store(load(stage, blocked((rows, cols), builder.current().block[0], vec=vec)), dst)
+
+
 def _async_width(src: GlobalTile, dst: SharedTile, threads: int) -> int | None:
     """The cp.async chunk width (elements) when cp.async fits, else None: sm_80+, zero fill,
     4/8/16-byte chunks that the GlobalTile's ``align`` promises are aligned in global memory
@@ -190,12 +228,15 @@ def _mark_shared_stores(ops: list) -> None:
         op.operation.walk(visit)
 
 
-def copy(src: Any, dst: Any) -> Any:
+def copy(src: Any, dst: Any, *, staged: bool = False) -> Any:
     """Copy tile ``src`` into ``dst`` (see the module table for what each pair compiles to).
 
     ``dst`` may be a :class:`~kiln.layout.ThreadValueLayout`: the loaded register tile is
     returned (:func:`load`). Global -> shared returns the ``cp.async`` group when it went
     asynchronously (else None); read the shared tile after a ``kiln.barrier()``.
+    ``staged=True`` (register tile -> global) goes through a shared tile of its own (rows x
+    cols elements of dynamic shared memory) and two block barriers, so every thread of the
+    block must make the call; the global stores become 16-byte runs of whole rows.
 
     Example::
 
@@ -206,8 +247,20 @@ def copy(src: Any, dst: Any) -> Any:
     """
     if isinstance(dst, ThreadValueLayout):
         return load(src, dst)
+    if not isinstance(staged, bool):
+        raise KilnTypeError(f"kiln.copy staged= must be a bool, got {staged!r}",
+                            fix="pass staged=True or staged=False")
+    if staged and not (isinstance(src, RegTile) and isinstance(dst, GlobalTile)):
+        raise KilnTypeError(f"kiln.copy(staged=True) stores a register tile into a GlobalTile, "
+                            f"not a {type(src).__name__} into a {type(dst).__name__}",
+                            fix="drop staged=True, or copy a RegTile (e.g. kiln.cast(acc, "
+                                "kiln.bf16)) into a GlobalTile")
     if isinstance(src, RegTile) and isinstance(dst, (GlobalTile, SharedTile)):
-        store(src, dst)
+        if staged:
+            _check_staged(src, dst)
+            _staged_store(src, dst)
+        else:
+            store(src, dst)
         return None
     if isinstance(src, GlobalTile) and isinstance(dst, SharedTile):
         threads = builder.current().block[0]

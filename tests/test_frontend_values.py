@@ -101,6 +101,20 @@ def test_math_functions(fn, op):
     assert op in body_ir(k, F32)
 
 
+def test_approximate_reciprocal_is_an_afn_divide():
+    def k(x: kiln.Tensor[f32]):
+        x[0] = kiln.rcp(x[1], approx=True) + kiln.rcp(x[2])
+
+    text = body_ir(k, F32)
+    assert text.count("arith.divf") == 2 and text.count("fastmath<afn>") == 1
+
+    def bad(x: kiln.Tensor[f32]):
+        x[0] = kiln.rcp(x[1], approx="yes")
+
+    with pytest.raises(kiln.KilnTypeError, match="approx= must be a bool"):
+        body_ir(bad, F32)
+
+
 @pytest.mark.parametrize("src, dst, op", [
     (i32, i64, "arith.extsi"), (i64, i32, "arith.trunci"), (i32, f32, "arith.sitofp"),
     (f32, i32, "arith.fptosi"), (f16, f32, "arith.extf"), (f32, bf16, "arith.truncf"),

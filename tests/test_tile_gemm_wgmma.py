@@ -79,7 +79,8 @@ def test_operand_tiles_elsewhere_keep_the_mma_sync_swizzle(target, shape):
 def pipelined_gemm(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], c: kiln.Tensor[f32, 2],
                    m: i32, n: i32, k: i32, BM: kiln.constexpr, BN: kiln.constexpr,
                    BK: kiln.constexpr, STAGES: kiln.constexpr, THREADS: kiln.constexpr,
-                   ALIGN: kiln.constexpr):
+                   ALIGN: kiln.constexpr, IN_FLIGHT: kiln.constexpr = None,
+                   EARLY: kiln.constexpr = False):
     row0 = kiln.block_id(0) * BM
     col0 = kiln.block_id(1) * BN
     a_s = [kiln.tiles.operand_tile((BM, BK), bf16, "a") for _ in range(STAGES)]
@@ -92,7 +93,8 @@ def pipelined_gemm(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], c: kiln.Ten
                   b_s[s])
 
     acc = kiln.accumulator(a_s[0], b_s[0])
-    for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch):
+    for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch, mma_in_flight=IN_FLIGHT,
+                            barrier_before_fetch=EARLY):
         acc = kiln.gemm(a_s[it.stage], b_s[it.stage], acc)
     # a row reduction on the derived layout: the max of the row's columns in the last column
     # tile goes to column n - 1 of C
@@ -204,6 +206,41 @@ def test_wgmma_pipeline_waits(stages):
     assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned \t1;\n\s*bar\.sync", ptx)) == stages
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_wgmma_pipeline_with_no_group_in_flight_in_the_interpreter(stages):
+    """mma_in_flight=0: the fetch runs stages - 1 ahead, the wait analysis retires each
+    step's WGMMA group before the next barrier; ragged M, N, K."""
+    _run("sm_90a", (130, 200, 328), dict(WGMMA_CONFIGS[1], STAGES=stages, IN_FLIGHT=0), 16)
+
+
+@pytest.mark.lower
+def test_wgmma_pipeline_with_no_group_in_flight_waits():
+    """mma_in_flight=0 on 4 stages: 3 steps of copies ahead (cp.async.wait_group 4: two
+    steps' A and B groups stay in flight) and wgmma.wait_group 0 before each barrier."""
+    ptx = _compile(4, IN_FLIGHT=0).asm["ptx"]
+    assert re.findall(r"cp\.async\.wait_group \t(\d+);", ptx) == ["4"] * 4
+    assert re.findall(r"wgmma\.wait_group\.sync\.aligned \t(\d+);", ptx) == ["0"] * 5
+    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned \t0;\n\s*bar\.sync", ptx)) == 4
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_wgmma_pipeline_with_a_barrier_before_the_fetch_in_the_interpreter(stages):
+    _run("sm_90a", (130, 200, 328), dict(WGMMA_CONFIGS[1], STAGES=stages, EARLY=True), 16)
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("stages", [3, 4])
+def test_wgmma_pipeline_with_a_barrier_before_the_fetch_waits(stages):
+    """barrier_before_fetch: per step, cp.async.wait_group for N - 1 steps ahead before the
+    first barrier; after the step's WGMMA group, wgmma.wait_group 1 (the previous step's group,
+    whose stage the fetch refills) before the second barrier; then the copies."""
+    ptx = _compile(stages, EARLY=True).asm["ptx"]
+    assert re.findall(r"cp\.async\.wait_group \t(\d+);", ptx) == [str(2 * (stages - 2))] * stages
+    step = (r"wgmma\.commit_group\.sync\.aligned;\n\s*wgmma\.wait_group\.sync\.aligned \t1;"
+            r"\n\s*bar\.sync")
+    assert len(re.findall(step, ptx)) == stages
+
+
 def _waits(module):
     found = []
 
@@ -238,6 +275,12 @@ def test_deleting_a_placed_wait_fails_verify_waits():
 def test_pipeline_rejects_bad_arguments():
     with pytest.raises(KilnValueError, match="stages"):
         _compile(1)
+    for stages, target, in_flight in ((2, "sm_90a", 1), (4, "sm_90a", 2), (3, "sm_80", 1)):
+        with pytest.raises(KilnValueError, match="mma_in_flight"):
+            _compile(stages, target, BK=32, IN_FLIGHT=in_flight)
+    for stages, target, in_flight in ((2, "sm_90a", None), (4, "sm_90a", 0), (3, "sm_80", None)):
+        with pytest.raises(KilnValueError, match="barrier_before_fetch"):
+            _compile(stages, target, BK=32, IN_FLIGHT=in_flight, EARLY=True)
     with pytest.raises(KilnTypeError, match="fetch"):
         _bad_fetch.interpret[(1,)](np.zeros(4, np.float32), target="sm_90a")
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import re
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 import kiln
-from kiln import f32, i32
+from kiln import bf16, f32, i32
 from kiln.layout import blocked
+from kiln.tile_gemm_wgmma import accumulator_layout
 
 TARGETS = ("sm_90a", "gfx950")
 
@@ -406,3 +408,96 @@ def test_two_stage_pipeline_compiles_with_a_wait_per_stage():
     gpu = two_stage_sum.compile(x, x[:32], 200, target="sm_80").asm["gpu"]
     waits = [line for line in gpu.splitlines() if "nvgpu.device_async_wait" in line]
     assert waits and all("numGroups = 1" in w for w in waits), waits
+
+
+@kiln.kernel(num_threads=128)
+def reciprocal(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], APPROX: kiln.constexpr):
+    tv = blocked((8, 64), 128, vec=4)
+    t = kiln.load(kiln.GlobalTile(x, (8, 64)), tv)
+    kiln.copy(kiln.rcp(1.0 + kiln.exp(-t), approx=APPROX), kiln.GlobalTile(y, (8, 64)))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_approximate_reciprocal_on_tiles_matches_numpy_through_overflow(target):
+    """A sigmoid whose ``1 + exp(-x)`` overflows to inf for half the inputs: 0 there."""
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((8, 64)) * 200).astype(np.float32)
+    y = np.full_like(x, np.nan)
+    reciprocal.interpret[(1,)](x, y, APPROX=True, target=target)
+    with np.errstate(over="ignore"):
+        want = 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("target,fast,slow", [("sm_90a", "rcp.approx.f32", "rcp.rn.f32"),
+                                              ("gfx950", "v_rcp_f32", "v_div_scale_f32")])
+def test_approximate_reciprocal_has_no_slow_path(target, fast, slow):
+    x = np.zeros((8, 64), np.float32)
+    asm = "ptx" if target.startswith("sm") else "amdgcn"
+    approx = reciprocal.compile(x, x, APPROX=True, target=target).asm[asm]
+    exact = reciprocal.compile(x, x, APPROX=False, target=target).asm[asm]
+    assert fast in approx and slow not in approx and slow in exact
+
+
+@kiln.kernel(num_threads=128)
+def accumulator_store(x: kiln.Tensor[bf16, 2], y: kiln.Tensor[bf16, 2], m: i32, n: i32,
+                      STAGED: kiln.constexpr):
+    r0, c0 = kiln.block_id(0) * 64, kiln.block_id(1) * 128
+    t = kiln.load(kiln.GlobalTile(x, (64, 128), (r0, c0), row_end=m, col_end=n),
+                  accumulator_layout(64, 128))   # pairs of columns, 8 rows apart
+    kiln.copy(t, kiln.GlobalTile(y, (64, 128), (r0, c0), row_end=m, col_end=n, align=16),
+              staged=STAGED)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("shape", [(100, 200), (64, 128), (7, 9)])
+def test_staged_store_of_an_accumulator_writes_exactly_the_unmasked_part(target, shape):
+    rng = np.random.default_rng()
+    x = rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+    y = np.full(shape, np.nan, ml_dtypes.bfloat16)
+    grid = (-(-shape[0] // 64), -(-shape[1] // 128))
+    accumulator_store.interpret[grid](x, y, *shape, STAGED=True, target=target)
+    np.testing.assert_array_equal(y.view(np.uint16), x.view(np.uint16))
+
+
+@pytest.mark.lower
+def test_staged_store_is_coalesced_16_byte_row_stores():
+    """The accumulator's 4-byte runs go into shared memory whole (one 4-byte store each: the
+    store carries its alignment) and out as 16-byte row runs."""
+    x = np.zeros((128, 256), ml_dtypes.bfloat16)
+    plain = accumulator_store.compile(x, x, 128, 256, STAGED=False, target="sm_90a").asm["ptx"]
+    ptx = accumulator_store.compile(x, x, 128, 256, STAGED=True, target="sm_90a").asm["ptx"]
+    assert "st.global.v4.b32" in ptx and "st.global.v4.b32" not in plain
+    assert "st.shared.b32" in ptx and "st.shared.b16" not in ptx
+
+
+def test_staged_copy_errors_name_the_fix():
+    x = np.zeros((64, 128), ml_dtypes.bfloat16)
+
+    @kiln.kernel(num_threads=128)
+    def into_shared(x: kiln.Tensor[bf16, 2]):
+        t = kiln.load(kiln.GlobalTile(x, (64, 128)), accumulator_layout(64, 128))
+        kiln.copy(t, kiln.SharedTile((64, 128), bf16), staged=True)
+
+    with pytest.raises(kiln.KilnTypeError, match="staged=True"):
+        into_shared.trace(x, target="sm_90a")
+
+    @kiln.kernel(num_threads=128)
+    def not_bool(x: kiln.Tensor[bf16, 2]):
+        t = kiln.load(kiln.GlobalTile(x, (64, 128)), accumulator_layout(64, 128))
+        kiln.copy(t, kiln.GlobalTile(x, (64, 128)), staged=1)
+
+    with pytest.raises(kiln.KilnTypeError, match="must be a bool"):
+        not_bool.trace(x, target="sm_90a")
+
+
+@pytest.mark.gpu
+def test_staged_store_on_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    x = torch.randn(100, 200, device="cuda").to(torch.bfloat16)
+    y = torch.full_like(x, float("nan"))
+    accumulator_store[(2, 2)](x, y, 100, 200, STAGED=True)
+    assert torch.equal(y, x)

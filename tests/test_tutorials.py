@@ -86,6 +86,7 @@ def test_matmul_compiles_to_the_targets_mma_without_spills(target):
         assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
         assert "wgmma.wait_group.sync.aligned \t1;" in ptx and "cp.async.cg" in ptx
         assert "mma.sync" not in ptx
+        assert "rcp.approx.f32" in ptx and "rcp.rn" not in ptx   # GELU without a slow path
     elif target == "sm_80":
         assert ck.metadata["spill_bytes"] == 0
         assert "mma.sync.aligned.m16n8k16" in ck.asm["ptx"] and "cp.async" in ck.asm["ptx"]

@@ -1,0 +1,177 @@
+"""A/B of the matmul tutorial's epilogue and stages (bench-local variants of
+examples/tutorials/matmul.py's kernel) against cuBLAS and Triton's tutorial matmul, one run.
+
+``EARLY``: ``kiln.pipeline``'s ``barrier_before_fetch`` (copies N - 1 ahead with a group in
+flight, a second barrier a step). ``IN_FLIGHT``: ``kiln.pipeline``'s ``mma_in_flight`` (None: one WGMMA group kept in flight
+across a step, the fetch 2 stages ahead of 4; 0: none, 3 ahead). ``RCP_APPROX``: the GELU's
+reciprocal ``rcp.approx`` (else ``rcp.rn``, whose slow path runs for every lane whose
+``1 + exp(-z)`` overflowed). ``EPI``: 0 the tutorial's epilogue (scalar bias loads, C stored
+from the accumulator's layout); 1 the bias read with 16-byte alignment (vector loads); 2 as 1 with C staged through a
+swizzled shared tile and stored 16 bytes a thread (coalesced rows); 3 no bias and no GELU
+(the accumulator cast and stored: the floor of the epilogue); 4 as 3, staged like 2.
+
+Run: ``python bench/matmul_epilogue_ab.py [--sizes 4096 8192] [--repeat 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import kiln  # noqa: E402
+from kiln import bf16, f32, i32  # noqa: E402
+
+SQRT_2_OVER_PI = 0.7978845608028654
+
+
+@kiln.kernel(num_threads="THREADS")
+def ab_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tensor[f32],
+              c: kiln.Tensor[bf16, 2], m: i32, n: i32, k: i32, BM: kiln.constexpr,
+              BN: kiln.constexpr, BK: kiln.constexpr, STAGES: kiln.constexpr,
+              GROUP_M: kiln.constexpr, THREADS: kiln.constexpr, EPI: kiln.constexpr,
+              RCP_APPROX: kiln.constexpr, IN_FLIGHT: kiln.constexpr = None,
+              EARLY: kiln.constexpr = False):
+    pid, tiles_m, tiles_n = kiln.block_id(0), (m + BM - 1) // BM, (n + BN - 1) // BN
+    first = pid // (GROUP_M * tiles_n) * GROUP_M
+    rows = kiln.min(tiles_m - first, GROUP_M)
+    row0 = (first + pid % (GROUP_M * tiles_n) % rows) * BM
+    col0 = pid % (GROUP_M * tiles_n) // rows * BN
+    a_s = [kiln.tiles.operand_tile((BM, BK), bf16, "a") for _ in range(STAGES)]
+    b_s = [kiln.tiles.operand_tile((BK, BN), bf16, "b") for _ in range(STAGES)]
+
+    def fetch(k0, s):
+        kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k, align=16,
+                                  col_multiple=8), a_s[s])
+        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=k, col_end=n, align=16,
+                                  col_multiple=8), b_s[s])
+
+    acc = kiln.accumulator(a_s[0], b_s[0])
+    for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch, mma_in_flight=IN_FLIGHT,
+                            barrier_before_fetch=EARLY):
+        acc = kiln.gemm(a_s[it.stage], b_s[it.stage], acc)
+    y = acc
+    if EPI < 3:
+        x = acc + kiln.load(kiln.GlobalTile(bias, (BM, BN), (0, col0), col_end=n,
+                                            align=4 if EPI == 0 else 16), acc.layout)
+        z = (x + 0.044715 * x * x * x) * (2.0 * SQRT_2_OVER_PI)
+        y = x * kiln.rcp(1.0 + kiln.exp(-z), approx=RCP_APPROX)
+    out = kiln.GlobalTile(c, (BM, BN), (row0, col0), row_end=m, col_end=n, align=16)
+    kiln.copy(kiln.cast(y, bf16), out, staged=EPI == 2 or EPI == 4)
+
+
+# name: (BM, BN, BK, STAGES, THREADS, EPI, RCP_APPROX, maxnreg, GROUP_M, IN_FLIGHT[, EARLY])
+VARIANTS = {
+    "tutorial s4": (128, 256, 64, 4, 256, 0, False, None, 8, None),
+    "approx s4": (128, 256, 64, 4, 256, 0, True, None, 8, None),
+    "approx s4 if0": (128, 256, 64, 4, 256, 0, True, None, 8, 0),
+    "approx s4 g16": (128, 256, 64, 4, 256, 0, True, None, 16, None),
+    "approx s4 g4": (128, 256, 64, 4, 256, 0, True, None, 4, None),
+    "approx s4 if0 g16": (128, 256, 64, 4, 256, 0, True, None, 16, 0),
+    "256x128 s4 if0": (256, 128, 64, 4, 512, 0, True, 128, 8, 0),
+    "128x192 s5": (128, 192, 64, 5, 256, 0, True, None, 8, None),
+    "approx s3 early": (128, 256, 64, 3, 256, 0, True, None, 8, None, True),
+    "approx s4 early": (128, 256, 64, 4, 256, 0, True, None, 8, None, True),
+    "approx bias16 s4": (128, 256, 64, 4, 256, 1, True, None, 8, None),
+    "approx staged s3": (128, 256, 64, 3, 256, 2, True, None, 8, None),
+    "128x128 s3 2cta": (128, 128, 64, 3, 256, 1, True, 128, 8, None),
+    "256x128 s4 4wg": (256, 128, 64, 4, 512, 1, True, 128, 8, None),
+    "approx bias16 s3": (128, 256, 64, 3, 256, 1, True, None, 8, None),
+    "nobias s4": (128, 256, 64, 4, 256, 3, False, None, 8, None),
+    "nobias staged s3": (128, 256, 64, 3, 256, 4, False, None, 8, None),
+}
+
+
+def config(name: str) -> tuple[dict, dict]:
+    """(constexprs, launch options) of variant ``name``."""
+    bm, bn, bk, stages, threads, epi, approx, maxnreg, group_m, in_flight, *early = \
+        VARIANTS[name]
+    cfg = dict(BM=bm, BN=bn, BK=bk, STAGES=stages, GROUP_M=group_m, THREADS=threads, EPI=epi,
+               RCP_APPROX=approx, IN_FLIGHT=in_flight, EARLY=bool(early and early[0]))
+    return cfg, ({} if maxnreg is None else {"maxnreg": maxnreg})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                        help="variant names to time, in order (default all)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated variant names and/or 'triton': launch each once, "
+                             "no timing (for ncu)")
+    args = parser.parse_args()
+    only = set(args.only.split(",")) if args.only else None
+    import torch
+    import triton
+    from timing import queued_ms
+    from tutorials_triton import matmul_kernel as t_matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for size in args.sizes:
+        m = n = k = size
+        a = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", generator=gen).to(torch.bfloat16)
+        bias = torch.randn(n, device="cuda", generator=gen)
+        c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        ref = torch.empty_like(c)
+        x = a.float() @ b.float()
+        want_plain = x.clone()
+        x += bias
+        want = 0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+        flops = 2.0 * m * n * k
+        grid = (triton.cdiv(m, 128) * triton.cdiv(n, 256),)
+
+        def t_mm():
+            t_matmul[grid](a, b, bias, ref, m, n, k, a.stride(0), b.stride(0), ref.stride(0),
+                           BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+        if only and "triton" in only:
+            t_mm()
+            torch.cuda.synchronize()
+        if only is None:
+            t_mm()
+            cublas = flops / queued_ms(lambda: torch.matmul(a, b), args.repeat) / 1e9
+            tri = flops / queued_ms(t_mm, args.repeat) / 1e9
+            print(f"{size}^3 cublas {cublas:6.1f} TFLOP/s  triton {tri:6.1f}", flush=True)
+        for name in args.variants:
+            if only is not None and name not in only:
+                continue
+            cfg, opts = config(name)
+            epi = cfg["EPI"]
+            k_grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
+
+            def run():
+                ab_kernel[k_grid](a, b, bias, c, m, n, k, **cfg, **opts)
+
+            c.fill_(float("nan"))
+            try:
+                run()
+            except Exception as err:  # noqa: BLE001 - report and go on to the next variant
+                print(f"{size}^3 {name}: FAILED {type(err).__name__}: {str(err)[:300]}",
+                      flush=True)
+                continue
+            if only is not None:
+                torch.cuda.synchronize()
+                continue
+            ref_c = want if epi < 3 else want_plain
+            err = float((c.float() - ref_c).abs().max() / ref_c.abs().max())
+            tflops = flops / queued_ms(run, args.repeat) / 1e9
+            rows.append({"shape": [m, n, k], "variant": name, "kiln_tflops": tflops,
+                         "triton_tflops": tri, "cublas_tflops": cublas,
+                         "vs_cublas": tflops / cublas, "vs_triton": tflops / tri,
+                         "max_rel_err": err})
+            print(f"{size}^3 {name:18s} kiln {tflops:6.1f}  x{tflops / cublas:.3f} cublas  "
+                  f"x{tflops / tri:.3f} triton  err {err:.1e}", flush=True)
+    if rows:
+        print(json.dumps({"benchmark": "matmul_epilogue_ab",
+                          "device": torch.cuda.get_device_name(0), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
