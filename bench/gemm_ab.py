@@ -37,38 +37,33 @@ from timing import queued_ms, time_ms
 C = HopperGemmConfig
 # Candidates by the largest M they are tried at (decode, then prefill-chunk sizes).
 CANDIDATES = {
-    64: (C(block_n=32, stages=8, swap_ab=True, split_k=2),
-         C(block_n=32, stages=8, swap_ab=True, split_k=4),
-         C(block_n=32, stages=10, swap_ab=True, split_k=4),
-         C(block_n=32, stages=8, swap_ab=True, split_k=8),
+    64: (C(block_n=32, stages=8, swap_ab=True, split_k=4),
+         C(block_n=32, stages=8, swap_ab=True, split_k=4, pdl=True),
+         C(block_n=32, stages=10, swap_ab=True, split_k=4, pdl=True),
+         C(block_n=32, stages=8, swap_ab=True, split_k=2, pdl=True),
+         C(block_n=32, stages=8, swap_ab=True, split_k=8, pdl=True),
          C(block_n=32, stages=8, swap_ab=True, stream_k=True),
-         C(block_n=32, stages=10, swap_ab=True, stream_k=True),
-         C(block_n=32, stages=8, swap_ab=True, split_k=4, fused_reduce=True),
-         C(block_n=64, stages=8, swap_ab=True, split_k=2),
-         C(block_n=64, stages=8, swap_ab=True, split_k=4),
-         C(block_n=64, stages=8, swap_ab=True, stream_k=True),
-         C(block_m=64, block_n=128, stages=8, split_k=2),
+         C(block_n=32, stages=8, swap_ab=True, stream_k=True, pdl=True),
+         C(block_n=64, stages=8, swap_ab=True, split_k=4, pdl=True),
+         C(block_n=64, stages=8, swap_ab=True, stream_k=True, pdl=True),
          C(block_m=64, block_n=128, stages=8, split_k=4),
-         C(block_m=64, block_n=128, stages=9, stream_k=True),
-         C(block_m=64, block_n=128, stages=8, split_k=4, fused_reduce=True),
+         C(block_m=64, block_n=128, stages=8, split_k=4, pdl=True),
+         C(block_m=64, block_n=128, stages=9, stream_k=True, pdl=True),
          C(block_m=64, block_n=256, stages=4),
-         C(block_m=64, block_n=256, stages=4, stream_k=True),
-         C(block_m=64, block_n=32, stages=12, swap_ab=True, pingpong=True),
-         C(block_m=64, block_n=128, stages=8, pingpong=True),
-         C(block_m=64, block_n=256, stages=4, pingpong=True)),
+         C(block_m=64, block_n=256, stages=4, pdl=True),
+         C(block_m=64, block_n=256, stages=4, stream_k=True, pdl=True),
+         C(block_m=64, block_n=32, stages=12, swap_ab=True, pingpong=True, pdl=True)),
     SMALL_M: (C(block_m=64, block_n=128, stages=8),
-              C(block_m=64, block_n=128, stages=8, split_k=2),
-              C(block_m=64, block_n=128, stages=9, stream_k=True),
-              C(block_m=64, block_n=256, stages=4),
-              C(block_m=64, block_n=256, stages=4, stream_k=True),
-              C(block_n=128, stages=6), C(block_n=128, stages=6, stream_k=True),
-              C(block_n=128, stages=6, split_k=2),
-              C(block_n=192), C(block_n=192, stream_k=True), C(), C(stream_k=True),
-              C(block_n=128, stages=6, cluster_m=2), C(cluster_m=2),
-              C(block_n=192, cluster_m=2),
-              C(block_m=64, block_n=128, stages=8, pingpong=True),
-              C(block_m=64, block_n=192, stages=5, pingpong=True),
-              C(block_m=64, block_n=256, stages=4, pingpong=True)),
+              C(block_m=64, block_n=128, stages=8, pdl=True),
+              C(block_m=64, block_n=128, stages=8, split_k=2, pdl=True),
+              C(block_m=64, block_n=256, stages=4, pdl=True),
+              C(block_m=64, block_n=128, stages=8, pingpong=True, pdl=True),
+              C(block_m=64, block_n=192, stages=5, pingpong=True, pdl=True),
+              C(block_m=64, block_n=256, stages=4, pingpong=True, pdl=True),
+              C(block_n=128, stages=6, pdl=True),
+              C(block_n=128, stages=6, stream_k=True, pdl=True),
+              C(pdl=True), C(stream_k=True), C(stream_k=True, pdl=True),
+              C(block_n=192, pdl=True), C(block_n=128, stages=6, cluster_m=2)),
 }
 
 
@@ -161,16 +156,18 @@ def main() -> None:
     start = time.perf_counter()
     cells = [(model, layer, int(m)) for model, layer, m in
              (spec.split(":") for spec in args.cells)]
-    space = {c for _, _, m in cells for c in candidates(m)}
-    compile_all(lambda config: compile_matmul("bf16", target="sm_90a", trans_b=True,
-                                              **vars(config)), sorted(space, key=repr))
-    print(f"{torch.cuda.get_device_name()}: {len(space)} configs compiled in "
-          f"{time.perf_counter() - start:.1f} s", flush=True)
-    results = []
+    results, compiled = [], set()
     for model, layer, m in cells:
         if time.perf_counter() - start > args.budget:
             print(f"budget of {args.budget:.0f} s spent")
             break
+        space = candidates(m)
+        if space not in compiled:  # each candidate list's kernels at once, when first needed
+            compile_all(lambda config: compile_matmul("bf16", target="sm_90a", trans_b=True,
+                                                      **vars(config)), space)
+            compiled.add(space)
+            print(f"{torch.cuda.get_device_name()}: {len(space)} configs compiled by "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
         results.append(ab_cell(model, layer, m, args.repeat, args.batch, args.top))
         if args.json:
             with open(args.json, "w") as f:

@@ -2,9 +2,9 @@
 
 For each ``G:K:N`` case (``bench/gemm.py --grouped``'s ragged router sizes, ``TOKENS * TOP_K``
 rows), Kiln's dense GEMM (default 128 x 256 config) on ``[total_M, K] x [K, N]`` and each
-config of :data:`CONFIGS` on the grouped problem (checked against float32 first, NaN-poisoned output;
-the default config is ``grouped_config(G)``), timed with CUDA events (median of ``--repeat``
-samples of ``--batch`` calls). Prints TFLOP/s and grouped / dense per config. Usage::
+config of :data:`CONFIGS` on the grouped problem (checked against float32 first,
+NaN-poisoned output; the default config is ``grouped_config(G)``), timed with CUDA events
+(median of ``--repeat`` samples of ``--batch`` calls). Prints TFLOP/s and grouped / dense per config. Usage::
 
     python bench/gemm_grouped_ab.py --cases 64:4096:14336 64:4096:4096 [--json out.json]
 """

@@ -69,7 +69,10 @@ class HopperGemmConfig:
     ``stream_k`` gives every CTA an equal share of the K steps of the last tiles (all tiles when
     there are fewer than CTAs), fixing split tiles up in the kernel (:mod:`.streamk`).
     ``pingpong`` (64-row tiles, whole K) runs two consumer warp groups on alternate tiles, one's
-    epilogue overlapping the other's main loop (CUTLASS's ping-pong schedule). Example:
+    epilogue overlapping the other's main loop (CUTLASS's ping-pong schedule). ``pdl`` makes
+    the kernel (and split-K's reduction) programmatic dependent launches: each waits for the
+    work before it on the stream at its top (``griddepcontrol.wait``) and lets the next kernel
+    launch at once, so launch latencies overlap the previous kernel's tail. Example:
     ``HopperGemmConfig(block_m=128, block_n=32, swap_ab=True, split_k=4)`` for M <= 32,
     ``HopperGemmConfig(stream_k=True)`` for 4096 x 4096 (3.9 waves of 128 x 256 tiles).
     """
@@ -87,6 +90,7 @@ class HopperGemmConfig:
     fused_reduce: bool = False
     stream_k: bool = False
     pingpong: bool = False
+    pdl: bool = False
 
     def __post_init__(self):
         if self.block_m % 64 or not 64 <= self.block_m <= 256:
@@ -115,6 +119,9 @@ class HopperGemmConfig:
             raise kiln.UnsupportedError("pingpong runs whole 64-row tiles of one CTA",
                                         fix="use block_m=64 without cluster_m, split_k, "
                                             "stream_k or fused_reduce")
+        if self.pdl and self.cluster_m != 1:
+            raise kiln.UnsupportedError("programmatic launches of CTA pairs are not supported",
+                                        fix="use cluster_m=1 with pdl=True")
         if self.block_k != 64:
             raise kiln.UnsupportedError(f"block_k={self.block_k} is not supported",
                                         fix="use block_k=64 (one 128-byte swizzled row)")
@@ -277,6 +284,9 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
         else:
             kiln.barrier()
             rank = 0
+        if config.pdl:  # before any global access but the (constant) tensor maps
+            nvidia_asm.grid_dependency_wait()
+            nvidia_asm.launch_dependents()
 
         # A pair of CTAs works on CLUSTER_M vertically adjacent tiles (a "pair tile") at once.
         tiles_m = (m + BM * CLUSTER_M - 1) // (BM * CLUSTER_M)
