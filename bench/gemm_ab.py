@@ -62,7 +62,9 @@ CANDIDATES = {
               C(block_m=64, block_n=256, stages=4, pingpong=True, pdl=True),
               C(block_n=128, stages=6, pdl=True),
               C(block_n=128, stages=6, stream_k=True, pdl=True),
-              C(pdl=True), C(stream_k=True), C(stream_k=True, pdl=True),
+              C(pdl=True), C(split_k=2, pdl=True), C(split_k=4, pdl=True),
+              C(block_n=128, stages=6, split_k=2, pdl=True),
+              C(stream_k=True), C(stream_k=True, pdl=True),
               C(block_n=192, pdl=True), C(block_n=128, stages=6, cluster_m=2)),
 }
 
