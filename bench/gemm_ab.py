@@ -11,7 +11,8 @@ checked against float32 (relative error < 1e-2), then timed two ways in this pro
   as the LLM sweep's ``ratio`` column times ``matmul``.
 
 Prints one line per config: cuBLAS time / Kiln time for both, microseconds, the config; then
-the ``--top`` best of the cell by call ratio (with their GPU ratio). ``--budget`` seconds
+the ``--top`` best of the cell by call ratio (with their GPU ratio); ``--matmul-only`` times
+``matmul``'s own pick alone (a quick check of the defaults). ``--budget`` seconds
 stops between cells. Usage::
 
     python bench/gemm_ab.py --cells llama3-8b:o:64 llama3-8b:down:1 [--json ab.json]
@@ -97,7 +98,8 @@ def bound_call(x, w, config):
     return call
 
 
-def ab_cell(model: str, layer: str, m: int, repeat: int, batch: int, top: int = 5) -> dict:
+def ab_cell(model: str, layer: str, m: int, repeat: int, batch: int, top: int = 5,
+            matmul_only: bool = False) -> dict:
     n, k = MODELS[model][layer]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
@@ -106,7 +108,8 @@ def ab_cell(model: str, layer: str, m: int, repeat: int, batch: int, top: int = 
     cublas_gpu, cublas_call = queued_ms(cublas, repeat), time_ms(cublas, repeat, batch)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     pick = chosen_config(m, n, k, "bf16", "k", "bf16", sms=sms) if m <= SMALL_M else None
-    configs = list(candidates(m)) + ([pick] if pick and pick not in candidates(m) else [])
+    configs = [] if matmul_only else \
+        list(candidates(m)) + ([pick] if pick and pick not in candidates(m) else [])
     matmul(x, w, trans_b=True)  # tunes M > SMALL_M (the autotuner's pick) before timing
     print(f"{model} {layer} M={m} N={n} K={k}: cuBLAS {cublas_gpu * 1e3:.1f} us gpu, "
           f"{cublas_call * 1e3:.1f} us call; matmul picks {short(pick) if pick else 'tuned'}",
@@ -153,6 +156,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=10)
     parser.add_argument("--budget", type=float, default=1e9, help="seconds")
     parser.add_argument("--top", type=int, default=5, help="configs summarised per cell")
+    parser.add_argument("--matmul-only", action="store_true",
+                        help="time matmul's own pick alone (no candidates)")
     parser.add_argument("--json")
     args = parser.parse_args()
     start = time.perf_counter()
@@ -164,13 +169,14 @@ def main() -> None:
             print(f"budget of {args.budget:.0f} s spent")
             break
         space = candidates(m)
-        if space not in compiled:  # each candidate list's kernels at once, when first needed
+        if space not in compiled and not args.matmul_only:  # each candidate list's kernels at once, when first needed
             compile_all(lambda config: compile_matmul("bf16", target="sm_90a", trans_b=True,
                                                       **vars(config)), space)
             compiled.add(space)
             print(f"{torch.cuda.get_device_name()}: {len(space)} configs compiled by "
                   f"{time.perf_counter() - start:.1f} s", flush=True)
-        results.append(ab_cell(model, layer, m, args.repeat, args.batch, args.top))
+        results.append(ab_cell(model, layer, m, args.repeat, args.batch, args.top,
+                               args.matmul_only))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "cells": results}, f)
