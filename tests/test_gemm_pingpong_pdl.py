@@ -101,6 +101,9 @@ def test_pdl_ptx_waits_on_the_grid_before_it():
     ck = compile_matmul("bf16", target="sm_90a", trans_b=True, **vars(PDL["swap32_split4"]))
     assert "griddepcontrol.wait" in ck.asm["ptx"]
     assert "griddepcontrol.launch_dependents" in ck.asm["ptx"]
+    # the first K steps' boxes are L2-prefetched before the wait
+    ptx = ck.asm["ptx"]
+    assert ptx.index("cp.async.bulk.prefetch.tensor") < ptx.index("griddepcontrol.wait")
     from kiln.kernels.gemm.splitk import reduce_kernel
 
     w = np.empty((1, 1), np.float32)

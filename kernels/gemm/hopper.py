@@ -72,7 +72,8 @@ class HopperGemmConfig:
     epilogue overlapping the other's main loop (CUTLASS's ping-pong schedule). ``pdl`` makes
     the kernel (and split-K's reduction) programmatic dependent launches: each waits for the
     work before it on the stream at its top (``griddepcontrol.wait``) and lets the next kernel
-    launch at once, so launch latencies overlap the previous kernel's tail. Example:
+    launch at once, so launch latencies overlap the previous kernel's tail; before its wait
+    one thread L2-prefetches the first ``stages`` K steps of its CTA's first tile. Example:
     ``HopperGemmConfig(block_m=128, block_n=32, swap_ab=True, split_k=4)`` for M <= 32,
     ``HopperGemmConfig(stream_k=True)`` for 4096 x 4096 (3.9 waves of 128 x 256 tiles).
     """
@@ -284,9 +285,6 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
         else:
             kiln.barrier()
             rank = 0
-        if config.pdl:  # before any global access but the (constant) tensor maps
-            nvidia_asm.grid_dependency_wait()
-            nvidia_asm.launch_dependents()
 
         # A pair of CTAs works on CLUSTER_M vertically adjacent tiles (a "pair tile") at once.
         tiles_m = (m + BM * CLUSTER_M - 1) // (BM * CLUSTER_M)
@@ -307,6 +305,17 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
             first_tile, num_tiles, tile_step = 0, plan[0], 1
         group_m = max(1, GROUP_M // CLUSTER_M)
         stage_bytes = tma.box_bytes(a_map) + chunks * tma.box_bytes(b_map)
+        if config.pdl:  # nothing above touched global memory but the (constant) tensor maps
+            if (tid == 0) & (first_tile < num_tiles):
+                # L2 prefetches of the first unit's first STAGES K steps: the weight stream
+                # starts while the kernel before still runs (they change no visible value)
+                first = work_unit(first_tile, tiles_m, tiles_n, k_tiles, group_m, SPLIT_K, plan)
+                for kt in kiln.range(first[2], kiln.minimum(first[3], first[2] + STAGES)):
+                    tma.prefetch(a_map, (kt * BK, first[0]))
+                    for j in kiln.static_range(chunks):
+                        tma.prefetch(b_map, b_coords(kt * BK, first[1] + b_chunk_rows * j))
+            nvidia_asm.grid_dependency_wait()
+            nvidia_asm.launch_dependents()
         if warp_group == 0:
             nvidia_asm.setmaxnreg(PRODUCER_REGS, increase=False)
             if tid == 0:
