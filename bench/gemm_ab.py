@@ -30,7 +30,7 @@ import torch
 import kiln
 from kiln.autotune import compile_all
 from kiln.kernels import gemm
-from kiln.kernels.gemm import HopperGemmConfig, compile_matmul, matmul
+from kiln.kernels.gemm import HOPPER_CONFIGS, HopperGemmConfig, compile_matmul, matmul
 from kiln.kernels.gemm.small_m import SMALL_M, chosen_config
 from gemm_llm import MODELS
 from timing import queued_ms, time_ms
@@ -54,19 +54,14 @@ CANDIDATES = {
          C(block_m=64, block_n=256, stages=4, pdl=True),
          C(block_m=64, block_n=256, stages=4, stream_k=True, pdl=True),
          C(block_m=64, block_n=32, stages=12, swap_ab=True, pingpong=True, pdl=True)),
-    SMALL_M: (C(block_m=64, block_n=128, stages=8),
-              C(block_m=64, block_n=128, stages=8, pdl=True),
-              C(block_m=64, block_n=128, stages=8, split_k=2, pdl=True),
-              C(block_m=64, block_n=256, stages=4, pdl=True),
-              C(block_m=64, block_n=128, stages=8, pingpong=True, pdl=True),
-              C(block_m=64, block_n=192, stages=5, pingpong=True, pdl=True),
-              C(block_m=64, block_n=256, stages=4, pingpong=True, pdl=True),
-              C(block_n=128, stages=6, pdl=True),
+    SMALL_M: (C(), C(pdl=True), C(stream_k=True), C(stream_k=True, pdl=True),
+              C(block_n=192), C(block_n=192, pdl=True),
+              C(block_n=128, stages=6), C(block_n=128, stages=6, pdl=True),
+              C(block_n=128, stages=6, cluster_m=2), C(cluster_m=2),
+              C(block_n=128, stages=6, split_k=2, pdl=True), C(split_k=2, pdl=True),
+              C(split_k=4, pdl=True), C(block_m=64, block_n=128, stages=8, pdl=True),
               C(block_n=128, stages=6, stream_k=True, pdl=True),
-              C(pdl=True), C(split_k=2, pdl=True), C(split_k=4, pdl=True),
-              C(block_n=128, stages=6, split_k=2, pdl=True),
-              C(stream_k=True), C(stream_k=True, pdl=True),
-              C(block_n=192, pdl=True), C(block_n=128, stages=6, cluster_m=2)),
+              C(block_m=64, block_n=256, stages=4, pdl=True)),
 }
 
 
@@ -158,28 +153,83 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=5, help="configs summarised per cell")
     parser.add_argument("--matmul-only", action="store_true",
                         help="time matmul's own pick alone (no candidates)")
+    parser.add_argument("--ab-min-m", type=int, default=0,
+                        help="cells of smaller M time matmul's pick alone")
+    parser.add_argument("--precompile", metavar="I/N",
+                        help="compile shard I of N of the run's kernels into the disk cache and "
+                             "exit (run N such processes at once before the timed run)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the host path of the first cell's matmul calls")
     parser.add_argument("--json")
     args = parser.parse_args()
     start = time.perf_counter()
     cells = [(model, layer, int(m)) for model, layer, m in
              (spec.split(":") for spec in args.cells)]
+    ab = [(model, layer, m) for model, layer, m in cells  # (no candidates above SMALL_M)
+          if not args.matmul_only and args.ab_min_m <= m <= SMALL_M]
+    if args.precompile:
+        shard, shards = map(int, args.precompile.split("/"))
+        compile_all(_compile, _kernels(cells, ab)[shard::shards])
+        return
     results, compiled = [], set()
     for model, layer, m in cells:
         if time.perf_counter() - start > args.budget:
             print(f"budget of {args.budget:.0f} s spent")
             break
-        space = candidates(m)
-        if space not in compiled and not args.matmul_only:  # each candidate list's kernels at once, when first needed
-            compile_all(lambda config: compile_matmul("bf16", target="sm_90a", trans_b=True,
-                                                      **vars(config)), space)
+        space = candidates(m) if (model, layer, m) in ab else ()
+        if space and space not in compiled:  # each candidate list's kernels when first needed
+            compile_all(_compile, space)
             compiled.add(space)
             print(f"{torch.cuda.get_device_name()}: {len(space)} configs compiled by "
                   f"{time.perf_counter() - start:.1f} s", flush=True)
+        if args.profile and not results:
+            _profile(model, layer, m)
         results.append(ab_cell(model, layer, m, args.repeat, args.batch, args.top,
-                               args.matmul_only))
+                               (model, layer, m) not in ab))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "cells": results}, f)
+
+
+def _compile(config) -> None:
+    compile_matmul("bf16", target="sm_90a", trans_b=True, **vars(config))
+
+
+def _kernels(cells, ab) -> list:
+    """Every config the run compiles: the A/B cells' candidates, each cell's pick (small M),
+    the large-GEMM autotuner's space (large M), in a fixed order."""
+    configs = {c for _, _, m in ab for c in candidates(m)}
+    for _, layer_name, m in cells:
+        if m > SMALL_M:
+            configs.update(HOPPER_CONFIGS)
+    for model, layer_name, m in cells:
+        n, k = MODELS[model][layer_name]
+        pick = chosen_config(m, n, k, "bf16", "k", "bf16") if m <= SMALL_M else None
+        if pick:
+            configs.add(pick)
+    return sorted(configs, key=repr)
+
+
+def _profile(model: str, layer: str, m: int, calls: int = 300) -> None:
+    """The top host functions of ``calls`` repeat ``matmul`` calls (the GPU kept busy)."""
+    import cProfile
+    import pstats
+
+    n, k = MODELS[model][layer]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        matmul(x, w, trans_b=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        matmul(x, w, trans_b=True)
+    profile.disable()
+    torch.cuda.synchronize()
+    print(f"host profile of {calls} matmul calls, {model} {layer} M={m}:")
+    pstats.Stats(profile).sort_stats("tottime").print_stats(12)
 
 
 if __name__ == "__main__":

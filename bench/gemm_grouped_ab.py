@@ -4,7 +4,9 @@ For each ``G:K:N`` case (``bench/gemm.py --grouped``'s ragged router sizes, ``TO
 rows), Kiln's dense GEMM (default 128 x 256 config) on ``[total_M, K] x [K, N]`` and each
 config of :data:`CONFIGS` on the grouped problem (checked against float32 first,
 NaN-poisoned output; the default config is ``grouped_config(G)``), timed with CUDA events
-(median of ``--repeat`` samples of ``--batch`` calls). Prints TFLOP/s and grouped / dense per config. Usage::
+(median of ``--repeat`` samples of ``--batch`` calls). Prints TFLOP/s and grouped / dense
+per config; ``--precompile I/N`` compiles shard I of N of the kernels into the disk cache
+(run N such processes at once first). Usage::
 
     python bench/gemm_grouped_ab.py --cases 64:4096:14336 64:4096:4096 [--json out.json]
 """
@@ -27,11 +29,12 @@ from gemm_grouped import TOKENS, TOP_K, _check, moe_sizes
 from timing import time_ms
 
 C = HopperGemmConfig
+# Tile-row groups (group_m) as tall as a big expert's rows: each B column block is read
+# from HBM once per group of row tiles, and an expert of 1438 rows has 23 tiles of 64.
 CONFIGS = (C(block_m=64, block_n=256, stages=4),
-           C(block_m=64, block_n=256, stages=4, pingpong=True),
-           C(block_m=64, block_n=256, stages=4, group_m=16, pingpong=True),
-           C(block_m=64, block_n=192, stages=5, pingpong=True),
-           C(block_m=64, block_n=128, stages=8, pingpong=True))
+           C(block_m=64, block_n=256, stages=4, group_m=16),
+           C(block_m=64, block_n=256, stages=4, group_m=32),
+           C(block_m=64, block_n=256, stages=4, group_m=16, pingpong=True))
 
 
 def ab_case(groups: int, k: int, n: int, repeat: int, batch: int) -> dict:
@@ -73,22 +76,32 @@ def main() -> None:
                         help="G:K:N")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--batch", type=int, default=3)
+    parser.add_argument("--precompile", metavar="I/N")
     parser.add_argument("--json")
     args = parser.parse_args()
     cases = [tuple(map(int, case.split(":"))) for case in args.cases]
-    placeholder = np.empty((1, 1), kiln.bf16.numpy)
-    for groups in sorted({g for g, _, _ in cases}):  # every config's kernel at once
-        offsets = np.zeros(groups + 1, np.int32)
-        compile_all(lambda cfg: make_grouped_kernel("bf16", "bf16", "mn", cfg).compile(
-            placeholder, placeholder, placeholder, placeholder, offsets, groups, 1, 1, 1, 1,
-            target="sm_90a", num_warps=cfg.num_warps, **grouped_constexprs(cfg, groups)),
-            CONFIGS)
+    kernels = [(groups, cfg) for groups in sorted({g for g, _, _ in cases}) for cfg in CONFIGS]
+    if args.precompile:
+        shard, shards = map(int, args.precompile.split("/"))
+        kernels = kernels[shard::shards]
+    compile_all(_compile, kernels)  # every config's kernel at once
+    if args.precompile:
+        return
     results = []
     for groups, k, n in cases:
         results.append(ab_case(groups, k, n, args.repeat, args.batch))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "cases": results}, f)
+
+
+def _compile(kernel) -> None:
+    groups, cfg = kernel
+    placeholder = np.empty((1, 1), kiln.bf16.numpy)
+    make_grouped_kernel("bf16", "bf16", "mn", cfg).compile(
+        placeholder, placeholder, placeholder, placeholder, np.zeros(groups + 1, np.int32),
+        groups, 1, 1, 1, 1, target="sm_90a", num_warps=cfg.num_warps,
+        **grouped_constexprs(cfg, groups))
 
 
 if __name__ == "__main__":

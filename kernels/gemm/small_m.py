@@ -18,6 +18,8 @@ each on first use would stall serving. Example::
 
 from __future__ import annotations
 
+import dataclasses
+
 from kiln.autotune import autotune
 
 from .hopper import HopperGemmConfig
@@ -54,6 +56,9 @@ SMALL_M_CONFIGS = (
     # Stream-K (:mod:`.streamk`): every SM an equal share of the K steps, one launch.
     C(block_n=32, stages=8, swap_ab=True, stream_k=True),
     C(block_m=64, block_n=128, stages=8, stream_k=True), C(block_n=128, stages=6, stream_k=True))
+# Programmatic dependent launches of the partials configs (what the heuristic runs).
+SMALL_M_CONFIGS += tuple(dataclasses.replace(c, pdl=True) for c in SMALL_M_CONFIGS
+                         if c.partials)
 del C
 
 
@@ -70,6 +75,11 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
        least ``0.7 * sms`` tiles, without splitting K;
     3. else 64 x 128 tiles, K split as in 1 only when they are at most ``sms / 3``.
 
+    Configs with a second (reduction) kernel or an in-kernel fix-up are programmatic
+    dependent launches (``pdl``): 1 to 3 us less GPU time per call at Llama-3-8B O M = 64 and
+    down M = 1 on an H200 (``bench/gemm_ab.py``); whole-tile configs are not (64 x 256 tiles
+    at gate/up M = 1 measured 5 % slower with it).
+
     Example: ``heuristic_config(1, 4096, 4096, "k", sms=132)`` is swap-AB with 4 K slices."""
     steps = -(-k // 64)
     if m <= SWAP_M and b_major == "k":
@@ -77,16 +87,16 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
             return HopperGemmConfig(block_m=64, block_n=256, stages=4)
         tiles = -(-n // 128)
         if tiles >= sms:
-            return HopperGemmConfig(block_n=32, stages=8, swap_ab=True, stream_k=True)
+            return HopperGemmConfig(block_n=32, stages=8, swap_ab=True, stream_k=True, pdl=True)
         return HopperGemmConfig(block_n=32, stages=8, swap_ab=True,
-                                split_k=_slices(sms // tiles, steps))
+                                split_k=_slices(sms // tiles, steps), pdl=True)
     for block_m, block_n, stages in TILE_SHAPES:
         if (block_m == 64 or m > 64) and \
                 -(-m // block_m) * -(-n // block_n) >= WAVE * sms:
             return HopperGemmConfig(block_m=block_m, block_n=block_n, stages=stages)
     tiles = -(-m // 64) * -(-n // 128)
     split = _slices(sms // tiles, steps) if tiles * SPLIT_TILES <= sms else 1
-    return HopperGemmConfig(block_m=64, block_n=128, stages=8, split_k=split)
+    return HopperGemmConfig(block_m=64, block_n=128, stages=8, split_k=split, pdl=split > 1)
 
 
 def _slices(wanted: int, steps: int) -> int:
