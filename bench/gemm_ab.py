@@ -21,6 +21,7 @@ stops between cells. Usage::
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import time
 from dataclasses import fields
@@ -229,7 +230,11 @@ def _profile(model: str, layer: str, m: int, calls: int = 300) -> None:
     profile.disable()
     torch.cuda.synchronize()
     print(f"host profile of {calls} matmul calls, {model} {layer} M={m}:")
-    pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
+    for line in text.getvalue().splitlines():
+        if line.strip():
+            print(f"P {line.strip()}")
 
 
 if __name__ == "__main__":
