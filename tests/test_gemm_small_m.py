@@ -88,7 +88,12 @@ def test_heuristic_shapes_the_work_to_the_gpu():
     row_major = heuristic_config(16, 4096, 4096, "mn", sms=132)
     assert not row_major.swap_ab and row_major.block_m == 64 and row_major.split_k > 1
     wide = heuristic_config(512, 28672, 4096, "k", sms=132)
-    assert wide == HopperGemmConfig()  # 448 tiles of 128 x 256: the large-GEMM default
+    # 448 tiles of 128 x 256 are 3.4 waves, 600 of 128 x 192 4.5: a fuller last wave
+    assert wide == HopperGemmConfig(block_n=192)
+    assert heuristic_config(256, 28672, 4096, "k", sms=132) == HopperGemmConfig()
+    # M = 256, K = 14336: 128 x 128 tiles in 2 K slices (128 units), not 64 x 128 ones whole
+    long_k = heuristic_config(256, 4096, 14336, "k", sms=132)
+    assert (long_k.block_m, long_k.block_n, long_k.split_k, long_k.pdl) == (128, 128, 2, True)
     short = heuristic_config(1, 4096, 128, "k", sms=132)
     assert short.split_k == 1  # 2 K steps: nothing to split
     # 448 swap-AB tiles (Llama-3-70B gate/up at decode): stream-K balances the 3.4 waves

@@ -49,6 +49,9 @@ OUT_DTYPES = ("bf16", "f16", "f32")
 # the mbarriers.
 SHARED_BUDGET = 227 * 1024 - 1024 - 256
 MAX_SPLIT_K = 16
+PINGPONG_BARRIER = 3  # named barriers 3, 4: the consumers' turns (1, 2: their epilogues)
+# deep rings of small tiles keep a weight stream's bytes in flight (shared memory decides)
+MAX_STAGES = 12
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,13 @@ class HopperGemmConfig:
     Both are *partials* configs (:attr:`partials`); ``fused_reduce`` has the last K slice of
     each tile to finish sum the partials in the GEMM kernel itself (no second kernel).
     ``stream_k`` gives every CTA an equal share of the K steps of the last tiles (all tiles when
-    there are fewer than CTAs), fixing split tiles up in the kernel (:mod:`.streamk`). Example:
+    there are fewer than CTAs), fixing split tiles up in the kernel (:mod:`.streamk`).
+    ``pingpong`` (64-row tiles, whole K) runs two consumer warp groups on alternate tiles, one's
+    epilogue overlapping the other's main loop (CUTLASS's ping-pong schedule). ``pdl`` makes
+    the kernel (and split-K's reduction) programmatic dependent launches: each waits for the
+    work before it on the stream at its top (``griddepcontrol.wait``) and lets the next kernel
+    launch at once, so launch latencies overlap the previous kernel's tail; before its wait
+    one thread L2-prefetches the first ``stages`` K steps of its CTA's first tile. Example:
     ``HopperGemmConfig(block_m=128, block_n=32, swap_ab=True, split_k=4)`` for M <= 32,
     ``HopperGemmConfig(stream_k=True)`` for 4096 x 4096 (3.9 waves of 128 x 256 tiles).
     """
@@ -81,6 +90,8 @@ class HopperGemmConfig:
     swap_ab: bool = False
     fused_reduce: bool = False
     stream_k: bool = False
+    pingpong: bool = False
+    pdl: bool = False
 
     def __post_init__(self):
         if self.block_m % 64 or not 64 <= self.block_m <= 256:
@@ -104,6 +115,14 @@ class HopperGemmConfig:
         if not 1 <= self.split_k <= MAX_SPLIT_K:
             raise kiln.KilnValueError(f"split_k={self.split_k} must be in 1..{MAX_SPLIT_K}",
                                       fix="use 1 (no split) or e.g. 2, 4, 8")
+        if self.pingpong and (self.block_m != 64 or self.cluster_m != 1 or self.split_k != 1
+                              or self.stream_k or self.fused_reduce):
+            raise kiln.UnsupportedError("pingpong runs whole 64-row tiles of one CTA",
+                                        fix="use block_m=64 without cluster_m, split_k, "
+                                            "stream_k or fused_reduce")
+        if self.pdl and self.cluster_m != 1:
+            raise kiln.UnsupportedError("programmatic launches of CTA pairs are not supported",
+                                        fix="use cluster_m=1 with pdl=True")
         if self.block_k != 64:
             raise kiln.UnsupportedError(f"block_k={self.block_k} is not supported",
                                         fix="use block_k=64 (one 128-byte swizzled row)")
@@ -113,11 +132,11 @@ class HopperGemmConfig:
         if self.group_m < 1:
             raise kiln.KilnValueError(f"group_m={self.group_m} must be >= 1",
                                       fix="use e.g. group_m=8")
-        if not 2 <= self.stages <= 8:
-            raise kiln.KilnValueError(f"stages={self.stages} must be in 2..8",
-                                      fix="use 3 or 4 stages")
+        if not 2 <= self.stages <= MAX_STAGES:
+            raise kiln.KilnValueError(f"stages={self.stages} must be in 2..{MAX_STAGES}",
+                                      fix="use 3 or 4 stages (up to 10 for 32-wide tiles)")
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * 2
-        if ring + self.block_m * ROW_BYTES > SHARED_BUDGET:
+        if ring + self.staged_rows * ROW_BYTES > SHARED_BUDGET:
             raise kiln.ResourceError(f"{self.stages} stages of {self.block_m}x{self.block_k} + "
                                      f"{self.block_n}x{self.block_k} tiles ({ring} bytes) leave "
                                      "no room for the epilogue in 227 KB of shared memory",
@@ -141,7 +160,13 @@ class HopperGemmConfig:
 
     @property
     def consumers(self) -> int:
-        return self.block_m // 64
+        """Consumer warp groups: one per 64 rows of a tile, or two taking turns (pingpong)."""
+        return 2 if self.pingpong else self.block_m // 64
+
+    @property
+    def staged_rows(self) -> int:
+        """Rows of C staged in shared memory at once: each consumer's 64."""
+        return 64 * self.consumers
 
     @property
     def num_warps(self) -> int:
@@ -150,7 +175,7 @@ class HopperGemmConfig:
     def shared_bytes(self, itemsize: int = 2, out_itemsize: int = 2) -> int:
         """Dynamic shared memory: the operand ring plus the epilogue's staging tiles."""
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * itemsize
-        return ring + self.block_m * self.epilogue_columns(out_itemsize) * out_itemsize
+        return ring + self.staged_rows * self.epilogue_columns(out_itemsize) * out_itemsize
 
     def epilogue_columns(self, out_itemsize: int) -> int:
         """Columns of C staged per epilogue round: all of ``block_n`` when it fits next to the
@@ -159,7 +184,8 @@ class HopperGemmConfig:
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * 2
         slices = [c for c in range(self.block_n, 0, -tile_cols) if self.block_n % c == 0]
         return next((c for c in slices
-                     if ring + self.block_m * c * out_itemsize <= SHARED_BUDGET), slices[-1])
+                     if ring + self.staged_rows * c * out_itemsize <= SHARED_BUDGET),
+                    slices[-1])
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,6 +208,7 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
         raise kiln.UnsupportedError(f"block_n={bn} needs B stored N x K (64-column MN-major "
                                     "chunks otherwise)", fix="use trans_b=True, or block_n 64")
     pair = config.cluster_m
+    pingpong = config.pingpong
     # TMA boxes of B per stage: 64-column chunks when MN-major; when K-major one box, or one
     # half per CTA of a pair (the halves stack into the same K-major layout).
     b_box = (bk, 64) if b_major == "mn" else (bn // pair, bk)
@@ -238,8 +265,8 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
         b_tiles = dynamic_shared((STAGES * chunks,) + b_box, in_type, align=SWIZZLE_ALIGN)
         c_tiles = None  # swap-AB's fused reduction writes C with plain stores
         if not (fused and config.swap_ab):
-            c_tiles = dynamic_shared((BM // 64 * c_tiles_per_round, 64, c_cols), out_type,
-                                     align=SWIZZLE_ALIGN)
+            c_tiles = dynamic_shared((config.consumers * c_tiles_per_round, 64, c_cols),
+                                     out_type, align=SWIZZLE_ALIGN)
         if fused:  # per consumer: whether it sums its tile's partials (see epilogue.finish_fused)
             owners = dynamic_shared((BM // 64,), kiln.i32)
         full = mbarrier.group(num_barriers=STAGES)
@@ -249,7 +276,8 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
         first_thread = tid % WARP_GROUP_THREADS == 0
         for s in kiln.static_range(STAGES):
             full.init(s, count=1, predicate=tid == 0)
-            empty.init(s, count=BM // 64 * CLUSTER_M, predicate=tid == 0)
+            # (with pingpong one consumer reads a stage: the one whose tile it holds)
+            empty.init(s, count=(1 if pingpong else BM // 64) * CLUSTER_M, predicate=tid == 0)
         nvidia_asm.fence_mbarrier_init()
         if CLUSTER_M > 1:
             nvidia_asm.cluster_sync()  # the peer's barriers exist before anything signals them
@@ -277,6 +305,17 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
             first_tile, num_tiles, tile_step = 0, plan[0], 1
         group_m = max(1, GROUP_M // CLUSTER_M)
         stage_bytes = tma.box_bytes(a_map) + chunks * tma.box_bytes(b_map)
+        if config.pdl:  # nothing above touched global memory but the (constant) tensor maps
+            if (tid == 0) & (first_tile < num_tiles):
+                # L2 prefetches of the first unit's first STAGES K steps: the weight stream
+                # starts while the kernel before still runs (they change no visible value)
+                first = work_unit(first_tile, tiles_m, tiles_n, k_tiles, group_m, SPLIT_K, plan)
+                for kt in kiln.range(first[2], kiln.minimum(first[3], first[2] + STAGES)):
+                    tma.prefetch(a_map, (kt * BK, first[0]))
+                    for j in kiln.static_range(chunks):
+                        tma.prefetch(b_map, b_coords(kt * BK, first[1] + b_chunk_rows * j))
+            nvidia_asm.grid_dependency_wait()
+            nvidia_asm.launch_dependents()
         if warp_group == 0:
             nvidia_asm.setmaxnreg(PRODUCER_REGS, increase=False)
             if tid == 0:
@@ -299,18 +338,25 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
             nvidia_asm.setmaxnreg(CONSUMER_REGS, increase=True)
             consumer = warp_group - 1
             a_base = wgmma.smem_descriptor(a_tiles.tile(0), leading_bytes=16, stride_bytes=1024,
-                                           byte_offset=consumer * 64 * ROW_BYTES)
+                                           byte_offset=0 if pingpong else
+                                           consumer * 64 * ROW_BYTES)
             b_base = wgmma.smem_descriptor(b_tiles.tile(0), leading_bytes=b_leading,
                                            stride_bytes=1024)
             a_stage_units = BM * BK * in_type.itemsize // 16  # descriptor address units
             b_stage_units = BN * BK * in_type.itemsize // 16
             use = 0
-            for tile in kiln.range(first_tile, num_tiles, tile_step):
+            own_first, own_step = first_tile, tile_step
+            if pingpong:  # consumer c takes the CTA's tiles c, c + 2, ..; uses k_tiles a tile
+                own_first, own_step = first_tile + consumer * tile_step, 2 * tile_step
+                use = consumer * k_tiles
+            for tile in kiln.range(own_first, num_tiles, own_step):
                 m0, n0, k_first, k_end, piece, mn_tile = work_unit(tile, tiles_m, tiles_n,
                                                                    k_tiles, group_m, SPLIT_K,
                                                                    plan)
                 m0 = m0 + rank * BM
                 acc = wgmma.fragment_zeros(BN)
+                if pingpong:
+                    take_turn(consumer, tile > first_tile)
                 for kt in kiln.range(k_first, k_end):
                     stage = use % STAGES
                     full.try_wait(stage, (use // STAGES) % 2)
@@ -332,6 +378,9 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
                 wgmma.wait_group(0)
                 if first_thread:
                     release(empty, (use + STAGES - 1) % STAGES, 0)
+                if pingpong:
+                    use = use + k_tiles  # the other consumer's tile
+                    pass_turn(consumer, tile + tile_step < num_tiles)
                 if stream_k:
                     streamk.finish(acc, c_map, c_tiles, work, tickets, c_out, owners, consumer,
                                    m0 + consumer * 64, n0, piece, k_first, k_end, k_tiles,
@@ -345,8 +394,9 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
                 else:
                     if SPLIT_K > 1:  # slice s of the partials starts at row s * tiles_m * BM
                         m0 = m0 + piece * tiles_m * BM * CLUSTER_M
-                    store_tile(acc, c_map, c_tiles, consumer, m0 + consumer * 64, n0,
-                                first_thread, BN // epilogue_n, c_tiles_per_round, c_cols)
+                    store_tile(acc, c_map, c_tiles, consumer,
+                               m0 + (0 if pingpong else consumer * 64), n0, first_thread,
+                               BN // epilogue_n, c_tiles_per_round, c_cols)
             if first_thread:
                 tma.wait_group(0, read=True)  # the staging tiles must outlive the last store
         if CLUSTER_M > 1:
@@ -375,6 +425,23 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
 
     gemm.__name__ = gemm.__qualname__ = f"hopper_gemm_{dtype}_{out_dtype}_{b_major}"
     return kiln.kernel(gemm)
+
+
+@kiln.func
+def take_turn(consumer, wait):
+    """Ping-pong: before its main loop, a consumer waits (``wait``: every tile but the CTA's
+    first) until the other has waited on every stage of the tile before; a stage's next use is
+    then at most one barrier phase ahead of the phase its waiter sees."""
+    if (consumer == 1) | wait:
+        nvidia_asm.named_barrier(PINGPONG_BARRIER + consumer, 2 * WARP_GROUP_THREADS)
+
+
+@kiln.func
+def pass_turn(consumer, more):
+    """Ping-pong: after its main loop, a consumer lets the other start its next tile (``more``:
+    the CTA has one), so every wait of :func:`take_turn` meets exactly one arrive."""
+    if more:
+        nvidia_asm.named_barrier_arrive(PINGPONG_BARRIER + 1 - consumer, 2 * WARP_GROUP_THREADS)
 
 
 def kernel_constexprs(cfg: HopperGemmConfig) -> dict:

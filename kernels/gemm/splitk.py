@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import kiln
+from kiln import nvidia_asm
 
 from .. import runtime
 from ..runtime import empty_like, is_torch
@@ -95,7 +96,7 @@ def run_partials(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=Non
                    fill=None if is_torch(c) else np.nan)
     kernel = make_kernel(dtype, "f32", "k" if config.swap_ab else b_major, config)
     options = dict(target=target, num_warps=config.num_warps, **kernel_constexprs(config))
-    reduce = reduce_kernel()
+    reduce = reduce_kernel(config.pdl)
     width = 1 if config.swap_ab else VECTOR
     reduce_args = (w, c, m, n, layout.slice_rows, layout.slices)
     reduce_grid = (-(-m * n // (width * REDUCE_THREADS)), 1, 1)
@@ -130,7 +131,7 @@ def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
     main = runtime.bind(kernel, grid, [x, y, w, pm, pn, k], target=target,
                         num_warps=config.num_warps, **kernel_constexprs(config))
     width = 1 if config.swap_ab else VECTOR
-    reduce = runtime.bind(reduce_kernel(), (-(-m * n // (width * REDUCE_THREADS)), 1, 1),
+    reduce = runtime.bind(reduce_kernel(config.pdl), (-(-m * n // (width * REDUCE_THREADS)), 1, 1),
                           [w, c, m, n, layout.slice_rows, layout.slices], target=target,
                           num_warps=REDUCE_THREADS // 32, SWAP=int(config.swap_ab),
                           WIDTH=width)
@@ -229,14 +230,18 @@ class PairedLaunch:
 
 
 @functools.lru_cache(maxsize=None)
-def reduce_kernel():
+def reduce_kernel(pdl: bool = False):
     """The slice reduction: ``c[i, j] = sum_s w[s * slice_rows + i, j]`` (``SWAP``: of
     ``w[s * slice_rows + j, i]``), f32 in slice order, cast to ``c``'s dtype; ``WIDTH``
-    consecutive columns per thread (1 with ``SWAP``)."""
+    consecutive columns per thread (1 with ``SWAP``); ``pdl``: a programmatic dependent launch
+    (see :class:`.hopper.HopperGemmConfig`)."""
 
     def splitk_reduce(w: kiln.Tensor[kiln.f32, 2], c, m: kiln.i32, n: kiln.i32,
                       slice_rows: kiln.i32, slices: kiln.i32, SWAP: kiln.constexpr,
                       WIDTH: kiln.constexpr):
+        if pdl:
+            nvidia_asm.grid_dependency_wait()
+            nvidia_asm.launch_dependents()
         i = kiln.block_id(0) * REDUCE_THREADS + kiln.thread_id(0)
         if SWAP:  # threads run along w's rows (C's columns) for coalesced reads
             row, col = i % m, i // m

@@ -1,0 +1,108 @@
+"""A/B of grouped (MoE) GEMM configs against the dense GEMM of the same FLOPs, in one run.
+
+For each ``G:K:N`` case (``bench/gemm.py --grouped``'s ragged router sizes, ``TOKENS * TOP_K``
+rows), Kiln's dense GEMM (default 128 x 256 config) on ``[total_M, K] x [K, N]`` and each
+config of :data:`CONFIGS` on the grouped problem (checked against float32 first,
+NaN-poisoned output; the default config is ``grouped_config(G)``), timed with CUDA events
+(median of ``--repeat`` samples of ``--batch`` calls). Prints TFLOP/s and grouped / dense
+per config; ``--precompile I/N`` compiles shard I of N of the kernels into the disk cache
+(run N such processes at once first). Usage::
+
+    python bench/gemm_grouped_ab.py --cases 64:4096:14336 64:4096:4096 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+
+import kiln
+from kiln.autotune import compile_all
+from kiln.kernels.gemm import HopperGemmConfig, run_hopper
+from kiln.kernels.gemm.grouped import grouped_config, grouped_constexprs, make_grouped_kernel
+from kiln.kernels.gemm.grouped_api import run_grouped
+from gemm_ab import short
+from gemm_grouped import TOKENS, TOP_K, _check, moe_sizes
+from timing import time_ms
+
+C = HopperGemmConfig
+# Tile-row groups (group_m) as tall as a big expert's rows: each B column block is read
+# from HBM once per group of row tiles, and an expert of 1438 rows has 23 tiles of 64.
+CONFIGS = (C(block_m=64, block_n=256, stages=4),
+           C(block_m=64, block_n=256, stages=4, group_m=16),
+           C(block_m=64, block_n=256, stages=4, group_m=32),
+           C(block_m=64, block_n=256, stages=4, group_m=16, pingpong=True))
+
+
+def ab_case(groups: int, k: int, n: int, repeat: int, batch: int) -> dict:
+    sizes = moe_sizes(groups, TOKENS * TOP_K)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    total = int(offsets[-1])
+    a = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(groups, k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    offs = torch.from_numpy(offsets).cuda()
+    flops = 2.0 * total * n * k
+    dense_b = b[0].contiguous()
+    dense_c = torch.empty(total, n, device="cuda", dtype=torch.bfloat16)
+    # the dense default config (autotuning in this run would cost it seconds it lacks)
+    dense_ms = time_ms(lambda: run_hopper(a, dense_b, dense_c, total, n, k, dtype="bf16",
+                                          b_major="mn", target="sm_90a",
+                                          config=HopperGemmConfig()), repeat, batch)
+    print(f"G={groups} K={k} N={n} sizes {sizes.min()}..{sizes.max()}: dense "
+          f"{flops / dense_ms / 1e9:.1f} TFLOP/s; default {short(grouped_config(groups))}",
+          flush=True)
+    b_view = b.reshape(groups * k, n)
+    rows = []
+    for config in CONFIGS:
+        c = torch.full((total, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        run = lambda: run_grouped(a, b_view, c, offs, k=k, b_rows=k,  # noqa: E731
+                                  trans_b=False, config=config)
+        run()
+        deviation = _check(torch, c, a, b, offsets)
+        ms = time_ms(run, repeat, batch)
+        rows.append({"config": short(config), "ms": ms, "deviation": deviation,
+                     "vs_dense": dense_ms / ms})
+        print(f"  {flops / ms / 1e9:7.1f} TFLOP/s  vs dense {dense_ms / ms:.3f}  "
+              f"{short(config)}", flush=True)
+    return {"groups": groups, "k": k, "n": n, "dense_ms": dense_ms, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["64:4096:14336", "64:4096:4096"],
+                        help="G:K:N")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=3)
+    parser.add_argument("--precompile", metavar="I/N")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    cases = [tuple(map(int, case.split(":"))) for case in args.cases]
+    kernels = [(groups, cfg) for groups in sorted({g for g, _, _ in cases}) for cfg in CONFIGS]
+    if args.precompile:
+        shard, shards = map(int, args.precompile.split("/"))
+        kernels = kernels[shard::shards]
+    compile_all(_compile, kernels)  # every config's kernel at once
+    if args.precompile:
+        return
+    results = []
+    for groups, k, n in cases:
+        results.append(ab_case(groups, k, n, args.repeat, args.batch))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "cases": results}, f)
+
+
+def _compile(kernel) -> None:
+    groups, cfg = kernel
+    placeholder = np.empty((1, 1), kiln.bf16.numpy)
+    make_grouped_kernel("bf16", "bf16", "mn", cfg).compile(
+        placeholder, placeholder, placeholder, placeholder, np.zeros(groups + 1, np.int32),
+        groups, 1, 1, 1, 1, target="sm_90a", num_warps=cfg.num_warps,
+        **grouped_constexprs(cfg, groups))
+
+
+if __name__ == "__main__":
+    main()
