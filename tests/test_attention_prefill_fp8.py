@@ -216,10 +216,13 @@ def test_ptx_has_the_fp8_pipeline(fp8_causal_d128):
                     r"\{[^}]*\}, \{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+, p, 1, 1;", ptx)
     assert len(qk) == 3 * 4 and len(pv) == 2 * 4
     assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 2 * 32  # 64 P values per row pair
-    # The producer transposes V: four 4-byte shared loads, eight byte permutes, four 4-byte
-    # stores per 4 x 4 block (in a loop), then its fence.
+    # The producer transposes V: per 16 keys x 32 columns one ldmatrix.x4, four byte
+    # permutes and one transposing stmatrix.x4 (8 of each for 128 keys, unrolled), then its
+    # fence.
     assert "fence.proxy.async.shared::cta" in ptx
-    assert len(re.findall(r"ld\.shared\.[ub]32", ptx)) == 4 and ptx.count("prmt.b32") == 8
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 8
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 8
+    assert ptx.count("prmt.b32") == 8 * 4
     assert "setmaxnreg.dec.sync.aligned.u32 40" in ptx
     assert "setmaxnreg.inc.sync.aligned.u32 232" in ptx
     assert "ex2.approx.ftz.f32" in ptx

@@ -62,7 +62,8 @@ class HopperFp8PrefillConfig(HeadDimTiles):
     three groups share the 3 x 168 registers a thread of the 384-thread launch gets, and
     ``setmaxnreg.inc`` waits forever for registers the CTA was never given);
     ``lazy_rescale`` / ``exp_before_max`` as in :class:`~.prefill_config.HopperPrefillConfig`
-    (P stays below ``2**8``, inside e4m3's 448)."""
+    (P stays below ``2**8``, inside e4m3's 448); ``ldsm_transpose``: V's transpose by
+    ``ldmatrix`` / ``stmatrix`` (False: 4-byte shared loads and stores, 5x the instructions)."""
 
     tile_width = staticmethod(fp8_tile_width)  # 128-column (128-byte) boxes
     k_step = FP8_K_STEP
@@ -76,6 +77,7 @@ class HopperFp8PrefillConfig(HeadDimTiles):
     q_tiles_first: bool | None = None
     lazy_rescale: bool = True
     exp_before_max: bool = True
+    ldsm_transpose: bool = True
 
     block_m = 128  # two consumer warp groups of 64 rows
     block_n = FP8_BLOCK_N
@@ -85,9 +87,9 @@ class HopperFp8PrefillConfig(HeadDimTiles):
         check_fp8_head_dim("head_dim", self.head_dim)
         if self.head_dim_v is not None:
             check_fp8_head_dim("head_dim_v", self.head_dim_v)
-        if not 1 <= self.stages <= 4 or not 1 <= self.raw_stages <= 2:
+        if not 1 <= self.stages <= 4 or not 1 <= self.raw_stages <= 4:
             raise kiln.KilnValueError(f"stages={self.stages} / raw_stages={self.raw_stages} "
-                                      "must be in 1..4 / 1..2", fix="use 2 and 2")
+                                      "must be in 1..4", fix="use 2 and 2")
         if self.exp_before_max and not self.lazy_rescale:
             raise kiln.KilnValueError("exp_before_max needs lazy_rescale",
                                       fix="set lazy_rescale=True")
