@@ -189,6 +189,45 @@ def test_mixed_fp8_and_bf16_inputs_are_refused():
         prefill(q, q, q.astype(ml_dtypes.bfloat16), backend="interpret", target="sm_90a")
 
 
+def _transpose_kernel(v_width, keys=128):
+    """V ``[keys, v_width]`` (int8 stand-ins for e4m3 bytes) into a raw ring as TMA's 128-byte
+    swizzle lays it out, :func:`_transpose_v` by one warp group, ``Vt`` read back unswizzled."""
+    from kiln.kernels.attention import prefill_hopper_fp8 as fp8
+
+    boxes = v_width // 128
+
+    @kiln.kernel(num_threads=128)
+    def transpose(v: kiln.Tensor[kiln.i8, 2], vt: kiln.Tensor[kiln.i8, 2]):
+        raw = kiln.dynamic_shared((boxes, keys, 128), kiln.f8e4m3, align=1024)
+        out = kiln.dynamic_shared((1, v_width, keys), kiln.f8e4m3, align=1024)
+        raw_bytes = raw.reinterpret((boxes, keys, 128), kiln.i8)
+        out_bytes = out.reinterpret((1, v_width, 128), kiln.i8)
+        tid = kiln.thread_id(0)
+        for b in kiln.static_range(boxes):
+            for key in kiln.range(keys):
+                raw_bytes.store(b, key, ((tid // 16) ^ (key % 8)) * 16 + tid % 16,
+                                v[key, b * 128 + tid])
+        kiln.barrier()
+        fp8._transpose_v(fp8._flat_b16(raw, boxes * keys * 128),
+                         fp8._flat_b16(out, v_width * 128), 0, 0, tid, v_width, keys)
+        kiln.barrier()
+        for d in kiln.range(v_width):
+            vt[d, tid] = out_bytes.load(0, d, ((tid // 16) ^ (d % 8)) * 16 + tid % 16)
+
+    return transpose
+
+
+@pytest.mark.parametrize("v_width", [128, 256])
+def test_v_transpose_writes_keys_in_the_fp8_a_order(v_width, rng):
+    """Vt row d holds V's column d with each 32 keys in ``wgmma.FP8_A_K_ORDER`` (the order of
+    P's e4m3 registers), whichever warp and unit moved them."""
+    v = rng.integers(-128, 128, (128, v_width)).astype(np.int8)
+    vt = np.full((v_width, 128), 77, np.int8)  # poisoned
+    _transpose_kernel(v_width).interpret[1](v, vt, target="sm_90a")
+    order = [32 * (k // 32) + kiln.wgmma.FP8_A_K_ORDER[k % 32] for k in range(128)]
+    np.testing.assert_array_equal(vt, v[order].T)
+
+
 def test_config_picks_raw_stages_that_fit():
     assert HopperFp8PrefillConfig.for_head_dim(128).raw_stages == 2
     assert HopperFp8PrefillConfig.for_head_dim(256).raw_stages == 1
