@@ -43,6 +43,7 @@ VARIANTS = {
     "s3r3": dict(stages=3, raw_stages=3),
     "s4r2": dict(stages=4, raw_stages=2),
     "s2r3": dict(stages=2, raw_stages=3),
+    "s4r4": dict(stages=4, raw_stages=4),
     "p56": dict(producer_registers=56, consumer_registers=224),
     "nomax": dict(exp_before_max=False),
 }
