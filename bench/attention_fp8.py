@@ -45,6 +45,8 @@ VARIANTS = {
     "s2r3": dict(stages=2, raw_stages=3),
     "s4r4": dict(stages=4, raw_stages=4),
     "p56": dict(producer_registers=56, consumer_registers=224),
+    "b4": dict(producer_registers=56, consumer_registers=224, transpose_batch=4),
+    "b8": dict(producer_registers=56, consumer_registers=224, transpose_batch=8),
     "nomax": dict(exp_before_max=False),
     "e8": dict(emulated_exp2=8),  # 8 of every 64 softmax exp2 on the FMA pipe
     "e16": dict(emulated_exp2=16),

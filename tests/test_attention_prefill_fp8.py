@@ -189,7 +189,7 @@ def test_mixed_fp8_and_bf16_inputs_are_refused():
         prefill(q, q, q.astype(ml_dtypes.bfloat16), backend="interpret", target="sm_90a")
 
 
-def _transpose_kernel(v_width, keys=128):
+def _transpose_kernel(v_width, batch, keys=128):
     """V ``[keys, v_width]`` (int8 stand-ins for e4m3 bytes) into a raw ring as TMA's 128-byte
     swizzle lays it out, :func:`_transpose_v` by one warp group, ``Vt`` read back unswizzled."""
     from kiln.kernels.attention import prefill_hopper_fp8 as fp8
@@ -209,7 +209,7 @@ def _transpose_kernel(v_width, keys=128):
                                 v[key, b * 128 + tid])
         kiln.barrier()
         fp8._transpose_v(fp8._flat_b16(raw, boxes * keys * 128),
-                         fp8._flat_b16(out, v_width * 128), 0, 0, tid, v_width, keys)
+                         fp8._flat_b16(out, v_width * 128), 0, 0, tid, v_width, keys, batch)
         kiln.barrier()
         for d in kiln.range(v_width):
             vt[d, tid] = out_bytes.load(0, d, ((tid // 16) ^ (d % 8)) * 16 + tid % 16)
@@ -217,13 +217,13 @@ def _transpose_kernel(v_width, keys=128):
     return transpose
 
 
-@pytest.mark.parametrize("v_width", [128, 256])
-def test_v_transpose_writes_keys_in_the_fp8_a_order(v_width, rng):
+@pytest.mark.parametrize("v_width,batch", [(128, 1), (256, 1), (128, 4), (256, 8)])
+def test_v_transpose_writes_keys_in_the_fp8_a_order(v_width, batch, rng):
     """Vt row d holds V's column d with each 32 keys in ``wgmma.FP8_A_K_ORDER`` (the order of
     P's e4m3 registers), whichever warp and unit moved them."""
     v = rng.integers(-128, 128, (128, v_width)).astype(np.int8)
     vt = np.full((v_width, 128), 77, np.int8)  # poisoned
-    _transpose_kernel(v_width).interpret[1](v, vt, target="sm_90a")
+    _transpose_kernel(v_width, batch).interpret[1](v, vt, target="sm_90a")
     order = [32 * (k // 32) + kiln.wgmma.FP8_A_K_ORDER[k % 32] for k in range(128)]
     np.testing.assert_array_equal(vt, v[order].T)
 

@@ -160,7 +160,7 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
                     vt_empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
                     if config.ldsm_transpose:
                         _transpose_v(raw_flat, vt_flat, raw * v_chunks, stage, tid,
-                                     config.v_width, bn)
+                                     config.v_width, bn, config.transpose_batch)
                     else:
                         _transpose_v_words(raw_bytes, vt_bytes, raw * v_chunks, stage, tid,
                                            config.v_width)
@@ -346,7 +346,7 @@ def _issue_pv(ops: _Fp8Operands, acc, probs, stage):
 
 
 @kiln.func
-def _transpose_v(raw_flat, vt_flat, raw_box, stage, tid, v_width, block_n):
+def _transpose_v(raw_flat, vt_flat, raw_box, stage, tid, v_width, block_n, batch=1):
     """``Vt[stage][d, k] = V[key(k), d]`` for one ``block_n``-key tile, by the producer's four
     warps, 512 bytes per warp instruction pair (``ldmatrix.x4`` in, ``stmatrix.x4.trans`` out).
 
@@ -361,7 +361,8 @@ def _transpose_v(raw_flat, vt_flat, raw_box, stage, tid, v_width, block_n):
     store writes each block's column ``d`` as a row of ``Vt``: the pairs of keys in logical
     order. Warp ``w`` takes column chunks ``2w, 2w+1`` (+8 per further 128 columns) and walks
     the key groups, so every address is a lane constant plus an immediate (the ``Vt`` swizzle:
-    one XOR)."""
+    one XOR). ``batch`` units' loads are issued before their stores (ptxas keeps a load
+    behind an earlier store, so one at a time each waits out the load's latency)."""
     warp, lane = tid // 32, tid % 32
     block, i = lane // 8, lane % 8  # the block and row this lane addresses
     high = block % 2  # block B
@@ -372,10 +373,13 @@ def _transpose_v(raw_flat, vt_flat, raw_box, stage, tid, v_width, block_n):
     d = 32 * warp + 16 * (block // 2) + 4 * (i // 2) + i % 2 + 2 * high
     store_base = stage * (v_width * half) + d * half + (d % 8) * 8
     odd = (lane // 4) % 2 == 1  # this lane's pair i is odd: its low key sits in block B
-    for q in range(v_width // FP8_CHUNK_COLS):
-        for group in range(block_n // 16):
-            words = _words(kiln.ldmatrix.ldmatrix(
-                raw_flat, None, _X4, offset=load_base + q * (block_n * half) + group * 16 * half))
+    units = [(q, group) for q in range(v_width // FP8_CHUNK_COLS)
+             for group in range(block_n // 16)]
+    for first in range(0, len(units), batch):  # loads first: no load waits behind a store
+        loaded = [_words(kiln.ldmatrix.ldmatrix(
+            raw_flat, None, _X4, offset=load_base + q * (block_n * half) + group * 16 * half))
+            for q, group in units[first:first + batch]]
+        for (q, group), words in zip(units[first:first + batch], loaded):
             out = []
             for c in (0, 2):  # the two column chunks
                 lo = kiln.where(odd, words[c + 1], words[c])
@@ -384,7 +388,6 @@ def _transpose_v(raw_flat, vt_flat, raw_box, stage, tid, v_width, block_n):
                         for order in ((0, 4, 1, 5), (2, 6, 3, 7))]
             kiln.ldmatrix.stmatrix(vt_flat, None, _X4, _halves(out), trans=True,
                                    offset=(store_base ^ (8 * group)) + q * FP8_CHUNK_COLS * half)
-
 
 WORDS = ROW_BYTES // 4
 KEY_SLOTS = (0, 1, 8, 9)

@@ -65,7 +65,8 @@ class HopperFp8PrefillConfig(HeadDimTiles):
     (P stays below ``2**8``, inside e4m3's 448); ``ldsm_transpose``: V's transpose by
     ``ldmatrix`` / ``stmatrix`` (False: 4-byte shared loads and stores, 5x the instructions);
     ``emulated_exp2``: how many of every 64 softmax exponentials run on the FMA pipe instead
-    of the MUFU (:mod:`.exp2_fma`; 0, 4, 8, 16 or 32)."""
+    of the MUFU (:mod:`.exp2_fma`; 0, 4, 8, 16 or 32); ``transpose_batch``: units of V's
+    transpose whose loads issue before their stores (4 registers each)."""
 
     tile_width = staticmethod(fp8_tile_width)  # 128-column (128-byte) boxes
     k_step = FP8_K_STEP
@@ -81,6 +82,7 @@ class HopperFp8PrefillConfig(HeadDimTiles):
     exp_before_max: bool = True
     ldsm_transpose: bool = True
     emulated_exp2: int = 0
+    transpose_batch: int = 1
 
     block_m = 128  # two consumer warp groups of 64 rows
     block_n = FP8_BLOCK_N
@@ -93,6 +95,9 @@ class HopperFp8PrefillConfig(HeadDimTiles):
         if not 1 <= self.stages <= 4 or not 1 <= self.raw_stages <= 4:
             raise kiln.KilnValueError(f"stages={self.stages} / raw_stages={self.raw_stages} "
                                       "must be in 1..4", fix="use 2 and 2")
+        if not 1 <= self.transpose_batch <= 8:
+            raise kiln.KilnValueError(f"transpose_batch={self.transpose_batch!r} must be in "
+                                      "1..8", fix="use 1, or 8 with 56 producer registers")
         if self.emulated_exp2 not in (0, 4, 8, 16, 32):
             raise kiln.KilnValueError(f"emulated_exp2={self.emulated_exp2!r} must be one of "
                                       "0, 4, 8, 16, 32", fix="use 0 (every exp2 on the MUFU)")
