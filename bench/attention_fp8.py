@@ -50,6 +50,10 @@ VARIANTS = {
     "nomax": dict(exp_before_max=False),
     "e8": dict(emulated_exp2=8),  # 8 of every 64 softmax exp2 on the FMA pipe
     "e16": dict(emulated_exp2=16),
+    "bn160": dict(block_n=160),
+    "bn192": dict(block_n=192),
+    "bn192b4": dict(block_n=192, transpose_batch=4),
+    "bn192e8": dict(block_n=192, emulated_exp2=8),
 }
 
 

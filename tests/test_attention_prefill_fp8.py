@@ -13,8 +13,10 @@ Two kinds of inputs:
   smallest normal ``2**-6``), O to bf16.
 """
 
+import dataclasses
 import math
 import re
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -191,17 +193,20 @@ def test_mixed_fp8_and_bf16_inputs_are_refused():
 
 def _transpose_kernel(v_width, batch, keys=128):
     """V ``[keys, v_width]`` (int8 stand-ins for e4m3 bytes) into a raw ring as TMA's 128-byte
-    swizzle lays it out, :func:`_transpose_v` by one warp group, ``Vt`` read back unswizzled."""
+    swizzle lays it out, :func:`_transpose_v` by one warp group, ``Vt`` (one ``[v_width, 128]``
+    box per 128 keys) read back unswizzled."""
     from kiln.kernels.attention import prefill_hopper_fp8 as fp8
 
     boxes = v_width // 128
 
+    key_boxes = -(-keys // 128)
+
     @kiln.kernel(num_threads=128)
     def transpose(v: kiln.Tensor[kiln.i8, 2], vt: kiln.Tensor[kiln.i8, 2]):
         raw = kiln.dynamic_shared((boxes, keys, 128), kiln.f8e4m3, align=1024)
-        out = kiln.dynamic_shared((1, v_width, keys), kiln.f8e4m3, align=1024)
+        out = kiln.dynamic_shared((key_boxes * v_width, 128), kiln.f8e4m3, align=1024)
         raw_bytes = raw.reinterpret((boxes, keys, 128), kiln.i8)
-        out_bytes = out.reinterpret((1, v_width, 128), kiln.i8)
+        out_bytes = out.reinterpret((key_boxes * v_width, 128), kiln.i8)
         tid = kiln.thread_id(0)
         for b in kiln.static_range(boxes):
             for key in kiln.range(keys):
@@ -209,23 +214,46 @@ def _transpose_kernel(v_width, batch, keys=128):
                                 v[key, b * 128 + tid])
         kiln.barrier()
         fp8._transpose_v(fp8._flat_b16(raw, boxes * keys * 128),
-                         fp8._flat_b16(out, v_width * 128), 0, 0, tid, v_width, keys, batch)
+                         fp8._flat_b16(out, key_boxes * v_width * 128), 0, 0, tid, v_width, keys,
+                         batch)
         kiln.barrier()
-        for d in kiln.range(v_width):
-            vt[d, tid] = out_bytes.load(0, d, ((tid // 16) ^ (d % 8)) * 16 + tid % 16)
+        for d in kiln.range(key_boxes * v_width):
+            vt[d, tid] = out_bytes.load(d, ((tid // 16) ^ (d % 8)) * 16 + tid % 16)
 
     return transpose
 
 
-@pytest.mark.parametrize("v_width,batch", [(128, 1), (256, 1), (128, 4), (256, 8)])
-def test_v_transpose_writes_keys_in_the_fp8_a_order(v_width, batch, rng):
+@pytest.mark.parametrize("v_width,batch,keys", [(128, 1, 128), (256, 1, 128), (128, 4, 128),
+                                                 (256, 8, 128), (128, 4, 192), (256, 1, 160)])
+def test_v_transpose_writes_keys_in_the_fp8_a_order(v_width, batch, keys, rng):
     """Vt row d holds V's column d with each 32 keys in ``wgmma.FP8_A_K_ORDER`` (the order of
-    P's e4m3 registers), whichever warp and unit moved them."""
-    v = rng.integers(-128, 128, (128, v_width)).astype(np.int8)
-    vt = np.full((v_width, 128), 77, np.int8)  # poisoned
-    _transpose_kernel(v_width, batch).interpret[1](v, vt, target="sm_90a")
-    order = [32 * (k // 32) + kiln.wgmma.FP8_A_K_ORDER[k % 32] for k in range(128)]
-    np.testing.assert_array_equal(vt, v[order].T)
+    P's e4m3 registers), keys past 128 in a second 128-byte box, whichever warp and unit moved
+    them."""
+    v = rng.integers(-128, 128, (keys, v_width)).astype(np.int8)
+    boxes = -(-keys // 128)
+    vt = np.full((boxes * v_width, 128), 77, np.int8)  # poisoned
+    _transpose_kernel(v_width, batch, keys).interpret[1](v, vt, target="sm_90a")
+    order = [32 * (k // 32) + kiln.wgmma.FP8_A_K_ORDER[k % 32] for k in range(keys)]
+    for b in range(boxes):
+        got = vt[b * v_width:(b + 1) * v_width, :min(128, keys - 128 * b)]
+        np.testing.assert_array_equal(got, v[order[128 * b:128 * (b + 1)]].T)
+
+
+@pytest.mark.parametrize("block_n", [160, 192])
+def test_wider_key_tiles_match_the_reference(block_n, rng):
+    """Key tiles past one 128-byte V^T row (a second box along the keys, 5 or 6 k32 steps of
+    ``P V``), causal and GQA: still exact."""
+    default = HopperFp8PrefillConfig.for_head_dim
+
+    def config(*dims):
+        return dataclasses.replace(default(*dims), block_n=block_n)
+
+    (q8, k8, v8), descales, _, _ = exact_problem(rng, batch=2, sq=130, sk=500, hq=2, hkv=1,
+                                                 d=128)
+    with mock.patch.object(HopperFp8PrefillConfig, "for_head_dim", config):
+        o, lse = prefill(q8, k8, v8, scale=LN2, return_lse=True, causal=True,
+                         backend="interpret", target="sm_90a", **descales)
+    _check_exact(o, lse, q8, k8, v8, descales, causal=True)
 
 
 def test_config_picks_raw_stages_that_fit():
@@ -236,6 +264,8 @@ def test_config_picks_raw_stages_that_fit():
     # 2 x 240 + 32 > 3 x 168: the consumers' setmaxnreg.inc would hang on the GPU.
     with pytest.raises(kiln.ResourceError, match="setmaxnreg.inc would wait forever"):
         HopperFp8PrefillConfig(producer_registers=32, consumer_registers=240)
+    with pytest.raises(kiln.UnsupportedError, match="block_n=144"):
+        HopperFp8PrefillConfig(block_n=144)
 
 
 @pytest.fixture(scope="module")

@@ -39,8 +39,8 @@ from .prefill_hopper import (DESCRIPTOR_UNIT, LOG2E, MAX_SENTINEL, PINGPONG_BARR
                              ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN, VOTE_BARRIER,
                              _issue_qk, _key_bounds, _Operands, _remapped_head, _softmax_tile,
                              _softmax_tile_max_on_demand, _TileMask, _write_output)
-from .prefill_hopper_fp8_config import (FP8_BLOCK_N, FP8_CHUNK_COLS, FP8_K_STEP,
-                                        HopperFp8PrefillConfig)
+from .prefill_hopper_fp8_config import (FP8_CHUNK_COLS, FP8_K_STEP, HopperFp8PrefillConfig,
+                                        vt_boxes)
 from .softcap import soft_cap_constants
 
 __all__ = ["make_fp8_kernel", "HopperFp8PrefillConfig"]
@@ -83,7 +83,8 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
         q_tiles = o_tiles.reinterpret((chunks, bm, FP8_CHUNK_COLS), in_type)
         k_tiles = dynamic_shared((STAGES * chunks, bn, FP8_CHUNK_COLS), in_type,
                                  align=SWIZZLE_ALIGN)
-        vt_tiles = dynamic_shared((STAGES, config.v_width, bn), in_type, align=SWIZZLE_ALIGN)
+        vt_tiles = dynamic_shared((STAGES * vt_boxes(bn), config.v_width, FP8_CHUNK_COLS),
+                                  in_type, align=SWIZZLE_ALIGN)
         raw_tiles = dynamic_shared((RAW_STAGES * v_chunks, bn, FP8_CHUNK_COLS), in_type,
                                    align=SWIZZLE_ALIGN)
         q_boxes, k_boxes = (_box_view(t, config.padded_qk) for t in (q_tiles, k_tiles))
@@ -144,9 +145,10 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
                                                                  end_tile)):
                         loads.v(j, RAW_STAGES)
                 raw_bytes = raw_tiles.reinterpret((RAW_STAGES * v_chunks, bn, ROW_BYTES), kiln.i8)
-                vt_bytes = vt_tiles.reinterpret((STAGES, config.v_width, ROW_BYTES), kiln.i8)
+                vt_bytes = vt_tiles.reinterpret((STAGES * vt_boxes(bn), config.v_width, ROW_BYTES),
+                                                kiln.i8)
                 raw_flat = _flat_b16(raw_tiles, RAW_STAGES * v_chunks * bn * ROW_BYTES)
-                vt_flat = _flat_b16(vt_tiles, STAGES * config.v_width * ROW_BYTES)
+                vt_flat = _flat_b16(vt_tiles, STAGES * vt_boxes(bn) * config.v_width * ROW_BYTES)
                 for j in kiln.range(first_tile, end_tile):
                     use = j - first_tile
                     if tid == 0:  # the next K tile, and the V tile raw_stages - 1 ahead
@@ -288,7 +290,7 @@ class _Loads:
         for c in kiln.static_range(self.chunks):
             tma.load(self.k_map, self.k_boxes.tile(stage * self.chunks + c),
                      _box_coords(self.config.padded_qk, self.kv_head, self.config.head_dim, c,
-                                 self.k_start + j * FP8_BLOCK_N), self.k_full, stage)
+                                 self.k_start + j * self.config.block_n), self.k_full, stage)
 
     def v(self, j, raw_stages):
         use = j - self.first_tile
@@ -298,7 +300,7 @@ class _Loads:
         for c in kiln.static_range(self.v_chunks):
             tma.load(self.v_map, self.raw_boxes.tile(raw * self.v_chunks + c),
                      _box_coords(self.config.padded_v, self.kv_head, self.config.dv, c,
-                                 self.k_start + j * FP8_BLOCK_N), self.v_full, raw)
+                                 self.k_start + j * self.config.block_n), self.v_full, raw)
 
 
 class _Fp8Operands(_Operands):
@@ -334,12 +336,13 @@ def _box_coords(padded, head, d, chunk, row):
 def _issue_pv(ops: _Fp8Operands, acc, probs, stage):
     """Issue ``O += P V`` on V^T stage ``stage`` as one WGMMA group: P's e4m3 A operands
     (one per 32 keys) from registers, V^T K-major (each k32 step moves 32 bytes along its
-    128-byte rows of keys)."""
-    base = ops.v + kiln.cast(stage * ops.config.v_width * ROW_BYTES // DESCRIPTOR_UNIT,
-                             kiln.i64)
+    128-byte rows of keys, every 4 steps the next 128-key box)."""
+    box = ops.config.v_width * ROW_BYTES // DESCRIPTOR_UNIT
+    base = ops.v + kiln.cast(stage * vt_boxes(ops.block_n) * box, kiln.i64)
     wgmma.fence()  # orders O's rescale and P's registers before the asynchronous reads
-    for ks in range(FP8_BLOCK_N // FP8_K_STEP):
-        acc = wgmma.mma_async(acc, probs.fragment(0, ks), base + ks * FP8_K_STEP // 16,
+    for ks in range(ops.block_n // FP8_K_STEP):
+        acc = wgmma.mma_async(acc, probs.fragment(0, ks),
+                              base + (ks // 4) * box + (ks % 4) * FP8_K_STEP // 16,
                               dtype=ops.dtype)
     wgmma.commit()
     return acc
@@ -371,7 +374,7 @@ def _transpose_v(raw_flat, vt_flat, raw_box, stage, tid, v_width, block_n, batch
     half = ROW_BYTES // 2  # b16 elements per 128-byte row
     load_base = raw_box * (block_n * half) + key * half + (chunk ^ (i ^ high)) * 8
     d = 32 * warp + 16 * (block // 2) + 4 * (i // 2) + i % 2 + 2 * high
-    store_base = stage * (v_width * half) + d * half + (d % 8) * 8
+    store_base = stage * (vt_boxes(block_n) * v_width * half) + d * half + (d % 8) * 8
     odd = (lane // 4) % 2 == 1  # this lane's pair i is odd: its low key sits in block B
     units = [(q, group) for q in range(v_width // FP8_CHUNK_COLS)
              for group in range(block_n // 16)]
@@ -387,7 +390,8 @@ def _transpose_v(raw_flat, vt_flat, raw_box, stage, tid, v_width, block_n, batch
                 out += [_shuffle(_bytes(lo), _bytes(hi), order)
                         for order in ((0, 4, 1, 5), (2, 6, 3, 7))]
             kiln.ldmatrix.stmatrix(vt_flat, None, _X4, _halves(out), trans=True,
-                                   offset=(store_base ^ (8 * group)) + q * FP8_CHUNK_COLS * half)
+                                   offset=(store_base ^ (8 * (group % 8))) + q * FP8_CHUNK_COLS
+                                   * half + group // 8 * (v_width * half))
 
 WORDS = ROW_BYTES // 4
 KEY_SLOTS = (0, 1, 8, 9)

@@ -4,8 +4,8 @@ FP8 rows are one byte per element, so one 128-byte swizzled TMA box holds 128 he
 columns (the bf16 kernel's boxes hold 64) and one ``wgmma.m64nNk32`` step reads 32 of them.
 Q/K and V run at the next multiple of 128 columns (``qk_width``, ``v_width``); head dims that
 are not one are read through the 3-D ``[rows, heads, D]`` TMA view whose columns past ``D``
-land as zeros, as in :mod:`.prefill_config`. ``block_n`` is 128: V's transpose ``Vt[d, key]``
-is one 128-byte swizzled row of keys per head-dim column.
+land as zeros, as in :mod:`.prefill_config`. V's transpose ``Vt[d, key]`` holds 128 keys per
+128-byte swizzled row (``block_n`` past 128: a second box of rows for the keys past 128).
 
 Shared memory: the Q tile (which also stages the bf16 O), ``stages`` K tiles and V^T tiles
 (read by the WGMMAs), and ``raw_stages`` V tiles as TMA lands them (read by the transposing
@@ -45,12 +45,20 @@ def fp8_tile_width(d: int) -> int:
     return -(-d // FP8_CHUNK_COLS) * FP8_CHUNK_COLS
 
 
-def fp8_shared_bytes(head_dim: int, dv: int, stages: int, raw_stages: int) -> int:
+def vt_boxes(block_n: int) -> int:
+    """128-key (128-byte) boxes of one V^T tile: its rows hold ``block_n`` keys."""
+    return -(-block_n // FP8_CHUNK_COLS)
+
+
+def fp8_shared_bytes(head_dim: int, dv: int, stages: int, raw_stages: int,
+                     block_n: int = FP8_BLOCK_N) -> int:
     """Dynamic shared memory of the FP8 kernel: the Q tile (which later stages the bf16 O
-    rows, so the larger of the two), ``stages`` K and V^T tiles, ``raw_stages`` V tiles."""
+    rows, so the larger of the two), ``stages`` K and V^T tiles (whole 128-key boxes),
+    ``raw_stages`` V tiles."""
     qk, v = fp8_tile_width(head_dim), fp8_tile_width(dv)
     q_region = HopperFp8PrefillConfig.block_m * max(qk, v * OUT_ITEMSIZE)
-    return q_region + FP8_BLOCK_N * (stages * (qk + v) + raw_stages * v)
+    vt = vt_boxes(block_n) * FP8_CHUNK_COLS * v
+    return q_region + stages * (block_n * qk + vt) + raw_stages * block_n * v
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,9 @@ class HopperFp8PrefillConfig(HeadDimTiles):
     ``ldmatrix`` / ``stmatrix`` (False: 4-byte shared loads and stores, 5x the instructions);
     ``emulated_exp2``: how many of every 64 softmax exponentials run on the FMA pipe instead
     of the MUFU (:mod:`.exp2_fma`; 0, 4, 8, 16 or 32); ``transpose_batch``: units of V's
-    transpose whose loads issue before their stores (4 registers each)."""
+    transpose whose loads issue before their stores (4 registers each); ``block_n``: keys per
+    tile, a multiple of 32 in 128..256 (past 128, V^T takes a second 128-byte box along the
+    keys; 224 and 256 spill)."""
 
     tile_width = staticmethod(fp8_tile_width)  # 128-column (128-byte) boxes
     k_step = FP8_K_STEP
@@ -83,9 +93,9 @@ class HopperFp8PrefillConfig(HeadDimTiles):
     ldsm_transpose: bool = True
     emulated_exp2: int = 0
     transpose_batch: int = 1
+    block_n: int = FP8_BLOCK_N
 
     block_m = 128  # two consumer warp groups of 64 rows
-    block_n = FP8_BLOCK_N
     num_warps = 12
 
     def __post_init__(self):
@@ -95,6 +105,12 @@ class HopperFp8PrefillConfig(HeadDimTiles):
         if not 1 <= self.stages <= 4 or not 1 <= self.raw_stages <= 4:
             raise kiln.KilnValueError(f"stages={self.stages} / raw_stages={self.raw_stages} "
                                       "must be in 1..4", fix="use 2 and 2")
+        if self.block_n % FP8_K_STEP or not FP8_BLOCK_N <= self.block_n <= 256:
+            raise kiln.UnsupportedError(f"block_n={self.block_n!r} is not supported by the FP8 "
+                                        "prefill kernel", fix="use a multiple of 32 in 128..256")
+        if not self.ldsm_transpose and self.block_n != FP8_BLOCK_N:
+            raise kiln.UnsupportedError("the 4-byte V transpose moves 128-key tiles only",
+                                        fix="keep ldsm_transpose=True, or block_n=128")
         if not 1 <= self.transpose_batch <= 8:
             raise kiln.KilnValueError(f"transpose_batch={self.transpose_batch!r} must be in "
                                       "1..8", fix="use 1, or 8 with 56 producer registers")
@@ -116,7 +132,8 @@ class HopperFp8PrefillConfig(HeadDimTiles):
                                          f"<= {3 * LAUNCH_REGISTERS}")
 
     def shared_bytes(self) -> int:
-        return fp8_shared_bytes(self.head_dim, self.dv, self.stages, self.raw_stages)
+        return fp8_shared_bytes(self.head_dim, self.dv, self.stages, self.raw_stages,
+                                self.block_n)
 
     def grid_q_tiles_first(self, mask) -> bool:
         return (not mask.causal) if self.q_tiles_first is None else self.q_tiles_first
