@@ -319,6 +319,35 @@ GPU_CASES = {
 }
 
 
+GPU_VARIANTS = {"block_n192": dict(block_n=192), "emulated8": dict(emulated_exp2=8),
+                "stages4": dict(stages=4, raw_stages=2),
+                "block_n192_emulated8": dict(block_n=192, emulated_exp2=8)}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("overrides", GPU_VARIANTS.values(), ids=GPU_VARIANTS.keys())
+def test_config_variants_exact_on_gpu(overrides, rng):
+    """The tile and pipeline options the benchmark compares, on the causal GQA case."""
+    import torch
+
+    default = HopperFp8PrefillConfig.for_head_dim
+
+    def config(*dims):
+        return dataclasses.replace(default(*dims), **overrides)
+
+    (q8, k8, v8), descales, _, _ = exact_problem(rng, batch=2, sq=1000, sk=1000, hq=4, hkv=2,
+                                                 d=128)
+    dev = [torch.from_numpy(x.view(np.uint8)).cuda().view(torch.float8_e4m3fn)
+           for x in (q8, k8, v8)]
+    poison_cuda_pool(torch, 4 * q8.nbytes)
+    with mock.patch.object(HopperFp8PrefillConfig, "for_head_dim", config):
+        o, lse = prefill(*dev, scale=LN2, return_lse=True, causal=True,
+                         **{n: torch.from_numpy(x).cuda() for n, x in descales.items()})
+    _check_exact(o.float().cpu().numpy().astype(ml_dtypes.bfloat16), lse.cpu().numpy(),
+                 q8, k8, v8, descales, hardware=True, causal=True)
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
