@@ -54,6 +54,7 @@ VARIANTS = {
     "bn192": dict(block_n=192),
     "bn192b4": dict(block_n=192, transpose_batch=4),
     "bn192e8": dict(block_n=192, emulated_exp2=8),
+    "s4e8": dict(stages=4, raw_stages=2, emulated_exp2=8),
 }
 
 
