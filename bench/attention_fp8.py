@@ -39,7 +39,6 @@ SEQS = (4096, 8192, 16384)
 FP8_MAX = 448.0
 # Named HopperFp8PrefillConfig overrides for --variants (A/B runs in one process).
 VARIANTS = {
-    "words": dict(ldsm_transpose=False),  # V's transpose by 4-byte loads/stores (session 33)
     "s3r3": dict(stages=3, raw_stages=3),
     "s4r2": dict(stages=4, raw_stages=2),
     "s2r3": dict(stages=2, raw_stages=3),

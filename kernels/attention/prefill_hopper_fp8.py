@@ -144,9 +144,6 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
                     for j in kiln.range(first_tile, kiln.minimum(first_tile + RAW_STAGES - 1,
                                                                  end_tile)):
                         loads.v(j, RAW_STAGES)
-                raw_bytes = raw_tiles.reinterpret((RAW_STAGES * v_chunks, bn, ROW_BYTES), kiln.i8)
-                vt_bytes = vt_tiles.reinterpret((STAGES * vt_boxes(bn), config.v_width, ROW_BYTES),
-                                                kiln.i8)
                 raw_flat = _flat_b16(raw_tiles, RAW_STAGES * v_chunks * bn * ROW_BYTES)
                 vt_flat = _flat_b16(vt_tiles, STAGES * vt_boxes(bn) * config.v_width * ROW_BYTES)
                 for j in kiln.range(first_tile, end_tile):
@@ -160,12 +157,8 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
                     raw = use % RAW_STAGES
                     v_full.try_wait(raw, (use // RAW_STAGES) % 2)
                     vt_empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
-                    if config.ldsm_transpose:
-                        _transpose_v(raw_flat, vt_flat, raw * v_chunks, stage, tid,
-                                     config.v_width, bn, config.transpose_batch)
-                    else:
-                        _transpose_v_words(raw_bytes, vt_bytes, raw * v_chunks, stage, tid,
-                                           config.v_width)
+                    _transpose_v(raw_flat, vt_flat, raw * v_chunks, stage, tid, config.v_width,
+                                 bn, config.transpose_batch)
                     v_empty.arrive(raw)
                     nvidia_asm.fence_proxy_async()  # Vt's generic writes -> the WGMMA's reads
                     vt_full.arrive(stage, fills=True)  # filled by the stores above
@@ -393,8 +386,6 @@ def _transpose_v(raw_flat, vt_flat, raw_box, stage, tid, v_width, block_n, batch
                                    offset=(store_base ^ (8 * (group % 8))) + q * FP8_CHUNK_COLS
                                    * half + group // 8 * (v_width * half))
 
-WORDS = ROW_BYTES // 4
-KEY_SLOTS = (0, 1, 8, 9)
 _X4 = ((0, 0),) * 4  # four blocks: ldmatrix / stmatrix take this lane's row offset directly
 
 
@@ -418,43 +409,6 @@ def _halves(parts):
                             list(range(16)))
     return kiln.Value(vector.bitcast(ir.VectorType.get([8], ir.BF16Type.get()), joined),
                       kiln.bf16)
-
-
-@kiln.func
-def _transpose_v_words(raw_bytes, vt_bytes, raw_box, stage, tid, v_width):
-    """``Vt[stage][d, k] = V[key(k), d]`` for one 128-key tile, by the producer's 128 threads:
-    logical keys ``4kw .. 4kw+3`` of ``Vt``'s rows (``wgmma.FP8_A_K_ORDER``) come from
-    physical keys ``16 (kw // 4) + 2 (kw % 4) + KEY_SLOTS``. Each thread moves 4 x 4-byte
-    blocks: four 4-byte loads of four keys (d ``4w .. 4w+3``), a byte transpose (eight
-    ``prmt``), four 4-byte stores of four keys. A warp covers 4 d-words x 8 key-words per
-    block, so both its loads and its stores spread over the 128-byte swizzle (at most 2-way
-    bank conflicts)."""
-    warp, lane = tid // 32, tid % 32
-    w_blocks = v_width // 16  # groups of 4 d-words
-    for u in kiln.range(w_blocks):  # a loop, not unrolled: the producer has 40 registers
-        block = warp + 4 * u
-        w = lane % 4 + 4 * (block % w_blocks)
-        kw = (lane // 4) % 4 + 4 * (lane // 16 + 2 * (block // w_blocks))
-        box, ww = raw_box + w // WORDS, w % WORDS
-        first_key = 16 * (kw // 4) + 2 * (kw % 4)
-        words = []
-        for slot in KEY_SLOTS:
-            key = first_key + slot
-            words.append(raw_bytes.load(box, key, (((ww // 4) ^ (key % 8)) * 4 + ww % 4) * 4,
-                                        width=4, align=4))
-        for dd, out in enumerate(_byte_transpose(words)):
-            row = 4 * w + dd
-            vt_bytes.store(stage, row, (((kw // 4) ^ (row % 8)) * 4 + kw % 4) * 4, out,
-                           align=4)
-
-
-def _byte_transpose(words):
-    """The 4 x 4 byte transpose of four ``vector<4 x i8>``: result ``d`` holds byte ``d`` of
-    each input, in input order (two rounds of byte shuffles, one ``prmt`` each)."""
-    pairs = [_shuffle(words[i], words[i + 1], order) for i in (0, 2)
-             for order in ((0, 4, 1, 5), (2, 6, 3, 7))]
-    return [_shuffle(pairs[h], pairs[2 + h], order) for h in (0, 1)
-            for order in ((0, 1, 4, 5), (2, 3, 6, 7))]
 
 
 def _shuffle(a, b, order):

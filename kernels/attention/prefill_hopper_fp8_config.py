@@ -70,10 +70,9 @@ class HopperFp8PrefillConfig(HeadDimTiles):
     three groups share the 3 x 168 registers a thread of the 384-thread launch gets, and
     ``setmaxnreg.inc`` waits forever for registers the CTA was never given);
     ``lazy_rescale`` / ``exp_before_max`` as in :class:`~.prefill_config.HopperPrefillConfig`
-    (P stays below ``2**8``, inside e4m3's 448); ``ldsm_transpose``: V's transpose by
-    ``ldmatrix`` / ``stmatrix`` (False: 4-byte shared loads and stores, 5x the instructions);
-    ``emulated_exp2``: how many of every 64 softmax exponentials run on the FMA pipe instead
-    of the MUFU (:mod:`.exp2_fma`; 0, 4, 8, 16 or 32); ``transpose_batch``: units of V's
+    (P stays below ``2**8``, inside e4m3's 448); ``emulated_exp2``: how many of every 64
+    softmax exponentials run on the FMA pipe instead of the MUFU (:mod:`.exp2_fma`; 0, 4, 8,
+    16 or 32); ``transpose_batch``: units of V's
     transpose whose loads issue before their stores (4 registers each); ``block_n``: keys per
     tile, a multiple of 32 in 128..256 (past 128, V^T takes a second 128-byte box along the
     keys; 224 and 256 spill)."""
@@ -90,7 +89,6 @@ class HopperFp8PrefillConfig(HeadDimTiles):
     q_tiles_first: bool | None = None
     lazy_rescale: bool = True
     exp_before_max: bool = True
-    ldsm_transpose: bool = True
     emulated_exp2: int = 0
     transpose_batch: int = 1
     block_n: int = FP8_BLOCK_N
@@ -108,9 +106,6 @@ class HopperFp8PrefillConfig(HeadDimTiles):
         if self.block_n % FP8_K_STEP or not FP8_BLOCK_N <= self.block_n <= 256:
             raise kiln.UnsupportedError(f"block_n={self.block_n!r} is not supported by the FP8 "
                                         "prefill kernel", fix="use a multiple of 32 in 128..256")
-        if not self.ldsm_transpose and self.block_n != FP8_BLOCK_N:
-            raise kiln.UnsupportedError("the 4-byte V transpose moves 128-key tiles only",
-                                        fix="keep ldsm_transpose=True, or block_n=128")
         if not 1 <= self.transpose_batch <= 8:
             raise kiln.KilnValueError(f"transpose_batch={self.transpose_batch!r} must be in "
                                       "1..8", fix="use 1, or 8 with 56 producer registers")
