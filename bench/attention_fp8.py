@@ -49,11 +49,13 @@ VARIANTS = {
     "nomax": dict(exp_before_max=False),
     "e8": dict(emulated_exp2=8),  # 8 of every 64 softmax exp2 on the FMA pipe
     "e16": dict(emulated_exp2=16),
+    "e32": dict(emulated_exp2=32),
     "bn160": dict(block_n=160),
     "bn192": dict(block_n=192),
     "bn192b4": dict(block_n=192, transpose_batch=4),
     "bn192e8": dict(block_n=192, emulated_exp2=8),
     "s4e8": dict(stages=4, raw_stages=2, emulated_exp2=8),
+    "s4e16": dict(stages=4, raw_stages=2, emulated_exp2=16),
 }
 
 
