@@ -319,9 +319,9 @@ GPU_CASES = {
 }
 
 
-GPU_VARIANTS = {"block_n192": dict(block_n=192), "emulated8": dict(emulated_exp2=8),
-                "stages4": dict(stages=4, raw_stages=2),
-                "block_n192_emulated8": dict(block_n=192, emulated_exp2=8)}
+GPU_VARIANTS = {"block_n192": dict(block_n=192), "emulated16": dict(emulated_exp2=16),
+                "emulated32": dict(emulated_exp2=32),
+                "stages4_emulated16": dict(stages=4, raw_stages=2, emulated_exp2=16)}
 
 
 @pytest.mark.gpu
