@@ -60,7 +60,6 @@ import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
 from kiln.shared import dynamic_shared
 
-from .exp2_fma import exp2_mixed
 from .online_softmax import OnlineSoftmax
 from .prefill_config import (CHUNK_COLS, DEFAULT_TILES, EXP_BEFORE_MAX_HEAD_DIMS, K_STEP,
                              LAZY_RESCALE_HEAD_DIMS, ORDER_SCRATCH_BYTES, SHARED_BUDGET,
@@ -430,13 +429,11 @@ def _issue_pv(ops: _Operands, acc, probs, stage):
 
 
 @kiln.func
-def _softmax_tile(softmax, scores, n0, tile_mask, scale_log2, dtype, lazy_rescale,
-                  emulated_exp2=0):
+def _softmax_tile(softmax, scores, n0, tile_mask, scale_log2, dtype, lazy_rescale):
     """One tile of the online softmax on raw scores ``S`` of keys ``n0 ..``: mask (boundary
     tiles only), fold ``scale * log2 e`` into the max subtraction, return P in ``dtype`` as the
     ``BLOCK_N / 16`` register A operands of the PV product.
-    ``softmax.scale_vec`` then holds the factor O must be rescaled by before ``P V``;
-    ``emulated_exp2`` of every 64 exponentials run on the FMA pipe (:mod:`.exp2_fma`)."""
+    ``softmax.scale_vec`` then holds the factor O must be rescaled by before ``P V``."""
     scores = tile_mask.soft_cap(scores)
     if tile_mask.needed(n0):
         scores = tile_mask.apply(scores, n0)
@@ -447,7 +444,7 @@ def _softmax_tile(softmax, scores, n0, tile_mask, scale_log2, dtype, lazy_rescal
         rescale_pending = softmax.lazy_scale_decision(LAZY_RESCALE_THRESHOLD)
     else:
         softmax.update_scale_unconditional()
-    probs = exp2_mixed(softmax.sub_max_scaled(raw, scale_log2), emulated_exp2)
+    probs = softmax.sub_max_scaled(raw, scale_log2).exp2()
     softmax.apply_unconditional_norm_rescale()
     softmax.col_sum_acc(probs)
     return _p_operands(probs, dtype), rescale_pending
@@ -455,19 +452,17 @@ def _softmax_tile(softmax, scores, n0, tile_mask, scale_log2, dtype, lazy_rescal
 
 @kiln.func
 def _softmax_tile_max_on_demand(softmax, scores, n0, tile_mask, scale_log2, dtype, ops, stage,
-                                vote_barrier, emulated_exp2=0):
+                                vote_barrier):
     """:func:`_softmax_tile` with a lazy rescale that computes the tile's max only when it is
     needed: P = exp2(scale * S - running max) at once, and while every lane's partial row sums
     stay within ``2**LAZY_RESCALE_THRESHOLD`` (so every P does too) that P stands and the max
     is not reduced at all. Otherwise (rare: a row's max grew, or a row saw its first key) the
     group issues ``S = Q K^T`` again on ``stage`` (K is released after this call) and takes
-    the tile the usual way (its exponentials all on the MUFU). Returns P's A operands and
-    whether O must be rescaled."""
+    the tile the usual way. Returns P's A operands and whether O must be rescaled."""
     scores = tile_mask.soft_cap(scores)
     if tile_mask.needed(n0):
         scores = tile_mask.apply(scores, n0)
-    probs = exp2_mixed(softmax.sub_max_scaled(wgmma.fragment_to_tile(scores), scale_log2),
-                       emulated_exp2)
+    probs = softmax.sub_max_scaled(wgmma.fragment_to_tile(scores), scale_log2).exp2()
     partial = probs.row_reduce(operator.add, across_lanes=False)
     # The whole warp group decides: the redo issues a (warp-group-wide) WGMMA.
     rescale_pending = nvidia_asm.named_barrier_any(

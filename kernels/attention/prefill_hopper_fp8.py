@@ -221,7 +221,7 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
                         if config.exp_before_max:
                             next_probs, rescale_pending = _softmax_tile_max_on_demand(
                                 softmax, scores, j * bn, tile_mask, log2_scale, in_type, ops,
-                                stage, VOTE_BARRIER + consumer, config.emulated_exp2)
+                                stage, VOTE_BARRIER + consumer)
                             if first_thread:  # K_j is not read again
                                 k_empty.arrive(stage, wgmma_pending=1)
                         else:
@@ -229,7 +229,7 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
                                 k_empty.arrive(stage, wgmma_pending=1)
                             next_probs, rescale_pending = _softmax_tile(
                                 softmax, scores, j * bn, tile_mask, log2_scale, in_type,
-                                config.lazy_rescale, config.emulated_exp2)
+                                config.lazy_rescale)
                         # P_j must not take P_{j-1}'s registers while P_{j-1} V_{j-1} runs.
                         wgmma.wait_group(0, reads=probs)
                         if first_thread:

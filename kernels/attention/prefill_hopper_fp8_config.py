@@ -12,7 +12,7 @@ Shared memory: the Q tile (which also stages the bf16 O), ``stages`` K tiles and
 producer warp group only). Example::
 
     cfg = HopperFp8PrefillConfig.for_head_dim(128)
-    (cfg.qk_width, cfg.v_width, cfg.stages, cfg.raw_stages)   # (128, 128, 2, 2)
+    (cfg.qk_width, cfg.v_width, cfg.block_n, cfg.stages)   # (128, 128, 192, 2)
 """
 
 from dataclasses import dataclass
@@ -24,6 +24,7 @@ from .prefill_config import MAX_HEAD_DIM, SHARED_BUDGET, HeadDimTiles
 FP8_CHUNK_COLS = 128  # FP8 head-dim columns per 128-byte swizzled box
 FP8_K_STEP = 32  # K of one wgmma.m64nNk32
 FP8_BLOCK_N = 128  # keys per tile: one 128-byte row of V^T
+NARROW_BLOCK_N = 192  # keys per tile where Q/K and O are at most 128 wide (fewer per-tile syncs)
 FP8_HEAD_DIM_MULTIPLE = 16  # TMA strides are 16-byte multiples: D * 1 byte
 FP8_DTYPES = ("f8e4m3",)
 OUT_ITEMSIZE = 2  # bf16 output
@@ -70,9 +71,7 @@ class HopperFp8PrefillConfig(HeadDimTiles):
     three groups share the 3 x 168 registers a thread of the 384-thread launch gets, and
     ``setmaxnreg.inc`` waits forever for registers the CTA was never given);
     ``lazy_rescale`` / ``exp_before_max`` as in :class:`~.prefill_config.HopperPrefillConfig`
-    (P stays below ``2**8``, inside e4m3's 448); ``emulated_exp2``: how many of every 64
-    softmax exponentials run on the FMA pipe instead of the MUFU (:mod:`.exp2_fma`; 0, 4, 8,
-    16 or 32); ``transpose_batch``: units of V's
+    (P stays below ``2**8``, inside e4m3's 448); ``transpose_batch``: units of V's
     transpose whose loads issue before their stores (4 registers each); ``block_n``: keys per
     tile, a multiple of 32 in 128..256 (past 128, V^T takes a second 128-byte box along the
     keys; 224 and 256 spill)."""
@@ -89,7 +88,6 @@ class HopperFp8PrefillConfig(HeadDimTiles):
     q_tiles_first: bool | None = None
     lazy_rescale: bool = True
     exp_before_max: bool = True
-    emulated_exp2: int = 0
     transpose_batch: int = 1
     block_n: int = FP8_BLOCK_N
 
@@ -109,9 +107,6 @@ class HopperFp8PrefillConfig(HeadDimTiles):
         if not 1 <= self.transpose_batch <= 8:
             raise kiln.KilnValueError(f"transpose_batch={self.transpose_batch!r} must be in "
                                       "1..8", fix="use 1, or 8 with 56 producer registers")
-        if self.emulated_exp2 not in (0, 4, 8, 16, 32):
-            raise kiln.KilnValueError(f"emulated_exp2={self.emulated_exp2!r} must be one of "
-                                      "0, 4, 8, 16, 32", fix="use 0 (every exp2 on the MUFU)")
         if self.exp_before_max and not self.lazy_rescale:
             raise kiln.KilnValueError("exp_before_max needs lazy_rescale",
                                       fix="set lazy_rescale=True")
@@ -136,15 +131,19 @@ class HopperFp8PrefillConfig(HeadDimTiles):
     @classmethod
     def for_head_dim(cls, head_dim: int, head_dim_v: int | None = None):
         """The configuration :func:`~kiln.kernels.attention.prefill` uses for FP8: two stages
-        of each ring, one raw V stage where two do not fit (V 256 wide), and the bf16 kernel's
-        ``exp_before_max`` where the O accumulator is at most 128 wide.
-        Example: ``HopperFp8PrefillConfig.for_head_dim(256).raw_stages == 1``."""
+        of each ring, one raw V stage where two do not fit (V 256 wide), and where Q/K and the
+        O accumulator are at most 128 wide the bf16 kernel's ``exp_before_max`` and 192-key
+        tiles (H200, D 128, seq 4k-16k: 1.22-1.35x Kiln's bf16 prefill, 128-key tiles
+        1.17-1.26x; wider ones spill).
+        Example: ``HopperFp8PrefillConfig.for_head_dim(256).raw_stages == 1``,
+        ``HopperFp8PrefillConfig.for_head_dim(128).block_n == 192``."""
         if head_dim_v == head_dim:
             head_dim_v = None
         check_fp8_head_dim("head_dim", head_dim)
         dv = head_dim if head_dim_v is None else head_dim_v
         check_fp8_head_dim("head_dim_v", dv)
         narrow = fp8_tile_width(dv) <= 128 and fp8_tile_width(head_dim) <= 128
-        fits = fp8_shared_bytes(head_dim, dv, cls.stages, 2) <= SHARED_BUDGET
+        block_n = NARROW_BLOCK_N if narrow else FP8_BLOCK_N
+        fits = fp8_shared_bytes(head_dim, dv, cls.stages, 2, block_n) <= SHARED_BUDGET
         return cls(head_dim=head_dim, head_dim_v=head_dim_v, raw_stages=2 if fits else 1,
-                   exp_before_max=narrow)
+                   exp_before_max=narrow, block_n=block_n)
