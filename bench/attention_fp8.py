@@ -19,7 +19,7 @@ object per row and a table.
 variant), for A/B runs of tiles and pipeline depths in one process.
 
 Usage (on an H100/H200): ``python bench/attention_fp8.py [--json out.json] [--seqs 4096 8192]
-[--causal 0 1] [--variants s3r3 p64]``.
+[--causal 0 1] [--variants bn128 s4r2]``.
 """
 
 from __future__ import annotations
