@@ -14,13 +14,20 @@ no host time, for both alike; ``timing.queued_ms``). TFLOP/s = 4 * B * H * S^2 *
 halved for causal; ``ratio`` = FP8 / bf16 (goal: >= 1.6 at seq 4k-16k). Prints one JSON
 object per row and a table.
 
-Usage (on an H100/H200): ``python bench/attention_fp8.py [--json out.json] [--seqs 4096 8192]``.
+``--variants NAME ...`` also times the FP8 kernel with each named ``VARIANTS`` entry of
+:class:`HopperFp8PrefillConfig` overrides (checked like the default; ``ratio`` columns per
+variant), for A/B runs of tiles and pipeline depths in one process.
+
+Usage (on an H100/H200): ``python bench/attention_fp8.py [--json out.json] [--seqs 4096 8192]
+[--causal 0 1] [--variants bn128 s4r2]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from unittest import mock
 
 from results_io import write_results
 from timing import queued_ms
@@ -30,6 +37,16 @@ HIDDEN = 2048
 HEAD_DIM = 128
 SEQS = (4096, 8192, 16384)
 FP8_MAX = 448.0
+# Named HopperFp8PrefillConfig overrides for --variants (A/B runs in one process).
+VARIANTS = {
+    "bn128": dict(block_n=128),  # the default before batch 2 of session 34
+    "bn160": dict(block_n=160),
+    "s4r2": dict(stages=4, raw_stages=2, block_n=128),
+    "s4r4": dict(stages=4, raw_stages=4, block_n=128),
+    "p56": dict(producer_registers=56, consumer_registers=224),
+    "b4": dict(transpose_batch=4),
+    "nomax": dict(exp_before_max=False),
+}
 
 
 def parse_args(argv=None):
@@ -38,6 +55,9 @@ def parse_args(argv=None):
     parser.add_argument("--seqs", type=int, nargs="+", default=list(SEQS))
     parser.add_argument("--repeat", type=int, default=10, help="timed samples per shape")
     parser.add_argument("--batch", type=int, default=5, help="queued calls per sample")
+    parser.add_argument("--causal", type=int, nargs="+", default=[0, 1], choices=[0, 1])
+    parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
+                        help="also time the FP8 kernel with these config overrides")
     return parser.parse_args(argv)
 
 
@@ -63,24 +83,52 @@ def bench_row(row: dict, args) -> dict:
     def fp8():
         return prefill(q8, k8, v8, causal=causal, descale_q=dq, descale_k=dk, descale_v=dv)
 
+    def variant(overrides):
+        """``fp8`` with ``HopperFp8PrefillConfig.for_head_dim`` patched to add ``overrides``."""
+        from kiln.kernels.attention.prefill_hopper_fp8_config import HopperFp8PrefillConfig
+
+        config = dataclasses.replace(HopperFp8PrefillConfig.for_head_dim(d), **overrides)
+
+        def call():
+            with mock.patch.object(HopperFp8PrefillConfig, "for_head_dim",
+                                   lambda *head_dims: config):
+                return fp8()
+        return call
+
     def bf16():
         return prefill(q, k, v, causal=causal)
 
     dequantised = [(x8.float() * ds[:, None, :, None]).to(torch.bfloat16)
                    for x8, ds in ((q8, dq), (k8, dk), (v8, dv))]
     reference = prefill(*dequantised, causal=causal).float()
-    out = fp8()
-    assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    error = (out.float() - reference).abs().max().item()
     bound = 2 ** -4 * dequantised[2].float().abs().max().item() + \
         2 ** -7 * reference.abs().max().item()
-    if not error < bound:  # also catches NaN
-        raise SystemExit(f"FP8 prefill wrong at {row}: max abs error {error} > {bound:.4f}")
+
+    def checked(call, name):
+        out = call()
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        error = (out.float() - reference).abs().max().item()
+        if not error < bound:  # also catches NaN
+            raise SystemExit(f"FP8 prefill ({name}) wrong at {row}: max abs error {error} > "
+                             f"{bound:.4f}")
+        return error
+
     flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
-    result = dict(row, max_abs_error=error)
+    result = dict(row, max_abs_error=checked(fp8, "default"))
     result["fp8_tflops"] = flops / queued_ms(fp8, args.repeat, args.batch) / 1e9
     result["bf16_tflops"] = flops / queued_ms(bf16, args.repeat, args.batch) / 1e9
     result["ratio_fp8_vs_bf16"] = result["fp8_tflops"] / result["bf16_tflops"]
+    print(f"  {s} causal={causal} default: {result['fp8_tflops']:.1f} TFLOP/s "
+          f"({result['ratio_fp8_vs_bf16']:.2f}x bf16 {result['bf16_tflops']:.1f}), max abs "
+          f"error {result['max_abs_error']:.4f} (bound {bound:.4f})", flush=True)
+    for name in args.variants:
+        call = variant(VARIANTS[name])
+        error = checked(call, name)
+        tflops = flops / queued_ms(call, args.repeat, args.batch) / 1e9
+        result[f"{name}_tflops"] = tflops
+        result[f"ratio_{name}_vs_bf16"] = tflops / result["bf16_tflops"]
+        print(f"  {s} causal={causal} {name}: {tflops:.1f} TFLOP/s "
+              f"({tflops / result['bf16_tflops']:.2f}x bf16), error {error:.4f}", flush=True)
     return result
 
 
@@ -89,7 +137,7 @@ def main(argv=None) -> None:
 
     args = parse_args(argv)
     rows = [dict(batch=TOKENS // s, seq=s, heads=HIDDEN // HEAD_DIM, d=HEAD_DIM, causal=c)
-            for c in (False, True) for s in args.seqs]
+            for c in map(bool, args.causal) for s in args.seqs]
     results = []
     for row in rows:
         result = bench_row(row, args)

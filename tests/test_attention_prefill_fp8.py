@@ -13,8 +13,10 @@ Two kinds of inputs:
   smallest normal ``2**-6``), O to bf16.
 """
 
+import dataclasses
 import math
 import re
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -189,14 +191,83 @@ def test_mixed_fp8_and_bf16_inputs_are_refused():
         prefill(q, q, q.astype(ml_dtypes.bfloat16), backend="interpret", target="sm_90a")
 
 
+def _transpose_kernel(v_width, batch, keys=128):
+    """V ``[keys, v_width]`` (int8 stand-ins for e4m3 bytes) into a raw ring as TMA's 128-byte
+    swizzle lays it out, :func:`_transpose_v` by one warp group, ``Vt`` (one ``[v_width, 128]``
+    box per 128 keys) read back unswizzled."""
+    from kiln.kernels.attention import prefill_hopper_fp8 as fp8
+
+    boxes = v_width // 128
+
+    key_boxes = -(-keys // 128)
+
+    @kiln.kernel(num_threads=128)
+    def transpose(v: kiln.Tensor[kiln.i8, 2], vt: kiln.Tensor[kiln.i8, 2]):
+        raw = kiln.dynamic_shared((boxes, keys, 128), kiln.f8e4m3, align=1024)
+        out = kiln.dynamic_shared((key_boxes * v_width, 128), kiln.f8e4m3, align=1024)
+        raw_bytes = raw.reinterpret((boxes, keys, 128), kiln.i8)
+        out_bytes = out.reinterpret((key_boxes * v_width, 128), kiln.i8)
+        tid = kiln.thread_id(0)
+        for b in kiln.static_range(boxes):
+            for key in kiln.range(keys):
+                raw_bytes.store(b, key, ((tid // 16) ^ (key % 8)) * 16 + tid % 16,
+                                v[key, b * 128 + tid])
+        kiln.barrier()
+        fp8._transpose_v(fp8._flat_b16(raw, boxes * keys * 128),
+                         fp8._flat_b16(out, key_boxes * v_width * 128), 0, 0, tid, v_width, keys,
+                         batch)
+        kiln.barrier()
+        for d in kiln.range(key_boxes * v_width):
+            vt[d, tid] = out_bytes.load(d, ((tid // 16) ^ (d % 8)) * 16 + tid % 16)
+
+    return transpose
+
+
+@pytest.mark.parametrize("v_width,batch,keys", [(128, 1, 128), (256, 1, 128), (128, 4, 128),
+                                                 (256, 8, 128), (128, 4, 192), (256, 1, 160)])
+def test_v_transpose_writes_keys_in_the_fp8_a_order(v_width, batch, keys, rng):
+    """Vt row d holds V's column d with each 32 keys in ``wgmma.FP8_A_K_ORDER`` (the order of
+    P's e4m3 registers), keys past 128 in a second 128-byte box, whichever warp and unit moved
+    them."""
+    v = rng.integers(-128, 128, (keys, v_width)).astype(np.int8)
+    boxes = -(-keys // 128)
+    vt = np.full((boxes * v_width, 128), 77, np.int8)  # poisoned
+    _transpose_kernel(v_width, batch, keys).interpret[1](v, vt, target="sm_90a")
+    order = [32 * (k // 32) + kiln.wgmma.FP8_A_K_ORDER[k % 32] for k in range(keys)]
+    for b in range(boxes):
+        got = vt[b * v_width:(b + 1) * v_width, :min(128, keys - 128 * b)]
+        np.testing.assert_array_equal(got, v[order[128 * b:128 * (b + 1)]].T)
+
+
+@pytest.mark.parametrize("block_n", [128, 160])
+def test_other_key_tiles_match_the_reference(block_n, rng):
+    """Key tiles of one 128-byte V^T row, or past it by one k32 step (the default's 192 keys
+    run in every other test), causal and GQA: still exact."""
+    default = HopperFp8PrefillConfig.for_head_dim
+
+    def config(*dims):
+        return dataclasses.replace(default(*dims), block_n=block_n)
+
+    (q8, k8, v8), descales, _, _ = exact_problem(rng, batch=2, sq=130, sk=500, hq=2, hkv=1,
+                                                 d=128)
+    with mock.patch.object(HopperFp8PrefillConfig, "for_head_dim", config):
+        o, lse = prefill(q8, k8, v8, scale=LN2, return_lse=True, causal=True,
+                         backend="interpret", target="sm_90a", **descales)
+    _check_exact(o, lse, q8, k8, v8, descales, causal=True)
+
+
 def test_config_picks_raw_stages_that_fit():
     assert HopperFp8PrefillConfig.for_head_dim(128).raw_stages == 2
+    assert HopperFp8PrefillConfig.for_head_dim(128).block_n == 192
+    assert HopperFp8PrefillConfig.for_head_dim(192, 128).block_n == 128  # Q/K 256 wide
     assert HopperFp8PrefillConfig.for_head_dim(256).raw_stages == 1
     with pytest.raises(kiln.ResourceError, match="shared memory"):
         HopperFp8PrefillConfig(head_dim=256, stages=3)
     # 2 x 240 + 32 > 3 x 168: the consumers' setmaxnreg.inc would hang on the GPU.
     with pytest.raises(kiln.ResourceError, match="setmaxnreg.inc would wait forever"):
         HopperFp8PrefillConfig(producer_registers=32, consumer_registers=240)
+    with pytest.raises(kiln.UnsupportedError, match="block_n=144"):
+        HopperFp8PrefillConfig(block_n=144)
 
 
 @pytest.fixture(scope="module")
@@ -208,18 +279,22 @@ def fp8_causal_d128():
 @pytest.mark.lower
 def test_ptx_has_the_fp8_pipeline(fp8_causal_d128):
     ptx = " ".join(fp8_causal_d128.asm["ptx"].split())
-    # S = Q K^T from shared memory (4 k32 steps of D 128, again in the rare redo) and
-    # O += P V with P's e4m3 registers (4 k32 steps of 128 keys, in the loop and the epilogue).
-    qk = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3 "
+    # 192-key tiles: S = Q K^T from shared memory (4 k32 steps of D 128, again in the rare
+    # redo) and O += P V with P's e4m3 registers (6 k32 steps of 192 keys, in the loop and the
+    # epilogue).
+    qk = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n192k32\.f32\.e4m3\.e4m3 "
                     r"\{[^}]*\}, %rd\d+, %rd\d+", ptx)
     pv = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3 "
                     r"\{[^}]*\}, \{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+, p, 1, 1;", ptx)
-    assert len(qk) == 3 * 4 and len(pv) == 2 * 4
-    assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 2 * 32  # 64 P values per row pair
-    # The producer transposes V: four 4-byte shared loads, eight byte permutes, four 4-byte
-    # stores per 4 x 4 block (in a loop), then its fence.
+    assert len(qk) == 3 * 4 and len(pv) == 2 * 6
+    assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 2 * 48  # 96 P values per row pair
+    # The producer transposes V: per 16 keys x 32 columns one ldmatrix.x4, four byte
+    # permutes and one transposing stmatrix.x4 (12 of each for 192 keys, unrolled), then its
+    # fence.
     assert "fence.proxy.async.shared::cta" in ptx
-    assert len(re.findall(r"ld\.shared\.[ub]32", ptx)) == 4 and ptx.count("prmt.b32") == 8
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 12
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 12
+    assert ptx.count("prmt.b32") == 12 * 4
     assert "setmaxnreg.dec.sync.aligned.u32 40" in ptx
     assert "setmaxnreg.inc.sync.aligned.u32 232" in ptx
     assert "ex2.approx.ftz.f32" in ptx
@@ -245,6 +320,34 @@ GPU_CASES = {
     "none_long": dict(batch=1, sq=300, sk=4200, hq=2, hkv=1, d=128),
     "window_d64": dict(batch=1, sq=513, sk=700, hq=2, hkv=2, d=64, window=(100, 20)),
 }
+
+
+GPU_VARIANTS = {"block_n128": dict(block_n=128), "block_n160": dict(block_n=160),
+                "stages4": dict(stages=4, raw_stages=2, block_n=128)}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("overrides", GPU_VARIANTS.values(), ids=GPU_VARIANTS.keys())
+def test_config_variants_exact_on_gpu(overrides, rng):
+    """The tile and pipeline options the benchmark compares, on the causal GQA case."""
+    import torch
+
+    default = HopperFp8PrefillConfig.for_head_dim
+
+    def config(*dims):
+        return dataclasses.replace(default(*dims), **overrides)
+
+    (q8, k8, v8), descales, _, _ = exact_problem(rng, batch=2, sq=1000, sk=1000, hq=4, hkv=2,
+                                                 d=128)
+    dev = [torch.from_numpy(x.view(np.uint8)).cuda().view(torch.float8_e4m3fn)
+           for x in (q8, k8, v8)]
+    poison_cuda_pool(torch, 4 * q8.nbytes)
+    with mock.patch.object(HopperFp8PrefillConfig, "for_head_dim", config):
+        o, lse = prefill(*dev, scale=LN2, return_lse=True, causal=True,
+                         **{n: torch.from_numpy(x).cuda() for n, x in descales.items()})
+    _check_exact(o.float().cpu().numpy().astype(ml_dtypes.bfloat16), lse.cpu().numpy(),
+                 q8, k8, v8, descales, hardware=True, causal=True)
 
 
 @pytest.mark.gpu

@@ -98,3 +98,30 @@ def test_wrong_fragment_is_a_type_error():
 
     with pytest.raises(kiln.KilnTypeError, match="vector<4 x bf16>"):
         k.trace(np.zeros((ROWS, COLS), kiln.bf16.numpy), target="sm_90a")
+
+
+def test_lane_offsets_into_a_dynamic_shared_view():
+    """``offset=`` gives each lane's row directly (here rows in reverse order) and addresses a
+    view of dynamic shared memory placed after another buffer, whose address the interpreter
+    must count once (the view's own offset is 0, as MLIR reports it)."""
+    @kiln.kernel(num_threads=32)
+    def k(inp: kiln.Tensor[kiln.bf16, 2], out: kiln.Tensor[kiln.bf16, 2]):
+        kiln.dynamic_shared((3, 64), kiln.bf16, align=1024)  # the view below starts at 1024
+        ring = kiln.dynamic_shared((8 * 8,), kiln.bf16, align=1024)
+        tile = tiles.SharedTile.view(ring, (8, 8))
+        lane = kiln.lane_id()
+        for r in kiln.static_range(8):
+            tile.store(r, lane % 8, kiln.cast(0.0, kiln.bf16))
+        kiln.barrier()
+        row, col = lane // 4, 2 * (lane % 4)
+        pair = kiln.pack([inp[row, col], inp[row, col + 1]])
+        ldm.stmatrix(tile, (0, 0), [(0, 0)], pair, offset=(7 - lane % 8) * 8)
+        kiln.barrier()
+        for r in kiln.static_range(8):
+            out[r, lane % 8] = tile.load(r, lane % 8)
+
+    rng = np.random.default_rng()
+    inp = rng.standard_normal((8, 8)).astype(kiln.bf16.numpy)
+    out = np.full((8, 8), np.nan, kiln.bf16.numpy)  # poisoned
+    k.interpret[1](inp, out, target="sm_90a")
+    np.testing.assert_array_equal(out.astype(np.float32), inp[::-1].astype(np.float32))

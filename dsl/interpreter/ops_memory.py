@@ -427,7 +427,8 @@ def _strided_metadata(op, p):
     def run(env, ctx):
         mem = env[src]
         env[base] = MemRef(mem.storage, mem.pointer, (), (), mem.name, mem.arena, mem.pointer)
-        env[offset] = np.asarray(mem.offset, np.int64).reshape(-1)
+        # Relative to the aligned pointer, as MLIR reports it (a memref.view's offset is 0).
+        env[offset] = np.asarray(mem.offset, np.int64).reshape(-1) - mem.pointer
         for i in range(rank):
             env[rest[i]] = np.asarray(mem.sizes[i], np.int64).reshape(-1)
             env[rest[rank + i]] = np.asarray(mem.strides[i], np.int64).reshape(-1)

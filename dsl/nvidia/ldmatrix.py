@@ -169,11 +169,12 @@ STMATRIX = declare("nvidia.ldmatrix.stmatrix", feature="sm90",
 
 
 def stmatrix(tile: SharedTile, origin: tuple[Any, Any], blocks: Sequence[tuple[int, int]],
-             values: Value, *, trans: bool = False) -> None:
+             values: Value, *, trans: bool = False, offset: Any = None) -> None:
     """Store ``len(blocks)`` 8x8 blocks whose top-left corners are ``origin + blocks[i]`` from
     this lane's ``vector<2*num x T>`` (block ``i`` in elements ``2i, 2i+1``, laid out as
     :func:`ldmatrix` returns them), with ``stmatrix.sync.aligned`` (sm_90+; every lane of the
-    warp must call it).
+    warp must call it). ``offset``: as :func:`ldmatrix`'s, this lane's row offset in the tile
+    when the caller computes it (any row addresses, e.g. rows of a hand-swizzled buffer).
 
     Example: ``stmatrix(c_s, (r0, c0), [(0, 0), (8, 0)], frag)`` stores a 16x8 block.
     """
@@ -188,7 +189,9 @@ def stmatrix(tile: SharedTile, origin: tuple[Any, Any], blocks: Sequence[tuple[i
     i32 = ir.IntegerType.get_signless(32)
     words = vector.bitcast(ir.VectorType.get([num], i32), values.ir)
     registers = [vector.extract(words, [], [i]) for i in range(num)]
-    address = tile.buffer.element_address(row_offset(tile, origin, blocks, ops.lane_id()))
+    if offset is None:
+        offset = row_offset(tile, origin, blocks, ops.lane_id())
+    address = tile.buffer.element_address(offset)
     regs = ", ".join(f"${i + 1}" for i in range(num))
     asm = f"stmatrix.sync.aligned.m8n8.x{num}{'.trans' if trans else ''}.shared.b16 [$0], {{{regs}}};"
     STMATRIX.inline_asm(ir.Type.parse("!llvm.void"), [address, *registers], asm,

@@ -14,7 +14,7 @@ Schedule (3 warp groups, ``BLOCK_M x BLOCK_N = 128 x 128``):
 
 | warp group | registers | job |
 | --- | --- | --- |
-| 0 producer | 40 | thread 0 TMA-loads Q, then per key tile ``j`` K_{j+1} (``k_full``/``k_empty``, released by the consumers) and raw V_{j + raw_stages - 1} (``v_full``/``v_empty``); all 128 threads then wait ``v_full[j]`` and ``vt_empty[j]``, transpose V_j into ``Vt`` (4 x 4-byte blocks: four 4-byte loads of four keys, a byte transpose of eight ``prmt``, four 4-byte stores of four keys), arrive on ``v_empty[j]``, ``fence.proxy.async`` (the WGMMA reads through the async proxy) and arrive on ``vt_full[j]`` (128 arrivals each) |
+| 0 producer | 40 | thread 0 TMA-loads Q, then per key tile ``j`` K_{j+1} (``k_full``/``k_empty``, released by the consumers) and raw V_{j + raw_stages - 1} (``v_full``/``v_empty``); all 128 threads then wait ``v_full[j]`` and ``vt_empty[j]``, transpose V_j into ``Vt`` (per 16 keys x 32 columns: one ``ldmatrix.x4``, four ``prmt``, one ``stmatrix.x4.trans``; :func:`_transpose_v`), arrive on ``v_empty[j]``, ``fence.proxy.async`` (the WGMMA reads through the async proxy) and arrive on ``vt_full[j]`` (128 arrivals each) |
 | 1, 2 consumers | 232 | the bf16 kernel's iteration, waiting ``vt_full`` instead of ``v_full`` |
 
 Descales (FlashAttention-3's convention, ``[B, Hq]`` for q, ``[B, Hkv]`` for k and v, scalars
@@ -25,11 +25,13 @@ multiplied by ``dv[b, h // group]``.
 
 import functools
 
+from mlir import ir
 from mlir.dialects import vector
 
 import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
 from kiln.shared import dynamic_shared
+from kiln.tiles import SharedTile
 
 from .online_softmax import OnlineSoftmax
 from .prefill_config import WARP_GROUP_ROWS, WARP_GROUP_THREADS, MaskSpec
@@ -37,18 +39,13 @@ from .prefill_hopper import (DESCRIPTOR_UNIT, LOG2E, MAX_SENTINEL, PINGPONG_BARR
                              ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN, VOTE_BARRIER,
                              _issue_qk, _key_bounds, _Operands, _remapped_head, _softmax_tile,
                              _softmax_tile_max_on_demand, _TileMask, _write_output)
-from .prefill_hopper_fp8_config import (FP8_BLOCK_N, FP8_CHUNK_COLS, FP8_K_STEP,
-                                        HopperFp8PrefillConfig)
+from .prefill_hopper_fp8_config import (FP8_CHUNK_COLS, FP8_K_STEP, HopperFp8PrefillConfig,
+                                        vt_boxes)
 from .softcap import soft_cap_constants
 
 __all__ = ["make_fp8_kernel", "HopperFp8PrefillConfig"]
 
 OUT_COLS = 64  # bf16 output columns per 128-byte staging row (the bf16 kernel's boxes)
-WORDS = ROW_BYTES // 4  # 4-byte words per 128-byte row
-# Where key slot i of a 4-key transpose block comes from: the block of logical keys
-# 4 * kw .. 4 * kw + 3 holds physical keys 16 * (kw // 4) + 2 * (kw % 4) + KEY_SLOTS[i]
-# (wgmma.FP8_A_K_ORDER, restated per 4-key block).
-KEY_SLOTS = (0, 1, 8, 9)
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,7 +83,8 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
         q_tiles = o_tiles.reinterpret((chunks, bm, FP8_CHUNK_COLS), in_type)
         k_tiles = dynamic_shared((STAGES * chunks, bn, FP8_CHUNK_COLS), in_type,
                                  align=SWIZZLE_ALIGN)
-        vt_tiles = dynamic_shared((STAGES, config.v_width, bn), in_type, align=SWIZZLE_ALIGN)
+        vt_tiles = dynamic_shared((STAGES * vt_boxes(bn), config.v_width, FP8_CHUNK_COLS),
+                                  in_type, align=SWIZZLE_ALIGN)
         raw_tiles = dynamic_shared((RAW_STAGES * v_chunks, bn, FP8_CHUNK_COLS), in_type,
                                    align=SWIZZLE_ALIGN)
         q_boxes, k_boxes = (_box_view(t, config.padded_qk) for t in (q_tiles, k_tiles))
@@ -146,8 +144,8 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
                     for j in kiln.range(first_tile, kiln.minimum(first_tile + RAW_STAGES - 1,
                                                                  end_tile)):
                         loads.v(j, RAW_STAGES)
-                raw_bytes = raw_tiles.reinterpret((RAW_STAGES * v_chunks, bn, ROW_BYTES), kiln.i8)
-                vt_bytes = vt_tiles.reinterpret((STAGES, config.v_width, ROW_BYTES), kiln.i8)
+                raw_flat = _flat_b16(raw_tiles, RAW_STAGES * v_chunks * bn * ROW_BYTES)
+                vt_flat = _flat_b16(vt_tiles, STAGES * vt_boxes(bn) * config.v_width * ROW_BYTES)
                 for j in kiln.range(first_tile, end_tile):
                     use = j - first_tile
                     if tid == 0:  # the next K tile, and the V tile raw_stages - 1 ahead
@@ -159,8 +157,8 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
                     raw = use % RAW_STAGES
                     v_full.try_wait(raw, (use // RAW_STAGES) % 2)
                     vt_empty.try_wait(stage, (use // STAGES) % 2 ^ 1)
-                    _transpose_v(raw_bytes, vt_bytes, raw * v_chunks, stage, tid,
-                                 config.v_width)
+                    _transpose_v(raw_flat, vt_flat, raw * v_chunks, stage, tid, config.v_width,
+                                 bn, config.transpose_batch)
                     v_empty.arrive(raw)
                     nvidia_asm.fence_proxy_async()  # Vt's generic writes -> the WGMMA's reads
                     vt_full.arrive(stage, fills=True)  # filled by the stores above
@@ -285,7 +283,7 @@ class _Loads:
         for c in kiln.static_range(self.chunks):
             tma.load(self.k_map, self.k_boxes.tile(stage * self.chunks + c),
                      _box_coords(self.config.padded_qk, self.kv_head, self.config.head_dim, c,
-                                 self.k_start + j * FP8_BLOCK_N), self.k_full, stage)
+                                 self.k_start + j * self.config.block_n), self.k_full, stage)
 
     def v(self, j, raw_stages):
         use = j - self.first_tile
@@ -295,7 +293,7 @@ class _Loads:
         for c in kiln.static_range(self.v_chunks):
             tma.load(self.v_map, self.raw_boxes.tile(raw * self.v_chunks + c),
                      _box_coords(self.config.padded_v, self.kv_head, self.config.dv, c,
-                                 self.k_start + j * FP8_BLOCK_N), self.v_full, raw)
+                                 self.k_start + j * self.config.block_n), self.v_full, raw)
 
 
 class _Fp8Operands(_Operands):
@@ -303,6 +301,14 @@ class _Fp8Operands(_Operands):
 
     def stage_offset(self, stage, width):
         return kiln.cast(stage * (width // FP8_CHUNK_COLS) * self.box_units, kiln.i64)
+
+
+def _flat_b16(tiles, nbytes):
+    """A ring's bytes as one ``[rows, 64]`` b16 SharedTile (no swizzle: callers address the
+    TMA swizzle themselves), for ``ldmatrix`` / ``stmatrix``."""
+    half = ROW_BYTES // 2
+    return SharedTile.view(tiles.reinterpret((nbytes // 2,), kiln.bf16), (nbytes // ROW_BYTES,
+                                                                          half))
 
 
 def _box_view(tiles, padded):
@@ -323,52 +329,86 @@ def _box_coords(padded, head, d, chunk, row):
 def _issue_pv(ops: _Fp8Operands, acc, probs, stage):
     """Issue ``O += P V`` on V^T stage ``stage`` as one WGMMA group: P's e4m3 A operands
     (one per 32 keys) from registers, V^T K-major (each k32 step moves 32 bytes along its
-    128-byte rows of keys)."""
-    base = ops.v + kiln.cast(stage * ops.config.v_width * ROW_BYTES // DESCRIPTOR_UNIT,
-                             kiln.i64)
+    128-byte rows of keys, every 4 steps the next 128-key box)."""
+    box = ops.config.v_width * ROW_BYTES // DESCRIPTOR_UNIT
+    base = ops.v + kiln.cast(stage * vt_boxes(ops.block_n) * box, kiln.i64)
     wgmma.fence()  # orders O's rescale and P's registers before the asynchronous reads
-    for ks in range(FP8_BLOCK_N // FP8_K_STEP):
-        acc = wgmma.mma_async(acc, probs.fragment(0, ks), base + ks * FP8_K_STEP // 16,
+    for ks in range(ops.block_n // FP8_K_STEP):
+        acc = wgmma.mma_async(acc, probs.fragment(0, ks),
+                              base + (ks // 4) * box + (ks % 4) * FP8_K_STEP // 16,
                               dtype=ops.dtype)
     wgmma.commit()
     return acc
 
 
 @kiln.func
-def _transpose_v(raw_bytes, vt_bytes, raw_box, stage, tid, v_width):
-    """``Vt[stage][d, k] = V[key(k), d]`` for one 128-key tile, by the producer's 128 threads:
-    logical keys ``4kw .. 4kw+3`` of ``Vt``'s rows (``wgmma.FP8_A_K_ORDER``) come from
-    physical keys ``16 (kw // 4) + 2 (kw % 4) + KEY_SLOTS``. Each thread moves 4 x 4-byte
-    blocks: four 4-byte loads of four keys (d ``4w .. 4w+3``), a byte transpose (eight
-    ``prmt``), four 4-byte stores of four keys. A warp covers 4 d-words x 8 key-words per
-    block, so both its loads and its stores spread over the 128-byte swizzle (at most 2-way
-    bank conflicts)."""
+def _transpose_v(raw_flat, vt_flat, raw_box, stage, tid, v_width, block_n, batch=1):
+    """``Vt[stage][d, k] = V[key(k), d]`` for one ``block_n``-key tile, by the producer's four
+    warps, 512 bytes per warp instruction pair (``ldmatrix.x4`` in, ``stmatrix.x4.trans`` out).
+
+    A unit is 16 keys (one 16-byte group of a ``Vt`` row) x 32 head-dim columns. Its x4 load
+    reads four 8-row b16 blocks of raw V: rows ``A`` and ``B`` of key pairs ``(a(i), a(i) + 1)``
+    with ``a(i) = 2 (i // 2) + 8 (i % 2)`` (pair ``i`` is logical keys ``2i, 2i+1``,
+    ``wgmma.FP8_A_K_ORDER``), for two 16-column chunks. Row ``i`` of block ``A`` holds key
+    ``a(i) + i % 2``, of ``B`` the other one, so each block's eight rows fall in eight
+    different 16-byte columns of the swizzle (no bank conflict). A lane then holds four bytes
+    (columns ``4t .. 4t+3``) of both keys of its pair ``i``; two ``prmt`` make b16 elements
+    ``(V[a][d], V[a+1][d])`` for columns ``4t, 4t+1`` and ``4t+2, 4t+3``, and the transposing
+    store writes each block's column ``d`` as a row of ``Vt``: the pairs of keys in logical
+    order. Warp ``w`` takes column chunks ``2w, 2w+1`` (+8 per further 128 columns) and walks
+    the key groups, so every address is a lane constant plus an immediate (the ``Vt`` swizzle:
+    one XOR). ``batch`` units' loads are issued before their stores (ptxas keeps a load
+    behind an earlier store, so one at a time each waits out the load's latency)."""
     warp, lane = tid // 32, tid % 32
-    w_blocks = v_width // 16  # groups of 4 d-words
-    for u in kiln.range(w_blocks):  # a loop, not unrolled: the producer has 40 registers
-        block = warp + 4 * u
-        w = lane % 4 + 4 * (block % w_blocks)
-        kw = (lane // 4) % 4 + 4 * (lane // 16 + 2 * (block // w_blocks))
-        box, ww = raw_box + w // WORDS, w % WORDS
-        first_key = 16 * (kw // 4) + 2 * (kw % 4)
-        words = []
-        for slot in KEY_SLOTS:
-            key = first_key + slot
-            words.append(raw_bytes.load(box, key, (((ww // 4) ^ (key % 8)) * 4 + ww % 4) * 4,
-                                        width=4, align=4))
-        for dd, out in enumerate(_byte_transpose(words)):
-            row = 4 * w + dd
-            vt_bytes.store(stage, row, (((kw // 4) ^ (row % 8)) * 4 + kw % 4) * 4, out,
-                           align=4)
+    block, i = lane // 8, lane % 8  # the block and row this lane addresses
+    high = block % 2  # block B
+    key = 2 * (i // 2) + 8 * (i % 2) + (high ^ (i % 2))
+    chunk = 2 * warp + block // 2
+    half = ROW_BYTES // 2  # b16 elements per 128-byte row
+    load_base = raw_box * (block_n * half) + key * half + (chunk ^ (i ^ high)) * 8
+    d = 32 * warp + 16 * (block // 2) + 4 * (i // 2) + i % 2 + 2 * high
+    store_base = stage * (vt_boxes(block_n) * v_width * half) + d * half + (d % 8) * 8
+    odd = (lane // 4) % 2 == 1  # this lane's pair i is odd: its low key sits in block B
+    units = [(q, group) for q in range(v_width // FP8_CHUNK_COLS)
+             for group in range(block_n // 16)]
+    for first in range(0, len(units), batch):  # loads first: no load waits behind a store
+        loaded = [_words(kiln.ldmatrix.ldmatrix(
+            raw_flat, None, _X4, offset=load_base + q * (block_n * half) + group * 16 * half))
+            for q, group in units[first:first + batch]]
+        for (q, group), words in zip(units[first:first + batch], loaded):
+            out = []
+            for c in (0, 2):  # the two column chunks
+                lo = kiln.where(odd, words[c + 1], words[c])
+                hi = kiln.where(odd, words[c], words[c + 1])
+                out += [_shuffle(_bytes(lo), _bytes(hi), order)
+                        for order in ((0, 4, 1, 5), (2, 6, 3, 7))]
+            kiln.ldmatrix.stmatrix(vt_flat, None, _X4, _halves(out), trans=True,
+                                   offset=(store_base ^ (8 * (group % 8))) + q * FP8_CHUNK_COLS
+                                   * half + group // 8 * (v_width * half))
+
+_X4 = ((0, 0),) * 4  # four blocks: ldmatrix / stmatrix take this lane's row offset directly
 
 
-def _byte_transpose(words):
-    """The 4 x 4 byte transpose of four ``vector<4 x i8>``: result ``d`` holds byte ``d`` of
-    each input, in input order (two rounds of byte shuffles, one ``prmt`` each)."""
-    pairs = [_shuffle(words[i], words[i + 1], order) for i in (0, 2)
-             for order in ((0, 4, 1, 5), (2, 6, 3, 7))]
-    return [_shuffle(pairs[h], pairs[2 + h], order) for h in (0, 1)
-            for order in ((0, 1, 4, 5), (2, 3, 6, 7))]
+def _words(value):
+    """A ``vector<8 x bf16>`` as its four i32 registers."""
+    words = vector.bitcast(ir.VectorType.get([4], ir.IntegerType.get_signless(32)), value.ir)
+    return [kiln.Value(vector.extract(words, [], [n])) for n in range(4)]
+
+
+def _bytes(word):
+    """An i32 register as ``vector<4 x i8>`` (what ``_shuffle`` permutes)."""
+    return kiln.Value(vector.bitcast(ir.VectorType.get([4], ir.IntegerType.get_signless(8)),
+                                     vector.broadcast(ir.VectorType.get(
+                                         [1], ir.IntegerType.get_signless(32)), word.ir)))
+
+
+def _halves(parts):
+    """Four ``vector<4 x i8>`` as one ``vector<8 x bf16>`` (stmatrix's four registers)."""
+    joined = vector.shuffle(vector.shuffle(parts[0].ir, parts[1].ir, list(range(8))),
+                            vector.shuffle(parts[2].ir, parts[3].ir, list(range(8))),
+                            list(range(16)))
+    return kiln.Value(vector.bitcast(ir.VectorType.get([8], ir.BF16Type.get()), joined),
+                      kiln.bf16)
 
 
 def _shuffle(a, b, order):
