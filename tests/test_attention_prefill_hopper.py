@@ -73,7 +73,7 @@ def test_max_first_schedules_match_the_reference(monkeypatch, schedule, rng):
     # with a window: rows whose first visible key lies past the first tile.
     built = []
     config = replace(HopperPrefillConfig.for_head_dim(128), exp_before_max=False, **schedule)
-    monkeypatch.setattr(HopperPrefillConfig, "for_head_dim", lambda d, dv=None: config)
+    monkeypatch.setattr(HopperPrefillConfig, "for_shape", lambda d, dv, keys: config)
     monkeypatch.setattr(prefill_module, "make_kernel",
                         lambda dtype, config, *rest: built.append(config) or
                         prefill_hopper.make_kernel(dtype, config, *rest))
