@@ -131,7 +131,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
             if warp_group == 0:
                 nvidia_asm.setmaxnreg(PRODUCER_REGS, increase=False)
                 if ctx.tid == 0:
-                    _produce_tile(ctx, head, kv_head, q_start + m0, k_start, first_tile,
+                    _produce_tile(ctx, head, kv_head, q_start, m0, k_start, first_tile,
                                   end_tile, 0, 0)
             else:
                 nvidia_asm.setmaxnreg(CONSUMER_REGS, increase=True)
@@ -167,7 +167,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     _, _, first_tile, end_tile = _tile_range(m0, seq_q, seq_k, statics)
                     active = m0 < seq_q  # ragged batches: past this sequence's last row
                     if active:
-                        _produce_tile(ctx, head, head // group, q_start + m0, k_start,
+                        _produce_tile(ctx, head, head // group, q_start, m0, k_start,
                                       first_tile, end_tile, kv_use, q_use)
                     kv_use = kv_use + kiln.where(active, end_tile - first_tile, 0)
                     q_use = q_use + kiln.where(active, 1, 0)
@@ -310,7 +310,8 @@ def _tile_range(m0, seq_q, seq_k, st):
 
 
 @kiln.func
-def _produce_tile(ctx, head, kv_head, q_row, k_start, first_tile, end_tile, kv_use, q_use):
+def _produce_tile(ctx, head, kv_head, q_start, m0, k_start, first_tile, end_tile, kv_use,
+                  q_use):
     """The producer thread's loads of one work item: the Q tile into buffer ``q_use % 2`` (once
     the consumers freed it), then K and V of each visible key tile into the ring, whose
     ``kv_use``-th use is the item's first."""
@@ -322,8 +323,8 @@ def _produce_tile(ctx, head, kv_head, q_row, k_start, first_tile, end_tile, kv_u
     ctx.q_full.arrive_expect_tx(q_buffer, chunks * tma.box_bytes(ctx.q_map))
     for c in kiln.static_range(chunks):
         tma.load(ctx.q_map, ctx.q_boxes.tile(plus(q_buffer * st.q_buffer_boxes, c)),
-                 (c * CHUNK_COLS, head, q_row) if config.padded_qk
-                 else (head * d + c * CHUNK_COLS, q_row), ctx.q_full, q_buffer)
+                 (c * CHUNK_COLS, head, q_start + m0) if config.padded_qk
+                 else (head * d + c * CHUNK_COLS, q_start + m0), ctx.q_full, q_buffer)
     for j in kiln.range(first_tile, end_tile):
         use = plus(kv_use, j - first_tile)
         stage = use % STAGES
