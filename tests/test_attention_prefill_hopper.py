@@ -15,12 +15,13 @@ from attention_reference import (assert_attention_close, poison_cuda_pool, rando
                                  tile_edge_lengths, very_negative_scores)
 from kiln.kernels.attention import prefill_hopper
 from kiln.kernels.attention.prefill import compile_prefill, prefill
-from kiln.kernels.attention.prefill_hopper import HopperPrefillConfig
+from kiln.kernels.attention.prefill_hopper import HopperPrefillConfig, MaskSpec
 from kiln.runtime.cuda import cuda_available
 from kiln.lowering.tools import find_ptxas
 
 # The module, not the function the package exports under the same name.
 prefill_module = importlib.import_module("kiln.kernels.attention.prefill")
+prefill_config = importlib.import_module("kiln.kernels.attention.prefill_config")
 needs_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and driver")
 STORAGE = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}
 
@@ -52,6 +53,36 @@ MASK_CASES = {
     "chunk": dict(chunk=48),
     "causal_chunk": dict(causal=True, chunk=100),
 }
+
+
+@pytest.fixture(params=["persistent", "one_tile"])
+def kernel_kind(request, monkeypatch):
+    """Short sequences run the persistent kernel; ``one_tile`` makes them run the kernel of
+    one CTA a query tile, which long ones take."""
+    if request.param == "one_tile":
+        monkeypatch.setattr(prefill_config, "PERSISTENT_MAX_KEYS", 0)
+    return request.param
+
+
+def test_short_sequences_take_the_persistent_kernel():
+    for d in (64, 128, 256):
+        assert HopperPrefillConfig.for_shape(d, None, prefill_config.PERSISTENT_MAX_KEYS) \
+            .persistent
+        assert not HopperPrefillConfig.for_shape(d, None,
+                                                 prefill_config.PERSISTENT_MAX_KEYS + 1).persistent
+    # A second Q buffer fits beside the K/V ring at D <= 128, not at 192 / 128 or 256.
+    buffers = {dims: HopperPrefillConfig.for_shape(*dims, 512).q_buffers
+               for dims in ((64, None), (128, None), (192, 128), (256, None))}
+    assert buffers == {(64, None): 2, (128, None): 2, (192, 128): 1, (256, None): 1}
+    assert HopperPrefillConfig.for_head_dim(128).q_buffers == 1
+    q = np.zeros((3, 512, 4, 64), ml_dtypes.bfloat16)
+    shapes = dict(batch=3, hq=4, hkv=2, d=64, dv=64)
+    kernel, args, grid, _, _ = prefill_module._operands(
+        q, q[:, :, :2], q[:, :, :2], None, None, None, shapes, MaskSpec(causal=True), 0.125,
+        0.0, False, interpret=True)
+    # 4 query tiles x 4 heads x 3 sequences: one CTA each of INTERPRET_CTAS walks them.
+    assert grid == (prefill_module.INTERPRET_CTAS, 1, 1) and args[-2:] == [4, 3]
+    assert kernel.__name__.endswith("_persistent")
 
 
 def test_default_softmax_schedule_per_head_dim():
@@ -132,7 +163,7 @@ def _check_residues(rng, mask, *, every):
 
 
 @pytest.mark.parametrize("mask", RESIDUE_MASKS.values(), ids=RESIDUE_MASKS.keys())
-def test_masks_at_tile_edge_residues(mask, rng):
+def test_masks_at_tile_edge_residues(mask, kernel_kind, rng):
     """Sk - Sq at 0, 1, 2, -2 and -1 modulo the key tile (and negative), Sq around a query
     tile: a boundary tile whose mask is skipped or bounded one key off errs there."""
     _check_residues(rng, mask, every=False)
@@ -177,7 +208,7 @@ def test_causal_is_bottom_right_aligned_when_lengths_differ(sq, sk, rng):
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa4", "mqa8"])
-def test_grouped_query_heads(hq, hkv, rng):
+def test_grouped_query_heads(hq, hkv, kernel_kind, rng):
     _check(rng, sq=70, sk=130, hq=hq, hkv=hkv, causal=True)
 
 
@@ -197,8 +228,9 @@ def test_sinks_enlarge_the_denominator(rng):
     _check(rng, sq=64, sk=200, hq=4, hkv=2, with_sinks=True, chunk=64)
 
 
-def test_ragged_batch(rng):
-    # Empty sequences, lengths below and above one tile, more keys than queries.
+def test_ragged_batch(kernel_kind, rng):
+    # Empty sequences, lengths below and above one tile, more keys than queries (persistent:
+    # the work items past a sequence's last row are skipped by all three warp groups).
     _check(rng, batch=4, hq=4, hkv=2, d=128,
            ragged=([33, 0, 140, 7], [50, 9, 150, 0]), causal=True, with_sinks=True)
 
