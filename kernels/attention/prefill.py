@@ -234,7 +234,9 @@ def _operands(q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, softcap, return_l
     b, hq, hkv, d, dv = (shapes[n] for n in ("batch", "hq", "hkv", "d", "dv"))
     ragged = cu_q is not None
     if cfg is None:
-        keys = (shapes.get("max_sk") or shapes["max_sq"]) if ragged else k.shape[1]
+        # Ragged: the longest key sequence (measured, else bounded, else taken as the queries').
+        keys = (shapes.get("longest_k") or shapes.get("max_sk") or shapes["max_sq"]) if ragged \
+            else k.shape[1]
         cfg = HopperPrefillConfig.for_shape(d, dv, keys)
     # 2-D [rows, H * D] views, or 3-D [rows, H, D] ones whose columns past D read zeros.
     q2 = contiguous(q).reshape((-1, hq, d) if cfg.padded_qk else (-1, hq * d))
@@ -414,7 +416,7 @@ def _check_ragged(q, k, cu_q, cu_k, max_q, max_k) -> dict:
         if bound is not None and bound < longest:
             raise kiln.KilnValueError(f"{name}={bound} is below the longest sequence "
                                       f"({longest})", fix=f"pass {name}={longest} or more")
-    return dict(batch=len(cq) - 1, max_sq=max(longest_q, 1), max_sk=max_k)
+    return dict(batch=len(cq) - 1, max_sq=max(longest_q, 1), max_sk=max_k, longest_k=longest_k)
 
 
 def _on_device(x) -> bool:

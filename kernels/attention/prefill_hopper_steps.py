@@ -260,8 +260,8 @@ def _write_output(out, lse_rows, max_rows, rows, o, lse, head, d, seq_q, q_start
             index = kiln.minimum(index, units - 1)
         local = index // units_per_row
         unit = index % units_per_row
-        values = q_tiles.load(plus(first_box, unit // 8), first_local + local, (unit % 8 ^ local % 8) * 8,
-                              width=8, align=16)
+        values = q_tiles.load(plus(first_box, unit // 8), first_local + local,
+                              (unit % 8 ^ local % 8) * 8, width=8, align=16)
         row = m0 + first_local + local
         inside = row < seq_q
         if partial:
