@@ -344,6 +344,17 @@ def test_no_spills(d, block_n):
 
 
 @pytest.mark.lower
+@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False)])
+def test_persistent_kernel_has_no_spills(d, causal):
+    ck = compile_prefill(target="sm_90a", head_dim=d, causal=causal, group=2, return_lse=True,
+                         persistent=True)
+    assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
+    assert ck.metadata["wgmma_serialized"] is None
+    config = replace(HopperPrefillConfig.for_head_dim(d), persistent=True)
+    assert ck.signature.dynamic_shared_bytes >= config.shared_bytes()
+
+
+@pytest.mark.lower
 @pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
 def test_ptxas_keeps_setmaxnreg_and_wgmma_async(causal_d128, tmp_path):
     ptx = tmp_path / "prefill.ptx"
