@@ -65,13 +65,15 @@ def kernel_kind(request, monkeypatch):
 
 
 def test_short_sequences_take_the_persistent_kernel():
-    for d in (64, 128, 256):
-        assert HopperPrefillConfig.for_shape(d, None, prefill_config.PERSISTENT_MAX_KEYS) \
-            .persistent
-        assert not HopperPrefillConfig.for_shape(d, None,
-                                                 prefill_config.PERSISTENT_MAX_KEYS + 1).persistent
+    longest = prefill_config.PERSISTENT_MAX_KEYS
+    for dims in ((64, None), (96, None), (128, None), (192, 128)):
+        assert HopperPrefillConfig.for_shape(*dims, longest).persistent
+        assert not HopperPrefillConfig.for_shape(*dims, longest + 1).persistent
+    # O accumulators of 192 or 256 columns would spill in the persistent loop.
+    assert not HopperPrefillConfig.for_shape(256, None, 512).persistent
+    assert not HopperPrefillConfig.for_shape(192, None, 512).persistent
     # A second Q buffer fits beside the K/V ring at D <= 128, not at 192 / 128 or 256.
-    buffers = {dims: HopperPrefillConfig.for_shape(*dims, 512).q_buffers
+    buffers = {dims: replace(HopperPrefillConfig.for_head_dim(*dims), persistent=True).q_buffers
                for dims in ((64, None), (128, None), (192, 128), (256, None))}
     assert buffers == {(64, None): 2, (128, None): 2, (192, 128): 1, (256, None): 1}
     assert HopperPrefillConfig.for_head_dim(128).q_buffers == 1
@@ -344,13 +346,14 @@ def test_no_spills(d, block_n):
 
 
 @pytest.mark.lower
-@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False)])
-def test_persistent_kernel_has_no_spills(d, causal):
-    ck = compile_prefill(target="sm_90a", head_dim=d, causal=causal, group=2, return_lse=True,
-                         persistent=True)
+@pytest.mark.parametrize("d,dv,causal", [(64, None, False), (64, None, True), (128, None, False),
+                                          (96, None, True), (192, 128, False)])
+def test_persistent_kernel_has_no_spills(d, dv, causal):
+    ck = compile_prefill(target="sm_90a", head_dim=d, head_dim_v=dv, causal=causal, group=2,
+                         return_lse=True, persistent=True)
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
     assert ck.metadata["wgmma_serialized"] is None
-    config = replace(HopperPrefillConfig.for_head_dim(d), persistent=True)
+    config = replace(HopperPrefillConfig.for_head_dim(d, dv), persistent=True)
     assert ck.signature.dynamic_shared_bytes >= config.shared_bytes()
 
 

@@ -38,6 +38,8 @@ EXP_BEFORE_MAX_HEAD_DIMS = (64, 128)
 # Keys per sequence up to which the persistent kernel runs (a work item's fixed cost, its Q
 # load, pipeline fill and output, is then a large share of it).
 PERSISTENT_MAX_KEYS = 2048
+# O accumulators wider than this spill in the persistent loop (D 192, 256): one tile a CTA.
+PERSISTENT_MAX_V_WIDTH = 128
 
 
 def check_head_dim(name: str, d) -> None:
@@ -183,10 +185,13 @@ class HopperPrefillConfig(HeadDimTiles):
     @classmethod
     def for_shape(cls, head_dim: int, head_dim_v: int | None, keys: int) -> "HopperPrefillConfig":
         """The configuration :func:`~kiln.kernels.attention.prefill` runs for sequences of up to
-        ``keys`` keys: :meth:`for_head_dim`'s, persistent up to ``PERSISTENT_MAX_KEYS``.
+        ``keys`` keys: :meth:`for_head_dim`'s, persistent up to ``PERSISTENT_MAX_KEYS`` where
+        O is at most ``PERSISTENT_MAX_V_WIDTH`` columns wide.
         Example: ``for_shape(128, None, 1024).persistent`` is True."""
         config = cls.for_head_dim(head_dim, head_dim_v)
-        return replace(config, persistent=True) if keys <= PERSISTENT_MAX_KEYS else config
+        if keys <= PERSISTENT_MAX_KEYS and config.v_width <= PERSISTENT_MAX_V_WIDTH:
+            return replace(config, persistent=True)
+        return config
 
     @classmethod
     def for_head_dim(cls, head_dim: int, head_dim_v: int | None = None) -> "HopperPrefillConfig":

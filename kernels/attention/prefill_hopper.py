@@ -55,7 +55,7 @@ Persistent variant (``config.persistent``, short sequences, :meth:`HopperPrefill
 a grid of one CTA per SM walks the ``(query tile, head, batch)`` work items (causal: longest
 query tiles of every head and batch first), each CTA every ``num_blocks``-th one. The K/V ring's
 uses and the ping-pong turns run on across work items, and Q has two buffers (one where two do
-not fit: D > 128) released by the consumers once their output left it, so the producer loads the
+not fit: 192/128) released by the consumers once their output left it, so the producer loads the
 next item's Q and first K/V tiles while the consumers finish the current one.
 """
 
