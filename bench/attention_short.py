@@ -2,7 +2,7 @@
 configs) vs torch SDPA (cuDNN, flash) in one run, at 16k tokens total (batch * seq), heads * D
 = 2048; GPU time only (queued). Prints one JSON line per row with ratios to cuDNN.
 
-Example: ``python bench/attention_short.py --seqs 512 1024 2048 8192 --dims 64 128``
+Example: ``python bench/attention_short.py --seqs 512 1024 2048 8192 --dims 64 128 192:128``
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ from timing import queued_ms  # noqa: E402
 MAX_ERROR = 0.05  # max abs error vs SDPA of bf16 outputs of unit-variance inputs
 
 
-def variants(d: int, extra: list[str]) -> dict:
-    """Named Hopper configs to A/B: the one-tile kernel, the persistent one, and ``extra``
-    (``name=field:value,...`` overrides of the persistent config)."""
+def variants(d: int, extra: list[str], dv: int | None = None) -> dict:
+    """Named Hopper configs to A/B: ``auto`` (None: what ``prefill`` picks for the shape), the
+    one-tile kernel, the persistent one, and ``extra`` (``name=[dims@]field:value,...``
+    overrides of the one-tile config, ``dims`` a ``/``-separated list of the head dims they
+    apply to)."""
     from kiln.kernels.attention.prefill_config import HopperPrefillConfig
 
-    base = HopperPrefillConfig.for_head_dim(d)
-    out = {"one_tile": base, "persistent": replace(base, persistent=True)}
+    base = HopperPrefillConfig.for_head_dim(d, dv)
+    out = {"auto": None, "one_tile": base, "persistent": replace(base, persistent=True)}
     for spec in extra:
         name, _, fields = spec.partition("=")
         dims, _, fields = fields.rpartition("@") if "@" in fields else ("", "", fields)
@@ -55,7 +57,7 @@ def kiln_call(q, k, v, causal, cfg):
     mask = p._mask_spec(causal, None, None)
     scale = 1.0 / math.sqrt(q.shape[-1])
 
-    def run():
+    def run():  # cfg None: the configuration prefill picks for the shape
         kernel, args, grid, constexprs, warps = p._operands(q, k, v, None, None, None, shapes,
                                                             mask, scale, 0.0, False, cfg=cfg)
         runtime.launch(kernel, grid, args, target="sm_90a", num_warps=warps, **constexprs)
@@ -68,7 +70,8 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 8192])
-    ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--dims", nargs="+", default=["64", "128"],
+                    help="head dims, D or D:Dv (e.g. 192:128)")
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--repeat", type=int, default=7)
@@ -78,17 +81,19 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     masks = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     started = time.time()
-    for d in args.dims:
+    for dims in args.dims:
+        d, _, dv = dims.partition(":")
+        d, dv = int(d), int(dv or d)
         hq = 2048 // d
-        configs = variants(d, args.variant)
+        configs = variants(d, args.variant, dv)
         if args.only is not None:
             configs = {n: c for n, c in configs.items() if n in args.only}
         for causal in masks:
             for seq in args.seqs:
                 batch = max(1, args.tokens // seq)
-                row = dict(batch=batch, seq=seq, hq=hq, hkv=hq, d=d, causal=causal)
-                q, k, v = (torch.randn(batch, seq, hq, d, device="cuda", dtype=torch.bfloat16)
-                           for _ in range(3))
+                row = dict(batch=batch, seq=seq, hq=hq, hkv=hq, d=d, dv=dv, causal=causal)
+                q, k, v = (torch.randn(batch, seq, hq, n, device="cuda", dtype=torch.bfloat16)
+                           for n in (d, d, dv))
                 flops = row_flops(row)
                 result = dict(row)
                 reference = None
