@@ -77,7 +77,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--variant", action="append", default=[],
                     help="name=[64/128@]field:value,... e.g. n128=64@persistent:1,block_n:128")
-    ap.add_argument("--only", nargs="*", default=None, help="variants to time (default all)")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="variants to time (default all), each NAME or NAME@D1/D2")
+    ap.add_argument("--peers", nargs="+", default=["cudnn", "flash"])
     args = ap.parse_args(argv)
     masks = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     started = time.time()
@@ -87,7 +89,9 @@ def main(argv=None) -> None:
         hq = 2048 // d
         configs = variants(d, args.variant, dv)
         if args.only is not None:
-            configs = {n: c for n, c in configs.items() if n in args.only}
+            wanted = {o.partition("@")[0] for o in args.only
+                      if "@" not in o or dims in o.partition("@")[2].split("/")}
+            configs = {n: c for n, c in configs.items() if n in wanted}
         for causal in masks:
             for seq in args.seqs:
                 batch = max(1, args.tokens // seq)
@@ -97,7 +101,7 @@ def main(argv=None) -> None:
                 flops = row_flops(row)
                 result = dict(row)
                 reference = None
-                for name in ("cudnn", "flash"):
+                for name in args.peers:
                     call = sdpa_call(name, q, k, v, causal)
                     if call is None:
                         continue

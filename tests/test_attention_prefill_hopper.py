@@ -69,6 +69,10 @@ def test_short_sequences_take_the_persistent_kernel():
     for dims in ((64, None), (96, None), (128, None), (192, 128)):
         assert HopperPrefillConfig.for_shape(*dims, longest).persistent
         assert not HopperPrefillConfig.for_shape(*dims, longest + 1).persistent
+    tiles = [(keys, HopperPrefillConfig.for_shape(64, None, keys)) for keys in (512, 1024, 2048)]
+    assert [(keys, c.block_n, c.stages) for keys, c in tiles] == \
+        [(512, 128, 2), (1024, 128, 2), (2048, 192, 3)]
+    assert all(c.shared_bytes() <= prefill_config.SHARED_BUDGET for _, c in tiles)
     # O accumulators of 192 or 256 columns would spill in the persistent loop.
     assert not HopperPrefillConfig.for_shape(256, None, 512).persistent
     assert not HopperPrefillConfig.for_shape(192, None, 512).persistent
@@ -147,7 +151,8 @@ def test_every_mask_kind(mask, rng):
     _check(rng, sq=150, sk=290, **mask)
 
 
-# Tile-edge residues at D = 64: 128 query rows per CTA (two consumer groups), 192-key tiles.
+# Tile-edge residues at D = 64: 128 query rows per CTA (two consumer groups), 192-key tiles
+# (128 on the persistent kernel that short sequences run).
 BLOCK_Q = 2 * prefill_hopper.WARP_GROUP_ROWS
 BLOCK_N = HopperPrefillConfig.for_head_dim(64).block_n
 RESIDUE_MASKS = {
@@ -160,7 +165,10 @@ RESIDUE_MASKS = {
 
 
 def _check_residues(rng, mask, *, every):
-    lengths = tile_edge_lengths(BLOCK_Q, BLOCK_N, every=every)
+    # The key tile of the kernel these (short) sequences run: 128 keys on the persistent one.
+    block_n = HopperPrefillConfig.for_shape(64, None, 4 * BLOCK_N).block_n
+    lengths = tile_edge_lengths(BLOCK_Q, block_n, every=every)
+    assert max(lengths[1]) <= 4 * BLOCK_N
     _check(rng, batch=len(lengths[0]), hq=1, hkv=1, d=64, ragged=lengths, **mask)
 
 

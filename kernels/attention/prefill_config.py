@@ -40,6 +40,10 @@ EXP_BEFORE_MAX_HEAD_DIMS = (64, 128)
 PERSISTENT_MAX_KEYS = 2048
 # O accumulators wider than this spill in the persistent loop (D 192, 256): one tile a CTA.
 PERSISTENT_MAX_V_WIDTH = 128
+# head_dim -> (keys, block_n, stages): the persistent tiles of sequences of up to ``keys`` keys
+# (first match; H200, bench/attention_short.py: at D 64, 128-key tiles leave no partial tile at
+# 512 / 1k keys, +5-18% over 192; a third stage +0.5-3.5% at 2k).
+PERSISTENT_TILES = {64: ((1024, 128, 2), (PERSISTENT_MAX_KEYS, 192, 3))}
 
 
 def check_head_dim(name: str, d) -> None:
@@ -186,11 +190,17 @@ class HopperPrefillConfig(HeadDimTiles):
     def for_shape(cls, head_dim: int, head_dim_v: int | None, keys: int) -> "HopperPrefillConfig":
         """The configuration :func:`~kiln.kernels.attention.prefill` runs for sequences of up to
         ``keys`` keys: :meth:`for_head_dim`'s, persistent up to ``PERSISTENT_MAX_KEYS`` where
-        O is at most ``PERSISTENT_MAX_V_WIDTH`` columns wide.
-        Example: ``for_shape(128, None, 1024).persistent`` is True."""
+        O is at most ``PERSISTENT_MAX_V_WIDTH`` columns wide, with ``PERSISTENT_TILES``' tiles.
+        Example: ``for_shape(128, None, 1024).persistent`` is True,
+        ``for_shape(64, None, 512).block_n == 128``."""
         config = cls.for_head_dim(head_dim, head_dim_v)
-        if keys <= PERSISTENT_MAX_KEYS and config.v_width <= PERSISTENT_MAX_V_WIDTH:
-            return replace(config, persistent=True)
+        if keys > PERSISTENT_MAX_KEYS or config.v_width > PERSISTENT_MAX_V_WIDTH:
+            return config
+        config = replace(config, persistent=True)
+        if config.head_dim_v is None:
+            for longest, block_n, stages in PERSISTENT_TILES.get(head_dim, ()):
+                if keys <= longest:
+                    return replace(config, block_n=block_n, stages=stages)
         return config
 
     @classmethod
