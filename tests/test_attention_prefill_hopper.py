@@ -428,6 +428,40 @@ def test_ragged_and_lse_on_gpu(rng):
                            causal=True)
 
 
+PERSISTENT_WALKS = {
+    "d64_causal_ragged": dict(d=64, causal=True,
+                              lengths=([300, 1, 129, 0, 512], [400, 64, 129, 5, 512])),
+    "d128_window_sinks": dict(d=128, window=(100, 20), sinks=True,
+                              lengths=([513, 200, 77], [513, 260, 700])),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", PERSISTENT_WALKS.values(), ids=PERSISTENT_WALKS.keys())
+def test_persistent_ctas_walk_many_work_items_on_gpu(case, monkeypatch, rng):
+    """Two CTAs walk every work item of a ragged batch (items past a sequence's end, sequences
+    without rows or keys among them): the K/V ring, the Q buffers and the turns run on across
+    items of different lengths."""
+    import torch
+
+    monkeypatch.setattr(prefill_module.runtime, "multiprocessor_count", lambda: 2)
+    case = dict(case)
+    d, (lengths_q, lengths_k), with_sinks = case.pop("d"), case.pop("lengths"), \
+        case.pop("sinks", False)
+    q, k, v, cu_q, cu_k = random_qkv(rng, batch=len(lengths_q), sq=None, sk=None, hq=4, hkv=2,
+                                     d=d, ragged_q=lengths_q, ragged_k=lengths_k)
+    q, k, v = (x.astype(ml_dtypes.bfloat16) for x in (q, k, v))
+    sinks = rng.standard_normal(4).astype(np.float32) if with_sinks else None
+    dev = [torch.from_numpy(x.astype(np.float32)).to("cuda", torch.bfloat16) for x in (q, k, v)]
+    poison_cuda_pool(torch, 2 * q.nbytes)
+    o, lse = prefill(*dev, cu_seqlens_q=torch.from_numpy(cu_q).cuda(),
+                     cu_seqlens_k=torch.from_numpy(cu_k).cuda(), return_lse=True,
+                     sinks=None if sinks is None else torch.from_numpy(sinks).cuda(), **case)
+    assert_attention_close(o, q, k, v, lse=lse, sinks=sinks, cu_seqlens_q=cu_q,
+                           cu_seqlens_k=cu_k, **case)
+
+
 def test_fragment_helpers_reject_wrong_kinds():
     @kiln.kernel
     def wrong_element_dtype(x: kiln.Tensor[kiln.f32, 1]):
