@@ -69,10 +69,15 @@ def test_short_sequences_take_the_persistent_kernel():
     for dims in ((64, None), (96, None), (128, None), (192, 128)):
         assert HopperPrefillConfig.for_shape(*dims, longest).persistent
         assert not HopperPrefillConfig.for_shape(*dims, longest + 1).persistent
-    tiles = [(keys, HopperPrefillConfig.for_shape(64, None, keys)) for keys in (512, 1024, 2048)]
-    assert [(keys, c.block_n, c.stages) for keys, c in tiles] == \
-        [(512, 128, 2), (1024, 128, 2), (2048, 192, 3)]
-    assert all(c.shared_bytes() <= prefill_config.SHARED_BUDGET for _, c in tiles)
+    # Causal: D 64 only (one tile a CTA is faster at D 128).
+    assert HopperPrefillConfig.for_shape(64, None, longest, causal=True).persistent
+    assert not HopperPrefillConfig.for_shape(128, None, 512, causal=True).persistent
+    tiles = [(keys, causal, HopperPrefillConfig.for_shape(64, None, keys, causal))
+             for keys in (512, 1024, 2048) for causal in (False, True)]
+    assert [(keys, causal, c.block_n, c.stages) for keys, causal, c in tiles] == [
+        (512, False, 128, 3), (512, True, 128, 3), (1024, False, 128, 3), (1024, True, 128, 3),
+        (2048, False, 192, 3), (2048, True, 128, 3)]
+    assert all(c.shared_bytes() <= prefill_config.SHARED_BUDGET for _, _, c in tiles)
     # O accumulators of 192 or 256 columns would spill in the persistent loop.
     assert not HopperPrefillConfig.for_shape(256, None, 512).persistent
     assert not HopperPrefillConfig.for_shape(192, None, 512).persistent
@@ -110,7 +115,7 @@ def test_max_first_schedules_match_the_reference(monkeypatch, schedule, rng):
     # with a window: rows whose first visible key lies past the first tile.
     built = []
     config = replace(HopperPrefillConfig.for_head_dim(128), exp_before_max=False, **schedule)
-    monkeypatch.setattr(HopperPrefillConfig, "for_shape", lambda d, dv, keys: config)
+    monkeypatch.setattr(HopperPrefillConfig, "for_shape", lambda d, dv, keys, causal: config)
     monkeypatch.setattr(prefill_module, "make_kernel",
                         lambda dtype, config, *rest: built.append(config) or
                         prefill_hopper.make_kernel(dtype, config, *rest))

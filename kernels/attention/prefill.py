@@ -237,7 +237,7 @@ def _operands(q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, softcap, return_l
         # Ragged: the longest key sequence (measured, else bounded, else taken as the queries').
         keys = (shapes.get("longest_k") or shapes.get("max_sk") or shapes["max_sq"]) if ragged \
             else k.shape[1]
-        cfg = HopperPrefillConfig.for_shape(d, dv, keys)
+        cfg = HopperPrefillConfig.for_shape(d, dv, keys, mask.causal)
     # 2-D [rows, H * D] views, or 3-D [rows, H, D] ones whose columns past D read zeros.
     q2 = contiguous(q).reshape((-1, hq, d) if cfg.padded_qk else (-1, hq * d))
     k2 = contiguous(k).reshape((-1, hkv, d) if cfg.padded_qk else (-1, hkv * d))

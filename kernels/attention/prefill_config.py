@@ -38,12 +38,15 @@ EXP_BEFORE_MAX_HEAD_DIMS = (64, 128)
 # Keys per sequence up to which the persistent kernel runs (a work item's fixed cost, its Q
 # load, pipeline fill and output, is then a large share of it).
 PERSISTENT_MAX_KEYS = 2048
-# O accumulators wider than this spill in the persistent loop (D 192, 256): one tile a CTA.
-PERSISTENT_MAX_V_WIDTH = 128
-# head_dim -> (keys, block_n, stages): the persistent tiles of sequences of up to ``keys`` keys
-# (first match; H200, bench/attention_short.py: at D 64, 128-key tiles leave no partial tile at
-# 512 / 1k keys, +5-18% over 192; a third stage +0.5-3.5% at 2k).
-PERSISTENT_TILES = {64: ((1024, 128, 2), (PERSISTENT_MAX_KEYS, 192, 3))}
+# O's widest columns where the persistent kernel runs, without / with a causal mask (H200,
+# bench/attention_short.py: at D 128 causal it is 8-20% slower than one tile a CTA; D 192 and
+# 256 accumulators spill in its loop).
+PERSISTENT_MAX_V_WIDTH = {False: 128, True: 64}
+# (head_dim, causal) -> (keys, block_n, stages): the persistent tiles of sequences of up to
+# ``keys`` keys, first match (H200: at D 64, 128-key tiles leave no partial tile at 512 / 1k keys
+# and waste less of a causal diagonal, +5-18% over 192; a third stage +0.5-5%).
+PERSISTENT_TILES = {(64, False): ((1024, 128, 3), (PERSISTENT_MAX_KEYS, 192, 3)),
+                    (64, True): ((PERSISTENT_MAX_KEYS, 128, 3),)}
 
 
 def check_head_dim(name: str, d) -> None:
@@ -187,18 +190,20 @@ class HopperPrefillConfig(HeadDimTiles):
         return (not mask.causal) if self.q_tiles_first is None else self.q_tiles_first
 
     @classmethod
-    def for_shape(cls, head_dim: int, head_dim_v: int | None, keys: int) -> "HopperPrefillConfig":
+    def for_shape(cls, head_dim: int, head_dim_v: int | None, keys: int,
+                  causal: bool = False) -> "HopperPrefillConfig":
         """The configuration :func:`~kiln.kernels.attention.prefill` runs for sequences of up to
-        ``keys`` keys: :meth:`for_head_dim`'s, persistent up to ``PERSISTENT_MAX_KEYS`` where
-        O is at most ``PERSISTENT_MAX_V_WIDTH`` columns wide, with ``PERSISTENT_TILES``' tiles.
+        ``keys`` keys (``causal``: under a causal mask): :meth:`for_head_dim`'s, persistent up
+        to ``PERSISTENT_MAX_KEYS`` where O is at most ``PERSISTENT_MAX_V_WIDTH[causal]``
+        columns wide, with ``PERSISTENT_TILES``' tiles.
         Example: ``for_shape(128, None, 1024).persistent`` is True,
-        ``for_shape(64, None, 512).block_n == 128``."""
+        ``for_shape(64, None, 512, causal=True).block_n == 128``."""
         config = cls.for_head_dim(head_dim, head_dim_v)
-        if keys > PERSISTENT_MAX_KEYS or config.v_width > PERSISTENT_MAX_V_WIDTH:
+        if keys > PERSISTENT_MAX_KEYS or config.v_width > PERSISTENT_MAX_V_WIDTH[bool(causal)]:
             return config
         config = replace(config, persistent=True)
         if config.head_dim_v is None:
-            for longest, block_n, stages in PERSISTENT_TILES.get(head_dim, ()):
+            for longest, block_n, stages in PERSISTENT_TILES.get((head_dim, bool(causal)), ()):
                 if keys <= longest:
                     return replace(config, block_n=block_n, stages=stages)
         return config
