@@ -15,12 +15,13 @@ from attention_reference import (assert_attention_close, poison_cuda_pool, rando
                                  tile_edge_lengths, very_negative_scores)
 from kiln.kernels.attention import prefill_hopper
 from kiln.kernels.attention.prefill import compile_prefill, prefill
-from kiln.kernels.attention.prefill_hopper import HopperPrefillConfig
+from kiln.kernels.attention.prefill_hopper import HopperPrefillConfig, MaskSpec
 from kiln.runtime.cuda import cuda_available
 from kiln.lowering.tools import find_ptxas
 
 # The module, not the function the package exports under the same name.
 prefill_module = importlib.import_module("kiln.kernels.attention.prefill")
+prefill_config = importlib.import_module("kiln.kernels.attention.prefill_config")
 needs_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and driver")
 STORAGE = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}
 
@@ -54,6 +55,47 @@ MASK_CASES = {
 }
 
 
+@pytest.fixture(params=["persistent", "one_tile"])
+def kernel_kind(request, monkeypatch):
+    """Short sequences run the persistent kernel; ``one_tile`` makes them run the kernel of
+    one CTA a query tile, which long ones take."""
+    if request.param == "one_tile":
+        monkeypatch.setattr(prefill_config, "PERSISTENT_MAX_KEYS", 0)
+    return request.param
+
+
+def test_short_sequences_take_the_persistent_kernel():
+    longest = prefill_config.PERSISTENT_MAX_KEYS
+    for dims in ((64, None), (96, None), (128, None), (192, 128)):
+        assert HopperPrefillConfig.for_shape(*dims, longest).persistent
+        assert not HopperPrefillConfig.for_shape(*dims, longest + 1).persistent
+    # Causal: D 64 only (one tile a CTA is faster at D 128).
+    assert HopperPrefillConfig.for_shape(64, None, longest, causal=True).persistent
+    assert not HopperPrefillConfig.for_shape(128, None, 512, causal=True).persistent
+    tiles = [(keys, causal, HopperPrefillConfig.for_shape(64, None, keys, causal))
+             for keys in (512, 1024, 2048) for causal in (False, True)]
+    assert [(keys, causal, c.block_n, c.stages) for keys, causal, c in tiles] == [
+        (512, False, 128, 3), (512, True, 128, 3), (1024, False, 128, 3), (1024, True, 128, 3),
+        (2048, False, 192, 3), (2048, True, 128, 3)]
+    assert all(c.shared_bytes() <= prefill_config.SHARED_BUDGET for _, _, c in tiles)
+    # O accumulators of 192 or 256 columns would spill in the persistent loop.
+    assert not HopperPrefillConfig.for_shape(256, None, 512).persistent
+    assert not HopperPrefillConfig.for_shape(192, None, 512).persistent
+    # A second Q buffer fits beside the K/V ring at D <= 128, not at 192 / 128 or 256.
+    buffers = {dims: replace(HopperPrefillConfig.for_head_dim(*dims), persistent=True).q_buffers
+               for dims in ((64, None), (128, None), (192, 128), (256, None))}
+    assert buffers == {(64, None): 2, (128, None): 2, (192, 128): 1, (256, None): 1}
+    assert HopperPrefillConfig.for_head_dim(128).q_buffers == 1
+    q = np.zeros((3, 512, 4, 64), ml_dtypes.bfloat16)
+    shapes = dict(batch=3, hq=4, hkv=2, d=64, dv=64)
+    kernel, args, grid, _, _ = prefill_module._operands(
+        q, q[:, :, :2], q[:, :, :2], None, None, None, shapes, MaskSpec(causal=True), 0.125,
+        0.0, False, interpret=True)
+    # 4 query tiles x 4 heads x 3 sequences: one CTA each of INTERPRET_CTAS walks them.
+    assert grid == (prefill_module.INTERPRET_CTAS, 1, 1) and args[-2:] == [4, 3]
+    assert kernel.__name__.endswith("_persistent")
+
+
 def test_default_softmax_schedule_per_head_dim():
     for d in (64, 128):
         config = HopperPrefillConfig.for_head_dim(d)
@@ -73,7 +115,7 @@ def test_max_first_schedules_match_the_reference(monkeypatch, schedule, rng):
     # with a window: rows whose first visible key lies past the first tile.
     built = []
     config = replace(HopperPrefillConfig.for_head_dim(128), exp_before_max=False, **schedule)
-    monkeypatch.setattr(HopperPrefillConfig, "for_head_dim", lambda d, dv=None: config)
+    monkeypatch.setattr(HopperPrefillConfig, "for_shape", lambda d, dv, keys, causal: config)
     monkeypatch.setattr(prefill_module, "make_kernel",
                         lambda dtype, config, *rest: built.append(config) or
                         prefill_hopper.make_kernel(dtype, config, *rest))
@@ -114,7 +156,8 @@ def test_every_mask_kind(mask, rng):
     _check(rng, sq=150, sk=290, **mask)
 
 
-# Tile-edge residues at D = 64: 128 query rows per CTA (two consumer groups), 192-key tiles.
+# Tile-edge residues at D = 64: 128 query rows per CTA (two consumer groups), 192-key tiles
+# (128 on the persistent kernel that short sequences run).
 BLOCK_Q = 2 * prefill_hopper.WARP_GROUP_ROWS
 BLOCK_N = HopperPrefillConfig.for_head_dim(64).block_n
 RESIDUE_MASKS = {
@@ -127,12 +170,15 @@ RESIDUE_MASKS = {
 
 
 def _check_residues(rng, mask, *, every):
-    lengths = tile_edge_lengths(BLOCK_Q, BLOCK_N, every=every)
+    # The key tile of the kernel these (short) sequences run: 128 keys on the persistent one.
+    block_n = HopperPrefillConfig.for_shape(64, None, 4 * BLOCK_N).block_n
+    lengths = tile_edge_lengths(BLOCK_Q, block_n, every=every)
+    assert max(lengths[1]) <= 4 * BLOCK_N
     _check(rng, batch=len(lengths[0]), hq=1, hkv=1, d=64, ragged=lengths, **mask)
 
 
 @pytest.mark.parametrize("mask", RESIDUE_MASKS.values(), ids=RESIDUE_MASKS.keys())
-def test_masks_at_tile_edge_residues(mask, rng):
+def test_masks_at_tile_edge_residues(mask, kernel_kind, rng):
     """Sk - Sq at 0, 1, 2, -2 and -1 modulo the key tile (and negative), Sq around a query
     tile: a boundary tile whose mask is skipped or bounded one key off errs there."""
     _check_residues(rng, mask, every=False)
@@ -177,7 +223,7 @@ def test_causal_is_bottom_right_aligned_when_lengths_differ(sq, sk, rng):
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa4", "mqa8"])
-def test_grouped_query_heads(hq, hkv, rng):
+def test_grouped_query_heads(hq, hkv, kernel_kind, rng):
     _check(rng, sq=70, sk=130, hq=hq, hkv=hkv, causal=True)
 
 
@@ -197,8 +243,9 @@ def test_sinks_enlarge_the_denominator(rng):
     _check(rng, sq=64, sk=200, hq=4, hkv=2, with_sinks=True, chunk=64)
 
 
-def test_ragged_batch(rng):
-    # Empty sequences, lengths below and above one tile, more keys than queries.
+def test_ragged_batch(kernel_kind, rng):
+    # Empty sequences, lengths below and above one tile, more keys than queries (persistent:
+    # the work items past a sequence's last row are skipped by all three warp groups).
     _check(rng, batch=4, hq=4, hkv=2, d=128,
            ragged=([33, 0, 140, 7], [50, 9, 150, 0]), causal=True, with_sinks=True)
 
@@ -312,6 +359,18 @@ def test_no_spills(d, block_n):
 
 
 @pytest.mark.lower
+@pytest.mark.parametrize("d,dv,causal", [(64, None, False), (64, None, True), (128, None, False),
+                                          (96, None, True), (192, 128, False)])
+def test_persistent_kernel_has_no_spills(d, dv, causal):
+    ck = compile_prefill(target="sm_90a", head_dim=d, head_dim_v=dv, causal=causal, group=2,
+                         return_lse=True, persistent=True)
+    assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
+    assert ck.metadata["wgmma_serialized"] is None
+    config = replace(HopperPrefillConfig.for_head_dim(d, dv), persistent=True)
+    assert ck.signature.dynamic_shared_bytes >= config.shared_bytes()
+
+
+@pytest.mark.lower
 @pytest.mark.skipif(find_ptxas() is None, reason="needs ptxas")
 def test_ptxas_keeps_setmaxnreg_and_wgmma_async(causal_d128, tmp_path):
     ptx = tmp_path / "prefill.ptx"
@@ -372,6 +431,40 @@ def test_ragged_and_lse_on_gpu(rng):
                      cu_seqlens_k=torch.from_numpy(cu_k).cuda(), causal=True, return_lse=True)
     assert_attention_close(o, q, k, v, lse=lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                            causal=True)
+
+
+PERSISTENT_WALKS = {
+    "d64_causal_ragged": dict(d=64, causal=True,
+                              lengths=([300, 1, 129, 0, 512], [400, 64, 129, 5, 512])),
+    "d128_window_sinks": dict(d=128, window=(100, 20), sinks=True,
+                              lengths=([513, 200, 77], [513, 260, 700])),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", PERSISTENT_WALKS.values(), ids=PERSISTENT_WALKS.keys())
+def test_persistent_ctas_walk_many_work_items_on_gpu(case, monkeypatch, rng):
+    """Two CTAs walk every work item of a ragged batch (items past a sequence's end, sequences
+    without rows or keys among them): the K/V ring, the Q buffers and the turns run on across
+    items of different lengths."""
+    import torch
+
+    monkeypatch.setattr(prefill_module.runtime, "multiprocessor_count", lambda: 2)
+    case = dict(case)
+    d, (lengths_q, lengths_k), with_sinks = case.pop("d"), case.pop("lengths"), \
+        case.pop("sinks", False)
+    q, k, v, cu_q, cu_k = random_qkv(rng, batch=len(lengths_q), sq=None, sk=None, hq=4, hkv=2,
+                                     d=d, ragged_q=lengths_q, ragged_k=lengths_k)
+    q, k, v = (x.astype(ml_dtypes.bfloat16) for x in (q, k, v))
+    sinks = rng.standard_normal(4).astype(np.float32) if with_sinks else None
+    dev = [torch.from_numpy(x.astype(np.float32)).to("cuda", torch.bfloat16) for x in (q, k, v)]
+    poison_cuda_pool(torch, 2 * q.nbytes)
+    o, lse = prefill(*dev, cu_seqlens_q=torch.from_numpy(cu_q).cuda(),
+                     cu_seqlens_k=torch.from_numpy(cu_k).cuda(), return_lse=True,
+                     sinks=None if sinks is None else torch.from_numpy(sinks).cuda(), **case)
+    assert_attention_close(o, q, k, v, lse=lse, sinks=sinks, cu_seqlens_q=cu_q,
+                           cu_seqlens_k=cu_k, **case)
 
 
 def test_fragment_helpers_reject_wrong_kinds():

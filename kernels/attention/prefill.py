@@ -41,6 +41,8 @@ from .softcap import check_softcap
 
 __all__ = ["prefill", "compile_prefill"]
 
+INTERPRET_CTAS = 3  # a persistent grid in the interpreter: each CTA walks several work items
+
 
 def compile_prefill(dtype="bf16", *, target, head_dim=128, head_dim_v=None, causal=False,
                     window=None, chunk=None, group=1, sinks=False, return_lse=False, softcap=0.0,
@@ -216,7 +218,8 @@ def _run(target, q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, softcap, retur
          interpret):
     """Lay out the operands as the kernel wants them and launch (or interpret) it."""
     kernel, args, grid, constexprs, num_warps = _operands(q, k, v, sinks, cu_q, cu_k, shapes,
-                                                          mask, scale, softcap, return_lse)
+                                                          mask, scale, softcap, return_lse,
+                                                          interpret=interpret)
     run = runtime.interpret if interpret else runtime.launch
     run(kernel, grid, args, target=target, num_warps=num_warps, **constexprs)
     o, lse = args[3].reshape(*q.shape[:-1], shapes["dv"]), args[4]
@@ -227,12 +230,18 @@ def _run(target, q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, softcap, retur
         lse.reshape(shapes["batch"], hq, q.shape[1])
 
 
-def _operands(q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, softcap, return_lse):
-    """The kernel of this shape class, its run-time arguments (fresh ``o`` and ``lse``
-    included), grid, constexprs and warps."""
+def _operands(q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, softcap, return_lse, *,
+              interpret=False, cfg=None):
+    """The kernel of this shape class (``cfg``: :meth:`HopperPrefillConfig.for_shape`'s unless
+    given), its run-time arguments (fresh ``o`` and ``lse`` included), grid, constexprs and
+    warps. A persistent grid has one CTA per SM (``INTERPRET_CTAS`` in the interpreter)."""
     b, hq, hkv, d, dv = (shapes[n] for n in ("batch", "hq", "hkv", "d", "dv"))
     ragged = cu_q is not None
-    cfg = HopperPrefillConfig.for_head_dim(d, dv)
+    if cfg is None:
+        # Ragged: the longest key sequence (measured, else bounded, else taken as the queries').
+        keys = (shapes.get("longest_k") or shapes.get("max_sk") or shapes["max_sq"]) if ragged \
+            else k.shape[1]
+        cfg = HopperPrefillConfig.for_shape(d, dv, keys, mask.causal)
     # 2-D [rows, H * D] views, or 3-D [rows, H, D] ones whose columns past D read zeros.
     q2 = contiguous(q).reshape((-1, hq, d) if cfg.padded_qk else (-1, hq * d))
     k2 = contiguous(k).reshape((-1, hkv, d) if cfg.padded_qk else (-1, hkv * d))
@@ -258,7 +267,12 @@ def _operands(q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, softcap, return_l
     args = [q2, k2, v2, o2, lse, sink_arr, cu_q_arr, cu_k_arr, float(scale) * math.log2(math.e),
             lse_row_mult, lse_head_stride]
     q_tiles = -(-max_sq // cfg.block_m)
-    grid = (q_tiles, hq, b) if cfg.grid_q_tiles_first(mask) else (hq, q_tiles, b)
+    if cfg.persistent:
+        args += [q_tiles, b]
+        ctas = INTERPRET_CTAS if interpret else runtime.multiprocessor_count()
+        grid = (max(1, min(q_tiles * hq * b, ctas)), 1, 1)
+    else:
+        grid = (q_tiles, hq, b) if cfg.grid_q_tiles_first(mask) else (hq, q_tiles, b)
     return kernel, args, grid, _constexprs(cfg, hkv), cfg.num_warps
 
 
@@ -409,7 +423,7 @@ def _check_ragged(q, k, cu_q, cu_k, max_q, max_k) -> dict:
         if bound is not None and bound < longest:
             raise kiln.KilnValueError(f"{name}={bound} is below the longest sequence "
                                       f"({longest})", fix=f"pass {name}={longest} or more")
-    return dict(batch=len(cq) - 1, max_sq=max(longest_q, 1), max_sk=max_k)
+    return dict(batch=len(cq) - 1, max_sq=max(longest_q, 1), max_sk=max_k, longest_k=longest_k)
 
 
 def _on_device(x) -> bool:
@@ -470,7 +484,7 @@ def _placeholder_args(name, cfg: HopperPrefillConfig, group):
     qk = np.empty((1, group, cfg.head_dim), x.dtype) if cfg.padded_qk else x
     v = np.empty((1, 1, cfg.dv), x.dtype) if cfg.padded_v else x
     f, i = np.empty(1, np.float32), np.empty(1, np.int32)
-    return [qk, qk, v, x, f, f, i, i, 1.0, 1, 1]
+    return [qk, qk, v, x, f, f, i, i, 1.0, 1, 1] + ([1, 1] if cfg.persistent else [])
 
 
 def _require_wgmma(chip):

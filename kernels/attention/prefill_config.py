@@ -13,7 +13,7 @@ Example::
     (cfg.qk_width, cfg.v_width, cfg.block_n)   # (192, 128, 128)
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import kiln
 
@@ -35,6 +35,18 @@ DEFAULT_TILES = {64: (192, 2), 128: (128, 2), 256: (80, 2)}
 # spills; bench/LEDGER.md, sessions 21-22).
 LAZY_RESCALE_HEAD_DIMS = (64, 128, 256)
 EXP_BEFORE_MAX_HEAD_DIMS = (64, 128)
+# Keys per sequence up to which the persistent kernel runs (a work item's fixed cost, its Q
+# load, pipeline fill and output, is then a large share of it).
+PERSISTENT_MAX_KEYS = 2048
+# O's widest columns where the persistent kernel runs, without / with a causal mask (H200,
+# bench/attention_short.py: at D 128 causal it is 8-20% slower than one tile a CTA; D 192 and
+# 256 accumulators spill in its loop).
+PERSISTENT_MAX_V_WIDTH = {False: 128, True: 64}
+# (head_dim, causal) -> (keys, block_n, stages): the persistent tiles of sequences of up to
+# ``keys`` keys, first match (H200: at D 64, 128-key tiles leave no partial tile at 512 / 1k keys
+# and waste less of a causal diagonal, +5-18% over 192; a third stage +0.5-5%).
+PERSISTENT_TILES = {(64, False): ((1024, 128, 3), (PERSISTENT_MAX_KEYS, 192, 3)),
+                    (64, True): ((PERSISTENT_MAX_KEYS, 128, 3),)}
 
 
 def check_head_dim(name: str, d) -> None:
@@ -116,6 +128,7 @@ class HopperPrefillConfig(HeadDimTiles):
     lazy_rescale: bool = False
     exp_before_max: bool = False
     head_dim_v: int | None = None
+    persistent: bool = False
 
     block_m = 2 * WARP_GROUP_ROWS  # two consumer warp groups
     num_warps = 12
@@ -134,7 +147,7 @@ class HopperPrefillConfig(HeadDimTiles):
             raise kiln.KilnValueError("exp_before_max needs lazy_rescale: P is taken against "
                                       "the running max, which only the lazy vote keeps",
                                       fix="set lazy_rescale=True")
-        scratch = ORDER_SCRATCH_BYTES if self.pin_pv_wait else 0
+        scratch = self._scratch()
         if self.shared_bytes() + scratch > SHARED_BUDGET:
             raise kiln.ResourceError(f"Q and {self.stages} K/V stages of {self.block_n} x "
                                      f"{self.qk_width} + {self.v_width} need "
@@ -147,18 +160,53 @@ class HopperPrefillConfig(HeadDimTiles):
                                      "registers per thread exceed the 64K register file",
                                      fix="lower consumer_registers")
 
+    @property
+    def q_buffers(self) -> int:
+        """Q tiles in shared memory: two where a persistent kernel's second one fits (the next
+        work item's Q loads while this one's output leaves the first), else one."""
+        if not self.persistent:
+            return 1
+        return 2 if self._q_bytes(2) + self._kv_bytes() <= SHARED_BUDGET - self._scratch() \
+            else 1
+
     def shared_bytes(self, itemsize: int = 2) -> int:
-        """Dynamic shared memory: the Q tile (which also stages O) and the K/V ring
+        """Dynamic shared memory: the Q tiles (which also stage O) and the K/V ring
         (``pin_pv_wait``'s scratch is static, ``ORDER_SCRATCH_BYTES``)."""
-        q = self.block_m * max(self.qk_width, self.v_width)
-        kv = self.stages * self.block_n * (self.qk_width + self.v_width)
-        return (q + kv) * itemsize
+        return self._q_bytes(self.q_buffers, itemsize) + self._kv_bytes(itemsize)
+
+    def _q_bytes(self, buffers: int, itemsize: int = 2) -> int:
+        return buffers * self.block_m * max(self.qk_width, self.v_width) * itemsize
+
+    def _kv_bytes(self, itemsize: int = 2) -> int:
+        return self.stages * self.block_n * (self.qk_width + self.v_width) * itemsize
+
+    def _scratch(self) -> int:
+        return ORDER_SCRATCH_BYTES if self.pin_pv_wait else 0
 
     def grid_q_tiles_first(self, mask: "MaskSpec") -> bool:
         """Whether grid x walks the query tiles of one head (CTAs running together share that
         head's K/V in L2) rather than the heads (causal masks: longest tiles of many heads
         first). ``q_tiles_first=None`` picks by the mask."""
         return (not mask.causal) if self.q_tiles_first is None else self.q_tiles_first
+
+    @classmethod
+    def for_shape(cls, head_dim: int, head_dim_v: int | None, keys: int,
+                  causal: bool = False) -> "HopperPrefillConfig":
+        """The configuration :func:`~kiln.kernels.attention.prefill` runs for sequences of up to
+        ``keys`` keys (``causal``: under a causal mask): :meth:`for_head_dim`'s, persistent up
+        to ``PERSISTENT_MAX_KEYS`` where O is at most ``PERSISTENT_MAX_V_WIDTH[causal]``
+        columns wide, with ``PERSISTENT_TILES``' tiles.
+        Example: ``for_shape(128, None, 1024).persistent`` is True,
+        ``for_shape(64, None, 512, causal=True).block_n == 128``."""
+        config = cls.for_head_dim(head_dim, head_dim_v)
+        if keys > PERSISTENT_MAX_KEYS or config.v_width > PERSISTENT_MAX_V_WIDTH[bool(causal)]:
+            return config
+        config = replace(config, persistent=True)
+        if config.head_dim_v is None:
+            for longest, block_n, stages in PERSISTENT_TILES.get((head_dim, bool(causal)), ()):
+                if keys <= longest:
+                    return replace(config, block_n=block_n, stages=stages)
+        return config
 
     @classmethod
     def for_head_dim(cls, head_dim: int, head_dim_v: int | None = None) -> "HopperPrefillConfig":

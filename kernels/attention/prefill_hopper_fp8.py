@@ -35,12 +35,12 @@ from kiln.tiles import SharedTile
 
 from .online_softmax import OnlineSoftmax
 from .prefill_config import WARP_GROUP_ROWS, WARP_GROUP_THREADS, MaskSpec
-from .prefill_hopper import (DESCRIPTOR_UNIT, LOG2E, MAX_SENTINEL, PINGPONG_BARRIER,
-                             ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN, VOTE_BARRIER,
-                             _issue_qk, _key_bounds, _Operands, _remapped_head, _softmax_tile,
-                             _softmax_tile_max_on_demand, _TileMask, _write_output)
 from .prefill_hopper_fp8_config import (FP8_CHUNK_COLS, FP8_K_STEP, HopperFp8PrefillConfig,
                                         vt_boxes)
+from .prefill_hopper_steps import (DESCRIPTOR_UNIT, LOG2E, MAX_SENTINEL, PINGPONG_BARRIER,
+                                   ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN, VOTE_BARRIER, _issue_qk,
+                                   _key_bounds, _Operands, _remapped_head, _softmax_tile,
+                                   _softmax_tile_max_on_demand, _TileMask, _write_output)
 from .softcap import soft_cap_constants
 
 __all__ = ["make_fp8_kernel", "HopperFp8PrefillConfig"]
