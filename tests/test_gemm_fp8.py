@@ -66,6 +66,33 @@ def test_interpreter_cta_pairs_multicast_b(scales, config, rng):
 
 
 @pytest.mark.lower
+@pytest.mark.parametrize("scales, overlap", [(("block", "block"), 4), (("tensor", "col"), 8),
+                                             (("row", "tensor"), 2)],
+                         ids=["block4", "col8", "row2"])
+def test_interpreter_two_accumulator_groups(scales, overlap, rng):
+    """``overlap_steps`` groups on two accumulators: 10 K steps (the last partial) are whole
+    groups and a one-accumulator remainder (2 for groups of 4 and 8, none for 2); a second
+    tile row past M; NaN-poisoned C. The PTX keeps every WGMMA asynchronous (no ptxas
+    serialisation: nothing is in flight across the loop's back edge)."""
+    from kiln.kernels import runtime
+    from kiln.kernels.gemm.fp8_hopper import fp8_constexprs, make_fp8_kernel
+
+    m, n, k = 190, 136, 1168
+    config = Fp8GemmConfig(block_n=128, stages=4, overlap_steps=overlap)
+    a, b, sa, sb, a64, b64 = _operands(rng, m, n, k, scales)
+    sa = np.array([sa], np.float32) if isinstance(sa, float) else sa
+    sb = np.array([sb], np.float32) if isinstance(sb, float) else sb
+    c = np.full((m, n), np.nan, np.float32)
+    runtime.interpret(make_fp8_kernel("f8e4m3", "f32", scales, config), (4, 1, 1),
+                      [a, b, c, sa, sb, m, n, k], target="sm_90a", num_warps=config.num_warps,
+                      **fp8_constexprs(config))
+    assert_fp8_close(c, a64, b64)
+    ck = compile_matmul("f8e4m3", target="sm_90a", trans_b=True, scales=scales, **vars(config))
+    assert ck.metadata["spill_bytes"] == 0
+    assert "wgmma.wait_group.sync.aligned 1;" in re.sub(r"[ \t]+", " ", ck.asm["ptx"])
+
+
+@pytest.mark.lower
 @pytest.mark.parametrize("scales", [("block", "block"), ("tensor", "tensor"), ("row", "col")])
 def test_every_scale_kind_promotes_after_each_k_block(scales):
     """Hopper's FP8 tensor cores accumulate with ~14 mantissa bits, so every scale kind waits

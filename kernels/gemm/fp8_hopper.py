@@ -47,6 +47,7 @@ SHARED_BUDGET = 227 * 1024 - 1024 - 256  # as in .hopper: alignment slack and mb
 A_MODES = ("tensor", "row", "block")
 B_MODES = ("tensor", "col", "block")
 MAX_BLOCK_N = 192  # 256 would need 256 accumulator registers (acc + total): ptxas spills
+MAX_DOUBLE_N = 128  # two accumulators and the total: 192 registers at 128
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,16 @@ class Fp8GemmConfig:
     producer_registers: int = 40
     consumer_registers: int = 232
     cluster_m: int = 1
+    overlap_steps: int = 1
 
     def __post_init__(self):
         checks = ((self.block_m in (64, 128), f"block_m={self.block_m} must be 64 or 128"),
                   (self.cluster_m in (1, 2), f"cluster_m={self.cluster_m} must be 1 or 2"),
+                  (self.overlap_steps in (1, 2, 4, 8) and (self.overlap_steps == 1 or
+                                                            self.block_n <= MAX_DOUBLE_N),
+                   f"overlap_steps={self.overlap_steps} must be 1, or 2, 4 or 8 with block_n <= "
+                   f"{MAX_DOUBLE_N} (two accumulators and the total: 3 * block_n / 2 "
+                   "registers)"),
                   (self.block_n % 64 == 0 and 64 <= self.block_n <= MAX_BLOCK_N,
                    f"block_n={self.block_n} must be a multiple of 64 up to {MAX_BLOCK_N} (the "
                    "accumulator and its promoted total share 232 registers)"),
@@ -217,6 +224,81 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
             for r in range(pair):
                 empty.arrive_cluster(stage, r, wgmma_pending=wgmma_pending)
 
+    def issue(acc, a_base, b_base, stage):
+        """Four ``m64nNk32`` WGMMAs of one 128-K stage into a fresh accumulator (the first
+        ignores ``acc``'s values), committed."""
+        stage64 = kiln.cast(stage, kiln.i64)
+        a_desc = a_base + stage64 * (bm * bk // 16)  # descriptor address units
+        b_desc = b_base + stage64 * (bn * bk // 16)
+        wgmma.fence()
+        for ks in kiln.static_range(bk // FP8_K_STEP):
+            acc = wgmma.mma_async(acc, a_desc + ks * step_units, b_desc + ks * step_units,
+                                  dtype=in_type, accumulate=ks > 0)
+        wgmma.commit()
+        return acc
+
+    def step_scales(scale_a, scale_b, where, kt, k_tiles):
+        """Block scales of K step ``kt`` (clamped: padding steps are zeros) at ``where`` =
+        (top row, bottom row, B scale row); none (``()``) for epilogue-scaled modes."""
+        if not where:
+            return ()
+        return block_scales(scale_a, scale_b, *where, kiln.minimum(kt, k_tiles - 1))
+
+    @kiln.func
+    def mainloop_single(total, ahead, where, a_base, b_base, full, empty, use, first_thread,
+                        scale_a, scale_b, k_first, k_tiles):
+        """Steps ``k_first ..`` with one accumulator: each step's WGMMAs are waited for, then
+        promoted (the other consumer's WGMMAs keep the tensor cores busy meanwhile)."""
+        acc = wgmma.fragment_zeros(bn)
+        for kt in kiln.range(k_first, k_tiles):
+            stage = use % config.stages
+            full.try_wait(stage, (use // config.stages) % 2)
+            acc = issue(acc, a_base, b_base, stage)
+            current = ahead  # load the next block's scales while these WGMMAs run
+            ahead = step_scales(scale_a, scale_b, where, kt + 1, k_tiles)
+            wgmma.wait_group(0)
+            if first_thread:
+                release(empty, stage, 0)
+            total = promote(total, acc, current or None)
+            use = use + 1
+        return total, use
+
+    @kiln.func
+    def mainloop_grouped(total, where, a_base, b_base, full, empty, use, first_thread,
+                         scale_a, scale_b, k_tiles):
+        """Groups of ``overlap_steps`` steps on two accumulators in turn: step ``t + 1``'s
+        WGMMAs run while step ``t`` is promoted, so all but a group's last promotion overlap
+        this warp group's own tensor-core work. Nothing is in flight across the loop's back
+        edge (ptxas serialises every WGMMA when a second accumulator is). A group's block
+        scales are loaded one group ahead."""
+        group = config.overlap_steps
+        ahead = [step_scales(scale_a, scale_b, where, i, k_tiles) for i in range(group)]
+        for g in kiln.range(0, k_tiles // group):
+            kt = g * group
+            current = ahead
+            accs = [wgmma.fragment_zeros(bn), wgmma.fragment_zeros(bn)]
+            stages = [(use + i) % config.stages for i in range(group)]
+            full.try_wait(stages[0], (use // config.stages) % 2)
+            accs[0] = issue(accs[0], a_base, b_base, stages[0])
+            ahead = [step_scales(scale_a, scale_b, where, kt + group + i, k_tiles)
+                     for i in range(group)]
+            for i in kiln.static_range(1, group):
+                full.try_wait(stages[i], ((use + i) // config.stages) % 2)
+                accs[i % 2] = issue(accs[i % 2], a_base, b_base, stages[i])
+                wgmma.wait_group(1)  # step i - 1 is done, step i runs on
+                if first_thread:
+                    release(empty, stages[i - 1], 1)
+                total = promote(total, accs[(i - 1) % 2], current[i - 1] or None)
+            wgmma.wait_group(0)
+            if first_thread:
+                release(empty, stages[group - 1], 0)
+            total = promote(total, accs[(group - 1) % 2], current[group - 1] or None)
+            use = use + group
+        rest = k_tiles // group * group
+        return mainloop_single(total, step_scales(scale_a, scale_b, where, rest, k_tiles),
+                               where, a_base, b_base, full, empty, use, first_thread, scale_a,
+                               scale_b, rest, k_tiles)
+
     def gemm_fp8(a_map: kiln.TensorMap[in_type, (bm, bk), SWIZZLE],
                  b_map: kiln.TensorMap[in_type, b_box, SWIZZLE],
                  c_map: kiln.TensorMap[out_type, (64, c_cols), SWIZZLE],
@@ -278,40 +360,25 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
             a_base = wgmma.smem_descriptor(a_tiles.tile(0), leading_bytes=16, stride_bytes=1024,
                                            byte_offset=consumer * 64 * ROW_BYTES)
             b_base = wgmma.smem_descriptor(b_tiles.tile(0), leading_bytes=16, stride_bytes=1024)
-            a_stage_units = BM * BK // 16  # descriptor address units
-            b_stage_units = BN * BK // 16
             use = 0
             for tile in kiln.range(first_tile, num_tiles, tile_step):
                 m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM * CLUSTER_M, BN, group_m)
                 row0 = m0 + rank * BM + consumer * 64
-                acc = wgmma.fragment_zeros(BN)
                 total = wgmma.fragment_zeros(BN)
+                where, ahead = (), ()
                 if block:
                     top, bottom = thread_rows(row0)
                     top, bottom = kiln.minimum(top, m - 1), kiln.minimum(bottom, m - 1)
-                    ahead = block_scales(scale_a, scale_b, top, bottom, n0 // BN, 0)
-                for kt in kiln.range(0, k_tiles):
-                    stage = use % STAGES
-                    full.try_wait(stage, (use // STAGES) % 2)
-                    stage64 = kiln.cast(stage, kiln.i64)
-                    a_desc = a_base + stage64 * a_stage_units
-                    b_desc = b_base + stage64 * b_stage_units
-                    wgmma.fence()
-                    for ks in kiln.static_range(BK // FP8_K_STEP):
-                        acc = wgmma.mma_async(acc, a_desc + ks * step_units,
-                                              b_desc + ks * step_units, dtype=in_type,
-                                              accumulate=ks > 0)
-                    wgmma.commit()
-                    if block:
-                        # Load the next block's scales while these WGMMAs run.
-                        current = ahead
-                        ahead = block_scales(scale_a, scale_b, top, bottom, n0 // BN,
-                                             kiln.minimum(kt + 1, k_tiles - 1))
-                    wgmma.wait_group(0)
-                    if first_thread:
-                        release(empty, stage, 0)
-                    total = promote(total, acc, current) if block else promote(total, acc)
-                    use = use + 1
+                    where = (top, bottom, n0 // BN)
+                    if config.overlap_steps == 1:
+                        ahead = block_scales(scale_a, scale_b, top, bottom, n0 // BN, 0)
+                if config.overlap_steps > 1:
+                    total, use = mainloop_grouped(total, where, a_base, b_base, full, empty,
+                                                  use, first_thread, scale_a, scale_b, k_tiles)
+                else:
+                    total, use = mainloop_single(total, ahead, where, a_base, b_base, full,
+                                                 empty, use, first_thread, scale_a, scale_b, 0,
+                                                 k_tiles)
                 out = total if block else scale_accumulator(total, scale_a, scale_b, row0, n0,
                                                             m, n, a_mode, b_mode)
                 store_tile(out, c_map, c_tiles, consumer, row0, n0, first_thread,
