@@ -12,7 +12,8 @@ Prints one line per measurement as it comes, then per shape the best config of e
 with ``ratio_vs_scaled_mm`` (goal >= 1.0) and ``ratio_vs_kiln_bf16`` (block; goal >= 1.4).
 
 Usage (H100/H200): ``python bench/gemm_fp8_configs.py [--shapes 8192x8192x8192,...]
-[--configs tuner|overlap] [--repeat 5] [--batch 10] [--json out.json]``.
+[--configs tuner|overlap] [--repeat 5] [--batch 10] [--json out.json]``; ``--launch
+block:2`` only launches that candidate (for ``ncu -k regex:hopper_gemm``).
 """
 
 from __future__ import annotations
@@ -30,18 +31,24 @@ from results_io import write_results
 from timing import time_ms
 
 MODES = {"per_tensor": ("tensor", "tensor"), "block": ("block", "block")}
-# The overlap sweep: one accumulator (as shipped before) against two accumulators in groups.
+# The overlap sweep: one accumulator (as shipped before) against two accumulators in groups,
+# and three consumer warp groups (block_m=192, 160 registers each).
+M192 = dict(block_m=192, block_n=128, stages=4, producer_registers=24, consumer_registers=160)
 OVERLAP = {
-    "per_tensor": (Fp8GemmConfig(block_n=192, stages=4), Fp8GemmConfig(block_n=128, stages=6),
+    "per_tensor": (Fp8GemmConfig(block_n=192, stages=4),
+                   Fp8GemmConfig(block_n=192, stages=4, cluster_m=2),
+                   Fp8GemmConfig(block_n=128, stages=6),
                    Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2),
                    Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4),
                    Fp8GemmConfig(block_n=128, stages=6, overlap_steps=8),
-                   Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4, cluster_m=2)),
+                   Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4, cluster_m=2),
+                   Fp8GemmConfig(**M192), Fp8GemmConfig(**M192, cluster_m=2)),
     "block": (Fp8GemmConfig(block_n=128, stages=6),
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2),
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4),
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=8),
-              Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4, cluster_m=2)),
+              Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4, cluster_m=2),
+              Fp8GemmConfig(**M192), Fp8GemmConfig(**M192, cluster_m=2)),
 }
 ODD = (1000, 1032, 1168)  # 9.125 K steps of 128: a partial step and a group remainder
 
@@ -156,7 +163,19 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--batch", type=int, default=10)
     parser.add_argument("--json")
+    parser.add_argument("--launch", metavar="KIND:INDEX",
+                        help="only launch that candidate once per shape (for ncu), e.g. block:2")
     args = parser.parse_args()
+    if args.launch:
+        kind, index = args.launch.split(":")
+        config = candidates(args.configs)[kind][int(index)]
+        for shape in args.shapes.split(","):
+            m, n, k = map(int, shape.split("x"))
+            a8, w8, sa, sw, _ = operands(torch, m, n, k, block=kind == "block")
+            launch(a8, w8, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), sa, sw,
+                   kind, config)
+        torch.cuda.synchronize()
+        return
     begin = time.perf_counter()
 
     def log(line):

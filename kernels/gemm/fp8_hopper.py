@@ -48,6 +48,7 @@ A_MODES = ("tensor", "row", "block")
 B_MODES = ("tensor", "col", "block")
 MAX_BLOCK_N = 192  # 256 would need 256 accumulator registers (acc + total): ptxas spills
 MAX_DOUBLE_N = 128  # two accumulators and the total: 192 registers at 128
+REGISTER_FILE = 65536  # 32-bit registers per SM, shared by the warp groups (setmaxnreg)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class Fp8GemmConfig:
     overlap_steps: int = 1
 
     def __post_init__(self):
-        checks = ((self.block_m in (64, 128), f"block_m={self.block_m} must be 64 or 128"),
+        checks = ((self.block_m in (64, 128, 192), f"block_m={self.block_m} must be 64, 128 or 192"),
                   (self.cluster_m in (1, 2), f"cluster_m={self.cluster_m} must be 1 or 2"),
                   (self.overlap_steps in (1, 2, 4, 8) and (self.overlap_steps == 1 or
                                                             self.block_n <= MAX_DOUBLE_N),
@@ -82,6 +83,11 @@ class Fp8GemmConfig:
                   (self.block_k == ROW_BYTES, f"block_k={self.block_k} must be {ROW_BYTES} "
                    "(one 128-byte swizzled row of FP8)"),
                   (2 <= self.stages <= 8, f"stages={self.stages} must be in 2..8"),
+                  (self.consumers * self.consumer_registers + self.producer_registers
+                   <= REGISTER_FILE // WARP_GROUP_THREADS,
+                   f"{self.consumers} consumer warp groups of {self.consumer_registers} "
+                   f"registers and a producer of {self.producer_registers} exceed the "
+                   f"{REGISTER_FILE} registers of an SM (block_m=192: e.g. 160 and 24)"),
                   (self.group_m >= 1, f"group_m={self.group_m} must be >= 1"),
                   (self.ring_bytes + self.block_m * 32 <= SHARED_BUDGET,
                    f"{self.stages} stages of {self.ring_bytes // self.stages} bytes leave no "
