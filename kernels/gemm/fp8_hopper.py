@@ -6,7 +6,8 @@ accumulation, a bf16 or f32 output. FP8 WGMMA reads both operands K-major, so B 
 
 The pipeline is the bf16 kernel's (:mod:`.hopper`): one producer warp group TMA-loads the A and
 B boxes of each K step into a ring of ``stages`` 128B-swizzled buffers (``BK = 128`` one-byte
-elements = one swizzled row), two consumer warp groups issue four ``wgmma.m64nNk32`` per stage.
+elements = one swizzled row), ``block_m / 64`` consumer warp groups (two, or three at
+``block_m=192`` with 160 registers each) issue four ``wgmma.m64nNk32`` per stage.
 
 Hopper's FP8 WGMMA adds its products with only ~14 mantissa bits in the tensor core
 (DeepSeek-V3 §3.3.2), so every 128-K step, whatever the scales, starts a fresh accumulator
@@ -21,6 +22,14 @@ f32 register total, as cuBLAS does without fast accumulation:
 
 The accumulator and the total take ``block_n`` f32 registers per thread, hence
 ``block_n <= 192``.
+
+With ``overlap_steps = G > 1`` (``block_n <= 128``: two accumulators and the total take
+``3 * block_n / 2`` registers) a consumer takes K steps in groups of ``G`` on two
+accumulators in turn: step ``t + 1``'s WGMMAs are issued before step ``t`` is waited for
+(``wait_group(1)``) and promoted, so all but each group's last promotion run under this warp
+group's own tensor-core work. A group is straight-line code and ends with ``wait_group(0)``:
+with an accumulator in flight across the loop's back edge ptxas serialises every WGMMA
+(C7514). Steps past the last whole group run the one-accumulator loop.
 
 Block scaling needs ``block_n = 128`` (one B scale block per tile column range). Scale
 indices are clamped to the matrix (rows/columns past the edge are never stored), so no scale
@@ -56,8 +65,11 @@ class Fp8GemmConfig:
     """Tiles and pipeline of :func:`make_fp8_kernel`: ``block_m`` 64 per consumer warp group,
     ``block_n`` a multiple of 64 up to 192 (128 with block scales: the WGMMA accumulator and
     the promoted total take ``block_n`` f32 registers per thread), ``block_k`` 128 (one
-    128-byte swizzled row of FP8, one scale block). Example: ``Fp8GemmConfig(block_n=128,
-    stages=5)``."""
+    128-byte swizzled row of FP8, one scale block). ``block_m=192`` runs three consumer warp
+    groups and needs registers that fit the SM (``consumer_registers=160,
+    producer_registers=24``); ``overlap_steps`` (1, 2, 4 or 8; ``block_n <= 128``) promotes
+    each K step under the next one's WGMMAs (see the module docstring). Example:
+    ``Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4)``."""
 
     block_m: int = 128
     block_n: int = 192
