@@ -32,8 +32,10 @@ from timing import time_ms
 
 MODES = {"per_tensor": ("tensor", "tensor"), "block": ("block", "block")}
 # The overlap sweep: one accumulator (as shipped before) against two accumulators in groups,
-# and three consumer warp groups (block_m=192, 160 registers each).
+# three consumer warp groups (block_m=192, 160 registers each) and block scales on 192 columns.
 M192 = dict(block_m=192, block_n=128, stages=4, producer_registers=24, consumer_registers=160)
+# Block scales on 192-column tiles (two B scales per step), 240 registers per consumer.
+WIDE = dict(block_n=192, stages=4, producer_registers=24, consumer_registers=240)
 OVERLAP = {
     "per_tensor": (Fp8GemmConfig(block_n=192, stages=4),
                    Fp8GemmConfig(block_n=192, stages=4, cluster_m=2),
@@ -48,7 +50,8 @@ OVERLAP = {
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4),
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=8),
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4, cluster_m=2),
-              Fp8GemmConfig(**M192), Fp8GemmConfig(**M192, cluster_m=2)),
+              Fp8GemmConfig(**M192), Fp8GemmConfig(**M192, cluster_m=2),
+              Fp8GemmConfig(**WIDE), Fp8GemmConfig(**WIDE, cluster_m=2)),
 }
 ODD = (1000, 1032, 1168)  # 9.125 K steps of 128: a partial step and a group remainder
 

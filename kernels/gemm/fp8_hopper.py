@@ -167,23 +167,39 @@ def rescale(acc, row_scale: list, col_scale: list | None = None):
     return wgmma.fragment_from_elements(values)
 
 
-def block_scales(scale_a, scale_b, top, bottom, b_row, kb) -> list:
+def block_scales(scale_a, scale_b, top, bottom, b_row, kb, b_next=None) -> list:
     """The raw scales of K block ``kb`` for this thread: ``[sa[top, kb], sa[bottom, kb],
-    sb[b_row, kb]]`` (loaded a block ahead of :func:`promote`, which multiplies them)."""
-    return [scale_a[top, kb], scale_a[bottom, kb], scale_b[b_row, kb]]
+    sb[b_row, kb]]``, and ``sb[b_next, kb]`` for a tile that spans two B scale blocks (loaded
+    a block ahead of :func:`promote`, which multiplies them)."""
+    scales = [scale_a[top, kb], scale_a[bottom, kb], scale_b[b_row, kb]]
+    return scales if b_next is None else scales + [scale_b[b_next, kb]]
 
 
-def promote(total, acc, scales: list | None = None):
+def promote(total, acc, scales: list | None = None, second_half=None):
     """Promotion into f32 registers after one 128-K step (the tensor core accumulates FP8
     products with ~14 mantissa bits only): ``total + acc``, times ``sa[row, kb] * sb[kb]``
-    with block ``scales`` from :func:`block_scales`."""
+    with block ``scales`` from :func:`block_scales`.
+
+    With four scales the tile's 64-column chunks straddle two B blocks: chunk ``c`` of a tile
+    starting ``second_half`` (a traced bool: 64 columns into its 128-column block) lies in
+    block ``(second_half + c) // 2``, so even chunks know their block and odd chunks select
+    it once per step (DeepGEMM's two B scales per tile, at 64-column granularity)."""
+    n_half = acc.shape[1] // 2
     if scales is None:
         return wgmma.fragment_from_elements([total.element(i) + acc.element(i)
-                                             for i in range(acc.shape[1] // 2)])
-    row_scale = [scales[0] * scales[2], scales[1] * scales[2]]
+                                             for i in range(n_half)])
+    if len(scales) == 3:
+        row_scale = [scales[0] * scales[2], scales[1] * scales[2]]
+        return wgmma.fragment_from_elements([total.element(i) + acc.element(i) *
+                                             row_scale[(i // 2) % 2] for i in range(n_half)])
+    sb = scales[2:]
+    chunk_scale = [sb[c // 2] if c % 2 == 0 else kiln.where(second_half, sb[1], sb[0])
+                   for c in range(acc.shape[1] // 64)]
+    products = [[row * col for col in chunk_scale] for row in scales[:2]]
+    # Register i is column 8 (i // 4) + i % 2 (+ the lane's), in 64-column chunk i // 32.
     return wgmma.fragment_from_elements([total.element(i) + acc.element(i) *
-                                         row_scale[(i // 2) % 2]
-                                         for i in range(acc.shape[1] // 2)])
+                                         products[(i // 2) % 2][i // 32]
+                                         for i in range(n_half)])
 
 
 def scale_accumulator(acc, scale_a, scale_b, row0, col0, m, n, a_mode: str, b_mode: str):
@@ -213,9 +229,8 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
         raise kiln.KilnValueError(f"scale modes {scale_mode} do not combine",
                                   fix="use block scales for both operands, or per-tensor / "
                                       "per-row / per-column scales for both")
-    if block and config.block_n != SCALE_BLOCK:
-        raise kiln.KilnValueError(f"block scales need block_n={SCALE_BLOCK}, got "
-                                  f"{config.block_n}", fix="use Fp8GemmConfig(block_n=128)")
+    # A tile of 64 or 192 columns straddles two B scale blocks: two B scales per step.
+    wide = block and config.block_n != SCALE_BLOCK
     in_type, out_type = kiln.dtype(dtype), kiln.dtype(out_dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     c_cols = ROW_BYTES // out_type.itemsize
@@ -257,10 +272,17 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
 
     def step_scales(scale_a, scale_b, where, kt, k_tiles):
         """Block scales of K step ``kt`` (clamped: padding steps are zeros) at ``where`` =
-        (top row, bottom row, B scale row); none (``()``) for epilogue-scaled modes."""
+        (top row, bottom row, B scale row[, second half, next B scale row]); none (``()``)
+        for epilogue-scaled modes."""
         if not where:
             return ()
-        return block_scales(scale_a, scale_b, *where, kiln.minimum(kt, k_tiles - 1))
+        return block_scales(scale_a, scale_b, *where[:3], kiln.minimum(kt, k_tiles - 1),
+                            where[4] if wide else None)
+
+    def promote_step(total, acc, scales, where):
+        if not where:
+            return promote(total, acc)
+        return promote(total, acc, scales, where[3] if wide else None)
 
     @kiln.func
     def mainloop_single(total, ahead, where, a_base, b_base, full, empty, use, first_thread,
@@ -277,7 +299,7 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
             wgmma.wait_group(0)
             if first_thread:
                 release(empty, stage, 0)
-            total = promote(total, acc, current or None)
+            total = promote_step(total, acc, current, where)
             use = use + 1
         return total, use
 
@@ -306,11 +328,11 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
                 wgmma.wait_group(1)  # step i - 1 is done, step i runs on
                 if first_thread:
                     release(empty, stages[i - 1], 1)
-                total = promote(total, accs[(i - 1) % 2], current[i - 1] or None)
+                total = promote_step(total, accs[(i - 1) % 2], current[i - 1], where)
             wgmma.wait_group(0)
             if first_thread:
                 release(empty, stages[group - 1], 0)
-            total = promote(total, accs[(group - 1) % 2], current[group - 1] or None)
+            total = promote_step(total, accs[(group - 1) % 2], current[group - 1], where)
             use = use + group
         rest = k_tiles // group * group
         return mainloop_single(total, step_scales(scale_a, scale_b, where, rest, k_tiles),
@@ -387,9 +409,13 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
                 if block:
                     top, bottom = thread_rows(row0)
                     top, bottom = kiln.minimum(top, m - 1), kiln.minimum(bottom, m - 1)
-                    where = (top, bottom, n0 // BN)
+                    where = (top, bottom, n0 // SCALE_BLOCK)
+                    if wide:
+                        last_block = (n + SCALE_BLOCK - 1) // SCALE_BLOCK - 1
+                        where = where + (n0 % SCALE_BLOCK >= 64,
+                                         kiln.minimum(n0 // SCALE_BLOCK + 1, last_block))
                     if config.overlap_steps == 1:
-                        ahead = block_scales(scale_a, scale_b, top, bottom, n0 // BN, 0)
+                        ahead = step_scales(scale_a, scale_b, where, 0, k_tiles)
                 if config.overlap_steps > 1:
                     total, use = mainloop_grouped(total, where, a_base, b_base, full, empty,
                                                   use, first_thread, scale_a, scale_b, k_tiles)
