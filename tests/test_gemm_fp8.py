@@ -93,6 +93,34 @@ def test_interpreter_two_accumulator_groups(scales, overlap, rng):
 
 
 @pytest.mark.lower
+@pytest.mark.parametrize("config", [
+    Fp8GemmConfig(block_n=192, stages=4, producer_registers=24, consumer_registers=240),
+    Fp8GemmConfig(block_n=64, stages=4, overlap_steps=2),
+    Fp8GemmConfig(block_n=192, stages=3, cluster_m=2, producer_registers=24,
+                  consumer_registers=240),
+    Fp8GemmConfig(block_m=192, block_n=128, stages=4, producer_registers=24,
+                  consumer_registers=160)], ids=["n192", "n64", "n192pair", "m192"])
+def test_interpreter_block_scales_on_tiles_straddling_b_blocks(config, rng):
+    """Block scales on tiles whose columns straddle two 128-column B scale blocks (tiles at
+    N 0, 192 and 384 start on either half of a block; N ends mid-block) and on three consumer
+    warp groups; NaN-poisoned C against float64, and no spills (a few bytes in pairs)."""
+    from kiln.kernels import runtime
+    from kiln.kernels.gemm.fp8_hopper import fp8_constexprs, make_fp8_kernel
+
+    m, n, k = 200, 424, 400
+    scales = ("block", "block")
+    a, b, sa, sb, a64, b64 = _operands(rng, m, n, k, scales)
+    c = np.full((m, n), np.nan, np.float32)
+    runtime.interpret(make_fp8_kernel("f8e4m3", "f32", scales, config), (4, 1, 1),
+                      [a, b, c, sa, sb, m, n, k], target="sm_90a", num_warps=config.num_warps,
+                      **fp8_constexprs(config))
+    assert_fp8_close(c, a64, b64)
+    ck = compile_matmul("f8e4m3", target="sm_90a", trans_b=True, scales=scales, **vars(config))
+    # A pair's multicast addresses push 192-column block scaling a few bytes past 240 registers.
+    assert ck.metadata["spill_bytes"] <= (16 if config.cluster_m > 1 else 0)
+
+
+@pytest.mark.lower
 @pytest.mark.parametrize("scales", [("block", "block"), ("tensor", "tensor"), ("row", "col")])
 def test_every_scale_kind_promotes_after_each_k_block(scales):
     """Hopper's FP8 tensor cores accumulate with ~14 mantissa bits, so every scale kind waits
@@ -142,6 +170,12 @@ def test_error_model_catches_a_dropped_block_a_wrong_scale_and_a_shifted_tile(rn
 def test_config_refuses_block_n_past_the_register_budget():
     with pytest.raises(kiln.KilnValueError, match="up to 192"):
         Fp8GemmConfig(block_n=256)
+    with pytest.raises(kiln.KilnValueError, match="overlap_steps=4 must be 1, or"):
+        Fp8GemmConfig(block_n=192, overlap_steps=4)
+    with pytest.raises(kiln.KilnValueError, match="overlap_steps=3"):
+        Fp8GemmConfig(block_n=128, overlap_steps=3)
+    with pytest.raises(kiln.KilnValueError, match="exceed the 65536 registers"):
+        Fp8GemmConfig(block_m=192, block_n=128)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
