@@ -193,7 +193,7 @@ def _precompile(config, a, b, c, sa, sb, m, n, k, dtype, out, mode, target):
 
 @functools.lru_cache(maxsize=None)
 def _tuner(mode: tuple):
-    """One autotuner per scale kind: block scales have their own (block_n = 128) configs."""
+    """One autotuner per scale kind: block scales have their own configs."""
     configs = BLOCK_CONFIGS if mode[0] == "block" else SCALED_CONFIGS
 
     @autotune(configs=configs, key=["m", "n", "k", "dtype", "out", "mode"],

@@ -18,7 +18,7 @@ f32 register total, as cuBLAS does without fast accumulation:
 | scales (``scale_mode``) | promotion per 128-K step | epilogue |
 | --- | --- | --- |
 | ``("tensor" or "row", "tensor" or "col")`` | ``total += acc`` | ``total[r, c] *= sa[r] * sb[c]`` (one index for a per-tensor scale) before staging and TMA-storing the tile |
-| ``("block", "block")`` (DeepSeek-V3) | ``total += acc * sa[r, kt] * sb[n0 / 128, kt]`` (the scales are loaded before the ``full`` wait, so their latency hides behind it) | ``total`` is staged and stored |
+| ``("block", "block")`` (DeepSeek-V3) | ``total += acc * sa[r, kt] * sb[n0 / 128, kt]`` (the scales are loaded a step, or with ``overlap_steps`` a group, before their use, so their latency hides behind the WGMMAs) | ``total`` is staged and stored |
 
 The accumulator and the total take ``block_n`` f32 registers per thread, hence
 ``block_n <= 192``.
@@ -31,8 +31,9 @@ group's own tensor-core work. A group is straight-line code and ends with ``wait
 with an accumulator in flight across the loop's back edge ptxas serialises every WGMMA
 (C7514). Steps past the last whole group run the one-accumulator loop.
 
-Block scaling needs ``block_n = 128`` (one B scale block per tile column range). Scale
-indices are clamped to the matrix (rows/columns past the edge are never stored), so no scale
+Block scaling on ``block_n = 128`` reads one B scale per step; a tile of 64 or 192 columns
+straddles two 128-column B scale blocks, so it reads two and each 64-column chunk of the
+accumulator multiplies by its own (:func:`promote`). Scale indices are clamped to the matrix (rows/columns past the edge are never stored), so no scale
 load needs a mask. With ``cluster_m=2`` CTAs run in pairs on vertically adjacent tiles that
 share B, as in :mod:`.hopper`: each producer loads its A box and one half of B (rows
 ``BN/2 * rank ..``) multicast to both CTAs; consumers release each stage on both CTAs'
