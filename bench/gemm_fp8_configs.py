@@ -166,17 +166,19 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--batch", type=int, default=10)
     parser.add_argument("--json")
-    parser.add_argument("--launch", metavar="KIND:INDEX",
-                        help="only launch that candidate once per shape (for ncu), e.g. block:2")
+    parser.add_argument("--launch", metavar="KIND:INDEX[,...]",
+                        help="only launch those candidates once per shape (for ncu), e.g. "
+                             "per_tensor:0,block:2")
     args = parser.parse_args()
     if args.launch:
-        kind, index = args.launch.split(":")
-        config = candidates(args.configs)[kind][int(index)]
-        for shape in args.shapes.split(","):
-            m, n, k = map(int, shape.split("x"))
-            a8, w8, sa, sw, _ = operands(torch, m, n, k, block=kind == "block")
-            launch(a8, w8, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), sa, sw,
-                   kind, config)
+        for which in args.launch.split(","):
+            kind, index = which.split(":")
+            config = candidates(args.configs)[kind][int(index)]
+            for shape in args.shapes.split(","):
+                m, n, k = map(int, shape.split("x"))
+                a8, w8, sa, sw, _ = operands(torch, m, n, k, block=kind == "block")
+                launch(a8, w8, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), sa,
+                       sw, kind, config)
         torch.cuda.synchronize()
         return
     begin = time.perf_counter()
