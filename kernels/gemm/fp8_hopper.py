@@ -415,9 +415,10 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
                         last_block = (n + SCALE_BLOCK - 1) // SCALE_BLOCK - 1
                         where = where + (n0 % SCALE_BLOCK >= 64,
                                          kiln.minimum(n0 // SCALE_BLOCK + 1, last_block))
-                    if config.overlap_steps == 1:
-                        ahead = block_scales(scale_a, scale_b, *where[:3], 0,
-                                             where[4] if wide else None)
+                    if config.overlap_steps == 1 and wide:
+                        ahead = step_scales(scale_a, scale_b, where, 0, k_tiles)
+                    elif config.overlap_steps == 1:  # the 128-column path's PTX as before
+                        ahead = block_scales(scale_a, scale_b, *where, 0)
                 if config.overlap_steps > 1:
                     total, use = mainloop_grouped(total, where, a_base, b_base, full, empty,
                                                   use, first_thread, scale_a, scale_b, k_tiles)
