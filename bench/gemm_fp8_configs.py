@@ -39,6 +39,7 @@ WIDE = dict(block_n=192, stages=4, producer_registers=24, consumer_registers=240
 OVERLAP = {
     "per_tensor": (Fp8GemmConfig(block_n=192, stages=4),
                    Fp8GemmConfig(block_n=192, stages=4, cluster_m=2),
+                   Fp8GemmConfig(**WIDE), Fp8GemmConfig(block_n=192, stages=4, group_m=16),
                    Fp8GemmConfig(block_n=128, stages=6),
                    Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2),
                    Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4),
