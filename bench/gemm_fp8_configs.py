@@ -52,7 +52,7 @@ OVERLAP = {
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=8),
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4, cluster_m=2),
               Fp8GemmConfig(**M192), Fp8GemmConfig(**M192, cluster_m=2),
-              Fp8GemmConfig(**WIDE), Fp8GemmConfig(**WIDE, cluster_m=2)),
+              Fp8GemmConfig(**WIDE)),
 }
 ODD = (1000, 1032, 1168)  # 9.125 K steps of 128: a partial step and a group remainder
 

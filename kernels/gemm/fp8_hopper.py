@@ -83,7 +83,8 @@ class Fp8GemmConfig:
     overlap_steps: int = 1
 
     def __post_init__(self):
-        checks = ((self.block_m in (64, 128, 192), f"block_m={self.block_m} must be 64, 128 or 192"),
+        checks = ((self.block_m in (64, 128, 192),
+                   f"block_m={self.block_m} must be 64, 128 or 192"),
                   (self.cluster_m in (1, 2), f"cluster_m={self.cluster_m} must be 1 or 2"),
                   (self.overlap_steps in (1, 2, 4, 8) and (self.overlap_steps == 1 or
                                                             self.block_n <= MAX_DOUBLE_N),
@@ -178,8 +179,8 @@ def block_scales(scale_a, scale_b, top, bottom, b_row, kb, b_next=None) -> list:
 
 def promote(total, acc, scales: list | None = None, second_half=None):
     """Promotion into f32 registers after one 128-K step (the tensor core accumulates FP8
-    products with ~14 mantissa bits only): ``total + acc``, times ``sa[row, kb] * sb[kb]``
-    with block ``scales`` from :func:`block_scales`.
+    products with ~14 mantissa bits only): ``total + acc``, or ``fma(acc, sa[row, kb] *
+    sb[kb], total)`` with block ``scales`` from :func:`block_scales`.
 
     With four scales the tile's 64-column chunks straddle two B blocks: chunk ``c`` of a tile
     starting ``second_half`` (a traced bool: 64 columns into its 128-column block) lies in
@@ -189,17 +190,20 @@ def promote(total, acc, scales: list | None = None, second_half=None):
     if scales is None:
         return wgmma.fragment_from_elements([total.element(i) + acc.element(i)
                                              for i in range(n_half)])
+    # One FFMA per element: a separate multiply and add (PTX .rn, never fused) cost twice.
     if len(scales) == 3:
         row_scale = [scales[0] * scales[2], scales[1] * scales[2]]
-        return wgmma.fragment_from_elements([total.element(i) + acc.element(i) *
-                                             row_scale[(i // 2) % 2] for i in range(n_half)])
+        return wgmma.fragment_from_elements([kiln.fma(acc.element(i), row_scale[(i // 2) % 2],
+                                                      total.element(i))
+                                             for i in range(n_half)])
     sb = scales[2:]
     chunk_scale = [sb[c // 2] if c % 2 == 0 else kiln.where(second_half, sb[1], sb[0])
                    for c in range(acc.shape[1] // 64)]
     products = [[row * col for col in chunk_scale] for row in scales[:2]]
     # Register i is column 8 (i // 4) + i % 2 (+ the lane's), in 64-column chunk i // 32.
-    return wgmma.fragment_from_elements([total.element(i) + acc.element(i) *
-                                         products[(i // 2) % 2][i // 32]
+    return wgmma.fragment_from_elements([kiln.fma(acc.element(i),
+                                                  products[(i // 2) % 2][i // 32],
+                                                  total.element(i))
                                          for i in range(n_half)])
 
 
