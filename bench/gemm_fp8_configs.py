@@ -3,7 +3,9 @@
 For each shape, every candidate config (``--configs``: the tuner's, or the overlap sweep) is
 launched directly (no tuner) with per-tensor scales and with DeepSeek-V3 block scales, and
 timed beside ``torch._scaled_mm`` (cuBLASLt, per tensor), Kiln's bf16 GEMM and cuBLAS bf16 on
-the same operands. Before any timing each config is checked on an odd shape (M, N, K not
+the same operands. Timing is interleaved: each of ``--repeat`` rounds times ``--batch`` calls of
+every candidate and peer in turn (CUDA events), and the median per candidate counts, so the
+clock drop of a power-limited GPU warming up falls on all alike. Before any timing each config is checked on an odd shape (M, N, K not
 multiples of the tiles, K steps not a multiple of ``overlap_steps``) against float64 of the
 dequantised inputs (NaN-poisoned bf16 output; relative Frobenius error < 5e-3: bf16
 rounding is ~1e-3, a missing or repeated K step or a wrong block scale is > 1e-2), and at each timed shape against float32.
@@ -19,6 +21,7 @@ block:2`` only launches that candidate (for ``ncu -k regex:hopper_gemm``).
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -28,7 +31,6 @@ from kiln.kernels.gemm import HopperGemmConfig, run_hopper
 from kiln.kernels.gemm.fp8_api import BLOCK_CONFIGS, SCALED_CONFIGS, run_fp8
 from kiln.kernels.gemm.fp8_hopper import Fp8GemmConfig
 from results_io import write_results
-from timing import time_ms
 
 MODES = {"per_tensor": ("tensor", "tensor"), "block": ("block", "block")}
 # The overlap sweep: one accumulator (as shipped before) against two accumulators in groups,
@@ -37,22 +39,14 @@ M192 = dict(block_m=192, block_n=128, stages=4, producer_registers=24, consumer_
 # Block scales on 192-column tiles (two B scales per step), 240 registers per consumer.
 WIDE = dict(block_n=192, stages=4, producer_registers=24, consumer_registers=240)
 OVERLAP = {
-    "per_tensor": (Fp8GemmConfig(block_n=192, stages=4),
-                   Fp8GemmConfig(block_n=192, stages=4, cluster_m=2),
-                   Fp8GemmConfig(**WIDE), Fp8GemmConfig(block_n=192, stages=4, group_m=16),
-                   Fp8GemmConfig(block_n=128, stages=6),
+    "per_tensor": (Fp8GemmConfig(block_n=192, stages=4), Fp8GemmConfig(**WIDE),
+                   Fp8GemmConfig(block_n=192, stages=4, group_m=16),
                    Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2),
-                   Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4),
-                   Fp8GemmConfig(block_n=128, stages=6, overlap_steps=8),
-                   Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4, cluster_m=2),
-                   Fp8GemmConfig(**M192), Fp8GemmConfig(**M192, cluster_m=2)),
+                   Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4), Fp8GemmConfig(**M192)),
     "block": (Fp8GemmConfig(block_n=128, stages=6),
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2),
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4),
-              Fp8GemmConfig(block_n=128, stages=6, overlap_steps=8),
-              Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4, cluster_m=2),
-              Fp8GemmConfig(**M192), Fp8GemmConfig(**M192, cluster_m=2),
-              Fp8GemmConfig(**WIDE)),
+              Fp8GemmConfig(**WIDE), Fp8GemmConfig(**WIDE, group_m=16), Fp8GemmConfig(**M192)),
 }
 ODD = (1000, 1032, 1168)  # 9.125 K steps of 128: a partial step and a group remainder
 
@@ -111,40 +105,62 @@ def check_odd(kind: str, config) -> float:
     return error
 
 
+def interleaved_ms(fns: dict, repeat: int, batch: int) -> dict:
+    """Median ms per call of each of ``fns`` (name -> callable), sampled round-robin: each
+    round times ``batch`` back-to-back calls of every candidate in turn, so clock changes as
+    the GPU heats up (FP8 GEMMs run power-limited) fall on all of them alike."""
+    import statistics
+
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start.record()
+            for _ in range(batch):
+                fn()
+            stop.record()
+            stop.synchronize()
+            samples[name].append(start.elapsed_time(stop) / batch)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def bench_shape(m, n, k, configs, repeat, batch, log) -> list[dict]:
+    """Every candidate and peer at one shape, each checked first, timed interleaved."""
     flops = 2.0 * m * n * k
-    rows = []
-
-    def add(row):
-        row.update(m=m, n=n, k=k, tflops=flops / row["ms"] / 1e9)
-        rows.append(row)
-        log(f"{m}x{n}x{k} {row['kind']:>11} {row['tflops']:8.1f} TFLOP/s "
-            f"{row.get('config', '')}")
-
+    fns, rows = {}, {}
     for kind, configs_of in configs.items():
         a8, w8, sa, sw, reference = operands(torch, m, n, k, block=kind == "block")
-        c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         for config in configs_of:
-            c.fill_(float("nan"))
+            c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             launch(a8, w8, c, sa, sw, kind, config)
             error = ((c.float() - reference).norm() / reference.norm()).item()
             if not error < 2e-2:
                 raise SystemExit(f"{kind} {config} wrong at {m}x{n}x{k}: {error}")
-            ms = time_ms(lambda: launch(a8, w8, c, sa, sw, kind, config), repeat, batch)
-            add({"kind": kind, "config": repr(config), "rel_error": error, "ms": ms})
+            name = f"{kind} {config!r}"
+            fns[name] = functools.partial(launch, a8, w8, c, sa, sw, kind, config)
+            rows[name] = {"kind": kind, "config": repr(config), "rel_error": error}
         if kind == "per_tensor":
-            ms = time_ms(lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw,
-                                                  out_dtype=torch.bfloat16), repeat, batch)
-            add({"kind": "scaled_mm", "ms": ms})
+            fns["scaled_mm"] = functools.partial(torch._scaled_mm, a8, w8.t(), scale_a=sa,
+                                                 scale_b=sw, out_dtype=torch.bfloat16)
+            rows["scaled_mm"] = {"kind": "scaled_mm"}
     a16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     c16 = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    for name, fn in (("kiln_bf16", lambda: run_hopper(a16, w16, c16, m, n, k, dtype="bf16",
-                                                      b_major="k", target="sm_90a",
-                                                      config=HopperGemmConfig(block_n=192))),
-                     ("cublas_bf16", lambda: torch.matmul(a16, w16.t()))):
-        add({"kind": name, "ms": time_ms(fn, repeat, batch)})
-    return rows
+    fns["kiln_bf16"] = functools.partial(run_hopper, a16, w16, c16, m, n, k, dtype="bf16",
+                                         b_major="k", target="sm_90a",
+                                         config=HopperGemmConfig(block_n=192))
+    fns["cublas_bf16"] = functools.partial(torch.matmul, a16, w16.t())
+    rows["kiln_bf16"], rows["cublas_bf16"] = {"kind": "kiln_bf16"}, {"kind": "cublas_bf16"}
+    for name, ms in interleaved_ms(fns, repeat, batch).items():
+        row = rows[name]
+        row.update(m=m, n=n, k=k, ms=ms, tflops=flops / ms / 1e9)
+        log(f"{m}x{n}x{k} {row['kind']:>11} {row['tflops']:8.1f} TFLOP/s "
+            f"{row.get('config', '')}")
+    return list(rows.values())
 
 
 def summary(rows, log) -> None:
@@ -162,7 +178,7 @@ def summary(rows, log) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default="8192x8192x8192,4096x8192x8192")
+    parser.add_argument("--shapes", default="8192x8192x8192,4096x8192x8192,8192x14336x4096")
     parser.add_argument("--configs", choices=("tuner", "overlap"), default="overlap")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--batch", type=int, default=10)

@@ -122,15 +122,19 @@ def test_interpreter_block_scales_on_tiles_straddling_b_blocks(config, rng):
 
 @pytest.mark.lower
 @pytest.mark.parametrize("scales", [("block", "block"), ("tensor", "tensor"), ("row", "col")])
-def test_every_scale_kind_promotes_after_each_k_block(scales):
+@pytest.mark.parametrize("overlap", [1, 2])
+def test_every_scale_kind_promotes_after_each_k_block(scales, overlap):
     """Hopper's FP8 tensor cores accumulate with ~14 mantissa bits, so every scale kind waits
-    for each 128-K step's WGMMAs (wait_group 0, none kept in flight), the first of the four
-    starting a fresh accumulator, and adds them to an f32 register total."""
+    for each 128-K step's WGMMAs, the first of the four starting a fresh accumulator, and adds
+    them to an f32 register total: with one accumulator none is kept in flight (wait_group 0;
+    four WGMMAs in the loop); with two, a group of steps keeps the next step in flight while
+    promoting (wait_group 1; four WGMMAs per step of the group and of the remainder loop)."""
+    config = dict(block_n=128, stages=6, overlap_steps=overlap)
     ptx = re.sub(r"\s+", " ", compile_matmul("f8e4m3", target="sm_90a", trans_b=True,
-                                             scales=scales).asm["ptx"])
-    assert "wgmma.wait_group.sync.aligned 1;" not in ptx
+                                             scales=scales, **config).asm["ptx"])
+    assert ("wgmma.wait_group.sync.aligned 1;" in ptx) == (overlap > 1)
     assert "wgmma.wait_group.sync.aligned 0;" in ptx
-    assert ptx.count("wgmma.mma_async.sync.aligned.m64n") == 4
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n") == 4 * (overlap + (overlap > 1))
 
 
 class _OutOfRange:
@@ -276,7 +280,8 @@ def test_gpu_matches_float64(mode, shape, out, rng):
 @pytest.mark.parametrize("scales,config", [
     *((scales, c) for c in SCALED_CONFIGS for scales in (("tensor", "col"), ("row", "tensor"))),
     *((("block", "block"), c) for c in BLOCK_CONFIGS)],
-    ids=lambda x: f"{x.block_n}s{x.stages}c{x.cluster_m}" if hasattr(x, "stages") else x[0])
+    ids=lambda x: f"{x.block_m}x{x.block_n}s{x.stages}c{x.cluster_m}o{x.overlap_steps}"
+    if hasattr(x, "stages") else x[0])
 def test_gpu_each_config_with_poisoned_output(scales, config, rng):
     torch = pytest.importorskip("torch")
     m, n, k = 777, 1000, 1040

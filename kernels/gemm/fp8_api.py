@@ -24,12 +24,16 @@ from .scales import check_scales, is_fp8
 K_ALIGN = 16  # TMA row strides: 16 bytes of one-byte elements
 N_ALIGN = 8  # C's row stride (bf16)
 # Epilogue-scaled (per tensor / row / column) and block-scaled configs the tuner tries
-# (block_n <= 192: the promoted total doubles the accumulator registers). CTA pairs
-# (cluster_m=2) multicast B: a third less L2 -> SM traffic per CTA, as in bf16.
-SCALED_CONFIGS = (Fp8GemmConfig(block_n=192, stages=4), Fp8GemmConfig(block_n=128, stages=6),
-                  Fp8GemmConfig(block_n=192, stages=4, cluster_m=2))
-BLOCK_CONFIGS = (Fp8GemmConfig(block_n=128, stages=5), Fp8GemmConfig(block_n=128, stages=6),
-                 Fp8GemmConfig(block_n=128, stages=5, cluster_m=2))
+# (block_n <= 192: the promoted total doubles the accumulator registers). 192-column tiles
+# read the least shared memory per FLOP; 128 columns leave registers for two accumulators
+# (overlap_steps: promotion under the next step's WGMMAs); block_m=192 runs three consumers.
+_WIDE = dict(block_n=192, stages=4, producer_registers=24, consumer_registers=240)
+SCALED_CONFIGS = (Fp8GemmConfig(block_n=192, stages=4),
+                  Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2),
+                  Fp8GemmConfig(block_m=192, block_n=128, stages=4, producer_registers=24,
+                                consumer_registers=160))
+BLOCK_CONFIGS = (Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2),
+                 Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4), Fp8GemmConfig(**_WIDE))
 
 
 def default_config(mode: tuple) -> Fp8GemmConfig:
