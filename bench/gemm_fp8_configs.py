@@ -48,6 +48,8 @@ OVERLAP = {
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4),
               Fp8GemmConfig(**WIDE), Fp8GemmConfig(**WIDE, group_m=16), Fp8GemmConfig(**M192)),
 }
+BF16_CONFIGS = (HopperGemmConfig(), HopperGemmConfig(block_n=192),
+                HopperGemmConfig(block_n=192, cluster_m=2))
 ODD = (1000, 1032, 1168)  # 9.125 K steps of 128: a partial step and a group remainder
 
 
@@ -150,11 +152,13 @@ def bench_shape(m, n, k, configs, repeat, batch, log) -> list[dict]:
     a16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     c16 = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    fns["kiln_bf16"] = functools.partial(run_hopper, a16, w16, c16, m, n, k, dtype="bf16",
-                                         b_major="k", target="sm_90a",
-                                         config=HopperGemmConfig(block_n=192))
+    for config in BF16_CONFIGS:  # the bf16 tuner's likely winners at these shapes
+        name = f"kiln_bf16 {config!r}"
+        fns[name] = functools.partial(run_hopper, a16, w16, c16, m, n, k, dtype="bf16",
+                                      b_major="k", target="sm_90a", config=config)
+        rows[name] = {"kind": "kiln_bf16", "config": repr(config)}
     fns["cublas_bf16"] = functools.partial(torch.matmul, a16, w16.t())
-    rows["kiln_bf16"], rows["cublas_bf16"] = {"kind": "kiln_bf16"}, {"kind": "cublas_bf16"}
+    rows["cublas_bf16"] = {"kind": "cublas_bf16"}
     for name, ms in interleaved_ms(fns, repeat, batch).items():
         row = rows[name]
         row.update(m=m, n=n, k=k, ms=ms, tflops=flops / ms / 1e9)
@@ -167,7 +171,10 @@ def summary(rows, log) -> None:
     """Best config of each scale kind per shape, with the ratios against the peers."""
     for shape in dict.fromkeys((r["m"], r["n"], r["k"]) for r in rows):
         of = [r for r in rows if (r["m"], r["n"], r["k"]) == shape]
-        peer = {r["kind"]: r["tflops"] for r in of if "config" not in r}
+        peer = {}
+        for r in of:
+            if r["kind"] not in MODES:  # a peer: its best config
+                peer[r["kind"]] = max(peer.get(r["kind"], 0.0), r["tflops"])
         for kind, against in (("per_tensor", "scaled_mm"), ("block", "kiln_bf16")):
             best = max((r for r in of if r["kind"] == kind), key=lambda r: r["tflops"])
             log(f"SUMMARY {'x'.join(map(str, shape))} {kind}: {best['tflops']:.1f} TFLOP/s, "
