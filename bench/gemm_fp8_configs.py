@@ -33,20 +33,23 @@ from kiln.kernels.gemm.fp8_hopper import Fp8GemmConfig
 from results_io import write_results
 
 MODES = {"per_tensor": ("tensor", "tensor"), "block": ("block", "block")}
-# The overlap sweep: one accumulator (as shipped before) against two accumulators in groups,
-# three consumer warp groups (block_m=192, 160 registers each) and block scales on 192 columns.
+# The overlap sweep: one accumulator (as shipped before) against two accumulators in groups
+# (two half-width ones on 192 columns), three consumer warp groups (block_m=192, 160 registers
+# each) and block scales on 192 columns.
 M192 = dict(block_m=192, block_n=128, stages=4, producer_registers=24, consumer_registers=160)
 # Block scales on 192-column tiles (two B scales per step), 240 registers per consumer.
 WIDE = dict(block_n=192, stages=4, producer_registers=24, consumer_registers=240)
 OVERLAP = {
     "per_tensor": (Fp8GemmConfig(block_n=192, stages=4), Fp8GemmConfig(**WIDE),
+                   Fp8GemmConfig(**WIDE, overlap_steps=2),
                    Fp8GemmConfig(block_n=192, stages=4, group_m=16),
                    Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2),
                    Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4), Fp8GemmConfig(**M192)),
     "block": (Fp8GemmConfig(block_n=128, stages=6),
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2),
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4),
-              Fp8GemmConfig(**WIDE), Fp8GemmConfig(**WIDE, group_m=16), Fp8GemmConfig(**M192)),
+              Fp8GemmConfig(**WIDE), Fp8GemmConfig(**WIDE, overlap_steps=2),
+              Fp8GemmConfig(**WIDE, group_m=16), Fp8GemmConfig(**M192)),
 }
 BF16_CONFIGS = (HopperGemmConfig(), HopperGemmConfig(block_n=192),
                 HopperGemmConfig(block_n=192, cluster_m=2))

@@ -23,13 +23,15 @@ f32 register total, as cuBLAS does without fast accumulation:
 The accumulator and the total take ``block_n`` f32 registers per thread, hence
 ``block_n <= 192``.
 
-With ``overlap_steps = G > 1`` (``block_n <= 128``: two accumulators and the total take
+With ``overlap_steps = G > 1`` (at ``block_n <= 128`` two accumulators and the total take
 ``3 * block_n / 2`` registers) a consumer takes K steps in groups of ``G`` on two
 accumulators in turn: step ``t + 1``'s WGMMAs are issued before step ``t`` is waited for
 (``wait_group(1)``) and promoted, so all but each group's last promotion run under this warp
 group's own tensor-core work. A group is straight-line code and ends with ``wait_group(0)``:
 with an accumulator in flight across the loop's back edge ptxas serialises every WGMMA
-(C7514). Steps past the last whole group run the one-accumulator loop.
+(C7514). Steps past the last whole group run the one-accumulator loop. Wider tiles
+(``block_n=192``) split each step's WGMMAs into two half-width accumulators instead: the left
+half is promoted while the right half runs, the right while the next step's left runs.
 
 Block scaling on ``block_n = 128`` reads one B scale per step; a tile of 64 or 192 columns
 straddles two 128-column B scale blocks, so it reads two and each 64-column chunk of the
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 
 import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
+from kiln.nvidia.wgmma import keep_registers_live
 from kiln.shared import dynamic_shared
 
 from .epilogue import store_tile
@@ -57,7 +60,7 @@ SHARED_BUDGET = 227 * 1024 - 1024 - 256  # as in .hopper: alignment slack and mb
 A_MODES = ("tensor", "row", "block")
 B_MODES = ("tensor", "col", "block")
 MAX_BLOCK_N = 192  # 256 would need 256 accumulator registers (acc + total): ptxas spills
-MAX_DOUBLE_N = 128  # two accumulators and the total: 192 registers at 128
+MAX_DOUBLE_N = 128  # two accumulators and the total: 192 registers; wider tiles split N
 REGISTER_FILE = 65536  # 32-bit registers per SM, shared by the warp groups (setmaxnreg)
 
 
@@ -68,8 +71,8 @@ class Fp8GemmConfig:
     the promoted total take ``block_n`` f32 registers per thread), ``block_k`` 128 (one
     128-byte swizzled row of FP8, one scale block). ``block_m=192`` runs three consumer warp
     groups and needs registers that fit the SM (``consumer_registers=160,
-    producer_registers=24``); ``overlap_steps`` (1, 2, 4 or 8; ``block_n <= 128``) promotes
-    each K step under the next one's WGMMAs (see the module docstring). Example:
+    producer_registers=24``); ``overlap_steps`` (1, 2, 4 or 8) promotes each K step under the
+    next one's WGMMAs (half a step's at ``block_n=192``; see the module docstring). Example:
     ``Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4)``."""
 
     block_m: int = 128
@@ -86,11 +89,8 @@ class Fp8GemmConfig:
         checks = ((self.block_m in (64, 128, 192),
                    f"block_m={self.block_m} must be 64, 128 or 192"),
                   (self.cluster_m in (1, 2), f"cluster_m={self.cluster_m} must be 1 or 2"),
-                  (self.overlap_steps in (1, 2, 4, 8) and (self.overlap_steps == 1 or
-                                                            self.block_n <= MAX_DOUBLE_N),
-                   f"overlap_steps={self.overlap_steps} must be 1, or 2, 4 or 8 with block_n <= "
-                   f"{MAX_DOUBLE_N} (two accumulators and the total: 3 * block_n / 2 "
-                   "registers)"),
+                  (self.overlap_steps in (1, 2, 4, 8),
+                   f"overlap_steps={self.overlap_steps} must be 1, 2, 4 or 8"),
                   (self.block_n % 64 == 0 and 64 <= self.block_n <= MAX_BLOCK_N,
                    f"block_n={self.block_n} must be a multiple of 64 up to {MAX_BLOCK_N} (the "
                    "accumulator and its promoted total share 232 registers)"),
@@ -177,34 +177,36 @@ def block_scales(scale_a, scale_b, top, bottom, b_row, kb, b_next=None) -> list:
     return scales if b_next is None else scales + [scale_b[b_next, kb]]
 
 
-def promote(total, acc, scales: list | None = None, second_half=None):
+def promote(total, acc, scales: list | None = None, second_half=None, first: int = 0):
     """Promotion into f32 registers after one 128-K step (the tensor core accumulates FP8
     products with ~14 mantissa bits only): ``total + acc``, or ``fma(acc, sa[row, kb] *
-    sb[kb], total)`` with block ``scales`` from :func:`block_scales`.
+    sb[kb], total)`` with block ``scales`` from :func:`block_scales`. ``acc`` may be the
+    columns of ``total`` from register ``first`` on (a half-width accumulator).
 
     With four scales the tile's 64-column chunks straddle two B blocks: chunk ``c`` of a tile
     starting ``second_half`` (a traced bool: 64 columns into its 128-column block) lies in
     block ``(second_half + c) // 2``, so even chunks know their block and odd chunks select
     it once per step (DeepGEMM's two B scales per tile, at 64-column granularity)."""
-    n_half = acc.shape[1] // 2
     if scales is None:
-        return wgmma.fragment_from_elements([total.element(i) + acc.element(i)
-                                             for i in range(n_half)])
-    # One FFMA per element: a separate multiply and add (PTX .rn, never fused) cost twice.
-    if len(scales) == 3:
+        def add(j, x, t):
+            return t + x
+    elif len(scales) == 3:
         row_scale = [scales[0] * scales[2], scales[1] * scales[2]]
-        return wgmma.fragment_from_elements([kiln.fma(acc.element(i), row_scale[(i // 2) % 2],
-                                                      total.element(i))
-                                             for i in range(n_half)])
-    sb = scales[2:]
-    chunk_scale = [sb[c // 2] if c % 2 == 0 else kiln.where(second_half, sb[1], sb[0])
-                   for c in range(acc.shape[1] // 64)]
-    products = [[row * col for col in chunk_scale] for row in scales[:2]]
-    # Register i is column 8 (i // 4) + i % 2 (+ the lane's), in 64-column chunk i // 32.
-    return wgmma.fragment_from_elements([kiln.fma(acc.element(i),
-                                                  products[(i // 2) % 2][i // 32],
-                                                  total.element(i))
-                                         for i in range(n_half)])
+
+        def add(j, x, t):  # one FFMA: a .rn multiply and add are never fused, and cost twice
+            return kiln.fma(x, row_scale[(j // 2) % 2], t)
+    else:
+        sb = scales[2:]
+        chunk_scale = [sb[c // 2] if c % 2 == 0 else kiln.where(second_half, sb[1], sb[0])
+                       for c in range(total.shape[1] // 64)]
+        products = [[row * col for col in chunk_scale] for row in scales[:2]]
+
+        def add(j, x, t):  # register j: column 8 (j // 4) + j % 2 (+ lane's), chunk j // 32
+            return kiln.fma(x, products[(j // 2) % 2][j // 32], t)
+    width = acc.shape[1] // 2
+    return wgmma.fragment_from_elements([
+        add(j, acc.element(j - first), total.element(j)) if first <= j < first + width
+        else total.element(j) for j in range(total.shape[1] // 2)])
 
 
 def scale_accumulator(acc, scale_a, scale_b, row0, col0, m, n, a_mode: str, b_mode: str):
@@ -262,12 +264,15 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
             for r in range(pair):
                 empty.arrive_cluster(stage, r, wgmma_pending=wgmma_pending)
 
-    def issue(acc, a_base, b_base, stage):
+    def issue(acc, a_base, b_base, stage, half=None):
         """Four ``m64nNk32`` WGMMAs of one 128-K stage into a fresh accumulator (the first
-        ignores ``acc``'s values), committed."""
+        ignores ``acc``'s values), committed; with ``half`` (0 or 1) those of that half of
+        the tile's columns (``acc`` is ``block_n / 2`` wide)."""
         stage64 = kiln.cast(stage, kiln.i64)
         a_desc = a_base + stage64 * (bm * bk // 16)  # descriptor address units
         b_desc = b_base + stage64 * (bn * bk // 16)
+        if half:  # the second half's rows of the K-major B tile (whole 8-row swizzle atoms)
+            b_desc = b_desc + bn // 2 * bk // 16
         wgmma.fence()
         for ks in kiln.static_range(bk // FP8_K_STEP):
             acc = wgmma.mma_async(acc, a_desc + ks * step_units, b_desc + ks * step_units,
@@ -284,10 +289,10 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
         return block_scales(scale_a, scale_b, *where[:3], kiln.minimum(kt, k_tiles - 1),
                             where[4] if wide else None)
 
-    def promote_step(total, acc, scales, where):
+    def promote_step(total, acc, scales, where, first=0):
         if not where:
-            return promote(total, acc)
-        return promote(total, acc, scales, where[3] if wide else None)
+            return promote(total, acc, first=first)
+        return promote(total, acc, scales, where[3] if wide else None, first)
 
     @kiln.func
     def mainloop_single(total, ahead, where, a_base, b_base, full, empty, use, first_thread,
@@ -338,6 +343,54 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
             if first_thread:
                 release(empty, stages[group - 1], 0)
             total = promote_step(total, accs[(group - 1) % 2], current[group - 1], where)
+            use = use + group
+        rest = k_tiles // group * group
+        return mainloop_single(total, step_scales(scale_a, scale_b, where, rest, k_tiles),
+                               where, a_base, b_base, full, empty, use, first_thread, scale_a,
+                               scale_b, rest, k_tiles)
+
+    def pinned(total):
+        """``total``, computed here: LLVM would sink the promotion's additions past the next
+        issue (into the block after a release branch), keeping both half accumulators live."""
+        keep_registers_live([r.ir for r in total.registers()])
+        return total
+
+    @kiln.func
+    def mainloop_split(total, where, a_base, b_base, full, empty, use, first_thread,
+                       scale_a, scale_b, k_tiles):
+        """Overlap for tiles too wide for two whole accumulators (``block_n > 128``): each
+        step's WGMMAs go to two half-width accumulators, the left half's promoted while the
+        right half runs and the right's while the next step's left runs; groups of
+        ``overlap_steps`` steps as in :func:`mainloop_grouped` (only a group's last right
+        half is promoted with nothing of this warp group in flight)."""
+        group, half_n = config.overlap_steps, bn // 2
+        ahead = [step_scales(scale_a, scale_b, where, i, k_tiles) for i in range(group)]
+        for g in kiln.range(0, k_tiles // group):
+            kt = g * group
+            current = ahead
+            stages = [(use + i) % config.stages for i in range(group)]
+            full.try_wait(stages[0], (use // config.stages) % 2)
+            left = issue(wgmma.fragment_zeros(half_n), a_base, b_base, stages[0], 0)
+            right = issue(wgmma.fragment_zeros(half_n), a_base, b_base, stages[0], 1)
+            ahead = [step_scales(scale_a, scale_b, where, kt + group + i, k_tiles)
+                     for i in range(group)]
+            for i in kiln.static_range(group):
+                wgmma.wait_group(1)  # step i's left half is done, its right half runs on
+                total = pinned(promote_step(total, left, current[i], where, 0))
+                if i + 1 < group:
+                    full.try_wait(stages[i + 1], ((use + i + 1) // config.stages) % 2)
+                    left = issue(wgmma.fragment_zeros(half_n), a_base, b_base, stages[i + 1], 0)
+                    wgmma.wait_group(1)  # step i's right half is done
+                    total = pinned(promote_step(total, right, current[i], where, half_n // 2))
+                    right = issue(wgmma.fragment_zeros(half_n), a_base, b_base, stages[i + 1],
+                                  1)
+                    if first_thread:  # after every read of stage i + 1 (the ring passes' rule)
+                        release(empty, stages[i], 2)
+                else:
+                    wgmma.wait_group(0)
+                    if first_thread:
+                        release(empty, stages[i], 0)
+                    total = promote_step(total, right, current[i], where, half_n // 2)
             use = use + group
         rest = k_tiles // group * group
         return mainloop_single(total, step_scales(scale_a, scale_b, where, rest, k_tiles),
@@ -423,7 +476,10 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
                         ahead = step_scales(scale_a, scale_b, where, 0, k_tiles)
                     elif config.overlap_steps == 1:  # the 128-column path's PTX as before
                         ahead = block_scales(scale_a, scale_b, *where, 0)
-                if config.overlap_steps > 1:
+                if config.overlap_steps > 1 and BN > MAX_DOUBLE_N:
+                    total, use = mainloop_split(total, where, a_base, b_base, full, empty, use,
+                                                first_thread, scale_a, scale_b, k_tiles)
+                elif config.overlap_steps > 1:
                     total, use = mainloop_grouped(total, where, a_base, b_base, full, empty,
                                                   use, first_thread, scale_a, scale_b, k_tiles)
                 else:
