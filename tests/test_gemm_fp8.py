@@ -181,9 +181,7 @@ def test_error_model_catches_a_dropped_block_a_wrong_scale_and_a_shifted_tile(rn
 def test_config_refuses_block_n_past_the_register_budget():
     with pytest.raises(kiln.KilnValueError, match="up to 192"):
         Fp8GemmConfig(block_n=256)
-    with pytest.raises(kiln.KilnValueError, match="overlap_steps=4 must be 1, or"):
-        Fp8GemmConfig(block_n=192, overlap_steps=4)
-    with pytest.raises(kiln.KilnValueError, match="overlap_steps=3"):
+    with pytest.raises(kiln.KilnValueError, match="overlap_steps=3 must be 1, 2, 4 or 8"):
         Fp8GemmConfig(block_n=128, overlap_steps=3)
     with pytest.raises(kiln.KilnValueError, match="exceed the 65536 registers"):
         Fp8GemmConfig(block_m=192, block_n=128)
