@@ -2,20 +2,22 @@
 
 For each shape, every candidate config (``--configs``: the tuner's, or the overlap sweep) is
 launched directly (no tuner) with per-tensor scales and with DeepSeek-V3 block scales, and
-timed beside ``torch._scaled_mm`` (cuBLASLt, per tensor), Kiln's bf16 GEMM and cuBLAS bf16 on
-the same operands. Timing is interleaved: each of ``--repeat`` rounds times ``--batch`` calls of
-every candidate and peer in turn (CUDA events), and the median per candidate counts, so the
-clock drop of a power-limited GPU warming up falls on all alike. Before any timing each config is checked on an odd shape (M, N, K not
-multiples of the tiles, K steps not a multiple of ``overlap_steps``) against float64 of the
-dequantised inputs (NaN-poisoned bf16 output; relative Frobenius error < 5e-3: bf16
-rounding is ~1e-3, a missing or repeated K step or a wrong block scale is > 1e-2), and at each timed shape against float32.
+timed beside ``torch._scaled_mm`` (cuBLASLt, per tensor), Kiln's bf16 GEMM (best of
+``BF16_CONFIGS``) and cuBLAS bf16 on the same operands. Timing is interleaved: each of
+``--repeat`` rounds times ``--batch`` calls of every candidate and peer in turn (CUDA events)
+and the median per candidate counts, so the clock drop of a power-limited GPU warming up falls
+on all alike. Before any timing each config is checked on an odd shape (M, N, K not multiples
+of the tiles, K steps not a multiple of ``overlap_steps``) against float64 of the dequantised
+inputs (NaN-poisoned bf16 output; relative Frobenius error < 5e-3: bf16 rounding is ~1e-3, a
+missing or repeated K step or a wrong block scale is > 1e-2), and at each timed shape against
+float32.
 
-Prints one line per measurement as it comes, then per shape the best config of each scale kind
-with ``ratio_vs_scaled_mm`` (goal >= 1.0) and ``ratio_vs_kiln_bf16`` (block; goal >= 1.4).
+Prints one line per measurement, then per shape the best config of each scale kind with its
+ratio to ``torch._scaled_mm`` (per tensor; goal >= 1.0) or to Kiln bf16 (block; goal >= 1.4).
 
 Usage (H100/H200): ``python bench/gemm_fp8_configs.py [--shapes 8192x8192x8192,...]
 [--configs tuner|overlap] [--repeat 5] [--batch 10] [--json out.json]``; ``--launch
-block:2`` only launches that candidate (for ``ncu -k regex:hopper_gemm``).
+per_tensor:0,block:2`` only launches those candidates (for ``ncu -k regex:hopper_gemm``).
 """
 
 from __future__ import annotations

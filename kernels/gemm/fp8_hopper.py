@@ -35,8 +35,9 @@ half is promoted while the right half runs, the right while the next step's left
 
 Block scaling on ``block_n = 128`` reads one B scale per step; a tile of 64 or 192 columns
 straddles two 128-column B scale blocks, so it reads two and each 64-column chunk of the
-accumulator multiplies by its own (:func:`promote`). Scale indices are clamped to the matrix (rows/columns past the edge are never stored), so no scale
-load needs a mask. With ``cluster_m=2`` CTAs run in pairs on vertically adjacent tiles that
+accumulator multiplies by its own (:func:`promote`). Scale indices are clamped to the matrix
+(rows/columns past the edge are never stored, K blocks past the end are loaded a group ahead
+and never used), so no scale load needs a mask. With ``cluster_m=2`` CTAs run in pairs on vertically adjacent tiles that
 share B, as in :mod:`.hopper`: each producer loads its A box and one half of B (rows
 ``BN/2 * rank ..``) multicast to both CTAs; consumers release each stage on both CTAs'
 ``empty`` barriers.
@@ -281,9 +282,9 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
         return acc
 
     def step_scales(scale_a, scale_b, where, kt, k_tiles):
-        """Block scales of K step ``kt`` (clamped: padding steps are zeros) at ``where`` =
-        (top row, bottom row, B scale row[, second half, next B scale row]); none (``()``)
-        for epilogue-scaled modes."""
+        """Block scales of K step ``kt`` (clamped: loads a group ahead run past the end) at
+        ``where`` = (top row, bottom row, B scale row[, second half, next B scale row]); none
+        (``()``) for epilogue-scaled modes."""
         if not where:
             return ()
         return block_scales(scale_a, scale_b, *where[:3], kiln.minimum(kt, k_tiles - 1),
