@@ -37,10 +37,10 @@ Block scaling on ``block_n = 128`` reads one B scale per step; a tile of 64 or 1
 straddles two 128-column B scale blocks, so it reads two and each 64-column chunk of the
 accumulator multiplies by its own (:func:`promote`). Scale indices are clamped to the matrix
 (rows/columns past the edge are never stored, K blocks past the end are loaded a group ahead
-and never used), so no scale load needs a mask. With ``cluster_m=2`` CTAs run in pairs on vertically adjacent tiles that
-share B, as in :mod:`.hopper`: each producer loads its A box and one half of B (rows
-``BN/2 * rank ..``) multicast to both CTAs; consumers release each stage on both CTAs'
-``empty`` barriers.
+and never used), so no scale load needs a mask. With ``cluster_m=2`` CTAs run in pairs on
+vertically adjacent tiles that share B, as in :mod:`.hopper`: each producer loads its A box
+and one half of B (rows ``BN/2 * rank ..``) multicast to both CTAs; consumers release each
+stage on both CTAs' ``empty`` barriers.
 """
 
 import functools
