@@ -29,14 +29,20 @@ def _operands(rng, m, n, k, modes, dtype="f8e4m3"):
 
 @pytest.mark.lower
 @pytest.mark.parametrize("dtype", ["f8e4m3", "f8e5m2"])
-@pytest.mark.parametrize("scales,n", [(("tensor", "tensor"), 192), (("block", "block"), 128)])
-def test_ptx_issues_fp8_wgmma_without_spills(dtype, scales, n):
+@pytest.mark.parametrize("scales", [("tensor", "tensor"), ("block", "block")])
+def test_ptx_issues_fp8_wgmma_without_spills(dtype, scales):
+    """The default config of each scale kind (the tuner's first): its WGMMA width, TMA loads,
+    consumer registers, and no spills."""
+    from kiln.kernels.gemm.fp8_api import default_config
+
+    config = default_config(scales)
     ck = compile_matmul(dtype, target="sm_90a", trans_b=True, scales=scales)
     ptx = ck.asm["ptx"]
     kind = dtype[2:]
-    assert f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.{kind}.{kind}" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{config.block_n}k32.f32.{kind}.{kind}" in ptx
     assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx
-    assert "setmaxnreg.inc.sync.aligned.u32 232" in re.sub(r"\s+", " ", ptx)
+    assert f"setmaxnreg.inc.sync.aligned.u32 {config.consumer_registers}" in \
+        re.sub(r"\s+", " ", ptx)
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
 
 
