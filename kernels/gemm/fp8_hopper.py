@@ -6,7 +6,8 @@ accumulation, a bf16 or f32 output. FP8 WGMMA reads both operands K-major, so B 
 
 The pipeline is the bf16 kernel's (:mod:`.hopper`): one producer warp group TMA-loads the A and
 B boxes of each K step into a ring of ``stages`` 128B-swizzled buffers (``BK = 128`` one-byte
-elements = one swizzled row), two consumer warp groups issue four ``wgmma.m64nNk32`` per stage.
+elements = one swizzled row), ``block_m / 64`` consumer warp groups (two, or three at
+``block_m=192`` with 160 registers each) issue four ``wgmma.m64nNk32`` per stage.
 
 Hopper's FP8 WGMMA adds its products with only ~14 mantissa bits in the tensor core
 (DeepSeek-V3 §3.3.2), so every 128-K step, whatever the scales, starts a fresh accumulator
@@ -17,17 +18,29 @@ f32 register total, as cuBLAS does without fast accumulation:
 | scales (``scale_mode``) | promotion per 128-K step | epilogue |
 | --- | --- | --- |
 | ``("tensor" or "row", "tensor" or "col")`` | ``total += acc`` | ``total[r, c] *= sa[r] * sb[c]`` (one index for a per-tensor scale) before staging and TMA-storing the tile |
-| ``("block", "block")`` (DeepSeek-V3) | ``total += acc * sa[r, kt] * sb[n0 / 128, kt]`` (the scales are loaded before the ``full`` wait, so their latency hides behind it) | ``total`` is staged and stored |
+| ``("block", "block")`` (DeepSeek-V3) | ``total += acc * sa[r, kt] * sb[n0 / 128, kt]`` (the scales are loaded a step, or with ``overlap_steps`` a group, before their use, so their latency hides behind the WGMMAs) | ``total`` is staged and stored |
 
 The accumulator and the total take ``block_n`` f32 registers per thread, hence
 ``block_n <= 192``.
 
-Block scaling needs ``block_n = 128`` (one B scale block per tile column range). Scale
-indices are clamped to the matrix (rows/columns past the edge are never stored), so no scale
-load needs a mask. With ``cluster_m=2`` CTAs run in pairs on vertically adjacent tiles that
-share B, as in :mod:`.hopper`: each producer loads its A box and one half of B (rows
-``BN/2 * rank ..``) multicast to both CTAs; consumers release each stage on both CTAs'
-``empty`` barriers.
+With ``overlap_steps = G > 1`` (at ``block_n <= 128`` two accumulators and the total take
+``3 * block_n / 2`` registers) a consumer takes K steps in groups of ``G`` on two
+accumulators in turn: step ``t + 1``'s WGMMAs are issued before step ``t`` is waited for
+(``wait_group(1)``) and promoted, so all but each group's last promotion run under this warp
+group's own tensor-core work. A group is straight-line code and ends with ``wait_group(0)``:
+with an accumulator in flight across the loop's back edge ptxas serialises every WGMMA
+(C7514). Steps past the last whole group run the one-accumulator loop. Wider tiles
+(``block_n=192``) split each step's WGMMAs into two half-width accumulators instead: the left
+half is promoted while the right half runs, the right while the next step's left runs.
+
+Block scaling on ``block_n = 128`` reads one B scale per step; a tile of 64 or 192 columns
+straddles two 128-column B scale blocks, so it reads two and each 64-column chunk of the
+accumulator multiplies by its own (:func:`promote`). Scale indices are clamped to the matrix
+(rows/columns past the edge are never stored, K blocks past the end are loaded a group ahead
+and never used), so no scale load needs a mask. With ``cluster_m=2`` CTAs run in pairs on
+vertically adjacent tiles that share B, as in :mod:`.hopper`: each producer loads its A box
+and one half of B (rows ``BN/2 * rank ..``) multicast to both CTAs; consumers release each
+stage on both CTAs' ``empty`` barriers.
 """
 
 import functools
@@ -35,6 +48,7 @@ from dataclasses import dataclass
 
 import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
+from kiln.nvidia.wgmma import keep_registers_live
 from kiln.shared import dynamic_shared
 
 from .epilogue import store_tile
@@ -47,6 +61,8 @@ SHARED_BUDGET = 227 * 1024 - 1024 - 256  # as in .hopper: alignment slack and mb
 A_MODES = ("tensor", "row", "block")
 B_MODES = ("tensor", "col", "block")
 MAX_BLOCK_N = 192  # 256 would need 256 accumulator registers (acc + total): ptxas spills
+MAX_DOUBLE_N = 128  # two accumulators and the total: 192 registers; wider tiles split N
+REGISTER_FILE = 65536  # 32-bit registers per SM, shared by the warp groups (setmaxnreg)
 
 
 @dataclass(frozen=True)
@@ -54,8 +70,11 @@ class Fp8GemmConfig:
     """Tiles and pipeline of :func:`make_fp8_kernel`: ``block_m`` 64 per consumer warp group,
     ``block_n`` a multiple of 64 up to 192 (128 with block scales: the WGMMA accumulator and
     the promoted total take ``block_n`` f32 registers per thread), ``block_k`` 128 (one
-    128-byte swizzled row of FP8, one scale block). Example: ``Fp8GemmConfig(block_n=128,
-    stages=5)``."""
+    128-byte swizzled row of FP8, one scale block). ``block_m=192`` runs three consumer warp
+    groups and needs registers that fit the SM (``consumer_registers=160,
+    producer_registers=24``); ``overlap_steps`` (1, 2, 4 or 8) promotes each K step under the
+    next one's WGMMAs (half a step's at ``block_n=192``; see the module docstring). Example:
+    ``Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4)``."""
 
     block_m: int = 128
     block_n: int = 192
@@ -65,16 +84,25 @@ class Fp8GemmConfig:
     producer_registers: int = 40
     consumer_registers: int = 232
     cluster_m: int = 1
+    overlap_steps: int = 1
 
     def __post_init__(self):
-        checks = ((self.block_m in (64, 128), f"block_m={self.block_m} must be 64 or 128"),
+        checks = ((self.block_m in (64, 128, 192),
+                   f"block_m={self.block_m} must be 64, 128 or 192"),
                   (self.cluster_m in (1, 2), f"cluster_m={self.cluster_m} must be 1 or 2"),
+                  (self.overlap_steps in (1, 2, 4, 8),
+                   f"overlap_steps={self.overlap_steps} must be 1, 2, 4 or 8"),
                   (self.block_n % 64 == 0 and 64 <= self.block_n <= MAX_BLOCK_N,
                    f"block_n={self.block_n} must be a multiple of 64 up to {MAX_BLOCK_N} (the "
                    "accumulator and its promoted total share 232 registers)"),
                   (self.block_k == ROW_BYTES, f"block_k={self.block_k} must be {ROW_BYTES} "
                    "(one 128-byte swizzled row of FP8)"),
                   (2 <= self.stages <= 8, f"stages={self.stages} must be in 2..8"),
+                  (self.consumers * self.consumer_registers + self.producer_registers
+                   <= REGISTER_FILE // WARP_GROUP_THREADS,
+                   f"{self.consumers} consumer warp groups of {self.consumer_registers} "
+                   f"registers and a producer of {self.producer_registers} exceed the "
+                   f"{REGISTER_FILE} registers of an SM (block_m=192: e.g. 160 and 24)"),
                   (self.group_m >= 1, f"group_m={self.group_m} must be >= 1"),
                   (self.ring_bytes + self.block_m * 32 <= SHARED_BUDGET,
                    f"{self.stages} stages of {self.ring_bytes // self.stages} bytes leave no "
@@ -142,23 +170,44 @@ def rescale(acc, row_scale: list, col_scale: list | None = None):
     return wgmma.fragment_from_elements(values)
 
 
-def block_scales(scale_a, scale_b, top, bottom, b_row, kb) -> list:
+def block_scales(scale_a, scale_b, top, bottom, b_row, kb, b_next=None) -> list:
     """The raw scales of K block ``kb`` for this thread: ``[sa[top, kb], sa[bottom, kb],
-    sb[b_row, kb]]`` (loaded a block ahead of :func:`promote`, which multiplies them)."""
-    return [scale_a[top, kb], scale_a[bottom, kb], scale_b[b_row, kb]]
+    sb[b_row, kb]]``, and ``sb[b_next, kb]`` for a tile that spans two B scale blocks (loaded
+    a block ahead of :func:`promote`, which multiplies them)."""
+    scales = [scale_a[top, kb], scale_a[bottom, kb], scale_b[b_row, kb]]
+    return scales if b_next is None else scales + [scale_b[b_next, kb]]
 
 
-def promote(total, acc, scales: list | None = None):
+def promote(total, acc, scales: list | None = None, second_half=None, first: int = 0):
     """Promotion into f32 registers after one 128-K step (the tensor core accumulates FP8
-    products with ~14 mantissa bits only): ``total + acc``, times ``sa[row, kb] * sb[kb]``
-    with block ``scales`` from :func:`block_scales`."""
+    products with ~14 mantissa bits only): ``total + acc``, or ``fma(acc, sa[row, kb] *
+    sb[kb], total)`` with block ``scales`` from :func:`block_scales`. ``acc`` may be the
+    columns of ``total`` from register ``first`` on (a half-width accumulator).
+
+    With four scales the tile's 64-column chunks straddle two B blocks: chunk ``c`` of a tile
+    starting ``second_half`` (a traced bool: 64 columns into its 128-column block) lies in
+    block ``(second_half + c) // 2``, so even chunks know their block and odd chunks select
+    it once per step (DeepGEMM's two B scales per tile, at 64-column granularity)."""
     if scales is None:
-        return wgmma.fragment_from_elements([total.element(i) + acc.element(i)
-                                             for i in range(acc.shape[1] // 2)])
-    row_scale = [scales[0] * scales[2], scales[1] * scales[2]]
-    return wgmma.fragment_from_elements([total.element(i) + acc.element(i) *
-                                         row_scale[(i // 2) % 2]
-                                         for i in range(acc.shape[1] // 2)])
+        def add(j, x, t):
+            return t + x
+    elif len(scales) == 3:
+        row_scale = [scales[0] * scales[2], scales[1] * scales[2]]
+
+        def add(j, x, t):  # one FFMA: a .rn multiply and add are never fused, and cost twice
+            return kiln.fma(x, row_scale[(j // 2) % 2], t)
+    else:
+        sb = scales[2:]
+        chunk_scale = [sb[c // 2] if c % 2 == 0 else kiln.where(second_half, sb[1], sb[0])
+                       for c in range(total.shape[1] // 64)]
+        products = [[row * col for col in chunk_scale] for row in scales[:2]]
+
+        def add(j, x, t):  # register j: column 8 (j // 4) + j % 2 (+ lane's), chunk j // 32
+            return kiln.fma(x, products[(j // 2) % 2][j // 32], t)
+    width = acc.shape[1] // 2
+    return wgmma.fragment_from_elements([
+        add(j, acc.element(j - first), total.element(j)) if first <= j < first + width
+        else total.element(j) for j in range(total.shape[1] // 2)])
 
 
 def scale_accumulator(acc, scale_a, scale_b, row0, col0, m, n, a_mode: str, b_mode: str):
@@ -188,9 +237,8 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
         raise kiln.KilnValueError(f"scale modes {scale_mode} do not combine",
                                   fix="use block scales for both operands, or per-tensor / "
                                       "per-row / per-column scales for both")
-    if block and config.block_n != SCALE_BLOCK:
-        raise kiln.KilnValueError(f"block scales need block_n={SCALE_BLOCK}, got "
-                                  f"{config.block_n}", fix="use Fp8GemmConfig(block_n=128)")
+    # A tile of 64 or 192 columns straddles two B scale blocks: two B scales per step.
+    wide = block and config.block_n != SCALE_BLOCK
     in_type, out_type = kiln.dtype(dtype), kiln.dtype(out_dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     c_cols = ROW_BYTES // out_type.itemsize
@@ -216,6 +264,139 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
         else:
             for r in range(pair):
                 empty.arrive_cluster(stage, r, wgmma_pending=wgmma_pending)
+
+    def issue(acc, a_base, b_base, stage, half=None):
+        """Four ``m64nNk32`` WGMMAs of one 128-K stage into a fresh accumulator (the first
+        ignores ``acc``'s values), committed; with ``half`` (0 or 1) those of that half of
+        the tile's columns (``acc`` is ``block_n / 2`` wide)."""
+        stage64 = kiln.cast(stage, kiln.i64)
+        a_desc = a_base + stage64 * (bm * bk // 16)  # descriptor address units
+        b_desc = b_base + stage64 * (bn * bk // 16)
+        if half:  # the second half's rows of the K-major B tile (whole 8-row swizzle atoms)
+            b_desc = b_desc + bn // 2 * bk // 16
+        wgmma.fence()
+        for ks in kiln.static_range(bk // FP8_K_STEP):
+            acc = wgmma.mma_async(acc, a_desc + ks * step_units, b_desc + ks * step_units,
+                                  dtype=in_type, accumulate=ks > 0)
+        wgmma.commit()
+        return acc
+
+    def step_scales(scale_a, scale_b, where, kt, k_tiles):
+        """Block scales of K step ``kt`` (clamped: loads a group ahead run past the end) at
+        ``where`` = (top row, bottom row, B scale row[, second half, next B scale row]); none
+        (``()``) for epilogue-scaled modes."""
+        if not where:
+            return ()
+        return block_scales(scale_a, scale_b, *where[:3], kiln.minimum(kt, k_tiles - 1),
+                            where[4] if wide else None)
+
+    def promote_step(total, acc, scales, where, first=0):
+        if not where:
+            return promote(total, acc, first=first)
+        return promote(total, acc, scales, where[3] if wide else None, first)
+
+    @kiln.func
+    def mainloop_single(total, ahead, where, a_base, b_base, full, empty, use, first_thread,
+                        scale_a, scale_b, k_first, k_tiles):
+        """Steps ``k_first ..`` with one accumulator: each step's WGMMAs are waited for, then
+        promoted (the other consumer's WGMMAs keep the tensor cores busy meanwhile)."""
+        acc = wgmma.fragment_zeros(bn)
+        for kt in kiln.range(k_first, k_tiles):
+            stage = use % config.stages
+            full.try_wait(stage, (use // config.stages) % 2)
+            acc = issue(acc, a_base, b_base, stage)
+            current = ahead  # load the next block's scales while these WGMMAs run
+            ahead = step_scales(scale_a, scale_b, where, kt + 1, k_tiles)
+            wgmma.wait_group(0)
+            if first_thread:
+                release(empty, stage, 0)
+            total = promote_step(total, acc, current, where)
+            use = use + 1
+        return total, use
+
+    @kiln.func
+    def mainloop_grouped(total, where, a_base, b_base, full, empty, use, first_thread,
+                         scale_a, scale_b, k_tiles):
+        """Groups of ``overlap_steps`` steps on two accumulators in turn: step ``t + 1``'s
+        WGMMAs run while step ``t`` is promoted, so all but a group's last promotion overlap
+        this warp group's own tensor-core work. Nothing is in flight across the loop's back
+        edge (ptxas serialises every WGMMA when a second accumulator is). A group's block
+        scales are loaded one group ahead."""
+        group = config.overlap_steps
+        ahead = [step_scales(scale_a, scale_b, where, i, k_tiles) for i in range(group)]
+        for g in kiln.range(0, k_tiles // group):
+            kt = g * group
+            current = ahead
+            accs = [wgmma.fragment_zeros(bn), wgmma.fragment_zeros(bn)]
+            stages = [(use + i) % config.stages for i in range(group)]
+            full.try_wait(stages[0], (use // config.stages) % 2)
+            accs[0] = issue(accs[0], a_base, b_base, stages[0])
+            ahead = [step_scales(scale_a, scale_b, where, kt + group + i, k_tiles)
+                     for i in range(group)]
+            for i in kiln.static_range(1, group):
+                full.try_wait(stages[i], ((use + i) // config.stages) % 2)
+                accs[i % 2] = issue(accs[i % 2], a_base, b_base, stages[i])
+                wgmma.wait_group(1)  # step i - 1 is done, step i runs on
+                if first_thread:
+                    release(empty, stages[i - 1], 1)
+                total = promote_step(total, accs[(i - 1) % 2], current[i - 1], where)
+            wgmma.wait_group(0)
+            if first_thread:
+                release(empty, stages[group - 1], 0)
+            total = promote_step(total, accs[(group - 1) % 2], current[group - 1], where)
+            use = use + group
+        rest = k_tiles // group * group
+        return mainloop_single(total, step_scales(scale_a, scale_b, where, rest, k_tiles),
+                               where, a_base, b_base, full, empty, use, first_thread, scale_a,
+                               scale_b, rest, k_tiles)
+
+    def pinned(total):
+        """``total``, computed here: LLVM would sink the promotion's additions past the next
+        issue (into the block after a release branch), keeping both half accumulators live."""
+        keep_registers_live([r.ir for r in total.registers()])
+        return total
+
+    @kiln.func
+    def mainloop_split(total, where, a_base, b_base, full, empty, use, first_thread,
+                       scale_a, scale_b, k_tiles):
+        """Overlap for tiles too wide for two whole accumulators (``block_n > 128``): each
+        step's WGMMAs go to two half-width accumulators, the left half's promoted while the
+        right half runs and the right's while the next step's left runs; groups of
+        ``overlap_steps`` steps as in :func:`mainloop_grouped` (only a group's last right
+        half is promoted with nothing of this warp group in flight)."""
+        group, half_n = config.overlap_steps, bn // 2
+        ahead = [step_scales(scale_a, scale_b, where, i, k_tiles) for i in range(group)]
+        for g in kiln.range(0, k_tiles // group):
+            kt = g * group
+            current = ahead
+            stages = [(use + i) % config.stages for i in range(group)]
+            full.try_wait(stages[0], (use // config.stages) % 2)
+            left = issue(wgmma.fragment_zeros(half_n), a_base, b_base, stages[0], 0)
+            right = issue(wgmma.fragment_zeros(half_n), a_base, b_base, stages[0], 1)
+            ahead = [step_scales(scale_a, scale_b, where, kt + group + i, k_tiles)
+                     for i in range(group)]
+            for i in kiln.static_range(group):
+                wgmma.wait_group(1)  # step i's left half is done, its right half runs on
+                total = pinned(promote_step(total, left, current[i], where, 0))
+                if i + 1 < group:
+                    full.try_wait(stages[i + 1], ((use + i + 1) // config.stages) % 2)
+                    left = issue(wgmma.fragment_zeros(half_n), a_base, b_base, stages[i + 1], 0)
+                    wgmma.wait_group(1)  # step i's right half is done
+                    total = pinned(promote_step(total, right, current[i], where, half_n // 2))
+                    right = issue(wgmma.fragment_zeros(half_n), a_base, b_base, stages[i + 1],
+                                  1)
+                    if first_thread:  # after every read of stage i + 1 (the ring passes' rule)
+                        release(empty, stages[i], 2)
+                else:
+                    wgmma.wait_group(0)
+                    if first_thread:
+                        release(empty, stages[i], 0)
+                    total = promote_step(total, right, current[i], where, half_n // 2)
+            use = use + group
+        rest = k_tiles // group * group
+        return mainloop_single(total, step_scales(scale_a, scale_b, where, rest, k_tiles),
+                               where, a_base, b_base, full, empty, use, first_thread, scale_a,
+                               scale_b, rest, k_tiles)
 
     def gemm_fp8(a_map: kiln.TensorMap[in_type, (bm, bk), SWIZZLE],
                  b_map: kiln.TensorMap[in_type, b_box, SWIZZLE],
@@ -278,40 +459,34 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
             a_base = wgmma.smem_descriptor(a_tiles.tile(0), leading_bytes=16, stride_bytes=1024,
                                            byte_offset=consumer * 64 * ROW_BYTES)
             b_base = wgmma.smem_descriptor(b_tiles.tile(0), leading_bytes=16, stride_bytes=1024)
-            a_stage_units = BM * BK // 16  # descriptor address units
-            b_stage_units = BN * BK // 16
             use = 0
             for tile in kiln.range(first_tile, num_tiles, tile_step):
                 m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM * CLUSTER_M, BN, group_m)
                 row0 = m0 + rank * BM + consumer * 64
-                acc = wgmma.fragment_zeros(BN)
                 total = wgmma.fragment_zeros(BN)
+                where, ahead = (), ()
                 if block:
                     top, bottom = thread_rows(row0)
                     top, bottom = kiln.minimum(top, m - 1), kiln.minimum(bottom, m - 1)
-                    ahead = block_scales(scale_a, scale_b, top, bottom, n0 // BN, 0)
-                for kt in kiln.range(0, k_tiles):
-                    stage = use % STAGES
-                    full.try_wait(stage, (use // STAGES) % 2)
-                    stage64 = kiln.cast(stage, kiln.i64)
-                    a_desc = a_base + stage64 * a_stage_units
-                    b_desc = b_base + stage64 * b_stage_units
-                    wgmma.fence()
-                    for ks in kiln.static_range(BK // FP8_K_STEP):
-                        acc = wgmma.mma_async(acc, a_desc + ks * step_units,
-                                              b_desc + ks * step_units, dtype=in_type,
-                                              accumulate=ks > 0)
-                    wgmma.commit()
-                    if block:
-                        # Load the next block's scales while these WGMMAs run.
-                        current = ahead
-                        ahead = block_scales(scale_a, scale_b, top, bottom, n0 // BN,
-                                             kiln.minimum(kt + 1, k_tiles - 1))
-                    wgmma.wait_group(0)
-                    if first_thread:
-                        release(empty, stage, 0)
-                    total = promote(total, acc, current) if block else promote(total, acc)
-                    use = use + 1
+                    where = (top, bottom, n0 // SCALE_BLOCK)
+                    if wide:
+                        last_block = (n + SCALE_BLOCK - 1) // SCALE_BLOCK - 1
+                        where = where + (n0 % SCALE_BLOCK >= 64,
+                                         kiln.minimum(n0 // SCALE_BLOCK + 1, last_block))
+                    if config.overlap_steps == 1 and wide:
+                        ahead = step_scales(scale_a, scale_b, where, 0, k_tiles)
+                    elif config.overlap_steps == 1:  # the 128-column path's PTX as before
+                        ahead = block_scales(scale_a, scale_b, *where, 0)
+                if config.overlap_steps > 1 and BN > MAX_DOUBLE_N:
+                    total, use = mainloop_split(total, where, a_base, b_base, full, empty, use,
+                                                first_thread, scale_a, scale_b, k_tiles)
+                elif config.overlap_steps > 1:
+                    total, use = mainloop_grouped(total, where, a_base, b_base, full, empty,
+                                                  use, first_thread, scale_a, scale_b, k_tiles)
+                else:
+                    total, use = mainloop_single(total, ahead, where, a_base, b_base, full,
+                                                 empty, use, first_thread, scale_a, scale_b, 0,
+                                                 k_tiles)
                 out = total if block else scale_accumulator(total, scale_a, scale_b, row0, n0,
                                                             m, n, a_mode, b_mode)
                 store_tile(out, c_map, c_tiles, consumer, row0, n0, first_thread,

@@ -1,0 +1,234 @@
+"""A/B of Hopper FP8 GEMM configs (e4m3, B stored N x K, bf16 out) against their peers, one run.
+
+For each shape, every candidate config (``--configs``: the tuner's, or the overlap sweep) is
+launched directly (no tuner) with per-tensor scales and with DeepSeek-V3 block scales, and
+timed beside ``torch._scaled_mm`` (cuBLASLt, per tensor), Kiln's bf16 GEMM (best of
+``BF16_CONFIGS``) and cuBLAS bf16 on the same operands. Timing is interleaved: each of
+``--repeat`` rounds times ``--batch`` calls of every candidate and peer in turn (CUDA events)
+and the median per candidate counts, so the clock drop of a power-limited GPU warming up falls
+on all alike. Before any timing each config is checked on an odd shape (M, N, K not multiples
+of the tiles, K steps not a multiple of ``overlap_steps``) against float64 of the dequantised
+inputs (NaN-poisoned bf16 output; relative Frobenius error < 5e-3: bf16 rounding is ~1e-3, a
+missing or repeated K step or a wrong block scale is > 1e-2), and at each timed shape against
+float32.
+
+Prints one line per measurement, then per shape the best config of each scale kind with its
+ratio to ``torch._scaled_mm`` (per tensor; goal >= 1.0) or to Kiln bf16 (block; goal >= 1.4).
+
+Usage (H100/H200): ``python bench/gemm_fp8_configs.py [--shapes 8192x8192x8192,...]
+[--configs tuner|overlap] [--repeat 5] [--batch 10] [--json out.json]``; ``--launch
+per_tensor:0,block:2`` only launches those candidates (for ``ncu -k regex:hopper_gemm``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import torch
+
+from gemm_fp8 import operands
+from kiln.kernels.gemm import HopperGemmConfig, run_hopper
+from kiln.kernels.gemm.fp8_api import BLOCK_CONFIGS, SCALED_CONFIGS, run_fp8
+from kiln.kernels.gemm.fp8_hopper import Fp8GemmConfig
+from results_io import write_results
+
+MODES = {"per_tensor": ("tensor", "tensor"), "block": ("block", "block")}
+# The overlap sweep: one accumulator (as shipped before) against two accumulators in groups
+# (two half-width ones on 192 columns), three consumer warp groups (block_m=192, 160 registers
+# each) and block scales on 192 columns.
+M192 = dict(block_m=192, block_n=128, stages=4, producer_registers=24, consumer_registers=160)
+# Block scales on 192-column tiles (two B scales per step), 240 registers per consumer.
+WIDE = dict(block_n=192, stages=4, producer_registers=24, consumer_registers=240)
+OVERLAP = {
+    "per_tensor": (Fp8GemmConfig(block_n=192, stages=4), Fp8GemmConfig(**WIDE),
+                   Fp8GemmConfig(**WIDE, overlap_steps=2),
+                   Fp8GemmConfig(block_n=192, stages=4, group_m=16),
+                   Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2),
+                   Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4), Fp8GemmConfig(**M192)),
+    "block": (Fp8GemmConfig(block_n=128, stages=6),
+              Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2),
+              Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4),
+              Fp8GemmConfig(**WIDE), Fp8GemmConfig(**WIDE, overlap_steps=2),
+              Fp8GemmConfig(**WIDE, group_m=16), Fp8GemmConfig(**M192)),
+}
+BF16_CONFIGS = (HopperGemmConfig(), HopperGemmConfig(block_n=192),
+                HopperGemmConfig(block_n=192, cluster_m=2))
+ODD = (1000, 1032, 1168)  # 9.125 K steps of 128: a partial step and a group remainder
+
+
+def candidates(which: str) -> dict:
+    if which == "tuner":
+        return {"per_tensor": SCALED_CONFIGS, "block": BLOCK_CONFIGS}
+    return OVERLAP
+
+
+def precompile(configs: dict) -> None:
+    """Compile every (scale kinds, config) kernel at once: ptxas runs overlap."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kiln.kernels.gemm import compile_matmul
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        jobs = [pool.submit(compile_matmul, "f8e4m3", target="sm_90a", trans_b=True,
+                            scales=MODES[kind], **vars(config))
+                for kind, configs_of in configs.items() for config in configs_of]
+        for job in jobs:
+            job.result()
+
+
+def launch(a8, w8, c, sa, sw, kind, config):
+    m, k = a8.shape
+    run_fp8(a8, w8, c, sa.reshape(sa.shape or (1,)), sw.reshape(sw.shape or (1,)), m,
+            w8.shape[0], k, dtype="f8e4m3", out="bf16", mode=MODES[kind], target="sm_90a",
+            config=config)
+
+
+def check_odd(kind: str, config) -> float:
+    """Relative error of ``config`` against float64 of the dequantised inputs on ODD."""
+    m, n, k = ODD
+    a = torch.randn(m, k, device="cuda", dtype=torch.float64)
+    w = torch.randn(n, k, device="cuda", dtype=torch.float64)
+    if kind == "block":
+        blocks_k = -(-k // 128)
+        sa = torch.rand(m, blocks_k, device="cuda", dtype=torch.float64) + 0.5
+        sw = torch.rand(-(-n // 128), blocks_k, device="cuda", dtype=torch.float64) + 0.5
+        a_full = sa.repeat_interleave(128, 1)[:, :k]
+        w_full = sw.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    else:
+        sa = torch.tensor(0.75, device="cuda", dtype=torch.float64)
+        sw = torch.tensor(1.25, device="cuda", dtype=torch.float64)
+        a_full, w_full = sa, sw
+    a8 = a.float().to(torch.float8_e4m3fn)
+    w8 = w.float().to(torch.float8_e4m3fn)
+    reference = (a8.double() * a_full) @ (w8.double() * w_full).t()
+    c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    launch(a8, w8, c, sa.float().contiguous(), sw.float().contiguous(), kind, config)
+    torch.cuda.synchronize()
+    error = ((c.double() - reference).norm() / reference.norm()).item()
+    if not error < 5e-3:  # bf16 rounding is ~1e-3; a lost K step or scale is > 1e-2
+        raise SystemExit(f"{kind} {config} wrong on {ODD}: relative error {error}")
+    return error
+
+
+def interleaved_ms(fns: dict, repeat: int, batch: int) -> dict:
+    """Median ms per call of each of ``fns`` (name -> callable), sampled round-robin: each
+    round times ``batch`` back-to-back calls of every candidate in turn, so clock changes as
+    the GPU heats up (FP8 GEMMs run power-limited) fall on all of them alike."""
+    import statistics
+
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start.record()
+            for _ in range(batch):
+                fn()
+            stop.record()
+            stop.synchronize()
+            samples[name].append(start.elapsed_time(stop) / batch)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def bench_shape(m, n, k, configs, repeat, batch, log) -> list[dict]:
+    """Every candidate and peer at one shape, each checked first, timed interleaved."""
+    flops = 2.0 * m * n * k
+    fns, rows = {}, {}
+    for kind, configs_of in configs.items():
+        a8, w8, sa, sw, reference = operands(torch, m, n, k, block=kind == "block")
+        for config in configs_of:
+            c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            launch(a8, w8, c, sa, sw, kind, config)
+            error = ((c.float() - reference).norm() / reference.norm()).item()
+            if not error < 2e-2:
+                raise SystemExit(f"{kind} {config} wrong at {m}x{n}x{k}: {error}")
+            name = f"{kind} {config!r}"
+            fns[name] = functools.partial(launch, a8, w8, c, sa, sw, kind, config)
+            rows[name] = {"kind": kind, "config": repr(config), "rel_error": error}
+        if kind == "per_tensor":
+            fns["scaled_mm"] = functools.partial(torch._scaled_mm, a8, w8.t(), scale_a=sa,
+                                                 scale_b=sw, out_dtype=torch.bfloat16)
+            rows["scaled_mm"] = {"kind": "scaled_mm"}
+    a16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    c16 = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    for config in BF16_CONFIGS:  # the bf16 tuner's likely winners at these shapes
+        name = f"kiln_bf16 {config!r}"
+        fns[name] = functools.partial(run_hopper, a16, w16, c16, m, n, k, dtype="bf16",
+                                      b_major="k", target="sm_90a", config=config)
+        rows[name] = {"kind": "kiln_bf16", "config": repr(config)}
+    fns["cublas_bf16"] = functools.partial(torch.matmul, a16, w16.t())
+    rows["cublas_bf16"] = {"kind": "cublas_bf16"}
+    for name, ms in interleaved_ms(fns, repeat, batch).items():
+        row = rows[name]
+        row.update(m=m, n=n, k=k, ms=ms, tflops=flops / ms / 1e9)
+        log(f"{m}x{n}x{k} {row['kind']:>11} {row['tflops']:8.1f} TFLOP/s "
+            f"{row.get('config', '')}")
+    return list(rows.values())
+
+
+def summary(rows, log) -> None:
+    """Best config of each scale kind per shape, with the ratios against the peers."""
+    for shape in dict.fromkeys((r["m"], r["n"], r["k"]) for r in rows):
+        of = [r for r in rows if (r["m"], r["n"], r["k"]) == shape]
+        peer = {}
+        for r in of:
+            if r["kind"] not in MODES:  # a peer: its best config
+                peer[r["kind"]] = max(peer.get(r["kind"], 0.0), r["tflops"])
+        for kind, against in (("per_tensor", "scaled_mm"), ("block", "kiln_bf16")):
+            best = max((r for r in of if r["kind"] == kind), key=lambda r: r["tflops"])
+            log(f"SUMMARY {'x'.join(map(str, shape))} {kind}: {best['tflops']:.1f} TFLOP/s, "
+                f"{best['tflops'] / peer[against]:.3f}x {against} ({peer[against]:.1f}), "
+                f"{best['tflops'] / peer['cublas_bf16']:.2f}x cublas_bf16 "
+                f"({peer['cublas_bf16']:.1f}); {best['config']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="8192x8192x8192,4096x8192x8192,8192x14336x4096")
+    parser.add_argument("--configs", choices=("tuner", "overlap"), default="overlap")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=10)
+    parser.add_argument("--json")
+    parser.add_argument("--launch", metavar="KIND:INDEX[,...]",
+                        help="only launch those candidates once per shape (for ncu), e.g. "
+                             "per_tensor:0,block:2")
+    args = parser.parse_args()
+    if args.launch:
+        for which in args.launch.split(","):
+            kind, index = which.split(":")
+            config = candidates(args.configs)[kind][int(index)]
+            for shape in args.shapes.split(","):
+                m, n, k = map(int, shape.split("x"))
+                a8, w8, sa, sw, _ = operands(torch, m, n, k, block=kind == "block")
+                launch(a8, w8, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), sa,
+                       sw, kind, config)
+        torch.cuda.synchronize()
+        return
+    begin = time.perf_counter()
+
+    def log(line):
+        print(f"[{time.perf_counter() - begin:5.1f}s] {line}", flush=True)
+
+    log(torch.cuda.get_device_name())
+    configs = candidates(args.configs)
+    precompile(configs)
+    log("compiled")
+    for kind, configs_of in configs.items():
+        for config in configs_of:
+            log(f"odd {ODD} {kind} rel error {check_odd(kind, config):.2e} {config}")
+    rows = []
+    for shape in args.shapes.split(","):
+        rows += bench_shape(*map(int, shape.split("x")), configs, args.repeat, args.batch, log)
+    summary(rows, log)
+    if args.json:
+        write_results(args.json, "gemm_fp8_configs", rows, torch=torch)
+
+
+if __name__ == "__main__":
+    main()
