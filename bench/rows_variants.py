@@ -1,0 +1,64 @@
+"""Persistent variants of the softmax and layer-norm tutorials for bench/tutorials_rows.py's A/B:
+block ``b`` of a ``step``-block grid walks rows ``b, b + step, ...``; the next row streams
+into a SharedTile (``kiln.copy`` global -> shared: cp.async / LDS DMA) while this row's
+reductions and stores run from registers."""
+
+from __future__ import annotations
+
+import kiln
+from kiln import f32, i32
+
+
+@kiln.kernel(num_threads="THREADS")
+def softmax_rows(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32, step: i32,
+                 BLOCK: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr):
+    tv = kiln.layout.blocked((1, BLOCK), THREADS, vec=4)
+    _, cols = kiln.tiles.coords(tv)
+    buf = kiln.SharedTile((1, BLOCK), f32)
+    kiln.copy(kiln.GlobalTile(x, (1, BLOCK), (kiln.block_id(0), 0), row_end=m, col_end=n,
+                              align=ALIGN), buf)
+    for row in kiln.range(kiln.block_id(0), m, step):
+        kiln.barrier()
+        t = kiln.where(cols < n, kiln.load(buf, tv), -float("inf"))
+        kiln.barrier()   # every thread has its part of the row: refill the buffer
+        kiln.copy(kiln.GlobalTile(x, (1, BLOCK), (row + step, 0), row_end=m, col_end=n,
+                                  align=ALIGN), buf)
+        p = kiln.exp(t - kiln.reduce(t, "max", axis=1))
+        p = p * kiln.rcp(kiln.reduce(p, "sum", axis=1))
+        kiln.copy(p, kiln.GlobalTile(y, (1, BLOCK), (row, 0), col_end=n, align=ALIGN))
+
+
+@kiln.kernel(num_threads="THREADS")
+def layernorm_rows(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f32],
+                   y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
+                   rstd_out: kiln.Tensor[f32], m: i32, n: i32, step: i32, eps: f32,
+                   BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
+                   ALIGN: kiln.constexpr):
+    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
+    bufs = [kiln.SharedTile((1, CHUNK), f32) for _ in range(BLOCK // CHUNK)]
+    inv_n = 1.0 / kiln.cast(n, f32)
+    for c in range(BLOCK // CHUNK):
+        kiln.copy(kiln.GlobalTile(x, (1, CHUNK), (kiln.block_id(0), c * CHUNK), row_end=m,
+                                  col_end=n, align=ALIGN), bufs[c])
+    for row in kiln.range(kiln.block_id(0), m, step):
+        kiln.barrier()
+        xs = [kiln.load(s, tv) for s in bufs]
+        kiln.barrier()
+        for c in range(BLOCK // CHUNK):
+            kiln.copy(kiln.GlobalTile(x, (1, CHUNK), (row + step, c * CHUNK), row_end=m,
+                                      col_end=n, align=ALIGN), bufs[c])
+        mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
+        _, cols = kiln.tiles.coords(tv)
+        xcs = [kiln.where(cols + c * CHUNK < n, t - mean, 0.0) for c, t in enumerate(xs)]
+        rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]), "sum",
+                                      axis=1) * inv_n + eps)
+        for c, xc in enumerate(xcs):
+            gamma = kiln.load(kiln.GlobalTile(w, (1, CHUNK), (0, c * CHUNK), col_end=n,
+                                              align=ALIGN), tv)
+            beta = kiln.load(kiln.GlobalTile(b, (1, CHUNK), (0, c * CHUNK), col_end=n,
+                                             align=ALIGN), tv)
+            kiln.copy(xc * rstd * gamma + beta, kiln.GlobalTile(y, (1, CHUNK), (row, c * CHUNK),
+                                                                col_end=n, align=ALIGN))
+        if kiln.thread_id(0) == 0:
+            mean_out[row] = mean.item()
+            rstd_out[row] = rstd.item()
