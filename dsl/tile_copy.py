@@ -44,6 +44,7 @@ from .core.errors import KilnTypeError, KilnValueError
 from .core.ops import AUTO_WAIT_ATTR
 from .global_tile import GlobalTile
 from .layout import ThreadValueLayout
+from .amd import tile_dma
 from .nvidia import cp_async
 from .nvidia.sync import fence_proxy_async
 from .reg_tile import RegTile, _concat
@@ -211,6 +212,14 @@ def copy(src: Any, dst: Any) -> Any:
         return None
     if isinstance(src, GlobalTile) and isinstance(dst, SharedTile):
         threads = builder.current().block[0]
+        target = builder.current_target()
+        width = tile_dma.dma_width(src, dst, threads, target)
+        if width is not None:
+            tokens = tile_dma.dma_copy(src, dst, threads=threads, width=width,
+                                       wave=target.warp_size)
+            for token in tokens:
+                token.op.attributes[AUTO_WAIT_ATTR] = ir.UnitAttr.get()
+            return tokens
         width = _async_width(src, dst, threads)
         if width is not None:
             group = cp_async.commit(copy_to_shared(src, dst, threads=threads, async_copy=True,
