@@ -13,12 +13,14 @@ registers -> shared     vector stores into the SharedTile's layout and swizzle
 global -> shared        every thread of the block takes 16-byte chunks: ``cp.async`` (committed
                         as one group) on sm_80+ when the GlobalTile's ``align`` promises 4/8/16-
                         byte aligned chunks, the fill is 0 and the threads divide the chunks;
-                        vector loads and stores otherwise (:func:`kiln.tiles.copy`)
+                        buffer -> LDS DMA on gfx942/gfx950 (:mod:`kiln.amd.tile_dma`); vector
+                        loads and stores otherwise (:func:`kiln.tiles.copy`)
 ======================  =====================================================================
 
-The asynchronous path needs no wait from the user: ``kiln-insert-waits`` puts the
-``cp.async.wait_group`` before the first read of the shared tile (a ``kiln.barrier()`` is still
-needed before reading what other threads copied, as with a synchronous copy).
+The asynchronous paths need no wait from the user: ``kiln-insert-waits`` puts the
+``cp.async.wait_group`` / ``s_waitcnt vmcnt`` before the first read of the shared tile (a
+``kiln.barrier()`` is still needed before reading what other threads copied, as with a
+synchronous copy).
 
 A register tile is a :class:`~kiln.reg_tile.RegTile` of one fragment held by the block's
 threads ``0 .. layout.num_threads - 1`` (thread ``t`` holds ``layout(t % num_threads, v)``),
@@ -195,8 +197,9 @@ def copy(src: Any, dst: Any) -> Any:
     """Copy tile ``src`` into ``dst`` (see the module table for what each pair compiles to).
 
     ``dst`` may be a :class:`~kiln.layout.ThreadValueLayout`: the loaded register tile is
-    returned (:func:`load`). Global -> shared returns the ``cp.async`` group when it went
-    asynchronously (else None); read the shared tile after a ``kiln.barrier()``.
+    returned (:func:`load`). Global -> shared returns the ``cp.async`` group (NVIDIA) or the
+    DMAs' tokens (AMD) when it went asynchronously (else None); read the shared tile after a
+    ``kiln.barrier()``.
 
     Example::
 
