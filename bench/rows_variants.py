@@ -21,8 +21,9 @@ def softmax_rows(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32,
         kiln.barrier()
         t = kiln.where(cols < n, kiln.load(buf, tv), -float("inf"))
         kiln.barrier()   # every thread has its part of the row: refill the buffer
-        kiln.copy(kiln.GlobalTile(x, (1, BLOCK), (row + step, 0), row_end=m, col_end=n,
-                                  align=ALIGN, col_multiple=ALIGN // 4), buf)
+        if row + step < m:
+            kiln.copy(kiln.GlobalTile(x, (1, BLOCK), (row + step, 0), col_end=n,
+                                      align=ALIGN, col_multiple=ALIGN // 4), buf)
         p = kiln.exp(t - kiln.reduce(t, "max", axis=1))
         p = p * kiln.rcp(kiln.reduce(p, "sum", axis=1))
         kiln.copy(p, kiln.GlobalTile(y, (1, BLOCK), (row, 0), col_end=n, align=ALIGN))
@@ -44,9 +45,10 @@ def layernorm_rows(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f
         kiln.barrier()
         xs = [kiln.load(s, tv) for s in bufs]
         kiln.barrier()
-        for c in range(BLOCK // CHUNK):
-            kiln.copy(kiln.GlobalTile(x, (1, CHUNK), (row + step, c * CHUNK), row_end=m,
-                                      col_end=n, align=ALIGN, col_multiple=ALIGN // 4), bufs[c])
+        if row + step < m:
+            for c in range(BLOCK // CHUNK):
+                kiln.copy(kiln.GlobalTile(x, (1, CHUNK), (row + step, c * CHUNK), col_end=n,
+                                          align=ALIGN, col_multiple=ALIGN // 4), bufs[c])
         mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
         _, cols = kiln.tiles.coords(tv)
         xcs = [kiln.where(cols + c * CHUNK < n, t - mean, 0.0) for c, t in enumerate(xs)]
