@@ -1,5 +1,5 @@
 """Long-row A/B of the softmax and layer-norm tutorials: Kiln's tutorial kernels, the persistent
-variants of bench/rows_variants.py (a few block shapes and blocks per SM), Triton's tutorial
+variants of bench/rows_variants.py (a few blocks per SM), Triton's tutorial
 designs (bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's device copy,
 all in one run, at 4k-32k float32 columns (``2^24`` elements a matrix, as ``tutorials.py
 --quick``).
@@ -24,10 +24,10 @@ from tutorials import fused_softmax, layernorm  # noqa: E402
 import rows_variants  # noqa: E402
 
 # (threads, blocks per SM) of the persistent variants to try, per column count
-ROWS_CONFIGS = {4096: [(256, 2), (256, 4), (512, 2)], 8192: [(512, 1), (512, 2), (512, 4)],
+ROWS_CONFIGS = {4096: [(256, 2), (256, 4), (256, 8)], 8192: [(512, 1), (512, 2), (512, 4)],
                 16384: [(1024, 1), (1024, 2)], 32768: [(1024, 1)]}
-# other thread counts of the tutorials' own (one row per block) kernels
-TUTORIAL_THREADS = {4096: [512], 8192: [1024], 16384: [], 32768: []}
+# column counts where layernorm_rows_masked (per-element masks on w, b, y) is tried too
+MASKED_COLS = (32768, 4096)
 
 
 def main() -> None:
@@ -79,10 +79,6 @@ def main() -> None:
         y = torch.full_like(x, float("nan"))
         results = {}
         variants = {"tutorial": lambda: fused_softmax.softmax(x, y)}
-        for threads in TUTORIAL_THREADS[n]:
-            variants[f"tutorial t{threads}"] = (
-                lambda t=threads: fused_softmax.softmax_kernel[(m,)](
-                    x, y, n, BLOCK=block, THREADS=t, ALIGN=16))
         for threads, per_sm in ROWS_CONFIGS[n]:
             grid = min(m, sms * per_sm)
             variants[f"rows t{threads} x{per_sm}"] = (
@@ -109,17 +105,17 @@ def main() -> None:
         want = torch.nn.functional.layer_norm(x.double(), (n,), w.double(), b.double(), 1e-5)
         results = {}
         variants = {"tutorial": lambda: layernorm.layernorm(x, w, b, y, mean, rstd)}
-        for threads in TUTORIAL_THREADS[n]:
-            variants[f"tutorial t{threads}"] = (
-                lambda t=threads: layernorm.layernorm_kernel[(m,)](
-                    x, w, b, y, mean, rstd, n, 1e-5, BLOCK=block, CHUNK=chunk, THREADS=t,
-                    ALIGN=16))
         for threads, per_sm in ROWS_CONFIGS[n]:
             grid = min(m, sms * per_sm)
             variants[f"rows t{threads} x{per_sm}"] = (
                 lambda g=grid, t=threads: rows_variants.layernorm_rows[(g,)](
                     x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk,
                     THREADS=t, ALIGN=16))
+            if n in MASKED_COLS:
+                variants[f"masked t{threads} x{per_sm}"] = (
+                    lambda g=grid, t=threads: rows_variants.layernorm_rows_masked[(g,)](
+                        x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk,
+                        THREADS=t, ALIGN=16))
         ln_block = min(65536 // 4, block)
         variants["triton"] = lambda: t_layernorm[(m,)](
             x, y, w, b, mean, rstd, x.stride(0), n, 1e-5, BLOCK=ln_block,
