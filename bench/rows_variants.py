@@ -2,7 +2,12 @@
 block ``b`` of a ``grid``-block grid walks rows ``b, b + grid, ...``; the next row streams
 into shared tiles (``kiln.copy`` global -> shared: cp.async / LDS DMA) while this row's
 reductions and stores run from registers. ``layernorm_rows_masked`` loads ``w``/``b`` and
-stores ``y`` with per-element masks at the ragged edge (no ``col_multiple`` promise)."""
+stores ``y`` with per-element masks at the ragged edge (no ``col_multiple`` promise).
+``softmax_one_row`` / ``layernorm_one_row`` are the tutorials' earlier design (one block a row,
+the row loaded straight into registers), the baseline.
+
+Usage: ``python bench/tutorials_rows.py`` (it imports this module).
+"""
 
 from __future__ import annotations
 
@@ -108,3 +113,43 @@ def layernorm_rows_masked(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.T
         if kiln.thread_id(0) == 0:
             mean_out[row] = mean.item()
             rstd_out[row] = rstd.item()
+
+
+@kiln.kernel(num_threads="THREADS")
+def softmax_one_row(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], n: i32,
+                   BLOCK: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr):
+    row = kiln.block_id(0)
+    tv = kiln.layout.blocked((1, BLOCK), THREADS, vec=4)
+    t = kiln.load(kiln.GlobalTile(x, (1, BLOCK), (row, 0), col_end=n, fill=-float("inf"),
+                                  align=ALIGN), tv)
+    p = kiln.exp(t - kiln.reduce(t, "max", axis=1))
+    p = p * kiln.rcp(kiln.reduce(p, "sum", axis=1))
+    kiln.copy(p, kiln.GlobalTile(y, (1, BLOCK), (row, 0), col_end=n, align=ALIGN))
+
+
+@kiln.kernel(num_threads="THREADS")
+def layernorm_one_row(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f32],
+                     y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
+                     rstd_out: kiln.Tensor[f32], n: i32, eps: f32,
+                     BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
+                     ALIGN: kiln.constexpr):
+    row = kiln.block_id(0)
+    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
+    _, cols = kiln.tiles.coords(tv)
+    xs = [kiln.load(kiln.GlobalTile(x, (1, CHUNK), (row, c * CHUNK), col_end=n, align=ALIGN), tv)
+          for c in range(BLOCK // CHUNK)]
+    inv_n = 1.0 / kiln.cast(n, f32)
+    mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
+    xcs = [kiln.where(cols + c * CHUNK < n, t - mean, 0.0) for c, t in enumerate(xs)]
+    rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]), "sum",
+                                  axis=1) * inv_n + eps)
+    for c, xc in enumerate(xcs):   # w and b a chunk at a time: fewer live registers
+        gamma = kiln.load(kiln.GlobalTile(w, (1, CHUNK), (0, c * CHUNK), col_end=n,
+                                          align=ALIGN), tv)
+        beta = kiln.load(kiln.GlobalTile(b, (1, CHUNK), (0, c * CHUNK), col_end=n,
+                                         align=ALIGN), tv)
+        kiln.copy(xc * rstd * gamma + beta, kiln.GlobalTile(y, (1, CHUNK), (row, c * CHUNK),
+                                                            col_end=n, align=ALIGN))
+    if kiln.thread_id(0) == 0:
+        mean_out[row] = mean.item()
+        rstd_out[row] = rstd.item()

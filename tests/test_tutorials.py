@@ -174,17 +174,22 @@ def _compile(name, n, target):
                                              THREADS=vector_add.THREADS, ALIGN=16,
                                              target=target)
     module = fused_softmax if name == "softmax" else layernorm
-    block, threads = module.config(n)
+    block, threads, _ = module.config(n)
     if name == "softmax":
-        return module.softmax_kernel.compile(x2, x2, n, BLOCK=block, THREADS=threads, ALIGN=16,
-                                             target=target)
-    return module.layernorm_kernel.compile(x2, x1, x1, x2, x1, x1, n, 1e-5, BLOCK=block,
+        return module.softmax_kernel.compile(x2, x2, 2, n, 1, BLOCK=block, THREADS=threads,
+                                             ALIGN=16, target=target)
+    return module.layernorm_kernel.compile(x2, x1, x1, x2, x1, x1, 2, n, 1, 1e-5, BLOCK=block,
                                            CHUNK=min(block, 4096), THREADS=threads, ALIGN=16,
                                            target=target)
 
 
 VECTOR_ACCESS = {"ptx": (r"ld\.global\.v4\.\w32", r"st\.global\.v4\.\w32"),
                  "amdgcn": (r"global_load_dwordx4", r"global_store_dwordx4")}
+# softmax and layernorm stream rows into shared memory: 16-byte cp.async / buffer -> LDS DMA,
+# then 16-byte shared reads
+ROW_STREAM = {"ptx": (r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16",
+                      r"ld\.shared\.v4\.\w32"),
+              "amdgcn": (r"buffer_load_dwordx4 .* lds", r"ds_read_b128")}
 
 
 @pytest.mark.lower
@@ -202,7 +207,12 @@ def test_tutorials_compile_with_vector_accesses_and_no_spills(target, name, n):
         assert md["scratch_bytes"] == 0
     load, store = VECTOR_ACCESS[stage]
     asm = ck.asm[stage]
-    assert re.search(load, asm) and re.search(store, asm), f"{name} has no 16-byte accesses"
+    if name == "vector_add":
+        assert re.search(load, asm), f"{name} has no 16-byte loads"
+    else:
+        copy, read = ROW_STREAM[stage]
+        assert re.search(copy, asm) and re.search(read, asm), f"{name} streams no 16-byte rows"
+    assert re.search(store, asm), f"{name} has no 16-byte stores"
 
 
 @pytest.mark.gpu
