@@ -52,7 +52,7 @@ def softmax_kernel(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i3
 
 
 # blocks of the persistent grid per SM, by BLOCK (measured: bench/tutorials_rows.py)
-BLOCKS_PER_SM = {512: 8, 1024: 8, 2048: 4, 4096: 4, 8192: 2, 16384: 2}
+BLOCKS_PER_SM = {512: 8, 1024: 8, 2048: 4, 4096: 4, 8192: 2, 16384: 1}
 
 
 def alignment(n: int, *arrays) -> int:
