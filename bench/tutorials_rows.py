@@ -26,7 +26,8 @@ from tutorials import fused_softmax, layernorm  # noqa: E402
 import rows_variants  # noqa: E402
 
 # (threads, blocks per SM) of the persistent variants to try, per column count
-ROWS_CONFIGS = {4096: [(256, 2), (256, 4), (256, 8), (512, 2), (512, 4)], 8192: [(512, 1), (512, 2), (512, 4)],
+ROWS_CONFIGS = {4096: [(256, 2), (256, 4), (256, 8), (512, 2), (512, 4)],
+                8192: [(512, 1), (512, 2), (512, 4)],
                 16384: [(1024, 1), (1024, 2), (512, 1), (512, 2)], 32768: [(1024, 1), (512, 1)]}
 # column counts where layernorm_rows_masked (per-element masks on w, b, y) is tried too
 MASKED_COLS = (32768,)
