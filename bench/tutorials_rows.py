@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from results_io import write_results  # noqa: E402
 from timing import queued_ms, time_ms  # noqa: E402
 from tutorials import fused_softmax, layernorm  # noqa: E402
 import rows_variants  # noqa: E402
@@ -139,11 +140,10 @@ def main() -> None:
             if check(f"layernorm {n} {name}", y, want, 1e-4):
                 results[name] = record("layernorm", n, name, fn, nbytes)
         report(f"layernorm {m}x{n}", results)
-    out = {"copy_gbs": copy_gbs, "rows": rows}
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        write_results(args.json, "tutorials_rows", rows, torch, copy_gbs=copy_gbs)
     else:
-        print(json.dumps(out))
+        print(json.dumps({"copy_gbs": copy_gbs, "rows": rows}))
 
 
 if __name__ == "__main__":
