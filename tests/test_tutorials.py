@@ -216,8 +216,10 @@ def test_tutorials_compile_with_vector_accesses_and_no_spills(target, name, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(64, 1000), (257, 4096), (33, 32768)])
+@pytest.mark.parametrize("shape", [(64, 1000), (37, 1531), (700, 4096), (300, 32768)])
 def test_tutorials_on_gpu(shape):
+    """Rows not a multiple of 4 (4-byte copies), and more rows than the persistent grid has
+    blocks (each block streams several)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device for torch")
