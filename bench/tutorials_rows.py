@@ -1,15 +1,18 @@
-"""Long-row A/B of the softmax and layer-norm tutorials: Kiln's tutorials (a persistent grid, the
-next row streamed into shared memory), their earlier one-block-a-row design, persistent
-variants of bench/rows_variants.py (other thread counts and blocks per SM), Triton's tutorial
-designs (bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's device copy,
-all in one run, at 4k-32k float32 columns (``2^24`` elements a matrix, as ``tutorials.py
---quick``).
+"""Long-row A/B of the softmax and layer-norm tutorials at 4k-32k float32 columns, one run:
+the tutorials as shipped (``config``), their kernels with rows taken a block each (``direct``,
+grid = rows) or streamed through shared memory over a persistent grid (``stream tT xK``: T
+threads, K blocks per SM), layer norm with two rows in flight (``stream2``, bench/
+rows_variants.py), Triton's tutorial designs (bench/tutorials_triton.py, set up as in
+bench/tutorials.py) and torch's device copy.
 
-Every kernel is first checked against torch in float64 (a wrong result is reported and left
-out). GB/s
-counts the matrix read once and written once; times are ``timing.queued_ms`` medians.
+Matrices have ``2^24`` elements (as ``tutorials.py --quick``); ``--big`` adds the shipped
+tutorials and Triton on ``2^26``-element matrices, where launch and ramp costs weigh a quarter
+as much. Every kernel is first checked against torch in float64 (a wrong result is reported and
+left out). GB/s counts the matrix read once and written once; times are ``timing.queued_ms``
+medians.
 
-Usage (on an H100/H200): ``python bench/tutorials_rows.py [--cols 32768,4096] [--json out]``.
+Usage (on an H100/H200): ``python bench/tutorials_rows.py [--cols 32768,4096] [--big]
+[--json out]``.
 """
 
 from __future__ import annotations
@@ -26,18 +29,18 @@ from timing import queued_ms, time_ms  # noqa: E402
 from tutorials import fused_softmax, layernorm  # noqa: E402
 import rows_variants  # noqa: E402
 
-# (threads, blocks per SM) of the persistent variants to try, per column count
-ROWS_CONFIGS = {4096: [(256, 2), (256, 4), (256, 8), (512, 2), (512, 4)],
-                8192: [(512, 1), (512, 2), (512, 4)],
-                16384: [(1024, 1), (1024, 2), (512, 1), (512, 2)], 32768: [(1024, 1), (512, 1)]}
-# column counts where layernorm_rows_masked (per-element masks on w, b, y) is tried too
-MASKED_COLS = (32768,)
+# (threads, blocks per SM) of the streamed kernels to try, per column count
+STREAM_CONFIGS = {4096: [(256, 2), (256, 4)], 8192: [(512, 2)],
+                  16384: [(512, 1), (512, 2), (1024, 1)], 32768: [(512, 1), (1024, 1)]}
+# column counts where layer norm with two rows in flight is tried
+STREAM2_COLS = (4096, 8192, 16384)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cols", default="32768,4096,16384,8192")
+    parser.add_argument("--cols", default="32768,16384,4096,8192")
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--big", action="store_true", help="also 2^26-element matrices")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     import torch
@@ -53,93 +56,79 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
 
-    def record(op, n, variant, fn, nbytes):
-        ms = queued_ms(fn, args.repeat)
-        gbs = nbytes / ms / 1e6
-        rows.append({"op": op, "cols": n, "variant": variant, "us": ms * 1e3, "gbs": gbs,
-                     "of_copy": gbs / copy_gbs})
-        return gbs
-
-    def check(name, got, want, tol):
-        err = float((got.double() - want).abs().max())
-        if not err <= tol:
-            print(f"WRONG {name}: max error {err:.3g} > {tol}", flush=True)
-            return False
-        return True
-
-    def report(what, results):
-        peer = results.get("triton", float("nan"))
-        for k, v in results.items():
-            print(f"{what} {k:16s} {v:6.0f} GB/s  {v / copy_gbs:.2f} of copy  "
-                  f"{v / peer:.2f} of triton", flush=True)
-
-    for n in [int(c) for c in args.cols.split(",")]:
-        m = (1 << 24) // n
-        x = torch.randn(m, n, device="cuda", generator=gen)
+    def measure(op, m, n, variants, want, tol):
         nbytes = 8 * m * n
-        block = triton.next_power_of_2(n)
-        chunk = min(block, 4096)
-        want = torch.softmax(x.double(), dim=1)
-        y = torch.full_like(x, float("nan"))
         results = {}
-        one_row = min(1024, max(128, block // 16))
-        variants = {"tutorial": lambda: fused_softmax.softmax(x, y),
-                    "one-row": lambda: rows_variants.softmax_one_row[(m,)](
-                        x, y, n, BLOCK=block, THREADS=one_row, ALIGN=16)}
-        for threads, per_sm in ROWS_CONFIGS[n]:
-            grid = min(m, sms * per_sm)
-            variants[f"rows t{threads} x{per_sm}"] = (
-                lambda g=grid, t=threads: rows_variants.softmax_rows[(g,)](
-                    x, y, m, n, g, BLOCK=block, THREADS=t, ALIGN=16))
-        t_grid = (min(m, sms * 4),)
-        variants["triton"] = lambda: t_softmax[t_grid](y, x, x.stride(0), y.stride(0), m, n,
-                                                       BLOCK=block,
-                                                       num_warps=8 if block <= 8192 else 16)
         for name, fn in variants.items():
             y.fill_(float("nan"))
             try:
                 fn()
             except Exception as err:  # one variant failing to build must not end the A/B
-                print(f"FAILED softmax {n} {name}: {type(err).__name__}: {err}"[:400])
+                print(f"FAILED {op} {n} {name}: {type(err).__name__}: {err}"[:400], flush=True)
                 continue
-            if check(f"softmax {n} {name}", y, want, 1e-6):
-                results[name] = record("softmax", n, name, fn, nbytes)
-        report(f"softmax   {m}x{n}", results)
+            err = float((y.double() - want).abs().max())
+            if not err <= tol:
+                print(f"WRONG {op} {m}x{n} {name}: max error {err:.3g} > {tol}", flush=True)
+                continue
+            ms = queued_ms(fn, args.repeat)
+            results[name] = gbs = nbytes / ms / 1e6
+            rows.append({"op": op, "shape": [m, n], "variant": name, "us": ms * 1e3,
+                         "gbs": gbs, "of_copy": gbs / copy_gbs})
+        peer = results.get("triton", float("nan"))
+        for name, gbs in results.items():
+            print(f"{op:9s} {m}x{n} {name:16s} {gbs:6.0f} GB/s  {gbs / copy_gbs:.2f} of copy  "
+                  f"{gbs / peer:.2f} of triton", flush=True)
+
+    sizes = [(n, 24) for n in map(int, args.cols.split(","))]
+    sizes += [(n, 26) for n in map(int, args.cols.split(","))] if args.big else []
+    for n, log2 in sizes:
+        m = (1 << log2) // n
+        x = torch.randn(m, n, device="cuda", generator=gen)
+        y = torch.full_like(x, float("nan"))
+        block, threads, _, _ = fused_softmax.config(n)
+        chunk = min(block, 4096)
+        configs = STREAM_CONFIGS[n] if log2 == 24 else []
+        variants = {"config": lambda: fused_softmax.softmax(x, y)}
+        if log2 == 24:
+            variants["direct"] = lambda: fused_softmax.softmax_kernel[(m,)](
+                x, y, m, n, m, BLOCK=block, THREADS=threads, ALIGN=16, STREAM=False)
+        for t, per_sm in configs:
+            grid = min(m, sms * per_sm)
+            variants[f"stream t{t} x{per_sm}"] = (
+                lambda g=grid, t=t: fused_softmax.softmax_kernel[(g,)](
+                    x, y, m, n, g, BLOCK=block, THREADS=t, ALIGN=16, STREAM=True))
+        t_grid = (min(m, sms * 4),)
+        variants["triton"] = lambda: t_softmax[t_grid](y, x, x.stride(0), y.stride(0), m, n,
+                                                       BLOCK=block,
+                                                       num_warps=8 if block <= 8192 else 16)
+        measure("softmax", m, n, variants, torch.softmax(x.double(), dim=1), 1e-6)
 
         w = torch.randn(n, device="cuda", generator=gen)
         b = torch.randn(n, device="cuda", generator=gen)
         mean, rstd = torch.empty(m, device="cuda"), torch.empty(m, device="cuda")
-        want = torch.nn.functional.layer_norm(x.double(), (n,), w.double(), b.double(), 1e-5)
-        results = {}
-        variants = {"tutorial": lambda: layernorm.layernorm(x, w, b, y, mean, rstd),
-                    "one-row": lambda: rows_variants.layernorm_one_row[(m,)](
-                        x, w, b, y, mean, rstd, n, 1e-5, BLOCK=block, CHUNK=chunk,
-                        THREADS=one_row, ALIGN=16)}
-        for threads, per_sm in ROWS_CONFIGS[n]:
+        variants = {"config": lambda: layernorm.layernorm(x, w, b, y, mean, rstd)}
+        if log2 == 24:
+            variants["direct"] = lambda: layernorm.layernorm_kernel[(m,)](
+                x, w, b, y, mean, rstd, m, n, m, 1e-5, BLOCK=block, CHUNK=chunk,
+                THREADS=threads, ALIGN=16, STREAM=False)
+        for t, per_sm in configs:
             grid = min(m, sms * per_sm)
-            variants[f"rows t{threads} x{per_sm}"] = (
-                lambda g=grid, t=threads: rows_variants.layernorm_rows[(g,)](
+            variants[f"stream t{t} x{per_sm}"] = (
+                lambda g=grid, t=t: layernorm.layernorm_kernel[(g,)](
                     x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk,
-                    THREADS=t, ALIGN=16))
-            if n in MASKED_COLS:
-                variants[f"masked t{threads} x{per_sm}"] = (
-                    lambda g=grid, t=threads: rows_variants.layernorm_rows_masked[(g,)](
+                    THREADS=t, ALIGN=16, STREAM=True))
+            if n in STREAM2_COLS:
+                variants[f"stream2 t{t} x{per_sm}"] = (
+                    lambda g=grid, t=t: rows_variants.layernorm_rows2[(g,)](
                         x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk,
                         THREADS=t, ALIGN=16))
         ln_block = min(65536 // 4, block)
         variants["triton"] = lambda: t_layernorm[(m,)](
             x, y, w, b, mean, rstd, x.stride(0), n, 1e-5, BLOCK=ln_block,
             num_warps=min(max(ln_block // 256, 1), 8))
-        for name, fn in variants.items():
-            y.fill_(float("nan"))
-            try:
-                fn()
-            except Exception as err:  # one variant failing to build must not end the A/B
-                print(f"FAILED layernorm {n} {name}: {type(err).__name__}: {err}"[:400])
-                continue
-            if check(f"layernorm {n} {name}", y, want, 1e-4):
-                results[name] = record("layernorm", n, name, fn, nbytes)
-        report(f"layernorm {m}x{n}", results)
+        want = torch.nn.functional.layer_norm(x.double(), (n,), w.double(), b.double(), 1e-5)
+        measure("layernorm", m, n, variants, want, 1e-4)
+        del x, y, want
     if args.json:
         write_results(args.json, "tutorials_rows", rows, torch, copy_gbs=copy_gbs)
     else:
