@@ -1,8 +1,8 @@
 """Long-row A/B of the softmax and layer-norm tutorials at 4k-32k float32 columns, one run:
 the tutorials as shipped (``config``), their kernels with rows taken a block each (``direct``,
 grid = rows) or streamed through shared memory over a persistent grid (``stream tT xK``: T
-threads, K blocks per SM), layer norm with two rows in flight (``stream2``, bench/
-rows_variants.py), Triton's tutorial designs (bench/tutorials_triton.py, set up as in
+threads, K blocks per SM), layer norm with two rows in flight (``stream2``) or with ``w``/``b``
+loaded before the reductions (``wb-early``; both in bench/rows_variants.py), Triton's tutorial designs (bench/tutorials_triton.py, set up as in
 bench/tutorials.py) and torch's device copy.
 
 Matrices have ``2^24`` elements (as ``tutorials.py --quick``); ``--big`` adds the shipped
@@ -34,6 +34,8 @@ STREAM_CONFIGS = {4096: [(256, 2), (256, 4)], 8192: [(512, 2)],
                   16384: [(512, 1), (512, 2), (1024, 1)], 32768: [(512, 1), (1024, 1)]}
 # column counts where layer norm with two rows in flight is tried
 STREAM2_COLS = (4096, 8192, 16384)
+# column counts where layer norm loading w and b before the reductions is tried
+WB_EARLY_COLS = (4096, 8192)
 
 
 def main() -> None:
@@ -111,6 +113,10 @@ def main() -> None:
             variants["direct"] = lambda: layernorm.layernorm_kernel[(m,)](
                 x, w, b, y, mean, rstd, m, n, m, 1e-5, BLOCK=block, CHUNK=chunk,
                 THREADS=threads, ALIGN=16, STREAM=False)
+        if log2 == 24 and n in WB_EARLY_COLS:
+            variants["wb-early"] = lambda: rows_variants.layernorm_wb_early[(m,)](
+                x, w, b, y, mean, rstd, m, n, m, 1e-5, BLOCK=block, CHUNK=chunk,
+                THREADS=threads, ALIGN=16)
         for t, per_sm in configs:
             grid = min(m, sms * per_sm)
             variants[f"stream t{t} x{per_sm}"] = (
