@@ -2,8 +2,9 @@
 the tutorials as shipped (``config``), their kernels with rows taken a block each (``direct``,
 grid = rows) or streamed through shared memory over a persistent grid (``stream tT xK``: T
 threads, K blocks per SM), layer norm with two rows in flight (``stream2``) or with ``w``/``b``
-loaded before the reductions (``wb-early``; both in bench/rows_variants.py), Triton's tutorial designs (bench/tutorials_triton.py, set up as in
-bench/tutorials.py) and torch's device copy.
+loaded before the reductions (``wb-early``; both in bench/rows_variants.py), Triton's
+tutorial designs (bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's
+device copy.
 
 Matrices have ``2^24`` elements (as ``tutorials.py --quick``); ``--big`` adds the shipped
 tutorials and Triton on ``2^26``-element matrices, where launch and ramp costs weigh a quarter
