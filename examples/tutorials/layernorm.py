@@ -7,7 +7,9 @@ The row stays in registers between the two reductions, so ``x`` is read once: th
 two-pass as in float64 references (columns past ``N`` are zeroed with ``kiln.where`` on the
 tile's column coordinates, since ``x - mean`` is not 0 there). Rows longer than 4096 are held
 as several 4096-column tiles (a Python list): they are summed elementwise before each
-reduction (one cross-warp stage per statistic), and ``w``/``b`` are loaded one tile at a time.
+reduction (one cross-warp stage per statistic), and ``w``/``b`` are loaded one tile at a time
+after them (a row of one tile loads them before the reductions, which then hide their
+latency: 0.87 instead of 0.83 of copy bandwidth at 4096 columns on an H200).
 ``col_multiple`` promises a 16-byte chunk is wholly inside the row or wholly past it, so the
 ragged edge needs no per-element masks.
 
@@ -56,13 +58,17 @@ def layernorm_kernel(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor
                 fetch(row + grid)
         else:
             xs = [kiln.load(g, tv) for g in row_tiles(x, row)]
+        # one tile: w and b load before the reductions, which hide their latency
+        early = [[kiln.load(g, tv) for g in row_tiles(t, 0)] for t in (w, b)] \
+            if BLOCK == CHUNK else None
         mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
         _, cols = kiln.tiles.coords(tv)
         xcs = [kiln.where(cols + c * CHUNK < n, t - mean, 0.0) for c, t in enumerate(xs)]
         rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]), "sum",
                                       axis=1) * inv_n + eps)
-        for c, xc in enumerate(xcs):   # w and b a chunk at a time: fewer live registers
-            gamma, beta = (kiln.load(t[c], tv) for t in (row_tiles(w, 0), row_tiles(b, 0)))
+        for c, xc in enumerate(xcs):   # else w and b a tile at a time: fewer live registers
+            gamma, beta = (early[0][c], early[1][c]) if early else \
+                (kiln.load(t[c], tv) for t in (row_tiles(w, 0), row_tiles(b, 0)))
             kiln.copy(xc * rstd * gamma + beta, row_tiles(y, row)[c])
         if kiln.thread_id(0) == 0:
             mean_out[row] = mean.item()
