@@ -66,7 +66,8 @@ def layernorm_wb_early(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tens
                        BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
                        ALIGN: kiln.constexpr):
     """The layer-norm tutorial's direct kernel (a row a block) loading ``w`` and ``b`` before
-    the reductions, so their latency overlaps them (more registers)."""
+    the reductions for rows of several tiles too (more registers; the tutorial does it only
+    for one-tile rows)."""
     tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
     inv_n = 1.0 / kiln.cast(n, f32)
 
