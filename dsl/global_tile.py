@@ -103,6 +103,13 @@ class GlobalTile:
             whole = whole & valid
         return mask, whole
 
+    def whole_chunks(self, width: int) -> bool:
+        """An access of ``width`` elements at a column multiple of ``width`` is wholly inside
+        ``col_end`` or wholly past it: ``col_multiple`` is a multiple of ``width`` and ``align``
+        keeps the tile's columns ``width``-aligned (a straddling chunk needs no lane mask)."""
+        return self.col_multiple % width == 0 and self.align is not None \
+            and self.align >= width * self.dtype.itemsize
+
     def _alignment(self, width: int) -> ir.IntegerAttr | None:
         """The byte alignment ``align`` promises for a ``width``-element access (None: the
         element's own, which LLVM splits a vector access into scalars for)."""
@@ -124,11 +131,11 @@ class GlobalTile:
         masks = self.col_mask(row, col, width)
         align = self._alignment(width)
         if masks is not None:
+            part = (lambda m: self._fill(width).ir) if self.whole_chunks(width) else \
+                (lambda m: vector.maskedload(vtype, self.tensor.ir, idx, m.ir,
+                                             self._fill(width).ir, alignment=align))
             return self._masked(masks, lambda: vector.load(vtype, self.tensor.ir, idx,
-                                                           alignment=align),
-                                lambda m: vector.maskedload(vtype, self.tensor.ir, idx, m.ir,
-                                                            self._fill(width).ir,
-                                                            alignment=align), vtype)
+                                                           alignment=align), part, vtype)
         valid = self.row_valid(row)
         if valid is None:
             return Value(vector.load(vtype, self.tensor.ir, idx, alignment=align), self.dtype)
@@ -167,10 +174,11 @@ class GlobalTile:
         masks = self.col_mask(row, col, value.shape[0])
         align = self._alignment(value.shape[0])
         if masks is not None:
+            part = (lambda m: None) if self.whole_chunks(value.shape[0]) else \
+                (lambda m: vector.maskedstore(self.tensor.ir, idx, m.ir, value.ir,
+                                              alignment=align))
             self._masked(masks, lambda: vector.store(value.ir, self.tensor.ir, idx,
-                                                     alignment=align),
-                         lambda m: vector.maskedstore(self.tensor.ir, idx, m.ir, value.ir,
-                                                      alignment=align))
+                                                     alignment=align), part)
             return
         valid = self.row_valid(row)
         if valid is None:

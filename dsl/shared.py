@@ -71,6 +71,9 @@ def shared(shape: Any, dtype: Any, *, align: int = 16) -> SharedTensor:
     return SharedTensor(memref.get_global(mtype, name), elem, shape, name)
 
 
+#: PTX's cap on a kernel's static ``.shared`` bytes (SharedTiles past it go dynamic)
+STATIC_SHARED_BYTES = 48 * 1024
+
 # The strictest alignment a buffer may ask for (128B-swizzled TMA/WGMMA tiles). The dynamic
 # region's start is only 16-byte aligned, so the kernel rounds its base up at run time and the
 # launch requests this much slack.

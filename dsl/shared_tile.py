@@ -21,14 +21,14 @@ import numpy as np
 from mlir import ir
 from mlir.dialects import memref, vector
 
-from . import ops
+from . import builder, ops
 from .core import dtypes as dt
 from .core.errors import KilnTypeError, KilnValueError
 from .layout import Layout, ThreadValueLayout, concat_modes, make_layout
 from .reg_tile import RegTile, _concat
-from .shared import shared
+from .shared import STATIC_SHARED_BYTES, dynamic_shared, shared
 from .swizzle import ComposedSwizzle, Swizzle
-from .tensor import to_index
+from .tensor import numel_bytes, to_index
 from .values import Value
 
 
@@ -39,7 +39,12 @@ class SharedTile:
     def __init__(self, shape: tuple[int, int], dtype, layout: Layout | None = None,
                  swizzle: Swizzle | ComposedSwizzle | None = None, *, align: int = 128):
         offsets = self._describe(shape, dtype, layout, swizzle)
-        self.buffer = shared((int(offsets.max()) + 1,), self.dtype, align=align)
+        size = (int(offsets.max()) + 1,)
+        state = builder.current()
+        # PTX caps static .shared at 48 KB: larger tiles (a 32k-column f32 row) go dynamic
+        big = state.target.is_nvidia and \
+            state.shared_bytes + numel_bytes(size, self.dtype) + align > STATIC_SHARED_BYTES
+        self.buffer = (dynamic_shared if big else shared)(size, self.dtype, align=align)
 
     def _describe(self, shape, dtype, layout, swizzle) -> np.ndarray:
         """Check and set shape, dtype, layout and swizzle; returns every element's offset."""

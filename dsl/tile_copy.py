@@ -16,12 +16,14 @@ registers -> shared     vector stores into the SharedTile's layout and swizzle
 global -> shared        every thread of the block takes 16-byte chunks: ``cp.async`` (committed
                         as one group) on sm_80+ when the GlobalTile's ``align`` promises 4/8/16-
                         byte aligned chunks, the fill is 0 and the threads divide the chunks;
-                        vector loads and stores otherwise (:func:`kiln.tiles.copy`)
+                        buffer -> LDS DMA on gfx942/gfx950 (:mod:`kiln.amd.tile_dma`); vector
+                        loads and stores otherwise (:func:`kiln.tiles.copy`)
 ======================  =====================================================================
 
-The asynchronous path needs no wait from the user: ``kiln-insert-waits`` puts the
-``cp.async.wait_group`` before the first read of the shared tile (a ``kiln.barrier()`` is still
-needed before reading what other threads copied, as with a synchronous copy).
+The asynchronous paths need no wait from the user: ``kiln-insert-waits`` puts the
+``cp.async.wait_group`` / ``s_waitcnt vmcnt`` before the first read of the shared tile (a
+``kiln.barrier()`` is still needed before reading what other threads copied, as with a
+synchronous copy).
 
 A register tile is a :class:`~kiln.reg_tile.RegTile` of one fragment held by the block's
 threads ``0 .. layout.num_threads - 1`` (thread ``t`` holds ``layout(t % num_threads, v)``),
@@ -47,6 +49,7 @@ from .core.errors import KilnTypeError, KilnValueError
 from .core.ops import AUTO_WAIT_ATTR
 from .global_tile import GlobalTile
 from .layout import ThreadValueLayout
+from .amd import tile_dma
 from .nvidia import cp_async
 from .nvidia.sync import fence_proxy_async
 from .reg_tile import RegTile, _concat
@@ -232,11 +235,11 @@ def copy(src: Any, dst: Any, *, staged: bool = False) -> Any:
     """Copy tile ``src`` into ``dst`` (see the module table for what each pair compiles to).
 
     ``dst`` may be a :class:`~kiln.layout.ThreadValueLayout`: the loaded register tile is
-    returned (:func:`load`). Global -> shared returns the ``cp.async`` group when it went
-    asynchronously (else None); read the shared tile after a ``kiln.barrier()``.
-    ``staged=True`` (register tile -> global) goes through a shared tile of its own (rows x
-    cols elements of dynamic shared memory) and two block barriers, so every thread of the
-    block must make the call; the global stores become 16-byte runs of whole rows.
+    returned (:func:`load`). Global -> shared returns the ``cp.async`` group (NVIDIA) or the
+    DMAs' tokens (AMD) when it went asynchronously (else None); read the shared tile after a
+    ``kiln.barrier()``. ``staged=True`` (register tile -> global) goes through a shared tile of
+    its own (rows x cols elements of dynamic shared memory) and two block barriers, so every
+    thread of the block must make the call; the global stores become 16-byte runs of whole rows.
 
     Example::
 
@@ -264,6 +267,14 @@ def copy(src: Any, dst: Any, *, staged: bool = False) -> Any:
         return None
     if isinstance(src, GlobalTile) and isinstance(dst, SharedTile):
         threads = builder.current().block[0]
+        target = builder.current_target()
+        width = tile_dma.dma_width(src, dst, threads, target)
+        if width is not None:
+            tokens = tile_dma.dma_copy(src, dst, threads=threads, width=width,
+                                       wave=target.warp_size)
+            for token in tokens:
+                token.op.attributes[AUTO_WAIT_ATTR] = ir.UnitAttr.get()
+            return tokens
         width = _async_width(src, dst, threads)
         if width is not None:
             group = cp_async.commit(copy_to_shared(src, dst, threads=threads, async_copy=True,

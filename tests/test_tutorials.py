@@ -34,12 +34,38 @@ def test_vector_add(target, n):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("shape", [(3, 1), (5, 100), (4, 1531), (2, 4099)])
+@pytest.mark.parametrize("shape", [(3, 1), (5, 100), (4, 1531), (2, 4099), (3, 16500)])
 def test_fused_softmax(target, shape):
     x = np.random.default_rng().standard_normal(shape).astype(np.float32) * 4
     y = np.full_like(x, np.nan)
     fused_softmax.softmax(x, y, backend="interpret", target=target)
     np.testing.assert_allclose(y, fused_softmax.reference(x), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("shape", [(7, 100), (9, 1000)])
+def test_softmax_and_layernorm_kernels_either_way(target, stream, shape):
+    """Both designs on a grid of 2 blocks, each walking several rows: one row a block at a
+    time, and rows streamed through shared memory (the next row's copy in flight)."""
+    rng = np.random.default_rng()
+    m, n = shape
+    x = rng.standard_normal(shape).astype(np.float32) * 3 + 1
+    y = np.full_like(x, np.nan)
+    align = 16 if n % 4 == 0 else 4
+    fused_softmax.softmax_kernel.interpret[(2,)](x, y, m, n, 2, BLOCK=1024, THREADS=128,
+                                                 ALIGN=align, STREAM=stream, target=target)
+    np.testing.assert_allclose(y, fused_softmax.reference(x), rtol=1e-5, atol=1e-7)
+    w, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    y = np.full_like(x, np.nan)
+    mean, rstd = np.full(m, np.nan, np.float32), np.full(m, np.nan, np.float32)
+    layernorm.layernorm_kernel.interpret[(2,)](x, w, b, y, mean, rstd, m, n, 2, 1e-5,
+                                               BLOCK=1024, CHUNK=512, THREADS=128, ALIGN=align,
+                                               STREAM=stream, target=target)
+    y_ref, mean_ref, rstd_ref = layernorm.reference(x, w, b)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(mean, mean_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(rstd, rstd_ref, rtol=1e-4)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -175,17 +201,22 @@ def _compile(name, n, target):
                                              THREADS=vector_add.THREADS, ALIGN=16,
                                              target=target)
     module = fused_softmax if name == "softmax" else layernorm
-    block, threads = module.config(n)
+    block, threads, _, stream = module.config(n)
     if name == "softmax":
-        return module.softmax_kernel.compile(x2, x2, n, BLOCK=block, THREADS=threads, ALIGN=16,
-                                             target=target)
-    return module.layernorm_kernel.compile(x2, x1, x1, x2, x1, x1, n, 1e-5, BLOCK=block,
+        return module.softmax_kernel.compile(x2, x2, 2, n, 1, BLOCK=block, THREADS=threads,
+                                             ALIGN=16, STREAM=stream, target=target)
+    return module.layernorm_kernel.compile(x2, x1, x1, x2, x1, x1, 2, n, 1, 1e-5, BLOCK=block,
                                            CHUNK=min(block, 4096), THREADS=threads, ALIGN=16,
-                                           target=target)
+                                           STREAM=stream, target=target)
 
 
 VECTOR_ACCESS = {"ptx": (r"ld\.global\.v4\.\w32", r"st\.global\.v4\.\w32"),
                  "amdgcn": (r"global_load_dwordx4", r"global_store_dwordx4")}
+# softmax and layernorm stream rows into shared memory: 16-byte cp.async / buffer -> LDS DMA,
+# then 16-byte shared reads
+ROW_STREAM = {"ptx": (r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16",
+                      r"ld\.shared\.v4\.\w32"),
+              "amdgcn": (r"buffer_load_dwordx4 .* lds", r"ds_read_b128")}
 
 
 @pytest.mark.lower
@@ -203,12 +234,19 @@ def test_tutorials_compile_with_vector_accesses_and_no_spills(target, name, n):
         assert md["scratch_bytes"] == 0
     load, store = VECTOR_ACCESS[stage]
     asm = ck.asm[stage]
-    assert re.search(load, asm) and re.search(store, asm), f"{name} has no 16-byte accesses"
+    if name != "vector_add" and (fused_softmax if name == "softmax" else layernorm).config(n)[3]:
+        copy, read = ROW_STREAM[stage]
+        assert re.search(copy, asm) and re.search(read, asm), f"{name} streams no 16-byte rows"
+    else:
+        assert re.search(load, asm), f"{name} has no 16-byte loads"
+    assert re.search(store, asm), f"{name} has no 16-byte stores"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(64, 1000), (257, 4096), (33, 32768)])
+@pytest.mark.parametrize("shape", [(64, 1000), (37, 1531), (700, 4096), (300, 32768)])
 def test_tutorials_on_gpu(shape):
+    """Rows not a multiple of 4 (4-byte copies), and more rows than the persistent grid has
+    blocks (each block streams several)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device for torch")

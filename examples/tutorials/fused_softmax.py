@@ -1,14 +1,23 @@
-"""Tutorial 2: fused row softmax, one row per block, read once and written once.
+"""Tutorial 2: fused row softmax: each row read once and written once.
 
 ``y[i] = exp(x[i] - max(x[i])) / sum(exp(x[i] - max(x[i])))`` for every row of an
-``M x N`` float32 matrix. A block loads its whole row into registers (a
-:func:`kiln.layout.blocked` tile of ``BLOCK >= N`` columns, 16-byte loads), so the row crosses
-DRAM once each way, the bound a softmax cannot beat. Columns past ``N`` load as ``-inf`` (the
-GlobalTile's ``fill``), which leaves the max unchanged and adds ``exp(-inf) = 0`` to the sum.
+``M x N`` float32 matrix. A block holds a whole row in registers (a
+:func:`kiln.layout.blocked` tile of ``BLOCK >= N`` columns, 16-byte accesses), so the row
+crosses DRAM once each way. Columns past ``N`` are set to ``-inf`` (``kiln.where`` on the
+tile's column coordinates), which leaves the max unchanged and adds ``exp(-inf) = 0`` to the
+sum.
+
+Short rows take a block each: many blocks per SM keep DRAM busy between them. Long rows
+(``STREAM``) leave room for one or two blocks per SM, so each block of a persistent grid walks
+rows ``block, block + grid, ...`` and streams them through a shared tile: ``kiln.copy`` global
+-> shared runs asynchronously (``cp.async`` on NVIDIA, buffer -> LDS DMA on gfx950), and the
+next row's copy starts as soon as every thread holds its part of this one, so DRAM reads the
+next row while this one is reduced and written.
 
 ``kiln.reduce`` does the cross-thread work: registers, then XOR shuffles inside each warp
 (32 lanes on NVIDIA, 64 on AMD: read from the target), then one shared-memory stage across
-the warps. The kernel has no shuffle, barrier or shared-memory code.
+the warps. ``kiln-insert-waits`` places the copy's wait; the kernel has no shuffle, wait or
+shared-memory indexing code.
 
 Run: ``python examples/tutorials/fused_softmax.py``.
 """
@@ -19,19 +28,43 @@ import numpy as np
 
 import kiln
 from kiln import f32, i32
-from kiln.runtime.cuda import cuda_available
+from kiln.runtime.cuda import cuda_available, driver
 
 
 @kiln.kernel(num_threads="THREADS")
-def softmax_kernel(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], n: i32,
-                   BLOCK: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr):
-    row = kiln.block_id(0)
+def softmax_kernel(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32, grid: i32,
+                   BLOCK: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr,
+                   STREAM: kiln.constexpr):
     tv = kiln.layout.blocked((1, BLOCK), THREADS, vec=4)
-    t = kiln.load(kiln.GlobalTile(x, (1, BLOCK), (row, 0), col_end=n, fill=-float("inf"),
-                                  align=ALIGN), tv)
-    p = kiln.exp(t - kiln.reduce(t, "max", axis=1))
-    p = p * kiln.rcp(kiln.reduce(p, "sum", axis=1))
-    kiln.copy(p, kiln.GlobalTile(y, (1, BLOCK), (row, 0), col_end=n, align=ALIGN))
+    _, cols = kiln.tiles.coords(tv)
+    row_s = kiln.SharedTile((1, BLOCK), f32) if STREAM else None
+
+    def x_row(row):
+        return kiln.GlobalTile(x, (1, BLOCK), (row, 0), col_end=n, align=ALIGN,
+                               col_multiple=ALIGN // 4)
+
+    if STREAM:
+        kiln.copy(x_row(kiln.block_id(0)), row_s)
+    for row in kiln.range(kiln.block_id(0), m, grid):
+        if STREAM:   # the row arrived in shared memory while the previous one was reduced
+            kiln.barrier()
+            t = kiln.load(row_s, tv)
+            kiln.barrier()   # every thread holds its part: copy the next row (cp.async / DMA)
+            if row + grid < m:
+                kiln.copy(x_row(row + grid), row_s)
+        else:
+            t = kiln.load(x_row(row), tv)
+        t = kiln.where(cols < n, t, -float("inf"))
+        p = kiln.exp(t - kiln.reduce(t, "max", axis=1))
+        p = p * kiln.rcp(kiln.reduce(p, "sum", axis=1))
+        kiln.copy(p, kiln.GlobalTile(y, (1, BLOCK), (row, 0), col_end=n, align=ALIGN,
+                                     col_multiple=ALIGN // 4))
+
+
+# rows from this many columns stream through shared memory (STREAM), and blocks per SM of
+# that persistent grid (measured: bench/tutorials_rows.py)
+STREAM_FROM = 16384
+BLOCKS_PER_SM = {16384: 1, 32768: 1}
 
 
 def alignment(n: int, *arrays) -> int:
@@ -41,20 +74,27 @@ def alignment(n: int, *arrays) -> int:
     return 16 if n % 4 == 0 and all(p % 16 == 0 for p in pointers) else 4
 
 
-def config(n: int) -> tuple[int, int]:
-    """``(BLOCK, THREADS)`` for rows of ``n`` columns: the row rounded up to a power of two
-    (at least 512), and 16 columns per thread between 128 and 1024 threads."""
+def config(n: int) -> tuple[int, int, int, bool]:
+    """``(BLOCK, THREADS, BLOCKS_PER_SM, STREAM)`` for rows of ``n`` columns: the row rounded
+    up to a power of two (at least 512), 16 columns per thread between 128 and 512 threads (64
+    at 32768 columns: within 128 registers, no spills); rows from :data:`STREAM_FROM` columns
+    stream through shared memory over a persistent grid, shorter ones take a block each."""
     block = max(512, 1 << (n - 1).bit_length())
-    return block, min(1024, max(128, block // 16))
+    stream = block >= STREAM_FROM
+    return block, min(512, max(128, block // 16)), BLOCKS_PER_SM.get(block, 1), stream
 
 
 def softmax(x, y, *, backend: str = "gpu", target: str | None = None):
     """``y = softmax(x, axis=1)`` for 2-D float32 arrays with up to 32768 columns."""
     m, n = x.shape
-    block, threads = config(n)
-    launch = softmax_kernel.interpret[(m,)] if backend == "interpret" else softmax_kernel[(m,)]
+    block, threads, per_sm, stream = config(n)
+    sms = driver().multiprocessor_count() if backend == "gpu" else 2
+    grid = max(1, min(m, sms * per_sm)) if stream else max(m, 1)
+    launch = softmax_kernel.interpret[(grid,)] if backend == "interpret" \
+        else softmax_kernel[(grid,)]
     extra = {"target": target} if target else {}
-    launch(x, y, n, BLOCK=block, THREADS=threads, ALIGN=alignment(n, x, y), **extra)
+    launch(x, y, m, n, grid, BLOCK=block, THREADS=threads, ALIGN=alignment(n, x, y),
+           STREAM=stream, **extra)
     return y
 
 
