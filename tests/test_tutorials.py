@@ -141,9 +141,15 @@ def test_attention_compiles_to_the_targets_mma_without_spills(target, d):
     if target.startswith("sm"):
         ptx = ck.asm["ptx"]
         assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
-        assert "mma.sync.aligned.m16n8k16" in ptx and "ldmatrix" in ptx and "cp.async" in ptx
-        # P reaches the second mma straight from registers: no shared stage, two barriers a
-        # key tile (two loops)
+        assert ck.metadata["wgmma_serialized"] is None and "cp.async" in ptx
+        if target == "sm_90a":   # both products on WGMMA, P from registers (no ldmatrix)
+            assert "mma.sync" not in ptx and "ldmatrix" not in ptx
+            assert re.search(r"wgmma.mma_async.sync.aligned.m64n\d+k16.f32.bf16.bf16 +"
+                             r"\{[^}]*\}, \{%r", ptx)
+        else:
+            assert "mma.sync.aligned.m16n8k16" in ptx and "ldmatrix" in ptx
+        # P reaches the second product straight from registers: no shared stage, two
+        # barriers a key tile (two loops)
         assert ptx.count("bar.sync") == 4
     else:
         assert ck.metadata["scratch_bytes"] == 0

@@ -47,12 +47,11 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
     start = cu_seqlens[kiln.block_id(2)]
     length = cu_seqlens[kiln.block_id(2) + 1] - start
 
-    def tile(n):                                      # dynamic: past the 48 KB static cap
-        swizzle = kiln.tiles.operand_swizzle((n, D), bf16)
-        return kiln.SharedTile.view(kiln.dynamic_shared((n * D,), bf16, align=1024), (n, D),
-                                    swizzle=swizzle)
-
-    q_s, k_s, v_s = tile(BM), tile(BN), tile(BN)
+    # laid out for the target's MMA: WGMMA's swizzled chunks on sm_90a (k_s.T is then a
+    # K-major B), row-major with a bank-conflict-free swizzle elsewhere
+    q_s = kiln.tiles.operand_tile((BM, D), bf16, "a")
+    k_s = kiln.tiles.operand_tile((BN, D), bf16, "a")
+    v_s = kiln.tiles.operand_tile((BN, D), bf16, "b")
 
     def rows(t, n, r0):                               # rows past the sequence read as 0
         return kiln.GlobalTile(t, (n, D), (start + r0, col0), row_end=start + length,
