@@ -46,36 +46,43 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
     col0 = kiln.block_id(1) * D                       # the head's columns
     start = cu_seqlens[kiln.block_id(2)]
     length = cu_seqlens[kiln.block_id(2) + 1] - start
-
     # laid out for the target's MMA: WGMMA's swizzled chunks on sm_90a (k_s.T is then a
-    # K-major B), row-major with a bank-conflict-free swizzle elsewhere
+    # K-major B), row-major with a bank-conflict-free swizzle elsewhere; K and V two stages each
     q_s = kiln.tiles.operand_tile((BM, D), bf16, "a")
-    k_s = kiln.tiles.operand_tile((BN, D), bf16, "a")
-    v_s = kiln.tiles.operand_tile((BN, D), bf16, "b")
+    k_s = [kiln.tiles.operand_tile((BN, D), bf16, "a") for _ in range(2)]
+    v_s = [kiln.tiles.operand_tile((BN, D), bf16, "b") for _ in range(2)]
 
     def rows(t, n, r0):                               # rows past the sequence read as 0
         return kiln.GlobalTile(t, (n, D), (start + r0, col0), row_end=start + length,
                                align=ALIGN)
 
     kiln.copy(rows(q, BM, row0), q_s)
-    kiln.copy(rows(k, BN, 0), k_s)
-    s0 = kiln.accumulator(q_s, k_s.T, warps="rows")
-    acc = kiln.accumulator(kiln.cast(s0, bf16), v_s, warps="rows")
+    kiln.copy(rows(k, BN, 0), k_s[0])
+    kiln.copy(rows(v, BN, length), v_s[1])            # zeros: the first step's P V is 0 V
+    s0 = kiln.accumulator(q_s, k_s[0].T, warps="rows")
+    p = kiln.cast(s0, bf16)                           # the P of the step before the first
+    acc = kiln.accumulator(p, v_s[1], warps="rows")
     m = kiln.tiles.TileVector.full(s0.layout, -float("inf"))
     l = kiln.tiles.TileVector.full(s0.layout, 0.0)
-    # keys [0, full) need no mask; [full, end) are the ragged tail or the causal diagonal
+    alpha = kiln.tiles.TileVector.full(s0.layout, 1.0)   # O's rescale, due before P V
+    # keys [0, full) need no mask (whole pairs of tiles); [full, end) are the ragged tail or
+    # the causal diagonal (a pair's second tile may lie past the end: masked, it adds nothing)
     end = length
     full = length // BN * BN
     if CAUSAL:
         end = kiln.min(length, row0 + BM)
         full = kiln.min(full, (row0 + 1) // BN * BN)
     end = kiln.where(row0 < length, end, 0)           # a block past the sequence does nothing
-    full = kiln.min(full, end)
+    full = kiln.min(full, end) // (2 * BN) * (2 * BN)
 
-    def step(kv0, acc, m, l, masked):
-        kiln.barrier()                                # K_j landed; P V_j-1 is done with v_s
-        kiln.copy(rows(v, BN, kv0), v_s)
-        s = kiln.gemm(q_s, k_s.T, s0) * qk_scale
+    def step(kv0, st, p, alpha, acc, m, l, masked):
+        """S_j = Q K_j^T and O += P_j-1 V_j-1 run together (FlashAttention-3's order): the
+        softmax of S_j waits for S_j only, while P_j-1 V_j-1 is still on the tensor cores."""
+        kiln.barrier()                                # K_j, V_j-1 landed; stage 1-st is free
+        kiln.copy(rows(k, BN, kv0 + BN), k_s[1 - st])  # past the end: masked, reads nothing
+        kiln.copy(rows(v, BN, kv0), v_s[st])
+        s = kiln.gemm(q_s, k_s[st].T, s0)
+        acc = kiln.gemm(p, v_s[1 - st], acc * alpha)
         if masked:                                    # index tiles, live in this loop only
             q_row, k_col = kiln.tiles.coords(s.layout)
             col = k_col + kv0
@@ -83,33 +90,39 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
             if CAUSAL:
                 s = kiln.where(col <= q_row + row0, s, -float("inf"))
         m_new = m.maximum(kiln.reduce(s, "max", axis=1))
-        p = kiln.exp2(s - m_new)
-        alpha = kiln.exp2(m - m_new)
+        # base 2 with the scale folded in: one FMA and an exp2 per score
+        p = kiln.exp2(s * qk_scale - m_new * qk_scale)
+        alpha = kiln.exp2((m - m_new) * qk_scale)
         l = l * alpha + kiln.reduce(p, "sum", axis=1)
-        kiln.barrier()                                # V_j landed; S is done with k_s
-        kiln.copy(rows(k, BN, kv0 + BN), k_s)         # past the end: masked, reads nothing
-        acc = kiln.gemm(kiln.cast(p, bf16), v_s, acc * alpha)
-        return acc, m_new, l
+        return kiln.cast(p, bf16), alpha, acc, m_new, l
 
-    for kv0 in kiln.range(0, full, BN):
-        acc, m, l = step(kv0, acc, m, l, False)
-    for kv0 in kiln.range(full, end, BN):
-        acc, m, l = step(kv0, acc, m, l, True)
+    for kv0 in kiln.range(0, full, 2 * BN):           # two steps: the stages are Python ints
+        p, alpha, acc, m, l = step(kv0, 0, p, alpha, acc, m, l, False)
+        p, alpha, acc, m, l = step(kv0 + BN, 1, p, alpha, acc, m, l, False)
+    for kv0 in kiln.range(full, end, 2 * BN):
+        p, alpha, acc, m, l = step(kv0, 0, p, alpha, acc, m, l, True)
+        p, alpha, acc, m, l = step(kv0 + BN, 1, p, alpha, acc, m, l, True)
+    kiln.barrier()                                    # the last V landed
+    acc = kiln.gemm(p, v_s[1], acc * alpha)
     kiln.copy(kiln.cast(acc / l, bf16), rows(o, BM, row0))
 
 
-BLOCKS = {64: (128, 64, 8), 128: (128, 64, 8)}   # (BM, BN, NVIDIA warps) per head dim
+# (BM, BN, NVIDIA warps) per head dim; AMD holds P in VGPRs too (no register A), so D 128
+# takes 32 keys a step there to stay clear of scratch
+BLOCKS = {64: (128, 64, 8), 128: (128, 64, 8)}
+AMD_BLOCKS = {64: (128, 64, 8), 128: (128, 32, 8)}
 
 
 def config(d: int, target: str | None, block: tuple[int, int, int] | None = None) -> dict:
     """Block sizes: ``block = (BM, BN, warps)``, by default 128 query rows over 8 warps (16 rows
-    each) and 64 keys per step; on AMD 4 wavefronts of 64 lanes (32 rows each)."""
+    each: two warpgroups on sm_90a) and 64 keys per step; on AMD 4 wavefronts of 64 lanes (32
+    rows each)."""
     if d not in (64, 128):
         raise kiln.KilnValueError(f"the attention tutorial takes head dim 64 or 128, got {d}",
                                   fix="pad the head dimension to 64 or 128")
-    bm, bn, warps = block or BLOCKS[d]
-    threads = 256 if (target or "").startswith("gfx") else 32 * warps
-    return dict(D=d, BM=bm, BN=bn, THREADS=threads)
+    amd = (target or "").startswith("gfx")
+    bm, bn, warps = block or (AMD_BLOCKS if amd else BLOCKS)[d]
+    return dict(D=d, BM=bm, BN=bn, THREADS=256 if amd else 32 * warps)
 
 
 def attention(q, k, v, o, cu_seqlens, max_seqlen: int, heads: int, *, causal: bool = False,
