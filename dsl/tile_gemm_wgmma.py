@@ -39,7 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlir import ir
-from mlir.dialects import arith, nvvm, vector
+from mlir.dialects import arith, llvm, nvvm, vector
 
 from . import builder
 from .core import dtypes as dt
@@ -121,7 +121,10 @@ def accumulator(a: SharedTile, b: SharedTile, value: float = 0.0) -> RegTile:
     """A ``BM x BN`` f32 accumulator of ``value`` in :func:`accumulator_layout`, as a struct."""
     layout = accumulator_layout(a.shape[0], b.shape[1])
     fill = arith.constant(dt.f32.mlir_type(), float(value))
-    return RegTile.from_struct(pack_struct([fill] * layout.num_values), layout)
+    tile = RegTile.from_struct(pack_struct([fill] * layout.num_values), layout)
+    # gemm starts a zero accumulator with scale-d = 0: no register is filled with zeros
+    tile.wgmma_zero = value == 0.0
+    return tile
 
 
 def _descriptor(tile: SharedTile, byte_offset: Any, leading: int) -> Any:
@@ -152,7 +155,10 @@ def gemm(a: SharedTile | RegTile, b: SharedTile, acc: RegTile) -> RegTile:
         a_base = thread_id(0) // WARPGROUP * (wgmma.WARPGROUP_M * CHUNK_BYTES)
         a_ops = [_descriptor(a, a_base + _k_offset(kk * K_STEP, tile_m, item), 16)
                  for kk in range(tile_k // K_STEP)]
-    out = RegTile.from_struct(acc.struct(), wgmma.wgmma_m64_accumulator(tile_n))
+    one = wgmma.wgmma_m64_accumulator(tile_n)
+    zero = getattr(acc, "wgmma_zero", False)
+    struct = llvm.mlir_undef(acc.struct().type) if zero else acc.struct()
+    out = RegTile.from_struct(struct, one)
     wgmma.fence()
     for kk, a_op in enumerate(a_ops):
         if k_major_b:       # N x K stored as A is: the same chunks, N rows each
@@ -160,7 +166,7 @@ def gemm(a: SharedTile | RegTile, b: SharedTile, acc: RegTile) -> RegTile:
         else:               # K x N: a k16 step is 16 rows of every chunk
             b_desc = _descriptor(b, kk * K_STEP * CHUNK_BYTES, tile_k * CHUNK_BYTES)
         out = wgmma.mma_async(out, a_op, b_desc, dtype=b.dtype,
-                              b_major="k" if k_major_b else "mn")
+                              b_major="k" if k_major_b else "mn", accumulate=kk > 0 or not zero)
     wgmma.require_feature("wgmma", "kiln.gemm")
     # the group's waits are kiln-insert-waits' (the interpreter runs the pass on such kernels)
     nvvm.wgmma_commit_group_sync_aligned().operation.attributes[AUTO_WAIT_ATTR] = \

@@ -90,12 +90,21 @@ def copy(src: GlobalTile, dst: SharedTile, *, threads: int, async_copy: bool = F
                              "threads", fix="use a thread count that divides the chunk count")
     tid = ops.thread_id(0) % threads
     tokens = []
+    first = None
     for step in range(-(-chunks // threads)):
         chunk = tid + step * threads
         r, c = chunk // chunks_per_row, (chunk % chunks_per_row) * width
         if async_copy:
+            # a step a constant offset from the first everywhere (whole swizzle periods of
+            # rows apart) adds an immediate to its address: LLVM keeps one register, not one
+            # hoisted address per step
+            delta = _step_delta(dst, step * threads, threads, chunks_per_row, width) \
+                if first is not None and dst_origin == (0, 0) else None
+            offset = None if delta is None else first + delta
             tokens.append(cp_async.copy(dst, (dst_origin[0] + r, dst_origin[1] + c), src, (r, c),
-                                        width=width))
+                                        width=width, dst_offset=offset))
+            if step == 0:
+                first = dst.offset(r, c)
         elif (step + 1) * threads > chunks:  # the last, partial step: threads past the end idle
             guard = scf.IfOp((chunk < chunks).ir, [], has_else=False)
             with ir.InsertionPoint(guard.then_block):
@@ -104,6 +113,20 @@ def copy(src: GlobalTile, dst: SharedTile, *, threads: int, async_copy: bool = F
         else:
             dst.store(dst_origin[0] + r, dst_origin[1] + c, src.load(r, c, width=width))
     return tokens if async_copy else None
+
+
+def _step_delta(dst: SharedTile, shift: int, threads: int, chunks_per_row: int,
+                width: int) -> int | None:
+    """``offset(chunk t + shift) - offset(chunk t)`` of ``dst`` when it is one constant for
+    every thread ``t``, else None."""
+    chunk = np.arange(threads)
+    offsets = dst.offsets()
+
+    def at(k):
+        return offsets[k // chunks_per_row, k % chunks_per_row * width]
+
+    diff = at(chunk + shift) - at(chunk)
+    return int(diff[0]) if np.all(diff == diff[0]) else None
 
 
 def row_run_width(tv: ThreadValueLayout) -> int:

@@ -91,7 +91,7 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
                 s = kiln.where(col <= q_row + row0, s, -float("inf"))
         m_new = m.maximum(kiln.reduce(s, "max", axis=1))
         # base 2 with the scale folded in: one FMA and an exp2 per score
-        p = kiln.exp2(s * qk_scale - m_new * qk_scale)
+        p = kiln.exp2(kiln.fma(s, qk_scale, m_new * -qk_scale))
         alpha = kiln.exp2((m - m_new) * qk_scale)
         l = l * alpha + kiln.reduce(p, "sum", axis=1)
         return kiln.cast(p, bf16), alpha, acc, m_new, l
