@@ -42,7 +42,10 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
                      o: kiln.Tensor[bf16, 2], cu_seqlens: kiln.Tensor[i32], qk_scale: f32,
                      D: kiln.constexpr, BM: kiln.constexpr, BN: kiln.constexpr,
                      THREADS: kiln.constexpr, CAUSAL: kiln.constexpr, ALIGN: kiln.constexpr):
-    row0 = kiln.block_id(0) * BM
+    tile = kiln.block_id(0)
+    if CAUSAL:                                        # the longest query tiles first
+        tile = kiln.num_blocks(0) - 1 - tile
+    row0 = tile * BM
     col0 = kiln.block_id(1) * D                       # the head's columns
     start = cu_seqlens[kiln.block_id(2)]
     length = cu_seqlens[kiln.block_id(2) + 1] - start
