@@ -47,6 +47,7 @@ from .core.ops import AUTO_WAIT_ATTR
 from .layout import Layout, ThreadValueLayout, concat_modes, make_layout
 from .ops import thread_id
 from .reg_tile import RegTile, pack_struct
+from .nvidia.wgmma import fresh_descriptor
 from .shared_tile import SharedTile
 from .values import Value
 from . import wgmma
@@ -128,8 +129,11 @@ def accumulator(a: SharedTile, b: SharedTile, value: float = 0.0) -> RegTile:
 
 
 def _descriptor(tile: SharedTile, byte_offset: Any, leading: int) -> Any:
-    return wgmma.smem_descriptor(tile.buffer, leading_bytes=leading, stride_bytes=ATOM_BYTES,
+    """The tile's descriptor at ``byte_offset``, fresh in every call: the instructions of one
+    :func:`gemm` add constants to it (LLVM would hoist every distinct one out of a loop)."""
+    desc = wgmma.smem_descriptor(tile.buffer, leading_bytes=leading, stride_bytes=ATOM_BYTES,
                                  byte_offset=byte_offset)
+    return Value(fresh_descriptor(desc.ir))
 
 
 def _register_fragments(a: RegTile) -> list:
@@ -152,9 +156,11 @@ def gemm(a: SharedTile | RegTile, b: SharedTile, acc: RegTile) -> RegTile:
         a_ops = _register_fragments(a)
     else:
         # warpgroup g's 64 rows start 64 * 128 bytes into every chunk of A
-        a_base = thread_id(0) // WARPGROUP * (wgmma.WARPGROUP_M * CHUNK_BYTES)
-        a_ops = [_descriptor(a, a_base + _k_offset(kk * K_STEP, tile_m, item), 16)
+        a_base = _descriptor(a, thread_id(0) // WARPGROUP * (wgmma.WARPGROUP_M * CHUNK_BYTES),
+                             16)
+        a_ops = [_plus(a_base, _k_offset(kk * K_STEP, tile_m, item))
                  for kk in range(tile_k // K_STEP)]
+    b_base = _descriptor(b, 0, 16 if k_major_b else tile_k * CHUNK_BYTES)
     one = wgmma.wgmma_m64_accumulator(tile_n)
     zero = getattr(acc, "wgmma_zero", False)
     struct = llvm.mlir_undef(acc.struct().type) if zero else acc.struct()
@@ -162,9 +168,9 @@ def gemm(a: SharedTile | RegTile, b: SharedTile, acc: RegTile) -> RegTile:
     wgmma.fence()
     for kk, a_op in enumerate(a_ops):
         if k_major_b:       # N x K stored as A is: the same chunks, N rows each
-            b_desc = _descriptor(b, _k_offset(kk * K_STEP, tile_n, item), 16)
+            b_desc = _plus(b_base, _k_offset(kk * K_STEP, tile_n, item))
         else:               # K x N: a k16 step is 16 rows of every chunk
-            b_desc = _descriptor(b, kk * K_STEP * CHUNK_BYTES, tile_k * CHUNK_BYTES)
+            b_desc = _plus(b_base, kk * K_STEP * CHUNK_BYTES)
         out = wgmma.mma_async(out, a_op, b_desc, dtype=b.dtype,
                               b_major="k" if k_major_b else "mn", accumulate=kk > 0 or not zero)
     wgmma.require_feature("wgmma", "kiln.gemm")
@@ -174,6 +180,14 @@ def gemm(a: SharedTile | RegTile, b: SharedTile, acc: RegTile) -> RegTile:
     state = builder.current()
     setattr(state, GROUPS_ATTR, getattr(state, GROUPS_ATTR, 0) + 1)
     return RegTile.from_struct(out.struct(), acc.layout)
+
+
+def _plus(descriptor: Any, byte_offset: int) -> Any:
+    """``descriptor`` moved ``byte_offset`` bytes on (its start address counts 16-byte units)."""
+    if not byte_offset:
+        return descriptor
+    i64 = ir.IntegerType.get_signless(64)
+    return Value(arith.addi(descriptor.ir, arith.constant(i64, byte_offset >> 4)))
 
 
 def _k_offset(col: int, rows: int, item: int) -> int:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 from mlir import ir
-from mlir.dialects import scf, vector
+from mlir.dialects import arith, scf, vector
 
 from . import ops
 from .nvidia import cp_async
@@ -181,7 +181,18 @@ def coords(layout: ThreadValueLayout) -> tuple[RegTile, RegTile]:
     """
     thread = ops.thread_id(0) % layout.num_threads
     vtype = ir.VectorType.get([layout.num_values], dt.i32.mlir_type())
-    pairs = [layout(thread, v) for v in range(layout.num_values)]
-    return tuple(RegTile([Value(vector.from_elements(vtype, [cast(p[k], dt.i32).ir
-                                                             for p in pairs]), dt.i32)],
-                         layout, (1, 1)) for k in (0, 1))
+    every = layout.coords()                           # [threads, values] rows and columns
+    out = []
+    for k, first in enumerate(layout(thread, 0)):
+        delta = every[k] - every[k][:, :1]
+        if np.all(delta == delta[:1]):
+            # value v is value 0 plus a constant: one add per use, and `col + k0` adds k0 once
+            steps = arith.constant(vtype, ir.DenseElementsAttr.get(
+                np.ascontiguousarray(delta[0], np.int32), type=vtype))
+            base = vector.broadcast(vtype, cast(first, dt.i32).ir)
+            out.append(Value(arith.addi(base, steps), dt.i32))
+        else:
+            out.append(Value(vector.from_elements(vtype, [cast(layout(thread, v)[k], dt.i32).ir
+                                                          for v in range(layout.num_values)]),
+                             dt.i32))
+    return tuple(RegTile([v], layout, (1, 1)) for v in out)

@@ -42,13 +42,13 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
                      o: kiln.Tensor[bf16, 2], cu_seqlens: kiln.Tensor[i32], qk_scale: f32,
                      D: kiln.constexpr, BM: kiln.constexpr, BN: kiln.constexpr,
                      THREADS: kiln.constexpr, CAUSAL: kiln.constexpr, ALIGN: kiln.constexpr):
-    tile = kiln.block_id(0)
-    if CAUSAL:                                        # the longest query tiles first
-        tile = kiln.num_blocks(0) - 1 - tile
-    row0 = tile * BM
     col0 = kiln.block_id(1) * D                       # the head's columns
     start = cu_seqlens[kiln.block_id(2)]
     length = cu_seqlens[kiln.block_id(2) + 1] - start
+    tile, tiles = kiln.block_id(0), (length + BM - 1) // BM
+    if CAUSAL:                                        # the longest query tiles first
+        tile = kiln.where(tile < tiles, tiles - 1 - tile, tile)
+    row0 = tile * BM
     # laid out for the target's MMA: WGMMA's swizzled chunks on sm_90a (k_s.T is then a
     # K-major B), row-major with a bank-conflict-free swizzle elsewhere; K and V two stages each
     q_s = kiln.tiles.operand_tile((BM, D), bf16, "a")
