@@ -99,7 +99,8 @@ def copy(src: GlobalTile, dst: SharedTile, *, threads: int, async_copy: bool = F
             # rows apart) adds an immediate to its address: LLVM keeps one register, not one
             # hoisted address per step
             delta = _step_delta(dst, step * threads, threads, chunks_per_row, width) \
-                if first is not None and dst_origin == (0, 0) else None
+                if first is not None and all(type(o) is int and o == 0 for o in dst_origin) \
+                else None
             offset = None if delta is None else first + delta
             tokens.append(cp_async.copy(dst, (dst_origin[0] + r, dst_origin[1] + c), src, (r, c),
                                         width=width, dst_offset=offset))
