@@ -2,23 +2,30 @@
 
 Q, K, V and O are bf16 ``[total, heads * D]`` (a packed batch of sequences, ``cu_seqlens`` the
 ``B + 1`` int32 prefix sums of their lengths; ``[B, S, H, D]`` tensors are this with every
-sequence ``S`` long), ``D`` 64 or 128. The FlashAttention-2 design: a block owns ``BM`` query
-rows of one head of one sequence, keeps them in shared memory, and walks the keys ``BN`` at a
-time, never writing the ``BM x S`` scores out:
+sequence ``S`` long), ``D`` 64 or 128. A block owns ``BM`` query rows of one head of one
+sequence, keeps them in shared memory, and walks the keys ``BN`` at a time, never writing the
+``BM x S`` scores out. The shared tiles are ``kiln.tiles.operand_tile`` s, so on sm_90a both
+products run on WGMMA (one 64-row slab per warpgroup), elsewhere on ``mma.sync`` / MFMA:
 
-1. ``S = Q K_j^T`` (``kiln.gemm(q_s, k_s.T, ...)``: K is stored row-major, ``.T`` reads it
-   transposed). The accumulators are built with ``warps="rows"``: every warp owns whole rows,
-   so the row max and sum are a few shuffles inside a quad of lanes, with no shared memory.
-2. Online softmax in base 2: ``m' = max(m, rowmax(S))``, ``P = exp2(S - m')``,
-   ``l' = l * exp2(m - m') + rowsum(P)``, and the output accumulator is rescaled by
-   ``exp2(m - m')`` (a row vector of S's layout broadcast onto O's: the same rows per thread).
-3. ``O += P V_j`` with P straight from registers: ``kiln.gemm(kiln.cast(p, bf16), v_s, o)``.
-   On NVIDIA the m16n8 accumulator of S *is* the m16n8k16 A fragment of P (no data moves); on
-   AMD, where an MFMA lane holds a column of C but a row of A, P goes through shared memory.
+1. ``S_j = Q K_j^T``: ``kiln.gemm(q_s, k_s.T, ...)`` (K stored row-major; ``.T`` reads it
+   transposed: WGMMA's K-major B). The accumulators are built with ``warps="rows"``: every warp
+   owns whole rows, so the row max and sum are a few shuffles inside a quad of lanes.
+2. Online softmax in base 2 with the scale folded in: ``m' = max(m, rowmax(S))``,
+   ``P = exp2(S * c - m' * c)`` (one ``kiln.fma`` and an ``exp2`` per score), ``alpha =
+   exp2((m - m') * c)``, ``l' = l * alpha + rowsum(P)``.
+3. ``O = O * alpha + P V`` with P straight from registers: ``kiln.gemm(kiln.cast(p, bf16), v_s,
+   o * alpha)``. On sm_90a the cast WGMMA accumulator *is* WGMMA's register A operand
+   (FlashAttention-3), on sm_80 the m16n8 accumulator is the m16n8k16 A fragment; on AMD, where
+   an MFMA lane holds a column of C but a row of A, P goes through shared memory.
 
-Keys past the sequence, and with ``causal`` keys after the query, are masked to ``-inf``: only
-the last (ragged or diagonal) key tiles pay for the mask, in a second loop. Copies are
-``cp.async`` on NVIDIA: V_j flies while S and the softmax are computed, K_j+1 while P V_j is.
+FlashAttention-3's order: step ``j`` issues ``S_j`` and then ``P_j-1 V_j-1``, both in flight;
+the softmax of ``S_j`` waits for ``S_j`` only (``kiln-insert-waits`` puts ``wgmma.wait_group 1``
+there) and runs while ``P_j-1 V_j-1`` is on the tensor cores. K and V have two stages each
+(``cp.async``: ``K_j+1`` and ``V_j`` fly during step ``j``), so the loop takes two steps at a
+time and the stage indices are Python ints. Keys past the sequence, and with ``causal`` keys
+after the query, are masked to ``-inf``: only the last (ragged or diagonal) key tiles pay for
+the mask, in a second loop (a pair's second tile may lie wholly past the end: masked, it adds
+nothing). Causal query tiles run longest first.
 
 Run: ``python examples/tutorials/attention.py``.
 """
