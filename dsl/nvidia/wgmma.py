@@ -45,8 +45,6 @@ KEEP_REGISTERS_LIVE = declare("nvidia.wgmma.keep_registers_live", feature="ptx",
                               doc="holds registers live for an in-flight WGMMA")
 
 
-
-
 def _fresh_semantics(op, plan):
     """Interpreter semantics of :data:`FRESH_DESCRIPTOR`: the operand, unchanged."""
     (x,) = plan.operands(op)
