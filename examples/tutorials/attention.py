@@ -48,7 +48,8 @@ LOG2E = 1.4426950408889634
 def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Tensor[bf16, 2],
                      o: kiln.Tensor[bf16, 2], cu_seqlens: kiln.Tensor[i32], qk_scale: f32,
                      D: kiln.constexpr, BM: kiln.constexpr, BN: kiln.constexpr,
-                     THREADS: kiln.constexpr, CAUSAL: kiln.constexpr, ALIGN: kiln.constexpr):
+                     STAGES: kiln.constexpr, THREADS: kiln.constexpr, CAUSAL: kiln.constexpr,
+                     ALIGN: kiln.constexpr):
     col0 = kiln.block_id(1) * D                       # the head's columns
     start = cu_seqlens[kiln.block_id(2)]
     length = cu_seqlens[kiln.block_id(2) + 1] - start
@@ -57,42 +58,47 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
         tile = kiln.where(tile < tiles, tiles - 1 - tile, tile)
     row0 = tile * BM
     # laid out for the target's MMA: WGMMA's swizzled chunks on sm_90a (k_s.T is then a
-    # K-major B), row-major with a bank-conflict-free swizzle elsewhere; K and V two stages each
+    # K-major B), row-major with a bank-conflict-free swizzle elsewhere; K and V in STAGES
     q_s = kiln.tiles.operand_tile((BM, D), bf16, "a")
-    k_s = [kiln.tiles.operand_tile((BN, D), bf16, "a") for _ in range(2)]
-    v_s = [kiln.tiles.operand_tile((BN, D), bf16, "b") for _ in range(2)]
+    k_s = [kiln.tiles.operand_tile((BN, D), bf16, "a") for _ in range(STAGES)]
+    v_s = [kiln.tiles.operand_tile((BN, D), bf16, "b") for _ in range(STAGES)]
 
     def rows(t, n, r0):                               # rows past the sequence read as 0
         return kiln.GlobalTile(t, (n, D), (start + r0, col0), row_end=start + length,
                                align=ALIGN)
 
     kiln.copy(rows(q, BM, row0), q_s)
-    kiln.copy(rows(k, BN, 0), k_s[0])
-    kiln.copy(rows(v, BN, length), v_s[1])            # zeros: the first step's P V is 0 V
+    for i in range(STAGES - 1):                       # K runs STAGES - 1 tiles ahead, V one less
+        kiln.copy(rows(k, BN, i * BN), k_s[i])
+        if i < STAGES - 2:
+            kiln.copy(rows(v, BN, i * BN), v_s[i])
+    kiln.copy(rows(v, BN, length), v_s[-1])           # zeros: the first step's P V is 0 V
     s0 = kiln.accumulator(q_s, k_s[0].T, warps="rows")
     p = kiln.cast(s0, bf16)                           # the P of the step before the first
-    acc = kiln.accumulator(p, v_s[1], warps="rows")
+    acc = kiln.accumulator(p, v_s[-1], warps="rows")
     m = kiln.tiles.TileVector.full(s0.layout, -float("inf"))
     l = kiln.tiles.TileVector.full(s0.layout, 0.0)
     alpha = kiln.tiles.TileVector.full(s0.layout, 1.0)   # O's rescale, due before P V
-    # keys [0, full) need no mask (whole pairs of tiles); [full, end) are the ragged tail or
-    # the causal diagonal (a pair's second tile may lie past the end: masked, it adds nothing)
+    # keys [0, full) need no mask (whole groups of STAGES tiles); [full, end) are the ragged
+    # tail or the causal diagonal (a group's last tiles may lie past the end: masked, they add
+    # nothing)
     end = length
     full = length // BN * BN
     if CAUSAL:
         end = kiln.min(length, row0 + BM)
         full = kiln.min(full, (row0 + 1) // BN * BN)
     end = kiln.where(row0 < length, end, 0)           # a block past the sequence does nothing
-    full = kiln.min(full, end) // (2 * BN) * (2 * BN)
+    full = kiln.min(full, end) // (STAGES * BN) * (STAGES * BN)
 
     def step(kv0, st, p, alpha, acc, m, l, masked):
         """S_j = Q K_j^T and O += P_j-1 V_j-1 run together (FlashAttention-3's order): the
         softmax of S_j waits for S_j only, while P_j-1 V_j-1 is still on the tensor cores."""
-        kiln.barrier()                                # K_j, V_j-1 landed; stage 1-st is free
-        kiln.copy(rows(k, BN, kv0 + BN), k_s[1 - st])  # past the end: masked, reads nothing
-        kiln.copy(rows(v, BN, kv0), v_s[st])
+        kiln.barrier()                                # K_j, V_j-1 landed; S_j-1, P V_j-2 done
+        ahead = (st + STAGES - 1) % STAGES            # the stage of K_j-1 and V_j-2
+        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[ahead])  # past the end: reads 0
+        kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[(ahead + STAGES - 1) % STAGES])
         s = kiln.gemm(q_s, k_s[st].T, s0)
-        acc = kiln.gemm(p, v_s[1 - st], acc * alpha)
+        acc = kiln.gemm(p, v_s[st - 1], acc * alpha)
         if masked:                                    # index tiles, live in this loop only
             q_row, k_col = kiln.tiles.coords(s.layout)
             col = k_col + kv0
@@ -106,38 +112,42 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
         l = l * alpha + kiln.reduce(p, "sum", axis=1)
         return kiln.cast(p, bf16), alpha, acc, m_new, l
 
-    for kv0 in kiln.range(0, full, 2 * BN):           # two steps: the stages are Python ints
-        p, alpha, acc, m, l = step(kv0, 0, p, alpha, acc, m, l, False)
-        p, alpha, acc, m, l = step(kv0 + BN, 1, p, alpha, acc, m, l, False)
-    for kv0 in kiln.range(full, end, 2 * BN):
-        p, alpha, acc, m, l = step(kv0, 0, p, alpha, acc, m, l, True)
-        p, alpha, acc, m, l = step(kv0 + BN, 1, p, alpha, acc, m, l, True)
+    def steps(kv0, p, alpha, acc, m, l, masked):      # a step per stage: Python-int stages
+        for st in range(STAGES):
+            p, alpha, acc, m, l = step(kv0 + st * BN, st, p, alpha, acc, m, l, masked)
+        return p, alpha, acc, m, l
+
+    for kv0 in kiln.range(0, full, STAGES * BN):
+        p, alpha, acc, m, l = steps(kv0, p, alpha, acc, m, l, False)
+    for kv0 in kiln.range(full, end, STAGES * BN):
+        p, alpha, acc, m, l = steps(kv0, p, alpha, acc, m, l, True)
     kiln.barrier()                                    # the last V landed
-    acc = kiln.gemm(p, v_s[1], acc * alpha)
+    acc = kiln.gemm(p, v_s[-1], acc * alpha)
     kiln.copy(kiln.cast(acc / l, bf16), rows(o, BM, row0))
 
 
 # (BM, BN, NVIDIA warps) per head dim; AMD holds P in VGPRs too (no register A), so D 128
 # takes 32 keys a step there to stay clear of scratch
-BLOCKS = {64: (128, 64, 8), 128: (128, 64, 8)}
-AMD_BLOCKS = {64: (128, 64, 8), 128: (128, 32, 8)}
+BLOCKS = {64: (128, 64, 8, 2), 128: (128, 64, 8, 2)}
+AMD_BLOCKS = {64: (128, 64, 8, 2), 128: (128, 32, 8, 2)}
 
 
-def config(d: int, target: str | None, block: tuple[int, int, int] | None = None) -> dict:
-    """Block sizes: ``block = (BM, BN, warps)``, by default 128 query rows over 8 warps (16 rows
-    each: two warpgroups on sm_90a) and 64 keys per step; on AMD 4 wavefronts of 64 lanes (32
-    rows each)."""
+def config(d: int, target: str | None, block: tuple[int, ...] | None = None) -> dict:
+    """Block sizes: ``block = (BM, BN, warps[, stages])``, by default 128 query rows over 8
+    warps (16 rows each: two warpgroups on sm_90a), 64 keys per step and K/V in 2 stages; on AMD
+    4 wavefronts of 64 lanes (32 rows each)."""
     if d not in (64, 128):
         raise kiln.KilnValueError(f"the attention tutorial takes head dim 64 or 128, got {d}",
                                   fix="pad the head dimension to 64 or 128")
     amd = (target or "").startswith("gfx")
-    bm, bn, warps = block or (AMD_BLOCKS if amd else BLOCKS)[d]
-    return dict(D=d, BM=bm, BN=bn, THREADS=256 if amd else 32 * warps)
+    bm, bn, warps, *stages = block or (AMD_BLOCKS if amd else BLOCKS)[d]
+    return dict(D=d, BM=bm, BN=bn, STAGES=stages[0] if stages else 2,
+                THREADS=256 if amd else 32 * warps)
 
 
 def attention(q, k, v, o, cu_seqlens, max_seqlen: int, heads: int, *, causal: bool = False,
               scale: float | None = None, backend: str = "gpu", target: str | None = None,
-              block: tuple[int, int, int] | None = None):
+              block: tuple[int, ...] | None = None):
     """``o = attention(q, k, v)`` for packed bf16 ``[total, heads * D]`` tensors and int32
     ``cu_seqlens`` (``B + 1`` prefix sums); ``scale`` defaults to ``1 / sqrt(D)``; ``block``
     is :func:`config`'s."""
