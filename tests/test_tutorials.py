@@ -115,6 +115,23 @@ def test_attention(target, d, causal):
     np.testing.assert_allclose(o.astype(np.float64), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("target,d,causal", [("sm_90a", 64, False), ("gfx950", 128, True)])
+def test_attention_rescales_when_the_max_jumps(target, d, causal):
+    """Keys growing 30x along the sequence and sharp queries: the running max passes the
+    rescale threshold many times (O rescaled, P up to 2^8), within bf16 of float64."""
+    rng = np.random.default_rng()
+    heads, lengths = 2, [300, 5, 130]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v = (rng.standard_normal((int(cu[-1]), heads * d)) for _ in range(3))
+    k *= np.linspace(0.2, 6, len(k))[:, None]
+    q, k, v = (t.astype(ml_dtypes.bfloat16) for t in (3 * q, k, v))
+    o = np.full(q.shape, np.nan, ml_dtypes.bfloat16)
+    attention.attention(q, k, v, o, cu, max(lengths), heads, causal=causal, backend="interpret",
+                        target=target)
+    want = attention.reference(q, k, v, cu, heads, causal)
+    np.testing.assert_allclose(o.astype(np.float64), want, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("sizes,k,n", [([130, 0, 7, 64], 96, 72), ([1, 200], 40, 136)])
 def test_grouped_matmul(target, sizes, k, n):
