@@ -260,7 +260,7 @@ def main() -> None:
                         "layernorm, matmul, attention, grouped); default all")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--blocks", nargs="+", type=lambda b: tuple(map(int, b.split(","))),
-                        help="attention: BM,BN,WARPS blocks to time at every shape (the "
+                        help="attention: BM,BN,WARPS[,STAGES] blocks to time at every shape (the "
                              "fastest is the row's); default: tune on the first shape")
     parser.add_argument("--dims", type=lambda x: tuple(map(int, x.split(","))),
                         help="attention head dims (default 64,128; --quick: 128)")
