@@ -39,6 +39,7 @@ from .layout import ThreadValueLayout
 from .reg_tile import COL_LANES, ROW_LANES, RegTile, TileVector, where
 from .shared_tile import SharedTile
 from .core import dtypes as dt
+from .tensor import to_index
 from .values import Value, cast
 from .tile_gemm import operand_swizzle, register_gather
 from .operand_tiles import operand_tile
@@ -102,10 +103,13 @@ def copy(src: GlobalTile, dst: SharedTile, *, threads: int, async_copy: bool = F
                 if first is not None and all(type(o) is int and o == 0 for o in dst_origin) \
                 else None
             offset = None if delta is None else first + delta
+            # whole rows per step: the source row is the first chunk's plus a constant
+            src_row = None if first is None or threads % chunks_per_row else \
+                arith.addi(first_row, to_index(step * threads // chunks_per_row))
             tokens.append(cp_async.copy(dst, (dst_origin[0] + r, dst_origin[1] + c), src, (r, c),
-                                        width=width, dst_offset=offset))
+                                        width=width, dst_offset=offset, src_row=src_row))
             if step == 0:
-                first = dst.offset(r, c)
+                first, first_row = dst.offset(r, c), to_index(src.indices(r, c)[0])
         elif (step + 1) * threads > chunks:  # the last, partial step: threads past the end idle
             guard = scf.IfOp((chunk < chunks).ir, [], has_else=False)
             with ir.InsertionPoint(guard.then_block):
