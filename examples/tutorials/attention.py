@@ -68,11 +68,11 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
                                align=ALIGN)
 
     kiln.copy(rows(q, BM, row0), q_s)
+    kiln.copy(rows(v, BN, length), v_s[-1])           # zeros: the first step's P V is 0 V
     for i in range(STAGES - 1):                       # K runs STAGES - 1 tiles ahead, V one less
         kiln.copy(rows(k, BN, i * BN), k_s[i])
         if i < STAGES - 2:
             kiln.copy(rows(v, BN, i * BN), v_s[i])
-    kiln.copy(rows(v, BN, length), v_s[-1])           # zeros: the first step's P V is 0 V
     s0 = kiln.accumulator(q_s, k_s[0].T, warps="rows")
     p = kiln.cast(s0, bf16)                           # the P of the step before the first
     acc = kiln.accumulator(p, v_s[-1], warps="rows")
