@@ -10,7 +10,7 @@ products run on WGMMA (one 64-row slab per warpgroup), elsewhere on ``mma.sync``
 1. ``S_j = Q K_j^T``: ``kiln.gemm(q_s, k_s.T, ...)`` (K stored row-major; ``.T`` reads it
    transposed: WGMMA's K-major B). The accumulators are built with ``warps="rows"``: every warp
    owns whole rows, so the row max and sum are a few shuffles inside a quad of lanes.
-2. Online softmax in base 2 with the scale folded in: ``m' = max(m, rowmax(S))``,
+2. Online softmax in base 2 with the scale folded in: ``m' = max(m, rowmax(S) - 8 / c)``,
    ``P = exp2(S * c - m' * c)`` (one ``kiln.fma`` and an ``exp2`` per score), ``alpha =
    exp2((m - m') * c)``, ``l' = l * alpha + rowsum(P)``.
 3. ``O = O * alpha + P V`` with P straight from registers: ``kiln.gemm(kiln.cast(p, bf16), v_s,
@@ -20,12 +20,13 @@ products run on WGMMA (one 64-row slab per warpgroup), elsewhere on ``mma.sync``
 
 FlashAttention-3's order: step ``j`` issues ``S_j`` and then ``P_j-1 V_j-1``, both in flight;
 the softmax of ``S_j`` waits for ``S_j`` only (``kiln-insert-waits`` puts ``wgmma.wait_group 1``
-there) and runs while ``P_j-1 V_j-1`` is on the tensor cores. K and V have two stages each
-(``cp.async``: ``K_j+1`` and ``V_j`` fly during step ``j``), so the loop takes two steps at a
-time and the stage indices are Python ints. Keys past the sequence, and with ``causal`` keys
-after the query, are masked to ``-inf``: only the last (ragged or diagonal) key tiles pay for
-the mask, in a second loop (a pair's second tile may lie wholly past the end: masked, it adds
-nothing). Causal query tiles run longest first.
+there) and runs while ``P_j-1 V_j-1`` is on the tensor cores. K and V have ``STAGES`` shared
+stages each (``cp.async``; with 2, ``K_j+1`` and ``V_j`` fly during step ``j``), so the loop
+takes ``STAGES`` steps at a time and the stage indices are Python ints. The running max moves
+only when a row's max passes it by 8 (log2 units), so O is rescaled (a branch) only then. Keys
+past the sequence, and with ``causal`` keys after the query, are masked to ``-inf``: only the
+last (ragged or diagonal) key tiles pay for the mask, in a second loop (a group's last tiles
+may lie wholly past the end: masked, they add nothing). Causal query tiles run longest first.
 
 Run: ``python examples/tutorials/attention.py``.
 """
