@@ -40,6 +40,7 @@ import numpy as np
 
 import kiln
 from kiln import bf16, f32, i32
+from kiln.kernel import default_target
 from kiln.runtime.cuda import cuda_available
 
 LOG2E = 1.4426950408889634
@@ -133,23 +134,27 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
     kiln.copy(kiln.cast(acc / l, bf16), rows(o, BM, row0))
 
 
-# (BM, BN, NVIDIA warps) per head dim; AMD holds P in VGPRs too (no register A), so D 128
-# takes 32 keys a step there to stay clear of scratch
+# (BM, BN, warps, K/V stages) per head dim: sm_90a (WGMMA), other NVIDIA (mma.sync), AMD (4
+# wavefronts whatever the warps; P in VGPRs too, no register A: D 128 takes 32 keys a step to
+# stay clear of scratch)
+HOPPER_BLOCKS = {64: (128, 64, 8, 2), 128: (128, 64, 8, 2)}
 BLOCKS = {64: (128, 64, 8, 2), 128: (128, 64, 8, 2)}
 AMD_BLOCKS = {64: (128, 64, 8, 2), 128: (128, 32, 8, 2)}
 
 
 def config(d: int, target: str | None, block: tuple[int, ...] | None = None) -> dict:
-    """Block sizes: ``block = (BM, BN, warps[, stages])``, by default 128 query rows over 8
-    warps (16 rows each: two warpgroups on sm_90a), 64 keys per step and K/V in 2 stages; on AMD
-    4 wavefronts of 64 lanes (32 rows each)."""
+    """Block sizes (``block = (BM, BN, warps[, stages])`` overrides them): on NVIDIA 128 query
+    rows over 8 warps (16 rows each: two warpgroups on sm_90a), 64 keys per step and K/V in 2
+    stages; on AMD 4 wavefronts of 64 lanes (32 rows each). ``target`` None is Kiln's default."""
     if d not in (64, 128):
         raise kiln.KilnValueError(f"the attention tutorial takes head dim 64 or 128, got {d}",
                                   fix="pad the head dimension to 64 or 128")
-    amd = (target or "").startswith("gfx")
-    bm, bn, warps, *stages = block or (AMD_BLOCKS if amd else BLOCKS)[d]
+    name = target or default_target()
+    table = (AMD_BLOCKS if name.startswith("gfx") else
+             HOPPER_BLOCKS if name.startswith("sm_90") else BLOCKS)
+    bm, bn, warps, *stages = block or table[d]
     return dict(D=d, BM=bm, BN=bn, STAGES=stages[0] if stages else 2,
-                THREADS=256 if amd else 32 * warps)
+                THREADS=256 if name.startswith("gfx") else 32 * warps)
 
 
 def attention(q, k, v, o, cu_seqlens, max_seqlen: int, heads: int, *, causal: bool = False,
