@@ -89,3 +89,21 @@ def _fma_of_two_tiles(x: kiln.Tensor[f32, 2]):
 def test_fma_of_two_tiles_names_the_fix():
     with pytest.raises(KilnTypeError, match="a \\* b \\+ c"):
         _fma_of_two_tiles.interpret[(1,)](np.zeros((1, 512), np.float32), target="sm_90a")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bm,keys", [(128, 37), (192, 64)])
+def test_register_a_gemm_on_gpu(bm, keys):
+    """The same kernel on the device (WGMMA with register A on Hopper), NaN-poisoned output."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    q = torch.randn(bm, 64, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(keys, 64, device="cuda").to(torch.bfloat16) for _ in range(2))
+    o = torch.full((bm, 64), float("nan"), device="cuda")
+    scores_times_v[(1,)](q, k, v, o, keys, BM=bm, BN=64, D=64, THREADS=2 * bm)
+    qf, kf, vf = (t.double().cpu().numpy() for t in (q, k, v))
+    s = qf @ kf.T
+    p = np.exp2(0.5 * (s - s.max(axis=1, keepdims=True)))
+    want = p.astype(ml_dtypes.bfloat16).astype(np.float64) @ vf
+    np.testing.assert_allclose(o.cpu().numpy(), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
