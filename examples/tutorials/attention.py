@@ -97,14 +97,15 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
         """S_j = Q K_j^T and O += P_j-1 V_j-1 run together (FlashAttention-3's order): the
         softmax of S_j waits for S_j only, while P_j-1 V_j-1 is still on the tensor cores."""
         kiln.barrier()                                # K_j, V_j-1 landed; S_j-1, P V_j-2 done
-        ahead = (st + STAGES - 1) % STAGES            # the stage of K_j-1 and V_j-2
-        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[ahead])  # past the end: reads 0
-        kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[(ahead + STAGES - 1) % STAGES])
         s = kiln.gemm(q_s, k_s[st].T, s0)
         acc = acc.unpacked()
         if (1.0 - alpha).any_greater(0.0) > 0:        # a row's max grew: rescale O
             acc = acc * alpha
         acc = kiln.gemm(p, v_s[st - 1], acc)
+        # refill the stages of K_j-1 and V_j-2 while the tensor cores run (past the end: 0)
+        ahead = (st + STAGES - 1) % STAGES
+        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[ahead])
+        kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[(ahead + STAGES - 1) % STAGES])
         if masked:                                    # index tiles, live in this loop only
             q_row, k_col = kiln.tiles.coords(s.layout)
             col = k_col + kv0
