@@ -10,6 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import kiln
+
 from source_modules import EXAMPLES, load_module
 
 TUTORIALS = EXAMPLES / "tutorials"
@@ -113,6 +115,13 @@ def test_attention(target, d, causal):
                         target=target)
     want = attention.reference(q, k, v, cu, heads, causal)
     np.testing.assert_allclose(o.astype(np.float64), want, atol=2e-2, rtol=2e-2)
+
+
+def test_attention_rejects_a_scale_that_is_not_positive():
+    x = np.zeros((4, 64), ml_dtypes.bfloat16)
+    with pytest.raises(kiln.KilnValueError, match="scale must be positive"):
+        attention.attention(x, x, x, x.copy(), np.array([0, 4], np.int32), 4, 1, scale=-0.1,
+                            backend="interpret", target="sm_90a")
 
 
 @pytest.mark.parametrize("target,d,causal", [("sm_90a", 64, False), ("gfx950", 128, True)])

@@ -167,6 +167,9 @@ def attention(q, k, v, o, cu_seqlens, max_seqlen: int, heads: int, *, causal: bo
     d = q.shape[1] // heads
     cfg = config(d, target, block)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if not scale > 0:   # the kernel takes row maxima of Q K^T before scaling
+        raise kiln.KilnValueError(f"attention scale must be positive, got {scale}",
+                                  fix="pass scale > 0 (default 1 / sqrt(D))")
     grid = (-(-max_seqlen // cfg["BM"]), heads, len(cu_seqlens) - 1)
     launch = attention_kernel.interpret[grid] if backend == "interpret" else attention_kernel[grid]
     extra = {"target": target} if target else {}
