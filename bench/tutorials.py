@@ -102,8 +102,9 @@ def check(name, got, want, tol):
 
 # (BM, BN, num_warps) of the Triton peer per head dim, 3 stages
 T_ATTENTION_CONFIGS = {64: [(128, 64, 4)], 128: [(128, 128, 8), (128, 64, 8)]}
-# (BM, BN, warps) the Kiln tutorial tries on each head dim's first shape; the fastest runs all
-K_ATTENTION_CONFIGS = {64: [(128, 64, 8), (128, 128, 8)], 128: [(128, 64, 8), (64, 64, 4)]}
+# (BM, BN, warps, stages) the tutorial tries on each head dim's first shape; the fastest runs all
+K_ATTENTION_CONFIGS = {64: [(128, 64, 8, 2), (128, 128, 8, 2)],
+                       128: [(128, 64, 8, 2), (128, 64, 8, 3), (192, 64, 12, 2)]}
 
 
 def bench_attention(args, lines) -> list[dict]:
@@ -127,7 +128,7 @@ def bench_attention(args, lines) -> list[dict]:
                                        cu_small.numpy(), 2, causal)
             check(f"kiln attention d{d} causal={causal}", o, want, 2e-2)
     rows = []
-    dims = (128,) if args.quick else (64, 128)
+    dims = args.dims or ((128,) if args.quick else (64, 128))
     seqs = (4096, 16384) if args.quick else (4096, 8192, 16384)
     for d in dims:
         heads = 2048 // d
@@ -141,6 +142,7 @@ def bench_attention(args, lines) -> list[dict]:
             scale = d ** -0.5
             for causal in (False, True):
                 o, ref = torch.empty_like(q), torch.empty_like(q)
+                flops = 4.0 * batch * heads * seq * seq * d * (0.5 if causal else 1.0)
 
                 def k_run(config=None):
                     attention.attention(q, k, v, o, cu, seq, heads, causal=causal,
@@ -155,12 +157,13 @@ def bench_attention(args, lines) -> list[dict]:
                 def p_run():
                     return prefill(q4, k4, v4, causal=causal, scale=scale)
 
-                if k_config is None:
+                if k_config is None or args.blocks:   # --blocks: an A/B at every shape
                     tried = {c: queued_ms(lambda: k_run(c), args.repeat)
-                             for c in K_ATTENTION_CONFIGS[d]}
+                             for c in args.blocks or K_ATTENTION_CONFIGS[d]}
                     k_config = min(tried, key=tried.get)
-                    print(f"kiln attention d{d} blocks (BM, BN, warps): "
-                          + ", ".join(f"{c} {ms * 1e3:.0f} us" for c, ms in tried.items()))
+                    print(f"kiln attention d{d} seq {seq} causal={causal:d} blocks (BM, BN, "
+                          "warps): " + ", ".join(f"{c} {flops / ms / 1e9:.0f} TFLOP/s"
+                                                 for c, ms in tried.items()), flush=True)
                 k_run()
                 # the tutorial autotuner's Hopper picks; the first that fits shared memory
                 for t_config in T_ATTENTION_CONFIGS[d]:
@@ -176,7 +179,6 @@ def bench_attention(args, lines) -> list[dict]:
                     if not e < 2e-2:
                         raise SystemExit(f"{name} attention vs prefill: max error {e:.3g}")
                     err = max(err, e)
-                flops = 4.0 * batch * heads * seq * seq * d * (0.5 if causal else 1.0)
                 k_ms, t_ms, p_ms = (queued_ms(f, args.repeat) for f in (k_run, t_run, p_run))
                 row = {"op": "attention", "shape": [batch, seq, heads, d], "causal": causal,
                        "kiln_us": k_ms * 1e3, "triton_us": t_ms * 1e3, "prefill_us": p_ms * 1e3,
@@ -257,6 +259,11 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated tutorials (vector_add, softmax, "
                         "layernorm, matmul, attention, grouped); default all")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--blocks", nargs="+", type=lambda b: tuple(map(int, b.split(","))),
+                        help="attention: BM,BN,WARPS[,STAGES] blocks to time at every shape (the "
+                             "fastest is the row's); default: tune on the first shape")
+    parser.add_argument("--dims", type=lambda x: tuple(map(int, x.split(","))),
+                        help="attention head dims (default 64,128; --quick: 128)")
     args = parser.parse_args()
     import torch
 

@@ -236,7 +236,17 @@ def abs(x: Any) -> Value:  # noqa: A001 - mirrors Python's abs for kiln.abs
 
 @checked_call
 def fma(a: Any, b: Any, c: Any) -> Value:
-    """a * b + c with one rounding (``math.fma``) for floats. Example: ``kiln.fma(a, x, y)``."""
+    """a * b + c with one rounding (``math.fma``) for floats. ``a`` (or ``b``) may be a
+    register tile times a scalar, ``c`` a tile, a row/column vector of it or a scalar: the
+    softmax's ``kiln.fma(s, scale, -m * scale)`` is one FMA per element. Example:
+    ``kiln.fma(a, x, y)``."""
+    if _tile(b) and not _tile(a):
+        a, b = b, a
+    if _tile(a):
+        if _tile(b):
+            raise KilnTypeError("kiln.fma multiplies a register tile by a scalar, got two tiles",
+                                fix="write a * b + c for a product of two tiles")
+        return a._zip(c, lambda x, z: fma(x, b, z))
     x, y = unify(a, b)
     x, z = unify(x, c)
     y, _ = unify(y, z)

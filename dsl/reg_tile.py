@@ -64,8 +64,10 @@ def _row_structure(tv: ThreadValueLayout) -> tuple[tuple[int, ...], tuple[int, .
     keys: dict[tuple, int] = {}
     group_of = tuple(keys.setdefault(tuple(rows[:, v]), len(keys)) for v in range(tv.num_values))
     lanes = np.arange(tv.num_threads)
+    # (a bit that takes some thread past the block, as 256 of 384 threads, is no shuffle)
     masks = tuple(1 << b for b in range(tv.num_threads.bit_length() - 1)
-                  if np.array_equal(rows[lanes ^ (1 << b)], rows))
+                  if np.all(lanes ^ (1 << b) < tv.num_threads)
+                  and np.array_equal(rows[lanes ^ (1 << b)], rows))
     per_group = np.bincount(group_of)
     if not np.all(per_group * (1 << len(masks)) == tv.tile[1]):
         raise KilnValueError(f"fragment layout {tv.layout} cannot be reduced along rows with "

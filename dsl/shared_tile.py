@@ -93,8 +93,11 @@ class SharedTile:
         view is element ``(r, c)`` of this tile. ``kiln.gemm(q_s, k_s.T, acc)`` multiplies by
         ``K^T`` where ``k_s`` holds ``K`` row-major (``ldmatrix`` without ``.trans`` on NVIDIA).
         """
-        return SharedTile.view(self.buffer, self.shape[::-1],
+        view = SharedTile.view(self.buffer, self.shape[::-1],
                                concat_modes(self.layout[1], self.layout[0]), self.swizzle)
+        # WGMMA reads the transpose of an A-laid tile as a K-major B (kiln.tile_gemm_wgmma)
+        view.wgmma_operand = "b_kmajor" if getattr(self, "wgmma_operand", None) == "a" else None
+        return view
 
     def offset(self, row: Any, col: Any) -> Any:
         """Element offset of ``(row, col)``: ``swizzle(layout((row, col)))`` for ints, numpy

@@ -379,7 +379,8 @@ def accumulator(a: SharedTile | RegTile, b: SharedTile, value: float = 0.0, *,
 
     Example: ``acc = kiln.accumulator(a_s, b_s)`` before the K loop.
     """
-    if warps is None and tile_gemm_wgmma.applies(a, b):
+    # WGMMA's warps already own whole rows (16 each): "rows" is its layout too
+    if warps in (None, "rows") and tile_gemm_wgmma.applies(a, b):
         _check(a, b)
         return tile_gemm_wgmma.accumulator(a, b, value)
     tm = _choose(a, b, warps)
@@ -395,11 +396,10 @@ def gemm(a: SharedTile | RegTile, b: SharedTile, acc: RegTile | None = None) -> 
     copies into ``a_s`` and ``b_s``."""
     if acc is not None and (not isinstance(acc, RegTile) or acc.dtype is not dt.f32):
         raise _foreign_accumulator()
-    if tile_gemm_wgmma.applies(a, b):
-        shape = _check(a, b)
+    if tile_gemm_wgmma.applies(a, b) and (acc is None or acc.layout == tile_gemm_wgmma
+                                          .accumulator_layout(a.shape[0], b.shape[1])):
+        _check(a, b)
         acc = tile_gemm_wgmma.accumulator(a, b) if acc is None else acc
-        if acc.layout != tile_gemm_wgmma.accumulator_layout(shape[0], shape[1]):
-            raise _foreign_accumulator()
         return tile_gemm_wgmma.gemm(a, b, acc)
     tm = _choose(a, b, layout=None if acc is None else acc.layout)
     layout = accumulator_layout(tm)

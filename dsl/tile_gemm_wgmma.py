@@ -39,7 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlir import ir
-from mlir.dialects import arith, nvvm
+from mlir.dialects import arith, llvm, nvvm, vector
 
 from . import builder
 from .core import dtypes as dt
@@ -47,7 +47,9 @@ from .core.ops import AUTO_WAIT_ATTR
 from .layout import Layout, ThreadValueLayout, concat_modes, make_layout
 from .ops import thread_id
 from .reg_tile import RegTile, pack_struct
+from .nvidia.wgmma import fresh_descriptor
 from .shared_tile import SharedTile
+from .values import Value
 from . import wgmma
 
 WARPGROUP = 128
@@ -82,13 +84,27 @@ def wgmma_operand(shape: tuple[int, int], dtype: Any, operand: str, target=None)
                                                             shape[1] <= wgmma.MAX_N)
 
 
-def applies(a: SharedTile, b: SharedTile) -> bool:
-    """Whether :func:`gemm` runs ``a @ b``: tiles laid out for WGMMA
-    (``kiln.tiles.operand_tile``) and one 64-row slab of A per warpgroup."""
-    groups = builder.current().block[0] // WARPGROUP
-    return (getattr(a, "wgmma_operand", None) == "a" and getattr(b, "wgmma_operand", None) == "b"
-            and builder.current().block[0] % WARPGROUP == 0
-            and a.shape[0] == wgmma.WARPGROUP_M * groups)
+def _register_a(a: RegTile) -> bool:
+    """Whether ``a`` is a WGMMA accumulator (:func:`accumulator_layout`) cast to bf16/f16: its
+    values ``8j .. 8j+7`` are the register A operand of K step ``j`` (no data moves)."""
+    return (a.grid == (1, 1) and a.dtype.name in wgmma.OPERAND_DTYPES
+            and a.shape[1] % K_STEP == 0 and a.shape[0] % wgmma.WARPGROUP_M == 0
+            and a.layout == accumulator_layout(a.shape[0], a.shape[1]))
+
+
+def applies(a: SharedTile | RegTile, b: SharedTile) -> bool:
+    """Whether :func:`gemm` runs ``a @ b``: A a tile laid out for WGMMA
+    (``kiln.tiles.operand_tile(..., "a")``) or a cast accumulator of :func:`gemm`, with one
+    64-row slab per warpgroup; B an ``operand_tile(..., "b")`` (N-major) or the ``.T`` of an
+    ``operand_tile(..., "a")`` (K-major, e.g. ``k_s.T``)."""
+    threads = builder.current().block[0]
+    groups = threads // WARPGROUP
+    if not builder.current_target().has_wgmma or threads % WARPGROUP:
+        return False
+    a_ok = _register_a(a) if isinstance(a, RegTile) else getattr(a, "wgmma_operand", None) == "a"
+    return (a_ok and a.shape[0] == wgmma.WARPGROUP_M * groups
+            and getattr(b, "wgmma_operand", None) in ("b", "b_kmajor")
+            and b.shape[1] <= wgmma.MAX_N)
 
 
 def accumulator_layout(tile_m: int, tile_n: int) -> ThreadValueLayout:
@@ -106,34 +122,57 @@ def accumulator(a: SharedTile, b: SharedTile, value: float = 0.0) -> RegTile:
     """A ``BM x BN`` f32 accumulator of ``value`` in :func:`accumulator_layout`, as a struct."""
     layout = accumulator_layout(a.shape[0], b.shape[1])
     fill = arith.constant(dt.f32.mlir_type(), float(value))
-    return RegTile.from_struct(pack_struct([fill] * layout.num_values), layout)
+    tile = RegTile.from_struct(pack_struct([fill] * layout.num_values), layout)
+    # gemm starts a zero accumulator with scale-d = 0: no register is filled with zeros
+    tile.wgmma_zero = value == 0.0
+    return tile
 
 
 def _descriptor(tile: SharedTile, byte_offset: Any, leading: int) -> Any:
-    return wgmma.smem_descriptor(tile.buffer, leading_bytes=leading, stride_bytes=ATOM_BYTES,
+    """The tile's descriptor at ``byte_offset``, fresh in every call: the instructions of one
+    :func:`gemm` add constants to it (LLVM would hoist every distinct one out of a loop)."""
+    desc = wgmma.smem_descriptor(tile.buffer, leading_bytes=leading, stride_bytes=ATOM_BYTES,
                                  byte_offset=byte_offset)
+    return Value(fresh_descriptor(desc.ir))
 
 
-def gemm(a: SharedTile, b: SharedTile, acc: RegTile) -> RegTile:
+def _register_fragments(a: RegTile) -> list:
+    """The ``BK / 16`` register A operands (``vector<8 x bf16>``) of this thread's slab."""
+    whole = a.fragment(0, 0)
+    per = wgmma.A_REGISTER_VALUES
+    return [Value(vector.shuffle(whole.ir, whole.ir, list(range(per * j, per * (j + 1)))),
+                  a.dtype) for j in range(a.shape[1] // K_STEP)]
+
+
+def gemm(a: SharedTile | RegTile, b: SharedTile, acc: RegTile) -> RegTile:
     """Issue ``acc += a @ b`` as one WGMMA commit group (fence, ``BK / 16`` instructions,
     commit) and return the accumulator in flight: kiln-insert-waits retires the group before
-    its result is read and before a copy or store may overwrite ``a`` or ``b``."""
+    its result is read and before a copy or store may overwrite ``a`` or ``b``. ``a`` in
+    registers (FlashAttention-3's P) is read as it lies: see :func:`_register_a`."""
     tile_m, tile_n, tile_k = a.shape[0], b.shape[1], a.shape[1]
-    item = a.dtype.itemsize
-    chunk = CHUNK_BYTES // item
-    group = thread_id(0) // WARPGROUP
-    # warpgroup g's 64 rows start 64 * 128 bytes into every chunk of A
-    a_base = group * (wgmma.WARPGROUP_M * CHUNK_BYTES)
+    item = b.dtype.itemsize
+    k_major_b = b.wgmma_operand == "b_kmajor"
+    if isinstance(a, RegTile):
+        a_ops = _register_fragments(a)
+    else:
+        # warpgroup g's 64 rows start 64 * 128 bytes into every chunk of A
+        a_base = _descriptor(a, thread_id(0) // WARPGROUP * (wgmma.WARPGROUP_M * CHUNK_BYTES),
+                             16)
+        a_ops = [_plus(a_base, _k_offset(kk * K_STEP, tile_m, item))
+                 for kk in range(tile_k // K_STEP)]
+    b_base = _descriptor(b, 0, 16 if k_major_b else tile_k * CHUNK_BYTES)
     one = wgmma.wgmma_m64_accumulator(tile_n)
-    out = RegTile.from_struct(acc.struct(), one)
+    zero = getattr(acc, "wgmma_zero", False)
+    struct = llvm.mlir_undef(acc.struct().type) if zero else acc.struct()
+    out = RegTile.from_struct(struct, one)
     wgmma.fence()
-    for kk in range(tile_k // K_STEP):
-        col = kk * K_STEP
-        a_off = a_base + (col // chunk) * tile_m * CHUNK_BYTES + (col % chunk) * item
-        b_off = col * CHUNK_BYTES
-        out = wgmma.mma_async(out, _descriptor(a, a_off, 16),
-                              _descriptor(b, b_off, tile_k * CHUNK_BYTES), dtype=a.dtype,
-                              b_major="mn")
+    for kk, a_op in enumerate(a_ops):
+        if k_major_b:       # N x K stored as A is: the same chunks, N rows each
+            b_desc = _plus(b_base, _k_offset(kk * K_STEP, tile_n, item))
+        else:               # K x N: a k16 step is 16 rows of every chunk
+            b_desc = _plus(b_base, kk * K_STEP * CHUNK_BYTES)
+        out = wgmma.mma_async(out, a_op, b_desc, dtype=b.dtype,
+                              b_major="k" if k_major_b else "mn", accumulate=kk > 0 or not zero)
     wgmma.require_feature("wgmma", "kiln.gemm")
     # the group's waits are kiln-insert-waits' (the interpreter runs the pass on such kernels)
     nvvm.wgmma_commit_group_sync_aligned().operation.attributes[AUTO_WAIT_ATTR] = \
@@ -141,3 +180,17 @@ def gemm(a: SharedTile, b: SharedTile, acc: RegTile) -> RegTile:
     state = builder.current()
     setattr(state, GROUPS_ATTR, getattr(state, GROUPS_ATTR, 0) + 1)
     return RegTile.from_struct(out.struct(), acc.layout)
+
+
+def _plus(descriptor: Any, byte_offset: int) -> Any:
+    """``descriptor`` moved ``byte_offset`` bytes on (its start address counts 16-byte units)."""
+    if not byte_offset:
+        return descriptor
+    i64 = ir.IntegerType.get_signless(64)
+    return Value(arith.addi(descriptor.ir, arith.constant(i64, byte_offset >> 4)))
+
+
+def _k_offset(col: int, rows: int, item: int) -> int:
+    """Byte offset of column ``col`` in a K-major tile of 64-column chunks of ``rows`` rows."""
+    chunk = CHUNK_BYTES // item
+    return (col // chunk) * rows * CHUNK_BYTES + (col % chunk) * item

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 from mlir import ir
-from mlir.dialects import scf, vector
+from mlir.dialects import arith, scf, vector
 
 from . import ops
 from .nvidia import cp_async
@@ -39,6 +39,7 @@ from .layout import ThreadValueLayout
 from .reg_tile import COL_LANES, ROW_LANES, RegTile, TileVector, where
 from .shared_tile import SharedTile
 from .core import dtypes as dt
+from .tensor import to_index
 from .values import Value, cast
 from .tile_gemm import operand_swizzle, register_gather
 from .operand_tiles import operand_tile
@@ -90,12 +91,25 @@ def copy(src: GlobalTile, dst: SharedTile, *, threads: int, async_copy: bool = F
                              "threads", fix="use a thread count that divides the chunk count")
     tid = ops.thread_id(0) % threads
     tokens = []
+    first = None
     for step in range(-(-chunks // threads)):
         chunk = tid + step * threads
         r, c = chunk // chunks_per_row, (chunk % chunks_per_row) * width
         if async_copy:
+            # a step a constant offset from the first everywhere (whole swizzle periods of
+            # rows apart) adds an immediate to its address: LLVM keeps one register, not one
+            # hoisted address per step
+            delta = _step_delta(dst, step * threads, threads, chunks_per_row, width) \
+                if first is not None and all(type(o) is int and o == 0 for o in dst_origin) \
+                else None
+            offset = None if delta is None else first + delta
+            # whole rows per step: the source row is the first chunk's plus a constant
+            src_row = None if first is None or threads % chunks_per_row else \
+                arith.addi(first_row, to_index(step * threads // chunks_per_row))
             tokens.append(cp_async.copy(dst, (dst_origin[0] + r, dst_origin[1] + c), src, (r, c),
-                                        width=width))
+                                        width=width, dst_offset=offset, src_row=src_row))
+            if step == 0:
+                first, first_row = dst.offset(r, c), to_index(src.indices(r, c)[0])
         elif (step + 1) * threads > chunks:  # the last, partial step: threads past the end idle
             guard = scf.IfOp((chunk < chunks).ir, [], has_else=False)
             with ir.InsertionPoint(guard.then_block):
@@ -104,6 +118,20 @@ def copy(src: GlobalTile, dst: SharedTile, *, threads: int, async_copy: bool = F
         else:
             dst.store(dst_origin[0] + r, dst_origin[1] + c, src.load(r, c, width=width))
     return tokens if async_copy else None
+
+
+def _step_delta(dst: SharedTile, shift: int, threads: int, chunks_per_row: int,
+                width: int) -> int | None:
+    """``offset(chunk t + shift) - offset(chunk t)`` of ``dst`` when it is one constant for
+    every thread ``t``, else None."""
+    chunk = np.arange(threads)
+    offsets = dst.offsets()
+
+    def at(k):
+        return offsets[k // chunks_per_row, k % chunks_per_row * width]
+
+    diff = at(chunk + shift) - at(chunk)
+    return int(diff[0]) if np.all(diff == diff[0]) else None
 
 
 def row_run_width(tv: ThreadValueLayout) -> int:
@@ -158,7 +186,18 @@ def coords(layout: ThreadValueLayout) -> tuple[RegTile, RegTile]:
     """
     thread = ops.thread_id(0) % layout.num_threads
     vtype = ir.VectorType.get([layout.num_values], dt.i32.mlir_type())
-    pairs = [layout(thread, v) for v in range(layout.num_values)]
-    return tuple(RegTile([Value(vector.from_elements(vtype, [cast(p[k], dt.i32).ir
-                                                             for p in pairs]), dt.i32)],
-                         layout, (1, 1)) for k in (0, 1))
+    every = layout.coords()                           # [threads, values] rows and columns
+    out = []
+    for k, first in enumerate(layout(thread, 0)):
+        delta = every[k] - every[k][:, :1]
+        if np.all(delta == delta[:1]):
+            # value v is value 0 plus a constant: one add per use, and `col + k0` adds k0 once
+            steps = arith.constant(vtype, ir.DenseElementsAttr.get(
+                np.ascontiguousarray(delta[0], np.int32), type=vtype))
+            base = vector.broadcast(vtype, cast(first, dt.i32).ir)
+            out.append(Value(arith.addi(base, steps), dt.i32))
+        else:
+            out.append(Value(vector.from_elements(vtype, [cast(layout(thread, v)[k], dt.i32).ir
+                                                          for v in range(layout.num_values)]),
+                             dt.i32))
+    return tuple(RegTile([v], layout, (1, 1)) for v in out)

@@ -10,6 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import kiln
+
 from source_modules import EXAMPLES, load_module
 
 TUTORIALS = EXAMPLES / "tutorials"
@@ -142,6 +144,30 @@ def test_attention(target, d, causal):
     np.testing.assert_allclose(o.astype(np.float64), want, atol=2e-2, rtol=2e-2)
 
 
+def test_attention_rejects_a_scale_that_is_not_positive():
+    x = np.zeros((4, 64), ml_dtypes.bfloat16)
+    with pytest.raises(kiln.KilnValueError, match="scale must be positive"):
+        attention.attention(x, x, x, x.copy(), np.array([0, 4], np.int32), 4, 1, scale=-0.1,
+                            backend="interpret", target="sm_90a")
+
+
+@pytest.mark.parametrize("target,d,causal", [("sm_90a", 64, False), ("gfx950", 128, True)])
+def test_attention_rescales_when_the_max_jumps(target, d, causal):
+    """Keys growing 30x along the sequence and sharp queries: the running max grows at most
+    steps (O rescaled each time), within bf16 of float64."""
+    rng = np.random.default_rng()
+    heads, lengths = 2, [300, 5, 130]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v = (rng.standard_normal((int(cu[-1]), heads * d)) for _ in range(3))
+    k *= np.linspace(0.2, 6, len(k))[:, None]
+    q, k, v = (t.astype(ml_dtypes.bfloat16) for t in (3 * q, k, v))
+    o = np.full(q.shape, np.nan, ml_dtypes.bfloat16)
+    attention.attention(q, k, v, o, cu, max(lengths), heads, causal=causal, backend="interpret",
+                        target=target)
+    want = attention.reference(q, k, v, cu, heads, causal)
+    np.testing.assert_allclose(o.astype(np.float64), want, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("sizes,k,n", [([130, 0, 7, 64], 96, 72), ([1, 200], 40, 136)])
 def test_grouped_matmul(target, sizes, k, n):
@@ -168,13 +194,43 @@ def test_attention_compiles_to_the_targets_mma_without_spills(target, d):
     if target.startswith("sm"):
         ptx = ck.asm["ptx"]
         assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
-        assert "mma.sync.aligned.m16n8k16" in ptx and "ldmatrix" in ptx and "cp.async" in ptx
-        # P reaches the second mma straight from registers: no shared stage, two barriers a
-        # key tile (two loops)
-        assert ptx.count("bar.sync") == 4
+        assert ck.metadata["wgmma_serialized"] is None and "cp.async" in ptx
+        if target == "sm_90a":   # both products on WGMMA, P from registers (no ldmatrix)
+            assert "mma.sync" not in ptx and "ldmatrix" not in ptx
+            assert re.search(r"wgmma.mma_async.sync.aligned.m64n\d+k16.f32.bf16.bf16 +"
+                             r"\{[^}]*\}, \{%r", ptx)
+        else:
+            assert "mma.sync.aligned.m16n8k16" in ptx and "ldmatrix" in ptx
+        # P reaches the second product straight from registers: no shared stage; one
+        # barrier a key tile (two loops of two steps) and one before the last P V
+        assert ptx.count("bar.sync") == 5
+        # a warp must reach every .aligned WGMMA op at one address: none under a branch
+        assert not _wgmma_under_a_branch(ck.asm["gpu"])
     else:
         assert ck.metadata["scratch_bytes"] == 0
         assert "v_mfma_f32_32x32x16_bf16" in ck.asm["amdgcn"]
+
+
+def _wgmma_under_a_branch(gpu_ir: str) -> list[str]:
+    """The WGMMA ops and barriers of ``gpu_ir`` nested in an ``scf.if``."""
+    from mlir import ir
+
+    found = []
+    with ir.Context():
+        module = ir.Module.parse(gpu_ir)
+
+        def visit(op):
+            name = op.operation.name
+            if name.startswith("nvvm.wgmma") or name == "gpu.barrier":
+                parent = op.operation.parent
+                while parent is not None and parent.name != "gpu.func":
+                    if parent.name == "scf.if":
+                        found.append(name)
+                    parent = parent.parent
+            return ir.WalkResult.ADVANCE
+
+        module.operation.walk(visit)
+    return found
 
 
 @pytest.mark.lower

@@ -61,10 +61,13 @@ WAIT = declare("nvidia.cp_async.wait", feature="sm80", mlir_names=("nvgpu.device
 
 
 def copy(dst: SharedTile, dst_pos: tuple[Any, Any], src: GlobalTile, src_pos: tuple[Any, Any], *,
-         width: int) -> Token:
+         width: int, dst_offset: Any = None, src_row: ir.Value | None = None) -> Token:
     """Start copying ``src[src_pos .. +width]`` to ``dst[dst_pos .. +width]`` (along the row);
     masked source elements (rows past ``src.row_end``, columns past ``src.col_end``) fill zeros
-    and read nothing (``cp.async``'s ``src-size``)."""
+    and read nothing (``cp.async``'s ``src-size``). ``dst_offset``: ``dst``'s element offset of
+    ``dst_pos`` when the caller has it (e.g. an earlier chunk's plus a constant); ``src_row``:
+    the tensor row of ``src_pos`` as an ``index`` (an earlier chunk's plus a constant, which
+    LLVM's straight-line strength reduction turns into one add to that chunk's address)."""
     COPY.require(builder.current_target(), "cp_async.copy")
     if not isinstance(dst, SharedTile) or not isinstance(src, GlobalTile):
         raise KilnTypeError("cp_async.copy copies a GlobalTile into a SharedTile",
@@ -99,9 +102,10 @@ def copy(dst: SharedTile, dst_pos: tuple[Any, Any], src: GlobalTile, src_pos: tu
         src_elements = _select(valid, width if src_elements is None else src_elements, 0)
     if src_elements is not None:
         src_elements = cast(src_elements, dt.index).ir
-    dst_index = to_index(_as_i32(dst.offset(*dst_pos)))
+    dst_index = to_index(_as_i32(dst.offset(*dst_pos) if dst_offset is None else dst_offset))
     token = nvgpu.device_async_copy(dst.buffer.ir, [dst_index], src.tensor.ir,
-                                    [to_index(row), to_index(col)],
+                                    [to_index(row) if src_row is None else src_row,
+                                     to_index(col)],
                                     ir.IntegerAttr.get(ir.IndexType.get(), width),
                                     src_elements=src_elements,
                                     bypass_l1=True if nbytes == 16 else None)

@@ -14,6 +14,7 @@ op                                emitted as                                effe
 ``nvidia.wgmma.wait_group``       ``nvvm.wgmma.wait.group.sync.aligned``    waits WGMMA(N)
 ``nvidia.wgmma.fence``            ``nvvm.wgmma.fence.aligned``              --
 ``nvidia.wgmma.keep_registers_live``  empty inline asm                      --
+``nvidia.wgmma.fresh_descriptor``  inline ``mov.b64``                        --
 ================================  ========================================  ==================
 """
 
@@ -42,6 +43,23 @@ FENCE = declare("nvidia.wgmma.fence", feature="wgmma", mlir_names=("nvvm.wgmma.f
 KEEP_REGISTERS_LIVE = declare("nvidia.wgmma.keep_registers_live", feature="ptx",
                               interpret=lambda op, plan: None,  # no instruction: nothing to run
                               doc="holds registers live for an in-flight WGMMA")
+
+
+def _fresh_semantics(op, plan):
+    """Interpreter semantics of :data:`FRESH_DESCRIPTOR`: the operand, unchanged."""
+    (x,) = plan.operands(op)
+    out = plan.result(op)
+
+    def run(env, ctx):
+        env[out] = env[x]
+
+    return run
+
+
+FRESH_DESCRIPTOR = declare("nvidia.wgmma.fresh_descriptor", feature="wgmma",
+                           interpret=_fresh_semantics,
+                           doc="a copy of a matrix descriptor that LLVM cannot hoist out of a "
+                               "loop")
 
 
 FP8_PTX_TYPES = ("e4m3", "e5m2")  # m64nNk32, no transpose immediate
@@ -100,3 +118,14 @@ def keep_registers_live(registers: list[ir.Value]) -> None:
     """
     KEEP_REGISTERS_LIVE.inline_asm(ir.Type.parse("!llvm.void"), registers,
                                    KEEP_REGISTERS_LIVE_ASM, ",".join(["r"] * len(registers)))
+
+
+def fresh_descriptor(descriptor: ir.Value) -> ir.Value:
+    """``descriptor`` (i64) through a ``mov.b64`` LLVM may neither hoist nor merge: a loop body
+    derives its WGMMAs' descriptors from this one by adding constants, instead of LLVM holding
+    one hoisted register pair per descriptor across the loop (40 pairs in a 128 x 128
+    attention step, which then spills).
+
+    Low-level: :func:`kiln.tile_gemm_wgmma.gemm` calls it once per operand tile and call."""
+    i64 = ir.IntegerType.get_signless(64)
+    return FRESH_DESCRIPTOR.inline_asm(i64, [descriptor], "mov.b64 $0, $1;", "=l,l")

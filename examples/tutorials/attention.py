@@ -2,23 +2,32 @@
 
 Q, K, V and O are bf16 ``[total, heads * D]`` (a packed batch of sequences, ``cu_seqlens`` the
 ``B + 1`` int32 prefix sums of their lengths; ``[B, S, H, D]`` tensors are this with every
-sequence ``S`` long), ``D`` 64 or 128. The FlashAttention-2 design: a block owns ``BM`` query
-rows of one head of one sequence, keeps them in shared memory, and walks the keys ``BN`` at a
-time, never writing the ``BM x S`` scores out:
+sequence ``S`` long), ``D`` 64 or 128. A block owns ``BM`` query rows of one head of one
+sequence, keeps them in shared memory, and walks the keys ``BN`` at a time, never writing the
+``BM x S`` scores out. The shared tiles are ``kiln.tiles.operand_tile`` s, so on sm_90a both
+products run on WGMMA (one 64-row slab per warpgroup), elsewhere on ``mma.sync`` / MFMA:
 
-1. ``S = Q K_j^T`` (``kiln.gemm(q_s, k_s.T, ...)``: K is stored row-major, ``.T`` reads it
-   transposed). The accumulators are built with ``warps="rows"``: every warp owns whole rows,
-   so the row max and sum are a few shuffles inside a quad of lanes, with no shared memory.
-2. Online softmax in base 2: ``m' = max(m, rowmax(S))``, ``P = exp2(S - m')``,
-   ``l' = l * exp2(m - m') + rowsum(P)``, and the output accumulator is rescaled by
-   ``exp2(m - m')`` (a row vector of S's layout broadcast onto O's: the same rows per thread).
-3. ``O += P V_j`` with P straight from registers: ``kiln.gemm(kiln.cast(p, bf16), v_s, o)``.
-   On NVIDIA the m16n8 accumulator of S *is* the m16n8k16 A fragment of P (no data moves); on
-   AMD, where an MFMA lane holds a column of C but a row of A, P goes through shared memory.
+1. ``S_j = Q K_j^T``: ``kiln.gemm(q_s, k_s.T, ...)`` (K stored row-major; ``.T`` reads it
+   transposed: WGMMA's K-major B). The accumulators are built with ``warps="rows"``: every warp
+   owns whole rows, so the row max and sum are a few shuffles inside a quad of lanes.
+2. Online softmax in base 2 with the scale folded in: ``m' = max(m, rowmax(S))``,
+   ``P = exp2(S * c - m' * c)`` (one ``kiln.fma`` and an ``exp2`` per score), ``alpha =
+   exp2((m - m') * c)``, ``l' = l * alpha + rowsum(P)``.
+3. ``O = O * alpha + P V`` with P straight from registers: ``kiln.gemm(kiln.cast(p, bf16), v_s,
+   o * alpha)``. On sm_90a the cast WGMMA accumulator *is* WGMMA's register A operand
+   (FlashAttention-3), on sm_80 the m16n8 accumulator is the m16n8k16 A fragment; on AMD, where
+   an MFMA lane holds a column of C but a row of A, P goes through shared memory.
 
-Keys past the sequence, and with ``causal`` keys after the query, are masked to ``-inf``: only
-the last (ragged or diagonal) key tiles pay for the mask, in a second loop. Copies are
-``cp.async`` on NVIDIA: V_j flies while S and the softmax are computed, K_j+1 while P V_j is.
+FlashAttention-3's order: step ``j`` issues ``S_j`` and then ``P_j-1 V_j-1``, both in flight;
+the softmax of ``S_j`` waits for ``S_j`` only (``kiln-insert-waits`` puts ``wgmma.wait_group 1``
+there) and runs while ``P_j-1 V_j-1`` is on the tensor cores. K and V have ``STAGES`` shared
+stages each (``cp.async``; with 2, ``K_j+1`` and ``V_j`` fly during step ``j``), so the loop
+takes ``STAGES`` steps at a time and the stage indices are Python ints. Keys past the
+sequence, and with ``causal`` keys after the query, are masked to ``-inf``: only the last
+(ragged or diagonal) key tiles pay for the mask, in a second loop (a group's last tiles may lie
+wholly past the end: masked, they add nothing). Causal query tiles run longest first. No
+branch depends on a lane's data: the WGMMA waits ``kiln-insert-waits`` places are ``.aligned``
+(a warp must reach each at one address), so O is rescaled every step.
 
 Run: ``python examples/tutorials/attention.py``.
 """
@@ -32,6 +41,7 @@ import numpy as np
 
 import kiln
 from kiln import bf16, f32, i32
+from kiln.kernel import default_target
 from kiln.runtime.cuda import cuda_available
 
 LOG2E = 1.4426950408889634
@@ -41,42 +51,57 @@ LOG2E = 1.4426950408889634
 def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Tensor[bf16, 2],
                      o: kiln.Tensor[bf16, 2], cu_seqlens: kiln.Tensor[i32], qk_scale: f32,
                      D: kiln.constexpr, BM: kiln.constexpr, BN: kiln.constexpr,
-                     THREADS: kiln.constexpr, CAUSAL: kiln.constexpr, ALIGN: kiln.constexpr):
-    row0 = kiln.block_id(0) * BM
+                     STAGES: kiln.constexpr, THREADS: kiln.constexpr, CAUSAL: kiln.constexpr,
+                     ALIGN: kiln.constexpr):
     col0 = kiln.block_id(1) * D                       # the head's columns
     start = cu_seqlens[kiln.block_id(2)]
     length = cu_seqlens[kiln.block_id(2) + 1] - start
-
-    def tile(n):                                      # dynamic: past the 48 KB static cap
-        swizzle = kiln.tiles.operand_swizzle((n, D), bf16)
-        return kiln.SharedTile.view(kiln.dynamic_shared((n * D,), bf16, align=1024), (n, D),
-                                    swizzle=swizzle)
-
-    q_s, k_s, v_s = tile(BM), tile(BN), tile(BN)
+    tile, tiles = kiln.block_id(0), (length + BM - 1) // BM
+    if CAUSAL:                                        # the longest query tiles first
+        tile = kiln.where(tile < tiles, tiles - 1 - tile, tile)
+    row0 = tile * BM
+    # laid out for the target's MMA: WGMMA's swizzled chunks on sm_90a (k_s.T is then a
+    # K-major B), row-major with a bank-conflict-free swizzle elsewhere; K and V in STAGES
+    q_s = kiln.tiles.operand_tile((BM, D), bf16, "a")
+    k_s = [kiln.tiles.operand_tile((BN, D), bf16, "a") for _ in range(STAGES)]
+    v_s = [kiln.tiles.operand_tile((BN, D), bf16, "b") for _ in range(STAGES)]
 
     def rows(t, n, r0):                               # rows past the sequence read as 0
         return kiln.GlobalTile(t, (n, D), (start + r0, col0), row_end=start + length,
                                align=ALIGN)
 
     kiln.copy(rows(q, BM, row0), q_s)
-    kiln.copy(rows(k, BN, 0), k_s)
-    s0 = kiln.accumulator(q_s, k_s.T, warps="rows")
-    acc = kiln.accumulator(kiln.cast(s0, bf16), v_s, warps="rows")
+    kiln.copy(rows(v, BN, length), v_s[-1])           # zeros: the first step's P V is 0 V
+    for i in range(STAGES - 1):                       # K runs STAGES - 1 tiles ahead, V one less
+        kiln.copy(rows(k, BN, i * BN), k_s[i])
+        if i < STAGES - 2:
+            kiln.copy(rows(v, BN, i * BN), v_s[i])
+    s0 = kiln.accumulator(q_s, k_s[0].T, warps="rows")
+    p = kiln.cast(s0, bf16)                           # the P of the step before the first
+    acc = kiln.accumulator(p, v_s[-1], warps="rows")
     m = kiln.tiles.TileVector.full(s0.layout, -float("inf"))
     l = kiln.tiles.TileVector.full(s0.layout, 0.0)
-    # keys [0, full) need no mask; [full, end) are the ragged tail or the causal diagonal
+    alpha = kiln.tiles.TileVector.full(s0.layout, 1.0)   # O's rescale, due before P V
+    # keys [0, full) need no mask (whole groups of STAGES tiles); [full, end) are the ragged
+    # tail or the causal diagonal (a group's last tiles may lie past the end: masked, they add
+    # nothing)
     end = length
     full = length // BN * BN
     if CAUSAL:
         end = kiln.min(length, row0 + BM)
         full = kiln.min(full, (row0 + 1) // BN * BN)
     end = kiln.where(row0 < length, end, 0)           # a block past the sequence does nothing
-    full = kiln.min(full, end)
+    full = kiln.min(full, end) // (STAGES * BN) * (STAGES * BN)
 
-    def step(kv0, acc, m, l, masked):
-        kiln.barrier()                                # K_j landed; P V_j-1 is done with v_s
-        kiln.copy(rows(v, BN, kv0), v_s)
-        s = kiln.gemm(q_s, k_s.T, s0) * qk_scale
+    def step(kv0, st, p, alpha, acc, m, l, masked):
+        """S_j = Q K_j^T and O += P_j-1 V_j-1 run together (FlashAttention-3's order): the
+        softmax of S_j waits for S_j only, while P_j-1 V_j-1 is still on the tensor cores."""
+        kiln.barrier()                                # K_j, V_j-1 landed; S_j-1, P V_j-2 done
+        ahead = (st + STAGES - 1) % STAGES            # the stage of K_j-1 and V_j-2
+        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[ahead])  # past the end: reads 0
+        kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[(ahead + STAGES - 1) % STAGES])
+        s = kiln.gemm(q_s, k_s[st].T, s0)
+        acc = kiln.gemm(p, v_s[st - 1], acc * alpha)
         if masked:                                    # index tiles, live in this loop only
             q_row, k_col = kiln.tiles.coords(s.layout)
             col = k_col + kv0
@@ -84,44 +109,61 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
             if CAUSAL:
                 s = kiln.where(col <= q_row + row0, s, -float("inf"))
         m_new = m.maximum(kiln.reduce(s, "max", axis=1))
-        p = kiln.exp2(s - m_new)
-        alpha = kiln.exp2(m - m_new)
+        # base 2 with the scale folded in: one FMA and an exp2 per score
+        p = kiln.exp2(kiln.fma(s, qk_scale, m_new * -qk_scale))
+        alpha = kiln.exp2((m - m_new) * qk_scale)
         l = l * alpha + kiln.reduce(p, "sum", axis=1)
-        kiln.barrier()                                # V_j landed; S is done with k_s
-        kiln.copy(rows(k, BN, kv0 + BN), k_s)         # past the end: masked, reads nothing
-        acc = kiln.gemm(kiln.cast(p, bf16), v_s, acc * alpha)
-        return acc, m_new, l
+        return kiln.cast(p, bf16), alpha, acc, m_new, l
 
-    for kv0 in kiln.range(0, full, BN):
-        acc, m, l = step(kv0, acc, m, l, False)
-    for kv0 in kiln.range(full, end, BN):
-        acc, m, l = step(kv0, acc, m, l, True)
+    def steps(kv0, p, alpha, acc, m, l, masked):      # a step per stage: Python-int stages
+        for st in range(STAGES):
+            p, alpha, acc, m, l = step(kv0 + st * BN, st, p, alpha, acc, m, l, masked)
+        return p, alpha, acc, m, l
+
+    for kv0 in kiln.range(0, full, STAGES * BN):
+        p, alpha, acc, m, l = steps(kv0, p, alpha, acc, m, l, False)
+    for kv0 in kiln.range(full, end, STAGES * BN):
+        p, alpha, acc, m, l = steps(kv0, p, alpha, acc, m, l, True)
+    kiln.barrier()                                    # the last V landed
+    acc = kiln.gemm(p, v_s[-1], acc * alpha)
     kiln.copy(kiln.cast(acc / l, bf16), rows(o, BM, row0))
 
 
-BLOCKS = {64: (128, 64, 8), 128: (128, 64, 8)}   # (BM, BN, NVIDIA warps) per head dim
+# (BM, BN, warps, K/V stages) per head dim: sm_90a (WGMMA), other NVIDIA (mma.sync), AMD (4
+# wavefronts whatever the warps; P in VGPRs too, no register A: D 128 takes 32 keys a step to
+# stay clear of scratch)
+HOPPER_BLOCKS = {64: (128, 64, 8, 2), 128: (128, 64, 8, 2)}
+BLOCKS = {64: (128, 64, 8, 2), 128: (128, 64, 8, 2)}
+AMD_BLOCKS = {64: (128, 64, 8, 2), 128: (128, 32, 8, 2)}
 
 
-def config(d: int, target: str | None, block: tuple[int, int, int] | None = None) -> dict:
-    """Block sizes: ``block = (BM, BN, warps)``, by default 128 query rows over 8 warps (16 rows
-    each) and 64 keys per step; on AMD 4 wavefronts of 64 lanes (32 rows each)."""
+def config(d: int, target: str | None, block: tuple[int, ...] | None = None) -> dict:
+    """Block sizes (``block = (BM, BN, warps[, stages])`` overrides them): on NVIDIA 128 query
+    rows over 8 warps (16 rows each: two warpgroups on sm_90a), 64 keys per step and K/V in 2
+    stages; on AMD 4 wavefronts of 64 lanes (32 rows each). ``target`` None is Kiln's default."""
     if d not in (64, 128):
         raise kiln.KilnValueError(f"the attention tutorial takes head dim 64 or 128, got {d}",
                                   fix="pad the head dimension to 64 or 128")
-    bm, bn, warps = block or BLOCKS[d]
-    threads = 256 if (target or "").startswith("gfx") else 32 * warps
-    return dict(D=d, BM=bm, BN=bn, THREADS=threads)
+    name = target or default_target()
+    table = (AMD_BLOCKS if name.startswith("gfx") else
+             HOPPER_BLOCKS if name.startswith("sm_90") else BLOCKS)
+    bm, bn, warps, *stages = block or table[d]
+    return dict(D=d, BM=bm, BN=bn, STAGES=stages[0] if stages else 2,
+                THREADS=256 if name.startswith("gfx") else 32 * warps)
 
 
 def attention(q, k, v, o, cu_seqlens, max_seqlen: int, heads: int, *, causal: bool = False,
               scale: float | None = None, backend: str = "gpu", target: str | None = None,
-              block: tuple[int, int, int] | None = None):
+              block: tuple[int, ...] | None = None):
     """``o = attention(q, k, v)`` for packed bf16 ``[total, heads * D]`` tensors and int32
     ``cu_seqlens`` (``B + 1`` prefix sums); ``scale`` defaults to ``1 / sqrt(D)``; ``block``
     is :func:`config`'s."""
     d = q.shape[1] // heads
     cfg = config(d, target, block)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if not scale > 0:   # the kernel takes row maxima of Q K^T before scaling
+        raise kiln.KilnValueError(f"attention scale must be positive, got {scale}",
+                                  fix="pass scale > 0 (default 1 / sqrt(D))")
     grid = (-(-max_seqlen // cfg["BM"]), heads, len(cu_seqlens) - 1)
     launch = attention_kernel.interpret[grid] if backend == "interpret" else attention_kernel[grid]
     extra = {"target": target} if target else {}
