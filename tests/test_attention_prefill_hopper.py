@@ -55,7 +55,9 @@ MASK_CASES = {
 }
 
 
-@pytest.fixture(params=["persistent", "one_tile"])
+# The one-tile kernel's edge cases (long sequences take it) run in the slow tier; the
+# persistent kernel's here.
+@pytest.fixture(params=["persistent", pytest.param("one_tile", marks=pytest.mark.slow)])
 def kernel_kind(request, monkeypatch):
     """Short sequences run the persistent kernel; ``one_tile`` makes them run the kernel of
     one CTA a query tile, which long ones take."""
