@@ -239,7 +239,7 @@ def test_v_transpose_writes_keys_in_the_fp8_a_order(v_width, batch, keys, rng):
         np.testing.assert_array_equal(got, v[order[128 * b:128 * (b + 1)]].T)
 
 
-@pytest.mark.parametrize("block_n", [128, 160])
+@pytest.mark.parametrize("block_n", [128, pytest.param(160, marks=pytest.mark.slow)])
 def test_other_key_tiles_match_the_reference(block_n, rng):
     """Key tiles of one 128-byte V^T row, or past it by one k32 step (the default's 192 keys
     run in every other test), causal and GQA: still exact."""

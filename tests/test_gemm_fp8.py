@@ -76,7 +76,8 @@ def test_interpreter_cta_pairs_multicast_b(scales, config, rng):
                                                 (("tensor", "col"), 8, 128),
                                                 (("row", "tensor"), 2, 128),
                                                 (("block", "block"), 2, 192),
-                                                (("tensor", "col"), 4, 192)],
+                                                pytest.param(("tensor", "col"), 4, 192,
+                                                             marks=pytest.mark.slow)],
                          ids=["block4", "col8", "row2", "block2n192", "col4n192"])
 def test_interpreter_two_accumulator_groups(scales, overlap, tile_n, rng):
     """``overlap_steps`` groups on two accumulators (two half-width ones on 192 columns): 10
