@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from kiln.arrays import is_torch_tensor
 
-GUARD_VALUE, GUARD_TENSOR = 0, 1  # guard_values' entry kinds (native_launch.c's enum)
+GUARD_VALUE, GUARD_TENSOR = 0, 1  # guard_values' entry kinds (native_launch.h's enum)
 # The part of a guard that checks a torch tensor ``{a}`` against the call it was made for:
 # what spec() keys it by (shape, dtype, strides, device), and its type. A contiguous tensor's
 # strides are its shape's (``is_contiguous()`` reads no tuple: half the time of ``stride()``),
@@ -45,7 +45,7 @@ def make_guard(values: tuple, native: Callable | None = None
     in one C call (a partial application of it to the spec); else a generated function."""
     namespace: dict[str, Any] = {}
     checks = [f"len(values) != {len(values)}"]
-    spec: list = []  # guard_values' entries (see native_launch.c)
+    spec: list = []  # guard_values' entries (see native_guard.c)
     for i, value in enumerate(values):
         a = f"v{i}"
         if value is None:

@@ -60,7 +60,7 @@ _POP_CONTEXT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
 
 
 class _Record(ctypes.Structure):
-    """``launch_record`` of native_launch.c, field for field."""
+    """``launch_record`` of native_launch.h, field for field."""
     _fields_ = [("function", ctypes.c_void_p), ("launch", ctypes.c_void_p),
                 ("launch_ex", ctypes.c_void_p), ("set_current", ctypes.c_void_p),
                 ("push_current", ctypes.c_void_p), ("pop_current", ctypes.c_void_p),

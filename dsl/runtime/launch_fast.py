@@ -154,7 +154,7 @@ def guarded_launcher(ck, args: tuple, kwargs: dict, positions: Sequence[int],
 def _native_guarded(ck, plan, values: list, kwargs: dict, meta: dict, namespace: dict
                     ) -> Callable[[Any, tuple, dict, Any], bool] | None:
     """The guarded launcher as one call into the native shim (``launch_guarded`` of
-    native_launch.c, on an argument block of its own: the call holds the GIL from the first
+    native_guard.c, on an argument block of its own: the call holds the GIL from the first
     write to the launch), or None where the shim is not there or cannot pack every parameter
     (tensor maps, i1 and bit-pattern scalars, cluster grids, ``KILN_LAUNCH_BLOCKING``).
 

@@ -1,10 +1,11 @@
-"""The native launch shim (``native_launch.c``): built at first use, cached, checked, loaded.
+"""The native launch shim (``native_launch.c`` + ``native_guard.c``): built at first use, cached,
+checked, loaded.
 
 :func:`native_module` returns the shim's extension module, or None when it cannot be had (no
 C compiler, no Python headers, ``KILN_CC=none``, a failed build): the launcher then calls the
 driver through ctypes (:mod:`kiln.runtime.driver_launch`), slower by about a microsecond.
 
-The shim is content-addressed: its key hashes the C source, the compiler (path and
+The shim is content-addressed: its key hashes the C sources, the compiler (path and
 ``--version``) and the Python build (version, ABI suffix, headers). It lives in the compile
 cache's owner-only directory (``<cache>/native/<key>.so`` beside ``<key>.json``, which records
 the key, size and SHA-256 of the library) under the same trust model (docs/lowering.md, "Trust
@@ -41,7 +42,9 @@ from kiln.core import env
 from kiln.core.trusted_dir import (UntrustedFile, make_private_dirs, read_owned, usable_root,
                                    warn_once, write_atomic)
 
-SOURCE = Path(__file__).with_name("native_launch.c")
+# The shim's sources: the header first, then the files compiled into the one module.
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("native_launch.h", "native_launch.c", "native_guard.c"))
 MODULE_NAME = "_kiln_launch"
 RECORD_FORMAT = "kiln-native-shim/1"
 BUILD_TIMEOUT_S = 60
@@ -56,13 +59,13 @@ def native_module():
 def load_shim(compiler: str | None, root: Path | None = None):
     """The shim built by ``compiler`` (None: no shim), cached under ``root`` (default: the
     compile cache's ``native/`` directory, when usable). Not memoised: for tests."""
-    if compiler is None or not SOURCE.exists():
+    if compiler is None or not all(path.exists() for path in SOURCES):
         return None
     identity = compiler_identity(compiler)
     include = sysconfig.get_paths()["include"]
     if identity is None or not (Path(include) / "Python.h").exists():
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(b"%d:%s" % (len(data), data) for data in (p.read_bytes() for p in SOURCES))
     key = shim_key(source, identity, include)
     if root is None:
         base = usable_root()
@@ -140,7 +143,8 @@ def _build(compiler: str, directory: Path, key: str) -> Path | None:
     fd, scratch = tempfile.mkstemp(dir=directory, prefix=f".{key[:16]}.", suffix=".so")
     os.close(fd)
     command = [compiler, "-O2", "-shared", "-fPIC", "-std=c11",
-               f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o", scratch]
+               f"-I{sysconfig.get_paths()['include']}",
+               *(str(path) for path in SOURCES if path.suffix == ".c"), "-o", scratch]
     try:
         subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
                        check=True)
