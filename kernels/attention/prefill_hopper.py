@@ -117,10 +117,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
         head = _remapped_head(kiln.block_id(head_axis), group, HKV)
         kv_head = head // group
         batch = kiln.block_id(2)
-        q_start = cu_q[batch]
-        k_start = cu_k[batch]
-        seq_q = cu_q[batch + 1] - q_start
-        seq_k = cu_k[batch + 1] - k_start
+        q_start, k_start, seq_q, seq_k = _sequence_span(cu_q, cu_k, batch)
         q_tile = kiln.block_id(tile_axis)
         if mask.causal:  # the last query tiles see the most keys: launch them first
             q_tile = kiln.num_blocks(tile_axis) - 1 - q_tile
@@ -160,10 +157,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                 q_use = 0
                 for item in kiln.range(kiln.block_id(0), work_items, kiln.num_blocks(0)):
                     head, batch, m0 = _work_item(item, num_q_tiles, heads, batches, statics)
-                    q_start = cu_q[batch]
-                    k_start = cu_k[batch]
-                    seq_q = cu_q[batch + 1] - q_start
-                    seq_k = cu_k[batch + 1] - k_start
+                    q_start, k_start, seq_q, seq_k = _sequence_span(cu_q, cu_k, batch)
                     _, _, first_tile, end_tile = _tile_range(m0, seq_q, seq_k, statics)
                     active = m0 < seq_q  # ragged batches: past this sequence's last row
                     if active:
@@ -182,10 +176,7 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
             q_use = 0
             for item in kiln.range(kiln.block_id(0), work_items, kiln.num_blocks(0)):
                 head, batch, m0 = _work_item(item, num_q_tiles, heads, batches, statics)
-                q_start = cu_q[batch]
-                k_start = cu_k[batch]
-                seq_q = cu_q[batch + 1] - q_start
-                seq_k = cu_k[batch + 1] - k_start
+                q_start, k_start, seq_q, seq_k = _sequence_span(cu_q, cu_k, batch)
                 lo_last, hi_first, first_tile, end_tile = _tile_range(m0, seq_q, seq_k, statics)
                 active = m0 < seq_q
                 if active:
@@ -279,6 +270,14 @@ def _setup(st, q_map, k_map, v_map, o, lse, sinks, scale_log2, lse_row_mult, lse
 
 
 @kiln.func
+def _sequence_span(cu_q, cu_k, batch):
+    """``(q_start, k_start, seq_q, seq_k)``: where ``batch``'s queries and keys start in the
+    packed rows, and how many there are."""
+    q_start = cu_q[batch]
+    k_start = cu_k[batch]
+    return q_start, k_start, cu_q[batch + 1] - q_start, cu_k[batch + 1] - k_start
+
+
 def _work_item(item, num_q_tiles, heads, batches, st):
     """``(query head, batch, first row)`` of persistent work item ``item``: query tiles
     fastest without a causal mask (CTAs running together share one head's K/V in L2), with one

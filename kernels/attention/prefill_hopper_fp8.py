@@ -38,9 +38,10 @@ from .prefill_config import WARP_GROUP_ROWS, WARP_GROUP_THREADS, MaskSpec
 from .prefill_hopper_fp8_config import (FP8_CHUNK_COLS, FP8_K_STEP, HopperFp8PrefillConfig,
                                         vt_boxes)
 from .prefill_hopper_steps import (DESCRIPTOR_UNIT, LOG2E, MAX_SENTINEL, PINGPONG_BARRIER,
-                                   ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN, VOTE_BARRIER, _issue_qk,
-                                   _key_bounds, _Operands, _remapped_head, _softmax_tile,
-                                   _softmax_tile_max_on_demand, _TileMask, _write_output)
+                                   ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN, VOTE_BARRIER, _box_coords,
+                                   _box_view, _issue_qk, _key_bounds, _Operands, _remapped_head,
+                                   _softmax_tile, _softmax_tile_max_on_demand, _TileMask,
+                                   _write_output)
 from .softcap import soft_cap_constants
 
 __all__ = ["make_fp8_kernel", "HopperFp8PrefillConfig"]
@@ -137,7 +138,8 @@ def make_fp8_kernel(config: HopperFp8PrefillConfig, mask: MaskSpec, group: int,
                     q_full.arrive_expect_tx(0, chunks * tma.box_bytes(q_map))
                     for c in kiln.static_range(chunks):
                         tma.load(q_map, q_boxes.tile(c),
-                                 _box_coords(config.padded_qk, head, d, c, q_start + m0),
+                                 _box_coords(config.padded_qk, head, d, c, q_start + m0,
+                                             FP8_CHUNK_COLS),
                                  q_full, 0)
                     if first_tile < end_tile:
                         loads.k(first_tile, STAGES)
@@ -283,7 +285,8 @@ class _Loads:
         for c in kiln.static_range(self.chunks):
             tma.load(self.k_map, self.k_boxes.tile(stage * self.chunks + c),
                      _box_coords(self.config.padded_qk, self.kv_head, self.config.head_dim, c,
-                                 self.k_start + j * self.config.block_n), self.k_full, stage)
+                                 self.k_start + j * self.config.block_n, FP8_CHUNK_COLS),
+                     self.k_full, stage)
 
     def v(self, j, raw_stages):
         use = j - self.first_tile
@@ -293,7 +296,8 @@ class _Loads:
         for c in kiln.static_range(self.v_chunks):
             tma.load(self.v_map, self.raw_boxes.tile(raw * self.v_chunks + c),
                      _box_coords(self.config.padded_v, self.kv_head, self.config.dv, c,
-                                 self.k_start + j * self.config.block_n), self.v_full, raw)
+                                 self.k_start + j * self.config.block_n, FP8_CHUNK_COLS),
+                     self.v_full, raw)
 
 
 class _Fp8Operands(_Operands):
@@ -309,21 +313,6 @@ def _flat_b16(tiles, nbytes):
     half = ROW_BYTES // 2
     return SharedTile.view(tiles.reinterpret((nbytes // 2,), kiln.bf16), (nbytes // ROW_BYTES,
                                                                           half))
-
-
-def _box_view(tiles, padded):
-    """The TMA destinations of a ring: one ``[rows, 1, 128]`` box per 3-D (padded) load."""
-    if not padded:
-        return tiles
-    count, rows, cols = tiles.shape
-    return tiles.reinterpret((count, rows, 1, cols), tiles.dtype)
-
-
-def _box_coords(padded, head, d, chunk, row):
-    """TMA coordinates (innermost first) of box ``chunk`` of ``head``'s columns at ``row``."""
-    if padded:
-        return (chunk * FP8_CHUNK_COLS, head, row)
-    return (head * d + chunk * FP8_CHUNK_COLS, row)
 
 
 def _issue_pv(ops: _Fp8Operands, acc, probs, stage):

@@ -115,18 +115,19 @@ class _Operands:
 
 
 def _box_view(tiles, padded):
-    """The TMA destinations of a ring: one ``[rows, 1, 64]`` box per 3-D (padded) load."""
+    """The TMA destinations of a ring: one ``[rows, 1, cols]`` box per 3-D (padded) load."""
     if not padded:
         return tiles
     count, rows, cols = tiles.shape
     return tiles.reinterpret((count, rows, 1, cols), tiles.dtype)
 
 
-def _box_coords(padded, head, d, chunk, row):
-    """TMA coordinates (innermost first) of box ``chunk`` of ``head``'s columns at ``row``."""
+def _box_coords(padded, head, d, chunk, row, chunk_cols=CHUNK_COLS):
+    """TMA coordinates (innermost first) of box ``chunk`` (``chunk_cols`` wide) of ``head``'s
+    columns at ``row``."""
     if padded:
-        return (chunk * CHUNK_COLS, head, row)
-    return (head * d + chunk * CHUNK_COLS, row)
+        return (chunk * chunk_cols, head, row)
+    return (head * d + chunk * chunk_cols, row)
 
 
 def _issue_qk(ops: _Operands, stage):
