@@ -4,6 +4,7 @@ import numpy as np
 
 import kiln
 from kiln import bf16, f32, i32, i64
+from kiln.layout import blocked
 
 
 @kiln.kernel
@@ -140,3 +141,23 @@ def check_take_tickets(args):
     # Every value swapped in is seen once, by the next swap or as the final value.
     np.testing.assert_array_equal(np.sort(np.append(swapped, counter[1])), np.arange(-1, n))
     assert low[0] == x.min()
+
+
+@kiln.kernel(num_threads=128)
+def two_stage_sum(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], rows: i32):
+    """Sum of 32-row slabs of x, double-buffered: slab i + 1 is copied while slab i is read."""
+    s = [kiln.SharedTile((32, 32), f32) for _ in range(2)]
+    tv = blocked((32, 32), 128)
+
+    def fetch(stage, r0):
+        kiln.copy(kiln.GlobalTile(x, (32, 32), (r0, 0), row_end=rows, align=16), s[stage])
+
+    acc = kiln.load(kiln.GlobalTile(y, (32, 32)), tv) * 0.0
+    fetch(0, 0)
+    for r0 in kiln.range(0, rows, 64):
+        for stage in kiln.static_range(2):
+            fetch(1 - stage, r0 + (stage + 1) * 32)
+            kiln.barrier()
+            acc = acc + kiln.load(s[stage], tv)
+            kiln.barrier()
+    kiln.copy(acc, kiln.GlobalTile(y, (32, 32)))

@@ -15,6 +15,8 @@ from kiln import bf16, f32, i32
 from kiln.layout import blocked
 from kiln.swizzle import Swizzle
 
+from sample_kernels import two_stage_sum
+
 
 def dma_copy(dtype):
     @kiln.kernel(num_threads="THREADS")
@@ -174,41 +176,21 @@ def test_dma_copy_compiles_to_buffer_loads_into_lds_without_scratch(target, inst
     assert "global_load" not in asm
 
 
-@kiln.kernel(num_threads=128)
-def dma_double_buffer(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], rows: i32):
-    """Sum of 32-row slabs of x: slab i + 1 is DMA'd into one tile while slab i is read."""
-    s = [kiln.SharedTile((32, 32), f32) for _ in range(2)]
-    tv = blocked((32, 32), 128)
-
-    def fetch(stage, r0):
-        kiln.copy(kiln.GlobalTile(x, (32, 32), (r0, 0), row_end=rows, align=16), s[stage])
-
-    acc = kiln.load(kiln.GlobalTile(y, (32, 32)), tv) * 0.0
-    fetch(0, 0)
-    for r0 in kiln.range(0, rows, 64):
-        for stage in kiln.static_range(2):
-            fetch(1 - stage, r0 + (stage + 1) * 32)
-            kiln.barrier()
-            acc = acc + kiln.load(s[stage], tv)
-            kiln.barrier()
-    kiln.copy(acc, kiln.GlobalTile(y, (32, 32)))
-
-
 def test_double_buffered_dma_copies_are_waited_for_one_stage_at_a_time():
     rng = np.random.default_rng()
     x = rng.standard_normal((200, 32)).astype(np.float32)
     y = np.zeros((32, 32), np.float32)
-    dma_double_buffer.interpret[(1,)](x, y, 200, target="gfx950")
+    two_stage_sum.interpret[(1,)](x, y, 200, target="gfx950")
     padded = np.zeros((256, 32))
     padded[:200] = x
     np.testing.assert_allclose(y, padded.reshape(-1, 32, 32).sum(axis=0), rtol=1e-5, atol=1e-5)
-    text = dma_double_buffer.trace(x, y, 200, target="gfx950").module_asm
+    text = two_stage_sum.trace(x, y, 200, target="gfx950").module_asm
     assert text.count("amdgpu.gather_to_lds") == 6   # 2 a thread per slab: before, 2 in the loop
 
 
 @pytest.mark.lower
 def test_double_buffered_dma_keeps_the_next_stage_in_flight():
     x = np.zeros((200, 32), np.float32)
-    ck = dma_double_buffer.compile(x, x[:32], 200, target="gfx950")
+    ck = two_stage_sum.compile(x, x[:32], 200, target="gfx950")
     # each slab is 2 DMAs a thread: reading slab i waits for all but slab i + 1's two
     assert "s_waitcnt vmcnt(2)" in ck.asm["amdgcn"] and ck.metadata["scratch_bytes"] == 0

@@ -18,6 +18,8 @@ from kiln import bf16, f32, i32
 from kiln.layout import blocked
 from kiln.tile_gemm_wgmma import accumulator_layout
 
+from sample_kernels import two_stage_sum
+
 TARGETS = ("sm_90a", "gfx950")
 
 
@@ -369,26 +371,6 @@ def test_tile_argument_errors_name_the_fix():
         with pytest.raises(error, match=text) as info:
             kernel.trace(x, target="sm_90a")
         assert "test_tile_ops.py" in str(info.value) and "Fix:" in str(info.value)
-
-
-@kiln.kernel(num_threads=128)
-def two_stage_sum(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], rows: i32):
-    """Sum of 32-row slabs of x, double-buffered: slab i + 1 is copied while slab i is read."""
-    s = [kiln.SharedTile((32, 32), f32) for _ in range(2)]
-    tv = blocked((32, 32), 128)
-
-    def fetch(stage, r0):
-        kiln.copy(kiln.GlobalTile(x, (32, 32), (r0, 0), row_end=rows, align=16), s[stage])
-
-    acc = kiln.load(kiln.GlobalTile(y, (32, 32)), tv) * 0.0
-    fetch(0, 0)
-    for r0 in kiln.range(0, rows, 64):
-        for stage in kiln.static_range(2):
-            fetch(1 - stage, r0 + (stage + 1) * 32)
-            kiln.barrier()
-            acc = acc + kiln.load(s[stage], tv)
-            kiln.barrier()
-    kiln.copy(acc, kiln.GlobalTile(y, (32, 32)))
 
 
 @pytest.mark.parametrize("target", ("sm_80", "gfx950"))
