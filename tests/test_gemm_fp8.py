@@ -27,6 +27,22 @@ def _operands(rng, m, n, k, modes, dtype="f8e4m3"):
     return a, b, sa, sb, a64, b64
 
 
+def _interpret_f32_output(rng, m, n, k, scales, config):
+    """The FP8 kernel of ``config`` in the interpreter on four CTAs, f32 output NaN-poisoned,
+    against float64 of the dequantised operands."""
+    from kiln.kernels import runtime
+    from kiln.kernels.gemm.fp8_hopper import fp8_constexprs, make_fp8_kernel
+
+    a, b, sa, sb, a64, b64 = _operands(rng, m, n, k, scales)
+    sa = np.array([sa], np.float32) if isinstance(sa, float) else sa
+    sb = np.array([sb], np.float32) if isinstance(sb, float) else sb
+    c = np.full((m, n), np.nan, np.float32)
+    runtime.interpret(make_fp8_kernel("f8e4m3", "f32", scales, config), (4, 1, 1),
+                      [a, b, c, sa, sb, m, n, k], target="sm_90a", num_warps=config.num_warps,
+                      **fp8_constexprs(config))
+    assert_fp8_close(c, a64, b64)
+
+
 @pytest.mark.lower
 @pytest.mark.parametrize("dtype", ["f8e4m3", "f8e5m2"])
 @pytest.mark.parametrize("scales", [("tensor", "tensor"), ("block", "block")])
@@ -54,18 +70,8 @@ def test_ptx_issues_fp8_wgmma_without_spills(dtype, scales):
 def test_interpreter_cta_pairs_multicast_b(scales, config, rng):
     """2-CTA clusters (B halves multicast, stages released on both CTAs) on 2 pair tiles of
     rows, the second pair partly past M; NaN-poisoned C."""
-    from kiln.kernels import runtime
-    from kiln.kernels.gemm.fp8_hopper import fp8_constexprs, make_fp8_kernel
-
     m, n, k = 300, 208, 272
-    a, b, sa, sb, a64, b64 = _operands(rng, m, n, k, scales)
-    sa = np.array([sa], np.float32) if isinstance(sa, float) else sa
-    sb = np.array([sb], np.float32) if isinstance(sb, float) else sb
-    c = np.full((m, n), np.nan, np.float32)
-    runtime.interpret(make_fp8_kernel("f8e4m3", "f32", scales, config), (4, 1, 1),
-                      [a, b, c, sa, sb, m, n, k], target="sm_90a", num_warps=config.num_warps,
-                      **fp8_constexprs(config))
-    assert_fp8_close(c, a64, b64)
+    _interpret_f32_output(rng, m, n, k, scales, config)
     ptx = compile_matmul("f8e4m3", target="sm_90a", trans_b=True, scales=scales,
                          **vars(config)).asm["ptx"]
     assert ".multicast::cluster" in ptx and "mapa" in ptx
@@ -85,21 +91,11 @@ def test_interpreter_two_accumulator_groups(scales, overlap, tile_n, rng):
     of 4 and 8, none for 2); a second tile row past M; NaN-poisoned C. The PTX keeps every
     WGMMA asynchronous (no ptxas serialisation: nothing is in flight across the loop's back
     edge)."""
-    from kiln.kernels import runtime
-    from kiln.kernels.gemm.fp8_hopper import fp8_constexprs, make_fp8_kernel
-
     m, n, k = 190, 136 if tile_n == 128 else 424, 1168
     config = Fp8GemmConfig(block_n=tile_n, stages=4, overlap_steps=overlap,
                            **({} if tile_n == 128 else dict(producer_registers=24,
                                                             consumer_registers=240)))
-    a, b, sa, sb, a64, b64 = _operands(rng, m, n, k, scales)
-    sa = np.array([sa], np.float32) if isinstance(sa, float) else sa
-    sb = np.array([sb], np.float32) if isinstance(sb, float) else sb
-    c = np.full((m, n), np.nan, np.float32)
-    runtime.interpret(make_fp8_kernel("f8e4m3", "f32", scales, config), (4, 1, 1),
-                      [a, b, c, sa, sb, m, n, k], target="sm_90a", num_warps=config.num_warps,
-                      **fp8_constexprs(config))
-    assert_fp8_close(c, a64, b64)
+    _interpret_f32_output(rng, m, n, k, scales, config)
     ck = compile_matmul("f8e4m3", target="sm_90a", trans_b=True, scales=scales, **vars(config))
     if tile_n == 128 or overlap == 2 and scales[0] != "block":  # else ptxas spills a little
         assert ck.metadata["spill_bytes"] == 0
@@ -118,17 +114,9 @@ def test_interpreter_block_scales_on_tiles_straddling_b_blocks(config, rng):
     """Block scales on tiles whose columns straddle two 128-column B scale blocks (tiles at
     N 0, 192 and 384 start on either half of a block; N ends mid-block) and on three consumer
     warp groups; NaN-poisoned C against float64, and no spills (pairs spill a little)."""
-    from kiln.kernels import runtime
-    from kiln.kernels.gemm.fp8_hopper import fp8_constexprs, make_fp8_kernel
-
     m, n, k = 200, 424, 400
     scales = ("block", "block")
-    a, b, sa, sb, a64, b64 = _operands(rng, m, n, k, scales)
-    c = np.full((m, n), np.nan, np.float32)
-    runtime.interpret(make_fp8_kernel("f8e4m3", "f32", scales, config), (4, 1, 1),
-                      [a, b, c, sa, sb, m, n, k], target="sm_90a", num_warps=config.num_warps,
-                      **fp8_constexprs(config))
-    assert_fp8_close(c, a64, b64)
+    _interpret_f32_output(rng, m, n, k, scales, config)
     ck = compile_matmul("f8e4m3", target="sm_90a", trans_b=True, scales=scales, **vars(config))
     if config.cluster_m == 1:  # a pair's multicast addresses push 192 columns past 240
         assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
