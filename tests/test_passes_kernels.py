@@ -5,7 +5,6 @@ that exist when the tests run; each needs a row in ``ENTRY_CALLS``."""
 import importlib
 import inspect
 import pkgutil
-import time
 
 import ml_dtypes
 import numpy as np
@@ -159,8 +158,6 @@ def test_prefill_gfx950_waits_are_placed_in_one_walk(monkeypatch):
 
     monkeypatch.setattr(kiln.passes.insert_waits, "WaitAnalysis", CountingAnalysis)
     text, signature = _prefill_without_waits(64)
-    start = time.perf_counter()
     ck = compile_kernel(text, signature, CompileOptions("gfx950", num_warps=8))
-    assert time.perf_counter() - start < 10
     assert len(walks) == 2 and walks[0] > 0 and walks[1] == 0
     assert ck.asm["gpu"].count("rocdl.s.waitcnt") == walks[0]
