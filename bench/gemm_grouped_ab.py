@@ -2,11 +2,13 @@
 
 For each ``G:K:N`` case (``bench/gemm.py --grouped``'s ragged router sizes, ``TOKENS * TOP_K``
 rows), Kiln's dense GEMM (default 128 x 256 config) on ``[total_M, K] x [K, N]`` and each
-config of :data:`CONFIGS` on the grouped problem (checked against float32 first,
-NaN-poisoned output; the default config is ``grouped_config(G)``), timed with CUDA events
-(median of ``--repeat`` samples of ``--batch`` calls). Prints TFLOP/s and grouped / dense
-per config; ``--precompile I/N`` compiles shard I of N of the kernels into the disk cache
-(run N such processes at once first). Usage::
+config of :func:`configs` on the grouped problem (checked against float32 first,
+NaN-poisoned output; the first is the default, ``grouped_config(G)``), timed interleaved
+(``bench/timing.py``: each of ``--repeat`` rounds times ``--batch`` calls of every candidate
+in turn, so a power-limited GPU's clock changes fall on all alike). Prints TFLOP/s and
+grouped / dense per config: the ratio of the medians and the min / median over rounds of the
+ratio within a round. ``--precompile I/N`` compiles shard I of N of the kernels into the disk
+cache (run N such processes at once first). Usage::
 
     python bench/gemm_grouped_ab.py --cases 64:4096:14336 64:4096:4096 [--json out.json]
 """
@@ -14,7 +16,10 @@ per config; ``--precompile I/N`` compiles shard I of N of the kernels into the d
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
+import statistics
 
 import numpy as np
 import torch
@@ -26,15 +31,17 @@ from kiln.kernels.gemm.grouped import grouped_config, grouped_constexprs, make_g
 from kiln.kernels.gemm.grouped_api import run_grouped
 from gemm_ab import short
 from gemm_grouped import TOKENS, TOP_K, _check, moe_sizes
-from timing import time_ms
+from timing import interleaved_samples, round_ratios
 
 C = HopperGemmConfig
-# Tile-row groups (group_m) as tall as a big expert's rows: each B column block is read
-# from HBM once per group of row tiles, and an expert of 1438 rows has 23 tiles of 64.
-CONFIGS = (C(block_m=64, block_n=256, stages=4),
-           C(block_m=64, block_n=256, stages=4, group_m=16),
-           C(block_m=64, block_n=256, stages=4, group_m=32),
-           C(block_m=64, block_n=256, stages=4, group_m=16, pingpong=True))
+
+
+def configs(groups: int) -> tuple:
+    """The default, its tile-row group at the other G's value, and the previous default
+    (64 x 256 tiles, one consumer warp group, row tiles swept 16 / 32 at a time)."""
+    default = grouped_config(groups)
+    return (default, dataclasses.replace(default, group_m=16 if default.group_m == 8 else 8),
+            C(block_m=64, block_n=256, stages=4, group_m=16 if groups <= 16 else 32))
 
 
 def ab_case(groups: int, k: int, n: int, repeat: int, batch: int) -> dict:
@@ -48,25 +55,30 @@ def ab_case(groups: int, k: int, n: int, repeat: int, batch: int) -> dict:
     dense_b = b[0].contiguous()
     dense_c = torch.empty(total, n, device="cuda", dtype=torch.bfloat16)
     # the dense default config (autotuning in this run would cost it seconds it lacks)
-    dense_ms = time_ms(lambda: run_hopper(a, dense_b, dense_c, total, n, k, dtype="bf16",
-                                          b_major="mn", target="sm_90a",
-                                          config=HopperGemmConfig()), repeat, batch)
-    print(f"G={groups} K={k} N={n} sizes {sizes.min()}..{sizes.max()}: dense "
-          f"{flops / dense_ms / 1e9:.1f} TFLOP/s; default {short(grouped_config(groups))}",
-          flush=True)
+    fns = {"dense": lambda: run_hopper(a, dense_b, dense_c, total, n, k, dtype="bf16",
+                                       b_major="mn", target="sm_90a",
+                                       config=HopperGemmConfig())}
     b_view = b.reshape(groups * k, n)
-    rows = []
-    for config in CONFIGS:
+    deviations = {}
+    for config in configs(groups):
         c = torch.full((total, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        run = lambda: run_grouped(a, b_view, c, offs, k=k, b_rows=k,  # noqa: E731
-                                  trans_b=False, config=config)
+        run = functools.partial(run_grouped, a, b_view, c, offs, k=k, b_rows=k, trans_b=False,
+                                config=config)
         run()
-        deviation = _check(torch, c, a, b, offsets)
-        ms = time_ms(run, repeat, batch)
-        rows.append({"config": short(config), "ms": ms, "deviation": deviation,
-                     "vs_dense": dense_ms / ms})
-        print(f"  {flops / ms / 1e9:7.1f} TFLOP/s  vs dense {dense_ms / ms:.3f}  "
-              f"{short(config)}", flush=True)
+        deviations[short(config)] = _check(torch, c, a, b, offsets)
+        fns[short(config)] = run
+    samples = interleaved_samples(fns, repeat, batch)
+    dense_ms = statistics.median(samples["dense"])
+    print(f"G={groups} K={k} N={n} sizes {sizes.min()}..{sizes.max()}: dense "
+          f"{flops / dense_ms / 1e9:.1f} TFLOP/s", flush=True)
+    rows = []
+    for name in deviations:
+        ms = statistics.median(samples[name])
+        low, mid = round_ratios(samples, name, "dense")
+        rows.append({"config": name, "ms": ms, "deviation": deviations[name],
+                     "vs_dense": dense_ms / ms, "vs_dense_min": low, "vs_dense_median": mid})
+        print(f"  {flops / ms / 1e9:7.1f} TFLOP/s  vs dense {dense_ms / ms:.3f} (per round min "
+              f"{low:.3f} median {mid:.3f})  {name}", flush=True)
     return {"groups": groups, "k": k, "n": n, "dense_ms": dense_ms, "rows": rows}
 
 
@@ -75,12 +87,13 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["64:4096:14336", "64:4096:4096"],
                         help="G:K:N")
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--precompile", metavar="I/N")
     parser.add_argument("--json")
     args = parser.parse_args()
     cases = [tuple(map(int, case.split(":"))) for case in args.cases]
-    kernels = [(groups, cfg) for groups in sorted({g for g, _, _ in cases}) for cfg in CONFIGS]
+    kernels = [(groups, cfg) for groups in sorted({g for g, _, _ in cases})
+               for cfg in configs(groups)]
     if args.precompile:
         shard, shards = map(int, args.precompile.split("/"))
         kernels = kernels[shard::shards]
