@@ -208,7 +208,8 @@ def launch_only(args) -> None:
         kind, _, index = which.partition(":")
         for shape in args.shapes.split(","):
             m, n, k = map(int, shape.split("x"))
-            a8, w8, sa, sw, _ = operands(torch, m, n, k, block=kind == "block")
+            a8, w8, sa, sw, _ = operands(torch, m, n, k, block=kind == "block",
+                                         reference=False)
             c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             if kind == "scaled_mm":
                 torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16)
