@@ -18,8 +18,8 @@ ratio to ``torch._scaled_mm`` (per tensor; goal >= 1.0: the ratio of the medians
 median over rounds of the ratio within a round) or to Kiln bf16 (block; goal >= 1.4).
 
 Usage (H100/H200): ``python bench/gemm_fp8_configs.py [--shapes 8192x8192x8192,...]
-[--configs tuner|overlap|per_tensor] [--kinds per_tensor,block] [--no-bf16] [--repeat 5]
-[--batch 10] [--json out.json]``; ``--launch
+[--configs tuner|overlap|per_tensor] [--kinds per_tensor,block] [--no-bf16] [--l2 2,3]
+[--repeat 5] [--batch 10] [--json out.json]``; ``--launch
 per_tensor:0,block:2,scaled_mm`` only launches those candidates (for ``ncu -k regex:gemm``).
 """
 
@@ -72,6 +72,25 @@ PER_TENSOR = (Fp8GemmConfig(**WIDE), Fp8GemmConfig(**WIDE, defer_epilogue=True),
               Fp8GemmConfig(**dict(WIDE, stages=5)), Fp8GemmConfig(**WIDE, group_m=4),
               Fp8GemmConfig(**WIDE, group_m=16),
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2))
+
+
+# Data pointers whose TMA descriptors ask for an L2 promotion (``--l2``: 2 = 128 B, 3 = 256 B;
+# Kiln encodes none): copies of the operands get it, so one process times both, interleaved.
+PROMOTE: dict = {}
+
+
+def promote_l2() -> None:
+    """Route every TMA descriptor encoding through :data:`PROMOTE` (descriptors are cached by
+    address, so each operand copy keeps the promotion it was first encoded with)."""
+    from kiln.runtime import cuda
+
+    encode = cuda.Driver.tensor_map_encode_tiled
+
+    def encode_promoted(self, data_type, address, *args, l2_promotion=0):
+        return encode(self, data_type, address, *args,
+                      l2_promotion=PROMOTE.get(address, l2_promotion))
+
+    cuda.Driver.tensor_map_encode_tiled = encode_promoted
 
 
 def candidates(which: str, kinds: tuple = tuple(MODES)) -> dict:
@@ -128,8 +147,9 @@ def check_odd(kind: str, config) -> float:
     return error
 
 
-def bench_shape(m, n, k, configs, repeat, batch, log, bf16=True) -> list[dict]:
-    """Every candidate and peer at one shape, each checked first, timed interleaved."""
+def bench_shape(m, n, k, configs, repeat, batch, log, bf16=True, l2=()) -> list[dict]:
+    """Every candidate and peer at one shape, each checked first, timed interleaved; with
+    ``l2`` (promotion codes) also the first per-tensor config on promoted operand copies."""
     flops = 2.0 * m * n * k
     fns, rows = {}, {}
     for kind, configs_of in configs.items():
@@ -143,6 +163,15 @@ def bench_shape(m, n, k, configs, repeat, batch, log, bf16=True) -> list[dict]:
             name = f"{kind} {config!r}"
             fns[name] = functools.partial(launch, a8, w8, c, sa, sw, kind, config)
             rows[name] = {"kind": kind, "config": repr(config), "rel_error": error}
+        for promotion in l2 if kind == "per_tensor" else ():  # the first config, promoted
+            a8p, w8p = a8.clone(), w8.clone()
+            PROMOTE.update({a8p.data_ptr(): promotion, w8p.data_ptr(): promotion})
+            c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            launch(a8p, w8p, c, sa, sw, kind, configs_of[0])
+            error = ((c.float() - reference).norm() / reference.norm()).item()
+            name = f"{kind} {configs_of[0]!r} l2_promotion={promotion}"
+            fns[name] = functools.partial(launch, a8p, w8p, c, sa, sw, kind, configs_of[0])
+            rows[name] = {"kind": kind, "config": name.split(" ", 1)[1], "rel_error": error}
         if kind == "per_tensor":
             fns["scaled_mm"] = functools.partial(torch._scaled_mm, a8, w8.t(), scale_a=sa,
                                                  scale_b=sw, out_dtype=torch.bfloat16)
@@ -225,6 +254,9 @@ def main() -> None:
                         default="overlap")
     parser.add_argument("--kinds", default="per_tensor,block",
                         help="scale kinds to time: per_tensor, block or both")
+    parser.add_argument("--l2", metavar="CODES",
+                        help="also the first per-tensor config with TMA L2 promotion, e.g. 2,3 "
+                             "(128 B, 256 B)")
     parser.add_argument("--no-bf16", action="store_true",
                         help="leave Kiln's bf16 GEMMs out (cuBLAS bf16 stays)")
     parser.add_argument("--repeat", type=int, default=5)
@@ -244,6 +276,9 @@ def main() -> None:
 
     log(torch.cuda.get_device_name())
     configs = candidates(args.configs, tuple(args.kinds.split(",")))
+    l2 = tuple(int(x) for x in args.l2.split(",")) if args.l2 else ()
+    if l2:
+        promote_l2()
     precompile(configs)
     log("compiled")
     for kind, configs_of in configs.items():
@@ -252,7 +287,7 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         rows += bench_shape(*map(int, shape.split("x")), configs, args.repeat, args.batch, log,
-                            not args.no_bf16)
+                            not args.no_bf16, l2)
     summary(rows, log)
     if args.json:
         write_results(args.json, "gemm_fp8_configs", rows, torch=torch)
