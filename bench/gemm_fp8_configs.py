@@ -169,6 +169,8 @@ def bench_shape(m, n, k, configs, repeat, batch, log, bf16=True, l2=()) -> list[
             c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             launch(a8p, w8p, c, sa, sw, kind, configs_of[0])
             error = ((c.float() - reference).norm() / reference.norm()).item()
+            if not error < 2e-2:
+                raise SystemExit(f"{kind} with L2 promotion {promotion} wrong: {error}")
             name = f"{kind} {configs_of[0]!r} l2_promotion={promotion}"
             fns[name] = functools.partial(launch, a8p, w8p, c, sa, sw, kind, configs_of[0])
             rows[name] = {"kind": kind, "config": name.split(" ", 1)[1], "rel_error": error}
