@@ -12,9 +12,10 @@ GEMM, the dense GEMM, the dense GEMM with the grouped config and the torch loop 
 medians count), so a power-limited GPU's clock changes fall on all alike.
 
 ``ratio_vs_dense`` = dense time (autotuned ``matmul``) / grouped time at equal FLOPs (the
-issue's goal: >= 0.9; also as min / median over rounds of the ratio within a round); ``ratio_vs_dense_same_config`` the same against the dense kernel with
-the grouped kernel's fixed tile config (what grouping itself costs: ragged groups pad to 64
-rows, the tile table); ``ratio_vs_torch_loop`` = torch loop time / grouped time.
+issue's goal: >= 0.9; also as min / median over rounds of the ratio within a round);
+``ratio_vs_dense_same_config`` the same against the dense kernel with the grouped kernel's
+fixed tile config (what grouping itself costs: ragged groups pad to 64 rows, the tile table);
+``ratio_vs_torch_loop`` = torch loop time / grouped time.
 """
 
 from __future__ import annotations
