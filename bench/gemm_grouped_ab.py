@@ -10,7 +10,7 @@ grouped / dense per config: the ratio of the medians and the min / median over r
 ratio within a round. ``--precompile I/N`` compiles shard I of N of the kernels into the disk
 cache (run N such processes at once first). Usage::
 
-    python bench/gemm_grouped_ab.py --cases 64:4096:14336 64:4096:4096 [--json out.json]
+    python bench/gemm_grouped_ab.py --cases 64:4096:14336 64:4096:4096 [--dynamic] [--json out.json]
 """
 
 from __future__ import annotations
@@ -44,7 +44,16 @@ def configs(groups: int) -> tuple:
             C(block_m=64, block_n=256, stages=4, group_m=16 if groups <= 16 else 32))
 
 
-def ab_case(groups: int, k: int, n: int, repeat: int, batch: int) -> dict:
+def candidates(groups: int, dynamic: bool) -> list:
+    """(name, config, dynamic) of every candidate: :func:`configs`, and with ``dynamic`` the
+    default with tiles claimed from a counter (``run_grouped(dynamic=True)``)."""
+    found = [(short(config), config, False) for config in configs(groups)]
+    if dynamic:
+        found.append((f"{short(configs(groups)[0])} dynamic", configs(groups)[0], True))
+    return found
+
+
+def ab_case(groups: int, k: int, n: int, repeat: int, batch: int, dynamic: bool) -> dict:
     sizes = moe_sizes(groups, TOKENS * TOP_K)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
     total = int(offsets[-1])
@@ -60,13 +69,13 @@ def ab_case(groups: int, k: int, n: int, repeat: int, batch: int) -> dict:
                                        config=HopperGemmConfig())}
     b_view = b.reshape(groups * k, n)
     deviations = {}
-    for config in configs(groups):
+    for name, config, claims in candidates(groups, dynamic):
         c = torch.full((total, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         run = functools.partial(run_grouped, a, b_view, c, offs, k=k, b_rows=k, trans_b=False,
-                                config=config)
+                                config=config, dynamic=claims)
         run()
-        deviations[short(config)] = _check(torch, c, a, b, offsets)
-        fns[short(config)] = run
+        deviations[name] = _check(torch, c, a, b, offsets)
+        fns[name] = run
     samples = interleaved_samples(fns, repeat, batch)
     dense_ms = statistics.median(samples["dense"])
     print(f"G={groups} K={k} N={n} sizes {sizes.min()}..{sizes.max()}: dense "
@@ -88,12 +97,14 @@ def main() -> None:
                         help="G:K:N")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--dynamic", action="store_true",
+                        help="also the default config with dynamic tile claims")
     parser.add_argument("--precompile", metavar="I/N")
     parser.add_argument("--json")
     args = parser.parse_args()
     cases = [tuple(map(int, case.split(":"))) for case in args.cases]
-    kernels = [(groups, cfg) for groups in sorted({g for g, _, _ in cases})
-               for cfg in configs(groups)]
+    kernels = [(groups, cfg, claims) for groups in sorted({g for g, _, _ in cases})
+               for _, cfg, claims in candidates(groups, args.dynamic)]
     if args.precompile:
         shard, shards = map(int, args.precompile.split("/"))
         kernels = kernels[shard::shards]
@@ -102,19 +113,20 @@ def main() -> None:
         return
     results = []
     for groups, k, n in cases:
-        results.append(ab_case(groups, k, n, args.repeat, args.batch))
+        results.append(ab_case(groups, k, n, args.repeat, args.batch, args.dynamic))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "cases": results}, f)
 
 
 def _compile(kernel) -> None:
-    groups, cfg = kernel
+    groups, cfg, claims = kernel
     placeholder = np.empty((1, 1), kiln.bf16.numpy)
-    make_grouped_kernel("bf16", "bf16", "mn", cfg).compile(
+    counters = (np.zeros(2, np.int32),) if claims else ()
+    make_grouped_kernel("bf16", "bf16", "mn", cfg, claims).compile(
         placeholder, placeholder, placeholder, placeholder, np.zeros(groups + 1, np.int32),
-        groups, 1, 1, 1, 1, target="sm_90a", num_warps=cfg.num_warps,
-        **grouped_constexprs(cfg, groups))
+        groups, 1, 1, 1, 1, *counters, target="sm_90a", num_warps=cfg.num_warps,
+        **grouped_constexprs(cfg, groups, claims))
 
 
 if __name__ == "__main__":
