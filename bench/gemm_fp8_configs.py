@@ -63,14 +63,12 @@ BF16_CONFIGS = (HopperGemmConfig(), HopperGemmConfig(block_n=192),
 ODD = (1000, 1032, 1168)  # 9.125 K steps of 128: a partial step and a group remainder
 
 
-# Per-tensor levers around the default (192-column tiles, 240 consumer registers): the epilogue
-# deferred under the next tile's first K step, B multicast to CTA pairs (half the L2-to-SM
-# traffic of B), a fifth stage, tile-row groups of 4, and the 128-column runner-up
-# (also in CTA pairs, as cuBLASLt's FP8 kernels run 2-CTA clusters).
-PER_TENSOR = (Fp8GemmConfig(**WIDE), Fp8GemmConfig(**WIDE, defer_epilogue=True),
-              Fp8GemmConfig(**WIDE, cluster_m=2),
-              Fp8GemmConfig(**WIDE, cluster_m=2, defer_epilogue=True),
-              Fp8GemmConfig(**dict(WIDE, stages=5)), Fp8GemmConfig(**WIDE, group_m=4),
+# Per-tensor levers around the default (192-column tiles, 240 consumer registers): row tiles
+# swept 8 at a time (the default before), B multicast to CTA pairs (half the L2-to-SM traffic of
+# B), a fifth stage, and the 128-column runner-up (also in CTA pairs: cuBLASLt's FP8 kernels run
+# 2-CTA clusters).
+PER_TENSOR = (Fp8GemmConfig(**WIDE, group_m=4), Fp8GemmConfig(**WIDE),
+              Fp8GemmConfig(**WIDE, cluster_m=2), Fp8GemmConfig(**dict(WIDE, stages=5)),
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2),
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2, cluster_m=2))
 

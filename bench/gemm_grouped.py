@@ -34,9 +34,8 @@ TOKENS, TOP_K = 16384, 2
 GROUPS = (8, 16, 64)
 SHAPES = ((4096, 14336), (4096, 4096))  # (K, N) of one expert
 SEED = 20260
-# Candidate configs of --sweep: the dense default (the grouped default too, whose tail tiles of
-# at most 64 rows split their columns between the consumers), narrower tiles, and 64-row tiles
-# (one consumer warp group: the grouped default before).
+# Candidate configs of --sweep: the dense default, narrower tiles, and 64-row tiles (the grouped
+# default: less padding per group, no idle consumer on a group's last rows).
 GROUPED_CONFIGS = (HopperGemmConfig(), HopperGemmConfig(block_n=192),
                    HopperGemmConfig(block_m=64, block_n=256, stages=4))
 

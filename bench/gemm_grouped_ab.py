@@ -37,11 +37,12 @@ C = HopperGemmConfig
 
 
 def configs(groups: int) -> tuple:
-    """The default, its tile-row group at the other G's value, and the previous default
-    (64 x 256 tiles, one consumer warp group, row tiles swept 16 / 32 at a time)."""
+    """The default (64 x 256 tiles, one consumer warp group), its row tiles swept 8 at a time,
+    and the dense default's 128 x 256 tiles (two consumers; in a group's last tile the lower one
+    idles when the tile holds at most 64 rows)."""
     default = grouped_config(groups)
-    return (default, dataclasses.replace(default, group_m=16 if default.group_m == 8 else 8),
-            C(block_m=64, block_n=256, stages=4, group_m=16 if groups <= 16 else 32))
+    return (default, dataclasses.replace(default, group_m=8),
+            C(stages=default.stages, group_m=default.group_m // 2))
 
 
 def candidates(groups: int, dynamic: bool) -> list:

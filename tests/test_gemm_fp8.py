@@ -123,23 +123,6 @@ def test_interpreter_block_scales_on_tiles_straddling_b_blocks(config, rng):
 
 
 @pytest.mark.lower
-@pytest.mark.parametrize("scales, m, n, k", [(("tensor", "col"), 200, 424, 400),
-                                             (("block", "block"), 200, 424, 100),
-                                             (("row", "col"), 100, 100, 272)],
-                         ids=["col", "block-one-step", "row-one-tile"])
-def test_interpreter_deferred_epilogue(scales, m, n, k, rng):
-    """``defer_epilogue``: a tile's C is stored after the next tile's first K step is issued,
-    the last one after the tile loop; 6 tiles on 4 CTAs (two each for two CTAs), a single K
-    step (no main loop after the first step), and one tile (three CTAs without any);
-    NaN-poisoned C against float64, no spills, every WGMMA asynchronous."""
-    config = Fp8GemmConfig(block_n=192, stages=4, producer_registers=24,
-                           consumer_registers=240, defer_epilogue=True)
-    _interpret_f32_output(rng, m, n, k, scales, config)
-    ck = compile_matmul("f8e4m3", target="sm_90a", trans_b=True, scales=scales, **vars(config))
-    assert ck.metadata["spill_bytes"] == 0 and ck.metadata["wgmma_serialized"] is None
-
-
-@pytest.mark.lower
 @pytest.mark.parametrize("scales", [("block", "block"), ("tensor", "tensor"), ("row", "col")])
 @pytest.mark.parametrize("overlap", [1, 2])
 def test_every_scale_kind_promotes_after_each_k_block(scales, overlap):

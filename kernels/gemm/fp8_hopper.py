@@ -73,9 +73,7 @@ class Fp8GemmConfig:
     128-byte swizzled row of FP8, one scale block). ``block_m=192`` runs three consumer warp
     groups and needs registers that fit the SM (``consumer_registers=160,
     producer_registers=24``); ``overlap_steps`` (1, 2, 4 or 8) promotes each K step under the
-    next one's WGMMAs (half a step's at ``block_n=192``; see the module docstring);
-    ``defer_epilogue`` stores a tile's C only after issuing the next tile's first K step, so
-    the epilogue runs under the warp group's own WGMMAs (one accumulator only). Example:
+    next one's WGMMAs (half a step's at ``block_n=192``; see the module docstring). Example:
     ``Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4)``."""
 
     block_m: int = 128
@@ -87,7 +85,6 @@ class Fp8GemmConfig:
     consumer_registers: int = 232
     cluster_m: int = 1
     overlap_steps: int = 1
-    defer_epilogue: bool = False
 
     def __post_init__(self):
         checks = ((self.block_m in (64, 128, 192),
@@ -95,8 +92,6 @@ class Fp8GemmConfig:
                   (self.cluster_m in (1, 2), f"cluster_m={self.cluster_m} must be 1 or 2"),
                   (self.overlap_steps in (1, 2, 4, 8),
                    f"overlap_steps={self.overlap_steps} must be 1, 2, 4 or 8"),
-                  (not self.defer_epilogue or self.overlap_steps == 1,
-                   "defer_epilogue=True runs one accumulator (overlap_steps=1)"),
                   (self.block_n % 64 == 0 and 64 <= self.block_n <= MAX_BLOCK_N,
                    f"block_n={self.block_n} must be a multiple of 64 up to {MAX_BLOCK_N} (the "
                    "accumulator and its promoted total share 232 registers)"),
@@ -403,15 +398,6 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
                                where, a_base, b_base, full, empty, use, first_thread, scale_a,
                                scale_b, rest, k_tiles)
 
-    def finish(total, row0, n0, scale_a, scale_b, m, n, c_map, c_tiles, consumer,
-               first_thread):
-        """The epilogue of one consumer's 64 x BN tile at (row0, n0): scaled unless block
-        scales were applied per step, staged and TMA-stored."""
-        out = total if block else scale_accumulator(total, scale_a, scale_b, row0, n0, m, n,
-                                                    a_mode, b_mode)
-        store_tile(out, c_map, c_tiles, consumer, row0, n0, first_thread, bn // epilogue_n,
-                   c_tiles_per_round, c_cols)
-
     def gemm_fp8(a_map: kiln.TensorMap[in_type, (bm, bk), SWIZZLE],
                  b_map: kiln.TensorMap[in_type, b_box, SWIZZLE],
                  c_map: kiln.TensorMap[out_type, (64, c_cols), SWIZZLE],
@@ -474,10 +460,6 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
                                            byte_offset=consumer * 64 * ROW_BYTES)
             b_base = wgmma.smem_descriptor(b_tiles.tile(0), leading_bytes=16, stride_bytes=1024)
             use = 0
-            epilogue_args = (scale_a, scale_b, m, n, c_map, c_tiles, consumer, first_thread)
-            if config.defer_epilogue:  # the tile whose C is stored during the next one's start
-                pending = wgmma.fragment_zeros(BN)
-                pending_row0, pending_n0 = first_tile * 0, first_tile * 0
             for tile in kiln.range(first_tile, num_tiles, tile_step):
                 m0, n0 = _tile_origin(tile, tiles_m, tiles_n, BM * CLUSTER_M, BN, group_m)
                 row0 = m0 + rank * BM + consumer * 64
@@ -501,30 +483,14 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
                 elif config.overlap_steps > 1:
                     total, use = mainloop_grouped(total, where, a_base, b_base, full, empty,
                                                   use, first_thread, scale_a, scale_b, k_tiles)
-                elif config.defer_epilogue:
-                    stage = use % STAGES
-                    full.try_wait(stage, (use // STAGES) % 2)
-                    acc = issue(wgmma.fragment_zeros(BN), a_base, b_base, stage)
-                    current, ahead = ahead, step_scales(scale_a, scale_b, where, 1, k_tiles)
-                    if tile > first_tile:  # the previous tile's C, under this step's WGMMAs
-                        finish(pending, pending_row0, pending_n0, *epilogue_args)
-                    wgmma.wait_group(0)
-                    if first_thread:
-                        release(empty, stage, 0)
-                    total = promote_step(total, acc, current, where)
-                    total, use = mainloop_single(total, ahead, where, a_base, b_base, full,
-                                                 empty, use + 1, first_thread, scale_a,
-                                                 scale_b, 1, k_tiles)
-                    pending, pending_row0, pending_n0 = total, row0, n0
                 else:
                     total, use = mainloop_single(total, ahead, where, a_base, b_base, full,
                                                  empty, use, first_thread, scale_a, scale_b, 0,
                                                  k_tiles)
-                if not config.defer_epilogue:
-                    finish(total, row0, n0, *epilogue_args)
-            if config.defer_epilogue:
-                if first_tile < num_tiles:
-                    finish(pending, pending_row0, pending_n0, *epilogue_args)
+                out = total if block else scale_accumulator(total, scale_a, scale_b, row0, n0,
+                                                            m, n, a_mode, b_mode)
+                store_tile(out, c_map, c_tiles, consumer, row0, n0, first_thread,
+                           BN // epilogue_n, c_tiles_per_round, c_cols)
             if first_thread:
                 tma.wait_group(0, read=True)  # the staging tiles must outlive the last store
         if CLUSTER_M > 1:

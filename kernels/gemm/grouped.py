@@ -12,7 +12,7 @@ rows are stored.
 | tile table | all threads, then thread 0 | thread ``i`` reads ``offs[i], offs[i+1]`` and writes group ``i``'s tile count ``ceil(M_i / BM) * ceil(N / BN)`` to a shared table (``TABLE`` entries, a power of two above ``G``; the rest a sentinel); thread 0 turns the counts into first-tile indices (an exclusive prefix sum); no host round trip, so device ``group_offsets`` need no synchronisation |
 | tile walk | every warp group | global tiles ``t = cta, cta + grid, ...`` up to the total; ``t``'s group is the last table entry ``<= t`` (a binary search of ``log2(TABLE)`` shared loads); within the group the tiles are swept column by column, ``GROUP_M`` row tiles at a time (:func:`.hopper._tile_origin`) |
 | producer | warp group 0, one thread | A box at row ``offs[g] + m``: its last tile reads rows of the next group, which only reach output rows that are not stored; B box at row ``g * b_rows`` of B viewed as ``[G * rows, cols]`` |
-| consumers | warp groups 1, 2 | WGMMA as in :mod:`.hopper`, except in a group's last tile when it holds at most 64 rows: with 128-row tiles of 128 or 256 columns (the default 128 x 256, :func:`grouped_config`) both consumers then take those 64 rows, each half of the columns (``m64 x BN/2`` WGMMAs on its half of the B stage), so a group pads to 64 rows and no warp group idles; other configs (192 rows or columns) leave a consumer whose 64 rows all lie past the group's end only waiting for each stage and releasing it; the epilogue stages 64-row slices in swizzled shared tiles, and a slice that lies inside its group (or runs past ``total_M``, which TMA clips) leaves by TMA store, the group's last, partial slice by masked 16-byte stores of the rows ``< offs[g+1]`` |
+| consumers | warp groups 1 (, 2) | WGMMA as in :mod:`.hopper`, except that a consumer whose 64 rows all lie past its group's end (in the group's last tile, with 128-row tiles) only waits for each stage and releases it; the default 64 x 256 tiles (:func:`grouped_config`) pad a group to 64 rows with no idle consumer; the epilogue stages 64-row slices in swizzled shared tiles, and a slice that lies inside its group (or runs past ``total_M``, which TMA clips) leaves by TMA store, the group's last, partial slice by masked 16-byte stores of the rows ``< offs[g+1]`` |
 
 B's K edge: with B MN-major (``[G, K, N]``) a box past row ``K`` of group ``g`` would read group
 ``g + 1``'s rows (A's columns there are zero, but ``0 * inf`` is NaN), so the entry point pads
@@ -46,15 +46,16 @@ def table_size(groups: int) -> int:
 
 
 def grouped_config(groups: int) -> HopperGemmConfig:
-    """The tile configuration for ``groups`` groups: the dense default's 128 x 256 tiles, 4
-    stages, or 3 when the tile table (4 bytes an entry) would not fit beside 4 and an f32
-    epilogue. A group's last tile of at most 64 rows runs both consumers on 128 columns each
-    (no idle warp group, 64-row padding as with 64-row tiles, which one consumer alone kept
-    ~5 % below the dense GEMM's rate). Row tiles are swept 8 at a time (16 above 16 groups:
-    1024 / 2048 rows) so that each 256-column block of a group's B is read from HBM about
-    once (``bench/gemm_grouped_ab.py``)."""
-    return HopperGemmConfig(stages=4 if table_size(groups) <= 256 else 3,
-                            group_m=8 if groups <= 16 else 16)
+    """The tile configuration for ``groups`` groups: 64 x 256 tiles, 4 stages, or 3 when the
+    tile table (4 bytes an entry) would not fit beside 4 and an f32 epilogue. Measured on an
+    H200 at 32768 router-sized rows (``bench/gemm_grouped_probe.py``), they beat the dense
+    default's 128 x 256 by 12 to 49 % (G = 8, 64): a group's last 128-row tile often holds 64
+    rows or fewer, and one consumer warp group alone takes about as long as two on a full
+    tile. Row tiles are swept 16 at a time (32 above 16 groups) so that each 256-column block
+    of a group's B is read from HBM about once (``bench/gemm_grouped_ab.py``, one H200 run, vs
+    8 at a time: G = 64 658 vs 632 TFLOP/s, G = 8 745 vs 639)."""
+    return HopperGemmConfig(block_m=64, block_n=256, stages=4 if table_size(groups) <= 256
+                            else 3, group_m=16 if groups <= 16 else 32)
 
 
 def grouped_constexprs(cfg: HopperGemmConfig, groups: int, dynamic: bool = False) -> dict:
@@ -95,44 +96,11 @@ def make_grouped_kernel(dtype: str, out_dtype: str, b_major: str, config: Hopper
     c_cols = ROW_BYTES // out_type.itemsize
     epilogue_n = config.epilogue_columns(out_type.itemsize)
     c_tiles_per_round = epilogue_n // c_cols
-    # 128-row tiles: a tile of at most 64 rows runs both consumers on half the columns each
-    # (whole 64-column chunks of MN-major B).
-    narrow_tails = bm == 128 and not pingpong and bn % 128 == 0
-    narrow_per_round = min(epilogue_n, bn // 2) // c_cols
-    narrow_rounds = bn // 2 // (narrow_per_round * c_cols)
     threads = WARP_GROUP_THREADS * (config.consumers + 1)
     counters_type = kiln.Tensor[kiln.i32, 1] if dynamic else kiln.constexpr
 
     def b_coords(k0, n0, row0):  # TMA coordinates, innermost first
         return (n0, row0 + k0) if b_major == "mn" else (k0, row0 + n0)
-
-    a_stage_units = bm * bk * in_type.itemsize // 16  # descriptor address units
-    b_stage_units = bn * bk * in_type.itemsize // 16
-
-    @kiln.func
-    def mainloop(acc, a_base, b_base, full, empty, use, first_thread, k_tiles):
-        """One consumer's K loop into ``acc`` (its width is the WGMMAs' N): one WGMMA group
-        kept in flight, each stage released once the group after it is issued."""
-        for kt in kiln.range(0, k_tiles):
-            stage = use % config.stages
-            full.try_wait(stage, (use // config.stages) % 2)
-            stage64 = kiln.cast(stage, kiln.i64)
-            a_desc = a_base + stage64 * a_stage_units
-            b_desc = b_base + stage64 * b_stage_units
-            wgmma.fence()
-            for ks in kiln.static_range(bk // K_STEP):
-                acc = wgmma.mma_async(acc, a_desc + ks * K_STEP * in_type.itemsize // 16,
-                                      b_desc + ks * b_k_step // 16, dtype=in_type,
-                                      b_major=b_major)
-            wgmma.commit()
-            wgmma.wait_group(1)
-            if (kt > 0) & first_thread:
-                empty.arrive((use + config.stages - 1) % config.stages)
-            use = use + 1
-        wgmma.wait_group(0)
-        if first_thread & (k_tiles > 0):
-            empty.arrive((use + config.stages - 1) % config.stages)
-        return acc, use
 
     def grouped_gemm(a_map: kiln.TensorMap[in_type, (bm, bk), SWIZZLE],
                      b_map: kiln.TensorMap[in_type, b_box, SWIZZLE],
@@ -212,12 +180,8 @@ def make_grouped_kernel(dtype: str, out_dtype: str, b_major: str, config: Hopper
                                            consumer * 64 * ROW_BYTES)
             b_base = wgmma.smem_descriptor(b_tiles.tile(0), leading_bytes=b_leading,
                                            stride_bytes=1024)
-            if narrow_tails:  # rows 0..63 of A, this consumer's half of B's columns
-                a_narrow = wgmma.smem_descriptor(a_tiles.tile(0), leading_bytes=16,
-                                                 stride_bytes=1024)
-                b_narrow = wgmma.smem_descriptor(
-                    b_tiles.tile(0), leading_bytes=b_leading, stride_bytes=1024,
-                    byte_offset=consumer * (BN // 2 * BK * in_type.itemsize))
+            a_stage_units = BM * BK * in_type.itemsize // 16  # descriptor address units
+            b_stage_units = BN * BK * in_type.itemsize // 16
             use = 0
             own_first, own_step = first_tile, tile_step
             if pingpong:  # as in .hopper: alternate tiles, k_tiles uses each
@@ -234,28 +198,31 @@ def make_grouped_kernel(dtype: str, out_dtype: str, b_major: str, config: Hopper
                     if pingpong:
                         take_turn(consumer, unit > first_tile)
                     row0 = m0 + (0 if pingpong else consumer * 64)
-                    if narrow_tails:
-                        # A tile of at most 64 rows (a group's tail): both consumers take
-                        # those rows, each half of the columns (m64 x BN/2 WGMMAs).
-                        if m0 + 64 >= row_end:
-                            half, use = mainloop(wgmma.fragment_zeros(BN // 2), a_narrow,
-                                                 b_narrow, full, empty, use, first_thread,
-                                                 k_tiles)
-                            _store_group_tile(half, c_map, c, c_tiles, consumer, m0,
-                                              n0 + consumer * (BN // 2), kiln.minimum(row_end, m),
-                                              n, first_thread, narrow_rounds, narrow_per_round,
-                                              c_cols, region=consumer * c_tiles_per_round)
-                        else:
-                            acc, use = mainloop(wgmma.fragment_zeros(BN), a_base, b_base,
-                                                full, empty, use, first_thread, k_tiles)
-                            _store_group_tile(acc, c_map, c, c_tiles, consumer, row0, n0,
-                                              kiln.minimum(row_end, m), n, first_thread,
-                                              BN // epilogue_n, c_tiles_per_round, c_cols)
                     # In a group's last tile the lower 64 rows may all lie past its end: that
                     # consumer only passes the stages on, leaving the tensor cores to the other.
-                    elif row0 < row_end:
-                        acc, use = mainloop(wgmma.fragment_zeros(BN), a_base, b_base, full,
-                                            empty, use, first_thread, k_tiles)
+                    active = row0 < row_end
+                    acc = wgmma.fragment_zeros(BN)
+                    if active:
+                        for kt in kiln.range(0, k_tiles):
+                            stage = use % STAGES
+                            full.try_wait(stage, (use // STAGES) % 2)
+                            stage64 = kiln.cast(stage, kiln.i64)
+                            a_desc = a_base + stage64 * a_stage_units
+                            b_desc = b_base + stage64 * b_stage_units
+                            wgmma.fence()
+                            for ks in kiln.static_range(BK // K_STEP):
+                                acc = wgmma.mma_async(
+                                    acc, a_desc + ks * K_STEP * in_type.itemsize // 16,
+                                    b_desc + ks * b_k_step // 16, dtype=in_type,
+                                    b_major=b_major)
+                            wgmma.commit()
+                            wgmma.wait_group(1)
+                            if (kt > 0) & first_thread:
+                                empty.arrive((use + STAGES - 1) % STAGES)
+                            use = use + 1
+                        wgmma.wait_group(0)
+                        if first_thread & (k_tiles > 0):
+                            empty.arrive((use + STAGES - 1) % STAGES)
                         if pingpong:
                             use = use + k_tiles  # the other consumer's tile
                             pass_turn(consumer, unit + tile_step < units)
@@ -355,16 +322,12 @@ def locate_tile(table, offsets, tile, tiles_n, BM, BN, GROUP_M, TABLE):
 
 @kiln.func
 def _store_group_tile(acc, c_map, c, c_tiles, consumer, row0, col0, row_end, n, first_thread,
-                      rounds, tiles_per_round, tile_cols, region=None):
+                      rounds, tiles_per_round, tile_cols):
     """Epilogue of one consumer's 64 rows: stage ``acc`` in swizzled shared tiles as
     :func:`.epilogue.store_tile` does; rows that all lie before ``row_end`` (the group's end,
     capped at total_M) leave by TMA store (which clips C's edges), a slice that straddles
-    ``row_end`` by masked 16-byte stores of its rows before it. ``region``: the consumer's
-    first staging tile (``consumer * tiles_per_round`` unless given: a narrower tile keeps
-    its consumer's region, whose earlier TMA stores only this warp group waits for)."""
+    ``row_end`` by masked 16-byte stores of its rows before it."""
     columns = tiles_per_round * tile_cols
-    if region is None:
-        region = consumer * tiles_per_round
     whole = row0 + 64 <= row_end
     lane = kiln.thread_id(0) % WARP_GROUP_THREADS
     row = lane // 2  # two threads per staged row, four 16-byte units each
@@ -374,19 +337,19 @@ def _store_group_tile(acc, c_map, c, c_tiles, consumer, row0, col0, row_end, n, 
         if first_thread:
             tma.wait_group(0, read=True)
         nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
-        wgmma.store_fragment_swizzled(acc, c_tiles, region,
+        wgmma.store_fragment_swizzled(acc, c_tiles, consumer * tiles_per_round,
                                       columns=(r * columns, (r + 1) * columns))
         nvidia_asm.fence_proxy_async()  # generic-proxy writes before the async-proxy TMA read
         nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
         if whole:
             if first_thread:
                 for j in kiln.static_range(tiles_per_round):
-                    tma.store(c_tiles.tile(region + j), c_map,
+                    tma.store(c_tiles.tile(consumer * tiles_per_round + j), c_map,
                               (col0 + r * columns + j * tile_cols, row0))
                 tma.commit_group()
         else:
             for j in kiln.static_range(tiles_per_round):
-                staged = c_tiles.tile(region + j)
+                staged = c_tiles.tile(consumer * tiles_per_round + j)
                 for q in kiln.static_range(ROW_BYTES // UNIT_BYTES // 2):
                     u = (lane % 2) * (ROW_BYTES // UNIT_BYTES // 2) + q
                     col = col0 + r * columns + j * tile_cols + u * unit
