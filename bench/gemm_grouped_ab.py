@@ -2,19 +2,24 @@
 
 For each ``G:K:N`` case (``bench/gemm.py --grouped``'s ragged router sizes, ``TOKENS * TOP_K``
 rows), Kiln's dense GEMM (default 128 x 256 config) on ``[total_M, K] x [K, N]`` and each
-config of :data:`CONFIGS` on the grouped problem (checked against float32 first,
-NaN-poisoned output; the default config is ``grouped_config(G)``), timed with CUDA events
-(median of ``--repeat`` samples of ``--batch`` calls). Prints TFLOP/s and grouped / dense
-per config; ``--precompile I/N`` compiles shard I of N of the kernels into the disk cache
-(run N such processes at once first). Usage::
+config of :func:`configs` on the grouped problem (checked against float32 first,
+NaN-poisoned output; the first is the default, ``grouped_config(G)``), timed interleaved
+(``bench/timing.py``: each of ``--repeat`` rounds times ``--batch`` calls of every candidate
+in turn, so a power-limited GPU's clock changes fall on all alike). Prints TFLOP/s and
+grouped / dense per config: the ratio of the medians and the min / median over rounds of the
+ratio within a round. ``--precompile I/N`` compiles shard I of N of the kernels into the disk
+cache (run N such processes at once first). Usage::
 
-    python bench/gemm_grouped_ab.py --cases 64:4096:14336 64:4096:4096 [--json out.json]
+    python bench/gemm_grouped_ab.py --cases 64:4096:14336 64:4096:4096 [--dynamic] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
+import statistics
 
 import numpy as np
 import torch
@@ -26,18 +31,30 @@ from kiln.kernels.gemm.grouped import grouped_config, grouped_constexprs, make_g
 from kiln.kernels.gemm.grouped_api import run_grouped
 from gemm_ab import short
 from gemm_grouped import TOKENS, TOP_K, _check, moe_sizes
-from timing import time_ms
+from timing import interleaved_samples, round_ratios
 
 C = HopperGemmConfig
-# Tile-row groups (group_m) as tall as a big expert's rows: each B column block is read
-# from HBM once per group of row tiles, and an expert of 1438 rows has 23 tiles of 64.
-CONFIGS = (C(block_m=64, block_n=256, stages=4),
-           C(block_m=64, block_n=256, stages=4, group_m=16),
-           C(block_m=64, block_n=256, stages=4, group_m=32),
-           C(block_m=64, block_n=256, stages=4, group_m=16, pingpong=True))
 
 
-def ab_case(groups: int, k: int, n: int, repeat: int, batch: int) -> dict:
+def configs(groups: int) -> tuple:
+    """The default (64 x 256 tiles, one consumer warp group), its row tiles swept 8 at a time,
+    and the dense default's 128 x 256 tiles (two consumers; in a group's last tile the lower one
+    idles when the tile holds at most 64 rows)."""
+    default = grouped_config(groups)
+    return (default, dataclasses.replace(default, group_m=8),
+            C(stages=default.stages, group_m=default.group_m // 2))
+
+
+def candidates(groups: int, dynamic: bool) -> list:
+    """(name, config, dynamic) of every candidate: :func:`configs`, and with ``dynamic`` the
+    default with tiles claimed from a counter (``run_grouped(dynamic=True)``)."""
+    found = [(short(config), config, False) for config in configs(groups)]
+    if dynamic:
+        found.append((f"{short(configs(groups)[0])} dynamic", configs(groups)[0], True))
+    return found
+
+
+def ab_case(groups: int, k: int, n: int, repeat: int, batch: int, dynamic: bool) -> dict:
     sizes = moe_sizes(groups, TOKENS * TOP_K)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
     total = int(offsets[-1])
@@ -48,25 +65,30 @@ def ab_case(groups: int, k: int, n: int, repeat: int, batch: int) -> dict:
     dense_b = b[0].contiguous()
     dense_c = torch.empty(total, n, device="cuda", dtype=torch.bfloat16)
     # the dense default config (autotuning in this run would cost it seconds it lacks)
-    dense_ms = time_ms(lambda: run_hopper(a, dense_b, dense_c, total, n, k, dtype="bf16",
-                                          b_major="mn", target="sm_90a",
-                                          config=HopperGemmConfig()), repeat, batch)
-    print(f"G={groups} K={k} N={n} sizes {sizes.min()}..{sizes.max()}: dense "
-          f"{flops / dense_ms / 1e9:.1f} TFLOP/s; default {short(grouped_config(groups))}",
-          flush=True)
+    fns = {"dense": lambda: run_hopper(a, dense_b, dense_c, total, n, k, dtype="bf16",
+                                       b_major="mn", target="sm_90a",
+                                       config=HopperGemmConfig())}
     b_view = b.reshape(groups * k, n)
-    rows = []
-    for config in CONFIGS:
+    deviations = {}
+    for name, config, claims in candidates(groups, dynamic):
         c = torch.full((total, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        run = lambda: run_grouped(a, b_view, c, offs, k=k, b_rows=k,  # noqa: E731
-                                  trans_b=False, config=config)
+        run = functools.partial(run_grouped, a, b_view, c, offs, k=k, b_rows=k, trans_b=False,
+                                config=config, dynamic=claims)
         run()
-        deviation = _check(torch, c, a, b, offsets)
-        ms = time_ms(run, repeat, batch)
-        rows.append({"config": short(config), "ms": ms, "deviation": deviation,
-                     "vs_dense": dense_ms / ms})
-        print(f"  {flops / ms / 1e9:7.1f} TFLOP/s  vs dense {dense_ms / ms:.3f}  "
-              f"{short(config)}", flush=True)
+        deviations[name] = _check(torch, c, a, b, offsets)
+        fns[name] = run
+    samples = interleaved_samples(fns, repeat, batch)
+    dense_ms = statistics.median(samples["dense"])
+    print(f"G={groups} K={k} N={n} sizes {sizes.min()}..{sizes.max()}: dense "
+          f"{flops / dense_ms / 1e9:.1f} TFLOP/s", flush=True)
+    rows = []
+    for name in deviations:
+        ms = statistics.median(samples[name])
+        low, mid = round_ratios(samples, name, "dense")
+        rows.append({"config": name, "ms": ms, "deviation": deviations[name],
+                     "vs_dense": dense_ms / ms, "vs_dense_min": low, "vs_dense_median": mid})
+        print(f"  {flops / ms / 1e9:7.1f} TFLOP/s  vs dense {dense_ms / ms:.3f} (per round min "
+              f"{low:.3f} median {mid:.3f})  {name}", flush=True)
     return {"groups": groups, "k": k, "n": n, "dense_ms": dense_ms, "rows": rows}
 
 
@@ -75,12 +97,15 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["64:4096:14336", "64:4096:4096"],
                         help="G:K:N")
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--dynamic", action="store_true",
+                        help="also the default config with dynamic tile claims")
     parser.add_argument("--precompile", metavar="I/N")
     parser.add_argument("--json")
     args = parser.parse_args()
     cases = [tuple(map(int, case.split(":"))) for case in args.cases]
-    kernels = [(groups, cfg) for groups in sorted({g for g, _, _ in cases}) for cfg in CONFIGS]
+    kernels = [(groups, cfg, claims) for groups in sorted({g for g, _, _ in cases})
+               for _, cfg, claims in candidates(groups, args.dynamic)]
     if args.precompile:
         shard, shards = map(int, args.precompile.split("/"))
         kernels = kernels[shard::shards]
@@ -89,19 +114,20 @@ def main() -> None:
         return
     results = []
     for groups, k, n in cases:
-        results.append(ab_case(groups, k, n, args.repeat, args.batch))
+        results.append(ab_case(groups, k, n, args.repeat, args.batch, args.dynamic))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "cases": results}, f)
 
 
 def _compile(kernel) -> None:
-    groups, cfg = kernel
+    groups, cfg, claims = kernel
     placeholder = np.empty((1, 1), kiln.bf16.numpy)
-    make_grouped_kernel("bf16", "bf16", "mn", cfg).compile(
+    counters = (np.zeros(2, np.int32),) if claims else ()
+    make_grouped_kernel("bf16", "bf16", "mn", cfg, claims).compile(
         placeholder, placeholder, placeholder, placeholder, np.zeros(groups + 1, np.int32),
-        groups, 1, 1, 1, 1, target="sm_90a", num_warps=cfg.num_warps,
-        **grouped_constexprs(cfg, groups))
+        groups, 1, 1, 1, 1, *counters, target="sm_90a", num_warps=cfg.num_warps,
+        **grouped_constexprs(cfg, groups, claims))
 
 
 if __name__ == "__main__":

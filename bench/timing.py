@@ -55,3 +55,41 @@ def host_us(fn, repeat: int, calls: int = 20, warmup: int = 3) -> float:
         times.append((time.perf_counter() - start) / calls)
         torch.cuda.synchronize()
     return statistics.median(times) * 1e6
+
+
+def interleaved_samples(fns: dict, repeat: int, batch: int, warmup: int = 3) -> dict:
+    """Per-call milliseconds of each of ``fns`` (name -> callable), ``repeat`` samples each,
+    taken round-robin: each round times ``batch`` back-to-back calls of every candidate in
+    turn (CUDA events), so clock changes as a power-limited GPU heats up fall on all alike.
+    Returns name -> list of samples (round order); see :func:`interleaved_ms`."""
+    import torch
+
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start.record()
+            for _ in range(batch):
+                fn()
+            stop.record()
+            stop.synchronize()
+            samples[name].append(start.elapsed_time(stop) / batch)
+    return samples
+
+
+def interleaved_ms(fns: dict, repeat: int, batch: int) -> dict:
+    """Median ms per call of each of ``fns``, sampled round-robin
+    (:func:`interleaved_samples`)."""
+    return {name: statistics.median(times)
+            for name, times in interleaved_samples(fns, repeat, batch).items()}
+
+
+def round_ratios(samples: dict, name: str, peer: str) -> tuple[float, float]:
+    """(min, median) over rounds of ``peer``'s time / ``name``'s time in the same round: the
+    speed-up of ``name`` with both measured at the same clocks."""
+    ratios = [p / s for s, p in zip(samples[name], samples[peer])]
+    return min(ratios), statistics.median(ratios)
