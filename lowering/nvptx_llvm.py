@@ -8,8 +8,9 @@ time one field's state changes), while the IPSCCP run before it has already prop
 constant. :func:`compile_ptx` makes the same steps through the C API of the ``libLLVM`` that
 MLIR itself links (so the very same LLVM), with ``O3_PIPELINE``: ``default<O3>`` as LLVM 22
 spells it, without that SCCP. The PTX of every shipped kernel is byte-identical to upstream's
-(``tests/test_nvptx_llvm.py`` checks kernels against ``gpu-module-to-binary``); each ctypes call
-releases the GIL.
+(``tests/test_nvptx_llvm.py`` checks kernels against ``gpu-module-to-binary``). LLVM's
+optimisation and code generation run without the GIL (ctypes releases it), so autotune's
+threads compile their configs' PTX at the same time.
 
 ``KILN_NVPTX_PIPELINE`` picks the path: ``fast`` (default), ``o3`` (``default<O3>`` through the
 C API) or ``mlir`` (``gpu-module-to-binary``, also used where the C API is missing or LLVM is
@@ -90,10 +91,15 @@ O3_PIPELINE = ",".join((
     "function(annotation-remarks)",
 ))
 
+class UntranslatableError(CompilationError):
+    """The module holds an op LLVM IR translation does not know (the caller names it)."""
+
+
 _EXTERNAL, _LINKONCE_ODR, _INTERNAL, _PRIVATE = 0, 3, 8, 9  # LLVMLinkage values
 _DEFAULT_VISIBILITY = 0
 
-# name -> (restype, argtypes) of the C functions used (llvm-c/*.h, mlir-c/Target/LLVMIR.h)
+# name -> (restype, argtypes) of LLVM's C functions used (llvm-c/*.h); ctypes releases the GIL
+# during each call
 _SIGNATURES = {
     "LLVMGetVersion": (None, [POINTER(c_uint)] * 3),
     "LLVMContextCreate": (c_void_p, []),
@@ -134,7 +140,6 @@ _SIGNATURES = {
     "LLVMGetLinkage": (c_int, [c_void_p]),
     "LLVMSetLinkage": (None, [c_void_p, c_int]),
     "LLVMSetVisibility": (None, [c_void_p, c_int]),
-    "mlirTranslateModuleToLLVMIR": (c_void_p, [c_void_p, c_void_p]),
 }
 
 
@@ -152,6 +157,9 @@ def _library():
             function.restype, function.argtypes = restype, argtypes
         for part in ("TargetInfo", "Target", "TargetMC", "AsmPrinter"):  # idempotent
             getattr(lib, f"LLVMInitializeNVPTX{part}")()
+        # Called holding the GIL (PYFUNCTYPE): its diagnostics reach a Python handler.
+        lib.translate = ctypes.PYFUNCTYPE(c_void_p, c_void_p, c_void_p)(
+            ("mlirTranslateModuleToLLVMIR", lib))
         size = c_uint.in_dll(lib, "_mlir_embedded_libdevice_size").value
         libdevice = (ctypes.addressof(ctypes.c_ubyte.in_dll(lib, "_mlir_embedded_libdevice")), size)
     except (OSError, AttributeError, ValueError):  # another MLIR build: upstream's pass instead
@@ -186,10 +194,7 @@ def compile_ptx(gpu_module: ir.Operation, chip: str, features: str, opt_level: i
     machine = module = None
     try:
         with step("translate"):
-            module = lib.mlirTranslateModuleToLLVMIR(_operation_pointer(gpu_module), context)
-            if not module:
-                raise CompilationError("MLIR could not translate the kernel to LLVM IR",
-                                       fix="report this Kiln bug with KILN_DUMP_DIR's files")
+            module = _translate(lib, gpu_module, context)
             machine = _target_machine(lib, chip, features, opt_level)
             _set_layout(lib, module, machine)
         with step("link"):
@@ -206,10 +211,33 @@ def compile_ptx(gpu_module: ir.Operation, chip: str, features: str, opt_level: i
         lib.LLVMContextDispose(context)
 
 
+def _translate(lib, gpu_module: ir.Operation, context: int) -> int:
+    """The LLVM module of ``gpu_module``; its diagnostics go into the error, not to stderr."""
+    diagnostics: list[str] = []
+
+    def keep(diagnostic) -> bool:
+        diagnostics.append(f"{diagnostic.location}: {diagnostic.message}")
+        return True
+
+    handler = gpu_module.context.attach_diagnostic_handler(keep)
+    try:
+        module = lib.translate(_operation_pointer(gpu_module), context)
+    finally:
+        handler.detach()
+    if not module:
+        raise UntranslatableError("MLIR could not translate the kernel to LLVM IR:\n  "
+                                  + "\n  ".join(diagnostics or ["no diagnostic"]),
+                                  fix="report this Kiln bug with KILN_DUMP_DIR's files")
+    return module
+
+
+_capsule_pointer = ctypes.PYFUNCTYPE(c_void_p, ctypes.py_object, c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
+
+
 def _operation_pointer(op: ir.Operation) -> int:
-    get = ctypes.pythonapi.PyCapsule_GetPointer
-    get.restype, get.argtypes = c_void_p, [ctypes.py_object, c_char_p]
-    return get(op._CAPIPtr, b"mlir.ir.Operation._CAPIPtr")
+    """The ``MlirOperation`` (one pointer) behind a Python ``ir.Operation``."""
+    return _capsule_pointer(op._CAPIPtr, b"mlir.ir.Operation._CAPIPtr")
 
 
 def _target_machine(lib, chip: str, features: str, opt_level: int) -> int:

@@ -19,6 +19,7 @@ from kiln.lowering.compiler import compile_kernel
 from kiln.lowering.tools import llvm_tool
 from kiln.lowering import nvptx_llvm
 from kiln.runtime.cache import make_key
+from kiln.signature import KernelSignature, ScalarParam
 
 pytestmark = pytest.mark.lower
 
@@ -138,3 +139,29 @@ def test_a_bad_pipeline_is_a_compilation_error_naming_llvm(monkeypatch):
     monkeypatch.setattr(nvptx_llvm, "pipeline_for", lambda level: "no-such-pass")
     with pytest.raises(CompilationError, match="LLVM's pass pipeline failed.*no-such-pass"):
         compile_kernel(module, traced.signature, CompileOptions("sm_90a"))
+
+
+UNTRANSLATABLE_IR = """
+module attributes {gpu.container_module} {
+  gpu.module @kiln_kernels {
+    gpu.func @odd(%a: f32) kernel attributes {known_block_size = array<i32: 128, 1, 1>} {
+      %z = complex.create %a, %a : complex<f32> loc("user_kernel.py":5:8)
+      %r = complex.abs %z : complex<f32> loc("user_kernel.py":6:8)
+      gpu.printf "%f", %r : f32 loc("user_kernel.py":7:8)
+      gpu.return loc("user_kernel.py":8:4)
+    } loc("user_kernel.py":4:0)
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("pipeline", ["fast", "mlir"])
+def test_an_op_llvm_ir_has_no_form_for_is_named_at_its_line(monkeypatch, capfd, pipeline):
+    """complex.abs survives the nvvm stage (no complex lowering there): both paths name it at
+    the user's line, and the C API path prints no MLIR diagnostic of its own."""
+    monkeypatch.setenv("KILN_NVPTX_PIPELINE", pipeline)
+    signature = KernelSignature("odd", (ScalarParam("a", "f32"),), block=(128, 1, 1))
+    with pytest.raises(CompilationError, match="'complex.abs' was not lowered") as caught:
+        compile_kernel(UNTRANSLATABLE_IR, signature, CompileOptions("sm_90a"))
+    assert (caught.value.loc.filename, caught.value.loc.line) == ("user_kernel.py", 6)
+    assert "Translation failed" not in capfd.readouterr().err
