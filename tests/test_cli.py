@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 
+from kiln.lowering import nvptx_llvm
 from kiln.cli import main
 
 pytestmark = pytest.mark.lower
@@ -73,7 +74,9 @@ def _profile_rows(out: str) -> dict[str, tuple[float, float]]:
 @pytest.mark.parametrize("target, steps", [
     ("sm_90a", ["cache-lookup", "trace", "parse", "gpu", "gpu.passes",
                 "gpu.passes.kiln-insert-waits", "gpu.proof-copy", "gpu.copy",
-                "nvvm", "nvvm.passes", "nvvm.copy", "llvm", "ptx", "ptx.passes", "cubin"]),
+                "nvvm", "nvvm.passes", "nvvm.copy", "llvm", "ptx", "ptx.passes", "cubin",
+                *(["ptx.translate", "ptx.link", "ptx.codegen"]  # LLVM through its C API
+                  if nvptx_llvm.pipeline_for(3) is not None else [])]),
     ("gfx950", ["cache-lookup", "trace", "parse", "gpu", "rocdl", "rocdl.passes", "llvm",
                 "amdgcn", "amdgcn.optimize", "amdgcn.emit", "check-assembly",
                 "check-assembly.verify-waits", "obj", "obj.emit", "hsaco", "text", "text.gpu",
