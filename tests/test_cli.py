@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
-from kiln.lowering import nvptx_llvm
 from kiln.cli import main
+from kiln.lowering import nvptx_llvm
 
 pytestmark = pytest.mark.lower
 
