@@ -89,7 +89,7 @@ def test_report_profiles_every_step(kernel_file, capsys, target, steps):
     assert set(steps) <= set(rows), set(steps) - set(rows)
     if target == "sm_90a":  # the printed modules, LLVM IR and the wait proof: beside ptxas,
         made = {f"{at}.{stage}" for at in ("cubin.ptxas", "text") for stage in  # or after
-                ("kiln", "gpu", "nvvm", "llvm", "kiln-verify-waits")}
+                ("kiln", "gpu", "nvvm", "llvm", "kiln-verify-rings")}  # insert-waits proved
         assert len(made & set(rows)) == 5, set(rows)
     top = [name for name in rows if "." not in name and name != "total"]
     assert all(rows[name][0] >= 0 and rows[name][1] >= 0 for name in rows)
