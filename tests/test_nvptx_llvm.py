@@ -78,9 +78,11 @@ def _wgmma_kernel(monkeypatch, pipeline: str):
 
 
 @needs_capi
-def test_libdevice_kernel_ptx_is_upstreams_byte_for_byte(monkeypatch):
+def test_libdevice_kernel_ptx_is_upstreams_byte_for_byte(monkeypatch, capfd):
     upstream = _math_ptx(monkeypatch, "mlir")
+    capfd.readouterr()
     assert _math_ptx(monkeypatch, "fast") == upstream
+    assert capfd.readouterr().err == ""  # libdevice's own triple and layout: no link warning
     assert _math_ptx(monkeypatch, "o3") == upstream
     # libdevice was linked (its exp2 is one instruction) and nothing of it is left as a .func
     assert "ex2.approx" in upstream and "__nv_" not in upstream and ".func" not in upstream
@@ -165,3 +167,29 @@ def test_an_op_llvm_ir_has_no_form_for_is_named_at_its_line(monkeypatch, capfd, 
         compile_kernel(UNTRANSLATABLE_IR, signature, CompileOptions("sm_90a"))
     assert (caught.value.loc.filename, caught.value.loc.line) == ("user_kernel.py", 6)
     assert "Translation failed" not in capfd.readouterr().err
+
+
+@needs_capi
+def test_configs_compiled_at_once_get_the_ptx_of_one_at_a_time(monkeypatch):
+    """Autotune's pool compiles on threads, and LLVM runs there without the GIL: each thread
+    has its own LLVM context and target machine, so the PTX is each config's own."""
+    from kiln.autotune import compile_all
+
+    blocks = [64, 128, 256, 512]
+    x = np.zeros(16, np.float32)
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+    monkeypatch.setenv("KILN_NVPTX_PIPELINE", "mlir")
+    libdevice_math._compiled.clear()
+    alone = {b: libdevice_math.compile(x, x, np.zeros(16), 16, BLOCK=b, target="sm_90a",
+                                       num_threads=b).asm["ptx"] for b in blocks}
+    monkeypatch.setenv("KILN_NVPTX_PIPELINE", "fast")
+    libdevice_math._compiled.clear()
+    together = {}
+
+    def build(b):
+        together[b] = libdevice_math.compile(x, x, np.zeros(16), 16, BLOCK=b, target="sm_90a",
+                                             num_threads=b).asm["ptx"]
+
+    compile_all(build, blocks)
+    assert together == alone
+    assert len(set(alone.values())) == len(blocks)  # each config its own kernel
