@@ -2,7 +2,7 @@
 
 Upstream ``gpu-module-to-binary{format=isa}`` translates the module, links the needed libdevice
 functions, runs LLVM's ``default<O3>`` pipeline and emits PTX; the pipeline cannot be changed.
-On WGMMA kernels its function-level SCCP is a third of that time (the accumulators are
+On WGMMA kernels its function-level SCCP is a third of the optimisation (the accumulators are
 ``{float x 128}`` structs carried by phis, and SCCP revisits every insertvalue of a chain each
 time one field's state changes), while the IPSCCP run before it has already propagated every
 constant. :func:`compile_ptx` makes the same steps through the C API of the ``libLLVM`` that
@@ -18,7 +18,8 @@ not major version 22). Other ``opt_level`` values always run ``default<O{n}>``.
 
 Example::
 
-    ptx = compile_ptx(gpu_module_op, "sm_90a", "+ptx80", opt_level=3, profile=state.profile)
+    pipeline = pipeline_for(3)          # None: run gpu-module-to-binary instead
+    ptx = compile_ptx(gpu_module_op, "sm_90a", "+ptx80", 3, pipeline, profile=state.profile)
 """
 
 from __future__ import annotations
@@ -187,6 +188,7 @@ def compile_ptx(gpu_module: ir.Operation, chip: str, features: str, opt_level: i
     (steps timed as ``<prefix>translate``/``link``/``passes``/``codegen`` in ``profile``, a
     :class:`~kiln.core.profile.CompileProfile`)."""
     lib, libdevice, _ = _library()
+
     def step(name: str):
         return profile.step(prefix + name) if profile is not None else nullcontext()
 
