@@ -47,6 +47,7 @@ class TraceState:
     programmatic_launch: bool = False  # waits on prior grids (kiln.nvidia_asm.grid_dependency_wait)
     unrolled_iterations: int = 0  # Python loop iterations so far (trace_runtime's budget)
     values_built: int = 0  # kiln.Values so far (MAX_TRACED_VALUES)
+    thread_ids: list = field(default_factory=list)  # gpu.thread_id x results (threads.py)
 
     def unique_symbol(self, base: str) -> str:
         name, n = base, 0

@@ -293,7 +293,8 @@ class JITKernel:
             finally:
                 builder.pop()
             _verify(module, self.name)
-            threads.check_thread_indexing(module, self.name, block[0], target, num_warps)
+            threads.check_thread_indexing(state.thread_ids, self.name, block[0], target,
+                                          num_warps)
         constexprs = tuple((s.name, repr(s.value)) for s in specs if s.kind == "constexpr")
         signature = lowering_signature(self.name, specs, block, constexprs,
                                        dynamic_shared_bytes=state.dynamic_shared_bytes,

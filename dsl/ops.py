@@ -50,7 +50,10 @@ def block_id(d: int = 0) -> Value:
 @checked_call
 def thread_id(d: int = 0) -> Value:
     """The thread index inside the block along ``d`` as i32. Example: ``kiln.thread_id(0)``."""
-    return _index_to_i32(gpu.thread_id(_dim(d)))
+    tid = gpu.thread_id(_dim(d))
+    if d == 0:  # threads.check_thread_indexing follows its uses
+        builder.current().thread_ids.append(tid)
+    return _index_to_i32(tid)
 
 
 @checked_call

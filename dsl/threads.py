@@ -98,6 +98,9 @@ def resolve_num_warps(kernel: str, declared: Any, constexprs: dict[str, Any], ta
     return warps
 
 
+_CASTS = ("arith.index_cast", "arith.extsi", "arith.extui", "arith.trunci")
+
+
 def _source(value: ir.Value) -> ir.Operation | None:
     """The op defining ``value``, looking through integer casts (None for block arguments)."""
     while True:
@@ -105,7 +108,7 @@ def _source(value: ir.Value) -> ir.Operation | None:
         if not isinstance(owner, ir.OpView) and not isinstance(owner, ir.Operation):
             return None
         op = owner.operation
-        if op.name not in ("arith.index_cast", "arith.extsi", "arith.extui", "arith.trunci"):
+        if op.name not in _CASTS:
             return op
         value = op.operands[0]
 
@@ -125,22 +128,32 @@ def _block_stride(op: ir.Operation | None) -> int | None:
     return None
 
 
-def check_thread_indexing(module: ir.Module, kernel: str, block_threads: int, target,
+def _index_sums(thread_ids: list[ir.Value]) -> list[ir.Operation]:
+    """The ``arith.addi`` ops with an operand ``_source`` traces to one of ``thread_ids``,
+    found forward through their uses (a walk of the whole module cost ten times more)."""
+    sums, pending, seen = [], list(thread_ids), set()
+    while pending:
+        for use in pending.pop().uses:
+            op = use.owner.operation
+            if op.name in _CASTS:
+                pending.extend(op.results)
+            elif op.name == "arith.addi" and op not in seen:
+                seen.add(op)
+                sums.append(op)
+    return sums
+
+
+def check_thread_indexing(thread_ids: list[ir.Value], kernel: str, block_threads: int, target,
                           num_warps: int) -> None:
-    """Warn at each ``block_id(0) * C + thread_id(0)`` whose ``C`` is not ``block_threads``."""
+    """Warn at each ``block_id(0) * C + thread_id(0)`` whose ``C`` is not ``block_threads``;
+    ``thread_ids`` are the trace's ``gpu.thread_id x`` results."""
     found = []
-
-    def visit(op):
-        if op.name == "arith.addi":
-            a, b = (_source(v) for v in op.operands)
-            for prod, tid in ((a, b), (b, a)):
-                stride = _block_stride(prod)
-                if (stride is not None and stride != block_threads
-                        and _is_id_x(tid, "gpu.thread_id")):
-                    found.append((op.location, stride))
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+    for op in _index_sums(thread_ids):
+        a, b = (_source(v) for v in op.operands)
+        for prod, tid in ((a, b), (b, a)):
+            stride = _block_stride(prod)
+            if stride is not None and stride != block_threads and _is_id_x(tid, "gpu.thread_id"):
+                found.append((op.location, stride))
     for location, stride in found:
         what = ("consecutive blocks overlap, so threads of two blocks get the same index"
                 if stride < block_threads else

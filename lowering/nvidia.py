@@ -23,12 +23,12 @@ from mlir import ir
 from mlir.dialects import gpu
 
 from kiln.core.errors import CompilationError
-from kiln.lowering import isa_sass
+from kiln.lowering import isa_sass, nvptx_llvm
 from kiln.lowering.metadata import empty_nvidia_metadata, parse_ptxas_verbose
 from kiln.lowering.dump import dump_stage
 from kiln.lowering.pipeline import Backend, CompileState, make_gpu, run_passes
 from kiln.lowering.tools import stage_tool
-from kiln.lowering.translate import device_llvm_module, translate
+from kiln.lowering.translate import device_llvm_module, device_module, translate
 from kiln.lowering.verify_schedule import verify_schedule_sass
 
 TRIPLE = "nvptx64-nvidia-cuda"
@@ -73,6 +73,10 @@ def _set_maxnreg(module: ir.Module, kernel: str, maxnreg: int) -> None:
 
 
 def make_llvm(state: CompileState) -> str | None:
+    if state.defer_text and nvptx_llvm.pipeline_for(state.options.opt_level) is not None:
+        # make_ptx translates the gpu.module itself and changes nothing: the text is made later
+        state.defer("llvm", lambda: translate(device_llvm_module(state.module, TRIPLE)))
+        return None
     inner = device_llvm_module(state.module, TRIPLE)
     if not state.defer_text:
         return translate(inner)
@@ -81,6 +85,16 @@ def make_llvm(state: CompileState) -> str | None:
 
 
 def make_ptx(state: CompileState) -> str:
+    options = state.options
+    pipeline = nvptx_llvm.pipeline_for(options.opt_level)
+    if pipeline is not None:  # the same steps as the pass below, with Kiln's LLVM pipeline
+        try:
+            return nvptx_llvm.compile_ptx(device_module(state.module), state.target.name,
+                                          options.ptx_features(), options.opt_level, pipeline,
+                                          profile=state.profile, prefix="ptx.")
+        except nvptx_llvm.UntranslatableError:
+            device_llvm_module(state.module, TRIPLE)  # names the op LLVM IR has no form for
+            raise
     run_passes(state, "ptx", ["gpu-module-to-binary{format=isa}"], text=False)
     for op in state.module.body.operations:
         if op.operation.name == "gpu.binary":

@@ -22,6 +22,8 @@ from kiln.signature import KernelSignature
 from kiln.core.targets import Target
 from kiln.lowering.tools import kiln_opt_command
 from kiln.passes import build_pass_manager, pipeline_text
+from kiln.passes.enclosing import func_vendor, gpu_funcs
+from kiln.passes.insert_waits import recording_proofs
 
 # Passes every target runs first, on Kiln IR: Kiln's own rewrites, cleanup, then the waits
 # (after cleanup, so they see the final op order) and their proof (docs/passes.md).
@@ -29,7 +31,8 @@ GPU_STAGE_PASSES = ("kiln-fold-block-dim", "kiln-cluster-schedule", "canonicaliz
                     "kiln-insert-waits", "kiln-verify-waits")
 # Passes that only prove and change nothing: a backend with ``defers_proofs`` runs them on a
 # copy beside its binary tool (ptxas), off the compile's critical path.
-PROOF_PASSES = frozenset({"kiln-verify-waits"})
+VERIFY_WAITS, VERIFY_RINGS = "kiln-verify-waits", "kiln-verify-rings"
+PROOF_PASSES = frozenset({VERIFY_WAITS})
 
 
 @dataclass
@@ -106,14 +109,26 @@ class CompileState:
 
 def make_gpu(state: CompileState) -> str:
     """Every backend's first stage: Kiln's passes on Kiln IR (the proofs later, on a copy,
-    when ``state.defer_proofs``)."""
-    if not state.defer_proofs:
-        return run_passes(state, "gpu", GPU_STAGE_PASSES)
+    when ``state.defer_proofs``). Where kiln-insert-waits' last walk of every function found
+    no gap, kiln-verify-waits would repeat that walk on the unchanged module: only its ring
+    proof, ``kiln-verify-rings``, runs."""
+    rewrites = [name for name in GPU_STAGE_PASSES if name not in PROOF_PASSES]
+    with recording_proofs() as proved:
+        text = run_passes(state, "gpu", rewrites, text=state.defer_proofs)
     proofs = [name for name in GPU_STAGE_PASSES if name in PROOF_PASSES]
-    text = run_passes(state, "gpu", [name for name in GPU_STAGE_PASSES if name not in proofs])
+    if proofs and _all_proved(state.module, proved):
+        proofs = [VERIFY_RINGS if name == VERIFY_WAITS else name for name in proofs]
+    if not state.defer_proofs:
+        return run_passes(state, "gpu", proofs) if proofs else state.module_text("gpu")
     if proofs:
         state.defer_proof("gpu", proofs)
     return text
+
+
+def _all_proved(module: ir.Module, proved: set) -> bool:
+    """Whether kiln-insert-waits proved every vendor function of ``module``."""
+    funcs = [f for f in gpu_funcs(module.operation) if func_vendor(f) is not None]
+    return bool(funcs) and all(f in proved for f in funcs)
 
 
 class Backend(ABC):

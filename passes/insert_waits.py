@@ -32,6 +32,10 @@ Example::
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
 from mlir import ir
 from mlir.dialects import nvgpu, nvvm, rocdl
 
@@ -238,8 +242,29 @@ def _insert_drains(func: ir.Operation) -> None:
             drain.operation.attributes["kiln.cluster"] = first.attributes["kiln.cluster"]
 
 
+_RECORDING = threading.local()  # .proved: the set recording_proofs() gives, per thread
+
+
+@contextmanager
+def recording_proofs() -> Iterator[set]:
+    """Within it, this thread's ``kiln-insert-waits`` runs add to the set it yields each
+    ``gpu.func`` (the op) whose last walk found no gap, so kiln-verify-waits' walk of the
+    unchanged function would only repeat that proof. Example::
+
+        with recording_proofs() as proved:
+            pm.run(module.operation)    # a pipeline ending in kiln-insert-waits
+    """
+    previous = getattr(_RECORDING, "proved", None)
+    _RECORDING.proved = proved = set()
+    try:
+        yield proved
+    finally:
+        _RECORDING.proved = previous
+
+
 def insert_waits(module_op: ir.Operation, pass_=None) -> None:
     """Place the waits that close every gap, in every gpu.func not marked manual."""
+    proved = getattr(_RECORDING, "proved", None)
     for func in gpu_funcs(module_op):
         vendor = func_vendor(func)
         if vendor is None or "kiln.manual_waits" in func.attributes:
@@ -247,7 +272,9 @@ def insert_waits(module_op: ir.Operation, pass_=None) -> None:
         if vendor == "amd":
             _insert_drains(func)
         for _ in range(MAX_ROUNDS):
-            if not WaitAnalysis(func, place=build_wait).placed:
+            if not WaitAnalysis(func, place=build_wait).placed:  # no gap left: proved
+                if proved is not None:
+                    proved.add(func)
                 break
         else:
             raise InternalError(

@@ -25,13 +25,15 @@ pytestmark = pytest.mark.lower
 
 @kiln.kernel
 def staged_copy(x: kiln.Tensor[kiln.bf16, 2], out: kiln.Tensor[kiln.bf16], rows: kiln.i32,
-                MANUAL: kiln.constexpr):
+                MANUAL: kiln.constexpr, WAIT: kiln.constexpr = False):
     if MANUAL:
-        manual_waits()  # and no cp_async.wait: the read below is uncovered
+        manual_waits()  # and, without WAIT, no cp_async.wait: the read below is uncovered
     s = tiles.SharedTile((16, 64), kiln.bf16)
     src = tiles.GlobalTile(x, (16, 64), (kiln.block_id(0) * 16, 0), row_end=rows)
     r = kiln.thread_id(0) % 16
-    cp_async.commit([cp_async.copy(s, (r, 0), src, (r, 0), width=8)])
+    group = cp_async.commit([cp_async.copy(s, (r, 0), src, (r, 0), width=8)])
+    if WAIT:
+        cp_async.wait(group)
     kiln.barrier()
     out.store(0, s.load(r, 0, width=8))  # READ_LINE
 
@@ -82,14 +84,21 @@ def test_a_handed_over_module_has_no_text_and_a_printed_one_is_not_handed_over()
 
 
 def test_the_wait_proof_runs_beside_ptxas_or_after_the_stages(monkeypatch):
+    """With waits of its own (manual) the kernel's whole proof runs beside ptxas; where
+    kiln-insert-waits placed them, its last walk already proved them and only the ring proof
+    is left (kiln-verify-rings). Both place the same wait in the PTX."""
     monkeypatch.setenv("KILN_NO_CACHE", "1")
-    ck = staged_copy.compile(*_args(), MANUAL=False, target="sm_90a")
-    steps = _steps(ck)
     where = "cubin.ptxas" if find_ptxas() is not None else "text"
-    assert f"{where}.kiln-verify-waits" in steps and f"{where}.kiln" in steps
-    assert "gpu.passes.kiln-verify-waits" not in steps  # not on the critical path
-    assert "gpu.passes.kiln-insert-waits" in steps
-    assert "cp.async.wait_group" in ck.asm["ptx"]
+    manual = staged_copy.compile(*_args(), MANUAL=True, WAIT=True, target="sm_90a")
+    inserted = staged_copy.compile(*_args(), MANUAL=False, target="sm_90a")
+    for ck, proof, skipped in ((manual, "kiln-verify-waits", "kiln-verify-rings"),
+                               (inserted, "kiln-verify-rings", "kiln-verify-waits")):
+        steps = _steps(ck)
+        assert f"{where}.{proof}" in steps and f"{where}.kiln" in steps
+        assert not any(step.endswith(skipped) for step in steps)
+        assert f"gpu.passes.{proof}" not in steps  # not on the critical path
+        assert "cp.async.wait_group" in ck.asm["ptx"]
+    assert "gpu.passes.kiln-insert-waits" in _steps(inserted)
 
 
 def test_a_missing_wait_still_fails_the_compile_at_the_read(monkeypatch):
@@ -148,5 +157,5 @@ def test_backends_without_a_tool_window_prove_in_the_stage(monkeypatch):
     assert compiler.BACKENDS["nvidia"].defers_proofs and not compiler.BACKENDS["amd"].defers_proofs
     x = np.random.rand(64).astype(np.float32)
     ck = scale.compile(x, np.zeros_like(x), target="gfx950", num_warps=1)
-    assert "gpu.passes.kiln-verify-waits" in _steps(ck)
+    assert "gpu.passes.kiln-verify-rings" in _steps(ck)  # kiln-insert-waits proved the rest
     assert "text.kiln" in _steps(ck)  # its traced module was still lowered without a parse

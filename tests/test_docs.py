@@ -184,6 +184,8 @@ def test_every_kiln_pass_is_documented_where_it_runs(capsys):
             ("`nvvm` / `rocdl`", 1, nvvm_passes(SimpleNamespace(options=nvidia,
                                                                 target=nvidia.chip))),
             ("`nvvm` / `rocdl`", 2, rocdl_passes(SimpleNamespace(options=amd, target=amd.chip)))]
+    from kiln.lowering.pipeline import VERIFY_RINGS
+    runs += [("`gpu`", 1, [VERIFY_RINGS]), ("`gpu`", 2, [VERIFY_RINGS])]  # for verify-waits
     used = set()
     for stage_cell, column, pipeline in runs:
         cell = _stage_row(lowering_md, stage_cell)[column]

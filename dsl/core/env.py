@@ -26,6 +26,9 @@ the variable and what it takes (an empty value counts as unset). Flags accept ``
 ``KILN_LAUNCHER``                 how CUDA kernels launch: ``native`` (default: the C shim,
                                   else ctypes), ``ctypes`` (``cuLaunchKernel`` by ctypes) or
                                   ``mlir`` (the ExecutionEngine host launcher)
+``KILN_NVPTX_PIPELINE``           how LLVM IR becomes PTX: ``fast`` (default: LLVM's C API,
+                                  O3 without the function-level SCCP), ``o3`` (C API,
+                                  ``default<O3>``) or ``mlir`` (``gpu-module-to-binary``)
 ``KILN_CC``                       C compiler for the native launch shim (default ``cc``);
                                   ``none``: never build it (the ctypes launcher)
 ``KILN_FUZZ_EXAMPLES=N``          kernels ``tests/test_fuzz.py`` generates (long fuzzing runs)
@@ -147,6 +150,20 @@ def launcher() -> str:
         return "native"
     if value not in LAUNCHERS:
         raise _invalid("KILN_LAUNCHER", os.environ["KILN_LAUNCHER"], " or ".join(LAUNCHERS))
+    return value
+
+
+NVPTX_PIPELINES = ("fast", "o3", "mlir")
+
+
+def nvptx_pipeline() -> str:
+    """``KILN_NVPTX_PIPELINE``: one of :data:`NVPTX_PIPELINES` (default ``fast``)."""
+    value = os.environ.get("KILN_NVPTX_PIPELINE", "").strip().lower()
+    if value == "":
+        return "fast"
+    if value not in NVPTX_PIPELINES:
+        raise _invalid("KILN_NVPTX_PIPELINE", os.environ["KILN_NVPTX_PIPELINE"],
+                       " or ".join(NVPTX_PIPELINES))
     return value
 
 

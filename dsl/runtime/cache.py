@@ -96,7 +96,8 @@ def toolchain_versions() -> tuple[tuple[str, str], ...]:
 
 def _tool_identities() -> tuple[tuple[str, str], ...]:
     return (("ptxas", _tool_identity(tools.find_ptxas())),
-            ("ld.lld", _tool_identity(tools.find_ld_lld())))
+            ("ld.lld", _tool_identity(tools.find_ld_lld())),
+            ("nvptx-pipeline", env.nvptx_pipeline()))  # the PTX of a user kernel may differ
 
 
 def make_key(*parts: str) -> str:
