@@ -47,6 +47,9 @@ class TraceState:
     programmatic_launch: bool = False  # waits on prior grids (kiln.nvidia_asm.grid_dependency_wait)
     unrolled_iterations: int = 0  # Python loop iterations so far (trace_runtime's budget)
     values_built: int = 0  # kiln.Values so far (MAX_TRACED_VALUES)
+    param_names: tuple = ()  # the run-time parameters' names, by entry block argument
+    derived_maps: dict = field(default_factory=dict)  # kiln.tile_tma: key -> (param, descriptor)
+    tma_setup: object = None  # kiln.tile_tma: the op new mbarrier inits go before
 
     def unique_symbol(self, base: str) -> str:
         name, n = base, 0

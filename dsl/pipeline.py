@@ -107,8 +107,9 @@ class Pipeline(TracedRange):
         for j in range(self.ahead):
             self.fetch(self.lo + j * step, j)
 
-        def group(k0, *args):
+        def group(g, *args):
             values = list(args)
+            k0 = self.lo + g * (n * step)
             for i in range(n):
                 k = k0 + i * step
                 ops.barrier()
@@ -126,7 +127,10 @@ class Pipeline(TracedRange):
         hi = self.hi
         if builder.current_target().has_wgmma and isinstance(hi, Value):
             hi = ops.maximum(hi, self.lo + 1)
-        results = for_stmt(TracedRange(self.lo, hi, n * step), group, names, initial, objects)
+        # a unit-step loop over groups of N steps: the mbarrier ring proofs count a TMA
+        # copy's uses by induction on it (kiln.passes.mbarrier_rings)
+        groups = (hi - self.lo + (n * step - 1)) // (n * step)
+        results = for_stmt(TracedRange(0, groups, 1), group, names, initial, objects)
         if getattr(state, GROUPS_ATTR, 0) != before:
             # retire the last group right after the loop: with the wait further down (before
             # the epilogue's first read) ptxas serialises every WGMMA

@@ -43,7 +43,7 @@ from typing import Any
 from mlir import ir
 from mlir.dialects import scf, vector
 
-from . import builder, ops
+from . import builder, ops, tile_tma
 from .core import dtypes as dt
 from .core.errors import KilnTypeError, KilnValueError
 from .core.ops import AUTO_WAIT_ATTR
@@ -187,6 +187,8 @@ def _staged_store(tile: RegTile, dst: GlobalTile) -> None:
     """``store(tile, dst)`` through shared memory: the tile goes into its own shared tile in
     128-byte-swizzled chunks of rows (each run of 8 rows of a chunk hits every bank once), then
     every thread stores 16-byte runs of whole rows (coalesced, masked like any store)."""
+    if tile_tma.store(tile, dst):
+        return
     rows, cols = tile.shape
     itemsize = tile.dtype.itemsize
     chunk = CHUNK_BYTES // itemsize
@@ -266,6 +268,8 @@ def copy(src: Any, dst: Any, *, staged: bool = False) -> Any:
             store(src, dst)
         return None
     if isinstance(src, GlobalTile) and isinstance(dst, SharedTile):
+        if tile_tma.load(src, dst):
+            return None
         threads = builder.current().block[0]
         target = builder.current_target()
         width = tile_dma.dma_width(src, dst, threads, target)

@@ -37,9 +37,10 @@ SQRT_2_OVER_PI = 0.7978845608028654
 
 @kiln.kernel(num_threads="THREADS")
 def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tensor[f32],
-                  c: kiln.Tensor[bf16, 2], m: i32, n: i32, k: i32, BM: kiln.constexpr,
-                  BN: kiln.constexpr, BK: kiln.constexpr, STAGES: kiln.constexpr,
-                  GROUP_M: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr):
+                  c: kiln.Tensor[bf16, 2], BM: kiln.constexpr, BN: kiln.constexpr,
+                  BK: kiln.constexpr, STAGES: kiln.constexpr, GROUP_M: kiln.constexpr,
+                  THREADS: kiln.constexpr, STAGED: kiln.constexpr, ALIGN: kiln.constexpr):
+    (m, k), (kb, n) = a.shape, b.shape   # masks at the tensors' own extents: TMA on sm_90a
     # grouped order: GROUP_M row tiles sweep the columns together, sharing B tiles in L2
     pid, tiles_m, tiles_n = kiln.block_id(0), (m + BM - 1) // BM, (n + BN - 1) // BN
     first = pid // (GROUP_M * tiles_n) * GROUP_M
@@ -53,7 +54,7 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
     def fetch(k0, s):   # masked rows and columns read as 0, which adds nothing
         kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k, align=ALIGN,
                                   col_multiple=ALIGN // 2), a_s[s])
-        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=k, col_end=n, align=ALIGN,
+        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=kb, col_end=n, align=ALIGN,
                                   col_multiple=ALIGN // 2), b_s[s])
 
     acc = kiln.accumulator(a_s[0], b_s[0])
@@ -62,8 +63,9 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
     x = acc + kiln.load(kiln.GlobalTile(bias, (BM, BN), (0, col0), col_end=n), acc.layout)
     z = (x + 0.044715 * x * x * x) * (2.0 * SQRT_2_OVER_PI)
     y = x * kiln.rcp(1.0 + kiln.exp(-z), approx=True)   # no slow path where exp(-z) is inf
-    kiln.copy(kiln.cast(y, bf16), kiln.GlobalTile(c, (BM, BN), (row0, col0), row_end=m,
-                                                  col_end=n, align=ALIGN))
+    c_tile = kiln.GlobalTile(c, (BM, BN), (row0, col0), row_end=c.shape[0], col_end=c.shape[1],
+                             align=ALIGN)
+    kiln.copy(kiln.cast(y, bf16), c_tile, staged=STAGED)
 
 
 def config(target: str | None) -> dict:
@@ -75,8 +77,8 @@ def config(target: str | None) -> dict:
     128 x 128 x 32, 8 warps, 3 stages elsewhere."""
     name = target or default_target()
     if name.startswith("sm_90"):
-        return dict(BM=128, BN=256, BK=64, STAGES=4, GROUP_M=8, THREADS=256)
-    return dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, THREADS=256)
+        return dict(BM=128, BN=256, BK=64, STAGES=4, GROUP_M=8, THREADS=256, STAGED=True)
+    return dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, THREADS=256, STAGED=False)
 
 
 def alignment(k: int, n: int, *arrays) -> int:
@@ -94,7 +96,9 @@ def matmul(a, b, bias, c, *, backend: str = "gpu", target: str | None = None):
     grid = (-(-m // cfg["BM"]) * -(-n // cfg["BN"]),)
     launch = matmul_kernel.interpret[grid] if backend == "interpret" else matmul_kernel[grid]
     extra = {"target": target} if target else {}
-    launch(a, b, bias, c, m, n, k, **cfg, ALIGN=alignment(k, n, a, b, c), **extra)
+    align = alignment(k, n, a, b, c)   # C is staged (TMA stores) only where rows are aligned
+    cfg["STAGED"] = cfg["STAGED"] and align == 16
+    launch(a, b, bias, c, **cfg, ALIGN=align, **extra)
     return c
 
 
