@@ -1,0 +1,194 @@
+"""``kiln.copy`` through TMA on sm_90a (kiln.tile_tma): derived tensor-map parameters, ragged
+edges by TMA's zero fill, the mbarrier waits kiln-insert-waits places (and kiln-verify-waits
+rejecting the program when one is deleted), staged TMA stores, and the pipelined WGMMA GEMM on
+them in the interpreter and (gpu marker) on a Hopper GPU."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from mlir import ir
+
+import kiln
+from kiln import bf16, f32
+from kiln.core.errors import WaitError
+from kiln.passes import build_pass_manager
+from kiln.passes.wait_analysis import op_label
+from kiln.signature import TensorMapParam
+
+
+@kiln.kernel(num_threads="THREADS")
+def tma_gemm(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], c: kiln.Tensor[f32, 2],
+             BM: kiln.constexpr, BN: kiln.constexpr, BK: kiln.constexpr,
+             STAGES: kiln.constexpr, THREADS: kiln.constexpr, EARLY: kiln.constexpr):
+    (m, k), (kb, n) = a.shape, b.shape
+    row0, col0 = kiln.block_id(0) * BM, kiln.block_id(1) * BN
+    a_s = [kiln.tiles.operand_tile((BM, BK), bf16, "a") for _ in range(STAGES)]
+    b_s = [kiln.tiles.operand_tile((BK, BN), bf16, "b") for _ in range(STAGES)]
+
+    def fetch(k0, s):
+        kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k, align=16),
+                  a_s[s])
+        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=kb, col_end=n, align=16),
+                  b_s[s])
+
+    acc = kiln.accumulator(a_s[0], b_s[0])
+    for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch, barrier_before_fetch=EARLY):
+        acc = kiln.gemm(a_s[it.stage], b_s[it.stage], acc)
+    mc, nc = c.shape
+    kiln.copy(acc, kiln.GlobalTile(c, (BM, BN), (row0, col0), row_end=mc, col_end=nc, align=16),
+              staged=True)
+
+
+@kiln.kernel(num_threads=128)
+def tma_window(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], r0: kiln.i32, c0: kiln.i32,
+               ROWS: kiln.constexpr, COLS: kiln.constexpr):
+    """A ``ROWS x COLS`` window of ``x`` at ``(r0, c0)`` into a row-major shared tile (TMA,
+    zeros past the edges), then through registers into ``y`` (the whole tile, unmasked)."""
+    rows, cols = x.shape
+    flat = kiln.dynamic_shared((ROWS * COLS,), f32, align=128)
+    s = kiln.tiles.SharedTile.view(flat, (ROWS, COLS))
+    kiln.copy(kiln.GlobalTile(x, (ROWS, COLS), (r0, c0), row_end=rows, col_end=cols, align=16),
+              s)
+    kiln.barrier()
+    t = kiln.load(s, kiln.layout.blocked((ROWS, COLS), 128, vec=4))
+    kiln.copy(t, kiln.GlobalTile(y, (ROWS, COLS), (0, 0)))
+
+
+GEMM = dict(BM=128, BN=128, BK=64, THREADS=256)
+
+
+def _operands(rng, m, n, k):
+    a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((k, n)).astype(ml_dtypes.bfloat16)
+    return a, b, a.astype(np.float64) @ b.astype(np.float64)
+
+
+def _grid(m, n):
+    return (-(-m // GEMM["BM"]), -(-n // GEMM["BN"]))
+
+
+@pytest.mark.parametrize("stages,early", [(2, False), (3, False), (4, False), (3, True)])
+def test_tma_pipeline_ragged_in_the_interpreter(stages, early):
+    """Ragged M, N, K (K not a multiple of BK nor of the stages' span): the boxes past the
+    tensors' edges read zeros, and the staged TMA store drops C's elements past them."""
+    m, n, k = 130, 200, 328
+    a, b, want = _operands(np.random.default_rng(), m, n, k)
+    c = np.full((m, n), np.nan, np.float32)
+    tma_gemm.interpret[_grid(m, n)](a, b, c, **GEMM, STAGES=stages, EARLY=early,
+                                    target="sm_90a")
+    np.testing.assert_allclose(c, want, rtol=1e-4, atol=1e-3)
+
+
+def test_tma_copy_derives_tensor_map_parameters():
+    """One derived map per (tensor, box, swizzle) after the declared parameters; the caller
+    passes only the declared ones (the launcher and interpreter take each map's source)."""
+    a = np.zeros((256, 256), ml_dtypes.bfloat16)
+    traced = tma_gemm.trace(a, a, np.zeros((256, 256), np.float32), **GEMM, STAGES=3,
+                            EARLY=False, target="sm_90a")
+    sig = traced.signature
+    derived = [p for p in sig.params if isinstance(p, TensorMapParam)]
+    assert [(p.source, p.box, p.swizzle) for p in derived] == [
+        ("a", (128, 64), 128), ("b", (64, 64), 128), ("c", (128, 32), 128)]
+    assert sig.declared == 3 and sig.sources() == (0, 1, 2)
+    assert sig.expand(["A", "B", "C"]) == ["A", "B", "C", "A", "B", "C"]
+    asm = traced.module_asm
+    # a prologue fetch and one per step of the 3 (A: one box, B: two 64-column boxes)
+    assert asm.count("nvgpu.tma.async.load") == (1 + 3) * (1 + 2)
+    assert "nvgpu.tma.async.store" in asm
+    assert "nvgpu.device_async_copy" not in asm
+
+
+@pytest.mark.parametrize("r0,c0", [(0, 0), (50, 36), (-3, 60)])
+def test_tma_window_zero_fills_past_the_edges(r0, c0):
+    x = np.random.default_rng().standard_normal((60, 100)).astype(np.float32)
+    y = np.full((32, 64), np.nan, np.float32)
+    tma_window.interpret[(1,)](x, y, r0, c0, ROWS=32, COLS=64, target="sm_90a")
+    want = np.zeros_like(y)
+    rows = slice(max(r0, 0), min(r0 + 32, 60))
+    cols = slice(max(c0, 0), min(c0 + 64, 100))
+    want[rows.start - r0:rows.stop - r0, cols.start - c0:cols.stop - c0] = x[rows, cols]
+    np.testing.assert_array_equal(y, want)
+
+
+def test_masks_other_than_the_extents_keep_cp_async():
+    """A mask at a scalar argument (not provably the tensor's extent) is not TMA's clipping."""
+    @kiln.kernel(num_threads=128)
+    def masked(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], n: kiln.i32):
+        flat = kiln.dynamic_shared((32 * 64,), f32, align=128)
+        s = kiln.tiles.SharedTile.view(flat, (32, 64))
+        kiln.copy(kiln.GlobalTile(x, (32, 64), (0, 0), col_end=n, align=16), s)
+        kiln.barrier()
+        kiln.copy(kiln.load(s, kiln.layout.blocked((32, 64), 128, vec=4)),
+                  kiln.GlobalTile(y, (32, 64), (0, 0)))
+
+    x = np.zeros((32, 64), np.float32)
+    traced = masked.trace(x, x, 64, target="sm_90a")
+    assert "nvgpu.tma" not in traced.module_asm and "nvgpu.device_async_copy" in traced.module_asm
+    assert len(traced.signature.params) == 3
+
+
+def _waits(module):
+    found = []
+
+    def visit(op):
+        if op.name in ("nvgpu.mbarrier.try_wait.parity", "nvvm.wgmma.wait.group.sync.aligned"):
+            found.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    return found
+
+
+@pytest.mark.lower
+def test_deleting_a_placed_wait_fails_verify_waits():
+    """The mbarrier waits before each step's WGMMAs and the wgmma.wait_group before each
+    refill's barrier are all required: without one kiln-verify-waits raises a WaitError."""
+    a = np.zeros((256, 256), ml_dtypes.bfloat16)
+    ck = tma_gemm.compile(a, a, np.zeros((256, 256), np.float32), **GEMM, STAGES=4,
+                          EARLY=False, target="sm_90a")
+    text = ck.asm["gpu"]
+    with ir.Context():
+        parsed = ir.Module.parse(text)  # held: its ops die with it
+        labels = [op_label(w) for w in _waits(parsed)]
+    assert sum("try_wait" in label for label in labels) == 2 * 4
+    for index in range(len(labels)):
+        with ir.Context():
+            module = ir.Module.parse(text)
+            _waits(module)[index].erase()
+            with pytest.raises(WaitError, match="tma|mbarrier|wgmma"):
+                build_pass_manager(["kiln-verify-waits"]).run(module.operation)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1000, 520, 336), (256, 512, 4096), (130, 200, 328)])
+def test_tma_gemm_on_gpu(shape):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    m, n, k = shape
+    a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
+    for stages, early in ((4, False), (3, True)):
+        c = torch.full((m, n), float("nan"), device="cuda")
+        tma_gemm[_grid(m, n)](a, b, c, **GEMM, STAGES=stages, EARLY=early)
+        want = a.double() @ b.double()
+        torch.testing.assert_close(c.double(), want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r0,c0", [(0, 0), (50, 36), (-3, 60)])
+def test_tma_window_on_gpu(r0, c0):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    x = torch.randn(60, 100, device="cuda")
+    y = torch.full((32, 64), float("nan"), device="cuda")
+    tma_window[(1,)](x, y, r0, c0, ROWS=32, COLS=64)
+    want = np.zeros((32, 64), np.float32)
+    host = x.cpu().numpy()
+    rows = slice(max(r0, 0), min(r0 + 32, 60))
+    cols = slice(max(c0, 0), min(c0 + 64, 100))
+    want[rows.start - r0:rows.stop - r0, cols.start - c0:cols.stop - c0] = host[rows, cols]
+    np.testing.assert_array_equal(y.cpu().numpy(), want)
