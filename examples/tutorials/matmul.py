@@ -4,20 +4,22 @@
 all be ragged. Each block computes a ``BM x BN`` tile of C (blocks visit the tiles in grouped
 order: ``GROUP_M`` row tiles sweep the columns together, so they share B tiles in L2).
 ``kiln.pipeline`` runs the K loop over ``STAGES`` pairs of shared tiles: ``fetch`` copies a K
-step's tiles of A and B into one stage (``cp.async`` on sm_80+ where ``align=16`` promises
-aligned rows, and ``col_multiple`` that K and N are multiples of 8, so each 16-byte chunk is
-copied whole or not at all; vector loads elsewhere; masked rows and columns read as 0, which
-adds nothing) while ``kiln.gemm`` multiplies an earlier stage with the target's MMA into an
-accumulator whose register layout Kiln derives. ``kiln.tiles.operand_tile`` lays each shared
-tile out for that MMA: WGMMA's 128-byte-swizzled chunks on sm_90a (two warpgroups, each 64 rows
-of a 128 x 256 tile, one WGMMA group kept in flight), ``mma.sync`` fed by ``ldmatrix`` on
-sm_80, the double-rate MFMA on gfx950. No wait is in the program: ``kiln-insert-waits`` places
-the ``cp.async`` and WGMMA waits (docs/tiles.md has the schedule). The epilogue is plain tile
-math on the accumulator: the bias is a 1-D tensor read as a tile (every row the same), GELU is
-the tanh form written as a sigmoid whose reciprocal is the hardware's approximate one
-(``kiln.rcp(approx=True)``: the correctly rounded ``rcp.rn`` runs a slow path for every lane
-whose ``1 + exp(-z)`` overflowed, about half of them: 487 -> 610 TFLOP/s at 4096^3 on an
-H200), ``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the unmasked part.
+step's tiles of A and B into one stage while ``kiln.gemm`` multiplies an earlier stage with the
+target's MMA into an accumulator whose register layout Kiln derives. The tiles' masks are the
+tensors' own extents (``a.shape``), so on sm_90a the copies are TMA boxes (``align=16``: rows
+of 16-byte multiples; the boxes past the edges read zeros, which add nothing), completing on
+mbarriers; on sm_80 ``cp.async`` (``col_multiple``: K and N multiples of 8, so each 16-byte
+chunk is copied whole or not at all); vector loads elsewhere. ``kiln.tiles.operand_tile`` lays
+each shared tile out for the MMA: WGMMA's 128-byte-swizzled chunks on sm_90a (two warpgroups,
+each 64 rows of a 128 x 256 tile, one WGMMA group kept in flight), ``mma.sync`` fed by
+``ldmatrix`` on sm_80, the double-rate MFMA on gfx950. No wait is in the program:
+``kiln-insert-waits`` places the mbarrier, ``cp.async`` and WGMMA waits (docs/tiles.md has the
+schedule). The epilogue is plain tile math on the accumulator: the bias is a 1-D tensor read as
+a tile (every row the same), GELU is the tanh form written as a sigmoid whose reciprocal is the
+hardware's approximate one (``kiln.rcp(approx=True)``: the correctly rounded ``rcp.rn`` runs a
+slow path for every lane whose ``1 + exp(-z)`` overflowed, about half of them: 487 -> 610
+TFLOP/s at 4096^3 on an H200), ``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the
+unmasked part: on sm_90a (``STAGED``) through shared memory and TMA stores, 64 columns at a time.
 
 Run: ``python examples/tutorials/matmul.py``.
 """
