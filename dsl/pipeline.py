@@ -124,12 +124,11 @@ class Pipeline(TracedRange):
         before = getattr(state, GROUPS_ATTR, 0)
         # at least one group of steps (masked when hi <= lo): a loop that may not run has a
         # zero-trip exit path whose moves into the accumulators make ptxas serialise WGMMA
-        hi = self.hi
-        if builder.current_target().has_wgmma and isinstance(hi, Value):
-            hi = ops.maximum(hi, self.lo + 1)
         # a unit-step loop over groups of N steps: the mbarrier ring proofs count a TMA
         # copy's uses by induction on it (kiln.passes.mbarrier_rings)
-        groups = (hi - self.lo + (n * step - 1)) // (n * step)
+        groups = (self.hi - self.lo + (n * step - 1)) // (n * step)
+        if builder.current_target().has_wgmma and isinstance(groups, Value):
+            groups = ops.maximum(groups, 1)
         results = for_stmt(TracedRange(0, groups, 1), group, names, initial, objects)
         if getattr(state, GROUPS_ATTR, 0) != before:
             # retire the last group right after the loop: with the wait further down (before
