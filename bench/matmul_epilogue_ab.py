@@ -5,7 +5,9 @@ examples/tutorials/matmul.py's kernel) against cuBLAS and Triton's tutorial matm
 moves them with TMA on sm_90a (else the scalar ``m, n, k``: ``cp.async``). ``STAGED``: C
 goes through shared memory (TMA stores where ``TMA``). ``EARLY``: ``kiln.pipeline``'s
 ``barrier_before_fetch`` (copies N - 1 ahead with a group in flight, a second barrier a
-step). ``IN_FLIGHT``: ``kiln.pipeline``'s ``mma_in_flight`` (None: one WGMMA group kept in
+step). ``HANDOFF``: ``kiln.pipeline``'s ``handoff`` (no block barrier a step: every thread
+releases a stage on its tiles' empty mbarriers after the WGMMA group reading it retired, and
+the TMA refill waits for those releases). ``IN_FLIGHT``: ``kiln.pipeline``'s ``mma_in_flight`` (None: one WGMMA group kept in
 flight across a step, the fetch 2 stages ahead of 4; 0: none, 3 ahead). ``EPI``: 0 the
 tutorial's epilogue (bias + GELU with ``rcp.approx``), 3 no bias and no GELU (the accumulator
 cast and stored: the floor of the epilogue).
@@ -35,7 +37,7 @@ def ab_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tenso
               BN: kiln.constexpr, BK: kiln.constexpr, STAGES: kiln.constexpr,
               GROUP_M: kiln.constexpr, THREADS: kiln.constexpr, EPI: kiln.constexpr,
               TMA: kiln.constexpr, STAGED: kiln.constexpr, IN_FLIGHT: kiln.constexpr = None,
-              EARLY: kiln.constexpr = False):
+              EARLY: kiln.constexpr = False, HANDOFF: kiln.constexpr = False):
     pid, tiles_m, tiles_n = kiln.block_id(0), (m + BM - 1) // BM, (n + BN - 1) // BN
     first = pid // (GROUP_M * tiles_n) * GROUP_M
     rows = kiln.min(tiles_m - first, GROUP_M)
@@ -53,7 +55,7 @@ def ab_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tenso
 
     acc = kiln.accumulator(a_s[0], b_s[0])
     for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch, mma_in_flight=IN_FLIGHT,
-                            barrier_before_fetch=EARLY):
+                            barrier_before_fetch=EARLY, handoff=HANDOFF):
         acc = kiln.gemm(a_s[it.stage], b_s[it.stage], acc)
     y = acc
     if EPI < 3:
@@ -73,6 +75,8 @@ VARIANTS = {
     "tma s4 direct-C": dict(STAGED=False),
     "tma s4": {},
     "tma s4 early": dict(EARLY=True),
+    "tma s4 handoff": dict(HANDOFF=True),
+    "tma s4 handoff g16": dict(HANDOFF=True, GROUP_M=16),
     "tma s3 early": dict(STAGES=3, EARLY=True),
     "tma s4 if0": dict(IN_FLIGHT=0),
     "tma s4 g16": dict(GROUP_M=16),

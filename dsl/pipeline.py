@@ -48,7 +48,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import builder, ops
+from mlir import ir
+from mlir.dialects import arith
+
+from . import builder, ops, tile_tma
 from .core.errors import KilnTypeError, KilnValueError
 from .tile_gemm_wgmma import GROUPS_ATTR
 from .trace_runtime import TracedRange, for_stmt
@@ -56,6 +59,8 @@ from .values import Value
 from . import wgmma
 
 MAX_STAGES = 8
+# ops of a copy that did not go by TMA (handoff=True refuses them: no mbarrier to hand back)
+SYNC_COPIES = ("nvgpu.device_async_copy", "vector.store", "vector.maskedstore", "memref.store")
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,8 @@ class Pipeline(TracedRange):
     """The loop object :func:`pipeline` returns; drives a ``for`` statement in a kernel."""
 
     def __init__(self, lo: Any, hi: Any, step: int, *, stages: int, fetch: Callable,
-                 mma_in_flight: int | None = None, barrier_before_fetch: bool = False):
+                 mma_in_flight: int | None = None, barrier_before_fetch: bool = False,
+                 handoff: bool = False):
         super().__init__(lo, hi, step)
         if not isinstance(stages, int) or isinstance(stages, bool) \
                 or not 2 <= stages <= MAX_STAGES:
@@ -97,6 +103,13 @@ class Pipeline(TracedRange):
                                  "is for a WGMMA group kept in flight (3+ stages)",
                                  fix="pass barrier_before_fetch=False here")
         self.barrier_before_fetch = barrier_before_fetch
+        if handoff not in (False, True) or handoff and (in_flight != 1 or barrier_before_fetch):
+            raise KilnValueError(f"kiln.pipeline handoff={handoff!r} hands stages back by "
+                                 "mbarriers behind a WGMMA group kept in flight (sm_90a, 3+ "
+                                 "stages, TMA copies)",
+                                 fix="pass handoff=False here, or drop mma_in_flight / "
+                                     "barrier_before_fetch")
+        self.handoff = handoff
         # the second barrier lets the fetch refill the stage of the group just retired
         self.ahead = stages - 1 - (0 if barrier_before_fetch else in_flight)
 
@@ -104,20 +117,29 @@ class Pipeline(TracedRange):
         """Trace the prologue, then an ``scf.for`` whose body runs the ``stages`` steps (module
         table); returns the values of ``names`` after the loop (as ``for_stmt``)."""
         n, step = self.stages, self.step
+        stage_tiles: dict = {}
         for j in range(self.ahead):
-            self.fetch(self.lo + j * step, j)
+            self._fetch(self.lo + j * step, j, stage_tiles)
 
         def group(g, *args):
             values = list(args)
             k0 = self.lo + g * (n * step)
+            marks = []
             for i in range(n):
                 k = k0 + i * step
-                ops.barrier()
+                if not self.handoff:
+                    ops.barrier()
                 out = list(body_fn(Step(k, i), *values))
+                if self.handoff:  # the previous step's stage goes back here (below)
+                    marks.append((i, arith.ConstantOp(ir.IntegerType.get_signless(32), 0)))
                 if self.barrier_before_fetch:
                     ops.barrier()
-                self.fetch(k + self.ahead * step, (i + self.ahead) % n)
+                self._fetch(k + self.ahead * step, (i + self.ahead) % n, stage_tiles)
                 values = out
+            for i, mark in marks:  # every stage's tiles are known once the group is traced
+                with ir.InsertionPoint(mark):
+                    tile_tma.release(stage_tiles.get((i - 1) % n, []), g > 0 if i == 0 else None)
+                mark.operation.erase()
             return tuple(values)
 
         state = builder.current()
@@ -137,8 +159,39 @@ class Pipeline(TracedRange):
         return results
 
 
+    def _fetch(self, k: Any, stage: int, stage_tiles: dict) -> None:
+        """``fetch(k, stage)``; with ``handoff`` its TMA copies' tiles are recorded as the
+        stage's (each must be a TMA copy: its waits hang on the tile's mbarriers)."""
+        if not self.handoff:
+            self.fetch(k, stage)
+            return
+        state = builder.current()
+        state.tma_fetching = fetched = []
+        block = ir.InsertionPoint.current.block
+        first = len(block.operations)
+        try:
+            self.fetch(k, stage)
+        finally:
+            state.tma_fetching = None
+        found = []
+
+        def visit(op):
+            if op.name in SYNC_COPIES:
+                found.append(op)
+            return ir.WalkResult.ADVANCE
+
+        for op in list(block.operations)[first:]:
+            op.operation.walk(visit)
+        if found:
+            raise KilnValueError("kiln.pipeline(handoff=True) needs every copy of the fetch to "
+                                 "go by TMA (sm_90a, align=16, masks at the tensors' extents)",
+                                 fix="pass handoff=False, or make the GlobalTiles qualify "
+                                     "(docs/tiles.md, TMA on sm_90a)")
+        stage_tiles.setdefault(stage, fetched)
+
+
 def pipeline(*args, stages: int, fetch: Callable, mma_in_flight: int | None = None,
-             barrier_before_fetch: bool = False) -> Pipeline:
+             barrier_before_fetch: bool = False, handoff: bool = False) -> Pipeline:
     """``for it in kiln.pipeline(lo, hi, step, stages=N, fetch=fn)``: a ``kiln.range`` whose
     copies (``fn(k, stage)``) run ahead of the body in ``N`` shared-memory stages (see the
     module docs for the schedule and the waits).
@@ -151,7 +204,7 @@ def pipeline(*args, stages: int, fetch: Callable, mma_in_flight: int | None = No
                             fix="kiln.pipeline(0, k, BK, stages=3, fetch=fetch)")
     lo, hi, step = args
     return Pipeline(lo, hi, step, stages=stages, fetch=fetch, mma_in_flight=mma_in_flight,
-                    barrier_before_fetch=barrier_before_fetch)
+                    barrier_before_fetch=barrier_before_fetch, handoff=handoff)
 
 
 __all__ = ["pipeline", "Pipeline", "Step"]

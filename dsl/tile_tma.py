@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 from mlir import ir
-from mlir.dialects import llvm, vector
+from mlir.dialects import llvm, scf, vector
 
 from . import builder, ops
 from .core.ops import AUTO_WAIT_ATTR, constant_int
@@ -61,7 +61,7 @@ from .signature import TensorMapParam
 from .swizzle import Swizzle
 from .tile_gemm_wgmma import ATOM_BYTES, CHUNK_BYTES, chunked_layout
 from .tiles import row_run_width
-from .values import Value
+from .values import Value, to_value
 
 ROW_BYTES = 16   # TMA: global strides and box rows are multiples of 16 bytes
 STORE_BUFFERS = 2  # staged store: a chunk is written while the one before is still being stored
@@ -164,6 +164,43 @@ def _barrier(tile: SharedTile) -> mbarrier.MBarrierGroup:
     return bars
 
 
+def _empty(tile: SharedTile) -> mbarrier.MBarrierGroup:
+    """The mbarrier every thread of the block arrives on (after its WGMMA group that read
+    ``tile`` retired) to hand ``tile`` back to the next TMA load; its create and the tile's
+    full barrier's carry one ``kiln.ring_pair`` id, so kiln-insert-waits waits on it before
+    the load's arm."""
+    bars = getattr(tile, "_tma_empty", None)
+    if bars is not None:
+        return bars
+    state = builder.current()
+    full = _barrier(tile)
+    with ir.InsertionPoint(state.tma_setup):
+        bars = mbarrier.group(1)
+        bars.init(0, count=state.block[0], predicate=ops.thread_id(0) == 0)
+    state.tma_pairs += 1
+    pair = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), state.tma_pairs)
+    for group in (full, bars):
+        group.ir.owner.attributes[mbarrier.RING_PAIR_ATTR] = pair
+    tile._tma_empty = bars
+    return bars
+
+
+def release(tiles: list, condition: Any = None) -> None:
+    """Hand ``tiles`` back (kiln.pipeline without a block barrier per step): every thread
+    arrives on each tile's empty mbarrier, declaring that the newest WGMMA group may
+    still be in flight (kiln-insert-waits retires the older one before); under ``condition``
+    when given (a step with no previous use)."""
+    if condition is None:
+        for tile in tiles:
+            _empty(tile).arrive(0, wgmma_pending=1)
+        return
+    branch = scf.IfOp(to_value(condition).ir)
+    with ir.InsertionPoint(branch.then_block):
+        for tile in tiles:
+            _empty(tile).arrive(0, wgmma_pending=1)
+        scf.YieldOp([])
+
+
 def _last_op() -> ir.Operation:
     point = ir.InsertionPoint.current
     if point.ref_operation is not None:  # inserting before an op: the one just built precedes it
@@ -185,6 +222,10 @@ def load(g: GlobalTile, dst: SharedTile) -> bool:
     box, swizzle, count = found
     desc = _descriptor(g, box, swizzle)
     bars = _barrier(dst)
+    fetching = builder.current().tma_fetching
+    if fetching is not None:   # a kiln.pipeline stage handed back by mbarriers
+        _empty(dst)
+        fetching.append(dst)
     leader = ops.thread_id(0) == 0
     bars.arrive_expect_tx(0, count * tma.box_bytes(desc), predicate=leader)
     for j in range(count):
@@ -253,4 +294,4 @@ def store(tile, g: GlobalTile) -> bool:
     return True
 
 
-__all__ = ["qualifies", "boxes", "load", "store"]
+__all__ = ["qualifies", "boxes", "load", "store", "release"]

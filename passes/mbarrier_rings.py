@@ -337,6 +337,9 @@ def ring_errors(func: ir.Operation) -> list[tuple[ir.Operation, str]]:
             continue
         if named.offset is None:  # constant slot and parity: the use at the expected offset
             named = Named(named.n - stages * want, named.modulus, want)
+        elif stages == 1 and named.modulus == 2 and named.offset != want:
+            # one slot: a parity's constant is the use's or the offset's; move it to the use
+            named = Named(named.n + (named.offset - want), named.modulus, want)
         if named.modulus == 2 * stages and named.offset != want:
             kind, plus = ("a full", "") if full else ("an empty", " + 1")
             errors.append((op, f"its parity is flipped: a wait on {kind} ring for use n waits "

@@ -21,7 +21,8 @@ from kiln.signature import TensorMapParam
 @kiln.kernel(num_threads="THREADS")
 def tma_gemm(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], c: kiln.Tensor[f32, 2],
              BM: kiln.constexpr, BN: kiln.constexpr, BK: kiln.constexpr,
-             STAGES: kiln.constexpr, THREADS: kiln.constexpr, EARLY: kiln.constexpr):
+             STAGES: kiln.constexpr, THREADS: kiln.constexpr, EARLY: kiln.constexpr,
+             HANDOFF: kiln.constexpr = False):
     (m, k), (kb, n) = a.shape, b.shape
     row0, col0 = kiln.block_id(0) * BM, kiln.block_id(1) * BN
     a_s = [kiln.tiles.operand_tile((BM, BK), bf16, "a") for _ in range(STAGES)]
@@ -34,7 +35,8 @@ def tma_gemm(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], c: kiln.Tensor[f3
                   b_s[s])
 
     acc = kiln.accumulator(a_s[0], b_s[0])
-    for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch, barrier_before_fetch=EARLY):
+    for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch, barrier_before_fetch=EARLY,
+                            handoff=HANDOFF):
         acc = kiln.gemm(a_s[it.stage], b_s[it.stage], acc)
     mc, nc = c.shape
     kiln.copy(acc, kiln.GlobalTile(c, (BM, BN), (row0, col0), row_end=mc, col_end=nc, align=16),
@@ -79,6 +81,38 @@ def test_tma_pipeline_ragged_in_the_interpreter(stages, early):
     tma_gemm.interpret[_grid(m, n)](a, b, c, **GEMM, STAGES=stages, EARLY=early,
                                     target="sm_90a")
     np.testing.assert_allclose(c, want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_tma_pipeline_handed_back_by_mbarriers_in_the_interpreter(stages):
+    """``handoff=True``: no block barrier a step; the refill waits on the tiles' empty
+    mbarriers, which every thread arrives on once the WGMMA group reading them retired."""
+    m, n, k = 130, 200, 1000
+    a, b, want = _operands(np.random.default_rng(), m, n, k)
+    c = np.full((m, n), np.nan, np.float32)
+    tma_gemm.interpret[_grid(m, n)](a, b, c, **GEMM, STAGES=stages, EARLY=False, HANDOFF=True,
+                                    target="sm_90a")
+    np.testing.assert_allclose(c, want, rtol=1e-4, atol=1e-3)
+
+
+def test_handoff_refuses_copies_that_are_not_tma():
+    @kiln.kernel(num_threads=128)
+    def synchronous(a: kiln.Tensor[bf16, 2], c: kiln.Tensor[f32, 2], k: kiln.i32):
+        a_s = [kiln.tiles.operand_tile((64, 64), bf16, "a") for _ in range(3)]
+        b_s = [kiln.tiles.operand_tile((64, 64), bf16, "b") for _ in range(3)]
+
+        def fetch(k0, s):
+            kiln.copy(kiln.GlobalTile(a, (64, 64), (0, k0), col_end=k), a_s[s])
+            kiln.copy(kiln.GlobalTile(a, (64, 64), (k0, 0), row_end=k), b_s[s])
+
+        acc = kiln.accumulator(a_s[0], b_s[0])
+        for it in kiln.pipeline(0, k, 64, stages=3, fetch=fetch, handoff=True):
+            acc = kiln.gemm(a_s[it.stage], b_s[it.stage], acc)
+        kiln.copy(acc, kiln.GlobalTile(c, (64, 64), (0, 0)))
+
+    x = np.zeros((64, 64), ml_dtypes.bfloat16)
+    with pytest.raises(kiln.KilnValueError, match="handoff=True.*TMA"):
+        synchronous.trace(x, np.zeros((64, 64), np.float32), 64, target="sm_90a")
 
 
 def test_tma_copy_derives_tensor_map_parameters():
@@ -142,18 +176,29 @@ def _waits(module):
 
 
 @pytest.mark.lower
-def test_deleting_a_placed_wait_fails_verify_waits():
-    """The mbarrier waits before each step's WGMMAs and the wgmma.wait_group before each
-    refill's barrier are all required: without one kiln-verify-waits raises a WaitError."""
+@pytest.mark.parametrize("handoff", [False, True])
+def test_deleting_a_placed_wait_fails_verify_waits(handoff):
+    """The mbarrier waits before each step's WGMMAs, the wgmma.wait_group before each refill's
+    barrier (or, handed back by mbarriers, before each release) and the empty waits before
+    each refill are all required: without one kiln-verify-waits raises a WaitError."""
     a = np.zeros((256, 256), ml_dtypes.bfloat16)
     ck = tma_gemm.compile(a, a, np.zeros((256, 256), np.float32), **GEMM, STAGES=4,
-                          EARLY=False, target="sm_90a")
+                          EARLY=False, HANDOFF=handoff, target="sm_90a")
+    assert ck.metadata["wgmma_serialized"] is None
     text = ck.asm["gpu"]
     with ir.Context():
         parsed = ir.Module.parse(text)  # held: its ops die with it
         labels = [op_label(w) for w in _waits(parsed)]
-    assert sum("try_wait" in label for label in labels) == 2 * 4
-    for index in range(len(labels)):
+    # full waits: 2 tiles x 4 steps; handed back: empty waits before the 2 x 4 arms in the loop
+    assert sum("try_wait" in label for label in labels) == 2 * 4 + (8 if handoff else 0)
+    with ir.Context():
+        # a wait_group 2 (a no-op: at most 2 groups are in flight) is left where the first
+        # walk placed it, before the releases' wait_group 1 existed; the others are needed
+        parsed = ir.Module.parse(text)
+        kept = [i for i, w in enumerate(_waits(parsed))
+                if "wait.group" not in w.name or ir.IntegerAttr(w.attributes["group"]).value < 2]
+    assert len(kept) >= len(labels) - 1
+    for index in kept:
         with ir.Context():
             module = ir.Module.parse(text)
             _waits(module)[index].erase()
@@ -170,9 +215,9 @@ def test_tma_gemm_on_gpu(shape):
     m, n, k = shape
     a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
-    for stages, early in ((4, False), (3, True)):
+    for stages, early, handoff in ((4, False, False), (3, True, False), (4, False, True)):
         c = torch.full((m, n), float("nan"), device="cuda")
-        tma_gemm[_grid(m, n)](a, b, c, **GEMM, STAGES=stages, EARLY=early)
+        tma_gemm[_grid(m, n)](a, b, c, **GEMM, STAGES=stages, EARLY=early, HANDOFF=handoff)
         want = a.double() @ b.double()
         torch.testing.assert_close(c.double(), want, rtol=1e-4, atol=1e-3)
 
