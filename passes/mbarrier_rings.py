@@ -20,7 +20,8 @@ What is derived, never trusted (:mod:`kiln.passes.ring_exprs` reads the index ar
   use k, and the k-th arm use k (modulo 2S and S). Counts follow loops by induction: a loop
   whose body adds c events per iteration counts ``before + c*(iv - lo)`` at the top of its body
   (step 1), or an ``iter_arg`` that starts at the count and is yielded plus the body's events (a
-  ``use = use + 1`` counter carried through nested loops); an ``scf.if`` keeps a count its arms
+  ``use = use + 1`` counter carried through nested loops; a constant step S counts
+  ``before + c*((iv - lo) // S)``, with no count after the loop); an ``scf.if`` keeps a count its arms
   agree on. A wait on an empty ring must name the use of the arm after it in its block.
 
 Arms the path count loses under conditions (the decode kernel's first-iteration and
@@ -227,6 +228,9 @@ class Rings:
             return UNKNOWN, UNKNOWN, UNKNOWN
         if per.const == 0:
             return before, before, 0
+        if step.is_const and step.const > 1:  # iv - lo is a multiple of the step
+            return before + Lin.atom(("div", ivl - lo, step.const)).scale(per.const), UNKNOWN, \
+                per.const
         if not (step.is_const and step.const == 1):
             return UNKNOWN, UNKNOWN, per.const
         trips = hi - lo

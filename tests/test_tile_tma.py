@@ -58,6 +58,29 @@ def tma_window(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], r0: kiln.i32, c0:
     kiln.copy(t, kiln.GlobalTile(y, (ROWS, COLS), (0, 0)))
 
 
+@kiln.kernel(num_threads=128)
+def tma_column_sums(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2]):
+    """``y = sum_j x[:32, 64j:64j+64]``: a hand-written loop of step 64 refilling one shared
+    tile by TMA (the ring proof counts its uses by ``(c0 - 64) // 64``)."""
+    rows, cols = x.shape
+    flat = kiln.dynamic_shared((32 * 64,), f32, align=128)
+    s = kiln.tiles.SharedTile.view(flat, (32, 64))
+    tv = kiln.layout.blocked((32, 64), 128, vec=4)
+    acc = kiln.load(kiln.GlobalTile(x, (32, 64), (0, 0), row_end=rows, col_end=cols), tv)
+    for c0 in kiln.range(64, cols, 64):
+        kiln.copy(kiln.GlobalTile(x, (32, 64), (0, c0), row_end=rows, col_end=cols, align=16), s)
+        kiln.barrier()
+        acc = acc + kiln.load(s, tv)
+        kiln.barrier()
+    kiln.copy(acc, kiln.GlobalTile(y, (32, 64), (0, 0)))
+
+
+def _column_sums(x):
+    padded = np.zeros((32, -(-x.shape[1] // 64) * 64), np.float64)
+    padded[:x.shape[0], :x.shape[1]] = x
+    return padded.reshape(32, -1, 64).sum(axis=1)
+
+
 GEMM = dict(BM=128, BN=128, BK=64, THREADS=256)
 
 
@@ -144,6 +167,14 @@ def test_tma_window_zero_fills_past_the_edges(r0, c0):
     cols = slice(max(c0, 0), min(c0 + 64, 100))
     want[rows.start - r0:rows.stop - r0, cols.start - c0:cols.stop - c0] = x[rows, cols]
     np.testing.assert_array_equal(y, want)
+
+
+def test_tma_in_a_hand_written_loop():
+    x = np.random.default_rng().standard_normal((30, 300)).astype(np.float32)
+    y = np.full((32, 64), np.nan, np.float32)
+    tma_column_sums.interpret[(1,)](x, y, target="sm_90a")
+    np.testing.assert_allclose(y, _column_sums(x), rtol=1e-5, atol=1e-5)
+    assert "nvgpu.tma.async.load" in tma_column_sums.trace(x, y, target="sm_90a").module_asm
 
 
 def test_masks_other_than_the_extents_keep_cp_async():
@@ -237,3 +268,15 @@ def test_tma_window_on_gpu(r0, c0):
     cols = slice(max(c0, 0), min(c0 + 64, 100))
     want[rows.start - r0:rows.stop - r0, cols.start - c0:cols.stop - c0] = host[rows, cols]
     np.testing.assert_array_equal(y.cpu().numpy(), want)
+
+
+@pytest.mark.gpu
+def test_tma_in_a_hand_written_loop_on_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    x = torch.randn(30, 300, device="cuda")
+    y = torch.full((32, 64), float("nan"), device="cuda")
+    tma_column_sums[(1,)](x, y)
+    np.testing.assert_allclose(y.cpu().numpy(), _column_sums(x.cpu().numpy()), rtol=1e-5,
+                               atol=1e-5)
