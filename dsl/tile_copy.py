@@ -11,9 +11,12 @@ shared -> registers     the same with ``ld.shared`` / ``ds_read_b128``
 registers -> global     ``kiln.copy(tile, g)``: vector stores, masked elements skipped;
                         ``staged=True``: through a swizzled shared tile, then 16 bytes a
                         thread along whole rows (an MMA accumulator's 4-byte runs scattered
-                        over 8 rows become coalesced row stores)
+                        over 8 rows become coalesced row stores); TMA stores on sm_90a where
+                        ``g`` qualifies (:mod:`kiln.tile_tma`)
 registers -> shared     vector stores into the SharedTile's layout and swizzle
-global -> shared        every thread of the block takes 16-byte chunks: ``cp.async`` (committed
+global -> shared        sm_90a: TMA boxes on the tile's mbarrier where the GlobalTile's masks
+                        are its tensor's extents and ``align=16`` (:mod:`kiln.tile_tma`); else
+                        every thread of the block takes 16-byte chunks: ``cp.async`` (committed
                         as one group) on sm_80+ when the GlobalTile's ``align`` promises 4/8/16-
                         byte aligned chunks, the fill is 0 and the threads divide the chunks;
                         buffer -> LDS DMA on gfx942/gfx950 (:mod:`kiln.amd.tile_dma`); vector
@@ -21,7 +24,8 @@ global -> shared        every thread of the block takes 16-byte chunks: ``cp.asy
 ======================  =====================================================================
 
 The asynchronous paths need no wait from the user: ``kiln-insert-waits`` puts the
-``cp.async.wait_group`` / ``s_waitcnt vmcnt`` before the first read of the shared tile (a
+``mbarrier.try_wait`` / ``cp.async.wait_group`` / ``s_waitcnt vmcnt`` before the first read of
+the shared tile (a
 ``kiln.barrier()`` is still needed before reading what other threads copied, as with a
 synchronous copy).
 
