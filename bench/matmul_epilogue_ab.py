@@ -2,15 +2,15 @@
 examples/tutorials/matmul.py's kernel) against cuBLAS and Triton's tutorial matmul, one run.
 
 ``TMA``: the GlobalTiles' masks are the tensors' own extents (``a.shape``), so ``kiln.copy``
-moves them with TMA on sm_90a (else the scalar ``m, n, k``: ``cp.async``). ``STAGED``: C
-goes through shared memory (TMA stores where ``TMA``). ``EARLY``: ``kiln.pipeline``'s
-``barrier_before_fetch`` (copies N - 1 ahead with a group in flight, a second barrier a
-step). ``HANDOFF``: ``kiln.pipeline``'s ``handoff`` (no block barrier a step: every thread
-releases a stage on its tiles' empty mbarriers after the WGMMA group reading it retired, and
-the TMA refill waits for those releases). ``IN_FLIGHT``: ``kiln.pipeline``'s ``mma_in_flight`` (None: one WGMMA group kept in
-flight across a step, the fetch 2 stages ahead of 4; 0: none, 3 ahead). ``EPI``: 0 the
-tutorial's epilogue (bias + GELU with ``rcp.approx``), 3 no bias and no GELU (the accumulator
-cast and stored: the floor of the epilogue).
+moves them with TMA on sm_90a (else the scalar ``m, n, k``: ``cp.async``). ``STAGED``: C goes
+through shared memory (TMA stores where ``TMA``). ``EARLY``: ``kiln.pipeline``'s
+``barrier_before_fetch`` (copies N - 1 ahead with a group in flight, a second barrier a step).
+``HANDOFF``: ``kiln.pipeline``'s ``handoff`` (no block barrier a step: every thread releases a
+stage on its tiles' empty mbarriers after the WGMMA group reading it retired, and the TMA
+refill waits for those releases). ``IN_FLIGHT``: ``kiln.pipeline``'s ``mma_in_flight`` (None:
+one WGMMA group kept in flight across a step, the fetch 2 stages ahead of 4; 0: none, 3 ahead).
+``EPI``: 0 the tutorial's epilogue (bias + GELU with ``rcp.approx``), 3 no bias and no GELU
+(the accumulator cast and stored: the floor of the epilogue).
 
 Run: ``python bench/matmul_epilogue_ab.py [--sizes 4096 8192] [--repeat 5]``.
 """

@@ -26,13 +26,16 @@ one more stage of copies in flight for a step's tensor work. ``barrier_before_fe
 (WGMMA, one group in flight) adds a second barrier per step, between the body and the fetch:
 the wait analysis retires the previous step's group before it (``wait_group 1``, after this
 step's group is issued), so the fetch refills that stage and runs ``N - 1`` ahead with a group
-still in flight (Triton's Hopper schedule). ``handoff=True`` (WGMMA with a group in flight, every copy of the fetch by TMA: sm_90a,
+still in flight (Triton's Hopper schedule).
+
+``handoff=True`` (WGMMA with a group in flight, every copy of the fetch by TMA: sm_90a,
 ``align=16``, masks at the tensors' extents) drops the block barrier a step: after a step's
 WGMMA group is issued, every thread arrives on the empty mbarriers of the previous step's tiles
 (``kiln-insert-waits`` retires that step's group before, ``wgmma.wait_group 1``), and each TMA
 refill first waits for those arrivals (the empty wait, placed by ``kiln-insert-waits``: each
 tile's full and empty mbarriers carry one ``kiln.ring_pair`` id). Warps are held only by the
 data they read and the releases of a stage two steps back, not by each other every step.
+
 Steps past ``hi`` (up to ``N - 1`` of them, when ``(hi - lo) / step``
 is not a multiple of ``N``) and their fetches run too: masks on the fetched GlobalTiles
 (``col_end=k``) make them read fill values, zeros that add nothing to a product. On sm_90a

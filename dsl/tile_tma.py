@@ -16,8 +16,8 @@ nothing more. In the interpreter the map is the tensor itself (``TensorMapArg``)
 =====================  ===========================================================================
 shared tile            boxes
 =====================  ===========================================================================
-``operand_tile`` on    one box ``rows x 64`` (bf16/f16) per 128-byte-swizzled chunk, TMA swizzle 128:
-sm_90a (WGMMA)         the layout WGMMA's descriptors read (``kiln.tile_gemm_wgmma``)
+``operand_tile`` on    one box ``rows x 64`` (bf16/f16) per 128-byte-swizzled chunk, TMA
+sm_90a (WGMMA)         swizzle 128: the layout WGMMA's descriptors read (``kiln.tile_gemm_wgmma``)
 row-major, no swizzle  one box of the whole tile (rows and columns at most 256, 16-byte rows)
 =====================  ===========================================================================
 

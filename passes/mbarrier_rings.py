@@ -19,9 +19,9 @@ What is derived, never trusted (:mod:`kiln.passes.ring_exprs` reads the index ar
 - **the use it must name**, by counting: the k-th wait on a ring along a thread's path must name
   use k, and the k-th arm use k (modulo 2S and S). Counts follow loops by induction: a loop
   whose body adds c events per iteration counts ``before + c*(iv - lo)`` at the top of its body
-  (step 1), or an ``iter_arg`` that starts at the count and is yielded plus the body's events (a
-  ``use = use + 1`` counter carried through nested loops; a constant step S counts
-  ``before + c*((iv - lo) // S)``, with no count after the loop); an ``scf.if`` keeps a count its arms
+  (step 1; a constant step S counts ``before + c*((iv - lo) // S)``, with no count after the
+  loop), or an ``iter_arg`` that starts at the count and is yielded plus the body's events (a
+  ``use = use + 1`` counter carried through nested loops); an ``scf.if`` keeps a count its arms
   agree on. A wait on an empty ring must name the use of the arm after it in its block.
 
 Arms the path count loses under conditions (the decode kernel's first-iteration and
