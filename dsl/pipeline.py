@@ -28,8 +28,9 @@ the wait analysis retires the previous step's group before it (``wait_group 1``,
 step's group is issued), so the fetch refills that stage and runs ``N - 1`` ahead with a group
 still in flight (Triton's Hopper schedule).
 
-``handoff=True`` (WGMMA with a group in flight, every copy of the fetch by TMA: sm_90a,
-``align=16``, masks at the tensors' extents) drops the block barrier a step: after a step's
+``handoff=True`` drops the block barrier a step where a WGMMA group stays in flight and every
+copy of the fetch goes by TMA (sm_90a, ``align=16``, masks at the tensors' extents; elsewhere
+the barriers stay, so a portable kernel may pass it on every target): after a step's
 WGMMA group is issued, every thread arrives on the empty mbarriers of the previous step's tiles
 (``kiln-insert-waits`` retires that step's group before, ``wgmma.wait_group 1``), and each TMA
 refill first waits for those arrivals (the empty wait, placed by ``kiln-insert-waits``: each
@@ -113,13 +114,15 @@ class Pipeline(TracedRange):
                                  "is for a WGMMA group kept in flight (3+ stages)",
                                  fix="pass barrier_before_fetch=False here")
         self.barrier_before_fetch = barrier_before_fetch
-        if handoff not in (False, True) or handoff and (in_flight != 1 or barrier_before_fetch):
+        if handoff not in (False, True) or handoff and (mma_in_flight == 0 or
+                                                          barrier_before_fetch):
             raise KilnValueError(f"kiln.pipeline handoff={handoff!r} hands stages back by "
-                                 "mbarriers behind a WGMMA group kept in flight (sm_90a, 3+ "
-                                 "stages, TMA copies)",
+                                 "mbarriers behind a WGMMA group kept in flight: not with "
+                                 "mma_in_flight=0 or barrier_before_fetch",
                                  fix="pass handoff=False here, or drop mma_in_flight / "
                                      "barrier_before_fetch")
-        self.handoff = handoff
+        # where no WGMMA group stays in flight (other targets, 2 stages) the barriers stay
+        self.handoff = handoff and in_flight == 1
         # the second barrier lets the fetch refill the stage of the group just retired
         self.ahead = stages - 1 - (0 if barrier_before_fetch else in_flight)
 
@@ -129,7 +132,7 @@ class Pipeline(TracedRange):
         n, step = self.stages, self.step
         stage_tiles: dict = {}
         for j in range(self.ahead):
-            self._fetch(self.lo + j * step, j, stage_tiles)
+            self._fetch(self.lo + j * step, j, stage_tiles, prologue=True)
 
         def group(g, *args):
             values = list(args)
@@ -168,10 +171,10 @@ class Pipeline(TracedRange):
             wgmma.wait_group(0)
         return results
 
-
-    def _fetch(self, k: Any, stage: int, stage_tiles: dict) -> None:
+    def _fetch(self, k: Any, stage: int, stage_tiles: dict, prologue: bool = False) -> None:
         """``fetch(k, stage)``; with ``handoff`` its TMA copies' tiles are recorded as the
-        stage's (each must be a TMA copy: its waits hang on the tile's mbarriers)."""
+        stage's. A copy that is not TMA (no mbarrier to hand back) turns ``handoff`` off in the
+        prologue (block barriers, as on other targets) and is refused after it."""
         if not self.handoff:
             self.fetch(k, stage)
             return
@@ -192,11 +195,12 @@ class Pipeline(TracedRange):
 
         for op in list(block.operations)[first:]:
             op.operation.walk(visit)
-        if found:
-            raise KilnValueError("kiln.pipeline(handoff=True) needs every copy of the fetch to "
-                                 "go by TMA (sm_90a, align=16, masks at the tensors' extents)",
-                                 fix="pass handoff=False, or make the GlobalTiles qualify "
-                                     "(docs/tiles.md, TMA on sm_90a)")
+        if found and prologue:
+            self.handoff = False
+        elif found:
+            raise KilnValueError("kiln.pipeline(handoff=True): a fetch in the loop did not go "
+                                 "by TMA where the prologue's did",
+                                 fix="make every fetch copy the same kinds of tiles")
         stage_tiles.setdefault(stage, fetched)
 
 
