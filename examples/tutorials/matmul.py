@@ -75,8 +75,8 @@ def config(target: str | None) -> dict:
     sm_90a (4 x 48 KB of shared tiles: two stages of TMA copies in flight beside the WGMMA
     group, and 2 x 16 KB for C's TMA stores; on an H200 at 4096^3, 706 TFLOP/s: 0.90 of
     cuBLAS, 1.08 of Triton's tutorial matmul; ``cp.async`` copies 677, C stored from the
-    accumulator's layout 684, 3 stages with ``barrier_before_fetch`` 683: bench/
-    matmul_epilogue_ab.py); 128 x 128 x 32, 8 warps, 3 stages elsewhere (C stored from the
+    accumulator's layout 684, 3 stages with ``barrier_before_fetch`` 683: the kernel's copy in
+    bench/matmul_epilogue_ab.py); 128 x 128 x 32, 8 warps, 3 stages elsewhere (C stored from the
     accumulator: ``STAGED`` is for TMA stores)."""
     name = target or default_target()
     if name.startswith("sm_90"):
