@@ -258,18 +258,20 @@ def store(tile, g: GlobalTile) -> bool:
     if not qualifies(g) or tile.grid != (1, 1) or cols % chunk or rows % 8 \
             or rows > tma.MAX_BOX_DIM or layout.num_threads != builder.current().block[0]:
         return False
-    count = cols // chunk
-    buffers = min(STORE_BUFFERS, count)
-    flat = dynamic_shared((buffers * rows * chunk,), tile.dtype, align=ATOM_BYTES)
-    stages = [SharedTile.view(flat.reinterpret((buffers, rows * chunk), tile.dtype).tile(i),
-                              (rows, chunk), chunked_layout(rows, chunk, tile.dtype),
-                              Swizzle.sw128b(item)) for i in range(buffers)]
+    shape, swizzle = (rows, chunk), Swizzle.sw128b(item)
+    probe = SharedTile.__new__(SharedTile)   # the staging tiles' offsets, nothing allocated
+    probe._describe(shape, tile.dtype, chunked_layout(rows, chunk, tile.dtype), swizzle)
     width = min(row_run_width(layout), ROW_BYTES // item)
-    while width > 1 and not stages[0].contiguous_width(width):
+    while width > 1 and not probe.contiguous_width(width):
         width //= 2
     runs = _chunk_runs(layout, width, chunk)
     if runs is None:
         return False
+    count = cols // chunk
+    buffers = min(STORE_BUFFERS, count)
+    flat = dynamic_shared((buffers * rows * chunk,), tile.dtype, align=ATOM_BYTES)
+    stages = [SharedTile.view(flat.reinterpret((buffers, rows * chunk), tile.dtype).tile(i),
+                              shape, probe.layout, swizzle) for i in range(buffers)]
     boxes_ = flat.reinterpret((buffers, rows, chunk), tile.dtype)
     desc = _descriptor(g, (rows, chunk), CHUNK_BYTES)
     leader = ops.thread_id(0) == 0

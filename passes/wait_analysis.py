@@ -422,6 +422,9 @@ class WaitAnalysis:
                     data=found.data)
 
     def _resolve_reads(self, steps: list[Step]) -> None:
+        # events in IR order: a read's waits for events of equal age go in that order, not in
+        # the order a set of Steps (hashed by address) happens to give
+        self._order = {s: i for i, s in enumerate(self._steps.values())}
         lds_events = [s for s in self._steps.values() if s.roots is not None]
         writers: dict = {}  # buffer root -> the LDS events that may write it
         self._resolve_block(steps, lds_events, writers)
@@ -464,7 +467,7 @@ class WaitAnalysis:
                 event = self._tokens.get(token)
                 if event is not None:
                     needed.add(event)
-            step.reads = tuple(needed)
+            step.reads = tuple(sorted(needed, key=self._order.__getitem__))
             for block in step.blocks:
                 self._resolve_block(block, lds_events, writers)
 
