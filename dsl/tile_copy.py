@@ -14,6 +14,8 @@ registers -> global     ``kiln.copy(tile, g)``: vector stores, masked elements s
                         over 8 rows become coalesced row stores); TMA stores on sm_90a where
                         ``g`` qualifies (:mod:`kiln.tile_tma`)
 registers -> shared     vector stores into the SharedTile's layout and swizzle
+shared -> global        sm_90a: TMA stores where the GlobalTile qualifies (the whole block
+                        makes the call: two barriers); elsewhere through registers
 global -> shared        sm_90a: TMA boxes on the tile's mbarrier where the GlobalTile's masks
                         are its tensor's extents and ``align=16`` (:mod:`kiln.tile_tma`); else
                         every thread of the block takes 16-byte chunks: ``cp.async`` (committed
@@ -298,8 +300,11 @@ def copy(src: Any, dst: Any, *, staged: bool = False) -> Any:
             fence_proxy_async()
         return None
     if isinstance(src, SharedTile) and isinstance(dst, GlobalTile):
-        raise KilnTypeError("kiln.copy from shared to global goes through registers",
-                            fix="kiln.copy(kiln.load(s, layout), g)")
+        if tile_tma.store_shared(src, dst):
+            return None
+        raise KilnTypeError("kiln.copy from shared to global is a TMA store, on sm_90a where "
+                            "the GlobalTile qualifies (docs/tiles.md); elsewhere it goes "
+                            "through registers", fix="kiln.copy(kiln.load(s, layout), g)")
     raise KilnTypeError(f"kiln.copy cannot copy a {type(src).__name__} into a "
                         f"{type(dst).__name__}",
                         fix="copy GlobalTile -> SharedTile, a tile -> a layout (registers), or "

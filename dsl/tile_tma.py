@@ -30,6 +30,9 @@ of a load that refills a tile a WGMMA in flight reads, the ``wgmma.wait_group``;
 ``kiln-verify-waits`` proves both. The loads are marked ``kiln.auto_wait`` like ``cp.async``
 groups.
 
+``kiln.copy(shared_tile, g)`` (either of the shared tiles above): ``fence.proxy.async`` and a
+block barrier, thread 0's TMA stores, its wait until they have read the tile, a block barrier.
+
 A staged store (``kiln.copy(acc, g, staged=True)``): per 64-column chunk of the tile, every
 thread writes its registers of the chunk into one of two ``rows x 64`` 128-byte-swizzled
 shared tiles, ``fence.proxy.async``, a block barrier, and thread 0 issues the TMA store
@@ -235,6 +238,29 @@ def load(g: GlobalTile, dst: SharedTile) -> bool:
     return True
 
 
+def store_shared(src: SharedTile, g: GlobalTile) -> bool:
+    """``src`` into ``g`` by TMA stores when both qualify (returns False otherwise): every
+    thread's ``fence.proxy.async`` (its earlier ``st.shared`` are generic-proxy writes), a block
+    barrier, thread 0's boxes and its wait until they have read ``src``, and a block barrier
+    (no thread overwrites ``src`` before that). The whole block makes the call."""
+    found = boxes(src)
+    if found is None or not qualifies(g) or g.dtype is not src.dtype \
+            or tuple(src.shape) != tuple(g.shape):
+        return False
+    box, swizzle, count = found
+    desc = _descriptor(g, box, swizzle)
+    leader = ops.thread_id(0) == 0
+    fence_proxy_async()
+    ops.barrier()
+    for j in range(count):
+        tma.store(_chunk(src, box, count, j), desc, (g.origin[1] + j * box[1], g.origin[0]),
+                  predicate=leader)
+    tma.commit_group()
+    tma.wait_group(0, read=True)
+    ops.barrier()
+    return True
+
+
 def _chunk_runs(layout, width: int, chunk: int) -> list[list[int]] | None:
     """Per 64-column chunk, the value runs (``width`` at a time) whose columns lie in it for
     every thread; None when a run's chunk depends on the thread."""
@@ -296,4 +322,4 @@ def store(tile, g: GlobalTile) -> bool:
     return True
 
 
-__all__ = ["qualifies", "boxes", "load", "store", "release"]
+__all__ = ["qualifies", "boxes", "load", "store", "store_shared", "release"]

@@ -81,6 +81,23 @@ def _column_sums(x):
     return padded.reshape(32, -1, 64).sum(axis=1)
 
 
+@kiln.kernel(num_threads=128)
+def tma_shared_round_trip(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], r0: kiln.i32,
+                          c0: kiln.i32):
+    """A 32 x 64 window of ``x`` through a shared tile, doubled in registers, written back to
+    the shared tile and stored into ``y`` at the same place by TMA (clipped at the edges)."""
+    rows, cols = x.shape
+    my, ny = y.shape
+    flat = kiln.dynamic_shared((32 * 64,), f32, align=128)
+    s = kiln.tiles.SharedTile.view(flat, (32, 64))
+    kiln.copy(kiln.GlobalTile(x, (32, 64), (r0, c0), row_end=rows, col_end=cols, align=16), s)
+    kiln.barrier()
+    t = kiln.load(s, kiln.layout.blocked((32, 64), 128, vec=4))
+    kiln.barrier()
+    kiln.copy(t * 2.0, s)
+    kiln.copy(s, kiln.GlobalTile(y, (32, 64), (r0, c0), row_end=my, col_end=ny, align=16))
+
+
 GEMM = dict(BM=128, BN=128, BK=64, THREADS=256)
 
 
@@ -181,6 +198,18 @@ def test_tma_in_a_hand_written_loop():
     tma_column_sums.interpret[(1,)](x, y, target="sm_90a")
     np.testing.assert_allclose(y, _column_sums(x), rtol=1e-5, atol=1e-5)
     assert "nvgpu.tma.async.load" in tma_column_sums.trace(x, y, target="sm_90a").module_asm
+
+
+@pytest.mark.parametrize("r0,c0", [(0, 0), (50, 36)])
+def test_shared_to_global_by_tma_store(r0, c0):
+    x = np.random.default_rng().standard_normal((60, 100)).astype(np.float32)
+    y = np.full_like(x, np.nan)
+    tma_shared_round_trip.interpret[(1,)](x, y, r0, c0, target="sm_90a")
+    want = np.full_like(x, np.nan)
+    want[r0:r0 + 32, c0:c0 + 64] = 2 * x[r0:r0 + 32, c0:c0 + 64]
+    np.testing.assert_array_equal(y, want)
+    asm = tma_shared_round_trip.trace(x, y, 0, 0, target="sm_90a").module_asm
+    assert "nvgpu.tma.async.store" in asm
 
 
 def test_masks_other_than_the_extents_keep_cp_async():
