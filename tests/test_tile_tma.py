@@ -315,3 +315,16 @@ def test_tma_in_a_hand_written_loop_on_gpu():
     tma_column_sums[(1,)](x, y)
     np.testing.assert_allclose(y.cpu().numpy(), _column_sums(x.cpu().numpy()), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_shared_to_global_by_tma_store_on_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    x = torch.randn(60, 100, device="cuda")
+    y = torch.full_like(x, float("nan"))
+    tma_shared_round_trip[(1,)](x, y, 50, 36)
+    want = np.full((60, 100), np.nan, np.float32)
+    want[50:, 36:] = 2 * x.cpu().numpy()[50:, 36:]
+    np.testing.assert_array_equal(y.cpu().numpy(), want)
