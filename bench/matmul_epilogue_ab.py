@@ -1,14 +1,16 @@
-"""A/B of the matmul tutorial's epilogue and stages (bench-local variants of
+"""A/B of the matmul tutorial's copies, schedule and epilogue (bench-local variants of
 examples/tutorials/matmul.py's kernel) against cuBLAS and Triton's tutorial matmul, one run.
 
-``EARLY``: ``kiln.pipeline``'s ``barrier_before_fetch`` (copies N - 1 ahead with a group in
-flight, a second barrier a step). ``IN_FLIGHT``: ``kiln.pipeline``'s ``mma_in_flight`` (None: one WGMMA group kept in flight
-across a step, the fetch 2 stages ahead of 4; 0: none, 3 ahead). ``RCP_APPROX``: the GELU's
-reciprocal ``rcp.approx`` (else ``rcp.rn``, whose slow path runs for every lane whose
-``1 + exp(-z)`` overflowed). ``EPI``: 0 the tutorial's epilogue (scalar bias loads, C stored
-from the accumulator's layout); 1 the bias read with 16-byte alignment (vector loads); 2 as 1 with C staged through a
-swizzled shared tile and stored 16 bytes a thread (coalesced rows); 3 no bias and no GELU
-(the accumulator cast and stored: the floor of the epilogue); 4 as 3, staged like 2.
+``TMA``: the GlobalTiles' masks are the tensors' own extents (``a.shape``), so ``kiln.copy``
+moves them with TMA on sm_90a (else the scalar ``m, n, k``: ``cp.async``). ``STAGED``: C goes
+through shared memory (TMA stores where ``TMA``). ``EARLY``: ``kiln.pipeline``'s
+``barrier_before_fetch`` (copies N - 1 ahead with a group in flight, a second barrier a step).
+``HANDOFF``: ``kiln.pipeline``'s ``handoff`` (no block barrier a step: every thread releases a
+stage on its tiles' empty mbarriers after the WGMMA group reading it retired, and the TMA
+refill waits for those releases). ``IN_FLIGHT``: ``kiln.pipeline``'s ``mma_in_flight`` (None:
+one WGMMA group kept in flight across a step, the fetch 2 stages ahead of 4; 0: none, 3 ahead).
+``EPI``: 0 the tutorial's epilogue (bias + GELU with ``rcp.approx``), 3 no bias and no GELU
+(the accumulator cast and stored: the floor of the epilogue).
 
 Run: ``python bench/matmul_epilogue_ab.py [--sizes 4096 8192] [--repeat 5]``.
 """
@@ -34,8 +36,8 @@ def ab_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tenso
               c: kiln.Tensor[bf16, 2], m: i32, n: i32, k: i32, BM: kiln.constexpr,
               BN: kiln.constexpr, BK: kiln.constexpr, STAGES: kiln.constexpr,
               GROUP_M: kiln.constexpr, THREADS: kiln.constexpr, EPI: kiln.constexpr,
-              RCP_APPROX: kiln.constexpr, IN_FLIGHT: kiln.constexpr = None,
-              EARLY: kiln.constexpr = False):
+              TMA: kiln.constexpr, STAGED: kiln.constexpr, IN_FLIGHT: kiln.constexpr = None,
+              EARLY: kiln.constexpr = False, HANDOFF: kiln.constexpr = False):
     pid, tiles_m, tiles_n = kiln.block_id(0), (m + BM - 1) // BM, (n + BN - 1) // BN
     first = pid // (GROUP_M * tiles_n) * GROUP_M
     rows = kiln.min(tiles_m - first, GROUP_M)
@@ -43,56 +45,50 @@ def ab_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tenso
     col0 = pid % (GROUP_M * tiles_n) // rows * BN
     a_s = [kiln.tiles.operand_tile((BM, BK), bf16, "a") for _ in range(STAGES)]
     b_s = [kiln.tiles.operand_tile((BK, BN), bf16, "b") for _ in range(STAGES)]
+    ends = (a.shape, b.shape, c.shape) if TMA else ((m, k), (k, n), (m, n))
 
     def fetch(k0, s):
-        kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k, align=16,
-                                  col_multiple=8), a_s[s])
-        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=k, col_end=n, align=16,
-                                  col_multiple=8), b_s[s])
+        kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=ends[0][0],
+                                  col_end=ends[0][1], align=16, col_multiple=8), a_s[s])
+        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=ends[1][0],
+                                  col_end=ends[1][1], align=16, col_multiple=8), b_s[s])
 
     acc = kiln.accumulator(a_s[0], b_s[0])
     for it in kiln.pipeline(0, k, BK, stages=STAGES, fetch=fetch, mma_in_flight=IN_FLIGHT,
-                            barrier_before_fetch=EARLY):
+                            barrier_before_fetch=EARLY, handoff=HANDOFF):
         acc = kiln.gemm(a_s[it.stage], b_s[it.stage], acc)
     y = acc
     if EPI < 3:
-        x = acc + kiln.load(kiln.GlobalTile(bias, (BM, BN), (0, col0), col_end=n,
-                                            align=4 if EPI == 0 else 16), acc.layout)
+        x = acc + kiln.load(kiln.GlobalTile(bias, (BM, BN), (0, col0), col_end=n), acc.layout)
         z = (x + 0.044715 * x * x * x) * (2.0 * SQRT_2_OVER_PI)
-        y = x * kiln.rcp(1.0 + kiln.exp(-z), approx=RCP_APPROX)
-    out = kiln.GlobalTile(c, (BM, BN), (row0, col0), row_end=m, col_end=n, align=16)
-    kiln.copy(kiln.cast(y, bf16), out, staged=EPI == 2 or EPI == 4)
+        y = x * kiln.rcp(1.0 + kiln.exp(-z), approx=True)
+    out = kiln.GlobalTile(c, (BM, BN), (row0, col0), row_end=ends[2][0], col_end=ends[2][1],
+                          align=16)
+    kiln.copy(kiln.cast(y, bf16), out, staged=STAGED)
 
 
-# name: (BM, BN, BK, STAGES, THREADS, EPI, RCP_APPROX, maxnreg, GROUP_M, IN_FLIGHT[, EARLY])
+BASE = dict(BM=128, BN=256, BK=64, STAGES=4, GROUP_M=8, THREADS=256, EPI=0, TMA=True,
+            STAGED=True)
+# name: the changes from BASE (the tutorial's sm_90a config) and launch options
 VARIANTS = {
-    "tutorial s4": (128, 256, 64, 4, 256, 0, False, None, 8, None),
-    "approx s4": (128, 256, 64, 4, 256, 0, True, None, 8, None),
-    "approx s4 if0": (128, 256, 64, 4, 256, 0, True, None, 8, 0),
-    "approx s4 g16": (128, 256, 64, 4, 256, 0, True, None, 16, None),
-    "approx s4 g4": (128, 256, 64, 4, 256, 0, True, None, 4, None),
-    "approx s4 if0 g16": (128, 256, 64, 4, 256, 0, True, None, 16, 0),
-    "256x128 s4 if0": (256, 128, 64, 4, 512, 0, True, 128, 8, 0),
-    "128x192 s5": (128, 192, 64, 5, 256, 0, True, None, 8, None),
-    "approx s3 early": (128, 256, 64, 3, 256, 0, True, None, 8, None, True),
-    "approx s4 early": (128, 256, 64, 4, 256, 0, True, None, 8, None, True),
-    "approx bias16 s4": (128, 256, 64, 4, 256, 1, True, None, 8, None),
-    "approx staged s3": (128, 256, 64, 3, 256, 2, True, None, 8, None),
-    "128x128 s3 2cta": (128, 128, 64, 3, 256, 1, True, 128, 8, None),
-    "256x128 s4 4wg": (256, 128, 64, 4, 512, 1, True, 128, 8, None),
-    "approx bias16 s3": (128, 256, 64, 3, 256, 1, True, None, 8, None),
-    "nobias s4": (128, 256, 64, 4, 256, 3, False, None, 8, None),
-    "nobias staged s3": (128, 256, 64, 3, 256, 4, False, None, 8, None),
+    "cp.async s4": dict(TMA=False, STAGED=False),
+    "tma s4 direct-C": dict(STAGED=False),
+    "tma s4": {},
+    "tma s4 early": dict(EARLY=True),
+    "tma s4 handoff": dict(HANDOFF=True),
+    "tma s4 handoff g16": dict(HANDOFF=True, GROUP_M=16),
+    "tma s3 early": dict(STAGES=3, EARLY=True),
+    "tma s4 if0": dict(IN_FLIGHT=0),
+    "tma s4 g16": dict(GROUP_M=16),
+    "tma s4 nobias": dict(EPI=3),
 }
 
 
 def config(name: str) -> tuple[dict, dict]:
     """(constexprs, launch options) of variant ``name``."""
-    bm, bn, bk, stages, threads, epi, approx, maxnreg, group_m, in_flight, *early = \
-        VARIANTS[name]
-    cfg = dict(BM=bm, BN=bn, BK=bk, STAGES=stages, GROUP_M=group_m, THREADS=threads, EPI=epi,
-               RCP_APPROX=approx, IN_FLIGHT=in_flight, EARLY=bool(early and early[0]))
-    return cfg, ({} if maxnreg is None else {"maxnreg": maxnreg})
+    changes = dict(VARIANTS[name])
+    maxnreg = changes.pop("maxnreg", None)
+    return dict(BASE, **changes), ({} if maxnreg is None else {"maxnreg": maxnreg})
 
 
 def main() -> None:

@@ -48,6 +48,11 @@ class TraceState:
     unrolled_iterations: int = 0  # Python loop iterations so far (trace_runtime's budget)
     values_built: int = 0  # kiln.Values so far (MAX_TRACED_VALUES)
     thread_ids: list = field(default_factory=list)  # gpu.thread_id x results (threads.py)
+    param_names: tuple = ()  # the run-time parameters' names, by entry block argument
+    derived_maps: dict = field(default_factory=dict)  # kiln.tile_tma: key -> (param, descriptor)
+    tma_setup: object = None  # kiln.tile_tma: the op new mbarrier inits go before
+    tma_fetching: list | None = None  # kiln.pipeline(handoff=True): the tiles a fetch loads
+    tma_pairs: int = 0  # kiln.tile_tma: full/empty mbarrier pairs made so far
 
     def unique_symbol(self, base: str) -> str:
         name, n = base, 0

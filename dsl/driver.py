@@ -79,8 +79,9 @@ def tensor_arg_spec(name: str, value: Any) -> tuple[DType, int, bool]:
 
 
 def lowering_signature(name: str, specs, block, constexprs, *, dynamic_shared_bytes: int = 0,
-                       cluster=None, programmatic_launch: bool = False):
-    """The :class:`~kiln.signature.KernelSignature` of a traced specialisation."""
+                       cluster=None, programmatic_launch: bool = False, derived=()):
+    """The :class:`~kiln.signature.KernelSignature` of a traced specialisation (``derived``:
+    the tensor maps the trace added, after the declared parameters)."""
     params = []
     for s in specs:
         if s.kind == "tensor":
@@ -90,7 +91,8 @@ def lowering_signature(name: str, specs, block, constexprs, *, dynamic_shared_by
                                          s.tensormap.swizzle, s.tensormap.oob_fill_nan))
         elif s.kind == "scalar":
             params.append(ScalarParam(s.name, s.dtype.name))
-    return KernelSignature(name, tuple(params), block=block, constexprs=constexprs,
+    return KernelSignature(name, tuple(params) + tuple(derived), block=block,
+                           constexprs=constexprs,
                            dynamic_shared_bytes=dynamic_shared_bytes, cluster=cluster,
                            programmatic_launch=programmatic_launch)
 

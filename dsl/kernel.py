@@ -275,7 +275,9 @@ class JITKernel:
                 func = gpu.GPUFuncOp(ir.FunctionType.get(arg_types, []), sym_name=self.name,
                                      kernel=True, known_block_size=list(block))
             entry = func.body.blocks.append(*arg_types)
-            state = builder.TraceState(ctx, module, gpu_block, target, block, entry_block=entry)
+            state = builder.TraceState(ctx, module, gpu_block, target, block, entry_block=entry,
+                                       param_names=tuple(s.name for s in specs
+                                                         if s.kind != "constexpr"))
             builder.push(state)
             try:
                 with ir.InsertionPoint(entry), trace_location(def_loc):
@@ -292,6 +294,10 @@ class JITKernel:
                 raise _compilation_error(err, f"MLIR rejected an op built by {self.name}") from None
             finally:
                 builder.pop()
+            derived = tuple(param for param, _ in state.derived_maps.values())
+            if derived:  # the tensor maps kiln.copy derived are parameters after the declared
+                func.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
+                    [a.type for a in entry.arguments], []))
             _verify(module, self.name)
             threads.check_thread_indexing(state.thread_ids, self.name, block[0], target,
                                           num_warps)
@@ -299,7 +305,8 @@ class JITKernel:
         signature = lowering_signature(self.name, specs, block, constexprs,
                                        dynamic_shared_bytes=state.dynamic_shared_bytes,
                                        cluster=state.cluster,
-                                       programmatic_launch=state.programmatic_launch)
+                                       programmatic_launch=state.programmatic_launch,
+                                       derived=derived)
         return TracedKernel(self.name, None, signature, state.shared_bytes, module=module)
 
     @staticmethod
@@ -394,7 +401,7 @@ class JITKernel:
                 entry.fast(grid(entry.meta) if callable(grid) else grid, args, stream)
                 if entry.guarded is None:
                     entry.guarded = installed().guarded_launcher(
-                        entry.ck, args, kwargs, self._runtime_idx, self._constexpr_flags,
+                        entry.ck, args, kwargs, entry.positions, self._constexpr_flags,
                         entry.meta) or False
                 if entry.guarded:
                     self._last_launch = entry
@@ -427,7 +434,7 @@ class JITKernel:
         entry.ck.launch(normalize_grid(grid), runtime, stream=stream)
         if entry.fast is None:
             entry.fast = entry.by_position and installed().specialized_launcher(
-                entry.ck, args, self._runtime_idx) or False
+                entry.ck, args, entry.positions) or False
 
     def _launch_entry(self, fast_key, positional, args: tuple, kwargs: dict) -> "_LaunchEntry":
         """A launch's entry by the typed key of its keyword values. It is also kept under the
@@ -443,6 +450,9 @@ class JITKernel:
         if entry is None:
             entry = self._launches[typed] = _LaunchEntry(
                 *self._prepare_launch(args, dict(kwargs)), target=_default_target)
+            # derived tensor maps (kiln.copy through TMA) take their source tensor's argument
+            entry.positions = self._runtime_idx + tuple(
+                self._runtime_idx[i] for i in entry.ck.signature.sources())
         # A NaN is never == another NaN object: each launch would add one more fast key.
         if fast_key is not None and exact_keywords(kwargs):
             self._launches[fast_key] = entry
@@ -479,11 +489,12 @@ class _LaunchEntry:
     after its first launch, and ``guarded`` (kiln.runtime.launch_fast.guarded_launcher) of its
     first fast launch (each None before it is made, False when there is none); ``target`` is
     the default target it was keyed under."""
-    __slots__ = ("ck", "meta", "by_position", "fast", "guarded", "target")
+    __slots__ = ("ck", "meta", "by_position", "fast", "guarded", "target", "positions")
 
     def __init__(self, ck, meta: dict, by_position: bool, *, target: str):
         self.ck, self.meta, self.by_position, self.target = ck, meta, by_position, target
         self.fast = self.guarded = None
+        self.positions = ()
 
 
 class _Interpreted:

@@ -26,7 +26,18 @@ one more stage of copies in flight for a step's tensor work. ``barrier_before_fe
 (WGMMA, one group in flight) adds a second barrier per step, between the body and the fetch:
 the wait analysis retires the previous step's group before it (``wait_group 1``, after this
 step's group is issued), so the fetch refills that stage and runs ``N - 1`` ahead with a group
-still in flight (Triton's Hopper schedule). Steps past ``hi`` (up to ``N - 1`` of them, when ``(hi - lo) / step``
+still in flight (Triton's Hopper schedule).
+
+``handoff=True`` drops the block barrier a step where a WGMMA group stays in flight and every
+copy of the fetch goes by TMA (sm_90a, ``align=16``, masks at the tensors' extents; elsewhere
+the barriers stay, so a portable kernel may pass it on every target): after a step's
+WGMMA group is issued, every thread arrives on the empty mbarriers of the previous step's tiles
+(``kiln-insert-waits`` retires that step's group before, ``wgmma.wait_group 1``), and each TMA
+refill first waits for those arrivals (the empty wait, placed by ``kiln-insert-waits``: each
+tile's full and empty mbarriers carry one ``kiln.ring_pair`` id). Warps are held only by the
+data they read and the releases of a stage two steps back, not by each other every step.
+
+Steps past ``hi`` (up to ``N - 1`` of them, when ``(hi - lo) / step``
 is not a multiple of ``N``) and their fetches run too: masks on the fetched GlobalTiles
 (``col_end=k``) make them read fill values, zeros that add nothing to a product. On sm_90a
 the loop runs at least one group of steps even when ``hi <= lo``, and its last WGMMA group is
@@ -48,7 +59,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import builder, ops
+from mlir import ir
+from mlir.dialects import arith
+
+from . import builder, ops, tile_tma
 from .core.errors import KilnTypeError, KilnValueError
 from .tile_gemm_wgmma import GROUPS_ATTR
 from .trace_runtime import TracedRange, for_stmt
@@ -56,6 +70,8 @@ from .values import Value
 from . import wgmma
 
 MAX_STAGES = 8
+# ops of a copy that did not go by TMA (handoff=True refuses them: no mbarrier to hand back)
+SYNC_COPIES = ("nvgpu.device_async_copy", "vector.store", "vector.maskedstore", "memref.store")
 
 
 @dataclass(frozen=True)
@@ -70,7 +86,8 @@ class Pipeline(TracedRange):
     """The loop object :func:`pipeline` returns; drives a ``for`` statement in a kernel."""
 
     def __init__(self, lo: Any, hi: Any, step: int, *, stages: int, fetch: Callable,
-                 mma_in_flight: int | None = None, barrier_before_fetch: bool = False):
+                 mma_in_flight: int | None = None, barrier_before_fetch: bool = False,
+                 handoff: bool = False):
         super().__init__(lo, hi, step)
         if not isinstance(stages, int) or isinstance(stages, bool) \
                 or not 2 <= stages <= MAX_STAGES:
@@ -97,6 +114,15 @@ class Pipeline(TracedRange):
                                  "is for a WGMMA group kept in flight (3+ stages)",
                                  fix="pass barrier_before_fetch=False here")
         self.barrier_before_fetch = barrier_before_fetch
+        if handoff not in (False, True) or handoff and (mma_in_flight == 0 or
+                                                          barrier_before_fetch):
+            raise KilnValueError(f"kiln.pipeline handoff={handoff!r} hands stages back by "
+                                 "mbarriers behind a WGMMA group kept in flight: not with "
+                                 "mma_in_flight=0 or barrier_before_fetch",
+                                 fix="pass handoff=False here, or drop mma_in_flight / "
+                                     "barrier_before_fetch")
+        # where no WGMMA group stays in flight (other targets, 2 stages) the barriers stay
+        self.handoff = handoff and in_flight == 1
         # the second barrier lets the fetch refill the stage of the group just retired
         self.ahead = stages - 1 - (0 if barrier_before_fetch else in_flight)
 
@@ -104,41 +130,86 @@ class Pipeline(TracedRange):
         """Trace the prologue, then an ``scf.for`` whose body runs the ``stages`` steps (module
         table); returns the values of ``names`` after the loop (as ``for_stmt``)."""
         n, step = self.stages, self.step
+        stage_tiles: dict = {}
         for j in range(self.ahead):
-            self.fetch(self.lo + j * step, j)
+            self._fetch(self.lo + j * step, j, stage_tiles, prologue=True)
 
-        def group(k0, *args):
+        def group(g, *args):
             values = list(args)
+            k0 = self.lo + g * (n * step)
+            marks = []
             for i in range(n):
                 k = k0 + i * step
-                ops.barrier()
+                if not self.handoff:
+                    ops.barrier()
                 out = list(body_fn(Step(k, i), *values))
+                if self.handoff:  # the previous step's stage goes back here (below)
+                    marks.append((i, arith.ConstantOp(ir.IntegerType.get_signless(32), 0)))
                 if self.barrier_before_fetch:
                     ops.barrier()
-                self.fetch(k + self.ahead * step, (i + self.ahead) % n)
+                self._fetch(k + self.ahead * step, (i + self.ahead) % n, stage_tiles)
                 values = out
+            for i, mark in marks:  # every stage's tiles are known once the group is traced
+                with ir.InsertionPoint(mark):
+                    tile_tma.release(stage_tiles.get((i - 1) % n, []), g > 0 if i == 0 else None)
+                mark.operation.erase()
             return tuple(values)
 
         state = builder.current()
         before = getattr(state, GROUPS_ATTR, 0)
         # at least one group of steps (masked when hi <= lo): a loop that may not run has a
         # zero-trip exit path whose moves into the accumulators make ptxas serialise WGMMA
-        hi = self.hi
-        if builder.current_target().has_wgmma and isinstance(hi, Value):
-            hi = ops.maximum(hi, self.lo + 1)
-        results = for_stmt(TracedRange(self.lo, hi, n * step), group, names, initial, objects)
+        # a unit-step loop over groups of N steps: the mbarrier ring proofs count a TMA
+        # copy's uses by induction on it (kiln.passes.mbarrier_rings)
+        groups = (self.hi - self.lo + (n * step - 1)) // (n * step)
+        if builder.current_target().has_wgmma and isinstance(groups, Value):
+            groups = ops.maximum(groups, 1)
+        results = for_stmt(TracedRange(0, groups, 1), group, names, initial, objects)
         if getattr(state, GROUPS_ATTR, 0) != before:
             # retire the last group right after the loop: with the wait further down (before
             # the epilogue's first read) ptxas serialises every WGMMA
             wgmma.wait_group(0)
         return results
 
+    def _fetch(self, k: Any, stage: int, stage_tiles: dict, prologue: bool = False) -> None:
+        """``fetch(k, stage)``; with ``handoff`` its TMA copies' tiles are recorded as the
+        stage's. A copy that is not TMA (no mbarrier to hand back) turns ``handoff`` off in the
+        prologue (block barriers, as on other targets) and is refused after it."""
+        if not self.handoff:
+            self.fetch(k, stage)
+            return
+        state = builder.current()
+        state.tma_fetching = fetched = []
+        block = ir.InsertionPoint.current.block
+        first = len(block.operations)
+        try:
+            self.fetch(k, stage)
+        finally:
+            state.tma_fetching = None
+        found = []
+
+        def visit(op):
+            if op.name in SYNC_COPIES:
+                found.append(op)
+            return ir.WalkResult.ADVANCE
+
+        for op in list(block.operations)[first:]:
+            op.operation.walk(visit)
+        if found and prologue:
+            self.handoff = False
+        elif found:
+            raise KilnValueError("kiln.pipeline(handoff=True): a fetch in the loop did not go "
+                                 "by TMA where the prologue's did",
+                                 fix="make every fetch copy the same kinds of tiles")
+        stage_tiles.setdefault(stage, fetched)
+
 
 def pipeline(*args, stages: int, fetch: Callable, mma_in_flight: int | None = None,
-             barrier_before_fetch: bool = False) -> Pipeline:
+             barrier_before_fetch: bool = False, handoff: bool = False) -> Pipeline:
     """``for it in kiln.pipeline(lo, hi, step, stages=N, fetch=fn)``: a ``kiln.range`` whose
     copies (``fn(k, stage)``) run ahead of the body in ``N`` shared-memory stages (see the
-    module docs for the schedule and the waits).
+    module docs for the schedule and the waits; ``mma_in_flight``, ``barrier_before_fetch``
+    and ``handoff`` choose among the WGMMA schedules).
 
     Example: ``for it in kiln.pipeline(0, k, BK, stages=3, fetch=fetch): acc =
     kiln.gemm(a_s[it.stage], b_s[it.stage], acc)``.
@@ -148,7 +219,7 @@ def pipeline(*args, stages: int, fetch: Callable, mma_in_flight: int | None = No
                             fix="kiln.pipeline(0, k, BK, stages=3, fetch=fetch)")
     lo, hi, step = args
     return Pipeline(lo, hi, step, stages=stages, fetch=fetch, mma_in_flight=mma_in_flight,
-                    barrier_before_fetch=barrier_before_fetch)
+                    barrier_before_fetch=barrier_before_fetch, handoff=handoff)
 
 
 __all__ = ["pipeline", "Pipeline", "Step"]

@@ -9,7 +9,10 @@ A kernel's run-time parameters, in order, after constexprs are removed:
   pointer, offset, sizes[rank], strides[rank] (elements, not bytes).
 - :class:`ScalarParam` — a scalar passed by value with its MLIR type.
 - :class:`TensorMapParam` — a TMA tensor map (``CUtensorMap``, 128 bytes) created on the host
-  from a tensor and a box; passed to the kernel as a pointer to device memory holding it.
+  from a tensor and a box; passed to the kernel as a pointer to device memory holding it. One
+  with a ``source`` is *derived*: the trace added it (``kiln.copy`` through TMA on a tensor
+  parameter), it follows the declared parameters, and its value is the ``source`` tensor's
+  argument (:meth:`KernelSignature.expand`), so callers pass only the declared ones.
 
 Example::
 
@@ -46,7 +49,8 @@ class TensorMapParam:
     """A TMA descriptor built on the host (``mgpuTensorMapEncodeTiled``) for tensor ``source``.
 
     ``box`` is the shared-memory box (innermost dimension last, like the tensor), ``swizzle`` one of
-    0/32/64/128 bytes, ``oob_fill_nan`` False gives zero fill.
+    0/32/64/128 bytes, ``oob_fill_nan`` False gives zero fill. ``source``: the name of the
+    tensor parameter a derived map is built from (None: a declared ``kiln.TensorMap``).
     """
 
     name: str
@@ -55,6 +59,7 @@ class TensorMapParam:
     box: tuple[int, ...]
     swizzle: int = 0
     oob_fill_nan: bool = False
+    source: str | None = None
 
 
 Param = TensorParam | ScalarParam | TensorMapParam
@@ -81,6 +86,27 @@ class KernelSignature:
     @property
     def num_threads(self) -> int:
         return self.block[0] * self.block[1] * self.block[2]
+
+    @property
+    def declared(self) -> int:
+        """How many parameters a caller passes: all but the derived tensor maps at the end."""
+        return sum(1 for p in self.params if getattr(p, "source", None) is None)
+
+    def sources(self) -> tuple[int, ...]:
+        """For each derived tensor map, the index of the declared parameter it is built from."""
+        names = {p.name: i for i, p in enumerate(self.params[:self.declared])}
+        return tuple(names[p.source] for p in self.params[self.declared:])
+
+    def expand(self, args):
+        """``args`` (one value per declared parameter) with the derived tensor maps' values
+        appended: each is its source tensor's argument. Other lengths are returned unchanged.
+
+        Example: ``sig.expand([a, b, c, 4])`` is ``[a, b, c, 4, a, b]`` when the trace derived
+        maps of ``a`` and ``b``."""
+        declared = self.declared
+        if declared == len(self.params) or len(args) != declared:
+            return args
+        return [*args, *(args[i] for i in self.sources())]
 
     def to_json(self) -> dict:
         """Plain JSON data (for the compile cache); :meth:`from_json` rebuilds the signature.

@@ -11,9 +11,14 @@ shared -> registers     the same with ``ld.shared`` / ``ds_read_b128``
 registers -> global     ``kiln.copy(tile, g)``: vector stores, masked elements skipped;
                         ``staged=True``: through a swizzled shared tile, then 16 bytes a
                         thread along whole rows (an MMA accumulator's 4-byte runs scattered
-                        over 8 rows become coalesced row stores)
+                        over 8 rows become coalesced row stores); TMA stores on sm_90a where
+                        ``g`` qualifies (:mod:`kiln.tile_tma`)
 registers -> shared     vector stores into the SharedTile's layout and swizzle
-global -> shared        every thread of the block takes 16-byte chunks: ``cp.async`` (committed
+shared -> global        sm_90a: TMA stores where the GlobalTile qualifies (the whole block
+                        makes the call: two barriers); elsewhere through registers
+global -> shared        sm_90a: TMA boxes on the tile's mbarrier where the GlobalTile's masks
+                        are its tensor's extents and ``align=16`` (:mod:`kiln.tile_tma`); else
+                        every thread of the block takes 16-byte chunks: ``cp.async`` (committed
                         as one group) on sm_80+ when the GlobalTile's ``align`` promises 4/8/16-
                         byte aligned chunks, the fill is 0 and the threads divide the chunks;
                         buffer -> LDS DMA on gfx942/gfx950 (:mod:`kiln.amd.tile_dma`); vector
@@ -21,7 +26,8 @@ global -> shared        every thread of the block takes 16-byte chunks: ``cp.asy
 ======================  =====================================================================
 
 The asynchronous paths need no wait from the user: ``kiln-insert-waits`` puts the
-``cp.async.wait_group`` / ``s_waitcnt vmcnt`` before the first read of the shared tile (a
+``mbarrier.try_wait`` / ``cp.async.wait_group`` / ``s_waitcnt vmcnt`` before the first read of
+the shared tile (a
 ``kiln.barrier()`` is still needed before reading what other threads copied, as with a
 synchronous copy).
 
@@ -43,7 +49,7 @@ from typing import Any
 from mlir import ir
 from mlir.dialects import scf, vector
 
-from . import builder, ops
+from . import builder, ops, tile_tma
 from .core import dtypes as dt
 from .core.errors import KilnTypeError, KilnValueError
 from .core.ops import AUTO_WAIT_ATTR
@@ -187,6 +193,8 @@ def _staged_store(tile: RegTile, dst: GlobalTile) -> None:
     """``store(tile, dst)`` through shared memory: the tile goes into its own shared tile in
     128-byte-swizzled chunks of rows (each run of 8 rows of a chunk hits every bank once), then
     every thread stores 16-byte runs of whole rows (coalesced, masked like any store)."""
+    if tile_tma.store(tile, dst):
+        return
     rows, cols = tile.shape
     itemsize = tile.dtype.itemsize
     chunk = CHUNK_BYTES // itemsize
@@ -266,6 +274,8 @@ def copy(src: Any, dst: Any, *, staged: bool = False) -> Any:
             store(src, dst)
         return None
     if isinstance(src, GlobalTile) and isinstance(dst, SharedTile):
+        if tile_tma.load(src, dst):
+            return None
         threads = builder.current().block[0]
         target = builder.current_target()
         width = tile_dma.dma_width(src, dst, threads, target)
@@ -290,8 +300,11 @@ def copy(src: Any, dst: Any, *, staged: bool = False) -> Any:
             fence_proxy_async()
         return None
     if isinstance(src, SharedTile) and isinstance(dst, GlobalTile):
-        raise KilnTypeError("kiln.copy from shared to global goes through registers",
-                            fix="kiln.copy(kiln.load(s, layout), g)")
+        if tile_tma.store_shared(src, dst):
+            return None
+        raise KilnTypeError("kiln.copy from shared to global is a TMA store, on sm_90a where "
+                            "the GlobalTile qualifies (docs/tiles.md); elsewhere it goes "
+                            "through registers", fix="kiln.copy(kiln.load(s, layout), g)")
     raise KilnTypeError(f"kiln.copy cannot copy a {type(src).__name__} into a "
                         f"{type(dst).__name__}",
                         fix="copy GlobalTile -> SharedTile, a tile -> a layout (registers), or "

@@ -43,6 +43,7 @@ from kiln.core.errors import InternalError, WaitError, source_loc_from_mlir
 from kiln.passes import register_pass
 from kiln.passes.cluster_schedule import cluster_spans, recipes_of
 from kiln.passes.enclosing import enclosing_gpu_func, enclosing_loops, func_vendor, gpu_funcs, where
+from kiln.nvidia.mbarrier import RING_PAIR_ATTR
 from kiln.passes.mbarrier_rings import Rings, build_wait as build_ring_wait
 from kiln.passes.verify_waits import gap_error
 from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis,
@@ -144,9 +145,24 @@ def _dominating_wait(func: ir.Operation, point: ir.Operation, unit, event) -> bo
     return False
 
 
+def _paired(unit):
+    """The ``kiln.ring_pair`` id on a ring unit's ``mbarrier.create`` (kiln.tile_tma pairs each
+    tile's full and empty barriers so), else None."""
+    group = unit[0] if isinstance(unit, tuple) else unit
+    owner = group.owner
+    if isinstance(owner, ir.Block) or RING_PAIR_ATTR not in owner.operation.attributes:
+        return None
+    return ir.IntegerAttr(owner.operation.attributes[RING_PAIR_ATTR]).value
+
+
 def _empty_group(rings: Rings, full):
-    """The empty ring paired with ``full``: the one empty ring whose waits guard no other
-    ring's arms, else None."""
+    """The empty ring paired with ``full``: the one whose create names the same
+    ``kiln.ring_pair``, else the one empty ring whose waits guard no other ring's arms, else
+    None."""
+    pair = _paired(full)
+    if pair is not None:
+        found = [g for g in rings.empty if _paired(g) == pair]
+        return found[0] if len(found) == 1 else None
     taken = set()
     for op, ring in rings.ops:
         if ring[0] == "wait" and ring[1] in rings.empty:

@@ -19,7 +19,8 @@ What is derived, never trusted (:mod:`kiln.passes.ring_exprs` reads the index ar
 - **the use it must name**, by counting: the k-th wait on a ring along a thread's path must name
   use k, and the k-th arm use k (modulo 2S and S). Counts follow loops by induction: a loop
   whose body adds c events per iteration counts ``before + c*(iv - lo)`` at the top of its body
-  (step 1), or an ``iter_arg`` that starts at the count and is yielded plus the body's events (a
+  (step 1; a constant step S counts ``before + c*((iv - lo) // S)``, with no count after the
+  loop), or an ``iter_arg`` that starts at the count and is yielded plus the body's events (a
   ``use = use + 1`` counter carried through nested loops); an ``scf.if`` keeps a count its arms
   agree on. A wait on an empty ring must name the use of the arm after it in its block.
 
@@ -227,6 +228,9 @@ class Rings:
             return UNKNOWN, UNKNOWN, UNKNOWN
         if per.const == 0:
             return before, before, 0
+        if step.is_const and step.const > 1:  # iv - lo is a multiple of the step
+            return before + Lin.atom(("div", ivl - lo, step.const)).scale(per.const), UNKNOWN, \
+                per.const
         if not (step.is_const and step.const == 1):
             return UNKNOWN, UNKNOWN, per.const
         trips = hi - lo
@@ -337,6 +341,9 @@ def ring_errors(func: ir.Operation) -> list[tuple[ir.Operation, str]]:
             continue
         if named.offset is None:  # constant slot and parity: the use at the expected offset
             named = Named(named.n - stages * want, named.modulus, want)
+        elif stages == 1 and named.modulus == 2 and named.offset != want:
+            # one slot: a parity's constant is the use's or the offset's; move it to the use
+            named = Named(named.n + (named.offset - want), named.modulus, want)
         if named.modulus == 2 * stages and named.offset != want:
             kind, plus = ("a full", "") if full else ("an empty", " + 1")
             errors.append((op, f"its parity is flipped: a wait on {kind} ring for use n waits "
@@ -347,6 +354,8 @@ def ring_errors(func: ir.Operation) -> list[tuple[ir.Operation, str]]:
             continue
         n, modulus = expected
         diff = named.n - n
+        if min(modulus, named.modulus) == 1:  # an arm on a 1-stage ring: its only slot
+            continue
         if not diff.is_const or diff.const % min(modulus, named.modulus):
             if role == "wait" and not full:
                 what = f"the arm after it opens use {show(n)}"

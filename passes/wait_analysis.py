@@ -233,7 +233,7 @@ class Step:
     blocks: list = field(default_factory=list)  # nested blocks, each a list of Steps
     reads: tuple = ()            # events this op consumes (filled after all events are known)
     shared_reads: tuple = ()     # buffers a WGMMA event reads through its descriptors
-    refills: tuple = ()          # buffers a cp.async group or a shared store (re)writes
+    refills: tuple = ()          # buffers a cp.async group, TMA load or shared store (re)writes
     tokens: tuple = ()           # the kiln.token ids its kiln.waits_for names
 
 
@@ -396,8 +396,8 @@ class WaitAnalysis:
                 if step.counter == WGMMA and step.descriptors:
                     step.shared_reads = tuple(r for v in op.operands
                                               for r in self._descriptor_roots(v))
-                if step.counter == CP_ASYNC and AUTO_WAIT_ATTR in attrs:
-                    step.refills = step.roots or ()
+                if step.counter in (CP_ASYNC, MBARRIER) and AUTO_WAIT_ATTR in attrs:
+                    step.refills = step.roots or ()  # a tile copy's cp.async group / TMA load
                 self._steps[op] = step
                 if "kiln.token" in attrs:
                     self._tokens[ir.IntegerAttr(attrs["kiln.token"]).value] = step
@@ -422,6 +422,9 @@ class WaitAnalysis:
                     data=found.data)
 
     def _resolve_reads(self, steps: list[Step]) -> None:
+        # events in IR order: a read's waits for events of equal age go in that order, not in
+        # the order a set of Steps (hashed by address) happens to give
+        self._order = {s: i for i, s in enumerate(self._steps.values())}
         lds_events = [s for s in self._steps.values() if s.roots is not None]
         writers: dict = {}  # buffer root -> the LDS events that may write it
         self._resolve_block(steps, lds_events, writers)
@@ -464,7 +467,7 @@ class WaitAnalysis:
                 event = self._tokens.get(token)
                 if event is not None:
                     needed.add(event)
-            step.reads = tuple(needed)
+            step.reads = tuple(sorted(needed, key=self._order.__getitem__))
             for block in step.blocks:
                 self._resolve_block(block, lds_events, writers)
 

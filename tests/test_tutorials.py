@@ -106,13 +106,15 @@ def test_matmul_bias_gelu(target, shape):
 @pytest.mark.parametrize("target", ("sm_80", "sm_90a", "gfx950"))
 def test_matmul_compiles_to_the_targets_mma_without_spills(target):
     a = np.zeros((256, 256), ml_dtypes.bfloat16)
-    ck = matmul.matmul_kernel.compile(a, a, np.zeros(256, np.float32), a, 256, 256, 256,
+    ck = matmul.matmul_kernel.compile(a, a, np.zeros(256, np.float32), a,
                                       **matmul.config(target), ALIGN=16, target=target)
-    if target == "sm_90a":  # WGMMA fed by cp.async stages, one group kept in flight
+    if target == "sm_90a":  # WGMMA fed by TMA stages, one group kept in flight; C by TMA
         assert ck.metadata["spill_bytes"] == 0 and ck.metadata["wgmma_serialized"] is None
         ptx = ck.asm["ptx"]
         assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
-        assert "wgmma.wait_group.sync.aligned \t1;" in ptx and "cp.async.cg" in ptx
+        assert "wgmma.wait_group.sync.aligned \t1;" in ptx and "cp.async.cg" not in ptx
+        assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier" in ptx
+        assert "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in ptx
         assert "mma.sync" not in ptx
         assert "rcp.approx.f32" in ptx and "rcp.rn" not in ptx   # GELU without a slow path
     elif target == "sm_80":

@@ -101,12 +101,28 @@ _elementwise({
     "vector.fma": lambda a, b, c: a.astype(np.float64) * b + c.astype(np.float64),
     # casts: the result dtype's astype does the work (int truncation wraps, float rounds)
     "arith.extf": lambda a: a, "arith.truncf": lambda a: a,
-    "arith.extsi": lambda a: a, "arith.trunci": lambda a: a,
+    "arith.extsi": lambda a: a,
     "arith.extui": lambda a: _unsigned(a), "arith.sitofp": lambda a: a,
     "arith.uitofp": lambda a: _unsigned(a), "arith.fptosi": lambda a: a,
     "arith.fptoui": lambda a: a, "arith.index_cast": lambda a: a,
     "arith.index_castui": lambda a: _unsigned(a),
 })
+
+@semantics("arith.trunci")
+def _trunci(op, p):
+    """Integers wrap at the result's width (``astype``); to i1 the low bit is kept (``astype``
+    to bool would test for nonzero: an mbarrier parity ``trunci(n)`` of n = 2 read as 1)."""
+    (a,) = p.operands(op)
+    out = p.result(op)
+    dtype = np_dtype(op.results[0].type)
+    low_bit = dtype == np.bool_
+
+    def run(env, ctx):
+        x = env[a]
+        env[out] = (x & 1 if low_bit and x.dtype != np.bool_ else x).astype(dtype, copy=False)
+
+    return run
+
 
 # arith.cmpi predicates, in enum order: eq ne slt sle sgt sge ult ule ugt uge
 _CMPI = [np.equal, np.not_equal, np.less, np.less_equal, np.greater, np.greater_equal]

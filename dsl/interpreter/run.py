@@ -200,7 +200,7 @@ def interpret_kernel(traced, grid, args, target) -> None:
     block = tuple(signature.block)
     threads = int(np.prod(block))
     grid = normalize_grid(grid)
-    values, copies = _convert_args(signature, args)
+    values, copies = _convert_args(signature, signature.expand(list(args)))
     static = (compiled.static_shared_bytes + _SHARED_ALIGN - 1) // _SHARED_ALIGN * _SHARED_ALIGN
     shared_bytes = static + signature.dynamic_shared_bytes
     split = compiled.warp_group_contexts and threads > WARP_GROUP_THREADS

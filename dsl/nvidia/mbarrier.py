@@ -74,6 +74,9 @@ ARRIVE = declare("nvidia.mbarrier.arrive", feature="sm90",
 # The stage count a PhaseTracker gives its group's ring (default: the group's size), on the
 # nvgpu.mbarrier.create op; the passes read it to derive each wait's use (mbarrier_rings).
 RING_STAGES_ATTR = "kiln.ring_stages"
+# The same id on a full and an empty group's create: kiln-insert-waits waits on that empty ring
+# before the full ring's arms (kiln.tile_tma's tiles handed back without a block barrier).
+RING_PAIR_ATTR = "kiln.ring_pair"
 def _remote_group(op):
     """The group an ``arrive_cluster`` arrives on: its address comes from ``mbarrier.get``
     through casts and ``mapa`` (None for the ``mapa`` itself)."""

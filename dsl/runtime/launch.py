@@ -445,6 +445,8 @@ class _LaunchPlan:
     def __call__(self, grid, args: Sequence, stream) -> None:
         grid = self.check_grid(grid)
         params = self.signature.params
+        if len(args) != len(params):  # the tensor maps the trace derived: their sources' values
+            args = self.signature.expand(args)
         if len(args) != len(params):
             names = ", ".join(p.name for p in params)
             raise KilnValueError(f"{self.name} takes {len(params)} run-time arguments ({names}), "

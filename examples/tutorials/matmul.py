@@ -4,20 +4,22 @@
 all be ragged. Each block computes a ``BM x BN`` tile of C (blocks visit the tiles in grouped
 order: ``GROUP_M`` row tiles sweep the columns together, so they share B tiles in L2).
 ``kiln.pipeline`` runs the K loop over ``STAGES`` pairs of shared tiles: ``fetch`` copies a K
-step's tiles of A and B into one stage (``cp.async`` on sm_80+ where ``align=16`` promises
-aligned rows, and ``col_multiple`` that K and N are multiples of 8, so each 16-byte chunk is
-copied whole or not at all; vector loads elsewhere; masked rows and columns read as 0, which
-adds nothing) while ``kiln.gemm`` multiplies an earlier stage with the target's MMA into an
-accumulator whose register layout Kiln derives. ``kiln.tiles.operand_tile`` lays each shared
-tile out for that MMA: WGMMA's 128-byte-swizzled chunks on sm_90a (two warpgroups, each 64 rows
-of a 128 x 256 tile, one WGMMA group kept in flight), ``mma.sync`` fed by ``ldmatrix`` on
-sm_80, the double-rate MFMA on gfx950. No wait is in the program: ``kiln-insert-waits`` places
-the ``cp.async`` and WGMMA waits (docs/tiles.md has the schedule). The epilogue is plain tile
-math on the accumulator: the bias is a 1-D tensor read as a tile (every row the same), GELU is
-the tanh form written as a sigmoid whose reciprocal is the hardware's approximate one
-(``kiln.rcp(approx=True)``: the correctly rounded ``rcp.rn`` runs a slow path for every lane
-whose ``1 + exp(-z)`` overflowed, about half of them: 487 -> 610 TFLOP/s at 4096^3 on an
-H200), ``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the unmasked part.
+step's tiles of A and B into one stage while ``kiln.gemm`` multiplies an earlier stage with the
+target's MMA into an accumulator whose register layout Kiln derives. The tiles' masks are the
+tensors' own extents (``a.shape``), so on sm_90a the copies are TMA boxes (``align=16``: rows
+of 16-byte multiples; the boxes past the edges read zeros, which add nothing), completing on
+mbarriers; on sm_80 ``cp.async`` (``col_multiple``: K and N multiples of 8, so each 16-byte
+chunk is copied whole or not at all); vector loads elsewhere. ``kiln.tiles.operand_tile`` lays
+each shared tile out for the MMA: WGMMA's 128-byte-swizzled chunks on sm_90a (two warpgroups,
+each 64 rows of a 128 x 256 tile, one WGMMA group kept in flight), ``mma.sync`` fed by
+``ldmatrix`` on sm_80, the double-rate MFMA on gfx950. No wait is in the program:
+``kiln-insert-waits`` places the mbarrier, ``cp.async`` and WGMMA waits (docs/tiles.md has the
+schedule). The epilogue is plain tile math on the accumulator: the bias is a 1-D tensor read as
+a tile (every row the same), GELU is the tanh form written as a sigmoid whose reciprocal is the
+hardware's approximate one (``kiln.rcp(approx=True)``: the correctly rounded ``rcp.rn`` runs a
+slow path for every lane whose ``1 + exp(-z)`` overflowed, about half of them: 487 -> 610
+TFLOP/s at 4096^3 on an H200), ``kiln.cast`` rounds to bf16 and ``kiln.copy`` stores the
+unmasked part: on sm_90a (``STAGED``) through shared memory and TMA stores, 64 columns at a time.
 
 Run: ``python examples/tutorials/matmul.py``.
 """
@@ -37,9 +39,10 @@ SQRT_2_OVER_PI = 0.7978845608028654
 
 @kiln.kernel(num_threads="THREADS")
 def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.Tensor[f32],
-                  c: kiln.Tensor[bf16, 2], m: i32, n: i32, k: i32, BM: kiln.constexpr,
-                  BN: kiln.constexpr, BK: kiln.constexpr, STAGES: kiln.constexpr,
-                  GROUP_M: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr):
+                  c: kiln.Tensor[bf16, 2], BM: kiln.constexpr, BN: kiln.constexpr,
+                  BK: kiln.constexpr, STAGES: kiln.constexpr, GROUP_M: kiln.constexpr,
+                  THREADS: kiln.constexpr, STAGED: kiln.constexpr, ALIGN: kiln.constexpr):
+    (m, k), (kb, n) = a.shape, b.shape   # masks at the tensors' own extents: TMA on sm_90a
     # grouped order: GROUP_M row tiles sweep the columns together, sharing B tiles in L2
     pid, tiles_m, tiles_n = kiln.block_id(0), (m + BM - 1) // BM, (n + BN - 1) // BN
     first = pid // (GROUP_M * tiles_n) * GROUP_M
@@ -53,7 +56,7 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
     def fetch(k0, s):   # masked rows and columns read as 0, which adds nothing
         kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=m, col_end=k, align=ALIGN,
                                   col_multiple=ALIGN // 2), a_s[s])
-        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=k, col_end=n, align=ALIGN,
+        kiln.copy(kiln.GlobalTile(b, (BK, BN), (k0, col0), row_end=kb, col_end=n, align=ALIGN,
                                   col_multiple=ALIGN // 2), b_s[s])
 
     acc = kiln.accumulator(a_s[0], b_s[0])
@@ -62,21 +65,23 @@ def matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], bias: kiln.T
     x = acc + kiln.load(kiln.GlobalTile(bias, (BM, BN), (0, col0), col_end=n), acc.layout)
     z = (x + 0.044715 * x * x * x) * (2.0 * SQRT_2_OVER_PI)
     y = x * kiln.rcp(1.0 + kiln.exp(-z), approx=True)   # no slow path where exp(-z) is inf
-    kiln.copy(kiln.cast(y, bf16), kiln.GlobalTile(c, (BM, BN), (row0, col0), row_end=m,
-                                                  col_end=n, align=ALIGN))
+    c_tile = kiln.GlobalTile(c, (BM, BN), (row0, col0), row_end=c.shape[0], col_end=c.shape[1],
+                             align=ALIGN)
+    kiln.copy(kiln.cast(y, bf16), c_tile, staged=STAGED)
 
 
 def config(target: str | None) -> dict:
     """Tile sizes per target: 128 x 256 x 64 over two WGMMA warpgroups and 4 stages on
-    sm_90a (4 x 48 KB of shared tiles: two stages of copies in flight beside the WGMMA group;
-    on an H200 this beat 3 stages, 3 stages with ``barrier_before_fetch``, 4 with it or with
-    ``mma_in_flight=0``, ``GROUP_M=16`` and 128 x 192 tiles in 5 stages: bench/
-    tutorial_matmul.py, bench/matmul_epilogue_ab.py);
-    128 x 128 x 32, 8 warps, 3 stages elsewhere."""
+    sm_90a (4 x 48 KB of shared tiles: two stages of TMA copies in flight beside the WGMMA
+    group, and 2 x 16 KB for C's TMA stores; on an H200 at 4096^3, 706 TFLOP/s: 0.90 of
+    cuBLAS, 1.08 of Triton's tutorial matmul; ``cp.async`` copies 677, C stored from the
+    accumulator's layout 684, 3 stages with ``barrier_before_fetch`` 683: the kernel's copy in
+    bench/matmul_epilogue_ab.py); 128 x 128 x 32, 8 warps, 3 stages elsewhere (C stored from the
+    accumulator: ``STAGED`` is for TMA stores)."""
     name = target or default_target()
     if name.startswith("sm_90"):
-        return dict(BM=128, BN=256, BK=64, STAGES=4, GROUP_M=8, THREADS=256)
-    return dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, THREADS=256)
+        return dict(BM=128, BN=256, BK=64, STAGES=4, GROUP_M=8, THREADS=256, STAGED=True)
+    return dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, THREADS=256, STAGED=False)
 
 
 def alignment(k: int, n: int, *arrays) -> int:
@@ -94,7 +99,9 @@ def matmul(a, b, bias, c, *, backend: str = "gpu", target: str | None = None):
     grid = (-(-m // cfg["BM"]) * -(-n // cfg["BN"]),)
     launch = matmul_kernel.interpret[grid] if backend == "interpret" else matmul_kernel[grid]
     extra = {"target": target} if target else {}
-    launch(a, b, bias, c, m, n, k, **cfg, ALIGN=alignment(k, n, a, b, c), **extra)
+    align = alignment(k, n, a, b, c)   # C is staged (TMA stores) only where rows are aligned
+    cfg["STAGED"] = cfg["STAGED"] and align == 16
+    launch(a, b, bias, c, **cfg, ALIGN=align, **extra)
     return c
 
 
