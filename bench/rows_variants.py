@@ -89,3 +89,61 @@ def layernorm_wb_early(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tens
         if kiln.thread_id(0) == 0:
             mean_out[row] = mean.item()
             rstd_out[row] = rstd.item()
+
+
+@kiln.kernel(num_threads="THREADS")
+def softmax_rows(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32, grid: i32,
+                 BLOCK: kiln.constexpr, THREADS: kiln.constexpr, ROWS: kiln.constexpr,
+                 ALIGN: kiln.constexpr):
+    """Register rows, no shared stream: ``ROWS`` rows a step loaded with ``fill=-inf`` (no
+    ``kiln.where``, no per-element column registers) over a persistent grid."""
+    tv = kiln.layout.blocked((ROWS, BLOCK), THREADS, vec=4)
+    for r0 in kiln.range(kiln.block_id(0) * ROWS, m, grid * ROWS):
+        t = kiln.load(kiln.GlobalTile(x, (ROWS, BLOCK), (r0, 0), row_end=m, col_end=n,
+                                      fill=-float("inf"), align=ALIGN,
+                                      col_multiple=ALIGN // 4), tv)
+        p = kiln.exp(t - kiln.reduce(t, "max", axis=1))
+        p = p * kiln.rcp(kiln.reduce(p, "sum", axis=1))
+        kiln.copy(p, kiln.GlobalTile(y, (ROWS, BLOCK), (r0, 0), row_end=m, col_end=n,
+                                     align=ALIGN, col_multiple=ALIGN // 4))
+
+
+@kiln.kernel(num_threads="THREADS")
+def layernorm_rows(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f32],
+                   y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
+                   rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
+                   BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
+                   WBS: kiln.constexpr, ALIGN: kiln.constexpr):
+    """Register rows over a persistent grid; the first ``WBS`` CHUNK-column tiles of ``w``
+    and ``b`` are copied into shared memory once per block (the rest are read per row); the
+    padding mask is taken per 16-byte chunk (``cols & ~3``: 1 register per chunk)."""
+    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
+    tiles = BLOCK // CHUNK
+    inv_n = 1.0 / kiln.cast(n, f32)
+
+    def row_tiles(t, row):
+        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), col_end=n, align=ALIGN,
+                                col_multiple=ALIGN // 4) for c in range(tiles)]
+
+    wb_s = [[kiln.SharedTile((1, CHUNK), f32) for _ in range(WBS)] for _ in range(2)]
+    for k, t in enumerate((w, b)):
+        for c in range(WBS):
+            kiln.copy(row_tiles(t, 0)[c], wb_s[k][c])
+    kiln.barrier()
+    _, cols = kiln.tiles.coords(tv)
+    chunk_cols = cols.map(lambda c: c & -4) if ALIGN == 16 else cols
+    for row in kiln.range(kiln.block_id(0), m, grid):
+        xs = [kiln.load(g, tv) for g in row_tiles(x, row)]
+        mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
+        xcs = [kiln.where(chunk_cols + c * CHUNK < n, t - mean, 0.0) for c, t in enumerate(xs)]
+        rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]), "sum",
+                                      axis=1) * inv_n + eps)
+        for c, xc in enumerate(xcs):
+            if c < WBS:
+                gamma, beta = kiln.load(wb_s[0][c], tv), kiln.load(wb_s[1][c], tv)
+            else:
+                gamma, beta = (kiln.load(t[c], tv) for t in (row_tiles(w, 0), row_tiles(b, 0)))
+            kiln.copy(xc * rstd * gamma + beta, row_tiles(y, row)[c])
+        if kiln.thread_id(0) == 0:
+            mean_out[row] = mean.item()
+            rstd_out[row] = rstd.item()
