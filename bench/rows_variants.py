@@ -147,3 +147,59 @@ def layernorm_rows(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f
         if kiln.thread_id(0) == 0:
             mean_out[row] = mean.item()
             rstd_out[row] = rstd.item()
+
+
+@kiln.kernel(num_threads="THREADS")
+def softmax_split(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32, grid: i32,
+                  BLOCK: kiln.constexpr, THREADS: kiln.constexpr, SPLIT: kiln.constexpr,
+                  ALIGN: kiln.constexpr):
+    """Each row split over a cluster of ``SPLIT`` CTAs (``BLOCK // SPLIT`` columns each, in
+    registers, ``fill=-inf``), reduced across the cluster through distributed shared memory;
+    clusters walk rows ``cluster, cluster + grid // SPLIT, ...``."""
+    part = BLOCK // SPLIT
+    first = kiln.cluster_rank(SPLIT) * part
+    tv = kiln.layout.blocked((1, part), THREADS, vec=4)
+    for row in kiln.range(kiln.block_id(0) // SPLIT, m, grid // SPLIT):
+        t = kiln.load(kiln.GlobalTile(x, (1, part), (row, first), col_end=n,
+                                      fill=-float("inf"), align=ALIGN,
+                                      col_multiple=ALIGN // 4), tv)
+        p = kiln.exp(t - kiln.reduce(t, "max", axis=1, cluster=True))
+        p = p * kiln.rcp(kiln.reduce(p, "sum", axis=1, cluster=True))
+        kiln.copy(p, kiln.GlobalTile(y, (1, part), (row, first), col_end=n, align=ALIGN,
+                                     col_multiple=ALIGN // 4))
+
+
+@kiln.kernel(num_threads="THREADS")
+def layernorm_split(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f32],
+                    y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
+                    rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
+                    BLOCK: kiln.constexpr, THREADS: kiln.constexpr, SPLIT: kiln.constexpr,
+                    WB_EARLY: kiln.constexpr, ALIGN: kiln.constexpr):
+    """Each row split over a cluster of ``SPLIT`` CTAs (``BLOCK // SPLIT`` columns each, in
+    registers), mean and variance reduced across the cluster; ``w``/``b`` loaded before the
+    reductions (``WB_EARLY``) or after them."""
+    part = BLOCK // SPLIT
+    rank = kiln.cluster_rank(SPLIT)
+    first = rank * part
+    tv = kiln.layout.blocked((1, part), THREADS, vec=4)
+    inv_n = 1.0 / kiln.cast(n, f32)
+    _, cols = kiln.tiles.coords(tv)
+    chunk_cols = cols.map(lambda c: c & -4) if ALIGN == 16 else cols
+
+    def tile(t, row):
+        return kiln.GlobalTile(t, (1, part), (row, first), col_end=n, align=ALIGN,
+                               col_multiple=ALIGN // 4)
+
+    for row in kiln.range(kiln.block_id(0) // SPLIT, m, grid // SPLIT):
+        xt = kiln.load(tile(x, row), tv)
+        if WB_EARLY:
+            gamma, beta = kiln.load(tile(w, 0), tv), kiln.load(tile(b, 0), tv)
+        mean = kiln.reduce(xt, "sum", axis=1, cluster=True) * inv_n
+        xc = kiln.where(chunk_cols + first < n, xt - mean, 0.0)
+        rstd = kiln.rsqrt(kiln.reduce(xc * xc, "sum", axis=1, cluster=True) * inv_n + eps)
+        if not WB_EARLY:
+            gamma, beta = kiln.load(tile(w, 0), tv), kiln.load(tile(b, 0), tv)
+        kiln.copy(xc * rstd * gamma + beta, tile(y, row))
+        if (kiln.thread_id(0) == 0) & (rank == 0):
+            mean_out[row] = mean.item()
+            rstd_out[row] = rstd.item()

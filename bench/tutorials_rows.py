@@ -1,7 +1,9 @@
 """Long-row A/B of the softmax and layer-norm tutorials at 4k-32k float32 columns, one run:
 the tutorials as shipped (``config``), register-row variants over a persistent grid
 (bench/rows_variants.py: ``rows tT rR xK``: T threads, R rows a step, K blocks per SM;
-layer norm ``wbS``: S 4096-column tiles of ``w``/``b`` held in shared memory), Triton's
+layer norm ``wbS``: S 4096-column tiles of ``w``/``b`` held in shared memory), rows split over
+a thread-block cluster (``split tT sS xK``: S CTAs a row reduced through distributed shared
+memory, K blocks per SM or 0: a cluster a row; layer norm ``eE``: w/b loaded early), Triton's
 tutorial designs (bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's
 device copy, both of a 1 GiB buffer and of the benchmark's own matrix (same bytes: the launch
 and ramp costs a kernel of this size pays too).
@@ -30,18 +32,25 @@ from tutorials import fused_softmax, layernorm  # noqa: E402
 import rows_variants  # noqa: E402
 
 # (threads, rows a step, blocks per SM) of the register-row softmax, per column count
-SOFTMAX_ROWS = {4096: [(256, 1, 8), (512, 2, 4)], 8192: [(512, 1, 3), (1024, 1, 2)],
-                16384: [(1024, 1, 1), (512, 1, 1)], 32768: [(1024, 1, 1)]}
+SOFTMAX_ROWS = {4096: [(256, 1, 8)], 8192: [(512, 1, 3)], 16384: [(1024, 1, 1)]}
 # (threads, w/b tiles in shared memory, blocks per SM) of the register-row layer norm
-LAYERNORM_ROWS = {4096: [(256, 1, 4)], 8192: [(512, 2, 2), (512, 0, 2)],
-                  16384: [(1024, 4, 1), (512, 4, 1)], 32768: [(1024, 4, 1)]}
+LAYERNORM_ROWS = {4096: [(256, 1, 4)], 16384: [(1024, 4, 1)], 32768: [(1024, 4, 1)]}
+# (threads, CTAs a row (cluster size), blocks per SM; 0: a cluster a row, no loop) of the
+# cluster-split softmax
+SOFTMAX_SPLIT = {8192: [(256, 2, 0)], 16384: [(512, 2, 0), (256, 4, 0), (256, 4, 6)],
+                 32768: [(512, 4, 0), (256, 8, 0), (256, 4, 0)]}
+# (threads, CTAs a row, w/b before the reductions, blocks per SM) of the cluster-split layer norm
+LAYERNORM_SPLIT = {4096: [(256, 1, 1, 0)], 8192: [(256, 2, 1, 0), (256, 2, 0, 0)],
+                   16384: [(256, 4, 1, 0), (512, 2, 1, 0)],
+                   32768: [(512, 4, 1, 0), (256, 8, 1, 0), (256, 8, 0, 0)]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cols", default="32768,16384,8192,4096")
+    parser.add_argument("--cols", default="4096,8192,16384,32768")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--big", action="store_true", help="also 2^26-element matrices")
+    parser.add_argument("--no-split", action="store_true", help="leave the cluster-split out")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     import torch
@@ -92,6 +101,7 @@ def main() -> None:
         rows.append({"op": "copy", "shape": [m, n], "variant": "torch", "gbs": same_gbs,
                      "of_copy": same_gbs / copy_gbs})
         block = max(512, 1 << (n - 1).bit_length())
+        splits = log2 == 24 and not args.no_split
         chunk = min(block, 4096)
         variants = {"config": lambda: fused_softmax.softmax(x, y)}
         for t, r, per_sm in SOFTMAX_ROWS.get(n, []) if log2 == 24 else []:
@@ -99,6 +109,11 @@ def main() -> None:
             variants[f"rows t{t} r{r} x{per_sm}"] = (
                 lambda g=grid, t=t, r=r: rows_variants.softmax_rows[(g,)](
                     x, y, m, n, g, BLOCK=block, THREADS=t, ROWS=r, ALIGN=16))
+        for t, split, per_sm in SOFTMAX_SPLIT.get(n, []) if splits else []:
+            grid = min(m, sms * per_sm // split) * split if per_sm else m * split
+            variants[f"split t{t} s{split} x{per_sm}"] = (
+                lambda g=grid, t=t, s=split: rows_variants.softmax_split[(g,)](
+                    x, y, m, n, g, BLOCK=block, THREADS=t, SPLIT=s, ALIGN=16))
         t_grid = (min(m, sms * 4),)
         variants["triton"] = lambda: t_softmax[t_grid](y, x, x.stride(0), y.stride(0), m, n,
                                                        BLOCK=block,
@@ -115,6 +130,12 @@ def main() -> None:
                 lambda g=grid, t=t, wbs=wbs: rows_variants.layernorm_rows[(g,)](
                     x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk,
                     THREADS=t, WBS=wbs, ALIGN=16))
+        for t, split, early, per_sm in LAYERNORM_SPLIT.get(n, []) if splits else []:
+            grid = min(m, sms * per_sm // split) * split if per_sm else m * split
+            variants[f"split t{t} s{split} e{early} x{per_sm}"] = (
+                lambda g=grid, t=t, s=split, e=early: rows_variants.layernorm_split[(g,)](
+                    x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, THREADS=t, SPLIT=s,
+                    WB_EARLY=e, ALIGN=16))
         ln_block = min(65536 // 4, block)
         variants["triton"] = lambda: t_layernorm[(m,)](
             x, y, w, b, mean, rstd, x.stride(0), n, 1e-5, BLOCK=ln_block,

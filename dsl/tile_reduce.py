@@ -20,26 +20,46 @@ scalars (a lambda or a ``@kiln.func``). The result is a :class:`~kiln.reg_tile.T
 broadcasts back onto tiles of the same layout (``x - kiln.reduce(x, "max", 1)``). Values are
 32-bit (f32 or i32): cast narrower tiles first.
 
+``cluster=True`` goes on across the CTAs of the kernel's thread-block cluster (sm_90+, declared
+by :func:`cluster_rank`): each CTA stores its block's value into slot ``rank`` of every CTA's
+shared buffer (:func:`kiln.nvidia.dsmem.store_remote`), a cluster barrier, and each CTA
+combines the slots in rank order (every CTA gets the bitwise same result). The barrier is split
+so one round trip orders each exchange: ``cluster_rank`` leaves an arrive standing, an exchange
+waits on it (the peers have read the previous exchange), stores, arrives and waits (the stores
+landed), reads, and arrives again. Every thread of every CTA of the cluster must reach each
+``cluster=True`` reduce. Without a cluster (or one of one CTA) it is the block's reduce, so
+``kiln.cluster_rank(SPLIT)`` with ``SPLIT = 1`` keeps a kernel portable.
+
 Example (row softmax)::
 
     m = kiln.reduce(x, "max", axis=1)
     p = kiln.exp(x - m)
     p = p / kiln.reduce(p, "sum", axis=1)
+
+Example (a row split over a cluster of ``SPLIT`` CTAs, each holding ``BLOCK // SPLIT``
+columns)::
+
+    part = kiln.cluster_rank(SPLIT) * (BLOCK // SPLIT)
+    x = kiln.load(kiln.GlobalTile(x_t, (1, BLOCK // SPLIT), (row, part), col_end=n), tv)
+    total = kiln.reduce(x, "sum", axis=1, cluster=True)
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from mlir.dialects import vector
+from mlir import ir
+from mlir.dialects import nvvm, scf, vector
 
 from . import builder, ops
 from .core import dtypes as dt
 from .core.errors import KilnTypeError, KilnValueError
+from .nvidia import sync as nvidia_sync
+from .nvidia.dsmem import store_remote
 from .reg_tile import RegTile, TileVector, _pairwise, _row_keys, _row_structure
 from .shared import shared
 from .shuffle import butterfly_reduce
-from .values import Value
+from .values import Value, constant
 
 COMBINES: dict[str, Callable[[Any, Any], Any]] = {
     "sum": lambda a, b: a + b,
@@ -90,9 +110,50 @@ def _across_warps(values: list[list[Value]], masks: tuple[int, ...], combine, th
     return [combined[i * per:(i + 1) * per] for i in range(len(values))]
 
 
-def reduce(tile: RegTile, op: Any = "sum", axis: int = 1) -> TileVector:
+def cluster_rank(size: int) -> Value:
+    """Run the kernel in clusters of ``size`` CTAs along x and return this CTA's rank in its
+    cluster (an i32, ``0 .. size - 1``); ``reduce(..., cluster=True)`` then combines across
+    them. ``size`` 1 is no cluster on every target (rank 0); more needs sm_90+ and a grid that
+    is a multiple of ``size``. Call it once, at the top of the kernel.
+
+    Example: ``part = kiln.cluster_rank(SPLIT) * (BLOCK // SPLIT)`` (this CTA's columns).
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise KilnValueError(f"kiln.cluster_rank size must be a positive int, got {size!r}",
+                             fix="pass a compile-time constant, e.g. kiln.cluster_rank(SPLIT)")
+    if size == 1:
+        return constant(0, dt.i32)
+    nvidia_sync.cluster_dims(size)
+    nvvm.cluster_arrive()   # the standing arrive the first cluster exchange waits on
+    return nvidia_sync.cluster_ctarank()
+
+
+def _across_cluster(values: list[list[Value]], combine, dtype: dt.DType,
+                    size: int) -> list[list[Value]]:
+    """Combine each scalar (the same in every thread of a CTA) over the ``size`` CTAs of the
+    cluster through a ``[slots, size]`` shared buffer in each (see the module docs)."""
+    flat = [x for line in values for x in line]
+    buf = shared((len(flat), size), dtype, align=16)
+    rank = nvidia_sync.cluster_ctarank()
+    nvvm.cluster_wait()   # the peers have read the previous exchange's buffers
+    peer = ops.thread_id(0)
+    send = scf.IfOp((peer < size).ir)
+    with ir.InsertionPoint(send.then_block):
+        for k, x in enumerate(flat):
+            store_remote(buf, (k, rank), x, peer)
+        scf.YieldOp([])
+    nvvm.cluster_arrive()
+    nvvm.cluster_wait()
+    combined = [_pairwise([buf[k, r] for r in range(size)], combine) for k in range(len(flat))]
+    nvvm.cluster_arrive()
+    per = len(values[0])
+    return [combined[i * per:(i + 1) * per] for i in range(len(values))]
+
+
+def reduce(tile: RegTile, op: Any = "sum", axis: int = 1, *, cluster: bool = False) -> TileVector:
     """Reduce ``tile`` along ``axis`` (1: each row over its columns; 0: each column) with
-    ``op`` (see the module docs), across every thread of its layout.
+    ``op`` (see the module docs), across every thread of its layout, and with ``cluster=True``
+    across the CTAs of the kernel's cluster (:func:`cluster_rank`).
 
     Example: ``mean = kiln.reduce(x, "sum", axis=1) * (1.0 / n)``.
     """
@@ -124,4 +185,7 @@ def reduce(tile: RegTile, op: Any = "sum", axis: int = 1) -> TileVector:
                       for m in members])
     if warp_masks:
         lines = _across_warps(lines, warp_masks, combine, layout.num_threads, tile.dtype)
+    shape = builder.current().cluster
+    if cluster and shape is not None and shape[0] * shape[1] * shape[2] > 1:
+        lines = _across_cluster(lines, combine, tile.dtype, shape[0] * shape[1] * shape[2])
     return TileVector(lines, group_of, "row" if axis == 1 else "col", _row_keys(layout))
