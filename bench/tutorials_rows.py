@@ -47,7 +47,7 @@ LAYERNORM_SPLIT = {4096: [(256, 1, 1, 0)], 8192: [(256, 2, 1, 0), (256, 2, 0, 0)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cols", default="4096,8192,16384,32768")
+    parser.add_argument("--cols", default="32768,16384,8192,4096")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--big", action="store_true", help="also 2^26-element matrices")
     parser.add_argument("--no-split", action="store_true", help="leave the cluster-split out")
