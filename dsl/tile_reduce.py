@@ -114,7 +114,9 @@ def cluster_rank(size: int) -> Value:
     """Run the kernel in clusters of ``size`` CTAs along x and return this CTA's rank in its
     cluster (an i32, ``0 .. size - 1``); ``reduce(..., cluster=True)`` then combines across
     them. ``size`` 1 is no cluster on every target (rank 0); more needs sm_90+ and a grid that
-    is a multiple of ``size``. Call it once, at the top of the kernel.
+    is a multiple of ``size``. Call it once, at the top of the kernel: it leaves a cluster
+    barrier arrive pending for the first exchange (``kiln.nvidia_asm.cluster_sync`` keeps that
+    so; a hand-written ``barrier.cluster`` must wait first).
 
     Example: ``part = kiln.cluster_rank(SPLIT) * (BLOCK // SPLIT)`` (this CTA's columns).
     """
@@ -125,6 +127,7 @@ def cluster_rank(size: int) -> Value:
         return constant(0, dt.i32)
     nvidia_sync.cluster_dims(size)
     nvvm.cluster_arrive()   # the standing arrive the first cluster exchange waits on
+    builder.current().cluster_arrive_standing = True
     return nvidia_sync.cluster_ctarank()
 
 

@@ -26,6 +26,8 @@ import numpy as np
 
 import kiln
 from kiln import f32, i32
+from kiln.core.targets import get_target
+from kiln.kernel import default_target
 from kiln.runtime.cuda import cuda_available, driver
 
 
@@ -34,51 +36,57 @@ def layernorm_kernel(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor
                      y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
                      rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
                      BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
-                     ALIGN: kiln.constexpr, STREAM: kiln.constexpr):
+                     ALIGN: kiln.constexpr, STREAM: kiln.constexpr, SPLIT: kiln.constexpr):
+    part = BLOCK // SPLIT   # the columns of each row this block holds
+    rank = kiln.cluster_rank(SPLIT)
     tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
-    row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(BLOCK // CHUNK)] if STREAM else []
+    row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(part // CHUNK)] if STREAM else []
     inv_n = 1.0 / kiln.cast(n, f32)
 
-    def row_tiles(t, row):   # row ``row`` of ``t`` as CHUNK-column tiles
-        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), col_end=n, align=ALIGN,
-                                col_multiple=ALIGN // 4) for c in range(BLOCK // CHUNK)]
+    def row_tiles(t, row):   # this block's part of row ``row`` of ``t`` as CHUNK-column tiles
+        return [kiln.GlobalTile(t, (1, CHUNK), (row, rank * part + c * CHUNK), col_end=n,
+                                align=ALIGN, col_multiple=ALIGN // 4)
+                for c in range(part // CHUNK)]
 
     def fetch(row):   # asynchronous: cp.async / LDS DMA, waited for before row_s is read
         for c, g in enumerate(row_tiles(x, row)):
             kiln.copy(g, row_s[c])
 
     if STREAM:
-        fetch(kiln.block_id(0))
-    for row in kiln.range(kiln.block_id(0), m, grid):
+        fetch(kiln.block_id(0) // SPLIT)
+    for row in kiln.range(kiln.block_id(0) // SPLIT, m, grid // SPLIT):
         if STREAM:   # the row arrived in shared memory while the previous one was normalised
             kiln.barrier()
             xs = [kiln.load(s, tv) for s in row_s]
             kiln.barrier()   # every thread holds its part: fetch the next row
-            if row + grid < m:
-                fetch(row + grid)
+            if row + grid // SPLIT < m:
+                fetch(row + grid // SPLIT)
         else:
             xs = [kiln.load(g, tv) for g in row_tiles(x, row)]
         # one tile: w and b load before the reductions, which hide their latency
         early = [[kiln.load(g, tv) for g in row_tiles(t, 0)] for t in (w, b)] \
-            if BLOCK == CHUNK else None
-        mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
-        _, cols = kiln.tiles.coords(tv)
-        xcs = [kiln.where(cols + c * CHUNK < n, t - mean, 0.0) for c, t in enumerate(xs)]
+            if part == CHUNK else None
+        mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1, cluster=True) * inv_n
+        xcs = [kiln.where(kiln.tiles.mask(g, tv), t - mean, 0.0)
+               for g, t in zip(row_tiles(x, row), xs)]
         rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]), "sum",
-                                      axis=1) * inv_n + eps)
+                                      axis=1, cluster=True) * inv_n + eps)
         for c, xc in enumerate(xcs):   # else w and b a tile at a time: fewer live registers
             gamma, beta = (early[0][c], early[1][c]) if early else \
                 (kiln.load(t[c], tv) for t in (row_tiles(w, 0), row_tiles(b, 0)))
             kiln.copy(xc * rstd * gamma + beta, row_tiles(y, row)[c])
-        if kiln.thread_id(0) == 0:
+        if (kiln.thread_id(0) == 0) & (rank == 0):
             mean_out[row] = mean.item()
             rstd_out[row] = rstd.item()
 
 
-# rows from this many columns stream through shared memory (STREAM), and blocks per SM of
-# that persistent grid (measured: bench/tutorials_rows.py)
+# rows from this many columns stream through shared memory (STREAM) over a persistent grid of
+# BLOCKS_PER_SM blocks an SM, where they cannot be split over a cluster (before sm_90, AMD)
 STREAM_FROM = 16384
-BLOCKS_PER_SM = {16384: 1, 32768: 1}
+BLOCKS_PER_SM = 1
+# on sm_90+ a row of more columns than this is split over a cluster of blocks (SPLIT), each
+# holding PART_COLUMNS of it in registers (measured: bench/tutorials_rows.py)
+PART_COLUMNS = 8192
 
 
 def alignment(n: int, *arrays) -> int:
@@ -88,28 +96,33 @@ def alignment(n: int, *arrays) -> int:
     return 16 if n % 4 == 0 and all(p % 16 == 0 for p in pointers) else 4
 
 
-def config(n: int) -> tuple[int, int, int, bool]:
-    """``(BLOCK, THREADS, BLOCKS_PER_SM, STREAM)``: the row rounded up to a power of two (at
-    least 512), 16 columns per thread between 128 and 512 threads (64 at 32768 columns: within
-    128 registers, no spills); rows from :data:`STREAM_FROM` columns stream through shared
-    memory over a persistent grid, shorter ones take a block each."""
+def config(n: int, target: str | None = None) -> dict:
+    """The kernel's block sizes for rows of ``n`` columns on ``target`` (None: Kiln's default):
+    the row rounded up to a power of two (``BLOCK``, at least 512) over ``SPLIT`` blocks of a
+    cluster, held as ``CHUNK``-column tiles (at most 4096), 16 columns per thread between 128
+    and 512 threads (64 at 32768 columns on one block: within 128 registers, no spills);
+    ``STREAM`` rows over a persistent grid where they are long and cannot be split, else a row
+    (a cluster) a block."""
     block = max(512, 1 << (n - 1).bit_length())
-    stream = block >= STREAM_FROM
-    return block, min(512, max(128, block // 16)), BLOCKS_PER_SM.get(block, 1), stream
+    split = max(block // PART_COLUMNS, 1) if get_target(target or default_target()).has("sm90") \
+        else 1
+    return dict(BLOCK=block, CHUNK=min(block // split, 4096),
+                THREADS=min(512, max(128, block // split // 16)),
+                STREAM=split == 1 and block >= STREAM_FROM, SPLIT=split)
 
 
 def layernorm(x, w, b, y, mean, rstd, eps: float = 1e-5, *, backend: str = "gpu",
               target: str | None = None):
     """Layer norm of each row of 2-D float32 ``x`` (up to 32768 columns) into ``y``."""
     m, n = x.shape
-    block, threads, per_sm, stream = config(n)
+    cfg = config(n, target)
     sms = driver().multiprocessor_count() if backend == "gpu" else 2
-    grid = max(1, min(m, sms * per_sm)) if stream else max(m, 1)
+    grid = max(1, min(m, sms * BLOCKS_PER_SM)) if cfg["STREAM"] else max(m, 1) * cfg["SPLIT"]
     kernel = layernorm_kernel.interpret[(grid,)] if backend == "interpret" \
         else layernorm_kernel[(grid,)]
     extra = {"target": target} if target else {}
-    kernel(x, w, b, y, mean, rstd, m, n, grid, eps, BLOCK=block, CHUNK=min(block, 4096),
-           THREADS=threads, ALIGN=alignment(n, x, y, w, b), STREAM=stream, **extra)
+    kernel(x, w, b, y, mean, rstd, m, n, grid, eps, ALIGN=alignment(n, x, y, w, b), **cfg,
+           **extra)
     return y
 
 
