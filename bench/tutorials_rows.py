@@ -1,7 +1,7 @@
 """Long-row A/B of the softmax and layer-norm tutorials at 4k-32k float32 columns, one run:
 the tutorials as shipped (``config``), their rows streamed through shared memory over a
-persistent grid (``stream``: the design kept where rows cannot be split), register-row variants over a persistent grid
-(bench/rows_variants.py: ``rows tT rR xK``: T threads, R rows a step, K blocks per SM;
+persistent grid (``stream``: the design kept where rows cannot be split), register-row
+variants over a persistent grid (bench/rows_variants.py: ``rows tT rR xK``: T threads, R rows a step, K blocks per SM;
 layer norm ``wbS``: S 4096-column tiles of ``w``/``b`` held in shared memory), rows split over
 a thread-block cluster (``split tT sS xK``: S CTAs a row reduced through distributed shared
 memory, K blocks per SM or 0: a cluster a row; layer norm ``eE``: w/b loaded early), Triton's
