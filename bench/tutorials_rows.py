@@ -1,13 +1,13 @@
 """Long-row A/B of the softmax and layer-norm tutorials at 4k-32k float32 columns, one run:
 the tutorials as shipped (``config``), their rows streamed through shared memory over a
 persistent grid (``stream``: the design kept where rows cannot be split), register-row
-variants over a persistent grid (bench/rows_variants.py: ``rows tT rR xK``: T threads, R rows a step, K blocks per SM;
-layer norm ``wbS``: S 4096-column tiles of ``w``/``b`` held in shared memory), rows split over
-a thread-block cluster (``split tT sS xK``: S CTAs a row reduced through distributed shared
-memory, K blocks per SM or 0: a cluster a row; layer norm ``eE``: w/b loaded early), Triton's
-tutorial designs (bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's
-device copy, both of a 1 GiB buffer and of the benchmark's own matrix (same bytes: the launch
-and ramp costs a kernel of this size pays too).
+variants over a persistent grid (bench/rows_variants.py: ``rows tT rR xK``: T threads, R rows
+a step, K blocks per SM; layer norm ``wbS``: S 4096-column tiles of ``w``/``b`` held in shared
+memory), rows split over a thread-block cluster (``split tT sS xK``: S CTAs a row reduced
+through distributed shared memory, K blocks per SM or 0: a cluster a row; layer norm ``eE``:
+w/b loaded early), Triton's tutorial designs (bench/tutorials_triton.py, set up as in
+bench/tutorials.py) and torch's device copy, both of a 1 GiB buffer and of the benchmark's own
+matrix (same bytes: the launch and ramp costs a kernel of this size pays too).
 
 Matrices have ``2^24`` elements (as ``tutorials.py --quick``); ``--big`` adds the shipped
 tutorials and Triton on ``2^26``-element matrices. Every kernel is first checked against torch
