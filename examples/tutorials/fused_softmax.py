@@ -1,23 +1,26 @@
 """Tutorial 2: fused row softmax: each row read once and written once.
 
 ``y[i] = exp(x[i] - max(x[i])) / sum(exp(x[i] - max(x[i])))`` for every row of an
-``M x N`` float32 matrix. A block holds a whole row in registers (a
-:func:`kiln.layout.blocked` tile of ``BLOCK >= N`` columns, 16-byte accesses), so the row
-crosses DRAM once each way. Columns past ``N`` are set to ``-inf`` (``kiln.where`` on the
-tile's column coordinates), which leaves the max unchanged and adds ``exp(-inf) = 0`` to the
-sum.
+``M x N`` float32 matrix. A block holds a row in registers (a :func:`kiln.layout.blocked`
+tile of ``BLOCK >= N`` columns, 16-byte accesses), so the row crosses DRAM once each way.
+Columns past ``N`` load as ``-inf`` (the GlobalTile's ``fill``), which leaves the max unchanged
+and adds ``exp(-inf) = 0`` to the sum.
 
-Short rows take a block each: many blocks per SM keep DRAM busy between them. Long rows
-(``STREAM``) leave room for one or two blocks per SM, so each block of a persistent grid walks
-rows ``block, block + grid, ...`` and streams them through a shared tile: ``kiln.copy`` global
--> shared runs asynchronously (``cp.async`` on NVIDIA, buffer -> LDS DMA on gfx950), and the
-next row's copy starts as soon as every thread holds its part of this one, so DRAM reads the
-next row while this one is reduced and written.
+Rows of up to 8192 columns take a block each: several blocks an SM keep DRAM busy between
+them. On sm_90+ a longer row is split over a thread-block cluster of ``SPLIT`` blocks, each
+holding 8192 of its columns (``kiln.cluster_rank``), and the two reductions go on across the
+cluster (``kiln.reduce(..., cluster=True)``: distributed shared memory and a cluster barrier),
+so a 32k-column row is four 8k-column blocks on four SMs. Where clusters are missing (sm_80,
+AMD) long rows (``STREAM``) leave room for one block an SM, so each block of a persistent grid
+walks rows ``block, block + grid, ...`` and streams them through a shared tile: ``kiln.copy``
+global -> shared runs asynchronously (``cp.async`` on NVIDIA, buffer -> LDS DMA on gfx950),
+and the next row's copy starts as soon as every thread holds its part of this one; shared
+memory holds zeros past ``N``, so ``kiln.where`` on ``kiln.tiles.mask`` puts the ``-inf`` back.
 
 ``kiln.reduce`` does the cross-thread work: registers, then XOR shuffles inside each warp
 (32 lanes on NVIDIA, 64 on AMD: read from the target), then one shared-memory stage across
-the warps. ``kiln-insert-waits`` places the copy's wait; the kernel has no shuffle, wait or
-shared-memory indexing code.
+the warps (and the cluster exchange). ``kiln-insert-waits`` places the copy's wait; the kernel
+has no shuffle, wait or shared-memory indexing code.
 
 Run: ``python examples/tutorials/fused_softmax.py``.
 """

@@ -4,18 +4,20 @@
 ``M x N`` float32 matrix; ``mean`` and ``rstd`` are written too (the backward pass needs them).
 The row stays in registers between the two reductions, so ``x`` is read once: the mean
 (``kiln.reduce`` sum; columns past ``N`` read as 0), then the variance of the centred row,
-two-pass as in float64 references (columns past ``N`` are zeroed with ``kiln.where`` on the
-tile's column coordinates, since ``x - mean`` is not 0 there). Rows longer than 4096 are held
-as several 4096-column tiles (a Python list): they are summed elementwise before each
-reduction (one cross-warp stage per statistic), and ``w``/``b`` are loaded one tile at a time
-after them (a row of one tile loads them before the reductions, which then hide their
+two-pass as in float64 references (columns past ``N`` are zeroed with ``kiln.where`` on
+``kiln.tiles.mask``, since ``x - mean`` is not 0 there). A block's part of a row longer than
+4096 is held as several 4096-column tiles (a Python list): they are summed elementwise before
+each reduction (one cross-warp stage per statistic), and ``w``/``b`` are loaded one tile at a
+time after them (a part of one tile loads them before the reductions, which then hide their
 latency: 0.87 instead of 0.83 of copy bandwidth at 4096 columns on an H200).
 ``col_multiple`` promises a 16-byte chunk is wholly inside the row or wholly past it, so the
 ragged edge needs no per-element masks.
 
-As in the softmax tutorial, short rows take a block each and long rows (``STREAM``) stream
-through shared tiles over a persistent grid: the next row's ``kiln.copy`` (``cp.async`` /
-buffer -> LDS DMA) runs while this one is normalised.
+As in the softmax tutorial, on sm_90+ a row of more than 8192 columns is split over a
+thread-block cluster (``SPLIT`` blocks of 8192 columns, both reductions across the cluster:
+each block also reads only its slice of ``w`` and ``b``, which stays in its L1), and elsewhere
+long rows (``STREAM``) stream through shared tiles over a persistent grid: the next row's
+``kiln.copy`` (``cp.async`` / buffer -> LDS DMA) runs while this one is normalised.
 
 Run: ``python examples/tutorials/layernorm.py``.
 """
