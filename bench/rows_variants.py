@@ -174,31 +174,41 @@ def layernorm_split(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[
                     y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
                     rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
                     BLOCK: kiln.constexpr, THREADS: kiln.constexpr, SPLIT: kiln.constexpr,
-                    WB_EARLY: kiln.constexpr, ALIGN: kiln.constexpr):
+                    WB_EARLY: kiln.constexpr, ALIGN: kiln.constexpr, WBS: kiln.constexpr = 0):
     """Each row split over a cluster of ``SPLIT`` CTAs (``BLOCK // SPLIT`` columns each, in
     registers), mean and variance reduced across the cluster; ``w``/``b`` loaded before the
-    reductions (``WB_EARLY``) or after them."""
+    reductions (``WB_EARLY``) or after them, from shared memory where ``WBS`` (each block's
+    slices copied there once: for persistent grids)."""
     part = BLOCK // SPLIT
     rank = kiln.cluster_rank(SPLIT)
     first = rank * part
     tv = kiln.layout.blocked((1, part), THREADS, vec=4)
     inv_n = 1.0 / kiln.cast(n, f32)
-    _, cols = kiln.tiles.coords(tv)
-    chunk_cols = cols.map(lambda c: c & -4) if ALIGN == 16 else cols
 
     def tile(t, row):
         return kiln.GlobalTile(t, (1, part), (row, first), col_end=n, align=ALIGN,
                                col_multiple=ALIGN // 4)
 
+    wb_s = [kiln.SharedTile((1, part), f32) for _ in range(2)] if WBS else []
+    for t, s in zip((w, b), wb_s):
+        kiln.copy(tile(t, 0), s)
+    if WBS:
+        kiln.barrier()
+
+    def weights():
+        if WBS:
+            return kiln.load(wb_s[0], tv), kiln.load(wb_s[1], tv)
+        return kiln.load(tile(w, 0), tv), kiln.load(tile(b, 0), tv)
+
     for row in kiln.range(kiln.block_id(0) // SPLIT, m, grid // SPLIT):
         xt = kiln.load(tile(x, row), tv)
         if WB_EARLY:
-            gamma, beta = kiln.load(tile(w, 0), tv), kiln.load(tile(b, 0), tv)
+            gamma, beta = weights()
         mean = kiln.reduce(xt, "sum", axis=1, cluster=True) * inv_n
-        xc = kiln.where(chunk_cols + first < n, xt - mean, 0.0)
+        xc = kiln.where(kiln.tiles.mask(tile(x, row), tv), xt - mean, 0.0)
         rstd = kiln.rsqrt(kiln.reduce(xc * xc, "sum", axis=1, cluster=True) * inv_n + eps)
         if not WB_EARLY:
-            gamma, beta = kiln.load(tile(w, 0), tv), kiln.load(tile(b, 0), tv)
+            gamma, beta = weights()
         kiln.copy(xc * rstd * gamma + beta, tile(y, row))
         if (kiln.thread_id(0) == 0) & (rank == 0):
             mean_out[row] = mean.item()
