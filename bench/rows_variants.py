@@ -174,11 +174,14 @@ def layernorm_split(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[
                     y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
                     rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
                     BLOCK: kiln.constexpr, THREADS: kiln.constexpr, SPLIT: kiln.constexpr,
-                    WB_EARLY: kiln.constexpr, ALIGN: kiln.constexpr, WBS: kiln.constexpr = 0):
+                    WB_EARLY: kiln.constexpr, ALIGN: kiln.constexpr, WBS: kiln.constexpr = 0,
+                    ONEPASS: kiln.constexpr = 0):
     """Each row split over a cluster of ``SPLIT`` CTAs (``BLOCK // SPLIT`` columns each, in
     registers), mean and variance reduced across the cluster; ``w``/``b`` loaded before the
     reductions (``WB_EARLY``) or after them, from shared memory where ``WBS`` (each block's
-    slices copied there once: for persistent grids)."""
+    slices copied there once: for persistent grids). ``ONEPASS``: the sums of ``d = x - x[row, 0]``
+    and ``d * d`` in one reduction (one shared stage, one cluster exchange; shifted by the
+    row's first element, so the variance ``E[d^2] - E[d]^2`` cancels little)."""
     part = BLOCK // SPLIT
     rank = kiln.cluster_rank(SPLIT)
     first = rank * part
@@ -204,9 +207,18 @@ def layernorm_split(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[
         xt = kiln.load(tile(x, row), tv)
         if WB_EARLY:
             gamma, beta = weights()
-        mean = kiln.reduce(xt, "sum", axis=1, cluster=True) * inv_n
-        xc = kiln.where(kiln.tiles.mask(tile(x, row), tv), xt - mean, 0.0)
-        rstd = kiln.rsqrt(kiln.reduce(xc * xc, "sum", axis=1, cluster=True) * inv_n + eps)
+        if ONEPASS:
+            shift = x[row, 0]
+            xc = kiln.where(kiln.tiles.mask(tile(x, row), tv), xt - shift, 0.0)
+            s1, s2 = kiln.reduce((xc, xc * xc), "sum", axis=1, cluster=True)
+            mean_d = s1 * inv_n
+            rstd = kiln.rsqrt(s2 * inv_n - mean_d * mean_d + eps)
+            mean = mean_d + shift
+            xc = xc - mean_d
+        else:
+            mean = kiln.reduce(xt, "sum", axis=1, cluster=True) * inv_n
+            xc = kiln.where(kiln.tiles.mask(tile(x, row), tv), xt - mean, 0.0)
+            rstd = kiln.rsqrt(kiln.reduce(xc * xc, "sum", axis=1, cluster=True) * inv_n + eps)
         if not WB_EARLY:
             gamma, beta = weights()
         kiln.copy(xc * rstd * gamma + beta, tile(y, row))

@@ -5,7 +5,8 @@ variants over a persistent grid (bench/rows_variants.py: ``rows tT rR xK``: T th
 a step, K blocks per SM; layer norm ``wbS``: S 4096-column tiles of ``w``/``b`` held in shared
 memory), rows split over a thread-block cluster (``split tT sS xK``: S CTAs a row reduced
 through distributed shared memory, K blocks per SM or 0: a cluster a row; layer norm ``eE``:
-w/b loaded early; ``wbs``: w/b slices kept in shared memory), Triton's tutorial designs
+w/b loaded early; ``wbs``: w/b slices kept in shared memory; ``1pass``: shifted one-pass
+statistics, one reduction), Triton's tutorial designs
 (bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's device copy, both of
 a 1 GiB buffer and of the benchmark's own matrix (same bytes: the launch and ramp costs a
 kernel of this size pays too).
@@ -34,19 +35,21 @@ from tutorials import fused_softmax, layernorm  # noqa: E402
 import rows_variants  # noqa: E402
 
 # (threads, rows a step, blocks per SM) of the register-row softmax, per column count
-SOFTMAX_ROWS = {4096: [(256, 1, 8)], 8192: [(512, 1, 3)], 16384: [(1024, 1, 1)]}
+SOFTMAX_ROWS = {4096: [(256, 1, 8)], 8192: [(512, 1, 3)]}
 # (threads, w/b tiles in shared memory, blocks per SM) of the register-row layer norm
-LAYERNORM_ROWS = {4096: [(256, 1, 4)], 16384: [(1024, 4, 1)], 32768: [(1024, 4, 1)]}
+LAYERNORM_ROWS = {4096: [(256, 1, 4)]}
 # (threads, CTAs a row (cluster size), blocks per SM; 0: a cluster a row, no loop) of the
 # cluster-split softmax
 SOFTMAX_SPLIT = {8192: [(256, 2, 0)], 16384: [(512, 2, 0), (256, 4, 0), (256, 4, 6)],
                  32768: [(512, 4, 0), (256, 8, 0), (256, 4, 0)]}
-# (threads, CTAs a row, w/b before the reductions, blocks per SM, w/b slices in shared memory)
-# of the cluster-split layer norm
-LAYERNORM_SPLIT = {4096: [(256, 1, 1, 0, 0)], 8192: [(256, 2, 1, 0, 0), (256, 2, 0, 0, 0)],
-                   16384: [(256, 4, 1, 0, 0), (512, 2, 1, 0, 0), (512, 2, 1, 2, 1)],
-                   32768: [(512, 4, 1, 0, 0), (256, 8, 1, 0, 0), (256, 8, 0, 0, 0),
-                           (512, 4, 1, 2, 1)]}
+# (threads, CTAs a row, w/b before the reductions, blocks per SM, w/b slices in shared memory,
+# one-pass statistics) of the cluster-split layer norm
+LAYERNORM_SPLIT = {4096: [(256, 1, 1, 0, 0, 0), (256, 1, 1, 0, 0, 1)],
+                   8192: [(256, 2, 1, 0, 0, 0), (512, 1, 1, 0, 0, 1)],
+                   16384: [(256, 4, 1, 0, 0, 0), (512, 2, 1, 0, 0, 0), (512, 2, 1, 2, 1, 0),
+                           (512, 2, 1, 0, 0, 1)],
+                   32768: [(512, 4, 1, 0, 0, 0), (256, 8, 1, 0, 0, 0), (256, 8, 0, 0, 0, 0),
+                           (512, 4, 1, 2, 1, 0), (512, 4, 1, 0, 0, 1)]}
 
 
 def main() -> None:
@@ -145,12 +148,14 @@ def main() -> None:
                 lambda g=grid, t=t, wbs=wbs: rows_variants.layernorm_rows[(g,)](
                     x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk,
                     THREADS=t, WBS=wbs, ALIGN=16))
-        for t, split, early, per_sm, wbs in LAYERNORM_SPLIT.get(n, []) if splits else []:
+        for t, split, early, per_sm, wbs, one in LAYERNORM_SPLIT.get(n, []) if splits else []:
             grid = min(m, sms * per_sm // split) * split if per_sm else m * split
-            variants[f"split t{t} s{split} e{early} x{per_sm}{' wbs' * wbs}"] = (
-                lambda g=grid, t=t, s=split, e=early, wbs=wbs: rows_variants.layernorm_split[(g,)](
+            name = f"split t{t} s{split} e{early} x{per_sm}{' wbs' * wbs}{' 1pass' * one}"
+            variants[name] = (
+                lambda g=grid, t=t, s=split, e=early, wbs=wbs, one=one:
+                rows_variants.layernorm_split[(g,)](
                     x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, THREADS=t, SPLIT=s,
-                    WB_EARLY=e, ALIGN=16, WBS=wbs))
+                    WB_EARLY=e, ALIGN=16, WBS=wbs, ONEPASS=one))
         ln_block = min(65536 // 4, block)
         variants["triton"] = lambda: t_layernorm[(m,)](
             x, y, w, b, mean, rstd, x.stride(0), n, 1e-5, BLOCK=ln_block,

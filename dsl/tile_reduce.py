@@ -153,42 +153,57 @@ def _across_cluster(values: list[list[Value]], combine, dtype: dt.DType,
     return [combined[i * per:(i + 1) * per] for i in range(len(values))]
 
 
-def reduce(tile: RegTile, op: Any = "sum", axis: int = 1, *, cluster: bool = False) -> TileVector:
+def reduce(tile: RegTile | tuple, op: Any = "sum", axis: int = 1, *,
+           cluster: bool = False) -> TileVector | tuple:
     """Reduce ``tile`` along ``axis`` (1: each row over its columns; 0: each column) with
     ``op`` (see the module docs), across every thread of its layout, and with ``cluster=True``
-    across the CTAs of the kernel's cluster (:func:`cluster_rank`).
+    across the CTAs of the kernel's cluster (:func:`cluster_rank`). A tuple of tiles of one
+    layout gives a tuple of results, reduced through one shared-memory stage (and one cluster
+    exchange) for all of them.
 
-    Example: ``mean = kiln.reduce(x, "sum", axis=1) * (1.0 / n)``.
+    Example: ``mean = kiln.reduce(x, "sum", axis=1) * (1.0 / n)``;
+    ``s1, s2 = kiln.reduce((d, d * d), "sum", axis=1)`` (a one-pass variance).
     """
-    if not isinstance(tile, RegTile):
-        raise KilnTypeError(f"kiln.reduce reduces a register tile, got {type(tile).__name__}",
+    tiles = tile if isinstance(tile, tuple) else (tile,)
+    if not tiles or not all(isinstance(t, RegTile) for t in tiles):
+        raise KilnTypeError(f"kiln.reduce reduces a register tile (or a tuple of them), got "
+                            f"{type(tile).__name__}",
                             fix="load it first: x = kiln.load(global_tile, layout)")
     if axis not in (0, 1):
         raise KilnValueError(f"kiln.reduce axis must be 0 (columns) or 1 (rows), got {axis!r}",
                              fix="axis=1 reduces each row, axis=0 each column")
-    if tile.dtype not in (dt.f32, dt.i32):
-        raise KilnTypeError(f"kiln.reduce reduces 32-bit tiles (f32, i32), got {tile.dtype}",
+    dtype = tiles[0].dtype
+    if dtype not in (dt.f32, dt.i32) or any(t.dtype is not dtype for t in tiles):
+        raise KilnTypeError(f"kiln.reduce reduces 32-bit tiles (f32, i32) of one dtype, got "
+                            f"{', '.join(str(t.dtype) for t in tiles)}",
                             fix="kiln.cast(tile, kiln.f32) first")
+    if any(t.layout != tiles[0].layout or t.grid != tiles[0].grid for t in tiles):
+        raise KilnValueError("kiln.reduce of a tuple needs tiles of one layout",
+                             fix="build the tiles with the same layout (e.g. d and d * d)")
     combine = _combine_of(op)
-    source = tile if axis == 1 else tile.T
-    layout = source.layout
+    sources = [t if axis == 1 else t.T for t in tiles]
+    layout = sources[0].layout
     group_of, masks = _row_structure(layout)
     warp = builder.current_target().warp_size
     lane_masks = tuple(m for m in masks if m < warp)
     warp_masks = tuple(m for m in masks if m >= warp)
-    gm, gn = source.grid
+    gm, gn = sources[0].grid
     lines = []
-    for i in range(gm):
-        members: list[list[Value]] = [[] for _ in range(max(group_of) + 1)]
-        for j in range(gn):
-            scalars = source.fragment(i, j)
-            for v, g in enumerate(group_of):
-                members[g].append(Value(vector.extract(scalars.ir, [], [v]), tile.dtype))
-        lines.append([butterfly_reduce(_pairwise(m, combine), lane_masks, combine)
-                      for m in members])
+    for source in sources:
+        for i in range(gm):
+            members: list[list[Value]] = [[] for _ in range(max(group_of) + 1)]
+            for j in range(gn):
+                scalars = source.fragment(i, j)
+                for v, g in enumerate(group_of):
+                    members[g].append(Value(vector.extract(scalars.ir, [], [v]), dtype))
+            lines.append([butterfly_reduce(_pairwise(m, combine), lane_masks, combine)
+                          for m in members])
     if warp_masks:
-        lines = _across_warps(lines, warp_masks, combine, layout.num_threads, tile.dtype)
+        lines = _across_warps(lines, warp_masks, combine, layout.num_threads, dtype)
     shape = builder.current().cluster
     if cluster and shape is not None and shape[0] * shape[1] * shape[2] > 1:
-        lines = _across_cluster(lines, combine, tile.dtype, shape[0] * shape[1] * shape[2])
-    return TileVector(lines, group_of, "row" if axis == 1 else "col", _row_keys(layout))
+        lines = _across_cluster(lines, combine, dtype, shape[0] * shape[1] * shape[2])
+    results = tuple(TileVector(lines[k * gm:(k + 1) * gm], group_of,
+                               "row" if axis == 1 else "col", _row_keys(layout))
+                    for k in range(len(tiles)))
+    return results if isinstance(tile, tuple) else results[0]
