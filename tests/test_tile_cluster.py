@@ -1,6 +1,6 @@
 """Rows split over a thread-block cluster: ``kiln.cluster_rank``, ``kiln.reduce(cluster=True)``
-through distributed shared memory (``kiln.nvidia.dsmem.store_remote``), and
-``kiln.tiles.mask`` (the in-bounds elements of a GlobalTile, a compare per vector access):
+through distributed shared memory (``kiln.nvidia.dsmem.store_remote``), ``kiln.reduce`` of a
+tuple of tiles (one stage for all), and ``kiln.tiles.mask`` (the in-bounds elements of a GlobalTile, a compare per vector access):
 the interpreter against float64 on ragged shapes, persistent and not, the PTX on sm_90a, the
 errors, and (gpu) the same kernels on the GPU."""
 
@@ -180,3 +180,41 @@ def test_cluster_reduce_on_gpu(split, grid):
     want = 1.5 * x.double().sum(1, keepdim=True)
     np.testing.assert_allclose(out.cpu().numpy(), np.broadcast_to(want.cpu().numpy(), x.shape),
                                rtol=1e-4, atol=1e-3)
+
+
+@kiln.kernel(num_threads=128)
+def two_sums(x: kiln.Tensor[f32, 2], out: kiln.Tensor[f32, 2], n: i32, SPLIT: kiln.constexpr):
+    first = kiln.cluster_rank(SPLIT) * 512
+    tv = blocked((2, 512), 128, vec=4)
+    t = kiln.load(kiln.GlobalTile(x, (2, 512), (0, first), col_end=n), tv)
+    s1, s2 = kiln.reduce((t, t * t), "sum", axis=1, cluster=True)
+    kiln.copy(t * 0.0 + s1 + s2 * 1000.0, kiln.GlobalTile(out, (2, 512), (0, first), col_end=n))
+
+
+@pytest.mark.parametrize("target,split", [("sm_90a", 1), ("gfx950", 1), ("sm_90a", 2)])
+def test_reduce_of_a_tuple_is_each_reduce(target, split):
+    rng = np.random.default_rng()
+    n = 512 * split - 9
+    x = rng.standard_normal((2, n)).astype(np.float32)
+    out = np.full_like(x, np.nan)
+    two_sums.interpret[(split,)](x, out, n, SPLIT=split, target=target)
+    x64 = x.astype(np.float64)
+    want = x64.sum(1, keepdims=True) + 1000.0 * (x64 * x64).sum(1, keepdims=True)
+    np.testing.assert_allclose(out, np.broadcast_to(want, x.shape), rtol=1e-5)
+
+
+def test_reduce_of_a_tuple_shares_one_shared_stage():
+    x = np.zeros((2, 512), np.float32)
+    text = two_sums.trace(x, x, 512, SPLIT=1, target="sm_90a").module_asm
+    assert text.count("gpu.barrier") == 2   # one store-partials / read stage for both sums
+
+
+def test_reduce_of_a_tuple_errors_name_the_fix():
+    @kiln.kernel(num_threads=128)
+    def mixed(x: kiln.Tensor[f32, 2]):
+        t = kiln.load(kiln.GlobalTile(x, (1, 512)), blocked((1, 512), 128, vec=4))
+        u = kiln.load(kiln.GlobalTile(x, (1, 512)), blocked((1, 512), 128, vec=2))
+        kiln.reduce((t, u), "sum", axis=1)
+
+    with pytest.raises(kiln.KilnValueError, match="one layout"):
+        mixed.trace(np.zeros((1, 512), np.float32), target="sm_90a")
