@@ -1,6 +1,6 @@
 """Long-row A/B of the softmax and layer-norm tutorials at 4k-32k float32 columns, one run:
-the tutorials as shipped (``config``), their rows streamed through shared memory over a
-persistent grid (``stream``: the design kept where rows cannot be split), register-row
+the tutorials as shipped (``config``; rows of 16k+ columns streamed through shared memory over
+a persistent grid), that stream at 8k columns (``stream``), register-row
 variants over a persistent grid (bench/rows_variants.py: ``rows tT rR xK``: T threads, R rows
 a step, K blocks per SM; layer norm ``wbS``: S 4096-column tiles of ``w``/``b`` held in shared
 memory), rows split over a thread-block cluster (``split tT sS xK``: S CTAs a row reduced
@@ -110,13 +110,12 @@ def main() -> None:
         block = max(512, 1 << (n - 1).bit_length())
         splits = log2 == 24 and not args.no_split
         chunk = min(block, 4096)
-        # --no-split leaves out the tutorials where they split rows over a cluster too
-        shipped = not args.no_split or fused_softmax.config(n)["SPLIT"] == 1
-        variants = {"config": lambda: fused_softmax.softmax(x, y)} if shipped else {}
-        stream = log2 == 24 and block >= fused_softmax.STREAM_FROM
-        if stream:   # the design the tutorial keeps where rows cannot be split (sm_80, AMD)
+        variants = {"config": lambda: fused_softmax.softmax(x, y)}
+        # the tutorial's streamed design one step below the rows where it streams (``config``)
+        stream = log2 == 24 and block == fused_softmax.STREAM_FROM // 2
+        if stream:
             variants["stream t512 x1"] = lambda g=min(m, sms): fused_softmax.softmax_kernel[(g,)](
-                x, y, m, n, g, BLOCK=block, THREADS=512, ALIGN=16, STREAM=True, SPLIT=1)
+                x, y, m, n, g, BLOCK=block, THREADS=512, ALIGN=16, STREAM=True)
         for t, r, per_sm in SOFTMAX_ROWS.get(n, []) if log2 == 24 else []:
             grid = min(-(-m // r), sms * per_sm)
             variants[f"rows t{t} r{r} x{per_sm}"] = (
@@ -136,12 +135,11 @@ def main() -> None:
         w = torch.randn(n, device="cuda", generator=gen)
         b = torch.randn(n, device="cuda", generator=gen)
         mean, rstd = torch.empty(m, device="cuda"), torch.empty(m, device="cuda")
-        variants = {"config": lambda: layernorm.layernorm(x, w, b, y, mean, rstd)} \
-            if shipped else {}
+        variants = {"config": lambda: layernorm.layernorm(x, w, b, y, mean, rstd)}
         if stream:
             variants["stream t512 x1"] = lambda g=min(m, sms): layernorm.layernorm_kernel[(g,)](
                 x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk, THREADS=512,
-                ALIGN=16, STREAM=True, SPLIT=1)
+                ALIGN=16, STREAM=True)
         for t, wbs, per_sm in LAYERNORM_ROWS.get(n, []) if log2 == 24 else []:
             grid = min(m, sms * per_sm)
             variants[f"rows t{t} wb{wbs} x{per_sm}"] = (

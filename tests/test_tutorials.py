@@ -45,31 +45,25 @@ def test_fused_softmax(target, shape):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("stream,split", [(False, 1), (True, 1), (False, 2), (True, 2)])
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("shape", [(7, 100), (9, 1000)])
-def test_softmax_and_layernorm_kernels_either_way(target, stream, split, shape):
-    """Every design on a grid of 2 blocks (clusters), each walking several rows: one row a
-    block at a time, rows streamed through shared memory (the next row's copy in flight), and
-    (sm_90a) each row split over a cluster of 2 blocks."""
-    if split > 1 and target != "sm_90a":
-        pytest.skip("clusters are sm_90+")
+def test_softmax_and_layernorm_kernels_either_way(target, stream, shape):
+    """Both designs on a grid of 2 blocks, each walking several rows: one row a block at a
+    time, and rows streamed through shared memory (the next row's copy in flight)."""
     rng = np.random.default_rng()
     m, n = shape
     x = rng.standard_normal(shape).astype(np.float32) * 3 + 1
     y = np.full_like(x, np.nan)
     align = 16 if n % 4 == 0 else 4
-    grid = 2 * split
-    fused_softmax.softmax_kernel.interpret[(grid,)](x, y, m, n, grid, BLOCK=1024,
-                                                    THREADS=128 // split, ALIGN=align,
-                                                    STREAM=stream, SPLIT=split, target=target)
+    fused_softmax.softmax_kernel.interpret[(2,)](x, y, m, n, 2, BLOCK=1024, THREADS=128,
+                                                 ALIGN=align, STREAM=stream, target=target)
     np.testing.assert_allclose(y, fused_softmax.reference(x), rtol=1e-5, atol=1e-7)
     w, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
     y = np.full_like(x, np.nan)
     mean, rstd = np.full(m, np.nan, np.float32), np.full(m, np.nan, np.float32)
-    layernorm.layernorm_kernel.interpret[(grid,)](x, w, b, y, mean, rstd, m, n, grid, 1e-5,
-                                                  BLOCK=1024, CHUNK=512 // split,
-                                                  THREADS=128 // split, ALIGN=align,
-                                                  STREAM=stream, SPLIT=split, target=target)
+    layernorm.layernorm_kernel.interpret[(2,)](x, w, b, y, mean, rstd, m, n, 2, 1e-5,
+                                               BLOCK=1024, CHUNK=512, THREADS=128, ALIGN=align,
+                                               STREAM=stream, target=target)
     y_ref, mean_ref, rstd_ref = layernorm.reference(x, w, b)
     np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(mean, mean_ref, rtol=1e-5, atol=1e-6)
@@ -265,12 +259,13 @@ def _compile(name, n, target):
                                              THREADS=vector_add.THREADS, ALIGN=16,
                                              target=target)
     module = fused_softmax if name == "softmax" else layernorm
-    cfg = module.config(n, target)
+    block, threads, _, stream = module.config(n)
     if name == "softmax":
-        return module.softmax_kernel.compile(x2, x2, 2, n, cfg["SPLIT"], ALIGN=16, **cfg,
-                                             target=target)
-    return module.layernorm_kernel.compile(x2, x1, x1, x2, x1, x1, 2, n, cfg["SPLIT"], 1e-5,
-                                           ALIGN=16, **cfg, target=target)
+        return module.softmax_kernel.compile(x2, x2, 2, n, 1, BLOCK=block, THREADS=threads,
+                                             ALIGN=16, STREAM=stream, target=target)
+    return module.layernorm_kernel.compile(x2, x1, x1, x2, x1, x1, 2, n, 1, 1e-5, BLOCK=block,
+                                           CHUNK=min(block, 4096), THREADS=threads, ALIGN=16,
+                                           STREAM=stream, target=target)
 
 
 VECTOR_ACCESS = {"ptx": (r"ld\.global\.v4\.\w32", r"st\.global\.v4\.\w32"),
@@ -297,11 +292,7 @@ def test_tutorials_compile_with_vector_accesses_and_no_spills(target, name, n):
         assert md["scratch_bytes"] == 0
     load, store = VECTOR_ACCESS[stage]
     asm = ck.asm[stage]
-    cfg = {} if name == "vector_add" else \
-        (fused_softmax if name == "softmax" else layernorm).config(n, target)
-    if cfg.get("SPLIT", 1) > 1:   # a row over a cluster, reduced through distributed smem
-        assert "st.shared::cluster" in asm and ".reqnctapercluster" in asm
-    if cfg.get("STREAM"):
+    if name != "vector_add" and (fused_softmax if name == "softmax" else layernorm).config(n)[3]:
         copy, read = ROW_STREAM[stage]
         assert re.search(copy, asm) and re.search(read, asm), f"{name} streams no 16-byte rows"
     else:

@@ -5,19 +5,17 @@
 The row stays in registers between the two reductions, so ``x`` is read once: the mean
 (``kiln.reduce`` sum; columns past ``N`` read as 0), then the variance of the centred row,
 two-pass as in float64 references (columns past ``N`` are zeroed with ``kiln.where`` on
-``kiln.tiles.mask``, since ``x - mean`` is not 0 there). A block's part of a row longer than
-4096 is held as several 4096-column tiles (a Python list): they are summed elementwise before
-each reduction (one cross-warp stage per statistic), and ``w``/``b`` are loaded one tile at a
-time after them (a part of one tile loads them before the reductions, which then hide their
-latency: 0.87 instead of 0.83 of copy bandwidth at 4096 columns on an H200).
-``col_multiple`` promises a 16-byte chunk is wholly inside the row or wholly past it, so the
-ragged edge needs no per-element masks.
+``kiln.tiles.mask``, since ``x - mean`` is not 0 there; the mask is one compare per 16-byte
+chunk, not per element). Rows longer than 4096 are held as several 4096-column tiles (a Python
+list): they are summed elementwise before each reduction (one cross-warp stage per statistic),
+and ``w``/``b`` are loaded one tile at a time after them (a row of one tile loads them before
+the reductions, which then hide their latency: 0.87 instead of 0.83 of copy bandwidth at 4096
+columns on an H200). ``col_multiple`` promises a 16-byte chunk is wholly inside the row or
+wholly past it, so the ragged edge needs no per-element masks.
 
-As in the softmax tutorial, on sm_90+ a row of more than 8192 columns is split over a
-thread-block cluster (``SPLIT`` blocks of 8192 columns, both reductions across the cluster:
-each block also reads only its slice of ``w`` and ``b``, which stays in its L1), and elsewhere
-long rows (``STREAM``) stream through shared tiles over a persistent grid: the next row's
-``kiln.copy`` (``cp.async`` / buffer -> LDS DMA) runs while this one is normalised.
+As in the softmax tutorial, short rows take a block each and long rows (``STREAM``) stream
+through shared tiles over a persistent grid: the next row's ``kiln.copy`` (``cp.async`` /
+buffer -> LDS DMA) runs while this one is normalised.
 
 Run: ``python examples/tutorials/layernorm.py``.
 """
@@ -28,8 +26,6 @@ import numpy as np
 
 import kiln
 from kiln import f32, i32
-from kiln.core.targets import get_target
-from kiln.kernel import default_target
 from kiln.runtime.cuda import cuda_available, driver
 
 
@@ -38,57 +34,51 @@ def layernorm_kernel(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor
                      y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
                      rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
                      BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
-                     ALIGN: kiln.constexpr, STREAM: kiln.constexpr, SPLIT: kiln.constexpr):
-    part = BLOCK // SPLIT   # the columns of each row this block holds
-    rank = kiln.cluster_rank(SPLIT)
+                     ALIGN: kiln.constexpr, STREAM: kiln.constexpr):
     tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
-    row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(part // CHUNK)] if STREAM else []
+    row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(BLOCK // CHUNK)] if STREAM else []
     inv_n = 1.0 / kiln.cast(n, f32)
 
-    def row_tiles(t, row):   # this block's part of row ``row`` of ``t`` as CHUNK-column tiles
-        return [kiln.GlobalTile(t, (1, CHUNK), (row, rank * part + c * CHUNK), col_end=n,
-                                align=ALIGN, col_multiple=ALIGN // 4)
-                for c in range(part // CHUNK)]
+    def row_tiles(t, row):   # row ``row`` of ``t`` as CHUNK-column tiles
+        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), col_end=n, align=ALIGN,
+                                col_multiple=ALIGN // 4) for c in range(BLOCK // CHUNK)]
 
     def fetch(row):   # asynchronous: cp.async / LDS DMA, waited for before row_s is read
         for c, g in enumerate(row_tiles(x, row)):
             kiln.copy(g, row_s[c])
 
     if STREAM:
-        fetch(kiln.block_id(0) // SPLIT)
-    for row in kiln.range(kiln.block_id(0) // SPLIT, m, grid // SPLIT):
+        fetch(kiln.block_id(0))
+    for row in kiln.range(kiln.block_id(0), m, grid):
         if STREAM:   # the row arrived in shared memory while the previous one was normalised
             kiln.barrier()
             xs = [kiln.load(s, tv) for s in row_s]
             kiln.barrier()   # every thread holds its part: fetch the next row
-            if row + grid // SPLIT < m:
-                fetch(row + grid // SPLIT)
+            if row + grid < m:
+                fetch(row + grid)
         else:
             xs = [kiln.load(g, tv) for g in row_tiles(x, row)]
         # one tile: w and b load before the reductions, which hide their latency
         early = [[kiln.load(g, tv) for g in row_tiles(t, 0)] for t in (w, b)] \
-            if part == CHUNK else None
-        mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1, cluster=True) * inv_n
+            if BLOCK == CHUNK else None
+        mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
         xcs = [kiln.where(kiln.tiles.mask(g, tv), t - mean, 0.0)
                for g, t in zip(row_tiles(x, row), xs)]
         rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]), "sum",
-                                      axis=1, cluster=True) * inv_n + eps)
+                                      axis=1) * inv_n + eps)
         for c, xc in enumerate(xcs):   # else w and b a tile at a time: fewer live registers
             gamma, beta = (early[0][c], early[1][c]) if early else \
                 (kiln.load(t[c], tv) for t in (row_tiles(w, 0), row_tiles(b, 0)))
             kiln.copy(xc * rstd * gamma + beta, row_tiles(y, row)[c])
-        if (kiln.thread_id(0) == 0) & (rank == 0):
+        if kiln.thread_id(0) == 0:
             mean_out[row] = mean.item()
             rstd_out[row] = rstd.item()
 
 
-# rows from this many columns stream through shared memory (STREAM) over a persistent grid of
-# BLOCKS_PER_SM blocks an SM, where they cannot be split over a cluster (before sm_90, AMD)
+# rows from this many columns stream through shared memory (STREAM), and blocks per SM of
+# that persistent grid (measured: bench/tutorials_rows.py)
 STREAM_FROM = 16384
-BLOCKS_PER_SM = 1
-# on sm_90+ a row of more columns than this is split over a cluster of blocks (SPLIT), each
-# holding PART_COLUMNS of it in registers (measured: bench/tutorials_rows.py)
-PART_COLUMNS = 8192
+BLOCKS_PER_SM = {16384: 1, 32768: 1}
 
 
 def alignment(n: int, *arrays) -> int:
@@ -98,33 +88,28 @@ def alignment(n: int, *arrays) -> int:
     return 16 if n % 4 == 0 and all(p % 16 == 0 for p in pointers) else 4
 
 
-def config(n: int, target: str | None = None) -> dict:
-    """The kernel's block sizes for rows of ``n`` columns on ``target`` (None: Kiln's default):
-    the row rounded up to a power of two (``BLOCK``, at least 512) over ``SPLIT`` blocks of a
-    cluster, held as ``CHUNK``-column tiles (at most 4096), 16 columns per thread between 128
-    and 512 threads (64 at 32768 columns on one block: within 128 registers, no spills);
-    ``STREAM`` rows over a persistent grid where they are long and cannot be split, else a row
-    (a cluster) a block."""
+def config(n: int) -> tuple[int, int, int, bool]:
+    """``(BLOCK, THREADS, BLOCKS_PER_SM, STREAM)``: the row rounded up to a power of two (at
+    least 512), 16 columns per thread between 128 and 512 threads (64 at 32768 columns: within
+    128 registers, no spills); rows from :data:`STREAM_FROM` columns stream through shared
+    memory over a persistent grid, shorter ones take a block each."""
     block = max(512, 1 << (n - 1).bit_length())
-    split = max(block // PART_COLUMNS, 1) if get_target(target or default_target()).has("sm90") \
-        else 1
-    return dict(BLOCK=block, CHUNK=min(block // split, 4096),
-                THREADS=min(512, max(128, block // split // 16)),
-                STREAM=split == 1 and block >= STREAM_FROM, SPLIT=split)
+    stream = block >= STREAM_FROM
+    return block, min(512, max(128, block // 16)), BLOCKS_PER_SM.get(block, 1), stream
 
 
 def layernorm(x, w, b, y, mean, rstd, eps: float = 1e-5, *, backend: str = "gpu",
               target: str | None = None):
     """Layer norm of each row of 2-D float32 ``x`` (up to 32768 columns) into ``y``."""
     m, n = x.shape
-    cfg = config(n, target)
+    block, threads, per_sm, stream = config(n)
     sms = driver().multiprocessor_count() if backend == "gpu" else 2
-    grid = max(1, min(m, sms * BLOCKS_PER_SM)) if cfg["STREAM"] else max(m, 1) * cfg["SPLIT"]
+    grid = max(1, min(m, sms * per_sm)) if stream else max(m, 1)
     kernel = layernorm_kernel.interpret[(grid,)] if backend == "interpret" \
         else layernorm_kernel[(grid,)]
     extra = {"target": target} if target else {}
-    kernel(x, w, b, y, mean, rstd, m, n, grid, eps, ALIGN=alignment(n, x, y, w, b), **cfg,
-           **extra)
+    kernel(x, w, b, y, mean, rstd, m, n, grid, eps, BLOCK=block, CHUNK=min(block, 4096),
+           THREADS=threads, ALIGN=alignment(n, x, y, w, b), STREAM=stream, **extra)
     return y
 
 
