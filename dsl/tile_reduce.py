@@ -125,6 +125,8 @@ def cluster_rank(size: int) -> Value:
                              fix="pass a compile-time constant, e.g. kiln.cluster_rank(SPLIT)")
     if size == 1:
         return constant(0, dt.i32)
+    nvidia_sync.CLUSTER_SYNC.require(builder.current_target(),
+                                     f"kiln.cluster_rank({size}) (size 1 runs on every target)")
     nvidia_sync.cluster_dims(size)
     nvvm.cluster_arrive()   # the standing arrive the first cluster exchange waits on
     builder.current().cluster_arrive_standing = True
