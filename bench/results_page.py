@@ -153,6 +153,7 @@ TABLES = {
         ("tutorial", _get("op"), "s"), ("shape", _get("shape"), "s"),
         ("causal", _get("causal"), "s"), ("Kiln GB/s", _get("kiln_gbs"), ".0f"),
         ("Triton GB/s", _get("triton_gbs"), ".0f"), ("Kiln / copy", _get("of_copy"), ".2f"),
+        ("Kiln / same-size copy", _get("of_copy_same"), ".2f"),
         ("Kiln TFLOP/s", _get("kiln_tflops"), ".0f"),
         ("Triton TFLOP/s", _get("triton_tflops"), ".0f"),
         ("cuBLAS TFLOP/s", _get("cublas_tflops"), ".0f"),

@@ -32,7 +32,7 @@ min = minimum
 # instruction families of kiln.nvidia / kiln.amd under their old names (kiln.tma is
 # kiln.nvidia.tma, kiln.nvidia_asm is kiln.nvidia.sync, kiln.amd_asm is kiln.amd.sched, ...).
 from . import layout, swizzle, wgmma
-from .nvidia import cp_async, ldmatrix, mbarrier, tma
+from .nvidia import cp_async, dsmem, ldmatrix, mbarrier, tma
 from .nvidia import wgmma as _wgmma_ops  # noqa: F401 - declares the WGMMA ops (kiln.core.ops)
 from .nvidia.fastmath import tanh_approx
 from .nvidia import sync as nvidia_asm
@@ -50,7 +50,7 @@ from .autotune import autotune
 from .shared import DynamicSharedTensor, dynamic_shared
 from .tiles import GlobalTile, RegTile, SharedTile
 from .tile_copy import copy, load
-from .tile_reduce import reduce
+from .tile_reduce import cluster_rank, reduce
 from .tile_gemm import accumulator, gemm
 from .pipeline import pipeline
 

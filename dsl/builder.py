@@ -44,6 +44,7 @@ class TraceState:
     dynamic_shared_bytes: int = 0  # requested at launch (kiln.dynamic_shared)
     dynamic_shared_base: object = None  # (memref<?xi8>, aligned byte offset) once created
     cluster: tuple[int, int, int] | None = None  # CTA cluster shape (kiln.nvidia_asm.cluster_dims)
+    cluster_arrive_standing: bool = False  # kiln.cluster_rank keeps a cluster arrive pending
     programmatic_launch: bool = False  # waits on prior grids (kiln.nvidia_asm.grid_dependency_wait)
     unrolled_iterations: int = 0  # Python loop iterations so far (trace_runtime's budget)
     values_built: int = 0  # kiln.Values so far (MAX_TRACED_VALUES)

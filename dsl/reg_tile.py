@@ -453,6 +453,8 @@ class RegTile:
     def __le__(self, o): return self._zip(o, lambda a, b: a <= b)
     def __gt__(self, o): return self._zip(o, lambda a, b: a > b)
     def __ge__(self, o): return self._zip(o, lambda a, b: a >= b)
+    def __and__(self, o): return self._zip(o, lambda a, b: a & b)
+    def __or__(self, o): return self._zip(o, lambda a, b: a | b)
 
     # --- reductions
 

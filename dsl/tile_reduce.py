@@ -20,26 +20,46 @@ scalars (a lambda or a ``@kiln.func``). The result is a :class:`~kiln.reg_tile.T
 broadcasts back onto tiles of the same layout (``x - kiln.reduce(x, "max", 1)``). Values are
 32-bit (f32 or i32): cast narrower tiles first.
 
+``cluster=True`` goes on across the CTAs of the kernel's thread-block cluster (sm_90+, declared
+by :func:`cluster_rank`): each CTA stores its block's value into slot ``rank`` of every CTA's
+shared buffer (:func:`kiln.nvidia.dsmem.store_remote`), a cluster barrier, and each CTA
+combines the slots in rank order (every CTA gets the bitwise same result). The barrier is split
+so one round trip orders each exchange: ``cluster_rank`` leaves an arrive standing, an exchange
+waits on it (the peers have read the previous exchange), stores, arrives and waits (the stores
+landed), reads, and arrives again. Every thread of every CTA of the cluster must reach each
+``cluster=True`` reduce. Without a cluster (or one of one CTA) it is the block's reduce, so
+``kiln.cluster_rank(SPLIT)`` with ``SPLIT = 1`` keeps a kernel portable.
+
 Example (row softmax)::
 
     m = kiln.reduce(x, "max", axis=1)
     p = kiln.exp(x - m)
     p = p / kiln.reduce(p, "sum", axis=1)
+
+Example (a row split over a cluster of ``SPLIT`` CTAs, each holding ``BLOCK // SPLIT``
+columns)::
+
+    part = kiln.cluster_rank(SPLIT) * (BLOCK // SPLIT)
+    x = kiln.load(kiln.GlobalTile(x_t, (1, BLOCK // SPLIT), (row, part), col_end=n), tv)
+    total = kiln.reduce(x, "sum", axis=1, cluster=True)
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from mlir.dialects import vector
+from mlir import ir
+from mlir.dialects import nvvm, scf, vector
 
 from . import builder, ops
 from .core import dtypes as dt
 from .core.errors import KilnTypeError, KilnValueError
+from .nvidia import sync as nvidia_sync
+from .nvidia.dsmem import store_remote
 from .reg_tile import RegTile, TileVector, _pairwise, _row_keys, _row_structure
 from .shared import shared
 from .shuffle import butterfly_reduce
-from .values import Value
+from .values import Value, constant
 
 COMBINES: dict[str, Callable[[Any, Any], Any]] = {
     "sum": lambda a, b: a + b,
@@ -90,38 +110,102 @@ def _across_warps(values: list[list[Value]], masks: tuple[int, ...], combine, th
     return [combined[i * per:(i + 1) * per] for i in range(len(values))]
 
 
-def reduce(tile: RegTile, op: Any = "sum", axis: int = 1) -> TileVector:
-    """Reduce ``tile`` along ``axis`` (1: each row over its columns; 0: each column) with
-    ``op`` (see the module docs), across every thread of its layout.
+def cluster_rank(size: int) -> Value:
+    """Run the kernel in clusters of ``size`` CTAs along x and return this CTA's rank in its
+    cluster (an i32, ``0 .. size - 1``); ``reduce(..., cluster=True)`` then combines across
+    them. ``size`` 1 is no cluster on every target (rank 0); more needs sm_90+ and a grid that
+    is a multiple of ``size``. Call it once, at the top of the kernel: it leaves a cluster
+    barrier arrive pending for the first exchange (``kiln.nvidia_asm.cluster_sync`` keeps that
+    so; a hand-written ``barrier.cluster`` must wait first).
 
-    Example: ``mean = kiln.reduce(x, "sum", axis=1) * (1.0 / n)``.
+    Example: ``part = kiln.cluster_rank(SPLIT) * (BLOCK // SPLIT)`` (this CTA's columns).
     """
-    if not isinstance(tile, RegTile):
-        raise KilnTypeError(f"kiln.reduce reduces a register tile, got {type(tile).__name__}",
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise KilnValueError(f"kiln.cluster_rank size must be a positive int, got {size!r}",
+                             fix="pass a compile-time constant, e.g. kiln.cluster_rank(SPLIT)")
+    if size == 1:
+        return constant(0, dt.i32)
+    nvidia_sync.CLUSTER_SYNC.require(builder.current_target(),
+                                     f"kiln.cluster_rank({size}) (size 1 runs on every target)")
+    nvidia_sync.cluster_dims(size)
+    nvvm.cluster_arrive()   # the standing arrive the first cluster exchange waits on
+    builder.current().cluster_arrive_standing = True
+    return nvidia_sync.cluster_ctarank()
+
+
+def _across_cluster(values: list[list[Value]], combine, dtype: dt.DType,
+                    size: int) -> list[list[Value]]:
+    """Combine each scalar (the same in every thread of a CTA) over the ``size`` CTAs of the
+    cluster through a ``[slots, size]`` shared buffer in each (see the module docs)."""
+    flat = [x for line in values for x in line]
+    buf = shared((len(flat), size), dtype, align=16)
+    rank = nvidia_sync.cluster_ctarank()
+    nvvm.cluster_wait()   # the peers have read the previous exchange's buffers
+    peer = ops.thread_id(0)
+    send = scf.IfOp((peer < size).ir)
+    with ir.InsertionPoint(send.then_block):
+        for k, x in enumerate(flat):
+            store_remote(buf, (k, rank), x, peer)
+        scf.YieldOp([])
+    nvvm.cluster_arrive()
+    nvvm.cluster_wait()
+    combined = [_pairwise([buf[k, r] for r in range(size)], combine) for k in range(len(flat))]
+    nvvm.cluster_arrive()
+    per = len(values[0])
+    return [combined[i * per:(i + 1) * per] for i in range(len(values))]
+
+
+def reduce(tile: RegTile | tuple, op: Any = "sum", axis: int = 1, *,
+           cluster: bool = False) -> TileVector | tuple:
+    """Reduce ``tile`` along ``axis`` (1: each row over its columns; 0: each column) with
+    ``op`` (see the module docs), across every thread of its layout, and with ``cluster=True``
+    across the CTAs of the kernel's cluster (:func:`cluster_rank`). A tuple of tiles of one
+    layout gives a tuple of results, reduced through one shared-memory stage (and one cluster
+    exchange) for all of them.
+
+    Example: ``mean = kiln.reduce(x, "sum", axis=1) * (1.0 / n)``;
+    ``s1, s2 = kiln.reduce((d, d * d), "sum", axis=1)`` (a one-pass variance).
+    """
+    tiles = tile if isinstance(tile, tuple) else (tile,)
+    if not tiles or not all(isinstance(t, RegTile) for t in tiles):
+        raise KilnTypeError(f"kiln.reduce reduces a register tile (or a tuple of them), got "
+                            f"{type(tile).__name__}",
                             fix="load it first: x = kiln.load(global_tile, layout)")
     if axis not in (0, 1):
         raise KilnValueError(f"kiln.reduce axis must be 0 (columns) or 1 (rows), got {axis!r}",
                              fix="axis=1 reduces each row, axis=0 each column")
-    if tile.dtype not in (dt.f32, dt.i32):
-        raise KilnTypeError(f"kiln.reduce reduces 32-bit tiles (f32, i32), got {tile.dtype}",
+    dtype = tiles[0].dtype
+    if dtype not in (dt.f32, dt.i32) or any(t.dtype is not dtype for t in tiles):
+        raise KilnTypeError(f"kiln.reduce reduces 32-bit tiles (f32, i32) of one dtype, got "
+                            f"{', '.join(str(t.dtype) for t in tiles)}",
                             fix="kiln.cast(tile, kiln.f32) first")
+    if any(t.layout != tiles[0].layout or t.grid != tiles[0].grid for t in tiles):
+        raise KilnValueError("kiln.reduce of a tuple needs tiles of one layout",
+                             fix="build the tiles with the same layout (e.g. d and d * d)")
     combine = _combine_of(op)
-    source = tile if axis == 1 else tile.T
-    layout = source.layout
+    sources = [t if axis == 1 else t.T for t in tiles]
+    layout = sources[0].layout
     group_of, masks = _row_structure(layout)
     warp = builder.current_target().warp_size
     lane_masks = tuple(m for m in masks if m < warp)
     warp_masks = tuple(m for m in masks if m >= warp)
-    gm, gn = source.grid
+    gm, gn = sources[0].grid
     lines = []
-    for i in range(gm):
-        members: list[list[Value]] = [[] for _ in range(max(group_of) + 1)]
-        for j in range(gn):
-            scalars = source.fragment(i, j)
-            for v, g in enumerate(group_of):
-                members[g].append(Value(vector.extract(scalars.ir, [], [v]), tile.dtype))
-        lines.append([butterfly_reduce(_pairwise(m, combine), lane_masks, combine)
-                      for m in members])
+    for source in sources:
+        for i in range(gm):
+            members: list[list[Value]] = [[] for _ in range(max(group_of) + 1)]
+            for j in range(gn):
+                scalars = source.fragment(i, j)
+                for v, g in enumerate(group_of):
+                    members[g].append(Value(vector.extract(scalars.ir, [], [v]), dtype))
+            lines.append([butterfly_reduce(_pairwise(m, combine), lane_masks, combine)
+                          for m in members])
     if warp_masks:
-        lines = _across_warps(lines, warp_masks, combine, layout.num_threads, tile.dtype)
-    return TileVector(lines, group_of, "row" if axis == 1 else "col", _row_keys(layout))
+        lines = _across_warps(lines, warp_masks, combine, layout.num_threads, dtype)
+    shape = builder.current().cluster
+    if cluster and shape is not None and shape[0] * shape[1] * shape[2] > 1:
+        lines = _across_cluster(lines, combine, dtype, shape[0] * shape[1] * shape[2])
+    results = tuple(TileVector(lines[k * gm:(k + 1) * gm], group_of,
+                               "row" if axis == 1 else "col", _row_keys(layout))
+                    for k in range(len(tiles)))
+    return results if isinstance(tile, tuple) else results[0]

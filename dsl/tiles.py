@@ -45,7 +45,7 @@ from .tile_gemm import operand_swizzle, register_gather
 from .operand_tiles import operand_tile
 
 __all__ = ["GlobalTile", "SharedTile", "RegTile", "TileVector", "where", "copy", "copy_width",
-           "store", "row_run_width", "coords", "operand_swizzle", "operand_tile",
+           "store", "row_run_width", "coords", "mask", "operand_swizzle", "operand_tile",
            "register_gather", "ROW_LANES",
            "COL_LANES"]
 
@@ -184,12 +184,19 @@ def coords(layout: ThreadValueLayout) -> tuple[RegTile, RegTile]:
         _, cols = kiln.tiles.coords(tv)
         xc = kiln.where(cols < n, x - mean, 0.0)
     """
+    return _coords(layout, 1)
+
+
+def _coords(layout: ThreadValueLayout, width: int) -> tuple[RegTile, RegTile]:
+    """:func:`coords`, every value giving the coordinates of the first value of its run of
+    ``width`` (the first element of its vector access)."""
     thread = ops.thread_id(0) % layout.num_threads
     vtype = ir.VectorType.get([layout.num_values], dt.i32.mlir_type())
     every = layout.coords()                           # [threads, values] rows and columns
+    firsts = np.arange(layout.num_values) // width * width
     out = []
     for k, first in enumerate(layout(thread, 0)):
-        delta = every[k] - every[k][:, :1]
+        delta = every[k][:, firsts] - every[k][:, :1]
         if np.all(delta == delta[:1]):
             # value v is value 0 plus a constant: one add per use, and `col + k0` adds k0 once
             steps = arith.constant(vtype, ir.DenseElementsAttr.get(
@@ -198,6 +205,29 @@ def coords(layout: ThreadValueLayout) -> tuple[RegTile, RegTile]:
             out.append(Value(arith.addi(base, steps), dt.i32))
         else:
             out.append(Value(vector.from_elements(vtype, [cast(layout(thread, v)[k], dt.i32).ir
-                                                          for v in range(layout.num_values)]),
-                             dt.i32))
+                                                          for v in firsts]), dt.i32))
     return tuple(RegTile([v], layout, (1, 1)) for v in out)
+
+
+def mask(tile: GlobalTile, layout: ThreadValueLayout) -> RegTile:
+    """The i1 register tile, in ``layout``, of the elements of ``tile`` inside its ``row_end``
+    and ``col_end``: those ``kiln.load`` reads rather than fills. Where ``col_multiple`` and
+    ``align`` make every vector access wholly inside or wholly past ``col_end``, the columns
+    are compared once per access, not per element (fewer registers held across a loop).
+    Example (a layer norm's centred row, 0 past the row's end)::
+
+        xc = kiln.where(kiln.tiles.mask(x_g, tv), x - mean, 0.0)
+    """
+    if not isinstance(tile, GlobalTile) or not isinstance(layout, ThreadValueLayout):
+        raise KilnTypeError(f"kiln.tiles.mask takes a GlobalTile and a layout, got "
+                            f"{type(tile).__name__} and {type(layout).__name__}",
+                            fix="kiln.tiles.mask(kiln.GlobalTile(t, shape, origin, col_end=n), tv)")
+    width = min(row_run_width(layout), max(MAX_COPY_BYTES // tile.dtype.itemsize, 1))
+    rows, cols = _coords(layout, width if tile.whole_chunks(width) else 1)
+    inside = None
+    if tile.col_end is not None:
+        inside = cols + tile.origin[1] < tile.col_end
+    if tile.row_end is not None:
+        row_inside = rows + tile.origin[0] < tile.row_end
+        inside = row_inside if inside is None else inside & row_inside
+    return rows >= 0 if inside is None else inside

@@ -390,10 +390,17 @@ def cluster_ctarank():
 def cluster_sync() -> None:
     """``barrier.cluster.arrive`` + ``barrier.cluster.wait``: every thread of every CTA of the
     cluster must reach it. Use it after initialising mbarriers that peer CTAs will signal, and
-    before exiting while peers may still write this CTA's shared memory."""
+    before exiting while peers may still write this CTA's shared memory. After
+    ``kiln.cluster_rank``, which keeps an arrive pending, it completes that one first and
+    leaves a new one pending."""
     CLUSTER_SYNC.require(current_target(), "cluster_sync")
+    standing = builder.current().cluster_arrive_standing
+    if standing:
+        nvvm.cluster_wait()
     nvvm.cluster_arrive()
     nvvm.cluster_wait()
+    if standing:
+        nvvm.cluster_arrive()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,16 +3,18 @@
 ``y[i] = exp(x[i] - max(x[i])) / sum(exp(x[i] - max(x[i])))`` for every row of an
 ``M x N`` float32 matrix. A block holds a whole row in registers (a
 :func:`kiln.layout.blocked` tile of ``BLOCK >= N`` columns, 16-byte accesses), so the row
-crosses DRAM once each way. Columns past ``N`` are set to ``-inf`` (``kiln.where`` on the
-tile's column coordinates), which leaves the max unchanged and adds ``exp(-inf) = 0`` to the
-sum.
+crosses DRAM once each way. Columns past ``N`` load as ``-inf`` (the GlobalTile's ``fill``),
+which leaves the max unchanged and adds ``exp(-inf) = 0`` to the sum; no mask is held in
+registers (40 instead of 64 registers at 8192 columns: 3 blocks an SM; on an H200, 2048 x 8192:
+0.92 of copy bandwidth and 1.07x Triton, where a mask per element gave 0.83 and 0.99x).
 
 Short rows take a block each: many blocks per SM keep DRAM busy between them. Long rows
 (``STREAM``) leave room for one or two blocks per SM, so each block of a persistent grid walks
 rows ``block, block + grid, ...`` and streams them through a shared tile: ``kiln.copy`` global
 -> shared runs asynchronously (``cp.async`` on NVIDIA, buffer -> LDS DMA on gfx950), and the
 next row's copy starts as soon as every thread holds its part of this one, so DRAM reads the
-next row while this one is reduced and written.
+next row while this one is reduced and written. Shared memory holds zeros past ``N``:
+``kiln.where`` on ``kiln.tiles.mask`` (one compare per 16-byte chunk) puts the ``-inf`` back.
 
 ``kiln.reduce`` does the cross-thread work: registers, then XOR shuffles inside each warp
 (32 lanes on NVIDIA, 64 on AMD: read from the target), then one shared-memory stage across
@@ -36,29 +38,27 @@ def softmax_kernel(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i3
                    BLOCK: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr,
                    STREAM: kiln.constexpr):
     tv = kiln.layout.blocked((1, BLOCK), THREADS, vec=4)
-    _, cols = kiln.tiles.coords(tv)
     row_s = kiln.SharedTile((1, BLOCK), f32) if STREAM else None
 
-    def x_row(row):
-        return kiln.GlobalTile(x, (1, BLOCK), (row, 0), col_end=n, align=ALIGN,
+    def row_tile(t, row, fill=0.0):
+        return kiln.GlobalTile(t, (1, BLOCK), (row, 0), col_end=n, fill=fill, align=ALIGN,
                                col_multiple=ALIGN // 4)
 
     if STREAM:
-        kiln.copy(x_row(kiln.block_id(0)), row_s)
+        kiln.copy(row_tile(x, kiln.block_id(0)), row_s)
     for row in kiln.range(kiln.block_id(0), m, grid):
         if STREAM:   # the row arrived in shared memory while the previous one was reduced
             kiln.barrier()
-            t = kiln.load(row_s, tv)
+            t = kiln.where(kiln.tiles.mask(row_tile(x, row), tv), kiln.load(row_s, tv),
+                           -float("inf"))
             kiln.barrier()   # every thread holds its part: copy the next row (cp.async / DMA)
             if row + grid < m:
-                kiln.copy(x_row(row + grid), row_s)
-        else:
-            t = kiln.load(x_row(row), tv)
-        t = kiln.where(cols < n, t, -float("inf"))
+                kiln.copy(row_tile(x, row + grid), row_s)
+        else:   # columns past n read as -inf: the max keeps, exp adds 0
+            t = kiln.load(row_tile(x, row, -float("inf")), tv)
         p = kiln.exp(t - kiln.reduce(t, "max", axis=1))
         p = p * kiln.rcp(kiln.reduce(p, "sum", axis=1))
-        kiln.copy(p, kiln.GlobalTile(y, (1, BLOCK), (row, 0), col_end=n, align=ALIGN,
-                                     col_multiple=ALIGN // 4))
+        kiln.copy(p, row_tile(y, row))
 
 
 # rows from this many columns stream through shared memory (STREAM), and blocks per SM of

@@ -4,14 +4,14 @@
 ``M x N`` float32 matrix; ``mean`` and ``rstd`` are written too (the backward pass needs them).
 The row stays in registers between the two reductions, so ``x`` is read once: the mean
 (``kiln.reduce`` sum; columns past ``N`` read as 0), then the variance of the centred row,
-two-pass as in float64 references (columns past ``N`` are zeroed with ``kiln.where`` on the
-tile's column coordinates, since ``x - mean`` is not 0 there). Rows longer than 4096 are held
-as several 4096-column tiles (a Python list): they are summed elementwise before each
-reduction (one cross-warp stage per statistic), and ``w``/``b`` are loaded one tile at a time
-after them (a row of one tile loads them before the reductions, which then hide their
-latency: 0.87 instead of 0.83 of copy bandwidth at 4096 columns on an H200).
-``col_multiple`` promises a 16-byte chunk is wholly inside the row or wholly past it, so the
-ragged edge needs no per-element masks.
+two-pass as in float64 references (columns past ``N`` are zeroed with ``kiln.where`` on
+``kiln.tiles.mask``, since ``x - mean`` is not 0 there; the mask is one compare per 16-byte
+chunk, not per element). Rows longer than 4096 are held as several 4096-column tiles (a Python
+list): they are summed elementwise before each reduction (one cross-warp stage per statistic),
+and ``w``/``b`` are loaded one tile at a time after them (a row of one tile loads them before
+the reductions, which then hide their latency: 0.87 instead of 0.83 of copy bandwidth at 4096
+columns on an H200). ``col_multiple`` promises a 16-byte chunk is wholly inside the row or
+wholly past it, so the ragged edge needs no per-element masks.
 
 As in the softmax tutorial, short rows take a block each and long rows (``STREAM``) stream
 through shared tiles over a persistent grid: the next row's ``kiln.copy`` (``cp.async`` /
@@ -62,8 +62,8 @@ def layernorm_kernel(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor
         early = [[kiln.load(g, tv) for g in row_tiles(t, 0)] for t in (w, b)] \
             if BLOCK == CHUNK else None
         mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
-        _, cols = kiln.tiles.coords(tv)
-        xcs = [kiln.where(cols + c * CHUNK < n, t - mean, 0.0) for c, t in enumerate(xs)]
+        xcs = [kiln.where(kiln.tiles.mask(g, tv), t - mean, 0.0)
+               for g, t in zip(row_tiles(x, row), xs)]
         rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]), "sum",
                                       axis=1) * inv_n + eps)
         for c, xc in enumerate(xcs):   # else w and b a tile at a time: fewer live registers
