@@ -129,6 +129,7 @@ class HopperPrefillConfig(HeadDimTiles):
     exp_before_max: bool = False
     head_dim_v: int | None = None
     persistent: bool = False
+    overlap_items: bool = True
 
     block_m = 2 * WARP_GROUP_ROWS  # two consumer warp groups
     num_warps = 12
@@ -159,6 +160,13 @@ class HopperPrefillConfig(HeadDimTiles):
                                      f"{self.consumer_registers} + {self.producer_registers} "
                                      "registers per thread exceed the 64K register file",
                                      fix="lower consumer_registers")
+
+    @property
+    def overlaps_items(self) -> bool:
+        """Whether a persistent kernel's consumers issue an item's last ``P V`` with the next
+        item's first ``S = Q K^T`` and write its output while that runs (``overlap_items``,
+        where the next item's Q has its own buffer)."""
+        return self.persistent and self.overlap_items and self.q_buffers == 2
 
     @property
     def q_buffers(self) -> int:

@@ -63,6 +63,45 @@ def _fragment_col(i: int) -> int:
     return 8 * (i // 4) + i % 2
 
 
+@kiln.func
+def _sequence_span(cu_q, cu_k, batch):
+    """``(q_start, k_start, seq_q, seq_k)``: where ``batch``'s queries and keys start in the
+    packed rows, and how many there are."""
+    q_start = cu_q[batch]
+    k_start = cu_k[batch]
+    return q_start, k_start, cu_q[batch + 1] - q_start, cu_k[batch + 1] - k_start
+
+
+def _work_item(item, num_q_tiles, heads, batches, st):
+    """``(query head, batch, first row)`` of persistent work item ``item``: query tiles
+    fastest without a causal mask (CTAs running together share one head's K/V in L2), with one
+    the longest query tiles of every head and batch first."""
+    if st.mask.causal:
+        per_tile = heads * batches
+        q_tile = num_q_tiles - 1 - item // per_tile
+        rest = item % per_tile
+        head_x = rest % heads
+        batch = rest // heads
+    else:
+        q_tile = item % num_q_tiles
+        rest = item // num_q_tiles
+        head_x = rest % heads
+        batch = rest // heads
+    return _remapped_head(head_x, st.group, heads // st.group), batch, q_tile * st.bm
+
+
+def _tile_range(m0, seq_q, seq_k, st):
+    """``(lo_last, hi_first, first_tile, end_tile)``: the last row's first visible key, the
+    first row's last one, and the key tiles ``[first_tile, end_tile)`` the query tile visits."""
+    last_row = kiln.minimum(m0 + st.bm, seq_q) - 1
+    lo_last, _ = _key_bounds(last_row, seq_q, seq_k, st.mask)
+    lo_first, hi_first = _key_bounds(m0, seq_q, seq_k, st.mask)
+    _, hi_last = _key_bounds(last_row, seq_q, seq_k, st.mask)
+    first_tile = lo_first // st.bn
+    end_tile = kiln.maximum((hi_last + st.bn) // st.bn, first_tile)
+    return lo_last, hi_first, first_tile, end_tile
+
+
 class _TileMask:
     """Where a consumer thread's two rows may look: ``needed(n0)`` says whether key tile
     ``n0 ..`` has any invisible key for any row of the CTA, ``apply`` masks it. The per-row
