@@ -243,9 +243,7 @@ def _consume_items(ctx, consumer, work_items, num_q_tiles, heads, batches, cu_q,
     acc = wgmma.fragment_zeros(config.v_width)
     softmax = _fresh_softmax(ctx, 0, bn)
     probs = _p_operands(wgmma.fragment_to_tile(wgmma.fragment_zeros(bn)), in_type)
-    no = ctx.tid < 0  # a traced False
-    rescale_pending = no
-    pending = no  # an item whose last P V is not issued yet: the previous one
+    rescale_pending = ctx.tid < 0  # a traced False
     prev_head, prev_m0, prev_q_start, prev_seq_q = 0, 0, 0, 0
     # The K/V ring starts at its virtual use 0 (OVERLAP_FIRST_USE): its K is released here,
     # its V by the first item's dropped product.
@@ -260,58 +258,48 @@ def _consume_items(ctx, consumer, work_items, num_q_tiles, heads, batches, cu_q,
         active = m0 < seq_q  # ragged batches: past this sequence's last row
         if active:
             q_buffer = q_use % 2
+            pending = q_use > 0  # the previous item's last P V is not issued yet
             last_use = kv_use - 1  # the pending item's last key tile in the ring
             view = _View(ctx, consumer, m0, seq_q, seq_k, lo_last, hi_first, q_buffer)
             ctx.q_full.try_wait(q_buffer, (q_use // 2) % 2)
-            if first_tile < end_tile:
-                factors = _row_factors(softmax)
-                if pending & rescale_pending:
-                    acc = wgmma.scale_rows(acc, softmax.scale_vec.values[0])
-                stage = kv_use % STAGES
-                ctx.k_full.try_wait(stage, (kv_use // STAGES) % 2)
-                ctx.v_full.try_wait(last_use % STAGES, (last_use // STAGES) % 2)
-                nvidia_asm.named_barrier(my_turn, TURN_THREADS)
-                scores = _issue_qk(view.ops, stage)
-                # Without a pending item this is the ring's virtual first use: a product of a
-                # zero P that is dropped (a product under a branch would serialise the WGMMAs).
-                acc = _issue_pv(view.ops, acc, probs, last_use % STAGES)
-                nvidia_asm.named_barrier_arrive(other_turn, TURN_THREADS)
-                wgmma.wait_group(1)
-                if first_thread:
-                    ctx.k_empty.arrive(stage, wgmma_pending=1)
-                softmax = _fresh_softmax(ctx, head, bn)
-                next_probs, rescale_pending = _softmax_tile(
-                    softmax, scores, first_tile * bn, view.tile_mask, view.log2_scale,
-                    in_type, config.lazy_rescale)
-                wgmma.wait_group(0, reads=probs)
-                if first_thread:
-                    ctx.v_empty.arrive(last_use % STAGES, wgmma_pending=0)
-                probs = next_probs
-                if pending:  # its output leaves while the other group has the tensor cores
-                    _store_item(ctx, consumer, acc, factors,
-                                _fragment_rows(ctx, consumer, prev_m0), prev_head, prev_m0,
-                                prev_q_start, prev_seq_q, (q_use - 1) % 2, q_use - 1)
-                    # Landed already: the wait pass does not tell this item's Q buffer from
-                    # the one just handed back.
-                    ctx.q_full.try_wait(q_buffer, (q_use // 2) % 2)
-                acc = wgmma.fragment_zeros(config.v_width)
-                acc, probs, rescale_pending = _key_tiles(
-                    ctx, view, consumer, softmax, acc, probs, rescale_pending, first_tile,
-                    end_tile, kv_use)
-                pending = ctx.tid >= 0  # a traced True
-            else:  # no visible key: the pending item leaves first, then this one's rows
-                if pending:
-                    _flush(ctx, consumer, acc, probs, rescale_pending, softmax, last_use,
-                           prev_head, prev_m0, prev_q_start, prev_seq_q, q_use - 1)
-                pending = no
-                softmax = _fresh_softmax(ctx, head, bn)
-                _store_item(ctx, consumer, wgmma.fragment_zeros(config.v_width),
-                            _row_factors(softmax), _fragment_rows(ctx, consumer, m0), head, m0,
-                            q_start, seq_q, q_buffer, q_use)
+            factors = _row_factors(softmax)
+            if pending & rescale_pending:
+                acc = wgmma.scale_rows(acc, softmax.scale_vec.values[0])
+            stage = kv_use % STAGES
+            ctx.k_full.try_wait(stage, (kv_use // STAGES) % 2)
+            ctx.v_full.try_wait(last_use % STAGES, (last_use // STAGES) % 2)
+            nvidia_asm.named_barrier(my_turn, TURN_THREADS)
+            scores = _issue_qk(view.ops, stage)
+            # Without a pending item this is the ring's virtual first use: a product of a
+            # zero P that is dropped (a product under a branch would serialise the WGMMAs).
+            acc = _issue_pv(view.ops, acc, probs, last_use % STAGES)
+            nvidia_asm.named_barrier_arrive(other_turn, TURN_THREADS)
+            wgmma.wait_group(1)
+            if first_thread:
+                ctx.k_empty.arrive(stage, wgmma_pending=1)
+            softmax = _fresh_softmax(ctx, head, bn)
+            next_probs, rescale_pending = _softmax_tile(
+                softmax, scores, first_tile * bn, view.tile_mask, view.log2_scale,
+                in_type, config.lazy_rescale)
+            wgmma.wait_group(0, reads=probs)
+            if first_thread:
+                ctx.v_empty.arrive(last_use % STAGES, wgmma_pending=0)
+            probs = next_probs
+            if pending:  # its output leaves while the other group has the tensor cores
+                _store_item(ctx, consumer, acc, factors,
+                            _fragment_rows(ctx, consumer, prev_m0), prev_head, prev_m0,
+                            prev_q_start, prev_seq_q, (q_use - 1) % 2, q_use - 1)
+                # Landed already: the wait pass does not tell this item's Q buffer from
+                # the one just handed back.
+                ctx.q_full.try_wait(q_buffer, (q_use // 2) % 2)
+            acc = wgmma.fragment_zeros(config.v_width)
+            acc, probs, rescale_pending = _key_tiles(
+                ctx, view, consumer, softmax, acc, probs, rescale_pending, first_tile,
+                end_tile, kv_use)
             prev_head, prev_m0, prev_q_start, prev_seq_q = head, m0, q_start, seq_q
         kv_use = kv_use + kiln.where(active, end_tile - first_tile, 0)
         q_use = q_use + kiln.where(active, 1, 0)
-    if pending:
+    if q_use > 0:
         _flush(ctx, consumer, acc, probs, rescale_pending, softmax, kv_use - 1, prev_head,
                prev_m0, prev_q_start, prev_seq_q, q_use - 1)
     if consumer == 0:  # absorb consumer 1's last hand-over

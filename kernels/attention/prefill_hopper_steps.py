@@ -92,13 +92,16 @@ def _work_item(item, num_q_tiles, heads, batches, st):
 
 def _tile_range(m0, seq_q, seq_k, st):
     """``(lo_last, hi_first, first_tile, end_tile)``: the last row's first visible key, the
-    first row's last one, and the key tiles ``[first_tile, end_tile)`` the query tile visits."""
+    first row's last one, and the key tiles ``[first_tile, end_tile)`` the query tile visits:
+    at least one where the persistent consumers overlap items (a tile no row sees is masked
+    whole, and every item then ends the same way)."""
     last_row = kiln.minimum(m0 + st.bm, seq_q) - 1
     lo_last, _ = _key_bounds(last_row, seq_q, seq_k, st.mask)
     lo_first, hi_first = _key_bounds(m0, seq_q, seq_k, st.mask)
     _, hi_last = _key_bounds(last_row, seq_q, seq_k, st.mask)
     first_tile = lo_first // st.bn
-    end_tile = kiln.maximum((hi_last + st.bn) // st.bn, first_tile)
+    fewest = first_tile + 1 if st.config.overlaps_items else first_tile
+    end_tile = kiln.maximum((hi_last + st.bn) // st.bn, fewest)
     return lo_last, hi_first, first_tile, end_tile
 
 
