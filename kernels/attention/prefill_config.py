@@ -130,6 +130,7 @@ class HopperPrefillConfig(HeadDimTiles):
     head_dim_v: int | None = None
     persistent: bool = False
     overlap_items: bool = True
+    zigzag: bool = True
 
     block_m = 2 * WARP_GROUP_ROWS  # two consumer warp groups
     num_warps = 12

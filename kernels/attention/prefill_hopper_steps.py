@@ -75,8 +75,16 @@ def _sequence_span(cu_q, cu_k, batch):
 def _work_item(item, num_q_tiles, heads, batches, st):
     """``(query head, batch, first row)`` of persistent work item ``item``: query tiles
     fastest without a causal mask (CTAs running together share one head's K/V in L2), with one
-    the longest query tiles of every head and batch first."""
+    the longest query tiles of every head and batch first, and (``config.zigzag``) every
+    second full round of items, one item a CTA, dealt in reverse CTA order, so each CTA's
+    share of long and short items evens out."""
     if st.mask.causal:
+        if st.config.zigzag:
+            ctas = kiln.num_blocks(0)
+            rounds = item // ctas
+            full = (rounds + 1) * ctas <= num_q_tiles * heads * batches
+            item = kiln.where((rounds % 2 == 1) & full, rounds * ctas + ctas - 1 - item % ctas,
+                              item)
         per_tile = heads * batches
         q_tile = num_q_tiles - 1 - item // per_tile
         rest = item % per_tile
