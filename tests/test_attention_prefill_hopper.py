@@ -217,6 +217,33 @@ def test_fully_masked_key_tiles_are_never_read(rng):
     assert_attention_close(o, q, k, v, window=(10, 0))
 
 
+def test_an_item_no_row_sees_ignores_the_keys_it_reads(rng):
+    # The persistent kernel visits one key tile even for 128 query rows that see no key
+    # (sequence 0: no keys); that tile is the next sequence's keys 0..127, a tile no row of
+    # that sequence visits (window (10, 0) over 200 keys), NaN here: 0 * NaN must not reach
+    # sequence 0's output.
+    bf = ml_dtypes.bfloat16
+    lengths = ([128, 1, 150], [0, 200, 150])
+    q, k, v, cu_q, cu_k = random_qkv(rng, batch=3, sq=None, sk=None, hq=2, hkv=1, d=64,
+                                     ragged_q=lengths[0], ragged_k=lengths[1])
+    q, k, v = (x.astype(bf) for x in (q, k, v))
+    k_poisoned, v_poisoned = k.copy(), v.copy()
+    k_poisoned[:128] = np.nan
+    v_poisoned[:128] = np.nan
+    o, lse = prefill(q, k_poisoned, v_poisoned, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                     window=(10, 0), return_lse=True, backend="interpret", target="sm_90a")
+    assert HopperPrefillConfig.for_shape(64, None, 200).overlaps_items
+    assert_attention_close(o, q, k, v, lse=lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                           window=(10, 0))
+
+
+def test_causal_walk_deals_every_second_round_in_reverse(rng):
+    # 5 query tiles x 2 heads = 10 work items over the interpreter's 3 CTAs: rounds 0, 1, 2
+    # are full (round 1 dealt in reverse), the last item alone.
+    assert prefill_module.INTERPRET_CTAS == 3
+    _check(rng, sq=600, sk=600, hq=2, hkv=1, causal=True)
+
+
 @pytest.mark.parametrize("sq,sk", [(300, 100), (64, 64), (1, 200), (200, 1)])
 def test_causal_is_bottom_right_aligned_when_lengths_differ(sq, sk, rng):
     # sq > sk leaves the first sq - sk query rows with no key at all (o = 0, lse = -inf).

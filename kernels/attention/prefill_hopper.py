@@ -73,8 +73,8 @@ from .prefill_config import (CHUNK_COLS, DEFAULT_TILES, EXP_BEFORE_MAX_HEAD_DIMS
 from .prefill_hopper_consumer import (OVERLAP_FIRST_USE, _consume_items, _consume_items_one_by_one,
                                       _consume_tile)
 from .prefill_hopper_steps import (DESCRIPTOR_UNIT, ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN,
-                                   _box_coords, _box_view, _remapped_head, _sequence_span,
-                                   _tile_range, _work_item, plus)
+                                   _box_coords, _box_view, _one_tile_at_least, _remapped_head,
+                                   _sequence_span, _tile_range, _work_item, plus)
 
 __all__ = ["make_kernel", "HopperPrefillConfig", "MaskSpec", "SUPPORTED_DTYPES",
            "SUPPORTED_HEAD_DIMS", "DEFAULT_TILES", "LAZY_RESCALE_HEAD_DIMS",
@@ -161,6 +161,8 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     head, batch, m0 = _work_item(item, num_q_tiles, heads, batches, statics)
                     q_start, k_start, seq_q, seq_k = _sequence_span(cu_q, cu_k, batch)
                     _, _, first_tile, end_tile = _tile_range(m0, seq_q, seq_k, statics)
+                    if config.overlaps_items:
+                        end_tile, _ = _one_tile_at_least(first_tile, end_tile)
                     active = m0 < seq_q  # ragged batches: past this sequence's last row
                     if active:
                         _produce_tile(ctx, head, head // group, q_start, m0, k_start,

@@ -13,10 +13,10 @@ from kiln import nvidia_asm, wgmma
 from .online_softmax import OnlineSoftmax
 from .prefill_config import WARP_GROUP_ROWS, WARP_GROUP_THREADS
 from .prefill_hopper_steps import (DESCRIPTOR_UNIT, LOG2E, MAX_SENTINEL, PINGPONG_BARRIER,
-                                   ROW_BYTES, VOTE_BARRIER, _issue_pv, _issue_qk, _Operands,
-                                   _p_operands, _sequence_span, _softmax_tile,
-                                   _softmax_tile_max_on_demand, _tile_range, _TileMask,
-                                   _work_item, _write_output, plus)
+                                   ROW_BYTES, VOTE_BARRIER, _issue_pv, _issue_qk,
+                                   _one_tile_at_least, _Operands, _p_operands, _sequence_span,
+                                   _softmax_tile, _softmax_tile_max_on_demand, _tile_range,
+                                   _TileMask, _work_item, _write_output, plus)
 from .softcap import soft_cap_constants
 
 TURN_THREADS = 2 * WARP_GROUP_THREADS  # both consumer groups meet at a turn's named barrier
@@ -208,9 +208,9 @@ def _consume_tile(ctx, consumer, head, m0, q_start, seq_q, seq_k, lo_last, hi_fi
 
 @kiln.func
 def _flush(ctx, consumer, acc, probs, rescale_pending, softmax, last_use, head, m0, q_start,
-           seq_q, q_use):
-    """A pending item's last ``P V`` alone (the next item has no key tile to pair it with),
-    then its output."""
+           seq_q, q_use, empty):
+    """The last item's last ``P V`` alone (no next item to pair it with), then its output
+    (zeros where ``empty``: see :func:`_one_tile_at_least`)."""
     STAGES = ctx.STAGES
     stage = last_use % STAGES
     ctx.v_full.try_wait(stage, (last_use // STAGES) % 2)
@@ -223,6 +223,8 @@ def _flush(ctx, consumer, acc, probs, rescale_pending, softmax, last_use, head, 
     wgmma.wait_group(0, reads=probs)
     if ctx.tid % WARP_GROUP_THREADS == 0:
         ctx.v_empty.arrive(stage, wgmma_pending=0)
+    if empty:
+        acc = wgmma.fragment_zeros(ctx.st.config.v_width)
     _store_item(ctx, consumer, acc, factors, _fragment_rows(ctx, consumer, m0), head, m0,
                 q_start, seq_q, q_use % 2, q_use)
 
@@ -244,6 +246,7 @@ def _consume_items(ctx, consumer, work_items, num_q_tiles, heads, batches, cu_q,
     softmax = _fresh_softmax(ctx, 0, bn)
     probs = _p_operands(wgmma.fragment_to_tile(wgmma.fragment_zeros(bn)), in_type)
     rescale_pending = ctx.tid < 0  # a traced False
+    prev_empty = rescale_pending
     prev_head, prev_m0, prev_q_start, prev_seq_q = 0, 0, 0, 0
     # The K/V ring starts at its virtual use 0 (OVERLAP_FIRST_USE): its K is released here,
     # its V by the first item's dropped product.
@@ -255,6 +258,7 @@ def _consume_items(ctx, consumer, work_items, num_q_tiles, heads, batches, cu_q,
         head, batch, m0 = _work_item(item, num_q_tiles, heads, batches, st)
         q_start, k_start, seq_q, seq_k = _sequence_span(cu_q, cu_k, batch)
         lo_last, hi_first, first_tile, end_tile = _tile_range(m0, seq_q, seq_k, st)
+        end_tile, empty = _one_tile_at_least(first_tile, end_tile)
         active = m0 < seq_q  # ragged batches: past this sequence's last row
         if active:
             q_buffer = q_use % 2
@@ -286,6 +290,8 @@ def _consume_items(ctx, consumer, work_items, num_q_tiles, heads, batches, cu_q,
                 ctx.v_empty.arrive(last_use % STAGES, wgmma_pending=0)
             probs = next_probs
             if pending:  # its output leaves while the other group has the tensor cores
+                if prev_empty:  # its one tile's product may hold 0 * NaN from unseen keys
+                    acc = wgmma.fragment_zeros(config.v_width)
                 _store_item(ctx, consumer, acc, factors,
                             _fragment_rows(ctx, consumer, prev_m0), prev_head, prev_m0,
                             prev_q_start, prev_seq_q, (q_use - 1) % 2, q_use - 1)
@@ -297,11 +303,12 @@ def _consume_items(ctx, consumer, work_items, num_q_tiles, heads, batches, cu_q,
                 ctx, view, consumer, softmax, acc, probs, rescale_pending, first_tile,
                 end_tile, kv_use)
             prev_head, prev_m0, prev_q_start, prev_seq_q = head, m0, q_start, seq_q
+            prev_empty = empty
         kv_use = kv_use + kiln.where(active, end_tile - first_tile, 0)
         q_use = q_use + kiln.where(active, 1, 0)
     if q_use > 0:
         _flush(ctx, consumer, acc, probs, rescale_pending, softmax, kv_use - 1, prev_head,
-               prev_m0, prev_q_start, prev_seq_q, q_use - 1)
+               prev_m0, prev_q_start, prev_seq_q, q_use - 1, prev_empty)
     if consumer == 0:  # absorb consumer 1's last hand-over
         nvidia_asm.named_barrier(PINGPONG_BARRIER, TURN_THREADS)
 

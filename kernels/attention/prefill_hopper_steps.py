@@ -100,17 +100,21 @@ def _work_item(item, num_q_tiles, heads, batches, st):
 
 def _tile_range(m0, seq_q, seq_k, st):
     """``(lo_last, hi_first, first_tile, end_tile)``: the last row's first visible key, the
-    first row's last one, and the key tiles ``[first_tile, end_tile)`` the query tile visits:
-    at least one where the persistent consumers overlap items (a tile no row sees is masked
-    whole, and every item then ends the same way)."""
+    first row's last one, and the key tiles ``[first_tile, end_tile)`` the query tile visits."""
     last_row = kiln.minimum(m0 + st.bm, seq_q) - 1
     lo_last, _ = _key_bounds(last_row, seq_q, seq_k, st.mask)
     lo_first, hi_first = _key_bounds(m0, seq_q, seq_k, st.mask)
     _, hi_last = _key_bounds(last_row, seq_q, seq_k, st.mask)
     first_tile = lo_first // st.bn
-    fewest = first_tile + 1 if st.config.overlaps_items else first_tile
-    end_tile = kiln.maximum((hi_last + st.bn) // st.bn, fewest)
+    end_tile = kiln.maximum((hi_last + st.bn) // st.bn, first_tile)
     return lo_last, hi_first, first_tile, end_tile
+
+
+def _one_tile_at_least(first_tile, end_tile):
+    """``(end_tile, empty)``: an overlapped persistent walk visits at least one key tile an
+    item (a tile no row sees is masked whole; every item then ends the same way); ``empty``
+    says no row of the item sees a key."""
+    return kiln.maximum(end_tile, first_tile + 1), end_tile == first_tile
 
 
 class _TileMask:
