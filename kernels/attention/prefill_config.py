@@ -116,7 +116,11 @@ class HopperPrefillConfig(HeadDimTiles):
     ``LAZY_RESCALE_THRESHOLD`` (:meth:`OnlineSoftmax.lazy_scale_decision`).
     ``exp_before_max`` (with ``lazy_rescale``): P against the running max without reducing the
     tile's max; the max only when the group's vote says some P passed ``2**threshold`` (the
-    kernel module's docstring, step 3)."""
+    kernel module's docstring, step 3).
+    ``persistent``: one CTA per SM walks the work items (short sequences, :meth:`for_shape`);
+    there ``overlap_items`` issues an item's last ``P V`` with the next item's first
+    ``S = Q K^T`` (:attr:`overlaps_items`), and under a causal mask ``zigzag`` deals every
+    second round of items in reverse CTA order."""
 
     head_dim: int = 128
     block_n: int = 128
