@@ -20,7 +20,8 @@ from attention import row_flops, sdpa_call  # noqa: E402
 from timing import queued_ms  # noqa: E402
 
 MAX_ERROR = 0.05  # max abs error vs SDPA of bf16 outputs of unit-variance inputs
-BOOL_FIELDS = ("persistent", "overlap_items", "lazy_rescale", "exp_before_max", "pin_pv_wait")
+BOOL_FIELDS = ("persistent", "overlap_items", "zigzag", "direct_store", "lazy_rescale",
+               "exp_before_max", "pin_pv_wait")
 
 
 def variants(d: int, extra: list[str], dv: int | None = None) -> dict:

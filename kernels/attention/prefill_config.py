@@ -120,7 +120,8 @@ class HopperPrefillConfig(HeadDimTiles):
     ``persistent``: one CTA per SM walks the work items (short sequences, :meth:`for_shape`);
     there ``overlap_items`` issues an item's last ``P V`` with the next item's first
     ``S = Q K^T`` (:attr:`overlaps_items`), and under a causal mask ``zigzag`` deals every
-    second round of items in reverse CTA order."""
+    second round of items in reverse CTA order; ``direct_store`` (overlapped items) writes O
+    from the registers in 4-byte stores instead of staging it in the Q buffer."""
 
     head_dim: int = 128
     block_n: int = 128
@@ -135,6 +136,7 @@ class HopperPrefillConfig(HeadDimTiles):
     persistent: bool = False
     overlap_items: bool = True
     zigzag: bool = True
+    direct_store: bool = False
 
     block_m = 2 * WARP_GROUP_ROWS  # two consumer warp groups
     num_warps = 12

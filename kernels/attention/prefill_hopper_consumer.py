@@ -16,7 +16,7 @@ from .prefill_hopper_steps import (DESCRIPTOR_UNIT, LOG2E, MAX_SENTINEL, PINGPON
                                    ROW_BYTES, VOTE_BARRIER, _issue_pv, _issue_qk,
                                    _one_tile_at_least, _Operands, _p_operands, _sequence_span,
                                    _softmax_tile, _softmax_tile_max_on_demand, _tile_range,
-                                   _TileMask, _work_item, _write_output, plus)
+                                   _TileMask, _work_item, _write_output, _write_rows, plus)
 from .softcap import soft_cap_constants
 
 TURN_THREADS = 2 * WARP_GROUP_THREADS  # both consumer groups meet at a turn's named barrier
@@ -139,11 +139,16 @@ def _store_item(ctx, consumer, acc, factors, fragment_rows, head, m0, q_start, s
     again (it landed long ago, but the wait pass does not tell the two Q buffers' hand-backs
     apart)."""
     st = ctx.st
-    if q_use is not None:
-        ctx.q_full.try_wait(q_buffer, (q_use // 2) % 2)
     rows, lane, first_col = fragment_rows
     inverse_norm, lse_rows, max_rows = factors
     out = wgmma.scale_rows(acc, inverse_norm)
+    if st.config.direct_store and st.config.overlaps_items:
+        _write_rows(out, lse_rows, max_rows, rows, ctx.o, ctx.lse, head, st.dv, seq_q, q_start,
+                    first_col, lane, ctx.lse_row_mult, ctx.lse_head_stride, st.return_lse)
+        ctx.q_empty.arrive(q_buffer)
+        return
+    if q_use is not None:
+        ctx.q_full.try_wait(q_buffer, (q_use // 2) % 2)
     _write_output(out, lse_rows, max_rows, rows, ctx.o, ctx.lse, head, st.dv,
                   seq_q, q_start, first_col, lane, ctx.lse_row_mult,
                   ctx.lse_head_stride, st.return_lse, ctx.q_tiles, m0, consumer,

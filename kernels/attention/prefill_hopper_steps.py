@@ -325,6 +325,26 @@ def _write_output(out, lse_rows, max_rows, rows, o, lse, head, d, seq_q, q_start
             o.store(q_start + row, head * d + unit * 8, values, align=16)
 
 
+@kiln.func
+def _write_rows(out, lse_rows, max_rows, rows, o, lse, head, d, seq_q, q_start, first_col, lane,
+                lse_row_mult, lse_head_stride, return_lse):
+    """:func:`_write_output` straight from the fragment, without staging: each register pair
+    (two adjacent columns of one row) in one 4-byte store, a quad's 4 lanes 16 contiguous
+    bytes; rows past the sequence store nothing."""
+    for r in range(2):
+        if rows[r] < seq_q:
+            for i in range(0, out.shape[1] // 2, 2):
+                if _fragment_row(i) == r and 8 * (i // 4) < d:
+                    pair = kiln.pack([kiln.cast(out.element(i), o.dtype),
+                                      kiln.cast(out.element(i + 1), o.dtype)])
+                    o.store(q_start + rows[r], head * d + first_col + _fragment_col(i), pair,
+                            align=4)
+            if return_lse:
+                if lane % 4 == 0:
+                    lse[q_start * lse_row_mult + head * lse_head_stride + rows[r]] = kiln.where(
+                        max_rows[r] > MAX_SENTINEL, lse_rows[r], kiln.cast(-math.inf, kiln.f32))
+
+
 def plus(a, b):
     """``a + b``, or ``b`` itself when ``a`` is the Python int 0 (no add traced: the one-tile
     kernel's code stays what it was before the persistent variant shared it)."""
