@@ -134,8 +134,8 @@ class HopperPrefillConfig(HeadDimTiles):
     exp_before_max: bool = False
     head_dim_v: int | None = None
     persistent: bool = False
-    overlap_items: bool = True
-    zigzag: bool = True
+    overlap_items: bool = False
+    zigzag: bool = False
     direct_store: bool = False
 
     block_m = 2 * WARP_GROUP_ROWS  # two consumer warp groups

@@ -124,24 +124,33 @@ def _key_tiles(ctx, view, consumer, softmax, acc, probs, rescale_pending, first_
     return acc, probs, rescale_pending
 
 
+def _inverse_norm(softmax):
+    """``1 / row sum`` of the thread's two rows (0 for a row of sum 0: it saw no key)."""
+    return [kiln.where(n > 0.0, kiln.rcp(n), 0.0) for n in softmax.norm_vec.values[0]]
+
+
 def _row_factors(softmax):
-    """``(1 / row sum, LSE, max)`` of the thread's two rows (a row of sum 0 saw no key)."""
-    inverse_norm = [kiln.where(n > 0.0, kiln.rcp(n), 0.0) for n in softmax.norm_vec.values[0]]
-    return inverse_norm, softmax.log_sum_exp().values[0], softmax.max_vec.values[0]
+    """``(1 / row sum, LSE, max)`` of the thread's two rows."""
+    return _inverse_norm(softmax), softmax.log_sum_exp().values[0], softmax.max_vec.values[0]
 
 
 @kiln.func
 def _store_item(ctx, consumer, acc, factors, fragment_rows, head, m0, q_start, seq_q,
                 q_buffer, q_use=None):
-    """The normalised output and LSE of one item's rows (``fragment_rows``:
+    """The normalised output and LSE of one item's rows (``factors``: :func:`_row_factors`'
+    tuple, or the softmax to take them from; ``fragment_rows``:
     :func:`_fragment_rows`' of the item), staged in Q buffer ``q_buffer``, which a persistent
     kernel then hands back to the producer. ``q_use``: the buffer's use by this item, waited
     again (it landed long ago, but the wait pass does not tell the two Q buffers' hand-backs
     apart)."""
     st = ctx.st
     rows, lane, first_col = fragment_rows
-    inverse_norm, lse_rows, max_rows = factors
-    out = wgmma.scale_rows(acc, inverse_norm)
+    if isinstance(factors, tuple):
+        inverse_norm, lse_rows, max_rows = factors
+        out = wgmma.scale_rows(acc, inverse_norm)
+    else:  # the softmax itself: 1 / row sum, O's scaling, then LSE and max (as ever before)
+        out = wgmma.scale_rows(acc, _inverse_norm(factors))
+        lse_rows, max_rows = factors.log_sum_exp().values[0], factors.max_vec.values[0]
     if st.config.direct_store and st.config.overlaps_items:
         _write_rows(out, lse_rows, max_rows, rows, ctx.o, ctx.lse, head, st.dv, seq_q, q_start,
                     first_col, lane, ctx.lse_row_mult, ctx.lse_head_stride, st.return_lse)
@@ -207,8 +216,8 @@ def _consume_tile(ctx, consumer, head, m0, q_start, seq_q, seq_k, lo_last, hi_fi
     if own_turns:
         if consumer == 0:  # absorb consumer 1's last hand-over
             nvidia_asm.named_barrier(PINGPONG_BARRIER, TURN_THREADS)
-    _store_item(ctx, consumer, acc, _row_factors(softmax), (view.rows, view.lane, view.first_col),
-                head, m0, q_start, seq_q, q_buffer)
+    _store_item(ctx, consumer, acc, softmax, (view.rows, view.lane, view.first_col), head, m0,
+                q_start, seq_q, q_buffer)
 
 
 @kiln.func
