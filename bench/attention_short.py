@@ -2,7 +2,8 @@
 configs) vs torch SDPA (cuDNN, flash) in one run, at 16k tokens total (batch * seq), heads * D
 = 2048; GPU time only (queued). Prints one JSON line per row with ratios to cuDNN.
 
-Example: ``python bench/attention_short.py --seqs 512 1024 2048 8192 --dims 64 128 192:128``
+Example: ``python bench/attention_short.py --seqs 512 1024 2048 8192 --dims 64 128 192:128``;
+``--once`` runs each peer and variant once, untimed, e.g. under ``ncu``.
 """
 
 from __future__ import annotations

@@ -121,7 +121,8 @@ class HopperPrefillConfig(HeadDimTiles):
     there ``overlap_items`` issues an item's last ``P V`` with the next item's first
     ``S = Q K^T`` (:attr:`overlaps_items`), and under a causal mask ``zigzag`` deals every
     second round of items in reverse CTA order; ``direct_store`` (overlapped items) writes O
-    from the registers in 4-byte stores instead of staging it in the Q buffer."""
+    from the registers in 4-byte stores instead of staging it in the Q buffer. These three are
+    off by default: not yet measured on a GPU (docs/kernels.md, short sequences)."""
 
     head_dim: int = 128
     block_n: int = 128

@@ -56,7 +56,9 @@ a grid of one CTA per SM walks the ``(query tile, head, batch)`` work items (cau
 query tiles of every head and batch first), each CTA every ``num_blocks``-th one. The K/V ring's
 uses and the ping-pong turns run on across work items, and Q has two buffers (one where two do
 not fit: 192/128) released by the consumers once their output left it, so the producer loads the
-next item's Q and first K/V tiles while the consumers finish the current one.
+next item's Q and first K/V tiles while the consumers finish the current one. The consumer steps
+live in :mod:`.prefill_hopper_consumer`, with the opt-in overlapped walk (``overlap_items``: an
+item's last ``P V`` issued with the next item's first ``S``; not measured on a GPU yet).
 """
 
 import functools
