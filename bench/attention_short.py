@@ -2,7 +2,8 @@
 configs) vs torch SDPA (cuDNN, flash) in one run, at 16k tokens total (batch * seq), heads * D
 = 2048; GPU time only (queued). Prints one JSON line per row with ratios to cuDNN.
 
-Example: ``python bench/attention_short.py --seqs 512 1024 2048 8192 --dims 64 128 192:128``
+Example: ``python bench/attention_short.py --seqs 512 1024 2048 8192 --dims 64 128 192:128``;
+``--once`` runs each peer and variant once, untimed, e.g. under ``ncu``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from attention import row_flops, sdpa_call  # noqa: E402
 from timing import queued_ms  # noqa: E402
 
 MAX_ERROR = 0.05  # max abs error vs SDPA of bf16 outputs of unit-variance inputs
+BOOL_FIELDS = ("persistent", "overlap_items", "zigzag", "direct_store", "lazy_rescale",
+               "exp_before_max", "pin_pv_wait")
 
 
 def variants(d: int, extra: list[str], dv: int | None = None) -> dict:
@@ -39,7 +42,7 @@ def variants(d: int, extra: list[str], dv: int | None = None) -> dict:
         kw = {}
         for item in fields.split(","):
             key, _, value = item.partition(":")
-            kw[key] = value == "1" if key == "persistent" else int(value)
+            kw[key] = value == "1" if key in BOOL_FIELDS else int(value)
         out[name] = replace(base, **kw)
     return out
 
@@ -80,6 +83,8 @@ def main(argv=None) -> None:
     ap.add_argument("--only", nargs="*", default=None,
                     help="variants to time (default all), each NAME or NAME@D1/D2")
     ap.add_argument("--peers", nargs="+", default=["cudnn", "flash"])
+    ap.add_argument("--once", action="store_true",
+                    help="run each peer and variant once, untimed (for ncu)")
     args = ap.parse_args(argv)
     masks = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     started = time.time()
@@ -102,19 +107,22 @@ def main(argv=None) -> None:
                 result = dict(row)
                 reference = None
                 for name in args.peers:
-                    call = sdpa_call(name, q, k, v, causal)
-                    if call is None:
+                    call = sdpa_call(name, q, k, v, causal)  # runs it once
+                    if call is None or args.once:
                         continue
                     if reference is None:
                         reference = call().transpose(1, 2).float()
                     result[name] = round(flops / queued_ms(call, args.repeat) / 1e9, 1)
-                if reference is None:  # neither backend takes the shape (D 192 / Dv 128)
+                if reference is None and not args.once:  # no backend takes it (192 / 128)
                     reference = torch.nn.functional.scaled_dot_product_attention(
                         *(x.transpose(1, 2).float() for x in (q, k, v)),
                         is_causal=causal).transpose(1, 2)
                 best = max(result.get("cudnn", 0), result.get("flash", 0))
                 for name, cfg in configs.items():
                     call = kiln_call(q, k, v, causal, cfg)
+                    if args.once:
+                        call()
+                        continue
                     error = (call().float() - reference).abs().max().item()
                     if not error < MAX_ERROR:
                         result[name] = f"WRONG {error:.3g}"

@@ -55,14 +55,35 @@ MASK_CASES = {
 }
 
 
-# The one-tile kernel's edge cases (long sequences take it) run in the slow tier; the
-# persistent kernel's here.
-@pytest.fixture(params=["persistent", pytest.param("one_tile", marks=pytest.mark.slow)])
+# The persistent kernel with every opt-in overlap option (the overlapped walk, the zigzag
+# causal deal, direct output stores).
+OVERLAPPED = dict(overlap_items=True, zigzag=True, direct_store=True)
+
+
+def _run_overlapped(monkeypatch, **options):
+    """Make the persistent kernels ``prefill`` picks run with ``options`` (default
+    ``OVERLAPPED``)."""
+    picked = HopperPrefillConfig.for_shape
+    monkeypatch.setattr(HopperPrefillConfig, "for_shape", lambda *a, **k: (
+        replace(picked(*a, **k), **(options or OVERLAPPED)) if picked(*a, **k).persistent
+        else picked(*a, **k)))
+
+
+# The one-tile kernel's edge cases (long sequences take it) and the overlapped walk with staged
+# output stores run in the slow tier; the persistent kernel's, plain and overlapped, here.
+@pytest.fixture(params=["persistent", "overlapped",
+                        pytest.param("overlapped_staged", marks=pytest.mark.slow),
+                        pytest.param("one_tile", marks=pytest.mark.slow)])
 def kernel_kind(request, monkeypatch):
-    """Short sequences run the persistent kernel; ``one_tile`` makes them run the kernel of
-    one CTA a query tile, which long ones take."""
+    """Short sequences run the persistent kernel; ``overlapped`` / ``overlapped_staged`` turn
+    on its opt-in overlapped walk (output stored from the registers / staged in the Q buffer);
+    ``one_tile`` makes them run the kernel of one CTA a query tile, which long ones take."""
     if request.param == "one_tile":
         monkeypatch.setattr(prefill_config, "PERSISTENT_MAX_KEYS", 0)
+    elif request.param == "overlapped":
+        _run_overlapped(monkeypatch)
+    elif request.param == "overlapped_staged":
+        _run_overlapped(monkeypatch, **dict(OVERLAPPED, direct_store=False))
     return request.param
 
 
@@ -215,6 +236,38 @@ def test_fully_masked_key_tiles_are_never_read(rng):
     v_poisoned[:, :skipped] = np.nan
     o = prefill(q, k_poisoned, v_poisoned, window=(10, 0), backend="interpret")
     assert_attention_close(o, q, k, v, window=(10, 0))
+
+
+@pytest.mark.parametrize("direct_store", [True, False], ids=["direct", "staged"])
+def test_an_item_no_row_sees_ignores_the_keys_it_reads(direct_store, monkeypatch, rng):
+    # The persistent kernel visits one key tile even for 128 query rows that see no key
+    # (sequence 0: no keys); that tile is the next sequence's keys 0..127, a tile no row of
+    # that sequence visits (window (10, 0) over 200 keys), NaN here: 0 * NaN must not reach
+    # sequence 0's output.
+    bf = ml_dtypes.bfloat16
+    lengths = ([128, 1, 150], [0, 200, 150])
+    q, k, v, cu_q, cu_k = random_qkv(rng, batch=3, sq=None, sk=None, hq=2, hkv=1, d=64,
+                                     ragged_q=lengths[0], ragged_k=lengths[1])
+    q, k, v = (x.astype(bf) for x in (q, k, v))
+    k_poisoned, v_poisoned = k.copy(), v.copy()
+    k_poisoned[:128] = np.nan
+    v_poisoned[:128] = np.nan
+    _run_overlapped(monkeypatch, **dict(OVERLAPPED, direct_store=direct_store))
+    o, lse = prefill(q, k_poisoned, v_poisoned, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                     window=(10, 0), return_lse=True, backend="interpret", target="sm_90a")
+    assert HopperPrefillConfig.for_shape(64, None, 200).overlaps_items
+    assert_attention_close(o, q, k, v, lse=lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                           window=(10, 0))
+
+
+@pytest.mark.parametrize("overlap_items", [True, False], ids=["overlapped", "one_by_one"])
+def test_causal_walk_deals_every_second_round_in_reverse(overlap_items, monkeypatch, rng):
+    # 5 query tiles x 2 heads = 10 work items over the interpreter's 3 CTAs: rounds 0, 1, 2
+    # are full (round 1 dealt in reverse), the last item alone.
+    assert prefill_module.INTERPRET_CTAS == 3
+    _run_overlapped(monkeypatch, **dict(OVERLAPPED, overlap_items=overlap_items))
+    assert HopperPrefillConfig.for_shape(64, None, 600, True).zigzag
+    _check(rng, sq=600, sk=600, hq=2, hkv=1, causal=True)
 
 
 @pytest.mark.parametrize("sq,sk", [(300, 100), (64, 64), (1, 200), (200, 1)])
@@ -370,6 +423,21 @@ def test_persistent_kernel_has_no_spills(d, dv, causal):
     assert ck.metadata["wgmma_serialized"] is None
     config = replace(HopperPrefillConfig.for_head_dim(d, dv), persistent=True)
     assert ck.signature.dynamic_shared_bytes >= config.shared_bytes()
+
+
+@pytest.mark.lower
+@pytest.mark.parametrize("d,causal,tiles", [(64, False, (128, 3)), (64, False, (192, 3)),
+                                            (64, True, (128, 3)), (128, False, (128, 2)),
+                                            (128, True, (128, 2))])
+def test_overlapped_persistent_kernel_has_no_spills(d, causal, tiles):
+    # Direct output stores: staging O in the Q buffer while the next item's S is live spills
+    # at D 128 and with 192-key tiles. D 128 causal (zigzag, GQA) takes the max-first softmax:
+    # the max-on-demand redo spills there.
+    ck = compile_prefill(target="sm_90a", head_dim=d, causal=causal, group=2, return_lse=True,
+                         persistent=True, block_n=tiles[0], stages=tiles[1], **OVERLAPPED,
+                         exp_before_max=not (d == 128 and causal))
+    assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
+    assert ck.metadata["wgmma_serialized"] is None
 
 
 @pytest.mark.lower

@@ -116,7 +116,13 @@ class HopperPrefillConfig(HeadDimTiles):
     ``LAZY_RESCALE_THRESHOLD`` (:meth:`OnlineSoftmax.lazy_scale_decision`).
     ``exp_before_max`` (with ``lazy_rescale``): P against the running max without reducing the
     tile's max; the max only when the group's vote says some P passed ``2**threshold`` (the
-    kernel module's docstring, step 3)."""
+    kernel module's docstring, step 3).
+    ``persistent``: one CTA per SM walks the work items (short sequences, :meth:`for_shape`);
+    there ``overlap_items`` issues an item's last ``P V`` with the next item's first
+    ``S = Q K^T`` (:attr:`overlaps_items`), and under a causal mask ``zigzag`` deals every
+    second round of items in reverse CTA order; ``direct_store`` (overlapped items) writes O
+    from the registers in 4-byte stores instead of staging it in the Q buffer. These three are
+    off by default: not yet measured on a GPU (docs/kernels.md, short sequences)."""
 
     head_dim: int = 128
     block_n: int = 128
@@ -129,6 +135,9 @@ class HopperPrefillConfig(HeadDimTiles):
     exp_before_max: bool = False
     head_dim_v: int | None = None
     persistent: bool = False
+    overlap_items: bool = False
+    zigzag: bool = False
+    direct_store: bool = False
 
     block_m = 2 * WARP_GROUP_ROWS  # two consumer warp groups
     num_warps = 12
@@ -159,6 +168,13 @@ class HopperPrefillConfig(HeadDimTiles):
                                      f"{self.consumer_registers} + {self.producer_registers} "
                                      "registers per thread exceed the 64K register file",
                                      fix="lower consumer_registers")
+
+    @property
+    def overlaps_items(self) -> bool:
+        """Whether a persistent kernel's consumers issue an item's last ``P V`` with the next
+        item's first ``S = Q K^T`` and write its output while that runs (``overlap_items``,
+        where the next item's Q has its own buffer)."""
+        return self.persistent and self.overlap_items and self.q_buffers == 2
 
     @property
     def q_buffers(self) -> int:

@@ -56,31 +56,31 @@ a grid of one CTA per SM walks the ``(query tile, head, batch)`` work items (cau
 query tiles of every head and batch first), each CTA every ``num_blocks``-th one. The K/V ring's
 uses and the ping-pong turns run on across work items, and Q has two buffers (one where two do
 not fit: 192/128) released by the consumers once their output left it, so the producer loads the
-next item's Q and first K/V tiles while the consumers finish the current one.
+next item's Q and first K/V tiles while the consumers finish the current one. The consumer steps
+live in :mod:`.prefill_hopper_consumer`, with the opt-in overlapped walk (``overlap_items``: an
+item's last ``P V`` issued with the next item's first ``S``; not measured on a GPU yet).
 """
 
 import functools
-import math
 
 import kiln
-from kiln import mbarrier, nvidia_asm, tma, wgmma
+from kiln import mbarrier, nvidia_asm, tma
 from kiln.shared import dynamic_shared
 
-from .online_softmax import OnlineSoftmax
 from .prefill_config import (CHUNK_COLS, DEFAULT_TILES, EXP_BEFORE_MAX_HEAD_DIMS,
                              LAZY_RESCALE_HEAD_DIMS, ORDER_SCRATCH_BYTES, SHARED_BUDGET,
                              SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, WARP_GROUP_ROWS,
-                             WARP_GROUP_THREADS, HopperPrefillConfig, MaskSpec)
-from .prefill_hopper_steps import (DESCRIPTOR_UNIT, LOG2E, MAX_SENTINEL, PINGPONG_BARRIER,
-                                   ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN, VOTE_BARRIER, _box_coords,
-                                   _box_view, _issue_pv, _issue_qk, _key_bounds, _Operands,
-                                   _remapped_head, _softmax_tile, _softmax_tile_max_on_demand,
-                                   _TileMask, _write_output, plus)
-from .softcap import soft_cap_constants
+                             WARP_GROUP_THREADS,
+                             HopperPrefillConfig, MaskSpec)
+from .prefill_hopper_consumer import (OVERLAP_FIRST_USE, _consume_items, _consume_items_one_by_one,
+                                      _consume_tile)
+from .prefill_hopper_steps import (DESCRIPTOR_UNIT, ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN,
+                                   _box_coords, _box_view, _one_tile_at_least, _remapped_head,
+                                   _sequence_span, _tile_range, _work_item, plus)
 
 __all__ = ["make_kernel", "HopperPrefillConfig", "MaskSpec", "SUPPORTED_DTYPES",
            "SUPPORTED_HEAD_DIMS", "DEFAULT_TILES", "LAZY_RESCALE_HEAD_DIMS",
-           "EXP_BEFORE_MAX_HEAD_DIMS", "SHARED_BUDGET", "ORDER_SCRATCH_BYTES"]
+           "EXP_BEFORE_MAX_HEAD_DIMS", "SHARED_BUDGET", "ORDER_SCRATCH_BYTES", "WARP_GROUP_ROWS"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -154,11 +154,17 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
             nvidia_asm.setmaxnreg(PRODUCER_REGS, increase=False)
             if ctx.tid == 0:
                 kv_use = 0
+                if config.overlaps_items:  # complete the ring's virtual use 0
+                    ctx.k_full.arrive(0)
+                    ctx.v_full.arrive(0)
+                    kv_use = OVERLAP_FIRST_USE
                 q_use = 0
                 for item in kiln.range(kiln.block_id(0), work_items, kiln.num_blocks(0)):
                     head, batch, m0 = _work_item(item, num_q_tiles, heads, batches, statics)
                     q_start, k_start, seq_q, seq_k = _sequence_span(cu_q, cu_k, batch)
                     _, _, first_tile, end_tile = _tile_range(m0, seq_q, seq_k, statics)
+                    if config.overlaps_items:
+                        end_tile, _ = _one_tile_at_least(first_tile, end_tile)
                     active = m0 < seq_q  # ragged batches: past this sequence's last row
                     if active:
                         _produce_tile(ctx, head, head // group, q_start, m0, k_start,
@@ -167,25 +173,8 @@ def make_kernel(dtype: str, config: HopperPrefillConfig, mask: MaskSpec, group: 
                     q_use = q_use + kiln.where(active, 1, 0)
         else:
             nvidia_asm.setmaxnreg(CONSUMER_REGS, increase=True)
-            consumer = warp_group - 1
-            # The turns alternate across work items: hand the first one over once, absorb the
-            # last hand-over once.
-            if consumer == 1:
-                nvidia_asm.named_barrier_arrive(PINGPONG_BARRIER, 2 * WARP_GROUP_THREADS)
-            kv_use = 0
-            q_use = 0
-            for item in kiln.range(kiln.block_id(0), work_items, kiln.num_blocks(0)):
-                head, batch, m0 = _work_item(item, num_q_tiles, heads, batches, statics)
-                q_start, k_start, seq_q, seq_k = _sequence_span(cu_q, cu_k, batch)
-                lo_last, hi_first, first_tile, end_tile = _tile_range(m0, seq_q, seq_k, statics)
-                active = m0 < seq_q
-                if active:
-                    _consume_tile(ctx, consumer, head, m0, q_start, seq_q, seq_k, lo_last,
-                                  hi_first, first_tile, end_tile, kv_use, q_use, False)
-                kv_use = kv_use + kiln.where(active, end_tile - first_tile, 0)
-                q_use = q_use + kiln.where(active, 1, 0)
-            if consumer == 0:
-                nvidia_asm.named_barrier(PINGPONG_BARRIER, 2 * WARP_GROUP_THREADS)
+            walk = _consume_items if config.overlaps_items else _consume_items_one_by_one
+            walk(ctx, warp_group - 1, work_items, num_q_tiles, heads, batches, cu_q, cu_k)
 
     kernel = prefill_persistent if config.persistent else prefill
     dims = f"d{statics.d}" if statics.dv == statics.d else f"d{statics.d}v{statics.dv}"
@@ -270,45 +259,6 @@ def _setup(st, q_map, k_map, v_map, o, lse, sinks, scale_log2, lse_row_mult, lse
 
 
 @kiln.func
-def _sequence_span(cu_q, cu_k, batch):
-    """``(q_start, k_start, seq_q, seq_k)``: where ``batch``'s queries and keys start in the
-    packed rows, and how many there are."""
-    q_start = cu_q[batch]
-    k_start = cu_k[batch]
-    return q_start, k_start, cu_q[batch + 1] - q_start, cu_k[batch + 1] - k_start
-
-
-def _work_item(item, num_q_tiles, heads, batches, st):
-    """``(query head, batch, first row)`` of persistent work item ``item``: query tiles
-    fastest without a causal mask (CTAs running together share one head's K/V in L2), with one
-    the longest query tiles of every head and batch first."""
-    if st.mask.causal:
-        per_tile = heads * batches
-        q_tile = num_q_tiles - 1 - item // per_tile
-        rest = item % per_tile
-        head_x = rest % heads
-        batch = rest // heads
-    else:
-        q_tile = item % num_q_tiles
-        rest = item // num_q_tiles
-        head_x = rest % heads
-        batch = rest // heads
-    return _remapped_head(head_x, st.group, heads // st.group), batch, q_tile * st.bm
-
-
-def _tile_range(m0, seq_q, seq_k, st):
-    """``(lo_last, hi_first, first_tile, end_tile)``: the last row's first visible key, the
-    first row's last one, and the key tiles ``[first_tile, end_tile)`` the query tile visits."""
-    last_row = kiln.minimum(m0 + st.bm, seq_q) - 1
-    lo_last, _ = _key_bounds(last_row, seq_q, seq_k, st.mask)
-    lo_first, hi_first = _key_bounds(m0, seq_q, seq_k, st.mask)
-    _, hi_last = _key_bounds(last_row, seq_q, seq_k, st.mask)
-    first_tile = lo_first // st.bn
-    end_tile = kiln.maximum((hi_last + st.bn) // st.bn, first_tile)
-    return lo_last, hi_first, first_tile, end_tile
-
-
-@kiln.func
 def _produce_tile(ctx, head, kv_head, q_start, m0, k_start, first_tile, end_tile, kv_use,
                   q_use):
     """The producer thread's loads of one work item: the Q tile into buffer ``q_use % 2`` (once
@@ -338,122 +288,3 @@ def _produce_tile(ctx, head, kv_head, q_start, m0, k_start, first_tile, end_tile
         for c in kiln.static_range(st.v_chunks):
             tma.load(ctx.v_map, ctx.v_boxes.tile(stage * st.v_chunks + c),
                      _box_coords(config.padded_v, kv_head, dv, c, row), ctx.v_full, stage)
-
-
-@kiln.func
-def _consume_tile(ctx, consumer, head, m0, q_start, seq_q, seq_k, lo_last, hi_first, first_tile,
-                  end_tile, kv_use, q_use, own_turns):
-    """One consumer group's work item: its 64 query rows against every visible key tile (the
-    module docstring's iteration), then the normalised output and LSE. ``own_turns``: the
-    item starts and ends the ping-pong turns (one item per CTA); else the turns run on."""
-    st, STAGES = ctx.st, ctx.STAGES
-    config, mask, bn, in_type = st.config, st.mask, st.bn, st.in_type
-    tid = ctx.tid
-    lane = tid % 32
-    q_buffer = q_use % config.q_buffers
-    # The two rows this thread holds in every m64 fragment (a WGMMA accumulator).
-    row0 = m0 + consumer * WARP_GROUP_ROWS + (tid % WARP_GROUP_THREADS) // 32 * 16 + lane // 4
-    rows = (row0, row0 + 8)
-    first_col = 2 * (lane % 4)
-    tile_mask = _TileMask(rows, seq_q, seq_k, mask, lo_last, hi_first, bn,
-                          soft_cap_constants(ctx.scale_log2, st.softcap) if st.softcap
-                          else None)
-    # Capped scores come out of soft_cap in log2 units: the softmax scale is 1.
-    log2_scale = 1.0 if st.softcap else ctx.scale_log2
-    q_box_units = st.bm * ROW_BYTES // DESCRIPTOR_UNIT
-    q_desc = wgmma.smem_descriptor(ctx.q_tiles.tile(0), leading_bytes=16, stride_bytes=1024,
-                                   byte_offset=consumer * WARP_GROUP_ROWS * ROW_BYTES)
-    ops = _Operands(
-        q=plus(kiln.cast(q_buffer * st.q_buffer_boxes * q_box_units, kiln.i64)
-               if config.persistent else 0, q_desc),
-        k=wgmma.smem_descriptor(ctx.k_tiles.tile(0), leading_bytes=16, stride_bytes=1024),
-        v=wgmma.smem_descriptor(ctx.v_tiles.tile(0), leading_bytes=bn * ROW_BYTES,
-                                stride_bytes=1024),
-        dtype=in_type, config=config, box_units=st.box_units, q_box_units=q_box_units)
-    first_thread = tid % WARP_GROUP_THREADS == 0
-    my_turn = PINGPONG_BARRIER + consumer
-    other_turn = PINGPONG_BARRIER + 1 - consumer
-    if own_turns:
-        if consumer == 1:  # consumer 0 issues its WGMMAs first
-            nvidia_asm.named_barrier_arrive(PINGPONG_BARRIER, 2 * WARP_GROUP_THREADS)
-    acc = wgmma.fragment_zeros(config.v_width)
-    softmax = OnlineSoftmax[kiln.f32].init(wgmma.fragment_to_tile(
-        wgmma.fragment_zeros(bn)), q_axis="row")
-    # A sink is a virtual first key; without one, a key of logit MAX_SENTINEL whose
-    # weight becomes exactly 0 at the first real key keeps masked rows finite.
-    softmax.reseed_with_sink(ctx.sinks[head] * LOG2E if st.has_sinks else MAX_SENTINEL)
-    # Q has landed even when no key is visible: its rows later stage the output.
-    ctx.q_full.try_wait(q_buffer, (q_use // config.q_buffers) % 2)
-    if first_tile < end_tile:
-        # Prologue: S of the first tile, alone.
-        first_stage = kv_use % STAGES
-        ctx.k_full.try_wait(first_stage, (kv_use // STAGES) % 2)
-        nvidia_asm.named_barrier(my_turn, 2 * WARP_GROUP_THREADS)
-        scores = _issue_qk(ops, first_stage)
-        nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
-        wgmma.wait_group(0)
-        if first_thread:
-            ctx.k_empty.arrive(first_stage, wgmma_pending=0)
-        probs, rescale_pending = _softmax_tile(
-            softmax, scores, first_tile * bn, tile_mask, log2_scale, in_type,
-            config.lazy_rescale)
-        for j in kiln.range(first_tile + 1, end_tile):
-            use = plus(kv_use, j - first_tile)
-            stage = use % STAGES
-            previous = (use - 1) % STAGES
-            ctx.k_full.try_wait(stage, (use // STAGES) % 2)
-            ctx.v_full.try_wait(previous, ((use - 1) // STAGES) % 2)
-            # S_j and O += P_{j-1} V_{j-1} issue back to back; softmax of S_j then
-            # runs while the PV product is still on the tensor cores.
-            nvidia_asm.named_barrier(my_turn, 2 * WARP_GROUP_THREADS)
-            scores = _issue_qk(ops, stage)
-            # O to P_{j-1}'s max, on the CUDA cores while S_j is on the tensor cores.
-            if rescale_pending:
-                acc = wgmma.scale_rows(acc, softmax.scale_vec.values[0])
-            acc = _issue_pv(ops, acc, probs, previous)
-            nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
-            wgmma.wait_group(1)
-            # P_j lands in new registers: P_{j-1}'s are still the PV operand.
-            if config.exp_before_max:
-                next_probs, rescale_pending = _softmax_tile_max_on_demand(
-                    softmax, scores, j * bn, tile_mask, log2_scale, in_type, ops,
-                    stage, VOTE_BARRIER + consumer)
-                if first_thread:  # K_j is not read again
-                    ctx.k_empty.arrive(stage, wgmma_pending=1)
-            else:
-                if first_thread:  # S_j is done with K_j
-                    ctx.k_empty.arrive(stage, wgmma_pending=1)
-                next_probs, rescale_pending = _softmax_tile(
-                    softmax, scores, j * bn, tile_mask, log2_scale, in_type,
-                    config.lazy_rescale)
-            if config.pin_pv_wait:  # else ptxas waits before the softmax
-                nvidia_asm.sched_barrier(ctx.order_scratch, tid)
-            # P_j must not take P_{j-1}'s registers while P_{j-1} V_{j-1} runs.
-            wgmma.wait_group(0, reads=probs)
-            if first_thread:
-                ctx.v_empty.arrive(previous, wgmma_pending=0)
-            probs = next_probs
-        # Epilogue: the last tile's PV product.
-        last = plus(kv_use, end_tile - 1 - first_tile)
-        ctx.v_full.try_wait(last % STAGES, (last // STAGES) % 2)
-        nvidia_asm.named_barrier(my_turn, 2 * WARP_GROUP_THREADS)
-        if rescale_pending:
-            acc = wgmma.scale_rows(acc, softmax.scale_vec.values[0])
-        acc = _issue_pv(ops, acc, probs, last % STAGES)
-        nvidia_asm.named_barrier_arrive(other_turn, 2 * WARP_GROUP_THREADS)
-        wgmma.wait_group(0)
-        if first_thread:
-            ctx.v_empty.arrive(last % STAGES, wgmma_pending=0)
-    if own_turns:
-        if consumer == 0:  # absorb consumer 1's last hand-over
-            nvidia_asm.named_barrier(PINGPONG_BARRIER, 2 * WARP_GROUP_THREADS)
-    inverse_norm = [kiln.where(n > 0.0, kiln.rcp(n), 0.0) for n in softmax.norm_vec.values[0]]
-    out = wgmma.scale_rows(acc, inverse_norm)
-    lse_rows = softmax.log_sum_exp().values[0]
-    max_rows = softmax.max_vec.values[0]
-    _write_output(out, lse_rows, max_rows, rows, ctx.o, ctx.lse, head, st.dv, seq_q, q_start,
-                  first_col, lane, ctx.lse_row_mult, ctx.lse_head_stride, st.return_lse,
-                  ctx.q_tiles, m0, consumer, q_buffer * st.q_buffer_boxes)
-    if config.persistent:  # this group's output has left the Q buffer
-        nvidia_asm.fence_proxy_async()
-        ctx.q_empty.arrive(q_buffer)

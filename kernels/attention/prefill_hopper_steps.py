@@ -63,6 +63,60 @@ def _fragment_col(i: int) -> int:
     return 8 * (i // 4) + i % 2
 
 
+@kiln.func
+def _sequence_span(cu_q, cu_k, batch):
+    """``(q_start, k_start, seq_q, seq_k)``: where ``batch``'s queries and keys start in the
+    packed rows, and how many there are."""
+    q_start = cu_q[batch]
+    k_start = cu_k[batch]
+    return q_start, k_start, cu_q[batch + 1] - q_start, cu_k[batch + 1] - k_start
+
+
+def _work_item(item, num_q_tiles, heads, batches, st):
+    """``(query head, batch, first row)`` of persistent work item ``item``: query tiles
+    fastest without a causal mask (CTAs running together share one head's K/V in L2), with one
+    the longest query tiles of every head and batch first, and (``config.zigzag``) every
+    second full round of items, one item a CTA, dealt in reverse CTA order, so each CTA's
+    share of long and short items evens out."""
+    if st.mask.causal:
+        if st.config.zigzag:
+            ctas = kiln.num_blocks(0)
+            rounds = item // ctas
+            full = (rounds + 1) * ctas <= num_q_tiles * heads * batches
+            item = kiln.where((rounds % 2 == 1) & full, rounds * ctas + ctas - 1 - item % ctas,
+                              item)
+        per_tile = heads * batches
+        q_tile = num_q_tiles - 1 - item // per_tile
+        rest = item % per_tile
+        head_x = rest % heads
+        batch = rest // heads
+    else:
+        q_tile = item % num_q_tiles
+        rest = item // num_q_tiles
+        head_x = rest % heads
+        batch = rest // heads
+    return _remapped_head(head_x, st.group, heads // st.group), batch, q_tile * st.bm
+
+
+def _tile_range(m0, seq_q, seq_k, st):
+    """``(lo_last, hi_first, first_tile, end_tile)``: the last row's first visible key, the
+    first row's last one, and the key tiles ``[first_tile, end_tile)`` the query tile visits."""
+    last_row = kiln.minimum(m0 + st.bm, seq_q) - 1
+    lo_last, _ = _key_bounds(last_row, seq_q, seq_k, st.mask)
+    lo_first, hi_first = _key_bounds(m0, seq_q, seq_k, st.mask)
+    _, hi_last = _key_bounds(last_row, seq_q, seq_k, st.mask)
+    first_tile = lo_first // st.bn
+    end_tile = kiln.maximum((hi_last + st.bn) // st.bn, first_tile)
+    return lo_last, hi_first, first_tile, end_tile
+
+
+def _one_tile_at_least(first_tile, end_tile):
+    """``(end_tile, empty)``: an overlapped persistent walk visits at least one key tile an
+    item (a tile no row sees is masked whole; every item then ends the same way); ``empty``
+    says no row of the item sees a key."""
+    return kiln.maximum(end_tile, first_tile + 1), end_tile == first_tile
+
+
 class _TileMask:
     """Where a consumer thread's two rows may look: ``needed(n0)`` says whether key tile
     ``n0 ..`` has any invisible key for any row of the CTA, ``apply`` masks it. The per-row
@@ -269,6 +323,26 @@ def _write_output(out, lse_rows, max_rows, rows, o, lse, head, d, seq_q, q_start
             inside = inside & keep
         if inside:
             o.store(q_start + row, head * d + unit * 8, values, align=16)
+
+
+@kiln.func
+def _write_rows(out, lse_rows, max_rows, rows, o, lse, head, d, seq_q, q_start, first_col, lane,
+                lse_row_mult, lse_head_stride, return_lse):
+    """:func:`_write_output` straight from the fragment, without staging: each register pair
+    (two adjacent columns of one row) in one 4-byte store, a quad's 4 lanes 16 contiguous
+    bytes; rows past the sequence store nothing."""
+    for r in range(2):
+        if rows[r] < seq_q:
+            for i in range(0, out.shape[1] // 2, 2):
+                if _fragment_row(i) == r and 8 * (i // 4) < d:
+                    pair = kiln.pack([kiln.cast(out.element(i), o.dtype),
+                                      kiln.cast(out.element(i + 1), o.dtype)])
+                    o.store(q_start + rows[r], head * d + first_col + _fragment_col(i), pair,
+                            align=4)
+            if return_lse:
+                if lane % 4 == 0:
+                    lse[q_start * lse_row_mult + head * lse_head_stride + rows[r]] = kiln.where(
+                        max_rows[r] > MAX_SENTINEL, lse_rows[r], kiln.cast(-math.inf, kiln.f32))
 
 
 def plus(a, b):
