@@ -265,6 +265,11 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
                     return o
             return hot
         out = {f"replica, {k}": run(m) for k, m in makers.items()}
+        entry = plan.bound.launch_outputs
+        makers["empty_like"] = (plan.fresh._makers[0],)
+        for label, make in makers.items():
+            out[f"C entry, {label}"] = lambda make=make: entry(
+                make, raw(-1), dense, dense, dense, None, *tail) if guard(values()) else None
         out["guard only"] = lambda: guard(values())
         o = plan.fresh.one()
         ptrs = (dense.data_ptr(),) * 3 + (o.data_ptr(), *tail)
@@ -287,6 +292,12 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
                     return c
             return hot
         out = {f"replica, {k}": run(m) for k, m in makers.items()}
+        entry = plan.bound.launch_outputs
+        makers["empty_like"] = (plan.fresh_c._makers[0],)
+        for label, make in makers.items():
+            out[f"C entry, {label}"] = lambda make=make: entry(
+                make, raw(-1), a, b, None) if guard((a, b, False, None, "sm_90a", None)) \
+                else None
         out["guard only"] = lambda: guard((a, b, False, None, "sm_90a", None))
     elif name.startswith("combine"):
         guard, plan = combine_module._PLANS._last
@@ -313,6 +324,11 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
                     return o, lse
             return hot
         out = {f"replica, {k}": run(m) for k, m in makers.items()}
+        entry = plan.bound.launch_outputs
+        makers["empty_like"] = fresh._makers
+        for label, make in makers.items():
+            out[f"C entry, {label}"] = lambda make=make: entry(
+                make, raw(-1), o_p, lse_p, counts, None, None) if guard(values()) else None
         out["guard only"] = lambda: guard(values())
     elif name.startswith("decode"):
         guard, plan = decode_plan.PLANS._last
@@ -365,8 +381,29 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
                         return parts
                 return hot
         out = {f"replica, {k}": run(m) for k, m in makers.items()}
+        entry = plan.bound.launch_outputs
+        if plan.fused:
+            makers["empty_like"] = plan.torch_outputs._makers
+
+            def c_entry(make):
+                def hot():
+                    if guard(values()):
+                        stream = raw(-1)
+                        owners, (p0, p1, p2, tickets) = plan.spaces.get(stream)
+                        return entry(make, stream, q, k_cache, v_cache, table, lens, *ph, p0,
+                                     p1, p2, None, None, tickets)
+                return hot
+        else:
+            del makers["1 alloc + 3 views (current)"]
+            makers["3 empty_like"] = three._makers
+
+            def c_entry(make):
+                return lambda: entry(make, raw(-1), q, k_cache, v_cache, table, lens, *ph, None,
+                                     None, None, *no_out) if guard(values()) else None
+        for label, make in makers.items():
+            out[f"C entry, {label}"] = c_entry(make)
         out["guard only"] = lambda: guard(values())
-        kept = run(makers["empty_like" if plan.fused else "3 empty_like"])()  # real outputs
+        kept = plan.torch_outputs() if plan.fused else three()  # real outputs
         if plan.fused:
             owners, (p0, p1, p2, tickets) = plan.spaces.get(raw(-1))
             ptrs = (*inputs(), p0, p1, p2, kept[0].data_ptr(), kept[1].data_ptr(), tickets)

@@ -30,7 +30,7 @@ from kiln.arrays import is_torch_tensor as is_torch
 from kiln.core.targets import get_target
 from kiln.kernel import default_target
 from kiln.runtime.cuda import driver
-from kiln.runtime.launch import bind_launch
+from kiln.runtime.launch import bind_launch, launch_with_outputs
 from kiln.runtime.native import native_module
 
 from .plan_guard import make_guard
@@ -516,6 +516,9 @@ class _DryBound:
 
     def launch_on(self, stream, *pointers: int) -> None:
         self._owner.bound_calls += 1
+
+    def launch_outputs(self, outputs, stream, *items):
+        return launch_with_outputs(self.launch_on, outputs, stream, items)
 
     def current_stream(self) -> None:
         return None
