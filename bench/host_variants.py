@@ -141,6 +141,22 @@ def alloc_rows(torch) -> dict:
     return rows
 
 
+def tensor_guards(torch, examples):
+    """torch's C++ tensor guard (dynamo's) of ``examples``, by the constructor this torch has."""
+    from torch._C._dynamo.guards import TensorGuards
+
+    tries = {"dims": dict(dynamic_dims_sizes=[list(t.shape) for t in examples],
+                          dynamic_dims_strides=[list(t.stride()) for t in examples]),
+             "dynamic_shapes": dict(dynamic_shapes=False), "plain": {}}
+    errors = []
+    for how, kwargs in tries.items():
+        try:
+            return TensorGuards(*examples, **kwargs), how
+        except Exception as error:
+            errors.append(f"{how}: {error}")
+    raise RuntimeError("; ".join(errors))
+
+
 def read_rows(torch) -> dict:
     t = torch.empty(1, 1, 32, 128, dtype=torch.bfloat16, device="cuda")
     raw, device = torch._C._cuda_getCurrentRawStream, torch._C._cuda_getDevice
@@ -180,6 +196,18 @@ def read_rows(torch) -> dict:
         ops["guard_values 5 tensors + 8 values"] = lambda: five(values5)
     except Exception as error:  # no shim
         print(f"  guard rows skipped: {error}")
+    try:
+        tg5, how = tensor_guards(torch, (t, t, t, t, t))
+        tg1, _ = tensor_guards(torch, (t,))
+        ops[f"TensorGuards.check 1 tensor ({how})"] = functools.partial(tg1.check, t)
+        ops[f"TensorGuards.check 5 tensors ({how})"] = functools.partial(tg5.check, t, t, t, t, t)
+        other = torch.empty(1, 1, 32, 64, dtype=torch.bfloat16, device="cuda")
+        print(f"  TensorGuards: check(t) {tg1.check(t)}, check(other shape) {tg1.check(other)}, "
+              f"check(t.T) {tg1.check(t.transpose(2, 3))}, check(float) "
+              f"{tg1.check(t.float())}, check(t.unsqueeze(0)) {tg1.check(t.unsqueeze(0))}",
+              flush=True)
+    except Exception as error:
+        print(f"  TensorGuards unavailable: {type(error).__name__}: {error}", flush=True)
     base = timed(ops.pop("empty lambda"), 5000, 5)
     rows = {"(empty lambda)": base}
     for name, op in ops.items():
@@ -212,12 +240,12 @@ def entry_rows(torch) -> dict:
     sync = torch.cuda.synchronize
     rows: dict = {}
 
-    def record(name, label, call, calls_=300):
+    def record(name, label, call, calls_=200):
         try:
             if call() is None and "only" not in label:
                 raise RuntimeError("the guard missed: not a steady-state call")
             sync()
-            rows[f"{name}: {label}"] = timed(call, calls_, 9, sync)
+            rows[f"{name}: {label}"] = timed(call, calls_, 7, sync)
         except Exception as error:
             rows[f"{name}: {label}"] = f"{type(error).__name__}: {error}"
         print(f"  {name[:22]:<22} {label:<44}{rows[f'{name}: {label}']}", flush=True)
@@ -403,6 +431,12 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
         for label, make in makers.items():
             out[f"C entry, {label}"] = c_entry(make)
         out["guard only"] = lambda: guard(values())
+        try:
+            tg, _ = tensor_guards(torch, (q, k_cache, v_cache, table, lens))
+            out["TensorGuards only (5 tensors)"] = lambda: tg.check(q, k_cache, v_cache, table,
+                                                                    lens)
+        except Exception as error:
+            print(f"  no TensorGuards: {error}")
         kept = plan.torch_outputs() if plan.fused else three()  # real outputs
         if plan.fused:
             owners, (p0, p1, p2, tickets) = plan.spaces.get(raw(-1))
@@ -422,7 +456,8 @@ def main(argv=None) -> int:
 
     torch.cuda.init()
     parts = args.only or ["reads", "alloc", "entry"]
-    results = {"device": torch.cuda.get_device_name()}
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    print(f"torch {torch.__version__}, python {sys.version.split()[0]}", flush=True)
     for part in parts:
         print(f"[{part}]", flush=True)
         results[part] = {"alloc": alloc_rows, "reads": read_rows, "entry": entry_rows}[part](
