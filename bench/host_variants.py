@@ -271,7 +271,7 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
     given = _closure(call)
     out: dict = {}
     if name.startswith("prefill"):
-        guard, plan = prefill_module._PLANS._last
+        guard, plan = prefill_module._PLANS.last
         dense = given["dense"]
         values = lambda: (dense, dense, dense, None, True, None, None, None, None, False,  # noqa
                           "sm_90a", None)
@@ -294,7 +294,7 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
             return hot
         out = {f"replica, {k}": run(m) for k, m in makers.items()}
         entry = plan.bound.launch_outputs
-        makers["empty_like"] = (plan.fresh._makers[0],)
+        makers["empty_like"] = (plan.fresh.makers[0],)
         for label, make in makers.items():
             out[f"C entry, {label}"] = lambda make=make: entry(
                 make, raw(-1), dense, dense, dense, None, *tail) if guard(values()) else None
@@ -303,7 +303,7 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
         ptrs = (dense.data_ptr(),) * 3 + (o.data_ptr(), *tail)
         out["launch only (ready addresses)"] = lambda: launch(raw(-1), *ptrs)
     elif name.startswith("matmul"):
-        guard, plan = gemm._PLANS._last
+        guard, plan = gemm._PLANS.last
         a, b = given["a"], given["b"]
         launch = plan.bound.launch_on
         specs = [((1024, 1024), a.dtype)]
@@ -321,14 +321,14 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
             return hot
         out = {f"replica, {k}": run(m) for k, m in makers.items()}
         entry = plan.bound.launch_outputs
-        makers["empty_like"] = (plan.fresh_c._makers[0],)
+        makers["empty_like"] = (plan.fresh_c.makers[0],)
         for label, make in makers.items():
             out[f"C entry, {label}"] = lambda make=make: entry(
                 make, raw(-1), a, b, None) if guard((a, b, False, None, "sm_90a", None)) \
                 else None
         out["guard only"] = lambda: guard((a, b, False, None, "sm_90a", None))
     elif name.startswith("combine"):
-        guard, plan = combine_module._PLANS._last
+        guard, plan = combine_module._PLANS.last
         o_p, lse_p, counts = given["o_part"], given["lse_part"], given["counts"]
         slots = o_p.shape[0]
         launch = plan.bound.launch_on
@@ -353,13 +353,13 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
             return hot
         out = {f"replica, {k}": run(m) for k, m in makers.items()}
         entry = plan.bound.launch_outputs
-        makers["empty_like"] = fresh._makers
+        makers["empty_like"] = fresh.makers
         for label, make in makers.items():
             out[f"C entry, {label}"] = lambda make=make: entry(
                 make, raw(-1), o_p, lse_p, counts, None, None) if guard(values()) else None
         out["guard only"] = lambda: guard(values())
     elif name.startswith("decode"):
-        guard, plan = decode_plan.PLANS._last
+        guard, plan = decode_plan.PLANS.last
         q, k_cache, v_cache, table, lens = given["paged"]
         launch = plan.bound.launch_on
         ph = plan.placeholder_pointers
@@ -391,9 +391,16 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
             specs = [(shape, torch.float32), (shape[:4], torch.float32),
                      (shape[1:4], torch.int32)]
             no_out = plan.no_output_pointers
-            current = lambda stream: plan.torch_partials(plan.torch_partial_words()[0])  # noqa
+            strided = [(s_, tuple(math.prod(s_[i + 1:]) for i in range(len(s_))))
+                       for s_ in (shape, shape[:4], shape[1:4])]
+
+            def current(stream):  # the previous design: one allocation, three views
+                words = plan.torch_partial_words()[0]
+                return (words.as_strided(*strided[0], 0),
+                        words.as_strided(*strided[1], plan.lse_offset),
+                        words.view(torch.int32).as_strided(*strided[2], plan.counts_offset))
             three = TorchOutputs(plan.no_sinks, *specs)
-            makers = {"1 alloc + 3 views (current)": current,
+            makers = {"1 alloc + 3 views (before)": current,
                       "3 empty_like": lambda stream: three()}
             for sets in (4, 16):
                 pool = ChunkSets(torch, plan.no_sinks, specs, sets)
@@ -411,7 +418,7 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
         out = {f"replica, {k}": run(m) for k, m in makers.items()}
         entry = plan.bound.launch_outputs
         if plan.fused:
-            makers["empty_like"] = plan.torch_outputs._makers
+            makers["empty_like"] = plan.torch_outputs.makers
 
             def c_entry(make):
                 def hot():
@@ -422,8 +429,8 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
                                      p1, p2, None, None, tickets)
                 return hot
         else:
-            del makers["1 alloc + 3 views (current)"]
-            makers["3 empty_like"] = three._makers
+            del makers["1 alloc + 3 views (before)"]
+            makers["3 empty_like"] = three.makers
 
             def c_entry(make):
                 return lambda: entry(make, raw(-1), q, k_cache, v_cache, table, lens, *ph, None,

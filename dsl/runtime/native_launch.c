@@ -371,7 +371,7 @@ static PyMethodDef methods[] = {
      "launch_guarded(record, spec, grid, args, kwargs, stream): kernel[grid](...) if it "
      "matches the spec (True), else False."},
     {"guard_values", (PyCFunction)(void (*)(void))guard_values, METH_FASTCALL,
-     "guard_values(spec, values): whether values match a plan guard's spec."},
+     "guard_values(spec, [checker,] values): whether values match a plan guard's spec."},
     {"set_error_handler", set_error_handler, METH_O,
      "set_error_handler(callable): what a failed launch calls with its CUresult."},
     {NULL, NULL, 0, NULL},
@@ -392,7 +392,8 @@ PyMODINIT_FUNC PyInit__kiln_launch(void)
     if (m != NULL && (PyModule_AddIntConstant(m, "RECORD_BYTES", sizeof(launch_record)) < 0 ||
                       PyModule_AddIntConstant(m, "MEMO_WAYS", MEMO_WAYS) < 0 ||
                       PyModule_AddIntConstant(m, "GUARD_VALUE", GUARD_VALUE) < 0 ||
-                      PyModule_AddIntConstant(m, "GUARD_TENSOR", GUARD_TENSOR) < 0)) {
+                      PyModule_AddIntConstant(m, "GUARD_TENSOR", GUARD_TENSOR) < 0 ||
+                      PyModule_AddIntConstant(m, "GUARD_CHECKED", GUARD_CHECKED) < 0)) {
         Py_DECREF(m);
         return NULL;
     }
