@@ -270,6 +270,12 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
     call()
     given = _closure(call)
     out: dict = {}
+    from kiln.kernels.plan_guard import make_guard
+    from kiln.runtime.native import native_module
+
+    def shim_guard(values):  # the guard without torch's C++ tensor check: attribute reads
+        return make_guard(values, native_module().guard_values)
+
     if name.startswith("prefill"):
         guard, plan = prefill_module._PLANS.last
         dense = given["dense"]
@@ -299,6 +305,8 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
             out[f"C entry, {label}"] = lambda make=make: entry(
                 make, raw(-1), dense, dense, dense, None, *tail) if guard(values()) else None
         out["guard only"] = lambda: guard(values())
+        attr_guard = shim_guard(values())
+        out["guard only (shim attribute reads)"] = lambda: attr_guard(values())
         o = plan.fresh.one()
         ptrs = (dense.data_ptr(),) * 3 + (o.data_ptr(), *tail)
         out["launch only (ready addresses)"] = lambda: launch(raw(-1), *ptrs)
@@ -327,6 +335,9 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
                 make, raw(-1), a, b, None) if guard((a, b, False, None, "sm_90a", None)) \
                 else None
         out["guard only"] = lambda: guard((a, b, False, None, "sm_90a", None))
+        attr_guard = shim_guard((a, b, False, None, "sm_90a", None))
+        out["guard only (shim attribute reads)"] = lambda: attr_guard(
+            (a, b, False, None, "sm_90a", None))
     elif name.startswith("combine"):
         guard, plan = combine_module._PLANS.last
         o_p, lse_p, counts = given["o_part"], given["lse_part"], given["counts"]
@@ -358,6 +369,8 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
             out[f"C entry, {label}"] = lambda make=make: entry(
                 make, raw(-1), o_p, lse_p, counts, None, None) if guard(values()) else None
         out["guard only"] = lambda: guard(values())
+        attr_guard = shim_guard(values())
+        out["guard only (shim attribute reads)"] = lambda: attr_guard(values())
     elif name.startswith("decode"):
         guard, plan = decode_plan.PLANS.last
         q, k_cache, v_cache, table, lens = given["paged"]
@@ -438,6 +451,8 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
         for label, make in makers.items():
             out[f"C entry, {label}"] = c_entry(make)
         out["guard only"] = lambda: guard(values())
+        attr_guard = shim_guard(values())
+        out["guard only (shim attribute reads)"] = lambda: attr_guard(values())
         try:
             tg, _ = tensor_guards(torch, (q, k_cache, v_cache, table, lens))
             out["TensorGuards only (5 tensors)"] = lambda: tg.check(q, k_cache, v_cache, table,
