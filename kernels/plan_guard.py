@@ -54,7 +54,7 @@ def make_guard(values: tuple, native: Callable | None = None,
             guard = make_guard(values, native)
             if guard is None:
                 return None
-            spec = tuple((GUARD_CHECKED,) if is_torch_tensor(v) else entry
+            spec = tuple((GUARD_CHECKED, type(v)) if is_torch_tensor(v) else entry
                          for v, entry in zip(values, guard.args[0]))
             return functools.partial(native, spec, checker)
     namespace: dict[str, Any] = {}

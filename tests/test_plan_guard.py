@@ -221,3 +221,35 @@ def test_decode_attention_rechecks_given_outputs_that_change(dry, rng):
     with pytest.raises(kiln.KilnValueError, match="lse_out"):
         decode_attention(*args, out=o, lse_out=lse.to(torch.float64))
     assert decode_attention(*args, out=o, lse_out=lse)[1] is lse
+
+
+def test_torch_tensor_guard_checks_each_tensor_and_keeps_none_alive():
+    """runtime.torch_tensor_check (torch's C++ TensorGuards, where this torch has it): passes
+    tensors laid out as the examples, refuses another shape, stride, dtype or type, holds no
+    example alive; guard_of hands a call's torch tensors to it in one call."""
+    torch = pytest.importorskip("torch")
+    import gc
+    import weakref
+
+    from kiln.runtime.native import native_module
+
+    example, other = torch.zeros(4, 6), torch.zeros(3, dtype=torch.int32)
+    check = runtime.torch_tensor_check((example, other))
+    if check is None:
+        pytest.skip("this torch has no usable C++ tensor guard")
+    assert check(torch.ones(4, 6), torch.ones(3, dtype=torch.int32))
+    for wrong in (torch.zeros(4, 7), torch.zeros(6, 4).T, torch.zeros(4, 6, dtype=torch.float64),
+                  torch.nn.Parameter(torch.zeros(4, 6))):
+        assert not check(wrong, other)
+    dropped = weakref.ref(example)
+    del example, check
+    gc.collect()
+    assert dropped() is None
+    values = (torch.zeros(2, 3), None, 5, torch.zeros(3, dtype=torch.int32))
+    guard = runtime.guard_of(values)
+    if native_module() is not None:
+        assert plan_guard.GUARD_CHECKED in [entry[0] for entry in guard.args[0] if entry]
+    assert guard((torch.ones(2, 3), None, 5, torch.ones(3, dtype=torch.int32)))
+    assert not guard((torch.ones(2, 3), None, 6, torch.ones(3, dtype=torch.int32)))
+    assert not guard((torch.ones(2, 3), None, 5, None))  # no tensor where one was: no check
+    assert not guard((torch.ones(3, 2), None, 5, torch.ones(3, dtype=torch.int32)))

@@ -269,9 +269,10 @@ PyObject *launch_guarded(PyObject *self, PyObject *const *args, Py_ssize_t nargs
  * spec: one entry per value: None (the value must be None), (GUARD_VALUE, type, constant)
  * (type(v) is type and v == constant), (GUARD_TENSOR, type, shape, dtype, device, strides)
  * (type(v) is type, v.shape == shape, v.dtype is dtype, v.is_contiguous() when strides is
- * None else v.stride() == strides, v.get_device() == device), or (GUARD_CHECKED,): the value
- * is passed, with the other such values in order, to the checker given after the spec (one
- * call, made last: torch's C++ tensor guard, which reads the tensors' metadata directly). */
+ * None else v.stride() == strides, v.get_device() == device), or (GUARD_CHECKED, type):
+ * type(v) is type, and the value is passed, with the other such values in order, to the
+ * checker given after the spec (one call, made last: torch's C++ tensor guard, which reads
+ * the tensors' metadata directly). */
 
 static PyObject *s_is_contiguous, *s_get_device;
 
@@ -332,11 +333,13 @@ PyObject *guard_values(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_FALSE;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *entry = PyTuple_GET_ITEM(spec, i), *value = PyTuple_GET_ITEM(values, i);
-        if (entry != Py_None && PyTuple_GET_SIZE(entry) == 1) {  /* (GUARD_CHECKED,) */
+        if (entry != Py_None && PyTuple_GET_SIZE(entry) == 2) {  /* (GUARD_CHECKED, type) */
             if (checker == NULL || checked == MAX_CHECKED) {
                 PyErr_SetString(PyExc_ValueError, "guard_values: no checker for this spec");
                 return NULL;
             }
+            if ((PyObject *)Py_TYPE(value) != PyTuple_GET_ITEM(entry, 1))
+                Py_RETURN_FALSE;  /* the checker only ever sees values of the spec's types */
             deferred[checked++] = value;
             continue;
         }
