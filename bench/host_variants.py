@@ -452,6 +452,19 @@ def _replicas(torch, name, call, raw, capturing, decode_plan, combine_module, pr
                                      None, None, *no_out) if guard(values()) else None
         for label, make in makers.items():
             out[f"C entry, {label}"] = c_entry(make)
+        if plan.fused:
+            kept_sets, makers_ = plan.spaces._kept, plan.torch_outputs.makers
+
+            def spaces_inline():
+                if guard(values()):
+                    stream = raw(-1)
+                    workspace = kept_sets.get(stream)
+                    if workspace is None or capturing():
+                        workspace = plan.spaces.get(stream)
+                    p0, p1, p2, tickets = workspace[1]
+                    return entry(makers_, stream, q, k_cache, v_cache, table, lens, *ph, p0,
+                                 p1, p2, None, None, tickets)
+            out["C entry, empty_like, workspace read inline"] = spaces_inline
         out["guard only"] = lambda: guard(values())
         attr_guard = shim_guard(values())
         out["guard only (shim attribute reads)"] = lambda: attr_guard(values())
