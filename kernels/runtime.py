@@ -33,7 +33,7 @@ from kiln.runtime.cuda import driver
 from kiln.runtime.launch import bind_launch, launch_with_outputs
 from kiln.runtime.native import native_module
 
-from .plan_guard import make_guard
+from .plan_guard import make_guard, torch_tensor_check  # noqa: F401  (runtime's API)
 from .workspaces import TorchOutputs  # noqa: F401  (kiln.kernels.runtime.TorchOutputs)
 
 BACKENDS = (None, "cuda", "gpu", "interpret")
@@ -436,30 +436,6 @@ def guard_of(values: tuple):
     if shim is None:
         return make_guard(values)
     return make_guard(values, shim.guard_values, torch_tensor_check)
-
-
-def torch_tensor_check(tensors: tuple):
-    """A C++ check that torch tensors match ``tensors`` in order, or None where this torch has
-    none that works: torch dynamo's ``TensorGuards`` (type, dtype, device, dispatch keys,
-    ``requires_grad``, exact sizes and strides: stricter than a plan key, so a call it refuses
-    takes the keyed look-up), which reads each tensor's metadata in C++ (on an H200 host about
-    a tenth of reading shape, dtype, contiguity and device through Python's attributes).
-    Example: ``torch_tensor_check((q, k))(q2, k2)`` is True for tensors laid out as q and k."""
-    try:
-        from torch._C._dynamo.guards import TensorGuards
-    except Exception:  # noqa: BLE001  (a torch without dynamo, or one that fails to load it)
-        return None
-    for options in (dict(dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                         dynamic_dims_strides=[list(t.stride()) for t in tensors]),
-                    dict(dynamic_shapes=False)):  # the constructor of newer / older torch
-        try:
-            check = TensorGuards(*tensors, **options).check
-            # It must pass the examples and refuse another rank (a check that checks).
-            if check(*tensors) is True and check(tensors[0][None], *tensors[1:]) is False:
-                return check
-        except Exception:  # noqa: BLE001  (another constructor signature: the next one)
-            continue
-    return None
 
 
 def key_of(values: tuple) -> tuple:
