@@ -420,11 +420,13 @@ def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
                             max_seqlen_q=max_seqlen_q)
     if plan.device is not None:  # torch tensors on the GPU
         bound = plan.bound
-        if out is None and lse_out is None and bound is not None and not plan.ragged and \
-                not o_partial.data_ptr() % VECTOR_BYTES:
-            # a bound repeat call: one C call makes the outputs, takes the addresses, launches
-            return bound.launch_outputs(plan.fresh.makers, bound.current_stream(), o_partial,
-                                        lse_partial, split_counts, None, None)
+        if out is None and lse_out is None and bound is not None and not plan.ragged:
+            o_address = o_partial.data_ptr()
+            if not o_address % VECTOR_BYTES:
+                # a bound repeat call: one C call makes the outputs, takes the addresses and
+                # launches
+                return bound.launch_outputs(plan.fresh.makers, bound.current_stream(),
+                                            o_address, lse_partial, split_counts, None, None)
         return plan.run_torch(o_partial, lse_partial, split_counts, out, lse_out, cu_seqlens_q)
     return plan.run_numpy(o_partial, lse_partial, split_counts, out, lse_out, cu_seqlens_q)
 
