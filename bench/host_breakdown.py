@@ -114,9 +114,9 @@ def stages(torch, target: str = "sm_90a") -> dict:
 
     from kiln.kernels import gemm
 
-    combine_module, decode_module, decode_plan, prefill_module = (
+    combine_module, decode_plan, prefill_module = (
         importlib.import_module(f"kiln.kernels.attention.{name}")
-        for name in ("combine", "decode", "decode_plan", "prefill"))
+        for name in ("combine", "decode_plan", "prefill"))
 
     key = gemm.hopper_autotuner.key_of((None, None, None, 1024, 1024, 1024, "bf16", "mn",
                                         "bf16", target), {})
@@ -131,7 +131,7 @@ def stages(torch, target: str = "sm_90a") -> dict:
             row = {"whole": per_call_us(call, 300, 9, sync),
                    "eager": round(_eager_us(call, 100, 9, sync), 3),
                    "graph": round(_graph_us(torch, call), 3)}
-            row.update(_stage_rows(torch, name, call, decode_plan, combine_module, decode_module,
+            row.update(_stage_rows(torch, name, call, decode_plan, combine_module,
                                    prefill_module, gemm, sync))
             row["profile"] = _profile(call, sync)
         except Exception as error:  # one entry point failing does not end the run
@@ -142,7 +142,7 @@ def stages(torch, target: str = "sm_90a") -> dict:
     return out
 
 
-def _stage_rows(torch, name, call, decode_plan, combine_module, decode_module, prefill_module,
+def _stage_rows(torch, name, call, decode_plan, combine_module, prefill_module,
                 gemm, sync) -> dict:
     """The stages of one entry point's steady state, each timed alone (µs)."""
     from kiln.kernels.runtime import TorchOutputs
