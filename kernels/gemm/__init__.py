@@ -142,7 +142,7 @@ def matmul(a, b, *, scale_a=None, scale_b=None, trans_b=False, out_dtype=None, t
         plan = _PLANS.find(values) if scale_a is None and scale_b is None else None
     elif scale_a is not None or scale_b is not None:
         plan = None
-    if plan is not None:  # one C call: C's allocation, the addresses, the launch
+    if plan is not None:  # one C call: c's allocation, the addresses, the launch
         bound = plan.bound
         return bound.launch_outputs(plan.fresh_c.makers, bound.current_stream(), a, b, None)
     if hasattr(a, "dtype") and is_fp8(_dtype_name(a)):
