@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import math
 import sys
@@ -226,9 +227,10 @@ def entry_rows(torch) -> dict:
     from launch_overhead import library_calls
 
     from kiln.kernels import gemm
-    from kiln.kernels.attention import combine as combine_module
-    from kiln.kernels.attention import decode_plan
-    from kiln.kernels.attention import prefill as prefill_module
+    # The modules, not the entry points that kiln.kernels.attention exports by these names.
+    combine_module, decode_plan, prefill_module = (
+        importlib.import_module(f"kiln.kernels.attention.{name}")
+        for name in ("combine", "decode_plan", "prefill"))
     from kiln.kernels.workspaces import TorchOutputs
 
     key = gemm.hopper_autotuner.key_of((None, None, None, 1024, 1024, 1024, "bf16", "mn",
