@@ -11,7 +11,11 @@ batches after warm-up, each fresh tensor counted with its release):
 - ``reads``: a tensor's attributes a guard or a launch reads, the stream getters, a Python
   frame;
 - ``entry``: each entry point whole, then replicas of its hot path with each allocation
-  variant (guard, outputs, one ``launch_on``), so the gain of a variant is measured, not summed.
+  variant (guard, outputs, one ``launch_on``, or one ``launch_outputs`` C call), the guard with
+  and without torch's C++ tensor check, so the gain of a variant is measured, not summed;
+- ``params``: the driver's share of a launch by parameter count: a one-block kernel's launch
+  against ``decode_attention``'s (105 flat parameters), and that kernel by ctypes with a
+  pointer per parameter against one packed buffer (``extra``, cuFuncGetParamInfo's layout).
 
 Usage::
 
