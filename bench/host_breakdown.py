@@ -114,9 +114,9 @@ def stages(torch, target: str = "sm_90a") -> dict:
 
     from kiln.kernels import gemm
 
-    combine_module, decode_module, decode_plan, prefill_module = (
+    combine_module, decode_plan, prefill_module = (
         importlib.import_module(f"kiln.kernels.attention.{name}")
-        for name in ("combine", "decode", "decode_plan", "prefill"))
+        for name in ("combine", "decode_plan", "prefill"))
 
     key = gemm.hopper_autotuner.key_of((None, None, None, 1024, 1024, 1024, "bf16", "mn",
                                         "bf16", target), {})
@@ -131,7 +131,7 @@ def stages(torch, target: str = "sm_90a") -> dict:
             row = {"whole": per_call_us(call, 300, 9, sync),
                    "eager": round(_eager_us(call, 100, 9, sync), 3),
                    "graph": round(_graph_us(torch, call), 3)}
-            row.update(_stage_rows(torch, name, call, decode_plan, combine_module, decode_module,
+            row.update(_stage_rows(torch, name, call, decode_plan, combine_module,
                                    prefill_module, gemm, sync))
             row["profile"] = _profile(call, sync)
         except Exception as error:  # one entry point failing does not end the run
@@ -142,7 +142,7 @@ def stages(torch, target: str = "sm_90a") -> dict:
     return out
 
 
-def _stage_rows(torch, name, call, decode_plan, combine_module, decode_module, prefill_module,
+def _stage_rows(torch, name, call, decode_plan, combine_module, prefill_module,
                 gemm, sync) -> dict:
     """The stages of one entry point's steady state, each timed alone (µs)."""
     from kiln.kernels.runtime import TorchOutputs
@@ -152,7 +152,7 @@ def _stage_rows(torch, name, call, decode_plan, combine_module, decode_module, p
     if name.startswith("decode"):
         q, k_cache, v_cache, table, lens = _closure(call)["paged"]
         plans = decode_plan.PLANS
-        plan = plans._last[1]
+        plan = plans.last[1]
         values = (q, k_cache, v_cache, table, lens, None, None, None, None, "sm_90a", None,
                   None, None if plan.fused else False)
         rows["plan find (guard)"] = timed(lambda: plans.find(values))
@@ -162,8 +162,9 @@ def _stage_rows(torch, name, call, decode_plan, combine_module, decode_module, p
         rows["current_stream"] = timed(bound.current_stream)
         inputs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
                   lens.data_ptr(), *plan.placeholder_pointers)
-        rows["input pointers"] = timed(lambda: decode_module._input_pointers(
-            plan, q.data_ptr(), k_cache, v_cache, table, lens, None, None))
+        rows["input pointers"] = timed(lambda: (
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+            lens.data_ptr(), *plan.placeholder_pointers))
         if plan.fused:
             rows["outputs (2 fresh)"] = timed(lambda: plan.outputs(like=plan.no_sinks))
             o, lse = plan.outputs(like=plan.no_sinks)
@@ -172,19 +173,17 @@ def _stage_rows(torch, name, call, decode_plan, combine_module, decode_module, p
             args = (*inputs, p0, p1, p2, o.data_ptr(), lse.data_ptr(), tickets)
         else:
             rows["partial words (1 alloc)"] = timed(plan.torch_partial_words)
-            words, partials = plan.torch_partial_words()
-            rows["partial views (3 as_strided)"] = timed(lambda: plan.torch_partials(words))
+            rows["partials (3 fresh tensors)"] = timed(plan.torch_partials)
+            kept = plan.torch_partials()  # alive while the launches below write them
+            partials = tuple(t.data_ptr() for t in kept)
             shape = tuple(plan.partial_shape)
-            three = TorchOutputs(plan.no_sinks, (shape, torch.float32),
-                                 (shape[:4], torch.float32), (shape[1:4], torch.int32))
-            rows["partials as 3 fresh tensors"] = timed(three)
             two = TorchOutputs(plan.no_sinks, (shape[1:], torch.bfloat16),
                                (shape[1:4], torch.float32))
             rows["2 fresh tensors (decode_attention's o, lse)"] = timed(two)
             args = (*inputs, *partials, *plan.no_output_pointers)
         _launch_rows(rows, timed, bound, args)
     elif name.startswith("combine"):
-        plan = combine_module._PLANS._last[1]
+        plan = combine_module._PLANS.last[1]
         fresh = plan.fresh_outputs(None)
         rows["outputs (2 fresh)"] = timed(fresh)
         o, lse = fresh()
@@ -195,12 +194,12 @@ def _stage_rows(torch, name, call, decode_plan, combine_module, decode_module, p
         rows["plan_combine (guard)"] = timed(lambda: combine_module.plan_combine(
             o_p, lse_p, counts, max_splits=o_p.shape[0], target="sm_90a"))
     elif name.startswith("matmul"):
-        plan = gemm._PLANS._last[1]
+        plan = gemm._PLANS.last[1]
         rows["output (1 fresh)"] = timed(plan.fresh_c.one)
         c = plan.fresh_c.one()
         _launch_rows(rows, timed, plan.bound, (c.data_ptr(),) * 3)
     elif name.startswith("prefill"):
-        plan = prefill_module._PLANS._last[1]
+        plan = prefill_module._PLANS.last[1]
         rows["output (1 fresh)"] = timed(plan.fresh.one)
         dense = _closure(call)["dense"]
         o = plan.fresh.one()

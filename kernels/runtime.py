@@ -30,10 +30,10 @@ from kiln.arrays import is_torch_tensor as is_torch
 from kiln.core.targets import get_target
 from kiln.kernel import default_target
 from kiln.runtime.cuda import driver
-from kiln.runtime.launch import bind_launch
+from kiln.runtime.launch import bind_launch, launch_with_outputs
 from kiln.runtime.native import native_module
 
-from .plan_guard import make_guard
+from .plan_guard import make_guard, torch_tensor_check  # noqa: F401  (runtime's API)
 from .workspaces import TorchOutputs  # noqa: F401  (kiln.kernels.runtime.TorchOutputs)
 
 BACKENDS = (None, "cuda", "gpu", "interpret")
@@ -361,11 +361,15 @@ class PlanCache(dict):
     made, so a test can tell a repeat call (a hit) from a re-plan.
 
     :meth:`find` is the steady-state look-up: the guard of the last plan found
-    (:mod:`kiln.kernels.plan_guard`), then the keyed one.
+    (:mod:`kiln.kernels.plan_guard`), then the keyed one. ``last`` is that ``(guard, plan)``
+    pair: an entry point's hot path calls the guard itself (no Python frame for ``find``)
+    and calls :meth:`find` when it fails.
 
     Example::
 
-        plan = PLANS.find(values)               # values: the arguments the key is made of
+        guard, plan = PLANS.last
+        if not guard(values):                   # values: the arguments the key is made of
+            plan = PLANS.find(values)
         if plan is None:
             plan = PLANS.add(key_of(values), make_plan(...), values)
     """
@@ -375,7 +379,7 @@ class PlanCache(dict):
         self.name = name
         self.builds = 0
         self._guards: dict = {}  # key -> guard of the values that made it (None: unguardable)
-        self._last: tuple = (_never, None)  # (guard, plan) of the last plan found or added
+        self.last: tuple = (_never, None)  # (guard, plan) of the last plan found or added
         _CACHES.append(self)
 
     def lookup(self, key):
@@ -389,7 +393,7 @@ class PlanCache(dict):
         """The plan of a call made of ``values`` (its key is ``key_of(values)``), or None:
         the last plan when its guard passes (a few torch attribute reads a tensor), else the
         keyed look-up, whose plan (when guardable) becomes the last one."""
-        guard, plan = self._last
+        guard, plan = self.last
         if guard(values):
             return plan
         key = key_of(values)
@@ -411,13 +415,13 @@ class PlanCache(dict):
     def clear(self) -> None:
         super().clear()
         self._guards.clear()
-        self._last = (_never, None)
+        self.last = (_never, None)
 
     def _remember(self, key, values: tuple, plan) -> None:
         guard = self._guards.get(key, _never)
         if guard is _never:
             guard = self._guards[key] = guard_of(values)
-        self._last = (guard, plan) if guard is not None else (_never, None)
+        self.last = (guard, plan) if guard is not None else (_never, None)
 
 
 def _never(values) -> bool:
@@ -426,9 +430,12 @@ def _never(values) -> bool:
 
 def guard_of(values: tuple):
     """:func:`~kiln.kernels.plan_guard.make_guard` of ``values``, checked in one C call by the
-    native launch shim where it was built (else by generated Python)."""
+    native launch shim where it was built (its torch tensors by :func:`torch_tensor_check`'s
+    checker), else by generated Python."""
     shim = native_module()
-    return make_guard(values, None if shim is None else shim.guard_values)
+    if shim is None:
+        return make_guard(values)
+    return make_guard(values, shim.guard_values, torch_tensor_check)
 
 
 def key_of(values: tuple) -> tuple:
@@ -516,6 +523,9 @@ class _DryBound:
 
     def launch_on(self, stream, *pointers: int) -> None:
         self._owner.bound_calls += 1
+
+    def launch_outputs(self, outputs, stream, *items):
+        return launch_with_outputs(self.launch_on, outputs, stream, items)
 
     def current_stream(self) -> None:
         return None

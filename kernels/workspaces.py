@@ -86,6 +86,9 @@ class TorchOutputs:
     dtype to parse; on an H200 host 3.8 µs a tensor, allocation and release, against 5.1 for
     ``like.new_empty(shape, dtype=...)`` and 6.5 for ``torch.empty``).
 
+    ``makers`` is the tuple of C callables, one a tensor, that a bound launch's
+    ``launch_outputs`` calls itself (:func:`kiln.runtime.launch.launch_with_outputs`).
+
     Example: ``fresh = TorchOutputs(q, ((2, 3), torch.bfloat16), ((2,), torch.float32))``;
     ``o, lse = fresh()``.
     """
@@ -93,18 +96,15 @@ class TorchOutputs:
     def __init__(self, like, *specs):
         import torch
 
-        self._makers = tuple(_maker(torch, like.new_empty((), dtype=dtype).expand(shape))
-                             for shape, dtype in specs)
+        self.makers = tuple(_maker(torch, like.new_empty((), dtype=dtype).expand(shape))
+                            for shape, dtype in specs)
 
     def __call__(self) -> tuple:
-        makers = self._makers
-        if len(makers) == 2:  # (o, lse): no generator frame per call
-            return makers[0](), makers[1]()
-        return tuple(make() for make in makers)
+        return tuple(make() for make in self.makers)
 
     def one(self, index: int = 0):
         """A fresh tensor of the ``index``-th shape alone."""
-        return self._makers[index]()
+        return self.makers[index]()
 
 
 def _maker(torch, template) -> Callable:

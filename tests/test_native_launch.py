@@ -358,3 +358,54 @@ def test_the_launcher_and_compiler_variables_are_checked(monkeypatch):
     assert env.c_compiler() is None
     monkeypatch.setenv("KILN_CC", "clang")
     assert env.c_compiler() == "clang"
+
+
+class _Fresh:
+    """A fresh output: an object with a device address, as a torch tensor has."""
+
+    def __init__(self, address):
+        self.address = address
+
+    def data_ptr(self):
+        return self.address
+
+
+@pytest.mark.parametrize("kind", SHIMS)
+def test_launch_outputs_makes_outputs_reads_addresses_and_launches(kind, shim, rng):
+    """An entry point's steady state in one call: fresh outputs from a tuple of makers (one
+    maker: its tensor alone) or a callable given the stream, each item's address (an int, a
+    data_ptr(), None for the next output), a descriptor memo miss through the fallback."""
+    from test_launch_capture import CapturingDriver
+
+    signature = KernelSignature("e", (TensorMapParam("t", "f16", 2, (64, 64), 128),
+                                      TensorParam("x", "f32", 1), TensorParam("o", "f32", 1),
+                                      TensorParam("l", "f32", 1)), block=(32, 1, 1))
+    launcher, recorder = _launcher(kind, shim, signature)
+    plan = _LaunchPlan("e", signature, launcher, CapturingDriver())
+    ck = type("CK", (), {"name": "e", "signature": signature, "_launch_plan": plan})()
+    bound = bind_launch(ck, (2, 1, 1), [_Device(0x10000, (256, 128), "<f2"),
+                                        *(_Device(0x8000 * i, (4,)) for i in (1, 2, 3))])
+    for round_ in range(4):
+        t, x, o, lse = (int(v) * 512 for v in rng.integers(1, 1 << 30, size=4))
+        made = bound.launch_outputs((lambda: _Fresh(o), lambda: _Fresh(lse)), 0x77 + round_,
+                                    _Fresh(t), x, None, None)
+        assert [m.address for m in made] == [o, lse] and type(made) is tuple
+        launch = recorder.launches[-1]
+        assert launch[4] == 0x77 + round_ and launch[5][1:] == [x, x, 0, 4, 1, o, o, 0, 4, 1,
+                                                                lse, lse, 0, 4, 1]
+        bound(t, x, o, lse)  # the plain bound launch: the same descriptor for t
+        assert launch[5][0] == recorder.launches[-1][5][0] != t
+        seen = []
+        one = bound.launch_outputs(lambda stream: seen.append(stream) or _Fresh(o), 5,
+                                   t, _Fresh(x), None, lse)
+        assert one.address == o and seen == [5] and recorder.launches[-1][5][11] == lse
+        assert bound.launch_outputs((lambda: _Fresh(o),), None, t, x, None, lse).address == o
+        assert recorder.launches[-1][4] in (0, None)
+    launches = len(recorder.launches)
+    with pytest.raises(ValueError, match="more None items than outputs"):
+        bound.launch_outputs((lambda: _Fresh(o),), 0, t, x, None, None)
+    with pytest.raises(ZeroDivisionError):
+        bound.launch_outputs((lambda: 1 / 0, lambda: _Fresh(o)), 0, t, x, None, None)
+    with pytest.raises((TypeError, KilnValueError)):
+        bound.launch_outputs((lambda: _Fresh(o),), 0, t, None)
+    assert len(recorder.launches) == launches  # nothing launched by a failed call

@@ -15,6 +15,7 @@ import kiln
 from kiln.kernels import runtime
 from kiln.kernels.attention import combine, decode_attention, prefill
 from kiln.kernels.gemm import matmul
+from kiln.kernels import plan_guard
 from kiln.kernels.plan_guard import make_guard
 from kiln.kernels.runtime import PlanCache, key_of
 from test_library_runtime import BF16, _decode_args, _partials, dry  # noqa: F401
@@ -93,6 +94,36 @@ def test_a_guard_passes_exactly_the_values_of_its_key(native):
                 assert _equivalent(a, a2) and _equivalent(b, b2) and c == c2
                 assert (type(a), type(b), type(c)) == (type(a2), type(b2), type(c2))
         assert not guard((a, b)) and not guard((a, b, c, None))
+
+
+def test_a_native_guard_hands_its_tensors_to_the_checker_last(native):
+    """With a tensor checker (torch's C++ guard on a GPU machine; a key comparison here) the
+    native guard checks the other values itself, then passes the tensors, in order, to the
+    checker in one call; the guard passes exactly the values of its key, as without one."""
+    if native is None:
+        pytest.skip("the checker is the native guard's")
+    calls = []
+
+    def tensor_check(examples):
+        def check(*tensors):
+            calls.append(len(tensors))
+            return len(tensors) == len(examples) and all(
+                key_of((t,)) == key_of((e,)) for t, e in zip(tensors, examples))
+        return check
+
+    pool = _pool()
+    for a, b in itertools.product(pool[:6] + [None, 2], pool[:4] + [None, "x"]):
+        guard = make_guard((a, 3, b), native, tensor_check)
+        tensors = sum(isinstance(v, Tensor) for v in (a, b))
+        for a2, b2 in itertools.product(pool[:6] + [None, 2], pool[:4] + [None, "x"]):
+            del calls[:]
+            passed = guard((a2, 3, b2))
+            assert passed == (key_of((a, 3, b)) == key_of((a2, 3, b2)) and
+                              type(a) is type(a2) and type(b) is type(b2)), (a, b, a2, b2)
+            assert calls in ([], [tensors])  # one call, with every tensor, or none
+        assert not guard((a, 4, b)) and not guard((a, 3))
+    assert make_guard((Tensor((2,)), 1), native, lambda examples: None).args[0][0][0] == \
+        plan_guard.GUARD_TENSOR  # no checker made: the guard reads the attributes itself
 
 
 @pytest.mark.parametrize("make", [lambda: np.zeros(4, np.float32), lambda: float("nan"),
@@ -190,3 +221,35 @@ def test_decode_attention_rechecks_given_outputs_that_change(dry, rng):
     with pytest.raises(kiln.KilnValueError, match="lse_out"):
         decode_attention(*args, out=o, lse_out=lse.to(torch.float64))
     assert decode_attention(*args, out=o, lse_out=lse)[1] is lse
+
+
+def test_torch_tensor_guard_checks_each_tensor_and_keeps_none_alive():
+    """runtime.torch_tensor_check (torch's C++ TensorGuards, where this torch has it): passes
+    tensors laid out as the examples, refuses another shape, stride, dtype or type, holds no
+    example alive; guard_of hands a call's torch tensors to it in one call."""
+    torch = pytest.importorskip("torch")
+    import gc
+    import weakref
+
+    from kiln.runtime.native import native_module
+
+    example, other = torch.zeros(4, 6), torch.zeros(3, dtype=torch.int32)
+    check = runtime.torch_tensor_check((example, other))
+    if check is None:
+        pytest.skip("this torch has no usable C++ tensor guard")
+    assert check(torch.ones(4, 6), torch.ones(3, dtype=torch.int32))
+    for wrong in (torch.zeros(4, 7), torch.zeros(6, 4).T, torch.zeros(4, 6, dtype=torch.float64),
+                  torch.nn.Parameter(torch.zeros(4, 6))):
+        assert not check(wrong, other)
+    dropped = weakref.ref(example)
+    del example, check
+    gc.collect()
+    assert dropped() is None
+    values = (torch.zeros(2, 3), None, 5, torch.zeros(3, dtype=torch.int32))
+    guard = runtime.guard_of(values)
+    if native_module() is not None:
+        assert plan_guard.GUARD_CHECKED in [entry[0] for entry in guard.args[0] if entry]
+    assert guard((torch.ones(2, 3), None, 5, torch.ones(3, dtype=torch.int32)))
+    assert not guard((torch.ones(2, 3), None, 6, torch.ones(3, dtype=torch.int32)))
+    assert not guard((torch.ones(2, 3), None, 5, None))  # no tensor where one was: no check
+    assert not guard((torch.ones(3, 2), None, 5, torch.ones(3, dtype=torch.int32)))

@@ -148,8 +148,9 @@ class BoundLaunch:
         # miss calls this launch back), else the method. No reference back to self: a cycle
         # would leave the launcher's teardown to the cyclic collector.
         if shim is not None and self._after_launch is None:
-            self.launch_on = functools.partial(shim.launch_direct, self._record,
-                                               _fallback(weakref.ref(self), self._arguments))
+            fallback = _fallback(weakref.ref(self), self._arguments)
+            self.launch_on = functools.partial(shim.launch_direct, self._record, fallback)
+            self.launch_outputs = functools.partial(shim.launch_outputs, self._record, fallback)
 
     def __call__(self, *pointers: int, stream=None) -> None:
         if len(pointers) != len(self._slots):
@@ -185,6 +186,11 @@ class BoundLaunch:
         """``self(*pointers, stream=stream)``; see the class docs."""
         self(*pointers, stream=stream)
 
+    def launch_outputs(self, outputs, stream, *items):
+        """Make a call's fresh outputs, launch on ``stream`` with one address per item and
+        return the outputs: see :func:`launch_with_outputs` (through the shim, one C call)."""
+        return launch_with_outputs(self.launch_on, outputs, stream, items)
+
     def _launch_missed(self, pointers: tuple, handle) -> None:
         """The launch of ``pointers`` whose descriptors were not all in the record's memo:
         each from the cache (encoded on a miss there) and memoised, unless captured (only a
@@ -205,6 +211,31 @@ class BoundLaunch:
         if arguments is None:
             arguments = self._other_threads[ident] = self._arguments.copy()
         return arguments
+
+
+def launch_with_outputs(launch_on: Callable, outputs, stream, items: Sequence):
+    """``launch_on(stream, *addresses)`` for a call that returns fresh outputs, and those
+    outputs: ``outputs`` is a tuple of makers, each called with no argument (one maker gives
+    its tensor alone, several a tuple), or a callable given ``stream`` (it returns a tensor
+    or a tuple); each item is an address (an int), a tensor (its ``data_ptr()``) or None (the
+    next output's address). What the native shim's ``launch_outputs`` does in one C call.
+
+    Example: ``o = launch_with_outputs(bound.launch_on, (make_o,), stream, (q, None))``.
+    """
+    if type(outputs) is tuple:
+        made = outputs[0]() if len(outputs) == 1 else tuple(make() for make in outputs)
+    else:
+        made = outputs(stream)
+    fresh = iter(made if type(made) is tuple else (made,))
+    addresses = []
+    for item in items:
+        if item is None:
+            item = next(fresh, None)
+            if item is None:
+                raise ValueError("launch_outputs: more None items than outputs")
+        addresses.append(item if type(item) is int else item.data_ptr())
+    launch_on(stream, *addresses)
+    return made
 
 
 def _fallback(bound_ref, arguments) -> Callable:

@@ -267,9 +267,12 @@ PyObject *launch_guarded(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 /* --- guard_values: a library plan's guard (kiln.kernels.plan_guard) in one C call ---------
  *
  * spec: one entry per value: None (the value must be None), (GUARD_VALUE, type, constant)
- * (type(v) is type and v == constant), or (GUARD_TENSOR, type, shape, dtype, device, strides)
+ * (type(v) is type and v == constant), (GUARD_TENSOR, type, shape, dtype, device, strides)
  * (type(v) is type, v.shape == shape, v.dtype is dtype, v.is_contiguous() when strides is
- * None else v.stride() == strides, v.get_device() == device). */
+ * None else v.stride() == strides, v.get_device() == device), or (GUARD_CHECKED, type):
+ * type(v) is type, and the value is passed, with the other such values in order, to the
+ * checker given after the spec (one call, made last: torch's C++ tensor guard, which reads
+ * the tensors' metadata directly). */
 
 static PyObject *s_is_contiguous, *s_get_device;
 
@@ -312,25 +315,50 @@ static int guard_one(PyObject *entry, PyObject *v)
     return ok;
 }
 
-/* guard_values(spec, values): True when every value matches its entry, else False. */
+enum { MAX_CHECKED = 64 };  /* GUARD_CHECKED values of one guard */
+
+/* guard_values(spec, [checker,] values): True when every value matches its entry (and the
+ * checker passes the GUARD_CHECKED ones), else False. */
 PyObject *guard_values(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2 || !PyTuple_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "guard_values(spec, values)");
+    if ((nargs != 2 && nargs != 3) || !PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "guard_values(spec, [checker,] values)");
         return NULL;
     }
-    PyObject *spec = args[0], *values = args[1];
-    Py_ssize_t n = PyTuple_GET_SIZE(spec);
+    PyObject *spec = args[0], *values = args[nargs - 1];
+    PyObject *checker = nargs == 3 ? args[1] : NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(spec), checked = 0;
+    PyObject *deferred[MAX_CHECKED];
     if (!PyTuple_Check(values) || PyTuple_GET_SIZE(values) != n)
         Py_RETURN_FALSE;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int ok = guard_one(PyTuple_GET_ITEM(spec, i), PyTuple_GET_ITEM(values, i));
+        PyObject *entry = PyTuple_GET_ITEM(spec, i), *value = PyTuple_GET_ITEM(values, i);
+        if (entry != Py_None && PyTuple_GET_SIZE(entry) == 2) {  /* (GUARD_CHECKED, type) */
+            if (checker == NULL || checked == MAX_CHECKED) {
+                PyErr_SetString(PyExc_ValueError, "guard_values: no checker for this spec");
+                return NULL;
+            }
+            if ((PyObject *)Py_TYPE(value) != PyTuple_GET_ITEM(entry, 1))
+                Py_RETURN_FALSE;  /* the checker only ever sees values of the spec's types */
+            deferred[checked++] = value;
+            continue;
+        }
+        int ok = guard_one(entry, value);
         if (ok < 0)
             return NULL;
         if (!ok)
             Py_RETURN_FALSE;
     }
-    Py_RETURN_TRUE;
+    if (checked == 0)
+        Py_RETURN_TRUE;
+    PyObject *result = PyObject_Vectorcall(checker, deferred, (size_t)checked, NULL);
+    if (result == NULL)
+        return NULL;
+    int ok = PyObject_IsTrue(result);
+    Py_DECREF(result);
+    if (ok < 0)
+        return NULL;
+    return PyBool_FromLong(ok);
 }
 
 int guard_init(void)

@@ -10,8 +10,10 @@
 #include "native_launch.h"
 
 enum { CUDA_ERROR_INVALID_CONTEXT = 201 };
+enum { MAX_POINTERS = 128 };  /* addresses of one bound launch */
 
 static PyObject *error_handler = NULL;
+static PyObject *s_data_ptr = NULL;
 
 static int launch_once(launch_record *r)
 {
@@ -83,26 +85,14 @@ static PyObject *launch(PyObject *self, PyObject *address)
 
 /* Write each address into its slot (a tensor's allocated and aligned pointers, or one word;
  * with `mapped`, a tensor map's tensor address becomes its memoised descriptor's) and the
- * stream (None: 0): 1 done, 0 a memo miss (nothing launched), -1 error. */
-static int put_pointers(launch_record *r, PyObject *const *args, Py_ssize_t nargs, int mapped)
+ * stream: 1 done, 0 a memo miss (nothing launched). No Python code runs here, so the words
+ * written and the launch that follows are one step under the GIL. */
+static int put_values(launch_record *r, const uint64_t *values, uint64_t stream, int mapped)
 {
-    if ((size_t)(nargs - 2) != r->pointer_count) {
-        PyErr_Format(PyExc_TypeError, "this launch binds %u addresses, got %zd",
-                     r->pointer_count, nargs - 2);
-        return -1;
-    }
     if (mapped && *r->evictions != r->memo_evictions)
         return 0;
-    uint64_t stream = 0;
-    if (args[1] != Py_None) {
-        stream = PyLong_AsUnsignedLongLong(args[1]);
-        if (PyErr_Occurred())
-            return -1;
-    }
-    for (Py_ssize_t i = 0; i < nargs - 2; i++) {
-        uint64_t value = PyLong_AsUnsignedLongLong(args[i + 2]);
-        if (value == (uint64_t)-1 && PyErr_Occurred())
-            return -1;
+    for (uint32_t i = 0; i < r->pointer_count; i++) {
+        uint64_t value = values[i];
         int32_t slot = r->pointer_slots[i];
         if (slot >= 0) {
             r->words[slot] = value;
@@ -119,6 +109,35 @@ static int put_pointers(launch_record *r, PyObject *const *args, Py_ssize_t narg
     }
     r->words[r->grid_slot + 4] = stream;
     return 1;
+}
+
+/* A stream argument (None: 0) as a handle; -1 with an error set. */
+static int stream_of(PyObject *stream, uint64_t *handle)
+{
+    *handle = 0;
+    if (stream == Py_None)
+        return 0;
+    *handle = PyLong_AsUnsignedLongLong(stream);
+    return *handle == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* put_values of args[2:] (Python ints) with the stream args[1]: 1, 0 (a memo miss), -1. */
+static int put_pointers(launch_record *r, PyObject *const *args, Py_ssize_t nargs, int mapped)
+{
+    if ((size_t)(nargs - 2) != r->pointer_count || nargs - 2 > MAX_POINTERS) {
+        PyErr_Format(PyExc_TypeError, "this launch binds %u addresses, got %zd",
+                     r->pointer_count, nargs - 2);
+        return -1;
+    }
+    uint64_t stream, values[MAX_POINTERS];
+    if (stream_of(args[1], &stream) < 0)
+        return -1;
+    for (Py_ssize_t i = 0; i < nargs - 2; i++) {
+        values[i] = PyLong_AsUnsignedLongLong(args[i + 2]);
+        if (values[i] == (uint64_t)-1 && PyErr_Occurred())
+            return -1;
+    }
+    return put_values(r, values, stream, mapped);
 }
 
 static launch_record *checked_record(PyObject *const *args, Py_ssize_t nargs, const char *usage)
@@ -186,6 +205,114 @@ static PyObject *launch_direct(PyObject *self, PyObject *const *args, Py_ssize_t
     return finish(launch_in_context(r));
 }
 
+/* The fresh outputs of launch_outputs: a tuple of makers, each called with no argument (one
+ * maker: its tensor alone, else the tuple of tensors), or one callable given the stream
+ * (it returns a tensor or a tuple of tensors). New reference, NULL on error. */
+static PyObject *make_outputs(PyObject *outputs, PyObject *stream)
+{
+    if (!PyTuple_Check(outputs))
+        return PyObject_CallOneArg(outputs, stream);
+    Py_ssize_t n = PyTuple_GET_SIZE(outputs);
+    if (n == 1)
+        return PyObject_CallNoArgs(PyTuple_GET_ITEM(outputs, 0));
+    PyObject *made = PyTuple_New(n);
+    for (Py_ssize_t i = 0; made != NULL && i < n; i++) {
+        PyObject *tensor = PyObject_CallNoArgs(PyTuple_GET_ITEM(outputs, i));
+        if (tensor == NULL)
+            Py_CLEAR(made);
+        else
+            PyTuple_SET_ITEM(made, i, tensor);
+    }
+    return made;
+}
+
+/* An item's address: an int as it is, else item.data_ptr(). 0 done, -1 error. */
+static int address_of(PyObject *item, uint64_t *value)
+{
+    if (PyLong_CheckExact(item)) {
+        *value = PyLong_AsUnsignedLongLong(item);
+    } else {
+        PyObject *pointer = PyObject_CallMethodNoArgs(item, s_data_ptr);
+        if (pointer == NULL)
+            return -1;
+        *value = PyLong_AsUnsignedLongLong(pointer);
+        Py_DECREF(pointer);
+    }
+    return *value == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* launch_outputs(record_address, fallback, outputs, stream, *items): a library call's
+ * steady state in one C call: make the fresh outputs (make_outputs), take each item's
+ * address (an int as it is, a tensor's data_ptr(), None the next output's), write them and
+ * the stream, launch (on a descriptor memo miss: fallback(stream, *addresses)), and return
+ * the outputs. */
+static PyObject *launch_outputs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "launch_outputs(record, fallback, outputs, stream, *items)");
+        return NULL;
+    }
+    launch_record *r = record_of(args[0]);
+    if (r == NULL)
+        return NULL;
+    Py_ssize_t count = nargs - 4;
+    if ((size_t)count != r->pointer_count || count > MAX_POINTERS) {
+        PyErr_Format(PyExc_TypeError, "this launch binds %u addresses, got %zd",
+                     r->pointer_count, count);
+        return NULL;
+    }
+    uint64_t stream, values[MAX_POINTERS];
+    if (stream_of(args[3], &stream) < 0)
+        return NULL;
+    PyObject *made = make_outputs(args[2], args[3]);
+    if (made == NULL)
+        return NULL;
+    PyObject *const *outs = &made;
+    Py_ssize_t n_outs = 1, next = 0;
+    if (PyTuple_Check(made)) {
+        outs = &PyTuple_GET_ITEM(made, 0);
+        n_outs = PyTuple_GET_SIZE(made);
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = args[4 + i];
+        if (item == Py_None) {
+            if (next == n_outs) {
+                PyErr_SetString(PyExc_ValueError, "launch_outputs: more None items than outputs");
+                goto error;
+            }
+            item = outs[next++];
+        }
+        if (address_of(item, &values[i]) < 0)
+            goto error;
+    }
+    int put = put_values(r, values, stream, r->map_memo != NULL);
+    PyObject *result;
+    if (put == 0) {  /* a descriptor memo miss: encode and launch in Python */
+        PyObject *call[MAX_POINTERS + 1];
+        call[0] = args[3];
+        Py_ssize_t built = 0;
+        for (; built < count; built++) {
+            call[built + 1] = PyLong_FromUnsignedLongLong(values[built]);
+            if (call[built + 1] == NULL)
+                break;
+        }
+        result = built == count ? PyObject_Vectorcall(args[1], call, (size_t)count + 1, NULL)
+                                : NULL;
+        for (Py_ssize_t i = 0; i < built; i++)
+            Py_DECREF(call[i + 1]);
+    } else {
+        result = finish(launch_in_context(r));
+    }
+    if (result == NULL)
+        goto error;
+    Py_DECREF(result);
+    return made;
+error:
+    Py_DECREF(made);
+    return NULL;
+}
+
 /* memo_store(record_address, position, tensor_address, descriptor_address): remember the
  * descriptor of the tensor at that address position (replacing its way's entry); a stale
  * memo (the cache evicted since) is emptied first. */
@@ -235,13 +362,16 @@ static PyMethodDef methods[] = {
     {"launch_direct", (PyCFunction)(void (*)(void))launch_direct, METH_FASTCALL,
      "launch_direct(record_address, fallback, stream, *addresses): launch_mapped (or "
      "launch_pointers) that calls fallback(stream, *addresses) on a memo miss."},
+    {"launch_outputs", (PyCFunction)(void (*)(void))launch_outputs, METH_FASTCALL,
+     "launch_outputs(record_address, fallback, outputs, stream, *items): make the fresh "
+     "outputs, launch with the items' addresses (None: the next output's), return them."},
     {"memo_store", (PyCFunction)(void (*)(void))memo_store, METH_FASTCALL,
      "memo_store(record_address, position, address, descriptor): memoise a descriptor."},
     {"launch_guarded", (PyCFunction)(void (*)(void))launch_guarded, METH_FASTCALL,
      "launch_guarded(record, spec, grid, args, kwargs, stream): kernel[grid](...) if it "
      "matches the spec (True), else False."},
     {"guard_values", (PyCFunction)(void (*)(void))guard_values, METH_FASTCALL,
-     "guard_values(spec, values): whether values match a plan guard's spec."},
+     "guard_values(spec, [checker,] values): whether values match a plan guard's spec."},
     {"set_error_handler", set_error_handler, METH_O,
      "set_error_handler(callable): what a failed launch calls with its CUresult."},
     {NULL, NULL, 0, NULL},
@@ -255,11 +385,15 @@ PyMODINIT_FUNC PyInit__kiln_launch(void)
 {
     if (guard_init() != 0)
         return NULL;
+    s_data_ptr = PyUnicode_InternFromString("data_ptr");
+    if (s_data_ptr == NULL)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddIntConstant(m, "RECORD_BYTES", sizeof(launch_record)) < 0 ||
                       PyModule_AddIntConstant(m, "MEMO_WAYS", MEMO_WAYS) < 0 ||
                       PyModule_AddIntConstant(m, "GUARD_VALUE", GUARD_VALUE) < 0 ||
-                      PyModule_AddIntConstant(m, "GUARD_TENSOR", GUARD_TENSOR) < 0)) {
+                      PyModule_AddIntConstant(m, "GUARD_TENSOR", GUARD_TENSOR) < 0 ||
+                      PyModule_AddIntConstant(m, "GUARD_CHECKED", GUARD_CHECKED) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -59,7 +59,7 @@ static inline uint64_t *memo_entry(launch_record *r, Py_ssize_t position, uint64
 /* Shared between the two sources, not exported from the module. */
 #define KILN_INTERNAL __attribute__((visibility("hidden")))
 
-enum { GUARD_VALUE = 0, GUARD_TENSOR = 1 };  /* guard_values' entry kinds */
+enum { GUARD_VALUE = 0, GUARD_TENSOR = 1, GUARD_CHECKED = 2 };  /* guard_values' entry kinds */
 
 KILN_INTERNAL launch_record *record_of(PyObject *address);
 KILN_INTERNAL int launch_in_context(launch_record *r);

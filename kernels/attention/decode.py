@@ -125,7 +125,7 @@ from .decode_config import (AHEAD_PREFETCH_TILES, CTAS_PER_SM, DEFAULT_SMS, EARL
                             WGMMA_MIN_ROWS, DecodeConfig, decode_partials, default_config,
                             default_num_splits, early_launch_tiles)
 from .decode_kernel import make_kernel
-from .decode_plan import check_values, get_plan, nvidia_target
+from .decode_plan import PLANS, check_values, get_plan, nvidia_target
 
 OUT_ALIGN = 16  # bytes: the alignment decode_attention's out= and lse_out= must have
 
@@ -152,7 +152,7 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
     defaults to ``D ** -0.5``; ``config``: a :class:`DecodeConfig` (None:
     :func:`default_config` of the shape).
     numpy inputs give numpy outputs; torch CUDA tensors stay on the device (the three torch
-    partials are views of one allocation).
+    partials are three allocations).
 
     Inputs are validated (a :class:`kiln.KilnError` naming the argument): kinds, ranks, dtypes
     and agreeing sizes once per shape class; ``num_splits >= 1``, ``scale > 0``; per call,
@@ -168,8 +168,11 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
         o_part, lse_part, counts = decode(q, k_cache, v_cache, page_table, seq_lens)
         o, lse = kiln.kernels.attention.combine(o_part, lse_part, counts)
     """
-    plan = get_plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
-                    sinks, target, backend, config, fused=False)
+    guard, plan = PLANS.last
+    if not guard((q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, num_splits,
+                  scale, target, backend, config, False)):
+        plan = get_plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table,
+                        scale, sinks, target, backend, config, fused=False)
     bound = plan.bound
     if validate or bound is None:  # bound plans take torch tensors, checked on request
         if plan.kernel is None:
@@ -177,13 +180,13 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
         check_values(k_cache, page_table, seq_lens, block_table, validate)
     if bound is not None:
         q_ptr = q.data_ptr()
-        if q_ptr % Q_ALIGN == 0:
-            words, partials = plan.torch_partial_words()
-            bound.launch_on(bound.current_stream(),
-                            *_input_pointers(plan, q_ptr, k_cache, v_cache, page_table,
-                                             seq_lens, block_table, sinks),
-                            *partials, *plan.no_output_pointers)
-            return plan.torch_partials(words)
+        if q_ptr % Q_ALIGN == 0:  # one C call: the partials, the addresses, the launch
+            block_address, sinks_address = plan.placeholder_pointers
+            return bound.launch_outputs(
+                plan.partial_makers, bound.current_stream(), q_ptr, k_cache, v_cache,
+                page_table, seq_lens, block_address if block_table is None else block_table,
+                sinks_address if sinks is None else sinks, None, None, None,
+                *plan.no_output_pointers)
     return _run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
                         backend)
 
@@ -220,8 +223,11 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     allocates nothing per call. Either may be given alone.
     Example: ``o, lse = decode_attention(q, k_cache, v_cache, page_table, seq_lens)``.
     """
-    plan = get_plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table, scale,
-                    sinks, target, backend, config, fused=fused_combine)
+    guard, plan = PLANS.last
+    if not guard((q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, num_splits,
+                  scale, target, backend, config, fused_combine)):
+        plan = get_plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table,
+                        scale, sinks, target, backend, config, fused=fused_combine)
     bound = plan.bound
     given = out is not None or lse_out is not None
     if given:
@@ -235,19 +241,26 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     q_ptr = None if bound is None else q.data_ptr()
     if q_ptr is not None and q_ptr % Q_ALIGN == 0 and (plan.fused or plan.merge is not None):
         stream = bound.current_stream()
-        inputs = _input_pointers(plan, q_ptr, k_cache, v_cache, page_table, seq_lens,
-                                 block_table, sinks)
-        if plan.fused:
-            o, lse = _bound_outputs(plan, out, lse_out) if given else plan.torch_outputs()
-            owners, (o_part, lse_part, counts, tickets) = plan.spaces.get(stream)
-            bound.launch_on(stream, *inputs, o_part, lse_part, counts, o.data_ptr(),
-                            lse.data_ptr(), tickets)
+        owners, workspace = plan.spaces.get(stream)  # owners: held until the launches are queued
+        block_address, sinks_address = plan.placeholder_pointers
+        inputs = (q_ptr, k_cache, v_cache, page_table, seq_lens,
+                  block_address if block_table is None else block_table,
+                  sinks_address if sinks is None else sinks)
+        if plan.fused:  # one C call: (o, lse), the addresses, the launch
+            o_part, lse_part, counts, tickets = workspace
+            if not given:
+                return bound.launch_outputs(plan.torch_outputs.makers, stream, *inputs,
+                                            o_part, lse_part, counts, None, None, tickets)
+            o, lse = _bound_outputs(plan, out, lse_out)
+            bound.launch_outputs((), stream, *inputs, o_part, lse_part, counts, o, lse,
+                                 tickets)
             return o, lse
-        owners, partials = plan.spaces.get(stream)  # owners: held until both are queued
-        o, lse = _bound_outputs(plan, out, lse_out) if given else \
-            plan.merge.new_outputs(plan.no_sinks)
-        bound.launch_on(stream, *inputs, *partials, *plan.no_output_pointers)
-        plan.merge.bound.launch_on(stream, *partials, o.data_ptr(), lse.data_ptr())
+        bound.launch_outputs((), stream, *inputs, *workspace, *plan.no_output_pointers)
+        merge = plan.merge.bound
+        if not given:
+            return merge.launch_outputs(plan.merge.fresh.makers, stream, *workspace, None, None)
+        o, lse = _bound_outputs(plan, out, lse_out)
+        merge.launch_on(stream, *workspace, o.data_ptr(), lse.data_ptr())
         return o, lse
     if plan.fused:
         return _delivered(_run_unbound(plan, q, k_cache, v_cache, page_table, seq_lens,
@@ -372,16 +385,6 @@ def _check_torch_inputs(q, **tensors) -> None:
         if is_torch(t) and t.device != q.device:
             raise kiln.KilnValueError(f"{name} is on {t.device} but q is on {q.device}",
                                       fix=f"move {name} to {q.device}")
-
-
-def _input_pointers(plan, q_ptr, k_cache, v_cache, page_table, seq_lens, block_table, sinks):
-    """Device addresses of the seven inputs of the bound launch (``q_ptr``: q's; the caches'
-    row views share their tensors' addresses; absent features read the plan's
-    placeholders)."""
-    return (q_ptr, k_cache.data_ptr(), v_cache.data_ptr(), page_table.data_ptr(),
-            seq_lens.data_ptr(),
-            plan.placeholder_pointers[0] if block_table is None else block_table.data_ptr(),
-            plan.placeholder_pointers[1] if sinks is None else sinks.data_ptr())
 
 
 def compile_decode(dtype="bf16", *, target, head_dim=128, group=8, sq=1, page_size=64,

@@ -128,30 +128,22 @@ class DecodePlan:
         tickets = torch.zeros(self.grid_cells, dtype=torch.int64, device=self.device)
         return (words, tickets), (*partials, tickets.data_ptr())
 
-    def torch_partials(self, words=None):
-        """O_partial, LSE_partial (f32) and split_counts (int32): contiguous views of
-        ``words`` (default: a fresh :meth:`torch_partial_words` allocation)."""
-        if words is None:
-            words = self.torch_partial_words()[0]
-        # One as_strided a view (slicing then reshaping costs two torch calls each).
-        (o_shape, o_strides), (lse_shape, lse_strides), (counts_shape, counts_strides), \
-            counts_dtype = self.partial_views
-        return (words.as_strided(o_shape, o_strides, 0),
-                words.as_strided(lse_shape, lse_strides, self.lse_offset),
-                words.view(counts_dtype).as_strided(counts_shape, counts_strides,
-                                                    self.counts_offset))
-
     @functools.cached_property
-    def partial_views(self) -> tuple:
-        """(shape, contiguous strides) of O_partial, LSE_partial and split_counts, and the
-        torch dtype of the counts (int32, as f32 words)."""
+    def partial_makers(self) -> tuple:
+        """Makers of a fresh O_partial, LSE_partial (f32) and split_counts (int32) on the
+        plan's device, three allocations (:class:`~kiln.kernels.runtime.TorchOutputs`' makers:
+        C callables): what a bound :func:`decode` call's ``launch_outputs`` calls. The kernel
+        writes every element (each split all its rows, split 0 the counts)."""
         import torch
 
-        def contiguous(shape: tuple) -> tuple:
-            return shape, tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-
         shape = tuple(self.partial_shape)
-        return contiguous(shape), contiguous(shape[:4]), contiguous(shape[1:4]), torch.int32
+        return runtime.TorchOutputs(self.no_sinks, (shape, torch.float32),
+                                    (shape[:4], torch.float32),
+                                    (shape[1:4], torch.int32)).makers
+
+    def torch_partials(self) -> tuple:
+        """Fresh torch O_partial, LSE_partial and split_counts (see :attr:`partial_makers`)."""
+        return tuple(make() for make in self.partial_makers)
 
     def numpy_partials(self):
         """The partials as numpy arrays filled with NaN / -1, so an element the kernel did

@@ -142,20 +142,22 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
     if dense:  # a repeat call of a bound shape class: its plan, found first
         values = (q, k, v, sinks, causal, window, chunk, scale, softcap, return_lse, target,
                   backend)
-        plan = _PLANS.find(values)
-        if plan:
-            return plan.run(q, k, v, sinks)
+        guard, plan = _PLANS.last
+        if not guard(values):
+            plan = _PLANS.find(values)
+            if plan is None:
+                plan = _new_dense_plan(values)
+        if plan:  # one C call: the outputs, the addresses, the launch
+            bound = plan.bound
+            return bound.launch_outputs(plan.fresh.makers, bound.current_stream(), q, k, v,
+                                        None, plan.lse_item,
+                                        plan.sinks_address if sinks is None else sinks,
+                                        *plan.cu_pointers)
     softcap = check_softcap(softcap)  # a float from here on (the key holds what was passed)
     descales = dict(descale_q=descale_q, descale_k=descale_k, descale_v=descale_v)
     fp8 = hasattr(q, "dtype") and _known_dtype_name(q.dtype) in FP8_DTYPES
     if not fp8:
         check_descales(_known_dtype_name(getattr(q, "dtype", None)), descales)
-    if dense and plan is None and not fp8 and backend != "interpret" and is_torch(q):
-        plan = _PLANS.add(key_of(values), _make_dense_plan(
-            q, k, v, causal, window, chunk, sinks, scale, softcap, return_lse, target,
-            backend), values)
-        if plan:
-            return plan.run(q, k, v, sinks)
     if dlpack.foreign(q):  # cupy / JAX / DLPack device arrays: zero-copy through torch
         return dlpack.through_torch(prefill, q, k, v, causal=causal, window=window, chunk=chunk,
                                     sinks=sinks, scale=scale, softcap=softcap,
@@ -278,8 +280,9 @@ def _operands(q, k, v, sinks, cu_q, cu_k, shapes, mask, scale, softcap, return_l
 
 @dataclass(frozen=True)
 class _DensePlan:
-    """A dense (not ragged) torch prefill of one shape class, bound once: a repeat call
-    allocates ``o`` (and ``lse``) and writes eight addresses into a prepared launch."""
+    """A dense (not ragged) torch prefill of one shape class, bound once: a repeat call is
+    one ``launch_outputs`` of the bound launch, which allocates ``o`` (and ``lse``) and writes
+    eight addresses into a prepared launch."""
 
     bound: Any  # kiln.kernels.runtime.bind's launch
     lse_shape: tuple | None  # [B, Hq, Sq] with return_lse, else None
@@ -290,23 +293,34 @@ class _DensePlan:
     # f32 lse (kiln.kernels.runtime.TorchOutputs on q's device).
     fresh: Any = None
 
-    def run(self, q, k, v, sinks):
-        if self.lse_shape is None:
-            o, lse = self.fresh.one(), self.no_lse
-        else:
-            o, lse = self.fresh()
-        bound = self.bound
-        bound.launch_on(bound.current_stream(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                        o.data_ptr(), lse.data_ptr(),
-                        (self.fixed_sinks if sinks is None else sinks).data_ptr(),
-                        *self.cu_pointers)
-        return o if self.lse_shape is None else (o, lse)
+    @functools.cached_property
+    def lse_item(self):
+        """The launch's lse item: None (the fresh lse) with ``return_lse``, else the address
+        of :attr:`no_lse`."""
+        return None if self.lse_shape is not None else self.no_lse.data_ptr()
+
+    @functools.cached_property
+    def sinks_address(self) -> int:
+        return self.fixed_sinks.data_ptr()
 
 
 # Dense torch plans by the tensors' specs and the options (see kiln.kernels.runtime); False
 # marks a shape class that always takes the general path (AMD targets, strided tensors, sinks
 # that need converting).
 _PLANS = PlanCache("prefill")
+
+
+def _new_dense_plan(values: tuple) -> _DensePlan | bool | None:
+    """The plan of a dense call's new shape class (added to :data:`_PLANS`; False: the general
+    path runs the class), or None where no dense plan applies (FP8, the interpreter, arrays
+    other than torch tensors)."""
+    q, k, v, sinks, causal, window, chunk, scale, softcap, return_lse, target, backend = values
+    softcap = check_softcap(softcap)  # a float from here on (the key holds what was passed)
+    if backend == "interpret" or not is_torch(q) or _known_dtype_name(q.dtype) in FP8_DTYPES:
+        return None
+    return _PLANS.add(key_of(values), _make_dense_plan(
+        q, k, v, causal, window, chunk, sinks, scale, softcap, return_lse, target, backend),
+        values)
 
 
 def _make_dense_plan(q, k, v, causal, window, chunk, sinks, scale, softcap, return_lse, target,

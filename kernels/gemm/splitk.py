@@ -228,6 +228,11 @@ class PairedLaunch:
         self.launch_on(self.current_stream() if stream is None else stream, a_ptr, b_ptr,
                        c_ptr)
 
+    def launch_outputs(self, outputs, stream, *items):
+        """``c`` made by ``outputs`` and launched into (see
+        :func:`kiln.runtime.launch.launch_with_outputs`)."""
+        return runtime.launch_with_outputs(self.launch_on, outputs, stream, items)
+
 
 @functools.lru_cache(maxsize=None)
 def reduce_kernel(pdl: bool = False):
