@@ -121,6 +121,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", help="--llm: only these models")
     parser.add_argument("--layers", nargs="*", help="--llm: only these layers")
     parser.add_argument("--m", type=int, nargs="*", help="--llm: only these M")
+    parser.add_argument("--tune-repeat", type=int,
+                        help="--llm: timed runs per autotuner config (default: the tuner's)")
     parser.add_argument("--budget", type=float, default=1e9,
                         help="--llm: stop between cells after this many seconds")
     parser.add_argument("--shapes", nargs="*", metavar="MxNxK",

@@ -41,6 +41,7 @@ CANDIDATES = {
     16: (C(block_n=32, stages=8, swap_ab=True, split_k=4, pdl=True),
          C(block_n=32, stages=8, swap_ab=True, split_k=2, pdl=True),
          C(block_n=32, stages=8, swap_ab=True, split_k=8, pdl=True),
+         C(block_n=32, stages=8, swap_ab=True, split_k=16, pdl=True),
          C(block_n=32, stages=8, swap_ab=True, stream_k=True, pdl=True),
          C(block_n=32, stages=12, swap_ab=True, split_k=4, pdl=True),
          C(block_m=64, block_n=32, stages=12, swap_ab=True, split_k=2, pdl=True),

@@ -18,8 +18,9 @@ profiled call: tile shape, split-K).
 Kiln's config: for M <= 512 the small-M heuristic or a stored small-M tuning (``--tune``
 tunes those cells first, ``kiln.kernels.gemm.small_m``); above, the autotuner. ``--configs``
 also times every small-M candidate config on the M <= 512 cells (to pick heuristics).
-``--quick`` runs a subset; ``--models`` / ``--layers`` / ``--m`` filter the cells and
-``--budget`` seconds stops between cells.
+``--quick`` runs a subset; ``--models`` (in that order) / ``--layers`` / ``--m`` filter the
+cells, ``--budget`` seconds stops between cells, ``--tune-repeat`` sets the autotuner's timed
+runs per config (the large-M cells' tuning dominates a full run).
 """
 
 from __future__ import annotations
@@ -175,6 +176,8 @@ def llm_main(args, torch) -> None:
     cells = [(model, layer, m) for model, layer, m in cells
              if model in models and (not args.layers or layer in args.layers)
              and (not args.m or m in args.m)]
+    if args.tune_repeat:  # long kernels need few timings to rank the autotuner's configs
+        hopper_autotuner.warmup, hopper_autotuner.repeat = 1, args.tune_repeat
     began = time.perf_counter()
     bw = copy_gbps(torch)
     print(f"{torch.cuda.get_device_name()}, bf16, weights N x K; copy bandwidth "
