@@ -27,7 +27,9 @@ FAMILIES = {  # one config per family, with every new knob somewhere
     "bm64_bn256_split2": C(block_m=64, block_n=256, stages=4, split_k=2),
     "bm128_bn128_split2": C(block_n=128, stages=6, split_k=2),
     # the in-kernel reduction (last slice of a tile to finish sums the partials)
+    # swap-AB over all of K: tiles of C.T stored straight into C, one launch
     "fused_swap32": C(block_n=32, stages=8, swap_ab=True, fused_reduce=True),
+    "direct_swap32_bm64": C(block_m=64, block_n=32, stages=12, swap_ab=True, fused_reduce=True),
     "fused_swap32_split4": C(block_n=32, stages=8, swap_ab=True, split_k=4, fused_reduce=True),
     "fused_swap64_split3": C(block_n=64, stages=8, swap_ab=True, split_k=3, fused_reduce=True),
     "fused_bm64_bn128_split3": C(block_m=64, block_n=128, stages=8, split_k=3,
@@ -161,6 +163,16 @@ def test_fused_reduce_ptx_publishes_then_takes_a_ticket():
     assert len(re.findall(r"atom\.[^\s]*add", ptx)) == 1  # one ticket per tile and consumer
     assert len(re.findall(r"fence\.[a-z_.]*gpu", ptx)) == 2  # release, then acquire if last
     assert "cp.async.bulk.tensor.2d.global.shared" not in ptx  # C leaves by plain stores
+    assert ck.metadata["spill_bytes"] == 0
+
+
+@pytest.mark.lower
+def test_whole_k_swap_ab_ptx_stores_c_without_a_ticket():
+    ck = compile_matmul("bf16", target="sm_90a", trans_b=True, block_m=64, block_n=32,
+                        stages=12, swap_ab=True, fused_reduce=True)
+    ptx = ck.asm["ptx"]
+    assert not re.findall(r"atom\.", ptx) and not re.findall(r"fence\.[a-z_.]*gpu", ptx)
+    assert re.search(r"st\.global[^;]*\.b16", ptx)  # C (bf16) by plain stores
     assert ck.metadata["spill_bytes"] == 0
 
 
