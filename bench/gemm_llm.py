@@ -8,8 +8,9 @@ first (relative error < 1e-2, NaN fails; above M = 1024 on 256 random rows), the
 timed with CUDA events in this process: back-to-back calls (``ratio``, host path included, as
 a model calls it) and calls queued behind a busy stream (``ratio_gpu``: kernels only, since at
 M = 1 a kernel is shorter than a Python call). Each sample holds enough calls for about 2 ms
-of GPU time (``--batch`` at most), and a cell takes the median of up to ``--repeat`` samples
-(fewer for long kernels), so the whole table (56 cells) runs in well under a minute. Besides
+of GPU time (``--batch`` at most), Kiln's and cuBLAS's samples alternate, and a cell takes the
+median of up to ``--repeat`` samples (fewer for long kernels), so the whole table (56 cells)
+runs in well under a minute. Besides
 TFLOP/s each row reports GB/s (A + B + C bytes once) and its fraction of the device's copy
 bandwidth (a 1 GiB device-to-device copy, read + write), which is the ceiling for small M,
 and the config Kiln ran. ``--kernels`` also names the cuBLAS kernels of each cell (one
@@ -25,6 +26,7 @@ runs per config (the large-M cells' tuning dominates a full run).
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import fields
 
@@ -62,20 +64,34 @@ def copy_gbps(torch) -> float:
 
 
 def measure(torch, fn, repeat: int, batch: int) -> tuple[float, float]:
-    """(call ms, GPU ms) of ``fn``: samples of about :data:`SAMPLE_MS` of GPU time, up to
-    ``repeat`` of them within :data:`CELL_MS`."""
-    fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    stop.record()
-    stop.synchronize()
-    once = max(start.elapsed_time(stop), 1e-3)
-    calls = max(1, min(batch, round(SAMPLE_MS / once)))
-    samples = max(2, min(repeat, int(CELL_MS / (calls * once))))
-    return (time_ms(fn, samples, calls, warmup=1),
-            queued_ms(fn, samples, calls, warmup=1, sleep_cycles=SLEEP_CYCLES))
+    """(call ms, GPU ms) of ``fn``: see :func:`measure_pair`."""
+    return measure_pair(torch, (fn,), repeat, batch)[0]
+
+
+def measure_pair(torch, fns, repeat: int, batch: int) -> list[tuple[float, float]]:
+    """(call ms, GPU ms) of each of ``fns``: samples of about :data:`SAMPLE_MS` of GPU time
+    (``batch`` calls at most), up to ``repeat`` of them within :data:`CELL_MS`, the functions'
+    samples interleaved (clock and power drift hit both alike); medians."""
+    plans = []
+    for fn in fns:
+        fn()
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        once = max(start.elapsed_time(stop), 1e-3)
+        calls = max(1, min(batch, round(SAMPLE_MS / once)))
+        plans.append((calls, max(2, min(repeat, int(CELL_MS / (calls * once))))))
+    samples = min(s for _, s in plans)
+    times = [([], []) for _ in fns]
+    for _ in range(samples):
+        for queued in (False, True):
+            for fn, (calls, _), (call_ms, gpu_ms) in zip(fns, plans, times):
+                (gpu_ms if queued else call_ms).append(time_ms(
+                    fn, 1, calls, warmup=0, queued=queued, sleep_cycles=SLEEP_CYCLES))
+    return [(statistics.median(c), statistics.median(g)) for c, g in times]
 
 
 def cell(torch, model: str, layer: str, m: int, repeat: int, batch: int, *, tune: bool,
@@ -99,8 +115,8 @@ def cell(torch, model: str, layer: str, m: int, repeat: int, batch: int, *, tune
     if not error < 1e-2:  # also catches NaN: reported in the table, fails the run at the end
         return {"model": model, "layer": layer, "m": m, "n": n, "k": k, "rel_error": error}
     flops, nbytes = 2.0 * m * n * k, 2.0 * (m * k + n * k + m * n)
-    kiln_ms, kiln_gpu = measure(torch, lambda: matmul(x, w, trans_b=True), repeat, batch)
-    torch_ms, torch_gpu = measure(torch, lambda: torch.matmul(x, w.T), repeat, batch)
+    (kiln_ms, kiln_gpu), (torch_ms, torch_gpu) = measure_pair(
+        torch, (lambda: matmul(x, w, trans_b=True), lambda: torch.matmul(x, w.T)), repeat, batch)
     row = {"ratio_gpu": torch_gpu / kiln_gpu, "kiln_gpu_ms": kiln_gpu, "cublas_gpu_ms": torch_gpu,
            "model": model, "layer": layer, "m": m, "n": n, "k": k, "rel_error": error,
            "kiln_ms": kiln_ms, "cublas_ms": torch_ms, "kiln_tflops": flops / kiln_ms / 1e9,
