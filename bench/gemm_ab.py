@@ -85,7 +85,8 @@ CANDIDATES = {
               C(block_m=64, block_n=128, stages=8, pdl=True), C(block_m=64, block_n=128, stages=8),
               C(block_m=64, block_n=256, stages=4), C(block_m=64, block_n=192, stages=5),
               C(block_n=128, stages=6, stream_k=True, pdl=True),
-              C(block_n=192, stream_k=True, pdl=True)),
+              C(block_n=192, stream_k=True, pdl=True), C(stream_k=True, pdl=True),
+              C(block_m=64, block_n=256, stages=4, stream_k=True, pdl=True)),
     # the large-GEMM autotuner's space and its neighbours
     1 << 30: HOPPER_CONFIGS + (C(group_m=16), C(block_n=192, group_m=16),
                                C(cluster_m=2, group_m=16), C(block_n=192, stream_k=True),
