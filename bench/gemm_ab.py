@@ -26,7 +26,10 @@ import json
 import time
 from dataclasses import fields
 
-import torch
+try:
+    import torch
+except ImportError:  # the candidate lists (and --help) work without torch
+    torch = None
 
 import kiln
 from kiln.autotune import compile_all
@@ -43,7 +46,7 @@ CANDIDATES = {
          C(block_n=32, stages=8, swap_ab=True, split_k=8, pdl=True),
          C(block_n=32, stages=8, swap_ab=True, split_k=16, pdl=True),
          C(block_n=32, stages=8, swap_ab=True, stream_k=True, pdl=True),
-         C(block_n=32, stages=12, swap_ab=True, split_k=4, pdl=True),
+         C(block_n=32, stages=10, swap_ab=True, split_k=4, pdl=True),
          C(block_m=64, block_n=32, stages=12, swap_ab=True, split_k=2, pdl=True),
          C(block_m=64, block_n=32, stages=12, swap_ab=True, split_k=4, pdl=True),
          C(block_m=64, block_n=32, stages=12, swap_ab=True, stream_k=True, pdl=True),
@@ -71,7 +74,7 @@ CANDIDATES = {
          C(block_m=64, block_n=64, stages=12, split_k=4, pdl=True),
          C(block_m=64, block_n=128, stages=8, split_k=2, pdl=True),
          C(block_m=64, block_n=128, stages=8, split_k=4, pdl=True),
-         C(block_m=64, block_n=128, stages=10, split_k=4, pdl=True),
+         C(block_m=64, block_n=128, stages=9, split_k=4, pdl=True),
          C(block_m=64, block_n=128, stages=8, split_k=4, fused_reduce=True, pdl=True),
          C(block_m=64, block_n=128, stages=9, stream_k=True, pdl=True),
          C(block_m=64, block_n=256, stages=4),

@@ -110,10 +110,8 @@ def test_pdl_ptx_waits_on_the_grid_before_it():
     c = np.empty((1, 1), ml_dtypes.bfloat16)
     for pdl in (True, False):
         ptx = reduce_kernel(pdl).compile(w, c, 1, 1, 1, 1, target="sm_90a", num_warps=8,
-                                         SWAP=1, WIDTH=1, UNROLL=4).asm["ptx"]
+                                         SWAP=1, WIDTH=1).asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == pdl
-        # the slice loop is unrolled: four loads, no branch back
-        assert ptx.count("ld.global") == 4 and "bra" not in ptx.split("ld.global", 1)[1]
     plain = compile_matmul("bf16", target="sm_90a", trans_b=True, block_n=32, stages=8,
                            swap_ab=True, split_k=4)
     assert "griddepcontrol" not in plain.asm["ptx"]

@@ -255,3 +255,18 @@ def test_gpu_matmul_small_m_plans(m, trans_b, rng):
         torch.empty(m * n * 8, device="cuda").fill_(float("nan"))
         c = matmul(a_dev, b_dev, trans_b=trans_b)
         assert_matmul_close(c, a, b_kn)
+
+
+def test_bench_candidate_lists_are_valid_configs(monkeypatch):
+    """bench/gemm_ab.py and gemm_config_sweep.py build their candidates at import: a config
+    that cannot exist (too many stages for shared memory) must fail here, not on a GPU."""
+    import importlib
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "bench"))
+    ab = importlib.import_module("gemm_ab")
+    sweep = importlib.import_module("gemm_config_sweep")
+    configs = [c for group in ab.CANDIDATES.values() for c in group]
+    configs += list(sweep.SMALL_CONFIGS) + list(sweep.LARGE_CONFIGS)
+    assert configs and all(isinstance(c, HopperGemmConfig) for c in configs)
+    assert all(c.shared_bytes() <= 227 * 1024 for c in configs)

@@ -101,8 +101,7 @@ def run_partials(a, b, c, m, n, k, *, dtype, b_major, target, config, stream=Non
     reduce_args = (w, c, m, n, layout.slice_rows, layout.slices)
     reduce_grid = (-(-m * n // (width * REDUCE_THREADS)), 1, 1)
     reduce_options = dict(target=target, num_warps=REDUCE_THREADS // 32,
-                          SWAP=int(config.swap_ab), WIDTH=width,
-                          UNROLL=slice_unroll(layout.slices))
+                          SWAP=int(config.swap_ab), WIDTH=width)
     if interpret:
         runtime.interpret(kernel, (layout.units, 1, 1), [x, y, w, pm, pn, k], **options)
         runtime.interpret(reduce, reduce_grid, list(reduce_args), **reduce_options)
@@ -135,7 +134,7 @@ def bind_partials(a, b, c, m, n, k, *, dtype, b_major, target, config):
     reduce = runtime.bind(reduce_kernel(config.pdl), (-(-m * n // (width * REDUCE_THREADS)), 1, 1),
                           [w, c, m, n, layout.slice_rows, layout.slices], target=target,
                           num_warps=REDUCE_THREADS // 32, SWAP=int(config.swap_ab),
-                          WIDTH=width, UNROLL=slice_unroll(layout.slices))
+                          WIDTH=width)
 
     def new_workspace():
         ws = torch.empty_like(w)
@@ -238,13 +237,11 @@ def reduce_kernel(pdl: bool = False):
     """The slice reduction: ``c[i, j] = sum_s w[s * slice_rows + i, j]`` (``SWAP``: of
     ``w[s * slice_rows + j, i]``), f32 in slice order, cast to ``c``'s dtype; ``WIDTH``
     consecutive columns per thread (1 with ``SWAP``); ``pdl``: a programmatic dependent launch
-    (see :class:`.hopper.HopperGemmConfig`). The slice loop is unrolled ``UNROLL`` times (a
-    power of two, at least ``slices``; see :func:`slice_unroll`) so that every slice's load is
-    in flight at once: a loop of dependent loads cost one L2 round trip per slice."""
+    (see :class:`.hopper.HopperGemmConfig`)."""
 
     def splitk_reduce(w: kiln.Tensor[kiln.f32, 2], c, m: kiln.i32, n: kiln.i32,
                       slice_rows: kiln.i32, slices: kiln.i32, SWAP: kiln.constexpr,
-                      WIDTH: kiln.constexpr, UNROLL: kiln.constexpr):
+                      WIDTH: kiln.constexpr):
         if pdl:
             nvidia_asm.grid_dependency_wait()
             nvidia_asm.launch_dependents()
@@ -257,16 +254,9 @@ def reduce_kernel(pdl: bool = False):
             w_row, w_col = row, col
         if i * WIDTH < m * n:
             total = w.load(w_row, w_col, width=WIDTH, align=4 * WIDTH)
-            for s in kiln.static_range(1, UNROLL):
-                # slices past the last re-read it (no branch, so no load waits for another)
-                part = w.load(kiln.minimum(s, slices - 1) * slice_rows + w_row, w_col,
-                              width=WIDTH, align=4 * WIDTH)
-                total = kiln.where(s < slices, total + part, total)
+            for s in kiln.range(1, slices):
+                total = total + w.load(s * slice_rows + w_row, w_col, width=WIDTH,
+                                       align=4 * WIDTH)
             c.store(row, col, kiln.cast(total, c.dtype), align=c.dtype.itemsize * WIDTH)
 
     return kiln.kernel(splitk_reduce)
-
-
-def slice_unroll(slices: int) -> int:
-    """The reduction's ``UNROLL``: the power of two at least ``slices``."""
-    return 1 << max(0, slices - 1).bit_length()
