@@ -93,6 +93,10 @@ def test_heuristic_shapes_the_work_to_the_gpu():
     # 448 tiles of 128 x 256 are 3.4 waves, 600 of 128 x 192 4.5: a fuller last wave
     assert wide == HopperGemmConfig(block_n=192)
     assert heuristic_config(256, 28672, 4096, "k", sms=132) == HopperGemmConfig()
+    # Llama-3-70B QKV at M = 256: 80 tiles of 128 x 256 (one partial wave) rather than 160 of
+    # 128 x 128 (two); at 8B QKV the 96 tiles of 128 x 128 fit one wave and stay
+    assert heuristic_config(256, 10240, 8192, "k", sms=132) == HopperGemmConfig()
+    assert heuristic_config(256, 6144, 4096, "k", sms=132).block_n == 128
     # M = 256, K = 14336: 128 x 128 tiles in 2 K slices (128 units), not 64 x 128 ones whole
     long_k = heuristic_config(256, 4096, 14336, "k", sms=132)
     assert (long_k.block_m, long_k.block_n, long_k.split_k, long_k.pdl) == (128, 128, 2, True)
