@@ -98,9 +98,9 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
             return HopperGemmConfig(block_n=32, stages=8, swap_ab=True, stream_k=True, pdl=True)
         return HopperGemmConfig(block_n=32, stages=8, swap_ab=True,
                                 split_k=_slices(sms // tiles, steps), pdl=True)
+    wide = -(-m // 128) * -(-n // 256)  # 128 x 256 tiles
     for block_m, block_n, stages in TILE_SHAPES:
         tiles = -(-m // block_m) * -(-n // block_n)
-        wide = -(-m // 128) * -(-n // 256)  # 128 x 256 tiles
         if (block_m, block_n) == (128, 128) and m > 64 and tiles > sms >= wide:
             return HopperGemmConfig()  # one partial wave of 128 x 256 tiles, not two of 128 x 128
         if (block_m == 64 or m > 64) and tiles >= WAVE * sms:
