@@ -25,7 +25,9 @@ loop of one ``torch.matmul`` per group; ``--sweep`` with it also times each grou
 cells first, ``--configs`` times every small-M candidate config).
 
 Usage (on an H100): ``python bench/gemm.py [--json out.json] [--repeat 20] [--batch 10]
-[--sweep] [--grouped] [--fp8 [--quick]] [--llm [--quick] [--tune] [--configs]]``.
+[--shapes 4096x4096x4096] [--sweep] [--grouped] [--fp8 [--quick]]
+[--llm [--quick] [--tune] [--configs] [--kernels] [--models ..] [--layers ..] [--m ..]
+[--budget S]]``.
 """
 
 from __future__ import annotations
@@ -114,6 +116,17 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true", help="--llm: tune the small-M cells")
     parser.add_argument("--configs", action="store_true",
                         help="--llm: time every small-M candidate config too")
+    parser.add_argument("--kernels", action="store_true",
+                        help="--llm: name the cuBLAS kernels of each cell (profiler)")
+    parser.add_argument("--models", nargs="*", help="--llm: only these models")
+    parser.add_argument("--layers", nargs="*", help="--llm: only these layers")
+    parser.add_argument("--m", type=int, nargs="*", help="--llm: only these M")
+    parser.add_argument("--tune-repeat", type=int,
+                        help="--llm: timed runs per autotuner config (default: the tuner's)")
+    parser.add_argument("--budget", type=float, default=1e9,
+                        help="--llm: stop between cells after this many seconds")
+    parser.add_argument("--shapes", nargs="*", metavar="MxNxK",
+                        help="the default run's shapes (default: 4096^3 and 8192 x 8192 x K)")
     args = parser.parse_args()
     if torch is None or not torch.cuda.is_available():
         raise SystemExit("bench/gemm.py needs torch with a CUDA GPU")
@@ -127,7 +140,8 @@ def main() -> None:
         llm_main(args, torch)
         return
     swept = sweep(8192, 8192, 8192, args.repeat, args.batch) if args.sweep else []
-    rows = [bench(m, n, k, args.repeat, args.batch) for m, n, k in SHAPES]
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else SHAPES
+    rows = [bench(m, n, k, args.repeat, args.batch) for m, n, k in shapes]
     device = torch.cuda.get_device_name()
     print(f"{device}, bf16 in / bf16 out, f32 accumulate")
     print(f"{'M x N x K':>20} {'Kiln TFLOP/s':>13} {'cuBLAS TFLOP/s':>15} {'ratio':>6}")

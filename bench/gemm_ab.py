@@ -2,10 +2,10 @@
 
 For each cell (``model:layer:M``, weights stored N x K as in ``bench/gemm.py --llm``) and each
 candidate config of :data:`CANDIDATES` for that M (plus ``matmul``'s own pick): the result is
-checked against float32 (relative error < 1e-2), then timed two ways in this process, beside
-``torch.matmul(x, w.T)`` (cuBLAS):
+checked against float32 (relative error < 1e-2), then timed two ways in this process (``gemm_llm.measure``: samples of about 2 ms of GPU
+time), beside ``torch.matmul(x, w.T)`` (cuBLAS):
 
-* ``gpu``: kernels only (calls queued behind a busy stream, ``timing.queued_ms``);
+* ``gpu``: kernels only (calls queued behind a busy stream);
 * ``call``: ``--batch`` back-to-back calls of the config's bound plan (what a repeat
   ``matmul`` call runs: one allocation, one or two bound launches), host time included,
   as the LLM sweep's ``ratio`` column times ``matmul``.
@@ -26,43 +26,76 @@ import json
 import time
 from dataclasses import fields
 
-import torch
+try:
+    import torch
+except ImportError:  # the candidate lists (and --help) work without torch
+    torch = None
 
 import kiln
 from kiln.autotune import compile_all
 from kiln.kernels import gemm
 from kiln.kernels.gemm import HOPPER_CONFIGS, HopperGemmConfig, compile_matmul, matmul
 from kiln.kernels.gemm.small_m import SMALL_M, chosen_config
-from gemm_llm import MODELS
-from timing import queued_ms, time_ms
+from gemm_llm import MODELS, measure
 
 C = HopperGemmConfig
-# Candidates by the largest M they are tried at (decode, then prefill-chunk sizes).
+# Candidates by the largest M they are tried at (decode, prefill-chunk, then prefill sizes).
 CANDIDATES = {
-    64: (C(block_n=32, stages=8, swap_ab=True, split_k=4),
-         C(block_n=32, stages=8, swap_ab=True, split_k=4, pdl=True),
-         C(block_n=32, stages=10, swap_ab=True, split_k=4, pdl=True),
+    16: (C(block_n=32, stages=8, swap_ab=True, split_k=4, pdl=True),
          C(block_n=32, stages=8, swap_ab=True, split_k=2, pdl=True),
          C(block_n=32, stages=8, swap_ab=True, split_k=8, pdl=True),
-         C(block_n=32, stages=8, swap_ab=True, stream_k=True),
+         C(block_n=32, stages=8, swap_ab=True, split_k=16, pdl=True),
          C(block_n=32, stages=8, swap_ab=True, stream_k=True, pdl=True),
+         C(block_n=32, stages=10, swap_ab=True, split_k=4, pdl=True),
+         C(block_m=64, block_n=32, stages=12, swap_ab=True, split_k=2, pdl=True),
+         C(block_m=64, block_n=32, stages=12, swap_ab=True, split_k=4, pdl=True),
+         C(block_m=64, block_n=32, stages=12, swap_ab=True, stream_k=True, pdl=True),
+         C(block_m=192, block_n=32, stages=6, swap_ab=True, split_k=4, pdl=True,
+           consumer_registers=152),
+         C(block_m=256, block_n=32, stages=5, swap_ab=True, split_k=4, pdl=True,
+           consumer_registers=112),
+         C(block_m=256, block_n=32, stages=5, swap_ab=True, stream_k=True, pdl=True,
+           consumer_registers=112),
+         C(block_n=32, stages=8, swap_ab=True, split_k=4, fused_reduce=True, pdl=True),
+         # swap-AB over all of K, C stored directly (one launch)
+         C(block_n=32, stages=8, swap_ab=True, fused_reduce=True, pdl=True),
+         C(block_m=64, block_n=32, stages=12, swap_ab=True, fused_reduce=True, pdl=True),
+         C(block_m=256, block_n=32, stages=5, swap_ab=True, fused_reduce=True, pdl=True,
+           consumer_registers=112),
+         C(block_m=64, block_n=256, stages=4),
+         C(block_m=64, block_n=192, stages=5, stream_k=True, pdl=True),
+         C(block_m=64, block_n=128, stages=8, split_k=4, pdl=True)),
+    64: (C(block_n=32, stages=8, swap_ab=True, split_k=4, pdl=True),
          C(block_n=64, stages=8, swap_ab=True, split_k=4, pdl=True),
-         C(block_n=64, stages=8, swap_ab=True, stream_k=True, pdl=True),
-         C(block_m=64, block_n=128, stages=8, split_k=4),
+         C(block_m=64, block_n=64, stages=12, swap_ab=True, split_k=2, pdl=True),
+         C(block_m=64, block_n=64, stages=12, swap_ab=True, split_k=4, pdl=True),
+         C(block_m=64, block_n=64, stages=12, swap_ab=True, fused_reduce=True, pdl=True),
+         C(block_m=64, block_n=64, stages=12, split_k=2, pdl=True),
+         C(block_m=64, block_n=64, stages=12, split_k=4, pdl=True),
+         C(block_m=64, block_n=128, stages=8, split_k=2, pdl=True),
          C(block_m=64, block_n=128, stages=8, split_k=4, pdl=True),
+         C(block_m=64, block_n=128, stages=9, split_k=4, pdl=True),
+         C(block_m=64, block_n=128, stages=8, split_k=4, fused_reduce=True, pdl=True),
          C(block_m=64, block_n=128, stages=9, stream_k=True, pdl=True),
          C(block_m=64, block_n=256, stages=4),
-         C(block_m=64, block_n=256, stages=4, pdl=True),
-         C(block_m=64, block_n=256, stages=4, stream_k=True, pdl=True),
-         C(block_m=64, block_n=32, stages=12, swap_ab=True, pingpong=True, pdl=True)),
-    SMALL_M: (C(), C(pdl=True), C(stream_k=True), C(stream_k=True, pdl=True),
-              C(block_n=192), C(block_n=192, pdl=True),
+         C(block_m=64, block_n=256, stages=4, split_k=2, pdl=True),
+         C(block_m=64, block_n=192, stages=5, stream_k=True, pdl=True)),
+    SMALL_M: (C(), C(stream_k=True), C(block_n=192), C(block_n=192, pdl=True),
               C(block_n=128, stages=6), C(block_n=128, stages=6, pdl=True),
-              C(block_n=128, stages=6, cluster_m=2), C(cluster_m=2),
+              C(block_n=128, stages=6, cluster_m=2), C(cluster_m=2), C(block_n=192, cluster_m=2),
               C(block_n=128, stages=6, split_k=2, pdl=True), C(split_k=2, pdl=True),
-              C(split_k=4, pdl=True), C(block_m=64, block_n=128, stages=8, pdl=True),
+              C(block_n=192, split_k=2, pdl=True), C(block_n=128, stages=6, split_k=3, pdl=True),
+              C(block_m=64, block_n=128, stages=8, pdl=True), C(block_m=64, block_n=128, stages=8),
+              C(block_m=64, block_n=256, stages=4), C(block_m=64, block_n=192, stages=5),
               C(block_n=128, stages=6, stream_k=True, pdl=True),
-              C(block_m=64, block_n=256, stages=4, pdl=True)),
+              C(block_n=192, stream_k=True, pdl=True), C(stream_k=True, pdl=True),
+              C(block_m=64, block_n=256, stages=4, stream_k=True, pdl=True)),
+    # the large-GEMM autotuner's space and its neighbours
+    1 << 30: HOPPER_CONFIGS + (C(group_m=16), C(block_n=192, group_m=16),
+                               C(cluster_m=2, group_m=16), C(block_n=192, stream_k=True),
+                               C(stages=3, cluster_m=2), C(block_n=128, stages=6, cluster_m=2),
+                               C(block_m=64, block_n=256, stages=4, pingpong=True),
+                               C(group_m=4), C(pdl=True)),
 }
 
 
@@ -101,7 +134,7 @@ def ab_cell(model: str, layer: str, m: int, repeat: int, batch: int, top: int = 
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     reference = x.float() @ w.float().T
     cublas = lambda: torch.matmul(x, w.T)  # noqa: E731
-    cublas_gpu, cublas_call = queued_ms(cublas, repeat), time_ms(cublas, repeat, batch)
+    cublas_call, cublas_gpu = measure(torch, cublas, repeat, batch)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     pick = chosen_config(m, n, k, "bf16", "k", "bf16", sms=sms) if m <= SMALL_M else None
     configs = [] if matmul_only else \
@@ -137,7 +170,7 @@ def _time(call, config, reference, repeat, batch, cublas_gpu, cublas_call) -> di
     if not err < 1e-2:
         print(f"    WRONG (relative error {err})  {name}")
         return {"rel_error": err}
-    gpu, host = queued_ms(call, repeat), time_ms(call, repeat, batch)
+    host, gpu = measure(torch, call, repeat, batch)
     row = {"gpu_ms": gpu, "call_ms": host, "gpu_ratio": cublas_gpu / gpu,
            "call_ratio": cublas_call / host, "rel_error": err}
     print(f"    gpu {row['gpu_ratio']:.3f} {gpu * 1e3:7.1f} us  call {row['call_ratio']:.3f} "
@@ -156,6 +189,8 @@ def main() -> None:
                         help="time matmul's own pick alone (no candidates)")
     parser.add_argument("--ab-min-m", type=int, default=0,
                         help="cells of smaller M time matmul's pick alone")
+    parser.add_argument("--ab-max-m", type=int, default=1 << 30,
+                        help="cells of larger M time matmul's pick alone")
     parser.add_argument("--precompile", metavar="I/N",
                         help="compile shard I of N of the run's kernels into the disk cache and "
                              "exit (run N such processes at once before the timed run)")
@@ -166,8 +201,8 @@ def main() -> None:
     start = time.perf_counter()
     cells = [(model, layer, int(m)) for model, layer, m in
              (spec.split(":") for spec in args.cells)]
-    ab = [(model, layer, m) for model, layer, m in cells  # (no candidates above SMALL_M)
-          if not args.matmul_only and args.ab_min_m <= m <= SMALL_M]
+    ab = [(model, layer, m) for model, layer, m in cells
+          if not args.matmul_only and args.ab_min_m <= m <= args.ab_max_m]
     if args.precompile:
         shard, shards = map(int, args.precompile.split("/"))
         compile_all(_compile, _kernels(cells, ab)[shard::shards])

@@ -22,7 +22,10 @@ import json
 import time
 from dataclasses import fields
 
-import torch
+try:
+    import torch
+except ImportError:  # the candidate lists (and --help) work without torch
+    torch = None
 
 import kiln
 from kiln.autotune import compile_all

@@ -5,11 +5,13 @@ from __future__ import annotations
 import statistics
 
 
-def time_ms(fn, repeat: int, batch: int = 1, warmup: int = 3, queued: bool = False) -> float:
+def time_ms(fn, repeat: int, batch: int = 1, warmup: int = 3, queued: bool = False,
+            sleep_cycles: int = 20_000_000) -> float:
     """Median milliseconds per call of ``fn`` over ``repeat`` samples, each timing ``batch``
     back-to-back calls between one pair of CUDA events (after ``warmup`` untimed calls).
-    ``queued``: keep the stream busy (``torch.cuda._sleep``) while the host queues the calls,
-    so the events see only the kernels and no host time (see :func:`queued_ms`)."""
+    ``queued``: keep the stream busy (``torch.cuda._sleep`` of ``sleep_cycles``, ~10 ms by
+    default) while the host queues the calls, so the events see only the kernels and no host
+    time (see :func:`queued_ms`)."""
     import torch
 
     for _ in range(warmup):
@@ -19,7 +21,7 @@ def time_ms(fn, repeat: int, batch: int = 1, warmup: int = 3, queued: bool = Fal
     times = []
     for _ in range(repeat):
         if queued:
-            torch.cuda._sleep(20_000_000)  # ~10 ms of spinning, longer than queuing takes
+            torch.cuda._sleep(sleep_cycles)  # spinning longer than queuing takes
         start.record()
         for _ in range(batch):
             fn()
@@ -29,10 +31,12 @@ def time_ms(fn, repeat: int, batch: int = 1, warmup: int = 3, queued: bool = Fal
     return statistics.median(times)
 
 
-def queued_ms(fn, repeat: int, calls: int = 20, warmup: int = 3) -> float:
+def queued_ms(fn, repeat: int, calls: int = 20, warmup: int = 3,
+              sleep_cycles: int = 20_000_000) -> float:
     """Median GPU milliseconds per call of ``fn`` with no host time counted: ``calls`` calls
-    queued behind a busy stream. Use it to separate kernel speed from launch overhead."""
-    return time_ms(fn, repeat, calls, warmup, queued=True)
+    queued behind a busy stream (``sleep_cycles`` of spinning: more than the host takes to
+    queue them). Use it to separate kernel speed from launch overhead."""
+    return time_ms(fn, repeat, calls, warmup, queued=True, sleep_cycles=sleep_cycles)
 
 
 def host_us(fn, repeat: int, calls: int = 20, warmup: int = 3) -> float:

@@ -27,7 +27,9 @@ FAMILIES = {  # one config per family, with every new knob somewhere
     "bm64_bn256_split2": C(block_m=64, block_n=256, stages=4, split_k=2),
     "bm128_bn128_split2": C(block_n=128, stages=6, split_k=2),
     # the in-kernel reduction (last slice of a tile to finish sums the partials)
+    # swap-AB over all of K: tiles of C.T stored straight into C, one launch
     "fused_swap32": C(block_n=32, stages=8, swap_ab=True, fused_reduce=True),
+    "direct_swap32_bm64": C(block_m=64, block_n=32, stages=12, swap_ab=True, fused_reduce=True),
     "fused_swap32_split4": C(block_n=32, stages=8, swap_ab=True, split_k=4, fused_reduce=True),
     "fused_swap64_split3": C(block_n=64, stages=8, swap_ab=True, split_k=3, fused_reduce=True),
     "fused_bm64_bn128_split3": C(block_m=64, block_n=128, stages=8, split_k=3,
@@ -91,6 +93,10 @@ def test_heuristic_shapes_the_work_to_the_gpu():
     # 448 tiles of 128 x 256 are 3.4 waves, 600 of 128 x 192 4.5: a fuller last wave
     assert wide == HopperGemmConfig(block_n=192)
     assert heuristic_config(256, 28672, 4096, "k", sms=132) == HopperGemmConfig()
+    # Llama-3-70B QKV at M = 256: 80 tiles of 128 x 256 (one partial wave) rather than 160 of
+    # 128 x 128 (two); at 8B QKV the 96 tiles of 128 x 128 fit one wave and stay
+    assert heuristic_config(256, 10240, 8192, "k", sms=132) == HopperGemmConfig()
+    assert heuristic_config(256, 6144, 4096, "k", sms=132).block_n == 128
     # M = 256, K = 14336: 128 x 128 tiles in 2 K slices (128 units), not 64 x 128 ones whole
     long_k = heuristic_config(256, 4096, 14336, "k", sms=132)
     assert (long_k.block_m, long_k.block_n, long_k.split_k, long_k.pdl) == (128, 128, 2, True)
@@ -161,6 +167,16 @@ def test_fused_reduce_ptx_publishes_then_takes_a_ticket():
     assert len(re.findall(r"atom\.[^\s]*add", ptx)) == 1  # one ticket per tile and consumer
     assert len(re.findall(r"fence\.[a-z_.]*gpu", ptx)) == 2  # release, then acquire if last
     assert "cp.async.bulk.tensor.2d.global.shared" not in ptx  # C leaves by plain stores
+    assert ck.metadata["spill_bytes"] == 0
+
+
+@pytest.mark.lower
+def test_whole_k_swap_ab_ptx_stores_c_without_a_ticket():
+    ck = compile_matmul("bf16", target="sm_90a", trans_b=True, block_m=64, block_n=32,
+                        stages=12, swap_ab=True, fused_reduce=True)
+    ptx = ck.asm["ptx"]
+    assert not re.findall(r"atom\.", ptx) and not re.findall(r"fence\.[a-z_.]*gpu", ptx)
+    assert re.search(r"st\.global[^;]*\.b16", ptx)  # C (bf16) by plain stores
     assert ck.metadata["spill_bytes"] == 0
 
 
@@ -243,3 +259,18 @@ def test_gpu_matmul_small_m_plans(m, trans_b, rng):
         torch.empty(m * n * 8, device="cuda").fill_(float("nan"))
         c = matmul(a_dev, b_dev, trans_b=trans_b)
         assert_matmul_close(c, a, b_kn)
+
+
+def test_bench_candidate_lists_are_valid_configs(monkeypatch):
+    """bench/gemm_ab.py and gemm_config_sweep.py build their candidates at import: a config
+    that cannot exist (too many stages for shared memory) must fail here, not on a GPU."""
+    import importlib
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "bench"))
+    ab = importlib.import_module("gemm_ab")
+    sweep = importlib.import_module("gemm_config_sweep")
+    configs = [c for group in ab.CANDIDATES.values() for c in group]
+    configs += list(sweep.SMALL_CONFIGS) + list(sweep.LARGE_CONFIGS)
+    assert configs and all(isinstance(c, HopperGemmConfig) for c in configs)
+    assert all(c.shared_bytes() <= 227 * 1024 for c in configs)

@@ -37,7 +37,7 @@ from kiln import mbarrier, nvidia_asm, tma, wgmma
 from kiln.shared import dynamic_shared  # kiln.dynamic_shared once exported
 
 from . import streamk
-from .epilogue import WARP_GROUP_THREADS, finish_fused, store_tile
+from .epilogue import WARP_GROUP_THREADS, finish_fused, store_tile, store_transposed
 
 SWIZZLE = 128  # bytes: one 64-element row of bf16/f16, the layout WGMMA reads conflict-free
 SWIZZLE_ALIGN = 1024  # 128B-swizzled tiles start on a 1024-byte boundary
@@ -65,7 +65,9 @@ class HopperGemmConfig:
     a second kernel sums (:mod:`.splitk`); ``swap_ab`` computes ``C.T = B.T @ A.T`` so a
     small M becomes WGMMA's N (``block_n`` 32 allowed), through the same f32 partials.
     Both are *partials* configs (:attr:`partials`); ``fused_reduce`` has the last K slice of
-    each tile to finish sum the partials in the GEMM kernel itself (no second kernel).
+    each tile to finish sum the partials in the GEMM kernel itself (no second kernel); with
+    ``swap_ab`` and no ``split_k`` it stores each tile of C.T straight into C (one launch, no
+    workspace).
     ``stream_k`` gives every CTA an equal share of the K steps of the last tiles (all tiles when
     there are fewer than CTAs), fixing split tiles up in the kernel (:mod:`.streamk`).
     ``pingpong`` (64-row tiles, whole K) runs two consumer warp groups on alternate tiles, one's
@@ -386,6 +388,8 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
                                    m0 + consumer * 64, n0, piece, k_first, k_end, k_tiles,
                                    plan[3], plan[4], m, n, first_thread, BN // epilogue_n,
                                    c_tiles_per_round, c_cols, config.swap_ab, BM // 64)
+                elif fused and config.split_k == 1:  # swap-AB over all of K: C.T's tile to C
+                    store_transposed(acc, c_out, m0 + consumer * 64, n0, m, n)
                 elif fused:
                     finish_fused(acc, c_map, c_tiles, work, tickets, c_out, owners, consumer,
                                   m0 + consumer * 64, n0, mn_tile * (BM // 64) + consumer,

@@ -78,7 +78,9 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
        least ``0.7 * sms`` tiles, without splitting K; but 128 x 192 for 128 x 256 where its
        last wave is fuller (Llama-3-8B gate/up M = 512: 0.915 vs 0.88 of cuBLAS), and for
        M of 129..512 with K of at least 128 steps, 128 x 128 tiles in 2 K slices instead of
-       64-row tiles when that makes at most ``sms`` units;
+       64-row tiles when that makes at most ``sms`` units; and 128 x 256 tiles (less than
+       ``0.7 * sms`` of them) rather than 128 x 128 ones that would take a second wave
+       (Llama-3-70B QKV M = 256: 0.707 vs 0.628 of cuBLAS on an H200, one run);
     3. else 64 x 128 tiles, K split as in 1 only when they are at most ``sms / 3``.
 
     Configs with a second (reduction) kernel or an in-kernel fix-up are programmatic
@@ -96,8 +98,11 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
             return HopperGemmConfig(block_n=32, stages=8, swap_ab=True, stream_k=True, pdl=True)
         return HopperGemmConfig(block_n=32, stages=8, swap_ab=True,
                                 split_k=_slices(sms // tiles, steps), pdl=True)
+    wide = -(-m // 128) * -(-n // 256)  # 128 x 256 tiles
     for block_m, block_n, stages in TILE_SHAPES:
         tiles = -(-m // block_m) * -(-n // block_n)
+        if (block_m, block_n) == (128, 128) and m > 64 and tiles > sms >= wide:
+            return HopperGemmConfig()  # one partial wave of 128 x 256 tiles, not two of 128 x 128
         if (block_m == 64 or m > 64) and tiles >= WAVE * sms:
             if (block_m, block_n) == (128, 256) and \
                     _wave_use(-(-m // 128) * -(-n // 192), sms) > _wave_use(tiles, sms):
