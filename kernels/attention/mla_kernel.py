@@ -32,6 +32,8 @@ import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
 from kiln.shared import dynamic_shared
 
+from .decode_config import ARRIVED
+from .decode_fused import combine_if_last
 from .decode_rows import advance_row_max, split_count
 from .paged import PagedRowIndices, PageTableRow
 
@@ -55,18 +57,27 @@ MAX_BARRIER, P_BARRIER = 2, 3  # split_keys: row maxima exchanged; P fragments e
 # The default schedule: each group scores half of a page's keys (True), or both score all of
 # them (False, twice the QK work, no exchange).
 SPLIT_KEYS = True
+# O is rescaled only where a row's max moved (True), or on every page (False).
+LAZY_RESCALE = False
 
 
 @functools.lru_cache(maxsize=None)
-def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False):
+def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False,
+                    fused_slots: int = 0, merge_rows: int = ROWS, lazy_rescale: bool = LAZY_RESCALE):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
-    go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials. Run-time
-    parameters: ``q_map`` (``[B * Sq * H, 576]``), ``kv_map``
+    go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
+    ``fused_slots > 0``: the grid has that many splits, and the last CTA of each (batch, row
+    block) to store its partials merges them all into ``o_out`` / ``lse_out`` (the fused
+    combine of :func:`~kiln.kernels.attention.decode_fused.combine_if_last`, ``256 /
+    merge_rows`` threads a row, ``merge_rows`` a power of two covering the block's real rows).
+    Run-time parameters: ``q_map`` (``[B * Sq * H, 576]``), ``kv_map``
     (``[num_pages * page_size, 576]``), ``page_table``, ``seq_lens``, the partials ``o_part``
     ``[splits, B, Sq, H, 512]``, ``lse_part``, ``counts``, ``o_out`` ``[B, Sq, H, 512]``,
-    ``lse_out`` (placeholders where not written), then ``num_splits``,
-    ``heads`` (H), ``seq_q`` (Sq) and ``scale_log2``.
+    ``lse_out`` (placeholders where not written), ``tickets`` (``[B, row blocks, 2]`` i64,
+    zeroed once; each fused launch adds the split count), then ``num_splits``,
+    ``heads`` (H), ``seq_q`` (Sq) and ``scale_log2``. ``lazy_rescale``: O is rescaled only by
+    a thread whose rows' max moved on this page (else every factor is exactly 1).
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     Rows = PagedRowIndices[BLOCK_N, page_size]
     if Rows.num_pages != 1:
@@ -78,7 +89,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                    page_table: kiln.Tensor[kiln.i32, 2], seq_lens: kiln.Tensor[kiln.i32, 1],
                    o_part: kiln.Tensor[kiln.f32, 5], lse_part: kiln.Tensor[kiln.f32, 4],
                    counts: kiln.Tensor[kiln.i32, 3], o_out: kiln.Tensor[kiln.bf16, 4],
-                   lse_out: kiln.Tensor[kiln.f32, 3], num_splits: kiln.i32, heads: kiln.i32,
+                   lse_out: kiln.Tensor[kiln.f32, 3], tickets: kiln.Tensor[kiln.i64, 3],
+                   num_splits: kiln.i32, heads: kiln.i32,
                    seq_q: kiln.i32, scale_log2: kiln.f32):
         # Box 0 .. 8: Q; box 9 + 9 s + c: column chunk c of ring stage s.
         boxes = dynamic_shared(((1 + STAGES) * CHUNKS, BLOCK_N, CHUNK), kiln.bf16, align=1024)
@@ -149,20 +161,35 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
             key0 = (tile_begin + it) * BLOCK_N
             if split_keys:
                 o, m, l = _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0,
-                                              key_limit, seq_len, seq_q, scale_log2, tid, group)
+                                              key_limit, seq_len, seq_q, scale_log2, tid, group,
+                                              lazy_rescale)
             else:
                 o, m, l = _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len,
-                                        seq_q, scale_log2, tid)
+                                        seq_q, scale_log2, tid, lazy_rescale)
             empty.arrive(stage, wgmma_pending=0)
+        arrival = None
+        if fused_slots:
+            # This CTA's place among its row block's splits; read only after its own stores,
+            # so the atomic's round trip overlaps them.
+            arrival = kiln.cast(0, kiln.i64)
+            if tid == 0:
+                arrival = tickets.atomic_add(b, kiln.block_id(0), ARRIVED, 1)
         l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
         if split_keys:  # each group summed its own keys: the row's sum is both groups'
             l = exchange.sum_rows(l, tid, group)
         _store_rows(o, m, l, rows, o_out if direct else o_part,
                     lse_out if direct else lse_part, counts, split, b, heads, packed, group,
                     lane, seq_len, seq_q, tiles_per_split, direct)
+        if fused_slots:
+            last = kiln.shared((1,), kiln.i32)
+            combine_if_last(o_part, lse_part, o_out, lse_out, tickets, arrival, last, b, 0, 0,
+                            row0, tid, _MergeRows(packed, heads, merge_rows), fused_slots, 1,
+                            cta=(b, kiln.block_id(0)))
 
     mla_decode.__name__ = mla_decode.__qualname__ = \
-        f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}"
+        f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}" \
+        f"{f'_fused{fused_slots}r{merge_rows}' if fused_slots else ''}" \
+        f"{'_lazy' if lazy_rescale else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
 
@@ -182,7 +209,7 @@ def _load_tile(page_size, table, tile, seq_len, kv_map, boxes, full, stage, prod
 
 @kiln.func
 def _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len, seq_q, scale_log2,
-                  tid):
+                  tid, lazy_rescale):
     """One page: ``S = Q K^T``, the streaming softmax, ``O = alpha O + P V`` of this warp
     group's columns; returns ``(o, m, l)``."""
     units = kiln.cast(stage * TILE_BYTES // 16, kiln.i64)
@@ -200,7 +227,7 @@ def _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len, seq_q,
         if key0 + BLOCK_N > seq_len:
             _zero_rows_past_end(boxes, stage, seq_len - key0, tid)
         m, l, probs, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2, True)
-    o = wgmma.scale_rows(o, alphas)
+    o = _rescale(o, alphas, lazy_rescale)
     wgmma.fence()  # orders O's rescale and P's registers before the asynchronous reads
     for ks in kiln.static_range(BLOCK_N // 16):
         o = wgmma.mma_async(o, probs.fragment(0, ks), descs[2] + units + ks * 16 * 128 // 16,
@@ -208,6 +235,18 @@ def _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len, seq_q,
     wgmma.commit()
     wgmma.wait_group(0)
     return o, m, l
+
+
+@kiln.func
+def _rescale(o, alphas, lazy):
+    """``O`` times each row's factor; ``lazy``: only where a factor is not exactly 1 (no WGMMA
+    is in flight here, so the branch holds no wait)."""
+    if lazy:
+        if (alphas[0] != 1.0) | (alphas[1] != 1.0):
+            o = wgmma.scale_rows(o, alphas)
+    else:
+        o = wgmma.scale_rows(o, alphas)
+    return o
 
 
 @kiln.func
@@ -300,6 +339,17 @@ def _store_rows(o, m, l, rows, o_part, lse_part, counts, split, b, heads, packed
                                                              tiles_per_split, BLOCK_N, False)
 
 
+class _MergeRows:
+    """The row block's sizes :func:`combine_if_last` reads: packed row ``r`` is token
+    ``r // heads``, head ``r % heads`` (one KV head), ``merge_rows`` rows of 512 columns."""
+
+    head_dim = HEAD_DIM_V
+
+    def __init__(self, packed, heads, merge_rows):
+        self.packed, self.group, self.combine_rows = packed, heads, merge_rows
+        self.combine_threads_per_row = THREADS // merge_rows
+
+
 class _Exchange:
     """Shared memory through which the two groups of ``split_keys`` meet: per packed row of
     the CTA each group's row max (and, at the end, its row sum), and each group's P as its
@@ -343,7 +393,7 @@ class _Exchange:
 
 @kiln.func
 def _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0, key_limit, seq_len,
-                        seq_q, scale_log2, tid, group):
+                        seq_q, scale_log2, tid, group, lazy_rescale):
     """One page with ``split_keys``: group ``g`` scores keys ``32 g .. 32 g + 31`` (Q from
     shared memory, 36 ``m64n32k16``), the row maxima meet in shared memory, each group takes
     P of its keys and keeps its own row sums, the P fragments meet, and each group adds
@@ -390,7 +440,7 @@ def _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0, key_limit,
         new_l.append(total)
     p = exchange.full_probs(wgmma.a_fragment_from_accumulator(
         wgmma.fragment_from_elements(probs), kiln.bf16), tid, group)
-    o = wgmma.scale_rows(o, alphas)
+    o = _rescale(o, alphas, lazy_rescale)
     wgmma.fence()
     for ks in kiln.static_range(BLOCK_N // 16):
         o = wgmma.mma_async(o, p[ks], descs[2] + units + ks * 16 * 128 // 16, dtype=kiln.bf16,
