@@ -59,11 +59,14 @@ MAX_BARRIER, P_BARRIER = 2, 3  # split_keys: row maxima exchanged; P fragments e
 SPLIT_KEYS = True
 # O is rescaled only where a row's max moved (True), or on every page (False).
 LAZY_RESCALE = False
+# A ring stage is released by one thread of each warp group (True), or by every thread.
+GROUP_RELEASE = False
 
 
 @functools.lru_cache(maxsize=None)
 def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False,
-                    fused_slots: int = 0, merge_rows: int = ROWS, lazy_rescale: bool = LAZY_RESCALE):
+                    fused_slots: int = 0, merge_rows: int = ROWS, lazy_rescale: bool = LAZY_RESCALE,
+                    group_release: bool = GROUP_RELEASE):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -78,6 +81,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     zeroed once; each fused launch adds the split count), then ``num_splits``,
     ``heads`` (H), ``seq_q`` (Sq) and ``scale_log2``. ``lazy_rescale``: O is rescaled only by
     a thread whose rows' max moved on this page (else every factor is exactly 1).
+    ``group_release``: one thread of each warp group releases a ring stage (else all 256).
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     Rows = PagedRowIndices[BLOCK_N, page_size]
     if Rows.num_pages != 1:
@@ -105,7 +109,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         producer = nvidia_asm.elect_sync() & (warp == 0)  # converged, before any branch
         for s in kiln.static_range(STAGES):
             full.init(s, count=1, predicate=tid == 0)
-            empty.init(s, count=THREADS, predicate=tid == 0)
+            # One arrival a warp group: its WGMMA reads are done once its thread 0 waited.
+            empty.init(s, count=WARP_GROUPS if group_release else THREADS, predicate=tid == 0)
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
         kiln.tma.prefetch_descriptor(q_map, predicate=producer)
@@ -166,7 +171,11 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
             else:
                 o, m, l = _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len,
                                         seq_q, scale_log2, tid, lazy_rescale)
-            empty.arrive(stage, wgmma_pending=0)
+            if group_release:
+                if tid % 128 == 0:
+                    empty.arrive(stage, wgmma_pending=0)
+            else:
+                empty.arrive(stage, wgmma_pending=0)
         arrival = None
         if fused_slots:
             # This CTA's place among its row block's splits; read only after its own stores,
@@ -189,7 +198,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     mla_decode.__name__ = mla_decode.__qualname__ = \
         f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}" \
         f"{f'_fused{fused_slots}r{merge_rows}' if fused_slots else ''}" \
-        f"{'_lazy' if lazy_rescale else ''}"
+        f"{'_lazy' if lazy_rescale else ''}{'_grel' if group_release else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
 
