@@ -18,13 +18,22 @@ from mla_decode import DQK, DV, copy_bandwidth_gbs, make_problem, unpaged
 from timing import queued_ms
 
 # name -> mla_decode keywords
+LG = dict(lazy_rescale=True, group_release=True)
+PP = dict(split_keys=False, pingpong=True)
 VARIANTS = {
     "base": dict(fused_combine=False, lazy_rescale=False),
     "fused": dict(fused_combine=True, lazy_rescale=False),
     "lazy": dict(fused_combine=False, lazy_rescale=True),
     "fused_lazy": dict(fused_combine=True, lazy_rescale=True),
+    "fused_lg": dict(fused_combine=True, **LG),
     "repl_fused": dict(fused_combine=True, split_keys=False),
+    "pp_fused": dict(fused_combine=True, **PP),
+    "pp_fused_lg": dict(fused_combine=True, **PP, **LG),
     "default": {},
+    "lg": LG,
+    "repl": dict(split_keys=False),
+    "pp": PP,
+    "pp_lg": dict(**PP, **LG),
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},
     **{f"s{n}_fused_lazy": dict(num_splits=n, fused_combine=True, lazy_rescale=True)

@@ -61,12 +61,15 @@ SPLIT_KEYS = True
 LAZY_RESCALE = False
 # A ring stage is released by one thread of each warp group (True), or by every thread.
 GROUP_RELEASE = False
+# split_keys=False only: the groups issue their products in turns (True), or as they come.
+PINGPONG = False
+TURN_BARRIER = 2  # pingpong: group g's turn is named barrier TURN_BARRIER + g (no split_keys)
 
 
 @functools.lru_cache(maxsize=None)
 def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False,
                     fused_slots: int = 0, merge_rows: int = ROWS, lazy_rescale: bool = LAZY_RESCALE,
-                    group_release: bool = GROUP_RELEASE):
+                    group_release: bool = GROUP_RELEASE, pingpong: bool = PINGPONG):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -82,6 +85,9 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     ``heads`` (H), ``seq_q`` (Sq) and ``scale_log2``. ``lazy_rescale``: O is rescaled only by
     a thread whose rows' max moved on this page (else every factor is exactly 1).
     ``group_release``: one thread of each warp group releases a ring stage (else all 256).
+    ``pingpong`` (with ``split_keys=False``): the groups take turns to issue their products
+    (named barriers ``TURN_BARRIER + g``), so that one group's softmax runs while the other's
+    WGMMAs hold the tensor cores.
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     Rows = PagedRowIndices[BLOCK_N, page_size]
     if Rows.num_pages != 1:
@@ -138,6 +144,9 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                  wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=BOX_BYTES,
                                        stride_bytes=1024)
                  + kiln.cast(group * (GROUP_COLS // CHUNK) * BOX_UNITS, kiln.i64))
+        turns = _Turns(group) if pingpong and not split_keys else None
+        if turns is not None:
+            turns.start()
         o = wgmma.fragment_zeros(GROUP_COLS)
         m = [kiln.cast(-math.inf, kiln.f32) for _ in range(2)]
         l = [kiln.cast(0.0, kiln.f32) for _ in range(2)]
@@ -170,7 +179,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                                               lazy_rescale)
             else:
                 o, m, l = _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len,
-                                        seq_q, scale_log2, tid, lazy_rescale)
+                                        seq_q, scale_log2, tid, lazy_rescale, turns)
             if group_release:
                 if tid % 128 == 0:
                     empty.arrive(stage, wgmma_pending=0)
@@ -183,6 +192,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
             arrival = kiln.cast(0, kiln.i64)
             if tid == 0:
                 arrival = tickets.atomic_add(b, kiln.block_id(0), ARRIVED, 1)
+        if turns is not None:
+            turns.finish()
         l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
         if split_keys:  # each group summed its own keys: the row's sum is both groups'
             l = exchange.sum_rows(l, tid, group)
@@ -198,7 +209,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     mla_decode.__name__ = mla_decode.__qualname__ = \
         f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}" \
         f"{f'_fused{fused_slots}r{merge_rows}' if fused_slots else ''}" \
-        f"{'_lazy' if lazy_rescale else ''}{'_grel' if group_release else ''}"
+        f"{'_lazy' if lazy_rescale else ''}{'_grel' if group_release else ''}" \
+        f"{'_pp' if turns_name(pingpong, split_keys) else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
 
@@ -218,17 +230,22 @@ def _load_tile(page_size, table, tile, seq_len, kv_map, boxes, full, stage, prod
 
 @kiln.func
 def _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len, seq_q, scale_log2,
-                  tid, lazy_rescale):
+                  tid, lazy_rescale, turns):
     """One page: ``S = Q K^T``, the streaming softmax, ``O = alpha O + P V`` of this warp
-    group's columns; returns ``(o, m, l)``."""
+    group's columns (each product issued in this group's turn, with ``turns``); returns
+    ``(o, m, l)``."""
     units = kiln.cast(stage * TILE_BYTES // 16, kiln.i64)
     scores = wgmma.fragment_zeros(BLOCK_N)
+    if turns is not None:
+        turns.wait()
     wgmma.fence()
     for ks in kiln.static_range(HEAD_DIM // 16):
         offset = (ks // 4) * BOX_UNITS + (ks % 4) * 2  # 16 columns = 32 bytes of a box
         scores = wgmma.mma_async(scores, descs[0] + offset, descs[1] + units + offset,
                                  dtype=kiln.bf16)
     wgmma.commit()
+    if turns is not None:
+        turns.hand_over()
     wgmma.wait_group(0)
     if key0 + BLOCK_N <= seq_len - seq_q + 1:  # every key visible to every row
         m, l, probs, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2, False)
@@ -237,11 +254,15 @@ def _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len, seq_q,
             _zero_rows_past_end(boxes, stage, seq_len - key0, tid)
         m, l, probs, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2, True)
     o = _rescale(o, alphas, lazy_rescale)
+    if turns is not None:
+        turns.wait()
     wgmma.fence()  # orders O's rescale and P's registers before the asynchronous reads
     for ks in kiln.static_range(BLOCK_N // 16):
         o = wgmma.mma_async(o, probs.fragment(0, ks), descs[2] + units + ks * 16 * 128 // 16,
                             dtype=kiln.bf16, b_major="mn")
     wgmma.commit()
+    if turns is not None:
+        turns.hand_over()
     wgmma.wait_group(0)
     return o, m, l
 
@@ -346,6 +367,48 @@ def _store_rows(o, m, l, rows, o_part, lse_part, counts, split, b, heads, packed
                         counts[b, token, head] = split_count(None, b, token, 0,
                                                              seq_len - seq_q + token + 1,
                                                              tiles_per_split, BLOCK_N, False)
+
+
+def turns_name(pingpong, split_keys):
+    """Whether a kernel of these options takes turns (``pingpong`` applies without
+    ``split_keys``). Example: ``turns_name(True, True) is False``."""
+    return bool(pingpong) and not split_keys
+
+
+class _Turns:
+    """Ping-pong turns of the two warp groups (``split_keys=False``): a group waits for its
+    turn before issuing a product and hands the turn over after; group 1 hands group 0 the
+    first turn, and group 0 takes group 1's last hand-over at the end, so the named barriers'
+    arrivals balance."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def start(self):
+        _first_turn(self.group)
+
+    def wait(self):
+        nvidia_asm.named_barrier(TURN_BARRIER + self.group, THREADS)
+
+    def hand_over(self):
+        nvidia_asm.named_barrier_arrive(TURN_BARRIER + 1 - self.group, THREADS)
+
+    def finish(self):
+        _last_turn(self.group)
+
+
+@kiln.func
+def _first_turn(group):
+    """Group 1 hands group 0 the first turn."""
+    if group == 1:
+        nvidia_asm.named_barrier_arrive(TURN_BARRIER, THREADS)
+
+
+@kiln.func
+def _last_turn(group):
+    """Group 0 takes group 1's last hand-over."""
+    if group == 0:
+        nvidia_asm.named_barrier(TURN_BARRIER, THREADS)
 
 
 class _MergeRows:
