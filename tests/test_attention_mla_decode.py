@@ -45,11 +45,13 @@ def test_deepseek_heads_two_tokens(rng):
     (16, 2, 1, dict(split_keys=False, pingpong=True)),
     (20, 2, 3, dict(split_keys=False, pingpong=True, fused_combine=True, lazy_rescale=True,
                     group_release=True)),
+    (16, 1, 1, dict(seesaw=True)),  # pairs of pages, a pad page after 1, 63, 65 keys
+    (40, 2, 3, dict(seesaw=True, fused_combine=True, lazy_rescale=True)),
 ])
 def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
-    """The fused combine (the last split CTA merges), ping-pong turns, lazy rescale and one
-    release a warp group, on the odd lengths of the test above (the partials are NaN until
-    written: the merge reads only what the splits stored)."""
+    """The fused combine (the last split CTA merges), ping-pong turns, lazy rescale, one
+    release a warp group and the seesaw pairs, on the odd lengths of the test above (the
+    partials are NaN until written: the merge reads only what the splits stored)."""
     q, kv, table, lens = mla_problem(rng, heads, sq, [1, 63, 65, 200])
     o, lse = mla_decode(q, kv, table, lens, num_splits=num_splits, backend="interpret",
                         **options)

@@ -70,7 +70,8 @@ def test_matches_float64_on_gpu(heads, sq, num_splits, split_keys, rng):
     dict(fused_combine=True), dict(fused_combine=False),
     dict(fused_combine=True, lazy_rescale=True, group_release=True),
     dict(split_keys=False, pingpong=True, fused_combine=True),
-    dict(split_keys=False, pingpong=True, lazy_rescale=True, group_release=True)])
+    dict(split_keys=False, pingpong=True, lazy_rescale=True, group_release=True),
+    dict(seesaw=True), dict(seesaw=True, fused_combine=True, lazy_rescale=True)])
 @pytest.mark.parametrize("heads,sq,num_splits", [(16, 1, 4), (128, 2, 3), (40, 1, 1)])
 def test_kernel_options_on_gpu(heads, sq, num_splits, options, rng):
     """The fused combine, ping-pong turns, lazy rescale and group release against the

@@ -64,12 +64,15 @@ GROUP_RELEASE = False
 # split_keys=False only: the groups issue their products in turns (True), or as they come.
 PINGPONG = False
 TURN_BARRIER = 2  # pingpong: group g's turn is named barrier TURN_BARRIER + g (no split_keys)
+# Pages two at a time, one scored by each warp group (mla_seesaw), or one at a time.
+SEESAW = False
 
 
 @functools.lru_cache(maxsize=None)
 def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False,
                     fused_slots: int = 0, merge_rows: int = ROWS, lazy_rescale: bool = LAZY_RESCALE,
-                    group_release: bool = GROUP_RELEASE, pingpong: bool = PINGPONG):
+                    group_release: bool = GROUP_RELEASE, pingpong: bool = PINGPONG,
+                    seesaw: bool = SEESAW):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -87,8 +90,11 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     ``group_release``: one thread of each warp group releases a ring stage (else all 256).
     ``pingpong`` (with ``split_keys=False``): the groups take turns to issue their products
     (named barriers ``TURN_BARRIER + g``), so that one group's softmax runs while the other's
-    WGMMAs hold the tensor cores.
+    WGMMAs hold the tensor cores. ``seesaw``: the pair schedule of
+    :mod:`~kiln.kernels.attention.mla_seesaw` (``split_keys`` and ``pingpong`` do not apply).
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
+    from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum  # it imports this module
+
     Rows = PagedRowIndices[BLOCK_N, page_size]
     if Rows.num_pages != 1:
         raise kiln.UnsupportedError(f"MLA decode reads pages of a multiple of {BLOCK_N} rows, "
@@ -103,20 +109,34 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                    num_splits: kiln.i32, heads: kiln.i32,
                    seq_q: kiln.i32, scale_log2: kiln.f32):
         # Box 0 .. 8: Q; box 9 + 9 s + c: column chunk c of ring stage s.
-        boxes = dynamic_shared(((1 + STAGES) * CHUNKS, BLOCK_N, CHUNK), kiln.bf16, align=1024)
-        full = mbarrier.group(num_barriers=STAGES)
-        empty = mbarrier.group(num_barriers=STAGES)
+        if not seesaw:  # the seesaw schedule's buffers are its own (SeesawRows)
+            boxes = dynamic_shared(((1 + STAGES) * CHUNKS, BLOCK_N, CHUNK), kiln.bf16,
+                                   align=1024)
+        if seesaw:  # one single-slot ring a stage: a pair waits once on each
+            full = [mbarrier.group(num_barriers=1) for _ in range(STAGES)]
+            empty = [mbarrier.group(num_barriers=1) for _ in range(STAGES)]
+        else:
+            full = mbarrier.group(num_barriers=STAGES)
+            empty = mbarrier.group(num_barriers=STAGES)
         # split_keys: the groups' row maxima, sums and P fragments, exchanged in shared memory.
-        exchange = _Exchange() if split_keys else None
+        exchange = _Exchange() if split_keys and not seesaw else None
+        rows_x = SeesawRows() if seesaw else None
         tid = kiln.thread_id(0)
         warp = tid // 32
         lane = tid % 32
         group = tid // 128
-        producer = nvidia_asm.elect_sync() & (warp == 0)  # converged, before any branch
+        # The TMA issuer (seesaw: group 1's first warp, which releases the stages last).
+        producer_warp = 4 if seesaw else 0
+        producer = nvidia_asm.elect_sync() & (warp == producer_warp)  # converged, no branch
         for s in kiln.static_range(STAGES):
-            full.init(s, count=1, predicate=tid == 0)
             # One arrival a warp group: its WGMMA reads are done once its thread 0 waited.
-            empty.init(s, count=WARP_GROUPS if group_release else THREADS, predicate=tid == 0)
+            releases = WARP_GROUPS if group_release or seesaw else THREADS
+            if seesaw:
+                full[s].init(0, count=1, predicate=tid == 0)
+                empty[s].init(0, count=releases, predicate=tid == 0)
+            else:
+                full.init(s, count=1, predicate=tid == 0)
+                empty.init(s, count=releases, predicate=tid == 0)
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
         kiln.tma.prefetch_descriptor(q_map, predicate=producer)
@@ -139,52 +159,60 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         # This thread's two rows of its warp's 16 in each m64 product, and their last keys.
         rows = [row0 + (tid % 128) // 32 * 16 + lane // 4 + 8 * half for half in range(2)]
         key_limit = [seq_len - seq_q + kiln.minimum(r, packed - 1) // heads for r in rows]
-        descs = (wgmma.smem_descriptor(boxes.tile(0), leading_bytes=16, stride_bytes=1024),
-                 wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=16, stride_bytes=1024),
-                 wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=BOX_BYTES,
-                                       stride_bytes=1024)
-                 + kiln.cast(group * (GROUP_COLS // CHUNK) * BOX_UNITS, kiln.i64))
-        turns = _Turns(group) if pingpong and not split_keys else None
+        if not seesaw:
+            descs = (wgmma.smem_descriptor(boxes.tile(0), leading_bytes=16, stride_bytes=1024),
+                     wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=16,
+                                           stride_bytes=1024),
+                     wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=BOX_BYTES,
+                                           stride_bytes=1024)
+                     + kiln.cast(group * (GROUP_COLS // CHUNK) * BOX_UNITS, kiln.i64))
+        turns = _Turns(group) if pingpong and not split_keys and not seesaw else None
         if turns is not None:
             turns.start()
         o = wgmma.fragment_zeros(GROUP_COLS)
         m = [kiln.cast(-math.inf, kiln.f32) for _ in range(2)]
         l = [kiln.cast(0.0, kiln.f32) for _ in range(2)]
-        for it in kiln.range(0, num_tiles):
-            stage = it % STAGES
-            # Every TMA is followed by a wait on its barrier on every path: the first pages
-            # (and Q, on stage 0's barrier) load inside the loop.
-            if (it == 0) & (warp == 0):
-                full.arrive_expect_tx(0, TILE_BYTES + CHUNKS * tma.box_bytes(q_map),
-                                      predicate=producer)
-                for c in kiln.static_range(CHUNKS):
-                    tma.load(q_map, boxes.tile(c), (c * CHUNK, b * packed + row0), full, 0,
-                             predicate=producer)
-                _load_tile(page_size, table, tile_begin, seq_len, kv_map, boxes, full, 0, producer,
-                           arm=False)
-                if num_tiles > 1:
-                    _load_tile(page_size, table, tile_begin + 1, seq_len, kv_map, boxes, full, 1,
-                               producer, arm=True)
-            ahead = it + STAGES - 1
-            if (it > 0) & (ahead < num_tiles):
-                if warp == 0:  # warp-uniform: the producer warp waits, one lane issues
-                    empty.try_wait(ahead % STAGES, ((it - 1) // STAGES) % 2)
-                    _load_tile(page_size, table, tile_begin + ahead, seq_len, kv_map, boxes, full,
-                               ahead % STAGES, producer, arm=True)
-            full.try_wait(stage, (it // STAGES) % 2)
-            key0 = (tile_begin + it) * BLOCK_N
-            if split_keys:
-                o, m, l = _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0,
-                                              key_limit, seq_len, seq_q, scale_log2, tid, group,
-                                              lazy_rescale)
-            else:
-                o, m, l = _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len,
-                                        seq_q, scale_log2, tid, lazy_rescale, turns)
-            if group_release:
-                if tid % 128 == 0:
+        if seesaw:
+            o, m, l = seesaw_pages(o, m, l, rows_x, full, empty, table, kv_map, q_map,
+                                   page_size, tile_begin, num_tiles, seq_len, seq_q, key_limit,
+                                   scale_log2, tid, group, warp, producer, b * packed + row0,
+                                   lazy_rescale)
+        else:
+            for it in kiln.range(0, num_tiles):
+                stage = it % STAGES
+                # Every TMA is followed by a wait on its barrier on every path: the first pages
+                # (and Q, on stage 0's barrier) load inside the loop.
+                if (it == 0) & (warp == 0):
+                    full.arrive_expect_tx(0, TILE_BYTES + CHUNKS * tma.box_bytes(q_map),
+                                          predicate=producer)
+                    for c in kiln.static_range(CHUNKS):
+                        tma.load(q_map, boxes.tile(c), (c * CHUNK, b * packed + row0), full, 0,
+                                 predicate=producer)
+                    _load_tile(page_size, table, tile_begin, seq_len, kv_map, boxes, full, 0, producer,
+                               arm=False)
+                    if num_tiles > 1:
+                        _load_tile(page_size, table, tile_begin + 1, seq_len, kv_map, boxes, full, 1,
+                                   producer, arm=True)
+                ahead = it + STAGES - 1
+                if (it > 0) & (ahead < num_tiles):
+                    if warp == 0:  # warp-uniform: the producer warp waits, one lane issues
+                        empty.try_wait(ahead % STAGES, ((it - 1) // STAGES) % 2)
+                        _load_tile(page_size, table, tile_begin + ahead, seq_len, kv_map, boxes, full,
+                                   ahead % STAGES, producer, arm=True)
+                full.try_wait(stage, (it // STAGES) % 2)
+                key0 = (tile_begin + it) * BLOCK_N
+                if split_keys:
+                    o, m, l = _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0,
+                                                  key_limit, seq_len, seq_q, scale_log2, tid, group,
+                                                  lazy_rescale)
+                else:
+                    o, m, l = _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len,
+                                            seq_q, scale_log2, tid, lazy_rescale, turns)
+                if group_release:
+                    if tid % 128 == 0:
+                        empty.arrive(stage, wgmma_pending=0)
+                else:
                     empty.arrive(stage, wgmma_pending=0)
-            else:
-                empty.arrive(stage, wgmma_pending=0)
         arrival = None
         if fused_slots:
             # This CTA's place among its row block's splits; read only after its own stores,
@@ -195,7 +223,9 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         if turns is not None:
             turns.finish()
         l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
-        if split_keys:  # each group summed its own keys: the row's sum is both groups'
+        if seesaw:  # each group summed its own pages
+            l = seesaw_sum(rows_x, l, tid, group)
+        elif split_keys:  # each group summed its own keys: the row's sum is both groups'
             l = exchange.sum_rows(l, tid, group)
         _store_rows(o, m, l, rows, o_out if direct else o_part,
                     lse_out if direct else lse_part, counts, split, b, heads, packed, group,
@@ -210,7 +240,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}" \
         f"{f'_fused{fused_slots}r{merge_rows}' if fused_slots else ''}" \
         f"{'_lazy' if lazy_rescale else ''}{'_grel' if group_release else ''}" \
-        f"{'_pp' if turns_name(pingpong, split_keys) else ''}"
+        f"{'_pp' if turns_name(pingpong, split_keys) and not seesaw else ''}" \
+        f"{'_seesaw' if seesaw else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
 
