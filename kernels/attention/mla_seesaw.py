@@ -12,6 +12,9 @@ O's columns 0..255 and scores A, group 1 owns 256..511 and scores B:
 | 3 | ``O_L = alpha_A O_L + P_A V_A`` | on A's publication: softmax of ``S_B`` from ``m_A`` (while group 0's product runs): ``m_B``, ``alpha_B``, ``P_B``; publish; ``O_R = alpha_A O_R + P_A V_A`` |
 | 4 | on B's publication: ``O_L = alpha_B O_L + P_B V_B``; release both stages | release stage 0; ``O_R = alpha_B O_R + P_B V_B``; release stage 1 |
 
+Both groups read P back from the rotary boxes (group 0 its own ``P_A``, group 1 its own
+``P_B``), so the code around the WGMMAs is the same in both and only the waits differ.
+
 Warp 4 (group 1's, the last to release a pair's stages) loads the next pair's pages at the
 top of its iteration (each stage a single-slot ring).
 
@@ -73,17 +76,21 @@ def _local_rows(tid):
 
 @kiln.func
 def _publish(rows, slot, m, alphas, probs, tid):
-    """Rows' ``m`` and ``alphas`` into ``slot``, this group's P (four 16-key A fragments a
-    thread) into stage ``slot``'s rotary box, and a proxy fence (the box is TMA-loaded again
-    later; zeroed V rows before it are read by WGMMA)."""
+    """Rows' ``m`` and ``alphas`` into ``slot`` (this group's index), this group's P (four
+    16-key A fragments a thread) into stage ``slot``'s rotary box, and a proxy fence (the box
+    is TMA-loaded again later; zeroed V rows before it are read by WGMMA)."""
     local = _local_rows(tid)
     for half in kiln.static_range(2):
         rows.max[slot, local[half]] = m[half]
         rows.alpha[slot, local[half]] = alphas[half]
     for j in kiln.static_range(BLOCK_N // 16):
         unit = j * GROUP_THREADS + tid % GROUP_THREADS
-        rows.stages[slot].store(P_BOX, unit // 8, unit % 8 * 8, probs.fragment(0, j),
-                                align=16)
+        if slot == 0:
+            rows.stages[0].store(P_BOX, unit // 8, unit % 8 * 8, probs.fragment(0, j),
+                                 align=16)
+        else:
+            rows.stages[1].store(P_BOX, unit // 8, unit % 8 * 8, probs.fragment(0, j),
+                                 align=16)
     nvidia_asm.fence_proxy_async()
 
 
@@ -215,62 +222,49 @@ def seesaw_pages(o, m, l, rows, full, empty, table, kv_map, q_map, page_size, ti
             else:
                 _zero_v(rows.stages[1], valid, tid)
         unmasked = key0 + BLOCK_N <= kiln.minimum(seq_len - seq_q + 1, split_end)
+        # Group 1 scores from A's max: it waits for A's publication first.
+        m_in, l_in, alphas_a = _start_rows(rows, m, l, tid, group)
+        m_own, l_own, own, alphas_own = _page_softmax(scores, m_in, l_in, key0, tid, limits,
+                                                      scale_log2, unmasked)
+        _publish(rows, group, m_own, alphas_own, own, tid)
+        nvidia_asm.named_barrier_arrive(A_READY + group, THREADS)
+        # Both groups read P_A (group 0 its own) and then P_B back from the rotary boxes: the
+        # code around the WGMMAs is the same in both groups, so O's registers never merge
+        # across branches.
+        o = _rescale(o, [kiln.where(group == 0, alphas_own[half], alphas_a[half])
+                         for half in range(2)], lazy_rescale)
+        o = _pv(o, _receive_probs(rows, 0, tid), v_descs[0])
+        m = m_own
+        alphas_b = alphas_own
         if group == 0:
-            o, m, l = _first_group(o, m, l, scores, v_descs, rows, empty, key0, tid, limits,
-                                   scale_log2, unmasked, lazy_rescale)
-        else:
-            o, m, l = _second_group(o, l, scores, v_descs, rows, empty, key0, tid, limits,
-                                    scale_log2, unmasked, lazy_rescale)
+            nvidia_asm.named_barrier(B_READY, THREADS)
+            m, alphas_b = _receive_rows(rows, 1, tid)
+        wgmma.wait_group(0)
+        if tid % GROUP_THREADS == 0:
+            empty[0].arrive(0, wgmma_pending=0)
+        # Group 0's sums are A's: they move to B's max; group 1's already are B's.
+        l = [l_own[half] * kiln.where(group == 0, alphas_b[half], 1.0) for half in range(2)]
+        o = _rescale(o, alphas_b, lazy_rescale)
+        o = _pv(o, _receive_probs(rows, 1, tid), v_descs[1])
+        wgmma.wait_group(0)
+        if tid % GROUP_THREADS == 0:
+            empty[1].arrive(0, wgmma_pending=0)
     return o, m, l
 
 
 @kiln.func
-def _first_group(o, m, l, scores, v_descs, rows, empty, key0, tid, limits, scale_log2,
-                 unmasked, lazy_rescale):
-    """Group 0's steps 2-4 of a pair (module docs); returns ``(o, m, l)``."""
-    m_a, l_a, own, alphas_a = _page_softmax(scores, m, l, key0, tid, limits, scale_log2,
-                                            unmasked)
-    _publish(rows, 0, m_a, alphas_a, own, tid)
-    nvidia_asm.named_barrier_arrive(A_READY, THREADS)
-    o = _rescale(o, alphas_a, lazy_rescale)
-    o = _pv(o, [own.fragment(0, j) for j in range(BLOCK_N // 16)], v_descs[0])
-    nvidia_asm.named_barrier(B_READY, THREADS)
-    wgmma.wait_group(0)  # before B's P is loaded: both P in registers would spill
-    if tid % GROUP_THREADS == 0:
-        empty[0].arrive(0, wgmma_pending=0)
-    m_b, alphas_b = _receive_rows(rows, 1, tid)
-    o = _rescale(o, alphas_b, lazy_rescale)
-    o = _pv(o, _receive_probs(rows, 1, tid), v_descs[1])
-    wgmma.wait_group(0)
-    if tid % GROUP_THREADS == 0:
-        empty[1].arrive(0, wgmma_pending=0)
-    return o, m_b, [l_a[half] * alphas_b[half] for half in range(2)]
-
-
-@kiln.func
-def _second_group(o, l, scores, v_descs, rows, empty, key0, tid, limits, scale_log2,
-                  unmasked, lazy_rescale):
-    """Group 1's steps 3-4 of a pair (module docs); returns ``(o, m, l)``."""
-    nvidia_asm.named_barrier(A_READY, THREADS)
-    m_a, alphas_a = _receive_rows(rows, 0, tid)
-    # B's softmax runs while group 0's P_A V_A is on the tensor cores (before this group's
-    # own product: with O in flight the softmax's registers spill).
-    m_b, l_b, own, alphas_b = _page_softmax(
-        scores, m_a, [l[half] * alphas_a[half] for half in range(2)], key0, tid, limits,
-        scale_log2, unmasked)
-    _publish(rows, 1, m_b, alphas_b, own, tid)
-    nvidia_asm.named_barrier_arrive(B_READY, THREADS)
-    o = _rescale(o, alphas_a, lazy_rescale)
-    o = _pv(o, _receive_probs(rows, 0, tid), v_descs[0])
-    wgmma.wait_group(0)
-    if tid % GROUP_THREADS == 0:
-        empty[0].arrive(0, wgmma_pending=0)
-    o = _rescale(o, alphas_b, lazy_rescale)
-    o = _pv(o, [own.fragment(0, j) for j in range(BLOCK_N // 16)], v_descs[1])
-    wgmma.wait_group(0)
-    if tid % GROUP_THREADS == 0:
-        empty[1].arrive(0, wgmma_pending=0)
-    return o, m_b, l_b
+def _start_rows(rows, m, l, tid, group):
+    """The running ``(m, l)`` this group's softmax starts from and A's factors: its own
+    (group 0; the factors are its softmax's), or A's max and its sums moved to it, once
+    group 0 published A (group 1)."""
+    m_in = m
+    l_in = l
+    alphas_a = [kiln.cast(1.0, kiln.f32) for _ in range(2)]
+    if group == 1:
+        nvidia_asm.named_barrier(A_READY, THREADS)
+        m_in, alphas_a = _receive_rows(rows, 0, tid)
+        l_in = [l[half] * alphas_a[half] for half in range(2)]
+    return m_in, l_in, alphas_a
 
 
 @kiln.func
