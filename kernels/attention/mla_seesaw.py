@@ -28,7 +28,6 @@ pair, so they balance.
 
 from __future__ import annotations
 
-import math
 
 import kiln
 from kiln import nvidia_asm, wgmma
@@ -46,28 +45,37 @@ P_BOX = CHUNKS - 1  # a stage's rotary box: read by its scores only, then P's ho
 
 
 class SeesawRows:
-    """The schedule's shared memory: Q's nine boxes and each stage's nine (separate buffers,
-    so that the wait analysis tells a stage's reads from the other's loads), the rows'
-    running max and factor of each page of a pair, published by its scoring group (slot 0:
-    A, slot 1: B), and the row sums met at the end."""
+    """The schedule's shared memory: Q's nine boxes and each stage's nine, the rows' running
+    max and factor of each page of a pair, published by its scoring group (slot 0: A, slot 1:
+    B), and the row sums met at the end."""
 
     def __init__(self):
-        self.q = dynamic_shared((CHUNKS, BLOCK_N, CHUNK), kiln.bf16, align=1024)
-        self.stages = [dynamic_shared((CHUNKS, BLOCK_N, CHUNK), kiln.bf16, align=1024)
-                       for _ in range(STAGES)]
+        # Box c: Q's column chunk c; box CHUNKS (1 + s) + c: stage s's.
+        self.boxes = dynamic_shared(((1 + STAGES) * CHUNKS, BLOCK_N, CHUNK), kiln.bf16,
+                                    align=1024)
         self.max = kiln.shared((2, ROWS), kiln.f32)
         self.alpha = kiln.shared((2, ROWS), kiln.f32)
         self.sums = kiln.shared((2, ROWS), kiln.f32)
 
     def descriptors(self, group):
-        """Q's descriptor, then K's and this group's V columns' of each stage."""
-        q = wgmma.smem_descriptor(self.q.tile(0), leading_bytes=16, stride_bytes=1024)
-        k = [wgmma.smem_descriptor(t.tile(0), leading_bytes=16, stride_bytes=1024)
-             for t in self.stages]
-        v = [wgmma.smem_descriptor(t.tile(0), leading_bytes=BOX_BYTES, stride_bytes=1024)
-             + kiln.cast(group * (GROUP_COLS // CHUNK) * BOX_UNITS, kiln.i64)
-             for t in self.stages]
+        """Q's descriptor, stage 0's K one and this group's V columns' of stage 0 (a stage
+        further: ``+ stage_units(s)``)."""
+        q = wgmma.smem_descriptor(self.boxes.tile(0), leading_bytes=16, stride_bytes=1024)
+        k = wgmma.smem_descriptor(self.boxes.tile(CHUNKS), leading_bytes=16, stride_bytes=1024)
+        v = wgmma.smem_descriptor(self.boxes.tile(CHUNKS), leading_bytes=BOX_BYTES,
+                                  stride_bytes=1024) \
+            + kiln.cast(group * (GROUP_COLS // CHUNK) * BOX_UNITS, kiln.i64)
         return q, k, v
+
+
+def stage_units(stage):
+    """A stage's offset in 16-byte descriptor units."""
+    return kiln.cast(stage * TILE_BYTES // 16, kiln.i64)
+
+
+def stage_box(stage, c):
+    """The box index of stage ``stage``'s column chunk ``c``."""
+    return CHUNKS * (1 + stage) + c
 
 
 def _local_rows(tid):
@@ -85,12 +93,8 @@ def _publish(rows, slot, m, alphas, probs, tid):
         rows.alpha[slot, local[half]] = alphas[half]
     for j in kiln.static_range(BLOCK_N // 16):
         unit = j * GROUP_THREADS + tid % GROUP_THREADS
-        if slot == 0:
-            rows.stages[0].store(P_BOX, unit // 8, unit % 8 * 8, probs.fragment(0, j),
-                                 align=16)
-        else:
-            rows.stages[1].store(P_BOX, unit // 8, unit % 8 * 8, probs.fragment(0, j),
-                                 align=16)
+        rows.boxes.store(stage_box(slot, P_BOX), unit // 8, unit % 8 * 8, probs.fragment(0, j),
+                         align=16)
     nvidia_asm.fence_proxy_async()
 
 
@@ -108,8 +112,8 @@ def _receive_probs(rows, slot, tid):
     probs = []
     for j in range(BLOCK_N // 16):
         unit = j * GROUP_THREADS + tid % GROUP_THREADS
-        probs.append(rows.stages[slot].load(P_BOX, unit // 8, unit % 8 * 8, width=8,
-                                            align=16))
+        probs.append(rows.boxes.load(stage_box(slot, P_BOX), unit // 8, unit % 8 * 8, width=8,
+                                     align=16))
     return probs
 
 
@@ -138,27 +142,29 @@ def _pv(o, probs, v_desc):
 
 
 @kiln.func
-def _load_page(page_size, table, tile, seq_len, kv_map, buf, full, producer, arm):
-    """TMA page ``tile``'s ``64 x 576`` rows into stage buffer ``buf`` as nine column boxes
-    on ``full`` (a single-slot ring; ``arm``: expect its bytes here, else with Q's)."""
+def _load_page(page_size, table, tile, seq_len, kv_map, boxes, stage, full, producer, arm):
+    """TMA page ``tile``'s ``64 x 576`` rows into ring ``stage``'s nine column boxes on
+    ``full`` (a single-slot ring; ``arm``: expect its bytes here, else with Q's)."""
     if arm:
         full.arrive_expect_tx(0, TILE_BYTES, predicate=producer)
     row = PagedRowIndices[BLOCK_N, page_size].populate(table, tile * BLOCK_N, seq_len).row(0)
     for c in kiln.static_range(CHUNKS):
-        tma.load(kv_map, buf.tile(c), (c * CHUNK, row), full, 0, predicate=producer)
+        tma.load(kv_map, boxes.tile(stage_box(stage, c)), (c * CHUNK, row), full, 0,
+                 predicate=producer)
 
 
 @kiln.func
-def _zero_v(buf, valid_keys, tid):
-    """Zero V's rows of stage buffer ``buf`` from key ``valid_keys`` on (this group's 128
-    threads share the 16-byte stores; ``0 * NaN`` in ``P V`` would poison a row)."""
+def _zero_v(boxes, stage, valid_keys, tid):
+    """Zero V's rows of ring ``stage`` from key ``valid_keys`` on (this group's 128 threads
+    share the 16-byte stores; ``0 * NaN`` in ``P V`` would poison a row)."""
     zeros = kiln.vector_constant([0.0] * 8, kiln.bf16)
     units = V_CHUNKS * BLOCK_N * 8
     for step in kiln.static_range(units // GROUP_THREADS):
         index = step * GROUP_THREADS + tid % GROUP_THREADS
         key = index // 8 % BLOCK_N
         if key >= valid_keys:
-            buf.store(index // (8 * BLOCK_N), key, index % 8 * 8, zeros, align=16)
+            boxes.store(stage_box(stage, index // (8 * BLOCK_N)), key, index % 8 * 8, zeros,
+                        align=16)
 
 
 @kiln.func
@@ -182,7 +188,7 @@ def seesaw_pages(o, m, l, rows, full, empty, table, kv_map, q_map, page_size, ti
     ``rows``: a :class:`SeesawRows`; ``full`` / ``empty``: a single-slot mbarrier ring a
     stage; ``producer``: the elected lane of warp 4 (group 1's first warp), which issues
     every TMA; ``q_row``: Q's first row in ``q_map``."""
-    q_desc, k_descs, v_descs = rows.descriptors(group)
+    q_desc, k_desc, v_desc = rows.descriptors(group)
     split_end = (tile_begin + num_tiles) * BLOCK_N  # keys past the split: the pad page's
     visible_end = kiln.minimum(seq_len, split_end)
     limits = [kiln.minimum(k, split_end - 1) for k in key_limit]
@@ -193,34 +199,30 @@ def seesaw_pages(o, m, l, rows, full, empty, table, kv_map, q_map, page_size, ti
             full[0].arrive_expect_tx(0, TILE_BYTES + CHUNKS * tma.box_bytes(q_map),
                                      predicate=producer)
             for c in kiln.static_range(CHUNKS):
-                tma.load(q_map, rows.q.tile(c), (c * CHUNK, q_row), full[0], 0,
+                tma.load(q_map, rows.boxes.tile(c), (c * CHUNK, q_row), full[0], 0,
                          predicate=producer)
-            _load_page(page_size, table, tile_begin, seq_len, kv_map, rows.stages[0], full[0],
+            _load_page(page_size, table, tile_begin, seq_len, kv_map, rows.boxes, 0, full[0],
                        producer, False)
             _load_page(page_size, table, kiln.minimum(tile_begin + 1, last_tile), seq_len,
-                       kv_map, rows.stages[1], full[1], producer, True)
+                       kv_map, rows.boxes, 1, full[1], producer, True)
         if (pair > 0) & (warp == 4):  # this pair's pages, once the last pair released them
             for stage in kiln.static_range(STAGES):
                 empty[stage].try_wait(0, (pair + 1) % 2)
                 _load_page(page_size, table,
                            kiln.minimum(tile_begin + 2 * pair + stage, last_tile), seq_len,
-                           kv_map, rows.stages[stage], full[stage], producer, True)
+                           kv_map, rows.boxes, stage, full[stage], producer, True)
         full[0].try_wait(0, phase)
         full[1].try_wait(0, phase)
         key0 = (tile_begin + 2 * pair + group) * BLOCK_N  # the page this group scores
-        k_desc = kiln.where(group == 0, k_descs[0], k_descs[1])
         if group == 1:
             nvidia_asm.named_barrier(QK_TURN, THREADS)
-        scores = _scores(q_desc, k_desc)
+        scores = _scores(q_desc, k_desc + stage_units(group))
         if group == 0:
             nvidia_asm.named_barrier_arrive(QK_TURN, THREADS)
         wgmma.wait_group(0)
         if key0 + BLOCK_N > visible_end:  # the last real page, or the pad page
             valid = kiln.maximum(visible_end - key0, 0)
-            if group == 0:
-                _zero_v(rows.stages[0], valid, tid)
-            else:
-                _zero_v(rows.stages[1], valid, tid)
+            _zero_v(rows.boxes, group, valid, tid)
         unmasked = key0 + BLOCK_N <= kiln.minimum(seq_len - seq_q + 1, split_end)
         # Group 1 scores from A's max: it waits for A's publication first.
         m_in, l_in, alphas_a = _start_rows(rows, m, l, tid, group)
@@ -233,7 +235,7 @@ def seesaw_pages(o, m, l, rows, full, empty, table, kv_map, q_map, page_size, ti
         # across branches.
         o = _rescale(o, [kiln.where(group == 0, alphas_own[half], alphas_a[half])
                          for half in range(2)], lazy_rescale)
-        o = _pv(o, _receive_probs(rows, 0, tid), v_descs[0])
+        o = _pv(o, _receive_probs(rows, 0, tid), v_desc)
         m = m_own
         alphas_b = alphas_own
         if group == 0:
@@ -245,7 +247,7 @@ def seesaw_pages(o, m, l, rows, full, empty, table, kv_map, q_map, page_size, ti
         # Group 0's sums are A's: they move to B's max; group 1's already are B's.
         l = [l_own[half] * kiln.where(group == 0, alphas_b[half], 1.0) for half in range(2)]
         o = _rescale(o, alphas_b, lazy_rescale)
-        o = _pv(o, _receive_probs(rows, 1, tid), v_descs[1])
+        o = _pv(o, _receive_probs(rows, 1, tid), v_desc + stage_units(1))
         wgmma.wait_group(0)
         if tid % GROUP_THREADS == 0:
             empty[1].arrive(0, wgmma_pending=0)
