@@ -2,15 +2,17 @@
 one scored by each warp group, so that every ``Q K^T`` reads Q once per page (``m64n64k16``)
 and one group's softmax runs while the other's products hold the tensor cores.
 
-Pair ``i`` holds pages ``A = 2 i`` (ring stage 0) and ``B = 2 i + 1`` (stage 1); group 0 owns
-O's columns 0..255 and scores A, group 1 owns 256..511 and scores B:
+Pair ``i`` holds pages ``2 i`` (ring stage 0) and ``2 i + 1`` (stage 1); group 0 owns O's
+columns 0..255 and scores page A, the one in stage ``i % 2``, group 1 owns 256..511 and scores
+page B, the other (the stages alternate so that no K descriptor is loop-invariant: LLVM
+would hoist all 36 k-steps' descriptors of both operands out of the loop, and spill):
 
 | step | group 0 | group 1 |
 | --- | --- | --- |
 | 1 | ``S_A = Q K_A^T``; hand group 1 its turn | wait for the turn; ``S_B = Q K_B^T`` |
 | 2 | softmax of ``S_A`` from the running max ``m``: ``m_A``, ``alpha_A``, ``P_A``; publish them (rows in shared memory, ``P_A`` in stage 0's rotary box, dead after the scores) | |
 | 3 | ``O_L = alpha_A O_L + P_A V_A`` | on A's publication: softmax of ``S_B`` from ``m_A`` (while group 0's product runs): ``m_B``, ``alpha_B``, ``P_B``; publish; ``O_R = alpha_A O_R + P_A V_A`` |
-| 4 | on B's publication: ``O_L = alpha_B O_L + P_B V_B``; release both stages | release stage 0; ``O_R = alpha_B O_R + P_B V_B``; release stage 1 |
+| 4 | on B's publication: ``O_L = alpha_B O_L + P_B V_B``; release both stages | ``O_R = alpha_B O_R + P_B V_B``; release both stages |
 
 Both groups read P back from the rotary boxes (group 0 its own ``P_A``, group 1 its own
 ``P_B``), so the code around the WGMMAs is the same in both and only the waits differ.
@@ -83,18 +85,18 @@ def _local_rows(tid):
 
 
 @kiln.func
-def _publish(rows, slot, m, alphas, probs, tid):
+def _publish(rows, slot, m, alphas, probs, stage, tid):
     """Rows' ``m`` and ``alphas`` into ``slot`` (this group's index), this group's P (four
-    16-key A fragments a thread) into stage ``slot``'s rotary box, and a proxy fence (the box
-    is TMA-loaded again later; zeroed V rows before it are read by WGMMA)."""
+    16-key A fragments a thread) into the rotary box of ``stage`` (its page's), and a proxy
+    fence (the box is TMA-loaded again later; zeroed V rows before it are read by WGMMA)."""
     local = _local_rows(tid)
     for half in kiln.static_range(2):
         rows.max[slot, local[half]] = m[half]
         rows.alpha[slot, local[half]] = alphas[half]
     for j in kiln.static_range(BLOCK_N // 16):
         unit = j * GROUP_THREADS + tid % GROUP_THREADS
-        rows.boxes.store(stage_box(slot, P_BOX), unit // 8, unit % 8 * 8, probs.fragment(0, j),
-                         align=16)
+        rows.boxes.store(stage_box(stage, P_BOX), unit // 8, unit % 8 * 8,
+                         probs.fragment(0, j), align=16)
     nvidia_asm.fence_proxy_async()
 
 
@@ -107,13 +109,13 @@ def _receive_rows(rows, slot, tid):
 
 
 @kiln.func
-def _receive_probs(rows, slot, tid):
-    """The other group's published P of ``slot`` (four 16-key A fragments a thread)."""
+def _receive_probs(rows, stage, tid):
+    """The P published in ``stage``'s rotary box (four 16-key A fragments a thread)."""
     probs = []
     for j in range(BLOCK_N // 16):
         unit = j * GROUP_THREADS + tid % GROUP_THREADS
-        probs.append(rows.boxes.load(stage_box(slot, P_BOX), unit // 8, unit % 8 * 8, width=8,
-                                     align=16))
+        probs.append(rows.boxes.load(stage_box(stage, P_BOX), unit // 8, unit % 8 * 8,
+                                     width=8, align=16))
     return probs
 
 
@@ -213,43 +215,46 @@ def seesaw_pages(o, m, l, rows, full, empty, table, kv_map, q_map, page_size, ti
                            kv_map, rows.boxes, stage, full[stage], producer, True)
         full[0].try_wait(0, phase)
         full[1].try_wait(0, phase)
-        key0 = (tile_begin + 2 * pair + group) * BLOCK_N  # the page this group scores
+        # Group 0 scores the page of stage pair % 2 ("A"), group 1 the other ("B"): the
+        # stages alternate, so no descriptor is loop-invariant (LLVM would hoist all 72).
+        a_stage = pair % 2
+        own_stage = (pair + group) % 2
+        key0 = (tile_begin + 2 * pair + own_stage) * BLOCK_N  # the page this group scores
         if group == 1:
             nvidia_asm.named_barrier(QK_TURN, THREADS)
-        scores = _scores(q_desc, k_desc + stage_units(group))
+        scores = _scores(q_desc, k_desc + stage_units(own_stage))
         if group == 0:
             nvidia_asm.named_barrier_arrive(QK_TURN, THREADS)
         wgmma.wait_group(0)
         if key0 + BLOCK_N > visible_end:  # the last real page, or the pad page
             valid = kiln.maximum(visible_end - key0, 0)
-            _zero_v(rows.boxes, group, valid, tid)
+            _zero_v(rows.boxes, own_stage, valid, tid)
         unmasked = key0 + BLOCK_N <= kiln.minimum(seq_len - seq_q + 1, split_end)
         # Group 1 scores from A's max: it waits for A's publication first.
         m_in, l_in, alphas_a = _start_rows(rows, m, l, tid, group)
         m_own, l_own, own, alphas_own = _page_softmax(scores, m_in, l_in, key0, tid, limits,
                                                       scale_log2, unmasked)
-        _publish(rows, group, m_own, alphas_own, own, tid)
+        _publish(rows, group, m_own, alphas_own, own, own_stage, tid)
         nvidia_asm.named_barrier_arrive(A_READY + group, THREADS)
         # Both groups read P_A (group 0 its own) and then P_B back from the rotary boxes: the
         # code around the WGMMAs is the same in both groups, so O's registers never merge
         # across branches.
         o = _rescale(o, [kiln.where(group == 0, alphas_own[half], alphas_a[half])
                          for half in range(2)], lazy_rescale)
-        o = _pv(o, _receive_probs(rows, 0, tid), v_desc)
+        o = _pv(o, _receive_probs(rows, a_stage, tid), v_desc + stage_units(a_stage))
         m = m_own
         alphas_b = alphas_own
         if group == 0:
             nvidia_asm.named_barrier(B_READY, THREADS)
             m, alphas_b = _receive_rows(rows, 1, tid)
         wgmma.wait_group(0)
-        if tid % GROUP_THREADS == 0:
-            empty[0].arrive(0, wgmma_pending=0)
         # Group 0's sums are A's: they move to B's max; group 1's already are B's.
         l = [l_own[half] * kiln.where(group == 0, alphas_b[half], 1.0) for half in range(2)]
         o = _rescale(o, alphas_b, lazy_rescale)
-        o = _pv(o, _receive_probs(rows, 1, tid), v_desc + stage_units(1))
+        o = _pv(o, _receive_probs(rows, 1 - a_stage, tid), v_desc + stage_units(1 - a_stage))
         wgmma.wait_group(0)
-        if tid % GROUP_THREADS == 0:
+        if tid % GROUP_THREADS == 0:  # the next pair's loads wait for both stages anyway
+            empty[0].arrive(0, wgmma_pending=0)
             empty[1].arrive(0, wgmma_pending=0)
     return o, m, l
 
