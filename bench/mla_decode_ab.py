@@ -37,6 +37,7 @@ VARIANTS = {
     "seesaw": dict(seesaw=True),
     "seesaw_lazy": dict(seesaw=True, lazy_rescale=True),
     "seesaw_fused": dict(seesaw=True, fused_combine=True),
+    "seesaw_fused_lazy": dict(seesaw=True, fused_combine=True, lazy_rescale=True),
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},
     **{f"s{n}_fused_lazy": dict(num_splits=n, fused_combine=True, lazy_rescale=True)
