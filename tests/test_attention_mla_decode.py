@@ -178,7 +178,9 @@ def test_default_splits_fill_one_wave():
     (True, 32, False, {}), (False, 64, False, {}), (True, 32, True, {}),
     (True, 32, False, dict(fused_slots=4, heads=16, lazy_rescale=True, group_release=True)),
     (False, 64, True, dict(pingpong=True, lazy_rescale=True, group_release=True)),
-    (False, 64, False, dict(fused_slots=2, pingpong=True))])
+    (False, 64, False, dict(fused_slots=2, pingpong=True)),
+    (False, 64, True, dict(seesaw=True)),
+    (False, 64, False, dict(seesaw=True, fused_slots=4, heads=16, lazy_rescale=True))])
 def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct, options):
     ck = compile_mla_decode(target="sm_90a", split_keys=split_keys, direct=direct, **options)
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["registers"] <= 255
