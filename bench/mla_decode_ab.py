@@ -38,6 +38,9 @@ VARIANTS = {
     "seesaw_lazy": dict(seesaw=True, lazy_rescale=True),
     "seesaw_fused": dict(seesaw=True, fused_combine=True),
     "seesaw_fused_lazy": dict(seesaw=True, fused_combine=True, lazy_rescale=True),
+    "fused_lg_early": dict(fused_combine=True, early_launch=True, **LG),
+    "seesaw_early": dict(seesaw=True, early_launch=True),
+    "seesaw_fused_early": dict(seesaw=True, fused_combine=True, early_launch=True),
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},
     **{f"s{n}_fused_lazy": dict(num_splits=n, fused_combine=True, lazy_rescale=True)

@@ -46,7 +46,7 @@ def test_deepseek_heads_two_tokens(rng):
     (20, 2, 3, dict(split_keys=False, pingpong=True, fused_combine=True, lazy_rescale=True,
                     group_release=True)),
     (16, 1, 1, dict(seesaw=True)),  # pairs of pages, a pad page after 1, 63, 65 keys
-    (40, 2, 3, dict(seesaw=True, fused_combine=True, lazy_rescale=True)),
+    (40, 2, 3, dict(seesaw=True, fused_combine=True, lazy_rescale=True, early_launch=True)),
 ])
 def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
     """The fused combine (the last split CTA merges), ping-pong turns, lazy rescale, one
@@ -180,7 +180,8 @@ def test_default_splits_fill_one_wave():
     (False, 64, True, dict(pingpong=True, lazy_rescale=True, group_release=True)),
     (False, 64, False, dict(fused_slots=2, pingpong=True)),
     (False, 64, True, dict(seesaw=True)),
-    (False, 64, False, dict(seesaw=True, fused_slots=4, heads=16, lazy_rescale=True))])
+    (False, 64, False, dict(seesaw=True, fused_slots=4, heads=16, lazy_rescale=True)),
+    (True, 32, False, dict(fused_slots=4, heads=16, early_launch=True))])
 def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct, options):
     ck = compile_mla_decode(target="sm_90a", split_keys=split_keys, direct=direct, **options)
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["registers"] <= 255

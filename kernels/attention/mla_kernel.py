@@ -63,6 +63,8 @@ LAZY_RESCALE = False
 GROUP_RELEASE = False
 # split_keys=False only: the groups issue their products in turns (True), or as they come.
 PINGPONG = False
+# Each CTA lets the next kernel on the stream launch once it started (True), or at the end.
+EARLY_LAUNCH = False
 TURN_BARRIER = 2  # pingpong: group g's turn is named barrier TURN_BARRIER + g (no split_keys)
 # Pages two at a time, one scored by each warp group (mla_seesaw), or one at a time.
 SEESAW = False
@@ -72,7 +74,7 @@ SEESAW = False
 def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False,
                     fused_slots: int = 0, merge_rows: int = ROWS, lazy_rescale: bool = LAZY_RESCALE,
                     group_release: bool = GROUP_RELEASE, pingpong: bool = PINGPONG,
-                    seesaw: bool = SEESAW):
+                    seesaw: bool = SEESAW, early_launch: bool = False):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -92,6 +94,11 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     (named barriers ``TURN_BARRIER + g``), so that one group's softmax runs while the other's
     WGMMAs hold the tensor cores. ``seesaw``: the pair schedule of
     :mod:`~kiln.kernels.attention.mla_seesaw` (``split_keys`` and ``pingpong`` do not apply).
+    Every kernel waits for the previous kernel on the stream (programmatic dependent launch)
+    after its shared-memory set-up; ``early_launch``: after that wait each CTA lets the next
+    kernel's CTAs start on the SMs this grid frees (back-to-back calls overlap one's merge and
+    tail with the next one's set-up). A TMA prefetch of the split's first pages before the
+    wait made ptxas spill (272 bytes at 16 heads, fused).
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum  # it imports this module
 
@@ -139,6 +146,12 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                 empty.init(s, count=releases, predicate=tid == 0)
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
+        # Everything after the wait reads or writes global memory the previous kernel may
+        # write.
+        nvidia_asm.grid_dependency_wait()
+        if early_launch:
+            if (warp == NUM_WARPS - 1) & (lane == 0):
+                nvidia_asm.launch_dependents()
         kiln.tma.prefetch_descriptor(q_map, predicate=producer)
         kiln.tma.prefetch_descriptor(kv_map, predicate=producer)
 
@@ -241,7 +254,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         f"{f'_fused{fused_slots}r{merge_rows}' if fused_slots else ''}" \
         f"{'_lazy' if lazy_rescale else ''}{'_grel' if group_release else ''}" \
         f"{'_pp' if turns_name(pingpong, split_keys) and not seesaw else ''}" \
-        f"{'_seesaw' if seesaw else ''}"
+        f"{'_seesaw' if seesaw else ''}{'_early' if early_launch else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
 
