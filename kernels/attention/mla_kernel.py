@@ -94,10 +94,10 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     (named barriers ``TURN_BARRIER + g``), so that one group's softmax runs while the other's
     WGMMAs hold the tensor cores. ``seesaw``: the pair schedule of
     :mod:`~kiln.kernels.attention.mla_seesaw` (``split_keys`` and ``pingpong`` do not apply).
-    Every kernel waits for the previous kernel on the stream (programmatic dependent launch)
-    after its shared-memory set-up; ``early_launch``: after that wait each CTA lets the next
-    kernel's CTAs start on the SMs this grid frees (back-to-back calls overlap one's merge and
-    tail with the next one's set-up). A TMA prefetch of the split's first pages before the
+    ``early_launch``: programmatic dependent launch: the kernel waits for the previous kernel
+    on the stream after its shared-memory set-up, and then each CTA lets the next kernel's
+    CTAs start on the SMs this grid frees (back-to-back calls overlap one's merge and tail
+    with the next one's set-up). A TMA prefetch of the split's first pages before the
     wait made ptxas spill (272 bytes at 16 heads, fused).
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum  # it imports this module
@@ -146,10 +146,10 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                 empty.init(s, count=releases, predicate=tid == 0)
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
-        # Everything after the wait reads or writes global memory the previous kernel may
-        # write.
-        nvidia_asm.grid_dependency_wait()
         if early_launch:
+            # Everything after the wait reads or writes global memory the previous kernel
+            # may write.
+            nvidia_asm.grid_dependency_wait()
             if (warp == NUM_WARPS - 1) & (lane == 0):
                 nvidia_asm.launch_dependents()
         kiln.tma.prefetch_descriptor(q_map, predicate=producer)
