@@ -1,5 +1,5 @@
 """A/B of MLA decode's kernel options on a few shapes, in one process: split counts, the
-fused combine vs the combine kernel, lazy O rescale, both scores schedules; GB/s, ratio to
+fused combine vs the combine kernel, the scores schedules, early launch; GB/s, ratio to
 copy bandwidth and TFLOP/s (GPU time, queued), each variant first checked against a float32
 torch reference (max abs error < 2e-2). Prints one JSON line per measurement as it comes.
 
@@ -18,33 +18,17 @@ from mla_decode import DQK, DV, copy_bandwidth_gbs, make_problem, unpaged
 from timing import queued_ms
 
 # name -> mla_decode keywords
-LG = dict(lazy_rescale=True, group_release=True)
-PP = dict(split_keys=False, pingpong=True)
 VARIANTS = {
-    "base": dict(fused_combine=False, lazy_rescale=False),
-    "fused": dict(fused_combine=True, lazy_rescale=False),
-    "lazy": dict(fused_combine=False, lazy_rescale=True),
-    "fused_lazy": dict(fused_combine=True, lazy_rescale=True),
-    "fused_lg": dict(fused_combine=True, **LG),
-    "repl_fused": dict(fused_combine=True, split_keys=False),
-    "pp_fused": dict(fused_combine=True, **PP),
-    "pp_fused_lg": dict(fused_combine=True, **PP, **LG),
     "default": {},
-    "lg": LG,
-    "repl": dict(split_keys=False),
-    "pp": PP,
-    "pp_lg": dict(**PP, **LG),
+    "base": dict(fused_combine=False),
+    "fused": dict(fused_combine=True),
+    "repl_fused": dict(fused_combine=True, split_keys=False),
+    "fused_early": dict(fused_combine=True, early_launch=True),
     "seesaw": dict(seesaw=True),
-    "seesaw_lazy": dict(seesaw=True, lazy_rescale=True),
     "seesaw_fused": dict(seesaw=True, fused_combine=True),
-    "seesaw_fused_lazy": dict(seesaw=True, fused_combine=True, lazy_rescale=True),
-    "fused_lg_early": dict(fused_combine=True, early_launch=True, **LG),
     "seesaw_early": dict(seesaw=True, early_launch=True),
-    "seesaw_fused_early": dict(seesaw=True, fused_combine=True, early_launch=True),
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},
-    **{f"s{n}_fused_lazy": dict(num_splits=n, fused_combine=True, lazy_rescale=True)
-       for n in (2, 3, 4, 8)},
 }
 
 

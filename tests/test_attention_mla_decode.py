@@ -41,17 +41,15 @@ def test_deepseek_heads_two_tokens(rng):
 
 @pytest.mark.parametrize("heads,sq,num_splits,options", [
     (16, 1, 3, dict(fused_combine=True)),  # 16-row merge, 16 threads a row
-    (40, 2, 2, dict(fused_combine=True, lazy_rescale=True, group_release=True)),  # 64 rows
-    (16, 2, 1, dict(split_keys=False, pingpong=True)),
-    (20, 2, 3, dict(split_keys=False, pingpong=True, fused_combine=True, lazy_rescale=True,
-                    group_release=True)),
+    (40, 2, 2, dict(fused_combine=True)),  # 64-row merge
     (16, 1, 1, dict(seesaw=True)),  # pairs of pages, a pad page after 1, 63, 65 keys
-    (40, 2, 3, dict(seesaw=True, fused_combine=True, lazy_rescale=True, early_launch=True)),
+    (20, 2, 3, dict(seesaw=True, fused_combine=True, early_launch=True)),
+    (40, 2, 3, dict(split_keys=False, fused_combine=True, early_launch=True)),
 ])
 def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
-    """The fused combine (the last split CTA merges), ping-pong turns, lazy rescale, one
-    release a warp group and the seesaw pairs, on the odd lengths of the test above (the
-    partials are NaN until written: the merge reads only what the splits stored)."""
+    """The fused combine (the last split CTA merges), the seesaw pairs and early launch, on
+    the odd lengths of the test above (the partials are NaN until written: the merge reads
+    only what the splits stored)."""
     q, kv, table, lens = mla_problem(rng, heads, sq, [1, 63, 65, 200])
     o, lse = mla_decode(q, kv, table, lens, num_splits=num_splits, backend="interpret",
                         **options)
@@ -176,12 +174,10 @@ def test_default_splits_fill_one_wave():
 @pytest.mark.lower
 @pytest.mark.parametrize("split_keys,scores_n,direct,options", [
     (True, 32, False, {}), (False, 64, False, {}), (True, 32, True, {}),
-    (True, 32, False, dict(fused_slots=4, heads=16, lazy_rescale=True, group_release=True)),
-    (False, 64, True, dict(pingpong=True, lazy_rescale=True, group_release=True)),
-    (False, 64, False, dict(fused_slots=2, pingpong=True)),
+    (True, 32, False, dict(fused_slots=4, heads=16, early_launch=True)),
+    (False, 64, False, dict(fused_slots=2)),
     (False, 64, True, dict(seesaw=True)),
-    (False, 64, False, dict(seesaw=True, fused_slots=4, heads=16, lazy_rescale=True)),
-    (True, 32, False, dict(fused_slots=4, heads=16, early_launch=True))])
+    (False, 64, False, dict(seesaw=True, fused_slots=4, heads=16, early_launch=True))])
 def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct, options):
     ck = compile_mla_decode(target="sm_90a", split_keys=split_keys, direct=direct, **options)
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["registers"] <= 255

@@ -31,9 +31,8 @@ from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, check_paged_len
                        check_positive, is_torch, resolve_target, spec)
 from .combine import combine
 from .decode_config import DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MAX_DEFAULT_SPLITS
-from .mla_kernel import (BLOCK_N, EARLY_LAUNCH, GROUP_RELEASE, HEAD_DIM, HEAD_DIM_V,
-                         LAZY_RESCALE, NUM_WARPS, PINGPONG, ROWS, SEESAW, SPLIT_KEYS,
-                         make_mla_kernel)
+from .mla_kernel import (BLOCK_N, EARLY_LAUNCH, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS, SEESAW,
+                         SPLIT_KEYS, make_mla_kernel)
 from .partials import Partials
 from ..workspaces import StreamWorkspaces
 
@@ -90,8 +89,7 @@ PLANS = PlanCache("mla_decode")
 
 def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scale=None,
                num_splits=None, target=None, backend=None, validate=False, split_keys=None,
-               fused_combine=None, lazy_rescale=None, group_release=None, pingpong=None,
-               seesaw=None, early_launch=None):
+               fused_combine=None, seesaw=None, early_launch=None):
     """Multi-head latent attention decode over a paged cache; returns ``(o, lse)``.
 
     ``q``: ``[B, Sq, H, 576]`` bf16 (``Sq`` 1-2; contiguous); ``kv_cache``: ``[num_pages,
@@ -105,9 +103,6 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     them (True, one kernel; gpu-scope ticket counters kept per stream, so calls that may run
     at once must be on different streams) or :func:`~kiln.kernels.attention.combine` does
     (False); None: fused while one CTA merges at most ``FUSED_COMBINE_MAX_BYTES``;
-    ``lazy_rescale``: O rescaled only where a row's max moved (None: ``LAZY_RESCALE``);
-    ``group_release``: one thread a warp group releases a stage (None: ``GROUP_RELEASE``);
-    ``pingpong``: with ``split_keys=False``, the groups issue in turns (None: ``PINGPONG``);
     ``seesaw``: pages two at a time, one scored by each group (None: ``SEESAW``;
     :mod:`~kiln.kernels.attention.mla_seesaw`); ``early_launch``: each CTA lets the next
     kernel on the stream start on the SMs this call frees (programmatic dependent launch;
@@ -126,7 +121,7 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
         o, lse = mla_decode(q, kv_cache, page_table, seq_lens)   # q [B, 1, 128, 576]
     """
     plan = _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
-                     backend, split_keys, fused_combine, (lazy_rescale, group_release, pingpong, seesaw, early_launch))
+                     backend, split_keys, fused_combine, (seesaw, early_launch))
     lib = ArrayLib(q)
     B, Sq, H = plan.shape
     if plan.kernel is None:
@@ -213,14 +208,11 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
     if fused_combine is None:  # one CTA's merge of its rows from L2, or a combine kernel
         fused_combine = slots * rows * HEAD_DIM_V * 4 <= FUSED_COMBINE_MAX_BYTES
     fused = slots > 1 and bool(fused_combine)
-    lazy, release, pingpong, seesaw, early = (
-        default if given is None else bool(given)
-        for given, default in zip(options, (LAZY_RESCALE, GROUP_RELEASE, PINGPONG, SEESAW,
-                                            EARLY_LAUNCH)))
+    seesaw, early = (default if given is None else bool(given)
+                     for given, default in zip(options, (SEESAW, EARLY_LAUNCH)))
     kernel = make_mla_kernel(page_size, split_keys and not seesaw, slots == 1,
-                             slots if fused else 0, rows if fused else ROWS, lazy, release,
-                             pingpong and not split_keys and not seesaw,
-                             seesaw, early) if B * Sq * H else None
+                             slots if fused else 0, rows if fused else ROWS, seesaw,
+                             early) if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
                    scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E),
@@ -294,9 +286,8 @@ def _check_devices(q, **tensors) -> None:
 
 
 def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
-                       split_keys=SPLIT_KEYS, direct=False, fused_slots=0,
-                       lazy_rescale=LAZY_RESCALE, group_release=GROUP_RELEASE,
-                       pingpong=PINGPONG, seesaw=SEESAW, early_launch=EARLY_LAUNCH):
+                       split_keys=SPLIT_KEYS, direct=False, fused_slots=0, seesaw=SEESAW,
+                       early_launch=EARLY_LAUNCH):
     """Compile (without running) the MLA decode kernel (``direct``: the one-split kernel that
     writes ``o`` and ``lse`` itself; ``fused_slots``: the kernel whose last split CTA merges
     that many splits); returns the ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
@@ -310,7 +301,6 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
             np.zeros((1, sq, heads, HEAD_DIM_V), bf16), np.zeros((1, sq, heads), np.float32),
             np.zeros((1, 1, 2), np.int64), 1, heads, sq, 0.1]
     kernel = make_mla_kernel(page_size, split_keys and not seesaw, direct, fused_slots,
-                             merge_rows(sq * heads) if fused_slots else ROWS, lazy_rescale,
-                             group_release, pingpong and not split_keys and not seesaw, seesaw,
+                             merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
                              early_launch)
     return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)

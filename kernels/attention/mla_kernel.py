@@ -13,6 +13,10 @@ token ``r // H``, head ``r % H``: the rows of ``q[b]`` in memory order) as the `
 | P V | warp group ``g`` | ``O_g += P V[:, 256 g : 256 g + 256]`` (``m64n256k16`` x 4, P from registers, V MN-major: the first 512 columns of the same tile, read once from HBM) |
 | release | every thread | arrive on ``empty[s]`` |
 | store | each warp group | its 256 columns of ``O / l`` into ``O_partial``; group 0 the LSE (and, on split 0, the split count) |
+| merge (``fused_slots``) | the last split CTA of a row block | takes a ticket, and if it is the last to arrive merges every split's partial from L2 into ``o`` / ``lse`` (decode's :func:`~kiln.kernels.attention.decode_fused.combine_if_last`) |
+
+``seesaw=True`` replaces the page loop by the pair schedule of
+:mod:`~kiln.kernels.attention.mla_seesaw`.
 
 Shared memory: Q (73,728 bytes) and two stages of one page (73,728 bytes each), every box a
 ``64 x 64`` bf16 tile of 128-byte rows (TMA 128-byte swizzle), 216 KB, and with
@@ -57,24 +61,17 @@ MAX_BARRIER, P_BARRIER = 2, 3  # split_keys: row maxima exchanged; P fragments e
 # The default schedule: each group scores half of a page's keys (True), or both score all of
 # them (False, twice the QK work, no exchange).
 SPLIT_KEYS = True
-# O is rescaled only where a row's max moved (True), or on every page (False).
-LAZY_RESCALE = False
-# A ring stage is released by one thread of each warp group (True), or by every thread.
-GROUP_RELEASE = False
-# split_keys=False only: the groups issue their products in turns (True), or as they come.
-PINGPONG = False
-# Each CTA lets the next kernel on the stream launch once it started (True), or at the end.
+# Programmatic dependent launch: each CTA lets the next kernel on the stream launch once it
+# started (True), or the next kernel starts when this one ends (False).
 EARLY_LAUNCH = False
-TURN_BARRIER = 2  # pingpong: group g's turn is named barrier TURN_BARRIER + g (no split_keys)
 # Pages two at a time, one scored by each warp group (mla_seesaw), or one at a time.
 SEESAW = False
 
 
 @functools.lru_cache(maxsize=None)
 def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False,
-                    fused_slots: int = 0, merge_rows: int = ROWS, lazy_rescale: bool = LAZY_RESCALE,
-                    group_release: bool = GROUP_RELEASE, pingpong: bool = PINGPONG,
-                    seesaw: bool = SEESAW, early_launch: bool = False):
+                    fused_slots: int = 0, merge_rows: int = ROWS, seesaw: bool = SEESAW,
+                    early_launch: bool = EARLY_LAUNCH):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -87,13 +84,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     ``[splits, B, Sq, H, 512]``, ``lse_part``, ``counts``, ``o_out`` ``[B, Sq, H, 512]``,
     ``lse_out`` (placeholders where not written), ``tickets`` (``[B, row blocks, 2]`` i64,
     zeroed once; each fused launch adds the split count), then ``num_splits``,
-    ``heads`` (H), ``seq_q`` (Sq) and ``scale_log2``. ``lazy_rescale``: O is rescaled only by
-    a thread whose rows' max moved on this page (else every factor is exactly 1).
-    ``group_release``: one thread of each warp group releases a ring stage (else all 256).
-    ``pingpong`` (with ``split_keys=False``): the groups take turns to issue their products
-    (named barriers ``TURN_BARRIER + g``), so that one group's softmax runs while the other's
-    WGMMAs hold the tensor cores. ``seesaw``: the pair schedule of
-    :mod:`~kiln.kernels.attention.mla_seesaw` (``split_keys`` and ``pingpong`` do not apply).
+    ``heads`` (H), ``seq_q`` (Sq) and ``scale_log2``. ``seesaw``: the pair schedule of
+    :mod:`~kiln.kernels.attention.mla_seesaw` (``split_keys`` does not apply).
     ``early_launch``: programmatic dependent launch: the kernel waits for the previous kernel
     on the stream after its shared-memory set-up, and then each CTA lets the next kernel's
     CTAs start on the SMs this grid frees (back-to-back calls overlap one's merge and tail
@@ -137,7 +129,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         producer = nvidia_asm.elect_sync() & (warp == producer_warp)  # converged, no branch
         for s in kiln.static_range(STAGES):
             # One arrival a warp group: its WGMMA reads are done once its thread 0 waited.
-            releases = WARP_GROUPS if group_release or seesaw else THREADS
+            releases = WARP_GROUPS if seesaw else THREADS
             if seesaw:
                 full[s].init(0, count=1, predicate=tid == 0)
                 empty[s].init(0, count=releases, predicate=tid == 0)
@@ -179,17 +171,13 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                      wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=BOX_BYTES,
                                            stride_bytes=1024)
                      + kiln.cast(group * (GROUP_COLS // CHUNK) * BOX_UNITS, kiln.i64))
-        turns = _Turns(group) if pingpong and not split_keys and not seesaw else None
-        if turns is not None:
-            turns.start()
         o = wgmma.fragment_zeros(GROUP_COLS)
         m = [kiln.cast(-math.inf, kiln.f32) for _ in range(2)]
         l = [kiln.cast(0.0, kiln.f32) for _ in range(2)]
         if seesaw:
             o, m, l = seesaw_pages(o, m, l, rows_x, full, empty, table, kv_map, q_map,
                                    page_size, tile_begin, num_tiles, seq_len, seq_q, key_limit,
-                                   scale_log2, tid, group, warp, producer, b * packed + row0,
-                                   lazy_rescale)
+                                   scale_log2, tid, group, warp, producer, b * packed + row0)
         else:
             for it in kiln.range(0, num_tiles):
                 stage = it % STAGES
@@ -201,31 +189,27 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                     for c in kiln.static_range(CHUNKS):
                         tma.load(q_map, boxes.tile(c), (c * CHUNK, b * packed + row0), full, 0,
                                  predicate=producer)
-                    _load_tile(page_size, table, tile_begin, seq_len, kv_map, boxes, full, 0, producer,
-                               arm=False)
+                    _load_tile(page_size, table, tile_begin, seq_len, kv_map, boxes, full, 0,
+                               producer, arm=False)
                     if num_tiles > 1:
-                        _load_tile(page_size, table, tile_begin + 1, seq_len, kv_map, boxes, full, 1,
-                                   producer, arm=True)
+                        _load_tile(page_size, table, tile_begin + 1, seq_len, kv_map, boxes,
+                                   full, 1, producer, arm=True)
                 ahead = it + STAGES - 1
                 if (it > 0) & (ahead < num_tiles):
                     if warp == 0:  # warp-uniform: the producer warp waits, one lane issues
                         empty.try_wait(ahead % STAGES, ((it - 1) // STAGES) % 2)
-                        _load_tile(page_size, table, tile_begin + ahead, seq_len, kv_map, boxes, full,
-                                   ahead % STAGES, producer, arm=True)
+                        _load_tile(page_size, table, tile_begin + ahead, seq_len, kv_map,
+                                   boxes, full, ahead % STAGES, producer, arm=True)
                 full.try_wait(stage, (it // STAGES) % 2)
                 key0 = (tile_begin + it) * BLOCK_N
                 if split_keys:
                     o, m, l = _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0,
-                                                  key_limit, seq_len, seq_q, scale_log2, tid, group,
-                                                  lazy_rescale)
+                                                  key_limit, seq_len, seq_q, scale_log2, tid,
+                                                  group)
                 else:
-                    o, m, l = _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len,
-                                            seq_q, scale_log2, tid, lazy_rescale, turns)
-                if group_release:
-                    if tid % 128 == 0:
-                        empty.arrive(stage, wgmma_pending=0)
-                else:
-                    empty.arrive(stage, wgmma_pending=0)
+                    o, m, l = _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit,
+                                            seq_len, seq_q, scale_log2, tid)
+                empty.arrive(stage, wgmma_pending=0)
         arrival = None
         if fused_slots:
             # This CTA's place among its row block's splits; read only after its own stores,
@@ -233,8 +217,6 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
             arrival = kiln.cast(0, kiln.i64)
             if tid == 0:
                 arrival = tickets.atomic_add(b, kiln.block_id(0), ARRIVED, 1)
-        if turns is not None:
-            turns.finish()
         l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
         if seesaw:  # each group summed its own pages
             l = seesaw_sum(rows_x, l, tid, group)
@@ -252,8 +234,6 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     mla_decode.__name__ = mla_decode.__qualname__ = \
         f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}" \
         f"{f'_fused{fused_slots}r{merge_rows}' if fused_slots else ''}" \
-        f"{'_lazy' if lazy_rescale else ''}{'_grel' if group_release else ''}" \
-        f"{'_pp' if turns_name(pingpong, split_keys) and not seesaw else ''}" \
         f"{'_seesaw' if seesaw else ''}{'_early' if early_launch else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
@@ -274,22 +254,17 @@ def _load_tile(page_size, table, tile, seq_len, kv_map, boxes, full, stage, prod
 
 @kiln.func
 def _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len, seq_q, scale_log2,
-                  tid, lazy_rescale, turns):
+                  tid):
     """One page: ``S = Q K^T``, the streaming softmax, ``O = alpha O + P V`` of this warp
-    group's columns (each product issued in this group's turn, with ``turns``); returns
-    ``(o, m, l)``."""
+    group's columns; returns ``(o, m, l)``."""
     units = kiln.cast(stage * TILE_BYTES // 16, kiln.i64)
     scores = wgmma.fragment_zeros(BLOCK_N)
-    if turns is not None:
-        turns.wait()
     wgmma.fence()
     for ks in kiln.static_range(HEAD_DIM // 16):
         offset = (ks // 4) * BOX_UNITS + (ks % 4) * 2  # 16 columns = 32 bytes of a box
         scores = wgmma.mma_async(scores, descs[0] + offset, descs[1] + units + offset,
                                  dtype=kiln.bf16)
     wgmma.commit()
-    if turns is not None:
-        turns.hand_over()
     wgmma.wait_group(0)
     if key0 + BLOCK_N <= seq_len - seq_q + 1:  # every key visible to every row
         m, l, probs, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2, False)
@@ -297,30 +272,14 @@ def _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len, seq_q,
         if key0 + BLOCK_N > seq_len:
             _zero_rows_past_end(boxes, stage, seq_len - key0, tid)
         m, l, probs, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2, True)
-    o = _rescale(o, alphas, lazy_rescale)
-    if turns is not None:
-        turns.wait()
+    o = wgmma.scale_rows(o, alphas)
     wgmma.fence()  # orders O's rescale and P's registers before the asynchronous reads
     for ks in kiln.static_range(BLOCK_N // 16):
         o = wgmma.mma_async(o, probs.fragment(0, ks), descs[2] + units + ks * 16 * 128 // 16,
                             dtype=kiln.bf16, b_major="mn")
     wgmma.commit()
-    if turns is not None:
-        turns.hand_over()
     wgmma.wait_group(0)
     return o, m, l
-
-
-@kiln.func
-def _rescale(o, alphas, lazy):
-    """``O`` times each row's factor; ``lazy``: only where a factor is not exactly 1 (no WGMMA
-    is in flight here, so the branch holds no wait)."""
-    if lazy:
-        if (alphas[0] != 1.0) | (alphas[1] != 1.0):
-            o = wgmma.scale_rows(o, alphas)
-    else:
-        o = wgmma.scale_rows(o, alphas)
-    return o
 
 
 @kiln.func
@@ -413,48 +372,6 @@ def _store_rows(o, m, l, rows, o_part, lse_part, counts, split, b, heads, packed
                                                              tiles_per_split, BLOCK_N, False)
 
 
-def turns_name(pingpong, split_keys):
-    """Whether a kernel of these options takes turns (``pingpong`` applies without
-    ``split_keys``). Example: ``turns_name(True, True) is False``."""
-    return bool(pingpong) and not split_keys
-
-
-class _Turns:
-    """Ping-pong turns of the two warp groups (``split_keys=False``): a group waits for its
-    turn before issuing a product and hands the turn over after; group 1 hands group 0 the
-    first turn, and group 0 takes group 1's last hand-over at the end, so the named barriers'
-    arrivals balance."""
-
-    def __init__(self, group):
-        self.group = group
-
-    def start(self):
-        _first_turn(self.group)
-
-    def wait(self):
-        nvidia_asm.named_barrier(TURN_BARRIER + self.group, THREADS)
-
-    def hand_over(self):
-        nvidia_asm.named_barrier_arrive(TURN_BARRIER + 1 - self.group, THREADS)
-
-    def finish(self):
-        _last_turn(self.group)
-
-
-@kiln.func
-def _first_turn(group):
-    """Group 1 hands group 0 the first turn."""
-    if group == 1:
-        nvidia_asm.named_barrier_arrive(TURN_BARRIER, THREADS)
-
-
-@kiln.func
-def _last_turn(group):
-    """Group 0 takes group 1's last hand-over."""
-    if group == 0:
-        nvidia_asm.named_barrier(TURN_BARRIER, THREADS)
-
-
 class _MergeRows:
     """The row block's sizes :func:`combine_if_last` reads: packed row ``r`` is token
     ``r // heads``, head ``r % heads`` (one KV head), ``merge_rows`` rows of 512 columns."""
@@ -509,7 +426,7 @@ class _Exchange:
 
 @kiln.func
 def _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0, key_limit, seq_len,
-                        seq_q, scale_log2, tid, group, lazy_rescale):
+                        seq_q, scale_log2, tid, group):
     """One page with ``split_keys``: group ``g`` scores keys ``32 g .. 32 g + 31`` (Q from
     shared memory, 36 ``m64n32k16``), the row maxima meet in shared memory, each group takes
     P of its keys and keeps its own row sums, the P fragments meet, and each group adds
@@ -556,7 +473,7 @@ def _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0, key_limit,
         new_l.append(total)
     p = exchange.full_probs(wgmma.a_fragment_from_accumulator(
         wgmma.fragment_from_elements(probs), kiln.bf16), tid, group)
-    o = _rescale(o, alphas, lazy_rescale)
+    o = wgmma.scale_rows(o, alphas)
     wgmma.fence()
     for ks in kiln.static_range(BLOCK_N // 16):
         o = wgmma.mma_async(o, p[ks], descs[2] + units + ks * 16 * 128 // 16, dtype=kiln.bf16,

@@ -38,7 +38,7 @@ from kiln import tma
 from kiln.shared import dynamic_shared
 
 from .mla_kernel import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, HEAD_DIM,
-                         ROWS, STAGES, THREADS, TILE_BYTES, V_CHUNKS, _rescale, _softmax)
+                         ROWS, STAGES, THREADS, TILE_BYTES, V_CHUNKS, _softmax)
 from .paged import PagedRowIndices
 
 QK_TURN, A_READY, B_READY, SUM_BARRIER = 1, 2, 3, 4
@@ -184,7 +184,7 @@ def _page_softmax(scores, m, l, key0, tid, limits, scale_log2, unmasked):
 @kiln.func
 def seesaw_pages(o, m, l, rows, full, empty, table, kv_map, q_map, page_size, tile_begin,
                  num_tiles, seq_len, seq_q, key_limit, scale_log2, tid, group, warp, producer,
-                 q_row, lazy_rescale):
+                 q_row):
     """The pair loop of the module docs over this split's ``num_tiles`` pages; returns this
     group's ``(o, m, l)`` (``l``: its own pages' sums, per lane; see :func:`seesaw_sum`).
     ``rows``: a :class:`SeesawRows`; ``full`` / ``empty``: a single-slot mbarrier ring a
@@ -239,8 +239,8 @@ def seesaw_pages(o, m, l, rows, full, empty, table, kv_map, q_map, page_size, ti
         # Both groups read P_A (group 0 its own) and then P_B back from the rotary boxes: the
         # code around the WGMMAs is the same in both groups, so O's registers never merge
         # across branches.
-        o = _rescale(o, [kiln.where(group == 0, alphas_own[half], alphas_a[half])
-                         for half in range(2)], lazy_rescale)
+        o = wgmma.scale_rows(o, [kiln.where(group == 0, alphas_own[half], alphas_a[half])
+                                 for half in range(2)])
         o = _pv(o, _receive_probs(rows, a_stage, tid), v_desc + stage_units(a_stage))
         m = m_own
         alphas_b = alphas_own
@@ -250,7 +250,7 @@ def seesaw_pages(o, m, l, rows, full, empty, table, kv_map, q_map, page_size, ti
         wgmma.wait_group(0)
         # Group 0's sums are A's: they move to B's max; group 1's already are B's.
         l = [l_own[half] * kiln.where(group == 0, alphas_b[half], 1.0) for half in range(2)]
-        o = _rescale(o, alphas_b, lazy_rescale)
+        o = wgmma.scale_rows(o, alphas_b)
         o = _pv(o, _receive_probs(rows, 1 - a_stage, tid), v_desc + stage_units(1 - a_stage))
         wgmma.wait_group(0)
         if tid % GROUP_THREADS == 0:  # the next pair's loads wait for both stages anyway
