@@ -6,9 +6,11 @@ Grid: DeepSeek-V3's latent head (576 = 512 V + 64 rotary columns, bf16, pages of
 copy bandwidth at batch >= 32) and Sq 2 (Sq x heads = 256: goal >= 500 TFLOP/s).
 
 Method: every shape is first checked against a float32 torch reference (max abs error <
-2e-2; NaN fails). Kiln (``mla_decode``: kernel + combine; "repl us": the
-``split_keys=False`` schedule, both groups scoring every key; "1-split": ``num_splits=1``,
-no combine) and torch SDPA (each sequence's
+2e-2; NaN fails). Kiln (``mla_decode`` with its defaults; "seesaw": ``seesaw=True``, pages
+in pairs, one scored by each warp group; "replicated": ``split_keys=False``, both groups
+scoring every key; "2-kernel": the default kernel with ``fused_combine=False``, its partials
+merged by ``combine``; "1-split": ``num_splits=1``, no merge) and torch SDPA (each
+sequence's
 rows contiguous, ``[B, 1, L, 576]`` keys and ``[B, 1, L, 512]`` values, the ``Sq x H`` query
 rows of a sequence as one head's queries, the causal mask of the new tokens as a boolean
 mask) are timed with CUDA events queued behind a busy stream (GPU time only), median of
@@ -32,7 +34,11 @@ PAGE, DQK, DV = 64, 576, 512
 # (batch, ctx, Sq, heads)
 SHAPES = ((32, 4096, 1, 128), (64, 4096, 1, 128), (128, 4096, 1, 128), (32, 4096, 1, 16),
           (128, 4096, 1, 16), (32, 4096, 2, 128), (64, 4096, 2, 128), (128, 4096, 2, 128))
-QUICK_SHAPES = ((32, 4096, 1, 128), (64, 4096, 1, 16), (64, 4096, 2, 128))
+QUICK_SHAPES = ((32, 4096, 1, 16), (32, 4096, 1, 128), (64, 4096, 2, 128))
+# Kiln's timed calls beside the default (its keywords; the first, the default, is also
+# checked): the other scores schedules, the combine kernel instead of the fused merge, one split.
+VARIANTS = {"default": {}, "seesaw": dict(seesaw=True), "replicated": dict(split_keys=False),
+            "2-kernel": dict(fused_combine=False), "1-split": dict(num_splits=1)}
 
 
 def copy_bandwidth_gbs(torch, repeat: int) -> float:
@@ -73,18 +79,18 @@ def bench(torch, batch, ctx, sq, heads, repeat, calls, copy_gbs) -> dict:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     scale = DQK ** -0.5
     reference = sdpa(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale)
-    for split_keys in (True, False):
-        out, _ = mla_decode(*problem, split_keys=split_keys)
+    for options in VARIANTS.values():
+        out, _ = mla_decode(*problem, **options)
         error = (out.float().reshape(reference.shape) - reference).abs().max().item()
         if not error < 2e-2:  # also catches NaN
-            raise SystemExit(f"Kiln MLA decode (split_keys={split_keys}) wrong at batch "
+            raise SystemExit(f"Kiln MLA decode ({options}) wrong at batch "
                              f"{batch} ctx {ctx} Sq {sq} H {heads}: max abs error {error}")
     del reference
     nbytes = batch * ctx * DQK * 2 + q.numel() * 2 + batch * sq * heads * DV * 2
     flops = 2 * batch * sq * heads * ctx * (DQK + DV)
     kiln_ms = queued_ms(lambda: mla_decode(*problem), repeat, calls)
-    replicated_ms = queued_ms(lambda: mla_decode(*problem, split_keys=False), repeat, calls)
-    one_split_ms = queued_ms(lambda: mla_decode(*problem, num_splits=1), repeat, calls)
+    variant_ms = {name: queued_ms(lambda: mla_decode(*problem, **options), repeat, calls)
+                  for name, options in VARIANTS.items() if options}
     try:
         torch_ms = queued_ms(lambda: sdpa(q, k, v, attn_mask=mask, scale=scale), repeat, calls)
     except RuntimeError as error_:  # e.g. out of memory on the math path
@@ -92,8 +98,7 @@ def bench(torch, batch, ctx, sq, heads, repeat, calls, copy_gbs) -> dict:
         torch_ms = float("nan")
     kiln_gbs = nbytes / kiln_ms / 1e6
     return {"batch": batch, "ctx": ctx, "sq": sq, "heads": heads, "max_abs_error": error,
-            "kiln_ms": kiln_ms, "kiln_replicated_ms": replicated_ms,
-            "kiln_one_split_ms": one_split_ms,
+            "kiln_ms": kiln_ms, **{f"kiln_{name}_ms": ms for name, ms in variant_ms.items()},
             "torch_sdpa_ms": torch_ms, "kiln_gbs": kiln_gbs,
             "kiln_tflops": flops / kiln_ms / 1e9, "torch_tflops": flops / torch_ms / 1e9,
             "copy_gbs": copy_gbs, "ratio_to_copy": kiln_gbs / copy_gbs,
@@ -114,15 +119,16 @@ def main() -> None:
             for shape in (QUICK_SHAPES if args.quick else SHAPES)]
     print(f"{torch.cuda.get_device_name()}: MLA 576/512, bf16, page {PAGE}; copy bandwidth "
           f"{copy_gbs:.0f} GB/s; GPU time only (queued)")
-    print(f"{'batch':>5} {'ctx':>6} {'Sq':>3} {'H':>4} {'Kiln us':>8} {'repl us':>8} "
-          f"{'1-split':>8} "
-          f"{'SDPA us':>8} "
+    print(f"{'batch':>5} {'ctx':>6} {'Sq':>3} {'H':>4} {'Kiln us':>8} "
+          + "".join(f"{name:>9}" for name, options in VARIANTS.items() if options) +
+          f" {'SDPA us':>8} "
           f"{'Kiln GB/s':>9} {'/copy':>6} {'Kiln TF/s':>9} {'SDPA TF/s':>9} {'vs SDPA':>7}")
     for r in rows:
         print(f"{r['batch']:>5} {r['ctx']:>6} {r['sq']:>3} {r['heads']:>4} "
-              f"{1e3 * r['kiln_ms']:8.1f} {1e3 * r['kiln_replicated_ms']:8.1f} "
-              f"{1e3 * r['kiln_one_split_ms']:8.1f} "
-              f"{1e3 * r['torch_sdpa_ms']:8.1f} {r['kiln_gbs']:9.0f} "
+              f"{1e3 * r['kiln_ms']:8.1f} "
+              + "".join(f"{1e3 * r[f'kiln_{name}_ms']:9.1f}" for name, options
+                        in VARIANTS.items() if options) +
+              f" {1e3 * r['torch_sdpa_ms']:8.1f} {r['kiln_gbs']:9.0f} "
               f"{r['ratio_to_copy']:6.2f} {r['kiln_tflops']:9.0f} {r['torch_tflops']:9.0f} "
               f"{r['speedup_vs_torch']:7.2f}")
     if args.json:

@@ -354,9 +354,8 @@ def ring_errors(func: ir.Operation) -> list[tuple[ir.Operation, str]]:
             continue
         n, modulus = expected
         diff = named.n - n
-        if min(modulus, named.modulus) == 1:  # an arm on a 1-stage ring: its only slot
-            continue
-        if not diff.is_const or diff.const % min(modulus, named.modulus):
+        period = min(modulus, named.modulus)  # 1: a single-slot ring's arm names any use
+        if period != 1 and (not diff.is_const or diff.const % period):
             if role == "wait" and not full:
                 what = f"the arm after it opens use {show(n)}"
             else:

@@ -10,7 +10,7 @@ import pytest
 import kiln
 from kiln.kernels.attention import mla_decode
 from kiln.kernels.attention.mla_decode import (compile_mla_decode, default_mla_splits,
-                                               mla_partials)
+                                               merge_rows, mla_partials)
 
 from mla_problems import assert_mla_close, mla_problem, mla_reference
 
@@ -37,6 +37,41 @@ def test_deepseek_heads_two_tokens(rng):
     q, kv, table, lens = mla_problem(rng, 128, 2, [130, 77])
     o, lse = mla_decode(q, kv, table, lens, backend="interpret")
     assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
+
+
+@pytest.mark.parametrize("heads,sq,num_splits,options", [
+    (16, 1, 3, dict(fused_combine=True)),  # 16-row merge, 16 threads a row
+    (40, 2, 2, dict(fused_combine=True)),  # 64-row merge
+    (16, 1, 1, dict(seesaw=True)),  # pairs of pages, a pad page after 1, 63, 65 keys
+    (20, 2, 3, dict(seesaw=True, fused_combine=True, early_launch=True)),
+    (40, 2, 3, dict(split_keys=False, fused_combine=True, early_launch=True)),
+])
+def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
+    """The fused combine (the last split CTA merges), the seesaw pairs and early launch, on
+    the odd lengths of the test above (the partials are NaN until written: the merge reads
+    only what the splits stored)."""
+    q, kv, table, lens = mla_problem(rng, heads, sq, [1, 63, 65, 200])
+    o, lse = mla_decode(q, kv, table, lens, num_splits=num_splits, backend="interpret",
+                        **options)
+    assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
+
+
+def test_fused_and_two_kernel_paths_agree(rng):
+    """The fused merge and the combine kernel take the same partials to the same bits of
+    bf16 O (up to one ulp) and LSE."""
+    q, kv, table, lens = mla_problem(rng, 16, 2, [150, 3, 129])
+    fused = mla_decode(q, kv, table, lens, num_splits=3, backend="interpret",
+                       fused_combine=True)
+    apart = mla_decode(q, kv, table, lens, num_splits=3, backend="interpret",
+                       fused_combine=False)
+    np.testing.assert_allclose(np.asarray(fused[0], np.float32),
+                               np.asarray(apart[0], np.float32), rtol=1e-2, atol=1e-6)
+    np.testing.assert_allclose(fused[1], apart[1], rtol=1e-5, atol=1e-5)
+
+
+def test_merge_rows_cover_the_block():
+    assert [merge_rows(p) for p in (1, 4, 5, 16, 17, 32, 40, 64, 256)] == \
+        [4, 4, 8, 16, 32, 32, 64, 64, 64]
 
 
 def test_scale_and_a_dominant_key_in_a_later_page(rng):
@@ -66,7 +101,7 @@ def test_partials_follow_the_combine_contract(rng):
 
     module.combine = spy
     try:
-        mla_decode(q, kv, table, lens, num_splits=3, backend="interpret")
+        mla_decode(q, kv, table, lens, num_splits=3, backend="interpret", fused_combine=False)
     finally:
         module.combine = real_combine
     assert seen["partials"] == mla_partials(3)
@@ -137,10 +172,14 @@ def test_default_splits_fill_one_wave():
 
 
 @pytest.mark.lower
-@pytest.mark.parametrize("split_keys,scores_n,direct", [(True, 32, False), (False, 64, False),
-                                                        (True, 32, True)])
-def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct):
-    ck = compile_mla_decode(target="sm_90a", split_keys=split_keys, direct=direct)
+@pytest.mark.parametrize("split_keys,scores_n,direct,options", [
+    (True, 32, False, {}), (False, 64, False, {}), (True, 32, True, {}),
+    (True, 32, False, dict(fused_slots=4, heads=16, early_launch=True)),
+    (False, 64, False, dict(fused_slots=2)),
+    (False, 64, True, dict(seesaw=True)),
+    (False, 64, False, dict(seesaw=True, fused_slots=4, heads=16, early_launch=True))])
+def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct, options):
+    ck = compile_mla_decode(target="sm_90a", split_keys=split_keys, direct=direct, **options)
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["registers"] <= 255
     ptx = ck.asm["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx

@@ -66,6 +66,28 @@ def test_matches_float64_on_gpu(heads, sq, num_splits, split_keys, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("options", [
+    dict(fused_combine=True), dict(fused_combine=False), dict(seesaw=True),
+    dict(seesaw=True, fused_combine=True, early_launch=True),
+    dict(fused_combine=True, early_launch=True)])
+@pytest.mark.parametrize("heads,sq,num_splits", [(16, 1, 4), (128, 2, 3), (40, 1, 1)])
+def test_kernel_options_on_gpu(heads, sq, num_splits, options, rng):
+    """The fused combine (or not), the seesaw pairs and early launch against the float64
+    reference, called twice (the fused kernel's tickets carry over between calls)."""
+    torch = _torch()
+    from kiln.kernels.attention import mla_decode
+
+    lens = [1, 63, 65, 200, int(rng.integers(300, 3000)), 4096]
+    q, kv, table, seq_lens = mla_problem(rng, heads, sq, lens)
+    dev = [_to_cuda(torch, x) for x in (q, kv, table, seq_lens)]
+    want = mla_reference(q, kv, table, seq_lens)
+    for _ in range(2):
+        torch.empty(1 << 26, device="cuda").fill_(float("nan"))
+        o, lse = mla_decode(*dev, num_splits=num_splits, validate=True, **options)
+        assert_mla_close(_numpy(torch, o), _numpy(torch, lse), *want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("batch,sq,heads", [(32, 1, 128), (33, 2, 128), (64, 2, 16)])
 def test_matches_torch_float32_at_serving_shapes(batch, sq, heads):
     """Batches of 4k-context sequences (ragged), default splits, against torch in float32."""

@@ -16,7 +16,7 @@ from .decode_rows import interleaved_columns
 
 @kiln.func
 def combine_if_last(o_part, lse_part, o_out, lse_out, tickets, arrival, last, b, q_first,
-                    kv_head, row0, tid, shape, slots, merge_slices):
+                    kv_head, row0, tid, shape, slots, merge_slices, cta=None):
     """Merge all ``slots`` splits of this CTA's rows into ``o_out`` / ``lse_out`` if this CTA
     is (one of) the last of its (batch, KV head, row block), as
     :func:`kiln.kernels.attention.combine` would (every slot read: a split that saw no key
@@ -44,8 +44,12 @@ def combine_if_last(o_part, lse_part, o_out, lse_out, tickets, arrival, last, b,
     from L2) after that; its own partials are ordered by the barriers alone. Each of
     ``per_row`` threads of a row takes its 4-column chunks (:func:`interleaved_columns`, so
     a load instruction reads whole sectors); its loads of a chunk of splits are independent,
-    so up to ``MAX_COMBINE_LOADS`` 16-byte loads a thread are in flight."""
-    cta = (kiln.block_id(2), kiln.block_id(1))
+    so up to ``MAX_COMBINE_LOADS`` 16-byte loads a thread are in flight. ``cta``: the
+    tickets' (row block) index (default ``(block_id(2), block_id(1))``, decode's grid);
+    ``shape`` needs ``head_dim``, ``packed``, ``group`` (traced values allowed),
+    ``combine_rows`` and ``combine_threads_per_row``."""
+    if cta is None:
+        cta = (kiln.block_id(2), kiln.block_id(1))
     kiln.barrier()
     if tid == 0:
         if merge_slices == 1:

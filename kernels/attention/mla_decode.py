@@ -9,13 +9,16 @@ columns are also the values, and returns ``(o [B, Sq, H, 512] bf16, lse [B, Sq, 
 The Hopper kernel (:mod:`~kiln.kernels.attention.mla_kernel`) splits each sequence's pages
 over ``num_splits`` CTAs per 64 packed query rows, loads every page once with TMA through
 the page table, and writes per-split partials (the :class:`Partials` contract of
-:func:`mla_partials`) that :func:`kiln.kernels.attention.combine` merges; with one split
-(``num_splits=1``, or the default where the batch alone fills the GPU) the kernel writes
-``o`` and ``lse`` itself and no combine runs.
+:func:`mla_partials`); the last split CTA of each row block to finish merges them from L2
+(the fused combine, one kernel; default where one CTA merges at most
+``FUSED_COMBINE_MAX_BYTES``), or :func:`kiln.kernels.attention.combine` does
+(``fused_combine=False``); with one split (``num_splits=1``, or the default where the batch
+alone fills the GPU) the kernel writes ``o`` and ``lse`` itself and no combine runs.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -27,10 +30,11 @@ from .. import runtime
 from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, check_paged_lengths,
                        check_positive, is_torch, resolve_target, spec)
 from .combine import combine
-from .decode_config import DEFAULT_SMS, LOG2E, MAX_DEFAULT_SPLITS
-from .mla_kernel import (BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS, SPLIT_KEYS,
-                         make_mla_kernel)
+from .decode_config import DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MAX_DEFAULT_SPLITS
+from .mla_kernel import (BLOCK_N, EARLY_LAUNCH, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS, SEESAW,
+                         SPLIT_KEYS, make_mla_kernel)
 from .partials import Partials
+from ..workspaces import StreamWorkspaces
 
 PRODUCER = "kiln.kernels.attention.mla_decode"  # the Partials producer name combine checks
 MAX_SQ = 2  # new tokens a call takes (the MTP draft of DeepSeek-V3 is one)
@@ -65,13 +69,27 @@ class MlaPlan:
     shape: tuple[int, int, int]  # (B, Sq, H)
     cache_rows: int
     scale_log2: float
+    fused: bool  # the last split CTA of a row block merges (no combine kernel)
+    device: object  # q's torch device (None for other arrays)
+
+    @functools.cached_property
+    def spaces(self) -> StreamWorkspaces:
+        """The fused kernel's ticket counters ``[B, row blocks, 2]`` (i64, zeroed once; each
+        launch adds the split count), one set per stream and per CUDA-graph capture (see
+        :class:`~kiln.kernels.workspaces.StreamWorkspaces`)."""
+        import torch
+
+        return StreamWorkspaces(lambda: torch.zeros((self.grid[2], self.grid[0], 2),
+                                                    dtype=torch.int64, device=self.device),
+                                runtime.capture_id)
 
 
 PLANS = PlanCache("mla_decode")
 
 
 def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scale=None,
-               num_splits=None, target=None, backend=None, validate=False, split_keys=None):
+               num_splits=None, target=None, backend=None, validate=False, split_keys=None,
+               fused_combine=None, seesaw=None, early_launch=None):
     """Multi-head latent attention decode over a paged cache; returns ``(o, lse)``.
 
     ``q``: ``[B, Sq, H, 576]`` bf16 (``Sq`` 1-2; contiguous); ``kv_cache``: ``[num_pages,
@@ -80,7 +98,15 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     (keys per sequence, the ``Sq`` new tokens included). ``scale`` defaults to
     ``576 ** -0.5``; ``num_splits`` (None: fill the GPU's SMs) splits each sequence's pages;
     ``backend="interpret"`` runs on the CPU interpreter; ``split_keys`` picks the kernel's
-    scores schedule (None: ``SPLIT_KEYS``; see :mod:`~kiln.kernels.attention.mla_kernel`).
+    scores schedule (None: ``SPLIT_KEYS``; see :mod:`~kiln.kernels.attention.mla_kernel`);
+    ``fused_combine``: with several splits, the last split CTA of each 64-row block merges
+    them (True, one kernel; gpu-scope ticket counters kept per stream, so calls that may run
+    at once must be on different streams) or :func:`~kiln.kernels.attention.combine` does
+    (False); None: fused while one CTA merges at most ``FUSED_COMBINE_MAX_BYTES``;
+    ``seesaw``: pages two at a time, one scored by each group (None: ``SEESAW``;
+    :mod:`~kiln.kernels.attention.mla_seesaw`); ``early_launch``: each CTA lets the next
+    kernel on the stream start on the SMs this call frees (programmatic dependent launch;
+    None: ``EARLY_LAUNCH``).
     Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
     ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
@@ -95,7 +121,7 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
         o, lse = mla_decode(q, kv_cache, page_table, seq_lens)   # q [B, 1, 128, 576]
     """
     plan = _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
-                     backend, split_keys)
+                     backend, split_keys, fused_combine, (seesaw, early_launch))
     lib = ArrayLib(q)
     B, Sq, H = plan.shape
     if plan.kernel is None:
@@ -109,16 +135,18 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     # outputs are poisoned so that an element it missed shows.
     fill = (None, None) if lib.torch else (math.nan, -1)
     direct = slots == 1  # one split writes o and lse itself: no partials, no combine
-    o = lib.empty((B, Sq, H, HEAD_DIM_V) if direct else (1, 1, 1, 1), "bf16", fill[0])
-    lse = lib.empty((B, Sq, H) if direct else (1, 1, 1), "f32", fill[0])
+    final = direct or plan.fused  # the kernel writes o and lse
+    o = lib.empty((B, Sq, H, HEAD_DIM_V) if final else (1, 1, 1, 1), "bf16", fill[0])
+    lse = lib.empty((B, Sq, H) if final else (1, 1, 1), "f32", fill[0])
     part_shape = (1, 1, 1, 1) if direct else (slots, B, Sq, H)
     o_part = lib.empty((*part_shape, 1 if direct else HEAD_DIM_V), "f32", fill[0])
     lse_part = lib.empty(part_shape, "f32", fill[0])
     counts = lib.empty(part_shape[1:], "i32", fill[1])
+    tickets = _tickets(plan, lib, q)
     args = [q.reshape(B * Sq * H, HEAD_DIM), kv_cache.reshape(plan.cache_rows, HEAD_DIM),
-            page_table, seq_lens, o_part, lse_part, counts, o, lse, slots, H, Sq,
+            page_table, seq_lens, o_part, lse_part, counts, o, lse, tickets, slots, H, Sq,
             plan.scale_log2]
-    results = (7, 8) if direct else (4, 5, 6)
+    results = (7, 8) if final else (4, 5, 6)
     if backend == "interpret":
         numpy_args = [lib.numpy(a) for a in args]
         runtime.interpret(plan.kernel, plan.grid, numpy_args, target=plan.chip.name,
@@ -128,25 +156,44 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
         runtime.launch(plan.kernel, plan.grid, args, target=plan.chip.name,
                        num_warps=NUM_WARPS)
         outputs = [args[i] for i in results]
-    if direct:
+    if final:
         return tuple(outputs)
     return combine(*outputs, max_splits=slots, partials=mla_partials(slots), target=target,
                    backend=backend)
 
 
+def _tickets(plan, lib, q):
+    """The fused kernel's ticket counters (a placeholder otherwise): fresh zeros for numpy
+    calls, the stream's kept set for torch ones."""
+    if not plan.fused:
+        return lib.empty((1, 1, 2), "i64")
+    if not lib.torch:
+        return lib.empty((plan.grid[2], plan.grid[0], 2), "i64", 0)
+    import torch
+
+    return plan.spaces.get(torch.cuda.current_stream(q.device).cuda_stream)
+
+
 def _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
-              backend, split_keys) -> MlaPlan:
+              backend, split_keys, fused_combine, options) -> MlaPlan:
     key = (spec(q), spec(kv_cache), spec(page_table), spec(seq_lens), head_dim_v, scale,
-           num_splits, target, backend, split_keys)
+           num_splits, target, backend, split_keys, fused_combine, options)
     plan = PLANS.lookup(key)
     if plan is None:
         plan = PLANS.add(key, _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale,
-                                         num_splits, target, backend, split_keys))
+                                         num_splits, target, backend, split_keys,
+                                         fused_combine, options))
     return plan
 
 
+def merge_rows(packed: int) -> int:
+    """Rows of a fused merge: a power of two (4 to 64) covering a row block's real rows, so
+    that ``256 / merge_rows`` threads share each. Example: ``merge_rows(16) == 16``."""
+    return max(4, min(ROWS, 1 << max(0, packed - 1).bit_length()))
+
+
 def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
-               backend, split_keys) -> MlaPlan:
+               backend, split_keys, fused_combine, options) -> MlaPlan:
     dims = check_inputs(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits)
     check_backend(backend)
     B, Sq, H = dims["B"], dims["Sq"], dims["H"]
@@ -157,10 +204,19 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
         sms=DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()) \
         if B * Sq * H else 1
     split_keys = SPLIT_KEYS if split_keys is None else bool(split_keys)
-    kernel = make_mla_kernel(page_size, split_keys, slots == 1) if B * Sq * H else None
+    rows = merge_rows(Sq * H)
+    if fused_combine is None:  # one CTA's merge of its rows from L2, or a combine kernel
+        fused_combine = slots * rows * HEAD_DIM_V * 4 <= FUSED_COMBINE_MAX_BYTES
+    fused = slots > 1 and bool(fused_combine)
+    seesaw, early = (default if given is None else bool(given)
+                     for given, default in zip(options, (SEESAW, EARLY_LAUNCH)))
+    kernel = make_mla_kernel(page_size, split_keys and not seesaw, slots == 1,
+                             slots if fused else 0, rows if fused else ROWS, seesaw,
+                             early) if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
-                   scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E))
+                   scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E),
+                   fused=fused, device=q.device if is_torch(q) else None)
 
 
 def mla_target(target):
@@ -230,10 +286,11 @@ def _check_devices(q, **tensors) -> None:
 
 
 def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
-                       split_keys=SPLIT_KEYS, direct=False):
+                       split_keys=SPLIT_KEYS, direct=False, fused_slots=0, seesaw=SEESAW,
+                       early_launch=EARLY_LAUNCH):
     """Compile (without running) the MLA decode kernel (``direct``: the one-split kernel that
-    writes ``o`` and ``lse`` itself); returns the ``CompiledKernel`` (``.asm`` stages,
-    ``.metadata``).
+    writes ``o`` and ``lse`` itself; ``fused_slots``: the kernel whose last split CTA merges
+    that many splits); returns the ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
     Example: ``compile_mla_decode(target="sm_90a").metadata["registers"]``."""
     chip = mla_target(target)
     bf16 = kiln.bf16.numpy
@@ -242,6 +299,8 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
             np.zeros((1, 1, sq, heads, HEAD_DIM_V), np.float32),
             np.zeros((1, 1, sq, heads), np.float32), np.zeros((1, sq, heads), np.int32),
             np.zeros((1, sq, heads, HEAD_DIM_V), bf16), np.zeros((1, sq, heads), np.float32),
-            1, heads, sq, 0.1]
-    return make_mla_kernel(page_size, split_keys, direct).compile(*args, target=chip.name,
-                                                                  num_warps=NUM_WARPS)
+            np.zeros((1, 1, 2), np.int64), 1, heads, sq, 0.1]
+    kernel = make_mla_kernel(page_size, split_keys and not seesaw, direct, fused_slots,
+                             merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
+                             early_launch)
+    return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)

@@ -13,6 +13,10 @@ token ``r // H``, head ``r % H``: the rows of ``q[b]`` in memory order) as the `
 | P V | warp group ``g`` | ``O_g += P V[:, 256 g : 256 g + 256]`` (``m64n256k16`` x 4, P from registers, V MN-major: the first 512 columns of the same tile, read once from HBM) |
 | release | every thread | arrive on ``empty[s]`` |
 | store | each warp group | its 256 columns of ``O / l`` into ``O_partial``; group 0 the LSE (and, on split 0, the split count) |
+| merge (``fused_slots``) | the last split CTA of a row block | takes a ticket, and if it is the last to arrive merges every split's partial from L2 into ``o`` / ``lse`` (decode's :func:`~kiln.kernels.attention.decode_fused.combine_if_last`) |
+
+``seesaw=True`` replaces the page loop by the pair schedule of
+:mod:`~kiln.kernels.attention.mla_seesaw`.
 
 Shared memory: Q (73,728 bytes) and two stages of one page (73,728 bytes each), every box a
 ``64 x 64`` bf16 tile of 128-byte rows (TMA 128-byte swizzle), 216 KB, and with
@@ -32,6 +36,8 @@ import kiln
 from kiln import mbarrier, nvidia_asm, tma, wgmma
 from kiln.shared import dynamic_shared
 
+from .decode_config import ARRIVED
+from .decode_fused import combine_if_last
 from .decode_rows import advance_row_max, split_count
 from .paged import PagedRowIndices, PageTableRow
 
@@ -55,19 +61,39 @@ MAX_BARRIER, P_BARRIER = 2, 3  # split_keys: row maxima exchanged; P fragments e
 # The default schedule: each group scores half of a page's keys (True), or both score all of
 # them (False, twice the QK work, no exchange).
 SPLIT_KEYS = True
+# Programmatic dependent launch: each CTA lets the next kernel on the stream launch once it
+# started (True), or the next kernel starts when this one ends (False).
+EARLY_LAUNCH = False
+# Pages two at a time, one scored by each warp group (mla_seesaw), or one at a time.
+SEESAW = False
 
 
 @functools.lru_cache(maxsize=None)
-def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False):
+def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False,
+                    fused_slots: int = 0, merge_rows: int = ROWS, seesaw: bool = SEESAW,
+                    early_launch: bool = EARLY_LAUNCH):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
-    go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials. Run-time
-    parameters: ``q_map`` (``[B * Sq * H, 576]``), ``kv_map``
+    go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
+    ``fused_slots > 0``: the grid has that many splits, and the last CTA of each (batch, row
+    block) to store its partials merges them all into ``o_out`` / ``lse_out`` (the fused
+    combine of :func:`~kiln.kernels.attention.decode_fused.combine_if_last`, ``256 /
+    merge_rows`` threads a row, ``merge_rows`` a power of two covering the block's real rows).
+    Run-time parameters: ``q_map`` (``[B * Sq * H, 576]``), ``kv_map``
     (``[num_pages * page_size, 576]``), ``page_table``, ``seq_lens``, the partials ``o_part``
     ``[splits, B, Sq, H, 512]``, ``lse_part``, ``counts``, ``o_out`` ``[B, Sq, H, 512]``,
-    ``lse_out`` (placeholders where not written), then ``num_splits``,
-    ``heads`` (H), ``seq_q`` (Sq) and ``scale_log2``.
+    ``lse_out`` (placeholders where not written), ``tickets`` (``[B, row blocks, 2]`` i64,
+    zeroed once; each fused launch adds the split count), then ``num_splits``,
+    ``heads`` (H), ``seq_q`` (Sq) and ``scale_log2``. ``seesaw``: the pair schedule of
+    :mod:`~kiln.kernels.attention.mla_seesaw` (``split_keys`` does not apply).
+    ``early_launch``: programmatic dependent launch: the kernel waits for the previous kernel
+    on the stream after its shared-memory set-up, and then each CTA lets the next kernel's
+    CTAs start on the SMs this grid frees (back-to-back calls overlap one's merge and tail
+    with the next one's set-up). A TMA prefetch of the split's first pages before the
+    wait made ptxas spill (272 bytes at 16 heads, fused).
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
+    from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum  # it imports this module
+
     Rows = PagedRowIndices[BLOCK_N, page_size]
     if Rows.num_pages != 1:
         raise kiln.UnsupportedError(f"MLA decode reads pages of a multiple of {BLOCK_N} rows, "
@@ -78,24 +104,46 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                    page_table: kiln.Tensor[kiln.i32, 2], seq_lens: kiln.Tensor[kiln.i32, 1],
                    o_part: kiln.Tensor[kiln.f32, 5], lse_part: kiln.Tensor[kiln.f32, 4],
                    counts: kiln.Tensor[kiln.i32, 3], o_out: kiln.Tensor[kiln.bf16, 4],
-                   lse_out: kiln.Tensor[kiln.f32, 3], num_splits: kiln.i32, heads: kiln.i32,
+                   lse_out: kiln.Tensor[kiln.f32, 3], tickets: kiln.Tensor[kiln.i64, 3],
+                   num_splits: kiln.i32, heads: kiln.i32,
                    seq_q: kiln.i32, scale_log2: kiln.f32):
         # Box 0 .. 8: Q; box 9 + 9 s + c: column chunk c of ring stage s.
-        boxes = dynamic_shared(((1 + STAGES) * CHUNKS, BLOCK_N, CHUNK), kiln.bf16, align=1024)
-        full = mbarrier.group(num_barriers=STAGES)
-        empty = mbarrier.group(num_barriers=STAGES)
+        if not seesaw:  # the seesaw schedule's buffers are its own (SeesawRows)
+            boxes = dynamic_shared(((1 + STAGES) * CHUNKS, BLOCK_N, CHUNK), kiln.bf16,
+                                   align=1024)
+        if seesaw:  # one single-slot ring a stage: a pair waits once on each
+            full = [mbarrier.group(num_barriers=1) for _ in range(STAGES)]
+            empty = [mbarrier.group(num_barriers=1) for _ in range(STAGES)]
+        else:
+            full = mbarrier.group(num_barriers=STAGES)
+            empty = mbarrier.group(num_barriers=STAGES)
         # split_keys: the groups' row maxima, sums and P fragments, exchanged in shared memory.
-        exchange = _Exchange() if split_keys else None
+        exchange = _Exchange() if split_keys and not seesaw else None
+        rows_x = SeesawRows() if seesaw else None
         tid = kiln.thread_id(0)
         warp = tid // 32
         lane = tid % 32
         group = tid // 128
-        producer = nvidia_asm.elect_sync() & (warp == 0)  # converged, before any branch
+        # The TMA issuer (seesaw: group 1's first warp, which releases the stages last).
+        producer_warp = 4 if seesaw else 0
+        producer = nvidia_asm.elect_sync() & (warp == producer_warp)  # converged, no branch
         for s in kiln.static_range(STAGES):
-            full.init(s, count=1, predicate=tid == 0)
-            empty.init(s, count=THREADS, predicate=tid == 0)
+            # One arrival a warp group: its WGMMA reads are done once its thread 0 waited.
+            releases = WARP_GROUPS if seesaw else THREADS
+            if seesaw:
+                full[s].init(0, count=1, predicate=tid == 0)
+                empty[s].init(0, count=releases, predicate=tid == 0)
+            else:
+                full.init(s, count=1, predicate=tid == 0)
+                empty.init(s, count=releases, predicate=tid == 0)
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
+        if early_launch:
+            # Everything after the wait reads or writes global memory the previous kernel
+            # may write.
+            nvidia_asm.grid_dependency_wait()
+            if (warp == NUM_WARPS - 1) & (lane == 0):
+                nvidia_asm.launch_dependents()
         kiln.tma.prefetch_descriptor(q_map, predicate=producer)
         kiln.tma.prefetch_descriptor(kv_map, predicate=producer)
 
@@ -116,53 +164,77 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         # This thread's two rows of its warp's 16 in each m64 product, and their last keys.
         rows = [row0 + (tid % 128) // 32 * 16 + lane // 4 + 8 * half for half in range(2)]
         key_limit = [seq_len - seq_q + kiln.minimum(r, packed - 1) // heads for r in rows]
-        descs = (wgmma.smem_descriptor(boxes.tile(0), leading_bytes=16, stride_bytes=1024),
-                 wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=16, stride_bytes=1024),
-                 wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=BOX_BYTES,
-                                       stride_bytes=1024)
-                 + kiln.cast(group * (GROUP_COLS // CHUNK) * BOX_UNITS, kiln.i64))
+        if not seesaw:
+            descs = (wgmma.smem_descriptor(boxes.tile(0), leading_bytes=16, stride_bytes=1024),
+                     wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=16,
+                                           stride_bytes=1024),
+                     wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=BOX_BYTES,
+                                           stride_bytes=1024)
+                     + kiln.cast(group * (GROUP_COLS // CHUNK) * BOX_UNITS, kiln.i64))
         o = wgmma.fragment_zeros(GROUP_COLS)
         m = [kiln.cast(-math.inf, kiln.f32) for _ in range(2)]
         l = [kiln.cast(0.0, kiln.f32) for _ in range(2)]
-        for it in kiln.range(0, num_tiles):
-            stage = it % STAGES
-            # Every TMA is followed by a wait on its barrier on every path: the first pages
-            # (and Q, on stage 0's barrier) load inside the loop.
-            if (it == 0) & (warp == 0):
-                full.arrive_expect_tx(0, TILE_BYTES + CHUNKS * tma.box_bytes(q_map),
-                                      predicate=producer)
-                for c in kiln.static_range(CHUNKS):
-                    tma.load(q_map, boxes.tile(c), (c * CHUNK, b * packed + row0), full, 0,
-                             predicate=producer)
-                _load_tile(page_size, table, tile_begin, seq_len, kv_map, boxes, full, 0, producer,
-                           arm=False)
-                if num_tiles > 1:
-                    _load_tile(page_size, table, tile_begin + 1, seq_len, kv_map, boxes, full, 1,
-                               producer, arm=True)
-            ahead = it + STAGES - 1
-            if (it > 0) & (ahead < num_tiles):
-                if warp == 0:  # warp-uniform: the producer warp waits, one lane issues
-                    empty.try_wait(ahead % STAGES, ((it - 1) // STAGES) % 2)
-                    _load_tile(page_size, table, tile_begin + ahead, seq_len, kv_map, boxes, full,
-                               ahead % STAGES, producer, arm=True)
-            full.try_wait(stage, (it // STAGES) % 2)
-            key0 = (tile_begin + it) * BLOCK_N
-            if split_keys:
-                o, m, l = _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0,
-                                              key_limit, seq_len, seq_q, scale_log2, tid, group)
-            else:
-                o, m, l = _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len,
-                                        seq_q, scale_log2, tid)
-            empty.arrive(stage, wgmma_pending=0)
+        if seesaw:
+            o, m, l = seesaw_pages(o, m, l, rows_x, full, empty, table, kv_map, q_map,
+                                   page_size, tile_begin, num_tiles, seq_len, seq_q, key_limit,
+                                   scale_log2, tid, group, warp, producer, b * packed + row0)
+        else:
+            for it in kiln.range(0, num_tiles):
+                stage = it % STAGES
+                # Every TMA is followed by a wait on its barrier on every path: the first pages
+                # (and Q, on stage 0's barrier) load inside the loop.
+                if (it == 0) & (warp == 0):
+                    full.arrive_expect_tx(0, TILE_BYTES + CHUNKS * tma.box_bytes(q_map),
+                                          predicate=producer)
+                    for c in kiln.static_range(CHUNKS):
+                        tma.load(q_map, boxes.tile(c), (c * CHUNK, b * packed + row0), full, 0,
+                                 predicate=producer)
+                    _load_tile(page_size, table, tile_begin, seq_len, kv_map, boxes, full, 0,
+                               producer, arm=False)
+                    if num_tiles > 1:
+                        _load_tile(page_size, table, tile_begin + 1, seq_len, kv_map, boxes,
+                                   full, 1, producer, arm=True)
+                ahead = it + STAGES - 1
+                if (it > 0) & (ahead < num_tiles):
+                    if warp == 0:  # warp-uniform: the producer warp waits, one lane issues
+                        empty.try_wait(ahead % STAGES, ((it - 1) // STAGES) % 2)
+                        _load_tile(page_size, table, tile_begin + ahead, seq_len, kv_map,
+                                   boxes, full, ahead % STAGES, producer, arm=True)
+                full.try_wait(stage, (it // STAGES) % 2)
+                key0 = (tile_begin + it) * BLOCK_N
+                if split_keys:
+                    o, m, l = _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0,
+                                                  key_limit, seq_len, seq_q, scale_log2, tid,
+                                                  group)
+                else:
+                    o, m, l = _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit,
+                                            seq_len, seq_q, scale_log2, tid)
+                empty.arrive(stage, wgmma_pending=0)
+        arrival = None
+        if fused_slots:
+            # This CTA's place among its row block's splits; read only after its own stores,
+            # so the atomic's round trip overlaps them.
+            arrival = kiln.cast(0, kiln.i64)
+            if tid == 0:
+                arrival = tickets.atomic_add(b, kiln.block_id(0), ARRIVED, 1)
         l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
-        if split_keys:  # each group summed its own keys: the row's sum is both groups'
+        if seesaw:  # each group summed its own pages
+            l = seesaw_sum(rows_x, l, tid, group)
+        elif split_keys:  # each group summed its own keys: the row's sum is both groups'
             l = exchange.sum_rows(l, tid, group)
         _store_rows(o, m, l, rows, o_out if direct else o_part,
                     lse_out if direct else lse_part, counts, split, b, heads, packed, group,
                     lane, seq_len, seq_q, tiles_per_split, direct)
+        if fused_slots:
+            last = kiln.shared((1,), kiln.i32)
+            combine_if_last(o_part, lse_part, o_out, lse_out, tickets, arrival, last, b, 0, 0,
+                            row0, tid, _MergeRows(packed, heads, merge_rows), fused_slots, 1,
+                            cta=(b, kiln.block_id(0)))
 
     mla_decode.__name__ = mla_decode.__qualname__ = \
-        f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}"
+        f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}" \
+        f"{f'_fused{fused_slots}r{merge_rows}' if fused_slots else ''}" \
+        f"{'_seesaw' if seesaw else ''}{'_early' if early_launch else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
 
@@ -298,6 +370,17 @@ def _store_rows(o, m, l, rows, o_part, lse_part, counts, split, b, heads, packed
                         counts[b, token, head] = split_count(None, b, token, 0,
                                                              seq_len - seq_q + token + 1,
                                                              tiles_per_split, BLOCK_N, False)
+
+
+class _MergeRows:
+    """The row block's sizes :func:`combine_if_last` reads: packed row ``r`` is token
+    ``r // heads``, head ``r % heads`` (one KV head), ``merge_rows`` rows of 512 columns."""
+
+    head_dim = HEAD_DIM_V
+
+    def __init__(self, packed, heads, merge_rows):
+        self.packed, self.group, self.combine_rows = packed, heads, merge_rows
+        self.combine_threads_per_row = THREADS // merge_rows
 
 
 class _Exchange:

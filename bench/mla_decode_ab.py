@@ -1,0 +1,91 @@
+"""A/B of MLA decode's kernel options on a few shapes, in one process: split counts, the
+fused combine vs the combine kernel, the scores schedules, early launch; GB/s, ratio to
+copy bandwidth and TFLOP/s (GPU time, queued), each variant first checked against a float32
+torch reference (max abs error < 2e-2). Prints one JSON line per measurement as it comes.
+
+Usage (on an H100/H200): ``python bench/mla_decode_ab.py [--shapes 32x4096x1x16,...]
+[--variants base,fused,...] [--repeat 10]`` (a shape ``B x ctx x Sq x H``, or
+``SHAPE:v1+v2`` with its own variants); ``--once SHAPE VARIANT``: one call (for ncu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mla_decode import DQK, DV, copy_bandwidth_gbs, make_problem, unpaged
+from timing import queued_ms
+
+# name -> mla_decode keywords
+VARIANTS = {
+    "default": {},
+    "base": dict(fused_combine=False),
+    "fused": dict(fused_combine=True),
+    "repl_fused": dict(fused_combine=True, split_keys=False),
+    "fused_early": dict(fused_combine=True, early_launch=True),
+    "seesaw": dict(seesaw=True),
+    "seesaw_fused": dict(seesaw=True, fused_combine=True),
+    "seesaw_early": dict(seesaw=True, early_launch=True),
+    **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
+    **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},
+}
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    batch, ctx, sq, heads = (int(x) for x in text.split("x"))
+    return batch, ctx, sq, heads
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="32x4096x1x16")
+    parser.add_argument("--variants", default="base,fused")
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--once", nargs=2, metavar=("SHAPE", "VARIANT"))
+    args = parser.parse_args()
+    import torch
+
+    from kiln.kernels.attention import mla_decode
+
+    if args.once:
+        problem = make_problem(torch, *parse_shape(args.once[0]))
+        mla_decode(*problem, **VARIANTS[args.once[1]])
+        torch.cuda.synchronize()
+        return
+    copy_gbs = copy_bandwidth_gbs(torch, 5)
+    print(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs)}),
+          flush=True)
+    for item in args.shapes.split(","):
+        # "SHAPE" takes --variants; "SHAPE:v1+v2" its own list.
+        shape, _, own = item.partition(":")
+        batch, ctx, sq, heads = parse_shape(shape)
+        problem = make_problem(torch, batch, ctx, sq, heads)
+        q, k, v, mask = unpaged(torch, *problem[:3], ctx)
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=mask, scale=DQK ** -0.5)
+        del k, v
+        nbytes = batch * ctx * DQK * 2 + q.numel() * 2 + batch * sq * heads * DV * 2
+        flops = 2 * batch * sq * heads * ctx * (DQK + DV)
+        for name in own.split("+") if own else args.variants.split(","):
+            kwargs = VARIANTS[name]
+            try:
+                out, _ = mla_decode(*problem, **kwargs)
+                error = (out.float().reshape(reference.shape) - reference).abs().max().item()
+                ms = queued_ms(lambda: mla_decode(*problem, **kwargs), args.repeat, args.calls)
+            except Exception as exc:  # report and go on with the next variant
+                print(json.dumps({"shape": shape, "variant": name, "error": repr(exc)[:300]}),
+                      flush=True)
+                continue
+            gbs = nbytes / ms / 1e6
+            print(json.dumps({"shape": shape, "variant": name, "us": round(1e3 * ms, 1),
+                              "copy": round(gbs / copy_gbs, 3),
+                              "tflops": round(flops / ms / 1e9), "err": round(error, 4),
+                              "ok": error < 2e-2}), flush=True)
+        del reference
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
