@@ -345,8 +345,17 @@ def test_a_constexpr_function_is_keyed_by_its_code_not_its_address():
     assert "0x" not in DependencyWalk().value(make())
 
 
+class _NoDerivedMaps:
+    """A signature whose trace derived no tensor maps (what a launch entry asks of it)."""
+
+    @staticmethod
+    def sources():
+        return ()
+
+
 class _RecordingLaunch:
     """Stands in for a compiled kernel: records which specialisation each launch used."""
+    signature = _NoDerivedMaps()
 
     def __init__(self, label, log):
         self.label, self.log = label, log
