@@ -46,8 +46,9 @@ from kiln.passes.enclosing import enclosing_gpu_func, enclosing_loops, func_vend
 from kiln.nvidia.mbarrier import RING_PAIR_ATTR
 from kiln.passes.mbarrier_rings import Rings, build_wait as build_ring_wait
 from kiln.passes.verify_waits import gap_error
+from kiln.passes.op_queries import op_label, wait_limits
 from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis,
-                                       encode_gfx9_waitcnt, op_label, wait_limits)
+                                       encode_gfx9_waitcnt)
 
 NAME = "kiln-insert-waits"
 # A walk places every same-thread wait and one cross-thread (mbarrier hand-over) wait, whose

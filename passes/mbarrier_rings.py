@@ -48,7 +48,7 @@ from kiln.nvidia.mbarrier import DEFAULT_TICKS, RING_STAGES_ATTR
 from kiln.passes.enclosing import enclosing_loops
 from kiln.passes.ring_exprs import ZERO, Exprs, Lin, cond_facts, nonneg
 from kiln.passes.ring_guards import guarded_count
-from kiln.passes.wait_analysis import effects
+from kiln.passes.op_queries import effects
 
 UNKNOWN = None
 

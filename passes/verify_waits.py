@@ -23,8 +23,8 @@ from kiln.core.errors import WaitError, source_loc_from_mlir
 from kiln.passes import register_pass
 from kiln.passes.enclosing import func_vendor, gpu_funcs, where
 from kiln.passes.mbarrier_rings import ring_errors
-from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis, mbarrier_of,
-                                       op_label)
+from kiln.passes.op_queries import mbarrier_of, op_label
+from kiln.passes.wait_analysis import CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnalysis
 
 
 NAME = "kiln-verify-waits"

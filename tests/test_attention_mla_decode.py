@@ -42,9 +42,12 @@ def test_deepseek_heads_two_tokens(rng):
 @pytest.mark.parametrize("heads,sq,num_splits,options", [
     (16, 1, 3, dict(fused_combine=True)),  # 16-row merge, 16 threads a row
     (40, 2, 2, dict(fused_combine=True)),  # 64-row merge
-    (16, 1, 1, dict(seesaw=True)),  # pairs of pages, a pad page after 1, 63, 65 keys
-    (20, 2, 3, dict(seesaw=True, fused_combine=True, early_launch=True)),
-    (40, 2, 3, dict(split_keys=False, fused_combine=True, early_launch=True)),
+    # The opt-in options (seesaw pairs, early launch) run in the slow tier, which CI also runs.
+    pytest.param(16, 1, 1, dict(seesaw=True), marks=pytest.mark.slow),  # pad page after 1, 63, 65
+    pytest.param(20, 2, 3, dict(seesaw=True, fused_combine=True, early_launch=True),
+                 marks=pytest.mark.slow),
+    pytest.param(40, 2, 3, dict(split_keys=False, fused_combine=True, early_launch=True),
+                 marks=pytest.mark.slow),
 ])
 def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
     """The fused combine (the last split CTA merges), the seesaw pairs and early launch, on
@@ -176,8 +179,9 @@ def test_default_splits_fill_one_wave():
     (True, 32, False, {}), (False, 64, False, {}), (True, 32, True, {}),
     (True, 32, False, dict(fused_slots=4, heads=16, early_launch=True)),
     (False, 64, False, dict(fused_slots=2)),
-    (False, 64, True, dict(seesaw=True)),
-    (False, 64, False, dict(seesaw=True, fused_slots=4, heads=16, early_launch=True))])
+    pytest.param(False, 64, True, dict(seesaw=True), marks=pytest.mark.slow),
+    pytest.param(False, 64, False, dict(seesaw=True, fused_slots=4, heads=16, early_launch=True),
+                 marks=pytest.mark.slow)])
 def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct, options):
     ck = compile_mla_decode(target="sm_90a", split_keys=split_keys, direct=direct, **options)
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["registers"] <= 255

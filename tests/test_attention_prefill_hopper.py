@@ -69,9 +69,9 @@ def _run_overlapped(monkeypatch, **options):
         else picked(*a, **k)))
 
 
-# The one-tile kernel's edge cases (long sequences take it) and the overlapped walk with staged
-# output stores run in the slow tier; the persistent kernel's, plain and overlapped, here.
-@pytest.fixture(params=["persistent", "overlapped",
+# The one-tile kernel's edge cases (long sequences take it) and the opt-in overlapped walk's run
+# in the slow tier (CI runs it too); the default persistent kernel's here.
+@pytest.fixture(params=["persistent", pytest.param("overlapped", marks=pytest.mark.slow),
                         pytest.param("overlapped_staged", marks=pytest.mark.slow),
                         pytest.param("one_tile", marks=pytest.mark.slow)])
 def kernel_kind(request, monkeypatch):
@@ -238,6 +238,7 @@ def test_fully_masked_key_tiles_are_never_read(rng):
     assert_attention_close(o, q, k, v, window=(10, 0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direct_store", [True, False], ids=["direct", "staged"])
 def test_an_item_no_row_sees_ignores_the_keys_it_reads(direct_store, monkeypatch, rng):
     # The persistent kernel visits one key tile even for 128 query rows that see no key
@@ -260,7 +261,8 @@ def test_an_item_no_row_sees_ignores_the_keys_it_reads(direct_store, monkeypatch
                            window=(10, 0))
 
 
-@pytest.mark.parametrize("overlap_items", [True, False], ids=["overlapped", "one_by_one"])
+@pytest.mark.parametrize("overlap_items", [pytest.param(True, marks=pytest.mark.slow), False],
+                         ids=["overlapped", "one_by_one"])
 def test_causal_walk_deals_every_second_round_in_reverse(overlap_items, monkeypatch, rng):
     # 5 query tiles x 2 heads = 10 work items over the interpreter's 3 CTAs: rounds 0, 1, 2
     # are full (round 1 dealt in reverse), the last item alone.
@@ -425,6 +427,7 @@ def test_persistent_kernel_has_no_spills(d, dv, causal):
     assert ck.signature.dynamic_shared_bytes >= config.shared_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.lower
 @pytest.mark.parametrize("d,causal,tiles", [(64, False, (128, 3)), (64, False, (192, 3)),
                                             (64, True, (128, 3)), (128, False, (128, 2)),

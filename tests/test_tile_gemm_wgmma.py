@@ -17,7 +17,7 @@ from kiln import bf16, f32, i32
 from kiln.core.errors import KilnTypeError, KilnValueError, WaitError
 from kiln.layout import wgmma_m64_accumulator
 from kiln.passes import build_pass_manager
-from kiln.passes.wait_analysis import op_label, wait_limits
+from kiln.passes.op_queries import op_label, wait_limits
 from kiln.core.targets import get_target
 from kiln.shared_tile import SharedTile
 from kiln.operand_tiles import operand_layout

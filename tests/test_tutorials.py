@@ -189,7 +189,7 @@ def test_grouped_matmul(target, sizes, k, n):
 
 @pytest.mark.lower
 @pytest.mark.parametrize("target", ("sm_80", "sm_90a", "gfx950"))
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (pytest.param(64, marks=pytest.mark.slow), 128))
 def test_attention_compiles_to_the_targets_mma_without_spills(target, d):
     x = np.zeros((256, 2 * d), ml_dtypes.bfloat16)
     ck = attention.attention_kernel.compile(x, x, x, x, np.array([0, 256], np.int32), 1.0,

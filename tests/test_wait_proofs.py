@@ -47,7 +47,7 @@ from kiln.lowering.compiler import compile_kernel
 from kiln.core.options import CompileOptions
 from kiln.passes import build_pass_manager
 from kiln.passes.insert_waits import gpu_funcs
-from kiln.passes.wait_analysis import is_mbarrier_wait, op_label, wait_limits
+from kiln.passes.op_queries import is_mbarrier_wait, op_label, wait_limits
 
 KERNELS = {
     "prefill_sm90": lambda: compile_prefill("bf16", target="sm_90a", head_dim=128, causal=True),
