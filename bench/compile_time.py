@@ -39,6 +39,7 @@ from results_io import metadata
 
 # name -> (goal seconds, the Python expression that compiles it; `k` holds the kernel modules)
 _LIBRARY_GOAL, _USER_GOAL = 1.5, 0.3
+_BENCH_DIR = os.path.dirname(os.path.abspath(__file__))  # the child imports compile_jobs from it
 JOBS = {
     **{f"prefill_sm90_d{d}": f"k.compile_prefill('bf16', target='sm_90a', head_dim={d}, "
                              "causal=True)" for d in (64, 128, 256)},
@@ -67,39 +68,14 @@ JOBS = {
     "saxpy_gfx950": "k.saxpy_compile('gfx950')",
 }
 
-# The child script (a file: kernels' sources are read back from it): imports timed apart from
-# the compile, the kernel compiled once, its profile printed as one JSON line.
+# The child script: imports (Kiln and the library, through compile_jobs) timed apart from the
+# compile, the kernel compiled once, its profile printed as one JSON line.
 _CHILD = r"""
-import json, sys, time, types
+import json, sys, time
 t0 = time.perf_counter()
-import numpy as np
-import kiln
+sys.path.insert(0, sys.argv[2])
 from kiln.core.profile import cpu_seconds
-from kiln.kernels.attention import compile_prefill
-from kiln.kernels.attention.combine import compile_combine
-from kiln.kernels.attention.decode import compile_decode
-from kiln.kernels.attention.decode_config import DecodeConfig
-from kiln.kernels.gemm import compile_matmul
-from kiln.kernels.gemm.grouped_api import compile_grouped_matmul
-from kiln.kernels.attention import compile_mla_decode
-
-@kiln.kernel(num_threads="BLOCK")
-def saxpy(x: kiln.Tensor[kiln.f32], y: kiln.Tensor[kiln.f32], n: kiln.i32, a: kiln.f32,
-          BLOCK: kiln.constexpr):
-    i = kiln.block_id(0) * kiln.block_dim(0) + kiln.thread_id(0)
-    if i < n:
-        y[i] = a * x[i] + y[i]
-
-def saxpy_compile(target):
-    x = np.zeros(16, np.float32)
-    return saxpy.compile(x, x, 16, 2.0, BLOCK=256, target=target)
-
-k = types.SimpleNamespace(compile_prefill=compile_prefill, compile_combine=compile_combine,
-                          compile_decode=compile_decode, DecodeConfig=DecodeConfig,
-                          compile_matmul=compile_matmul,
-                          compile_grouped_matmul=compile_grouped_matmul,
-                          compile_mla_decode=compile_mla_decode,
-                          saxpy_compile=saxpy_compile)
+from compile_jobs import k
 t1 = time.perf_counter()
 c0 = cpu_seconds()
 ck = eval(sys.argv[1])
@@ -134,7 +110,7 @@ def _compile_in_child(name: str, work: str, timeout: float) -> dict:
     row: dict = {}
     started = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, child, JOBS[name]], env=env,
+        done = subprocess.run([sys.executable, child, JOBS[name], _BENCH_DIR], env=env,
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}

@@ -24,43 +24,14 @@ import json
 import os
 import sys
 import time
-import types
 
 os.environ["KILN_NO_CACHE"] = "1"
 
-import numpy as np  # noqa: E402
-
-import kiln  # noqa: E402
+from compile_jobs import k  # noqa: E402
 from compile_time import JOBS  # noqa: E402
 from kiln.kernel import JITKernel  # noqa: E402
-from kiln.kernels.attention import compile_mla_decode, compile_prefill  # noqa: E402
-from kiln.kernels.attention.combine import compile_combine  # noqa: E402
-from kiln.kernels.attention.decode import compile_decode  # noqa: E402
-from kiln.kernels.attention.decode_config import DecodeConfig  # noqa: E402
-from kiln.kernels.gemm import compile_matmul  # noqa: E402
-from kiln.kernels.gemm.grouped_api import compile_grouped_matmul  # noqa: E402
 
 PIPELINES = ("mlir", "o3", "fast")
-
-
-@kiln.kernel(num_threads="BLOCK")
-def saxpy(x: kiln.Tensor[kiln.f32], y: kiln.Tensor[kiln.f32], n: kiln.i32, a: kiln.f32,
-          BLOCK: kiln.constexpr):
-    i = kiln.block_id(0) * kiln.block_dim(0) + kiln.thread_id(0)
-    if i < n:
-        y[i] = a * x[i] + y[i]
-
-
-def saxpy_compile(target):
-    x = np.zeros(16, np.float32)
-    return saxpy.compile(x, x, 16, 2.0, BLOCK=256, target=target)
-
-
-k = types.SimpleNamespace(compile_prefill=compile_prefill, compile_combine=compile_combine,
-                          compile_decode=compile_decode, DecodeConfig=DecodeConfig,
-                          compile_matmul=compile_matmul,
-                          compile_grouped_matmul=compile_grouped_matmul,
-                          compile_mla_decode=compile_mla_decode, saxpy_compile=saxpy_compile)
 
 
 def forget_compiled() -> None:
