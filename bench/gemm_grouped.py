@@ -48,6 +48,17 @@ def moe_sizes(groups: int, total: int, seed: int = SEED) -> np.ndarray:
     return rng.multinomial(total, probabilities)
 
 
+def moe_problem(torch, groups: int, k: int, n: int):
+    """``(sizes, offsets, a, b, offs)`` of one MoE layer: ragged group sizes over
+    ``TOKENS * TOP_K`` rows, their int32 offsets (numpy, and ``offs`` on the GPU), ``a``
+    ``[total, k]`` and the experts' ``b`` ``[groups, k, n]`` (bf16, scaled by ``k ** -0.5``)."""
+    sizes = moe_sizes(groups, TOKENS * TOP_K)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    a = torch.randn(int(offsets[-1]), k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(groups, k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    return sizes, offsets, a, b, torch.from_numpy(offsets).cuda()
+
+
 def _check(torch, c, a, b, offsets) -> float:
     """Elementwise check against float32 torch; returns the largest relative deviation."""
     worst = 0.0
@@ -67,12 +78,8 @@ def _check(torch, c, a, b, offsets) -> float:
 
 def grouped_bench(torch, groups: int, k: int, n: int, repeat: int, batch: int,
                   sweep: bool) -> dict:
-    sizes = moe_sizes(groups, TOKENS * TOP_K)
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    sizes, offsets, a, b, offs = moe_problem(torch, groups, k, n)
     total = int(offsets[-1])
-    a = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(groups, k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    offs = torch.from_numpy(offsets).cuda()
     c = torch.full((total, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     run_grouped(a, b.reshape(groups * k, n), c, offs, k=k, b_rows=k, trans_b=False)
     deviation = _check(torch, c, a, b, offsets)

@@ -30,7 +30,7 @@ from kiln.kernels.gemm import HopperGemmConfig, run_hopper
 from kiln.kernels.gemm.grouped import grouped_config, grouped_constexprs, make_grouped_kernel
 from kiln.kernels.gemm.grouped_api import run_grouped
 from gemm_ab import short
-from gemm_grouped import TOKENS, TOP_K, _check, moe_sizes
+from gemm_grouped import _check, moe_problem
 from timing import interleaved_samples, round_ratios
 
 C = HopperGemmConfig
@@ -55,12 +55,8 @@ def candidates(groups: int, dynamic: bool) -> list:
 
 
 def ab_case(groups: int, k: int, n: int, repeat: int, batch: int, dynamic: bool) -> dict:
-    sizes = moe_sizes(groups, TOKENS * TOP_K)
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    sizes, offsets, a, b, offs = moe_problem(torch, groups, k, n)
     total = int(offsets[-1])
-    a = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(groups, k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    offs = torch.from_numpy(offsets).cuda()
     flops = 2.0 * total * n * k
     dense_b = b[0].contiguous()
     dense_c = torch.empty(total, n, device="cuda", dtype=torch.bfloat16)
