@@ -31,27 +31,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     import torch
-    import triton
-    from tutorials_triton import matmul_kernel as t_matmul
+    from tutorials_triton import matmul_problem
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for size in args.sizes:
-        m = n = k = size
-        a = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-        b = torch.randn(k, n, device="cuda", generator=gen).to(torch.bfloat16)
-        bias = torch.randn(n, device="cuda", generator=gen)
-        c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        ref = torch.empty_like(c)
-        x = a.float() @ b.float() + bias
-        want = 0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
-        flops = 2.0 * m * n * k
-        grid = (triton.cdiv(m, 128) * triton.cdiv(n, 256),)
-
-        def t_mm():
-            t_matmul[grid](a, b, bias, ref, m, n, k, a.stride(0), b.stride(0), ref.stride(0),
-                           BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
-
+        p = matmul_problem(torch, size, gen)
+        a, b, bias, c, want, flops = p.a, p.b, p.bias, p.c, p.want, p.flops
+        m, n, k, t_mm = p.m, p.n, p.k, p.triton
         t_mm()
         cublas = flops / queued_ms(lambda: torch.matmul(a, b), args.repeat) / 1e9
         tri = flops / queued_ms(t_mm, args.repeat) / 1e9

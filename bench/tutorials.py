@@ -270,7 +270,7 @@ def main() -> None:
 
     import triton
     from tutorials_triton import add_kernel as t_add, layernorm_kernel as t_layernorm, \
-        matmul_kernel as t_matmul, softmax_kernel as t_softmax
+        matmul_problem, softmax_kernel as t_softmax
 
     only = set(args.only.split(",")) if args.only else None
 
@@ -360,21 +360,11 @@ def main() -> None:
                t_ln, err, same_gbs)
 
     for size in ([4096] if args.quick else [4096, 8192]) if wanted("matmul") else []:
-        m = n = k = size
-        a = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-        b = torch.randn(k, n, device="cuda", generator=gen).to(torch.bfloat16)
-        bias = torch.randn(n, device="cuda", generator=gen)
-        c, ref = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        grid = (triton.cdiv(m, 128) * triton.cdiv(n, 256),)
-
-        def t_mm():
-            t_matmul[grid](a, b, bias, ref, m, n, k, a.stride(0), b.stride(0), ref.stride(0),
-                           BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
-
+        p = matmul_problem(torch, size, gen)
+        a, b, bias, c, ref, want, t_mm = p.a, p.b, p.bias, p.c, p.ref, p.want, p.triton
+        m, n, k = p.m, p.n, p.k
         matmul.matmul(a, b, bias, c)
         t_mm()
-        x = a.float() @ b.float() + bias
-        want = (0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3))))
         scale = float(want.abs().max())
         err = 0.0
         for name, got in (("kiln matmul", c), ("triton matmul", ref)):

@@ -3,6 +3,8 @@ tutorials (01 vector add, 02 fused softmax, 03 matrix multiplication, 05 layer n
 attention, 08 grouped GEMM), written from their public description. Imported only where Triton
 is installed (the GPU machine)."""
 
+from types import SimpleNamespace
+
 import triton
 import triton.language as tl
 
@@ -84,6 +86,29 @@ def matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, s_am, s_bk, s_cm,
     y = x / (1.0 + tl.exp(-z))
     tl.store(c_ptr + rm[:, None] * s_cm + rn[None, :], y.to(tl.bfloat16),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def matmul_problem(torch, size: int, generator) -> SimpleNamespace:
+    """One ``size``-cubed bf16 problem of the matmul tutorial, drawn from ``generator``: ``a``,
+    ``b``, ``bias``, bf16 outputs ``c`` (Kiln's) and ``ref`` (Triton's), ``product`` (a @ b
+    in f32), ``want`` (GELU(product + bias)), ``flops``, and ``triton()``, which runs
+    :func:`matmul_kernel` (Triton's tutorial design, 128 x 256 x 64 tiles) into ``ref``."""
+    m = n = k = size
+    a = torch.randn(m, k, device="cuda", generator=generator).to(torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", generator=generator).to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=generator)
+    c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    ref = torch.empty_like(c)
+    product = a.float() @ b.float()
+    x = product + bias
+    want = 0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+    grid = (triton.cdiv(m, 128) * triton.cdiv(n, 256),)
+
+    def run_triton():
+        matmul_kernel[grid](a, b, bias, ref, m, n, k, a.stride(0), b.stride(0), ref.stride(0),
+                            BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+    return SimpleNamespace(m=m, n=n, k=k, a=a, b=b, bias=bias, c=c, ref=ref, product=product,
+                           want=want, flops=2.0 * m * n * k, triton=run_triton)
 
 
 @triton.jit
