@@ -85,11 +85,13 @@ def _problem(rng):
     v = rng.standard_normal((KEYS, DEPTH)).astype(E4M3)
     p = np.clip(s, -FP8_MAX["f8e4m3"], FP8_MAX["f8e4m3"]).astype(E4M3).astype(np.float64)
     out = np.full((64, DEPTH), np.nan, np.float32)  # poison: every element must be written
-    return [s, _permuted_vt(v), out], p @ v.astype(np.float64), np.abs(p) @ np.abs(v.astype(np.float64))
+    v64 = np.abs(v.astype(np.float64))
+    largest_product = (np.abs(p)[:, :, None] * v64[None]).max(axis=1)
+    return [s, _permuted_vt(v), out], p @ v.astype(np.float64), np.abs(p) @ v64, largest_product
 
 
 def test_interpreter_matches_float64(rng):
-    args, expected, _ = _problem(rng)
+    args, expected, *_ = _problem(rng)
     traced = p_times_v_fp8.trace(*args, target="sm_90a")
     interpret_kernel(traced, (1, 1, 1), args, "sm_90a")
     np.testing.assert_allclose(args[2], expected, rtol=1e-5, atol=1e-4)
@@ -100,13 +102,17 @@ def test_interpreter_matches_float64(rng):
 def test_fp8_register_a_on_gpu(rng):
     """The hardware's 8-bit A fragment is the layout the interpreter assumes. FP8 WGMMA adds
     each k32 instruction's products with ~14 mantissa bits (tests/fp8_reference.py): 2**-12
-    of ``|P| @ |V|`` per instruction, four here; a key out of order errs by ~|P V| itself."""
-    args, expected, magnitude = _problem(rng)
+    of ``|P| @ |V|`` per instruction, four here. It aligns the 32 products to the largest one
+    before adding, so beside a saturated P (448) each small product may also lose 2**-13 of
+    that largest product (row 0 erred by 0.76 against a 0.54 bound without that term). A key
+    out of order still errs by ~|P V| itself, far past both terms on every other row."""
+    args, expected, magnitude, largest_product = _problem(rng)
     p_times_v_fp8[(1, 1, 1)](*args, target="sm_90a", num_warps=4)
     error = np.abs(args[2] - expected)
+    bound = 2.0 ** -10 * magnitude + 32 * 2.0 ** -13 * largest_product + 1e-6
     assert not np.isnan(args[2]).any()
-    assert (error <= 2.0 ** -10 * magnitude + 1e-6).all(), \
-        f"{(error > 2.0 ** -10 * magnitude + 1e-6).sum()} elements off, worst {error.max():.3g}"
+    assert (error <= bound).all(), \
+        f"{(error > bound).sum()} elements off, worst {error.max():.3g}"
 
 
 def test_without_k_permuted_fp8_fragments_are_refused():
