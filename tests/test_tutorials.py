@@ -242,10 +242,15 @@ def _wgmma_under_a_branch(gpu_ir: str) -> list[str]:
 def test_grouped_matmul_compiles_to_the_targets_mma_without_spills(target):
     a = np.zeros((256, 256), ml_dtypes.bfloat16)
     ck = grouped.grouped_matmul_kernel.compile(a, a, a, np.array([0, 100, 256], np.int32), 2,
-                                               256, 256, BM=grouped.BM, BN=grouped.BN,
-                                               BK=grouped.BK, THREADS=grouped.THREADS, ALIGN=16,
+                                               **grouped.config(target), ALIGN=16,
                                                target=target)
-    if target.startswith("sm"):
+    if target == "sm_90a":  # WGMMA; A by TMA boxes, B by cp.async (masked at the group's K)
+        ptx = ck.asm["ptx"]
+        assert ck.metadata["spill_bytes"] == 0 and ck.metadata["wgmma_serialized"] is None
+        assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
+        assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier" in ptx
+        assert "cp.async.cg.shared.global" in ptx and "mma.sync" not in ptx
+    elif target == "sm_80":
         assert ck.metadata["spill_bytes"] == 0
         assert "mma.sync.aligned.m16n8k16" in ck.asm["ptx"] and "cp.async" in ck.asm["ptx"]
     else:

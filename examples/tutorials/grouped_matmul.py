@@ -5,8 +5,11 @@
 stacked as ``G * K x N``; ``C`` (``total x N``) bf16. The grid has one block per ``BM``-row
 tile of any group (at most ``ceil(total / BM) + G`` of them) and ``BN``-column tile: a block
 finds its group by scanning the offsets (G scalar steps, no host work, no sync), then runs the
-matmul tutorial's two-stage ``kiln.copy`` + ``kiln.gemm`` loop on its group's rows, masked at
-the group's last row, ``K`` and ``N``. Blocks past the last tile find no group and do nothing.
+matmul tutorial's ``kiln.pipeline`` K loop on its group's rows. A's tiles are masked at A's own
+extents only: rows past the group's end belong to the next group (or read zeros past ``total``)
+and land in rows of C that the store masks, so on sm_90a they are TMA boxes. B's tiles stop at
+the group's last K row (``cp.async`` on sm_80 and sm_90a), so no product reads another group's
+weights. Blocks past the last tile find no group: an empty K loop and a store of no rows.
 
 Run: ``python examples/tutorials/grouped_matmul.py``.
 """
@@ -18,14 +21,17 @@ import numpy as np
 
 import kiln
 from kiln import bf16, i32
+from kiln.kernel import default_target
 from kiln.runtime.cuda import cuda_available
 
 
 @kiln.kernel(num_threads="THREADS")
 def grouped_matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2],
                           c: kiln.Tensor[bf16, 2], group_offsets: kiln.Tensor[i32], groups: i32,
-                          n: i32, k: i32, BM: kiln.constexpr, BN: kiln.constexpr,
-                          BK: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr):
+                          BM: kiln.constexpr, BN: kiln.constexpr, BK: kiln.constexpr,
+                          STAGES: kiln.constexpr, THREADS: kiln.constexpr,
+                          ALIGN: kiln.constexpr):
+    (total, k), n = a.shape, b.shape[1]
     tile = kiln.block_id(0)
     col0 = kiln.block_id(1) * BN
     # find the group of this row tile: tiles [seen, seen + tiles of g) belong to group g
@@ -42,31 +48,29 @@ def grouped_matmul_kernel(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2],
         row0 = kiln.where(mine, lo + (tile - seen) * BM, row0)
         row_end = kiln.where(mine, hi, row_end)
         seen = seen + tiles
-    k_end = kiln.where(row0 < row_end, k, 0)         # no group: an empty K loop
-    a_s = [kiln.SharedTile((BM, BK), bf16, swizzle=kiln.tiles.operand_swizzle((BM, BK), bf16))
-           for _ in range(2)]
-    b_s = [kiln.SharedTile((BK, BN), bf16, swizzle=kiln.tiles.operand_swizzle((BK, BN), bf16))
-           for _ in range(2)]
+    a_s = [kiln.tiles.operand_tile((BM, BK), bf16, "a") for _ in range(STAGES)]
+    b_s = [kiln.tiles.operand_tile((BK, BN), bf16, "b") for _ in range(STAGES)]
 
-    def fetch(stage, k0):
-        kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=row_end, col_end=k,
-                                  align=ALIGN), a_s[stage])
+    def fetch(k0, s):   # A at its own extents (TMA on sm_90a); B stops at the group's K
+        kiln.copy(kiln.GlobalTile(a, (BM, BK), (row0, k0), row_end=total, col_end=k,
+                                  align=ALIGN, col_multiple=ALIGN // 2), a_s[s])
         kiln.copy(kiln.GlobalTile(b, (BK, BN), (group * k + k0, col0), row_end=group * k + k,
-                                  col_end=n, align=ALIGN), b_s[stage])
+                                  col_end=n, align=ALIGN, col_multiple=ALIGN // 2), b_s[s])
 
     acc = kiln.accumulator(a_s[0], b_s[0])
-    fetch(0, 0)
-    for k0 in kiln.range(0, k_end, 2 * BK):
-        for stage in kiln.static_range(2):
-            fetch(1 - stage, k0 + (stage + 1) * BK)   # past k: masked, reads nothing
-            kiln.barrier()
-            acc = kiln.gemm(a_s[stage], b_s[stage], acc)
-            kiln.barrier()
+    k_end = kiln.where(row0 < row_end, k, 0)          # no group: an empty K loop
+    for it in kiln.pipeline(0, k_end, BK, stages=STAGES, fetch=fetch):
+        acc = kiln.gemm(a_s[it.stage], b_s[it.stage], acc)
     kiln.copy(kiln.cast(acc, bf16), kiln.GlobalTile(c, (BM, BN), (row0, col0), row_end=row_end,
                                                     col_end=n))
 
 
-BM, BN, BK, THREADS = 128, 128, 32, 256
+def config(target: str | None) -> dict:
+    """Tile sizes per target: the matmul tutorial's 128 x 256 x 64, two WGMMA warpgroups and 4
+    stages on sm_90a; 128 x 128 x 32, 8 warps, 3 stages elsewhere."""
+    if (target or default_target()).startswith("sm_90"):
+        return dict(BM=128, BN=256, BK=64, STAGES=4, THREADS=256)
+    return dict(BM=128, BN=128, BK=32, STAGES=3, THREADS=256)
 
 
 def grouped_matmul(a, b, c, group_offsets, *, backend: str = "gpu", target: str | None = None):
@@ -76,14 +80,14 @@ def grouped_matmul(a, b, c, group_offsets, *, backend: str = "gpu", target: str 
     groups = len(group_offsets) - 1
     b2 = b.reshape(groups * k, -1)
     n = b2.shape[1]
-    grid = (-(-total // BM) + groups, -(-n // BN))
+    cfg = config(target)
+    grid = (-(-total // cfg["BM"]) + groups, -(-n // cfg["BN"]))
     launch = (grouped_matmul_kernel.interpret[grid] if backend == "interpret"
               else grouped_matmul_kernel[grid])
     extra = {"target": target} if target else {}
     pointers = [t.data_ptr() for t in (a, b2) if hasattr(t, "data_ptr")]
     align = 16 if k % 8 == 0 and n % 8 == 0 and all(p % 16 == 0 for p in pointers) else 2
-    launch(a, b2, c, group_offsets, groups, n, k, BM=BM, BN=BN, BK=BK, THREADS=THREADS,
-           ALIGN=align, **extra)
+    launch(a, b2, c, group_offsets, groups, **cfg, ALIGN=align, **extra)
     return c
 
 
