@@ -33,6 +33,7 @@ from .combine import combine
 from .decode_config import DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MAX_DEFAULT_SPLITS
 from .mla_kernel import (BLOCK_N, EARLY_LAUNCH, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS, SEESAW,
                          SPLIT_KEYS, make_mla_kernel)
+from .mla_ring import DEEP_RING, ring_q_rows
 from .partials import Partials
 from ..workspaces import StreamWorkspaces
 
@@ -89,7 +90,7 @@ PLANS = PlanCache("mla_decode")
 
 def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scale=None,
                num_splits=None, target=None, backend=None, validate=False, split_keys=None,
-               fused_combine=None, seesaw=None, early_launch=None):
+               fused_combine=None, seesaw=None, early_launch=None, deep_ring=None):
     """Multi-head latent attention decode over a paged cache; returns ``(o, lse)``.
 
     ``q``: ``[B, Sq, H, 576]`` bf16 (``Sq`` 1-2; contiguous); ``kv_cache``: ``[num_pages,
@@ -106,7 +107,10 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     ``seesaw``: pages two at a time, one scored by each group (None: ``SEESAW``;
     :mod:`~kiln.kernels.attention.mla_seesaw`); ``early_launch``: each CTA lets the next
     kernel on the stream start on the SMs this call frees (programmatic dependent launch;
-    None: ``EARLY_LAUNCH``).
+    None: ``EARLY_LAUNCH``); ``deep_ring``: Q's shared memory trimmed to the rows it has
+    (16 or 32 of 64) and the pages in flight deepened with the bytes saved, 2 2/3 pages at
+    16 rows (None: ``DEEP_RING``; :mod:`~kiln.kernels.attention.mla_ring`; with the
+    ``split_keys`` schedule, not ``seesaw``).
     Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
     ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
@@ -121,7 +125,7 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
         o, lse = mla_decode(q, kv_cache, page_table, seq_lens)   # q [B, 1, 128, 576]
     """
     plan = _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
-                     backend, split_keys, fused_combine, (seesaw, early_launch))
+                     backend, split_keys, fused_combine, (seesaw, early_launch, deep_ring))
     lib = ArrayLib(q)
     B, Sq, H = plan.shape
     if plan.kernel is None:
@@ -208,15 +212,28 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
     if fused_combine is None:  # one CTA's merge of its rows from L2, or a combine kernel
         fused_combine = slots * rows * HEAD_DIM_V * 4 <= FUSED_COMBINE_MAX_BYTES
     fused = slots > 1 and bool(fused_combine)
-    seesaw, early = (default if given is None else bool(given)
-                     for given, default in zip(options, (SEESAW, EARLY_LAUNCH)))
+    seesaw, early, deep = (default if given is None else bool(given)
+                           for given, default in zip(options, (SEESAW, EARLY_LAUNCH, DEEP_RING)))
+    ring_rows = _ring_rows(deep, seesaw, split_keys, Sq * H)
     kernel = make_mla_kernel(page_size, split_keys and not seesaw, slots == 1,
                              slots if fused else 0, rows if fused else ROWS, seesaw,
-                             early) if B * Sq * H else None
+                             early, ring_rows) if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
                    scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E),
                    fused=fused, device=q.device if is_torch(q) else None)
+
+
+def _ring_rows(deep_ring, seesaw, split_keys, packed) -> int:
+    """Q's rows in the deep ring's shared memory (0: the two-stage page loop)."""
+    if not deep_ring:
+        return 0
+    if seesaw or not split_keys:
+        raise kiln.UnsupportedError("deep_ring=True runs the split_keys schedule, not "
+                                    f"{'seesaw=True' if seesaw else 'split_keys=False'}",
+                                    fix="leave seesaw and split_keys at their defaults with "
+                                        "deep_ring=True")
+    return ring_q_rows(packed)
 
 
 def mla_target(target):
@@ -287,10 +304,10 @@ def _check_devices(q, **tensors) -> None:
 
 def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
                        split_keys=SPLIT_KEYS, direct=False, fused_slots=0, seesaw=SEESAW,
-                       early_launch=EARLY_LAUNCH):
+                       early_launch=EARLY_LAUNCH, deep_ring=DEEP_RING):
     """Compile (without running) the MLA decode kernel (``direct``: the one-split kernel that
     writes ``o`` and ``lse`` itself; ``fused_slots``: the kernel whose last split CTA merges
-    that many splits); returns the ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
+    that many splits; ``deep_ring``: :mod:`~kiln.kernels.attention.mla_ring`); returns the ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
     Example: ``compile_mla_decode(target="sm_90a").metadata["registers"]``."""
     chip = mla_target(target)
     bf16 = kiln.bf16.numpy
@@ -302,5 +319,6 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
             np.zeros((1, 1, 2), np.int64), 1, heads, sq, 0.1]
     kernel = make_mla_kernel(page_size, split_keys and not seesaw, direct, fused_slots,
                              merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
-                             early_launch)
+                             early_launch, _ring_rows(deep_ring, seesaw, split_keys,
+                                                      sq * heads))
     return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)
