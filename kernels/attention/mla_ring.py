@@ -85,16 +85,21 @@ def _slot(buffers, page, c):
 
 
 @kiln.func
-def _load_chunks(buffers, page_size, table, tile_begin, page, first, last, seq_len, kv_map,
-                 full, producer, arm=True):
-    """TMA chunks ``first .. last - 1`` of the split's page ``page`` (the sequence's tile
-    ``tile_begin + page``) into their slots, on ``full[page % 3]`` (armed for the whole page
-    with its first chunk, unless ``arm`` is False: page 0's bytes are expected with Q's)."""
+def _page_row(page_size, table, tile_begin, page, seq_len):
+    """The cache row of the split's page ``page`` (the sequence's tile ``tile_begin + page``;
+    a page past the sequence maps out of bounds)."""
+    return PagedRowIndices[BLOCK_N, page_size].populate(table, (tile_begin + page) * BLOCK_N,
+                                                        seq_len).row(0)
+
+
+@kiln.func
+def _load_chunks(buffers, row, page, first, last, kv_map, full, producer, arm=True):
+    """TMA chunks ``first .. last - 1`` of the split's page ``page`` (at cache row ``row``)
+    into their slots, on ``full[page % 3]`` (armed for the whole page with its first chunk,
+    unless ``arm`` is False: page 0's bytes are expected with Q's)."""
     bar = page % PAGE_SLOTS
     if first == 0 and arm:
         full.arrive_expect_tx(bar, TILE_BYTES, predicate=producer)
-    row = PagedRowIndices[BLOCK_N, page_size].populate(table, (tile_begin + page) * BLOCK_N,
-                                                       seq_len).row(0)
     for c in kiln.static_range(first, last):
         tma.load(kv_map, buffers.ring.tile(_slot(buffers, page, c)), (c * CHUNK, row), full,
                  bar, predicate=producer)
@@ -131,6 +136,9 @@ def ring_pages(o, m, l, buffers, full, empty, table, kv_map, q_map, page_size, t
     v_desc = wgmma.smem_descriptor(buffers.ring.tile(0), leading_bytes=BOX_BYTES,
                                    stride_bytes=1024)
     half_keys = kiln.cast(group * (BLOCK_N // 2) * 128 // 16, kiln.i64)  # 32 rows of 128 B
+    # The cache rows of the two pages iteration it loads into, read one iteration early: the
+    # page table's latency stays off the producer's (and so group 0's) path.
+    rows_next = [kiln.cast(0, kiln.i32) for _ in range(2)]
     for it in kiln.range(0, num_tiles):
         if (it == 0) & (warp == 0):  # Q, the ring's first pages and chunks
             full.arrive_expect_tx(0, TILE_BYTES + CHUNKS * tma.box_bytes(q_map),
@@ -140,23 +148,27 @@ def ring_pages(o, m, l, buffers, full, empty, table, kv_map, q_map, page_size, t
                          predicate=producer)
             for page in kiln.static_range(ahead):
                 if page < num_tiles:
-                    _load_chunks(buffers, page_size, table, tile_begin, page, 0, CHUNKS,
-                                 seq_len, kv_map, full, producer, arm=page > 0)
+                    _load_chunks(buffers, _page_row(page_size, table, tile_begin, page,
+                                                    seq_len),
+                                 page, 0, CHUNKS, kv_map, full, producer, arm=page > 0)
             if extra:
                 if ahead < num_tiles:
-                    _load_chunks(buffers, page_size, table, tile_begin, ahead, 0, extra,
-                                 seq_len, kv_map, full, producer)
+                    _load_chunks(buffers, _page_row(page_size, table, tile_begin, ahead,
+                                                    seq_len),
+                                 ahead, 0, extra, kv_map, full, producer)
         if (it > 0) & (warp == 0):  # the nine slots page it - 1 released
             # Page it - 1's barrier is page it + 2's: the wait names that use.
             empty.try_wait((it - 1 + PAGE_SLOTS) % PAGE_SLOTS,
                            ((it - 1 + PAGE_SLOTS) // PAGE_SLOTS + 1) % 2)
             if it - 1 + ahead < num_tiles:
-                _load_chunks(buffers, page_size, table, tile_begin, it - 1 + ahead, extra,
-                             CHUNKS, seq_len, kv_map, full, producer)
+                _load_chunks(buffers, rows_next[0], it - 1 + ahead, extra, CHUNKS, kv_map, full,
+                             producer)
             if extra:
                 if it + ahead < num_tiles:
-                    _load_chunks(buffers, page_size, table, tile_begin, it + ahead, 0, extra,
-                                 seq_len, kv_map, full, producer)
+                    _load_chunks(buffers, rows_next[1], it + ahead, 0, extra, kv_map, full,
+                                 producer)
+        rows_next = [_page_row(page_size, table, tile_begin, it + ahead + i, seq_len)
+                     for i in range(2)]
         full.try_wait(it % PAGE_SLOTS, (it // PAGE_SLOTS) % 2)
         slots_of = _page_slots(buffers, it)
         units = [kiln.cast(slot * BOX_UNITS, kiln.i64) for slot in slots_of]
