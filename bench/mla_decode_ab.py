@@ -33,6 +33,8 @@ VARIANTS = {
     "ring": dict(deep_ring=True),
     "ring_early": dict(deep_ring=True, early_launch=True),
     "ring_base": dict(deep_ring=True, fused_combine=False),
+    "ring_chunks": dict(deep_ring="chunks"),
+    "ring_chunks_early": dict(deep_ring="chunks", early_launch=True),
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},
 }
@@ -49,7 +51,7 @@ def main() -> None:
     parser.add_argument("--variants", default="base,fused")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--once", nargs=2, metavar=("SHAPE", "VARIANT"))
+    parser.add_argument("--once", nargs=2, metavar=("SHAPE", "V1,V2"))
     args = parser.parse_args()
     import torch
 

@@ -110,7 +110,8 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     None: ``EARLY_LAUNCH``); ``deep_ring``: Q's shared memory trimmed to the rows it has
     (16 or 32 of 64) and the pages in flight deepened with the bytes saved, 2 2/3 pages at
     16 rows (None: ``DEEP_RING``; :mod:`~kiln.kernels.attention.mla_ring`; with the
-    ``split_keys`` schedule, not ``seesaw``).
+    ``split_keys`` schedule, not ``seesaw``); ``deep_ring="chunks"``: also each 64-column
+    chunk on its own barrier, the scores starting on the first chunk to land.
     Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
     ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
@@ -212,12 +213,13 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
     if fused_combine is None:  # one CTA's merge of its rows from L2, or a combine kernel
         fused_combine = slots * rows * HEAD_DIM_V * 4 <= FUSED_COMBINE_MAX_BYTES
     fused = slots > 1 and bool(fused_combine)
-    seesaw, early, deep = (default if given is None else bool(given)
-                           for given, default in zip(options, (SEESAW, EARLY_LAUNCH, DEEP_RING)))
+    seesaw, early = (default if given is None else bool(given)
+                     for given, default in zip(options, (SEESAW, EARLY_LAUNCH)))
+    deep = DEEP_RING if options[2] is None else options[2]
     ring_rows = _ring_rows(deep, seesaw, split_keys, Sq * H)
     kernel = make_mla_kernel(page_size, split_keys and not seesaw, slots == 1,
                              slots if fused else 0, rows if fused else ROWS, seesaw,
-                             early, ring_rows) if B * Sq * H else None
+                             early, ring_rows, deep == "chunks") if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
                    scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E),
@@ -226,6 +228,9 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
 
 def _ring_rows(deep_ring, seesaw, split_keys, packed) -> int:
     """Q's rows in the deep ring's shared memory (0: the two-stage page loop)."""
+    if deep_ring not in (False, True, "chunks"):
+        raise kiln.KilnValueError(f"deep_ring={deep_ring!r} is not a deep-ring mode",
+                                  fix="pass deep_ring=True, 'chunks', False or None")
     if not deep_ring:
         return 0
     if seesaw or not split_keys:
@@ -320,5 +325,5 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
     kernel = make_mla_kernel(page_size, split_keys and not seesaw, direct, fused_slots,
                              merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
                              early_launch, _ring_rows(deep_ring, seesaw, split_keys,
-                                                      sq * heads))
+                                                      sq * heads), deep_ring == "chunks")
     return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)

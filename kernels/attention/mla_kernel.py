@@ -71,7 +71,8 @@ SEESAW = False
 @functools.lru_cache(maxsize=None)
 def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False,
                     fused_slots: int = 0, merge_rows: int = ROWS, seesaw: bool = SEESAW,
-                    early_launch: bool = EARLY_LAUNCH, ring_rows: int = 0):
+                    early_launch: bool = EARLY_LAUNCH, ring_rows: int = 0,
+                    chunk_waits: bool = False):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -93,9 +94,10 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     wait made ptxas spill (272 bytes at 16 heads, fused).
     ``ring_rows`` (16, 32 or 64; 0: off): the ``deep_ring`` page loop of
     :mod:`~kiln.kernels.attention.mla_ring` with Q's TMA boxes of that many rows (the
-    ``split_keys`` schedule; not with ``seesaw``).
+    ``split_keys`` schedule; not with ``seesaw``); ``chunk_waits``: there, each chunk's slot
+    has its own barrier and the scores wait chunk by chunk.
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
-    from .mla_ring import PAGE_SLOTS, RingBuffers, ring_pages  # they import this module
+    from .mla_ring import RingBuffers, ring_pages  # they import this module
     from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum
 
     Rows = PagedRowIndices[BLOCK_N, page_size]
@@ -117,16 +119,16 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                    seq_q: kiln.i32, scale_log2: kiln.f32):
         # Box 0 .. 8: Q; box 9 + 9 s + c: column chunk c of ring stage s.
         # The seesaw and deep-ring schedules' buffers are their own.
-        ring = RingBuffers(ring_rows) if ring_rows else None
+        ring = RingBuffers(ring_rows, chunk_waits) if ring_rows else None
         if not (seesaw or ring_rows):
             boxes = dynamic_shared(((1 + STAGES) * CHUNKS, BLOCK_N, CHUNK), kiln.bf16,
                                    align=1024)
         if seesaw:  # one single-slot ring a stage: a pair waits once on each
             full = [mbarrier.group(num_barriers=1) for _ in range(STAGES)]
             empty = [mbarrier.group(num_barriers=1) for _ in range(STAGES)]
-        else:
-            full = mbarrier.group(num_barriers=PAGE_SLOTS if ring_rows else STAGES)
-            empty = mbarrier.group(num_barriers=PAGE_SLOTS if ring_rows else STAGES)
+        elif not ring_rows:
+            full = mbarrier.group(num_barriers=STAGES)
+            empty = mbarrier.group(num_barriers=STAGES)
         # split_keys: the groups' row maxima, sums and P fragments, exchanged in shared memory.
         exchange = ring.exchange if ring_rows else \
             _Exchange() if split_keys and not seesaw else None
@@ -138,7 +140,9 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         # The TMA issuer (seesaw: group 1's first warp, which releases the stages last).
         producer_warp = 4 if seesaw else 0
         producer = nvidia_asm.elect_sync() & (warp == producer_warp)  # converged, no branch
-        for s in kiln.static_range(PAGE_SLOTS if ring_rows else STAGES):
+        if ring_rows:
+            ring.init_barriers(tid == 0)
+        for s in kiln.static_range(0 if ring_rows else STAGES):
             # One arrival a warp group: its WGMMA reads are done once its thread 0 waited.
             releases = WARP_GROUPS if seesaw else THREADS
             if seesaw:
@@ -190,9 +194,9 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                                    page_size, tile_begin, num_tiles, seq_len, seq_q, key_limit,
                                    scale_log2, tid, group, warp, producer, b * packed + row0)
         elif ring_rows:
-            o, m, l = ring_pages(o, m, l, ring, full, empty, table, kv_map, q_map, page_size,
-                                 tile_begin, num_tiles, seq_len, seq_q, key_limit, scale_log2,
-                                 tid, group, warp, producer, b * packed + row0)
+            o, m, l = ring_pages(o, m, l, ring, table, kv_map, q_map, page_size, tile_begin,
+                                 num_tiles, seq_len, seq_q, key_limit, scale_log2, tid, group,
+                                 warp, producer, b * packed + row0)
         else:
             for it in kiln.range(0, num_tiles):
                 stage = it % STAGES
@@ -235,7 +239,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
         if seesaw:  # each group summed its own pages
             l = seesaw_sum(rows_x, l, tid, group)
-        elif split_keys or ring_rows:  # each group summed its own keys: the row's sum is both groups'
+        elif split_keys:  # each group summed its own keys: the row's sum is both groups'
             l = exchange.sum_rows(l, tid, group)
         _store_rows(o, m, l, rows, o_out if direct else o_part,
                     lse_out if direct else lse_part, counts, split, b, heads, packed, group,
@@ -252,7 +256,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}" \
         f"{f'_fused{fused_slots}r{merge_rows}' if fused_slots else ''}" \
         f"{'_seesaw' if seesaw else ''}{'_early' if early_launch else ''}" \
-        f"{f'_ring{ring_rows}' if ring_rows else ''}"
+        f"{f'_ring{ring_rows}' if ring_rows else ''}{'c' if ring_rows and chunk_waits else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
 

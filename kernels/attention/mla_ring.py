@@ -23,7 +23,7 @@ the next chunk's rows, or for the last chunk the P exchange buffer placed right 
 from __future__ import annotations
 
 import kiln
-from kiln import tma, wgmma
+from kiln import mbarrier, tma, wgmma
 from kiln.shared import dynamic_shared
 
 from .mla_kernel import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, HEAD_DIM,
@@ -56,15 +56,26 @@ def ring_boxes(q_rows: int) -> int:
 
 
 class RingBuffers:
-    """The ring's slots, Q's ``q_rows`` rows of nine chunks, then the P exchange buffer."""
+    """The ring's slots, Q's ``q_rows`` rows of nine chunks, then the P exchange buffer; the
+    barriers: ``full`` a page (``chunk_waits``: a slot), ``empty`` a page."""
 
-    def __init__(self, q_rows: int):
+    def __init__(self, q_rows: int, chunk_waits: bool = False):
         self.slots = ring_boxes(q_rows)
         self.q_rows = q_rows
+        self.chunk_waits = chunk_waits
+        self.full = mbarrier.group(num_barriers=self.slots if chunk_waits else PAGE_SLOTS)
+        self.empty = mbarrier.group(num_barriers=PAGE_SLOTS)
         self.ring = dynamic_shared((self.slots, BLOCK_N, CHUNK), kiln.bf16, align=1024)
         self.q = dynamic_shared((CHUNKS, q_rows, CHUNK), kiln.bf16, align=1024)
         probs = dynamic_shared(PROBS_SHAPE, kiln.bf16, align=1024)
         self.exchange = _Exchange(probs)
+
+    def init_barriers(self, predicate):
+        """One arrival (the producer's arm) completes a fill; every thread releases a page."""
+        for i in kiln.static_range(self.slots if self.chunk_waits else PAGE_SLOTS):
+            self.full.init(i, count=1, predicate=predicate)
+        for i in kiln.static_range(PAGE_SLOTS):
+            self.empty.init(i, count=THREADS, predicate=predicate)
 
 
 @kiln.func
@@ -93,16 +104,21 @@ def _page_row(page_size, table, tile_begin, page, seq_len):
 
 
 @kiln.func
-def _load_chunks(buffers, row, page, first, last, kv_map, full, producer, arm=True):
+def _load_chunks(buffers, row, page, first, last, kv_map, producer, arm=True):
     """TMA chunks ``first .. last - 1`` of the split's page ``page`` (at cache row ``row``)
     into their slots, on ``full[page % 3]`` (armed for the whole page with its first chunk,
-    unless ``arm`` is False: page 0's bytes are expected with Q's)."""
+    unless ``arm`` is False: page 0's bytes are expected with Q's), or with ``chunk_waits``
+    each on its slot's barrier (page 0's with Q's chunk)."""
+    full = buffers.full
     bar = page % PAGE_SLOTS
-    if first == 0 and arm:
+    if first == 0 and arm and not buffers.chunk_waits:
         full.arrive_expect_tx(bar, TILE_BYTES, predicate=producer)
     for c in kiln.static_range(first, last):
-        tma.load(kv_map, buffers.ring.tile(_slot(buffers, page, c)), (c * CHUNK, row), full,
-                 bar, predicate=producer)
+        slot = _slot(buffers, page, c)
+        if buffers.chunk_waits and arm:
+            full.arrive_expect_tx(slot, BOX_BYTES, predicate=producer)
+        tma.load(kv_map, buffers.ring.tile(slot), (c * CHUNK, row), full,
+                 slot if buffers.chunk_waits else bar, predicate=producer)
 
 
 @kiln.func
@@ -120,13 +136,13 @@ def _zero_ring_rows(buffers, slots, valid_keys, tid):
 
 
 @kiln.func
-def ring_pages(o, m, l, buffers, full, empty, table, kv_map, q_map, page_size, tile_begin,
-               num_tiles, seq_len, seq_q, key_limit, scale_log2, tid, group, warp, producer,
-               q_row):
+def ring_pages(o, m, l, buffers, table, kv_map, q_map, page_size, tile_begin, num_tiles,
+               seq_len, seq_q, key_limit, scale_log2, tid, group, warp, producer, q_row):
     """The loop of the module docs over this split's ``num_tiles`` pages; returns this
     group's ``(o, m, l)`` (``l`` per lane, each group's own keys' sums, as ``split_keys``).
-    ``buffers``: a :class:`RingBuffers`; ``full`` / ``empty``: groups of ``PAGE_SLOTS``
-    barriers; ``producer``: warp 0's elected lane; ``q_row``: Q's first row in ``q_map``."""
+    ``buffers``: a :class:`RingBuffers` (its barriers initialised); ``producer``: warp 0's
+    elected lane; ``q_row``: Q's first row in ``q_map``."""
+    full, empty = buffers.full, buffers.empty
     slots = buffers.slots
     ahead = slots // CHUNKS  # whole pages the ring holds
     extra = slots % CHUNKS  # and the first chunks of one more
@@ -141,40 +157,54 @@ def ring_pages(o, m, l, buffers, full, empty, table, kv_map, q_map, page_size, t
     rows_next = [kiln.cast(0, kiln.i32) for _ in range(2)]
     for it in kiln.range(0, num_tiles):
         if (it == 0) & (warp == 0):  # Q, the ring's first pages and chunks
-            full.arrive_expect_tx(0, TILE_BYTES + CHUNKS * tma.box_bytes(q_map),
-                                  predicate=producer)
-            for c in kiln.static_range(CHUNKS):
-                tma.load(q_map, buffers.q.tile(c), (c * CHUNK, q_row), full, 0,
-                         predicate=producer)
+            # Q's chunks complete with page 0's (its slots are 0 .. 8).
+            if buffers.chunk_waits:
+                for c in kiln.static_range(CHUNKS):
+                    full.arrive_expect_tx(c, BOX_BYTES + tma.box_bytes(q_map),
+                                          predicate=producer)
+                    tma.load(q_map, buffers.q.tile(c), (c * CHUNK, q_row), full, c,
+                             predicate=producer)
+            else:
+                full.arrive_expect_tx(0, TILE_BYTES + CHUNKS * tma.box_bytes(q_map),
+                                      predicate=producer)
+                for c in kiln.static_range(CHUNKS):
+                    tma.load(q_map, buffers.q.tile(c), (c * CHUNK, q_row), full, 0,
+                             predicate=producer)
             for page in kiln.static_range(ahead):
                 if page < num_tiles:
                     _load_chunks(buffers, _page_row(page_size, table, tile_begin, page,
                                                     seq_len),
-                                 page, 0, CHUNKS, kv_map, full, producer, arm=page > 0)
+                                 page, 0, CHUNKS, kv_map, producer, arm=page > 0)
             if extra:
                 if ahead < num_tiles:
                     _load_chunks(buffers, _page_row(page_size, table, tile_begin, ahead,
                                                     seq_len),
-                                 ahead, 0, extra, kv_map, full, producer)
+                                 ahead, 0, extra, kv_map, producer)
         if (it > 0) & (warp == 0):  # the nine slots page it - 1 released
             # Page it - 1's barrier is page it + 2's: the wait names that use.
             empty.try_wait((it - 1 + PAGE_SLOTS) % PAGE_SLOTS,
                            ((it - 1 + PAGE_SLOTS) // PAGE_SLOTS + 1) % 2)
             if it - 1 + ahead < num_tiles:
-                _load_chunks(buffers, rows_next[0], it - 1 + ahead, extra, CHUNKS, kv_map, full,
+                _load_chunks(buffers, rows_next[0], it - 1 + ahead, extra, CHUNKS, kv_map,
                              producer)
             if extra:
                 if it + ahead < num_tiles:
-                    _load_chunks(buffers, rows_next[1], it + ahead, 0, extra, kv_map, full,
+                    _load_chunks(buffers, rows_next[1], it + ahead, 0, extra, kv_map,
                                  producer)
         rows_next = [_page_row(page_size, table, tile_begin, it + ahead + i, seq_len)
                      for i in range(2)]
-        full.try_wait(it % PAGE_SLOTS, (it // PAGE_SLOTS) % 2)
         slots_of = _page_slots(buffers, it)
+        use = it * CHUNKS // slots  # the ring's pass that chunk 0 is in
+        if not buffers.chunk_waits:
+            full.try_wait(it % PAGE_SLOTS, (it // PAGE_SLOTS) % 2)
         units = [kiln.cast(slot * BOX_UNITS, kiln.i64) for slot in slots_of]
         scores = wgmma.fragment_zeros(BLOCK_N // 2)
         wgmma.fence()
         for ks in kiln.static_range(HEAD_DIM // 16):
+            if buffers.chunk_waits and ks % 4 == 0:  # this chunk's slot, use 9 it + c
+                # Use 9 it + c of its slot: the pass after chunk 0's once the slots wrapped.
+                full.try_wait(slots_of[ks // 4],
+                              (use + kiln.where(slots_of[ks // 4] < slots_of[0], 1, 0)) % 2)
             step = (ks % 4) * 2  # 16 columns = 32 bytes of a box
             scores = wgmma.mma_async(scores, q_desc + (ks // 4) * q_units + step,
                                      k_desc + units[ks // 4] + half_keys + step,
