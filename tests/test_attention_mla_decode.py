@@ -51,6 +51,7 @@ def test_deepseek_heads_two_tokens(rng):
                  marks=pytest.mark.slow),
     (16, 1, 1, dict(deep_ring=True)),  # Q of 16 rows, 24 slots: page 3 wraps the ring
     (16, 2, 3, dict(deep_ring=True, fused_combine=True)),  # 32 rows, 22 slots
+    (16, 1, 2, dict(deep_ring="chunks", fused_combine=True)),  # a barrier a slot
     pytest.param(20, 2, 2, dict(deep_ring=True, fused_combine=True, early_launch=True),
                  marks=pytest.mark.slow),  # 64 rows, 18 slots
 ])
@@ -175,6 +176,7 @@ def _args(rng):
     (lambda a: a.update(target="gfx950"), kiln.UnsupportedError, "gfx950"),
     (lambda a: a.update(q=a["q"].tolist()), kiln.KilnTypeError, "q must be"),
     (lambda a: a.update(deep_ring=True, seesaw=True), kiln.UnsupportedError, "seesaw=True"),
+    (lambda a: a.update(deep_ring="deep"), kiln.KilnValueError, "deep_ring='deep'"),
 ])
 def test_bad_input_names_the_argument(change, error, words, rng):
     args = _args(rng)

@@ -108,7 +108,7 @@ def _load_chunks(buffers, row, page, first, last, kv_map, producer, arm=True):
     """TMA chunks ``first .. last - 1`` of the split's page ``page`` (at cache row ``row``)
     into their slots, on ``full[page % 3]`` (armed for the whole page with its first chunk,
     unless ``arm`` is False: page 0's bytes are expected with Q's), or with ``chunk_waits``
-    each on its slot's barrier (page 0's with Q's chunk)."""
+    each on its slot's barrier."""
     full = buffers.full
     bar = page % PAGE_SLOTS
     if first == 0 and arm and not buffers.chunk_waits:
@@ -157,19 +157,17 @@ def ring_pages(o, m, l, buffers, table, kv_map, q_map, page_size, tile_begin, nu
     rows_next = [kiln.cast(0, kiln.i32) for _ in range(2)]
     for it in kiln.range(0, num_tiles):
         if (it == 0) & (warp == 0):  # Q, the ring's first pages and chunks
-            # Q's chunks complete with page 0's (its slots are 0 .. 8).
+            # Q completes with page 0 (chunk_waits: with its first chunk, since each chunk's
+            # product reads the next chunks' rows of Q too, beyond q_rows).
+            full.arrive_expect_tx(0, CHUNKS * tma.box_bytes(q_map)
+                                  + (BOX_BYTES if buffers.chunk_waits else TILE_BYTES),
+                                  predicate=producer)
+            for c in kiln.static_range(CHUNKS):
+                tma.load(q_map, buffers.q.tile(c), (c * CHUNK, q_row), full, 0,
+                         predicate=producer)
             if buffers.chunk_waits:
-                for c in kiln.static_range(CHUNKS):
-                    full.arrive_expect_tx(c, BOX_BYTES + tma.box_bytes(q_map),
-                                          predicate=producer)
-                    tma.load(q_map, buffers.q.tile(c), (c * CHUNK, q_row), full, c,
-                             predicate=producer)
-            else:
-                full.arrive_expect_tx(0, TILE_BYTES + CHUNKS * tma.box_bytes(q_map),
-                                      predicate=producer)
-                for c in kiln.static_range(CHUNKS):
-                    tma.load(q_map, buffers.q.tile(c), (c * CHUNK, q_row), full, 0,
-                             predicate=producer)
+                for c in kiln.static_range(1, CHUNKS):
+                    full.arrive_expect_tx(c, BOX_BYTES, predicate=producer)
             for page in kiln.static_range(ahead):
                 if page < num_tiles:
                     _load_chunks(buffers, _page_row(page_size, table, tile_begin, page,
