@@ -312,7 +312,8 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
                        early_launch=EARLY_LAUNCH, deep_ring=DEEP_RING):
     """Compile (without running) the MLA decode kernel (``direct``: the one-split kernel that
     writes ``o`` and ``lse`` itself; ``fused_slots``: the kernel whose last split CTA merges
-    that many splits; ``deep_ring``: :mod:`~kiln.kernels.attention.mla_ring`); returns the ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
+    that many splits; ``deep_ring``: :mod:`~kiln.kernels.attention.mla_ring`); returns the
+    ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
     Example: ``compile_mla_decode(target="sm_90a").metadata["registers"]``."""
     chip = mla_target(target)
     bf16 = kiln.bf16.numpy
