@@ -52,6 +52,9 @@ def test_deepseek_heads_two_tokens(rng):
     (16, 1, 1, dict(deep_ring=True)),  # Q of 16 rows, 24 slots: page 3 wraps the ring
     (16, 2, 3, dict(deep_ring=True, fused_combine=True)),  # 32 rows, 22 slots
     (16, 1, 2, dict(deep_ring="chunks", fused_combine=True)),  # a barrier a slot
+    (16, 1, 1, dict(lead_group=True)),  # group 0 scores, group 1 reads P
+    pytest.param(40, 2, 3, dict(lead_group=True, fused_combine=True, early_launch=True),
+                 marks=pytest.mark.slow),
     pytest.param(20, 2, 2, dict(deep_ring=True, fused_combine=True, early_launch=True),
                  marks=pytest.mark.slow),  # 64 rows, 18 slots
 ])
@@ -177,6 +180,8 @@ def _args(rng):
     (lambda a: a.update(q=a["q"].tolist()), kiln.KilnTypeError, "q must be"),
     (lambda a: a.update(deep_ring=True, seesaw=True), kiln.UnsupportedError, "seesaw=True"),
     (lambda a: a.update(deep_ring="deep"), kiln.KilnValueError, "deep_ring='deep'"),
+    (lambda a: a.update(lead_group=True, split_keys=True), kiln.UnsupportedError,
+     "lead_group=True"),
 ])
 def test_bad_input_names_the_argument(change, error, words, rng):
     args = _args(rng)
@@ -203,7 +208,8 @@ def test_default_splits_fill_one_wave():
     (False, 64, False, dict(fused_slots=2)),
     pytest.param(False, 64, True, dict(seesaw=True), marks=pytest.mark.slow),
     pytest.param(False, 64, False, dict(seesaw=True, fused_slots=4, heads=16, early_launch=True),
-                 marks=pytest.mark.slow)])
+                 marks=pytest.mark.slow),
+    (False, 64, True, dict(lead_group=True, heads=128, sq=2))])
 def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct, options):
     ck = compile_mla_decode(target="sm_90a", split_keys=split_keys, direct=direct, **options)
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["registers"] <= 255

@@ -72,7 +72,7 @@ SEESAW = False
 def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False,
                     fused_slots: int = 0, merge_rows: int = ROWS, seesaw: bool = SEESAW,
                     early_launch: bool = EARLY_LAUNCH, ring_rows: int = 0,
-                    chunk_waits: bool = False):
+                    chunk_waits: bool = False, lead_group: bool = False):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -95,9 +95,12 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     ``ring_rows`` (16, 32 or 64; 0: off): the ``deep_ring`` page loop of
     :mod:`~kiln.kernels.attention.mla_ring` with Q's TMA boxes of that many rows (the
     ``split_keys`` schedule; not with ``seesaw``); ``chunk_waits``: there, each chunk's slot
-    has its own barrier and the scores wait chunk by chunk.
+    has its own barrier and the scores wait chunk by chunk. ``lead_group``: group 0 scores
+    every key and hands P to group 1 (:mod:`~kiln.kernels.attention.mla_lead`; the page loop,
+    ``split_keys=False``).
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     from .mla_ring import RingBuffers, ring_pages  # they import this module
+    from .mla_lead import PRODUCER_WARP, LeadRows, consume_tile_lead, lead_sum
     from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum
 
     Rows = PagedRowIndices[BLOCK_N, page_size]
@@ -105,6 +108,10 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         raise kiln.UnsupportedError(f"MLA decode reads pages of a multiple of {BLOCK_N} rows, "
                                     f"not {page_size}", fix=f"use page_size={BLOCK_N}")
 
+    if lead_group and (seesaw or split_keys or ring_rows):
+        raise kiln.UnsupportedError("the lead-group schedule scores every key in group 0",
+                                    fix="pass lead_group with split_keys=False, no seesaw or "
+                                        "deep ring")
     if ring_rows and (seesaw or not split_keys):
         raise kiln.UnsupportedError("the deep ring runs the split_keys schedule",
                                     fix="pass ring_rows=0 with seesaw or split_keys=False")
@@ -133,12 +140,13 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         exchange = ring.exchange if ring_rows else \
             _Exchange() if split_keys and not seesaw else None
         rows_x = SeesawRows() if seesaw else None
+        lead_rows = LeadRows() if lead_group else None
         tid = kiln.thread_id(0)
         warp = tid // 32
         lane = tid % 32
         group = tid // 128
         # The TMA issuer (seesaw: group 1's first warp, which releases the stages last).
-        producer_warp = 4 if seesaw else 0
+        producer_warp = 4 if seesaw else PRODUCER_WARP if lead_group else 0
         producer = nvidia_asm.elect_sync() & (warp == producer_warp)  # converged, no branch
         if ring_rows:
             ring.init_barriers(tid == 0)
@@ -202,7 +210,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                 stage = it % STAGES
                 # Every TMA is followed by a wait on its barrier on every path: the first pages
                 # (and Q, on stage 0's barrier) load inside the loop.
-                if (it == 0) & (warp == 0):
+                if (it == 0) & (warp == producer_warp):
                     full.arrive_expect_tx(0, TILE_BYTES + CHUNKS * tma.box_bytes(q_map),
                                           predicate=producer)
                     for c in kiln.static_range(CHUNKS):
@@ -215,13 +223,17 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                                    full, 1, producer, arm=True)
                 ahead = it + STAGES - 1
                 if (it > 0) & (ahead < num_tiles):
-                    if warp == 0:  # warp-uniform: the producer warp waits, one lane issues
+                    if warp == producer_warp:  # warp-uniform: it waits, one lane issues
                         empty.try_wait(ahead % STAGES, ((it - 1) // STAGES) % 2)
                         _load_tile(page_size, table, tile_begin + ahead, seq_len, kv_map,
                                    boxes, full, ahead % STAGES, producer, arm=True)
                 full.try_wait(stage, (it // STAGES) % 2)
                 key0 = (tile_begin + it) * BLOCK_N
-                if split_keys:
+                if lead_group:
+                    o, m, l = consume_tile_lead(o, m, l, descs, boxes, lead_rows, stage,
+                                                CHUNKS * (1 + stage), key0, key_limit, seq_len,
+                                                seq_q, scale_log2, tid, group, it, num_tiles)
+                elif split_keys:
                     o, m, l = _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0,
                                                   key_limit, seq_len, seq_q, scale_log2, tid,
                                                   group)
@@ -241,6 +253,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
             l = seesaw_sum(rows_x, l, tid, group)
         elif split_keys:  # each group summed its own keys: the row's sum is both groups'
             l = exchange.sum_rows(l, tid, group)
+        elif lead_group:  # group 0 summed every key
+            l = lead_sum(lead_rows, l, tid, group)
         _store_rows(o, m, l, rows, o_out if direct else o_part,
                     lse_out if direct else lse_part, counts, split, b, heads, packed, group,
                     lane, seq_len, seq_q, tiles_per_split, direct)
@@ -256,7 +270,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}" \
         f"{f'_fused{fused_slots}r{merge_rows}' if fused_slots else ''}" \
         f"{'_seesaw' if seesaw else ''}{'_early' if early_launch else ''}" \
-        f"{f'_ring{ring_rows}' if ring_rows else ''}{'c' if ring_rows and chunk_waits else ''}"
+        f"{f'_ring{ring_rows}' if ring_rows else ''}{'c' if ring_rows and chunk_waits else ''}" \
+        f"{'_lead' if lead_group else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
 
