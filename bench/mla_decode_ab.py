@@ -1,8 +1,8 @@
 """A/B of MLA decode's kernel options on a few shapes, in one process: split counts, the
-fused combine vs the combine kernel, the scores schedules, early launch, the deep ring, the
-lead group; GB/s, ratio to copy bandwidth and TFLOP/s (GPU time, queued), each variant first
-checked against a float32 torch reference (max abs error < 2e-2). Prints one JSON line per
-measurement as it comes.
+fused combine vs the combine kernel, the scores schedules (split keys, seesaw, lead group),
+early launch; GB/s, ratio to copy bandwidth and TFLOP/s (GPU time, queued), each variant
+first checked against a float32 torch reference (max abs error < 2e-2). Prints one JSON line
+per measurement as it comes.
 
 Usage (on an H100/H200): ``python bench/mla_decode_ab.py [--shapes 32x4096x1x16,...]
 [--variants base,fused,...] [--repeat 10]`` (a shape ``B x ctx x Sq x H``, or
@@ -30,13 +30,9 @@ VARIANTS = {
     "seesaw_fused": dict(seesaw=True, fused_combine=True),
     "seesaw_early": dict(seesaw=True, early_launch=True),
     "early": dict(early_launch=True),
-    "ring": dict(deep_ring=True),
-    "ring_early": dict(deep_ring=True, early_launch=True),
-    "ring_base": dict(deep_ring=True, fused_combine=False),
-    "ring_chunks": dict(deep_ring="chunks"),
-    "ring_chunks_early": dict(deep_ring="chunks", early_launch=True),
     "lead": dict(lead_group=True),
     "lead_early": dict(lead_group=True, early_launch=True),
+    "split": dict(split_keys=True, lead_group=False),
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},
 }

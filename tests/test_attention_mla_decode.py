@@ -11,7 +11,6 @@ import kiln
 from kiln.kernels.attention import mla_decode
 from kiln.kernels.attention.mla_decode import (compile_mla_decode, default_mla_splits,
                                                merge_rows, mla_partials)
-from kiln.kernels.attention.mla_ring import ring_boxes, ring_q_rows
 
 from mla_problems import assert_mla_close, mla_problem, mla_reference
 
@@ -49,14 +48,9 @@ def test_deepseek_heads_two_tokens(rng):
                  marks=pytest.mark.slow),
     pytest.param(40, 2, 3, dict(split_keys=False, fused_combine=True, early_launch=True),
                  marks=pytest.mark.slow),
-    (16, 1, 1, dict(deep_ring=True)),  # Q of 16 rows, 24 slots: page 3 wraps the ring
-    (16, 2, 3, dict(deep_ring=True, fused_combine=True)),  # 32 rows, 22 slots
-    (16, 1, 2, dict(deep_ring="chunks", fused_combine=True)),  # a barrier a slot
-    (16, 1, 1, dict(lead_group=True)),  # group 0 scores, group 1 reads P
-    pytest.param(40, 2, 3, dict(lead_group=True, fused_combine=True, early_launch=True),
-                 marks=pytest.mark.slow),
-    pytest.param(20, 2, 2, dict(deep_ring=True, fused_combine=True, early_launch=True),
-                 marks=pytest.mark.slow),  # 64 rows, 18 slots
+    (16, 1, 1, dict(lead_group=True)),  # group 0 scores, group 1 reads P back
+    (16, 2, 3, dict(lead_group=True, fused_combine=True)),
+    pytest.param(40, 2, 2, dict(lead_group=True, early_launch=True), marks=pytest.mark.slow),
 ])
 def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
     """The fused combine (the last split CTA merges), the seesaw pairs and early launch, on
@@ -68,18 +62,12 @@ def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
     assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
 
 
-def test_deep_ring_wraps_its_slots_many_times(rng):
-    """Sixteen and twelve pages a split through the 24-slot ring (each page's nine chunks
-    start at a different slot, and some wrap past the last), the last page ragged."""
+def test_lead_group_over_many_pages(rng):
+    """Sixteen and thirteen pages through the lead group's P hand-over (its buffer reused
+    every page), the last page ragged, with the default split count."""
     q, kv, table, lens = mla_problem(rng, 16, 1, [1000, 777])
-    o, lse = mla_decode(q, kv, table, lens, num_splits=1, backend="interpret", deep_ring=True)
+    o, lse = mla_decode(q, kv, table, lens, backend="interpret", lead_group=True)
     assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
-
-
-def test_deep_ring_sizes():
-    """Q's rows cover the packed rows; the ring takes what Q leaves of 227 KB."""
-    assert [ring_q_rows(p) for p in (1, 16, 17, 32, 33, 256)] == [16, 16, 32, 32, 64, 64]
-    assert [ring_boxes(r) for r in (16, 32, 64)] == [24, 22, 18]
 
 
 def test_fused_and_two_kernel_paths_agree(rng):
@@ -178,8 +166,6 @@ def _args(rng):
     (lambda a: a.update(backend="cpu"), kiln.KilnValueError, "backend='cpu'"),
     (lambda a: a.update(target="gfx950"), kiln.UnsupportedError, "gfx950"),
     (lambda a: a.update(q=a["q"].tolist()), kiln.KilnTypeError, "q must be"),
-    (lambda a: a.update(deep_ring=True, seesaw=True), kiln.UnsupportedError, "seesaw=True"),
-    (lambda a: a.update(deep_ring="deep"), kiln.KilnValueError, "deep_ring='deep'"),
     (lambda a: a.update(lead_group=True, split_keys=True), kiln.UnsupportedError,
      "lead_group=True"),
 ])
@@ -209,7 +195,8 @@ def test_default_splits_fill_one_wave():
     pytest.param(False, 64, True, dict(seesaw=True), marks=pytest.mark.slow),
     pytest.param(False, 64, False, dict(seesaw=True, fused_slots=4, heads=16, early_launch=True),
                  marks=pytest.mark.slow),
-    (False, 64, True, dict(lead_group=True, heads=128, sq=2))])
+    (False, 64, True, dict(lead_group=True, heads=128, sq=2)),
+    (False, 64, False, dict(lead_group=True, fused_slots=4, heads=16, early_launch=True))])
 def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct, options):
     ck = compile_mla_decode(target="sm_90a", split_keys=split_keys, direct=direct, **options)
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["registers"] <= 255
@@ -217,17 +204,3 @@ def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct, options
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
     assert f"wgmma.mma_async.sync.aligned.m64n{scores_n}k16.f32.bf16.bf16" in ptx
     assert "cp.async.bulk.tensor.2d" in ptx
-
-
-@pytest.mark.lower
-@pytest.mark.parametrize("heads,sq,options", [(16, 1, dict(fused_slots=4)),
-                                              (128, 2, dict(early_launch=True))])
-def test_deep_ring_compiles_without_spills(heads, sq, options):
-    """The deep ring's P V runs as four 64-column products a k-step (16 a page)."""
-    ck = compile_mla_decode(target="sm_90a", heads=heads, sq=sq, deep_ring=True, **options)
-    assert ck.metadata["spill_bytes"] == 0 and ck.metadata["registers"] <= 255
-    assert not ck.metadata["wgmma_serialized"]
-    ptx = ck.asm["ptx"]
-    assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == 16
-    assert ptx.count("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == 36
-    assert "m64n256k16" not in ptx

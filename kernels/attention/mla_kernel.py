@@ -71,8 +71,7 @@ SEESAW = False
 @functools.lru_cache(maxsize=None)
 def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False,
                     fused_slots: int = 0, merge_rows: int = ROWS, seesaw: bool = SEESAW,
-                    early_launch: bool = EARLY_LAUNCH, ring_rows: int = 0,
-                    chunk_waits: bool = False, lead_group: bool = False):
+                    early_launch: bool = EARLY_LAUNCH, lead_group: bool = False):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -91,30 +90,20 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     on the stream after its shared-memory set-up, and then each CTA lets the next kernel's
     CTAs start on the SMs this grid frees (back-to-back calls overlap one's merge and tail
     with the next one's set-up). A TMA prefetch of the split's first pages before the
-    wait made ptxas spill (272 bytes at 16 heads, fused).
-    ``ring_rows`` (16, 32 or 64; 0: off): the ``deep_ring`` page loop of
-    :mod:`~kiln.kernels.attention.mla_ring` with Q's TMA boxes of that many rows (the
-    ``split_keys`` schedule; not with ``seesaw``); ``chunk_waits``: there, each chunk's slot
-    has its own barrier and the scores wait chunk by chunk. ``lead_group``: group 0 scores
-    every key and hands P to group 1 (:mod:`~kiln.kernels.attention.mla_lead`; the page loop,
-    ``split_keys=False``).
+    wait made ptxas spill (272 bytes at 16 heads, fused). ``lead_group``: group 0 scores
+    every key and hands P to group 1 (:mod:`~kiln.kernels.attention.mla_lead`; with
+    ``split_keys=False``, not ``seesaw``).
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
-    from .mla_ring import RingBuffers, ring_pages  # they import this module
-    from .mla_lead import PRODUCER_WARP, LeadRows, consume_tile_lead, lead_sum
-    from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum
+    from .mla_lead import PRODUCER_WARP, LeadRows, consume_tile_lead, lead_sum  # they import
+    from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum  # this module
 
+    if lead_group and (seesaw or split_keys):
+        raise kiln.UnsupportedError("the lead-group schedule has group 0 score every key",
+                                    fix="pass lead_group=True with split_keys=False, no seesaw")
     Rows = PagedRowIndices[BLOCK_N, page_size]
     if Rows.num_pages != 1:
         raise kiln.UnsupportedError(f"MLA decode reads pages of a multiple of {BLOCK_N} rows, "
                                     f"not {page_size}", fix=f"use page_size={BLOCK_N}")
-
-    if lead_group and (seesaw or split_keys or ring_rows):
-        raise kiln.UnsupportedError("the lead-group schedule scores every key in group 0",
-                                    fix="pass lead_group with split_keys=False, no seesaw or "
-                                        "deep ring")
-    if ring_rows and (seesaw or not split_keys):
-        raise kiln.UnsupportedError("the deep ring runs the split_keys schedule",
-                                    fix="pass ring_rows=0 with seesaw or split_keys=False")
 
     def mla_decode(q_map: kiln.TensorMap[kiln.bf16, (ROWS, CHUNK), 128],
                    kv_map: kiln.TensorMap[kiln.bf16, (BLOCK_N, CHUNK), 128],
@@ -125,20 +114,17 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                    num_splits: kiln.i32, heads: kiln.i32,
                    seq_q: kiln.i32, scale_log2: kiln.f32):
         # Box 0 .. 8: Q; box 9 + 9 s + c: column chunk c of ring stage s.
-        # The seesaw and deep-ring schedules' buffers are their own.
-        ring = RingBuffers(ring_rows, chunk_waits) if ring_rows else None
-        if not (seesaw or ring_rows):
+        if not seesaw:  # the seesaw schedule's buffers are its own (SeesawRows)
             boxes = dynamic_shared(((1 + STAGES) * CHUNKS, BLOCK_N, CHUNK), kiln.bf16,
                                    align=1024)
         if seesaw:  # one single-slot ring a stage: a pair waits once on each
             full = [mbarrier.group(num_barriers=1) for _ in range(STAGES)]
             empty = [mbarrier.group(num_barriers=1) for _ in range(STAGES)]
-        elif not ring_rows:
+        else:
             full = mbarrier.group(num_barriers=STAGES)
             empty = mbarrier.group(num_barriers=STAGES)
         # split_keys: the groups' row maxima, sums and P fragments, exchanged in shared memory.
-        exchange = ring.exchange if ring_rows else \
-            _Exchange() if split_keys and not seesaw else None
+        exchange = _Exchange() if split_keys and not seesaw else None
         rows_x = SeesawRows() if seesaw else None
         lead_rows = LeadRows() if lead_group else None
         tid = kiln.thread_id(0)
@@ -148,9 +134,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         # The TMA issuer (seesaw: group 1's first warp, which releases the stages last).
         producer_warp = 4 if seesaw else PRODUCER_WARP if lead_group else 0
         producer = nvidia_asm.elect_sync() & (warp == producer_warp)  # converged, no branch
-        if ring_rows:
-            ring.init_barriers(tid == 0)
-        for s in kiln.static_range(0 if ring_rows else STAGES):
+        for s in kiln.static_range(STAGES):
             # One arrival a warp group: its WGMMA reads are done once its thread 0 waited.
             releases = WARP_GROUPS if seesaw else THREADS
             if seesaw:
@@ -187,7 +171,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         # This thread's two rows of its warp's 16 in each m64 product, and their last keys.
         rows = [row0 + (tid % 128) // 32 * 16 + lane // 4 + 8 * half for half in range(2)]
         key_limit = [seq_len - seq_q + kiln.minimum(r, packed - 1) // heads for r in rows]
-        if not (seesaw or ring_rows):
+        if not seesaw:
             descs = (wgmma.smem_descriptor(boxes.tile(0), leading_bytes=16, stride_bytes=1024),
                      wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=16,
                                            stride_bytes=1024),
@@ -201,10 +185,6 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
             o, m, l = seesaw_pages(o, m, l, rows_x, full, empty, table, kv_map, q_map,
                                    page_size, tile_begin, num_tiles, seq_len, seq_q, key_limit,
                                    scale_log2, tid, group, warp, producer, b * packed + row0)
-        elif ring_rows:
-            o, m, l = ring_pages(o, m, l, ring, table, kv_map, q_map, page_size, tile_begin,
-                                 num_tiles, seq_len, seq_q, key_limit, scale_log2, tid, group,
-                                 warp, producer, b * packed + row0)
         else:
             for it in kiln.range(0, num_tiles):
                 stage = it % STAGES
@@ -230,9 +210,9 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                 full.try_wait(stage, (it // STAGES) % 2)
                 key0 = (tile_begin + it) * BLOCK_N
                 if lead_group:
-                    o, m, l = consume_tile_lead(o, m, l, descs, boxes, lead_rows, stage,
-                                                CHUNKS * (1 + stage), key0, key_limit, seq_len,
-                                                seq_q, scale_log2, tid, group, it, num_tiles)
+                    o, m, l = consume_tile_lead(o, m, l, descs, boxes, lead_rows, stage, key0,
+                                                key_limit, seq_len, seq_q, scale_log2, tid,
+                                                group, it, num_tiles)
                 elif split_keys:
                     o, m, l = _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0,
                                                   key_limit, seq_len, seq_q, scale_log2, tid,
@@ -264,13 +244,10 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                             row0, tid, _MergeRows(packed, heads, merge_rows), fused_slots, 1,
                             cta=(b, kiln.block_id(0)))
 
-    if ring_rows:  # Q's TMA boxes of ring_rows rows (a string annotation sees no locals)
-        mla_decode.__annotations__["q_map"] = kiln.TensorMap[kiln.bf16, (ring_rows, CHUNK), 128]
     mla_decode.__name__ = mla_decode.__qualname__ = \
         f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}" \
         f"{f'_fused{fused_slots}r{merge_rows}' if fused_slots else ''}" \
         f"{'_seesaw' if seesaw else ''}{'_early' if early_launch else ''}" \
-        f"{f'_ring{ring_rows}' if ring_rows else ''}{'c' if ring_rows and chunk_waits else ''}" \
         f"{'_lead' if lead_group else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
@@ -420,19 +397,15 @@ class _MergeRows:
         self.combine_threads_per_row = THREADS // merge_rows
 
 
-PROBS_SHAPE = (WARP_GROUPS * 2, 128, 8)  # both groups' P: 8 KB
-
-
 class _Exchange:
     """Shared memory through which the two groups of ``split_keys`` meet: per packed row of
     the CTA each group's row max (and, at the end, its row sum), and each group's P as its
     threads' A fragments (fragment ``j`` of thread ``t`` of either group covers the same rows:
     group ``g`` writes keys ``32 g + 16 j ..``, and every thread reads back all four)."""
 
-    def __init__(self, probs=None):
+    def __init__(self):
         self.rows = kiln.shared((WARP_GROUPS, ROWS), kiln.f32)
-        # deep_ring passes a dynamic buffer (the rows Q's products read past its own).
-        self.probs = kiln.shared(PROBS_SHAPE, kiln.bf16) if probs is None else probs
+        self.probs = kiln.shared((WARP_GROUPS * 2, 128, 8), kiln.bf16)
 
     def row_max(self, local_max, tid, group):
         """The tile's row maxima over both groups' keys, from this group's ``local_max``."""
@@ -482,27 +455,6 @@ def _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0, key_limit,
                                  descs[1] + units + half_keys + offset, dtype=kiln.bf16)
     wgmma.commit()
     wgmma.wait_group(0)
-    p, new_m, new_l, alphas = split_softmax(
-        scores, m, l, exchange, key0, key_limit, seq_len, seq_q, scale_log2, tid, group,
-        lambda valid: _zero_v_rows(boxes, stage, valid, tid))
-    o = wgmma.scale_rows(o, alphas)
-    wgmma.fence()
-    for ks in kiln.static_range(BLOCK_N // 16):
-        o = wgmma.mma_async(o, p[ks], descs[2] + units + ks * 16 * 128 // 16, dtype=kiln.bf16,
-                            b_major="mn")
-    wgmma.commit()
-    wgmma.wait_group(0)
-    return o, new_m, new_l
-
-
-@kiln.func
-def split_softmax(scores, m, l, exchange, key0, key_limit, seq_len, seq_q, scale_log2, tid,
-                  group, zero_rows):
-    """The streaming softmax of ``split_keys`` on this group's ``64 x 32`` scores: the row
-    maxima meet in shared memory, ``zero_rows(valid_keys)`` zeroes the page's V rows past the
-    sequence (both groups are done with K then), each group takes P of its keys and keeps
-    its own row sums, and the P fragments meet; returns ``(p, m, l, alphas)`` (``p``: the
-    page's four 16-key A fragments)."""
     col = key0 + group * (BLOCK_N // 2) + 2 * (tid % 4)
     masked = key0 + BLOCK_N > seq_len - seq_q + 1
     x = []
@@ -519,7 +471,7 @@ def split_softmax(scores, m, l, exchange, key0, key_limit, seq_len, seq_q, scale
         local_max.append(kiln.shuffle.butterfly_reduce(row_max, (1, 2), kiln.maximum))
     tile_max = exchange.row_max(local_max, tid, group)  # both groups are done with K here
     if key0 + BLOCK_N > seq_len:
-        zero_rows(seq_len - key0)
+        _zero_v_rows(boxes, stage, seq_len - key0, tid)
     alphas, safes, new_m, new_l = [], [], [], []
     for half in kiln.static_range(2):
         m_next, m_safe, alpha = advance_row_max(m[half], tile_max[half])
@@ -535,4 +487,11 @@ def split_softmax(scores, m, l, exchange, key0, key_limit, seq_len, seq_q, scale
         new_l.append(total)
     p = exchange.full_probs(wgmma.a_fragment_from_accumulator(
         wgmma.fragment_from_elements(probs), kiln.bf16), tid, group)
-    return p, new_m, new_l, alphas
+    o = wgmma.scale_rows(o, alphas)
+    wgmma.fence()
+    for ks in kiln.static_range(BLOCK_N // 16):
+        o = wgmma.mma_async(o, p[ks], descs[2] + units + ks * 16 * 128 // 16, dtype=kiln.bf16,
+                            b_major="mn")
+    wgmma.commit()
+    wgmma.wait_group(0)
+    return o, new_m, new_l

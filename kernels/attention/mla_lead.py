@@ -19,8 +19,8 @@ from __future__ import annotations
 import kiln
 from kiln import nvidia_asm, wgmma
 
-from .mla_kernel import (BLOCK_N, BOX_UNITS, HEAD_DIM, ROWS, THREADS, TILE_BYTES, V_CHUNKS,
-                         _softmax)
+from .mla_kernel import (BLOCK_N, BOX_UNITS, CHUNKS, HEAD_DIM, ROWS, THREADS, TILE_BYTES,
+                         V_CHUNKS, _softmax)
 
 # The default of mla_decode's lead_group (not yet measured on a GPU).
 LEAD_GROUP = False
@@ -58,11 +58,11 @@ def _zero_v(boxes, first_box, valid_keys, tid):
 
 
 @kiln.func
-def consume_tile_lead(o, m, l, descs, boxes, rows, stage, first_box, key0, key_limit, seq_len,
-                      seq_q, scale_log2, tid, group, it, num_tiles):
-    """One page of the module docs; returns ``(o, m, l)`` (``m``, ``l``: group 0's running
-    max and per-lane sums; group 1's are passed through). ``first_box``: the stage's first
-    box; ``descs``: the page loop's Q, K and this group's V descriptors."""
+def consume_tile_lead(o, m, l, descs, boxes, rows, stage, key0, key_limit, seq_len, seq_q,
+                      scale_log2, tid, group, it, num_tiles):
+    """One page (ring ``stage``, split page ``it`` of ``num_tiles``) of the module docs;
+    returns ``(o, m, l)`` (``m``, ``l``: group 0's running max and per-lane sums; group 1's
+    are passed through). ``descs``: the page loop's Q, K and this group's V descriptors."""
     units = kiln.cast(stage * TILE_BYTES // 16, kiln.i64)
     local = _local_rows(tid)
     probs = [kiln.vector_constant([0.0] * 8, kiln.bf16) for _ in range(BLOCK_N // 16)]
@@ -81,7 +81,7 @@ def consume_tile_lead(o, m, l, descs, boxes, rows, stage, first_box, key0, key_l
                                           False)
         else:
             if key0 + BLOCK_N > seq_len:
-                _zero_v(boxes, first_box, seq_len - key0, tid)
+                _zero_v(boxes, CHUNKS * (1 + stage), seq_len - key0, tid)
                 nvidia_asm.fence_proxy_async()  # zeroed by threads, read by both groups' WGMMA
             m, l, tile, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2,
                                           True)
