@@ -109,7 +109,8 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     kernel on the stream start on the SMs this call frees (programmatic dependent launch;
     None: ``EARLY_LAUNCH``); ``lead_group``: warp group 0 scores every key and hands P to
     group 1, whose product runs while group 0 scores the next page (None: ``LEAD_GROUP``;
-    :mod:`~kiln.kernels.attention.mla_lead`; implies ``split_keys=False``).
+    :mod:`~kiln.kernels.attention.mla_lead`; implies ``split_keys=False``; ``"pipelined"``:
+    also group 0's scores of the next page issued behind its product).
     Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
     ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
@@ -208,7 +209,10 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
         if B * Sq * H else 1
     # The default lead group gives way to an explicit seesaw or split_keys=True.
     lead = (LEAD_GROUP and not options[0] and split_keys is None) if options[2] is None \
-        else bool(options[2])
+        else options[2]
+    if lead not in (False, True, "pipelined"):
+        raise kiln.KilnValueError(f"lead_group={lead!r} is not a lead-group mode",
+                                  fix="pass lead_group=True, 'pipelined', False or None")
     if lead and (options[0] or split_keys):
         raise kiln.UnsupportedError("lead_group=True has group 0 score every key: it takes "
                                     "no seesaw or split_keys=True",
@@ -222,11 +226,16 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
                      for given, default in zip(options, (SEESAW, EARLY_LAUNCH)))
     kernel = make_mla_kernel(page_size, split_keys and not seesaw, slots == 1,
                              slots if fused else 0, rows if fused else ROWS, seesaw,
-                             early, lead) if B * Sq * H else None
+                             early, _lead_mode(lead)) if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
                    scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E),
                    fused=fused, device=q.device if is_torch(q) else None)
+
+
+def _lead_mode(lead_group) -> int:
+    """make_mla_kernel's lead_group: 0 off, 1 on, 2 with group 0's scores a page ahead."""
+    return 2 if lead_group == "pipelined" else int(bool(lead_group))
 
 
 def mla_target(target):
@@ -313,5 +322,5 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
             np.zeros((1, 1, 2), np.int64), 1, heads, sq, 0.1]
     kernel = make_mla_kernel(page_size, split_keys and not (seesaw or lead_group), direct,
                              fused_slots, merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
-                             early_launch, lead_group)
+                             early_launch, _lead_mode(lead_group))
     return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)

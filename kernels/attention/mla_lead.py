@@ -12,6 +12,10 @@ see ``Q K^T`` of one page beside ``P V`` of the other instead of both groups' so
 Group 1's first warp issues the TMA loads (it releases each stage last). Group 0 keeps the
 running max and sums; group 1 receives the sums at the end. The page ring and its barriers
 are the page loop's (:func:`~kiln.kernels.attention.mla_kernel.make_mla_kernel`).
+
+:func:`lead_pages_pipelined` (``lead_group="pipelined"``) leaves group 0's ``P V`` of page
+``t`` in flight and issues its scores of page ``t + 1`` behind it: one pipeline drain a page
+instead of two, the stage released as soon as the product is done (``wait_group(1)``).
 """
 
 from __future__ import annotations
@@ -119,3 +123,79 @@ def lead_sum(rows, l, tid, group):
             rows.sums[local[half]] = l[half]
     nvidia_asm.named_barrier(SUM_BARRIER, THREADS)
     return [rows.sums[local[half]] for half in range(2)]
+
+
+@kiln.func
+def _scores(descs, units):
+    """``S = Q K^T`` of the page at ``units`` (``m64n64k16`` x 36), committed, not waited."""
+    scores = wgmma.fragment_zeros(BLOCK_N)
+    wgmma.fence()
+    for ks in kiln.static_range(HEAD_DIM // 16):
+        offset = (ks // 4) * BOX_UNITS + (ks % 4) * 2
+        scores = wgmma.mma_async(scores, descs[0] + offset, descs[1] + units + offset,
+                                 dtype=kiln.bf16)
+    wgmma.commit()
+    return scores
+
+
+@kiln.func
+def lead_pages_pipelined(o, m, l, descs, boxes, rows, full, empty, load_pages, stage_bytes,
+                         tile_begin, num_tiles, seq_len, seq_q, key_limit, scale_log2, tid,
+                         group, warp):
+    """The lead-group loop with group 0's ``P V`` of page ``t`` left in flight until its
+    scores of page ``t + 1`` are issued behind it (the tensor pipe runs them without
+    draining between); group 0 releases page ``t`` once its product is done. Returns ``(o, m, l)``.
+    ``load_pages(it)``: the producer's loads at the top of iteration ``it`` (the page
+    loop's); ``stage_bytes``: a stage's offset in descriptor units."""
+    for it in kiln.range(0, num_tiles):
+        stage = it % 2
+        load_pages(it)
+        full.try_wait(stage, (it // 2) % 2)
+        key0 = (tile_begin + it) * BLOCK_N
+        units = kiln.cast(stage * stage_bytes, kiln.i64)
+        local = _local_rows(tid)
+        probs = [kiln.vector_constant([0.0] * 8, kiln.bf16) for _ in range(BLOCK_N // 16)]
+        alphas = [kiln.cast(1.0, kiln.f32) for _ in range(2)]
+        if group == 0:
+            scores = _scores(descs, units)
+            if it > 0:  # the last page's product is done: its stage can load again
+                wgmma.wait_group(1)
+                empty.arrive(1 - stage, wgmma_pending=1)
+            wgmma.wait_group(0)
+            if key0 + BLOCK_N <= seq_len - seq_q + 1:
+                m, l, tile, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2,
+                                              False)
+            else:
+                if key0 + BLOCK_N > seq_len:
+                    _zero_v(boxes, CHUNKS * (1 + stage), seq_len - key0, tid)
+                    nvidia_asm.fence_proxy_async()
+                m, l, tile, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2,
+                                              True)
+            if it > 0:
+                nvidia_asm.named_barrier(FREE, THREADS)
+            probs = [tile.fragment(0, j) for j in range(BLOCK_N // 16)]
+            for j in kiln.static_range(BLOCK_N // 16):
+                rows.probs.store(j, tid % GROUP_THREADS, 0, probs[j], align=16)
+            for half in kiln.static_range(2):
+                rows.alpha[local[half]] = alphas[half]
+            nvidia_asm.named_barrier_arrive(READY, THREADS)
+        else:
+            nvidia_asm.named_barrier(READY, THREADS)
+            probs = [rows.probs.load(j, tid % GROUP_THREADS, 0, width=8, align=16)
+                     for j in range(BLOCK_N // 16)]
+            alphas = [rows.alpha[local[half]] for half in range(2)]
+            if it < num_tiles - 1:
+                nvidia_asm.named_barrier_arrive(FREE, THREADS)
+        o = wgmma.scale_rows(o, alphas)
+        wgmma.fence()
+        for ks in kiln.static_range(BLOCK_N // 16):
+            o = wgmma.mma_async(o, probs[ks], descs[2] + units + ks * 16 * 128 // 16,
+                                dtype=kiln.bf16, b_major="mn")
+        wgmma.commit()
+        if group == 1:
+            wgmma.wait_group(0)
+            empty.arrive(stage, wgmma_pending=0)
+    wgmma.wait_group(0)
+    if (group == 0) & (num_tiles > 0):
+        empty.arrive((num_tiles - 1) % 2, wgmma_pending=0)
+    return o, m, l
