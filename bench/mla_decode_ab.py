@@ -34,7 +34,7 @@ VARIANTS = {
     "lead_early": dict(lead_group=True, early_launch=True),
     "lead2": dict(lead_group="pipelined"),
     "lead2_early": dict(lead_group="pipelined", early_launch=True),
-    "split": dict(split_keys=True, lead_group=False),
+    "split": dict(split_keys=True, early_launch=False),  # session 35's default
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},
 }
