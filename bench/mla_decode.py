@@ -11,8 +11,8 @@ Method: every shape is first checked against a float32 torch reference (max abs 
 ``seesaw=True``, pages in pairs, one scored by each warp group; "replicated":
 ``split_keys=False``, both groups scoring every key; "2-kernel": the default kernel with
 ``fused_combine=False``, its partials merged by ``combine``; "1-split": ``num_splits=1``, no
-merge) and torch SDPA (each sequence's rows contiguous, ``[B, 1, L, 576]`` keys and ``[B, 1, L, 512]`` values, the ``Sq x H`` query
-rows of a sequence as one head's queries, the causal mask of the new tokens as a boolean
+merge) and torch SDPA (each sequence's rows contiguous, ``[B, 1, L, 576]`` keys and
+``[B, 1, L, 512]`` values, the ``Sq x H`` query rows of a sequence as one head's queries, the causal mask of the new tokens as a boolean
 mask) are timed with CUDA events queued behind a busy stream (GPU time only), median of
 ``--repeat`` samples of ``--batch`` calls. GB/s counts the bytes decode must move: every
 sequence's cache rows, q and o; TFLOP/s counts ``2 * Sq * H * L * (576 + 512)`` a sequence.
