@@ -109,7 +109,7 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     ``seesaw``: pages two at a time, one scored by each group (None: ``SEESAW``;
     :mod:`~kiln.kernels.attention.mla_seesaw`); ``early_launch``: each CTA lets the next
     kernel on the stream start on the SMs this call frees (programmatic dependent launch;
-    None: ``EARLY_LAUNCH``, on); ``lead_group``: warp group 0 scores every key and hands P
+    None: ``EARLY_LAUNCH``, off); ``lead_group``: warp group 0 scores every key and hands P
     to group 1, whose product runs while group 0 scores the next page (None: ``LEAD_GROUP``,
     on unless ``seesaw`` or ``split_keys`` is given; :mod:`~kiln.kernels.attention.mla_lead`;
     ``"pipelined"``: also group 0's scores of the next page issued behind its product).

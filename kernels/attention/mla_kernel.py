@@ -63,8 +63,9 @@ MAX_BARRIER, P_BARRIER = 2, 3  # split_keys: row maxima exchanged; P fragments e
 SPLIT_KEYS = True
 # Programmatic dependent launch: each CTA lets the next kernel on the stream launch once it
 # started (True), or the next kernel starts when this one ends (False). H200, session 36:
-# 2-3% faster at batch 32 H 16 and batch 64 H 128 Sq 2, never slower.
-EARLY_LAUNCH = True
+# 2-3% faster with the lead group at batch 32 H 16 and batch 64 H 128 Sq 2; off until
+# measured at the other shapes.
+EARLY_LAUNCH = False
 # Pages two at a time, one scored by each warp group (mla_seesaw), or one at a time.
 SEESAW = False
 

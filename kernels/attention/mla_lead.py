@@ -28,7 +28,7 @@ from .mla_kernel import (BLOCK_N, BOX_UNITS, CHUNKS, HEAD_DIM, ROWS, THREADS, TI
 
 # The default of mla_decode's lead_group: H200, session 36, batch 2, vs split keys: batch 64
 # H 128 Sq 2 559 vs 476 TFLOP/s, batch 32 H 16 47.3 vs 49.9 us, batch 128 H 16 0.94 vs 0.87
-# of copy bandwidth, batch 32 H 128 480 vs 406 TFLOP/s.
+# of copy bandwidth, batch 32 H 128 480 vs 406 TFLOP/s (early launch off in both).
 LEAD_GROUP = True
 READY, FREE, SUM_BARRIER = 1, 2, 3  # named barriers (the page loop's are unused here)
 GROUP_THREADS = 128
