@@ -1,11 +1,13 @@
 """A/B of MLA decode's kernel options on a few shapes, in one process: split counts, the
-fused combine vs the combine kernel, the scores schedules, early launch; GB/s, ratio to
-copy bandwidth and TFLOP/s (GPU time, queued), each variant first checked against a float32
-torch reference (max abs error < 2e-2). Prints one JSON line per measurement as it comes.
+fused combine vs the combine kernel, the scores schedules (split keys, seesaw, lead group),
+early launch; GB/s, ratio to copy bandwidth and TFLOP/s (GPU time, queued), each variant
+first checked against a float32 torch reference (max abs error < 2e-2). Prints one JSON line
+per measurement as it comes.
 
 Usage (on an H100/H200): ``python bench/mla_decode_ab.py [--shapes 32x4096x1x16,...]
 [--variants base,fused,...] [--repeat 10]`` (a shape ``B x ctx x Sq x H``, or
-``SHAPE:v1+v2`` with its own variants); ``--once SHAPE VARIANT``: one call (for ncu).
+``SHAPE:v1+v2`` with its own variants); ``--once SHAPE V1,V2``: one call of each variant, in
+order (for ``ncu -k regex:mla_decode -c 2``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ VARIANTS = {
     "seesaw": dict(seesaw=True),
     "seesaw_fused": dict(seesaw=True, fused_combine=True),
     "seesaw_early": dict(seesaw=True, early_launch=True),
+    "early": dict(early_launch=True),
+    "lead": dict(lead_group=True),
+    "lead_early": dict(lead_group=True, early_launch=True),
+    "lead2": dict(lead_group="pipelined"),
+    "lead2_early": dict(lead_group="pipelined", early_launch=True),
+    "split": dict(split_keys=True, early_launch=False),  # session 35's default
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},
 }
@@ -43,7 +51,7 @@ def main() -> None:
     parser.add_argument("--variants", default="base,fused")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--once", nargs=2, metavar=("SHAPE", "VARIANT"))
+    parser.add_argument("--once", nargs=2, metavar=("SHAPE", "V1,V2"))
     args = parser.parse_args()
     import torch
 
@@ -51,8 +59,9 @@ def main() -> None:
 
     if args.once:
         problem = make_problem(torch, *parse_shape(args.once[0]))
-        mla_decode(*problem, **VARIANTS[args.once[1]])
-        torch.cuda.synchronize()
+        for name in args.once[1].split(","):
+            mla_decode(*problem, **VARIANTS[name])
+            torch.cuda.synchronize()
         return
     copy_gbs = copy_bandwidth_gbs(torch, 5)
     print(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs)}),

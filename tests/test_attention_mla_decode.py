@@ -48,6 +48,11 @@ def test_deepseek_heads_two_tokens(rng):
                  marks=pytest.mark.slow),
     pytest.param(40, 2, 3, dict(split_keys=False, fused_combine=True, early_launch=True),
                  marks=pytest.mark.slow),
+    (16, 1, 1, dict(lead_group=True)),  # group 0 scores, group 1 reads P back
+    (16, 2, 3, dict(lead_group=True, fused_combine=True)),
+    pytest.param(40, 2, 2, dict(lead_group=True, early_launch=True), marks=pytest.mark.slow),
+    (16, 1, 1, dict(lead_group="pipelined")),  # group 0's product in flight over the loop
+    (40, 2, 3, dict(lead_group="pipelined", fused_combine=True, early_launch=True)),
 ])
 def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
     """The fused combine (the last split CTA merges), the seesaw pairs and early launch, on
@@ -56,6 +61,16 @@ def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
     q, kv, table, lens = mla_problem(rng, heads, sq, [1, 63, 65, 200])
     o, lse = mla_decode(q, kv, table, lens, num_splits=num_splits, backend="interpret",
                         **options)
+    assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
+
+
+@pytest.mark.parametrize("mode", [True, "pipelined"])
+def test_lead_group_over_many_pages(mode, rng):
+    """Sixteen and thirteen pages through the lead group's P hand-over (its buffer reused
+    every page), the last page ragged, and an empty sequence, in one split."""
+    q, kv, table, lens = mla_problem(rng, 16, 1, [1000, 777, 0])
+    o, lse = mla_decode(q, kv, table, lens, num_splits=1, backend="interpret",
+                        lead_group=mode)
     assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
 
 
@@ -155,6 +170,9 @@ def _args(rng):
     (lambda a: a.update(backend="cpu"), kiln.KilnValueError, "backend='cpu'"),
     (lambda a: a.update(target="gfx950"), kiln.UnsupportedError, "gfx950"),
     (lambda a: a.update(q=a["q"].tolist()), kiln.KilnTypeError, "q must be"),
+    (lambda a: a.update(lead_group=True, split_keys=True), kiln.UnsupportedError,
+     "lead_group=True"),
+    (lambda a: a.update(lead_group="ahead"), kiln.KilnValueError, "lead_group='ahead'"),
 ])
 def test_bad_input_names_the_argument(change, error, words, rng):
     args = _args(rng)
@@ -181,7 +199,9 @@ def test_default_splits_fill_one_wave():
     (False, 64, False, dict(fused_slots=2)),
     pytest.param(False, 64, True, dict(seesaw=True), marks=pytest.mark.slow),
     pytest.param(False, 64, False, dict(seesaw=True, fused_slots=4, heads=16, early_launch=True),
-                 marks=pytest.mark.slow)])
+                 marks=pytest.mark.slow),
+    (False, 64, True, dict(lead_group=True, heads=128, sq=2)),
+    (False, 64, False, dict(lead_group=True, fused_slots=4, heads=16, early_launch=True))])
 def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct, options):
     ck = compile_mla_decode(target="sm_90a", split_keys=split_keys, direct=direct, **options)
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["registers"] <= 255
@@ -189,3 +209,13 @@ def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct, options
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
     assert f"wgmma.mma_async.sync.aligned.m64n{scores_n}k16.f32.bf16.bf16" in ptx
     assert "cp.async.bulk.tensor.2d" in ptx
+
+
+@pytest.mark.lower
+def test_pipelined_lead_group_compiles_unserialised():
+    """Group 0's product left in flight over the loop's back edge: ptxas keeps the WGMMAs
+    asynchronous (it spills 8 bytes)."""
+    ck = compile_mla_decode(target="sm_90a", heads=128, sq=2, direct=True, split_keys=False,
+                            lead_group="pipelined")
+    assert not ck.metadata["wgmma_serialized"] and ck.metadata["spill_bytes"] <= 8
+    assert ck.asm["ptx"].count("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == 36

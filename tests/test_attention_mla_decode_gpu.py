@@ -69,11 +69,14 @@ def test_matches_float64_on_gpu(heads, sq, num_splits, split_keys, rng):
 @pytest.mark.parametrize("options", [
     dict(fused_combine=True), dict(fused_combine=False), dict(seesaw=True),
     dict(seesaw=True, fused_combine=True, early_launch=True),
-    dict(fused_combine=True, early_launch=True)])
+    dict(fused_combine=True, early_launch=True), dict(lead_group=True),
+    dict(lead_group=True, fused_combine=True, early_launch=True),
+    dict(lead_group="pipelined"), dict(lead_group="pipelined", early_launch=True)])
 @pytest.mark.parametrize("heads,sq,num_splits", [(16, 1, 4), (128, 2, 3), (40, 1, 1)])
 def test_kernel_options_on_gpu(heads, sq, num_splits, options, rng):
-    """The fused combine (or not), the seesaw pairs and early launch against the float64
-    reference, called twice (the fused kernel's tickets carry over between calls)."""
+    """The fused combine (or not), the seesaw pairs, early launch and the lead group against
+    the float64 reference, called twice (the fused kernel's tickets carry over between
+    calls)."""
     torch = _torch()
     from kiln.kernels.attention import mla_decode
 

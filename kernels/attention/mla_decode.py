@@ -33,6 +33,7 @@ from .combine import combine
 from .decode_config import DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MAX_DEFAULT_SPLITS
 from .mla_kernel import (BLOCK_N, EARLY_LAUNCH, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS, SEESAW,
                          SPLIT_KEYS, make_mla_kernel)
+from .mla_lead import LEAD_GROUP
 from .partials import Partials
 from ..workspaces import StreamWorkspaces
 
@@ -89,7 +90,7 @@ PLANS = PlanCache("mla_decode")
 
 def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scale=None,
                num_splits=None, target=None, backend=None, validate=False, split_keys=None,
-               fused_combine=None, seesaw=None, early_launch=None):
+               fused_combine=None, seesaw=None, early_launch=None, lead_group=None):
     """Multi-head latent attention decode over a paged cache; returns ``(o, lse)``.
 
     ``q``: ``[B, Sq, H, 576]`` bf16 (``Sq`` 1-2; contiguous); ``kv_cache``: ``[num_pages,
@@ -97,8 +98,10 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     columns are V; ``page_table``: ``[B, max_pages]`` int32; ``seq_lens``: ``[B]`` int32
     (keys per sequence, the ``Sq`` new tokens included). ``scale`` defaults to
     ``576 ** -0.5``; ``num_splits`` (None: fill the GPU's SMs) splits each sequence's pages;
-    ``backend="interpret"`` runs on the CPU interpreter; ``split_keys`` picks the kernel's
-    scores schedule (None: ``SPLIT_KEYS``; see :mod:`~kiln.kernels.attention.mla_kernel`);
+    ``backend="interpret"`` runs on the CPU interpreter; the scores schedule is by default
+    the lead group's (``lead_group``, below), else ``split_keys`` picks it (True: each group
+    scores half the keys; False: both score all; see
+    :mod:`~kiln.kernels.attention.mla_kernel`);
     ``fused_combine``: with several splits, the last split CTA of each 64-row block merges
     them (True, one kernel; gpu-scope ticket counters kept per stream, so calls that may run
     at once must be on different streams) or :func:`~kiln.kernels.attention.combine` does
@@ -106,7 +109,10 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     ``seesaw``: pages two at a time, one scored by each group (None: ``SEESAW``;
     :mod:`~kiln.kernels.attention.mla_seesaw`); ``early_launch``: each CTA lets the next
     kernel on the stream start on the SMs this call frees (programmatic dependent launch;
-    None: ``EARLY_LAUNCH``).
+    None: ``EARLY_LAUNCH``, off); ``lead_group``: warp group 0 scores every key and hands P
+    to group 1, whose product runs while group 0 scores the next page (None: ``LEAD_GROUP``,
+    on unless ``seesaw`` or ``split_keys`` is given; :mod:`~kiln.kernels.attention.mla_lead`;
+    ``"pipelined"``: also group 0's scores of the next page issued behind its product).
     Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
     ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
@@ -121,7 +127,7 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
         o, lse = mla_decode(q, kv_cache, page_table, seq_lens)   # q [B, 1, 128, 576]
     """
     plan = _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
-                     backend, split_keys, fused_combine, (seesaw, early_launch))
+                     backend, split_keys, fused_combine, (seesaw, early_launch, lead_group))
     lib = ArrayLib(q)
     B, Sq, H = plan.shape
     if plan.kernel is None:
@@ -203,20 +209,39 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
         B, row_blocks, dims["max_pages"] * page_size,
         sms=DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()) \
         if B * Sq * H else 1
-    split_keys = SPLIT_KEYS if split_keys is None else bool(split_keys)
+    split_keys, seesaw, lead = _schedule(split_keys, options[0], options[2])
     rows = merge_rows(Sq * H)
     if fused_combine is None:  # one CTA's merge of its rows from L2, or a combine kernel
         fused_combine = slots * rows * HEAD_DIM_V * 4 <= FUSED_COMBINE_MAX_BYTES
     fused = slots > 1 and bool(fused_combine)
-    seesaw, early = (default if given is None else bool(given)
-                     for given, default in zip(options, (SEESAW, EARLY_LAUNCH)))
-    kernel = make_mla_kernel(page_size, split_keys and not seesaw, slots == 1,
-                             slots if fused else 0, rows if fused else ROWS, seesaw,
-                             early) if B * Sq * H else None
+    early = EARLY_LAUNCH if options[1] is None else bool(options[1])
+    kernel = make_mla_kernel(page_size, split_keys, slots == 1, slots if fused else 0,
+                             rows if fused else ROWS, seesaw, early,
+                             lead) if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
                    scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E),
                    fused=fused, device=q.device if is_torch(q) else None)
+
+
+def _schedule(split_keys=None, seesaw=None, lead_group=None) -> tuple[bool, bool, int]:
+    """The kernel's scores schedule from a call's options (None: the defaults): ``(split_keys,
+    seesaw, lead)``, ``lead`` as :func:`make_mla_kernel` takes it (0 off, 1 the lead group, 2
+    pipelined). The default lead group gives way to an explicit ``seesaw=True`` or
+    ``split_keys``. Example: ``_schedule(split_keys=True) == (True, False, 0)``."""
+    if lead_group not in (None, False, True, "pipelined"):
+        raise kiln.KilnValueError(f"lead_group={lead_group!r} is not a lead-group mode",
+                                  fix="pass lead_group=True, 'pipelined', False or None")
+    if lead_group is None:
+        lead_group = LEAD_GROUP and not seesaw and split_keys is None
+    if lead_group and (seesaw or split_keys):
+        raise kiln.UnsupportedError(f"lead_group={lead_group!r} has group 0 score every key: "
+                                    "it takes no seesaw or split_keys=True",
+                                    fix="leave seesaw and split_keys unset with lead_group")
+    seesaw = SEESAW if seesaw is None else bool(seesaw)
+    split_keys = SPLIT_KEYS if split_keys is None else bool(split_keys)
+    lead = 2 if lead_group == "pipelined" else int(bool(lead_group))
+    return split_keys and not (seesaw or lead), seesaw, lead
 
 
 def mla_target(target):
@@ -286,11 +311,12 @@ def _check_devices(q, **tensors) -> None:
 
 
 def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
-                       split_keys=SPLIT_KEYS, direct=False, fused_slots=0, seesaw=SEESAW,
-                       early_launch=EARLY_LAUNCH):
+                       split_keys=None, direct=False, fused_slots=0, seesaw=None,
+                       early_launch=EARLY_LAUNCH, lead_group=None):
     """Compile (without running) the MLA decode kernel (``direct``: the one-split kernel that
     writes ``o`` and ``lse`` itself; ``fused_slots``: the kernel whose last split CTA merges
-    that many splits); returns the ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
+    that many splits; the schedule options as :func:`mla_decode` resolves them); returns the
+    ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
     Example: ``compile_mla_decode(target="sm_90a").metadata["registers"]``."""
     chip = mla_target(target)
     bf16 = kiln.bf16.numpy
@@ -300,7 +326,8 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
             np.zeros((1, 1, sq, heads), np.float32), np.zeros((1, sq, heads), np.int32),
             np.zeros((1, sq, heads, HEAD_DIM_V), bf16), np.zeros((1, sq, heads), np.float32),
             np.zeros((1, 1, 2), np.int64), 1, heads, sq, 0.1]
-    kernel = make_mla_kernel(page_size, split_keys and not seesaw, direct, fused_slots,
+    split_keys, seesaw, lead = _schedule(split_keys, seesaw, lead_group)
+    kernel = make_mla_kernel(page_size, split_keys, direct, fused_slots,
                              merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
-                             early_launch)
+                             early_launch, lead)
     return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)

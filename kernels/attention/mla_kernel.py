@@ -58,11 +58,13 @@ TILE_BYTES = CHUNKS * BOX_BYTES
 BOX_UNITS = BOX_BYTES // 16  # one box in 16-byte descriptor units
 ZERO_BARRIER = 1  # named barrier: both groups done with K before V rows are zeroed, and after
 MAX_BARRIER, P_BARRIER = 2, 3  # split_keys: row maxima exchanged; P fragments exchanged
-# The default schedule: each group scores half of a page's keys (True), or both score all of
-# them (False, twice the QK work, no exchange).
+# The schedule without the lead group (mla_lead, the default): each group scores half of a
+# page's keys (True), or both score all of them (False, twice the QK work, no exchange).
 SPLIT_KEYS = True
 # Programmatic dependent launch: each CTA lets the next kernel on the stream launch once it
-# started (True), or the next kernel starts when this one ends (False).
+# started (True), or the next kernel starts when this one ends (False). H200, session 36:
+# 2-3% faster with the lead group at batch 32 H 16 and batch 64 H 128 Sq 2; off until
+# measured at the other shapes.
 EARLY_LAUNCH = False
 # Pages two at a time, one scored by each warp group (mla_seesaw), or one at a time.
 SEESAW = False
@@ -71,7 +73,7 @@ SEESAW = False
 @functools.lru_cache(maxsize=None)
 def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False,
                     fused_slots: int = 0, merge_rows: int = ROWS, seesaw: bool = SEESAW,
-                    early_launch: bool = EARLY_LAUNCH):
+                    early_launch: bool = EARLY_LAUNCH, lead_group: int = 0):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -90,10 +92,17 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     on the stream after its shared-memory set-up, and then each CTA lets the next kernel's
     CTAs start on the SMs this grid frees (back-to-back calls overlap one's merge and tail
     with the next one's set-up). A TMA prefetch of the split's first pages before the
-    wait made ptxas spill (272 bytes at 16 heads, fused).
+    wait made ptxas spill (272 bytes at 16 heads, fused). ``lead_group`` (0: off): group 0
+    scores every key and hands P to group 1 (:mod:`~kiln.kernels.attention.mla_lead`; with
+    ``split_keys=False``, not ``seesaw``); 2: with group 0's scores one page ahead.
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
-    from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum  # it imports this module
+    from .mla_lead import (PRODUCER_WARP, LeadRows, consume_tile_lead,  # they import
+                           lead_pages_pipelined, lead_sum)
+    from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum  # this module
 
+    if lead_group and (seesaw or split_keys):
+        raise kiln.UnsupportedError("the lead-group schedule has group 0 score every key",
+                                    fix="pass lead_group=True with split_keys=False, no seesaw")
     Rows = PagedRowIndices[BLOCK_N, page_size]
     if Rows.num_pages != 1:
         raise kiln.UnsupportedError(f"MLA decode reads pages of a multiple of {BLOCK_N} rows, "
@@ -120,12 +129,13 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         # split_keys: the groups' row maxima, sums and P fragments, exchanged in shared memory.
         exchange = _Exchange() if split_keys and not seesaw else None
         rows_x = SeesawRows() if seesaw else None
+        lead_rows = LeadRows() if lead_group else None
         tid = kiln.thread_id(0)
         warp = tid // 32
         lane = tid % 32
         group = tid // 128
         # The TMA issuer (seesaw: group 1's first warp, which releases the stages last).
-        producer_warp = 4 if seesaw else 0
+        producer_warp = 4 if seesaw else PRODUCER_WARP if lead_group else 0
         producer = nvidia_asm.elect_sync() & (warp == producer_warp)  # converged, no branch
         for s in kiln.static_range(STAGES):
             # One arrival a warp group: its WGMMA reads are done once its thread 0 waited.
@@ -178,31 +188,27 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
             o, m, l = seesaw_pages(o, m, l, rows_x, full, empty, table, kv_map, q_map,
                                    page_size, tile_begin, num_tiles, seq_len, seq_q, key_limit,
                                    scale_log2, tid, group, warp, producer, b * packed + row0)
+        elif lead_group == 2:
+            o, m, l = lead_pages_pipelined(
+                o, m, l, descs, boxes, lead_rows, full, empty,
+                lambda it: _load_pages(it, warp, producer_warp, producer, full, empty, q_map,
+                                       kv_map, boxes, b * packed + row0, page_size, table,
+                                       tile_begin, num_tiles, seq_len),
+                TILE_BYTES // 16, tile_begin, num_tiles, seq_len, seq_q, key_limit, scale_log2,
+                tid, group, warp)
         else:
             for it in kiln.range(0, num_tiles):
                 stage = it % STAGES
-                # Every TMA is followed by a wait on its barrier on every path: the first pages
-                # (and Q, on stage 0's barrier) load inside the loop.
-                if (it == 0) & (warp == 0):
-                    full.arrive_expect_tx(0, TILE_BYTES + CHUNKS * tma.box_bytes(q_map),
-                                          predicate=producer)
-                    for c in kiln.static_range(CHUNKS):
-                        tma.load(q_map, boxes.tile(c), (c * CHUNK, b * packed + row0), full, 0,
-                                 predicate=producer)
-                    _load_tile(page_size, table, tile_begin, seq_len, kv_map, boxes, full, 0,
-                               producer, arm=False)
-                    if num_tiles > 1:
-                        _load_tile(page_size, table, tile_begin + 1, seq_len, kv_map, boxes,
-                                   full, 1, producer, arm=True)
-                ahead = it + STAGES - 1
-                if (it > 0) & (ahead < num_tiles):
-                    if warp == 0:  # warp-uniform: the producer warp waits, one lane issues
-                        empty.try_wait(ahead % STAGES, ((it - 1) // STAGES) % 2)
-                        _load_tile(page_size, table, tile_begin + ahead, seq_len, kv_map,
-                                   boxes, full, ahead % STAGES, producer, arm=True)
+                _load_pages(it, warp, producer_warp, producer, full, empty, q_map, kv_map,
+                            boxes, b * packed + row0, page_size, table, tile_begin, num_tiles,
+                            seq_len)
                 full.try_wait(stage, (it // STAGES) % 2)
                 key0 = (tile_begin + it) * BLOCK_N
-                if split_keys:
+                if lead_group:
+                    o, m, l = consume_tile_lead(o, m, l, descs, boxes, lead_rows, stage, key0,
+                                                key_limit, seq_len, seq_q, scale_log2, tid,
+                                                group, it, num_tiles)
+                elif split_keys:
                     o, m, l = _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0,
                                                   key_limit, seq_len, seq_q, scale_log2, tid,
                                                   group)
@@ -222,6 +228,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
             l = seesaw_sum(rows_x, l, tid, group)
         elif split_keys:  # each group summed its own keys: the row's sum is both groups'
             l = exchange.sum_rows(l, tid, group)
+        elif lead_group:  # group 0 summed every key
+            l = lead_sum(lead_rows, l, tid, group)
         _store_rows(o, m, l, rows, o_out if direct else o_part,
                     lse_out if direct else lse_part, counts, split, b, heads, packed, group,
                     lane, seq_len, seq_q, tiles_per_split, direct)
@@ -234,9 +242,34 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     mla_decode.__name__ = mla_decode.__qualname__ = \
         f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}" \
         f"{f'_fused{fused_slots}r{merge_rows}' if fused_slots else ''}" \
-        f"{'_seesaw' if seesaw else ''}{'_early' if early_launch else ''}"
+        f"{'_seesaw' if seesaw else ''}{'_early' if early_launch else ''}" \
+        f"{'_lead' if lead_group else ''}{'2' if lead_group == 2 else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
+
+
+@kiln.func
+def _load_pages(it, warp, producer_warp, producer, full, empty, q_map, kv_map, boxes, q_row,
+                page_size, table, tile_begin, num_tiles, seq_len):
+    """The producer warp's loads at the top of iteration ``it`` of the page loop: with the
+    first, Q and the first two pages; later, page ``it + 1`` into the stage page ``it - 1``
+    released. Every TMA is followed by a wait on its barrier on every path: the first pages
+    (and Q, on stage 0's barrier) load inside the loop."""
+    if (it == 0) & (warp == producer_warp):
+        full.arrive_expect_tx(0, TILE_BYTES + CHUNKS * tma.box_bytes(q_map), predicate=producer)
+        for c in kiln.static_range(CHUNKS):
+            tma.load(q_map, boxes.tile(c), (c * CHUNK, q_row), full, 0, predicate=producer)
+        _load_tile(page_size, table, tile_begin, seq_len, kv_map, boxes, full, 0, producer,
+                   arm=False)
+        if num_tiles > 1:
+            _load_tile(page_size, table, tile_begin + 1, seq_len, kv_map, boxes, full, 1,
+                       producer, arm=True)
+    ahead = it + STAGES - 1
+    if (it > 0) & (ahead < num_tiles):
+        if warp == producer_warp:  # warp-uniform: it waits, one lane issues
+            empty.try_wait(ahead % STAGES, ((it - 1) // STAGES) % 2)
+            _load_tile(page_size, table, tile_begin + ahead, seq_len, kv_map, boxes, full,
+                       ahead % STAGES, producer, arm=True)
 
 
 @kiln.func
