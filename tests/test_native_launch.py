@@ -210,7 +210,7 @@ def test_a_damaged_or_foreign_shim_is_never_loaded_but_rebuilt(tmp_path, monkeyp
             pytest.skip("changing a file's owner needs root")
         os.chown(library, 12345, -1)
     loads = []
-    monkeypatch.setattr(native, "_load", lambda data, directory: loads.append(data) or "shim")
+    monkeypatch.setattr(native, "_load", lambda ext, data, directory: loads.append(data) or "shim")
     builds = _builds(monkeypatch)
     monkeypatch.setattr(native, "warn_once", lambda reason, message: warnings.warn(
         message, CacheWarning))
