@@ -350,9 +350,14 @@ static PyObject *memo_store(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-/* set_torch_view(capsule): the torch bridge's tensor reader (kiln.runtime.native_torch). */
+/* set_torch_view(capsule): the torch bridge's tensor reader (kiln.runtime.native_torch);
+ * None: read tensors through their Python attributes again. */
 static PyObject *set_torch_view(PyObject *self, PyObject *capsule)
 {
+    if (capsule == Py_None) {
+        read_torch_view = NULL;
+        Py_RETURN_NONE;
+    }
     void *reader = PyCapsule_GetPointer(capsule, "kiln.torch_view");
     if (reader == NULL)
         return NULL;
@@ -389,7 +394,7 @@ static PyMethodDef methods[] = {
     {"guard_values", (PyCFunction)(void (*)(void))guard_values, METH_FASTCALL,
      "guard_values(spec, [checker,] values): whether values match a plan guard's spec."},
     {"set_torch_view", set_torch_view, METH_O,
-     "set_torch_view(capsule): read torch tensors through the torch bridge from now on."},
+     "set_torch_view(capsule or None): read torch tensors through the torch bridge or not."},
     {"set_error_handler", set_error_handler, METH_O,
      "set_error_handler(callable): what a failed launch calls with its CUresult."},
     {NULL, NULL, 0, NULL},

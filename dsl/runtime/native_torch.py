@@ -51,15 +51,24 @@ def torch_bridge(build: bool = True):
     if bridge is None and not build:
         _PROBED.append(True)
         return None
-    _LOADED.append(bridge)
+    use_bridge(bridge)
+    return bridge
+
+
+def use_bridge(bridge) -> None:
+    """Make ``bridge`` (a loaded bridge, or None for torch's Python paths) what
+    :func:`torch_bridge` returns and what the launch shim reads tensors with, from now on
+    (plans and launchers made before keep what they took). For A/B benches and tests.
+    Example: ``use_bridge(None)``."""
+    _LOADED[:] = [bridge]
+    shim = native_module()
     if bridge is not None:
         import torch
 
         bridge.set_out_of_memory_error(getattr(torch, "OutOfMemoryError", RuntimeError))
-        shim = native_module()
-        if shim is not None and getattr(shim, "TORCH_VIEW_BYTES", None) == bridge.VIEW_BYTES:
-            shim.set_torch_view(bridge.TORCH_VIEW)
-    return bridge
+    if shim is not None and hasattr(shim, "set_torch_view") and \
+            (bridge is None or getattr(shim, "TORCH_VIEW_BYTES", None) == bridge.VIEW_BYTES):
+        shim.set_torch_view(None if bridge is None else bridge.TORCH_VIEW)
 
 
 _LOADED: list = []  # [the bridge or None] once built or refused
