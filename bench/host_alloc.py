@@ -68,6 +68,12 @@ def build_bridge(results: dict):
     return bridge
 
 
+def _loaded_bridge():
+    from kiln.runtime.native_torch import torch_bridge
+
+    return torch_bridge()
+
+
 def allocations(torch, bridge, results: dict) -> None:
     like = torch.empty(8, device=DEVICE)
     shapes = {"o_partial f32 [8,1,1,32,128]": ((8, 1, 1, 32, 128), torch.float32),
@@ -164,7 +170,7 @@ def entry_points(torch, bridge, results: dict) -> None:
     from kiln.runtime.native_torch import use_bridge
 
     sync = torch.cuda.synchronize
-    for name, call in library_calls(torch, "cuda", TARGET).items():
+    for name, call in library_calls(torch, DEVICE, TARGET).items():
         row: dict = {}
         try:
             outputs = {}
@@ -200,6 +206,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--only", default="build,alloc,guard,launch,entry",
                         help="comma-separated parts")
+    parser.add_argument("--precompile", metavar="ENTRY",
+                        help="only call this entry point once (fills the compile cache)")
     parser.add_argument("--cpu", action="store_true",
                         help="torch CPU tensors, alloc and guard parts only (a check of the "
                              "script without a GPU)")
@@ -212,9 +220,17 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA GPU"}))
         return 0
+    if args.precompile:
+        start = time.perf_counter()
+        for name, call in library_calls(torch, DEVICE, TARGET).items():
+            if name.startswith(args.precompile + " "):
+                call()
+        torch.cuda.synchronize()
+        print(json.dumps({f"precompiled {args.precompile} s": time.perf_counter() - start}))
+        return 0
     results: dict = {"torch": torch.__version__}
     parts = args.only.split(",")
-    bridge = build_bridge(results)
+    bridge = build_bridge(results) if "build" in parts else _loaded_bridge()
     for part, run in (("alloc", allocations), ("guard", guards), ("launch", kernel_grid),
                       ("entry", entry_points)):
         if part in parts:
