@@ -10,12 +10,13 @@ bench times, in one process:
   template (the library's maker without the bridge), the bridge's maker; and inside C++ alone
   (``alloc_cost``: bare ATen allocation and release, then with torch's Python wrapper);
 - decode's plan guard (13 values, 5 tensors) through torch's ``TensorGuards`` and the bridge;
-- ``kernel[grid](...)`` of a one-block kernel with the shim reading tensors through Python
-  attributes and through the bridge, beside the bound and packed launches, a raw ctypes
+- ``kernel[grid](...)`` of a one-block kernel in each configuration (below), beside the bound and packed launches, a raw ctypes
   ``cuLaunchKernel`` and Triton;
-- each library entry point of ``bench/launch_overhead.py`` with the bridge off and on (turns
-  off, on, on, off, each keeping its better time): host µs per call, eager back-to-back µs,
-  and (bridge on) CUDA-graph replay µs; its outputs with the bridge on equal those without.
+- each library entry point of ``bench/launch_overhead.py`` in each configuration of
+  :data:`CONFIGS` (torch's Python paths, the bridge, the bridge with the shim's packed
+  parameters, ``KILN_LAUNCH_PARAMS=packed``; turns A B C C B A, each keeping its better time):
+  host µs per call, eager back-to-back µs, CUDA-graph replay µs; the outputs of every
+  configuration equal those of the first.
 
 Usage: ``python bench/host_alloc.py [--json out.json]``. Prints JSON lines as it goes and a
 table last.
@@ -123,18 +124,15 @@ def guards(torch, bridge, results: dict) -> None:
 def kernel_grid(torch, bridge, results: dict) -> None:
     from kiln.runtime.launch import bind_launch
     from kiln.runtime.native import native_module
-    from kiln.runtime.native_torch import use_bridge
 
     sync = torch.cuda.synchronize
     y = torch.zeros(N, device=DEVICE)
     compiled = add_one.compile(y, N, BLOCK=N, num_warps=N // 32, target=TARGET)
     launcher = add_one[(1,)]
     row: dict = {}
-    for turn in ("python", "bridge", "bridge", "python"):
-        if turn == "bridge" and bridge is None:
-            continue
-        use_bridge(bridge if turn == "bridge" else None)
-        use_launcher("native")
+    names = list(CONFIGS) if bridge is not None else ["python"]
+    for turn in names + names[::-1]:
+        use_config(bridge, turn)
         launcher(y, N, BLOCK=N, num_warps=N // 32, target=TARGET)
         launcher(y, N, BLOCK=N, num_warps=N // 32, target=TARGET)
         us = _per_launch_us(lambda: launcher(y, N, BLOCK=N, num_warps=N // 32, target=TARGET),
@@ -145,7 +143,7 @@ def kernel_grid(torch, bridge, results: dict) -> None:
                                                      target=TARGET), 2000, 15, sync)
         key = f"add_one[(1,)](...) ({turn} reads)"
         row[key] = round(min(row.get(key, fresh), fresh), 3)
-    use_bridge(bridge)
+    use_config(bridge, "bridge")
     bound = bind_launch(compiled, (1, 1, 1), [y, N])
     pointer = y.data_ptr()
     row["bound"] = round(_per_launch_us(lambda: bound(pointer), 2000, 15, sync), 3)
@@ -153,8 +151,8 @@ def kernel_grid(torch, bridge, results: dict) -> None:
     arguments = plan.launcher.new_arguments()
     plan.launcher.pack(arguments, [pointer, pointer, 0, N, 1, N], (1, 1, 1),
                        torch.cuda.current_stream().cuda_stream)
-    row["packed"] = round(_per_launch_us(lambda: plan.launcher.launch_packed(arguments), 2000,
-                                         15, sync), 3)
+    row["launch_packed (ready block)"] = round(_per_launch_us(
+        lambda: plan.launcher.launch_packed(arguments), 2000, 15, sync), 3)
     row["shim launch record"] = round(_per_launch_us(
         functools.partial(native_module().launch, arguments.address), 2000, 15, sync), 3)
     for name, make in (("raw ctypes cuLaunchKernel", lambda: _raw_cu_launch(compiled, y)),
@@ -166,36 +164,61 @@ def kernel_grid(torch, bridge, results: dict) -> None:
     emit(results, "launch us", row)
 
 
-def entry_points(torch, bridge, results: dict) -> None:
+# (bridge, KILN_LAUNCH_PARAMS) of each configuration the entry points are timed with.
+CONFIGS = {"python": (False, "pointers"), "bridge": (True, "pointers"),
+           "bridge+packed": (True, "packed")}
+
+
+def use_config(bridge, name: str) -> None:
+    """Calls from now on with configuration ``name`` of :data:`CONFIGS` (plans and launchers
+    dropped, so the next call makes them anew)."""
+    import os
+
     from kiln.runtime.native_torch import use_bridge
 
+    on, params = CONFIGS[name]
+    use_bridge(bridge if on else None)
+    os.environ["KILN_LAUNCH_PARAMS"] = params
+    use_launcher("native")
+
+
+def entry_points(torch, bridge, results: dict) -> None:
     sync = torch.cuda.synchronize
+    names = list(CONFIGS) if bridge is not None else ["python"]
     for name, call in library_calls(torch, DEVICE, TARGET).items():
         row: dict = {}
         try:
             outputs = {}
-            for turn in ("off", "on", "on", "off"):
-                if turn == "on" and bridge is None:
-                    continue
-                use_bridge(bridge if turn == "on" else None)
-                use_launcher("native")
-                outputs[turn] = call()
+            for config in names + names[::-1]:  # turns: A B C C B A
+                use_config(bridge, config)
+                outputs[config] = call()
                 gc.collect()
-                for key, us in ((f"host_{turn}", _per_launch_us(call, LIBRARY_CALLS, 15, sync)),
-                                (f"eager_{turn}", _eager_us(call, LIBRARY_CALLS, 15, sync))):
+                for key, us in ((f"host {config}", _per_launch_us(call, LIBRARY_CALLS, 15, sync)),
+                                (f"eager {config}", _eager_us(call, LIBRARY_CALLS, 15, sync))):
                     row[key] = round(min(row.get(key, us), us), 3)
-            row["gpu_us"] = round(_graph_us(torch, call), 3)
-            if "on" in outputs:
-                row["same_outputs"] = _same(torch, outputs["off"], outputs["on"])
+            best = names[1] if len(names) > 1 else names[0]  # the default: the bridge
+            use_config(bridge, best)
+            row["gpu_us (graph)"] = round(_graph_us(torch, call), 3)
+            for config in names:
+                row[f"eager/graph {config}"] = round(row[f"eager {config}"] /
+                                                     row["gpu_us (graph)"], 3)
+            row["same outputs"] = all(_same(torch, outputs["python"], out)
+                                      for out in outputs.values())
         except Exception as error:  # a path that fails is reported, not fatal to the run
             row["error"] = f"{type(error).__name__}: {error}"
         emit(results, f"entry {name}", row)
-    use_bridge(bridge)
+    use_config(bridge, "bridge")
 
 
 def _same(torch, a, b) -> bool:
+    """Whether two calls' outputs are equal (decode's partials through combine: the slots
+    past a row's count are never written)."""
     a = a if isinstance(a, tuple) else (a,)
     b = b if isinstance(b, tuple) else (b,)
+    if len(a) == 3:
+        from kiln.kernels.attention import combine
+
+        a, b = (combine(*x, max_splits=x[0].shape[0], target=TARGET) for x in (a, b))
     torch.cuda.synchronize()
     return all(x.shape == y.shape and x.dtype == y.dtype and
                bool(torch.equal(x.nan_to_num(), y.nan_to_num())) for x, y in zip(a, b))

@@ -24,7 +24,7 @@ from kiln.signature import KernelSignature, ScalarParam, TensorMapParam, TensorP
 from recording_runtime import RecordingDriver
 
 HAVE_CC = shutil.which("cc") is not None
-SHIMS = ["native", "ctypes"]
+SHIMS = ["native", "packed", "ctypes"]  # packed: the shim's one-buffer parameters
 
 SIGNATURE = KernelSignature(
     "mixed", (TensorParam("x", "f32", 2), ScalarParam("n", "i32"), ScalarParam("a", "f32"),
@@ -43,7 +43,8 @@ def _launcher(kind, shim, signature=SIGNATURE, context=None):
     driver = RecordingDriver(signature)
     launcher = DriverLauncher(signature, RecordingDriver.FUNCTION,
                               DriverFunctions(driver.symbols(), context),
-                              shim if kind == "native" else None)
+                              None if kind == "ctypes" else shim,
+                              driver.param_layout() if kind == "packed" else None)
     return launcher, driver
 
 
@@ -321,10 +322,11 @@ def test_bound_descriptor_memo_serves_many_tensors_in_turn(kind, shim):
 
 
 @pytest.mark.parametrize("kind", SHIMS)
-def test_the_module_is_loaded_once_and_unloaded_with_the_launcher(kind, shim):
+def test_the_module_is_loaded_once_and_unloaded_with_the_launcher(kind, shim, monkeypatch):
     from kiln.runtime.driver_launch import (MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                             load_driver_launcher)
 
+    monkeypatch.setenv("KILN_LAUNCH_PARAMS", "packed" if kind == "packed" else "")
     recorder = RecordingDriver(SIGNATURE)
     calls = []
     fake = type("FakeDriver", (), {
@@ -334,8 +336,10 @@ def test_the_module_is_loaded_once_and_unloaded_with_the_launcher(kind, shim):
         (0x10, RecordingDriver.FUNCTION),
         "set_function_attribute": lambda self, f, a, v: calls.append(("attribute", f, a, v)),
         "unload_module": lambda self, module: calls.append(("unload", module)),
+        "param_layout": lambda self, f, count: recorder.param_layout()[:count],
     })()
-    launcher = load_driver_launcher(SIGNATURE, b"cubin", fake, shim if kind == "native" else None)
+    launcher = load_driver_launcher(SIGNATURE, b"cubin", fake, None if kind == "ctypes" else shim)
+    assert (launcher.param_layout is not None) == (kind == "packed")
     flat, expected = _random_flat(np.random.default_rng(2))
     for _ in range(3):
         launcher(flat, (1, 1, 1), None)
@@ -358,6 +362,11 @@ def test_the_launcher_and_compiler_variables_are_checked(monkeypatch):
     assert env.c_compiler() is None
     monkeypatch.setenv("KILN_CC", "clang")
     assert env.c_compiler() == "clang"
+    monkeypatch.setenv("KILN_LAUNCH_PARAMS", "buffer")
+    with pytest.raises(KilnValueError, match="KILN_LAUNCH_PARAMS.*pointers or packed"):
+        env.launch_params()
+    monkeypatch.setenv("KILN_LAUNCH_PARAMS", " Packed")
+    assert env.launch_params() == "packed"
 
 
 class _Fresh:
