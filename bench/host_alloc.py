@@ -8,7 +8,8 @@ bench times, in one process:
 - one fresh CUDA tensor, made and released, each way: ``torch.empty(shape, dtype=, device=)``,
   ``torch.empty_strided``, ``like.new_empty(shape)``, ``torch.empty_like`` of an expanded
   template (the library's maker without the bridge), the bridge's maker; and inside C++ alone
-  (``alloc_cost``: bare ATen allocation and release, then with torch's Python wrapper);
+  (``alloc_cost``: the allocator alone, a bare ATen tensor, then with torch's Python wrapper,
+  each with its release);
 - decode's plan guard (13 values, 5 tensors) through torch's ``TensorGuards`` and the bridge;
 - ``kernel[grid](...)`` of a one-block kernel in each configuration (below), beside the bound and packed launches, a raw ctypes
   ``cuLaunchKernel`` and Triton;
@@ -94,9 +95,9 @@ def allocations(torch, bridge, results: dict) -> None:
             rows["bridge maker"] = bridge.empty_maker(template, shape, rows["new_empty"])
         emit(results, f"alloc {label}", {name: timed(call) for name, call in rows.items()})
         if bridge is not None:
-            bare, wrapped = bridge.alloc_cost(rows["bridge maker"], 20000)
-            emit(results, f"alloc {label} in C++ (bare, wrapped) us",
-                 (round(bare / 1e3, 3), round(wrapped / 1e3, 3)))
+            costs = bridge.alloc_cost(rows["bridge maker"], 20000)
+            emit(results, f"alloc {label} in C++ us (allocator alone, tensor, wrapped)",
+                 tuple(round(ns / 1e3, 3) for ns in costs))
 
 
 def guards(torch, bridge, results: dict) -> None:

@@ -300,8 +300,9 @@ PyObject* scalar_type(PyObject*, PyObject* obj)
 
 // --- diagnostics for bench/host_alloc.py ---------------------------------------------------
 
-// alloc_cost(maker, n): ns per fresh tensor made and released in C++ (no Python object), then
-// per one made, wrapped as a Python tensor and released.
+// alloc_cost(maker, n): ns per allocation of the maker's bytes from its allocator alone and
+// released, then per fresh tensor made and released in C++ (no Python object), then per one
+// made, wrapped as a Python tensor and released.
 PyObject* alloc_cost(PyObject*, PyObject* const* args, Py_ssize_t nargs)
 {
     if (nargs != 2 || Py_TYPE(args[0]) != &MakerType) {
@@ -314,7 +315,13 @@ PyObject* alloc_cost(PyObject*, PyObject* const* args, Py_ssize_t nargs)
         return PyErr_Occurred() ? nullptr : PyTuple_New(0);
     using clock = std::chrono::steady_clock;
     try {
+        size_t bytes = c10::elementSize(static_cast<c10::ScalarType>(m->scalar_type));
+        for (int32_t i = 0; i < m->ndim; i++)
+            bytes *= static_cast<size_t>(m->sizes[i]);
         auto start = clock::now();
+        for (long i = 0; i < n; i++)
+            m->allocator->allocate(bytes);
+        auto allocated = clock::now();
         for (long i = 0; i < n; i++)
             make(m);
         auto middle = clock::now();
@@ -325,9 +332,11 @@ PyObject* alloc_cost(PyObject*, PyObject* const* args, Py_ssize_t nargs)
             Py_DECREF(obj);
         }
         auto end = clock::now();
-        double bare = std::chrono::duration<double, std::nano>(middle - start).count() / n;
-        double wrapped = std::chrono::duration<double, std::nano>(end - middle).count() / n;
-        return Py_BuildValue("(dd)", bare, wrapped);
+        auto per = [n](clock::time_point a, clock::time_point b) {
+            return std::chrono::duration<double, std::nano>(b - a).count() / n;
+        };
+        return Py_BuildValue("(ddd)", per(start, allocated), per(allocated, middle),
+                             per(middle, end));
     } catch (const std::exception& err) {
         return raise_from(err, false);
     }
@@ -347,7 +356,7 @@ PyMethodDef methods[] = {
     {"scalar_type", scalar_type, METH_O,
      "scalar_type(tensor): torch_view's dtype code of the tensor, or -1."},
     {"alloc_cost", (PyCFunction)(void (*)(void))alloc_cost, METH_FASTCALL,
-     "alloc_cost(maker, n): (ns bare, ns wrapped) per fresh tensor made and released."},
+     "alloc_cost(maker, n): ns per (allocator alone, bare tensor, wrapped tensor), released."},
     {"set_out_of_memory_error", set_out_of_memory_error, METH_O,
      "set_out_of_memory_error(cls): what a failed allocation raises."},
     {nullptr, nullptr, 0, nullptr},
