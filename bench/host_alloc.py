@@ -11,8 +11,9 @@ bench times, in one process:
   (``alloc_cost``: the allocator alone, a bare ATen tensor, then with torch's Python wrapper,
   each with its release);
 - decode's plan guard (13 values, 5 tensors) through torch's ``TensorGuards`` and the bridge;
-- ``kernel[grid](...)`` of a one-block kernel in each configuration (below), beside the bound and packed launches, a raw ctypes
-  ``cuLaunchKernel`` and Triton;
+- ``kernel[grid](...)`` of a one-block kernel in each configuration (below), beside the
+  bound launch, the launch of a ready argument block, a raw ctypes ``cuLaunchKernel`` and
+  Triton;
 - each library entry point of ``bench/launch_overhead.py`` in each configuration of
   :data:`CONFIGS` (torch's Python paths, the bridge, the bridge with the shim's packed
   parameters, ``KILN_LAUNCH_PARAMS=packed``; turns A B C C B A, each keeping its better time):
