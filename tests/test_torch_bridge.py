@@ -46,6 +46,9 @@ def test_the_bridge_is_built_once_then_loaded_from_the_cache(tmp_path, monkeypat
     assert native_torch.load_bridge("c++", tmp_path, build=False) is not None
     assert native_torch.load_bridge(None, tmp_path) is None  # KILN_CXX=none
     assert len(builds) == 1
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+    assert native_torch.load_bridge("c++") is None  # no per-process build without a cache
+    assert len(builds) == 1
 
 
 @pytest.mark.parametrize("shape, dtype", [((3, 5, 7), torch.float32), ((1,), torch.bfloat16),

@@ -17,7 +17,8 @@ dtype, device, dispatch keys); ``TORCH_VIEW`` is a capsule the launch shim reads
 It is built with ``KILN_CXX`` (default ``c++``; ``none``: no bridge) against torch's headers
 and libraries, and cached like the launch shim (:mod:`kiln.runtime.native`, same trust model);
 its key adds the torch version and the paths of its headers and libraries. Without a compiler,
-headers, or a torch whose tensor object is laid out as the bridge expects (checked when it
+headers, a usable cache (``KILN_NO_CACHE``: a build per process would cost more than it
+saves) or a torch whose tensor object is laid out as the bridge expects (checked when it
 loads), :func:`torch_bridge` is None and callers keep their Python paths.
 
 Example::
@@ -35,6 +36,7 @@ import sysconfig
 from pathlib import Path
 
 from kiln.core import env
+from kiln.core.trusted_dir import usable_root
 from kiln.runtime.native import Extension, compiler_identity, load_extension, native_module
 
 SOURCES = (Path(__file__).with_name("native_torch.cpp"),)
@@ -85,6 +87,8 @@ def load_bridge(compiler: str | None, root: Path | None = None, build: bool = Tr
     where = getattr(torch, "__file__", None)  # None: no torch, or a stand-in module
     if compiler is None or where is None or not SOURCES[0].exists():
         return None
+    if root is None and usable_root() is None:
+        return None  # no cache: a build per process (seconds) would cost more than it saves
     identity = compiler_identity(compiler)
     package = Path(where).parent
     include, lib = package / "include", package / "lib"
