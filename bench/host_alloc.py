@@ -195,8 +195,8 @@ def entry_points(torch, bridge, results: dict) -> None:
                 use_config(bridge, config)
                 outputs[config] = call()
                 gc.collect()
-                for key, us in ((f"host {config}", _per_launch_us(call, LIBRARY_CALLS, 15, sync)),
-                                (f"eager {config}", _eager_us(call, LIBRARY_CALLS, 15, sync))):
+                for key, us in ((f"host {config}", _per_launch_us(call, LIBRARY_CALLS, 11, sync)),
+                                (f"eager {config}", _eager_us(call, LIBRARY_CALLS, 11, sync))):
                     row[key] = round(min(row.get(key, us), us), 3)
             best = names[1] if len(names) > 1 else names[0]  # the default: the bridge
             use_config(bridge, best)
@@ -256,8 +256,8 @@ def main(argv=None) -> int:
     results: dict = {"torch": torch.__version__}
     parts = args.only.split(",")
     bridge = build_bridge(results) if "build" in parts else _loaded_bridge()
-    for part, run in (("alloc", allocations), ("guard", guards), ("launch", kernel_grid),
-                      ("entry", entry_points)):
+    for part, run in (("entry", entry_points), ("launch", kernel_grid), ("guard", guards),
+                      ("alloc", allocations)):
         if part in parts:
             try:
                 run(torch, bridge, results)
