@@ -15,8 +15,8 @@ bench times, in one process:
   bound launch, the launch of a ready argument block, a raw ctypes ``cuLaunchKernel`` and
   Triton;
 - each library entry point of ``bench/launch_overhead.py`` in each configuration of
-  :data:`CONFIGS` (torch's Python paths, the bridge, the bridge with the shim's packed
-  parameters, ``KILN_LAUNCH_PARAMS=packed``; turns A B C C B A, each keeping its better time):
+  :data:`CONFIGS` (torch's Python paths, the bridge; turns A B B A, each keeping its better
+  time):
   host µs per call, eager back-to-back µs, CUDA-graph replay µs; the outputs of every
   configuration equal those of the first.
 
@@ -166,21 +166,16 @@ def kernel_grid(torch, bridge, results: dict) -> None:
     emit(results, "launch us", row)
 
 
-# (bridge, KILN_LAUNCH_PARAMS) of each configuration the entry points are timed with.
-CONFIGS = {"python": (False, "pointers"), "bridge": (True, "pointers"),
-           "bridge+packed": (True, "packed")}
+# Whether the torch bridge is used, in each configuration the entry points are timed with.
+CONFIGS = {"python": False, "bridge": True}
 
 
 def use_config(bridge, name: str) -> None:
     """Calls from now on with configuration ``name`` of :data:`CONFIGS` (plans and launchers
     dropped, so the next call makes them anew)."""
-    import os
-
     from kiln.runtime.native_torch import use_bridge
 
-    on, params = CONFIGS[name]
-    use_bridge(bridge if on else None)
-    os.environ["KILN_LAUNCH_PARAMS"] = params
+    use_bridge(bridge if CONFIGS[name] else None)
     use_launcher("native")
 
 
@@ -191,7 +186,7 @@ def entry_points(torch, bridge, results: dict) -> None:
         row: dict = {}
         try:
             outputs = {}
-            for config in names + names[::-1]:  # turns: A B C C B A
+            for config in names + names[::-1]:  # turns: A B B A
                 use_config(bridge, config)
                 outputs[config] = call()
                 gc.collect()

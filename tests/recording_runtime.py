@@ -82,27 +82,7 @@ class RecordingDriver:
         self.context_calls.append((what, context))
         return 0
 
-    def param_layout(self):
-        """``(offset, size)`` of each parameter in a packed buffer, as the driver lays a
-        kernel's parameters out (each at its natural alignment)."""
-        layout, offset = [], 0
-        for ctype in self.kernel_types:
-            size = ctypes.sizeof(ctype)
-            offset = -(-offset // size) * size
-            layout.append((offset, size))
-            offset += size
-        return tuple(layout)
-
-    def _args(self, params, extra=None):
-        if not params:  # one packed buffer: extra = (1, buffer, 2, &size, 0)
-            entries = ctypes.cast(extra, ctypes.POINTER(ctypes.c_void_p))
-            assert entries[0] == 1 and entries[2] == 2 and not entries[4]
-            size = ctypes.c_size_t.from_address(entries[3]).value
-            layout = self.param_layout()
-            assert size == max((o + z for o, z in layout), default=0)
-            return [ctype.from_address(entries[1] + offset).value
-                    for ctype, (offset, _) in zip(self.kernel_types, layout)]
-        assert not extra
+    def _args(self, params):
         params = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
         return [ctypes.cast(params[i], ctypes.POINTER(ctype))[0]
                 for i, ctype in enumerate(self.kernel_types)]
@@ -111,7 +91,7 @@ class RecordingDriver:
         if self.refuse:
             return self.refuse.pop(0)
         self.launches.append((function, (gx, gy, gz), (bx, by, bz), smem, stream,
-                              self._args(params, extra), len(self.kernel_types)))
+                              self._args(params), len(self.kernel_types)))
         return 0
 
     def launch_ex(self, config, function, params, extra):
@@ -122,5 +102,5 @@ class RecordingDriver:
                              for i in range(c.num_attrs)])
         self.launches.append((function, (c.grid_x, c.grid_y, c.grid_z),
                               (c.block_x, c.block_y, c.block_z), c.shared_bytes, c.stream,
-                              self._args(params, extra), len(self.kernel_types)))
+                              self._args(params), len(self.kernel_types)))
         return 0

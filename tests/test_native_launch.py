@@ -24,7 +24,7 @@ from kiln.signature import KernelSignature, ScalarParam, TensorMapParam, TensorP
 from recording_runtime import RecordingDriver
 
 HAVE_CC = shutil.which("cc") is not None
-SHIMS = ["native", "packed", "ctypes"]  # packed: the shim's one-buffer parameters
+SHIMS = ["native", "ctypes"]
 
 SIGNATURE = KernelSignature(
     "mixed", (TensorParam("x", "f32", 2), ScalarParam("n", "i32"), ScalarParam("a", "f32"),
@@ -43,8 +43,7 @@ def _launcher(kind, shim, signature=SIGNATURE, context=None):
     driver = RecordingDriver(signature)
     launcher = DriverLauncher(signature, RecordingDriver.FUNCTION,
                               DriverFunctions(driver.symbols(), context),
-                              None if kind == "ctypes" else shim,
-                              driver.param_layout() if kind == "packed" else None)
+                              shim if kind == "native" else None)
     return launcher, driver
 
 
@@ -322,11 +321,10 @@ def test_bound_descriptor_memo_serves_many_tensors_in_turn(kind, shim):
 
 
 @pytest.mark.parametrize("kind", SHIMS)
-def test_the_module_is_loaded_once_and_unloaded_with_the_launcher(kind, shim, monkeypatch):
+def test_the_module_is_loaded_once_and_unloaded_with_the_launcher(kind, shim):
     from kiln.runtime.driver_launch import (MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                             load_driver_launcher)
 
-    monkeypatch.setenv("KILN_LAUNCH_PARAMS", "packed" if kind == "packed" else "")
     recorder = RecordingDriver(SIGNATURE)
     calls = []
     fake = type("FakeDriver", (), {
@@ -336,10 +334,8 @@ def test_the_module_is_loaded_once_and_unloaded_with_the_launcher(kind, shim, mo
         (0x10, RecordingDriver.FUNCTION),
         "set_function_attribute": lambda self, f, a, v: calls.append(("attribute", f, a, v)),
         "unload_module": lambda self, module: calls.append(("unload", module)),
-        "param_layout": lambda self, f, count: recorder.param_layout()[:count],
     })()
-    launcher = load_driver_launcher(SIGNATURE, b"cubin", fake, None if kind == "ctypes" else shim)
-    assert (launcher.param_layout is not None) == (kind == "packed")
+    launcher = load_driver_launcher(SIGNATURE, b"cubin", fake, shim if kind == "native" else None)
     flat, expected = _random_flat(np.random.default_rng(2))
     for _ in range(3):
         launcher(flat, (1, 1, 1), None)
@@ -362,11 +358,6 @@ def test_the_launcher_and_compiler_variables_are_checked(monkeypatch):
     assert env.c_compiler() is None
     monkeypatch.setenv("KILN_CC", "clang")
     assert env.c_compiler() == "clang"
-    monkeypatch.setenv("KILN_LAUNCH_PARAMS", "buffer")
-    with pytest.raises(KilnValueError, match="KILN_LAUNCH_PARAMS.*pointers or packed"):
-        env.launch_params()
-    monkeypatch.setenv("KILN_LAUNCH_PARAMS", " Packed")
-    assert env.launch_params() == "packed"
 
 
 class _Fresh:

@@ -26,10 +26,6 @@ the variable and what it takes (an empty value counts as unset). Flags accept ``
 ``KILN_LAUNCHER``                 how CUDA kernels launch: ``native`` (default: the C shim,
                                   else ctypes), ``ctypes`` (``cuLaunchKernel`` by ctypes) or
                                   ``mlir`` (the ExecutionEngine host launcher)
-``KILN_LAUNCH_PARAMS``            how the native shim hands a kernel its parameters:
-                                  ``pointers`` (default: one pointer each, ``kernelParams``)
-                                  or ``packed`` (one buffer laid out by
-                                  ``cuFuncGetParamInfo``, ``extra``; not yet measured faster)
 ``KILN_NVPTX_PIPELINE``           how LLVM IR becomes PTX: ``fast`` (default: LLVM's C API,
                                   O3 without the function-level SCCP), ``o3`` (C API,
                                   ``default<O3>``) or ``mlir`` (``gpu-module-to-binary``)
@@ -156,20 +152,6 @@ def launcher() -> str:
         return "native"
     if value not in LAUNCHERS:
         raise _invalid("KILN_LAUNCHER", os.environ["KILN_LAUNCHER"], " or ".join(LAUNCHERS))
-    return value
-
-
-LAUNCH_PARAMS = ("pointers", "packed")
-
-
-def launch_params() -> str:
-    """``KILN_LAUNCH_PARAMS``: one of :data:`LAUNCH_PARAMS` (default ``pointers``)."""
-    value = os.environ.get("KILN_LAUNCH_PARAMS", "").strip().lower()
-    if value == "":
-        return "pointers"
-    if value not in LAUNCH_PARAMS:
-        raise _invalid("KILN_LAUNCH_PARAMS", os.environ["KILN_LAUNCH_PARAMS"],
-                       " or ".join(LAUNCH_PARAMS))
     return value
 
 

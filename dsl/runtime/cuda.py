@@ -244,22 +244,6 @@ class Driver:
             raise
         return module.value, function.value
 
-    def param_layout(self, function: int, count: int) -> tuple | None:
-        """``(offset, size)`` of each of ``function``'s ``count`` parameters in its parameter
-        buffer (``cuFuncGetParamInfo``), or None where this driver has no such call."""
-        info = getattr(self._lib, "cuFuncGetParamInfo", None)
-        if info is None:
-            return None
-        info.argtypes = [ctypes.c_void_p, _c_size, ctypes.POINTER(_c_size),
-                         ctypes.POINTER(_c_size)]
-        layout = []
-        for i in range(count):
-            offset, size = _c_size(), _c_size()
-            if info(function, i, ctypes.byref(offset), ctypes.byref(size)) != _CUDA_SUCCESS:
-                return None
-            layout.append((offset.value, size.value))
-        return tuple(layout)
-
     def set_function_attribute(self, function: int, attribute: int, value: int) -> None:
         """``cuFuncSetAttribute`` (e.g. the dynamic shared memory a launch may ask for)."""
         self._check(self._lib.cuFuncSetAttribute(function, attribute, value),

@@ -33,7 +33,6 @@ import struct
 import weakref
 from typing import Mapping, Sequence
 
-from kiln.core import env
 from kiln.core.errors import LaunchError
 from kiln.runtime import cuda
 from kiln.runtime.cuda import _LaunchAttribute, _LaunchConfig
@@ -49,7 +48,6 @@ MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 PORTABLE_CLUSTER_SIZE = 8
 CUDA_ERROR_INVALID_CONTEXT = 201
-_PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE = 1, 2  # CU_LAUNCH_PARAM_BUFFER_* (cuda.h)
 SYMBOLS = ("cuLaunchKernel", "cuLaunchKernelEx", "cuCtxSetCurrent", "cuCtxPushCurrent_v2",
            "cuCtxPopCurrent_v2")
 
@@ -71,9 +69,7 @@ class _Record(ctypes.Structure):
                 ("pointer_slots", ctypes.c_void_p), ("pointer_count", ctypes.c_uint32),
                 ("grid_slot", ctypes.c_uint32), ("block", ctypes.c_uint32 * 3),
                 ("plain_fallback", ctypes.c_uint32), ("map_memo", ctypes.c_void_p),
-                ("evictions", ctypes.c_void_p), ("memo_evictions", ctypes.c_uint64),
-                ("packed", ctypes.c_void_p), ("param_layout", ctypes.c_void_p),
-                ("extra", ctypes.c_void_p)]
+                ("evictions", ctypes.c_void_p), ("memo_evictions", ctypes.c_uint64)]
 
 
 class DriverFunctions:
@@ -123,24 +119,7 @@ class DriverArguments:
                 ("set_current", "cuCtxSetCurrent"), ("push_current", "cuCtxPushCurrent_v2"),
                 ("pop_current", "cuCtxPopCurrent_v2"))})
         self._slots = None
-        if launcher.shim is not None and launcher.param_layout is not None:
-            self._pack_parameters(launcher.param_layout)
         self.address = ctypes.addressof(self.record) if launcher.shim is not None else self
-
-    def _pack_parameters(self, layout: tuple) -> None:
-        """Have the shim hand the driver one parameter buffer (``CU_LAUNCH_PARAM_BUFFER_*``
-        in ``extra``) laid out as ``layout`` ((offset, size) per parameter)."""
-        total = max((offset + size for offset, size in layout), default=0)
-        self._packed = (ctypes.c_uint8 * max(total, 8))()
-        self._layout = (ctypes.c_uint32 * max(2 * len(layout), 1))(
-            *(value for pair in layout for value in pair))
-        self._packed_size = ctypes.c_size_t(total)
-        self._extra = (ctypes.c_void_p * 5)(_PARAM_BUFFER_POINTER, ctypes.addressof(self._packed),
-                                            _PARAM_BUFFER_SIZE,
-                                            ctypes.addressof(self._packed_size), None)
-        self.record.packed = ctypes.addressof(self._packed)
-        self.record.param_layout = ctypes.addressof(self._layout)
-        self.record.extra = ctypes.addressof(self._extra)
 
     def bind_pointer_slots(self, slots: Sequence[int]) -> None:
         """Where each address of the shim's ``launch_pointers`` goes: a slot ``s >= 0`` takes
@@ -218,7 +197,7 @@ class DriverLauncher(PackedLaunches):
     does). ``shim``: the native module, or None for the ctypes path."""
 
     def __init__(self, signature: KernelSignature, function: int, functions: DriverFunctions,
-                 shim=None, param_layout: tuple | None = None):
+                 shim=None):
         self.signature = signature
         self.function = function
         self.functions = functions
@@ -230,11 +209,6 @@ class DriverLauncher(PackedLaunches):
         self.layout = struct.Struct("<" + "".join(_SLOT_CODES[t] for t in argtypes))
         self.grid_slot = len(argtypes) - 5
         self.stream_slot = len(argtypes) - 1
-        # Packed parameters (the shim's ``extra`` launch): each (offset, size) of the driver's
-        # layout, one a parameter, none wider than its 8-byte word; else one pointer each.
-        self.param_layout = param_layout if param_layout is not None and \
-            len(param_layout) == self.grid_slot and \
-            all(size <= SLOT_BYTES for _, size in param_layout) else None
         self._smem = signature.dynamic_shared_bytes
         # The shim's functions when it is there; otherwise DriverArguments' own, which take
         # the block itself as its "address".
@@ -277,8 +251,7 @@ def load_driver_launcher(signature: KernelSignature, cubin: bytes, driver,
     """A :class:`DriverLauncher` of ``signature.name`` in ``cubin`` on ``driver`` (a
     :class:`~kiln.runtime.cuda.Driver`); the module is unloaded when the launcher is
     collected. ``shim``: the native module (:func:`~kiln.runtime.native.native_module`), or
-    None to launch through ctypes; with ``KILN_LAUNCH_PARAMS=packed`` the shim hands the
-    driver one packed parameter buffer."""
+    None to launch through ctypes."""
     module, function = driver.load_function(bytes(cubin), signature.name)
     try:
         if signature.dynamic_shared_bytes > 0:  # mgpuLaunchKernel sets it on every launch
@@ -289,12 +262,8 @@ def load_driver_launcher(signature: KernelSignature, cubin: bytes, driver,
     except LaunchError:
         driver.unload_module(module)
         raise
-    count = len(flat_c_argtypes(signature)) - 5
-    layout = driver.param_layout(function, count) if shim is not None and \
-        env.launch_params() == "packed" else None
     launcher = DriverLauncher(signature, function,
-                              DriverFunctions(driver.launch_symbols(), driver.context), shim,
-                              layout)
+                              DriverFunctions(driver.launch_symbols(), driver.context), shim)
     weakref.finalize(launcher, _unload, driver, module)
     return launcher
 

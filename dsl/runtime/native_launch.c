@@ -18,13 +18,6 @@ torch_view_fn read_torch_view = NULL;
 
 static int launch_once(launch_record *r)
 {
-    void **params = r->params, **extra = NULL;
-    if (r->packed != NULL) {
-        for (uint32_t i = 0; i < r->grid_slot; i++)
-            memcpy(r->packed + r->param_layout[2 * i], &r->words[i], r->param_layout[2 * i + 1]);
-        params = NULL;
-        extra = r->extra;
-    }
     const uint64_t *w = r->words + r->grid_slot;
     unsigned gx = (unsigned)w[0], gy = (unsigned)w[1], gz = (unsigned)w[2];
     unsigned shared_bytes = (unsigned)(uint32_t)w[3];
@@ -34,12 +27,12 @@ static int launch_once(launch_record *r)
         c->grid_x = gx; c->grid_y = gy; c->grid_z = gz;
         c->shared_bytes = shared_bytes;
         c->stream = stream;
-        int code = r->launch_ex(c, r->function, params, extra);
+        int code = r->launch_ex(c, r->function, r->params, NULL);
         if (code == 0 || !r->plain_fallback)
             return code;
     }
     return r->launch(r->function, gx, gy, gz, r->block[0], r->block[1], r->block[2],
-                     shared_bytes, stream, params, extra);
+                     shared_bytes, stream, r->params, NULL);
 }
 
 /* A thread with no current context gets the module's; one with another context current

@@ -45,12 +45,6 @@ typedef struct {
     uint64_t *map_memo;
     const uint64_t *evictions;
     uint64_t memo_evictions;
-    /* Packed parameters (KILN_LAUNCH_PARAMS=packed), else NULL: each word's low
-     * param_layout[2i + 1] bytes go to packed + param_layout[2i], and the launch hands the
-     * driver the buffer (extra) instead of one pointer a parameter. */
-    uint8_t *packed;
-    const uint32_t *param_layout;
-    void **extra;
 } launch_record;
 
 enum { MEMO_WAYS = 16 };
