@@ -2,11 +2,11 @@
 made in C++, built at first use against the imported torch wheel, cached, checked, loaded.
 
 A library call's host time is mostly torch's: a fresh output through ``torch.empty_like`` costs
-3.9 µs on an H200 host (Python argument parsing, the dispatcher, the caching allocator, the
+2.1-3.9 µs on an H200 host (Python argument parsing, the dispatcher, the caching allocator, the
 wrapper object), a guard reads each tensor's attributes through Python. The bridge does the
-same in C++ on the tensor's own metadata (1.9 µs a fresh tensor, of which 1.4 are the caching
-allocator's and the tensor's and 0.4 the Python wrapper's; a five-tensor guard 0.18 µs instead
-of 1.25, ``bench/host_alloc.py``): :func:`torch_bridge`'s ``empty_maker(template, shape, fallback)`` is a C
+same in C++ on the tensor's own metadata (1.0-1.9 µs a fresh tensor in the same runs, the
+allocator's share about 0.5; a five-tensor guard 0.18 µs instead of 1.25;
+``bench/host_alloc.py``, docs/kernels.md): :func:`torch_bridge`'s ``empty_maker(template, shape, fallback)`` is a C
 callable giving a fresh contiguous tensor of ``shape`` with the template's dtype and device (from
 its storage's allocator: the caching allocator, so streams and CUDA-graph pools behave as for
 ``torch.empty``; with torch's deterministic fill of new memory on it calls ``fallback``);
