@@ -6,10 +6,11 @@ A library call's host time is mostly torch's: a fresh output through ``torch.emp
 wrapper object), a guard reads each tensor's attributes through Python. The bridge does the
 same in C++ on the tensor's own metadata (1.0-1.9 µs a fresh tensor in the same runs, the
 allocator's share about 0.5; a five-tensor guard 0.18 µs instead of 1.25;
-``bench/host_alloc.py``, docs/kernels.md): :func:`torch_bridge`'s ``empty_maker(template, shape, fallback)`` is a C
-callable giving a fresh contiguous tensor of ``shape`` with the template's dtype and device (from
-its storage's allocator: the caching allocator, so streams and CUDA-graph pools behave as for
-``torch.empty``; with torch's deterministic fill of new memory on it calls ``fallback``);
+``bench/host_alloc.py``, docs/kernels.md). :func:`torch_bridge`'s ``empty_maker(template,
+shape, fallback)`` is a C callable giving a fresh contiguous tensor of ``shape`` with the
+template's dtype and device (from its storage's allocator: the caching allocator, so streams
+and CUDA-graph pools behave as for ``torch.empty``; with torch's deterministic fill of new
+memory on it calls ``fallback``);
 ``tensor_guard(tensors)`` is a C check that tensors are laid out as these (type, shape, strides,
 dtype, device, dispatch keys); ``TORCH_VIEW`` is a capsule the launch shim reads tensors with
 (``native_launch.h``).
