@@ -76,13 +76,14 @@ def load_shim(compiler: str | None, root: Path | None = None):
 class Extension:
     """A native module built from ``sources`` by ``command`` (``-o <file>`` is appended);
     ``key_parts``: what else the binary depends on (compiler identity, headers, libraries);
-    ``what``: its name in warnings."""
+    ``what``: its name in warnings; ``timeout_s``: the most its build may take."""
 
     module_name: str
     sources: tuple
     command: list
     key_parts: tuple
     what: str
+    timeout_s: float = BUILD_TIMEOUT_S
 
 
 def load_extension(ext: Extension, root: Path | None = None, build: bool = True):
@@ -176,7 +177,7 @@ def _build(ext: Extension, directory: Path, key: str) -> Path | None:
     os.close(fd)
     try:
         subprocess.run([*ext.command, "-o", scratch], capture_output=True, text=True,
-                       timeout=BUILD_TIMEOUT_S, check=True)
+                       timeout=ext.timeout_s, check=True)
         os.chmod(scratch, 0o600)
         os.replace(scratch, target)
     except (OSError, subprocess.SubprocessError) as err:

@@ -42,6 +42,7 @@ from kiln.runtime.native import Extension, compiler_identity, load_extension, na
 
 SOURCES = (Path(__file__).with_name("native_torch.cpp"),)
 MODULE_NAME = "_kiln_torch"
+BUILD_TIMEOUT_S = 300  # C++ against ATen's headers: 4 s on an idle H200 host, minutes on a busy one
 
 
 def torch_bridge(build: bool = True):
@@ -104,5 +105,6 @@ def load_bridge(compiler: str | None, root: Path | None = None, build: bool = Tr
                f"-Wl,-rpath,{lib}"]
     key_parts = (identity, python_include, str(torch.__version__), str(include), str(lib),
                  str(abi))
-    return load_extension(Extension(MODULE_NAME, SOURCES, command, key_parts, "torch bridge"),
-                          root, build)
+    extension = Extension(MODULE_NAME, SOURCES, command, key_parts, "torch bridge",
+                          BUILD_TIMEOUT_S)
+    return load_extension(extension, root, build)
