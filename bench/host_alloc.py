@@ -20,8 +20,8 @@ bench times, in one process:
   host µs per call, eager back-to-back µs, CUDA-graph replay µs; the outputs of every
   configuration equal those of the first.
 
-Usage: ``python bench/host_alloc.py [--json out.json]``. Prints JSON lines as it goes and a
-table last.
+Usage: ``python bench/host_alloc.py [--json out.json] [--only entry,launch,guard,alloc]``.
+Prints one JSON line per measurement as it goes (a run cut short keeps what it printed).
 """
 
 from __future__ import annotations
