@@ -358,6 +358,10 @@ def test_the_launcher_and_compiler_variables_are_checked(monkeypatch):
     assert env.c_compiler() is None
     monkeypatch.setenv("KILN_CC", "clang")
     assert env.c_compiler() == "clang"
+    monkeypatch.setenv("KILN_CXX", " NONE ")
+    assert env.cxx_compiler() is None
+    monkeypatch.delenv("KILN_CXX")
+    assert env.cxx_compiler() == "c++"
 
 
 class _Fresh:
