@@ -32,6 +32,7 @@ from kiln.kernel import default_target
 from kiln.runtime.cuda import driver
 from kiln.runtime.launch import bind_launch, launch_with_outputs
 from kiln.runtime.native import native_module
+from kiln.runtime.native_torch import torch_bridge
 
 from .plan_guard import make_guard, torch_tensor_check  # noqa: F401  (runtime's API)
 from .workspaces import TorchOutputs  # noqa: F401  (kiln.kernels.runtime.TorchOutputs)
@@ -430,12 +431,20 @@ def _never(values) -> bool:
 
 def guard_of(values: tuple):
     """:func:`~kiln.kernels.plan_guard.make_guard` of ``values``, checked in one C call by the
-    native launch shim where it was built (its torch tensors by :func:`torch_tensor_check`'s
-    checker), else by generated Python."""
+    native launch shim where it was built (its torch tensors by the torch bridge's
+    ``tensor_guard`` where that was built, else by :func:`torch_tensor_check`'s checker), else
+    by generated Python."""
     shim = native_module()
     if shim is None:
         return make_guard(values)
-    return make_guard(values, shim.guard_values, torch_tensor_check)
+    return make_guard(values, shim.guard_values, _tensor_check)
+
+
+def _tensor_check(tensors: tuple):
+    """The torch bridge's C check of tensors laid out as ``tensors``, else torch's own."""
+    bridge = torch_bridge()
+    check = None if bridge is None else bridge.tensor_guard(tensors)
+    return check if check is not None else torch_tensor_check(tensors)
 
 
 def key_of(values: tuple) -> tuple:

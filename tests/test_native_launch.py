@@ -210,7 +210,7 @@ def test_a_damaged_or_foreign_shim_is_never_loaded_but_rebuilt(tmp_path, monkeyp
             pytest.skip("changing a file's owner needs root")
         os.chown(library, 12345, -1)
     loads = []
-    monkeypatch.setattr(native, "_load", lambda data, directory: loads.append(data) or "shim")
+    monkeypatch.setattr(native, "_load", lambda ext, data, directory: loads.append(data) or "shim")
     builds = _builds(monkeypatch)
     monkeypatch.setattr(native, "warn_once", lambda reason, message: warnings.warn(
         message, CacheWarning))
@@ -358,6 +358,10 @@ def test_the_launcher_and_compiler_variables_are_checked(monkeypatch):
     assert env.c_compiler() is None
     monkeypatch.setenv("KILN_CC", "clang")
     assert env.c_compiler() == "clang"
+    monkeypatch.setenv("KILN_CXX", " NONE ")
+    assert env.cxx_compiler() is None
+    monkeypatch.delenv("KILN_CXX")
+    assert env.cxx_compiler() == "c++"
 
 
 class _Fresh:

@@ -31,6 +31,8 @@ the variable and what it takes (an empty value counts as unset). Flags accept ``
                                   ``default<O3>``) or ``mlir`` (``gpu-module-to-binary``)
 ``KILN_CC``                       C compiler for the native launch shim (default ``cc``);
                                   ``none``: never build it (the ctypes launcher)
+``KILN_CXX``                      C++ compiler for the torch bridge (default ``c++``);
+                                  ``none``: never build it (torch's Python paths)
 ``KILN_FUZZ_EXAMPLES=N``          kernels ``tests/test_fuzz.py`` generates (long fuzzing runs)
 ================================  ======================================================
 """
@@ -173,3 +175,11 @@ def c_compiler() -> str | None:
     if value.lower() == "none":
         return None
     return value or "cc"
+
+
+def cxx_compiler() -> str | None:
+    """``KILN_CXX`` (default ``c++``); None when set to ``none``."""
+    value = os.environ.get("KILN_CXX", "").strip()
+    if value.lower() == "none":
+        return None
+    return value or "c++"

@@ -44,12 +44,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from kiln.arrays import is_torch_tensor
 from kiln.launch_args import normalize_grid
 from kiln.launch_key import launch_guard, launch_key_part
 from kiln.runtime.driver_launch import DriverLauncher
 from kiln.runtime.host import HostLauncher
 from kiln.runtime.launch import (_PLAN_ATTRIBUTE, _convert_tensor, _device_view,
                                   _scalar_converter, _stream_source, stream_handle)
+from kiln.runtime.native_torch import torch_bridge
 from kiln.signature import ScalarParam, TensorMapParam, TensorParam
 
 # Scalars of these dtypes given as a Python int (float) go straight into struct, whose range
@@ -160,19 +162,24 @@ def _native_guarded(ck, plan, values: list, kwargs: dict, meta: dict, namespace:
 
     Its spec: ``(keywords, ((name, type), ...), arguments, meta, current_stream,
     stream_handle)``, one argument spec per parameter: ``(0, type, dtype, rank, is_cuda,
-    contiguous_last, slot)`` for a torch tensor (its launch key part), ``(kind, type, bits,
-    slot)`` for a scalar (kind 1: an int of ``bits``; 2: f32; 3: f64)."""
+    contiguous_last, slot[, scalar_type])`` for a torch tensor (its launch key part; with the
+    torch bridge loaded or cached, :mod:`kiln.runtime.native_torch`, its dtype's code there, so
+    the shim reads the tensor's C++ metadata instead of its Python attributes), ``(kind, type,
+    bits, slot)`` for a scalar (kind 1: an int of ``bits``; 2: f32; 3: f64)."""
     launcher = plan.launcher
     shim = getattr(launcher, "shim", None)
     if shim is None or not hasattr(shim, "launch_guarded") or ck.signature.cluster or \
             plan.after_launch is not None:
         return None
     specs, slot = [], 0
+    bridge = torch_bridge(build=False) if any(is_torch_tensor(v) for v in values) else None
     for param, value in zip(ck.signature.params, values):
         kind = type(value)
         if isinstance(param, TensorParam):
             part = launch_key_part(value, False)
-            specs.append((0, kind, *part[1:], slot))
+            # The bridge's dtype code: the shim reads such a tensor's C++ metadata.
+            code = () if bridge is None else (bridge.scalar_type(value),)
+            specs.append((0, kind, *part[1:], slot, *code))
             slot += 3 + 2 * part[2]
         elif isinstance(param, ScalarParam) and kind is int and param.dtype in _INT_BITS:
             specs.append((1, kind, _INT_BITS[param.dtype], slot))

@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.machinery
@@ -65,28 +66,58 @@ def load_shim(compiler: str | None, root: Path | None = None):
     include = sysconfig.get_paths()["include"]
     if identity is None or not (Path(include) / "Python.h").exists():
         return None
-    source = b"".join(b"%d:%s" % (len(data), data) for data in (p.read_bytes() for p in SOURCES))
-    key = shim_key(source, identity, include)
+    command = [compiler, "-O2", "-shared", "-fPIC", "-std=c11", f"-I{include}",
+               *(str(path) for path in SOURCES if path.suffix == ".c")]
+    return load_extension(Extension(MODULE_NAME, SOURCES, command, (identity, include),
+                                    "native launch shim"), root)
+
+
+@dataclasses.dataclass(frozen=True)
+class Extension:
+    """A native module built from ``sources`` by ``command`` (``-o <file>`` is appended);
+    ``key_parts``: what else the binary depends on (compiler identity, headers, libraries);
+    ``what``: its name in warnings; ``timeout_s``: the most its build may take."""
+
+    module_name: str
+    sources: tuple
+    command: list
+    key_parts: tuple
+    what: str
+    timeout_s: float = BUILD_TIMEOUT_S
+
+
+def load_extension(ext: Extension, root: Path | None = None, build: bool = True):
+    """``ext``'s module: loaded from the cache under ``root`` (default: the compile cache's
+    ``native/`` directory, when usable) when its record checks out, else built (and
+    recorded); None when it cannot be built or loaded (one warning), or with ``build=False``
+    when it is not in the cache."""
+    source = b"".join(b"%d:%s" % (len(data), data) for data in (p.read_bytes() for p in
+                                                                 ext.sources))
+    key = shim_key(source, *ext.key_parts)
     if root is None:
         base = usable_root()
         root = None if base is None else base / "native"
     if root is None:
+        if not build:
+            return None
         with tempfile.TemporaryDirectory(prefix="kiln-native-") as private:
-            built = _build(compiler, Path(private), key)
-            return None if built is None else _load(built.read_bytes(), Path(private))
+            built = _build(ext, Path(private), key)
+            return None if built is None else _load(ext, built.read_bytes(), Path(private))
     make_private_dirs(root)
-    data = _cached(root, key)
+    data = _cached(ext, root, key)
     if data is None:
-        built = _build(compiler, root, key)
+        if not build:
+            return None
+        built = _build(ext, root, key)
         if built is None:
             return None
         data = built.read_bytes()
         try:
             write_atomic(root / f"{key}.json", json.dumps(_record(key, data)).encode())
         except OSError as err:
-            warn_once(("native-record", str(root)), f"kiln: cannot record the native launch "
-                      f"shim in {root} ({err}); it is rebuilt next time")
-    return _load(data, root)
+            warn_once(("native-record", str(root)), f"kiln: cannot record the {ext.what} "
+                      f"in {root} ({err}); it is rebuilt next time")
+    return _load(ext, data, root)
 
 
 def compiler_identity(compiler: str) -> str | None:
@@ -102,11 +133,13 @@ def compiler_identity(compiler: str) -> str | None:
     return f"{os.path.realpath(path)}\n{version}"
 
 
-def shim_key(source: bytes, identity: str, include: str) -> str:
-    """SHA-256 of the shim's source, the compiler and the Python build it is made for."""
+def shim_key(source: bytes, identity: str, include: str, *extra: str) -> str:
+    """SHA-256 of the shim's source, the compiler and the Python build it is made for (and
+    ``extra``: what else the binary depends on)."""
     digest = hashlib.sha256()
     for part in (source, identity.encode(), sys.version.encode(),
-                 str(sysconfig.get_config_var("EXT_SUFFIX")).encode(), include.encode()):
+                 str(sysconfig.get_config_var("EXT_SUFFIX")).encode(), include.encode(),
+                 *(part.encode() for part in extra)):
         digest.update(f"{len(part)}:".encode())
         digest.update(part)
     return digest.hexdigest()
@@ -117,7 +150,7 @@ def _record(key: str, data: bytes) -> dict:
             "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def _cached(root: Path, key: str) -> bytes | None:
+def _cached(ext: Extension, root: Path, key: str) -> bytes | None:
     """The cached library of ``key`` if its record and bytes check out, else None."""
     try:
         record = json.loads(read_owned(root / f"{key}.json"))
@@ -126,53 +159,51 @@ def _cached(root: Path, key: str) -> bytes | None:
         return None
     except (UntrustedFile, OSError, ValueError) as err:
         warn_once(("native-untrusted", str(root)),
-                  f"kiln: not loading the cached native launch shim in {root} ({err}); "
+                  f"kiln: not loading the cached {ext.what} in {root} ({err}); "
                   "rebuilding it")
         return None
     if record != _record(key, data):
         warn_once(("native-corrupt", str(root)),
-                  f"kiln: the cached native launch shim {root / key}.so does not match its "
+                  f"kiln: the cached {ext.what} {root / key}.so does not match its "
                   "record (corrupt or foreign); rebuilding it")
         return None
     return data
 
 
-def _build(compiler: str, directory: Path, key: str) -> Path | None:
-    """Compile the shim to ``directory/<key>.so`` (replacing any file there), or None."""
+def _build(ext: Extension, directory: Path, key: str) -> Path | None:
+    """Compile ``ext`` to ``directory/<key>.so`` (replacing any file there), or None."""
     target = directory / f"{key}.so"
     fd, scratch = tempfile.mkstemp(dir=directory, prefix=f".{key[:16]}.", suffix=".so")
     os.close(fd)
-    command = [compiler, "-O2", "-shared", "-fPIC", "-std=c11",
-               f"-I{sysconfig.get_paths()['include']}",
-               *(str(path) for path in SOURCES if path.suffix == ".c"), "-o", scratch]
     try:
-        subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
-                       check=True)
+        subprocess.run([*ext.command, "-o", scratch], capture_output=True, text=True,
+                       timeout=ext.timeout_s, check=True)
         os.chmod(scratch, 0o600)
         os.replace(scratch, target)
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err
-        warn_once(("native-build", compiler), f"kiln: could not build the native launch shim "
-                  f"with {compiler} ({str(detail).strip()[:300]}); launching through ctypes")
+        warn_once(("native-build", ext.what, ext.command[0]),
+                  f"kiln: could not build the {ext.what} with {ext.command[0]} "
+                  f"({str(detail).strip()[:300]}); using the slower path without it")
         _unlink(scratch)
         return None
     return target
 
 
-def _load(data: bytes, directory: Path):
+def _load(ext: Extension, data: bytes, directory: Path):
     """Load checked library bytes from a fresh private copy (removed once loaded)."""
     fd, private = tempfile.mkstemp(dir=directory, prefix=".load.", suffix=".so")
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-        loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, private)
-        spec = importlib.util.spec_from_file_location(MODULE_NAME, private, loader=loader)
+        loader = importlib.machinery.ExtensionFileLoader(ext.module_name, private)
+        spec = importlib.util.spec_from_file_location(ext.module_name, private, loader=loader)
         module = importlib.util.module_from_spec(spec)
         loader.exec_module(module)
         return module
     except ImportError as err:
-        warn_once(("native-load", str(directory)), f"kiln: could not load the native launch "
-                  f"shim ({err}); launching through ctypes")
+        warn_once(("native-load", ext.what, str(directory)), f"kiln: could not load the "
+                  f"{ext.what} ({err}); using the slower path without it")
         return None
     finally:
         _unlink(private)

@@ -42,9 +42,26 @@ static int put_ints(PyObject *tuple, uint64_t *words)
     return 1;
 }
 
-/* spec: (ARG_TENSOR, type, dtype, rank, is_cuda, contiguous_last, slot). Writes the memref
- * fields (pointer twice, offset 0, sizes, strides) from slot on: 1 written, 0 no match,
- * -1 error. */
+/* The memref fields of a tensor read through the torch bridge, as put_tensor writes them:
+ * 1 written, 0 no match. */
+static int put_view(const torch_view *v, long scalar_type, Py_ssize_t rank, int want_cuda,
+                    int want_last, uint64_t *w)
+{
+    if (v->scalar_type != scalar_type || v->ndim != rank || (v->device_type == 1) != want_cuda)
+        return 0;
+    if (rank > 0 && (v->strides[rank - 1] == 1 || v->sizes[rank - 1] <= 1) != want_last)
+        return 0;
+    w[0] = w[1] = v->data;
+    w[2] = 0;
+    memcpy(w + 3, v->sizes, sizeof(uint64_t) * rank);
+    memcpy(w + 3 + rank, v->strides, sizeof(uint64_t) * rank);
+    return 1;
+}
+
+/* spec: (ARG_TENSOR, type, dtype, rank, is_cuda, contiguous_last, slot[, scalar_type]). Writes
+ * the memref fields (pointer twice, offset 0, sizes, strides) from slot on: 1 written, 0 no
+ * match, -1 error. With the torch bridge loaded and the spec's scalar type (the bridge's
+ * code of the dtype, -1 for none), a plain torch tensor is read from its C++ metadata. */
 static int put_tensor(PyObject *a, PyObject *spec, uint64_t *words)
 {
     if ((PyObject *)Py_TYPE(a) != PyTuple_GET_ITEM(spec, 1))
@@ -53,6 +70,12 @@ static int put_tensor(PyObject *a, PyObject *spec, uint64_t *words)
     int want_cuda = PyTuple_GET_ITEM(spec, 4) == Py_True;
     int want_last = PyTuple_GET_ITEM(spec, 5) == Py_True;
     uint64_t *w = words + PyLong_AsSsize_t(PyTuple_GET_ITEM(spec, 6));
+    torch_view view;
+    if (read_torch_view != NULL && PyTuple_GET_SIZE(spec) > 7 && read_torch_view(a, &view)) {
+        long scalar_type = PyLong_AsLong(PyTuple_GET_ITEM(spec, 7));
+        if (scalar_type >= 0)
+            return put_view(&view, scalar_type, rank, want_cuda, want_last, w);
+    }
     int result = 0;
     PyObject *dtype = NULL, *shape = NULL, *cuda = NULL, *strides = NULL, *ptr = NULL;
     dtype = PyObject_GetAttr(a, s_dtype);

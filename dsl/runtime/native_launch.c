@@ -14,6 +14,7 @@ enum { MAX_POINTERS = 128 };  /* addresses of one bound launch */
 
 static PyObject *error_handler = NULL;
 static PyObject *s_data_ptr = NULL;
+torch_view_fn read_torch_view = NULL;
 
 static int launch_once(launch_record *r)
 {
@@ -226,11 +227,16 @@ static PyObject *make_outputs(PyObject *outputs, PyObject *stream)
     return made;
 }
 
-/* An item's address: an int as it is, else item.data_ptr(). 0 done, -1 error. */
+/* An item's address: an int as it is, a torch tensor's through the torch bridge, else
+ * item.data_ptr(). 0 done, -1 error. */
 static int address_of(PyObject *item, uint64_t *value)
 {
+    torch_view view;
     if (PyLong_CheckExact(item)) {
         *value = PyLong_AsUnsignedLongLong(item);
+    } else if (read_torch_view != NULL && read_torch_view(item, &view)) {
+        *value = view.data;
+        return 0;
     } else {
         PyObject *pointer = PyObject_CallMethodNoArgs(item, s_data_ptr);
         if (pointer == NULL)
@@ -344,6 +350,21 @@ static PyObject *memo_store(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* set_torch_view(capsule): the torch bridge's tensor reader (kiln.runtime.native_torch);
+ * None: read tensors through their Python attributes again. */
+static PyObject *set_torch_view(PyObject *self, PyObject *capsule)
+{
+    if (capsule == Py_None) {
+        read_torch_view = NULL;
+        Py_RETURN_NONE;
+    }
+    void *reader = PyCapsule_GetPointer(capsule, "kiln.torch_view");
+    if (reader == NULL)
+        return NULL;
+    read_torch_view = (torch_view_fn)reader;
+    Py_RETURN_NONE;
+}
+
 /* set_error_handler(callable): called with the CUresult of a failed launch; it raises. */
 static PyObject *set_error_handler(PyObject *self, PyObject *handler)
 {
@@ -372,6 +393,8 @@ static PyMethodDef methods[] = {
      "matches the spec (True), else False."},
     {"guard_values", (PyCFunction)(void (*)(void))guard_values, METH_FASTCALL,
      "guard_values(spec, [checker,] values): whether values match a plan guard's spec."},
+    {"set_torch_view", set_torch_view, METH_O,
+     "set_torch_view(capsule or None): read torch tensors through the torch bridge or not."},
     {"set_error_handler", set_error_handler, METH_O,
      "set_error_handler(callable): what a failed launch calls with its CUresult."},
     {NULL, NULL, 0, NULL},
@@ -391,6 +414,7 @@ PyMODINIT_FUNC PyInit__kiln_launch(void)
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddIntConstant(m, "RECORD_BYTES", sizeof(launch_record)) < 0 ||
                       PyModule_AddIntConstant(m, "MEMO_WAYS", MEMO_WAYS) < 0 ||
+                      PyModule_AddIntConstant(m, "TORCH_VIEW_BYTES", sizeof(torch_view)) < 0 ||
                       PyModule_AddIntConstant(m, "GUARD_VALUE", GUARD_VALUE) < 0 ||
                       PyModule_AddIntConstant(m, "GUARD_TENSOR", GUARD_TENSOR) < 0 ||
                       PyModule_AddIntConstant(m, "GUARD_CHECKED", GUARD_CHECKED) < 0)) {

@@ -61,6 +61,21 @@ static inline uint64_t *memo_entry(launch_record *r, Py_ssize_t position, uint64
 
 enum { GUARD_VALUE = 0, GUARD_TENSOR = 1, GUARD_CHECKED = 2 };  /* guard_values' entry kinds */
 
+/* A torch tensor's metadata as the torch bridge (native_torch.cpp, its View) reads it. */
+typedef struct {
+    uint64_t data;
+    const int64_t *sizes;
+    const int64_t *strides;
+    int64_t ndim;
+    int32_t scalar_type;  /* c10::ScalarType */
+    int32_t device_type;  /* c10::DeviceType: 1 is CUDA */
+} torch_view;
+
+/* The bridge's reader (set_torch_view): 1 with the view of a plain strided torch tensor, 0 for
+ * anything else; NULL until the bridge is loaded. */
+typedef int (*torch_view_fn)(PyObject *object, torch_view *view);
+KILN_INTERNAL extern torch_view_fn read_torch_view;
+
 KILN_INTERNAL launch_record *record_of(PyObject *address);
 KILN_INTERNAL int launch_in_context(launch_record *r);
 KILN_INTERNAL PyObject *finish(int code);
