@@ -1,23 +1,19 @@
 """Long-row A/B of the softmax and layer-norm tutorials at 4k-32k float32 columns, one run:
-the tutorials as shipped (``config``; rows of 16k+ columns streamed through shared memory over
-a persistent grid), that stream at 8k columns (``stream``), register-row
-variants over a persistent grid (bench/rows_variants.py: ``rows tT rR xK``: T threads, R rows
-a step, K blocks per SM; layer norm ``wbS``: S 4096-column tiles of ``w``/``b`` held in shared
-memory), rows split over a thread-block cluster (``split tT sS xK``: S CTAs a row reduced
-through distributed shared memory, K blocks per SM or 0: a cluster a row; layer norm ``eE``:
-w/b loaded early; ``wbs``: w/b slices kept in shared memory; ``1pass``: shifted one-pass
-statistics, one reduction), Triton's tutorial designs
+the tutorials as shipped (``config``), the tutorials' streamed kernel with other thread counts
+or blocks per SM (``stream tT xK``: T threads, K blocks per SM), the register-prefetch
+variants of bench/rows_variants.py (``prefetch tT xK sS``: a persistent grid of K blocks per
+SM, S CTAs a row; layer norm ``wbs``: ``w``/``b`` in shared memory), the streamed layer norm
+with ``w``/``b`` loaded ``A`` tiles ahead (``stream_wb tT aA``), Triton's tutorial designs
 (bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's device copy, both of
 a 1 GiB buffer and of the benchmark's own matrix (same bytes: the launch and ramp costs a
 kernel of this size pays too).
 
-Matrices have ``2^24`` elements (as ``tutorials.py --quick``); ``--big`` adds the shipped
-tutorials and Triton on ``2^26``-element matrices. Every kernel is first checked against torch
-in float64 (a wrong result is reported and left out). GB/s counts the matrix read once and
-written once; times are ``timing.queued_ms`` medians.
+Matrices have ``2^24`` elements (as ``tutorials.py --quick``). Every kernel is first checked
+against torch in float64 (a wrong result is reported and left out; that first call compiles
+it, outside the timing). GB/s counts the matrix read once and written once; times are
+``timing.queued_ms`` medians.
 
-Usage (on an H100/H200): ``python bench/tutorials_rows.py [--cols 32768,4096] [--big]
-[--json out]``.
+Usage (on an H100/H200): ``python bench/tutorials_rows.py [--cols 16384,32768] [--json out]``.
 """
 
 from __future__ import annotations
@@ -34,30 +30,22 @@ from timing import queued_ms, time_ms  # noqa: E402
 from tutorials import fused_softmax, layernorm  # noqa: E402
 import rows_variants  # noqa: E402
 
-# (threads, rows a step, blocks per SM) of the register-row softmax, per column count
-SOFTMAX_ROWS = {4096: [(256, 1, 8)], 8192: [(512, 1, 3)]}
-# (threads, w/b tiles in shared memory, blocks per SM) of the register-row layer norm
-LAYERNORM_ROWS = {4096: [(256, 1, 4)]}
-# (threads, CTAs a row (cluster size), blocks per SM; 0: a cluster a row, no loop) of the
-# cluster-split softmax
-SOFTMAX_SPLIT = {8192: [(256, 2, 0)], 16384: [(512, 2, 0), (256, 4, 0), (256, 4, 6)],
-                 32768: [(512, 4, 0), (256, 8, 0), (256, 4, 0)]}
-# (threads, CTAs a row, w/b before the reductions, blocks per SM, w/b slices in shared memory,
-# one-pass statistics) of the cluster-split layer norm
-LAYERNORM_SPLIT = {4096: [(256, 1, 1, 0, 0, 0), (256, 1, 1, 0, 0, 1)],
-                   8192: [(256, 2, 1, 0, 0, 0), (256, 2, 1, 0, 0, 1)],
-                   16384: [(256, 4, 1, 0, 0, 0), (512, 2, 0, 0, 0, 0), (512, 2, 0, 2, 1, 0),
-                           (256, 4, 1, 0, 0, 1)],
-                   32768: [(256, 8, 1, 0, 0, 0), (512, 4, 0, 0, 0, 0), (512, 4, 0, 2, 1, 0),
-                           (256, 8, 1, 0, 0, 1), (256, 8, 0, 0, 0, 0)]}
+# (threads, blocks per SM) of the tutorials' streamed kernels, per column count
+STREAM = {"softmax": {16384: [(512, 2)], 32768: [(1024, 1)]}}
+# (threads, blocks per SM, CTAs a row) of the register-prefetch softmax
+SOFTMAX_PREFETCH = {4096: [(512, 3)], 8192: [(512, 2)], 16384: [(1024, 1)],
+                    32768: [(512, 1, 2)]}
+# (threads, blocks per SM, CTAs a row) of the register-prefetch layer norm (w/b in shared)
+LAYERNORM_PREFETCH = {4096: [(512, 2)], 8192: [(512, 2), (1024, 1)], 16384: [(1024, 1)],
+                      32768: [(512, 1, 2)]}
+# (threads, tiles ahead) of the streamed layer norm with w/b loaded ahead
+LAYERNORM_STREAM_WB = {32768: [(512, 1)], 16384: [(512, 1)]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cols", default="32768,16384,8192,4096")
+    parser.add_argument("--cols", default="16384,32768,8192,4096")
     parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--big", action="store_true", help="also 2^26-element matrices")
-    parser.add_argument("--no-split", action="store_true", help="leave the cluster-split out")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     import torch
@@ -92,14 +80,12 @@ def main() -> None:
                          "gbs": gbs, "of_copy": gbs / copy_gbs, "of_copy_same": gbs / same_gbs})
         peer = results.get("triton", float("nan"))
         for name, gbs in results.items():
-            print(f"{op:9s} {m}x{n} {name:18s} {gbs:6.0f} GB/s  {gbs / copy_gbs:.2f} of copy  "
+            print(f"{op:9s} {m}x{n} {name:22s} {gbs:6.0f} GB/s  {gbs / copy_gbs:.2f} of copy  "
                   f"{gbs / same_gbs:.2f} of same-size copy  {gbs / peer:.2f} of triton",
                   flush=True)
 
-    sizes = [(n, 24) for n in map(int, args.cols.split(","))]
-    sizes += [(n, 26) for n in map(int, args.cols.split(","))] if args.big else []
-    for n, log2 in sizes:
-        m = (1 << log2) // n
+    for n in map(int, args.cols.split(",")):
+        m = (1 << 24) // n
         x = torch.randn(m, n, device="cuda", generator=gen)
         y = torch.full_like(x, float("nan"))
         same_gbs = 8 * m * n / queued_ms(lambda: y.copy_(x), args.repeat) / 1e6
@@ -108,24 +94,21 @@ def main() -> None:
         rows.append({"op": "copy", "shape": [m, n], "variant": "torch", "gbs": same_gbs,
                      "of_copy": same_gbs / copy_gbs})
         block = max(512, 1 << (n - 1).bit_length())
-        splits = log2 == 24 and not args.no_split
         chunk = min(block, 4096)
+
+        def grid_of(per_sm, split=1):
+            return min(m, sms * per_sm // split) * split
+
         variants = {"config": lambda: fused_softmax.softmax(x, y)}
-        # the tutorial's streamed design one step below the rows where it streams (``config``)
-        stream = log2 == 24 and block == fused_softmax.STREAM_FROM // 2
-        if stream:
-            variants["stream t512 x1"] = lambda g=min(m, sms): fused_softmax.softmax_kernel[(g,)](
-                x, y, m, n, g, BLOCK=block, THREADS=512, ALIGN=16, STREAM=True)
-        for t, r, per_sm in SOFTMAX_ROWS.get(n, []) if log2 == 24 else []:
-            grid = min(-(-m // r), sms * per_sm)
-            variants[f"rows t{t} r{r} x{per_sm}"] = (
-                lambda g=grid, t=t, r=r: rows_variants.softmax_rows[(g,)](
-                    x, y, m, n, g, BLOCK=block, THREADS=t, ROWS=r, ALIGN=16))
-        for t, split, per_sm in SOFTMAX_SPLIT.get(n, []) if splits else []:
-            grid = min(m, sms * per_sm // split) * split if per_sm else m * split
-            variants[f"split t{t} s{split} x{per_sm}"] = (
-                lambda g=grid, t=t, s=split: rows_variants.softmax_split[(g,)](
-                    x, y, m, n, g, BLOCK=block, THREADS=t, SPLIT=s, ALIGN=16))
+        for t, per_sm in STREAM["softmax"].get(n, []):
+            variants[f"stream t{t} x{per_sm}"] = lambda g=grid_of(per_sm), t=t: \
+                fused_softmax.softmax_kernel[(g,)](x, y, m, n, g, BLOCK=block, THREADS=t,
+                                                   ALIGN=16, STREAM=True)
+        for t, per_sm, *split in SOFTMAX_PREFETCH.get(n, []):
+            s = split[0] if split else 1
+            variants[f"prefetch t{t} x{per_sm} s{s}"] = lambda g=grid_of(per_sm, s), t=t, s=s: \
+                rows_variants.softmax_prefetch[(g,)](x, y, m, n, g, BLOCK=block, THREADS=t,
+                                                     ALIGN=16, SPLIT=s)
         t_grid = (min(m, sms * 4),)
         variants["triton"] = lambda: t_softmax[t_grid](y, x, x.stride(0), y.stride(0), m, n,
                                                        BLOCK=block,
@@ -136,24 +119,17 @@ def main() -> None:
         b = torch.randn(n, device="cuda", generator=gen)
         mean, rstd = torch.empty(m, device="cuda"), torch.empty(m, device="cuda")
         variants = {"config": lambda: layernorm.layernorm(x, w, b, y, mean, rstd)}
-        if stream:
-            variants["stream t512 x1"] = lambda g=min(m, sms): layernorm.layernorm_kernel[(g,)](
-                x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk, THREADS=512,
-                ALIGN=16, STREAM=True)
-        for t, wbs, per_sm in LAYERNORM_ROWS.get(n, []) if log2 == 24 else []:
-            grid = min(m, sms * per_sm)
-            variants[f"rows t{t} wb{wbs} x{per_sm}"] = (
-                lambda g=grid, t=t, wbs=wbs: rows_variants.layernorm_rows[(g,)](
+        for t, per_sm, *split in LAYERNORM_PREFETCH.get(n, []):
+            s = split[0] if split else 1
+            variants[f"prefetch t{t} x{per_sm} s{s} wbs"] = (
+                lambda g=grid_of(per_sm, s), t=t, s=s: rows_variants.layernorm_prefetch[(g,)](
+                    x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block,
+                    CHUNK=min(block // s, 4096), THREADS=t, ALIGN=16, WBS=1, SPLIT=s))
+        for t, ahead in LAYERNORM_STREAM_WB.get(n, []):
+            variants[f"stream_wb t{t} a{ahead}"] = (
+                lambda g=grid_of(1), t=t, a=ahead: rows_variants.layernorm_stream_wb[(g,)](
                     x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk,
-                    THREADS=t, WBS=wbs, ALIGN=16))
-        for t, split, early, per_sm, wbs, one in LAYERNORM_SPLIT.get(n, []) if splits else []:
-            grid = min(m, sms * per_sm // split) * split if per_sm else m * split
-            name = f"split t{t} s{split} e{early} x{per_sm}{' wbs' * wbs}{' 1pass' * one}"
-            variants[name] = (
-                lambda g=grid, t=t, s=split, e=early, wbs=wbs, one=one:
-                rows_variants.layernorm_split[(g,)](
-                    x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, THREADS=t, SPLIT=s,
-                    WB_EARLY=e, ALIGN=16, WBS=wbs, ONEPASS=one))
+                    THREADS=t, ALIGN=16, AHEAD=a))
         ln_block = min(65536 // 4, block)
         variants["triton"] = lambda: t_layernorm[(m,)](
             x, y, w, b, mean, rstd, x.stride(0), n, 1e-5, BLOCK=ln_block,
