@@ -1,7 +1,6 @@
 """Long-row A/B of the softmax and layer-norm tutorials at 4k-32k float32 columns, one run:
-the tutorials as shipped (``config``), the tutorials' streamed kernel with other thread counts
-or blocks per SM (``stream tT xK``: T threads, K blocks per SM), the register-prefetch
-variants of bench/rows_variants.py (``prefetch tT xK sS``: a persistent grid of K blocks per
+the tutorials as shipped (``config``), the register-prefetch variants of
+bench/rows_variants.py (``prefetch tT xK sS``: T threads, a persistent grid of K blocks per
 SM, S CTAs a row; layer norm ``wbs``: ``w``/``b`` in shared memory), the streamed layer norm
 with ``w``/``b`` loaded ``A`` tiles ahead (``stream_wb tT aA``), Triton's tutorial designs
 (bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's device copy, both of
@@ -13,7 +12,8 @@ against torch in float64 (a wrong result is reported and left out; that first ca
 it, outside the timing). GB/s counts the matrix read once and written once; times are
 ``timing.queued_ms`` medians.
 
-Usage (on an H100/H200): ``python bench/tutorials_rows.py [--cols 16384,32768] [--json out]``.
+Usage (on an H100/H200): ``python bench/tutorials_rows.py [--cols 16384,32768] [--only
+config,...] [--no-triton] [--label base-] [--json out]``.
 """
 
 from __future__ import annotations
@@ -30,14 +30,12 @@ from timing import queued_ms, time_ms  # noqa: E402
 from tutorials import fused_softmax, layernorm  # noqa: E402
 import rows_variants  # noqa: E402
 
-# (threads, blocks per SM) of the tutorials' streamed kernels, per column count
-STREAM = {"softmax": {16384: [(512, 2)], 32768: [(1024, 1)]}}
 # (threads, blocks per SM, CTAs a row) of the register-prefetch softmax
 SOFTMAX_PREFETCH = {4096: [(512, 3)], 8192: [(512, 2)], 16384: [(1024, 1)],
-                    32768: [(512, 1, 2)]}
+                    32768: [(512, 1, 2), (512, 2, 4)]}
 # (threads, blocks per SM, CTAs a row) of the register-prefetch layer norm (w/b in shared)
 LAYERNORM_PREFETCH = {4096: [(512, 2)], 8192: [(512, 2), (1024, 1)], 16384: [(1024, 1)],
-                      32768: [(512, 1, 2)]}
+                      32768: [(512, 1, 2), (512, 1, 4)]}
 # (threads, tiles ahead) of the streamed layer norm with w/b loaded ahead
 LAYERNORM_STREAM_WB = {32768: [(512, 1)], 16384: [(512, 1)]}
 
@@ -46,8 +44,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cols", default="16384,32768,8192,4096")
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--only", help="comma-separated variant names to run (and triton)")
+    parser.add_argument("--no-triton", action="store_true", help="leave Triton out")
+    parser.add_argument("--label", default="", help="prefix of every variant's name")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
+    keep = set(args.only.split(",")) if args.only else None
     import torch
     from tutorials_triton import layernorm_kernel as t_layernorm, softmax_kernel as t_softmax
 
@@ -63,7 +65,12 @@ def main() -> None:
     def measure(op, m, n, variants, want, tol, same_gbs):
         nbytes = 8 * m * n
         results = {}
+        if args.no_triton:
+            variants.pop("triton")
         for name, fn in variants.items():
+            if keep is not None and name not in keep | {"triton"}:
+                continue
+            name = args.label + name
             y.fill_(float("nan"))
             try:
                 fn()
@@ -78,7 +85,7 @@ def main() -> None:
             results[name] = gbs = nbytes / ms / 1e6
             rows.append({"op": op, "shape": [m, n], "variant": name, "us": ms * 1e3,
                          "gbs": gbs, "of_copy": gbs / copy_gbs, "of_copy_same": gbs / same_gbs})
-        peer = results.get("triton", float("nan"))
+        peer = results.get(args.label + "triton", float("nan"))
         for name, gbs in results.items():
             print(f"{op:9s} {m}x{n} {name:22s} {gbs:6.0f} GB/s  {gbs / copy_gbs:.2f} of copy  "
                   f"{gbs / same_gbs:.2f} of same-size copy  {gbs / peer:.2f} of triton",
@@ -100,10 +107,6 @@ def main() -> None:
             return min(m, sms * per_sm // split) * split
 
         variants = {"config": lambda: fused_softmax.softmax(x, y)}
-        for t, per_sm in STREAM["softmax"].get(n, []):
-            variants[f"stream t{t} x{per_sm}"] = lambda g=grid_of(per_sm), t=t: \
-                fused_softmax.softmax_kernel[(g,)](x, y, m, n, g, BLOCK=block, THREADS=t,
-                                                   ALIGN=16, STREAM=True)
         for t, per_sm, *split in SOFTMAX_PREFETCH.get(n, []):
             s = split[0] if split else 1
             variants[f"prefetch t{t} x{per_sm} s{s}"] = lambda g=grid_of(per_sm, s), t=t, s=s: \
