@@ -3,7 +3,8 @@
 - ``softmax_prefetch`` / ``layernorm_prefetch``: a persistent grid whose blocks hold their row
   in registers and load the next row into a second set of registers before this one's
   reductions (a software pipeline: DRAM reads row ``i + 1`` while row ``i`` is reduced and
-  stored; no shared stream, no wait). Layer norm keeps ``w`` and ``b`` in shared memory, copied
+  stored; no shared stream, no wait; softmax ``DEPTH``: ``DEPTH - 1`` rows in flight). Layer
+  norm keeps ``w`` and ``b`` in shared memory, copied
   once per block (``WBS``), instead of reading them from L2 for every row. ``SPLIT > 1`` splits
   each row over a thread-block cluster (``kiln.reduce(..., cluster=True)``), so a 32k row's
   half fits the same registers.
@@ -23,25 +24,27 @@ from kiln import f32, i32
 @kiln.kernel(num_threads="THREADS")
 def softmax_prefetch(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32, grid: i32,
                      BLOCK: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr,
-                     SPLIT: kiln.constexpr = 1):
-    """Register rows over a persistent grid, the next row loaded before this one's reductions;
-    ``SPLIT`` CTAs a row (a cluster), ``BLOCK // SPLIT`` columns each."""
+                     SPLIT: kiln.constexpr = 1, DEPTH: kiln.constexpr = 2):
+    """Register rows over a persistent grid, the next ``DEPTH - 1`` rows' loads in flight
+    while one is reduced; ``SPLIT`` CTAs a row (a cluster), ``BLOCK // SPLIT`` columns each."""
     part = BLOCK // SPLIT
     first = kiln.cluster_rank(SPLIT) * part
     tv = kiln.layout.blocked((1, part), THREADS, vec=4)
     step = grid // SPLIT
+    start = kiln.block_id(0) // SPLIT
 
     def tile(t, row, fill=0.0):
         return kiln.GlobalTile(t, (1, part), (row, first), row_end=m, col_end=n, fill=fill,
                                align=ALIGN, col_multiple=ALIGN // 4)
 
-    t = kiln.load(tile(x, kiln.block_id(0) // SPLIT, -float("inf")), tv)
-    for row in kiln.range(kiln.block_id(0) // SPLIT, m, step):
-        nxt = kiln.load(tile(x, row + step, -float("inf")), tv)   # in flight meanwhile
+    ahead = [kiln.load(tile(x, start + k * step, -float("inf")), tv) for k in range(DEPTH - 1)]
+    for row in kiln.range(start, m, step):
+        ahead.append(kiln.load(tile(x, row + (DEPTH - 1) * step, -float("inf")), tv))
+        t = ahead[0]
         p = kiln.exp(t - kiln.reduce(t, "max", axis=1, cluster=True))
         p = p * kiln.rcp(kiln.reduce(p, "sum", axis=1, cluster=True))
         kiln.copy(p, tile(y, row))
-        t = nxt
+        ahead = ahead[1:]
 
 
 @kiln.kernel(num_threads="THREADS")

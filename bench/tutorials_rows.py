@@ -1,7 +1,8 @@
 """Long-row A/B of the softmax and layer-norm tutorials at 4k-32k float32 columns, one run:
 the tutorials as shipped (``config``), the register-prefetch variants of
-bench/rows_variants.py (``prefetch tT xK sS``: T threads, a persistent grid of K blocks per
-SM, S CTAs a row; layer norm ``wbs``: ``w``/``b`` in shared memory), the streamed layer norm
+bench/rows_variants.py (``prefetch tT xK sS dD``: T threads, a persistent grid of K blocks
+per SM, S CTAs a row, D - 1 rows' loads in flight; layer norm ``wbs``: ``w``/``b`` in shared
+memory), the streamed layer norm
 with ``w``/``b`` loaded ``A`` tiles ahead (``stream_wb tT aA``), Triton's tutorial designs
 (bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's device copy, both of
 a 1 GiB buffer and of the benchmark's own matrix (same bytes: the launch and ramp costs a
@@ -30,9 +31,11 @@ from timing import queued_ms, time_ms  # noqa: E402
 from tutorials import fused_softmax, layernorm  # noqa: E402
 import rows_variants  # noqa: E402
 
-# (threads, blocks per SM, CTAs a row) of the register-prefetch softmax
-SOFTMAX_PREFETCH = {4096: [(512, 3)], 8192: [(512, 2)], 16384: [(1024, 1)],
-                    32768: [(512, 1, 2), (512, 2, 4)]}
+# (threads, blocks per SM, CTAs a row, rows in flight + 1) of the register-prefetch softmax
+SOFTMAX_PREFETCH = {4096: [(512, 3, 1, 2), (256, 4, 1, 2), (512, 2, 1, 3)],
+                    8192: [(512, 2, 1, 2), (1024, 1, 1, 2), (1024, 1, 1, 3)],
+                    16384: [(1024, 1, 1, 2), (512, 1, 1, 2)],
+                    32768: [(512, 1, 2, 2), (512, 2, 4, 2)]}
 # (threads, blocks per SM, CTAs a row) of the register-prefetch layer norm (w/b in shared)
 LAYERNORM_PREFETCH = {4096: [(512, 2)], 8192: [(512, 2), (1024, 1)], 16384: [(1024, 1)],
                       32768: [(512, 1, 2), (512, 1, 4)]}
@@ -107,11 +110,10 @@ def main() -> None:
             return min(m, sms * per_sm // split) * split
 
         variants = {"config": lambda: fused_softmax.softmax(x, y)}
-        for t, per_sm, *split in SOFTMAX_PREFETCH.get(n, []):
-            s = split[0] if split else 1
-            variants[f"prefetch t{t} x{per_sm} s{s}"] = lambda g=grid_of(per_sm, s), t=t, s=s: \
-                rows_variants.softmax_prefetch[(g,)](x, y, m, n, g, BLOCK=block, THREADS=t,
-                                                     ALIGN=16, SPLIT=s)
+        for t, per_sm, s, d in SOFTMAX_PREFETCH.get(n, []):
+            variants[f"prefetch t{t} x{per_sm} s{s} d{d}"] = (
+                lambda g=grid_of(per_sm, s), t=t, s=s, d=d: rows_variants.softmax_prefetch[(g,)](
+                    x, y, m, n, g, BLOCK=block, THREADS=t, ALIGN=16, SPLIT=s, DEPTH=d))
         t_grid = (min(m, sms * 4),)
         variants["triton"] = lambda: t_softmax[t_grid](y, x, x.stride(0), y.stride(0), m, n,
                                                        BLOCK=block,
