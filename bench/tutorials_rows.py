@@ -20,6 +20,7 @@ config,...] [--no-triton] [--label base-] [--json out]``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -43,6 +44,14 @@ LAYERNORM_PREFETCH = {4096: [(512, 2)], 8192: [(512, 2), (1024, 1)], 16384: [(10
 LAYERNORM_STREAM_WB = {32768: [(512, 1)], 16384: [(512, 1)]}
 
 
+def _load(path: Path):
+    """The module at ``path``, loaded by path."""
+    spec = importlib.util.spec_from_file_location(f"candidate_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cols", default="16384,32768,8192,4096")
@@ -50,8 +59,12 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated variant names to run (and triton)")
     parser.add_argument("--no-triton", action="store_true", help="leave Triton out")
     parser.add_argument("--label", default="", help="prefix of every variant's name")
+    parser.add_argument("--candidate", help="a folder with a fused_softmax.py and a "
+                        "layernorm.py of the tutorials' interface, measured as 'candidate'")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
+    candidate = {name: _load(Path(args.candidate) / f"{name}.py")
+                 for name in ("fused_softmax", "layernorm")} if args.candidate else {}
     keep = set(args.only.split(",")) if args.only else None
     import torch
     from kiln.runtime.cuda import driver
@@ -131,6 +144,8 @@ def main() -> None:
             return launch
 
         variants = {"config": lambda: fused_softmax.softmax(x, y)}
+        if candidate:
+            variants["candidate"] = lambda: candidate["fused_softmax"].softmax(x, y)
         for t, per_sm, s, d in SOFTMAX_PREFETCH.get(n, []):
             variants[f"prefetch t{t} x{per_sm} s{s} d{d}"] = launcher(
                 rows_variants.softmax_prefetch, per_sm, s, lambda g: (x, y, m, n, g),
@@ -145,6 +160,9 @@ def main() -> None:
         b = torch.randn(n, device="cuda", generator=gen)
         mean, rstd = torch.empty(m, device="cuda"), torch.empty(m, device="cuda")
         variants = {"config": lambda: layernorm.layernorm(x, w, b, y, mean, rstd)}
+        if candidate:
+            variants["candidate"] = lambda: candidate["layernorm"].layernorm(x, w, b, y, mean,
+                                                                             rstd)
         for t, per_sm, *split in LAYERNORM_PREFETCH.get(n, []):
             s = split[0] if split else 1
             variants[f"prefetch t{t} x{per_sm} s{s} wbs"] = launcher(
