@@ -123,7 +123,7 @@ def main() -> None:
         def grid_of(per_sm, split=1):
             return min(m, sms * per_sm // split) * split
 
-        def launcher(kernel, per_sm, split, args, consts):
+        def launcher(kernel, per_sm, split, make_args, consts):
             """``kernel`` over a persistent grid: ``per_sm`` blocks an SM, or for clusters
             (``split`` > 1) as many as are resident at once (GPCs with an odd number of SMs
             leave some idle; a larger grid would run its last clusters in a second wave)."""
@@ -131,7 +131,7 @@ def main() -> None:
 
             def launch():
                 if not grid and split > 1:   # first call: inside measure's error handling
-                    sig = (ck := kernel.compile(*args(1), **consts)).signature
+                    sig = (ck := kernel.compile(*make_args(1), **consts)).signature
                     clusters = driver().max_active_clusters(
                         ck.asm["cubin"], sig.name, sig.block, sig.cluster,
                         sig.dynamic_shared_bytes)
@@ -140,7 +140,7 @@ def main() -> None:
                           flush=True)
                 elif not grid:
                     grid.append(grid_of(per_sm))
-                kernel[(grid[0],)](*args(grid[0]), **consts)
+                kernel[(grid[0],)](*make_args(grid[0]), **consts)
             return launch
 
         variants = {"config": lambda: fused_softmax.softmax(x, y)}
