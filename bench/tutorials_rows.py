@@ -14,7 +14,7 @@ it, outside the timing). GB/s counts the matrix read once and written once; time
 ``timing.queued_ms`` medians.
 
 Usage (on an H100/H200): ``python bench/tutorials_rows.py [--cols 16384,32768] [--only
-config,...] [--no-triton] [--label base-] [--json out]``.
+config,...] [--no-triton] [--label base-] [--candidate folder ...] [--json out]``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ LAYERNORM_STREAM_WB = {32768: [(512, 1)], 16384: [(512, 1)]}
 
 def _load(path: Path):
     """The module at ``path``, loaded by path."""
-    spec = importlib.util.spec_from_file_location(f"candidate_{path.stem}", path)
+    spec = importlib.util.spec_from_file_location(f"{path.parent.name}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -57,12 +57,14 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated variant names to run (and triton)")
     parser.add_argument("--no-triton", action="store_true", help="leave Triton out")
     parser.add_argument("--label", default="", help="prefix of every variant's name")
-    parser.add_argument("--candidate", help="a folder with a fused_softmax.py and a "
-                        "layernorm.py of the tutorials' interface, measured as 'candidate'")
+    parser.add_argument("--candidate", action="append", default=[],
+                        help="a folder with a fused_softmax.py and a layernorm.py of the "
+                             "tutorials' interface, measured as the folder's name (repeatable)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    candidate = {name: _load(Path(args.candidate) / f"{name}.py")
-                 for name in ("fused_softmax", "layernorm")} if args.candidate else {}
+    candidates = {Path(folder).name: {name: _load(Path(folder) / f"{name}.py")
+                                      for name in ("fused_softmax", "layernorm")}
+                  for folder in args.candidate}
     keep = set(args.only.split(",")) if args.only else None
     import torch
     from kiln.runtime.cuda import driver
@@ -142,8 +144,8 @@ def main() -> None:
             return launch
 
         variants = {"config": lambda: fused_softmax.softmax(x, y)}
-        if candidate:
-            variants["candidate"] = lambda: candidate["fused_softmax"].softmax(x, y)
+        for label, c in candidates.items():
+            variants[label] = lambda c=c: c["fused_softmax"].softmax(x, y)
         for t, per_sm, s, d in SOFTMAX_PREFETCH.get(n, []):
             variants[f"prefetch t{t} x{per_sm} s{s} d{d}"] = launcher(
                 rows_variants.softmax_prefetch, per_sm, s, lambda g: (x, y, m, n, g),
@@ -158,9 +160,8 @@ def main() -> None:
         b = torch.randn(n, device="cuda", generator=gen)
         mean, rstd = torch.empty(m, device="cuda"), torch.empty(m, device="cuda")
         variants = {"config": lambda: layernorm.layernorm(x, w, b, y, mean, rstd)}
-        if candidate:
-            variants["candidate"] = lambda: candidate["layernorm"].layernorm(x, w, b, y, mean,
-                                                                             rstd)
+        for label, c in candidates.items():
+            variants[label] = lambda c=c: c["layernorm"].layernorm(x, w, b, y, mean, rstd)
         for t, per_sm, *split in LAYERNORM_PREFETCH.get(n, []):
             s = split[0] if split else 1
             variants[f"prefetch t{t} x{per_sm} s{s} wbs"] = launcher(
