@@ -38,7 +38,7 @@ SOFTMAX_PREFETCH = {4096: [(256, 4, 1, 2)], 8192: [(1024, 1, 1, 2), (1024, 1, 1,
                     16384: [(512, 1, 1, 2), (512, 2, 2, 2)],
                     32768: [(512, 1, 2, 2), (512, 2, 4, 2)]}
 # (threads, blocks per SM, CTAs a row) of the register-prefetch layer norm (w/b in shared)
-LAYERNORM_PREFETCH = {8192: [(1024, 1)], 16384: [(512, 1, 2)],
+LAYERNORM_PREFETCH = {4096: [(256, 3)], 8192: [(1024, 1)], 16384: [(512, 1, 2)],
                       32768: [(512, 1, 2), (512, 1, 4)]}
 # (threads, tiles ahead) of the streamed layer norm with w/b loaded ahead
 LAYERNORM_STREAM_WB = {32768: [(512, 1)], 16384: [(512, 1)]}
