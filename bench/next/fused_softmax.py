@@ -74,10 +74,10 @@ def softmax_kernel(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i3
             t = t_next
 
 
-# (threads, blocks per SM of the persistent grid; 0: a block a row) by row length (the row
-# rounded up to a power of two), and the cluster size sm_90a splits the longest rows over;
-# measured on an H200 with bench/tutorials_rows.py
-SHAPES = {512: (128, 0), 1024: (128, 0), 2048: (128, 0), 4096: (512, 3), 8192: (512, 2),
+# (threads, blocks per SM of the persistent grid) by row length (the row rounded up to a power
+# of two), and the cluster size sm_90a splits the longest rows over; 4k-32k measured on an H200
+# with bench/tutorials_rows.py
+SHAPES = {512: (128, 8), 1024: (128, 8), 2048: (256, 4), 4096: (512, 3), 8192: (512, 2),
           16384: (1024, 1), 32768: (512, 1)}
 SPLIT_SM90 = {32768: 2}
 
@@ -111,7 +111,7 @@ def softmax(x, y, *, backend: str = "gpu", target: str | None = None):
     cfg = config(n, target)
     per_sm, split = cfg.pop("PER_SM"), cfg["SPLIT"]
     sms = driver().multiprocessor_count() if backend == "gpu" else 2
-    grid = max(1, min(m, sms * per_sm // split) if per_sm else m) * split
+    grid = max(1, min(m, sms * per_sm // split)) * split
     launch = softmax_kernel.interpret[(grid,)] if backend == "interpret" \
         else softmax_kernel[(grid,)]
     extra = {"target": target} if target else {}

@@ -90,10 +90,10 @@ def layernorm_kernel(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor
             xs = xs_next
 
 
-# (threads, blocks per SM of the persistent grid; 0: a block a row) by row length (the row
-# rounded up to a power of two), and the cluster size sm_90a splits the longest rows over;
-# measured on an H200 with bench/tutorials_rows.py
-SHAPES = {512: (128, 0), 1024: (128, 0), 2048: (128, 0), 4096: (512, 2), 8192: (512, 2),
+# (threads, blocks per SM of the persistent grid) by row length (the row rounded up to a power
+# of two), and the cluster size sm_90a splits the longest rows over; 4k-32k measured on an H200
+# with bench/tutorials_rows.py
+SHAPES = {512: (128, 8), 1024: (128, 8), 2048: (256, 4), 4096: (512, 2), 8192: (512, 2),
           16384: (1024, 1), 32768: (512, 1)}
 SPLIT_SM90 = {32768: 2}
 
@@ -129,7 +129,7 @@ def layernorm(x, w, b, y, mean, rstd, eps: float = 1e-5, *, backend: str = "gpu"
     cfg = config(n, target)
     per_sm, split = cfg.pop("PER_SM"), cfg["SPLIT"]
     sms = driver().multiprocessor_count() if backend == "gpu" else 2
-    grid = max(1, min(m, sms * per_sm // split) if per_sm else m) * split
+    grid = max(1, min(m, sms * per_sm // split)) * split
     kernel = layernorm_kernel.interpret[(grid,)] if backend == "interpret" \
         else layernorm_kernel[(grid,)]
     extra = {"target": target} if target else {}
