@@ -3,9 +3,9 @@
 - ``softmax_prefetch`` / ``layernorm_prefetch``: a persistent grid whose blocks hold their row
   in registers and load the next row into a second set of registers before this one's
   reductions (a software pipeline: DRAM reads row ``i + 1`` while row ``i`` is reduced and
-  stored; no shared stream, no wait; softmax ``DEPTH``: ``DEPTH - 1`` rows in flight). Layer
-  norm keeps ``w`` and ``b`` in shared memory, copied
-  once per block (``WBS``), instead of reading them from L2 for every row. ``SPLIT > 1`` splits
+  stored; no shared stream, no wait; ``DEPTH``: ``DEPTH - 1`` rows in flight). Layer norm
+  keeps ``w`` and ``b`` in shared memory, copied once per block (``WBS``), instead of reading
+  them from L2 for every row. ``SPLIT > 1`` splits
   each row over a thread-block cluster (``kiln.reduce(..., cluster=True)``), so a 32k row's
   half fits the same registers.
 - ``layernorm_stream_wb``: the tutorial's streamed kernel with ``w``/``b`` of ``AHEAD`` tiles
@@ -52,10 +52,11 @@ def layernorm_prefetch(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tens
                        y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
                        rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
                        BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
-                       ALIGN: kiln.constexpr, WBS: kiln.constexpr, SPLIT: kiln.constexpr = 1):
-    """Register rows over a persistent grid, the next row loaded before this one's reductions;
-    ``w``/``b`` copied into shared memory once per block (``WBS``) or read per row; ``SPLIT``
-    CTAs a row (a cluster)."""
+                       ALIGN: kiln.constexpr, WBS: kiln.constexpr, SPLIT: kiln.constexpr = 1,
+                       DEPTH: kiln.constexpr = 2):
+    """Register rows over a persistent grid, the next ``DEPTH - 1`` rows loaded before this
+    one's reductions; ``w``/``b`` copied into shared memory once per block (``WBS``) or read
+    per row; ``SPLIT`` CTAs a row (a cluster)."""
     part = BLOCK // SPLIT
     rank = kiln.cluster_rank(SPLIT)
     first = rank * part
@@ -75,9 +76,11 @@ def layernorm_prefetch(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tens
             kiln.copy(g, wb_s[k][c])
     if WBS:
         kiln.barrier()
-    xs = [kiln.load(g, tv) for g in tiles(x, kiln.block_id(0) // SPLIT, m)]
-    for row in kiln.range(kiln.block_id(0) // SPLIT, m, step):
-        nxt = [kiln.load(g, tv) for g in tiles(x, row + step, m)]   # in flight meanwhile
+    start = kiln.block_id(0) // SPLIT
+    ahead = [[kiln.load(g, tv) for g in tiles(x, start + k * step, m)] for k in range(DEPTH - 1)]
+    for row in kiln.range(start, m, step):
+        ahead.append([kiln.load(g, tv) for g in tiles(x, row + (DEPTH - 1) * step, m)])
+        xs = ahead[0]
         mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1, cluster=True) * inv_n
         xcs = [kiln.where(kiln.tiles.mask(g, tv), t - mean, 0.0)
                for g, t in zip(tiles(x, row), xs)]
@@ -92,7 +95,7 @@ def layernorm_prefetch(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tens
         if (kiln.thread_id(0) == 0) & (rank == 0):
             mean_out[row] = mean.item()
             rstd_out[row] = rstd.item()
-        xs = nxt
+        ahead = ahead[1:]
 
 
 @kiln.kernel(num_threads="THREADS")

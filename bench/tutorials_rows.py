@@ -34,12 +34,14 @@ import rows_variants  # noqa: E402
 
 # (threads, blocks per SM, CTAs a row, rows in flight + 1) of the register-prefetch softmax
 # (beside the candidate's own choice)
-SOFTMAX_PREFETCH = {4096: [(256, 4, 1, 2)], 8192: [(1024, 1, 1, 2), (1024, 1, 1, 3)],
+SOFTMAX_PREFETCH = {4096: [(256, 4, 1, 2), (512, 2, 1, 3)], 8192: [(1024, 1, 1, 2), (1024, 1, 1, 3)],
                     16384: [(512, 1, 1, 2), (512, 2, 2, 2)],
                     32768: [(512, 1, 2, 2), (512, 2, 4, 2)]}
-# (threads, blocks per SM, CTAs a row) of the register-prefetch layer norm (w/b in shared)
-LAYERNORM_PREFETCH = {4096: [(256, 3)], 8192: [(1024, 1)], 16384: [(512, 1, 2)],
-                      32768: [(512, 1, 2), (512, 1, 4)]}
+# (threads, blocks per SM, CTAs a row, rows in flight + 1) of the register-prefetch layer norm
+# (w/b in shared)
+LAYERNORM_PREFETCH = {4096: [(256, 4, 1, 2), (512, 2, 1, 3)],
+                      8192: [(1024, 1, 1, 2), (1024, 1, 1, 3)], 16384: [(512, 1, 2, 2)],
+                      32768: [(512, 1, 2, 2), (512, 1, 4, 2)]}
 # (threads, tiles ahead) of the streamed layer norm with w/b loaded ahead
 LAYERNORM_STREAM_WB = {32768: [(512, 1)], 16384: [(512, 1)]}
 
@@ -164,13 +166,12 @@ def main() -> None:
         variants = {"config": lambda: layernorm.layernorm(x, w, b, y, mean, rstd)}
         for label, c in candidates.items():
             variants[label] = lambda c=c: c["layernorm"].layernorm(x, w, b, y, mean, rstd)
-        for t, per_sm, *split in LAYERNORM_PREFETCH.get(n, []):
-            s = split[0] if split else 1
-            variants[f"prefetch t{t} x{per_sm} s{s} wbs"] = launcher(
+        for t, per_sm, s, d in LAYERNORM_PREFETCH.get(n, []):
+            variants[f"prefetch t{t} x{per_sm} s{s} d{d} wbs"] = launcher(
                 rows_variants.layernorm_prefetch, per_sm, s,
                 lambda g: (x, w, b, y, mean, rstd, m, n, g, 1e-5),
                 dict(BLOCK=block, CHUNK=min(block // s, 4096), THREADS=t, ALIGN=16, WBS=1,
-                     SPLIT=s))
+                     SPLIT=s, DEPTH=d))
         for t, ahead in LAYERNORM_STREAM_WB.get(n, []):
             variants[f"stream_wb t{t} a{ahead}"] = (
                 lambda g=grid_of(1), t=t, a=ahead: rows_variants.layernorm_stream_wb[(g,)](
