@@ -1,12 +1,14 @@
 """Long-row A/B of the softmax and layer-norm tutorials at 4k-32k float32 columns, one run:
-the tutorials as shipped (``config``), the register-prefetch variants of
-bench/rows_variants.py (``prefetch tT xK sS dD``: T threads, a persistent grid of K blocks
-per SM, S CTAs a row, D - 1 rows' loads in flight; layer norm ``wbs``: ``w``/``b`` in shared
-memory), the streamed layer norm
-with ``w``/``b`` loaded ``A`` tiles ahead (``stream_wb tT aA``), Triton's tutorial designs
-(bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's device copy, both of
-a 1 GiB buffer and of the benchmark's own matrix (same bytes: the launch and ramp costs a
-kernel of this size pays too).
+the tutorials as shipped (``config``); the softmax tutorial's kernels at other launches
+(``stream tT xK``: rows streamed through shared memory over a persistent grid of K blocks of
+T threads an SM; ``direct tT rR``: a block a row, registers capped at R); the variants of
+bench/rows_variants.py (``prefetch tT xK sS dD``: register rows over a persistent grid, S CTAs
+a row, D - 1 rows' loads in flight; layer norm ``wbs``: ``w``/``b`` in shared memory;
+``stream_wb tT aA``: the streamed layer norm with ``w``/``b`` loaded A tiles ahead); the
+tutorials of other folders (``--candidate``, e.g. with a patched Kiln); Triton's tutorial
+designs (bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's device copy,
+both of a 1 GiB buffer and of the benchmark's own matrix (same bytes: the launch and ramp
+costs a kernel of this size pays too). The variant lists at the top are the last A/B's.
 
 Matrices have ``2^24`` elements (as ``tutorials.py --quick``). Every kernel is first checked
 against torch in float64 (a wrong result is reported and left out; that first call compiles
@@ -33,18 +35,16 @@ from tutorials import fused_softmax, layernorm  # noqa: E402
 import rows_variants  # noqa: E402
 
 # (threads, blocks per SM, CTAs a row, rows in flight + 1) of the register-prefetch softmax
-# (beside the candidate's own choice)
-SOFTMAX_PREFETCH = {4096: [(256, 4, 1, 2), (512, 2, 1, 3)], 8192: [(1024, 1, 1, 2), (1024, 1, 1, 3)],
-                    16384: [(512, 1, 1, 2), (512, 2, 2, 2)],
-                    32768: [(512, 1, 2, 2), (512, 2, 4, 2)]}
+SOFTMAX_PREFETCH = {16384: [(512, 1, 1, 2)]}
+# (threads, blocks per SM) of the softmax tutorial's streamed kernel
+SOFTMAX_STREAM = {16384: [(512, 1), (512, 2)]}
+# (threads, register cap) of the softmax tutorial's one-shot kernel, a block a row
+SOFTMAX_DIRECT = {16384: [(512, 64)]}
 # (threads, blocks per SM, CTAs a row, rows in flight + 1) of the register-prefetch layer norm
 # (w/b in shared)
-LAYERNORM_PREFETCH = {4096: [(256, 4, 1, 2), (512, 2, 1, 3)],
-                      8192: [(1024, 1, 1, 2), (1024, 1, 1, 3)], 16384: [(512, 1, 2, 2)],
-                      32768: [(512, 1, 2, 2), (512, 1, 4, 2)]}
+LAYERNORM_PREFETCH: dict[int, list] = {}
 # (threads, tiles ahead) of the streamed layer norm with w/b loaded ahead
-LAYERNORM_STREAM_WB = {32768: [(512, 1)], 16384: [(512, 1)]}
-
+LAYERNORM_STREAM_WB: dict[int, list] = {}
 
 def _load(path: Path):
     """The module at ``path``, loaded by path."""
@@ -150,6 +150,14 @@ def main() -> None:
         variants = {"config": lambda: fused_softmax.softmax(x, y)}
         for label, c in candidates.items():
             variants[label] = lambda c=c: c["fused_softmax"].softmax(x, y)
+        for t, per_sm in SOFTMAX_STREAM.get(n, []):
+            variants[f"stream t{t} x{per_sm}"] = lambda g=grid_of(per_sm), t=t: \
+                fused_softmax.softmax_kernel[(g,)](x, y, m, n, g, BLOCK=block, THREADS=t,
+                                                   ALIGN=16, STREAM=True)
+        for t, cap in SOFTMAX_DIRECT.get(n, []):
+            variants[f"direct t{t} r{cap}"] = lambda t=t, cap=cap: \
+                fused_softmax.softmax_kernel[(m,)](x, y, m, n, m, BLOCK=block, THREADS=t,
+                                                   ALIGN=16, STREAM=False, maxnreg=cap)
         for t, per_sm, s, d in SOFTMAX_PREFETCH.get(n, []):
             variants[f"prefetch t{t} x{per_sm} s{s} d{d}"] = launcher(
                 rows_variants.softmax_prefetch, per_sm, s, lambda g: (x, y, m, n, g),
