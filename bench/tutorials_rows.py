@@ -1,7 +1,8 @@
 """Long-row A/B of the softmax and layer-norm tutorials at 4k-32k float32 columns, one run:
 the tutorials as shipped (``config``); the softmax tutorial's kernels at other launches
 (``stream tT xK``: rows streamed through shared memory over a persistent grid of K blocks of
-T threads an SM; ``direct tT rR``: a block a row, registers capped at R); the variants of
+T threads an SM; ``direct tT rR``, both tutorials: a block a row, registers capped at R); the
+variants of
 bench/rows_variants.py (``prefetch tT xK sS dD``: register rows over a persistent grid, S CTAs
 a row, D - 1 rows' loads in flight; layer norm ``wbs``: ``w``/``b`` in shared memory;
 ``stream_wb tT aA``: the streamed layer norm with ``w``/``b`` loaded A tiles ahead); the
@@ -40,6 +41,8 @@ SOFTMAX_PREFETCH = {16384: [(512, 1, 1, 2)]}
 SOFTMAX_STREAM = {16384: [(512, 1), (512, 2)]}
 # (threads, register cap) of the softmax tutorial's one-shot kernel, a block a row
 SOFTMAX_DIRECT = {16384: [(512, 64)]}
+# (threads, register cap) of the layer-norm tutorial's one-shot kernel, a block a row
+LAYERNORM_DIRECT = {16384: [(512, 64)]}
 # (threads, blocks per SM, CTAs a row, rows in flight + 1) of the register-prefetch layer norm
 # (w/b in shared)
 LAYERNORM_PREFETCH: dict[int, list] = {}
@@ -174,6 +177,11 @@ def main() -> None:
         variants = {"config": lambda: layernorm.layernorm(x, w, b, y, mean, rstd)}
         for label, c in candidates.items():
             variants[label] = lambda c=c: c["layernorm"].layernorm(x, w, b, y, mean, rstd)
+        for t, cap in LAYERNORM_DIRECT.get(n, []):
+            variants[f"direct t{t} r{cap}"] = lambda t=t, cap=cap: \
+                layernorm.layernorm_kernel[(m,)](x, w, b, y, mean, rstd, m, n, m, 1e-5,
+                                                 BLOCK=block, CHUNK=chunk, THREADS=t,
+                                                 ALIGN=16, STREAM=False, maxnreg=cap)
         for t, per_sm, s, d in LAYERNORM_PREFETCH.get(n, []):
             variants[f"prefetch t{t} x{per_sm} s{s} d{d} wbs"] = launcher(
                 rows_variants.layernorm_prefetch, per_sm, s,
