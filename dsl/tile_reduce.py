@@ -9,11 +9,11 @@ whose index differs in a bit that keeps the row (a "row mask"):
 mask < warp size   XOR shuffles (:func:`kiln.shuffle.xor_shuffle`: ``shfl.sync.bfly`` on
                    NVIDIA; DPP, ``ds_swizzle`` or ``v_permlane32_swap`` on AMD). The warp is
                    32 threads on NVIDIA and 64 on gfx9, read from the target.
-mask >= warp size  one shared-memory stage: each warp stores its partial of each row (the partials of a row's warps side by side), a ``barrier``,
-                   each thread reads its row's partials with broadcast 16-byte loads and
-                   combines them in warp order (so every thread gets the bitwise same
-                   result), a ``barrier`` (the buffer may be reused by the next iteration of
-                   a loop)
+mask >= warp size  one shared-memory stage: each warp stores its partial of each row (the
+                   partials of a row's warps side by side), a ``barrier``, each thread reads
+                   its row's partials with broadcast 16-byte loads and combines them in warp
+                   order (so every thread gets the bitwise same result), a ``barrier`` (the
+                   buffer may be reused by the next iteration of a loop)
 =================  ==========================================================================
 
 ``op`` is ``"sum"``, ``"max"``, ``"min"`` or any associative, commutative function of two
