@@ -1,16 +1,27 @@
 """Variants of the softmax and layer-norm tutorials for bench/tutorials_rows.py's A/B.
 
 - ``softmax_prefetch`` / ``layernorm_prefetch``: a persistent grid whose blocks hold their row
-  in registers and load the next row into a second set of registers before this one's
+  in registers and load the next ``DEPTH - 1`` rows into more registers before this one's
   reductions (a software pipeline: DRAM reads row ``i + 1`` while row ``i`` is reduced and
-  stored; no shared stream, no wait; ``DEPTH``: ``DEPTH - 1`` rows in flight). Layer norm
-  keeps ``w`` and ``b`` in shared memory, copied once per block (``WBS``), instead of reading
-  them from L2 for every row. ``SPLIT > 1`` splits
-  each row over a thread-block cluster (``kiln.reduce(..., cluster=True)``), so a 32k row's
-  half fits the same registers.
+  stored; no shared stream, no wait). Layer norm keeps ``w`` and ``b`` in shared memory,
+  copied once per block (``WBS``), instead of reading them from L2 for every row. ``SPLIT > 1``
+  splits each row over a thread-block cluster (``kiln.reduce(..., cluster=True)``).
 - ``layernorm_stream_wb``: the tutorial's streamed kernel with ``w``/``b`` of ``AHEAD`` tiles
   loaded before the stores of the tiles before them (a tile's loads no longer wait for the
-  previous tile's stores, which they may alias).
+  previous tile's stores, which they may alias). With ``AHEAD = 1`` it is now the tutorial's
+  streamed path (the same PTX).
+
+Measured on an H200 (2^24-element float32 matrices, GB/s with the tutorials of the same run;
+two batches): the register prefetch was slower than the tutorials at 4k and 8k columns
+(softmax 3392-3598 against 3742-3758 at 4k, 3286-3554 against 3723-3740 at 8k; layer norm
+3307-3589 against 3494-3680), level or slower for the softmax at 16k (3379-3411 at 1024
+threads, 3521 at 512 against 3435-3449 streamed) and faster only for the layer norm at 16k
+(3337-3370 against 3087-3123, as fast as ``stream_wb`` 3308-3344, which needs no extra
+kernel). One or two more rows in flight (``DEPTH`` 3) lost 2-4%. Rows split over a cluster
+were slower again, even with the next row in flight during the exchanges: softmax 32k
+2643-2723 against 3381-3395 (2 or 4 CTAs), layer norm 32k 1417-2775 against 3110-3116
+(``stream_wb``), softmax 16k 2899 over pairs of CTAs. ``stream_wb`` with ``AHEAD = 1``: layer
+norm 1024 x 16384 3308 / 3344 against 3087 / 3123, 512 x 32768 3116 / 3110 against 2770 / 2813.
 
 Usage: ``python bench/tutorials_rows.py`` (it imports this module).
 """
