@@ -302,6 +302,15 @@ def test_tutorials_compile_with_vector_accesses_and_no_spills(target, name, n):
     assert re.search(store, asm), f"{name} has no 16-byte stores"
 
 
+@pytest.mark.lower
+def test_streamed_layernorm_loads_the_next_tiles_weights_before_a_store():
+    """w/b of tile c + 1 are loaded before tile c's store: a load after a store it may alias
+    would wait for it (one L2 round trip a tile). Tile 0's w and b are 4 vector loads a thread
+    (8 in the PTX: a whole-chunk and a masked path)."""
+    ptx = _compile("layernorm", 32768, "sm_90a").asm["ptx"]
+    assert ptx[:ptx.index("st.global.v4")].count("ld.global.v4") == 16
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(64, 1000), (37, 1531), (700, 4096), (300, 32768)])
 def test_tutorials_on_gpu(shape):
