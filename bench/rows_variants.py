@@ -12,10 +12,11 @@
   streamed path (the same PTX).
 
 Measured on an H200 (2^24-element float32 matrices, GB/s with the tutorials of the same run;
-two batches): the register prefetch was slower than the tutorials at 4k and 8k columns
+three batches): the register prefetch was slower than the tutorials at 4k and 8k columns
 (softmax 3392-3598 against 3742-3758 at 4k, 3286-3554 against 3723-3740 at 8k; layer norm
 3307-3589 against 3494-3680), level or slower for the softmax at 16k (3379-3411 at 1024
-threads, 3521 at 512 against 3435-3449 streamed) and faster only for the layer norm at 16k
+threads, 3503-3521 at 512 against 3435-3449 streamed and 3584 for the tutorial's block a row
+at 64 registers, two blocks an SM, its default since) and faster only for the layer norm at 16k
 (3337-3370 against 3087-3123, as fast as ``stream_wb`` 3308-3344, which needs no extra
 kernel). One or two more rows in flight (``DEPTH`` 3) lost 2-4%. Rows split over a cluster
 were slower again, even with the next row in flight during the exchanges: softmax 32k
