@@ -1,28 +1,29 @@
 """Long-row A/B of the softmax and layer-norm tutorials at 4k-32k float32 columns, one run:
-the tutorials as shipped (``config``; rows of 16k+ columns streamed through shared memory over
-a persistent grid), that stream at 8k columns (``stream``), register-row
-variants over a persistent grid (bench/rows_variants.py: ``rows tT rR xK``: T threads, R rows
-a step, K blocks per SM; layer norm ``wbS``: S 4096-column tiles of ``w``/``b`` held in shared
-memory), rows split over a thread-block cluster (``split tT sS xK``: S CTAs a row reduced
-through distributed shared memory, K blocks per SM or 0: a cluster a row; layer norm ``eE``:
-w/b loaded early; ``wbs``: w/b slices kept in shared memory; ``1pass``: shifted one-pass
-statistics, one reduction), Triton's tutorial designs
-(bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's device copy, both of
-a 1 GiB buffer and of the benchmark's own matrix (same bytes: the launch and ramp costs a
-kernel of this size pays too).
+the tutorials as shipped (``config``); the softmax tutorial's kernels at other launches
+(``stream tT xK``: rows streamed through shared memory over a persistent grid of K blocks of
+T threads an SM; ``direct tT rR``, both tutorials: a block a row, registers capped at R); the
+variants of
+bench/rows_variants.py (``prefetch tT xK sS dD``: register rows over a persistent grid, S CTAs
+a row, D - 1 rows' loads in flight; layer norm ``wbs``: ``w``/``b`` in shared memory;
+``stream_wb tT aA``: the streamed layer norm with ``w``/``b`` loaded A tiles ahead); the
+tutorials of other folders (``--candidate``, e.g. with a patched Kiln); Triton's tutorial
+designs (bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's device copy,
+both of a 1 GiB buffer and of the benchmark's own matrix (same bytes: the launch and ramp
+costs a kernel of this size pays too). The variant lists at the top are the last A/B's.
 
-Matrices have ``2^24`` elements (as ``tutorials.py --quick``); ``--big`` adds the shipped
-tutorials and Triton on ``2^26``-element matrices. Every kernel is first checked against torch
-in float64 (a wrong result is reported and left out). GB/s counts the matrix read once and
-written once; times are ``timing.queued_ms`` medians.
+Matrices have ``2^24`` elements (as ``tutorials.py --quick``). Every kernel is first checked
+against torch in float64 (a wrong result is reported and left out; that first call compiles
+it, outside the timing). GB/s counts the matrix read once and written once; times are
+``timing.queued_ms`` medians.
 
-Usage (on an H100/H200): ``python bench/tutorials_rows.py [--cols 32768,4096] [--big]
-[--json out]``.
+Usage (on an H100/H200): ``python bench/tutorials_rows.py [--cols 16384,32768] [--only
+config,...] [--no-triton] [--label base-] [--candidate folder ...] [--json out]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -34,33 +35,46 @@ from timing import queued_ms, time_ms  # noqa: E402
 from tutorials import fused_softmax, layernorm  # noqa: E402
 import rows_variants  # noqa: E402
 
-# (threads, rows a step, blocks per SM) of the register-row softmax, per column count
-SOFTMAX_ROWS = {4096: [(256, 1, 8)], 8192: [(512, 1, 3)]}
-# (threads, w/b tiles in shared memory, blocks per SM) of the register-row layer norm
-LAYERNORM_ROWS = {4096: [(256, 1, 4)]}
-# (threads, CTAs a row (cluster size), blocks per SM; 0: a cluster a row, no loop) of the
-# cluster-split softmax
-SOFTMAX_SPLIT = {8192: [(256, 2, 0)], 16384: [(512, 2, 0), (256, 4, 0), (256, 4, 6)],
-                 32768: [(512, 4, 0), (256, 8, 0), (256, 4, 0)]}
-# (threads, CTAs a row, w/b before the reductions, blocks per SM, w/b slices in shared memory,
-# one-pass statistics) of the cluster-split layer norm
-LAYERNORM_SPLIT = {4096: [(256, 1, 1, 0, 0, 0), (256, 1, 1, 0, 0, 1)],
-                   8192: [(256, 2, 1, 0, 0, 0), (256, 2, 1, 0, 0, 1)],
-                   16384: [(256, 4, 1, 0, 0, 0), (512, 2, 0, 0, 0, 0), (512, 2, 0, 2, 1, 0),
-                           (256, 4, 1, 0, 0, 1)],
-                   32768: [(256, 8, 1, 0, 0, 0), (512, 4, 0, 0, 0, 0), (512, 4, 0, 2, 1, 0),
-                           (256, 8, 1, 0, 0, 1), (256, 8, 0, 0, 0, 0)]}
+# (threads, blocks per SM, CTAs a row, rows in flight + 1) of the register-prefetch softmax
+SOFTMAX_PREFETCH = {16384: [(512, 1, 1, 2)]}
+# (threads, blocks per SM) of the softmax tutorial's streamed kernel
+SOFTMAX_STREAM = {16384: [(512, 1), (512, 2)]}
+# (threads, register cap) of the softmax tutorial's one-shot kernel, a block a row
+SOFTMAX_DIRECT = {16384: [(512, 64)]}
+# (threads, register cap) of the layer-norm tutorial's one-shot kernel, a block a row
+LAYERNORM_DIRECT = {16384: [(512, 64)]}
+# (threads, blocks per SM, CTAs a row, rows in flight + 1) of the register-prefetch layer norm
+# (w/b in shared)
+LAYERNORM_PREFETCH: dict[int, list] = {}
+# (threads, tiles ahead) of the streamed layer norm with w/b loaded ahead
+LAYERNORM_STREAM_WB: dict[int, list] = {}
+
+def _load(path: Path):
+    """The module at ``path``, loaded by path."""
+    spec = importlib.util.spec_from_file_location(f"{path.parent.name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cols", default="32768,16384,8192,4096")
+    parser.add_argument("--cols", default="16384,32768,8192,4096")
     parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--big", action="store_true", help="also 2^26-element matrices")
-    parser.add_argument("--no-split", action="store_true", help="leave the cluster-split out")
+    parser.add_argument("--only", help="comma-separated variant names to run (and triton)")
+    parser.add_argument("--no-triton", action="store_true", help="leave Triton out")
+    parser.add_argument("--label", default="", help="prefix of every variant's name")
+    parser.add_argument("--candidate", action="append", default=[],
+                        help="a folder with a fused_softmax.py and a layernorm.py of the "
+                             "tutorials' interface, measured as the folder's name (repeatable)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
+    candidates = {Path(folder).name: {name: _load(Path(folder) / f"{name}.py")
+                                      for name in ("fused_softmax", "layernorm")}
+                  for folder in args.candidate}
+    keep = set(args.only.split(",")) if args.only else None
     import torch
+    from kiln.runtime.cuda import driver
     from tutorials_triton import layernorm_kernel as t_layernorm, softmax_kernel as t_softmax
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -75,7 +89,12 @@ def main() -> None:
     def measure(op, m, n, variants, want, tol, same_gbs):
         nbytes = 8 * m * n
         results = {}
+        if args.no_triton:
+            variants.pop("triton")
         for name, fn in variants.items():
+            if keep is not None and name not in keep | {"triton"}:
+                continue
+            name = args.label + name
             y.fill_(float("nan"))
             try:
                 fn()
@@ -90,16 +109,14 @@ def main() -> None:
             results[name] = gbs = nbytes / ms / 1e6
             rows.append({"op": op, "shape": [m, n], "variant": name, "us": ms * 1e3,
                          "gbs": gbs, "of_copy": gbs / copy_gbs, "of_copy_same": gbs / same_gbs})
-        peer = results.get("triton", float("nan"))
+        peer = results.get(args.label + "triton", float("nan"))
         for name, gbs in results.items():
-            print(f"{op:9s} {m}x{n} {name:18s} {gbs:6.0f} GB/s  {gbs / copy_gbs:.2f} of copy  "
+            print(f"{op:9s} {m}x{n} {name:22s} {gbs:6.0f} GB/s  {gbs / copy_gbs:.2f} of copy  "
                   f"{gbs / same_gbs:.2f} of same-size copy  {gbs / peer:.2f} of triton",
                   flush=True)
 
-    sizes = [(n, 24) for n in map(int, args.cols.split(","))]
-    sizes += [(n, 26) for n in map(int, args.cols.split(","))] if args.big else []
-    for n, log2 in sizes:
-        m = (1 << log2) // n
+    for n in map(int, args.cols.split(",")):
+        m = (1 << 24) // n
         x = torch.randn(m, n, device="cuda", generator=gen)
         y = torch.full_like(x, float("nan"))
         same_gbs = 8 * m * n / queued_ms(lambda: y.copy_(x), args.repeat) / 1e6
@@ -108,24 +125,46 @@ def main() -> None:
         rows.append({"op": "copy", "shape": [m, n], "variant": "torch", "gbs": same_gbs,
                      "of_copy": same_gbs / copy_gbs})
         block = max(512, 1 << (n - 1).bit_length())
-        splits = log2 == 24 and not args.no_split
         chunk = min(block, 4096)
+
+        def grid_of(per_sm, split=1):
+            return min(m, sms * per_sm // split) * split
+
+        def launcher(kernel, per_sm, split, make_args, consts):
+            """``kernel`` over a persistent grid: ``per_sm`` blocks an SM, or for clusters
+            (``split`` > 1) as many as are resident at once (GPCs with an odd number of SMs
+            leave some idle; a larger grid would run its last clusters in a second wave)."""
+            grid = []
+
+            def launch():
+                if not grid and split > 1:   # first call: inside measure's error handling
+                    sig = (ck := kernel.compile(*make_args(1), **consts)).signature
+                    clusters = driver().max_active_clusters(
+                        ck.asm["cubin"], sig.name, sig.block, sig.cluster,
+                        sig.dynamic_shared_bytes)
+                    grid.append(min(m, clusters) * split)
+                    print(f"  {kernel.name} split {split}: {clusters} clusters resident",
+                          flush=True)
+                elif not grid:
+                    grid.append(grid_of(per_sm))
+                kernel[(grid[0],)](*make_args(grid[0]), **consts)
+            return launch
+
         variants = {"config": lambda: fused_softmax.softmax(x, y)}
-        # the tutorial's streamed design one step below the rows where it streams (``config``)
-        stream = log2 == 24 and block == fused_softmax.STREAM_FROM // 2
-        if stream:
-            variants["stream t512 x1"] = lambda g=min(m, sms): fused_softmax.softmax_kernel[(g,)](
-                x, y, m, n, g, BLOCK=block, THREADS=512, ALIGN=16, STREAM=True)
-        for t, r, per_sm in SOFTMAX_ROWS.get(n, []) if log2 == 24 else []:
-            grid = min(-(-m // r), sms * per_sm)
-            variants[f"rows t{t} r{r} x{per_sm}"] = (
-                lambda g=grid, t=t, r=r: rows_variants.softmax_rows[(g,)](
-                    x, y, m, n, g, BLOCK=block, THREADS=t, ROWS=r, ALIGN=16))
-        for t, split, per_sm in SOFTMAX_SPLIT.get(n, []) if splits else []:
-            grid = min(m, sms * per_sm // split) * split if per_sm else m * split
-            variants[f"split t{t} s{split} x{per_sm}"] = (
-                lambda g=grid, t=t, s=split: rows_variants.softmax_split[(g,)](
-                    x, y, m, n, g, BLOCK=block, THREADS=t, SPLIT=s, ALIGN=16))
+        for label, c in candidates.items():
+            variants[label] = lambda c=c: c["fused_softmax"].softmax(x, y)
+        for t, per_sm in SOFTMAX_STREAM.get(n, []):
+            variants[f"stream t{t} x{per_sm}"] = lambda g=grid_of(per_sm), t=t: \
+                fused_softmax.softmax_kernel[(g,)](x, y, m, n, g, BLOCK=block, THREADS=t,
+                                                   ALIGN=16, STREAM=True)
+        for t, cap in SOFTMAX_DIRECT.get(n, []):
+            variants[f"direct t{t} r{cap}"] = lambda t=t, cap=cap: \
+                fused_softmax.softmax_kernel[(m,)](x, y, m, n, m, BLOCK=block, THREADS=t,
+                                                   ALIGN=16, STREAM=False, maxnreg=cap)
+        for t, per_sm, s, d in SOFTMAX_PREFETCH.get(n, []):
+            variants[f"prefetch t{t} x{per_sm} s{s} d{d}"] = launcher(
+                rows_variants.softmax_prefetch, per_sm, s, lambda g: (x, y, m, n, g),
+                dict(BLOCK=block, THREADS=t, ALIGN=16, SPLIT=s, DEPTH=d))
         t_grid = (min(m, sms * 4),)
         variants["triton"] = lambda: t_softmax[t_grid](y, x, x.stride(0), y.stride(0), m, n,
                                                        BLOCK=block,
@@ -136,24 +175,24 @@ def main() -> None:
         b = torch.randn(n, device="cuda", generator=gen)
         mean, rstd = torch.empty(m, device="cuda"), torch.empty(m, device="cuda")
         variants = {"config": lambda: layernorm.layernorm(x, w, b, y, mean, rstd)}
-        if stream:
-            variants["stream t512 x1"] = lambda g=min(m, sms): layernorm.layernorm_kernel[(g,)](
-                x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk, THREADS=512,
-                ALIGN=16, STREAM=True)
-        for t, wbs, per_sm in LAYERNORM_ROWS.get(n, []) if log2 == 24 else []:
-            grid = min(m, sms * per_sm)
-            variants[f"rows t{t} wb{wbs} x{per_sm}"] = (
-                lambda g=grid, t=t, wbs=wbs: rows_variants.layernorm_rows[(g,)](
+        for label, c in candidates.items():
+            variants[label] = lambda c=c: c["layernorm"].layernorm(x, w, b, y, mean, rstd)
+        for t, cap in LAYERNORM_DIRECT.get(n, []):
+            variants[f"direct t{t} r{cap}"] = lambda t=t, cap=cap: \
+                layernorm.layernorm_kernel[(m,)](x, w, b, y, mean, rstd, m, n, m, 1e-5,
+                                                 BLOCK=block, CHUNK=chunk, THREADS=t,
+                                                 ALIGN=16, STREAM=False, maxnreg=cap)
+        for t, per_sm, s, d in LAYERNORM_PREFETCH.get(n, []):
+            variants[f"prefetch t{t} x{per_sm} s{s} d{d} wbs"] = launcher(
+                rows_variants.layernorm_prefetch, per_sm, s,
+                lambda g: (x, w, b, y, mean, rstd, m, n, g, 1e-5),
+                dict(BLOCK=block, CHUNK=min(block // s, 4096), THREADS=t, ALIGN=16, WBS=1,
+                     SPLIT=s, DEPTH=d))
+        for t, ahead in LAYERNORM_STREAM_WB.get(n, []):
+            variants[f"stream_wb t{t} a{ahead}"] = (
+                lambda g=grid_of(1), t=t, a=ahead: rows_variants.layernorm_stream_wb[(g,)](
                     x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk,
-                    THREADS=t, WBS=wbs, ALIGN=16))
-        for t, split, early, per_sm, wbs, one in LAYERNORM_SPLIT.get(n, []) if splits else []:
-            grid = min(m, sms * per_sm // split) * split if per_sm else m * split
-            name = f"split t{t} s{split} e{early} x{per_sm}{' wbs' * wbs}{' 1pass' * one}"
-            variants[name] = (
-                lambda g=grid, t=t, s=split, e=early, wbs=wbs, one=one:
-                rows_variants.layernorm_split[(g,)](
-                    x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, THREADS=t, SPLIT=s,
-                    WB_EARLY=e, ALIGN=16, WBS=wbs, ONEPASS=one))
+                    THREADS=t, ALIGN=16, AHEAD=a))
         ln_block = min(65536 // 4, block)
         variants["triton"] = lambda: t_layernorm[(m,)](
             x, y, w, b, mean, rstd, x.stride(0), n, 1e-5, BLOCK=ln_block,

@@ -9,10 +9,11 @@ whose index differs in a bit that keeps the row (a "row mask"):
 mask < warp size   XOR shuffles (:func:`kiln.shuffle.xor_shuffle`: ``shfl.sync.bfly`` on
                    NVIDIA; DPP, ``ds_swizzle`` or ``v_permlane32_swap`` on AMD). The warp is
                    32 threads on NVIDIA and 64 on gfx9, read from the target.
-mask >= warp size  one shared-memory stage: every thread stores its warp's partial, a
-                   ``barrier``, each thread combines the partials of the warps sharing its row
-                   in warp order (so every thread gets the bitwise same result), a ``barrier``
-                   (the buffer may be reused by the next iteration of a loop)
+mask >= warp size  one shared-memory stage: each warp stores its partial of each row (the
+                   partials of a row's warps side by side), a ``barrier``, each thread reads
+                   its row's partials with broadcast 16-byte loads and combines them in warp
+                   order (so every thread gets the bitwise same result), a ``barrier`` (the
+                   buffer may be reused by the next iteration of a loop)
 =================  ==========================================================================
 
 ``op`` is ``"sum"``, ``"max"``, ``"min"`` or any associative, commutative function of two
@@ -80,31 +81,58 @@ def _combine_of(op: Any) -> Callable[[Value, Value], Value]:
                         fix="e.g. kiln.reduce(x, lambda a, b: a * b, axis=1)")
 
 
-def _spans(masks: tuple[int, ...]) -> list[int]:
-    """Every XOR of a subset of ``masks``, ascending: the offsets of a thread's row-mates."""
-    offsets = [0]
-    for m in masks:
-        offsets = offsets + [o | m for o in offsets]
-    return sorted(offsets)
+def _bits_of(x: Value, bits: int) -> Value:
+    """The bits of ``x`` selected by the constant mask ``bits``, packed low (``pext``): a shift
+    and an ``and`` per run of consecutive bits."""
+    out, packed, b = None, 0, 0
+    while bits >> b:
+        if not bits >> b & 1:
+            b += 1
+            continue
+        run = b
+        while bits >> run & 1:
+            run += 1
+        part = ((x >> b) if b else x) & ((1 << (run - b)) - 1)
+        part = part << packed if packed else part
+        out = part if out is None else out | part
+        packed, b = packed + run - b, run
+    return constant(0, dt.i32) if out is None else out
 
 
-def _across_warps(values: list[list[Value]], masks: tuple[int, ...], combine, threads: int,
+def _across_warps(values: list[list[Value]], masks: tuple[int, ...],
+                  lane_masks: tuple[int, ...], combine, threads: int,
                   dtype: dt.DType) -> list[list[Value]]:
     """Combine each scalar over the threads ``t ^ m`` for ``m`` in the span of ``masks``
-    (all multiples of the warp size) through one shared buffer, ``[slots, threads]``."""
+    (all multiples of the warp size) through one shared buffer. After the shuffles the lanes
+    that differ in ``lane_masks`` hold equal values (``combine`` commutes), so they all store
+    it to one slot, the partials of a row's warps side by side; every thread reads its row's
+    partials with broadcast vector loads (one access per 4 warps, not one per warp) and
+    combines them in warp order (every thread gets the bitwise same result)."""
     if threads & (threads - 1):
         raise KilnValueError(f"kiln.reduce across warps needs a power-of-two thread count, the "
                              f"layout has {threads}", fix="use 64, 128, 256, 512 or 1024 threads")
     flat = [x for line in values for x in line]
-    buf = shared((len(flat), threads), dtype, align=16)
+    warps = 1 << len(masks)
+    lanes = sum(lane_masks)
+    rest = (threads - 1) & ~sum(masks) & ~lanes
+    buf = shared((len(flat), (threads // warps) // (1 << len(lane_masks)) * warps), dtype,
+                 align=16)
     tid = ops.thread_id(0) % threads
-    for k, x in enumerate(flat):
-        buf[k, tid] = x
+    row = _bits_of(tid, rest) * warps
+    slot = row + _bits_of(tid, sum(masks))
+    for k, x in enumerate(flat):   # the lanes of a warp store one (equal) value
+        buf[k, slot] = x
     ops.barrier()
-    clear = ~sum(masks) & (threads - 1)
-    base = tid & clear
-    combined = [_pairwise([buf[k, base | o] for o in _spans(masks)], combine)
-                for k in range(len(flat))]
+    width = min(warps, 4)
+    combined = []
+    for k in range(len(flat)):
+        parts = []
+        for j in range(0, warps, width):
+            vec = buf.load(k, row + j, width=width, align=4 * width) if width > 1 \
+                else buf[k, row + j]
+            parts += [Value(vector.extract(vec.ir, [], [v]), dtype) for v in range(width)] \
+                if width > 1 else [vec]
+        combined.append(_pairwise(parts, combine))
     ops.barrier()
     per = len(values[0])
     return [combined[i * per:(i + 1) * per] for i in range(len(values))]
@@ -201,7 +229,8 @@ def reduce(tile: RegTile | tuple, op: Any = "sum", axis: int = 1, *,
             lines.append([butterfly_reduce(_pairwise(m, combine), lane_masks, combine)
                           for m in members])
     if warp_masks:
-        lines = _across_warps(lines, warp_masks, combine, layout.num_threads, dtype)
+        lines = _across_warps(lines, warp_masks, lane_masks, combine, layout.num_threads,
+                               dtype)
     shape = builder.current().cluster
     if cluster and shape is not None and shape[0] * shape[1] * shape[2] > 1:
         lines = _across_cluster(lines, combine, dtype, shape[0] * shape[1] * shape[2])

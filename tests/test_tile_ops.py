@@ -193,6 +193,17 @@ def test_reduce_across_warps_uses_one_shared_stage_and_shuffles_within():
     assert "amdgpu.dpp" in gfx and "rocdl.ds_swizzle" in gfx
 
 
+@pytest.mark.lower
+def test_reduce_across_warps_reads_the_partials_with_broadcast_vector_loads():
+    """A slot per warp (not per thread), read as 16-byte loads of constant addresses."""
+    x = np.zeros((1, 1024), np.float32)
+    ck = reduce_kernel("max", 1).compile(x, x, 1, 1024, BM=1, BN=1024, THREADS=256, VEC=4,
+                                         FILL=-np.inf, target="sm_90a")
+    assert ck.metadata["shared_bytes"] == 8 * 4     # 8 warps' partials
+    ptx = ck.asm["ptx"]
+    assert ptx.count("ld.shared.v4.b32") == 2 and ptx.count("st.shared.b32") == 1
+
+
 @kiln.kernel(num_threads=128)
 def tile_math(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], n: i32):
     tv = blocked((2, 256), 128)

@@ -307,6 +307,27 @@ def test_tutorials_compile_with_vector_accesses_and_no_spills(target, name, n):
     assert re.search(store, asm), f"{name} has no 16-byte stores"
 
 
+@pytest.mark.lower
+def test_softmax_rows_of_16k_columns_fit_two_blocks_an_sm_on_nvidia():
+    """The register cap the tutorial passes on NVIDIA at 16384 columns: 512 threads of at most
+    64 registers (two blocks in an SM's 64k), few bytes spilled."""
+    x = np.zeros((2, 16384), np.float32)
+    ck = fused_softmax.softmax_kernel.compile(
+        x, x, 2, 16384, 2, BLOCK=16384, THREADS=512, ALIGN=16, STREAM=False,
+        maxnreg=fused_softmax.MAX_REGISTERS[16384], target="sm_90a")
+    assert fused_softmax.config(16384) == (16384, 512, 1, False)
+    assert 2 * 512 * ck.metadata["registers"] <= 65536 and ck.metadata["spill_bytes"] <= 64
+
+
+@pytest.mark.lower
+def test_streamed_layernorm_loads_the_next_tiles_weights_before_a_store():
+    """w/b of tile c + 1 are loaded before tile c's store: a load after a store it may alias
+    would wait for it (one L2 round trip a tile). Tile 0's w and b are 4 vector loads a thread
+    (8 in the PTX: a whole-chunk and a masked path)."""
+    ptx = _compile("layernorm", 32768, "sm_90a").asm["ptx"]
+    assert ptx[:ptx.index("st.global.v4")].count("ld.global.v4") == 16
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(64, 1000), (37, 1531), (700, 4096), (300, 32768)])
 def test_tutorials_on_gpu(shape):

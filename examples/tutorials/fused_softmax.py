@@ -8,13 +8,16 @@ which leaves the max unchanged and adds ``exp(-inf) = 0`` to the sum; no mask is
 registers (40 instead of 64 registers at 8192 columns: 3 blocks an SM; on an H200, 2048 x 8192:
 0.92 of copy bandwidth and 1.07x Triton, where a mask per element gave 0.83 and 0.99x).
 
-Short rows take a block each: many blocks per SM keep DRAM busy between them. Long rows
-(``STREAM``) leave room for one or two blocks per SM, so each block of a persistent grid walks
-rows ``block, block + grid, ...`` and streams them through a shared tile: ``kiln.copy`` global
--> shared runs asynchronously (``cp.async`` on NVIDIA, buffer -> LDS DMA on gfx950), and the
-next row's copy starts as soon as every thread holds its part of this one, so DRAM reads the
-next row while this one is reduced and written. Shared memory holds zeros past ``N``:
-``kiln.where`` on ``kiln.tiles.mask`` (one compare per 16-byte chunk) puts the ``-inf`` back.
+Rows of up to 16384 columns take a block each: several blocks per SM keep DRAM busy between
+them. At 16384 columns (32 per thread) that needs a register cap on NVIDIA (``maxnreg=64``:
+two blocks an SM, a few bytes spill; on an H200, 1024 x 16384 at 3584 GB/s, 1.00x Triton,
+where one block an SM streaming the rows gave 3437). Rows of 32768 columns (``STREAM``) leave
+room for one block per SM, so each block of a persistent grid walks rows ``block, block +
+grid, ...`` and streams them through a shared tile: ``kiln.copy`` global -> shared runs
+asynchronously (``cp.async`` on NVIDIA, buffer -> LDS DMA on gfx950), and the next row's copy
+starts as soon as every thread holds its part of this one, so DRAM reads the next row while
+this one is reduced and written. Shared memory holds zeros past ``N``: ``kiln.where`` on
+``kiln.tiles.mask`` (one compare per 16-byte chunk) puts the ``-inf`` back.
 
 ``kiln.reduce`` does the cross-thread work: registers, then XOR shuffles inside each warp
 (32 lanes on NVIDIA, 64 on AMD: read from the target), then one shared-memory stage across
@@ -30,6 +33,7 @@ import numpy as np
 
 import kiln
 from kiln import f32, i32
+from kiln.kernel import default_target
 from kiln.runtime.cuda import cuda_available, driver
 
 
@@ -61,10 +65,12 @@ def softmax_kernel(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i3
         kiln.copy(p, row_tile(y, row))
 
 
-# rows from this many columns stream through shared memory (STREAM), and blocks per SM of
-# that persistent grid (measured: bench/tutorials_rows.py)
-STREAM_FROM = 16384
-BLOCKS_PER_SM = {16384: 1, 32768: 1}
+# rows from this many columns stream through shared memory (STREAM), blocks per SM of that
+# persistent grid, and (NVIDIA) the registers a thread may take so that two blocks of
+# 16384-column rows share an SM (measured: bench/tutorials_rows.py)
+STREAM_FROM = 32768
+BLOCKS_PER_SM = {32768: 1}
+MAX_REGISTERS = {16384: 64}
 
 
 def alignment(n: int, *arrays) -> int:
@@ -78,7 +84,8 @@ def config(n: int) -> tuple[int, int, int, bool]:
     """``(BLOCK, THREADS, BLOCKS_PER_SM, STREAM)`` for rows of ``n`` columns: the row rounded
     up to a power of two (at least 512), 16 columns per thread between 128 and 512 threads (64
     at 32768 columns: within 128 registers, no spills); rows from :data:`STREAM_FROM` columns
-    stream through shared memory over a persistent grid, shorter ones take a block each."""
+    stream through shared memory over a persistent grid, shorter ones take a block each (on
+    NVIDIA at most :data:`MAX_REGISTERS` registers a thread)."""
     block = max(512, 1 << (n - 1).bit_length())
     stream = block >= STREAM_FROM
     return block, min(512, max(128, block // 16)), BLOCKS_PER_SM.get(block, 1), stream
@@ -93,6 +100,9 @@ def softmax(x, y, *, backend: str = "gpu", target: str | None = None):
     launch = softmax_kernel.interpret[(grid,)] if backend == "interpret" \
         else softmax_kernel[(grid,)]
     extra = {"target": target} if target else {}
+    if backend == "gpu" and block in MAX_REGISTERS and (target or default_target()) \
+            .startswith("sm_"):
+        extra["maxnreg"] = MAX_REGISTERS[block]
     launch(x, y, m, n, grid, BLOCK=block, THREADS=threads, ALIGN=alignment(n, x, y),
            STREAM=stream, **extra)
     return y

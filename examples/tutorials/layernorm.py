@@ -15,7 +15,11 @@ wholly past it, so the ragged edge needs no per-element masks.
 
 As in the softmax tutorial, short rows take a block each and long rows (``STREAM``) stream
 through shared tiles over a persistent grid: the next row's ``kiln.copy`` (``cp.async`` /
-buffer -> LDS DMA) runs while this one is normalised.
+buffer -> LDS DMA) runs while this one is normalised. Every row reads all of ``w`` and ``b``
+(from L2): a streamed row loads tile ``c + 1``'s before it stores tile ``c``, since a load
+after a store it may alias waits for that store; one L2 round trip a tile then overlaps the
+previous tile's work (on an H200, 1024 x 16384: 0.81 instead of 0.76 of copy bandwidth,
+512 x 32768: 0.75 instead of 0.68).
 
 Run: ``python examples/tutorials/layernorm.py``.
 """
@@ -47,6 +51,10 @@ def layernorm_kernel(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor
         for c, g in enumerate(row_tiles(x, row)):
             kiln.copy(g, row_s[c])
 
+    def weights(c):   # w's and b's tile c (none past the row's last tile)
+        return [kiln.load(row_tiles(t, 0)[c], tv) for t in (w, b)] \
+            if c < BLOCK // CHUNK else None
+
     if STREAM:
         fetch(kiln.block_id(0))
     for row in kiln.range(kiln.block_id(0), m, grid):
@@ -58,17 +66,18 @@ def layernorm_kernel(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor
                 fetch(row + grid)
         else:
             xs = [kiln.load(g, tv) for g in row_tiles(x, row)]
-        # one tile: w and b load before the reductions, which hide their latency
-        early = [[kiln.load(g, tv) for g in row_tiles(t, 0)] for t in (w, b)] \
-            if BLOCK == CHUNK else None
+        # w and b: a one-tile row's before the reductions, which hide their latency
+        wb = [weights(0)] if BLOCK == CHUNK else []
         mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
         xcs = [kiln.where(kiln.tiles.mask(g, tv), t - mean, 0.0)
                for g, t in zip(row_tiles(x, row), xs)]
+        wb += [weights(0)] if STREAM else []
         rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]), "sum",
                                       axis=1) * inv_n + eps)
-        for c, xc in enumerate(xcs):   # else w and b a tile at a time: fewer live registers
-            gamma, beta = (early[0][c], early[1][c]) if early else \
-                (kiln.load(t[c], tv) for t in (row_tiles(w, 0), row_tiles(b, 0)))
+        for c, xc in enumerate(xcs):
+            if STREAM:   # tile c + 1's before tile c's store (a load after it would wait for it)
+                wb.append(weights(c + 1))
+            gamma, beta = wb[c] if wb else weights(c)   # else a tile at a time: fewer registers
             kiln.copy(xc * rstd * gamma + beta, row_tiles(y, row)[c])
         if kiln.thread_id(0) == 0:
             mean_out[row] = mean.item()
