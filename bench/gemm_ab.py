@@ -156,14 +156,31 @@ def bound_call(x, w, config, trans_b: bool = True):
     return call
 
 
-def cell_configs(m: int, trans_b: bool, matmul_only: bool) -> list:
-    """The candidates timed at a cell: those of its M (none with ``matmul_only``), without
-    swap-AB where B is stored K x N."""
-    return [] if matmul_only else [c for c in candidates(m) if trans_b or not c.swap_ab]
+def parse_config(spec: str) -> HopperGemmConfig:
+    """A config from ``--configs`` text: ``default`` or ``field=value`` pairs joined by
+    commas, e.g. ``block_n=128,stages=6,stream_k=1``."""
+    if spec == "default":
+        return C()
+    types = {f.name: f.type for f in fields(C)}
+    values = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        if name not in types:
+            raise SystemExit(f"--configs: no HopperGemmConfig field {name!r} in {spec!r}")
+        values[name] = value.lower() in ("1", "true") if types[name] in (bool, "bool") \
+            else int(value)
+    return C(**values)
+
+
+def cell_configs(m: int, trans_b: bool, matmul_only: bool, fixed=None) -> list:
+    """The candidates timed at a cell: ``fixed`` (``--configs``) or those of its M (none with
+    ``matmul_only``), without swap-AB where B is stored K x N."""
+    space = candidates(m) if fixed is None else fixed
+    return [] if matmul_only else [c for c in space if trans_b or not c.swap_ab]
 
 
 def ab_cell(spec: str, repeat: int, batch: int, top: int = 5,
-            matmul_only: bool = False) -> dict:
+            matmul_only: bool = False, fixed=None) -> dict:
     """cuBLAS, ``matmul`` and every candidate of one cell, each checked, then timed with their
     samples interleaved (``gemm_llm.measure_pair``: one clock and power state for all)."""
     label, m, n, k, trans_b = parse_cell(spec)
@@ -174,7 +191,7 @@ def ab_cell(spec: str, repeat: int, batch: int, top: int = 5,
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     b_major = "k" if trans_b else "mn"
     pick = chosen_config(m, n, k, "bf16", b_major, "bf16", sms=sms) if m <= SMALL_M else None
-    configs = cell_configs(m, trans_b, matmul_only)
+    configs = cell_configs(m, trans_b, matmul_only, fixed)
     if pick is not None and pick not in configs and not matmul_only:
         configs.append(pick)
     matmul(x, b, trans_b=trans_b)  # tunes M > SMALL_M (the autotuner's pick) before timing
@@ -237,6 +254,9 @@ def main() -> None:
                         help="cells of larger M time matmul's pick alone")
     parser.add_argument("--ab-cells", nargs="*",
                         help="only these cells A/B candidates (the rest time matmul alone)")
+    parser.add_argument("--configs", nargs="+", type=parse_config,
+                        help="time these configs at the A/B cells instead of CANDIDATES: "
+                             "'default' or e.g. block_n=128,stages=6,stream_k=1")
     parser.add_argument("--precompile", metavar="I/N",
                         help="compile shard I of N of the run's kernels into the disk cache and "
                              "exit (run N such processes at once before the timed run)")
@@ -250,7 +270,7 @@ def main() -> None:
           and (args.ab_cells is None or spec in args.ab_cells)]
     if args.precompile:
         shard, shards = map(int, args.precompile.split("/"))
-        compile_all(_compile, _kernels(args.cells, ab)[shard::shards])
+        compile_all(_compile, _kernels(args.cells, ab, args.configs)[shard::shards])
         return
     results = []
     for spec in args.cells:
@@ -259,7 +279,8 @@ def main() -> None:
             break
         if args.profile and not results:
             _profile(spec)
-        results.append(ab_cell(spec, args.repeat, args.batch, args.top, spec not in ab))
+        results.append(ab_cell(spec, args.repeat, args.batch, args.top, spec not in ab,
+                               args.configs))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "cells": results}, f)
@@ -270,13 +291,13 @@ def _compile(job) -> None:
     compile_matmul("bf16", target="sm_90a", trans_b=trans_b, **vars(config))
 
 
-def _kernels(cells, ab) -> list:
+def _kernels(cells, ab, fixed=None) -> list:
     """Every (config, trans_b) the run compiles: the A/B cells' candidates, each cell's pick
     (small M), the large-GEMM autotuner's space (large M), in a fixed order."""
     jobs = set()
     for spec in cells:
         _, m, n, k, trans_b = parse_cell(spec)
-        jobs.update((c, trans_b) for c in cell_configs(m, trans_b, spec not in ab))
+        jobs.update((c, trans_b) for c in cell_configs(m, trans_b, spec not in ab, fixed))
         if m > SMALL_M:
             jobs.update((c, trans_b) for c in HOPPER_CONFIGS)
         else:
