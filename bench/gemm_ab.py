@@ -206,7 +206,7 @@ def ab_cell(spec: str, repeat: int, batch: int, top: int = 5,
             call = bound_call(x, b, config, trans_b)
             err = error(call(), reference)
         except kiln.KilnError as exc:  # a candidate that cannot run is reported, not fatal
-            rows[name] = {"failed": f"{type(exc).__name__}: {str(exc)[:100]}"}
+            rows[name] = {"failed": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
             continue
         if not err < 1e-2:  # nor is a wrong one (NaN included)
             rows[name] = {"rel_error": err}
