@@ -16,8 +16,10 @@ all), two ways:
 Prints per cell ``matmul``'s line and the ``--top`` best configs by GPU ratio: cuBLAS time /
 Kiln time for both, microseconds, the config (every row is in ``--json``).
 ``--matmul-only`` (or cells outside ``--ab-min-m``/``--ab-max-m``/``--ab-cells``) times
-``matmul``'s own pick alone (a quick check of the defaults); ``--precompile I/N`` fills the
-disk cache first from N processes. ``--budget`` seconds stops between cells. Usage::
+``matmul``'s own pick alone (a quick check of the defaults); ``--configs`` /
+``--large-configs`` (``field=value,...`` text) time those configs at the A/B cells of M up to
+512 / above instead of the candidate lists; ``--precompile I/N`` fills the disk cache first
+from N processes. ``--budget`` seconds stops between cells. Usage::
 
     python bench/gemm_ab.py --cells llama3-8b:o:64 llama3-8b:down:1 4096x4096x4096 \
         [--ab-cells llama3-8b:o:64] [--json ab.json]
@@ -255,8 +257,10 @@ def main() -> None:
     parser.add_argument("--ab-cells", nargs="*",
                         help="only these cells A/B candidates (the rest time matmul alone)")
     parser.add_argument("--configs", nargs="+", type=parse_config,
-                        help="time these configs at the A/B cells instead of CANDIDATES: "
-                             "'default' or e.g. block_n=128,stages=6,stream_k=1")
+                        help="time these configs at the A/B cells of M <= 512 instead of "
+                             "CANDIDATES: 'default' or e.g. block_n=128,stages=6,stream_k=1")
+    parser.add_argument("--large-configs", nargs="+", type=parse_config,
+                        help="the same for the A/B cells of M > 512")
     parser.add_argument("--precompile", metavar="I/N",
                         help="compile shard I of N of the run's kernels into the disk cache and "
                              "exit (run N such processes at once before the timed run)")
@@ -270,7 +274,8 @@ def main() -> None:
           and (args.ab_cells is None or spec in args.ab_cells)]
     if args.precompile:
         shard, shards = map(int, args.precompile.split("/"))
-        compile_all(_compile, _kernels(args.cells, ab, args.configs)[shard::shards])
+        compile_all(_compile, _kernels(args.cells, ab, args.configs,
+                                       args.large_configs)[shard::shards])
         return
     results = []
     for spec in args.cells:
@@ -279,8 +284,8 @@ def main() -> None:
             break
         if args.profile and not results:
             _profile(spec)
-        results.append(ab_cell(spec, args.repeat, args.batch, args.top, spec not in ab,
-                               args.configs))
+        fixed = args.configs if parse_cell(spec)[1] <= SMALL_M else args.large_configs
+        results.append(ab_cell(spec, args.repeat, args.batch, args.top, spec not in ab, fixed))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "cells": results}, f)
@@ -291,13 +296,15 @@ def _compile(job) -> None:
     compile_matmul("bf16", target="sm_90a", trans_b=trans_b, **vars(config))
 
 
-def _kernels(cells, ab, fixed=None) -> list:
-    """Every (config, trans_b) the run compiles: the A/B cells' candidates, each cell's pick
-    (small M), the large-GEMM autotuner's space (large M), in a fixed order."""
+def _kernels(cells, ab, fixed=None, fixed_large=None) -> list:
+    """Every (config, trans_b) the run compiles: the A/B cells' candidates (``fixed`` and
+    ``fixed_large`` replacing those of M <= 512 and above), each cell's pick (small M), the
+    large-GEMM autotuner's space (large M), in a fixed order."""
     jobs = set()
     for spec in cells:
         _, m, n, k, trans_b = parse_cell(spec)
-        jobs.update((c, trans_b) for c in cell_configs(m, trans_b, spec not in ab, fixed))
+        space = fixed if m <= SMALL_M else fixed_large
+        jobs.update((c, trans_b) for c in cell_configs(m, trans_b, spec not in ab, space))
         if m > SMALL_M:
             jobs.update((c, trans_b) for c in HOPPER_CONFIGS)
         else:

@@ -30,6 +30,7 @@ FAMILIES = {  # one config per family, with every new knob somewhere
     # swap-AB over all of K: tiles of C.T stored straight into C, one launch
     "fused_swap32": C(block_n=32, stages=8, swap_ab=True, fused_reduce=True),
     "direct_swap32_bm64": C(block_m=64, block_n=32, stages=12, swap_ab=True, fused_reduce=True),
+    "direct_swap64_bm64": C(block_m=64, block_n=64, stages=12, swap_ab=True, fused_reduce=True),
     "fused_swap32_split4": C(block_n=32, stages=8, swap_ab=True, split_k=4, fused_reduce=True),
     "fused_swap64_split3": C(block_n=64, stages=8, swap_ab=True, split_k=3, fused_reduce=True),
     "fused_bm64_bn128_split3": C(block_m=64, block_n=128, stages=8, split_k=3,
@@ -80,8 +81,13 @@ def test_heuristic_shapes_the_work_to_the_gpu():
     assert decode.swap_ab and decode.block_n == 32 and not decode.fused_reduce
     units = PartialsLayout.of(4096, 1, 4096, decode).units
     assert 64 < units <= 132  # split-K fills the SMs without a second wave
+    # 64 swap-AB tiles of 64 rows over all of K, each stored straight into C (one launch)
     mid = heuristic_config(48, 4096, 4096, "k", sms=132)
-    assert (mid.block_m, mid.block_n, mid.swap_ab, mid.split_k) == (64, 128, False, 4)
+    assert (mid.block_m, mid.block_n, mid.swap_ab, mid.split_k) == (64, 64, True, 1)
+    assert mid.fused_reduce and mid.pdl
+    # K of 14336 is too long for one CTA a tile: 64-row tiles, K split in 4
+    mid_long = heuristic_config(48, 4096, 14336, "k", sms=132)
+    assert (mid_long.block_m, mid_long.swap_ab, mid_long.split_k) == (64, False, 4)
     # enough 64 x 128 tiles for the GPU at M = 256, N = 4096: no split
     one_wave = heuristic_config(256, 4096, 4096, "k", sms=132)
     assert (one_wave.block_m, one_wave.block_n, one_wave.split_k) == (64, 128, 1)
@@ -93,9 +99,10 @@ def test_heuristic_shapes_the_work_to_the_gpu():
     # 448 tiles of 128 x 256 are 3.4 waves, 600 of 128 x 192 4.5: a fuller last wave
     assert wide == HopperGemmConfig(block_n=192)
     assert heuristic_config(256, 28672, 4096, "k", sms=132) == HopperGemmConfig()
-    # Llama-3-70B QKV at M = 256: 80 tiles of 128 x 256 (one partial wave) rather than 160 of
-    # 128 x 128 (two); at 8B QKV the 96 tiles of 128 x 128 fit one wave and stay
-    assert heuristic_config(256, 10240, 8192, "k", sms=132) == HopperGemmConfig()
+    # Llama-3-70B QKV at M = 256: 108 tiles of 128 x 192 (one wave) rather than 80 of
+    # 128 x 256 or 160 of 128 x 128 (two); at 8B QKV the 96 tiles of 128 x 128 fit one wave
+    assert heuristic_config(256, 10240, 8192, "k", sms=132) == HopperGemmConfig(block_n=192,
+                                                                                 pdl=True)
     assert heuristic_config(256, 6144, 4096, "k", sms=132).block_n == 128
     # M = 256, K = 14336: 128 x 128 tiles in 2 K slices (128 units), not 64 x 128 ones whole
     long_k = heuristic_config(256, 4096, 14336, "k", sms=132)
@@ -105,11 +112,17 @@ def test_heuristic_shapes_the_work_to_the_gpu():
     # 448 swap-AB tiles (Llama-3-70B gate/up at decode): stream-K balances the 3.4 waves
     many = heuristic_config(1, 57344, 8192, "k", sms=132)
     assert many.swap_ab and many.stream_k and many.split_k == 1
-    # slices: sms // tiles as a power of two (64 tiles: 2); 64 x 128 tiles split only when
-    # they are at most a third of the SMs (32: 4 slices; 48: none)
-    assert heuristic_config(16, 8192, 8192, "k", sms=132).split_k == 2
-    assert heuristic_config(64, 4096, 4096, "k", sms=132).split_k == 4
-    assert heuristic_config(64, 6144, 4096, "k", sms=132).split_k == 1
+    # at least a third of the SMs' worth of swap-AB tiles and K of at most 128 steps: whole K
+    # per tile, C stored directly (70B O: 64 tiles; 70B QKV: 80); at 70B down (448 steps) the
+    # 64 tiles split K in sms // tiles = 2 slices
+    direct = heuristic_config(16, 8192, 8192, "k", sms=132)
+    assert direct.swap_ab and direct.fused_reduce and direct.split_k == 1
+    assert heuristic_config(1, 10240, 8192, "k", sms=132) == direct
+    assert heuristic_config(1, 8192, 28672, "k", sms=132).split_k == 2
+    # 64 x 128 tiles split only when they are at most a third of the SMs (row-major B: 32
+    # tiles, 4 slices; 48: none)
+    assert heuristic_config(64, 4096, 4096, "mn", sms=132).split_k == 4
+    assert heuristic_config(64, 6144, 4096, "mn", sms=132).split_k == 1
     assert chosen_config(SMALL_M + 1, 4096, 4096, "bf16", "k", "bf16") is None
     assert all(isinstance(cfg, HopperGemmConfig) for cfg in SMALL_M_CONFIGS)
 

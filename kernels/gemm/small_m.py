@@ -31,6 +31,12 @@ WAVE = 0.7  # a tile shape "fills the GPU" with at least this many tiles per SM
 ONE_WAVE = 0.8  # swap-AB gives way to 64 x 256 tiles that make one near-full wave
 SPLIT_TILES = 3  # 64 x 128 tiles split K only when there are at most sms / 3 of them
 SWAP_M = 32  # swap-AB (32 columns) up to this M; above, 64-row tiles were faster
+# Swap-AB tiles over all of K, each stored straight into C (one launch, no partials), when
+# there are at least sms / DIRECT_SHARE of them and K is at most DIRECT_STEPS steps: fewer
+# CTAs streaming longer beat a reduction kernel (H200, Llama-3-70B O M = 16: 1.026 vs 0.906
+# of cuBLAS); at K = 14336 with 32 tiles they lost (0.647)
+DIRECT_SHARE = 3
+DIRECT_STEPS = 128
 # K steps from which M of 129..512 takes 128 x 128 tiles split in two over 64-row tiles whole
 # (Llama-3-8B down, K = 14336, M = 256: 0.942 vs 0.897 of cuBLAS on an H200)
 LONG_K_STEPS = 128
@@ -58,7 +64,12 @@ SMALL_M_CONFIGS = (
     C(block_m=64, block_n=128, stages=8, split_k=4, fused_reduce=True),
     # Stream-K (:mod:`.streamk`): every SM an equal share of the K steps, one launch.
     C(block_n=32, stages=8, swap_ab=True, stream_k=True),
-    C(block_m=64, block_n=128, stages=8, stream_k=True), C(block_n=128, stages=6, stream_k=True))
+    C(block_m=64, block_n=128, stages=8, stream_k=True), C(block_n=128, stages=6, stream_k=True),
+    # swap-AB over all of K storing C directly (one launch, no workspace)
+    C(block_n=32, stages=8, swap_ab=True, fused_reduce=True),
+    C(block_m=64, block_n=64, stages=12, swap_ab=True, fused_reduce=True),
+    # one wave of 128 x 192 tiles, its prologue overlapping the kernel before
+    C(block_n=192, pdl=True))
 # Programmatic dependent launches of the partials configs (what the heuristic runs).
 SMALL_M_CONFIGS += tuple(dataclasses.replace(c, pdl=True) for c in SMALL_M_CONFIGS
                          if c.partials)
@@ -96,13 +107,23 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
         tiles = -(-n // 128)
         if tiles >= sms:
             return HopperGemmConfig(block_n=32, stages=8, swap_ab=True, stream_k=True, pdl=True)
+        if DIRECT_SHARE * tiles >= sms and steps <= DIRECT_STEPS:
+            return HopperGemmConfig(block_n=32, stages=8, swap_ab=True, fused_reduce=True,
+                                    pdl=True)
         return HopperGemmConfig(block_n=32, stages=8, swap_ab=True,
                                 split_k=_slices(sms // tiles, steps), pdl=True)
+    narrow = -(-n // 64)  # swap-AB tiles of 64 rows of B
+    if m <= 64 and b_major == "k" and DIRECT_SHARE * narrow >= sms >= narrow and \
+            steps <= DIRECT_STEPS:
+        return HopperGemmConfig(block_m=64, block_n=64, stages=12, swap_ab=True,
+                                fused_reduce=True, pdl=True)
     wide = -(-m // 128) * -(-n // 256)  # 128 x 256 tiles
     for block_m, block_n, stages in TILE_SHAPES:
         tiles = -(-m // block_m) * -(-n // block_n)
         if (block_m, block_n) == (128, 128) and m > 64 and tiles > sms >= wide:
-            return HopperGemmConfig()  # one partial wave of 128 x 256 tiles, not two of 128 x 128
+            # one wave of 128 x 192 tiles (4/3 of the 128 x 256 ones, under 0.7 * sms), not
+            # two of 128 x 128
+            return HopperGemmConfig(block_n=192, pdl=True)
         if (block_m == 64 or m > 64) and tiles >= WAVE * sms:
             if (block_m, block_n) == (128, 256) and \
                     _wave_use(-(-m // 128) * -(-n // 192), sms) > _wave_use(tiles, sms):
