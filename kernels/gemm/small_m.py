@@ -83,21 +83,27 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
 
     1. M <= 32 with B stored N x K: 64 x 256 tiles if they make one near-full wave
        (``0.8 * sms .. sms``); else swap-AB 128 x 32 tiles, with stream-K when there are at
-       least ``sms`` of them, else split into ``sms // tiles`` K slices (a power of two, slices
-       of at least 16 steps);
-    2. the largest tile of :data:`TILE_SHAPES` (only 64-row ones for M <= 64) that makes at
+       least ``sms`` of them; over all of K with C stored directly (``fused_reduce``, one
+       launch) when there are at least ``sms / 3`` and K has at most 128 steps (Llama-3-70B O
+       M = 1 / 16: 0.966 / 1.026 of cuBLAS vs 0.901 / 0.906 split in two); else split into
+       ``sms // tiles`` K slices (a power of two, slices of at least 16 steps);
+    2. M of 33..64, B stored N x K: swap-AB 64 x 64 tiles over all of K, C stored directly,
+       when ``sms / 3 .. sms`` of them and K of at most 128 steps (Llama-3-8B QKV M = 64:
+       0.927 vs 0.839 for 64 x 128 tiles);
+    3. the largest tile of :data:`TILE_SHAPES` (only 64-row ones for M <= 64) that makes at
        least ``0.7 * sms`` tiles, without splitting K; but 128 x 192 for 128 x 256 where its
        last wave is fuller (Llama-3-8B gate/up M = 512: 0.915 vs 0.88 of cuBLAS), and for
        M of 129..512 with K of at least 128 steps, 128 x 128 tiles in 2 K slices instead of
-       64-row tiles when that makes at most ``sms`` units; and 128 x 256 tiles (less than
-       ``0.7 * sms`` of them) rather than 128 x 128 ones that would take a second wave
-       (Llama-3-70B QKV M = 256: 0.707 vs 0.628 of cuBLAS on an H200, one run);
-    3. else 64 x 128 tiles, K split as in 1 only when they are at most ``sms / 3``.
+       64-row tiles when that makes at most ``sms`` units; and one wave of 128 x 192 tiles
+       (``pdl``) rather than 128 x 128 ones that would take a second wave or 128 x 256 ones
+       under ``0.7 * sms`` (Llama-3-70B QKV M = 256: 0.884 vs 0.686 for 128 x 256);
+    4. else 64 x 128 tiles, K split as in 1 only when they are at most ``sms / 3``.
 
     Configs with a second (reduction) kernel or an in-kernel fix-up are programmatic
     dependent launches (``pdl``): 1 to 3 us less GPU time per call at Llama-3-8B O M = 64 and
     down M = 1 on an H200 (``bench/gemm_ab.py``); whole-tile configs are not (64 x 256 tiles
-    at gate/up M = 1 measured 5 % slower with it).
+    at gate/up M = 1 measured 5 % slower with it) but for the one-wave 128 x 192 tiles of 3.
+    Ratios are kernel-only GPU times on an H200 (``bench/gemm_ab.py``, interleaved samples).
 
     Example: ``heuristic_config(1, 4096, 4096, "k", sms=132)`` is swap-AB with 4 K slices."""
     steps = -(-k // 64)
