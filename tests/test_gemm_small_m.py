@@ -22,6 +22,8 @@ FAMILIES = {  # one config per family, with every new knob somewhere
     "swap32": C(block_n=32, stages=8, swap_ab=True),
     "swap32_split4": C(block_n=32, stages=8, swap_ab=True, split_k=4),
     "swap64_split2": C(block_n=64, stages=8, swap_ab=True, split_k=2),
+    "swap32_bm192_split4": C(block_m=192, block_n=32, stages=6, consumer_registers=152,
+                             swap_ab=True, split_k=4),
     "bm64_bn128": C(block_m=64, block_n=128, stages=8),
     "bm64_bn128_split3": C(block_m=64, block_n=128, stages=8, split_k=3),
     "bm64_bn256_split2": C(block_m=64, block_n=256, stages=4, split_k=2),
@@ -119,6 +121,9 @@ def test_heuristic_shapes_the_work_to_the_gpu():
     assert direct.swap_ab and direct.fused_reduce and direct.split_k == 1
     assert heuristic_config(1, 10240, 8192, "k", sms=132) == direct
     assert heuristic_config(1, 8192, 28672, "k", sms=132).split_k == 2
+    # 32 tiles of 128 rows (Llama-3-8B down, K = 14336): 22 of 192 rows in 4 slices
+    down = heuristic_config(1, 4096, 14336, "k", sms=132)
+    assert (down.block_m, down.swap_ab, down.split_k, down.fused_reduce) == (192, True, 4, False)
     # 64 x 128 tiles split only when they are at most a third of the SMs (row-major B: 32
     # tiles, 4 slices; 48: none)
     assert heuristic_config(64, 4096, 4096, "mn", sms=132).split_k == 4

@@ -69,7 +69,9 @@ SMALL_M_CONFIGS = (
     C(block_n=32, stages=8, swap_ab=True, fused_reduce=True),
     C(block_m=64, block_n=64, stages=12, swap_ab=True, fused_reduce=True),
     # one wave of 128 x 192 tiles, its prologue overlapping the kernel before
-    C(block_n=192, pdl=True))
+    C(block_n=192, pdl=True),
+    # few 192-row swap-AB tiles over long K, 4 slices (3 consumer warp groups)
+    C(block_m=192, block_n=32, stages=6, consumer_registers=152, swap_ab=True, split_k=4))
 # Programmatic dependent launches of the partials configs (what the heuristic runs).
 SMALL_M_CONFIGS += tuple(dataclasses.replace(c, pdl=True) for c in SMALL_M_CONFIGS
                          if c.partials)
@@ -85,8 +87,10 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
        (``0.8 * sms .. sms``); else swap-AB 128 x 32 tiles, with stream-K when there are at
        least ``sms`` of them; over all of K with C stored directly (``fused_reduce``, one
        launch) when there are at least ``sms / 3`` and K has at most 128 steps (Llama-3-70B O
-       M = 1 / 16: 0.966 / 1.026 of cuBLAS vs 0.901 / 0.906 split in two); else split into
-       ``sms // tiles`` K slices (a power of two, slices of at least 16 steps);
+       M = 1 / 16: 0.966 / 1.026 of cuBLAS vs 0.901 / 0.906 split in two); with fewer than
+       ``sms / 3`` and K over 128 steps, swap-AB 192 x 32 tiles in ``sms // tiles`` K slices
+       (Llama-3-8B down M = 1: 0.996 vs 0.951 for 128 x 32 tiles in 4); else 128 x 32 tiles
+       split into ``sms // tiles`` K slices (a power of two, slices of at least 16 steps);
     2. M of 33..64, B stored N x K: swap-AB 64 x 64 tiles over all of K, C stored directly,
        when ``sms / 3 .. sms`` of them and K of at most 128 steps (Llama-3-8B QKV M = 64:
        0.927 vs 0.839 for 64 x 128 tiles);
@@ -115,6 +119,13 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
             return HopperGemmConfig(block_n=32, stages=8, swap_ab=True, stream_k=True, pdl=True)
         if DIRECT_SHARE * tiles >= sms and steps <= DIRECT_STEPS:
             return HopperGemmConfig(block_n=32, stages=8, swap_ab=True, fused_reduce=True,
+                                    pdl=True)
+        if DIRECT_SHARE * tiles < sms and steps > DIRECT_STEPS:
+            # few tiles, long K: 192-row tiles in fewer, longer slices (Llama-3-8B down M = 1:
+            # 88 units, 0.996 of cuBLAS vs 0.951 for 128 units of 128 x 32)
+            wide_tiles = -(-n // 192)
+            return HopperGemmConfig(block_m=192, block_n=32, stages=6, consumer_registers=152,
+                                    swap_ab=True, split_k=_slices(sms // wide_tiles, steps),
                                     pdl=True)
         return HopperGemmConfig(block_n=32, stages=8, swap_ab=True,
                                 split_k=_slices(sms // tiles, steps), pdl=True)
