@@ -83,13 +83,15 @@ def test_heuristic_shapes_the_work_to_the_gpu():
     assert decode.swap_ab and decode.block_n == 32 and not decode.fused_reduce
     units = PartialsLayout.of(4096, 1, 4096, decode).units
     assert 64 < units <= 132  # split-K fills the SMs without a second wave
-    # 64 swap-AB tiles of 64 rows over all of K, each stored straight into C (one launch)
     mid = heuristic_config(48, 4096, 4096, "k", sms=132)
-    assert (mid.block_m, mid.block_n, mid.swap_ab, mid.split_k) == (64, 64, True, 1)
-    assert mid.fused_reduce and mid.pdl
-    # K of 14336 is too long for one CTA a tile: 64-row tiles, K split in 4
-    mid_long = heuristic_config(48, 4096, 14336, "k", sms=132)
-    assert (mid_long.block_m, mid_long.swap_ab, mid_long.split_k) == (64, False, 4)
+    assert (mid.block_m, mid.block_n, mid.swap_ab, mid.split_k) == (64, 128, False, 4)
+    # 96 swap-AB tiles of 64 rows (half the SMs or more) over all of K, each stored straight
+    # into C (one launch); K of 14336 is too long for that: 48 tiles of 64 x 128, whole K
+    mid_direct = heuristic_config(48, 6144, 4096, "k", sms=132)
+    assert (mid_direct.block_m, mid_direct.block_n, mid_direct.swap_ab) == (64, 64, True)
+    assert mid_direct.fused_reduce and mid_direct.split_k == 1 and mid_direct.pdl
+    mid_long = heuristic_config(48, 6144, 14336, "k", sms=132)
+    assert (mid_long.block_m, mid_long.swap_ab, mid_long.split_k) == (64, False, 1)
     # enough 64 x 128 tiles for the GPU at M = 256, N = 4096: no split
     one_wave = heuristic_config(256, 4096, 4096, "k", sms=132)
     assert (one_wave.block_m, one_wave.block_n, one_wave.split_k) == (64, 128, 1)
@@ -114,16 +116,20 @@ def test_heuristic_shapes_the_work_to_the_gpu():
     # 448 swap-AB tiles (Llama-3-70B gate/up at decode): stream-K balances the 3.4 waves
     many = heuristic_config(1, 57344, 8192, "k", sms=132)
     assert many.swap_ab and many.stream_k and many.split_k == 1
-    # at least a third of the SMs' worth of swap-AB tiles and K of at most 128 steps: whole K
-    # per tile, C stored directly (70B O: 64 tiles; 70B QKV: 80); at 70B down (448 steps) the
-    # 64 tiles split K in sms // tiles = 2 slices
+    # a third to a half of the SMs' worth of swap-AB tiles and K of at most 128 steps: whole K
+    # per tile, C stored directly (70B O: 64 tiles); 80 tiles (70B QKV) run whole K through
+    # the reduction; at 70B down (448 steps) the 64 tiles split K in sms // tiles = 2 slices
     direct = heuristic_config(16, 8192, 8192, "k", sms=132)
     assert direct.swap_ab and direct.fused_reduce and direct.split_k == 1
-    assert heuristic_config(1, 10240, 8192, "k", sms=132) == direct
+    qkv = heuristic_config(1, 10240, 8192, "k", sms=132)
+    assert qkv.swap_ab and not qkv.fused_reduce and qkv.split_k == 1
     assert heuristic_config(1, 8192, 28672, "k", sms=132).split_k == 2
-    # 32 tiles of 128 rows (Llama-3-8B down, K = 14336): 22 of 192 rows in 4 slices
+    # 32 tiles of 128 rows (Llama-3-8B down, K = 14336): 22 of 192 rows in 4 slices up to
+    # M = 8; 128-row ones in 4 slices above
     down = heuristic_config(1, 4096, 14336, "k", sms=132)
     assert (down.block_m, down.swap_ab, down.split_k, down.fused_reduce) == (192, True, 4, False)
+    down16 = heuristic_config(16, 4096, 14336, "k", sms=132)
+    assert (down16.block_m, down16.swap_ab, down16.split_k) == (128, True, 4)
     # 64 x 128 tiles split only when they are at most a third of the SMs (row-major B: 32
     # tiles, 4 slices; 48: none)
     assert heuristic_config(64, 4096, 4096, "mn", sms=132).split_k == 4
