@@ -285,6 +285,39 @@ def test_gpu_matmul_small_m_plans(m, trans_b, rng):
         assert_matmul_close(c, a, b_kn)
 
 
+# Odd shapes on which an H100/H200 (132 SMs) heuristic picks each rule of the H200 batch-3
+# fit: swap-AB 128-row tiles stored directly, 64 x 64 ones stored directly, 192-row tiles over
+# long K in slices, one wave of 128 x 192 tiles.
+HEURISTIC_PICKS = {  # shape: block_m, swap_ab, fused_reduce, split_k
+    (1, 6001, 999): (128, True, True, 1), (40, 5999, 1001): (64, True, True, 1),
+    (3, 4001, 9001): (192, True, False, 4), (200, 10001, 2001): (128, False, False, 1)}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", list(HEURISTIC_PICKS), ids=lambda s: "x".join(map(str, s)))
+def test_gpu_matmul_heuristic_picks_match_float64(shape, rng):
+    """Each measured heuristic rule through matmul (padding, plan, repeat call) on odd shapes
+    against float64, the pool poisoned with NaN before every call."""
+    torch = pytest.importorskip("torch")
+    from kiln.kernels import runtime
+
+    m, n, k = shape
+    sms = runtime.multiprocessor_count()
+    if sms != 132:
+        pytest.skip(f"the picks are fitted to 132 SMs, this GPU has {sms}")
+    config = chosen_config(m, -(-n // 8) * 8, -(-k // 8) * 8, "bf16", "k", "bf16", sms=sms)
+    assert (config.block_m, config.swap_ab, config.fused_reduce, config.split_k) == \
+        HEURISTIC_PICKS[shape]
+    a, b, b_kn = _operands(m, n, k, True, rng)
+    a_dev, b_dev = (torch.from_numpy(x.astype(np.float32)).to("cuda", torch.bfloat16)
+                    for x in (a, b))
+    for _ in range(2):
+        torch.empty(m * n * 8, device="cuda").fill_(float("nan"))
+        c = matmul(a_dev, b_dev, trans_b=True)
+        assert_matmul_close(c, a, b_kn)
+
+
 def test_bench_candidate_lists_are_valid_configs(monkeypatch):
     """bench/gemm_ab.py and gemm_config_sweep.py build their candidates at import: a config
     that cannot exist (too many stages for shared memory) must fail here, not on a GPU."""
