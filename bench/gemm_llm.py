@@ -71,7 +71,9 @@ def measure(torch, fn, repeat: int, batch: int) -> tuple[float, float]:
 def measure_pair(torch, fns, repeat: int, batch: int) -> list[tuple[float, float]]:
     """(call ms, GPU ms) of each of ``fns``: samples of about :data:`SAMPLE_MS` of GPU time
     (``batch`` calls at most), up to ``repeat`` of them within :data:`CELL_MS`, the functions'
-    samples interleaved (clock and power drift hit both alike); medians."""
+    samples interleaved (clock and power drift hit all alike), the rounds starting at
+    functions spread over the list (no function always runs first or after the same one);
+    medians."""
     plans = []
     for fn in fns:
         fn()
@@ -86,9 +88,12 @@ def measure_pair(torch, fns, repeat: int, batch: int) -> list[tuple[float, float
         plans.append((calls, max(2, min(repeat, int(CELL_MS / (calls * once))))))
     samples = min(s for _, s in plans)
     times = [([], []) for _ in fns]
-    for _ in range(samples):
+    order = list(zip(fns, plans, times))
+    for sample in range(samples):
+        shift = sample * len(order) // samples
+        turn = order[shift:] + order[:shift]
         for queued in (False, True):
-            for fn, (calls, _), (call_ms, gpu_ms) in zip(fns, plans, times):
+            for fn, (calls, _), (call_ms, gpu_ms) in turn:
                 (gpu_ms if queued else call_ms).append(time_ms(
                     fn, 1, calls, warmup=0, queued=queued, sleep_cycles=SLEEP_CYCLES))
     return [(statistics.median(c), statistics.median(g)) for c, g in times]

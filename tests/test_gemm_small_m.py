@@ -22,6 +22,8 @@ FAMILIES = {  # one config per family, with every new knob somewhere
     "swap32": C(block_n=32, stages=8, swap_ab=True),
     "swap32_split4": C(block_n=32, stages=8, swap_ab=True, split_k=4),
     "swap64_split2": C(block_n=64, stages=8, swap_ab=True, split_k=2),
+    "swap32_bm192_split4": C(block_m=192, block_n=32, stages=6, consumer_registers=152,
+                             swap_ab=True, split_k=4),
     "bm64_bn128": C(block_m=64, block_n=128, stages=8),
     "bm64_bn128_split3": C(block_m=64, block_n=128, stages=8, split_k=3),
     "bm64_bn256_split2": C(block_m=64, block_n=256, stages=4, split_k=2),
@@ -30,6 +32,7 @@ FAMILIES = {  # one config per family, with every new knob somewhere
     # swap-AB over all of K: tiles of C.T stored straight into C, one launch
     "fused_swap32": C(block_n=32, stages=8, swap_ab=True, fused_reduce=True),
     "direct_swap32_bm64": C(block_m=64, block_n=32, stages=12, swap_ab=True, fused_reduce=True),
+    "direct_swap64_bm64": C(block_m=64, block_n=64, stages=12, swap_ab=True, fused_reduce=True),
     "fused_swap32_split4": C(block_n=32, stages=8, swap_ab=True, split_k=4, fused_reduce=True),
     "fused_swap64_split3": C(block_n=64, stages=8, swap_ab=True, split_k=3, fused_reduce=True),
     "fused_bm64_bn128_split3": C(block_m=64, block_n=128, stages=8, split_k=3,
@@ -82,6 +85,13 @@ def test_heuristic_shapes_the_work_to_the_gpu():
     assert 64 < units <= 132  # split-K fills the SMs without a second wave
     mid = heuristic_config(48, 4096, 4096, "k", sms=132)
     assert (mid.block_m, mid.block_n, mid.swap_ab, mid.split_k) == (64, 128, False, 4)
+    # 96 swap-AB tiles of 64 rows (half the SMs or more) over all of K, each stored straight
+    # into C (one launch); K of 14336 is too long for that: 48 tiles of 64 x 128, whole K
+    mid_direct = heuristic_config(48, 6144, 4096, "k", sms=132)
+    assert (mid_direct.block_m, mid_direct.block_n, mid_direct.swap_ab) == (64, 64, True)
+    assert mid_direct.fused_reduce and mid_direct.split_k == 1 and mid_direct.pdl
+    mid_long = heuristic_config(48, 6144, 14336, "k", sms=132)
+    assert (mid_long.block_m, mid_long.swap_ab, mid_long.split_k) == (64, False, 1)
     # enough 64 x 128 tiles for the GPU at M = 256, N = 4096: no split
     one_wave = heuristic_config(256, 4096, 4096, "k", sms=132)
     assert (one_wave.block_m, one_wave.block_n, one_wave.split_k) == (64, 128, 1)
@@ -93,9 +103,10 @@ def test_heuristic_shapes_the_work_to_the_gpu():
     # 448 tiles of 128 x 256 are 3.4 waves, 600 of 128 x 192 4.5: a fuller last wave
     assert wide == HopperGemmConfig(block_n=192)
     assert heuristic_config(256, 28672, 4096, "k", sms=132) == HopperGemmConfig()
-    # Llama-3-70B QKV at M = 256: 80 tiles of 128 x 256 (one partial wave) rather than 160 of
-    # 128 x 128 (two); at 8B QKV the 96 tiles of 128 x 128 fit one wave and stay
-    assert heuristic_config(256, 10240, 8192, "k", sms=132) == HopperGemmConfig()
+    # Llama-3-70B QKV at M = 256: 108 tiles of 128 x 192 (one wave) rather than 80 of
+    # 128 x 256 or 160 of 128 x 128 (two); at 8B QKV the 96 tiles of 128 x 128 fit one wave
+    assert heuristic_config(256, 10240, 8192, "k", sms=132) == HopperGemmConfig(block_n=192,
+                                                                                 pdl=True)
     assert heuristic_config(256, 6144, 4096, "k", sms=132).block_n == 128
     # M = 256, K = 14336: 128 x 128 tiles in 2 K slices (128 units), not 64 x 128 ones whole
     long_k = heuristic_config(256, 4096, 14336, "k", sms=132)
@@ -105,11 +116,24 @@ def test_heuristic_shapes_the_work_to_the_gpu():
     # 448 swap-AB tiles (Llama-3-70B gate/up at decode): stream-K balances the 3.4 waves
     many = heuristic_config(1, 57344, 8192, "k", sms=132)
     assert many.swap_ab and many.stream_k and many.split_k == 1
-    # slices: sms // tiles as a power of two (64 tiles: 2); 64 x 128 tiles split only when
-    # they are at most a third of the SMs (32: 4 slices; 48: none)
-    assert heuristic_config(16, 8192, 8192, "k", sms=132).split_k == 2
-    assert heuristic_config(64, 4096, 4096, "k", sms=132).split_k == 4
-    assert heuristic_config(64, 6144, 4096, "k", sms=132).split_k == 1
+    # a third to a half of the SMs' worth of swap-AB tiles and K of at most 128 steps: whole K
+    # per tile, C stored directly (70B O: 64 tiles); 80 tiles (70B QKV) run whole K through
+    # the reduction; at 70B down (448 steps) the 64 tiles split K in sms // tiles = 2 slices
+    direct = heuristic_config(16, 8192, 8192, "k", sms=132)
+    assert direct.swap_ab and direct.fused_reduce and direct.split_k == 1
+    qkv = heuristic_config(1, 10240, 8192, "k", sms=132)
+    assert qkv.swap_ab and not qkv.fused_reduce and qkv.split_k == 1
+    assert heuristic_config(1, 8192, 28672, "k", sms=132).split_k == 2
+    # 32 tiles of 128 rows (Llama-3-8B down, K = 14336): 22 of 192 rows in 4 slices up to
+    # M = 8; 128-row ones in 4 slices above
+    down = heuristic_config(1, 4096, 14336, "k", sms=132)
+    assert (down.block_m, down.swap_ab, down.split_k, down.fused_reduce) == (192, True, 4, False)
+    down16 = heuristic_config(16, 4096, 14336, "k", sms=132)
+    assert (down16.block_m, down16.swap_ab, down16.split_k) == (128, True, 4)
+    # 64 x 128 tiles split only when they are at most a third of the SMs (row-major B: 32
+    # tiles, 4 slices; 48: none)
+    assert heuristic_config(64, 4096, 4096, "mn", sms=132).split_k == 4
+    assert heuristic_config(64, 6144, 4096, "mn", sms=132).split_k == 1
     assert chosen_config(SMALL_M + 1, 4096, 4096, "bf16", "k", "bf16") is None
     assert all(isinstance(cfg, HopperGemmConfig) for cfg in SMALL_M_CONFIGS)
 
@@ -258,6 +282,39 @@ def test_gpu_matmul_small_m_plans(m, trans_b, rng):
     for _ in range(2):
         torch.empty(m * n * 8, device="cuda").fill_(float("nan"))
         c = matmul(a_dev, b_dev, trans_b=trans_b)
+        assert_matmul_close(c, a, b_kn)
+
+
+# Odd shapes on which an H100/H200 (132 SMs) heuristic picks each rule of the H200 batch-3
+# fit: swap-AB 128-row tiles stored directly, 64 x 64 ones stored directly, 192-row tiles over
+# long K in slices, one wave of 128 x 192 tiles.
+HEURISTIC_PICKS = {  # shape: block_m, swap_ab, fused_reduce, split_k
+    (1, 6001, 999): (128, True, True, 1), (40, 5999, 1001): (64, True, True, 1),
+    (3, 4001, 9001): (192, True, False, 4), (200, 10001, 2001): (128, False, False, 1)}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", list(HEURISTIC_PICKS), ids=lambda s: "x".join(map(str, s)))
+def test_gpu_matmul_heuristic_picks_match_float64(shape, rng):
+    """Each measured heuristic rule through matmul (padding, plan, repeat call) on odd shapes
+    against float64, the pool poisoned with NaN before every call."""
+    torch = pytest.importorskip("torch")
+    from kiln.kernels import runtime
+
+    m, n, k = shape
+    sms = runtime.multiprocessor_count()
+    if sms != 132:
+        pytest.skip(f"the picks are fitted to 132 SMs, this GPU has {sms}")
+    config = chosen_config(m, -(-n // 8) * 8, -(-k // 8) * 8, "bf16", "k", "bf16", sms=sms)
+    assert (config.block_m, config.swap_ab, config.fused_reduce, config.split_k) == \
+        HEURISTIC_PICKS[shape]
+    a, b, b_kn = _operands(m, n, k, True, rng)
+    a_dev, b_dev = (torch.from_numpy(x.astype(np.float32)).to("cuda", torch.bfloat16)
+                    for x in (a, b))
+    for _ in range(2):
+        torch.empty(m * n * 8, device="cuda").fill_(float("nan"))
+        c = matmul(a_dev, b_dev, trans_b=True)
         assert_matmul_close(c, a, b_kn)
 
 

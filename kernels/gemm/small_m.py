@@ -31,6 +31,18 @@ WAVE = 0.7  # a tile shape "fills the GPU" with at least this many tiles per SM
 ONE_WAVE = 0.8  # swap-AB gives way to 64 x 256 tiles that make one near-full wave
 SPLIT_TILES = 3  # 64 x 128 tiles split K only when there are at most sms / 3 of them
 SWAP_M = 32  # swap-AB (32 columns) up to this M; above, 64-row tiles were faster
+# Swap-AB tiles over all of K, each stored straight into C (one launch, no partials), for K of
+# at most DIRECT_STEPS steps and tile counts in these fractions of the SMs (128-row tiles for
+# M <= 32, 64-row ones for M of 33..64). Measured on an H200 (kernel time vs cuBLAS):
+# Llama-3-70B O M = 16 (64 tiles) 0.995 vs 0.887 split in two; outside the bounds they lost:
+# 80 tiles (70B QKV M = 16) 0.846 vs 1.043 whole K through the reduction, 64 of 64 rows
+# (8B O M = 64) 0.645 vs 0.788, and at K = 14336 with 32 tiles 0.647.
+DIRECT_STEPS = 128
+DIRECT_TILES = (1 / 3, 1 / 2)
+DIRECT_TILES_64 = (1 / 2, 1)
+# 192-row swap-AB tiles for few tiles over long K up to this M: measured faster at M = 1, level
+# at M = 16 (Llama-3-8B down: 0.949 vs 0.952 of cuBLAS), where 128-row tiles stay
+WIDE_SWAP_M = 8
 # K steps from which M of 129..512 takes 128 x 128 tiles split in two over 64-row tiles whole
 # (Llama-3-8B down, K = 14336, M = 256: 0.942 vs 0.897 of cuBLAS on an H200)
 LONG_K_STEPS = 128
@@ -58,7 +70,14 @@ SMALL_M_CONFIGS = (
     C(block_m=64, block_n=128, stages=8, split_k=4, fused_reduce=True),
     # Stream-K (:mod:`.streamk`): every SM an equal share of the K steps, one launch.
     C(block_n=32, stages=8, swap_ab=True, stream_k=True),
-    C(block_m=64, block_n=128, stages=8, stream_k=True), C(block_n=128, stages=6, stream_k=True))
+    C(block_m=64, block_n=128, stages=8, stream_k=True), C(block_n=128, stages=6, stream_k=True),
+    # swap-AB over all of K storing C directly (one launch, no workspace)
+    C(block_n=32, stages=8, swap_ab=True, fused_reduce=True),
+    C(block_m=64, block_n=64, stages=12, swap_ab=True, fused_reduce=True),
+    # one wave of 128 x 192 tiles, its prologue overlapping the kernel before
+    C(block_n=192, pdl=True),
+    # few 192-row swap-AB tiles over long K, 4 slices (3 consumer warp groups)
+    C(block_m=192, block_n=32, stages=6, consumer_registers=152, swap_ab=True, split_k=4))
 # Programmatic dependent launches of the partials configs (what the heuristic runs).
 SMALL_M_CONFIGS += tuple(dataclasses.replace(c, pdl=True) for c in SMALL_M_CONFIGS
                          if c.partials)
@@ -72,21 +91,30 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
 
     1. M <= 32 with B stored N x K: 64 x 256 tiles if they make one near-full wave
        (``0.8 * sms .. sms``); else swap-AB 128 x 32 tiles, with stream-K when there are at
-       least ``sms`` of them, else split into ``sms // tiles`` K slices (a power of two, slices
-       of at least 16 steps);
-    2. the largest tile of :data:`TILE_SHAPES` (only 64-row ones for M <= 64) that makes at
+       least ``sms`` of them; over all of K with C stored directly (``fused_reduce``, one
+       launch) when there are ``sms / 3 .. sms / 2`` and K has at most 128 steps (Llama-3-70B
+       O M = 1 / 16: 0.973 / 0.995 of cuBLAS vs 0.920 / 0.887 split in two; 8B QKV M = 1 / 16:
+       0.898 / 0.938 vs 0.874 / 0.928); for M <= 8 with fewer than ``sms / 3`` and K over 128
+       steps, swap-AB 192 x 32 tiles in ``sms // tiles`` K slices (Llama-3-8B down M = 1:
+       0.964 vs 0.946 for 128 x 32 tiles in 4); else 128 x 32 tiles split into
+       ``sms // tiles`` K slices (a power of two, slices of at least 16 steps);
+    2. M of 33..64, B stored N x K: swap-AB 64 x 64 tiles over all of K, C stored directly,
+       when ``sms / 2 .. sms`` of them and K of at most 128 steps (Llama-3-8B QKV M = 64:
+       0.978 vs 0.905 for 64 x 128 tiles; 70B O: 1.032 vs 1.000);
+    3. the largest tile of :data:`TILE_SHAPES` (only 64-row ones for M <= 64) that makes at
        least ``0.7 * sms`` tiles, without splitting K; but 128 x 192 for 128 x 256 where its
        last wave is fuller (Llama-3-8B gate/up M = 512: 0.915 vs 0.88 of cuBLAS), and for
        M of 129..512 with K of at least 128 steps, 128 x 128 tiles in 2 K slices instead of
-       64-row tiles when that makes at most ``sms`` units; and 128 x 256 tiles (less than
-       ``0.7 * sms`` of them) rather than 128 x 128 ones that would take a second wave
-       (Llama-3-70B QKV M = 256: 0.707 vs 0.628 of cuBLAS on an H200, one run);
-    3. else 64 x 128 tiles, K split as in 1 only when they are at most ``sms / 3``.
+       64-row tiles when that makes at most ``sms`` units; and one wave of 128 x 192 tiles
+       (``pdl``) rather than 128 x 128 ones that would take a second wave or 128 x 256 ones
+       under ``0.7 * sms`` (Llama-3-70B QKV M = 256: 0.877 vs 0.735 for 128 x 256);
+    4. else 64 x 128 tiles, K split as in 1 only when they are at most ``sms / 3``.
 
     Configs with a second (reduction) kernel or an in-kernel fix-up are programmatic
     dependent launches (``pdl``): 1 to 3 us less GPU time per call at Llama-3-8B O M = 64 and
     down M = 1 on an H200 (``bench/gemm_ab.py``); whole-tile configs are not (64 x 256 tiles
-    at gate/up M = 1 measured 5 % slower with it).
+    at gate/up M = 1 measured 5 % slower with it) but for the one-wave 128 x 192 tiles of 3.
+    Ratios are kernel-only GPU times on an H200 (``bench/gemm_ab.py``, interleaved samples).
 
     Example: ``heuristic_config(1, 4096, 4096, "k", sms=132)`` is swap-AB with 4 K slices."""
     steps = -(-k // 64)
@@ -96,13 +124,28 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
         tiles = -(-n // 128)
         if tiles >= sms:
             return HopperGemmConfig(block_n=32, stages=8, swap_ab=True, stream_k=True, pdl=True)
+        if _direct(tiles, DIRECT_TILES, steps, sms):
+            return HopperGemmConfig(block_n=32, stages=8, swap_ab=True, fused_reduce=True,
+                                    pdl=True)
+        if m <= WIDE_SWAP_M and 3 * tiles < sms and steps > DIRECT_STEPS:
+            # few tiles, long K: 192-row tiles in fewer, longer slices (Llama-3-8B down M = 1:
+            # 88 units, 0.964 / 0.996 of cuBLAS in two runs vs 0.946 / 0.951 for 128 x 32)
+            wide_tiles = -(-n // 192)
+            return HopperGemmConfig(block_m=192, block_n=32, stages=6, consumer_registers=152,
+                                    swap_ab=True, split_k=_slices(sms // wide_tiles, steps),
+                                    pdl=True)
         return HopperGemmConfig(block_n=32, stages=8, swap_ab=True,
                                 split_k=_slices(sms // tiles, steps), pdl=True)
+    if m <= 64 and b_major == "k" and _direct(-(-n // 64), DIRECT_TILES_64, steps, sms):
+        return HopperGemmConfig(block_m=64, block_n=64, stages=12, swap_ab=True,
+                                fused_reduce=True, pdl=True)
     wide = -(-m // 128) * -(-n // 256)  # 128 x 256 tiles
     for block_m, block_n, stages in TILE_SHAPES:
         tiles = -(-m // block_m) * -(-n // block_n)
         if (block_m, block_n) == (128, 128) and m > 64 and tiles > sms >= wide:
-            return HopperGemmConfig()  # one partial wave of 128 x 256 tiles, not two of 128 x 128
+            # one wave of 128 x 192 tiles (4/3 of the 128 x 256 ones, under 0.7 * sms), not
+            # two of 128 x 128
+            return HopperGemmConfig(block_n=192, pdl=True)
         if (block_m == 64 or m > 64) and tiles >= WAVE * sms:
             if (block_m, block_n) == (128, 256) and \
                     _wave_use(-(-m // 128) * -(-n // 192), sms) > _wave_use(tiles, sms):
@@ -115,6 +158,12 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
     tiles = -(-m // 64) * -(-n // 128)
     split = _slices(sms // tiles, steps) if tiles * SPLIT_TILES <= sms else 1
     return HopperGemmConfig(block_m=64, block_n=128, stages=8, split_k=split, pdl=split > 1)
+
+
+def _direct(tiles: int, share: tuple, steps: int, sms: int) -> bool:
+    """Whether ``tiles`` swap-AB tiles run over all of K storing C directly: their count within
+    ``share`` of the SMs and K at most :data:`DIRECT_STEPS` steps."""
+    return share[0] * sms <= tiles <= share[1] * sms and steps <= DIRECT_STEPS
 
 
 def _wave_use(tiles: int, sms: int) -> float:
