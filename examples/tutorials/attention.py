@@ -66,12 +66,12 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
     k_s = [kiln.tiles.operand_tile((BN, D), bf16, "a") for _ in range(STAGES)]
     v_s = [kiln.tiles.operand_tile((BN, D), bf16, "b") for _ in range(STAGES)]
 
-    def rows(t, n, r0):                               # rows past the sequence read as 0
-        return kiln.GlobalTile(t, (n, D), (start + r0, col0), row_end=start + length,
-                               align=ALIGN)
+    def rows(t, n, r0):       # masked at the tensor's end, not the sequence's: TMA on sm_90a
+        return kiln.GlobalTile(t, (n, D), (start + r0, col0), row_end=t.shape[0], align=ALIGN)
 
-    kiln.copy(rows(q, BM, row0), q_s)
-    kiln.copy(rows(v, BN, length), v_s[-1])           # zeros: the first step's P V is 0 V
+    kiln.copy(kiln.GlobalTile(q, (BM, D), (start + row0, col0), row_end=start + length,
+                              align=ALIGN), q_s)      # once: cp.async, its rows masked
+    kiln.copy(rows(v, BN, length), v_s[-1])           # finite: the first step's P V is 0 V
     for i in range(STAGES - 1):                       # K runs STAGES - 1 tiles ahead, V one less
         kiln.copy(rows(k, BN, i * BN), k_s[i])
         if i < STAGES - 2:
@@ -91,7 +91,9 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
         end = kiln.min(length, row0 + BM)
         full = kiln.min(full, (row0 + 1) // BN * BN)
     end = kiln.where(row0 < length, end, 0)           # a block past the sequence does nothing
-    full = kiln.min(full, end) // (STAGES * BN) * (STAGES * BN)
+    # in groups of STAGES tiles; kiln.max(.., 0) proves the counts >= 0 to the TMA waits
+    full = kiln.max(kiln.min(full, end) // (STAGES * BN), 0)
+    tail = kiln.max((end + STAGES * BN - 1) // (STAGES * BN) - full, 0)
 
     def step(kv0, st, p, alpha, acc, m, l, masked):
         """S_j = Q K_j^T and O += P_j-1 V_j-1 run together (FlashAttention-3's order): the
@@ -104,10 +106,8 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
         acc = kiln.gemm(p, v_s[st - 1], acc * alpha)
         if masked:                                    # index tiles, live in this loop only
             q_row, k_col = kiln.tiles.coords(s.layout)
-            col = k_col + kv0
-            s = kiln.where(col < length, s, -float("inf"))
-            if CAUSAL:
-                s = kiln.where(col <= q_row + row0, s, -float("inf"))
+            lim = kiln.min(q_row + (row0 + 1 if CAUSAL else length), length)
+            s = kiln.where(k_col + kv0 < lim, s, -float("inf"))
         m_new = m.maximum(kiln.reduce(s, "max", axis=1))
         # base 2 with the scale folded in: one FMA and an exp2 per score
         p = kiln.exp2(kiln.fma(s, qk_scale, m_new * -qk_scale))
@@ -120,13 +120,14 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
             p, alpha, acc, m, l = step(kv0 + st * BN, st, p, alpha, acc, m, l, masked)
         return p, alpha, acc, m, l
 
-    for kv0 in kiln.range(0, full, STAGES * BN):
-        p, alpha, acc, m, l = steps(kv0, p, alpha, acc, m, l, False)
-    for kv0 in kiln.range(full, end, STAGES * BN):
-        p, alpha, acc, m, l = steps(kv0, p, alpha, acc, m, l, True)
+    for g in kiln.range(0, full):                     # unit steps: the TMA waits' parity
+        p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, False)
+    for g in kiln.range(full, full + tail):
+        p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, True)
     kiln.barrier()                                    # the last V landed
     acc = kiln.gemm(p, v_s[-1], acc * alpha)
-    kiln.copy(kiln.cast(acc / l, bf16), rows(o, BM, row0))
+    kiln.copy(kiln.cast(acc / l, bf16), kiln.GlobalTile(o, (BM, D), (start + row0, col0),
+                                                        row_end=start + length, align=ALIGN))
 
 
 # (BM, BN, warps, K/V stages) per head dim: sm_90a (WGMMA), other NVIDIA (mma.sync), AMD (4
