@@ -72,11 +72,9 @@ def loops_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Tenso
     q_s = kiln.tiles.operand_tile((BM, D), bf16, "a")
     k_s = [kiln.tiles.operand_tile((BN, D), bf16, "a") for _ in range(STAGES)]
     v_s = [kiln.tiles.operand_tile((BN, D), bf16, "b") for _ in range(STAGES)]
-    total = k.shape[0]
-
     def rows(t, n, r0):
         return kiln.GlobalTile(t, (n, D), (start + r0, col0),
-                               row_end=total if TMA else start + length, align=ALIGN)
+                               row_end=t.shape[0] if TMA else start + length, align=ALIGN)
 
     kiln.copy(kiln.GlobalTile(q, (BM, D), (start + row0, col0), row_end=start + length,
                               align=ALIGN), q_s)
@@ -98,7 +96,7 @@ def loops_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Tenso
         full = kiln.min(full, (row0 + 1) // BN * BN)
     end = kiln.where(row0 < length, end, 0)
     full = kiln.max(kiln.min(full, end) // (STAGES * BN), 0)
-    tail = kiln.max((end + STAGES * BN - 1) // (STAGES * BN) - full, 0)
+    last = kiln.max((end + STAGES * BN - 1) // (STAGES * BN), full)
 
     def step(kv0, st, p, alpha, acc, m, l, masked):
         kiln.barrier()
@@ -119,7 +117,7 @@ def loops_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Tenso
 
     for g in kiln.range(0, full):
         p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, False)
-    for g in kiln.range(full, full + tail):
+    for g in kiln.range(full, last):
         p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, True)
     kiln.barrier()
     acc = kiln.gemm(p, v_s[-1], acc * alpha)

@@ -235,7 +235,7 @@ class Rings:
             return UNKNOWN, UNKNOWN, per.const
         trips = hi - lo
         after = before + trips.scale(per.const) \
-            if nonneg(trips, tuple(outer) + floor_facts(trips)) else UNKNOWN
+            if nonneg(trips, tuple(outer) + floor_facts(self.exprs, trips)) else UNKNOWN
         return before + (ivl - lo).scale(per.const), after, per.const
 
     # -- what a wait names -------------------------------------------------------------------
