@@ -131,6 +131,8 @@ VARIANTS = {
     "cp_64x2": (loops_kernel, (128, 64, 8, 2), {"TMA": False}),
     "tma_128x2": (loops_kernel, (128, 128, 8, 2), {"TMA": True}),
     "tma_64x3": (loops_kernel, (128, 64, 8, 3), {"TMA": True}),
+    "tma_m64": (loops_kernel, (64, 64, 4, 2), {"TMA": True}),
+    "tma_m64x3": (loops_kernel, (64, 64, 4, 3), {"TMA": True}),
 }
 
 
@@ -143,6 +145,31 @@ def launcher(tut, name, q, k, v, o, cu, seq, heads, causal, scale):
     grid = (-(-seq // cfg["BM"]), heads, len(cu) - 1)
     args = (q, k, v, o, cu, scale * tut.LOG2E)
     return lambda: kernel[grid](*args, CAUSAL=causal, ALIGN=16, **cfg, **extra)
+
+
+def _compile(job) -> str:
+    """Compile variant ``name`` (sm_90a, D 128) into the on-disk cache the launches read."""
+    import ml_dtypes
+    import numpy as np
+
+    name, causal = job
+    kernel, block, extra = VARIANTS[name]
+    tut = _tutorial()
+    x = np.zeros((256, 256), ml_dtypes.bfloat16)
+    (kernel or tut.attention_kernel).compile(
+        x, x, x, x, np.array([0, 256], np.int32), 1.0, CAUSAL=causal, ALIGN=16,
+        **tut.config(128, "sm_90a", block), **extra, target="sm_90a")
+    return f"{name} causal={causal:d}"
+
+
+def precompile(names, causals, workers: int) -> None:
+    """Every (variant, causal) compiled in ``workers`` processes at once."""
+    import multiprocessing
+
+    jobs = [(n, c) for n in names for c in causals]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        for done in pool.imap_unordered(_compile, jobs):
+            print(f"  compiled {done}", flush=True)
 
 
 def write_sass(path: Path, names, causal: bool) -> None:
@@ -179,7 +206,12 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="one launch of each variant, no peers or checks (under ncu)")
     parser.add_argument("--sass", type=Path, help="write each variant's SASS here and stop")
+    parser.add_argument("--precompile", type=int, default=0, metavar="N",
+                        help="compile the variants in N processes first")
     args = parser.parse_args()
+    causals = {"0": (False,), "1": (True,), "both": (False, True)}[args.causal]
+    if args.precompile:
+        precompile(args.variants, causals, args.precompile)
     if args.sass:
         write_sass(args.sass, args.variants, args.causal != "0")
         return
@@ -200,7 +232,7 @@ def main() -> None:
         q, k, v = (t.view(batch * seq, heads * d) for t in (q4, k4, v4))
         cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * seq
         scale = d ** -0.5
-        for causal in {"0": (False,), "1": (True,), "both": (False, True)}[args.causal]:
+        for causal in causals:
             flops = 4.0 * batch * heads * seq * seq * d * (0.5 if causal else 1.0)
             if args.profile:
                 for name in args.variants:
