@@ -130,6 +130,7 @@ VARIANTS = {
     "tutorial": (None, None, {}),
     "cp_64x2": (loops_kernel, (128, 64, 8, 2), {"TMA": False}),
     "tma_128x2": (loops_kernel, (128, 128, 8, 2), {"TMA": True}),
+    "tma_128x3": (loops_kernel, (128, 128, 8, 3), {"TMA": True}),
     "tma_64x3": (loops_kernel, (128, 64, 8, 3), {"TMA": True}),
     "tma_m64": (loops_kernel, (64, 64, 4, 2), {"TMA": True}),
     "tma_m64x3": (loops_kernel, (64, 64, 4, 3), {"TMA": True}),
