@@ -27,8 +27,8 @@ masked at the tensors' own ends, not the sequence's, so on sm_90a ``kiln.copy`` 
 TMA (one thread issues them; ``kiln-insert-waits`` places the mbarrier waits), elsewhere by
 ``cp.async`` / buffer DMA; rows past the sequence belong to the next one (or read 0). Keys past
 the sequence, and with ``causal`` keys after the query, are masked to ``-inf`` in the scores,
-so they add nothing (P is 0 on their V rows): only the last (ragged or diagonal) key tiles pay
-for the mask, in a second loop. Causal query tiles run longest first. No
+so they add nothing (P is 0 on their V rows, which must be finite): only the last (ragged or
+diagonal) key tiles pay for the mask, in a second loop. Causal query tiles run longest first. No
 branch depends on a lane's data: the WGMMA waits ``kiln-insert-waits`` places are ``.aligned``
 (a warp must reach each at one address), so O is rescaled every step.
 
