@@ -3,16 +3,21 @@ examples/tutorials/attention.py's kernel) against Triton's tutorial attention an
 ``prefill``, one run, bf16 ``[B, S, H, 128]``.
 
 ``tutorial``: the tutorial's kernel at its default blocks; ``tutorial_*`` the same kernel at
-other blocks. The others run ``loops_kernel``, the tutorial's design (an unmasked loop over
-groups of ``STAGES`` key tiles, then the masked ragged/diagonal group, a block barrier a step);
-``TMA`` keeps K and V masked at the tensors' own extents, so ``kiln.copy`` moves them by TMA
-on sm_90a (else at the sequence's end: ``cp.async``, as the tutorial did before). Measured
-on an H200 (one run, 4 x 4096 x 16 x 128, non-causal, before ``flush_denormals``): TMA at
-128 x 64 462 TFLOP/s against 431 by ``cp.async`` and 447 at 3 stages; 128 x 128 535 (1.09 of
-Triton's 493, 0.73 of ``prefill``'s 733). A single ``kiln.pipeline`` over
-every key tile (each step masked, ``handoff=True`` or not) compiled to serialised WGMMAs
-(ptxas: "non wgmma instructions reading accumulator registers", the P V group kept in flight
-across the loop's back edge), so it is not here.
+other blocks. The others run ``loops_kernel``, a copy of the tutorial's design (an unmasked
+loop over groups of ``STAGES`` key tiles, then the masked ragged/diagonal group, a block
+barrier a step) declared ``flush_denormals=True`` (exp2 one ``MUFU.EX2``); ``TMA`` keeps K and
+V masked at the tensors' own extents, so ``kiln.copy`` moves them by TMA on sm_90a (else at the
+sequence's end: ``cp.async``, as the tutorial did before).
+
+Measured on an H200 (one run, 4 x 4096 x 16 x 128, non-causal; Triton 493, ``prefill`` 733
+TFLOP/s; ``loops_kernel`` without ``flush_denormals`` then): the tutorial (TMA, 128 x 64) 462;
+``cp_64x2`` 431; ``tma_128x2`` 535 (1.09 of Triton, 0.73 of ``prefill``); ``tma_64x3`` 447.
+The causal half did not run within that batch's time limit; a later 25 s batch that
+precompiled four kernels in threads printed nothing (Kiln's trace lock held the peers' own
+compiles back): give ``--precompile`` runs a minute. A single ``kiln.pipeline`` over every key
+tile (each step masked, ``handoff=True`` or not) compiled to serialised WGMMAs (ptxas: "non
+wgmma instructions reading accumulator registers", the P V group kept in flight across the
+loop's back edge), so it is not here.
 
 Run: ``python bench/attention_tutorial_ab.py [--seqs 4096] [--repeat 5] [--variants ...]
 [--causal 1 0] [--precompile N] [--json out.json]``.

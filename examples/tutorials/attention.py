@@ -50,7 +50,7 @@ from kiln.runtime.cuda import cuda_available
 LOG2E = 1.4426950408889634
 
 
-@kiln.kernel(num_threads="THREADS", flush_denormals=True)   # exp2: one MUFU.EX2 on NVIDIA
+@kiln.kernel(num_threads="THREADS")
 def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Tensor[bf16, 2],
                      o: kiln.Tensor[bf16, 2], cu_seqlens: kiln.Tensor[i32], qk_scale: f32,
                      D: kiln.constexpr, BM: kiln.constexpr, BN: kiln.constexpr,
@@ -136,20 +136,19 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
                                                         row_end=start + length, align=ALIGN))
 
 
-# (BM, BN, warps, K/V stages) per head dim: sm_90a (WGMMA; 128 keys a step at D 128: the Q K^T
-# WGMMA reads both operands from shared memory, which 64 keys a step saturate), other NVIDIA
-# (mma.sync), AMD (4 wavefronts whatever the warps; P in VGPRs too, no register A: D 128
-# takes 32 keys a step to stay clear of scratch)
-HOPPER_BLOCKS = {64: (128, 64, 8, 2), 128: (128, 128, 8, 2)}
+# (BM, BN, warps, K/V stages) per head dim: sm_90a (WGMMA), other NVIDIA (mma.sync), AMD (4
+# wavefronts whatever the warps; P in VGPRs too, no register A: D 128 takes 32 keys a step to
+# stay clear of scratch). On an H200, 128 keys a step at D 128 ran 1.16x faster in
+# bench/attention_tutorial_ab.py's copy of this kernel (non-causal; not yet timed here)
+HOPPER_BLOCKS = {64: (128, 64, 8, 2), 128: (128, 64, 8, 2)}
 BLOCKS = {64: (128, 64, 8, 2), 128: (128, 64, 8, 2)}
 AMD_BLOCKS = {64: (128, 64, 8, 2), 128: (128, 32, 8, 2)}
 
 
 def config(d: int, target: str | None, block: tuple[int, ...] | None = None) -> dict:
     """Block sizes (``block = (BM, BN, warps[, stages])`` overrides them): on NVIDIA 128 query
-    rows over 8 warps (16 rows each: two warpgroups on sm_90a), 64 keys per step (128 on sm_90a
-    at D 128) and K/V in 2 stages; on AMD 4 wavefronts of 64 lanes (32 rows each). ``target``
-    None is Kiln's default."""
+    rows over 8 warps (16 rows each: two warpgroups on sm_90a), 64 keys per step and K/V in 2
+    stages; on AMD 4 wavefronts of 64 lanes (32 rows each). ``target`` None is Kiln's default."""
     if d not in (64, 128):
         raise kiln.KilnValueError(f"the attention tutorial takes head dim 64 or 128, got {d}",
                                   fix="pad the head dimension to 64 or 128")
