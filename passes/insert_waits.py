@@ -54,9 +54,6 @@ NAME = "kiln-insert-waits"
 # A walk places every same-thread wait and one cross-thread (mbarrier hand-over) wait, whose
 # use count depends on the waits before it; more rounds than this means the analysis is wrong.
 MAX_ROUNDS = 16
-# ops that only move or compute registers: a wait may go before them
-REGISTER_OPS = ("arith.", "vector.", "llvm.extractvalue", "llvm.insertvalue", "llvm.bitcast",
-                "llvm.mlir.", "builtin.unrealized_conversion_cast")
 
 
 def _wait_error(gap: Gap, what: str, fix: str) -> WaitError:
@@ -76,7 +73,7 @@ def _build_full_wait(gap: Gap) -> None:
     read or, hoisted, before the op around it that runs once per use."""
     func = enclosing_gpu_func(gap.event)
     unit = Rings(func).unit_of(gap.event)
-    point = _before_fence(gap.place_before)
+    point = gap.place_before
     if _dominating_wait(func, point, unit, gap.event):  # placed this walk, before the arms it was found in
         return
     while True:
@@ -98,17 +95,6 @@ def _build_full_wait(gap: Gap) -> None:
     point, rings = _hoist_out_of_ifs(func, unit, point, rings)
     with ir.InsertionPoint(point), gap.reader.location:
         build_ring_wait(unit, rings.virtual_count, rings.stages[unit], 0)
-
-
-def _before_fence(point: ir.Operation) -> ir.Operation:
-    """The ``wgmma.fence`` before ``point`` when only register ops lie between (the cast of a
-    register A), else ``point``: a wait's spin loop after the fence of the WGMMA group it
-    feeds made ptxas serialise the attention tutorial's WGMMAs."""
-    ops = [op.operation for op in point.block.operations]
-    at = ops.index(point) - 1
-    while at >= 0 and ops[at].name.startswith(REGISTER_OPS):
-        at -= 1
-    return ops[at] if at >= 0 and ops[at].name == "nvvm.wgmma.fence.aligned" else point
 
 
 def _hoist_out_of_ifs(func, unit, point, rings):
