@@ -343,9 +343,11 @@ class JITKernel:
 
     # ---- compile and launch ---------------------------------------------------------------
     def _options(self, target, num_warps, opt_level, ptx_version, maxnreg):
-        return CompileOptions(_target_or_default(target), num_warps=num_warps, opt_level=opt_level,
-                              ptx_version=ptx_version, maxnreg=maxnreg,
-                              flush_denormals=self.flush_denormals)
+        target = _target_or_default(target)
+        # the kernel's numerics allow flushing; only NVIDIA has the option (a portable kernel)
+        flush = self.flush_denormals and not get_target(target).is_amd
+        return CompileOptions(target, num_warps=num_warps, opt_level=opt_level,
+                              ptx_version=ptx_version, maxnreg=maxnreg, flush_denormals=flush)
 
     def _compile_specs(self, specs, options):
         # The installed driver looks the cache up (global values are read again for every new
@@ -557,7 +559,8 @@ def kernel(fn: Callable | None = None, *, flush_denormals: bool = False,
 
     ``flush_denormals=True``: f32 arithmetic and ``kiln.exp2`` flush denormals to zero on
     NVIDIA (``nvcc -ftz=true``; a one-instruction ``exp2``), for kernels whose numerics do not
-    need values below 2**-126, such as a softmax. Example::
+    need values below 2**-126, such as a softmax; AMD targets compile such a kernel as they
+    would any other. Example::
 
         @kiln.kernel(flush_denormals=True)
         def softmax_rows(x: kiln.Tensor[kiln.f32, 2], y: kiln.Tensor[kiln.f32, 2]): ...

@@ -46,7 +46,7 @@ from mlir.dialects import arith, nvgpu
 
 from kiln.nvidia.mbarrier import DEFAULT_TICKS, RING_STAGES_ATTR
 from kiln.passes.enclosing import enclosing_loops
-from kiln.passes.ring_exprs import ZERO, Exprs, Lin, cond_facts, nonneg
+from kiln.passes.ring_exprs import ZERO, Exprs, Lin, cond_facts, floor_facts, nonneg
 from kiln.passes.ring_guards import guarded_count
 from kiln.passes.op_queries import effects
 
@@ -234,7 +234,8 @@ class Rings:
         if not (step.is_const and step.const == 1):
             return UNKNOWN, UNKNOWN, per.const
         trips = hi - lo
-        after = before + trips.scale(per.const) if nonneg(trips, outer) else UNKNOWN
+        after = before + trips.scale(per.const) \
+            if nonneg(trips, tuple(outer) + floor_facts(self.exprs, trips)) else UNKNOWN
         return before + (ivl - lo).scale(per.const), after, per.const
 
     # -- what a wait names -------------------------------------------------------------------

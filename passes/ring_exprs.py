@@ -144,6 +144,20 @@ class Exprs:
         return self.lin(value), flip
 
 
+def floor_facts(exprs: Exprs, e: Lin) -> tuple[Lin, ...]:
+    """Facts (``>= 0``) of ``e``'s atoms that are an ``arith.maxsi``: ``max(a, b) - a`` and
+    ``max(a, b) - b``; e.g. a loop's trip count ``kiln.max(n, 0)``, or ``kiln.max(hi, lo) -
+    lo`` for ``kiln.range(lo, kiln.max(hi, lo))``."""
+    facts = []
+    for atom, _ in e.terms:
+        value = atom[1] if atom[0] == "v" else None
+        owner = None if value is None else value.owner
+        if owner is None or isinstance(owner, ir.Block) or owner.operation.name != "arith.maxsi":
+            continue
+        facts += [Lin.atom(atom) - exprs.lin(arg) for arg in owner.operation.operands]
+    return tuple(facts)
+
+
 def cond_facts(exprs: Exprs, cond: ir.Value) -> list[Lin]:
     """Facts (``>= 0``) that hold where ``cond`` (an i1) is true: the signed comparisons of its
     ``arith.andi`` conjuncts."""

@@ -69,3 +69,21 @@ def test_flush_denormals_kernel_uses_the_flushing_exp2():
     plain = kiln.kernel(exp2_rows).compile(x, x, target="sm_90a")
     assert "ex2.approx.ftz.f32" in flushing.asm["ptx"] and "mul.rn.ftz.f32" in flushing.asm["ptx"]
     assert "ex2.approx.f32" in plain.asm["ptx"] and ".ftz" not in plain.asm["ptx"]
+
+
+@pytest.mark.lower
+def test_a_flush_denormals_kernel_compiles_for_amd_as_any_other():
+    """The decorator's flush_denormals says what the kernel's numerics allow, so a portable
+    kernel keeps it on every target; AMD (where the option is not offered) ignores it."""
+    import numpy as np
+
+    import kiln
+
+    def exp2_rows(x: kiln.Tensor[kiln.f32, 1], y: kiln.Tensor[kiln.f32, 1]):
+        i = kiln.thread_id(0)
+        y[i] = kiln.exp2(x[i]) * x[i]
+
+    x = np.zeros(64, np.float32)
+    flushing = kiln.kernel(flush_denormals=True)(exp2_rows).compile(x, x, target="gfx950")
+    plain = kiln.kernel(exp2_rows).compile(x, x, target="gfx950")
+    assert flushing.asm["amdgcn"] == plain.asm["amdgcn"]

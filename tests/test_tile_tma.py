@@ -75,6 +75,33 @@ def tma_column_sums(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2]):
     kiln.copy(acc, kiln.GlobalTile(y, (32, 64), (0, 0)))
 
 
+@kiln.kernel(num_threads=128)
+def tma_block_sums(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], MAXED: kiln.constexpr):
+    """``y = sum_j x[:32, 64j:64j+64]``: block 0 by plain loads, the middle blocks by TMA in a
+    unit-step loop, the last block by TMA after it (its wait counts the loop's trips, which
+    the ring proof needs to know are >= 0: ``kiln.max(.., 0)`` with ``MAXED``)."""
+    rows, cols = x.shape
+    flat = kiln.dynamic_shared((32 * 64,), f32, align=128)
+    s = kiln.tiles.SharedTile.view(flat, (32, 64))
+    tv = kiln.layout.blocked((32, 64), 128, vec=4)
+
+    def block(c0):
+        return kiln.GlobalTile(x, (32, 64), (0, c0), row_end=rows, col_end=cols, align=16)
+
+    acc = kiln.load(block(0), tv)
+    middle = (cols + 63) // 64 - 2
+    if MAXED:
+        middle = kiln.max(middle, 0)
+    for j in kiln.range(0, middle):
+        kiln.copy(block(j * 64 + 64), s)
+        kiln.barrier()
+        acc = acc + kiln.load(s, tv)
+        kiln.barrier()
+    kiln.copy(block(middle * 64 + 64), s)   # past the edge (one block): TMA reads zeros
+    kiln.barrier()
+    kiln.copy(acc + kiln.load(s, tv), kiln.GlobalTile(y, (32, 64), (0, 0)))
+
+
 def _column_sums(x):
     padded = np.zeros((32, -(-x.shape[1] // 64) * 64), np.float64)
     padded[:x.shape[0], :x.shape[1]] = x
@@ -198,6 +225,18 @@ def test_tma_in_a_hand_written_loop():
     tma_column_sums.interpret[(1,)](x, y, target="sm_90a")
     np.testing.assert_allclose(y, _column_sums(x), rtol=1e-5, atol=1e-5)
     assert "nvgpu.tma.async.load" in tma_column_sums.trace(x, y, target="sm_90a").module_asm
+
+
+@pytest.mark.parametrize("cols", [40, 300])
+def test_tma_read_after_a_loop_of_max_trips(cols):
+    """The read after the loop waits for the use the loop's ``kiln.max(n, 0)`` trips leave
+    next (none with one block); with the bare count ``n`` (maybe negative) the pass refuses."""
+    x = np.random.default_rng().standard_normal((30, cols)).astype(np.float32)
+    y = np.full((32, 64), np.nan, np.float32)
+    tma_block_sums.interpret[(1,)](x, y, MAXED=True, target="sm_90a")
+    np.testing.assert_allclose(y, _column_sums(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(WaitError, match="not counted"):
+        tma_block_sums.interpret[(1,)](x, y, MAXED=False, target="sm_90a")
 
 
 @pytest.mark.parametrize("r0,c0", [(0, 0), (50, 36)])

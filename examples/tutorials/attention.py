@@ -21,11 +21,14 @@ products run on WGMMA (one 64-row slab per warpgroup), elsewhere on ``mma.sync``
 FlashAttention-3's order: step ``j`` issues ``S_j`` and then ``P_j-1 V_j-1``, both in flight;
 the softmax of ``S_j`` waits for ``S_j`` only (``kiln-insert-waits`` puts ``wgmma.wait_group 1``
 there) and runs while ``P_j-1 V_j-1`` is on the tensor cores. K and V have ``STAGES`` shared
-stages each (``cp.async``; with 2, ``K_j+1`` and ``V_j`` fly during step ``j``), so the loop
-takes ``STAGES`` steps at a time and the stage indices are Python ints. Keys past the
-sequence, and with ``causal`` keys after the query, are masked to ``-inf``: only the last
-(ragged or diagonal) key tiles pay for the mask, in a second loop (a group's last tiles may lie
-wholly past the end: masked, they add nothing). Causal query tiles run longest first. No
+stages each (with 2, ``K_j+1`` and ``V_j`` fly during step ``j``), so the loops take
+``STAGES`` steps at a time and the stage indices are Python ints. The K and V tiles are
+masked at the tensors' own ends, not the sequence's, so on sm_90a ``kiln.copy`` moves them by
+TMA (one thread issues them; ``kiln-insert-waits`` places the mbarrier waits), elsewhere by
+``cp.async`` / buffer DMA; rows past the sequence belong to the next one (or read 0). Keys past
+the sequence, and with ``causal`` keys after the query, are masked to ``-inf`` in the scores,
+so they add nothing (P is 0 on their V rows, which must be finite): only the last (ragged or
+diagonal) key tiles pay for the mask, in a second loop. Causal query tiles run longest first. No
 branch depends on a lane's data: the WGMMA waits ``kiln-insert-waits`` places are ``.aligned``
 (a warp must reach each at one address), so O is rescaled every step.
 
@@ -66,12 +69,12 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
     k_s = [kiln.tiles.operand_tile((BN, D), bf16, "a") for _ in range(STAGES)]
     v_s = [kiln.tiles.operand_tile((BN, D), bf16, "b") for _ in range(STAGES)]
 
-    def rows(t, n, r0):                               # rows past the sequence read as 0
-        return kiln.GlobalTile(t, (n, D), (start + r0, col0), row_end=start + length,
-                               align=ALIGN)
+    def rows(t, n, r0):       # masked at the tensor's end, not the sequence's: TMA on sm_90a
+        return kiln.GlobalTile(t, (n, D), (start + r0, col0), row_end=t.shape[0], align=ALIGN)
 
-    kiln.copy(rows(q, BM, row0), q_s)
-    kiln.copy(rows(v, BN, length), v_s[-1])           # zeros: the first step's P V is 0 V
+    kiln.copy(kiln.GlobalTile(q, (BM, D), (start + row0, col0), row_end=start + length,
+                              align=ALIGN), q_s)      # once: cp.async, its rows masked
+    kiln.copy(rows(v, BN, length), v_s[-1])           # finite: the first step's P V is 0 V
     for i in range(STAGES - 1):                       # K runs STAGES - 1 tiles ahead, V one less
         kiln.copy(rows(k, BN, i * BN), k_s[i])
         if i < STAGES - 2:
@@ -91,23 +94,26 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
         end = kiln.min(length, row0 + BM)
         full = kiln.min(full, (row0 + 1) // BN * BN)
     end = kiln.where(row0 < length, end, 0)           # a block past the sequence does nothing
-    full = kiln.min(full, end) // (STAGES * BN) * (STAGES * BN)
+    # in groups of STAGES tiles; the kiln.max's prove the trip counts >= 0 (the TMA waits'
+    # parities count the loops' trips)
+    full = kiln.max(kiln.min(full, end) // (STAGES * BN), 0)
+    last = kiln.max((end + STAGES * BN - 1) // (STAGES * BN), full)
 
     def step(kv0, st, p, alpha, acc, m, l, masked):
         """S_j = Q K_j^T and O += P_j-1 V_j-1 run together (FlashAttention-3's order): the
         softmax of S_j waits for S_j only, while P_j-1 V_j-1 is still on the tensor cores."""
         kiln.barrier()                                # K_j, V_j-1 landed; S_j-1, P V_j-2 done
         ahead = (st + STAGES - 1) % STAGES            # the stage of K_j-1 and V_j-2
-        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[ahead])  # past the end: reads 0
+        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[ahead])  # past the end: masked
         kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[(ahead + STAGES - 1) % STAGES])
         s = kiln.gemm(q_s, k_s[st].T, s0)
         acc = kiln.gemm(p, v_s[st - 1], acc * alpha)
         if masked:                                    # index tiles, live in this loop only
             q_row, k_col = kiln.tiles.coords(s.layout)
-            col = k_col + kv0
-            s = kiln.where(col < length, s, -float("inf"))
-            if CAUSAL:
-                s = kiln.where(col <= q_row + row0, s, -float("inf"))
+            # keys from lim on are masked; lim is per row even without causal (ptxas
+            # serialised the WGMMAs on a mask of columns alone)
+            lim = kiln.min(q_row + (row0 + 1 if CAUSAL else length), length)
+            s = kiln.where(k_col + kv0 < lim, s, -float("inf"))
         m_new = m.maximum(kiln.reduce(s, "max", axis=1))
         # base 2 with the scale folded in: one FMA and an exp2 per score
         p = kiln.exp2(kiln.fma(s, qk_scale, m_new * -qk_scale))
@@ -120,18 +126,20 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
             p, alpha, acc, m, l = step(kv0 + st * BN, st, p, alpha, acc, m, l, masked)
         return p, alpha, acc, m, l
 
-    for kv0 in kiln.range(0, full, STAGES * BN):
-        p, alpha, acc, m, l = steps(kv0, p, alpha, acc, m, l, False)
-    for kv0 in kiln.range(full, end, STAGES * BN):
-        p, alpha, acc, m, l = steps(kv0, p, alpha, acc, m, l, True)
+    for g in kiln.range(0, full):                     # unit steps: the TMA waits' parity
+        p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, False)
+    for g in kiln.range(full, last):
+        p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, True)
     kiln.barrier()                                    # the last V landed
     acc = kiln.gemm(p, v_s[-1], acc * alpha)
-    kiln.copy(kiln.cast(acc / l, bf16), rows(o, BM, row0))
+    kiln.copy(kiln.cast(acc / l, bf16), kiln.GlobalTile(o, (BM, D), (start + row0, col0),
+                                                        row_end=start + length, align=ALIGN))
 
 
 # (BM, BN, warps, K/V stages) per head dim: sm_90a (WGMMA), other NVIDIA (mma.sync), AMD (4
 # wavefronts whatever the warps; P in VGPRs too, no register A: D 128 takes 32 keys a step to
-# stay clear of scratch)
+# stay clear of scratch). On an H200, 128 keys a step at D 128 ran 1.16x faster in
+# bench/attention_tutorial_ab.py's copy of this kernel (non-causal; not yet timed here)
 HOPPER_BLOCKS = {64: (128, 64, 8, 2), 128: (128, 64, 8, 2)}
 BLOCKS = {64: (128, 64, 8, 2), 128: (128, 64, 8, 2)}
 AMD_BLOCKS = {64: (128, 64, 8, 2), 128: (128, 32, 8, 2)}
