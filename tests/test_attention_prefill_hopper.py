@@ -69,6 +69,18 @@ def _run_overlapped(monkeypatch, **options):
         else picked(*a, **k)))
 
 
+def _run_persistent(monkeypatch, **options):
+    """Make ``prefill`` run the persistent kernel with ``options`` wherever it would run the
+    persistent one or, under a causal mask, the one-tile kernel up to ``PERSISTENT_MAX_KEYS``
+    keys."""
+    picked = HopperPrefillConfig.for_shape
+    monkeypatch.setattr(HopperPrefillConfig, "for_shape", lambda d, dv, keys, causal=False: (
+        replace(picked(d, dv, keys, causal), persistent=True, **options)
+        if keys <= prefill_config.PERSISTENT_MAX_KEYS and replace(
+            picked(d, dv, keys, causal), persistent=True).q_buffers == 2
+        else picked(d, dv, keys, causal)))
+
+
 # The one-tile kernel's edge cases (long sequences take it) and the opt-in overlapped walk's run
 # in the slow tier (CI runs it too); the default persistent kernel's here.
 @pytest.fixture(params=["persistent", pytest.param("overlapped", marks=pytest.mark.slow),
@@ -511,19 +523,26 @@ PERSISTENT_WALKS = {
                               lengths=([300, 1, 129, 0, 512], [400, 64, 129, 5, 512])),
     "d128_window_sinks": dict(d=128, window=(100, 20), sinks=True,
                               lengths=([513, 200, 77], [513, 260, 700])),
+    "d128_causal_ragged": dict(d=128, causal=True,
+                               lengths=([700, 129, 1, 256], [700, 200, 64, 256])),
 }
 
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("walk", ["picked", "overlapped", "one_by_one"])
 @pytest.mark.parametrize("case", PERSISTENT_WALKS.values(), ids=PERSISTENT_WALKS.keys())
-def test_persistent_ctas_walk_many_work_items_on_gpu(case, monkeypatch, rng):
+def test_persistent_ctas_walk_many_work_items_on_gpu(case, walk, monkeypatch, rng):
     """Two CTAs walk every work item of a ragged batch (items past a sequence's end, sequences
     without rows or keys among them): the K/V ring, the Q buffers and the turns run on across
-    items of different lengths."""
+    items of different lengths; in the walk ``prefill`` picks, and in the overlapped and
+    one-by-one walks whichever it picks."""
     import torch
 
     monkeypatch.setattr(prefill_module.runtime, "multiprocessor_count", lambda: 2)
+    if walk != "picked":
+        _run_persistent(monkeypatch, **(OVERLAPPED if walk == "overlapped" else
+                                        dict(overlap_items=False, direct_store=False)))
     case = dict(case)
     d, (lengths_q, lengths_k), with_sinks = case.pop("d"), case.pop("lengths"), \
         case.pop("sinks", False)
