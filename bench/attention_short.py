@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 MAX_ERROR = 0.05  # max abs error vs SDPA of bf16 outputs of unit-variance inputs
 BOOL_FIELDS = ("persistent", "overlap_items", "zigzag", "direct_store", "lazy_rescale",
-               "exp_before_max", "pin_pv_wait")
+               "exp_before_max", "pin_pv_wait", "skip_masked_tiles")
 SLEEP_CYCLES = 8_000_000  # ~4 ms of spinning: longer than the host takes to queue the calls
 
 

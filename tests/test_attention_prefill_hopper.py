@@ -85,17 +85,27 @@ def _run_persistent(monkeypatch, **options):
 # in the slow tier (CI runs it too); the default persistent kernel's here.
 @pytest.fixture(params=["persistent", pytest.param("overlapped", marks=pytest.mark.slow),
                         pytest.param("overlapped_staged", marks=pytest.mark.slow),
-                        pytest.param("one_tile", marks=pytest.mark.slow)])
+                        pytest.param("one_tile", marks=pytest.mark.slow),
+                        pytest.param("skip_overlapped", marks=pytest.mark.slow),
+                        pytest.param("skip_one_tile", marks=pytest.mark.slow)])
 def kernel_kind(request, monkeypatch):
     """Short sequences run the persistent kernel; ``overlapped`` / ``overlapped_staged`` turn
     on its opt-in overlapped walk (output stored from the registers / staged in the Q buffer);
-    ``one_tile`` makes them run the kernel of one CTA a query tile, which long ones take."""
+    ``one_tile`` makes them run the kernel of one CTA a query tile, which long ones take;
+    ``skip_*``: 64-key tiles whose first consumer group skips the tiles none of its rows sees
+    (``skip_masked_tiles``), on the overlapped walk or one tile a CTA."""
     if request.param == "one_tile":
         monkeypatch.setattr(prefill_config, "PERSISTENT_MAX_KEYS", 0)
     elif request.param == "overlapped":
         _run_overlapped(monkeypatch)
     elif request.param == "overlapped_staged":
         _run_overlapped(monkeypatch, **dict(OVERLAPPED, direct_store=False))
+    elif request.param.startswith("skip_"):
+        picked = HopperPrefillConfig.for_shape
+        fields = dict(OVERLAPPED, persistent=True) if request.param == "skip_overlapped" \
+            else dict(persistent=False)
+        monkeypatch.setattr(HopperPrefillConfig, "for_shape", lambda *a, **k: replace(
+            picked(*a, **k), skip_masked_tiles=True, block_n=64, stages=4, **fields))
     return request.param
 
 

@@ -122,7 +122,10 @@ class HopperPrefillConfig(HeadDimTiles):
     ``S = Q K^T`` (:attr:`overlaps_items`), and under a causal mask ``zigzag`` deals every
     second round of items in reverse CTA order; ``direct_store`` (overlapped items) writes O
     from the registers in 4-byte stores instead of staging it in the Q buffer. These three are
-    off by default: not yet measured on a GPU (docs/kernels.md, short sequences)."""
+    off by default: not yet measured on a GPU (docs/kernels.md, short sequences).
+    ``skip_masked_tiles``: each consumer group stops at the last key tile one of its own 64
+    rows sees (with 64-key tiles under a causal mask, the first group skips the CTA's last
+    tile) and passes its turn there without products; off by default (not yet measured)."""
 
     head_dim: int = 128
     block_n: int = 128
@@ -138,6 +141,7 @@ class HopperPrefillConfig(HeadDimTiles):
     overlap_items: bool = False
     zigzag: bool = False
     direct_store: bool = False
+    skip_masked_tiles: bool = False
 
     block_m = 2 * WARP_GROUP_ROWS  # two consumer warp groups
     num_warps = 12
