@@ -129,9 +129,10 @@ def precompile(jobs: list, workers: int) -> None:
 
 def describe(cfg) -> str:
     """A config in a few characters: ``d64 n128s3 P ov ds z`` (persistent, overlapped items,
-    direct stores, zigzag; ``m``: max first, not max on demand)."""
+    direct stores, zigzag; ``m``: max first, not max on demand; ``skip``: skip_masked_tiles)."""
     flags = [("P", cfg.persistent), ("ov", cfg.overlaps_items), ("ds", cfg.direct_store),
-             ("z", cfg.zigzag), ("m", cfg.lazy_rescale and not cfg.exp_before_max)]
+             ("z", cfg.zigzag), ("m", cfg.lazy_rescale and not cfg.exp_before_max),
+             ("skip", cfg.skip_masked_tiles)]
     dims = f"d{cfg.head_dim}" + (f"v{cfg.head_dim_v}" if cfg.head_dim_v else "")
     return " ".join([dims, f"n{cfg.block_n}s{cfg.stages}"] + [f for f, on in flags if on])
 
