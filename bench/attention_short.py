@@ -78,6 +78,8 @@ BUILTIN = (Variant("auto", base="auto"), Variant("one_tile"),
 
 def shape_configs(variants, dims: str, seq: int, causal: bool, only) -> dict:
     """name -> config of every variant that applies to the shape (and is in ``only``)."""
+    from kiln import KilnError
+
     d, _, dv = dims.partition(":")
     d, dv = int(d), int(dv or d)
     out = {}
@@ -87,7 +89,10 @@ def shape_configs(variants, dims: str, seq: int, causal: bool, only) -> dict:
         if only is not None and not any(o.partition("@")[0] == v.name and (
                 "@" not in o or dims in o.partition("@")[2].split("/")) for o in only):
             continue
-        out[v.name] = v.config(d, dv, seq, causal)
+        try:
+            out[v.name] = v.config(d, dv, seq, causal)
+        except KilnError as err:  # e.g. tiles that do not fit: the row says so, the rest runs
+            print(f"{v.name} at {dims} {seq}: {type(err).__name__}: {str(err)[:120]}")
     return out
 
 
