@@ -38,15 +38,19 @@ EXP_BEFORE_MAX_HEAD_DIMS = (64, 128)
 # Keys per sequence up to which the persistent kernel runs (a work item's fixed cost, its Q
 # load, pipeline fill and output, is then a large share of it).
 PERSISTENT_MAX_KEYS = 2048
-# O's widest columns where the persistent kernel runs, without / with a causal mask (H200,
-# bench/attention_short.py: at D 128 causal it is 8-20% slower than one tile a CTA; D 192 and
-# 256 accumulators spill in its loop).
+# O's widest columns where the persistent kernel runs, without / with a causal mask, for head
+# dims SHORT_CONFIGS does not list (D 192 and 256 accumulators spill in its loop; at D 128
+# causal one tile a CTA measured faster).
 PERSISTENT_MAX_V_WIDTH = {False: 128, True: 64}
-# (head_dim, causal) -> (keys, block_n, stages): the persistent tiles of sequences of up to
-# ``keys`` keys, first match (H200: at D 64, 128-key tiles leave no partial tile at 512 / 1k keys
-# and waste less of a causal diagonal, +5-18% over 192; a third stage +0.5-5%).
-PERSISTENT_TILES = {(64, False): ((1024, 128, 3), (PERSISTENT_MAX_KEYS, 192, 3)),
-                    (64, True): ((PERSISTENT_MAX_KEYS, 128, 3),)}
+# (head_dim, causal) -> ((keys, fields), ...): what sequences of up to ``keys`` keys run, first
+# match, as fields over for_head_dim's config (H200, bench/attention_short.py: at D 64, 128-key
+# tiles leave no partial tile at 512 / 1k keys and waste less of a causal diagonal, +5-18%
+# over 192; a third stage +0.5-5%).
+SHORT_CONFIGS = {
+    (64, False): ((1024, dict(persistent=True, block_n=128, stages=3)),
+                  (PERSISTENT_MAX_KEYS, dict(persistent=True, block_n=192, stages=3))),
+    (64, True): ((PERSISTENT_MAX_KEYS, dict(persistent=True, block_n=128, stages=3)),),
+}
 
 
 def check_head_dim(name: str, d) -> None:
@@ -213,19 +217,22 @@ class HopperPrefillConfig(HeadDimTiles):
     def for_shape(cls, head_dim: int, head_dim_v: int | None, keys: int,
                   causal: bool = False) -> "HopperPrefillConfig":
         """The configuration :func:`~kiln.kernels.attention.prefill` runs for sequences of up to
-        ``keys`` keys (``causal``: under a causal mask): :meth:`for_head_dim`'s, persistent up
-        to ``PERSISTENT_MAX_KEYS`` where O is at most ``PERSISTENT_MAX_V_WIDTH[causal]``
-        columns wide, with ``PERSISTENT_TILES``' tiles.
+        ``keys`` keys (``causal``: under a causal mask): :meth:`for_head_dim`'s, and up to
+        ``PERSISTENT_MAX_KEYS`` keys ``SHORT_CONFIGS``' fields for the head dim and mask, or
+        (head dims it does not list) the persistent kernel where O is at most
+        ``PERSISTENT_MAX_V_WIDTH[causal]`` columns wide.
         Example: ``for_shape(128, None, 1024).persistent`` is True,
         ``for_shape(64, None, 512, causal=True).block_n == 128``."""
         config = cls.for_head_dim(head_dim, head_dim_v)
-        if keys > PERSISTENT_MAX_KEYS or config.v_width > PERSISTENT_MAX_V_WIDTH[bool(causal)]:
+        if keys > PERSISTENT_MAX_KEYS:
             return config
-        config = replace(config, persistent=True)
-        if config.head_dim_v is None:
-            for longest, block_n, stages in PERSISTENT_TILES.get((head_dim, bool(causal)), ()):
-                if keys <= longest:
-                    return replace(config, block_n=block_n, stages=stages)
+        listed = SHORT_CONFIGS.get((head_dim, bool(causal))) \
+            if config.head_dim_v is None else None
+        for longest, fields in listed or ():
+            if keys <= longest:
+                return replace(config, **fields)
+        if listed is None and config.v_width <= PERSISTENT_MAX_V_WIDTH[bool(causal)]:
+            return replace(config, persistent=True)
         return config
 
     @classmethod
