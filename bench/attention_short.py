@@ -225,7 +225,11 @@ def main(argv=None) -> None:
                     help="name=[scope@]field:value,... e.g. ov=64/c@base:auto,overlap_items:1")
     ap.add_argument("--only", nargs="*", default=None,
                     help="variants to time (default all), each NAME or NAME@D1/D2")
-    ap.add_argument("--skip", nargs="*", default=[], help="variants not to run")
+    ap.add_argument("--skip", nargs="*", default=[],
+                    help="variants not to run: names, or prefixes ending in '_' (sk_: sk_*)")
+    ap.add_argument("--shapes", nargs="*", default=None,
+                    help="the shapes to run, each D[:Dv]/c|nc/SEQ (in place of dims x masks x "
+                         "seqs), e.g. 64/c/512 192:128/nc/1024")
     ap.add_argument("--peers", nargs="+", default=["cudnn", "flash"])
     ap.add_argument("--once", action="store_true",
                     help="run each peer and variant once, untimed (for ncu)")
@@ -241,8 +245,12 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     masks = {"both": [True, False], "yes": [True], "no": [False]}[args.causal]
     variants = [v for v in (*BUILTIN, *map(parse_variant, args.variant))
-                if v.name not in args.skip]
+                if not any(v.name == s or s.endswith("_") and v.name.startswith(s)
+                           for s in args.skip)]
     shapes = [(dims, causal, seq) for causal in masks for dims in args.dims for seq in args.seqs]
+    if args.shapes is not None:
+        shapes = [(dims, mask == "c", int(seq))
+                  for dims, mask, seq in (s.split("/") for s in args.shapes)]
     done = set()
     if args.done and os.path.exists(args.done):
         with open(args.done) as f:
