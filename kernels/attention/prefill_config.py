@@ -42,10 +42,10 @@ PERSISTENT_MAX_KEYS = 2048
 # dims SHORT_CONFIGS does not list (D 192 and 256 accumulators spill in its loop; at D 128
 # causal one tile a CTA measured faster).
 PERSISTENT_MAX_V_WIDTH = {False: 128, True: 64}
-# (head_dim, causal) -> ((keys, fields), ...): what sequences of up to ``keys`` keys run, first
-# match, as fields over for_head_dim's config (H200, bench/attention_short.py: at D 64, 128-key
-# tiles leave no partial tile at 512 / 1k keys and waste less of a causal diagonal, +5-18%
-# over 192; a third stage +0.5-5%).
+# (head_dim or (head_dim, head_dim_v), causal) -> ((keys, fields), ...): what sequences of up
+# to ``keys`` keys run, first match, as fields over for_head_dim's config (H200,
+# bench/attention_short.py: at D 64, 128-key tiles leave no partial tile at 512 / 1k keys and
+# waste less of a causal diagonal, +5-18% over 192; a third stage +0.5-5%).
 SHORT_CONFIGS = {
     (64, False): ((1024, dict(persistent=True, block_n=128, stages=3)),
                   (PERSISTENT_MAX_KEYS, dict(persistent=True, block_n=192, stages=3))),
@@ -226,8 +226,8 @@ class HopperPrefillConfig(HeadDimTiles):
         config = cls.for_head_dim(head_dim, head_dim_v)
         if keys > PERSISTENT_MAX_KEYS:
             return config
-        listed = SHORT_CONFIGS.get((head_dim, bool(causal))) \
-            if config.head_dim_v is None else None
+        dims = head_dim if config.head_dim_v is None else (head_dim, config.head_dim_v)
+        listed = SHORT_CONFIGS.get((dims, bool(causal)))
         for longest, fields in listed or ():
             if keys <= longest:
                 return replace(config, **fields)
