@@ -115,21 +115,26 @@ def _compile_job(job) -> tuple:
         return f"{type(err).__name__}: {str(err)[:200]}", time.time() - started
 
 
-def precompile(jobs: list, workers: int) -> None:
-    """Every kernel of the run compiled at once on ``workers`` processes (the launches then
-    read them from the disk cache)."""
+def precompile(jobs: list, workers: int):
+    """Start compiling every kernel of the run at once on ``workers`` processes (the launches
+    then read them from the disk cache); returns a function that waits for them and reports.
+    The caller imports torch and sets up the GPU meanwhile."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     started = time.time()
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        results = list(pool.map(_compile_job, jobs))
-    for (cfg, causal, _), (note, seconds) in zip(jobs, results):
-        if note:
-            print(f"{describe(cfg)} {'c' if causal else 'nc'} ({seconds:.1f} s): {note}")
-    print(f"precompiled {len(jobs)} kernels on {workers} processes in "
-          f"{time.time() - started:.1f} s", flush=True)
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    futures = [pool.submit(_compile_job, job) for job in jobs]
+
+    def join():
+        for (cfg, causal, _), future in zip(jobs, futures):
+            note, seconds = future.result()
+            if note:
+                print(f"{describe(cfg)} {'c' if causal else 'nc'} ({seconds:.1f} s): {note}")
+        pool.shutdown()
+        print(f"precompiled {len(jobs)} kernels on {workers} processes in "
+              f"{time.time() - started:.1f} s", flush=True)
+    return join
 
 
 def describe(cfg) -> str:
@@ -228,8 +233,9 @@ def main(argv=None) -> None:
     ap.add_argument("--skip", nargs="*", default=[],
                     help="variants not to run: names, or prefixes ending in '_' (sk_: sk_*)")
     ap.add_argument("--shapes", nargs="*", default=None,
-                    help="the shapes to run, each D[:Dv]/c|nc/SEQ (in place of dims x masks x "
-                         "seqs), e.g. 64/c/512 192:128/nc/1024")
+                    help="the shapes to run, each D[:Dv]/c|nc/SEQ[/NAME,...] (in place of dims "
+                         "x masks x seqs; NAMEs: the variants there, in place of --only), e.g. "
+                         "64/c/512 192:128/nc/1024/auto")
     ap.add_argument("--peers", nargs="+", default=["cudnn", "flash"])
     ap.add_argument("--once", action="store_true",
                     help="run each peer and variant once, untimed (for ncu)")
@@ -248,9 +254,14 @@ def main(argv=None) -> None:
                 if not any(v.name == s or s.endswith("_") and v.name.startswith(s)
                            for s in args.skip)]
     shapes = [(dims, causal, seq) for causal in masks for dims in args.dims for seq in args.seqs]
+    only = {}  # shape -> the variants run there
     if args.shapes is not None:
-        shapes = [(dims, mask == "c", int(seq))
-                  for dims, mask, seq in (s.split("/") for s in args.shapes)]
+        shapes = []
+        for spec in args.shapes:
+            dims, mask, seq, *names = spec.split("/")
+            shapes.append((dims, mask == "c", int(seq)))
+            only[shapes[-1]] = names[0].split(",") if names else args.only
+    only = {shape: only.get(shape, args.only) for shape in shapes}
     done = set()
     if args.done and os.path.exists(args.done):
         with open(args.done) as f:
@@ -259,16 +270,23 @@ def main(argv=None) -> None:
     if args.precompile:
         jobs = {(cfg, causal, 2048 // int(dims.partition(":")[0]))
                 for dims, causal, seq in shapes
-                for cfg in shape_configs(variants, dims, seq, causal, args.only).values()}
-        precompile(sorted(jobs, key=repr), args.precompile)
+                for cfg in shape_configs(variants, dims, seq, causal,
+                                         only[dims, causal, seq]).values()}
+        joined = precompile(sorted(jobs, key=repr), args.precompile)
     if args.compile_only:
+        if args.precompile:
+            joined()
         for dims, causal, seq in shapes:
-            configs = shape_configs(variants, dims, seq, causal, args.only)
+            configs = shape_configs(variants, dims, seq, causal, only[dims, causal, seq])
             print(dims, seq, "c" if causal else "nc",
                   "; ".join(f"{n}: {describe(c)}" for n, c in configs.items()))
         return
     from attention import row_flops, sdpa_call
     import torch
+
+    torch.cuda.init()
+    if args.precompile:  # compiled while torch loaded
+        joined()
 
     started = time.time()
     for dims, causal, seq in shapes:
@@ -292,7 +310,7 @@ def main(argv=None) -> None:
             reference = torch.nn.functional.scaled_dot_product_attention(
                 *(x.transpose(1, 2).float() for x in (q, k, v)),
                 is_causal=causal).transpose(1, 2)
-        configs = shape_configs(variants, dims, seq, causal, args.only)
+        configs = shape_configs(variants, dims, seq, causal, only[dims, causal, seq])
         result["names"] = list(configs)
         for name, cfg in configs.items():
             call = kiln_call(q, k, v, causal, cfg)
