@@ -124,6 +124,12 @@ def test_short_sequences_take_the_persistent_kernel():
         (512, False, 128, 3), (512, True, 128, 3), (1024, False, 128, 3), (1024, True, 128, 3),
         (2048, False, 192, 3), (2048, True, 128, 3)]
     assert all(c.shared_bytes() <= prefill_config.SHARED_BUDGET for _, _, c in tiles)
+    # D 96 causal: 64-key tiles skipping the first group's masked one up to 512 keys, then one
+    # tile a CTA.
+    short96 = HopperPrefillConfig.for_shape(96, 96, 512, causal=True)
+    assert (short96.persistent, short96.block_n, short96.stages, short96.skip_masked_tiles,
+            short96.head_dim_v, short96.q_buffers) == (True, 64, 4, True, None, 2)
+    assert not HopperPrefillConfig.for_shape(96, None, 513, causal=True).persistent
     # O accumulators of 192 or 256 columns would spill in the persistent loop.
     assert not HopperPrefillConfig.for_shape(256, None, 512).persistent
     assert not HopperPrefillConfig.for_shape(192, None, 512).persistent

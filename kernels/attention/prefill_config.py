@@ -43,13 +43,16 @@ PERSISTENT_MAX_KEYS = 2048
 # causal one tile a CTA measured faster).
 PERSISTENT_MAX_V_WIDTH = {False: 128, True: 64}
 # (head_dim or (head_dim, head_dim_v), causal) -> ((keys, fields), ...): what sequences of up
-# to ``keys`` keys run, first match, as fields over for_head_dim's config (H200,
-# bench/attention_short.py: at D 64, 128-key tiles leave no partial tile at 512 / 1k keys and
-# waste less of a causal diagonal, +5-18% over 192; a third stage +0.5-5%).
+# to ``keys`` keys run, first match, as fields over for_head_dim's config; past the last
+# ``keys``, one tile a CTA (H200, bench/attention_short.py: at D 64, 128-key tiles leave no
+# partial tile at 512 / 1k keys and waste less of a causal diagonal, +5-18% over 192; a third
+# stage +0.5-5%; D 96 causal at 512 keys: 64-key tiles skipping the first group's masked one
+# 0.92 of cuDNN vs 0.85 one tile a CTA, at 1k 0.93 vs 1.00).
 SHORT_CONFIGS = {
     (64, False): ((1024, dict(persistent=True, block_n=128, stages=3)),
                   (PERSISTENT_MAX_KEYS, dict(persistent=True, block_n=192, stages=3))),
     (64, True): ((PERSISTENT_MAX_KEYS, dict(persistent=True, block_n=128, stages=3)),),
+    (96, True): ((512, dict(persistent=True, block_n=64, stages=4, skip_masked_tiles=True)),),
 }
 
 
