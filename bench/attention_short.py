@@ -5,7 +5,7 @@ sampled in interleaved rounds. Prints one compact line per shape with ratios to 
 (``--json``) one JSON line per shape.
 
 Example: ``python bench/attention_short.py --seqs 512 1024 2048 --dims 64 128 192:128
---variant ovz=64/c@base:auto,overlap_items:1,direct_store:1,zigzag:1 --precompile 16``;
+--variant pz=c@base:auto,persistent:1,zigzag:1 --precompile 16``;
 ``--once`` runs each peer and variant once, untimed, e.g. under ``ncu``.
 
 A variant is ``name=[scope@]field:value,...``: ``scope`` a ``/``-separated list of head dims
@@ -227,7 +227,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--repeat", type=int, default=5, help="interleaved rounds")
     ap.add_argument("--variant", action="append", default=[],
-                    help="name=[scope@]field:value,... e.g. ov=64/c@base:auto,overlap_items:1")
+                    help="name=[scope@]field:value,... e.g. pz=64/c@base:auto,zigzag:1")
     ap.add_argument("--only", nargs="*", default=None,
                     help="variants to time (default all), each NAME or NAME@D1/D2")
     ap.add_argument("--skip", nargs="*", default=[],
