@@ -40,6 +40,7 @@ DIM_CASES = {
     "d40_window": (40, None, dict(window=(20, 7))),
     "d72_gqa": (72, None, dict(causal=True)),
     "d96": (96, None, dict()),
+    "d96_causal": (96, None, dict(causal=True)),  # sm_90a: 64-key tiles, skip_masked_tiles
     "d136_chunk": (136, None, dict(chunk=33)),
     "d192_v128_causal": (192, 128, dict(causal=True)),
     "d64_v104": (64, 104, dict(causal=True, window=(30, -1))),
@@ -137,6 +138,8 @@ def _torch_bf16_attention(torch, q, k, v, *, causal, softcap, scale):
 
 GPU_CASES = {
     "d96_causal_gqa": dict(d=96, dv=None, causal=True, hq=8, hkv=2, sq=1000, sk=1000),
+    # Up to 512 keys: the persistent kernel with skip_masked_tiles.
+    "d96_causal_short": dict(d=96, dv=None, causal=True, hq=8, hkv=2, sq=500, sk=500),
     "d192_v128_causal": dict(d=192, dv=128, causal=True, hq=8, hkv=8, sq=777, sk=1500),
     "d192": dict(d=192, dv=None, causal=False, hq=4, hkv=1, sq=513, sk=700),
     "d40": dict(d=40, dv=None, causal=True, hq=4, hkv=2, sq=300, sk=300),

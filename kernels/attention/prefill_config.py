@@ -38,15 +38,22 @@ EXP_BEFORE_MAX_HEAD_DIMS = (64, 128)
 # Keys per sequence up to which the persistent kernel runs (a work item's fixed cost, its Q
 # load, pipeline fill and output, is then a large share of it).
 PERSISTENT_MAX_KEYS = 2048
-# O's widest columns where the persistent kernel runs, without / with a causal mask (H200,
-# bench/attention_short.py: at D 128 causal it is 8-20% slower than one tile a CTA; D 192 and
-# 256 accumulators spill in its loop).
+# O's widest columns where the persistent kernel runs, without / with a causal mask, for head
+# dims SHORT_CONFIGS does not list (D 192 and 256 accumulators spill in its loop; at D 128
+# causal one tile a CTA measured faster).
 PERSISTENT_MAX_V_WIDTH = {False: 128, True: 64}
-# (head_dim, causal) -> (keys, block_n, stages): the persistent tiles of sequences of up to
-# ``keys`` keys, first match (H200: at D 64, 128-key tiles leave no partial tile at 512 / 1k keys
-# and waste less of a causal diagonal, +5-18% over 192; a third stage +0.5-5%).
-PERSISTENT_TILES = {(64, False): ((1024, 128, 3), (PERSISTENT_MAX_KEYS, 192, 3)),
-                    (64, True): ((PERSISTENT_MAX_KEYS, 128, 3),)}
+# (head_dim or (head_dim, head_dim_v), causal) -> ((keys, fields), ...): what sequences of up
+# to ``keys`` keys run, first match, as fields over for_head_dim's config; past the last
+# ``keys``, one tile a CTA (H200, bench/attention_short.py: at D 64, 128-key tiles leave no
+# partial tile at 512 / 1k keys and waste less of a causal diagonal, +5-18% over 192; a third
+# stage +0.5-5%; D 96 causal at 512 keys: 64-key tiles skipping the first group's masked one
+# 0.92 of cuDNN vs 0.85 one tile a CTA, at 1k 0.93 vs 1.00).
+SHORT_CONFIGS = {
+    (64, False): ((1024, dict(persistent=True, block_n=128, stages=3)),
+                  (PERSISTENT_MAX_KEYS, dict(persistent=True, block_n=192, stages=3))),
+    (64, True): ((PERSISTENT_MAX_KEYS, dict(persistent=True, block_n=128, stages=3)),),
+    (96, True): ((512, dict(persistent=True, block_n=64, stages=4, skip_masked_tiles=True)),),
+}
 
 
 def check_head_dim(name: str, d) -> None:
@@ -122,7 +129,10 @@ class HopperPrefillConfig(HeadDimTiles):
     ``S = Q K^T`` (:attr:`overlaps_items`), and under a causal mask ``zigzag`` deals every
     second round of items in reverse CTA order; ``direct_store`` (overlapped items) writes O
     from the registers in 4-byte stores instead of staging it in the Q buffer. These three are
-    off by default: not yet measured on a GPU (docs/kernels.md, short sequences)."""
+    off by default: the overlapped walk is wrong on the GPU (docs/kernels.md, short sequences).
+    ``skip_masked_tiles``: each consumer group stops at the last key tile one of its own 64
+    rows sees (with 64-key tiles under a causal mask, the first group skips the CTA's last
+    tile) and passes its turn there without products; off by default (docs/kernels.md)."""
 
     head_dim: int = 128
     block_n: int = 128
@@ -138,6 +148,7 @@ class HopperPrefillConfig(HeadDimTiles):
     overlap_items: bool = False
     zigzag: bool = False
     direct_store: bool = False
+    skip_masked_tiles: bool = False
 
     block_m = 2 * WARP_GROUP_ROWS  # two consumer warp groups
     num_warps = 12
@@ -209,19 +220,22 @@ class HopperPrefillConfig(HeadDimTiles):
     def for_shape(cls, head_dim: int, head_dim_v: int | None, keys: int,
                   causal: bool = False) -> "HopperPrefillConfig":
         """The configuration :func:`~kiln.kernels.attention.prefill` runs for sequences of up to
-        ``keys`` keys (``causal``: under a causal mask): :meth:`for_head_dim`'s, persistent up
-        to ``PERSISTENT_MAX_KEYS`` where O is at most ``PERSISTENT_MAX_V_WIDTH[causal]``
-        columns wide, with ``PERSISTENT_TILES``' tiles.
+        ``keys`` keys (``causal``: under a causal mask): :meth:`for_head_dim`'s, and up to
+        ``PERSISTENT_MAX_KEYS`` keys ``SHORT_CONFIGS``' fields for the head dim and mask, or
+        (head dims it does not list) the persistent kernel where O is at most
+        ``PERSISTENT_MAX_V_WIDTH[causal]`` columns wide.
         Example: ``for_shape(128, None, 1024).persistent`` is True,
         ``for_shape(64, None, 512, causal=True).block_n == 128``."""
         config = cls.for_head_dim(head_dim, head_dim_v)
-        if keys > PERSISTENT_MAX_KEYS or config.v_width > PERSISTENT_MAX_V_WIDTH[bool(causal)]:
+        if keys > PERSISTENT_MAX_KEYS:
             return config
-        config = replace(config, persistent=True)
-        if config.head_dim_v is None:
-            for longest, block_n, stages in PERSISTENT_TILES.get((head_dim, bool(causal)), ()):
-                if keys <= longest:
-                    return replace(config, block_n=block_n, stages=stages)
+        dims = head_dim if config.head_dim_v is None else (head_dim, config.head_dim_v)
+        listed = SHORT_CONFIGS.get((dims, bool(causal)))
+        for longest, fields in listed or ():
+            if keys <= longest:
+                return replace(config, **fields)
+        if listed is None and config.v_width <= PERSISTENT_MAX_V_WIDTH[bool(causal)]:
+            return replace(config, persistent=True)
         return config
 
     @classmethod

@@ -58,7 +58,7 @@ uses and the ping-pong turns run on across work items, and Q has two buffers (on
 not fit: 192/128) released by the consumers once their output left it, so the producer loads the
 next item's Q and first K/V tiles while the consumers finish the current one. The consumer steps
 live in :mod:`.prefill_hopper_consumer`, with the opt-in overlapped walk (``overlap_items``: an
-item's last ``P V`` issued with the next item's first ``S``; not measured on a GPU yet).
+item's last ``P V`` issued with the next item's first ``S``; wrong on the GPU so far).
 """
 
 import functools

@@ -13,7 +13,7 @@ from kiln import nvidia_asm, wgmma
 from .online_softmax import OnlineSoftmax
 from .prefill_config import WARP_GROUP_ROWS, WARP_GROUP_THREADS
 from .prefill_hopper_steps import (DESCRIPTOR_UNIT, LOG2E, MAX_SENTINEL, PINGPONG_BARRIER,
-                                   ROW_BYTES, VOTE_BARRIER, _issue_pv, _issue_qk,
+                                   ROW_BYTES, VOTE_BARRIER, _issue_pv, _issue_qk, _key_bounds,
                                    _one_tile_at_least, _Operands, _p_operands, _sequence_span,
                                    _softmax_tile, _softmax_tile_max_on_demand, _tile_range,
                                    _TileMask, _work_item, _write_output, _write_rows, plus)
@@ -72,6 +72,36 @@ def _fresh_softmax(ctx, head, bn):
         wgmma.fragment_zeros(bn)), q_axis="row")
     softmax.reseed_with_sink(ctx.sinks[head] * LOG2E if ctx.st.has_sinks else MAX_SENTINEL)
     return softmax
+
+
+def _own_end_tile(ctx, consumer, m0, seq_q, seq_k, first_tile, end_tile):
+    """The end of the key tiles one of this group's own rows sees (``skip_masked_tiles``;
+    ``end_tile`` otherwise): a key bound grows with the row, so its last row's bound; at
+    least one tile past ``first_tile``."""
+    st = ctx.st
+    if not st.config.skip_masked_tiles:
+        return end_tile
+    last_row = kiln.minimum(m0 + (consumer + 1) * WARP_GROUP_ROWS, seq_q) - 1
+    _, hi = _key_bounds(last_row, seq_q, seq_k, st.mask)
+    return kiln.minimum(end_tile, kiln.maximum((hi + st.bn) // st.bn, first_tile + 1))
+
+
+@kiln.func
+def _pass_turns(ctx, consumer, own_end, end_tile, first_tile, kv_use):
+    """This group's turns at the key tiles ``own_end .. end_tile`` none of its rows sees: no
+    products (the other group keeps the tensor cores), and the tiles' K and V released once
+    they landed (an earlier release would count toward the stage's previous use)."""
+    STAGES = ctx.STAGES
+    for j in kiln.range(own_end, end_tile):
+        use = plus(kv_use, j - first_tile)
+        stage = use % STAGES
+        ctx.k_full.try_wait(stage, (use // STAGES) % 2)
+        ctx.v_full.try_wait(stage, (use // STAGES) % 2)
+        nvidia_asm.named_barrier(PINGPONG_BARRIER + consumer, TURN_THREADS)
+        nvidia_asm.named_barrier_arrive(PINGPONG_BARRIER + 1 - consumer, TURN_THREADS)
+        if ctx.tid % WARP_GROUP_THREADS == 0:
+            ctx.k_empty.arrive(stage)
+            ctx.v_empty.arrive(stage)
 
 
 @kiln.func
@@ -200,10 +230,13 @@ def _consume_tile(ctx, consumer, head, m0, q_start, seq_q, seq_k, lo_last, hi_fi
         probs, rescale_pending = _softmax_tile(
             softmax, scores, first_tile * bn, view.tile_mask, view.log2_scale, in_type,
             config.lazy_rescale)
+        own_end = _own_end_tile(ctx, consumer, m0, seq_q, seq_k, first_tile, end_tile)
         acc, probs, rescale_pending = _key_tiles(ctx, view, consumer, softmax, acc, probs,
-                                                 rescale_pending, first_tile, end_tile, kv_use)
+                                                 rescale_pending, first_tile, own_end, kv_use)
+        if config.skip_masked_tiles:
+            _pass_turns(ctx, consumer, own_end, end_tile, first_tile, kv_use)
         # Epilogue: the last tile's PV product.
-        last = plus(kv_use, end_tile - 1 - first_tile)
+        last = plus(kv_use, own_end - 1 - first_tile)
         ctx.v_full.try_wait(last % STAGES, (last // STAGES) % 2)
         nvidia_asm.named_barrier(my_turn, TURN_THREADS)
         if rescale_pending:
@@ -262,6 +295,8 @@ def _consume_items(ctx, consumer, work_items, num_q_tiles, heads, batches, cu_q,
     rescale_pending = ctx.tid < 0  # a traced False
     prev_empty = rescale_pending
     prev_head, prev_m0, prev_q_start, prev_seq_q = 0, 0, 0, 0
+    # The pending item's last key tile this group saw (skip_masked_tiles): use 0 is virtual.
+    prev_last_use = OVERLAP_FIRST_USE - 1
     # The K/V ring starts at its virtual use 0 (OVERLAP_FIRST_USE): its K is released here,
     # its V by the first item's dropped product.
     if first_thread:
@@ -277,7 +312,8 @@ def _consume_items(ctx, consumer, work_items, num_q_tiles, heads, batches, cu_q,
         if active:
             q_buffer = q_use % 2
             pending = q_use > 0  # the previous item's last P V is not issued yet
-            last_use = kv_use - 1  # the pending item's last key tile in the ring
+            # The pending item's last key tile in the ring.
+            last_use = prev_last_use if config.skip_masked_tiles else kv_use - 1
             view = _View(ctx, consumer, m0, seq_q, seq_k, lo_last, hi_first, q_buffer)
             ctx.q_full.try_wait(q_buffer, (q_use // 2) % 2)
             factors = _row_factors(softmax)
@@ -313,15 +349,20 @@ def _consume_items(ctx, consumer, work_items, num_q_tiles, heads, batches, cu_q,
                 # the one just handed back.
                 ctx.q_full.try_wait(q_buffer, (q_use // 2) % 2)
             acc = wgmma.fragment_zeros(config.v_width)
+            own_end = _own_end_tile(ctx, consumer, m0, seq_q, seq_k, first_tile, end_tile)
             acc, probs, rescale_pending = _key_tiles(
                 ctx, view, consumer, softmax, acc, probs, rescale_pending, first_tile,
-                end_tile, kv_use)
+                own_end, kv_use)
+            if config.skip_masked_tiles:
+                _pass_turns(ctx, consumer, own_end, end_tile, first_tile, kv_use)
+                prev_last_use = plus(kv_use, own_end - 1 - first_tile)
             prev_head, prev_m0, prev_q_start, prev_seq_q = head, m0, q_start, seq_q
             prev_empty = empty
         kv_use = kv_use + kiln.where(active, end_tile - first_tile, 0)
         q_use = q_use + kiln.where(active, 1, 0)
     if q_use > 0:
-        _flush(ctx, consumer, acc, probs, rescale_pending, softmax, kv_use - 1, prev_head,
+        _flush(ctx, consumer, acc, probs, rescale_pending, softmax,
+               prev_last_use if config.skip_masked_tiles else kv_use - 1, prev_head,
                prev_m0, prev_q_start, prev_seq_q, q_use - 1, prev_empty)
     if consumer == 0:  # absorb consumer 1's last hand-over
         nvidia_asm.named_barrier(PINGPONG_BARRIER, TURN_THREADS)
