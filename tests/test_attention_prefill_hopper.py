@@ -465,11 +465,21 @@ def test_overlapped_persistent_kernel_has_no_spills(d, causal, tiles):
     # Direct output stores: staging O in the Q buffer while the next item's S is live spills
     # at D 128 and with 192-key tiles. D 128 causal (zigzag, GQA) takes the max-first softmax:
     # the max-on-demand redo spills there.
-    ck = compile_prefill(target="sm_90a", head_dim=d, causal=causal, group=2, return_lse=True,
-                         persistent=True, block_n=tiles[0], stages=tiles[1], **OVERLAPPED,
-                         exp_before_max=not (d == 128 and causal))
+    # (compile_prefill refuses the walk: it faults on the GPU; its PTX is built here directly)
+    cfg = prefill_module._config(d, None, dict(persistent=True, block_n=tiles[0],
+                                               stages=tiles[1], **OVERLAPPED,
+                                               exp_before_max=not (d == 128 and causal)))
+    kernel = prefill_module.make_kernel("bf16", cfg, prefill_module._mask_spec(causal, None, None),
+                                        2, False, True, 0.0)
+    ck = kernel.compile(*prefill_module._placeholder_args("bf16", cfg, 2), target="sm_90a",
+                        num_warps=cfg.num_warps, **prefill_module._constexprs(cfg, 1))
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["stack_bytes"] == 0
     assert ck.metadata["wgmma_serialized"] is None
+
+
+def test_compile_prefill_refuses_the_overlapped_walk():
+    with pytest.raises(kiln.UnsupportedError, match="faults or errs on the GPU"):
+        compile_prefill(target="sm_90a", head_dim=64, persistent=True, **OVERLAPPED)
 
 
 @pytest.mark.lower
