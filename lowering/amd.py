@@ -19,7 +19,10 @@ import re
 import subprocess
 import tempfile
 import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 from mlir import ir
 
@@ -111,15 +114,16 @@ def _target_machine(chip: str, opt_level: int, verbose: bool = False):
     return machine
 
 
-def _optimized_module(state: CompileState):
-    """A fresh llvmlite module of the O-level-optimised IR.
+def _optimized_module(state: CompileState, steps: list):
+    """A fresh llvmlite module of the O-level-optimised IR (optimising it first, timed into
+    ``steps`` as ``optimize``).
 
     Codegen rewrites the module it emits (e.g. inserts ``llvm.amdgcn.if``), and emitting the
     same module twice makes instruction selection abort the process; so the optimised IR text
     is kept and every emission parses its own copy. Call it holding ``_LLVMLITE_LOCK``.
     """
     if "optimized_llvm" not in state.scratch:
-        with state.step("amdgcn", "optimize"):
+        with _timed(steps, "optimize"):
             import llvmlite.binding as llvmlite
 
             machine = _target_machine(state.target.name, state.options.opt_level)
@@ -144,30 +148,84 @@ def _parse_llvm(state: CompileState, text: str):
     return module
 
 
+@contextmanager
+def _timed(steps: list, name: str) -> Iterator[None]:
+    """Append ``(name, wall s, this thread's CPU s)`` of the body to ``steps``."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    try:
+        yield
+    finally:
+        steps.append((name, time.perf_counter() - wall, time.thread_time() - cpu))
+
+
+def _emit_beside(state: CompileState, stage: str, emit: Callable, beside: Callable):
+    """``emit(machine_steps)`` (LLVM's work, under ``_LLVMLITE_LOCK``) on a thread, while
+    this thread runs ``beside()`` (Python that no later stage needs, timed as
+    ``<stage>.beside``): llvmlite's calls release the GIL, as ptxas runs beside NVIDIA's. The
+    thread's steps enter the profile as ``<stage>.<step>`` (CPU: that thread's); its result is
+    returned and its error raised, after ``beside``'s own."""
+    done: dict = {"steps": []}
+
+    def run() -> None:
+        try:
+            with _LLVMLITE_LOCK:
+                done["result"] = emit(done["steps"])
+        except BaseException as err:  # noqa: BLE001 - raised again on the compiling thread
+            done["error"] = err
+
+    worker = threading.Thread(target=run, name=f"kiln-{stage}-{state.kernel}", daemon=True)
+    worker.start()
+    try:
+        with state.step(stage, "beside"):
+            beside()
+    finally:
+        worker.join()
+        for name, wall, cpu in done["steps"]:
+            state.profile.add(f"{stage}.{name}", wall, cpu)
+    if "error" in done:
+        raise done["error"]
+    return done["result"]
+
+
 def make_amdgcn(state: CompileState) -> str:
     """The assembly; verbose (comments on) when the kernel declares clusters, since LLVM
     prints the cluster markers (empty sched_group_barriers) only there. Codegen is identical,
-    and emitting only the verbose text saves a whole codegen."""
+    and emitting only the verbose text saves a whole codegen. The deferred texts and proofs
+    are made while LLVM optimises and emits."""
     verbose = bool(state.scratch.get("recipes"))
-    with _LLVMLITE_LOCK:
+
+    def emit(steps: list) -> str:
         machine = _target_machine(state.target.name, state.options.opt_level, verbose)
-        module = _optimized_module(state)
-        with state.step("amdgcn", "emit"):
-            asm = machine.emit_assembly(module)
-        module.close()
+        module = _optimized_module(state, steps)
+        try:
+            with _timed(steps, "emit"):
+                return machine.emit_assembly(module)
+        finally:
+            module.close()
+
+    asm = _emit_beside(state, "amdgcn", emit, lambda: state.run_deferred("amdgcn.beside"))
     # the assembly carries the code object's metadata: no object or llvm-readelf needed
     state.metadata.update(parse_amd_notes(asm, state.kernel))
     return asm
 
 
 def make_obj(state: CompileState) -> bytes:
-    with _LLVMLITE_LOCK:
+    """The ELF object; the assembly-level proofs (:func:`check_amdgpu_assembly`) run while
+    LLVM emits it."""
+    def emit(steps: list) -> bytes:
         machine = _target_machine(state.target.name, state.options.opt_level)
-        module = _optimized_module(state)
-        with state.step("obj", "emit"):
-            obj = machine.emit_object(module)
-        module.close()
-    return obj
+        module = _optimized_module(state, steps)  # parsed from make_amdgcn's optimised IR
+        try:
+            with _timed(steps, "emit"):
+                return machine.emit_object(module)
+        finally:
+            module.close()
+
+    def beside() -> None:
+        state.run_deferred("obj.beside")  # made in the amdgcn stage unless it had none yet
+        check_amdgpu_assembly(state, state.scratch.get("recipes") or {}, "obj.beside")
+
+    return _emit_beside(state, "obj", emit, beside)
 
 
 def make_hsaco(state: CompileState) -> bytes | None:
@@ -189,16 +247,18 @@ stages = {"gpu": make_gpu, "rocdl": make_rocdl, "llvm": make_llvm, "amdgcn": mak
           "obj": make_obj, "hsaco": make_hsaco}
 
 
-def check_amdgpu_assembly(state: CompileState, recipes: dict) -> None:
+def check_amdgpu_assembly(state: CompileState, recipes: dict,
+                          step: str = "check-assembly") -> None:
     """The assembly-level proofs: waits cover every load's registers (WaitError), clusters
     match their recipes (ScheduleWarning; the amdgcn stage emitted verbose assembly, which
-    holds the cluster markers); live VGPRs per cluster go into the metadata."""
-    with state.step("check-assembly", "parse"):
+    holds the cluster markers); live VGPRs per cluster go into the metadata. Timed as
+    ``<step>.parse`` etc."""
+    with state.step(step, "parse"):
         program = isa_amdgpu.parse(state.asm["amdgcn"], state.kernel)
-    with state.step("check-assembly", "verify-waits"):
+    with state.step(step, "verify-waits"):
         isa_amdgpu.verify_waits(program, state.kernel)
     if recipes:
-        with state.step("check-assembly", "verify-schedule"):
+        with state.step(step, "verify-schedule"):
             verify_schedule(program, recipes, state.kernel)
             live = isa_amdgpu.live_vgprs_at_clusters(program)
         if live:
@@ -206,14 +266,15 @@ def check_amdgpu_assembly(state: CompileState, recipes: dict) -> None:
 
 
 class AmdBackend(Backend):
-    """The stages above and the assembly-level proofs (``kiln.runtime.launch`` launches its
-    code objects through HIP)."""
+    """The stages above; the proofs (Kiln's wait proof, the assembly-level ones) run beside
+    LLVM's code generation, in :func:`make_amdgcn` and :func:`make_obj`
+    (``kiln.runtime.launch`` launches its code objects through HIP)."""
 
     name = "amd"
     stages = stages
     binary_stages = ("hsaco", "obj")
     binary_tool = "ld.lld"
+    defers_proofs = True  # make_amdgcn runs them while LLVM optimises and emits
 
     def check(self, state: CompileState, recipes: dict) -> None:
-        with state.profile.step("check-assembly"):
-            check_amdgpu_assembly(state, recipes)
+        """Nothing left: :func:`make_obj` checked the assembly."""

@@ -5,6 +5,7 @@ let a wrong kernel through."""
 from __future__ import annotations
 
 import inspect
+import threading
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import kiln.tiles as tiles
 from kiln.cluster import manual_waits
 from kiln.core.errors import CompilationError, InternalError, WaitError
 from kiln.core.options import CompileOptions
-from kiln.lowering import compiler, nvidia, pipeline
+from kiln.lowering import amd, compiler, nvidia, pipeline
 from kiln.lowering.compiler import compile_kernel
 from kiln.lowering.tools import find_ptxas
 
@@ -151,11 +152,87 @@ def scale(x: kiln.Tensor[kiln.f32], y: kiln.Tensor[kiln.f32]):
     y[i] = x[i] * 3.0
 
 
-def test_backends_without_a_tool_window_prove_in_the_stage(monkeypatch):
-    """AMD has no ptxas to overlap: its proof stays in the gpu stage, in order."""
+def _serial_emit(state, stage, emit, beside):
+    """amd._emit_beside without its thread: the same work, one step after the other."""
+    steps: list = []
+    with state.step(stage, "beside"):
+        beside()
+    with amd._LLVMLITE_LOCK:
+        result = emit(steps)
+    for name, wall, cpu in steps:
+        state.profile.add(f"{stage}.{name}", wall, cpu)
+    return result
+
+
+@pytest.fixture
+def fresh_scale(monkeypatch):
+    """``scale`` compiled anew by each call (no in-memory specialisation, no cache)."""
     monkeypatch.setenv("KILN_NO_CACHE", "1")
-    assert compiler.BACKENDS["nvidia"].defers_proofs and not compiler.BACKENDS["amd"].defers_proofs
+    scale._compiled.clear()
+    yield
+    scale._compiled.clear()
+
+
+def _codegen_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kiln-amdgcn-")
+            or t.name.startswith("kiln-obj-")]
+
+
+def test_amd_proves_and_prints_beside_llvm_codegen_with_the_same_artifacts(monkeypatch,
+                                                                         fresh_scale):
+    """AMD's wait proof, stage texts and assembly checks run while LLVM optimises and emits on
+    a thread (as NVIDIA's beside ptxas): not in the gpu stage, and every artifact is the one
+    the same steps make one after the other."""
+    assert compiler.BACKENDS["nvidia"].defers_proofs and compiler.BACKENDS["amd"].defers_proofs
     x = np.random.rand(64).astype(np.float32)
     ck = scale.compile(x, np.zeros_like(x), target="gfx950", num_warps=1)
-    assert "gpu.passes.kiln-verify-rings" in _steps(ck)  # kiln-insert-waits proved the rest
-    assert "text.kiln" in _steps(ck)  # its traced module was still lowered without a parse
+    steps = _steps(ck)
+    assert {"amdgcn.beside.kiln-verify-rings", "amdgcn.beside.kiln", "amdgcn.beside.rocdl",
+            "amdgcn.optimize", "amdgcn.emit", "obj.emit", "obj.beside.verify-waits"} <= set(steps)
+    assert "gpu.passes.kiln-verify-rings" not in steps  # off the critical path
+    assert [s for s in steps if "." not in s][-3:] == ["amdgcn", "obj", "hsaco"]
+    assert not _codegen_threads()
+    monkeypatch.setattr(amd, "_emit_beside", _serial_emit)
+    scale._compiled.clear()  # compile again, not from memory
+    serial = scale.compile(x, np.zeros_like(x), target="gfx950", num_warps=1)
+    assert list(serial.asm) == list(ck.asm)
+    for stage, artifact in serial.asm.items():
+        assert ck.asm[stage] == artifact, stage
+    assert ck.metadata["vgpr_count"] == serial.metadata["vgpr_count"] > 0
+
+
+def test_an_amd_codegen_failure_on_its_thread_is_raised_by_the_compile(monkeypatch,
+                                                                      fresh_scale):
+
+    def broken(state, steps):
+        raise CompilationError("planted codegen failure", fix="none")
+
+    monkeypatch.setattr(amd, "_optimized_module", broken)
+    x = np.random.rand(64).astype(np.float32)
+    with pytest.raises(CompilationError, match="planted codegen failure"):
+        scale.compile(x, np.zeros_like(x), target="gfx950", num_warps=1)
+    assert not _codegen_threads()  # joined before the error left the stage
+
+
+def test_an_amd_proof_failure_wins_over_its_codegen_failure(monkeypatch, fresh_scale):
+    """Beside a failing codegen, a failing wait proof is the error (as it was when the proof
+    ran in the gpu stage, before any codegen)."""
+    from kiln import passes
+
+    def refuse(op, pass_):
+        pass_.signal_pass_failure()
+
+    def broken(state, steps):
+        raise CompilationError("planted codegen failure", fix="none")
+
+    monkeypatch.setitem(passes._REGISTRY, "kiln-test-refuse",
+                        passes.KilnPass("kiln-test-refuse", refuse, "test: a failing proof"))
+    monkeypatch.setattr(pipeline, "GPU_STAGE_PASSES",
+                        pipeline.GPU_STAGE_PASSES + ("kiln-test-refuse",))
+    monkeypatch.setattr(pipeline, "PROOF_PASSES", pipeline.PROOF_PASSES | {"kiln-test-refuse"})
+    monkeypatch.setattr(amd, "_optimized_module", broken)
+    x = np.random.rand(64).astype(np.float32)
+    with pytest.raises(CompilationError, match="the 'gpu' stage failed") as caught:
+        scale.compile(x, np.zeros_like(x), target="gfx950", num_warps=1)
+    assert "kiln-test-refuse" in str(caught.value)
+    assert not _codegen_threads()
