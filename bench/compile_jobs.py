@@ -3,7 +3,7 @@ the library's compile entry points and ``saxpy_compile`` (a small user kernel), 
 benchmarks' ``JOBS`` expressions name (``k.compile_matmul('bf16', target='sm_90a')``).
 
 Importing this module imports Kiln and the library: ``compile_time``'s child process times
-that import apart from the compile. :func:`serial_amd_codegen` makes AMD compiles run LLVM's
+that import apart from the compile. :func:`serial_amd_codegen` makes AMD compiles run their
 code generation and the work beside it one after the other (``compile_time --serial-llvm``:
 the same-run baseline of the overlap).
 """
@@ -30,8 +30,9 @@ def saxpy(x: kiln.Tensor[kiln.f32], y: kiln.Tensor[kiln.f32], n: kiln.i32, a: ki
 
 
 def serial_amd_codegen() -> None:
-    """Replace ``kiln.lowering.amd._emit_beside`` by its thread-less twin: ``beside()``, then
-    LLVM's work, on the compiling thread (the same steps and artifacts, no overlap)."""
+    """Make AMD compiles do their work one step after the other, as before the overlap: no
+    second process for the object (``make_obj`` emits it), and ``beside()`` then LLVM's work on
+    the compiling thread (the same steps and artifacts)."""
     from kiln.lowering import amd
 
     def serial(state, stage, emit, beside):
@@ -45,6 +46,7 @@ def serial_amd_codegen() -> None:
         return result
 
     amd._emit_beside = serial
+    amd._start_object_process = lambda state, work: None
 
 
 def saxpy_compile(target):

@@ -8,10 +8,10 @@ pass, the MLIR pipelines, LLVM/NVPTX, ptxas, the AMD llvmlite and link steps: th
 ``kiln compile --report`` prints). The goal (issue 42) is at most 1.5 s per library kernel and
 0.3 s for saxpy; the table's ``goal`` column is the ratio to it. The ``beside`` column is the
 Python work done while ptxas runs (printing the stages' text, the wait proof: the
-``cubin.ptxas.*`` steps) or, on AMD, while LLVM optimises and emits on a thread (the
-``amdgcn.beside.*`` and ``obj.beside.*`` steps, with the assembly checks), which costs no wall
-time where a second core is free; ``--serial-llvm`` runs AMD's instead one after the other
-(the same-run baseline of that overlap). ``--repeat N`` keeps each kernel's fastest of N cold
+``cubin.ptxas.*`` steps) or, on AMD, while LLVM emits the assembly on a thread and the object
+in a second process (the ``amdgcn.beside.*`` and ``amdgcn.check.*`` steps), which costs no
+wall time where a second core is free; ``--serial-llvm`` makes AMD's one step after the other
+instead (the same-run baseline of that overlap). ``--repeat N`` keeps each kernel's fastest of N cold
 compiles (on a shared machine the first may wait for a core).
 
 Example::
@@ -43,7 +43,7 @@ from results_io import metadata
 # name -> (goal seconds, the Python expression that compiles it; `k` holds the kernel modules)
 _LIBRARY_GOAL, _USER_GOAL = 1.5, 0.3
 # steps nested in these ran beside ptxas (NVIDIA) or LLVM's code generation thread (AMD)
-BESIDE = ("cubin.ptxas.", "amdgcn.beside.", "obj.beside.")
+BESIDE = ("cubin.ptxas.", "amdgcn.beside.", "amdgcn.check.")
 _BENCH_DIR = os.path.dirname(os.path.abspath(__file__))  # the child imports compile_jobs from it
 JOBS = {
     **{f"prefill_sm90_d{d}": f"k.compile_prefill('bf16', target='sm_90a', head_dim={d}, "
@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1,
                         help="cold compiles per kernel; the fastest is reported")
     parser.add_argument("--serial-llvm", action="store_true",
-                        help="AMD: run LLVM's code generation and the proofs and texts one "
-                             "after the other (the baseline of their overlap)")
+                        help="AMD: code generation (assembly, object) and the proofs and texts "
+                             "one after the other (the baseline of their overlap)")
     parser.add_argument("--list", action="store_true", help="list the kernels and exit")
     ns = parser.parse_args(argv)
     if ns.list:

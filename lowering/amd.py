@@ -2,9 +2,10 @@
 
 The rocdl stage converts the gpu.module to the LLVM dialect with ROCDL intrinsics; LLVM IR is
 translated in-process, then optimised and compiled by llvmlite's AMDGPU backend (assembly
-and an ELF object). ``ld.lld``, when present, links the object into a loadable ``hsaco``.
-Resource usage comes from the assembly's ``.amdgpu_metadata`` (the code-object notes' YAML).
-:class:`AmdBackend` adds the assembly-level wait and schedule proofs.
+and an ELF object, the object in a second process: :func:`make_amdgcn`). ``ld.lld``, when
+present, links the object into a loadable ``hsaco``. Resource usage comes from the assembly's
+``.amdgpu_metadata`` (the code-object notes' YAML). The assembly-level wait and schedule
+proofs run beside the code generation.
 
 Example::
 
@@ -14,9 +15,10 @@ Example::
 
 from __future__ import annotations
 
-import functools
+import os
 import re
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -28,15 +30,16 @@ from mlir import ir
 
 from kiln.core.errors import CompilationError, UnsupportedError, source_loc_from_mlir
 from kiln.lowering import isa_amdgpu
+from kiln.lowering import llvmlite_codegen as codegen
 from kiln.lowering.metadata import parse_amd_notes
 from kiln.lowering.pipeline import Backend, CompileState, make_gpu, run_passes
 from kiln.lowering.tools import stage_tool
 from kiln.lowering.translate import device_llvm_ir
 from kiln.lowering.verify_schedule import verify_schedule
 
-TRIPLE = "amdgcn-amd-amdhsa"
-# llvmlite parses into LLVM's one global context and the target machines below are shared;
-# neither is thread-safe, and autotune compiles its configs on a thread pool.
+TRIPLE = codegen.TRIPLE
+# llvmlite parses into LLVM's one global context and its target machines (llvmlite_codegen)
+# are shared; neither is thread-safe, and autotune compiles its configs on a thread pool.
 _LLVMLITE_LOCK = threading.Lock()
 
 
@@ -102,50 +105,9 @@ def _reject_device_library_calls(state: CompileState, llvm_ir: str) -> None:
                 "min/max...) or report the missing operation")
 
 
-@functools.lru_cache(maxsize=None)
-def _target_machine(chip: str, opt_level: int, verbose: bool = False):
-    import llvmlite.binding as llvmlite  # ~50 ms to import: only AMD compiles pay it
-    llvmlite.initialize_all_targets()
-    llvmlite.initialize_all_asmprinters()
-    machine = llvmlite.Target.from_triple(TRIPLE).create_target_machine(
-        cpu=chip, features="", opt=opt_level, reloc="pic", codemodel="default")
-    if verbose:
-        machine.set_asm_verbosity(True)
-    return machine
-
-
-def _optimized_module(state: CompileState, steps: list):
-    """A fresh llvmlite module of the O-level-optimised IR (optimising it first, timed into
-    ``steps`` as ``optimize``).
-
-    Codegen rewrites the module it emits (e.g. inserts ``llvm.amdgcn.if``), and emitting the
-    same module twice makes instruction selection abort the process; so the optimised IR text
-    is kept and every emission parses its own copy. Call it holding ``_LLVMLITE_LOCK``.
-    """
-    if "optimized_llvm" not in state.scratch:
-        with _timed(steps, "optimize"):
-            import llvmlite.binding as llvmlite
-
-            machine = _target_machine(state.target.name, state.options.opt_level)
-            module = _parse_llvm(state, state.asm["llvm"])
-            tuning = llvmlite.create_pipeline_tuning_options(speed_level=state.options.opt_level)
-            builder = llvmlite.create_pass_builder(machine, tuning)
-            builder.getModulePassManager().run(module, builder)
-            state.scratch["optimized_llvm"] = str(module)
-            module.close()  # now, under the lock, not whenever (and on whichever thread) GC runs
-    return _parse_llvm(state, state.scratch["optimized_llvm"])
-
-
-def _parse_llvm(state: CompileState, text: str):
-    import llvmlite.binding as llvmlite
-
-    try:
-        module = llvmlite.parse_assembly(text)
-        module.verify()
-    except RuntimeError as err:
-        raise CompilationError(f"LLVM rejected the IR of kernel {state.kernel!r}: {err}",
-                               fix="set KILN_DUMP_DIR and inspect the .ll; report a Kiln bug") from None
-    return module
+def _llvm_error(state: CompileState, err: RuntimeError) -> CompilationError:
+    return CompilationError(f"LLVM rejected the IR of kernel {state.kernel!r}: {err}",
+                            fix="set KILN_DUMP_DIR and inspect the .ll; report a Kiln bug")
 
 
 @contextmanager
@@ -159,11 +121,11 @@ def _timed(steps: list, name: str) -> Iterator[None]:
 
 
 def _emit_beside(state: CompileState, stage: str, emit: Callable, beside: Callable):
-    """``emit(machine_steps)`` (LLVM's work, under ``_LLVMLITE_LOCK``) on a thread, while
-    this thread runs ``beside()`` (Python that no later stage needs, timed as
-    ``<stage>.beside``): llvmlite's calls release the GIL, as ptxas runs beside NVIDIA's. The
-    thread's steps enter the profile as ``<stage>.<step>`` (CPU: that thread's); its result is
-    returned and its error raised, after ``beside``'s own."""
+    """``emit(steps)`` (LLVM's work, under ``_LLVMLITE_LOCK``) on a thread, while this thread
+    runs ``beside()`` (Python that no later stage needs, timed as ``<stage>.beside``):
+    llvmlite's calls release the GIL, as ptxas runs beside NVIDIA's. The thread's steps enter
+    the profile as ``<stage>.<step>`` (CPU: that thread's); its result is returned and its
+    error raised, after ``beside``'s own."""
     done: dict = {"steps": []}
 
     def run() -> None:
@@ -187,45 +149,92 @@ def _emit_beside(state: CompileState, stage: str, emit: Callable, beside: Callab
     return done["result"]
 
 
+def _optimized(state: CompileState, steps: list) -> str:
+    """The O-level-optimised LLVM IR text (made once; call it holding ``_LLVMLITE_LOCK``)."""
+    if "optimized_llvm" not in state.scratch:
+        with _timed(steps, "optimize"):
+            try:
+                state.scratch["optimized_llvm"] = codegen.optimize(
+                    state.asm["llvm"], state.target.name, state.options.opt_level)
+            except RuntimeError as err:
+                raise _llvm_error(state, err) from None
+    return state.scratch["optimized_llvm"]
+
+
+def _start_object_process(state: CompileState, work: Path) -> subprocess.Popen | None:
+    """Start ``llvmlite_codegen.py`` on the LLVM IR: the object made in a second process (the
+    same steps on the same text); None where no process starts (it is made here then)."""
+    import llvmlite  # the child finds it where this process does
+
+    (work / "kernel.ll").write_text(state.asm["llvm"])
+    paths = [str(Path(llvmlite.__file__).parent.parent), os.environ.get("PYTHONPATH", "")]
+    try:
+        with open(work / "stderr", "wb") as stderr:  # a file: a full pipe would block it
+            return subprocess.Popen(
+                [sys.executable, codegen.__file__, state.target.name,
+                 str(state.options.opt_level), str(work / "kernel.ll"), str(work / "kernel.o")],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+                env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p)))
+    except OSError:
+        return None
+
+
 def make_amdgcn(state: CompileState) -> str:
     """The assembly; verbose (comments on) when the kernel declares clusters, since LLVM
     prints the cluster markers (empty sched_group_barriers) only there. Codegen is identical,
-    and emitting only the verbose text saves a whole codegen. The deferred texts and proofs
-    are made while LLVM optimises and emits."""
+    and emitting only the verbose text saves a whole codegen.
+
+    In a compile that defers its proofs (``compile_kernel``'s), three things run at once: a
+    second process makes the ELF object (``amdgcn.object``), a thread has LLVM optimise and
+    emit the assembly, and this one makes the deferred texts and proofs (``amdgcn.beside.*``);
+    then the assembly checks (``amdgcn.check.*``) run while the object may still be in the
+    making. ``make_obj`` takes the object."""
     verbose = bool(state.scratch.get("recipes"))
+    chip, opt_level = state.target.name, state.options.opt_level
 
     def emit(steps: list) -> str:
-        machine = _target_machine(state.target.name, state.options.opt_level, verbose)
-        module = _optimized_module(state, steps)
-        try:
-            with _timed(steps, "emit"):
-                return machine.emit_assembly(module)
-        finally:
-            module.close()
+        optimized = _optimized(state, steps)
+        with _timed(steps, "emit"):
+            try:
+                return codegen.emit(optimized, chip, opt_level, assembly=True, verbose=verbose)
+            except RuntimeError as err:
+                raise _llvm_error(state, err) from None
 
-    asm = _emit_beside(state, "amdgcn", emit, lambda: state.run_deferred("amdgcn.beside"))
-    # the assembly carries the code object's metadata: no object or llvm-readelf needed
-    state.metadata.update(parse_amd_notes(asm, state.kernel))
+    with tempfile.TemporaryDirectory(prefix="kiln-amdgcn-") as tmp:
+        started = time.perf_counter()
+        child = _start_object_process(state, Path(tmp)) if state.defer_proofs else None
+        try:
+            asm = _emit_beside(state, "amdgcn", emit, lambda: state.run_deferred("amdgcn.beside"))
+            # the assembly carries the code object's metadata: no object or llvm-readelf needed
+            state.metadata.update(parse_amd_notes(asm, state.kernel))
+            state.asm["amdgcn"] = asm
+            if state.defer_proofs:
+                with state.step("amdgcn", "check"):
+                    check_amdgpu_assembly(state, state.scratch.get("recipes") or {},
+                                          "amdgcn.check")
+            if child is not None:
+                child.wait()
+                state.profile.add("amdgcn.object", time.perf_counter() - started, 0.0)
+                if child.returncode == 0:  # else make_obj emits it here (and meets its error)
+                    state.scratch["obj"] = (Path(tmp) / "kernel.o").read_bytes()
+        finally:
+            if child is not None and child.poll() is None:  # this compile failed first
+                child.kill()
+                child.wait()
     return asm
 
 
 def make_obj(state: CompileState) -> bytes:
-    """The ELF object; the assembly-level proofs (:func:`check_amdgpu_assembly`) run while
-    LLVM emits it."""
-    def emit(steps: list) -> bytes:
-        machine = _target_machine(state.target.name, state.options.opt_level)
-        module = _optimized_module(state, steps)  # parsed from make_amdgcn's optimised IR
+    """The ELF object make_amdgcn's second process made, else made here."""
+    if "obj" in state.scratch:
+        return state.scratch.pop("obj")
+    with _LLVMLITE_LOCK, state.step("obj", "emit"):
+        optimized = _optimized(state, [])
         try:
-            with _timed(steps, "emit"):
-                return machine.emit_object(module)
-        finally:
-            module.close()
-
-    def beside() -> None:
-        state.run_deferred("obj.beside")  # made in the amdgcn stage unless it had none yet
-        check_amdgpu_assembly(state, state.scratch.get("recipes") or {}, "obj.beside")
-
-    return _emit_beside(state, "obj", emit, beside)
+            return codegen.emit(optimized, state.target.name, state.options.opt_level,
+                                assembly=False)
+        except RuntimeError as err:
+            raise _llvm_error(state, err) from None
 
 
 def make_hsaco(state: CompileState) -> bytes | None:
@@ -267,8 +276,8 @@ def check_amdgpu_assembly(state: CompileState, recipes: dict,
 
 class AmdBackend(Backend):
     """The stages above; the proofs (Kiln's wait proof, the assembly-level ones) run beside
-    LLVM's code generation, in :func:`make_amdgcn` and :func:`make_obj`
-    (``kiln.runtime.launch`` launches its code objects through HIP)."""
+    LLVM's code generation, in :func:`make_amdgcn` (``kiln.runtime.launch`` launches its code
+    objects through HIP)."""
 
     name = "amd"
     stages = stages
@@ -277,4 +286,7 @@ class AmdBackend(Backend):
     defers_proofs = True  # make_amdgcn runs them while LLVM optimises and emits
 
     def check(self, state: CompileState, recipes: dict) -> None:
-        """Nothing left: :func:`make_obj` checked the assembly."""
+        """The assembly checks, unless :func:`make_amdgcn` ran them (``defer_proofs``)."""
+        if not state.defer_proofs:
+            with state.profile.step("check-assembly"):
+                check_amdgpu_assembly(state, recipes)

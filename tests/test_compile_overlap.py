@@ -5,6 +5,8 @@ let a wrong kernel through."""
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -173,48 +175,88 @@ def fresh_scale(monkeypatch):
     scale._compiled.clear()
 
 
+@pytest.fixture
+def object_processes(monkeypatch):
+    """The second processes AMD compiles start for their objects (they run as usual)."""
+    started = []
+    real = amd._start_object_process
+
+    def recording(state, work):
+        process = real(state, work)
+        started.append(process)
+        return process
+
+    monkeypatch.setattr(amd, "_start_object_process", recording)
+    return started
+
+
 def _codegen_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("kiln-amdgcn-")
-            or t.name.startswith("kiln-obj-")]
+    return [t.name for t in threading.enumerate() if t.name.startswith("kiln-amdgcn-")]
 
 
-def test_amd_proves_and_prints_beside_llvm_codegen_with_the_same_artifacts(monkeypatch,
-                                                                         fresh_scale):
-    """AMD's wait proof, stage texts and assembly checks run while LLVM optimises and emits on
-    a thread (as NVIDIA's beside ptxas): not in the gpu stage, and every artifact is the one
-    the same steps make one after the other."""
-    assert compiler.BACKENDS["nvidia"].defers_proofs and compiler.BACKENDS["amd"].defers_proofs
+def _compile_scale():
     x = np.random.rand(64).astype(np.float32)
-    ck = scale.compile(x, np.zeros_like(x), target="gfx950", num_warps=1)
+    return scale.compile(x, np.zeros_like(x), target="gfx950", num_warps=1)
+
+
+def test_amd_overlaps_its_codegen_with_the_same_artifacts(monkeypatch, fresh_scale,
+                                                          object_processes):
+    """An AMD compile emits the object in a second process while a thread has LLVM emit the
+    assembly and this one makes the wait proof and the stage texts, then the assembly checks
+    (as NVIDIA's beside ptxas): not in the gpu stage, and every artifact and metadata value is
+    the one the same steps make one after the other."""
+    assert compiler.BACKENDS["nvidia"].defers_proofs and compiler.BACKENDS["amd"].defers_proofs
+    ck = _compile_scale()
     steps = _steps(ck)
     assert {"amdgcn.beside.kiln-verify-rings", "amdgcn.beside.kiln", "amdgcn.beside.rocdl",
-            "amdgcn.optimize", "amdgcn.emit", "obj.emit", "obj.beside.verify-waits"} <= set(steps)
+            "amdgcn.optimize", "amdgcn.emit", "amdgcn.object", "amdgcn.check.verify-waits"} \
+        <= set(steps)
     assert "gpu.passes.kiln-verify-rings" not in steps  # off the critical path
+    assert "obj.emit" not in steps  # the second process made it
     assert [s for s in steps if "." not in s][-3:] == ["amdgcn", "obj", "hsaco"]
+    assert len(object_processes) == 1 and object_processes[0].returncode == 0
     assert not _codegen_threads()
     monkeypatch.setattr(amd, "_emit_beside", _serial_emit)
-    scale._compiled.clear()  # compile again, not from memory
-    serial = scale.compile(x, np.zeros_like(x), target="gfx950", num_warps=1)
+    monkeypatch.setattr(amd, "_start_object_process", lambda state, work: None)
+    scale._compiled.clear()
+    serial = _compile_scale()
+    assert "obj.emit" in _steps(serial)
     assert list(serial.asm) == list(ck.asm)
     for stage, artifact in serial.asm.items():
         assert ck.asm[stage] == artifact, stage
-    assert ck.metadata["vgpr_count"] == serial.metadata["vgpr_count"] > 0
+    for key, value in serial.metadata.items():
+        assert key in ("compile_profile", "compile_ms") or ck.metadata[key] == value, key
 
 
-def test_an_amd_codegen_failure_on_its_thread_is_raised_by_the_compile(monkeypatch,
-                                                                      fresh_scale):
+def test_a_failed_object_process_leaves_the_object_to_this_one(monkeypatch, fresh_scale):
+    """Where the second process fails (no interpreter, a crash), the object is emitted here:
+    the same bytes."""
+    reference = _compile_scale()
 
+    def failing(state, work):
+        return subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+
+    monkeypatch.setattr(amd, "_start_object_process", failing)
+    scale._compiled.clear()
+    ck = _compile_scale()
+    assert "obj.emit" in _steps(ck)
+    assert ck.asm["obj"] == reference.asm["obj"] and ck.asm["hsaco"] == reference.asm["hsaco"]
+
+
+def test_an_amd_codegen_failure_on_its_thread_is_raised_by_the_compile(monkeypatch, fresh_scale,
+                                                                      object_processes):
     def broken(state, steps):
         raise CompilationError("planted codegen failure", fix="none")
 
-    monkeypatch.setattr(amd, "_optimized_module", broken)
-    x = np.random.rand(64).astype(np.float32)
+    monkeypatch.setattr(amd, "_optimized", broken)
     with pytest.raises(CompilationError, match="planted codegen failure"):
-        scale.compile(x, np.zeros_like(x), target="gfx950", num_warps=1)
+        _compile_scale()
     assert not _codegen_threads()  # joined before the error left the stage
+    assert [p.poll() is not None for p in object_processes] == [True]  # ended, reaped
 
 
-def test_an_amd_proof_failure_wins_over_its_codegen_failure(monkeypatch, fresh_scale):
+def test_an_amd_proof_failure_wins_over_its_codegen_failure(monkeypatch, fresh_scale,
+                                                            object_processes):
     """Beside a failing codegen, a failing wait proof is the error (as it was when the proof
     ran in the gpu stage, before any codegen)."""
     from kiln import passes
@@ -230,9 +272,9 @@ def test_an_amd_proof_failure_wins_over_its_codegen_failure(monkeypatch, fresh_s
     monkeypatch.setattr(pipeline, "GPU_STAGE_PASSES",
                         pipeline.GPU_STAGE_PASSES + ("kiln-test-refuse",))
     monkeypatch.setattr(pipeline, "PROOF_PASSES", pipeline.PROOF_PASSES | {"kiln-test-refuse"})
-    monkeypatch.setattr(amd, "_optimized_module", broken)
-    x = np.random.rand(64).astype(np.float32)
+    monkeypatch.setattr(amd, "_optimized", broken)
     with pytest.raises(CompilationError, match="the 'gpu' stage failed") as caught:
-        scale.compile(x, np.zeros_like(x), target="gfx950", num_warps=1)
+        _compile_scale()
     assert "kiln-test-refuse" in str(caught.value)
     assert not _codegen_threads()
+    assert [p.poll() is not None for p in object_processes] == [True]
