@@ -162,21 +162,40 @@ def _optimized(state: CompileState, steps: list) -> str:
 
 
 def _start_object_process(state: CompileState, work: Path) -> subprocess.Popen | None:
-    """Start ``llvmlite_codegen.py`` on the LLVM IR: the object made in a second process (the
-    same steps on the same text); None where no process starts (it is made here then)."""
+    """Start ``llvmlite_codegen.py``, which emits the object into ``work/kernel.o`` once
+    :func:`_hand_over` sends it the optimised IR; None where no process starts, or where this
+    process may use one CPU only (the object is then emitted here)."""
+    if _usable_cpus() < 2:  # nothing would run beside it: the start-up would only add
+        return None
     import llvmlite  # the child finds it where this process does
 
-    (work / "kernel.ll").write_text(state.asm["llvm"])
     paths = [str(Path(llvmlite.__file__).parent.parent), os.environ.get("PYTHONPATH", "")]
     try:
         with open(work / "stderr", "wb") as stderr:  # a file: a full pipe would block it
             return subprocess.Popen(
                 [sys.executable, codegen.__file__, state.target.name,
-                 str(state.options.opt_level), str(work / "kernel.ll"), str(work / "kernel.o")],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+                 str(state.options.opt_level), str(work / "kernel.o")],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=stderr,
                 env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p)))
     except OSError:
         return None
+
+
+def _usable_cpus() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def _hand_over(child: subprocess.Popen | None, optimized: str, work: Path) -> None:
+    """Send the optimised IR to the object's process (a dead one is left to make_obj)."""
+    if child is None:
+        return
+    try:
+        (work / "kernel.opt.ll").write_text(optimized)
+        child.stdin.write(f"{work / 'kernel.opt.ll'}\n".encode())
+        child.stdin.close()
+    except OSError:  # it ended already (BrokenPipeError): make_obj emits the object
+        pass
 
 
 def make_amdgcn(state: CompileState) -> str:
@@ -184,16 +203,17 @@ def make_amdgcn(state: CompileState) -> str:
     prints the cluster markers (empty sched_group_barriers) only there. Codegen is identical,
     and emitting only the verbose text saves a whole codegen.
 
-    In a compile that defers its proofs (``compile_kernel``'s), three things run at once: a
-    second process makes the ELF object (``amdgcn.object``), a thread has LLVM optimise and
-    emit the assembly, and this one makes the deferred texts and proofs (``amdgcn.beside.*``);
-    then the assembly checks (``amdgcn.check.*``) run while the object may still be in the
-    making. ``make_obj`` takes the object."""
+    In a compile that defers its proofs (``compile_kernel``'s), a thread has LLVM optimise and
+    emit the assembly while this one makes the deferred texts and proofs (``amdgcn.beside.*``);
+    a second process, started meanwhile, emits the ELF object from the optimised IR
+    (``amdgcn.object``) while the assembly is emitted and checked (``amdgcn.check.*``).
+    ``make_obj`` takes the object."""
     verbose = bool(state.scratch.get("recipes"))
     chip, opt_level = state.target.name, state.options.opt_level
 
     def emit(steps: list) -> str:
         optimized = _optimized(state, steps)
+        _hand_over(child, optimized, work)
         with _timed(steps, "emit"):
             try:
                 return codegen.emit(optimized, chip, opt_level, assembly=True, verbose=verbose)
@@ -201,8 +221,8 @@ def make_amdgcn(state: CompileState) -> str:
                 raise _llvm_error(state, err) from None
 
     with tempfile.TemporaryDirectory(prefix="kiln-amdgcn-") as tmp:
-        started = time.perf_counter()
-        child = _start_object_process(state, Path(tmp)) if state.defer_proofs else None
+        work, started = Path(tmp), time.perf_counter()
+        child = _start_object_process(state, work) if state.defer_proofs else None
         try:
             asm = _emit_beside(state, "amdgcn", emit, lambda: state.run_deferred("amdgcn.beside"))
             # the assembly carries the code object's metadata: no object or llvm-readelf needed
@@ -216,11 +236,13 @@ def make_amdgcn(state: CompileState) -> str:
                 child.wait()
                 state.profile.add("amdgcn.object", time.perf_counter() - started, 0.0)
                 if child.returncode == 0:  # else make_obj emits it here (and meets its error)
-                    state.scratch["obj"] = (Path(tmp) / "kernel.o").read_bytes()
+                    state.scratch["obj"] = (work / "kernel.o").read_bytes()
         finally:
             if child is not None and child.poll() is None:  # this compile failed first
                 child.kill()
                 child.wait()
+            if child is not None:
+                child.stdin.close()
     return asm
 
 

@@ -3,10 +3,11 @@ script: an AMD compile emits its ELF object in a second process while the compil
 the assembly (llvmlite makes one call at a time in a process, under its own lock, and each
 emission is a whole code generation).
 
-Both processes run the same steps on the same IR text, so the object is the one the compiling
-process would emit: :func:`optimize` (the O-level pipeline; its result printed, since
-codegen rewrites the module it emits and emitting one module twice aborts the process), then
-:func:`emit` on a fresh parse of that text.
+:func:`optimize` runs the O-level pipeline and prints the result (codegen rewrites the module
+it emits, and emitting one module twice aborts the process); :func:`emit` compiles a fresh
+parse of that text. The script starts (interpreter, llvmlite, target machine) while the
+compiling process optimises, then reads the path of the optimised IR from stdin and emits its
+object: the same steps on the same text, so the same bytes as an emission in-process.
 
 Example::
 
@@ -14,7 +15,7 @@ Example::
     asm = emit(optimized, "gfx950", 3, assembly=True)
 
     # the script kiln.lowering.amd starts: exit status 0 once kernel.o is written
-    python llvmlite_codegen.py gfx950 3 kernel.ll kernel.o
+    echo kernel.opt.ll | python llvmlite_codegen.py gfx950 3 kernel.o
 """
 
 from __future__ import annotations
@@ -74,13 +75,18 @@ def emit(optimized: str, chip: str, opt_level: int, *, assembly: bool,
 
 
 def main(argv: list[str]) -> int:
-    """``CHIP OPT_LEVEL IN.ll OUT.o``: optimise IN.ll and write its object to OUT.o."""
-    chip, opt_level, source, target = argv[1], int(argv[2]), argv[3], argv[4]
+    """``CHIP OPT_LEVEL OUT.o``, then the path of optimised IR on stdin: write its object to
+    OUT.o (exit status 2 when stdin ends first: the compile gave up)."""
+    chip, opt_level, target = argv[1], int(argv[2]), argv[3]
+    target_machine(chip, opt_level)  # while the compiling process optimises
+    source = sys.stdin.readline().strip()
+    if not source:
+        return 2
     with open(source) as handle:
         text = handle.read()
     try:
-        obj = emit(optimize(text, chip, opt_level), chip, opt_level, assembly=False)
-    except RuntimeError as err:  # LLVM's message; the compiling process reports it
+        obj = emit(text, chip, opt_level, assembly=False)
+    except RuntimeError as err:  # LLVM's message; the compiling process emits it again
         print(err, file=sys.stderr)
         return 1
     with open(target, "wb") as handle:

@@ -234,7 +234,8 @@ def test_a_failed_object_process_leaves_the_object_to_this_one(monkeypatch, fres
     reference = _compile_scale()
 
     def failing(state, work):
-        return subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+        return subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"],
+                                stdin=subprocess.PIPE)
 
     monkeypatch.setattr(amd, "_start_object_process", failing)
     scale._compiled.clear()
