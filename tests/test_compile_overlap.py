@@ -279,3 +279,11 @@ def test_an_amd_proof_failure_wins_over_its_codegen_failure(monkeypatch, fresh_s
     assert "kiln-test-refuse" in str(caught.value)
     assert not _codegen_threads()
     assert [p.poll() is not None for p in object_processes] == [True]
+
+
+def test_a_one_cpu_process_emits_the_object_itself(monkeypatch, fresh_scale, object_processes):
+    monkeypatch.setattr(amd, "_usable_cpus", lambda: 1)
+    ck = _compile_scale()
+    assert object_processes == [None]
+    assert "obj.emit" in _steps(ck) and "amdgcn.object" not in _steps(ck)
+    assert ck.asm["obj"].startswith(b"\x7fELF")
