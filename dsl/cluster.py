@@ -226,9 +226,8 @@ def enclosing_gpu_func(block: ir.Block) -> ir.Operation:
 
 
 def _index(block: ir.Block, anchor: ir.Operation | None) -> int:
-    """The index of ``anchor`` in ``block`` (its length when None), by bisection: indexing
-    walks the op list in C++, where iterating it in Python costs a microsecond an op, and an
-    unrolled kernel's block holds thousands."""
+    """The index of ``anchor`` in ``block`` (its length when None), by bisection: a dozen
+    indexings instead of iterating an unrolled kernel's thousands of ops in Python."""
     ops = block.operations
     low, high = 0, len(ops)
     if anchor is None:
@@ -275,7 +274,6 @@ class cluster:
         self.recipe = recipe or DEFAULT_RECIPE
         self._block = None
         self._last = None  # the op before the insertion point at entry (None: none)
-        self._start = 0  # the index after it
 
     def __enter__(self):
         builder.current()
@@ -283,11 +281,28 @@ class cluster:
             raise KilnValueError(f"kiln.cluster({self.k}) is nested in kiln.cluster({_active[-1]})",
                                  fix="close the outer cluster first; clusters do not nest")
         self._block, anchor = _insertion_block_and_anchor()
-        self._start = _index(self._block, anchor)
-        self._last = self._block.operations[self._start - 1].operation if self._start else None
+        start = _index(self._block, anchor)
+        self._last = self._block.operations[start - 1].operation if start else None
         _mark_function(enclosing_gpu_func(self._block), self.k, self.recipe)
         _active.append(self.k)
         return self
+
+    def _built(self, block: ir.Block, anchor: ir.Operation | None) -> list[ir.Operation]:
+        """The ops after the one that preceded the insertion point at entry, up to the
+        insertion point now: one walk of the block (ops put in above that one are not ours)."""
+        ops, found = [], self._last is None
+        for view in block.operations:
+            op = view.operation
+            if not found:
+                found = op == self._last
+            elif anchor is not None and op == anchor:
+                break
+            else:
+                ops.append(op)
+        if not found:
+            raise InternalError(f"the op before kiln.cluster({self.k}) was erased inside it",
+                                fix="report this Kiln bug with the kernel")
+        return ops
 
     def __exit__(self, *exc):
         _active.pop()
@@ -297,16 +312,9 @@ class cluster:
         if block != self._block:
             raise InternalError(f"kiln.cluster({self.k}) ends in another block than it began",
                                 fix="report this Kiln bug with the kernel")
-        start, ops = self._start, block.operations
-        if start and ops[start - 1].operation != self._last:  # ops went in above it: find it
-            start = next((i + 1 for i, view in enumerate(ops) if view.operation == self._last),
-                         None)
-            if start is None:
-                raise InternalError(f"the op before kiln.cluster({self.k}) was erased inside it",
-                                    fix="report this Kiln bug with the kernel")
         tag = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), self.k)
-        for i in range(start, _index(block, anchor)):  # the ops built inside, in order
-            ops[i].operation.walk(lambda inner: _tag(inner, tag), ir.WalkOrder.PRE_ORDER)
+        for op in self._built(block, anchor):
+            op.walk(lambda inner: _tag(inner, tag), ir.WalkOrder.PRE_ORDER)
         return False
 
 
