@@ -208,6 +208,7 @@ class ClusterRecipe:
 
 DEFAULT_RECIPE = ClusterRecipe()
 _active: list[int] = []
+_INDEXED = 256  # clusters of at most this many ops are found by index (cluster._built)
 
 
 def _insertion_block_and_anchor() -> tuple[ir.Block, ir.Operation | None]:
@@ -274,6 +275,7 @@ class cluster:
         self.recipe = recipe or DEFAULT_RECIPE
         self._block = None
         self._last = None  # the op before the insertion point at entry (None: none)
+        self._start = 0  # the index after it at entry
 
     def __enter__(self):
         builder.current()
@@ -281,28 +283,34 @@ class cluster:
             raise KilnValueError(f"kiln.cluster({self.k}) is nested in kiln.cluster({_active[-1]})",
                                  fix="close the outer cluster first; clusters do not nest")
         self._block, anchor = _insertion_block_and_anchor()
-        start = _index(self._block, anchor)
-        self._last = self._block.operations[start - 1].operation if start else None
+        self._start = _index(self._block, anchor)
+        self._last = self._block.operations[self._start - 1].operation if self._start else None
         _mark_function(enclosing_gpu_func(self._block), self.k, self.recipe)
         _active.append(self.k)
         return self
 
     def _built(self, block: ir.Block, anchor: ir.Operation | None) -> list[ir.Operation]:
         """The ops after the one that preceded the insertion point at entry, up to the
-        insertion point now: one walk of the block (ops put in above that one are not ours)."""
-        ops, found = [], self._last is None
-        for view in block.operations:
+        insertion point now (ops put in above that one are not ours). Indexing the block walks
+        its list in C++ (a few ns an op) and iterating it makes a Python object an op (about a
+        microsecond): a short cluster is indexed, a long one found in one iteration."""
+        ops = block.operations
+        start, end = self._start, _index(block, anchor)
+        if end - start <= _INDEXED and (not start or ops[start - 1].operation == self._last):
+            return [ops[i].operation for i in range(start, end)]
+        built, found = [], self._last is None
+        for view in ops:
             op = view.operation
             if not found:
                 found = op == self._last
             elif anchor is not None and op == anchor:
                 break
             else:
-                ops.append(op)
+                built.append(op)
         if not found:
             raise InternalError(f"the op before kiln.cluster({self.k}) was erased inside it",
                                 fix="report this Kiln bug with the kernel")
-        return ops
+        return built
 
     def __exit__(self, *exc):
         _active.pop()
@@ -314,7 +322,10 @@ class cluster:
                                 fix="report this Kiln bug with the kernel")
         tag = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), self.k)
         for op in self._built(block, anchor):
-            op.walk(lambda inner: _tag(inner, tag), ir.WalkOrder.PRE_ORDER)
+            if len(op.regions):  # nested ops too; a walk costs a Python call an op
+                op.walk(lambda inner: _tag(inner, tag), ir.WalkOrder.PRE_ORDER)
+            else:
+                op.attributes[CLUSTER_ATTR] = tag
         return False
 
 
