@@ -177,7 +177,9 @@ def fresh_scale(monkeypatch):
 
 @pytest.fixture
 def object_processes(monkeypatch):
-    """The second processes AMD compiles start for their objects (they run as usual)."""
+    """The second processes AMD compiles start for their objects (they run as usual), for
+    modules of any size."""
+    monkeypatch.setattr(amd, "_OBJECT_PROCESS_BYTES", 0)
     started = []
     real = amd._start_object_process
 
@@ -228,12 +230,20 @@ def test_amd_overlaps_its_codegen_with_the_same_artifacts(monkeypatch, fresh_sca
         assert key in ("compile_profile", "compile_ms") or ck.metadata[key] == value, key
 
 
+def test_a_small_module_emits_its_object_here(fresh_scale):
+    """A module smaller than ``_OBJECT_PROCESS_BYTES`` of LLVM IR is emitted faster than a
+    process starts."""
+    ck = _compile_scale()
+    assert len(ck.asm["llvm"]) < amd._OBJECT_PROCESS_BYTES
+    assert "obj.emit" in _steps(ck) and "amdgcn.object" not in _steps(ck)
+
+
 def test_a_failed_object_process_leaves_the_object_to_this_one(monkeypatch, fresh_scale):
     """Where the second process fails (no interpreter, a crash), the object is emitted here:
     the same bytes."""
     reference = _compile_scale()
 
-    def failing(state, work):
+    def failing(state, work):  # started whatever the module's size
         return subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"],
                                 stdin=subprocess.PIPE)
 
