@@ -226,6 +226,11 @@ def make_amdgcn(state: CompileState) -> str:
     with tempfile.TemporaryDirectory(prefix="kiln-amdgcn-") as tmp:
         work, started = Path(tmp), time.perf_counter()
         child = _start_object_process(state, work) if state.defer_proofs else None
+        with _LLVMLITE_LOCK, state.step("amdgcn", "machine"):
+            # importing llvmlite needs the GIL throughout: on the thread, beside the texts
+            # (C++ printing that holds the GIL), it took 3x as long (H200 host)
+            codegen.target_machine(chip, opt_level)
+            codegen.target_machine(chip, opt_level, verbose)
         try:
             asm = _emit_beside(state, "amdgcn", emit, lambda: state.run_deferred("amdgcn.beside"))
             # the assembly carries the code object's metadata: no object or llvm-readelf needed
