@@ -3,7 +3,9 @@ the library's compile entry points and ``saxpy_compile`` (a small user kernel), 
 benchmarks' ``JOBS`` expressions name (``k.compile_matmul('bf16', target='sm_90a')``).
 
 Importing this module imports Kiln and the library: ``compile_time``'s child process times
-that import apart from the compile.
+that import apart from the compile. :func:`serial_amd_codegen` makes AMD compiles run their
+code generation and the work beside it one after the other (``compile_time --serial-llvm``:
+the same-run baseline of the overlap).
 """
 
 import types
@@ -25,6 +27,26 @@ def saxpy(x: kiln.Tensor[kiln.f32], y: kiln.Tensor[kiln.f32], n: kiln.i32, a: ki
     i = kiln.block_id(0) * kiln.block_dim(0) + kiln.thread_id(0)
     if i < n:
         y[i] = a * x[i] + y[i]
+
+
+def serial_amd_codegen() -> None:
+    """Make AMD compiles do their work one step after the other, as before the overlap: no
+    second process for the object (``make_obj`` emits it), and ``beside()`` then LLVM's work on
+    the compiling thread (the same steps and artifacts)."""
+    from kiln.lowering import amd
+
+    def serial(state, stage, emit, beside):
+        steps: list = []
+        with state.step(stage, "beside"):
+            beside()
+        with amd._LLVMLITE_LOCK:
+            result = emit(steps)
+        for name, wall, cpu in steps:
+            state.profile.add(f"{stage}.{name}", wall, cpu)
+        return result
+
+    amd._emit_beside = serial
+    amd._start_object_process = lambda state, work: None
 
 
 def saxpy_compile(target):

@@ -8,9 +8,11 @@ pass, the MLIR pipelines, LLVM/NVPTX, ptxas, the AMD llvmlite and link steps: th
 ``kiln compile --report`` prints). The goal (issue 42) is at most 1.5 s per library kernel and
 0.3 s for saxpy; the table's ``goal`` column is the ratio to it. The ``beside`` column is the
 Python work done while ptxas runs (printing the stages' text, the wait proof: the
-``cubin.ptxas.*`` steps), which costs no wall time where a second core is free; ``--repeat N``
-keeps each kernel's fastest of N cold compiles (on a shared machine the first may wait for a
-core).
+``cubin.ptxas.*`` steps) or, on AMD, while LLVM emits the assembly on a thread and the object
+in a second process (the ``amdgcn.beside.*`` and ``amdgcn.check.*`` steps), which costs no
+wall time where a second core is free; ``--serial-llvm`` makes AMD's one step after the other
+instead (the same-run baseline of that overlap). ``--repeat N`` keeps each kernel's fastest of N cold
+compiles (on a shared machine the first may wait for a core).
 
 Example::
 
@@ -18,6 +20,7 @@ Example::
     .venv/bin/python bench/compile_time.py prefill_sm90_d128 saxpy_sm90
     .venv/bin/python bench/compile_time.py --list
     .venv/bin/python bench/compile_time.py --repeat 3 prefill_sm90_d128   # fastest of three
+    .venv/bin/python bench/compile_time.py --serial-llvm prefill_gfx950_d128  # no overlap
 
 The last line of stdout is the JSON (``{"benchmark": "compile_time", "rows": [...]}``); each
 row holds ``kernel``, ``import_s``, ``compile_s``, ``goal_s``, ``cpu_s``, ``beside_ms``,
@@ -39,6 +42,8 @@ from results_io import metadata
 
 # name -> (goal seconds, the Python expression that compiles it; `k` holds the kernel modules)
 _LIBRARY_GOAL, _USER_GOAL = 1.5, 0.3
+# steps nested in these ran beside ptxas (NVIDIA) or LLVM's code generation thread (AMD)
+BESIDE = ("cubin.ptxas.", "amdgcn.beside.", "amdgcn.check.")
 _BENCH_DIR = os.path.dirname(os.path.abspath(__file__))  # the child imports compile_jobs from it
 JOBS = {
     **{f"prefill_sm90_d{d}": f"k.compile_prefill('bf16', target='sm_90a', head_dim={d}, "
@@ -75,7 +80,9 @@ import json, sys, time
 t0 = time.perf_counter()
 sys.path.insert(0, sys.argv[2])
 from kiln.core.profile import cpu_seconds
-from compile_jobs import k
+from compile_jobs import k, serial_amd_codegen
+if sys.argv[3] == "serial":
+    serial_amd_codegen()
 t1 = time.perf_counter()
 c0 = cpu_seconds()
 ck = eval(sys.argv[1])
@@ -85,22 +92,23 @@ print(json.dumps({"import_s": t1 - t0, "compile_s": t2 - t1, "cpu_s": cpu_second
 """
 
 
-def run_one(name: str, timeout: float, repeat: int = 1) -> dict:
+def run_one(name: str, timeout: float, repeat: int = 1, serial_llvm: bool = False) -> dict:
     """Compile ``name`` cold in a fresh process (the fastest of ``repeat``, each with an empty
-    cache); its row (``error`` set when one failed)."""
+    cache); its row (``error`` set when one failed). ``serial_llvm``: AMD's LLVM code generation
+    without the work beside it (``compile_jobs.serial_amd_codegen``)."""
     goal = _USER_GOAL if name.startswith("saxpy") else _LIBRARY_GOAL
     best: dict = {}
     for _ in range(repeat):
         with tempfile.TemporaryDirectory(prefix="kiln-compile-time-") as work:
-            row = _compile_in_child(name, work, timeout)
+            row = _compile_in_child(name, work, timeout, serial_llvm)
         if "error" in row:
             return {"kernel": name, "goal_s": goal} | row
         if not best or row["compile_s"] < best["compile_s"]:
             best = row
-    return {"kernel": name, "goal_s": goal, "runs": repeat} | best
+    return {"kernel": name, "goal_s": goal, "runs": repeat, "serial_llvm": serial_llvm} | best
 
 
-def _compile_in_child(name: str, work: str, timeout: float) -> dict:
+def _compile_in_child(name: str, work: str, timeout: float, serial_llvm: bool = False) -> dict:
     """One compile of ``name`` in a fresh process with the compile cache off."""
     env = dict(os.environ, KILN_CACHE_DIR=work, KILN_NO_CACHE="1")
     env.pop("KILN_DUMP_DIR", None)  # dumping would be timed too
@@ -110,7 +118,8 @@ def _compile_in_child(name: str, work: str, timeout: float) -> dict:
     row: dict = {}
     started = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, child, JOBS[name], _BENCH_DIR], env=env,
+        done = subprocess.run([sys.executable, child, JOBS[name], _BENCH_DIR,
+                               "serial" if serial_llvm else "overlap"], env=env,
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
@@ -122,7 +131,7 @@ def _compile_in_child(name: str, work: str, timeout: float) -> dict:
     row.update(import_s=round(measured["import_s"], 3), compile_s=round(measured["compile_s"], 3),
                cpu_s=round(measured["cpu_s"], 3),
                beside_ms=round(sum(wall for s, wall, _ in steps
-                                   if s.startswith("cubin.ptxas.")), 1),
+                                   if s.startswith(BESIDE)), 1),
                stages={s: wall for s, wall, _ in steps if "." not in s},
                steps={s: wall for s, wall, _ in steps})
     return row
@@ -146,7 +155,7 @@ def format_table(rows: list[dict]) -> str:
                      f"{row['beside_ms']:>7.0f}")
     lines.append("(stage columns: wall ms of the cold compile; cpu: this process and ptxas; "
                  "goal: compile s / goal s, at most 1.00x is met; beside: ms of Python work "
-                 "inside the cubin column, done while ptxas ran)")
+                 "done while ptxas or AMD's LLVM codegen ran)")
     return "\n".join(lines)
 
 
@@ -158,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per kernel")
     parser.add_argument("--repeat", type=int, default=1,
                         help="cold compiles per kernel; the fastest is reported")
+    parser.add_argument("--serial-llvm", action="store_true",
+                        help="AMD: code generation (assembly, object) and the proofs and texts "
+                             "one after the other (the baseline of their overlap)")
     parser.add_argument("--list", action="store_true", help="list the kernels and exit")
     ns = parser.parse_args(argv)
     if ns.list:
@@ -166,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [k for k in ns.kernels if k not in JOBS]
     if unknown:
         parser.error(f"unknown kernels {unknown}; --list names them")
-    rows = [run_one(name, ns.timeout, max(1, ns.repeat)) for name in ns.kernels or JOBS]
+    rows = []
+    for name in ns.kernels or JOBS:  # each row printed as it comes (a batch may be cut short)
+        rows.append(run_one(name, ns.timeout, max(1, ns.repeat), ns.serial_llvm))
+        print(format_table(rows[-1:]).splitlines()[-2], flush=True)
     print(format_table(rows))
     if ns.steps:
         for row in rows:

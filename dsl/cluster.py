@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from mlir import ir
 
 from . import builder
-from .core.errors import KilnValueError
+from .core.errors import InternalError, KilnValueError
 
 # Work classes a recipe may name, with the LLVM AMDGPU sched_group_barrier mask of each
 # (llvm/lib/Target/AMDGPU/AMDGPUIGroupLP.cpp SchedGroupMask).
@@ -208,6 +208,7 @@ class ClusterRecipe:
 
 DEFAULT_RECIPE = ClusterRecipe()
 _active: list[int] = []
+_INDEXED = 256  # clusters of at most this many ops are found by index (cluster._built)
 
 
 def _insertion_block_and_anchor() -> tuple[ir.Block, ir.Operation | None]:
@@ -225,13 +226,20 @@ def enclosing_gpu_func(block: ir.Block) -> ir.Operation:
     return op
 
 
-def _ops_before(block: ir.Block, anchor: ir.Operation | None) -> list[ir.Operation]:
-    ops = []
-    for op in block.operations:
-        if anchor is not None and op.operation == anchor:
-            break
-        ops.append(op.operation)
-    return ops
+def _index(block: ir.Block, anchor: ir.Operation | None) -> int:
+    """The index of ``anchor`` in ``block`` (its length when None), by bisection: a dozen
+    indexings instead of iterating an unrolled kernel's thousands of ops in Python."""
+    ops = block.operations
+    low, high = 0, len(ops)
+    if anchor is None:
+        return high
+    while low < high:
+        middle = (low + high) // 2
+        if ops[middle].operation.is_before_in_block(anchor):
+            low = middle + 1
+        else:
+            high = middle
+    return low
 
 
 def _mark_function(func: ir.Operation, cluster_id: int, recipe: ClusterRecipe) -> None:
@@ -266,7 +274,8 @@ class cluster:
         self.k = k
         self.recipe = recipe or DEFAULT_RECIPE
         self._block = None
-        self._before: list[ir.Operation] = []
+        self._last = None  # the op before the insertion point at entry (None: none)
+        self._start = 0  # the index after it at entry
 
     def __enter__(self):
         builder.current()
@@ -274,21 +283,49 @@ class cluster:
             raise KilnValueError(f"kiln.cluster({self.k}) is nested in kiln.cluster({_active[-1]})",
                                  fix="close the outer cluster first; clusters do not nest")
         self._block, anchor = _insertion_block_and_anchor()
-        self._before = _ops_before(self._block, anchor)
+        self._start = _index(self._block, anchor)
+        self._last = self._block.operations[self._start - 1].operation if self._start else None
         _mark_function(enclosing_gpu_func(self._block), self.k, self.recipe)
         _active.append(self.k)
         return self
+
+    def _built(self, block: ir.Block, anchor: ir.Operation | None) -> list[ir.Operation]:
+        """The ops after the one that preceded the insertion point at entry, up to the
+        insertion point now (ops put in above that one are not ours). Indexing the block walks
+        its list in C++ (a few ns an op) and iterating it makes a Python object an op (about a
+        microsecond): a short cluster is indexed, a long one found in one iteration."""
+        ops = block.operations
+        start, end = self._start, _index(block, anchor)
+        if end - start <= _INDEXED and (not start or ops[start - 1].operation == self._last):
+            return [ops[i].operation for i in range(start, end)]
+        built, found = [], self._last is None
+        for view in ops:
+            op = view.operation
+            if not found:
+                found = op == self._last
+            elif anchor is not None and op == anchor:
+                break
+            else:
+                built.append(op)
+        if not found:
+            raise InternalError(f"the op before kiln.cluster({self.k}) was erased inside it",
+                                fix="report this Kiln bug with the kernel")
+        return built
 
     def __exit__(self, *exc):
         _active.pop()
         if exc[0] is not None:
             return False
         block, anchor = _insertion_block_and_anchor()
-        known = set(self._before)
+        if block != self._block:
+            raise InternalError(f"kiln.cluster({self.k}) ends in another block than it began",
+                                fix="report this Kiln bug with the kernel")
         tag = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), self.k)
-        for op in _ops_before(block, anchor):
-            if op not in known:
+        for op in self._built(block, anchor):
+            if len(op.regions):  # nested ops too; a walk costs a Python call an op
                 op.walk(lambda inner: _tag(inner, tag), ir.WalkOrder.PRE_ORDER)
+            else:
+                op.attributes[CLUSTER_ATTR] = tag
         return False
 
 

@@ -2,9 +2,10 @@
 
 The rocdl stage converts the gpu.module to the LLVM dialect with ROCDL intrinsics; LLVM IR is
 translated in-process, then optimised and compiled by llvmlite's AMDGPU backend (assembly
-and an ELF object). ``ld.lld``, when present, links the object into a loadable ``hsaco``.
-Resource usage comes from the assembly's ``.amdgpu_metadata`` (the code-object notes' YAML).
-:class:`AmdBackend` adds the assembly-level wait and schedule proofs.
+and an ELF object, the object in a second process: :func:`make_amdgcn`). ``ld.lld``, when
+present, links the object into a loadable ``hsaco``. Resource usage comes from the assembly's
+``.amdgpu_metadata`` (the code-object notes' YAML). The assembly-level wait and schedule
+proofs run beside the code generation.
 
 Example::
 
@@ -14,27 +15,35 @@ Example::
 
 from __future__ import annotations
 
-import functools
+import os
 import re
 import subprocess
+import sys
 import tempfile
 import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 from mlir import ir
 
 from kiln.core.errors import CompilationError, UnsupportedError, source_loc_from_mlir
 from kiln.lowering import isa_amdgpu
+from kiln.lowering import llvmlite_codegen as codegen
 from kiln.lowering.metadata import parse_amd_notes
 from kiln.lowering.pipeline import Backend, CompileState, make_gpu, run_passes
 from kiln.lowering.tools import stage_tool
 from kiln.lowering.translate import device_llvm_ir
 from kiln.lowering.verify_schedule import verify_schedule
 
-TRIPLE = "amdgcn-amd-amdhsa"
-# llvmlite parses into LLVM's one global context and the target machines below are shared;
-# neither is thread-safe, and autotune compiles its configs on a thread pool.
+TRIPLE = codegen.TRIPLE
+# llvmlite parses into LLVM's one global context and its target machines (llvmlite_codegen)
+# are shared; neither is thread-safe, and autotune compiles its configs on a thread pool.
 _LLVMLITE_LOCK = threading.Lock()
+# LLVM IR below this size is emitted here: faster than a process starts (H200 host: the README's
+# saxpy, 3 KB, 0.17 s with one, 0.14 without; a 71 KB GEMM 0.75 s with, 1.01 without).
+_OBJECT_PROCESS_BYTES = 32_000
 
 
 def rocdl_passes(state: CompileState) -> list[str]:
@@ -99,75 +108,163 @@ def _reject_device_library_calls(state: CompileState, llvm_ir: str) -> None:
                 "min/max...) or report the missing operation")
 
 
-@functools.lru_cache(maxsize=None)
-def _target_machine(chip: str, opt_level: int, verbose: bool = False):
-    import llvmlite.binding as llvmlite  # ~50 ms to import: only AMD compiles pay it
-    llvmlite.initialize_all_targets()
-    llvmlite.initialize_all_asmprinters()
-    machine = llvmlite.Target.from_triple(TRIPLE).create_target_machine(
-        cpu=chip, features="", opt=opt_level, reloc="pic", codemodel="default")
-    if verbose:
-        machine.set_asm_verbosity(True)
-    return machine
+def _llvm_error(state: CompileState, err: RuntimeError) -> CompilationError:
+    return CompilationError(f"LLVM rejected the IR of kernel {state.kernel!r}: {err}",
+                            fix="set KILN_DUMP_DIR and inspect the .ll; report a Kiln bug")
 
 
-def _optimized_module(state: CompileState):
-    """A fresh llvmlite module of the O-level-optimised IR.
-
-    Codegen rewrites the module it emits (e.g. inserts ``llvm.amdgcn.if``), and emitting the
-    same module twice makes instruction selection abort the process; so the optimised IR text
-    is kept and every emission parses its own copy. Call it holding ``_LLVMLITE_LOCK``.
-    """
-    if "optimized_llvm" not in state.scratch:
-        with state.step("amdgcn", "optimize"):
-            import llvmlite.binding as llvmlite
-
-            machine = _target_machine(state.target.name, state.options.opt_level)
-            module = _parse_llvm(state, state.asm["llvm"])
-            tuning = llvmlite.create_pipeline_tuning_options(speed_level=state.options.opt_level)
-            builder = llvmlite.create_pass_builder(machine, tuning)
-            builder.getModulePassManager().run(module, builder)
-            state.scratch["optimized_llvm"] = str(module)
-            module.close()  # now, under the lock, not whenever (and on whichever thread) GC runs
-    return _parse_llvm(state, state.scratch["optimized_llvm"])
-
-
-def _parse_llvm(state: CompileState, text: str):
-    import llvmlite.binding as llvmlite
-
+@contextmanager
+def _timed(steps: list, name: str) -> Iterator[None]:
+    """Append ``(name, wall s, this thread's CPU s)`` of the body to ``steps``."""
+    wall, cpu = time.perf_counter(), time.thread_time()
     try:
-        module = llvmlite.parse_assembly(text)
-        module.verify()
-    except RuntimeError as err:
-        raise CompilationError(f"LLVM rejected the IR of kernel {state.kernel!r}: {err}",
-                               fix="set KILN_DUMP_DIR and inspect the .ll; report a Kiln bug") from None
-    return module
+        yield
+    finally:
+        steps.append((name, time.perf_counter() - wall, time.thread_time() - cpu))
+
+
+def _emit_beside(state: CompileState, stage: str, emit: Callable, beside: Callable):
+    """``emit(steps)`` (LLVM's work, under ``_LLVMLITE_LOCK``) on a thread, while this thread
+    runs ``beside()`` (Python that no later stage needs, timed as ``<stage>.beside``):
+    llvmlite's calls release the GIL, as ptxas runs beside NVIDIA's. The thread's steps enter
+    the profile as ``<stage>.<step>`` (CPU: that thread's); its result is returned and its
+    error raised, after ``beside``'s own."""
+    done: dict = {"steps": []}
+
+    def run() -> None:
+        try:
+            with _LLVMLITE_LOCK:
+                done["result"] = emit(done["steps"])
+        except BaseException as err:  # noqa: BLE001 - raised again on the compiling thread
+            done["error"] = err
+
+    worker = threading.Thread(target=run, name=f"kiln-{stage}-{state.kernel}", daemon=True)
+    worker.start()
+    try:
+        with state.step(stage, "beside"):
+            beside()
+    finally:
+        worker.join()
+        for name, wall, cpu in done["steps"]:
+            state.profile.add(f"{stage}.{name}", wall, cpu)
+    if "error" in done:
+        raise done["error"]
+    return done["result"]
+
+
+def _optimized(state: CompileState, steps: list) -> str:
+    """The O-level-optimised LLVM IR text (made once; call it holding ``_LLVMLITE_LOCK``)."""
+    if "optimized_llvm" not in state.scratch:
+        with _timed(steps, "optimize"):
+            try:
+                state.scratch["optimized_llvm"] = codegen.optimize(
+                    state.asm["llvm"], state.target.name, state.options.opt_level)
+            except RuntimeError as err:
+                raise _llvm_error(state, err) from None
+    return state.scratch["optimized_llvm"]
+
+
+def _start_object_process(state: CompileState, work: Path) -> subprocess.Popen | None:
+    """Start ``llvmlite_codegen.py``, which emits the object into ``work/kernel.o`` once
+    :func:`_hand_over` sends it the optimised IR; None where no process starts, where this
+    process may use one CPU only, or for a small module (the object is then emitted here)."""
+    if _usable_cpus() < 2 or len(state.asm["llvm"]) < _OBJECT_PROCESS_BYTES:
+        return None
+    import llvmlite  # the child finds it where this process does
+
+    paths = [str(Path(llvmlite.__file__).parent.parent), os.environ.get("PYTHONPATH", "")]
+    try:
+        with open(work / "stderr", "wb") as stderr:  # a file: a full pipe would block it
+            return subprocess.Popen(
+                [sys.executable, codegen.__file__, state.target.name,
+                 str(state.options.opt_level), str(work / "kernel.o")],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=stderr,
+                env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p)))
+    except OSError:
+        return None
+
+
+def _usable_cpus() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def _hand_over(child: subprocess.Popen | None, optimized: str, work: Path) -> None:
+    """Send the optimised IR to the object's process (a dead one is left to make_obj)."""
+    if child is None:
+        return
+    try:
+        (work / "kernel.opt.ll").write_text(optimized)
+        child.stdin.write(f"{work / 'kernel.opt.ll'}\n".encode())
+        child.stdin.close()
+    except OSError:  # it ended already (BrokenPipeError): make_obj emits the object
+        pass
 
 
 def make_amdgcn(state: CompileState) -> str:
     """The assembly; verbose (comments on) when the kernel declares clusters, since LLVM
     prints the cluster markers (empty sched_group_barriers) only there. Codegen is identical,
-    and emitting only the verbose text saves a whole codegen."""
+    and emitting only the verbose text saves a whole codegen.
+
+    In a compile that defers its proofs (``compile_kernel``'s), a thread has LLVM optimise and
+    emit the assembly while this one makes the deferred texts and proofs (``amdgcn.beside.*``);
+    a second process, started meanwhile, emits the ELF object from the optimised IR
+    (``amdgcn.object``) while the assembly is emitted and checked (``amdgcn.check.*``).
+    ``make_obj`` takes the object."""
     verbose = bool(state.scratch.get("recipes"))
-    with _LLVMLITE_LOCK:
-        machine = _target_machine(state.target.name, state.options.opt_level, verbose)
-        module = _optimized_module(state)
-        with state.step("amdgcn", "emit"):
-            asm = machine.emit_assembly(module)
-        module.close()
-    # the assembly carries the code object's metadata: no object or llvm-readelf needed
-    state.metadata.update(parse_amd_notes(asm, state.kernel))
+    chip, opt_level = state.target.name, state.options.opt_level
+
+    def emit(steps: list) -> str:
+        optimized = _optimized(state, steps)
+        _hand_over(child, optimized, work)
+        with _timed(steps, "emit"):
+            try:
+                return codegen.emit(optimized, chip, opt_level, assembly=True, verbose=verbose)
+            except RuntimeError as err:
+                raise _llvm_error(state, err) from None
+
+    with tempfile.TemporaryDirectory(prefix="kiln-amdgcn-") as tmp:
+        work, started = Path(tmp), time.perf_counter()
+        child = _start_object_process(state, work) if state.defer_proofs else None
+        with _LLVMLITE_LOCK, state.step("amdgcn", "machine"):
+            # importing llvmlite needs the GIL throughout: on the thread, beside the texts
+            # (C++ printing that holds the GIL), it took 3x as long (H200 host)
+            codegen.target_machine(chip, opt_level)
+            codegen.target_machine(chip, opt_level, verbose)
+        try:
+            asm = _emit_beside(state, "amdgcn", emit, lambda: state.run_deferred("amdgcn.beside"))
+            # the assembly carries the code object's metadata: no object or llvm-readelf needed
+            state.metadata.update(parse_amd_notes(asm, state.kernel))
+            state.asm["amdgcn"] = asm
+            if state.defer_proofs:
+                with state.step("amdgcn", "check"):
+                    check_amdgpu_assembly(state, state.scratch.get("recipes") or {},
+                                          "amdgcn.check")
+            if child is not None:
+                child.wait()
+                state.profile.add("amdgcn.object", time.perf_counter() - started, 0.0)
+                if child.returncode == 0:  # else make_obj emits it here (and meets its error)
+                    state.scratch["obj"] = (work / "kernel.o").read_bytes()
+        finally:
+            if child is not None and child.poll() is None:  # this compile failed first
+                child.kill()
+                child.wait()
+            if child is not None:
+                child.stdin.close()
     return asm
 
 
 def make_obj(state: CompileState) -> bytes:
-    with _LLVMLITE_LOCK:
-        machine = _target_machine(state.target.name, state.options.opt_level)
-        module = _optimized_module(state)
-        with state.step("obj", "emit"):
-            obj = machine.emit_object(module)
-        module.close()
-    return obj
+    """The ELF object make_amdgcn's second process made, else made here."""
+    if "obj" in state.scratch:
+        return state.scratch.pop("obj")
+    with _LLVMLITE_LOCK, state.step("obj", "emit"):
+        optimized = _optimized(state, [])
+        try:
+            return codegen.emit(optimized, state.target.name, state.options.opt_level,
+                                assembly=False)
+        except RuntimeError as err:
+            raise _llvm_error(state, err) from None
 
 
 def make_hsaco(state: CompileState) -> bytes | None:
@@ -189,16 +286,18 @@ stages = {"gpu": make_gpu, "rocdl": make_rocdl, "llvm": make_llvm, "amdgcn": mak
           "obj": make_obj, "hsaco": make_hsaco}
 
 
-def check_amdgpu_assembly(state: CompileState, recipes: dict) -> None:
+def check_amdgpu_assembly(state: CompileState, recipes: dict,
+                          step: str = "check-assembly") -> None:
     """The assembly-level proofs: waits cover every load's registers (WaitError), clusters
     match their recipes (ScheduleWarning; the amdgcn stage emitted verbose assembly, which
-    holds the cluster markers); live VGPRs per cluster go into the metadata."""
-    with state.step("check-assembly", "parse"):
+    holds the cluster markers); live VGPRs per cluster go into the metadata. Timed as
+    ``<step>.parse`` etc."""
+    with state.step(step, "parse"):
         program = isa_amdgpu.parse(state.asm["amdgcn"], state.kernel)
-    with state.step("check-assembly", "verify-waits"):
+    with state.step(step, "verify-waits"):
         isa_amdgpu.verify_waits(program, state.kernel)
     if recipes:
-        with state.step("check-assembly", "verify-schedule"):
+        with state.step(step, "verify-schedule"):
             verify_schedule(program, recipes, state.kernel)
             live = isa_amdgpu.live_vgprs_at_clusters(program)
         if live:
@@ -206,14 +305,18 @@ def check_amdgpu_assembly(state: CompileState, recipes: dict) -> None:
 
 
 class AmdBackend(Backend):
-    """The stages above and the assembly-level proofs (``kiln.runtime.launch`` launches its
-    code objects through HIP)."""
+    """The stages above; the proofs (Kiln's wait proof, the assembly-level ones) run beside
+    LLVM's code generation, in :func:`make_amdgcn` (``kiln.runtime.launch`` launches its code
+    objects through HIP)."""
 
     name = "amd"
     stages = stages
     binary_stages = ("hsaco", "obj")
     binary_tool = "ld.lld"
+    defers_proofs = True  # make_amdgcn runs them while LLVM optimises and emits
 
     def check(self, state: CompileState, recipes: dict) -> None:
-        with state.profile.step("check-assembly"):
-            check_amdgpu_assembly(state, recipes)
+        """The assembly checks, unless :func:`make_amdgcn` ran them (``defer_proofs``)."""
+        if not state.defer_proofs:
+            with state.profile.step("check-assembly"):
+                check_amdgpu_assembly(state, recipes)

@@ -26,8 +26,10 @@ Example::
 from __future__ import annotations
 
 import bisect
+import functools
 import re
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from kiln.core.errors import SourceLoc, WaitError
 from kiln.passes.wait_analysis import GFX9_MAX
@@ -115,13 +117,14 @@ class Program:
     markers: list = field(default_factory=list)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # unrolled code repeats operand texts (a[0:255]...)
 def _registers(text: str) -> frozenset:
     regs = set()
     for m in _REG.finditer(text):
         if m.group(1):
             regs.add((m.group(1), int(m.group(2))))
         else:
-            regs.update((m.group(3), i) for i in range(int(m.group(4)), int(m.group(5)) + 1))
+            regs.update(zip(repeat(m.group(3)), range(int(m.group(4)), int(m.group(5)) + 1)))
     return frozenset(regs)
 
 
@@ -349,6 +352,16 @@ def class_counts(instrs: list) -> dict[str, int]:
     return counts
 
 
+def _live_before(instrs: list, succ: list, live_in: dict) -> frozenset:
+    """Registers live before ``instrs``, given the live-in sets of the blocks after them
+    (updated in place: a new set per instruction copied every live register)."""
+    live = set().union(*(live_in.get(s, ()) for s in succ))
+    for ins in reversed(instrs):
+        live.difference_update(ins.defs)
+        live.update(ins.uses)
+    return frozenset(live)
+
+
 def live_vgprs_at_clusters(program: Program) -> dict[str, int]:
     """Live VGPRs + AGPRs at each cluster's begin marker (max over its instances)."""
     live_in: dict[int, frozenset] = {}
@@ -357,9 +370,7 @@ def live_vgprs_at_clusters(program: Program) -> dict[str, int]:
         changed = False
         for n in reversed(range(len(program.blocks))):
             start, end, succ = program.blocks[n]
-            live = frozenset().union(*(live_in.get(s, frozenset()) for s in succ))
-            for ins in reversed(program.instrs[start:end]):
-                live = (live - ins.defs) | ins.uses
+            live = _live_before(program.instrs[start:end], succ, live_in)
             if live_in.get(n) != live:
                 live_in[n], changed = live, True
     result: dict[str, int] = {}
@@ -369,9 +380,7 @@ def live_vgprs_at_clusters(program: Program) -> dict[str, int]:
         if n is None:
             continue
         start, end, succ = program.blocks[n]
-        live = frozenset().union(*(live_in.get(s, frozenset()) for s in succ))
-        for ins in reversed(program.instrs[marker.position:end]):
-            live = (live - ins.defs) | ins.uses
+        live = _live_before(program.instrs[marker.position:end], succ, live_in)
         count = sum(1 for kind, _ in live if kind in "va")
         key = f"c{marker.cluster}"
         result[key] = max(result.get(key, 0), count)

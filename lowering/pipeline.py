@@ -146,7 +146,7 @@ class Backend(ABC):
     stages: dict[str, Callable[[CompileState], str | bytes | None]]
     binary_stages: tuple[str, ...]
     binary_tool: str
-    defers_proofs = False  # a stage runs CompileState.run_deferred beside a tool process
+    defers_proofs = False  # a stage runs CompileState.run_deferred beside a tool (ptxas, codegen)
 
     @abstractmethod
     def check(self, state: CompileState, recipes: dict) -> None:

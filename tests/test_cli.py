@@ -78,9 +78,9 @@ def _profile_rows(out: str) -> dict[str, tuple[float, float]]:
                 *(["ptx.translate", "ptx.link", "ptx.codegen"]  # LLVM through its C API
                   if nvptx_llvm.pipeline_for(3) is not None else [])]),
     ("gfx950", ["cache-lookup", "trace", "parse", "gpu", "rocdl", "rocdl.passes", "llvm",
-                "amdgcn", "amdgcn.optimize", "amdgcn.emit", "check-assembly",
-                "check-assembly.verify-waits", "obj", "obj.emit", "hsaco", "text", "text.gpu",
-                "text.rocdl"]),
+                "amdgcn", "amdgcn.optimize", "amdgcn.emit", "amdgcn.beside", "amdgcn.beside.gpu",
+                "amdgcn.beside.rocdl", "amdgcn.check", "amdgcn.check.verify-waits", "obj",
+                "obj.emit", "hsaco"]),
 ])
 def test_report_profiles_every_step(kernel_file, capsys, target, steps):
     assert main(["compile", f"{kernel_file}:scale", "--target", target, "--report",

@@ -5,6 +5,9 @@ let a wrong kernel through."""
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -16,7 +19,7 @@ import kiln.tiles as tiles
 from kiln.cluster import manual_waits
 from kiln.core.errors import CompilationError, InternalError, WaitError
 from kiln.core.options import CompileOptions
-from kiln.lowering import compiler, nvidia, pipeline
+from kiln.lowering import amd, compiler, nvidia, pipeline
 from kiln.lowering.compiler import compile_kernel
 from kiln.lowering.tools import find_ptxas
 
@@ -151,11 +154,146 @@ def scale(x: kiln.Tensor[kiln.f32], y: kiln.Tensor[kiln.f32]):
     y[i] = x[i] * 3.0
 
 
-def test_backends_without_a_tool_window_prove_in_the_stage(monkeypatch):
-    """AMD has no ptxas to overlap: its proof stays in the gpu stage, in order."""
+def _serial_emit(state, stage, emit, beside):
+    """amd._emit_beside without its thread: the same work, one step after the other."""
+    steps: list = []
+    with state.step(stage, "beside"):
+        beside()
+    with amd._LLVMLITE_LOCK:
+        result = emit(steps)
+    for name, wall, cpu in steps:
+        state.profile.add(f"{stage}.{name}", wall, cpu)
+    return result
+
+
+@pytest.fixture
+def fresh_scale(monkeypatch):
+    """``scale`` compiled anew by each call (no in-memory specialisation, no cache)."""
     monkeypatch.setenv("KILN_NO_CACHE", "1")
-    assert compiler.BACKENDS["nvidia"].defers_proofs and not compiler.BACKENDS["amd"].defers_proofs
+    scale._compiled.clear()
+    yield
+    scale._compiled.clear()
+
+
+@pytest.fixture
+def object_processes(monkeypatch):
+    """The second processes AMD compiles start for their objects (they run as usual), for
+    modules of any size."""
+    monkeypatch.setattr(amd, "_OBJECT_PROCESS_BYTES", 0)
+    started = []
+    real = amd._start_object_process
+
+    def recording(state, work):
+        process = real(state, work)
+        started.append(process)
+        return process
+
+    monkeypatch.setattr(amd, "_start_object_process", recording)
+    return started
+
+
+def _codegen_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kiln-amdgcn-")]
+
+
+def _compile_scale():
     x = np.random.rand(64).astype(np.float32)
-    ck = scale.compile(x, np.zeros_like(x), target="gfx950", num_warps=1)
-    assert "gpu.passes.kiln-verify-rings" in _steps(ck)  # kiln-insert-waits proved the rest
-    assert "text.kiln" in _steps(ck)  # its traced module was still lowered without a parse
+    return scale.compile(x, np.zeros_like(x), target="gfx950", num_warps=1)
+
+
+def test_amd_overlaps_its_codegen_with_the_same_artifacts(monkeypatch, fresh_scale,
+                                                          object_processes):
+    """An AMD compile emits the object in a second process while a thread has LLVM emit the
+    assembly and this one makes the wait proof and the stage texts, then the assembly checks
+    (as NVIDIA's beside ptxas): not in the gpu stage, and every artifact and metadata value is
+    the one the same steps make one after the other."""
+    assert compiler.BACKENDS["nvidia"].defers_proofs and compiler.BACKENDS["amd"].defers_proofs
+    ck = _compile_scale()
+    steps = _steps(ck)
+    assert {"amdgcn.beside.kiln-verify-rings", "amdgcn.beside.kiln", "amdgcn.beside.rocdl",
+            "amdgcn.optimize", "amdgcn.emit", "amdgcn.object", "amdgcn.check.verify-waits"} \
+        <= set(steps)
+    assert "gpu.passes.kiln-verify-rings" not in steps  # off the critical path
+    assert "obj.emit" not in steps  # the second process made it
+    assert [s for s in steps if "." not in s][-3:] == ["amdgcn", "obj", "hsaco"]
+    assert len(object_processes) == 1 and object_processes[0].returncode == 0
+    assert not _codegen_threads()
+    monkeypatch.setattr(amd, "_emit_beside", _serial_emit)
+    monkeypatch.setattr(amd, "_start_object_process", lambda state, work: None)
+    scale._compiled.clear()
+    serial = _compile_scale()
+    assert "obj.emit" in _steps(serial)
+    assert list(serial.asm) == list(ck.asm)
+    for stage, artifact in serial.asm.items():
+        assert ck.asm[stage] == artifact, stage
+    for key, value in serial.metadata.items():
+        assert key in ("compile_profile", "compile_ms") or ck.metadata[key] == value, key
+
+
+def test_a_small_module_emits_its_object_here(fresh_scale):
+    """A module smaller than ``_OBJECT_PROCESS_BYTES`` of LLVM IR is emitted faster than a
+    process starts."""
+    ck = _compile_scale()
+    assert len(ck.asm["llvm"]) < amd._OBJECT_PROCESS_BYTES
+    assert "obj.emit" in _steps(ck) and "amdgcn.object" not in _steps(ck)
+
+
+def test_a_failed_object_process_leaves_the_object_to_this_one(monkeypatch, fresh_scale):
+    """Where the second process fails (no interpreter, a crash), the object is emitted here:
+    the same bytes."""
+    reference = _compile_scale()
+
+    def failing(state, work):  # started whatever the module's size
+        return subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"],
+                                stdin=subprocess.PIPE)
+
+    monkeypatch.setattr(amd, "_start_object_process", failing)
+    scale._compiled.clear()
+    ck = _compile_scale()
+    assert "obj.emit" in _steps(ck)
+    assert ck.asm["obj"] == reference.asm["obj"] and ck.asm["hsaco"] == reference.asm["hsaco"]
+
+
+def test_an_amd_codegen_failure_on_its_thread_is_raised_by_the_compile(monkeypatch, fresh_scale,
+                                                                      object_processes):
+    def broken(state, steps):
+        raise CompilationError("planted codegen failure", fix="none")
+
+    monkeypatch.setattr(amd, "_optimized", broken)
+    with pytest.raises(CompilationError, match="planted codegen failure"):
+        _compile_scale()
+    assert not _codegen_threads()  # joined before the error left the stage
+    assert [p.poll() is not None for p in object_processes] == [True]  # ended, reaped
+
+
+def test_an_amd_proof_failure_wins_over_its_codegen_failure(monkeypatch, fresh_scale,
+                                                            object_processes):
+    """Beside a failing codegen, a failing wait proof is the error (as it was when the proof
+    ran in the gpu stage, before any codegen)."""
+    from kiln import passes
+
+    def refuse(op, pass_):
+        pass_.signal_pass_failure()
+
+    def broken(state, steps):
+        raise CompilationError("planted codegen failure", fix="none")
+
+    monkeypatch.setitem(passes._REGISTRY, "kiln-test-refuse",
+                        passes.KilnPass("kiln-test-refuse", refuse, "test: a failing proof"))
+    monkeypatch.setattr(pipeline, "GPU_STAGE_PASSES",
+                        pipeline.GPU_STAGE_PASSES + ("kiln-test-refuse",))
+    monkeypatch.setattr(pipeline, "PROOF_PASSES", pipeline.PROOF_PASSES | {"kiln-test-refuse"})
+    monkeypatch.setattr(amd, "_optimized", broken)
+    with pytest.raises(CompilationError, match="the 'gpu' stage failed") as caught:
+        _compile_scale()
+    assert "kiln-test-refuse" in str(caught.value)
+    assert not _codegen_threads()
+    assert [p.poll() is not None for p in object_processes] == [True]
+
+
+def test_a_one_cpu_process_emits_the_object_itself(monkeypatch, fresh_scale, object_processes):
+    monkeypatch.setattr(amd, "_usable_cpus", lambda: 1)
+    ck = _compile_scale()
+    assert object_processes == [None]
+    assert "obj.emit" in _steps(ck) and "amdgcn.object" not in _steps(ck)
+    assert ck.asm["obj"].startswith(b"\x7fELF")

@@ -66,6 +66,39 @@ def test_cluster_tags_every_op_in_the_block_including_nested_regions():
     assert 'kiln.target = "gfx950"' in text
 
 
+def _hoist_a_constant():
+    """Trace-time Python that puts an op at the top of the current block (above the ops
+    before the cluster), as a hoisting helper would."""
+    from mlir import ir
+    from mlir.dialects import arith
+
+    block = ir.InsertionPoint.current.block
+    with ir.InsertionPoint.at_block_begin(block), ir.Location.unknown():
+        arith.constant(ir.IntegerType.get_signless(32), 12345)
+
+
+@kiln.kernel
+def hoisting(x: kiln.Tensor[f32], y: kiln.Tensor[f32]):
+    i = kiln.thread_id(0)
+    with cluster(3):
+        _hoist_a_constant()
+        v = x[i] * 2.0
+    y[i] = v
+
+
+def test_cluster_finds_its_ops_when_ops_went_in_above_it():
+    """Ops inserted above the cluster's start shift the block's indices: the ops built at
+    the insertion point are still the cluster's, and nothing before its start."""
+    text = hoisting.trace(np.zeros(4, np.float32), np.zeros(4, np.float32),
+                          target="gfx950").module_asm
+    lines = text[text.index("gpu.func"):].splitlines()
+    tagged_lines = [line for line in lines if "kiln.cluster = 3" in line]
+    assert any("memref.load" in line for line in tagged_lines)
+    assert any("arith.mulf" in line for line in tagged_lines)
+    assert not any("12345" in line or "gpu.thread_id" in line for line in tagged_lines)
+    assert not any("memref.store" in line for line in tagged_lines)
+
+
 def test_clusters_do_not_nest():
     with pytest.raises(KilnValueError, match="nested"):
         nested.trace(np.zeros(4, np.float32), target="gfx950")

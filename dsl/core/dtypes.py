@@ -77,10 +77,15 @@ class DType:
         return self.name
 
 
-def _ir():
-    from mlir import ir  # imported lazily: dtypes are usable without an MLIR context
+_IR: list = []  # mlir.ir once imported: an import statement per call costs a microsecond
 
-    return ir
+
+def _ir():
+    if not _IR:
+        from mlir import ir  # imported lazily: dtypes are usable without an MLIR context
+
+        _IR.append(ir)
+    return _IR[0]
 
 
 i1 = DType("i1", 1, "bool", np.dtype(np.bool_), lambda: _ir().IntegerType.get_signless(1))
