@@ -251,7 +251,8 @@ def test_a_failed_object_process_leaves_the_object_to_this_one(monkeypatch, fres
     scale._compiled.clear()
     ck = _compile_scale()
     assert "obj.emit" in _steps(ck)
-    assert ck.asm["obj"] == reference.asm["obj"] and ck.asm["hsaco"] == reference.asm["hsaco"]
+    assert ck.asm["obj"] == reference.asm["obj"]
+    assert ck.asm.get("hsaco") == reference.asm.get("hsaco")  # none where ld.lld is missing
 
 
 def test_an_amd_codegen_failure_on_its_thread_is_raised_by_the_compile(monkeypatch, fresh_scale,
