@@ -129,7 +129,8 @@ class HopperPrefillConfig(HeadDimTiles):
     ``S = Q K^T`` (:attr:`overlaps_items`), and under a causal mask ``zigzag`` deals every
     second round of items in reverse CTA order; ``direct_store`` (overlapped items) writes O
     from the registers in 4-byte stores instead of staging it in the Q buffer. These three are
-    off by default: the overlapped walk is wrong on the GPU (docs/kernels.md, short sequences).
+    off by default: the overlapped walk is wrong on the GPU (docs/kernels.md, short sequences;
+    ``compile_prefill`` refuses it).
     ``skip_masked_tiles``: each consumer group stops at the last key tile one of its own 64
     rows sees (with 64-key tiles under a causal mask, the first group skips the CTA's last
     tile) and passes its turn there without products; off by default (docs/kernels.md)."""
