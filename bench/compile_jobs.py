@@ -33,19 +33,11 @@ def serial_amd_codegen() -> None:
     """Make AMD compiles do their work one step after the other, as before the overlap: no
     second process for the object (``make_obj`` emits it), and ``beside()`` then LLVM's work on
     the compiling thread (the same steps and artifacts)."""
+    import functools
+
     from kiln.lowering import amd
 
-    def serial(state, stage, emit, beside):
-        steps: list = []
-        with state.step(stage, "beside"):
-            beside()
-        with amd._LLVMLITE_LOCK:
-            result = emit(steps)
-        for name, wall, cpu in steps:
-            state.profile.add(f"{stage}.{name}", wall, cpu)
-        return result
-
-    amd._emit_beside = serial
+    amd._emit_beside = functools.partial(amd._emit_beside, threaded=False)
     amd._start_object_process = lambda state, work: None
 
 

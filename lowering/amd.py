@@ -123,12 +123,23 @@ def _timed(steps: list, name: str) -> Iterator[None]:
         steps.append((name, time.perf_counter() - wall, time.thread_time() - cpu))
 
 
-def _emit_beside(state: CompileState, stage: str, emit: Callable, beside: Callable):
+def _emit_beside(state: CompileState, stage: str, emit: Callable, beside: Callable, *,
+                 threaded: bool = True):
     """``emit(steps)`` (LLVM's work, under ``_LLVMLITE_LOCK``) on a thread, while this thread
     runs ``beside()`` (Python that no later stage needs, timed as ``<stage>.beside``):
     llvmlite's calls release the GIL, as ptxas runs beside NVIDIA's. The thread's steps enter
     the profile as ``<stage>.<step>`` (CPU: that thread's); its result is returned and its
-    error raised, after ``beside``'s own."""
+    error raised, after ``beside``'s own. ``threaded=False`` does the same work one step after
+    the other (the serial baseline of ``bench/compile_time.py --serial-llvm`` and the tests)."""
+    if not threaded:
+        steps: list = []
+        with state.step(stage, "beside"):
+            beside()
+        with _LLVMLITE_LOCK:
+            result = emit(steps)
+        for name, wall, cpu in steps:
+            state.profile.add(f"{stage}.{name}", wall, cpu)
+        return result
     done: dict = {"steps": []}
 
     def run() -> None:

@@ -4,6 +4,7 @@ let a wrong kernel through."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import subprocess
 import sys
@@ -154,18 +155,6 @@ def scale(x: kiln.Tensor[kiln.f32], y: kiln.Tensor[kiln.f32]):
     y[i] = x[i] * 3.0
 
 
-def _serial_emit(state, stage, emit, beside):
-    """amd._emit_beside without its thread: the same work, one step after the other."""
-    steps: list = []
-    with state.step(stage, "beside"):
-        beside()
-    with amd._LLVMLITE_LOCK:
-        result = emit(steps)
-    for name, wall, cpu in steps:
-        state.profile.add(f"{stage}.{name}", wall, cpu)
-    return result
-
-
 @pytest.fixture
 def fresh_scale(monkeypatch):
     """``scale`` compiled anew by each call (no in-memory specialisation, no cache)."""
@@ -218,7 +207,8 @@ def test_amd_overlaps_its_codegen_with_the_same_artifacts(monkeypatch, fresh_sca
     assert [s for s in steps if "." not in s][-3:] == ["amdgcn", "obj", "hsaco"]
     assert len(object_processes) == 1 and object_processes[0].returncode == 0
     assert not _codegen_threads()
-    monkeypatch.setattr(amd, "_emit_beside", _serial_emit)
+    monkeypatch.setattr(amd, "_emit_beside",
+                        functools.partial(amd._emit_beside, threaded=False))
     monkeypatch.setattr(amd, "_start_object_process", lambda state, work: None)
     scale._compiled.clear()
     serial = _compile_scale()
