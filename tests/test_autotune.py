@@ -123,6 +123,7 @@ def _tune_keys(writer: int) -> int:
     return writer
 
 
+@pytest.mark.slow  # worker processes, 2-3 s (CI runs the slow tier)
 def test_concurrent_tuners_lose_no_keys(private_cache):
     import multiprocessing
 

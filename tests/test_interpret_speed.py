@@ -31,6 +31,7 @@ def dispatches(monkeypatch):
     return count
 
 
+@pytest.mark.slow  # a 512^3 GEMM per target, 2-3 s each (CI runs the slow tier)
 @pytest.mark.parametrize("target, most", [("sm_90a", 100_000), ("gfx950", 90_000)])
 def test_tile_gemm_512_interprets_in_few_dispatches(dispatches, target, most):
     rng = np.random.default_rng()

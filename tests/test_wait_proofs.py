@@ -152,6 +152,8 @@ def _check_kernel(name: str, only=None) -> tuple[list[str], list[str]]:
     return problems, named
 
 
+# 4-5 s: in the slow tier (CI runs it); test_passes_kernels proves the same kernel's waits.
+@pytest.mark.slow
 @pytest.mark.lower
 def test_prefill_wgmma_waits_are_required():
     """The issue's example: each WGMMA wait of the causal D128 Hopper prefill is needed and
