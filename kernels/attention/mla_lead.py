@@ -74,44 +74,13 @@ def consume_tile_lead(o, m, l, descs, boxes, rows, stage, key0, key_limit, seq_l
     probs = [kiln.vector_constant([0.0] * 8, kiln.bf16) for _ in range(BLOCK_N // 16)]
     alphas = [kiln.cast(1.0, kiln.f32) for _ in range(2)]
     if group == 0:
-        scores = wgmma.fragment_zeros(BLOCK_N)
-        wgmma.fence()
-        for ks in kiln.static_range(HEAD_DIM // 16):
-            offset = (ks // 4) * BOX_UNITS + (ks % 4) * 2
-            scores = wgmma.mma_async(scores, descs[0] + offset, descs[1] + units + offset,
-                                     dtype=kiln.bf16)
-        wgmma.commit()
+        scores = _scores(descs, units)
         wgmma.wait_group(0)
-        if key0 + BLOCK_N <= seq_len - seq_q + 1:  # every key visible to every row
-            m, l, tile, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2,
-                                          False)
-        else:
-            if key0 + BLOCK_N > seq_len:
-                _zero_v(boxes, CHUNKS * (1 + stage), seq_len - key0, tid)
-                nvidia_asm.fence_proxy_async()  # zeroed by threads, read by both groups' WGMMA
-            m, l, tile, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2,
-                                          True)
-        if it > 0:  # group 1 has read the last page's P
-            nvidia_asm.named_barrier(FREE, THREADS)
-        probs = [tile.fragment(0, j) for j in range(BLOCK_N // 16)]
-        for j in kiln.static_range(BLOCK_N // 16):
-            rows.probs.store(j, tid % GROUP_THREADS, 0, probs[j], align=16)
-        for half in kiln.static_range(2):
-            rows.alpha[local[half]] = alphas[half]
-        nvidia_asm.named_barrier_arrive(READY, THREADS)
+        m, l, alphas, probs = _publish(scores, m, l, boxes, rows, stage, key0, key_limit,
+                                       seq_len, seq_q, scale_log2, tid, it, local)
     else:
-        nvidia_asm.named_barrier(READY, THREADS)
-        probs = [rows.probs.load(j, tid % GROUP_THREADS, 0, width=8, align=16)
-                 for j in range(BLOCK_N // 16)]
-        alphas = [rows.alpha[local[half]] for half in range(2)]
-        if it < num_tiles - 1:  # group 0 may write the next page's P
-            nvidia_asm.named_barrier_arrive(FREE, THREADS)
-    o = wgmma.scale_rows(o, alphas)
-    wgmma.fence()
-    for ks in kiln.static_range(BLOCK_N // 16):
-        o = wgmma.mma_async(o, probs[ks], descs[2] + units + ks * 16 * 128 // 16,
-                            dtype=kiln.bf16, b_major="mn")
-    wgmma.commit()
+        probs, alphas = _receive(rows, local, tid, it, num_tiles)
+    o = _pv(o, probs, alphas, descs, units)
     wgmma.wait_group(0)
     return o, m, l
 
@@ -141,6 +110,55 @@ def _scores(descs, units):
 
 
 @kiln.func
+def _publish(scores, m, l, boxes, rows, stage, key0, key_limit, seq_len, seq_q, scale_log2,
+             tid, it, local):
+    """Group 0's half of a page after its scores: the softmax (V rows past the sequence
+    zeroed first), then P and the rows' factors published once group 1 freed the last page's.
+    Returns ``(m, l, alphas, probs)``."""
+    if key0 + BLOCK_N <= seq_len - seq_q + 1:  # every key visible to every row
+        m, l, tile, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2, False)
+    else:
+        if key0 + BLOCK_N > seq_len:
+            _zero_v(boxes, CHUNKS * (1 + stage), seq_len - key0, tid)
+            nvidia_asm.fence_proxy_async()  # zeroed by threads, read by both groups' WGMMA
+        m, l, tile, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2, True)
+    if it > 0:  # group 1 has read the last page's P
+        nvidia_asm.named_barrier(FREE, THREADS)
+    probs = [tile.fragment(0, j) for j in range(BLOCK_N // 16)]
+    for j in kiln.static_range(BLOCK_N // 16):
+        rows.probs.store(j, tid % GROUP_THREADS, 0, probs[j], align=16)
+    for half in kiln.static_range(2):
+        rows.alpha[local[half]] = alphas[half]
+    nvidia_asm.named_barrier_arrive(READY, THREADS)
+    return m, l, alphas, probs
+
+
+@kiln.func
+def _receive(rows, local, tid, it, num_tiles):
+    """Group 1's half: P and the rows' factors once group 0 published them; the buffer freed
+    for the next page's. Returns ``(probs, alphas)``."""
+    nvidia_asm.named_barrier(READY, THREADS)
+    probs = [rows.probs.load(j, tid % GROUP_THREADS, 0, width=8, align=16)
+             for j in range(BLOCK_N // 16)]
+    alphas = [rows.alpha[local[half]] for half in range(2)]
+    if it < num_tiles - 1:  # group 0 may write the next page's P
+        nvidia_asm.named_barrier_arrive(FREE, THREADS)
+    return probs, alphas
+
+
+@kiln.func
+def _pv(o, probs, alphas, descs, units):
+    """``O = alpha O + P V`` over this group's half of V at ``units``, committed."""
+    o = wgmma.scale_rows(o, alphas)
+    wgmma.fence()
+    for ks in kiln.static_range(BLOCK_N // 16):
+        o = wgmma.mma_async(o, probs[ks], descs[2] + units + ks * 16 * 128 // 16,
+                            dtype=kiln.bf16, b_major="mn")
+    wgmma.commit()
+    return o
+
+
+@kiln.func
 def lead_pages_pipelined(o, m, l, descs, boxes, rows, full, empty, load_pages, stage_bytes,
                          tile_begin, num_tiles, seq_len, seq_q, key_limit, scale_log2, tid,
                          group, warp):
@@ -164,36 +182,11 @@ def lead_pages_pipelined(o, m, l, descs, boxes, rows, full, empty, load_pages, s
                 wgmma.wait_group(1)
                 empty.arrive(1 - stage, wgmma_pending=1)
             wgmma.wait_group(0)
-            if key0 + BLOCK_N <= seq_len - seq_q + 1:
-                m, l, tile, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2,
-                                              False)
-            else:
-                if key0 + BLOCK_N > seq_len:
-                    _zero_v(boxes, CHUNKS * (1 + stage), seq_len - key0, tid)
-                    nvidia_asm.fence_proxy_async()
-                m, l, tile, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2,
-                                              True)
-            if it > 0:
-                nvidia_asm.named_barrier(FREE, THREADS)
-            probs = [tile.fragment(0, j) for j in range(BLOCK_N // 16)]
-            for j in kiln.static_range(BLOCK_N // 16):
-                rows.probs.store(j, tid % GROUP_THREADS, 0, probs[j], align=16)
-            for half in kiln.static_range(2):
-                rows.alpha[local[half]] = alphas[half]
-            nvidia_asm.named_barrier_arrive(READY, THREADS)
+            m, l, alphas, probs = _publish(scores, m, l, boxes, rows, stage, key0, key_limit,
+                                           seq_len, seq_q, scale_log2, tid, it, local)
         else:
-            nvidia_asm.named_barrier(READY, THREADS)
-            probs = [rows.probs.load(j, tid % GROUP_THREADS, 0, width=8, align=16)
-                     for j in range(BLOCK_N // 16)]
-            alphas = [rows.alpha[local[half]] for half in range(2)]
-            if it < num_tiles - 1:
-                nvidia_asm.named_barrier_arrive(FREE, THREADS)
-        o = wgmma.scale_rows(o, alphas)
-        wgmma.fence()
-        for ks in kiln.static_range(BLOCK_N // 16):
-            o = wgmma.mma_async(o, probs[ks], descs[2] + units + ks * 16 * 128 // 16,
-                                dtype=kiln.bf16, b_major="mn")
-        wgmma.commit()
+            probs, alphas = _receive(rows, local, tid, it, num_tiles)
+        o = _pv(o, probs, alphas, descs, units)
         if group == 1:
             wgmma.wait_group(0)
             empty.arrive(stage, wgmma_pending=0)
