@@ -286,11 +286,9 @@ def _load_tile(page_size, table, tile, seq_len, kv_map, boxes, full, stage, prod
 
 
 @kiln.func
-def _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len, seq_q, scale_log2,
-                  tid):
-    """One page: ``S = Q K^T``, the streaming softmax, ``O = alpha O + P V`` of this warp
-    group's columns; returns ``(o, m, l)``."""
-    units = kiln.cast(stage * TILE_BYTES // 16, kiln.i64)
+def page_scores(descs, units):
+    """``S = Q K^T`` of the page ``units`` descriptor units into the ring (``m64n64k16`` x 36;
+    ``descs``: Q's and K's descriptors first), committed, not waited."""
     scores = wgmma.fragment_zeros(BLOCK_N)
     wgmma.fence()
     for ks in kiln.static_range(HEAD_DIM // 16):
@@ -298,6 +296,16 @@ def _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len, seq_q,
         scores = wgmma.mma_async(scores, descs[0] + offset, descs[1] + units + offset,
                                  dtype=kiln.bf16)
     wgmma.commit()
+    return scores
+
+
+@kiln.func
+def _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len, seq_q, scale_log2,
+                  tid):
+    """One page: ``S = Q K^T``, the streaming softmax, ``O = alpha O + P V`` of this warp
+    group's columns; returns ``(o, m, l)``."""
+    units = kiln.cast(stage * TILE_BYTES // 16, kiln.i64)
+    scores = page_scores(descs, units)
     wgmma.wait_group(0)
     if key0 + BLOCK_N <= seq_len - seq_q + 1:  # every key visible to every row
         m, l, probs, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2, False)

@@ -23,8 +23,8 @@ from __future__ import annotations
 import kiln
 from kiln import nvidia_asm, wgmma
 
-from .mla_kernel import (BLOCK_N, BOX_UNITS, CHUNKS, HEAD_DIM, ROWS, THREADS, TILE_BYTES,
-                         V_CHUNKS, _softmax)
+from .mla_kernel import (BLOCK_N, CHUNKS, ROWS, THREADS, TILE_BYTES, V_CHUNKS, _softmax,
+                         page_scores)
 
 # The default of mla_decode's lead_group: H200, session 36, batch 2, vs split keys: batch 64
 # H 128 Sq 2 559 vs 476 TFLOP/s, batch 32 H 16 47.3 vs 49.9 us, batch 128 H 16 0.94 vs 0.87
@@ -74,7 +74,7 @@ def consume_tile_lead(o, m, l, descs, boxes, rows, stage, key0, key_limit, seq_l
     probs = [kiln.vector_constant([0.0] * 8, kiln.bf16) for _ in range(BLOCK_N // 16)]
     alphas = [kiln.cast(1.0, kiln.f32) for _ in range(2)]
     if group == 0:
-        scores = _scores(descs, units)
+        scores = page_scores(descs, units)
         wgmma.wait_group(0)
         m, l, alphas, probs = _publish(scores, m, l, boxes, rows, stage, key0, key_limit,
                                        seq_len, seq_q, scale_log2, tid, it, local)
@@ -94,19 +94,6 @@ def lead_sum(rows, l, tid, group):
             rows.sums[local[half]] = l[half]
     nvidia_asm.named_barrier(SUM_BARRIER, THREADS)
     return [rows.sums[local[half]] for half in range(2)]
-
-
-@kiln.func
-def _scores(descs, units):
-    """``S = Q K^T`` of the page at ``units`` (``m64n64k16`` x 36), committed, not waited."""
-    scores = wgmma.fragment_zeros(BLOCK_N)
-    wgmma.fence()
-    for ks in kiln.static_range(HEAD_DIM // 16):
-        offset = (ks // 4) * BOX_UNITS + (ks % 4) * 2
-        scores = wgmma.mma_async(scores, descs[0] + offset, descs[1] + units + offset,
-                                 dtype=kiln.bf16)
-    wgmma.commit()
-    return scores
 
 
 @kiln.func
@@ -177,7 +164,7 @@ def lead_pages_pipelined(o, m, l, descs, boxes, rows, full, empty, load_pages, s
         probs = [kiln.vector_constant([0.0] * 8, kiln.bf16) for _ in range(BLOCK_N // 16)]
         alphas = [kiln.cast(1.0, kiln.f32) for _ in range(2)]
         if group == 0:
-            scores = _scores(descs, units)
+            scores = page_scores(descs, units)
             if it > 0:  # the last page's product is done: its stage can load again
                 wgmma.wait_group(1)
                 empty.arrive(1 - stage, wgmma_pending=1)

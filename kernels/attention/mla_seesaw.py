@@ -38,7 +38,8 @@ from kiln import tma
 from kiln.shared import dynamic_shared
 
 from .mla_kernel import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, HEAD_DIM,
-                         ROWS, STAGES, THREADS, TILE_BYTES, V_CHUNKS, _softmax)
+                         ROWS, STAGES, THREADS, TILE_BYTES, V_CHUNKS, _softmax,
+                         page_scores)
 from .paged import PagedRowIndices
 
 QK_TURN, A_READY, B_READY, SUM_BARRIER = 1, 2, 3, 4
@@ -117,18 +118,6 @@ def _receive_probs(rows, stage, tid):
         probs.append(rows.boxes.load(stage_box(stage, P_BOX), unit // 8, unit % 8 * 8,
                                      width=8, align=16))
     return probs
-
-
-@kiln.func
-def _scores(q_desc, k_desc):
-    """``S = Q K^T`` of the page at ``k_desc`` (``m64n64k16`` x 36), committed, not waited."""
-    scores = wgmma.fragment_zeros(BLOCK_N)
-    wgmma.fence()
-    for ks in kiln.static_range(HEAD_DIM // 16):
-        offset = (ks // 4) * BOX_UNITS + (ks % 4) * 2
-        scores = wgmma.mma_async(scores, q_desc + offset, k_desc + offset, dtype=kiln.bf16)
-    wgmma.commit()
-    return scores
 
 
 @kiln.func
@@ -222,7 +211,7 @@ def seesaw_pages(o, m, l, rows, full, empty, table, kv_map, q_map, page_size, ti
         key0 = (tile_begin + 2 * pair + own_stage) * BLOCK_N  # the page this group scores
         if group == 1:
             nvidia_asm.named_barrier(QK_TURN, THREADS)
-        scores = _scores(q_desc, k_desc + stage_units(own_stage))
+        scores = page_scores((q_desc, k_desc + stage_units(own_stage)), 0)
         if group == 0:
             nvidia_asm.named_barrier_arrive(QK_TURN, THREADS)
         wgmma.wait_group(0)
