@@ -27,6 +27,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from kiln.runtime.native_torch import torch_bridge
+
 
 class StreamWorkspaces:
     """Buffers made by ``make()`` (any object holding device tensors and their addresses),
@@ -97,8 +99,6 @@ class TorchOutputs:
 
     def __init__(self, like, *specs):
         import torch
-
-        from .runtime import torch_bridge
 
         bridge = torch_bridge()
         makers = []
