@@ -31,9 +31,9 @@ from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, check_paged_len
                        check_positive, is_torch, resolve_target, spec)
 from .combine import combine
 from .decode_config import DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MAX_DEFAULT_SPLITS
-from .mla_kernel import (BLOCK_N, EARLY_LAUNCH, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS, SEESAW,
-                         SPLIT_KEYS, make_mla_kernel)
+from .mla_kernel import EARLY_LAUNCH, SEESAW, SPLIT_KEYS, make_mla_kernel
 from .mla_lead import LEAD_GROUP
+from .mla_page import BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS
 from .partials import Partials
 from ..workspaces import StreamWorkspaces
 

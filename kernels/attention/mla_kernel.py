@@ -39,23 +39,13 @@ from kiln.shared import dynamic_shared
 from .decode_config import ARRIVED
 from .decode_fused import combine_if_last
 from .decode_rows import advance_row_max, split_count
+from .mla_lead import PRODUCER_WARP, LeadRows, consume_tile_lead, lead_pages_pipelined, lead_sum
+from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, HEAD_DIM,
+                       HEAD_DIM_V, NUM_WARPS, ROWS, STAGES, THREADS, TILE_BYTES, V_CHUNKS,
+                       WARP_GROUPS, page_scores, page_softmax)
+from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum
 from .paged import PagedRowIndices, PageTableRow
 
-HEAD_DIM = 576  # the latent KV head: 512 V columns and 64 rotary columns
-HEAD_DIM_V = 512
-BLOCK_N = 64  # keys per tile: one page
-ROWS = 64  # packed query rows per CTA: one wgmma M
-CHUNK = 64  # columns per 128-byte swizzled TMA box
-CHUNKS = HEAD_DIM // CHUNK
-V_CHUNKS = HEAD_DIM_V // CHUNK
-STAGES = 2
-WARP_GROUPS = 2
-THREADS = 128 * WARP_GROUPS
-NUM_WARPS = THREADS // 32
-GROUP_COLS = HEAD_DIM_V // WARP_GROUPS  # O columns of one warp group
-BOX_BYTES = BLOCK_N * CHUNK * 2
-TILE_BYTES = CHUNKS * BOX_BYTES
-BOX_UNITS = BOX_BYTES // 16  # one box in 16-byte descriptor units
 ZERO_BARRIER = 1  # named barrier: both groups done with K before V rows are zeroed, and after
 MAX_BARRIER, P_BARRIER = 2, 3  # split_keys: row maxima exchanged; P fragments exchanged
 # The schedule without the lead group (mla_lead, the default): each group scores half of a
@@ -96,10 +86,6 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     scores every key and hands P to group 1 (:mod:`~kiln.kernels.attention.mla_lead`; with
     ``split_keys=False``, not ``seesaw``); 2: with group 0's scores one page ahead.
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
-    from .mla_lead import (PRODUCER_WARP, LeadRows, consume_tile_lead,  # they import
-                           lead_pages_pipelined, lead_sum)
-    from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum  # this module
-
     if lead_group and (seesaw or split_keys):
         raise kiln.UnsupportedError("the lead-group schedule has group 0 score every key",
                                     fix="pass lead_group=True with split_keys=False, no seesaw")
@@ -286,20 +272,6 @@ def _load_tile(page_size, table, tile, seq_len, kv_map, boxes, full, stage, prod
 
 
 @kiln.func
-def page_scores(descs, units):
-    """``S = Q K^T`` of the page ``units`` descriptor units into the ring (``m64n64k16`` x 36;
-    ``descs``: Q's and K's descriptors first), committed, not waited."""
-    scores = wgmma.fragment_zeros(BLOCK_N)
-    wgmma.fence()
-    for ks in kiln.static_range(HEAD_DIM // 16):
-        offset = (ks // 4) * BOX_UNITS + (ks % 4) * 2  # 16 columns = 32 bytes of a box
-        scores = wgmma.mma_async(scores, descs[0] + offset, descs[1] + units + offset,
-                                 dtype=kiln.bf16)
-    wgmma.commit()
-    return scores
-
-
-@kiln.func
 def _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len, seq_q, scale_log2,
                   tid):
     """One page: ``S = Q K^T``, the streaming softmax, ``O = alpha O + P V`` of this warp
@@ -308,11 +280,11 @@ def _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len, seq_q,
     scores = page_scores(descs, units)
     wgmma.wait_group(0)
     if key0 + BLOCK_N <= seq_len - seq_q + 1:  # every key visible to every row
-        m, l, probs, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2, False)
+        m, l, probs, alphas = page_softmax(scores, m, l, key0, tid, key_limit, scale_log2, False)
     else:
         if key0 + BLOCK_N > seq_len:
             _zero_rows_past_end(boxes, stage, seq_len - key0, tid)
-        m, l, probs, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2, True)
+        m, l, probs, alphas = page_softmax(scores, m, l, key0, tid, key_limit, scale_log2, True)
     o = wgmma.scale_rows(o, alphas)
     wgmma.fence()  # orders O's rescale and P's registers before the asynchronous reads
     for ks in kiln.static_range(BLOCK_N // 16):
@@ -321,41 +293,6 @@ def _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit, seq_len, seq_q,
     wgmma.commit()
     wgmma.wait_group(0)
     return o, m, l
-
-
-@kiln.func
-def _softmax(scores, m, l, key0, tid, key_limit, scale_log2, masked):
-    """The streaming softmax of one ``64 x 64`` score tile (each row a thread quad's):
-    new ``(m, l)`` (base 2; ``l`` per lane until the end), P as bf16 A operands, and the
-    factors O is rescaled by. ``masked``: keys past each row's ``key_limit`` are -inf."""
-    # Register i: row half (i // 2) % 2, key key0 + 8 (i // 4) + 2 (lane % 4) + i % 2.
-    col = key0 + 2 * (tid % 4)
-    x = []
-    for i in kiln.static_range(BLOCK_N // 2):
-        xi = scores.element(i) * scale_log2
-        if masked:
-            xi = kiln.where(col + 8 * (i // 4) + i % 2 <= key_limit[(i // 2) % 2], xi,
-                            -math.inf)
-        x.append(xi)
-    alphas, safes, new_m, new_l = [], [], [], []
-    for half in kiln.static_range(2):
-        mine = [x[i] for i in range(BLOCK_N // 2) if (i // 2) % 2 == half]
-        row_max = mine[0]
-        for xi in mine[1:]:
-            row_max = kiln.maximum(row_max, xi)
-        m_next, m_safe, alpha = advance_row_max(m[half], row_max)
-        alphas.append(alpha)
-        safes.append(m_safe)
-        new_m.append(m_next)
-    probs = [kiln.exp2(x[i] - safes[(i // 2) % 2]) for i in range(BLOCK_N // 2)]
-    for half in kiln.static_range(2):
-        total = l[half] * alphas[half]
-        for i in kiln.static_range(BLOCK_N // 2):
-            if (i // 2) % 2 == half:
-                total = total + probs[i]
-        new_l.append(total)
-    p = wgmma.a_fragment_from_accumulator(wgmma.fragment_from_elements(probs), kiln.bf16)
-    return new_m, new_l, p, alphas
 
 
 @kiln.func

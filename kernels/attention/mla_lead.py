@@ -23,8 +23,8 @@ from __future__ import annotations
 import kiln
 from kiln import nvidia_asm, wgmma
 
-from .mla_kernel import (BLOCK_N, CHUNKS, ROWS, THREADS, TILE_BYTES, V_CHUNKS, _softmax,
-                         page_scores)
+from .mla_page import (BLOCK_N, CHUNKS, ROWS, THREADS, TILE_BYTES, V_CHUNKS, page_scores,
+                       page_softmax)
 
 # The default of mla_decode's lead_group: H200, session 36, batch 2, vs split keys: batch 64
 # H 128 Sq 2 559 vs 476 TFLOP/s, batch 32 H 16 47.3 vs 49.9 us, batch 128 H 16 0.94 vs 0.87
@@ -103,12 +103,12 @@ def _publish(scores, m, l, boxes, rows, stage, key0, key_limit, seq_len, seq_q, 
     zeroed first), then P and the rows' factors published once group 1 freed the last page's.
     Returns ``(m, l, alphas, probs)``."""
     if key0 + BLOCK_N <= seq_len - seq_q + 1:  # every key visible to every row
-        m, l, tile, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2, False)
+        m, l, tile, alphas = page_softmax(scores, m, l, key0, tid, key_limit, scale_log2, False)
     else:
         if key0 + BLOCK_N > seq_len:
             _zero_v(boxes, CHUNKS * (1 + stage), seq_len - key0, tid)
             nvidia_asm.fence_proxy_async()  # zeroed by threads, read by both groups' WGMMA
-        m, l, tile, alphas = _softmax(scores, m, l, key0, tid, key_limit, scale_log2, True)
+        m, l, tile, alphas = page_softmax(scores, m, l, key0, tid, key_limit, scale_log2, True)
     if it > 0:  # group 1 has read the last page's P
         nvidia_asm.named_barrier(FREE, THREADS)
     probs = [tile.fragment(0, j) for j in range(BLOCK_N // 16)]

@@ -37,9 +37,8 @@ from kiln import nvidia_asm, wgmma
 from kiln import tma
 from kiln.shared import dynamic_shared
 
-from .mla_kernel import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, HEAD_DIM,
-                         ROWS, STAGES, THREADS, TILE_BYTES, V_CHUNKS, _softmax,
-                         page_scores)
+from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, HEAD_DIM, ROWS,
+                       STAGES, THREADS, TILE_BYTES, V_CHUNKS, page_scores, page_softmax)
 from .paged import PagedRowIndices
 
 QK_TURN, A_READY, B_READY, SUM_BARRIER = 1, 2, 3, 4
@@ -162,10 +161,10 @@ def _zero_v(boxes, stage, valid_keys, tid):
 def _page_softmax(scores, m, l, key0, tid, limits, scale_log2, unmasked):
     """:func:`_softmax` of one page, with the key mask only where some key is hidden."""
     if unmasked:
-        new_m, new_l, probs, alphas = _softmax(scores, m, l, key0, tid, limits, scale_log2,
+        new_m, new_l, probs, alphas = page_softmax(scores, m, l, key0, tid, limits, scale_log2,
                                                False)
     else:
-        new_m, new_l, probs, alphas = _softmax(scores, m, l, key0, tid, limits, scale_log2,
+        new_m, new_l, probs, alphas = page_softmax(scores, m, l, key0, tid, limits, scale_log2,
                                                True)
     return new_m, new_l, probs, alphas
 

@@ -1,0 +1,81 @@
+"""The pieces of one MLA decode page that every schedule of the kernel shares
+(:mod:`.mla_kernel`'s split keys, :mod:`.mla_lead`, :mod:`.mla_seesaw`): the tile sizes,
+``S = Q K^T`` of a page and its streaming softmax.
+
+Example: ``scores = page_scores(descs, units)`` then
+``m, l, p, alphas = page_softmax(scores, m, l, key0, tid, key_limit, scale_log2, False)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import kiln
+from kiln import wgmma
+
+from .decode_rows import advance_row_max
+
+HEAD_DIM = 576  # the latent KV head: 512 V columns and 64 rotary columns
+HEAD_DIM_V = 512
+BLOCK_N = 64  # keys per tile: one page
+ROWS = 64  # packed query rows per CTA: one wgmma M
+CHUNK = 64  # columns per 128-byte swizzled TMA box
+CHUNKS = HEAD_DIM // CHUNK
+V_CHUNKS = HEAD_DIM_V // CHUNK
+STAGES = 2
+WARP_GROUPS = 2
+THREADS = 128 * WARP_GROUPS
+NUM_WARPS = THREADS // 32
+GROUP_COLS = HEAD_DIM_V // WARP_GROUPS  # O columns of one warp group
+BOX_BYTES = BLOCK_N * CHUNK * 2
+TILE_BYTES = CHUNKS * BOX_BYTES
+BOX_UNITS = BOX_BYTES // 16  # one box in 16-byte descriptor units
+
+
+@kiln.func
+def page_scores(descs, units):
+    """``S = Q K^T`` of the page ``units`` descriptor units into the ring (``m64n64k16`` x 36;
+    ``descs``: Q's and K's descriptors first), committed, not waited."""
+    scores = wgmma.fragment_zeros(BLOCK_N)
+    wgmma.fence()
+    for ks in kiln.static_range(HEAD_DIM // 16):
+        offset = (ks // 4) * BOX_UNITS + (ks % 4) * 2  # 16 columns = 32 bytes of a box
+        scores = wgmma.mma_async(scores, descs[0] + offset, descs[1] + units + offset,
+                                 dtype=kiln.bf16)
+    wgmma.commit()
+    return scores
+
+
+@kiln.func
+def page_softmax(scores, m, l, key0, tid, key_limit, scale_log2, masked):
+    """The streaming softmax of one ``64 x 64`` score tile (each row a thread quad's):
+    new ``(m, l)`` (base 2; ``l`` per lane until the end), P as bf16 A operands, and the
+    factors O is rescaled by. ``masked``: keys past each row's ``key_limit`` are -inf."""
+    # Register i: row half (i // 2) % 2, key key0 + 8 (i // 4) + 2 (lane % 4) + i % 2.
+    col = key0 + 2 * (tid % 4)
+    x = []
+    for i in kiln.static_range(BLOCK_N // 2):
+        xi = scores.element(i) * scale_log2
+        if masked:
+            xi = kiln.where(col + 8 * (i // 4) + i % 2 <= key_limit[(i // 2) % 2], xi,
+                            -math.inf)
+        x.append(xi)
+    alphas, safes, new_m, new_l = [], [], [], []
+    for half in kiln.static_range(2):
+        mine = [x[i] for i in range(BLOCK_N // 2) if (i // 2) % 2 == half]
+        row_max = mine[0]
+        for xi in mine[1:]:
+            row_max = kiln.maximum(row_max, xi)
+        m_next, m_safe, alpha = advance_row_max(m[half], row_max)
+        alphas.append(alpha)
+        safes.append(m_safe)
+        new_m.append(m_next)
+    probs = [kiln.exp2(x[i] - safes[(i // 2) % 2]) for i in range(BLOCK_N // 2)]
+    for half in kiln.static_range(2):
+        total = l[half] * alphas[half]
+        for i in kiln.static_range(BLOCK_N // 2):
+            if (i // 2) % 2 == half:
+                total = total + probs[i]
+        new_l.append(total)
+    p = wgmma.a_fragment_from_accumulator(wgmma.fragment_from_elements(probs), kiln.bf16)
+    return new_m, new_l, p, alphas
