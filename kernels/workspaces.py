@@ -27,8 +27,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from kiln.runtime.native_torch import torch_bridge
-
 
 class StreamWorkspaces:
     """Buffers made by ``make()`` (any object holding device tensors and their addresses),
@@ -99,6 +97,8 @@ class TorchOutputs:
 
     def __init__(self, like, *specs):
         import torch
+
+        from .runtime import torch_bridge
 
         bridge = torch_bridge()
         makers = []
