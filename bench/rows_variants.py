@@ -155,3 +155,97 @@ def layernorm_stream_wb(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Ten
         if kiln.thread_id(0) == 0:
             mean_out[row] = mean.item()
             rstd_out[row] = rstd.item()
+
+
+@kiln.kernel(num_threads="THREADS")
+def softmax_ring(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32, grid: i32,
+                 BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
+                 ALIGN: kiln.constexpr):
+    """The streamed softmax with the row as ``BLOCK // CHUNK`` shared tiles, each refilled
+    with the next row's chunk as soon as every thread has read it (one barrier a chunk; the
+    next row's copies are unconditional, masked at ``m``, so every wait counts the same)."""
+    parts = BLOCK // CHUNK
+    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
+    row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
+
+    def tiles(t, row):
+        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), row_end=m, col_end=n,
+                                align=ALIGN, col_multiple=ALIGN // 4) for c in range(parts)]
+
+    for c, first in enumerate(tiles(x, kiln.block_id(0))):
+        kiln.copy(first, row_s[c])
+    for i in kiln.range(0, (m - kiln.block_id(0) + grid - 1) // grid):   # step 1: counted
+        row = kiln.block_id(0) + i * grid
+        here, ahead = tiles(x, row), tiles(x, row + grid)
+        ts = []
+        for c in range(parts):
+            kiln.barrier()   # chunk c arrived; every thread has read chunk c - 1
+            if c:
+                kiln.copy(ahead[c - 1], row_s[c - 1])
+            ts.append(kiln.where(kiln.tiles.mask(here[c], tv), kiln.load(row_s[c], tv),
+                                 -float("inf")))
+        kiln.barrier()
+        kiln.copy(ahead[parts - 1], row_s[parts - 1])
+        top = ts[0]
+        for t in ts[1:]:
+            top = kiln.maximum(top, t)
+        mx = kiln.reduce(top, "max", axis=1)
+        ps = [kiln.exp(t - mx) for t in ts]
+        inv = kiln.rcp(kiln.reduce(sum(ps[1:], ps[0]), "sum", axis=1))
+        for p, g in zip(ps, tiles(y, row)):
+            kiln.copy(p * inv, g)
+
+
+@kiln.kernel(num_threads="THREADS")
+def layernorm_ring(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f32],
+                   y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
+                   rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
+                   BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
+                   ALIGN: kiln.constexpr, ONEPASS: kiln.constexpr):
+    """The streamed layer norm with softmax_ring's per-chunk refill; ``w``/``b`` a tile
+    ahead; ``ONEPASS``: sum and sum of squares in one reduction (one shared stage)."""
+    parts = BLOCK // CHUNK
+    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
+    row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
+    inv_n = 1.0 / kiln.cast(n, f32)
+
+    def tiles(t, row, row_end=None):
+        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), row_end=row_end, col_end=n,
+                                align=ALIGN, col_multiple=ALIGN // 4) for c in range(parts)]
+
+    def weights(c):
+        return [kiln.load(tiles(t, 0)[c], tv) for t in (w, b)] if c < parts else None
+
+    for c, first in enumerate(tiles(x, kiln.block_id(0), m)):
+        kiln.copy(first, row_s[c])
+    for i in kiln.range(0, (m - kiln.block_id(0) + grid - 1) // grid):   # step 1: counted
+        row = kiln.block_id(0) + i * grid
+        here, ahead = tiles(x, row), tiles(x, row + grid, m)
+        xs = []
+        for c in range(parts):
+            kiln.barrier()
+            if c:
+                kiln.copy(ahead[c - 1], row_s[c - 1])
+            xs.append(kiln.load(row_s[c], tv))
+        kiln.barrier()
+        kiln.copy(ahead[parts - 1], row_s[parts - 1])
+        wb = [weights(0)]
+        if ONEPASS:
+            s1, s2 = kiln.reduce((sum(xs[1:], xs[0]), sum((t * t for t in xs[1:]), xs[0] * xs[0])),
+                                 "sum", axis=1)
+            mean = s1 * inv_n
+            rstd = kiln.rsqrt(s2 * inv_n - mean * mean + eps)
+            xcs = [t - mean for t in xs]
+        else:
+            mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
+            xcs = [kiln.where(kiln.tiles.mask(g, tv), t - mean, 0.0) for g, t in zip(here, xs)]
+            rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]),
+                                          "sum", axis=1) * inv_n + eps)
+        for c, xc in enumerate(xcs):
+            wb.append(weights(c + 1))
+            gamma, beta = wb[c]
+            kiln.copy(xc * rstd * gamma + beta, tiles(y, row)[c])
+        if kiln.thread_id(0) == 0:
+            mean_out[row] = mean.item()
+            rstd_out[row] = rstd.item()
+

@@ -36,18 +36,26 @@ from tutorials import fused_softmax, layernorm  # noqa: E402
 import rows_variants  # noqa: E402
 
 # (threads, blocks per SM, CTAs a row, rows in flight + 1) of the register-prefetch softmax
-SOFTMAX_PREFETCH = {16384: [(512, 1, 1, 2)]}
+SOFTMAX_PREFETCH: dict[int, list] = {}
 # (threads, blocks per SM) of the softmax tutorial's streamed kernel
-SOFTMAX_STREAM = {16384: [(512, 1), (512, 2)]}
+SOFTMAX_STREAM = {32768: [(1024, 1)]}
 # (threads, register cap) of the softmax tutorial's one-shot kernel, a block a row
-SOFTMAX_DIRECT = {16384: [(512, 64)]}
+SOFTMAX_DIRECT: dict[int, list] = {}
 # (threads, register cap) of the layer-norm tutorial's one-shot kernel, a block a row
-LAYERNORM_DIRECT = {16384: [(512, 64)]}
+LAYERNORM_DIRECT: dict[int, list] = {}
 # (threads, blocks per SM, CTAs a row, rows in flight + 1) of the register-prefetch layer norm
 # (w/b in shared)
 LAYERNORM_PREFETCH: dict[int, list] = {}
 # (threads, tiles ahead) of the streamed layer norm with w/b loaded ahead
 LAYERNORM_STREAM_WB: dict[int, list] = {}
+# (threads, chunk columns, blocks per SM, register cap or 0) of rows_variants.softmax_ring
+SOFTMAX_RING = {32768: [(512, 4096, 1, 0), (512, 2048, 1, 0), (1024, 4096, 1, 0)],
+                16384: [(512, 4096, 1, 0), (512, 4096, 2, 64), (512, 2048, 2, 64)]}
+# (threads, chunk columns, one-pass statistics, blocks per SM, register cap or 0) of
+# rows_variants.layernorm_ring
+LAYERNORM_RING = {32768: [(512, 4096, 0, 1, 0), (512, 4096, 1, 1, 0), (1024, 4096, 0, 1, 0)],
+                  16384: [(512, 4096, 0, 1, 0), (512, 4096, 1, 1, 0), (512, 4096, 0, 2, 64)]}
+
 
 def _load(path: Path):
     """The module at ``path``, loaded by path."""
@@ -165,6 +173,12 @@ def main() -> None:
             variants[f"prefetch t{t} x{per_sm} s{s} d{d}"] = launcher(
                 rows_variants.softmax_prefetch, per_sm, s, lambda g: (x, y, m, n, g),
                 dict(BLOCK=block, THREADS=t, ALIGN=16, SPLIT=s, DEPTH=d))
+        for t, chunk_, per_sm, cap in SOFTMAX_RING.get(n, []):
+            variants[f"ring t{t} c{chunk_} x{per_sm}" + (f" r{cap}" if cap else "")] = (
+                lambda g=grid_of(per_sm), t=t, c=chunk_, cap=cap:
+                rows_variants.softmax_ring[(g,)](
+                    x, y, m, n, g, BLOCK=block, CHUNK=c, THREADS=t, ALIGN=16,
+                    **({"maxnreg": cap} if cap else {})))
         t_grid = (min(m, sms * 4),)
         variants["triton"] = lambda: t_softmax[t_grid](y, x, x.stride(0), y.stride(0), m, n,
                                                        BLOCK=block,
@@ -193,6 +207,13 @@ def main() -> None:
                 lambda g=grid_of(1), t=t, a=ahead: rows_variants.layernorm_stream_wb[(g,)](
                     x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk,
                     THREADS=t, ALIGN=16, AHEAD=a))
+        for t, chunk_, one, per_sm, cap in LAYERNORM_RING.get(n, []):
+            variants[f"ring t{t} c{chunk_} x{per_sm}" + (" 1pass" if one else "")
+                     + (f" r{cap}" if cap else "")] = (
+                lambda g=grid_of(per_sm), t=t, c=chunk_, one=one, cap=cap:
+                rows_variants.layernorm_ring[(g,)](
+                    x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=c, THREADS=t,
+                    ALIGN=16, ONEPASS=one, **({"maxnreg": cap} if cap else {})))
         ln_block = min(65536 // 4, block)
         variants["triton"] = lambda: t_layernorm[(m,)](
             x, y, w, b, mean, rstd, x.stride(0), n, 1e-5, BLOCK=ln_block,
