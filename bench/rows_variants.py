@@ -201,12 +201,15 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f
                    y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
                    rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
                    BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
-                   ALIGN: kiln.constexpr, ONEPASS: kiln.constexpr):
+                   ALIGN: kiln.constexpr, ONEPASS: kiln.constexpr, WBS: kiln.constexpr = 0):
     """The streamed layer norm with softmax_ring's per-chunk refill; ``w``/``b`` a tile
-    ahead; ``ONEPASS``: sum and sum of squares in one reduction (one shared stage)."""
+    ahead (``WBS``: from shared tiles filled once per block, not from L2 for every row);
+    ``ONEPASS``: sum and sum of squares in one reduction (one shared stage)."""
     parts = BLOCK // CHUNK
     tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
     row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
+    wb_s = [[kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)] for _ in range(2)] \
+        if WBS else []
     inv_n = 1.0 / kiln.cast(n, f32)
 
     def tiles(t, row, row_end=None):
@@ -214,7 +217,15 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f
                                 align=ALIGN, col_multiple=ALIGN // 4) for c in range(parts)]
 
     def weights(c):
-        return [kiln.load(tiles(t, 0)[c], tv) for t in (w, b)] if c < parts else None
+        if c >= parts:
+            return None
+        if WBS:
+            return [kiln.load(wb_s[k][c], tv) for k in range(2)]
+        return [kiln.load(tiles(t, 0)[c], tv) for t in (w, b)]
+
+    for k, t in enumerate((w, b) if WBS else ()):
+        for c, part in enumerate(tiles(t, 0)):
+            kiln.copy(part, wb_s[k][c])
 
     for c, first in enumerate(tiles(x, kiln.block_id(0), m)):
         kiln.copy(first, row_s[c])

@@ -51,10 +51,12 @@ LAYERNORM_STREAM_WB: dict[int, list] = {}
 # (threads, chunk columns, blocks per SM, register cap or 0) of rows_variants.softmax_ring
 SOFTMAX_RING = {32768: [(512, 4096, 1, 0), (512, 2048, 1, 0), (1024, 4096, 1, 0)],
                 16384: [(512, 4096, 1, 0), (512, 4096, 2, 64), (512, 2048, 2, 64)]}
-# (threads, chunk columns, one-pass statistics, blocks per SM, register cap or 0) of
-# rows_variants.layernorm_ring
-LAYERNORM_RING = {32768: [(512, 4096, 0, 1, 0), (512, 4096, 1, 1, 0), (1024, 4096, 0, 1, 0)],
-                  16384: [(512, 4096, 0, 1, 0), (512, 4096, 1, 1, 0), (512, 4096, 0, 2, 64)]}
+# (threads, chunk columns, one-pass statistics, blocks per SM, register cap or 0, w/b in
+# shared) of rows_variants.layernorm_ring
+LAYERNORM_RING = {32768: [(512, 4096, 0, 1, 0, 0), (512, 4096, 1, 1, 0, 0),
+                          (1024, 4096, 0, 1, 0, 0)],
+                  16384: [(512, 4096, 0, 1, 0, 0), (512, 4096, 1, 1, 0, 0),
+                          (512, 4096, 0, 2, 64, 0), (512, 4096, 0, 1, 0, 1)]}
 
 
 def _load(path: Path):
@@ -207,13 +209,13 @@ def main() -> None:
                 lambda g=grid_of(1), t=t, a=ahead: rows_variants.layernorm_stream_wb[(g,)](
                     x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk,
                     THREADS=t, ALIGN=16, AHEAD=a))
-        for t, chunk_, one, per_sm, cap in LAYERNORM_RING.get(n, []):
+        for t, chunk_, one, per_sm, cap, wbs in LAYERNORM_RING.get(n, []):
             variants[f"ring t{t} c{chunk_} x{per_sm}" + (" 1pass" if one else "")
-                     + (f" r{cap}" if cap else "")] = (
-                lambda g=grid_of(per_sm), t=t, c=chunk_, one=one, cap=cap:
+                     + (f" r{cap}" if cap else "") + (" wbs" if wbs else "")] = (
+                lambda g=grid_of(per_sm), t=t, c=chunk_, one=one, cap=cap, wbs=wbs:
                 rows_variants.layernorm_ring[(g,)](
                     x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=c, THREADS=t,
-                    ALIGN=16, ONEPASS=one, **({"maxnreg": cap} if cap else {})))
+                    ALIGN=16, ONEPASS=one, WBS=wbs, **({"maxnreg": cap} if cap else {})))
         ln_block = min(65536 // 4, block)
         variants["triton"] = lambda: t_layernorm[(m,)](
             x, y, w, b, mean, rstd, x.stride(0), n, 1e-5, BLOCK=ln_block,
