@@ -1,15 +1,15 @@
 """Long-row A/B of the softmax and layer-norm tutorials at 4k-32k float32 columns, one run:
-the tutorials as shipped (``config``); the softmax tutorial's kernels at other launches
-(``stream tT xK``: rows streamed through shared memory over a persistent grid of K blocks of
-T threads an SM; ``direct tT rR``, both tutorials: a block a row, registers capped at R); the
-variants of
+the tutorials as shipped (``config``); the tutorials' kernels at other launches (``stream tT
+cC xK rR``: rows streamed through shared tiles of C columns over a persistent grid of K blocks
+of T threads an SM, registers capped at R; ``direct tT rR``: a block a row); the variants of
 bench/rows_variants.py (``prefetch tT xK sS dD``: register rows over a persistent grid, S CTAs
-a row, D - 1 rows' loads in flight; layer norm ``wbs``: ``w``/``b`` in shared memory;
-``stream_wb tT aA``: the streamed layer norm with ``w``/``b`` loaded A tiles ahead); the
-tutorials of other folders (``--candidate``, e.g. with a patched Kiln); Triton's tutorial
-designs (bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's device copy,
-both of a 1 GiB buffer and of the benchmark's own matrix (same bytes: the launch and ramp
-costs a kernel of this size pays too). The variant lists at the top are the last A/B's.
+a row, D - 1 rows' loads in flight; layer norm ``ring ... 1pass`` / ``wbs``: the streamed
+kernel with one-pass statistics / ``w`` and ``b`` in shared memory; ``stream_wb tT aA``: the
+streamed layer norm with ``w``/``b`` loaded A tiles ahead); the tutorials of other folders
+(``--candidate``, e.g. the tutorials of an earlier commit); Triton's tutorial designs
+(bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's device copy, both of
+a 1 GiB buffer and of the benchmark's own matrix (same bytes: the launch and ramp costs a
+kernel of this size pays too). The variant lists at the top are the last A/B's.
 
 Matrices have ``2^24`` elements (as ``tutorials.py --quick``). Every kernel is first checked
 against torch in float64 (a wrong result is reported and left out; that first call compiles
@@ -37,8 +37,10 @@ import rows_variants  # noqa: E402
 
 # (threads, blocks per SM, CTAs a row, rows in flight + 1) of the register-prefetch softmax
 SOFTMAX_PREFETCH: dict[int, list] = {}
-# (threads, blocks per SM) of the softmax tutorial's streamed kernel
-SOFTMAX_STREAM = {32768: [(1024, 1)]}
+# (threads, chunk columns, blocks per SM, register cap or 0) of the softmax tutorial's
+# streamed kernel (each chunk's shared tile refilled with the next row's once read)
+SOFTMAX_STREAM = {32768: [(512, 2048, 1, 0), (1024, 4096, 1, 0)],
+                  16384: [(512, 4096, 1, 0), (512, 4096, 2, 64), (512, 2048, 2, 64)]}
 # (threads, register cap) of the softmax tutorial's one-shot kernel, a block a row
 SOFTMAX_DIRECT: dict[int, list] = {}
 # (threads, register cap) of the layer-norm tutorial's one-shot kernel, a block a row
@@ -48,15 +50,14 @@ LAYERNORM_DIRECT: dict[int, list] = {}
 LAYERNORM_PREFETCH: dict[int, list] = {}
 # (threads, tiles ahead) of the streamed layer norm with w/b loaded ahead
 LAYERNORM_STREAM_WB: dict[int, list] = {}
-# (threads, chunk columns, blocks per SM, register cap or 0) of rows_variants.softmax_ring
-SOFTMAX_RING = {32768: [(512, 4096, 1, 0), (512, 2048, 1, 0), (1024, 4096, 1, 0)],
-                16384: [(512, 4096, 1, 0), (512, 4096, 2, 64), (512, 2048, 2, 64)]}
+# (threads, chunk columns) of rows_variants.softmax_ring
+SOFTMAX_RING = {32768: [(512, 4096)]}
+# (threads, blocks per SM, register cap or 0) of the layer-norm tutorial's streamed kernel
+LAYERNORM_STREAM = {32768: [(1024, 1, 0)], 16384: [(512, 2, 64)]}
 # (threads, chunk columns, one-pass statistics, blocks per SM, register cap or 0, w/b in
 # shared) of rows_variants.layernorm_ring
-LAYERNORM_RING = {32768: [(512, 4096, 0, 1, 0, 0), (512, 4096, 1, 1, 0, 0),
-                          (1024, 4096, 0, 1, 0, 0)],
-                  16384: [(512, 4096, 0, 1, 0, 0), (512, 4096, 1, 1, 0, 0),
-                          (512, 4096, 0, 2, 64, 0), (512, 4096, 0, 1, 0, 1)]}
+LAYERNORM_RING = {32768: [(512, 4096, 1, 1, 0, 0)],
+                  16384: [(512, 4096, 1, 1, 0, 0), (512, 4096, 0, 1, 0, 1)]}
 
 
 def _load(path: Path):
@@ -163,24 +164,25 @@ def main() -> None:
         variants = {"config": lambda: fused_softmax.softmax(x, y)}
         for label, c in candidates.items():
             variants[label] = lambda c=c: c["fused_softmax"].softmax(x, y)
-        for t, per_sm in SOFTMAX_STREAM.get(n, []):
-            variants[f"stream t{t} x{per_sm}"] = lambda g=grid_of(per_sm), t=t: \
-                fused_softmax.softmax_kernel[(g,)](x, y, m, n, g, BLOCK=block, THREADS=t,
-                                                   ALIGN=16, STREAM=True)
+        for t, chunk_, per_sm, cap in SOFTMAX_STREAM.get(n, []):
+            variants[f"stream t{t} c{chunk_} x{per_sm}" + (f" r{cap}" if cap else "")] = (
+                lambda g=grid_of(per_sm), t=t, c=chunk_, cap=cap:
+                fused_softmax.softmax_kernel[(g,)](x, y, m, n, g, BLOCK=block, CHUNK=c,
+                                                   THREADS=t, ALIGN=16, STREAM=True,
+                                                   **({"maxnreg": cap} if cap else {})))
         for t, cap in SOFTMAX_DIRECT.get(n, []):
             variants[f"direct t{t} r{cap}"] = lambda t=t, cap=cap: \
-                fused_softmax.softmax_kernel[(m,)](x, y, m, n, m, BLOCK=block, THREADS=t,
-                                                   ALIGN=16, STREAM=False, maxnreg=cap)
+                fused_softmax.softmax_kernel[(m,)](x, y, m, n, m, BLOCK=block, CHUNK=block,
+                                                   THREADS=t, ALIGN=16, STREAM=False,
+                                                   maxnreg=cap)
         for t, per_sm, s, d in SOFTMAX_PREFETCH.get(n, []):
             variants[f"prefetch t{t} x{per_sm} s{s} d{d}"] = launcher(
                 rows_variants.softmax_prefetch, per_sm, s, lambda g: (x, y, m, n, g),
                 dict(BLOCK=block, THREADS=t, ALIGN=16, SPLIT=s, DEPTH=d))
-        for t, chunk_, per_sm, cap in SOFTMAX_RING.get(n, []):
-            variants[f"ring t{t} c{chunk_} x{per_sm}" + (f" r{cap}" if cap else "")] = (
-                lambda g=grid_of(per_sm), t=t, c=chunk_, cap=cap:
-                rows_variants.softmax_ring[(g,)](
-                    x, y, m, n, g, BLOCK=block, CHUNK=c, THREADS=t, ALIGN=16,
-                    **({"maxnreg": cap} if cap else {})))
+        for t, chunk_ in SOFTMAX_RING.get(n, []):
+            variants[f"ring t{t} c{chunk_}"] = lambda g=grid_of(1), t=t, c=chunk_: \
+                rows_variants.softmax_ring[(g,)](x, y, m, n, g, BLOCK=block, CHUNK=c, THREADS=t,
+                                                 ALIGN=16)
         t_grid = (min(m, sms * 4),)
         variants["triton"] = lambda: t_softmax[t_grid](y, x, x.stride(0), y.stride(0), m, n,
                                                        BLOCK=block,
@@ -198,6 +200,13 @@ def main() -> None:
                 layernorm.layernorm_kernel[(m,)](x, w, b, y, mean, rstd, m, n, m, 1e-5,
                                                  BLOCK=block, CHUNK=chunk, THREADS=t,
                                                  ALIGN=16, STREAM=False, maxnreg=cap)
+        for t, per_sm, cap in LAYERNORM_STREAM.get(n, []):
+            variants[f"stream t{t} x{per_sm}" + (f" r{cap}" if cap else "")] = (
+                lambda g=grid_of(per_sm), t=t, cap=cap:
+                layernorm.layernorm_kernel[(g,)](x, w, b, y, mean, rstd, m, n, g, 1e-5,
+                                                 BLOCK=block, CHUNK=chunk, THREADS=t,
+                                                 ALIGN=16, STREAM=True,
+                                                 **({"maxnreg": cap} if cap else {})))
         for t, per_sm, s, d in LAYERNORM_PREFETCH.get(n, []):
             variants[f"prefetch t{t} x{per_sm} s{s} d{d} wbs"] = launcher(
                 rows_variants.layernorm_prefetch, per_sm, s,

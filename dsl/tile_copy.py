@@ -64,7 +64,7 @@ from .layout import blocked
 from .shared import dynamic_shared
 from .swizzle import Swizzle
 from .tile_gemm_wgmma import ATOM_BYTES, CHUNK_BYTES, chunked_layout
-from .tiles import copy as copy_to_shared, copy_width, row_run_width
+from .tiles import copy as copy_to_shared, copy_width, mask, row_run_width
 from .values import Value, to_value
 
 MAX_VECTOR_BYTES = 16
@@ -97,11 +97,31 @@ def _check_cover(tile: Any, layout: ThreadValueLayout, what: str) -> None:
                              fix="build the layout for kiln.block_dim(0) threads or fewer")
 
 
-def load(src: GlobalTile | SharedTile, layout: ThreadValueLayout) -> RegTile:
+def load(src: GlobalTile | SharedTile | list, layout: ThreadValueLayout, *,
+         via: SharedTile | list | None = None, refill: list | None = None) -> RegTile | list:
     """The register tile holding ``src`` in ``layout`` (vector loads; see the module table).
 
-    Example: ``x = kiln.load(kiln.GlobalTile(x_t, (4, 256), (r0, 0), col_end=n), tv)``.
+    ``via``: ``src`` (a GlobalTile, or a list of them: a row in pieces) is read from these
+    SharedTiles, where an earlier :func:`copy` put it (past its masks the copy wrote zeros;
+    a nonzero ``fill`` is put back with one select per access, as ``kiln.tiles.mask`` gives).
+    ``refill`` (with lists): each SharedTile is refilled by :func:`copy` from its GlobalTile
+    as soon as every thread has read it, so the next copies are in flight while the later
+    pieces are read: per piece a block barrier (after it the piece has landed for every
+    thread and the previous piece is free), the previous piece's refill and the piece's
+    loads; then a barrier and the last refill. The whole block makes that call, with no
+    ``kiln.barrier()`` of its own before it.
+
+    Example: ``x = kiln.load(kiln.GlobalTile(x_t, (4, 256), (r0, 0), col_end=n), tv)``; a row
+    streamed through ``row_s`` (a list of SharedTiles) over a persistent grid::
+
+        xs = kiln.load(row_tiles(x, row), tv, via=row_s, refill=row_tiles(x, row + grid))
     """
+    if via is not None:
+        return _load_via(src, layout, via, refill)
+    if refill is not None:
+        raise KilnTypeError("kiln.load(refill=...) refills the SharedTiles a row is read "
+                            "through, and no via= is given",
+                            fix="kiln.load(row_tiles, tv, via=shared_tiles, refill=next_tiles)")
     if not isinstance(src, (GlobalTile, SharedTile)) or not isinstance(layout, ThreadValueLayout):
         raise KilnTypeError(f"kiln.load reads a GlobalTile or SharedTile into a layout, got "
                             f"{type(src).__name__} and {type(layout).__name__}",
@@ -112,6 +132,60 @@ def load(src: GlobalTile | SharedTile, layout: ThreadValueLayout) -> RegTile:
     if isinstance(src, GlobalTile) and src.tensor.rank == 1 and src.col_end is not None:
         return RegTile([_broadcast_row(src, layout, width)], layout, (1, 1))
     return RegTile([_pieces(src, layout, width)], layout, (1, 1))
+
+
+def _load_pieces(tiles: list, layout: ThreadValueLayout, refill: list | None) -> list[RegTile]:
+    """``load`` of a list of SharedTiles, each refilled from ``refill`` once read."""
+    if not tiles or not all(isinstance(t, SharedTile) for t in tiles):
+        raise KilnTypeError("kiln.load of a list reads SharedTiles, got "
+                            f"[{', '.join(type(t).__name__ for t in tiles)}]",
+                            fix="pass SharedTiles (a row's pieces), or load GlobalTiles one by one")
+    if refill is None:
+        return [load(t, layout) for t in tiles]
+    if not isinstance(refill, (list, tuple)) or len(refill) != len(tiles) \
+            or not all(isinstance(g, GlobalTile) for g in refill):
+        raise KilnValueError(f"kiln.load(refill=...) needs a GlobalTile for each of the "
+                             f"{len(tiles)} SharedTiles, got {refill!r}"[:300],
+                             fix="pass a list of GlobalTiles as long as the SharedTiles' list")
+    out = []
+    for k, tile in enumerate(tiles):
+        ops.barrier()   # piece k landed for every thread (the wait goes before); k - 1 is read
+        if k:
+            copy(refill[k - 1], tiles[k - 1])
+        out.append(load(tile, layout))
+    ops.barrier()
+    copy(refill[-1], tiles[-1])
+    return out
+
+
+def _load_via(src: Any, layout: ThreadValueLayout, via: Any, refill: list | None) -> Any:
+    """``load(src, layout, via=..., refill=...)`` (see :func:`load`)."""
+    many = isinstance(src, (list, tuple))
+    srcs, vias = (list(src), list(via)) if many else ([src], [via])
+    if not srcs or len(vias) != len(srcs) or not all(isinstance(g, GlobalTile) for g in srcs) \
+            or not all(isinstance(t, SharedTile) for t in vias):
+        raise KilnTypeError(f"kiln.load(src, layout, via=...) reads GlobalTiles through as many "
+                            f"SharedTiles, got {type(src).__name__} via {type(via).__name__}",
+                            fix="pass a GlobalTile and a SharedTile, or lists of equal length")
+    if refill is not None and (not many or not isinstance(refill, (list, tuple))
+                               or len(refill) != len(vias)
+                               or not all(isinstance(g, GlobalTile) for g in refill)):
+        raise KilnValueError(f"kiln.load(refill=...) needs a list of {len(vias)} GlobalTiles, "
+                             "one for each SharedTile of via=",
+                             fix="pass lists: kiln.load(tiles, tv, via=shared, refill=next)")
+    out = []
+    for k, (g, tile) in enumerate(zip(srcs, vias)):
+        if refill is not None:
+            ops.barrier()   # piece k landed for every thread (the wait goes before); k - 1 read
+            if k:
+                copy(refill[k - 1], vias[k - 1])
+        t = load(tile, layout)
+        masked = g.row_end is not None or g.col_end is not None
+        out.append(ops.where(mask(g, layout), t, g.fill) if masked and g.fill != 0 else t)
+    if refill is not None:
+        ops.barrier()
+        copy(refill[-1], vias[-1])
+    return out if many else out[0]
 
 
 def _pieces(src: GlobalTile | SharedTile, layout: ThreadValueLayout, width: int) -> Value:

@@ -43,27 +43,20 @@ def layernorm_kernel(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor
     row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(BLOCK // CHUNK)] if STREAM else []
     inv_n = 1.0 / kiln.cast(n, f32)
 
-    def row_tiles(t, row):   # row ``row`` of ``t`` as CHUNK-column tiles
-        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), col_end=n, align=ALIGN,
-                                col_multiple=ALIGN // 4) for c in range(BLOCK // CHUNK)]
-
-    def fetch(row):   # asynchronous: cp.async / LDS DMA, waited for before row_s is read
-        for c, g in enumerate(row_tiles(x, row)):
-            kiln.copy(g, row_s[c])
+    def row_tiles(t, row, row_end=None):   # row ``row`` of ``t`` as CHUNK-column tiles
+        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), row_end=row_end, col_end=n,
+                                align=ALIGN, col_multiple=ALIGN // 4)
+                for c in range(BLOCK // CHUNK)]
 
     def weights(c):   # w's and b's tile c (none past the row's last tile)
         return [kiln.load(row_tiles(t, 0)[c], tv) for t in (w, b)] \
             if c < BLOCK // CHUNK else None
 
-    if STREAM:
-        fetch(kiln.block_id(0))
+    for s, first in zip(row_s, row_tiles(x, kiln.block_id(0))):   # cp.async / DMA
+        kiln.copy(first, s)
     for row in kiln.range(kiln.block_id(0), m, grid):
-        if STREAM:   # the row arrived in shared memory while the previous one was normalised
-            kiln.barrier()
-            xs = [kiln.load(s, tv) for s in row_s]
-            kiln.barrier()   # every thread holds its part: fetch the next row
-            if row + grid < m:
-                fetch(row + grid)
+        if STREAM:   # each tile is refilled with the next row's (masked past m) once read
+            xs = kiln.load(row_tiles(x, row), tv, via=row_s, refill=row_tiles(x, row + grid, m))
         else:
             xs = [kiln.load(g, tv) for g in row_tiles(x, row)]
         # w and b: a one-tile row's before the reductions, which hide their latency
