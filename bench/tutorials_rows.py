@@ -39,7 +39,7 @@ import rows_variants  # noqa: E402
 SOFTMAX_PREFETCH: dict[int, list] = {}
 # (threads, chunk columns, blocks per SM, register cap or 0) of the softmax tutorial's
 # streamed kernel (each chunk's shared tile refilled with the next row's once read)
-SOFTMAX_STREAM = {32768: [(512, 2048, 1, 0), (1024, 4096, 1, 0)],
+SOFTMAX_STREAM = {32768: [(512, 2048, 1, 0), (512, 8192, 1, 0), (1024, 4096, 1, 0)],
                   16384: [(512, 4096, 1, 0), (512, 4096, 2, 64), (512, 2048, 2, 64)]}
 # (threads, register cap) of the softmax tutorial's one-shot kernel, a block a row
 SOFTMAX_DIRECT: dict[int, list] = {}
@@ -52,8 +52,10 @@ LAYERNORM_PREFETCH: dict[int, list] = {}
 LAYERNORM_STREAM_WB: dict[int, list] = {}
 # (threads, chunk columns) of rows_variants.softmax_ring
 SOFTMAX_RING = {32768: [(512, 4096)]}
-# (threads, blocks per SM, register cap or 0) of the layer-norm tutorial's streamed kernel
-LAYERNORM_STREAM = {32768: [(1024, 1, 0)], 16384: [(512, 2, 64)]}
+# (threads, chunk columns, blocks per SM, register cap or 0) of the layer-norm tutorial's
+# streamed kernel
+LAYERNORM_STREAM = {32768: [(1024, 4096, 1, 0), (512, 2048, 1, 0)],
+                    16384: [(512, 4096, 2, 64), (512, 2048, 1, 0)]}
 # (threads, chunk columns, one-pass statistics, blocks per SM, register cap or 0, w/b in
 # shared) of rows_variants.layernorm_ring
 LAYERNORM_RING = {32768: [(512, 4096, 1, 1, 0, 0)],
@@ -200,11 +202,11 @@ def main() -> None:
                 layernorm.layernorm_kernel[(m,)](x, w, b, y, mean, rstd, m, n, m, 1e-5,
                                                  BLOCK=block, CHUNK=chunk, THREADS=t,
                                                  ALIGN=16, STREAM=False, maxnreg=cap)
-        for t, per_sm, cap in LAYERNORM_STREAM.get(n, []):
-            variants[f"stream t{t} x{per_sm}" + (f" r{cap}" if cap else "")] = (
-                lambda g=grid_of(per_sm), t=t, cap=cap:
+        for t, chunk_, per_sm, cap in LAYERNORM_STREAM.get(n, []):
+            variants[f"stream t{t} c{chunk_} x{per_sm}" + (f" r{cap}" if cap else "")] = (
+                lambda g=grid_of(per_sm), t=t, c=chunk_, cap=cap:
                 layernorm.layernorm_kernel[(g,)](x, w, b, y, mean, rstd, m, n, g, 1e-5,
-                                                 BLOCK=block, CHUNK=chunk, THREADS=t,
+                                                 BLOCK=block, CHUNK=c, THREADS=t,
                                                  ALIGN=16, STREAM=True,
                                                  **({"maxnreg": cap} if cap else {})))
         for t, per_sm, s, d in LAYERNORM_PREFETCH.get(n, []):
