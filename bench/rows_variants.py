@@ -83,7 +83,7 @@ def layernorm_prefetch(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tens
 
     wb_s = [[kiln.SharedTile((1, CHUNK), f32) for _ in range(part // CHUNK)]
             for _ in range(2)] if WBS else []
-    for k, t in enumerate((w, b) if WBS else ()):
+    for k, t in enumerate((w, b) if WBS == 1 else ()):
         for c, g in enumerate(tiles(t, 0)):
             kiln.copy(g, wb_s[k][c])
     if WBS:
@@ -204,14 +204,16 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f
                    ALIGN: kiln.constexpr, ONEPASS: kiln.constexpr, WBS: kiln.constexpr = 0):
     """The tutorial's streamed layer norm (each shared tile refilled with the next row's once
     read: ``kiln.load(..., refill=...)``) with ``w``/``b`` from shared tiles filled once per
-    block (``WBS``) rather than from L2 for every row, or ``ONEPASS``: the sum and the sum of
+    block (``WBS`` 1) rather than from L2 for every row, or (``WBS`` 2, a probe of what the
+    ``w``/``b`` traffic costs: right only for ``w``/``b`` periodic in ``CHUNK``) ``w``/``b``'s
+    first tile for every tile, or ``ONEPASS``: the sum and the sum of
     squares in one reduction (one shared stage; ``E[x^2] - mean^2`` loses digits when the
     mean is large against the spread)."""
     parts = BLOCK // CHUNK
     tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
     row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
     wb_s = [[kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)] for _ in range(2)] \
-        if WBS else []
+        if WBS == 1 else []
     inv_n = 1.0 / kiln.cast(n, f32)
 
     def tiles(t, row, row_end=None):
@@ -221,11 +223,11 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f
     def weights(c):
         if c >= parts:
             return None
-        if WBS:
+        if WBS == 1:
             return [kiln.load(wb_s[k][c], tv) for k in range(2)]
-        return [kiln.load(tiles(t, 0)[c], tv) for t in (w, b)]
+        return [kiln.load(tiles(t, 0)[0 if WBS == 2 else c], tv) for t in (w, b)]
 
-    for k, t in enumerate((w, b) if WBS else ()):
+    for k, t in enumerate((w, b) if WBS == 1 else ()):
         for c, part in enumerate(tiles(t, 0)):
             kiln.copy(part, wb_s[k][c])
     for s, first in zip(row_s, tiles(x, kiln.block_id(0))):

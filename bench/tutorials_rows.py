@@ -3,8 +3,9 @@ the tutorials as shipped (``config``); the tutorials' kernels at other launches 
 cC xK rR``: rows streamed through shared tiles of C columns over a persistent grid of K blocks
 of T threads an SM, registers capped at R; ``direct tT rR``: a block a row); the variants of
 bench/rows_variants.py (``prefetch tT xK sS dD``: register rows over a persistent grid, S CTAs
-a row, D - 1 rows' loads in flight; layer norm ``ring ... 1pass`` / ``wbs``: the streamed
-kernel with one-pass statistics / ``w`` and ``b`` in shared memory; ``stream_wb tT aA``: the
+a row, D - 1 rows' loads in flight; layer norm ``ring ... 1pass`` / ``wbs1`` / ``wbs2``: the
+streamed kernel with one-pass statistics / ``w`` and ``b`` in shared memory / their first
+4096 columns only (a probe of what reading them from L2 for every row costs); ``stream_wb tT aA``: the
 streamed layer norm with ``w``/``b`` loaded A tiles ahead); the tutorials of other folders
 (``--candidate``, e.g. the tutorials of an earlier commit); Triton's tutorial designs
 (bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's device copy, both of
@@ -57,9 +58,10 @@ SOFTMAX_RING = {32768: [(512, 4096)]}
 LAYERNORM_STREAM = {32768: [(1024, 4096, 1, 0), (512, 2048, 1, 0)],
                     16384: [(512, 4096, 2, 64), (512, 2048, 1, 0)]}
 # (threads, chunk columns, one-pass statistics, blocks per SM, register cap or 0, w/b in
-# shared) of rows_variants.layernorm_ring
-LAYERNORM_RING = {32768: [(512, 4096, 1, 1, 0, 0)],
-                  16384: [(512, 4096, 1, 1, 0, 0), (512, 4096, 0, 1, 0, 1)]}
+# shared (1) or only their first tile (2, a probe)) of rows_variants.layernorm_ring
+LAYERNORM_RING = {32768: [(512, 4096, 1, 1, 0, 0), (512, 4096, 0, 1, 0, 2)],
+                  16384: [(512, 4096, 1, 1, 0, 0), (512, 4096, 0, 1, 0, 1),
+                          (512, 4096, 0, 1, 0, 2)]}
 
 
 def _load(path: Path):
@@ -191,8 +193,9 @@ def main() -> None:
                                                        num_warps=8 if block <= 8192 else 16)
         measure("softmax", m, n, variants, torch.softmax(x.double(), dim=1), 1e-6, same_gbs)
 
-        w = torch.randn(n, device="cuda", generator=gen)
-        b = torch.randn(n, device="cuda", generator=gen)
+        # w and b repeat every 4096 columns: the ``wbs 2`` probe reads their first tile only
+        w, b = (torch.randn(4096, device="cuda", generator=gen).repeat(-(-n // 4096))[:n]
+                for _ in range(2))
         mean, rstd = torch.empty(m, device="cuda"), torch.empty(m, device="cuda")
         variants = {"config": lambda: layernorm.layernorm(x, w, b, y, mean, rstd)}
         for label, c in candidates.items():
@@ -222,7 +225,7 @@ def main() -> None:
                     THREADS=t, ALIGN=16, AHEAD=a))
         for t, chunk_, one, per_sm, cap, wbs in LAYERNORM_RING.get(n, []):
             variants[f"ring t{t} c{chunk_} x{per_sm}" + (" 1pass" if one else "")
-                     + (f" r{cap}" if cap else "") + (" wbs" if wbs else "")] = (
+                     + (f" r{cap}" if cap else "") + (f" wbs{wbs}" if wbs else "")] = (
                 lambda g=grid_of(per_sm), t=t, c=chunk_, one=one, cap=cap, wbs=wbs:
                 rows_variants.layernorm_ring[(g,)](
                     x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=c, THREADS=t,
