@@ -51,7 +51,7 @@ def softmax_kernel(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i3
                                 fill=fill, align=ALIGN, col_multiple=ALIGN // 4)
                 for c in range(BLOCK // CHUNK)]
 
-    for s, first in zip(row_s, row_tiles(x, kiln.block_id(0))):   # cp.async / DMA
+    for s, first in zip(row_s, row_tiles(x, kiln.block_id(0), row_end=m)):   # cp.async / DMA
         kiln.copy(first, s)
     for row in kiln.range(kiln.block_id(0), m, grid):
         if STREAM:   # read through row_s, each tile refilled with the next row's once read

@@ -62,8 +62,8 @@ def layernorm_kernel(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor
         # w and b: a one-tile row's before the reductions, which hide their latency
         wb = [weights(0)] if BLOCK == CHUNK else []
         mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
-        xcs = [kiln.where(kiln.tiles.mask(g, tv), t - mean, 0.0)
-               for g, t in zip(row_tiles(x, row), xs)]
+        xcs = [kiln.where(kiln.tiles.mask(g, tv), t - mean, 0.0)   # streamed: masked as copied
+               for g, t in zip(row_tiles(x, row, m if STREAM else None), xs)]
         wb += [weights(0)] if STREAM else []
         rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]), "sum",
                                       axis=1) * inv_n + eps)
