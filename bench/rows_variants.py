@@ -201,14 +201,16 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f
                    y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
                    rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
                    BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
-                   ALIGN: kiln.constexpr, ONEPASS: kiln.constexpr, WBS: kiln.constexpr = 0):
+                   ALIGN: kiln.constexpr, ONEPASS: kiln.constexpr, WBS: kiln.constexpr = 0,
+                   AHEAD: kiln.constexpr = 1):
     """The tutorial's streamed layer norm (each shared tile refilled with the next row's once
     read: ``kiln.load(..., refill=...)``) with ``w``/``b`` from shared tiles filled once per
     block (``WBS`` 1) rather than from L2 for every row, or (``WBS`` 2, a probe of what the
     ``w``/``b`` traffic costs: right only for ``w``/``b`` periodic in ``CHUNK``) ``w``/``b``'s
-    first tile for every tile, or ``ONEPASS``: the sum and the sum of
-    squares in one reduction (one shared stage; ``E[x^2] - mean^2`` loses digits when the
-    mean is large against the spread)."""
+    first tile for every tile, or ``ONEPASS``: the sum and the sum of squares in one reduction
+    (one shared stage; ``E[x^2] - mean^2`` loses digits when the mean is large against the
+    spread); ``AHEAD``: ``w``/``b`` of tile ``c + AHEAD`` loaded before tile ``c``'s store
+    (more L2 round trips in flight, more registers)."""
     parts = BLOCK // CHUNK
     tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
     row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
@@ -234,7 +236,7 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f
         kiln.copy(first, s)
     for row in kiln.range(kiln.block_id(0), m, grid):
         xs = kiln.load(tiles(x, row), tv, via=row_s, refill=tiles(x, row + grid, m))
-        wb = [weights(0)]
+        wb = [weights(c) for c in range(AHEAD)]
         if ONEPASS:
             s1, s2 = kiln.reduce((sum(xs[1:], xs[0]), sum((t * t for t in xs[1:]), xs[0] * xs[0])),
                                  "sum", axis=1)
@@ -244,11 +246,11 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f
         else:
             mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
             xcs = [kiln.where(kiln.tiles.mask(g, tv), t - mean, 0.0)
-                   for g, t in zip(tiles(x, row), xs)]
+                   for g, t in zip(tiles(x, row, m), xs)]
             rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]),
                                           "sum", axis=1) * inv_n + eps)
         for c, xc in enumerate(xcs):
-            wb.append(weights(c + 1))
+            wb.append(weights(c + AHEAD))
             gamma, beta = wb[c]
             kiln.copy(xc * rstd * gamma + beta, tiles(y, row)[c])
         if kiln.thread_id(0) == 0:

@@ -58,10 +58,13 @@ SOFTMAX_RING = {32768: [(512, 4096)]}
 LAYERNORM_STREAM = {32768: [(1024, 4096, 1, 0), (512, 2048, 1, 0)],
                     16384: [(512, 4096, 2, 64), (512, 2048, 1, 0)]}
 # (threads, chunk columns, one-pass statistics, blocks per SM, register cap or 0, w/b in
-# shared (1) or only their first tile (2, a probe)) of rows_variants.layernorm_ring
-LAYERNORM_RING = {32768: [(512, 4096, 1, 1, 0, 0), (512, 4096, 0, 1, 0, 2)],
-                  16384: [(512, 4096, 1, 1, 0, 0), (512, 4096, 0, 1, 0, 1),
-                          (512, 4096, 0, 1, 0, 2)]}
+# shared (1) or only their first tile (2, a probe), w/b tiles loaded ahead) of
+# rows_variants.layernorm_ring
+LAYERNORM_RING = {32768: [(512, 4096, 1, 1, 0, 0, 1), (512, 4096, 0, 1, 0, 2, 1),
+                          (512, 2048, 0, 1, 0, 0, 2), (512, 2048, 0, 1, 0, 0, 3)],
+                  16384: [(512, 4096, 1, 1, 0, 0, 1), (512, 4096, 0, 1, 0, 1, 1),
+                          (512, 4096, 0, 1, 0, 2, 1), (512, 4096, 0, 1, 0, 0, 2),
+                          (512, 2048, 0, 1, 0, 0, 3)]}
 
 
 def _load(path: Path):
@@ -223,13 +226,15 @@ def main() -> None:
                 lambda g=grid_of(1), t=t, a=ahead: rows_variants.layernorm_stream_wb[(g,)](
                     x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk,
                     THREADS=t, ALIGN=16, AHEAD=a))
-        for t, chunk_, one, per_sm, cap, wbs in LAYERNORM_RING.get(n, []):
+        for t, chunk_, one, per_sm, cap, wbs, ahead in LAYERNORM_RING.get(n, []):
             variants[f"ring t{t} c{chunk_} x{per_sm}" + (" 1pass" if one else "")
-                     + (f" r{cap}" if cap else "") + (f" wbs{wbs}" if wbs else "")] = (
-                lambda g=grid_of(per_sm), t=t, c=chunk_, one=one, cap=cap, wbs=wbs:
+                     + (f" r{cap}" if cap else "") + (f" wbs{wbs}" if wbs else "")
+                     + (f" a{ahead}" if ahead > 1 else "")] = (
+                lambda g=grid_of(per_sm), t=t, c=chunk_, one=one, cap=cap, wbs=wbs, a=ahead:
                 rows_variants.layernorm_ring[(g,)](
                     x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=c, THREADS=t,
-                    ALIGN=16, ONEPASS=one, WBS=wbs, **({"maxnreg": cap} if cap else {})))
+                    ALIGN=16, ONEPASS=one, WBS=wbs, AHEAD=a,
+                    **({"maxnreg": cap} if cap else {})))
         ln_block = min(65536 // 4, block)
         variants["triton"] = lambda: t_layernorm[(m,)](
             x, y, w, b, mean, rstd, x.stride(0), n, 1e-5, BLOCK=ln_block,
