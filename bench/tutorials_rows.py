@@ -40,8 +40,8 @@ import rows_variants  # noqa: E402
 SOFTMAX_PREFETCH: dict[int, list] = {}
 # (threads, chunk columns, blocks per SM, register cap or 0) of the softmax tutorial's
 # streamed kernel (each chunk's shared tile refilled with the next row's once read)
-SOFTMAX_STREAM = {32768: [(512, 2048, 1, 0), (512, 8192, 1, 0), (1024, 4096, 1, 0)],
-                  16384: [(512, 4096, 1, 0), (512, 4096, 2, 64), (512, 2048, 2, 64)]}
+SOFTMAX_STREAM = {32768: [(512, 2048, 1, 0), (1024, 4096, 1, 0)],
+                  16384: [(512, 4096, 1, 0), (512, 4096, 2, 64)]}
 # (threads, register cap) of the softmax tutorial's one-shot kernel, a block a row
 SOFTMAX_DIRECT: dict[int, list] = {}
 # (threads, register cap) of the layer-norm tutorial's one-shot kernel, a block a row
@@ -52,11 +52,10 @@ LAYERNORM_PREFETCH: dict[int, list] = {}
 # (threads, tiles ahead) of the streamed layer norm with w/b loaded ahead
 LAYERNORM_STREAM_WB: dict[int, list] = {}
 # (threads, chunk columns) of rows_variants.softmax_ring
-SOFTMAX_RING = {32768: [(512, 4096)]}
+SOFTMAX_RING: dict[int, list] = {}
 # (threads, chunk columns, blocks per SM, register cap or 0) of the layer-norm tutorial's
 # streamed kernel
-LAYERNORM_STREAM = {32768: [(1024, 4096, 1, 0), (512, 2048, 1, 0)],
-                    16384: [(512, 4096, 2, 64), (512, 2048, 1, 0)]}
+LAYERNORM_STREAM = {32768: [(512, 2048, 1, 0)], 16384: [(512, 4096, 2, 64)]}
 # (threads, chunk columns, one-pass statistics, blocks per SM, register cap or 0, w/b in
 # shared (1) or only their first tile (2, a probe), w/b tiles loaded ahead) of
 # rows_variants.layernorm_ring
