@@ -145,7 +145,7 @@ def layernorm_stream_wb(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Ten
         mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
         xcs = [kiln.where(kiln.tiles.mask(g, tv), t - mean, 0.0)
                for g, t in zip(row_tiles(x, row), xs)]
-        wb = [weights(c) for c in range(AHEAD)]
+        wb = [weights(c) for c in range(AHEAD)] if WBS != 3 else []
         rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]), "sum",
                                       axis=1) * inv_n + eps)
         for c, xc in enumerate(xcs):
@@ -197,25 +197,29 @@ def softmax_ring(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32,
 
 
 @kiln.kernel(num_threads="THREADS")
-def layernorm_ring(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f32],
+def layernorm_ring(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32, 2], b: kiln.Tensor[f32, 2],
                    y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
                    rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
                    BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
                    ALIGN: kiln.constexpr, ONEPASS: kiln.constexpr, WBS: kiln.constexpr = 0,
-                   AHEAD: kiln.constexpr = 1):
+                   AHEAD: kiln.constexpr = 1, WBK: kiln.constexpr = 2):
     """The tutorial's streamed layer norm (each shared tile refilled with the next row's once
-    read: ``kiln.load(..., refill=...)``) with ``w``/``b`` from shared tiles filled once per
+    read: ``kiln.load(..., refill=...)``; ``w`` and ``b`` as ``1 x n`` matrices, so that their
+    copies into shared memory go by cp.async / DMA too) with ``w``/``b`` from shared tiles filled once per
     block (``WBS`` 1) rather than from L2 for every row, or (``WBS`` 2, a probe of what the
     ``w``/``b`` traffic costs: right only for ``w``/``b`` periodic in ``CHUNK``) ``w``/``b``'s
     first tile for every tile, or ``ONEPASS``: the sum and the sum of squares in one reduction
     (one shared stage; ``E[x^2] - mean^2`` loses digits when the mean is large against the
     spread); ``AHEAD``: ``w``/``b`` of tile ``c + AHEAD`` loaded before tile ``c``'s store
-    (more L2 round trips in flight, more registers)."""
+    (more L2 round trips in flight, more registers); ``WBS`` 3: ``w``/``b`` streamed through a
+    ring of ``WBK`` shared tiles each by ``kiln.copy`` (cp.async: ``WBK - 1`` tiles in flight
+    without registers, one barrier a tile), the next row's first tiles copied during this
+    row's last ones."""
     parts = BLOCK // CHUNK
     tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
     row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
-    wb_s = [[kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)] for _ in range(2)] \
-        if WBS == 1 else []
+    wb_s = [[kiln.SharedTile((1, CHUNK), f32) for _ in range(parts if WBS == 1 else WBK)]
+            for _ in range(2)] if WBS in (1, 3) else []
     inv_n = 1.0 / kiln.cast(n, f32)
 
     def tiles(t, row, row_end=None):
@@ -229,14 +233,18 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f
             return [kiln.load(wb_s[k][c], tv) for k in range(2)]
         return [kiln.load(tiles(t, 0)[0 if WBS == 2 else c], tv) for t in (w, b)]
 
-    for k, t in enumerate((w, b) if WBS == 1 else ()):
-        for c, part in enumerate(tiles(t, 0)):
+    for k, t in enumerate((w, b) if WBS in (1, 3) else ()):
+        for c, part in enumerate(tiles(t, 0)[:len(wb_s[k])]):
             kiln.copy(part, wb_s[k][c])
+    def refill_wb(c):   # slot c % WBK: w/b tile c + WBK (the next row's past the last tile)
+        for k, t in enumerate((w, b)):
+            kiln.copy(tiles(t, 0)[(c + WBK) % parts], wb_s[k][c % WBK])
+
     for s, first in zip(row_s, tiles(x, kiln.block_id(0))):
         kiln.copy(first, s)
     for row in kiln.range(kiln.block_id(0), m, grid):
         xs = kiln.load(tiles(x, row), tv, via=row_s, refill=tiles(x, row + grid, m))
-        wb = [weights(c) for c in range(AHEAD)]
+        wb = [weights(c) for c in range(AHEAD)] if WBS != 3 else []
         if ONEPASS:
             s1, s2 = kiln.reduce((sum(xs[1:], xs[0]), sum((t * t for t in xs[1:]), xs[0] * xs[0])),
                                  "sum", axis=1)
@@ -250,9 +258,18 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f
             rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]),
                                           "sum", axis=1) * inv_n + eps)
         for c, xc in enumerate(xcs):
-            wb.append(weights(c + AHEAD))
-            gamma, beta = wb[c]
+            if WBS == 3:   # the ring: tile c landed, tile c - 1's slot takes tile c - 1 + WBK
+                kiln.barrier()
+                if c:
+                    refill_wb(c - 1)
+                gamma, beta = (kiln.load(wb_s[k][c % WBK], tv) for k in range(2))
+            else:
+                wb.append(weights(c + AHEAD))
+                gamma, beta = wb[c]
             kiln.copy(xc * rstd * gamma + beta, tiles(y, row)[c])
+        if WBS == 3:
+            kiln.barrier()
+            refill_wb(parts - 1)
         if kiln.thread_id(0) == 0:
             mean_out[row] = mean.item()
             rstd_out[row] = rstd.item()

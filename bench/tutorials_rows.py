@@ -57,13 +57,14 @@ SOFTMAX_RING: dict[int, list] = {}
 # streamed kernel
 LAYERNORM_STREAM = {32768: [(512, 2048, 1, 0)], 16384: [(512, 4096, 2, 64)]}
 # (threads, chunk columns, one-pass statistics, blocks per SM, register cap or 0, w/b in
-# shared (1) or only their first tile (2, a probe), w/b tiles loaded ahead) of
-# rows_variants.layernorm_ring
-LAYERNORM_RING = {32768: [(512, 4096, 1, 1, 0, 0, 1), (512, 4096, 0, 1, 0, 2, 1),
-                          (512, 2048, 0, 1, 0, 0, 2), (512, 2048, 0, 1, 0, 0, 3)],
-                  16384: [(512, 4096, 1, 1, 0, 0, 1), (512, 4096, 0, 1, 0, 1, 1),
-                          (512, 4096, 0, 1, 0, 2, 1), (512, 4096, 0, 1, 0, 0, 2),
-                          (512, 2048, 0, 1, 0, 0, 3)]}
+# shared (1), only their first tile (2, a probe) or through a ring of shared tiles (3), w/b
+# tiles loaded ahead, ring slots) of rows_variants.layernorm_ring
+LAYERNORM_RING = {32768: [(512, 4096, 1, 1, 0, 0, 1, 0), (512, 4096, 0, 1, 0, 2, 1, 0),
+                          (512, 2048, 0, 1, 0, 0, 2, 0), (512, 4096, 0, 1, 0, 3, 1, 2),
+                          (512, 2048, 0, 1, 0, 3, 1, 4)],
+                  16384: [(512, 4096, 1, 1, 0, 0, 1, 0), (512, 4096, 0, 1, 0, 1, 1, 0),
+                          (512, 4096, 0, 1, 0, 2, 1, 0), (512, 4096, 0, 1, 0, 0, 2, 0),
+                          (512, 2048, 0, 1, 0, 3, 1, 4)]}
 
 
 def _load(path: Path):
@@ -225,14 +226,14 @@ def main() -> None:
                 lambda g=grid_of(1), t=t, a=ahead: rows_variants.layernorm_stream_wb[(g,)](
                     x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk,
                     THREADS=t, ALIGN=16, AHEAD=a))
-        for t, chunk_, one, per_sm, cap, wbs, ahead in LAYERNORM_RING.get(n, []):
+        for t, chunk_, one, per_sm, cap, wbs, ahead, k in LAYERNORM_RING.get(n, []):
             variants[f"ring t{t} c{chunk_} x{per_sm}" + (" 1pass" if one else "")
                      + (f" r{cap}" if cap else "") + (f" wbs{wbs}" if wbs else "")
-                     + (f" a{ahead}" if ahead > 1 else "")] = (
-                lambda g=grid_of(per_sm), t=t, c=chunk_, one=one, cap=cap, wbs=wbs, a=ahead:
-                rows_variants.layernorm_ring[(g,)](
-                    x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=c, THREADS=t,
-                    ALIGN=16, ONEPASS=one, WBS=wbs, AHEAD=a,
+                     + (f" a{ahead}" if ahead > 1 else "") + (f" k{k}" if k else "")] = (
+                lambda g=grid_of(per_sm), t=t, c=chunk_, one=one, cap=cap, wbs=wbs, a=ahead,
+                k=k: rows_variants.layernorm_ring[(g,)](
+                    x, w.view(1, n), b.view(1, n), y, mean, rstd, m, n, g, 1e-5, BLOCK=block,
+                    CHUNK=c, THREADS=t, ALIGN=16, ONEPASS=one, WBS=wbs, AHEAD=a, WBK=k or 2,
                     **({"maxnreg": cap} if cap else {})))
         ln_block = min(65536 // 4, block)
         variants["triton"] = lambda: t_layernorm[(m,)](
