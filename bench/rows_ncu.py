@@ -1,6 +1,7 @@
 """One launch each of the softmax / layer-norm tutorials at long rows, for ncu (``-k
 regex:softmax|layernorm``): the tutorials of ``--candidate`` folders first (e.g. an earlier
-commit's, for a side-by-side profile), then this tree's.
+commit's, for a side-by-side profile), then this tree's, then (``--tma``) rows_variants'
+softmax and layer norm whose rows are copied by TMA boxes.
 
 Usage: ``ncu --clock-control none --section SpeedOfLight -k regex:'softmax|layernorm' python
 bench/rows_ncu.py --cols 32768,16384 --candidate /tmp/base``.
@@ -16,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tutorials import fused_softmax, layernorm  # noqa: E402
 from tutorials_rows import _load  # noqa: E402
+import rows_variants  # noqa: E402
 
 
 def main() -> None:
@@ -23,6 +25,7 @@ def main() -> None:
     parser.add_argument("--cols", default="32768", help="comma-separated column counts")
     parser.add_argument("--candidate", action="append", default=[],
                         help="a folder with a fused_softmax.py and a layernorm.py (repeatable)")
+    parser.add_argument("--tma", action="store_true", help="also the TMA-box variants")
     args = parser.parse_args()
     import torch
     trees = [(Path(f).name, _load(Path(f) / "fused_softmax.py"), _load(Path(f) / "layernorm.py"))
@@ -37,6 +40,15 @@ def main() -> None:
             print(f"{m}x{n} {name}: softmax, layernorm", flush=True)
             softmax.softmax(x, y)
             norm.layernorm(x, w, b, y, mean, rstd)
+        if args.tma:
+            g = min(m, torch.cuda.get_device_properties(0).multi_processor_count)
+            print(f"{m}x{n} TMA boxes: softmax_tma, layernorm_ring", flush=True)
+            rows_variants.softmax_tma[(g,)](x, x.view(-1, 256), y, m, n, g, BLOCK=n,
+                                            CHUNK=4096, THREADS=512)
+            rows_variants.layernorm_ring[(g,)](x, x.view(-1, 256), w.view(1, n), b.view(1, n),
+                                               y, mean, rstd, m, n, g, 1e-5, BLOCK=n,
+                                               CHUNK=4096, THREADS=512, ALIGN=16, ONEPASS=0,
+                                               TMA=1)
         torch.cuda.synchronize()
 
 

@@ -197,12 +197,14 @@ def softmax_ring(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32,
 
 
 @kiln.kernel(num_threads="THREADS")
-def layernorm_ring(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32, 2], b: kiln.Tensor[f32, 2],
+def layernorm_ring(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], w: kiln.Tensor[f32, 2],
+                   b: kiln.Tensor[f32, 2],
                    y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
                    rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
                    BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
                    ALIGN: kiln.constexpr, ONEPASS: kiln.constexpr, WBS: kiln.constexpr = 0,
-                   AHEAD: kiln.constexpr = 1, WBK: kiln.constexpr = 2):
+                   AHEAD: kiln.constexpr = 1, WBK: kiln.constexpr = 2,
+                   TMA: kiln.constexpr = 0):
     """The tutorial's streamed layer norm (each shared tile refilled with the next row's once
     read: ``kiln.load(..., refill=...)``; ``w`` and ``b`` as ``1 x n`` matrices, so that their
     copies into shared memory go by cp.async / DMA too) with ``w``/``b`` from shared tiles filled once per
@@ -214,10 +216,14 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32, 2], b: kiln.Tenso
     (more L2 round trips in flight, more registers); ``WBS`` 3: ``w``/``b`` streamed through a
     ring of ``WBK`` shared tiles each by ``kiln.copy`` (cp.async: ``WBK - 1`` tiles in flight
     without registers, one barrier a tile), the next row's first tiles copied during this
-    row's last ones."""
+    row's last ones; ``TMA``: the row's tiles copied as softmax_tma's boxes of ``xv`` (``x``
+    viewed as ``(m * n / 256, 256)``, ``n`` a multiple of 256 and of ``CHUNK``)."""
     parts = BLOCK // CHUNK
     tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
-    row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
+    bufs = [kiln.dynamic_shared((CHUNK,), f32, align=128) for _ in range(parts)] if TMA else []
+    boxes = [kiln.SharedTile.view(buf, (CHUNK // 256, 256)) for buf in bufs]
+    row_s = [kiln.SharedTile.view(buf, (1, CHUNK)) for buf in bufs] if TMA else \
+        [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
     wb_s = [[kiln.SharedTile((1, CHUNK), f32) for _ in range(parts if WBS == 1 else WBK)]
             for _ in range(2)] if WBS in (1, 3) else []
     inv_n = 1.0 / kiln.cast(n, f32)
@@ -240,10 +246,28 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32, 2], b: kiln.Tenso
         for k, t in enumerate((w, b)):
             kiln.copy(tiles(t, 0)[(c + WBK) % parts], wb_s[k][c % WBK])
 
-    for s, first in zip(row_s, tiles(x, kiln.block_id(0))):
+    def pieces(row):   # TMA: the row's tiles as boxes of xv
+        return [kiln.GlobalTile(xv, (CHUNK // 256, 256), (row * (n // 256) + c * (CHUNK // 256),
+                                                          0), row_end=xv.shape[0],
+                                col_end=xv.shape[1], align=16) for c in range(parts)]
+
+    for s, first in zip(boxes or row_s, pieces(kiln.block_id(0)) if TMA
+                        else tiles(x, kiln.block_id(0))):
         kiln.copy(first, s)
-    for row in kiln.range(kiln.block_id(0), m, grid):
-        xs = kiln.load(tiles(x, row), tv, via=row_s, refill=tiles(x, row + grid, m))
+    for i in kiln.range(0, (m - kiln.block_id(0) + grid - 1) // grid):   # step 1: counted
+        row = kiln.block_id(0) + i * grid
+        if TMA:
+            ahead = pieces(row + grid)
+            xs = []
+            for c in range(parts):
+                kiln.barrier()
+                if c:
+                    kiln.copy(ahead[c - 1], boxes[c - 1])
+                xs.append(kiln.load(row_s[c], tv))
+            kiln.barrier()
+            kiln.copy(ahead[parts - 1], boxes[parts - 1])
+        else:
+            xs = kiln.load(tiles(x, row), tv, via=row_s, refill=tiles(x, row + grid, m))
         wb = [weights(c) for c in range(AHEAD)] if WBS != 3 else []
         if ONEPASS:
             s1, s2 = kiln.reduce((sum(xs[1:], xs[0]), sum((t * t for t in xs[1:]), xs[0] * xs[0])),
@@ -273,3 +297,52 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32, 2], b: kiln.Tenso
         if kiln.thread_id(0) == 0:
             mean_out[row] = mean.item()
             rstd_out[row] = rstd.item()
+
+
+@kiln.kernel(num_threads="THREADS")
+def softmax_tma(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2],
+                m: i32, n: i32, grid: i32, BLOCK: kiln.constexpr, CHUNK: kiln.constexpr,
+                THREADS: kiln.constexpr):
+    """softmax_ring with each CHUNK-column piece of a row copied by one TMA box: ``xv`` is
+    ``x`` viewed as ``(m * n / 256, 256)`` (``n % 256 == 0``), so a piece is a
+    ``(CHUNK / 256, 256)`` box of it (one instruction of one thread, no registers, no L1
+    request slots), read back as a ``1 x CHUNK`` row (a second view of the same buffer)."""
+    parts = BLOCK // CHUNK
+    high = CHUNK // 256
+    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
+    bufs = [kiln.dynamic_shared((CHUNK,), f32, align=128) for _ in range(parts)]
+    boxes = [kiln.SharedTile.view(buf, (high, 256)) for buf in bufs]
+    rows = [kiln.SharedTile.view(buf, (1, CHUNK)) for buf in bufs]
+    per_row = n // 256
+
+    def pieces(row):
+        return [kiln.GlobalTile(xv, (high, 256), (row * per_row + c * high, 0),
+                                row_end=xv.shape[0], col_end=xv.shape[1], align=16)
+                for c in range(parts)]
+
+    def tiles(t, row):
+        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), row_end=m, col_end=n,
+                                align=16, col_multiple=4) for c in range(parts)]
+
+    for c, first in enumerate(pieces(kiln.block_id(0))):
+        kiln.copy(first, boxes[c])
+    for i in kiln.range(0, (m - kiln.block_id(0) + grid - 1) // grid):   # step 1: counted
+        row = kiln.block_id(0) + i * grid
+        here, ahead = tiles(x, row), pieces(row + grid)
+        ts = []
+        for c in range(parts):
+            kiln.barrier()
+            if c:
+                kiln.copy(ahead[c - 1], boxes[c - 1])
+            ts.append(kiln.where(kiln.tiles.mask(here[c], tv), kiln.load(rows[c], tv),
+                                 -float("inf")))
+        kiln.barrier()
+        kiln.copy(ahead[parts - 1], boxes[parts - 1])
+        top = ts[0]
+        for t in ts[1:]:
+            top = kiln.maximum(top, t)
+        mx = kiln.reduce(top, "max", axis=1)
+        ps = [kiln.exp(t - mx) for t in ts]
+        inv = kiln.rcp(kiln.reduce(sum(ps[1:], ps[0]), "sum", axis=1))
+        for p, g in zip(ps, tiles(y, row)):
+            kiln.copy(p * inv, g)

@@ -40,8 +40,7 @@ import rows_variants  # noqa: E402
 SOFTMAX_PREFETCH: dict[int, list] = {}
 # (threads, chunk columns, blocks per SM, register cap or 0) of the softmax tutorial's
 # streamed kernel (each chunk's shared tile refilled with the next row's once read)
-SOFTMAX_STREAM = {32768: [(512, 2048, 1, 0), (1024, 4096, 1, 0)],
-                  16384: [(512, 4096, 1, 0), (512, 4096, 2, 64)]}
+SOFTMAX_STREAM: dict[int, list] = {}
 # (threads, register cap) of the softmax tutorial's one-shot kernel, a block a row
 SOFTMAX_DIRECT: dict[int, list] = {}
 # (threads, register cap) of the layer-norm tutorial's one-shot kernel, a block a row
@@ -53,18 +52,17 @@ LAYERNORM_PREFETCH: dict[int, list] = {}
 LAYERNORM_STREAM_WB: dict[int, list] = {}
 # (threads, chunk columns) of rows_variants.softmax_ring
 SOFTMAX_RING: dict[int, list] = {}
+# (threads, chunk columns, blocks per SM, register cap or 0) of rows_variants.softmax_tma
+SOFTMAX_TMA = {32768: [(512, 4096, 1, 0)], 16384: [(512, 4096, 1, 0), (512, 4096, 2, 64)]}
 # (threads, chunk columns, blocks per SM, register cap or 0) of the layer-norm tutorial's
 # streamed kernel
-LAYERNORM_STREAM = {32768: [(512, 2048, 1, 0)], 16384: [(512, 4096, 2, 64)]}
+LAYERNORM_STREAM: dict[int, list] = {}
 # (threads, chunk columns, one-pass statistics, blocks per SM, register cap or 0, w/b in
 # shared (1), only their first tile (2, a probe) or through a ring of shared tiles (3), w/b
-# tiles loaded ahead, ring slots) of rows_variants.layernorm_ring
-LAYERNORM_RING = {32768: [(512, 4096, 1, 1, 0, 0, 1, 0), (512, 4096, 0, 1, 0, 2, 1, 0),
-                          (512, 2048, 0, 1, 0, 0, 2, 0), (512, 4096, 0, 1, 0, 3, 1, 2),
-                          (512, 2048, 0, 1, 0, 3, 1, 4)],
-                  16384: [(512, 4096, 1, 1, 0, 0, 1, 0), (512, 4096, 0, 1, 0, 1, 1, 0),
-                          (512, 4096, 0, 1, 0, 2, 1, 0), (512, 4096, 0, 1, 0, 0, 2, 0),
-                          (512, 2048, 0, 1, 0, 3, 1, 4)]}
+# tiles loaded ahead, ring slots, x by TMA boxes) of rows_variants.layernorm_ring
+LAYERNORM_RING = {32768: [(512, 4096, 0, 1, 0, 0, 1, 0, 1), (512, 4096, 1, 1, 0, 0, 1, 0, 1)],
+                  16384: [(512, 4096, 0, 1, 0, 0, 1, 0, 1), (512, 4096, 0, 1, 0, 1, 1, 0, 1),
+                          (512, 4096, 1, 1, 0, 0, 1, 0, 0)]}
 
 
 def _load(path: Path):
@@ -190,6 +188,12 @@ def main() -> None:
             variants[f"ring t{t} c{chunk_}"] = lambda g=grid_of(1), t=t, c=chunk_: \
                 rows_variants.softmax_ring[(g,)](x, y, m, n, g, BLOCK=block, CHUNK=c, THREADS=t,
                                                  ALIGN=16)
+        for t, chunk_, per_sm, cap in SOFTMAX_TMA.get(n, []):
+            variants[f"tma t{t} c{chunk_} x{per_sm}" + (f" r{cap}" if cap else "")] = (
+                lambda g=grid_of(per_sm), t=t, c=chunk_, cap=cap:
+                rows_variants.softmax_tma[(g,)](x, x.view(-1, 256), y, m, n, g, BLOCK=block,
+                                                CHUNK=c, THREADS=t,
+                                                **({"maxnreg": cap} if cap else {})))
         t_grid = (min(m, sms * 4),)
         variants["triton"] = lambda: t_softmax[t_grid](y, x, x.stride(0), y.stride(0), m, n,
                                                        BLOCK=block,
@@ -226,14 +230,16 @@ def main() -> None:
                 lambda g=grid_of(1), t=t, a=ahead: rows_variants.layernorm_stream_wb[(g,)](
                     x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk,
                     THREADS=t, ALIGN=16, AHEAD=a))
-        for t, chunk_, one, per_sm, cap, wbs, ahead, k in LAYERNORM_RING.get(n, []):
+        for t, chunk_, one, per_sm, cap, wbs, ahead, k, tma in LAYERNORM_RING.get(n, []):
             variants[f"ring t{t} c{chunk_} x{per_sm}" + (" 1pass" if one else "")
                      + (f" r{cap}" if cap else "") + (f" wbs{wbs}" if wbs else "")
-                     + (f" a{ahead}" if ahead > 1 else "") + (f" k{k}" if k else "")] = (
+                     + (f" a{ahead}" if ahead > 1 else "") + (f" k{k}" if k else "")
+                     + (" tma" if tma else "")] = (
                 lambda g=grid_of(per_sm), t=t, c=chunk_, one=one, cap=cap, wbs=wbs, a=ahead,
-                k=k: rows_variants.layernorm_ring[(g,)](
-                    x, w.view(1, n), b.view(1, n), y, mean, rstd, m, n, g, 1e-5, BLOCK=block,
-                    CHUNK=c, THREADS=t, ALIGN=16, ONEPASS=one, WBS=wbs, AHEAD=a, WBK=k or 2,
+                k=k, tma=tma: rows_variants.layernorm_ring[(g,)](
+                    x, x.view(-1, 256) if tma else x, w.view(1, n), b.view(1, n), y, mean,
+                    rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=c, THREADS=t, ALIGN=16,
+                    ONEPASS=one, WBS=wbs, AHEAD=a, WBK=k or 2, TMA=tma,
                     **({"maxnreg": cap} if cap else {})))
         ln_block = min(65536 // 4, block)
         variants["triton"] = lambda: t_layernorm[(m,)](
