@@ -8,8 +8,16 @@
   splits each row over a thread-block cluster (``kiln.reduce(..., cluster=True)``).
 - ``layernorm_stream_wb``: the tutorial's streamed kernel with ``w``/``b`` of ``AHEAD`` tiles
   loaded before the stores of the tiles before them (a tile's loads no longer wait for the
-  previous tile's stores, which they may alias). With ``AHEAD = 1`` it is now the tutorial's
-  streamed path (the same PTX).
+  previous tile's stores, which they may alias). With ``AHEAD = 1`` it was the tutorials'
+  streamed path before ``kiln.load(via=, refill=)``.
+- ``layernorm_ring``: the tutorial's streamed layer norm (rows through shared tiles, each
+  refilled with the next row's once read) with one-pass statistics (``ONEPASS``), ``w``/``b``
+  in shared memory (``WBS`` 1), only their first tile (``WBS`` 2: a probe of what their L2
+  traffic costs), through a ring of shared tiles (``WBS`` 3), ``AHEAD`` tiles ahead, or the
+  row copied by TMA boxes (``TMA``, as ``softmax_tma``).
+- ``softmax_tma``: the streamed softmax with each piece of a row copied by one TMA box of ``x``
+  viewed as ``(m * n / 256, 256)``: one instruction of one thread a piece, no cp.async
+  request slots.
 
 Measured on an H200 (2^24-element float32 matrices, GB/s with the tutorials of the same run;
 three batches): the register prefetch was slower than the tutorials at 4k and 8k columns
@@ -23,6 +31,14 @@ were slower again, even with the next row in flight during the exchanges: softma
 2643-2723 against 3381-3395 (2 or 4 CTAs), layer norm 32k 1417-2775 against 3110-3116
 (``stream_wb``), softmax 16k 2899 over pairs of CTAs. ``stream_wb`` with ``AHEAD = 1``: layer
 norm 1024 x 16384 3308 / 3344 against 3087 / 3123, 512 x 32768 3116 / 3110 against 2770 / 2813.
+
+Session 37 (batch 1, copy 4211 GB/s): the per-tile refill (one barrier a tile, the next row's
+copies issued as this row's tiles are read) level with one shared tile a row: softmax 32k
+3355 against 3392, layer norm 32k 3130 / 3122, 16k 3341 / 3332; layer norm one-pass +0 / +1.4%
+(32k / 16k), ``w``/``b`` in shared at 16k +2.6%, the ``WBS`` 2 probe +1.5% / +1.6% (their L2
+traffic is not what bounds it), ``AHEAD`` 2-3 and the ``w``/``b`` ring slower (spills, one tile
+in flight); 2048-column tiles, 1024 threads, two blocks an SM at 64 registers all slower. ncu
+at 32k: DRAM 57-64% busy, L2 76-81%, 12-17 cycles a warp per issued instruction.
 
 Usage: ``python bench/tutorials_rows.py`` (it imports this module).
 """
@@ -155,45 +171,6 @@ def layernorm_stream_wb(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Ten
         if kiln.thread_id(0) == 0:
             mean_out[row] = mean.item()
             rstd_out[row] = rstd.item()
-
-
-@kiln.kernel(num_threads="THREADS")
-def softmax_ring(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32, grid: i32,
-                 BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
-                 ALIGN: kiln.constexpr):
-    """The tutorial's streamed softmax written out (no ``kiln.load(via=, refill=)``), every
-    tile masked at ``m`` and a unit-step loop: 0 bytes spilled at 32768 columns where the
-    tutorial spills 8 (ptxas's choice)."""
-    parts = BLOCK // CHUNK
-    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
-    row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
-
-    def tiles(t, row):
-        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), row_end=m, col_end=n,
-                                align=ALIGN, col_multiple=ALIGN // 4) for c in range(parts)]
-
-    for c, first in enumerate(tiles(x, kiln.block_id(0))):
-        kiln.copy(first, row_s[c])
-    for i in kiln.range(0, (m - kiln.block_id(0) + grid - 1) // grid):   # step 1: counted
-        row = kiln.block_id(0) + i * grid
-        here, ahead = tiles(x, row), tiles(x, row + grid)
-        ts = []
-        for c in range(parts):
-            kiln.barrier()   # chunk c arrived; every thread has read chunk c - 1
-            if c:
-                kiln.copy(ahead[c - 1], row_s[c - 1])
-            ts.append(kiln.where(kiln.tiles.mask(here[c], tv), kiln.load(row_s[c], tv),
-                                 -float("inf")))
-        kiln.barrier()
-        kiln.copy(ahead[parts - 1], row_s[parts - 1])
-        top = ts[0]
-        for t in ts[1:]:
-            top = kiln.maximum(top, t)
-        mx = kiln.reduce(top, "max", axis=1)
-        ps = [kiln.exp(t - mx) for t in ts]
-        inv = kiln.rcp(kiln.reduce(sum(ps[1:], ps[0]), "sum", axis=1))
-        for p, g in zip(ps, tiles(y, row)):
-            kiln.copy(p * inv, g)
 
 
 @kiln.kernel(num_threads="THREADS")

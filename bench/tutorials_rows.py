@@ -50,8 +50,6 @@ LAYERNORM_DIRECT: dict[int, list] = {}
 LAYERNORM_PREFETCH: dict[int, list] = {}
 # (threads, tiles ahead) of the streamed layer norm with w/b loaded ahead
 LAYERNORM_STREAM_WB: dict[int, list] = {}
-# (threads, chunk columns) of rows_variants.softmax_ring
-SOFTMAX_RING: dict[int, list] = {}
 # (threads, chunk columns, blocks per SM, register cap or 0) of rows_variants.softmax_tma
 SOFTMAX_TMA = {32768: [(512, 4096, 1, 0)], 16384: [(512, 4096, 1, 0), (512, 4096, 2, 64)]}
 # (threads, chunk columns, blocks per SM, register cap or 0) of the layer-norm tutorial's
@@ -184,10 +182,6 @@ def main() -> None:
             variants[f"prefetch t{t} x{per_sm} s{s} d{d}"] = launcher(
                 rows_variants.softmax_prefetch, per_sm, s, lambda g: (x, y, m, n, g),
                 dict(BLOCK=block, THREADS=t, ALIGN=16, SPLIT=s, DEPTH=d))
-        for t, chunk_ in SOFTMAX_RING.get(n, []):
-            variants[f"ring t{t} c{chunk_}"] = lambda g=grid_of(1), t=t, c=chunk_: \
-                rows_variants.softmax_ring[(g,)](x, y, m, n, g, BLOCK=block, CHUNK=c, THREADS=t,
-                                                 ALIGN=16)
         for t, chunk_, per_sm, cap in SOFTMAX_TMA.get(n, []):
             variants[f"tma t{t} c{chunk_} x{per_sm}" + (f" r{cap}" if cap else "")] = (
                 lambda g=grid_of(per_sm), t=t, c=chunk_, cap=cap:
