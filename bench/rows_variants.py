@@ -38,7 +38,14 @@ copies issued as this row's tiles are read) level with one shared tile a row: so
 (32k / 16k), ``w``/``b`` in shared at 16k +2.6%, the ``WBS`` 2 probe +1.5% / +1.6% (their L2
 traffic is not what bounds it), ``AHEAD`` 2-3 and the ``w``/``b`` ring slower (spills, one tile
 in flight); 2048-column tiles, 1024 threads, two blocks an SM at 64 registers all slower. ncu
-at 32k: DRAM 57-64% busy, L2 76-81%, 12-17 cycles a warp per issued instruction.
+at 32k: DRAM 57-64% busy, L2 76-81%, 12-17 cycles a warp per issued instruction. Batch 2
+(copy 4193): the refill again level or under (softmax 32k 3332 against 3394: the softmax
+tutorial keeps one shared tile a row; layer norm 32k 3108 / 3130, 16k 3364 / 3322: its
+tutorial takes the shorter ``kiln.load(via=, refill=)``); rows copied by TMA boxes no faster
+(softmax 32k 3361, 16k 3427 / 3501 at 1 / 2 blocks an SM against 3579 a block a row; layer norm
+32k 3091, 16k 3135, 3367 with ``w``/``b`` in shared), ncu the same DRAM share (60%): neither
+the copy instruction nor the bytes in flight bound these rows. One-pass statistics +2.0% at
+16k in both batches (3388 / 3388 against 3332 / 3322), level at 32k.
 
 Usage: ``python bench/tutorials_rows.py`` (it imports this module).
 """
@@ -280,7 +287,8 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], w: kiln.Tens
 def softmax_tma(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2],
                 m: i32, n: i32, grid: i32, BLOCK: kiln.constexpr, CHUNK: kiln.constexpr,
                 THREADS: kiln.constexpr):
-    """softmax_ring with each CHUNK-column piece of a row copied by one TMA box: ``xv`` is
+    """The streamed softmax with the row as CHUNK-column shared tiles, each refilled with the
+    next row's once every thread has read it, each piece copied by one TMA box: ``xv`` is
     ``x`` viewed as ``(m * n / 256, 256)`` (``n % 256 == 0``), so a piece is a
     ``(CHUNK / 256, 256)`` box of it (one instruction of one thread, no registers, no L1
     request slots), read back as a ``1 x CHUNK`` row (a second view of the same buffer)."""

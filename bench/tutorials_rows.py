@@ -1,7 +1,8 @@
 """Long-row A/B of the softmax and layer-norm tutorials at 4k-32k float32 columns, one run:
 the tutorials as shipped (``config``); the tutorials' kernels at other launches (``stream tT
-cC xK rR``: rows streamed through shared tiles of C columns over a persistent grid of K blocks
-of T threads an SM, registers capped at R; ``direct tT rR``: a block a row); the variants of
+[cC] xK rR``: rows streamed through shared memory over a persistent grid of K blocks of T
+threads an SM (layer norm: tiles of C columns), registers capped at R; ``direct tT rR``: a
+block a row); the variants of
 bench/rows_variants.py (``prefetch tT xK sS dD``: register rows over a persistent grid, S CTAs
 a row, D - 1 rows' loads in flight; layer norm ``ring ... 1pass`` / ``wbs1`` / ``wbs2``: the
 streamed kernel with one-pass statistics / ``w`` and ``b`` in shared memory / their first
@@ -38,8 +39,7 @@ import rows_variants  # noqa: E402
 
 # (threads, blocks per SM, CTAs a row, rows in flight + 1) of the register-prefetch softmax
 SOFTMAX_PREFETCH: dict[int, list] = {}
-# (threads, chunk columns, blocks per SM, register cap or 0) of the softmax tutorial's
-# streamed kernel (each chunk's shared tile refilled with the next row's once read)
+# (threads, blocks per SM, register cap or 0) of the softmax tutorial's streamed kernel
 SOFTMAX_STREAM: dict[int, list] = {}
 # (threads, register cap) of the softmax tutorial's one-shot kernel, a block a row
 SOFTMAX_DIRECT: dict[int, list] = {}
@@ -167,17 +167,16 @@ def main() -> None:
         variants = {"config": lambda: fused_softmax.softmax(x, y)}
         for label, c in candidates.items():
             variants[label] = lambda c=c: c["fused_softmax"].softmax(x, y)
-        for t, chunk_, per_sm, cap in SOFTMAX_STREAM.get(n, []):
-            variants[f"stream t{t} c{chunk_} x{per_sm}" + (f" r{cap}" if cap else "")] = (
-                lambda g=grid_of(per_sm), t=t, c=chunk_, cap=cap:
-                fused_softmax.softmax_kernel[(g,)](x, y, m, n, g, BLOCK=block, CHUNK=c,
-                                                   THREADS=t, ALIGN=16, STREAM=True,
+        for t, per_sm, cap in SOFTMAX_STREAM.get(n, []):
+            variants[f"stream t{t} x{per_sm}" + (f" r{cap}" if cap else "")] = (
+                lambda g=grid_of(per_sm), t=t, cap=cap:
+                fused_softmax.softmax_kernel[(g,)](x, y, m, n, g, BLOCK=block, THREADS=t,
+                                                   ALIGN=16, STREAM=True,
                                                    **({"maxnreg": cap} if cap else {})))
         for t, cap in SOFTMAX_DIRECT.get(n, []):
             variants[f"direct t{t} r{cap}"] = lambda t=t, cap=cap: \
-                fused_softmax.softmax_kernel[(m,)](x, y, m, n, m, BLOCK=block, CHUNK=block,
-                                                   THREADS=t, ALIGN=16, STREAM=False,
-                                                   maxnreg=cap)
+                fused_softmax.softmax_kernel[(m,)](x, y, m, n, m, BLOCK=block, THREADS=t,
+                                                   ALIGN=16, STREAM=False, maxnreg=cap)
         for t, per_sm, s, d in SOFTMAX_PREFETCH.get(n, []):
             variants[f"prefetch t{t} x{per_sm} s{s} d{d}"] = launcher(
                 rows_variants.softmax_prefetch, per_sm, s, lambda g: (x, y, m, n, g),

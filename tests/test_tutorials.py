@@ -55,8 +55,7 @@ def test_softmax_and_layernorm_kernels_either_way(target, stream, shape):
     x = rng.standard_normal(shape).astype(np.float32) * 3 + 1
     y = np.full_like(x, np.nan)
     align = 16 if n % 4 == 0 else 4
-    fused_softmax.softmax_kernel.interpret[(2,)](x, y, m, n, 2, BLOCK=1024,
-                                                 CHUNK=512 if stream else 1024, THREADS=128,
+    fused_softmax.softmax_kernel.interpret[(2,)](x, y, m, n, 2, BLOCK=1024, THREADS=128,
                                                  ALIGN=align, STREAM=stream, target=target)
     np.testing.assert_allclose(y, fused_softmax.reference(x), rtol=1e-5, atol=1e-7)
     w, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
@@ -273,9 +272,8 @@ def _compile(name, n, target):
     module = fused_softmax if name == "softmax" else layernorm
     block, threads, _, stream = module.config(n)
     if name == "softmax":
-        return module.softmax_kernel.compile(
-            x2, x2, 2, n, 1, BLOCK=block, CHUNK=min(block, module.STREAM_CHUNK) if stream
-            else block, THREADS=threads, ALIGN=16, STREAM=stream, target=target)
+        return module.softmax_kernel.compile(x2, x2, 2, n, 1, BLOCK=block, THREADS=threads,
+                                             ALIGN=16, STREAM=stream, target=target)
     return module.layernorm_kernel.compile(x2, x1, x1, x2, x1, x1, 2, n, 1, 1e-5, BLOCK=block,
                                            CHUNK=min(block, 4096), THREADS=threads, ALIGN=16,
                                            STREAM=stream, target=target)
@@ -319,7 +317,7 @@ def test_softmax_rows_of_16k_columns_fit_two_blocks_an_sm_on_nvidia():
     64 registers (two blocks in an SM's 64k), few bytes spilled."""
     x = np.zeros((2, 16384), np.float32)
     ck = fused_softmax.softmax_kernel.compile(
-        x, x, 2, 16384, 2, BLOCK=16384, CHUNK=16384, THREADS=512, ALIGN=16, STREAM=False,
+        x, x, 2, 16384, 2, BLOCK=16384, THREADS=512, ALIGN=16, STREAM=False,
         maxnreg=fused_softmax.MAX_REGISTERS[16384], target="sm_90a")
     assert fused_softmax.config(16384) == (16384, 512, 1, False)
     assert 2 * 512 * ck.metadata["registers"] <= 65536 and ck.metadata["spill_bytes"] <= 64

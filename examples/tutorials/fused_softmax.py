@@ -29,8 +29,6 @@ Run: ``python examples/tutorials/fused_softmax.py``.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 import kiln
@@ -41,29 +39,30 @@ from kiln.runtime.cuda import cuda_available, driver
 
 @kiln.kernel(num_threads="THREADS")
 def softmax_kernel(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32, grid: i32,
-                   BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
-                   ALIGN: kiln.constexpr, STREAM: kiln.constexpr):
-    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
-    row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(BLOCK // CHUNK)] if STREAM else []
+                   BLOCK: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr,
+                   STREAM: kiln.constexpr):
+    tv = kiln.layout.blocked((1, BLOCK), THREADS, vec=4)
+    row_s = kiln.SharedTile((1, BLOCK), f32) if STREAM else None
 
-    def row_tiles(t, row, fill=0.0, row_end=None):   # row ``row`` of ``t``, CHUNK columns a tile
-        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), row_end=row_end, col_end=n,
-                                fill=fill, align=ALIGN, col_multiple=ALIGN // 4)
-                for c in range(BLOCK // CHUNK)]
+    def row_tile(t, row, fill=0.0):
+        return kiln.GlobalTile(t, (1, BLOCK), (row, 0), col_end=n, fill=fill, align=ALIGN,
+                               col_multiple=ALIGN // 4)
 
-    for s, first in zip(row_s, row_tiles(x, kiln.block_id(0), row_end=m)):   # cp.async / DMA
-        kiln.copy(first, s)
+    if STREAM:
+        kiln.copy(row_tile(x, kiln.block_id(0)), row_s)
     for row in kiln.range(kiln.block_id(0), m, grid):
-        if STREAM:   # read through row_s, each tile refilled with the next row's once read
-            ts = kiln.load(row_tiles(x, row, -float("inf")), tv, via=row_s,
-                           refill=row_tiles(x, row + grid, row_end=m))
+        if STREAM:   # the row arrived in shared memory while the previous one was reduced
+            kiln.barrier()
+            t = kiln.where(kiln.tiles.mask(row_tile(x, row), tv), kiln.load(row_s, tv),
+                           -float("inf"))
+            kiln.barrier()   # every thread holds its part: copy the next row (cp.async / DMA)
+            if row + grid < m:
+                kiln.copy(row_tile(x, row + grid), row_s)
         else:   # columns past n read as -inf: the max keeps, exp adds 0
-            ts = [kiln.load(g, tv) for g in row_tiles(x, row, -float("inf"))]
-        mx = kiln.reduce(functools.reduce(kiln.maximum, ts), "max", axis=1)
-        ps = [kiln.exp(t - mx) for t in ts]
-        inv = kiln.rcp(kiln.reduce(sum(ps[1:], ps[0]), "sum", axis=1))
-        for p, g in zip(ps, row_tiles(y, row)):
-            kiln.copy(p * inv, g)
+            t = kiln.load(row_tile(x, row, -float("inf")), tv)
+        p = kiln.exp(t - kiln.reduce(t, "max", axis=1))
+        p = p * kiln.rcp(kiln.reduce(p, "sum", axis=1))
+        kiln.copy(p, row_tile(y, row))
 
 
 # rows from this many columns stream through shared memory (STREAM), blocks per SM of that
@@ -72,8 +71,6 @@ def softmax_kernel(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i3
 STREAM_FROM = 32768
 BLOCKS_PER_SM = {32768: 1}
 MAX_REGISTERS = {16384: 64}
-# columns of each piece of a streamed row (16 KB: one barrier and one refill each)
-STREAM_CHUNK = 4096
 
 
 def alignment(n: int, *arrays) -> int:
@@ -106,8 +103,8 @@ def softmax(x, y, *, backend: str = "gpu", target: str | None = None):
     if backend == "gpu" and block in MAX_REGISTERS and (target or default_target()) \
             .startswith("sm_"):
         extra["maxnreg"] = MAX_REGISTERS[block]
-    launch(x, y, m, n, grid, BLOCK=block, CHUNK=min(block, STREAM_CHUNK) if stream else block,
-           THREADS=threads, ALIGN=alignment(n, x, y), STREAM=stream, **extra)
+    launch(x, y, m, n, grid, BLOCK=block, THREADS=threads, ALIGN=alignment(n, x, y),
+           STREAM=stream, **extra)
     return y
 
 
