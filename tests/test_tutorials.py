@@ -333,10 +333,11 @@ def test_streamed_layernorm_loads_the_next_tiles_weights_before_a_store():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(64, 1000), (37, 1531), (700, 4096), (300, 32768)])
+@pytest.mark.parametrize("shape", [(64, 1000), (37, 1531), (700, 4096), (300, 32768),
+                                   (150, 20001)])
 def test_tutorials_on_gpu(shape):
     """Rows not a multiple of 4 (4-byte copies), and more rows than the persistent grid has
-    blocks (each block streams several)."""
+    blocks (each block streams several; 20001 columns: streamed rows past their end)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device for torch")
