@@ -134,30 +134,6 @@ def load(src: GlobalTile | SharedTile | list, layout: ThreadValueLayout, *,
     return RegTile([_pieces(src, layout, width)], layout, (1, 1))
 
 
-def _load_pieces(tiles: list, layout: ThreadValueLayout, refill: list | None) -> list[RegTile]:
-    """``load`` of a list of SharedTiles, each refilled from ``refill`` once read."""
-    if not tiles or not all(isinstance(t, SharedTile) for t in tiles):
-        raise KilnTypeError("kiln.load of a list reads SharedTiles, got "
-                            f"[{', '.join(type(t).__name__ for t in tiles)}]",
-                            fix="pass SharedTiles (a row's pieces), or load GlobalTiles one by one")
-    if refill is None:
-        return [load(t, layout) for t in tiles]
-    if not isinstance(refill, (list, tuple)) or len(refill) != len(tiles) \
-            or not all(isinstance(g, GlobalTile) for g in refill):
-        raise KilnValueError(f"kiln.load(refill=...) needs a GlobalTile for each of the "
-                             f"{len(tiles)} SharedTiles, got {refill!r}"[:300],
-                             fix="pass a list of GlobalTiles as long as the SharedTiles' list")
-    out = []
-    for k, tile in enumerate(tiles):
-        ops.barrier()   # piece k landed for every thread (the wait goes before); k - 1 is read
-        if k:
-            copy(refill[k - 1], tiles[k - 1])
-        out.append(load(tile, layout))
-    ops.barrier()
-    copy(refill[-1], tiles[-1])
-    return out
-
-
 def _load_via(src: Any, layout: ThreadValueLayout, via: Any, refill: list | None) -> Any:
     """``load(src, layout, via=..., refill=...)`` (see :func:`load`)."""
     many = isinstance(src, (list, tuple))
