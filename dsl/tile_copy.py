@@ -31,6 +31,11 @@ the shared tile (a
 ``kiln.barrier()`` is still needed before reading what other threads copied, as with a
 synchronous copy).
 
+``kiln.load(tiles, layout, via=shared_tiles, refill=next_tiles)`` reads GlobalTiles (a row in
+pieces) from the SharedTiles an earlier copy filled and refills each with the next row's piece
+once every thread has read it (a barrier a piece; the waits placed as above): a persistent
+block streams its rows with no barrier or wait of its own (docs/tiles.md).
+
 A register tile is a :class:`~kiln.reg_tile.RegTile` of one fragment held by the block's
 threads ``0 .. layout.num_threads - 1`` (thread ``t`` holds ``layout(t % num_threads, v)``),
 usually with a :func:`kiln.layout.blocked` layout.
