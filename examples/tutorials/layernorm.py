@@ -18,8 +18,8 @@ through shared tiles over a persistent grid: ``kiln.load(tiles, tv, via=row_s, r
 reads the row from the shared tiles and refills each with the next row's tile (``kiln.copy``:
 ``cp.async`` / buffer -> LDS DMA; masked past ``m``) as soon as every thread has read it, so
 the next row is copied while this one is normalised, with no barrier or wait in the kernel
-(on an H200, level with one barrier pair a row: 3364 / 3108 GB/s at 16k / 32k columns against
-3322 / 3130, and 6 lines shorter). Every row reads all of ``w`` and ``b``
+(on an H200, level with one barrier pair a row, three runs: +0.3 / +1.3 / +1.0% at 16k
+columns, +0.3 / -0.7 / +1.1% at 32k; 6 lines shorter). Every row reads all of ``w`` and ``b``
 (from L2): a streamed row loads tile ``c + 1``'s before it stores tile ``c``, since a load
 after a store it may alias waits for that store; one L2 round trip a tile then overlaps the
 previous tile's work (on an H200, 1024 x 16384: 0.81 instead of 0.76 of copy bandwidth,
