@@ -133,6 +133,94 @@ def loops_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Tenso
                                                         row_end=start + length, align=ALIGN))
 
 
+@kiln.kernel(num_threads="THREADS", flush_denormals=True)
+def pingpong_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Tensor[bf16, 2],
+                    o: kiln.Tensor[bf16, 2], cu_seqlens: kiln.Tensor[i32], qk_scale: f32,
+                    D: kiln.constexpr, BM: kiln.constexpr, BN: kiln.constexpr,
+                    STAGES: kiln.constexpr, THREADS: kiln.constexpr, CAUSAL: kiln.constexpr,
+                    ALIGN: kiln.constexpr, PP: kiln.constexpr):
+    """No block barrier a step (sm_90a, TMA, 3+ stages): each K/V tile handed back by its empty
+    mbarrier (every thread arrives once the group that read it retired), thread 0 refilling at
+    the end of a step; ``PP``: the two warpgroups take turns issuing their GEMMs (named
+    barriers 1 and 2), so one's softmax runs beside the other's GEMMs."""
+    from kiln import tile_tma
+    col0 = kiln.block_id(1) * D
+    start = cu_seqlens[kiln.block_id(2)]
+    length = cu_seqlens[kiln.block_id(2) + 1] - start
+    tile, tiles = kiln.block_id(0), (length + BM - 1) // BM
+    if CAUSAL:
+        tile = kiln.where(tile < tiles, tiles - 1 - tile, tile)
+    row0 = tile * BM
+    q_s = kiln.tiles.operand_tile((BM, D), bf16, "a")
+    k_s = [kiln.tiles.operand_tile((BN, D), bf16, "a") for _ in range(STAGES)]
+    v_s = [kiln.tiles.operand_tile((BN, D), bf16, "b") for _ in range(STAGES)]
+
+    def rows(t, n, r0):
+        return kiln.GlobalTile(t, (n, D), (start + r0, col0), row_end=t.shape[0], align=ALIGN)
+
+    kiln.copy(kiln.GlobalTile(q, (BM, D), (start + row0, col0), row_end=start + length,
+                              align=ALIGN), q_s)
+    kiln.copy(rows(v, BN, length), v_s[-1])          # V_-1
+    for i in range(STAGES - 1):                       # K_0..K_S-2, V_0..V_S-3
+        kiln.copy(rows(k, BN, i * BN), k_s[i])
+        if i < STAGES - 2:
+            kiln.copy(rows(v, BN, i * BN), v_s[i])
+    for t in k_s + v_s:
+        tile_tma._empty(t)
+    kiln.barrier()                                    # Q (cp.async) landed
+    s0 = kiln.accumulator(q_s, k_s[0].T, warps="rows")
+    p = kiln.cast(s0, bf16)
+    acc = kiln.accumulator(p, v_s[-1], warps="rows")
+    m = kiln.tiles.TileVector.full(s0.layout, -INF)
+    l = kiln.tiles.TileVector.full(s0.layout, 0.0)
+    alpha = kiln.tiles.TileVector.full(s0.layout, 1.0)
+    end = length
+    full = length // BN * BN
+    if CAUSAL:
+        end = kiln.min(length, row0 + BM)
+        full = kiln.min(full, (row0 + 1) // BN * BN)
+    end = kiln.where(row0 < length, end, 0)
+    full = kiln.max(kiln.min(full, end) // (STAGES * BN), 0)
+    last = kiln.max((end + STAGES * BN - 1) // (STAGES * BN), full)
+    wg = kiln.thread_id(0) // 128
+    if PP:
+        if wg == 1:
+            kiln.nvidia_asm.named_barrier_arrive(1, 256)   # warpgroup 0 issues first
+
+    def step(kv0, st, p, alpha, acc, m, l, masked):
+        if PP:
+            kiln.nvidia_asm.named_barrier(1 + wg, 256)
+        s = kiln.gemm(q_s, k_s[st].T, s0)
+        acc = kiln.gemm(p, v_s[(st + STAGES - 1) % STAGES], acc * alpha)
+        if PP:
+            kiln.nvidia_asm.named_barrier_arrive(2 - wg, 256)
+        if masked:
+            s = _mask(s, kv0, row0, length, CAUSAL)
+        p, alpha, m, l = _softmax(s, m, l, qk_scale)
+        # S_j and P_j-2 V_j-2 retired (P_j-1 V_j-1 may fly): hand K_j and V_j-2 back
+        tile_tma.release([k_s[st]])
+        tile_tma.release([v_s[(st + STAGES - 2) % STAGES]], kv0 > 0 if st == 0 else None)
+        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[(st + STAGES - 1) % STAGES])
+        kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[(st + STAGES - 2) % STAGES])
+        return p, alpha, acc, m, l
+
+    def steps(kv0, p, alpha, acc, m, l, masked):
+        for st in range(STAGES):
+            p, alpha, acc, m, l = step(kv0 + st * BN, st, p, alpha, acc, m, l, masked)
+        return p, alpha, acc, m, l
+
+    for g in kiln.range(0, full):
+        p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, False)
+    for g in kiln.range(full, last):
+        p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, True)
+    if PP:
+        if wg == 0:
+            kiln.nvidia_asm.named_barrier(1, 256)          # warpgroup 1's last hand-over
+    acc = kiln.gemm(p, v_s[STAGES - 1], acc * alpha)
+    kiln.copy(kiln.cast(acc / l, bf16), kiln.GlobalTile(o, (BM, D), (start + row0, col0),
+                                                        row_end=start + length, align=ALIGN))
+
+
 # name -> (kernel, (BM, BN, warps, stages), extra constexprs); kernel None is the tutorial's own
 # (block None: its default blocks)
 VARIANTS = {
@@ -146,6 +234,12 @@ VARIANTS = {
     "tma_64x3": (loops_kernel, (128, 64, 8, 3), {"TMA": True}),
     "tma_m64": (loops_kernel, (64, 64, 4, 2), {"TMA": True}),
     "tma_m64x3": (loops_kernel, (64, 64, 4, 3), {"TMA": True}),
+    "tma_m64n96": (loops_kernel, (64, 96, 4, 2), {"TMA": True}),
+    "tutorial_m64n96": (None, (64, 96, 4, 2), {}),
+    "free_128x3": (pingpong_kernel, (128, 128, 8, 3), {"PP": False}),
+    "pp_128x3": (pingpong_kernel, (128, 128, 8, 3), {"PP": True}),
+    "pp_96x3": (pingpong_kernel, (128, 96, 8, 3), {"PP": True}),
+    "pp_64x4": (pingpong_kernel, (128, 64, 8, 4), {"PP": True}),
 }
 
 
@@ -213,7 +307,7 @@ def main() -> None:
                         help="the masks to time, in this order")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", action="store_true",
-                        help="one launch of each variant, no peers or checks (under ncu)")
+                        help="one launch of each variant, then of prefill; no checks (ncu)")
     parser.add_argument("--sass", type=Path, help="write each variant's SASS here and stop")
     parser.add_argument("--precompile", type=int, default=0, metavar="N",
                         help="compile every variant of each shape in N threads first")
@@ -248,6 +342,8 @@ def main() -> None:
                 if key in built:
                     built[key].result()
                 launcher(spec)()
+            for causal in causals:   # Kiln's prefill last (ncu -c counts the variants first)
+                prefill(q4, k4, v4, causal=causal, scale=scale)
             torch.cuda.synchronize()
             continue
         peers = {}
