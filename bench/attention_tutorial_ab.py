@@ -2,19 +2,19 @@
 examples/tutorials/attention.py's kernel) against Triton's tutorial attention and Kiln's
 ``prefill``, one run, bf16 ``[B, S, H, 128]``.
 
-``tutorial``: the tutorial's kernel at its default blocks; ``tutorial_*`` the same kernel at
-other blocks. The others run ``loops_kernel``, a copy of the tutorial's design (an unmasked
-loop over groups of ``STAGES`` key tiles, then the masked ragged/diagonal group, a block
-barrier a step) declared ``flush_denormals=True`` (exp2 one ``MUFU.EX2``); ``TMA`` keeps K and
-V masked at the tensors' own extents, so ``kiln.copy`` moves them by TMA on sm_90a (else at the
-sequence's end: ``cp.async``, as the tutorial did before).
+``tutorial``: the tutorial's kernel at its default blocks (K/V handed back by ``kiln.release``,
+refilled at the end of a step, no block barrier a step; the two warpgroups take turns issuing
+their GEMMs, ``kiln.Turns``); ``tutorial_*`` the same kernel at other blocks. ``release_kernel``
+is that design with (``turns_*``) or without (``free_*``) the turns. ``loops_kernel`` is the
+tutorial's earlier design (a block barrier a step, K/V refilled at its start, 2 stages:
+``tma_*``; ``cp_*`` moves K/V by ``cp.async``, masked at the sequence's end). All are declared
+``flush_denormals=True`` (exp2 one ``MUFU.EX2``).
 
 Measured on an H200 (one run, 4 x 4096 x 16 x 128, non-causal; Triton 493, ``prefill`` 733
-TFLOP/s; ``loops_kernel`` without ``flush_denormals`` then): the tutorial (TMA, 128 x 64) 462;
-``cp_64x2`` 431; ``tma_128x2`` 535 (1.09 of Triton, 0.73 of ``prefill``); ``tma_64x3`` 447.
-The causal half did not run within that batch's time limit; a later 25 s batch that
-precompiled four kernels in threads printed nothing (Kiln's trace lock held the peers' own
-compiles back): give ``--precompile`` runs a minute. A single ``kiln.pipeline`` over every key
+TFLOP/s; ``loops_kernel`` without ``flush_denormals`` then): the tutorial then (TMA, 128 x 64)
+462; ``cp_64x2`` 431; ``tma_128x2`` 535 (1.09 of Triton, 0.73 of ``prefill``); ``tma_64x3``
+447. A run cut short keeps whole variants: give ``--precompile`` runs a minute (Kiln traces one
+kernel at a time, the peers' compiles included). A single ``kiln.pipeline`` over every key
 tile (each step masked, ``handoff=True`` or not) compiled to serialised WGMMAs (ptxas: "non
 wgmma instructions reading accumulator registers", the P V group kept in flight across the
 loop's back edge), so it is not here.
@@ -26,6 +26,7 @@ Run: ``python bench/attention_tutorial_ab.py [--seqs 4096] [--repeat 5] [--varia
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import sys
@@ -134,16 +135,13 @@ def loops_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Tenso
 
 
 @kiln.kernel(num_threads="THREADS", flush_denormals=True)
-def pingpong_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Tensor[bf16, 2],
-                    o: kiln.Tensor[bf16, 2], cu_seqlens: kiln.Tensor[i32], qk_scale: f32,
-                    D: kiln.constexpr, BM: kiln.constexpr, BN: kiln.constexpr,
-                    STAGES: kiln.constexpr, THREADS: kiln.constexpr, CAUSAL: kiln.constexpr,
-                    ALIGN: kiln.constexpr, PP: kiln.constexpr):
-    """No block barrier a step (sm_90a, TMA, 3+ stages): each K/V tile handed back by its empty
-    mbarrier (every thread arrives once the group that read it retired), thread 0 refilling at
-    the end of a step; ``PP``: the two warpgroups take turns issuing their GEMMs (named
-    barriers 1 and 2), so one's softmax runs beside the other's GEMMs."""
-    from kiln import tile_tma
+def release_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Tensor[bf16, 2],
+                   o: kiln.Tensor[bf16, 2], cu_seqlens: kiln.Tensor[i32], qk_scale: f32,
+                   D: kiln.constexpr, BM: kiln.constexpr, BN: kiln.constexpr,
+                   STAGES: kiln.constexpr, THREADS: kiln.constexpr, CAUSAL: kiln.constexpr,
+                   ALIGN: kiln.constexpr, TURNS: kiln.constexpr):
+    """The tutorial's design (K/V handed back by ``kiln.release``, refilled at the end of a
+    step, no block barrier a step), with ``kiln.Turns`` (``TURNS``) or without."""
     col0 = kiln.block_id(1) * D
     start = cu_seqlens[kiln.block_id(2)]
     length = cu_seqlens[kiln.block_id(2) + 1] - start
@@ -160,14 +158,12 @@ def pingpong_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Te
 
     kiln.copy(kiln.GlobalTile(q, (BM, D), (start + row0, col0), row_end=start + length,
                               align=ALIGN), q_s)
-    kiln.copy(rows(v, BN, length), v_s[-1])          # V_-1
-    for i in range(STAGES - 1):                       # K_0..K_S-2, V_0..V_S-3
+    kiln.copy(rows(v, BN, length), v_s[-1])
+    for i in range(STAGES - 1):
         kiln.copy(rows(k, BN, i * BN), k_s[i])
         if i < STAGES - 2:
             kiln.copy(rows(v, BN, i * BN), v_s[i])
-    for t in k_s + v_s:
-        tile_tma._empty(t)
-    kiln.barrier()                                    # Q (cp.async) landed
+    kiln.barrier()
     s0 = kiln.accumulator(q_s, k_s[0].T, warps="rows")
     p = kiln.cast(s0, bf16)
     acc = kiln.accumulator(p, v_s[-1], warps="rows")
@@ -182,26 +178,18 @@ def pingpong_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Te
     end = kiln.where(row0 < length, end, 0)
     full = kiln.max(kiln.min(full, end) // (STAGES * BN), 0)
     last = kiln.max((end + STAGES * BN - 1) // (STAGES * BN), full)
-    wg = kiln.thread_id(0) // 128
-    if PP:
-        if wg == 1:
-            kiln.nvidia_asm.named_barrier_arrive(1, 256)   # warpgroup 0 issues first
+    turns = kiln.Turns() if TURNS else contextlib.nullcontext()
 
     def step(kv0, st, p, alpha, acc, m, l, masked):
-        if PP:
-            kiln.nvidia_asm.named_barrier(1 + wg, 256)
-        s = kiln.gemm(q_s, k_s[st].T, s0)
-        acc = kiln.gemm(p, v_s[(st + STAGES - 1) % STAGES], acc * alpha)
-        if PP:
-            kiln.nvidia_asm.named_barrier_arrive(2 - wg, 256)
+        with turns:
+            s = kiln.gemm(q_s, k_s[st].T, s0)
+            acc = kiln.gemm(p, v_s[st - 1], acc * alpha)
         if masked:
             s = _mask(s, kv0, row0, length, CAUSAL)
         p, alpha, m, l = _softmax(s, m, l, qk_scale)
-        # S_j and P_j-2 V_j-2 retired (P_j-1 V_j-1 may fly): hand K_j and V_j-2 back
-        tile_tma.release([k_s[st]])
-        tile_tma.release([v_s[(st + STAGES - 2) % STAGES]], kv0 > 0 if st == 0 else None)
-        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[(st + STAGES - 1) % STAGES])
-        kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[(st + STAGES - 2) % STAGES])
+        kiln.release(k_s[st], v_s[st - 1])
+        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[st - 1])
+        kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[st - 2])
         return p, alpha, acc, m, l
 
     def steps(kv0, p, alpha, acc, m, l, masked):
@@ -213,10 +201,9 @@ def pingpong_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Te
         p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, False)
     for g in kiln.range(full, last):
         p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, True)
-    if PP:
-        if wg == 0:
-            kiln.nvidia_asm.named_barrier(1, 256)          # warpgroup 1's last hand-over
-    acc = kiln.gemm(p, v_s[STAGES - 1], acc * alpha)
+    if TURNS:
+        turns.close()
+    acc = kiln.gemm(p, v_s[-1], acc * alpha)
     kiln.copy(kiln.cast(acc / l, bf16), kiln.GlobalTile(o, (BM, D), (start + row0, col0),
                                                         row_end=start + length, align=ALIGN))
 
@@ -225,21 +212,17 @@ def pingpong_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Te
 # (block None: its default blocks)
 VARIANTS = {
     "tutorial": (None, None, {}),
-    "tutorial_64x2": (None, (128, 64, 8, 2), {}),
-    "tutorial_128x3": (None, (128, 128, 8, 3), {}),
-    "tutorial_m64": (None, (64, 64, 4, 2), {}),
+    "tutorial_96x3": (None, (128, 96, 8, 3), {}),
+    "tutorial_64x4": (None, (128, 64, 8, 4), {}),
+    "tutorial_m64": (None, (64, 64, 4, 3), {}),
+    "free_128x3": (release_kernel, (128, 128, 8, 3), {"TURNS": False}),
+    "turns_128x3": (release_kernel, (128, 128, 8, 3), {"TURNS": True}),
     "cp_64x2": (loops_kernel, (128, 64, 8, 2), {"TMA": False}),
     "tma_128x2": (loops_kernel, (128, 128, 8, 2), {"TMA": True}),
     "tma_128x3": (loops_kernel, (128, 128, 8, 3), {"TMA": True}),
     "tma_64x3": (loops_kernel, (128, 64, 8, 3), {"TMA": True}),
     "tma_m64": (loops_kernel, (64, 64, 4, 2), {"TMA": True}),
-    "tma_m64x3": (loops_kernel, (64, 64, 4, 3), {"TMA": True}),
     "tma_m64n96": (loops_kernel, (64, 96, 4, 2), {"TMA": True}),
-    "tutorial_m64n96": (None, (64, 96, 4, 2), {}),
-    "free_128x3": (pingpong_kernel, (128, 128, 8, 3), {"PP": False}),
-    "pp_128x3": (pingpong_kernel, (128, 128, 8, 3), {"PP": True}),
-    "pp_96x3": (pingpong_kernel, (128, 96, 8, 3), {"PP": True}),
-    "pp_64x4": (pingpong_kernel, (128, 64, 8, 4), {"PP": True}),
 }
 
 

@@ -50,7 +50,7 @@ from kiln.runtime.cuda import cuda_available
 LOG2E = 1.4426950408889634
 
 
-@kiln.kernel(num_threads="THREADS")
+@kiln.kernel(num_threads="THREADS", flush_denormals=True)   # exp2: one MUFU.EX2
 def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Tensor[bf16, 2],
                      o: kiln.Tensor[bf16, 2], cu_seqlens: kiln.Tensor[i32], qk_scale: f32,
                      D: kiln.constexpr, BM: kiln.constexpr, BN: kiln.constexpr,
@@ -79,6 +79,7 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
         kiln.copy(rows(k, BN, i * BN), k_s[i])
         if i < STAGES - 2:
             kiln.copy(rows(v, BN, i * BN), v_s[i])
+    kiln.barrier()                                    # Q landed
     s0 = kiln.accumulator(q_s, k_s[0].T, warps="rows")
     p = kiln.cast(s0, bf16)                           # the P of the step before the first
     acc = kiln.accumulator(p, v_s[-1], warps="rows")
@@ -98,16 +99,14 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
     # parities count the loops' trips)
     full = kiln.max(kiln.min(full, end) // (STAGES * BN), 0)
     last = kiln.max((end + STAGES * BN - 1) // (STAGES * BN), full)
+    turns = kiln.Turns()      # sm_90a: the two warpgroups issue their GEMMs in turn
 
     def step(kv0, st, p, alpha, acc, m, l, masked):
         """S_j = Q K_j^T and O += P_j-1 V_j-1 run together (FlashAttention-3's order): the
         softmax of S_j waits for S_j only, while P_j-1 V_j-1 is still on the tensor cores."""
-        kiln.barrier()                                # K_j, V_j-1 landed; S_j-1, P V_j-2 done
-        ahead = (st + STAGES - 1) % STAGES            # the stage of K_j-1 and V_j-2
-        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[ahead])  # past the end: masked
-        kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[(ahead + STAGES - 1) % STAGES])
-        s = kiln.gemm(q_s, k_s[st].T, s0)
-        acc = kiln.gemm(p, v_s[st - 1], acc * alpha)
+        with turns:           # one warpgroup's softmax runs beside the other's GEMMs
+            s = kiln.gemm(q_s, k_s[st].T, s0)
+            acc = kiln.gemm(p, v_s[st - 1], acc * alpha)
         if masked:                                    # index tiles, live in this loop only
             q_row, k_col = kiln.tiles.coords(s.layout)
             # keys from lim on are masked; lim is per row even without causal (ptxas
@@ -119,7 +118,15 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
         p = kiln.exp2(kiln.fma(s, qk_scale, m_new * -qk_scale))
         alpha = kiln.exp2((m - m_new) * qk_scale)
         l = l * alpha + kiln.reduce(p, "sum", axis=1)
-        return kiln.cast(p, bf16), alpha, acc, m_new, l
+        p = kiln.cast(p, bf16)                        # the next step's A operand
+        # S_j read K_j, P_j-1 V_j-1 read V_j-1 (kiln-insert-waits retires it here): hand them
+        # back. The copies refill the stages of K_j-1 and V_j-2, released a step ago: on
+        # sm_90a they wait for every thread's release, no block barrier (the warpgroups run
+        # apart)
+        kiln.release(k_s[st], v_s[st - 1])
+        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[st - 1])  # past the end: masked
+        kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[st - 2])
+        return p, alpha, acc, m_new, l
 
     def steps(kv0, p, alpha, acc, m, l, masked):      # a step per stage: Python-int stages
         for st in range(STAGES):
@@ -130,7 +137,7 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
         p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, False)
     for g in kiln.range(full, last):
         p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, True)
-    kiln.barrier()                                    # the last V landed
+    turns.close()
     acc = kiln.gemm(p, v_s[-1], acc * alpha)
     kiln.copy(kiln.cast(acc / l, bf16), kiln.GlobalTile(o, (BM, D), (start + row0, col0),
                                                         row_end=start + length, align=ALIGN))
@@ -140,9 +147,9 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
 # wavefronts whatever the warps; P in VGPRs too, no register A: D 128 takes 32 keys a step to
 # stay clear of scratch). On an H200, 128 keys a step at D 128 ran 1.16x faster in
 # bench/attention_tutorial_ab.py's copy of this kernel (non-causal; not yet timed here)
-HOPPER_BLOCKS = {64: (128, 64, 8, 2), 128: (128, 128, 8, 2)}
-BLOCKS = {64: (128, 64, 8, 2), 128: (128, 64, 8, 2)}
-AMD_BLOCKS = {64: (128, 64, 8, 2), 128: (128, 32, 8, 2)}
+HOPPER_BLOCKS = {64: (128, 64, 8, 3), 128: (128, 128, 8, 3)}
+BLOCKS = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3)}
+AMD_BLOCKS = {64: (128, 32, 8, 3), 128: (128, 32, 8, 3)}
 
 
 def config(d: int, target: str | None, block: tuple[int, ...] | None = None) -> dict:
