@@ -20,17 +20,23 @@ products run on WGMMA (one 64-row slab per warpgroup), elsewhere on ``mma.sync``
 
 FlashAttention-3's order: step ``j`` issues ``S_j`` and then ``P_j-1 V_j-1``, both in flight;
 the softmax of ``S_j`` waits for ``S_j`` only (``kiln-insert-waits`` puts ``wgmma.wait_group 1``
-there) and runs while ``P_j-1 V_j-1`` is on the tensor cores. K and V have ``STAGES`` shared
-stages each (with 2, ``K_j+1`` and ``V_j`` fly during step ``j``), so the loops take
-``STAGES`` steps at a time and the stage indices are Python ints. The K and V tiles are
-masked at the tensors' own ends, not the sequence's, so on sm_90a ``kiln.copy`` moves them by
-TMA (one thread issues them; ``kiln-insert-waits`` places the mbarrier waits), elsewhere by
-``cp.async`` / buffer DMA; rows past the sequence belong to the next one (or read 0). Keys past
-the sequence, and with ``causal`` keys after the query, are masked to ``-inf`` in the scores,
-so they add nothing (P is 0 on their V rows, which must be finite): only the last (ragged or
-diagonal) key tiles pay for the mask, in a second loop. Causal query tiles run longest first. No
-branch depends on a lane's data: the WGMMA waits ``kiln-insert-waits`` places are ``.aligned``
-(a warp must reach each at one address), so O is rescaled every step.
+there) and runs while ``P_j-1 V_j-1`` is on the tensor cores. On sm_90a the two warpgroups
+also take turns issuing their GEMMs (``with kiln.Turns()``, named barriers): one's softmax
+runs beside the other's GEMMs, so the tensor cores wait for neither. No block barrier holds
+them together: at the end of step ``j`` every thread hands ``K_j`` and ``V_j-1`` back
+(``kiln.release``: arrives on the tiles' empty mbarriers, once ``kiln-insert-waits`` retired
+``P_j-1 V_j-1``), and thread 0 refills the stages of ``K_j-1`` and ``V_j-2`` by TMA, each copy
+waiting for every thread's release of a step ago (``kiln-verify-waits`` proves the waits);
+elsewhere (``cp.async``, buffer DMA) ``kiln.release`` is a block barrier. K and V have
+``STAGES = 3`` shared stages each (``K_j+1``, ``K_j+2`` and ``V_j``, ``V_j+1`` fly during step
+``j``), so the loops take ``STAGES`` steps at a time and the stage indices are Python ints. The
+K and V tiles are masked at the tensors' own ends, not the sequence's, so on sm_90a
+``kiln.copy`` moves them by TMA; rows past the sequence belong to the next one (or read 0).
+Keys past the sequence, and with ``causal`` keys after the query, are masked to ``-inf`` in the
+scores, so they add nothing (P is 0 on their V rows, which must be finite): only the last
+(ragged or diagonal) key tiles pay for the mask, in a second loop. Causal query tiles run
+longest first. No branch depends on a lane's data: the WGMMA waits ``kiln-insert-waits`` places
+are ``.aligned`` (a warp must reach each at one address), so O is rescaled every step.
 
 Run: ``python examples/tutorials/attention.py``.
 """
@@ -144,9 +150,8 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
 
 
 # (BM, BN, warps, K/V stages) per head dim: sm_90a (WGMMA), other NVIDIA (mma.sync), AMD (4
-# wavefronts whatever the warps; P in VGPRs too, no register A: D 128 takes 32 keys a step to
-# stay clear of scratch). On an H200, 128 keys a step at D 128 ran 1.16x faster in
-# bench/attention_tutorial_ab.py's copy of this kernel (non-causal; not yet timed here)
+# wavefronts whatever the warps; P in VGPRs too, no register A: 32 keys a step stay clear of
+# scratch). 3 stages: a step's copies refill the stages of the step before it
 HOPPER_BLOCKS = {64: (128, 64, 8, 3), 128: (128, 128, 8, 3)}
 BLOCKS = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3)}
 AMD_BLOCKS = {64: (128, 32, 8, 3), 128: (128, 32, 8, 3)}
@@ -155,7 +160,8 @@ AMD_BLOCKS = {64: (128, 32, 8, 3), 128: (128, 32, 8, 3)}
 def config(d: int, target: str | None, block: tuple[int, ...] | None = None) -> dict:
     """Block sizes (``block = (BM, BN, warps[, stages])`` overrides them): on NVIDIA 128 query
     rows over 8 warps (16 rows each: two warpgroups on sm_90a), 64 keys per step (128 on sm_90a
-    at D 128: 538 against 462 TFLOP/s on an H200) and K/V in 2 stages; on AMD 4 wavefronts of 64 lanes (32 rows each). ``target`` None is Kiln's default."""
+    at D 128) and K/V in 3 stages (2 is correct too, with no copy running a step ahead); on
+    AMD 4 wavefronts of 64 lanes (32 rows each). ``target`` None is Kiln's default."""
     if d not in (64, 128):
         raise kiln.KilnValueError(f"the attention tutorial takes head dim 64 or 128, got {d}",
                                   fix="pad the head dimension to 64 or 128")
@@ -163,7 +169,7 @@ def config(d: int, target: str | None, block: tuple[int, ...] | None = None) -> 
     table = (AMD_BLOCKS if name.startswith("gfx") else
              HOPPER_BLOCKS if name.startswith("sm_90") else BLOCKS)
     bm, bn, warps, *stages = block or table[d]
-    return dict(D=d, BM=bm, BN=bn, STAGES=stages[0] if stages else 2,
+    return dict(D=d, BM=bm, BN=bn, STAGES=stages[0] if stages else 3,
                 THREADS=256 if name.startswith("gfx") else 32 * warps)
 
 
