@@ -207,12 +207,10 @@ def test_attention_compiles_to_the_targets_mma_without_spills(target, d):
             # two loops, and the prologue's 2 V and 2 K; Q (masked at the sequence's end) by
             # cp.async
             assert ptx.count("cp.async.bulk.tensor") == (2 * 3 * 2 + 4) * d // 64
-            # block barriers after the mbarriers' initialisation and Q only (kiln.release
-            # arrives on mbarriers); kiln.Turns: a named barrier a step and at close, a
-            # hand-over a step and the first one
-            assert len(re.findall(r"bar.sync\s+0;", ptx)) == 2
-            assert ptx.count("bar.sync") == 2 + 2 * 3 + 1
-            assert ptx.count("bar.arrive") == 2 * 3 + 1
+            # block barriers after the mbarriers' initialisation and Q only: kiln.release
+            # arrives on the K and V tiles' empty mbarriers, a tile each a step
+            assert len(re.findall(r"bar.sync\s+0;", ptx)) == ptx.count("bar.sync") == 2
+            assert ptx.count("mbarrier.arrive.shared.b64") == 2 * 2 * 3
         else:
             assert "mma.sync.aligned.m16n8k16" in ptx and "ldmatrix" in ptx
             # P reaches the second product straight from registers: no shared stage; Q
