@@ -22,7 +22,7 @@ wgmma instructions reading accumulator registers", the P V group kept in flight 
 loop's back edge), so it is not here.
 
 Run: ``python bench/attention_tutorial_ab.py [--seqs 4096] [--repeat 5] [--variants ...]
-[--causal 1 0] [--precompile N] [--json out.json]``.
+[--causal 1 0] [--precompile N] [--no-triton] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -292,6 +292,8 @@ def main() -> None:
     parser.add_argument("--causal", type=int, nargs="+", choices=(0, 1), default=[0, 1],
                         help="the masks to time, in this order")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--no-triton", action="store_true",
+                        help="time Kiln's prefill only as the peer (a short run)")
     parser.add_argument("--profile", action="store_true",
                         help="one launch of each variant, then of prefill; no checks (ncu)")
     parser.add_argument("--sass", type=Path, help="write each variant's SASS here and stop")
@@ -332,8 +334,8 @@ def main() -> None:
                 prefill(q4, k4, v4, causal=causal, scale=scale)
             torch.cuda.synchronize()
             continue
-        peers = {}
-        for causal in causals:   # the peers first, while the variants compile
+        for causal in causals:   # per mask: the peers, then every variant (a run cut short
+            # keeps whole masks)
             flops = 4.0 * batch * heads * seq * seq * d * (0.5 if causal else 1.0)
             want = prefill(q4, k4, v4, causal=causal, scale=scale).view(batch * seq, -1).float()
             ref = torch.empty_like(q)
@@ -343,21 +345,20 @@ def main() -> None:
                     q, k, v, ref, q.stride(0), scale * tut.LOG2E, seq, heads, D=d, BM=128,
                     BN=128, CAUSAL=causal, num_warps=8, num_stages=3)
 
-            t_run()
             p_ms = queued_ms(lambda: prefill(q4, k4, v4, causal=causal, scale=scale),
                              args.repeat)
-            t_ms = queued_ms(t_run, args.repeat)
-            peers[causal] = (flops, want, t_ms, p_ms)
-            rows.append({"shape": [batch, seq, heads, d], "causal": causal,
-                         "triton_tflops": flops / t_ms / 1e9,
-                         "prefill_tflops": flops / p_ms / 1e9})
-            print(f"[{batch},{seq},{heads},{d}] causal={causal:d}  triton "
-                  f"{flops / t_ms / 1e9:6.1f}  prefill {flops / p_ms / 1e9:6.1f} TFLOP/s",
-                  flush=True)
-        # variant by variant, each mask in turn: a run cut short keeps whole variants
-        for name in args.variants:
-            for causal in causals:
-                flops, want, t_ms, p_ms = peers[causal]
+            row = {"shape": [batch, seq, heads, d], "causal": causal,
+                   "prefill_tflops": flops / p_ms / 1e9}
+            t_ms = None
+            if not args.no_triton:
+                t_run()
+                t_ms = queued_ms(t_run, args.repeat)
+                row["triton_tflops"] = flops / t_ms / 1e9
+            rows.append(row)
+            print(f"[{batch},{seq},{heads},{d}] causal={causal:d}  prefill "
+                  f"{flops / p_ms / 1e9:6.1f} TFLOP/s" +
+                  ("" if t_ms is None else f"  triton {flops / t_ms / 1e9:6.1f}"), flush=True)
+            for name in args.variants:
                 o = outs[name, causal]
                 try:
                     if (name, causal) in built:
@@ -371,13 +372,14 @@ def main() -> None:
                           f"{str(exc)[:200]}", flush=True)
                     continue
                 ok = err < 2e-2
-                row = next(r for r in rows if r["shape"][1] == seq and r["causal"] == causal)
                 row[name] = {"tflops": flops / ms / 1e9, "max_err": err, "ok": ok}
-                print(f"  {name:14s} causal={causal:d} {flops / ms / 1e9:6.1f} TFLOP/s  "
-                      f"x{t_ms / ms:.3f} of triton  x{p_ms / ms:.3f} of prefill  "
-                      f"err {err:.2e}{'' if ok else '  WRONG'}", flush=True)
+                print(f"  {name:14s} causal={causal:d} {flops / ms / 1e9:6.1f} TFLOP/s  " +
+                      ("" if t_ms is None else f"x{t_ms / ms:.3f} of triton  ") +
+                      f"x{p_ms / ms:.3f} of prefill  err {err:.2e}{'' if ok else '  WRONG'}",
+                      flush=True)
                 if args.json:   # after every row: a run cut short keeps what it measured
                     args.json.write_text(json.dumps(rows, indent=1))
+
 
 if __name__ == "__main__":
     main()
