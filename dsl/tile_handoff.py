@@ -27,8 +27,8 @@ hand-over. Elsewhere (one warpgroup, ``mma.sync``, MFMA) it is a no-op. It uses 
 barriers ``1 .. G`` (G warpgroups). Opt-in: the attention tutorial ran slower with it (H200:
 547 against 599 TFLOP/s; without a block barrier its warpgroups drift apart by themselves).
 
-Example (the attention tutorial's step: K_j and V_j-1 handed back; the stages of K_j-1 and
-V_j-2, handed back a step ago, refilled)::
+Example (the attention tutorial's step, here with turns: K_j and V_j-1 handed back; the
+stages of K_j-1 and V_j-2, handed back a step ago, refilled)::
 
     turns = kiln.Turns()
     for ...:
