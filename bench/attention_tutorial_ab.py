@@ -13,7 +13,8 @@ tutorial's earlier design (a block barrier a step, K/V refilled at its start, 2 
 
 Measured on an H200 (one run, 4 x 4096 x 16 x 128, non-causal / causal, ``prefill`` 709 /
 640 TFLOP/s): ``free_128x3`` 599 / 478 (0.84 / 0.75 of ``prefill``), ``turns_128x3`` 547 / 450,
-``tma_128x2`` 567 / 473. Earlier (non-causal; Triton 493, ``prefill`` 733; ``loops_kernel``
+``tma_128x2`` 567 / 473; the tutorial at 1 x 16384 x 16 x 128 causal (another run, no
+Triton) 598 against ``prefill``'s 700 (0.85). Earlier (non-causal; Triton 493, ``prefill`` 733; ``loops_kernel``
 without ``flush_denormals``): the tutorial then (TMA, 128 x 64) 462; ``cp_64x2`` 431;
 ``tma_128x2`` 535; ``tma_64x3`` 447. A run cut short keeps whole variants: give ``--precompile`` runs a minute (Kiln traces one
 kernel at a time, the peers' compiles included). A single ``kiln.pipeline`` over every key
