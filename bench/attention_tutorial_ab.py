@@ -2,30 +2,34 @@
 examples/tutorials/attention.py's kernel) against Triton's tutorial attention and Kiln's
 ``prefill``, one run, bf16 ``[B, S, H, 128]``.
 
-``tutorial``: the tutorial's kernel at its default blocks; ``tutorial_*`` the same kernel at
-other blocks. The others run ``loops_kernel``, a copy of the tutorial's design (an unmasked
-loop over groups of ``STAGES`` key tiles, then the masked ragged/diagonal group, a block
-barrier a step) declared ``flush_denormals=True`` (exp2 one ``MUFU.EX2``); ``TMA`` keeps K and
-V masked at the tensors' own extents, so ``kiln.copy`` moves them by TMA on sm_90a (else at the
-sequence's end: ``cp.async``, as the tutorial did before).
+``tutorial``: the tutorial's kernel at its default blocks (K/V handed back by ``kiln.release``,
+refilled at the end of a step, no block barrier a step); ``tutorial_*`` the same kernel at
+other blocks. ``release_kernel`` is that design with (``turns_*``) or without (``free_*``, PTX
+byte-identical to the tutorial's) the two warpgroups taking turns issuing their GEMMs
+(``kiln.Turns``). ``loops_kernel`` is the
+tutorial's earlier design (a block barrier a step, K/V refilled at its start, 2 stages:
+``tma_*``; ``cp_*`` moves K/V by ``cp.async``, masked at the sequence's end). All are declared
+``flush_denormals=True`` (exp2 one ``MUFU.EX2``).
 
-Measured on an H200 (one run, 4 x 4096 x 16 x 128, non-causal; Triton 493, ``prefill`` 733
-TFLOP/s; ``loops_kernel`` without ``flush_denormals`` then): the tutorial (TMA, 128 x 64) 462;
-``cp_64x2`` 431; ``tma_128x2`` 535 (1.09 of Triton, 0.73 of ``prefill``); ``tma_64x3`` 447.
-The causal half did not run within that batch's time limit; a later 25 s batch that
-precompiled four kernels in threads printed nothing (Kiln's trace lock held the peers' own
-compiles back): give ``--precompile`` runs a minute. A single ``kiln.pipeline`` over every key
+Measured on an H200 (one run, 4 x 4096 x 16 x 128, non-causal / causal, ``prefill`` 709 /
+640 TFLOP/s): ``free_128x3`` 599 / 478 (0.84 / 0.75 of ``prefill``), ``turns_128x3`` 547 / 450,
+``tma_128x2`` 567 / 473; the tutorial at 1 x 16384 x 16 x 128 causal (another run, no
+Triton) 598 against ``prefill``'s 700 (0.85). Earlier (non-causal; Triton 493, ``prefill`` 733; ``loops_kernel``
+without ``flush_denormals``): the tutorial then (TMA, 128 x 64) 462; ``cp_64x2`` 431;
+``tma_128x2`` 535; ``tma_64x3`` 447. A run cut short keeps whole variants: give ``--precompile`` runs a minute (Kiln traces one
+kernel at a time, the peers' compiles included). A single ``kiln.pipeline`` over every key
 tile (each step masked, ``handoff=True`` or not) compiled to serialised WGMMAs (ptxas: "non
 wgmma instructions reading accumulator registers", the P V group kept in flight across the
 loop's back edge), so it is not here.
 
 Run: ``python bench/attention_tutorial_ab.py [--seqs 4096] [--repeat 5] [--variants ...]
-[--causal 1 0] [--precompile N] [--json out.json]``.
+[--causal 1 0] [--precompile N] [--no-triton] [--json out.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import sys
@@ -133,19 +137,96 @@ def loops_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Tenso
                                                         row_end=start + length, align=ALIGN))
 
 
+@kiln.kernel(num_threads="THREADS", flush_denormals=True)
+def release_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Tensor[bf16, 2],
+                   o: kiln.Tensor[bf16, 2], cu_seqlens: kiln.Tensor[i32], qk_scale: f32,
+                   D: kiln.constexpr, BM: kiln.constexpr, BN: kiln.constexpr,
+                   STAGES: kiln.constexpr, THREADS: kiln.constexpr, CAUSAL: kiln.constexpr,
+                   ALIGN: kiln.constexpr, TURNS: kiln.constexpr):
+    """The tutorial's design (K/V handed back by ``kiln.release``, refilled at the end of a
+    step, no block barrier a step), with ``kiln.Turns`` (``TURNS``) or without."""
+    col0 = kiln.block_id(1) * D
+    start = cu_seqlens[kiln.block_id(2)]
+    length = cu_seqlens[kiln.block_id(2) + 1] - start
+    tile, tiles = kiln.block_id(0), (length + BM - 1) // BM
+    if CAUSAL:
+        tile = kiln.where(tile < tiles, tiles - 1 - tile, tile)
+    row0 = tile * BM
+    q_s = kiln.tiles.operand_tile((BM, D), bf16, "a")
+    k_s = [kiln.tiles.operand_tile((BN, D), bf16, "a") for _ in range(STAGES)]
+    v_s = [kiln.tiles.operand_tile((BN, D), bf16, "b") for _ in range(STAGES)]
+
+    def rows(t, n, r0):
+        return kiln.GlobalTile(t, (n, D), (start + r0, col0), row_end=t.shape[0], align=ALIGN)
+
+    kiln.copy(kiln.GlobalTile(q, (BM, D), (start + row0, col0), row_end=start + length,
+                              align=ALIGN), q_s)
+    kiln.copy(rows(v, BN, length), v_s[-1])
+    for i in range(STAGES - 1):
+        kiln.copy(rows(k, BN, i * BN), k_s[i])
+        if i < STAGES - 2:
+            kiln.copy(rows(v, BN, i * BN), v_s[i])
+    kiln.barrier()
+    s0 = kiln.accumulator(q_s, k_s[0].T, warps="rows")
+    p = kiln.cast(s0, bf16)
+    acc = kiln.accumulator(p, v_s[-1], warps="rows")
+    m = kiln.tiles.TileVector.full(s0.layout, -INF)
+    l = kiln.tiles.TileVector.full(s0.layout, 0.0)
+    alpha = kiln.tiles.TileVector.full(s0.layout, 1.0)
+    end = length
+    full = length // BN * BN
+    if CAUSAL:
+        end = kiln.min(length, row0 + BM)
+        full = kiln.min(full, (row0 + 1) // BN * BN)
+    end = kiln.where(row0 < length, end, 0)
+    full = kiln.max(kiln.min(full, end) // (STAGES * BN), 0)
+    last = kiln.max((end + STAGES * BN - 1) // (STAGES * BN), full)
+    turns = kiln.Turns() if TURNS else contextlib.nullcontext()
+
+    def step(kv0, st, p, alpha, acc, m, l, masked):
+        with turns:
+            s = kiln.gemm(q_s, k_s[st].T, s0)
+            acc = kiln.gemm(p, v_s[st - 1], acc * alpha)
+        if masked:
+            s = _mask(s, kv0, row0, length, CAUSAL)
+        p, alpha, m, l = _softmax(s, m, l, qk_scale)
+        kiln.release(k_s[st], v_s[st - 1])
+        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[st - 1])
+        kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[st - 2])
+        return p, alpha, acc, m, l
+
+    def steps(kv0, p, alpha, acc, m, l, masked):
+        for st in range(STAGES):
+            p, alpha, acc, m, l = step(kv0 + st * BN, st, p, alpha, acc, m, l, masked)
+        return p, alpha, acc, m, l
+
+    for g in kiln.range(0, full):
+        p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, False)
+    for g in kiln.range(full, last):
+        p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, True)
+    if TURNS:
+        turns.close()
+    acc = kiln.gemm(p, v_s[-1], acc * alpha)
+    kiln.copy(kiln.cast(acc / l, bf16), kiln.GlobalTile(o, (BM, D), (start + row0, col0),
+                                                        row_end=start + length, align=ALIGN))
+
+
 # name -> (kernel, (BM, BN, warps, stages), extra constexprs); kernel None is the tutorial's own
 # (block None: its default blocks)
 VARIANTS = {
     "tutorial": (None, None, {}),
-    "tutorial_64x2": (None, (128, 64, 8, 2), {}),
-    "tutorial_128x3": (None, (128, 128, 8, 3), {}),
-    "tutorial_m64": (None, (64, 64, 4, 2), {}),
+    "tutorial_96x3": (None, (128, 96, 8, 3), {}),
+    "tutorial_64x3": (None, (128, 64, 8, 3), {}),
+    "tutorial_64x4": (None, (128, 64, 8, 4), {}),
+    "tutorial_m64": (None, (64, 64, 4, 3), {}),
+    "free_128x3": (release_kernel, (128, 128, 8, 3), {"TURNS": False}),
+    "turns_128x3": (release_kernel, (128, 128, 8, 3), {"TURNS": True}),
     "cp_64x2": (loops_kernel, (128, 64, 8, 2), {"TMA": False}),
     "tma_128x2": (loops_kernel, (128, 128, 8, 2), {"TMA": True}),
     "tma_128x3": (loops_kernel, (128, 128, 8, 3), {"TMA": True}),
     "tma_64x3": (loops_kernel, (128, 64, 8, 3), {"TMA": True}),
     "tma_m64": (loops_kernel, (64, 64, 4, 2), {"TMA": True}),
-    "tma_m64x3": (loops_kernel, (64, 64, 4, 3), {"TMA": True}),
+    "tma_m64n96": (loops_kernel, (64, 96, 4, 2), {"TMA": True}),
 }
 
 
@@ -212,8 +293,10 @@ def main() -> None:
     parser.add_argument("--causal", type=int, nargs="+", choices=(0, 1), default=[0, 1],
                         help="the masks to time, in this order")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--no-triton", action="store_true",
+                        help="time Kiln's prefill only as the peer (a short run)")
     parser.add_argument("--profile", action="store_true",
-                        help="one launch of each variant, no peers or checks (under ncu)")
+                        help="one launch of each variant, then of prefill; no checks (ncu)")
     parser.add_argument("--sass", type=Path, help="write each variant's SASS here and stop")
     parser.add_argument("--precompile", type=int, default=0, metavar="N",
                         help="compile every variant of each shape in N threads first")
@@ -248,10 +331,12 @@ def main() -> None:
                 if key in built:
                     built[key].result()
                 launcher(spec)()
+            for causal in causals:   # Kiln's prefill last (ncu -c counts the variants first)
+                prefill(q4, k4, v4, causal=causal, scale=scale)
             torch.cuda.synchronize()
             continue
-        peers = {}
-        for causal in causals:   # the peers first, while the variants compile
+        for causal in causals:   # per mask: the peers, then every variant (a run cut short
+            # keeps whole masks)
             flops = 4.0 * batch * heads * seq * seq * d * (0.5 if causal else 1.0)
             want = prefill(q4, k4, v4, causal=causal, scale=scale).view(batch * seq, -1).float()
             ref = torch.empty_like(q)
@@ -261,21 +346,20 @@ def main() -> None:
                     q, k, v, ref, q.stride(0), scale * tut.LOG2E, seq, heads, D=d, BM=128,
                     BN=128, CAUSAL=causal, num_warps=8, num_stages=3)
 
-            t_run()
             p_ms = queued_ms(lambda: prefill(q4, k4, v4, causal=causal, scale=scale),
                              args.repeat)
-            t_ms = queued_ms(t_run, args.repeat)
-            peers[causal] = (flops, want, t_ms, p_ms)
-            rows.append({"shape": [batch, seq, heads, d], "causal": causal,
-                         "triton_tflops": flops / t_ms / 1e9,
-                         "prefill_tflops": flops / p_ms / 1e9})
-            print(f"[{batch},{seq},{heads},{d}] causal={causal:d}  triton "
-                  f"{flops / t_ms / 1e9:6.1f}  prefill {flops / p_ms / 1e9:6.1f} TFLOP/s",
-                  flush=True)
-        # variant by variant, each mask in turn: a run cut short keeps whole variants
-        for name in args.variants:
-            for causal in causals:
-                flops, want, t_ms, p_ms = peers[causal]
+            row = {"shape": [batch, seq, heads, d], "causal": causal,
+                   "prefill_tflops": flops / p_ms / 1e9}
+            t_ms = None
+            if not args.no_triton:
+                t_run()
+                t_ms = queued_ms(t_run, args.repeat)
+                row["triton_tflops"] = flops / t_ms / 1e9
+            rows.append(row)
+            print(f"[{batch},{seq},{heads},{d}] causal={causal:d}  prefill "
+                  f"{flops / p_ms / 1e9:6.1f} TFLOP/s" +
+                  ("" if t_ms is None else f"  triton {flops / t_ms / 1e9:6.1f}"), flush=True)
+            for name in args.variants:
                 o = outs[name, causal]
                 try:
                     if (name, causal) in built:
@@ -289,13 +373,14 @@ def main() -> None:
                           f"{str(exc)[:200]}", flush=True)
                     continue
                 ok = err < 2e-2
-                row = next(r for r in rows if r["shape"][1] == seq and r["causal"] == causal)
                 row[name] = {"tflops": flops / ms / 1e9, "max_err": err, "ok": ok}
-                print(f"  {name:14s} causal={causal:d} {flops / ms / 1e9:6.1f} TFLOP/s  "
-                      f"x{t_ms / ms:.3f} of triton  x{p_ms / ms:.3f} of prefill  "
-                      f"err {err:.2e}{'' if ok else '  WRONG'}", flush=True)
+                print(f"  {name:14s} causal={causal:d} {flops / ms / 1e9:6.1f} TFLOP/s  " +
+                      ("" if t_ms is None else f"x{t_ms / ms:.3f} of triton  ") +
+                      f"x{p_ms / ms:.3f} of prefill  err {err:.2e}{'' if ok else '  WRONG'}",
+                      flush=True)
                 if args.json:   # after every row: a run cut short keeps what it measured
                     args.json.write_text(json.dumps(rows, indent=1))
+
 
 if __name__ == "__main__":
     main()

@@ -54,6 +54,7 @@ class TraceState:
     tma_setup: object = None  # kiln.tile_tma: the op new mbarrier inits go before
     tma_fetching: list | None = None  # kiln.pipeline(handoff=True): the tiles a fetch loads
     tma_pairs: int = 0  # kiln.tile_tma: full/empty mbarrier pairs made so far
+    finishers: list = field(default_factory=list)  # run once the body is traced (kiln.release)
 
     def unique_symbol(self, base: str) -> str:
         name, n = base, 0

@@ -289,6 +289,8 @@ class JITKernel:
                         raise KilnTypeError(f"kernel {self.name} returned {result!r}; kernels "
                                             "cannot return values",
                                             fix="store results into a tensor argument")
+                    for finish in state.finishers:  # what only the whole body decides
+                        finish()
                     gpu.ReturnOp([])
             except ir.MLIRError as err:
                 raise _compilation_error(err, f"MLIR rejected an op built by {self.name}") from None

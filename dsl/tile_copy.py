@@ -54,7 +54,7 @@ from typing import Any
 from mlir import ir
 from mlir.dialects import scf, vector
 
-from . import builder, ops, tile_tma
+from . import builder, ops, tile_handoff, tile_tma
 from .core import dtypes as dt
 from .core.errors import KilnTypeError, KilnValueError
 from .core.ops import AUTO_WAIT_ATTR
@@ -331,6 +331,7 @@ def copy(src: Any, dst: Any, *, staged: bool = False) -> Any:
     if isinstance(src, GlobalTile) and isinstance(dst, SharedTile):
         if tile_tma.load(src, dst):
             return None
+        tile_handoff.note_copy(dst)
         threads = builder.current().block[0]
         target = builder.current_target()
         width = tile_dma.dma_width(src, dst, threads, target)

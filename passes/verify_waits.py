@@ -46,8 +46,8 @@ def gap_error(gap: Gap) -> WaitError:
         return WaitError(
             f"this {op_label(gap.reader)} hands back a buffer before the async "
             f"{op_label(gap.event)} at {where(gap.event)} that may read it is retired (wgmma): "
-            f"it declares wgmma_pending={gap.count}, and no wait leaves only {gap.count} "
-            "WGMMA group(s) in flight on every path",
+            f"no wait leaves at most {gap.count} WGMMA group(s) in flight on every path (its "
+            "declared wgmma_pending, or fewer where a younger group reads the buffer)",
             fix=f"add kiln.wgmma.wait_group({gap.count}) before the arrive, or drop "
                 "kiln.manual_waits() to let Kiln insert it",
             loc=source_loc_from_mlir(gap.reader.location))

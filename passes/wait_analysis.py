@@ -69,6 +69,7 @@ from kiln.amd.sched import GFX9_WAITCNT_FIELDS
 from kiln.amd.sched import encode_waitcnt as encode_gfx9_waitcnt  # noqa: F401
 from kiln.core.ops import CP_ASYNC  # noqa: F401 - the passes' counter names live in kiln.core.ops
 from kiln.core.ops import AUTO_WAIT_ATTR, MBARRIER, NO_EFFECTS, WGMMA, Effects, is_shared
+from kiln.nvidia.mbarrier import RING_PAIR_ATTR
 from kiln.passes.mbarrier_protocol import cross_thread_gaps
 from kiln.passes.op_queries import (NO_ACCESS, aliases_any, buffer_root, descriptor_roots,
                                     effects, is_exact_root, named_effects, same_mbarrier,
@@ -175,6 +176,15 @@ def _retire_mbarrier(state: State, signal: tuple) -> State:
             if not (k.counter == MBARRIER and same_mbarrier(k.signal, signal))}
 
 
+
+
+def _ring_pair(group) -> int | None:
+    """The ``kiln.ring_pair`` id on an mbarrier group's create (kiln.tile_tma), else None."""
+    owner = getattr(group, "owner", None)
+    if owner is None or isinstance(owner, ir.Block) \
+            or RING_PAIR_ATTR not in owner.operation.attributes:
+        return None
+    return ir.IntegerAttr(owner.operation.attributes[RING_PAIR_ATTR]).value
 
 
 def _touches_wgmma(op: ir.Operation) -> bool:
@@ -407,8 +417,22 @@ class WaitAnalysis:
 
     # -- reads -------------------------------------------------------------------------------
     def _check_release(self, step: Step, state: State) -> State:
-        """A release arrive needs every WGMMA group but the newest N retired (N declared)."""
+        """A release arrive needs every WGMMA group but the newest N retired (N declared), and
+        every group that reads a buffer it hands back (kiln.release: the newest may not)."""
         count = step.releases[WGMMA]
+        back = self._handed_back(step)
+        readers = [e for e, p in state.items() if e.counter == WGMMA and p.younger < count
+                   and any(aliases_any(r, e.shared_reads) for r in back)]
+        if readers:  # retire the youngest reader: wait_group(its younger count)
+            event = min(readers, key=lambda e: state[e].younger)
+            count = max(state[event].younger, 0)
+            self.gaps.append(Gap(step.op, event.op, WGMMA, count, release_point(step.op),
+                                 release=True))
+            if self._place is None:
+                return state
+            self._place(self.gaps[-1])
+            self.placed += 1
+            return _retire(state, WGMMA, count)
         groups = state.get(GROUPS, Pending(0)).younger
         if groups <= count and groups < MAX_GROUPS:  # a saturated count may be any larger one
             return state
@@ -421,6 +445,17 @@ class WaitAnalysis:
         self._place(self.gaps[-1])
         self.placed += 1
         return _retire(state, WGMMA, count)
+
+    def _handed_back(self, step: Step) -> tuple:
+        """The shared buffers a release arrive hands back: what the TMA loads on the full ring
+        paired with its empty ring (one ``kiln.ring_pair`` id on both creates) write; () when
+        the ring is unpaired (hand-written rings: only the declared count is checked)."""
+        pair = _ring_pair(step.arrive)
+        if pair is None:
+            return ()
+        return tuple(r for s in self._steps.values()
+                     if s.counter == MBARRIER and s.signal is not None
+                     and _ring_pair(s.signal[0]) == pair for r in s.roots or ())
 
     def _check_rewrites(self, step: Step, state: State) -> State:
         """A cp.async group or shared store refilling a buffer that a WGMMA in flight reads

@@ -203,15 +203,19 @@ def test_attention_compiles_to_the_targets_mma_without_spills(target, d):
             assert "mma.sync" not in ptx and "ldmatrix" not in ptx
             assert re.search(r"wgmma.mma_async.sync.aligned.m64n\d+k16.f32.bf16.bf16 +"
                              r"\{[^}]*\}, \{%r", ptx)
-            # K and V by TMA: a box per 64 columns of a tile, 2 tiles a step, 2 steps a loop,
-            # and the prologue's V and K; Q (masked at the sequence's end) by cp.async
-            assert ptx.count("cp.async.bulk.tensor") == (2 * 2 * 2 + 2) * d // 64
+            # K and V by TMA: a box per 64 columns of a tile, 2 tiles a step, 3 steps a loop,
+            # two loops, and the prologue's 2 V and 2 K; Q (masked at the sequence's end) by
+            # cp.async
+            assert ptx.count("cp.async.bulk.tensor") == (2 * 3 * 2 + 4) * d // 64
+            # block barriers after the mbarriers' initialisation and Q only: kiln.release
+            # arrives on the K and V tiles' empty mbarriers, a tile each a step
+            assert len(re.findall(r"bar.sync\s+0;", ptx)) == ptx.count("bar.sync") == 2
+            assert ptx.count("mbarrier.arrive.shared.b64") == 2 * 2 * 3
         else:
             assert "mma.sync.aligned.m16n8k16" in ptx and "ldmatrix" in ptx
-        # P reaches the second product straight from registers: no shared stage; one
-        # barrier a key tile (two loops of two steps), one before the last P V and, with
-        # TMA, one after the mbarriers' initialisation
-        assert ptx.count("bar.sync") == 5 + (target == "sm_90a")
+            # P reaches the second product straight from registers: no shared stage; Q
+            # landed, and kiln.release a block barrier a step (two loops of three)
+            assert ptx.count("bar.sync") == 1 + 2 * 3
         # a warp must reach every .aligned WGMMA op at one address: none under a branch
         assert not _wgmma_under_a_branch(ck.asm["gpu"])
     else:

@@ -20,17 +20,23 @@ products run on WGMMA (one 64-row slab per warpgroup), elsewhere on ``mma.sync``
 
 FlashAttention-3's order: step ``j`` issues ``S_j`` and then ``P_j-1 V_j-1``, both in flight;
 the softmax of ``S_j`` waits for ``S_j`` only (``kiln-insert-waits`` puts ``wgmma.wait_group 1``
-there) and runs while ``P_j-1 V_j-1`` is on the tensor cores. K and V have ``STAGES`` shared
-stages each (with 2, ``K_j+1`` and ``V_j`` fly during step ``j``), so the loops take
-``STAGES`` steps at a time and the stage indices are Python ints. The K and V tiles are
-masked at the tensors' own ends, not the sequence's, so on sm_90a ``kiln.copy`` moves them by
-TMA (one thread issues them; ``kiln-insert-waits`` places the mbarrier waits), elsewhere by
-``cp.async`` / buffer DMA; rows past the sequence belong to the next one (or read 0). Keys past
-the sequence, and with ``causal`` keys after the query, are masked to ``-inf`` in the scores,
-so they add nothing (P is 0 on their V rows, which must be finite): only the last (ragged or
-diagonal) key tiles pay for the mask, in a second loop. Causal query tiles run longest first. No
-branch depends on a lane's data: the WGMMA waits ``kiln-insert-waits`` places are ``.aligned``
-(a warp must reach each at one address), so O is rescaled every step.
+there) and runs while ``P_j-1 V_j-1`` is on the tensor cores. No block barrier holds the two
+warpgroups together, so one's softmax runs beside the other's GEMMs as they drift apart (an
+H200 timed 599 against 567 TFLOP/s with a barrier a step; making them take turns,
+``kiln.Turns``, gave 547): at the end of step ``j`` every thread hands ``K_j`` and ``V_j-1`` back
+(``kiln.release``: arrives on the tiles' empty mbarriers, once ``kiln-insert-waits`` retired
+``P_j-1 V_j-1``), and thread 0 refills the stages of ``K_j-1`` and ``V_j-2`` by TMA, each copy
+waiting for every thread's release of a step ago (``kiln-verify-waits`` proves the waits);
+elsewhere (``cp.async``, buffer DMA) ``kiln.release`` is a block barrier. K and V have
+``STAGES = 3`` shared stages each (``K_j+1``, ``K_j+2`` and ``V_j``, ``V_j+1`` fly during step
+``j``), so the loops take ``STAGES`` steps at a time and the stage indices are Python ints. The
+K and V tiles are masked at the tensors' own ends, not the sequence's, so on sm_90a
+``kiln.copy`` moves them by TMA; rows past the sequence belong to the next one (or read 0).
+Keys past the sequence, and with ``causal`` keys after the query, are masked to ``-inf`` in the
+scores, so they add nothing (P is 0 on their V rows, which must be finite): only the last
+(ragged or diagonal) key tiles pay for the mask, in a second loop. Causal query tiles run
+longest first. No branch depends on a lane's data: the WGMMA waits ``kiln-insert-waits`` places
+are ``.aligned`` (a warp must reach each at one address), so O is rescaled every step.
 
 Run: ``python examples/tutorials/attention.py``.
 """
@@ -50,7 +56,7 @@ from kiln.runtime.cuda import cuda_available
 LOG2E = 1.4426950408889634
 
 
-@kiln.kernel(num_threads="THREADS")
+@kiln.kernel(num_threads="THREADS", flush_denormals=True)   # exp2: one MUFU.EX2
 def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Tensor[bf16, 2],
                      o: kiln.Tensor[bf16, 2], cu_seqlens: kiln.Tensor[i32], qk_scale: f32,
                      D: kiln.constexpr, BM: kiln.constexpr, BN: kiln.constexpr,
@@ -79,6 +85,7 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
         kiln.copy(rows(k, BN, i * BN), k_s[i])
         if i < STAGES - 2:
             kiln.copy(rows(v, BN, i * BN), v_s[i])
+    kiln.barrier()                                    # Q landed
     s0 = kiln.accumulator(q_s, k_s[0].T, warps="rows")
     p = kiln.cast(s0, bf16)                           # the P of the step before the first
     acc = kiln.accumulator(p, v_s[-1], warps="rows")
@@ -102,10 +109,6 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
     def step(kv0, st, p, alpha, acc, m, l, masked):
         """S_j = Q K_j^T and O += P_j-1 V_j-1 run together (FlashAttention-3's order): the
         softmax of S_j waits for S_j only, while P_j-1 V_j-1 is still on the tensor cores."""
-        kiln.barrier()                                # K_j, V_j-1 landed; S_j-1, P V_j-2 done
-        ahead = (st + STAGES - 1) % STAGES            # the stage of K_j-1 and V_j-2
-        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[ahead])  # past the end: masked
-        kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[(ahead + STAGES - 1) % STAGES])
         s = kiln.gemm(q_s, k_s[st].T, s0)
         acc = kiln.gemm(p, v_s[st - 1], acc * alpha)
         if masked:                                    # index tiles, live in this loop only
@@ -118,8 +121,16 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
         # base 2 with the scale folded in: one FMA and an exp2 per score
         p = kiln.exp2(kiln.fma(s, qk_scale, m_new * -qk_scale))
         alpha = kiln.exp2((m - m_new) * qk_scale)
-        l = l * alpha + kiln.reduce(p, "sum", axis=1)
-        return kiln.cast(p, bf16), alpha, acc, m_new, l
+        # P in bf16 (the next step's A operand) and the running sum of its f32 values
+        p, l = kiln.cast(p, bf16), l * alpha + kiln.reduce(p, "sum", axis=1)
+        # S_j read K_j, P_j-1 V_j-1 read V_j-1 (kiln-insert-waits retires it here): hand them
+        # back. The copies refill the stages of K_j-1 and V_j-2, released a step ago: on
+        # sm_90a they wait for every thread's release, no block barrier (the warpgroups run
+        # apart)
+        kiln.release(k_s[st], v_s[st - 1])
+        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[st - 1])  # past the end: masked
+        kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[st - 2])
+        return p, alpha, acc, m_new, l
 
     def steps(kv0, p, alpha, acc, m, l, masked):      # a step per stage: Python-int stages
         for st in range(STAGES):
@@ -130,25 +141,24 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
         p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, False)
     for g in kiln.range(full, last):
         p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, True)
-    kiln.barrier()                                    # the last V landed
     acc = kiln.gemm(p, v_s[-1], acc * alpha)
     kiln.copy(kiln.cast(acc / l, bf16), kiln.GlobalTile(o, (BM, D), (start + row0, col0),
                                                         row_end=start + length, align=ALIGN))
 
 
 # (BM, BN, warps, K/V stages) per head dim: sm_90a (WGMMA), other NVIDIA (mma.sync), AMD (4
-# wavefronts whatever the warps; P in VGPRs too, no register A: D 128 takes 32 keys a step to
-# stay clear of scratch). On an H200, 128 keys a step at D 128 ran 1.16x faster in
-# bench/attention_tutorial_ab.py's copy of this kernel (non-causal; not yet timed here)
-HOPPER_BLOCKS = {64: (128, 64, 8, 2), 128: (128, 128, 8, 2)}
-BLOCKS = {64: (128, 64, 8, 2), 128: (128, 64, 8, 2)}
-AMD_BLOCKS = {64: (128, 64, 8, 2), 128: (128, 32, 8, 2)}
+# wavefronts whatever the warps; P in VGPRs too, no register A: 32 keys a step stay clear of
+# scratch). 3 stages: a step's copies refill the stages of the step before it
+HOPPER_BLOCKS = {64: (128, 64, 8, 3), 128: (128, 128, 8, 3)}
+BLOCKS = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3)}
+AMD_BLOCKS = {64: (128, 32, 8, 3), 128: (128, 32, 8, 3)}
 
 
 def config(d: int, target: str | None, block: tuple[int, ...] | None = None) -> dict:
     """Block sizes (``block = (BM, BN, warps[, stages])`` overrides them): on NVIDIA 128 query
     rows over 8 warps (16 rows each: two warpgroups on sm_90a), 64 keys per step (128 on sm_90a
-    at D 128: 538 against 462 TFLOP/s on an H200) and K/V in 2 stages; on AMD 4 wavefronts of 64 lanes (32 rows each). ``target`` None is Kiln's default."""
+    at D 128) and K/V in 3 stages (2 is correct too, with no copy running a step ahead); on
+    AMD 4 wavefronts of 64 lanes (32 rows each). ``target`` None is Kiln's default."""
     if d not in (64, 128):
         raise kiln.KilnValueError(f"the attention tutorial takes head dim 64 or 128, got {d}",
                                   fix="pad the head dimension to 64 or 128")
@@ -156,7 +166,7 @@ def config(d: int, target: str | None, block: tuple[int, ...] | None = None) -> 
     table = (AMD_BLOCKS if name.startswith("gfx") else
              HOPPER_BLOCKS if name.startswith("sm_90") else BLOCKS)
     bm, bn, warps, *stages = block or table[d]
-    return dict(D=d, BM=bm, BN=bn, STAGES=stages[0] if stages else 2,
+    return dict(D=d, BM=bm, BN=bn, STAGES=stages[0] if stages else 3,
                 THREADS=256 if name.startswith("gfx") else 32 * warps)
 
 
