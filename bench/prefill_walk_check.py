@@ -43,6 +43,36 @@ def item_of(tile: int, head: int, batch: int, tiles: int, heads: int, batches: i
     return (batch * heads + head) * tiles + tile
 
 
+def tile_of(item: int, tiles: int, heads: int, batches: int, causal: bool) -> tuple:
+    """``(query tile, head, batch)`` of a work item: :func:`item_of`'s inverse."""
+    if causal:
+        rest = item % (heads * batches)
+        return tiles - 1 - item // (heads * batches), rest % heads, rest // heads
+    rest = item // tiles
+    return item % tiles, rest % heads, rest // heads
+
+
+def last_tile_start(tile: int, cfg, seq: int, causal: bool) -> int:
+    """The first key of the last key tile query tile ``tile`` visits."""
+    end = min((tile + 1) * cfg.block_m, seq) if causal else seq
+    return (end - 1) // cfg.block_n * cfg.block_n
+
+
+def partial_reference(host, b: int, h: int, rows: slice, causal: bool, keep):
+    """The reference rows ``rows`` of (batch ``b``, head ``h``) with only the keys ``n`` where
+    ``keep(n)`` in the numerator (the softmax's row sums over every key)."""
+    import numpy as np
+
+    q, k, v = (x[b, :, h].astype(np.float64) for x in host)
+    s = q[rows] @ k.T / math.sqrt(q.shape[-1])
+    keys = np.arange(k.shape[0])
+    if causal:
+        s = np.where(keys[None, :] <= np.arange(rows.start, rows.stop)[:, None], s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    return (w * keep(keys)[None, :]) @ v
+
+
 def reference(host, causal: bool, device):
     """float32 attention of the bf16 inputs ``host`` ([B, S, H, D] numpy), [B, S, H, Dv]:
     on ``device`` through torch, or in numpy where it is None."""
@@ -139,11 +169,25 @@ def main(argv=None) -> None:
     for item, bi, t, hi, e in wrong[:args.show]:
         rows = slice(t * cfg.block_m, min((t + 1) * cfg.block_m, seq))
         o, r = out[bi, rows, hi], ref[bi, rows, hi]
-        described.append(dict(item=item, round=item // ctas if ctas else None, b=bi, tile=t,
-                              head=hi, group_err=e, zero_rows=int((o == 0).all(-1).sum()),
-                              nan_rows=int(np.isnan(o).any(-1).sum()),
-                              out_norm=round(float(np.linalg.norm(np.nan_to_num(o))), 3),
-                              ref_norm=round(float(np.linalg.norm(r)), 3)))
+        entry = dict(item=item, round=item // ctas if ctas else None, b=bi, tile=t, head=hi,
+                     group_err=e, zero_rows=int((o == 0).all(-1).sum()),
+                     nan_rows=int(np.isnan(o).any(-1).sum()),
+                     out_norm=round(float(np.linalg.norm(np.nan_to_num(o))), 3),
+                     ref_norm=round(float(np.linalg.norm(r)), 3))
+        # What the wrong rows hold instead: O without its first / last key tile's P V (the
+        # row sums kept), or the reference rows of the item before on the same CTA.
+        for name, keep in (("err_no_first_tile", lambda n: n >= cfg.block_n),
+                           ("err_no_last_tile", lambda n: n < last_tile_start(
+                               t, cfg, seq, causal))):
+            alt = partial_reference(host, bi, hi, rows, causal, keep)
+            entry[name] = round(float(np.abs(np.nan_to_num(o, nan=1e9) - alt).max()), 3)
+        if ctas and item >= ctas:
+            pt, ph, pb = tile_of(item - ctas, tiles, h, b, causal)
+            prows = slice(pt * cfg.block_m, min((pt + 1) * cfg.block_m, seq))
+            if prows.stop - prows.start == rows.stop - rows.start:
+                entry["err_vs_previous_item"] = round(float(np.abs(
+                    np.nan_to_num(o, nan=1e9) - ref[pb, prows, ph]).max()), 3)
+        described.append(entry)
     result["described"] = described
     print(json.dumps(result), flush=True)
 
