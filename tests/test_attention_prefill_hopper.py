@@ -83,19 +83,23 @@ def _run_persistent(monkeypatch, **options):
 
 # The one-tile kernel's edge cases (long sequences take it) and the opt-in overlapped walk's run
 # in the slow tier (CI runs it too); the default persistent kernel's here.
-@pytest.fixture(params=["persistent", pytest.param("overlapped", marks=pytest.mark.slow),
+@pytest.fixture(params=["persistent", pytest.param("persistent_direct", marks=pytest.mark.slow),
+                        pytest.param("overlapped", marks=pytest.mark.slow),
                         pytest.param("overlapped_staged", marks=pytest.mark.slow),
                         pytest.param("one_tile", marks=pytest.mark.slow),
                         pytest.param("skip_overlapped", marks=pytest.mark.slow),
                         pytest.param("skip_one_tile", marks=pytest.mark.slow)])
 def kernel_kind(request, monkeypatch):
     """Short sequences run the persistent kernel; ``overlapped`` / ``overlapped_staged`` turn
-    on its opt-in overlapped walk (output stored from the registers / staged in the Q buffer);
+    on its opt-in overlapped walk (output stored from the registers / staged in the Q buffer),
+    ``persistent_direct`` stores the default walk's output from the registers;
     ``one_tile`` makes them run the kernel of one CTA a query tile, which long ones take;
     ``skip_*``: 64-key tiles whose first consumer group skips the tiles none of its rows sees
     (``skip_masked_tiles``), on the overlapped walk or one tile a CTA."""
     if request.param == "one_tile":
         monkeypatch.setattr(prefill_config, "PERSISTENT_MAX_KEYS", 0)
+    elif request.param == "persistent_direct":
+        _run_overlapped(monkeypatch, direct_store=True)
     elif request.param == "overlapped":
         _run_overlapped(monkeypatch)
     elif request.param == "overlapped_staged":

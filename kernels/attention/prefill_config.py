@@ -127,7 +127,7 @@ class HopperPrefillConfig(HeadDimTiles):
     ``persistent``: one CTA per SM walks the work items (short sequences, :meth:`for_shape`);
     there ``overlap_items`` issues an item's last ``P V`` with the next item's first
     ``S = Q K^T`` (:attr:`overlaps_items`), and under a causal mask ``zigzag`` deals every
-    second round of items in reverse CTA order; ``direct_store`` (overlapped items) writes O
+    second round of items in reverse CTA order; ``direct_store`` (either walk) writes O
     from the registers in 4-byte stores instead of staging it in the Q buffer. These three are
     off by default: the overlapped walk is wrong on the GPU (docs/kernels.md, short sequences;
     ``compile_prefill`` refuses it).

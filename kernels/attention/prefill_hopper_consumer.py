@@ -169,8 +169,9 @@ def _store_item(ctx, consumer, acc, factors, fragment_rows, head, m0, q_start, s
                 q_buffer, q_use=None):
     """The normalised output and LSE of one item's rows (``factors``: :func:`_row_factors`'
     tuple, or the softmax to take them from; ``fragment_rows``:
-    :func:`_fragment_rows`' of the item), staged in Q buffer ``q_buffer``, which a persistent
-    kernel then hands back to the producer. ``q_use``: the buffer's use by this item, waited
+    :func:`_fragment_rows`' of the item), staged in Q buffer ``q_buffer`` (a persistent
+    kernel with ``direct_store``: stored from the registers), which a persistent kernel then
+    hands back to the producer. ``q_use``: the buffer's use by this item, waited
     again (it landed long ago, but the wait pass does not tell the two Q buffers' hand-backs
     apart)."""
     st = ctx.st
@@ -181,7 +182,7 @@ def _store_item(ctx, consumer, acc, factors, fragment_rows, head, m0, q_start, s
     else:  # the softmax itself: 1 / row sum, O's scaling, then LSE and max (as ever before)
         out = wgmma.scale_rows(acc, _inverse_norm(factors))
         lse_rows, max_rows = factors.log_sum_exp().values[0], factors.max_vec.values[0]
-    if st.config.direct_store and st.config.overlaps_items:
+    if st.config.direct_store and st.config.persistent:  # no staging: the buffer is free
         _write_rows(out, lse_rows, max_rows, rows, ctx.o, ctx.lse, head, st.dv, seq_q, q_start,
                     first_col, lane, ctx.lse_row_mult, ctx.lse_head_stride, st.return_lse)
         ctx.q_empty.arrive(q_buffer)
