@@ -255,10 +255,12 @@ def _consume_tile(ctx, consumer, head, m0, q_start, seq_q, seq_k, lo_last, hi_fi
 
 
 @kiln.func
-def _flush(ctx, consumer, acc, probs, rescale_pending, softmax, last_use, head, m0, q_start,
-           seq_q, q_use, empty):
+def _flush(ctx, consumer, ops, acc, probs, rescale_pending, softmax, last_use, head, m0,
+           q_start, seq_q, q_use, empty):
     """The last item's last ``P V`` alone (no next item to pair it with), then its output
-    (zeros where ``empty``: see :func:`_one_tile_at_least`)."""
+    (zeros where ``empty``: see :func:`_one_tile_at_least`). ``ops``: operands made before
+    the walk (a V descriptor made here, after the loop, lost its upper word in ptxas 13.0:
+    the product read outside shared memory)."""
     STAGES = ctx.STAGES
     stage = last_use % STAGES
     ctx.v_full.try_wait(stage, (last_use // STAGES) % 2)
@@ -266,7 +268,7 @@ def _flush(ctx, consumer, acc, probs, rescale_pending, softmax, last_use, head, 
     if rescale_pending:
         acc = wgmma.scale_rows(acc, softmax.scale_vec.values[0])
     nvidia_asm.named_barrier(PINGPONG_BARRIER + consumer, TURN_THREADS)
-    acc = _issue_pv(_operands(ctx, consumer, 0), acc, probs, stage)
+    acc = _issue_pv(ops, acc, probs, stage)
     nvidia_asm.named_barrier_arrive(PINGPONG_BARRIER + 1 - consumer, TURN_THREADS)
     wgmma.wait_group(0, reads=probs)
     if ctx.tid % WARP_GROUP_THREADS == 0:
@@ -293,6 +295,7 @@ def _consume_items(ctx, consumer, work_items, num_q_tiles, heads, batches, cu_q,
     acc = wgmma.fragment_zeros(config.v_width)
     softmax = _fresh_softmax(ctx, 0, bn)
     probs = _p_operands(wgmma.fragment_to_tile(wgmma.fragment_zeros(bn)), in_type)
+    flush_ops = _operands(ctx, consumer, 0)  # the last P V's (see _flush)
     rescale_pending = ctx.tid < 0  # a traced False
     prev_empty = rescale_pending
     prev_head, prev_m0, prev_q_start, prev_seq_q = 0, 0, 0, 0
@@ -362,7 +365,7 @@ def _consume_items(ctx, consumer, work_items, num_q_tiles, heads, batches, cu_q,
         kv_use = kv_use + kiln.where(active, end_tile - first_tile, 0)
         q_use = q_use + kiln.where(active, 1, 0)
     if q_use > 0:
-        _flush(ctx, consumer, acc, probs, rescale_pending, softmax,
+        _flush(ctx, consumer, flush_ops, acc, probs, rescale_pending, softmax,
                prev_last_use if config.skip_masked_tiles else kv_use - 1, prev_head,
                prev_m0, prev_q_start, prev_seq_q, q_use - 1, prev_empty)
     if consumer == 0:  # absorb consumer 1's last hand-over
