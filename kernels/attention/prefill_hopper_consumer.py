@@ -302,7 +302,9 @@ def _consume_items(ctx, consumer, work_items, num_q_tiles, heads, batches, cu_q,
     # The pending item's last key tile this group saw (skip_masked_tiles): use 0 is virtual.
     prev_last_use = OVERLAP_FIRST_USE - 1
     # The K/V ring starts at its virtual use 0 (OVERLAP_FIRST_USE): its K is released here,
-    # its V by the first item's dropped product.
+    # its V by the first item's dropped product. Its K phase is waited first, so every phase
+    # completed is waited on (compute-sanitizer synccheck: no missing wait).
+    ctx.k_full.try_wait(0, 0)
     if first_thread:
         ctx.k_empty.arrive(0)
     kv_use = OVERLAP_FIRST_USE
