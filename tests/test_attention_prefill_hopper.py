@@ -3,7 +3,6 @@ checks and results on a GPU (``gpu``, against float64); the compiled kernel's ch
 ``test_attention_prefill_hopper_ptx.py``."""
 
 import importlib
-import os
 import re
 from dataclasses import replace
 
@@ -83,19 +82,23 @@ def _run_persistent(monkeypatch, **options):
 
 # The one-tile kernel's edge cases (long sequences take it) and the opt-in overlapped walk's run
 # in the slow tier (CI runs it too); the default persistent kernel's here.
-@pytest.fixture(params=["persistent", pytest.param("overlapped", marks=pytest.mark.slow),
+@pytest.fixture(params=["persistent", pytest.param("persistent_direct", marks=pytest.mark.slow),
+                        pytest.param("overlapped", marks=pytest.mark.slow),
                         pytest.param("overlapped_staged", marks=pytest.mark.slow),
                         pytest.param("one_tile", marks=pytest.mark.slow),
                         pytest.param("skip_overlapped", marks=pytest.mark.slow),
                         pytest.param("skip_one_tile", marks=pytest.mark.slow)])
 def kernel_kind(request, monkeypatch):
     """Short sequences run the persistent kernel; ``overlapped`` / ``overlapped_staged`` turn
-    on its opt-in overlapped walk (output stored from the registers / staged in the Q buffer);
+    on its opt-in overlapped walk (output stored from the registers / staged in the Q buffer),
+    ``persistent_direct`` stores the default walk's output from the registers;
     ``one_tile`` makes them run the kernel of one CTA a query tile, which long ones take;
     ``skip_*``: 64-key tiles whose first consumer group skips the tiles none of its rows sees
     (``skip_masked_tiles``), on the overlapped walk or one tile a CTA."""
     if request.param == "one_tile":
         monkeypatch.setattr(prefill_config, "PERSISTENT_MAX_KEYS", 0)
+    elif request.param == "persistent_direct":
+        _run_overlapped(monkeypatch, direct_store=True)
     elif request.param == "overlapped":
         _run_overlapped(monkeypatch)
     elif request.param == "overlapped_staged":
@@ -123,6 +126,12 @@ def test_short_sequences_take_the_persistent_kernel():
         (512, False, 128, 3), (512, True, 128, 3), (1024, False, 128, 3), (1024, True, 128, 3),
         (2048, False, 192, 3), (2048, True, 128, 3)]
     assert all(c.shared_bytes() <= prefill_config.SHARED_BUDGET for _, _, c in tiles)
+    # The overlapped walk with direct stores: unmasked up to 1k keys, causal past 512.
+    assert [(keys, causal) for keys, causal, c in tiles if c.overlaps_items and c.direct_store] \
+        == [(512, False), (1024, False), (1024, True), (2048, True)]
+    # D 256 at 512 keys: 64-key tiles, one tile a CTA; 80-key ones past that.
+    assert [HopperPrefillConfig.for_shape(256, None, keys, causal).block_n
+            for keys in (512, 513) for causal in (False, True)] == [64, 64, 80, 80]
     # D 96 causal: 64-key tiles skipping the first group's masked one up to 512 keys, then one
     # tile a CTA.
     short96 = HopperPrefillConfig.for_shape(96, 96, 512, causal=True)
@@ -446,11 +455,7 @@ PERSISTENT_WALKS = {
 
 @pytest.mark.gpu
 @needs_gpu
-# The overlapped walk faulted on an H200 (illegal address, docs/kernels.md): a fault ends the
-# process's CUDA context, so it runs only where asked for (KILN_GPU_OVERLAPPED=1).
-@pytest.mark.parametrize("walk", ["picked", pytest.param("overlapped", marks=pytest.mark.skipif(
-    os.environ.get("KILN_GPU_OVERLAPPED") != "1", reason="faults on the GPU: run alone")),
-    "one_by_one"])
+@pytest.mark.parametrize("walk", ["picked", "overlapped", "one_by_one"])
 @pytest.mark.parametrize("case", PERSISTENT_WALKS.values(), ids=PERSISTENT_WALKS.keys())
 def test_persistent_ctas_walk_many_work_items_on_gpu(case, walk, monkeypatch, rng):
     """Two CTAs walk every work item of a ragged batch (items past a sequence's end, sequences
@@ -521,3 +526,23 @@ def test_repeat_dense_calls_reuse_one_bound_plan(rng):
     assert not strided_q.is_contiguous()
     o_general = prefill(strided_q, dev[1], dev[2], causal=True)
     torch.testing.assert_close(o_general, o, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("d,causal", [(64, True), (96, False), (128, False)])
+@pytest.mark.parametrize("direct_store", [True, False], ids=["direct", "staged"])
+def test_overlapped_walk_last_items_on_gpu(d, causal, direct_store, monkeypatch, rng):
+    """Sixteen CTAs, each walking four or more 512-key items: every CTA's last item's product
+    (issued after the item loop) read outside shared memory at D 64 causal and the wrong
+    bytes at D 96 / 128 when ptxas dropped its descriptor's upper word (docs/kernels.md)."""
+    import torch
+
+    monkeypatch.setattr(prefill_module.runtime, "multiprocessor_count", lambda: 16)
+    _run_overlapped(monkeypatch, **dict(OVERLAPPED, direct_store=direct_store))
+    q, k, v = (x.astype(ml_dtypes.bfloat16)
+               for x in random_qkv(rng, batch=2, sq=512, sk=512, hq=8, hkv=8, d=d)[:3])
+    dev = [torch.from_numpy(x.astype(np.float32)).to("cuda", torch.bfloat16) for x in (q, k, v)]
+    poison_cuda_pool(torch, 2 * q.nbytes)
+    o, lse = prefill(*dev, causal=causal, return_lse=True)
+    assert_attention_close(o, q, k, v, lse=lse, causal=causal)

@@ -86,11 +86,6 @@ def compile_prefill(dtype="bf16", *, target, head_dim=128, head_dim_v=None, caus
         return compiled_prefill_fp8(chip, mask, head_dim, head_dim_v, group, sinks, return_lse,
                                    softcap, config)
     cfg = _config(head_dim, head_dim_v, config)
-    if cfg.overlaps_items:
-        raise kiln.UnsupportedError(
-            "the overlapped walk (overlap_items=True) faults or errs on the GPU "
-            "(docs/kernels.md, short sequences)",
-            fix="leave overlap_items off (the default walk of the persistent kernel)")
     kernel = make_kernel(name, cfg, mask, int(group), bool(sinks), bool(return_lse), softcap)
     args = _placeholder_args(name, cfg, group)
     return kernel.compile(*args, target=chip.name, num_warps=cfg.num_warps,

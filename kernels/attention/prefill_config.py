@@ -42,17 +42,25 @@ PERSISTENT_MAX_KEYS = 2048
 # dims SHORT_CONFIGS does not list (D 192 and 256 accumulators spill in its loop; at D 128
 # causal one tile a CTA measured faster).
 PERSISTENT_MAX_V_WIDTH = {False: 128, True: 64}
-# (head_dim or (head_dim, head_dim_v), causal) -> ((keys, fields), ...): what sequences of up
-# to ``keys`` keys run, first match, as fields over for_head_dim's config; past the last
-# ``keys``, one tile a CTA (H200, bench/attention_short.py: at D 64, 128-key tiles leave no
+# (head_dim or (head_dim, head_dim_v), causal) -> ((keys, fields), ...): what sequences of up to
+# ``keys`` keys run, first match, as fields over for_head_dim's config; past the last ``keys``,
+# one tile a CTA (H200, bench/attention_short.py vs cuDNN: at D 64, 128-key tiles leave no
 # partial tile at 512 / 1k keys and waste less of a causal diagonal, +5-18% over 192; a third
-# stage +0.5-5%; D 96 causal at 512 keys: 64-key tiles skipping the first group's masked one
-# 0.92 of cuDNN vs 0.85 one tile a CTA, at 1k 0.93 vs 1.00).
+# stage +0.5-5%; the overlapped walk (an item's last P V with the next item's first S, output
+# stored from the registers) 1.01 / 1.03 of cuDNN at 512 / 1k keys unmasked against 0.93 /
+# 0.96, causal 1k / 2k 0.95 / 0.98 against 0.94 / 0.95, at causal 512 0.90 against 0.92; D 96
+# causal at 512 keys: 64-key tiles skipping the first group's masked one 0.92 of cuDNN vs 0.85
+# one tile a CTA, at 1k 0.93 vs 1.00; D 256 at 512 keys: 64-key tiles (8 whole tiles, 80-key
+# ones leave a partial one) 0.95 / 0.94 causal / unmasked against 0.91 / 0.93).
+OVERLAPPED_WALK = dict(persistent=True, overlap_items=True, direct_store=True)
 SHORT_CONFIGS = {
-    (64, False): ((1024, dict(persistent=True, block_n=128, stages=3)),
+    (64, False): ((1024, dict(block_n=128, stages=3, **OVERLAPPED_WALK)),
                   (PERSISTENT_MAX_KEYS, dict(persistent=True, block_n=192, stages=3))),
-    (64, True): ((PERSISTENT_MAX_KEYS, dict(persistent=True, block_n=128, stages=3)),),
+    (64, True): ((512, dict(persistent=True, block_n=128, stages=3)),
+                 (PERSISTENT_MAX_KEYS, dict(block_n=128, stages=3, **OVERLAPPED_WALK))),
     (96, True): ((512, dict(persistent=True, block_n=64, stages=4, skip_masked_tiles=True)),),
+    (256, False): ((512, dict(block_n=64)),),
+    (256, True): ((512, dict(block_n=64)),),
 }
 
 
@@ -127,10 +135,10 @@ class HopperPrefillConfig(HeadDimTiles):
     ``persistent``: one CTA per SM walks the work items (short sequences, :meth:`for_shape`);
     there ``overlap_items`` issues an item's last ``P V`` with the next item's first
     ``S = Q K^T`` (:attr:`overlaps_items`), and under a causal mask ``zigzag`` deals every
-    second round of items in reverse CTA order; ``direct_store`` (overlapped items) writes O
-    from the registers in 4-byte stores instead of staging it in the Q buffer. These three are
-    off by default: the overlapped walk is wrong on the GPU (docs/kernels.md, short sequences;
-    ``compile_prefill`` refuses it).
+    second round of items in reverse CTA order; ``direct_store`` (either walk) writes O
+    from the registers in 4-byte stores instead of staging it in the Q buffer. Off here;
+    :meth:`for_shape` turns the overlapped walk with direct stores on where it measured faster
+    (``SHORT_CONFIGS``; docs/kernels.md, short sequences).
     ``skip_masked_tiles``: each consumer group stops at the last key tile one of its own 64
     rows sees (with 64-key tiles under a causal mask, the first group skips the CTA's last
     tile) and passes its turn there without products; off by default (docs/kernels.md)."""

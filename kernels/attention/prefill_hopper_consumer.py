@@ -169,8 +169,9 @@ def _store_item(ctx, consumer, acc, factors, fragment_rows, head, m0, q_start, s
                 q_buffer, q_use=None):
     """The normalised output and LSE of one item's rows (``factors``: :func:`_row_factors`'
     tuple, or the softmax to take them from; ``fragment_rows``:
-    :func:`_fragment_rows`' of the item), staged in Q buffer ``q_buffer``, which a persistent
-    kernel then hands back to the producer. ``q_use``: the buffer's use by this item, waited
+    :func:`_fragment_rows`' of the item), staged in Q buffer ``q_buffer`` (a persistent
+    kernel with ``direct_store``: stored from the registers), which a persistent kernel then
+    hands back to the producer. ``q_use``: the buffer's use by this item, waited
     again (it landed long ago, but the wait pass does not tell the two Q buffers' hand-backs
     apart)."""
     st = ctx.st
@@ -181,7 +182,7 @@ def _store_item(ctx, consumer, acc, factors, fragment_rows, head, m0, q_start, s
     else:  # the softmax itself: 1 / row sum, O's scaling, then LSE and max (as ever before)
         out = wgmma.scale_rows(acc, _inverse_norm(factors))
         lse_rows, max_rows = factors.log_sum_exp().values[0], factors.max_vec.values[0]
-    if st.config.direct_store and st.config.overlaps_items:
+    if st.config.direct_store and st.config.persistent:  # no staging: the buffer is free
         _write_rows(out, lse_rows, max_rows, rows, ctx.o, ctx.lse, head, st.dv, seq_q, q_start,
                     first_col, lane, ctx.lse_row_mult, ctx.lse_head_stride, st.return_lse)
         ctx.q_empty.arrive(q_buffer)
@@ -254,10 +255,12 @@ def _consume_tile(ctx, consumer, head, m0, q_start, seq_q, seq_k, lo_last, hi_fi
 
 
 @kiln.func
-def _flush(ctx, consumer, acc, probs, rescale_pending, softmax, last_use, head, m0, q_start,
-           seq_q, q_use, empty):
+def _flush(ctx, consumer, ops, acc, probs, rescale_pending, softmax, last_use, head, m0,
+           q_start, seq_q, q_use, empty):
     """The last item's last ``P V`` alone (no next item to pair it with), then its output
-    (zeros where ``empty``: see :func:`_one_tile_at_least`)."""
+    (zeros where ``empty``: see :func:`_one_tile_at_least`). ``ops``: operands made before
+    the walk (a V descriptor made here, after the loop, lost its upper word in ptxas 13.0:
+    the product read outside shared memory)."""
     STAGES = ctx.STAGES
     stage = last_use % STAGES
     ctx.v_full.try_wait(stage, (last_use // STAGES) % 2)
@@ -265,7 +268,7 @@ def _flush(ctx, consumer, acc, probs, rescale_pending, softmax, last_use, head, 
     if rescale_pending:
         acc = wgmma.scale_rows(acc, softmax.scale_vec.values[0])
     nvidia_asm.named_barrier(PINGPONG_BARRIER + consumer, TURN_THREADS)
-    acc = _issue_pv(_operands(ctx, consumer, 0), acc, probs, stage)
+    acc = _issue_pv(ops, acc, probs, stage)
     nvidia_asm.named_barrier_arrive(PINGPONG_BARRIER + 1 - consumer, TURN_THREADS)
     wgmma.wait_group(0, reads=probs)
     if ctx.tid % WARP_GROUP_THREADS == 0:
@@ -292,13 +295,16 @@ def _consume_items(ctx, consumer, work_items, num_q_tiles, heads, batches, cu_q,
     acc = wgmma.fragment_zeros(config.v_width)
     softmax = _fresh_softmax(ctx, 0, bn)
     probs = _p_operands(wgmma.fragment_to_tile(wgmma.fragment_zeros(bn)), in_type)
+    flush_ops = _operands(ctx, consumer, 0)  # the last P V's (see _flush)
     rescale_pending = ctx.tid < 0  # a traced False
     prev_empty = rescale_pending
     prev_head, prev_m0, prev_q_start, prev_seq_q = 0, 0, 0, 0
     # The pending item's last key tile this group saw (skip_masked_tiles): use 0 is virtual.
     prev_last_use = OVERLAP_FIRST_USE - 1
     # The K/V ring starts at its virtual use 0 (OVERLAP_FIRST_USE): its K is released here,
-    # its V by the first item's dropped product.
+    # its V by the first item's dropped product. Its K phase is waited first, so every phase
+    # completed is waited on (compute-sanitizer synccheck: no missing wait).
+    ctx.k_full.try_wait(0, 0)
     if first_thread:
         ctx.k_empty.arrive(0)
     kv_use = OVERLAP_FIRST_USE
@@ -361,7 +367,7 @@ def _consume_items(ctx, consumer, work_items, num_q_tiles, heads, batches, cu_q,
         kv_use = kv_use + kiln.where(active, end_tile - first_tile, 0)
         q_use = q_use + kiln.where(active, 1, 0)
     if q_use > 0:
-        _flush(ctx, consumer, acc, probs, rescale_pending, softmax,
+        _flush(ctx, consumer, flush_ops, acc, probs, rescale_pending, softmax,
                prev_last_use if config.skip_masked_tiles else kv_use - 1, prev_head,
                prev_m0, prev_q_start, prev_seq_q, q_use - 1, prev_empty)
     if consumer == 0:  # absorb consumer 1's last hand-over
