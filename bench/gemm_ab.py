@@ -106,7 +106,12 @@ CANDIDATES = {
               C(block_n=128, stages=6, stream_k=True, pdl=True),
               C(block_n=192, stream_k=True, pdl=True), C(stream_k=True, pdl=True),
               C(block_m=64, block_n=256, stages=4, stream_k=True, pdl=True),
-              C(stream_k=True, group_m=16), C(block_n=192, stream_k=True)),
+              C(stream_k=True, group_m=16), C(block_n=192, stream_k=True),
+              # odd multiples of 32 columns (B stored N x K): 70B QKV M = 256 makes 128
+              # tiles of 128 x 160, 8B QKV M = 256 128 of 128 x 96
+              C(block_n=160), C(block_n=160, stages=5), C(block_n=160, pdl=True),
+              C(block_n=160, cluster_m=2), C(block_n=96, stages=6), C(block_n=96, stages=7),
+              C(block_n=96, stages=6, cluster_m=2), C(block_n=128, stages=5, cluster_m=2)),
     # the large-GEMM autotuner's space and its neighbours
     1 << 30: HOPPER_CONFIGS + (C(group_m=16), C(block_n=192, group_m=16),
                                C(cluster_m=2, group_m=16), C(block_n=192, stream_k=True),
@@ -114,7 +119,10 @@ CANDIDATES = {
                                C(block_m=64, block_n=256, stages=4, pingpong=True),
                                C(group_m=4), C(pdl=True),
                                C(block_n=128, stages=6, stream_k=True),
-                               C(block_n=128, stages=5, stream_k=True, group_m=16)),
+                               C(block_n=128, stages=5, stream_k=True, group_m=16),
+                               C(block_n=160), C(block_n=160, stages=5),
+                               C(block_n=160, cluster_m=2), C(block_n=224, stages=3),
+                               C(block_n=224), C(block_n=224, stages=3, cluster_m=2)),
 }
 
 
@@ -176,9 +184,10 @@ def parse_config(spec: str) -> HopperGemmConfig:
 
 def cell_configs(m: int, trans_b: bool, matmul_only: bool, fixed=None) -> list:
     """The candidates timed at a cell: ``fixed`` (``--configs``) or those of its M (none with
-    ``matmul_only``), without swap-AB where B is stored K x N."""
+    ``matmul_only``), without swap-AB or odd multiples of 32 columns where B is stored K x N."""
     space = candidates(m) if fixed is None else fixed
-    return [] if matmul_only else [c for c in space if trans_b or not c.swap_ab]
+    return [] if matmul_only else [c for c in space
+                                   if trans_b or not (c.swap_ab or c.block_n % 64)]
 
 
 def ab_cell(spec: str, repeat: int, batch: int, top: int = 5,
