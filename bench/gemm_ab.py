@@ -18,7 +18,8 @@ Kiln time for both, microseconds, the config (every row is in ``--json``).
 ``--matmul-only`` (or cells outside ``--ab-min-m``/``--ab-max-m``/``--ab-cells``) times
 ``matmul``'s own pick alone (a quick check of the defaults); ``--configs`` /
 ``--large-configs`` (``field=value,...`` text) time those configs at the A/B cells of M up to
-512 / above instead of the candidate lists; ``--precompile I/N`` fills the disk cache first
+512 / above instead of the candidate lists (``--configs-min-m``: cells of smaller M keep the
+lists); ``--precompile I/N`` fills the disk cache first
 from N processes. ``--budget`` seconds stops between cells. Usage::
 
     python bench/gemm_ab.py --cells llama3-8b:o:64 llama3-8b:down:1 4096x4096x4096 \
@@ -268,6 +269,8 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", type=parse_config,
                         help="time these configs at the A/B cells of M <= 512 instead of "
                              "CANDIDATES: 'default' or e.g. block_n=128,stages=6,stream_k=1")
+    parser.add_argument("--configs-min-m", type=int, default=0,
+                        help="A/B cells of smaller M time the candidate lists, not --configs")
     parser.add_argument("--large-configs", nargs="+", type=parse_config,
                         help="the same for the A/B cells of M > 512")
     parser.add_argument("--precompile", metavar="I/N",
@@ -283,8 +286,8 @@ def main() -> None:
           and (args.ab_cells is None or spec in args.ab_cells)]
     if args.precompile:
         shard, shards = map(int, args.precompile.split("/"))
-        compile_all(_compile, _kernels(args.cells, ab, args.configs,
-                                       args.large_configs)[shard::shards])
+        compile_all(_compile, _kernels(args.cells, ab, args.configs, args.large_configs,
+                                       args.configs_min_m)[shard::shards])
         return
     results = []
     for spec in args.cells:
@@ -293,7 +296,8 @@ def main() -> None:
             break
         if args.profile and not results:
             _profile(spec)
-        fixed = args.configs if parse_cell(spec)[1] <= SMALL_M else args.large_configs
+        fixed = _fixed(parse_cell(spec)[1], args.configs, args.large_configs,
+                       args.configs_min_m)
         results.append(ab_cell(spec, args.repeat, args.batch, args.top, spec not in ab, fixed))
         if args.json:
             with open(args.json, "w") as f:
@@ -305,14 +309,21 @@ def _compile(job) -> None:
     compile_matmul("bf16", target="sm_90a", trans_b=trans_b, **vars(config))
 
 
-def _kernels(cells, ab, fixed=None, fixed_large=None) -> list:
+def _fixed(m: int, fixed, fixed_large, fixed_min_m: int = 0):
+    """The configs given for a cell of ``m`` rows (None: its candidate list)."""
+    if m > SMALL_M:
+        return fixed_large
+    return fixed if m >= fixed_min_m else None
+
+
+def _kernels(cells, ab, fixed=None, fixed_large=None, fixed_min_m=0) -> list:
     """Every (config, trans_b) the run compiles: the A/B cells' candidates (``fixed`` and
-    ``fixed_large`` replacing those of M <= 512 and above), each cell's pick (small M), the
-    large-GEMM autotuner's space (large M), in a fixed order."""
+    ``fixed_large`` replacing those of ``fixed_min_m`` <= M <= 512 and above), each cell's
+    pick (small M), the large-GEMM autotuner's space (large M), in a fixed order."""
     jobs = set()
     for spec in cells:
         _, m, n, k, trans_b = parse_cell(spec)
-        space = fixed if m <= SMALL_M else fixed_large
+        space = _fixed(m, fixed, fixed_large, fixed_min_m)
         jobs.update((c, trans_b) for c in cell_configs(m, trans_b, spec not in ab, space))
         if m > SMALL_M:
             jobs.update((c, trans_b) for c in HOPPER_CONFIGS)
