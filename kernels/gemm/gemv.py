@@ -1,0 +1,88 @@
+"""Matrix-vector products for decode (M of 1 to :data:`MAX_ROWS`, weights stored N x K).
+
+``c[i, j] = sum_k a[i, k] * w[j, k]``: a pure stream of the weights, with no tensor-core tile
+to pad (swap-AB pads M = 1 to a 32-column WGMMA tile and runs one CTA per 128 weight rows,
+which at Llama-3-8B QKV, N = 6144, leaves 84 of 132 SMs idle). Each warp owns ``ROWS`` weight
+rows; its 32 lanes read 16-byte vectors (8 bf16) of each row, ``UNROLL`` vectors of a row in
+flight per lane, multiply them with the same columns of every row of ``a`` in f32, and sum the
+lanes with butterfly shuffles; lane 0 stores ``c``. K must be a multiple of 8 (``matmul`` pads
+it), N and M need not be anything.
+
+Example (through ``kiln.kernels.gemm``, which calls :func:`run_gemv`)::
+
+    run_gemv(x, w, c, m=1, n=6144, k=4096, dtype="bf16", target="sm_90a")
+"""
+
+import functools
+import operator
+
+import kiln
+
+from .. import runtime
+
+MAX_ROWS = 4  # rows of a; above, the CUDA cores' FMAs rather than the weight stream bound it
+VECTOR = 8  # elements of one 16-byte load
+WARPS = 8  # warps per CTA
+ROWS = 2  # weight rows per warp
+UNROLL = 4  # 16-byte loads of one row in flight per lane
+LANE_MASKS = (16, 8, 4, 2, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def gemv_kernel(dtype: str, out_dtype: str, m: int):
+    """The ``@kiln.kernel`` for ``m`` rows of ``a`` (``m <= MAX_ROWS``)."""
+    in_type, out_type = kiln.dtype(dtype), kiln.dtype(out_dtype)
+    step = 32 * VECTOR  # K columns one warp covers per load
+
+    def gemv(a: kiln.Tensor[in_type, 2], w: kiln.Tensor[in_type, 2], c: kiln.Tensor[out_type, 2],
+             n: kiln.i32, k: kiln.i32):
+        lane = kiln.thread_id(0) % 32
+        first = (kiln.block_id(0) * WARPS + kiln.thread_id(0) // 32) * ROWS
+        # rows past N read row N - 1 again (a valid address); they are never stored
+        rows = [kiln.minimum(first + r, n - 1) for r in range(ROWS)]
+        totals = [kiln.cast(0.0, kiln.f32) for _ in range(ROWS * m)]  # [r * m + i]
+        whole = k - k % (step * UNROLL)  # K columns of whole unrolled rounds
+        for k0 in kiln.range(lane * VECTOR, whole, step * UNROLL):
+            for u in kiln.static_range(UNROLL):
+                totals = accumulate(a, w, rows, k0 + u * step, totals)
+        for col in kiln.range(whole + lane * VECTOR, k, step):
+            totals = accumulate(a, w, rows, col, totals)
+        for r in kiln.static_range(ROWS):
+            for i in range(m):
+                total = kiln.shuffle.butterfly_reduce(totals[r * m + i], LANE_MASKS, operator.add)
+                if (lane == 0) & (first + r < n):
+                    c.store(i, first + r, kiln.cast(total, out_type))
+
+    def accumulate(a, w, rows, col, totals):
+        """``totals`` plus the products of columns ``col .. col + 8`` (one 16-byte load of each
+        weight row and of each row of ``a``)."""
+        xs = [[kiln.cast(v, kiln.f32) for v in kiln.unpack(a.load(i, col, width=VECTOR,
+                                                                  align=16))]
+              for i in range(m)]
+        out = list(totals)
+        for r, row in enumerate(rows):
+            ws = [kiln.cast(v, kiln.f32) for v in kiln.unpack(w.load(row, col, width=VECTOR,
+                                                                    align=16))]
+            for i in range(m):
+                for e in range(VECTOR):
+                    out[r * m + i] = kiln.fma(ws[e], xs[i][e], out[r * m + i])
+        return out
+
+    gemv.__name__ = gemv.__qualname__ = f"gemv_{dtype}_{out_dtype}_m{m}"
+    return kiln.kernel(gemv)
+
+
+def grid(n: int) -> tuple[int, int, int]:
+    """CTAs for ``n`` weight rows."""
+    return -(-n // (WARPS * ROWS)), 1, 1
+
+
+def run_gemv(a, w, c, m, n, k, *, dtype, target, stream=None, interpret=False) -> None:
+    """``c = a @ w.T`` for prepared operands (K a multiple of 8, contiguous); ``interpret``
+    runs the kernel in the CPU interpreter (numpy operands)."""
+    kernel = gemv_kernel(dtype, kiln.dtype(c.dtype).name, m)
+    args = (a, w, c, n, k)
+    if interpret:
+        runtime.interpret(kernel, grid(n), list(args), target=target, num_warps=WARPS)
+    else:
+        runtime.launch(kernel, grid(n), args, target=target, num_warps=WARPS, stream=stream)
