@@ -15,17 +15,21 @@ import json
 import torch
 
 from kiln.kernels.gemm import matmul
-from kiln.kernels.gemm.gemv import gemv_kernel, grid, WARPS
+from kiln.kernels.gemm.gemv import ROWS, UNROLL, WARPS, gemv_kernel, grid
 from kiln.kernels import runtime
 from gemm_llm import MODELS, measure_pair
 
 
-def gemv_call(x, w):
+# (weight rows per warp, loads in flight per lane and row): the default first
+VARIANTS = ((ROWS, UNROLL), (1, 8), (4, 4), (2, 8))
+
+
+def gemv_call(x, w, rows=ROWS, unroll=UNROLL):
     m, k = x.shape
     n = w.shape[0]
-    kernel = gemv_kernel("bf16", "bf16", m)
-    bound = runtime.bind(kernel, grid(n), [x, w, torch.empty(m, n, device="cuda",
-                                                              dtype=torch.bfloat16), n, k],
+    kernel = gemv_kernel("bf16", "bf16", m, rows, unroll)
+    bound = runtime.bind(kernel, grid(n, rows), [x, w, torch.empty(m, n, device="cuda",
+                                                                    dtype=torch.bfloat16), n, k],
                          target="sm_90a", num_warps=WARPS)
 
     def call():
@@ -49,22 +53,26 @@ def main() -> None:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
                 reference = x.float() @ w.float().T
-                call = gemv_call(x, w)
-                err = ((call().float() - reference).norm() / reference.norm()).item()
-                if not err < 1e-2:
-                    print(f"{model} {layer} M={m}: GEMV WRONG, relative error {err}")
+                calls = [gemv_call(x, w, *v) for v in (VARIANTS if m == 1 else VARIANTS[:1])]
+                errs = [((call().float() - reference).norm() / reference.norm()).item()
+                        for call in calls]
+                if not max(errs) < 1e-2:
+                    print(f"{model} {layer} M={m}: GEMV WRONG, relative errors {errs}")
                     continue
-                fns = (lambda: torch.matmul(x, w.T), lambda: matmul(x, w, trans_b=True), call)
-                (_, cublas), (_, pick), (_, gemv) = measure_pair(torch, fns, args.repeat,
-                                                                 args.batch)
+                fns = (lambda: torch.matmul(x, w.T), lambda: matmul(x, w, trans_b=True), *calls)
+                (_, cublas), (_, pick), *gemvs = measure_pair(torch, fns, args.repeat,
+                                                              args.batch)
+                gemv = gemvs[0][1]
                 gbps = 2 * (n * k + m * k + m * n) / gemv / 1e6
+                variants = {f"r{r}u{u}": cublas / g for (r, u), (_, g) in zip(VARIANTS, gemvs)}
                 row = dict(model=model, layer=layer, m=m, n=n, k=k, cublas_us=cublas * 1e3,
                            matmul_us=pick * 1e3, gemv_us=gemv * 1e3, gemv_ratio=cublas / gemv,
-                           matmul_ratio=cublas / pick, gemv_gbps=gbps)
+                           matmul_ratio=cublas / pick, gemv_gbps=gbps, variants=variants)
                 rows.append(row)
                 print(f"{model:10} {layer:7} M={m:<3} cuBLAS {cublas * 1e3:6.1f} us  matmul "
                       f"{pick * 1e3:6.1f} ({cublas / pick:.3f})  GEMV {gemv * 1e3:6.1f} "
-                      f"({cublas / gemv:.3f}, {gbps:.0f} GB/s)", flush=True)
+                      f"({cublas / gemv:.3f}, {gbps:.0f} GB/s) "
+                      + " ".join(f"{v} {r:.3f}" for v, r in variants.items()), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f)

@@ -29,52 +29,55 @@ LANE_MASKS = (16, 8, 4, 2, 1)
 
 
 @functools.lru_cache(maxsize=None)
-def gemv_kernel(dtype: str, out_dtype: str, m: int):
-    """The ``@kiln.kernel`` for ``m`` rows of ``a`` (``m <= MAX_ROWS``)."""
+def gemv_kernel(dtype: str, out_dtype: str, m: int, rows: int = ROWS, unroll: int = UNROLL):
+    """The ``@kiln.kernel`` for ``m`` rows of ``a`` (``m <= MAX_ROWS``), ``rows`` weight rows
+    per warp, ``unroll`` loads of each in flight per lane."""
     in_type, out_type = kiln.dtype(dtype), kiln.dtype(out_dtype)
     step = 32 * VECTOR  # K columns one warp covers per load
 
     def gemv(a: kiln.Tensor[in_type, 2], w: kiln.Tensor[in_type, 2], c: kiln.Tensor[out_type, 2],
              n: kiln.i32, k: kiln.i32):
         lane = kiln.thread_id(0) % 32
-        first = (kiln.block_id(0) * WARPS + kiln.thread_id(0) // 32) * ROWS
+        first = (kiln.block_id(0) * WARPS + kiln.thread_id(0) // 32) * rows
         # rows past N read row N - 1 again (a valid address); they are never stored
-        rows = [kiln.minimum(first + r, n - 1) for r in range(ROWS)]
-        totals = [kiln.cast(0.0, kiln.f32) for _ in range(ROWS * m)]  # [r * m + i]
-        whole = k - k % (step * UNROLL)  # K columns of whole unrolled rounds
-        for k0 in kiln.range(lane * VECTOR, whole, step * UNROLL):
-            for u in kiln.static_range(UNROLL):
-                totals = accumulate(a, w, rows, k0 + u * step, totals)
+        row_ids = [kiln.minimum(first + r, n - 1) for r in range(rows)]
+        totals = [kiln.cast(0.0, kiln.f32) for _ in range(rows * m)]  # [r * m + i]
+        whole = k - k % (step * unroll)  # K columns of whole unrolled rounds
+        for k0 in kiln.range(lane * VECTOR, whole, step * unroll):
+            totals = accumulate(a, w, row_ids, [k0 + u * step for u in range(unroll)], totals)
         for col in kiln.range(whole + lane * VECTOR, k, step):
-            totals = accumulate(a, w, rows, col, totals)
-        for r in kiln.static_range(ROWS):
+            totals = accumulate(a, w, row_ids, [col], totals)
+        for r in kiln.static_range(rows):
             for i in range(m):
                 total = kiln.shuffle.butterfly_reduce(totals[r * m + i], LANE_MASKS, operator.add)
                 if (lane == 0) & (first + r < n):
                     c.store(i, first + r, kiln.cast(total, out_type))
 
-    def accumulate(a, w, rows, col, totals):
-        """``totals`` plus the products of columns ``col .. col + 8`` (one 16-byte load of each
-        weight row and of each row of ``a``)."""
-        xs = [[kiln.cast(v, kiln.f32) for v in kiln.unpack(a.load(i, col, width=VECTOR,
-                                                                  align=16))]
-              for i in range(m)]
+    def accumulate(a, w, row_ids, cols, totals):
+        """``totals`` plus the products of columns ``col .. col + 8`` for each of ``cols``:
+        every 16-byte load (each weight row's, each row of ``a``'s) issued before the FMAs."""
+        def load(t, row, col):
+            return kiln.unpack(t.load(row, col, width=VECTOR, align=16))
+
+        xs = [[load(a, i, col) for i in range(m)] for col in cols]
+        ws = [[load(w, row, col) for row in row_ids] for col in cols]
         out = list(totals)
-        for r, row in enumerate(rows):
-            ws = [kiln.cast(v, kiln.f32) for v in kiln.unpack(w.load(row, col, width=VECTOR,
-                                                                    align=16))]
-            for i in range(m):
-                for e in range(VECTOR):
-                    out[r * m + i] = kiln.fma(ws[e], xs[i][e], out[r * m + i])
+        for j in range(len(cols)):
+            for r in range(len(row_ids)):
+                for i in range(m):
+                    for e in range(VECTOR):
+                        out[r * m + i] = kiln.fma(kiln.cast(ws[j][r][e], kiln.f32),
+                                                  kiln.cast(xs[j][i][e], kiln.f32),
+                                                  out[r * m + i])
         return out
 
-    gemv.__name__ = gemv.__qualname__ = f"gemv_{dtype}_{out_dtype}_m{m}"
+    gemv.__name__ = gemv.__qualname__ = f"gemv_{dtype}_{out_dtype}_m{m}_r{rows}_u{unroll}"
     return kiln.kernel(gemv)
 
 
-def grid(n: int) -> tuple[int, int, int]:
-    """CTAs for ``n`` weight rows."""
-    return -(-n // (WARPS * ROWS)), 1, 1
+def grid(n: int, rows: int = ROWS) -> tuple[int, int, int]:
+    """CTAs for ``n`` weight rows, ``rows`` per warp."""
+    return -(-n // (WARPS * rows)), 1, 1
 
 
 def run_gemv(a, w, c, m, n, k, *, dtype, target, stream=None, interpret=False) -> None:
