@@ -16,6 +16,8 @@ Example (through ``kiln.kernels.gemm``, which calls :func:`run_gemv`)::
 import functools
 import operator
 
+import numpy as np
+
 import kiln
 
 from .. import runtime
@@ -80,12 +82,42 @@ def grid(n: int, rows: int = ROWS) -> tuple[int, int, int]:
     return -(-n // (WARPS * rows)), 1, 1
 
 
-def run_gemv(a, w, c, m, n, k, *, dtype, target, stream=None, interpret=False) -> None:
+def check(m: int, b_major: str) -> None:
+    """Refuse what the GEMV has no code for (a :class:`kiln.KilnError`, which the small-M
+    autotuner skips)."""
+    if b_major != "k":
+        raise kiln.UnsupportedError("the GEMV reads weights stored N x K",
+                                    fix="pass trans_b=True, or a HopperGemmConfig without gemv")
+    if not 1 <= m <= MAX_ROWS:
+        raise kiln.UnsupportedError(f"the GEMV takes M of 1..{MAX_ROWS}, got {m}",
+                                    fix="use a tiled HopperGemmConfig (gemv=False)")
+
+
+def compile_gemv(dtype: str, out_dtype: str, *, target: str, m: int = 1):
+    """The compiled GEMV (``CompiledKernel``) for ``m`` rows, without running it."""
+    check(m, "k")
+    like = np.empty((1, 1), kiln.dtype(dtype).numpy)
+    return gemv_kernel(dtype, out_dtype, m).compile(
+        like, like, np.empty((1, 1), kiln.dtype(out_dtype).numpy), 1, 1, target=target,
+        num_warps=WARPS)
+
+
+def run_gemv(a, w, c, m, n, k, *, dtype, b_major, target, stream=None,
+             interpret=False) -> None:
     """``c = a @ w.T`` for prepared operands (K a multiple of 8, contiguous); ``interpret``
     runs the kernel in the CPU interpreter (numpy operands)."""
+    check(m, b_major)
     kernel = gemv_kernel(dtype, kiln.dtype(c.dtype).name, m)
     args = (a, w, c, n, k)
     if interpret:
         runtime.interpret(kernel, grid(n), list(args), target=target, num_warps=WARPS)
     else:
         runtime.launch(kernel, grid(n), args, target=target, num_warps=WARPS, stream=stream)
+
+
+def bind_gemv(a, w, c, m, n, k, *, dtype, target):
+    """The bound launch of torch operands shaped like ``a, w, c`` (called with their three
+    data pointers)."""
+    check(m, "k")
+    return runtime.bind(gemv_kernel(dtype, kiln.dtype(c.dtype).name, m), grid(n),
+                        [a, w, c, n, k], target=target, num_warps=WARPS)

@@ -79,6 +79,8 @@ class HopperGemmConfig:
     one thread L2-prefetches the first ``stages`` K steps of its CTA's first tile. Example:
     ``HopperGemmConfig(block_m=128, block_n=32, swap_ab=True, split_k=4)`` for M <= 32,
     ``HopperGemmConfig(stream_k=True)`` for 4096 x 4096 (3.9 waves of 128 x 256 tiles).
+    ``gemv`` runs another kernel, the decode GEMV of :mod:`.gemv` (M of at most 4, B stored
+    N x K; no WGMMA, the tile fields unused): ``HopperGemmConfig(gemv=True)``.
     """
 
     block_m: int = 128
@@ -95,6 +97,7 @@ class HopperGemmConfig:
     stream_k: bool = False
     pingpong: bool = False
     pdl: bool = False
+    gemv: bool = False
 
     def __post_init__(self):
         if self.block_m % 64 or not 64 <= self.block_m <= 256:
@@ -124,6 +127,9 @@ class HopperGemmConfig:
             raise kiln.UnsupportedError("pingpong runs whole 64-row tiles of one CTA",
                                         fix="use block_m=64 without cluster_m, split_k, "
                                             "stream_k or fused_reduce")
+        if self.gemv and (self.partials or self.cluster_m != 1 or self.pingpong or self.pdl):
+            raise kiln.UnsupportedError("gemv runs the GEMV kernel, which has no tiles to split "
+                                        "or pair", fix="use HopperGemmConfig(gemv=True) alone")
         if self.pdl and self.cluster_m != 1:
             raise kiln.UnsupportedError("programmatic launches of CTA pairs are not supported",
                                         fix="use cluster_m=1 with pdl=True")

@@ -77,7 +77,9 @@ SMALL_M_CONFIGS = (
     # one wave of 128 x 192 tiles, its prologue overlapping the kernel before
     C(block_n=192, pdl=True),
     # few 192-row swap-AB tiles over long K, 4 slices (3 consumer warp groups)
-    C(block_m=192, block_n=32, stages=6, consumer_registers=152, swap_ab=True, split_k=4))
+    C(block_m=192, block_n=32, stages=6, consumer_registers=152, swap_ab=True, split_k=4),
+    # the decode GEMV (:mod:`.gemv`; M <= 4, B stored N x K): no tile padding M to 32
+    C(gemv=True))
 # Programmatic dependent launches of the partials configs (what the heuristic runs).
 SMALL_M_CONFIGS += tuple(dataclasses.replace(c, pdl=True) for c in SMALL_M_CONFIGS
                          if c.partials)
