@@ -83,7 +83,8 @@ CANDIDATES = {
          C(block_m=64, block_n=128, stages=8, stream_k=True, pdl=True),
          # deeper rings of the direct / 2-slice swap-AB tiles (more weight bytes in flight)
          C(block_n=32, stages=10, swap_ab=True, fused_reduce=True, pdl=True),
-         C(block_n=32, stages=10, swap_ab=True, split_k=2, pdl=True)),
+         C(block_n=32, stages=10, swap_ab=True, split_k=2, pdl=True),
+         C(gemv=True)),  # the decode GEMV (M <= 4)
     64: (C(block_n=32, stages=8, swap_ab=True, split_k=4, pdl=True),
          C(block_n=64, stages=8, swap_ab=True, split_k=4, pdl=True),
          C(block_m=64, block_n=64, stages=12, swap_ab=True, split_k=2, pdl=True),
