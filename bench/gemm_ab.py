@@ -17,7 +17,8 @@ Prints per cell ``matmul``'s line and the ``--top`` best configs by GPU ratio: c
 Kiln time for both, microseconds, the config (every row is in ``--json``).
 ``--matmul-only`` (or cells outside ``--ab-min-m``/``--ab-max-m``/``--ab-cells``) times
 ``matmul``'s own pick alone (a quick check of the defaults); ``--configs`` /
-``--large-configs`` (``field=value,...`` text) time those configs at the A/B cells of M up to
+``--large-configs`` (``field=value,...`` text; or ``cell@config+config`` per cell) time those
+configs at the A/B cells of M up to
 512 / above instead of the candidate lists (``--configs-min-m``: cells of smaller M keep the
 lists); ``--precompile I/N`` fills the disk cache first
 from N processes. ``--budget`` seconds stops between cells. Usage::
@@ -148,7 +149,9 @@ def error(c, reference) -> float:
 
 def parse_cell(spec: str) -> tuple:
     """``(label, m, n, k, trans_b)`` of ``model:layer:M`` (weights N x K, ``trans_b``) or of
-    ``MxNxK`` (B stored K x N, as ``bench/gemm.py`` times 4096^3)."""
+    ``MxNxK`` (B stored K x N, as ``bench/gemm.py`` times 4096^3), either followed by
+    ``@config+config...`` (the configs timed there, see :func:`_fixed`)."""
+    spec = spec.partition("@")[0]
     if ":" in spec:
         model, layer, m = spec.split(":")
         n, k = MODELS[model][layer]
@@ -300,8 +303,7 @@ def main() -> None:
             break
         if args.profile and not results:
             _profile(spec)
-        fixed = _fixed(parse_cell(spec)[1], args.configs, args.large_configs,
-                       args.configs_min_m)
+        fixed = _fixed(spec, args.configs, args.large_configs, args.configs_min_m)
         results.append(ab_cell(spec, args.repeat, args.batch, args.top, spec not in ab, fixed))
         if args.json:
             with open(args.json, "w") as f:
@@ -313,8 +315,12 @@ def _compile(job) -> None:
     compile_matmul("bf16", target="sm_90a", trans_b=trans_b, **vars(config))
 
 
-def _fixed(m: int, fixed, fixed_large, fixed_min_m: int = 0):
-    """The configs given for a cell of ``m`` rows (None: its candidate list)."""
+def _fixed(spec: str, fixed, fixed_large, fixed_min_m: int = 0):
+    """The configs given for cell ``spec`` (None: its candidate list): those after its ``@``
+    (``field=value,...`` texts joined by ``+``), else ``fixed`` / ``fixed_large`` by M."""
+    if "@" in spec:
+        return [parse_config(text) for text in spec.partition("@")[2].split("+")]
+    m = parse_cell(spec)[1]
     if m > SMALL_M:
         return fixed_large
     return fixed if m >= fixed_min_m else None
@@ -327,7 +333,7 @@ def _kernels(cells, ab, fixed=None, fixed_large=None, fixed_min_m=0) -> list:
     jobs = set()
     for spec in cells:
         _, m, n, k, trans_b = parse_cell(spec)
-        space = _fixed(m, fixed, fixed_large, fixed_min_m)
+        space = _fixed(spec, fixed, fixed_large, fixed_min_m)
         jobs.update((c, trans_b) for c in cell_configs(m, trans_b, spec not in ab, space))
         if m > SMALL_M:
             jobs.update((c, trans_b) for c in HOPPER_CONFIGS)
