@@ -5,13 +5,14 @@ is that every SM streams B with enough bytes in flight. The default 128 x 256 ti
 ``ceil(N / 256)`` CTAs (16 at N = 4096, for 132 SMs); the configs here use narrower tiles,
 split-K (:mod:`.splitk`) so that ``tiles * slices`` fills the GPU, deep rings (small stages),
 and swap-AB when B is stored N x K, so an M of 1..32 pads to a 32-column WGMMA N instead of
-a 64-row M.
+a 64-row M; at M = 1 (B stored N x K) the GEMV of :mod:`.gemv`, which pads nothing.
 
 ``matmul`` picks, for M <= :data:`SMALL_M`, the config the small-M autotuner stored for the
 shape (``tune_small_m``, e.g. run by ``bench/gemm.py --llm --tune``), else
 :func:`heuristic_config` without timing anything: decode sees many distinct M, and tuning
 each on first use would stall serving. Example::
 
+    cfg = heuristic_config(1, 4096, 4096, "k", sms=132)  # the GEMV
     cfg = heuristic_config(16, 4096, 4096, "k", sms=132)  # swap-AB, 32 wide, 4 K slices
     cfg = heuristic_config(256, 4096, 4096, "k", sms=132)  # 64 x 128 tiles, one wave
 """
@@ -109,6 +110,10 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
     Llama-3-8B and -70B layers at M of 1, 16, 64 and 256 on an H200
     (``bench/gemm_config_sweep.py``):
 
+    0. M = 1 with B stored N x K: the GEMV (``gemv=True``; kernel time vs cuBLAS on an H200,
+       against the tile configs below: Llama-3-8B QKV 1.267 vs 0.976, O 1.525 vs 0.884,
+       gate/up 1.040 vs 0.938, down 0.951 vs 0.950; 70B QKV 1.121 vs 0.951, O 0.990 vs
+       0.951, gate/up 1.053 vs 1.000, down 1.053 vs 1.001; at M = 4 it lost everywhere);
     1. M <= 32 with B stored N x K: 64 x 256 tiles if they make one near-full wave
        (``0.8 * sms .. sms``); else swap-AB 128 x 32 tiles, with stream-K when there are at
        least ``sms`` of them; over all of K with C stored directly (``fused_reduce``, one
@@ -121,22 +126,30 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
     2. M of 33..64, B stored N x K: swap-AB 64 x 64 tiles over all of K, C stored directly,
        when ``sms / 2 .. sms`` of them and K of at most 128 steps (Llama-3-8B QKV M = 64:
        0.978 vs 0.905 for 64 x 128 tiles; 70B O: 1.032 vs 1.000);
-    3. the largest tile of :data:`TILE_SHAPES` (only 64-row ones for M <= 64) that makes at
+    3. M of 65..512, B stored N x K: 128 x 224 or 128 x 160 tiles where they fill at least
+       0.9 of their last wave and beat the 64-multiple widths by 5 % in wave use times
+       intensity (:data:`ODD_WIDTHS`: Llama-3-70B QKV M = 256, 0.947 vs 0.877 for 128 x 192;
+       8B gate/up M = 512, 0.952 vs 0.901);
+    4. the largest tile of :data:`TILE_SHAPES` (only 64-row ones for M <= 64) that makes at
        least ``0.7 * sms`` tiles, without splitting K; but 128 x 192 for 128 x 256 where its
        last wave is fuller (Llama-3-8B gate/up M = 512: 0.915 vs 0.88 of cuBLAS), and for
        M of 129..512 with K of at least 128 steps, 128 x 128 tiles in 2 K slices instead of
        64-row tiles when that makes at most ``sms`` units; and one wave of 128 x 192 tiles
        (``pdl``) rather than 128 x 128 ones that would take a second wave or 128 x 256 ones
-       under ``0.7 * sms`` (Llama-3-70B QKV M = 256: 0.877 vs 0.735 for 128 x 256);
-    4. else 64 x 128 tiles, K split as in 1 only when they are at most ``sms / 3``.
+       under ``0.7 * sms`` (Llama-3-70B QKV M = 256 before 3: 0.877 vs 0.735 for 128 x 256);
+       above M = 256, 64 x 256 tiles instead of as many 128 x 128 ones in one wave
+       (Llama-3-8B O / down M = 512: 0.946 / 0.930 vs 0.920 / 0.920); 128 x 128 tiles under
+       ``0.8 * sms`` (one partial wave) with ``pdl`` (8B QKV M = 256: 0.868 vs 0.832);
+    5. else 64 x 128 tiles, K split as in 1 only when they are at most ``sms / 3``.
 
     Configs with a second (reduction) kernel or an in-kernel fix-up are programmatic
     dependent launches (``pdl``): 1 to 3 us less GPU time per call at Llama-3-8B O M = 64 and
     down M = 1 on an H200 (``bench/gemm_ab.py``); whole-tile configs are not (64 x 256 tiles
-    at gate/up M = 1 measured 5 % slower with it) but for the one-wave 128 x 192 tiles of 3.
+    at gate/up M = 1 measured 5 % slower with it) but for the one-wave 128 x 192 and
+    partial-wave 128 x 128 tiles of 4.
     Ratios are kernel-only GPU times on an H200 (``bench/gemm_ab.py``, interleaved samples).
 
-    Example: ``heuristic_config(1, 4096, 4096, "k", sms=132)`` is swap-AB with 4 K slices."""
+    Example: ``heuristic_config(2, 4096, 4096, "k", sms=132)`` is swap-AB with 4 K slices."""
     steps = -(-k // 64)
     if m == 1 and b_major == "k":
         return HopperGemmConfig(gemv=True)
