@@ -20,17 +20,17 @@ from kiln.kernels import runtime
 from gemm_llm import MODELS, measure_pair
 
 
-# (weight rows per warp, loads in flight per lane and row): the default first
-VARIANTS = ((ROWS, UNROLL), (1, 8), (4, 4), (2, 8))
+# (weight rows per warp, loads in flight per lane and row, warps per CTA): the default first
+VARIANTS = ((ROWS, UNROLL, WARPS), (1, 8, WARPS), (1, 8, 4), (2, 4, 4), (1, 4, 4))
 
 
-def gemv_call(x, w, rows=ROWS, unroll=UNROLL):
+def gemv_call(x, w, rows=ROWS, unroll=UNROLL, warps=WARPS):
     m, k = x.shape
     n = w.shape[0]
     kernel = gemv_kernel("bf16", "bf16", m, rows, unroll)
-    bound = runtime.bind(kernel, grid(n, rows), [x, w, torch.empty(m, n, device="cuda",
-                                                                    dtype=torch.bfloat16), n, k],
-                         target="sm_90a", num_warps=WARPS)
+    bound = runtime.bind(kernel, grid(n, rows, warps),
+                         [x, w, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), n, k],
+                         target="sm_90a", num_warps=warps)
 
     def call():
         c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -64,7 +64,8 @@ def main() -> None:
                                                               args.batch)
                 gemv = gemvs[0][1]
                 gbps = 2 * (n * k + m * k + m * n) / gemv / 1e6
-                variants = {f"r{r}u{u}": cublas / g for (r, u), (_, g) in zip(VARIANTS, gemvs)}
+                variants = {f"r{r}u{u}w{w}": cublas / g
+                            for (r, u, w), (_, g) in zip(VARIANTS, gemvs)}
                 row = dict(model=model, layer=layer, m=m, n=n, k=k, cublas_us=cublas * 1e3,
                            matmul_us=pick * 1e3, gemv_us=gemv * 1e3, gemv_ratio=cublas / gemv,
                            matmul_ratio=cublas / pick, gemv_gbps=gbps, variants=variants)

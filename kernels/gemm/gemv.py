@@ -40,7 +40,7 @@ def gemv_kernel(dtype: str, out_dtype: str, m: int, rows: int = ROWS, unroll: in
     def gemv(a: kiln.Tensor[in_type, 2], w: kiln.Tensor[in_type, 2], c: kiln.Tensor[out_type, 2],
              n: kiln.i32, k: kiln.i32):
         lane = kiln.thread_id(0) % 32
-        first = (kiln.block_id(0) * WARPS + kiln.thread_id(0) // 32) * rows
+        first = (kiln.block_id(0) * (kiln.block_dim(0) // 32) + kiln.thread_id(0) // 32) * rows
         # rows past N read row N - 1 again (a valid address); they are never stored
         row_ids = [kiln.minimum(first + r, n - 1) for r in range(rows)]
         totals = [kiln.cast(0.0, kiln.f32) for _ in range(rows * m)]  # [r * m + i]
@@ -77,9 +77,10 @@ def gemv_kernel(dtype: str, out_dtype: str, m: int, rows: int = ROWS, unroll: in
     return kiln.kernel(gemv)
 
 
-def grid(n: int, rows: int = ROWS) -> tuple[int, int, int]:
-    """CTAs for ``n`` weight rows, ``rows`` per warp."""
-    return -(-n // (WARPS * rows)), 1, 1
+def grid(n: int, rows: int = ROWS, warps: int = WARPS) -> tuple[int, int, int]:
+    """CTAs of ``warps`` warps for ``n`` weight rows, ``rows`` per warp (the kernel takes its
+    warps per CTA from the launch)."""
+    return -(-n // (warps * rows)), 1, 1
 
 
 def check(m: int, b_major: str) -> None:
