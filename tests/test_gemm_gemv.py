@@ -64,6 +64,10 @@ def test_gemv_refuses_what_it_has_no_code_for():
                       backend="interpret")
     with pytest.raises(kiln.UnsupportedError, match="gemv"):
         HopperGemmConfig(gemv=True, split_k=2)
+    from kiln.kernels.gemm.gemv import compile_gemv
+
+    with pytest.raises(kiln.UnsupportedError, match="NVIDIA"):
+        compile_gemv("bf16", "bf16", target="gfx950")
 
 
 @pytest.mark.gpu

@@ -95,8 +95,12 @@ def check(m: int, b_major: str) -> None:
 
 
 def compile_gemv(dtype: str, out_dtype: str, *, target: str, m: int = 1):
-    """The compiled GEMV (``CompiledKernel``) for ``m`` rows, without running it."""
+    """The compiled GEMV (``CompiledKernel``) for ``m`` rows, without running it (NVIDIA
+    targets: its lanes are 32-wide warps)."""
     check(m, "k")
+    if runtime.resolve_target(target).is_amd:
+        raise kiln.UnsupportedError(f"the GEMV runs on NVIDIA GPUs, not {target}",
+                                    fix="pass target='sm_90a'")
     like = np.empty((1, 1), kiln.dtype(dtype).numpy)
     return gemv_kernel(dtype, out_dtype, m).compile(
         like, like, np.empty((1, 1), kiln.dtype(out_dtype).numpy), 1, 1, target=target,
