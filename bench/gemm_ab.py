@@ -17,8 +17,10 @@ Prints per cell ``matmul``'s line and the ``--top`` best configs by GPU ratio: c
 Kiln time for both, microseconds, the config (every row is in ``--json``).
 ``--matmul-only`` (or cells outside ``--ab-min-m``/``--ab-max-m``/``--ab-cells``) times
 ``matmul``'s own pick alone (a quick check of the defaults); ``--configs`` /
-``--large-configs`` (``field=value,...`` text) time those configs at the A/B cells of M up to
-512 / above instead of the candidate lists; ``--precompile I/N`` fills the disk cache first
+``--large-configs`` (``field=value,...`` text; or ``cell@config+config`` per cell) time those
+configs at the A/B cells of M up to
+512 / above instead of the candidate lists (``--configs-min-m``: cells of smaller M keep the
+lists); ``--precompile I/N`` fills the disk cache first
 from N processes. ``--budget`` seconds stops between cells. Usage::
 
     python bench/gemm_ab.py --cells llama3-8b:o:64 llama3-8b:down:1 4096x4096x4096 \
@@ -79,7 +81,11 @@ CANDIDATES = {
          C(block_m=64, block_n=32, stages=12, swap_ab=True, split_k=8, pdl=True),
          C(block_m=64, block_n=256, stages=5),
          C(block_m=64, block_n=256, stages=4, stream_k=True, pdl=True),
-         C(block_m=64, block_n=128, stages=8, stream_k=True, pdl=True)),
+         C(block_m=64, block_n=128, stages=8, stream_k=True, pdl=True),
+         # deeper rings of the direct / 2-slice swap-AB tiles (more weight bytes in flight)
+         C(block_n=32, stages=10, swap_ab=True, fused_reduce=True, pdl=True),
+         C(block_n=32, stages=10, swap_ab=True, split_k=2, pdl=True),
+         C(gemv=True)),  # the decode GEMV (M <= 4)
     64: (C(block_n=32, stages=8, swap_ab=True, split_k=4, pdl=True),
          C(block_n=64, stages=8, swap_ab=True, split_k=4, pdl=True),
          C(block_m=64, block_n=64, stages=12, swap_ab=True, split_k=2, pdl=True),
@@ -106,7 +112,12 @@ CANDIDATES = {
               C(block_n=128, stages=6, stream_k=True, pdl=True),
               C(block_n=192, stream_k=True, pdl=True), C(stream_k=True, pdl=True),
               C(block_m=64, block_n=256, stages=4, stream_k=True, pdl=True),
-              C(stream_k=True, group_m=16), C(block_n=192, stream_k=True)),
+              C(stream_k=True, group_m=16), C(block_n=192, stream_k=True),
+              # odd multiples of 32 columns (B stored N x K): 70B QKV M = 256 makes 128
+              # tiles of 128 x 160, 8B QKV M = 256 128 of 128 x 96
+              C(block_n=160), C(block_n=160, stages=5), C(block_n=160, pdl=True),
+              C(block_n=160, cluster_m=2), C(block_n=96, stages=6), C(block_n=96, stages=7),
+              C(block_n=96, stages=6, cluster_m=2), C(block_n=128, stages=5, cluster_m=2)),
     # the large-GEMM autotuner's space and its neighbours
     1 << 30: HOPPER_CONFIGS + (C(group_m=16), C(block_n=192, group_m=16),
                                C(cluster_m=2, group_m=16), C(block_n=192, stream_k=True),
@@ -114,7 +125,10 @@ CANDIDATES = {
                                C(block_m=64, block_n=256, stages=4, pingpong=True),
                                C(group_m=4), C(pdl=True),
                                C(block_n=128, stages=6, stream_k=True),
-                               C(block_n=128, stages=5, stream_k=True, group_m=16)),
+                               C(block_n=128, stages=5, stream_k=True, group_m=16),
+                               C(block_n=160), C(block_n=160, stages=5),
+                               C(block_n=160, cluster_m=2), C(block_n=224, stages=3),
+                               C(block_n=224), C(block_n=224, stages=3, cluster_m=2)),
 }
 
 
@@ -135,7 +149,9 @@ def error(c, reference) -> float:
 
 def parse_cell(spec: str) -> tuple:
     """``(label, m, n, k, trans_b)`` of ``model:layer:M`` (weights N x K, ``trans_b``) or of
-    ``MxNxK`` (B stored K x N, as ``bench/gemm.py`` times 4096^3)."""
+    ``MxNxK`` (B stored K x N, as ``bench/gemm.py`` times 4096^3), either followed by
+    ``@config+config...`` (the configs timed there, see :func:`_fixed`)."""
+    spec = spec.partition("@")[0]
     if ":" in spec:
         model, layer, m = spec.split(":")
         n, k = MODELS[model][layer]
@@ -176,9 +192,10 @@ def parse_config(spec: str) -> HopperGemmConfig:
 
 def cell_configs(m: int, trans_b: bool, matmul_only: bool, fixed=None) -> list:
     """The candidates timed at a cell: ``fixed`` (``--configs``) or those of its M (none with
-    ``matmul_only``), without swap-AB where B is stored K x N."""
+    ``matmul_only``), without swap-AB or odd multiples of 32 columns where B is stored K x N."""
     space = candidates(m) if fixed is None else fixed
-    return [] if matmul_only else [c for c in space if trans_b or not c.swap_ab]
+    return [] if matmul_only else [c for c in space
+                                   if trans_b or not (c.swap_ab or c.block_n % 64)]
 
 
 def ab_cell(spec: str, repeat: int, batch: int, top: int = 5,
@@ -259,6 +276,8 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", type=parse_config,
                         help="time these configs at the A/B cells of M <= 512 instead of "
                              "CANDIDATES: 'default' or e.g. block_n=128,stages=6,stream_k=1")
+    parser.add_argument("--configs-min-m", type=int, default=0,
+                        help="A/B cells of smaller M time the candidate lists, not --configs")
     parser.add_argument("--large-configs", nargs="+", type=parse_config,
                         help="the same for the A/B cells of M > 512")
     parser.add_argument("--precompile", metavar="I/N",
@@ -274,8 +293,8 @@ def main() -> None:
           and (args.ab_cells is None or spec in args.ab_cells)]
     if args.precompile:
         shard, shards = map(int, args.precompile.split("/"))
-        compile_all(_compile, _kernels(args.cells, ab, args.configs,
-                                       args.large_configs)[shard::shards])
+        compile_all(_compile, _kernels(args.cells, ab, args.configs, args.large_configs,
+                                       args.configs_min_m)[shard::shards])
         return
     results = []
     for spec in args.cells:
@@ -284,7 +303,7 @@ def main() -> None:
             break
         if args.profile and not results:
             _profile(spec)
-        fixed = args.configs if parse_cell(spec)[1] <= SMALL_M else args.large_configs
+        fixed = _fixed(spec, args.configs, args.large_configs, args.configs_min_m)
         results.append(ab_cell(spec, args.repeat, args.batch, args.top, spec not in ab, fixed))
         if args.json:
             with open(args.json, "w") as f:
@@ -296,14 +315,25 @@ def _compile(job) -> None:
     compile_matmul("bf16", target="sm_90a", trans_b=trans_b, **vars(config))
 
 
-def _kernels(cells, ab, fixed=None, fixed_large=None) -> list:
+def _fixed(spec: str, fixed, fixed_large, fixed_min_m: int = 0):
+    """The configs given for cell ``spec`` (None: its candidate list): those after its ``@``
+    (``field=value,...`` texts joined by ``+``), else ``fixed`` / ``fixed_large`` by M."""
+    if "@" in spec:
+        return [parse_config(text) for text in spec.partition("@")[2].split("+")]
+    m = parse_cell(spec)[1]
+    if m > SMALL_M:
+        return fixed_large
+    return fixed if m >= fixed_min_m else None
+
+
+def _kernels(cells, ab, fixed=None, fixed_large=None, fixed_min_m=0) -> list:
     """Every (config, trans_b) the run compiles: the A/B cells' candidates (``fixed`` and
-    ``fixed_large`` replacing those of M <= 512 and above), each cell's pick (small M), the
-    large-GEMM autotuner's space (large M), in a fixed order."""
+    ``fixed_large`` replacing those of ``fixed_min_m`` <= M <= 512 and above), each cell's
+    pick (small M), the large-GEMM autotuner's space (large M), in a fixed order."""
     jobs = set()
     for spec in cells:
         _, m, n, k, trans_b = parse_cell(spec)
-        space = fixed if m <= SMALL_M else fixed_large
+        space = _fixed(spec, fixed, fixed_large, fixed_min_m)
         jobs.update((c, trans_b) for c in cell_configs(m, trans_b, spec not in ab, space))
         if m > SMALL_M:
             jobs.update((c, trans_b) for c in HOPPER_CONFIGS)

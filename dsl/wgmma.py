@@ -420,16 +420,20 @@ def store_fragment_swizzled(acc: RegTile, chunks, first_chunk, *, columns=None) 
 
     ``chunks`` is a :func:`kiln.dynamic_shared` buffer of 64 x ``128 / itemsize`` tiles laid out
     with the 128-byte swizzle (what a ``kiln.TensorMap[dtype, (64, 128 / itemsize), 128]``
-    store reads): column ``col`` of ``columns = (c0, c1)`` (default all) goes to tile
-    ``first_chunk + (col - c0) // chunk_cols``, row ``r``, column
-    ``(col % chunk_cols) ^ (8 * (r % 8) * 2 // itemsize)``. The swizzle keeps the 32 lanes'
-    stores on distinct banks. Call from all 128 threads of the warp group.
+    store reads), or of 64 x ``64 / itemsize`` tiles with the 64-byte swizzle (a
+    ``kiln.TensorMap[dtype, (64, 64 / itemsize), 64]``: tiles whose N is an odd multiple of
+    ``64 / itemsize``): column ``col`` of ``columns = (c0, c1)`` (default all) goes to tile
+    ``first_chunk + (col - c0) // chunk_cols``, row ``r``, its 16-byte unit XORed with
+    ``r % 8`` (128-byte rows) or ``(r // 2) % 4`` (64-byte rows). The swizzle keeps the 32
+    lanes' stores on distinct banks. Call from all 128 threads of the warp group.
     Example: ``store_fragment_swizzled(acc, c_tiles, group * 4)`` then ``kiln.tma.store``.
     """
     require_feature("wgmma", "kiln.wgmma.store_fragment_swizzled")
     n = _check_accumulator(acc, "store_fragment_swizzled")
     itemsize = chunks.dtype.itemsize
     chunk_cols = SWIZZLE_ROW_BYTES // itemsize
+    if tuple(chunks.shape[1:]) == (WARPGROUP_M, chunk_cols // 2):
+        chunk_cols //= 2  # 64-byte rows, 64-byte swizzle
     if tuple(chunks.shape[1:]) != (WARPGROUP_M, chunk_cols):
         raise KilnValueError(f"staging tiles must be {WARPGROUP_M} x {chunk_cols} "
                              f"{chunks.dtype}, got {chunks.shape[1:]}",
@@ -442,11 +446,13 @@ def store_fragment_swizzled(acc: RegTile, chunks, first_chunk, *, columns=None) 
     warp, lane = lane_in_group // 32, lane_in_group % 32
     row = warp * 16 + lane // 4
     unit = 16 // itemsize  # elements per 16-byte swizzle unit
+    wide = chunk_cols * itemsize == SWIZZLE_ROW_BYTES
     pair_type = ir.VectorType.get([2], f32.mlir_type())
     out_type = ir.VectorType.get([2], chunks.dtype.mlir_type())
     for half in range(2):
         r = row + 8 * half
-        flip = (r % 8) * unit
+        # the 16-byte unit's index XOR address bits 7.. (Swizzle(3 or 2, 4, 3) on bytes)
+        flip = (r % 8) * unit if wide else ((r // 2) % 4) * unit
         for j in range(c0 // 8, c1 // 8):
             col = 8 * j + 2 * (lane % 4)
             tile = chunks.tile(first_chunk + (8 * j - c0) // chunk_cols)

@@ -184,11 +184,11 @@ def test_heuristic_launches_partials_configs_programmatically():
     """Split-K / swap-AB / stream-K picks are pdl (they measured faster); whole tiles not."""
     from kiln.kernels.gemm.small_m import SMALL_M_CONFIGS, heuristic_config
 
-    for m, n, k in ((1, 4096, 4096), (1, 4096, 14336), (64, 4096, 4096), (1, 57344, 8192),
+    for m, n, k in ((2, 4096, 4096), (2, 4096, 14336), (64, 4096, 4096), (2, 57344, 8192),
                     (256, 4096, 14336)):
         config = heuristic_config(m, n, k, "k", sms=132)
         assert config.partials and config.pdl, (m, n, k)
-    for m, n, k in ((1, 28672, 4096), (256, 4096, 4096), (512, 28672, 4096)):
+    for m, n, k in ((2, 28672, 4096), (256, 4096, 4096), (512, 28672, 4096)):
         config = heuristic_config(m, n, k, "k", sms=132)
         assert not config.partials and not config.pdl, (m, n, k)
     picks = {heuristic_config(m, n, k, "k", sms=132) for m in (1, 16, 64, 256, 512)

@@ -79,9 +79,12 @@ def test_default_config_still_interprets_at_small_m(rng):
 
 
 def test_heuristic_shapes_the_work_to_the_gpu():
-    decode = heuristic_config(1, 4096, 4096, "k", sms=132)
+    # M = 1 with B stored N x K is the GEMV; the tile rules below from M = 2
+    assert heuristic_config(1, 4096, 4096, "k", sms=132) == HopperGemmConfig(gemv=True)
+    assert not heuristic_config(1, 4096, 4096, "mn", sms=132).gemv
+    decode = heuristic_config(2, 4096, 4096, "k", sms=132)
     assert decode.swap_ab and decode.block_n == 32 and not decode.fused_reduce
-    units = PartialsLayout.of(4096, 1, 4096, decode).units
+    units = PartialsLayout.of(4096, 2, 4096, decode).units
     assert 64 < units <= 132  # split-K fills the SMs without a second wave
     mid = heuristic_config(48, 4096, 4096, "k", sms=132)
     assert (mid.block_m, mid.block_n, mid.swap_ab, mid.split_k) == (64, 128, False, 4)
@@ -95,38 +98,44 @@ def test_heuristic_shapes_the_work_to_the_gpu():
     # enough 64 x 128 tiles for the GPU at M = 256, N = 4096: no split
     one_wave = heuristic_config(256, 4096, 4096, "k", sms=132)
     assert (one_wave.block_m, one_wave.block_n, one_wave.split_k) == (64, 128, 1)
-    wide_n = heuristic_config(1, 28672, 4096, "k", sms=132)  # 224 tiles: no swap, no split
+    wide_n = heuristic_config(2, 28672, 4096, "k", sms=132)  # 224 tiles: no swap, no split
     assert not wide_n.partials and wide_n.block_m == 64
     row_major = heuristic_config(16, 4096, 4096, "mn", sms=132)
     assert not row_major.swap_ab and row_major.block_m == 64 and row_major.split_k > 1
     wide = heuristic_config(512, 28672, 4096, "k", sms=132)
-    # 448 tiles of 128 x 256 are 3.4 waves, 600 of 128 x 192 4.5: a fuller last wave
-    assert wide == HopperGemmConfig(block_n=192)
-    assert heuristic_config(256, 28672, 4096, "k", sms=132) == HopperGemmConfig()
-    # Llama-3-70B QKV at M = 256: 108 tiles of 128 x 192 (one wave) rather than 80 of
-    # 128 x 256 or 160 of 128 x 128 (two); at 8B QKV the 96 tiles of 128 x 128 fit one wave
-    assert heuristic_config(256, 10240, 8192, "k", sms=132) == HopperGemmConfig(block_n=192,
-                                                                                 pdl=True)
-    assert heuristic_config(256, 6144, 4096, "k", sms=132).block_n == 128
+    # 448 tiles of 128 x 256 are 3.4 waves, 512 of 128 x 224 3.9: a fuller last wave
+    assert wide == HopperGemmConfig(block_n=224)
+    assert heuristic_config(256, 28672, 4096, "k", sms=132) == HopperGemmConfig(block_n=224)
+    # B stored K x N takes 64-multiples only: 600 tiles of 128 x 192 are 4.5 waves
+    assert heuristic_config(512, 28672, 4096, "mn", sms=132) == HopperGemmConfig(block_n=192)
+    # Llama-3-70B QKV at M = 256: 128 tiles of 128 x 160 (one wave) rather than 80 of
+    # 128 x 256 or 160 of 128 x 128 (two); at 8B QKV the 96 tiles of 128 x 128 fit one
+    # partial wave: a programmatic launch
+    assert heuristic_config(256, 10240, 8192, "k", sms=132) == HopperGemmConfig(block_n=160)
+    assert heuristic_config(256, 6144, 4096, "k", sms=132) == HopperGemmConfig(
+        block_n=128, stages=6, pdl=True)
+    # M = 512, N = 4096: 128 tiles of 64 x 256 rather than as many of 128 x 128
+    for k in (4096, 14336):
+        assert heuristic_config(512, 4096, k, "k", sms=132) == HopperGemmConfig(block_m=64)
     # M = 256, K = 14336: 128 x 128 tiles in 2 K slices (128 units), not 64 x 128 ones whole
     long_k = heuristic_config(256, 4096, 14336, "k", sms=132)
     assert (long_k.block_m, long_k.block_n, long_k.split_k, long_k.pdl) == (128, 128, 2, True)
-    short = heuristic_config(1, 4096, 128, "k", sms=132)
+    short = heuristic_config(2, 4096, 128, "k", sms=132)
     assert short.split_k == 1  # 2 K steps: nothing to split
     # 448 swap-AB tiles (Llama-3-70B gate/up at decode): stream-K balances the 3.4 waves
-    many = heuristic_config(1, 57344, 8192, "k", sms=132)
+    many = heuristic_config(2, 57344, 8192, "k", sms=132)
     assert many.swap_ab and many.stream_k and many.split_k == 1
     # a third to a half of the SMs' worth of swap-AB tiles and K of at most 128 steps: whole K
     # per tile, C stored directly (70B O: 64 tiles); 80 tiles (70B QKV) run whole K through
     # the reduction; at 70B down (448 steps) the 64 tiles split K in sms // tiles = 2 slices
     direct = heuristic_config(16, 8192, 8192, "k", sms=132)
     assert direct.swap_ab and direct.fused_reduce and direct.split_k == 1
-    qkv = heuristic_config(1, 10240, 8192, "k", sms=132)
+    qkv = heuristic_config(2, 10240, 8192, "k", sms=132)
     assert qkv.swap_ab and not qkv.fused_reduce and qkv.split_k == 1
-    assert heuristic_config(1, 8192, 28672, "k", sms=132).split_k == 2
+    assert heuristic_config(2, 8192, 28672, "k", sms=132).split_k == 2
     # 32 tiles of 128 rows (Llama-3-8B down, K = 14336): 22 of 192 rows in 4 slices up to
     # M = 8; 128-row ones in 4 slices above
-    down = heuristic_config(1, 4096, 14336, "k", sms=132)
+    down = heuristic_config(2, 4096, 14336, "k", sms=132)
     assert (down.block_m, down.swap_ab, down.split_k, down.fused_reduce) == (192, True, 4, False)
     down16 = heuristic_config(16, 4096, 14336, "k", sms=132)
     assert (down16.block_m, down16.swap_ab, down16.split_k) == (128, True, 4)

@@ -44,6 +44,7 @@ ENTRY_CALLS = {
         lambda fn: fn("f8e4m3", target="gfx950", trans_b=True, scales=("block", "block")),
     "kiln.kernels.gemm.fp8_gfx950.compile_fp8_gfx950":
         lambda fn: fn("f8e5m2", scales=("row", "col")),
+    "kiln.kernels.gemm.gemv.compile_gemv": lambda fn: fn("bf16", "bf16", target="sm_90a"),
     "kiln.kernels.gemm.fp8_grouped_api.compile_grouped_fp8_matmul":
         lambda fn: fn("f8e4m3", target="gfx950", trans_b=True, scales=("block", "block")),
 }

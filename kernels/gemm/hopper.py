@@ -58,7 +58,8 @@ MAX_STAGES = 12
 class HopperGemmConfig:
     """Tile shape and pipeline of :func:`make_kernel`.
 
-    ``block_m`` is 64 per consumer warp group; ``block_n`` a multiple of 64 up to 256;
+    ``block_m`` is 64 per consumer warp group; ``block_n`` a multiple of 64 up to 256 (of 32
+    from 96 with B stored N x K: 96, 160, 224 fill the last wave where 64-multiples do not);
     ``block_k`` is 64 (one 128-byte swizzled row); ``stages`` buffers in the ring;
     ``cluster_m`` 2 runs CTA pairs on vertically adjacent tiles that share (multicast) B.
     ``split_k`` > 1 cuts K into that many slices, one work unit each, whose f32 partial tiles
@@ -78,6 +79,8 @@ class HopperGemmConfig:
     one thread L2-prefetches the first ``stages`` K steps of its CTA's first tile. Example:
     ``HopperGemmConfig(block_m=128, block_n=32, swap_ab=True, split_k=4)`` for M <= 32,
     ``HopperGemmConfig(stream_k=True)`` for 4096 x 4096 (3.9 waves of 128 x 256 tiles).
+    ``gemv`` runs another kernel, the decode GEMV of :mod:`.gemv` (M of at most 4, B stored
+    N x K; no WGMMA, the tile fields unused): ``HopperGemmConfig(gemv=True)``.
     """
 
     block_m: int = 128
@@ -94,17 +97,19 @@ class HopperGemmConfig:
     stream_k: bool = False
     pingpong: bool = False
     pdl: bool = False
+    gemv: bool = False
 
     def __post_init__(self):
         if self.block_m % 64 or not 64 <= self.block_m <= 256:
             raise kiln.UnsupportedError(f"block_m={self.block_m} is not supported",
                                         fix="use 64, 128 or 192 (64 rows per consumer group)")
-        # f32 partials stage 32-column (128-byte) tiles; bf16/f16 C needs 64 columns.
+        # f32 partials stage 32-column (128-byte) tiles; bf16/f16 C 64-column ones, or 32-column
+        # (64-byte) ones for an N of 96, 160 or 224 (tile counts that fill the last wave)
         narrowest = 32 if self.partials else 64
-        if self.block_n % narrowest or not narrowest <= self.block_n <= 256:
+        if self.block_n % 32 or not narrowest <= self.block_n <= 256:
             raise kiln.UnsupportedError(f"block_n={self.block_n} is not supported",
-                                        fix=f"use a multiple of {narrowest} up to 256 (32 "
-                                            "only with split_k > 1 or swap_ab)")
+                                        fix=f"use a multiple of 32 from {narrowest} up to 256 "
+                                            "(32 only with split_k > 1 or swap_ab)")
         if self.partials and self.cluster_m != 1:
             raise kiln.UnsupportedError("split-K and swap-AB configs run single CTAs",
                                         fix="use cluster_m=1 with split_k or swap_ab")
@@ -122,6 +127,9 @@ class HopperGemmConfig:
             raise kiln.UnsupportedError("pingpong runs whole 64-row tiles of one CTA",
                                         fix="use block_m=64 without cluster_m, split_k, "
                                             "stream_k or fused_reduce")
+        if self.gemv and (self.partials or self.cluster_m != 1 or self.pingpong or self.pdl):
+            raise kiln.UnsupportedError("gemv runs the GEMV kernel, which has no tiles to split "
+                                        "or pair", fix="use HopperGemmConfig(gemv=True) alone")
         if self.pdl and self.cluster_m != 1:
             raise kiln.UnsupportedError("programmatic launches of CTA pairs are not supported",
                                         fix="use cluster_m=1 with pdl=True")
@@ -179,10 +187,16 @@ class HopperGemmConfig:
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * itemsize
         return ring + self.staged_rows * self.epilogue_columns(out_itemsize) * out_itemsize
 
+    def staging_columns(self, out_itemsize: int) -> int:
+        """Columns of one swizzled C staging tile: 128 bytes of C, or 64 where ``block_n`` is
+        an odd multiple of 64 bytes' worth (e.g. 160 bf16 columns: 64-byte swizzle)."""
+        return ROW_BYTES // out_itemsize if self.block_n * out_itemsize % ROW_BYTES == 0 \
+            else ROW_BYTES // 2 // out_itemsize
+
     def epilogue_columns(self, out_itemsize: int) -> int:
         """Columns of C staged per epilogue round: all of ``block_n`` when it fits next to the
-        ring, else the largest slice of 128-byte tiles that does."""
-        tile_cols = ROW_BYTES // out_itemsize
+        ring, else the largest slice of staging tiles that does."""
+        tile_cols = self.staging_columns(out_itemsize)
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * 2
         slices = [c for c in range(self.block_n, 0, -tile_cols) if self.block_n % c == 0]
         return next((c for c in slices
@@ -220,7 +234,8 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
     # M/N; MN-major chunks step 1024 bytes per 8 rows of K and bk * 128 bytes per 64 columns.
     b_leading = bk * ROW_BYTES if b_major == "mn" else 16
     b_k_step = K_STEP * ROW_BYTES if b_major == "mn" else K_STEP * in_type.itemsize
-    c_cols = ROW_BYTES // out_type.itemsize  # columns of one swizzled C staging tile
+    c_cols = config.staging_columns(out_type.itemsize)  # columns of one C staging tile
+    c_swizzle = c_cols * out_type.itemsize  # 128 bytes, or 64 for 32 of 2-byte columns
     epilogue_n = config.epilogue_columns(out_type.itemsize)
     c_tiles_per_round = epilogue_n // c_cols
     if fused and not config.swap_ab and bn % c_cols:
@@ -254,7 +269,7 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
 
     def gemm(a_map: kiln.TensorMap[in_type, (bm, bk), SWIZZLE],
              b_map: kiln.TensorMap[in_type, b_box, SWIZZLE],
-             c_map: kiln.TensorMap[out_type, (64, c_cols), SWIZZLE],
+             c_map: kiln.TensorMap[out_type, (64, c_cols), c_swizzle],
              m: kiln.i32, n: kiln.i32, k: kiln.i32,
              work: fused_types[0], tickets: fused_types[1], c_out: fused_types[2],
              BM: kiln.constexpr, BN: kiln.constexpr, BK: kiln.constexpr,

@@ -1,0 +1,89 @@
+"""The decode GEMV (``kiln.kernels.gemm.gemv``, ``HopperGemmConfig(gemv=True)``): interpreter
+runs on odd shapes against float64 with NaN-poisoned outputs, its variants, the PTX (16-byte
+loads, no spills), the refusals, and a GPU run (``gpu``)."""
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+from gemm_reference import assert_matmul_close
+
+import kiln
+from kiln.kernels import runtime
+from kiln.kernels.gemm import HopperGemmConfig, compile_matmul, matmul_config
+from kiln.kernels.gemm.gemv import MAX_ROWS, WARPS, gemv_kernel, grid
+from kiln.runtime.cuda import cuda_available
+
+needs_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and driver")
+GEMV = HopperGemmConfig(gemv=True)
+# K: one unrolled round and a tail (2056), tail only (100: padded to 104), one vector (8);
+# N: rows past the last warp's (70, 33, 9 of 16 per CTA)
+SHAPES = [(1, 70, 2056), (2, 33, 100), (3, 9, 8), (4, 129, 1032)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype, out", [(ml_dtypes.bfloat16, None), (np.float16, "f32")])
+def test_interpreted_gemv_matches_float64(shape, dtype, out, rng):
+    m, n, k = shape
+    a = rng.standard_normal((m, k)).astype(dtype)
+    w = rng.standard_normal((n, k)).astype(dtype)
+    # numpy outputs start as NaN: a row never stored fails the check
+    c = matmul_config(a, w, GEMV, trans_b=True, out_dtype=out, target="sm_90a",
+                      backend="interpret")
+    assert c.dtype == (dtype if out is None else np.float32)
+    assert_matmul_close(c, a, w.T)
+
+
+@pytest.mark.parametrize("rows, unroll", [(1, 8), (4, 4)])
+def test_gemv_variants_match_float64(rows, unroll, rng):
+    m, n, k = 1, 37, 2064
+    a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal((n, k)).astype(ml_dtypes.bfloat16)
+    c = np.full((m, n), np.nan, np.float32)
+    runtime.interpret(gemv_kernel("bf16", "f32", m, rows, unroll), grid(n, rows),
+                      [a, w, c, n, k], target="sm_90a", num_warps=WARPS)
+    assert_matmul_close(c, a, w.T)
+
+
+@pytest.mark.lower
+def test_ptx_streams_16_byte_loads_without_spills():
+    ck = compile_matmul("bf16", target="sm_90a", trans_b=True, gemv=True)
+    ptx = ck.asm["ptx"]
+    assert set(re.findall(r"ld\.global[.\w]*", ptx)) == {"ld.global.v4.b32"}
+    assert "wgmma" not in ptx and ck.metadata["spill_bytes"] == 0
+
+
+def test_gemv_refuses_what_it_has_no_code_for():
+    a = np.ones((MAX_ROWS + 1, 8), ml_dtypes.bfloat16)
+    with pytest.raises(kiln.UnsupportedError, match="M of 1..4"):
+        matmul_config(a, np.ones((8, 8), ml_dtypes.bfloat16), GEMV, trans_b=True,
+                      target="sm_90a", backend="interpret")
+    with pytest.raises(kiln.UnsupportedError, match="N x K"):
+        matmul_config(a[:1], np.ones((8, 8), ml_dtypes.bfloat16), GEMV, target="sm_90a",
+                      backend="interpret")
+    with pytest.raises(kiln.UnsupportedError, match="gemv"):
+        HopperGemmConfig(gemv=True, split_k=2)
+    from kiln.kernels.gemm.gemv import compile_gemv
+
+    with pytest.raises(kiln.UnsupportedError, match="NVIDIA"):
+        compile_gemv("bf16", "bf16", target="gfx950")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", [(1, 6144, 4096), (4, 1000, 1032), (1, 70, 8)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gemv_on_the_gpu(shape, rng):
+    torch = pytest.importorskip("torch")
+    from kiln.kernels.gemm import run_hopper
+
+    m, n, k = shape
+    a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal((n, k)).astype(ml_dtypes.bfloat16)
+    a_dev = torch.from_numpy(a.astype(np.float32)).to("cuda", torch.bfloat16)
+    w_dev = torch.from_numpy(w.astype(np.float32)).to("cuda", torch.bfloat16)
+    c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    run_hopper(a_dev, w_dev, c, m, n, k, dtype="bf16", b_major="k", target="sm_90a",
+               config=GEMV)
+    assert_matmul_close(c, a, w.T)
