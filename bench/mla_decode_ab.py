@@ -1,5 +1,5 @@
 """A/B of MLA decode's kernel options on a few shapes, in one process: split counts, the
-fused combine vs the combine kernel, the scores schedules (split keys, seesaw, lead group),
+fused combine vs the combine kernel, the scores schedules (split keys, seesaw, lead group, transposed),
 early launch; GB/s, ratio to copy bandwidth and TFLOP/s (GPU time, queued), each variant
 first checked against a float32 torch reference (max abs error < 2e-2). Prints one JSON line
 per measurement as it comes.
@@ -35,6 +35,8 @@ VARIANTS = {
     "lead2": dict(lead_group="pipelined"),
     "lead2_early": dict(lead_group="pipelined", early_launch=True),
     "split": dict(split_keys=True, early_launch=False),  # session 35's default
+    "t": dict(transposed=True),  # keys as M, the <= 32 query rows as N
+    "t_early": dict(transposed=True, early_launch=True),
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},
 }

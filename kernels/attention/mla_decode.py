@@ -34,6 +34,7 @@ from .decode_config import DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MAX_DEFA
 from .mla_kernel import EARLY_LAUNCH, SEESAW, SPLIT_KEYS, make_mla_kernel
 from .mla_lead import LEAD_GROUP
 from .mla_page import BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS
+from .mla_transposed import MAX_ROWS, TRANSPOSED, transposed_rows
 from .partials import Partials
 from ..workspaces import StreamWorkspaces
 
@@ -90,7 +91,8 @@ PLANS = PlanCache("mla_decode")
 
 def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scale=None,
                num_splits=None, target=None, backend=None, validate=False, split_keys=None,
-               fused_combine=None, seesaw=None, early_launch=None, lead_group=None):
+               fused_combine=None, seesaw=None, early_launch=None, lead_group=None,
+               transposed=None):
     """Multi-head latent attention decode over a paged cache; returns ``(o, lse)``.
 
     ``q``: ``[B, Sq, H, 576]`` bf16 (``Sq`` 1-2; contiguous); ``kv_cache``: ``[num_pages,
@@ -112,7 +114,10 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     None: ``EARLY_LAUNCH``, off); ``lead_group``: warp group 0 scores every key and hands P
     to group 1, whose product runs while group 0 scores the next page (None: ``LEAD_GROUP``,
     on unless ``seesaw`` or ``split_keys`` is given; :mod:`~kiln.kernels.attention.mla_lead`;
-    ``"pipelined"``: also group 0's scores of the next page issued behind its product).
+    ``"pipelined"``: also group 0's scores of the next page issued behind its product);
+    ``transposed``: with at most 32 packed rows (``Sq x H``), the keys are the products' M
+    and the query rows their N, so no product computes padding rows (None: ``TRANSPOSED``,
+    off; :mod:`~kiln.kernels.attention.mla_transposed`; no other schedule option with it).
     Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
     ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
@@ -127,7 +132,8 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
         o, lse = mla_decode(q, kv_cache, page_table, seq_lens)   # q [B, 1, 128, 576]
     """
     plan = _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
-                     backend, split_keys, fused_combine, (seesaw, early_launch, lead_group))
+                     backend, split_keys, fused_combine,
+                     (seesaw, early_launch, lead_group, transposed))
     lib = ArrayLib(q)
     B, Sq, H = plan.shape
     if plan.kernel is None:
@@ -209,7 +215,8 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
         B, row_blocks, dims["max_pages"] * page_size,
         sms=DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()) \
         if B * Sq * H else 1
-    split_keys, seesaw, lead = _schedule(split_keys, options[0], options[2])
+    narrow = _transposed(options[3], Sq * H, split_keys, options[0], options[2])
+    split_keys, seesaw, lead = _schedule(split_keys, options[0], options[2], narrow)
     rows = merge_rows(Sq * H)
     if fused_combine is None:  # one CTA's merge of its rows from L2, or a combine kernel
         fused_combine = slots * rows * HEAD_DIM_V * 4 <= FUSED_COMBINE_MAX_BYTES
@@ -217,14 +224,34 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
     early = EARLY_LAUNCH if options[1] is None else bool(options[1])
     kernel = make_mla_kernel(page_size, split_keys, slots == 1, slots if fused else 0,
                              rows if fused else ROWS, seesaw, early,
-                             lead) if B * Sq * H else None
+                             lead, narrow) if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
                    scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E),
                    fused=fused, device=q.device if is_torch(q) else None)
 
 
-def _schedule(split_keys=None, seesaw=None, lead_group=None) -> tuple[bool, bool, int]:
+def _transposed(transposed, packed, split_keys=None, seesaw=None, lead_group=None) -> int:
+    """The transposed schedule's rows (0: off) from a call's ``transposed`` option and its
+    ``packed = Sq x H`` rows; refused above 32 rows or beside another schedule option.
+    Example: ``_transposed(True, 16) == 16``."""
+    if transposed is None:
+        transposed = TRANSPOSED and transposed_rows(packed) > 0 and split_keys is None \
+            and seesaw is None and lead_group is None
+    if not transposed:
+        return 0
+    if not transposed_rows(packed):
+        raise kiln.UnsupportedError(f"transposed=True serves at most {MAX_ROWS} packed rows "
+                                    f"(Sq x H), not {packed}", fix="leave transposed unset")
+    if split_keys or seesaw or lead_group:
+        raise kiln.UnsupportedError("transposed=True is its own schedule: it takes no "
+                                    "split_keys, seesaw or lead_group",
+                                    fix="leave the other schedule options unset")
+    return transposed_rows(packed)
+
+
+def _schedule(split_keys=None, seesaw=None, lead_group=None,
+              transposed=0) -> tuple[bool, bool, int]:
     """The kernel's scores schedule from a call's options (None: the defaults): ``(split_keys,
     seesaw, lead)``, ``lead`` as :func:`make_mla_kernel` takes it (0 off, 1 the lead group, 2
     pipelined). The default lead group gives way to an explicit ``seesaw=True`` or
@@ -233,7 +260,7 @@ def _schedule(split_keys=None, seesaw=None, lead_group=None) -> tuple[bool, bool
         raise kiln.KilnValueError(f"lead_group={lead_group!r} is not a lead-group mode",
                                   fix="pass lead_group=True, 'pipelined', False or None")
     if lead_group is None:
-        lead_group = LEAD_GROUP and not seesaw and split_keys is None
+        lead_group = LEAD_GROUP and not seesaw and split_keys is None and not transposed
     if lead_group and (seesaw or split_keys):
         raise kiln.UnsupportedError(f"lead_group={lead_group!r} has group 0 score every key: "
                                     "it takes no seesaw or split_keys=True",
@@ -241,7 +268,7 @@ def _schedule(split_keys=None, seesaw=None, lead_group=None) -> tuple[bool, bool
     seesaw = SEESAW if seesaw is None else bool(seesaw)
     split_keys = SPLIT_KEYS if split_keys is None else bool(split_keys)
     lead = 2 if lead_group == "pipelined" else int(bool(lead_group))
-    return split_keys and not (seesaw or lead), seesaw, lead
+    return split_keys and not (seesaw or lead or transposed), seesaw, lead
 
 
 def mla_target(target):
@@ -312,7 +339,7 @@ def _check_devices(q, **tensors) -> None:
 
 def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
                        split_keys=None, direct=False, fused_slots=0, seesaw=None,
-                       early_launch=EARLY_LAUNCH, lead_group=None):
+                       early_launch=EARLY_LAUNCH, lead_group=None, transposed=None):
     """Compile (without running) the MLA decode kernel (``direct``: the one-split kernel that
     writes ``o`` and ``lse`` itself; ``fused_slots``: the kernel whose last split CTA merges
     that many splits; the schedule options as :func:`mla_decode` resolves them); returns the
@@ -326,8 +353,9 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
             np.zeros((1, 1, sq, heads), np.float32), np.zeros((1, sq, heads), np.int32),
             np.zeros((1, sq, heads, HEAD_DIM_V), bf16), np.zeros((1, sq, heads), np.float32),
             np.zeros((1, 1, 2), np.int64), 1, heads, sq, 0.1]
-    split_keys, seesaw, lead = _schedule(split_keys, seesaw, lead_group)
+    narrow = _transposed(transposed, sq * heads, split_keys, seesaw, lead_group)
+    split_keys, seesaw, lead = _schedule(split_keys, seesaw, lead_group, narrow)
     kernel = make_mla_kernel(page_size, split_keys, direct, fused_slots,
                              merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
-                             early_launch, lead)
+                             early_launch, lead, narrow)
     return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)

@@ -44,6 +44,8 @@ from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS,
                        HEAD_DIM_V, NUM_WARPS, ROWS, STAGES, THREADS, TILE_BYTES, V_CHUNKS,
                        WARP_GROUPS, page_scores, page_softmax)
 from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum
+from .mla_transposed import (TransposedRows, consume_tile_transposed, store_transposed,
+                             transposed_init, transposed_totals)
 from .paged import PagedRowIndices, PageTableRow
 
 ZERO_BARRIER = 1  # named barrier: both groups done with K before V rows are zeroed, and after
@@ -63,7 +65,8 @@ SEESAW = False
 @functools.lru_cache(maxsize=None)
 def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False,
                     fused_slots: int = 0, merge_rows: int = ROWS, seesaw: bool = SEESAW,
-                    early_launch: bool = EARLY_LAUNCH, lead_group: int = 0):
+                    early_launch: bool = EARLY_LAUNCH, lead_group: int = 0,
+                    transposed: int = 0):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -85,10 +88,17 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     wait made ptxas spill (272 bytes at 16 heads, fused). ``lead_group`` (0: off): group 0
     scores every key and hands P to group 1 (:mod:`~kiln.kernels.attention.mla_lead`; with
     ``split_keys=False``, not ``seesaw``); 2: with group 0's scores one page ahead.
+    ``transposed`` (0: off; 16 or 32, at least the packed rows): keys as the products' M and
+    the query rows as their N (:mod:`~kiln.kernels.attention.mla_transposed`; with
+    ``split_keys=False`` and no other schedule).
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     if lead_group and (seesaw or split_keys):
         raise kiln.UnsupportedError("the lead-group schedule has group 0 score every key",
                                     fix="pass lead_group=True with split_keys=False, no seesaw")
+    if transposed and (seesaw or split_keys or lead_group or transposed not in (16, 32)):
+        raise kiln.UnsupportedError("the transposed schedule takes 16 or 32 rows and no other "
+                                    "schedule", fix="pass transposed=16 or 32 with "
+                                                    "split_keys=False, no seesaw or lead group")
     Rows = PagedRowIndices[BLOCK_N, page_size]
     if Rows.num_pages != 1:
         raise kiln.UnsupportedError(f"MLA decode reads pages of a multiple of {BLOCK_N} rows, "
@@ -116,12 +126,13 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         exchange = _Exchange() if split_keys and not seesaw else None
         rows_x = SeesawRows() if seesaw else None
         lead_rows = LeadRows() if lead_group else None
+        t_rows = TransposedRows(transposed) if transposed else None
         tid = kiln.thread_id(0)
         warp = tid // 32
         lane = tid % 32
         group = tid // 128
         # The TMA issuer (seesaw: group 1's first warp, which releases the stages last).
-        producer_warp = 4 if seesaw else PRODUCER_WARP if lead_group else 0
+        producer_warp = 4 if seesaw else PRODUCER_WARP if lead_group or transposed else 0
         producer = nvidia_asm.elect_sync() & (warp == producer_warp)  # converged, no branch
         for s in kiln.static_range(STAGES):
             # One arrival a warp group: its WGMMA reads are done once its thread 0 waited.
@@ -167,9 +178,12 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                      wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=BOX_BYTES,
                                            stride_bytes=1024)
                      + kiln.cast(group * (GROUP_COLS // CHUNK) * BOX_UNITS, kiln.i64))
-        o = wgmma.fragment_zeros(GROUP_COLS)
-        m = [kiln.cast(-math.inf, kiln.f32) for _ in range(2)]
-        l = [kiln.cast(0.0, kiln.f32) for _ in range(2)]
+        if transposed:
+            o, m, l = transposed_init(transposed)
+        else:
+            o = wgmma.fragment_zeros(GROUP_COLS)
+            m = [kiln.cast(-math.inf, kiln.f32) for _ in range(2)]
+            l = [kiln.cast(0.0, kiln.f32) for _ in range(2)]
         if seesaw:
             o, m, l = seesaw_pages(o, m, l, rows_x, full, empty, table, kv_map, q_map,
                                    page_size, tile_begin, num_tiles, seq_len, seq_q, key_limit,
@@ -190,7 +204,11 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                             seq_len)
                 full.try_wait(stage, (it // STAGES) % 2)
                 key0 = (tile_begin + it) * BLOCK_N
-                if lead_group:
+                if transposed:
+                    o, m, l = consume_tile_transposed(o, m, l, descs, boxes, t_rows, stage,
+                                                      key0, row0, packed, heads, seq_len,
+                                                      seq_q, scale_log2, tid, group, it)
+                elif lead_group:
                     o, m, l = consume_tile_lead(o, m, l, descs, boxes, lead_rows, stage, key0,
                                                 key_limit, seq_len, seq_q, scale_log2, tid,
                                                 group, it, num_tiles)
@@ -209,16 +227,24 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
             arrival = kiln.cast(0, kiln.i64)
             if tid == 0:
                 arrival = tickets.atomic_add(b, kiln.block_id(0), ARRIVED, 1)
-        l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
+        if transposed:  # group 0 kept the columns' maxima and per-thread sums
+            m, l = transposed_totals(m, l, t_rows, tid, group)
+        else:
+            l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
         if seesaw:  # each group summed its own pages
             l = seesaw_sum(rows_x, l, tid, group)
         elif split_keys:  # each group summed its own keys: the row's sum is both groups'
             l = exchange.sum_rows(l, tid, group)
         elif lead_group:  # group 0 summed every key
             l = lead_sum(lead_rows, l, tid, group)
-        _store_rows(o, m, l, rows, o_out if direct else o_part,
-                    lse_out if direct else lse_part, counts, split, b, heads, packed, group,
-                    lane, seq_len, seq_q, tiles_per_split, direct)
+        if transposed:
+            store_transposed(o, m, l, transposed, o_out if direct else o_part,
+                             lse_out if direct else lse_part, counts, split, b, row0, heads,
+                             packed, group, tid, seq_len, seq_q, tiles_per_split, direct)
+        else:
+            _store_rows(o, m, l, rows, o_out if direct else o_part,
+                        lse_out if direct else lse_part, counts, split, b, heads, packed, group,
+                        lane, seq_len, seq_q, tiles_per_split, direct)
         if fused_slots:
             last = kiln.shared((1,), kiln.i32)
             combine_if_last(o_part, lse_part, o_out, lse_out, tickets, arrival, last, b, 0, 0,
@@ -229,7 +255,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}" \
         f"{f'_fused{fused_slots}r{merge_rows}' if fused_slots else ''}" \
         f"{'_seesaw' if seesaw else ''}{'_early' if early_launch else ''}" \
-        f"{'_lead' if lead_group else ''}{'2' if lead_group == 2 else ''}"
+        f"{'_lead' if lead_group else ''}{'2' if lead_group == 2 else ''}" \
+        f"{f'_t{transposed}' if transposed else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
 
