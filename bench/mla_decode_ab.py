@@ -1,8 +1,8 @@
 """A/B of MLA decode's kernel options on a few shapes, in one process: split counts, the
-fused combine vs the combine kernel, the scores schedules (split keys, seesaw, lead group, transposed),
-early launch; GB/s, ratio to copy bandwidth and TFLOP/s (GPU time, queued), each variant
-first checked against a float32 torch reference (max abs error < 2e-2). Prints one JSON line
-per measurement as it comes.
+fused combine vs the combine kernel, the scores schedules (split keys, seesaw, lead group,
+transposed), early launch, L2 prefetch; GB/s, ratio to copy bandwidth and TFLOP/s (GPU time,
+queued), each variant first checked against a float32 torch reference (max abs error < 2e-2).
+Prints one JSON line per measurement as it comes.
 
 Usage (on an H100/H200): ``python bench/mla_decode_ab.py [--shapes 32x4096x1x16,...]
 [--variants base,fused,...] [--repeat 10]`` (a shape ``B x ctx x Sq x H``, or
@@ -37,6 +37,8 @@ VARIANTS = {
     "split": dict(split_keys=True, early_launch=False),  # session 35's default
     "t": dict(transposed=True),  # keys as M, the <= 32 query rows as N
     "t_early": dict(transposed=True, early_launch=True),
+    **{f"t_pf{n}": dict(transposed=True, prefetch=n) for n in (1, 2)},
+    **{f"pf{n}": dict(prefetch=n) for n in (1, 2)},  # the lead group, pages ahead in L2
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},
 }

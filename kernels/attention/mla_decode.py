@@ -31,7 +31,7 @@ from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, check_paged_len
                        check_positive, is_torch, resolve_target, spec)
 from .combine import combine
 from .decode_config import DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MAX_DEFAULT_SPLITS
-from .mla_kernel import EARLY_LAUNCH, SEESAW, SPLIT_KEYS, make_mla_kernel
+from .mla_kernel import EARLY_LAUNCH, PREFETCH, SEESAW, SPLIT_KEYS, make_mla_kernel
 from .mla_lead import LEAD_GROUP
 from .mla_page import BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS
 from .mla_transposed import MAX_ROWS, TRANSPOSED, transposed_rows
@@ -92,7 +92,7 @@ PLANS = PlanCache("mla_decode")
 def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scale=None,
                num_splits=None, target=None, backend=None, validate=False, split_keys=None,
                fused_combine=None, seesaw=None, early_launch=None, lead_group=None,
-               transposed=None):
+               transposed=None, prefetch=None):
     """Multi-head latent attention decode over a paged cache; returns ``(o, lse)``.
 
     ``q``: ``[B, Sq, H, 576]`` bf16 (``Sq`` 1-2; contiguous); ``kv_cache``: ``[num_pages,
@@ -117,7 +117,9 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     ``"pipelined"``: also group 0's scores of the next page issued behind its product);
     ``transposed``: with at most 32 packed rows (``Sq x H``), the keys are the products' M
     and the query rows their N, so no product computes padding rows (None: ``TRANSPOSED``,
-    off; :mod:`~kiln.kernels.attention.mla_transposed`; no other schedule option with it).
+    off; :mod:`~kiln.kernels.attention.mla_transposed`; no other schedule option with it);
+    ``prefetch``: pages of a split prefetched into L2 beyond the two in shared memory (0-4;
+    None: ``PREFETCH``, 0; not with ``seesaw`` or ``lead_group="pipelined"``).
     Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
     ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
@@ -133,7 +135,7 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     """
     plan = _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
                      backend, split_keys, fused_combine,
-                     (seesaw, early_launch, lead_group, transposed))
+                     (seesaw, early_launch, lead_group, transposed, prefetch))
     lib = ArrayLib(q)
     B, Sq, H = plan.shape
     if plan.kernel is None:
@@ -224,11 +226,28 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
     early = EARLY_LAUNCH if options[1] is None else bool(options[1])
     kernel = make_mla_kernel(page_size, split_keys, slots == 1, slots if fused else 0,
                              rows if fused else ROWS, seesaw, early,
-                             lead, narrow) if B * Sq * H else None
+                             lead, narrow, _prefetch(options[4], seesaw, lead)) \
+        if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
                    scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E),
                    fused=fused, device=q.device if is_torch(q) else None)
+
+
+def _prefetch(prefetch, seesaw, lead) -> int:
+    """Pages prefetched into L2 ahead of the ring (``prefetch``, None: ``PREFETCH``); the
+    page loop's schedules only. Example: ``_prefetch(1, False, 1) == 1``."""
+    if prefetch is None:
+        return PREFETCH if not (seesaw or lead == 2) else 0
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= 4:
+        raise kiln.KilnValueError(f"prefetch={prefetch!r} is not a page count",
+                                  fix="pass prefetch=0..4, or None")
+    if prefetch and (seesaw or lead == 2):
+        raise kiln.UnsupportedError("prefetch runs in the page loop, not the seesaw pairs or "
+                                    "the pipelined lead group",
+                                    fix="leave prefetch unset with seesaw or "
+                                        "lead_group='pipelined'")
+    return prefetch
 
 
 def _transposed(transposed, packed, split_keys=None, seesaw=None, lead_group=None) -> int:
@@ -339,7 +358,8 @@ def _check_devices(q, **tensors) -> None:
 
 def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
                        split_keys=None, direct=False, fused_slots=0, seesaw=None,
-                       early_launch=EARLY_LAUNCH, lead_group=None, transposed=None):
+                       early_launch=EARLY_LAUNCH, lead_group=None, transposed=None,
+                       prefetch=None):
     """Compile (without running) the MLA decode kernel (``direct``: the one-split kernel that
     writes ``o`` and ``lse`` itself; ``fused_slots``: the kernel whose last split CTA merges
     that many splits; the schedule options as :func:`mla_decode` resolves them); returns the
@@ -357,5 +377,5 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
     split_keys, seesaw, lead = _schedule(split_keys, seesaw, lead_group, narrow)
     kernel = make_mla_kernel(page_size, split_keys, direct, fused_slots,
                              merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
-                             early_launch, lead, narrow)
+                             early_launch, lead, narrow, _prefetch(prefetch, seesaw, lead))
     return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)

@@ -60,13 +60,16 @@ SPLIT_KEYS = True
 EARLY_LAUNCH = False
 # Pages two at a time, one scored by each warp group (mla_seesaw), or one at a time.
 SEESAW = False
+# Pages of the split the producer prefetches into L2 beyond the two the ring holds (0: none;
+# not yet measured on a GPU): bytes in flight that need no shared memory.
+PREFETCH = 0
 
 
 @functools.lru_cache(maxsize=None)
 def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False,
                     fused_slots: int = 0, merge_rows: int = ROWS, seesaw: bool = SEESAW,
                     early_launch: bool = EARLY_LAUNCH, lead_group: int = 0,
-                    transposed: int = 0):
+                    transposed: int = 0, prefetch: int = PREFETCH):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -90,7 +93,9 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     ``split_keys=False``, not ``seesaw``); 2: with group 0's scores one page ahead.
     ``transposed`` (0: off; 16 or 32, at least the packed rows): keys as the products' M and
     the query rows as their N (:mod:`~kiln.kernels.attention.mla_transposed`; with
-    ``split_keys=False`` and no other schedule).
+    ``split_keys=False`` and no other schedule). ``prefetch``: pages the producer prefetches
+    into L2 beyond the ring's (page ``t + 1 + prefetch`` at step ``t``; the page loop's
+    schedules, not ``seesaw`` or the pipelined lead group).
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     if lead_group and (seesaw or split_keys):
         raise kiln.UnsupportedError("the lead-group schedule has group 0 score every key",
@@ -202,6 +207,9 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                 _load_pages(it, warp, producer_warp, producer, full, empty, q_map, kv_map,
                             boxes, b * packed + row0, page_size, table, tile_begin, num_tiles,
                             seq_len)
+                if prefetch:
+                    _prefetch_pages(it, producer, kv_map, page_size, table, tile_begin,
+                                    num_tiles, prefetch)
                 full.try_wait(stage, (it // STAGES) % 2)
                 key0 = (tile_begin + it) * BLOCK_N
                 if transposed:
@@ -256,7 +264,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         f"{f'_fused{fused_slots}r{merge_rows}' if fused_slots else ''}" \
         f"{'_seesaw' if seesaw else ''}{'_early' if early_launch else ''}" \
         f"{'_lead' if lead_group else ''}{'2' if lead_group == 2 else ''}" \
-        f"{f'_t{transposed}' if transposed else ''}"
+        f"{f'_t{transposed}' if transposed else ''}{f'_pf{prefetch}' if prefetch else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
 
@@ -283,6 +291,29 @@ def _load_pages(it, warp, producer_warp, producer, full, empty, q_map, kv_map, b
             empty.try_wait(ahead % STAGES, ((it - 1) // STAGES) % 2)
             _load_tile(page_size, table, tile_begin + ahead, seq_len, kv_map, boxes, full,
                        ahead % STAGES, producer, arm=True)
+
+
+@kiln.func
+def _prefetch_pages(it, producer, kv_map, page_size, table, tile_begin, num_tiles, ahead):
+    """The producer's L2 prefetches at step ``it``: with the first, the split's pages
+    ``STAGES .. STAGES + ahead - 1``; later, page ``it + STAGES - 1 + ahead`` (each before the
+    ring's load of it, which then reads L2)."""
+    if producer:
+        if it == 0:
+            for a in kiln.static_range(ahead):
+                _prefetch_page(kv_map, page_size, table, tile_begin, STAGES + a, num_tiles)
+        else:
+            _prefetch_page(kv_map, page_size, table, tile_begin, it + STAGES - 1 + ahead,
+                           num_tiles)
+
+
+@kiln.func
+def _prefetch_page(kv_map, page_size, table, tile_begin, page, num_tiles):
+    """Prefetch the split's page ``page`` (nine column boxes) into L2 if the split has it."""
+    if page < num_tiles:
+        row = table[tile_begin + page] * page_size
+        for c in kiln.static_range(CHUNKS):
+            tma.prefetch(kv_map, (c * CHUNK, row))
 
 
 @kiln.func
