@@ -38,6 +38,8 @@ VARIANTS = {
     "t": dict(transposed=True),  # keys as M, the <= 32 query rows as N
     "t_early": dict(transposed=True, early_launch=True),
     **{f"t_pf{n}": dict(transposed=True, prefetch=n) for n in (1, 2)},
+    "tr": dict(transposed="ring"),  # Q trimmed, a ring of 8 KB chunk slots
+    "tr_early": dict(transposed="ring", early_launch=True),
     **{f"pf{n}": dict(prefetch=n) for n in (1, 2)},  # the lead group, pages ahead in L2
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},

@@ -57,6 +57,8 @@ def test_deepseek_heads_two_tokens(rng):
     (16, 2, 3, dict(transposed=True, fused_combine=True)),  # 32 rows, two tokens' limits
     (8, 2, 2, dict(transposed=True, prefetch=2, early_launch=True)),  # 16 rows, 4 of them past
     (20, 1, 2, dict(prefetch=1)),  # the lead group with a page ahead in L2
+    (16, 1, 1, dict(transposed="ring")),  # Q's 16 rows, 25 chunk slots
+    (16, 2, 3, dict(transposed="ring", fused_combine=True, early_launch=True)),  # 22 slots
 ])
 def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
     """The fused combine (the last split CTA merges), the seesaw pairs and early launch, on
@@ -68,11 +70,13 @@ def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
     assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
 
 
-@pytest.mark.parametrize("options", [dict(transposed=True), dict(transposed=True, prefetch=1)])
+@pytest.mark.parametrize("options", [dict(transposed=True), dict(transposed=True, prefetch=1),
+                                     dict(transposed="ring")])
 def test_transposed_over_many_pages(options, rng):
     """The transposed schedule's double-buffered P^T, factors and maxima over sixteen and
-    thirteen pages (the last ragged, NaN past it) and an empty sequence, in one split; one
-    query row's scores made dominant in a late page so the running max moves."""
+    thirteen pages (the last ragged, NaN past it; the chunk ring wraps five times) and an
+    empty sequence, in one split; one query row's scores made dominant in a late page so the
+    running max moves."""
     q, kv, table, lens = mla_problem(rng, 16, 1, [1000, 777, 0])
     kv[table[0, 11], 5, :] = (q[0, 0, 3].astype(np.float32) * 0.5).astype(kv.dtype)
     o, lse = mla_decode(q, kv, table, lens, num_splits=1, backend="interpret", **options)
@@ -193,6 +197,8 @@ def _args(rng):
     (lambda a: a.update(transposed=True, seesaw=True), kiln.UnsupportedError,
      "its own schedule"),
     (lambda a: a.update(prefetch=7), kiln.KilnValueError, "prefetch=7"),
+    (lambda a: a.update(transposed="deep"), kiln.KilnValueError, "transposed='deep'"),
+    (lambda a: a.update(transposed="ring", prefetch=1), kiln.UnsupportedError, "chunk ring"),
     (lambda a: a.update(prefetch=1, lead_group="pipelined"), kiln.UnsupportedError,
      "pipelined"),
 ])
@@ -225,7 +231,8 @@ def test_default_splits_fill_one_wave():
     (False, 64, True, dict(lead_group=True, heads=128, sq=2)),
     (False, 64, False, dict(lead_group=True, fused_slots=4, heads=16, early_launch=True)),
     (False, 16, False, dict(transposed=True, fused_slots=4, heads=16, prefetch=2)),
-    (False, 32, True, dict(transposed=True, heads=16, sq=2))])
+    (False, 32, True, dict(transposed=True, heads=16, sq=2)),
+    (False, 16, False, dict(transposed="ring", fused_slots=4, heads=16))])
 def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct, options):
     ck = compile_mla_decode(target="sm_90a", split_keys=split_keys, direct=direct, **options)
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["registers"] <= 255

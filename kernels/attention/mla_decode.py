@@ -117,7 +117,9 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     ``"pipelined"``: also group 0's scores of the next page issued behind its product);
     ``transposed``: with at most 32 packed rows (``Sq x H``), the keys are the products' M
     and the query rows their N, so no product computes padding rows (None: ``TRANSPOSED``,
-    off; :mod:`~kiln.kernels.attention.mla_transposed`; no other schedule option with it);
+    off; :mod:`~kiln.kernels.attention.mla_transposed`; no other schedule option with it;
+    ``"ring"``: Q's shared memory trimmed to those rows and the bytes spent on a deeper ring
+    of 8 KB chunk slots, :mod:`~kiln.kernels.attention.mla_transposed_ring`);
     ``prefetch``: pages of a split prefetched into L2 beyond the two in shared memory (0-4;
     None: ``PREFETCH``, 0; not with ``seesaw`` or ``lead_group="pipelined"``).
     Returns ``o [B, Sq, H, 512]`` bf16
@@ -217,7 +219,7 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
         B, row_blocks, dims["max_pages"] * page_size,
         sms=DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()) \
         if B * Sq * H else 1
-    narrow = _transposed(options[3], Sq * H, split_keys, options[0], options[2])
+    narrow, ring = _transposed(options[3], Sq * H, split_keys, options[0], options[2])
     split_keys, seesaw, lead = _schedule(split_keys, options[0], options[2], narrow)
     rows = merge_rows(Sq * H)
     if fused_combine is None:  # one CTA's merge of its rows from L2, or a combine kernel
@@ -226,7 +228,8 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
     early = EARLY_LAUNCH if options[1] is None else bool(options[1])
     kernel = make_mla_kernel(page_size, split_keys, slots == 1, slots if fused else 0,
                              rows if fused else ROWS, seesaw, early,
-                             lead, narrow, _prefetch(options[4], seesaw, lead)) \
+                             lead, narrow, _prefetch(options[4], seesaw or ring, lead),
+                             ring) \
         if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
@@ -234,31 +237,36 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
                    fused=fused, device=q.device if is_torch(q) else None)
 
 
-def _prefetch(prefetch, seesaw, lead) -> int:
+def _prefetch(prefetch, own_loop, lead) -> int:
     """Pages prefetched into L2 ahead of the ring (``prefetch``, None: ``PREFETCH``); the
-    page loop's schedules only. Example: ``_prefetch(1, False, 1) == 1``."""
+    page loop's schedules only (``own_loop``: seesaw's or the chunk ring's loop).
+    Example: ``_prefetch(1, False, 1) == 1``."""
     if prefetch is None:
-        return PREFETCH if not (seesaw or lead == 2) else 0
+        return PREFETCH if not (own_loop or lead == 2) else 0
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= 4:
         raise kiln.KilnValueError(f"prefetch={prefetch!r} is not a page count",
                                   fix="pass prefetch=0..4, or None")
-    if prefetch and (seesaw or lead == 2):
-        raise kiln.UnsupportedError("prefetch runs in the page loop, not the seesaw pairs or "
-                                    "the pipelined lead group",
-                                    fix="leave prefetch unset with seesaw or "
-                                        "lead_group='pipelined'")
+    if prefetch and (own_loop or lead == 2):
+        raise kiln.UnsupportedError("prefetch runs in the page loop, not the seesaw pairs, "
+                                    "the chunk ring or the pipelined lead group",
+                                    fix="leave prefetch unset with seesaw, transposed='ring' "
+                                        "or lead_group='pipelined'")
     return prefetch
 
 
-def _transposed(transposed, packed, split_keys=None, seesaw=None, lead_group=None) -> int:
-    """The transposed schedule's rows (0: off) from a call's ``transposed`` option and its
-    ``packed = Sq x H`` rows; refused above 32 rows or beside another schedule option.
-    Example: ``_transposed(True, 16) == 16``."""
+def _transposed(transposed, packed, split_keys=None, seesaw=None,
+                lead_group=None) -> tuple[int, bool]:
+    """The transposed schedule's rows (0: off) and whether it runs on the chunk ring, from a
+    call's ``transposed`` option and its ``packed = Sq x H`` rows; refused above 32 rows or
+    beside another schedule option. Example: ``_transposed("ring", 16) == (16, True)``."""
+    if transposed not in (None, False, True, "ring"):
+        raise kiln.KilnValueError(f"transposed={transposed!r} is not a transposed mode",
+                                  fix="pass transposed=True, 'ring', False or None")
     if transposed is None:
         transposed = TRANSPOSED and transposed_rows(packed) > 0 and split_keys is None \
             and seesaw is None and lead_group is None
     if not transposed:
-        return 0
+        return 0, False
     if not transposed_rows(packed):
         raise kiln.UnsupportedError(f"transposed=True serves at most {MAX_ROWS} packed rows "
                                     f"(Sq x H), not {packed}", fix="leave transposed unset")
@@ -266,7 +274,7 @@ def _transposed(transposed, packed, split_keys=None, seesaw=None, lead_group=Non
         raise kiln.UnsupportedError("transposed=True is its own schedule: it takes no "
                                     "split_keys, seesaw or lead_group",
                                     fix="leave the other schedule options unset")
-    return transposed_rows(packed)
+    return transposed_rows(packed), transposed == "ring"
 
 
 def _schedule(split_keys=None, seesaw=None, lead_group=None,
@@ -373,9 +381,10 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
             np.zeros((1, 1, sq, heads), np.float32), np.zeros((1, sq, heads), np.int32),
             np.zeros((1, sq, heads, HEAD_DIM_V), bf16), np.zeros((1, sq, heads), np.float32),
             np.zeros((1, 1, 2), np.int64), 1, heads, sq, 0.1]
-    narrow = _transposed(transposed, sq * heads, split_keys, seesaw, lead_group)
+    narrow, ring = _transposed(transposed, sq * heads, split_keys, seesaw, lead_group)
     split_keys, seesaw, lead = _schedule(split_keys, seesaw, lead_group, narrow)
     kernel = make_mla_kernel(page_size, split_keys, direct, fused_slots,
                              merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
-                             early_launch, lead, narrow, _prefetch(prefetch, seesaw, lead))
+                             early_launch, lead, narrow, _prefetch(prefetch, seesaw or ring, lead),
+                             ring)
     return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)

@@ -44,8 +44,9 @@ from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS,
                        HEAD_DIM_V, NUM_WARPS, ROWS, STAGES, THREADS, TILE_BYTES, V_CHUNKS,
                        WARP_GROUPS, page_scores, page_softmax)
 from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum
-from .mla_transposed import (TransposedRows, consume_tile_transposed, store_transposed,
-                             transposed_init, transposed_totals)
+from .mla_transposed import (TransposedRows, consume_tile_transposed, stage_operands,
+                             store_transposed, transposed_init, transposed_totals)
+from .mla_transposed_ring import PAGE_SLOTS, RingBuffers, ring_pages
 from .paged import PagedRowIndices, PageTableRow
 
 ZERO_BARRIER = 1  # named barrier: both groups done with K before V rows are zeroed, and after
@@ -69,7 +70,7 @@ PREFETCH = 0
 def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False,
                     fused_slots: int = 0, merge_rows: int = ROWS, seesaw: bool = SEESAW,
                     early_launch: bool = EARLY_LAUNCH, lead_group: int = 0,
-                    transposed: int = 0, prefetch: int = PREFETCH):
+                    transposed: int = 0, prefetch: int = PREFETCH, ring: bool = False):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -95,7 +96,9 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     the query rows as their N (:mod:`~kiln.kernels.attention.mla_transposed`; with
     ``split_keys=False`` and no other schedule). ``prefetch``: pages the producer prefetches
     into L2 beyond the ring's (page ``t + 1 + prefetch`` at step ``t``; the page loop's
-    schedules, not ``seesaw`` or the pipelined lead group).
+    schedules, not ``seesaw`` or the pipelined lead group). ``ring`` (with ``transposed``):
+    Q's shared memory trimmed to its rows and a deeper ring of 8 KB chunk slots
+    (:mod:`~kiln.kernels.attention.mla_transposed_ring`; ``prefetch`` does not apply).
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     if lead_group and (seesaw or split_keys):
         raise kiln.UnsupportedError("the lead-group schedule has group 0 score every key",
@@ -104,6 +107,10 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         raise kiln.UnsupportedError("the transposed schedule takes 16 or 32 rows and no other "
                                     "schedule", fix="pass transposed=16 or 32 with "
                                                     "split_keys=False, no seesaw or lead group")
+    if ring and not transposed:
+        raise kiln.UnsupportedError("the chunk ring serves the transposed schedule",
+                                    fix="pass ring=True with transposed=16 or 32")
+    stages = PAGE_SLOTS if ring else STAGES
     Rows = PagedRowIndices[BLOCK_N, page_size]
     if Rows.num_pages != 1:
         raise kiln.UnsupportedError(f"MLA decode reads pages of a multiple of {BLOCK_N} rows, "
@@ -118,20 +125,21 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                    num_splits: kiln.i32, heads: kiln.i32,
                    seq_q: kiln.i32, scale_log2: kiln.f32):
         # Box 0 .. 8: Q; box 9 + 9 s + c: column chunk c of ring stage s.
-        if not seesaw:  # the seesaw schedule's buffers are its own (SeesawRows)
+        if not (seesaw or ring):  # seesaw's and the ring's buffers are their own
             boxes = dynamic_shared(((1 + STAGES) * CHUNKS, BLOCK_N, CHUNK), kiln.bf16,
                                    align=1024)
         if seesaw:  # one single-slot ring a stage: a pair waits once on each
             full = [mbarrier.group(num_barriers=1) for _ in range(STAGES)]
             empty = [mbarrier.group(num_barriers=1) for _ in range(STAGES)]
         else:
-            full = mbarrier.group(num_barriers=STAGES)
-            empty = mbarrier.group(num_barriers=STAGES)
+            full = mbarrier.group(num_barriers=stages)
+            empty = mbarrier.group(num_barriers=stages)
         # split_keys: the groups' row maxima, sums and P fragments, exchanged in shared memory.
         exchange = _Exchange() if split_keys and not seesaw else None
         rows_x = SeesawRows() if seesaw else None
         lead_rows = LeadRows() if lead_group else None
-        t_rows = TransposedRows(transposed) if transposed else None
+        ring_buffers = RingBuffers(transposed) if ring else None
+        t_rows = TransposedRows(transposed) if transposed and not ring else None
         tid = kiln.thread_id(0)
         warp = tid // 32
         lane = tid % 32
@@ -139,7 +147,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         # The TMA issuer (seesaw: group 1's first warp, which releases the stages last).
         producer_warp = 4 if seesaw else PRODUCER_WARP if lead_group or transposed else 0
         producer = nvidia_asm.elect_sync() & (warp == producer_warp)  # converged, no branch
-        for s in kiln.static_range(STAGES):
+        for s in kiln.static_range(stages):
             # One arrival a warp group: its WGMMA reads are done once its thread 0 waited.
             releases = WARP_GROUPS if seesaw else THREADS
             if seesaw:
@@ -176,7 +184,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         # This thread's two rows of its warp's 16 in each m64 product, and their last keys.
         rows = [row0 + (tid % 128) // 32 * 16 + lane // 4 + 8 * half for half in range(2)]
         key_limit = [seq_len - seq_q + kiln.minimum(r, packed - 1) // heads for r in rows]
-        if not seesaw:
+        if not (seesaw or ring):
             descs = (wgmma.smem_descriptor(boxes.tile(0), leading_bytes=16, stride_bytes=1024),
                      wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=16,
                                            stride_bytes=1024),
@@ -193,6 +201,11 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
             o, m, l = seesaw_pages(o, m, l, rows_x, full, empty, table, kv_map, q_map,
                                    page_size, tile_begin, num_tiles, seq_len, seq_q, key_limit,
                                    scale_log2, tid, group, warp, producer, b * packed + row0)
+        elif ring:
+            o, m, l = ring_pages(o, m, l, ring_buffers, full, empty, table, kv_map, q_map,
+                                 page_size, tile_begin, num_tiles, seq_len, seq_q, row0, packed,
+                                 heads, scale_log2, tid, group, warp, producer_warp, producer,
+                                 b * packed + row0)
         elif lead_group == 2:
             o, m, l = lead_pages_pipelined(
                 o, m, l, descs, boxes, lead_rows, full, empty,
@@ -213,9 +226,10 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                 full.try_wait(stage, (it // STAGES) % 2)
                 key0 = (tile_begin + it) * BLOCK_N
                 if transposed:
-                    o, m, l = consume_tile_transposed(o, m, l, descs, boxes, t_rows, stage,
-                                                      key0, row0, packed, heads, seq_len,
-                                                      seq_q, scale_log2, tid, group, it)
+                    o, m, l = consume_tile_transposed(o, m, l, stage_operands(boxes, stage, tid),
+                                                      t_rows, key0, row0, packed, heads,
+                                                      seq_len, seq_q, scale_log2, tid, group,
+                                                      it)
                 elif lead_group:
                     o, m, l = consume_tile_lead(o, m, l, descs, boxes, lead_rows, stage, key0,
                                                 key_limit, seq_len, seq_q, scale_log2, tid,
@@ -236,7 +250,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
             if tid == 0:
                 arrival = tickets.atomic_add(b, kiln.block_id(0), ARRIVED, 1)
         if transposed:  # group 0 kept the columns' maxima and per-thread sums
-            m, l = transposed_totals(m, l, t_rows, tid, group)
+            m, l = transposed_totals(m, l, ring_buffers.shared if ring else t_rows, tid, group)
         else:
             l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
         if seesaw:  # each group summed its own pages
@@ -259,12 +273,15 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                             row0, tid, _MergeRows(packed, heads, merge_rows), fused_slots, 1,
                             cta=(b, kiln.block_id(0)))
 
+    if ring:  # Q's TMA boxes of its rows (a string annotation sees no locals)
+        mla_decode.__annotations__["q_map"] = kiln.TensorMap[kiln.bf16, (transposed, CHUNK), 128]
     mla_decode.__name__ = mla_decode.__qualname__ = \
         f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}" \
         f"{f'_fused{fused_slots}r{merge_rows}' if fused_slots else ''}" \
         f"{'_seesaw' if seesaw else ''}{'_early' if early_launch else ''}" \
         f"{'_lead' if lead_group else ''}{'2' if lead_group == 2 else ''}" \
-        f"{f'_t{transposed}' if transposed else ''}{f'_pf{prefetch}' if prefetch else ''}"
+        f"{f'_t{transposed}' if transposed else ''}{'_ring' if ring else ''}" \
+        f"{f'_pf{prefetch}' if prefetch else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
 

@@ -29,8 +29,8 @@ from kiln.shared import dynamic_shared
 
 from .decode_rows import split_count
 from .mla_lead import _zero_v
-from .mla_page import (BLOCK_N, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, HEAD_DIM, THREADS,
-                       TILE_BYTES)
+from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, HEAD_DIM,
+                       THREADS, TILE_BYTES)
 
 # The default of mla_decode's transposed option (off: not yet measured on a GPU).
 TRANSPOSED = False
@@ -80,39 +80,61 @@ def transposed_init(rows):
     return o, m, l
 
 
+class PageOperands:
+    """Where a page's operands are: the Q, K (K-major) and V (MN-major) descriptors, one Q
+    chunk's size in descriptor units, and ``units[c]``, column chunk ``c``'s offset (units)
+    from the K and V descriptors. ``zero_v(valid_keys)`` zeroes V's rows from ``valid_keys``
+    on (group 0's threads)."""
+
+    def __init__(self, q_desc, q_units, k_desc, v_desc, units, zero_v):
+        self.q_desc, self.q_units, self.k_desc, self.v_desc = q_desc, q_units, k_desc, v_desc
+        self.units, self.zero_v = units, zero_v
+
+
+def stage_operands(boxes, stage, tid):
+    """The page loop's :class:`PageOperands` of ring ``stage`` (Q in boxes 0-8, the stages'
+    nine boxes after it, adjacent)."""
+    base = kiln.cast(stage * TILE_BYTES // 16, kiln.i64)
+    return PageOperands(
+        wgmma.smem_descriptor(boxes.tile(0), leading_bytes=16, stride_bytes=1024), BOX_UNITS,
+        wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=16, stride_bytes=1024),
+        wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=BOX_BYTES, stride_bytes=1024),
+        [base + c * BOX_UNITS for c in range(CHUNKS)],
+        lambda valid: _zero_v(boxes, CHUNKS * (1 + stage), valid, tid))
+
+
 @kiln.func
-def consume_tile_transposed(o, m, l, descs, boxes, shared, stage, key0, row0, packed, heads,
-                            seq_len, seq_q, scale_log2, tid, group, it):
-    """One page (ring ``stage``, split page ``it``) of the module docs; returns ``(o, m, l)``.
-    ``descs``: the page loop's Q, K and this group's V descriptors; ``shared``: the
-    :class:`TransposedRows`."""
+def consume_tile_transposed(o, m, l, ops, shared, key0, row0, packed, heads, seq_len, seq_q,
+                            scale_log2, tid, group, it):
+    """One page (split page ``it``, operands ``ops``, a :class:`PageOperands`) of the module
+    docs; returns ``(o, m, l)``. ``shared``: the :class:`TransposedRows`."""
     rows = shared.rows
-    units = kiln.cast(stage * TILE_BYTES // 16, kiln.i64)
     buf = it % 2
     alphas = [kiln.cast(1.0, kiln.f32) for _ in range(rows // 4)]
     if group == 0:
         scores = wgmma.fragment_zeros(rows)
         wgmma.fence()
         for ks in kiln.static_range(HEAD_DIM // 16):
-            offset = (ks // 4) * BOX_UNITS + (ks % 4) * 2  # 16 columns = 32 bytes of a box
-            scores = wgmma.mma_async(scores, descs[1] + units + offset, descs[0] + offset,
+            step = (ks % 4) * 2  # 16 columns = 32 bytes of a box
+            scores = wgmma.mma_async(scores, ops.k_desc + ops.units[ks // 4] + step,
+                                     ops.q_desc + (ks // 4) * ops.q_units + step,
                                      dtype=kiln.bf16)
         wgmma.commit()
         wgmma.wait_group(0)
-        m, l, alphas = _softmax_publish(scores, m, l, boxes, shared, stage, key0, row0,
-                                        packed, heads, seq_len, seq_q, scale_log2, tid, buf)
+        m, l, alphas = _softmax_publish(scores, m, l, ops, shared, key0, row0, packed, heads,
+                                        seq_len, seq_q, scale_log2, tid, buf)
     else:
         nvidia_asm.named_barrier(READY, THREADS)
         alphas = [shared.alpha[buf, _column(4 * (s // 2) + s % 2, tid)]
                   for s in range(rows // 4)]
-    o = _pv(o, alphas, descs, shared, units, buf, rows, tid)
+    o = _pv(o, alphas, ops, shared, buf, rows, group)
     wgmma.wait_group(0)
     return o, m, l
 
 
 @kiln.func
-def _softmax_publish(scores, m, l, boxes, shared, stage, key0, row0, packed, heads, seq_len,
-                     seq_q, scale_log2, tid, buf):
+def _softmax_publish(scores, m, l, ops, shared, key0, row0, packed, heads, seq_len, seq_q,
+                     scale_log2, tid, buf):
     """Group 0's softmax of a ``64 x R`` S^T tile: columns' maxima over the four warps, P^T
     and the factors into shared memory (``buf``), then the hand-over. Returns
     ``(m, l, alphas)``."""
@@ -133,7 +155,7 @@ def _softmax_publish(scores, m, l, boxes, shared, stage, key0, row0, packed, hea
                                               kiln.maximum)
         shared.maxima[buf, warp, _column(4 * (s // 2) + s % 2, tid)] = local
     if key0 + BLOCK_N > seq_len:  # 0 * NaN in V^T P^T would poison a column
-        _zero_v(boxes, CHUNKS * (1 + stage), seq_len - key0, tid)
+        ops.zero_v(seq_len - key0)
     nvidia_asm.named_barrier(TMAX, GROUP_THREADS)
     safes, alphas, new_m = [], [], []
     for s in kiln.static_range(rows // 4):
@@ -166,8 +188,9 @@ def _softmax_publish(scores, m, l, boxes, shared, stage, key0, row0, packed, hea
 
 
 @kiln.func
-def _pv(o, alphas, descs, shared, units, buf, rows, tid):
-    """``O^T = alpha O^T + V^T P^T`` over this group's four 64-column blocks, committed."""
+def _pv(o, alphas, ops, shared, buf, rows, group):
+    """``O^T = alpha O^T + V^T P^T`` over this group's four 64-column blocks (V's column
+    chunks ``4 group ..``), committed."""
     scaled = []
     for b in kiln.static_range(M_BLOCKS):
         scaled.append(wgmma.fragment_from_elements(
@@ -178,9 +201,10 @@ def _pv(o, alphas, descs, shared, units, buf, rows, tid):
     out = []
     for b in kiln.static_range(M_BLOCKS):
         acc = scaled[b]
+        chunk = ops.v_desc + kiln.where(group == 0, ops.units[b], ops.units[M_BLOCKS + b])
         for ks in kiln.static_range(BLOCK_N // 16):
-            acc = wgmma.mma_async(acc, descs[2] + units + b * BOX_UNITS + ks * 16 * 128 // 16,
-                                  probs + ks * 2, dtype=kiln.bf16, a_major="mn")
+            acc = wgmma.mma_async(acc, chunk + ks * 16 * 128 // 16, probs + ks * 2,
+                                  dtype=kiln.bf16, a_major="mn")
         out.append(acc)
     wgmma.commit()
     return out
