@@ -40,6 +40,8 @@ VARIANTS = {
     **{f"t_pf{n}": dict(transposed=True, prefetch=n) for n in (1, 2)},
     "tr": dict(transposed="ring"),  # Q trimmed, a ring of 8 KB chunk slots
     "tr_early": dict(transposed="ring", early_launch=True),
+    "tp": dict(transposed="pipelined"),  # group 0's V^T P^T in flight behind its next scores
+    "trp": dict(transposed="ring-pipelined"),
     **{f"pf{n}": dict(prefetch=n) for n in (1, 2)},  # the lead group, pages ahead in L2
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},

@@ -59,6 +59,8 @@ def test_deepseek_heads_two_tokens(rng):
     (20, 1, 2, dict(prefetch=1)),  # the lead group with a page ahead in L2
     (16, 1, 1, dict(transposed="ring")),  # Q's 16 rows, 25 chunk slots
     (16, 2, 3, dict(transposed="ring", fused_combine=True, early_launch=True)),  # 22 slots
+    (16, 1, 2, dict(transposed="pipelined", fused_combine=True)),
+    (16, 2, 1, dict(transposed="ring-pipelined")),
 ])
 def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
     """The fused combine (the last split CTA merges), the seesaw pairs and early launch, on
@@ -71,7 +73,8 @@ def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
 
 
 @pytest.mark.parametrize("options", [dict(transposed=True), dict(transposed=True, prefetch=1),
-                                     dict(transposed="ring")])
+                                     dict(transposed="ring"), dict(transposed="pipelined"),
+                                     dict(transposed="ring-pipelined")])
 def test_transposed_over_many_pages(options, rng):
     """The transposed schedule's double-buffered P^T, factors and maxima over sixteen and
     thirteen pages (the last ragged, NaN past it; the chunk ring wraps five times) and an

@@ -94,7 +94,8 @@ def test_kernel_options_on_gpu(heads, sq, num_splits, options, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [
     dict(transposed=True), dict(transposed=True, prefetch=2, early_launch=True),
-    dict(transposed="ring"), dict(transposed="ring", early_launch=True)])
+    dict(transposed="ring"), dict(transposed="ring", early_launch=True),
+    dict(transposed="pipelined"), dict(transposed="ring-pipelined", early_launch=True)])
 @pytest.mark.parametrize("heads,sq,num_splits", [(16, 1, 4), (16, 2, 3), (8, 1, 1)])
 def test_transposed_on_gpu(heads, sq, num_splits, options, rng):
     """The transposed schedule (16 and 32 query rows, 8 of 16 real) on two page stages or the

@@ -40,6 +40,7 @@ from ..workspaces import StreamWorkspaces
 
 PRODUCER = "kiln.kernels.attention.mla_decode"  # the Partials producer name combine checks
 MAX_SQ = 2  # new tokens a call takes (the MTP draft of DeepSeek-V3 is one)
+TRANSPOSED_MODES = (True, "ring", "pipelined", "ring-pipelined")  # transposed= values
 
 __all__ = ["HEAD_DIM", "HEAD_DIM_V", "MAX_SQ", "compile_mla_decode", "default_mla_splits",
            "mla_decode", "mla_partials"]
@@ -119,7 +120,8 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     and the query rows their N, so no product computes padding rows (None: ``TRANSPOSED``,
     off; :mod:`~kiln.kernels.attention.mla_transposed`; no other schedule option with it;
     ``"ring"``: Q's shared memory trimmed to those rows and the bytes spent on a deeper ring
-    of 8 KB chunk slots, :mod:`~kiln.kernels.attention.mla_transposed_ring`);
+    of 8 KB chunk slots, :mod:`~kiln.kernels.attention.mla_transposed_ring`; ``"pipelined"``,
+    ``"ring-pipelined"``: group 0's ``V^T P^T`` left in flight behind its next scores);
     ``prefetch``: pages of a split prefetched into L2 beyond the two in shared memory (0-4;
     None: ``PREFETCH``, 0; not with ``seesaw`` or ``lead_group="pipelined"``).
     Returns ``o [B, Sq, H, 512]`` bf16
@@ -219,7 +221,7 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
         B, row_blocks, dims["max_pages"] * page_size,
         sms=DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()) \
         if B * Sq * H else 1
-    narrow, ring = _transposed(options[3], Sq * H, split_keys, options[0], options[2])
+    narrow, ring, pipe = _transposed(options[3], Sq * H, split_keys, options[0], options[2])
     split_keys, seesaw, lead = _schedule(split_keys, options[0], options[2], narrow)
     rows = merge_rows(Sq * H)
     if fused_combine is None:  # one CTA's merge of its rows from L2, or a combine kernel
@@ -229,7 +231,7 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
     kernel = make_mla_kernel(page_size, split_keys, slots == 1, slots if fused else 0,
                              rows if fused else ROWS, seesaw, early,
                              lead, narrow, _prefetch(options[4], seesaw or ring, lead),
-                             ring) \
+                             ring, pipe) \
         if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
@@ -255,18 +257,20 @@ def _prefetch(prefetch, own_loop, lead) -> int:
 
 
 def _transposed(transposed, packed, split_keys=None, seesaw=None,
-                lead_group=None) -> tuple[int, bool]:
-    """The transposed schedule's rows (0: off) and whether it runs on the chunk ring, from a
-    call's ``transposed`` option and its ``packed = Sq x H`` rows; refused above 32 rows or
-    beside another schedule option. Example: ``_transposed("ring", 16) == (16, True)``."""
-    if transposed not in (None, False, True, "ring"):
+                lead_group=None) -> tuple[int, bool, bool]:
+    """The transposed schedule's rows (0: off), whether it runs on the chunk ring and whether
+    it is pipelined, from a call's ``transposed`` option and its ``packed = Sq x H`` rows;
+    refused above 32 rows or beside another schedule option.
+    Example: ``_transposed("ring", 16) == (16, True, False)``."""
+    if transposed not in (None, False, *TRANSPOSED_MODES):
         raise kiln.KilnValueError(f"transposed={transposed!r} is not a transposed mode",
-                                  fix="pass transposed=True, 'ring', False or None")
+                                  fix="pass transposed=True, 'ring', 'pipelined', "
+                                      "'ring-pipelined', False or None")
     if transposed is None:
         transposed = TRANSPOSED and transposed_rows(packed) > 0 and split_keys is None \
             and seesaw is None and lead_group is None
     if not transposed:
-        return 0, False
+        return 0, False, False
     if not transposed_rows(packed):
         raise kiln.UnsupportedError(f"transposed=True serves at most {MAX_ROWS} packed rows "
                                     f"(Sq x H), not {packed}", fix="leave transposed unset")
@@ -274,7 +278,8 @@ def _transposed(transposed, packed, split_keys=None, seesaw=None,
         raise kiln.UnsupportedError("transposed=True is its own schedule: it takes no "
                                     "split_keys, seesaw or lead_group",
                                     fix="leave the other schedule options unset")
-    return transposed_rows(packed), transposed == "ring"
+    return (transposed_rows(packed), transposed in ("ring", "ring-pipelined"),
+            transposed in ("pipelined", "ring-pipelined"))
 
 
 def _schedule(split_keys=None, seesaw=None, lead_group=None,
@@ -381,10 +386,10 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
             np.zeros((1, 1, sq, heads), np.float32), np.zeros((1, sq, heads), np.int32),
             np.zeros((1, sq, heads, HEAD_DIM_V), bf16), np.zeros((1, sq, heads), np.float32),
             np.zeros((1, 1, 2), np.int64), 1, heads, sq, 0.1]
-    narrow, ring = _transposed(transposed, sq * heads, split_keys, seesaw, lead_group)
+    narrow, ring, pipe = _transposed(transposed, sq * heads, split_keys, seesaw, lead_group)
     split_keys, seesaw, lead = _schedule(split_keys, seesaw, lead_group, narrow)
     kernel = make_mla_kernel(page_size, split_keys, direct, fused_slots,
                              merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
                              early_launch, lead, narrow, _prefetch(prefetch, seesaw or ring, lead),
-                             ring)
+                             ring, pipe)
     return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)

@@ -70,7 +70,8 @@ PREFETCH = 0
 def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False,
                     fused_slots: int = 0, merge_rows: int = ROWS, seesaw: bool = SEESAW,
                     early_launch: bool = EARLY_LAUNCH, lead_group: int = 0,
-                    transposed: int = 0, prefetch: int = PREFETCH, ring: bool = False):
+                    transposed: int = 0, prefetch: int = PREFETCH, ring: bool = False,
+                    pipelined: bool = False):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -99,6 +100,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     schedules, not ``seesaw`` or the pipelined lead group). ``ring`` (with ``transposed``):
     Q's shared memory trimmed to its rows and a deeper ring of 8 KB chunk slots
     (:mod:`~kiln.kernels.attention.mla_transposed_ring`; ``prefetch`` does not apply).
+    ``pipelined`` (with ``transposed``): group 0's ``V^T P^T`` left in flight until its next
+    scores are issued behind it.
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     if lead_group and (seesaw or split_keys):
         raise kiln.UnsupportedError("the lead-group schedule has group 0 score every key",
@@ -107,7 +110,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         raise kiln.UnsupportedError("the transposed schedule takes 16 or 32 rows and no other "
                                     "schedule", fix="pass transposed=16 or 32 with "
                                                     "split_keys=False, no seesaw or lead group")
-    if ring and not transposed:
+    if (ring or pipelined) and not transposed:
         raise kiln.UnsupportedError("the chunk ring serves the transposed schedule",
                                     fix="pass ring=True with transposed=16 or 32")
     stages = PAGE_SLOTS if ring else STAGES
@@ -205,7 +208,9 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
             o, m, l = ring_pages(o, m, l, ring_buffers, full, empty, table, kv_map, q_map,
                                  page_size, tile_begin, num_tiles, seq_len, seq_q, row0, packed,
                                  heads, scale_log2, tid, group, warp, producer_warp, producer,
-                                 b * packed + row0)
+                                 b * packed + row0, pipelined)
+            if pipelined:
+                _release_last(empty, num_tiles, PAGE_SLOTS, group)
         elif lead_group == 2:
             o, m, l = lead_pages_pipelined(
                 o, m, l, descs, boxes, lead_rows, full, empty,
@@ -226,10 +231,11 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                 full.try_wait(stage, (it // STAGES) % 2)
                 key0 = (tile_begin + it) * BLOCK_N
                 if transposed:
-                    o, m, l = consume_tile_transposed(o, m, l, stage_operands(boxes, stage, tid),
-                                                      t_rows, key0, row0, packed, heads,
-                                                      seq_len, seq_q, scale_log2, tid, group,
-                                                      it)
+                    o, m, l = consume_tile_transposed(
+                        o, m, l, stage_operands(boxes, stage, tid), t_rows, key0, row0, packed,
+                        heads, seq_len, seq_q, scale_log2, tid, group, it,
+                        (lambda: empty.arrive((it + STAGES - 1) % STAGES, wgmma_pending=1))
+                        if pipelined else None)
                 elif lead_group:
                     o, m, l = consume_tile_lead(o, m, l, descs, boxes, lead_rows, stage, key0,
                                                 key_limit, seq_len, seq_q, scale_log2, tid,
@@ -241,7 +247,12 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                 else:
                     o, m, l = _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit,
                                             seq_len, seq_q, scale_log2, tid)
-                empty.arrive(stage, wgmma_pending=0)
+                if not pipelined:
+                    empty.arrive(stage, wgmma_pending=0)
+                elif group == 1:  # group 0 released the last page behind these scores
+                    empty.arrive(stage, wgmma_pending=0)
+            if pipelined:
+                _release_last(empty, num_tiles, STAGES, group)
         arrival = None
         if fused_slots:
             # This CTA's place among its row block's splits; read only after its own stores,
@@ -281,6 +292,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         f"{'_seesaw' if seesaw else ''}{'_early' if early_launch else ''}" \
         f"{'_lead' if lead_group else ''}{'2' if lead_group == 2 else ''}" \
         f"{f'_t{transposed}' if transposed else ''}{'_ring' if ring else ''}" \
+        f"{'_pipe' if pipelined else ''}" \
         f"{f'_pf{prefetch}' if prefetch else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
@@ -308,6 +320,14 @@ def _load_pages(it, warp, producer_warp, producer, full, empty, q_map, kv_map, b
             empty.try_wait(ahead % STAGES, ((it - 1) // STAGES) % 2)
             _load_tile(page_size, table, tile_begin + ahead, seq_len, kv_map, boxes, full,
                        ahead % STAGES, producer, arm=True)
+
+
+@kiln.func
+def _release_last(empty, num_tiles, stages, group):
+    """After a pipelined loop: every product retired, and group 0's last page released."""
+    wgmma.wait_group(0)
+    if (group == 0) & (num_tiles > 0):
+        empty.arrive((num_tiles - 1) % stages, wgmma_pending=0)
 
 
 @kiln.func

@@ -105,9 +105,13 @@ def stage_operands(boxes, stage, tid):
 
 @kiln.func
 def consume_tile_transposed(o, m, l, ops, shared, key0, row0, packed, heads, seq_len, seq_q,
-                            scale_log2, tid, group, it):
+                            scale_log2, tid, group, it, release_previous=None):
     """One page (split page ``it``, operands ``ops``, a :class:`PageOperands`) of the module
-    docs; returns ``(o, m, l)``. ``shared``: the :class:`TransposedRows`."""
+    docs; returns ``(o, m, l)``. ``shared``: the :class:`TransposedRows`.
+    ``release_previous`` (pipelined; None: every product waited here): group 0 leaves its
+    ``V^T P^T`` in flight over the loop's back edge, retires it behind the next page's
+    scores (``wait_group(1)``) and then calls ``release_previous()`` to free that page;
+    the caller releases group 1's pages, and group 0's last one after its final wait."""
     rows = shared.rows
     buf = it % 2
     alphas = [kiln.cast(1.0, kiln.f32) for _ in range(rows // 4)]
@@ -120,6 +124,10 @@ def consume_tile_transposed(o, m, l, ops, shared, key0, row0, packed, heads, seq
                                      ops.q_desc + (ks // 4) * ops.q_units + step,
                                      dtype=kiln.bf16)
         wgmma.commit()
+        if release_previous is not None:
+            if it > 0:  # the last page's product is done: its page can load again
+                wgmma.wait_group(1)
+                release_previous()
         wgmma.wait_group(0)
         m, l, alphas = _softmax_publish(scores, m, l, ops, shared, key0, row0, packed, heads,
                                         seq_len, seq_q, scale_log2, tid, buf)
@@ -128,7 +136,10 @@ def consume_tile_transposed(o, m, l, ops, shared, key0, row0, packed, heads, seq
         alphas = [shared.alpha[buf, _column(4 * (s // 2) + s % 2, tid)]
                   for s in range(rows // 4)]
     o = _pv(o, alphas, ops, shared, buf, rows, group)
-    wgmma.wait_group(0)
+    if release_previous is None:
+        wgmma.wait_group(0)
+    elif group == 1:
+        wgmma.wait_group(0)
     return o, m, l
 
 

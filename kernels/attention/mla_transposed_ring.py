@@ -90,11 +90,13 @@ def _zero_slots(buffers, slots_of, valid_keys, tid):
 @kiln.func
 def ring_pages(o, m, l, buffers, full, empty, table, kv_map, q_map, page_size, tile_begin,
                num_tiles, seq_len, seq_q, row0, packed, heads, scale_log2, tid, group, warp,
-               producer_warp, producer, q_row):
+               producer_warp, producer, q_row, pipelined=False):
     """The loop of the module docs over this split's ``num_tiles`` pages; returns this
     group's ``(o, m, l)`` as :func:`consume_tile_transposed` keeps them. ``full`` and
     ``empty``: three barriers each (initialised); ``producer``: the producer warp's elected
-    lane; ``q_row``: Q's first row in ``q_map``."""
+    lane; ``q_row``: Q's first row in ``q_map``; ``pipelined``: as
+    :func:`consume_tile_transposed`'s ``release_previous`` (the caller releases group 0's
+    last page)."""
     slots = buffers.slots
     ahead = slots // CHUNKS  # whole pages the ring holds
     extra = slots % CHUNKS  # and the first chunks of one more
@@ -141,7 +143,13 @@ def ring_pages(o, m, l, buffers, full, empty, table, kv_map, q_map, page_size, t
                            [kiln.cast(slot * BOX_UNITS, kiln.i64) for slot in slots_of],
                            lambda valid: _zero_slots(buffers, slots_of, valid, tid))
         key0 = (tile_begin + it) * BLOCK_N
-        o, m, l = consume_tile_transposed(o, m, l, ops, buffers.shared, key0, row0, packed,
-                                          heads, seq_len, seq_q, scale_log2, tid, group, it)
-        empty.arrive(it % PAGE_SLOTS, wgmma_pending=0)
+        o, m, l = consume_tile_transposed(
+            o, m, l, ops, buffers.shared, key0, row0, packed, heads, seq_len, seq_q,
+            scale_log2, tid, group, it,
+            (lambda: empty.arrive((it + PAGE_SLOTS - 1) % PAGE_SLOTS, wgmma_pending=1))
+            if pipelined else None)
+        if not pipelined:
+            empty.arrive(it % PAGE_SLOTS, wgmma_pending=0)
+        elif group == 1:  # group 0 released the last page behind these scores
+            empty.arrive(it % PAGE_SLOTS, wgmma_pending=0)
     return o, m, l
