@@ -216,6 +216,20 @@ def test_bad_input_names_the_argument(change, error, words, rng):
     assert info.value.fix
 
 
+def test_transposed_default_resolves_per_shape(monkeypatch):
+    """A transposed default applies at most 32 packed rows and gives way to an explicit
+    schedule option; an explicit mode is taken as given."""
+    module = importlib.import_module("kiln.kernels.attention.mla_decode")
+    monkeypatch.setattr(module, "TRANSPOSED", "ring")
+    assert module._transposed(None, 16) == (16, True, False)
+    assert module._transposed(None, 32) == (32, True, False)
+    assert module._transposed(None, 48) == (0, False, False)
+    assert module._transposed(None, 16, lead_group=True) == (0, False, False)
+    assert module._transposed("pipelined", 20) == (32, False, True)
+    monkeypatch.setattr(module, "TRANSPOSED", False)
+    assert module._transposed(None, 16) == (0, False, False)
+
+
 def test_default_splits_fill_one_wave():
     assert default_mla_splits(1, 2, 4096) == 64
     assert default_mla_splits(32, 2, 4096, sms=132) == 2  # 128 CTAs

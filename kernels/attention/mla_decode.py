@@ -267,8 +267,9 @@ def _transposed(transposed, packed, split_keys=None, seesaw=None,
                                   fix="pass transposed=True, 'ring', 'pipelined', "
                                       "'ring-pipelined', False or None")
     if transposed is None:
-        transposed = TRANSPOSED and transposed_rows(packed) > 0 and split_keys is None \
-            and seesaw is None and lead_group is None
+        own = transposed_rows(packed) > 0 and split_keys is None and seesaw is None \
+            and lead_group is None  # the default mode where no other schedule is asked for
+        transposed = TRANSPOSED if own else False
     if not transposed:
         return 0, False, False
     if not transposed_rows(packed):
