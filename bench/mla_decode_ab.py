@@ -1,8 +1,8 @@
 """A/B of MLA decode's kernel options on a few shapes, in one process: split counts, the
 fused combine vs the combine kernel, the scores schedules (split keys, seesaw, lead group,
-transposed), early launch, L2 prefetch; GB/s, ratio to copy bandwidth and TFLOP/s (GPU time,
-queued), each variant first checked against a float32 torch reference (max abs error < 2e-2).
-Prints one JSON line per measurement as it comes.
+transposed), early launch, L2 prefetch, shared merges; GB/s, ratio to copy bandwidth and
+TFLOP/s (GPU time, queued), each variant first checked against a float32 torch reference (max
+abs error < 2e-2). Prints one JSON line per measurement as it comes.
 
 Usage (on an H100/H200): ``python bench/mla_decode_ab.py [--shapes 32x4096x1x16,...]
 [--variants base,fused,...] [--repeat 10]`` (a shape ``B x ctx x Sq x H``, or
@@ -42,6 +42,8 @@ VARIANTS = {
     "tr_early": dict(transposed="ring", early_launch=True),
     "tp": dict(transposed="pipelined"),  # group 0's V^T P^T in flight behind its next scores
     "trp": dict(transposed="ring-pipelined"),
+    **{f"tr_m{n}": dict(transposed="ring", merge_slices=n) for n in (2, 4)},  # shared merge
+    **{f"m{n}": dict(merge_slices=n) for n in (2, 4)},  # the lead group, shared merge
     **{f"pf{n}": dict(prefetch=n) for n in (1, 2)},  # the lead group, pages ahead in L2
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},

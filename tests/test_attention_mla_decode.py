@@ -201,6 +201,7 @@ def _args(rng):
      "its own schedule"),
     (lambda a: a.update(prefetch=7), kiln.KilnValueError, "prefetch=7"),
     (lambda a: a.update(transposed="deep"), kiln.KilnValueError, "transposed='deep'"),
+    (lambda a: a.update(merge_slices=3), kiln.KilnValueError, "merge_slices=3"),
     (lambda a: a.update(transposed="ring", prefetch=1), kiln.UnsupportedError, "chunk ring"),
     (lambda a: a.update(prefetch=1, lead_group="pipelined"), kiln.UnsupportedError,
      "pipelined"),

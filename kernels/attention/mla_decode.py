@@ -41,6 +41,9 @@ from ..workspaces import StreamWorkspaces
 PRODUCER = "kiln.kernels.attention.mla_decode"  # the Partials producer name combine checks
 MAX_SQ = 2  # new tokens a call takes (the MTP draft of DeepSeek-V3 is one)
 TRANSPOSED_MODES = (True, "ring", "pipelined", "ring-pipelined")  # transposed= values
+# Split CTAs sharing a fused merge by default (1: the last one merges alone; 2 and 4 not yet
+# measured on a GPU).
+MERGE_SLICES = 1
 
 __all__ = ["HEAD_DIM", "HEAD_DIM_V", "MAX_SQ", "compile_mla_decode", "default_mla_splits",
            "mla_decode", "mla_partials"]
@@ -93,7 +96,7 @@ PLANS = PlanCache("mla_decode")
 def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scale=None,
                num_splits=None, target=None, backend=None, validate=False, split_keys=None,
                fused_combine=None, seesaw=None, early_launch=None, lead_group=None,
-               transposed=None, prefetch=None):
+               transposed=None, prefetch=None, merge_slices=None):
     """Multi-head latent attention decode over a paged cache; returns ``(o, lse)``.
 
     ``q``: ``[B, Sq, H, 576]`` bf16 (``Sq`` 1-2; contiguous); ``kv_cache``: ``[num_pages,
@@ -123,7 +126,10 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     of 8 KB chunk slots, :mod:`~kiln.kernels.attention.mla_transposed_ring`; ``"pipelined"``,
     ``"ring-pipelined"``: group 0's ``V^T P^T`` left in flight behind its next scores);
     ``prefetch``: pages of a split prefetched into L2 beyond the two in shared memory (0-4;
-    None: ``PREFETCH``, 0; not with ``seesaw`` or ``lead_group="pipelined"``).
+    None: ``PREFETCH``, 0; not with ``seesaw`` or ``lead_group="pipelined"``);
+    ``merge_slices``: with the fused merge, the last 1, 2 or 4 split CTAs of a row block
+    share it, a slice of the columns each (None: ``MERGE_SLICES``, 1; the interpreter
+    always merges in one CTA).
     Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
     ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
@@ -139,7 +145,7 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     """
     plan = _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
                      backend, split_keys, fused_combine,
-                     (seesaw, early_launch, lead_group, transposed, prefetch))
+                     (seesaw, early_launch, lead_group, transposed, prefetch, merge_slices))
     lib = ArrayLib(q)
     B, Sq, H = plan.shape
     if plan.kernel is None:
@@ -231,12 +237,25 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
     kernel = make_mla_kernel(page_size, split_keys, slots == 1, slots if fused else 0,
                              rows if fused else ROWS, seesaw, early,
                              lead, narrow, _prefetch(options[4], seesaw or ring, lead),
-                             ring, pipe) \
+                             ring, pipe,
+                             _merge_slices(options[5], slots if fused else 0, backend)) \
         if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
                    scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E),
                    fused=fused, device=q.device if is_torch(q) else None)
+
+
+def _merge_slices(merge_slices, fused_slots, backend) -> int:
+    """The CTAs sharing a fused merge (``merge_slices``, None: ``MERGE_SLICES``); 1 without
+    the fused merge or in the interpreter. Example: ``_merge_slices(2, 4, None) == 2``."""
+    if merge_slices is not None and merge_slices not in (1, 2, 4):
+        raise kiln.KilnValueError(f"merge_slices={merge_slices!r} must be 1, 2 or 4",
+                                  fix="pass merge_slices=1, 2, 4 or None")
+    slices = MERGE_SLICES if merge_slices is None else merge_slices
+    if not fused_slots or backend == "interpret":
+        return 1
+    return min(slices, 1 << (int(fused_slots).bit_length() - 1))  # at most one a split
 
 
 def _prefetch(prefetch, own_loop, lead) -> int:
@@ -373,11 +392,12 @@ def _check_devices(q, **tensors) -> None:
 def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
                        split_keys=None, direct=False, fused_slots=0, seesaw=None,
                        early_launch=EARLY_LAUNCH, lead_group=None, transposed=None,
-                       prefetch=None):
+                       prefetch=None, merge_slices=1):
     """Compile (without running) the MLA decode kernel (``direct``: the one-split kernel that
     writes ``o`` and ``lse`` itself; ``fused_slots``: the kernel whose last split CTA merges
-    that many splits; the schedule options as :func:`mla_decode` resolves them); returns the
-    ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
+    that many splits, shared by ``merge_slices`` CTAs; the schedule options as
+    :func:`mla_decode` resolves them); returns the ``CompiledKernel`` (``.asm`` stages,
+    ``.metadata``).
     Example: ``compile_mla_decode(target="sm_90a").metadata["registers"]``."""
     chip = mla_target(target)
     bf16 = kiln.bf16.numpy
@@ -392,5 +412,5 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
     kernel = make_mla_kernel(page_size, split_keys, direct, fused_slots,
                              merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
                              early_launch, lead, narrow, _prefetch(prefetch, seesaw or ring, lead),
-                             ring, pipe)
+                             ring, pipe, _merge_slices(merge_slices, fused_slots, None))
     return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)

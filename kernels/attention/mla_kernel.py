@@ -71,7 +71,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                     fused_slots: int = 0, merge_rows: int = ROWS, seesaw: bool = SEESAW,
                     early_launch: bool = EARLY_LAUNCH, lead_group: int = 0,
                     transposed: int = 0, prefetch: int = PREFETCH, ring: bool = False,
-                    pipelined: bool = False):
+                    pipelined: bool = False, merge_slices: int = 1):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -101,7 +101,9 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     Q's shared memory trimmed to its rows and a deeper ring of 8 KB chunk slots
     (:mod:`~kiln.kernels.attention.mla_transposed_ring`; ``prefetch`` does not apply).
     ``pipelined`` (with ``transposed``): group 0's ``V^T P^T`` left in flight until its next
-    scores are issued behind it.
+    scores are issued behind it. ``merge_slices > 1`` (with ``fused_slots``): the last that
+    many split CTAs of a row block share its merge, a slice of the 512 columns each (GPU
+    only: the interpreter runs one CTA at a time and cannot run the wait).
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     if lead_group and (seesaw or split_keys):
         raise kiln.UnsupportedError("the lead-group schedule has group 0 score every key",
@@ -254,7 +256,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
             if pipelined:
                 _release_last(empty, num_tiles, STAGES, group)
         arrival = None
-        if fused_slots:
+        if fused_slots and merge_slices == 1:
             # This CTA's place among its row block's splits; read only after its own stores,
             # so the atomic's round trip overlaps them.
             arrival = kiln.cast(0, kiln.i64)
@@ -281,7 +283,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         if fused_slots:
             last = kiln.shared((1,), kiln.i32)
             combine_if_last(o_part, lse_part, o_out, lse_out, tickets, arrival, last, b, 0, 0,
-                            row0, tid, _MergeRows(packed, heads, merge_rows), fused_slots, 1,
+                            row0, tid, _MergeRows(packed, heads, merge_rows), fused_slots,
+                            merge_slices,
                             cta=(b, kiln.block_id(0)))
 
     if ring:  # Q's TMA boxes of its rows (a string annotation sees no locals)
@@ -292,7 +295,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         f"{'_seesaw' if seesaw else ''}{'_early' if early_launch else ''}" \
         f"{'_lead' if lead_group else ''}{'2' if lead_group == 2 else ''}" \
         f"{f'_t{transposed}' if transposed else ''}{'_ring' if ring else ''}" \
-        f"{'_pipe' if pipelined else ''}" \
+        f"{'_pipe' if pipelined else ''}{f'x{merge_slices}' if merge_slices > 1 else ''}" \
         f"{f'_pf{prefetch}' if prefetch else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
