@@ -105,6 +105,9 @@ def ring_pages(o, m, l, buffers, full, empty, table, kv_map, q_map, page_size, t
     v_desc = wgmma.smem_descriptor(buffers.ring.tile(0), leading_bytes=BOX_BYTES,
                                    stride_bytes=1024)
     q_units = buffers.rows * CHUNK * 2 // 16
+    # The cache rows of the two pages step it refills, read a step early: the page table's
+    # latency stays off the producer's (group 1's) path to the hand-over.
+    rows_next = [kiln.cast(0, kiln.i32) for _ in range(2)]
     for it in kiln.range(0, num_tiles):
         if (it == 0) & (warp == producer_warp):  # Q, the ring's first pages and chunks
             full.arrive_expect_tx(0, CHUNKS * tma.box_bytes(q_map) + TILE_BYTES,
@@ -127,14 +130,14 @@ def ring_pages(o, m, l, buffers, full, empty, table, kv_map, q_map, page_size, t
             empty.try_wait((it - 1 + PAGE_SLOTS) % PAGE_SLOTS,
                            ((it - 1 + PAGE_SLOTS) // PAGE_SLOTS + 1) % 2)
             if it - 1 + ahead < num_tiles:
-                _load_chunks(buffers, full, _page_row(page_size, table, tile_begin,
-                                                      it - 1 + ahead, seq_len),
-                             it - 1 + ahead, extra, CHUNKS, kv_map, producer)
+                _load_chunks(buffers, full, rows_next[0], it - 1 + ahead, extra, CHUNKS, kv_map,
+                             producer)
             if extra:
                 if it + ahead < num_tiles:
-                    _load_chunks(buffers, full, _page_row(page_size, table, tile_begin,
-                                                          it + ahead, seq_len),
-                                 it + ahead, 0, extra, kv_map, producer)
+                    _load_chunks(buffers, full, rows_next[1], it + ahead, 0, extra, kv_map,
+                                 producer)
+        rows_next = [_page_row(page_size, table, tile_begin, it + ahead + i, seq_len)
+                     for i in range(2)]
         full.try_wait(it % PAGE_SLOTS, (it // PAGE_SLOTS) % 2)
         base = (it * CHUNKS) % slots
         slots_of = [kiln.where(base + c >= slots, base + c - slots, base + c)
