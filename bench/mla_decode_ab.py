@@ -44,6 +44,11 @@ VARIANTS = {
     "trp": dict(transposed="ring-pipelined"),
     **{f"tr_m{n}": dict(transposed="ring", merge_slices=n) for n in (2, 4)},  # shared merge
     **{f"m{n}": dict(merge_slices=n) for n in (2, 4)},  # the lead group, shared merge
+    # Early launch with Q and the split's first n pages prefetched into L2 before the wait.
+    **{f"early_ep{n}": dict(early_launch=True, early_pages=n) for n in (2, 3)},
+    **{f"t_ep{n}": dict(transposed=True, early_launch=True, early_pages=n) for n in (2, 3, 4)},
+    **{f"tr_ep{n}": dict(transposed="ring", early_launch=True, early_pages=n) for n in (2, 3)},
+    "t_ep2_m4": dict(transposed=True, early_launch=True, early_pages=2, merge_slices=4),
     **{f"pf{n}": dict(prefetch=n) for n in (1, 2)},  # the lead group, pages ahead in L2
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},

@@ -61,6 +61,8 @@ def test_deepseek_heads_two_tokens(rng):
     (16, 2, 3, dict(transposed="ring", fused_combine=True, early_launch=True)),  # 22 slots
     (16, 1, 2, dict(transposed="pipelined", fused_combine=True)),
     (16, 2, 1, dict(transposed="ring-pipelined")),
+    (16, 1, 3, dict(transposed=True, early_launch=True, early_pages=3)),  # L2 before the wait
+    (40, 2, 2, dict(early_launch=True, early_pages=2)),
 ])
 def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
     """The fused combine (the last split CTA merges), the seesaw pairs and early launch, on
@@ -202,6 +204,8 @@ def _args(rng):
     (lambda a: a.update(prefetch=7), kiln.KilnValueError, "prefetch=7"),
     (lambda a: a.update(transposed="deep"), kiln.KilnValueError, "transposed='deep'"),
     (lambda a: a.update(merge_slices=3), kiln.KilnValueError, "merge_slices=3"),
+    (lambda a: a.update(early_launch=True, early_pages=9), kiln.KilnValueError,
+     "early_pages=9"),
     (lambda a: a.update(transposed="ring", prefetch=1), kiln.UnsupportedError, "chunk ring"),
     (lambda a: a.update(prefetch=1, lead_group="pipelined"), kiln.UnsupportedError,
      "pipelined"),

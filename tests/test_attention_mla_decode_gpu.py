@@ -72,7 +72,8 @@ def test_matches_float64_on_gpu(heads, sq, num_splits, split_keys, rng):
     dict(fused_combine=True, early_launch=True), dict(lead_group=True),
     dict(lead_group=True, fused_combine=True, early_launch=True),
     dict(lead_group="pipelined"), dict(lead_group="pipelined", early_launch=True),
-    dict(prefetch=1), dict(prefetch=2, early_launch=True), dict(merge_slices=2)])
+    dict(prefetch=1), dict(prefetch=2, early_launch=True), dict(merge_slices=2),
+    dict(early_launch=True, early_pages=2)])
 @pytest.mark.parametrize("heads,sq,num_splits", [(16, 1, 4), (128, 2, 3), (40, 1, 1)])
 def test_kernel_options_on_gpu(heads, sq, num_splits, options, rng):
     """The fused combine (or not), the seesaw pairs, early launch and the lead group against
@@ -96,7 +97,8 @@ def test_kernel_options_on_gpu(heads, sq, num_splits, options, rng):
     dict(transposed=True), dict(transposed=True, prefetch=2, early_launch=True),
     dict(transposed="ring"), dict(transposed="ring", early_launch=True),
     dict(transposed="pipelined"), dict(transposed="ring-pipelined", early_launch=True),
-    dict(transposed="ring", merge_slices=4)])
+    dict(transposed="ring", merge_slices=4),
+    dict(transposed=True, early_launch=True, early_pages=2, merge_slices=4)])
 @pytest.mark.parametrize("heads,sq,num_splits", [(16, 1, 4), (16, 2, 3), (8, 1, 1)])
 def test_transposed_on_gpu(heads, sq, num_splits, options, rng):
     """The transposed schedule (16 and 32 query rows, 8 of 16 real) on two page stages or the

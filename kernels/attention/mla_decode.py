@@ -44,6 +44,8 @@ TRANSPOSED_MODES = (True, "ring", "pipelined", "ring-pipelined")  # transposed= 
 # Split CTAs sharing a fused merge by default (1: the last one merges alone; 2 and 4 not yet
 # measured on a GPU).
 MERGE_SLICES = 1
+# Pages prefetched into L2 before the grid-dependency wait with early launch (not yet measured).
+EARLY_PAGES = 0
 
 __all__ = ["HEAD_DIM", "HEAD_DIM_V", "MAX_SQ", "compile_mla_decode", "default_mla_splits",
            "mla_decode", "mla_partials"]
@@ -96,7 +98,7 @@ PLANS = PlanCache("mla_decode")
 def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scale=None,
                num_splits=None, target=None, backend=None, validate=False, split_keys=None,
                fused_combine=None, seesaw=None, early_launch=None, lead_group=None,
-               transposed=None, prefetch=None, merge_slices=None):
+               transposed=None, prefetch=None, merge_slices=None, early_pages=None):
     """Multi-head latent attention decode over a paged cache; returns ``(o, lse)``.
 
     ``q``: ``[B, Sq, H, 576]`` bf16 (``Sq`` 1-2; contiguous); ``kv_cache``: ``[num_pages,
@@ -129,7 +131,9 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     None: ``PREFETCH``, 0; not with ``seesaw`` or ``lead_group="pipelined"``);
     ``merge_slices``: with the fused merge, the last 1, 2 or 4 split CTAs of a row block
     share it, a slice of the columns each (None: ``MERGE_SLICES``, 1; the interpreter
-    always merges in one CTA).
+    always merges in one CTA); ``early_pages``: with ``early_launch``, Q and the split's
+    first that many pages prefetched into L2 before the grid-dependency wait (None:
+    ``EARLY_PAGES``, 0).
     Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
     ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
@@ -145,7 +149,8 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     """
     plan = _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
                      backend, split_keys, fused_combine,
-                     (seesaw, early_launch, lead_group, transposed, prefetch, merge_slices))
+                     (seesaw, early_launch, lead_group, transposed, prefetch, merge_slices,
+                      early_pages))
     lib = ArrayLib(q)
     B, Sq, H = plan.shape
     if plan.kernel is None:
@@ -238,12 +243,25 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
                              rows if fused else ROWS, seesaw, early,
                              lead, narrow, _prefetch(options[4], seesaw or ring, lead),
                              ring, pipe,
-                             _merge_slices(options[5], slots if fused else 0, backend)) \
+                             _merge_slices(options[5], slots if fused else 0, backend),
+                             _early_pages(options[6], early)) \
         if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
                    scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E),
                    fused=fused, device=q.device if is_torch(q) else None)
+
+
+def _early_pages(early_pages, early) -> int:
+    """Pages prefetched before the grid-dependency wait (None: ``EARLY_PAGES``); 0 without
+    early launch. Example: ``_early_pages(2, True) == 2``."""
+    if early_pages is not None and (isinstance(early_pages, bool)
+                                    or not isinstance(early_pages, int)
+                                    or not 0 <= early_pages <= 4):
+        raise kiln.KilnValueError(f"early_pages={early_pages!r} is not a page count",
+                                  fix="pass early_pages=0..4, or None")
+    pages = EARLY_PAGES if early_pages is None else early_pages
+    return pages if early else 0
 
 
 def _merge_slices(merge_slices, fused_slots, backend) -> int:

@@ -71,7 +71,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                     fused_slots: int = 0, merge_rows: int = ROWS, seesaw: bool = SEESAW,
                     early_launch: bool = EARLY_LAUNCH, lead_group: int = 0,
                     transposed: int = 0, prefetch: int = PREFETCH, ring: bool = False,
-                    pipelined: bool = False, merge_slices: int = 1):
+                    pipelined: bool = False, merge_slices: int = 1, early_pages: int = 0):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -103,7 +103,11 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     ``pipelined`` (with ``transposed``): group 0's ``V^T P^T`` left in flight until its next
     scores are issued behind it. ``merge_slices > 1`` (with ``fused_slots``): the last that
     many split CTAs of a row block share its merge, a slice of the 512 columns each (GPU
-    only: the interpreter runs one CTA at a time and cannot run the wait).
+    only: the interpreter runs one CTA at a time and cannot run the wait). ``early_pages``
+    (with ``early_launch``): before the grid-dependency wait the producer prefetches Q and the
+    split's first that many pages into L2 (page table and length read for it only: the
+    loads after the wait read them again), so a CTA that starts while the previous kernel
+    ends fills its idle DRAM.
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     if lead_group and (seesaw or split_keys):
         raise kiln.UnsupportedError("the lead-group schedule has group 0 score every key",
@@ -164,6 +168,9 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
         if early_launch:
+            if early_pages:  # prefetches change no value: they may run before the wait
+                _early_prefetch(q_map, kv_map, page_table, seq_lens, num_splits, heads, seq_q,
+                                page_size, producer, early_pages)
             # Everything after the wait reads or writes global memory the previous kernel
             # may write.
             nvidia_asm.grid_dependency_wait()
@@ -296,6 +303,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         f"{'_lead' if lead_group else ''}{'2' if lead_group == 2 else ''}" \
         f"{f'_t{transposed}' if transposed else ''}{'_ring' if ring else ''}" \
         f"{'_pipe' if pipelined else ''}{f'x{merge_slices}' if merge_slices > 1 else ''}" \
+        f"{f'_ep{early_pages}' if early_pages else ''}" \
         f"{f'_pf{prefetch}' if prefetch else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
@@ -323,6 +331,27 @@ def _load_pages(it, warp, producer_warp, producer, full, empty, q_map, kv_map, b
             empty.try_wait(ahead % STAGES, ((it - 1) // STAGES) % 2)
             _load_tile(page_size, table, tile_begin + ahead, seq_len, kv_map, boxes, full,
                        ahead % STAGES, producer, arm=True)
+
+
+@kiln.func
+def _early_prefetch(q_map, kv_map, page_table, seq_lens, num_splits, heads, seq_q, page_size,
+                    producer, pages):
+    """Before the grid-dependency wait: Q's boxes of this CTA and its split's first ``pages``
+    pages into L2 (the length and page ids as they are now; stale ones only waste the
+    prefetch)."""
+    if producer:
+        b = kiln.block_id(2)
+        for c in kiln.static_range(CHUNKS):
+            tma.prefetch(q_map, (c * CHUNK, b * heads * seq_q + kiln.block_id(0) * ROWS))
+        tiles_total = (seq_lens[b] + BLOCK_N - 1) // BLOCK_N
+        per_split = kiln.maximum((tiles_total + num_splits - 1) // num_splits, 1)
+        begin = kiln.block_id(1) * per_split
+        count = kiln.minimum(begin + per_split, tiles_total) - begin
+        for p in kiln.static_range(pages):
+            if p < count:
+                row = page_table[b, begin + p] * page_size
+                for c in kiln.static_range(CHUNKS):
+                    tma.prefetch(kv_map, (c * CHUNK, row))
 
 
 @kiln.func
