@@ -222,15 +222,16 @@ def test_bad_input_names_the_argument(change, error, words, rng):
 
 
 def test_transposed_default_resolves_per_shape(monkeypatch):
-    """A transposed default applies at most 32 packed rows and gives way to an explicit
-    schedule option; an explicit mode is taken as given."""
+    """A transposed default applies at most 16 packed rows and gives way to an explicit
+    schedule option; an explicit mode is taken as given (up to 32 rows)."""
     module = importlib.import_module("kiln.kernels.attention.mla_decode")
     monkeypatch.setattr(module, "TRANSPOSED", "ring")
     assert module._transposed(None, 16) == (16, True, False)
-    assert module._transposed(None, 32) == (32, True, False)
+    assert module._transposed(None, 32) == (0, False, False)  # 16 rows at most by default
     assert module._transposed(None, 48) == (0, False, False)
     assert module._transposed(None, 16, lead_group=True) == (0, False, False)
     assert module._transposed("pipelined", 20) == (32, False, True)
+    assert module._transposed(True, 32) == (32, False, False)
     monkeypatch.setattr(module, "TRANSPOSED", False)
     assert module._transposed(None, 16) == (0, False, False)
 

@@ -34,7 +34,8 @@ from .decode_config import DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MAX_DEFA
 from .mla_kernel import EARLY_LAUNCH, PREFETCH, SEESAW, SPLIT_KEYS, make_mla_kernel
 from .mla_lead import LEAD_GROUP
 from .mla_page import BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS
-from .mla_transposed import MAX_ROWS, TRANSPOSED, transposed_rows
+from .mla_transposed import (MAX_ROWS, TRANSPOSED, TRANSPOSED_DEFAULT_ROWS, TRANSPOSED_EARLY,
+                             TRANSPOSED_EARLY_PAGES, transposed_rows)
 from .partials import Partials
 from ..workspaces import StreamWorkspaces
 
@@ -238,13 +239,15 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
     if fused_combine is None:  # one CTA's merge of its rows from L2, or a combine kernel
         fused_combine = slots * rows * HEAD_DIM_V * 4 <= FUSED_COMBINE_MAX_BYTES
     fused = slots > 1 and bool(fused_combine)
-    early = EARLY_LAUNCH if options[1] is None else bool(options[1])
+    # The transposed schedule has launch defaults of its own (measured with it).
+    early = (TRANSPOSED_EARLY if narrow else EARLY_LAUNCH) if options[1] is None \
+        else bool(options[1])
     kernel = make_mla_kernel(page_size, split_keys, slots == 1, slots if fused else 0,
                              rows if fused else ROWS, seesaw, early,
                              lead, narrow, _prefetch(options[4], seesaw or ring, lead),
                              ring, pipe,
                              _merge_slices(options[5], slots if fused else 0, backend),
-                             _early_pages(options[6], early)) \
+                             _early_pages(options[6], early, narrow)) \
         if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
@@ -252,15 +255,18 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
                    fused=fused, device=q.device if is_torch(q) else None)
 
 
-def _early_pages(early_pages, early) -> int:
-    """Pages prefetched before the grid-dependency wait (None: ``EARLY_PAGES``); 0 without
-    early launch. Example: ``_early_pages(2, True) == 2``."""
+def _early_pages(early_pages, early, transposed=0) -> int:
+    """Pages prefetched before the grid-dependency wait (None: ``TRANSPOSED_EARLY_PAGES``
+    with the ``transposed`` schedule, else ``EARLY_PAGES``); 0 without early launch.
+    Example: ``_early_pages(2, True) == 2``."""
     if early_pages is not None and (isinstance(early_pages, bool)
                                     or not isinstance(early_pages, int)
                                     or not 0 <= early_pages <= 4):
         raise kiln.KilnValueError(f"early_pages={early_pages!r} is not a page count",
                                   fix="pass early_pages=0..4, or None")
-    pages = EARLY_PAGES if early_pages is None else early_pages
+    if early_pages is None:
+        early_pages = TRANSPOSED_EARLY_PAGES if transposed else EARLY_PAGES
+    pages = early_pages
     return pages if early else 0
 
 
@@ -304,7 +310,7 @@ def _transposed(transposed, packed, split_keys=None, seesaw=None,
                                   fix="pass transposed=True, 'ring', 'pipelined', "
                                       "'ring-pipelined', False or None")
     if transposed is None:
-        own = transposed_rows(packed) > 0 and split_keys is None and seesaw is None \
+        own = packed <= TRANSPOSED_DEFAULT_ROWS and split_keys is None and seesaw is None \
             and lead_group is None  # the default mode where no other schedule is asked for
         transposed = TRANSPOSED if own else False
     if not transposed:

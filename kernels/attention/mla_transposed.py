@@ -32,9 +32,13 @@ from .mla_lead import _zero_v
 from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, HEAD_DIM,
                        THREADS, TILE_BYTES)
 
-# The default of mla_decode's transposed option at most MAX_ROWS packed rows (False, or a mode:
-# True, "ring", "pipelined", "ring-pipelined"); off: not yet measured on a GPU.
+# The default of mla_decode's transposed option at most TRANSPOSED_DEFAULT_ROWS packed rows
+# (False, or a mode: True, "ring", "pipelined", "ring-pipelined"), and the early launch and
+# pages prefetched before its wait that the transposed schedule takes by default.
 TRANSPOSED = False
+TRANSPOSED_DEFAULT_ROWS = 16
+TRANSPOSED_EARLY = False
+TRANSPOSED_EARLY_PAGES = 0
 MAX_ROWS = 32  # packed query rows a transposed CTA serves (the products' N)
 TMAX, READY, END = 1, 2, 3  # named barriers: group 0's max exchange; the hand-over; the sums
 GROUP_THREADS = 128
