@@ -118,13 +118,15 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     ``seesaw``: pages two at a time, one scored by each group (None: ``SEESAW``;
     :mod:`~kiln.kernels.attention.mla_seesaw`); ``early_launch``: each CTA lets the next
     kernel on the stream start on the SMs this call frees (programmatic dependent launch;
-    None: ``EARLY_LAUNCH``, off); ``lead_group``: warp group 0 scores every key and hands P
+    None: ``EARLY_LAUNCH``, off, but ``TRANSPOSED_EARLY``, on, with the transposed
+    schedule); ``lead_group``: warp group 0 scores every key and hands P
     to group 1, whose product runs while group 0 scores the next page (None: ``LEAD_GROUP``,
     on unless ``seesaw`` or ``split_keys`` is given; :mod:`~kiln.kernels.attention.mla_lead`;
     ``"pipelined"``: also group 0's scores of the next page issued behind its product);
     ``transposed``: with at most 32 packed rows (``Sq x H``), the keys are the products' M
     and the query rows their N, so no product computes padding rows (None: ``TRANSPOSED``,
-    off; :mod:`~kiln.kernels.attention.mla_transposed`; no other schedule option with it;
+    on at most ``TRANSPOSED_DEFAULT_ROWS = 16`` rows where no other schedule option is
+    given; :mod:`~kiln.kernels.attention.mla_transposed`; no other schedule option with it;
     ``"ring"``: Q's shared memory trimmed to those rows and the bytes spent on a deeper ring
     of 8 KB chunk slots, :mod:`~kiln.kernels.attention.mla_transposed_ring`; ``"pipelined"``,
     ``"ring-pipelined"``: group 0's ``V^T P^T`` left in flight behind its next scores);
@@ -134,7 +136,7 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     share it, a slice of the columns each (None: ``MERGE_SLICES``, 1; the interpreter
     always merges in one CTA); ``early_pages``: with ``early_launch``, Q and the split's
     first that many pages prefetched into L2 before the grid-dependency wait (None:
-    ``EARLY_PAGES``, 0).
+    ``EARLY_PAGES``, 0, but ``TRANSPOSED_EARLY_PAGES``, 2, with the transposed schedule).
     Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
     ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.

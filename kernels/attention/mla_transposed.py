@@ -34,11 +34,14 @@ from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS,
 
 # The default of mla_decode's transposed option at most TRANSPOSED_DEFAULT_ROWS packed rows
 # (False, or a mode: True, "ring", "pipelined", "ring-pipelined"), and the early launch and
-# pages prefetched before its wait that the transposed schedule takes by default.
-TRANSPOSED = False
+# pages prefetched before its wait that the transposed schedule takes by default. H200,
+# session 37, batch 2 (GPU time of queued calls, H 16 Sq 1, ctx 4k), vs the lead group: batch
+# 32 46.1 vs 47.3 us, 64 80.7 vs 82.5, 128 147.1 vs 150.7, batch 32 ctx 16k 149.6 vs 151.6.
+# At 32 rows (Sq 2) the transposed kernel was slower (53.6 vs 50.2 us): the lead group stays.
+TRANSPOSED = True
 TRANSPOSED_DEFAULT_ROWS = 16
-TRANSPOSED_EARLY = False
-TRANSPOSED_EARLY_PAGES = 0
+TRANSPOSED_EARLY = True
+TRANSPOSED_EARLY_PAGES = 2
 MAX_ROWS = 32  # packed query rows a transposed CTA serves (the products' N)
 TMAX, READY, END = 1, 2, 3  # named barriers: group 0's max exchange; the hand-over; the sums
 GROUP_THREADS = 128
