@@ -417,8 +417,8 @@ def _check_devices(q, **tensors) -> None:
 
 def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
                        split_keys=None, direct=False, fused_slots=0, seesaw=None,
-                       early_launch=EARLY_LAUNCH, lead_group=None, transposed=None,
-                       prefetch=None, merge_slices=1):
+                       early_launch=None, lead_group=None, transposed=None,
+                       prefetch=None, merge_slices=1, early_pages=None):
     """Compile (without running) the MLA decode kernel (``direct``: the one-split kernel that
     writes ``o`` and ``lse`` itself; ``fused_slots``: the kernel whose last split CTA merges
     that many splits, shared by ``merge_slices`` CTAs; the schedule options as
@@ -435,8 +435,11 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
             np.zeros((1, 1, 2), np.int64), 1, heads, sq, 0.1]
     narrow, ring, pipe = _transposed(transposed, sq * heads, split_keys, seesaw, lead_group)
     split_keys, seesaw, lead = _schedule(split_keys, seesaw, lead_group, narrow)
+    early = (TRANSPOSED_EARLY if narrow else EARLY_LAUNCH) if early_launch is None \
+        else bool(early_launch)
     kernel = make_mla_kernel(page_size, split_keys, direct, fused_slots,
                              merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
-                             early_launch, lead, narrow, _prefetch(prefetch, seesaw or ring, lead),
-                             ring, pipe, _merge_slices(merge_slices, fused_slots, None))
+                             early, lead, narrow, _prefetch(prefetch, seesaw or ring, lead),
+                             ring, pipe, _merge_slices(merge_slices, fused_slots, None),
+                             _early_pages(early_pages, early, narrow))
     return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)
