@@ -6,16 +6,19 @@ Grid: DeepSeek-V3's latent head (576 = 512 V + 64 rotary columns, bf16, pages of
 copy bandwidth at batch >= 32) and Sq 2 (Sq x heads = 256: goal >= 500 TFLOP/s).
 
 Method: every shape is first checked against a float32 torch reference (max abs error <
-2e-2; NaN fails). Kiln (``mla_decode`` with its defaults, the lead group; "early":
-``early_launch=True``; "split": session 35's default, ``split_keys=True``; "seesaw":
-``seesaw=True``, pages in pairs, one scored by each warp group; "replicated":
-``split_keys=False``, both groups scoring every key; "2-kernel": the default kernel with
-``fused_combine=False``, its partials merged by ``combine``; "1-split": ``num_splits=1``, no
-merge) and torch SDPA (each sequence's rows contiguous, ``[B, 1, L, 576]`` keys and
-``[B, 1, L, 512]`` values, the ``Sq x H`` query rows of a sequence as one head's queries, the
-causal mask of the new tokens as a boolean mask) are timed with CUDA events queued behind a
-busy stream (GPU time only), median of ``--repeat`` samples of ``--batch`` calls. GB/s counts the bytes decode must move: every
-sequence's cache rows, q and o; TFLOP/s counts ``2 * Sq * H * L * (576 + 512)`` a sequence.
+2e-2; NaN fails). Kiln (``mla_decode`` with its defaults: at 16 packed rows the transposed
+schedule with early launch and 2 pages prefetched before its wait, else the lead group;
+"lead": ``lead_group=True``, the lead group at every shape; "early": ``early_launch=True``;
+"split": session 35's default, ``split_keys=True``; "seesaw": ``seesaw=True``, pages in
+pairs, one scored by each warp group; "replicated": ``split_keys=False``, both groups
+scoring every key; "2-kernel": the default kernel with ``fused_combine=False``, its partials
+merged by ``combine``; "1-split": ``num_splits=1``, no merge) and torch SDPA (each
+sequence's rows contiguous, ``[B, 1, L, 576]`` keys and ``[B, 1, L, 512]`` values, the
+``Sq x H`` query rows of a sequence as one head's queries, the causal mask of the new tokens
+as a boolean mask) are timed with CUDA events queued behind a busy stream (GPU time only),
+median of ``--repeat`` samples of ``--batch`` calls. GB/s counts the bytes decode must move:
+every sequence's cache rows, q and o; TFLOP/s counts ``2 * Sq * H * L * (576 + 512)`` a
+sequence.
 The copy bandwidth is a 2 GiB device-to-device ``torch`` copy (read + write bytes).
 FlashMLA is not installed on the bench machines; its published H800 figures (about 3000 GB/s
 memory-bound, 580 TFLOP/s compute-bound) are the anchor.
@@ -37,7 +40,7 @@ SHAPES = ((32, 4096, 1, 128), (64, 4096, 1, 128), (128, 4096, 1, 128), (32, 4096
 QUICK_SHAPES = ((32, 4096, 1, 16), (32, 4096, 1, 128), (64, 4096, 2, 128))
 # Kiln's timed calls beside the default (its keywords; the first, the default, is also
 # checked): the other scores schedules, the combine kernel instead of the fused merge, one split.
-VARIANTS = {"default": {}, "early": dict(early_launch=True),
+VARIANTS = {"default": {}, "lead": dict(lead_group=True), "early": dict(early_launch=True),
             "split": dict(split_keys=True, early_launch=False),
             "seesaw": dict(seesaw=True), "replicated": dict(split_keys=False),
             "2-kernel": dict(fused_combine=False), "1-split": dict(num_splits=1)}

@@ -1,8 +1,8 @@
 """A/B of MLA decode's kernel options on a few shapes, in one process: split counts, the
-fused combine vs the combine kernel, the scores schedules (split keys, seesaw, lead group),
-early launch; GB/s, ratio to copy bandwidth and TFLOP/s (GPU time, queued), each variant
-first checked against a float32 torch reference (max abs error < 2e-2). Prints one JSON line
-per measurement as it comes.
+fused combine vs the combine kernel, the scores schedules (split keys, seesaw, lead group,
+transposed), early launch, L2 prefetch, shared merges; GB/s, ratio to copy bandwidth and
+TFLOP/s (GPU time, queued), each variant first checked against a float32 torch reference (max
+abs error < 2e-2). Prints one JSON line per measurement as it comes.
 
 Usage (on an H100/H200): ``python bench/mla_decode_ab.py [--shapes 32x4096x1x16,...]
 [--variants base,fused,...] [--repeat 10]`` (a shape ``B x ctx x Sq x H``, or
@@ -35,6 +35,21 @@ VARIANTS = {
     "lead2": dict(lead_group="pipelined"),
     "lead2_early": dict(lead_group="pipelined", early_launch=True),
     "split": dict(split_keys=True, early_launch=False),  # session 35's default
+    "t": dict(transposed=True),  # keys as M, the <= 32 query rows as N
+    "t_early": dict(transposed=True, early_launch=True),
+    **{f"t_pf{n}": dict(transposed=True, prefetch=n) for n in (1, 2)},
+    "tr": dict(transposed="ring"),  # Q trimmed, a ring of 8 KB chunk slots
+    "tr_early": dict(transposed="ring", early_launch=True),
+    "tp": dict(transposed="pipelined"),  # group 0's V^T P^T in flight behind its next scores
+    "trp": dict(transposed="ring-pipelined"),
+    **{f"tr_m{n}": dict(transposed="ring", merge_slices=n) for n in (2, 4)},  # shared merge
+    **{f"m{n}": dict(merge_slices=n) for n in (2, 4)},  # the lead group, shared merge
+    # Early launch with Q and the split's first n pages prefetched into L2 before the wait.
+    **{f"early_ep{n}": dict(early_launch=True, early_pages=n) for n in (2, 3)},
+    **{f"t_ep{n}": dict(transposed=True, early_launch=True, early_pages=n) for n in (2, 3, 4)},
+    **{f"tr_ep{n}": dict(transposed="ring", early_launch=True, early_pages=n) for n in (2, 3)},
+    "t_ep2_m4": dict(transposed=True, early_launch=True, early_pages=2, merge_slices=4),
+    **{f"pf{n}": dict(prefetch=n) for n in (1, 2)},  # the lead group, pages ahead in L2
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},
 }

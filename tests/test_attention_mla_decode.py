@@ -53,6 +53,16 @@ def test_deepseek_heads_two_tokens(rng):
     pytest.param(40, 2, 2, dict(lead_group=True, early_launch=True), marks=pytest.mark.slow),
     (16, 1, 1, dict(lead_group="pipelined")),  # group 0's product in flight over the loop
     (40, 2, 3, dict(lead_group="pipelined", fused_combine=True, early_launch=True)),
+    (16, 1, 1, dict(transposed=True)),  # keys as M, 16 query rows as N
+    (16, 2, 3, dict(transposed=True, fused_combine=True)),  # 32 rows, two tokens' limits
+    (8, 2, 2, dict(transposed=True, prefetch=2, early_launch=True)),  # 16 rows, 4 of them past
+    (20, 1, 2, dict(prefetch=1)),  # the lead group with a page ahead in L2
+    (16, 1, 1, dict(transposed="ring")),  # Q's 16 rows, 25 chunk slots
+    (16, 2, 3, dict(transposed="ring", fused_combine=True, early_launch=True)),  # 22 slots
+    (16, 1, 2, dict(transposed="pipelined", fused_combine=True)),
+    (16, 2, 1, dict(transposed="ring-pipelined")),
+    (16, 1, 3, dict(transposed=True, early_launch=True, early_pages=3)),  # L2 before the wait
+    (40, 2, 2, dict(early_launch=True, early_pages=2)),
 ])
 def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
     """The fused combine (the last split CTA merges), the seesaw pairs and early launch, on
@@ -61,6 +71,20 @@ def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
     q, kv, table, lens = mla_problem(rng, heads, sq, [1, 63, 65, 200])
     o, lse = mla_decode(q, kv, table, lens, num_splits=num_splits, backend="interpret",
                         **options)
+    assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
+
+
+@pytest.mark.parametrize("options", [dict(transposed=True), dict(transposed=True, prefetch=1),
+                                     dict(transposed="ring"), dict(transposed="pipelined"),
+                                     dict(transposed="ring-pipelined")])
+def test_transposed_over_many_pages(options, rng):
+    """The transposed schedule's double-buffered P^T, factors and maxima over sixteen and
+    thirteen pages (the last ragged, NaN past it; the chunk ring wraps five times) and an
+    empty sequence, in one split; one query row's scores made dominant in a late page so the
+    running max moves."""
+    q, kv, table, lens = mla_problem(rng, 16, 1, [1000, 777, 0])
+    kv[table[0, 11], 5, :] = (q[0, 0, 3].astype(np.float32) * 0.5).astype(kv.dtype)
+    o, lse = mla_decode(q, kv, table, lens, num_splits=1, backend="interpret", **options)
     assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
 
 
@@ -173,6 +197,18 @@ def _args(rng):
     (lambda a: a.update(lead_group=True, split_keys=True), kiln.UnsupportedError,
      "lead_group=True"),
     (lambda a: a.update(lead_group="ahead"), kiln.KilnValueError, "lead_group='ahead'"),
+    (lambda a: a.update(q=np.concatenate([a["q"]] * 3, axis=2), transposed=True),
+     kiln.UnsupportedError, "not 48"),
+    (lambda a: a.update(transposed=True, seesaw=True), kiln.UnsupportedError,
+     "its own schedule"),
+    (lambda a: a.update(prefetch=7), kiln.KilnValueError, "prefetch=7"),
+    (lambda a: a.update(transposed="deep"), kiln.KilnValueError, "transposed='deep'"),
+    (lambda a: a.update(merge_slices=3), kiln.KilnValueError, "merge_slices=3"),
+    (lambda a: a.update(early_launch=True, early_pages=9), kiln.KilnValueError,
+     "early_pages=9"),
+    (lambda a: a.update(transposed="ring", prefetch=1), kiln.UnsupportedError, "chunk ring"),
+    (lambda a: a.update(prefetch=1, lead_group="pipelined"), kiln.UnsupportedError,
+     "pipelined"),
 ])
 def test_bad_input_names_the_argument(change, error, words, rng):
     args = _args(rng)
@@ -183,6 +219,21 @@ def test_bad_input_names_the_argument(change, error, words, rng):
     assert words in str(info.value)
     assert info.value.loc is not None and info.value.loc.filename == __file__
     assert info.value.fix
+
+
+def test_transposed_default_resolves_per_shape(monkeypatch):
+    """A transposed default applies at most 16 packed rows and gives way to an explicit
+    schedule option; an explicit mode is taken as given (up to 32 rows)."""
+    module = importlib.import_module("kiln.kernels.attention.mla_decode")
+    monkeypatch.setattr(module, "TRANSPOSED", "ring")
+    assert module._transposed(None, 16) == (16, True, False)
+    assert module._transposed(None, 32) == (0, False, False)  # 16 rows at most by default
+    assert module._transposed(None, 48) == (0, False, False)
+    assert module._transposed(None, 16, lead_group=True) == (0, False, False)
+    assert module._transposed("pipelined", 20) == (32, False, True)
+    assert module._transposed(True, 32) == (32, False, False)
+    monkeypatch.setattr(module, "TRANSPOSED", False)
+    assert module._transposed(None, 16) == (0, False, False)
 
 
 def test_default_splits_fill_one_wave():
@@ -201,12 +252,17 @@ def test_default_splits_fill_one_wave():
     pytest.param(False, 64, False, dict(seesaw=True, fused_slots=4, heads=16, early_launch=True),
                  marks=pytest.mark.slow),
     (False, 64, True, dict(lead_group=True, heads=128, sq=2)),
-    (False, 64, False, dict(lead_group=True, fused_slots=4, heads=16, early_launch=True))])
+    (False, 64, False, dict(lead_group=True, fused_slots=4, heads=16, early_launch=True)),
+    (False, 16, False, dict(transposed=True, fused_slots=4, heads=16, prefetch=2)),
+    (False, 32, True, dict(transposed=True, heads=16, sq=2)),
+    (False, 16, False, dict(transposed="ring", fused_slots=4, heads=16))])
 def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct, options):
     ck = compile_mla_decode(target="sm_90a", split_keys=split_keys, direct=direct, **options)
     assert ck.metadata["spill_bytes"] == 0 and ck.metadata["registers"] <= 255
     ptx = ck.asm["ptx"]
-    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
+    assert not ck.metadata["wgmma_serialized"]
+    if not options.get("transposed"):  # its products are all m64nRk16
+        assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
     assert f"wgmma.mma_async.sync.aligned.m64n{scores_n}k16.f32.bf16.bf16" in ptx
     assert "cp.async.bulk.tensor.2d" in ptx
 

@@ -71,12 +71,38 @@ def test_matches_float64_on_gpu(heads, sq, num_splits, split_keys, rng):
     dict(seesaw=True, fused_combine=True, early_launch=True),
     dict(fused_combine=True, early_launch=True), dict(lead_group=True),
     dict(lead_group=True, fused_combine=True, early_launch=True),
-    dict(lead_group="pipelined"), dict(lead_group="pipelined", early_launch=True)])
+    dict(lead_group="pipelined"), dict(lead_group="pipelined", early_launch=True),
+    dict(prefetch=1), dict(prefetch=2, early_launch=True), dict(merge_slices=2),
+    dict(early_launch=True, early_pages=2)])
 @pytest.mark.parametrize("heads,sq,num_splits", [(16, 1, 4), (128, 2, 3), (40, 1, 1)])
 def test_kernel_options_on_gpu(heads, sq, num_splits, options, rng):
     """The fused combine (or not), the seesaw pairs, early launch and the lead group against
     the float64 reference, called twice (the fused kernel's tickets carry over between
     calls)."""
+    torch = _torch()
+    from kiln.kernels.attention import mla_decode
+
+    lens = [1, 63, 65, 200, int(rng.integers(300, 3000)), 4096]
+    q, kv, table, seq_lens = mla_problem(rng, heads, sq, lens)
+    dev = [_to_cuda(torch, x) for x in (q, kv, table, seq_lens)]
+    want = mla_reference(q, kv, table, seq_lens)
+    for _ in range(2):
+        torch.empty(1 << 26, device="cuda").fill_(float("nan"))
+        o, lse = mla_decode(*dev, num_splits=num_splits, validate=True, **options)
+        assert_mla_close(_numpy(torch, o), _numpy(torch, lse), *want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [
+    dict(transposed=True), dict(transposed=True, prefetch=2, early_launch=True),
+    dict(transposed="ring"), dict(transposed="ring", early_launch=True),
+    dict(transposed="pipelined"), dict(transposed="ring-pipelined", early_launch=True),
+    dict(transposed="ring", merge_slices=4),
+    dict(transposed=True, early_launch=True, early_pages=2, merge_slices=4)])
+@pytest.mark.parametrize("heads,sq,num_splits", [(16, 1, 4), (16, 2, 3), (8, 1, 1)])
+def test_transposed_on_gpu(heads, sq, num_splits, options, rng):
+    """The transposed schedule (16 and 32 query rows, 8 of 16 real) on two page stages or the
+    chunk ring, against the float64 reference, called twice."""
     torch = _torch()
     from kiln.kernels.attention import mla_decode
 

@@ -31,14 +31,24 @@ from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, check_paged_len
                        check_positive, is_torch, resolve_target, spec)
 from .combine import combine
 from .decode_config import DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MAX_DEFAULT_SPLITS
-from .mla_kernel import EARLY_LAUNCH, SEESAW, SPLIT_KEYS, make_mla_kernel
+from .mla_kernel import EARLY_LAUNCH, PREFETCH, SEESAW, SPLIT_KEYS, make_mla_kernel
 from .mla_lead import LEAD_GROUP
 from .mla_page import BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS
+from .mla_transposed import (MAX_ROWS, TRANSPOSED, TRANSPOSED_DEFAULT_ROWS, TRANSPOSED_EARLY,
+                             TRANSPOSED_EARLY_PAGES, transposed_rows)
 from .partials import Partials
 from ..workspaces import StreamWorkspaces
 
 PRODUCER = "kiln.kernels.attention.mla_decode"  # the Partials producer name combine checks
 MAX_SQ = 2  # new tokens a call takes (the MTP draft of DeepSeek-V3 is one)
+TRANSPOSED_MODES = (True, "ring", "pipelined", "ring-pipelined")  # transposed= values
+# Split CTAs sharing a fused merge by default (1: the last one merges alone; 4 measured within
+# 1% at batch 32 H 16, H200 session 37).
+MERGE_SLICES = 1
+# Pages prefetched into L2 before the grid-dependency wait with early launch, outside the
+# transposed default (lead group at batch 32 H 16: 2 pages 45.8 vs 46.5 us; not measured at
+# 128 heads, so off).
+EARLY_PAGES = 0
 
 __all__ = ["HEAD_DIM", "HEAD_DIM_V", "MAX_SQ", "compile_mla_decode", "default_mla_splits",
            "mla_decode", "mla_partials"]
@@ -90,7 +100,8 @@ PLANS = PlanCache("mla_decode")
 
 def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scale=None,
                num_splits=None, target=None, backend=None, validate=False, split_keys=None,
-               fused_combine=None, seesaw=None, early_launch=None, lead_group=None):
+               fused_combine=None, seesaw=None, early_launch=None, lead_group=None,
+               transposed=None, prefetch=None, merge_slices=None, early_pages=None):
     """Multi-head latent attention decode over a paged cache; returns ``(o, lse)``.
 
     ``q``: ``[B, Sq, H, 576]`` bf16 (``Sq`` 1-2; contiguous); ``kv_cache``: ``[num_pages,
@@ -109,10 +120,25 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     ``seesaw``: pages two at a time, one scored by each group (None: ``SEESAW``;
     :mod:`~kiln.kernels.attention.mla_seesaw`); ``early_launch``: each CTA lets the next
     kernel on the stream start on the SMs this call frees (programmatic dependent launch;
-    None: ``EARLY_LAUNCH``, off); ``lead_group``: warp group 0 scores every key and hands P
+    None: ``EARLY_LAUNCH``, off, but ``TRANSPOSED_EARLY``, on, with the transposed
+    schedule); ``lead_group``: warp group 0 scores every key and hands P
     to group 1, whose product runs while group 0 scores the next page (None: ``LEAD_GROUP``,
     on unless ``seesaw`` or ``split_keys`` is given; :mod:`~kiln.kernels.attention.mla_lead`;
-    ``"pipelined"``: also group 0's scores of the next page issued behind its product).
+    ``"pipelined"``: also group 0's scores of the next page issued behind its product);
+    ``transposed``: with at most 32 packed rows (``Sq x H``), the keys are the products' M
+    and the query rows their N, so no product computes padding rows (None: ``TRANSPOSED``,
+    on at most ``TRANSPOSED_DEFAULT_ROWS = 16`` rows where no other schedule option is
+    given; :mod:`~kiln.kernels.attention.mla_transposed`; no other schedule option with it;
+    ``"ring"``: Q's shared memory trimmed to those rows and the bytes spent on a deeper ring
+    of 8 KB chunk slots, :mod:`~kiln.kernels.attention.mla_transposed_ring`; ``"pipelined"``,
+    ``"ring-pipelined"``: group 0's ``V^T P^T`` left in flight behind its next scores);
+    ``prefetch``: pages of a split prefetched into L2 beyond the two in shared memory (0-4;
+    None: ``PREFETCH``, 0; not with ``seesaw`` or ``lead_group="pipelined"``);
+    ``merge_slices``: with the fused merge, the last 1, 2 or 4 split CTAs of a row block
+    share it, a slice of the columns each (None: ``MERGE_SLICES``, 1; the interpreter
+    always merges in one CTA); ``early_pages``: with ``early_launch``, Q and the split's
+    first that many pages prefetched into L2 before the grid-dependency wait (None:
+    ``EARLY_PAGES``, 0, but ``TRANSPOSED_EARLY_PAGES``, 2, with the transposed schedule).
     Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
     ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
@@ -127,7 +153,9 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
         o, lse = mla_decode(q, kv_cache, page_table, seq_lens)   # q [B, 1, 128, 576]
     """
     plan = _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
-                     backend, split_keys, fused_combine, (seesaw, early_launch, lead_group))
+                     backend, split_keys, fused_combine,
+                     (seesaw, early_launch, lead_group, transposed, prefetch, merge_slices,
+                      early_pages))
     lib = ArrayLib(q)
     B, Sq, H = plan.shape
     if plan.kernel is None:
@@ -209,22 +237,101 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
         B, row_blocks, dims["max_pages"] * page_size,
         sms=DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()) \
         if B * Sq * H else 1
-    split_keys, seesaw, lead = _schedule(split_keys, options[0], options[2])
+    narrow, ring, pipe = _transposed(options[3], Sq * H, split_keys, options[0], options[2])
+    split_keys, seesaw, lead = _schedule(split_keys, options[0], options[2], narrow)
     rows = merge_rows(Sq * H)
     if fused_combine is None:  # one CTA's merge of its rows from L2, or a combine kernel
         fused_combine = slots * rows * HEAD_DIM_V * 4 <= FUSED_COMBINE_MAX_BYTES
     fused = slots > 1 and bool(fused_combine)
-    early = EARLY_LAUNCH if options[1] is None else bool(options[1])
+    # The transposed schedule has launch defaults of its own (measured with it).
+    early = (TRANSPOSED_EARLY if narrow else EARLY_LAUNCH) if options[1] is None \
+        else bool(options[1])
     kernel = make_mla_kernel(page_size, split_keys, slots == 1, slots if fused else 0,
                              rows if fused else ROWS, seesaw, early,
-                             lead) if B * Sq * H else None
+                             lead, narrow, _prefetch(options[4], seesaw or ring, lead),
+                             ring, pipe,
+                             _merge_slices(options[5], slots if fused else 0, backend),
+                             _early_pages(options[6], early, narrow)) \
+        if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
                    scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E),
                    fused=fused, device=q.device if is_torch(q) else None)
 
 
-def _schedule(split_keys=None, seesaw=None, lead_group=None) -> tuple[bool, bool, int]:
+def _early_pages(early_pages, early, transposed=0) -> int:
+    """Pages prefetched before the grid-dependency wait (None: ``TRANSPOSED_EARLY_PAGES``
+    with the ``transposed`` schedule, else ``EARLY_PAGES``); 0 without early launch.
+    Example: ``_early_pages(2, True) == 2``."""
+    if early_pages is not None and (isinstance(early_pages, bool)
+                                    or not isinstance(early_pages, int)
+                                    or not 0 <= early_pages <= 4):
+        raise kiln.KilnValueError(f"early_pages={early_pages!r} is not a page count",
+                                  fix="pass early_pages=0..4, or None")
+    if early_pages is None:
+        early_pages = TRANSPOSED_EARLY_PAGES if transposed else EARLY_PAGES
+    pages = early_pages
+    return pages if early else 0
+
+
+def _merge_slices(merge_slices, fused_slots, backend) -> int:
+    """The CTAs sharing a fused merge (``merge_slices``, None: ``MERGE_SLICES``); 1 without
+    the fused merge or in the interpreter. Example: ``_merge_slices(2, 4, None) == 2``."""
+    if merge_slices is not None and merge_slices not in (1, 2, 4):
+        raise kiln.KilnValueError(f"merge_slices={merge_slices!r} must be 1, 2 or 4",
+                                  fix="pass merge_slices=1, 2, 4 or None")
+    slices = MERGE_SLICES if merge_slices is None else merge_slices
+    if not fused_slots or backend == "interpret":
+        return 1
+    return min(slices, 1 << (int(fused_slots).bit_length() - 1))  # at most one a split
+
+
+def _prefetch(prefetch, own_loop, lead) -> int:
+    """Pages prefetched into L2 ahead of the ring (``prefetch``, None: ``PREFETCH``); the
+    page loop's schedules only (``own_loop``: seesaw's or the chunk ring's loop).
+    Example: ``_prefetch(1, False, 1) == 1``."""
+    if prefetch is None:
+        return PREFETCH if not (own_loop or lead == 2) else 0
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= 4:
+        raise kiln.KilnValueError(f"prefetch={prefetch!r} is not a page count",
+                                  fix="pass prefetch=0..4, or None")
+    if prefetch and (own_loop or lead == 2):
+        raise kiln.UnsupportedError("prefetch runs in the page loop, not the seesaw pairs, "
+                                    "the chunk ring or the pipelined lead group",
+                                    fix="leave prefetch unset with seesaw, transposed='ring' "
+                                        "or lead_group='pipelined'")
+    return prefetch
+
+
+def _transposed(transposed, packed, split_keys=None, seesaw=None,
+                lead_group=None) -> tuple[int, bool, bool]:
+    """The transposed schedule's rows (0: off), whether it runs on the chunk ring and whether
+    it is pipelined, from a call's ``transposed`` option and its ``packed = Sq x H`` rows;
+    refused above 32 rows or beside another schedule option.
+    Example: ``_transposed("ring", 16) == (16, True, False)``."""
+    if transposed not in (None, False, *TRANSPOSED_MODES):
+        raise kiln.KilnValueError(f"transposed={transposed!r} is not a transposed mode",
+                                  fix="pass transposed=True, 'ring', 'pipelined', "
+                                      "'ring-pipelined', False or None")
+    if transposed is None:
+        own = packed <= TRANSPOSED_DEFAULT_ROWS and split_keys is None and seesaw is None \
+            and lead_group is None  # the default mode where no other schedule is asked for
+        transposed = TRANSPOSED if own else False
+    if not transposed:
+        return 0, False, False
+    if not transposed_rows(packed):
+        raise kiln.UnsupportedError(f"transposed=True serves at most {MAX_ROWS} packed rows "
+                                    f"(Sq x H), not {packed}", fix="leave transposed unset")
+    if split_keys or seesaw or lead_group:
+        raise kiln.UnsupportedError("transposed=True is its own schedule: it takes no "
+                                    "split_keys, seesaw or lead_group",
+                                    fix="leave the other schedule options unset")
+    return (transposed_rows(packed), transposed in ("ring", "ring-pipelined"),
+            transposed in ("pipelined", "ring-pipelined"))
+
+
+def _schedule(split_keys=None, seesaw=None, lead_group=None,
+              transposed=0) -> tuple[bool, bool, int]:
     """The kernel's scores schedule from a call's options (None: the defaults): ``(split_keys,
     seesaw, lead)``, ``lead`` as :func:`make_mla_kernel` takes it (0 off, 1 the lead group, 2
     pipelined). The default lead group gives way to an explicit ``seesaw=True`` or
@@ -233,7 +340,7 @@ def _schedule(split_keys=None, seesaw=None, lead_group=None) -> tuple[bool, bool
         raise kiln.KilnValueError(f"lead_group={lead_group!r} is not a lead-group mode",
                                   fix="pass lead_group=True, 'pipelined', False or None")
     if lead_group is None:
-        lead_group = LEAD_GROUP and not seesaw and split_keys is None
+        lead_group = LEAD_GROUP and not seesaw and split_keys is None and not transposed
     if lead_group and (seesaw or split_keys):
         raise kiln.UnsupportedError(f"lead_group={lead_group!r} has group 0 score every key: "
                                     "it takes no seesaw or split_keys=True",
@@ -241,7 +348,7 @@ def _schedule(split_keys=None, seesaw=None, lead_group=None) -> tuple[bool, bool
     seesaw = SEESAW if seesaw is None else bool(seesaw)
     split_keys = SPLIT_KEYS if split_keys is None else bool(split_keys)
     lead = 2 if lead_group == "pipelined" else int(bool(lead_group))
-    return split_keys and not (seesaw or lead), seesaw, lead
+    return split_keys and not (seesaw or lead or transposed), seesaw, lead
 
 
 def mla_target(target):
@@ -312,11 +419,13 @@ def _check_devices(q, **tensors) -> None:
 
 def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
                        split_keys=None, direct=False, fused_slots=0, seesaw=None,
-                       early_launch=EARLY_LAUNCH, lead_group=None):
+                       early_launch=None, lead_group=None, transposed=None,
+                       prefetch=None, merge_slices=1, early_pages=None):
     """Compile (without running) the MLA decode kernel (``direct``: the one-split kernel that
     writes ``o`` and ``lse`` itself; ``fused_slots``: the kernel whose last split CTA merges
-    that many splits; the schedule options as :func:`mla_decode` resolves them); returns the
-    ``CompiledKernel`` (``.asm`` stages, ``.metadata``).
+    that many splits, shared by ``merge_slices`` CTAs; the schedule options as
+    :func:`mla_decode` resolves them); returns the ``CompiledKernel`` (``.asm`` stages,
+    ``.metadata``).
     Example: ``compile_mla_decode(target="sm_90a").metadata["registers"]``."""
     chip = mla_target(target)
     bf16 = kiln.bf16.numpy
@@ -326,8 +435,13 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
             np.zeros((1, 1, sq, heads), np.float32), np.zeros((1, sq, heads), np.int32),
             np.zeros((1, sq, heads, HEAD_DIM_V), bf16), np.zeros((1, sq, heads), np.float32),
             np.zeros((1, 1, 2), np.int64), 1, heads, sq, 0.1]
-    split_keys, seesaw, lead = _schedule(split_keys, seesaw, lead_group)
+    narrow, ring, pipe = _transposed(transposed, sq * heads, split_keys, seesaw, lead_group)
+    split_keys, seesaw, lead = _schedule(split_keys, seesaw, lead_group, narrow)
+    early = (TRANSPOSED_EARLY if narrow else EARLY_LAUNCH) if early_launch is None \
+        else bool(early_launch)
     kernel = make_mla_kernel(page_size, split_keys, direct, fused_slots,
                              merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
-                             early_launch, lead)
+                             early, lead, narrow, _prefetch(prefetch, seesaw or ring, lead),
+                             ring, pipe, _merge_slices(merge_slices, fused_slots, None),
+                             _early_pages(early_pages, early, narrow))
     return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)

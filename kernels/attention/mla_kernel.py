@@ -44,6 +44,9 @@ from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS,
                        HEAD_DIM_V, NUM_WARPS, ROWS, STAGES, THREADS, TILE_BYTES, V_CHUNKS,
                        WARP_GROUPS, page_scores, page_softmax)
 from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum
+from .mla_transposed import (TransposedRows, consume_tile_transposed, stage_operands,
+                             store_transposed, transposed_init, transposed_totals)
+from .mla_transposed_ring import PAGE_SLOTS, RingBuffers, ring_pages
 from .paged import PagedRowIndices, PageTableRow
 
 ZERO_BARRIER = 1  # named barrier: both groups done with K before V rows are zeroed, and after
@@ -58,12 +61,17 @@ SPLIT_KEYS = True
 EARLY_LAUNCH = False
 # Pages two at a time, one scored by each warp group (mla_seesaw), or one at a time.
 SEESAW = False
+# Pages of the split the producer prefetches into L2 beyond the two the ring holds (0: none;
+# H200, session 37: one page measured slower, 50.1 vs 47.7 us at batch 32 H 16).
+PREFETCH = 0
 
 
 @functools.lru_cache(maxsize=None)
 def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: bool = False,
                     fused_slots: int = 0, merge_rows: int = ROWS, seesaw: bool = SEESAW,
-                    early_launch: bool = EARLY_LAUNCH, lead_group: int = 0):
+                    early_launch: bool = EARLY_LAUNCH, lead_group: int = 0,
+                    transposed: int = 0, prefetch: int = PREFETCH, ring: bool = False,
+                    pipelined: bool = False, merge_slices: int = 1, early_pages: int = 0):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -85,10 +93,33 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     wait made ptxas spill (272 bytes at 16 heads, fused). ``lead_group`` (0: off): group 0
     scores every key and hands P to group 1 (:mod:`~kiln.kernels.attention.mla_lead`; with
     ``split_keys=False``, not ``seesaw``); 2: with group 0's scores one page ahead.
+    ``transposed`` (0: off; 16 or 32, at least the packed rows): keys as the products' M and
+    the query rows as their N (:mod:`~kiln.kernels.attention.mla_transposed`; with
+    ``split_keys=False`` and no other schedule). ``prefetch``: pages the producer prefetches
+    into L2 beyond the ring's (page ``t + 1 + prefetch`` at step ``t``; the page loop's
+    schedules, not ``seesaw`` or the pipelined lead group). ``ring`` (with ``transposed``):
+    Q's shared memory trimmed to its rows and a deeper ring of 8 KB chunk slots
+    (:mod:`~kiln.kernels.attention.mla_transposed_ring`; ``prefetch`` does not apply).
+    ``pipelined`` (with ``transposed``): group 0's ``V^T P^T`` left in flight until its next
+    scores are issued behind it. ``merge_slices > 1`` (with ``fused_slots``): the last that
+    many split CTAs of a row block share its merge, a slice of the 512 columns each (GPU
+    only: the interpreter runs one CTA at a time and cannot run the wait). ``early_pages``
+    (with ``early_launch``): before the grid-dependency wait the producer prefetches Q and the
+    split's first that many pages into L2 (page table and length read for it only: the
+    loads after the wait read them again), so a CTA that starts while the previous kernel
+    ends fills its idle DRAM.
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     if lead_group and (seesaw or split_keys):
         raise kiln.UnsupportedError("the lead-group schedule has group 0 score every key",
                                     fix="pass lead_group=True with split_keys=False, no seesaw")
+    if transposed and (seesaw or split_keys or lead_group or transposed not in (16, 32)):
+        raise kiln.UnsupportedError("the transposed schedule takes 16 or 32 rows and no other "
+                                    "schedule", fix="pass transposed=16 or 32 with "
+                                                    "split_keys=False, no seesaw or lead group")
+    if (ring or pipelined) and not transposed:
+        raise kiln.UnsupportedError("the chunk ring serves the transposed schedule",
+                                    fix="pass ring=True with transposed=16 or 32")
+    stages = PAGE_SLOTS if ring else STAGES
     Rows = PagedRowIndices[BLOCK_N, page_size]
     if Rows.num_pages != 1:
         raise kiln.UnsupportedError(f"MLA decode reads pages of a multiple of {BLOCK_N} rows, "
@@ -103,27 +134,29 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                    num_splits: kiln.i32, heads: kiln.i32,
                    seq_q: kiln.i32, scale_log2: kiln.f32):
         # Box 0 .. 8: Q; box 9 + 9 s + c: column chunk c of ring stage s.
-        if not seesaw:  # the seesaw schedule's buffers are its own (SeesawRows)
+        if not (seesaw or ring):  # seesaw's and the ring's buffers are their own
             boxes = dynamic_shared(((1 + STAGES) * CHUNKS, BLOCK_N, CHUNK), kiln.bf16,
                                    align=1024)
         if seesaw:  # one single-slot ring a stage: a pair waits once on each
             full = [mbarrier.group(num_barriers=1) for _ in range(STAGES)]
             empty = [mbarrier.group(num_barriers=1) for _ in range(STAGES)]
         else:
-            full = mbarrier.group(num_barriers=STAGES)
-            empty = mbarrier.group(num_barriers=STAGES)
+            full = mbarrier.group(num_barriers=stages)
+            empty = mbarrier.group(num_barriers=stages)
         # split_keys: the groups' row maxima, sums and P fragments, exchanged in shared memory.
         exchange = _Exchange() if split_keys and not seesaw else None
         rows_x = SeesawRows() if seesaw else None
         lead_rows = LeadRows() if lead_group else None
+        ring_buffers = RingBuffers(transposed) if ring else None
+        t_rows = TransposedRows(transposed) if transposed and not ring else None
         tid = kiln.thread_id(0)
         warp = tid // 32
         lane = tid % 32
         group = tid // 128
         # The TMA issuer (seesaw: group 1's first warp, which releases the stages last).
-        producer_warp = 4 if seesaw else PRODUCER_WARP if lead_group else 0
+        producer_warp = 4 if seesaw else PRODUCER_WARP if lead_group or transposed else 0
         producer = nvidia_asm.elect_sync() & (warp == producer_warp)  # converged, no branch
-        for s in kiln.static_range(STAGES):
+        for s in kiln.static_range(stages):
             # One arrival a warp group: its WGMMA reads are done once its thread 0 waited.
             releases = WARP_GROUPS if seesaw else THREADS
             if seesaw:
@@ -135,6 +168,9 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
         if early_launch:
+            if early_pages:  # prefetches change no value: they may run before the wait
+                _early_prefetch(q_map, kv_map, page_table, seq_lens, num_splits, heads, seq_q,
+                                page_size, producer, early_pages)
             # Everything after the wait reads or writes global memory the previous kernel
             # may write.
             nvidia_asm.grid_dependency_wait()
@@ -160,20 +196,30 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         # This thread's two rows of its warp's 16 in each m64 product, and their last keys.
         rows = [row0 + (tid % 128) // 32 * 16 + lane // 4 + 8 * half for half in range(2)]
         key_limit = [seq_len - seq_q + kiln.minimum(r, packed - 1) // heads for r in rows]
-        if not seesaw:
+        if not (seesaw or ring):
             descs = (wgmma.smem_descriptor(boxes.tile(0), leading_bytes=16, stride_bytes=1024),
                      wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=16,
                                            stride_bytes=1024),
                      wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=BOX_BYTES,
                                            stride_bytes=1024)
                      + kiln.cast(group * (GROUP_COLS // CHUNK) * BOX_UNITS, kiln.i64))
-        o = wgmma.fragment_zeros(GROUP_COLS)
-        m = [kiln.cast(-math.inf, kiln.f32) for _ in range(2)]
-        l = [kiln.cast(0.0, kiln.f32) for _ in range(2)]
+        if transposed:
+            o, m, l = transposed_init(transposed)
+        else:
+            o = wgmma.fragment_zeros(GROUP_COLS)
+            m = [kiln.cast(-math.inf, kiln.f32) for _ in range(2)]
+            l = [kiln.cast(0.0, kiln.f32) for _ in range(2)]
         if seesaw:
             o, m, l = seesaw_pages(o, m, l, rows_x, full, empty, table, kv_map, q_map,
                                    page_size, tile_begin, num_tiles, seq_len, seq_q, key_limit,
                                    scale_log2, tid, group, warp, producer, b * packed + row0)
+        elif ring:
+            o, m, l = ring_pages(o, m, l, ring_buffers, full, empty, table, kv_map, q_map,
+                                 page_size, tile_begin, num_tiles, seq_len, seq_q, row0, packed,
+                                 heads, scale_log2, tid, group, warp, producer_warp, producer,
+                                 b * packed + row0, pipelined)
+            if pipelined:
+                _release_last(empty, num_tiles, PAGE_SLOTS, group)
         elif lead_group == 2:
             o, m, l = lead_pages_pipelined(
                 o, m, l, descs, boxes, lead_rows, full, empty,
@@ -188,9 +234,18 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                 _load_pages(it, warp, producer_warp, producer, full, empty, q_map, kv_map,
                             boxes, b * packed + row0, page_size, table, tile_begin, num_tiles,
                             seq_len)
+                if prefetch:
+                    _prefetch_pages(it, producer, kv_map, page_size, table, tile_begin,
+                                    num_tiles, prefetch)
                 full.try_wait(stage, (it // STAGES) % 2)
                 key0 = (tile_begin + it) * BLOCK_N
-                if lead_group:
+                if transposed:
+                    o, m, l = consume_tile_transposed(
+                        o, m, l, stage_operands(boxes, stage, tid), t_rows, key0, row0, packed,
+                        heads, seq_len, seq_q, scale_log2, tid, group, it,
+                        (lambda: empty.arrive((it + STAGES - 1) % STAGES, wgmma_pending=1))
+                        if pipelined else None)
+                elif lead_group:
                     o, m, l = consume_tile_lead(o, m, l, descs, boxes, lead_rows, stage, key0,
                                                 key_limit, seq_len, seq_q, scale_log2, tid,
                                                 group, it, num_tiles)
@@ -201,35 +256,55 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                 else:
                     o, m, l = _consume_tile(o, m, l, descs, boxes, stage, key0, key_limit,
                                             seq_len, seq_q, scale_log2, tid)
-                empty.arrive(stage, wgmma_pending=0)
+                if not pipelined:
+                    empty.arrive(stage, wgmma_pending=0)
+                elif group == 1:  # group 0 released the last page behind these scores
+                    empty.arrive(stage, wgmma_pending=0)
+            if pipelined:
+                _release_last(empty, num_tiles, STAGES, group)
         arrival = None
-        if fused_slots:
+        if fused_slots and merge_slices == 1:
             # This CTA's place among its row block's splits; read only after its own stores,
             # so the atomic's round trip overlaps them.
             arrival = kiln.cast(0, kiln.i64)
             if tid == 0:
                 arrival = tickets.atomic_add(b, kiln.block_id(0), ARRIVED, 1)
-        l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
+        if transposed:  # group 0 kept the columns' maxima and per-thread sums
+            m, l = transposed_totals(m, l, ring_buffers.shared if ring else t_rows, tid, group)
+        else:
+            l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
         if seesaw:  # each group summed its own pages
             l = seesaw_sum(rows_x, l, tid, group)
         elif split_keys:  # each group summed its own keys: the row's sum is both groups'
             l = exchange.sum_rows(l, tid, group)
         elif lead_group:  # group 0 summed every key
             l = lead_sum(lead_rows, l, tid, group)
-        _store_rows(o, m, l, rows, o_out if direct else o_part,
-                    lse_out if direct else lse_part, counts, split, b, heads, packed, group,
-                    lane, seq_len, seq_q, tiles_per_split, direct)
+        if transposed:
+            store_transposed(o, m, l, transposed, o_out if direct else o_part,
+                             lse_out if direct else lse_part, counts, split, b, row0, heads,
+                             packed, group, tid, seq_len, seq_q, tiles_per_split, direct)
+        else:
+            _store_rows(o, m, l, rows, o_out if direct else o_part,
+                        lse_out if direct else lse_part, counts, split, b, heads, packed, group,
+                        lane, seq_len, seq_q, tiles_per_split, direct)
         if fused_slots:
             last = kiln.shared((1,), kiln.i32)
             combine_if_last(o_part, lse_part, o_out, lse_out, tickets, arrival, last, b, 0, 0,
-                            row0, tid, _MergeRows(packed, heads, merge_rows), fused_slots, 1,
+                            row0, tid, _MergeRows(packed, heads, merge_rows), fused_slots,
+                            merge_slices,
                             cta=(b, kiln.block_id(0)))
 
+    if ring:  # Q's TMA boxes of its rows (a string annotation sees no locals)
+        mla_decode.__annotations__["q_map"] = kiln.TensorMap[kiln.bf16, (transposed, CHUNK), 128]
     mla_decode.__name__ = mla_decode.__qualname__ = \
         f"mla_decode_p{page_size}{'_split' if split_keys else ''}{'_direct' if direct else ''}" \
         f"{f'_fused{fused_slots}r{merge_rows}' if fused_slots else ''}" \
         f"{'_seesaw' if seesaw else ''}{'_early' if early_launch else ''}" \
-        f"{'_lead' if lead_group else ''}{'2' if lead_group == 2 else ''}"
+        f"{'_lead' if lead_group else ''}{'2' if lead_group == 2 else ''}" \
+        f"{f'_t{transposed}' if transposed else ''}{'_ring' if ring else ''}" \
+        f"{'_pipe' if pipelined else ''}{f'x{merge_slices}' if merge_slices > 1 else ''}" \
+        f"{f'_ep{early_pages}' if early_pages else ''}" \
+        f"{f'_pf{prefetch}' if prefetch else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
 
@@ -256,6 +331,58 @@ def _load_pages(it, warp, producer_warp, producer, full, empty, q_map, kv_map, b
             empty.try_wait(ahead % STAGES, ((it - 1) // STAGES) % 2)
             _load_tile(page_size, table, tile_begin + ahead, seq_len, kv_map, boxes, full,
                        ahead % STAGES, producer, arm=True)
+
+
+@kiln.func
+def _early_prefetch(q_map, kv_map, page_table, seq_lens, num_splits, heads, seq_q, page_size,
+                    producer, pages):
+    """Before the grid-dependency wait: Q's boxes of this CTA and its split's first ``pages``
+    pages into L2 (the length and page ids as they are now; stale ones only waste the
+    prefetch)."""
+    if producer:
+        b = kiln.block_id(2)
+        for c in kiln.static_range(CHUNKS):
+            tma.prefetch(q_map, (c * CHUNK, b * heads * seq_q + kiln.block_id(0) * ROWS))
+        tiles_total = (seq_lens[b] + BLOCK_N - 1) // BLOCK_N
+        per_split = kiln.maximum((tiles_total + num_splits - 1) // num_splits, 1)
+        begin = kiln.block_id(1) * per_split
+        count = kiln.minimum(begin + per_split, tiles_total) - begin
+        for p in kiln.static_range(pages):
+            if p < count:
+                row = page_table[b, begin + p] * page_size
+                for c in kiln.static_range(CHUNKS):
+                    tma.prefetch(kv_map, (c * CHUNK, row))
+
+
+@kiln.func
+def _release_last(empty, num_tiles, stages, group):
+    """After a pipelined loop: every product retired, and group 0's last page released."""
+    wgmma.wait_group(0)
+    if (group == 0) & (num_tiles > 0):
+        empty.arrive((num_tiles - 1) % stages, wgmma_pending=0)
+
+
+@kiln.func
+def _prefetch_pages(it, producer, kv_map, page_size, table, tile_begin, num_tiles, ahead):
+    """The producer's L2 prefetches at step ``it``: with the first, the split's pages
+    ``STAGES .. STAGES + ahead - 1``; later, page ``it + STAGES - 1 + ahead`` (each before the
+    ring's load of it, which then reads L2)."""
+    if producer:
+        if it == 0:
+            for a in kiln.static_range(ahead):
+                _prefetch_page(kv_map, page_size, table, tile_begin, STAGES + a, num_tiles)
+        else:
+            _prefetch_page(kv_map, page_size, table, tile_begin, it + STAGES - 1 + ahead,
+                           num_tiles)
+
+
+@kiln.func
+def _prefetch_page(kv_map, page_size, table, tile_begin, page, num_tiles):
+    """Prefetch the split's page ``page`` (nine column boxes) into L2 if the split has it."""
+    if page < num_tiles:
+        row = table[tile_begin + page] * page_size
+        for c in kiln.static_range(CHUNKS):
+            tma.prefetch(kv_map, (c * CHUNK, row))
 
 
 @kiln.func
