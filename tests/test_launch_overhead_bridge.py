@@ -1,0 +1,66 @@
+"""``bench/launch_overhead.py``'s report of the torch bridge per library row: what the
+library's last plans use (the bridge's C++ makers and tensor guards, or torch's Python paths),
+read off the plans themselves, so a run whose rows took the Python paths says so."""
+
+import importlib
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from kiln.kernels import runtime
+from kiln.kernels.attention import decode, decode_attention
+from kiln.runtime import native_torch
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "bench"))
+    return importlib.import_module("launch_overhead")
+
+
+def _paged(torch, rng, hq=8, hkv=1, d=64, page_size=64, pages=4):
+    """A small decode problem as torch CPU tensors (fresh random values)."""
+    def bf16(*shape):
+        return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).bfloat16()
+
+    kc = bf16(pages, page_size, hkv, d)
+    return (bf16(1, 1, hq, d), kc, kc.clone(),
+            torch.from_numpy(rng.permutation(pages)[:2].reshape(1, 2).astype(np.int32)),
+            torch.tensor([page_size + 5], dtype=torch.int32))
+
+
+def test_with_no_plan_the_report_is_off(bench):
+    runtime.clear_plans()
+    state = bench.bridge_state()
+    assert state.startswith("off (") and "'c++': 0" in state
+
+
+def test_the_report_reads_the_plans_makers_and_guards(bench):
+    """decode's plan (three makers, one guard) with the bridge, then without it; and
+    decode_attention's (two makers once a call made its outputs)."""
+    torch = pytest.importorskip("torch")
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    bridge = native_torch.load_bridge("c++")
+    assert bridge is not None  # a real torch and a compiler: the bridge must build and load
+    rng = np.random.default_rng(7)
+    previous = native_torch._LOADED[:]
+    try:
+        with runtime.use_runtime(runtime.DryRuntime()):
+            native_torch.use_bridge(bridge)
+            decode(*_paged(torch, rng), target="sm_90a")
+            state = bench.bridge_state()
+            assert state.startswith("on (loaded True") and "'c++': 3" in state, state
+            decode_attention(*_paged(torch, rng), target="sm_90a")
+            assert bench.bridge_state().startswith("on ("), bench.bridge_state()
+            native_torch.use_bridge(None)
+            runtime.clear_plans()
+            decode(*_paged(torch, rng), target="sm_90a")
+            state = bench.bridge_state()
+            assert state.startswith("off (loaded False") and "'python': 3" in state, state
+    finally:  # the process's bridge as it was (none loaded yet: none, and look again later)
+        native_torch.use_bridge(previous[0] if previous else None)
+        if not previous:
+            native_torch._LOADED.clear()
