@@ -264,11 +264,22 @@ def load_bridge() -> tuple:
 def bridge_state() -> str:
     """What the library's last plans use: ``on`` when the torch bridge is loaded and every
     fresh output comes from its C++ makers and every tensor guard is its C++ check, ``off``
-    when none does, else ``partial`` (the counts follow)."""
+    when none does, else ``partial``; the counts of :func:`bridge_counts` follow."""
+    counts = bridge_counts()
+    makers, guards = counts["makers"], counts["guards"]
+    native = makers["c++"] + guards["c++"]
+    state = "on" if counts["loaded"] and native and not makers["python"] + guards["python"] \
+        else "off" if not native else "partial"
+    return f"{state} (loaded {counts['loaded']}, makers {makers}, guards {guards})"
+
+
+def bridge_counts() -> dict:
+    """Whether the torch bridge is loaded, and the fresh-output makers and tensor guards of
+    the library's last plans (one per plan cache) by kind: ``c++`` (the bridge's) or
+    ``python`` (torch's Python paths)."""
     from kiln.kernels import runtime
     from kiln.runtime import native_torch
 
-    loaded = bool(native_torch._LOADED) and native_torch._LOADED[0] is not None
     makers = {"c++": 0, "python": 0}
     guards = {"c++": 0, "python": 0}
     for cache in runtime._CACHES:
@@ -280,10 +291,8 @@ def bridge_state() -> str:
         guards["c++" if type(checker).__name__ == "TensorGuard" else "python"] += 1
         for maker in _makers_of(plan):
             makers["c++" if type(maker).__name__ == "EmptyMaker" else "python"] += 1
-    native = makers["c++"] + guards["c++"]
-    state = "on" if loaded and native and not makers["python"] + guards["python"] else \
-        "off" if not native else "partial"
-    return f"{state} (loaded {loaded}, makers {makers}, guards {guards})"
+    loaded = bool(native_torch._LOADED) and native_torch._LOADED[0] is not None
+    return {"loaded": loaded, "makers": makers, "guards": guards}
 
 
 def _makers_of(obj, depth: int = 0):
