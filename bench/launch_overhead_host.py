@@ -23,6 +23,7 @@ Usage: ``python bench/launch_overhead.py --host-only`` (or call :func:`run_host_
 
 from __future__ import annotations
 
+import functools
 import time
 
 from launch_overhead import N, _per_launch_us, library_calls
@@ -197,6 +198,86 @@ def _print_host_table(results: dict) -> None:
         print("library entry points, torch CPU tensors, DryRuntime (up to the bound launch):")
         for row in library:
             print(f"{row['path']:<56}{row['us']:>10.2f}")
+
+
+class _FakeDriver:
+    """The CUDA driver calls a tensor-map cache makes (encode, allocate, copy), answered at
+    once with made-up addresses: descriptors that nothing reads."""
+
+    def __init__(self):
+        self._next = 0x7000_0000
+
+    def mem_alloc(self, nbytes: int) -> int:
+        self._next += -(-nbytes // 256) * 256
+        return self._next
+
+    mem_alloc_host = mem_alloc
+
+    def tensor_map_encode_tiled(self, *args) -> bytes:
+        return bytes(128)
+
+    def stream_capturing(self, stream) -> bool:
+        return False
+
+    def make_current(self) -> None:
+        pass
+
+    def memcpy_htod(self, *args) -> None:
+        pass
+
+    def mem_free(self, *args) -> None:
+        pass
+
+    mem_free_host = mem_free
+
+
+class NoopDriverRuntime:
+    """A library runtime for torch CPU tensors whose bound launches are real: each kernel is
+    compiled (PTX and cubin, as on the GPU machine) and bound through the native shim's
+    :class:`~kiln.runtime.driver_launch.DriverLauncher`, with driver functions that return at
+    once (``no_op_driver``) and a made-up tensor-map driver. So an entry point's steady state
+    runs as on the GPU (plan guard, the torch bridge's makers, the shim's ``launch_outputs``
+    reading tensors and packing the record) except the driver's own work and the CUDA
+    allocator's (CPU tensors). For profiling the hot path without a GPU.
+
+    Example::
+
+        with runtime.use_runtime(NoopDriverRuntime()):
+            decode_attention(q, k_cache, v_cache, page_table, seq_lens)   # CPU tensors
+    """
+
+    device_type = "cpu"
+
+    def __init__(self, sms: int = 132):
+        from kiln.kernels.runtime import DryRuntime
+        from kiln.runtime.driver_launch import DriverFunctions
+        from kiln.runtime.native import native_module
+        from launch_host_cpu import no_op_driver
+
+        self._keep, symbols = no_op_driver()
+        self._functions = DriverFunctions(symbols, None)
+        self._shim = native_module()
+        self._dry = DryRuntime(sms)
+        self.launch = self._dry.launch
+        self.multiprocessor_count = self._dry.multiprocessor_count
+        self.max_active_clusters = self._dry.max_active_clusters
+
+    def bind(self, kernel, grid, args, **options):
+        from launch_host_cpu import cpu_torch_as_device
+
+        from kiln.runtime.driver_launch import DriverLauncher
+        from kiln.runtime.launch import _LaunchPlan, bind_launch
+
+        ck = kernel.compile(*args, **options)
+        plan = _LaunchPlan(ck.name, ck.signature,
+                           DriverLauncher(ck.signature, 0x1000, self._functions, self._shim),
+                           _FakeDriver())
+        ck._launch_plan = plan
+        with cpu_torch_as_device():
+            bound = bind_launch(ck, grid, args)
+        # The legacy stream, by a C call as cheap as torch's raw getter (no CUDA to ask).
+        bound.current_stream = bound._current_stream = functools.partial(int, 0)
+        return bound
 
 
 def main_host(launches: int, batches: int, json_path: str | None) -> int:
