@@ -125,6 +125,7 @@ from .decode_config import (AHEAD_PREFETCH_TILES, CTAS_PER_SM, DEFAULT_SMS, EARL
                             WGMMA_MIN_ROWS, DecodeConfig, decode_partials, default_config,
                             default_num_splits, early_launch_tiles)
 from .decode_kernel import make_kernel
+from ..workspaces import SEPARATE
 from .decode_plan import PLANS, check_values, get_plan, nvidia_target
 
 OUT_ALIGN = 16  # bytes: the alignment decode_attention's out= and lse_out= must have
@@ -182,8 +183,10 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
         q_ptr = q.data_ptr()
         if q_ptr % Q_ALIGN == 0:  # one C call: the partials, the addresses, the launch
             block_address, sinks_address = plan.placeholder_pointers
+            fresh = plan.partial_outputs  # one allocation for the three, but in a custom op
             return bound.launch_outputs(
-                plan.partial_makers, bound.current_stream(), q_ptr, k_cache, v_cache,
+                fresh.makers if SEPARATE.depth else fresh.fast, bound.current_stream(), q_ptr,
+                k_cache, v_cache,
                 page_table, seq_lens, block_address if block_table is None else block_table,
                 sinks_address if sinks is None else sinks, None, None, None,
                 *plan.no_output_pointers)
@@ -249,8 +252,10 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
         if plan.fused:  # one C call: (o, lse), the addresses, the launch
             o_part, lse_part, counts, tickets = workspace
             if not given:
-                return bound.launch_outputs(plan.torch_outputs.makers, stream, *inputs,
-                                            o_part, lse_part, counts, None, None, tickets)
+                fresh = plan.torch_outputs  # one allocation for o and lse, but in a custom op
+                return bound.launch_outputs(fresh.makers if SEPARATE.depth else fresh.fast,
+                                            stream, *inputs, o_part, lse_part, counts, None,
+                                            None, tickets)
             o, lse = _bound_outputs(plan, out, lse_out)
             bound.launch_outputs((), stream, *inputs, o_part, lse_part, counts, o, lse,
                                  tickets)
@@ -258,7 +263,9 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
         bound.launch_outputs((), stream, *inputs, *workspace, *plan.no_output_pointers)
         merge = plan.merge.bound
         if not given:
-            return merge.launch_outputs(plan.merge.fresh.makers, stream, *workspace, None, None)
+            fresh = plan.merge.fresh
+            return merge.launch_outputs(fresh.makers if SEPARATE.depth else fresh.fast, stream,
+                                        *workspace, None, None)
         o, lse = _bound_outputs(plan, out, lse_out)
         merge.launch_on(stream, *workspace, o.data_ptr(), lse.data_ptr())
         return o, lse
