@@ -34,7 +34,9 @@ The torch bridge (:mod:`kiln.runtime.native_torch`) is built (or found in the ca
 anything is timed, and each library row says whether its plan used it (``bridge``: its
 outputs from the bridge's C++ makers, its guard the bridge's C++ tensor check). With
 ``--bridge-ab`` the library rows are also timed with torch's Python paths (``use_bridge(None)``,
-the ``nobridge_`` keys), in the same turns. ``--library-only`` skips the one-block kernel.
+the ``nobridge_`` keys), with ``--joint-ab`` with one allocation per fresh output
+(``KILN_JOINT_OUTPUTS=0``, the ``separate_`` keys), in the same turns. ``--library-only``
+skips the one-block kernel.
 
 Usage::
 
@@ -197,10 +199,11 @@ def _eager_us(call, calls: int, batches: int, synchronize) -> float:
     return statistics.median(samples)
 
 
-def run_library(torch, batches: int, variants: tuple = (("", "native", True),),
+def run_library(torch, batches: int, variants: tuple = (("", "native", True, True),),
                 bridge=None) -> list[dict]:
     """Host, eager and GPU µs per steady-state call of each library entry point with the
-    first of ``variants`` (``(key prefix, launcher kind, torch bridge on)``), and host and
+    first of ``variants`` (``(key prefix, launcher kind, torch bridge on, joint outputs
+    on)``), and host and
     eager µs with the others (``<prefix>us``, ``<prefix>eager_us``); ``<prefix>bridge``: what
     each variant's plan used (:func:`bridge_state`). The variants take turns on each entry
     point, in order then reversed, each keeping its better time, after a garbage collection:
@@ -236,10 +239,15 @@ def run_library(torch, batches: int, variants: tuple = (("", "native", True),),
 
 def use_variant(variant: tuple, bridge) -> None:
     """Calls from now on through ``variant``'s launcher, with ``bridge`` (the loaded torch
-    bridge) where the variant turns it on, else torch's Python paths; plans dropped."""
+    bridge) where the variant turns it on, else torch's Python paths, and a call's fresh
+    outputs in one allocation where it turns that on (``KILN_JOINT_OUTPUTS``); plans
+    dropped."""
+    import os
+
     from kiln.runtime.native_torch import use_bridge
 
     use_bridge(bridge if variant[2] else None)
+    os.environ["KILN_JOINT_OUTPUTS"] = "1" if variant[3] else "0"
     use_launcher(variant[1])
 
 
@@ -275,13 +283,15 @@ def bridge_state() -> str:
 
 def bridge_counts() -> dict:
     """Whether the torch bridge is loaded, and the fresh-output makers and tensor guards of
-    the library's last plans (one per plan cache) by kind: ``c++`` (the bridge's) or
-    ``python`` (torch's Python paths)."""
+    the library's last plans (one per plan cache) by kind: ``c++`` (the bridge's),
+    ``python`` (torch's Python paths) and ``joint`` (the bridge's makers of a call's outputs
+    from one allocation, beside their one-a-tensor makers)."""
     from kiln.kernels import runtime
     from kiln.runtime import native_torch
 
-    makers = {"c++": 0, "python": 0}
+    makers = {"c++": 0, "python": 0, "joint": 0}
     guards = {"c++": 0, "python": 0}
+    kinds = {"EmptyMaker": "c++", "JointMaker": "joint"}
     for cache in runtime._CACHES:
         guard, plan = cache.last
         if plan is None:
@@ -290,7 +300,7 @@ def bridge_counts() -> dict:
             len(guard.args) == 2 else None
         guards["c++" if type(checker).__name__ == "TensorGuard" else "python"] += 1
         for maker in _makers_of(plan):
-            makers["c++" if type(maker).__name__ == "EmptyMaker" else "python"] += 1
+            makers[kinds.get(type(maker).__name__, "python")] += 1
     loaded = bool(native_torch._LOADED) and native_torch._LOADED[0] is not None
     return {"loaded": loaded, "makers": makers, "guards": guards}
 
@@ -302,6 +312,8 @@ def _makers_of(obj, depth: int = 0):
 
     if isinstance(obj, TorchOutputs):
         yield from obj.makers
+        if obj.fast is not obj.makers:
+            yield from obj.fast  # the joint maker of them all
         return
     if depth > 3:
         return
@@ -371,10 +383,10 @@ def _launch_paths(torch, y, launches: int, batches: int, kind: str) -> dict:
 
 
 def run(launches: int, batches: int, compare: bool = True, bridge_ab: bool = False,
-        library_only: bool = False) -> dict:
+        library_only: bool = False, joint_ab: bool = False) -> dict:
     """The whole run (see the module docs); ``compare``: the ctypes and mlir launchers too;
-    ``bridge_ab``: the library rows with torch's Python paths too; ``library_only``: no
-    one-block kernel rows."""
+    ``bridge_ab``: the library rows with torch's Python paths too; ``joint_ab``: and with
+    one allocation a fresh output; ``library_only``: no one-block kernel rows."""
     from kiln.runtime.cuda import cuda_available
 
     if not cuda_available():
@@ -391,8 +403,10 @@ def run(launches: int, batches: int, compare: bool = True, bridge_ab: bool = Fal
     bridge, results["torch_bridge"] = load_bridge()  # before any plan or launcher is made
     if not library_only:
         _kernel_rows(torch, launches, batches, compare, results)
-    variants = (("", "native", True),) + ((("mlir_", "mlir", True),) if compare else ()) + \
-        ((("nobridge_", "native", False),) if bridge_ab and bridge is not None else ())
+    variants = (("", "native", True, True),) + \
+        ((("mlir_", "mlir", True, True),) if compare else ()) + \
+        ((("nobridge_", "native", False, True),) if bridge_ab and bridge is not None else ()) + \
+        ((("separate_", "native", True, False),) if joint_ab and bridge is not None else ())
     results["library"] = run_library(torch, batches, variants, bridge)
     use_launcher("native")
     results["ratios"] = _ratios(results)
@@ -460,6 +474,9 @@ def _ratios(results: dict) -> dict:
         if "nobridge_us" in row:
             ratios[f"{row['path']} host bridge / no bridge"] = ratio(row.get("us"),
                                                                     row["nobridge_us"])
+        if "separate_us" in row:
+            ratios[f"{row['path']} host joint / separate outputs"] = ratio(
+                row.get("us"), row["separate_us"])
     return ratios
 
 
@@ -478,7 +495,8 @@ def _rows(results: dict) -> list[dict]:
         results.get("library", []) + [
             {"path": f"{row['path']} [{label}]", "us": row[f"{prefix}us"],
              "eager_us": row.get(f"{prefix}eager_us"), "bridge": row.get(f"{prefix}bridge")}
-            for prefix, label in (("mlir_", "mlir launcher"), ("nobridge_", "no torch bridge"))
+            for prefix, label in (("mlir_", "mlir launcher"), ("nobridge_", "no torch bridge"),
+                                  ("separate_", "an allocation an output"))
             for row in results.get("library", []) if f"{prefix}us" in row]
 
 
@@ -521,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the default launcher (skip the ctypes and mlir rows)")
     parser.add_argument("--bridge-ab", action="store_true",
                         help="library rows also with torch's Python paths (no torch bridge)")
+    parser.add_argument("--joint-ab", action="store_true",
+                        help="library rows also with an allocation per fresh output")
     parser.add_argument("--library-only", action="store_true",
                         help="only the library entry points (no one-block kernel rows)")
     parser.add_argument("--host-only", action="store_true",
@@ -531,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return main_host(args.launches, args.batches, args.json)
     results = run(args.launches, args.batches, compare=not args.no_compare,
-                  bridge_ab=args.bridge_ab, library_only=args.library_only)
+                  bridge_ab=args.bridge_ab, library_only=args.library_only,
+                  joint_ab=args.joint_ab)
     _print_table(results)
     if args.json:
         write_results(args.json, "launch_overhead", [] if "skipped" in results else

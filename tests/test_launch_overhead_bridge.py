@@ -52,17 +52,17 @@ def test_the_report_reads_the_plans_makers_and_guards(bench):
             native_torch.use_bridge(bridge)
             decode(*_paged(torch, rng), target="sm_90a")
             counts = bench.bridge_counts()  # decode: 3 partials, its combine plan 2 (twice)
-            assert counts["loaded"] and counts["makers"] == {"c++": 7, "python": 0}
+            assert counts["loaded"] and counts["makers"] == {"c++": 7, "python": 0, "joint": 3}
             assert counts["guards"] == {"c++": 2, "python": 0}
             assert bench.bridge_state().startswith("on (loaded True")
             runtime.clear_plans()
             decode_attention(*_paged(torch, rng), target="sm_90a")  # o and lse
-            assert bench.bridge_counts()["makers"] == {"c++": 2, "python": 0}
+            assert bench.bridge_counts()["makers"] == {"c++": 2, "python": 0, "joint": 1}
             native_torch.use_bridge(None)
             runtime.clear_plans()
             decode(*_paged(torch, rng), target="sm_90a")
             counts = bench.bridge_counts()
-            assert not counts["loaded"] and counts["makers"] == {"c++": 0, "python": 7}
+            assert not counts["loaded"] and counts["makers"] == {"c++": 0, "python": 7, "joint": 0}
             assert bench.bridge_state().startswith("off (loaded False")
     finally:  # the process's bridge as it was (none loaded yet: none, and look again later)
         native_torch.use_bridge(previous[0] if previous else None)
