@@ -507,6 +507,8 @@ def _print_table(results: dict) -> None:
     columns = (("us", "host µs"), ("eager_us", "eager µs"), ("gpu_us", "GPU µs (graph)"))
     print(f"{'path':<56}" + "".join(f"{title:>16}" for _, title in columns))
     for row in _rows(results):
+        if all(row.get(key) is None for key, _ in columns) and "error" not in row:
+            continue  # a path this run did not time (--library-only)
         cells = "".join(f"{row[key]:>16.2f}" if row.get(key) is not None else f"{'':>16}"
                         for key, _ in columns)
         print(f"{row['path']:<56}{cells}" + (f"  {row['error']}" if "error" in row else "") +
