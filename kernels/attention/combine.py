@@ -212,8 +212,8 @@ class _CombinePlan:
 
 
 # Plans by the partials' specs and the options (see kiln.kernels.runtime): a repeat call
-# costs a dict look-up, two output allocations (none with out= and lse_out=) and one bound
-# launch, not a re-validation and specialisation.
+# costs a dict look-up, one allocation for o and lse (none with out= and lse_out=) and one
+# bound launch, not a re-validation and specialisation.
 _PLANS = PlanCache("combine")
 
 

@@ -153,7 +153,7 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
     defaults to ``D ** -0.5``; ``config``: a :class:`DecodeConfig` (None:
     :func:`default_config` of the shape).
     numpy inputs give numpy outputs; torch CUDA tensors stay on the device (the three torch
-    partials are three allocations).
+    partials share one allocation, one each through ``torch.ops.kiln.decode``).
 
     Inputs are validated (a :class:`kiln.KilnError` naming the argument): kinds, ranks, dtypes
     and agreeing sizes once per shape class; ``num_splits >= 1``, ``scale > 0``; per call,
@@ -212,8 +212,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     partials (every shape of ``bench/decode.py``'s grid).
 
     With contiguous torch CUDA tensors a repeat call of one shape class is one bound launch
-    (two: decode's and combine's, back to back, when not fused) and two allocations (the
-    returned ``o`` and ``lse``), and it can be captured in a CUDA graph (``torch.cuda.graph``)
+    (two: decode's and combine's, back to back, when not fused) and one allocation (the
+    returned ``o`` and ``lse``, one each through ``torch.ops.kiln``), and it can be captured in a CUDA graph (``torch.cuda.graph``)
     and replayed with no host work per step (check the page table before capturing, e.g. with
     one ``validate=True`` call; the kernel poisons rows with bad ids). The ticket counters and
     the partials (up to ``SCRATCH_MAX_BYTES``; larger ones are allocated per call) are kept per
