@@ -256,13 +256,15 @@ def load_bridge() -> tuple:
     anything is timed, and how long that took or why there is none (its warnings)."""
     import warnings
 
-    from kiln.runtime.native_torch import torch_bridge
+    from kiln.runtime.native_torch import torch_bridge, why_not_loaded
 
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         bridge = torch_bridge()
     report = {"loaded": bridge is not None, "seconds": round(time.perf_counter() - start, 3)}
+    if bridge is None:
+        report["why"] = why_not_loaded()
     if caught:
         report["warnings"] = [str(w.message)[:300] for w in caught]
     print(f"  torch bridge: {report}", file=sys.stderr, flush=True)

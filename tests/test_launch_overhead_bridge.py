@@ -68,3 +68,22 @@ def test_the_report_reads_the_plans_makers_and_guards(bench):
         native_torch.use_bridge(previous[0] if previous else None)
         if not previous:
             native_torch._LOADED.clear()
+
+
+def test_why_not_loaded_names_the_cause(monkeypatch):
+    """The reason the bench prints beside a run without the bridge: KILN_CXX=none, an
+    unusable cache, or none at all once loaded."""
+    pytest.importorskip("torch")
+    previous = native_torch._LOADED[:]
+    try:
+        native_torch._LOADED.clear()
+        monkeypatch.setenv("KILN_CXX", "none")
+        assert "KILN_CXX=none" in native_torch.why_not_loaded()
+        monkeypatch.delenv("KILN_CXX")
+        monkeypatch.setenv("KILN_NO_CACHE", "1")
+        assert "no usable compile cache" in native_torch.why_not_loaded()
+        monkeypatch.delenv("KILN_NO_CACHE")
+        native_torch._LOADED[:] = [object()]
+        assert native_torch.why_not_loaded() is None
+    finally:
+        native_torch._LOADED[:] = previous
