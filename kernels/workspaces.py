@@ -120,8 +120,7 @@ class TorchOutputs:
             parts.append((template, shape))
         self.makers = tuple(makers)
         joint = None
-        if bridge is not None and len(specs) > 1 and env.joint_outputs() and \
-                hasattr(bridge, "joint_maker"):
+        if bridge is not None and len(specs) > 1 and env.joint_outputs():
             joint = bridge.joint_maker(tuple(parts), functools.partial(_each, self.makers))
         self.fast = self.makers if joint is None else (joint,)
 
