@@ -200,18 +200,21 @@ def _eager_us(call, calls: int, batches: int, synchronize) -> float:
 
 
 def run_library(torch, batches: int, variants: tuple = (("", "native", True, True),),
-                bridge=None) -> list[dict]:
+                bridge=None, only: tuple = ()) -> list[dict]:
     """Host, eager and GPU µs per steady-state call of each library entry point with the
     first of ``variants`` (``(key prefix, launcher kind, torch bridge on, joint outputs
     on)``), and host and
     eager µs with the others (``<prefix>us``, ``<prefix>eager_us``); ``<prefix>bridge``: what
     each variant's plan used (:func:`bridge_state`). The variants take turns on each entry
     point, in order then reversed, each keeping its better time, after a garbage collection:
-    the garbage of the compiles, and whatever ran just before, then weigh on none alone."""
+    the garbage of the compiles, and whatever ran just before, then weigh on none alone.
+    ``only``: the entry points whose row names start with one of these (all when empty)."""
     rows = []
     sync = torch.cuda.synchronize
     first = variants[0]
     for name, call in library_calls(torch, "cuda").items():
+        if only and not name.startswith(only):
+            continue
         row: dict = {"path": f"kiln {name}"}
         try:
             use_variant(first, bridge)
@@ -385,10 +388,11 @@ def _launch_paths(torch, y, launches: int, batches: int, kind: str) -> dict:
 
 
 def run(launches: int, batches: int, compare: bool = True, bridge_ab: bool = False,
-        library_only: bool = False, joint_ab: bool = False) -> dict:
+        library_only: bool = False, joint_ab: bool = False, only: tuple = ()) -> dict:
     """The whole run (see the module docs); ``compare``: the ctypes and mlir launchers too;
     ``bridge_ab``: the library rows with torch's Python paths too; ``joint_ab``: and with
-    one allocation a fresh output; ``library_only``: no one-block kernel rows."""
+    one allocation a fresh output; ``library_only``: no one-block kernel rows; ``only``: the
+    library rows to time (name prefixes)."""
     from kiln.runtime.cuda import cuda_available
 
     if not cuda_available():
@@ -409,7 +413,7 @@ def run(launches: int, batches: int, compare: bool = True, bridge_ab: bool = Fal
         ((("mlir_", "mlir", True, True),) if compare else ()) + \
         ((("nobridge_", "native", False, True),) if bridge_ab and bridge is not None else ()) + \
         ((("separate_", "native", True, False),) if joint_ab and bridge is not None else ())
-    results["library"] = run_library(torch, batches, variants, bridge)
+    results["library"] = run_library(torch, batches, variants, bridge, only)
     use_launcher("native")
     results["ratios"] = _ratios(results)
     return results
@@ -545,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="library rows also with torch's Python paths (no torch bridge)")
     parser.add_argument("--joint-ab", action="store_true",
                         help="library rows also with an allocation per fresh output")
+    parser.add_argument("--only", default="",
+                        help="comma-separated entry points to time (e.g. decode,combine)")
     parser.add_argument("--library-only", action="store_true",
                         help="only the library entry points (no one-block kernel rows)")
     parser.add_argument("--host-only", action="store_true",
@@ -556,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         return main_host(args.launches, args.batches, args.json)
     results = run(args.launches, args.batches, compare=not args.no_compare,
                   bridge_ab=args.bridge_ab, library_only=args.library_only,
-                  joint_ab=args.joint_ab)
+                  joint_ab=args.joint_ab,
+                  only=tuple(name + " " for name in args.only.split(",") if name))
     _print_table(results)
     if args.json:
         write_results(args.json, "launch_overhead", [] if "skipped" in results else
