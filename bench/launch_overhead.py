@@ -25,7 +25,9 @@ faster than the host issues the next). Reported: median over batches, in microse
   and eager µs again with the ``mlir`` launcher (the launchers take turns on each entry point,
   after a garbage collection, each keeping its better time);
 - ratios: kernel[grid] / raw cuLaunchKernel and / Triton, native / mlir per path, and each
-  entry point's eager / graph time (issue 42's goal: within 1.15 for batch-1 decode).
+  entry point's eager / graph time (issue 42's goal: within 1.15 for batch-1 decode);
+- ``slow (misses, gcs)`` beside a library row: tensor-map descriptor memo misses (a launch
+  through Python) and full garbage collections during its timed calls.
 
 ``--host-only`` needs no GPU: Kiln's per-call host work up to the driver call on the CPU
 (``bench/launch_overhead_host.py``).
@@ -225,11 +227,13 @@ def run_library(torch, batches: int, variants: tuple = (("", "native", True, Tru
                 call()  # binds with this launcher and bridge
                 row[f"{prefix}bridge"] = bridge_state()
                 gc.collect()
+                before = _slow_paths()
                 for key, us in ((f"{prefix}us", _per_launch_us(call, LIBRARY_CALLS, batches,
                                                                sync)),
                                 (f"{prefix}eager_us", _eager_us(call, LIBRARY_CALLS, batches,
                                                                 sync))):
                     row[key] = min(row.get(key, us), us)
+                row[f"{prefix}slow"] = tuple(a - b for a, b in zip(_slow_paths(), before))
             use_variant(first, bridge)
             row["gpu_us"] = _graph_us(torch, call)
             print(f"  measured {row}", file=sys.stderr, flush=True)  # partial results on a timeout
@@ -238,6 +242,26 @@ def run_library(torch, batches: int, variants: tuple = (("", "native", True, Tru
         rows.append(row)
     use_variant(first, bridge)
     return rows
+
+
+_MISSES = [0]  # tensor-map descriptor memo misses of bound launches (the Python slow path)
+
+
+def _slow_paths() -> tuple:
+    """(descriptor memo misses, full garbage collections) so far: what a row's timed calls
+    may have paid beyond the steady state (``<prefix>slow``: the counts during its timing)."""
+    from kiln.runtime.launch import BoundLaunch
+
+    if not getattr(BoundLaunch._launch_missed, "counted", False):
+        missed = BoundLaunch._launch_missed
+
+        def counted(self, pointers, handle):
+            _MISSES[0] += 1
+            return missed(self, pointers, handle)
+
+        counted.counted = True
+        BoundLaunch._launch_missed = counted
+    return _MISSES[0], gc.get_stats()[2]["collections"]
 
 
 def use_variant(variant: tuple, bridge) -> None:
@@ -500,7 +524,8 @@ def _rows(results: dict) -> list[dict]:
     return [{"path": name, "us": results.get(key)} for name, key in paths] + launchers + \
         results.get("library", []) + [
             {"path": f"{row['path']} [{label}]", "us": row[f"{prefix}us"],
-             "eager_us": row.get(f"{prefix}eager_us"), "bridge": row.get(f"{prefix}bridge")}
+             "eager_us": row.get(f"{prefix}eager_us"), "bridge": row.get(f"{prefix}bridge"),
+             "slow": row.get(f"{prefix}slow")}
             for prefix, label in (("mlir_", "mlir launcher"), ("nobridge_", "no torch bridge"),
                                   ("separate_", "an allocation an output"))
             for row in results.get("library", []) if f"{prefix}us" in row]
@@ -518,6 +543,7 @@ def _print_table(results: dict) -> None:
         cells = "".join(f"{row[key]:>16.2f}" if row.get(key) is not None else f"{'':>16}"
                         for key, _ in columns)
         print(f"{row['path']:<56}{cells}" + (f"  {row['error']}" if "error" in row else "") +
+              (f"  slow {row['slow']}" if row.get("slow") else "") +
               (f"  bridge {row['bridge']}" if row.get("bridge") else ""))
     if "torch_bridge" in results:
         print(f"torch bridge: {results['torch_bridge']}")
