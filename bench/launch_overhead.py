@@ -26,8 +26,9 @@ faster than the host issues the next). Reported: median over batches, in microse
   after a garbage collection, each keeping its better time);
 - ratios: kernel[grid] / raw cuLaunchKernel and / Triton, native / mlir per path, and each
   entry point's eager / graph time (issue 42's goal: within 1.15 for batch-1 decode);
-- ``slow (misses, gcs)`` beside a library row: tensor-map descriptor memo misses (a launch
-  through Python) and full garbage collections during its timed calls.
+- ``slow (misses, guards, gcs)`` beside a library row: tensor-map descriptor memo misses (a
+  launch through Python), guards made (a plan's or ``out=``'s guard failing) and full garbage
+  collections during its timed calls.
 
 ``--host-only`` needs no GPU: Kiln's per-call host work up to the driver call on the CPU
 (``bench/launch_overhead_host.py``).
@@ -244,24 +245,30 @@ def run_library(torch, batches: int, variants: tuple = (("", "native", True, Tru
     return rows
 
 
-_MISSES = [0]  # tensor-map descriptor memo misses of bound launches (the Python slow path)
+_SLOW = [0, 0]  # descriptor memo misses of bound launches, guards made (Python slow paths)
 
 
 def _slow_paths() -> tuple:
-    """(descriptor memo misses, full garbage collections) so far: what a row's timed calls
-    may have paid beyond the steady state (``<prefix>slow``: the counts during its timing)."""
+    """(descriptor memo misses, plan or output guards made, full garbage collections) so far:
+    what a row's timed calls may have paid beyond the steady state (``<prefix>slow``: the
+    counts during its timing)."""
+    from kiln.kernels import runtime
     from kiln.runtime.launch import BoundLaunch
 
-    if not getattr(BoundLaunch._launch_missed, "counted", False):
-        missed = BoundLaunch._launch_missed
+    for owner, name, index in ((BoundLaunch, "_launch_missed", 0), (runtime, "guard_of", 1)):
+        function = getattr(owner, name)
+        if not getattr(function, "counted", False):
+            setattr(owner, name, _counting(function, index))
+    return _SLOW[0], _SLOW[1], gc.get_stats()[2]["collections"]
 
-        def counted(self, pointers, handle):
-            _MISSES[0] += 1
-            return missed(self, pointers, handle)
 
-        counted.counted = True
-        BoundLaunch._launch_missed = counted
-    return _MISSES[0], gc.get_stats()[2]["collections"]
+def _counting(function, index: int):
+    def counted(*args):
+        _SLOW[index] += 1
+        return function(*args)
+
+    counted.counted = True
+    return counted
 
 
 def use_variant(variant: tuple, bridge) -> None:
