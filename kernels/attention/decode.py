@@ -213,9 +213,10 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
 
     With contiguous torch CUDA tensors a repeat call of one shape class is one bound launch
     (two: decode's and combine's, back to back, when not fused) and one allocation (the
-    returned ``o`` and ``lse``, one each through ``torch.ops.kiln``), and it can be captured in a CUDA graph (``torch.cuda.graph``)
-    and replayed with no host work per step (check the page table before capturing, e.g. with
-    one ``validate=True`` call; the kernel poisons rows with bad ids). The ticket counters and
+    returned ``o`` and ``lse``, one each through ``torch.ops.kiln``), and it can be captured
+    in a CUDA graph (``torch.cuda.graph``) and replayed with no host work per step (check the
+    page table before capturing, e.g. with one ``validate=True`` call; the kernel poisons
+    rows with bad ids). The ticket counters and
     the partials (up to ``SCRATCH_MAX_BYTES``; larger ones are allocated per call) are kept per
     plan and per stream: calls on one stream are ordered, so each reuses the last one's, and
     calls that may run at once must be on different streams (a graph's launches are those of
