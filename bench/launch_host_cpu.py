@@ -234,7 +234,7 @@ def library_rows(number: int) -> dict:
         import torch
     except ImportError:
         return {}
-    from launch_overhead import run_library_host_only
+    from launch_overhead_host import run_library_host_only
 
     return {row["path"]: row["us"] for row in run_library_host_only(number, 5)}
 

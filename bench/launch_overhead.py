@@ -25,32 +25,28 @@ faster than the host issues the next). Reported: median over batches, in microse
   and eager µs again with the ``mlir`` launcher (the launchers take turns on each entry point,
   after a garbage collection, each keeping its better time);
 - ratios: kernel[grid] / raw cuLaunchKernel and / Triton, native / mlir per path, and each
-  entry point's eager / graph time (issue 42's goal: within 1.15 for batch-1 decode).
+  entry point's eager / graph time (issue 42's goal: within 1.15 for batch-1 decode);
+- ``slow (misses, guards, gcs)`` beside a library row: tensor-map descriptor memo misses (a
+  launch through Python), guards made (a plan's or ``out=``'s guard failing) and full garbage
+  collections during its timed calls.
 
-``--host-only`` needs no GPU: it measures Kiln's per-call host work up to the driver call on
-the CPU (CPU time of the process, steadier than wall time on a shared machine). The real
-JIT-compiled host launchers are built with an in-process CUDA runtime whose
-``mgpuLaunchKernel`` is a native no-op (a JIT-compiled empty function), for the tiny kernel
-and for the split-KV combine's signature (five rank-3..5 tensors, 60 flat C arguments):
+``--host-only`` needs no GPU: Kiln's per-call host work up to the driver call on the CPU
+(``bench/launch_overhead_host.py``).
 
-- ``bound launch``: :class:`~kiln.runtime.launch.BoundLaunch` (what ``combine()`` calls),
-  also ``[native]`` and ``[ctypes]``: the same over the driver launcher with a no-op
-  ``cuLaunchKernel``;
-- ``launch plan``: ``CompiledKernel.launch`` on ``__cuda_array_interface__`` arrays;
-- ``packed launcher``: ``HostLauncher(flat, grid, stream)`` with ready flat arguments;
-- ``flat ctypes call``: the previous ABI, one ctypes call converting every flat C argument
-  (to the same no-op), for comparison.
-
-``--host-only`` also times each library entry point on torch CPU tensors (when torch is
-installed) with :class:`kiln.kernels.runtime.DryRuntime`, which binds and launches nothing:
-the entry point's own work up to its bound launch (add the bound launch's row above for the
-call up to the driver). matmul's tuning is seeded with its first config there.
+The torch bridge (:mod:`kiln.runtime.native_torch`) is built (or found in the cache) before
+anything is timed, and each library row says whether its plan used it (``bridge``: its
+outputs from the bridge's C++ makers, its guard the bridge's C++ tensor check). With
+``--bridge-ab`` the library rows are also timed with torch's Python paths (``use_bridge(None)``,
+the ``nobridge_`` keys), with ``--joint-ab`` with one allocation per fresh output
+(``KILN_JOINT_OUTPUTS=0``, the ``separate_`` keys), in the same turns. ``--library-only``
+skips the one-block kernel.
 
 Usage::
 
     python bench/launch_overhead.py --launches 2000 --batches 15 --json overhead.json
     python bench/launch_overhead.py --host-only
     python bench/launch_overhead.py --launches 300 --batches 5 --no-compare   # quick
+    python bench/launch_overhead.py --library-only --no-compare --bridge-ab   # bridge A/B
 
 Goals (issue 42): <= 5 µs host per ``kernel[grid]`` launch, <= 8 µs per library call.
 """
@@ -58,6 +54,7 @@ Goals (issue 42): <= 5 µs host per ``kernel[grid]`` launch, <= 8 µs per librar
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import sys
@@ -205,37 +202,171 @@ def _eager_us(call, calls: int, batches: int, synchronize) -> float:
     return statistics.median(samples)
 
 
-def run_library(torch, batches: int, kinds: tuple = ("native",)) -> list[dict]:
+def run_library(torch, batches: int, variants: tuple = (("", "native", True, True),),
+                bridge=None, only: tuple = ()) -> list[dict]:
     """Host, eager and GPU µs per steady-state call of each library entry point with the
-    first launcher of ``kinds``, and host and eager µs with the others (``<kind>_us``,
-    ``<kind>_eager_us``). The launchers take turns on each entry point, in the order
-    ``kinds`` then reversed, each keeping its better time, after a garbage collection: the
-    garbage of the compiles, and whatever ran just before, then weigh on no launcher alone."""
+    first of ``variants`` (``(key prefix, launcher kind, torch bridge on, joint outputs
+    on)``), and host and
+    eager µs with the others (``<prefix>us``, ``<prefix>eager_us``); ``<prefix>bridge``: what
+    each variant's plan used (:func:`bridge_state`). The variants take turns on each entry
+    point, in order then reversed, each keeping its better time, after a garbage collection:
+    the garbage of the compiles, and whatever ran just before, then weigh on none alone.
+    ``only``: the entry points whose row names start with one of these (all when empty)."""
     rows = []
     sync = torch.cuda.synchronize
-    first = kinds[0]
+    first = variants[0]
     for name, call in library_calls(torch, "cuda").items():
+        if only and not name.startswith(only):
+            continue
         row: dict = {"path": f"kiln {name}"}
         try:
-            use_launcher(first)
+            use_variant(first, bridge)
             call()  # plans, compiles and (matmul) tunes
-            for kind in kinds + kinds[::-1]:
-                use_launcher(kind)
-                call()  # binds with this launcher
+            for variant in variants + variants[::-1]:
+                prefix = variant[0]
+                use_variant(variant, bridge)
+                call()  # binds with this launcher and bridge
+                row[f"{prefix}bridge"] = bridge_state()
                 gc.collect()
-                prefix = "" if kind == first else f"{kind}_"
+                before = _slow_paths()
                 for key, us in ((f"{prefix}us", _per_launch_us(call, LIBRARY_CALLS, batches,
                                                                sync)),
                                 (f"{prefix}eager_us", _eager_us(call, LIBRARY_CALLS, batches,
                                                                 sync))):
                     row[key] = min(row.get(key, us), us)
-            use_launcher(first)
+                row[f"{prefix}slow"] = tuple(a - b for a, b in zip(_slow_paths(), before))
+            use_variant(first, bridge)
             row["gpu_us"] = _graph_us(torch, call)
             print(f"  measured {row}", file=sys.stderr, flush=True)  # partial results on a timeout
         except Exception as error:  # a path that fails is reported, not fatal to the run
             row["error"] = f"{type(error).__name__}: {error}"
         rows.append(row)
+    use_variant(first, bridge)
     return rows
+
+
+_SLOW = [0, 0]  # descriptor memo misses of bound launches, guards made (Python slow paths)
+
+
+def _slow_paths() -> tuple:
+    """(descriptor memo misses, plan or output guards made, full garbage collections) so far:
+    what a row's timed calls may have paid beyond the steady state (``<prefix>slow``: the
+    counts during its timing)."""
+    from kiln.kernels import runtime
+    from kiln.runtime.launch import BoundLaunch
+
+    for owner, name, index in ((BoundLaunch, "_launch_missed", 0), (runtime, "guard_of", 1)):
+        function = getattr(owner, name)
+        if not getattr(function, "counted", False):
+            setattr(owner, name, _counting(function, index))
+    return _SLOW[0], _SLOW[1], gc.get_stats()[2]["collections"]
+
+
+def _counting(function, index: int):
+    def counted(*args):
+        _SLOW[index] += 1
+        return function(*args)
+
+    counted.counted = True
+    return counted
+
+
+def use_variant(variant: tuple, bridge) -> None:
+    """Calls from now on through ``variant``'s launcher, with ``bridge`` (the loaded torch
+    bridge) where the variant turns it on, else torch's Python paths, and a call's fresh
+    outputs in one allocation where it turns that on (``KILN_JOINT_OUTPUTS``); plans
+    dropped."""
+    import os
+
+    from kiln.runtime.native_torch import use_bridge
+
+    use_bridge(bridge if variant[2] else None)
+    os.environ["KILN_JOINT_OUTPUTS"] = "1" if variant[3] else "0"
+    use_launcher(variant[1])
+
+
+def load_bridge() -> tuple:
+    """``(bridge or None, report)``: the torch bridge built or found in the cache now, before
+    anything is timed, and how long that took or why there is none (its warnings)."""
+    import warnings
+
+    from kiln.runtime.native_torch import torch_bridge, why_not_loaded
+
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bridge = torch_bridge()
+    report = {"loaded": bridge is not None, "seconds": round(time.perf_counter() - start, 3)}
+    if bridge is None:
+        report["why"] = why_not_loaded()
+    if caught:
+        report["warnings"] = [str(w.message)[:300] for w in caught]
+    print(f"  torch bridge: {report}", file=sys.stderr, flush=True)
+    return bridge, report
+
+
+def bridge_state() -> str:
+    """What the library's last plans use: ``on`` when the torch bridge is loaded and every
+    fresh output comes from its C++ makers and every tensor guard is its C++ check, ``off``
+    when none does, else ``partial``; the counts of :func:`bridge_counts` follow."""
+    counts = bridge_counts()
+    makers, guards = counts["makers"], counts["guards"]
+    native = makers["c++"] + guards["c++"]
+    state = "on" if counts["loaded"] and native and not makers["python"] + guards["python"] \
+        else "off" if not native else "partial"
+    return f"{state} (loaded {counts['loaded']}, makers {makers}, guards {guards})"
+
+
+def bridge_counts() -> dict:
+    """Whether the torch bridge is loaded, and the fresh-output makers and tensor guards of
+    the library's last plans (one per plan cache) by kind: ``c++`` (the bridge's),
+    ``python`` (torch's Python paths) and ``joint`` (the bridge's makers of a call's outputs
+    from one allocation, beside their one-a-tensor makers)."""
+    from kiln.kernels import runtime
+    from kiln.runtime import native_torch
+
+    makers = {"c++": 0, "python": 0, "joint": 0}
+    guards = {"c++": 0, "python": 0}
+    kinds = {"EmptyMaker": "c++", "JointMaker": "joint"}
+    for cache in runtime._CACHES:
+        guard, plan = cache.last
+        if plan is None:
+            continue
+        checker = guard.args[1] if isinstance(guard, functools.partial) and \
+            len(guard.args) == 2 else None
+        guards["c++" if type(checker).__name__ == "TensorGuard" else "python"] += 1
+        for maker in _makers_of(plan):
+            makers[kinds.get(type(maker).__name__, "python")] += 1
+    loaded = bool(native_torch._LOADED) and native_torch._LOADED[0] is not None
+    return {"loaded": loaded, "makers": makers, "guards": guards}
+
+
+def _makers_of(obj, depth: int = 0):
+    """The fresh-output makers a plan holds (TorchOutputs' and tuples of makers), searched in
+    its attributes a few levels down."""
+    from kiln.kernels.workspaces import TorchOutputs
+
+    if isinstance(obj, TorchOutputs):
+        yield from obj.makers
+        if obj.fast is not obj.makers:
+            yield from obj.fast  # the joint maker of them all
+        return
+    if depth > 3:
+        return
+    if type(obj) is tuple:
+        for item in obj:
+            if type(item).__name__ == "EmptyMaker" or (
+                    isinstance(item, functools.partial) and
+                    getattr(item.func, "__name__", "") == "empty_like"):
+                yield item
+            elif type(item) is tuple or hasattr(item, "__dict__"):
+                yield from _makers_of(item, depth + 1)
+        return
+    if hasattr(obj, "__dict__") and not type(obj).__module__.startswith(("torch", "kiln.runtime")):
+        for value in vars(obj).values():
+            if type(value) is tuple or isinstance(value, TorchOutputs) or \
+                    (hasattr(value, "__dict__") and not callable(value)):
+                yield from _makers_of(value, depth + 1)
 
 
 def use_launcher(kind: str) -> None:
@@ -287,63 +418,76 @@ def _launch_paths(torch, y, launches: int, batches: int, kind: str) -> dict:
     return times
 
 
-def run(launches: int, batches: int, compare: bool = True) -> dict:
+def run(launches: int, batches: int, compare: bool = True, bridge_ab: bool = False,
+        library_only: bool = False, joint_ab: bool = False, only: tuple = ()) -> dict:
+    """The whole run (see the module docs); ``compare``: the ctypes and mlir launchers too;
+    ``bridge_ab``: the library rows with torch's Python paths too; ``joint_ab``: and with
+    one allocation a fresh output; ``library_only``: no one-block kernel rows; ``only``: the
+    library rows to time (name prefixes)."""
     from kiln.runtime.cuda import cuda_available
 
     if not cuda_available():
         return {"skipped": "no CUDA GPU/driver available"}
-    import numpy as np
-
     results: dict = {"launches_per_batch": launches, "batches": batches, "goal_us": GOAL_US}
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        results["kiln_launch_torch_us"] = None
+        results["triton_launch_us"] = None
+        return results
+    bridge, results["torch_bridge"] = load_bridge()  # before any plan or launcher is made
+    if not library_only:
+        _kernel_rows(torch, launches, batches, compare, results)
+    variants = (("", "native", True, True),) + \
+        ((("mlir_", "mlir", True, True),) if compare else ()) + \
+        ((("nobridge_", "native", False, True),) if bridge_ab and bridge is not None else ()) + \
+        ((("separate_", "native", True, False),) if joint_ab and bridge is not None else ())
+    results["library"] = run_library(torch, batches, variants, bridge, only)
+    use_launcher("native")
+    results["ratios"] = _ratios(results)
+    return results
+
+
+def _kernel_rows(torch, launches: int, batches: int, compare: bool, results: dict) -> None:
+    """The one-block kernel's rows: Kiln's paths per launcher, raw cuLaunchKernel, Triton."""
+    import numpy as np
 
     y_host = np.zeros(N, np.float32)
     add_one[(1,)](y_host, N, BLOCK=N, num_warps=N // 32, target="sm_90a")
     results["numpy_correct"] = bool((y_host == 1.0).all())
     compiled = add_one.compile(y_host, N, BLOCK=N, num_warps=N // 32, target="sm_90a")
-
+    y = torch.zeros(N, device="cuda")
+    sync = torch.cuda.synchronize
+    kinds = ("mlir", "ctypes", "native") if compare else ("native",)
+    launchers: dict = {}
+    for kind in kinds + kinds[::-1]:  # each twice, in turns: the better time of the two
+        times = _launch_paths(torch, y, launches, batches, kind)
+        launchers[kind] = {key: min(value, launchers.get(kind, times)[key])
+                           if isinstance(value, float) else value
+                           for key, value in times.items()}
+    results["launchers"] = launchers
+    native = results["launchers"]["native"]
+    results["kiln_launch_torch_us"] = native["kernel_grid"]
+    results["kiln_compiled_launch_us"] = native["compiled_launch"]
+    results["kiln_bound_launch_us"] = native["bound"]
+    results["kiln_raw_launcher_us"] = native["packed"]
     try:
-        import torch
-    except ImportError:
-        torch = None
-    if torch is not None and torch.cuda.is_available():
-        y = torch.zeros(N, device="cuda")
-        sync = torch.cuda.synchronize
-        kinds = ("mlir", "ctypes", "native") if compare else ("native",)
-        launchers: dict = {}
-        for kind in kinds + kinds[::-1]:  # each twice, in turns: the better time of the two
-            times = _launch_paths(torch, y, launches, batches, kind)
-            launchers[kind] = {key: min(value, launchers.get(kind, times)[key])
-                               if isinstance(value, float) else value
-                               for key, value in times.items()}
-        results["launchers"] = launchers
-        native = results["launchers"]["native"]
-        results["kiln_launch_torch_us"] = native["kernel_grid"]
-        results["kiln_compiled_launch_us"] = native["compiled_launch"]
-        results["kiln_bound_launch_us"] = native["bound"]
-        results["kiln_raw_launcher_us"] = native["packed"]
-        try:
-            raw = _raw_cu_launch(compiled, y)
-        except (OSError, AttributeError) as error:
-            results["raw_cu_launch_us"] = None
-            results["raw_cu_launch_skipped"] = f"libcuda not usable: {error}"
-        else:
-            results["raw_cu_launch_us"] = _per_launch_us(raw, launches, batches, sync)
-        sync()
-        results["torch_result_ok"] = bool((y > 0).all().item())
-        try:
-            issue = _triton_issue(torch, y)
-        except ImportError:
-            results["triton_launch_us"] = None
-        else:
-            results["triton_launch_us"] = _per_launch_us(issue, launches, batches, sync)
-        results["library"] = run_library(torch, batches, ("native", "mlir") if compare
-                                         else ("native",))
-        use_launcher("native")
-        results["ratios"] = _ratios(results)
+        raw = _raw_cu_launch(compiled, y)
+    except (OSError, AttributeError) as error:
+        results["raw_cu_launch_us"] = None
+        results["raw_cu_launch_skipped"] = f"libcuda not usable: {error}"
     else:
-        results["kiln_launch_torch_us"] = None
+        results["raw_cu_launch_us"] = _per_launch_us(raw, launches, batches, sync)
+    sync()
+    results["torch_result_ok"] = bool((y > 0).all().item())
+    try:
+        issue = _triton_issue(torch, y)
+    except ImportError:
         results["triton_launch_us"] = None
-    return results
+    else:
+        results["triton_launch_us"] = _per_launch_us(issue, launches, batches, sync)
 
 
 def _ratios(results: dict) -> dict:
@@ -364,6 +508,12 @@ def _ratios(results: dict) -> dict:
         ratios[f"{row['path']} eager / graph"] = ratio(row.get("eager_us"), row.get("gpu_us"))
         if "mlir_us" in row:
             ratios[f"{row['path']} host native / mlir"] = ratio(row.get("us"), row["mlir_us"])
+        if "nobridge_us" in row:
+            ratios[f"{row['path']} host bridge / no bridge"] = ratio(row.get("us"),
+                                                                    row["nobridge_us"])
+        if "separate_us" in row:
+            ratios[f"{row['path']} host joint / separate outputs"] = ratio(
+                row.get("us"), row["separate_us"])
     return ratios
 
 
@@ -380,9 +530,12 @@ def _rows(results: dict) -> list[dict]:
                  for path in ("kernel_grid", "bound", "packed")]
     return [{"path": name, "us": results.get(key)} for name, key in paths] + launchers + \
         results.get("library", []) + [
-            {"path": f"{row['path']} [mlir launcher]", "us": row["mlir_us"],
-             "eager_us": row.get("mlir_eager_us")}
-            for row in results.get("library", []) if "mlir_us" in row]
+            {"path": f"{row['path']} [{label}]", "us": row[f"{prefix}us"],
+             "eager_us": row.get(f"{prefix}eager_us"), "bridge": row.get(f"{prefix}bridge"),
+             "slow": row.get(f"{prefix}slow")}
+            for prefix, label in (("mlir_", "mlir launcher"), ("nobridge_", "no torch bridge"),
+                                  ("separate_", "an allocation an output"))
+            for row in results.get("library", []) if f"{prefix}us" in row]
 
 
 def _print_table(results: dict) -> None:
@@ -392,9 +545,15 @@ def _print_table(results: dict) -> None:
     columns = (("us", "host µs"), ("eager_us", "eager µs"), ("gpu_us", "GPU µs (graph)"))
     print(f"{'path':<56}" + "".join(f"{title:>16}" for _, title in columns))
     for row in _rows(results):
+        if all(row.get(key) is None for key, _ in columns) and "error" not in row:
+            continue  # a path this run did not time (--library-only)
         cells = "".join(f"{row[key]:>16.2f}" if row.get(key) is not None else f"{'':>16}"
                         for key, _ in columns)
-        print(f"{row['path']:<56}{cells}" + (f"  {row['error']}" if "error" in row else ""))
+        print(f"{row['path']:<56}{cells}" + (f"  {row['error']}" if "error" in row else "") +
+              (f"  slow {row['slow']}" if row.get("slow") else "") +
+              (f"  bridge {row['bridge']}" if row.get("bridge") else ""))
+    if "torch_bridge" in results:
+        print(f"torch bridge: {results['torch_bridge']}")
     for name, value in results.get("ratios", {}).items():
         if value is not None:
             print(f"ratio {name:<64}{value:>8.2f}")
@@ -412,176 +571,6 @@ def _print_table(results: dict) -> None:
             f"{'' if row['us'] <= LIBRARY_GOAL_US else ' over'}" for row in library) + ")")
 
 
-class _NoopRuntime:
-    """The ``mgpu*`` functions a host launcher needs, in-process: module loading returns fake
-    handles (Python, called once) and ``mgpuLaunchKernel`` is a native no-op."""
-
-    def __init__(self):
-        import ctypes
-
-        from mlir import execution_engine, ir, passmanager
-        from mlir.dialects import func
-
-        self._context = ir.Context()
-        with self._context, ir.Location.unknown():
-            module = ir.Module.create()
-            with ir.InsertionPoint(module.body):
-                noop = func.FuncOp("noop", ir.FunctionType.get([], []))
-            with ir.InsertionPoint(noop.add_entry_block()):
-                func.ReturnOp([])
-            passmanager.PassManager.parse("builtin.module(convert-func-to-llvm)").run(
-                module.operation)
-            self._engine = execution_engine.ExecutionEngine(module, opt_level=2)
-        # The packed wrapper of a function without arguments reads none of its own: any call
-        # signature (System V ABI) returns at once.
-        self.noop_address = self._engine.raw_lookup("noop")
-        handle = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)
-        lookup = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)
-        self._callbacks = [handle(lambda data, level: 0x1111), handle(lambda data, size: 0x1111),
-                           lookup(lambda module, name: 0x2222)]
-        self.symbols = {"mgpuModuleLoadJIT": self._address(0), "mgpuModuleLoad": self._address(1),
-                        "mgpuModuleGetFunction": self._address(2),
-                        "mgpuModuleUnload": self.noop_address,
-                        "mgpuLaunchKernel": self.noop_address}
-
-    def _address(self, index: int) -> int:
-        import ctypes
-
-        return ctypes.cast(self._callbacks[index], ctypes.c_void_p).value
-
-
-class _DeviceArray:
-    """A device array by ``__cuda_array_interface__`` (what cupy exposes); never dereferenced."""
-
-    def __init__(self, ptr: int, shape: tuple, typestr: str):
-        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape,
-                                         "typestr": typestr, "strides": None, "version": 3}
-
-
-def run_host_only(launches: int, batches: int) -> dict:
-    """Per-call host overhead (µs) of Kiln's launch paths up to the driver call (no GPU)."""
-    import ctypes
-    from types import SimpleNamespace
-
-    from kiln.runtime.host import HostLauncher, flat_c_argtypes, nvidia_kernel_object
-    from kiln.runtime.launch import _LaunchPlan, bind_launch
-    from kiln.signature import KernelSignature, ScalarParam, TensorParam
-    from kiln.core.targets import get_target
-    from kiln.runtime.driver_launch import DriverFunctions
-    from launch_host_cpu import no_op_driver
-
-    def timed(issue) -> float:  # CPU time: steadier than wall time on a shared machine
-        return _per_launch_us(issue, launches, batches, _pass, time.process_time)
-
-    runtime = _NoopRuntime()
-    keep_driver, driver_symbols = no_op_driver()
-    driver_functions = DriverFunctions(driver_symbols, None)
-    combine_shape = {"o_part": (2, 1, 1, 32, 128), "lse_part": (2, 1, 1, 32),
-                     "counts": (1, 1, 32), "o_out": (1, 1, 32, 128), "lse_out": (1, 1, 32)}
-    kernels = {
-        "add_one (1 tensor, 6 flat args)": (
-            KernelSignature("add_one", (TensorParam("y", "f32", 1), ScalarParam("n", "i32")),
-                            block=(128, 1, 1)),
-            [_DeviceArray(0x10000, (N,), "<f4"), N]),
-        "combine (5 tensors, 60 flat args)": (
-            KernelSignature("lse_merge", tuple(
-                TensorParam(name, "i32" if name == "counts" else "f32", len(shape))
-                for name, shape in combine_shape.items()) + (
-                ScalarParam("heads", "i32"), ScalarParam("rows", "i32")), block=(512, 1, 1)),
-            [_DeviceArray(0x10000 * (i + 1), shape, "<i4" if name == "counts" else "<f4")
-             for i, (name, shape) in enumerate(combine_shape.items())] + [32, 32]),
-    }
-    results: dict = {"mode": "host-only (CPU, driver call replaced by a native no-op)",
-                     "launches_per_batch": launches, "batches": batches}
-    for label, (signature, args) in kernels.items():
-        launcher = HostLauncher(signature, lambda: nvidia_kernel_object(
-            get_target("sm_80"), ptx="// no device code"), [], runtime_symbols=runtime.symbols)
-        plan = _LaunchPlan(signature.name, signature, launcher, None)
-        ck = SimpleNamespace(name=signature.name, signature=signature, _launch_plan=plan)
-        bound = bind_launch(ck, (1, 1, 1), args)
-        pointers = [a.__cuda_array_interface__["data"][0] for a in args
-                    if isinstance(a, _DeviceArray)]
-        flat: list = []
-        for convert, value in zip(plan.converters, args):
-            convert(value, flat, None)
-        flat_call = ctypes.CFUNCTYPE(None, *flat_c_argtypes(signature))(runtime.noop_address)
-        tail = (1, 1, 1, 0, None)
-        for kind, driver_launcher in _driver_launchers(signature, driver_functions):
-            driver_plan = _LaunchPlan(signature.name, signature, driver_launcher, None)
-            driver_bound = bind_launch(SimpleNamespace(name=signature.name, signature=signature,
-                                                       _launch_plan=driver_plan), (1, 1, 1), args)
-            results[f"{label} [{kind}]"] = {
-                "bound_launch_us": timed(lambda: driver_bound(*pointers)),
-                "launch_plan_us": timed(lambda: driver_plan((1, 1, 1), args, None)),
-                "packed_launcher_us": timed(lambda: driver_launcher(flat, (1, 1, 1), None)),
-                "flat_ctypes_call_us": None,
-            }
-        results[label] = {
-            "bound_launch_us": timed(lambda: bound(*pointers)),
-            "launch_plan_us": timed(lambda: plan((1, 1, 1), args, None)),
-            "packed_launcher_us": timed(lambda: launcher(flat, (1, 1, 1), None)),
-            "flat_ctypes_call_us": timed(lambda: flat_call(*flat, *tail)),
-        }
-        del bound, plan, ck, launcher  # the engines unload through the runtime: before it
-    return results
-
-
-def _driver_launchers(signature, functions):
-    """(label, DriverLauncher) through the native shim (where it builds) and ctypes."""
-    from kiln.runtime.driver_launch import DriverLauncher
-    from kiln.runtime.native import native_module
-
-    shim = native_module()
-    if shim is not None:
-        yield "native", DriverLauncher(signature, 0x1000, functions, shim)
-    yield "ctypes", DriverLauncher(signature, 0x1000, functions, None)
-
-
-def run_library_host_only(launches: int, batches: int) -> list[dict] | str:
-    """Per-call host µs of each library entry point on torch CPU tensors with a DryRuntime
-    (up to the bound launch), or why it could not run."""
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    from kiln.kernels import runtime
-    from kiln.kernels.gemm import HOPPER_CONFIGS, hopper_autotuner
-
-    # No GPU to time configs on: matmul's 1024^3 shape takes the first one.
-    key = hopper_autotuner.key_of((None, None, None, 1024, 1024, 1024, "bf16", "mn", "bf16",
-                                   "sm_90a"), {})
-    hopper_autotuner.best[key] = HOPPER_CONFIGS[0]
-    rows = []
-    with runtime.use_runtime(runtime.DryRuntime()):
-        for name, call in library_calls(torch, "cpu").items():
-            call()  # plans
-            rows.append({"path": name, "us": _per_launch_us(call, launches, batches, _pass,
-                                                            time.process_time)})
-    return rows
-
-
-def _pass() -> None:
-    pass
-
-
-def _print_host_table(results: dict) -> None:
-    print(results["mode"])
-    columns = ("bound_launch_us", "launch_plan_us", "packed_launcher_us", "flat_ctypes_call_us")
-    print(f"{'kernel':<44}" + "".join(f"{c[:-3]:>20}" for c in columns))
-    for label, row in results.items():
-        if isinstance(row, dict):
-            print(f"{label:<44}" + "".join(f"{row[c]:>20.2f}" if row[c] is not None
-                                           else f"{'':>20}" for c in columns))
-    print("(µs per call, median of batches)")
-    library = results.get("library")
-    if isinstance(library, str):
-        print(f"library entry points: skipped ({library})")
-    elif library:
-        print("library entry points, torch CPU tensors, DryRuntime (up to the bound launch):")
-        for row in library:
-            print(f"{row['path']:<56}{row['us']:>10.2f}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=2000, help="launches per timed batch")
@@ -589,28 +578,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--no-compare", action="store_true",
                         help="only the default launcher (skip the ctypes and mlir rows)")
+    parser.add_argument("--bridge-ab", action="store_true",
+                        help="library rows also with torch's Python paths (no torch bridge)")
+    parser.add_argument("--joint-ab", action="store_true",
+                        help="library rows also with an allocation per fresh output")
+    parser.add_argument("--only", default="",
+                        help="comma-separated entry points to time (e.g. decode,combine)")
+    parser.add_argument("--library-only", action="store_true",
+                        help="only the library entry points (no one-block kernel rows)")
     parser.add_argument("--host-only", action="store_true",
                         help="no GPU: time the host work up to the driver call on the CPU")
     args = parser.parse_args(argv)
     if args.host_only:
-        results = run_host_only(args.launches, args.batches)
-        results["library"] = run_library_host_only(args.launches, args.batches)
-        _print_host_table(results)
-    else:
-        results = run(args.launches, args.batches, compare=not args.no_compare)
-        _print_table(results)
+        from launch_overhead_host import main_host
+
+        return main_host(args.launches, args.batches, args.json)
+    results = run(args.launches, args.batches, compare=not args.no_compare,
+                  bridge_ab=args.bridge_ab, library_only=args.library_only,
+                  joint_ab=args.joint_ab,
+                  only=tuple(name + " " for name in args.only.split(",") if name))
+    _print_table(results)
     if args.json:
-        if args.host_only:
-            rows = [{"kernel": label, **row} for label, row in results.items()
-                    if isinstance(row, dict)]
-            if isinstance(results["library"], list):
-                rows += [{"kernel": row["path"], "entry_point_us": row["us"]}
-                         for row in results["library"]]
-            write_results(args.json, "launch_overhead-host", rows, results=results,
-                          device="host CPU (driver call a no-op)", driver=None)
-        else:
-            write_results(args.json, "launch_overhead", [] if "skipped" in results else
-                          _rows(results), results=results)
+        write_results(args.json, "launch_overhead", [] if "skipped" in results else
+                      _rows(results), results=results)
     return 0
 
 

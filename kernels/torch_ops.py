@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import torch
 
 import kiln
+from kiln.kernels.workspaces import separate_outputs
 
 __all__ = ["prefill", "decode", "decode_attention", "combine", "matmul", "grouped_matmul",
            "custom_op"]
@@ -59,10 +60,11 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     from kiln.kernels.attention import prefill as run
 
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
-    out = run(q, k, v, causal=causal, window=window, chunk=chunk or None, sinks=sinks,
-              scale=scale, softcap=softcap, cu_seqlens_q=cu_seqlens_q,
-              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-              return_lse=return_lse)
+    with separate_outputs():  # an op's outputs may not share a storage
+        out = run(q, k, v, causal=causal, window=window, chunk=chunk or None, sinks=sinks,
+                  scale=scale, softcap=softcap, cu_seqlens_q=cu_seqlens_q,
+                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                  max_seqlen_k=max_seqlen_k, return_lse=return_lse)
     return out if return_lse else (out, q.new_empty((0,), dtype=torch.float32))
 
 
@@ -104,8 +106,9 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     from kiln.kernels.attention import decode as run
 
     # Three allocations (an op's outputs may not alias): returned as they are.
-    return run(q, k_cache, v_cache, page_table, seq_lens, num_splits=num_splits,
-               block_table=block_table, scale=scale, sinks=sinks)
+    with separate_outputs():
+        return run(q, k_cache, v_cache, page_table, seq_lens, num_splits=num_splits,
+                   block_table=block_table, scale=scale, sinks=sinks)
 
 
 @_decode.register_fake
@@ -140,8 +143,10 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       fused_combine: Optional[bool]) -> tuple[torch.Tensor, torch.Tensor]:
     from kiln.kernels.attention import decode_attention as run
 
-    return run(q, k_cache, v_cache, page_table, seq_lens, num_splits=num_splits,
-               block_table=block_table, scale=scale, sinks=sinks, fused_combine=fused_combine)
+    with separate_outputs():  # an op's outputs may not share a storage
+        return run(q, k_cache, v_cache, page_table, seq_lens, num_splits=num_splits,
+                   block_table=block_table, scale=scale, sinks=sinks,
+                   fused_combine=fused_combine)
 
 
 @_decode_attention.register_fake
@@ -169,7 +174,9 @@ def _combine(o_partial: torch.Tensor, lse_partial: torch.Tensor, split_counts: t
              max_splits: int, out_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     from kiln.kernels.attention import combine as run
 
-    return run(o_partial, lse_partial, split_counts, max_splits=max_splits, out_dtype=out_dtype)
+    with separate_outputs():  # an op's outputs may not share a storage
+        return run(o_partial, lse_partial, split_counts, max_splits=max_splits,
+                   out_dtype=out_dtype)
 
 
 @_combine.register_fake

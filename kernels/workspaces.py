@@ -24,7 +24,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from typing import Any, Callable
 
 
@@ -90,6 +92,11 @@ class TorchOutputs:
 
     ``makers`` is the tuple of C callables, one a tensor, that a bound launch's
     ``launch_outputs`` calls itself (:func:`kiln.runtime.launch.launch_with_outputs`).
+    ``fast`` is what an entry point hands ``launch_outputs`` outside a torch custom op
+    (:func:`separate_outputs`): with the bridge and several outputs (``KILN_JOINT_OUTPUTS``
+    on, the default) one maker of them all, carved from one allocation (one allocator call
+    a call instead of one a tensor; the tensors then share a storage, which a custom op's
+    outputs may not), else ``makers``.
 
     Example: ``fresh = TorchOutputs(q, ((2, 3), torch.bfloat16), ((2,), torch.float32))``;
     ``o, lse = fresh()``.
@@ -98,17 +105,24 @@ class TorchOutputs:
     def __init__(self, like, *specs):
         import torch
 
+        from kiln.core import env
+
         from .runtime import torch_bridge
 
         bridge = torch_bridge()
-        makers = []
+        makers, parts = [], []
         for shape, dtype in specs:
             template = like.new_empty((), dtype=dtype)
             fallback = _maker(torch, template.expand(shape))
-            made = None if bridge is None else \
-                bridge.empty_maker(template, tuple(int(n) for n in shape), fallback)
+            shape = tuple(int(n) for n in shape)
+            made = None if bridge is None else bridge.empty_maker(template, shape, fallback)
             makers.append(fallback if made is None else made)
+            parts.append((template, shape))
         self.makers = tuple(makers)
+        joint = None
+        if bridge is not None and len(specs) > 1 and env.joint_outputs():
+            joint = bridge.joint_maker(tuple(parts), functools.partial(_each, self.makers))
+        self.fast = self.makers if joint is None else (joint,)
 
     def __call__(self) -> tuple:
         return tuple(make() for make in self.makers)
@@ -116,6 +130,32 @@ class TorchOutputs:
     def one(self, index: int = 0):
         """A fresh tensor of the ``index``-th shape alone."""
         return self.makers[index]()
+
+
+def _each(makers: tuple) -> tuple:
+    """One fresh tensor from each maker (a joint maker's fallback)."""
+    return tuple(make() for make in makers)
+
+
+class _Separate(threading.local):
+    depth = 0  # separate_outputs blocks open on this thread
+
+
+SEPARATE = _Separate()
+
+
+@contextlib.contextmanager
+def separate_outputs():
+    """Inside the block, library calls on this thread give each fresh output its own
+    allocation (:attr:`TorchOutputs.makers`, not ``fast``): what a ``torch.library`` custom
+    op's implementation needs, whose outputs may not share a storage.
+
+    Example: ``with separate_outputs(): o, lse = decode_attention(...)``."""
+    SEPARATE.depth += 1
+    try:
+        yield
+    finally:
+        SEPARATE.depth -= 1
 
 
 def _maker(torch, template) -> Callable:

@@ -2,16 +2,18 @@
 call of ``prefill``, ``decode``, ``decode_attention``, ``combine`` or ``matmul`` is its plan's
 guard (torch's C++ tensor guard where this torch has one) and one C call of its bound launch
 (``launch_outputs``: the fresh outputs, the addresses, the launch). Checked here on fresh
-random inputs and a poisoned allocator pool: right values, outputs fresh per call (no storage
-shared by two outputs of a call, nor with an earlier call's or an input), the plan hit (no new
-plan), the current torch stream followed, and the calls captured in a CUDA graph replaying
-with new inputs written into the captured ones."""
+random inputs and a poisoned allocator pool: right values, outputs fresh per call (a call's
+outputs one allocation through the torch bridge, apart, sharing no storage with an earlier
+call's or an input), the plan hit (no new plan), the current torch stream followed, and the
+calls captured in a CUDA graph replaying with new inputs written into the captured ones."""
 
 import numpy as np
 import pytest
 
 from attention_reference import (_host, assert_attention_close, assert_paged_attention_close,
                                  poison_cuda_pool)
+from kiln.core import env
+from kiln.runtime import native_torch
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
@@ -136,8 +138,13 @@ def test_repeat_calls_return_fresh_right_outputs_on_the_current_stream(name):
         check(out, *inputs)
         kept.append(_tensors(out))
     assert [cache.builds for cache in runtime._CACHES] == builds  # every repeat call a hit
-    seen = _storages(inputs) + [s for outs in kept for s in _storages(outs)]
-    assert len(set(seen)) == len(seen)  # no output shares storage with another or an input
+    seen = _storages(inputs) + [_storages(outs)[0] for outs in kept]
+    assert len(set(seen)) == len(seen)  # no call's outputs share storage with another's or an input
+    joint = native_torch.torch_bridge() is not None and env.joint_outputs()
+    for outs in kept:  # a call's outputs: one allocation (the bridge's joint makers), apart
+        assert len(set(_storages(outs))) == (1 if joint else len(outs))
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in outs)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -33,6 +33,8 @@ the variable and what it takes (an empty value counts as unset). Flags accept ``
                                   ``none``: never build it (the ctypes launcher)
 ``KILN_CXX``                      C++ compiler for the torch bridge (default ``c++``);
                                   ``none``: never build it (torch's Python paths)
+``KILN_JOINT_OUTPUTS`` (flag)     a library call's fresh torch outputs in one allocation
+                                  through the torch bridge (default on; off: one each)
 ``KILN_FUZZ_EXAMPLES=N``          kernels ``tests/test_fuzz.py`` generates (long fuzzing runs)
 ================================  ======================================================
 """
@@ -183,3 +185,10 @@ def cxx_compiler() -> str | None:
     if value.lower() == "none":
         return None
     return value or "c++"
+
+
+def joint_outputs() -> bool:
+    """``KILN_JOINT_OUTPUTS`` (default on): a library call's fresh torch outputs share one
+    allocation (the torch bridge's joint makers)."""
+    return _flag("KILN_JOINT_OUTPUTS", default=True)
+

@@ -13,6 +13,8 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/TensorBase.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/Export.h>
 
@@ -143,6 +145,161 @@ PyObject* empty_maker(PyObject*, PyObject* const* args, Py_ssize_t nargs)
                 return nullptr;
             }
         }
+        return reinterpret_cast<PyObject*>(m);
+    } catch (const std::exception& err) {
+        return raise_from(err, false);
+    }
+}
+
+// --- joint makers: a call's fresh tensors in one allocation ---------------------------------
+
+constexpr int MAX_PARTS = 4;
+constexpr int64_t PART_ALIGN = 256;  // bytes between parts' starts: what the allocator aligns
+
+struct Part {
+    int64_t sizes[MAX_DIMS];
+    int64_t offset;      // elements of its dtype into the shared storage
+    uint64_t keys;       // DispatchKeySet's raw bits
+    int32_t ndim;
+    int8_t scalar_type;
+};
+
+struct JointMaker {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject* fallback;  // the Python maker of the tuple, for torch's deterministic fill
+    c10::Allocator* allocator;
+    int64_t nbytes;
+    int32_t count;
+    int8_t device_type, device_index;
+    Part parts[MAX_PARTS];
+};
+
+// The tuple of fresh tensors, one storage under them all (new reference, or NULL).
+PyObject* make_parts(const JointMaker* m)
+{
+    auto storage = c10::make_intrusive<c10::StorageImpl>(
+        c10::StorageImpl::use_byte_size_t(), m->nbytes, m->allocator, /*resizable=*/true);
+    PyObject* made = PyTuple_New(m->count);
+    for (int32_t i = 0; made != nullptr && i < m->count; i++) {
+        const Part& p = m->parts[i];
+        at::TensorBase tensor = at::detail::make_tensor_base<c10::TensorImpl>(
+            c10::Storage(storage), c10::DispatchKeySet(c10::DispatchKeySet::RAW, p.keys),
+            c10::scalarTypeToTypeMeta(static_cast<c10::ScalarType>(p.scalar_type)));
+        c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+        impl->set_sizes_contiguous(c10::IntArrayRef(p.sizes, p.ndim));
+        impl->set_storage_offset(p.offset);
+        PyObject* obj = THPVariable_Wrap(tensor);
+        if (obj == nullptr)
+            Py_CLEAR(made);
+        else
+            PyTuple_SET_ITEM(made, i, obj);
+    }
+    return made;
+}
+
+PyObject* joint_call(PyObject* self, PyObject* const*, size_t nargsf, PyObject* kwnames)
+{
+    if (PyVectorcall_NARGS(nargsf) != 0 || (kwnames && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "a joint maker takes no argument");
+        return nullptr;
+    }
+    JointMaker* m = reinterpret_cast<JointMaker*>(self);
+    try {
+        const auto& context = at::globalContext();
+        if (context.deterministicAlgorithms() && context.deterministicFillUninitializedMemory())
+            return PyObject_CallNoArgs(m->fallback);  // torch.empty then fills the memory
+        c10::Device device(static_cast<c10::DeviceType>(m->device_type), m->device_index);
+        if (device.is_cpu() || c10::impl::getDeviceGuardImpl(device.type())->getDevice() == device)
+            return make_parts(m);
+        c10::DeviceGuard guard(device);
+        return make_parts(m);
+    } catch (const c10::OutOfMemoryError& err) {
+        return raise_from(err, true);
+    } catch (const std::exception& err) {
+        return raise_from(err, false);
+    }
+}
+
+void joint_dealloc(PyObject* self)
+{
+    Py_XDECREF(reinterpret_cast<JointMaker*>(self)->fallback);
+    PyObject_Free(self);
+}
+
+PyTypeObject JointMakerType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// joint_maker(parts, fallback): a callable giving a tuple of fresh contiguous tensors, one per
+// (template tensor, shape tuple) of parts (the template's dtype and device), carved from one
+// allocation of the first template's storage allocator; None where a template is not a plain
+// strided tensor on that device with that allocator.
+PyObject* joint_maker(PyObject*, PyObject* const* args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) < 1 ||
+            PyTuple_GET_SIZE(args[0]) > MAX_PARTS || !PyCallable_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "joint_maker(((template, shape), ...), fallback)");
+        return nullptr;
+    }
+    PyObject* specs = args[0];
+    Py_ssize_t count = PyTuple_GET_SIZE(specs);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject* spec = PyTuple_GET_ITEM(specs, i);
+        if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 2 ||
+                !is_plain_tensor(PyTuple_GET_ITEM(spec, 0)) ||
+                !PyTuple_Check(PyTuple_GET_ITEM(spec, 1)) ||
+                PyTuple_GET_SIZE(PyTuple_GET_ITEM(spec, 1)) > MAX_DIMS) {
+            PyErr_SetString(PyExc_TypeError, "joint_maker: each part is (template, shape)");
+            return nullptr;
+        }
+    }
+    try {
+        const at::TensorBase& first = unpack(PyTuple_GET_ITEM(PyTuple_GET_ITEM(specs, 0), 0));
+        c10::Allocator* allocator = first.has_storage() ? first.storage().allocator() : nullptr;
+        c10::Device device = first.device();
+        if (allocator == nullptr)
+            Py_RETURN_NONE;
+        JointMaker* m = PyObject_New(JointMaker, &JointMakerType);
+        if (m == nullptr)
+            return nullptr;
+        m->vectorcall = joint_call;
+        m->fallback = Py_NewRef(args[1]);
+        m->allocator = allocator;
+        m->count = static_cast<int32_t>(count);
+        m->device_type = static_cast<int8_t>(device.type());
+        m->device_index = device.index();
+        int64_t bytes = 0;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            PyObject* spec = PyTuple_GET_ITEM(specs, i);
+            const at::TensorBase& like = unpack(PyTuple_GET_ITEM(spec, 0));
+            PyObject* shape = PyTuple_GET_ITEM(spec, 1);
+            if (like.layout() != c10::kStrided || like.device() != device ||
+                    !like.has_storage() || like.storage().allocator() != allocator) {
+                Py_DECREF(m);
+                Py_RETURN_NONE;  // parts that one allocation cannot hold: separate makers
+            }
+            Part& p = m->parts[i];
+            p.scalar_type = static_cast<int8_t>(like.scalar_type());
+            p.keys = c10::DispatchKeySet(c10::computeDispatchKey(like.scalar_type(),
+                                                                 c10::kStrided, device))
+                         .raw_repr();
+            p.ndim = static_cast<int32_t>(PyTuple_GET_SIZE(shape));
+            int64_t elements = 1;
+            for (int32_t d = 0; d < p.ndim; d++) {
+                p.sizes[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
+                if (p.sizes[d] < 0) {
+                    Py_DECREF(m);
+                    if (!PyErr_Occurred())
+                        PyErr_SetString(PyExc_ValueError, "joint_maker: a negative size");
+                    return nullptr;
+                }
+                elements *= p.sizes[d];
+            }
+            int64_t itemsize = static_cast<int64_t>(like.dtype().itemsize());
+            bytes = (bytes + PART_ALIGN - 1) / PART_ALIGN * PART_ALIGN;
+            p.offset = bytes / itemsize;
+            bytes += elements * itemsize;
+        }
+        m->nbytes = bytes;
         return reinterpret_cast<PyObject*>(m);
     } catch (const std::exception& err) {
         return raise_from(err, false);
@@ -351,6 +508,9 @@ PyObject* set_out_of_memory_error(PyObject*, PyObject* error)
 PyMethodDef methods[] = {
     {"empty_maker", (PyCFunction)(void (*)(void))empty_maker, METH_FASTCALL,
      "empty_maker(template, shape, fallback): a C callable of fresh tensors, or None."},
+    {"joint_maker", (PyCFunction)(void (*)(void))joint_maker, METH_FASTCALL,
+     "joint_maker(((template, shape), ...), fallback): a C callable of a tuple of fresh "
+     "tensors sharing one allocation, or None."},
     {"tensor_guard", tensor_guard, METH_O,
      "tensor_guard(tensors): a C check of tensors laid out as these, or None."},
     {"scalar_type", scalar_type, METH_O,
@@ -406,6 +566,8 @@ PyMODINIT_FUNC PyInit__kiln_torch(void)
     }
     if (!ready_type(&MakerType, "kiln.EmptyMaker", sizeof(Maker), maker_dealloc,
                     offsetof(Maker, vectorcall)) ||
+        !ready_type(&JointMakerType, "kiln.JointMaker", sizeof(JointMaker), joint_dealloc,
+                    offsetof(JointMaker, vectorcall)) ||
         !ready_type(&GuardType, "kiln.TensorGuard", sizeof(Guard), guard_dealloc,
                     offsetof(Guard, vectorcall)))
         return nullptr;

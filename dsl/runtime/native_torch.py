@@ -77,6 +77,26 @@ def use_bridge(bridge) -> None:
         shim.set_torch_view(None if bridge is None else bridge.TORCH_VIEW)
 
 
+def why_not_loaded() -> str | None:
+    """Why :func:`torch_bridge` gives no bridge in this process (one line, naming the fix),
+    or None when it gives one. Example: ``print(why_not_loaded() or "bridge loaded")``."""
+    if _LOADED and _LOADED[0] is not None:
+        return None
+    if "torch" not in sys.modules:
+        return "torch is not imported"
+    compiler = env.cxx_compiler()
+    if compiler is None:
+        return "KILN_CXX=none turns it off"
+    if usable_root() is None:
+        return ("no usable compile cache (KILN_NO_CACHE, or KILN_CACHE_DIR not a private "
+                "directory of yours): the bridge is only built into the cache")
+    if compiler_identity(compiler) is None:
+        return f"no C++ compiler {compiler!r} (set KILN_CXX)"
+    if _LOADED:
+        return "turned off (use_bridge(None)), or its build or load failed (see the warning)"
+    return "not built yet: torch_bridge() builds it"
+
+
 _LOADED: list = []  # [the bridge or None] once built or refused
 _PROBED: list = []  # [True] once a cache-only look found nothing
 

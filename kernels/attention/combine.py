@@ -35,6 +35,7 @@ from kiln import f32, i32
 
 from .. import dlpack, runtime
 from ..runtime import PlanCache, check_backend, check_counts, dtype_of, is_torch, key_of
+from ..workspaces import SEPARATE
 from .combine_kernel import (LOG2E, THREADS_PER_ROW, VECTOR_BYTES, WIDE, CombineConfig,
                              choose_config, lse_merge, lse_merge_ragged, _vector_width)
 from .partials import DEPTH_ORDERS, STG128_DEPTH, Partials, partials_of, stg128_vector
@@ -211,8 +212,8 @@ class _CombinePlan:
 
 
 # Plans by the partials' specs and the options (see kiln.kernels.runtime): a repeat call
-# costs a dict look-up, two output allocations (none with out= and lse_out=) and one bound
-# launch, not a re-validation and specialisation.
+# costs a dict look-up, one allocation for o and lse (none with out= and lse_out=) and one
+# bound launch, not a re-validation and specialisation.
 _PLANS = PlanCache("combine")
 
 
@@ -425,7 +426,9 @@ def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
             if not o_address % VECTOR_BYTES:
                 # a bound repeat call: one C call makes the outputs, takes the addresses and
                 # launches
-                return bound.launch_outputs(plan.fresh.makers, bound.current_stream(),
+                fresh = plan.fresh  # one allocation for o and lse, but in a custom op
+                return bound.launch_outputs(fresh.makers if SEPARATE.depth else fresh.fast,
+                                            bound.current_stream(),
                                             o_address, lse_partial, split_counts, None, None)
         return plan.run_torch(o_partial, lse_partial, split_counts, out, lse_out, cu_seqlens_q)
     return plan.run_numpy(o_partial, lse_partial, split_counts, out, lse_out, cu_seqlens_q)

@@ -125,6 +125,7 @@ from .decode_config import (AHEAD_PREFETCH_TILES, CTAS_PER_SM, DEFAULT_SMS, EARL
                             WGMMA_MIN_ROWS, DecodeConfig, decode_partials, default_config,
                             default_num_splits, early_launch_tiles)
 from .decode_kernel import make_kernel
+from ..workspaces import SEPARATE
 from .decode_plan import PLANS, check_values, get_plan, nvidia_target
 
 OUT_ALIGN = 16  # bytes: the alignment decode_attention's out= and lse_out= must have
@@ -152,7 +153,7 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
     defaults to ``D ** -0.5``; ``config``: a :class:`DecodeConfig` (None:
     :func:`default_config` of the shape).
     numpy inputs give numpy outputs; torch CUDA tensors stay on the device (the three torch
-    partials are three allocations).
+    partials share one allocation, one each through ``torch.ops.kiln.decode``).
 
     Inputs are validated (a :class:`kiln.KilnError` naming the argument): kinds, ranks, dtypes
     and agreeing sizes once per shape class; ``num_splits >= 1``, ``scale > 0``; per call,
@@ -182,8 +183,10 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
         q_ptr = q.data_ptr()
         if q_ptr % Q_ALIGN == 0:  # one C call: the partials, the addresses, the launch
             block_address, sinks_address = plan.placeholder_pointers
+            fresh = plan.partial_outputs  # one allocation for the three, but in a custom op
             return bound.launch_outputs(
-                plan.partial_makers, bound.current_stream(), q_ptr, k_cache, v_cache,
+                fresh.makers if SEPARATE.depth else fresh.fast, bound.current_stream(), q_ptr,
+                k_cache, v_cache,
                 page_table, seq_lens, block_address if block_table is None else block_table,
                 sinks_address if sinks is None else sinks, None, None, None,
                 *plan.no_output_pointers)
@@ -209,10 +212,11 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     partials (every shape of ``bench/decode.py``'s grid).
 
     With contiguous torch CUDA tensors a repeat call of one shape class is one bound launch
-    (two: decode's and combine's, back to back, when not fused) and two allocations (the
-    returned ``o`` and ``lse``), and it can be captured in a CUDA graph (``torch.cuda.graph``)
-    and replayed with no host work per step (check the page table before capturing, e.g. with
-    one ``validate=True`` call; the kernel poisons rows with bad ids). The ticket counters and
+    (two: decode's and combine's, back to back, when not fused) and one allocation (the
+    returned ``o`` and ``lse``, one each through ``torch.ops.kiln``), and it can be captured
+    in a CUDA graph (``torch.cuda.graph``) and replayed with no host work per step (check the
+    page table before capturing, e.g. with one ``validate=True`` call; the kernel poisons
+    rows with bad ids). The ticket counters and
     the partials (up to ``SCRATCH_MAX_BYTES``; larger ones are allocated per call) are kept per
     plan and per stream: calls on one stream are ordered, so each reuses the last one's, and
     calls that may run at once must be on different streams (a graph's launches are those of
@@ -229,6 +233,19 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
         plan = get_plan(q, k_cache, v_cache, page_table, seq_lens, num_splits, block_table,
                         scale, sinks, target, backend, config, fused=fused_combine)
     bound = plan.bound
+    if plan.fused and bound is not None and out is None and lse_out is None and not validate:
+        q_ptr = q.data_ptr()
+        if not q_ptr % Q_ALIGN:  # the steady state: one C call makes (o, lse) and launches
+            stream = bound.current_stream()
+            # owners: held until the launch is queued
+            owners, (o_part, lse_part, counts, tickets) = plan.spaces.get(stream)
+            block_address, sinks_address = plan.placeholder_pointers
+            fresh = plan.torch_outputs  # one allocation for o and lse, but in a custom op
+            return bound.launch_outputs(
+                fresh.makers if SEPARATE.depth else fresh.fast, stream, q_ptr, k_cache, v_cache,
+                page_table, seq_lens, block_address if block_table is None else block_table,
+                sinks_address if sinks is None else sinks, o_part, lse_part, counts, None, None,
+                tickets)
     given = out is not None or lse_out is not None
     if given:
         _check_given_outputs(plan, q, out, lse_out)
@@ -249,8 +266,10 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
         if plan.fused:  # one C call: (o, lse), the addresses, the launch
             o_part, lse_part, counts, tickets = workspace
             if not given:
-                return bound.launch_outputs(plan.torch_outputs.makers, stream, *inputs,
-                                            o_part, lse_part, counts, None, None, tickets)
+                fresh = plan.torch_outputs  # one allocation for o and lse, but in a custom op
+                return bound.launch_outputs(fresh.makers if SEPARATE.depth else fresh.fast,
+                                            stream, *inputs, o_part, lse_part, counts, None,
+                                            None, tickets)
             o, lse = _bound_outputs(plan, out, lse_out)
             bound.launch_outputs((), stream, *inputs, o_part, lse_part, counts, o, lse,
                                  tickets)
@@ -258,7 +277,9 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
         bound.launch_outputs((), stream, *inputs, *workspace, *plan.no_output_pointers)
         merge = plan.merge.bound
         if not given:
-            return merge.launch_outputs(plan.merge.fresh.makers, stream, *workspace, None, None)
+            fresh = plan.merge.fresh
+            return merge.launch_outputs(fresh.makers if SEPARATE.depth else fresh.fast, stream,
+                                        *workspace, None, None)
         o, lse = _bound_outputs(plan, out, lse_out)
         merge.launch_on(stream, *workspace, o.data_ptr(), lse.data_ptr())
         return o, lse

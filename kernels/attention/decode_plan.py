@@ -129,17 +129,22 @@ class DecodePlan:
         return (words, tickets), (*partials, tickets.data_ptr())
 
     @functools.cached_property
-    def partial_makers(self) -> tuple:
-        """Makers of a fresh O_partial, LSE_partial (f32) and split_counts (int32) on the
-        plan's device, three allocations (:class:`~kiln.kernels.runtime.TorchOutputs`' makers:
-        C callables): what a bound :func:`decode` call's ``launch_outputs`` calls. The kernel
-        writes every element (each split all its rows, split 0 the counts)."""
+    def partial_outputs(self) -> runtime.TorchOutputs:
+        """Fresh O_partial, LSE_partial (f32) and split_counts (int32) on the plan's device
+        (:class:`~kiln.kernels.runtime.TorchOutputs`: ``fast``, one maker of the three from one
+        allocation, is what a bound :func:`decode` call's ``launch_outputs`` calls; in a torch
+        custom op ``makers``, three allocations). The kernel writes every element (each split
+        all its rows, split 0 the counts)."""
         import torch
 
         shape = tuple(self.partial_shape)
         return runtime.TorchOutputs(self.no_sinks, (shape, torch.float32),
-                                    (shape[:4], torch.float32),
-                                    (shape[1:4], torch.int32)).makers
+                                    (shape[:4], torch.float32), (shape[1:4], torch.int32))
+
+    @property
+    def partial_makers(self) -> tuple:
+        """One maker per partial (three allocations; see :attr:`partial_outputs`)."""
+        return self.partial_outputs.makers
 
     def torch_partials(self) -> tuple:
         """Fresh torch O_partial, LSE_partial and split_counts (see :attr:`partial_makers`)."""

@@ -33,6 +33,7 @@ import kiln
 from .. import dlpack, runtime
 from ..runtime import (ArrayLib, PlanCache, check_backend, check_heads, check_positive,
                        contiguous, dtype_of, empty_like, is_cupy, is_torch, key_of, resolve_target)
+from ..workspaces import SEPARATE
 from .prefill_config import check_head_dim
 from .prefill_fp8 import check_descales, compiled_prefill_fp8, run_prefill_fp8
 from .prefill_hopper import SUPPORTED_DTYPES, HopperPrefillConfig, MaskSpec, make_kernel
@@ -149,7 +150,9 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
                 plan = _new_dense_plan(values)
         if plan:  # one C call: the outputs, the addresses, the launch
             bound = plan.bound
-            return bound.launch_outputs(plan.fresh.makers, bound.current_stream(), q, k, v,
+            fresh = plan.fresh  # one allocation for o and lse, but in a custom op
+            return bound.launch_outputs(fresh.makers if SEPARATE.depth else fresh.fast,
+                                        bound.current_stream(), q, k, v,
                                         None, plan.lse_item,
                                         plan.sinks_address if sinks is None else sinks,
                                         *plan.cu_pointers)
