@@ -29,6 +29,8 @@ the variable and what it takes (an empty value counts as unset). Flags accept ``
 ``KILN_NVPTX_PIPELINE``           how LLVM IR becomes PTX: ``fast`` (default: LLVM's C API,
                                   O3 without the function-level SCCP), ``o3`` (C API,
                                   ``default<O3>``) or ``mlir`` (``gpu-module-to-binary``)
+``KILN_SCALARIZE_STRUCTS`` (flag)  NVIDIA: carry the 128-register WGMMA accumulators a loop
+                                  rebuilds as scalars (``kiln-scalarize-structs``; default off)
 ``KILN_CC``                       C compiler for the native launch shim (default ``cc``);
                                   ``none``: never build it (the ctypes launcher)
 ``KILN_CXX``                      C++ compiler for the torch bridge (default ``c++``);
@@ -167,6 +169,11 @@ def nvptx_pipeline() -> str:
         raise _invalid("KILN_NVPTX_PIPELINE", os.environ["KILN_NVPTX_PIPELINE"],
                        " or ".join(NVPTX_PIPELINES))
     return value
+
+
+def scalarize_structs() -> bool:
+    """``KILN_SCALARIZE_STRUCTS``: run ``kiln-scalarize-structs`` before the NVVM lowering."""
+    return _flag("KILN_SCALARIZE_STRUCTS")
 
 
 def c_compiler() -> str | None:
