@@ -29,6 +29,7 @@ from kiln.passes import register_pass
 
 NAME = "kiln-scalarize-structs"
 _CARRIERS = ("scf.for", "scf.if")
+_FUNCTIONS = ("gpu.func", "func.func", "llvm.func")
 _STRUCT = llvm.StructType.static_typeid
 # SCCP's work on a chain is quadratic in its length: the 128-register accumulators (a
 # 64 x 256 WGMMA tile) dominate it; scalarising narrower ones made LLVM slower (D 64 prefill's
@@ -145,19 +146,28 @@ def _scalarize_if(op: ir.Operation) -> None:
 
 
 def scalarize_structs(module_op: ir.Operation, pass_=None) -> None:
-    """Carry every literal struct-of-scalars loop value and branch result as its fields."""
-    found = []
+    """In each function where a loop or branch rebuilds a wide struct it carries, carry every
+    wide struct of that function as its fields (all of them: one left whole would keep its
+    struct phi, fed by the fields packed again)."""
+    found: dict = {}  # function -> its carriers, inner ones first
 
     def visit(op: ir.Operation):
         if op.name in _CARRIERS and any(_fields(r.type) for r in op.results):
-            found.append(op.operation)
+            found.setdefault(_function(op), []).append(op.operation)
         return ir.WalkResult.ADVANCE
 
     module_op.walk(visit, ir.WalkOrder.POST_ORDER)
-    if not any(_rebuilt(op) for op in found):
-        return
-    for op in found:  # inner ops first; each moves its blocks, so the outer ones stay valid
-        (_scalarize_for if op.name == "scf.for" else _scalarize_if)(op)
+    for carriers in found.values():
+        if not any(_rebuilt(op) for op in carriers):
+            continue
+        for op in carriers:  # inner ops first; each moves its blocks, so outer ones stay valid
+            (_scalarize_for if op.name == "scf.for" else _scalarize_if)(op)
+
+
+def _function(op: ir.Operation) -> ir.Operation:
+    while op.parent is not None and op.name not in _FUNCTIONS:
+        op = op.parent
+    return op
 
 
 def _rebuilt(op: ir.Operation) -> bool:
