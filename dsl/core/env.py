@@ -8,8 +8,7 @@ the variable and what it takes (an empty value counts as unset). Flags accept ``
 ================================  ======================================================
 ``KILN_CACHE_DIR``                on-disk compile cache (default ``~/.cache/kiln``); must be
                                   owned by you and not writable by group/others
-``KILN_NO_CACHE`` (flag)          never read or write the compile cache (nor the AST rewrites
-                                  kept beside it)
+``KILN_NO_CACHE`` (flag)          never read or write the compile cache
 ``KILN_DUMP_DIR=dir``             write ``<kernel>.<target>.<key>.<stage>.<ext>`` for every stage
 ``KILN_SHOW_STACKTRACE`` (flag)   keep Kiln's own frames in error tracebacks
 ``KILN_INTERPRET_CHECK_BOUNDS``   (flag) bounds checks in the CPU interpreter (default on)
