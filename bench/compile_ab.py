@@ -22,7 +22,8 @@ Example::
 
 The last line of stdout is the JSON (``{"benchmark": "compile_ab", "rows": [...]}``): per kernel
 and variant ``compile_s``, ``cpu_s``, ``stages`` and ``steps`` (ms), and each variant's ratio to
-the first.
+the first. ``--budget S`` starts no compile after S seconds (a time-capped batch still gets its
+table and JSON).
 """
 
 from __future__ import annotations
@@ -154,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per compile")
     parser.add_argument("--json", help="also write the JSON to this file")
+    parser.add_argument("--budget", type=float, default=float("inf"),
+                        help="seconds after which no further compile starts (the table and "
+                             "JSON then hold the kernels compiled so far)")
     ns = parser.parse_args(argv)
     names = ns.kernels or list(JOBS)
     unknown = [k for k in names if k not in JOBS]
@@ -169,27 +173,32 @@ def main(argv: list[str] | None = None) -> int:
         print("variants: " + "; ".join(f"{s.name} (import {s.ready['ready']:.2f} s, "
                                        f"{s.ready['kiln']})" for s in servers), flush=True)
         best: dict = {name: {} for name in names}
-        for _ in range(max(1, ns.repeat)):
-            for name in names:
-                for server in servers:  # the variants compile the kernel at the same time
-                    server.send(name)
-                for server in servers:
-                    got = summarise(server.receive(ns.timeout))
-                    old = best[name].get(server.name)
-                    if old is None or "error" in old or (
-                            "error" not in got and got["compile_s"] < old["compile_s"]):
-                        best[name][server.name] = got
-                cells = []
-                for server in servers:
-                    row = best[name][server.name]
-                    cells.append(f"{server.name} " + (row["error"] if "error" in row else
-                                                      f"{row['compile_s']:.3f}"))
-                print(f"{name:<24} " + "  ".join(cells), flush=True)
+        started = time.perf_counter()
+        rounds = [(r, name) for r in range(max(1, ns.repeat)) for name in names]
+        for r, name in rounds:
+            if time.perf_counter() - started > ns.budget:
+                print(f"budget of {ns.budget:.0f} s spent: round {r + 1} stops before {name}",
+                      flush=True)
+                break
+            for server in servers:  # the variants compile the kernel at the same time
+                server.send(name)
+            for server in servers:
+                got = summarise(server.receive(ns.timeout))
+                old = best[name].get(server.name)
+                if old is None or "error" in old or (
+                        "error" not in got and got["compile_s"] < old["compile_s"]):
+                    best[name][server.name] = got
+            cells = []
+            for server in servers:
+                row = best[name][server.name]
+                cells.append(f"{server.name} " + (row["error"] if "error" in row else
+                                                  f"{row['compile_s']:.3f}"))
+            print(f"{name:<24} " + "  ".join(cells), flush=True)
         for server in servers:
             server.close()
     base = servers[0].name
     rows = []
-    for name in names:
+    for name in [n for n in names if best[n]]:
         row = {"kernel": name, "variants": best[name]}
         b = best[name].get(base, {})
         row["ratio"] = {v: round(r["compile_s"] / b["compile_s"], 3)
