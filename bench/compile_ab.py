@@ -6,7 +6,8 @@ and the library once and then forks a child per compile: the child starts with n
 and the compile cache off (``KILN_NO_CACHE=1``, its own empty ``KILN_CACHE_DIR``), so it pays
 what a fresh process pays after its imports (lazy imports, LLVM's and ptxas' first use, every
 stage). The variants compile the same kernel at the same time (one child each, a pair of cores
-each at most), kernel after kernel, ``--repeat`` rounds; each keeps its fastest. Host speed
+each at most; ``--serial``: one after the other, the first of a round turning), kernel after
+kernel, ``--repeat`` rounds; each keeps its fastest. Host speed
 moves between runs by up to 2x on a shared host; ``host_ms`` (a fixed pure-Python loop, timed
 before and after) lets two runs' tables be compared, and the ratios are from one run.
 
@@ -155,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per compile")
     parser.add_argument("--json", help="also write the JSON to this file")
+    parser.add_argument("--serial", action="store_true",
+                        help="the variants compile a kernel one after the other (in an order "
+                             "that turns each round), not at the same time")
     parser.add_argument("--budget", type=float, default=float("inf"),
                         help="seconds after which no further compile starts (the table and "
                              "JSON then hold the kernels compiled so far)")
@@ -180,14 +184,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"budget of {ns.budget:.0f} s spent: round {r + 1} stops before {name}",
                       flush=True)
                 break
-            for server in servers:  # the variants compile the kernel at the same time
-                server.send(name)
-            for server in servers:
-                got = summarise(server.receive(ns.timeout))
-                old = best[name].get(server.name)
-                if old is None or "error" in old or (
-                        "error" not in got and got["compile_s"] < old["compile_s"]):
-                    best[name][server.name] = got
+            order = servers[r % len(servers):] + servers[:r % len(servers)]
+            for batch in ([[s] for s in order] if ns.serial else [servers]):
+                for server in batch:  # a batch's variants compile the kernel at the same time
+                    server.send(name)
+                for server in batch:
+                    got = summarise(server.receive(ns.timeout))
+                    old = best[name].get(server.name)
+                    if old is None or "error" in old or (
+                            "error" not in got and got["compile_s"] < old["compile_s"]):
+                        best[name][server.name] = got
             cells = []
             for server in servers:
                 row = best[name][server.name]
@@ -220,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                   " ".join(f"{r['stages'].get(s, 0):>9.0f}" for s in stage_names))
     host = {"before": host_before, "after": host_ms()}
     print(f"host_ms (pure-Python loop): before {host['before']}, after {host['after']}")
-    result = {**metadata("compile_ab"), "host_ms": host,
+    result = {**metadata("compile_ab"), "host_ms": host, "serial": ns.serial,
               "variants": [{"name": s.name, "env": s.env, "import_s": round(s.ready["ready"], 3),
                             "kiln": s.ready["kiln"]} for s in servers], "rows": rows}
     if ns.json:
