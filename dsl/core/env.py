@@ -29,7 +29,7 @@ the variable and what it takes (an empty value counts as unset). Flags accept ``
                                   O3 without the function-level SCCP), ``o3`` (C API,
                                   ``default<O3>``) or ``mlir`` (``gpu-module-to-binary``)
 ``KILN_SCALARIZE_STRUCTS`` (flag)  NVIDIA: carry the 128-register WGMMA accumulators a loop
-                                  rebuilds as scalars (``kiln-scalarize-structs``; default off)
+                                  rebuilds as scalars (``kiln-scalarize-structs``; default on)
 ``KILN_CC``                       C compiler for the native launch shim (default ``cc``);
                                   ``none``: never build it (the ctypes launcher)
 ``KILN_CXX``                      C++ compiler for the torch bridge (default ``c++``);
@@ -172,7 +172,7 @@ def nvptx_pipeline() -> str:
 
 def scalarize_structs() -> bool:
     """``KILN_SCALARIZE_STRUCTS``: run ``kiln-scalarize-structs`` before the NVVM lowering."""
-    return _flag("KILN_SCALARIZE_STRUCTS")
+    return _flag("KILN_SCALARIZE_STRUCTS", default=True)
 
 
 def c_compiler() -> str | None:
