@@ -35,6 +35,8 @@ import ast
 import gc
 import inspect
 import itertools
+import linecache
+import re
 import textwrap
 import types
 from typing import Callable
@@ -472,7 +474,7 @@ _factory_code: dict[tuple[types.CodeType, str], types.CodeType] = {}
 def _compile_factory(fn: Callable) -> types.CodeType:
     """The code of ``__kiln_factory(__kiln_rt, *freevars)``, which returns the rewritten fn."""
     try:
-        raw = inspect.getsource(fn)
+        raw = function_source(fn)
         source = textwrap.dedent(raw)
         filename = inspect.getsourcefile(fn) or fn.__code__.co_filename
     except (OSError, TypeError) as err:
@@ -484,6 +486,51 @@ def _compile_factory(fn: Callable) -> types.CodeType:
     dedent = raw.index(raw.lstrip()[0]) - source.index(source.lstrip()[0])
     _record_column_shift(factory_code, dedent)
     return factory_code
+
+
+# inspect.findsource's test for the line a function's source starts on
+_DEF_LINE = re.compile(r"^(\s*def\s)|(\s*async\s+def\s)|(.*(?<!\w)lambda(:|\s))|^(\s*@)")
+
+
+def function_source(fn: Callable) -> str:
+    """``inspect.getsource(fn)`` for its parse (the same code lines; trailing comments may
+    differ): the lines from the code's first line to the last its positions name, and any
+    more-indented lines after (an ``else: pass`` compiles to nothing), read from ``linecache``.
+    ``inspect`` tokenizes the whole body to find its end: an eighth of a large kernel's trace."""
+    fn = inspect.unwrap(fn)  # as inspect does: a functools.wraps wrapper shows what it wraps
+    code = fn.__code__
+    linecache.checkcache(code.co_filename)  # a file edited since it was read is read again
+    lines = linecache.getlines(code.co_filename, fn.__globals__)
+    start = code.co_firstlineno - 1
+    if not hasattr(code, "co_positions") or not 0 <= start < len(lines) \
+            or not _DEF_LINE.match(lines[start]):
+        return inspect.getsource(fn)  # Python 3.10, or no file: inspect's lines and errors
+    indent = _indent(lines[start])
+    end = max(start + 1, _last_line(code))
+    while end < len(lines) and (_blank(lines[end]) or _indent(lines[end]) > indent):
+        end += 1
+    while end > start + 1 and _blank(lines[end - 1]):
+        end -= 1
+    return "".join(lines[start:end])
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _blank(line: str) -> bool:
+    """An empty or comment-only line."""
+    stripped = line.strip()
+    return not stripped or stripped.startswith("#")
+
+
+def _last_line(code: types.CodeType) -> int:
+    """The last source line any instruction of ``code`` or its nested code spans."""
+    last = max((end for _, end, _, _ in code.co_positions() if end is not None), default=0)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            last = max(last, _last_line(const))
+    return last
 
 
 def _rewrite_source(fn: Callable, source: str, filename: str) -> types.CodeType:

@@ -353,6 +353,9 @@ def broadcast(x: Value, shape: tuple[int, ...]) -> Value:
 
 def unify(a: Any, b: Any) -> tuple[Value, Value]:
     """Both operands as Values of the promoted dtype and common shape."""
+    if (type(a) is Value and type(b) is Value and a.dtype is b.dtype
+            and a.shape == b.shape):  # most traced arithmetic: nothing to promote or broadcast
+        return a, b
     check_defined(a)
     check_defined(b)
     if not isinstance(a, Value) and not isinstance(b, Value):

@@ -22,6 +22,7 @@ from pathlib import Path
 from mlir import ir
 from mlir.dialects import gpu
 
+from kiln.core import env
 from kiln.core.errors import CompilationError
 from kiln.lowering import isa_sass, nvptx_llvm
 from kiln.lowering.metadata import empty_nvidia_metadata, parse_ptxas_verbose
@@ -39,7 +40,10 @@ def nvvm_passes(state: CompileState) -> list[str]:
     attach = (f"nvvm-attach-target{{chip={state.target.name} features={options.ptx_features()} "
               f"O={options.opt_level}}}")
     flush = ["kiln-flush-f32-denormals"] if options.flush_denormals else []
+    # wide accumulators as scalars before the loops become branches (LLVM's SCCP, see the pass)
+    scalarize = ["kiln-scalarize-structs"] if env.scalarize_structs() else []
     return [
+        *scalarize,
         "convert-nvgpu-to-nvvm",
         "kiln-tma-l2-hints",  # after the conversion that keeps the hint only in a location
         "convert-vector-to-scf", "convert-scf-to-cf",

@@ -142,3 +142,4 @@ from kiln.passes import verify_waits as _verify_waits  # noqa: E402
 from kiln.passes import extern_dynamic_shared as _extern_dynamic_shared  # noqa: E402
 from kiln.passes import flush_denormals as _flush_denormals  # noqa: E402
 from kiln.passes import tma_l2_hints as _tma_l2_hints  # noqa: E402
+from kiln.passes import scalarize_structs as _scalarize_structs  # noqa: E402

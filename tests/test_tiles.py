@@ -247,3 +247,19 @@ def test_sync_copy_uses_vector_loads_of_16_bytes():
                    target="sm_80", num_warps=2).module_asm
     assert text.count("vector.load %arg0") == 4 and "vector<8xbf16>" in text
     assert text.count("vector.store") == 4 + 1  # four 16-byte chunks per thread, plus out
+
+
+@pytest.mark.parametrize("stride,ok", [((64, 1), True), ((1, 8), True), ((32, 1), False),
+                                       ((0, 1), False), ((1, 1), False)])
+def test_a_shared_tile_layout_must_give_each_element_its_own_address(stride, ok):
+    """Column-overlapping rows (stride 32 for 64 columns), a broadcast row (stride 0) and a
+    diagonal collision are refused; row-major and column-major pass."""
+    from kiln.layout_algebra import Layout
+
+    layout = Layout((8, 64), stride)
+    if ok:
+        assert _capture_shared_tile(shape=(8, 64), dtype=kiln.bf16, layout=layout).layout \
+            == layout
+        return
+    with pytest.raises(kiln.KilnValueError, match="maps two elements to one address"):
+        _capture_shared_tile(shape=(8, 64), dtype=kiln.bf16, layout=layout)

@@ -8,8 +8,7 @@ the variable and what it takes (an empty value counts as unset). Flags accept ``
 ================================  ======================================================
 ``KILN_CACHE_DIR``                on-disk compile cache (default ``~/.cache/kiln``); must be
                                   owned by you and not writable by group/others
-``KILN_NO_CACHE`` (flag)          never read or write the compile cache (nor the AST rewrites
-                                  kept beside it)
+``KILN_NO_CACHE`` (flag)          never read or write the compile cache
 ``KILN_DUMP_DIR=dir``             write ``<kernel>.<target>.<key>.<stage>.<ext>`` for every stage
 ``KILN_SHOW_STACKTRACE`` (flag)   keep Kiln's own frames in error tracebacks
 ``KILN_INTERPRET_CHECK_BOUNDS``   (flag) bounds checks in the CPU interpreter (default on)
@@ -29,6 +28,8 @@ the variable and what it takes (an empty value counts as unset). Flags accept ``
 ``KILN_NVPTX_PIPELINE``           how LLVM IR becomes PTX: ``fast`` (default: LLVM's C API,
                                   O3 without the function-level SCCP), ``o3`` (C API,
                                   ``default<O3>``) or ``mlir`` (``gpu-module-to-binary``)
+``KILN_SCALARIZE_STRUCTS`` (flag)  NVIDIA: carry the 128-register WGMMA accumulators a loop
+                                  rebuilds as scalars (``kiln-scalarize-structs``; default on)
 ``KILN_CC``                       C compiler for the native launch shim (default ``cc``);
                                   ``none``: never build it (the ctypes launcher)
 ``KILN_CXX``                      C++ compiler for the torch bridge (default ``c++``);
@@ -169,6 +170,11 @@ def nvptx_pipeline() -> str:
         raise _invalid("KILN_NVPTX_PIPELINE", os.environ["KILN_NVPTX_PIPELINE"],
                        " or ".join(NVPTX_PIPELINES))
     return value
+
+
+def scalarize_structs() -> bool:
+    """``KILN_SCALARIZE_STRUCTS``: run ``kiln-scalarize-structs`` before the NVVM lowering."""
+    return _flag("KILN_SCALARIZE_STRUCTS", default=True)
 
 
 def c_compiler() -> str | None:

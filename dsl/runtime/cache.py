@@ -97,7 +97,8 @@ def toolchain_versions() -> tuple[tuple[str, str], ...]:
 def _tool_identities() -> tuple[tuple[str, str], ...]:
     return (("ptxas", _tool_identity(tools.find_ptxas())),
             ("ld.lld", _tool_identity(tools.find_ld_lld())),
-            ("nvptx-pipeline", env.nvptx_pipeline()))  # the PTX of a user kernel may differ
+            ("nvptx-pipeline", env.nvptx_pipeline()),  # the PTX of a user kernel may differ
+            ("scalarize-structs", str(env.scalarize_structs())))
 
 
 def make_key(*parts: str) -> str:
