@@ -298,7 +298,7 @@ def test_gpu_matmul_small_m_plans(m, trans_b, rng):
 # fit: swap-AB 128-row tiles stored directly, 64 x 64 ones stored directly, 192-row tiles over
 # long K in slices, one wave of 128 x 192 tiles.
 HEURISTIC_PICKS = {  # shape: block_m, swap_ab, fused_reduce, split_k
-    (1, 6001, 999): (128, True, True, 1), (40, 5999, 1001): (64, True, True, 1),
+    (2, 6001, 999): (128, True, True, 1), (40, 5999, 1001): (64, True, True, 1),
     (3, 4001, 9001): (192, True, False, 4), (200, 10001, 2001): (128, False, False, 1)}
 
 
