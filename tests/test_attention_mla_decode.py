@@ -51,16 +51,25 @@ def test_deepseek_heads_two_tokens(rng):
     (16, 1, 1, dict(lead_group=True)),  # group 0 scores, group 1 reads P back
     (16, 2, 3, dict(lead_group=True, fused_combine=True)),
     pytest.param(40, 2, 2, dict(lead_group=True, early_launch=True), marks=pytest.mark.slow),
-    (16, 1, 1, dict(lead_group="pipelined")),  # group 0's product in flight over the loop
-    (40, 2, 3, dict(lead_group="pipelined", fused_combine=True, early_launch=True)),
+    # group 0's product in flight over the loop
+    pytest.param(16, 1, 1, dict(lead_group="pipelined"), marks=pytest.mark.slow),
+    pytest.param(40, 2, 3, dict(lead_group="pipelined", fused_combine=True, early_launch=True),
+                 marks=pytest.mark.slow),
     (16, 1, 1, dict(transposed=True)),  # keys as M, 16 query rows as N
     (16, 2, 3, dict(transposed=True, fused_combine=True)),  # 32 rows, two tokens' limits
-    (8, 2, 2, dict(transposed=True, prefetch=2, early_launch=True)),  # 16 rows, 4 of them past
-    (20, 1, 2, dict(prefetch=1)),  # the lead group with a page ahead in L2
-    (16, 1, 1, dict(transposed="ring")),  # Q's 16 rows, 25 chunk slots
-    (16, 2, 3, dict(transposed="ring", fused_combine=True, early_launch=True)),  # 22 slots
-    (16, 1, 2, dict(transposed="pipelined", fused_combine=True)),
-    (16, 2, 1, dict(transposed="ring-pipelined")),
+    # 16 rows, 4 of them past
+    pytest.param(8, 2, 2, dict(transposed=True, prefetch=2, early_launch=True),
+                 marks=pytest.mark.slow),
+    # the lead group with a page ahead in L2
+    pytest.param(20, 1, 2, dict(prefetch=1), marks=pytest.mark.slow),
+    # Q's 16 rows, 25 chunk slots
+    pytest.param(16, 1, 1, dict(transposed="ring"), marks=pytest.mark.slow),
+    # 22 slots
+    pytest.param(16, 2, 3, dict(transposed="ring", fused_combine=True, early_launch=True),
+                 marks=pytest.mark.slow),
+    pytest.param(16, 1, 2, dict(transposed="pipelined", fused_combine=True),
+                 marks=pytest.mark.slow),
+    pytest.param(16, 2, 1, dict(transposed="ring-pipelined"), marks=pytest.mark.slow),
     (16, 1, 3, dict(transposed=True, early_launch=True, early_pages=3)),  # L2 before the wait
     (40, 2, 2, dict(early_launch=True, early_pages=2)),
 ])
@@ -74,9 +83,10 @@ def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
     assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
 
 
-@pytest.mark.parametrize("options", [dict(transposed=True), dict(transposed=True, prefetch=1),
-                                     dict(transposed="ring"), dict(transposed="pipelined"),
-                                     dict(transposed="ring-pipelined")])
+@pytest.mark.parametrize("options", [dict(transposed=True)] + [  # the opt-ins in the slow tier
+    pytest.param(options, marks=pytest.mark.slow) for options in (
+        dict(transposed=True, prefetch=1), dict(transposed="ring"), dict(transposed="pipelined"),
+        dict(transposed="ring-pipelined"))])
 def test_transposed_over_many_pages(options, rng):
     """The transposed schedule's double-buffered P^T, factors and maxima over sixteen and
     thirteen pages (the last ragged, NaN past it; the chunk ring wraps five times) and an
@@ -88,7 +98,7 @@ def test_transposed_over_many_pages(options, rng):
     assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
 
 
-@pytest.mark.parametrize("mode", [True, "pipelined"])
+@pytest.mark.parametrize("mode", [True, pytest.param("pipelined", marks=pytest.mark.slow)])
 def test_lead_group_over_many_pages(mode, rng):
     """Sixteen and thirteen pages through the lead group's P hand-over (its buffer reused
     every page), the last page ragged, and an empty sequence, in one split."""
