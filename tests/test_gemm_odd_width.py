@@ -33,7 +33,9 @@ SHAPES = [(130, 330, 520), (256, 200, 72), (1, 100, 136)]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", SHAPES[:1] + [pytest.param(s, marks=pytest.mark.slow)
+                                                 for s in SHAPES[1:]],
+                         ids=lambda s: "x".join(map(str, s)))
 def test_interpreted_odd_width_tiles_match_float64(name, shape, rng):
     config = CONFIGS[name]
     m, n, k = shape

@@ -46,7 +46,9 @@ def _run(a, b, config, ctas, trans_b, out=np.float32):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("case", CASES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("case", CASES[:2] + [pytest.param(c, marks=pytest.mark.slow)
+                                               for c in CASES[2:]],
+                         ids=lambda s: "x".join(map(str, s)))
 def test_interpreted_stream_k_matches_float64(name, case, rng):
     config = CONFIGS[name]
     m, n, k, ctas = case
