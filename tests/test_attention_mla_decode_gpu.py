@@ -65,6 +65,23 @@ def test_matches_float64_on_gpu(heads, sq, num_splits, split_keys, rng):
     assert_mla_close(_numpy(torch, o), _numpy(torch, lse), *mla_reference(q, kv, table, seq_lens))
 
 
+def _check_twice_on_gpu(heads, sq, num_splits, options, rng):
+    """``mla_decode`` with ``options`` on ragged lengths up to 4096 against the float64
+    reference, twice (the fused kernel's tickets carry over), NaN left in the pool before
+    each call."""
+    torch = _torch()
+    from kiln.kernels.attention import mla_decode
+
+    lens = [1, 63, 65, 200, int(rng.integers(300, 3000)), 4096]
+    q, kv, table, seq_lens = mla_problem(rng, heads, sq, lens)
+    dev = [_to_cuda(torch, x) for x in (q, kv, table, seq_lens)]
+    want = mla_reference(q, kv, table, seq_lens)
+    for _ in range(2):
+        torch.empty(1 << 26, device="cuda").fill_(float("nan"))
+        o, lse = mla_decode(*dev, num_splits=num_splits, validate=True, **options)
+        assert_mla_close(_numpy(torch, o), _numpy(torch, lse), *want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [
     dict(fused_combine=True), dict(fused_combine=False), dict(seesaw=True),
@@ -79,17 +96,7 @@ def test_kernel_options_on_gpu(heads, sq, num_splits, options, rng):
     """The fused combine (or not), the seesaw pairs, early launch and the lead group against
     the float64 reference, called twice (the fused kernel's tickets carry over between
     calls)."""
-    torch = _torch()
-    from kiln.kernels.attention import mla_decode
-
-    lens = [1, 63, 65, 200, int(rng.integers(300, 3000)), 4096]
-    q, kv, table, seq_lens = mla_problem(rng, heads, sq, lens)
-    dev = [_to_cuda(torch, x) for x in (q, kv, table, seq_lens)]
-    want = mla_reference(q, kv, table, seq_lens)
-    for _ in range(2):
-        torch.empty(1 << 26, device="cuda").fill_(float("nan"))
-        o, lse = mla_decode(*dev, num_splits=num_splits, validate=True, **options)
-        assert_mla_close(_numpy(torch, o), _numpy(torch, lse), *want)
+    _check_twice_on_gpu(heads, sq, num_splits, options, rng)
 
 
 @pytest.mark.gpu
@@ -103,17 +110,7 @@ def test_kernel_options_on_gpu(heads, sq, num_splits, options, rng):
 def test_transposed_on_gpu(heads, sq, num_splits, options, rng):
     """The transposed schedule (16 and 32 query rows, 8 of 16 real) on two page stages or the
     chunk ring, against the float64 reference, called twice."""
-    torch = _torch()
-    from kiln.kernels.attention import mla_decode
-
-    lens = [1, 63, 65, 200, int(rng.integers(300, 3000)), 4096]
-    q, kv, table, seq_lens = mla_problem(rng, heads, sq, lens)
-    dev = [_to_cuda(torch, x) for x in (q, kv, table, seq_lens)]
-    want = mla_reference(q, kv, table, seq_lens)
-    for _ in range(2):
-        torch.empty(1 << 26, device="cuda").fill_(float("nan"))
-        o, lse = mla_decode(*dev, num_splits=num_splits, validate=True, **options)
-        assert_mla_close(_numpy(torch, o), _numpy(torch, lse), *want)
+    _check_twice_on_gpu(heads, sq, num_splits, options, rng)
 
 
 @pytest.mark.gpu

@@ -60,12 +60,12 @@ def step(state, descs, it, stage, key0, q_frags, key_limit, seq_len, seq_q, scal
     else:
         wgmma.wait_group(0)
     if key0 + config.block_n <= seq_len - seq_q + 1:
-        m, l, probs, alphas = _softmax_wgmma(scores, m, l, key0, tid, key_limit,
-                                             scale_log2, shape, False)
+        m, l, probs, alphas = tile_softmax(scores, m, l, key0, tid, key_limit,
+                                           scale_log2, shape.config.block_n, False)
     else:
         _zero_rows_past_end(slots, stage, seq_len - key0, tid, shape)
-        m, l, probs, alphas = _softmax_wgmma(scores, m, l, key0, tid, key_limit,
-                                             scale_log2, shape, True)
+        m, l, probs, alphas = tile_softmax(scores, m, l, key0, tid, key_limit,
+                                           scale_log2, shape.config.block_n, True)
     wgmma.wait_group(0)  # on every path: ptxas then knows O is ready after it
     if it > 0:
         empty.arrive(previous, wgmma_pending=0)
@@ -132,12 +132,13 @@ def _issue_pv_wgmma(descs, o, probs, stage, shape):
 
 
 @kiln.func
-def _softmax_wgmma(scores, m, l, key0, tid, key_limit, scale_log2, shape, masked):
-    """The streaming softmax of one tile's scores (a ``64 x BN`` accumulator; each row is a
-    thread quad's): new ``(m, l)`` (base 2; ``l`` per lane until the end), P as the bf16 A
-    operands of the P V product, and the factors O must be rescaled by before it.
-    ``masked`` (Python bool): scores past each row's last key (``key_limit``) become -inf."""
-    BN = shape.config.block_n
+def tile_softmax(scores, m, l, key0, tid, key_limit, scale_log2, block_n: int, masked):
+    """The streaming softmax of one tile's scores (a ``64 x block_n`` accumulator; each row
+    is a thread quad's): new ``(m, l)`` (base 2; ``l`` per lane until the end), P as the bf16
+    A operands of the P V product, and the factors O must be rescaled by before it.
+    ``masked`` (Python bool): scores past each row's last key (``key_limit``) become -inf.
+    Decode's WGMMA consumer and MLA's page loop both use it."""
+    BN = block_n
     # Register i: row half (i // 2) % 2, key key0 + 8 (i // 4) + 2 (lane % 4) + i % 2.
     col = key0 + 2 * (tid % 4)
     x = []

@@ -8,12 +8,10 @@ Example: ``scores = page_scores(descs, units)`` then
 
 from __future__ import annotations
 
-import math
-
 import kiln
 from kiln import wgmma
 
-from .decode_rows import advance_row_max
+from .decode_wgmma import tile_softmax
 
 HEAD_DIM = 576  # the latent KV head: 512 V columns and 64 rotary columns
 HEAD_DIM_V = 512
@@ -51,31 +49,4 @@ def page_softmax(scores, m, l, key0, tid, key_limit, scale_log2, masked):
     """The streaming softmax of one ``64 x 64`` score tile (each row a thread quad's):
     new ``(m, l)`` (base 2; ``l`` per lane until the end), P as bf16 A operands, and the
     factors O is rescaled by. ``masked``: keys past each row's ``key_limit`` are -inf."""
-    # Register i: row half (i // 2) % 2, key key0 + 8 (i // 4) + 2 (lane % 4) + i % 2.
-    col = key0 + 2 * (tid % 4)
-    x = []
-    for i in kiln.static_range(BLOCK_N // 2):
-        xi = scores.element(i) * scale_log2
-        if masked:
-            xi = kiln.where(col + 8 * (i // 4) + i % 2 <= key_limit[(i // 2) % 2], xi,
-                            -math.inf)
-        x.append(xi)
-    alphas, safes, new_m, new_l = [], [], [], []
-    for half in kiln.static_range(2):
-        mine = [x[i] for i in range(BLOCK_N // 2) if (i // 2) % 2 == half]
-        row_max = mine[0]
-        for xi in mine[1:]:
-            row_max = kiln.maximum(row_max, xi)
-        m_next, m_safe, alpha = advance_row_max(m[half], row_max)
-        alphas.append(alpha)
-        safes.append(m_safe)
-        new_m.append(m_next)
-    probs = [kiln.exp2(x[i] - safes[(i // 2) % 2]) for i in range(BLOCK_N // 2)]
-    for half in kiln.static_range(2):
-        total = l[half] * alphas[half]
-        for i in kiln.static_range(BLOCK_N // 2):
-            if (i // 2) % 2 == half:
-                total = total + probs[i]
-        new_l.append(total)
-    p = wgmma.a_fragment_from_accumulator(wgmma.fragment_from_elements(probs), kiln.bf16)
-    return new_m, new_l, p, alphas
+    return tile_softmax(scores, m, l, key0, tid, key_limit, scale_log2, BLOCK_N, masked)
