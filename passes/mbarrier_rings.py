@@ -96,6 +96,9 @@ class Rings:
         self.full = {r[1] for _, r in self.ops if r[0] == "fill"}
         self.empty = {r[1] for _, r in self.ops if r[0] == "release"} - self.full
         if self.ops:
+            self._counted = _with_ancestors([op for op, _ in self.ops] + (
+                [virtual[0]] if virtual is not None else []))
+            self._kept: dict = {}  # ir.Block -> its counted ops, in order
             self._block(func.regions[0].blocks[0], {}, (), record=True)
             self._guarded_arms()
 
@@ -150,10 +153,20 @@ class Rings:
             self.facts[op] = facts
         state[key] = UNKNOWN if now is UNKNOWN else now + 1
 
+    def _ops_of(self, block: ir.Block) -> list:
+        """``block``'s ring ops, the virtual wait's op and the region ops around any of them:
+        the rest leave every count as it is (a loop or ``scf.if`` without ring ops joins a
+        state with itself), so the walk skips them. A loop's body is walked several times."""
+        kept = self._kept.get(block)
+        if kept is None:
+            counted = self._counted
+            kept = self._kept[block] = [op for op in (view.operation for view in block.operations)
+                                        if op in counted]
+        return kept
+
     def _block(self, block: ir.Block, state: dict, facts: tuple, record: bool) -> dict:
         state = dict(state)
-        for view in block.operations:
-            op = view.operation
+        for op in self._ops_of(block):
             if self.virtual is not None and op == self.virtual[0]:
                 key = (self.virtual[1], "wait")
                 if record:
@@ -284,6 +297,16 @@ class Rings:
                 if ring is not None and ring[0] == "arm":
                     return view.operation, ring
         return None
+
+
+def _with_ancestors(ops: list) -> set:
+    """``ops`` and every op around one of them."""
+    found = set()
+    for op in ops:
+        while op is not None and op not in found:
+            found.add(op)
+            op = op.parent.operation if op.parent is not None else None
+    return found
 
 
 def _inside(op, loop) -> bool:
