@@ -72,12 +72,13 @@ def _build_full_wait(gap: Gap) -> None:
     acquires next (its count of waits on that ring, the new one included), placed before the
     read or, hoisted, before the op around it that runs once per use."""
     func = enclosing_gpu_func(gap.event)
-    unit = Rings(func).unit_of(gap.event)
+    base = Rings(func)
+    unit = base.unit_of(gap.event)
     point = gap.place_before
-    if _dominating_wait(func, point, unit, gap.event):  # placed this walk, before the arms it was found in
+    if _dominating_wait(base, point, unit, gap.event):  # placed this walk, before the arms it was found in
         return
     while True:
-        rings = Rings(func, virtual=(point, unit))
+        rings = Rings(func, virtual=(point, unit), like=base)
         loops = enclosing_loops(point)
         if rings.virtual_count is not None and (
                 not loops or rings.steps.get((loops[0], (unit, "wait"))) == 1):
@@ -92,12 +93,12 @@ def _build_full_wait(gap: Gap) -> None:
                           "wait for it by hand before the read, "
                           "kiln.mbarrier.PhaseTracker(barriers).wait(use)")
         point = parent.operation
-    point, rings = _hoist_out_of_ifs(func, unit, point, rings)
+    point, rings = _hoist_out_of_ifs(func, unit, point, rings, base)
     with ir.InsertionPoint(point), gap.reader.location:
         build_ring_wait(unit, rings.virtual_count, rings.stages[unit], 0)
 
 
-def _hoist_out_of_ifs(func, unit, point, rings):
+def _hoist_out_of_ifs(func, unit, point, rings, base):
     """Move a wait for a use whose ring is armed only outside loops (a Q tile) before the
     ``scf.if`` ops around it that hold no other op of its ring (never past the producer's
     side), so reads after them are covered too; the count there is the same. That the use is
@@ -108,7 +109,7 @@ def _hoist_out_of_ifs(func, unit, point, rings):
     while point.parent is not None and point.parent.operation.name == "scf.if":
         outer = point.parent.operation
         inside = [op for op, ring in rings.ops if ring[1] == unit and _within(op, outer)]
-        hoisted = Rings(func, virtual=(outer, unit))
+        hoisted = Rings(func, virtual=(outer, unit), like=base)
         if inside or hoisted.virtual_count != rings.virtual_count:
             break
         point, rings = outer, hoisted
@@ -124,10 +125,10 @@ def _within(op: ir.Operation, outer: ir.Operation) -> bool:
     return False
 
 
-def _dominating_wait(func: ir.Operation, point: ir.Operation, unit, event) -> bool:
+def _dominating_wait(rings: Rings, point: ir.Operation, unit, event) -> bool:
     """Whether a wait on ``unit`` runs after ``event`` and before ``point`` in a block around
     ``point``, inside the innermost loop (an earlier iteration's wait acquired an earlier use)."""
-    waits = {op for op, ring in Rings(func).ops if ring[0] == "wait" and ring[1] == unit}
+    waits = {op for op, ring in rings.ops if ring[0] == "wait" and ring[1] == unit}
     op = point
     while op is not None and op.name != "gpu.func":
         found = False
