@@ -4,11 +4,17 @@ The analysis is :mod:`kiln.passes.wait_analysis` (shared with ``kiln-verify-wait
 tracked, what counts as a read, where a wait goes). This pass runs it with placement on: every
 gap is closed where it is found by the loosest wait that covers it (``vmcnt(N)`` with N the
 event's younger same-counter events), and the wait is applied to the state at once, so later
-reads are checked against it. One walk places every same-thread wait and the first
-cross-thread (mbarrier hand-over) wait, whose use count depends on the waits before it; further
-walks place the rest, and the last confirms nothing is left (a loop body's new wait may change
-what flows across a back-edge, which can only retire more). Cost: a few walks of the function,
-linear in its ops times the outstanding events (the gfx950 prefill kernel: about 0.1 s).
+reads are checked against it. One walk places every same-thread wait, every producer's
+empty-ring wait before a TMA load (each found as if those before it were built: a wait before
+an arm hands the buffer back for that arm's loads, and changes no arm's count) and the first
+consumer's cross-thread (mbarrier hand-over) wait, whose use count depends on the waits before
+it; further walks place the rest, and the last confirms nothing is left (a loop body's new wait
+may change what flows across a back-edge, which can only retire more). Every walk but the last
+closes a gap no earlier walk closed, among the pairs (read, async op) of the function as it
+came (a placed wait and its index arithmetic read no async result), so the walks end; a gap
+found again after its wait was placed is a compiler bug, reported at once. Cost: a few walks
+of the function, linear in its ops times the outstanding events (the gfx950 prefill kernel:
+about 0.1 s; the attention tutorial's TMA pipeline, 42 waits: about 1 s).
 
 Waits already in the IR (``rocdl.s.waitcnt``, ``nvgpu.device_async_wait``, ``amdgpu.lds_barrier``,
 ``nvvm.wgmma.wait.group.sync.aligned``, ``nvgpu.mbarrier.try_wait.parity``) are kept and counted.
@@ -51,9 +57,6 @@ from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnaly
                                        encode_gfx9_waitcnt)
 
 NAME = "kiln-insert-waits"
-# A walk places every same-thread wait and one cross-thread (mbarrier hand-over) wait, whose
-# use count depends on the waits before it; more rounds than this means the analysis is wrong.
-MAX_ROUNDS = 16
 
 
 def _wait_error(gap: Gap, what: str, fix: str) -> WaitError:
@@ -289,16 +292,29 @@ def insert_waits(module_op: ir.Operation, pass_=None) -> None:
             continue
         if vendor == "amd":
             _insert_drains(func)
-        for _ in range(MAX_ROUNDS):
-            if not WaitAnalysis(func, place=build_wait).placed:  # no gap left: proved
-                if proved is not None:
+        closed: set = set()  # the gaps earlier walks placed waits for
+        while True:
+            found: list = []
+            if not WaitAnalysis(func, place=lambda gap: _place_new(gap, closed, found)).placed:
+                if proved is not None:  # no gap left: proved
                     proved.add(func)
                 break
-        else:
-            raise InternalError(
-                f"kiln-insert-waits did not converge in {MAX_ROUNDS} rounds on "
-                f"{ir.StringAttr(func.attributes['sym_name']).value}",
-                fix="set KILN_DUMP_DIR and attach the kernel's .gpu.mlir to the report")
+            closed.update(found)
+
+
+def _place_new(gap: Gap, closed: set, found: list) -> None:
+    """Build the wait for ``gap`` unless an earlier walk already built one for it (then the
+    analysis does not see its own waits: an InternalError, not another walk)."""
+    key = (gap.reader, gap.event, gap.counter, gap.overwrite, gap.release, gap.rewrite)
+    if key in closed:
+        func = enclosing_gpu_func(gap.reader)
+        raise InternalError(
+            f"kiln-insert-waits found the gap of the {op_label(gap.reader)} at "
+            f"{where(gap.reader)} again after placing its wait, in "
+            f"{ir.StringAttr(func.attributes['sym_name']).value}",
+            fix="set KILN_DUMP_DIR and attach the kernel's .gpu.mlir to the report")
+    found.append(key)
+    build_wait(gap)
 
 
 register_pass(NAME, insert_waits,
