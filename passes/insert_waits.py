@@ -14,7 +14,7 @@ closes a gap no earlier walk closed, among the pairs (read, async op) of the fun
 came (a placed wait and its index arithmetic read no async result), so the walks end; a gap
 found again after its wait was placed is a compiler bug, reported at once. Cost: a few walks
 of the function, linear in its ops times the outstanding events (the gfx950 prefill kernel:
-about 0.1 s; the attention tutorial's TMA pipeline, 42 waits: about 1 s).
+about 0.1 s; the attention tutorial's TMA pipeline, 42 waits: about 1.4 s).
 
 Waits already in the IR (``rocdl.s.waitcnt``, ``nvgpu.device_async_wait``, ``amdgpu.lds_barrier``,
 ``nvvm.wgmma.wait.group.sync.aligned``, ``nvgpu.mbarrier.try_wait.parity``) are kept and counted.

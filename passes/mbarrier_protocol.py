@@ -38,7 +38,7 @@ from mlir import ir
 
 from kiln.core.ops import MBARRIER
 
-PLACED = "placed"  # the last wait of a load whose empty-ring wait kiln-insert-waits builds
+PLACED = "placed"  # stands for the empty-ring wait kiln-insert-waits builds before a load's arm
 
 
 def _arms(steps, path, out):
@@ -183,9 +183,9 @@ def _loaded_groups(blocks) -> set:
 
 def _producer_gaps(body, arms: dict, make_gap, placed=frozenset()) -> dict:
     """The overwrite gaps of the TMA loads (load Step -> Gap, in walk order; module
-    docstring); the loads in ``placed`` have a
-    wait on their empty ring before their arm (one kiln-insert-waits is about to build): it
-    hands their buffers back, and those of the same group's loads after them."""
+    docstring). The loads in ``placed`` count as having a wait on their empty ring before
+    their arm (one kiln-insert-waits is about to build): it hands back their buffers and those
+    of the same group's loads after them."""
     readers, arrived, signalled = {}, set(), set()
     loops, order = {}, {}
     _loops_of(body, (), loops)
@@ -292,6 +292,6 @@ def cross_thread_gaps(body, make_gap, *, placing: bool = False) -> list:
     while True:
         found = _producer_gaps(body, walk.arms, make_gap, frozenset(placed))
         if not found:
-            return walk.gaps + list(placed.values())
+            return list(placed.values())
         load = next(iter(found))
         placed[load] = found[load]
