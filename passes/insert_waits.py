@@ -4,11 +4,17 @@ The analysis is :mod:`kiln.passes.wait_analysis` (shared with ``kiln-verify-wait
 tracked, what counts as a read, where a wait goes). This pass runs it with placement on: every
 gap is closed where it is found by the loosest wait that covers it (``vmcnt(N)`` with N the
 event's younger same-counter events), and the wait is applied to the state at once, so later
-reads are checked against it. One walk places every same-thread wait and the first
-cross-thread (mbarrier hand-over) wait, whose use count depends on the waits before it; further
-walks place the rest, and the last confirms nothing is left (a loop body's new wait may change
-what flows across a back-edge, which can only retire more). Cost: a few walks of the function,
-linear in its ops times the outstanding events (the gfx950 prefill kernel: about 0.1 s).
+reads are checked against it. One walk places every same-thread wait, every producer's
+empty-ring wait before a TMA load (each found as if those before it were built: a wait before
+an arm hands the buffer back for that arm's loads, and changes no arm's count) and the first
+consumer's cross-thread (mbarrier hand-over) wait, whose use count depends on the waits before
+it; further walks place the rest, and the last confirms nothing is left (a loop body's new wait
+may change what flows across a back-edge, which can only retire more). Every walk but the last
+closes a gap no earlier walk closed, among the pairs (read, async op) of the function as it
+came (a placed wait and its index arithmetic read no async result), so the walks end; a gap
+found again after its wait was placed is a compiler bug, reported at once. Cost: a few walks
+of the function, linear in its ops times the outstanding events (the gfx950 prefill kernel:
+about 0.1 s; the attention tutorial's TMA pipeline, 42 waits: about 1.4 s).
 
 Waits already in the IR (``rocdl.s.waitcnt``, ``nvgpu.device_async_wait``, ``amdgpu.lds_barrier``,
 ``nvvm.wgmma.wait.group.sync.aligned``, ``nvgpu.mbarrier.try_wait.parity``) are kept and counted.
@@ -51,9 +57,6 @@ from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnaly
                                        encode_gfx9_waitcnt)
 
 NAME = "kiln-insert-waits"
-# A walk places every same-thread wait and one cross-thread (mbarrier hand-over) wait, whose
-# use count depends on the waits before it; more rounds than this means the analysis is wrong.
-MAX_ROUNDS = 16
 
 
 def _wait_error(gap: Gap, what: str, fix: str) -> WaitError:
@@ -72,12 +75,13 @@ def _build_full_wait(gap: Gap) -> None:
     acquires next (its count of waits on that ring, the new one included), placed before the
     read or, hoisted, before the op around it that runs once per use."""
     func = enclosing_gpu_func(gap.event)
-    unit = Rings(func).unit_of(gap.event)
+    base = Rings(func)
+    unit = base.unit_of(gap.event)
     point = gap.place_before
-    if _dominating_wait(func, point, unit, gap.event):  # placed this walk, before the arms it was found in
+    if _dominating_wait(base, point, unit, gap.event):  # placed this walk, before the arms it was found in
         return
     while True:
-        rings = Rings(func, virtual=(point, unit))
+        rings = Rings(func, virtual=(point, unit), like=base)
         loops = enclosing_loops(point)
         if rings.virtual_count is not None and (
                 not loops or rings.steps.get((loops[0], (unit, "wait"))) == 1):
@@ -92,12 +96,12 @@ def _build_full_wait(gap: Gap) -> None:
                           "wait for it by hand before the read, "
                           "kiln.mbarrier.PhaseTracker(barriers).wait(use)")
         point = parent.operation
-    point, rings = _hoist_out_of_ifs(func, unit, point, rings)
+    point, rings = _hoist_out_of_ifs(func, unit, point, rings, base)
     with ir.InsertionPoint(point), gap.reader.location:
         build_ring_wait(unit, rings.virtual_count, rings.stages[unit], 0)
 
 
-def _hoist_out_of_ifs(func, unit, point, rings):
+def _hoist_out_of_ifs(func, unit, point, rings, base):
     """Move a wait for a use whose ring is armed only outside loops (a Q tile) before the
     ``scf.if`` ops around it that hold no other op of its ring (never past the producer's
     side), so reads after them are covered too; the count there is the same. That the use is
@@ -108,7 +112,7 @@ def _hoist_out_of_ifs(func, unit, point, rings):
     while point.parent is not None and point.parent.operation.name == "scf.if":
         outer = point.parent.operation
         inside = [op for op, ring in rings.ops if ring[1] == unit and _within(op, outer)]
-        hoisted = Rings(func, virtual=(outer, unit))
+        hoisted = Rings(func, virtual=(outer, unit), like=base)
         if inside or hoisted.virtual_count != rings.virtual_count:
             break
         point, rings = outer, hoisted
@@ -124,10 +128,10 @@ def _within(op: ir.Operation, outer: ir.Operation) -> bool:
     return False
 
 
-def _dominating_wait(func: ir.Operation, point: ir.Operation, unit, event) -> bool:
+def _dominating_wait(rings: Rings, point: ir.Operation, unit, event) -> bool:
     """Whether a wait on ``unit`` runs after ``event`` and before ``point`` in a block around
     ``point``, inside the innermost loop (an earlier iteration's wait acquired an earlier use)."""
-    waits = {op for op, ring in Rings(func).ops if ring[0] == "wait" and ring[1] == unit}
+    waits = {op for op, ring in rings.ops if ring[0] == "wait" and ring[1] == unit}
     op = point
     while op is not None and op.name != "gpu.func":
         found = False
@@ -288,16 +292,29 @@ def insert_waits(module_op: ir.Operation, pass_=None) -> None:
             continue
         if vendor == "amd":
             _insert_drains(func)
-        for _ in range(MAX_ROUNDS):
-            if not WaitAnalysis(func, place=build_wait).placed:  # no gap left: proved
-                if proved is not None:
+        closed: set = set()  # the gaps earlier walks placed waits for
+        while True:
+            found: list = []
+            if not WaitAnalysis(func, place=lambda gap: _place_new(gap, closed, found)).placed:
+                if proved is not None:  # no gap left: proved
                     proved.add(func)
                 break
-        else:
-            raise InternalError(
-                f"kiln-insert-waits did not converge in {MAX_ROUNDS} rounds on "
-                f"{ir.StringAttr(func.attributes['sym_name']).value}",
-                fix="set KILN_DUMP_DIR and attach the kernel's .gpu.mlir to the report")
+            closed.update(found)
+
+
+def _place_new(gap: Gap, closed: set, found: list) -> None:
+    """Build the wait for ``gap`` unless an earlier walk already built one for it (then the
+    analysis does not see its own waits: an InternalError, not another walk)."""
+    key = (gap.reader, gap.event, gap.counter, gap.overwrite, gap.release, gap.rewrite)
+    if key in closed:
+        func = enclosing_gpu_func(gap.reader)
+        raise InternalError(
+            f"kiln-insert-waits found the gap of the {op_label(gap.reader)} at "
+            f"{where(gap.reader)} again after placing its wait, in "
+            f"{ir.StringAttr(func.attributes['sym_name']).value}",
+            fix="set KILN_DUMP_DIR and attach the kernel's .gpu.mlir to the report")
+    found.append(key)
+    build_wait(gap)
 
 
 register_pass(NAME, insert_waits,

@@ -38,6 +38,8 @@ from mlir import ir
 
 from kiln.core.ops import MBARRIER
 
+PLACED = "placed"  # stands for the empty-ring wait kiln-insert-waits builds before a load's arm
+
 
 def _arms(steps, path, out):
     """Record every step's arm path: ``((if step, arm index), ...)`` from the function down."""
@@ -179,8 +181,11 @@ def _loaded_groups(blocks) -> set:
                                            for g in _loaded_groups(step.blocks)}
 
 
-def _producer_gaps(body, arms: dict, make_gap) -> list:
-    """The overwrite gaps of the TMA loads (module docstring)."""
+def _producer_gaps(body, arms: dict, make_gap, placed=frozenset()) -> dict:
+    """The overwrite gaps of the TMA loads (load Step -> Gap, in walk order; module
+    docstring). The loads in ``placed`` count as having a wait on their empty ring before
+    their arm (one kiln-insert-waits is about to build): it hands back their buffers and those
+    of the same group's loads after them."""
     readers, arrived, signalled = {}, set(), set()
     loops, order = {}, {}
     _loops_of(body, (), loops)
@@ -228,8 +233,10 @@ def _producer_gaps(body, arms: dict, make_gap) -> list:
                 last_wait, loaded = step.signal[0], set()
             elif step.counter == MBARRIER:
                 group = step.signal[0]
+                if step in placed:
+                    last_wait, loaded = PLACED, set()
                 reader = racing(step, first)
-                handed_back = last_wait in empty and loaded <= {group}
+                handed_back = (last_wait is PLACED or last_wait in empty) and loaded <= {group}
                 fenced = group not in read and not _cross(arms[step], arms[reader or step])
                 if reader is not None and not handed_back and not fenced:
                     gaps.setdefault(step, make_gap(step.op, reader.op, MBARRIER, 0, step.op,
@@ -256,13 +263,19 @@ def _producer_gaps(body, arms: dict, make_gap) -> list:
         return read
 
     visit(body, None, set(), frozenset(), frozenset())
-    return list(gaps.values())
+    return gaps
 
 
-def cross_thread_gaps(body, make_gap) -> list:
+def cross_thread_gaps(body, make_gap, *, placing: bool = False) -> list:
     """The reads in ``body`` (a WaitAnalysis op tree) of buffers TMA-loaded by another thread
     with no acquisition of the load's mbarrier on every path (module docstring), each made by
-    ``make_gap`` (the analysis's Gap class, passed in so this module need not import it)."""
+    ``make_gap`` (the analysis's Gap class, passed in so this module need not import it), then
+    the loads that may overwrite a buffer before its readers hand it back.
+
+    With ``placing`` (kiln-insert-waits), the loads' gaps are the ones its walks would close
+    one at a time, each found as if the waits for those before it were built: a wait before a
+    load's arm hands back the buffers of the same group's loads after it too, and no such
+    wait changes a read's gap or another load's arm count, so one walk places them all."""
     def has_load(steps) -> bool:
         return any(s.counter == MBARRIER or any(has_load(b) for b in s.blocks) for s in steps)
 
@@ -271,4 +284,14 @@ def cross_thread_gaps(body, make_gap) -> list:
     walk = _Walk(body, make_gap)
     walk.record = True
     walk.walk(body, frozenset())
-    return walk.gaps + _producer_gaps(body, walk.arms, make_gap)
+    if not placing:
+        return walk.gaps + list(_producer_gaps(body, walk.arms, make_gap).values())
+    if walk.gaps:  # kiln-insert-waits places the first reader's wait; the loads' come later
+        return walk.gaps
+    placed: dict = {}  # load Step -> its Gap, in the order they are found
+    while True:
+        found = _producer_gaps(body, walk.arms, make_gap, frozenset(placed))
+        if not found:
+            return list(placed.values())
+        load = next(iter(found))
+        placed[load] = found[load]

@@ -81,20 +81,33 @@ def stages_of(group: ir.Value) -> int:
 
 class Rings:
     """The rings of one ``gpu.func``: each ring op's count along its path and the facts there.
-    ``virtual=(op, group)`` counts a wait on ``group`` right before ``op`` (one being placed)."""
+    ``virtual=(op, group)`` counts a wait on ``group`` right before ``op`` (one being placed);
+    ``like``, the Rings of the same function, unchanged since, lends its ring ops (a wait
+    being placed is counted at several candidate points in turn)."""
 
-    def __init__(self, func: ir.Operation, virtual=None):
-        self.exprs = Exprs()
+    def __init__(self, func: ir.Operation, virtual=None, like: "Rings | None" = None):
         self.virtual = virtual
         self.counts: dict = {}   # ring op -> Lin | UNKNOWN (events of its kind before it)
         self.facts: dict = {}    # ring op -> facts at it
         self.steps: dict = {}    # (loop op, key) -> events per iteration (int | UNKNOWN)
         self.virtual_count = UNKNOWN
-        self.ops: list = []
-        func.operation.walk(self._collect)
-        self.stages = self._units()
+        if like is None:
+            self.exprs = Exprs()
+            self.ops: list = []
+            func.operation.walk(self._collect)
+            self.stages = self._units()
+            self._around = _with_ancestors([op for op, _ in self.ops])
+            self._kept: dict = {}  # ir.Block -> its ring ops and the ops around them, in order
+        else:
+            self.exprs, self.ops, self._by_op, self.stages = (like.exprs, like.ops, like._by_op,
+                                                              like.stages)
+            self._around, self._kept = like._around, like._kept
         self.full = {r[1] for _, r in self.ops if r[0] == "fill"}
         self.empty = {r[1] for _, r in self.ops if r[0] == "release"} - self.full
+        # the blocks that also hold the virtual wait's op or an op around it
+        extra = _with_ancestors([virtual[0]]) - self._around if virtual is not None else set()
+        self._extra = {op.block: None for op in extra}
+        self._counted = self._around | extra
         if self.ops:
             self._block(func.regions[0].blocks[0], {}, (), record=True)
             self._guarded_arms()
@@ -150,10 +163,21 @@ class Rings:
             self.facts[op] = facts
         state[key] = UNKNOWN if now is UNKNOWN else now + 1
 
+    def _ops_of(self, block: ir.Block) -> list:
+        """``block``'s ring ops, the virtual wait's op and the region ops around any of them:
+        the rest leave every count as it is (a loop or ``scf.if`` without ring ops joins a
+        state with itself), so the walk skips them. A loop's body is walked several times."""
+        cache = self._extra if block in self._extra else self._kept
+        kept = cache.get(block)
+        if kept is None:
+            counted = self._counted
+            kept = cache[block] = [op for op in (view.operation for view in block.operations)
+                                   if op in counted]
+        return kept
+
     def _block(self, block: ir.Block, state: dict, facts: tuple, record: bool) -> dict:
         state = dict(state)
-        for view in block.operations:
-            op = view.operation
+        for op in self._ops_of(block):
             if self.virtual is not None and op == self.virtual[0]:
                 key = (self.virtual[1], "wait")
                 if record:
@@ -284,6 +308,16 @@ class Rings:
                 if ring is not None and ring[0] == "arm":
                     return view.operation, ring
         return None
+
+
+def _with_ancestors(ops: list) -> set:
+    """``ops`` and every op around one of them inside their ``gpu.func``."""
+    found = set()
+    for op in ops:
+        while op.name != "gpu.func" and op not in found:
+            found.add(op)
+            op = op.parent.operation
+    return found
 
 
 def _inside(op, loop) -> bool:

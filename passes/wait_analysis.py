@@ -245,12 +245,13 @@ class WaitAnalysis:
                                              if s.roots is None})
         self._resolve_reads(body)
         self._walk(body, {})
-        for gap in cross_thread_gaps(body, Gap):
+        for gap in cross_thread_gaps(body, Gap, placing=self._place is not None):
             self.gaps.append(gap)
-            if self._place is not None:  # one per walk: its wait may cover the later reads
+            if self._place is not None:
                 self._place(gap)
                 self.placed += 1
-                break
+                if not gap.overwrite:  # a reader's wait may cover later reads: one per walk
+                    break
 
     # -- the op tree -------------------------------------------------------------------------
     def _build(self, block: ir.Block) -> list[Step]:
