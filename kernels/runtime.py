@@ -343,8 +343,11 @@ def key_of(values: tuple) -> tuple:
 def clear_plans() -> None:
     """Forget every entry point's plans (they hold bound launches of the runtime that made
     them)."""
+    from .one_call import clear_slots  # the one-call objects of those plans
+
     for cache in _CACHES:
         cache.clear()
+    clear_slots()
 
 
 # --- launches -------------------------------------------------------------------------------

@@ -90,7 +90,8 @@ class BoundLaunch:
     ``current_stream()`` is the handle a call with ``stream=None`` would launch on (the
     current stream of the example tensors' library); ``launch_on(stream, *pointers)`` launches
     on such a handle: through the shim it is a C callable, so a library entry point that read
-    the stream pays no Python frame per launch.
+    the stream pays no Python frame per launch. ``native`` is ``(record address, fallback)``
+    for the shim's ``call_plan`` (None without the shim, or with ``KILN_LAUNCH_BLOCKING``).
     """
 
     def __init__(self, ck, grid, args: Sequence):
@@ -147,10 +148,12 @@ class BoundLaunch:
         # launch_on(stream, *pointers): through the shim one C call (no Python frame; a memo
         # miss calls this launch back), else the method. No reference back to self: a cycle
         # would leave the launcher's teardown to the cyclic collector.
+        self.native = None
         if shim is not None and self._after_launch is None:
             fallback = _fallback(weakref.ref(self), self._arguments)
             self.launch_on = functools.partial(shim.launch_direct, self._record, fallback)
             self.launch_outputs = functools.partial(shim.launch_outputs, self._record, fallback)
+            self.native = (self._record, fallback)  # for kiln.kernels.one_call
 
     def __call__(self, *pointers: int, stream=None) -> None:
         if len(pointers) != len(self._slots):
