@@ -1,7 +1,8 @@
 """Repeat calls of the library entry points on the GPU (issue 42's host path). A steady-state
 call of ``prefill``, ``decode``, ``decode_attention``, ``combine`` or ``matmul`` is its plan's
 guard (torch's C++ tensor guard where this torch has one) and one C call of its bound launch
-(``launch_outputs``: the fresh outputs, the addresses, the launch). Checked here on fresh
+(``launch_outputs``: the fresh outputs, the addresses, the launch), and from the second repeat
+on one C call of its one-call object (:mod:`kiln.kernels.one_call`). Checked here on fresh
 random inputs and a poisoned allocator pool: right values, outputs fresh per call (a call's
 outputs one allocation through the torch bridge, apart, sharing no storage with an earlier
 call's or an input), the plan hit (no new plan), the current torch stream followed, and the
@@ -13,7 +14,9 @@ import pytest
 from attention_reference import (_host, assert_attention_close, assert_paged_attention_close,
                                  poison_cuda_pool)
 from kiln.core import env
+from kiln.kernels.one_call import one_call_hits
 from kiln.runtime import native_torch
+from kiln.runtime.native import native_module
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
@@ -122,11 +125,12 @@ def test_repeat_calls_return_fresh_right_outputs_on_the_current_stream(name):
     inputs = make()
     check(call(*inputs), *inputs)  # compiles, plans, binds (the check's own calls too)
     builds = [cache.builds for cache in runtime._CACHES]
-    kept, side = [], torch.cuda.Stream()
+    kept, side, served = [], torch.cuda.Stream(), 0
     for i in range(3):
         for x, fresh in zip(inputs, make()):  # new values, same tensors: the plan's guard hits
             x.copy_(fresh)
         poison_cuda_pool(torch, 64 << 20)
+        hits = one_call_hits()
         if i == 2:  # on a side stream: the launch follows torch's current stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -134,10 +138,12 @@ def test_repeat_calls_return_fresh_right_outputs_on_the_current_stream(name):
             torch.cuda.current_stream().wait_stream(side)
         else:
             out = call(*inputs)
+        served += one_call_hits() - hits
         torch.cuda.synchronize()
         check(out, *inputs)
         kept.append(_tensors(out))
     assert [cache.builds for cache in runtime._CACHES] == builds  # every repeat call a hit
+    assert served == (3 if native_module() is not None else 0)  # each one C call
     seen = _storages(inputs) + [_storages(outs)[0] for outs in kept]
     assert len(set(seen)) == len(seen)  # no call's outputs share storage with another's or an input
     joint = native_torch.torch_bridge() is not None and env.joint_outputs()

@@ -155,10 +155,7 @@ def matmul(a, b, *, scale_a=None, scale_b=None, trans_b=False, out_dtype=None, t
     elif scale_a is not None or scale_b is not None:
         plan = None
     if plan is not None:  # one C call: c's allocation, the addresses, the launch
-        _ONE_CALL.install(plan.calls, "matmul", lambda: one_call(
-            (a, b, None, None, trans_b, out_dtype, target, backend),
-            [(plan.bound, [value(0), value(1), output(0)])],
-            stream=plan.bound.current_stream, makers=plan.fresh_c.makers))
+        _install(plan, (a, b, None, None, trans_b, out_dtype, target, backend))
         bound = plan.bound
         return bound.launch_outputs(plan.fresh_c.makers, bound.current_stream(), a, b, None)
     if hasattr(a, "dtype") and is_fp8(_dtype_name(a)):
@@ -172,8 +169,17 @@ def matmul(a, b, *, scale_a=None, scale_b=None, trans_b=False, out_dtype=None, t
     chip = resolve_target(target)
     if backend != "interpret" and chip.has_wgmma and runtime.bindable(a, b) and c.numel() and \
             a.shape[1] % STRIDE_ALIGN == 0 and c.shape[1] % STRIDE_ALIGN == 0:  # not padded
-        _PLANS.add(key_of(values), _bind(a, b, c, trans_b, chip.name), values)
+        _install(_PLANS.add(key_of(values), _bind(a, b, c, trans_b, chip.name), values),
+                 (a, b, None, None, trans_b, out_dtype, target, backend))
     return c
+
+
+def _install(plan, values: tuple) -> None:
+    """Make ``plan``'s one-call object (``values``: :func:`matmul`'s, in order) the one a
+    repeat call tries first."""
+    _ONE_CALL.install(plan.calls, "matmul", lambda: one_call(
+        values, [(plan.bound, [value(0), value(1), output(0)])],
+        stream=plan.bound.current_stream, makers=plan.fresh_c.makers))
 
 
 # Bound torch plans by the operands' specs and the options (see kiln.kernels.runtime), made
