@@ -302,9 +302,12 @@ class PlanCache(dict):
         return plan
 
     def clear(self) -> None:
+        from .one_call import clear_slots  # the entry points' one-call objects of plans
+
         super().clear()
         self._guards.clear()
         self.last = (_never, None)
+        clear_slots()
 
     def _remember(self, key, values: tuple, plan) -> None:
         guard = self._guards.get(key, _never)
@@ -343,11 +346,8 @@ def key_of(values: tuple) -> tuple:
 def clear_plans() -> None:
     """Forget every entry point's plans (they hold bound launches of the runtime that made
     them)."""
-    from .one_call import clear_slots  # the one-call objects of those plans
-
     for cache in _CACHES:
         cache.clear()
-    clear_slots()
 
 
 # --- launches -------------------------------------------------------------------------------
