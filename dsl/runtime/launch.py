@@ -123,8 +123,8 @@ class BoundLaunch:
                 slots.append(len(flat))
             convert(value, flat, None)
         self._slots = tuple(slots)
-        self._current_stream = _bound_stream_source(args)
-        self.current_stream = self._current_stream  # an instance attribute: no method frame
+        # an instance attribute: no method frame
+        self.current_stream = self._current_stream = _bound_stream_source(args)
         self._after_launch = plan.after_launch
         self._stream_slot = self._launcher.stream_slot
         self._arguments = self._launcher.new_arguments()
@@ -136,7 +136,7 @@ class BoundLaunch:
         # from the cache (_launch_missed, which memoises it).
         self._map_positions = tuple((i, slot) for i, slot in enumerate(slots) if slot < 0)
         shim = getattr(self._launcher, "shim", None)
-        self._native = None
+        self._native = self.native = None
         if shim is not None:
             self._arguments.bind_pointer_slots(self._slots)
             self._record, self._native_pointers = self._arguments.address, shim.launch_pointers
@@ -148,7 +148,6 @@ class BoundLaunch:
         # launch_on(stream, *pointers): through the shim one C call (no Python frame; a memo
         # miss calls this launch back), else the method. No reference back to self: a cycle
         # would leave the launcher's teardown to the cyclic collector.
-        self.native = None
         if shim is not None and self._after_launch is None:
             fallback = _fallback(weakref.ref(self), self._arguments)
             self.launch_on = functools.partial(shim.launch_direct, self._record, fallback)
