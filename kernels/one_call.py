@@ -130,7 +130,7 @@ def one_call(values: Sequence, launches: Sequence[tuple], *, stream: Callable,
         native = getattr(bound, "native", None)
         if native is None:
             return None
-        specs.append((*native, tuple(items)))
+        specs.append((*native, tuple(items), bound))  # the bound launch keeps its module
     if tensors and checker is None:
         return None
     count = 1 + max((i for _, items in launches for kind, i in items if kind == 3), default=-1)

@@ -23,9 +23,10 @@
  *             addresses) of the plan's internal buffers, at least count addresses
  *             (kiln.kernels.workspaces.StreamWorkspaces.get); the set of one stream is kept
  *             here while capturing() is false and keep is true
- *   launches  ((record address, fallback, items), ...), launched in order; an item is
- *             (CALL_CONST, address), (CALL_INPUT, value index), (CALL_OUTPUT, output index) or
- *             (CALL_SPACE, workspace address index), one per address of the bound launch
+ *   launches  ((record address, fallback, items[, owner]), ...), launched in order; an item
+ *             is (CALL_CONST, address), (CALL_INPUT, value index), (CALL_OUTPUT, output index)
+ *             or (CALL_SPACE, workspace address index), one per address of the bound launch;
+ *             owner (the bound launch, which keeps the kernel's module loaded) is only held
  */
 #include "native_launch.h"
 
@@ -297,9 +298,9 @@ static int parse_launches(CallPlan *p, PyObject *launches)
     }
     for (Py_ssize_t l = 0; l < p->n_launches; l++) {
         PyObject *spec = PyTuple_GET_ITEM(launches, l);
-        if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 3 ||
+        if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) < 3 || PyTuple_GET_SIZE(spec) > 4 ||
                 !PyCallable_Check(PyTuple_GET_ITEM(spec, 1)))
-            return bad_spec("a launch is (record address, fallback, items)");
+            return bad_spec("a launch is (record address, fallback, items[, owner])");
         call_launch *launch = &p->launches[l];
         launch->record = record_of(PyTuple_GET_ITEM(spec, 0));
         if (launch->record == NULL)
