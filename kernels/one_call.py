@@ -49,8 +49,9 @@ def one_call_hits() -> int:
 
 
 class OneCallSlot:
-    """An entry point's one-call object of its last plan (see the module docs); emptied by
-    :func:`kiln.kernels.runtime.clear_plans` with the plans."""
+    """An entry point's one-call object of its last plan (see the module docs); emptied with
+    the plans (:meth:`kiln.kernels.runtime.PlanCache.clear`).
+    Example: ``_MATMUL = OneCallSlot()``; ``_MATMUL.install(plan.calls, "matmul", build)``."""
 
     __slots__ = ("call",)
 
@@ -109,7 +110,15 @@ def one_call(values: Sequence, launches: Sequence[tuple], *, stream: Callable,
     ``launch_outputs`` takes them); ``result``: None to return the fresh outputs, else the
     indices of the values to return (``out=``); ``workspace``: the plan's
     :class:`~kiln.kernels.workspaces.StreamWorkspaces`; ``aligns``: ``(value index, bytes)``
-    of tensors whose address must be a multiple of ``bytes`` (else the Python path runs)."""
+    of tensors whose address must be a multiple of ``bytes`` (else the Python path runs).
+
+    Example (``matmul``'s: ``c`` fresh, ``a`` and ``b`` the call's first two values)::
+
+        call = one_call((a, b, None, None, False, None, None, None),
+                        [(plan.bound, [value(0), value(1), output(0)])],
+                        stream=plan.bound.current_stream, makers=plan.fresh_c.makers)
+        c = call(a2, b2, None, None, False, None, None, None)   # None: not this plan's
+    """
     shim = native_module()
     if not _ENABLED[0] or shim is None or not hasattr(shim, "call_plan"):
         return None
