@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from .plan_guard import _exact
-from .runtime import _tensor_check, is_torch, native_module
+from .runtime import _tensor_check, capture_status_address, is_torch, native_module
 
 _SLOTS: list["OneCallSlot"] = []
 _ENABLED = [True]  # use_one_call's switch
@@ -109,7 +109,9 @@ def one_call(values: Sequence, launches: Sequence[tuple], *, stream: Callable,
     ``stream``: the current stream's getter; ``makers``: the fresh outputs' makers (as
     ``launch_outputs`` takes them); ``result``: None to return the fresh outputs, else the
     indices of the values to return (``out=``); ``workspace``: the plan's
-    :class:`~kiln.kernels.workspaces.StreamWorkspaces`; ``aligns``: ``(value index, bytes)``
+    :class:`~kiln.kernels.workspaces.StreamWorkspaces` (whose capture check becomes the
+    driver's, :func:`~kiln.kernels.runtime.capture_status_address`, where it is torch's own
+    and the runtime has one); ``aligns``: ``(value index, bytes)``
     of tensors whose address must be a multiple of ``bytes`` (else the Python path runs).
 
     Example (``matmul``'s: ``c`` fresh, ``a`` and ``b`` the call's first two values)::
@@ -143,7 +145,10 @@ def one_call(values: Sequence, launches: Sequence[tuple], *, stream: Callable,
     if tensors and checker is None:
         return None
     count = 1 + max((i for _, items in launches for kind, i in items if kind == 3), default=-1)
-    spaces = None if workspace is None else (workspace.get, workspace.capturing,
-                                             workspace.keep, count)
+    spaces = None
+    if workspace is not None:  # the driver's capture check where the runtime has it
+        capturing = capture_status_address() if workspace.native_check else None
+        spaces = (workspace.get, workspace.capturing if capturing is None else capturing,
+                  workspace.keep, count)
     return shim.call_plan(tuple(entries), checker, tuple(aligns), makers, result, stream,
                           spaces, tuple(specs))

@@ -55,6 +55,8 @@ class StreamWorkspaces:
         self._capture_id = capture_id
         # Whether the current stream captures: torch's check unless a test passes its own.
         self.capturing = capturing or _capture_check()
+        # torch's check of the current stream: a one C call may ask the driver instead
+        self.native_check = capturing is None
 
     def get(self, stream: int | None) -> Any:
         """The set for a call on ``stream`` (the current torch stream's handle)."""

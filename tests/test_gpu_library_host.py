@@ -177,3 +177,33 @@ def test_repeat_calls_capture_and_replay_in_a_cuda_graph(name):
         graph.replay()
         torch.cuda.synchronize()
         check(out, *inputs)
+
+
+def test_a_captured_one_call_takes_a_workspace_of_its_own():
+    """decode_attention's one C call inside a CUDA-graph capture: the driver's capture check
+    sends it to the capture's own partials and tickets (not the eager ones of any stream),
+    and the graph replays right on new inputs."""
+    from kiln.kernels.attention import decode_attention
+    from kiln.kernels.attention.decode_plan import PLANS
+
+    inputs = _paged()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # plans and installs, then one eager one call
+        decode_attention(*inputs)
+        decode_attention(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    spaces = PLANS.last[1].spaces
+    kept, hits = dict(spaces._kept), one_call_hits()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(*inputs)
+    assert one_call_hits() - hits == 1 and len(spaces._captured) == 1
+    assert spaces._kept == kept  # no eager set made or taken
+    for x, fresh in zip(inputs, _paged()):
+        x.copy_(fresh)
+    for t in out:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_paged_attention_close(*out, *inputs)

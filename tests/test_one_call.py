@@ -56,6 +56,8 @@ def _bound(shim, name, ranks, driver=None):
 class _Spaces:
     """A StreamWorkspaces stand-in: counts the sets it makes, captures per ``capture``."""
 
+    native_check = False  # capturing() is the test's (torch's would be native_check)
+
     def __init__(self, keep=True):
         self.keep, self.capture, self.made = keep, False, []
 
@@ -116,6 +118,31 @@ def test_a_matching_call_launches_every_kernel_with_its_items(shim, stand_ins, m
     call(_Fresh(256), 3, None, "fast")
     call(_Fresh(256), 3, None, "fast")
     assert len(spaces.made) == 4
+
+
+def test_the_drivers_capture_check_decides_when_the_runtime_has_one(shim, stand_ins,
+                                                                   monkeypatch):
+    """cuStreamIsCapturing by its address (a ctypes stand-in here): status 0 keeps the
+    stream's set, a capture or an error asks the getter every call, with the stream handle."""
+    import ctypes
+
+    answers, asked = [(0, 0)], []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+    def is_capturing(stream, status):
+        asked.append(stream)
+        status[0] = answers[0][1]
+        return answers[0][0]
+
+    monkeypatch.setattr(_Spaces, "native_check", True)
+    monkeypatch.setattr("kiln.kernels.one_call.capture_status_address",
+                        lambda: ctypes.cast(is_capturing, ctypes.c_void_p).value)
+    call, recorders, spaces, streams, _ = _plan(shim)
+    spaces.capture = True  # the Python check would say so: the driver's is asked instead
+    for answer, sets in (((0, 0), 1), ((0, 0), 1), ((0, 1), 2), ((0, 1), 3), ((900, 0), 4)):
+        answers[0] = answer
+        assert call(_Fresh(256), 3, None, "fast") is not None
+        assert len(spaces.made) == sets and asked[-1] == 0x77
 
 
 @pytest.mark.parametrize("args", [

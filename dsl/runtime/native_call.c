@@ -22,7 +22,8 @@
  *   workspace None, or (getter, capturing, keep, count): getter(stream) gives (owners,
  *             addresses) of the plan's internal buffers, at least count addresses
  *             (kiln.kernels.workspaces.StreamWorkspaces.get); the set of one stream is kept
- *             here while capturing() is false and keep is true
+ *             here while the stream captures nothing (capturing() is false, or capturing is
+ *             the address of cuStreamIsCapturing and it says so) and keep is true
  *   launches  ((record address, fallback, items[, owner]), ...), launched in order; an item
  *             is (CALL_CONST, address), (CALL_INPUT, value index), (CALL_OUTPUT, output index)
  *             or (CALL_SPACE, workspace address index), one per address of the bound launch;
@@ -39,6 +40,8 @@ typedef struct {
     int32_t kind;
     uint64_t value;
 } call_item;
+
+typedef int (*capture_status_fn)(void *stream, int *status);  /* cuStreamIsCapturing */
 
 typedef struct {
     launch_record *record;
@@ -60,6 +63,7 @@ typedef struct {
     Py_ssize_t align_index[MAX_ALIGNS];
     uint64_t align_bytes[MAX_ALIGNS];
     PyObject *checker, *makers, *result, *stream, *ws_getter, *ws_capturing;
+    capture_status_fn ws_status;  /* cuStreamIsCapturing, or NULL: ws_capturing is asked */
     int ws_keep;
     unsigned long long hits;  /* calls served (the benches report it) */
     call_launch *launches;
@@ -118,11 +122,16 @@ static int workspace_of(CallPlan *p, PyObject *stream, uint64_t handle, uint64_t
                         PyObject **held)
 {
     *held = NULL;
-    PyObject *capturing = PyObject_CallNoArgs(p->ws_capturing);
-    if (capturing == NULL)
-        return -1;
-    int eager = capturing == Py_False;
-    Py_DECREF(capturing);
+    int eager, status = 0;
+    if (p->ws_status != NULL) {  /* an error (an implicit capture) counts as capturing */
+        eager = p->ws_status((void *)(uintptr_t)handle, &status) == 0 && status == 0;
+    } else {
+        PyObject *capturing = PyObject_CallNoArgs(p->ws_capturing);
+        if (capturing == NULL)
+            return -1;
+        eager = capturing == Py_False;
+        Py_DECREF(capturing);
+    }
     if (eager && p->ws_held != NULL && p->ws_stream == handle) {
         memcpy(values, p->ws_values, sizeof(uint64_t) * (size_t)p->ws_count);
         return 0;
@@ -360,6 +369,7 @@ PyObject *call_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     p->result = args[4];
     p->stream = args[5];
     p->ws_getter = p->ws_capturing = NULL;
+    p->ws_status = NULL;
     p->ws_keep = 0;
     if (workspace != Py_None) {
         if (!PyTuple_Check(workspace) || PyTuple_GET_SIZE(workspace) != 4) {
@@ -368,6 +378,13 @@ PyObject *call_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         p->ws_getter = PyTuple_GET_ITEM(workspace, 0);
         p->ws_capturing = PyTuple_GET_ITEM(workspace, 1);
+        if (PyLong_Check(p->ws_capturing)) {  /* the driver's check, by its address */
+            p->ws_status = (capture_status_fn)PyLong_AsVoidPtr(p->ws_capturing);
+            if (p->ws_status == NULL) {
+                bad_spec("a null capture check");
+                goto error;
+            }
+        }
         p->ws_keep = PyObject_IsTrue(PyTuple_GET_ITEM(workspace, 2));
         p->ws_count = PyLong_AsSsize_t(PyTuple_GET_ITEM(workspace, 3));
         if (PyErr_Occurred() || p->ws_count < 0 || p->ws_count > MAX_SPACES) {
