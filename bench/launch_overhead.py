@@ -303,6 +303,9 @@ def use_variant(variant: tuple, bridge) -> None:
     use_launcher(variant[1])
 
 
+_LAUNCHER = [None]  # the kind use_launcher set last
+
+
 def use_launcher(kind: str) -> None:
     """Launch through ``kind`` (``KILN_LAUNCHER``) from now on: every compiled kernel's plan,
     every library plan and every cached ``kernel[grid]`` launch is dropped, so the next call
@@ -313,8 +316,10 @@ def use_launcher(kind: str) -> None:
     from kiln.kernels import runtime
     from kiln.lowering.compiler import CompiledKernel
 
-    os.environ["KILN_LAUNCHER"] = kind
     runtime.clear_plans()
+    if _LAUNCHER[0] == kind:  # the launchers made are of this kind already
+        return
+    _LAUNCHER[0] = os.environ["KILN_LAUNCHER"] = kind
     for obj in gc.get_objects():
         kind_of = type(obj)  # not isinstance: it would read lazy attributes of torch's modules
         if kind_of is CompiledKernel and "_launch_plan" in vars(obj):

@@ -1,0 +1,121 @@
+"""One C call a library call against each entry point's Python path, on the GPU machine, in
+one process and few compiles (issue 42; :mod:`kiln.kernels.one_call`).
+
+First, correctness on ``bench/launch_overhead.py``'s inputs: each entry point's outputs
+through its one C call equal those of its Python path on the same inputs (both in turns on
+one plan), no NaN; ``decode_attention`` captured in a CUDA graph through the one call and
+replayed on new inputs equals an eager call on them. Then host µs per call (median and
+fastest batch), eager and graph µs, one path after the other in turns A B B A
+(``launch_overhead.run_library`` with ``--turns`` rounds), with the one-call hits per row;
+entry points in the order given by ``--only`` (matmul with its first config, untuned: the
+host path is the same for any config). Prints rows as they come and a table last.
+
+Usage: ``python bench/host_one_call.py --only decode_attention,decode,combine,prefill,matmul``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from launch_overhead import _print_table, _ratios, library_calls, run_library
+
+
+def _tensors(out) -> list:
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+def check_paths(torch, calls: dict) -> dict:
+    """name -> whether the one call's outputs equal the Python path's (same inputs, no NaN)."""
+    from kiln.kernels.one_call import clear_slots, one_call_hits
+
+    verdicts = {}
+    for name, call in calls.items():
+        call()
+        clear_slots()  # the next call takes the Python path (and installs the one call)
+        python = [t.clone() for t in _tensors(call())]
+        hits = one_call_hits()
+        one = _tensors(call())
+        torch.cuda.synchronize()
+        pairs = list(zip(one, python)) if len(one) == len(python) else []
+        verdicts[name] = {
+            "equal": bool(pairs) and all(torch.equal(a, b) for a, b in pairs),
+            "close": bool(pairs) and all(torch.allclose(a.float(), b.float(), rtol=1e-5,
+                                                        atol=1e-5) for a, b in pairs),
+            "nan": any(bool(torch.isnan(a.float()).any()) for a in one),
+            "one call": one_call_hits() - hits}
+        print(f"  check {name}: {verdicts[name]}", flush=True)
+    return verdicts
+
+
+def check_capture(torch, target: str = "sm_90a") -> bool:
+    """decode_attention captured through its one C call, replayed on new inputs, against an
+    eager call on those inputs."""
+    from kiln.kernels.attention import decode_attention
+
+    gen = torch.Generator().manual_seed(1)
+
+    def paged():
+        kc = torch.randn(64, 64, 8, 128, generator=gen).cuda().bfloat16()
+        table = torch.randperm(64, generator=gen).cuda().int().view(2, 32)
+        return [torch.randn(2, 1, 32, 128, generator=gen).cuda().bfloat16(), kc,
+                torch.randn(64, 64, 8, 128, generator=gen).cuda().bfloat16(), table,
+                torch.tensor([2000, 777], dtype=torch.int32, device="cuda")]
+
+    inputs = paged()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decode_attention(*inputs, target=target)
+        decode_attention(*inputs, target=target)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(*inputs, target=target)
+    for x, fresh in zip(inputs, paged()):
+        x.copy_(fresh)
+    graph.replay()
+    want = decode_attention(*inputs, target=target)
+    torch.cuda.synchronize()
+    return all(torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+               for a, b in zip(out, want))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="decode_attention,decode,combine,prefill,matmul")
+    parser.add_argument("--batches", type=int, default=9)
+    parser.add_argument("--turns", type=int, default=2)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    import torch
+
+    from kiln.kernels.gemm import HOPPER_CONFIGS, hopper_autotuner
+    from launch_bridge_report import load_bridge
+
+    key = hopper_autotuner.key_of((None, None, None, 1024, 1024, 1024, "bf16", "mn", "bf16",
+                                   "sm_90a"), {})
+    hopper_autotuner.best.setdefault(key, HOPPER_CONFIGS[0])
+    bridge, report = load_bridge()
+    names = [name for name in args.only.split(",") if name]
+    calls = library_calls(torch, "cuda")
+    results: dict = {"torch_bridge": report, "library": []}
+    results["checks"] = check_paths(torch, {n: c for n, c in calls.items()
+                                            if n.split(" ")[0] in names})
+    results["capture"] = check_capture(torch)
+    print(f"  capture through the one call equals eager: {results['capture']}", flush=True)
+    variants = (("", "native", True, True, True), ("pycall_", "native", True, True, False))
+    for name in names:
+        results["library"] += run_library(torch, args.batches, variants, bridge,
+                                          (name + " ",), args.turns)
+    results["ratios"] = _ratios(results)
+    _print_table(results)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
