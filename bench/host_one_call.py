@@ -8,7 +8,8 @@ replayed on new inputs equals an eager call on them. Then host µs per call (med
 fastest batch), eager and graph µs, one path after the other in turns A B B A
 (``launch_overhead.run_library`` with ``--turns`` rounds), with the one-call hits per row;
 entry points in the order given by ``--only`` (matmul with its first config, untuned: the
-host path is the same for any config). Prints rows as they come and a table last.
+host path is the same for any config). Each entry point is checked then timed before the next (a run cut short keeps those); prints
+rows as they come and a table last.
 
 Usage: ``python bench/host_one_call.py --only decode_attention,decode,combine,prefill,matmul``.
 """
@@ -100,15 +101,18 @@ def main(argv=None) -> int:
     bridge, report = load_bridge()
     names = [name for name in args.only.split(",") if name]
     calls = library_calls(torch, "cuda")
-    results: dict = {"torch_bridge": report, "library": []}
-    results["checks"] = check_paths(torch, {n: c for n, c in calls.items()
-                                            if n.split(" ")[0] in names})
-    results["capture"] = check_capture(torch)
-    print(f"  capture through the one call equals eager: {results['capture']}", flush=True)
+    results: dict = {"torch_bridge": report, "library": [], "checks": {}}
     variants = (("", "native", True, True, True), ("pycall_", "native", True, True, False))
-    for name in names:
+    for name in names:  # each entry point checked, then timed: a run cut short keeps those
+        results["checks"].update(check_paths(torch, {n: c for n, c in calls.items()
+                                                     if n.split(" ")[0] == name}))
         results["library"] += run_library(torch, args.batches, variants, bridge,
                                           (name + " ",), args.turns)
+        print("  " + " | ".join(f"{row['path'][5:30]} {row.get('us', 0):.2f} / "
+                                f"{row.get('pycall_us', 0):.2f}" for row in results["library"]
+                                if row["path"].startswith(f"kiln {name} ")), flush=True)
+    results["capture"] = check_capture(torch)
+    print(f"  capture through the one call equals eager: {results['capture']}", flush=True)
     results["ratios"] = _ratios(results)
     _print_table(results)
     if args.json:
