@@ -8,8 +8,8 @@ replayed on new inputs equals an eager call on them. Then host µs per call (med
 fastest batch), eager and graph µs, one path after the other in turns A B B A
 (``launch_overhead.run_library`` with ``--turns`` rounds), with the one-call hits per row;
 entry points in the order given by ``--only`` (matmul with its first config, untuned: the
-host path is the same for any config). Each entry point is checked then timed before the next (a run cut short keeps those); prints
-rows as they come and a table last.
+host path is the same for any config). Each entry point is checked then timed before the
+next (a run cut short keeps those); rows print as they come, a table last.
 
 Usage: ``python bench/host_one_call.py --only decode_attention,decode,combine,prefill,matmul``.
 """
