@@ -319,8 +319,21 @@ def _served(seen: dict) -> int:
     return sum(call.hits for call in seen.values())
 
 
+def _unfused(torch):
+    """decode_attention unfused (decode's launch, then combine's) on library_calls' inputs."""
+    from kiln.kernels.attention import decode_attention
+
+    gen = torch.Generator().manual_seed(0)
+    paged = (torch.randn(1, 1, 32, 128, generator=gen).bfloat16(),
+             torch.randn(64, 64, 8, 128, generator=gen).bfloat16(),
+             torch.randn(64, 64, 8, 128, generator=gen).bfloat16(),
+             torch.randperm(64, generator=gen).int()[None], torch.tensor([4000]).int())
+    return lambda: decode_attention(*paged, target="sm_90a", fused_combine=False)
+
+
 @pytest.mark.parametrize("name", ["prefill", "decode ", "decode_attention (same)",
-                                  "decode_attention (same, out=", "combine", "matmul"])
+                                  "decode_attention (same, out=", "combine", "matmul",
+                                  "unfused"])
 def test_entry_points_repeat_calls_are_one_call_launching_what_python_does(torch_library,
                                                                            shim, name):
     """The Python path (its slot emptied before the call) and the one call, in turns on one
@@ -328,7 +341,8 @@ def test_entry_points_repeat_calls_are_one_call_launching_what_python_does(torch
     same in the one calls, and every one that differs (a fresh output's address) differs."""
     torch, library_calls = torch_library
     with runtime.use_runtime(_RecordingRuntime(shim)) as rt:
-        call = next(c for n, c in library_calls(torch, "cpu").items() if n.startswith(name))
+        call = _unfused(torch) if name == "unfused" else next(
+            c for n, c in library_calls(torch, "cpu").items() if n.startswith(name))
         call()
         kept, launched, seen = [], {False: [], True: []}, {}
         _served(seen)  # the slot's object, with the calls it served so far
@@ -342,7 +356,7 @@ def test_entry_points_repeat_calls_are_one_call_launching_what_python_does(torch
             launched[one].append([launch[5] for (_, r), n in zip(rt.recorders, before)
                                   for launch in r.launches[n:]])
     (py1, py2), (one1, one2) = launched[False], launched[True]
-    assert len(py1) == len(py2) == len(one1) == len(one2) > 0
+    assert len(py1) == len(py2) == len(one1) == len(one2) == (2 if name == "unfused" else 1)
     fresh = 0
     for p1, p2, o1, o2 in zip(py1, py2, one1, one2):
         for a, b, c, d in zip(p1, p2, o1, o2):
