@@ -128,6 +128,13 @@ def run(launches: int, batches: int) -> dict:
     return rows
 
 
+def print_rows(rows: dict) -> None:
+    print(f"{'kernel':<34}{'params':>8}{'µs':>8}{'min µs':>8}{'over 12':>9}", flush=True)
+    for name, row in rows.items():
+        print(f"{name:<34}{row['params']:>8}{row['us']:>8.2f}{row['us_min']:>8.2f}"
+              f"{row['over 12 params']:>9.2f}", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=1000)
@@ -135,10 +142,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     rows = run(args.launches, args.batches)
-    print(f"{'kernel':<34}{'params':>8}{'µs':>8}{'min µs':>8}{'over 12':>9}")
-    for name, row in rows.items():
-        print(f"{name:<34}{row['params']:>8}{row['us']:>8.2f}{row['us_min']:>8.2f}"
-              f"{row['over 12 params']:>9.2f}")
+    print_rows(rows)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=1)

@@ -88,9 +88,18 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="decode_attention,decode,combine,prefill,matmul")
     parser.add_argument("--batches", type=int, default=9)
     parser.add_argument("--turns", type=int, default=2)
+    parser.add_argument("--driver", action="store_true",
+                        help="first, bench/host_driver.py's rows (the driver's share)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     import torch
+
+    driver = None
+    if args.driver:  # in this process: no second torch import or CUDA start
+        from host_driver import print_rows, run as run_driver
+
+        driver = run_driver(500, 5)
+        print_rows(driver)
 
     from kiln.kernels.gemm import HOPPER_CONFIGS, hopper_autotuner
     from launch_bridge_report import load_bridge
@@ -101,7 +110,7 @@ def main(argv=None) -> int:
     bridge, report = load_bridge()
     names = [name for name in args.only.split(",") if name]
     calls = library_calls(torch, "cuda")
-    results: dict = {"torch_bridge": report, "library": [], "checks": {}}
+    results: dict = {"torch_bridge": report, "library": [], "checks": {}, "driver": driver}
     variants = (("", "native", True, True, True), ("pycall_", "native", True, True, False))
     for name in names:  # each entry point checked, then timed: a run cut short keeps those
         results["checks"].update(check_paths(torch, {n: c for n, c in calls.items()
