@@ -50,6 +50,62 @@ def check_paths(torch, calls: dict) -> dict:
     return verdicts
 
 
+def pieces(torch, calls: dict, batches: int) -> dict:
+    """µs per call of the pieces of decode's, decode_attention's and combine's one call on
+    the GPU: its fresh outputs alone (made and dropped), its launch(es) with ready addresses
+    (outputs kept), and the whole call, the three in turns."""
+    import importlib
+
+    from launch_overhead import _per_launch_us
+
+    decode_plan = importlib.import_module("kiln.kernels.attention.decode_plan")
+    combine_module = importlib.import_module("kiln.kernels.attention.combine")
+    sync, rows = torch.cuda.synchronize, {}
+    for name, call in calls.items():
+        short = name.split(" ")[0]
+        if short not in ("decode", "decode_attention", "combine") or "out=" in name:
+            continue
+        made = call()
+        call()
+        if short == "combine":
+            plan = combine_module._PLANS.last[1]
+            closure = {n: c.cell_contents for n, c in zip(call.__code__.co_freevars,
+                                                          call.__closure__)}
+            o_p, lse_p, counts = closure["o_part"], closure["lse_part"], closure["counts"]
+            maker = plan.fresh.fast
+            items = (o_p.data_ptr(), lse_p.data_ptr(), counts.data_ptr(),
+                     *(t.data_ptr() for t in made))
+            launches = [(plan.bound, items)]
+        else:
+            plan = decode_plan.PLANS.last[1]
+            closure = {n: c.cell_contents for n, c in zip(call.__code__.co_freevars,
+                                                          call.__closure__)}
+            q, k, v, table, lens = closure["paged"]
+            inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(),
+                      lens.data_ptr(), *plan.placeholder_pointers)
+            stream = plan.bound.current_stream()
+            if short == "decode":
+                maker = plan.partial_outputs.fast
+                launches = [(plan.bound, inputs + tuple(t.data_ptr() for t in made) +
+                             plan.no_output_pointers)]
+            else:
+                owners, space = plan.spaces.get(stream)
+                maker = plan.torch_outputs.fast
+                launches = [(plan.bound, inputs + tuple(space[:3]) +
+                             tuple(t.data_ptr() for t in made) + (space[3],))]
+        stream = plan.bound.current_stream()
+        timed = {"outputs alone": lambda: maker[0](),
+                 "launch, ready addresses": lambda: [b.launch_on(stream, *items)
+                                                    for b, items in launches],
+                 "whole call": call}
+        row = rows[short] = {}
+        for piece in list(timed) + list(timed)[::-1]:
+            us = _per_launch_us(timed[piece], 100, batches, sync)
+            row[piece] = round(min(row.get(piece, us), us), 3)
+        print(f"  pieces {short}: {row}", flush=True)
+    return rows
+
+
 def check_capture(torch, target: str = "sm_90a") -> bool:
     """decode_attention captured through its one C call, replayed on new inputs, against an
     eager call on those inputs."""
@@ -90,6 +146,9 @@ def main(argv=None) -> int:
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--driver", action="store_true",
                         help="first, bench/host_driver.py's rows (the driver's share)")
+    parser.add_argument("--pieces", action="store_true",
+                        help="first, the pieces of decode's, decode_attention's and combine's "
+                             "one call (outputs alone, launch with ready addresses, whole)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     import torch
@@ -111,6 +170,8 @@ def main(argv=None) -> int:
     names = [name for name in args.only.split(",") if name]
     calls = library_calls(torch, "cuda")
     results: dict = {"torch_bridge": report, "library": [], "checks": {}, "driver": driver}
+    if args.pieces:
+        results["pieces"] = pieces(torch, calls, args.batches)
     variants = (("", "native", True, True, True), ("pycall_", "native", True, True, False))
     for name in names:  # each entry point checked, then timed: a run cut short keeps those
         results["checks"].update(check_paths(torch, {n: c for n, c in calls.items()
