@@ -106,6 +106,43 @@ def pieces(torch, calls: dict, batches: int) -> dict:
     return rows
 
 
+def kernel_grid(torch, batches: int) -> dict:
+    """``kernel[grid](...)`` of a one-block kernel on torch tensors: right on the default and a
+    side stream (its guarded launch reads the current stream), and µs per launch beside the
+    shim's launch of a ready argument block."""
+    from launch_overhead import N, _per_launch_us, add_one
+
+    sync = torch.cuda.synchronize
+    y = torch.zeros(N, device="cuda")
+    side = torch.cuda.Stream()
+    launcher = add_one[(1,)]
+    for _ in range(3):
+        launcher(y, N, BLOCK=N, num_warps=N // 32, target="sm_90a")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1 << 20)  # the side stream busy: a launch on another stream would race
+        for _ in range(3):
+            launcher(y, N, BLOCK=N, num_warps=N // 32, target="sm_90a")
+        guarded = getattr(add_one._last_launch, "guarded", None)
+        spec = getattr(guarded, "args", (None, None))[1]  # the shim's launch_guarded spec
+        follows = None if spec is None else spec[4]() == side.cuda_stream
+    torch.cuda.current_stream().wait_stream(side)
+    sync()
+    row = {"right on both streams": bool((y == 6).all()), "reads the side stream": follows}
+    plan = add_one.compile(y, N, BLOCK=N, num_warps=N // 32, target="sm_90a")._launch_plan
+    arguments = plan.launcher.new_arguments()
+    plan.launcher.pack(arguments, [y.data_ptr(), y.data_ptr(), 0, N, 1, N], (1, 1, 1),
+                       torch.cuda.current_stream().cuda_stream)
+    for _ in range(2):
+        for key, issue in (("kernel[grid] µs", lambda: launcher(
+                y, N, BLOCK=N, num_warps=N // 32, target="sm_90a")),
+                           ("ready block µs", lambda: plan.launcher.launch_packed(arguments))):
+            us = _per_launch_us(issue, 1000, batches, sync)
+            row[key] = round(min(row.get(key, us), us), 3)
+    print(f"  kernel[grid]: {row}", flush=True)
+    return row
+
+
 def check_capture(torch, target: str = "sm_90a") -> bool:
     """decode_attention captured through its one C call, replayed on new inputs, against an
     eager call on those inputs."""
@@ -147,8 +184,8 @@ def main(argv=None) -> int:
     parser.add_argument("--driver", action="store_true",
                         help="first, bench/host_driver.py's rows (the driver's share)")
     parser.add_argument("--pieces", action="store_true",
-                        help="first, the pieces of decode's, decode_attention's and combine's "
-                             "one call (outputs alone, launch with ready addresses, whole)")
+                        help="first, kernel[grid] on two streams, then the pieces of decode's, "
+                             "decode_attention's and combine's one call")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     import torch
@@ -171,6 +208,7 @@ def main(argv=None) -> int:
     calls = library_calls(torch, "cuda")
     results: dict = {"torch_bridge": report, "library": [], "checks": {}, "driver": driver}
     if args.pieces:
+        results["kernel_grid"] = kernel_grid(torch, args.batches)
         results["pieces"] = pieces(torch, calls, args.batches)
     variants = (("", "native", True, True, True), ("pycall_", "native", True, True, False))
     for name in names:  # each entry point checked, then timed: a run cut short keeps those
