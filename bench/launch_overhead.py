@@ -78,18 +78,24 @@ def add_one(y: kiln.Tensor[f32], n: i32, BLOCK: kiln.constexpr):
 
 
 def _per_launch_us(issue, launches: int, batches: int, synchronize,
-                   clock=time.perf_counter) -> float:
-    for _ in range(max(launches // 10, 50)):  # warm-up: JIT, caches, clocks
+                   clock=time.perf_counter, samples: list | None = None) -> float:
+    """Median µs per ``issue()`` over ``batches`` batches of ``launches`` (after a warm-up);
+    ``samples`` (a list) gets each batch's µs."""
+    for _ in range(warm_up_calls(launches)):  # warm-up: JIT, caches, clocks
         issue()
     synchronize()
-    samples = []
+    samples = [] if samples is None else samples
     for _ in range(batches):
         start = clock()
         for _ in range(launches):
             issue()
         samples.append((clock() - start) / launches * 1e6)
         synchronize()
-    return statistics.median(samples)
+    return statistics.median(samples[-batches:])
+
+
+def warm_up_calls(launches: int) -> int:
+    return max(launches // 10, 50)
 
 
 def _triton_issue(torch, y):
@@ -202,19 +208,25 @@ def _eager_us(call, calls: int, batches: int, synchronize) -> float:
     return statistics.median(samples)
 
 
-def run_library(torch, batches: int, variants: tuple = (("", "native", True, True),),
-                bridge=None, only: tuple = ()) -> list[dict]:
+def run_library(torch, batches: int, variants: tuple = (("", "native", True, True, True),),
+                bridge=None, only: tuple = (), turns: int = 1) -> list[dict]:
     """Host, eager and GPU µs per steady-state call of each library entry point with the
-    first of ``variants`` (``(key prefix, launcher kind, torch bridge on, joint outputs
-    on)``), and host and
+    first of ``variants`` (``(key prefix, launcher kind, torch bridge on, joint outputs on,
+    one-call objects on)``), and host and
     eager µs with the others (``<prefix>us``, ``<prefix>eager_us``); ``<prefix>bridge``: what
-    each variant's plan used (:func:`bridge_state`). The variants take turns on each entry
-    point, in order then reversed, each keeping its better time, after a garbage collection:
-    the garbage of the compiles, and whatever ran just before, then weigh on none alone.
-    ``only``: the entry points whose row names start with one of these (all when empty)."""
+    each variant's plan used (:func:`bridge_state`), ``<prefix>one_call``: how many of its
+    timed calls one C call served (:func:`kiln.kernels.one_call.one_call_hits`). The variants
+    take turns on each entry point, in order then reversed (``turns`` times), each keeping its
+    better median (``<prefix>us``) and its fastest batch (``<prefix>us_min``), after a garbage
+    collection: the garbage of the compiles, and whatever ran just before, then weigh on none
+    alone. ``only``: the entry points whose row names start with one of these (all when
+    empty)."""
+    from kiln.kernels.one_call import one_call_hits
+
     rows = []
     sync = torch.cuda.synchronize
     first = variants[0]
+    timed_calls = warm_up_calls(LIBRARY_CALLS) + 2 * LIBRARY_CALLS * batches
     for name, call in library_calls(torch, "cuda").items():
         if only and not name.startswith(only):
             continue
@@ -222,19 +234,23 @@ def run_library(torch, batches: int, variants: tuple = (("", "native", True, Tru
         try:
             use_variant(first, bridge)
             call()  # plans, compiles and (matmul) tunes
-            for variant in variants + variants[::-1]:
+            for variant in (variants + variants[::-1]) * turns:
                 prefix = variant[0]
                 use_variant(variant, bridge)
                 call()  # binds with this launcher and bridge
+                call()  # and installs its one-call object
                 row[f"{prefix}bridge"] = bridge_state()
                 gc.collect()
-                before = _slow_paths()
+                before, hits = _slow_paths(), one_call_hits()
+                samples: list = []
                 for key, us in ((f"{prefix}us", _per_launch_us(call, LIBRARY_CALLS, batches,
-                                                               sync)),
+                                                               sync, samples=samples)),
                                 (f"{prefix}eager_us", _eager_us(call, LIBRARY_CALLS, batches,
                                                                 sync))):
                     row[key] = min(row.get(key, us), us)
+                row[f"{prefix}us_min"] = min(row.get(f"{prefix}us_min", samples[0]), *samples)
                 row[f"{prefix}slow"] = tuple(a - b for a, b in zip(_slow_paths(), before))
+                row[f"{prefix}one_call"] = f"{one_call_hits() - hits}/{timed_calls}"
             use_variant(first, bridge)
             row["gpu_us"] = _graph_us(torch, call)
             print(f"  measured {row}", file=sys.stderr, flush=True)  # partial results on a timeout
@@ -273,16 +289,21 @@ def _counting(function, index: int):
 
 def use_variant(variant: tuple, bridge) -> None:
     """Calls from now on through ``variant``'s launcher, with ``bridge`` (the loaded torch
-    bridge) where the variant turns it on, else torch's Python paths, and a call's fresh
-    outputs in one allocation where it turns that on (``KILN_JOINT_OUTPUTS``); plans
-    dropped."""
+    bridge) where the variant turns it on, else torch's Python paths, a call's fresh
+    outputs in one allocation where it turns that on (``KILN_JOINT_OUTPUTS``), and one C call
+    a repeat call where it turns that on (:mod:`kiln.kernels.one_call`); plans dropped."""
     import os
 
+    from kiln.kernels.one_call import use_one_call
     from kiln.runtime.native_torch import use_bridge
 
     use_bridge(bridge if variant[2] else None)
+    use_one_call(variant[4] if len(variant) > 4 else True)
     os.environ["KILN_JOINT_OUTPUTS"] = "1" if variant[3] else "0"
     use_launcher(variant[1])
+
+
+_LAUNCHER = [None]  # the kind use_launcher set last
 
 
 def use_launcher(kind: str) -> None:
@@ -295,8 +316,10 @@ def use_launcher(kind: str) -> None:
     from kiln.kernels import runtime
     from kiln.lowering.compiler import CompiledKernel
 
-    os.environ["KILN_LAUNCHER"] = kind
     runtime.clear_plans()
+    if _LAUNCHER[0] == kind:  # the launchers made are of this kind already
+        return
+    _LAUNCHER[0] = os.environ["KILN_LAUNCHER"] = kind
     for obj in gc.get_objects():
         kind_of = type(obj)  # not isinstance: it would read lazy attributes of torch's modules
         if kind_of is CompiledKernel and "_launch_plan" in vars(obj):
@@ -335,11 +358,13 @@ def _launch_paths(torch, y, launches: int, batches: int, kind: str) -> dict:
 
 
 def run(launches: int, batches: int, compare: bool = True, bridge_ab: bool = False,
-        library_only: bool = False, joint_ab: bool = False, only: tuple = ()) -> dict:
+        library_only: bool = False, joint_ab: bool = False, only: tuple = (),
+        one_call_ab: bool = False, turns: int = 1) -> dict:
     """The whole run (see the module docs); ``compare``: the ctypes and mlir launchers too;
     ``bridge_ab``: the library rows with torch's Python paths too; ``joint_ab``: and with
-    one allocation a fresh output; ``library_only``: no one-block kernel rows; ``only``: the
-    library rows to time (name prefixes)."""
+    one allocation a fresh output; ``one_call_ab``: and with each entry point's Python path
+    instead of its one C call; ``library_only``: no one-block kernel rows; ``only``: the
+    library rows to time (name prefixes); ``turns``: rounds of the variants' turns."""
     from kiln.runtime.cuda import cuda_available
 
     if not cuda_available():
@@ -356,11 +381,14 @@ def run(launches: int, batches: int, compare: bool = True, bridge_ab: bool = Fal
     bridge, results["torch_bridge"] = load_bridge()  # before any plan or launcher is made
     if not library_only:
         _kernel_rows(torch, launches, batches, compare, results)
-    variants = (("", "native", True, True),) + \
-        ((("mlir_", "mlir", True, True),) if compare else ()) + \
-        ((("nobridge_", "native", False, True),) if bridge_ab and bridge is not None else ()) + \
-        ((("separate_", "native", True, False),) if joint_ab and bridge is not None else ())
-    results["library"] = run_library(torch, batches, variants, bridge, only)
+    variants = (("", "native", True, True, True),) + \
+        ((("pycall_", "native", True, True, False),) if one_call_ab else ()) + \
+        ((("mlir_", "mlir", True, True, True),) if compare else ()) + \
+        ((("nobridge_", "native", False, True, True),) if bridge_ab and bridge is not None
+         else ()) + \
+        ((("separate_", "native", True, False, True),) if joint_ab and bridge is not None
+         else ())
+    results["library"] = run_library(torch, batches, variants, bridge, only, turns)
     use_launcher("native")
     results["ratios"] = _ratios(results)
     return results
@@ -430,6 +458,9 @@ def _ratios(results: dict) -> dict:
         if "separate_us" in row:
             ratios[f"{row['path']} host joint / separate outputs"] = ratio(
                 row.get("us"), row["separate_us"])
+        if "pycall_us" in row:
+            ratios[f"{row['path']} host one call / Python path"] = ratio(row.get("us"),
+                                                                       row["pycall_us"])
     return ratios
 
 
@@ -447,9 +478,11 @@ def _rows(results: dict) -> list[dict]:
     return [{"path": name, "us": results.get(key)} for name, key in paths] + launchers + \
         results.get("library", []) + [
             {"path": f"{row['path']} [{label}]", "us": row[f"{prefix}us"],
-             "eager_us": row.get(f"{prefix}eager_us"), "bridge": row.get(f"{prefix}bridge"),
-             "slow": row.get(f"{prefix}slow")}
-            for prefix, label in (("mlir_", "mlir launcher"), ("nobridge_", "no torch bridge"),
+             "us_min": row.get(f"{prefix}us_min"), "eager_us": row.get(f"{prefix}eager_us"),
+             "bridge": row.get(f"{prefix}bridge"), "slow": row.get(f"{prefix}slow"),
+             "one_call": row.get(f"{prefix}one_call")}
+            for prefix, label in (("pycall_", "Python path"), ("mlir_", "mlir launcher"),
+                                  ("nobridge_", "no torch bridge"),
                                   ("separate_", "an allocation an output"))
             for row in results.get("library", []) if f"{prefix}us" in row]
 
@@ -458,7 +491,8 @@ def _print_table(results: dict) -> None:
     if "skipped" in results:
         print(f"launch overhead: skipped ({results['skipped']})")
         return
-    columns = (("us", "host µs"), ("eager_us", "eager µs"), ("gpu_us", "GPU µs (graph)"))
+    columns = (("us", "host µs"), ("us_min", "min µs"), ("eager_us", "eager µs"),
+               ("gpu_us", "GPU µs (graph)"))
     print(f"{'path':<56}" + "".join(f"{title:>16}" for _, title in columns))
     for row in _rows(results):
         if all(row.get(key) is None for key, _ in columns) and "error" not in row:
@@ -466,6 +500,7 @@ def _print_table(results: dict) -> None:
         cells = "".join(f"{row[key]:>16.2f}" if row.get(key) is not None else f"{'':>16}"
                         for key, _ in columns)
         print(f"{row['path']:<56}{cells}" + (f"  {row['error']}" if "error" in row else "") +
+              (f"  one call {row['one_call']}" if row.get("one_call") else "") +
               (f"  slow {row['slow']}" if row.get("slow") else "") +
               (f"  bridge {row['bridge']}" if row.get("bridge") else ""))
     if "torch_bridge" in results:
@@ -498,6 +533,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="library rows also with torch's Python paths (no torch bridge)")
     parser.add_argument("--joint-ab", action="store_true",
                         help="library rows also with an allocation per fresh output")
+    parser.add_argument("--one-call-ab", action="store_true",
+                        help="library rows also through the Python paths (no one C call)")
+    parser.add_argument("--turns", type=int, default=1,
+                        help="rounds of the variants' turns on each library row")
     parser.add_argument("--only", default="",
                         help="comma-separated entry points to time (e.g. decode,combine)")
     parser.add_argument("--library-only", action="store_true",
@@ -511,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         return main_host(args.launches, args.batches, args.json)
     results = run(args.launches, args.batches, compare=not args.no_compare,
                   bridge_ab=args.bridge_ab, library_only=args.library_only,
-                  joint_ab=args.joint_ab,
+                  joint_ab=args.joint_ab, one_call_ab=args.one_call_ab, turns=args.turns,
                   only=tuple(name + " " for name in args.only.split(",") if name))
     _print_table(results)
     if args.json:

@@ -157,13 +157,17 @@ def _driver_launchers(signature, functions):
 
 def run_library_host_only(launches: int, batches: int) -> list[dict] | str:
     """Per-call host µs of each library entry point on torch CPU tensors with a DryRuntime
-    (up to the bound launch), or why it could not run."""
+    (up to the bound launch: ``us``), and with :class:`NoopDriverRuntime` (the whole steady
+    state but the driver's and the CUDA allocator's work) through its one C call
+    (``one_call_us``) and through its Python path (``python_us``, :mod:`kiln.kernels.one_call`
+    off), the two in turns A B B A, each keeping its better median; or why it could not run."""
     try:
         import torch
     except ImportError:
         return "torch is not installed"
     from kiln.kernels import runtime
     from kiln.kernels.gemm import HOPPER_CONFIGS, hopper_autotuner
+    from kiln.kernels.one_call import use_one_call
 
     # No GPU to time configs on: matmul's 1024^3 shape takes the first one.
     key = hopper_autotuner.key_of((None, None, None, 1024, 1024, 1024, "bf16", "mn", "bf16",
@@ -175,6 +179,15 @@ def run_library_host_only(launches: int, batches: int) -> list[dict] | str:
             call()  # plans
             rows.append({"path": name, "us": _per_launch_us(call, launches, batches, _pass,
                                                             time.process_time)})
+    for key in ("one_call_us", "python_us", "python_us", "one_call_us"):
+        use_one_call(key == "one_call_us")
+        with runtime.use_runtime(NoopDriverRuntime()):
+            for row, call in zip(rows, library_calls(torch, "cpu").values()):
+                call()
+                call()  # plans, binds, installs its one call
+                us = _per_launch_us(call, launches, batches, _pass, time.process_time)
+                row[key] = min(row.get(key, us), us)
+    use_one_call(True)
     return rows
 
 
@@ -195,9 +208,11 @@ def _print_host_table(results: dict) -> None:
     if isinstance(library, str):
         print(f"library entry points: skipped ({library})")
     elif library:
-        print("library entry points, torch CPU tensors, DryRuntime (up to the bound launch):")
+        print("library entry points, torch CPU tensors: DryRuntime (up to the bound launch); "
+              "no-op driver: one C call, Python path")
         for row in library:
-            print(f"{row['path']:<56}{row['us']:>10.2f}")
+            print(f"{row['path']:<56}{row['us']:>10.2f}{row['one_call_us']:>10.2f}"
+                  f"{row['python_us']:>10.2f}")
 
 
 class _FakeDriver:
@@ -289,7 +304,8 @@ def main_host(launches: int, batches: int, json_path: str | None) -> int:
         rows = [{"kernel": label, **row} for label, row in results.items()
                 if isinstance(row, dict)]
         if isinstance(results["library"], list):
-            rows += [{"kernel": row["path"], "entry_point_us": row["us"]}
+            rows += [{"kernel": row["path"], "entry_point_us": row["us"],
+                      "one_call_us": row["one_call_us"], "python_path_us": row["python_us"]}
                      for row in results["library"]]
         write_results(json_path, "launch_overhead-host", rows, results=results,
                       device="host CPU (driver call a no-op)", driver=None)

@@ -302,9 +302,12 @@ class PlanCache(dict):
         return plan
 
     def clear(self) -> None:
+        from .one_call import clear_slots  # the entry points' one-call objects of plans
+
         super().clear()
         self._guards.clear()
         self.last = (_never, None)
+        clear_slots()
 
     def _remember(self, key, values: tuple, plan) -> None:
         guard = self._guards.get(key, _never)
@@ -366,6 +369,11 @@ class CudaRuntime:
 
     def multiprocessor_count(self) -> int:
         return driver().multiprocessor_count()
+
+    def capture_status_address(self) -> int:
+        """Address of the driver's ``cuStreamIsCapturing`` (see
+        :func:`kiln.kernels.runtime.capture_status_address`)."""
+        return driver().stream_capture_address()
 
     def max_active_clusters(self, ck) -> int:
         """Clusters of the compiled kernel ``ck`` resident on the GPU at once."""
@@ -472,6 +480,14 @@ def capture_id(stream: int | None):
     """The id of the CUDA-graph capture under way on ``stream``, or None (see
     :class:`kiln.kernels.workspaces.StreamWorkspaces`)."""
     return driver().capture_id(stream)
+
+
+def capture_status_address() -> int | None:
+    """The address of a C function ``int f(CUstream, int *status)`` telling whether a stream
+    captures a CUDA graph (the driver's ``cuStreamIsCapturing``) for the active runtime's
+    launches, or None (a runtime without one: its workspaces' Python check is asked)."""
+    address = getattr(_ACTIVE[0], "capture_status_address", None)
+    return None if address is None else address()
 
 
 def persistent_grid(tiles: int, cluster: int = 1, resident_clusters=None) -> tuple[int, int, int]:

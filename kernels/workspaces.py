@@ -36,7 +36,8 @@ class StreamWorkspaces:
     large to keep), and one per CUDA-graph capture for the calls it records (see the module
     docs). ``capture_id(stream)``: the id of the capture under way on ``stream``, or None;
     ``capturing()``: whether the current torch stream captures (default: torch's check), the
-    cheap test every call makes first.
+    cheap test every call makes first (``capturing`` and ``keep`` are public: a one-call
+    object, :mod:`kiln.kernels.one_call`, makes the same choice in C).
 
     The caller must hold what :meth:`get` returns until its launches are queued: a set made
     for a capture is owned by nothing else once the capture is over, and memory freed inside
@@ -50,19 +51,21 @@ class StreamWorkspaces:
         self._make = make
         self._kept: dict = {}
         self._captured: dict = {}  # capture id -> its set, the latest CAPTURES_KEPT
-        self._keep = keep  # False: sets too large to keep are made per call
+        self.keep = keep  # False: sets too large to keep are made per call
         self._capture_id = capture_id
         # Whether the current stream captures: torch's check unless a test passes its own.
-        self._capturing = capturing or _capture_check()
+        self.capturing = capturing or _capture_check()
+        # torch's check of the current stream: a one C call may ask the driver instead
+        self.native_check = capturing is None
 
     def get(self, stream: int | None) -> Any:
         """The set for a call on ``stream`` (the current torch stream's handle)."""
         kept = self._kept.get(stream)
-        if kept is not None and not self._capturing():
+        if kept is not None and not self.capturing():
             return kept
-        if self._capturing():
+        if self.capturing():
             return self._for_capture(self._capture_id(stream))
-        if not self._keep:
+        if not self.keep:
             return self._make()
         kept = self._kept[stream] = self._make()
         return kept

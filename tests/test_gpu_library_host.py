@@ -1,7 +1,8 @@
 """Repeat calls of the library entry points on the GPU (issue 42's host path). A steady-state
 call of ``prefill``, ``decode``, ``decode_attention``, ``combine`` or ``matmul`` is its plan's
 guard (torch's C++ tensor guard where this torch has one) and one C call of its bound launch
-(``launch_outputs``: the fresh outputs, the addresses, the launch). Checked here on fresh
+(``launch_outputs``: the fresh outputs, the addresses, the launch), and every repeat call one
+C call of the one-call object the first installed (:mod:`kiln.kernels.one_call`). Checked here on fresh
 random inputs and a poisoned allocator pool: right values, outputs fresh per call (a call's
 outputs one allocation through the torch bridge, apart, sharing no storage with an earlier
 call's or an input), the plan hit (no new plan), the current torch stream followed, and the
@@ -13,6 +14,8 @@ import pytest
 from attention_reference import (_host, assert_attention_close, assert_paged_attention_close,
                                  poison_cuda_pool)
 from kiln.core import env
+from kiln.kernels import one_call
+from kiln.kernels.one_call import one_call_hits
 from kiln.runtime import native_torch
 
 torch = pytest.importorskip("torch")
@@ -120,13 +123,18 @@ def test_repeat_calls_return_fresh_right_outputs_on_the_current_stream(name):
 
     make, call, check = _cases()[name]
     inputs = make()
+    before = [slot.call for slot in one_call._SLOTS]
     check(call(*inputs), *inputs)  # compiles, plans, binds (the check's own calls too)
+    # the one-call objects the first call installed (none for split-K's paired launch)
+    installed = [slot.call for slot, was in zip(one_call._SLOTS, before)
+                 if slot.call is not was and slot.call is not None]
     builds = [cache.builds for cache in runtime._CACHES]
-    kept, side = [], torch.cuda.Stream()
+    kept, side, served = [], torch.cuda.Stream(), 0
     for i in range(3):
         for x, fresh in zip(inputs, make()):  # new values, same tensors: the plan's guard hits
             x.copy_(fresh)
         poison_cuda_pool(torch, 64 << 20)
+        hits = one_call_hits()
         if i == 2:  # on a side stream: the launch follows torch's current stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -134,10 +142,12 @@ def test_repeat_calls_return_fresh_right_outputs_on_the_current_stream(name):
             torch.cuda.current_stream().wait_stream(side)
         else:
             out = call(*inputs)
+        served += one_call_hits() - hits
         torch.cuda.synchronize()
         check(out, *inputs)
         kept.append(_tensors(out))
     assert [cache.builds for cache in runtime._CACHES] == builds  # every repeat call a hit
+    assert served == (3 if installed else 0)  # each a call of the installed one-call object
     seen = _storages(inputs) + [_storages(outs)[0] for outs in kept]
     assert len(set(seen)) == len(seen)  # no call's outputs share storage with another's or an input
     joint = native_torch.torch_bridge() is not None and env.joint_outputs()
@@ -167,3 +177,33 @@ def test_repeat_calls_capture_and_replay_in_a_cuda_graph(name):
         graph.replay()
         torch.cuda.synchronize()
         check(out, *inputs)
+
+
+def test_a_captured_one_call_takes_a_workspace_of_its_own():
+    """decode_attention's one C call inside a CUDA-graph capture: the driver's capture check
+    sends it to the capture's own partials and tickets (not the eager ones of any stream),
+    and the graph replays right on new inputs."""
+    from kiln.kernels.attention import decode_attention
+    from kiln.kernels.attention.decode_plan import PLANS
+
+    inputs = _paged()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # plans and installs, then one eager one call
+        decode_attention(*inputs)
+        decode_attention(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    spaces = PLANS.last[1].spaces
+    kept, hits = dict(spaces._kept), one_call_hits()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(*inputs)
+    assert one_call_hits() - hits == 1 and len(spaces._captured) == 1
+    assert spaces._kept == kept  # no eager set made or taken
+    for x, fresh in zip(inputs, _paged()):
+        x.copy_(fresh)
+    for t in out:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_paged_attention_close(*out, *inputs)

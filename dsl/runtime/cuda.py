@@ -230,6 +230,11 @@ class Driver:
                 for name in ("cuLaunchKernel", "cuLaunchKernelEx", "cuCtxSetCurrent",
                              "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2")}
 
+    def stream_capture_address(self) -> int:
+        """Address of ``cuStreamIsCapturing(stream, &status)``: what a library plan's one C
+        call (:mod:`kiln.kernels.one_call`) asks per call, cheaper than torch's check."""
+        return ctypes.cast(self._lib.cuStreamIsCapturing, ctypes.c_void_p).value
+
     def load_function(self, image: bytes, name: str) -> tuple[int, int]:
         """``(module, function)``: ``image`` (a cubin) loaded into the primary context
         (``cuModuleLoadData``) and its kernel ``name``; unload with :meth:`unload_module`."""

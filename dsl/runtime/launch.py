@@ -90,7 +90,8 @@ class BoundLaunch:
     ``current_stream()`` is the handle a call with ``stream=None`` would launch on (the
     current stream of the example tensors' library); ``launch_on(stream, *pointers)`` launches
     on such a handle: through the shim it is a C callable, so a library entry point that read
-    the stream pays no Python frame per launch.
+    the stream pays no Python frame per launch. ``native`` is ``(record address, fallback)``
+    for the shim's ``call_plan`` (None without the shim, or with ``KILN_LAUNCH_BLOCKING``).
     """
 
     def __init__(self, ck, grid, args: Sequence):
@@ -122,8 +123,8 @@ class BoundLaunch:
                 slots.append(len(flat))
             convert(value, flat, None)
         self._slots = tuple(slots)
-        self._current_stream = _bound_stream_source(args)
-        self.current_stream = self._current_stream  # an instance attribute: no method frame
+        # an instance attribute: no method frame
+        self.current_stream = self._current_stream = _bound_stream_source(args)
         self._after_launch = plan.after_launch
         self._stream_slot = self._launcher.stream_slot
         self._arguments = self._launcher.new_arguments()
@@ -135,7 +136,7 @@ class BoundLaunch:
         # from the cache (_launch_missed, which memoises it).
         self._map_positions = tuple((i, slot) for i, slot in enumerate(slots) if slot < 0)
         shim = getattr(self._launcher, "shim", None)
-        self._native = None
+        self._native = self.native = None
         if shim is not None:
             self._arguments.bind_pointer_slots(self._slots)
             self._record, self._native_pointers = self._arguments.address, shim.launch_pointers
@@ -151,6 +152,7 @@ class BoundLaunch:
             fallback = _fallback(weakref.ref(self), self._arguments)
             self.launch_on = functools.partial(shim.launch_direct, self._record, fallback)
             self.launch_outputs = functools.partial(shim.launch_outputs, self._record, fallback)
+            self.native = (self._record, fallback)  # for kiln.kernels.one_call
 
     def __call__(self, *pointers: int, stream=None) -> None:
         if len(pointers) != len(self._slots):

@@ -45,7 +45,8 @@ from kiln.core.trusted_dir import (UntrustedFile, make_private_dirs, read_owned,
 
 # The shim's sources: the header first, then the files compiled into the one module.
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("native_launch.h", "native_launch.c", "native_guard.c"))
+                for name in ("native_launch.h", "native_launch.c", "native_guard.c",
+                             "native_call.c"))
 MODULE_NAME = "_kiln_launch"
 RECORD_FORMAT = "kiln-native-shim/1"
 BUILD_TIMEOUT_S = 60

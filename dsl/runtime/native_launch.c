@@ -10,7 +10,6 @@
 #include "native_launch.h"
 
 enum { CUDA_ERROR_INVALID_CONTEXT = 201 };
-enum { MAX_POINTERS = 128 };  /* addresses of one bound launch */
 
 static PyObject *error_handler = NULL;
 static PyObject *s_data_ptr = NULL;
@@ -113,7 +112,7 @@ static int put_values(launch_record *r, const uint64_t *values, uint64_t stream,
 }
 
 /* A stream argument (None: 0) as a handle; -1 with an error set. */
-static int stream_of(PyObject *stream, uint64_t *handle)
+int stream_of(PyObject *stream, uint64_t *handle)
 {
     *handle = 0;
     if (stream == Py_None)
@@ -206,10 +205,33 @@ static PyObject *launch_direct(PyObject *self, PyObject *const *args, Py_ssize_t
     return finish(launch_in_context(r));
 }
 
+/* Write values (one address per pointer slot) and the stream handle into r and launch; on a
+ * descriptor memo miss call fallback(stream, *addresses) instead (it encodes and launches in
+ * Python). New reference to None, or NULL with the error set. */
+PyObject *launch_values(launch_record *r, PyObject *fallback, PyObject *stream,
+                        const uint64_t *values, uint64_t handle)
+{
+    if (put_values(r, values, handle, r->map_memo != NULL))
+        return finish(launch_in_context(r));
+    Py_ssize_t count = (Py_ssize_t)r->pointer_count, built = 0;
+    PyObject *call[MAX_POINTERS + 1];
+    call[0] = stream;
+    for (; built < count; built++) {
+        call[built + 1] = PyLong_FromUnsignedLongLong(values[built]);
+        if (call[built + 1] == NULL)
+            break;
+    }
+    PyObject *result = built == count ?
+        PyObject_Vectorcall(fallback, call, (size_t)count + 1, NULL) : NULL;
+    for (Py_ssize_t i = 0; i < built; i++)
+        Py_DECREF(call[i + 1]);
+    return result;
+}
+
 /* The fresh outputs of launch_outputs: a tuple of makers, each called with no argument (one
  * maker: its tensor alone, else the tuple of tensors), or one callable given the stream
  * (it returns a tensor or a tuple of tensors). New reference, NULL on error. */
-static PyObject *make_outputs(PyObject *outputs, PyObject *stream)
+PyObject *make_outputs(PyObject *outputs, PyObject *stream)
 {
     if (!PyTuple_Check(outputs))
         return PyObject_CallOneArg(outputs, stream);
@@ -229,7 +251,7 @@ static PyObject *make_outputs(PyObject *outputs, PyObject *stream)
 
 /* An item's address: an int as it is, a torch tensor's through the torch bridge, else
  * item.data_ptr(). 0 done, -1 error. */
-static int address_of(PyObject *item, uint64_t *value)
+int address_of(PyObject *item, uint64_t *value)
 {
     torch_view view;
     if (PyLong_CheckExact(item)) {
@@ -292,24 +314,7 @@ static PyObject *launch_outputs(PyObject *self, PyObject *const *args, Py_ssize_
         if (address_of(item, &values[i]) < 0)
             goto error;
     }
-    int put = put_values(r, values, stream, r->map_memo != NULL);
-    PyObject *result;
-    if (put == 0) {  /* a descriptor memo miss: encode and launch in Python */
-        PyObject *call[MAX_POINTERS + 1];
-        call[0] = args[3];
-        Py_ssize_t built = 0;
-        for (; built < count; built++) {
-            call[built + 1] = PyLong_FromUnsignedLongLong(values[built]);
-            if (call[built + 1] == NULL)
-                break;
-        }
-        result = built == count ? PyObject_Vectorcall(args[1], call, (size_t)count + 1, NULL)
-                                : NULL;
-        for (Py_ssize_t i = 0; i < built; i++)
-            Py_DECREF(call[i + 1]);
-    } else {
-        result = finish(launch_in_context(r));
-    }
+    PyObject *result = launch_values(r, args[1], args[3], values, stream);
     if (result == NULL)
         goto error;
     Py_DECREF(result);
@@ -393,6 +398,9 @@ static PyMethodDef methods[] = {
      "matches the spec (True), else False."},
     {"guard_values", (PyCFunction)(void (*)(void))guard_values, METH_FASTCALL,
      "guard_values(spec, [checker,] values): whether values match a plan guard's spec."},
+    {"call_plan", (PyCFunction)(void (*)(void))call_plan, METH_FASTCALL,
+     "call_plan(entries, checker, aligns, makers, result, stream, workspace, launches): a "
+     "library plan's steady-state call in one C call (native_call.c)."},
     {"set_torch_view", set_torch_view, METH_O,
      "set_torch_view(capsule or None): read torch tensors through the torch bridge or not."},
     {"set_error_handler", set_error_handler, METH_O,
@@ -406,7 +414,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__kiln_launch(void)
 {
-    if (guard_init() != 0)
+    if (guard_init() != 0 || call_plan_init() != 0)
         return NULL;
     s_data_ptr = PyUnicode_InternFromString("data_ptr");
     if (s_data_ptr == NULL)
@@ -417,7 +425,13 @@ PyMODINIT_FUNC PyInit__kiln_launch(void)
                       PyModule_AddIntConstant(m, "TORCH_VIEW_BYTES", sizeof(torch_view)) < 0 ||
                       PyModule_AddIntConstant(m, "GUARD_VALUE", GUARD_VALUE) < 0 ||
                       PyModule_AddIntConstant(m, "GUARD_TENSOR", GUARD_TENSOR) < 0 ||
-                      PyModule_AddIntConstant(m, "GUARD_CHECKED", GUARD_CHECKED) < 0)) {
+                      PyModule_AddIntConstant(m, "GUARD_CHECKED", GUARD_CHECKED) < 0 ||
+                      PyModule_AddIntConstant(m, "CALL_VALUE", CALL_VALUE) < 0 ||
+                      PyModule_AddIntConstant(m, "CALL_TENSOR", CALL_TENSOR) < 0 ||
+                      PyModule_AddIntConstant(m, "CALL_CONST", CALL_CONST) < 0 ||
+                      PyModule_AddIntConstant(m, "CALL_INPUT", CALL_INPUT) < 0 ||
+                      PyModule_AddIntConstant(m, "CALL_OUTPUT", CALL_OUTPUT) < 0 ||
+                      PyModule_AddIntConstant(m, "CALL_SPACE", CALL_SPACE) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -48,6 +48,7 @@ typedef struct {
 } launch_record;
 
 enum { MEMO_WAYS = 16 };
+enum { MAX_POINTERS = 128 };  /* addresses of one bound launch */
 
 /* A tensor address's way in its position's memo (allocations are 512-byte aligned). */
 static inline uint64_t *memo_entry(launch_record *r, Py_ssize_t position, uint64_t address)
@@ -60,6 +61,8 @@ static inline uint64_t *memo_entry(launch_record *r, Py_ssize_t position, uint64
 #define KILN_INTERNAL __attribute__((visibility("hidden")))
 
 enum { GUARD_VALUE = 0, GUARD_TENSOR = 1, GUARD_CHECKED = 2 };  /* guard_values' entry kinds */
+enum { CALL_VALUE = 0, CALL_TENSOR = 1, CALL_NONE = 2 };  /* call_plan's entry kinds */
+enum { CALL_CONST = 0, CALL_INPUT = 1, CALL_OUTPUT = 2, CALL_SPACE = 3 };  /* its item kinds */
 
 /* A torch tensor's metadata as the torch bridge (native_torch.cpp, its View) reads it. */
 typedef struct {
@@ -79,6 +82,13 @@ KILN_INTERNAL extern torch_view_fn read_torch_view;
 KILN_INTERNAL launch_record *record_of(PyObject *address);
 KILN_INTERNAL int launch_in_context(launch_record *r);
 KILN_INTERNAL PyObject *finish(int code);
+KILN_INTERNAL int stream_of(PyObject *stream, uint64_t *handle);
+KILN_INTERNAL int address_of(PyObject *item, uint64_t *value);
+KILN_INTERNAL PyObject *make_outputs(PyObject *outputs, PyObject *stream);
+KILN_INTERNAL PyObject *launch_values(launch_record *r, PyObject *fallback, PyObject *stream,
+                                      const uint64_t *values, uint64_t handle);
+KILN_INTERNAL PyObject *call_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+KILN_INTERNAL int call_plan_init(void);  /* the CallPlan type; 0 on success */
 KILN_INTERNAL PyObject *launch_guarded(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 KILN_INTERNAL PyObject *guard_values(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 KILN_INTERNAL int guard_init(void);  /* the attribute names the guards read; 0 on success */

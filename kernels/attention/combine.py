@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,7 @@ from kiln import f32, i32
 
 from .. import dlpack, runtime
 from ..runtime import PlanCache, check_backend, check_counts, dtype_of, is_torch, key_of
+from ..one_call import OneCallSlot, one_call, output, value
 from ..workspaces import SEPARATE
 from .combine_kernel import (LOG2E, THREADS_PER_ROW, VECTOR_BYTES, WIDE, CombineConfig,
                              choose_config, lse_merge, lse_merge_ragged, _vector_width)
@@ -99,6 +100,7 @@ class _CombinePlan:
     torch_out_dtype: Any = None
     device: Any = None
     bound: Any = None  # kiln.kernels.runtime.bind's launch (torch on the GPU, rows > 0)
+    calls: dict = field(default_factory=dict)  # its one-call object (kiln.kernels.one_call)
 
     @property
     def lse_shape(self) -> tuple[int, ...]:
@@ -403,6 +405,12 @@ def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
         combine(o_partial, lse_partial, split_counts, max_splits=16, out_dtype=kiln.f32,
                 backend="interpret", out=o, lse_out=lse)   # writes into o and lse
     """
+    call = _ONE_CALL.call
+    if call is not None and not SEPARATE.depth:  # one C call (kiln.kernels.one_call)
+        made = call(o_partial, lse_partial, split_counts, max_splits, out_dtype, partials,
+                    target, backend, out, lse_out, cu_seqlens_q, max_seqlen_q)
+        if made is not None:
+            return made
     values = (o_partial, lse_partial, split_counts, max_splits, out_dtype,
               partials if partials is None else partials_of(partials), target, backend,
               cu_seqlens_q, max_seqlen_q)
@@ -426,12 +434,21 @@ def combine(o_partial, lse_partial, split_counts, *, max_splits: int = 32,
             if not o_address % VECTOR_BYTES:
                 # a bound repeat call: one C call makes the outputs, takes the addresses and
                 # launches
+                _ONE_CALL.install(plan.calls, "combine", lambda: one_call(
+                    (o_partial, lse_partial, split_counts, max_splits, out_dtype, partials,
+                     target, backend, None, None, cu_seqlens_q, max_seqlen_q),
+                    [(bound, [value(0), value(1), value(2), output(0), output(1)])],
+                    stream=bound.current_stream, makers=plan.fresh_outputs(lse_partial).fast,
+                    aligns=((0, VECTOR_BYTES),)))
                 fresh = plan.fresh  # one allocation for o and lse, but in a custom op
                 return bound.launch_outputs(fresh.makers if SEPARATE.depth else fresh.fast,
                                             bound.current_stream(),
                                             o_address, lse_partial, split_counts, None, None)
         return plan.run_torch(o_partial, lse_partial, split_counts, out, lse_out, cu_seqlens_q)
     return plan.run_numpy(o_partial, lse_partial, split_counts, out, lse_out, cu_seqlens_q)
+
+
+_ONE_CALL = OneCallSlot()  # the one-call object of the last bound plan
 
 
 def compile_combine(dtype=f32, *, head_dim: int = 128, max_splits: int = 32,

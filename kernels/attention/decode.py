@@ -125,6 +125,7 @@ from .decode_config import (AHEAD_PREFETCH_TILES, CTAS_PER_SM, DEFAULT_SMS, EARL
                             WGMMA_MIN_ROWS, DecodeConfig, decode_partials, default_config,
                             default_num_splits, early_launch_tiles)
 from .decode_kernel import make_kernel
+from ..one_call import OneCallSlot, address, one_call, output, space, value
 from ..workspaces import SEPARATE
 from .decode_plan import PLANS, check_values, get_plan, nvidia_target
 
@@ -169,6 +170,12 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
         o_part, lse_part, counts = decode(q, k_cache, v_cache, page_table, seq_lens)
         o, lse = kiln.kernels.attention.combine(o_part, lse_part, counts)
     """
+    call = _DECODE.call
+    if call is not None and not SEPARATE.depth:  # one C call (kiln.kernels.one_call)
+        made = call(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, num_splits,
+                    scale, target, backend, config, validate)
+        if made is not None:
+            return made
     guard, plan = PLANS.last
     if not guard((q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, num_splits,
                   scale, target, backend, config, False)):
@@ -182,6 +189,10 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=None, block_
     if bound is not None:
         q_ptr = q.data_ptr()
         if q_ptr % Q_ALIGN == 0:  # one C call: the partials, the addresses, the launch
+            if not validate:
+                values = (q, k_cache, v_cache, page_table, seq_lens, block_table, sinks,
+                          num_splits, scale, target, backend, config, validate)
+                _DECODE.install(plan.calls, "decode", lambda: _decode_call(plan, values))
             block_address, sinks_address = plan.placeholder_pointers
             fresh = plan.partial_outputs  # one allocation for the three, but in a custom op
             return bound.launch_outputs(
@@ -227,6 +238,12 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     allocates nothing per call. Either may be given alone.
     Example: ``o, lse = decode_attention(q, k_cache, v_cache, page_table, seq_lens)``.
     """
+    call = _ATTENTION.call
+    if call is not None and not SEPARATE.depth:  # one C call (kiln.kernels.one_call)
+        made = call(q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, num_splits,
+                    scale, target, backend, config, fused_combine, validate, out, lse_out)
+        if made is not None:
+            return made
     guard, plan = PLANS.last
     if not guard((q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, num_splits,
                   scale, target, backend, config, fused_combine)):
@@ -236,6 +253,9 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
     if plan.fused and bound is not None and out is None and lse_out is None and not validate:
         q_ptr = q.data_ptr()
         if not q_ptr % Q_ALIGN:  # the steady state: one C call makes (o, lse) and launches
+            values = (q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, num_splits,
+                      scale, target, backend, config, fused_combine, validate, out, lse_out)
+            _ATTENTION.install(plan.calls, "attention", lambda: _attention_call(plan, values))
             stream = bound.current_stream()
             # owners: held until the launch is queued
             owners, (o_part, lse_part, counts, tickets) = plan.spaces.get(stream)
@@ -257,6 +277,11 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
         check_values(k_cache, page_table, seq_lens, block_table, validate)
     q_ptr = None if bound is None else q.data_ptr()
     if q_ptr is not None and q_ptr % Q_ALIGN == 0 and (plan.fused or plan.merge is not None):
+        if not validate and (out is None) == (lse_out is None):
+            values = (q, k_cache, v_cache, page_table, seq_lens, block_table, sinks, num_splits,
+                      scale, target, backend, config, fused_combine, validate, out, lse_out)
+            _ATTENTION.install(plan.calls, "attention_out" if given else "attention",
+                               lambda: _attention_call(plan, values))
         stream = bound.current_stream()
         owners, workspace = plan.spaces.get(stream)  # owners: held until the launches are queued
         block_address, sinks_address = plan.placeholder_pointers
@@ -297,6 +322,47 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, *, num_splits=No
                               partials=decode_partials(slots), target=target,
                               backend="interpret" if backend == "interpret" else None),
                       out, lse_out)
+
+
+# The one-call objects of decode's and decode_attention's last bound plans.
+_DECODE, _ATTENTION = OneCallSlot(), OneCallSlot()
+
+
+def _inputs(plan, block_table, sinks) -> list:
+    """The one-call items of a bound decode launch's inputs (values 0-6 of both entries)."""
+    block_address, sinks_address = plan.placeholder_pointers
+    return [value(0), value(1), value(2), value(3), value(4),
+            address(block_address) if block_table is None else value(5),
+            address(sinks_address) if sinks is None else value(6)]
+
+
+def _decode_call(plan, values: tuple):
+    """:func:`decode`'s one-call object of a bound plan (its values in the entry's order)."""
+    items = _inputs(plan, values[5], values[6]) + [output(0), output(1), output(2)] + \
+        [address(p) for p in plan.no_output_pointers]
+    return one_call(values, [(plan.bound, items)], stream=plan.bound.current_stream,
+                    makers=plan.partial_outputs.fast, aligns=((0, Q_ALIGN),))
+
+
+def _attention_call(plan, values: tuple):
+    """:func:`decode_attention`'s one-call object of a bound plan: fused, one launch; else
+    decode's then combine's, through the plan's per-stream partials; with ``out=`` and
+    ``lse_out=`` (values 14 and 15) into those."""
+    given = values[14] is not None
+    outs = [value(14), value(15)] if given else [output(0), output(1)]
+    partials = [space(0), space(1), space(2)]
+    inputs = _inputs(plan, values[5], values[6]) + partials
+    if plan.fused:
+        launches = [(plan.bound, inputs + outs + [space(3)])]
+        makers = plan.torch_outputs.fast
+    else:
+        launches = [(plan.bound, inputs + [address(p) for p in plan.no_output_pointers]),
+                    (plan.merge.bound, partials + outs)]
+        makers = plan.merge.fresh.fast
+    aligns = ((0, Q_ALIGN),) + (((14, OUT_ALIGN), (15, OUT_ALIGN)) if given else ())
+    return one_call(values, launches, stream=plan.bound.current_stream,
+                    makers=None if given else makers, result=(14, 15) if given else None,
+                    workspace=plan.spaces, aligns=aligns)
 
 
 def _check_given_outputs(plan, q, out, lse_out) -> None:

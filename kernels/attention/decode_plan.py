@@ -52,6 +52,9 @@ class DecodePlan:
     # decode_attention's out= / lse_out= layouts checked last (kiln.kernels.plan_guard of
     # (out, lse_out)): a serving loop passing the same buffers skips the full check.
     checked_outputs: list = field(default_factory=lambda: [None])
+    # The one-call objects of the plan's bound steady state, by entry point
+    # (kiln.kernels.one_call; None where there is none).
+    calls: dict = field(default_factory=dict)
 
     @property
     def grid_cells(self) -> tuple[int, int, int]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ import kiln
 from .. import dlpack, runtime
 from ..runtime import (ArrayLib, PlanCache, check_backend, check_heads, check_positive,
                        contiguous, dtype_of, empty_like, is_cupy, is_torch, key_of, resolve_target)
+from ..one_call import OneCallSlot, address, one_call, output, value
 from ..workspaces import SEPARATE
 from .prefill_config import check_head_dim
 from .prefill_fp8 import check_descales, compiled_prefill_fp8, run_prefill_fp8
@@ -137,6 +138,13 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
 
     Example: ``o = prefill(q, k, v, causal=True)`` with torch CUDA tensors.
     """
+    call = _ONE_CALL.call
+    if call is not None and not SEPARATE.depth:  # one C call (kiln.kernels.one_call)
+        made = call(q, k, v, causal, window, chunk, sinks, scale, softcap, cu_seqlens_q,
+                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse, target, backend,
+                    descale_q, descale_k, descale_v)
+        if made is not None:
+            return made
     dense = cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and \
         max_seqlen_k is None and descale_q is None and descale_k is None and descale_v is None
     plan = None
@@ -149,6 +157,9 @@ def prefill(q, k, v, *, causal=False, window=None, chunk=None, sinks=None, scale
             if plan is None:
                 plan = _new_dense_plan(values)
         if plan:  # one C call: the outputs, the addresses, the launch
+            _ONE_CALL.install(plan.calls, "prefill", lambda: _one_call(plan, (
+                q, k, v, causal, window, chunk, sinks, scale, softcap, None, None, None, None,
+                return_lse, target, backend, None, None, None)))
             bound = plan.bound
             fresh = plan.fresh  # one allocation for o and lse, but in a custom op
             return bound.launch_outputs(fresh.makers if SEPARATE.depth else fresh.fast,
@@ -295,6 +306,7 @@ class _DensePlan:
     # Fresh o [B, Sq, Hq, Dv] in q's dtype (Dv: v's head dim, 192/128) and, with an LSE, the
     # f32 lse (kiln.kernels.runtime.TorchOutputs on q's device).
     fresh: Any = None
+    calls: dict = field(default_factory=dict)  # its one-call object (kiln.kernels.one_call)
 
     @functools.cached_property
     def lse_item(self):
@@ -307,6 +319,17 @@ class _DensePlan:
         return self.fixed_sinks.data_ptr()
 
 
+def _one_call(plan: _DensePlan, values: tuple):
+    """The one-call object of a dense plan: ``values`` are :func:`prefill`'s, in order."""
+    items = [value(0), value(1), value(2), output(0),
+             output(1) if plan.lse_item is None else address(plan.lse_item),
+             address(plan.sinks_address) if values[6] is None else value(6),
+             *map(address, plan.cu_pointers)]
+    return one_call(values, [(plan.bound, items)], stream=plan.bound.current_stream,
+                    makers=plan.fresh.fast)
+
+
+_ONE_CALL = OneCallSlot()  # the one-call object of the last dense plan
 # Dense torch plans by the tensors' specs and the options (see kiln.kernels.runtime); False
 # marks a shape class that always takes the general path (AMD targets, strided tensors, sinks
 # that need converting).
