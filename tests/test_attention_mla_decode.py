@@ -108,6 +108,43 @@ def test_lead_group_over_many_pages(mode, rng):
     assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
 
 
+@pytest.mark.parametrize("heads,sq,ctas,lens", [
+    (16, 1, 3, [1, 63, 65, 200]),  # 9 pages over 3 CTAs: segments cross sequences
+    (16, 2, 5, [0, 130, 0, 70, 1]),  # empty sequences (one virtual page each), 32 rows
+    (8, 2, 7, [700, 5]),  # more CTAs than a sequence's pages need: one segment each
+    pytest.param(16, 1, 1, [1000, 777, 0], marks=pytest.mark.slow)])  # one CTA, all
+def test_balanced_grid_matches_float64(heads, sq, ctas, lens, rng):
+    """The page-balanced grid: each CTA's equal share of the batch's pages cuts sequences
+    anywhere, the ring carries on across them, and the last CTA of each sequence merges its
+    parts (NaN past every sequence and in the unused pages, partials NaN until stored)."""
+    q, kv, table, lens = mla_problem(rng, heads, sq, lens)
+    o, lse = mla_decode(q, kv, table, lens, num_splits=ctas, backend="interpret",
+                        balanced=True)
+    assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
+
+
+def test_balanced_share_covers_every_page():
+    """The shares' arithmetic (:func:`balanced_share` in Python): every page of the batch in
+    exactly one CTA, each sequence's segments in consecutive CTAs with distinct slots."""
+    from kiln.kernels.attention.mla_balanced import _first_cta
+
+    for tiles, ctas in (([64] * 32, 132), ([3, 1, 1, 9, 2], 4), ([1] * 7, 20), ([50], 9)):
+        total = sum(tiles)
+        starts = np.cumsum([0] + tiles)
+        slots = set()
+        for b, t in enumerate(tiles):
+            first, last = _first_cta(starts[b], total, ctas), \
+                _first_cta(starts[b] + t - 1, total, ctas)
+            shares = [range(c * total // ctas, (c + 1) * total // ctas)
+                      for c in range(first, last + 1)]
+            assert all(starts[b] in shares[0] or c > 0 for c, _ in enumerate(shares))
+            assert sum(len(set(s) & set(range(starts[b], starts[b] + t))) for s in shares) == t
+            slots.update(c + b for c in range(first, last + 1))
+        assert len(slots) == sum(_first_cta(starts[b] + t - 1, total, ctas)
+                                 - _first_cta(starts[b], total, ctas) + 1
+                                 for b, t in enumerate(tiles))
+
+
 def test_fused_and_two_kernel_paths_agree(rng):
     """The fused merge and the combine kernel take the same partials to the same bits of
     bf16 O (up to one ulp) and LSE."""
@@ -265,6 +302,7 @@ def test_default_splits_fill_one_wave():
     (False, 64, False, dict(lead_group=True, fused_slots=4, heads=16, early_launch=True)),
     (False, 16, False, dict(transposed=True, fused_slots=4, heads=16, prefetch=2)),
     (False, 32, True, dict(transposed=True, heads=16, sq=2)),
+    (False, 16, False, dict(transposed=True, balanced=True, heads=16, early_launch=True)),
     pytest.param(False, 16, False, dict(transposed="ring", fused_slots=4, heads=16),
                  marks=pytest.mark.slow)])
 def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct, options):

@@ -105,11 +105,13 @@ def test_kernel_options_on_gpu(heads, sq, num_splits, options, rng):
     dict(transposed="ring"), dict(transposed="ring", early_launch=True),
     dict(transposed="pipelined"), dict(transposed="ring-pipelined", early_launch=True),
     dict(transposed="ring", merge_slices=4),
-    dict(transposed=True, early_launch=True, early_pages=2, merge_slices=4)])
+    dict(transposed=True, early_launch=True, early_pages=2, merge_slices=4),
+    dict(balanced=True), dict(balanced=True, early_launch=False)])
 @pytest.mark.parametrize("heads,sq,num_splits", [(16, 1, 4), (16, 2, 3), (8, 1, 1)])
 def test_transposed_on_gpu(heads, sq, num_splits, options, rng):
     """The transposed schedule (16 and 32 query rows, 8 of 16 real) on two page stages or the
-    chunk ring, against the float64 reference, called twice."""
+    chunk ring, or the page-balanced grid (``num_splits`` CTAs), against the float64
+    reference, called twice (the balanced grid's counters reset by each launch)."""
     _check_twice_on_gpu(heads, sq, num_splits, options, rng)
 
 

@@ -31,6 +31,7 @@ from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, check_paged_len
                        check_positive, is_torch, resolve_target, spec)
 from .combine import combine
 from .decode_config import DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MAX_DEFAULT_SPLITS
+from .mla_balanced import BALANCED
 from .mla_kernel import EARLY_LAUNCH, PREFETCH, SEESAW, SPLIT_KEYS, make_mla_kernel
 from .mla_lead import LEAD_GROUP
 from .mla_page import BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS
@@ -82,6 +83,7 @@ class MlaPlan:
     scale_log2: float
     fused: bool  # the last split CTA of a row block merges (no combine kernel)
     device: object  # q's torch device (None for other arrays)
+    balanced: bool = False  # the page-balanced grid (mla_balanced): slots are its CTAs
 
     @functools.cached_property
     def spaces(self) -> StreamWorkspaces:
@@ -90,7 +92,7 @@ class MlaPlan:
         :class:`~kiln.kernels.workspaces.StreamWorkspaces`)."""
         import torch
 
-        return StreamWorkspaces(lambda: torch.zeros((self.grid[2], self.grid[0], 2),
+        return StreamWorkspaces(lambda: torch.zeros((self.shape[0], self.grid[0], 2),
                                                     dtype=torch.int64, device=self.device),
                                 runtime.capture_id)
 
@@ -101,7 +103,8 @@ PLANS = PlanCache("mla_decode")
 def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scale=None,
                num_splits=None, target=None, backend=None, validate=False, split_keys=None,
                fused_combine=None, seesaw=None, early_launch=None, lead_group=None,
-               transposed=None, prefetch=None, merge_slices=None, early_pages=None):
+               transposed=None, prefetch=None, merge_slices=None, early_pages=None,
+               balanced=None):
     """Multi-head latent attention decode over a paged cache; returns ``(o, lse)``.
 
     ``q``: ``[B, Sq, H, 576]`` bf16 (``Sq`` 1-2; contiguous); ``kv_cache``: ``[num_pages,
@@ -138,7 +141,12 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     share it, a slice of the columns each (None: ``MERGE_SLICES``, 1; the interpreter
     always merges in one CTA); ``early_pages``: with ``early_launch``, Q and the split's
     first that many pages prefetched into L2 before the grid-dependency wait (None:
-    ``EARLY_PAGES``, 0, but ``TRANSPOSED_EARLY_PAGES``, 2, with the transposed schedule).
+    ``EARLY_PAGES``, 0, but ``TRANSPOSED_EARLY_PAGES``, 2, with the transposed schedule);
+    ``balanced``: the transposed schedule (at most 32 packed rows) where every CTA takes an equal share of all the
+    batch's pages across sequence boundaries and the last CTA of each sequence merges its
+    parts (:mod:`~kiln.kernels.attention.mla_balanced`; ``num_splits`` is then the CTA count,
+    None: the SMs; None: ``BALANCED``, off; no ``fused_combine=False``, ``merge_slices`` or
+    early pages with it).
     Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
     ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
@@ -155,7 +163,7 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     plan = _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
                      backend, split_keys, fused_combine,
                      (seesaw, early_launch, lead_group, transposed, prefetch, merge_slices,
-                      early_pages))
+                      early_pages, balanced))
     lib = ArrayLib(q)
     B, Sq, H = plan.shape
     if plan.kernel is None:
@@ -168,14 +176,16 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     # The kernel writes every element (each split all its rows, split 0 the counts); numpy
     # outputs are poisoned so that an element it missed shows.
     fill = (None, None) if lib.torch else (math.nan, -1)
-    direct = slots == 1  # one split writes o and lse itself: no partials, no combine
+    direct = slots == 1 and not plan.balanced  # one split writes o and lse: no combine
     final = direct or plan.fused  # the kernel writes o and lse
     o = lib.empty((B, Sq, H, HEAD_DIM_V) if final else (1, 1, 1, 1), "bf16", fill[0])
     lse = lib.empty((B, Sq, H) if final else (1, 1, 1), "f32", fill[0])
-    part_shape = (1, 1, 1, 1) if direct else (slots, B, Sq, H)
+    # The balanced grid's partials: slot c + b for CTA c's part of sequence b.
+    part_shape = (1, 1, 1, 1) if direct else (slots + B, 1, Sq, H) if plan.balanced \
+        else (slots, B, Sq, H)
     o_part = lib.empty((*part_shape, 1 if direct else HEAD_DIM_V), "f32", fill[0])
     lse_part = lib.empty(part_shape, "f32", fill[0])
-    counts = lib.empty(part_shape[1:], "i32", fill[1])
+    counts = lib.empty((1, 1, 1) if plan.balanced else part_shape[1:], "i32", fill[1])
     tickets = _tickets(plan, lib, q)
     args = [q.reshape(B * Sq * H, HEAD_DIM), kv_cache.reshape(plan.cache_rows, HEAD_DIM),
             page_table, seq_lens, o_part, lse_part, counts, o, lse, tickets, slots, H, Sq,
@@ -202,7 +212,7 @@ def _tickets(plan, lib, q):
     if not plan.fused:
         return lib.empty((1, 1, 2), "i64")
     if not lib.torch:
-        return lib.empty((plan.grid[2], plan.grid[0], 2), "i64", 0)
+        return lib.empty((plan.shape[0], plan.grid[0], 2), "i64", 0)
     import torch
 
     return plan.spaces.get(torch.cuda.current_stream(q.device).cuda_stream)
@@ -237,26 +247,59 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
         B, row_blocks, dims["max_pages"] * page_size,
         sms=DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()) \
         if B * Sq * H else 1
-    narrow, ring, pipe = _transposed(options[3], Sq * H, split_keys, options[0], options[2])
+    # The balanced grid runs the transposed page loop, asked for or not.
+    narrow, ring, pipe = _transposed(True if options[7] and options[3] is None else options[3],
+                                     Sq * H, split_keys, options[0], options[2])
     split_keys, seesaw, lead = _schedule(split_keys, options[0], options[2], narrow)
     rows = merge_rows(Sq * H)
+    balanced = _balanced(options[7], narrow, ring or pipe, fused_combine, options[5],
+                         options[6])
+    if balanced:  # CTAs, not splits: every SM by default
+        slots = num_splits or (DEFAULT_SMS if backend == "interpret"
+                               else runtime.multiprocessor_count())
+        fused_combine = True
     if fused_combine is None:  # one CTA's merge of its rows from L2, or a combine kernel
         fused_combine = slots * rows * HEAD_DIM_V * 4 <= FUSED_COMBINE_MAX_BYTES
     fused = slots > 1 and bool(fused_combine)
     # The transposed schedule has launch defaults of its own (measured with it).
     early = (TRANSPOSED_EARLY if narrow else EARLY_LAUNCH) if options[1] is None \
         else bool(options[1])
-    kernel = make_mla_kernel(page_size, split_keys, slots == 1, slots if fused else 0,
-                             rows if fused else ROWS, seesaw, early,
+    own = fused and not balanced  # the split grid's fused merge
+    kernel = make_mla_kernel(page_size, split_keys, slots == 1 and not balanced,
+                             slots if own else 0, rows if fused or balanced else ROWS, seesaw,
+                             early,
                              lead, narrow, _prefetch(options[4], seesaw or ring, lead),
                              ring, pipe,
                              _merge_slices(options[5], slots if fused else 0, backend),
-                             _early_pages(options[6], early, narrow)) \
+                             _early_pages(options[6], early and not balanced, narrow),
+                             balanced) \
         if B * Sq * H else None
-    return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
+    return MlaPlan(kernel=kernel, chip=mla_target(target),
+                   grid=(row_blocks, int(slots), 1 if balanced else B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
                    scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E),
-                   fused=fused, device=q.device if is_torch(q) else None)
+                   fused=fused or balanced, device=q.device if is_torch(q) else None,
+                   balanced=balanced)
+
+
+def _balanced(balanced, transposed, ring_or_pipelined, fused_combine, merge_slices,
+              early_pages) -> bool:
+    """Whether a call runs the page-balanced grid (``balanced``, None: ``BALANCED``, and
+    only with the transposed page loop); refused beside options it does not take.
+    Example: ``_balanced(True, 16, False, None, None, None) is True``."""
+    if balanced not in (None, False, True):
+        raise kiln.KilnValueError(f"balanced={balanced!r} is not a bool",
+                                  fix="pass balanced=True, False or None")
+    if balanced is None:
+        return BALANCED and bool(transposed) and not ring_or_pipelined and \
+            fused_combine is not False and merge_slices is None and early_pages is None
+    if balanced and (not transposed or ring_or_pipelined or fused_combine is False
+                     or merge_slices is not None or early_pages is not None):
+        raise kiln.UnsupportedError("balanced=True runs the transposed page loop (at most 32 "
+                                    "packed rows) and merges its own partials",
+                                    fix="leave transposed unset or True, and fused_combine, "
+                                        "merge_slices and early_pages unset")
+    return balanced
 
 
 def _early_pages(early_pages, early, transposed=0) -> int:
@@ -420,11 +463,12 @@ def _check_devices(q, **tensors) -> None:
 def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
                        split_keys=None, direct=False, fused_slots=0, seesaw=None,
                        early_launch=None, lead_group=None, transposed=None,
-                       prefetch=None, merge_slices=1, early_pages=None):
+                       prefetch=None, merge_slices=1, early_pages=None, balanced=False):
     """Compile (without running) the MLA decode kernel (``direct``: the one-split kernel that
     writes ``o`` and ``lse`` itself; ``fused_slots``: the kernel whose last split CTA merges
     that many splits, shared by ``merge_slices`` CTAs; the schedule options as
-    :func:`mla_decode` resolves them); returns the ``CompiledKernel`` (``.asm`` stages,
+    :func:`mla_decode` resolves them; ``balanced``: the page-balanced grid, with the
+    transposed schedule); returns the ``CompiledKernel`` (``.asm`` stages,
     ``.metadata``).
     Example: ``compile_mla_decode(target="sm_90a").metadata["registers"]``."""
     chip = mla_target(target)
@@ -435,7 +479,8 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
             np.zeros((1, 1, sq, heads), np.float32), np.zeros((1, sq, heads), np.int32),
             np.zeros((1, sq, heads, HEAD_DIM_V), bf16), np.zeros((1, sq, heads), np.float32),
             np.zeros((1, 1, 2), np.int64), 1, heads, sq, 0.1]
-    narrow, ring, pipe = _transposed(transposed, sq * heads, split_keys, seesaw, lead_group)
+    narrow, ring, pipe = _transposed(True if balanced and transposed is None else transposed,
+                                     sq * heads, split_keys, seesaw, lead_group)
     split_keys, seesaw, lead = _schedule(split_keys, seesaw, lead_group, narrow)
     early = (TRANSPOSED_EARLY if narrow else EARLY_LAUNCH) if early_launch is None \
         else bool(early_launch)
@@ -443,5 +488,6 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
                              merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
                              early, lead, narrow, _prefetch(prefetch, seesaw or ring, lead),
                              ring, pipe, _merge_slices(merge_slices, fused_slots, None),
-                             _early_pages(early_pages, early, narrow))
+                             _early_pages(early_pages, early and not balanced, narrow),
+                             balanced)
     return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)

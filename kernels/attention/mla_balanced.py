@@ -1,0 +1,251 @@
+"""The page-balanced grid of the transposed MLA decode schedule (:mod:`.mla_transposed`):
+every CTA takes an equal share of all the batch's pages, whatever the sequences' lengths.
+
+The batch's pages in sequence order form one list of ``T`` pages (a sequence without keys
+counts one page, so that some CTA writes its row of zeros); CTA ``c`` of ``n`` takes pages
+``c T / n .. (c + 1) T / n`` (FlashMLA's tile scheduler does the same from metadata a
+kernel computes; here each CTA works out its share from ``seq_lens`` with warp scans). Its
+share crosses sequence boundaries: a *segment* is the part of one sequence inside it. Per
+segment the CTA runs the transposed page loop (Q of the segment's sequence loaded with its
+first page; the page ring and its barrier phases continue across segments, counted over the
+CTA's pages) and stores the segment's partial at slot ``c + b``: the slots of sequence
+``b`` are consecutive, one per CTA that holds part of it, and no two (CTA, sequence) pairs
+share one. During a segment's last page the producer prefetches the next segment's first
+two pages into L2.
+
+Merge: after storing, thread 0 adds one to sequence ``b``'s counter (``tickets[b, 0, 0]``);
+the CTA that brings it to the sequence's segment count resets it to 0 (so the next launch,
+which starts after this grid completes, finds zeros whatever its lengths) and merges the
+segments' partials into ``o`` and ``lse``, as :func:`~kiln.kernels.attention.combine` would.
+The partials (``[n + B, 1, Sq, H, 512]`` f32 and ``[n + B, 1, Sq, H]``) are this grid's
+own: no ``combine`` call reads them.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import kiln
+from kiln import tma
+
+from .decode_config import LN2, LOG2E
+from .decode_rows import interleaved_columns
+from .mla_page import BLOCK_N, CHUNK, CHUNKS, HEAD_DIM_V, ROWS, STAGES, THREADS, TILE_BYTES
+from .mla_transposed import (consume_tile_transposed, stage_operands, store_transposed,
+                             transposed_init, transposed_totals)
+from .paged import PagedRowIndices, PageTableRow
+
+# The default of mla_decode's balanced option (not yet measured on a GPU: off).
+BALANCED = False
+LANES = (1, 2, 4, 8, 16)  # a warp's butterfly steps
+
+
+@kiln.func
+def _warp_tiles(seq_lens, batch, chunk, lane):
+    """Lane ``lane``'s sequence of 32-sequence chunk ``chunk``: its pages (at least one),
+    0 past the batch."""
+    index = chunk * 32 + lane
+    length = seq_lens[kiln.minimum(index, batch - 1)]
+    return kiln.where(index < batch, kiln.maximum((length + BLOCK_N - 1) // BLOCK_N, 1), 0)
+
+
+@kiln.func
+def _inclusive_scan(x, lane):
+    """The warp's inclusive prefix sums of ``x`` (xor shuffles: at step ``d`` a lane whose
+    bit ``d`` is set adds the total of the half block before its own)."""
+    prefix = x
+    block = x
+    for d in kiln.static_range(len(LANES)):
+        other = kiln.shuffle.xor_shuffle(block, LANES[d])
+        prefix = kiln.where((lane & LANES[d]) != 0, prefix + other, prefix)
+        block = block + other
+    return prefix
+
+
+@kiln.func
+def balanced_share(seq_lens, batch, ctas, cta, lane):
+    """CTA ``cta``'s share of the batch's pages (every warp works it out alike):
+    ``(total, first, base, segments, begin, end)``: the batch's pages ``total``, the share's
+    pages ``begin .. end - 1`` in the batch's order, its first sequence ``first`` and that
+    sequence's first page ``base`` in that order, and how many sequences it touches."""
+    chunks = (batch + 31) // 32
+    total = kiln.cast(0, kiln.i32)
+    for k in kiln.range(0, chunks):
+        total = total + kiln.shuffle.butterfly_reduce(_warp_tiles(seq_lens, batch, k, lane),
+                                                      LANES, operator.add)
+    begin = cta * total // ctas
+    end = (cta + 1) * total // ctas
+    carry = kiln.cast(0, kiln.i32)
+    before = kiln.cast(0, kiln.i32)  # sequences that end at or before page begin
+    base = kiln.cast(0, kiln.i32)
+    upto = kiln.cast(0, kiln.i32)  # sequences that end at or before page end - 1
+    for k in kiln.range(0, chunks):
+        tiles = _warp_tiles(seq_lens, batch, k, lane)
+        ends = _inclusive_scan(tiles, lane) + carry
+        done = (ends <= begin) & (tiles > 0)
+        before = before + kiln.shuffle.butterfly_reduce(kiln.where(done, 1, 0), LANES,
+                                                        operator.add)
+        base = kiln.maximum(base, kiln.shuffle.butterfly_reduce(kiln.where(done, ends, 0),
+                                                                LANES, kiln.maximum))
+        upto = upto + kiln.shuffle.butterfly_reduce(
+            kiln.where((ends <= end - 1) & (tiles > 0), 1, 0), LANES, operator.add)
+        carry = carry + kiln.shuffle.butterfly_reduce(tiles, LANES, operator.add)
+    segments = kiln.where(end > begin, upto - before + 1, 0)
+    return total, before, base, segments, begin, end
+
+
+def _first_cta(page, total, ctas):
+    """The CTA whose share holds page ``page`` of the batch's order."""
+    return ((page + 1) * ctas + total - 1) // total - 1
+
+
+@kiln.func
+def _load_page(kv_map, boxes, full, table, page, seq_len, g, producer, arm):
+    """TMA the sequence's page ``page`` into ring stage ``g % 2`` (the CTA's ``g``-th page),
+    on ``full[g % 2]`` (``arm``: expecting its bytes here)."""
+    stage = g % STAGES
+    if arm:
+        full.arrive_expect_tx(stage, TILE_BYTES, predicate=producer)
+    row = PagedRowIndices[BLOCK_N, BLOCK_N].populate(table, page * BLOCK_N, seq_len).row(0)
+    for c in kiln.static_range(CHUNKS):
+        tma.load(kv_map, boxes.tile(CHUNKS * (1 + stage) + c), (c * CHUNK, row), full, stage,
+                 predicate=producer)
+
+
+@kiln.func
+def _segment_loads(it, g, count, begin, table, seq_len, q_map, kv_map, boxes, full, empty,
+                   q_row, warp, producer_warp, producer):
+    """The producer warp's loads at step ``it`` of a segment of ``count`` pages from page
+    ``begin`` (``g``: the CTA's page count so far): with the first, Q and the first two
+    pages; later, page ``it + 1``; each once the page before it in its stage released it."""
+    if warp == producer_warp:
+        if it == 0:  # the stages' previous pages (the last segment's) are released
+            empty.try_wait(g % STAGES, (g // STAGES + 1) % 2)
+            full.arrive_expect_tx(g % STAGES, TILE_BYTES + CHUNKS * tma.box_bytes(q_map),
+                                  predicate=producer)
+            for c in kiln.static_range(CHUNKS):
+                tma.load(q_map, boxes.tile(c), (c * CHUNK, q_row), full, g % STAGES,
+                         predicate=producer)
+            _load_page(kv_map, boxes, full, table, begin, seq_len, g, producer, False)
+            if count > 1:
+                empty.try_wait((g + 1) % STAGES, ((g + 1) // STAGES + 1) % 2)
+                _load_page(kv_map, boxes, full, table, begin + 1, seq_len, g + 1, producer,
+                           True)
+        if (it > 0) & (it + 1 < count):
+            empty.try_wait((g + 1) % STAGES, ((g - 1) // STAGES) % 2)
+            _load_page(kv_map, boxes, full, table, begin + it + 1, seq_len, g + 1, producer,
+                       True)
+
+
+@kiln.func
+def _prefetch_next(kv_map, page_table, seq_lens, b, batch, producer):
+    """L2 prefetch of sequence ``b``'s first two pages (the CTA's next segment)."""
+    if producer & (b < batch):
+        pages = (seq_lens[b] + BLOCK_N - 1) // BLOCK_N
+        for p in kiln.static_range(2):
+            if p < pages:
+                row = page_table[b, p] * BLOCK_N
+                for c in kiln.static_range(CHUNKS):
+                    tma.prefetch(kv_map, (c * CHUNK, row))
+
+
+@kiln.func
+def balanced_pages(q_map, kv_map, page_table, seq_lens, o_part, lse_part, o_out, lse_out,
+                   tickets, boxes, full, empty, shared, heads, seq_q, scale_log2, tid,
+                   group, warp, producer_warp, producer, merge_rows):
+    """The CTA's share (module docs): each segment's pages, partial and, for the last CTA of
+    a sequence, the merge. ``shared``: the schedule's
+    :class:`~kiln.kernels.attention.mla_transposed.TransposedRows`."""
+    rows = shared.rows
+    lane = tid % 32
+    batch = seq_lens.shape[0]
+    ctas = kiln.num_blocks(1)
+    cta = kiln.block_id(1)
+    row0 = kiln.block_id(0) * ROWS
+    packed = heads * seq_q
+    total, first, base, segments, begin, end = balanced_share(seq_lens, batch, ctas, cta, lane)
+    flag = kiln.shared((1,), kiln.i32)
+    g = kiln.cast(0, kiln.i32)  # the CTA's pages so far: the ring's stage and phase
+    start = begin
+    for s in kiln.range(0, segments):
+        b = first + s
+        seq_len = seq_lens[b]
+        tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+        span = kiln.maximum(tiles, 1)
+        lo = start - base
+        hi = kiln.minimum(end - base, span)
+        count = kiln.maximum(kiln.minimum(hi, tiles) - lo, 0)
+        table = PageTableRow(page_table, b)
+        o, m, l = transposed_init(rows)
+        for it in kiln.range(0, count):
+            _segment_loads(it, g + it, count, lo, table, seq_len, q_map, kv_map, boxes, full,
+                           empty, b * packed + row0, warp, producer_warp, producer)
+            if (it == kiln.maximum(count - 2, 0)) & (s + 1 < segments):
+                _prefetch_next(kv_map, page_table, seq_lens, b + 1, batch, producer)
+            full.try_wait((g + it) % STAGES, ((g + it) // STAGES) % 2)
+            o, m, l = consume_tile_transposed(
+                o, m, l, stage_operands(boxes, (g + it) % STAGES, tid), shared,
+                (lo + it) * BLOCK_N, row0, packed, heads, seq_len, seq_q, scale_log2, tid,
+                group, g + it)
+            empty.arrive((g + it) % STAGES, wgmma_pending=0)
+        m, l = transposed_totals(m, l, shared, tid, group)
+        store_transposed(o, m, l, rows, o_part, lse_part, None, cta + b, 0, row0, heads,
+                         packed, group, tid, seq_len, seq_q, 0, False)
+        first_cta = _first_cta(base, total, ctas)
+        last_cta = _first_cta(base + span - 1, total, ctas)
+        kiln.barrier()  # every thread's partial stores before thread 0's release
+        if tid == 0:
+            kiln.fence("gpu")
+            ticket = tickets.atomic_add(b, kiln.block_id(0), 0, 1)
+            last = ticket == kiln.cast(last_cta - first_cta, kiln.i64)
+            if last:
+                tickets.atomic_exchange(b, kiln.block_id(0), 0, kiln.cast(0, kiln.i64))
+                kiln.fence("gpu")  # acquire the other segments' partials
+            flag[0] = kiln.where(last, 1, 0)
+        kiln.barrier()
+        if flag[0] != 0:
+            merge_segments(o_part, lse_part, o_out, lse_out, b, first_cta + b, last_cta + b,
+                           row0, heads, packed, tid, merge_rows)
+        kiln.barrier()  # the flag is read before the next segment's thread 0 writes it
+        g = g + count
+        start = base + hi
+        base = base + span
+
+
+@kiln.func
+def merge_segments(o_part, lse_part, o_out, lse_out, b, first, last, row0, heads, packed, tid,
+                   merge_rows):
+    """Merge slots ``first .. last`` of the partials into sequence ``b``'s rows of ``o_out``
+    and ``lse_out`` (``THREADS / merge_rows`` threads a row, 4-column chunks)."""
+    per_row = THREADS // merge_rows
+    r = tid // per_row
+    row = row0 + r
+    columns = interleaved_columns(tid, per_row, HEAD_DIM_V)
+    if (r < merge_rows) & (row < packed):
+        token = row // heads
+        head = row % heads
+        m = kiln.cast(-math.inf, kiln.f32)
+        for s in kiln.range(first, last + 1):
+            m = kiln.maximum(m, lse_part[s, 0, token, head])
+        m_safe = kiln.where(m == -math.inf, 0.0, m)  # every segment empty: no -inf - -inf
+        total = kiln.cast(0.0, kiln.f32)
+        for s in kiln.range(first, last + 1):
+            total = total + kiln.exp2((lse_part[s, 0, token, head] - m_safe) * LOG2E)
+        valid = (total > 0.0) & (total < math.inf)
+        inv = kiln.where(valid, 1.0 / kiln.maximum(total, 1e-30), 0.0)
+        half = len(columns) // 2  # half the columns at a time: fewer live registers
+        weight = inv
+        for part in kiln.static_range(2):
+            mine = columns[part * half:(part + 1) * half]
+            acc = [kiln.vector_constant([0.0] * 4, kiln.f32) for _ in mine]
+            for s in kiln.range(first, last + 1):
+                weight = kiln.exp2((lse_part[s, 0, token, head] - m_safe) * LOG2E) * inv
+                acc = [kiln.fma(o_part.load(s, 0, token, head, c, width=4, align=16), weight,
+                                a) for a, c in zip(acc, mine)]
+            for c, a in zip(mine, acc):
+                o_out.store(b, token, head, c, kiln.cast(kiln.where(valid, a, 0.0), kiln.bf16),
+                            align=8)
+        if tid % per_row == 0:
+            lse_out[b, token, head] = kiln.where(
+                valid, m_safe + kiln.log2(kiln.maximum(total, 1e-30)) * LN2, -math.inf)
