@@ -18,7 +18,8 @@ the CTA that brings it to the sequence's segment count resets it to 0 (so the ne
 which starts after this grid completes, finds zeros whatever its lengths) and merges the
 segments' partials into ``o`` and ``lse``, as :func:`~kiln.kernels.attention.combine` would.
 The partials (``[n + B, 1, Sq, H, 512]`` f32 and ``[n + B, 1, Sq, H]``) are this grid's
-own: no ``combine`` call reads them.
+own: no ``combine`` call reads them. With early launch, :func:`balanced_prefetch` works out
+the share before the grid-dependency wait and prefetches its first pages into L2.
 """
 
 from __future__ import annotations
@@ -146,6 +147,27 @@ def _prefetch_next(kv_map, page_table, seq_lens, b, batch, producer):
         for p in kiln.static_range(2):
             if p < pages:
                 row = page_table[b, p] * BLOCK_N
+                for c in kiln.static_range(CHUNKS):
+                    tma.prefetch(kv_map, (c * CHUNK, row))
+
+
+@kiln.func
+def balanced_prefetch(q_map, kv_map, page_table, seq_lens, heads, seq_q, tid, producer, pages):
+    """Before the grid-dependency wait: the CTA's share from ``seq_lens`` as they are now,
+    and its first segment's Q rows and first ``pages`` pages into L2 (stale lengths only
+    waste the prefetch)."""
+    batch = seq_lens.shape[0]
+    _, first, base, segments, begin, end = balanced_share(seq_lens, batch, kiln.num_blocks(1),
+                                                          kiln.block_id(1), tid % 32)
+    if producer & (segments > 0):
+        packed = heads * seq_q
+        for c in kiln.static_range(CHUNKS):
+            tma.prefetch(q_map, (c * CHUNK, first * packed + kiln.block_id(0) * ROWS))
+        tiles = (seq_lens[first] + BLOCK_N - 1) // BLOCK_N
+        stop = kiln.minimum(end - base, tiles)
+        for p in kiln.static_range(pages):
+            if begin - base + p < stop:
+                row = page_table[first, begin - base + p] * BLOCK_N
                 for c in kiln.static_range(CHUNKS):
                     tma.prefetch(kv_map, (c * CHUNK, row))
 

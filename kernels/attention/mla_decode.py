@@ -145,8 +145,8 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     ``balanced``: the transposed schedule (at most 32 packed rows) where every CTA takes an equal share of all the
     batch's pages across sequence boundaries and the last CTA of each sequence merges its
     parts (:mod:`~kiln.kernels.attention.mla_balanced`; ``num_splits`` is then the CTA count,
-    None: the SMs; None: ``BALANCED``, off; no ``fused_combine=False``, ``merge_slices`` or
-    early pages with it).
+    None: the SMs; None: ``BALANCED``, off; no ``fused_combine=False`` or ``merge_slices``
+    with it; early launch and early pages as the transposed schedule's).
     Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
     ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
@@ -252,8 +252,7 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
                                      Sq * H, split_keys, options[0], options[2])
     split_keys, seesaw, lead = _schedule(split_keys, options[0], options[2], narrow)
     rows = merge_rows(Sq * H)
-    balanced = _balanced(options[7], narrow, ring or pipe, fused_combine, options[5],
-                         options[6])
+    balanced = _balanced(options[7], narrow, ring or pipe, fused_combine, options[5])
     if balanced:  # CTAs, not splits: every SM by default
         slots = num_splits or (DEFAULT_SMS if backend == "interpret"
                                else runtime.multiprocessor_count())
@@ -271,8 +270,7 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
                              lead, narrow, _prefetch(options[4], seesaw or ring, lead),
                              ring, pipe,
                              _merge_slices(options[5], slots if fused else 0, backend),
-                             _early_pages(options[6], early and not balanced, narrow),
-                             balanced) \
+                             _early_pages(options[6], early, narrow), balanced) \
         if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target),
                    grid=(row_blocks, int(slots), 1 if balanced else B),
@@ -282,23 +280,22 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
                    balanced=balanced)
 
 
-def _balanced(balanced, transposed, ring_or_pipelined, fused_combine, merge_slices,
-              early_pages) -> bool:
+def _balanced(balanced, transposed, ring_or_pipelined, fused_combine, merge_slices) -> bool:
     """Whether a call runs the page-balanced grid (``balanced``, None: ``BALANCED``, and
     only with the transposed page loop); refused beside options it does not take.
-    Example: ``_balanced(True, 16, False, None, None, None) is True``."""
+    Example: ``_balanced(True, 16, False, None, None) is True``."""
     if balanced not in (None, False, True):
         raise kiln.KilnValueError(f"balanced={balanced!r} is not a bool",
                                   fix="pass balanced=True, False or None")
     if balanced is None:
         return BALANCED and bool(transposed) and not ring_or_pipelined and \
-            fused_combine is not False and merge_slices is None and early_pages is None
+            fused_combine is not False and merge_slices is None
     if balanced and (not transposed or ring_or_pipelined or fused_combine is False
-                     or merge_slices is not None or early_pages is not None):
+                     or merge_slices is not None):
         raise kiln.UnsupportedError("balanced=True runs the transposed page loop (at most 32 "
                                     "packed rows) and merges its own partials",
-                                    fix="leave transposed unset or True, and fused_combine, "
-                                        "merge_slices and early_pages unset")
+                                    fix="leave transposed unset or True, and fused_combine "
+                                        "and merge_slices unset")
     return balanced
 
 
@@ -488,6 +485,5 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
                              merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
                              early, lead, narrow, _prefetch(prefetch, seesaw or ring, lead),
                              ring, pipe, _merge_slices(merge_slices, fused_slots, None),
-                             _early_pages(early_pages, early and not balanced, narrow),
-                             balanced)
+                             _early_pages(early_pages, early, narrow), balanced)
     return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)

@@ -39,7 +39,7 @@ from kiln.shared import dynamic_shared
 from .decode_config import ARRIVED
 from .decode_fused import combine_if_last
 from .decode_rows import advance_row_max, split_count
-from .mla_balanced import balanced_pages
+from .mla_balanced import balanced_pages, balanced_prefetch
 from .mla_lead import PRODUCER_WARP, LeadRows, consume_tile_lead, lead_pages_pipelined, lead_sum
 from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, HEAD_DIM,
                        HEAD_DIM_V, NUM_WARPS, ROWS, STAGES, THREADS, TILE_BYTES, V_CHUNKS,
@@ -176,7 +176,10 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
         if early_launch:
-            if early_pages:  # prefetches change no value: they may run before the wait
+            if early_pages and balanced:  # its first segment's, from its share as it is now
+                balanced_prefetch(q_map, kv_map, page_table, seq_lens, heads, seq_q, tid,
+                                  producer, early_pages)
+            elif early_pages:  # prefetches change no value: they may run before the wait
                 _early_prefetch(q_map, kv_map, page_table, seq_lens, num_splits, heads, seq_q,
                                 page_size, producer, early_pages)
             # Everything after the wait reads or writes global memory the previous kernel
