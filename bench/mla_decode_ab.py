@@ -54,6 +54,7 @@ VARIANTS = {
     # The page-balanced grid: every SM's CTA an equal share of all pages (mla_balanced).
     "bal": dict(balanced=True), "bal_noearly": dict(balanced=True, early_launch=False),
     "bal_ep0": dict(balanced=True, early_pages=0),
+    **{f"bal_o{n}": dict(balanced=n) for n in (0, 2, 4)},  # overhead units a sequence
     **{f"pf{n}": dict(prefetch=n) for n in (1, 2)},  # the lead group, pages ahead in L2
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},

@@ -108,19 +108,20 @@ def test_lead_group_over_many_pages(mode, rng):
     assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
 
 
-@pytest.mark.parametrize("heads,sq,ctas,lens", [
-    (16, 1, 3, [1, 63, 65, 200]),  # 9 pages over 3 CTAs: segments cross sequences
-    (16, 2, 5, [0, 130, 0, 70, 1]),  # empty sequences (one virtual page each), 32 rows
-    (8, 2, 7, [700, 5]),  # more CTAs than a sequence's pages need: one segment each
-    (16, 1, 4, [300, 64, 129]),  # early launch: the share's first pages in L2 before the wait
-    pytest.param(16, 1, 1, [1000, 777, 0], marks=pytest.mark.slow)])  # one CTA, all
-def test_balanced_grid_matches_float64(heads, sq, ctas, lens, rng):
-    """The page-balanced grid: each CTA's equal share of the batch's pages cuts sequences
-    anywhere, the ring carries on across them, and the last CTA of each sequence merges its
-    parts (NaN past every sequence and in the unused pages, partials NaN until stored)."""
+@pytest.mark.parametrize("heads,sq,ctas,lens,balanced", [
+    (16, 1, 3, [1, 63, 65, 200], True),  # 9 pages + 4 units over 3 CTAs: segments cross
+    (16, 2, 5, [0, 130, 0, 70, 1], 0),  # no overhead: an empty sequence counts one unit
+    (8, 2, 7, [700, 5], 3),  # CTAs whose share is overhead only: empty partials
+    (16, 1, 4, [300, 64, 129], 2),  # early launch: the share's first pages in L2 first
+    pytest.param(16, 1, 1, [1000, 777, 0], True, marks=pytest.mark.slow)])  # one CTA
+def test_balanced_grid_matches_float64(heads, sq, ctas, lens, balanced, rng):
+    """The page-balanced grid: each CTA's equal share of the batch's work units cuts
+    sequences anywhere, the ring carries on across them, and the last CTA of each sequence
+    merges its parts (NaN past every sequence and in the unused pages, partials NaN until
+    stored)."""
     q, kv, table, lens = mla_problem(rng, heads, sq, lens)
     o, lse = mla_decode(q, kv, table, lens, num_splits=ctas, backend="interpret",
-                        balanced=True, early_launch=ctas == 4)
+                        balanced=balanced, early_launch=ctas == 4)
     assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
 
 

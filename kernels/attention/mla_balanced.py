@@ -1,11 +1,14 @@
 """The page-balanced grid of the transposed MLA decode schedule (:mod:`.mla_transposed`):
 every CTA takes an equal share of all the batch's pages, whatever the sequences' lengths.
 
-The batch's pages in sequence order form one list of ``T`` pages (a sequence without keys
-counts one page, so that some CTA writes its row of zeros); CTA ``c`` of ``n`` takes pages
-``c T / n .. (c + 1) T / n`` (FlashMLA's tile scheduler does the same from metadata a
-kernel computes; here each CTA works out its share from ``seq_lens`` with warp scans). Its
-share crosses sequence boundaries: a *segment* is the part of one sequence inside it. Per
+The batch's pages in sequence order form one list of ``T`` work units: each sequence counts
+its pages plus ``overhead`` units for what a segment costs beyond its pages (the store, the
+merge's ticket, the ring's restart; at least one unit a sequence, so that a CTA writes the
+zeros of a sequence without keys), those first. CTA ``c`` of ``n`` takes units
+``c T / n .. (c + 1) T / n`` (FlashMLA's tile scheduler does the same, with 5 blocks of
+overhead, from metadata a kernel computes; here each CTA works out its share from
+``seq_lens`` with warp scans). Its share crosses sequence boundaries: a *segment* is the part
+of one sequence inside it (possibly only overhead units: no page, an empty partial). Per
 segment the CTA runs the transposed page loop (Q of the segment's sequence loaded with its
 first page; the page ring and its barrier phases continue across segments, counted over the
 CTA's pages) and stores the segment's partial at slot ``c + b``: the slots of sequence
@@ -37,18 +40,25 @@ from .mla_transposed import (consume_tile_transposed, stage_operands, store_tran
                              transposed_init, transposed_totals)
 from .paged import PagedRowIndices, PageTableRow
 
-# The default of mla_decode's balanced option (not yet measured on a GPU: off).
+# The default of mla_decode's balanced option (not yet measured on a GPU: off), and the
+# overhead units a sequence counts with balanced=True.
 BALANCED = False
+BALANCE_OVERHEAD = 1
 LANES = (1, 2, 4, 8, 16)  # a warp's butterfly steps
 
 
+def _units(seq_len, overhead):
+    """A sequence's work units: its pages and ``overhead``, at least one."""
+    return kiln.maximum((seq_len + BLOCK_N - 1) // BLOCK_N + overhead, 1)
+
+
 @kiln.func
-def _warp_tiles(seq_lens, batch, chunk, lane):
-    """Lane ``lane``'s sequence of 32-sequence chunk ``chunk``: its pages (at least one),
-    0 past the batch."""
+def _warp_units(seq_lens, batch, chunk, lane, overhead):
+    """Lane ``lane``'s sequence of 32-sequence chunk ``chunk``: its units, 0 past the
+    batch."""
     index = chunk * 32 + lane
-    length = seq_lens[kiln.minimum(index, batch - 1)]
-    return kiln.where(index < batch, kiln.maximum((length + BLOCK_N - 1) // BLOCK_N, 1), 0)
+    return kiln.where(index < batch, _units(seq_lens[kiln.minimum(index, batch - 1)], overhead),
+                      0)
 
 
 @kiln.func
@@ -65,40 +75,40 @@ def _inclusive_scan(x, lane):
 
 
 @kiln.func
-def balanced_share(seq_lens, batch, ctas, cta, lane):
-    """CTA ``cta``'s share of the batch's pages (every warp works it out alike):
-    ``(total, first, base, segments, begin, end)``: the batch's pages ``total``, the share's
-    pages ``begin .. end - 1`` in the batch's order, its first sequence ``first`` and that
-    sequence's first page ``base`` in that order, and how many sequences it touches."""
+def balanced_share(seq_lens, batch, ctas, cta, lane, overhead):
+    """CTA ``cta``'s share of the batch's work units (every warp works it out alike):
+    ``(total, first, base, segments, begin, end)``: the batch's units ``total``, the share's
+    units ``begin .. end - 1`` in the batch's order, its first sequence ``first`` and that
+    sequence's first unit ``base``, and how many sequences it touches."""
     chunks = (batch + 31) // 32
     total = kiln.cast(0, kiln.i32)
     for k in kiln.range(0, chunks):
-        total = total + kiln.shuffle.butterfly_reduce(_warp_tiles(seq_lens, batch, k, lane),
+        total = total + kiln.shuffle.butterfly_reduce(_warp_units(seq_lens, batch, k, lane, overhead),
                                                       LANES, operator.add)
     begin = cta * total // ctas
     end = (cta + 1) * total // ctas
     carry = kiln.cast(0, kiln.i32)
-    before = kiln.cast(0, kiln.i32)  # sequences that end at or before page begin
+    before = kiln.cast(0, kiln.i32)  # sequences that end at or before unit begin
     base = kiln.cast(0, kiln.i32)
-    upto = kiln.cast(0, kiln.i32)  # sequences that end at or before page end - 1
+    upto = kiln.cast(0, kiln.i32)  # sequences that end at or before unit end - 1
     for k in kiln.range(0, chunks):
-        tiles = _warp_tiles(seq_lens, batch, k, lane)
-        ends = _inclusive_scan(tiles, lane) + carry
-        done = (ends <= begin) & (tiles > 0)
+        units = _warp_units(seq_lens, batch, k, lane, overhead)
+        ends = _inclusive_scan(units, lane) + carry
+        done = (ends <= begin) & (units > 0)
         before = before + kiln.shuffle.butterfly_reduce(kiln.where(done, 1, 0), LANES,
                                                         operator.add)
         base = kiln.maximum(base, kiln.shuffle.butterfly_reduce(kiln.where(done, ends, 0),
                                                                 LANES, kiln.maximum))
         upto = upto + kiln.shuffle.butterfly_reduce(
-            kiln.where((ends <= end - 1) & (tiles > 0), 1, 0), LANES, operator.add)
-        carry = carry + kiln.shuffle.butterfly_reduce(tiles, LANES, operator.add)
+            kiln.where((ends <= end - 1) & (units > 0), 1, 0), LANES, operator.add)
+        carry = carry + kiln.shuffle.butterfly_reduce(units, LANES, operator.add)
     segments = kiln.where(end > begin, upto - before + 1, 0)
     return total, before, base, segments, begin, end
 
 
-def _first_cta(page, total, ctas):
-    """The CTA whose share holds page ``page`` of the batch's order."""
-    return ((page + 1) * ctas + total - 1) // total - 1
+def _first_cta(unit, total, ctas):
+    """The CTA whose share holds unit ``unit`` of the batch's order."""
+    return ((unit + 1) * ctas + total - 1) // total - 1
 
 
 @kiln.func
@@ -152,22 +162,24 @@ def _prefetch_next(kv_map, page_table, seq_lens, b, batch, producer):
 
 
 @kiln.func
-def balanced_prefetch(q_map, kv_map, page_table, seq_lens, heads, seq_q, tid, producer, pages):
+def balanced_prefetch(q_map, kv_map, page_table, seq_lens, heads, seq_q, tid, producer, pages,
+                      overhead):
     """Before the grid-dependency wait: the CTA's share from ``seq_lens`` as they are now,
     and its first segment's Q rows and first ``pages`` pages into L2 (stale lengths only
     waste the prefetch)."""
     batch = seq_lens.shape[0]
-    _, first, base, segments, begin, end = balanced_share(seq_lens, batch, kiln.num_blocks(1),
-                                                          kiln.block_id(1), tid % 32)
+    _, first, base, segments, begin, end = balanced_share(
+        seq_lens, batch, kiln.num_blocks(1), kiln.block_id(1), tid % 32, overhead)
     if producer & (segments > 0):
         packed = heads * seq_q
         for c in kiln.static_range(CHUNKS):
             tma.prefetch(q_map, (c * CHUNK, first * packed + kiln.block_id(0) * ROWS))
         tiles = (seq_lens[first] + BLOCK_N - 1) // BLOCK_N
-        stop = kiln.minimum(end - base, tiles)
+        lo = kiln.maximum(begin - base - overhead, 0)
+        stop = kiln.minimum(end - base - overhead, tiles)
         for p in kiln.static_range(pages):
-            if begin - base + p < stop:
-                row = page_table[first, begin - base + p] * BLOCK_N
+            if lo + p < stop:
+                row = page_table[first, lo + p] * BLOCK_N
                 for c in kiln.static_range(CHUNKS):
                     tma.prefetch(kv_map, (c * CHUNK, row))
 
@@ -175,7 +187,7 @@ def balanced_prefetch(q_map, kv_map, page_table, seq_lens, heads, seq_q, tid, pr
 @kiln.func
 def balanced_pages(q_map, kv_map, page_table, seq_lens, o_part, lse_part, o_out, lse_out,
                    tickets, boxes, full, empty, shared, heads, seq_q, scale_log2, tid,
-                   group, warp, producer_warp, producer, merge_rows):
+                   group, warp, producer_warp, producer, merge_rows, overhead):
     """The CTA's share (module docs): each segment's pages, partial and, for the last CTA of
     a sequence, the merge. ``shared``: the schedule's
     :class:`~kiln.kernels.attention.mla_transposed.TransposedRows`."""
@@ -186,7 +198,8 @@ def balanced_pages(q_map, kv_map, page_table, seq_lens, o_part, lse_part, o_out,
     cta = kiln.block_id(1)
     row0 = kiln.block_id(0) * ROWS
     packed = heads * seq_q
-    total, first, base, segments, begin, end = balanced_share(seq_lens, batch, ctas, cta, lane)
+    total, first, base, segments, begin, end = balanced_share(seq_lens, batch, ctas, cta, lane,
+                                                              overhead)
     flag = kiln.shared((1,), kiln.i32)
     g = kiln.cast(0, kiln.i32)  # the CTA's pages so far: the ring's stage and phase
     start = begin
@@ -194,10 +207,10 @@ def balanced_pages(q_map, kv_map, page_table, seq_lens, o_part, lse_part, o_out,
         b = first + s
         seq_len = seq_lens[b]
         tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-        span = kiln.maximum(tiles, 1)
-        lo = start - base
-        hi = kiln.minimum(end - base, span)
-        count = kiln.maximum(kiln.minimum(hi, tiles) - lo, 0)
+        span = _units(seq_len, overhead)
+        hi = kiln.minimum(end - base, span)  # the segment's units: start - base .. hi - 1
+        lo = kiln.maximum(start - base - overhead, 0)  # and its pages: lo .. lo + count - 1
+        count = kiln.maximum(kiln.minimum(hi - overhead, tiles) - lo, 0)
         table = PageTableRow(page_table, b)
         o, m, l = transposed_init(rows)
         for it in kiln.range(0, count):

@@ -31,7 +31,7 @@ from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, check_paged_len
                        check_positive, is_torch, resolve_target, spec)
 from .combine import combine
 from .decode_config import DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MAX_DEFAULT_SPLITS
-from .mla_balanced import BALANCED
+from .mla_balanced import BALANCE_OVERHEAD, BALANCED
 from .mla_kernel import EARLY_LAUNCH, PREFETCH, SEESAW, SPLIT_KEYS, make_mla_kernel
 from .mla_lead import LEAD_GROUP
 from .mla_page import BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS
@@ -142,10 +142,12 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     always merges in one CTA); ``early_pages``: with ``early_launch``, Q and the split's
     first that many pages prefetched into L2 before the grid-dependency wait (None:
     ``EARLY_PAGES``, 0, but ``TRANSPOSED_EARLY_PAGES``, 2, with the transposed schedule);
-    ``balanced``: the transposed schedule (at most 32 packed rows) where every CTA takes an equal share of all the
+    ``balanced`` (True, or the overhead units 0-16 a sequence counts): the transposed
+    schedule (at most 32 packed rows) where every CTA takes an equal share of all the
     batch's pages across sequence boundaries and the last CTA of each sequence merges its
     parts (:mod:`~kiln.kernels.attention.mla_balanced`; ``num_splits`` is then the CTA count,
-    None: the SMs; None: ``BALANCED``, off; no ``fused_combine=False`` or ``merge_slices``
+    None: the SMs; each sequence counts ``BALANCE_OVERHEAD`` units beyond its pages with
+    True; None: ``BALANCED``, off; no ``fused_combine=False`` or ``merge_slices``
     with it; early launch and early pages as the transposed schedule's).
     Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
@@ -221,7 +223,8 @@ def _tickets(plan, lib, q):
 def _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
               backend, split_keys, fused_combine, options) -> MlaPlan:
     key = (spec(q), spec(kv_cache), spec(page_table), spec(seq_lens), head_dim_v, scale,
-           num_splits, target, backend, split_keys, fused_combine, options)
+           num_splits, target, backend, split_keys, fused_combine, options,
+           type(options[7]))  # balanced=0 (an overhead count) is not False
     plan = PLANS.lookup(key)
     if plan is None:
         plan = PLANS.add(key, _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale,
@@ -248,11 +251,13 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
         sms=DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()) \
         if B * Sq * H else 1
     # The balanced grid runs the transposed page loop, asked for or not.
-    narrow, ring, pipe = _transposed(True if options[7] and options[3] is None else options[3],
+    asked = options[7] is not None and options[7] is not False  # (0 is an overhead count)
+    narrow, ring, pipe = _transposed(True if asked and options[3] is None else options[3],
                                      Sq * H, split_keys, options[0], options[2])
     split_keys, seesaw, lead = _schedule(split_keys, options[0], options[2], narrow)
     rows = merge_rows(Sq * H)
-    balanced = _balanced(options[7], narrow, ring or pipe, fused_combine, options[5])
+    overhead = _balanced(options[7], narrow, ring or pipe, fused_combine, options[5])
+    balanced = overhead is not None
     if balanced:  # CTAs, not splits: every SM by default
         slots = num_splits or (DEFAULT_SMS if backend == "interpret"
                                else runtime.multiprocessor_count())
@@ -270,7 +275,7 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
                              lead, narrow, _prefetch(options[4], seesaw or ring, lead),
                              ring, pipe,
                              _merge_slices(options[5], slots if fused else 0, backend),
-                             _early_pages(options[6], early, narrow), balanced) \
+                             _early_pages(options[6], early, narrow), overhead) \
         if B * Sq * H else None
     return MlaPlan(kernel=kernel, chip=mla_target(target),
                    grid=(row_blocks, int(slots), 1 if balanced else B),
@@ -280,23 +285,28 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
                    balanced=balanced)
 
 
-def _balanced(balanced, transposed, ring_or_pipelined, fused_combine, merge_slices) -> bool:
-    """Whether a call runs the page-balanced grid (``balanced``, None: ``BALANCED``, and
+def _balanced(balanced, transposed, ring_or_pipelined, fused_combine,
+              merge_slices) -> int | None:
+    """The overhead units a sequence counts in the page-balanced grid, None without it
+    (``balanced``: True for ``BALANCE_OVERHEAD``, or a count 0-16; None: ``BALANCED``, and
     only with the transposed page loop); refused beside options it does not take.
-    Example: ``_balanced(True, 16, False, None, None) is True``."""
-    if balanced not in (None, False, True):
-        raise kiln.KilnValueError(f"balanced={balanced!r} is not a bool",
-                                  fix="pass balanced=True, False or None")
+    Example: ``_balanced(2, 16, False, None, None) == 2``."""
+    if balanced not in (None, False, True) and not (
+            isinstance(balanced, int) and 0 <= balanced <= 16):
+        raise kiln.KilnValueError(f"balanced={balanced!r} is neither a bool nor an overhead "
+                                  "count", fix="pass balanced=True, False, None or 0..16")
     if balanced is None:
-        return BALANCED and bool(transposed) and not ring_or_pipelined and \
+        balanced = BALANCED and bool(transposed) and not ring_or_pipelined and \
             fused_combine is not False and merge_slices is None
-    if balanced and (not transposed or ring_or_pipelined or fused_combine is False
-                     or merge_slices is not None):
+    elif balanced is not False and (not transposed or ring_or_pipelined
+                                    or fused_combine is False or merge_slices is not None):
         raise kiln.UnsupportedError("balanced=True runs the transposed page loop (at most 32 "
                                     "packed rows) and merges its own partials",
                                     fix="leave transposed unset or True, and fused_combine "
                                         "and merge_slices unset")
-    return balanced
+    if balanced is False:
+        return None
+    return BALANCE_OVERHEAD if balanced is True else balanced
 
 
 def _early_pages(early_pages, early, transposed=0) -> int:
@@ -476,8 +486,10 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
             np.zeros((1, 1, sq, heads), np.float32), np.zeros((1, sq, heads), np.int32),
             np.zeros((1, sq, heads, HEAD_DIM_V), bf16), np.zeros((1, sq, heads), np.float32),
             np.zeros((1, 1, 2), np.int64), 1, heads, sq, 0.1]
-    narrow, ring, pipe = _transposed(True if balanced and transposed is None else transposed,
+    asked = balanced is not None and balanced is not False  # (0 is an overhead count)
+    narrow, ring, pipe = _transposed(True if asked and transposed is None else transposed,
                                      sq * heads, split_keys, seesaw, lead_group)
+    overhead = _balanced(balanced, narrow, ring or pipe, None, None)
     split_keys, seesaw, lead = _schedule(split_keys, seesaw, lead_group, narrow)
     early = (TRANSPOSED_EARLY if narrow else EARLY_LAUNCH) if early_launch is None \
         else bool(early_launch)
@@ -485,5 +497,5 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
                              merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
                              early, lead, narrow, _prefetch(prefetch, seesaw or ring, lead),
                              ring, pipe, _merge_slices(merge_slices, fused_slots, None),
-                             _early_pages(early_pages, early, narrow), balanced)
+                             _early_pages(early_pages, early, narrow), overhead)
     return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)

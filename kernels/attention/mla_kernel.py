@@ -73,7 +73,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                     early_launch: bool = EARLY_LAUNCH, lead_group: int = 0,
                     transposed: int = 0, prefetch: int = PREFETCH, ring: bool = False,
                     pipelined: bool = False, merge_slices: int = 1, early_pages: int = 0,
-                    balanced: bool = False):
+                    balanced: int | None = None):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -109,9 +109,10 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     (with ``early_launch``): before the grid-dependency wait the producer prefetches Q and the
     split's first that many pages into L2 (page table and length read for it only: the
     loads after the wait read them again), so a CTA that starts while the previous kernel
-    ends fills its idle DRAM. ``balanced`` (with ``transposed``, not ``ring`` or
+    ends fills its idle DRAM. ``balanced`` (None: off; with ``transposed``, not ``ring`` or
     ``pipelined``): the page-balanced grid of :mod:`~kiln.kernels.attention.mla_balanced`
-    (grid ``(1, CTAs, 1)``; it stores and merges its own partials, ``tickets`` ``[B, 1, 2]``).
+    with that many overhead units a sequence (grid ``(1, CTAs, 1)``; it stores and merges
+    its own partials, ``tickets`` ``[B, 1, 2]``).
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     if lead_group and (seesaw or split_keys):
         raise kiln.UnsupportedError("the lead-group schedule has group 0 score every key",
@@ -120,7 +121,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         raise kiln.UnsupportedError("the transposed schedule takes 16 or 32 rows and no other "
                                     "schedule", fix="pass transposed=16 or 32 with "
                                                     "split_keys=False, no seesaw or lead group")
-    if balanced and not (transposed and not (ring or pipelined or fused_slots or direct)):
+    if balanced is not None and not (transposed and not (ring or pipelined or fused_slots
+                                                         or direct)):
         raise kiln.UnsupportedError("the balanced grid runs the transposed page loop and "
                                     "merges its own partials", fix="pass balanced=True with "
                                     "transposed=16 or 32, no ring, pipelining or fused_slots")
@@ -176,9 +178,9 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
         if early_launch:
-            if early_pages and balanced:  # its first segment's, from its share as it is now
+            if early_pages and balanced is not None:  # its share's first, from seq_lens now
                 balanced_prefetch(q_map, kv_map, page_table, seq_lens, heads, seq_q, tid,
-                                  producer, early_pages)
+                                  producer, early_pages, balanced)
             elif early_pages:  # prefetches change no value: they may run before the wait
                 _early_prefetch(q_map, kv_map, page_table, seq_lens, num_splits, heads, seq_q,
                                 page_size, producer, early_pages)
@@ -239,10 +241,10 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                                        tile_begin, num_tiles, seq_len),
                 TILE_BYTES // 16, tile_begin, num_tiles, seq_len, seq_q, key_limit, scale_log2,
                 tid, group, warp)
-        elif balanced:
+        elif balanced is not None:
             balanced_pages(q_map, kv_map, page_table, seq_lens, o_part, lse_part, o_out, lse_out,
                            tickets, boxes, full, empty, t_rows, heads, seq_q, scale_log2, tid,
-                           group, warp, producer_warp, producer, merge_rows)
+                           group, warp, producer_warp, producer, merge_rows, balanced)
         else:
             for it in kiln.range(0, num_tiles):
                 stage = it % STAGES
@@ -277,7 +279,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                     empty.arrive(stage, wgmma_pending=0)
             if pipelined:
                 _release_last(empty, num_tiles, STAGES, group)
-        if not balanced:  # the balanced grid stored and merged its segments itself
+        if balanced is None:  # the balanced grid stored and merged its segments itself
             arrival = None
             if fused_slots and merge_slices == 1:
                 # This CTA's place among its row block's splits; read only after its own stores,
@@ -320,7 +322,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         f"{f'_t{transposed}' if transposed else ''}{'_ring' if ring else ''}" \
         f"{'_pipe' if pipelined else ''}{f'x{merge_slices}' if merge_slices > 1 else ''}" \
         f"{f'_ep{early_pages}' if early_pages else ''}" \
-        f"{f'_pf{prefetch}' if prefetch else ''}{'_bal' if balanced else ''}"
+        f"{f'_pf{prefetch}' if prefetch else ''}{f'_bal{balanced}' if balanced is not None else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
 
