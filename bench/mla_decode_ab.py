@@ -8,8 +8,9 @@ Usage (on an H100/H200): ``python bench/mla_decode_ab.py [--shapes 32x4096x1x16,
 [--variants base,fused,...] [--repeat 10]`` (a shape ``B x ctx x Sq x H``, ``r`` appended for
 ragged lengths: uniform in ``[ctx / 4, 7 ctx / 4]``, mean ``ctx``; or ``SHAPE:v1+v2`` with its
 own variants); ``--once SHAPE V1,V2``: one call of each variant, in order (for ``ncu -k
-regex:mla_decode -c 2``); ``--timeline SHAPE:V``: each kernel's GPU duration and the gap from
-one call's end to the next one's start over queued calls (torch profiler, CUPTI).
+regex:mla_decode -c 2``); ``--timeline SHAPE:V,...``: after the shapes, each kernel's GPU
+duration and the gap from one call's end to the next one's start over queued calls (torch
+profiler, CUPTI).
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--once", nargs=2, metavar=("SHAPE", "V1,V2"))
-    parser.add_argument("--timeline", help="SHAPE:VARIANT,... kernel durations and gaps")
+    parser.add_argument("--timeline", help="SHAPE:VARIANT,... kernel durations and gaps "
+                        "(after the --shapes runs; --shapes '' for none)")
     args = parser.parse_args()
     import torch
 
@@ -127,18 +129,10 @@ def main() -> None:
             mla_decode(*problem, **VARIANTS[name])
             torch.cuda.synchronize()
         return
-    if args.timeline:
-        for item in args.timeline.split(","):
-            shape, _, name = item.partition(":")
-            problem = make_problem(torch, *parse_shape(shape)[:4])
-            print(json.dumps({"timeline": shape, "variant": name,
-                              **timeline(torch, problem, VARIANTS[name or "default"])}),
-                  flush=True)
-        return
     copy_gbs = copy_bandwidth_gbs(torch, 5)
     print(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs)}),
           flush=True)
-    for item in args.shapes.split(","):
+    for item in filter(None, args.shapes.split(",")):
         # "SHAPE" takes --variants; "SHAPE:v1+v2" its own list.
         shape, _, own = item.partition(":")
         batch, ctx, sq, heads, ragged = parse_shape(shape)
@@ -171,6 +165,11 @@ def main() -> None:
                               "tflops": round(flops / ms / 1e9), "err": round(error, 4),
                               "ok": error < 2e-2}), flush=True)
         del reference
+    for item in args.timeline.split(",") if args.timeline else ():
+        shape, _, name = item.partition(":")
+        problem = make_problem(torch, *parse_shape(shape)[:4])
+        print(json.dumps({"timeline": shape, "variant": name,
+                          **timeline(torch, problem, VARIANTS[name or "default"])}), flush=True)
     sys.stdout.flush()
 
 
