@@ -47,6 +47,16 @@ BALANCE_OVERHEAD = 1
 LANES = (1, 2, 4, 8, 16)  # a warp's butterfly steps
 
 
+def check_balanced(overhead, transposed_loop):
+    """Refuse the balanced grid (``overhead`` not None) beside a schedule other than the
+    transposed page loop (``transposed_loop``: transposed, no ring, pipelining or other merge).
+    Example: ``check_balanced(None, False)``."""
+    if overhead is not None and not transposed_loop:
+        raise kiln.UnsupportedError("the balanced grid runs the transposed page loop and "
+                                    "merges its own partials", fix="pass balanced=True with "
+                                    "transposed=16 or 32, no ring, pipelining or fused_slots")
+
+
 def _units(seq_len, overhead):
     """A sequence's work units: its pages and ``overhead``, at least one."""
     return kiln.maximum((seq_len + BLOCK_N - 1) // BLOCK_N + overhead, 1)
@@ -83,8 +93,8 @@ def balanced_share(seq_lens, batch, ctas, cta, lane, overhead):
     chunks = (batch + 31) // 32
     total = kiln.cast(0, kiln.i32)
     for k in kiln.range(0, chunks):
-        total = total + kiln.shuffle.butterfly_reduce(_warp_units(seq_lens, batch, k, lane, overhead),
-                                                      LANES, operator.add)
+        total = total + kiln.shuffle.butterfly_reduce(
+            _warp_units(seq_lens, batch, k, lane, overhead), LANES, operator.add)
     begin = cta * total // ctas
     end = (cta + 1) * total // ctas
     carry = kiln.cast(0, kiln.i32)

@@ -39,7 +39,7 @@ from kiln.shared import dynamic_shared
 from .decode_config import ARRIVED
 from .decode_fused import combine_if_last
 from .decode_rows import advance_row_max, split_count
-from .mla_balanced import balanced_pages, balanced_prefetch
+from .mla_balanced import balanced_pages, balanced_prefetch, check_balanced
 from .mla_lead import PRODUCER_WARP, LeadRows, consume_tile_lead, lead_pages_pipelined, lead_sum
 from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, HEAD_DIM,
                        HEAD_DIM_V, NUM_WARPS, ROWS, STAGES, THREADS, TILE_BYTES, V_CHUNKS,
@@ -109,10 +109,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     (with ``early_launch``): before the grid-dependency wait the producer prefetches Q and the
     split's first that many pages into L2 (page table and length read for it only: the
     loads after the wait read them again), so a CTA that starts while the previous kernel
-    ends fills its idle DRAM. ``balanced`` (None: off; with ``transposed``, not ``ring`` or
-    ``pipelined``): the page-balanced grid of :mod:`~kiln.kernels.attention.mla_balanced`
-    with that many overhead units a sequence (grid ``(1, CTAs, 1)``; it stores and merges
-    its own partials, ``tickets`` ``[B, 1, 2]``).
+    ends fills its idle DRAM. ``balanced`` (None: off): the transposed loop on the page-balanced
+    grid of :mod:`~kiln.kernels.attention.mla_balanced`, that many overhead units a sequence.
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     if lead_group and (seesaw or split_keys):
         raise kiln.UnsupportedError("the lead-group schedule has group 0 score every key",
@@ -121,11 +119,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         raise kiln.UnsupportedError("the transposed schedule takes 16 or 32 rows and no other "
                                     "schedule", fix="pass transposed=16 or 32 with "
                                                     "split_keys=False, no seesaw or lead group")
-    if balanced is not None and not (transposed and not (ring or pipelined or fused_slots
-                                                         or direct)):
-        raise kiln.UnsupportedError("the balanced grid runs the transposed page loop and "
-                                    "merges its own partials", fix="pass balanced=True with "
-                                    "transposed=16 or 32, no ring, pipelining or fused_slots")
+    check_balanced(balanced, transposed and not (ring or pipelined or fused_slots or direct))
     if (ring or pipelined) and not transposed:
         raise kiln.UnsupportedError("the chunk ring serves the transposed schedule",
                                     fix="pass ring=True with transposed=16 or 32")
