@@ -14,7 +14,8 @@ first page; the page ring and its barrier phases continue across segments, count
 CTA's pages) and stores the segment's partial at slot ``c + b``: the slots of sequence
 ``b`` are consecutive, one per CTA that holds part of it, and no two (CTA, sequence) pairs
 share one. During a segment's last page the producer prefetches the next segment's first
-two pages into L2.
+two pages into L2, and once its loop ends it loads the next segment's Q and first page, so
+they arrive during the segment's store and merge.
 
 Merge: after storing, thread 0 adds one to sequence ``b``'s counter (``tickets[b, 0, 0]``);
 the CTA that brings it to the sequence's segment count resets it to 0 (so the next launch,
@@ -135,20 +136,30 @@ def _load_page(kv_map, boxes, full, table, page, seq_len, g, producer, arm):
 
 
 @kiln.func
+def _load_head(g, page, table, seq_len, q_map, kv_map, boxes, full, empty, q_row, producer):
+    """A segment's Q and first page (the CTA's page ``g``), both on ``full[g % 2]``, once the
+    page before it in the stage was released."""
+    empty.try_wait(g % STAGES, (g // STAGES + 1) % 2)
+    full.arrive_expect_tx(g % STAGES, TILE_BYTES + CHUNKS * tma.box_bytes(q_map),
+                          predicate=producer)
+    for c in kiln.static_range(CHUNKS):
+        tma.load(q_map, boxes.tile(c), (c * CHUNK, q_row), full, g % STAGES,
+                 predicate=producer)
+    _load_page(kv_map, boxes, full, table, page, seq_len, g, producer, False)
+
+
+@kiln.func
 def _segment_loads(it, g, count, begin, table, seq_len, q_map, kv_map, boxes, full, empty,
-                   q_row, warp, producer_warp, producer):
+                   q_row, preloaded, warp, producer_warp, producer):
     """The producer warp's loads at step ``it`` of a segment of ``count`` pages from page
-    ``begin`` (``g``: the CTA's page count so far): with the first, Q and the first two
-    pages; later, page ``it + 1``; each once the page before it in its stage released it."""
+    ``begin`` (``g``: the CTA's page count so far): with the first, Q and the first page
+    unless the last segment loaded them (``preloaded``), and the second; later, page
+    ``it + 1``; each once the page before it in its stage was released."""
     if warp == producer_warp:
-        if it == 0:  # the stages' previous pages (the last segment's) are released
-            empty.try_wait(g % STAGES, (g // STAGES + 1) % 2)
-            full.arrive_expect_tx(g % STAGES, TILE_BYTES + CHUNKS * tma.box_bytes(q_map),
-                                  predicate=producer)
-            for c in kiln.static_range(CHUNKS):
-                tma.load(q_map, boxes.tile(c), (c * CHUNK, q_row), full, g % STAGES,
-                         predicate=producer)
-            _load_page(kv_map, boxes, full, table, begin, seq_len, g, producer, False)
+        if it == 0:
+            if preloaded == 0:
+                _load_head(g, begin, table, seq_len, q_map, kv_map, boxes, full, empty, q_row,
+                           producer)
             if count > 1:
                 empty.try_wait((g + 1) % STAGES, ((g + 1) // STAGES + 1) % 2)
                 _load_page(kv_map, boxes, full, table, begin + 1, seq_len, g + 1, producer,
@@ -213,6 +224,7 @@ def balanced_pages(q_map, kv_map, page_table, seq_lens, o_part, lse_part, o_out,
     flag = kiln.shared((1,), kiln.i32)
     g = kiln.cast(0, kiln.i32)  # the CTA's pages so far: the ring's stage and phase
     start = begin
+    preloaded = kiln.cast(0, kiln.i32)  # this segment's head loaded by the last one
     for s in kiln.range(0, segments):
         b = first + s
         seq_len = seq_lens[b]
@@ -225,7 +237,7 @@ def balanced_pages(q_map, kv_map, page_table, seq_lens, o_part, lse_part, o_out,
         o, m, l = transposed_init(rows)
         for it in kiln.range(0, count):
             _segment_loads(it, g + it, count, lo, table, seq_len, q_map, kv_map, boxes, full,
-                           empty, b * packed + row0, warp, producer_warp, producer)
+                           empty, b * packed + row0, preloaded, warp, producer_warp, producer)
             if (it == kiln.maximum(count - 2, 0)) & (s + 1 < segments):
                 _prefetch_next(kv_map, page_table, seq_lens, b + 1, batch, producer)
             full.try_wait((g + it) % STAGES, ((g + it) // STAGES) % 2)
@@ -234,6 +246,17 @@ def balanced_pages(q_map, kv_map, page_table, seq_lens, o_part, lse_part, o_out,
                 (lo + it) * BLOCK_N, row0, packed, heads, seq_len, seq_q, scale_log2, tid,
                 group, g + it)
             empty.arrive((g + it) % STAGES, wgmma_pending=0)
+        # Q is free (group 0's last scores are done) and so is a stage: the next segment's
+        # head loads during this one's store and merge. A later segment starts at its
+        # sequence's first page.
+        next_len = seq_lens[kiln.minimum(b + 1, batch - 1)]
+        next_count = kiln.where(s + 1 < segments, kiln.maximum(kiln.minimum(
+            kiln.minimum(end - base - span, _units(next_len, overhead)) - overhead,
+            (next_len + BLOCK_N - 1) // BLOCK_N), 0), 0)
+        if (warp == producer_warp) & (next_count > 0):
+            _load_head(g + count, 0, PageTableRow(page_table, b + 1), next_len, q_map, kv_map,
+                       boxes, full, empty, (b + 1) * packed + row0, producer)
+        preloaded = kiln.where(next_count > 0, 1, 0)
         m, l = transposed_totals(m, l, shared, tid, group)
         store_transposed(o, m, l, rows, o_part, lse_part, None, cta + b, 0, row0, heads,
                          packed, group, tid, seq_len, seq_q, 0, False)
