@@ -42,6 +42,8 @@ from ..workspaces import StreamWorkspaces
 
 PRODUCER = "kiln.kernels.attention.mla_decode"  # the Partials producer name combine checks
 MAX_SQ = 2  # new tokens a call takes (the MTP draft of DeepSeek-V3 is one)
+# The balanced grid's CTAs a sequence by default, at most: one CTA merges that many partials.
+BALANCED_PARTS = 32
 TRANSPOSED_MODES = (True, "ring", "pipelined", "ring-pipelined")  # transposed= values
 # Split CTAs sharing a fused merge by default (1: the last one merges alone; 4 measured within
 # 1% at batch 32 H 16, H200 session 37).
@@ -145,10 +147,11 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     ``balanced`` (True, or the overhead units 0-16 a sequence counts): the transposed
     schedule (at most 32 packed rows) where every CTA takes an equal share of all the
     batch's pages across sequence boundaries and the last CTA of each sequence merges its
-    parts (:mod:`~kiln.kernels.attention.mla_balanced`; ``num_splits`` is then the CTA count,
-    None: the SMs; each sequence counts ``BALANCE_OVERHEAD`` units beyond its pages with
-    True; None: ``BALANCED``, off; no ``fused_combine=False`` or ``merge_slices``
-    with it; early launch and early pages as the transposed schedule's).
+    parts (:mod:`~kiln.kernels.attention.mla_balanced`; ``num_splits`` is then the CTA
+    count, None: the SMs, at most ``BALANCED_PARTS = 32`` a sequence; a sequence counts
+    ``BALANCE_OVERHEAD`` units beyond its pages with True; None: ``BALANCED``, off; no
+    ``fused_combine=False`` or ``merge_slices`` with it; early launch and early pages as the
+    transposed schedule's).
     Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
     ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
@@ -258,9 +261,9 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
     rows = merge_rows(Sq * H)
     overhead = _balanced(options[7], narrow, ring or pipe, fused_combine, options[5])
     balanced = overhead is not None
-    if balanced:  # CTAs, not splits: every SM by default
-        slots = num_splits or (DEFAULT_SMS if backend == "interpret"
-                               else runtime.multiprocessor_count())
+    if balanced:  # CTAs, not splits: every SM, at most BALANCED_PARTS a sequence on average
+        slots = num_splits or min(BALANCED_PARTS * B, DEFAULT_SMS if backend == "interpret"
+                                  else runtime.multiprocessor_count())
         fused_combine = True
     if fused_combine is None:  # one CTA's merge of its rows from L2, or a combine kernel
         fused_combine = slots * rows * HEAD_DIM_V * 4 <= FUSED_COMBINE_MAX_BYTES
