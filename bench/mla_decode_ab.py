@@ -56,6 +56,10 @@ VARIANTS = {
     "bal": dict(balanced=True), "bal_noearly": dict(balanced=True, early_launch=False),
     "bal_ep0": dict(balanced=True, early_pages=0),
     **{f"bal_o{n}": dict(balanced=n) for n in (0, 2, 4)},  # overhead units a sequence
+    # 128 CTAs with no overhead units: at batch 32 / 64, 4k, each CTA 16 / 32 pages of one
+    # sequence, the default's split exactly (the balanced kernel's own cost, isolated).
+    "bal_o0_n128": dict(balanced=0, num_splits=128),
+    "bal_n128": dict(balanced=True, num_splits=128),
     **{f"pf{n}": dict(prefetch=n) for n in (1, 2)},  # the lead group, pages ahead in L2
     **{f"s{n}": dict(num_splits=n, fused_combine=False) for n in (1, 2, 3, 4, 8)},
     **{f"s{n}_fused": dict(num_splits=n, fused_combine=True) for n in (2, 3, 4, 6, 8)},

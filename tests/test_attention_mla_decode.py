@@ -113,6 +113,7 @@ def test_lead_group_over_many_pages(mode, rng):
     (16, 2, 5, [0, 130, 0, 70, 1], 0),  # no overhead: an empty sequence counts one unit
     (8, 2, 7, [700, 5], 3),  # CTAs whose share is overhead only: empty partials
     (16, 1, 4, [300, 64, 129], 2),  # early launch: the share's first pages in L2 first
+    (16, 1, 40, [1, 63, 65, 200, 1500, 0], True),  # more CTAs than units: some idle
     pytest.param(16, 1, 1, [1000, 777, 0], True, marks=pytest.mark.slow)])  # one CTA
 def test_balanced_grid_matches_float64(heads, sq, ctas, lens, balanced, rng):
     """The page-balanced grid: each CTA's equal share of the batch's work units cuts
@@ -126,25 +127,29 @@ def test_balanced_grid_matches_float64(heads, sq, ctas, lens, balanced, rng):
 
 
 def test_balanced_share_covers_every_page():
-    """The shares' arithmetic (:func:`balanced_share` in Python): every page of the batch in
-    exactly one CTA, each sequence's segments in consecutive CTAs with distinct slots."""
+    """The shares' arithmetic in Python: with ``n = min(CTAs, units)`` every share holds a
+    unit, every unit is in exactly one share, and each sequence's parts are consecutive CTAs
+    (``_first_cta`` of its first and last unit) with distinct slots ``c + b``."""
     from kiln.kernels.attention.mla_balanced import _first_cta
 
-    for tiles, ctas in (([64] * 32, 132), ([3, 1, 1, 9, 2], 4), ([1] * 7, 20), ([50], 9)):
-        total = sum(tiles)
-        starts = np.cumsum([0] + tiles)
-        slots = set()
-        for b, t in enumerate(tiles):
-            first, last = _first_cta(starts[b], total, ctas), \
-                _first_cta(starts[b] + t - 1, total, ctas)
-            shares = [range(c * total // ctas, (c + 1) * total // ctas)
-                      for c in range(first, last + 1)]
-            assert all(starts[b] in shares[0] or c > 0 for c, _ in enumerate(shares))
-            assert sum(len(set(s) & set(range(starts[b], starts[b] + t))) for s in shares) == t
-            slots.update(c + b for c in range(first, last + 1))
-        assert len(slots) == sum(_first_cta(starts[b] + t - 1, total, ctas)
-                                 - _first_cta(starts[b], total, ctas) + 1
-                                 for b, t in enumerate(tiles))
+    for units, ctas in (([65] * 32, 132), ([3, 1, 1, 9, 2], 4), ([1] * 7, 20), ([50], 9),
+                        ([2, 2, 3, 5, 25, 65], 132)):
+        total = sum(units)
+        working = min(ctas, total)
+        shares = [range(c * total // working, (c + 1) * total // working)
+                  for c in range(working)]
+        assert all(len(share) for share in shares)
+        assert sorted(u for share in shares for u in share) == list(range(total))
+        starts = np.cumsum([0] + units)
+        slots = []
+        for b, n in enumerate(units):
+            first = _first_cta(starts[b], total, working)
+            last = _first_cta(starts[b] + n - 1, total, working)
+            holders = [c for c, share in enumerate(shares)
+                       if set(share) & set(range(starts[b], starts[b] + n))]
+            assert holders == list(range(first, last + 1))
+            slots += [c + b for c in holders]
+        assert len(slots) == len(set(slots))
 
 
 def test_fused_and_two_kernel_paths_agree(rng):

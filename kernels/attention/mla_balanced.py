@@ -4,8 +4,8 @@ every CTA takes an equal share of all the batch's pages, whatever the sequences'
 The batch's pages in sequence order form one list of ``T`` work units: each sequence counts
 its pages plus ``overhead`` units for what a segment costs beyond its pages (the store, the
 merge's ticket, the ring's restart; at least one unit a sequence, so that a CTA writes the
-zeros of a sequence without keys), those first. CTA ``c`` of ``n`` takes units
-``c T / n .. (c + 1) T / n`` (FlashMLA's tile scheduler does the same, with 5 blocks of
+zeros of a sequence without keys), those first. CTA ``c`` of ``n = min(CTAs, T)`` takes
+units ``c T / n .. (c + 1) T / n``, never none (the CTAs past ``n`` have no share; FlashMLA's tile scheduler does the same, with 5 blocks of
 overhead, from metadata a kernel computes; here each CTA works out its share from
 ``seq_lens`` with warp scans). Its share crosses sequence boundaries: a *segment* is the part
 of one sequence inside it (possibly only overhead units: no page, an empty partial). Per
@@ -88,16 +88,18 @@ def _inclusive_scan(x, lane):
 @kiln.func
 def balanced_share(seq_lens, batch, ctas, cta, lane, overhead):
     """CTA ``cta``'s share of the batch's work units (every warp works it out alike):
-    ``(total, first, base, segments, begin, end)``: the batch's units ``total``, the share's
-    units ``begin .. end - 1`` in the batch's order, its first sequence ``first`` and that
-    sequence's first unit ``base``, and how many sequences it touches."""
+    ``(total, working, first, base, segments, begin, end)``: the batch's units ``total``, the
+    CTAs with a share (``min(ctas, total)``: none empty), the share's units ``begin ..
+    end - 1`` in the batch's order, its first sequence ``first`` and that sequence's first
+    unit ``base``, and how many sequences it touches (0 without a share)."""
     chunks = (batch + 31) // 32
     total = kiln.cast(0, kiln.i32)
     for k in kiln.range(0, chunks):
         total = total + kiln.shuffle.butterfly_reduce(
             _warp_units(seq_lens, batch, k, lane, overhead), LANES, operator.add)
-    begin = cta * total // ctas
-    end = (cta + 1) * total // ctas
+    working = kiln.minimum(ctas, total)
+    begin = cta * total // working
+    end = (cta + 1) * total // working
     carry = kiln.cast(0, kiln.i32)
     before = kiln.cast(0, kiln.i32)  # sequences that end at or before unit begin
     base = kiln.cast(0, kiln.i32)
@@ -113,8 +115,8 @@ def balanced_share(seq_lens, batch, ctas, cta, lane, overhead):
         upto = upto + kiln.shuffle.butterfly_reduce(
             kiln.where((ends <= end - 1) & (units > 0), 1, 0), LANES, operator.add)
         carry = carry + kiln.shuffle.butterfly_reduce(units, LANES, operator.add)
-    segments = kiln.where(end > begin, upto - before + 1, 0)
-    return total, before, base, segments, begin, end
+    segments = kiln.where(cta < working, upto - before + 1, 0)
+    return total, working, before, base, segments, begin, end
 
 
 def _first_cta(unit, total, ctas):
@@ -189,7 +191,7 @@ def balanced_prefetch(q_map, kv_map, page_table, seq_lens, heads, seq_q, tid, pr
     and its first segment's Q rows and first ``pages`` pages into L2 (stale lengths only
     waste the prefetch)."""
     batch = seq_lens.shape[0]
-    _, first, base, segments, begin, end = balanced_share(
+    _, _, first, base, segments, begin, end = balanced_share(
         seq_lens, batch, kiln.num_blocks(1), kiln.block_id(1), tid % 32, overhead)
     if producer & (segments > 0):
         packed = heads * seq_q
@@ -219,8 +221,8 @@ def balanced_pages(q_map, kv_map, page_table, seq_lens, o_part, lse_part, o_out,
     cta = kiln.block_id(1)
     row0 = kiln.block_id(0) * ROWS
     packed = heads * seq_q
-    total, first, base, segments, begin, end = balanced_share(seq_lens, batch, ctas, cta, lane,
-                                                              overhead)
+    total, working, first, base, segments, begin, end = balanced_share(seq_lens, batch, ctas,
+                                                                       cta, lane, overhead)
     flag = kiln.shared((1,), kiln.i32)
     g = kiln.cast(0, kiln.i32)  # the CTA's pages so far: the ring's stage and phase
     start = begin
@@ -260,8 +262,8 @@ def balanced_pages(q_map, kv_map, page_table, seq_lens, o_part, lse_part, o_out,
         m, l = transposed_totals(m, l, shared, tid, group)
         store_transposed(o, m, l, rows, o_part, lse_part, None, cta + b, 0, row0, heads,
                          packed, group, tid, seq_len, seq_q, 0, False)
-        first_cta = _first_cta(base, total, ctas)
-        last_cta = _first_cta(base + span - 1, total, ctas)
+        first_cta = _first_cta(base, total, working)
+        last_cta = _first_cta(base + span - 1, total, working)
         kiln.barrier()  # every thread's partial stores before thread 0's release
         if tid == 0:
             kiln.fence("gpu")

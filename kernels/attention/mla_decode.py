@@ -42,8 +42,10 @@ from ..workspaces import StreamWorkspaces
 
 PRODUCER = "kiln.kernels.attention.mla_decode"  # the Partials producer name combine checks
 MAX_SQ = 2  # new tokens a call takes (the MTP draft of DeepSeek-V3 is one)
-# The balanced grid's CTAs a sequence by default, at most: one CTA merges that many partials.
+# The balanced grid's CTAs a sequence by default, at most: one CTA merges that many partials;
+# and the CTAs a call may ask for (num_splits).
 BALANCED_PARTS = 32
+BALANCED_MAX_CTAS = 1024
 TRANSPOSED_MODES = (True, "ring", "pipelined", "ring-pipelined")  # transposed= values
 # Split CTAs sharing a fused merge by default (1: the last one merges alone; 4 measured within
 # 1% at batch 32 H 16, H200 session 37).
@@ -244,7 +246,9 @@ def merge_rows(packed: int) -> int:
 
 def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
                backend, split_keys, fused_combine, options) -> MlaPlan:
-    dims = check_inputs(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits)
+    asked = options[7] is not None and options[7] is not False  # (0 is an overhead count)
+    dims = check_inputs(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
+                        BALANCED_MAX_CTAS if asked else MAX_DEFAULT_SPLITS)
     check_backend(backend)
     B, Sq, H = dims["B"], dims["Sq"], dims["H"]
     num_pages, page_size = dims["num_pages"], dims["page_size"]
@@ -254,7 +258,6 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
         sms=DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()) \
         if B * Sq * H else 1
     # The balanced grid runs the transposed page loop, asked for or not.
-    asked = options[7] is not None and options[7] is not False  # (0 is an overhead count)
     narrow, ring, pipe = _transposed(True if asked and options[3] is None else options[3],
                                      Sq * H, split_keys, options[0], options[2])
     split_keys, seesaw, lead = _schedule(split_keys, options[0], options[2], narrow)
@@ -414,8 +417,10 @@ def mla_target(target):
     return chip
 
 
-def check_inputs(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits) -> Dims:
-    """Kinds, ranks, dtypes and agreeing sizes of a call's arguments (once per shape class)."""
+def check_inputs(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
+                 max_splits=MAX_DEFAULT_SPLITS) -> Dims:
+    """Kinds, ranks, dtypes and agreeing sizes of a call's arguments (once per shape class;
+    ``max_splits``: the most ``num_splits`` may be)."""
     dims = Dims()
     dims.tensor("q", q, "B Sq H D", dtype=kiln.bf16)
     dims.tensor("kv_cache", kv_cache, "num_pages page_size D", dtype=kiln.bf16)
@@ -442,10 +447,9 @@ def check_inputs(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_split
     if num_splits is not None:
         check_positive("num_splits", num_splits, integer=True,
                        fix="leave num_splits=None for the default")
-        if num_splits > MAX_DEFAULT_SPLITS:
-            raise kiln.UnsupportedError(f"num_splits={num_splits} is more than the combine "
-                                        f"merges ({MAX_DEFAULT_SPLITS})",
-                                        fix=f"pass at most {MAX_DEFAULT_SPLITS}")
+        if num_splits > max_splits:
+            raise kiln.UnsupportedError(f"num_splits={num_splits} is more than the merge takes "
+                                        f"({max_splits})", fix=f"pass at most {max_splits}")
     if scale is not None:  # the kernel takes row maxima of unscaled scores
         check_positive("scale", scale, fix="pass a positive softmax scale, or None for "
                                            "576 ** -0.5")
