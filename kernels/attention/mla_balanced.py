@@ -17,10 +17,13 @@ share one. During a segment's last page the producer prefetches the next segment
 two pages into L2, and once its loop ends it loads the next segment's Q and first page, so
 they arrive during the segment's store and merge.
 
-Merge: after storing, thread 0 adds one to sequence ``b``'s counter (``tickets[b, 0, 0]``);
-the CTA that brings it to the sequence's segment count resets it to 0 (so the next launch,
-which starts after this grid completes, finds zeros whatever its lengths) and merges the
-segments' partials into ``o`` and ``lse``, as :func:`~kiln.kernels.attention.combine` would.
+Merge (decode's ticket scheme, :func:`~kiln.kernels.attention.decode_fused.combine_if_last`,
+counted in units): as a segment's loop ends, thread 0 adds its units to sequence ``b``'s
+ARRIVED counter (``tickets[b, 0, 0]``; the round trip overlaps the stores). The CTA whose
+units complete the sequence's waits until the others have published (fence, then their
+units added to ``tickets[b, 0, 1]``), zeroes both counters (the next launch starts after
+this grid completes, whatever its lengths) and merges the segments' partials into ``o``
+and ``lse``, as :func:`~kiln.kernels.attention.combine` would.
 The partials (``[n + B, 1, Sq, H, 512]`` f32 and ``[n + B, 1, Sq, H]``) are this grid's
 own: no ``combine`` call reads them. With early launch, :func:`balanced_prefetch` works out
 the share before the grid-dependency wait and prefetches its first pages into L2.
@@ -32,9 +35,9 @@ import math
 import operator
 
 import kiln
-from kiln import tma
+from kiln import nvidia_asm, tma
 
-from .decode_config import LN2, LOG2E, MAX_COMBINE_LOADS
+from .decode_config import ARRIVED, LN2, LOG2E, MAX_COMBINE_LOADS, PUBLISHED
 from .decode_rows import interleaved_columns
 from .mla_page import BLOCK_N, CHUNK, CHUNKS, HEAD_DIM_V, ROWS, STAGES, THREADS, TILE_BYTES
 from .mla_transposed import (consume_tile_transposed, stage_operands, store_transposed,
@@ -260,19 +263,28 @@ def balanced_pages(q_map, kv_map, page_table, seq_lens, o_part, lse_part, o_out,
             _load_head(g + count, 0, PageTableRow(page_table, b + 1), next_len, q_map, kv_map,
                        boxes, full, empty, (b + 1) * packed + row0, producer)
         preloaded = kiln.where(next_count > 0, 1, 0)
+        # The segment's units arrive now: the atomic's round trip overlaps the stores.
+        mine = hi - (start - base)
+        arrival = kiln.cast(0, kiln.i64)
+        if tid == 0:
+            arrival = tickets.atomic_add(b, kiln.block_id(0), ARRIVED, kiln.cast(mine, kiln.i64))
         m, l = transposed_totals(m, l, shared, tid, group)
         store_transposed(o, m, l, rows, o_part, lse_part, None, cta + b, 0, row0, heads,
                          packed, group, tid, seq_len, seq_q, 0, False)
         first_cta = _first_cta(base, total, working)
         last_cta = _first_cta(base + span - 1, total, working)
-        kiln.barrier()  # every thread's partial stores before thread 0's release
+        kiln.barrier()  # every thread's partial stores before thread 0's release or merge
         if tid == 0:
-            kiln.fence("gpu")
-            ticket = tickets.atomic_add(b, kiln.block_id(0), 0, 1)
-            last = ticket == kiln.cast(last_cta - first_cta, kiln.i64)
-            if last:
-                tickets.atomic_exchange(b, kiln.block_id(0), 0, kiln.cast(0, kiln.i64))
-                kiln.fence("gpu")  # acquire the other segments' partials
+            last = arrival + kiln.cast(mine, kiln.i64) == kiln.cast(span, kiln.i64)
+            if last:  # the others arrived first, so run: wait for their partials
+                nvidia_asm.wait_for_count(tickets, b, kiln.block_id(0), PUBLISHED,
+                                          target=kiln.cast(span - mine, kiln.i64))
+                for counter in kiln.static_range(2):  # zero for the next launch
+                    tickets.atomic_exchange(b, kiln.block_id(0), counter,
+                                            kiln.cast(0, kiln.i64))
+            else:
+                kiln.fence("gpu")
+                tickets.atomic_add(b, kiln.block_id(0), PUBLISHED, kiln.cast(mine, kiln.i64))
             flag[0] = kiln.where(last, 1, 0)
         kiln.barrier()
         if flag[0] != 0:
