@@ -58,6 +58,7 @@ VARIANTS = {
     **{f"bal_o{n}": dict(balanced=n) for n in (0, 2, 4)},  # overhead units a sequence
     # 128 CTAs with no overhead units: at batch 32 / 64, 4k, each CTA 16 / 32 pages of one
     # sequence, the default's split exactly (the balanced kernel's own cost, isolated).
+    "nobal": dict(balanced=False),  # the default split where the default is balanced
     "bal_o0_n128": dict(balanced=0, num_splits=128),
     "bal_n128": dict(balanced=True, num_splits=128),
     **{f"pf{n}": dict(prefetch=n) for n in (1, 2)},  # the lead group, pages ahead in L2

@@ -44,9 +44,16 @@ from .mla_transposed import (consume_tile_transposed, stage_operands, store_tran
                              transposed_init, transposed_totals)
 from .paged import PagedRowIndices, PageTableRow
 
-# The default of mla_decode's balanced option (not yet measured on a GPU: off), and the
-# overhead units a sequence counts with balanced=True.
-BALANCED = False
+# The default of mla_decode's balanced option: on with the transposed default where the
+# default split leaves at least BALANCED_IDLE of the SMs idle, at BALANCED_MIN_BATCH
+# sequences or more. H200, session 38, H 16 Sq 1 4k, vs the default split: batch 48 (96
+# CTAs) 71.9 / 70.9 vs 73.7 / 73.8 us (batches 1, 2), batch 100 (100 CTAs) 131.1 vs 134.6;
+# ragged batch 32 (lengths 1k-7k) 52.5 vs 55.4 but batch 32 / 64 / 128 4k 54.0 / 89.1 /
+# 161.0 vs 46.3 / 80.4 / 147.2 (128 CTAs, no SM idle). And the overhead units a sequence
+# counts with balanced=True (0, 1, 2, 4 within 3% at batch 32).
+BALANCED = True
+BALANCED_IDLE = 0.2
+BALANCED_MIN_BATCH = 32
 BALANCE_OVERHEAD = 1
 LANES = (1, 2, 4, 8, 16)  # a warp's butterfly steps
 LSE_LOADS = 8  # the merge's LSE loads a thread keeps in flight
@@ -240,6 +247,12 @@ def balanced_pages(q_map, kv_map, page_table, seq_lens, o_part, lse_part, o_out,
         lo = kiln.maximum(start - base - overhead, 0)  # and its pages: lo .. lo + count - 1
         count = kiln.maximum(kiln.minimum(hi - overhead, tiles) - lo, 0)
         table = PageTableRow(page_table, b)
+        # The next segment's pages (a later segment starts at its sequence's first page),
+        # read before the loop: its length's load stays off the path to the store.
+        next_len = seq_lens[kiln.minimum(b + 1, batch - 1)]
+        next_count = kiln.where(s + 1 < segments, kiln.maximum(kiln.minimum(
+            kiln.minimum(end - base - span, _units(next_len, overhead)) - overhead,
+            (next_len + BLOCK_N - 1) // BLOCK_N), 0), 0)
         o, m, l = transposed_init(rows)
         for it in kiln.range(0, count):
             _segment_loads(it, g + it, count, lo, table, seq_len, q_map, kv_map, boxes, full,
@@ -253,12 +266,7 @@ def balanced_pages(q_map, kv_map, page_table, seq_lens, o_part, lse_part, o_out,
                 group, g + it)
             empty.arrive((g + it) % STAGES, wgmma_pending=0)
         # Q is free (group 0's last scores are done) and so is a stage: the next segment's
-        # head loads during this one's store and merge. A later segment starts at its
-        # sequence's first page.
-        next_len = seq_lens[kiln.minimum(b + 1, batch - 1)]
-        next_count = kiln.where(s + 1 < segments, kiln.maximum(kiln.minimum(
-            kiln.minimum(end - base - span, _units(next_len, overhead)) - overhead,
-            (next_len + BLOCK_N - 1) // BLOCK_N), 0), 0)
+        # head loads during this one's store and merge.
         if (warp == producer_warp) & (next_count > 0):
             _load_head(g + count, 0, PageTableRow(page_table, b + 1), next_len, q_map, kv_map,
                        boxes, full, empty, (b + 1) * packed + row0, producer)

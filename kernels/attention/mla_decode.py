@@ -31,7 +31,7 @@ from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, check_paged_len
                        check_positive, is_torch, resolve_target, spec)
 from .combine import combine
 from .decode_config import DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MAX_DEFAULT_SPLITS
-from .mla_balanced import BALANCE_OVERHEAD, BALANCED
+from .mla_balanced import BALANCE_OVERHEAD, BALANCED, BALANCED_IDLE, BALANCED_MIN_BATCH
 from .mla_kernel import EARLY_LAUNCH, PREFETCH, SEESAW, SPLIT_KEYS, make_mla_kernel
 from .mla_lead import LEAD_GROUP
 from .mla_page import BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS
@@ -151,7 +151,9 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     batch's pages across sequence boundaries and the last CTA of each sequence merges its
     parts (:mod:`~kiln.kernels.attention.mla_balanced`; ``num_splits`` is then the CTA
     count, None: the SMs, at most ``BALANCED_PARTS = 32`` a sequence; a sequence counts
-    ``BALANCE_OVERHEAD`` units beyond its pages with True; None: ``BALANCED``, off; no
+    ``BALANCE_OVERHEAD`` units beyond its pages with True; None: ``BALANCED``, on with the
+    transposed default (no ``transposed`` or ``num_splits`` given) at batch 32 or more where
+    the default split would leave a fifth of the SMs idle (batch 48: 96 CTAs); no
     ``fused_combine=False`` or ``merge_slices`` with it; early launch and early pages as the
     transposed schedule's).
     Returns ``o [B, Sq, H, 512]`` bf16
@@ -253,20 +255,21 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
     B, Sq, H = dims["B"], dims["Sq"], dims["H"]
     num_pages, page_size = dims["num_pages"], dims["page_size"]
     row_blocks = -(-(Sq * H) // ROWS)
-    slots = num_splits or default_mla_splits(
-        B, row_blocks, dims["max_pages"] * page_size,
-        sms=DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()) \
-        if B * Sq * H else 1
+    sms = DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()
+    slots = num_splits or default_mla_splits(B, row_blocks, dims["max_pages"] * page_size,
+                                             sms=sms) if B * Sq * H else 1
     # The balanced grid runs the transposed page loop, asked for or not.
     narrow, ring, pipe = _transposed(True if asked and options[3] is None else options[3],
                                      Sq * H, split_keys, options[0], options[2])
     split_keys, seesaw, lead = _schedule(split_keys, options[0], options[2], narrow)
     rows = merge_rows(Sq * H)
-    overhead = _balanced(options[7], narrow, ring or pipe, fused_combine, options[5])
+    # By default only on the transposed default's shapes whose split leaves SMs idle.
+    idle = num_splits is None and options[3] is None and B >= BALANCED_MIN_BATCH and \
+        B * row_blocks * slots <= (1 - BALANCED_IDLE) * sms
+    overhead = _balanced(options[7], narrow, ring or pipe, fused_combine, options[5], idle)
     balanced = overhead is not None
     if balanced:  # CTAs, not splits: every SM, at most BALANCED_PARTS a sequence on average
-        slots = num_splits or min(BALANCED_PARTS * B, DEFAULT_SMS if backend == "interpret"
-                                  else runtime.multiprocessor_count())
+        slots = num_splits or min(BALANCED_PARTS * B, sms)
         fused_combine = True
     if fused_combine is None:  # one CTA's merge of its rows from L2, or a combine kernel
         fused_combine = slots * rows * HEAD_DIM_V * 4 <= FUSED_COMBINE_MAX_BYTES
@@ -291,18 +294,18 @@ def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
                    balanced=balanced)
 
 
-def _balanced(balanced, transposed, ring_or_pipelined, fused_combine,
-              merge_slices) -> int | None:
+def _balanced(balanced, transposed, ring_or_pipelined, fused_combine, merge_slices,
+              idle=False) -> int | None:
     """The overhead units a sequence counts in the page-balanced grid, None without it
-    (``balanced``: True for ``BALANCE_OVERHEAD``, or a count 0-16; None: ``BALANCED``, and
-    only with the transposed page loop); refused beside options it does not take.
-    Example: ``_balanced(2, 16, False, None, None) == 2``."""
+    (``balanced``: True for ``BALANCE_OVERHEAD``, or a count 0-16; None: ``BALANCED`` where
+    the default split leaves SMs ``idle``, with the transposed page loop); refused beside
+    options it does not take. Example: ``_balanced(2, 16, False, None, None) == 2``."""
     if balanced not in (None, False, True) and not (
             isinstance(balanced, int) and 0 <= balanced <= 16):
         raise kiln.KilnValueError(f"balanced={balanced!r} is neither a bool nor an overhead "
                                   "count", fix="pass balanced=True, False, None or 0..16")
     if balanced is None:
-        balanced = BALANCED and bool(transposed) and not ring_or_pipelined and \
+        balanced = BALANCED and idle and bool(transposed) and not ring_or_pipelined and \
             fused_combine is not False and merge_slices is None
     elif balanced is not False and (not transposed or ring_or_pipelined
                                     or fused_combine is False or merge_slices is not None):
