@@ -295,10 +295,12 @@ def test_transposed_default_resolves_per_shape(monkeypatch):
     (32, {}, False), (64, {}, False), (128, {}, False), (16, {}, False),  # 128 CTAs; batch 16
     (48, dict(num_splits=2), False), (48, dict(transposed=True), False),  # a split asked for
     (48, dict(balanced=False), False), (32, dict(balanced=True), True)])
-def test_balanced_default_resolves_per_batch(batch, options, balanced):
-    """The balanced grid by default where the default split leaves a fifth of the SMs idle
-    (132 in the interpreter), at batch 32 or more, with the transposed default only."""
+def test_balanced_default_resolves_per_batch(batch, options, balanced, monkeypatch):
+    """With ``BALANCED`` on, the balanced grid by default where the default split leaves a
+    fifth of the SMs idle (132 in the interpreter), at batch 32 or more, with the transposed
+    default only."""
     module = importlib.import_module("kiln.kernels.attention.mla_decode")
+    monkeypatch.setattr(module, "BALANCED", True)
     q = np.zeros((batch, 1, 16, 576), ml_dtypes.bfloat16)
     kv = np.zeros((4, 64, 576), ml_dtypes.bfloat16)
     plan = module._get_plan(q, kv, np.zeros((batch, 64), np.int32), np.zeros(batch, np.int32),
