@@ -49,7 +49,8 @@ from .paged import PagedRowIndices, PageTableRow
 # sequences or more. H200, session 38, H 16 Sq 1 4k, vs the default split: batch 48 (96
 # CTAs) 71.9 / 70.9 vs 73.7 / 73.8 us (batches 1, 2), batch 100 (100 CTAs) 131.1 vs 134.6;
 # ragged batch 32 (lengths 1k-7k) 52.5 vs 55.4 but batch 32 / 64 / 128 4k 54.0 / 89.1 /
-# 161.0 vs 46.3 / 80.4 / 147.2 (128 CTAs, no SM idle). And the overhead units a sequence
+# 161.0 vs 46.3 / 80.4 / 147.2 (128 CTAs, no SM idle); batch 3, this rule as the default:
+# batch 48 70.2 vs 73.7 us, batch 100 130.3 vs 134.2. And the overhead units a sequence
 # counts with balanced=True (0, 1, 2, 4 within 3% at batch 32).
 BALANCED = True
 BALANCED_IDLE = 0.2
