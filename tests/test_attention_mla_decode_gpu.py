@@ -114,6 +114,16 @@ def test_transposed_on_gpu(heads, sq, num_splits, options, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads,sq,ctas,balanced,early", [
+    (16, 1, None, True, None), (16, 2, None, 2, None), (8, 1, 5, 0, False)])
+def test_balanced_on_gpu(heads, sq, ctas, balanced, early, rng):
+    """The page-balanced grid on every SM (most shares empty or overhead only: six
+    sequences, about 110 units) or 5 CTAs, 16 and 32 query rows, against the float64
+    reference, called twice (each launch's merging CTAs reset the sequences' counters)."""
+    _check_twice_on_gpu(heads, sq, ctas, dict(balanced=balanced, early_launch=early), rng)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("batch,sq,heads", [(32, 1, 128), (33, 2, 128), (64, 2, 16)])
 def test_matches_torch_float32_at_serving_shapes(batch, sq, heads):
     """Batches of 4k-context sequences (ragged), default splits, against torch in float32."""

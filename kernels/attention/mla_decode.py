@@ -31,6 +31,7 @@ from ..runtime import (ArrayLib, Dims, PlanCache, check_backend, check_paged_len
                        check_positive, is_torch, resolve_target, spec)
 from .combine import combine
 from .decode_config import DEFAULT_SMS, FUSED_COMBINE_MAX_BYTES, LOG2E, MAX_DEFAULT_SPLITS
+from .mla_balanced import BALANCE_OVERHEAD, BALANCED, BALANCED_IDLE, BALANCED_MIN_BATCH
 from .mla_kernel import EARLY_LAUNCH, PREFETCH, SEESAW, SPLIT_KEYS, make_mla_kernel
 from .mla_lead import LEAD_GROUP
 from .mla_page import BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_WARPS, ROWS
@@ -41,6 +42,10 @@ from ..workspaces import StreamWorkspaces
 
 PRODUCER = "kiln.kernels.attention.mla_decode"  # the Partials producer name combine checks
 MAX_SQ = 2  # new tokens a call takes (the MTP draft of DeepSeek-V3 is one)
+# The balanced grid's CTAs a sequence by default, at most: one CTA merges that many partials;
+# and the CTAs a call may ask for (num_splits).
+BALANCED_PARTS = 32
+BALANCED_MAX_CTAS = 1024
 TRANSPOSED_MODES = (True, "ring", "pipelined", "ring-pipelined")  # transposed= values
 # Split CTAs sharing a fused merge by default (1: the last one merges alone; 4 measured within
 # 1% at batch 32 H 16, H200 session 37).
@@ -82,6 +87,7 @@ class MlaPlan:
     scale_log2: float
     fused: bool  # the last split CTA of a row block merges (no combine kernel)
     device: object  # q's torch device (None for other arrays)
+    balanced: bool = False  # the page-balanced grid (mla_balanced): slots are its CTAs
 
     @functools.cached_property
     def spaces(self) -> StreamWorkspaces:
@@ -90,7 +96,7 @@ class MlaPlan:
         :class:`~kiln.kernels.workspaces.StreamWorkspaces`)."""
         import torch
 
-        return StreamWorkspaces(lambda: torch.zeros((self.grid[2], self.grid[0], 2),
+        return StreamWorkspaces(lambda: torch.zeros((self.shape[0], self.grid[0], 2),
                                                     dtype=torch.int64, device=self.device),
                                 runtime.capture_id)
 
@@ -101,7 +107,8 @@ PLANS = PlanCache("mla_decode")
 def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scale=None,
                num_splits=None, target=None, backend=None, validate=False, split_keys=None,
                fused_combine=None, seesaw=None, early_launch=None, lead_group=None,
-               transposed=None, prefetch=None, merge_slices=None, early_pages=None):
+               transposed=None, prefetch=None, merge_slices=None, early_pages=None,
+               balanced=None):
     """Multi-head latent attention decode over a paged cache; returns ``(o, lse)``.
 
     ``q``: ``[B, Sq, H, 576]`` bf16 (``Sq`` 1-2; contiguous); ``kv_cache``: ``[num_pages,
@@ -138,7 +145,17 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     share it, a slice of the columns each (None: ``MERGE_SLICES``, 1; the interpreter
     always merges in one CTA); ``early_pages``: with ``early_launch``, Q and the split's
     first that many pages prefetched into L2 before the grid-dependency wait (None:
-    ``EARLY_PAGES``, 0, but ``TRANSPOSED_EARLY_PAGES``, 2, with the transposed schedule).
+    ``EARLY_PAGES``, 0, but ``TRANSPOSED_EARLY_PAGES``, 2, with the transposed schedule);
+    ``balanced`` (True, or the overhead units 0-16 a sequence counts): the transposed
+    schedule (at most 32 packed rows) where every CTA takes an equal share of all the
+    batch's pages across sequence boundaries and the last CTA of each sequence merges its
+    parts (:mod:`~kiln.kernels.attention.mla_balanced`; ``num_splits`` is then the CTA
+    count, None: the SMs, at most ``BALANCED_PARTS = 32`` a sequence; a sequence counts
+    ``BALANCE_OVERHEAD`` units beyond its pages with True; None: ``BALANCED``, on with the
+    transposed default (no ``transposed`` or ``num_splits`` given) at batch 32 or more where
+    the default split would leave a fifth of the SMs idle (batch 48: 96 CTAs); no
+    ``fused_combine=False`` or ``merge_slices`` with it; early launch and early pages as the
+    transposed schedule's).
     Returns ``o [B, Sq, H, 512]`` bf16
     and ``lse [B, Sq, H]`` f32 (natural log; a row that sees no key has ``o = 0``,
     ``lse = -inf``). numpy inputs give numpy outputs; torch CUDA tensors stay on the device.
@@ -155,7 +172,7 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     plan = _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
                      backend, split_keys, fused_combine,
                      (seesaw, early_launch, lead_group, transposed, prefetch, merge_slices,
-                      early_pages))
+                      early_pages, balanced))
     lib = ArrayLib(q)
     B, Sq, H = plan.shape
     if plan.kernel is None:
@@ -168,14 +185,16 @@ def mla_decode(q, kv_cache, page_table, seq_lens, *, head_dim_v=HEAD_DIM_V, scal
     # The kernel writes every element (each split all its rows, split 0 the counts); numpy
     # outputs are poisoned so that an element it missed shows.
     fill = (None, None) if lib.torch else (math.nan, -1)
-    direct = slots == 1  # one split writes o and lse itself: no partials, no combine
+    direct = slots == 1 and not plan.balanced  # one split writes o and lse: no combine
     final = direct or plan.fused  # the kernel writes o and lse
     o = lib.empty((B, Sq, H, HEAD_DIM_V) if final else (1, 1, 1, 1), "bf16", fill[0])
     lse = lib.empty((B, Sq, H) if final else (1, 1, 1), "f32", fill[0])
-    part_shape = (1, 1, 1, 1) if direct else (slots, B, Sq, H)
+    # The balanced grid's partials: slot c + b for CTA c's part of sequence b.
+    part_shape = (1, 1, 1, 1) if direct else (slots + B, 1, Sq, H) if plan.balanced \
+        else (slots, B, Sq, H)
     o_part = lib.empty((*part_shape, 1 if direct else HEAD_DIM_V), "f32", fill[0])
     lse_part = lib.empty(part_shape, "f32", fill[0])
-    counts = lib.empty(part_shape[1:], "i32", fill[1])
+    counts = lib.empty((1, 1, 1) if plan.balanced else part_shape[1:], "i32", fill[1])
     tickets = _tickets(plan, lib, q)
     args = [q.reshape(B * Sq * H, HEAD_DIM), kv_cache.reshape(plan.cache_rows, HEAD_DIM),
             page_table, seq_lens, o_part, lse_part, counts, o, lse, tickets, slots, H, Sq,
@@ -202,7 +221,7 @@ def _tickets(plan, lib, q):
     if not plan.fused:
         return lib.empty((1, 1, 2), "i64")
     if not lib.torch:
-        return lib.empty((plan.grid[2], plan.grid[0], 2), "i64", 0)
+        return lib.empty((plan.shape[0], plan.grid[0], 2), "i64", 0)
     import torch
 
     return plan.spaces.get(torch.cuda.current_stream(q.device).cuda_stream)
@@ -211,7 +230,8 @@ def _tickets(plan, lib, q):
 def _get_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
               backend, split_keys, fused_combine, options) -> MlaPlan:
     key = (spec(q), spec(kv_cache), spec(page_table), spec(seq_lens), head_dim_v, scale,
-           num_splits, target, backend, split_keys, fused_combine, options)
+           num_splits, target, backend, split_keys, fused_combine, options,
+           type(options[7]))  # balanced=0 (an overhead count) is not False
     plan = PLANS.lookup(key)
     if plan is None:
         plan = PLANS.add(key, _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale,
@@ -228,35 +248,74 @@ def merge_rows(packed: int) -> int:
 
 def _make_plan(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits, target,
                backend, split_keys, fused_combine, options) -> MlaPlan:
-    dims = check_inputs(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits)
+    asked = options[7] is not None and options[7] is not False  # (0 is an overhead count)
+    dims = check_inputs(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
+                        BALANCED_MAX_CTAS if asked else MAX_DEFAULT_SPLITS)
     check_backend(backend)
     B, Sq, H = dims["B"], dims["Sq"], dims["H"]
     num_pages, page_size = dims["num_pages"], dims["page_size"]
     row_blocks = -(-(Sq * H) // ROWS)
-    slots = num_splits or default_mla_splits(
-        B, row_blocks, dims["max_pages"] * page_size,
-        sms=DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()) \
-        if B * Sq * H else 1
-    narrow, ring, pipe = _transposed(options[3], Sq * H, split_keys, options[0], options[2])
+    sms = DEFAULT_SMS if backend == "interpret" else runtime.multiprocessor_count()
+    slots = num_splits or default_mla_splits(B, row_blocks, dims["max_pages"] * page_size,
+                                             sms=sms) if B * Sq * H else 1
+    # The balanced grid runs the transposed page loop, asked for or not.
+    narrow, ring, pipe = _transposed(True if asked and options[3] is None else options[3],
+                                     Sq * H, split_keys, options[0], options[2])
     split_keys, seesaw, lead = _schedule(split_keys, options[0], options[2], narrow)
     rows = merge_rows(Sq * H)
+    # By default only on the transposed default's shapes whose split leaves SMs idle.
+    idle = num_splits is None and options[3] is None and B >= BALANCED_MIN_BATCH and \
+        B * row_blocks * slots <= (1 - BALANCED_IDLE) * sms
+    overhead = _balanced(options[7], narrow, ring or pipe, fused_combine, options[5], idle)
+    balanced = overhead is not None
+    if balanced:  # CTAs, not splits: every SM, at most BALANCED_PARTS a sequence on average
+        slots = num_splits or min(BALANCED_PARTS * B, sms)
+        fused_combine = True
     if fused_combine is None:  # one CTA's merge of its rows from L2, or a combine kernel
         fused_combine = slots * rows * HEAD_DIM_V * 4 <= FUSED_COMBINE_MAX_BYTES
     fused = slots > 1 and bool(fused_combine)
     # The transposed schedule has launch defaults of its own (measured with it).
     early = (TRANSPOSED_EARLY if narrow else EARLY_LAUNCH) if options[1] is None \
         else bool(options[1])
-    kernel = make_mla_kernel(page_size, split_keys, slots == 1, slots if fused else 0,
-                             rows if fused else ROWS, seesaw, early,
+    own = fused and not balanced  # the split grid's fused merge
+    kernel = make_mla_kernel(page_size, split_keys, slots == 1 and not balanced,
+                             slots if own else 0, rows if fused or balanced else ROWS, seesaw,
+                             early,
                              lead, narrow, _prefetch(options[4], seesaw or ring, lead),
                              ring, pipe,
                              _merge_slices(options[5], slots if fused else 0, backend),
-                             _early_pages(options[6], early, narrow)) \
+                             _early_pages(options[6], early, narrow), overhead) \
         if B * Sq * H else None
-    return MlaPlan(kernel=kernel, chip=mla_target(target), grid=(row_blocks, int(slots), B),
+    return MlaPlan(kernel=kernel, chip=mla_target(target),
+                   grid=(row_blocks, int(slots), 1 if balanced else B),
                    slots=int(slots), shape=(B, Sq, H), cache_rows=num_pages * page_size,
                    scale_log2=float((HEAD_DIM ** -0.5 if scale is None else scale) * LOG2E),
-                   fused=fused, device=q.device if is_torch(q) else None)
+                   fused=fused or balanced, device=q.device if is_torch(q) else None,
+                   balanced=balanced)
+
+
+def _balanced(balanced, transposed, ring_or_pipelined, fused_combine, merge_slices,
+              idle=False) -> int | None:
+    """The overhead units a sequence counts in the page-balanced grid, None without it
+    (``balanced``: True for ``BALANCE_OVERHEAD``, or a count 0-16; None: ``BALANCED`` where
+    the default split leaves SMs ``idle``, with the transposed page loop); refused beside
+    options it does not take. Example: ``_balanced(2, 16, False, None, None) == 2``."""
+    if balanced not in (None, False, True) and not (
+            isinstance(balanced, int) and 0 <= balanced <= 16):
+        raise kiln.KilnValueError(f"balanced={balanced!r} is neither a bool nor an overhead "
+                                  "count", fix="pass balanced=True, False, None or 0..16")
+    if balanced is None:
+        balanced = BALANCED and idle and bool(transposed) and not ring_or_pipelined and \
+            fused_combine is not False and merge_slices is None
+    elif balanced is not False and (not transposed or ring_or_pipelined
+                                    or fused_combine is False or merge_slices is not None):
+        raise kiln.UnsupportedError("balanced=True runs the transposed page loop (at most 32 "
+                                    "packed rows) and merges its own partials",
+                                    fix="leave transposed unset or True, and fused_combine "
+                                        "and merge_slices unset")
+    if balanced is False:
+        return None
+    return BALANCE_OVERHEAD if balanced is True else balanced
 
 
 def _early_pages(early_pages, early, transposed=0) -> int:
@@ -361,8 +420,10 @@ def mla_target(target):
     return chip
 
 
-def check_inputs(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits) -> Dims:
-    """Kinds, ranks, dtypes and agreeing sizes of a call's arguments (once per shape class)."""
+def check_inputs(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_splits,
+                 max_splits=MAX_DEFAULT_SPLITS) -> Dims:
+    """Kinds, ranks, dtypes and agreeing sizes of a call's arguments (once per shape class;
+    ``max_splits``: the most ``num_splits`` may be)."""
     dims = Dims()
     dims.tensor("q", q, "B Sq H D", dtype=kiln.bf16)
     dims.tensor("kv_cache", kv_cache, "num_pages page_size D", dtype=kiln.bf16)
@@ -389,10 +450,9 @@ def check_inputs(q, kv_cache, page_table, seq_lens, head_dim_v, scale, num_split
     if num_splits is not None:
         check_positive("num_splits", num_splits, integer=True,
                        fix="leave num_splits=None for the default")
-        if num_splits > MAX_DEFAULT_SPLITS:
-            raise kiln.UnsupportedError(f"num_splits={num_splits} is more than the combine "
-                                        f"merges ({MAX_DEFAULT_SPLITS})",
-                                        fix=f"pass at most {MAX_DEFAULT_SPLITS}")
+        if num_splits > max_splits:
+            raise kiln.UnsupportedError(f"num_splits={num_splits} is more than the merge takes "
+                                        f"({max_splits})", fix=f"pass at most {max_splits}")
     if scale is not None:  # the kernel takes row maxima of unscaled scores
         check_positive("scale", scale, fix="pass a positive softmax scale, or None for "
                                            "576 ** -0.5")
@@ -420,11 +480,12 @@ def _check_devices(q, **tensors) -> None:
 def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
                        split_keys=None, direct=False, fused_slots=0, seesaw=None,
                        early_launch=None, lead_group=None, transposed=None,
-                       prefetch=None, merge_slices=1, early_pages=None):
+                       prefetch=None, merge_slices=1, early_pages=None, balanced=False):
     """Compile (without running) the MLA decode kernel (``direct``: the one-split kernel that
     writes ``o`` and ``lse`` itself; ``fused_slots``: the kernel whose last split CTA merges
     that many splits, shared by ``merge_slices`` CTAs; the schedule options as
-    :func:`mla_decode` resolves them); returns the ``CompiledKernel`` (``.asm`` stages,
+    :func:`mla_decode` resolves them; ``balanced``: the page-balanced grid, with the
+    transposed schedule); returns the ``CompiledKernel`` (``.asm`` stages,
     ``.metadata``).
     Example: ``compile_mla_decode(target="sm_90a").metadata["registers"]``."""
     chip = mla_target(target)
@@ -435,7 +496,10 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
             np.zeros((1, 1, sq, heads), np.float32), np.zeros((1, sq, heads), np.int32),
             np.zeros((1, sq, heads, HEAD_DIM_V), bf16), np.zeros((1, sq, heads), np.float32),
             np.zeros((1, 1, 2), np.int64), 1, heads, sq, 0.1]
-    narrow, ring, pipe = _transposed(transposed, sq * heads, split_keys, seesaw, lead_group)
+    asked = balanced is not None and balanced is not False  # (0 is an overhead count)
+    narrow, ring, pipe = _transposed(True if asked and transposed is None else transposed,
+                                     sq * heads, split_keys, seesaw, lead_group)
+    overhead = _balanced(balanced, narrow, ring or pipe, None, None)
     split_keys, seesaw, lead = _schedule(split_keys, seesaw, lead_group, narrow)
     early = (TRANSPOSED_EARLY if narrow else EARLY_LAUNCH) if early_launch is None \
         else bool(early_launch)
@@ -443,5 +507,5 @@ def compile_mla_decode(*, target="sm_90a", page_size=BLOCK_N, heads=128, sq=1,
                              merge_rows(sq * heads) if fused_slots else ROWS, seesaw,
                              early, lead, narrow, _prefetch(prefetch, seesaw or ring, lead),
                              ring, pipe, _merge_slices(merge_slices, fused_slots, None),
-                             _early_pages(early_pages, early, narrow))
+                             _early_pages(early_pages, early, narrow), overhead)
     return kernel.compile(*args, target=chip.name, num_warps=NUM_WARPS)

@@ -39,6 +39,7 @@ from kiln.shared import dynamic_shared
 from .decode_config import ARRIVED
 from .decode_fused import combine_if_last
 from .decode_rows import advance_row_max, split_count
+from .mla_balanced import balanced_pages, balanced_prefetch, check_balanced
 from .mla_lead import PRODUCER_WARP, LeadRows, consume_tile_lead, lead_pages_pipelined, lead_sum
 from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, HEAD_DIM,
                        HEAD_DIM_V, NUM_WARPS, ROWS, STAGES, THREADS, TILE_BYTES, V_CHUNKS,
@@ -71,7 +72,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                     fused_slots: int = 0, merge_rows: int = ROWS, seesaw: bool = SEESAW,
                     early_launch: bool = EARLY_LAUNCH, lead_group: int = 0,
                     transposed: int = 0, prefetch: int = PREFETCH, ring: bool = False,
-                    pipelined: bool = False, merge_slices: int = 1, early_pages: int = 0):
+                    pipelined: bool = False, merge_slices: int = 1, early_pages: int = 0,
+                    balanced: int | None = None):
     """The ``@kiln.kernel`` of MLA decode for caches of ``page_size``-row pages (a multiple of
     64); ``split_keys``: the scores schedule (module docs); ``direct``: one split, whose rows
     go straight to ``o_out`` (bf16) and ``lse_out`` instead of the partials;
@@ -107,7 +109,8 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
     (with ``early_launch``): before the grid-dependency wait the producer prefetches Q and the
     split's first that many pages into L2 (page table and length read for it only: the
     loads after the wait read them again), so a CTA that starts while the previous kernel
-    ends fills its idle DRAM.
+    ends fills its idle DRAM. ``balanced`` (None: off): the transposed loop on the page-balanced
+    grid of :mod:`~kiln.kernels.attention.mla_balanced`, that many overhead units a sequence.
     Example: ``make_mla_kernel(64, False).name == "mla_decode_p64"``."""
     if lead_group and (seesaw or split_keys):
         raise kiln.UnsupportedError("the lead-group schedule has group 0 score every key",
@@ -116,6 +119,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         raise kiln.UnsupportedError("the transposed schedule takes 16 or 32 rows and no other "
                                     "schedule", fix="pass transposed=16 or 32 with "
                                                     "split_keys=False, no seesaw or lead group")
+    check_balanced(balanced, transposed and not (ring or pipelined or fused_slots or direct))
     if (ring or pipelined) and not transposed:
         raise kiln.UnsupportedError("the chunk ring serves the transposed schedule",
                                     fix="pass ring=True with transposed=16 or 32")
@@ -168,7 +172,10 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         nvidia_asm.fence_mbarrier_init()
         kiln.barrier()
         if early_launch:
-            if early_pages:  # prefetches change no value: they may run before the wait
+            if early_pages and balanced is not None:  # its share's first, from seq_lens now
+                balanced_prefetch(q_map, kv_map, page_table, seq_lens, heads, seq_q, tid,
+                                  producer, early_pages, balanced)
+            elif early_pages:  # prefetches change no value: they may run before the wait
                 _early_prefetch(q_map, kv_map, page_table, seq_lens, num_splits, heads, seq_q,
                                 page_size, producer, early_pages)
             # Everything after the wait reads or writes global memory the previous kernel
@@ -228,6 +235,10 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                                        tile_begin, num_tiles, seq_len),
                 TILE_BYTES // 16, tile_begin, num_tiles, seq_len, seq_q, key_limit, scale_log2,
                 tid, group, warp)
+        elif balanced is not None:
+            balanced_pages(q_map, kv_map, page_table, seq_lens, o_part, lse_part, o_out, lse_out,
+                           tickets, boxes, full, empty, t_rows, heads, seq_q, scale_log2, tid,
+                           group, warp, producer_warp, producer, merge_rows, balanced)
         else:
             for it in kiln.range(0, num_tiles):
                 stage = it % STAGES
@@ -262,37 +273,38 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
                     empty.arrive(stage, wgmma_pending=0)
             if pipelined:
                 _release_last(empty, num_tiles, STAGES, group)
-        arrival = None
-        if fused_slots and merge_slices == 1:
-            # This CTA's place among its row block's splits; read only after its own stores,
-            # so the atomic's round trip overlaps them.
-            arrival = kiln.cast(0, kiln.i64)
-            if tid == 0:
-                arrival = tickets.atomic_add(b, kiln.block_id(0), ARRIVED, 1)
-        if transposed:  # group 0 kept the columns' maxima and per-thread sums
-            m, l = transposed_totals(m, l, ring_buffers.shared if ring else t_rows, tid, group)
-        else:
-            l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
-        if seesaw:  # each group summed its own pages
-            l = seesaw_sum(rows_x, l, tid, group)
-        elif split_keys:  # each group summed its own keys: the row's sum is both groups'
-            l = exchange.sum_rows(l, tid, group)
-        elif lead_group:  # group 0 summed every key
-            l = lead_sum(lead_rows, l, tid, group)
-        if transposed:
-            store_transposed(o, m, l, transposed, o_out if direct else o_part,
-                             lse_out if direct else lse_part, counts, split, b, row0, heads,
-                             packed, group, tid, seq_len, seq_q, tiles_per_split, direct)
-        else:
-            _store_rows(o, m, l, rows, o_out if direct else o_part,
-                        lse_out if direct else lse_part, counts, split, b, heads, packed, group,
-                        lane, seq_len, seq_q, tiles_per_split, direct)
-        if fused_slots:
-            last = kiln.shared((1,), kiln.i32)
-            combine_if_last(o_part, lse_part, o_out, lse_out, tickets, arrival, last, b, 0, 0,
-                            row0, tid, _MergeRows(packed, heads, merge_rows), fused_slots,
-                            merge_slices,
-                            cta=(b, kiln.block_id(0)))
+        if balanced is None:  # the balanced grid stored and merged its segments itself
+            arrival = None
+            if fused_slots and merge_slices == 1:
+                # This CTA's place among its row block's splits; read only after its own stores,
+                # so the atomic's round trip overlaps them.
+                arrival = kiln.cast(0, kiln.i64)
+                if tid == 0:
+                    arrival = tickets.atomic_add(b, kiln.block_id(0), ARRIVED, 1)
+            if transposed:  # group 0 kept the columns' maxima and per-thread sums
+                m, l = transposed_totals(m, l, ring_buffers.shared if ring else t_rows, tid, group)
+            else:
+                l = [kiln.shuffle.butterfly_reduce(x, (1, 2), operator.add) for x in l]
+            if seesaw:  # each group summed its own pages
+                l = seesaw_sum(rows_x, l, tid, group)
+            elif split_keys:  # each group summed its own keys: the row's sum is both groups'
+                l = exchange.sum_rows(l, tid, group)
+            elif lead_group:  # group 0 summed every key
+                l = lead_sum(lead_rows, l, tid, group)
+            if transposed:
+                store_transposed(o, m, l, transposed, o_out if direct else o_part,
+                                 lse_out if direct else lse_part, counts, split, b, row0, heads,
+                                 packed, group, tid, seq_len, seq_q, tiles_per_split, direct)
+            else:
+                _store_rows(o, m, l, rows, o_out if direct else o_part,
+                            lse_out if direct else lse_part, counts, split, b, heads, packed, group,
+                            lane, seq_len, seq_q, tiles_per_split, direct)
+            if fused_slots:
+                last = kiln.shared((1,), kiln.i32)
+                combine_if_last(o_part, lse_part, o_out, lse_out, tickets, arrival, last, b, 0, 0,
+                                row0, tid, _MergeRows(packed, heads, merge_rows), fused_slots,
+                                merge_slices,
+                                cta=(b, kiln.block_id(0)))
 
     if ring:  # Q's TMA boxes of its rows (a string annotation sees no locals)
         mla_decode.__annotations__["q_map"] = kiln.TensorMap[kiln.bf16, (transposed, CHUNK), 128]
@@ -304,7 +316,7 @@ def make_mla_kernel(page_size: int = 64, split_keys: bool = SPLIT_KEYS, direct: 
         f"{f'_t{transposed}' if transposed else ''}{'_ring' if ring else ''}" \
         f"{'_pipe' if pipelined else ''}{f'x{merge_slices}' if merge_slices > 1 else ''}" \
         f"{f'_ep{early_pages}' if early_pages else ''}" \
-        f"{f'_pf{prefetch}' if prefetch else ''}"
+        f"{f'_pf{prefetch}' if prefetch else ''}{f'_bal{balanced}' if balanced is not None else ''}"
     # Each exp2 is then one MUFU op, not four with the denormal range fix-up around it.
     return kiln.kernel(mla_decode, flush_denormals=True)
 

@@ -257,7 +257,7 @@ def store_transposed(o, m, l, rows, o_part, lse_part, counts, split, b, row0, he
                      group, tid, seq_len, seq_q, tiles_per_split, direct):
     """The thread's O^T registers divided by their columns' sums into ``O_partial`` (or
     ``o`` with ``direct``); group 0's first warp's lanes 0-3 write the columns' LSE and, on
-    split 0, the split counts."""
+    split 0, the split counts (none where ``counts`` is None)."""
     lane = tid % 32
     warp = (tid % GROUP_THREADS) // 32
     inv = [kiln.where(l[s] > 0.0, 1.0 / kiln.maximum(l[s], 1e-30), 0.0)
@@ -286,7 +286,8 @@ def store_transposed(o, m, l, rows, o_part, lse_part, counts, split, b, row0, he
                     lse_part[b, token, head] = lse
                 else:
                     lse_part[split, b, token, head] = lse
-                    if split == 0:
-                        counts[b, token, head] = split_count(None, b, token, 0,
-                                                             seq_len - seq_q + token + 1,
-                                                             tiles_per_split, BLOCK_N, False)
+                    if counts is not None:  # the balanced grid keeps no counts
+                        if split == 0:
+                            counts[b, token, head] = split_count(
+                                None, b, token, 0, seq_len - seq_q + token + 1, tiles_per_split,
+                                BLOCK_N, False)
