@@ -32,6 +32,7 @@ Example (what the user writes; the rewrite is invisible)::
 from __future__ import annotations
 
 import ast
+import collections
 import gc
 import inspect
 import itertools
@@ -63,6 +64,7 @@ class _Runtime:
     TracedRange = trace_runtime.TracedRange
     static_while_cond = staticmethod(trace_runtime.static_while_cond)
     unrolled = staticmethod(trace_runtime.unrolled)
+    static_for = staticmethod(trace_runtime.static_for)
     traced_return = staticmethod(trace_runtime.traced_return)
     traced_break = staticmethod(trace_runtime.traced_break)
     traced_raise = staticmethod(trace_runtime.traced_raise)
@@ -239,22 +241,25 @@ _SIMPLE = (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.A
 # What a branch body may not hold for its static run to go through the branch function: the
 # function would change what they mean (leaving the enclosing function or loop, a raise the
 # traced path defers, unbinding, names bound in the enclosing scope or captured late by a
-# nested scope, frame introspection).
+# nested scope, frame introspection). A lambda is shareable unless it reads a name the region
+# stores (see _late_bound).
 _UNSHAREABLE = (ast.Return, ast.Raise, ast.Yield, ast.YieldFrom, ast.Await, ast.Global,
-                ast.Nonlocal, ast.Delete, ast.NamedExpr, ast.Lambda, ast.FunctionDef,
+                ast.Nonlocal, ast.Delete, ast.NamedExpr, ast.FunctionDef,
                 ast.AsyncFunctionDef, ast.ClassDef, ast.GeneratorExp, ast.AsyncFor,
                 ast.AsyncWith)
 _INTROSPECTION = frozenset({"locals", "vars", "eval", "exec", "dir", "super", "__class__"})
 
 
-def _shareable(stmts, in_loop: bool = False) -> bool:
-    """Whether ``stmts`` (an ``if``'s branches) mean the same run inside a function that
-    takes and returns the names they assign."""
+def _shareable(stmts, stored=(), in_loop: bool = False) -> bool:
+    """Whether ``stmts`` (an ``if``'s branches, which store the names ``stored``) mean the
+    same run inside a function that takes and returns the names they assign."""
     for stmt in stmts:
         stack = [(stmt, in_loop)]
         while stack:
             node, looped = stack.pop()
             if isinstance(node, _UNSHAREABLE):
+                return False
+            if isinstance(node, ast.Lambda) and _late_bound(node, stored):
                 return False
             if isinstance(node, (ast.Break, ast.Continue)) and not looped:
                 return False
@@ -271,16 +276,59 @@ def _shareable(stmts, in_loop: bool = False) -> bool:
     return True
 
 
+def _late_bound(node: ast.Lambda, stored) -> bool:
+    """Whether lambda ``node`` reads a name of ``stored``: in the branch function it would
+    close over the function's own binding, not see the enclosing scope's later rebinding (the
+    names it only reads are the enclosing scope's cells either way)."""
+    params = {a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs,
+                              node.args.vararg, node.args.kwarg) if a is not None}
+    return any(isinstance(n, ast.Name) and n.id in stored and n.id not in params
+               for n in ast.walk(node.body))
+
+
 def _declares_outer_names(fdef: ast.FunctionDef) -> bool:
     """Whether ``fdef`` rebinds globals or enclosing names (``locals()`` cannot pass them)."""
     return any(isinstance(node, (ast.Global, ast.Nonlocal)) for node in ast.walk(fdef))
 
 
+def _store_counts(stmts) -> collections.Counter:
+    """How many times ``stmts`` bind each name in their own scope (not in nested scopes)."""
+    counts: collections.Counter = collections.Counter()
+    stack = list(stmts)
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        if kind is ast.Name:
+            if isinstance(node.ctx, ast.Store):
+                counts[node.id] += 1
+            continue
+        if kind in _NAMED_SCOPES or kind in _ANONYMOUS_SCOPES:
+            continue  # its name binds here, but a def/class is never shareable anyway
+        for value in node.__dict__.values():
+            if isinstance(value, list):
+                stack.extend(v for v in value if isinstance(v, ast.AST))
+            elif isinstance(value, ast.AST):
+                stack.append(value)
+    return counts
+
+
 class _Rewriter(ast.NodeTransformer):
-    def __init__(self, filename: str, share: bool = True):
+    def __init__(self, filename: str, share: bool = True, body=()):
         self.filename = filename
         self.share = share  # False when the function declares global/nonlocal names
         self.depth = 0  # branch/body functions being built around the current statement
+        self.loops = 0  # loops around the current statement
+        self.stores = _store_counts(body)  # the function's bindings of each name
+
+    def _late_risk(self, stmts, names) -> set:
+        """The names of ``names`` (what an ``if``'s branches store) whose binding a lambda in
+        the branches could see differ in a branch function: all of them inside a loop (each
+        run of the branches would bind its own), else those bound outside the branches too
+        (a lambda made inside would not see the later rebinding)."""
+        if self.loops:
+            return set(names)
+        inside = _store_counts(stmts)
+        return {name for name in names if inside[name] < self.stores[name]}
 
     def _at(self, node: ast.AST, body: list[ast.stmt]) -> ast.With:
         end = node.end_col_offset if node.end_lineno == node.lineno else None
@@ -312,7 +360,11 @@ class _Rewriter(ast.NodeTransformer):
         node.test = _call("static_while_cond", test, ast.Constant(self.filename),
                           ast.Constant(test.lineno), ast.Constant(test.col_offset),
                           ast.Constant(end))
-        node.body = self._stmts(node.body)
+        self.loops += 1
+        try:
+            node.body = self._stmts(node.body)
+        finally:
+            self.loops -= 1
         node.orelse = self._stmts(node.orelse)
         return node
 
@@ -344,7 +396,8 @@ class _Rewriter(ast.NodeTransformer):
         n = next(_counter)
         cond = f"__kiln_cond_{n}"
         names, loaded = region_names(node.body + node.orelse)
-        if self.share and _shareable(node.body + node.orelse):
+        if self.share and _shareable(node.body + node.orelse,
+                                    self._late_risk(node.body + node.orelse, names)):
             return self._shared_if(node, n, cond, names, loaded)
         # The traced branches get copies; the static statement takes the original nodes.
         traced_body, traced_orelse = _clone(node.body), _clone(node.orelse)
@@ -391,9 +444,20 @@ class _Rewriter(ast.NodeTransformer):
         return [ast.copy_location(stmt, node) for stmt in (evaluate, *fns, dispatch)]
 
     def visit_For(self, node):
+        self.loops += 1
+        try:
+            return self._for(node)
+        finally:
+            self.loops -= 1
+
+    def _for(self, node):
         n = next(_counter)
         it = f"__kiln_iter_{n}"
         may_trace = isinstance(node.target, ast.Name) and not node.orelse
+        if may_trace and self.share:
+            stored, loaded = region_names(node.body)
+            if _shareable(node.body, {node.target.id, *stored}):
+                return self._shared_for(node, n, it, stored, loaded)
         # The traced body gets a copy; the static loop takes the original nodes.
         traced_body = _clone(node.body) if may_trace else None
         counted = _call("unrolled", ast.Name(it, ast.Load()), ast.Constant(self.filename),
@@ -415,6 +479,31 @@ class _Rewriter(ast.NodeTransformer):
                             [ast.Name(it, ast.Load()), _rt("TracedRange")], [])
         dispatch = ast.If(is_range, traced, [static_for])
         return [ast.copy_location(evaluate, node), ast.copy_location(dispatch, node)]
+
+    def _shared_for(self, node, n, it, stored, loaded):
+        """One rewrite of the body serves both paths (as :meth:`_shared_if`): the body
+        function ``for_stmt`` builds the loop from also runs each item of a Python-unrolled
+        loop (``static_for``), so a loop's body is not rewritten twice per nesting level."""
+        target = node.target.id
+        names = [m for m in stored if m != target]
+        body_fn = self._branch_fn(f"__kiln_body_{n}", [target] + names, node.body, node)
+        body_fn.body[-1] = ast.Return(_names_tuple(names, ast.Load))
+        body_ref = ast.Name(body_fn.name, ast.Load())
+        traced = _call("for_stmt", ast.Name(it, ast.Load()), body_ref, _str_tuple(names),
+                       self._capture(names), self._structs(loaded))
+        initial = ast.Subscript(self._capture([target]), ast.Constant(0), ast.Load())
+        static = [self._assign_results(
+            [target] + names, _call("static_for", ast.Name(it, ast.Load()), _clone(body_ref),
+                                    initial, self._capture(names), ast.Constant(self.filename),
+                                    ast.Constant(node.lineno)), node)]
+        for name in [target] + names if self.depth == 0 else ():  # as _shared_if's static path
+            missing = ast.Compare(ast.Name(name, ast.Load()), [ast.Is()], [_rt("missing")])
+            static.append(ast.If(missing, [ast.Delete([ast.Name(name, ast.Del())])], []))
+        evaluate = self._at(node.iter, [ast.Assign([ast.Name(it, ast.Store())], node.iter)])
+        is_range = ast.Call(ast.Name("isinstance", ast.Load()),
+                            [ast.Name(it, ast.Load()), _rt("TracedRange")], [])
+        dispatch = ast.If(is_range, [self._assign_results(names, traced, node)], static)
+        return [ast.copy_location(stmt, node) for stmt in (evaluate, body_fn, dispatch)]
 
 
 _cache: dict[Callable, Callable] = {}
@@ -545,7 +634,7 @@ def _rewrite_source(fn: Callable, source: str, filename: str) -> types.CodeType:
     fdef.decorator_list = []
     # a source without the keywords declares nothing: no walk of the tree
     declares = ("global" in source or "nonlocal" in source) and _declares_outer_names(fdef)
-    fdef.body = _Rewriter(filename, share=not declares)._stmts(fdef.body)
+    fdef.body = _Rewriter(filename, share=not declares, body=fdef.body)._stmts(fdef.body)
     freevars = fn.__code__.co_freevars
     fdef.returns = None
     for a in fdef.args.posonlyargs + fdef.args.args + fdef.args.kwonlyargs:
