@@ -250,17 +250,22 @@ _UNSHAREABLE = (ast.Return, ast.Raise, ast.Yield, ast.YieldFrom, ast.Await, ast.
 _INTROSPECTION = frozenset({"locals", "vars", "eval", "exec", "dir", "super", "__class__"})
 
 
-def _shareable(stmts, stored=(), in_loop: bool = False) -> bool:
-    """Whether ``stmts`` (an ``if``'s branches, which store the names ``stored``) mean the
-    same run inside a function that takes and returns the names they assign."""
+def _shareable(stmts, stored: Callable[[], set] = set, in_loop: bool = False) -> bool:
+    """Whether ``stmts`` (an ``if``'s branches or a loop's body) mean the same run inside a
+    function that takes and returns the names they assign; ``stored()``: the names they store
+    that a lambda among them must not read (asked only when there is one)."""
+    late: list = []
     for stmt in stmts:
         stack = [(stmt, in_loop)]
         while stack:
             node, looped = stack.pop()
             if isinstance(node, _UNSHAREABLE):
                 return False
-            if isinstance(node, ast.Lambda) and _late_bound(node, stored):
-                return False
+            if isinstance(node, ast.Lambda):
+                if not late:
+                    late.append(stored())
+                if _late_bound(node, late[0]):
+                    return False
             if isinstance(node, (ast.Break, ast.Continue)) and not looped:
                 return False
             if isinstance(node, ast.Name) and node.id in _INTROSPECTION:
@@ -318,7 +323,8 @@ class _Rewriter(ast.NodeTransformer):
         self.share = share  # False when the function declares global/nonlocal names
         self.depth = 0  # branch/body functions being built around the current statement
         self.loops = 0  # loops around the current statement
-        self.stores = _store_counts(body)  # the function's bindings of each name
+        self._body = body
+        self._stores: collections.Counter | None = None  # the function's bindings of each name
 
     def _late_risk(self, stmts, names) -> set:
         """The names of ``names`` (what an ``if``'s branches store) whose binding a lambda in
@@ -327,8 +333,10 @@ class _Rewriter(ast.NodeTransformer):
         (a lambda made inside would not see the later rebinding)."""
         if self.loops:
             return set(names)
+        if self._stores is None:
+            self._stores = _store_counts(self._body)
         inside = _store_counts(stmts)
-        return {name for name in names if inside[name] < self.stores[name]}
+        return {name for name in names if inside[name] < self._stores[name]}
 
     def _at(self, node: ast.AST, body: list[ast.stmt]) -> ast.With:
         end = node.end_col_offset if node.end_lineno == node.lineno else None
@@ -396,8 +404,8 @@ class _Rewriter(ast.NodeTransformer):
         n = next(_counter)
         cond = f"__kiln_cond_{n}"
         names, loaded = region_names(node.body + node.orelse)
-        if self.share and _shareable(node.body + node.orelse,
-                                    self._late_risk(node.body + node.orelse, names)):
+        if self.share and _shareable(
+                node.body + node.orelse, lambda: self._late_risk(node.body + node.orelse, names)):
             return self._shared_if(node, n, cond, names, loaded)
         # The traced branches get copies; the static statement takes the original nodes.
         traced_body, traced_orelse = _clone(node.body), _clone(node.orelse)
@@ -456,7 +464,7 @@ class _Rewriter(ast.NodeTransformer):
         may_trace = isinstance(node.target, ast.Name) and not node.orelse
         if may_trace and self.share:
             stored, loaded = region_names(node.body)
-            if _shareable(node.body, {node.target.id, *stored}):
+            if _shareable(node.body, lambda: {node.target.id, *stored}):
                 return self._shared_for(node, n, it, stored, loaded)
         # The traced body gets a copy; the static loop takes the original nodes.
         traced_body = _clone(node.body) if may_trace else None
