@@ -67,6 +67,8 @@ class TraceState:
     tma_fetching: list | None = None  # kiln.pipeline(handoff=True): the tiles a fetch loads
     tma_pairs: int = 0  # kiln.tile_tma: full/empty mbarrier pairs made so far
     finishers: list = field(default_factory=list)  # run once the body is traced (kiln.release)
+    # values.constant: (dtype, shape, attribute) -> its one arith.constant, in the entry block
+    constants: dict = field(default_factory=dict)
 
     def unique_symbol(self, base: str) -> str:
         name, n = base, 0
@@ -98,6 +100,11 @@ def current() -> TraceState:
 
 def is_tracing() -> bool:
     return bool(_stack)
+
+
+def current_or_none() -> TraceState | None:
+    """The active trace, or None outside one."""
+    return _stack[-1] if _stack else None
 
 
 def count_value() -> None:
