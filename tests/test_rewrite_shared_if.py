@@ -250,3 +250,14 @@ def test_static_and_traced_ifs_nest_in_a_kernel(mode, expect):
     out = x.copy()
     mixed.interpret[1](out, n, MODE=mode, target="sm_90a", num_warps=2)
     np.testing.assert_allclose(out, expect(x.astype(np.float64), n), rtol=1e-6)
+
+
+def test_the_mla_kernel_rewrites_without_doubling_per_level():
+    # Its schedule chain (if seesaw / elif ring / elif lead_group == 2 / else: a kiln.range loop
+    # whose body passes lambdas) doubled per level while lambdas made a branch unshareable and
+    # every loop body was rewritten twice: 27x its own code, now 9x.
+    from kiln.kernels.attention.mla_kernel import make_mla_kernel
+
+    fn = make_mla_kernel(64, False, lead_group=True).fn
+    rewritten = len(marshal.dumps(ast_rewrite._compile_factory(fn)))
+    assert rewritten < 12 * len(marshal.dumps(fn.__code__)), rewritten
