@@ -342,7 +342,9 @@ class _Rewriter(ast.NodeTransformer):
         may_trace = isinstance(node.target, ast.Name) and not node.orelse
         if may_trace and self.share:
             stored, loaded = region_names(node.body)
-            if shareable(node.body, lambda: {node.target.id, *stored}):
+            # a body that rebinds the loop variable leaves its own value after the loop
+            if node.target.id not in stored and shareable(node.body,
+                                                          lambda: {node.target.id, *stored}):
                 return self._shared_for(node, n, it, stored, loaded)
         # The traced body gets a copy; the static loop takes the original nodes.
         traced_body = _clone(node.body) if may_trace else None

@@ -98,6 +98,12 @@ def loop_target_kept(n):
     return i
 
 
+def loop_target_rebound(n):
+    for i in range(n):
+        i = i * 2  # the rebinding is what the variable holds after the loop
+    return i
+
+
 def loops_nested(n):
     rows = []
     for i in range(n):
@@ -148,6 +154,7 @@ def lambda_called_in_loop(n):
     (nested, [(a, b, c) for a in (0, 1) for b in (0, 1) for c in (0, 1)]),
     (loop_names, [(0,), (1,), (4,)]),
     (loop_target_kept, [(0,), (3,)]),
+    (loop_target_rebound, [(0,), (3,)]),
     (loops_nested, [(0,), (5,)]),
     (lambda_reads_loop_target, [(0,), (3,)]),
     (lambda_reads_branch_name, [(True,), (False,)]),
