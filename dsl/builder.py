@@ -37,8 +37,13 @@ TRACE_DIALECTS = ("builtin", "func", "gpu", "arith", "math", "memref", "scf", "v
 
 def trace_context() -> ir.Context:
     """A new MLIR context with :data:`TRACE_DIALECTS` loaded, for one kernel's trace and
-    compile (``with trace_context(): ...``)."""
-    return ir.Context(load_on_create_dialects=TRACE_DIALECTS)
+    compile (``with trace_context(): ...``). Loaded through their descriptors: asking
+    ``ctx.dialects[name]`` imports the dialect's Python module too (an NVIDIA compile importing
+    the ROCDL one cost a small kernel's trace 40 ms on the H200 host)."""
+    ctx = ir.Context(load_on_create_dialects=())
+    for name in TRACE_DIALECTS:
+        ctx.get_dialect_descriptor(name)
+    return ctx
 
 
 @dataclass
@@ -105,6 +110,16 @@ def is_tracing() -> bool:
 def current_or_none() -> TraceState | None:
     """The active trace, or None outside one."""
     return _stack[-1] if _stack else None
+
+
+def entry_point(state: TraceState) -> ir.InsertionPoint:
+    """Where kernel-wide values go: at the top of the kernel's entry block, after the constants
+    :func:`kiln.values.constant` keeps there (they must dominate every op, these ones too)."""
+    hoisted = {value.owner for value in state.constants.values()}
+    for op in state.entry_block.operations:
+        if op.operation not in hoisted:
+            return ir.InsertionPoint(op)
+    return ir.InsertionPoint(state.entry_block)
 
 
 def count_value() -> None:
