@@ -39,6 +39,7 @@ import tempfile
 import time
 
 from compile_time import BESIDE, JOBS
+from kiln.core.profile import summarise as wall_by_part
 from results_io import metadata
 
 _BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -145,6 +146,7 @@ def summarise(result: dict) -> dict:
     return {"compile_s": round(result["compile_s"], 3), "cpu_s": round(result["cpu_s"], 3),
             "beside_ms": round(sum(w for s, w, _ in steps if s.startswith(BESIDE)), 1),
             "stages": {s: round(w, 1) for s, w, _ in steps if "." not in s},
+            "parts": wall_by_part(steps),
             "steps": {s: round(w, 1) for s, w, _ in steps}}
 
 

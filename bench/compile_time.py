@@ -24,8 +24,9 @@ Example::
 
 The last line of stdout is the JSON (``{"benchmark": "compile_time", "rows": [...]}``); each
 row holds ``kernel``, ``import_s``, ``compile_s``, ``goal_s``, ``cpu_s``, ``beside_ms``,
-``stages`` (the profile's top-level steps in ms) and ``steps`` (every step, nested ones named
-``a.b``).
+``stages`` (the profile's top-level steps in ms), ``parts`` (the wall ms by part of the
+pipeline, ``kiln.core.profile.summarise``: cache key, trace, Kiln passes, MLIR, LLVM, ptxas)
+and ``steps`` (every step, nested ones named ``a.b``).
 """
 
 from __future__ import annotations
@@ -38,12 +39,11 @@ import sys
 import tempfile
 import time
 
+from kiln.core.profile import BESIDE, summarise
 from results_io import metadata
 
 # name -> (goal seconds, the Python expression that compiles it; `k` holds the kernel modules)
 _LIBRARY_GOAL, _USER_GOAL = 1.5, 0.3
-# steps nested in these ran beside ptxas (NVIDIA) or LLVM's code generation thread (AMD)
-BESIDE = ("cubin.ptxas.", "amdgcn.beside.", "amdgcn.check.")
 _BENCH_DIR = os.path.dirname(os.path.abspath(__file__))  # the child imports compile_jobs from it
 JOBS = {
     **{f"prefill_sm90_d{d}": f"k.compile_prefill('bf16', target='sm_90a', head_dim={d}, "
@@ -133,7 +133,7 @@ def _compile_in_child(name: str, work: str, timeout: float, serial_llvm: bool = 
                beside_ms=round(sum(wall for s, wall, _ in steps
                                    if s.startswith(BESIDE)), 1),
                stages={s: wall for s, wall, _ in steps if "." not in s},
-               steps={s: wall for s, wall, _ in steps})
+               parts=summarise(steps), steps={s: wall for s, wall, _ in steps})
     return row
 
 

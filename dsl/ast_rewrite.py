@@ -32,6 +32,7 @@ Example (what the user writes; the rewrite is invisible)::
 from __future__ import annotations
 
 import ast
+import collections
 import gc
 import inspect
 import itertools
@@ -42,6 +43,7 @@ import types
 from typing import Callable
 
 from . import pyhints, trace_runtime
+from .ast_regions import declares_outer_names, region_names, shareable, store_counts
 from .builder import at_source
 from .core.errors import KilnValueError, SourceLoc
 
@@ -63,6 +65,7 @@ class _Runtime:
     TracedRange = trace_runtime.TracedRange
     static_while_cond = staticmethod(trace_runtime.static_while_cond)
     unrolled = staticmethod(trace_runtime.unrolled)
+    static_for = staticmethod(trace_runtime.static_for)
     traced_return = staticmethod(trace_runtime.traced_return)
     traced_break = staticmethod(trace_runtime.traced_break)
     traced_raise = staticmethod(trace_runtime.traced_raise)
@@ -88,50 +91,6 @@ def _function(name: str, params, body) -> ast.FunctionDef:
     args = ast.arguments(posonlyargs=[], args=[ast.arg(p) for p in params], vararg=None,
                          kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[])
     return ast.FunctionDef(name=name, args=args, body=body, decorator_list=[], returns=None)
-
-
-# Nodes that open a scope of their own: the names they store are not the region's.
-_NAMED_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-_ANONYMOUS_SCOPES = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
-
-
-def region_names(stmts) -> tuple[list[str], list[str]]:
-    """(stored names, loaded-only names) of a list of statements, each in first-seen order.
-
-    Loaded names matter for ``@kiln.struct`` objects mutated in place (``s.m = v`` or a method
-    call such as ``s.update(v)``): the runtime carries every struct the region can reach. A
-    nested def/lambda/comprehension's stores are its own, but it can still read and mutate a
-    struct. The walk is ``ast.NodeVisitor``'s order, without its per-node dispatch (every
-    nested ``if`` walks its region again).
-    """
-    stored: dict[str, None] = {}  # ordered sets
-    loaded: dict[str, None] = {}
-
-    def visit(node: ast.AST, inner: bool) -> None:
-        kind = type(node)
-        if kind is ast.Name:
-            names = loaded if not isinstance(node.ctx, ast.Store) else None if inner else stored
-            if names is not None and node.id not in names and not node.id.startswith("__kiln_"):
-                names[node.id] = None
-            return
-        if kind in _NAMED_SCOPES:
-            if not inner and node.name not in stored and not node.name.startswith("__kiln_"):
-                stored[node.name] = None
-            inner = True
-        elif kind in _ANONYMOUS_SCOPES:
-            inner = True
-        for field in node._fields:
-            value = getattr(node, field, None)
-            if isinstance(value, list):
-                for item in value:
-                    if isinstance(item, ast.AST):
-                        visit(item, inner)
-            elif isinstance(value, ast.AST):
-                visit(value, inner)
-
-    for stmt in stmts:
-        visit(stmt, False)
-    return list(stored), [name for name in loaded if name not in stored]
 
 
 class _ForbidEscapes(ast.NodeTransformer):
@@ -236,51 +195,26 @@ _UNLOCATED = (ast.expr_context, ast.operator, ast.unaryop, ast.cmpop, ast.boolop
 _SIMPLE = (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Assert,
            ast.Delete, ast.Raise)
 
-# What a branch body may not hold for its static run to go through the branch function: the
-# function would change what they mean (leaving the enclosing function or loop, a raise the
-# traced path defers, unbinding, names bound in the enclosing scope or captured late by a
-# nested scope, frame introspection).
-_UNSHAREABLE = (ast.Return, ast.Raise, ast.Yield, ast.YieldFrom, ast.Await, ast.Global,
-                ast.Nonlocal, ast.Delete, ast.NamedExpr, ast.Lambda, ast.FunctionDef,
-                ast.AsyncFunctionDef, ast.ClassDef, ast.GeneratorExp, ast.AsyncFor,
-                ast.AsyncWith)
-_INTROSPECTION = frozenset({"locals", "vars", "eval", "exec", "dir", "super", "__class__"})
-
-
-def _shareable(stmts, in_loop: bool = False) -> bool:
-    """Whether ``stmts`` (an ``if``'s branches) mean the same run inside a function that
-    takes and returns the names they assign."""
-    for stmt in stmts:
-        stack = [(stmt, in_loop)]
-        while stack:
-            node, looped = stack.pop()
-            if isinstance(node, _UNSHAREABLE):
-                return False
-            if isinstance(node, (ast.Break, ast.Continue)) and not looped:
-                return False
-            if isinstance(node, ast.Name) and node.id in _INTROSPECTION:
-                return False
-            inner = looped or isinstance(node, (ast.For, ast.While))
-            # the children, read off the fields directly (ast.iter_child_nodes is a generic
-            # walk; the visiting order does not matter here)
-            for value in node.__dict__.values():
-                if isinstance(value, list):
-                    stack.extend((child, inner) for child in value if isinstance(child, ast.AST))
-                elif isinstance(value, ast.AST):
-                    stack.append((value, inner))
-    return True
-
-
-def _declares_outer_names(fdef: ast.FunctionDef) -> bool:
-    """Whether ``fdef`` rebinds globals or enclosing names (``locals()`` cannot pass them)."""
-    return any(isinstance(node, (ast.Global, ast.Nonlocal)) for node in ast.walk(fdef))
-
-
 class _Rewriter(ast.NodeTransformer):
-    def __init__(self, filename: str, share: bool = True):
+    def __init__(self, filename: str, share: bool = True, body=()):
         self.filename = filename
         self.share = share  # False when the function declares global/nonlocal names
         self.depth = 0  # branch/body functions being built around the current statement
+        self.loops = 0  # loops around the current statement
+        self._body = body
+        self._stores: collections.Counter | None = None  # the function's bindings of each name
+
+    def _late_risk(self, stmts, names) -> set:
+        """The names of ``names`` (what an ``if``'s branches store) whose binding a lambda in
+        the branches could see differ in a branch function: all of them inside a loop (each
+        run of the branches would bind its own), else those bound outside the branches too
+        (a lambda made inside would not see the later rebinding)."""
+        if self.loops:
+            return set(names)
+        if self._stores is None:
+            self._stores = store_counts(self._body)
+        inside = store_counts(stmts)
+        return {name for name in names if inside[name] < self._stores[name]}
 
     def _at(self, node: ast.AST, body: list[ast.stmt]) -> ast.With:
         end = node.end_col_offset if node.end_lineno == node.lineno else None
@@ -312,7 +246,11 @@ class _Rewriter(ast.NodeTransformer):
         node.test = _call("static_while_cond", test, ast.Constant(self.filename),
                           ast.Constant(test.lineno), ast.Constant(test.col_offset),
                           ast.Constant(end))
-        node.body = self._stmts(node.body)
+        self.loops += 1
+        try:
+            node.body = self._stmts(node.body)
+        finally:
+            self.loops -= 1
         node.orelse = self._stmts(node.orelse)
         return node
 
@@ -344,7 +282,8 @@ class _Rewriter(ast.NodeTransformer):
         n = next(_counter)
         cond = f"__kiln_cond_{n}"
         names, loaded = region_names(node.body + node.orelse)
-        if self.share and _shareable(node.body + node.orelse):
+        if self.share and shareable(
+                node.body + node.orelse, lambda: self._late_risk(node.body + node.orelse, names)):
             return self._shared_if(node, n, cond, names, loaded)
         # The traced branches get copies; the static statement takes the original nodes.
         traced_body, traced_orelse = _clone(node.body), _clone(node.orelse)
@@ -391,9 +330,22 @@ class _Rewriter(ast.NodeTransformer):
         return [ast.copy_location(stmt, node) for stmt in (evaluate, *fns, dispatch)]
 
     def visit_For(self, node):
+        self.loops += 1
+        try:
+            return self._for(node)
+        finally:
+            self.loops -= 1
+
+    def _for(self, node):
         n = next(_counter)
         it = f"__kiln_iter_{n}"
         may_trace = isinstance(node.target, ast.Name) and not node.orelse
+        if may_trace and self.share:
+            stored, loaded = region_names(node.body)
+            # a body that rebinds the loop variable leaves its own value after the loop
+            if node.target.id not in stored and shareable(node.body,
+                                                          lambda: {node.target.id, *stored}):
+                return self._shared_for(node, n, it, stored, loaded)
         # The traced body gets a copy; the static loop takes the original nodes.
         traced_body = _clone(node.body) if may_trace else None
         counted = _call("unrolled", ast.Name(it, ast.Load()), ast.Constant(self.filename),
@@ -415,6 +367,31 @@ class _Rewriter(ast.NodeTransformer):
                             [ast.Name(it, ast.Load()), _rt("TracedRange")], [])
         dispatch = ast.If(is_range, traced, [static_for])
         return [ast.copy_location(evaluate, node), ast.copy_location(dispatch, node)]
+
+    def _shared_for(self, node, n, it, stored, loaded):
+        """One rewrite of the body serves both paths (as :meth:`_shared_if`): the body
+        function ``for_stmt`` builds the loop from also runs each item of a Python-unrolled
+        loop (``static_for``), so a loop's body is not rewritten twice per nesting level."""
+        target = node.target.id
+        names = [m for m in stored if m != target]
+        body_fn = self._branch_fn(f"__kiln_body_{n}", [target] + names, node.body, node)
+        body_fn.body[-1] = ast.Return(_names_tuple(names, ast.Load))
+        body_ref = ast.Name(body_fn.name, ast.Load())
+        traced = _call("for_stmt", ast.Name(it, ast.Load()), body_ref, _str_tuple(names),
+                       self._capture(names), self._structs(loaded))
+        initial = ast.Subscript(self._capture([target]), ast.Constant(0), ast.Load())
+        static = [self._assign_results(
+            [target] + names, _call("static_for", ast.Name(it, ast.Load()), _clone(body_ref),
+                                    initial, self._capture(names), ast.Constant(self.filename),
+                                    ast.Constant(node.lineno)), node)]
+        for name in [target] + names if self.depth == 0 else ():  # as _shared_if's static path
+            missing = ast.Compare(ast.Name(name, ast.Load()), [ast.Is()], [_rt("missing")])
+            static.append(ast.If(missing, [ast.Delete([ast.Name(name, ast.Del())])], []))
+        evaluate = self._at(node.iter, [ast.Assign([ast.Name(it, ast.Store())], node.iter)])
+        is_range = ast.Call(ast.Name("isinstance", ast.Load()),
+                            [ast.Name(it, ast.Load()), _rt("TracedRange")], [])
+        dispatch = ast.If(is_range, [self._assign_results(names, traced, node)], static)
+        return [ast.copy_location(stmt, node) for stmt in (evaluate, body_fn, dispatch)]
 
 
 _cache: dict[Callable, Callable] = {}
@@ -544,8 +521,8 @@ def _rewrite_source(fn: Callable, source: str, filename: str) -> types.CodeType:
                              fix="decorate a `def` (lambdas and async functions are not supported)")
     fdef.decorator_list = []
     # a source without the keywords declares nothing: no walk of the tree
-    declares = ("global" in source or "nonlocal" in source) and _declares_outer_names(fdef)
-    fdef.body = _Rewriter(filename, share=not declares)._stmts(fdef.body)
+    declares = ("global" in source or "nonlocal" in source) and declares_outer_names(fdef)
+    fdef.body = _Rewriter(filename, share=not declares, body=fdef.body)._stmts(fdef.body)
     freevars = fn.__code__.co_freevars
     fdef.returns = None
     for a in fdef.args.posonlyargs + fdef.args.args + fdef.args.kwonlyargs:

@@ -29,6 +29,23 @@ SHARED_MEMORY_SPACE = 3
 GLOBAL_MEMORY_SPACE = 1
 
 
+# The dialects a trace and Kiln's own passes build ops of (upstream passes load the dialects
+# they build themselves); a context loading every registered dialect took ~18 ms to make.
+TRACE_DIALECTS = ("builtin", "func", "gpu", "arith", "math", "memref", "scf", "vector", "llvm",
+                  "nvvm", "nvgpu", "rocdl", "amdgpu", "index", "cf", "affine", "ub")
+
+
+def trace_context() -> ir.Context:
+    """A new MLIR context with :data:`TRACE_DIALECTS` loaded, for one kernel's trace and
+    compile (``with trace_context(): ...``). Loaded through their descriptors: asking
+    ``ctx.dialects[name]`` imports the dialect's Python module too (an NVIDIA compile importing
+    the ROCDL one cost a small kernel's trace 40 ms on the H200 host)."""
+    ctx = ir.Context(load_on_create_dialects=())
+    for name in TRACE_DIALECTS:
+        ctx.get_dialect_descriptor(name)
+    return ctx
+
+
 @dataclass
 class TraceState:
     """Everything one kernel trace owns. Created and entered by :mod:`kiln.kernel`."""
@@ -55,6 +72,8 @@ class TraceState:
     tma_fetching: list | None = None  # kiln.pipeline(handoff=True): the tiles a fetch loads
     tma_pairs: int = 0  # kiln.tile_tma: full/empty mbarrier pairs made so far
     finishers: list = field(default_factory=list)  # run once the body is traced (kiln.release)
+    # values.constant: (dtype, shape, attribute) -> its one arith.constant, in the entry block
+    constants: dict = field(default_factory=dict)
 
     def unique_symbol(self, base: str) -> str:
         name, n = base, 0
@@ -86,6 +105,21 @@ def current() -> TraceState:
 
 def is_tracing() -> bool:
     return bool(_stack)
+
+
+def current_or_none() -> TraceState | None:
+    """The active trace, or None outside one."""
+    return _stack[-1] if _stack else None
+
+
+def entry_point(state: TraceState) -> ir.InsertionPoint:
+    """Where kernel-wide values go: at the top of the kernel's entry block, after the constants
+    :func:`kiln.values.constant` keeps there (they must dominate every op, these ones too)."""
+    hoisted = {value.owner for value in state.constants.values()}
+    for op in state.entry_block.operations:
+        if op.operation not in hoisted:
+            return ir.InsertionPoint(op)
+    return ir.InsertionPoint(state.entry_block)
 
 
 def count_value() -> None:

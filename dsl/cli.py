@@ -28,7 +28,7 @@ import numpy as np
 from .core import dtypes
 from .core.errors import KilnError, KilnValueError
 from .kernel import JITKernel
-from kiln.core.profile import format_profile
+from kiln.core.profile import format_profile, summarise
 
 
 def _load_kernel(spec: str):
@@ -122,6 +122,12 @@ def format_report(ck) -> str:
         lines.extend(f"  {cluster:<8} {count:>4}" for cluster, count in live.items())
     profile = ck.metadata.get("compile_profile")
     if profile:
+        parts = summarise(profile)
+        beside = parts.pop("beside")
+        lines.append("compile wall ms by part (beside: Python work overlapped with LLVM or "
+                     "ptxas, inside their parts):")
+        lines.append("  " + " | ".join(f"{part} {ms:.1f}" for part, ms in parts.items())
+                     + f" | beside {beside:.1f}")
         lines.append("compile profile (CPU ms include ptxas/ld.lld; from the first compile "
                      "when the kernel came from the cache):")
         lines.extend(format_profile(profile))

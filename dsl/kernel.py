@@ -264,7 +264,7 @@ class JITKernel:
         code = self.fn.__code__
         def_loc = SourceLoc(code.co_filename, code.co_firstlineno)
         rewritten = ast_rewrite.rewrite(self.fn)
-        with ir.Context() as ctx, ir.Location.file(def_loc.filename, def_loc.line, 1):
+        with builder.trace_context() as ctx, ir.Location.file(def_loc.filename, def_loc.line, 1):
             module = ir.Module.create()
             module.operation.attributes["gpu.container_module"] = ir.UnitAttr.get()
             with ir.InsertionPoint(module.body):

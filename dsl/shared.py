@@ -204,7 +204,7 @@ def _dynamic_base(state) -> tuple[ir.Value, ir.Value]:
     built once in the entry block so every buffer (inside any ``if``/``for``) can use them."""
     if state.dynamic_shared_base is None:
         index = ir.IndexType.get()
-        with ir.InsertionPoint.at_block_begin(state.entry_block):
+        with builder.entry_point(state):
             raw_type = ir.MemRefType.get([ir.ShapedType.get_dynamic_size()],
                                          ir.IntegerType.get_signless(8),
                                          memory_space=_workgroup_space())

@@ -139,7 +139,7 @@ def _descriptor(g: GlobalTile, box: tuple[int, int], swizzle: int) -> tma.Tensor
                            swizzle, source=source)
     entry = state.entry_block
     arg = entry.add_argument(llvm.PointerType.get(), ir.Location.current)
-    with ir.InsertionPoint.at_block_begin(entry):
+    with builder.entry_point(state):
         desc = tma.descriptor_from_pointer(arg, g.dtype, box, swizzle)
     state.derived_maps[key] = (param, desc)
     return desc
@@ -154,8 +154,7 @@ def _barrier(tile: SharedTile) -> mbarrier.MBarrierGroup:
         return bars
     state = builder.current()
     first = state.tma_setup is None
-    point = ir.InsertionPoint.at_block_begin(state.entry_block) if first else \
-        ir.InsertionPoint(state.tma_setup)
+    point = builder.entry_point(state) if first else ir.InsertionPoint(state.tma_setup)
     with point:
         bars = mbarrier.group(1)
         bars.init(0, count=1, predicate=ops.thread_id(0) == 0)

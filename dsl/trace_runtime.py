@@ -63,6 +63,17 @@ def unrolled(iterable: Any, filename: str, line: int):
         yield item
 
 
+def static_for(iterable: Any, body_fn: Callable, target: Any, initial: list, filename: str,
+               line: int) -> tuple:
+    """A Python-unrolled ``for`` whose body the rewrite made one function, shared with the
+    traced path (:func:`for_stmt`): ``body_fn(item, *values)`` per item; the loop target's
+    last item (``target``, its value before the loop, when there was none) and the names' values."""
+    values = tuple(initial)
+    for target in unrolled(iterable, filename, line):
+        values = body_fn(target, *values)
+    return (target, *values)
+
+
 def _count_unrolled(filename: str, line: int, what: str) -> None:
     if not builder.is_tracing():
         return

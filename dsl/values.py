@@ -208,13 +208,31 @@ def _mlir_type(dtype: DType, shape: tuple[int, ...]) -> ir.Type:
 
 
 def constant(value: Any, dtype: DType, shape: tuple[int, ...] = ()) -> Value:
-    """An ``arith.constant`` of ``dtype`` (splat to ``vector<shape>`` when ``shape`` is given)."""
-    elem = dtype.mlir_type()
+    """An ``arith.constant`` of ``dtype`` (splat to ``vector<shape>`` when ``shape`` is given).
+    In a kernel trace each distinct constant is made once, at the top of the kernel's entry
+    block (it dominates every use there): a large kernel asks for ~1500 constants of ~100
+    values, and building an op costs more than finding it."""
     attr = scalar_attr(value, dtype)
+    state = builder.current_or_none()
+    made = state.constants if state is not None and state.entry_block is not None else None
+    key = (dtype, shape, attr)
+    if made is not None:
+        found = made.get(key)
+        if found is not None:
+            return Value(found, dtype)
+        with ir.InsertionPoint.at_block_begin(state.entry_block):
+            result = _constant_op(attr, dtype, shape)
+        made[key] = result
+        return Value(result, dtype)
+    return Value(_constant_op(attr, dtype, shape), dtype)
+
+
+def _constant_op(attr: ir.Attribute, dtype: DType, shape: tuple[int, ...]) -> ir.Value:
+    elem = dtype.mlir_type()
     if shape:
         vtype = ir.VectorType.get(list(shape), elem)
-        return Value(arith.constant(vtype, ir.DenseElementsAttr.get_splat(vtype, attr)), dtype)
-    return Value(arith.constant(elem, attr), dtype)
+        return arith.constant(vtype, ir.DenseElementsAttr.get_splat(vtype, attr))
+    return arith.constant(elem, attr)
 
 
 def scalar_attr(value: Any, dtype: DType) -> ir.Attribute:

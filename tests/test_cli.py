@@ -143,3 +143,36 @@ def test_console_script_runs(kernel_file):
                            "-D", "BLOCK=32", "--emit", "kiln"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "gpu.func @scale" in done.stdout and "scf.if" in done.stdout
+
+
+@pytest.mark.parametrize("target", ["sm_90a", "gfx950"])
+def test_report_splits_the_wall_time_by_part(kernel_file, capsys, target):
+    assert main(["compile", f"{kernel_file}:scale", "--target", target, "--report",
+                 "-D", "BLOCK=64"]) == 0
+    out = capsys.readouterr().out
+    line = out.split("compile wall ms by part", 1)[1].splitlines()[1]
+    parts = {name: float(ms) for name, ms in (cell.strip().rsplit(" ", 1)
+                                              for cell in line.split("|"))}
+    assert set(parts) == {"cache key", "trace", "Kiln passes", "MLIR", "LLVM", "ptxas",
+                          "other", "beside"}
+    assert parts["trace"] > 0 and parts["MLIR"] > 0 and parts["LLVM"] > 0
+    beside = parts.pop("beside")
+    total = _profile_rows(out)["total"][0]
+    assert sum(parts.values()) == pytest.approx(total, abs=0.5)
+    assert 0 < beside <= parts["LLVM" if target == "gfx950" else "ptxas"] + 0.5 or \
+        target == "sm_90a" and parts["ptxas"] == 0  # no ptxas: the driver compiles the PTX
+
+
+def test_summarise_takes_kilns_passes_out_of_their_stages():
+    from kiln.core.profile import summarise
+
+    entries = [("cache-lookup", 5.0, 5.0), ("trace", 100.0, 99.0), ("parse", 1.0, 1.0),
+               ("gpu", 60.0, 60.0), ("gpu.passes", 50.0, 50.0),
+               ("gpu.passes.kiln-insert-waits", 30.0, 30.0), ("nvvm", 40.0, 40.0),
+               ("nvvm.passes.kiln-tma-l2-hints", 2.0, 2.0), ("llvm", 1.0, 1.0),
+               ("ptx", 200.0, 200.0), ("ptx.passes", 90.0, 90.0), ("cubin", 300.0, 310.0),
+               ("cubin.ptxas", 299.0, 309.0), ("cubin.ptxas.gpu", 20.0, 20.0),
+               ("check-sass", 7.0, 7.0)]
+    assert summarise(entries) == {"cache key": 5.0, "trace": 101.0, "Kiln passes": 32.0,
+                                  "MLIR": 69.0, "LLVM": 200.0, "ptxas": 300.0, "other": 7.0,
+                                  "beside": 20.0}

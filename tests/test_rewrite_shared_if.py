@@ -1,6 +1,7 @@
-"""A static ``if`` runs the same branch functions the traced path passes to ``if_stmt``, so the
-rewrite grows linearly with ``if`` nesting instead of doubling per level; Python semantics of
-static ``if``s stay those of the source (checked against the plain function)."""
+"""A static ``if`` runs the same branch functions the traced path passes to ``if_stmt``, and a
+Python-unrolled ``for`` the body function ``for_stmt`` takes, so the rewrite grows linearly with
+``if``/``for`` nesting instead of doubling per level; Python semantics of static ``if``s and
+loops stay those of the source (checked against the plain function), lambdas included."""
 
 from __future__ import annotations
 
@@ -82,8 +83,83 @@ def loops_inside(n):
     return acc
 
 
+def loop_names(n):
+    total = 0
+    for i in range(n):
+        total += i
+        first_in_loop = i * 2
+    return total, i, first_in_loop  # UnboundLocalError when n == 0, as in plain Python
+
+
+def loop_target_kept(n):
+    i = -1
+    for i in range(n):
+        pass
+    return i
+
+
+def loop_target_rebound(n):
+    for i in range(n):
+        i = i * 2  # the rebinding is what the variable holds after the loop
+    return i
+
+
+def loops_nested(n):
+    rows = []
+    for i in range(n):
+        row = []
+        for j in range(i):
+            if j % 2:
+                row.append(j * i)
+            else:
+                row.append(-j)
+        rows.append(row)
+    return rows
+
+
+def lambda_reads_loop_target(n):
+    fns = []
+    for i in range(n):
+        fns.append(lambda: i)  # late binding: every lambda sees the last i
+    return [f() for f in fns]
+
+
+def lambda_reads_branch_name(flag):
+    if flag:
+        k = 3
+        fn = lambda x: x + k  # noqa: E731  (k is bound only here: the branch may be shared)
+    else:
+        fn = lambda x: -x  # noqa: E731
+    return fn(4)
+
+
+def lambda_in_branch_in_loop(n):
+    fns = []
+    for i in range(n):
+        if i % 2:
+            v = i
+            fns.append(lambda: v)  # each sees the last v
+    return [f() for f in fns]
+
+
+def lambda_called_in_loop(n):
+    out = []
+    for i in range(n):
+        scale = i + 1
+        out.append((lambda x: x * scale)(2))
+    return out
+
+
 @pytest.mark.parametrize("case, inputs", [
     (nested, [(a, b, c) for a in (0, 1) for b in (0, 1) for c in (0, 1)]),
+    (loop_names, [(0,), (1,), (4,)]),
+    (loop_target_kept, [(0,), (3,)]),
+    (loop_target_rebound, [(0,), (3,)]),
+    (loops_nested, [(0,), (5,)]),
+    (lambda_reads_loop_target, [(0,), (3,)]),
+    (lambda_reads_branch_name, [(True,), (False,)]),
+    (lambda_in_branch_in_loop, [(0,), (6,)]),
+    (lambda_called_in_loop, [(0,), (3,)]),
     (assigned_in_one_branch, [(True,), (False,)]),
     (with_escapes, [([1, -1, 2, 3, 4],), ([1, 2, 9, 3],), ([],)]),
     (late_closure, [(True,), (False,)]),
@@ -108,6 +184,25 @@ def test_the_rewrite_grows_linearly_with_if_nesting(tmp_path):
         with ir.Context(), ir.Location.unknown():
             assert ast_rewrite.rewrite(fn)(depth) == fn(depth)
     assert sizes[8] < 2.5 * sizes[4], sizes  # doubling per level would be 16x
+
+
+def test_the_rewrite_grows_linearly_with_loop_nesting(tmp_path):
+    sizes = {}
+    for depth in (3, 6):
+        lines = ["def deep(n):", "    v = 0"]
+        for level in range(depth):
+            lines.append(f"{'    ' * (level + 1)}for i{level} in range(n):")
+        lines += [f"{'    ' * (depth + 1)}v = v + 1", "    return v"]
+        source = "\n".join(lines) + "\n"
+        path = tmp_path / f"loops{depth}.py"
+        path.write_text(source)
+        namespace: dict = {}
+        exec(compile(source, str(path), "exec"), namespace)
+        fn = namespace["deep"]
+        sizes[depth] = len(marshal.dumps(ast_rewrite._compile_factory(fn)))
+        with ir.Context(), ir.Location.unknown():
+            assert ast_rewrite.rewrite(fn)(2) == fn(2) == 2 ** depth
+    assert sizes[6] < 2.5 * sizes[3], sizes  # doubling per level would be 8x
 
 
 def _deep_source(depth: int) -> str:
@@ -162,3 +257,14 @@ def test_static_and_traced_ifs_nest_in_a_kernel(mode, expect):
     out = x.copy()
     mixed.interpret[1](out, n, MODE=mode, target="sm_90a", num_warps=2)
     np.testing.assert_allclose(out, expect(x.astype(np.float64), n), rtol=1e-6)
+
+
+def test_the_mla_kernel_rewrites_without_doubling_per_level():
+    # Its schedule chain (if seesaw / elif ring / elif lead_group == 2 / else: a kiln.range loop
+    # whose body passes lambdas) doubled per level while lambdas made a branch unshareable and
+    # every loop body was rewritten twice: 27x its own code, now 9x.
+    from kiln.kernels.attention.mla_kernel import make_mla_kernel
+
+    fn = make_mla_kernel(64, False, lead_group=True).fn
+    rewritten = len(marshal.dumps(ast_rewrite._compile_factory(fn)))
+    assert rewritten < 12 * len(marshal.dumps(fn.__code__)), rewritten

@@ -5,7 +5,8 @@ kernel carries it as ``metadata["compile_profile"]``, a list of ``(step, wall_ms
 in the order the steps ran. CPU time counts this process and its finished child processes
 (``ptxas``, ``ld.lld``), so it stays meaningful on a loaded machine where wall time is not;
 it is the whole process's, so during concurrent compiles (autotune) it includes other threads'.
-``kiln compile FILE.py:KERNEL --report`` prints it as a table.
+``kiln compile FILE.py:KERNEL --report`` prints it as a table, after :func:`summarise`'s
+split of the compile's wall time into the parts of the pipeline.
 
 Example::
 
@@ -86,3 +87,35 @@ def format_profile(entries) -> list[str]:
     wall_ms, cpu_ms = total_of(entries)
     lines.append(f"  {'total':<44} {wall_ms:>9.1f} {cpu_ms:>9.1f}")
     return lines
+
+
+# Steps that ran beside the critical path: the Python work done while ptxas runs (NVIDIA) or
+# while LLVM emits AMD's assembly on a thread and its object in a second process.
+BESIDE = ("cubin.ptxas.", "amdgcn.beside.", "amdgcn.check.")
+_MLIR_STAGES = ("gpu", "nvvm", "rocdl", "llvm")
+# part -> the top-level steps it sums (Kiln's own passes are taken out of the MLIR stages)
+_PARTS = (("cache key", ("cache-lookup", "cache-store")), ("trace", ("trace", "parse")),
+          ("Kiln passes", ()), ("MLIR", _MLIR_STAGES), ("LLVM", ("ptx", "amdgcn", "obj")),
+          ("ptxas", ("cubin",)))
+
+
+def summarise(entries) -> dict[str, float]:
+    """Wall ms of a profile's entries by part: ``cache key``, ``trace``, ``Kiln passes`` (the
+    Python passes of the MLIR stages), ``MLIR`` (the rest of those stages), ``LLVM`` (the
+    optimisation and code generation: NVIDIA's ``ptx``, AMD's ``amdgcn`` and ``obj``),
+    ``ptxas``, ``other`` (the rest); they add up to the total. ``beside`` is the Python work
+    that overlapped LLVM or ptxas (inside their parts).
+
+    Example: ``summarise(ck.metadata["compile_profile"])["ptxas"]``."""
+    walls = {name: wall for name, wall, _ in entries}
+    kiln = sum(wall for name, wall, _ in entries if name.count(".") == 2
+               and name.split(".")[0] in _MLIR_STAGES and name.split(".")[2].startswith("kiln-")
+               and name.split(".")[1] == "passes")
+    parts = {part: sum(walls.get(step, 0.0) for step in steps) for part, steps in _PARTS}
+    parts["Kiln passes"], parts["MLIR"] = kiln, parts["MLIR"] - kiln
+    counted = {step for _, steps in _PARTS for step in steps}
+    parts["other"] = sum(wall for name, wall, _ in entries if "." not in name
+                         and name not in counted)
+    parts["beside"] = sum(wall for name, wall, _ in entries if name.startswith(BESIDE)
+                          and name.count(".") == 2)
+    return {part: round(ms, 1) for part, ms in parts.items()}
