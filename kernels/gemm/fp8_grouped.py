@@ -59,6 +59,10 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
     ``k`` (Kp), ``b_rows`` (Np)."""
     a_mode, b_mode = scale_mode
     block = a_mode == "block"
+    if block and config.block_n != SCALE_BLOCK:
+        raise kiln.UnsupportedError(f"grouped block-scaled FP8 takes 128-column tiles (one B "
+                                    f"scale block each), not block_n={config.block_n}",
+                                    fix="use Fp8GemmConfig(block_n=128) with block scales")
     in_type, out_type = kiln.dtype(dtype), kiln.dtype(out_dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     c_cols = ROW_BYTES // out_type.itemsize
