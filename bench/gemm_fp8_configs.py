@@ -1,7 +1,7 @@
 """A/B of Hopper FP8 GEMM configs (e4m3, B stored N x K, bf16 out) against their peers, one run.
 
-For each shape, every candidate config (``--configs``: the tuner's, the overlap sweep, or the
-per-tensor levers) is launched directly (no tuner) with per-tensor scales and with DeepSeek-V3
+For each shape, every candidate config (``--configs``: the tuner's, the overlap sweep, the
+per-tensor levers, or the per-tensor row sweep widths) is launched directly (no tuner) with per-tensor scales and with DeepSeek-V3
 block scales (``--kinds``), and
 timed beside ``torch._scaled_mm`` (cuBLASLt, per tensor), Kiln's bf16 GEMM (best of
 ``BF16_CONFIGS``) and cuBLAS bf16 on the same operands. Timing is interleaved: each of
@@ -18,7 +18,7 @@ ratio to ``torch._scaled_mm`` (per tensor; goal >= 1.0: the ratio of the medians
 median over rounds of the ratio within a round) or to Kiln bf16 (block; goal >= 1.4).
 
 Usage (H100/H200): ``python bench/gemm_fp8_configs.py [--shapes 8192x8192x8192,...]
-[--configs tuner|overlap|per_tensor] [--kinds per_tensor,block] [--no-bf16] [--l2 2,3]
+[--configs tuner|overlap|per_tensor|rows] [--kinds per_tensor,block] [--no-bf16] [--l2 2,3]
 [--repeat 5] [--batch 10] [--json out.json]``; ``--launch
 per_tensor:0,block:2,scaled_mm`` only launches those candidates (for ``ncu -k regex:gemm``).
 """
@@ -73,6 +73,12 @@ PER_TENSOR = (Fp8GemmConfig(**WIDE, group_m=4), Fp8GemmConfig(**WIDE),
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2, cluster_m=2))
 
 
+# Row tiles per column sweep around the default's 4 (8 measured 0.975 of _scaled_mm, 4 0.996):
+# fewer rows per sweep keep fewer A rows and more B columns in L2 at once.
+ROWS = (Fp8GemmConfig(**WIDE, group_m=4), Fp8GemmConfig(**WIDE, group_m=2),
+        Fp8GemmConfig(**WIDE, group_m=1), Fp8GemmConfig(**WIDE, group_m=3))
+
+
 # Data pointers whose TMA descriptors ask for an L2 promotion (``--l2``: 2 = 128 B, 3 = 256 B;
 # Kiln encodes none): copies of the operands get it, so one process times both, interleaved.
 PROMOTE: dict = {}
@@ -94,7 +100,8 @@ def promote_l2() -> None:
 
 def candidates(which: str, kinds: tuple = tuple(MODES)) -> dict:
     sets = {"tuner": {"per_tensor": SCALED_CONFIGS, "block": BLOCK_CONFIGS},
-            "overlap": OVERLAP, "per_tensor": {"per_tensor": PER_TENSOR}}
+            "overlap": OVERLAP, "per_tensor": {"per_tensor": PER_TENSOR},
+            "rows": {"per_tensor": ROWS}}
     return {kind: configs for kind, configs in sets[which].items() if kind in kinds}
 
 
@@ -251,7 +258,7 @@ def launch_only(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="8192x8192x8192,4096x8192x8192,8192x14336x4096")
-    parser.add_argument("--configs", choices=("tuner", "overlap", "per_tensor"),
+    parser.add_argument("--configs", choices=("tuner", "overlap", "per_tensor", "rows"),
                         default="overlap")
     parser.add_argument("--kinds", default="per_tensor,block",
                         help="scale kinds to time: per_tensor, block or both")

@@ -59,14 +59,20 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
     ``k`` (Kp), ``b_rows`` (Np)."""
     a_mode, b_mode = scale_mode
     block = a_mode == "block"
-    if block and config.block_n != SCALE_BLOCK:
-        raise kiln.UnsupportedError(f"grouped block-scaled FP8 takes 128-column tiles (one B "
-                                    f"scale block each), not block_n={config.block_n}",
-                                    fix="use Fp8GemmConfig(block_n=128) with block scales")
+    split = config.split_n
+    # A consumer's columns: all of the tile's, or half of them (split_n: both share its rows).
+    cons_n = config.block_n // 2 if split else config.block_n
+    if block and not (cons_n == SCALE_BLOCK or split and cons_n == SCALE_BLOCK // 2):
+        raise kiln.UnsupportedError(f"grouped block-scaled FP8 gives each consumer one B scale "
+                                    f"block's columns, not {cons_n} (block_n="
+                                    f"{config.block_n}, split_n={split})",
+                                    fix="use Fp8GemmConfig(block_n=128), or block_m=64, "
+                                        "block_n=256, split_n=True, with block scales")
     in_type, out_type = kiln.dtype(dtype), kiln.dtype(out_dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     c_cols = ROW_BYTES // out_type.itemsize
-    epilogue_n = config.epilogue_columns(out_type.itemsize)
+    # split_n: the tile's 64 rows x epilogue columns are staged as each consumer's half
+    epilogue_n = config.epilogue_columns(out_type.itemsize) // (2 if split else 1)
     c_tiles_per_round = epilogue_n // c_cols
     threads = WARP_GROUP_THREADS * (config.consumers + 1)
     step_units = FP8_K_STEP // 16
@@ -84,7 +90,7 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
                          TABLE: kiln.constexpr):
         a_tiles = dynamic_shared((STAGES, BM, BK), in_type, align=SWIZZLE_ALIGN)
         b_tiles = dynamic_shared((STAGES, BN, BK), in_type, align=SWIZZLE_ALIGN)
-        c_tiles = dynamic_shared((BM // 64 * c_tiles_per_round, 64, c_cols), out_type,
+        c_tiles = dynamic_shared((config.consumers * c_tiles_per_round, 64, c_cols), out_type,
                                  align=SWIZZLE_ALIGN)
         table = kiln.shared((TABLE,), kiln.i32)
         full = mbarrier.group(num_barriers=STAGES)
@@ -94,7 +100,7 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
         first_thread = tid % WARP_GROUP_THREADS == 0
         for s in kiln.static_range(STAGES):
             full.init(s, count=1, predicate=tid == 0)
-            empty.init(s, count=BM // 64, predicate=tid == 0)
+            empty.init(s, count=config.consumers, predicate=tid == 0)
         nvidia_asm.fence_mbarrier_init()
         tiles_n = (n + BN - 1) // BN
         build_tile_table(table, offsets, groups, tiles_n, tid, BM, TABLE, threads)
@@ -123,24 +129,29 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
             nvidia_asm.setmaxnreg(CONSUMER_REGS, increase=True)
             consumer = warp_group - 1
             a_base = wgmma.smem_descriptor(a_tiles.tile(0), leading_bytes=16, stride_bytes=1024,
-                                           byte_offset=consumer * 64 * ROW_BYTES)
+                                           byte_offset=0 if split else
+                                           consumer * 64 * ROW_BYTES)
             b_base = wgmma.smem_descriptor(b_tiles.tile(0), leading_bytes=16, stride_bytes=1024)
+            if split:  # this consumer's rows of the K-major B tile (whole 8-row swizzle atoms)
+                b_base = b_base + kiln.cast(consumer, kiln.i64) * (cons_n * bk // 16)
             a_stage_units = BM * BK // 16
             b_stage_units = BN * BK // 16
             use = 0
             for tile in kiln.range(kiln.block_id(0), num_tiles, kiln.num_blocks(0)):
                 g, m0, n0, row_end = locate_tile(table, offsets, tile, tiles_n, BM, BN,
                                                   GROUP_M, TABLE)
-                row0 = m0 + consumer * 64
+                row0, col0 = m0 + consumer * 64, n0
+                if split:
+                    row0, col0 = m0, n0 + consumer * cons_n
                 # A consumer whose 64 rows all lie past its group's end passes stages on.
                 active = row0 < row_end
                 if active:
-                    acc = wgmma.fragment_zeros(BN)
-                    total = wgmma.fragment_zeros(BN)
+                    acc = wgmma.fragment_zeros(cons_n)
+                    total = wgmma.fragment_zeros(cons_n)
                     if block:
                         top, bottom = thread_rows(row0)
                         top, bottom = kiln.minimum(top, m - 1), kiln.minimum(bottom, m - 1)
-                        b_row = g * n_blocks + n0 // BN
+                        b_row = g * n_blocks + col0 // SCALE_BLOCK
                         ahead = block_scales(scale_a, scale_b, top, bottom, b_row, 0)
                     for kt in kiln.range(0, k_tiles):
                         stage = use % STAGES
@@ -165,10 +176,10 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
                         total = promote(total, acc, current) if block else promote(total, acc)
                         use = use + 1
                     out = total if block else scale_group_accumulator(
-                        total, scale_a, scale_b, g, row0, n0, m, n, a_mode, b_mode)
-                    _store_group_tile(out, c_map, c, c_tiles, consumer, row0, n0,
+                        total, scale_a, scale_b, g, row0, col0, m, n, a_mode, b_mode)
+                    _store_group_tile(out, c_map, c, c_tiles, consumer, row0, col0,
                                       kiln.minimum(row_end, m), n, first_thread,
-                                      BN // epilogue_n, c_tiles_per_round, c_cols)
+                                      cons_n // epilogue_n, c_tiles_per_round, c_cols)
                 else:
                     for kt in kiln.range(0, k_tiles):
                         stage = use % STAGES
