@@ -19,7 +19,7 @@ median over rounds of the ratio within a round) or to Kiln bf16 (block; goal >= 
 
 Usage (H100/H200): ``python bench/gemm_fp8_configs.py [--shapes 8192x8192x8192,...]
 [--configs tuner|overlap|per_tensor|rows] [--kinds per_tensor,block] [--no-bf16] [--l2 2,3]
-[--repeat 5] [--batch 10] [--json out.json]``; ``--launch
+[--repeat 5] [--batch 10] [--compile-only] [--json out.json]``; ``--launch
 per_tensor:0,block:2,scaled_mm`` only launches those candidates (for ``ncu -k regex:gemm``).
 """
 
@@ -270,6 +270,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--batch", type=int, default=10)
     parser.add_argument("--json")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="fill the compile cache and exit (run beside other compiles)")
     parser.add_argument("--launch", metavar="KIND:INDEX[,...]",
                         help="only launch those candidates once per shape (for ncu), e.g. "
                              "per_tensor:0,block:2,scaled_mm")
@@ -288,6 +290,8 @@ def main() -> None:
     if l2:
         promote_l2()
     precompile(configs)
+    if args.compile_only:
+        return
     log("compiled")
     for kind, configs_of in configs.items():
         for config in configs_of:

@@ -14,7 +14,7 @@ medians and the min / median over rounds of the ratio within a round (goal >= 0.
 Usage (H100/H200)::
 
     python bench/gemm_grouped_fp8_ab.py --cases 64:4096:4096 64:4096:14336 \
-        [--kinds per_tensor,block] [--repeat 5] [--batch 2] [--json out.json]
+        [--kinds per_tensor,block] [--repeat 5] [--batch 2] [--compile-only] [--json out.json]
 """
 
 from __future__ import annotations
@@ -190,6 +190,8 @@ def main() -> None:
     parser.add_argument("--kinds", default="per_tensor,block")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--compile-only", action="store_true",
+                        help="fill the compile cache and exit (run beside other compiles)")
     parser.add_argument("--json")
     args = parser.parse_args()
     begin = time.perf_counter()
@@ -200,6 +202,8 @@ def main() -> None:
     cases = [tuple(map(int, case.split(":"))) for case in args.cases]
     kinds = args.kinds.split(",")
     precompile(cases, kinds)
+    if args.compile_only:
+        return
     log(f"{torch.cuda.get_device_name()}: compiled")
     results = []
     for groups, k, n in cases:

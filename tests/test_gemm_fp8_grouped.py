@@ -169,3 +169,26 @@ def test_gpu_matches_float64(kind, rng):
                        torch.from_numpy(offsets).to("cuda"), trans_b=True, scale_a=scale(sa),
                        scale_b=scale(sb), out_dtype="f32")
     _check(c.cpu().numpy(), offsets, a64, b64)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("kind", ["expert", "row_col", "block"])
+def test_gpu_split_n_tiles_match_float64(kind, rng):
+    """``split_n`` 64 x 256 tiles on the GPU (each consumer one B scale block with block
+    scales), ragged groups with an empty one, N = 1000 ending in a consumer's half."""
+    torch = pytest.importorskip("torch")
+    from kiln.kernels.gemm.fp8_grouped_api import _grouped_scales, run_grouped_fp8
+    from kiln.kernels.gemm.fp8_hopper import Fp8GemmConfig
+
+    sizes = (0,) + tuple(int(s) for s in rng.multinomial(3000, np.full(8, 1 / 8)))
+    n, k = 1000, 512
+    a, b, offsets, sa, sb, a64, b64 = _problem(rng, sizes, n, k, kind)
+    mode, sa_k, sb_k = _grouped_scales(sa, sb, len(sizes), 3000, n, k, a)
+    device = (lambda x: torch.from_numpy(np.ascontiguousarray(
+        np.reshape(x, np.shape(x) or (1,)), np.float32)).to("cuda"))
+    c = torch.full((3000, n), float("nan"), device="cuda", dtype=torch.float32)
+    run_grouped_fp8(_torch_fp8(a, torch), _torch_fp8(b, torch).reshape(len(sizes) * n, k), c,
+                    torch.from_numpy(offsets).to("cuda"), device(sa_k), device(sb_k), mode=mode,
+                    k=k, config=Fp8GemmConfig(block_m=64, block_n=256, stages=4, split_n=True))
+    _check(c.cpu().numpy(), offsets, a64, b64)

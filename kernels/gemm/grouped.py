@@ -86,15 +86,17 @@ def make_grouped_kernel(dtype: str, out_dtype: str, b_major: str, config: Hopper
     if config.pingpong and dynamic:
         raise kiln.UnsupportedError("dynamic tile claims do not take turns between consumers",
                                     fix="use pingpong=False with dynamic=True")
-    pingpong = config.pingpong
+    pingpong, split = config.pingpong, config.split_n
     in_type, out_type = kiln.dtype(dtype), kiln.dtype(out_dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
+    cons_n = bn // 2 if split else bn  # a consumer's columns (split_n: half the tile's)
     b_box = (bk, 64) if b_major == "mn" else (bn, bk)
     chunks = bn // 64 if b_major == "mn" else 1
     b_leading = bk * ROW_BYTES if b_major == "mn" else 16
     b_k_step = K_STEP * ROW_BYTES if b_major == "mn" else K_STEP * in_type.itemsize
     c_cols = ROW_BYTES // out_type.itemsize
-    epilogue_n = config.epilogue_columns(out_type.itemsize)
+    # split_n: the tile's 64 rows x epilogue columns are staged as each consumer's half
+    epilogue_n = config.epilogue_columns(out_type.itemsize) // (2 if split else 1)
     c_tiles_per_round = epilogue_n // c_cols
     threads = WARP_GROUP_THREADS * (config.consumers + 1)
     counters_type = kiln.Tensor[kiln.i32, 1] if dynamic else kiln.constexpr
@@ -127,11 +129,12 @@ def make_grouped_kernel(dtype: str, out_dtype: str, b_major: str, config: Hopper
         first_thread = tid % WARP_GROUP_THREADS == 0
         for s in kiln.static_range(STAGES):
             full.init(s, count=1, predicate=tid == 0)
-            empty.init(s, count=1 if pingpong else BM // 64, predicate=tid == 0)
+            empty.init(s, count=1 if pingpong else config.consumers, predicate=tid == 0)
         if dynamic:
             for s in kiln.static_range(CLAIM_SLOTS):
                 claim_full.init(s, count=1, predicate=tid == 0)
-                claim_empty.init(s, count=BM // 64 * WARP_GROUP_THREADS, predicate=tid == 0)
+                claim_empty.init(s, count=config.consumers * WARP_GROUP_THREADS,
+                                 predicate=tid == 0)
         nvidia_asm.fence_mbarrier_init()
         tiles_n = (n + BN - 1) // BN
         build_tile_table(table, offsets, groups, tiles_n, tid, BM, TABLE, threads)
@@ -176,10 +179,13 @@ def make_grouped_kernel(dtype: str, out_dtype: str, b_major: str, config: Hopper
             nvidia_asm.setmaxnreg(CONSUMER_REGS, increase=True)
             consumer = warp_group - 1
             a_base = wgmma.smem_descriptor(a_tiles.tile(0), leading_bytes=16, stride_bytes=1024,
-                                           byte_offset=0 if pingpong else
+                                           byte_offset=0 if pingpong or split else
                                            consumer * 64 * ROW_BYTES)
             b_base = wgmma.smem_descriptor(b_tiles.tile(0), leading_bytes=b_leading,
                                            stride_bytes=1024)
+            if split:  # this consumer's columns: later 64-column chunks ("mn") or B rows ("k")
+                b_base = b_base + kiln.cast(consumer, kiln.i64) * (
+                    cons_n * bk * in_type.itemsize // 16)
             a_stage_units = BM * BK * in_type.itemsize // 16  # descriptor address units
             b_stage_units = BN * BK * in_type.itemsize // 16
             use = 0
@@ -197,11 +203,12 @@ def make_grouped_kernel(dtype: str, out_dtype: str, b_major: str, config: Hopper
                                                       GROUP_M, TABLE)
                     if pingpong:
                         take_turn(consumer, unit > first_tile)
-                    row0 = m0 + (0 if pingpong else consumer * 64)
+                    row0 = m0 + (0 if pingpong or split else consumer * 64)
+                    col0 = n0 + consumer * cons_n if split else n0
                     # In a group's last tile the lower 64 rows may all lie past its end: that
                     # consumer only passes the stages on, leaving the tensor cores to the other.
                     active = row0 < row_end
-                    acc = wgmma.fragment_zeros(BN)
+                    acc = wgmma.fragment_zeros(cons_n)
                     if active:
                         for kt in kiln.range(0, k_tiles):
                             stage = use % STAGES
@@ -226,9 +233,9 @@ def make_grouped_kernel(dtype: str, out_dtype: str, b_major: str, config: Hopper
                         if pingpong:
                             use = use + k_tiles  # the other consumer's tile
                             pass_turn(consumer, unit + tile_step < units)
-                        _store_group_tile(acc, c_map, c, c_tiles, consumer, row0, n0,
+                        _store_group_tile(acc, c_map, c, c_tiles, consumer, row0, col0,
                                           kiln.minimum(row_end, m), n, first_thread,
-                                          BN // epilogue_n, c_tiles_per_round, c_cols)
+                                          cons_n // epilogue_n, c_tiles_per_round, c_cols)
                     else:
                         for kt in kiln.range(0, k_tiles):
                             stage = use % STAGES
