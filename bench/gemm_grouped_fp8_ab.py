@@ -67,9 +67,10 @@ def short(config) -> str:
 
 
 def problem(groups: int, k: int, n: int, kind: str):
-    """Ragged offsets, e4m3 operands with their scales in the kernel's forms, and the float32
-    products of the dequantised operands: per group, and the dense one (expert 0's weight for
-    every row)."""
+    """Ragged offsets, e4m3 operands with their scales as ``grouped_matmul`` takes them
+    (``scale_a`` ``[1]`` / ``[total_M, K/128]``, ``scale_b`` one per expert ``[G]`` /
+    ``[G, N/128, K/128]``), and the float32 products of the dequantised operands: per group,
+    and the dense one (expert 0's weight for every row)."""
     sizes = moe_sizes(groups, TOKENS * TOP_K)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
     total = int(offsets[-1])
@@ -80,12 +81,10 @@ def problem(groups: int, k: int, n: int, kind: str):
         sb = b.reshape(groups, n // BLOCK, BLOCK, k // BLOCK, BLOCK).abs().amax((2, 4)) / 448
         a_full = sa.repeat_interleave(BLOCK, 1)
         b_full = sb.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)
-        sb_kernel = sb.reshape(groups * (n // BLOCK), k // BLOCK)
     else:
         sa = (a.abs().max() / 448).reshape(1)
         sb = b.abs().amax((1, 2)) / 448  # one per expert
         a_full, b_full = sa, sb.reshape(groups, 1, 1)
-        sb_kernel = sb.reshape(groups, 1)
     a8 = (a / a_full).to(torch.float8_e4m3fn)
     b8 = (b / b_full).to(torch.float8_e4m3fn)
     del a, b
@@ -95,8 +94,16 @@ def problem(groups: int, k: int, n: int, kind: str):
         lo, hi = int(offsets[g]), int(offsets[g + 1])
         expected[lo:hi] = a_deq[lo:hi] @ (b8[g].float() * b_full[g]).t()
     dense = a_deq @ (b8[0].float() * b_full[0]).t()
-    return (sizes, offsets, a8, b8, sa.float().contiguous(), sb_kernel.float().contiguous(),
-            expected, dense)
+    return (sizes, offsets, a8, b8, sa.float().contiguous(), sb.float().contiguous(), expected,
+            dense)
+
+
+def kernel_scales(kind: str, sb, groups: int):
+    """``scale_b`` in the grouped kernel's form (:mod:`kiln.kernels.gemm.fp8_grouped`) and the
+    dense GEMM's for expert 0."""
+    if kind == "block":
+        return sb.reshape(groups * sb.shape[1], sb.shape[2]), sb[0].contiguous()
+    return sb.reshape(groups, 1), sb[:1].contiguous()
 
 
 def check(c, expected, offsets, what: str) -> float:
@@ -124,10 +131,7 @@ def ab_case(groups, k, n, kind, repeat, batch, log) -> dict:
     # The dense problem of the same FLOPs: expert 0's weight for all rows.
     dense_b, dense_c = b8[0].contiguous(), torch.empty(total, n, device="cuda",
                                                        dtype=torch.bfloat16)
-    if kind == "block":
-        dense_sb = sb[: n // BLOCK].contiguous()
-    else:
-        dense_sb = sb[0].contiguous()
+    sb, dense_sb = kernel_scales(kind, sb, groups)
     dense_cfg = default_config(mode)
     fns = {"dense": functools.partial(run_fp8, a8, dense_b, dense_c, sa, dense_sb, total, n, k,
                                       dtype="f8e4m3", out="bf16", mode=mode, target="sm_90a",
