@@ -62,8 +62,11 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
     ``k`` (Kp), ``b_rows`` (Np)."""
     a_mode, b_mode = scale_mode
     block = a_mode == "block"
-    split = config.split_n
-    # A consumer's columns: all of the tile's, or half of them (split_n: both share its rows).
+    # split_n: at block_m=64 both consumers share every tile's rows; at 128 only a group's
+    # tail tiles of at most 64 rows (split_tail), the rest split by rows as usual.
+    split = config.split_n and config.block_m == 64
+    split_tail = config.split_n and config.block_m == 128
+    # A consumer's columns: all of the tile's, or half of them (split: both share its rows).
     cons_n = config.block_n // 2 if split else config.block_n
     if block and not (cons_n == SCALE_BLOCK or split and cons_n == SCALE_BLOCK // 2):
         raise kiln.UnsupportedError(f"grouped block-scaled FP8 gives each consumer one B scale "
@@ -79,6 +82,57 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
     c_tiles_per_round = epilogue_n // c_cols
     threads = WARP_GROUP_THREADS * (config.consumers + 1)
     step_units = FP8_K_STEP // 16
+
+    def make_steps(width: int, rounds: int, tiles_per_round: int, slot_stride=None):
+        """The K loop and epilogue of one consumer's ``64 x width`` slice of a tile (a
+        ``kiln.func``); ``slot_stride``: its staging tiles start at ``consumer * slot_stride``
+        (a tail's narrower slices stay in the consumer's own staging tiles)."""
+        @kiln.func
+        def steps(a_base, b_base, full, empty, c_map, c, c_tiles, scale_a, scale_b, where, use,
+                  first_thread, consumer):
+            g, row0, col0, row_end, m, n, n_blocks, k_tiles = where
+            acc = wgmma.fragment_zeros(width)
+            total = wgmma.fragment_zeros(width)
+            if block:
+                top, bottom = thread_rows(row0)
+                top, bottom = kiln.minimum(top, m - 1), kiln.minimum(bottom, m - 1)
+                b_row = g * n_blocks + col0 // SCALE_BLOCK
+                ahead = block_scales(scale_a, scale_b, top, bottom, b_row, 0)
+            for kt in kiln.range(0, k_tiles):
+                stage = use % config.stages
+                full.try_wait(stage, (use // config.stages) % 2)
+                stage64 = kiln.cast(stage, kiln.i64)
+                a_desc = a_base + stage64 * (bm * bk // 16)
+                b_desc = b_base + stage64 * (bn * bk // 16)
+                wgmma.fence()
+                for ks in kiln.static_range(bk // FP8_K_STEP):
+                    acc = wgmma.mma_async(acc, a_desc + ks * step_units,
+                                          b_desc + ks * step_units, dtype=in_type,
+                                          accumulate=ks > 0)
+                wgmma.commit()
+                if block:
+                    # Load the next block's scales while these WGMMAs run.
+                    current = ahead
+                    ahead = block_scales(scale_a, scale_b, top, bottom, b_row,
+                                         kiln.minimum(kt + 1, k_tiles - 1))
+                wgmma.wait_group(0)
+                if first_thread:
+                    empty.arrive(stage, wgmma_pending=0)
+                total = promote(total, acc, current) if block else promote(total, acc)
+                use = use + 1
+            out = total if block else scale_group_accumulator(
+                total, scale_a, scale_b, g, row0, col0, m, n, a_mode, b_mode)
+            _store_group_tile(out, c_map, c, c_tiles, consumer, row0, col0,
+                              kiln.minimum(row_end, m), n, first_thread, rounds,
+                              tiles_per_round, c_cols,
+                              None if slot_stride is None else consumer * slot_stride)
+            return use
+        return steps
+
+    tile_steps = make_steps(cons_n, cons_n // epilogue_n, c_tiles_per_round)
+    tail_n = bn // 2  # split_tail: each consumer's columns of a tail tile
+    tail_steps = make_steps(tail_n, 1, tail_n // c_cols, c_tiles_per_round) if split_tail \
+        else None
 
     def grouped_gemm_fp8(a_map: kiln.TensorMap[in_type, (bm, bk), SWIZZLE],
                          b_map: kiln.TensorMap[in_type, (bn, bk), SWIZZLE],
@@ -137,8 +191,11 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
             b_base = wgmma.smem_descriptor(b_tiles.tile(0), leading_bytes=16, stride_bytes=1024)
             if split:  # this consumer's rows of the K-major B tile (whole 8-row swizzle atoms)
                 b_base = b_base + kiln.cast(consumer, kiln.i64) * (cons_n * bk // 16)
-            a_stage_units = BM * BK // 16
-            b_stage_units = BN * BK // 16
+            a_tail, b_tail = a_base, b_base
+            if split_tail:  # the tile's first 64 rows of A, the consumer's half of B
+                a_tail = wgmma.smem_descriptor(a_tiles.tile(0), leading_bytes=16,
+                                               stride_bytes=1024)
+                b_tail = b_base + kiln.cast(consumer, kiln.i64) * (tail_n * bk // 16)
             use = 0
             for tile in kiln.range(kiln.block_id(0), num_tiles, kiln.num_blocks(0)):
                 g, m0, n0, row_end = locate_tile(table, offsets, tile, tiles_n, BM, BN,
@@ -146,50 +203,27 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
                 row0, col0 = m0 + consumer * 64, n0
                 if split:
                     row0, col0 = m0, n0 + consumer * cons_n
-                # A consumer whose 64 rows all lie past its group's end passes stages on.
-                active = row0 < row_end
-                if active:
-                    acc = wgmma.fragment_zeros(cons_n)
-                    total = wgmma.fragment_zeros(cons_n)
-                    if block:
-                        top, bottom = thread_rows(row0)
-                        top, bottom = kiln.minimum(top, m - 1), kiln.minimum(bottom, m - 1)
-                        b_row = g * n_blocks + col0 // SCALE_BLOCK
-                        ahead = block_scales(scale_a, scale_b, top, bottom, b_row, 0)
-                    for kt in kiln.range(0, k_tiles):
-                        stage = use % STAGES
-                        full.try_wait(stage, (use // STAGES) % 2)
-                        stage64 = kiln.cast(stage, kiln.i64)
-                        a_desc = a_base + stage64 * a_stage_units
-                        b_desc = b_base + stage64 * b_stage_units
-                        wgmma.fence()
-                        for ks in kiln.static_range(BK // FP8_K_STEP):
-                            acc = wgmma.mma_async(acc, a_desc + ks * step_units,
-                                                  b_desc + ks * step_units, dtype=in_type,
-                                                  accumulate=ks > 0)
-                        wgmma.commit()
-                        if block:
-                            # Load the next block's scales while these WGMMAs run.
-                            current = ahead
-                            ahead = block_scales(scale_a, scale_b, top, bottom, b_row,
-                                                 kiln.minimum(kt + 1, k_tiles - 1))
-                        wgmma.wait_group(0)
-                        if first_thread:
-                            empty.arrive(stage, wgmma_pending=0)
-                        total = promote(total, acc, current) if block else promote(total, acc)
-                        use = use + 1
-                    out = total if block else scale_group_accumulator(
-                        total, scale_a, scale_b, g, row0, col0, m, n, a_mode, b_mode)
-                    _store_group_tile(out, c_map, c, c_tiles, consumer, row0, col0,
-                                      kiln.minimum(row_end, m), n, first_thread,
-                                      cons_n // epilogue_n, c_tiles_per_round, c_cols)
+                where = (g, row0, col0, row_end, m, n, n_blocks, k_tiles)
+                if split_tail:  # a tail of <= 64 rows: both consumers on it, half the columns
+                    if row_end - m0 <= 64:
+                        use = tail_steps(a_tail, b_tail, full, empty, c_map, c, c_tiles,
+                                         scale_a, scale_b, (g, m0, n0 + consumer * tail_n)
+                                         + where[3:], use, first_thread, consumer)
+                    else:
+                        use = tile_steps(a_base, b_base, full, empty, c_map, c, c_tiles,
+                                         scale_a, scale_b, where, use, first_thread, consumer)
                 else:
-                    for kt in kiln.range(0, k_tiles):
-                        stage = use % STAGES
-                        full.try_wait(stage, (use // STAGES) % 2)
-                        if first_thread:
-                            empty.arrive(stage)
-                        use = use + 1
+                    # A consumer whose 64 rows all lie past its group's end passes stages on.
+                    if row0 < row_end:
+                        use = tile_steps(a_base, b_base, full, empty, c_map, c, c_tiles,
+                                         scale_a, scale_b, where, use, first_thread, consumer)
+                    else:
+                        for kt in kiln.range(0, k_tiles):
+                            stage = use % STAGES
+                            full.try_wait(stage, (use // STAGES) % 2)
+                            if first_thread:
+                                empty.arrive(stage)
+                            use = use + 1
             if first_thread:
                 tma.wait_group(0, read=True)  # the staging tiles must outlive the last store
 

@@ -74,9 +74,11 @@ class Fp8GemmConfig:
     groups and needs registers that fit the SM (``consumer_registers=160,
     producer_registers=24``); ``overlap_steps`` (1, 2, 4 or 8) promotes each K step under the
     next one's WGMMAs (half a step's at ``block_n=192``; see the module docstring).
-    ``split_n`` (the grouped kernel only, :mod:`.fp8_grouped`; ``block_m=64``, ``block_n`` 128
-    or 256) has two consumer warp groups share the tile's 64 rows, each taking half of its
-    columns: a group pads to 64 rows instead of 128. Example:
+    ``split_n`` (the grouped kernel only, :mod:`.fp8_grouped`) with ``block_m=64``
+    (``block_n`` 128 or 256) has two consumer warp groups share each tile's 64 rows, each taking
+    half of its columns, so a group pads to 64 rows instead of 128; with ``block_m=128,
+    block_n=128`` only a group's last tile, when it holds at most 64 rows, is split that way
+    (the others split by rows as usual). Example:
     ``Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4)``."""
 
     block_m: int = 128
@@ -91,13 +93,15 @@ class Fp8GemmConfig:
     split_n: bool = False
 
     def __post_init__(self):
-        widest = 2 * SCALE_BLOCK if self.split_n else MAX_BLOCK_N  # split: half per consumer
+        # split_n at block_m=64: half of block_n per consumer
+        widest = 2 * SCALE_BLOCK if self.split_n and self.block_m == 64 else MAX_BLOCK_N
         checks = ((self.block_m in (64, 128, 192),
                    f"block_m={self.block_m} must be 64, 128 or 192"),
-                  (not self.split_n or (self.block_m == 64 and self.block_n in (128, 256)
+                  (not self.split_n or ((self.block_m, self.block_n) in
+                                        ((64, 128), (64, 256), (128, 128))
                                         and self.cluster_m == 1 and self.overlap_steps == 1),
-                   "split_n takes block_m=64, block_n 128 or 256, no cluster_m or "
-                   "overlap_steps"),
+                   "split_n takes block_m=64 with block_n 128 or 256, or block_m=128 with "
+                   "block_n=128, and no cluster_m or overlap_steps"),
                   (self.cluster_m in (1, 2), f"cluster_m={self.cluster_m} must be 1 or 2"),
                   (self.overlap_steps in (1, 2, 4, 8),
                    f"overlap_steps={self.overlap_steps} must be 1, 2, 4 or 8"),
