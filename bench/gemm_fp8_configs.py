@@ -1,7 +1,8 @@
 """A/B of Hopper FP8 GEMM configs (e4m3, B stored N x K, bf16 out) against their peers, one run.
 
 For each shape, every candidate config (``--configs``: the tuner's, the overlap sweep, the
-per-tensor levers, or the per-tensor row sweep widths) is launched directly (no tuner) with per-tensor scales and with DeepSeek-V3
+per-tensor levers, the per-tensor row sweep widths, or the defaults against the runner-up) is
+launched directly (no tuner) with per-tensor scales and with DeepSeek-V3
 block scales (``--kinds``), and
 timed beside ``torch._scaled_mm`` (cuBLASLt, per tensor), Kiln's bf16 GEMM (best of
 ``BF16_CONFIGS``) and cuBLAS bf16 on the same operands. Timing is interleaved: each of
@@ -18,7 +19,7 @@ ratio to ``torch._scaled_mm`` (per tensor; goal >= 1.0: the ratio of the medians
 median over rounds of the ratio within a round) or to Kiln bf16 (block; goal >= 1.4).
 
 Usage (H100/H200): ``python bench/gemm_fp8_configs.py [--shapes 8192x8192x8192,...]
-[--configs tuner|overlap|per_tensor|rows] [--kinds per_tensor,block] [--no-bf16] [--l2 2,3]
+[--configs tuner|overlap|per_tensor|rows|confirm] [--kinds per_tensor,block] [--no-bf16] [--l2 2,3]
 [--repeat 5] [--batch 10] [--compile-only] [--json out.json]``; ``--launch
 per_tensor:0,block:2,scaled_mm`` only launches those candidates (for ``ncu -k regex:gemm``).
 """
@@ -77,6 +78,10 @@ PER_TENSOR = (Fp8GemmConfig(**WIDE, group_m=4), Fp8GemmConfig(**WIDE),
 # fewer rows per sweep keep fewer A rows and more B columns in L2 at once.
 ROWS = (Fp8GemmConfig(**WIDE, group_m=4), Fp8GemmConfig(**WIDE, group_m=2),
         Fp8GemmConfig(**WIDE, group_m=1), Fp8GemmConfig(**WIDE, group_m=3))
+# The defaults against the runner-up (``--configs confirm``): per tensor 3 and 4 row tiles per
+# sweep, block scales the tuner's first.
+CONFIRM = {"per_tensor": (SCALED_CONFIGS[0], Fp8GemmConfig(**WIDE, group_m=4)),
+           "block": BLOCK_CONFIGS[:1]}
 
 
 # Data pointers whose TMA descriptors ask for an L2 promotion (``--l2``: 2 = 128 B, 3 = 256 B;
@@ -101,7 +106,7 @@ def promote_l2() -> None:
 def candidates(which: str, kinds: tuple = tuple(MODES)) -> dict:
     sets = {"tuner": {"per_tensor": SCALED_CONFIGS, "block": BLOCK_CONFIGS},
             "overlap": OVERLAP, "per_tensor": {"per_tensor": PER_TENSOR},
-            "rows": {"per_tensor": ROWS}}
+            "rows": {"per_tensor": ROWS}, "confirm": CONFIRM}
     return {kind: configs for kind, configs in sets[which].items() if kind in kinds}
 
 
@@ -258,7 +263,8 @@ def launch_only(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="8192x8192x8192,4096x8192x8192,8192x14336x4096")
-    parser.add_argument("--configs", choices=("tuner", "overlap", "per_tensor", "rows"),
+    parser.add_argument("--configs", choices=("tuner", "overlap", "per_tensor", "rows",
+                                              "confirm"),
                         default="overlap")
     parser.add_argument("--kinds", default="per_tensor,block",
                         help="scale kinds to time: per_tensor, block or both")

@@ -37,12 +37,12 @@ C = HopperGemmConfig
 
 
 def configs(groups: int) -> tuple:
-    """The default (64 x 256 tiles, one consumer warp group), the same tiles with ``split_n``
-    (two consumers on each tile's 64 rows, 128 columns each: the epilogue in two halves at
-    once, WGMMA issue from two warp groups), also with row tiles swept 16 at a time."""
+    """The default (64 x 256 tiles, one consumer warp group), its row tiles swept 8 at a time,
+    and the dense default's 128 x 256 tiles (two consumers; in a group's last tile the lower one
+    idles when the tile holds at most 64 rows)."""
     default = grouped_config(groups)
-    return (default, dataclasses.replace(default, split_n=True),
-            dataclasses.replace(default, split_n=True, group_m=16))
+    return (default, dataclasses.replace(default, group_m=8),
+            C(stages=default.stages, group_m=default.group_m // 2))
 
 
 def candidates(groups: int, dynamic: bool) -> list:

@@ -6,15 +6,16 @@ scales), Kiln's dense FP8 GEMM (its default config for the kind, ``[total_M, K] 
 ``torch._scaled_mm`` on the same dense problem (per tensor) and every grouped config of
 :func:`candidates` (the first is the shipped ``GROUPED_FP8_CONFIG``) are checked first
 (NaN-poisoned bf16 output; each group against float32 of the dequantised operands, relative
-Frobenius error < 2e-2), then timed interleaved (``bench/timing.py``: each of ``--repeat``
-rounds times ``--batch`` calls of every candidate in turn, so a power-limited GPU's clock
-changes fall on all alike). Prints TFLOP/s and grouped / dense per config: the ratio of the
-medians and the min / median over rounds of the ratio within a round (goal >= 0.9).
+Frobenius error < 2e-2); each candidate is timed as soon as it is checked, interleaved with the
+dense peers (``bench/timing.py``: each of ``--repeat`` rounds times ``--batch`` calls of each in
+turn, so a power-limited GPU's clock changes fall on all alike; a run cut short keeps the
+candidates before). Prints TFLOP/s and grouped / dense per config: the ratio of the medians and
+the min / median over rounds of the ratio within a round (goal >= 0.9).
 
 Usage (H100/H200)::
 
     python bench/gemm_grouped_fp8_ab.py --cases 64:4096:4096 64:4096:14336 \
-        [--kinds per_tensor,block] [--repeat 5] [--batch 2] [--compile-only] [--json out.json]
+        [--kinds per_tensor,block] [--repeat 5] [--batch 2] [--only 0,2] [--watchdog S] [--compile-only] [--json out.json]
 """
 
 from __future__ import annotations
@@ -123,9 +124,10 @@ def check(c, expected, offsets, what: str) -> float:
     return worst
 
 
-def ab_case(groups, k, n, kind, repeat, batch, log) -> dict:
+def ab_case(groups, k, n, kind, repeat, batch, log, only=None) -> dict:
     mode = MODES[kind]
     sizes, offsets, a8, b8, sa, sb, expected, dense = problem(groups, k, n, kind)
+    log(f"G={groups} K={k} N={n} {kind}: operands and float32 references ready")
     total = int(offsets[-1])
     flops = 2.0 * total * n * k
     offs = torch.from_numpy(offsets).cuda()
@@ -139,38 +141,39 @@ def ab_case(groups, k, n, kind, repeat, batch, log) -> dict:
                                       dtype="f8e4m3", out="bf16", mode=mode, target="sm_90a",
                                       config=dense_cfg)}
     fns["dense"]()
-    check(dense_c, dense, [0, total], f"dense {kind}")
+    log(f"  dense rel error {check(dense_c, dense, [0, total], f'dense {kind}'):.2e}")
     del dense
     if kind == "per_tensor":
         fns["scaled_mm"] = functools.partial(torch._scaled_mm, a8, dense_b.t(),
                                              scale_a=sa.reshape(()), scale_b=dense_sb.reshape(()),
                                              out_dtype=torch.bfloat16)
-    errors = {}
-    for config in candidates(kind):
+    peers = dict(fns)
+    log(f"G={groups} K={k} N={n} {kind} sizes {sizes.min()}..{sizes.max()}")
+    rows = []
+    chosen = [c for i, c in enumerate(candidates(kind)) if only is None or i in only]
+    for config in chosen:  # each timed with the peers as soon as it is checked
         name = short(config)
         c = torch.full((total, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         run = functools.partial(run_grouped_fp8, a8, b_view, c, offs, sa, sb, mode=mode, k=k,
                                 config=config)
         run()
-        errors[name] = check(c, expected, offsets, f"{kind} {name}")
-        fns[name] = run
-    samples = interleaved_samples(fns, repeat, batch)
-    dense_ms = statistics.median(samples["dense"])
-    peer = (f", scaled_mm {flops / statistics.median(samples['scaled_mm']) / 1e9:.1f}"
-            if "scaled_mm" in samples else "")
-    log(f"G={groups} K={k} N={n} {kind} sizes {sizes.min()}..{sizes.max()}: dense Kiln FP8 "
-        f"{flops / dense_ms / 1e9:.1f} TFLOP/s{peer}")
-    rows = []
-    for name in errors:
-        ms = statistics.median(samples[name])
+        error = check(c, expected, offsets, f"{kind} {name}")
+        samples = interleaved_samples({**peers, name: run}, repeat, batch)
+        ms, dense_ms = statistics.median(samples[name]), statistics.median(samples["dense"])
         low, mid = round_ratios(samples, name, "dense")
-        rows.append({"config": name, "kind": kind, "ms": ms, "rel_error": errors[name],
-                     "tflops": flops / ms / 1e9, "vs_dense": dense_ms / ms,
-                     "vs_dense_min": low, "vs_dense_median": mid})
-        log(f"  {flops / ms / 1e9:7.1f} TFLOP/s  vs dense {dense_ms / ms:.3f} (per round min "
-            f"{low:.3f} median {mid:.3f})  {name}")
-    return {"groups": groups, "k": k, "n": n, "kind": kind, "dense_ms": dense_ms,
-            "dense_config": repr(dense_cfg), "rows": rows}
+        row = {"config": name, "kind": kind, "ms": ms, "rel_error": error,
+               "tflops": flops / ms / 1e9, "dense_tflops": flops / dense_ms / 1e9,
+               "vs_dense": dense_ms / ms, "vs_dense_min": low, "vs_dense_median": mid}
+        peer = ""
+        if "scaled_mm" in samples:
+            row["scaled_mm_tflops"] = flops / statistics.median(samples["scaled_mm"]) / 1e9
+            peer = f", scaled_mm {row['scaled_mm_tflops']:.1f}"
+        rows.append(row)
+        log(f"  {row['tflops']:7.1f} TFLOP/s  vs dense {row['vs_dense']:.3f} (per round min "
+            f"{low:.3f} median {mid:.3f}; dense {row['dense_tflops']:.1f}{peer}; rel error "
+            f"{error:.1e})  {name}")
+    return {"groups": groups, "k": k, "n": n, "kind": kind, "dense_config": repr(dense_cfg),
+            "rows": rows}
 
 
 def precompile(cases, kinds) -> None:
@@ -208,9 +211,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--compile-only", action="store_true",
                         help="fill the compile cache and exit (run beside other compiles)")
+    parser.add_argument("--only", metavar="I,J", help="only these candidates (indices into "
+                        "candidates(kind)), e.g. 0,2")
+    parser.add_argument("--watchdog", type=float, metavar="S",
+                        help="dump the stacks and exit after S seconds (a hung kernel)")
     parser.add_argument("--json")
     args = parser.parse_args()
     begin = time.perf_counter()
+    if args.watchdog:  # a hung kernel blocks in C: dump every thread's stack, then exit
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
 
     def log(line):
         print(f"[{time.perf_counter() - begin:5.1f}s] {line}", flush=True)
@@ -224,7 +235,8 @@ def main() -> None:
     results = []
     for groups, k, n in cases:
         for kind in kinds:
-            results.append(ab_case(groups, k, n, kind, args.repeat, args.batch, log))
+            only = {int(i) for i in args.only.split(",")} if args.only else None
+            results.append(ab_case(groups, k, n, kind, args.repeat, args.batch, log, only))
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump({"device": torch.cuda.get_device_name(), "cases": results}, f)

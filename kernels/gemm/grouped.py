@@ -12,7 +12,7 @@ rows are stored.
 | tile table | all threads, then thread 0 | thread ``i`` reads ``offs[i], offs[i+1]`` and writes group ``i``'s tile count ``ceil(M_i / BM) * ceil(N / BN)`` to a shared table (``TABLE`` entries, a power of two above ``G``; the rest a sentinel); thread 0 turns the counts into first-tile indices (an exclusive prefix sum); no host round trip, so device ``group_offsets`` need no synchronisation |
 | tile walk | every warp group | global tiles ``t = cta, cta + grid, ...`` up to the total; ``t``'s group is the last table entry ``<= t`` (a binary search of ``log2(TABLE)`` shared loads); within the group the tiles are swept column by column, ``GROUP_M`` row tiles at a time (:func:`.hopper._tile_origin`) |
 | producer | warp group 0, one thread | A box at row ``offs[g] + m``: its last tile reads rows of the next group, which only reach output rows that are not stored; B box at row ``g * b_rows`` of B viewed as ``[G * rows, cols]`` |
-| consumers | warp groups 1 (, 2) | (``split_n``: both on the tile's 64 rows, ``block_n / 2`` columns each, B's descriptor offset to the consumer's half) WGMMA as in :mod:`.hopper`, except that a consumer whose 64 rows all lie past its group's end (in the group's last tile, with 128-row tiles) only waits for each stage and releases it; the default 64 x 256 tiles (:func:`grouped_config`) pad a group to 64 rows with no idle consumer; the epilogue stages 64-row slices in swizzled shared tiles, and a slice that lies inside its group (or runs past ``total_M``, which TMA clips) leaves by TMA store, the group's last, partial slice by masked 16-byte stores of the rows ``< offs[g+1]`` |
+| consumers | warp groups 1 (, 2) | WGMMA as in :mod:`.hopper`, except that a consumer whose 64 rows all lie past its group's end (in the group's last tile, with 128-row tiles) only waits for each stage and releases it; the default 64 x 256 tiles (:func:`grouped_config`) pad a group to 64 rows with no idle consumer; the epilogue stages 64-row slices in swizzled shared tiles, and a slice that lies inside its group (or runs past ``total_M``, which TMA clips) leaves by TMA store, the group's last, partial slice by masked 16-byte stores of the rows ``< offs[g+1]`` |
 
 B's K edge: with B MN-major (``[G, K, N]``) a box past row ``K`` of group ``g`` would read group
 ``g + 1``'s rows (A's columns there are zero, but ``0 * inf`` is NaN), so the entry point pads
@@ -86,17 +86,15 @@ def make_grouped_kernel(dtype: str, out_dtype: str, b_major: str, config: Hopper
     if config.pingpong and dynamic:
         raise kiln.UnsupportedError("dynamic tile claims do not take turns between consumers",
                                     fix="use pingpong=False with dynamic=True")
-    pingpong, split = config.pingpong, config.split_n
+    pingpong = config.pingpong
     in_type, out_type = kiln.dtype(dtype), kiln.dtype(out_dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    cons_n = bn // 2 if split else bn  # a consumer's columns (split_n: half the tile's)
     b_box = (bk, 64) if b_major == "mn" else (bn, bk)
     chunks = bn // 64 if b_major == "mn" else 1
     b_leading = bk * ROW_BYTES if b_major == "mn" else 16
     b_k_step = K_STEP * ROW_BYTES if b_major == "mn" else K_STEP * in_type.itemsize
     c_cols = ROW_BYTES // out_type.itemsize
-    # split_n: the tile's 64 rows x epilogue columns are staged as each consumer's half
-    epilogue_n = config.epilogue_columns(out_type.itemsize) // (2 if split else 1)
+    epilogue_n = config.epilogue_columns(out_type.itemsize)
     c_tiles_per_round = epilogue_n // c_cols
     threads = WARP_GROUP_THREADS * (config.consumers + 1)
     counters_type = kiln.Tensor[kiln.i32, 1] if dynamic else kiln.constexpr
@@ -129,12 +127,11 @@ def make_grouped_kernel(dtype: str, out_dtype: str, b_major: str, config: Hopper
         first_thread = tid % WARP_GROUP_THREADS == 0
         for s in kiln.static_range(STAGES):
             full.init(s, count=1, predicate=tid == 0)
-            empty.init(s, count=1 if pingpong else config.consumers, predicate=tid == 0)
+            empty.init(s, count=1 if pingpong else BM // 64, predicate=tid == 0)
         if dynamic:
             for s in kiln.static_range(CLAIM_SLOTS):
                 claim_full.init(s, count=1, predicate=tid == 0)
-                claim_empty.init(s, count=config.consumers * WARP_GROUP_THREADS,
-                                 predicate=tid == 0)
+                claim_empty.init(s, count=BM // 64 * WARP_GROUP_THREADS, predicate=tid == 0)
         nvidia_asm.fence_mbarrier_init()
         tiles_n = (n + BN - 1) // BN
         build_tile_table(table, offsets, groups, tiles_n, tid, BM, TABLE, threads)
@@ -179,13 +176,10 @@ def make_grouped_kernel(dtype: str, out_dtype: str, b_major: str, config: Hopper
             nvidia_asm.setmaxnreg(CONSUMER_REGS, increase=True)
             consumer = warp_group - 1
             a_base = wgmma.smem_descriptor(a_tiles.tile(0), leading_bytes=16, stride_bytes=1024,
-                                           byte_offset=0 if pingpong or split else
+                                           byte_offset=0 if pingpong else
                                            consumer * 64 * ROW_BYTES)
             b_base = wgmma.smem_descriptor(b_tiles.tile(0), leading_bytes=b_leading,
                                            stride_bytes=1024)
-            if split:  # this consumer's columns: later 64-column chunks ("mn") or B rows ("k")
-                b_base = b_base + kiln.cast(consumer, kiln.i64) * (
-                    cons_n * bk * in_type.itemsize // 16)
             a_stage_units = BM * BK * in_type.itemsize // 16  # descriptor address units
             b_stage_units = BN * BK * in_type.itemsize // 16
             use = 0
@@ -203,12 +197,11 @@ def make_grouped_kernel(dtype: str, out_dtype: str, b_major: str, config: Hopper
                                                       GROUP_M, TABLE)
                     if pingpong:
                         take_turn(consumer, unit > first_tile)
-                    row0 = m0 + (0 if pingpong or split else consumer * 64)
-                    col0 = n0 + consumer * cons_n if split else n0
+                    row0 = m0 + (0 if pingpong else consumer * 64)
                     # In a group's last tile the lower 64 rows may all lie past its end: that
                     # consumer only passes the stages on, leaving the tensor cores to the other.
                     active = row0 < row_end
-                    acc = wgmma.fragment_zeros(cons_n)
+                    acc = wgmma.fragment_zeros(BN)
                     if active:
                         for kt in kiln.range(0, k_tiles):
                             stage = use % STAGES
@@ -233,9 +226,9 @@ def make_grouped_kernel(dtype: str, out_dtype: str, b_major: str, config: Hopper
                         if pingpong:
                             use = use + k_tiles  # the other consumer's tile
                             pass_turn(consumer, unit + tile_step < units)
-                        _store_group_tile(acc, c_map, c, c_tiles, consumer, row0, col0,
+                        _store_group_tile(acc, c_map, c, c_tiles, consumer, row0, n0,
                                           kiln.minimum(row_end, m), n, first_thread,
-                                          cons_n // epilogue_n, c_tiles_per_round, c_cols)
+                                          BN // epilogue_n, c_tiles_per_round, c_cols)
                     else:
                         for kt in kiln.range(0, k_tiles):
                             stage = use % STAGES

@@ -72,9 +72,7 @@ class HopperGemmConfig:
     ``stream_k`` gives every CTA an equal share of the K steps of the last tiles (all tiles when
     there are fewer than CTAs), fixing split tiles up in the kernel (:mod:`.streamk`).
     ``pingpong`` (64-row tiles, whole K) runs two consumer warp groups on alternate tiles, one's
-    epilogue overlapping the other's main loop (CUTLASS's ping-pong schedule); ``split_n``
-    (the grouped GEMM only, :mod:`.grouped`: ``block_m=64``, ``block_n`` a multiple of 128) has
-    two consumer warp groups share each 64-row tile, half its columns each. ``pdl`` makes
+    epilogue overlapping the other's main loop (CUTLASS's ping-pong schedule). ``pdl`` makes
     the kernel (and split-K's reduction) programmatic dependent launches: each waits for the
     work before it on the stream at its top (``griddepcontrol.wait``) and lets the next kernel
     launch at once, so launch latencies overlap the previous kernel's tail; before its wait
@@ -100,15 +98,8 @@ class HopperGemmConfig:
     pingpong: bool = False
     pdl: bool = False
     gemv: bool = False
-    split_n: bool = False
 
     def __post_init__(self):
-        if self.split_n and (self.block_m != 64 or self.block_n % 128 or self.pingpong
-                             or self.cluster_m != 1 or self.partials or self.gemv or self.pdl):
-            raise kiln.UnsupportedError("split_n runs two consumers on one 64-row tile of the "
-                                        "grouped GEMM, half its columns each",
-                                        fix="use block_m=64, block_n 128 or 256, without "
-                                            "pingpong, clusters, partials, gemv or pdl")
         if self.block_m % 64 or not 64 <= self.block_m <= 256:
             raise kiln.UnsupportedError(f"block_m={self.block_m} is not supported",
                                         fix="use 64, 128 or 192 (64 rows per consumer group)")
@@ -179,15 +170,13 @@ class HopperGemmConfig:
 
     @property
     def consumers(self) -> int:
-        """Consumer warp groups: one per 64 rows of a tile, or two taking turns (pingpong) or
-        sharing its rows (split_n)."""
-        return 2 if self.pingpong or self.split_n else self.block_m // 64
+        """Consumer warp groups: one per 64 rows of a tile, or two taking turns (pingpong)."""
+        return 2 if self.pingpong else self.block_m // 64
 
     @property
     def staged_rows(self) -> int:
-        """Rows of C staged in shared memory at once: each consumer's 64 (split_n: the tile's
-        64, half of the staged columns each)."""
-        return 64 if self.split_n else 64 * self.consumers
+        """Rows of C staged in shared memory at once: each consumer's 64."""
+        return 64 * self.consumers
 
     @property
     def num_warps(self) -> int:
@@ -223,10 +212,6 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
     Run-time parameters: ``a_map`` (A, box BM x BK), ``b_map`` (box BK x 64 for "mn", BN x BK
     for "k"), ``c_map`` (C, box 64 x 128 bytes, written by TMA stores), ``m, n, k``.
     """
-    if config.split_n:
-        raise kiln.UnsupportedError("split_n is a grouped-GEMM config (the dense kernel gives "
-                                    "each consumer its own rows)",
-                                    fix="use HopperGemmConfig(split_n=False) for matmul")
     in_type, out_type = kiln.dtype(dtype), kiln.dtype(out_dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     # Run-time tensors of the in-kernel reduction (constexpr placeholders, None, otherwise).
