@@ -43,24 +43,18 @@ from timing import interleaved_samples, round_ratios
 
 MODES = {"per_tensor": ("tensor", "tensor"), "block": ("block", "block")}
 BLOCK = 128
-WIDE = dict(block_n=192, stages=4, producer_registers=24, consumer_registers=240)
 
 
 def candidates(kind: str) -> tuple:
-    """The shipped grouped config first, then row tiles swept 16 at a time (the bf16 grouped
-    GEMM's pick at many groups), ``split_n`` 64-row tiles (both consumers on every tile's rows,
-    half its columns each: a group pads to 64 rows, not 128), the default's tiles with
-    ``split_n`` (a group's last tile, at most 64 rows, split by columns between the consumers)
-    and, per tensor, the dense default's 192-column tiles."""
+    """The shipped grouped config first (128 x 128 tiles, a group's last tile of <= 64 rows
+    split by columns between the consumers), then the same without that split (the default
+    before), row tiles swept 16 at a time, and ``split_n`` 64-row tiles (both consumers on every
+    tile's rows, half its columns each: a group pads to 64 rows, not 128)."""
     default = GROUPED_FP8_CONFIG
     split = dict(block_m=64, block_n=256, stages=4, split_n=True)
-    found = [default, dataclasses.replace(default, group_m=16),
-             Fp8GemmConfig(**split, group_m=16), Fp8GemmConfig(**split, group_m=32),
-             dataclasses.replace(default, split_n=True)]
-    if kind == "per_tensor":
-        found += [Fp8GemmConfig(block_m=64, block_n=128, stages=6, split_n=True, group_m=16),
-                  Fp8GemmConfig(**WIDE, group_m=16)]
-    return tuple(found)
+    return (default, dataclasses.replace(default, split_n=False),
+            dataclasses.replace(default, group_m=16), Fp8GemmConfig(**split, group_m=16),
+            Fp8GemmConfig(**split, group_m=32))
 
 
 def short(config) -> str:
