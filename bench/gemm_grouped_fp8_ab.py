@@ -15,7 +15,8 @@ the min / median over rounds of the ratio within a round (goal >= 0.9).
 Usage (H100/H200)::
 
     python bench/gemm_grouped_fp8_ab.py --cases 64:4096:4096 64:4096:14336 \
-        [--kinds per_tensor,block] [--repeat 5] [--batch 2] [--only 0,2] [--watchdog S] [--compile-only] [--json out.json]
+        [--kinds per_tensor,block] [--repeat 5] [--batch 2] [--only 0,2] [--watchdog S] \
+        [--compile-only] [--json out.json]
 """
 
 from __future__ import annotations
@@ -170,13 +171,14 @@ def ab_case(groups, k, n, kind, repeat, batch, log, only=None) -> dict:
             "rows": rows}
 
 
-def precompile(cases, kinds) -> None:
+def precompile(cases, kinds, only=None) -> None:
     """Every grouped candidate's kernel and the dense defaults, at once (ptxas runs overlap)."""
     from kiln.kernels.gemm import compile_matmul
 
     jobs = [("dense", kind, default_config(MODES[kind]), 0) for kind in kinds]
     jobs += [("grouped", kind, config, groups) for kind in kinds
-             for groups in sorted({g for g, _, _ in cases}) for config in candidates(kind)]
+             for groups in sorted({g for g, _, _ in cases})
+             for i, config in enumerate(candidates(kind)) if only is None or i in only]
 
     def build(job):
         which, kind, config, groups = job
@@ -222,14 +224,14 @@ def main() -> None:
 
     cases = [tuple(map(int, case.split(":"))) for case in args.cases]
     kinds = args.kinds.split(",")
-    precompile(cases, kinds)
+    only = {int(i) for i in args.only.split(",")} if args.only else None
+    precompile(cases, kinds, only)
     if args.compile_only:
         return
     log(f"{torch.cuda.get_device_name()}: compiled")
     results = []
     for groups, k, n in cases:
         for kind in kinds:
-            only = {int(i) for i in args.only.split(",")} if args.only else None
             results.append(ab_case(groups, k, n, kind, args.repeat, args.batch, log, only))
             if args.json:
                 with open(args.json, "w") as f:
