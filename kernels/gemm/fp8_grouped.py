@@ -5,10 +5,11 @@ and scales of :mod:`.fp8_hopper`.
 ``[G, N, K]`` FP8 (K-major, ``trans_b=True``), f32 accumulation, bf16/f32 C. The tile table,
 the tile walk, the inactive-consumer rule and the masked epilogue of the group's last 64-row
 slice are :mod:`.grouped`'s; the K loop is :mod:`.fp8_hopper`'s (``BK = 128``, four
-``wgmma.m64nNk32`` per stage). With ``Fp8GemmConfig(split_n=True)`` (``block_m=64``) both
-consumers share a tile's 64 rows, half its columns each, so a group pads to 64 rows instead of
-128 and no consumer idles on a group's last rows; with block scales each consumer's columns lie
-in one 128-column B scale block (``block_n`` 128 or 256). Scales as the kernel sees them (the entry point,
+``wgmma.m64nNk32`` per stage). With ``Fp8GemmConfig(split_n=True)`` at ``block_m=64`` both
+consumers share every tile's 64 rows, half its columns each, so a group pads to 64 rows instead
+of 128; at ``block_m=128`` (the default) only a group's last tile of at most 64 rows is split
+that way, so no consumer idles on it. With block scales each consumer's columns lie in one
+128-column B scale block. Scales as the kernel sees them (the entry point,
 :func:`.grouped_api.grouped_matmul`, normalises the user's forms to these):
 
 | ``scale_mode`` | ``scale_a`` | ``scale_b`` | applied |
