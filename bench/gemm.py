@@ -16,7 +16,9 @@ worth.
 ``--grouped`` times the grouped (MoE) GEMM instead (:func:`grouped_bench`): for G in 8, 16,
 64 experts with ragged, seeded router-like group sizes, Kiln's ``grouped_matmul`` against
 Kiln's dense ``matmul`` of the same FLOPs (one ``[total_M, K] x [K, N]``) and against a torch
-loop of one ``torch.matmul`` per group; ``--sweep`` with it also times each grouped config.
+loop of one ``torch.matmul`` per group; ``--sweep`` with it also times each grouped config;
+with ``--fp8`` the e4m3 grouped GEMM (per-tensor and block scales) against the dense FP8 GEMM of
+the same FLOPs (goal >= 0.9) and ``torch._scaled_mm``.
 
 ``--fp8`` times the FP8 GEMM instead (:mod:`gemm_fp8`): per-tensor against
 ``torch._scaled_mm``, DeepSeek-V3 block scales against Kiln's and cuBLAS's bf16.
@@ -25,7 +27,7 @@ loop of one ``torch.matmul`` per group; ``--sweep`` with it also times each grou
 cells first, ``--configs`` times every small-M candidate config).
 
 Usage (on an H100): ``python bench/gemm.py [--json out.json] [--repeat 20] [--batch 10]
-[--shapes 4096x4096x4096] [--sweep] [--grouped] [--fp8 [--quick]]
+[--shapes 4096x4096x4096] [--sweep] [--grouped [--fp8]] [--fp8 [--quick]]
 [--llm [--quick] [--tune] [--configs] [--kernels] [--models ..] [--layers ..] [--m ..]
 [--budget S]]``.
 """
@@ -41,7 +43,7 @@ except ImportError:  # --help works without torch; running needs it
 
 from kiln.kernels.gemm import HOPPER_CONFIGS, hopper_autotuner, matmul, run_hopper
 from gemm_fp8 import fp8_main
-from gemm_grouped import grouped_main
+from gemm_grouped import grouped_fp8_main, grouped_main
 from gemm_llm import llm_main
 from results_io import write_results
 from timing import time_ms
@@ -131,7 +133,7 @@ def main() -> None:
     if torch is None or not torch.cuda.is_available():
         raise SystemExit("bench/gemm.py needs torch with a CUDA GPU")
     if args.grouped:
-        grouped_main(args, torch)
+        (grouped_fp8_main if args.fp8 else grouped_main)(args, torch)
         return
     if args.fp8:
         fp8_main(args, torch)

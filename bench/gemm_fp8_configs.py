@@ -1,7 +1,8 @@
 """A/B of Hopper FP8 GEMM configs (e4m3, B stored N x K, bf16 out) against their peers, one run.
 
-For each shape, every candidate config (``--configs``: the tuner's, the overlap sweep, or the
-per-tensor levers) is launched directly (no tuner) with per-tensor scales and with DeepSeek-V3
+For each shape, every candidate config (``--configs``: the tuner's, the overlap sweep, the
+per-tensor levers, the per-tensor row sweep widths, or the defaults against the runner-up) is
+launched directly (no tuner) with per-tensor scales and with DeepSeek-V3
 block scales (``--kinds``), and
 timed beside ``torch._scaled_mm`` (cuBLASLt, per tensor), Kiln's bf16 GEMM (best of
 ``BF16_CONFIGS``) and cuBLAS bf16 on the same operands. Timing is interleaved: each of
@@ -18,8 +19,8 @@ ratio to ``torch._scaled_mm`` (per tensor; goal >= 1.0: the ratio of the medians
 median over rounds of the ratio within a round) or to Kiln bf16 (block; goal >= 1.4).
 
 Usage (H100/H200): ``python bench/gemm_fp8_configs.py [--shapes 8192x8192x8192,...]
-[--configs tuner|overlap|per_tensor] [--kinds per_tensor,block] [--no-bf16] [--l2 2,3]
-[--repeat 5] [--batch 10] [--json out.json]``; ``--launch
+[--configs tuner|overlap|per_tensor|rows|confirm] [--kinds per_tensor,block] [--no-bf16] [--l2 2,3]
+[--repeat 5] [--batch 10] [--compile-only] [--json out.json]``; ``--launch
 per_tensor:0,block:2,scaled_mm`` only launches those candidates (for ``ncu -k regex:gemm``).
 """
 
@@ -73,6 +74,17 @@ PER_TENSOR = (Fp8GemmConfig(**WIDE, group_m=4), Fp8GemmConfig(**WIDE),
               Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2, cluster_m=2))
 
 
+# Row tiles per column sweep around the default's 4 (8 measured 0.975 of _scaled_mm, 4 0.996):
+# fewer rows per sweep keep fewer A rows and more B columns in L2 at once (H200, two runs at
+# 8192^3: 3 0.988 / 0.965 vs 4 0.967 / 0.989; 2 and 1 in between: within the runs' noise).
+ROWS = (Fp8GemmConfig(**WIDE, group_m=4), Fp8GemmConfig(**WIDE, group_m=2),
+        Fp8GemmConfig(**WIDE, group_m=1), Fp8GemmConfig(**WIDE, group_m=3))
+# The defaults against the runner-up (``--configs confirm``): per tensor 4 and 3 row tiles per
+# sweep, block scales the tuner's first.
+CONFIRM = {"per_tensor": (SCALED_CONFIGS[0], Fp8GemmConfig(**WIDE, group_m=3)),
+           "block": BLOCK_CONFIGS[:1]}
+
+
 # Data pointers whose TMA descriptors ask for an L2 promotion (``--l2``: 2 = 128 B, 3 = 256 B;
 # Kiln encodes none): copies of the operands get it, so one process times both, interleaved.
 PROMOTE: dict = {}
@@ -94,7 +106,8 @@ def promote_l2() -> None:
 
 def candidates(which: str, kinds: tuple = tuple(MODES)) -> dict:
     sets = {"tuner": {"per_tensor": SCALED_CONFIGS, "block": BLOCK_CONFIGS},
-            "overlap": OVERLAP, "per_tensor": {"per_tensor": PER_TENSOR}}
+            "overlap": OVERLAP, "per_tensor": {"per_tensor": PER_TENSOR},
+            "rows": {"per_tensor": ROWS}, "confirm": CONFIRM}
     return {kind: configs for kind, configs in sets[which].items() if kind in kinds}
 
 
@@ -251,7 +264,8 @@ def launch_only(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="8192x8192x8192,4096x8192x8192,8192x14336x4096")
-    parser.add_argument("--configs", choices=("tuner", "overlap", "per_tensor"),
+    parser.add_argument("--configs", choices=("tuner", "overlap", "per_tensor", "rows",
+                                              "confirm"),
                         default="overlap")
     parser.add_argument("--kinds", default="per_tensor,block",
                         help="scale kinds to time: per_tensor, block or both")
@@ -263,6 +277,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--batch", type=int, default=10)
     parser.add_argument("--json")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="fill the compile cache and exit (run beside other compiles)")
     parser.add_argument("--launch", metavar="KIND:INDEX[,...]",
                         help="only launch those candidates once per shape (for ncu), e.g. "
                              "per_tensor:0,block:2,scaled_mm")
@@ -281,6 +297,8 @@ def main() -> None:
     if l2:
         promote_l2()
     precompile(configs)
+    if args.compile_only:
+        return
     log("compiled")
     for kind, configs_of in configs.items():
         for config in configs_of:

@@ -1,5 +1,6 @@
 """``bench/gemm.py --grouped``: Kiln's grouped (MoE) GEMM against Kiln's dense GEMM of the same
-FLOPs and a torch loop over the groups.
+FLOPs and a torch loop over the groups (``--grouped --fp8``: the e4m3 grouped GEMM against the
+dense FP8 GEMM of the same FLOPs and ``torch._scaled_mm``, :func:`grouped_fp8_main`).
 
 Shapes: ``TOKENS`` tokens routed to ``TOP_K`` of G experts (``total_M = TOKENS * TOP_K`` rows)
 for G in 8, 16, 64, each expert a ``K x N`` bf16 weight (two shapes: an up projection
@@ -147,3 +148,66 @@ def grouped_main(args, torch) -> None:
     if args.json:
         write_results(args.json, "gemm_grouped", rows, torch=torch, tokens=TOKENS, top_k=TOP_K,
                       seed=SEED, sweep=swept)
+
+
+def grouped_fp8_bench(torch, groups: int, k: int, n: int, kind: str, repeat: int,
+                      batch: int) -> dict:
+    """One FP8 row: ``grouped_matmul`` on e4m3 operands (``kind``: per-tensor A, one scale per
+    expert; or DeepSeek-V3 block scales) against the dense FP8 ``matmul`` of the same FLOPs
+    (expert 0's weight for every row, autotuned) and, per tensor, ``torch._scaled_mm``; each
+    checked against float32 of the dequantised operands, then timed interleaved."""
+    from gemm_grouped_fp8_ab import check, problem
+
+    sizes, offsets, a8, b8, sa, sb, expected, dense = problem(groups, k, n, kind)
+    offs = torch.from_numpy(offsets).cuda()
+    total, flops = int(offsets[-1]), 2.0 * int(offsets[-1]) * n * k
+    sb0 = sb[0] if kind == "block" else sb[:1]
+    w0 = b8[0]
+
+    def grouped():
+        return grouped_matmul(a8, b8, offs, trans_b=True, scale_a=sa, scale_b=sb)
+
+    def dense_fp8():
+        return matmul(a8, w0, scale_a=sa, scale_b=sb0, trans_b=True)
+    error = check(grouped(), expected, offsets, f"grouped FP8 {kind} G={groups}")
+    check(dense_fp8(), dense, [0, total], f"dense FP8 {kind}")  # tunes it, before timing
+    del expected, dense
+    fns = {"grouped": grouped, "dense": dense_fp8}
+    if kind == "per_tensor":
+        fns["scaled_mm"] = lambda: torch._scaled_mm(a8, w0.t(), scale_a=sa.reshape(()),
+                                                    scale_b=sb0.reshape(()),
+                                                    out_dtype=torch.bfloat16)
+    samples = interleaved_samples(fns, repeat, batch)
+    ms = {name: statistics.median(times) for name, times in samples.items()}
+    low, mid = round_ratios(samples, "grouped", "dense")
+    row = {"groups": groups, "kind": kind, "total_m": total, "k": k, "n": n,
+           "min_group": int(sizes.min()), "max_group": int(sizes.max()), "rel_error": error,
+           "grouped_tflops": flops / ms["grouped"] / 1e9,
+           "dense_tflops": flops / ms["dense"] / 1e9,
+           "ratio_vs_dense": ms["dense"] / ms["grouped"], "ratio_vs_dense_round_min": low,
+           "ratio_vs_dense_round_median": mid}
+    if "scaled_mm" in ms:
+        row["scaled_mm_tflops"] = flops / ms["scaled_mm"] / 1e9
+    return row
+
+
+def grouped_fp8_main(args, torch) -> None:
+    """Entry point of ``bench/gemm.py --grouped --fp8``: the grouped FP8 GEMM (e4m3, bf16 out)
+    against the dense FP8 GEMM of the same FLOPs, for G in 8, 16, 64 and both expert shapes."""
+    rows = []
+    for k, n in SHAPES:
+        for groups in GROUPS:
+            for kind in ("per_tensor", "block"):
+                rows.append(grouped_fp8_bench(torch, groups, k, n, kind, args.repeat,
+                                              args.batch))
+                r = rows[-1]
+                print(f"{r['groups']:>3} {r['k']:>5}x{r['n']:<6} {kind:>10} "
+                      f"{r['min_group']:>5}..{r['max_group']:<5} grouped "
+                      f"{r['grouped_tflops']:7.1f} dense {r['dense_tflops']:7.1f} "
+                      f"scaled_mm {r.get('scaled_mm_tflops', float('nan')):7.1f} TFLOP/s  "
+                      f"vs dense {r['ratio_vs_dense']:.3f} (round min/med "
+                      f"{r['ratio_vs_dense_round_min']:.3f}/"
+                      f"{r['ratio_vs_dense_round_median']:.3f})", flush=True)
+    if args.json:
+        write_results(args.json, "gemm_grouped_fp8", rows, torch=torch, tokens=TOKENS,
+                      top_k=TOP_K, seed=SEED)

@@ -50,6 +50,45 @@ def test_interpreter_matches_float64(kind, sizes, n, k, rng):
     _check(c, offsets, a64, b64)
 
 
+@pytest.mark.parametrize("kind", ["tensor", "row_col", "block"])
+@pytest.mark.parametrize("block_m, block_n", [(64, 128), (64, 256), (128, 128)])
+def test_split_n_tiles_match_float64(kind, block_m, block_n, rng):
+    """``split_n``: both consumers on a 64-row tile, each on half its columns (with block scales
+    one B block each at 256 columns, both in one at 128); at ``block_m=128`` only the tail
+    tiles of at most 64 rows (1 row, and 130 = 128 + 2), the 70-row tile split by rows: groups
+    of 1..130 rows, an empty one, N not a multiple of the tile, 3 K steps; two CTAs walk all
+    the tiles."""
+    from kiln.kernels.gemm.fp8_grouped import grouped_fp8_constexprs, make_grouped_fp8_kernel
+    from kiln.kernels.gemm.fp8_grouped_api import _grouped_scales
+    from kiln.kernels.gemm.fp8_hopper import Fp8GemmConfig
+    from kiln.kernels.gemm.grouped import table_size
+
+    config = Fp8GemmConfig(block_m=block_m, block_n=block_n, stages=3, split_n=True)
+    sizes, n, k = (70, 0, 1, 130), 392, 384
+    a, b, offsets, sa, sb, a64, b64 = _problem(rng, sizes, n, k, kind)
+    mode, sa_k, sb_k = _grouped_scales(sa, sb, len(sizes), int(offsets[-1]), n, k, a)
+    c = np.full((int(offsets[-1]), n), np.nan, np.float32)
+    make_grouped_fp8_kernel("f8e4m3", "f32", mode, config).interpret[(2,)](
+        a, b.reshape(len(sizes) * n, k), c, c, offsets, sa_k, sb_k, len(sizes), c.shape[0], n,
+        k, n, target="sm_90a", num_warps=config.num_warps,
+        **grouped_fp8_constexprs(config, table_size(len(sizes))))
+    _check(c, offsets, a64, b64)
+
+
+def test_split_n_is_refused_where_it_has_no_code():
+    from kiln.kernels.gemm.fp8_grouped import make_grouped_fp8_kernel
+    from kiln.kernels.gemm.fp8_hopper import Fp8GemmConfig, make_fp8_kernel
+
+    with pytest.raises(kiln.KilnValueError, match="split_n takes block_m=64"):
+        Fp8GemmConfig(block_n=192, split_n=True)
+    with pytest.raises(kiln.UnsupportedError, match="grouped-GEMM config"):
+        make_fp8_kernel("f8e4m3", "bf16", ("tensor", "tensor"),
+                        Fp8GemmConfig(block_m=64, block_n=256, split_n=True))
+    with pytest.raises(kiln.UnsupportedError, match="one B scale block"):
+        make_grouped_fp8_kernel("f8e4m3", "bf16", ("block", "block"),
+                                Fp8GemmConfig(block_n=192))
+
+
 def test_interpreter_e5m2_bf16_output(rng):
     a, b, offsets, sa, sb, a64, b64 = _problem(rng, (5, 60), 72, 160, "block", "f8e5m2")
     c = grouped_matmul(a, b, offsets, trans_b=True, scale_a=sa, scale_b=sb, target="sm_90a",
@@ -131,4 +170,30 @@ def test_gpu_matches_float64(kind, rng):
     c = grouped_matmul(_torch_fp8(a, torch), _torch_fp8(b, torch),
                        torch.from_numpy(offsets).to("cuda"), trans_b=True, scale_a=scale(sa),
                        scale_b=scale(sb), out_dtype="f32")
+    _check(c.cpu().numpy(), offsets, a64, b64)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("kind", ["expert", "row_col", "block"])
+@pytest.mark.parametrize("block_m, block_n", [(64, 256), (128, 128)])
+def test_gpu_split_n_tiles_match_float64(kind, block_m, block_n, rng):
+    """``split_n`` tiles on the GPU: 64 x 256 (each consumer one B scale block with block
+    scales) and 128 x 128 (tails of <= 64 rows split), ragged groups with an empty one,
+    N = 1000 ending in a consumer's half."""
+    torch = pytest.importorskip("torch")
+    from kiln.kernels.gemm.fp8_grouped_api import _grouped_scales, run_grouped_fp8
+    from kiln.kernels.gemm.fp8_hopper import Fp8GemmConfig
+
+    sizes = (0,) + tuple(int(s) for s in rng.multinomial(3000, np.full(8, 1 / 8)))
+    n, k = 1000, 512
+    a, b, offsets, sa, sb, a64, b64 = _problem(rng, sizes, n, k, kind)
+    mode, sa_k, sb_k = _grouped_scales(sa, sb, len(sizes), 3000, n, k, a)
+    device = (lambda x: torch.from_numpy(np.ascontiguousarray(
+        np.reshape(x, np.shape(x) or (1,)), np.float32)).to("cuda"))
+    c = torch.full((3000, n), float("nan"), device="cuda", dtype=torch.float32)
+    run_grouped_fp8(_torch_fp8(a, torch), _torch_fp8(b, torch).reshape(len(sizes) * n, k), c,
+                    torch.from_numpy(offsets).to("cuda"), device(sa_k), device(sb_k), mode=mode,
+                    k=k, config=Fp8GemmConfig(block_m=block_m, block_n=block_n, stages=4,
+                                              split_n=True))
     _check(c.cpu().numpy(), offsets, a64, b64)

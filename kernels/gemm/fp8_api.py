@@ -30,7 +30,8 @@ N_ALIGN = 8  # C's row stride (bf16)
 # 4096x8192x8192 per tensor, 192-column split-N overlap 8192x14336x4096. A later run (per
 # tensor, median over 11 interleaved rounds of the ratio to _scaled_mm): row tiles swept 4 at
 # a time 0.996 at 8192^3 (8 at a time 0.975, 5 stages 0.989), 0.956 at 4096x8192x8192 (0.948,
-# 5 stages 0.955; 128 columns with overlap_steps=2 0.980).
+# 5 stages 0.955; 128 columns with overlap_steps=2 0.980). 3 row tiles a sweep: 0.988 vs 0.967
+# (4) at 8192^3 in one run, 0.965 vs 0.989 in the next: within the runs' noise, not taken.
 _WIDE = dict(block_n=192, stages=4, producer_registers=24, consumer_registers=240)
 SCALED_CONFIGS = (Fp8GemmConfig(**_WIDE, group_m=4),
                   Fp8GemmConfig(block_n=128, stages=6, overlap_steps=2),

@@ -66,22 +66,43 @@ def grouped_fp8_matmul(a, b, group_offsets, *, trans_b, scale_a, scale_b, out_dt
     if chip.is_amd:
         _interpret_gfx950(args[:3] + args[4:], name, out, mode, groups)
         return c if np_ == n else contiguous(c[:, :n])
-    cfg = GROUPED_FP8_CONFIG
-    kernel = make_grouped_fp8_kernel(name, out, mode, cfg)
-    options = dict(num_warps=cfg.num_warps, **grouped_fp8_constexprs(cfg, table_size(groups)))
     if backend == "interpret":
+        cfg = GROUPED_FP8_CONFIG
+        kernel = make_grouped_fp8_kernel(name, out, mode, cfg)
         host = [to_numpy(x) if hasattr(x, "shape") else x for x in args]
         host[3] = host[2]  # C as tensor map and as tensor: one array
         grid = max(1, min(2, grouped_tiles(host[4], np_, cfg)))
-        runtime.interpret(kernel, (grid, 1, 1), host, target=chip.name, **options)
+        runtime.interpret(kernel, (grid, 1, 1), host, target=chip.name, num_warps=cfg.num_warps,
+                          **grouped_fp8_constexprs(cfg, table_size(groups)))
         if host[2] is not c:
             ArrayLib(c).copy_into(c, host[2])
     else:
-        grid = runtime.multiprocessor_count()
-        if not is_torch(offsets):  # known tile count: no CTA without a tile
-            grid = max(1, min(grid, grouped_tiles(offsets, np_, cfg)))
-        runtime.launch(kernel, (grid, 1, 1), args, target=chip.name, **options)
+        run_grouped_fp8(*args[:3], offsets, sa, sb, mode=mode, k=kp, target=chip.name)
     return c if np_ == n else contiguous(c[:, :n])
+
+
+def run_grouped_fp8(a, b, c, offsets, scale_a, scale_b, *, mode, k, target="sm_90a",
+                    config=None, stream=None):
+    """Launch the grouped FP8 kernel on prepared operands: ``a`` ``[total_M, Kp]``, ``b``
+    viewed as ``[G * Np, Kp]``, ``c`` ``[total_M, Np]`` (Kp a multiple of 16, Np of 8),
+    ``offsets`` int32 ``[G + 1]``, the scales in the kernel's forms (:mod:`.fp8_grouped`) for
+    the kind pair ``mode``; ``config`` defaults to ``GROUPED_FP8_CONFIG``. One CTA per SM (for
+    numpy offsets, at most one per tile). Example (a bench's A/B of configs):
+    ``run_grouped_fp8(a8, w8.reshape(g * n, k), c, offs, sa, sb, mode=("tensor", "tensor"),
+    k=k, config=Fp8GemmConfig(block_n=128, stages=5, group_m=16))``."""
+    from .grouped_api import grouped_tiles
+
+    groups = int(offsets.shape[0]) - 1
+    (total_m, n), cfg = c.shape, config or GROUPED_FP8_CONFIG
+    grid = runtime.multiprocessor_count()
+    if not is_torch(offsets):  # known tile count: no CTA without a tile
+        grid = max(1, min(grid, grouped_tiles(offsets, n, cfg)))
+    kernel = make_grouped_fp8_kernel(kiln.dtype(a.dtype).name, kiln.dtype(c.dtype).name,
+                                     tuple(mode), cfg)
+    runtime.launch(kernel, (grid, 1, 1),
+                   (a, b, c, c, offsets, scale_a, scale_b, groups, total_m, n, k, n),
+                   target=target, num_warps=cfg.num_warps, stream=stream,
+                   **grouped_fp8_constexprs(cfg, table_size(groups)))
 
 
 def compile_grouped_fp8_matmul(dtype, *, target, out_dtype=None, trans_b=False, groups=8,

@@ -73,7 +73,12 @@ class Fp8GemmConfig:
     128-byte swizzled row of FP8, one scale block). ``block_m=192`` runs three consumer warp
     groups and needs registers that fit the SM (``consumer_registers=160,
     producer_registers=24``); ``overlap_steps`` (1, 2, 4 or 8) promotes each K step under the
-    next one's WGMMAs (half a step's at ``block_n=192``; see the module docstring). Example:
+    next one's WGMMAs (half a step's at ``block_n=192``; see the module docstring).
+    ``split_n`` (the grouped kernel only, :mod:`.fp8_grouped`) with ``block_m=64``
+    (``block_n`` 128 or 256) has two consumer warp groups share each tile's 64 rows, each taking
+    half of its columns, so a group pads to 64 rows instead of 128; with ``block_m=128,
+    block_n=128`` only a group's last tile, when it holds at most 64 rows, is split that way
+    (the others split by rows as usual). Example:
     ``Fp8GemmConfig(block_n=128, stages=6, overlap_steps=4)``."""
 
     block_m: int = 128
@@ -85,15 +90,23 @@ class Fp8GemmConfig:
     consumer_registers: int = 232
     cluster_m: int = 1
     overlap_steps: int = 1
+    split_n: bool = False
 
     def __post_init__(self):
+        # split_n at block_m=64: half of block_n per consumer
+        widest = 2 * SCALE_BLOCK if self.split_n and self.block_m == 64 else MAX_BLOCK_N
         checks = ((self.block_m in (64, 128, 192),
                    f"block_m={self.block_m} must be 64, 128 or 192"),
+                  (not self.split_n or ((self.block_m, self.block_n) in
+                                        ((64, 128), (64, 256), (128, 128))
+                                        and self.cluster_m == 1 and self.overlap_steps == 1),
+                   "split_n takes block_m=64 with block_n 128 or 256, or block_m=128 with "
+                   "block_n=128, and no cluster_m or overlap_steps"),
                   (self.cluster_m in (1, 2), f"cluster_m={self.cluster_m} must be 1 or 2"),
                   (self.overlap_steps in (1, 2, 4, 8),
                    f"overlap_steps={self.overlap_steps} must be 1, 2, 4 or 8"),
-                  (self.block_n % 64 == 0 and 64 <= self.block_n <= MAX_BLOCK_N,
-                   f"block_n={self.block_n} must be a multiple of 64 up to {MAX_BLOCK_N} (the "
+                  (self.block_n % 64 == 0 and 64 <= self.block_n <= widest,
+                   f"block_n={self.block_n} must be a multiple of 64 up to {widest} (the "
                    "accumulator and its promoted total share 232 registers)"),
                   (self.block_k == ROW_BYTES, f"block_k={self.block_k} must be {ROW_BYTES} "
                    "(one 128-byte swizzled row of FP8)"),
@@ -114,7 +127,7 @@ class Fp8GemmConfig:
 
     @property
     def consumers(self) -> int:
-        return self.block_m // 64
+        return 2 if self.split_n else self.block_m // 64
 
     @property
     def num_warps(self) -> int:
@@ -233,6 +246,10 @@ def make_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple, config: Fp8Ge
     """
     a_mode, b_mode = scale_mode
     block = a_mode == "block"
+    if config.split_n:
+        raise kiln.UnsupportedError("split_n is a grouped-GEMM config (the dense kernel gives "
+                                    "each consumer its own rows)",
+                                    fix="use Fp8GemmConfig(split_n=False) for matmul")
     if block != (b_mode == "block") or a_mode not in A_MODES or b_mode not in B_MODES:
         raise kiln.KilnValueError(f"scale modes {scale_mode} do not combine",
                                   fix="use block scales for both operands, or per-tensor / "

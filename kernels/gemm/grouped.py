@@ -322,11 +322,12 @@ def locate_tile(table, offsets, tile, tiles_n, BM, BN, GROUP_M, TABLE):
 
 @kiln.func
 def _store_group_tile(acc, c_map, c, c_tiles, consumer, row0, col0, row_end, n, first_thread,
-                      rounds, tiles_per_round, tile_cols):
+                      rounds, tiles_per_round, tile_cols, slot=None):
     """Epilogue of one consumer's 64 rows: stage ``acc`` in swizzled shared tiles as
     :func:`.epilogue.store_tile` does; rows that all lie before ``row_end`` (the group's end,
     capped at total_M) leave by TMA store (which clips C's edges), a slice that straddles
-    ``row_end`` by masked 16-byte stores of its rows before it."""
+    ``row_end`` by masked 16-byte stores of its rows before it. The consumer's staging tiles
+    start at ``slot`` (default ``consumer * tiles_per_round``)."""
     columns = tiles_per_round * tile_cols
     whole = row0 + 64 <= row_end
     lane = kiln.thread_id(0) % WARP_GROUP_THREADS
@@ -337,19 +338,20 @@ def _store_group_tile(acc, c_map, c, c_tiles, consumer, row0, col0, row_end, n, 
         if first_thread:
             tma.wait_group(0, read=True)
         nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
-        wgmma.store_fragment_swizzled(acc, c_tiles, consumer * tiles_per_round,
+        wgmma.store_fragment_swizzled(acc, c_tiles, _first_slot(slot, consumer, tiles_per_round),
                                       columns=(r * columns, (r + 1) * columns))
         nvidia_asm.fence_proxy_async()  # generic-proxy writes before the async-proxy TMA read
         nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
         if whole:
             if first_thread:
                 for j in kiln.static_range(tiles_per_round):
-                    tma.store(c_tiles.tile(consumer * tiles_per_round + j), c_map,
+                    tma.store(c_tiles.tile(_first_slot(slot, consumer, tiles_per_round) + j),
+                              c_map,
                               (col0 + r * columns + j * tile_cols, row0))
                 tma.commit_group()
         else:
             for j in kiln.static_range(tiles_per_round):
-                staged = c_tiles.tile(consumer * tiles_per_round + j)
+                staged = c_tiles.tile(_first_slot(slot, consumer, tiles_per_round) + j)
                 for q in kiln.static_range(ROW_BYTES // UNIT_BYTES // 2):
                     u = (lane % 2) * (ROW_BYTES // UNIT_BYTES // 2) + q
                     col = col0 + r * columns + j * tile_cols + u * unit
@@ -358,3 +360,8 @@ def _store_group_tile(acc, c_map, c, c_tiles, consumer, row0, col0, row_end, n, 
                     if in_rows & (col < n):
                         c.store(row0 + row, col, values, align=UNIT_BYTES)
 
+
+def _first_slot(slot, consumer, tiles_per_round):
+    """A consumer's first staging tile: ``slot``, or its own ``consumer * tiles_per_round``
+    (computed where it is used, so the kernels' instruction order stays as it was)."""
+    return consumer * tiles_per_round if slot is None else slot
