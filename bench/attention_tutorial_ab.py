@@ -215,6 +215,8 @@ def release_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Ten
 # (block None: its default blocks)
 VARIANTS = {
     "tutorial": (None, None, {}),
+    "tutorial_g1": (None, None, {"GROUP": 1}),
+    "tutorial_g8": (None, None, {"GROUP": 8}),
     "tutorial_96x3": (None, (128, 96, 8, 3), {}),
     "tutorial_64x3": (None, (128, 64, 8, 3), {}),
     "tutorial_64x4": (None, (128, 64, 8, 4), {}),
@@ -230,13 +232,21 @@ VARIANTS = {
 }
 
 
+def _constexprs(tut, kernel, cfg: dict, extra: dict) -> dict:
+    """A variant's constexprs: the tutorial's config (less ``GROUP``, which only the
+    tutorial's kernel takes) updated by the variant's own."""
+    if kernel is not None:
+        cfg = {key: value for key, value in cfg.items() if key != "GROUP"}
+    return {**cfg, **extra}
+
+
 def launch_spec(tut, name, q, k, v, o, cu, seq, heads, causal, scale):
     """``(kernel, grid, args, constexprs)`` of variant ``name``: what its launch passes."""
     kernel, block, extra = VARIANTS[name]
-    cfg = tut.config(q.shape[1] // heads, None, block)
+    cfg = _constexprs(tut, kernel, tut.config(q.shape[1] // heads, None, block), extra)
     grid = (-(-seq // cfg["BM"]), heads, len(cu) - 1)
     return (kernel or tut.attention_kernel, grid, (q, k, v, o, cu, scale * tut.LOG2E),
-            dict(CAUSAL=causal, ALIGN=16, **cfg, **extra))
+            dict(CAUSAL=causal, ALIGN=16, **cfg))
 
 
 def launcher(spec):
@@ -276,7 +286,8 @@ def write_sass(path: Path, names, causal: bool) -> None:
             kernel, block, extra = VARIANTS[name]
             ck = (kernel or tut.attention_kernel).compile(
                 x, x, x, x, np.array([0, 256], np.int32), 1.0, CAUSAL=causal, ALIGN=16,
-                **tut.config(128, "sm_90a", block), **extra, target="sm_90a")
+                **_constexprs(tut, kernel, tut.config(128, "sm_90a", block), extra),
+                target="sm_90a")
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(ck.asm["cubin"])
                 f.flush()

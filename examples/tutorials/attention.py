@@ -61,14 +61,20 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
                      o: kiln.Tensor[bf16, 2], cu_seqlens: kiln.Tensor[i32], qk_scale: f32,
                      D: kiln.constexpr, BM: kiln.constexpr, BN: kiln.constexpr,
                      STAGES: kiln.constexpr, THREADS: kiln.constexpr, CAUSAL: kiln.constexpr,
-                     ALIGN: kiln.constexpr):
-    col0 = kiln.block_id(1) * D                       # the head's columns
-    start = cu_seqlens[kiln.block_id(2)]
-    length = cu_seqlens[kiln.block_id(2) + 1] - start
-    tile, tiles = kiln.block_id(0), (length + BM - 1) // BM
-    if CAUSAL:                                        # the longest query tiles first
-        tile = kiln.where(tile < tiles, tiles - 1 - tile, tile)
-    row0 = tile * BM
+                     ALIGN: kiln.constexpr, GROUP: kiln.constexpr):
+    rank, head, seq = kiln.block_id(0), kiln.block_id(1), kiln.block_id(2)
+    if CAUSAL:   # the longest query tiles first, GROUP heads at a time (their K/V stay in L2)
+        ranks, heads = kiln.num_blocks(0), kiln.num_blocks(1)
+        block = rank + ranks * (head + heads * seq)   # the launch order
+        first = block // (GROUP * ranks) * GROUP      # the group's first (sequence, head)
+        size = kiln.min(GROUP, heads * kiln.num_blocks(2) - first)
+        rank, pair = block % (GROUP * ranks) // size, first + block % (GROUP * ranks) % size
+        head, seq = pair % heads, pair // heads
+    col0 = head * D                                   # the head's columns
+    start = cu_seqlens[seq]
+    length = cu_seqlens[seq + 1] - start
+    tiles = (length + BM - 1) // BM
+    row0 = kiln.where(rank < tiles, tiles - 1 - rank, rank) * BM if CAUSAL else rank * BM
     # laid out for the target's MMA: WGMMA's swizzled chunks on sm_90a (k_s.T is then a
     # K-major B), row-major with a bank-conflict-free swizzle elsewhere; K and V in STAGES
     q_s = kiln.tiles.operand_tile((BM, D), bf16, "a")
@@ -80,31 +86,19 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
 
     kiln.copy(kiln.GlobalTile(q, (BM, D), (start + row0, col0), row_end=start + length,
                               align=ALIGN), q_s)      # once: cp.async, its rows masked
-    kiln.copy(rows(v, BN, length), v_s[-1])           # finite: the first step's P V is 0 V
-    for i in range(STAGES - 1):                       # K runs STAGES - 1 tiles ahead, V one less
-        kiln.copy(rows(k, BN, i * BN), k_s[i])
-        if i < STAGES - 2:
-            kiln.copy(rows(v, BN, i * BN), v_s[i])
-    kiln.barrier()                                    # Q landed
     s0 = kiln.accumulator(q_s, k_s[0].T, warps="rows")
     p = kiln.cast(s0, bf16)                           # the P of the step before the first
     acc = kiln.accumulator(p, v_s[-1], warps="rows")
     m = kiln.tiles.TileVector.full(s0.layout, -float("inf"))
     l = kiln.tiles.TileVector.full(s0.layout, 0.0)
     alpha = kiln.tiles.TileVector.full(s0.layout, 1.0)   # O's rescale, due before P V
-    # keys [0, full) need no mask (whole groups of STAGES tiles); [full, end) are the ragged
-    # tail or the causal diagonal (a group's last tiles may lie past the end: masked, they add
-    # nothing)
-    end = length
-    full = length // BN * BN
-    if CAUSAL:
-        end = kiln.min(length, row0 + BM)
-        full = kiln.min(full, (row0 + 1) // BN * BN)
-    end = kiln.where(row0 < length, end, 0)           # a block past the sequence does nothing
-    # in groups of STAGES tiles; the kiln.max's prove the trip counts >= 0 (the TMA waits'
-    # parities count the loops' trips)
-    full = kiln.max(kiln.min(full, end) // (STAGES * BN), 0)
-    last = kiln.max((end + STAGES * BN - 1) // (STAGES * BN), full)
+    # key tiles [0, n): the first n % STAGES, then whole groups of STAGES; only the last
+    # `tail` tiles (the ragged end, or the causal diagonal) pay for the mask
+    end = kiln.min(length, row0 + BM) if CAUSAL else length
+    n = kiln.max((kiln.where(row0 < length, end, 0) + BN - 1) // BN, 0)   # 0: past the end
+    tail = max(BM // BN, 1) if CAUSAL else 1
+    groups = n // STAGES
+    masked = kiln.max(groups - (tail + STAGES - 1) // STAGES, 0)
 
     def step(kv0, st, p, alpha, acc, m, l, masked):
         """S_j = Q K_j^T and O += P_j-1 V_j-1 run together (FlashAttention-3's order): the
@@ -128,19 +122,39 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
         # sm_90a they wait for every thread's release, no block barrier (the warpgroups run
         # apart)
         kiln.release(k_s[st], v_s[st - 1])
-        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[st - 1])  # past the end: masked
-        kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[st - 2])
+        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[(st - 1) % STAGES])  # past the
+        kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[(st - 2) % STAGES])  # end: masked
         return p, alpha, acc, m_new, l
 
-    def steps(kv0, p, alpha, acc, m, l, masked):      # a step per stage: Python-int stages
-        for st in range(STAGES):
-            p, alpha, acc, m, l = step(kv0 + st * BN, st, p, alpha, acc, m, l, masked)
+    def begin(r, p, alpha, acc, m, l):
+        """The first ``r`` tiles (masked: they may be the last); tile j goes to stage
+        (j - r) % STAGES, so the groups after them start at stage 0."""
+        kiln.copy(rows(v, BN, length), v_s[(-1 - r) % STAGES])   # finite: the first P V is 0 V
+        for i in range(STAGES - 1):                   # K runs STAGES - 1 tiles ahead, V one less
+            kiln.copy(rows(k, BN, i * BN), k_s[(i - r) % STAGES])
+            if i < STAGES - 2:
+                kiln.copy(rows(v, BN, i * BN), v_s[(i - r) % STAGES])
+        if r:
+            kiln.barrier()                            # Q landed
+        for j in range(r):
+            p, alpha, acc, m, l = step(j * BN, (j - r) % STAGES, p, alpha, acc, m, l, True)
         return p, alpha, acc, m, l
 
-    for g in kiln.range(0, full):                     # unit steps: the TMA waits' parity
-        p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, False)
-    for g in kiln.range(full, last):
-        p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, True)
+    def steps(kv0, p, alpha, acc, m, l, unmasked):    # a step per stage: Python-int stages
+        for st in range(STAGES):
+            p, alpha, acc, m, l = step(kv0 + st * BN, st, p, alpha, acc, m, l, st >= unmasked)
+        return p, alpha, acc, m, l
+
+    rem = n - groups * STAGES
+    for r in range(STAGES):                           # one runs: the loops count TMA waits
+        for _ in kiln.range(0, kiln.max(kiln.where(rem == r, 1, 0), 0)):
+            p, alpha, acc, m, l = begin(r, p, alpha, acc, m, l)
+    kiln.barrier()                                    # Q landed (r = 0)
+    for g in kiln.range(0, masked):                   # unit steps: the TMA waits' parity
+        p, alpha, acc, m, l = steps((rem + g * STAGES) * BN, p, alpha, acc, m, l, STAGES)
+    for g in kiln.range(masked, kiln.max(groups, masked)):   # the last tiles masked
+        p, alpha, acc, m, l = steps((rem + g * STAGES) * BN, p, alpha, acc, m, l,
+                                    max(STAGES - tail, 0))
     acc = kiln.gemm(p, v_s[-1], acc * alpha)
     kiln.copy(kiln.cast(acc / l, bf16), kiln.GlobalTile(o, (BM, D), (start + row0, col0),
                                                         row_end=start + length, align=ALIGN))
@@ -166,7 +180,7 @@ def config(d: int, target: str | None, block: tuple[int, ...] | None = None) -> 
     table = (AMD_BLOCKS if name.startswith("gfx") else
              HOPPER_BLOCKS if name.startswith("sm_90") else BLOCKS)
     bm, bn, warps, *stages = block or table[d]
-    return dict(D=d, BM=bm, BN=bn, STAGES=stages[0] if stages else 3,
+    return dict(D=d, BM=bm, BN=bn, STAGES=stages[0] if stages else 3, GROUP=4,
                 THREADS=256 if name.startswith("gfx") else 32 * warps)
 
 
