@@ -232,19 +232,18 @@ VARIANTS = {
 }
 
 
-def _constexprs(tut, kernel, cfg: dict, extra: dict) -> dict:
-    """A variant's constexprs: the tutorial's config (less ``GROUP``, which only the
-    tutorial's kernel takes) updated by the variant's own."""
-    if kernel is not None:
-        cfg = {key: value for key, value in cfg.items() if key != "GROUP"}
-    return {**cfg, **extra}
-
-
 def launch_spec(tut, name, q, k, v, o, cu, seq, heads, causal, scale):
-    """``(kernel, grid, args, constexprs)`` of variant ``name``: what its launch passes."""
+    """``(kernel, grid, args, constexprs)`` of variant ``name``: what its launch passes (the
+    tutorial's kernel: its ``GROUP`` and grid, a variant's ``GROUP`` overriding it)."""
     kernel, block, extra = VARIANTS[name]
-    cfg = _constexprs(tut, kernel, tut.config(q.shape[1] // heads, None, block), extra)
-    grid = (-(-seq // cfg["BM"]), heads, len(cu) - 1)
+    cfg = tut.config(q.shape[1] // heads, None, block)
+    pairs = heads * (len(cu) - 1)
+    if kernel is None:
+        cfg = {**cfg, "GROUP": tut.group(causal, pairs), **extra}
+        grid = tut.launch_grid(cfg, seq, pairs)
+    else:
+        cfg = {**{key: value for key, value in cfg.items() if key != "GROUP"}, **extra}
+        grid = (-(-seq // cfg["BM"]), heads, len(cu) - 1)
     return (kernel or tut.attention_kernel, grid, (q, k, v, o, cu, scale * tut.LOG2E),
             dict(CAUSAL=causal, ALIGN=16, **cfg))
 
@@ -286,8 +285,8 @@ def write_sass(path: Path, names, causal: bool) -> None:
             kernel, block, extra = VARIANTS[name]
             ck = (kernel or tut.attention_kernel).compile(
                 x, x, x, x, np.array([0, 256], np.int32), 1.0, CAUSAL=causal, ALIGN=16,
-                **_constexprs(tut, kernel, tut.config(128, "sm_90a", block), extra),
-                target="sm_90a")
+                **{key: value for key, value in tut.config(128, "sm_90a", block).items()
+                   if key != "GROUP" or kernel is None}, **extra, target="sm_90a")
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(ck.asm["cubin"])
                 f.flush()

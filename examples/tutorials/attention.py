@@ -62,14 +62,11 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
                      D: kiln.constexpr, BM: kiln.constexpr, BN: kiln.constexpr,
                      STAGES: kiln.constexpr, THREADS: kiln.constexpr, CAUSAL: kiln.constexpr,
                      ALIGN: kiln.constexpr, GROUP: kiln.constexpr):
-    rank, head, seq = kiln.block_id(0), kiln.block_id(1), kiln.block_id(2)
-    if CAUSAL:   # the longest query tiles first, GROUP heads at a time (their K/V stay in L2)
-        ranks, heads = kiln.num_blocks(0), kiln.num_blocks(1)
-        block = rank + ranks * (head + heads * seq)   # the launch order
-        first = block // (GROUP * ranks) * GROUP      # the group's first (sequence, head)
-        size = kiln.min(GROUP, heads * kiln.num_blocks(2) - first)
-        rank, pair = block % (GROUP * ranks) // size, first + block % (GROUP * ranks) % size
-        head, seq = pair % heads, pair // heads
+    # a block per BM query rows of one head of one sequence; GROUP (sequence, head) pairs
+    # share a tile rank, launched one after the other (causal: longest first, while their K
+    # and V stay in L2)
+    pair, rank = kiln.block_id(2) * GROUP + kiln.block_id(0), kiln.block_id(1)
+    seq, head = pair // (q.shape[1] // D), pair % (q.shape[1] // D)
     col0 = head * D                                   # the head's columns
     start = cu_seqlens[seq]
     length = cu_seqlens[seq + 1] - start
@@ -145,15 +142,13 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
             p, alpha, acc, m, l = step(kv0 + st * BN, st, p, alpha, acc, m, l, st >= unmasked)
         return p, alpha, acc, m, l
 
-    rem = n - groups * STAGES
-    for r in range(STAGES):                           # one runs: the loops count TMA waits
-        for _ in kiln.range(0, kiln.max(kiln.where(rem == r, 1, 0), 0)):
-            p, alpha, acc, m, l = begin(r, p, alpha, acc, m, l)
+    for r in kiln.cases(n % STAGES, STAGES):          # one runs, r a Python int
+        p, alpha, acc, m, l = begin(r, p, alpha, acc, m, l)
     kiln.barrier()                                    # Q landed (r = 0)
     for g in kiln.range(0, masked):                   # unit steps: the TMA waits' parity
-        p, alpha, acc, m, l = steps((rem + g * STAGES) * BN, p, alpha, acc, m, l, STAGES)
+        p, alpha, acc, m, l = steps((n % STAGES + g * STAGES) * BN, p, alpha, acc, m, l, STAGES)
     for g in kiln.range(masked, kiln.max(groups, masked)):   # the last tiles masked
-        p, alpha, acc, m, l = steps((rem + g * STAGES) * BN, p, alpha, acc, m, l,
+        p, alpha, acc, m, l = steps((n % STAGES + g * STAGES) * BN, p, alpha, acc, m, l,
                                     max(STAGES - tail, 0))
     acc = kiln.gemm(p, v_s[-1], acc * alpha)
     kiln.copy(kiln.cast(acc / l, bf16), kiln.GlobalTile(o, (BM, D), (start + row0, col0),
@@ -161,18 +156,20 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
 
 
 # (BM, BN, warps, K/V stages) per head dim: sm_90a (WGMMA), other NVIDIA (mma.sync), AMD (4
-# wavefronts whatever the warps; P in VGPRs too, no register A: 32 keys a step stay clear of
-# scratch). 3 stages: a step's copies refill the stages of the step before it
+# wavefronts whatever the warps; P in VGPRs too, no register A: 32 keys a step, and at D 128
+# 64 query rows, stay clear of scratch). 3 stages: a step's copies refill the stages of the
+# step before it
 HOPPER_BLOCKS = {64: (128, 64, 8, 3), 128: (128, 128, 8, 3)}
 BLOCKS = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3)}
-AMD_BLOCKS = {64: (128, 32, 8, 3), 128: (128, 32, 8, 3)}
+AMD_BLOCKS = {64: (128, 32, 8, 3), 128: (64, 32, 8, 3)}
 
 
 def config(d: int, target: str | None, block: tuple[int, ...] | None = None) -> dict:
     """Block sizes (``block = (BM, BN, warps[, stages])`` overrides them): on NVIDIA 128 query
     rows over 8 warps (16 rows each: two warpgroups on sm_90a), 64 keys per step (128 on sm_90a
     at D 128) and K/V in 3 stages (2 is correct too, with no copy running a step ahead); on
-    AMD 4 wavefronts of 64 lanes (32 rows each). ``target`` None is Kiln's default."""
+    AMD 4 wavefronts of 64 lanes (32 rows each, 16 at D 128); ``GROUP`` 1 (:func:`attention` sets
+    :func:`group`'s). ``target`` None is Kiln's default."""
     if d not in (64, 128):
         raise kiln.KilnValueError(f"the attention tutorial takes head dim 64 or 128, got {d}",
                                   fix="pad the head dimension to 64 or 128")
@@ -180,8 +177,24 @@ def config(d: int, target: str | None, block: tuple[int, ...] | None = None) -> 
     table = (AMD_BLOCKS if name.startswith("gfx") else
              HOPPER_BLOCKS if name.startswith("sm_90") else BLOCKS)
     bm, bn, warps, *stages = block or table[d]
-    return dict(D=d, BM=bm, BN=bn, STAGES=stages[0] if stages else 3, GROUP=4,
+    return dict(D=d, BM=bm, BN=bn, STAGES=stages[0] if stages else 3, GROUP=1,
                 THREADS=256 if name.startswith("gfx") else 32 * warps)
+
+
+def group(causal: bool, pairs: int) -> int:
+    """The (sequence, head) pairs a tile rank launches together: causal 4 (or 2) when they
+    divide ``pairs``, so the grid has no idle blocks (4: about one wave of 4k-token
+    sequences' query tiles on an H200); 1 otherwise (every pair's tiles in turn)."""
+    return next(g for g in (4, 2, 1) if pairs % g == 0) if causal else 1
+
+
+def launch_grid(cfg: dict, max_seqlen: int, pairs: int) -> tuple[int, int, int]:
+    """``(GROUP, query tiles, pairs / GROUP)``: block ``(i, rank, j)`` runs pair ``j * GROUP
+    + i``'s tile ``rank`` (``GROUP`` must divide ``pairs``)."""
+    if pairs % cfg["GROUP"]:
+        raise kiln.KilnValueError(f"GROUP={cfg['GROUP']} does not divide the {pairs} "
+                                  "(sequence, head) pairs", fix="use group(causal, pairs)")
+    return cfg["GROUP"], -(-max_seqlen // cfg["BM"]), pairs // cfg["GROUP"]
 
 
 def attention(q, k, v, o, cu_seqlens, max_seqlen: int, heads: int, *, causal: bool = False,
@@ -196,7 +209,8 @@ def attention(q, k, v, o, cu_seqlens, max_seqlen: int, heads: int, *, causal: bo
     if not scale > 0:   # the kernel takes row maxima of Q K^T before scaling
         raise kiln.KilnValueError(f"attention scale must be positive, got {scale}",
                                   fix="pass scale > 0 (default 1 / sqrt(D))")
-    grid = (-(-max_seqlen // cfg["BM"]), heads, len(cu_seqlens) - 1)
+    cfg["GROUP"] = group(causal, heads * (len(cu_seqlens) - 1))
+    grid = launch_grid(cfg, max_seqlen, heads * (len(cu_seqlens) - 1))
     launch = attention_kernel.interpret[grid] if backend == "interpret" else attention_kernel[grid]
     extra = {"target": target} if target else {}
     pointers = [t.data_ptr() for t in (q, k, v, o) if hasattr(t, "data_ptr")]
