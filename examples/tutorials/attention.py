@@ -29,14 +29,19 @@ H200 timed 599 against 567 TFLOP/s with a barrier a step; making them take turns
 waiting for every thread's release of a step ago (``kiln-verify-waits`` proves the waits);
 elsewhere (``cp.async``, buffer DMA) ``kiln.release`` is a block barrier. K and V have
 ``STAGES = 3`` shared stages each (``K_j+1``, ``K_j+2`` and ``V_j``, ``V_j+1`` fly during step
-``j``), so the loops take ``STAGES`` steps at a time and the stage indices are Python ints. The
-K and V tiles are masked at the tensors' own ends, not the sequence's, so on sm_90a
-``kiln.copy`` moves them by TMA; rows past the sequence belong to the next one (or read 0).
-Keys past the sequence, and with ``causal`` keys after the query, are masked to ``-inf`` in the
-scores, so they add nothing (P is 0 on their V rows, which must be finite): only the last
-(ragged or diagonal) key tiles pay for the mask, in a second loop. Causal query tiles run
-longest first. No branch depends on a lane's data: the WGMMA waits ``kiln-insert-waits`` places
-are ``.aligned`` (a warp must reach each at one address), so O is rescaled every step.
+``j``), so the loops take ``STAGES`` steps at a time and the stage indices are Python ints. A
+block's ``n`` key tiles are not a multiple of ``STAGES``: the first ``n % STAGES`` run in
+``kiln.cases``' arm of that count (one arm runs; in it tile ``j`` has stage ``(j - r) %
+STAGES``, so the whole groups after it start at stage 0 and end at the last tile), so no
+block computes tiles past its causal diagonal. The K and V tiles are masked at the tensors'
+own ends, not the sequence's, so on sm_90a ``kiln.copy`` moves them by TMA; rows past the
+sequence belong to the next one (or read 0). Keys past the sequence, and with ``causal`` keys
+after the query, are masked to ``-inf`` in the scores, so they add nothing (P is 0 on their V
+rows, which must be finite): only the first tiles (they may be the last) and the last (ragged
+or diagonal) ones pay for the mask. Causal query tiles run longest first, ``GROUP`` (sequence,
+head) pairs at a time. No branch depends on a lane's data: the WGMMA waits
+``kiln-insert-waits`` places are ``.aligned`` (a warp must reach each at one address), so O is
+rescaled every step.
 
 Run: ``python examples/tutorials/attention.py``.
 """
