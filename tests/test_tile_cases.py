@@ -37,10 +37,28 @@ def test_one_arm_runs_with_r_a_python_int(value):
     assert y.tolist() == [5 + (10 * value + value * value if inside else 0), int(inside)]
 
 
+@kiln.kernel(num_threads=32)
+def pick_constant(y: kiln.Tensor[i32], V: kiln.constexpr):
+    acc = y[0]
+    for r in kiln.cases(V, 3):              # a Python int value: its arm, or none
+        acc = acc + 10 * r + 1
+    if kiln.thread_id(0) == 0:
+        y[0] = acc
+
+
+@pytest.mark.parametrize("value", [2, 3])
+def test_a_constant_value_runs_its_arm(value):
+    y = np.full(1, 5, np.int32)
+    pick_constant.interpret[(1,)](y, V=value)
+    assert y[0] == 5 + (10 * value + 1 if value < 3 else 0)
+
+
 def test_cases_refuses_bad_arguments():
     x = np.zeros(2, np.int32)
     with pytest.raises(kiln.KilnValueError, match="must be an int in 1.."):
         pick.interpret[(1,)](x, x.copy(), N=0)
+    with pytest.raises(kiln.KilnTypeError, match="must be an integer"):
+        kiln.cases(1.5, 3)
     with pytest.raises(kiln.KilnTypeError, match="only drive a `for` statement"):
         iter(kiln.cases(1, 3))
 
