@@ -3,10 +3,14 @@ examples/tutorials/attention.py's kernel) against Triton's tutorial attention an
 ``prefill``, one run, bf16 ``[B, S, H, 128]``.
 
 ``tutorial``: the tutorial's kernel at its default blocks (K/V handed back by ``kiln.release``,
-refilled at the end of a step, no block barrier a step); ``tutorial_*`` the same kernel at
-other blocks. ``release_kernel`` is that design with (``turns_*``) or without (``free_*``, PTX
-byte-identical to the tutorial's) the two warpgroups taking turns issuing their GEMMs
-(``kiln.Turns``). ``loops_kernel`` is the
+refilled at the end of a step, no block barrier a step; the first ``n % 3`` key tiles in
+``kiln.cases``' arm, then whole groups ending at the last tile; causal tiles launched longest
+first, ``GROUP`` (sequence, head) pairs at a time); ``tutorial_*`` the same kernel at other
+blocks or ``GROUP`` (``tutorial_g1``: every pair's tiles in turn, the launch order before).
+``release_kernel`` is the design before the remainder-first loop (whole groups of 3 key tiles
+from tile 0, up to 2 tiles past a causal diagonal) with (``turns_*``) or without (``free_*``,
+PTX byte-identical to the tutorial of commit cabd4bb) the two warpgroups taking turns issuing
+their GEMMs (``kiln.Turns``). ``loops_kernel`` is the
 tutorial's earlier design (a block barrier a step, K/V refilled at its start, 2 stages:
 ``tma_*``; ``cp_*`` moves K/V by ``cp.async``, masked at the sequence's end). All are declared
 ``flush_denormals=True`` (exp2 one ``MUFU.EX2``).
@@ -216,6 +220,7 @@ def release_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Ten
 VARIANTS = {
     "tutorial": (None, None, {}),
     "tutorial_g1": (None, None, {"GROUP": 1}),
+    "tutorial_g2": (None, None, {"GROUP": 2}),
     "tutorial_g8": (None, None, {"GROUP": 8}),
     "tutorial_96x3": (None, (128, 96, 8, 3), {}),
     "tutorial_64x3": (None, (128, 64, 8, 3), {}),
