@@ -15,7 +15,9 @@ tutorial's earlier design (a block barrier a step, K/V refilled at its start, 2 
 ``tma_*``; ``cp_*`` moves K/V by ``cp.async``, masked at the sequence's end). All are declared
 ``flush_denormals=True`` (exp2 one ``MUFU.EX2``).
 
-Measured on an H200 (one run, 4 x 4096 x 16 x 128, non-causal / causal, ``prefill`` 709 /
+Measured on an H200 (one run, 4 x 4096 x 16 x 128 causal, ``prefill`` 653.1 TFLOP/s): the
+remainder-first ``tutorial`` 498.7 (0.764 of ``prefill``), ``free_128x3`` 487.5 (0.747).
+Before (one run, 4 x 4096 x 16 x 128, non-causal / causal, ``prefill`` 709 /
 640 TFLOP/s): ``free_128x3`` 599 / 478 (0.84 / 0.75 of ``prefill``), ``turns_128x3`` 547 / 450,
 ``tma_128x2`` 567 / 473; the tutorial at 1 x 16384 x 16 x 128 causal (another run, no
 Triton) 598 against ``prefill``'s 700 (0.85). Earlier (non-causal; Triton 493, ``prefill`` 733; ``loops_kernel``
