@@ -3,21 +3,15 @@ examples/tutorials/attention.py's kernel) against Triton's tutorial attention an
 ``prefill``, one run, bf16 ``[B, S, H, 128]``.
 
 ``tutorial``: the tutorial's kernel at its default blocks (K/V handed back by ``kiln.release``,
-refilled at the end of a step, no block barrier a step; the first ``n % 3`` key tiles in
-``kiln.cases``' arm, then whole groups ending at the last tile; causal tiles launched longest
-first, ``GROUP`` (sequence, head) pairs at a time); ``tutorial_*`` the same kernel at other
-blocks or ``GROUP`` (``tutorial_g1``: every pair's tiles in turn, the launch order before).
-``release_kernel`` is the design before the remainder-first loop (whole groups of 3 key tiles
-from tile 0, up to 2 tiles past a causal diagonal) with (``turns_*``) or without (``free_*``,
-PTX byte-identical to the tutorial of commit cabd4bb) the two warpgroups taking turns issuing
-their GEMMs (``kiln.Turns``). ``loops_kernel`` is the
+refilled at the end of a step, no block barrier a step); ``tutorial_*`` the same kernel at
+other blocks. ``release_kernel`` is that design with (``turns_*``) or without (``free_*``, PTX
+byte-identical to the tutorial's) the two warpgroups taking turns issuing their GEMMs
+(``kiln.Turns``). ``loops_kernel`` is the
 tutorial's earlier design (a block barrier a step, K/V refilled at its start, 2 stages:
 ``tma_*``; ``cp_*`` moves K/V by ``cp.async``, masked at the sequence's end). All are declared
 ``flush_denormals=True`` (exp2 one ``MUFU.EX2``).
 
-Measured on an H200 (one run, 4 x 4096 x 16 x 128 causal, ``prefill`` 653.1 TFLOP/s): the
-remainder-first ``tutorial`` 498.7 (0.764 of ``prefill``), ``free_128x3`` 487.5 (0.747).
-Before (one run, 4 x 4096 x 16 x 128, non-causal / causal, ``prefill`` 709 /
+Measured on an H200 (one run, 4 x 4096 x 16 x 128, non-causal / causal, ``prefill`` 709 /
 640 TFLOP/s): ``free_128x3`` 599 / 478 (0.84 / 0.75 of ``prefill``), ``turns_128x3`` 547 / 450,
 ``tma_128x2`` 567 / 473; the tutorial at 1 x 16384 x 16 x 128 causal (another run, no
 Triton) 598 against ``prefill``'s 700 (0.85). Earlier (non-causal; Triton 493, ``prefill`` 733; ``loops_kernel``
@@ -221,9 +215,6 @@ def release_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.Ten
 # (block None: its default blocks)
 VARIANTS = {
     "tutorial": (None, None, {}),
-    "tutorial_g1": (None, None, {"GROUP": 1}),
-    "tutorial_g2": (None, None, {"GROUP": 2}),
-    "tutorial_g8": (None, None, {"GROUP": 8}),
     "tutorial_96x3": (None, (128, 96, 8, 3), {}),
     "tutorial_64x3": (None, (128, 64, 8, 3), {}),
     "tutorial_64x4": (None, (128, 64, 8, 4), {}),
@@ -240,19 +231,12 @@ VARIANTS = {
 
 
 def launch_spec(tut, name, q, k, v, o, cu, seq, heads, causal, scale):
-    """``(kernel, grid, args, constexprs)`` of variant ``name``: what its launch passes (the
-    tutorial's kernel: its ``GROUP`` and grid, a variant's ``GROUP`` overriding it)."""
+    """``(kernel, grid, args, constexprs)`` of variant ``name``: what its launch passes."""
     kernel, block, extra = VARIANTS[name]
     cfg = tut.config(q.shape[1] // heads, None, block)
-    pairs = heads * (len(cu) - 1)
-    if kernel is None:
-        cfg = {**cfg, "GROUP": tut.group(causal, pairs), **extra}
-        grid = tut.launch_grid(cfg, seq, pairs)
-    else:
-        cfg = {**{key: value for key, value in cfg.items() if key != "GROUP"}, **extra}
-        grid = (-(-seq // cfg["BM"]), heads, len(cu) - 1)
+    grid = (-(-seq // cfg["BM"]), heads, len(cu) - 1)
     return (kernel or tut.attention_kernel, grid, (q, k, v, o, cu, scale * tut.LOG2E),
-            dict(CAUSAL=causal, ALIGN=16, **cfg))
+            dict(CAUSAL=causal, ALIGN=16, **cfg, **extra))
 
 
 def launcher(spec):
@@ -292,8 +276,7 @@ def write_sass(path: Path, names, causal: bool) -> None:
             kernel, block, extra = VARIANTS[name]
             ck = (kernel or tut.attention_kernel).compile(
                 x, x, x, x, np.array([0, 256], np.int32), 1.0, CAUSAL=causal, ALIGN=16,
-                **{key: value for key, value in tut.config(128, "sm_90a", block).items()
-                   if key != "GROUP" or kernel is None}, **extra, target="sm_90a")
+                **tut.config(128, "sm_90a", block), **extra, target="sm_90a")
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(ck.asm["cubin"])
                 f.flush()
@@ -352,26 +335,17 @@ def main() -> None:
                 prefill(q4, k4, v4, causal=causal, scale=scale)
             torch.cuda.synchronize()
             continue
-        ref = torch.empty_like(q)
-
-        def triton(causal):
-            return lambda: t_attention[(seq // 128, batch * heads)](
-                q, k, v, ref, q.stride(0), scale * tut.LOG2E, seq, heads, D=d, BM=128,
-                BN=128, CAUSAL=causal, num_warps=8, num_stages=3)
-
-        # every compile, the peers' too, ends before anything is timed: a compile thread
-        # holding the GIL starves the queued launches (batch 1: Triton timed at 52 TFLOP/s)
-        wants = {causal: prefill(q4, k4, v4, causal=causal, scale=scale).view(batch * seq, -1)
-                 .float() for causal in causals}
-        for causal in causals if not args.no_triton else ():
-            triton(causal)()
-        for future in built.values():
-            with contextlib.suppress(Exception):   # reported where the variant is timed
-                future.result()
         for causal in causals:   # per mask: the peers, then every variant (a run cut short
             # keeps whole masks)
             flops = 4.0 * batch * heads * seq * seq * d * (0.5 if causal else 1.0)
-            want, t_run = wants[causal], triton(causal)
+            want = prefill(q4, k4, v4, causal=causal, scale=scale).view(batch * seq, -1).float()
+            ref = torch.empty_like(q)
+
+            def t_run():
+                t_attention[(seq // 128, batch * heads)](
+                    q, k, v, ref, q.stride(0), scale * tut.LOG2E, seq, heads, D=d, BM=128,
+                    BN=128, CAUSAL=causal, num_warps=8, num_stages=3)
+
             p_ms = queued_ms(lambda: prefill(q4, k4, v4, causal=causal, scale=scale),
                              args.repeat)
             row = {"shape": [batch, seq, heads, d], "causal": causal,

@@ -22,10 +22,10 @@ same arm (no lane-divergent branch around a WGMMA's ``.aligned`` wait). Variable
 the body are carried through every arm (an arm that does not run passes them on), as in a
 ``kiln.range`` loop; ``value`` outside ``0 .. n - 1`` runs no arm.
 
-Example (the attention tutorial's first key tiles)::
+Example (``tests/test_tile_cases.py``' ring: the first ``n % 3`` blocks, stages rotated)::
 
-    for r in kiln.cases(n % STAGES, STAGES):
-        p, alpha, acc, m, l = begin(r, p, alpha, acc, m, l)
+    for r in kiln.cases(n % 3, 3):
+        acc = first(r, acc)
 """
 
 from __future__ import annotations

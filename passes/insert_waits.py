@@ -52,9 +52,8 @@ from kiln.passes.wait_analysis import (CP_ASYNC, MBARRIER, WGMMA, Gap, WaitAnaly
 
 NAME = "kiln-insert-waits"
 # A walk places every same-thread wait and one cross-thread (mbarrier hand-over) wait, whose
-# use count depends on the waits before it; more rounds than this means the analysis is wrong
-# (the attention tutorial's remainder-first key loop takes 21).
-MAX_ROUNDS = 32
+# use count depends on the waits before it; more rounds than this means the analysis is wrong.
+MAX_ROUNDS = 16
 
 
 def _wait_error(gap: Gap, what: str, fix: str) -> WaitError:

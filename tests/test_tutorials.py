@@ -137,15 +137,13 @@ def _packed(rng, lengths, width):
     pytest.param("sm_90a", 64, False, marks=pytest.mark.slow),
     pytest.param("gfx950", 128, False, marks=pytest.mark.slow)])
 def test_attention(target, d, causal):
-    """Ragged lengths (an empty sequence, a tail past a key tile, a query tile past the end;
-    every count of key tiles modulo the stages, kiln.cases' arms, with and without whole
-    groups after them), NaN-poisoned output: every row of every sequence is written, within
-    bf16 of float64."""
+    """Ragged lengths (an empty sequence, a tail past a key tile, a query tile past the end),
+    NaN-poisoned output: every row of every sequence is written, within bf16 of float64."""
     rng = np.random.default_rng()
     heads = 2
-    cu, (q, k, v) = _packed(rng, [100, 0, 37, 130, 445], heads * d)
+    cu, (q, k, v) = _packed(rng, [100, 0, 37, 130], heads * d)
     o = np.full(q.shape, np.nan, ml_dtypes.bfloat16)
-    attention.attention(q, k, v, o, cu, 445, heads, causal=causal, backend="interpret",
+    attention.attention(q, k, v, o, cu, 130, heads, causal=causal, backend="interpret",
                         target=target)
     want = attention.reference(q, k, v, cu, heads, causal)
     np.testing.assert_allclose(o.astype(np.float64), want, atol=2e-2, rtol=2e-2)
@@ -208,27 +206,24 @@ def test_attention_compiles_to_the_targets_mma_without_spills(target, d):
             assert "mma.sync" not in ptx and "ldmatrix" not in ptx
             assert re.search(r"wgmma.mma_async.sync.aligned.m64n\d+k16.f32.bf16.bf16 +"
                              r"\{[^}]*\}, \{%r", ptx)
-            # K and V by TMA: a box per 64 columns of a tile, 2 tiles a step; 3 steps a loop,
-            # two loops, and kiln.cases' arms of 0, 1 and 2 steps, each with the prologue's 2
-            # V and 2 K; Q (masked at the sequence's end) by cp.async
-            assert ptx.count("cp.async.bulk.tensor") == (2 * (3 * 2 + 3) + 3 * 4) * d // 64
-            # block barriers after the mbarriers' initialisation and Q only (in the arms that
-            # read it, and after them): kiln.release arrives on the K and V tiles' empty
-            # mbarriers, a tile each a step
-            assert len(re.findall(r"bar.sync\s+0;", ptx)) == ptx.count("bar.sync") == 4
-            assert ptx.count("mbarrier.arrive.shared.b64") == 2 * (3 * 2 + 3)
+            # K and V by TMA: a box per 64 columns of a tile, 2 tiles a step, 3 steps a loop,
+            # two loops, and the prologue's 2 V and 2 K; Q (masked at the sequence's end) by
+            # cp.async
+            assert ptx.count("cp.async.bulk.tensor") == (2 * 3 * 2 + 4) * d // 64
+            # block barriers after the mbarriers' initialisation and Q only: kiln.release
+            # arrives on the K and V tiles' empty mbarriers, a tile each a step
+            assert len(re.findall(r"bar.sync\s+0;", ptx)) == ptx.count("bar.sync") == 2
+            assert ptx.count("mbarrier.arrive.shared.b64") == 2 * 2 * 3
         else:
             assert "mma.sync.aligned.m16n8k16" in ptx and "ldmatrix" in ptx
             # P reaches the second product straight from registers: no shared stage; Q
-            # landed (3), and kiln.release a block barrier a step (two loops of three, arms
-            # of 1 and 2)
-            assert ptx.count("bar.sync") == 3 + 3 * 2 + 3
+            # landed, and kiln.release a block barrier a step (two loops of three)
+            assert ptx.count("bar.sync") == 1 + 2 * 3
         # a warp must reach every .aligned WGMMA op at one address: none under a branch
         assert not _wgmma_under_a_branch(ck.asm["gpu"])
     else:
         assert ck.metadata["scratch_bytes"] == 0
-        # gfx950's double-rate bf16 MFMA (16 x 16 at D 128: 64 query rows a block)
-        assert re.search(r"v_mfma_f32_(32x32x16|16x16x32)_bf16", ck.asm["amdgcn"])
+        assert "v_mfma_f32_32x32x16_bf16" in ck.asm["amdgcn"]
 
 
 def _wgmma_under_a_branch(gpu_ir: str) -> list[str]:

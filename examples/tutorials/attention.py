@@ -29,19 +29,14 @@ H200 timed 599 against 567 TFLOP/s with a barrier a step; making them take turns
 waiting for every thread's release of a step ago (``kiln-verify-waits`` proves the waits);
 elsewhere (``cp.async``, buffer DMA) ``kiln.release`` is a block barrier. K and V have
 ``STAGES = 3`` shared stages each (``K_j+1``, ``K_j+2`` and ``V_j``, ``V_j+1`` fly during step
-``j``), so the loops take ``STAGES`` steps at a time and the stage indices are Python ints. A
-block's ``n`` key tiles are not a multiple of ``STAGES``: the first ``n % STAGES`` run in
-``kiln.cases``' arm of that count (one arm runs; in it tile ``j`` has stage ``(j - r) %
-STAGES``, so the whole groups after it start at stage 0 and end at the last tile), so no
-block computes tiles past its causal diagonal. The K and V tiles are masked at the tensors'
-own ends, not the sequence's, so on sm_90a ``kiln.copy`` moves them by TMA; rows past the
-sequence belong to the next one (or read 0). Keys past the sequence, and with ``causal`` keys
-after the query, are masked to ``-inf`` in the scores, so they add nothing (P is 0 on their V
-rows, which must be finite): only the first tiles (they may be the last) and the last (ragged
-or diagonal) ones pay for the mask. Causal query tiles run longest first, ``GROUP`` (sequence,
-head) pairs at a time. No branch depends on a lane's data: the WGMMA waits
-``kiln-insert-waits`` places are ``.aligned`` (a warp must reach each at one address), so O is
-rescaled every step.
+``j``), so the loops take ``STAGES`` steps at a time and the stage indices are Python ints. The
+K and V tiles are masked at the tensors' own ends, not the sequence's, so on sm_90a
+``kiln.copy`` moves them by TMA; rows past the sequence belong to the next one (or read 0).
+Keys past the sequence, and with ``causal`` keys after the query, are masked to ``-inf`` in the
+scores, so they add nothing (P is 0 on their V rows, which must be finite): only the last
+(ragged or diagonal) key tiles pay for the mask, in a second loop. Causal query tiles run
+longest first. No branch depends on a lane's data: the WGMMA waits ``kiln-insert-waits`` places
+are ``.aligned`` (a warp must reach each at one address), so O is rescaled every step.
 
 Run: ``python examples/tutorials/attention.py``.
 """
@@ -66,17 +61,14 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
                      o: kiln.Tensor[bf16, 2], cu_seqlens: kiln.Tensor[i32], qk_scale: f32,
                      D: kiln.constexpr, BM: kiln.constexpr, BN: kiln.constexpr,
                      STAGES: kiln.constexpr, THREADS: kiln.constexpr, CAUSAL: kiln.constexpr,
-                     ALIGN: kiln.constexpr, GROUP: kiln.constexpr):
-    # a block per BM query rows of one head of one sequence; GROUP (sequence, head) pairs
-    # share a tile rank, launched one after the other (causal: longest first, while their K
-    # and V stay in L2)
-    pair, rank = kiln.block_id(2) * GROUP + kiln.block_id(0), kiln.block_id(1)
-    seq, head = pair // (q.shape[1] // D), pair % (q.shape[1] // D)
-    col0 = head * D                                   # the head's columns
-    start = cu_seqlens[seq]
-    length = cu_seqlens[seq + 1] - start
-    tiles = (length + BM - 1) // BM
-    row0 = kiln.where(rank < tiles, tiles - 1 - rank, rank) * BM if CAUSAL else rank * BM
+                     ALIGN: kiln.constexpr):
+    col0 = kiln.block_id(1) * D                       # the head's columns
+    start = cu_seqlens[kiln.block_id(2)]
+    length = cu_seqlens[kiln.block_id(2) + 1] - start
+    tile, tiles = kiln.block_id(0), (length + BM - 1) // BM
+    if CAUSAL:                                        # the longest query tiles first
+        tile = kiln.where(tile < tiles, tiles - 1 - tile, tile)
+    row0 = tile * BM
     # laid out for the target's MMA: WGMMA's swizzled chunks on sm_90a (k_s.T is then a
     # K-major B), row-major with a bank-conflict-free swizzle elsewhere; K and V in STAGES
     q_s = kiln.tiles.operand_tile((BM, D), bf16, "a")
@@ -88,19 +80,31 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
 
     kiln.copy(kiln.GlobalTile(q, (BM, D), (start + row0, col0), row_end=start + length,
                               align=ALIGN), q_s)      # once: cp.async, its rows masked
+    kiln.copy(rows(v, BN, length), v_s[-1])           # finite: the first step's P V is 0 V
+    for i in range(STAGES - 1):                       # K runs STAGES - 1 tiles ahead, V one less
+        kiln.copy(rows(k, BN, i * BN), k_s[i])
+        if i < STAGES - 2:
+            kiln.copy(rows(v, BN, i * BN), v_s[i])
+    kiln.barrier()                                    # Q landed
     s0 = kiln.accumulator(q_s, k_s[0].T, warps="rows")
     p = kiln.cast(s0, bf16)                           # the P of the step before the first
     acc = kiln.accumulator(p, v_s[-1], warps="rows")
     m = kiln.tiles.TileVector.full(s0.layout, -float("inf"))
     l = kiln.tiles.TileVector.full(s0.layout, 0.0)
     alpha = kiln.tiles.TileVector.full(s0.layout, 1.0)   # O's rescale, due before P V
-    # key tiles [0, n): the first n % STAGES, then whole groups of STAGES; only the last
-    # `tail` tiles (the ragged end, or the causal diagonal) pay for the mask
-    end = kiln.min(length, row0 + BM) if CAUSAL else length
-    n = kiln.max((kiln.where(row0 < length, end, 0) + BN - 1) // BN, 0)   # 0: past the end
-    tail = max(BM // BN, 1) if CAUSAL else 1
-    groups = n // STAGES
-    masked = kiln.max(groups - (tail + STAGES - 1) // STAGES, 0)
+    # keys [0, full) need no mask (whole groups of STAGES tiles); [full, end) are the ragged
+    # tail or the causal diagonal (a group's last tiles may lie past the end: masked, they add
+    # nothing)
+    end = length
+    full = length // BN * BN
+    if CAUSAL:
+        end = kiln.min(length, row0 + BM)
+        full = kiln.min(full, (row0 + 1) // BN * BN)
+    end = kiln.where(row0 < length, end, 0)           # a block past the sequence does nothing
+    # in groups of STAGES tiles; the kiln.max's prove the trip counts >= 0 (the TMA waits'
+    # parities count the loops' trips)
+    full = kiln.max(kiln.min(full, end) // (STAGES * BN), 0)
+    last = kiln.max((end + STAGES * BN - 1) // (STAGES * BN), full)
 
     def step(kv0, st, p, alpha, acc, m, l, masked):
         """S_j = Q K_j^T and O += P_j-1 V_j-1 run together (FlashAttention-3's order): the
@@ -124,57 +128,37 @@ def attention_kernel(q: kiln.Tensor[bf16, 2], k: kiln.Tensor[bf16, 2], v: kiln.T
         # sm_90a they wait for every thread's release, no block barrier (the warpgroups run
         # apart)
         kiln.release(k_s[st], v_s[st - 1])
-        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[(st - 1) % STAGES])  # past the
-        kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[(st - 2) % STAGES])  # end: masked
+        kiln.copy(rows(k, BN, kv0 + (STAGES - 1) * BN), k_s[st - 1])  # past the end: masked
+        kiln.copy(rows(v, BN, kv0 + (STAGES - 2) * BN), v_s[st - 2])
         return p, alpha, acc, m_new, l
 
-    def begin(r, p, alpha, acc, m, l):
-        """The first ``r`` tiles (masked: they may be the last); tile j goes to stage
-        (j - r) % STAGES, so the groups after them start at stage 0."""
-        kiln.copy(rows(v, BN, length), v_s[(-1 - r) % STAGES])   # finite: the first P V is 0 V
-        for i in range(STAGES - 1):                   # K runs STAGES - 1 tiles ahead, V one less
-            kiln.copy(rows(k, BN, i * BN), k_s[(i - r) % STAGES])
-            if i < STAGES - 2:
-                kiln.copy(rows(v, BN, i * BN), v_s[(i - r) % STAGES])
-        if r:
-            kiln.barrier()                            # Q landed
-        for j in range(r):
-            p, alpha, acc, m, l = step(j * BN, (j - r) % STAGES, p, alpha, acc, m, l, True)
-        return p, alpha, acc, m, l
-
-    def steps(kv0, p, alpha, acc, m, l, unmasked):    # a step per stage: Python-int stages
+    def steps(kv0, p, alpha, acc, m, l, masked):      # a step per stage: Python-int stages
         for st in range(STAGES):
-            p, alpha, acc, m, l = step(kv0 + st * BN, st, p, alpha, acc, m, l, st >= unmasked)
+            p, alpha, acc, m, l = step(kv0 + st * BN, st, p, alpha, acc, m, l, masked)
         return p, alpha, acc, m, l
 
-    for r in kiln.cases(n % STAGES, STAGES):          # one runs, r a Python int
-        p, alpha, acc, m, l = begin(r, p, alpha, acc, m, l)
-    kiln.barrier()                                    # Q landed (r = 0)
-    for g in kiln.range(0, masked):                   # unit steps: the TMA waits' parity
-        p, alpha, acc, m, l = steps((n % STAGES + g * STAGES) * BN, p, alpha, acc, m, l, STAGES)
-    for g in kiln.range(masked, kiln.max(groups, masked)):   # the last tiles masked
-        p, alpha, acc, m, l = steps((n % STAGES + g * STAGES) * BN, p, alpha, acc, m, l,
-                                    max(STAGES - tail, 0))
+    for g in kiln.range(0, full):                     # unit steps: the TMA waits' parity
+        p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, False)
+    for g in kiln.range(full, last):
+        p, alpha, acc, m, l = steps(g * (STAGES * BN), p, alpha, acc, m, l, True)
     acc = kiln.gemm(p, v_s[-1], acc * alpha)
     kiln.copy(kiln.cast(acc / l, bf16), kiln.GlobalTile(o, (BM, D), (start + row0, col0),
                                                         row_end=start + length, align=ALIGN))
 
 
 # (BM, BN, warps, K/V stages) per head dim: sm_90a (WGMMA), other NVIDIA (mma.sync), AMD (4
-# wavefronts whatever the warps; P in VGPRs too, no register A: 32 keys a step, and at D 128
-# 64 query rows, stay clear of scratch). 3 stages: a step's copies refill the stages of the
-# step before it
+# wavefronts whatever the warps; P in VGPRs too, no register A: 32 keys a step stay clear of
+# scratch). 3 stages: a step's copies refill the stages of the step before it
 HOPPER_BLOCKS = {64: (128, 64, 8, 3), 128: (128, 128, 8, 3)}
 BLOCKS = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3)}
-AMD_BLOCKS = {64: (128, 32, 8, 3), 128: (64, 32, 8, 3)}
+AMD_BLOCKS = {64: (128, 32, 8, 3), 128: (128, 32, 8, 3)}
 
 
 def config(d: int, target: str | None, block: tuple[int, ...] | None = None) -> dict:
     """Block sizes (``block = (BM, BN, warps[, stages])`` overrides them): on NVIDIA 128 query
     rows over 8 warps (16 rows each: two warpgroups on sm_90a), 64 keys per step (128 on sm_90a
     at D 128) and K/V in 3 stages (2 is correct too, with no copy running a step ahead); on
-    AMD 4 wavefronts of 64 lanes (32 rows each, 16 at D 128); ``GROUP`` 1 (:func:`attention` sets
-    :func:`group`'s). ``target`` None is Kiln's default."""
+    AMD 4 wavefronts of 64 lanes (32 rows each). ``target`` None is Kiln's default."""
     if d not in (64, 128):
         raise kiln.KilnValueError(f"the attention tutorial takes head dim 64 or 128, got {d}",
                                   fix="pad the head dimension to 64 or 128")
@@ -182,24 +166,8 @@ def config(d: int, target: str | None, block: tuple[int, ...] | None = None) -> 
     table = (AMD_BLOCKS if name.startswith("gfx") else
              HOPPER_BLOCKS if name.startswith("sm_90") else BLOCKS)
     bm, bn, warps, *stages = block or table[d]
-    return dict(D=d, BM=bm, BN=bn, STAGES=stages[0] if stages else 3, GROUP=1,
+    return dict(D=d, BM=bm, BN=bn, STAGES=stages[0] if stages else 3,
                 THREADS=256 if name.startswith("gfx") else 32 * warps)
-
-
-def group(causal: bool, pairs: int) -> int:
-    """The (sequence, head) pairs a tile rank launches together: causal 4 (or 2) when they
-    divide ``pairs``, so the grid has no idle blocks (4: about one wave of 4k-token
-    sequences' query tiles on an H200); 1 otherwise (every pair's tiles in turn)."""
-    return next(g for g in (4, 2, 1) if pairs % g == 0) if causal else 1
-
-
-def launch_grid(cfg: dict, max_seqlen: int, pairs: int) -> tuple[int, int, int]:
-    """``(GROUP, query tiles, pairs / GROUP)``: block ``(i, rank, j)`` runs pair ``j * GROUP
-    + i``'s tile ``rank`` (``GROUP`` must divide ``pairs``)."""
-    if pairs % cfg["GROUP"]:
-        raise kiln.KilnValueError(f"GROUP={cfg['GROUP']} does not divide the {pairs} "
-                                  "(sequence, head) pairs", fix="use group(causal, pairs)")
-    return cfg["GROUP"], -(-max_seqlen // cfg["BM"]), pairs // cfg["GROUP"]
 
 
 def attention(q, k, v, o, cu_seqlens, max_seqlen: int, heads: int, *, causal: bool = False,
@@ -214,8 +182,7 @@ def attention(q, k, v, o, cu_seqlens, max_seqlen: int, heads: int, *, causal: bo
     if not scale > 0:   # the kernel takes row maxima of Q K^T before scaling
         raise kiln.KilnValueError(f"attention scale must be positive, got {scale}",
                                   fix="pass scale > 0 (default 1 / sqrt(D))")
-    cfg["GROUP"] = group(causal, heads * (len(cu_seqlens) - 1))
-    grid = launch_grid(cfg, max_seqlen, heads * (len(cu_seqlens) - 1))
+    grid = (-(-max_seqlen // cfg["BM"]), heads, len(cu_seqlens) - 1)
     launch = attention_kernel.interpret[grid] if backend == "interpret" else attention_kernel[grid]
     extra = {"target": target} if target else {}
     pointers = [t.data_ptr() for t in (q, k, v, o) if hasattr(t, "data_ptr")]
