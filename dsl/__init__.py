@@ -53,6 +53,7 @@ from .tile_copy import copy, load
 from .tile_reduce import cluster_rank, reduce
 from .tile_gemm import accumulator, gemm
 from .pipeline import pipeline
+from .tile_cases import cases
 from .tile_handoff import Turns, release
 
 # Cluster scheduling annotations (the kiln-cluster-schedule / kiln-insert-waits passes read them).
