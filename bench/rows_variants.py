@@ -332,3 +332,74 @@ def softmax_tma(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[
         inv = kiln.rcp(kiln.reduce(sum(ps[1:], ps[0]), "sum", axis=1))
         for p, g in zip(ps, tiles(y, row)):
             kiln.copy(p * inv, g)
+
+
+@kiln.kernel(num_threads="THREADS")
+def softmax_ab(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], yv: kiln.Tensor[f32, 2],
+               m: i32, n: i32, grid: i32, BLOCK: kiln.constexpr, CHUNK: kiln.constexpr,
+               THREADS: kiln.constexpr, ISSUE: kiln.constexpr, PROBE: kiln.constexpr = 0,
+               TSTORE: kiln.constexpr = 0):
+    """The streamed softmax (rows through CHUNK-column shared tiles over a persistent grid)
+    with the next row's copies issued before the reductions (``ISSUE`` 0, the tutorial's
+    order), after the stores (1) or tile by tile after each tile's store (2). ``PROBE`` 1: no
+    copies (the row is whatever shared memory holds: the store side alone); 2: no stores (one
+    branch the grid never takes keeps the math: the load side alone). ``TSTORE``: each tile
+    stored through a shared stage by one TMA box of ``yv`` (``y`` viewed as ``(m * n / 256,
+    256)``) instead of from registers."""
+    parts = BLOCK // CHUNK
+    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
+    row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
+    stage = kiln.dynamic_shared((CHUNK,), f32, align=128) if TSTORE else None
+    stage_row = kiln.SharedTile.view(stage, (1, CHUNK)) if TSTORE else None
+    stage_box = kiln.SharedTile.view(stage, (CHUNK // 256, 256)) if TSTORE else None
+
+    def tiles(t, row):
+        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), col_end=n, align=16,
+                                col_multiple=4) for c in range(parts)]
+
+    def fetch(row, c):
+        if PROBE != 1:
+            kiln.copy(tiles(x, row)[c], row_s[c])
+
+    def put(p, row, c):
+        if TSTORE:
+            kiln.barrier()   # the stage's last TMA store has read it
+            kiln.copy(p, stage_row)
+            kiln.copy(stage_box, kiln.GlobalTile(yv, (CHUNK // 256, 256),
+                                                 (row * (n // 256) + c * (CHUNK // 256), 0),
+                                                 row_end=yv.shape[0], col_end=yv.shape[1],
+                                                 align=16))
+        else:
+            kiln.copy(p, tiles(y, row)[c])
+
+    for c in range(parts):
+        fetch(kiln.block_id(0), c)
+    for row in kiln.range(kiln.block_id(0), m, grid):
+        kiln.barrier()
+        ts = [kiln.where(kiln.tiles.mask(g, tv), kiln.load(s, tv), -float("inf"))
+              for g, s in zip(tiles(x, row), row_s)]
+        kiln.barrier()
+        more = row + grid < m
+        if ISSUE == 0:
+            if more:
+                for c in range(parts):
+                    fetch(row + grid, c)
+        top = ts[0]
+        for t in ts[1:]:
+            top = kiln.maximum(top, t)
+        mx = kiln.reduce(top, "max", axis=1)
+        ps = [kiln.exp(t - mx) for t in ts]
+        inv = kiln.rcp(kiln.reduce(sum(ps[1:], ps[0]), "sum", axis=1))
+        for c, p in enumerate(ps):
+            if PROBE == 2:
+                if n < 0:
+                    put(p * inv, row, c)
+            else:
+                put(p * inv, row, c)
+            if ISSUE == 2:
+                if more:
+                    fetch(row + grid, c)
+        if ISSUE == 1:
+            if more:
+                for c in range(parts):
+                    fetch(row + grid, c)
