@@ -54,7 +54,7 @@ Usage: ``python bench/tutorials_rows.py`` (it imports this module).
 from __future__ import annotations
 
 import kiln
-from kiln import f32, i32
+from kiln import f32, i32, tile_tma
 
 
 @kiln.kernel(num_threads="THREADS")
@@ -189,7 +189,7 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], w: kiln.Tens
                    BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
                    ALIGN: kiln.constexpr, ONEPASS: kiln.constexpr, WBS: kiln.constexpr = 0,
                    AHEAD: kiln.constexpr = 1, WBK: kiln.constexpr = 2,
-                   TMA: kiln.constexpr = 0):
+                   TMA: kiln.constexpr = 0, PREFETCH: kiln.constexpr = 0):
     """The tutorial's streamed layer norm (each shared tile refilled with the next row's once
     read: ``kiln.load(..., refill=...)``; ``w`` and ``b`` as ``1 x n`` matrices, so that their
     copies into shared memory go by cp.async / DMA too) with ``w``/``b`` from shared tiles filled once per
@@ -202,7 +202,9 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], w: kiln.Tens
     ring of ``WBK`` shared tiles each by ``kiln.copy`` (cp.async: ``WBK - 1`` tiles in flight
     without registers, one barrier a tile), the next row's first tiles copied during this
     row's last ones; ``TMA``: the row's tiles copied as softmax_tma's boxes of ``xv`` (``x``
-    viewed as ``(m * n / 256, 256)``, ``n`` a multiple of 256 and of ``CHUNK``)."""
+    viewed as ``(m * n / 256, 256)``, ``n`` a multiple of 256 and of ``CHUNK``); ``PREFETCH``:
+    thread 0 prefetches the row ``PREFETCH`` rows ahead into L2 (one TMA prefetch box of
+    ``xv``), as softmax_ab."""
     parts = BLOCK // CHUNK
     tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
     bufs = [kiln.dynamic_shared((CHUNK,), f32, align=128) for _ in range(parts)] if TMA else []
@@ -239,8 +241,18 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], w: kiln.Tens
     for s, first in zip(boxes or row_s, pieces(kiln.block_id(0)) if TMA
                         else tiles(x, kiln.block_id(0))):
         kiln.copy(first, s)
+    box = (BLOCK // 256, 256)   # the whole row as BLOCK // 256 rows of xv: one prefetch box
+    desc = tile_tma._descriptor(kiln.GlobalTile(xv, box, (0, 0), row_end=xv.shape[0],
+                                                col_end=xv.shape[1], align=16), box, 0) \
+        if PREFETCH else None
+    for k in range(1, PREFETCH):
+        if (kiln.thread_id(0) == 0) & (kiln.block_id(0) + k * grid < m):
+            kiln.tma.prefetch(desc, (0, (kiln.block_id(0) + k * grid) * (n // 256)))
     for i in kiln.range(0, (m - kiln.block_id(0) + grid - 1) // grid):   # step 1: counted
         row = kiln.block_id(0) + i * grid
+        if PREFETCH:
+            if (kiln.thread_id(0) == 0) & (row + PREFETCH * grid < m):
+                kiln.tma.prefetch(desc, (0, (row + PREFETCH * grid) * (n // 256)))
         if TMA:
             ahead = pieces(row + grid)
             xs = []
@@ -335,17 +347,21 @@ def softmax_tma(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[
 
 
 @kiln.kernel(num_threads="THREADS")
-def softmax_ab(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], yv: kiln.Tensor[f32, 2],
+def softmax_ab(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2],
+               yv: kiln.Tensor[f32, 2],
                m: i32, n: i32, grid: i32, BLOCK: kiln.constexpr, CHUNK: kiln.constexpr,
                THREADS: kiln.constexpr, ISSUE: kiln.constexpr, PROBE: kiln.constexpr = 0,
-               TSTORE: kiln.constexpr = 0):
+               TSTORE: kiln.constexpr = 0, PREFETCH: kiln.constexpr = 0):
     """The streamed softmax (rows through CHUNK-column shared tiles over a persistent grid)
     with the next row's copies issued before the reductions (``ISSUE`` 0, the tutorial's
     order), after the stores (1) or tile by tile after each tile's store (2). ``PROBE`` 1: no
     copies (the row is whatever shared memory holds: the store side alone); 2: no stores (one
-    branch the grid never takes keeps the math: the load side alone). ``TSTORE``: each tile
-    stored through a shared stage by one TMA box of ``yv`` (``y`` viewed as ``(m * n / 256,
-    256)``) instead of from registers."""
+    branch the grid never takes keeps the math: the load side alone); 3: neither. ``TSTORE``:
+    each tile stored through a shared stage by one TMA box of ``yv`` (``y`` viewed as ``(m * n
+    / 256, 256)``) instead of from registers. ``PREFETCH``: thread 0 prefetches the row
+    ``PREFETCH`` rows ahead into L2 (one TMA prefetch box of ``yv``'s shape over ``x``, i.e.
+    ``xv`` = ``x`` viewed the same way, passed as ``yv``'s twin ``xv``), so the cp.async of
+    the row after next reads L2 instead of DRAM."""
     parts = BLOCK // CHUNK
     tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
     row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
@@ -358,8 +374,13 @@ def softmax_ab(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], yv: kiln.Tensor[f
                                 col_multiple=4) for c in range(parts)]
 
     def fetch(row, c):
-        if PROBE != 1:
+        if PROBE not in (1, 3):
             kiln.copy(tiles(x, row)[c], row_s[c])
+
+    box = (BLOCK // 256, 256)   # the whole row as BLOCK // 256 rows of xv: one prefetch box
+    desc = tile_tma._descriptor(kiln.GlobalTile(xv, box, (0, 0), row_end=xv.shape[0],
+                                                col_end=xv.shape[1], align=16), box, 0) \
+        if PREFETCH else None
 
     def put(p, row, c):
         if TSTORE:
@@ -374,7 +395,13 @@ def softmax_ab(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], yv: kiln.Tensor[f
 
     for c in range(parts):
         fetch(kiln.block_id(0), c)
+    for k in range(1, PREFETCH):
+        if (kiln.thread_id(0) == 0) & (kiln.block_id(0) + k * grid < m):
+            kiln.tma.prefetch(desc, (0, (kiln.block_id(0) + k * grid) * (n // 256)))
     for row in kiln.range(kiln.block_id(0), m, grid):
+        if PREFETCH:
+            if (kiln.thread_id(0) == 0) & (row + PREFETCH * grid < m):
+                kiln.tma.prefetch(desc, (0, (row + PREFETCH * grid) * (n // 256)))
         kiln.barrier()
         ts = [kiln.where(kiln.tiles.mask(g, tv), kiln.load(s, tv), -float("inf"))
               for g, s in zip(tiles(x, row), row_s)]
@@ -391,7 +418,7 @@ def softmax_ab(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], yv: kiln.Tensor[f
         ps = [kiln.exp(t - mx) for t in ts]
         inv = kiln.rcp(kiln.reduce(sum(ps[1:], ps[0]), "sum", axis=1))
         for c, p in enumerate(ps):
-            if PROBE == 2:
+            if PROBE in (2, 3):
                 if n < 0:
                     put(p * inv, row, c)
             else:
