@@ -54,7 +54,7 @@ Usage: ``python bench/tutorials_rows.py`` (it imports this module).
 from __future__ import annotations
 
 import kiln
-from kiln import f32, i32, tile_tma
+from kiln import f32, i32
 
 
 @kiln.kernel(num_threads="THREADS")
@@ -203,8 +203,7 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], w: kiln.Tens
     without registers, one barrier a tile), the next row's first tiles copied during this
     row's last ones; ``TMA``: the row's tiles copied as softmax_tma's boxes of ``xv`` (``x``
     viewed as ``(m * n / 256, 256)``, ``n`` a multiple of 256 and of ``CHUNK``); ``PREFETCH``:
-    thread 0 prefetches the row ``PREFETCH`` rows ahead into L2 (one TMA prefetch box of
-    ``xv``), as softmax_ab."""
+    the row ``PREFETCH`` rows ahead prefetched into L2 (``kiln.prefetch``), as softmax_ab."""
     parts = BLOCK // CHUNK
     tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
     bufs = [kiln.dynamic_shared((CHUNK,), f32, align=128) for _ in range(parts)] if TMA else []
@@ -241,18 +240,15 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], w: kiln.Tens
     for s, first in zip(boxes or row_s, pieces(kiln.block_id(0)) if TMA
                         else tiles(x, kiln.block_id(0))):
         kiln.copy(first, s)
-    box = (BLOCK // 256, 256)   # the whole row as BLOCK // 256 rows of xv: one prefetch box
-    desc = tile_tma._descriptor(kiln.GlobalTile(xv, box, (0, 0), row_end=xv.shape[0],
-                                                col_end=xv.shape[1], align=16), box, 0) \
-        if PREFETCH else None
+
+    def whole_row(row):   # kiln.prefetch's tile: the row, masked past m
+        return kiln.GlobalTile(x, (1, BLOCK), (row, 0), row_end=m, col_end=n, align=16)
     for k in range(1, PREFETCH):
-        if (kiln.thread_id(0) == 0) & (kiln.block_id(0) + k * grid < m):
-            kiln.tma.prefetch(desc, (0, (kiln.block_id(0) + k * grid) * (n // 256)))
+        kiln.prefetch(whole_row(kiln.block_id(0) + k * grid))
     for i in kiln.range(0, (m - kiln.block_id(0) + grid - 1) // grid):   # step 1: counted
         row = kiln.block_id(0) + i * grid
         if PREFETCH:
-            if (kiln.thread_id(0) == 0) & (row + PREFETCH * grid < m):
-                kiln.tma.prefetch(desc, (0, (row + PREFETCH * grid) * (n // 256)))
+            kiln.prefetch(whole_row(row + PREFETCH * grid))
         if TMA:
             ahead = pieces(row + grid)
             xs = []
@@ -358,10 +354,9 @@ def softmax_ab(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[f
     copies (the row is whatever shared memory holds: the store side alone); 2: no stores (one
     branch the grid never takes keeps the math: the load side alone); 3: neither. ``TSTORE``:
     each tile stored through a shared stage by one TMA box of ``yv`` (``y`` viewed as ``(m * n
-    / 256, 256)``) instead of from registers. ``PREFETCH``: thread 0 prefetches the row
-    ``PREFETCH`` rows ahead into L2 (one TMA prefetch box of ``yv``'s shape over ``x``, i.e.
-    ``xv`` = ``x`` viewed the same way, passed as ``yv``'s twin ``xv``), so the cp.async of
-    the row after next reads L2 instead of DRAM."""
+    / 256, 256)``) instead of from registers. ``PREFETCH``: the row ``PREFETCH`` rows ahead
+    is prefetched into L2 (``kiln.prefetch``: one bulk prefetch of thread 0), so the cp.async
+    of the row after next reads L2 instead of DRAM. ``xv`` is unused (the A/B's signature)."""
     parts = BLOCK // CHUNK
     tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
     row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
@@ -377,10 +372,9 @@ def softmax_ab(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[f
         if PROBE not in (1, 3):
             kiln.copy(tiles(x, row)[c], row_s[c])
 
-    box = (BLOCK // 256, 256)   # the whole row as BLOCK // 256 rows of xv: one prefetch box
-    desc = tile_tma._descriptor(kiln.GlobalTile(xv, box, (0, 0), row_end=xv.shape[0],
-                                                col_end=xv.shape[1], align=16), box, 0) \
-        if PREFETCH else None
+
+    def whole_row(row):   # kiln.prefetch's tile: the row, masked past m
+        return kiln.GlobalTile(x, (1, BLOCK), (row, 0), row_end=m, col_end=n, align=16)
 
     def put(p, row, c):
         if TSTORE:
@@ -396,12 +390,10 @@ def softmax_ab(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[f
     for c in range(parts):
         fetch(kiln.block_id(0), c)
     for k in range(1, PREFETCH):
-        if (kiln.thread_id(0) == 0) & (kiln.block_id(0) + k * grid < m):
-            kiln.tma.prefetch(desc, (0, (kiln.block_id(0) + k * grid) * (n // 256)))
+        kiln.prefetch(whole_row(kiln.block_id(0) + k * grid))
     for row in kiln.range(kiln.block_id(0), m, grid):
         if PREFETCH:
-            if (kiln.thread_id(0) == 0) & (row + PREFETCH * grid < m):
-                kiln.tma.prefetch(desc, (0, (row + PREFETCH * grid) * (n // 256)))
+            kiln.prefetch(whole_row(row + PREFETCH * grid))
         kiln.barrier()
         ts = [kiln.where(kiln.tiles.mask(g, tv), kiln.load(s, tv), -float("inf"))
               for g, s in zip(tiles(x, row), row_s)]

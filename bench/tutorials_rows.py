@@ -242,7 +242,7 @@ def main() -> None:
                      + (" tma" if tma else "") + (f" pf{pf}" if pf else "")] = (
                 lambda g=grid_of(per_sm), t=t, c=chunk_, one=one, cap=cap, wbs=wbs, a=ahead,
                 k=k, tma=tma, pf=pf: rows_variants.layernorm_ring[(g,)](
-                    x, x.view(-1, 256) if tma or pf else x, w.view(1, n), b.view(1, n), y,
+                    x, x.view(-1, 256) if tma else x, w.view(1, n), b.view(1, n), y,
                     mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=c, THREADS=t, ALIGN=16,
                     ONEPASS=one, WBS=wbs, AHEAD=a, WBK=k or 2, TMA=tma, PREFETCH=pf,
                     **({"maxnreg": cap} if cap else {})))
