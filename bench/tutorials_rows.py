@@ -54,8 +54,9 @@ LAYERNORM_STREAM_WB: dict[int, list] = {}
 SOFTMAX_TMA: dict[int, list] = {}
 # (ISSUE, PROBE, TSTORE, PREFETCH) of rows_variants.softmax_ab (512 threads, 4096-column tiles, one block
 # an SM); a PROBE's output is not the softmax: it is timed unchecked, named "probe ..."
-SOFTMAX_AB = {32768: [(0, 0, 0, 0), (2, 0, 0, 0), (0, 0, 1, 0), (0, 0, 0, 2), (0, 1, 0, 0),
-                      (0, 2, 0, 0)]}
+SOFTMAX_AB = {32768: [(0, 0, 0, 0), (2, 0, 0, 0), (0, 0, 1, 0), (0, 0, 0, 2), (2, 0, 0, 2),
+                      (0, 1, 0, 0), (0, 2, 0, 0), (0, 3, 0, 0), (0, 2, 0, 2)],
+              16384: [(0, 0, 0, 2)]}
 # (threads, chunk columns, blocks per SM, register cap or 0) of the layer-norm tutorial's
 # streamed kernel
 LAYERNORM_STREAM: dict[int, list] = {}
@@ -64,7 +65,8 @@ LAYERNORM_STREAM: dict[int, list] = {}
 # tiles loaded ahead, ring slots, x by TMA boxes, rows prefetched ahead into L2) of
 # rows_variants.layernorm_ring
 LAYERNORM_RING = {32768: [(512, 4096, 0, 1, 0, 0, 1, 0, 0, 2)],
-                  16384: [(512, 4096, 0, 1, 0, 0, 1, 0, 0, 2)]}
+                  16384: [(512, 4096, 0, 1, 0, 0, 1, 0, 0, 2)],
+                  8192: [(512, 4096, 0, 2, 0, 0, 1, 0, 0, 0), (512, 4096, 0, 2, 0, 0, 1, 0, 0, 2)]}
 
 
 def _load(path: Path):
