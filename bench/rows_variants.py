@@ -422,3 +422,96 @@ def softmax_ab(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[f
             if more:
                 for c in range(parts):
                     fetch(row + grid, c)
+
+
+@kiln.kernel(num_threads="THREADS")
+def softmax_pipe(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32, grid: i32,
+                 BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr):
+    """The streamed softmax as a three-stage software pipeline over a persistent grid: while
+    row ``r``'s tiles are stored, row ``r + grid`` is read tile by tile from shared memory into
+    the registers each store frees, and each shared tile is refilled with its piece of row ``r
+    + 2 grid`` (one barrier a tile): the next row's copies are issued between this row's
+    stores instead of after all of them, so DRAM has loads queued when the stores drain."""
+    parts = BLOCK // CHUNK
+    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
+    row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
+
+    def tiles(t, row, row_end=None):
+        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), row_end=row_end, col_end=n,
+                                align=16, col_multiple=4) for c in range(parts)]
+
+    def back(g, t):   # -inf past the row's end (the copy wrote zeros there)
+        return kiln.where(kiln.tiles.mask(g, tv), t, -float("inf"))
+
+    start = kiln.block_id(0)
+    for c, g in enumerate(tiles(x, start)):
+        kiln.copy(g, row_s[c])
+    xs = [back(g, t) for g, t in zip(tiles(x, start), kiln.load(
+        tiles(x, start), tv, via=row_s, refill=tiles(x, start + grid, m)))]
+    for row in kiln.range(start, m, grid):
+        top = xs[0]
+        for t in xs[1:]:
+            top = kiln.maximum(top, t)
+        mx = kiln.reduce(top, "max", axis=1)
+        ps = [kiln.exp(t - mx) for t in xs]
+        inv = kiln.rcp(kiln.reduce(sum(ps[1:], ps[0]), "sum", axis=1))
+        here, after = tiles(x, row + grid, m), tiles(x, row + 2 * grid, m)
+        nxt = []
+        for c in range(parts):
+            kiln.copy(ps[c] * inv, tiles(y, row)[c])
+            kiln.barrier()   # tile c of the next row landed for all; tile c - 1 read by all
+            if c:
+                kiln.copy(after[c - 1], row_s[c - 1])
+            nxt.append(back(here[c], kiln.load(row_s[c], tv)))
+        kiln.barrier()
+        kiln.copy(after[parts - 1], row_s[parts - 1])
+        xs = nxt
+
+
+@kiln.kernel(num_threads="THREADS")
+def layernorm_pipe(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f32],
+                   y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
+                   rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
+                   BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr):
+    """The streamed layer norm as softmax_pipe's three-stage pipeline: row ``r + grid`` read
+    tile by tile between row ``r``'s tile stores, each shared tile refilled with row ``r + 2
+    grid``'s piece; ``w``/``b`` of tile ``c + 1`` loaded before tile ``c``'s store."""
+    parts = BLOCK // CHUNK
+    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
+    row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
+    inv_n = 1.0 / kiln.cast(n, f32)
+
+    def tiles(t, row, row_end=None):
+        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), row_end=row_end, col_end=n,
+                                align=16, col_multiple=4) for c in range(parts)]
+
+    def weights(c):
+        return [kiln.load(tiles(t, 0)[c], tv) for t in (w, b)] if c < parts else None
+
+    start = kiln.block_id(0)
+    for c, g in enumerate(tiles(x, start)):
+        kiln.copy(g, row_s[c])
+    xs = kiln.load(tiles(x, start), tv, via=row_s, refill=tiles(x, start + grid, m))
+    for row in kiln.range(start, m, grid):
+        mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
+        xcs = [kiln.where(kiln.tiles.mask(g, tv), t - mean, 0.0)
+               for g, t in zip(tiles(x, row, m), xs)]
+        wb = [weights(0)]
+        rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]), "sum",
+                                      axis=1) * inv_n + eps)
+        after = tiles(x, row + 2 * grid, m)
+        nxt = []
+        for c, xc in enumerate(xcs):
+            wb.append(weights(c + 1))
+            gamma, beta = wb[c]
+            kiln.copy(xc * rstd * gamma + beta, tiles(y, row)[c])
+            kiln.barrier()   # tile c of the next row landed for all; tile c - 1 read by all
+            if c:
+                kiln.copy(after[c - 1], row_s[c - 1])
+            nxt.append(kiln.load(row_s[c], tv))
+        kiln.barrier()
+        kiln.copy(after[parts - 1], row_s[parts - 1])
+        if kiln.thread_id(0) == 0:
+            mean_out[row] = mean.item()
+            rstd_out[row] = rstd.item()
+        xs = nxt

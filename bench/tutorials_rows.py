@@ -57,6 +57,10 @@ SOFTMAX_TMA: dict[int, list] = {}
 SOFTMAX_AB = {32768: [(0, 0, 0, 0), (2, 0, 0, 0), (0, 0, 1, 0), (0, 0, 0, 2), (2, 0, 0, 2),
                       (0, 1, 0, 0), (0, 2, 0, 0), (0, 3, 0, 0), (0, 2, 0, 2)],
               16384: [(0, 0, 0, 2)]}
+# (threads, chunk columns, blocks per SM) of rows_variants.softmax_pipe / layernorm_pipe
+SOFTMAX_PIPE = {32768: [(512, 4096, 1)], 16384: [(512, 4096, 1)], 8192: [(512, 4096, 2)]}
+LAYERNORM_PIPE = {32768: [(512, 4096, 1)], 16384: [(512, 4096, 1)],
+                  8192: [(512, 4096, 2), (256, 4096, 3)]}
 # (threads, chunk columns, blocks per SM, register cap or 0) of the layer-norm tutorial's
 # streamed kernel
 LAYERNORM_STREAM: dict[int, list] = {}
@@ -201,6 +205,10 @@ def main() -> None:
                 rows_variants.softmax_ab[(g,)](x, x.view(-1, 256), y, y.view(-1, 256), m, n, g,
                                                BLOCK=block, CHUNK=4096, THREADS=512, ISSUE=i,
                                                PROBE=p, TSTORE=ts, PREFETCH=pf))
+        for t, chunk_, per_sm in SOFTMAX_PIPE.get(n, []):
+            variants[f"pipe t{t} c{chunk_} x{per_sm}"] = (
+                lambda g=grid_of(per_sm), t=t, c=chunk_: rows_variants.softmax_pipe[(g,)](
+                    x, y, m, n, g, BLOCK=block, CHUNK=c, THREADS=t))
         t_grid = (min(m, sms * 4),)
         variants["triton"] = lambda: t_softmax[t_grid](y, x, x.stride(0), y.stride(0), m, n,
                                                        BLOCK=block,
@@ -248,6 +256,10 @@ def main() -> None:
                     mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=c, THREADS=t, ALIGN=16,
                     ONEPASS=one, WBS=wbs, AHEAD=a, WBK=k or 2, TMA=tma, PREFETCH=pf,
                     **({"maxnreg": cap} if cap else {})))
+        for t, chunk_, per_sm in LAYERNORM_PIPE.get(n, []):
+            variants[f"pipe t{t} c{chunk_} x{per_sm}"] = (
+                lambda g=grid_of(per_sm), t=t, c=chunk_: rows_variants.layernorm_pipe[(g,)](
+                    x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=c, THREADS=t))
         ln_block = min(65536 // 4, block)
         variants["triton"] = lambda: t_layernorm[(m,)](
             x, y, w, b, mean, rstd, x.stride(0), n, 1e-5, BLOCK=ln_block,
