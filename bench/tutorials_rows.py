@@ -59,8 +59,7 @@ SOFTMAX_AB = {32768: [(0, 0, 0, 0), (2, 0, 0, 0), (0, 0, 1, 0), (0, 0, 0, 2), (2
               16384: [(0, 0, 0, 2)]}
 # (threads, chunk columns, blocks per SM) of rows_variants.softmax_pipe / layernorm_pipe
 SOFTMAX_PIPE = {32768: [(512, 4096, 1)], 16384: [(512, 4096, 1)], 8192: [(512, 4096, 2)]}
-LAYERNORM_PIPE = {32768: [(512, 4096, 1)], 16384: [(512, 4096, 1)],
-                  8192: [(512, 4096, 2), (256, 4096, 3)]}
+LAYERNORM_PIPE = {32768: [(512, 4096, 1)], 16384: [(512, 4096, 1)], 8192: [(512, 4096, 1)]}
 # (threads, chunk columns, blocks per SM, register cap or 0) of the layer-norm tutorial's
 # streamed kernel
 LAYERNORM_STREAM: dict[int, list] = {}
