@@ -189,7 +189,7 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], w: kiln.Tens
                    BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
                    ALIGN: kiln.constexpr, ONEPASS: kiln.constexpr, WBS: kiln.constexpr = 0,
                    AHEAD: kiln.constexpr = 1, WBK: kiln.constexpr = 2,
-                   TMA: kiln.constexpr = 0, PREFETCH: kiln.constexpr = 0):
+                   TMA: kiln.constexpr = 0):
     """The tutorial's streamed layer norm (each shared tile refilled with the next row's once
     read: ``kiln.load(..., refill=...)``; ``w`` and ``b`` as ``1 x n`` matrices, so that their
     copies into shared memory go by cp.async / DMA too) with ``w``/``b`` from shared tiles filled once per
@@ -202,8 +202,7 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], w: kiln.Tens
     ring of ``WBK`` shared tiles each by ``kiln.copy`` (cp.async: ``WBK - 1`` tiles in flight
     without registers, one barrier a tile), the next row's first tiles copied during this
     row's last ones; ``TMA``: the row's tiles copied as softmax_tma's boxes of ``xv`` (``x``
-    viewed as ``(m * n / 256, 256)``, ``n`` a multiple of 256 and of ``CHUNK``); ``PREFETCH``:
-    the row ``PREFETCH`` rows ahead prefetched into L2 (``kiln.prefetch``), as softmax_ab."""
+    viewed as ``(m * n / 256, 256)``, ``n`` a multiple of 256 and of ``CHUNK``)."""
     parts = BLOCK // CHUNK
     tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
     bufs = [kiln.dynamic_shared((CHUNK,), f32, align=128) for _ in range(parts)] if TMA else []
@@ -240,15 +239,8 @@ def layernorm_ring(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], w: kiln.Tens
     for s, first in zip(boxes or row_s, pieces(kiln.block_id(0)) if TMA
                         else tiles(x, kiln.block_id(0))):
         kiln.copy(first, s)
-
-    def whole_row(row):   # kiln.prefetch's tile: the row, masked past m
-        return kiln.GlobalTile(x, (1, BLOCK), (row, 0), row_end=m, col_end=n, align=16)
-    for k in range(1, PREFETCH):
-        kiln.prefetch(whole_row(kiln.block_id(0) + k * grid))
     for i in kiln.range(0, (m - kiln.block_id(0) + grid - 1) // grid):   # step 1: counted
         row = kiln.block_id(0) + i * grid
-        if PREFETCH:
-            kiln.prefetch(whole_row(row + PREFETCH * grid))
         if TMA:
             ahead = pieces(row + grid)
             xs = []
@@ -347,16 +339,14 @@ def softmax_ab(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[f
                yv: kiln.Tensor[f32, 2],
                m: i32, n: i32, grid: i32, BLOCK: kiln.constexpr, CHUNK: kiln.constexpr,
                THREADS: kiln.constexpr, ISSUE: kiln.constexpr, PROBE: kiln.constexpr = 0,
-               TSTORE: kiln.constexpr = 0, PREFETCH: kiln.constexpr = 0):
+               TSTORE: kiln.constexpr = 0):
     """The streamed softmax (rows through CHUNK-column shared tiles over a persistent grid)
     with the next row's copies issued before the reductions (``ISSUE`` 0, the tutorial's
     order), after the stores (1) or tile by tile after each tile's store (2). ``PROBE`` 1: no
     copies (the row is whatever shared memory holds: the store side alone); 2: no stores (one
     branch the grid never takes keeps the math: the load side alone); 3: neither. ``TSTORE``:
     each tile stored through a shared stage by one TMA box of ``yv`` (``y`` viewed as ``(m * n
-    / 256, 256)``) instead of from registers. ``PREFETCH``: the row ``PREFETCH`` rows ahead
-    is prefetched into L2 (``kiln.prefetch``: one bulk prefetch of thread 0), so the cp.async
-    of the row after next reads L2 instead of DRAM. ``xv`` is unused (the A/B's signature)."""
+    / 256, 256)``) instead of from registers. ``xv`` is unused (the A/B's signature)."""
     parts = BLOCK // CHUNK
     tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
     row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
@@ -373,9 +363,6 @@ def softmax_ab(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[f
             kiln.copy(tiles(x, row)[c], row_s[c])
 
 
-    def whole_row(row):   # kiln.prefetch's tile: the row, masked past m
-        return kiln.GlobalTile(x, (1, BLOCK), (row, 0), row_end=m, col_end=n, align=16)
-
     def put(p, row, c):
         if TSTORE:
             kiln.barrier()   # the stage's last TMA store has read it
@@ -389,11 +376,7 @@ def softmax_ab(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[f
 
     for c in range(parts):
         fetch(kiln.block_id(0), c)
-    for k in range(1, PREFETCH):
-        kiln.prefetch(whole_row(kiln.block_id(0) + k * grid))
     for row in kiln.range(kiln.block_id(0), m, grid):
-        if PREFETCH:
-            kiln.prefetch(whole_row(row + PREFETCH * grid))
         kiln.barrier()
         ts = [kiln.where(kiln.tiles.mask(g, tv), kiln.load(s, tv), -float("inf"))
               for g, s in zip(tiles(x, row), row_s)]

@@ -52,24 +52,20 @@ LAYERNORM_PREFETCH: dict[int, list] = {}
 LAYERNORM_STREAM_WB: dict[int, list] = {}
 # (threads, chunk columns, blocks per SM, register cap or 0) of rows_variants.softmax_tma
 SOFTMAX_TMA: dict[int, list] = {}
-# (ISSUE, PROBE, TSTORE, PREFETCH) of rows_variants.softmax_ab (512 threads, 4096-column tiles, one block
+# (ISSUE, PROBE, TSTORE) of rows_variants.softmax_ab (512 threads, 4096-column tiles, one block
 # an SM); a PROBE's output is not the softmax: it is timed unchecked, named "probe ..."
-SOFTMAX_AB = {32768: [(0, 0, 0, 0), (2, 0, 0, 0), (0, 0, 1, 0), (0, 0, 0, 2), (2, 0, 0, 2),
-                      (0, 1, 0, 0), (0, 2, 0, 0), (0, 3, 0, 0), (0, 2, 0, 2)],
-              16384: [(0, 0, 0, 2)]}
+SOFTMAX_AB = {32768: [(0, 0, 0), (2, 0, 0), (0, 0, 1), (0, 1, 0), (0, 2, 0), (0, 3, 0)]}
 # (threads, chunk columns, blocks per SM) of rows_variants.softmax_pipe / layernorm_pipe
-SOFTMAX_PIPE = {32768: [(512, 4096, 1)], 16384: [(512, 4096, 1)], 8192: [(512, 4096, 2)]}
+SOFTMAX_PIPE = {32768: [(512, 4096, 1), (512, 2048, 1)], 16384: [(512, 4096, 1)],
+                8192: [(512, 4096, 2)]}
 LAYERNORM_PIPE = {32768: [(512, 4096, 1)], 16384: [(512, 4096, 1)], 8192: [(512, 4096, 1)]}
 # (threads, chunk columns, blocks per SM, register cap or 0) of the layer-norm tutorial's
 # streamed kernel
 LAYERNORM_STREAM: dict[int, list] = {}
 # (threads, chunk columns, one-pass statistics, blocks per SM, register cap or 0, w/b in
 # shared (1), only their first tile (2, a probe) or through a ring of shared tiles (3), w/b
-# tiles loaded ahead, ring slots, x by TMA boxes, rows prefetched ahead into L2) of
-# rows_variants.layernorm_ring
-LAYERNORM_RING = {32768: [(512, 4096, 0, 1, 0, 0, 1, 0, 0, 2)],
-                  16384: [(512, 4096, 0, 1, 0, 0, 1, 0, 0, 2)],
-                  8192: [(512, 4096, 0, 2, 0, 0, 1, 0, 0, 0), (512, 4096, 0, 2, 0, 0, 1, 0, 0, 2)]}
+# tiles loaded ahead, ring slots, x by TMA boxes) of rows_variants.layernorm_ring
+LAYERNORM_RING: dict[int, list] = {}
 
 
 def _load(path: Path):
@@ -197,13 +193,13 @@ def main() -> None:
                 rows_variants.softmax_tma[(g,)](x, x.view(-1, 256), y, m, n, g, BLOCK=block,
                                                 CHUNK=c, THREADS=t,
                                                 **({"maxnreg": cap} if cap else {})))
-        for issue, probe, tstore, pf in SOFTMAX_AB.get(n, []):
+        for issue, probe, tstore in SOFTMAX_AB.get(n, []):
             variants[("probe " if probe else "") + f"ab i{issue}" + (f" p{probe}" if probe else "")
-                     + (" tstore" if tstore else "") + (f" pf{pf}" if pf else "")] = (
-                lambda g=grid_of(1), i=issue, p=probe, ts=tstore, pf=pf:
+                     + (" tstore" if tstore else "")] = (
+                lambda g=grid_of(1), i=issue, p=probe, ts=tstore:
                 rows_variants.softmax_ab[(g,)](x, x.view(-1, 256), y, y.view(-1, 256), m, n, g,
                                                BLOCK=block, CHUNK=4096, THREADS=512, ISSUE=i,
-                                               PROBE=p, TSTORE=ts, PREFETCH=pf))
+                                               PROBE=p, TSTORE=ts))
         for t, chunk_, per_sm in SOFTMAX_PIPE.get(n, []):
             variants[f"pipe t{t} c{chunk_} x{per_sm}"] = (
                 lambda g=grid_of(per_sm), t=t, c=chunk_: rows_variants.softmax_pipe[(g,)](
@@ -244,16 +240,16 @@ def main() -> None:
                 lambda g=grid_of(1), t=t, a=ahead: rows_variants.layernorm_stream_wb[(g,)](
                     x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk,
                     THREADS=t, ALIGN=16, AHEAD=a))
-        for t, chunk_, one, per_sm, cap, wbs, ahead, k, tma, pf in LAYERNORM_RING.get(n, []):
+        for t, chunk_, one, per_sm, cap, wbs, ahead, k, tma in LAYERNORM_RING.get(n, []):
             variants[f"ring t{t} c{chunk_} x{per_sm}" + (" 1pass" if one else "")
                      + (f" r{cap}" if cap else "") + (f" wbs{wbs}" if wbs else "")
                      + (f" a{ahead}" if ahead > 1 else "") + (f" k{k}" if k else "")
-                     + (" tma" if tma else "") + (f" pf{pf}" if pf else "")] = (
+                     + (" tma" if tma else "")] = (
                 lambda g=grid_of(per_sm), t=t, c=chunk_, one=one, cap=cap, wbs=wbs, a=ahead,
-                k=k, tma=tma, pf=pf: rows_variants.layernorm_ring[(g,)](
+                k=k, tma=tma: rows_variants.layernorm_ring[(g,)](
                     x, x.view(-1, 256) if tma else x, w.view(1, n), b.view(1, n), y,
                     mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=c, THREADS=t, ALIGN=16,
-                    ONEPASS=one, WBS=wbs, AHEAD=a, WBK=k or 2, TMA=tma, PREFETCH=pf,
+                    ONEPASS=one, WBS=wbs, AHEAD=a, WBK=k or 2, TMA=tma,
                     **({"maxnreg": cap} if cap else {})))
         for t, chunk_, per_sm in LAYERNORM_PIPE.get(n, []):
             variants[f"pipe t{t} c{chunk_} x{per_sm}"] = (

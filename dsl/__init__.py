@@ -50,7 +50,6 @@ from .autotune import autotune
 from .shared import DynamicSharedTensor, dynamic_shared
 from .tiles import GlobalTile, RegTile, SharedTile
 from .tile_copy import copy, load
-from .tile_prefetch import prefetch
 from .tile_reduce import cluster_rank, reduce
 from .tile_gemm import accumulator, gemm
 from .pipeline import pipeline

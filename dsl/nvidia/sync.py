@@ -137,8 +137,6 @@ NAMED_BARRIER_ANY = declare("nvidia.sync.named_barrier_any", feature="ptx")
 SCHED_BARRIER = declare("nvidia.sync.sched_barrier", feature="ptx",
                         interpret=lambda op, plan: None)
 L2_CACHE_POLICY = declare("nvidia.sync.l2_cache_policy", feature="ptx")
-# A hint: nothing to wait for, no value a thread sees changes.
-PREFETCH_L2 = declare("nvidia.sync.prefetch_l2", feature="ptx", interpret=lambda op, plan: None)
 WAIT_FOR_COUNT = declare("nvidia.sync.wait_for_count", feature="ptx")
 ELECT_SYNC = declare("nvidia.sync.elect_sync", feature="sm90", mlir_names=("nvvm.elect.sync",))
 FENCE_PROXY_ASYNC = declare("nvidia.sync.fence_proxy_async", feature="sm90",
@@ -285,14 +283,6 @@ def l2_cache_policy(priority: str) -> ir.Value:
     return L2_CACHE_POLICY.inline_asm(ir.IntegerType.get_signless(64), [],
                                       f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;",
                                       "=l", has_side_effects=False)
-
-
-def prefetch_l2(address) -> None:
-    """``prefetch.global.L2``: start bringing the 128-byte line holding global ``address`` (an
-    i64) into L2; nothing to wait for. :func:`kiln.prefetch` issues it for GlobalTiles where
-    the bulk prefetch (sm_90) does not apply. Example: ``kiln.nvidia_asm.prefetch_l2(addr)``."""
-    PREFETCH_L2.inline_asm(ir.Type.parse("!llvm.void"), [ir_value(address, "address")],
-                           "prefetch.global.L2 [$0];", "l")
 
 
 # ``wait_for_count``: poll with an acquire load until the signed difference ``counter - target``

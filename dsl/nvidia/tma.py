@@ -55,9 +55,6 @@ PREFETCH = declare("nvidia.tma.prefetch", feature="tma",
                    mlir_names=("nvvm.cp.async.bulk.tensor.prefetch",))
 PREFETCH_DESCRIPTOR = declare("nvidia.tma.prefetch_descriptor", feature="tma",
                               mlir_names=("nvgpu.tma.prefetch.descriptor",))
-# A hint: no destination, nothing to wait for, no value a thread sees changes.
-BULK_PREFETCH = declare("nvidia.tma.bulk_prefetch", feature="tma",
-                        interpret=lambda op, plan: None)
 COMMIT_GROUP = declare("nvidia.tma.commit_group", feature="tma",
                        mlir_names=("nvvm.cp.async.bulk.commit.group",))
 WAIT_GROUP = declare("nvidia.tma.wait_group", feature="tma",
@@ -217,20 +214,6 @@ def prefetch(tensor_map, coords) -> None:
     # it; the cast is reconciled away once the descriptor type is converted.
     pointer = builtin.unrealized_conversion_cast([llvm.PointerType.get()], [desc])
     nvvm.cp_async_bulk_tensor_prefetch(pointer, coord_values, [])
-
-
-def bulk_prefetch(address, nbytes) -> None:
-    """Start bringing ``nbytes`` of global memory from ``address`` (an i64, 16-byte aligned;
-    ``nbytes`` a multiple of 16) into L2 (``cp.async.bulk.prefetch.L2.global``): no descriptor,
-    no shared memory, nothing to wait for. :func:`kiln.prefetch` issues it for GlobalTiles.
-
-    Example: ``kiln.tma.bulk_prefetch(x.element_address(row, 0), n * 4)``.
-    """
-    BULK_PREFETCH.require(current_target(), "kiln.tma.bulk_prefetch")
-    i32 = ir.IntegerType.get_signless(32)
-    size = arith.index_cast(i32, as_index(nbytes, "the prefetch's byte count"))
-    BULK_PREFETCH.inline_asm(ir.Type.parse("!llvm.void"), [ir_value(address, "address"), size],
-                             "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r")
 
 
 def prefetch_descriptor(tensor_map, *, predicate=None) -> None:
