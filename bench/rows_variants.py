@@ -455,10 +455,12 @@ def softmax_pipe(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32,
 def layernorm_pipe(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f32],
                    y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
                    rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
-                   BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr):
+                   BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
+                   AHEAD: kiln.constexpr = 1):
     """The streamed layer norm as softmax_pipe's three-stage pipeline: row ``r + grid`` read
     tile by tile between row ``r``'s tile stores, each shared tile refilled with row ``r + 2
-    grid``'s piece; ``w``/``b`` of tile ``c + 1`` loaded before tile ``c``'s store."""
+    grid``'s piece; ``w``/``b`` of tile ``c + 1`` loaded before tile ``c``'s store (``AHEAD``
+    1) or each tile's just before its use (0: fewer registers)."""
     parts = BLOCK // CHUNK
     tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
     row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
@@ -479,13 +481,13 @@ def layernorm_pipe(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f
         mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
         xcs = [kiln.where(kiln.tiles.mask(g, tv), t - mean, 0.0)
                for g, t in zip(tiles(x, row, m), xs)]
-        wb = [weights(0)]
+        wb = [weights(0)] if AHEAD else []
         rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]), "sum",
                                       axis=1) * inv_n + eps)
         after = tiles(x, row + 2 * grid, m)
         nxt = []
         for c, xc in enumerate(xcs):
-            wb.append(weights(c + 1))
+            wb.append(weights(c + AHEAD))
             gamma, beta = wb[c]
             kiln.copy(xc * rstd * gamma + beta, tiles(y, row)[c])
             kiln.barrier()   # tile c of the next row landed for all; tile c - 1 read by all

@@ -55,10 +55,12 @@ SOFTMAX_TMA: dict[int, list] = {}
 # (ISSUE, PROBE, TSTORE) of rows_variants.softmax_ab (512 threads, 4096-column tiles, one block
 # an SM); a PROBE's output is not the softmax: it is timed unchecked, named "probe ..."
 SOFTMAX_AB = {32768: [(0, 0, 0), (2, 0, 0), (0, 0, 1), (0, 1, 0), (0, 2, 0), (0, 3, 0)]}
-# (threads, chunk columns, blocks per SM) of rows_variants.softmax_pipe / layernorm_pipe
+# (threads, chunk columns, blocks per SM) of rows_variants.softmax_pipe, (... w/b tiles
+# ahead) of layernorm_pipe
 SOFTMAX_PIPE = {32768: [(512, 4096, 1), (512, 2048, 1)], 16384: [(512, 4096, 1)],
                 8192: [(512, 4096, 2)]}
-LAYERNORM_PIPE = {32768: [(512, 4096, 1)], 16384: [(512, 4096, 1)], 8192: [(512, 4096, 1)]}
+LAYERNORM_PIPE = {32768: [(512, 4096, 1, 1), (512, 4096, 1, 0)],
+                  16384: [(512, 4096, 1, 1), (512, 4096, 1, 0)], 8192: [(512, 4096, 1, 1)]}
 # (threads, chunk columns, blocks per SM, register cap or 0) of the layer-norm tutorial's
 # streamed kernel
 LAYERNORM_STREAM: dict[int, list] = {}
@@ -251,10 +253,11 @@ def main() -> None:
                     mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=c, THREADS=t, ALIGN=16,
                     ONEPASS=one, WBS=wbs, AHEAD=a, WBK=k or 2, TMA=tma,
                     **({"maxnreg": cap} if cap else {})))
-        for t, chunk_, per_sm in LAYERNORM_PIPE.get(n, []):
-            variants[f"pipe t{t} c{chunk_} x{per_sm}"] = (
-                lambda g=grid_of(per_sm), t=t, c=chunk_: rows_variants.layernorm_pipe[(g,)](
-                    x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=c, THREADS=t))
+        for t, chunk_, per_sm, ahead in LAYERNORM_PIPE.get(n, []):
+            variants[f"pipe t{t} c{chunk_} x{per_sm}" + ("" if ahead else " a0")] = (
+                lambda g=grid_of(per_sm), t=t, c=chunk_, a=ahead:
+                rows_variants.layernorm_pipe[(g,)](x, w, b, y, mean, rstd, m, n, g, 1e-5,
+                                                   BLOCK=block, CHUNK=c, THREADS=t, AHEAD=a))
         ln_block = min(65536 // 4, block)
         variants["triton"] = lambda: t_layernorm[(m,)](
             x, y, w, b, mean, rstd, x.stride(0), n, 1e-5, BLOCK=ln_block,
