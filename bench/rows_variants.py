@@ -344,7 +344,8 @@ def softmax_ab(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[f
     with the next row's copies issued before the reductions (``ISSUE`` 0, the tutorial's
     order), after the stores (1) or tile by tile after each tile's store (2). ``PROBE`` 1: no
     copies (the row is whatever shared memory holds: the store side alone); 2: no stores (one
-    branch the grid never takes keeps the math: the load side alone); 3: neither. ``TSTORE``:
+    branch the grid never takes keeps the math: the load side alone); 3: neither; 4: the row
+    stored as loaded, no math (a copy through the same stream). ``TSTORE``:
     each tile stored through a shared stage by one TMA box of ``yv`` (``y`` viewed as ``(m * n
     / 256, 256)``) instead of from registers. ``xv`` is unused (the A/B's signature)."""
     parts = BLOCK // CHUNK
@@ -386,16 +387,20 @@ def softmax_ab(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[f
             if more:
                 for c in range(parts):
                     fetch(row + grid, c)
-        top = ts[0]
-        for t in ts[1:]:
-            top = kiln.maximum(top, t)
-        mx = kiln.reduce(top, "max", axis=1)
-        ps = [kiln.exp(t - mx) for t in ts]
-        inv = kiln.rcp(kiln.reduce(sum(ps[1:], ps[0]), "sum", axis=1))
+        ps, inv = ts, None
+        if PROBE != 4:
+            top = ts[0]
+            for t in ts[1:]:
+                top = kiln.maximum(top, t)
+            mx = kiln.reduce(top, "max", axis=1)
+            ps = [kiln.exp(t - mx) for t in ts]
+            inv = kiln.rcp(kiln.reduce(sum(ps[1:], ps[0]), "sum", axis=1))
         for c, p in enumerate(ps):
             if PROBE in (2, 3):
                 if n < 0:
                     put(p * inv, row, c)
+            elif PROBE == 4:   # the row as loaded, no math
+                put(kiln.where(kiln.tiles.mask(tiles(x, row)[c], tv), ts[c], 0.0), row, c)
             else:
                 put(p * inv, row, c)
             if ISSUE == 2:

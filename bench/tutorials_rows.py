@@ -54,7 +54,9 @@ LAYERNORM_STREAM_WB: dict[int, list] = {}
 SOFTMAX_TMA: dict[int, list] = {}
 # (ISSUE, PROBE, TSTORE) of rows_variants.softmax_ab (512 threads, 4096-column tiles, one block
 # an SM); a PROBE's output is not the softmax: it is timed unchecked, named "probe ..."
-SOFTMAX_AB = {32768: [(0, 0, 0), (2, 0, 0), (0, 0, 1), (0, 1, 0), (0, 2, 0), (0, 3, 0)]}
+SOFTMAX_AB = {32768: [(0, 0, 0), (2, 0, 0), (0, 0, 1), (0, 1, 0), (0, 2, 0), (0, 3, 0),
+                      (0, 4, 0)],
+              16384: [(0, 0, 0), (0, 4, 0)]}
 # (threads, chunk columns, blocks per SM) of rows_variants.softmax_pipe, (... w/b tiles
 # ahead) of layernorm_pipe
 SOFTMAX_PIPE = {32768: [(512, 4096, 1), (512, 2048, 1)], 16384: [(512, 4096, 1)],

@@ -103,8 +103,7 @@ def _check_cover(tile: Any, layout: ThreadValueLayout, what: str) -> None:
 
 
 def load(src: GlobalTile | SharedTile | list, layout: ThreadValueLayout, *,
-         via: SharedTile | list | None = None, refill: list | None = None,
-         work: Any = None) -> RegTile | list:
+         via: SharedTile | list | None = None, refill: list | None = None) -> RegTile | list:
     """The register tile holding ``src`` in ``layout`` (vector loads; see the module table).
 
     ``via``: ``src`` (a GlobalTile, or a list of them: a row in pieces) is read from these
@@ -115,29 +114,15 @@ def load(src: GlobalTile | SharedTile | list, layout: ThreadValueLayout, *,
     pieces are read: per piece a block barrier (after it the piece has landed for every
     thread and the previous piece is free), the previous piece's refill and the piece's
     loads; then a barrier and the last refill. The whole block makes that call, with no
-    ``kiln.barrier()`` of its own before it. ``work`` (with ``via=``): a function of the piece
-    index called before each piece's barrier, e.g. the store of the previous row's piece: a
-    persistent block then reads the next row piece by piece into the registers those stores
-    free, and its refills are issued among the stores rather than after all of them.
+    ``kiln.barrier()`` of its own before it.
 
     Example: ``x = kiln.load(kiln.GlobalTile(x_t, (4, 256), (r0, 0), col_end=n), tv)``; a row
     streamed through ``row_s`` (a list of SharedTiles) over a persistent grid::
 
         xs = kiln.load(row_tiles(x, row), tv, via=row_s, refill=row_tiles(x, row + grid))
-
-    and pipelined (``xs`` holds row ``row`` on entry, ``ps`` its results)::
-
-        xs = kiln.load(row_tiles(x, row + grid), tv, via=row_s,
-                       refill=row_tiles(x, row + 2 * grid),
-                       work=lambda k: kiln.copy(ps[k], out[k]))
     """
     if via is not None:
-        return _load_via(src, layout, via, refill, work)
-    if work is not None:
-        raise KilnTypeError("kiln.load(work=...) runs between the pieces read through via=, "
-                            "and no via= is given",
-                            fix="kiln.load(row_tiles, tv, via=shared_tiles, refill=next_tiles, "
-                                "work=store)")
+        return _load_via(src, layout, via, refill)
     if refill is not None:
         raise KilnTypeError("kiln.load(refill=...) refills the SharedTiles a row is read "
                             "through, and no via= is given",
@@ -154,9 +139,8 @@ def load(src: GlobalTile | SharedTile | list, layout: ThreadValueLayout, *,
     return RegTile([_pieces(src, layout, width)], layout, (1, 1))
 
 
-def _load_via(src: Any, layout: ThreadValueLayout, via: Any, refill: list | None,
-              work: Any) -> Any:
-    """``load(src, layout, via=..., refill=..., work=...)`` (see :func:`load`)."""
+def _load_via(src: Any, layout: ThreadValueLayout, via: Any, refill: list | None) -> Any:
+    """``load(src, layout, via=..., refill=...)`` (see :func:`load`)."""
     many = isinstance(src, (list, tuple))
     srcs, vias = (list(src), list(via)) if many else ([src], [via])
     if not srcs or len(vias) != len(srcs) or not all(isinstance(g, GlobalTile) for g in srcs) \
@@ -170,14 +154,8 @@ def _load_via(src: Any, layout: ThreadValueLayout, via: Any, refill: list | None
         raise KilnValueError(f"kiln.load(refill=...) needs a list of {len(vias)} GlobalTiles, "
                              "one for each SharedTile of via=",
                              fix="pass lists: kiln.load(tiles, tv, via=shared, refill=next)")
-    if work is not None and not callable(work):
-        raise KilnTypeError(f"kiln.load(work=...) takes a function of the piece index, got "
-                            f"{type(work).__name__}",
-                            fix="pass e.g. work=lambda k: kiln.copy(ps[k], out[k])")
     out = []
     for k, (g, tile) in enumerate(zip(srcs, vias)):
-        if work is not None:
-            work(k)
         if refill is not None:
             ops.barrier()   # piece k landed for every thread (the wait goes before); k - 1 read
             if k:

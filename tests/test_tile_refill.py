@@ -44,36 +44,6 @@ def stream_rows(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32, 
             kiln.copy(t - mx, g)
 
 
-@kiln.kernel(num_threads="THREADS")
-def pipe_rows(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32, grid: i32,
-              BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
-              ALIGN: kiln.constexpr):
-    """stream_rows pipelined: row ``row + grid`` is read piece by piece between the stores of
-    row ``row``'s pieces (``work=``), each shared tile refilled with row ``row + 2 grid``."""
-    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
-    row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(BLOCK // CHUNK)]
-
-    def row_tiles(t, row, fill=0.0, row_end=None):
-        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), row_end=row_end, col_end=n,
-                                fill=fill, align=ALIGN, col_multiple=ALIGN // 4)
-                for c in range(BLOCK // CHUNK)]
-
-    start = kiln.block_id(0)
-    for s, first in zip(row_s, row_tiles(x, start)):
-        kiln.copy(first, s)
-    ts = kiln.load(row_tiles(x, start, -float("inf")), tv, via=row_s,
-                   refill=row_tiles(x, start + grid, row_end=m))
-    for row in kiln.range(start, m, grid):
-        top = ts[0]
-        for t in ts[1:]:
-            top = kiln.maximum(top, t)
-        mx = kiln.reduce(top, "max", axis=1)
-        out, shifted = row_tiles(y, row), [t - mx for t in ts]
-        ts = kiln.load(row_tiles(x, row + grid, -float("inf")), tv, via=row_s,
-                       refill=row_tiles(x, row + 2 * grid, row_end=m),
-                       work=lambda k: kiln.copy(shifted[k], out[k]))
-
-
 @pytest.mark.parametrize("target", ("sm_90a", "sm_80", "gfx950"))
 @pytest.mark.parametrize("m,n,grid", [(7, 1000, 3), (5, 1531, 2), (4, 2048, 4), (1, 3, 1)])
 def test_streamed_rows_match_float64(target, m, n, grid):
@@ -87,32 +57,6 @@ def test_streamed_rows_match_float64(target, m, n, grid):
                                    ALIGN=align, target=target)
     want = x.astype(np.float64) - x.max(axis=1, keepdims=True)
     np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("target", ("sm_90a", "gfx950"))
-@pytest.mark.parametrize("m,n,grid", [(7, 1000, 3), (9, 2048, 2), (2, 5, 2)])
-def test_pipelined_rows_match_float64(target, m, n, grid):
-    """Each block's rows go through the three stages (registers, shared tiles, refills in
-    flight); the refills past m are masked and the last reads of the row past m unused."""
-    rng = np.random.default_rng()
-    x = (rng.standard_normal((m, n)) * 3 - 50).astype(np.float32)
-    y = np.full_like(x, np.nan)
-    pipe_rows.interpret[(grid,)](x, y, m, n, grid, BLOCK=2048, CHUNK=512, THREADS=128,
-                                 ALIGN=16 if n % 4 == 0 else 4, target=target)
-    np.testing.assert_allclose(y, x.astype(np.float64) - x.max(axis=1, keepdims=True),
-                               rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.lower
-def test_pipelined_stores_sit_between_the_next_rows_reads():
-    """A piece's store comes before the barrier ahead of the next row's same piece: from the
-    loop's first store on, stores and barriers alternate (4 pieces a row)."""
-    x = np.zeros((64, 2048), np.float32)
-    ptx = pipe_rows.compile(x, x, 64, 2048, 8, BLOCK=2048, CHUNK=512, THREADS=128, ALIGN=16,
-                            target="sm_90a").asm["ptx"]
-    loop = ptx[ptx.index("st.global"):]
-    order = re.findall(r"st\.global|bar\.sync", loop)
-    assert order[:7] == ["st.global", "bar.sync"] * 3 + ["st.global"]
 
 
 @pytest.mark.lower
@@ -138,7 +82,7 @@ def _trace(**call):
         s = [kiln.SharedTile((1, 512), f32) for _ in range(2)]
         g = [kiln.GlobalTile(x, (1, 512), (0, 512 * c), align=16) for c in range(2)]
         kiln.load(g if call.get("src", 1) else s, tv, via=call.get("via", s),
-                  refill=call.get("refill", g), work=call.get("work"))
+                  refill=call.get("refill", g))
 
     bad.compile(np.zeros((1, 1024), np.float32), target="sm_90a")
 
@@ -147,8 +91,6 @@ def _trace(**call):
     ({"via": None}, "no via= is given"),
     ({"refill": []}, "needs a list of 2 GlobalTiles"),
     ({"src": 0}, "reads GlobalTiles through as many"),
-    ({"work": 3}, "takes a function of the piece index"),
-    ({"via": None, "refill": None, "work": print}, "no via= is given"),
 ])
 def test_bad_arguments_name_the_argument(case, message):
     with pytest.raises(KilnError, match=message):

@@ -41,44 +41,34 @@ from kiln.runtime.cuda import cuda_available, driver
 def softmax_kernel(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32, grid: i32,
                    BLOCK: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr,
                    STREAM: kiln.constexpr):
-    pieces = max(BLOCK // PIECE, 1) if STREAM else 1   # a streamed row: PIECE-column pieces
-    tv = kiln.layout.blocked((1, BLOCK // pieces), THREADS, vec=4)
-    row_s = [kiln.SharedTile((1, BLOCK // pieces), f32) for _ in range(pieces)] if STREAM else []
+    tv = kiln.layout.blocked((1, BLOCK), THREADS, vec=4)
+    row_s = kiln.SharedTile((1, BLOCK), f32) if STREAM else None
 
-    def row_tiles(t, row, fill=0.0, row_end=None):   # columns past n read as fill
-        return [kiln.GlobalTile(t, (1, BLOCK // pieces), (row, c * BLOCK // pieces),
-                                row_end=row_end, col_end=n, fill=fill, align=ALIGN,
-                                col_multiple=ALIGN // 4) for c in range(pieces)]
+    def row_tile(t, row, fill=0.0):
+        return kiln.GlobalTile(t, (1, BLOCK), (row, 0), col_end=n, fill=fill, align=ALIGN,
+                               col_multiple=ALIGN // 4)
 
-    start, inf = kiln.block_id(0), float("inf")
-    if STREAM:   # the first row, with the second's copies in flight (cp.async / DMA)
-        for s, g in zip(row_s, row_tiles(x, start)):
-            kiln.copy(g, s)
-        xs = kiln.load(row_tiles(x, start, -inf), tv, via=row_s,
-                       refill=row_tiles(x, start + grid, row_end=m))
-    for row in kiln.range(start, m, grid):
-        if not STREAM:   # -inf past n: the max keeps, exp adds 0
-            xs = [kiln.load(g, tv) for g in row_tiles(x, row, -inf)]
-        top = xs[0]
-        for t in xs[1:]:
-            top = kiln.maximum(top, t)
-        mx = kiln.reduce(top, "max", axis=1)
-        ps = [kiln.exp(t - mx) for t in xs]
-        inv = kiln.rcp(kiln.reduce(sum(ps[1:], ps[0]), "sum", axis=1))
-        out = row_tiles(y, row)
-        if STREAM:   # store this row piece by piece, reading the next into the freed registers
-            xs = kiln.load(row_tiles(x, row + grid, -inf), tv, via=row_s,
-                           refill=row_tiles(x, row + 2 * grid, row_end=m),
-                           work=lambda k: kiln.copy(ps[k] * inv, out[k]))
-        else:
-            kiln.copy(ps[0] * inv, out[0])
+    if STREAM:
+        kiln.copy(row_tile(x, kiln.block_id(0)), row_s)
+    for row in kiln.range(kiln.block_id(0), m, grid):
+        if STREAM:   # the row arrived in shared memory while the previous one was reduced
+            kiln.barrier()
+            t = kiln.where(kiln.tiles.mask(row_tile(x, row), tv), kiln.load(row_s, tv),
+                           -float("inf"))
+            kiln.barrier()   # every thread holds its part: copy the next row (cp.async / DMA)
+            if row + grid < m:
+                kiln.copy(row_tile(x, row + grid), row_s)
+        else:   # columns past n read as -inf: the max keeps, exp adds 0
+            t = kiln.load(row_tile(x, row, -float("inf")), tv)
+        p = kiln.exp(t - kiln.reduce(t, "max", axis=1))
+        p = p * kiln.rcp(kiln.reduce(p, "sum", axis=1))
+        kiln.copy(p, row_tile(y, row))
 
 
 # rows from this many columns stream through shared memory (STREAM), blocks per SM of that
 # persistent grid, and (NVIDIA) the registers a thread may take so that two blocks of
 # 16384-column rows share an SM (measured: bench/tutorials_rows.py)
 STREAM_FROM = 32768
-PIECE = 4096
 BLOCKS_PER_SM = {32768: 1}
 MAX_REGISTERS = {16384: 64}
 

@@ -56,13 +56,12 @@ def layernorm_kernel(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor
         return [kiln.load(row_tiles(t, 0)[c], tv) for t in (w, b)] \
             if c < BLOCK // CHUNK else None
 
-    start = kiln.block_id(0)
-    if STREAM:   # the first row, with the second's copies in flight (cp.async / DMA)
-        for s, first in zip(row_s, row_tiles(x, start)):
-            kiln.copy(first, s)
-        xs = kiln.load(row_tiles(x, start), tv, via=row_s, refill=row_tiles(x, start + grid, m))
-    for row in kiln.range(start, m, grid):
-        if not STREAM:
+    for s, first in zip(row_s, row_tiles(x, kiln.block_id(0))):   # cp.async / DMA
+        kiln.copy(first, s)
+    for row in kiln.range(kiln.block_id(0), m, grid):
+        if STREAM:   # each tile is refilled with the next row's (masked past m) once read
+            xs = kiln.load(row_tiles(x, row), tv, via=row_s, refill=row_tiles(x, row + grid, m))
+        else:
             xs = [kiln.load(g, tv) for g in row_tiles(x, row)]
         # w and b: a one-tile row's before the reductions, which hide their latency
         wb = [weights(0)] if BLOCK == CHUNK else []
@@ -72,19 +71,11 @@ def layernorm_kernel(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor
         wb += [weights(0)] if STREAM else []
         rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]), "sum",
                                       axis=1) * inv_n + eps)
-
-        def store(c):   # tile c of the row
+        for c, xc in enumerate(xcs):
             if STREAM:   # tile c + 1's before tile c's store (a load after it would wait for it)
                 wb.append(weights(c + 1))
             gamma, beta = wb[c] if wb else weights(c)   # else a tile at a time: fewer registers
-            kiln.copy(xcs[c] * rstd * gamma + beta, row_tiles(y, row)[c])
-
-        if STREAM:   # store this row tile by tile, reading the next into the freed registers
-            xs = kiln.load(row_tiles(x, row + grid), tv, via=row_s,
-                           refill=row_tiles(x, row + 2 * grid, m), work=store)
-        else:
-            for c in range(len(xcs)):
-                store(c)
+            kiln.copy(xc * rstd * gamma + beta, row_tiles(y, row)[c])
         if kiln.thread_id(0) == 0:
             mean_out[row] = mean.item()
             rstd_out[row] = rstd.item()
