@@ -15,6 +15,11 @@
   in shared memory (``WBS`` 1), only their first tile (``WBS`` 2: a probe of what their L2
   traffic costs), through a ring of shared tiles (``WBS`` 3), ``AHEAD`` tiles ahead, or the
   row copied by TMA boxes (``TMA``, as ``softmax_tma``).
+- ``softmax_ab``: the streamed softmax in 4096-column tiles with the next row's copies issued
+  before the reductions (``ISSUE`` 0), after the stores (1) or after each tile's store (2),
+  TMA-staged stores (``TSTORE``), and probes (``PROBE``: no loads, no stores, neither, no math).
+- ``softmax_pipe`` / ``layernorm_pipe``: a three-stage pipeline: row ``r + grid`` read tile by
+  tile between row ``r``'s tile stores, each shared tile refilled with row ``r + 2 grid``.
 - ``softmax_tma``: the streamed softmax with each piece of a row copied by one TMA box of ``x``
   viewed as ``(m * n / 256, 256)``: one instruction of one thread a piece, no cp.async
   request slots.
@@ -47,6 +52,22 @@ tutorial takes the shorter ``kiln.load(via=, refill=)``); rows copied by TMA box
 the copy instruction nor the bytes in flight bound these rows. One-pass statistics +2.0% at
 16k in both batches (3388 / 3388 against 3332 / 3322), level at 32k. Batch 3 (copy 4222):
 layer norm tutorial (refill) 3348 / 3152 at 16k / 32k against 3316 / 3117.
+
+Session 38 (H200, GB/s, the tutorials and Triton in the same run). Batch 1 (copy 4143): the
+probes of ``softmax_ab`` at 512 x 32768 give the time a call takes: no stores 20.8 us (6463
+GB/s counted as the full traffic), no loads 23.4 us (5735), neither 4.3 us, all of it 39.4 us
+(3410): the two sides add up (20.8 + 23.4 - 4.3 = 39.9), a row's loads and stores do not
+overlap. Issuing the next row's copies after each tile's store 2876, TMA-staged stores 3013, the
+row after next prefetched into L2 (``cp.async.bulk.prefetch``, thread 0, a whole row) 3030 (its
+load-only probe 6004 against 6463; layer norm 32k 2675 against 3141, 16k 3197 against 3356):
+all slower than the tutorial (3417). Layer norm a block a row at 16k (64 registers, two blocks
+an SM) 3300 against 3356; at 8k 40 registers (spilling) 2693, 256 threads at 80 registers 3519
+against 3507; streamed at 8k two blocks an SM 3264. Batch 2 (copy 4207): the pipeline as the
+tutorials' own streamed path (``kiln.load(via=, refill=, work=)``, since dropped) against
+cabd4bb's tutorials: softmax 32k 3440 against 3401 (the same kernel as ``softmax_pipe`` 3391:
+level), layer norm 32k 2685 against 3128 (44 bytes spilled; ``w``/``b`` at use instead of a
+tile ahead, no spills: 2739), 16k 3308 against 3374 (at use 2981); at 8k / 16k the pipeline with
+one or two blocks an SM 0.77-0.80 of copy against the tutorials' 0.83-0.89.
 
 Usage: ``python bench/tutorials_rows.py`` (it imports this module).
 """
