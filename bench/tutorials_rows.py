@@ -7,7 +7,10 @@ bench/rows_variants.py (``prefetch tT xK sS dD``: register rows over a persisten
 a row, D - 1 rows' loads in flight; layer norm ``ring ... 1pass`` / ``wbs1`` / ``wbs2``: the
 streamed kernel with one-pass statistics / ``w`` and ``b`` in shared memory / their first
 4096 columns only (a probe of what reading them from L2 for every row costs); ``stream_wb tT aA``: the
-streamed layer norm with ``w``/``b`` loaded A tiles ahead); the tutorials of other folders
+streamed layer norm with ``w``/``b`` loaded A tiles ahead; softmax ``ab iI [tstore]``: the
+streamed softmax in 4096-column tiles with the next row's copies issued at I, ``probe ab ...
+pP``: its probes, timed unchecked; ``pipe tT cC xK [a0]``: the three-stage pipeline); the
+tutorials of other folders
 (``--candidate``, e.g. the tutorials of an earlier commit); Triton's tutorial designs
 (bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's device copy, both of
 a 1 GiB buffer and of the benchmark's own matrix (same bytes: the launch and ramp costs a
