@@ -68,6 +68,11 @@ cabd4bb's tutorials: softmax 32k 3440 against 3401 (the same kernel as ``softmax
 level), layer norm 32k 2685 against 3128 (44 bytes spilled; ``w``/``b`` at use instead of a
 tile ahead, no spills: 2739), 16k 3308 against 3374 (at use 2981); at 8k / 16k the pipeline with
 one or two blocks an SM 0.77-0.80 of copy against the tutorials' 0.83-0.89.
+Batch 3 (copy 4189): the same one-block-an-SM stream with no math (``PROBE`` 4: x copied to y
+through the shared tiles and registers) 3621 GB/s at 32k (0.86 of copy, 0.93 of the same-size
+copy) and 3572 at 16k (0.85 / 0.91), against the softmax tutorial's 3389 / 3587 (``ab i0``
+3393 / 3432): the stream itself nearly reaches copy; at 32k the reductions and ``exp``, with no
+store in flight while they run, cost the other 6%.
 
 Usage: ``python bench/tutorials_rows.py`` (it imports this module).
 """
