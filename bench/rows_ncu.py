@@ -1,7 +1,8 @@
 """One launch each of the softmax / layer-norm tutorials at long rows, for ncu (``-k
 regex:softmax|layernorm``): the tutorials of ``--candidate`` folders first (e.g. an earlier
 commit's, for a side-by-side profile), then this tree's, then (``--tma``) rows_variants'
-softmax and layer norm whose rows are copied by TMA boxes.
+softmax and layer norm whose rows are copied by TMA boxes, then (``--pipe``) its pipelined
+softmax and layer norm (the next row read between this row's stores).
 
 Usage: ``ncu --clock-control none --section SpeedOfLight -k regex:'softmax|layernorm' python
 bench/rows_ncu.py --cols 32768,16384 --candidate /tmp/base``.
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("--candidate", action="append", default=[],
                         help="a folder with a fused_softmax.py and a layernorm.py (repeatable)")
     parser.add_argument("--tma", action="store_true", help="also the TMA-box variants")
+    parser.add_argument("--pipe", action="store_true", help="also the pipelined variants")
     args = parser.parse_args()
     import torch
     trees = [(Path(f).name, _load(Path(f) / "fused_softmax.py"), _load(Path(f) / "layernorm.py"))
@@ -49,6 +51,12 @@ def main() -> None:
                                                y, mean, rstd, m, n, g, 1e-5, BLOCK=n,
                                                CHUNK=4096, THREADS=512, ALIGN=16, ONEPASS=0,
                                                TMA=1)
+        if args.pipe:
+            g = min(m, torch.cuda.get_device_properties(0).multi_processor_count)
+            print(f"{m}x{n} pipelined: softmax_pipe, layernorm_pipe", flush=True)
+            rows_variants.softmax_pipe[(g,)](x, y, m, n, g, BLOCK=n, CHUNK=4096, THREADS=512)
+            rows_variants.layernorm_pipe[(g,)](x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=n,
+                                               CHUNK=4096, THREADS=512)
         torch.cuda.synchronize()
 
 

@@ -7,7 +7,10 @@ bench/rows_variants.py (``prefetch tT xK sS dD``: register rows over a persisten
 a row, D - 1 rows' loads in flight; layer norm ``ring ... 1pass`` / ``wbs1`` / ``wbs2``: the
 streamed kernel with one-pass statistics / ``w`` and ``b`` in shared memory / their first
 4096 columns only (a probe of what reading them from L2 for every row costs); ``stream_wb tT aA``: the
-streamed layer norm with ``w``/``b`` loaded A tiles ahead); the tutorials of other folders
+streamed layer norm with ``w``/``b`` loaded A tiles ahead; softmax ``ab iI [tstore]``: the
+streamed softmax in 4096-column tiles with the next row's copies issued at I, ``probe ab ...
+pP``: its probes, timed unchecked; ``pipe tT cC xK [a0]``: the three-stage pipeline); the
+tutorials of other folders
 (``--candidate``, e.g. the tutorials of an earlier commit); Triton's tutorial designs
 (bench/tutorials_triton.py, set up as in bench/tutorials.py) and torch's device copy, both of
 a 1 GiB buffer and of the benchmark's own matrix (same bytes: the launch and ramp costs a
@@ -44,23 +47,32 @@ SOFTMAX_STREAM: dict[int, list] = {}
 # (threads, register cap) of the softmax tutorial's one-shot kernel, a block a row
 SOFTMAX_DIRECT: dict[int, list] = {}
 # (threads, register cap) of the layer-norm tutorial's one-shot kernel, a block a row
-LAYERNORM_DIRECT: dict[int, list] = {}
+LAYERNORM_DIRECT = {16384: [(512, 64)], 8192: [(512, 40), (256, 80)]}
 # (threads, blocks per SM, CTAs a row, rows in flight + 1) of the register-prefetch layer norm
 # (w/b in shared)
 LAYERNORM_PREFETCH: dict[int, list] = {}
 # (threads, tiles ahead) of the streamed layer norm with w/b loaded ahead
 LAYERNORM_STREAM_WB: dict[int, list] = {}
 # (threads, chunk columns, blocks per SM, register cap or 0) of rows_variants.softmax_tma
-SOFTMAX_TMA = {32768: [(512, 4096, 1, 0)], 16384: [(512, 4096, 1, 0), (512, 4096, 2, 64)]}
+SOFTMAX_TMA: dict[int, list] = {}
+# (ISSUE, PROBE, TSTORE) of rows_variants.softmax_ab (512 threads, 4096-column tiles, one block
+# an SM); a PROBE's output is not the softmax: it is timed unchecked, named "probe ..."
+SOFTMAX_AB = {32768: [(0, 0, 0), (2, 0, 0), (0, 0, 1), (0, 1, 0), (0, 2, 0), (0, 3, 0),
+                      (0, 4, 0)],
+              16384: [(0, 0, 0), (0, 4, 0)]}
+# (threads, chunk columns, blocks per SM) of rows_variants.softmax_pipe, (... w/b tiles
+# ahead) of layernorm_pipe
+SOFTMAX_PIPE = {32768: [(512, 4096, 1), (512, 2048, 1)], 16384: [(512, 4096, 1)],
+                8192: [(512, 4096, 2)]}
+LAYERNORM_PIPE = {32768: [(512, 4096, 1, 1), (512, 4096, 1, 0)],
+                  16384: [(512, 4096, 1, 1), (512, 4096, 1, 0)], 8192: [(512, 4096, 1, 1)]}
 # (threads, chunk columns, blocks per SM, register cap or 0) of the layer-norm tutorial's
 # streamed kernel
 LAYERNORM_STREAM: dict[int, list] = {}
 # (threads, chunk columns, one-pass statistics, blocks per SM, register cap or 0, w/b in
 # shared (1), only their first tile (2, a probe) or through a ring of shared tiles (3), w/b
 # tiles loaded ahead, ring slots, x by TMA boxes) of rows_variants.layernorm_ring
-LAYERNORM_RING = {32768: [(512, 4096, 0, 1, 0, 0, 1, 0, 1), (512, 4096, 1, 1, 0, 0, 1, 0, 1)],
-                  16384: [(512, 4096, 0, 1, 0, 0, 1, 0, 1), (512, 4096, 0, 1, 0, 1, 1, 0, 1),
-                          (512, 4096, 1, 1, 0, 0, 1, 0, 0)]}
+LAYERNORM_RING: dict[int, list] = {}
 
 
 def _load(path: Path):
@@ -115,7 +127,8 @@ def main() -> None:
             except Exception as err:  # one variant failing to build must not end the A/B
                 print(f"FAILED {op} {n} {name}: {type(err).__name__}: {err}"[:400], flush=True)
                 continue
-            err = float((y.double() - want).abs().max())
+            err = 0.0 if name.startswith(args.label + "probe") else \
+                float((y.double() - want).abs().max())
             if not err <= tol:
                 print(f"WRONG {op} {m}x{n} {name}: max error {err:.3g} > {tol}", flush=True)
                 continue
@@ -187,6 +200,17 @@ def main() -> None:
                 rows_variants.softmax_tma[(g,)](x, x.view(-1, 256), y, m, n, g, BLOCK=block,
                                                 CHUNK=c, THREADS=t,
                                                 **({"maxnreg": cap} if cap else {})))
+        for issue, probe, tstore in SOFTMAX_AB.get(n, []):
+            variants[("probe " if probe else "") + f"ab i{issue}" + (f" p{probe}" if probe else "")
+                     + (" tstore" if tstore else "")] = (
+                lambda g=grid_of(1), i=issue, p=probe, ts=tstore:
+                rows_variants.softmax_ab[(g,)](x, x.view(-1, 256), y, y.view(-1, 256), m, n, g,
+                                               BLOCK=block, CHUNK=4096, THREADS=512, ISSUE=i,
+                                               PROBE=p, TSTORE=ts))
+        for t, chunk_, per_sm in SOFTMAX_PIPE.get(n, []):
+            variants[f"pipe t{t} c{chunk_} x{per_sm}"] = (
+                lambda g=grid_of(per_sm), t=t, c=chunk_: rows_variants.softmax_pipe[(g,)](
+                    x, y, m, n, g, BLOCK=block, CHUNK=c, THREADS=t))
         t_grid = (min(m, sms * 4),)
         variants["triton"] = lambda: t_softmax[t_grid](y, x, x.stride(0), y.stride(0), m, n,
                                                        BLOCK=block,
@@ -230,10 +254,15 @@ def main() -> None:
                      + (" tma" if tma else "")] = (
                 lambda g=grid_of(per_sm), t=t, c=chunk_, one=one, cap=cap, wbs=wbs, a=ahead,
                 k=k, tma=tma: rows_variants.layernorm_ring[(g,)](
-                    x, x.view(-1, 256) if tma else x, w.view(1, n), b.view(1, n), y, mean,
-                    rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=c, THREADS=t, ALIGN=16,
+                    x, x.view(-1, 256) if tma else x, w.view(1, n), b.view(1, n), y,
+                    mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=c, THREADS=t, ALIGN=16,
                     ONEPASS=one, WBS=wbs, AHEAD=a, WBK=k or 2, TMA=tma,
                     **({"maxnreg": cap} if cap else {})))
+        for t, chunk_, per_sm, ahead in LAYERNORM_PIPE.get(n, []):
+            variants[f"pipe t{t} c{chunk_} x{per_sm}" + ("" if ahead else " a0")] = (
+                lambda g=grid_of(per_sm), t=t, c=chunk_, a=ahead:
+                rows_variants.layernorm_pipe[(g,)](x, w, b, y, mean, rstd, m, n, g, 1e-5,
+                                                   BLOCK=block, CHUNK=c, THREADS=t, AHEAD=a))
         ln_block = min(65536 // 4, block)
         variants["triton"] = lambda: t_layernorm[(m,)](
             x, y, w, b, mean, rstd, x.stride(0), n, 1e-5, BLOCK=ln_block,
