@@ -7,8 +7,8 @@ cuBLAS (``torch.matmul(x, w.T)``), ``matmul`` (its small-M pick) and the GEMV's 
 interleaved samples (``gemm_llm.measure_pair``; kernel-only GPU times), and prints the ratios
 cuBLAS time / Kiln time and the default variant's GB/s. At M = 1 the CUDA-core variants
 (``rRuUwW``: weight rows per warp, loads in flight, warps per CTA), above 4 the tensor-core
-ones (``mmaWwUu``: warps per CTA, 32-column blocks in flight per warp).
-Usage: ``python bench/gemm_gemv.py [--m 1 16] [--layers qkv] [--json out.json]``.
+ones (``mmaWwUu``: warps per CTA, 32-column blocks in flight per warp; ``--mma``: at every M).
+Usage: ``python bench/gemm_gemv.py [--m 1 16] [--layers qkv] [--mma] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ def mma_call(x, w, warps=gemv_mma.WARPS, unroll=gemv_mma.UNROLL):
     return call
 
 
-def variant_calls(x, w) -> dict:
+def variant_calls(x, w, mma: bool = False) -> dict:
     """name -> call of each GEMV variant for ``x``'s M (the default first; at M of 2..4 only
-    it)."""
+    it), the tensor-core ones above M = 4 or with ``mma``."""
     m = x.shape[0]
-    if m > MAX_ROWS:
+    if m > MAX_ROWS or mma:
         return {f"mma{wp}w{u}u": mma_call(x, w, wp, u) for wp, u in MMA_VARIANTS}
     return {f"r{r}u{u}w{wp}": gemv_call(x, w, r, u, wp)
             for r, u, wp in (VARIANTS if m == 1 else VARIANTS[:1])}
@@ -78,6 +78,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=40)
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--layers", nargs="+")
+    parser.add_argument("--mma", action="store_true",
+                        help="the tensor-core GEMV's variants at M <= 4 too")
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = []
@@ -89,7 +91,7 @@ def main() -> None:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
                 reference = x.float() @ w.float().T
-                named = variant_calls(x, w)
+                named = variant_calls(x, w, args.mma)
                 calls = list(named.values())
                 errs = [((call().float() - reference).norm() / reference.norm()).item()
                         for call in calls]
