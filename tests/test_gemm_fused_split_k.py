@@ -1,9 +1,7 @@
-"""Split-K reduced inside the Hopper GEMM kernel (``fused_reduce``): a slice draws its tile's
-ticket as its main loop ends; all but the last publish their partials and count the
-publication, the last waits for those counts and adds the others to its own partial, which
-stays in registers (``kiln.kernels.gemm.epilogue.finish_fused``). GPU runs (``gpu``) with more
-work units than SMs, so that a CTA's later units wait on other CTAs, launch after launch of one
-bound plan (tickets and counts only grow); the interpreter's checks are in
+"""Split-K reduced inside the Hopper GEMM kernel (``fused_reduce``; every slice publishes its
+partial and draws a ticket, the last sums them: ``kiln.kernels.gemm.epilogue.finish_fused``)
+on the GPU (``gpu``) with more work units than SMs, so that a CTA runs several, launch after
+launch of one bound plan (tickets only grow); the interpreter's checks are in
 test_gemm_small_m.py."""
 
 import ml_dtypes

@@ -36,60 +36,39 @@ def store_tile(acc, c_map, c_tiles, consumer, row0, col0, first_thread, rounds,
 
 @kiln.func
 def finish_fused(acc, c_map, c_tiles, work, tickets, c_out, owners, consumer, row0, col0,
-                 slot, slots, piece, slices, m, n, first_thread, rounds, tiles_per_round,
-                 tile_cols, SWAP):
+                 slot, piece, slices, m, n, first_thread, rounds, tiles_per_round, tile_cols,
+                 SWAP):
     """In-kernel split-K reduction of one consumer's 64-row part of a work unit (the CUTLASS
-    split-K semaphore pattern, with the last slice kept in registers): one thread draws a
-    ticket of the (tile, consumer) ``slot`` as its main loop ends. Tickets only grow (each
-    launch adds ``slices``), so ``ticket % slices`` is the arrival order. The first
-    ``slices - 1`` to arrive store ``acc`` to their slice's slot of ``work`` (register ``j`` of
-    thread ``t`` at ``j * 128 + t``: every store instruction writes 512 contiguous bytes), then
-    one thread fences (gpu scope) and counts the slot's publication at
-    ``tickets[slots + slot]``. The last waits (acquire) until this launch's ``slices - 1``
-    publications are counted, and its warp group sums the slices in slice order, its own from
-    registers (bitwise the same whoever arrives last), into ``C``: a TMA store, or with
-    ``SWAP`` (``acc`` holds C.T) masked stores of ``c_out`` transposed. It neither writes nor
-    reads back its own slice's partial."""
+    split-K semaphore pattern): store ``acc`` to its slice's slot of ``work`` (register ``j``
+    of thread ``t`` at ``j * 128 + t``: every store instruction writes 512 contiguous bytes);
+    barrier, then one thread fences (gpu scope) and draws a ticket for the (tile, consumer)
+    ``slot``. Tickets only grow (each launch adds ``slices``), so ``ticket % slices`` is the
+    arrival order; the last to arrive fences again (acquire) and its warp group sums the
+    slices' slots in slice order (bitwise reproducible whoever arrives last) into ``C``: a
+    TMA store, or with ``SWAP`` (``acc`` holds C.T) masked stores of ``c_out`` transposed."""
     n_half = acc.shape[1] // 2
     lane = kiln.thread_id(0) % WARP_GROUP_THREADS
     part = 64 * acc.shape[1]  # floats of one slot
+    publish_partial(acc, work, (slot * slices + piece) * part + lane, row0, col0, m, n)
+    nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
     if first_thread:
+        kiln.fence("gpu")  # this slice's stores (seen through the barrier), then the ticket
         ticket = tickets.atomic_add(slot, 1)
-        span = kiln.cast(slices, kiln.i64)
-        last = ticket % span == span - 1
-        if last:  # this launch's other slices have published: (launch + 1) * (slices - 1)
-            nvidia_asm.wait_for_count(tickets, slots + slot,
-                                      target=(ticket // span + 1) * (span - 1))
+        last = ticket % kiln.cast(slices, kiln.i64) == kiln.cast(slices - 1, kiln.i64)
+        if last:
+            kiln.fence("gpu")  # acquire: the other slices published before their tickets
         owners[consumer] = kiln.cast(last, kiln.i32)
     nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
-    if owners[consumer] == 0:
-        publish_partial(acc, work, (slot * slices + piece) * part + lane, row0, col0, m, n)
-        nvidia_asm.named_barrier(1 + consumer, WARP_GROUP_THREADS)
-        if first_thread:
-            kiln.fence("gpu")  # this slice's stores (seen through the barrier), then the count
-            tickets.atomic_add(slots + slot, 1)
-    else:
+    if owners[consumer] == 1:
         total = wgmma.fragment_zeros(acc.shape[1])
         for s in kiln.range(0, slices):
-            total = add_slice(total, acc, s, piece, work, (slot * slices + s) * part + lane,
-                              row0, col0, m, n, n_half)
+            total = add_partial(total, work, (slot * slices + s) * part + lane, row0, col0, m,
+                                n, n_half)
         if SWAP:
             store_transposed(total, c_out, row0, col0, m, n)
         else:
             store_tile(total, c_map, c_tiles, consumer, row0, col0, first_thread, rounds,
                        tiles_per_round, tile_cols)
-
-
-def add_slice(total, acc, s, piece, work, base, row0, col0, m, n, n_half):
-    """``total`` plus slice ``s``: this thread's ``acc`` if ``s`` is its own ``piece``, else
-    the slot published at ``base`` (zeros where :func:`publish_partial` wrote nothing; the
-    own slice's slot is not read)."""
-    own, other = s == piece, s != piece
-    return wgmma.fragment_from_elements([
-        total.element(j) + kiln.where(own, acc.element(j), work.load(
-            base + j * WARP_GROUP_THREADS, mask=inside(j, row0, col0, m, n) & other,
-            other=0.0))
-        for j in range(n_half)])
 
 
 @kiln.func

@@ -409,8 +409,7 @@ def make_kernel(dtype: str, out_dtype: str, b_major: str, config: HopperGemmConf
                 elif fused:
                     finish_fused(acc, c_map, c_tiles, work, tickets, c_out, owners, consumer,
                                   m0 + consumer * 64, n0, mn_tile * (BM // 64) + consumer,
-                                  tiles_m * tiles_n * (BM // 64), piece, slices, m, n,
-                                  first_thread, BN // epilogue_n,
+                                  piece, slices, m, n, first_thread, BN // epilogue_n,
                                   c_tiles_per_round, c_cols, config.swap_ab)
                 else:
                     if SPLIT_K > 1:  # slice s of the partials starts at row s * tiles_m * BM

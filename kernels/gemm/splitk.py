@@ -170,8 +170,8 @@ def _fused_grid(m, n, k, config, interpret, ctas=None) -> tuple[int, int, int]:
 
 def _fused_buffers(c, m, n, k, config, grid) -> tuple:
     """The in-kernel reduction's f32 slots (NaN in numpy) and zeroed i64 tickets for the
-    kernel's ``m x n x k`` problem: split-K, one slot per tile, consumer and slice and two
-    counters per tile and consumer (arrival tickets, then publication counts); stream-K (:mod:`.streamk`), two slots per CTA and consumer
+    kernel's ``m x n x k`` problem: split-K, one slot per tile, consumer and slice and one
+    ticket per tile and consumer; stream-K (:mod:`.streamk`), two slots per CTA and consumer
     and one ticket per stream-K tile and consumer; a swap-AB config without K slices stores C
     directly and gets a placeholder of each."""
     layout = PartialsLayout.of(m, n, k, config)
@@ -180,9 +180,9 @@ def _fused_buffers(c, m, n, k, config, grid) -> tuple:
         tickets = max(1, streamk.stream_k_tiles(layout.tiles, grid[0])) * config.consumers
     elif config.split_k == 1:  # swap-AB over all of K stores C directly: nothing to sum
         slots, tickets = 0, 1
-    else:  # arrival tickets, then publication counts (see epilogue.finish_fused)
+    else:
         slots = layout.tiles * config.consumers * layout.slices
-        tickets = 2 * layout.tiles * config.consumers
+        tickets = layout.tiles * config.consumers
     work = empty_like(c, (max(1, slots * 64 * config.block_n),), kiln.f32,
                       fill=None if is_torch(c) else np.nan)
     return work, empty_like(c, (tickets,), kiln.i64, fill=0)

@@ -12,9 +12,9 @@ A persistent grid of ``G`` CTAs over ``T`` output tiles of ``K`` steps each runs
 The stream-K tiles' ``S = tiles * K`` steps are cut into ``G`` equal ranges, CTA ``c`` taking
 ``[c * S // G, (c + 1) * S // G)``: a run of whole tiles with a partial tile at either end.
 A tile run by one CTA from its first to its last step is stored directly; the pieces of a
-split tile are fixed up through an f32 workspace (the helpers of split-K's ``fused_reduce``,
-:mod:`.epilogue`): each piece's CTA publishes its partial, draws a ticket of the tile, and the
-last to arrive sums the pieces in CTA order (bitwise reproducible).
+split tile are fixed up through an f32 workspace like split-K's ``fused_reduce``
+(:func:`.epilogue.finish_fused`): each piece's CTA publishes its partial, draws a ticket of
+the tile, and the last to arrive sums the pieces in CTA order (bitwise reproducible).
 
 A CTA publishes at most two pieces (the tiles its range starts and ends in), so the workspace
 has ``2 * G`` slots per consumer warp group: slot ``2 c`` for the piece of the tile where
