@@ -275,7 +275,7 @@ def _compile_hopper(config, a, b, c, m, n, k, dtype, b_major, out_dtype, target)
 
 
 @autotune(configs=HOPPER_CONFIGS, key=["m", "n", "k", "dtype", "b_major", "out_dtype"],
-          precompile=_compile_hopper)
+          precompile=_compile_hopper, timer=small_m.kernel_timer)
 def hopper_autotuner(a, b, c, m, n, k, dtype, b_major, out_dtype, target, *, config):
     run_hopper(a, b, c, m, n, k, dtype=dtype, b_major=b_major, target=target, config=config)
 
