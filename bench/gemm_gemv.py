@@ -7,7 +7,8 @@ cuBLAS (``torch.matmul(x, w.T)``), ``matmul`` (its small-M pick) and the GEMV's 
 interleaved samples (``gemm_llm.measure_pair``; kernel-only GPU times), and prints the ratios
 cuBLAS time / Kiln time and the default variant's GB/s. At M = 1 the CUDA-core variants
 (``rRuUwW``: weight rows per warp, loads in flight, warps per CTA), above 4 the tensor-core
-ones (``mmaWwUu``: warps per CTA, 32-column blocks in flight per warp; ``--mma``: at every M).
+ones (``mmaWwUuTt``: warps per CTA, 32-column blocks in flight per warp, 16-row tiles per CTA;
+``--mma``: at every M).
 Usage: ``python bench/gemm_gemv.py [--m 1 16] [--layers qkv] [--mma] [--json out.json]``.
 """
 
@@ -27,15 +28,17 @@ from gemm_llm import MODELS, measure_pair
 
 # (weight rows per warp, loads in flight per lane and row, warps per CTA): the default first
 VARIANTS = ((ROWS, UNROLL, WARPS), (1, 8, WARPS), (1, 8, 4), (2, 4, 4), (1, 4, 4))
-# the tensor-core GEMV's (warps per CTA, blocks in flight per warp): the default first
-MMA_VARIANTS = ((gemv_mma.WARPS, gemv_mma.UNROLL), (8, 4), (4, 4), (4, 2), (16, 2))
+# the tensor-core GEMV's (warps per CTA, blocks in flight per warp, 16-row tiles per CTA):
+# the default first
+MMA_VARIANTS = ((gemv_mma.WARPS, gemv_mma.UNROLL, gemv_mma.TILES), (8, 2, 2), (8, 1, 4),
+                (16, 1, 2), (16, 2, 2), (16, 2, 1))
 
 
-def mma_call(x, w, warps=gemv_mma.WARPS, unroll=gemv_mma.UNROLL):
+def mma_call(x, w, warps=gemv_mma.WARPS, unroll=gemv_mma.UNROLL, tiles=gemv_mma.TILES):
     m, k = x.shape
     n = w.shape[0]
-    kernel = gemv_mma.mma_gemv_kernel("bf16", "bf16", gemv_mma.halves(m), warps, unroll)
-    bound = runtime.bind(kernel, gemv_mma.grid(n),
+    kernel = gemv_mma.mma_gemv_kernel("bf16", "bf16", gemv_mma.halves(m), warps, unroll, tiles)
+    bound = runtime.bind(kernel, gemv_mma.grid(n, tiles),
                          [x, w, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), m, n, k],
                          target="sm_90a", num_warps=warps)
 
@@ -51,7 +54,7 @@ def variant_calls(x, w, mma: bool = False) -> dict:
     it), the tensor-core ones above M = 4 or with ``mma``."""
     m = x.shape[0]
     if m > MAX_ROWS or mma:
-        return {f"mma{wp}w{u}u": mma_call(x, w, wp, u) for wp, u in MMA_VARIANTS}
+        return {f"mma{wp}w{u}u{t}t": mma_call(x, w, wp, u, t) for wp, u, t in MMA_VARIANTS}
     return {f"r{r}u{u}w{wp}": gemv_call(x, w, r, u, wp)
             for r, u, wp in (VARIANTS if m == 1 else VARIANTS[:1])}
 

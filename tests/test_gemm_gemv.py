@@ -51,14 +51,15 @@ def test_interpreted_mma_gemv_matches_float64(shape, dtype, out, rng):
     assert_matmul_close(c, a, w.T)
 
 
-@pytest.mark.parametrize("warps, unroll", [(4, 4), (16, 1)])
-def test_mma_gemv_variants_match_float64(warps, unroll, rng):
-    m, n, k = 13, 37, 2056
+@pytest.mark.parametrize("warps, unroll, tiles", [(4, 4, 1), (16, 1, 1), (8, 2, 2), (4, 1, 4)])
+def test_mma_gemv_variants_match_float64(warps, unroll, tiles, rng):
+    m, n, k = 13, 37, 2056  # 37 rows: the last CTA's row tiles partly or wholly past N
     a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
     w = rng.standard_normal((n, k)).astype(ml_dtypes.bfloat16)
     c = np.full((m, n), np.nan, np.float32)
-    runtime.interpret(gemv_mma.mma_gemv_kernel("bf16", "f32", 2, warps, unroll),
-                      gemv_mma.grid(n), [a, w, c, m, n, k], target="sm_90a", num_warps=warps)
+    runtime.interpret(gemv_mma.mma_gemv_kernel("bf16", "f32", 2, warps, unroll, tiles),
+                      gemv_mma.grid(n, tiles), [a, w, c, m, n, k], target="sm_90a",
+                      num_warps=warps)
     assert_matmul_close(c, a, w.T)
 
 
