@@ -130,7 +130,8 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
        steps, swap-AB 192 x 32 tiles in ``sms // tiles`` K slices (Llama-3-8B down M = 1:
        0.964 vs 0.946 for 128 x 32 tiles in 4); for M of 5..16 with fewer than ``sms / 3``
        tiles and K of at most 128 steps, the tensor-core GEMV (``gemv=True``,
-       :mod:`.gemv_mma`; Llama-3-8B O M = 16: 0.953 vs 0.839); else 128 x 32 tiles split
+       :mod:`.gemv_mma`; Llama-3-8B O M = 16 / 8: 0.960 / 1.017 vs 0.923 / 0.826); else
+       128 x 32 tiles split
        into ``sms // tiles`` K slices (a power of two, slices of at least 16 steps);
     2. M of 33..64, B stored N x K: swap-AB 64 x 64 tiles over all of K, C stored directly,
        when ``sms / 2 .. sms`` of them and K of at most 128 steps (Llama-3-8B QKV M = 64:
@@ -181,7 +182,8 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
         if gemv_mma.MIN_ROWS <= m <= gemv_mma.MAX_ROWS and 3 * tiles < sms and \
                 steps <= DIRECT_STEPS:
             # few tiles over short K: the tensor-core GEMV, not K slices through the reduction
-            # (Llama-3-8B O M = 16: 0.953 vs 0.839 of cuBLAS for 128 x 32 tiles in 4)
+            # (Llama-3-8B O M = 16 / 8: 0.960 / 1.017 of cuBLAS vs 0.923 / 0.826 for 128 x 32
+            # tiles in 4, one H200 run; 0.953 vs 0.839 at M = 16 in another)
             return HopperGemmConfig(gemv=True)
         return HopperGemmConfig(block_n=32, stages=8, swap_ab=True,
                                 split_k=_slices(sms // tiles, steps), pdl=True)
