@@ -73,10 +73,7 @@ HOPPER_CONFIGS = (HopperGemmConfig(),
                   HopperGemmConfig(stream_k=True),
                   # 160 columns (B stored N x K only): Llama-3-70B QKV at M = 1024 makes 512
                   # tiles, 3.9 waves (0.927 / 0.933 of cuBLAS in pairs, vs 0.911 tuned before)
-                  HopperGemmConfig(block_n=160), HopperGemmConfig(block_n=160, cluster_m=2),
-                  # 16-row-tile column sweeps, a programmatic launch: 4096^3 (B stored K x N)
-                  # 0.972 / 0.974 of cuBLAS in two H200 runs vs 0.965 / 0.965 for the default
-                  HopperGemmConfig(group_m=16, pdl=True))
+                  HopperGemmConfig(block_n=160), HopperGemmConfig(block_n=160, cluster_m=2))
 
 
 def compile_matmul(dtype, *, target, out_dtype=None, trans_b=False, **config):
@@ -278,7 +275,7 @@ def _compile_hopper(config, a, b, c, m, n, k, dtype, b_major, out_dtype, target)
 
 
 @autotune(configs=HOPPER_CONFIGS, key=["m", "n", "k", "dtype", "b_major", "out_dtype"],
-          precompile=_compile_hopper, timer=small_m.kernel_timer)
+          precompile=_compile_hopper)
 def hopper_autotuner(a, b, c, m, n, k, dtype, b_major, out_dtype, target, *, config):
     run_hopper(a, b, c, m, n, k, dtype=dtype, b_major=b_major, target=target, config=config)
 

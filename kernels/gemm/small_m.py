@@ -64,10 +64,6 @@ ODD_MARGIN = 1.05
 HALF_ROWS_M = 256
 # 128 x 128 tiles of one wave under this fraction of the SMs are programmatic launches
 PDL_WAVE = 0.8
-# Cycles (about 1 ms) the tuners' stream spins before each timed launch: longer than the host
-# takes to launch a config, so the events time the kernel alone (see kernel_timer)
-QUEUE_CYCLES = 2_000_000
-TIMED_RUNS = 3  # back-to-back calls per timing
 # Whole-tile shapes (block_m, block_n, stages), largest first: the first that fills the GPU.
 TILE_SHAPES = ((128, 256, 4), (128, 128, 6), (64, 256, 4), (64, 128, 8))
 
@@ -268,25 +264,6 @@ def chosen_config(m: int, n: int, k: int, dtype: str, b_major: str, out_dtype: s
     return stored or heuristic_config(m, n, k, b_major, sms=sms)
 
 
-def kernel_timer(run) -> float:
-    """The GEMM tuners' timer: milliseconds per call of :data:`TIMED_RUNS` back-to-back calls
-    of ``run`` launched behind a busy stream (``torch.cuda._sleep`` of :data:`QUEUE_CYCLES`),
-    so the CUDA events see the kernels alone, each after the one before (a programmatic
-    launch's overlap counts, as in a model's stream). With one call and its host time inside
-    the events, tuning picked Llama-3-70B QKV M = 1024's 64 x 256 tiles (0.895 of cuBLAS) over
-    128 x 160 ones (0.926) on an H200."""
-    import torch
-
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(QUEUE_CYCLES)
-    start.record()
-    for _ in range(TIMED_RUNS):
-        run()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) / TIMED_RUNS
-
-
 def _compile(config, a, b, c, m, n, k, dtype, b_major, out_dtype, target):
     from . import compile_matmul  # the package's compile entry; it imports this module
 
@@ -295,7 +272,7 @@ def _compile(config, a, b, c, m, n, k, dtype, b_major, out_dtype, target):
 
 
 @autotune(configs=SMALL_M_CONFIGS, key=["m", "n", "k", "dtype", "b_major", "out_dtype"],
-          precompile=_compile, timer=kernel_timer)
+          precompile=_compile)
 def small_m_autotuner(a, b, c, m, n, k, dtype, b_major, out_dtype, target, *, config):
     """Runs one small-M config (the tuner times each; see :func:`tune_small_m`)."""
     from . import run_hopper  # the package's launcher; it imports this module
