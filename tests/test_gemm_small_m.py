@@ -144,6 +144,12 @@ def test_heuristic_shapes_the_work_to_the_gpu():
     assert (down.block_m, down.swap_ab, down.split_k, down.fused_reduce) == (192, True, 4, False)
     down16 = heuristic_config(16, 4096, 14336, "k", sms=132)
     assert (down16.block_m, down16.swap_ab, down16.split_k) == (128, True, 4)
+    # the same 32 tiles over K = 4096 (Llama-3-8B O) at M of 5..16: the tensor-core GEMV;
+    # at M = 4 still 4 K slices, and above 16 (the GEMV's limit) too
+    for m in (5, 16):
+        assert heuristic_config(m, 4096, 4096, "k", sms=132) == HopperGemmConfig(gemv=True)
+    for m in (4, 17):
+        assert heuristic_config(m, 4096, 4096, "k", sms=132).split_k == 4
     # 64 x 128 tiles split only when they are at most a third of the SMs (row-major B: 32
     # tiles, 4 slices; 48: none)
     assert heuristic_config(64, 4096, 4096, "mn", sms=132).split_k == 4
@@ -302,8 +308,10 @@ def test_gpu_matmul_small_m_plans(m, trans_b, rng):
 # Odd shapes on which an H100/H200 (132 SMs) heuristic picks each rule of the H200 batch-3
 # fit: swap-AB 128-row tiles stored directly, 64 x 64 ones stored directly, 192-row tiles over
 # long K in slices, one wave of 128 x 192 tiles.
+# (13, 4001, 4001): the tensor-core GEMV (gemv=True: the tile fields keep their defaults).
 HEURISTIC_PICKS = {  # shape: block_m, swap_ab, fused_reduce, split_k
     (2, 6001, 999): (128, True, True, 1), (40, 5999, 1001): (64, True, True, 1),
+    (13, 4001, 4001): (128, False, False, 1),
     (3, 4001, 9001): (192, True, False, 4), (200, 10001, 2001): (128, False, False, 1)}
 
 

@@ -207,13 +207,13 @@ def _operand_reader(op, p, values: list, dtype: np.dtype):
 
 
 def _registers(env, slots) -> np.ndarray:
-    """The scalar registers ``slots`` side by side, ``[threads, len(slots)]``."""
+    """The registers ``slots`` side by side, ``[threads, elements]``: scalars, or small vectors
+    (f16 operands come as ``vector<2xf16>`` registers) laid out element by element."""
     values = [env[s] for s in slots]
     threads = max(v.shape[0] for v in values)
-    regs = np.empty((threads, len(values)), values[0].dtype)
-    for i, v in enumerate(values):
-        regs[:, i] = v
-    return regs
+    return np.concatenate([np.broadcast_to(v.reshape(v.shape[0], -1),
+                                           (threads, v.size // v.shape[0])) for v in values],
+                          axis=1)
 
 
 def _check_rows(mem, index: list, providers: np.ndarray, row_elems: int, ctx, loc) -> None:

@@ -1,4 +1,5 @@
-"""Matrix-vector products for decode (M of 1 to :data:`MAX_ROWS`, weights stored N x K).
+"""Matrix-vector products for decode (M of 1 to :data:`MAX_ROWS`, weights stored N x K;
+M of 5..16 run the tensor-core GEMV of :mod:`.gemv_mma`, dispatched here).
 
 ``c[i, j] = sum_k a[i, k] * w[j, k]``: a pure stream of the weights, with no tensor-core tile
 to pad (swap-AB pads M = 1 to a 32-column WGMMA tile and runs one CTA per 128 weight rows,
@@ -21,6 +22,7 @@ import numpy as np
 import kiln
 
 from .. import runtime
+from . import gemv_mma
 
 MAX_ROWS = 4  # rows of a; above, the CUDA cores' FMAs rather than the weight stream bound it
 VECTOR = 8  # elements of one 16-byte load
@@ -89,9 +91,18 @@ def check(m: int, b_major: str) -> None:
     if b_major != "k":
         raise kiln.UnsupportedError("the GEMV reads weights stored N x K",
                                     fix="pass trans_b=True, or a HopperGemmConfig without gemv")
-    if not 1 <= m <= MAX_ROWS:
-        raise kiln.UnsupportedError(f"the GEMV takes M of 1..{MAX_ROWS}, got {m}",
+    if not 1 <= m <= gemv_mma.MAX_ROWS:
+        raise kiln.UnsupportedError(f"the GEMV takes M of 1..{gemv_mma.MAX_ROWS}, got {m}",
                                     fix="use a tiled HopperGemmConfig (gemv=False)")
+
+
+def launch_plan(dtype: str, out_dtype: str, m: int, n: int, k: int) -> tuple:
+    """``(kernel, grid, arguments after a, w, c, num_warps)`` of the GEMV for ``m`` rows: this
+    module's up to :data:`MAX_ROWS`, the tensor-core one of :mod:`.gemv_mma` above."""
+    if m <= MAX_ROWS:
+        return gemv_kernel(dtype, out_dtype, m), grid(n), (n, k), WARPS
+    return (gemv_mma.mma_gemv_kernel(dtype, out_dtype, gemv_mma.halves(m)), gemv_mma.grid(n),
+            (m, n, k), gemv_mma.WARPS)
 
 
 def compile_gemv(dtype: str, out_dtype: str, *, target: str, m: int = 1):
@@ -102,9 +113,9 @@ def compile_gemv(dtype: str, out_dtype: str, *, target: str, m: int = 1):
         raise kiln.UnsupportedError(f"the GEMV runs on NVIDIA GPUs, not {target}",
                                     fix="pass target='sm_90a'")
     like = np.empty((1, 1), kiln.dtype(dtype).numpy)
-    return gemv_kernel(dtype, out_dtype, m).compile(
-        like, like, np.empty((1, 1), kiln.dtype(out_dtype).numpy), 1, 1, target=target,
-        num_warps=WARPS)
+    kernel, _, sizes, warps = launch_plan(dtype, out_dtype, m, 1, 1)
+    return kernel.compile(like, like, np.empty((1, 1), kiln.dtype(out_dtype).numpy),
+                          *(1 for _ in sizes), target=target, num_warps=warps)
 
 
 def run_gemv(a, w, c, m, n, k, *, dtype, b_major, target, stream=None,
@@ -112,17 +123,17 @@ def run_gemv(a, w, c, m, n, k, *, dtype, b_major, target, stream=None,
     """``c = a @ w.T`` for prepared operands (K a multiple of 8, contiguous); ``interpret``
     runs the kernel in the CPU interpreter (numpy operands)."""
     check(m, b_major)
-    kernel = gemv_kernel(dtype, kiln.dtype(c.dtype).name, m)
-    args = (a, w, c, n, k)
+    kernel, blocks, sizes, warps = launch_plan(dtype, kiln.dtype(c.dtype).name, m, n, k)
+    args = (a, w, c, *sizes)
     if interpret:
-        runtime.interpret(kernel, grid(n), list(args), target=target, num_warps=WARPS)
+        runtime.interpret(kernel, blocks, list(args), target=target, num_warps=warps)
     else:
-        runtime.launch(kernel, grid(n), args, target=target, num_warps=WARPS, stream=stream)
+        runtime.launch(kernel, blocks, args, target=target, num_warps=warps, stream=stream)
 
 
 def bind_gemv(a, w, c, m, n, k, *, dtype, target):
     """The bound launch of torch operands shaped like ``a, w, c`` (called with their three
     data pointers)."""
     check(m, "k")
-    return runtime.bind(gemv_kernel(dtype, kiln.dtype(c.dtype).name, m), grid(n),
-                        [a, w, c, n, k], target=target, num_warps=WARPS)
+    kernel, blocks, sizes, warps = launch_plan(dtype, kiln.dtype(c.dtype).name, m, n, k)
+    return runtime.bind(kernel, blocks, [a, w, c, *sizes], target=target, num_warps=warps)

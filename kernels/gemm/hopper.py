@@ -79,8 +79,9 @@ class HopperGemmConfig:
     one thread L2-prefetches the first ``stages`` K steps of its CTA's first tile. Example:
     ``HopperGemmConfig(block_m=128, block_n=32, swap_ab=True, split_k=4)`` for M <= 32,
     ``HopperGemmConfig(stream_k=True)`` for 4096 x 4096 (3.9 waves of 128 x 256 tiles).
-    ``gemv`` runs another kernel, the decode GEMV of :mod:`.gemv` (M of at most 4, B stored
-    N x K; no WGMMA, the tile fields unused): ``HopperGemmConfig(gemv=True)``.
+    ``gemv`` runs another kernel, the decode GEMV of :mod:`.gemv` (M of at most 16, B stored
+    N x K; no WGMMA, the tile fields unused; M of 5..16 on ``mma.sync``, :mod:`.gemv_mma`):
+    ``HopperGemmConfig(gemv=True)``.
     """
 
     block_m: int = 128

@@ -5,7 +5,8 @@ is that every SM streams B with enough bytes in flight. The default 128 x 256 ti
 ``ceil(N / 256)`` CTAs (16 at N = 4096, for 132 SMs); the configs here use narrower tiles,
 split-K (:mod:`.splitk`) so that ``tiles * slices`` fills the GPU, deep rings (small stages),
 and swap-AB when B is stored N x K, so an M of 1..32 pads to a 32-column WGMMA N instead of
-a 64-row M; at M = 1 (B stored N x K) the GEMV of :mod:`.gemv`, which pads nothing.
+a 64-row M; at M = 1 (B stored N x K) the GEMV of :mod:`.gemv`, which pads nothing, and
+at M of 5..16 over few tiles of short K its tensor-core form (:mod:`.gemv_mma`).
 
 ``matmul`` picks, for M <= :data:`SMALL_M`, the config the small-M autotuner stored for the
 shape (``tune_small_m``, e.g. run by ``bench/gemm.py --llm --tune``), else
@@ -13,7 +14,8 @@ shape (``tune_small_m``, e.g. run by ``bench/gemm.py --llm --tune``), else
 each on first use would stall serving. Example::
 
     cfg = heuristic_config(1, 4096, 4096, "k", sms=132)  # the GEMV
-    cfg = heuristic_config(16, 4096, 4096, "k", sms=132)  # swap-AB, 32 wide, 4 K slices
+    cfg = heuristic_config(2, 4096, 4096, "k", sms=132)  # swap-AB, 32 wide, 4 K slices
+    cfg = heuristic_config(16, 4096, 4096, "k", sms=132)  # the tensor-core GEMV
     cfg = heuristic_config(256, 4096, 4096, "k", sms=132)  # 64 x 128 tiles, one wave
 """
 
@@ -23,6 +25,7 @@ import dataclasses
 
 from kiln.autotune import autotune
 
+from . import gemv_mma
 from .hopper import HopperGemmConfig
 
 SMALL_M = 512
@@ -93,7 +96,7 @@ SMALL_M_CONFIGS = (
     C(block_n=192, pdl=True),
     # few 192-row swap-AB tiles over long K, 4 slices (3 consumer warp groups)
     C(block_m=192, block_n=32, stages=6, consumer_registers=152, swap_ab=True, split_k=4),
-    # the decode GEMV (:mod:`.gemv`; M <= 4, B stored N x K): no tile padding M to 32
+    # the decode GEMV (:mod:`.gemv`; M <= 16, B stored N x K): no tile padding M to 32
     C(gemv=True),
     # odd multiples of 32 columns (B stored N x K): tile counts that fill the last wave
     C(block_n=160), C(block_n=224), C(block_n=160, cluster_m=2),
@@ -121,8 +124,11 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
        O M = 1 / 16: 0.973 / 0.995 of cuBLAS vs 0.920 / 0.887 split in two; 8B QKV M = 1 / 16:
        0.898 / 0.938 vs 0.874 / 0.928); for M <= 8 with fewer than ``sms / 3`` and K over 128
        steps, swap-AB 192 x 32 tiles in ``sms // tiles`` K slices (Llama-3-8B down M = 1:
-       0.964 vs 0.946 for 128 x 32 tiles in 4); else 128 x 32 tiles split into
-       ``sms // tiles`` K slices (a power of two, slices of at least 16 steps);
+       0.964 vs 0.946 for 128 x 32 tiles in 4); for M of 5..16 with fewer than ``sms / 3``
+       tiles and K of at most 128 steps, the tensor-core GEMV (``gemv=True``,
+       :mod:`.gemv_mma`; Llama-3-8B O M = 16 / 8: 0.960 / 1.017 vs 0.923 / 0.826); else
+       128 x 32 tiles split
+       into ``sms // tiles`` K slices (a power of two, slices of at least 16 steps);
     2. M of 33..64, B stored N x K: swap-AB 64 x 64 tiles over all of K, C stored directly,
        when ``sms / 2 .. sms`` of them and K of at most 128 steps (Llama-3-8B QKV M = 64:
        0.978 vs 0.905 for 64 x 128 tiles; 70B O: 1.032 vs 1.000);
@@ -169,6 +175,12 @@ def heuristic_config(m: int, n: int, k: int, b_major: str, *, sms: int) -> Hoppe
             return HopperGemmConfig(block_m=192, block_n=32, stages=6, consumer_registers=152,
                                     swap_ab=True, split_k=_slices(sms // wide_tiles, steps),
                                     pdl=True)
+        if gemv_mma.MIN_ROWS <= m <= gemv_mma.MAX_ROWS and 3 * tiles < sms and \
+                steps <= DIRECT_STEPS:
+            # few tiles over short K: the tensor-core GEMV, not K slices through the reduction
+            # (Llama-3-8B O M = 16 / 8: 0.960 / 1.017 of cuBLAS vs 0.923 / 0.826 for 128 x 32
+            # tiles in 4, one H200 run; 0.953 vs 0.839 at M = 16 in another)
+            return HopperGemmConfig(gemv=True)
         return HopperGemmConfig(block_n=32, stages=8, swap_ab=True,
                                 split_k=_slices(sms // tiles, steps), pdl=True)
     if m <= 64 and b_major == "k" and _direct(-(-n // 64), DIRECT_TILES_64, steps, sms):
