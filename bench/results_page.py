@@ -113,6 +113,15 @@ TABLES = {
         ("grouped / dense", _get("ratio_vs_dense"), ".3f"),
         ("grouped / dense, same config", _get("ratio_vs_dense_same_config"), ".3f"),
         ("grouped / loop", _get("ratio_vs_torch_loop"), ".2f")]),
+    "gemm_grouped_fp8": ("Grouped (MoE) FP8 GEMM (e4m3, bf16 out) vs the dense FP8 GEMM of the "
+                         "same FLOPs; TFLOP/s", [
+        ("G", _get("groups"), "d"), ("scales", _get("kind"), "s"),
+        ("K×N", lambda row, doc: f"{row['k']}×{row['n']}", "s"),
+        ("group sizes", lambda row, doc: f"{row['min_group']}..{row['max_group']}", "s"),
+        ("grouped", _get("grouped_tflops"), ".0f"), ("dense", _get("dense_tflops"), ".0f"),
+        ("_scaled_mm", _get("scaled_mm_tflops"), ".0f"),
+        ("grouped / dense", _get("ratio_vs_dense"), ".3f"),
+        ("per-round median", _get("ratio_vs_dense_round_median"), ".3f")]),
     "gemm_fp8": ("FP8 GEMM (e4m3, bf16 out): per-tensor vs torch._scaled_mm, block-scaled "
                  "vs bf16 GEMMs; TFLOP/s", [
         ("scales", _get("kind"), "s"),
@@ -173,7 +182,8 @@ TABLES["attention_head_dims"] = ("Attention prefill at other head dims and softc
     *TABLES["attention"][1][:4], ("Dv", _get("dv"), "d"), ("softcap", _get("softcap"), "g"),
     *TABLES["attention"][1][4:]])
 ORDER = ("decode", "attention", "attention_head_dims", "combine", "combine-small", "mla_decode",
-         "attention_fp8", "gemm", "gemm_grouped", "gemm_llm", "gemm_fp8", "tutorials",
+         "attention_fp8", "gemm", "gemm_grouped", "gemm_llm", "gemm_fp8", "gemm_grouped_fp8",
+         "tutorials",
          "launch_overhead", "compile_time")
 
 
