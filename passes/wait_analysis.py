@@ -246,12 +246,18 @@ class WaitAnalysis:
         self._resolve_reads(body)
         self._walk(body, {})
         for gap in cross_thread_gaps(body, Gap, placing=self._place is not None):
-            self.gaps.append(gap)
-            if self._place is not None:
-                self._place(gap)
-                self.placed += 1
-                if not gap.overwrite:  # a reader's wait may cover later reads: one per walk
-                    break
+            if self._close(gap) and not gap.overwrite:
+                break  # a reader's wait may cover later reads: one per walk
+
+    def _close(self, gap: Gap) -> bool:
+        """Record ``gap``; when inserting, place its wait. True when placed (the caller retires
+        what the wait covers), False when only verifying."""
+        self.gaps.append(gap)
+        if self._place is None:
+            return False
+        self._place(gap)
+        self.placed += 1
+        return True
 
     # -- the op tree -------------------------------------------------------------------------
     def _build(self, block: ir.Block) -> list[Step]:
@@ -427,24 +433,18 @@ class WaitAnalysis:
         if readers:  # retire the youngest reader: wait_group(its younger count)
             event = min(readers, key=lambda e: state[e].younger)
             count = max(state[event].younger, 0)
-            self.gaps.append(Gap(step.op, event.op, WGMMA, count, release_point(step.op),
-                                 release=True))
-            if self._place is None:
+            if not self._close(Gap(step.op, event.op, WGMMA, count, release_point(step.op),
+                                   release=True)):
                 return state
-            self._place(self.gaps[-1])
-            self.placed += 1
             return _retire(state, WGMMA, count)
         groups = state.get(GROUPS, Pending(0)).younger
         if groups <= count and groups < MAX_GROUPS:  # a saturated count may be any larger one
             return state
         mmas = [e for e in state if e.counter == WGMMA]
         event = max(mmas, key=lambda e: state[e].younger).op if mmas else step.op
-        self.gaps.append(Gap(step.op, event, WGMMA, count, release_point(step.op),
-                             release=True))
-        if self._place is None:
+        if not self._close(Gap(step.op, event, WGMMA, count, release_point(step.op),
+                               release=True)):
             return state
-        self._place(self.gaps[-1])
-        self.placed += 1
         return _retire(state, WGMMA, count)
 
     def _handed_back(self, step: Step) -> tuple:
@@ -475,13 +475,10 @@ class WaitAnalysis:
             count = pend.at_barrier if before_barrier else pend.younger
             first_copy = (step.op.operands[0].owner if step.counter == CP_ASYNC
                           and len(step.op.operands) else step.op)
-            gap = Gap(step.op, event.op, WGMMA, count,
-                      pend.barrier.op if before_barrier else first_copy, rewrite=True)
-            self.gaps.append(gap)
-            if self._place is None:
+            if not self._close(Gap(step.op, event.op, WGMMA, count,
+                                   pend.barrier.op if before_barrier else first_copy,
+                                   rewrite=True)):
                 continue
-            self._place(gap)
-            self.placed += 1
             state = _retire(state, WGMMA, count, pend.barrier if before_barrier else None)
         return state
 
@@ -496,13 +493,9 @@ class WaitAnalysis:
             count = pend.at_barrier if before_barrier else pend.younger
             if event.counter in GFX9_MAX:  # counter(max) waits for nothing; LLVM clamps alike
                 count = min(count, GFX9_MAX[event.counter] - 1)
-            gap = Gap(step.op, event.op, event.counter, count,
-                      pend.barrier.op if before_barrier else step.op)
-            self.gaps.append(gap)
-            if self._place is None:
+            if not self._close(Gap(step.op, event.op, event.counter, count,
+                                   pend.barrier.op if before_barrier else step.op)):
                 continue
-            self._place(gap)
-            self.placed += 1
             if event.counter == MBARRIER:  # a ring wait: the read's use, whichever slot
                 state = _retire_mbarrier(state, (event.signal[0], None))
             else:
