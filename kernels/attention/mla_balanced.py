@@ -39,10 +39,11 @@ from kiln import nvidia_asm, tma
 
 from .decode_config import ARRIVED, LN2, LOG2E, MAX_COMBINE_LOADS, PUBLISHED
 from .decode_rows import interleaved_columns
-from .mla_page import BLOCK_N, CHUNK, CHUNKS, HEAD_DIM_V, ROWS, STAGES, THREADS, TILE_BYTES
+from .mla_page import (BLOCK_N, CHUNK, CHUNKS, HEAD_DIM_V, ROWS, STAGES, THREADS, TILE_BYTES,
+                       load_tile)
 from .mla_transposed import (consume_tile_transposed, stage_operands, store_transposed,
                              transposed_init, transposed_totals)
-from .paged import PagedRowIndices, PageTableRow
+from .paged import PageTableRow
 
 # The default of mla_decode's balanced option: on with the transposed default where the
 # default split leaves at least BALANCED_IDLE of the SMs idle, at BALANCED_MIN_BATCH
@@ -137,19 +138,6 @@ def _first_cta(unit, total, ctas):
 
 
 @kiln.func
-def _load_page(kv_map, boxes, full, table, page, seq_len, g, producer, arm):
-    """TMA the sequence's page ``page`` into ring stage ``g % 2`` (the CTA's ``g``-th page),
-    on ``full[g % 2]`` (``arm``: expecting its bytes here)."""
-    stage = g % STAGES
-    if arm:
-        full.arrive_expect_tx(stage, TILE_BYTES, predicate=producer)
-    row = PagedRowIndices[BLOCK_N, BLOCK_N].populate(table, page * BLOCK_N, seq_len).row(0)
-    for c in kiln.static_range(CHUNKS):
-        tma.load(kv_map, boxes.tile(CHUNKS * (1 + stage) + c), (c * CHUNK, row), full, stage,
-                 predicate=producer)
-
-
-@kiln.func
 def _load_head(g, page, table, seq_len, q_map, kv_map, boxes, full, empty, q_row, producer):
     """A segment's Q and first page (the CTA's page ``g``), both on ``full[g % 2]``, once the
     page before it in the stage was released."""
@@ -159,7 +147,7 @@ def _load_head(g, page, table, seq_len, q_map, kv_map, boxes, full, empty, q_row
     for c in kiln.static_range(CHUNKS):
         tma.load(q_map, boxes.tile(c), (c * CHUNK, q_row), full, g % STAGES,
                  predicate=producer)
-    _load_page(kv_map, boxes, full, table, page, seq_len, g, producer, False)
+    load_tile(BLOCK_N, table, page, seq_len, kv_map, boxes, full, g % STAGES, producer, False)
 
 
 @kiln.func
@@ -176,12 +164,12 @@ def _segment_loads(it, g, count, begin, table, seq_len, q_map, kv_map, boxes, fu
                            producer)
             if count > 1:
                 empty.try_wait((g + 1) % STAGES, ((g + 1) // STAGES + 1) % 2)
-                _load_page(kv_map, boxes, full, table, begin + 1, seq_len, g + 1, producer,
-                           True)
+                load_tile(BLOCK_N, table, begin + 1, seq_len, kv_map, boxes, full,
+                          (g + 1) % STAGES, producer, True)
         if (it > 0) & (it + 1 < count):
             empty.try_wait((g + 1) % STAGES, ((g - 1) // STAGES) % 2)
-            _load_page(kv_map, boxes, full, table, begin + it + 1, seq_len, g + 1, producer,
-                       True)
+            load_tile(BLOCK_N, table, begin + it + 1, seq_len, kv_map, boxes, full,
+                      (g + 1) % STAGES, producer, True)
 
 
 @kiln.func

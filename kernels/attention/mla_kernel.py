@@ -43,7 +43,7 @@ from .mla_balanced import balanced_pages, balanced_prefetch, check_balanced
 from .mla_lead import PRODUCER_WARP, LeadRows, consume_tile_lead, lead_pages_pipelined, lead_sum
 from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, HEAD_DIM,
                        HEAD_DIM_V, NUM_WARPS, ROWS, STAGES, THREADS, TILE_BYTES, V_CHUNKS,
-                       WARP_GROUPS, page_scores, page_softmax)
+                       WARP_GROUPS, load_tile, page_scores, page_softmax)
 from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum
 from .mla_transposed import (TransposedRows, consume_tile_transposed, stage_operands,
                              store_transposed, transposed_init, transposed_totals)
@@ -332,16 +332,16 @@ def _load_pages(it, warp, producer_warp, producer, full, empty, q_map, kv_map, b
         full.arrive_expect_tx(0, TILE_BYTES + CHUNKS * tma.box_bytes(q_map), predicate=producer)
         for c in kiln.static_range(CHUNKS):
             tma.load(q_map, boxes.tile(c), (c * CHUNK, q_row), full, 0, predicate=producer)
-        _load_tile(page_size, table, tile_begin, seq_len, kv_map, boxes, full, 0, producer,
+        load_tile(page_size, table, tile_begin, seq_len, kv_map, boxes, full, 0, producer,
                    arm=False)
         if num_tiles > 1:
-            _load_tile(page_size, table, tile_begin + 1, seq_len, kv_map, boxes, full, 1,
+            load_tile(page_size, table, tile_begin + 1, seq_len, kv_map, boxes, full, 1,
                        producer, arm=True)
     ahead = it + STAGES - 1
     if (it > 0) & (ahead < num_tiles):
         if warp == producer_warp:  # warp-uniform: it waits, one lane issues
             empty.try_wait(ahead % STAGES, ((it - 1) // STAGES) % 2)
-            _load_tile(page_size, table, tile_begin + ahead, seq_len, kv_map, boxes, full,
+            load_tile(page_size, table, tile_begin + ahead, seq_len, kv_map, boxes, full,
                        ahead % STAGES, producer, arm=True)
 
 
@@ -395,19 +395,6 @@ def _prefetch_page(kv_map, page_size, table, tile_begin, page, num_tiles):
         row = table[tile_begin + page] * page_size
         for c in kiln.static_range(CHUNKS):
             tma.prefetch(kv_map, (c * CHUNK, row))
-
-
-@kiln.func
-def _load_tile(page_size, table, tile, seq_len, kv_map, boxes, full, stage, producer, arm):
-    """TMA page ``tile``'s ``64 x 576`` rows into ring ``stage`` as nine column boxes
-    (``arm``: this call expects the tile's bytes on ``full[stage]``; the first page's are
-    expected together with Q's)."""
-    if arm:
-        full.arrive_expect_tx(stage, TILE_BYTES, predicate=producer)
-    row = PagedRowIndices[BLOCK_N, page_size].populate(table, tile * BLOCK_N, seq_len).row(0)
-    for c in kiln.static_range(CHUNKS):
-        tma.load(kv_map, boxes.tile(CHUNKS * (1 + stage) + c), (c * CHUNK, row), full, stage,
-                 predicate=producer)
 
 
 @kiln.func

@@ -1,6 +1,7 @@
 """The pieces of one MLA decode page that every schedule of the kernel shares
-(:mod:`.mla_kernel`'s split keys, :mod:`.mla_lead`, :mod:`.mla_seesaw`): the tile sizes,
-``S = Q K^T`` of a page and its streaming softmax.
+(:mod:`.mla_kernel`'s split keys, :mod:`.mla_lead`, :mod:`.mla_seesaw`, :mod:`.mla_balanced`):
+the tile sizes, a page's TMA load into the ring, ``S = Q K^T`` of a page and its streaming
+softmax.
 
 Example: ``scores = page_scores(descs, units)`` then
 ``m, l, p, alphas = page_softmax(scores, m, l, key0, tid, key_limit, scale_log2, False)``.
@@ -9,9 +10,10 @@ Example: ``scores = page_scores(descs, units)`` then
 from __future__ import annotations
 
 import kiln
-from kiln import wgmma
+from kiln import tma, wgmma
 
 from .decode_wgmma import tile_softmax
+from .paged import PagedRowIndices
 
 HEAD_DIM = 576  # the latent KV head: 512 V columns and 64 rotary columns
 HEAD_DIM_V = 512
@@ -50,3 +52,16 @@ def page_softmax(scores, m, l, key0, tid, key_limit, scale_log2, masked):
     new ``(m, l)`` (base 2; ``l`` per lane until the end), P as bf16 A operands, and the
     factors O is rescaled by. ``masked``: keys past each row's ``key_limit`` are -inf."""
     return tile_softmax(scores, m, l, key0, tid, key_limit, scale_log2, BLOCK_N, masked)
+
+
+@kiln.func
+def load_tile(page_size, table, tile, seq_len, kv_map, boxes, full, stage, producer, arm):
+    """TMA page ``tile``'s ``64 x 576`` rows into ring ``stage`` as nine column boxes
+    (``arm``: this call expects the tile's bytes on ``full[stage]``; the first page's are
+    expected together with Q's)."""
+    if arm:
+        full.arrive_expect_tx(stage, TILE_BYTES, predicate=producer)
+    row = PagedRowIndices[BLOCK_N, page_size].populate(table, tile * BLOCK_N, seq_len).row(0)
+    for c in kiln.static_range(CHUNKS):
+        tma.load(kv_map, boxes.tile(CHUNKS * (1 + stage) + c), (c * CHUNK, row), full, stage,
+                 predicate=producer)
