@@ -26,7 +26,7 @@ from kiln.shared import dynamic_shared
 
 from .fp8_hopper import (FP8_K_STEP, SCALE_BLOCK, Fp8GemmConfig, block_scales, promote,
                          rescale, thread_columns, thread_rows)
-from .grouped import _store_group_tile, build_tile_table, locate_tile
+from .grouped import _store_group_tile, build_tile_table, locate_tile, pass_stages
 from .hopper import ROW_BYTES, SWIZZLE, SWIZZLE_ALIGN, WARP_GROUP_THREADS
 
 
@@ -223,12 +223,7 @@ def make_grouped_fp8_kernel(dtype: str, out_dtype: str, scale_mode: tuple,
                         use = tile_steps(a_base, b_base, full, empty, c_map, c, c_tiles,
                                          scale_a, scale_b, where, use, first_thread, consumer)
                     else:
-                        for kt in kiln.range(0, k_tiles):
-                            stage = use % STAGES
-                            full.try_wait(stage, (use // STAGES) % 2)
-                            if first_thread:
-                                empty.arrive(stage)
-                            use = use + 1
+                        use = pass_stages(full, empty, use, k_tiles, STAGES, first_thread)
             if first_thread:
                 tma.wait_group(0, read=True)  # the staging tiles must outlive the last store
 

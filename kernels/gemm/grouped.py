@@ -230,12 +230,7 @@ def make_grouped_kernel(dtype: str, out_dtype: str, b_major: str, config: Hopper
                                           kiln.minimum(row_end, m), n, first_thread,
                                           BN // epilogue_n, c_tiles_per_round, c_cols)
                     else:
-                        for kt in kiln.range(0, k_tiles):
-                            stage = use % STAGES
-                            full.try_wait(stage, (use // STAGES) % 2)
-                            if first_thread:
-                                empty.arrive(stage)
-                            use = use + 1
+                        use = pass_stages(full, empty, use, k_tiles, STAGES, first_thread)
             if first_thread:
                 tma.wait_group(0, read=True)  # the staging tiles must outlive the last store
 
@@ -318,6 +313,19 @@ def locate_tile(table, offsets, tile, tiles_n, BM, BN, GROUP_M, TABLE):
     tiles_m = (row_end - row_start + BM - 1) // BM
     m_local, n0 = _tile_origin(tile - table[g], tiles_m, tiles_n, BM, BN, GROUP_M)
     return g, row_start + m_local, n0, row_end
+
+
+@kiln.func
+def pass_stages(full, empty, use, k_tiles, stages, first_thread):
+    """A consumer with no rows in its tile hands the tile's ``k_tiles`` ring stages back
+    unread (the producer fills them all); returns ``use`` past them."""
+    for kt in kiln.range(0, k_tiles):
+        stage = use % stages
+        full.try_wait(stage, (use // stages) % 2)
+        if first_thread:
+            empty.arrive(stage)
+        use = use + 1
+    return use
 
 
 @kiln.func
