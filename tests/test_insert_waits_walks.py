@@ -16,6 +16,7 @@ from kiln.core.errors import WaitError
 from kiln.lowering.pipeline import GPU_STAGE_PASSES
 from kiln.passes import build_pass_manager
 
+from ir_ops import ops_where
 from source_modules import EXAMPLES, load_module
 
 attention = load_module(EXAMPLES / "tutorials" / "attention.py", "kiln_tutorial_attention")
@@ -52,15 +53,8 @@ def four_stages():
 
 def _loop_waits(module) -> list:
     """The mbarrier try_waits inside loops, in program order."""
-    found = []
-
-    def visit(op):
-        if op.name == TRY_WAIT and kiln.passes.insert_waits.enclosing_loops(op.operation):
-            found.append(op.operation)
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit)
-    return found
+    return ops_where(module, lambda op: op.name == TRY_WAIT
+                     and kiln.passes.insert_waits.enclosing_loops(op.operation))
 
 
 @pytest.mark.lower

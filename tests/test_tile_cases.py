@@ -15,6 +15,8 @@ from kiln import f32, i32
 from kiln.core.errors import WaitError
 from kiln.passes import build_pass_manager
 
+from ir_ops import ops_where
+
 
 @kiln.kernel(num_threads=32)
 def pick(x: kiln.Tensor[i32], y: kiln.Tensor[i32], N: kiln.constexpr):
@@ -115,15 +117,7 @@ def test_remainder_first_ring_in_the_interpreter(cols):
 
 
 def _waits(module):
-    found = []
-
-    def visit(op):
-        if op.name == "nvgpu.mbarrier.try_wait.parity":
-            found.append(op)
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit)
-    return found
+    return ops_where(module, lambda op: op.name == "nvgpu.mbarrier.try_wait.parity")
 
 
 @pytest.mark.lower

@@ -23,6 +23,8 @@ from kiln.shared_tile import SharedTile
 from kiln.operand_tiles import operand_layout
 from kiln.tile_gemm_wgmma import accumulator_layout
 
+from ir_ops import ops_where
+
 
 def test_accumulator_layout_stamps_the_warpgroup_layout_down_the_rows():
     """Thread t holds what wgmma_m64_accumulator gives thread t % 128, 64 * (t // 128) rows
@@ -242,15 +244,7 @@ def test_wgmma_pipeline_with_a_barrier_before_the_fetch_waits(stages):
 
 
 def _waits(module):
-    found = []
-
-    def visit(op):
-        if wait_limits(op.operation):
-            found.append(op.operation)
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit)
-    return found
+    return ops_where(module, lambda op: wait_limits(op.operation))
 
 
 @pytest.mark.lower

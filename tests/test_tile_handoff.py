@@ -20,6 +20,8 @@ from kiln.core.errors import WaitError
 from kiln.passes import build_pass_manager
 from kiln.passes.op_queries import op_label
 
+from ir_ops import ops_where
+
 
 @kiln.kernel(num_threads="THREADS")
 def ring_gemm(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], c: kiln.Tensor[f32, 2],
@@ -109,15 +111,8 @@ def test_release_of_tiles_not_tma_loaded_is_a_block_barrier():
 
 
 def _waits(module):
-    found = []
-
-    def visit(op):
-        if op.name in ("nvgpu.mbarrier.try_wait.parity", "nvvm.wgmma.wait.group.sync.aligned"):
-            found.append(op)
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit)
-    return found
+    return ops_where(module, lambda op: op.name in ("nvgpu.mbarrier.try_wait.parity",
+                                                    "nvvm.wgmma.wait.group.sync.aligned"))
 
 
 @pytest.mark.lower

@@ -17,6 +17,8 @@ from kiln.passes import build_pass_manager
 from kiln.passes.op_queries import op_label
 from kiln.signature import TensorMapParam
 
+from ir_ops import ops_where
+
 
 @kiln.kernel(num_threads="THREADS")
 def tma_gemm(a: kiln.Tensor[bf16, 2], b: kiln.Tensor[bf16, 2], c: kiln.Tensor[f32, 2],
@@ -269,15 +271,8 @@ def test_masks_other_than_the_extents_keep_cp_async():
 
 
 def _waits(module):
-    found = []
-
-    def visit(op):
-        if op.name in ("nvgpu.mbarrier.try_wait.parity", "nvvm.wgmma.wait.group.sync.aligned"):
-            found.append(op)
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit)
-    return found
+    return ops_where(module, lambda op: op.name in ("nvgpu.mbarrier.try_wait.parity",
+                                                    "nvvm.wgmma.wait.group.sync.aligned"))
 
 
 @pytest.mark.lower
