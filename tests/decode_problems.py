@@ -103,3 +103,15 @@ def check_partials(got, want, counts_want):
     np.testing.assert_array_equal(np.isfinite(lse), finite)
     np.testing.assert_allclose(lse[finite], lse_want[finite], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(o, o_want, **O_TOL)
+
+
+def torch_paged(torch, rng, hq=8, hkv=1, d=64, page_size=64, pages=4):
+    """A small decode problem as torch CPU tensors (fresh random values): ``q``, the K and V
+    caches, a page table of two pages and a length 5 keys into the second."""
+    def bf16(*shape):
+        return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).bfloat16()
+
+    kc = bf16(pages, page_size, hkv, d)
+    return (bf16(1, 1, hq, d), kc, kc.clone(),
+            torch.from_numpy(rng.permutation(pages)[:2].reshape(1, 2).astype(np.int32)),
+            torch.tensor([page_size + 5], dtype=torch.int32))

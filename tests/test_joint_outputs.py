@@ -12,6 +12,8 @@ from kiln.kernels.attention import combine, decode, decode_attention
 from kiln.kernels.workspaces import SEPARATE, TorchOutputs, separate_outputs
 from kiln.runtime import native_torch
 
+from decode_problems import torch_paged
+
 torch = pytest.importorskip("torch")
 
 
@@ -96,16 +98,6 @@ def test_separate_outputs_nests_and_is_per_thread():
     assert SEPARATE.depth == 0
 
 
-def _paged(rng, hq=8, hkv=1, d=64, page_size=64, pages=4):
-    def bf16(*shape):
-        return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).bfloat16()
-
-    kc = bf16(pages, page_size, hkv, d)
-    return (bf16(1, 1, hq, d), kc, kc.clone(),
-            torch.from_numpy(rng.permutation(pages)[:2].reshape(1, 2).astype(np.int32)),
-            torch.tensor([page_size + 5], dtype=torch.int32))
-
-
 def _shared(tensors) -> bool:
     return len({t.untyped_storage().data_ptr() for t in tensors}) == 1
 
@@ -116,7 +108,7 @@ def test_entry_points_share_one_allocation_but_in_a_custom_op(bridge, rng):
     check would refuse shared outputs)."""
     from kiln.kernels import torch_ops
 
-    paged = _paged(rng)
+    paged = torch_paged(torch, rng)
     with runtime.use_runtime(runtime.DryRuntime()):
         partials = decode(*paged, target="sm_90a")
         assert _shared(partials)

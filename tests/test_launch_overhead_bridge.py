@@ -13,22 +13,13 @@ from kiln.kernels import runtime
 from kiln.kernels.attention import decode, decode_attention
 from kiln.runtime import native_torch
 
+from decode_problems import torch_paged
+
 
 @pytest.fixture
 def bench(monkeypatch):
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "bench"))
     return importlib.import_module("launch_overhead")
-
-
-def _paged(torch, rng, hq=8, hkv=1, d=64, page_size=64, pages=4):
-    """A small decode problem as torch CPU tensors (fresh random values)."""
-    def bf16(*shape):
-        return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).bfloat16()
-
-    kc = bf16(pages, page_size, hkv, d)
-    return (bf16(1, 1, hq, d), kc, kc.clone(),
-            torch.from_numpy(rng.permutation(pages)[:2].reshape(1, 2).astype(np.int32)),
-            torch.tensor([page_size + 5], dtype=torch.int32))
 
 
 def test_with_no_plan_the_report_is_off(bench):
@@ -50,17 +41,17 @@ def test_the_report_reads_the_plans_makers_and_guards(bench):
     try:
         with runtime.use_runtime(runtime.DryRuntime()):
             native_torch.use_bridge(bridge)
-            decode(*_paged(torch, rng), target="sm_90a")
+            decode(*torch_paged(torch, rng), target="sm_90a")
             counts = bench.bridge_counts()  # decode: 3 partials, its combine plan 2 (twice)
             assert counts["loaded"] and counts["makers"] == {"c++": 7, "python": 0, "joint": 3}
             assert counts["guards"] == {"c++": 2, "python": 0}
             assert bench.bridge_state().startswith("on (loaded True")
             runtime.clear_plans()
-            decode_attention(*_paged(torch, rng), target="sm_90a")  # o and lse
+            decode_attention(*torch_paged(torch, rng), target="sm_90a")  # o and lse
             assert bench.bridge_counts()["makers"] == {"c++": 2, "python": 0, "joint": 1}
             native_torch.use_bridge(None)
             runtime.clear_plans()
-            decode(*_paged(torch, rng), target="sm_90a")
+            decode(*torch_paged(torch, rng), target="sm_90a")
             counts = bench.bridge_counts()
             assert not counts["loaded"] and counts["makers"] == {"c++": 0, "python": 7, "joint": 0}
             assert bench.bridge_state().startswith("off (loaded False")
