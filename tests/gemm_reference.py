@@ -44,3 +44,22 @@ def assert_within(c: np.ndarray, want: np.ndarray, tolerance: np.ndarray) -> Non
         raise AssertionError(f"{bad.sum()} of {bad.size} elements off, first at ({i}, {j}): "
                              f"got {c[i, j]:.6g}, want {want[i, j]:.6g}, tolerance "
                              f"{tolerance[i, j]:.3g}")
+
+
+def check_config_on_gpu(config, shape, rng) -> None:
+    """Run the Hopper GEMM ``config`` on the GPU with fresh random bf16 ``a`` [M, K] and B stored
+    N x K, into a NaN-poisoned ``c``, and check it against float64 (needs torch and CUDA)."""
+    import ml_dtypes
+    import torch
+
+    from kiln.kernels.gemm import run_hopper
+
+    m, n, k = shape
+    a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((n, k)).astype(ml_dtypes.bfloat16)
+    a_dev = torch.from_numpy(a.astype(np.float32)).to("cuda", torch.bfloat16)
+    b_dev = torch.from_numpy(b.astype(np.float32)).to("cuda", torch.bfloat16)
+    c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    run_hopper(a_dev, b_dev, c, m, n, k, dtype="bf16", b_major="k", target="sm_90a",
+               config=config)
+    assert_matmul_close(c, a, b.T)

@@ -8,7 +8,7 @@ import re
 import ml_dtypes
 import numpy as np
 import pytest
-from gemm_reference import assert_matmul_close
+from gemm_reference import assert_matmul_close, check_config_on_gpu
 
 import kiln
 from kiln.kernels import runtime
@@ -117,15 +117,5 @@ def test_gemv_refuses_what_it_has_no_code_for():
                                    (16, 6144, 4096), (11, 1000, 1032), (8, 70, 8)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_gemv_on_the_gpu(shape, rng):
-    torch = pytest.importorskip("torch")
-    from kiln.kernels.gemm import run_hopper
-
-    m, n, k = shape
-    a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
-    w = rng.standard_normal((n, k)).astype(ml_dtypes.bfloat16)
-    a_dev = torch.from_numpy(a.astype(np.float32)).to("cuda", torch.bfloat16)
-    w_dev = torch.from_numpy(w.astype(np.float32)).to("cuda", torch.bfloat16)
-    c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    run_hopper(a_dev, w_dev, c, m, n, k, dtype="bf16", b_major="k", target="sm_90a",
-               config=GEMV)
-    assert_matmul_close(c, a, w.T)
+    pytest.importorskip("torch")
+    check_config_on_gpu(GEMV, shape, rng)
