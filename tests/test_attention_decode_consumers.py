@@ -44,7 +44,8 @@ def test_eight_warps_on_64_key_tiles_serve_two_groups(rng):
 @pytest.mark.parametrize("page_size,sq,group,sinks,config", [
     (64, 8, 8, False, None),  # the default from 33 packed rows: 64 keys, 4 stages
     (16, 8, 8, True, None),
-    (64, 16, 8, False, None),  # 128 rows: two row blocks of 64, 128-key tiles
+    # 128 rows: two row blocks of 64, 128-key tiles (slow tier, which CI also runs)
+    pytest.param(64, 16, 8, False, None, marks=pytest.mark.slow),
     (32, 4, 8, False, DecodeConfig(consumer="wgmma")),  # rows 32-63 of the m64 are padding
     (8, 1, 4, True, DecodeConfig(consumer="wgmma", block_n=128, stages=2)),
 ])

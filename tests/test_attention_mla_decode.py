@@ -16,8 +16,10 @@ from mla_problems import assert_mla_close, mla_problem, mla_reference
 
 
 @pytest.mark.parametrize("heads,sq,num_splits,split_keys", [
-    (16, 1, 1, True), (16, 2, 3, True), (20, 2, 1, True), (64, 1, 2, True), (40, 2, 2, True),
-    (16, 2, 3, False), (40, 2, 1, False)])
+    (16, 1, 1, True), (16, 2, 3, True), (64, 1, 2, True), (40, 2, 1, False),
+    # the slow tier, which CI also runs, has the other head counts and splits
+    *(pytest.param(*case, marks=pytest.mark.slow)
+      for case in [(20, 2, 1, True), (40, 2, 2, True), (16, 2, 3, False)])])
 def test_matches_float64_on_odd_lengths(heads, sq, num_splits, split_keys, rng):
     """Lengths 1, 63, 65 and 200 in one batch (a page's end and start, a ragged last page,
     with Sq 2 a first query that sees nothing); pages shuffled through the cache; the rows
@@ -49,14 +51,15 @@ def test_deepseek_heads_two_tokens(rng):
     pytest.param(40, 2, 3, dict(split_keys=False, fused_combine=True, early_launch=True),
                  marks=pytest.mark.slow),
     (16, 1, 1, dict(lead_group=True)),  # group 0 scores, group 1 reads P back
-    (16, 2, 3, dict(lead_group=True, fused_combine=True)),
+    pytest.param(16, 2, 3, dict(lead_group=True, fused_combine=True), marks=pytest.mark.slow),
     pytest.param(40, 2, 2, dict(lead_group=True, early_launch=True), marks=pytest.mark.slow),
     # group 0's product in flight over the loop
     pytest.param(16, 1, 1, dict(lead_group="pipelined"), marks=pytest.mark.slow),
     pytest.param(40, 2, 3, dict(lead_group="pipelined", fused_combine=True, early_launch=True),
                  marks=pytest.mark.slow),
     (16, 1, 1, dict(transposed=True)),  # keys as M, 16 query rows as N
-    (16, 2, 3, dict(transposed=True, fused_combine=True)),  # 32 rows, two tokens' limits
+    pytest.param(16, 2, 3, dict(transposed=True, fused_combine=True),  # 32 rows, two tokens' limits
+                 marks=pytest.mark.slow),
     # 16 rows, 4 of them past
     pytest.param(8, 2, 2, dict(transposed=True, prefetch=2, early_launch=True),
                  marks=pytest.mark.slow),
@@ -70,7 +73,8 @@ def test_deepseek_heads_two_tokens(rng):
     pytest.param(16, 1, 2, dict(transposed="pipelined", fused_combine=True),
                  marks=pytest.mark.slow),
     pytest.param(16, 2, 1, dict(transposed="ring-pipelined"), marks=pytest.mark.slow),
-    (16, 1, 3, dict(transposed=True, early_launch=True, early_pages=3)),  # L2 before the wait
+    pytest.param(16, 1, 3, dict(transposed=True, early_launch=True, early_pages=3),
+                 marks=pytest.mark.slow),  # L2 before the wait
     (40, 2, 2, dict(early_launch=True, early_pages=2)),
 ])
 def test_kernel_options_match_float64(heads, sq, num_splits, options, rng):
@@ -113,7 +117,8 @@ def test_lead_group_over_many_pages(mode, rng):
     (16, 2, 5, [0, 130, 0, 70, 1], 0),  # no overhead: an empty sequence counts one unit
     (8, 2, 7, [700, 5], 3),  # CTAs whose share is overhead only: empty partials
     (16, 1, 4, [300, 64, 129], 2),  # early launch: the share's first pages in L2 first
-    (16, 1, 40, [1, 63, 65, 200, 1500, 0], True),  # more CTAs than units: some idle
+    pytest.param(16, 1, 40, [1, 63, 65, 200, 1500, 0], True,  # more CTAs than units: some idle
+                 marks=pytest.mark.slow),
     pytest.param(16, 1, 1, [1000, 777, 0], True, marks=pytest.mark.slow)])  # one CTA
 def test_balanced_grid_matches_float64(heads, sq, ctas, lens, balanced, rng):
     """The page-balanced grid: each CTA's equal share of the batch's work units cuts

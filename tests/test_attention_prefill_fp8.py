@@ -86,9 +86,11 @@ def _check_exact(o, lse, q8, k8, v8, descales, cu_q=None, cu_k=None, *, hardware
 
 @pytest.mark.parametrize("shape,mask", [
     (dict(batch=2, sq=130, sk=200, hq=2, hkv=1, d=128), dict(causal=True)),
-    (dict(batch=1, sq=77, sk=300, hq=4, hkv=2, d=128), dict()),
+    pytest.param(dict(batch=1, sq=77, sk=300, hq=4, hkv=2, d=128), dict(),
+                 marks=pytest.mark.slow),  # the slow tier, which CI also runs
     (dict(batch=1, sq=200, sk=129, hq=3, hkv=3, d=128), dict(window=(40, 7))),
-    (dict(batch=1, sq=150, sk=150, hq=2, hkv=2, d=128), dict(chunk=64, causal=True)),
+    pytest.param(dict(batch=1, sq=150, sk=150, hq=2, hkv=2, d=128), dict(chunk=64, causal=True),
+                 marks=pytest.mark.slow),
     (dict(batch=1, sq=65, sk=257, hq=2, hkv=1, d=64), dict(causal=True)),
     (dict(batch=1, sq=40, sk=140, hq=2, hkv=1, d=192, dv=128), dict()),
     (dict(batch=1, sq=33, sk=130, hq=1, hkv=1, d=256), dict(causal=True)),

@@ -87,11 +87,10 @@ def _check_residues(rng, mask, *, every):
     _check(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **mask)
 
 
-# causal bounds the loop on both sides; the other masks (3-4 s each in the interpreter) run in
-# the slow tier, which CI also runs.
-@pytest.mark.parametrize("mask", [m if m == "causal"
-                                  else pytest.param(m, marks=pytest.mark.slow)
-                                  for m in RESIDUE_MASKS])
+# 3-4 s each in the interpreter: the slow tier, which CI also runs (make test keeps the ragged
+# tile edges of test_masks_with_sq_ne_sk_and_ragged_tile_edges)
+@pytest.mark.slow
+@pytest.mark.parametrize("mask", RESIDUE_MASKS)
 def test_masks_at_tile_edge_residues(mask, rng):
     """Sk - Sq at 0, 1, 2, -2 and -1 modulo the key tile (and negative), Sq around a query
     block: a boundary tile whose mask is skipped or bounded one key off errs there."""

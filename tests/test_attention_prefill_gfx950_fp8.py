@@ -126,7 +126,9 @@ MASKS = {
 }
 
 
-@pytest.mark.parametrize("mask", MASKS)
+# no mask and chunks run in the slow tier, which CI also runs
+@pytest.mark.parametrize("mask", [m if m not in ("none", "chunk")
+                                  else pytest.param(m, marks=pytest.mark.slow) for m in MASKS])
 def test_masks_with_odd_lengths_and_per_head_descales(mask, rng):
     _run(rng, batch=2, **MASKS[mask])
 

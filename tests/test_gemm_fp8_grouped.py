@@ -50,8 +50,12 @@ def test_interpreter_matches_float64(kind, sizes, n, k, rng):
     _check(c, offsets, a64, b64)
 
 
-@pytest.mark.parametrize("kind", ["tensor", "row_col", "block"])
-@pytest.mark.parametrize("block_m, block_n", [(64, 128), (64, 256), (128, 128)])
+# make test runs each scale kind on one tile shape; the slow tier, which CI also runs, the rest.
+@pytest.mark.parametrize("kind,block_m,block_n", [
+    pytest.param(kind, *tile, id=f"{tile[0]}-{tile[1]}-{kind}",
+                 marks=() if i == j else pytest.mark.slow)
+    for i, kind in enumerate(["tensor", "row_col", "block"])
+    for j, tile in enumerate([(64, 128), (64, 256), (128, 128)])])
 def test_split_n_tiles_match_float64(kind, block_m, block_n, rng):
     """``split_n``: both consumers on a 64-row tile, each on half its columns (with block scales
     one B block each at 256 columns, both in one at 128); at ``block_m=128`` only the tail

@@ -87,7 +87,7 @@ def test_other_tile_configs_match_float64(config, trans_b, rng):
     _assert_close(c, _reference(a, b, offsets, trans_b), "f32")
 
 
-@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("trans_b", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_dynamic_tile_claims_match_float64_and_reset_the_counters(trans_b, rng):
     """``dynamic=True``: 3 CTAs claim 2 x 3 + 1 tiles of 3 groups from a counter pair, which
     the last CTA to finish zeroes again: a second launch on the same counters is right too."""

@@ -32,10 +32,14 @@ CONFIGS = {
 SHAPES = [(130, 330, 520), (256, 200, 72), (1, 100, 136)]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("shape", SHAPES[:1] + [pytest.param(s, marks=pytest.mark.slow)
-                                                 for s in SHAPES[1:]],
-                         ids=lambda s: "x".join(map(str, s)))
+# make test runs four configs on the first shape; the slow tier, which CI also runs, the rest.
+FAST_CONFIGS = ("128x160", "128x96", "128x160_pair", "128x160_split3_fused")
+
+
+@pytest.mark.parametrize("name,shape", [
+    pytest.param(name, shape, id=f"{'x'.join(map(str, shape))}-{name}",
+                 marks=() if shape == SHAPES[0] and name in FAST_CONFIGS else pytest.mark.slow)
+    for name in CONFIGS for shape in SHAPES])
 def test_interpreted_odd_width_tiles_match_float64(name, shape, rng):
     config = CONFIGS[name]
     m, n, k = shape

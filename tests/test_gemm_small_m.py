@@ -42,11 +42,14 @@ FAMILIES = {  # one config per family, with every new knob somewhere
 SWAP_FAMILIES = [name for name, cfg in FAMILIES.items() if cfg.swap_ab]
 # M of a decode step, N and K off the tile grid (K = 520: 9 K steps, uneven slices).
 SHAPES = [(1, 100, 300), (3, 264, 520), (17, 70, 136), (100, 136, 200)]
-# In the interpreter make test keeps, for every family, an odd M with B stored N x K and uneven
-# K slices (3 x 264 x 520) and an even M with B stored K x N (100 x 136 x 200); the slow tier,
-# which CI also runs, the other two.
-INTERPRETED_SHAPES = [s if s in ((3, 264, 520), (100, 136, 200))
-                      else pytest.param(s, marks=pytest.mark.slow) for s in SHAPES]
+# In the interpreter make test runs each family on one shape, alternating between an odd M
+# with B stored N x K and uneven K slices (3 x 264 x 520) and an even M with B stored K x N
+# (100 x 136 x 200); the slow tier, which CI also runs, the other shapes.
+FAST_SHAPES = ((3, 264, 520), (100, 136, 200))
+INTERPRETED_CASES = [
+    pytest.param(family, shape, id=f"{'x'.join(map(str, shape))}-{family}",
+                 marks=() if shape == FAST_SHAPES[i % 2] else pytest.mark.slow)
+    for i, family in enumerate(FAMILIES) for shape in SHAPES]
 
 
 def _operands(m, n, k, trans_b, rng, dtype=ml_dtypes.bfloat16):
@@ -55,8 +58,7 @@ def _operands(m, n, k, trans_b, rng, dtype=ml_dtypes.bfloat16):
     return a, b, (b.T if trans_b else b)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("shape", INTERPRETED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("family,shape", INTERPRETED_CASES)
 def test_interpreted_config_matches_float64(family, shape, rng):
     config = FAMILIES[family]
     m, n, k = shape

@@ -45,10 +45,12 @@ def _run(a, b, config, ctas, trans_b, out=np.float32):
     return c
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("case", CASES[:2] + [pytest.param(c, marks=pytest.mark.slow)
-                                               for c in CASES[2:]],
-                         ids=lambda s: "x".join(map(str, s)))
+# make test runs each config on one of the first two cases (all stream-K, then the hybrid),
+# alternating; the slow tier, which CI also runs, every other pair.
+@pytest.mark.parametrize("name,case", [
+    pytest.param(name, case, id=f"{'x'.join(map(str, case))}-{name}",
+                 marks=() if case == CASES[i % 2] else pytest.mark.slow)
+    for i, name in enumerate(CONFIGS) for case in CASES])
 def test_interpreted_stream_k_matches_float64(name, case, rng):
     config = CONFIGS[name]
     m, n, k, ctas = case

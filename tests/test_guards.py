@@ -88,31 +88,81 @@ def _child_source(target: str, body: list[str], args: str) -> str:
         """).format(lines=lines, args=args, target=target)
 
 
-@pytest.mark.parametrize("name,target,body,args,error,message", CASES,
-                         ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_input_ends_in_a_kiln_error_or_compiles(tmp_path, name, target, body, args, error,
+CASE_IDS = [f"{c[0]}-{c[1]}" for c in CASES]
+# One child runs the cases in turn (an import of kiln per case cost most of this test's time);
+# it prints a marker before and after each, so a case that aborts or hangs the child is named,
+# and the cases after it run in a fresh child.
+CHILD_DRIVER = textwrap.dedent("""\
+    import runpy, sys
+    for script in sys.argv[1:]:
+        print("@@START", script, flush=True)
+        runpy.run_path(script, run_name="__main__")
+        print("@@END", script, flush=True)
+    """)
+
+
+def _outputs_by_case(scripts: list[str]) -> dict[str, str]:
+    outputs, pending = {}, list(scripts)
+    while pending:
+        try:
+            done = subprocess.run([sys.executable, "-c", CHILD_DRIVER, *pending],
+                                  capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                                  env={**os.environ, "KILN_NO_CACHE": "1"})
+            stdout, stderr = done.stdout, done.stderr
+            failure = f"child exited with {done.returncode}" if done.returncode else None
+        except subprocess.TimeoutExpired as timeout:
+            stdout, stderr = (timeout.stdout or b"").decode(), (timeout.stderr or b"").decode()
+            failure = f"did not finish in {CHILD_TIMEOUT_S} s (a trace hang)"
+        failed = f"CHILD_FAILED {failure}:\n{stderr[-3000:]}"
+        ran = []
+        for script in list(pending):
+            _, started, rest = stdout.partition(f"@@START {script}\n")
+            if not started:
+                break
+            output, ended, stdout = rest.partition(f"@@END {script}\n")
+            pending.remove(script)
+            ran.append(script)
+            outputs[script] = output if ended else failed
+            if not ended:
+                break
+        if failure and not pending and ran:  # every case ended, then the child died
+            outputs[ran[-1]] = failed
+        if failure and not ran:  # the child died before its first case
+            outputs.update({script: failed for script in pending})
+            pending = []
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def guard_outputs(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("guards")
+    scripts = {}
+    for case_id, (name, target, body, args, _, _) in zip(CASE_IDS, CASES):
+        script = folder / f"{case_id.replace('-', '_')}.py"
+        # Tensor annotations without a dtype take the argument's (annotate the dtype the args
+        # have).
+        script.write_text(_child_source(target, body, args).replace(
+            "x: kiln.Tensor, y: kiln.Tensor",
+            "x: kiln.Tensor[kiln.i1], y: kiln.Tensor[kiln.i1]" if "bool" in args
+            else "x: kiln.Tensor[kiln.f32], y: kiln.Tensor[kiln.f32]"))
+        scripts[case_id] = str(script)
+    outputs = _outputs_by_case(list(scripts.values()))
+    return {case_id: outputs[script] for case_id, script in scripts.items()}
+
+
+@pytest.mark.parametrize("name,target,body,args,error,message", CASES, ids=CASE_IDS)
+def test_input_ends_in_a_kiln_error_or_compiles(guard_outputs, name, target, body, args, error,
                                                 message):
-    script = tmp_path / f"{name}.py"
-    # Tensor annotations without a dtype take the argument's (annotate the dtype the args have).
-    source = _child_source(target, body, args).replace(
-        "x: kiln.Tensor, y: kiln.Tensor",
-        "x: kiln.Tensor[kiln.i1], y: kiln.Tensor[kiln.i1]" if "bool" in args
-        else "x: kiln.Tensor[kiln.f32], y: kiln.Tensor[kiln.f32]")
-    script.write_text(source)
-    try:
-        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                              timeout=CHILD_TIMEOUT_S, env={**os.environ, "KILN_NO_CACHE": "1"})
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{name} on {target} did not finish in {CHILD_TIMEOUT_S} s (a trace hang)")
-    assert done.returncode == 0, f"child exited with {done.returncode}:\n{done.stderr[-3000:]}"
+    stdout = guard_outputs[f"{name}-{target}"]
+    assert not stdout.startswith("CHILD_FAILED"), f"{name} on {target}: {stdout}"
     if error is None:
-        assert "NO_ERROR" in done.stdout, done.stdout
+        assert "NO_ERROR" in stdout, stdout
         if "bool" in args:  # bool tensors are bytes in the kernel ABI
-            assert "memref<?xi8" in done.stdout and "memref<?xi1" not in done.stdout
+            assert "memref<?xi8" in stdout and "memref<?xi1" not in stdout
     else:
-        assert f"KILN_ERROR {error}" in done.stdout, done.stdout
-        assert message in done.stdout, done.stdout
-        assert f"{script.name}:" in done.stdout  # the error names the user's line
+        assert f"KILN_ERROR {error}" in stdout, stdout
+        assert message in stdout, stdout
+        assert f"{name}_{target}.py:" in stdout  # the error names the user's line
 
 
 @kiln.kernel

@@ -186,10 +186,34 @@ def test_the_shim_is_built_once_and_then_loaded_from_the_cache(tmp_path, monkeyp
     assert library.stat().st_mode & 0o077 == 0 and not list(tmp_path.glob(".load.*"))
 
 
+@pytest.fixture(scope="module")
+def shim_bytes(tmp_path_factory) -> bytes:
+    """One real build of the shim, for the tests that only need some valid library."""
+    root = tmp_path_factory.mktemp("shim")
+    native.load_shim("cc", root)
+    return _files(root)[0].read_bytes()
+
+
+def _copying_builds(monkeypatch, data: bytes) -> None:
+    """Builds that install ``data`` as the real build does (a fresh file replacing whatever is
+    at the target path): a C compile per build cost most of these tests' time."""
+    def build(ext, directory, key):
+        target = directory / f"{key}.so"
+        scratch = directory / f".{key[:16]}.copy.so"
+        scratch.write_bytes(data)
+        os.chmod(scratch, 0o600)
+        os.replace(scratch, target)
+        return target
+
+    monkeypatch.setattr(native, "_build", build)
+
+
 @needs_cc
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated", "foreign record", "symlink",
                                     "other owner"])
-def test_a_damaged_or_foreign_shim_is_never_loaded_but_rebuilt(tmp_path, monkeypatch, damage):
+def test_a_damaged_or_foreign_shim_is_never_loaded_but_rebuilt(tmp_path, monkeypatch, damage,
+                                                               shim_bytes):
+    _copying_builds(monkeypatch, shim_bytes)
     native.load_shim("cc", tmp_path)
     library, record = _files(tmp_path)
     if damage == "flipped byte":

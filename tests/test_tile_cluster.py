@@ -68,7 +68,10 @@ def test_cluster_of_one_is_the_block_reduce_on_every_target():
         out = np.full_like(x, np.nan)
         split_reduce_kernel("sum", 1).interpret[(2,)](x, out, 3, 100, 2, PART=256, THREADS=64,
                                                       SPLIT=1, FILL=0.0, target=target)
-        np.testing.assert_allclose(out[:, 0], x.astype(np.float64).sum(1), rtol=1e-5)
+        # a float32 sum of 100 terms can be off by ~100 ulps of sum|x|: relative error alone
+        # fails whenever the row's sum cancels to near zero
+        bound = 100 * np.finfo(np.float32).eps * np.abs(x).astype(np.float64).sum(1)
+        assert np.all(np.abs(out[:, 0] - x.astype(np.float64).sum(1)) <= bound)
 
 
 @pytest.mark.lower

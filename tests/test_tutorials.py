@@ -87,7 +87,8 @@ def test_layernorm(target, shape):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("shape", [(200, 150, 100), (129, 257, 40), (96, 136, 72)])
+@pytest.mark.parametrize("shape", [(200, 150, 100), (129, 257, 40),
+                                   pytest.param((96, 136, 72), marks=pytest.mark.slow)])
 def test_matmul_bias_gelu(target, shape):
     """Ragged (synchronous copies: rows not 16-byte aligned) and aligned (cp.async) shapes."""
     rng = np.random.default_rng()
@@ -176,7 +177,9 @@ def test_attention_rescales_when_the_max_jumps(target, d, causal):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("sizes,k,n", [([130, 0, 7, 64], 96, 72), ([1, 200], 40, 136)])
+@pytest.mark.parametrize("sizes,k,n", [
+    pytest.param([130, 0, 7, 64], 96, 72, id="four_groups"),
+    pytest.param([1, 200], 40, 136, id="two_groups", marks=pytest.mark.slow)])
 def test_grouped_matmul(target, sizes, k, n):
     """Uneven and empty groups, ragged K and N (synchronous copies) and aligned ones."""
     rng = np.random.default_rng()
