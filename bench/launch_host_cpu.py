@@ -133,20 +133,23 @@ class Tensor:
 def cpu_torch_as_device():
     """Let the checked launch take torch CPU tensors as device ones (their attributes cost
     what a CUDA tensor's do; only ``is_cuda`` differs, and the launch key keeps it)."""
-    from kiln.runtime import launch
+    from kiln.runtime import arguments, launch
 
-    checked = launch._device_view
+    checked = arguments.device_view
 
     def device_view(param, value, staging):
         if type(value).__module__.startswith("torch") and not value.is_cuda:
             return value.data_ptr(), tuple(value.shape), tuple(value.stride())
         return checked(param, value, staging)
 
-    launch._device_view = device_view
+    # the converters read it from kiln.runtime.arguments, bound launches from kiln.runtime.launch
+    for module in (arguments, launch):
+        module.device_view = device_view
     try:
         yield
     finally:
-        launch._device_view = checked
+        for module in (arguments, launch):
+            module.device_view = checked
 
 
 def raw_ctypes_call(symbols: dict[str, int]):

@@ -350,7 +350,7 @@ def test_gpu_grouped_matmul_torch_and_numpy(trans_b, rng):
 def test_numpy_array_passed_twice_shares_one_device_copy():
     """grouped_matmul passes C as a tensor map and as a tensor: two device copies of a numpy C
     would each get half of the results, and the copy back would keep only one half."""
-    from kiln.runtime.launch import _Staging
+    from kiln.runtime.arguments import Staging
 
     class FakeDriver:
         def __init__(self):
@@ -367,7 +367,7 @@ def test_numpy_array_passed_twice_shares_one_device_copy():
             pass
 
     driver = FakeDriver()
-    staging = _Staging(driver)
+    staging = Staging(driver)
     c = np.zeros((4, 8), np.float32)
     first, second = staging.upload(c), staging.upload(c)
     assert first[0] == second[0] and driver.allocations == 1

@@ -141,7 +141,8 @@ def _fake_torch(monkeypatch, current_stream):
     """A ``torch`` module whose current stream is ``current_stream[0]``, and its tensor type."""
     torch_c = SimpleNamespace(_cuda_getDevice=lambda: 0,
                               _cuda_getCurrentRawStream=lambda device: current_stream[0])
-    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(_C=torch_c))
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(
+        _C=torch_c, cuda=SimpleNamespace(is_available=lambda: True)))
 
     class Tensor:
         __module__ = "torch"

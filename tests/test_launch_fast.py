@@ -200,8 +200,9 @@ def test_a_hit_never_launches_another_specialisations_binary(runtimes, rng):
 
 def test_streams_reach_the_launch(runtimes, monkeypatch):
     current = [0]
-    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(_C=SimpleNamespace(
-        _cuda_getDevice=lambda: 0, _cuda_getCurrentRawStream=lambda device: current[0])))
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(
+        cuda=SimpleNamespace(is_available=lambda: True), _C=SimpleNamespace(
+            _cuda_getDevice=lambda: 0, _cuda_getCurrentRawStream=lambda device: current[0])))
 
     class StreamTensor(Tensor):  # a new type: its stream getter is made with this torch
         __module__ = "torch"

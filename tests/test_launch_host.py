@@ -17,6 +17,7 @@ from mlir import ir
 from mlir.dialects import llvm
 
 from kiln.core.errors import KilnTypeError, KilnValueError, LaunchError
+from kiln.launch_args import check_int_argument
 from recording_runtime import RecordingCudaRuntime
 from kiln.runtime import launch as launch_mod
 from kiln.runtime.amd_host import amd_host_llvm_ir, rocm_runtime_library
@@ -150,10 +151,10 @@ def test_bad_grids_are_rejected(grid, error):
 
 def test_numpy_bools_are_i1_arguments_like_bools():
     # Specialisation takes np.bool_ as an i1 (a bool mask's .any()); so must the launch.
-    assert launch_mod.check_int_argument("flag", np.True_, "i1") == 1
-    assert launch_mod.check_int_argument("flag", np.False_, "i1") == 0
+    assert check_int_argument("flag", np.True_, "i1") == 1
+    assert check_int_argument("flag", np.False_, "i1") == 0
     with pytest.raises(KilnTypeError, match="must be an integer"):
-        launch_mod.check_int_argument("n", 2.0, "i32")
+        check_int_argument("n", 2.0, "i32")
 
 
 def test_stream_handles():
@@ -329,8 +330,9 @@ def test_stream_none_is_the_current_stream_of_the_arguments_library(monkeypatch)
     from types import SimpleNamespace
 
     torch_stream, cupy_stream = [0], [0]
-    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(_C=SimpleNamespace(
-        _cuda_getDevice=lambda: 0, _cuda_getCurrentRawStream=lambda device: torch_stream[0])))
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(
+        cuda=SimpleNamespace(is_available=lambda: True), _C=SimpleNamespace(
+            _cuda_getDevice=lambda: 0, _cuda_getCurrentRawStream=lambda device: torch_stream[0])))
     monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(cuda=SimpleNamespace(
         get_current_stream=lambda: SimpleNamespace(ptr=cupy_stream[0]))))
 

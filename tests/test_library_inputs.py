@@ -313,10 +313,10 @@ def test_interpreter_checks_integer_arguments_and_read_only_outputs():
 
 def test_gpu_launch_packs_integer_arguments_with_the_same_check():
     """The GPU path's argument converter refuses 2**33 for an i32 with the same error."""
-    from kiln.runtime.launch import _scalar_converter
+    from kiln.runtime.arguments import scalar_converter
     from kiln.signature import ScalarParam
 
-    to_int = _scalar_converter(ScalarParam("n", "i32"))
+    to_int = scalar_converter(ScalarParam("n", "i32"))
     flat = []
     to_int(2**31 - 1, flat, None)
     assert flat == [2**31 - 1]

@@ -21,32 +21,29 @@ Example::
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import weakref
 from typing import Any, Callable, Sequence
 
-import ml_dtypes
 import numpy as np
 
-from kiln.arrays import describe_array, is_torch_tensor
 from kiln.core import env
-from kiln.core.dtypes import dtype as to_dtype
 from kiln.core.errors import KilnTypeError, KilnValueError, LaunchError, ResourceError
-from kiln.launch_args import check_float_argument, check_int_argument, normalize_grid
+from kiln.launch_args import normalize_grid
 from kiln.lowering.compiler import backend_for
 from kiln.runtime.amd_host import build_amd_launcher
 from kiln.runtime import cuda
+from kiln.runtime.arguments import Staging, convert_tensor, device_view, scalar_converter
 from kiln.runtime.driver_launch import load_driver_launcher
-from kiln.runtime.host import build_nvidia_launcher, scalar_carrier
+from kiln.runtime.host import build_nvidia_launcher
 from kiln.runtime.native import native_module
+from kiln.runtime.streams import (bound_stream_source, current_stream,  # noqa: F401
+                                  stream_handle, stream_source)
 from kiln.runtime.tensor_maps import (CAPTURE_ARENA_SLOTS, TENSOR_MAP_CACHE_CAPACITY,  # noqa: F401
                                       TensorMapCache)
-from kiln.signature import ScalarParam, TensorMapParam, TensorParam
+from kiln.signature import TensorMapParam, TensorParam
 
 _PLAN_ATTRIBUTE = "_launch_plan"
-_BIT_PATTERN_DTYPES = {"f16": np.float16, "bf16": ml_dtypes.bfloat16,
-                       "f8e4m3": ml_dtypes.float8_e4m3fn, "f8e5m2": ml_dtypes.float8_e5m2}
 
 
 def launch(ck, grid, args: Sequence, *, stream=None) -> None:
@@ -114,7 +111,7 @@ class BoundLaunch:
                                     "copied to the device per launch",
                                     fix="use ck.launch(...), or pass a torch/cupy device tensor")
             if isinstance(param, TensorMapParam):
-                ptr, shape, strides = _device_view(param, value, None)
+                ptr, shape, strides = device_view(param, value, None)
                 slots.append(~len(flat))
                 self._map_views[len(flat)] = (param, shape, strides)
                 flat.append(self._tensor_maps.descriptor(param, ptr, shape, strides))
@@ -124,7 +121,7 @@ class BoundLaunch:
             convert(value, flat, None)
         self._slots = tuple(slots)
         # an instance attribute: no method frame
-        self.current_stream = self._current_stream = _bound_stream_source(args)
+        self.current_stream = self._current_stream = bound_stream_source(args)
         self._after_launch = plan.after_launch
         self._stream_slot = self._launcher.stream_slot
         self._arguments = self._launcher.new_arguments()
@@ -254,127 +251,6 @@ def _fallback(bound_ref, arguments) -> Callable:
     return launch
 
 
-def stream_handle(stream) -> int | None:
-    """The raw ``CUstream`` of a torch/cupy stream or an int handle; None (and 0) mean the
-    legacy default stream. (``launch`` resolves ``stream=None`` with :func:`current_stream`
-    first.)"""
-    if stream is None:
-        return None
-    if isinstance(stream, (int, np.integer)):
-        return int(stream) or None
-    for attribute in ("cuda_stream", "ptr", "handle"):  # torch, cupy, cuda-python
-        value = getattr(stream, attribute, None)
-        if isinstance(value, (int, np.integer)):
-            return int(value) or None
-    raise KilnTypeError(f"cannot use a {type(stream).__name__} as a CUDA stream",
-                        fix="pass a torch.cuda.Stream, a cupy stream, a raw int handle or None")
-
-
-def current_stream(value) -> int | None:
-    """The raw current stream of the array library that ``value`` comes from: torch's
-    ``torch.cuda.current_stream()`` for a torch tensor, cupy's ``get_current_stream()`` for a
-    cupy array; None (the legacy default stream) for anything else.
-
-    Example: inside ``with torch.cuda.stream(s):``, ``current_stream(x) == s.cuda_stream``.
-    """
-    return _stream_getter(type(value))()
-
-
-def _no_stream() -> None:
-    return None
-
-
-_stream_getters: dict[type, Callable[[], int | None]] = {}
-
-
-def _stream_getter(kind: type) -> Callable[[], int | None]:
-    """How to read the current stream for arrays of type ``kind`` (worked out once per type)."""
-    getter = _stream_getters.get(kind)
-    if getter is None:
-        getter = _stream_getters[kind] = _make_stream_getter(kind.__module__.split(".")[0])
-    return getter
-
-
-def _make_stream_getter(library: str) -> Callable[[], int | None]:
-    module = sys.modules.get(library)  # loaded: one of its arrays exists
-    if library == "torch" and module is not None:
-        # Triton's route: the raw handle without building a torch.cuda.Stream object (~0.2 µs
-        # instead of ~2 µs); the public API where the private one is missing.
-        raw, device = (getattr(module._C, "_cuda_getCurrentRawStream", None),
-                       getattr(module._C, "_cuda_getDevice", None))
-        if raw is not None and device is not None:
-            return lambda: raw(device()) or None
-        if not module.cuda.is_available():  # a CPU-only build: no stream to follow
-            return _no_stream
-        return lambda: module.cuda.current_stream().cuda_stream or None
-    if library == "cupy" and module is not None:
-        return lambda: module.cuda.get_current_stream().ptr or None
-    return _no_stream
-
-
-def _stream_source(args: Sequence) -> Callable[[], int | None]:
-    """The current-stream getter of the first device array among ``args`` (numpy arrays and
-    scalars have none)."""
-    for value in args:
-        kind = type(value)
-        if kind is np.ndarray or kind in (int, float, bool):
-            continue
-        getter = _stream_getter(kind)
-        if getter is not _no_stream:
-            return getter
-    return _no_stream
-
-
-def _bound_stream_source(args: Sequence) -> Callable[[], int | None]:
-    """A bound launch's current-stream getter: for a torch CUDA tensor among ``args``, torch's
-    raw-stream getter bound to that tensor's device (one C call a launch, no Python frame; it
-    gives 0, not None, for the legacy default stream), else :func:`_stream_source`'s."""
-    for value in args:
-        if is_torch_tensor(value) and getattr(value, "is_cuda", False):
-            torch_c = getattr(sys.modules.get("torch"), "_C", None)
-            raw = getattr(torch_c, "_cuda_getCurrentRawStream", None)
-            if raw is not None and hasattr(value, "get_device"):
-                return functools.partial(raw, value.get_device())
-            break
-    return _stream_source(args)
-
-
-class _Staging:
-    """Device copies of numpy arguments for one launch; copied back and freed afterwards."""
-
-    def __init__(self, driver):
-        self.driver = driver
-        driver.make_current()  # launch may be called from a thread other than the first one
-        self.copies: list[tuple[np.ndarray, np.ndarray, int]] = []  # (user, contiguous, dev ptr)
-        self.allocations: list[int] = []
-
-    def upload(self, array: np.ndarray) -> tuple[int, np.ndarray]:
-        for user, host, device_ptr in self.copies:
-            if user is array:  # one array in two parameters (a tensor map and a tensor) aliases
-                return device_ptr, host
-        host = np.ascontiguousarray(array)
-        device_ptr = self.allocate(host.nbytes)
-        self.driver.memcpy_htod(device_ptr, host.ctypes.data, host.nbytes)
-        self.copies.append((array, host, device_ptr))
-        return device_ptr, host
-
-    def allocate(self, nbytes: int) -> int:
-        ptr = self.driver.mem_alloc(nbytes)
-        self.allocations.append(ptr)
-        return ptr
-
-    def download(self) -> None:
-        for user, host, device_ptr in self.copies:
-            if user.flags.writeable:
-                self.driver.memcpy_dtoh(host.ctypes.data, device_ptr, host.nbytes)
-                if host is not user:
-                    user[...] = host
-
-    def free(self) -> None:
-        for ptr in self.allocations:
-            self.driver.mem_free(ptr)
-
-
 def nvidia_launcher(ck) -> tuple[Callable, object]:
     """``(launch function, CUDA driver)`` for an NVIDIA kernel, or LaunchError/ResourceError."""
     if ck.target.ptx_only:
@@ -484,7 +360,7 @@ class _LaunchPlan:
             names = ", ".join(p.name for p in params)
             raise KilnValueError(f"{self.name} takes {len(params)} run-time arguments ({names}), "
                                  f"got {len(args)}", fix="pass one value per kernel parameter")
-        handle = _stream_source(args)() if stream is None else stream_handle(stream)
+        handle = stream_source(args)() if stream is None else stream_handle(stream)
         staging = None
         flat: list = []
         try:
@@ -502,11 +378,11 @@ class _LaunchPlan:
             if staging is not None:
                 staging.free()
 
-    def _new_staging(self) -> _Staging:
+    def _new_staging(self) -> Staging:
         if self.driver is None:
             raise KilnTypeError("numpy arrays cannot be passed to AMD kernels yet",
                                 fix="pass torch (ROCm) device tensors")
-        return _Staging(self.driver)
+        return Staging(self.driver)
 
     def _converter(self, param) -> Callable[..., None]:
         """``convert(value, flat, staging, stream=None)`` appends ``value``'s flat C arguments
@@ -514,88 +390,11 @@ class _LaunchPlan:
         # Converters hold no reference to the plan: a plan must not sit in a reference cycle,
         # so its launcher (and the loaded module) is released as soon as the kernel is.
         if isinstance(param, TensorParam):
-            return lambda value, flat, staging, stream=None: _convert_tensor(param, value, flat,
+            return lambda value, flat, staging, stream=None: convert_tensor(param, value, flat,
                                                                              staging)
         if isinstance(param, TensorMapParam):
             tensor_maps = self.tensor_maps
             return lambda value, flat, staging, stream=None: flat.append(
-                tensor_maps.descriptor(param, *_device_view(param, value, staging),
+                tensor_maps.descriptor(param, *device_view(param, value, staging),
                                        staging=staging, stream=stream))
-        return _scalar_converter(param)
-
-
-def _convert_tensor(param: TensorParam, value, flat: list, staging) -> None:
-    ptr, shape, strides = _device_view(param, value, staging)
-    if param.contiguous and strides[-1] != 1 and shape[-1] > 1:
-        raise KilnValueError(f"argument {param.name!r} has innermost stride {strides[-1]} but "
-                             f"the kernel was specialised for stride 1",
-                             fix="pass a contiguous tensor (.contiguous()) or recompile")
-    flat += (ptr, ptr, 0, *shape, *strides)
-
-
-def _device_view(param, value, staging) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-    """(device pointer, shape, element strides) of a tensor argument, uploading numpy arrays."""
-    if isinstance(value, np.ndarray):
-        _check_tensor(param, value.ndim, _dtype_name(value.dtype))
-        ptr, host = staging.upload(value)
-        itemsize = host.dtype.itemsize
-        return ptr, host.shape, tuple(s // itemsize for s in host.strides)
-    if type(value).__module__.startswith("torch") and hasattr(value, "data_ptr"):
-        # torch fast path: describe_array would also work but costs more per launch.
-        if not value.is_cuda:
-            raise KilnTypeError(f"argument {param.name!r} is a CPU torch tensor",
-                                fix="move it to the GPU (.cuda()) or pass tensor.numpy()")
-        _check_tensor(param, value.dim(), _dtype_name(value.dtype))
-        return value.data_ptr(), tuple(value.shape), tuple(value.stride())
-    if not (hasattr(value, "__cuda_array_interface__") or hasattr(value, "__dlpack__")):
-        raise KilnTypeError(f"argument {param.name!r} must be a tensor, got {type(value).__name__}",
-                            fix="pass a numpy array or a torch/cupy/JAX device array")
-    info = describe_array(value)
-    if not info.on_device:
-        raise KilnTypeError(f"argument {param.name!r} is a {type(value).__name__} in host memory",
-                            fix="pass np.asarray(x) (copied to the device per launch) or a "
-                                "device array")
-    _check_tensor(param, info.rank, info.dtype.name)
-    return info.data_ptr, info.shape, info.strides
-
-
-_dtype_names: dict[Any, str] = {}
-
-
-def _dtype_name(library_dtype) -> str:
-    name = _dtype_names.get(library_dtype)
-    if name is None:
-        name = _dtype_names[library_dtype] = to_dtype(library_dtype).name
-    return name
-
-
-def _check_tensor(param, rank: int, dtype_name: str) -> None:
-    if rank != param.rank:
-        raise KilnValueError(f"argument {param.name!r} has rank {rank}; the kernel was compiled "
-                             f"for rank {param.rank}", fix="pass a tensor of the compiled rank")
-    if dtype_name != param.dtype:  # signatures hold canonical Kiln dtype names
-        raise KilnTypeError(f"argument {param.name!r} has dtype {dtype_name}; the kernel was "
-                            f"compiled for {param.dtype}",
-                            fix=f"convert it first, e.g. x.astype('{param.dtype}') / x.to(...)")
-
-
-def _scalar_converter(param: ScalarParam) -> Callable[..., None]:
-    name = to_dtype(param.dtype).name
-    carrier, bits = scalar_carrier(name)
-    if bits is not None:
-        np_type = _BIT_PATTERN_DTYPES[name]
-        view = np.uint16 if bits == 16 else np.uint8
-
-        def to_bits(value, flat, staging, stream=None):
-            number = check_float_argument(param.name, value, name)
-            flat.append(int(np.asarray(number, dtype=np_type).view(view)))
-
-        return to_bits
-    if name in ("f32", "f64"):
-        return lambda value, flat, staging, stream=None: flat.append(
-            check_float_argument(param.name, value, name))
-
-    def to_int(value, flat, staging, stream=None):
-        flat.append(check_int_argument(param.name, value, name))
-
-    return to_int
+        return scalar_converter(param)

@@ -48,11 +48,12 @@ import numpy as np
 from kiln.arrays import is_torch_tensor
 from kiln.launch_args import normalize_grid
 from kiln.launch_key import launch_guard, launch_key_part
+from kiln.runtime.arguments import convert_tensor, device_view, scalar_converter
 from kiln.runtime.driver_launch import DriverLauncher
 from kiln.runtime.host import HostLauncher
-from kiln.runtime.launch import (_PLAN_ATTRIBUTE, _convert_tensor, _device_view,
-                                  _scalar_converter, _stream_source, stream_handle)
+from kiln.runtime.launch import _PLAN_ATTRIBUTE
 from kiln.runtime.native_torch import torch_bridge
+from kiln.runtime.streams import no_stream, stream_handle, stream_source
 from kiln.signature import ScalarParam, TensorMapParam, TensorParam
 
 # Scalars of these dtypes given as a Python int (float) go straight into struct, whose range
@@ -213,7 +214,8 @@ def _raw_stream_getter(values: Sequence, getter: Callable) -> Callable:
             continue
         torch_c = getattr(sys.modules.get("torch"), "_C", None)
         raw = getattr(torch_c, "_cuda_getCurrentRawStream", None)
-        if raw is not None and is_torch_tensor(value) and getattr(value, "is_cuda", False):
+        if raw is not None and is_torch_tensor(value) and getattr(value, "is_cuda", False) \
+                and getter is not no_stream:  # (torch without a usable GPU: no stream)
             return functools.partial(raw, -1)
         break
     return getter
@@ -233,7 +235,7 @@ def _prepared(ck, args: Sequence, positions: Sequence[int]) -> tuple | None:
     namespace = {
         "pack_into": launcher.layout.pack_into, "entry": launcher.entry,
         "blocks": launcher.thread_blocks, "thread_block": launcher.thread_arguments,
-        "get_ident": threading.get_ident, "current_stream": _stream_source(values),
+        "get_ident": threading.get_ident, "current_stream": stream_source(values),
         "stream_handle": stream_handle,
         # Without a cluster shape to divide, the grid check is normalize_grid's alone.
         "check_grid": plan.check_grid if ck.signature.cluster else normalize_grid,
@@ -283,13 +285,13 @@ def _fields(i: int, param, value, plan, namespace: dict, pointers: list) -> str:
     if isinstance(param, TensorMapParam):
         tensor_maps = plan.tensor_maps
         namespace[f"tensor_map{i}"] = lambda v, stream: tensor_maps.descriptor(
-            param, *_device_view(param, v, None), stream=stream)
+            param, *device_view(param, v, None), stream=stream)
         return f"tensor_map{i}(a{i}, handle)"
     assert isinstance(param, ScalarParam)
     if (type(value) is int and param.dtype in _DIRECT_INTS) or (
             type(value) in (int, float) and param.dtype in _DIRECT_FLOATS):
         return f"a{i}"
-    convert = _scalar_converter(param)
+    convert = scalar_converter(param)
     namespace[f"scalar{i}"] = lambda v: _converted(convert, v)
     return f"scalar{i}(a{i})"
 
@@ -299,7 +301,7 @@ def _tensor_fields(param: TensorParam) -> Callable[[Any], list]:
     DLPack), with the launch's checks."""
     def fields(value) -> list:
         flat: list = []
-        _convert_tensor(param, value, flat, None)
+        convert_tensor(param, value, flat, None)
         return flat
 
     return fields
