@@ -55,13 +55,16 @@ def page_softmax(scores, m, l, key0, tid, key_limit, scale_log2, masked):
 
 
 @kiln.func
-def load_tile(page_size, table, tile, seq_len, kv_map, boxes, full, stage, producer, arm):
+def load_tile(page_size, table, tile, seq_len, kv_map, boxes, full, stage, producer, arm,
+              slot=None):
     """TMA page ``tile``'s ``64 x 576`` rows into ring ``stage`` as nine column boxes
-    (``arm``: this call expects the tile's bytes on ``full[stage]``; the first page's are
-    expected together with Q's)."""
+    (``arm``: this call expects the tile's bytes on ``full``; the first page's are expected
+    together with Q's). They land on ``full``'s barrier ``slot``: ``stage`` by default; a
+    ring of single-slot barriers (:mod:`.mla_seesaw`) passes ``full[stage]`` and 0."""
+    slot = stage if slot is None else slot
     if arm:
-        full.arrive_expect_tx(stage, TILE_BYTES, predicate=producer)
+        full.arrive_expect_tx(slot, TILE_BYTES, predicate=producer)
     row = PagedRowIndices[BLOCK_N, page_size].populate(table, tile * BLOCK_N, seq_len).row(0)
     for c in kiln.static_range(CHUNKS):
-        tma.load(kv_map, boxes.tile(CHUNKS * (1 + stage) + c), (c * CHUNK, row), full, stage,
+        tma.load(kv_map, boxes.tile(CHUNKS * (1 + stage) + c), (c * CHUNK, row), full, slot,
                  predicate=producer)

@@ -37,9 +37,9 @@ from kiln import nvidia_asm, wgmma
 from kiln import tma
 from kiln.shared import dynamic_shared
 
-from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, HEAD_DIM, ROWS,
-                       STAGES, THREADS, TILE_BYTES, V_CHUNKS, page_scores, page_softmax)
-from .paged import PagedRowIndices
+from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, ROWS,
+                       STAGES, THREADS, TILE_BYTES, V_CHUNKS, load_tile, page_scores,
+                       page_softmax)
 
 QK_TURN, A_READY, B_READY, SUM_BARRIER = 1, 2, 3, 4
 GROUP_THREADS = 128
@@ -132,18 +132,6 @@ def _pv(o, probs, v_desc):
 
 
 @kiln.func
-def _load_page(page_size, table, tile, seq_len, kv_map, boxes, stage, full, producer, arm):
-    """TMA page ``tile``'s ``64 x 576`` rows into ring ``stage``'s nine column boxes on
-    ``full`` (a single-slot ring; ``arm``: expect its bytes here, else with Q's)."""
-    if arm:
-        full.arrive_expect_tx(0, TILE_BYTES, predicate=producer)
-    row = PagedRowIndices[BLOCK_N, page_size].populate(table, tile * BLOCK_N, seq_len).row(0)
-    for c in kiln.static_range(CHUNKS):
-        tma.load(kv_map, boxes.tile(stage_box(stage, c)), (c * CHUNK, row), full, 0,
-                 predicate=producer)
-
-
-@kiln.func
 def _zero_v(boxes, stage, valid_keys, tid):
     """Zero V's rows of ring ``stage`` from key ``valid_keys`` on (this group's 128 threads
     share the 16-byte stores; ``0 * NaN`` in ``P V`` would poison a row)."""
@@ -191,16 +179,16 @@ def seesaw_pages(o, m, l, rows, full, empty, table, kv_map, q_map, page_size, ti
             for c in kiln.static_range(CHUNKS):
                 tma.load(q_map, rows.boxes.tile(c), (c * CHUNK, q_row), full[0], 0,
                          predicate=producer)
-            _load_page(page_size, table, tile_begin, seq_len, kv_map, rows.boxes, 0, full[0],
-                       producer, False)
-            _load_page(page_size, table, kiln.minimum(tile_begin + 1, last_tile), seq_len,
-                       kv_map, rows.boxes, 1, full[1], producer, True)
+            load_tile(page_size, table, tile_begin, seq_len, kv_map, rows.boxes, full[0], 0,
+                      producer, False, slot=0)
+            load_tile(page_size, table, kiln.minimum(tile_begin + 1, last_tile), seq_len,
+                      kv_map, rows.boxes, full[1], 1, producer, True, slot=0)
         if (pair > 0) & (warp == 4):  # this pair's pages, once the last pair released them
             for stage in kiln.static_range(STAGES):
                 empty[stage].try_wait(0, (pair + 1) % 2)
-                _load_page(page_size, table,
-                           kiln.minimum(tile_begin + 2 * pair + stage, last_tile), seq_len,
-                           kv_map, rows.boxes, stage, full[stage], producer, True)
+                load_tile(page_size, table,
+                          kiln.minimum(tile_begin + 2 * pair + stage, last_tile), seq_len,
+                          kv_map, rows.boxes, full[stage], stage, producer, True, slot=0)
         full[0].try_wait(0, phase)
         full[1].try_wait(0, phase)
         # Group 0 scores the page of stage pair % 2 ("A"), group 1 the other ("B"): the
