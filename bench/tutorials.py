@@ -108,6 +108,19 @@ K_ATTENTION_CONFIGS = {64: [(128, 64, 8, 3), (128, 128, 8, 3)],
                        128: [(128, 128, 8, 3), (128, 64, 8, 3)]}
 
 
+def attention_inputs(torch, seq: int, d: int, gen):
+    """The attention benches' problem at sequence length ``seq`` and head dim ``d``: ``16k``
+    tokens as ``batch`` sequences of ``2048 / d`` heads, random bf16. Returns ``(batch, heads,
+    (q4, k4, v4) [B, S, H, D], (q, k, v) the same memory as [B * S, H * D], cu_seqlens,
+    scale)``."""
+    heads, batch = 2048 // d, max(16384 // seq, 1)
+    q4, k4, v4 = (torch.randn(batch, seq, heads, d, device="cuda", generator=gen)
+                  .to(torch.bfloat16) for _ in range(3))
+    q, k, v = (t.view(batch * seq, heads * d) for t in (q4, k4, v4))
+    cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * seq
+    return batch, heads, (q4, k4, v4), (q, k, v), cu, d ** -0.5
+
+
 def bench_attention(args, lines) -> list[dict]:
     """Fused attention, bf16 ``[B, S, H, D]`` with ``B * S = 16k`` tokens: Kiln's tutorial
     (the same memory as ``[B * S, H * D]``), Triton's tutorial design and Kiln's prefill."""
@@ -132,15 +145,10 @@ def bench_attention(args, lines) -> list[dict]:
     dims = args.dims or ((128,) if args.quick else (64, 128))
     seqs = (4096, 16384) if args.quick else (4096, 8192, 16384)
     for d in dims:
-        heads = 2048 // d
         k_config = None
         for seq in seqs:
-            batch = max(16384 // seq, 1)
-            q4, k4, v4 = (torch.randn(batch, seq, heads, d, device="cuda", generator=gen)
-                          .to(torch.bfloat16) for _ in range(3))
-            q, k, v = (t.view(batch * seq, heads * d) for t in (q4, k4, v4))
-            cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * seq
-            scale = d ** -0.5
+            batch, heads, (q4, k4, v4), (q, k, v), cu, scale = attention_inputs(torch, seq, d,
+                                                                                gen)
             for causal in (False, True):
                 o, ref = torch.empty_like(q), torch.empty_like(q)
                 flops = 4.0 * batch * heads * seq * seq * d * (0.5 if causal else 1.0)
