@@ -34,12 +34,12 @@ MMA_VARIANTS = ((gemv_mma.WARPS, gemv_mma.UNROLL, gemv_mma.TILES), (8, 2, 2), (8
                 (16, 1, 2), (16, 2, 2), (16, 2, 1))
 
 
-def mma_call(x, w, warps=gemv_mma.WARPS, unroll=gemv_mma.UNROLL, tiles=gemv_mma.TILES):
-    m, k = x.shape
-    n = w.shape[0]
-    kernel = gemv_mma.mma_gemv_kernel("bf16", "bf16", gemv_mma.halves(m), warps, unroll, tiles)
-    bound = runtime.bind(kernel, gemv_mma.grid(n, tiles),
-                         [x, w, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), m, n, k],
+def _bound_call(kernel, grid, x, w, scalars, warps):
+    """A call of ``kernel`` on ``x`` and ``w`` (bound once on ``grid`` with ``scalars`` after the
+    output) writing a fresh ``M x N`` bf16 output, as the library's entry point does."""
+    m, n = x.shape[0], w.shape[0]
+    bound = runtime.bind(kernel, grid,
+                         [x, w, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), *scalars],
                          target="sm_90a", num_warps=warps)
 
     def call():
@@ -47,6 +47,20 @@ def mma_call(x, w, warps=gemv_mma.WARPS, unroll=gemv_mma.UNROLL, tiles=gemv_mma.
         bound(x.data_ptr(), w.data_ptr(), c.data_ptr())
         return c
     return call
+
+
+def mma_call(x, w, warps=gemv_mma.WARPS, unroll=gemv_mma.UNROLL, tiles=gemv_mma.TILES):
+    m, k = x.shape
+    n = w.shape[0]
+    kernel = gemv_mma.mma_gemv_kernel("bf16", "bf16", gemv_mma.halves(m), warps, unroll, tiles)
+    return _bound_call(kernel, gemv_mma.grid(n, tiles), x, w, (m, n, k), warps)
+
+
+def gemv_call(x, w, rows=ROWS, unroll=UNROLL, warps=WARPS):
+    m, k = x.shape
+    n = w.shape[0]
+    return _bound_call(gemv_kernel("bf16", "bf16", m, rows, unroll), grid(n, rows, warps), x, w,
+                       (n, k), warps)
 
 
 def variant_calls(x, w, mma: bool = False) -> dict:
@@ -57,21 +71,6 @@ def variant_calls(x, w, mma: bool = False) -> dict:
         return {f"mma{wp}w{u}u{t}t": mma_call(x, w, wp, u, t) for wp, u, t in MMA_VARIANTS}
     return {f"r{r}u{u}w{wp}": gemv_call(x, w, r, u, wp)
             for r, u, wp in (VARIANTS if m == 1 else VARIANTS[:1])}
-
-
-def gemv_call(x, w, rows=ROWS, unroll=UNROLL, warps=WARPS):
-    m, k = x.shape
-    n = w.shape[0]
-    kernel = gemv_kernel("bf16", "bf16", m, rows, unroll)
-    bound = runtime.bind(kernel, grid(n, rows, warps),
-                         [x, w, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), n, k],
-                         target="sm_90a", num_warps=warps)
-
-    def call():
-        c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        bound(x.data_ptr(), w.data_ptr(), c.data_ptr())
-        return c
-    return call
 
 
 def main() -> None:
