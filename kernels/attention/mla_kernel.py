@@ -42,8 +42,8 @@ from .decode_rows import advance_row_max, split_count
 from .mla_balanced import balanced_pages, balanced_prefetch, check_balanced
 from .mla_lead import PRODUCER_WARP, LeadRows, consume_tile_lead, lead_pages_pipelined, lead_sum
 from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, HEAD_DIM,
-                       HEAD_DIM_V, NUM_WARPS, ROWS, STAGES, THREADS, TILE_BYTES, V_CHUNKS,
-                       WARP_GROUPS, load_tile, page_scores, page_softmax)
+                       HEAD_DIM_V, NUM_WARPS, ROWS, STAGES, THREADS, TILE_BYTES,
+                       WARP_GROUPS, load_tile, page_scores, page_softmax, zero_v)
 from .mla_seesaw import SeesawRows, seesaw_pages, seesaw_sum
 from .mla_transposed import (TransposedRows, consume_tile_transposed, stage_operands,
                              store_transposed, transposed_init, transposed_totals)
@@ -427,23 +427,9 @@ def _zero_rows_past_end(boxes, stage, valid_keys, tid):
     once both groups' ``S`` reads of the tile are done: ``0 * NaN`` in ``P V`` would poison a
     row. A whole 128-byte row is zeroed, so the swizzle does not matter."""
     nvidia_asm.named_barrier(ZERO_BARRIER, THREADS)
-    _zero_v_rows(boxes, stage, valid_keys, tid)
+    zero_v(boxes, lambda c: CHUNKS * (1 + stage) + c, valid_keys, tid, THREADS)
     nvidia_asm.fence_proxy_async()
     nvidia_asm.named_barrier(ZERO_BARRIER, THREADS)
-
-
-@kiln.func
-def _zero_v_rows(boxes, stage, valid_keys, tid):
-    """Zero the 128-byte rows of V's eight boxes of ring ``stage`` from key ``valid_keys``
-    on (the CTA's threads share the 16-byte stores)."""
-    zeros = kiln.vector_constant([0.0] * 8, kiln.bf16)
-    units = V_CHUNKS * BLOCK_N * 8  # 16-byte units of V
-    for step in kiln.static_range(units // THREADS):
-        index = step * THREADS + tid
-        key = index // 8 % BLOCK_N
-        if key >= valid_keys:
-            boxes.store(CHUNKS * (1 + stage) + index // (8 * BLOCK_N), key, index % 8 * 8,
-                        zeros, align=16)
 
 
 @kiln.func
@@ -561,7 +547,7 @@ def _consume_tile_split(o, m, l, descs, boxes, exchange, stage, key0, key_limit,
         local_max.append(kiln.shuffle.butterfly_reduce(row_max, (1, 2), kiln.maximum))
     tile_max = exchange.row_max(local_max, tid, group)  # both groups are done with K here
     if key0 + BLOCK_N > seq_len:
-        _zero_v_rows(boxes, stage, seq_len - key0, tid)
+        zero_v(boxes, lambda c: CHUNKS * (1 + stage) + c, seq_len - key0, tid, THREADS)
     alphas, safes, new_m, new_l = [], [], [], []
     for half in kiln.static_range(2):
         m_next, m_safe, alpha = advance_row_max(m[half], tile_max[half])

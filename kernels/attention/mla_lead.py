@@ -23,8 +23,8 @@ from __future__ import annotations
 import kiln
 from kiln import nvidia_asm, wgmma
 
-from .mla_page import (BLOCK_N, CHUNKS, ROWS, THREADS, TILE_BYTES, V_CHUNKS, page_scores,
-                       page_softmax)
+from .mla_page import (BLOCK_N, CHUNKS, ROWS, THREADS, TILE_BYTES, page_scores, page_softmax,
+                       zero_v)
 
 # The default of mla_decode's lead_group: H200, session 36, batch 2, vs split keys: batch 64
 # H 128 Sq 2 559 vs 476 TFLOP/s, batch 32 H 16 47.3 vs 49.9 us, batch 128 H 16 0.94 vs 0.87
@@ -47,20 +47,6 @@ class LeadRows:
 
 def _local_rows(tid):
     return [(tid % GROUP_THREADS) // 32 * 16 + (tid % 32) // 4 + 8 * half for half in range(2)]
-
-
-@kiln.func
-def _zero_v(boxes, first_box, valid_keys, tid):
-    """Zero V's rows (eight boxes from ``first_box``) from key ``valid_keys`` on, with group
-    0's 128 threads (``0 * NaN`` in ``P V`` would poison a row)."""
-    zeros = kiln.vector_constant([0.0] * 8, kiln.bf16)
-    units = V_CHUNKS * BLOCK_N * 8
-    for step in kiln.static_range(units // GROUP_THREADS):
-        index = step * GROUP_THREADS + tid % GROUP_THREADS
-        key = index // 8 % BLOCK_N
-        if key >= valid_keys:
-            boxes.store(first_box + index // (8 * BLOCK_N), key, index % 8 * 8, zeros,
-                        align=16)
 
 
 @kiln.func
@@ -106,7 +92,8 @@ def _publish(scores, m, l, boxes, rows, stage, key0, key_limit, seq_len, seq_q, 
         m, l, tile, alphas = page_softmax(scores, m, l, key0, tid, key_limit, scale_log2, False)
     else:
         if key0 + BLOCK_N > seq_len:
-            _zero_v(boxes, CHUNKS * (1 + stage), seq_len - key0, tid)
+            zero_v(boxes, CHUNKS * (1 + stage), seq_len - key0, tid % GROUP_THREADS,
+                   GROUP_THREADS)
             nvidia_asm.fence_proxy_async()  # zeroed by threads, read by both groups' WGMMA
         m, l, tile, alphas = page_softmax(scores, m, l, key0, tid, key_limit, scale_log2, True)
     if it > 0:  # group 1 has read the last page's P

@@ -1,7 +1,7 @@
 """The pieces of one MLA decode page that every schedule of the kernel shares
 (:mod:`.mla_kernel`'s split keys, :mod:`.mla_lead`, :mod:`.mla_seesaw`, :mod:`.mla_balanced`):
 the tile sizes, a page's TMA load into the ring, ``S = Q K^T`` of a page and its streaming
-softmax.
+softmax, and the zeroing of V's rows past the sequence.
 
 Example: ``scores = page_scores(descs, units)`` then
 ``m, l, p, alphas = page_softmax(scores, m, l, key0, tid, key_limit, scale_log2, False)``.
@@ -68,3 +68,20 @@ def load_tile(page_size, table, tile, seq_len, kv_map, boxes, full, stage, produ
     for c in kiln.static_range(CHUNKS):
         tma.load(kv_map, boxes.tile(CHUNKS * (1 + stage) + c), (c * CHUNK, row), full, slot,
                  predicate=producer)
+
+
+@kiln.func
+def zero_v(boxes, box, valid_keys, lane, threads):
+    """Zero the 128-byte rows of V's eight column boxes from key ``valid_keys`` on: ``0 * NaN``
+    in ``P V`` would poison a row (a whole row is zeroed, so the swizzle does not matter).
+    ``box``: the box of V's first chunk (chunk ``c`` in ``box + c``), or a function giving
+    chunk ``c``'s box beside each store. ``threads`` threads share the 16-byte stores, ``lane``
+    (``0 .. threads - 1``) this thread's place among them."""
+    zeros = kiln.vector_constant([0.0] * 8, kiln.bf16)
+    units = V_CHUNKS * BLOCK_N * 8  # 16-byte units of V
+    for step in kiln.static_range(units // threads):
+        index = step * threads + lane
+        key = index // 8 % BLOCK_N
+        if key >= valid_keys:
+            boxes.store(box(index // (8 * BLOCK_N)) if callable(box) else
+                        box + index // (8 * BLOCK_N), key, index % 8 * 8, zeros, align=16)

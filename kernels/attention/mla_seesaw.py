@@ -38,8 +38,8 @@ from kiln import tma
 from kiln.shared import dynamic_shared
 
 from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, ROWS,
-                       STAGES, THREADS, TILE_BYTES, V_CHUNKS, load_tile, page_scores,
-                       page_softmax)
+                       STAGES, THREADS, TILE_BYTES, load_tile, page_scores,
+                       page_softmax, zero_v)
 
 QK_TURN, A_READY, B_READY, SUM_BARRIER = 1, 2, 3, 4
 GROUP_THREADS = 128
@@ -132,20 +132,6 @@ def _pv(o, probs, v_desc):
 
 
 @kiln.func
-def _zero_v(boxes, stage, valid_keys, tid):
-    """Zero V's rows of ring ``stage`` from key ``valid_keys`` on (this group's 128 threads
-    share the 16-byte stores; ``0 * NaN`` in ``P V`` would poison a row)."""
-    zeros = kiln.vector_constant([0.0] * 8, kiln.bf16)
-    units = V_CHUNKS * BLOCK_N * 8
-    for step in kiln.static_range(units // GROUP_THREADS):
-        index = step * GROUP_THREADS + tid % GROUP_THREADS
-        key = index // 8 % BLOCK_N
-        if key >= valid_keys:
-            boxes.store(stage_box(stage, index // (8 * BLOCK_N)), key, index % 8 * 8, zeros,
-                        align=16)
-
-
-@kiln.func
 def _page_softmax(scores, m, l, key0, tid, limits, scale_log2, unmasked):
     """:func:`_softmax` of one page, with the key mask only where some key is hidden."""
     if unmasked:
@@ -204,7 +190,8 @@ def seesaw_pages(o, m, l, rows, full, empty, table, kv_map, q_map, page_size, ti
         wgmma.wait_group(0)
         if key0 + BLOCK_N > visible_end:  # the last real page, or the pad page
             valid = kiln.maximum(visible_end - key0, 0)
-            _zero_v(rows.boxes, own_stage, valid, tid)
+            zero_v(rows.boxes, lambda c: stage_box(own_stage, c), valid, tid % GROUP_THREADS,
+                   GROUP_THREADS)
         unmasked = key0 + BLOCK_N <= kiln.minimum(seq_len - seq_q + 1, split_end)
         # Group 1 scores from A's max: it waits for A's publication first.
         m_in, l_in, alphas_a = _start_rows(rows, m, l, tid, group)

@@ -28,9 +28,8 @@ from kiln import nvidia_asm, wgmma
 from kiln.shared import dynamic_shared
 
 from .decode_rows import split_count
-from .mla_lead import _zero_v
 from .mla_page import (BLOCK_N, BOX_BYTES, BOX_UNITS, CHUNK, CHUNKS, GROUP_COLS, HEAD_DIM,
-                       THREADS, TILE_BYTES)
+                       THREADS, TILE_BYTES, zero_v)
 
 # The default of mla_decode's transposed option at most TRANSPOSED_DEFAULT_ROWS packed rows
 # (False, or a mode: True, "ring", "pipelined", "ring-pipelined"), and the early launch and
@@ -108,7 +107,8 @@ def stage_operands(boxes, stage, tid):
         wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=16, stride_bytes=1024),
         wgmma.smem_descriptor(boxes.tile(CHUNKS), leading_bytes=BOX_BYTES, stride_bytes=1024),
         [base + c * BOX_UNITS for c in range(CHUNKS)],
-        lambda valid: _zero_v(boxes, CHUNKS * (1 + stage), valid, tid))
+        lambda valid: zero_v(boxes, CHUNKS * (1 + stage), valid, tid % GROUP_THREADS,
+                             GROUP_THREADS))
 
 
 @kiln.func
