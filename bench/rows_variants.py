@@ -1,4 +1,7 @@
-"""Variants of the softmax and layer-norm tutorials for bench/tutorials_rows.py's A/B.
+"""Variants of the softmax and layer-norm tutorials for bench/tutorials_rows.py's A/B: the
+streamed softmax's copy orders and probes (``softmax_ab``) and the three-stage pipelines
+(``softmax_pipe``, ``layernorm_pipe``). The other variants below were measured slower and
+left out of the A/B; their kernels are in ``git show 430c4ad:bench/rows_variants.py``.
 
 - ``softmax_prefetch`` / ``layernorm_prefetch``: a persistent grid whose blocks hold their row
   in registers and load the next ``DEPTH - 1`` rows into more registers before this one's
@@ -83,281 +86,20 @@ import kiln
 from kiln import f32, i32
 
 
-@kiln.kernel(num_threads="THREADS")
-def softmax_prefetch(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32, grid: i32,
-                     BLOCK: kiln.constexpr, THREADS: kiln.constexpr, ALIGN: kiln.constexpr,
-                     SPLIT: kiln.constexpr = 1, DEPTH: kiln.constexpr = 2):
-    """Register rows over a persistent grid, the next ``DEPTH - 1`` rows' loads in flight
-    while one is reduced; ``SPLIT`` CTAs a row (a cluster), ``BLOCK // SPLIT`` columns each."""
-    part = BLOCK // SPLIT
-    first = kiln.cluster_rank(SPLIT) * part
-    tv = kiln.layout.blocked((1, part), THREADS, vec=4)
-    step = grid // SPLIT
-    start = kiln.block_id(0) // SPLIT
-
-    def tile(t, row, fill=0.0):
-        return kiln.GlobalTile(t, (1, part), (row, first), row_end=m, col_end=n, fill=fill,
-                               align=ALIGN, col_multiple=ALIGN // 4)
-
-    ahead = [kiln.load(tile(x, start + k * step, -float("inf")), tv) for k in range(DEPTH - 1)]
-    for row in kiln.range(start, m, step):
-        ahead.append(kiln.load(tile(x, row + (DEPTH - 1) * step, -float("inf")), tv))
-        t = ahead[0]
-        p = kiln.exp(t - kiln.reduce(t, "max", axis=1, cluster=True))
-        p = p * kiln.rcp(kiln.reduce(p, "sum", axis=1, cluster=True))
-        kiln.copy(p, tile(y, row))
-        ahead = ahead[1:]
+def _row_tiles(t, row, n, chunk, parts, row_end=None):
+    """Row ``row`` of ``t`` (``n`` columns) as ``parts`` tiles of ``1 x chunk``."""
+    return [kiln.GlobalTile(t, (1, chunk), (row, c * chunk), row_end=row_end, col_end=n,
+                            align=16, col_multiple=4) for c in range(parts)]
 
 
-@kiln.kernel(num_threads="THREADS")
-def layernorm_prefetch(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f32],
-                       y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
-                       rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
-                       BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
-                       ALIGN: kiln.constexpr, WBS: kiln.constexpr, SPLIT: kiln.constexpr = 1,
-                       DEPTH: kiln.constexpr = 2):
-    """Register rows over a persistent grid, the next ``DEPTH - 1`` rows loaded before this
-    one's reductions; ``w``/``b`` copied into shared memory once per block (``WBS``) or read
-    per row; ``SPLIT`` CTAs a row (a cluster)."""
-    part = BLOCK // SPLIT
-    rank = kiln.cluster_rank(SPLIT)
-    first = rank * part
-    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
-    step = grid // SPLIT
-    inv_n = 1.0 / kiln.cast(n, f32)
-
-    def tiles(t, row, row_end=None):   # this CTA's part of row ``row`` as CHUNK-column tiles
-        return [kiln.GlobalTile(t, (1, CHUNK), (row, first + c * CHUNK), row_end=row_end,
-                                col_end=n, align=ALIGN, col_multiple=ALIGN // 4)
-                for c in range(part // CHUNK)]
-
-    wb_s = [[kiln.SharedTile((1, CHUNK), f32) for _ in range(part // CHUNK)]
-            for _ in range(2)] if WBS else []
-    for k, t in enumerate((w, b) if WBS == 1 else ()):
-        for c, g in enumerate(tiles(t, 0)):
-            kiln.copy(g, wb_s[k][c])
-    if WBS:
-        kiln.barrier()
-    start = kiln.block_id(0) // SPLIT
-    ahead = [[kiln.load(g, tv) for g in tiles(x, start + k * step, m)] for k in range(DEPTH - 1)]
-    for row in kiln.range(start, m, step):
-        ahead.append([kiln.load(g, tv) for g in tiles(x, row + (DEPTH - 1) * step, m)])
-        xs = ahead[0]
-        mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1, cluster=True) * inv_n
-        xcs = [kiln.where(kiln.tiles.mask(g, tv), t - mean, 0.0)
-               for g, t in zip(tiles(x, row), xs)]
-        rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]), "sum",
-                                      axis=1, cluster=True) * inv_n + eps)
-        for c, xc in enumerate(xcs):
-            if WBS:
-                gamma, beta = kiln.load(wb_s[0][c], tv), kiln.load(wb_s[1][c], tv)
-            else:
-                gamma, beta = (kiln.load(t[c], tv) for t in (tiles(w, 0), tiles(b, 0)))
-            kiln.copy(xc * rstd * gamma + beta, tiles(y, row)[c])
-        if (kiln.thread_id(0) == 0) & (rank == 0):
-            mean_out[row] = mean.item()
-            rstd_out[row] = rstd.item()
-        ahead = ahead[1:]
-
-
-@kiln.kernel(num_threads="THREADS")
-def layernorm_stream_wb(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f32],
-                        y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
-                        rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
-                        BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
-                        ALIGN: kiln.constexpr, AHEAD: kiln.constexpr):
-    """The tutorial's streamed layer norm (rows through a shared tile over a persistent grid)
-    with ``w``/``b`` of tile ``c + AHEAD`` loaded before tile ``c``'s store, the first
-    ``AHEAD`` tiles' before the variance's reduction."""
-    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
-    row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(BLOCK // CHUNK)]
-    inv_n = 1.0 / kiln.cast(n, f32)
-
-    def row_tiles(t, row):
-        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), col_end=n, align=ALIGN,
-                                col_multiple=ALIGN // 4) for c in range(BLOCK // CHUNK)]
-
-    def fetch(row):
-        for c, g in enumerate(row_tiles(x, row)):
-            kiln.copy(g, row_s[c])
-
-    def weights(c):
-        return [kiln.load(t[c], tv) for t in (row_tiles(w, 0), row_tiles(b, 0))] \
-            if c < BLOCK // CHUNK else None
-
-    fetch(kiln.block_id(0))
-    for row in kiln.range(kiln.block_id(0), m, grid):
-        kiln.barrier()
-        xs = [kiln.load(s, tv) for s in row_s]
-        kiln.barrier()
-        if row + grid < m:
-            fetch(row + grid)
-        mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
-        xcs = [kiln.where(kiln.tiles.mask(g, tv), t - mean, 0.0)
-               for g, t in zip(row_tiles(x, row), xs)]
-        wb = [weights(c) for c in range(AHEAD)] if WBS != 3 else []
-        rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]), "sum",
-                                      axis=1) * inv_n + eps)
-        for c, xc in enumerate(xcs):
-            wb.append(weights(c + AHEAD))
-            gamma, beta = wb[c]
-            kiln.copy(xc * rstd * gamma + beta, row_tiles(y, row)[c])
-        if kiln.thread_id(0) == 0:
-            mean_out[row] = mean.item()
-            rstd_out[row] = rstd.item()
-
-
-@kiln.kernel(num_threads="THREADS")
-def layernorm_ring(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], w: kiln.Tensor[f32, 2],
-                   b: kiln.Tensor[f32, 2],
-                   y: kiln.Tensor[f32, 2], mean_out: kiln.Tensor[f32],
-                   rstd_out: kiln.Tensor[f32], m: i32, n: i32, grid: i32, eps: f32,
-                   BLOCK: kiln.constexpr, CHUNK: kiln.constexpr, THREADS: kiln.constexpr,
-                   ALIGN: kiln.constexpr, ONEPASS: kiln.constexpr, WBS: kiln.constexpr = 0,
-                   AHEAD: kiln.constexpr = 1, WBK: kiln.constexpr = 2,
-                   TMA: kiln.constexpr = 0):
-    """The tutorial's streamed layer norm (each shared tile refilled with the next row's once
-    read: ``kiln.load(..., refill=...)``; ``w`` and ``b`` as ``1 x n`` matrices, so that their
-    copies into shared memory go by cp.async / DMA too) with ``w``/``b`` from shared tiles filled once per
-    block (``WBS`` 1) rather than from L2 for every row, or (``WBS`` 2, a probe of what the
-    ``w``/``b`` traffic costs: right only for ``w``/``b`` periodic in ``CHUNK``) ``w``/``b``'s
-    first tile for every tile, or ``ONEPASS``: the sum and the sum of squares in one reduction
-    (one shared stage; ``E[x^2] - mean^2`` loses digits when the mean is large against the
-    spread); ``AHEAD``: ``w``/``b`` of tile ``c + AHEAD`` loaded before tile ``c``'s store
-    (more L2 round trips in flight, more registers); ``WBS`` 3: ``w``/``b`` streamed through a
-    ring of ``WBK`` shared tiles each by ``kiln.copy`` (cp.async: ``WBK - 1`` tiles in flight
-    without registers, one barrier a tile), the next row's first tiles copied during this
-    row's last ones; ``TMA``: the row's tiles copied as softmax_tma's boxes of ``xv`` (``x``
-    viewed as ``(m * n / 256, 256)``, ``n`` a multiple of 256 and of ``CHUNK``)."""
-    parts = BLOCK // CHUNK
-    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
-    bufs = [kiln.dynamic_shared((CHUNK,), f32, align=128) for _ in range(parts)] if TMA else []
-    boxes = [kiln.SharedTile.view(buf, (CHUNK // 256, 256)) for buf in bufs]
-    row_s = [kiln.SharedTile.view(buf, (1, CHUNK)) for buf in bufs] if TMA else \
-        [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
-    wb_s = [[kiln.SharedTile((1, CHUNK), f32) for _ in range(parts if WBS == 1 else WBK)]
-            for _ in range(2)] if WBS in (1, 3) else []
-    inv_n = 1.0 / kiln.cast(n, f32)
-
-    def tiles(t, row, row_end=None):
-        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), row_end=row_end, col_end=n,
-                                align=ALIGN, col_multiple=ALIGN // 4) for c in range(parts)]
-
-    def weights(c):
-        if c >= parts:
-            return None
-        if WBS == 1:
-            return [kiln.load(wb_s[k][c], tv) for k in range(2)]
-        return [kiln.load(tiles(t, 0)[0 if WBS == 2 else c], tv) for t in (w, b)]
-
-    for k, t in enumerate((w, b) if WBS in (1, 3) else ()):
-        for c, part in enumerate(tiles(t, 0)[:len(wb_s[k])]):
-            kiln.copy(part, wb_s[k][c])
-    def refill_wb(c):   # slot c % WBK: w/b tile c + WBK (the next row's past the last tile)
-        for k, t in enumerate((w, b)):
-            kiln.copy(tiles(t, 0)[(c + WBK) % parts], wb_s[k][c % WBK])
-
-    def pieces(row):   # TMA: the row's tiles as boxes of xv
-        return [kiln.GlobalTile(xv, (CHUNK // 256, 256), (row * (n // 256) + c * (CHUNK // 256),
-                                                          0), row_end=xv.shape[0],
-                                col_end=xv.shape[1], align=16) for c in range(parts)]
-
-    for s, first in zip(boxes or row_s, pieces(kiln.block_id(0)) if TMA
-                        else tiles(x, kiln.block_id(0))):
-        kiln.copy(first, s)
-    for i in kiln.range(0, (m - kiln.block_id(0) + grid - 1) // grid):   # step 1: counted
-        row = kiln.block_id(0) + i * grid
-        if TMA:
-            ahead = pieces(row + grid)
-            xs = []
-            for c in range(parts):
-                kiln.barrier()
-                if c:
-                    kiln.copy(ahead[c - 1], boxes[c - 1])
-                xs.append(kiln.load(row_s[c], tv))
-            kiln.barrier()
-            kiln.copy(ahead[parts - 1], boxes[parts - 1])
-        else:
-            xs = kiln.load(tiles(x, row), tv, via=row_s, refill=tiles(x, row + grid, m))
-        wb = [weights(c) for c in range(AHEAD)] if WBS != 3 else []
-        if ONEPASS:
-            s1, s2 = kiln.reduce((sum(xs[1:], xs[0]), sum((t * t for t in xs[1:]), xs[0] * xs[0])),
-                                 "sum", axis=1)
-            mean = s1 * inv_n
-            rstd = kiln.rsqrt(s2 * inv_n - mean * mean + eps)
-            xcs = [t - mean for t in xs]
-        else:
-            mean = kiln.reduce(sum(xs[1:], xs[0]), "sum", axis=1) * inv_n
-            xcs = [kiln.where(kiln.tiles.mask(g, tv), t - mean, 0.0)
-                   for g, t in zip(tiles(x, row, m), xs)]
-            rstd = kiln.rsqrt(kiln.reduce(sum((t * t for t in xcs[1:]), xcs[0] * xcs[0]),
-                                          "sum", axis=1) * inv_n + eps)
-        for c, xc in enumerate(xcs):
-            if WBS == 3:   # the ring: tile c landed, tile c - 1's slot takes tile c - 1 + WBK
-                kiln.barrier()
-                if c:
-                    refill_wb(c - 1)
-                gamma, beta = (kiln.load(wb_s[k][c % WBK], tv) for k in range(2))
-            else:
-                wb.append(weights(c + AHEAD))
-                gamma, beta = wb[c]
-            kiln.copy(xc * rstd * gamma + beta, tiles(y, row)[c])
-        if WBS == 3:
-            kiln.barrier()
-            refill_wb(parts - 1)
-        if kiln.thread_id(0) == 0:
-            mean_out[row] = mean.item()
-            rstd_out[row] = rstd.item()
-
-
-@kiln.kernel(num_threads="THREADS")
-def softmax_tma(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2],
-                m: i32, n: i32, grid: i32, BLOCK: kiln.constexpr, CHUNK: kiln.constexpr,
-                THREADS: kiln.constexpr):
-    """The streamed softmax with the row as CHUNK-column shared tiles, each refilled with the
-    next row's once every thread has read it, each piece copied by one TMA box: ``xv`` is
-    ``x`` viewed as ``(m * n / 256, 256)`` (``n % 256 == 0``), so a piece is a
-    ``(CHUNK / 256, 256)`` box of it (one instruction of one thread, no registers, no L1
-    request slots), read back as a ``1 x CHUNK`` row (a second view of the same buffer)."""
-    parts = BLOCK // CHUNK
-    high = CHUNK // 256
-    tv = kiln.layout.blocked((1, CHUNK), THREADS, vec=4)
-    bufs = [kiln.dynamic_shared((CHUNK,), f32, align=128) for _ in range(parts)]
-    boxes = [kiln.SharedTile.view(buf, (high, 256)) for buf in bufs]
-    rows = [kiln.SharedTile.view(buf, (1, CHUNK)) for buf in bufs]
-    per_row = n // 256
-
-    def pieces(row):
-        return [kiln.GlobalTile(xv, (high, 256), (row * per_row + c * high, 0),
-                                row_end=xv.shape[0], col_end=xv.shape[1], align=16)
-                for c in range(parts)]
-
-    def tiles(t, row):
-        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), row_end=m, col_end=n,
-                                align=16, col_multiple=4) for c in range(parts)]
-
-    for c, first in enumerate(pieces(kiln.block_id(0))):
-        kiln.copy(first, boxes[c])
-    for i in kiln.range(0, (m - kiln.block_id(0) + grid - 1) // grid):   # step 1: counted
-        row = kiln.block_id(0) + i * grid
-        here, ahead = tiles(x, row), pieces(row + grid)
-        ts = []
-        for c in range(parts):
-            kiln.barrier()
-            if c:
-                kiln.copy(ahead[c - 1], boxes[c - 1])
-            ts.append(kiln.where(kiln.tiles.mask(here[c], tv), kiln.load(rows[c], tv),
-                                 -float("inf")))
-        kiln.barrier()
-        kiln.copy(ahead[parts - 1], boxes[parts - 1])
-        top = ts[0]
-        for t in ts[1:]:
-            top = kiln.maximum(top, t)
-        mx = kiln.reduce(top, "max", axis=1)
-        ps = [kiln.exp(t - mx) for t in ts]
-        inv = kiln.rcp(kiln.reduce(sum(ps[1:], ps[0]), "sum", axis=1))
-        for p, g in zip(ps, tiles(y, row)):
-            kiln.copy(p * inv, g)
+def _softmax_row(ts):
+    """``exp(t - max)`` of a row's tiles ``ts`` and the reciprocal of their sum."""
+    top = ts[0]
+    for t in ts[1:]:
+        top = kiln.maximum(top, t)
+    mx = kiln.reduce(top, "max", axis=1)
+    ps = [kiln.exp(t - mx) for t in ts]
+    return ps, kiln.rcp(kiln.reduce(sum(ps[1:], ps[0]), "sum", axis=1))
 
 
 @kiln.kernel(num_threads="THREADS")
@@ -382,13 +124,11 @@ def softmax_ab(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[f
     stage_box = kiln.SharedTile.view(stage, (CHUNK // 256, 256)) if TSTORE else None
 
     def tiles(t, row):
-        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), col_end=n, align=16,
-                                col_multiple=4) for c in range(parts)]
+        return _row_tiles(t, row, n, CHUNK, parts)
 
     def fetch(row, c):
         if PROBE not in (1, 3):
             kiln.copy(tiles(x, row)[c], row_s[c])
-
 
     def put(p, row, c):
         if TSTORE:
@@ -415,12 +155,7 @@ def softmax_ab(x: kiln.Tensor[f32, 2], xv: kiln.Tensor[f32, 2], y: kiln.Tensor[f
                     fetch(row + grid, c)
         ps, inv = ts, None
         if PROBE != 4:
-            top = ts[0]
-            for t in ts[1:]:
-                top = kiln.maximum(top, t)
-            mx = kiln.reduce(top, "max", axis=1)
-            ps = [kiln.exp(t - mx) for t in ts]
-            inv = kiln.rcp(kiln.reduce(sum(ps[1:], ps[0]), "sum", axis=1))
+            ps, inv = _softmax_row(ts)
         for c, p in enumerate(ps):
             if PROBE in (2, 3):
                 if n < 0:
@@ -451,8 +186,7 @@ def softmax_pipe(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32,
     row_s = [kiln.SharedTile((1, CHUNK), f32) for _ in range(parts)]
 
     def tiles(t, row, row_end=None):
-        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), row_end=row_end, col_end=n,
-                                align=16, col_multiple=4) for c in range(parts)]
+        return _row_tiles(t, row, n, CHUNK, parts, row_end)
 
     def back(g, t):   # -inf past the row's end (the copy wrote zeros there)
         return kiln.where(kiln.tiles.mask(g, tv), t, -float("inf"))
@@ -463,12 +197,7 @@ def softmax_pipe(x: kiln.Tensor[f32, 2], y: kiln.Tensor[f32, 2], m: i32, n: i32,
     xs = [back(g, t) for g, t in zip(tiles(x, start), kiln.load(
         tiles(x, start), tv, via=row_s, refill=tiles(x, start + grid, m)))]
     for row in kiln.range(start, m, grid):
-        top = xs[0]
-        for t in xs[1:]:
-            top = kiln.maximum(top, t)
-        mx = kiln.reduce(top, "max", axis=1)
-        ps = [kiln.exp(t - mx) for t in xs]
-        inv = kiln.rcp(kiln.reduce(sum(ps[1:], ps[0]), "sum", axis=1))
+        ps, inv = _softmax_row(xs)
         here, after = tiles(x, row + grid, m), tiles(x, row + 2 * grid, m)
         nxt = []
         for c in range(parts):
@@ -498,8 +227,7 @@ def layernorm_pipe(x: kiln.Tensor[f32, 2], w: kiln.Tensor[f32], b: kiln.Tensor[f
     inv_n = 1.0 / kiln.cast(n, f32)
 
     def tiles(t, row, row_end=None):
-        return [kiln.GlobalTile(t, (1, CHUNK), (row, c * CHUNK), row_end=row_end, col_end=n,
-                                align=16, col_multiple=4) for c in range(parts)]
+        return _row_tiles(t, row, n, CHUNK, parts, row_end)
 
     def weights(c):
         return [kiln.load(tiles(t, 0)[c], tv) for t in (w, b)] if c < parts else None

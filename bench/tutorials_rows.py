@@ -2,12 +2,7 @@
 the tutorials as shipped (``config``); the tutorials' kernels at other launches (``stream tT
 [cC] xK rR``: rows streamed through shared memory over a persistent grid of K blocks of T
 threads an SM (layer norm: tiles of C columns), registers capped at R; ``direct tT rR``: a
-block a row); the variants of
-bench/rows_variants.py (``prefetch tT xK sS dD``: register rows over a persistent grid, S CTAs
-a row, D - 1 rows' loads in flight; layer norm ``ring ... 1pass`` / ``wbs1`` / ``wbs2``: the
-streamed kernel with one-pass statistics / ``w`` and ``b`` in shared memory / their first
-4096 columns only (a probe of what reading them from L2 for every row costs); ``stream_wb tT aA``: the
-streamed layer norm with ``w``/``b`` loaded A tiles ahead; softmax ``ab iI [tstore]``: the
+block a row); the variants of bench/rows_variants.py (softmax ``ab iI [tstore]``: the
 streamed softmax in 4096-column tiles with the next row's copies issued at I, ``probe ab ...
 pP``: its probes, timed unchecked; ``pipe tT cC xK [a0]``: the three-stage pipeline); the
 tutorials of other folders
@@ -40,21 +35,12 @@ from timing import queued_ms, time_ms  # noqa: E402
 from tutorials import fused_softmax, layernorm  # noqa: E402
 import rows_variants  # noqa: E402
 
-# (threads, blocks per SM, CTAs a row, rows in flight + 1) of the register-prefetch softmax
-SOFTMAX_PREFETCH: dict[int, list] = {}
 # (threads, blocks per SM, register cap or 0) of the softmax tutorial's streamed kernel
 SOFTMAX_STREAM: dict[int, list] = {}
 # (threads, register cap) of the softmax tutorial's one-shot kernel, a block a row
 SOFTMAX_DIRECT: dict[int, list] = {}
 # (threads, register cap) of the layer-norm tutorial's one-shot kernel, a block a row
 LAYERNORM_DIRECT = {16384: [(512, 64)], 8192: [(512, 40), (256, 80)]}
-# (threads, blocks per SM, CTAs a row, rows in flight + 1) of the register-prefetch layer norm
-# (w/b in shared)
-LAYERNORM_PREFETCH: dict[int, list] = {}
-# (threads, tiles ahead) of the streamed layer norm with w/b loaded ahead
-LAYERNORM_STREAM_WB: dict[int, list] = {}
-# (threads, chunk columns, blocks per SM, register cap or 0) of rows_variants.softmax_tma
-SOFTMAX_TMA: dict[int, list] = {}
 # (ISSUE, PROBE, TSTORE) of rows_variants.softmax_ab (512 threads, 4096-column tiles, one block
 # an SM); a PROBE's output is not the softmax: it is timed unchecked, named "probe ..."
 SOFTMAX_AB = {32768: [(0, 0, 0), (2, 0, 0), (0, 0, 1), (0, 1, 0), (0, 2, 0), (0, 3, 0),
@@ -69,10 +55,6 @@ LAYERNORM_PIPE = {32768: [(512, 4096, 1, 1), (512, 4096, 1, 0)],
 # (threads, chunk columns, blocks per SM, register cap or 0) of the layer-norm tutorial's
 # streamed kernel
 LAYERNORM_STREAM: dict[int, list] = {}
-# (threads, chunk columns, one-pass statistics, blocks per SM, register cap or 0, w/b in
-# shared (1), only their first tile (2, a probe) or through a ring of shared tiles (3), w/b
-# tiles loaded ahead, ring slots, x by TMA boxes) of rows_variants.layernorm_ring
-LAYERNORM_RING: dict[int, list] = {}
 
 
 def _load(path: Path):
@@ -100,7 +82,6 @@ def main() -> None:
                   for folder in args.candidate}
     keep = set(args.only.split(",")) if args.only else None
     import torch
-    from kiln.runtime.cuda import driver
     from tutorials_triton import layernorm_kernel as t_layernorm, softmax_kernel as t_softmax
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -154,28 +135,8 @@ def main() -> None:
         block = max(512, 1 << (n - 1).bit_length())
         chunk = min(block, 4096)
 
-        def grid_of(per_sm, split=1):
-            return min(m, sms * per_sm // split) * split
-
-        def launcher(kernel, per_sm, split, make_args, consts):
-            """``kernel`` over a persistent grid: ``per_sm`` blocks an SM, or for clusters
-            (``split`` > 1) as many as are resident at once (GPCs with an odd number of SMs
-            leave some idle; a larger grid would run its last clusters in a second wave)."""
-            grid = []
-
-            def launch():
-                if not grid and split > 1:   # first call: inside measure's error handling
-                    sig = (ck := kernel.compile(*make_args(1), **consts)).signature
-                    clusters = driver().max_active_clusters(
-                        ck.asm["cubin"], sig.name, sig.block, sig.cluster,
-                        sig.dynamic_shared_bytes)
-                    grid.append(min(m, clusters) * split)
-                    print(f"  {kernel.name} split {split}: {clusters} clusters resident",
-                          flush=True)
-                elif not grid:
-                    grid.append(grid_of(per_sm))
-                kernel[(grid[0],)](*make_args(grid[0]), **consts)
-            return launch
+        def grid_of(per_sm):
+            return min(m, sms * per_sm)
 
         variants = {"config": lambda: fused_softmax.softmax(x, y)}
         for label, c in candidates.items():
@@ -190,16 +151,6 @@ def main() -> None:
             variants[f"direct t{t} r{cap}"] = lambda t=t, cap=cap: \
                 fused_softmax.softmax_kernel[(m,)](x, y, m, n, m, BLOCK=block, THREADS=t,
                                                    ALIGN=16, STREAM=False, maxnreg=cap)
-        for t, per_sm, s, d in SOFTMAX_PREFETCH.get(n, []):
-            variants[f"prefetch t{t} x{per_sm} s{s} d{d}"] = launcher(
-                rows_variants.softmax_prefetch, per_sm, s, lambda g: (x, y, m, n, g),
-                dict(BLOCK=block, THREADS=t, ALIGN=16, SPLIT=s, DEPTH=d))
-        for t, chunk_, per_sm, cap in SOFTMAX_TMA.get(n, []):
-            variants[f"tma t{t} c{chunk_} x{per_sm}" + (f" r{cap}" if cap else "")] = (
-                lambda g=grid_of(per_sm), t=t, c=chunk_, cap=cap:
-                rows_variants.softmax_tma[(g,)](x, x.view(-1, 256), y, m, n, g, BLOCK=block,
-                                                CHUNK=c, THREADS=t,
-                                                **({"maxnreg": cap} if cap else {})))
         for issue, probe, tstore in SOFTMAX_AB.get(n, []):
             variants[("probe " if probe else "") + f"ab i{issue}" + (f" p{probe}" if probe else "")
                      + (" tstore" if tstore else "")] = (
@@ -236,28 +187,6 @@ def main() -> None:
                                                  BLOCK=block, CHUNK=c, THREADS=t,
                                                  ALIGN=16, STREAM=True,
                                                  **({"maxnreg": cap} if cap else {})))
-        for t, per_sm, s, d in LAYERNORM_PREFETCH.get(n, []):
-            variants[f"prefetch t{t} x{per_sm} s{s} d{d} wbs"] = launcher(
-                rows_variants.layernorm_prefetch, per_sm, s,
-                lambda g: (x, w, b, y, mean, rstd, m, n, g, 1e-5),
-                dict(BLOCK=block, CHUNK=min(block // s, 4096), THREADS=t, ALIGN=16, WBS=1,
-                     SPLIT=s, DEPTH=d))
-        for t, ahead in LAYERNORM_STREAM_WB.get(n, []):
-            variants[f"stream_wb t{t} a{ahead}"] = (
-                lambda g=grid_of(1), t=t, a=ahead: rows_variants.layernorm_stream_wb[(g,)](
-                    x, w, b, y, mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=chunk,
-                    THREADS=t, ALIGN=16, AHEAD=a))
-        for t, chunk_, one, per_sm, cap, wbs, ahead, k, tma in LAYERNORM_RING.get(n, []):
-            variants[f"ring t{t} c{chunk_} x{per_sm}" + (" 1pass" if one else "")
-                     + (f" r{cap}" if cap else "") + (f" wbs{wbs}" if wbs else "")
-                     + (f" a{ahead}" if ahead > 1 else "") + (f" k{k}" if k else "")
-                     + (" tma" if tma else "")] = (
-                lambda g=grid_of(per_sm), t=t, c=chunk_, one=one, cap=cap, wbs=wbs, a=ahead,
-                k=k, tma=tma: rows_variants.layernorm_ring[(g,)](
-                    x, x.view(-1, 256) if tma else x, w.view(1, n), b.view(1, n), y,
-                    mean, rstd, m, n, g, 1e-5, BLOCK=block, CHUNK=c, THREADS=t, ALIGN=16,
-                    ONEPASS=one, WBS=wbs, AHEAD=a, WBK=k or 2, TMA=tma,
-                    **({"maxnreg": cap} if cap else {})))
         for t, chunk_, per_sm, ahead in LAYERNORM_PIPE.get(n, []):
             variants[f"pipe t{t} c{chunk_} x{per_sm}" + ("" if ahead else " a0")] = (
                 lambda g=grid_of(per_sm), t=t, c=chunk_, a=ahead:
