@@ -115,7 +115,8 @@ def trace_kernel(fn: Callable, name: str, specs: tuple[ArgSpec, ...], target_nam
     parameter, constexprs included) for ``target_name`` with ``num_warps`` warps per block.
 
     Raises the user's errors as traced (KilnError subclasses at their lines) and
-    CompilationError where MLIR rejects an op or the module fails verification."""
+    CompilationError where MLIR rejects an op or the module fails verification. Example:
+    ``trace_kernel(saxpy.fn, "saxpy", saxpy.specialize(args, {"BLOCK": 256}), "sm_90a", 8)``."""
     with _TRACE_LOCK:
         return _trace_locked(fn, name, specs, target_name, num_warps)
 

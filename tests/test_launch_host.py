@@ -367,6 +367,47 @@ def test_stream_none_is_the_current_stream_of_the_arguments_library(monkeypatch)
     assert launch_mod.current_stream(np.zeros(2)) is None
 
 
+def test_a_torch_without_a_usable_gpu_has_no_stream_to_follow(monkeypatch):
+    """A CPU-only torch, or one with no driver, raises from its CUDA getters: the launch and
+    its bound and generated launchers take the legacy default stream instead of asking."""
+    import sys
+    from types import SimpleNamespace
+
+    from kiln.runtime import streams
+
+    def no_driver(*args):
+        raise RuntimeError("Found no NVIDIA driver on your system")
+
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(
+        cuda=SimpleNamespace(is_available=lambda: False, current_stream=no_driver),
+        _C=SimpleNamespace(_cuda_getDevice=no_driver, _cuda_getCurrentRawStream=no_driver)))
+
+    class TorchTensor:   # a new type: its stream getter is made with this torch
+        __module__ = "torch"
+        is_cuda, shape, dtype = True, (8,), np.dtype(np.float32)
+
+        def data_ptr(self):
+            return 0x1000
+
+        def dim(self):
+            return 1
+
+        def stride(self):
+            return (1,)
+
+        def get_device(self):
+            return 0
+
+    calls = []
+    plan, _ = _plan(SAXPY, lambda flat, grid, stream: calls.append(stream))
+    x = TorchTensor()
+    plan((1,), [x, x, 8, 1.0], None)
+    plan((1,), [x, x, 8, 1.0], 0x9000)   # an explicit stream still wins
+    assert calls == [None, 0x9000]
+    assert streams.current_stream(x) is None
+    assert streams.bound_stream_source([x, 8])() is None
+
+
 def test_tensor_map_cache_evicts_the_least_recently_used_and_frees_on_collection():
     import gc
 
