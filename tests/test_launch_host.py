@@ -324,18 +324,9 @@ def test_jit_launcher_calls_the_runtime_with_flat_arguments():
     assert second[1] == (1, 1, 1) and second[4] is None and second[5][0] == 0xB000
 
 
-def test_stream_none_is_the_current_stream_of_the_arguments_library(monkeypatch):
-    """torch: torch.cuda.current_stream(); cupy: its current stream; otherwise the default."""
-    import sys
-    from types import SimpleNamespace
-
-    torch_stream, cupy_stream = [0], [0]
-    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(
-        cuda=SimpleNamespace(is_available=lambda: True), _C=SimpleNamespace(
-            _cuda_getDevice=lambda: 0, _cuda_getCurrentRawStream=lambda device: torch_stream[0])))
-    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(cuda=SimpleNamespace(
-        get_current_stream=lambda: SimpleNamespace(ptr=cupy_stream[0]))))
-
+def _torch_tensor_type():
+    """A new stand-in type for a CUDA torch tensor of 8 float32 at 0x1000: a new type, so that
+    its stream getter is made with the ``torch`` module a test installed."""
     class TorchTensor:
         __module__ = "torch"
         is_cuda, shape, dtype = True, (8,), np.dtype(np.float32)
@@ -348,6 +339,26 @@ def test_stream_none_is_the_current_stream_of_the_arguments_library(monkeypatch)
 
         def stride(self):
             return (1,)
+
+        def get_device(self):
+            return 0
+
+    return TorchTensor
+
+
+def test_stream_none_is_the_current_stream_of_the_arguments_library(monkeypatch):
+    """torch: torch.cuda.current_stream(); cupy: its current stream; otherwise the default."""
+    import sys
+    from types import SimpleNamespace
+
+    torch_stream, cupy_stream = [0], [0]
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(
+        cuda=SimpleNamespace(is_available=lambda: True), _C=SimpleNamespace(
+            _cuda_getDevice=lambda: 0, _cuda_getCurrentRawStream=lambda device: torch_stream[0])))
+    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(cuda=SimpleNamespace(
+        get_current_stream=lambda: SimpleNamespace(ptr=cupy_stream[0]))))
+
+    TorchTensor = _torch_tensor_type()
 
     class CupyArray(DeviceArray):
         __module__ = "cupy"
@@ -382,21 +393,7 @@ def test_a_torch_without_a_usable_gpu_has_no_stream_to_follow(monkeypatch):
         cuda=SimpleNamespace(is_available=lambda: False, current_stream=no_driver),
         _C=SimpleNamespace(_cuda_getDevice=no_driver, _cuda_getCurrentRawStream=no_driver)))
 
-    class TorchTensor:   # a new type: its stream getter is made with this torch
-        __module__ = "torch"
-        is_cuda, shape, dtype = True, (8,), np.dtype(np.float32)
-
-        def data_ptr(self):
-            return 0x1000
-
-        def dim(self):
-            return 1
-
-        def stride(self):
-            return (1,)
-
-        def get_device(self):
-            return 0
+    TorchTensor = _torch_tensor_type()
 
     calls = []
     plan, _ = _plan(SAXPY, lambda flat, grid, stream: calls.append(stream))
