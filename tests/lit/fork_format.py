@@ -10,6 +10,7 @@ its output goes to FileCheck. Any other RUN line, ``--timeout``, or ``--param fo
 the test through lit's shell exactly as :class:`lit.formats.ShTest` does.
 """
 
+import gc
 import os
 import re
 import runpy
@@ -122,6 +123,7 @@ def _fork_and_run(kind, args, env, cwd, out_path, err_path):
     """Run one command in a fork; its exit status, or minus the signal that ended it."""
     sys.stdout.flush()
     sys.stderr.flush()
+    gc.freeze()  # the child's collections skip the objects it inherits (and leave them shared)
     pid = os.fork()
     if pid == 0:
         code = 1
