@@ -103,5 +103,10 @@ for _old, _module in (("tma", tma), ("mbarrier", mbarrier), ("cp_async", cp_asyn
 del _sys, _old, _module
 
 if _gc_was_enabled:
+    if not _gc.get_freeze_count():  # (never thaw what the program froze on purpose)
+        # Moves every object to the oldest generation without walking them; a full collection
+        # still examines them. Else the next allocation walks all ~60k young objects.
+        _gc.freeze()
+        _gc.unfreeze()
     _gc.enable()
 del _gc, _gc_was_enabled
