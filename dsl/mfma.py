@@ -124,7 +124,8 @@ def _atom(m: int, n: int, k: int, a: DType, b: DType, feature: str) -> MfmaAtom:
     return MfmaAtom(spec)
 
 
-def _all_atoms() -> list[MfmaAtom]:
+@functools.cache  # kiln.mfma.ATOMS and the registry hold the same atoms
+def _all_atoms() -> tuple[MfmaAtom, ...]:
     atoms = []
     for dt in (bf16, f16):
         for shape in GFX950_HALF_SHAPES:
@@ -133,12 +134,17 @@ def _all_atoms() -> list[MfmaAtom]:
     for a in FP8_DTYPES:
         for b in FP8_DTYPES:
             atoms.extend(_atom(*shape, a, b, "gfx950") for shape in GFX950_FP8_SHAPES)
-    return atoms
+    return tuple(atoms)
 
 
-ATOMS: tuple[MfmaAtom, ...] = tuple(_all_atoms())
-for _registered in ATOMS:
-    mma.register_atom(_registered)
+mma.register_atoms(_all_atoms)
+
+
+def __getattr__(name: str) -> Any:
+    """``kiln.mfma.ATOMS``: every MFMA atom (a tuple), built on first use like the registry's."""
+    if name == "ATOMS":
+        return _all_atoms()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 ROWS_PER_GROUP = 4  # accumulator values 4q..4q+3 are 4 consecutive rows of one column

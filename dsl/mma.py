@@ -10,7 +10,8 @@ instruction and returns the new C fragment::
     atom = kiln.mma.atom(16, 8, 16, kiln.bf16)            # mma.sync on sm_80+
     c = atom(a_frag, b_frag, c_frag)                       # vector<8xbf16>, <4xbf16>, <4xf32>
 
-Families register their atoms here (:func:`register_atom`): this module registers NVIDIA
+Families register their atoms here (:func:`register_atoms`, built on the first lookup, or
+:func:`register_atom`): this module registers NVIDIA
 ``mma.sync`` and WGMMA; :mod:`kiln.mfma` registers AMD MFMA. :func:`atom` finds the one a chip
 has and raises :class:`~kiln.UnsupportedError` naming what the chip supports otherwise.
 :class:`TiledMma` spreads an atom over the warps and repeats of a block tile.
@@ -19,7 +20,7 @@ has and raises :class:`~kiln.UnsupportedError` naming what the chip supports oth
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from mlir import ir
 from mlir.dialects import llvm, nvvm, vector
@@ -130,15 +131,42 @@ class MmaAtom:
 
 
 _REGISTRY: dict[str, MmaAtom] = {}
+# Families' atom builders not run yet: each atom validates its fragment layouts, ~50 ms of
+# `import kiln` for the built-in ones, so they are built on the first lookup instead.
+_PENDING: list[Callable[[], Iterable[MmaAtom]]] = []
+
+
+def _checked(atom: MmaAtom) -> MmaAtom:
+    if not isinstance(atom, MmaAtom) or not isinstance(getattr(atom, "spec", None), MmaAtomSpec):
+        raise KilnTypeError(f"register_atom needs an MmaAtom with an MmaAtomSpec, got {atom!r}",
+                            fix="subclass kiln.mma.MmaAtom and pass an instance")
+    return atom
+
+
+def _registry() -> dict[str, MmaAtom]:
+    """Every registered atom by name, after running the pending builders in registration order."""
+    while _PENDING:
+        for built in _PENDING.pop(0)():
+            _REGISTRY[built.spec.name] = _checked(built)
+    return _REGISTRY
 
 
 def register_atom(atom: MmaAtom) -> None:
     """Make ``atom`` findable by :func:`atom`/:func:`atoms_for`. Registering the same name again
     replaces the entry (module reloads); names are unique across families."""
-    if not isinstance(atom, MmaAtom) or not isinstance(getattr(atom, "spec", None), MmaAtomSpec):
-        raise KilnTypeError(f"register_atom needs an MmaAtom with an MmaAtomSpec, got {atom!r}",
-                            fix="subclass kiln.mma.MmaAtom and pass an instance")
-    _REGISTRY[atom.spec.name] = atom
+    _registry()[_checked(atom).spec.name] = atom
+
+
+def register_atoms(build: Callable[[], Iterable[MmaAtom]]) -> None:
+    """Register the atoms ``build()`` returns, building them on the first lookup
+    (:func:`atom`, :func:`atoms_for`, :func:`atom_named`), so importing a family stays cheap.
+
+    Example: ``kiln.mma.register_atoms(lambda: [MyAtom(spec) for spec in my_specs()])``.
+    """
+    if not callable(build):
+        raise KilnTypeError(f"register_atoms needs a function returning MmaAtoms, got {build!r}",
+                            fix="pass the builder itself, e.g. register_atoms(build_atoms)")
+    _PENDING.append(build)
 
 
 def _resolve_target(target):
@@ -149,7 +177,7 @@ def _resolve_target(target):
 def atoms_for(target=None) -> list[MmaAtom]:
     """The registered atoms that ``target`` (a name or Target; default: the kernel's) has."""
     chip = _resolve_target(target)
-    return [a for a in _REGISTRY.values() if chip.has(a.spec.feature)]
+    return [a for a in _registry().values() if chip.has(a.spec.feature)]
 
 
 def _summary(atoms: list[MmaAtom]) -> str:
@@ -197,7 +225,7 @@ def atom(m: int, n: int, k: int, a_dtype, *, b_dtype=None, acc_dtype=f32,
         if (s.m, s.n, s.k, s.a_dtype, s.b_dtype, s.acc_dtype) == key:
             return candidate
     wanted = f"{m}x{n}x{k} {a_dt if a_dt is b_dt else f'{a_dt}*{b_dt}'}->{acc_dt}"
-    elsewhere = sorted({c for a in _REGISTRY.values() for c in a.spec.chips
+    elsewhere = sorted({c for a in _registry().values() for c in a.spec.chips
                         if (a.spec.m, a.spec.n, a.spec.k, a.spec.a_dtype, a.spec.b_dtype,
                             a.spec.acc_dtype) == key})
     where = f" (available on {', '.join(elsewhere)})" if elsewhere else ""
@@ -282,18 +310,24 @@ def _wgmma_spec(dt: DType, n: int) -> MmaAtomSpec:
 def atom_named(name: str) -> MmaAtom:
     """The registered atom called ``name`` (its ``spec.name``), for atoms :func:`atom` does not
     pick by shape. Example: ``kiln.mma.atom_named("mma_sync_m16n8k16_bf16")``."""
-    if name not in _REGISTRY:
+    registry = _registry()
+    if name not in registry:
         family = name.split("_m")[0]
-        close = [n for n in _REGISTRY if n.split("_m")[0] == family][:4] or list(_REGISTRY)[:4]
+        close = [n for n in registry if n.split("_m")[0] == family][:4] or list(registry)[:4]
         raise UnsupportedError(f"no MMA atom named {name!r}",
                                fix=f"use a registered name, e.g. {', '.join(close)}")
-    return _REGISTRY[name]
+    return registry[name]
 
 
-for _dt in (bf16, f16):
-    register_atom(MmaSyncAtom(_mma_sync_spec(_dt)))
-    for _n in range(8, wgmma.MAX_N + 1, 8):
-        register_atom(WgmmaAtom(_wgmma_spec(_dt, _n)))
+def _nvidia_atoms() -> list[MmaAtom]:
+    atoms: list[MmaAtom] = []
+    for dt in (bf16, f16):
+        atoms.append(MmaSyncAtom(_mma_sync_spec(dt)))
+        atoms.extend(WgmmaAtom(_wgmma_spec(dt, n)) for n in range(8, wgmma.MAX_N + 1, 8))
+    return atoms
+
+
+register_atoms(_nvidia_atoms)
 
 
 # ----------------------------------------------------------------------------- TiledMma

@@ -3,6 +3,7 @@ example (compile-only here; the gpu test runs it against numpy)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -58,6 +59,33 @@ def test_atom_lookup_and_errors():
     assert "16x8x16 bf16->f32" in str(err.value)
     with pytest.raises(kiln.UnsupportedError, match=r"64x\{8\.\.256 step 8\}x16 bf16->f32"):
         mma.atom(16, 8, 8, kiln.bf16, target="sm_90a")
+
+
+def test_registered_builders_run_once_on_the_first_lookup(monkeypatch):
+    """register_atoms defers a family's atoms to the first lookup, keeping registration order
+    (a later register_atom of the same name still replaces the built one)."""
+    monkeypatch.setattr(mma, "_REGISTRY", dict(mma._registry()))
+    monkeypatch.setattr(mma, "_PENDING", [])
+    calls = []
+    spec = mma.atom_named("mma_sync_m16n8k16_bf16").spec
+
+    def build():
+        calls.append(1)
+        return [mma.MmaSyncAtom(dataclasses.replace(spec, name="lazy_m16n8k16"))]
+
+    mma.register_atoms(build)
+    assert calls == [] and "lazy_m16n8k16" not in mma._REGISTRY
+    assert mma.atom_named("lazy_m16n8k16").spec.m == 16 and calls == [1]
+    mma.atoms_for("sm_80")
+    assert calls == [1]
+    replacement = mma.MmaSyncAtom(mma.atom_named("lazy_m16n8k16").spec)
+    mma.register_atom(replacement)
+    assert mma.atom_named("lazy_m16n8k16") is replacement
+    with pytest.raises(kiln.KilnTypeError, match="register_atoms needs a function"):
+        mma.register_atoms([replacement])
+    mma.register_atoms(lambda: ["not an atom"])
+    with pytest.raises(kiln.KilnTypeError, match="register_atom needs an MmaAtom"):
+        mma.atoms_for("sm_80")
 
 
 def test_spec_checks_layout_shapes():
