@@ -1,13 +1,5 @@
 """Kiln: write GPU kernels in Python, compile them through MLIR for NVIDIA and AMD GPUs."""
 
-import gc as _gc
-
-# Importing Kiln (numpy and MLIR included) creates ~60k objects that live as long as the
-# process; the cyclic collector walked them again and again while they were made (~13% of
-# `import kiln`), so it pauses until the end of this file.
-_gc_was_enabled = _gc.isenabled()
-_gc.disable()
-
 from .core.dtypes import (DType, bf16, dtype, f8e4m3, f8e5m2, f16, f32, f64, i1, i8, i16, i32, i64,
                           index)
 from .core.errors import (CompilationError, InternalError, KilnError, KilnTypeError, KilnValueError,
@@ -101,12 +93,3 @@ for _old, _module in (("tma", tma), ("mbarrier", mbarrier), ("cp_async", cp_asyn
                       ("amd_buffer", amd_buffer), ("loader", loader)):
     _sys.modules[f"{__name__}.{_old}"] = _module
 del _sys, _old, _module
-
-if _gc_was_enabled:
-    if not _gc.get_freeze_count():  # (never thaw what the program froze on purpose)
-        # Moves every object to the oldest generation without walking them; a full collection
-        # still examines them. Else the next allocation walks all ~60k young objects.
-        _gc.freeze()
-        _gc.unfreeze()
-    _gc.enable()
-del _gc, _gc_was_enabled
