@@ -74,6 +74,7 @@ class TraceState:
     finishers: list = field(default_factory=list)  # run once the body is traced (kiln.release)
     # values.constant: (dtype, shape, attribute) -> its one arith.constant, in the entry block
     constants: dict = field(default_factory=dict)
+    struct_fields: dict = field(default_factory=dict)  # reg_tile: struct type -> its fields
 
     def unique_symbol(self, base: str) -> str:
         name, n = base, 0
