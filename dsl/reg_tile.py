@@ -27,6 +27,7 @@ Example (online softmax step on an accumulator ``s``)::
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import numpy as np
@@ -53,6 +54,7 @@ def _pairwise(values: list[Value], combine) -> Value:
     return values[0]
 
 
+@functools.lru_cache(maxsize=None)  # immutable; every reduce and row broadcast asks again
 def _row_structure(tv: ThreadValueLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(group_of_value, lane_masks)`` for reducing each row of one fragment.
 
@@ -76,6 +78,7 @@ def _row_structure(tv: ThreadValueLayout) -> tuple[tuple[int, ...], tuple[int, .
     return group_of, masks
 
 
+@functools.lru_cache(maxsize=None)  # immutable, as _row_structure
 def _row_keys(tv: ThreadValueLayout) -> tuple[tuple[int, ...], ...]:
     """Every value group's rows, one per thread (:func:`_row_structure`'s group order): what a
     row vector needs to broadcast onto another layout whose threads hold the same rows."""

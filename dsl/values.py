@@ -351,6 +351,8 @@ def cast(x: Any, dtype: Any) -> Value:
 
     Example: ``kiln.cast(acc, kiln.bf16)``.
     """
+    if type(x) is Value and x.dtype is dtype:  # already that dtype (most casts of a trace)
+        return x
     target = dt.dtype(dtype)
     if hasattr(x, "__kiln_elementwise__"):  # a register tile (kiln.tiles): RegTile.cast
         return x.cast(target)
@@ -402,11 +404,31 @@ def broadcast(x: Value, shape: tuple[int, ...]) -> Value:
     return known(vector.broadcast(_mlir_type(x.dtype, shape), x.ir), x.dtype, shape)
 
 
+_WEAK = (int, float)  # literal types of unify's fast path (not bool: it has rules of its own)
+
+
+def _literal_joins(dtype: DType, literal: int | float) -> bool:
+    """Whether ``literal`` next to a Value of ``dtype`` promotes to ``dtype`` itself (an int
+    literal checked to fit it, as the general path does)."""
+    if dt.promote(dtype, dt.literal_dtype(literal, dtype)) is not dtype:
+        return False
+    if type(literal) is int and dtype.is_int:
+        _check_literal_range(literal, dtype)
+    return True
+
+
 def unify(a: Any, b: Any) -> tuple[Value, Value]:
     """Both operands as Values of the promoted dtype and common shape."""
     if (type(a) is Value and type(b) is Value and a.dtype is b.dtype
             and a.shape == b.shape):  # most traced arithmetic: nothing to promote or broadcast
         return a, b
+    # a Value and a literal that takes its dtype (x * 0.5): the general path's result, sooner
+    if type(a) is Value and type(b) in _WEAK:
+        if _literal_joins(a.dtype, b):
+            return a, broadcast(constant(b, a.dtype), a.shape)
+    elif type(b) is Value and type(a) in _WEAK:
+        if _literal_joins(b.dtype, a):
+            return broadcast(constant(a, b.dtype), b.shape), b
     check_defined(a)
     check_defined(b)
     if not isinstance(a, Value) and not isinstance(b, Value):
