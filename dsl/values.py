@@ -149,7 +149,7 @@ class Value:
 
     def __neg__(self):
         if self.dtype.is_float:
-            return known(arith.negf(self.ir), self.dtype, self.shape)
+            return known(_arith("arith.negf", self.ir.type, self.ir), self.dtype, self.shape)
         return binary("sub", constant(0, self.dtype, self.shape), self)
 
     def __pos__(self):
@@ -365,34 +365,34 @@ def cast(x: Any, dtype: Any) -> Value:
     rtype = _mlir_type(target, shape)
     v = x.ir
     if src.is_float and target.is_float:
-        op = arith.extf if target.bits > src.bits else arith.truncf
+        op = "arith.extf" if target.bits > src.bits else "arith.truncf"
         if target.bits == src.bits:  # f16 <-> bf16 goes through f32
             return cast(cast(x, dt.f32), target)
-        return known(op(rtype, v), target, shape)
+        return known(_arith(op, rtype, v), target, shape)
     if src.is_int and target.is_float:
         if src.kind == "index":
             return cast(cast(x, dt.i64), target)
-        op = arith.uitofp if src.kind == "bool" else arith.sitofp
-        return known(op(rtype, v), target, shape)
+        op = "arith.uitofp" if src.kind == "bool" else "arith.sitofp"
+        return known(_arith(op, rtype, v), target, shape)
     if src.is_float and target.is_int:
         if target.kind == "index":
             return cast(cast(x, dt.i64), target)
         if target.kind == "bool":
             return compare("ne", x, 0.0)
-        return known(arith.fptosi(rtype, v), target, shape)
+        return known(_arith("arith.fptosi", rtype, v), target, shape)
     # integer <-> integer
     if src.kind == "index" or target.kind == "index":
         if target.kind == "bool":
             return compare("ne", x, 0)
         if src.kind == "bool":
             return cast(cast(x, dt.i32), target)
-        return known(arith.index_cast(rtype, v), target, shape)
+        return known(_arith("arith.index_cast", rtype, v), target, shape)
     if target.kind == "bool":
         return compare("ne", x, 0)
     if target.bits > src.bits:
-        op = arith.extui if src.kind == "bool" else arith.extsi
-        return known(op(rtype, v), target, shape)
-    return known(arith.trunci(rtype, v), target, shape)
+        op = "arith.extui" if src.kind == "bool" else "arith.extsi"
+        return known(_arith(op, rtype, v), target, shape)
+    return known(_arith("arith.trunci", rtype, v), target, shape)
 
 
 def broadcast(x: Value, shape: tuple[int, ...]) -> Value:
@@ -451,12 +451,21 @@ def unify(a: Any, b: Any) -> tuple[Value, Value]:
     return (broadcast(cast(a, dtype), shape), broadcast(cast(b, dtype), shape))
 
 
-_INT_OPS = {"add": arith.addi, "sub": arith.subi, "mul": arith.muli, "floordiv": arith.divsi,
-            "mod": arith.remsi, "and": arith.andi, "or": arith.ori, "xor": arith.xori,
-            "shl": arith.shli, "shr": arith.shrsi}
-_INDEX_OPS = _INT_OPS | {"floordiv": arith.divui, "mod": arith.remui, "shr": arith.shrui}
-_FLOAT_OPS = {"add": arith.addf, "sub": arith.subf, "mul": arith.mulf, "truediv": arith.divf,
-              "mod": arith.remf}
+_INT_OPS = {"add": "arith.addi", "sub": "arith.subi", "mul": "arith.muli",
+            "floordiv": "arith.divsi", "mod": "arith.remsi", "and": "arith.andi",
+            "or": "arith.ori", "xor": "arith.xori", "shl": "arith.shli", "shr": "arith.shrsi"}
+_INDEX_OPS = _INT_OPS | {"floordiv": "arith.divui", "mod": "arith.remui", "shr": "arith.shrui"}
+_FLOAT_OPS = {"add": "arith.addf", "sub": "arith.subf", "mul": "arith.mulf",
+              "truediv": "arith.divf", "mod": "arith.remf"}
+_create = ir.Operation.create
+
+
+def _arith(name: str, result_type: ir.Type, *operands: ir.Value,
+           attributes: dict | None = None) -> ir.Value:
+    """The result of op ``name`` built by MLIR's generic builder: the generated builders'
+    Python layers cost 3x as much, on the path of every traced operator (the same op)."""
+    return _create(name, results=[result_type], operands=list(operands),
+                   attributes=attributes).result
 
 
 def binary(op: str, a: Any, b: Any) -> Value:
@@ -471,22 +480,31 @@ def binary(op: str, a: Any, b: Any) -> Value:
         if op not in _FLOAT_OPS:
             raise KilnTypeError(f"operator '{op}' needs integer operands, got {dtype}",
                                 fix="kiln.cast the operands to an integer dtype first")
-        return known(_FLOAT_OPS[op](x.ir, y.ir), dtype, x.shape)
+        return known(_arith(_FLOAT_OPS[op], x.ir.type, x.ir, y.ir), dtype, x.shape)
     table = _INDEX_OPS if dtype.kind == "index" else _INT_OPS
-    return known(table[op](x.ir, y.ir), dtype, x.shape)
+    return known(_arith(table[op], x.ir.type, x.ir, y.ir), dtype, x.shape)
 
 
-_ICMP = {"lt": "slt", "le": "sle", "gt": "sgt", "ge": "sge", "eq": "eq", "ne": "ne"}
-_UCMP = {"lt": "ult", "le": "ule", "gt": "ugt", "ge": "uge", "eq": "eq", "ne": "ne"}
-_FCMP = {"lt": "OLT", "le": "OLE", "gt": "OGT", "ge": "OGE", "eq": "OEQ", "ne": "UNE"}
+# the predicates as their enum values (the attribute arith.cmpi/cmpf carry, an i64)
+_ICMP = {k: int(getattr(arith.CmpIPredicate, v)) for k, v in
+         {"lt": "slt", "le": "sle", "gt": "sgt", "ge": "sge", "eq": "eq", "ne": "ne"}.items()}
+_UCMP = {k: int(getattr(arith.CmpIPredicate, v)) for k, v in
+         {"lt": "ult", "le": "ule", "gt": "ugt", "ge": "uge", "eq": "eq", "ne": "ne"}.items()}
+_FCMP = {k: int(getattr(arith.CmpFPredicate, v)) for k, v in
+         {"lt": "OLT", "le": "OLE", "gt": "OGT", "ge": "OGE", "eq": "OEQ", "ne": "UNE"}.items()}
 
 
 def compare(op: str, a: Any, b: Any) -> Value:
     """A comparison producing an i1 Value (signed ints, unsigned index, ordered floats)."""
     x, y = unify(a, b)
     if x.dtype.is_float:
-        pred = getattr(arith.CmpFPredicate, _FCMP[op])
-        return known(arith.cmpf(pred, x.ir, y.ir), dt.i1, x.shape)
+        return _compare("arith.cmpf", _FCMP[op], x, y)
     names = _UCMP if x.dtype.kind in ("index", "bool") else _ICMP
-    pred = getattr(arith.CmpIPredicate, names[op])
-    return known(arith.cmpi(pred, x.ir, y.ir), dt.i1, x.shape)
+    return _compare("arith.cmpi", names[op], x, y)
+
+
+def _compare(name: str, predicate: int, x: Value, y: Value) -> Value:
+    i64 = ir.IntegerType.get_signless(64)
+    result = _arith(name, _mlir_type(dt.i1, x.shape), x.ir, y.ir,
+                    attributes={"predicate": ir.IntegerAttr.get(i64, predicate)})
+    return known(result, dt.i1, x.shape)
