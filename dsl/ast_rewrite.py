@@ -170,22 +170,19 @@ def _fill(node: ast.AST) -> None:
     fields = node.__dict__
     position = {"lineno": fields["lineno"], "col_offset": fields["col_offset"],
                 "end_lineno": fields["end_lineno"], "end_col_offset": fields["end_col_offset"]}
-    stack = [node]
+    # a node's children are read before its own position goes in (fewer fields to step over)
+    stack = [(node, False)]
     while stack:
-        for value in stack.pop().__dict__.values():
-            for child in value if isinstance(value, list) else (value,):
-                if not isinstance(child, ast.AST) or isinstance(child, _UNLOCATED):
-                    continue
-                below = child.__dict__
-                if "lineno" in below:
-                    continue
-                if "lineno" in child._attributes:
-                    below.update(position)
-                stack.append(child)
-
-
-# Leaf nodes without positions (Load/Store, operators): nothing to fill, nothing below.
-_UNLOCATED = (ast.expr_context, ast.operator, ast.unaryop, ast.cmpop, ast.boolop)
+        here, unplaced = stack.pop()
+        fields = here.__dict__
+        for value in fields.values():
+            if type(value) is list:
+                stack += [(child, True) for child in value if isinstance(child, ast.AST)
+                          and "lineno" not in child.__dict__]
+            elif isinstance(value, ast.AST) and "lineno" not in value.__dict__:
+                stack.append((value, True))
+        if unplaced and "lineno" in here._attributes:
+            fields.update(position)
 
 
 _SIMPLE = (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Assert,
