@@ -126,8 +126,17 @@ def _struct_fields(struct_type: ir.Type) -> tuple[int, ir.Type | None]:
     return found
 
 
-# llvm.extractvalue/insertvalue built by the generic builder: the generated ones' Python
-# layers cost 3x as much, and a WGMMA accumulator's 64 fields are read at every use.
+def _lane(fragment: Value, v: int) -> Value:
+    """Value ``v`` of a fragment vector (``vector.extract``, built as :func:`_create` says)."""
+    return known(_create("vector.extract", results=[fragment.dtype.mlir_type()],
+                         operands=[fragment.ir],
+                         attributes={"static_position": ir.DenseI64ArrayAttr.get([v])}).result,
+                 fragment.dtype, ())
+
+
+# llvm.extractvalue/insertvalue and vector.extract built by the generic builder: the
+# generated ones' Python layers cost 3x as much, and a WGMMA accumulator's 64 fields are read
+# at every use.
 _create = ir.Operation.create
 
 
@@ -372,7 +381,7 @@ class RegTile:
         if self._struct is not None:
             return self._field(i)
         frag = self._fragments[i // width]
-        return known(vector.extract(frag.ir, [], [i % width]), frag.dtype, ())
+        return _lane(frag, i % width)
 
     def _field(self, i: int) -> Value:
         """Field ``i`` of a struct tile."""
@@ -499,7 +508,7 @@ class RegTile:
             for j in range(gn):
                 frag = self.fragment(i, j)
                 for v, g in enumerate(group_of):
-                    members[g].append(Value(vector.extract(frag.ir, [], [v]), frag.dtype))
+                    members[g].append(_lane(frag, v))
             lines.append([butterfly_reduce(_pairwise(m, combine), masks if across_lanes else (),
                                            combine)
                           for m in members])

@@ -149,7 +149,7 @@ class Value:
 
     def __neg__(self):
         if self.dtype.is_float:
-            return known(_arith("arith.negf", self.ir.type, self.ir), self.dtype, self.shape)
+            return known(generic_op("arith.negf", self.ir.type, self.ir), self.dtype, self.shape)
         return binary("sub", constant(0, self.dtype, self.shape), self)
 
     def __pos__(self):
@@ -264,8 +264,9 @@ def _constant_op(attr: ir.Attribute, dtype: DType, shape: tuple[int, ...]) -> ir
     elem = dtype.mlir_type()
     if shape:
         vtype = ir.VectorType.get(list(shape), elem)
-        return arith.constant(vtype, ir.DenseElementsAttr.get_splat(vtype, attr))
-    return arith.constant(elem, attr)
+        return generic_op("arith.constant", vtype,
+                          attributes={"value": ir.DenseElementsAttr.get_splat(vtype, attr)})
+    return generic_op("arith.constant", elem, attributes={"value": attr})
 
 
 def scalar_attr(value: Any, dtype: DType) -> ir.Attribute:
@@ -368,31 +369,31 @@ def cast(x: Any, dtype: Any) -> Value:
         op = "arith.extf" if target.bits > src.bits else "arith.truncf"
         if target.bits == src.bits:  # f16 <-> bf16 goes through f32
             return cast(cast(x, dt.f32), target)
-        return known(_arith(op, rtype, v), target, shape)
+        return known(generic_op(op, rtype, v), target, shape)
     if src.is_int and target.is_float:
         if src.kind == "index":
             return cast(cast(x, dt.i64), target)
         op = "arith.uitofp" if src.kind == "bool" else "arith.sitofp"
-        return known(_arith(op, rtype, v), target, shape)
+        return known(generic_op(op, rtype, v), target, shape)
     if src.is_float and target.is_int:
         if target.kind == "index":
             return cast(cast(x, dt.i64), target)
         if target.kind == "bool":
             return compare("ne", x, 0.0)
-        return known(_arith("arith.fptosi", rtype, v), target, shape)
+        return known(generic_op("arith.fptosi", rtype, v), target, shape)
     # integer <-> integer
     if src.kind == "index" or target.kind == "index":
         if target.kind == "bool":
             return compare("ne", x, 0)
         if src.kind == "bool":
             return cast(cast(x, dt.i32), target)
-        return known(_arith("arith.index_cast", rtype, v), target, shape)
+        return known(generic_op("arith.index_cast", rtype, v), target, shape)
     if target.kind == "bool":
         return compare("ne", x, 0)
     if target.bits > src.bits:
         op = "arith.extui" if src.kind == "bool" else "arith.extsi"
-        return known(_arith(op, rtype, v), target, shape)
-    return known(_arith("arith.trunci", rtype, v), target, shape)
+        return known(generic_op(op, rtype, v), target, shape)
+    return known(generic_op("arith.trunci", rtype, v), target, shape)
 
 
 def broadcast(x: Value, shape: tuple[int, ...]) -> Value:
@@ -410,11 +411,16 @@ _WEAK = (int, float)  # literal types of unify's fast path (not bool: it has rul
 def _literal_joins(dtype: DType, literal: int | float) -> bool:
     """Whether ``literal`` next to a Value of ``dtype`` promotes to ``dtype`` itself (an int
     literal checked to fit it, as the general path does)."""
-    if dt.promote(dtype, dt.literal_dtype(literal, dtype)) is not dtype:
-        return False
-    if type(literal) is int and dtype.is_int:
+    kind = type(literal)
+    joins = _JOINS.get((dtype, kind))
+    if joins is None:  # the promotion depends on the literal's type only
+        joins = _JOINS[dtype, kind] = dt.promote(dtype, dt.literal_dtype(literal, dtype)) is dtype
+    if joins and kind is int and dtype.is_int:
         _check_literal_range(literal, dtype)
-    return True
+    return joins
+
+
+_JOINS: dict[tuple[DType, type], bool] = {}
 
 
 def unify(a: Any, b: Any) -> tuple[Value, Value]:
@@ -460,10 +466,13 @@ _FLOAT_OPS = {"add": "arith.addf", "sub": "arith.subf", "mul": "arith.mulf",
 _create = ir.Operation.create
 
 
-def _arith(name: str, result_type: ir.Type, *operands: ir.Value,
-           attributes: dict | None = None) -> ir.Value:
-    """The result of op ``name`` built by MLIR's generic builder: the generated builders'
-    Python layers cost 3x as much, on the path of every traced operator (the same op)."""
+def generic_op(name: str, result_type: ir.Type, *operands: ir.Value,
+               attributes: dict | None = None) -> ir.Value:
+    """The one result of op ``name`` built by MLIR's generic builder at the current insertion
+    point and location: the generated builders' Python layers cost 3x as much, on the path of
+    every traced operator (the op is the same).
+
+    Example: ``generic_op("arith.addf", x.ir.type, x.ir, y.ir)``."""
     return _create(name, results=[result_type], operands=list(operands),
                    attributes=attributes).result
 
@@ -480,9 +489,9 @@ def binary(op: str, a: Any, b: Any) -> Value:
         if op not in _FLOAT_OPS:
             raise KilnTypeError(f"operator '{op}' needs integer operands, got {dtype}",
                                 fix="kiln.cast the operands to an integer dtype first")
-        return known(_arith(_FLOAT_OPS[op], x.ir.type, x.ir, y.ir), dtype, x.shape)
+        return known(generic_op(_FLOAT_OPS[op], x.ir.type, x.ir, y.ir), dtype, x.shape)
     table = _INDEX_OPS if dtype.kind == "index" else _INT_OPS
-    return known(_arith(table[op], x.ir.type, x.ir, y.ir), dtype, x.shape)
+    return known(generic_op(table[op], x.ir.type, x.ir, y.ir), dtype, x.shape)
 
 
 # the predicates as their enum values (the attribute arith.cmpi/cmpf carry, an i64)
@@ -505,6 +514,6 @@ def compare(op: str, a: Any, b: Any) -> Value:
 
 def _compare(name: str, predicate: int, x: Value, y: Value) -> Value:
     i64 = ir.IntegerType.get_signless(64)
-    result = _arith(name, _mlir_type(dt.i1, x.shape), x.ir, y.ir,
+    result = generic_op(name, _mlir_type(dt.i1, x.shape), x.ir, y.ir,
                     attributes={"predicate": ir.IntegerAttr.get(i64, predicate)})
     return known(result, dt.i1, x.shape)
