@@ -192,6 +192,9 @@ class _Rewriter(ast.NodeTransformer):
     def __init__(self, filename: str, share: bool = True, body=()):
         self.filename = filename
         self.places: list[SourceLoc] = []  # the positions ``__kiln_at(k)`` enters, by k
+        # what each statement stores and loads, and holds (ast_regions): nested regions ask again
+        self._names: dict = {}
+        self._holds: dict = {}
         self.share = share  # False when the function declares global/nonlocal names
         self.depth = 0  # branch/body functions being built around the current statement
         self.loops = 0  # loops around the current statement
@@ -279,9 +282,10 @@ class _Rewriter(ast.NodeTransformer):
     def visit_If(self, node):
         n = next(_counter)
         cond = f"__kiln_cond_{n}"
-        names, loaded = region_names(node.body + node.orelse)
+        names, loaded = region_names(node.body + node.orelse, self._names)
         if self.share and shareable(
-                node.body + node.orelse, lambda: self._late_risk(node.body + node.orelse, names)):
+                node.body + node.orelse, lambda: self._late_risk(node.body + node.orelse, names),
+                memo=self._holds):
             return self._shared_if(node, n, cond, names, loaded)
         # The traced branches get copies; the static statement takes the original nodes.
         traced_body, traced_orelse = _clone(node.body), _clone(node.orelse)
@@ -339,10 +343,10 @@ class _Rewriter(ast.NodeTransformer):
         it = f"__kiln_iter_{n}"
         may_trace = isinstance(node.target, ast.Name) and not node.orelse
         if may_trace and self.share:
-            stored, loaded = region_names(node.body)
+            stored, loaded = region_names(node.body, self._names)
             # a body that rebinds the loop variable leaves its own value after the loop
-            if node.target.id not in stored and shareable(node.body,
-                                                          lambda: {node.target.id, *stored}):
+            if node.target.id not in stored and shareable(
+                    node.body, lambda: {node.target.id, *stored}, memo=self._holds):
                 return self._shared_for(node, n, it, stored, loaded)
         # The traced body gets a copy; the static loop takes the original nodes.
         traced_body = _clone(node.body) if may_trace else None
@@ -353,7 +357,7 @@ class _Rewriter(ast.NodeTransformer):
         evaluate = self._at(node.iter, [ast.Assign([ast.Name(it, ast.Store())], node.iter)])
         if not may_trace:
             return [_located(evaluate, node), _located(static_for, node)]
-        stored, loaded = region_names(traced_body)
+        stored, loaded = region_names(traced_body, self._names)
         names = [m for m in stored if m != node.target.id]
         body_fn = self._branch_fn(f"__kiln_body_{n}", [node.target.id] + names,
                                   _forbid_escapes(traced_body), node)
