@@ -41,13 +41,14 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # it), the kernel's compile stopped after its first trace, then the rewrite and the trace
 # measured again in the same process.
 _CHILD = r"""
-import gc, importlib, json, sys, time
-job, root, here, inner = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+import gc, importlib, json, os, sys, time
+job, root, inner = sys.argv[1], sys.argv[2], int(sys.argv[3])
 finders = [f for f in sys.meta_path if hasattr(sys.modules.get(f.__module__), "MAPPING")]
 for finder in finders:
     mapping = sys.modules[finder.__module__].MAPPING
+    installed = os.path.dirname(mapping["kiln"])  # the tree the editable install points at
     for name, path in mapping.items():
-        mapping[name] = path.replace(here, root, 1)
+        mapping[name] = path.replace(installed, root, 1)
 sys.path.insert(0, root + "/bench")
 from compile_jobs import k
 kernel = importlib.import_module("kiln.kernel")
@@ -93,7 +94,7 @@ print(json.dumps(out))
 def measure(name: str, root: str, inner: int) -> dict:
     """One process's figures for kernel ``name`` with Kiln from ``root``."""
     env = dict(os.environ, KILN_NO_CACHE="1")
-    done = subprocess.run([sys.executable, "-c", _CHILD, JOBS[name], root, _ROOT, str(inner)],
+    done = subprocess.run([sys.executable, "-c", _CHILD, JOBS[name], root, str(inner)],
                           capture_output=True, text=True, cwd=root, env=env, timeout=300)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1][:300]}
