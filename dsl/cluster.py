@@ -208,8 +208,7 @@ class ClusterRecipe:
 
 DEFAULT_RECIPE = ClusterRecipe()
 _active: list[int] = []
-# list steps of an indexing that cost about what iterating one op does (cluster._built)
-_WALKED_PER_OP = 40
+_INDEXED = 256  # clusters of at most this many ops are found by index (cluster._built)
 
 
 def _insertion_block_and_anchor() -> tuple[ir.Block, ir.Operation | None]:
@@ -292,17 +291,12 @@ class cluster:
 
     def _built(self, block: ir.Block, anchor: ir.Operation | None) -> list[ir.Operation]:
         """The ops after the one that preceded the insertion point at entry, up to the
-        insertion point now (ops put in above that one are not ours). Indexing op ``i`` walks
-        the block's list from its start in C++ (a few ns an op) and iterating the block makes a
-        Python object an op (about a microsecond): a cluster whose indexing walks fewer ops
-        than :data:`_WALKED_PER_OP` times the block's is indexed, else found in one iteration
-        (a 256-op cluster at the end of an unrolled 3000-op block took 19 ms indexed, 3 ms
-        iterated)."""
+        insertion point now (ops put in above that one are not ours). Indexing the block walks
+        its list in C++ (a few ns an op) and iterating it makes a Python object an op (about a
+        microsecond): a short cluster is indexed, a long one found in one iteration."""
         ops = block.operations
         start, end = self._start, _index(block, anchor)
-        walked = (end - start) * (start + end) // 2
-        if walked <= _WALKED_PER_OP * len(ops) and (
-                not start or ops[start - 1].operation == self._last):
+        if end - start <= _INDEXED and (not start or ops[start - 1].operation == self._last):
             return [ops[i].operation for i in range(start, end)]
         built, found = [], self._last is None
         for view in ops:
