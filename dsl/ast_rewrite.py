@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import functools
 import gc
 import inspect
 import itertools
@@ -47,32 +48,34 @@ from .ast_regions import declares_outer_names, region_names, shareable, store_co
 from .builder import at_source
 from .core.errors import KilnValueError, SourceLoc
 
-RT = "__kiln_rt"
 _counter = itertools.count()
+_PREFIX = "__kiln_"
 
-
-class _Runtime:
-    """The names the rewritten code calls (bound to the ``__kiln_rt`` factory parameter)."""
-
-    at = staticmethod(at_source)
-    capture = staticmethod(trace_runtime.capture)
-    reachable_structs = staticmethod(trace_runtime.reachable_structs)
-    is_traced = staticmethod(trace_runtime.is_traced)
-    if_stmt = staticmethod(trace_runtime.if_stmt)
-    static_if = staticmethod(trace_runtime.static_if)
-    missing = trace_runtime.MISSING
-    for_stmt = staticmethod(trace_runtime.for_stmt)
-    TracedRange = trace_runtime.TracedRange
-    static_while_cond = staticmethod(trace_runtime.static_while_cond)
-    unrolled = staticmethod(trace_runtime.unrolled)
-    static_for = staticmethod(trace_runtime.static_for)
-    traced_return = staticmethod(trace_runtime.traced_return)
-    traced_break = staticmethod(trace_runtime.traced_break)
-    traced_raise = staticmethod(trace_runtime.traced_raise)
+# The runtime functions the rewritten code calls, each a parameter ``__kiln_<name>`` of the
+# factory (a name load in the rewritten code, not an attribute of a runtime object).
+_RUNTIME = {
+    "capture": trace_runtime.capture,
+    "reachable_structs": trace_runtime.reachable_structs,
+    "is_traced": trace_runtime.is_traced,
+    "if_stmt": trace_runtime.if_stmt,
+    "static_if": trace_runtime.static_if,
+    "missing": trace_runtime.MISSING,
+    "for_stmt": trace_runtime.for_stmt,
+    "TracedRange": trace_runtime.TracedRange,
+    "static_while_cond": trace_runtime.static_while_cond,
+    "unrolled": trace_runtime.unrolled,
+    "static_for": trace_runtime.static_for,
+    "traced_return": trace_runtime.traced_return,
+    "traced_break": trace_runtime.traced_break,
+    "traced_raise": trace_runtime.traced_raise,
+}
+# ``__kiln_at(k)`` enters the k-th source position of the function's table (kiln.pyhints
+# knows a rewritten function by this free name).
+AT = pyhints.REWRITTEN_MARKER
 
 
 def _rt(attr: str) -> ast.expr:
-    return ast.Attribute(ast.Name(RT, ast.Load()), attr, ast.Load())
+    return ast.Name(_PREFIX + attr, ast.Load())
 
 
 def _call(attr: str, *args: ast.expr) -> ast.Call:
@@ -83,8 +86,8 @@ def _names_tuple(names, ctx) -> ast.Tuple:
     return ast.Tuple([ast.Name(n, ctx()) for n in names], ctx())
 
 
-def _str_tuple(names) -> ast.Tuple:
-    return ast.Tuple([ast.Constant(n) for n in names], ast.Load())
+def _str_tuple(names) -> ast.Constant:
+    return ast.Constant(tuple(names))  # one node: the compiler folds a tuple of constants so
 
 
 def _function(name: str, params, body) -> ast.FunctionDef:
@@ -106,7 +109,7 @@ class _ForbidEscapes(ast.NodeTransformer):
     visit_AsyncFunctionDef = visit_ClassDef = visit_Lambda = visit_FunctionDef
 
     def visit_Return(self, node):
-        return ast.copy_location(ast.Expr(_call("traced_return")), node)
+        return _located(ast.Expr(_call("traced_return")), node)
 
     def _loop(self, node):
         self.loop_depth += 1
@@ -120,12 +123,12 @@ class _ForbidEscapes(ast.NodeTransformer):
     def visit_Raise(self, node):
         # Both branches of a traced `if` are traced, so a raise there would fire whatever the
         # condition is at run time.
-        return ast.copy_location(ast.Expr(_call("traced_raise")), node) if self.in_if else node
+        return _located(ast.Expr(_call("traced_raise")), node) if self.in_if else node
 
     def visit_Break(self, node):
         if self.loop_depth:
             return node
-        return ast.copy_location(ast.Expr(_call("traced_break")), node)
+        return _located(ast.Expr(_call("traced_break")), node)
 
     visit_Continue = visit_Break
 
@@ -150,46 +153,36 @@ def _clone(node):
     return new
 
 
-def fix_missing_locations(root: ast.AST) -> ast.AST:
-    """:func:`ast.fix_missing_locations` with the same result, walking fields directly
-    (the generic ``iter_child_nodes`` walk was a third of the rewrite's time). An expression
-    that has its position came from the parsed source (or a clone of it): the rewrite builds
-    new nodes around source expressions, never inside them, so its subtree is complete."""
-    stack = [(root, 1, 0, 1, 0)]
+def _located(new: ast.AST, old: ast.AST) -> ast.AST:
+    """``ast.copy_location(new, old)``, then :func:`_fill` below ``new``."""
+    new.__dict__.update(lineno=old.lineno, col_offset=old.col_offset, end_lineno=old.end_lineno,
+                        end_col_offset=old.end_col_offset)
+    _fill(new)
+    return new
+
+
+def _fill(node: ast.AST) -> None:
+    """Give the nodes below ``node`` (which has a position) that have none ``node``'s position,
+    what :func:`ast.fix_missing_locations` gives them (the nearest located ancestor's). The
+    walk stops at nodes that have one: the rewrite fills every node it places when it places
+    it, so their subtrees are complete (one walk of the whole tree at the end was a third of
+    the rewrite's time, most of it over the source's own nodes)."""
+    fields = node.__dict__
+    position = {"lineno": fields["lineno"], "col_offset": fields["col_offset"],
+                "end_lineno": fields["end_lineno"], "end_col_offset": fields["end_col_offset"]}
+    # a node's children are read before its own position goes in (fewer fields to step over)
+    stack = [(node, False)]
     while stack:
-        node, lineno, col, end_lineno, end_col = stack.pop()
-        fields = node.__dict__
-        if "lineno" in node._attributes:
-            if "lineno" in fields:
-                if isinstance(node, ast.expr):
-                    continue
-                lineno = fields["lineno"]
-            else:
-                node.lineno = lineno
-            if fields.get("end_lineno") is None:
-                node.end_lineno = end_lineno
-            else:
-                end_lineno = fields["end_lineno"]
-            if "col_offset" in fields:
-                col = fields["col_offset"]
-            else:
-                node.col_offset = col
-            if fields.get("end_col_offset") is None:
-                node.end_col_offset = end_col
-            else:
-                end_col = fields["end_col_offset"]
-        # A child's fill depends only on its ancestors, so the visiting order is free.
+        here, unplaced = stack.pop()
+        fields = here.__dict__
         for value in fields.values():
-            if isinstance(value, list):
-                stack.extend([(v, lineno, col, end_lineno, end_col) for v in value
-                              if isinstance(v, ast.AST) and not isinstance(v, _UNLOCATED)])
-            elif isinstance(value, ast.AST) and not isinstance(value, _UNLOCATED):
-                stack.append((value, lineno, col, end_lineno, end_col))
-    return root
-
-
-# Leaf nodes without positions (Load/Store, operators): nothing to fill, nothing below.
-_UNLOCATED = (ast.expr_context, ast.operator, ast.unaryop, ast.cmpop, ast.boolop)
+            if type(value) is list:
+                stack += [(child, True) for child in value if isinstance(child, ast.AST)
+                          and "lineno" not in child.__dict__]
+            elif isinstance(value, ast.AST) and "lineno" not in value.__dict__:
+                stack.append((value, True))
+        if unplaced and "lineno" in here._attributes:
+            fields.update(position)
 
 
 _SIMPLE = (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Assert,
@@ -198,6 +191,10 @@ _SIMPLE = (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.A
 class _Rewriter(ast.NodeTransformer):
     def __init__(self, filename: str, share: bool = True, body=()):
         self.filename = filename
+        self.places: list[SourceLoc] = []  # the positions ``__kiln_at(k)`` enters, by k
+        # what each statement stores and loads, and holds (ast_regions): nested regions ask again
+        self._names: dict = {}
+        self._holds: dict = {}
         self.share = share  # False when the function declares global/nonlocal names
         self.depth = 0  # branch/body functions being built around the current statement
         self.loops = 0  # loops around the current statement
@@ -218,8 +215,8 @@ class _Rewriter(ast.NodeTransformer):
 
     def _at(self, node: ast.AST, body: list[ast.stmt]) -> ast.With:
         end = node.end_col_offset if node.end_lineno == node.lineno else None
-        ctx = _call("at", ast.Constant(self.filename), ast.Constant(node.lineno),
-                    ast.Constant(node.col_offset), ast.Constant(end))
+        self.places.append(SourceLoc(self.filename, node.lineno, node.col_offset, end))
+        ctx = ast.Call(ast.Name(AT, ast.Load()), [ast.Constant(len(self.places) - 1)], [])
         return ast.With([ast.withitem(ctx)], body)
 
     def _stmts(self, stmts):
@@ -232,7 +229,10 @@ class _Rewriter(ast.NodeTransformer):
     def generic_visit(self, node):
         if isinstance(node, _SIMPLE):
             return self._at(node, [node])
-        return super().generic_visit(node)
+        super().generic_visit(node)
+        if isinstance(node, (ast.stmt, ast.excepthandler)):  # a with/try/match: its new bodies
+            _fill(node)
+        return node
 
     def visit_FunctionDef(self, node):
         # A nested def inside the kernel is plain Python; it is rewritten when it is a kiln.func.
@@ -252,6 +252,7 @@ class _Rewriter(ast.NodeTransformer):
         finally:
             self.loops -= 1
         node.orelse = self._stmts(node.orelse)
+        _fill(node)
         return node
 
     def _branch_fn(self, name, params, body, node):
@@ -261,14 +262,14 @@ class _Rewriter(ast.NodeTransformer):
             stmts = self._stmts(body)
         finally:
             self.depth -= 1
-        return ast.copy_location(_function(name, params, stmts + [ret]), node)
+        return _located(_function(name, params, stmts + [ret]), node)
 
     def _assign_results(self, names, call, node):
         if names:
             stmt = ast.Assign([_names_tuple(names, ast.Store)], call)
         else:
             stmt = ast.Expr(call)
-        return self._at(node, [ast.copy_location(stmt, node)])
+        return self._at(node, [_located(stmt, node)])
 
     def _capture(self, names):
         locals_call = ast.Call(ast.Name("locals", ast.Load()), [], [])
@@ -281,9 +282,10 @@ class _Rewriter(ast.NodeTransformer):
     def visit_If(self, node):
         n = next(_counter)
         cond = f"__kiln_cond_{n}"
-        names, loaded = region_names(node.body + node.orelse)
+        names, loaded = region_names(node.body + node.orelse, self._names)
         if self.share and shareable(
-                node.body + node.orelse, lambda: self._late_risk(node.body + node.orelse, names)):
+                node.body + node.orelse, lambda: self._late_risk(node.body + node.orelse, names),
+                memo=self._holds):
             return self._shared_if(node, n, cond, names, loaded)
         # The traced branches get copies; the static statement takes the original nodes.
         traced_body, traced_orelse = _clone(node.body), _clone(node.orelse)
@@ -303,7 +305,7 @@ class _Rewriter(ast.NodeTransformer):
         traced.append(self._assign_results(names, call, node))
         evaluate = self._at(node.test, [ast.Assign([ast.Name(cond, ast.Store())], node.test)])
         dispatch = ast.If(_call("is_traced", ast.Name(cond, ast.Load())), traced, [static_if])
-        return [ast.copy_location(evaluate, node), ast.copy_location(dispatch, node)]
+        return [_located(evaluate, node), _located(dispatch, node)]
 
     def _shared_if(self, node, n, cond, names, loaded):
         """One rewrite of the branches serves both paths: the branch functions the traced
@@ -327,7 +329,7 @@ class _Rewriter(ast.NodeTransformer):
         evaluate = self._at(node.test, [ast.Assign([ast.Name(cond, ast.Store())], node.test)])
         dispatch = ast.If(_call("is_traced", ast.Name(cond, ast.Load())),
                           [self._assign_results(names, traced, node)], static)
-        return [ast.copy_location(stmt, node) for stmt in (evaluate, *fns, dispatch)]
+        return [_located(stmt, node) for stmt in (evaluate, *fns, dispatch)]
 
     def visit_For(self, node):
         self.loops += 1
@@ -341,10 +343,10 @@ class _Rewriter(ast.NodeTransformer):
         it = f"__kiln_iter_{n}"
         may_trace = isinstance(node.target, ast.Name) and not node.orelse
         if may_trace and self.share:
-            stored, loaded = region_names(node.body)
+            stored, loaded = region_names(node.body, self._names)
             # a body that rebinds the loop variable leaves its own value after the loop
-            if node.target.id not in stored and shareable(node.body,
-                                                          lambda: {node.target.id, *stored}):
+            if node.target.id not in stored and shareable(
+                    node.body, lambda: {node.target.id, *stored}, memo=self._holds):
                 return self._shared_for(node, n, it, stored, loaded)
         # The traced body gets a copy; the static loop takes the original nodes.
         traced_body = _clone(node.body) if may_trace else None
@@ -354,19 +356,19 @@ class _Rewriter(ast.NodeTransformer):
                              self._stmts(node.orelse), None)
         evaluate = self._at(node.iter, [ast.Assign([ast.Name(it, ast.Store())], node.iter)])
         if not may_trace:
-            return [ast.copy_location(evaluate, node), ast.copy_location(static_for, node)]
-        stored, loaded = region_names(traced_body)
+            return [_located(evaluate, node), _located(static_for, node)]
+        stored, loaded = region_names(traced_body, self._names)
         names = [m for m in stored if m != node.target.id]
         body_fn = self._branch_fn(f"__kiln_body_{n}", [node.target.id] + names,
                                   _forbid_escapes(traced_body), node)
-        body_fn.body[-1] = ast.Return(_names_tuple(names, ast.Load))
+        body_fn.body[-1] = _located(ast.Return(_names_tuple(names, ast.Load)), node)
         call = _call("for_stmt", ast.Name(it, ast.Load()), ast.Name(body_fn.name, ast.Load()),
                      _str_tuple(names), self._capture(names), self._structs(loaded))
         traced = [body_fn, self._assign_results(names, call, node)]
         is_range = ast.Call(ast.Name("isinstance", ast.Load()),
                             [ast.Name(it, ast.Load()), _rt("TracedRange")], [])
         dispatch = ast.If(is_range, traced, [static_for])
-        return [ast.copy_location(evaluate, node), ast.copy_location(dispatch, node)]
+        return [_located(evaluate, node), _located(dispatch, node)]
 
     def _shared_for(self, node, n, it, stored, loaded):
         """One rewrite of the body serves both paths (as :meth:`_shared_if`): the body
@@ -375,7 +377,7 @@ class _Rewriter(ast.NodeTransformer):
         target = node.target.id
         names = [m for m in stored if m != target]
         body_fn = self._branch_fn(f"__kiln_body_{n}", [target] + names, node.body, node)
-        body_fn.body[-1] = ast.Return(_names_tuple(names, ast.Load))
+        body_fn.body[-1] = _located(ast.Return(_names_tuple(names, ast.Load)), node)
         body_ref = ast.Name(body_fn.name, ast.Load())
         traced = _call("for_stmt", ast.Name(it, ast.Load()), body_ref, _str_tuple(names),
                        self._capture(names), self._structs(loaded))
@@ -391,7 +393,7 @@ class _Rewriter(ast.NodeTransformer):
         is_range = ast.Call(ast.Name("isinstance", ast.Load()),
                             [ast.Name(it, ast.Load()), _rt("TracedRange")], [])
         dispatch = ast.If(is_range, [self._assign_results(names, traced, node)], static)
-        return [ast.copy_location(stmt, node) for stmt in (evaluate, body_fn, dispatch)]
+        return [_located(stmt, node) for stmt in (evaluate, body_fn, dispatch)]
 
 
 _cache: dict[Callable, Callable] = {}
@@ -427,29 +429,46 @@ def _rewrite(fn: Callable) -> Callable:
     # Equal code objects in two files compare equal (co_filename is not compared), and the
     # rewritten code carries its file in every location.
     code_key = (fn.__code__, fn.__code__.co_filename)
-    factory_code = _factory_code.get(code_key)
-    if factory_code is None:
-        factory_code = _factory_code[code_key] = _compile_factory(fn)
-    make = types.FunctionType(factory_code, fn.__globals__)
+    factory = _factories.get(code_key)
+    if factory is None:
+        factory = _factories[code_key] = _compile_factory(fn)
+    make = types.FunctionType(factory.code, fn.__globals__)
     cells = []
     for cell in fn.__closure__ or ():
         try:
             cells.append(cell.cell_contents)
         except ValueError:  # a cell not filled yet (e.g. a later-defined helper)
             cells.append(None)
-    rewritten = make(_Runtime, *cells)
+    rewritten = make(*_RUNTIME.values(), factory.at, *cells)
     rewritten.__defaults__ = fn.__defaults__
     rewritten.__kwdefaults__ = fn.__kwdefaults__
     return rewritten
 
 
+class Factory:
+    """A function's rewrite: ``code``, that of ``__kiln_factory(*runtime, __kiln_at,
+    *freevars)``, which returns the rewritten function, and ``at``, what it binds to
+    ``__kiln_at``: ``at(k)`` enters ``places[k]``, the k-th statement's source position
+    (made once here, not per statement run)."""
+
+    __slots__ = ("code", "places", "at")
+
+    def __init__(self, code: types.CodeType, places: list[SourceLoc]):
+        self.code, self.places = code, places
+        self.at = functools.partial(_enter_place, places)
+
+
+def _enter_place(places: list[SourceLoc], k: int) -> at_source:
+    return at_source.of(places[k])
+
+
 # The rewritten code depends only on the source, so kernels a factory makes (one function
 # object per config or head dim, one code object) share it; each binds its own closure.
-_factory_code: dict[tuple[types.CodeType, str], types.CodeType] = {}
+_factories: dict[tuple[types.CodeType, str], Factory] = {}
 
 
-def _compile_factory(fn: Callable) -> types.CodeType:
-    """The code of ``__kiln_factory(__kiln_rt, *freevars)``, which returns the rewritten fn."""
+def _compile_factory(fn: Callable) -> Factory:
+    """The rewrite of ``fn``'s source (:class:`Factory`)."""
     try:
         raw = function_source(fn)
         source = textwrap.dedent(raw)
@@ -459,10 +478,10 @@ def _compile_factory(fn: Callable) -> types.CodeType:
                              fix="define kernels in a .py file (not at an interactive prompt)",
                              loc=SourceLoc(fn.__code__.co_filename,
                                            fn.__code__.co_firstlineno)) from None
-    factory_code = _rewrite_source(fn, source, filename)
+    factory = _rewrite_source(fn, source, filename)
     dedent = raw.index(raw.lstrip()[0]) - source.index(source.lstrip()[0])
-    _record_column_shift(factory_code, dedent)
-    return factory_code
+    _record_column_shift(factory.code, dedent)
+    return factory
 
 
 # inspect.findsource's test for the line a function's source starts on
@@ -510,8 +529,8 @@ def _last_line(code: types.CodeType) -> int:
     return last
 
 
-def _rewrite_source(fn: Callable, source: str, filename: str) -> types.CodeType:
-    """Parse, rewrite and compile ``fn``'s (dedented) source into the factory's code."""
+def _rewrite_source(fn: Callable, source: str, filename: str) -> Factory:
+    """Parse, rewrite and compile ``fn``'s (dedented) source into its :class:`Factory`."""
     # parsed at its own first line (blank lines before it), not moved there by
     # ast.increment_lineno's walk of the whole tree
     tree = ast.parse("\n" * (fn.__code__.co_firstlineno - 1) + source)
@@ -522,13 +541,16 @@ def _rewrite_source(fn: Callable, source: str, filename: str) -> types.CodeType:
     fdef.decorator_list = []
     # a source without the keywords declares nothing: no walk of the tree
     declares = ("global" in source or "nonlocal" in source) and declares_outer_names(fdef)
-    fdef.body = _Rewriter(filename, share=not declares, body=fdef.body)._stmts(fdef.body)
+    rewriter = _Rewriter(filename, share=not declares, body=fdef.body)
+    fdef.body = rewriter._stmts(fdef.body)
+    _fill(fdef)
     freevars = fn.__code__.co_freevars
     fdef.returns = None
     for a in fdef.args.posonlyargs + fdef.args.args + fdef.args.kwonlyargs:
         a.annotation = None  # annotations were read off the original function already
     body = [fdef, ast.Return(ast.Name(fdef.name, ast.Load()))]
-    factory = ast.copy_location(_function("__kiln_factory", [RT, *freevars], body), fdef)
-    module = fix_missing_locations(ast.Module([factory], type_ignores=[]))
-    code = compile(module, filename, "exec")
-    return next(c for c in code.co_consts if isinstance(c, types.CodeType))
+    params = [_PREFIX + name for name in _RUNTIME] + [AT, *freevars]
+    factory = _located(_function("__kiln_factory", params, body), fdef)
+    code = compile(ast.Module([factory], type_ignores=[]), filename, "exec")
+    return Factory(next(c for c in code.co_consts if isinstance(c, types.CodeType)),
+                   rewriter.places)

@@ -74,6 +74,7 @@ class TraceState:
     finishers: list = field(default_factory=list)  # run once the body is traced (kiln.release)
     # values.constant: (dtype, shape, attribute) -> its one arith.constant, in the entry block
     constants: dict = field(default_factory=dict)
+    struct_fields: dict = field(default_factory=dict)  # reg_tile: struct type -> its fields
 
     def unique_symbol(self, base: str) -> str:
         name, n = base, 0
@@ -144,24 +145,35 @@ def current_target():
     return current().target
 
 
-class at_source:
+class at_source(trace_location):
     """Enter a user source position: new ops get its ``loc("file":line:col)`` and Kiln errors
-    raised inside point at it. Used by the AST-rewritten kernel around every statement."""
+    raised inside point at it (:class:`~kiln.core.errors.trace_location`). Used by the
+    AST-rewritten kernel around every statement.
 
-    __slots__ = ("loc", "_mlir_loc", "_trace")
+    Example: ``with at_source("k.py", 12, 4): ...`` builds ops at ``loc("k.py":12:5)``."""
+
+    __slots__ = ("_mlir_loc",)
 
     def __init__(self, filename: str, line: int, col: int, end_col: int | None = None):
-        self.loc = SourceLoc(filename, line, col, end_col)
+        super().__init__(SourceLoc(filename, line, col, end_col))
         self._mlir_loc = None
-        self._trace = trace_location(self.loc)
+
+    @classmethod
+    def of(cls, loc: SourceLoc) -> "at_source":
+        """Enter ``loc``, a SourceLoc made once (the rewritten code's table of positions)."""
+        entered = cls.__new__(cls)
+        entered.loc = loc
+        entered._mlir_loc = None
+        return entered
 
     def __enter__(self):
-        self._mlir_loc = ir.Location.file(self.loc.filename, self.loc.line, self.loc.col + 1)
+        loc = self.loc
+        self._mlir_loc = ir.Location.file(loc.filename, loc.line, loc.col + 1)
         self._mlir_loc.__enter__()
-        self._trace.__enter__()
+        trace_location.__enter__(self)
         return self
 
     def __exit__(self, *exc):
-        self._trace.__exit__(*exc)
+        trace_location.__exit__(self, *exc)
         self._mlir_loc.__exit__(*exc)
         return False

@@ -21,7 +21,7 @@ from mlir.dialects import arith, gpu, llvm, math
 from . import builder
 from .core import dtypes as dt
 from .core.errors import KilnTypeError, KilnValueError, checked_call
-from .values import Value, cast, constant, to_value, unify
+from .values import Value, cast, constant, generic_op, known, to_value, unify
 
 __all__ = ["block_id", "thread_id", "num_blocks", "block_dim", "lane_id", "warp_id", "barrier",
            "fence",
@@ -143,7 +143,7 @@ def where(cond: Any, a: Any, b: Any) -> Value:
     if not isinstance(a, Value) and not isinstance(b, Value):
         a = to_value(a)
     x, y = unify(a, b)
-    return Value(arith.select(c.ir, x.ir, y.ir), x.dtype)
+    return known(generic_op("arith.select", x.ir.type, c.ir, x.ir, y.ir), x.dtype, x.shape)
 
 
 def _float(x: Any) -> Value:
@@ -211,7 +211,7 @@ def maximum(a: Any, b: Any) -> Value:
         return _tile_binary(a, b, maximum)
     x, y = unify(a, b)
     if x.dtype.is_float:
-        return Value(arith.maximumf(x.ir, y.ir), x.dtype)
+        return known(generic_op("arith.maximumf", x.ir.type, x.ir, y.ir), x.dtype, x.shape)
     op = arith.maxui if x.dtype.kind in ("index", "bool") else arith.maxsi
     return Value(op(x.ir, y.ir), x.dtype)
 

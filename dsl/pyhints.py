@@ -36,7 +36,8 @@ UFUNC_OPERATORS = {
     "less_equal": operator.le, "greater": operator.gt, "greater_equal": operator.ge,
     "equal": operator.eq, "not_equal": operator.ne,
 }
-_KILN_RT = "__kiln_rt"  # every AST-rewritten function (kernel, @kiln.func) closes over it
+# the name every AST-rewritten function (kernel, @kiln.func) closes over (kiln.ast_rewrite)
+REWRITTEN_MARKER = "__kiln_at"
 # Code objects of AST-rewritten functions -> how far their source was dedented (their column
 # offsets are relative to the dedented text); filled by kiln.ast_rewrite.
 COLUMN_SHIFT: dict[types.CodeType, int] = {}
@@ -109,7 +110,7 @@ def truth_value_error() -> KilnTypeError:
     """The error for ``bool(v)``; names ``@kiln.func`` when a plain helper holds the ``if``."""
     frame = caller_frame()
     loc = None
-    if frame is not None and _KILN_RT not in frame.f_code.co_freevars:
+    if frame is not None and REWRITTEN_MARKER not in frame.f_code.co_freevars:
         loc, _ = _position(frame)
         text = (loc.source_line() or "").lstrip()
         # Only an `if` becomes scf.if under @kiln.func; `and`/`or`, `while` still cannot work.

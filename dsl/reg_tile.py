@@ -27,18 +27,19 @@ Example (online softmax step on an accumulator ``s``)::
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import numpy as np
 from mlir import ir
 from mlir.dialects import llvm, vector
 
+from . import builder, ops
 from .core import dtypes as dt
-from . import ops
 from .core.errors import KilnTypeError, KilnValueError
 from .layout import ThreadValueLayout, transpose
 from .shuffle import butterfly_reduce
-from .values import Value, broadcast, cast, constant, to_value, unify
+from .values import Value, broadcast, cast, constant, known, to_value, unify
 
 ROW_LANES = "row_l"
 COL_LANES = "col_l"
@@ -53,6 +54,7 @@ def _pairwise(values: list[Value], combine) -> Value:
     return values[0]
 
 
+@functools.lru_cache(maxsize=None)  # immutable; every reduce and row broadcast asks again
 def _row_structure(tv: ThreadValueLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(group_of_value, lane_masks)`` for reducing each row of one fragment.
 
@@ -76,6 +78,7 @@ def _row_structure(tv: ThreadValueLayout) -> tuple[tuple[int, ...], tuple[int, .
     return group_of, masks
 
 
+@functools.lru_cache(maxsize=None)  # immutable, as _row_structure
 def _row_keys(tv: ThreadValueLayout) -> tuple[tuple[int, ...], ...]:
     """Every value group's rows, one per thread (:func:`_row_structure`'s group order): what a
     row vector needs to broadcast onto another layout whose threads hold the same rows."""
@@ -103,10 +106,38 @@ def _concat(values: list[ir.Value]) -> ir.Value:
 def pack_struct(registers: list[ir.Value]) -> ir.Value:
     """Scalars of one type as an ``!llvm.struct`` (field ``i`` = ``registers[i]``): the form
     of :meth:`RegTile.from_struct`."""
-    value = llvm.mlir_undef(llvm.StructType.get_literal([registers[0].type] * len(registers)))
+    struct_type = llvm.StructType.get_literal([registers[0].type] * len(registers))
+    value = llvm.mlir_undef(struct_type)
     for i, register in enumerate(registers):
-        value = llvm.insertvalue(value, register, [i])
+        value = _create("llvm.insertvalue", results=[struct_type], operands=[value, register],
+                        attributes={"position": ir.DenseI64ArrayAttr.get([i])}).result
     return value
+
+
+def _struct_fields(struct_type: ir.Type) -> tuple[int, ir.Type | None]:
+    """An ``!llvm.struct`` type's field count and its one field type (None when its fields
+    differ), remembered per trace: reading a 64-field body costs ~100 us."""
+    state = builder.current_or_none()
+    memo = state.struct_fields if state is not None else {}
+    found = memo.get(struct_type)
+    if found is None:
+        body = llvm.StructType(struct_type).body
+        found = memo[struct_type] = (len(body), body[0] if len(set(body)) == 1 else None)
+    return found
+
+
+def _lane(fragment: Value, v: int) -> Value:
+    """Value ``v`` of a fragment vector (``vector.extract``, built as :func:`_create` says)."""
+    return known(_create("vector.extract", results=[fragment.dtype.mlir_type()],
+                         operands=[fragment.ir],
+                         attributes={"static_position": ir.DenseI64ArrayAttr.get([v])}).result,
+                 fragment.dtype, ())
+
+
+# llvm.extractvalue/insertvalue and vector.extract built by the generic builder: the
+# generated ones' Python layers cost 3x as much, and a WGMMA accumulator's 64 fields are read
+# at every use.
+_create = ir.Operation.create
 
 
 class TileVector:
@@ -281,13 +312,14 @@ class RegTile:
 
         Example: ``acc = RegTile.from_struct(wgmma_result, kiln.layout.wgmma_m64_accumulator(64))``.
         """
-        body = llvm.StructType(value.type).body
-        if len(body) != layout.num_values or len(set(body)) != 1:
+        fields, field_type = _struct_fields(value.type)
+        if fields != layout.num_values or field_type is None:
             raise KilnTypeError(f"{value.type} is not a struct of {layout.num_values} registers "
                                 "of one type", fix="pass a WGMMA accumulator struct")
         tile = cls.__new__(cls)
         tile._fragments, tile.layout, tile.grid = None, layout, (1, 1)
-        tile._struct, tile._struct_dtype = value, dt.from_mlir(body[0])
+        tile._struct, tile._struct_dtype = value, dt.from_mlir(field_type)
+        tile._field_type = field_type
         return tile
 
     def struct(self) -> ir.Value:
@@ -347,15 +379,23 @@ class RegTile:
             raise KilnValueError(f"register {i} is outside this tile's {count} registers per "
                                  "thread", fix="index registers from 0")
         if self._struct is not None:
-            return Value(llvm.extractvalue(self._struct_dtype.mlir_type(), self._struct, [i]),
-                         self._struct_dtype)
+            return self._field(i)
         frag = self._fragments[i // width]
-        return Value(vector.extract(frag.ir, [], [i % width]), frag.dtype)
+        return _lane(frag, i % width)
+
+    def _field(self, i: int) -> Value:
+        """Field ``i`` of a struct tile."""
+        return known(_create("llvm.extractvalue", results=[self._field_type],
+                             operands=[self._struct],
+                             attributes={"position": ir.DenseI64ArrayAttr.get([i])}).result,
+                     self._struct_dtype, ())
 
     def registers(self) -> list[Value]:
         """All of this thread's registers, :meth:`element` order: the raw-list form."""
-        return [self.element(i)
-                for i in range(self.layout.num_values * self.grid[0] * self.grid[1])]
+        count = self.layout.num_values * self.grid[0] * self.grid[1]
+        if self._struct is not None:
+            return [self._field(i) for i in range(count)]
+        return [self.element(i) for i in range(count)]
 
     @property
     def view(self) -> str:
@@ -468,7 +508,7 @@ class RegTile:
             for j in range(gn):
                 frag = self.fragment(i, j)
                 for v, g in enumerate(group_of):
-                    members[g].append(Value(vector.extract(frag.ir, [], [v]), frag.dtype))
+                    members[g].append(_lane(frag, v))
             lines.append([butterfly_reduce(_pairwise(m, combine), masks if across_lanes else (),
                                            combine)
                           for m in members])

@@ -167,7 +167,7 @@ def _check_same(name: str, spec_a, types_a, spec_b, types_b, what: str):
 
 
 def _ir_types(values):
-    return [str(v.type) for v in values]
+    return [v.type for v in values]  # compared as types (printing a 64-field struct is slow)
 
 
 def reachable_structs(frame_locals: dict, names: Sequence[str]) -> list:

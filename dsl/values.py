@@ -21,6 +21,7 @@ use that needs a Python value at trace time, each naming the Kiln spelling (:mod
 
 from __future__ import annotations
 
+from math import copysign as math_copysign
 from typing import Any
 
 import numpy as np
@@ -148,7 +149,7 @@ class Value:
 
     def __neg__(self):
         if self.dtype.is_float:
-            return Value(arith.negf(self.ir), self.dtype)
+            return known(generic_op("arith.negf", self.ir.type, self.ir), self.dtype, self.shape)
         return binary("sub", constant(0, self.dtype, self.shape), self)
 
     def __pos__(self):
@@ -163,8 +164,8 @@ class Value:
 
     def __abs__(self):
         if self.dtype.is_float:
-            return Value(math.absf(self.ir), self.dtype)
-        return Value(math.absi(self.ir), self.dtype)
+            return known(math.absf(self.ir), self.dtype, self.shape)
+        return known(math.absi(self.ir), self.dtype, self.shape)
 
     # comparisons
     def __lt__(self, o): return compare("lt", self, o)
@@ -173,6 +174,21 @@ class Value:
     def __ge__(self, o): return compare("ge", self, o)
     def __eq__(self, o): return compare("eq", self, o)  # type: ignore[override]
     def __ne__(self, o): return compare("ne", self, o)  # type: ignore[override]
+
+
+def known(ir_value: ir.Value, dtype: DType, shape: tuple[int, ...]) -> Value:
+    """``Value(ir_value, dtype)`` for a caller that knows the value's shape (an op's result
+    shaped like its operands): no read of the MLIR type, a third of the constructor's cost,
+    on the path of every traced operator.
+
+    Example: ``known(arith.addf(x.ir, y.ir), x.dtype, x.shape)``."""
+    builder.count_value()
+    value = _new_value(Value)
+    value.ir, value.dtype, value.shape = ir_value, dtype, shape
+    return value
+
+
+_new_value = object.__new__
 
 
 class Handle:
@@ -211,28 +227,46 @@ def constant(value: Any, dtype: DType, shape: tuple[int, ...] = ()) -> Value:
     """An ``arith.constant`` of ``dtype`` (splat to ``vector<shape>`` when ``shape`` is given).
     In a kernel trace each distinct constant is made once, at the top of the kernel's entry
     block (it dominates every use there): a large kernel asks for ~1500 constants of ~100
-    values, and building an op costs more than finding it."""
-    attr = scalar_attr(value, dtype)
+    values, and building an op costs more than finding it (or than making its attribute: a
+    Python number is looked up first)."""
     state = builder.current_or_none()
     made = state.constants if state is not None and state.entry_block is not None else None
-    key = (dtype, shape, attr)
-    if made is not None:
-        found = made.get(key)
+    if made is None:
+        return Value(_constant_op(scalar_attr(value, dtype), dtype, shape), dtype)
+    number = _number_key(value)
+    if number is not None:
+        found = made.get((dtype, shape, number))
         if found is not None:
-            return Value(found, dtype)
+            return known(found, dtype, shape)
+    attr = scalar_attr(value, dtype)
+    key = (dtype, shape, attr)
+    found = made.get(key)
+    if found is None:
         with ir.InsertionPoint.at_block_begin(state.entry_block):
-            result = _constant_op(attr, dtype, shape)
-        made[key] = result
-        return Value(result, dtype)
-    return Value(_constant_op(attr, dtype, shape), dtype)
+            found = made[key] = _constant_op(attr, dtype, shape)
+    if number is not None:
+        made[(dtype, shape, number)] = found
+    return known(found, dtype, shape)
+
+
+def _number_key(value: Any) -> tuple | None:
+    """What decides a Python int, bool or float's attribute: its type and value, and a float's
+    sign (0.0 == -0.0); None for other numbers (numpy scalars: their attribute is the key)."""
+    kind = type(value)
+    if kind is float:
+        return (kind, value, math_copysign(1.0, value))
+    if kind is int or kind is bool:
+        return (kind, value)
+    return None
 
 
 def _constant_op(attr: ir.Attribute, dtype: DType, shape: tuple[int, ...]) -> ir.Value:
     elem = dtype.mlir_type()
     if shape:
         vtype = ir.VectorType.get(list(shape), elem)
-        return arith.constant(vtype, ir.DenseElementsAttr.get_splat(vtype, attr))
-    return arith.constant(elem, attr)
+        return generic_op("arith.constant", vtype,
+                          attributes={"value": ir.DenseElementsAttr.get_splat(vtype, attr)})
+    return generic_op("arith.constant", elem, attributes={"value": attr})
 
 
 def scalar_attr(value: Any, dtype: DType) -> ir.Attribute:
@@ -318,6 +352,8 @@ def cast(x: Any, dtype: Any) -> Value:
 
     Example: ``kiln.cast(acc, kiln.bf16)``.
     """
+    if type(x) is Value and x.dtype is dtype:  # already that dtype (most casts of a trace)
+        return x
     target = dt.dtype(dtype)
     if hasattr(x, "__kiln_elementwise__"):  # a register tile (kiln.tiles): RegTile.cast
         return x.cast(target)
@@ -330,34 +366,34 @@ def cast(x: Any, dtype: Any) -> Value:
     rtype = _mlir_type(target, shape)
     v = x.ir
     if src.is_float and target.is_float:
-        op = arith.extf if target.bits > src.bits else arith.truncf
+        op = "arith.extf" if target.bits > src.bits else "arith.truncf"
         if target.bits == src.bits:  # f16 <-> bf16 goes through f32
             return cast(cast(x, dt.f32), target)
-        return Value(op(rtype, v), target)
+        return known(generic_op(op, rtype, v), target, shape)
     if src.is_int and target.is_float:
         if src.kind == "index":
             return cast(cast(x, dt.i64), target)
-        op = arith.uitofp if src.kind == "bool" else arith.sitofp
-        return Value(op(rtype, v), target)
+        op = "arith.uitofp" if src.kind == "bool" else "arith.sitofp"
+        return known(generic_op(op, rtype, v), target, shape)
     if src.is_float and target.is_int:
         if target.kind == "index":
             return cast(cast(x, dt.i64), target)
         if target.kind == "bool":
             return compare("ne", x, 0.0)
-        return Value(arith.fptosi(rtype, v), target)
+        return known(generic_op("arith.fptosi", rtype, v), target, shape)
     # integer <-> integer
     if src.kind == "index" or target.kind == "index":
         if target.kind == "bool":
             return compare("ne", x, 0)
         if src.kind == "bool":
             return cast(cast(x, dt.i32), target)
-        return Value(arith.index_cast(rtype, v), target)
+        return known(generic_op("arith.index_cast", rtype, v), target, shape)
     if target.kind == "bool":
         return compare("ne", x, 0)
     if target.bits > src.bits:
-        op = arith.extui if src.kind == "bool" else arith.extsi
-        return Value(op(rtype, v), target)
-    return Value(arith.trunci(rtype, v), target)
+        op = "arith.extui" if src.kind == "bool" else "arith.extsi"
+        return known(generic_op(op, rtype, v), target, shape)
+    return known(generic_op("arith.trunci", rtype, v), target, shape)
 
 
 def broadcast(x: Value, shape: tuple[int, ...]) -> Value:
@@ -366,7 +402,25 @@ def broadcast(x: Value, shape: tuple[int, ...]) -> Value:
     if x.shape:
         raise KilnTypeError(f"vector shapes {x.shape} and {shape} do not match",
                             fix="combine vectors of the same width")
-    return Value(vector.broadcast(_mlir_type(x.dtype, shape), x.ir), x.dtype)
+    return known(vector.broadcast(_mlir_type(x.dtype, shape), x.ir), x.dtype, shape)
+
+
+_WEAK = (int, float)  # literal types of unify's fast path (not bool: it has rules of its own)
+
+
+def _literal_joins(dtype: DType, literal: int | float) -> bool:
+    """Whether ``literal`` next to a Value of ``dtype`` promotes to ``dtype`` itself (an int
+    literal checked to fit it, as the general path does)."""
+    kind = type(literal)
+    joins = _JOINS.get((dtype, kind))
+    if joins is None:  # the promotion depends on the literal's type only
+        joins = _JOINS[dtype, kind] = dt.promote(dtype, dt.literal_dtype(literal, dtype)) is dtype
+    if joins and kind is int and dtype.is_int:
+        _check_literal_range(literal, dtype)
+    return joins
+
+
+_JOINS: dict[tuple[DType, type], bool] = {}
 
 
 def unify(a: Any, b: Any) -> tuple[Value, Value]:
@@ -374,6 +428,13 @@ def unify(a: Any, b: Any) -> tuple[Value, Value]:
     if (type(a) is Value and type(b) is Value and a.dtype is b.dtype
             and a.shape == b.shape):  # most traced arithmetic: nothing to promote or broadcast
         return a, b
+    # a Value and a literal that takes its dtype (x * 0.5): the general path's result, sooner
+    if type(a) is Value and type(b) in _WEAK:
+        if _literal_joins(a.dtype, b):
+            return a, broadcast(constant(b, a.dtype), a.shape)
+    elif type(b) is Value and type(a) in _WEAK:
+        if _literal_joins(b.dtype, a):
+            return broadcast(constant(a, b.dtype), b.shape), b
     check_defined(a)
     check_defined(b)
     if not isinstance(a, Value) and not isinstance(b, Value):
@@ -396,12 +457,24 @@ def unify(a: Any, b: Any) -> tuple[Value, Value]:
     return (broadcast(cast(a, dtype), shape), broadcast(cast(b, dtype), shape))
 
 
-_INT_OPS = {"add": arith.addi, "sub": arith.subi, "mul": arith.muli, "floordiv": arith.divsi,
-            "mod": arith.remsi, "and": arith.andi, "or": arith.ori, "xor": arith.xori,
-            "shl": arith.shli, "shr": arith.shrsi}
-_INDEX_OPS = _INT_OPS | {"floordiv": arith.divui, "mod": arith.remui, "shr": arith.shrui}
-_FLOAT_OPS = {"add": arith.addf, "sub": arith.subf, "mul": arith.mulf, "truediv": arith.divf,
-              "mod": arith.remf}
+_INT_OPS = {"add": "arith.addi", "sub": "arith.subi", "mul": "arith.muli",
+            "floordiv": "arith.divsi", "mod": "arith.remsi", "and": "arith.andi",
+            "or": "arith.ori", "xor": "arith.xori", "shl": "arith.shli", "shr": "arith.shrsi"}
+_INDEX_OPS = _INT_OPS | {"floordiv": "arith.divui", "mod": "arith.remui", "shr": "arith.shrui"}
+_FLOAT_OPS = {"add": "arith.addf", "sub": "arith.subf", "mul": "arith.mulf",
+              "truediv": "arith.divf", "mod": "arith.remf"}
+_create = ir.Operation.create
+
+
+def generic_op(name: str, result_type: ir.Type, *operands: ir.Value,
+               attributes: dict | None = None) -> ir.Value:
+    """The one result of op ``name`` built by MLIR's generic builder at the current insertion
+    point and location: the generated builders' Python layers cost 3x as much, on the path of
+    every traced operator (the op is the same).
+
+    Example: ``generic_op("arith.addf", x.ir.type, x.ir, y.ir)``."""
+    return _create(name, results=[result_type], operands=list(operands),
+                   attributes=attributes).result
 
 
 def binary(op: str, a: Any, b: Any) -> Value:
@@ -412,26 +485,35 @@ def binary(op: str, a: Any, b: Any) -> Value:
         return binary("truediv", cast(x, dt.f32), cast(y, dt.f32))
     if dtype.is_float:
         if op == "floordiv":
-            return Value(math.floor(binary("truediv", x, y).ir), dtype)
+            return known(math.floor(binary("truediv", x, y).ir), dtype, x.shape)
         if op not in _FLOAT_OPS:
             raise KilnTypeError(f"operator '{op}' needs integer operands, got {dtype}",
                                 fix="kiln.cast the operands to an integer dtype first")
-        return Value(_FLOAT_OPS[op](x.ir, y.ir), dtype)
+        return known(generic_op(_FLOAT_OPS[op], x.ir.type, x.ir, y.ir), dtype, x.shape)
     table = _INDEX_OPS if dtype.kind == "index" else _INT_OPS
-    return Value(table[op](x.ir, y.ir), dtype)
+    return known(generic_op(table[op], x.ir.type, x.ir, y.ir), dtype, x.shape)
 
 
-_ICMP = {"lt": "slt", "le": "sle", "gt": "sgt", "ge": "sge", "eq": "eq", "ne": "ne"}
-_UCMP = {"lt": "ult", "le": "ule", "gt": "ugt", "ge": "uge", "eq": "eq", "ne": "ne"}
-_FCMP = {"lt": "OLT", "le": "OLE", "gt": "OGT", "ge": "OGE", "eq": "OEQ", "ne": "UNE"}
+# the predicates as their enum values (the attribute arith.cmpi/cmpf carry, an i64)
+_ICMP = {k: int(getattr(arith.CmpIPredicate, v)) for k, v in
+         {"lt": "slt", "le": "sle", "gt": "sgt", "ge": "sge", "eq": "eq", "ne": "ne"}.items()}
+_UCMP = {k: int(getattr(arith.CmpIPredicate, v)) for k, v in
+         {"lt": "ult", "le": "ule", "gt": "ugt", "ge": "uge", "eq": "eq", "ne": "ne"}.items()}
+_FCMP = {k: int(getattr(arith.CmpFPredicate, v)) for k, v in
+         {"lt": "OLT", "le": "OLE", "gt": "OGT", "ge": "OGE", "eq": "OEQ", "ne": "UNE"}.items()}
 
 
 def compare(op: str, a: Any, b: Any) -> Value:
     """A comparison producing an i1 Value (signed ints, unsigned index, ordered floats)."""
     x, y = unify(a, b)
     if x.dtype.is_float:
-        pred = getattr(arith.CmpFPredicate, _FCMP[op])
-        return Value(arith.cmpf(pred, x.ir, y.ir), dt.i1)
+        return _compare("arith.cmpf", _FCMP[op], x, y)
     names = _UCMP if x.dtype.kind in ("index", "bool") else _ICMP
-    pred = getattr(arith.CmpIPredicate, names[op])
-    return Value(arith.cmpi(pred, x.ir, y.ir), dt.i1)
+    return _compare("arith.cmpi", names[op], x, y)
+
+
+def _compare(name: str, predicate: int, x: Value, y: Value) -> Value:
+    i64 = ir.IntegerType.get_signless(64)
+    result = generic_op(name, _mlir_type(dt.i1, x.shape), x.ir, y.ir,
+                    attributes={"predicate": ir.IntegerAttr.get(i64, predicate)})
+    return known(result, dt.i1, x.shape)

@@ -231,28 +231,73 @@ def test_nested_if_in_loop_with_mask():
     assert asm.index("scf.for") < asm.index("scf.if")
 
 
-def test_rewrite_helpers_match_the_ast_module():
-    """The rewrite's own AST copy and location fill give what copy.deepcopy and
-    ast.fix_missing_locations give (the compiled kernel code must not change)."""
+def _odd_statements(x, n, items):
+    """Statements the rewrite takes its less common paths for: ``while``, ``with``, ``try``
+    (its handlers have positions of their own), a branch that returns (no shared branch
+    function), a non-name loop target."""
+    total = 0
+    while n > 0:
+        n -= 1
+    with open(__file__) as source:
+        total += len(source.readline())
+    try:
+        total += items[0]
+    except IndexError as err:
+        total -= len(str(err))
+    finally:
+        total += 1
+    if total > 3:
+        return total
+    for a, b in items:
+        total += a * b
+    for i in range(3):
+        if i == x:
+            break
+    return total
+
+
+def _rewritten_module(monkeypatch, fn, *, own_fill: bool):
+    """The factory module the rewrite compiles for ``fn``: with its own location fill, or
+    with none and ``ast.fix_missing_locations`` run before the compile."""
     import ast
-    import copy
-    import inspect
+    import builtins
+    import itertools
 
     from kiln import ast_rewrite
-    from kiln.kernels.attention import prefill_hopper
 
-    source = inspect.getsource(prefill_hopper)
-    tree = ast.parse(source)
-    functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
-    assert functions
-    for fdef in functions:  # leaves many generated nodes without locations
-        fdef.body = ast_rewrite._Rewriter("prefill_hopper.py")._stmts(fdef.body)
-    ours = ast_rewrite._clone(tree)
-    assert ast.dump(ours, include_attributes=True) == ast.dump(copy.deepcopy(tree),
-                                                               include_attributes=True)
-    assert ours is not tree and ours.body[0] is not tree.body[0]
-    expected = ast.dump(ast.fix_missing_locations(copy.deepcopy(tree)), include_attributes=True)
-    assert ast.dump(ast_rewrite.fix_missing_locations(ours), include_attributes=True) == expected
+    trees = []
+
+    def compile_(tree, *args):
+        trees.append(tree if own_fill else ast.fix_missing_locations(tree))
+        return builtins.compile(tree, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ast_rewrite, "compile", compile_, raising=False)
+        patch.setattr(ast_rewrite, "_counter", itertools.count())  # the same generated names
+        if not own_fill:
+            patch.setattr(ast_rewrite, "_fill", lambda node: None)
+            patch.setattr(ast_rewrite, "_located", ast.copy_location)
+        ast_rewrite._compile_factory(fn)
+    return ast.dump(trees[0], include_attributes=True)
+
+
+def test_rewrite_fills_locations_as_the_ast_module(monkeypatch):
+    """The rewrite gives each node it makes a position as it places it; every position is
+    what ``ast.fix_missing_locations`` of the whole tree gives (the compiled code, its line
+    table and so kiln.pyhints' columns must not change)."""
+    import inspect
+
+    from kiln.kernels.attention import mla_decode, prefill_hopper, prefill_hopper_steps
+
+    functions = [_odd_statements]
+    for module in (prefill_hopper, prefill_hopper_steps, mla_decode):
+        functions += [inspect.unwrap(f) for _, f in inspect.getmembers(module, inspect.isfunction)
+                      if f.__module__ == module.__name__]
+    functions = [getattr(f, "fn", f) for f in functions]
+    assert len(functions) > 10
+    for fn in functions:
+        assert _rewritten_module(monkeypatch, fn, own_fill=True) == \
+            _rewritten_module(monkeypatch, fn, own_fill=False), fn.__qualname__
 
 
 def test_factory_kernels_share_one_rewrite_and_keep_their_closures(monkeypatch):

@@ -199,3 +199,46 @@ def test_value_rejects_non_numeric_mlir_types():
     with pytest.raises(kiln.KilnTypeError, match="not !llvm.ptr") as info:
         body_ir(k, F32)
     assert "Handle" in info.value.fix
+
+
+def test_constants_are_found_by_their_python_number():
+    """A constant is looked up by its Python number before its attribute is made: 0.0 and -0.0
+    stay two constants, 1 and 1.0 as f32 (one attribute) one, True next to an i1 one."""
+    def k(x: kiln.Tensor[f32], m: kiln.Tensor[i32]):
+        v = x[0]
+        x[1] = v * 0.0 + v * -0.0 + v * 0.0
+        x[2] = kiln.cast(1, f32) + kiln.cast(1.0, f32) + v * 1
+        m[0] = kiln.cast((m[1] > 0) & True, i32) + 1
+    asm = body_ir(k, F32, np.zeros(4, np.int32))
+    constants = [line.split("=", 1)[1].split(" loc(")[0].strip() for line in asm.splitlines()
+                 if "arith.constant" in line]
+    assert constants.count("arith.constant 0.000000e+00 : f32") == 1
+    assert constants.count("arith.constant -0.000000e+00 : f32") == 1
+    assert constants.count("arith.constant 1.000000e+00 : f32") == 1
+    assert len(constants) == len(set(constants))  # each distinct constant made once
+
+
+def test_generic_op_and_known_match_the_generated_builders():
+    """``values.generic_op`` builds the op the generated builder builds (generic form with its
+    properties); ``values.known`` gives the Value ``Value(...)`` gives."""
+    from mlir import ir
+    from mlir.dialects import arith
+
+    from kiln.values import Value, generic_op, known
+
+    with ir.Context(), ir.Location.unknown():
+        module = ir.Module.create()
+        with ir.InsertionPoint(module.body):
+            f32_type = ir.VectorType.get([4], ir.F32Type.get())
+            a = arith.constant(f32_type, ir.DenseElementsAttr.get_splat(
+                f32_type, ir.FloatAttr.get(ir.F32Type.get(), 2.5)))
+            generated, generic = arith.addf(a, a), generic_op("arith.addf", a.type, a, a)
+            cmp = arith.cmpf(arith.CmpFPredicate.OLT, a, a)
+            i64 = ir.IntegerType.get_signless(64)
+            cmp_generic = generic_op("arith.cmpf", cmp.type, a, a, attributes={
+                "predicate": ir.IntegerAttr.get(i64, int(arith.CmpFPredicate.OLT))})
+        ops = [line.split("=", 1)[1] for line in
+               module.operation.get_asm(print_generic_op_form=True).splitlines() if "=" in line]
+        assert ops[1] == ops[2] and ops[3] == ops[4] and "predicate = 4" in ops[3]
+        made, wrapped = known(generic, kiln.f32, (4,)), Value(generated)
+        assert (made.dtype, made.shape) == (wrapped.dtype, wrapped.shape) == (kiln.f32, (4,))
