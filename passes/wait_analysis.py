@@ -60,6 +60,7 @@ then a superset of the true one and every placed wait stays sufficient.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from mlir import ir
 
@@ -76,11 +77,13 @@ from kiln.passes.op_queries import (NO_ACCESS, aliases_any, buffer_root, descrip
                                     written_roots)
 from kiln.passes.reaching_events import DATA_MOVES, ReachingEvents
 
+NOT_SHARED = object()  # WaitAnalysis._shared_root of a value that is no shared buffer
+_UNSEEN = object()
 GFX9_MAX = {name: limit for name, limit, _ in GFX9_WAITCNT_FIELDS}  # counter(max) waits for nothing
 UNCOMMITTED = -1  # ``younger`` of an mma_async not yet in a commit group: no wait retires it
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Step:
     """One op as the analysis sees it (compared by identity; events are Steps too)."""
 
@@ -97,11 +100,19 @@ class Step:
     releases: dict = field(default_factory=dict)  # counter -> N groups a release may leave
     data: bool = True            # touches shared data (not only mbarriers)
     signal: tuple | None = None  # the mbarrier a TMA load signals / a try_wait waits on
-    blocks: list = field(default_factory=list)  # nested blocks, each a list of Steps
+    blocks: Sequence = ()       # nested blocks, each a list of Steps
     reads: tuple = ()            # events this op consumes (filled after all events are known)
     shared_reads: tuple = ()     # buffers a WGMMA event reads through its descriptors
     refills: tuple = ()          # buffers a cp.async group, TMA load or shared store (re)writes
     tokens: tuple = ()           # the kiln.token ids its kiln.waits_for names
+
+    def inert(self) -> bool:
+        """Whether the walks pass it by: a plain op that reads no event and does nothing to
+        the counters, barriers or mbarriers."""
+        return self.kind == "op" and not (
+            self.reads or self.blocks or self.counter or self.limits or self.barrier
+            or self.commit or self.signal is not None or self.arrive is not None
+            or self.releases or self.refills)
 
 
 @dataclass(frozen=True)
@@ -239,10 +250,11 @@ class WaitAnalysis:
         self._steps: dict = {}    # ir.Operation -> Step, for events
         self._tokens: dict = {}   # kiln.token id -> event Step
         self._roots: dict = {}  # ir.Value -> descriptor_roots (WGMMAs share descriptors)
+        self._shared: dict = {}  # ir.Value -> its buffer_root if shared, else NOT_SHARED
         body = self._build(func.regions[0].blocks[0])
         # events whose register result is the data (LDS writes are found by buffer instead)
         self._value_events = ReachingEvents({op: s for op, s in self._steps.items()
-                                             if s.roots is None})
+                                             if s.roots is None}, body)
         self._resolve_reads(body)
         self._walk(body, {})
         for gap in cross_thread_gaps(body, Gap, placing=self._place is not None):
@@ -319,6 +331,7 @@ class WaitAnalysis:
                 found = writers[root] = {e for e in lds_events if aliases_any(root, e.roots)}
             return found
 
+        reaching = self._value_events
         for step in steps:
             op = step.op
             name = op.name
@@ -334,29 +347,38 @@ class WaitAnalysis:
             direct = (bool(lds_events) and step.roots is None and step.data
                       and name not in NO_ACCESS)
             for operand in operands:
-                found = self._value_events(operand)
-                if step.accumulates:  # an accumulator chained into the next MMA is no read
+                found = reaching(operand)
+                if found and step.accumulates:  # an accumulator chained into the next MMA is no read
                     found = {e for e in found if e.counter != step.counter}
                 needed |= found
                 if not (indirect or direct):
                     continue
-                shared = is_shared(operand)
-                if indirect and not shared:
+                root = self._shared_root(operand)
+                if indirect and root is NOT_SHARED:
                     for root in self._descriptor_roots(operand):
                         needed |= written(root)
-                if direct and shared:
-                    needed |= written(buffer_root(operand))
+                if direct and root is not NOT_SHARED:
+                    needed |= written(root)
             for token in step.tokens:
                 event = self._tokens.get(token)
                 if event is not None:
                     needed.add(event)
-            step.reads = tuple(sorted(needed, key=self._order.__getitem__))
+            step.reads = tuple(sorted(needed, key=self._order.__getitem__)) if needed else ()
             for block in step.blocks:
                 self._resolve_block(block, lds_events, writers)
+        steps[:] = [step for step in steps if not step.inert()]  # the walks pass them by
+
+    def _shared_root(self, value: ir.Value):
+        """:func:`buffer_root` of a shared-memory operand, else NOT_SHARED (memoised: an
+        operand is read by several ops)."""
+        root = self._shared.get(value, _UNSEEN)
+        if root is _UNSEEN:
+            root = self._shared[value] = buffer_root(value) if is_shared(value) else NOT_SHARED
+        return root
 
     def _descriptor_roots(self, value: ir.Value) -> tuple:
         """:func:`descriptor_roots`, memoised (WGMMAs share descriptors)."""
-        if is_shared(value):
+        if self._shared_root(value) is not NOT_SHARED:
             return ()
         roots = self._roots.get(value)
         if roots is None:
