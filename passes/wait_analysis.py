@@ -72,13 +72,11 @@ from kiln.core.ops import CP_ASYNC  # noqa: F401 - the passes' counter names liv
 from kiln.core.ops import AUTO_WAIT_ATTR, MBARRIER, NO_EFFECTS, WGMMA, Effects, is_shared
 from kiln.nvidia.mbarrier import RING_PAIR_ATTR
 from kiln.passes.mbarrier_protocol import cross_thread_gaps
-from kiln.passes.op_queries import (NO_ACCESS, aliases_any, buffer_root, descriptor_roots,
-                                    effects, is_exact_root, named_effects, same_mbarrier,
-                                    written_roots)
+from kiln.passes.op_queries import (NO_ACCESS, NOT_SHARED, BufferRoots, aliases_any,
+                                    buffer_root, effects, is_exact_root, named_effects,
+                                    same_mbarrier, written_roots)
 from kiln.passes.reaching_events import DATA_MOVES, ReachingEvents
 
-NOT_SHARED = object()  # WaitAnalysis._shared_root of a value that is no shared buffer
-_UNSEEN = object()
 GFX9_MAX = {name: limit for name, limit, _ in GFX9_WAITCNT_FIELDS}  # counter(max) waits for nothing
 UNCOMMITTED = -1  # ``younger`` of an mma_async not yet in a commit group: no wait retires it
 
@@ -249,8 +247,7 @@ class WaitAnalysis:
         self._record = True
         self._steps: dict = {}    # ir.Operation -> Step, for events
         self._tokens: dict = {}   # kiln.token id -> event Step
-        self._roots: dict = {}  # ir.Value -> descriptor_roots (WGMMAs share descriptors)
-        self._shared: dict = {}  # ir.Value -> its buffer_root if shared, else NOT_SHARED
+        self._buffers = BufferRoots()
         body = self._build(func.regions[0].blocks[0])
         # events whose register result is the data (LDS writes are found by buffer instead)
         self._value_events = ReachingEvents({op: s for op, s in self._steps.items()
@@ -290,7 +287,7 @@ class WaitAnalysis:
                 step.roots = written_roots(op)
                 if step.counter == WGMMA and step.descriptors:
                     step.shared_reads = tuple(r for v in op.operands
-                                              for r in self._descriptor_roots(v))
+                                              for r in self._buffers.descriptors(v))
                 if step.counter in (CP_ASYNC, MBARRIER) and AUTO_WAIT_ATTR in attrs:
                     step.refills = step.roots or ()  # a tile copy's cp.async group / TMA load
                 self._steps[op] = step
@@ -331,7 +328,7 @@ class WaitAnalysis:
                 found = writers[root] = {e for e in lds_events if aliases_any(root, e.roots)}
             return found
 
-        reaching = self._value_events
+        reaching, buffers = self._value_events, self._buffers
         for step in steps:
             op = step.op
             name = op.name
@@ -353,9 +350,9 @@ class WaitAnalysis:
                 needed |= found
                 if not (indirect or direct):
                     continue
-                root = self._shared_root(operand)
+                root = buffers.shared(operand)
                 if indirect and root is NOT_SHARED:
-                    for root in self._descriptor_roots(operand):
+                    for root in buffers.descriptors(operand):
                         needed |= written(root)
                 if direct and root is not NOT_SHARED:
                     needed |= written(root)
@@ -367,23 +364,6 @@ class WaitAnalysis:
             for block in step.blocks:
                 self._resolve_block(block, lds_events, writers)
         steps[:] = [step for step in steps if not step.inert()]  # the walks pass them by
-
-    def _shared_root(self, value: ir.Value):
-        """:func:`buffer_root` of a shared-memory operand, else NOT_SHARED (memoised: an
-        operand is read by several ops)."""
-        root = self._shared.get(value, _UNSEEN)
-        if root is _UNSEEN:
-            root = self._shared[value] = buffer_root(value) if is_shared(value) else NOT_SHARED
-        return root
-
-    def _descriptor_roots(self, value: ir.Value) -> tuple:
-        """:func:`descriptor_roots`, memoised (WGMMAs share descriptors)."""
-        if self._shared_root(value) is not NOT_SHARED:
-            return ()
-        roots = self._roots.get(value)
-        if roots is None:
-            roots = self._roots[value] = descriptor_roots(value)
-        return roots
 
     # -- transfer functions ------------------------------------------------------------------
     def _walk(self, steps: list[Step], state: State) -> State:
