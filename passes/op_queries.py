@@ -9,7 +9,7 @@ from collections import deque
 from mlir import ir
 from mlir.dialects import llvm  # also registers the class !llvm.ptr types are returned as
 
-from kiln.core.ops import NO_EFFECTS, OP_ATTR, Effects, is_shared, lookup_named
+from kiln.core.ops import NO_EFFECTS, OP_ATTR, Effects, all_ops, is_shared, lookup_named
 
 # Ops that only forward a pointer/buffer: the root of a buffer is found through them.
 _FORWARDING = ("memref.subview", "memref.cast", "memref.reinterpret_cast", "memref.view",
@@ -38,6 +38,15 @@ def named_effects(op: ir.Operation, name: str, attrs) -> Effects:
     counter = ir.StringAttr(attrs["kiln.async"]).value
     writes = None if len(op.results) else (lambda o: tuple(v for v in o.operands if is_shared(v)))
     return Effects(counter=counter, writes=writes)
+
+
+def may_declare(field: str):
+    """A cheap filter before :func:`effects`: ``test(op)`` is False only for ops whose
+    declared effects leave ``field`` unset (looked up by MLIR name, not tagged ``kiln.op``),
+    from the registry as it is now. Example: ``ringed = may_declare("ring")``."""
+    names = frozenset(name for opdef in all_ops() if getattr(opdef.effects, field) is not None
+                      for name in opdef.mlir_names)
+    return lambda op: op.name in names or OP_ATTR in op.attributes
 
 
 def op_counter(op: ir.Operation) -> str | None:
