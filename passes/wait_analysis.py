@@ -36,6 +36,9 @@ Which events an op reads does not depend on the path, so it is computed once per
   the buffers their descriptors are computed from;
 - the events named by ``kiln.waits_for = [tokens]`` (``kiln.token`` ids).
 
+The ops that then read no event and touch no counter, barrier or mbarrier are dropped from the
+op tree: the walks below pass them by (:meth:`Step.inert`).
+
 A release arrive declaring ``releases`` (``{wgmma: N}``: the buffer it hands back was read by
 WGMMA groups older than the newest N) is checked against the count of committed WGMMA groups
 that may be in flight (the state's :data:`GROUPS` entry): more than N is a Gap on the WGMMA,
@@ -345,15 +348,15 @@ class WaitAnalysis:
                       and name not in NO_ACCESS)
             for operand in operands:
                 found = reaching(operand)
-                if found and step.accumulates:  # an accumulator chained into the next MMA is no read
+                if found and step.accumulates:  # a chained accumulator is no read
                     found = {e for e in found if e.counter != step.counter}
                 needed |= found
                 if not (indirect or direct):
                     continue
                 root = buffers.shared(operand)
                 if indirect and root is NOT_SHARED:
-                    for root in buffers.descriptors(operand):
-                        needed |= written(root)
+                    for behind in buffers.descriptors(operand):
+                        needed |= written(behind)
                 if direct and root is not NOT_SHARED:
                     needed |= written(root)
             for token in step.tokens:
