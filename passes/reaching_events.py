@@ -31,10 +31,16 @@ DATA_MOVES = frozenset((
 _NONE: frozenset = frozenset()
 
 
+def _op_of(item) -> ir.Operation:
+    """The op of an op tree item (a bare op, or an item with ``op``)."""
+    return item if isinstance(item, ir.Operation) else item.op
+
+
 class ReachingEvents:
     """``reaching(value)``: the set of events reaching ``value``. ``events`` maps each op whose
     register result is an event (an async MMA, a register load in flight) to that event;
-    ``steps`` is the op tree (items with ``op`` and ``blocks``, lists of the same)."""
+    ``steps`` is the op tree (items with ``op``, ``kind`` and ``blocks``, lists of the same;
+    or bare ops, with no region and no event)."""
 
     def __init__(self, events: dict, steps: list):
         self._events = events
@@ -52,17 +58,21 @@ class ReachingEvents:
         [(yields, body), ...])``, ``("region", bodies)``."""
         program = []
         for step in steps:
+            if isinstance(step, ir.Operation):  # a plain op (no region, no declared effect)
+                if step.name in DATA_MOVES:
+                    program.append(("move", list(step.results), list(step.operands)))
+                continue
             op = step.op
             if step.blocks:
                 bodies = [self._program(block) for block in step.blocks]
                 if step.kind == "for" and len(op.results):
-                    term = step.blocks[0][-1].op
+                    term = _op_of(step.blocks[0][-1])
                     program.append(("for", list(op.results), list(op.operands)[3:],
                                     list(op.regions[0].blocks[0].arguments)[1:],
                                     list(term.operands), bodies[0]))
                 elif step.kind == "if" and len(op.results):
                     program.append(("if", list(op.results),
-                                    [(list(block[-1].op.operands), body)
+                                    [(list(_op_of(block[-1]).operands), body)
                                      for block, body in zip(step.blocks, bodies)]))
                 elif any(bodies):
                     program.append(("region", bodies))

@@ -152,6 +152,7 @@ State = dict  # event Step -> Pending
 # kernels' writes are not checked: stages of one ring buffer are not told apart.
 SHARED_STORES = frozenset(("vector.store", "vector.maskedstore", "memref.store"))
 GROUPS = Step(None, "groups")
+_PLAIN = Step(None, "op")  # what a plain op (a bare ir.Operation in the op tree) declares
 MAX_GROUPS = 8
 
 
@@ -272,18 +273,25 @@ class WaitAnalysis:
         return True
 
     # -- the op tree -------------------------------------------------------------------------
-    def _build(self, block: ir.Block) -> list[Step]:
+    def _build(self, block: ir.Block) -> list:
+        """``block``'s op tree: a Step per op, but a plain op (no declared effect, no region)
+        stays a bare ir.Operation until _resolve_block finds what it reads."""
         steps = []
         for view in block.operations:
             op = view.operation
             name = op.name
             attrs = op.attributes  # read once: each access builds a new dictionary view
             found = named_effects(op, name, attrs)
-            if found is NO_EFFECTS:  # most ops: nothing to declare, no attributes to read
+            regions = len(op.regions)  # listing an op's regions costs ten times their number
+            refills = name in SHARED_STORES and AUTO_WAIT_ATTR in attrs
+            if found is NO_EFFECTS and not (regions or refills or "kiln.waits_for" in attrs):
+                steps.append(op)  # most ops: a Step only if they read an event (_resolve_block)
+                continue
+            if found is NO_EFFECTS:
                 step = Step(op, "for" if name == "scf.for" else "if" if name == "scf.if" else "op")
             else:
                 step = self._declared_step(op, name, found)
-            if name in SHARED_STORES and AUTO_WAIT_ATTR in attrs:
+            if refills:
                 step.refills = tuple(buffer_root(v) for v in op.operands if is_shared(v))
             step.counter = found.counter
             if step.counter is not None:
@@ -299,7 +307,7 @@ class WaitAnalysis:
             if "kiln.waits_for" in attrs:
                 step.tokens = tuple(ir.IntegerAttr(t).value
                                     for t in ir.ArrayAttr(attrs["kiln.waits_for"]))
-            if len(op.regions):  # listing an op's regions costs ten times asking their number
+            if regions:
                 step.blocks = [self._build(b) for r in op.regions for b in r.blocks]
             steps.append(step)
         return steps
@@ -332,8 +340,11 @@ class WaitAnalysis:
             return found
 
         reaching, buffers = self._value_events, self._buffers
-        for step in steps:
-            op = step.op
+        kept = []
+        for item in steps:
+            plain = isinstance(item, ir.Operation)
+            step = _PLAIN if plain else item
+            op = item if plain else step.op
             name = op.name
             needed = set()
             if name == "scf.for":
@@ -363,10 +374,17 @@ class WaitAnalysis:
                 event = self._tokens.get(token)
                 if event is not None:
                     needed.add(event)
-            step.reads = tuple(sorted(needed, key=self._order.__getitem__)) if needed else ()
+            reads = tuple(sorted(needed, key=self._order.__getitem__)) if needed else ()
+            if plain:
+                if reads:
+                    kept.append(Step(op, "op", reads=reads))
+                continue
+            step.reads = reads
             for block in step.blocks:
                 self._resolve_block(block, lds_events, writers)
-        steps[:] = [step for step in steps if not step.inert()]  # the walks pass them by
+            if not step.inert():  # the walks pass inert steps by
+                kept.append(step)
+        steps[:] = kept
 
     # -- transfer functions ------------------------------------------------------------------
     def _walk(self, steps: list[Step], state: State) -> State:
