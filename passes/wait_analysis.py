@@ -156,6 +156,13 @@ _PLAIN = Step(None, "op")  # what a plain op (a bare ir.Operation in the op tree
 MAX_GROUPS = 8
 
 
+def _registers_only(name: str) -> bool:
+    """Whether an op's operands are never buffers: ``arith`` and ``math`` ops take integers,
+    floats, indices and vectors of them (but ``arith.select``, any type), so their operands
+    are not asked whether they are shared memory."""
+    return name.startswith(("arith.", "math.")) and name != "arith.select"
+
+
 def _join(a: State, b: State) -> State:
     out = dict(a)
     for key, pend in b.items():
@@ -356,7 +363,7 @@ class WaitAnalysis:
             # whether an operand's buffer (direct, or behind a descriptor) is read: asked once
             indirect = bool(lds_events) and step.descriptors
             direct = (bool(lds_events) and step.roots is None and step.data
-                      and name not in NO_ACCESS)
+                      and name not in NO_ACCESS and not _registers_only(name))
             for operand in operands:
                 found = reaching(operand)
                 if found and step.accumulates:  # a chained accumulator is no read
