@@ -46,6 +46,7 @@ from mlir import ir
 from mlir.dialects import nvgpu, nvvm, rocdl
 
 from kiln.core.errors import InternalError, WaitError, source_loc_from_mlir
+from kiln.core.profile import gc_paused
 from kiln.passes import register_pass
 from kiln.passes.cluster_schedule import cluster_spans, recipes_of
 from kiln.passes.enclosing import enclosing_gpu_func, enclosing_loops, func_vendor, gpu_funcs, where
@@ -292,14 +293,20 @@ def insert_waits(module_op: ir.Operation, pass_=None) -> None:
             continue
         if vendor == "amd":
             _insert_drains(func)
-        closed: set = set()  # the gaps earlier walks placed waits for
-        while True:
-            found: list = []
-            if not WaitAnalysis(func, place=lambda gap: _place_new(gap, closed, found)).placed:
-                if proved is not None:  # no gap left: proved
-                    proved.add(func)
-                break
-            closed.update(found)
+        with gc_paused():
+            _place_all(func, proved)
+
+
+def _place_all(func: ir.Operation, proved: set | None) -> None:
+    """Walk ``func`` until a walk places no wait (then, with ``proved``, record it there)."""
+    closed: set = set()  # the gaps earlier walks placed waits for
+    while True:
+        found: list = []
+        if not WaitAnalysis(func, place=lambda gap: _place_new(gap, closed, found)).placed:
+            if proved is not None:  # no gap left: proved
+                proved.add(func)
+            return
+        closed.update(found)
 
 
 def _place_new(gap: Gap, closed: set, found: list) -> None:

@@ -48,9 +48,10 @@ from kiln.nvidia.mbarrier import DEFAULT_TICKS, RING_STAGES_ATTR
 from kiln.passes.enclosing import enclosing_loops
 from kiln.passes.ring_exprs import ZERO, Exprs, Lin, cond_facts, floor_facts, nonneg
 from kiln.passes.ring_guards import guarded_count
-from kiln.passes.op_queries import effects
+from kiln.passes.op_queries import effects, may_declare
 
 UNKNOWN = None
+ADVANCE = ir.WalkResult.ADVANCE
 
 
 @dataclass(frozen=True)
@@ -94,14 +95,16 @@ class Rings:
         if like is None:
             self.exprs = Exprs()
             self.ops: list = []
-            func.operation.walk(self._collect)
+            ringed = may_declare("ring")  # most ops are not asked for their declaration
+            func.operation.walk(lambda op: self._collect(op) if ringed(op) else ADVANCE)
             self.stages = self._units()
             self._around = _with_ancestors([op for op, _ in self.ops])
             self._kept: dict = {}  # ir.Block -> its ring ops and the ops around them, in order
+            self._orders: dict = {}  # loop op -> its ops in program order (ring_guards)
         else:
             self.exprs, self.ops, self._by_op, self.stages = (like.exprs, like.ops, like._by_op,
                                                               like.stages)
-            self._around, self._kept = like._around, like._kept
+            self._around, self._kept, self._orders = like._around, like._kept, like._orders
         self.full = {r[1] for _, r in self.ops if r[0] == "fill"}
         self.empty = {r[1] for _, r in self.ops if r[0] == "release"} - self.full
         # the blocks that also hold the virtual wait's op or an op around it
@@ -122,13 +125,13 @@ class Rings:
             for op in group_arms:
                 if self.counts.get(op, UNKNOWN) is UNKNOWN and op in self.facts:
                     self.counts[op] = guarded_count(self.exprs, op, self.facts[op], group_arms,
-                                                    enclosing_loops)
+                                                    enclosing_loops, self._orders)
 
     def _collect(self, op):
         ring = ring_of(op.operation)
         if ring is not None:
             self.ops.append((op.operation, ring))
-        return ir.WalkResult.ADVANCE
+        return ADVANCE
 
     def _units(self) -> dict:
         """Rewrite each ring op's group to its *unit* and give each unit's stage count: a group

@@ -9,7 +9,7 @@ from collections import deque
 from mlir import ir
 from mlir.dialects import llvm  # also registers the class !llvm.ptr types are returned as
 
-from kiln.core.ops import NO_EFFECTS, OP_ATTR, Effects, is_shared, lookup_named
+from kiln.core.ops import NO_EFFECTS, OP_ATTR, Effects, all_ops, is_shared, lookup_named
 
 # Ops that only forward a pointer/buffer: the root of a buffer is found through them.
 _FORWARDING = ("memref.subview", "memref.cast", "memref.reinterpret_cast", "memref.view",
@@ -38,6 +38,15 @@ def named_effects(op: ir.Operation, name: str, attrs) -> Effects:
     counter = ir.StringAttr(attrs["kiln.async"]).value
     writes = None if len(op.results) else (lambda o: tuple(v for v in o.operands if is_shared(v)))
     return Effects(counter=counter, writes=writes)
+
+
+def may_declare(field: str):
+    """A cheap filter before :func:`effects`: ``test(op)`` is False only for ops whose
+    declared effects leave ``field`` unset (looked up by MLIR name, not tagged ``kiln.op``),
+    from the registry as it is now. Example: ``ringed = may_declare("ring")``."""
+    names = frozenset(name for opdef in all_ops() if getattr(opdef.effects, field) is not None
+                      for name in opdef.mlir_names)
+    return lambda op: op.name in names or OP_ATTR in op.attributes
 
 
 def op_counter(op: ir.Operation) -> str | None:
@@ -75,27 +84,72 @@ def same_mbarrier(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and (a[1] is None or b[1] is None or a[1] == b[1])
 
 
-def descriptor_roots(value: ir.Value) -> tuple:
-    """Shared buffers a descriptor value is computed from: its backward slice, breadth first
-    (the base descriptor sits a hop or two above the stage offset's arithmetic), 256 values
-    at most. Register operands (floats, i32 A fragments, WGMMA accumulator structs: their
-    slice is the earlier MMAs of the chain, not this one's operands) are no descriptors: none."""
-    kind = value.type
-    if isinstance(kind, (ir.FloatType, ir.VectorType, llvm.StructType)) or (
-            isinstance(kind, ir.IntegerType) and kind.width != 64):
-        return ()
-    roots, queue, seen = [], deque([value]), set()
-    while queue and len(seen) < 256:
-        current = queue.popleft()
-        if current in seen or isinstance(current.owner, ir.Block):
-            continue
-        seen.add(current)
-        for operand in current.owner.operation.operands:
-            if is_shared(operand):
-                roots.append(buffer_root(operand))
-            else:
-                queue.append(operand)
-    return tuple(roots)
+NOT_SHARED = object()  # BufferRoots.shared of a value that is no shared-memory buffer
+
+
+class BufferRoots:
+    """The buffer queries of one function's operands, memoised (an operand is read by several
+    ops, and WGMMAs' descriptors share most of their slices). Example::
+
+        roots = BufferRoots()
+        roots.shared(value)        # buffer_root(value) for a shared buffer, else NOT_SHARED
+        roots.descriptors(desc)    # the shared buffers a WGMMA descriptor is computed from
+    """
+
+    def __init__(self):
+        self._shared: dict = {}       # ir.Value -> buffer_root, or NOT_SHARED
+        self._descriptors: dict = {}  # ir.Value -> descriptor roots
+        self._edges: dict = {}        # ir.Value -> its owner's operands: (shared roots, others)
+
+    def shared(self, value: ir.Value):
+        """:func:`buffer_root` of a shared-memory (LDS) operand, else NOT_SHARED."""
+        root = self._shared.get(value, self)
+        if root is self:
+            root = self._shared[value] = buffer_root(value) if is_shared(value) else NOT_SHARED
+        return root
+
+    def descriptors(self, value: ir.Value) -> tuple:
+        """Shared buffers a descriptor value is computed from: its backward slice, breadth
+        first (the base descriptor sits a hop or two above the stage offset's arithmetic), 256
+        values at most. A shared buffer is no descriptor, and register operands (floats, i32 A
+        fragments, WGMMA accumulator structs: their slice is the earlier MMAs of the chain,
+        not this one's operands) are none: ()."""
+        roots = self._descriptors.get(value)
+        if roots is None:
+            roots = self._descriptors[value] = () if self.shared(value) is not NOT_SHARED \
+                else self._slice_roots(value)
+        return roots
+
+    def _slice_roots(self, value: ir.Value) -> tuple:
+        kind = value.type
+        if isinstance(kind, (ir.FloatType, ir.VectorType, llvm.StructType)) or (
+                isinstance(kind, ir.IntegerType) and kind.width != 64):
+            return ()
+        roots, queue, seen = [], deque([value]), set()
+        while queue and len(seen) < 256:
+            current = queue.popleft()
+            if current in seen:
+                continue
+            edges = self._edges_of(current)
+            if edges is None:  # a block argument
+                continue
+            seen.add(current)
+            for operand, root in edges:
+                if root is NOT_SHARED:
+                    queue.append(operand)
+                else:
+                    roots.append(root)
+        return tuple(roots)
+
+    def _edges_of(self, value: ir.Value):
+        """``(operand, its shared root or NOT_SHARED)`` for each operand of ``value``'s owner,
+        in order; None for a block argument."""
+        edges = self._edges.get(value, self)
+        if edges is self:
+            owner = value.owner
+            edges = self._edges[value] = None if isinstance(owner, ir.Block) else tuple(
+                (operand, self.shared(operand)) for operand in owner.operation.operands)
+        return edges
 
 
 def buffer_root(value: ir.Value):

@@ -4,12 +4,15 @@ loop-carried values (the read side of :class:`~kiln.passes.wait_analysis.WaitAna
 A value read by an op waits on every event whose result flows into it: through register data
 movement (:data:`DATA_MOVES`), ``scf.for`` iter_args (the initial value and the yielded one)
 and ``scf.if`` / ``scf.for`` results (each branch's yield; a loop's initial value, for a
-zero-trip loop). The walk is memoised per strongly connected component (Tarjan), so an
-unrolled pipeline's interleaved loop cycles are walked once.
+zero-trip loop). The sets flow forward once over the op tree in program order (SSA: an operand
+is defined before its use), each loop body again until its iter_args stop growing: the least
+solution of those equations. Only the ops that forward or produce an event are kept for the
+loops' later rounds, each as its operand and result values, read from the IR once; the other
+values reach no event and are not stored.
 
 Example::
 
-    reaching = ReachingEvents({wgmma_op: step})
+    reaching = ReachingEvents({wgmma_op: step}, steps)   # steps: the analysis's op tree
     reaching(acc_value)          # {step} when acc_value forwards wgmma_op's result
 """
 
@@ -25,87 +28,112 @@ DATA_MOVES = frozenset((
     "vector.transpose", "vector.interleave", "vector.deinterleave", "arith.bitcast",
     "llvm.bitcast", "llvm.extractvalue", "llvm.insertvalue", "builtin.unrealized_conversion_cast"))
 
+_NONE: frozenset = frozenset()
+
+
+def _op_of(item) -> ir.Operation:
+    """The op of an op tree item (a bare op, or an item with ``op``)."""
+    return item if isinstance(item, ir.Operation) else item.op
+
 
 class ReachingEvents:
     """``reaching(value)``: the set of events reaching ``value``. ``events`` maps each op whose
-    register result is an event (an async MMA, a register load in flight) to that event."""
+    register result is an event (an async MMA, a register load in flight) to that event;
+    ``steps`` is the op tree (items with ``op``, ``kind`` and ``blocks``, lists of the same;
+    or bare ops, with no region and no event)."""
 
-    def __init__(self, events: dict):
+    def __init__(self, events: dict, steps: list):
         self._events = events
-        self._found: dict = {}  # ir.Value -> the events reaching it
+        self._found: dict = {}  # ir.Value -> the events reaching it (values reaching some only)
+        self.rounds = 0  # block programs run (the loops' rounds included), for tests
+        self._run(self._program(steps))
 
-    def __call__(self, value: ir.Value) -> set:
-        found = self._found.get(value)
-        if found is None:
-            self._components(value)
-            found = self._found[value]
-        return found
+    def __call__(self, value: ir.Value) -> frozenset:
+        return self._found.get(value, _NONE)
 
-    def _components(self, root: ir.Value) -> None:
-        """Memoise the events reaching every value met from ``root``, one strongly connected
-        component at a time: values of one loop-carried cycle reach the same events, so each
-        is walked once however many cycles an unrolled pipeline interleaves."""
-        index: dict = {}
-        low: dict = {}
-        stack: list = []
-        edges: dict = {}  # value -> (events it reads directly, values it forwards)
+    # -- the program: the ops that forward or produce events, with their values --------------
+    def _program(self, steps: list) -> list:
+        """``steps`` as instructions: ``("event", results, event)``, ``("move", results,
+        operands)``, ``("for", results, inits, args, yields, body)``, ``("if", results,
+        [(yields, body), ...])``, ``("region", bodies)``."""
+        program = []
+        for step in steps:
+            if isinstance(step, ir.Operation):  # a plain op (no region, no declared effect)
+                if step.name in DATA_MOVES:
+                    program.append(("move", list(step.results), list(step.operands)))
+                continue
+            op = step.op
+            if step.blocks:
+                bodies = [self._program(block) for block in step.blocks]
+                if step.kind == "for" and len(op.results):
+                    term = _op_of(step.blocks[0][-1])
+                    program.append(("for", list(op.results), list(op.operands)[3:],
+                                    list(op.regions[0].blocks[0].arguments)[1:],
+                                    list(term.operands), bodies[0]))
+                elif step.kind == "if" and len(op.results):
+                    program.append(("if", list(op.results),
+                                    [(list(_op_of(block[-1]).operands), body)
+                                     for block, body in zip(step.blocks, bodies)]))
+                elif any(bodies):
+                    program.append(("region", bodies))
+                continue
+            event = self._events.get(op)
+            if event is not None:
+                program.append(("event", list(op.results), frozenset((event,))))
+            elif op.name in DATA_MOVES:
+                program.append(("move", list(op.results), list(op.operands)))
+        return program
 
-        def visit(value) -> None:
-            index[value] = low[value] = len(index)
-            stack.append(value)
-            direct, forwarded = set(), []
-            for source in self.sources(value):
-                if not isinstance(source, ir.Value):
-                    direct.add(source)
-                elif source in self._found:  # a finished component
-                    direct |= self._found[source]
-                else:
-                    if source not in index:
-                        visit(source)
-                        low[value] = min(low[value], low[source])
-                    elif source not in self._found:  # still on the stack
-                        low[value] = min(low[value], index[source])
-                    forwarded.append(source)
-            edges[value] = (direct, forwarded)
-            if low[value] != index[value]:
-                return
-            component = [stack.pop()]
-            while component[-1] != value:
-                component.append(stack.pop())
-            found = set()
-            for member in component:
-                direct, forwarded = edges[member]
-                found |= direct
-                for source in forwarded:  # members of this component add nothing new
-                    found |= self._found.get(source, set())
-            for member in component:
-                self._found[member] = found
+    # -- running it ----------------------------------------------------------------------------
+    def _union(self, values) -> frozenset:
+        found = self._found
+        out = _NONE
+        for value in values:
+            more = found.get(value)
+            if more is not None and not more <= out:
+                out = out | more
+        return out
 
-        visit(root)
+    def _set(self, values, events: frozenset) -> None:
+        if events:
+            for value in values:
+                self._found[value] = events
 
-    def sources(self, value: ir.Value) -> list:
-        """What feeds ``value``: the event that produced it, or the values it forwards."""
-        owner = value.owner
-        if isinstance(owner, ir.Block):
-            parent = owner.owner.operation if owner.owner is not None else None
-            n = ir.BlockArgument(value).arg_number - 1  # scf.for argument 0 is the induction var
-            if parent is None or parent.name != "scf.for" or n < 0:
-                return []
-            yielded = owner.operations[len(owner.operations) - 1].operands[n]
-            return [parent.operands[3 + n], yielded]
-        op = owner.operation
-        event = self._events.get(op)
-        if event is not None:
-            return [event]
-        if op.name in DATA_MOVES:
-            return list(op.operands)
-        if op.name not in ("scf.for", "scf.if"):
-            return []
-        n = ir.OpResult(value).result_number
-        sources = [op.operands[3 + n]] if op.name == "scf.for" else []  # zero-trip loop
-        for region in op.regions:
-            for block in region.blocks:
-                term = block.operations[len(block.operations) - 1]
-                if n < len(term.operands):
-                    sources.append(term.operands[n])
-        return sources
+    def _run(self, program: list) -> None:
+        self.rounds += 1
+        for item in program:
+            kind = item[0]
+            if kind == "move":
+                self._set(item[1], self._union(item[2]))
+            elif kind == "event":
+                self._set(item[1], item[2])
+            elif kind == "for":
+                self._loop(*item[1:])
+            elif kind == "if":
+                _, results, arms = item
+                for _, body in arms:
+                    self._run(body)
+                for n, result in enumerate(results):
+                    self._set((result,), self._union(
+                        [yields[n] for yields, _ in arms if n < len(yields)]))
+            else:
+                for body in item[1]:
+                    self._run(body)
+
+    def _loop(self, results, inits, args, yields, body) -> None:
+        """Run ``body`` until its iter_args (initial value and yielded value) stop growing;
+        each result is its initial value and its yielded value (a zero-trip loop)."""
+        first = True
+        while True:
+            changed = False
+            for init, arg, yielded in zip(inits, args, yields):
+                now = self._union((arg, init, yielded))
+                if now != self._found.get(arg, _NONE):
+                    self._set((arg,), now)
+                    changed = True
+            if not (changed or first):
+                break
+            first = False
+            self._run(body)
+        for n, result in enumerate(results):
+            self._set((result,), self._union((inits[n], yields[n])))

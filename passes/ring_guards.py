@@ -138,9 +138,10 @@ class _Counter:
 
 
 def guarded_count(exprs: Exprs, arm: ir.Operation, facts: tuple, arms: list,
-                  loops_of) -> Lin | None:
+                  loops_of, orders: dict) -> Lin | None:
     """The number of ``arms`` (one ring's) that ran before ``arm`` (module docstring), or
-    None. ``loops_of(op)``: the loops around an op, innermost first."""
+    None. ``loops_of(op)``: the loops around an op, innermost first; ``orders``: each loop's
+    ops numbered in program order, filled as needed (the arms of a loop share it)."""
     loops = loops_of(arm)  # one loop, the outermost: no earlier iteration of another
     if len(loops) != 1 or any(loops_of(other) != loops for other in arms):
         return None
@@ -149,13 +150,15 @@ def guarded_count(exprs: Exprs, arm: ir.Operation, facts: tuple, arms: list,
     if own is None:
         return None
     counter = _Counter(exprs, loop, facts, own)
-    order = {}
+    order = orders.get(loop)
+    if order is None:
+        order = orders[loop] = {}
 
-    def number(op):
-        order.setdefault(op.operation, len(order))
-        return ir.WalkResult.ADVANCE
+        def number(op):
+            order.setdefault(op.operation, len(order))
+            return ir.WalkResult.ADVANCE
 
-    loop.walk(number, ir.WalkOrder.PRE_ORDER)
+        loop.walk(number, ir.WalkOrder.PRE_ORDER)
     total = Lin()
     for other in arms:
         guards = _guards(other, loop)

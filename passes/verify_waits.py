@@ -20,6 +20,7 @@ from __future__ import annotations
 from mlir import ir
 
 from kiln.core.errors import WaitError, source_loc_from_mlir
+from kiln.core.profile import gc_paused
 from kiln.passes import register_pass
 from kiln.passes.enclosing import func_vendor, gpu_funcs, where
 from kiln.passes.mbarrier_rings import ring_errors
@@ -98,10 +99,11 @@ def verify_waits(module_op: ir.Operation, pass_=None) -> None:
     for func in gpu_funcs(module_op):
         if func_vendor(func) is None:
             continue
-        gaps = WaitAnalysis(func).gaps
+        with gc_paused():
+            gaps = WaitAnalysis(func).gaps
+            wrong = [] if gaps else ring_errors(func)
         if gaps:
             raise gap_error(gaps[0])
-        wrong = ring_errors(func)
         if wrong:
             raise ring_error(*wrong[0])
 
@@ -113,7 +115,8 @@ def verify_rings(module_op: ir.Operation, pass_=None) -> None:
     for func in gpu_funcs(module_op):
         if func_vendor(func) is None:
             continue
-        wrong = ring_errors(func)
+        with gc_paused():
+            wrong = ring_errors(func)
         if wrong:
             raise ring_error(*wrong[0])
 

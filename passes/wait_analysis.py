@@ -36,6 +36,9 @@ Which events an op reads does not depend on the path, so it is computed once per
   the buffers their descriptors are computed from;
 - the events named by ``kiln.waits_for = [tokens]`` (``kiln.token`` ids).
 
+The ops that then read no event and touch no counter, barrier or mbarrier are dropped from the
+op tree: the walks below pass them by (:meth:`Step.inert`).
+
 A release arrive declaring ``releases`` (``{wgmma: N}``: the buffer it hands back was read by
 WGMMA groups older than the newest N) is checked against the count of committed WGMMA groups
 that may be in flight (the state's :data:`GROUPS` entry): more than N is a Gap on the WGMMA,
@@ -60,6 +63,7 @@ then a superset of the true one and every placed wait stays sufficient.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from mlir import ir
 
@@ -71,16 +75,16 @@ from kiln.core.ops import CP_ASYNC  # noqa: F401 - the passes' counter names liv
 from kiln.core.ops import AUTO_WAIT_ATTR, MBARRIER, NO_EFFECTS, WGMMA, Effects, is_shared
 from kiln.nvidia.mbarrier import RING_PAIR_ATTR
 from kiln.passes.mbarrier_protocol import cross_thread_gaps
-from kiln.passes.op_queries import (NO_ACCESS, aliases_any, buffer_root, descriptor_roots,
-                                    effects, is_exact_root, named_effects, same_mbarrier,
-                                    written_roots)
+from kiln.passes.op_queries import (NO_ACCESS, NOT_SHARED, BufferRoots, aliases_any,
+                                    buffer_root, effects, is_exact_root, named_effects,
+                                    same_mbarrier, written_roots)
 from kiln.passes.reaching_events import DATA_MOVES, ReachingEvents
 
 GFX9_MAX = {name: limit for name, limit, _ in GFX9_WAITCNT_FIELDS}  # counter(max) waits for nothing
 UNCOMMITTED = -1  # ``younger`` of an mma_async not yet in a commit group: no wait retires it
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Step:
     """One op as the analysis sees it (compared by identity; events are Steps too)."""
 
@@ -97,11 +101,19 @@ class Step:
     releases: dict = field(default_factory=dict)  # counter -> N groups a release may leave
     data: bool = True            # touches shared data (not only mbarriers)
     signal: tuple | None = None  # the mbarrier a TMA load signals / a try_wait waits on
-    blocks: list = field(default_factory=list)  # nested blocks, each a list of Steps
+    blocks: Sequence = ()       # nested blocks, each a list of Steps
     reads: tuple = ()            # events this op consumes (filled after all events are known)
     shared_reads: tuple = ()     # buffers a WGMMA event reads through its descriptors
     refills: tuple = ()          # buffers a cp.async group, TMA load or shared store (re)writes
     tokens: tuple = ()           # the kiln.token ids its kiln.waits_for names
+
+    def inert(self) -> bool:
+        """Whether the walks pass it by: a plain op that reads no event and does nothing to
+        the counters, barriers or mbarriers."""
+        return self.kind == "op" and not (
+            self.reads or self.blocks or self.counter or self.limits or self.barrier
+            or self.commit or self.signal is not None or self.arrive is not None
+            or self.releases or self.refills)
 
 
 @dataclass(frozen=True)
@@ -140,7 +152,15 @@ State = dict  # event Step -> Pending
 # kernels' writes are not checked: stages of one ring buffer are not told apart.
 SHARED_STORES = frozenset(("vector.store", "vector.maskedstore", "memref.store"))
 GROUPS = Step(None, "groups")
+_PLAIN = Step(None, "op")  # what a plain op (a bare ir.Operation in the op tree) declares
 MAX_GROUPS = 8
+
+
+def _registers_only(name: str) -> bool:
+    """Whether an op's operands are never buffers: ``arith`` and ``math`` ops take integers,
+    floats, indices and vectors of them (but ``arith.select``, any type), so their operands
+    are not asked whether they are shared memory."""
+    return name.startswith(("arith.", "math.")) and name != "arith.select"
 
 
 def _join(a: State, b: State) -> State:
@@ -238,11 +258,11 @@ class WaitAnalysis:
         self._record = True
         self._steps: dict = {}    # ir.Operation -> Step, for events
         self._tokens: dict = {}   # kiln.token id -> event Step
-        self._roots: dict = {}  # ir.Value -> descriptor_roots (WGMMAs share descriptors)
+        self._buffers = BufferRoots()
         body = self._build(func.regions[0].blocks[0])
         # events whose register result is the data (LDS writes are found by buffer instead)
         self._value_events = ReachingEvents({op: s for op, s in self._steps.items()
-                                             if s.roots is None})
+                                             if s.roots is None}, body)
         self._resolve_reads(body)
         self._walk(body, {})
         for gap in cross_thread_gaps(body, Gap, placing=self._place is not None):
@@ -260,25 +280,32 @@ class WaitAnalysis:
         return True
 
     # -- the op tree -------------------------------------------------------------------------
-    def _build(self, block: ir.Block) -> list[Step]:
+    def _build(self, block: ir.Block) -> list:
+        """``block``'s op tree: a Step per op, but a plain op (no declared effect, no region)
+        stays a bare ir.Operation until _resolve_block finds what it reads."""
         steps = []
         for view in block.operations:
             op = view.operation
             name = op.name
             attrs = op.attributes  # read once: each access builds a new dictionary view
             found = named_effects(op, name, attrs)
-            if found is NO_EFFECTS:  # most ops: nothing to declare, no attributes to read
+            regions = len(op.regions)  # listing an op's regions costs ten times their number
+            refills = name in SHARED_STORES and AUTO_WAIT_ATTR in attrs
+            if found is NO_EFFECTS and not (regions or refills or "kiln.waits_for" in attrs):
+                steps.append(op)  # most ops: a Step only if they read an event (_resolve_block)
+                continue
+            if found is NO_EFFECTS:
                 step = Step(op, "for" if name == "scf.for" else "if" if name == "scf.if" else "op")
             else:
                 step = self._declared_step(op, name, found)
-            if name in SHARED_STORES and AUTO_WAIT_ATTR in attrs:
+            if refills:
                 step.refills = tuple(buffer_root(v) for v in op.operands if is_shared(v))
             step.counter = found.counter
             if step.counter is not None:
                 step.roots = written_roots(op)
                 if step.counter == WGMMA and step.descriptors:
                     step.shared_reads = tuple(r for v in op.operands
-                                              for r in self._descriptor_roots(v))
+                                              for r in self._buffers.descriptors(v))
                 if step.counter in (CP_ASYNC, MBARRIER) and AUTO_WAIT_ATTR in attrs:
                     step.refills = step.roots or ()  # a tile copy's cp.async group / TMA load
                 self._steps[op] = step
@@ -287,7 +314,7 @@ class WaitAnalysis:
             if "kiln.waits_for" in attrs:
                 step.tokens = tuple(ir.IntegerAttr(t).value
                                     for t in ir.ArrayAttr(attrs["kiln.waits_for"]))
-            if len(op.regions):  # listing an op's regions costs ten times asking their number
+            if regions:
                 step.blocks = [self._build(b) for r in op.regions for b in r.blocks]
             steps.append(step)
         return steps
@@ -319,8 +346,12 @@ class WaitAnalysis:
                 found = writers[root] = {e for e in lds_events if aliases_any(root, e.roots)}
             return found
 
-        for step in steps:
-            op = step.op
+        reaching, buffers = self._value_events, self._buffers
+        kept = []
+        for item in steps:
+            plain = isinstance(item, ir.Operation)
+            step = _PLAIN if plain else item
+            op = item if plain else step.op
             name = op.name
             needed = set()
             if name == "scf.for":
@@ -332,36 +363,35 @@ class WaitAnalysis:
             # whether an operand's buffer (direct, or behind a descriptor) is read: asked once
             indirect = bool(lds_events) and step.descriptors
             direct = (bool(lds_events) and step.roots is None and step.data
-                      and name not in NO_ACCESS)
+                      and name not in NO_ACCESS and not _registers_only(name))
             for operand in operands:
-                found = self._value_events(operand)
-                if step.accumulates:  # an accumulator chained into the next MMA is no read
+                found = reaching(operand)
+                if found and step.accumulates:  # a chained accumulator is no read
                     found = {e for e in found if e.counter != step.counter}
                 needed |= found
                 if not (indirect or direct):
                     continue
-                shared = is_shared(operand)
-                if indirect and not shared:
-                    for root in self._descriptor_roots(operand):
-                        needed |= written(root)
-                if direct and shared:
-                    needed |= written(buffer_root(operand))
+                root = buffers.shared(operand)
+                if indirect and root is NOT_SHARED:
+                    for behind in buffers.descriptors(operand):
+                        needed |= written(behind)
+                if direct and root is not NOT_SHARED:
+                    needed |= written(root)
             for token in step.tokens:
                 event = self._tokens.get(token)
                 if event is not None:
                     needed.add(event)
-            step.reads = tuple(sorted(needed, key=self._order.__getitem__))
+            reads = tuple(sorted(needed, key=self._order.__getitem__)) if needed else ()
+            if plain:
+                if reads:
+                    kept.append(Step(op, "op", reads=reads))
+                continue
+            step.reads = reads
             for block in step.blocks:
                 self._resolve_block(block, lds_events, writers)
-
-    def _descriptor_roots(self, value: ir.Value) -> tuple:
-        """:func:`descriptor_roots`, memoised (WGMMAs share descriptors)."""
-        if is_shared(value):
-            return ()
-        roots = self._roots.get(value)
-        if roots is None:
-            roots = self._roots[value] = descriptor_roots(value)
-        return roots
+            if not step.inert():  # the walks pass inert steps by
+                kept.append(step)
+        steps[:] = kept
 
     # -- transfer functions ------------------------------------------------------------------
     def _walk(self, steps: list[Step], state: State) -> State:
