@@ -26,6 +26,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import os
 import re
 from importlib import metadata
 from pathlib import Path
@@ -58,12 +59,26 @@ def _compiler_source_hash() -> str:
     once per process: an edit of Kiln takes effect in a new process anyway."""
     digest = hashlib.sha256()
     for name in ("kiln", "kiln.passes", "kiln.lowering", "kiln.kernels"):
-        root = Path(importlib.util.find_spec(name).origin).resolve().parent
+        root = os.path.dirname(os.path.realpath(importlib.util.find_spec(name).origin))
         digest.update(f"{name}@{root}\0".encode())
-        for path in sorted(root.rglob("*.py")):
-            digest.update(path.relative_to(root).as_posix().encode())
-            digest.update(path.read_bytes())
+        for relative, path in sorted(_python_files(root, "")):
+            digest.update(relative.encode())
+            with open(path, "rb") as source:
+                digest.update(source.read())
     return digest.hexdigest()[:16]
+
+
+def _python_files(directory: str, prefix: str) -> list[tuple[str, str]]:
+    """(path under the root, path) of every ``.py`` file below ``directory``: ``os.scandir``,
+    as ``Path.rglob`` and ``read_bytes`` took twice as long (a cold compile pays this)."""
+    found = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):  # as rglob: no symlink loops
+                found += _python_files(entry.path, f"{prefix}{entry.name}/")
+            elif entry.name.endswith(".py"):
+                found.append((prefix + entry.name, entry.path))
+    return found
 
 
 def _tool_identity(path: Path | None) -> str:
