@@ -50,7 +50,7 @@ def nvvm_passes(state: CompileState) -> list[str]:
         "convert-vector-to-scf", "convert-scf-to-cf",
         "convert-nvvm-to-llvm", "convert-func-to-llvm", "expand-strided-metadata", attach,
         # the regions are simplified once, by llvm-optimize-for-nvvm-target's rewrite driver,
-        # and cse once, at the end: the same IR at half the cost of upstream's list
+        # and cse runs once, at the end: upstream's IR, its cleanup at half the cost
         "lower-affine", "convert-arith-to-llvm", "convert-index-to-llvm", CANONICALIZE,
         f"gpu.module(convert-gpu-to-nvvm,llvm-optimize-for-nvvm-target,{CANONICALIZE},cse,"
         "reconcile-unrealized-casts)",

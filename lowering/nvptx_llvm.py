@@ -8,8 +8,9 @@ time one field's state changes), while the IPSCCP run before it has already prop
 constant. :func:`compile_ptx` makes the same steps through the C API of the ``libLLVM`` that
 MLIR itself links (so the very same LLVM), with ``O3_PIPELINE``: ``default<O3>`` as LLVM 22
 spells it, without that SCCP and without the passes that look for what no Kiln kernel holds
-(``IDLE_PASSES``: coroutines, OpenMP, indirect calls, profile data...). The PTX of every shipped kernel is byte-identical to upstream's
-(``tests/test_nvptx_llvm.py`` checks kernels against ``gpu-module-to-binary``). LLVM's
+(``IDLE_PASSES``: coroutines, OpenMP, indirect calls, profile data...). The PTX of every
+shipped kernel is byte-identical to upstream's (``tests/test_nvptx_llvm.py`` checks kernels
+against ``gpu-module-to-binary``). LLVM's
 optimisation and code generation run without the GIL (ctypes releases it), so autotune's
 threads compile their configs' PTX at the same time.
 
@@ -118,6 +119,7 @@ def without(pipeline: str, passes: tuple[str, ...]) -> str:
 
 
 O3_PIPELINE = without(_O3_LESS_SCCP, IDLE_PASSES)
+
 
 class UntranslatableError(CompilationError):
     """The module holds an op LLVM IR translation does not know (the caller names it)."""

@@ -28,7 +28,7 @@ from kiln.passes.insert_waits import recording_proofs
 # Passes every target runs first, on Kiln IR: Kiln's own rewrites, cleanup, then the waits
 # (after cleanup, so they see the final op order) and their proof (docs/passes.md).
 # Kiln IR is structured (a block per region): canonicalize without region simplification
-# (block merging, dead block arguments), a third of its time; the same IR on every kernel.
+# (block merging, dead block arguments), a quarter of its time; the same IR on every kernel.
 CANONICALIZE = "canonicalize{region-simplify=disabled}"
 GPU_STAGE_PASSES = ("kiln-fold-block-dim", "kiln-cluster-schedule", CANONICALIZE, "cse",
                     "kiln-insert-waits", "kiln-verify-waits")
