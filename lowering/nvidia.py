@@ -27,7 +27,8 @@ from kiln.core.errors import CompilationError
 from kiln.lowering import isa_sass, nvptx_llvm
 from kiln.lowering.metadata import empty_nvidia_metadata, parse_ptxas_verbose
 from kiln.lowering.dump import dump_stage
-from kiln.lowering.pipeline import Backend, CompileState, make_gpu, run_passes
+from kiln.lowering.pipeline import (CANONICALIZE, Backend, CompileState, make_gpu,
+                                    run_passes)
 from kiln.lowering.tools import stage_tool
 from kiln.lowering.translate import device_llvm_module, device_module, translate
 from kiln.lowering.verify_schedule import verify_schedule_sass
@@ -48,8 +49,10 @@ def nvvm_passes(state: CompileState) -> list[str]:
         "kiln-tma-l2-hints",  # after the conversion that keeps the hint only in a location
         "convert-vector-to-scf", "convert-scf-to-cf",
         "convert-nvvm-to-llvm", "convert-func-to-llvm", "expand-strided-metadata", attach,
-        "lower-affine", "convert-arith-to-llvm", "convert-index-to-llvm", "canonicalize", "cse",
-        "gpu.module(convert-gpu-to-nvvm,llvm-optimize-for-nvvm-target,canonicalize,cse,"
+        # the regions are simplified once, by llvm-optimize-for-nvvm-target's rewrite driver,
+        # and cse runs once, at the end: upstream's IR, its cleanup at half the cost
+        "lower-affine", "convert-arith-to-llvm", "convert-index-to-llvm", CANONICALIZE,
+        f"gpu.module(convert-gpu-to-nvvm,llvm-optimize-for-nvvm-target,{CANONICALIZE},cse,"
         "reconcile-unrealized-casts)",
         "kiln-extern-dynamic-shared",  # static shared buffers must not sit in the dynamic region
         *flush,
@@ -60,6 +63,7 @@ def make_nvvm(state: CompileState) -> str:
     if state.options.maxnreg is None:
         return run_passes(state, "nvvm", nvvm_passes(state))
     run_passes(state, "nvvm", nvvm_passes(state), text=False)
+    state.changing()
     _set_maxnreg(state.module, state.kernel, state.options.maxnreg)
     return state.module_text("nvvm")
 

@@ -7,8 +7,10 @@ On WGMMA kernels its function-level SCCP is a third of the optimisation (the acc
 time one field's state changes), while the IPSCCP run before it has already propagated every
 constant. :func:`compile_ptx` makes the same steps through the C API of the ``libLLVM`` that
 MLIR itself links (so the very same LLVM), with ``O3_PIPELINE``: ``default<O3>`` as LLVM 22
-spells it, without that SCCP. The PTX of every shipped kernel is byte-identical to upstream's
-(``tests/test_nvptx_llvm.py`` checks kernels against ``gpu-module-to-binary``). LLVM's
+spells it, without that SCCP and without the passes that look for what no Kiln kernel holds
+(``IDLE_PASSES``: coroutines, OpenMP, indirect calls, profile data...). The PTX of every
+shipped kernel is byte-identical to upstream's (``tests/test_nvptx_llvm.py`` checks kernels
+against ``gpu-module-to-binary``). LLVM's
 optimisation and code generation run without the GIL (ctypes releases it), so autotune's
 threads compile their configs' PTX at the same time.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import re
 from contextlib import nullcontext
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_void_p
 
@@ -48,7 +51,7 @@ _CFG = _SIMPLIFYCFG.format("no-forward-switch-cond;switch-range-to-icmp;no-switc
 _INSTCOMBINE = "instcombine<max-iterations=1;no-verify-fixpoint>"
 # LLVM 22's default<O3> for nvptx64 (`opt -O3 -print-pipeline-passes`) less the function
 # simplification's `sccp` (after gvn): nothing in it is left for SCCP after IPSCCP.
-O3_PIPELINE = ",".join((
+_O3_LESS_SCCP = ",".join((
     "memprof-remove-attributes,annotation2metadata,forceattrs,nvvm-reflect,"
     "function(nvvm-intr-range),inferattrs,coro-early",
     f"function<eager-inv>(ee-instrument<>,lower-expect,{_CFG_EARLY},sroa<modify-cfg>,early-cse<>,"
@@ -91,6 +94,32 @@ O3_PIPELINE = ",".join((
     "alloc-token,globaldce,constmerge,cg-profile,rel-lookup-table-converter,"
     "function(annotation-remarks)",
 ))
+# default<O3>'s passes that look for what no Kiln kernel holds, each walking the module (3% of
+# the passes' time at prefill D128; every shipped kernel's PTX is the same without them):
+IDLE_PASSES = (
+    "memprof-remove-attributes", "forceattrs", "ee-instrument<>", "alloc-token",  # attributes
+    "cg-profile",  # profile data
+    "coro-early", "coro-split", "coro-elide", "coro-cleanup", "coro-annotation-elide",
+    "openmp-opt", "openmp-opt-cgscc",
+    "called-value-propagation",  # indirect calls
+    "libcalls-shrinkwrap",  # library calls: NVPTX has none
+    "annotation2metadata", "function(annotation-remarks)", "move-auto-init",  # annotations
+    "elim-avail-extern",  # available_externally definitions
+    "rel-lookup-table-converter",  # position-independent code
+)
+
+
+def without(pipeline: str, passes: tuple[str, ...]) -> str:
+    """``pipeline`` (LLVM's textual form) less every element named in ``passes``, matched
+    whole between commas and parentheses, e.g. ``without("a,f(b,c)", ("b",)) == "a,f(c)"``."""
+    for name in passes:
+        escaped = re.escape(name)  # the element and the comma after it, else the one before
+        pipeline = re.sub(rf"(?:(?<=[(,])|^){escaped},|,{escaped}(?=\)|$)", "", pipeline)
+    return pipeline
+
+
+O3_PIPELINE = without(_O3_LESS_SCCP, IDLE_PASSES)
+
 
 class UntranslatableError(CompilationError):
     """The module holds an op LLVM IR translation does not know (the caller names it)."""

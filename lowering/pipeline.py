@@ -27,7 +27,10 @@ from kiln.passes.insert_waits import recording_proofs
 
 # Passes every target runs first, on Kiln IR: Kiln's own rewrites, cleanup, then the waits
 # (after cleanup, so they see the final op order) and their proof (docs/passes.md).
-GPU_STAGE_PASSES = ("kiln-fold-block-dim", "kiln-cluster-schedule", "canonicalize", "cse",
+# Kiln IR is structured (a block per region): canonicalize without region simplification
+# (block merging, dead block arguments), a quarter of its time; the same IR on every kernel.
+CANONICALIZE = "canonicalize{region-simplify=disabled}"
+GPU_STAGE_PASSES = ("kiln-fold-block-dim", "kiln-cluster-schedule", CANONICALIZE, "cse",
                     "kiln-insert-waits", "kiln-verify-waits")
 # Passes that only prove and change nothing: a backend with ``defers_proofs`` runs them on a
 # copy beside its binary tool (ptxas), off the compile's critical path.
@@ -58,10 +61,26 @@ class CompileState:
     # Run PROOF_PASSES later, with the deferred text (a failing proof still fails the compile).
     defer_proofs: bool = False
     proofs: list = field(default_factory=list)  # (stage, pass names, module copy)
+    # A clone of ``module`` as it is now, shared by the deferred text, the proofs and the next
+    # stage's reproducer (none of them changes it); None once ``module`` may have changed.
+    _copy: ir.Operation | None = field(default=None, repr=False)
 
     def step(self, stage: str, name: str):
         """Time a step of ``stage`` in the profile."""
         return self.profile.step(f"{stage}.{name}")
+
+    def copy(self, stage: str, name: str) -> ir.Operation:
+        """A clone of the module as it is now (timed as ``<stage>.<name>`` when made), shared
+        until :meth:`changing`: the readers of one module state share one clone. Readers
+        must not change it (a failing stage replays its passes on a clone of it)."""
+        if self._copy is None:
+            with self.step(stage, name):
+                self._copy = self.module.operation.clone()
+        return self._copy
+
+    def changing(self) -> None:
+        """Say that ``module`` is about to change: the next :meth:`copy` clones it again."""
+        self._copy = None
 
     def module_text(self, stage: str) -> str | None:
         """The module's text as ``stage``'s artifact: printed now, or (``defer_text``) from a
@@ -69,8 +88,7 @@ class CompileState:
         if not self.defer_text:
             with self.step(stage, "print"):
                 return str(self.module)
-        with self.step(stage, "copy"):
-            copy = self.module.operation.clone()
+        copy = self.copy(stage, "copy")
         self.defer(stage, lambda: str(copy))
         return None
 
@@ -83,20 +101,16 @@ class CompileState:
     def defer_proof(self, stage: str, elements: Sequence[str]) -> None:
         """Run the proof passes ``elements`` of ``stage`` later (:meth:`run_deferred`), on a
         copy of the module as it is now."""
-        with self.step(stage, "proof-copy"):
-            copy = self.module.operation.clone()
-        self.proofs.append((stage, tuple(elements), copy))
+        self.proofs.append((stage, tuple(elements), self.copy(stage, "proof-copy")))
 
     def pending(self) -> bool:
         """Whether proofs or artifacts wait for :meth:`run_deferred`."""
         return bool(self.proofs or self.deferred)
 
     def run_deferred(self, step: str) -> list[str]:
-        """Run the deferred proofs (timed as ``<step>.<pass>``; the first failing one raises),
-        then make the deferred artifacts (timed as ``<step>.<stage>``); the stages made."""
-        while self.proofs:
-            stage, elements, module = self.proofs.pop(0)
-            _prove(self, stage, elements, module, step)
+        """Make the deferred artifacts (timed as ``<step>.<stage>``), then run the deferred
+        proofs (timed as ``<step>.<pass>``; the first failing one raises) on the copies the
+        texts were printed from; the stages made."""
         made = []
         while self.deferred:
             stage, make = self.deferred.pop(0)
@@ -104,6 +118,9 @@ class CompileState:
                 self.asm[stage] = make()
             dump_stage(self.dump_prefix or self.kernel, stage, self.asm[stage])
             made.append(stage)
+        while self.proofs:
+            stage, elements, module = self.proofs.pop(0)
+            _prove(self, stage, elements, module, step)
         return made
 
 
@@ -158,9 +175,9 @@ def run_passes(state: CompileState, stage: str, elements: Sequence[str], *,
     """Run ``elements`` on ``state.module``; return the module's text afterwards (with
     ``text``; printing a large module costs as much as a pass)."""
     # A copy of the input for the reproducer, printed only when the stage fails: cloning
-    # costs a tenth of printing.
-    with state.step(stage, "snapshot"):
-        before = state.module.operation.clone()
+    # costs a tenth of printing (the previous stage's text copy when there is one).
+    before = state.copy(stage, "snapshot")
+    state.changing()
     # Verified after Kiln's own passes and once at the end, not after every upstream pass (a
     # third of the nvvm stage); a failure is replayed verifying after every pass.
     pm = build_pass_manager(elements, timer=lambda name: state.step(stage, f"passes.{name}"),
@@ -172,8 +189,8 @@ def run_passes(state: CompileState, stage: str, elements: Sequence[str], *,
             state.module.operation.verify()
     except ir.MLIRError as err:
         text = before.get_asm(enable_debug_info=True)
-        raise stage_error(state.kernel, stage, _replayed_error(before, elements) or err, text,
-                          elements, dump_prefix=state.dump_prefix) from None
+        raise stage_error(state.kernel, stage, _replayed_error(before.clone(), elements) or err,
+                          text, elements, dump_prefix=state.dump_prefix) from None
     return state.module_text(stage) if text else None
 
 
@@ -187,8 +204,8 @@ def _prove(state: CompileState, stage: str, elements: Sequence[str], module: ir.
         pm.run(module)
     except ir.MLIRError as err:
         text = module.get_asm(enable_debug_info=True)
-        raise stage_error(state.kernel, stage, _replayed_error(module, elements) or err, text,
-                          elements, dump_prefix=state.dump_prefix) from None
+        raise stage_error(state.kernel, stage, _replayed_error(module.clone(), elements) or err,
+                          text, elements, dump_prefix=state.dump_prefix) from None
 
 
 def _replayed_error(module: ir.Operation, elements: Sequence[str]) -> ir.MLIRError | None:

@@ -170,20 +170,25 @@ def test_constexpr_arrays_are_keyed_by_their_bytes(cache_dir):
         reads_table.compile(x, W=second, target="gfx950")
 
 
-def test_kiln_kernels_sources_are_in_the_key(monkeypatch):
+def test_kiln_kernels_sources_are_in_the_key(monkeypatch, tmp_path):
     import kiln.kernels
 
     decode = Path(kiln.kernels.__file__).parent / "attention" / "decode.py"
-    read_bytes = Path.read_bytes
+    edited = tmp_path / "decode.py"
+    edited.write_bytes(decode.read_bytes() + b"\n# edited\n")
+    listed = cache._python_files
 
-    def edited(path):
-        data = read_bytes(path)
-        return data + b"\n# edited\n" if path.resolve() == decode.resolve() else data
+    def with_edited_decode(directory, prefix):
+        return [(relative, str(edited) if Path(path).resolve() == decode.resolve() else path)
+                for relative, path in listed(directory, prefix)]
 
     cache.toolchain_versions.cache_clear()
     cache._compiler_source_hash.cache_clear()
     before = cache.make_key("kernel")
-    monkeypatch.setattr(Path, "read_bytes", edited)
+    assert ("attention/decode.py", str(decode)) in [
+        (relative, str(Path(path).resolve())) for relative, path in
+        listed(str(Path(kiln.kernels.__file__).resolve().parent), "")]
+    monkeypatch.setattr(cache, "_python_files", with_edited_decode)
     cache.toolchain_versions.cache_clear()
     cache._compiler_source_hash.cache_clear()
     try:
@@ -192,6 +197,15 @@ def test_kiln_kernels_sources_are_in_the_key(monkeypatch):
         monkeypatch.undo()
         cache.toolchain_versions.cache_clear()
         cache._compiler_source_hash.cache_clear()
+    assert cache.make_key("kernel") == before
+
+
+def test_distribution_versions_are_the_installed_ones():
+    from importlib import metadata
+
+    for name in ("numpy", "llvmlite", "xtc-mlir-python-bindings"):
+        assert cache._distribution_version(name) == metadata.version(name)
+    assert cache._distribution_version("kiln-no-such-distribution") == "absent"
 
 
 def test_the_numpy_version_enters_the_key(monkeypatch):

@@ -73,7 +73,7 @@ def _profile_rows(out: str) -> dict[str, tuple[float, float]]:
 
 @pytest.mark.parametrize("target, steps", [
     ("sm_90a", ["cache-lookup", "trace", "parse", "gpu", "gpu.passes",
-                "gpu.passes.kiln-insert-waits", "gpu.proof-copy", "gpu.copy",
+                "gpu.passes.kiln-insert-waits", "gpu.snapshot", "gpu.copy",  # proof: the copy
                 "nvvm", "nvvm.passes", "nvvm.copy", "llvm", "ptx", "ptx.passes", "cubin",
                 *(["ptx.translate", "ptx.link", "ptx.codegen"]  # LLVM through its C API
                   if nvptx_llvm.pipeline_for(3) is not None else [])]),

@@ -5,6 +5,7 @@ let a wrong kernel through."""
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import kiln.tiles as tiles
 from kiln.cluster import manual_waits
 from kiln.core.errors import CompilationError, InternalError, WaitError
 from kiln.core.options import CompileOptions
+from kiln.kernel import JITKernel
 from kiln.lowering import amd, compiler, nvidia, pipeline
 from kiln.lowering.compiler import compile_kernel
 from kiln.lowering.tools import find_ptxas
@@ -147,6 +149,70 @@ def test_a_failing_deferred_proof_is_the_gpu_stage_error_with_a_reproducer(monke
     assert "kiln-test-refuse" in str(caught.value)
     reproducer = open(caught.value.reproducer).read()
     assert "nvgpu.device_async_wait" in reproducer  # the proof's input: waits inserted
+
+
+def test_one_clone_serves_the_gpu_text_its_proof_and_the_next_reproducer(monkeypatch):
+    """The module after the gpu stage is cloned once: its deferred text, the ring proof and
+    the nvvm stage's reproducer copy share it (none changes it)."""
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+    ck = staged_copy.compile(*_args(), MANUAL=False, target="sm_90a")
+    steps = _steps(ck)
+    assert steps.count("gpu.copy") == 1 and "gpu.snapshot" in steps and "nvvm.copy" in steps
+    assert "gpu.proof-copy" not in steps and "nvvm.snapshot" not in steps
+    assert "nvgpu.device_async_wait" in ck.asm["gpu"] and "llvm.func" in ck.asm["nvvm"]
+
+
+def test_a_failing_stage_replays_on_its_own_copy_of_the_shared_clone(monkeypatch, tmp_path):
+    """The nvvm stage's reproducer copy is the gpu stage's text copy: replaying the failing
+    passes on it must leave both the reproducer and the gpu text as the gpu stage made them."""
+    from kiln import passes
+
+    def mangle_then_fail(op, pass_):
+        op.attributes["kiln.mangled"] = ir.UnitAttr.get()
+        pass_.signal_pass_failure()
+
+    monkeypatch.setitem(passes._REGISTRY, "kiln-test-mangle",
+                        passes.KilnPass("kiln-test-mangle", mangle_then_fail, "test: fails"))
+    monkeypatch.setattr(nvidia, "nvvm_passes", lambda state: ["kiln-test-mangle"])
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+    monkeypatch.setenv("KILN_DUMP_DIR", str(tmp_path))
+    with pytest.raises(CompilationError, match="the 'nvvm' stage failed") as caught:
+        staged_copy.compile(*_args(), MANUAL=False, target="sm_90a", num_warps=2)
+    reproducer = open(caught.value.reproducer).read()
+    assert "nvgpu.device_async_wait" in reproducer and "kiln.mangled" not in reproducer
+    gpu_texts = [path.read_text() for path in tmp_path.rglob("*gpu*") if path.is_file()]
+    assert gpu_texts and all("kiln.mangled" not in text for text in gpu_texts)
+    assert any("nvgpu.device_async_wait" in text for text in gpu_texts)
+
+
+def test_canonicalize_without_region_simplification_gives_upstreams_artifacts(monkeypatch):
+    """The gpu and nvvm stages' canonicalize skips region simplification and the nvvm stage
+    runs one cse (llvm-optimize-for-nvvm-target's rewrite driver simplifies the regions):
+    upstream's lists (full canonicalize, cse twice) give the same text at every stage."""
+    from kiln.kernels.attention.combine import compile_combine
+
+    monkeypatch.setenv("KILN_NO_CACHE", "1")
+    ours = compile_combine(target="sm_90a")
+    full = "canonicalize"
+    monkeypatch.setattr(pipeline, "GPU_STAGE_PASSES", tuple(
+        full if name == pipeline.CANONICALIZE else name for name in pipeline.GPU_STAGE_PASSES))
+    kiln_list = nvidia.nvvm_passes
+
+    def upstream_list(state):
+        names = [name.replace(pipeline.CANONICALIZE, full) for name in kiln_list(state)]
+        at = names.index(full)
+        names[at + 1:at + 1] = ["cse"]
+        assert "region-simplify" not in " ".join(names) and names[at + 2].count(",cse,") == 1
+        return names
+
+    monkeypatch.setattr(nvidia, "nvvm_passes", upstream_list)
+    for obj in gc.get_objects():  # compile again: no in-memory specialisation
+        if isinstance(obj, JITKernel):
+            obj._compiled.clear()
+    upstream = compile_combine(target="sm_90a")
+    assert upstream is not ours
+    for stage in ("gpu", "nvvm", "llvm", "ptx"):
+        assert ours.asm[stage] == upstream.asm[stage], stage
 
 
 @kiln.kernel

