@@ -40,6 +40,21 @@ def _waves(ctx) -> list[np.ndarray]:
     return [np.arange(w * WAVE, (w + 1) * WAVE) for w in np.flatnonzero(active.any(axis=1))]
 
 
+def _live_waves(ctx) -> np.ndarray | None:
+    """Indices of the context's waves that have an active lane; None when that is all of them
+    (the common case: whole-wave ops then run on the arrays as they are)."""
+    if ctx.mask is None:
+        return None
+    live = ctx.mask.reshape(-1, WAVE).any(axis=1)
+    return None if live.all() else np.flatnonzero(live)
+
+
+def _wave_rows(x: np.ndarray, waves: np.ndarray | None) -> np.ndarray:
+    """``x`` (one row per lane) as ``(waves, WAVE * values)``, only the waves ``waves``."""
+    x = x.reshape(-1, WAVE * int(np.prod(x.shape[1:], dtype=np.int64)))
+    return x if waves is None else x[waves]
+
+
 @semantics("amdgpu.fat_raw_buffer_cast")
 def _buffer_cast(op, p):
     (src,), valid_bytes, _swizzle_stride = operand_segments(op, p)
@@ -151,22 +166,30 @@ def _mfma(op, p):
     for name in ("cbsz", "abid"):
         if attr_int(op, name, 0):
             raise UnsupportedError(f"the interpreter has no MFMA {name} broadcast", loc=loc)
+    # Where each lane's values sit in the row-major A (m x k), B (k x n) and C (m x n) tiles.
     (a_rows, a_cols), (b_rows, b_cols) = operand_a_layout(m, k).coords(), \
         operand_b_layout(k, n).coords()
     c_rows, c_cols = _accumulator_layout(m).coords()
+    a_at, b_at = (a_rows * k + a_cols).reshape(-1), (b_rows * n + b_cols).reshape(-1)
+    c_at = (c_rows * n + c_cols).reshape(-1)
+    per_lane = c_rows.shape[1]
 
     def run(env, ctx):
         size = ctx.size
-        a, b, c = (np.broadcast_to(env[s], (size,) + env[s].shape[1:]).astype(np.float64)
+        waves = _live_waves(ctx)
+        a, b, c = (_wave_rows(np.broadcast_to(env[s], (size,) + env[s].shape[1:]), waves)
                    for s in (a_slot, b_slot, c_slot))
-        d = np.zeros((size, c_rows.shape[1]), np.float32)
-        for lanes in _waves(ctx):
-            ta, tb, tc = np.zeros((m, k)), np.zeros((k, n)), np.zeros((m, n))
-            ta[a_rows, a_cols] = a[lanes].reshape(WAVE, -1)
-            tb[b_rows, b_cols] = b[lanes].reshape(WAVE, -1)
-            tc[c_rows, c_cols] = c[lanes]
-            d[lanes] = (tc + ta @ tb)[c_rows, c_cols]
-        env[out] = d
+        count = a.shape[0]
+        ta, tb, tc = np.zeros((count, m * k)), np.zeros((count, k * n)), np.zeros((count, m * n))
+        ta[:, a_at], tb[:, b_at], tc[:, c_at] = a, b, c
+        tile = tc.reshape(count, m, n) + ta.reshape(count, m, k) @ tb.reshape(count, k, n)
+        fragments = tile.reshape(count, m * n)[:, c_at].astype(np.float32)
+        if waves is None:
+            env[out] = fragments.reshape(size, per_lane)
+            return
+        d = np.zeros((size // WAVE, WAVE * per_lane), np.float32)
+        d[waves] = fragments
+        env[out] = d.reshape(size, per_lane)
 
     return run
 
@@ -176,6 +199,8 @@ def _transpose_load(op, p):
     src, *index = p.operands(op)
     out = p.result(op)
     per_lane = ir.VectorType(op.results[0].type).shape[0]
+    # the model applied to each element's own index: which loaded element each lane receives
+    gather = transpose_read_model(np.arange(WAVE * per_lane).reshape(WAVE, per_lane)).reshape(-1)
     loc = location(op)
 
     def run(env, ctx):
@@ -188,9 +213,13 @@ def _transpose_load(op, p):
             ctx.cta.shared.check(element_bytes(mem, cols.reshape(-1)), False,
                                  "this transposed LDS read", loc)
         loaded = mem.storage[cols]
+        waves = _live_waves(ctx)
+        moved = _wave_rows(loaded, waves)[:, gather].reshape(-1, per_lane)
+        if waves is None:
+            env[out] = moved
+            return
         result = np.array(loaded)
-        for lanes in _waves(ctx):
-            result[lanes] = transpose_read_model(loaded[lanes])
+        result.reshape(-1, WAVE, per_lane)[waves] = moved.reshape(-1, WAVE, per_lane)
         env[out] = result
 
     return run
