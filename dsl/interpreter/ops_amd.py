@@ -49,9 +49,12 @@ def _live_waves(ctx) -> np.ndarray | None:
     return None if live.all() else np.flatnonzero(live)
 
 
-def _wave_rows(x: np.ndarray, waves: np.ndarray | None) -> np.ndarray:
-    """``x`` (one row per lane) as ``(waves, WAVE * values)``, only the waves ``waves``."""
-    x = x.reshape(-1, WAVE * int(np.prod(x.shape[1:], dtype=np.int64)))
+def _wave_rows(x: np.ndarray, size: int, waves: np.ndarray | None) -> np.ndarray:
+    """``x`` (one row per lane, or one for all ``size`` lanes) as ``(waves, WAVE * values)``,
+    only the waves ``waves``."""
+    if x.shape[0] != size:
+        x = np.broadcast_to(x, (size,) + x.shape[1:])
+    x = x.reshape(size // WAVE, -1)
     return x if waves is None else x[waves]
 
 
@@ -166,24 +169,24 @@ def _mfma(op, p):
     for name in ("cbsz", "abid"):
         if attr_int(op, name, 0):
             raise UnsupportedError(f"the interpreter has no MFMA {name} broadcast", loc=loc)
-    # Where each lane's values sit in the row-major A (m x k), B (k x n) and C (m x n) tiles.
+    # Which lane value holds each element of the row-major A (m x k) and B (k x n) tiles, and
+    # where each lane's accumulator values sit in D (m x n): gathers, no scatters.
     (a_rows, a_cols), (b_rows, b_cols) = operand_a_layout(m, k).coords(), \
         operand_b_layout(k, n).coords()
     c_rows, c_cols = _accumulator_layout(m).coords()
-    a_at, b_at = (a_rows * k + a_cols).reshape(-1), (b_rows * n + b_cols).reshape(-1)
+    a_from, b_from = _inverse(a_rows * k + a_cols, m * k), _inverse(b_rows * n + b_cols, k * n)
     c_at = (c_rows * n + c_cols).reshape(-1)
     per_lane = c_rows.shape[1]
 
     def run(env, ctx):
         size = ctx.size
         waves = _live_waves(ctx)
-        a, b, c = (_wave_rows(np.broadcast_to(env[s], (size,) + env[s].shape[1:]), waves)
-                   for s in (a_slot, b_slot, c_slot))
+        a, b, c = (_wave_rows(env[s], size, waves) for s in (a_slot, b_slot, c_slot))
         count = a.shape[0]
-        ta, tb, tc = np.zeros((count, m * k)), np.zeros((count, k * n)), np.zeros((count, m * n))
-        ta[:, a_at], tb[:, b_at], tc[:, c_at] = a, b, c
-        tile = tc.reshape(count, m, n) + ta.reshape(count, m, k) @ tb.reshape(count, k, n)
-        fragments = tile.reshape(count, m * n)[:, c_at].astype(np.float32)
+        ta = a.take(a_from, axis=1).astype(np.float64).reshape(count, m, k)
+        tb = b.take(b_from, axis=1).astype(np.float64).reshape(count, k, n)
+        product = (ta @ tb).reshape(count, m * n).take(c_at, axis=1)
+        fragments = (product + c.astype(np.float64)).astype(np.float32)
         if waves is None:
             env[out] = fragments.reshape(size, per_lane)
             return
@@ -192,6 +195,16 @@ def _mfma(op, p):
         env[out] = d.reshape(size, per_lane)
 
     return run
+
+
+def _inverse(position: np.ndarray, elements: int) -> np.ndarray:
+    """For each of ``elements`` tile elements, the flat (lane, value) index holding it, given
+    each (lane, value)'s ``position`` in the tile (a bijection for every MFMA operand layout)."""
+    position = position.reshape(-1)
+    if position.size != elements or not np.array_equal(np.sort(position), np.arange(elements)):
+        raise UnsupportedError("the interpreter needs each MFMA operand element held by exactly "
+                               "one lane value")
+    return np.argsort(position)
 
 
 @semantics("amdgpu.transpose_load")
@@ -214,7 +227,7 @@ def _transpose_load(op, p):
                                  "this transposed LDS read", loc)
         loaded = mem.storage[cols]
         waves = _live_waves(ctx)
-        moved = _wave_rows(loaded, waves)[:, gather].reshape(-1, per_lane)
+        moved = _wave_rows(loaded, n, waves).take(gather, axis=1).reshape(-1, per_lane)
         if waves is None:
             env[out] = moved
             return
