@@ -40,6 +40,24 @@ def _waves(ctx) -> list[np.ndarray]:
     return [np.arange(w * WAVE, (w + 1) * WAVE) for w in np.flatnonzero(active.any(axis=1))]
 
 
+def _live_waves(ctx) -> np.ndarray | None:
+    """Indices of the context's waves that have an active lane; None when that is all of them
+    (the common case: whole-wave ops then run on the arrays as they are)."""
+    if ctx.mask is None:
+        return None
+    live = ctx.mask.reshape(-1, WAVE).any(axis=1)
+    return None if live.all() else np.flatnonzero(live)
+
+
+def _wave_rows(x: np.ndarray, size: int, waves: np.ndarray | None) -> np.ndarray:
+    """``x`` (one row per lane, or one for all ``size`` lanes) as ``(waves, WAVE * values)``,
+    only the waves ``waves``."""
+    if x.shape[0] != size:
+        x = np.broadcast_to(x, (size,) + x.shape[1:])
+    x = x.reshape(size // WAVE, -1)
+    return x if waves is None else x[waves]
+
+
 @semantics("amdgpu.fat_raw_buffer_cast")
 def _buffer_cast(op, p):
     (src,), valid_bytes, _swizzle_stride = operand_segments(op, p)
@@ -151,24 +169,42 @@ def _mfma(op, p):
     for name in ("cbsz", "abid"):
         if attr_int(op, name, 0):
             raise UnsupportedError(f"the interpreter has no MFMA {name} broadcast", loc=loc)
+    # Which lane value holds each element of the row-major A (m x k) and B (k x n) tiles, and
+    # where each lane's accumulator values sit in D (m x n): gathers, no scatters.
     (a_rows, a_cols), (b_rows, b_cols) = operand_a_layout(m, k).coords(), \
         operand_b_layout(k, n).coords()
     c_rows, c_cols = _accumulator_layout(m).coords()
+    a_from, b_from = _inverse(a_rows * k + a_cols, m * k), _inverse(b_rows * n + b_cols, k * n)
+    c_at = (c_rows * n + c_cols).reshape(-1)
+    per_lane = c_rows.shape[1]
 
     def run(env, ctx):
         size = ctx.size
-        a, b, c = (np.broadcast_to(env[s], (size,) + env[s].shape[1:]).astype(np.float64)
-                   for s in (a_slot, b_slot, c_slot))
-        d = np.zeros((size, c_rows.shape[1]), np.float32)
-        for lanes in _waves(ctx):
-            ta, tb, tc = np.zeros((m, k)), np.zeros((k, n)), np.zeros((m, n))
-            ta[a_rows, a_cols] = a[lanes].reshape(WAVE, -1)
-            tb[b_rows, b_cols] = b[lanes].reshape(WAVE, -1)
-            tc[c_rows, c_cols] = c[lanes]
-            d[lanes] = (tc + ta @ tb)[c_rows, c_cols]
-        env[out] = d
+        waves = _live_waves(ctx)
+        a, b, c = (_wave_rows(env[s], size, waves) for s in (a_slot, b_slot, c_slot))
+        count = a.shape[0]
+        ta = a.take(a_from, axis=1).astype(np.float64).reshape(count, m, k)
+        tb = b.take(b_from, axis=1).astype(np.float64).reshape(count, k, n)
+        product = (ta @ tb).reshape(count, m * n).take(c_at, axis=1)
+        fragments = (product + c.astype(np.float64)).astype(np.float32)
+        if waves is None:
+            env[out] = fragments.reshape(size, per_lane)
+            return
+        d = np.zeros((size // WAVE, WAVE * per_lane), np.float32)
+        d[waves] = fragments
+        env[out] = d.reshape(size, per_lane)
 
     return run
+
+
+def _inverse(position: np.ndarray, elements: int) -> np.ndarray:
+    """For each of ``elements`` tile elements, the flat (lane, value) index holding it, given
+    each (lane, value)'s ``position`` in the tile (a bijection for every MFMA operand layout)."""
+    position = position.reshape(-1)
+    if position.size != elements or not np.array_equal(np.sort(position), np.arange(elements)):
+        raise UnsupportedError("the interpreter needs each MFMA operand element held by exactly "
+                               "one lane value")
+    return np.argsort(position)
 
 
 @semantics("amdgpu.transpose_load")
@@ -176,6 +212,8 @@ def _transpose_load(op, p):
     src, *index = p.operands(op)
     out = p.result(op)
     per_lane = ir.VectorType(op.results[0].type).shape[0]
+    # the model applied to each element's own index: which loaded element each lane receives
+    gather = transpose_read_model(np.arange(WAVE * per_lane).reshape(WAVE, per_lane)).reshape(-1)
     loc = location(op)
 
     def run(env, ctx):
@@ -188,9 +226,13 @@ def _transpose_load(op, p):
             ctx.cta.shared.check(element_bytes(mem, cols.reshape(-1)), False,
                                  "this transposed LDS read", loc)
         loaded = mem.storage[cols]
+        waves = _live_waves(ctx)
+        moved = _wave_rows(loaded, n, waves).take(gather, axis=1).reshape(-1, per_lane)
+        if waves is None:
+            env[out] = moved
+            return
         result = np.array(loaded)
-        for lanes in _waves(ctx):
-            result[lanes] = transpose_read_model(loaded[lanes])
+        result.reshape(-1, WAVE, per_lane)[waves] = moved.reshape(-1, WAVE, per_lane)
         env[out] = result
 
     return run

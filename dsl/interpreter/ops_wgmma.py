@@ -20,6 +20,7 @@ through ``kiln.wgmma.a_fragment_layout()`` (``a_fragment_layout_8bit()`` for e4m
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -128,14 +129,29 @@ def operand_addresses(desc: int, mn: int, k: int, item: int, k_major: bool, loc)
     return Swizzle.tma(swizzle, 1)(addr)
 
 
+@functools.lru_cache(maxsize=256)
+def _operand_bytes(desc: int, mn: int, k: int, item: int, k_major: bool):
+    """``(byte addresses, their max, their min)`` of an operand read through ``desc`` (the
+    same few descriptors recur every loop trip and CTA: computed once each), or None for an
+    unswizzled descriptor."""
+    if not decode_descriptor(desc)[3]:
+        return None
+    addrs = operand_addresses(desc, mn, k, item, k_major, None)
+    byte_addrs = (addrs[..., None] + np.arange(item)).reshape(-1)
+    byte_addrs.flags.writeable = False  # shared by every read through this descriptor
+    return byte_addrs, int(byte_addrs.max()), int(byte_addrs.min())
+
+
 def _read_operand(ctx, desc: int, mn: int, k: int, dtype, k_major: bool, loc):
     item = np.dtype(dtype).itemsize
-    addrs = operand_addresses(desc, mn, k, item, k_major, loc)
+    cached = _operand_bytes(desc, mn, k, item, k_major)
+    if cached is None:
+        operand_addresses(desc, mn, k, item, k_major, loc)  # raises, naming the user's line
+    byte_addrs, high, low = cached
     shared = ctx.cta.shared
-    byte_addrs = (addrs[..., None] + np.arange(item)).reshape(-1)
-    if byte_addrs.max() >= shared.arena.size or byte_addrs.min() < 0:
+    if high >= shared.arena.size or low < 0:
         raise OutOfBoundsError(f"a wgmma operand descriptor reads shared bytes up to "
-                               f"{int(byte_addrs.max())}, past the {shared.arena.size} bytes of "
+                               f"{high}, past the {shared.arena.size} bytes of "
                                "shared memory", loc=loc)
     shared.check(byte_addrs, False, "this wgmma", loc)
     if shared.tma_loads:  # the warp group's MMA reads the tile for all of its threads

@@ -112,6 +112,11 @@ class Plan:
         self.invariant: set[int] = set()  # slots of launch-invariant values
         self.hoisted: list[Run] = []  # their ops, in program order
         self._step_of: dict[int, tuple[list, Run]] = {}  # result slot -> (its block's runs, step)
+        self._op, self._op_operands = None, []  # the op being planned and its operand slots
+        self._if_depth = 0  # scf.if regions around the op being planned
+        # Whether the kernel blocks (declared effect) inside an scf.if, and whether it issues
+        # warp-group MMAs: either runs the CTA as one context per warp group.
+        self.blocks_in_divergent_code = self.has_warp_group_ops = False
         self.entry = self.block(func.regions[0].blocks[0])
         self.num_slots = len(self.slots)
         self._step_of = {}
@@ -140,6 +145,8 @@ class Plan:
         return s
 
     def operands(self, op: ir.Operation) -> list[int]:
+        if op is self._op:  # read once by :meth:`block` before the op's builder asks again
+            return list(self._op_operands)
         return [self.slot(v) for v in op.operands]
 
     def results(self, op: ir.Operation) -> list[int]:
@@ -186,13 +193,22 @@ class Plan:
             if name in ("scf.yield", "gpu.return", "gpu.terminator"):
                 yields = self.operands(op)
                 continue
-            builder = _builder(op)
+            opdef = lookup(op)
+            builder = _builder(op, opdef)
             if builder is None:
                 raise UnsupportedError(f"the interpreter has no semantics for {name} yet",
                                        fix="run this kernel on a GPU, or add the op's semantics "
                                            "to kiln.interpreter", loc=location(op))
-            hoist = _hoistable(op, self.invariant, [self.slot(v) for v in op.operands])
+            if opdef is not None:
+                self.blocks_in_divergent_code |= self._if_depth > 0 and opdef.effects.blocks
+                self.has_warp_group_ops |= opdef.name.startswith("nvidia.wgmma.")
+            operands = [self.slot(v) for v in op.operands]
+            self._op, self._op_operands = op, operands
+            hoist = _hoistable(op, self.invariant, operands)
+            nested = name == "scf.if"
+            self._if_depth += nested
             step = builder(op, self)
+            self._if_depth -= nested
             if hoist:
                 self.invariant.update(self.results(op))
                 if step is not None:
@@ -210,10 +226,9 @@ def defining_op(value: ir.Value) -> ir.Operation | None:
     return owner.operation if isinstance(owner, (ir.Operation, ir.OpView)) else None
 
 
-def _builder(op: ir.Operation) -> Builder | None:
-    """The declaration's semantics, else the builder registered under its registry name, else
-    the one registered under the MLIR op name."""
-    opdef = lookup(op)
+def _builder(op: ir.Operation, opdef) -> Builder | None:
+    """The declaration's (``opdef``, or None) semantics, else the builder registered under its
+    registry name, else the one registered under the MLIR op name."""
     if opdef is not None:
         builder = opdef.interpret or _SEMANTICS.get(opdef.name)
         if builder is not None:

@@ -19,7 +19,6 @@ from mlir import ir
 
 from kiln.core import env as kiln_env
 from kiln.cluster import RECIPES_ATTR as _RECIPES
-from kiln.core.ops import effects_of, lookup
 from kiln.core.errors import CompilationError, KilnTypeError, KilnValueError, UnsupportedError
 from kiln.launch_args import check_float_argument, check_int_argument, normalize_grid
 from kiln.passes import build_pass_manager
@@ -60,14 +59,25 @@ class _CompiledPlan:
 
 
 _plans: dict[str, _CompiledPlan] = {}
+_contexts: list[ir.Context] = []  # the one the cached plans' modules are parsed in
+
+
+def _context() -> ir.Context:
+    """The Context modules are parsed in, shared by the cached plans (a Context costs as much
+    as parsing a small kernel); a fresh one with each fresh cache, so its interned types and
+    attributes do not pile up."""
+    if not _contexts:
+        ctx = ir.Context()
+        ctx.allow_unregistered_dialects = True
+        _contexts.append(ctx)
+    return _contexts[0]
 
 
 def _compile_plan(module_asm: str, kernel_name: str) -> _CompiledPlan:
     cached = _plans.get(module_asm)
     if cached is not None:
         return cached
-    ctx = ir.Context()
-    ctx.allow_unregistered_dialects = True
+    ctx = _context()
     with ctx:
         module = ir.Module.parse(module_asm)
         # The cluster-ending barriers, and the waits of kiln.copy's async copies, are part of
@@ -103,32 +113,14 @@ def _compile_plan(module_asm: str, kernel_name: str) -> _CompiledPlan:
                     ir.StringAttr(op.attributes["sym_name"]).value == kernel_name:
                 func = op
         plan = Plan(func, shared)
-        warp_group = _blocks_in_divergent_code(func) or _has_warp_group_ops(func)
+        warp_group = plan.blocks_in_divergent_code or plan.has_warp_group_ops
         plan.slots = {}  # drop the MLIR values; the closures only hold slot numbers
     compiled = _CompiledPlan(ctx, plan, offset, warp_group)
     if len(_plans) > 64:
         _plans.clear()
+        _contexts.clear()
     _plans[module_asm] = compiled
     return compiled
-
-
-def _walk(op: ir.Operation, depth: int = 0):
-    for region in op.regions:
-        for block in region.blocks:
-            for inner in block.operations:
-                inner = inner.operation
-                yield inner, depth
-                yield from _walk(inner, depth + (inner.name == "scf.if"))
-
-
-def _blocks_in_divergent_code(func) -> bool:
-    return any(depth > 0 and effects_of(op).blocks for op, depth in _walk(func))
-
-
-def _has_warp_group_ops(func) -> bool:
-    """Whether ``func`` issues WGMMA ops (declared ``nvidia.wgmma.*``)."""
-    return any((opdef := lookup(op)) is not None and opdef.name.startswith("nvidia.wgmma.")
-               for op, _ in _walk(func))
 
 
 def global_memref(array: np.ndarray, name: str) -> MemRef:
