@@ -194,11 +194,12 @@ def test_a_captured_one_call_takes_a_workspace_of_its_own():
         decode_attention(*inputs)
     torch.cuda.current_stream().wait_stream(side)
     spaces = PLANS.last[1].spaces
-    kept, hits = dict(spaces._kept), one_call_hits()
+    # the plan may hold the capture sets of an earlier test's graphs (same worker, same plan)
+    kept, captured, hits = dict(spaces._kept), set(spaces._captured), one_call_hits()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = decode_attention(*inputs)
-    assert one_call_hits() - hits == 1 and len(spaces._captured) == 1
+    assert one_call_hits() - hits == 1 and len(set(spaces._captured) - captured) == 1
     assert spaces._kept == kept  # no eager set made or taken
     for x, fresh in zip(inputs, _paged()):
         x.copy_(fresh)
