@@ -324,7 +324,9 @@ def test_default_splits_fill_one_wave():
 
 @pytest.mark.lower
 @pytest.mark.parametrize("split_keys,scores_n,direct,options", [
-    (True, 32, False, {}), (False, 64, False, {}), (True, 32, True, {}),
+    # plain split-keys and direct variants, and the transposed prefetch: slow tier (CI runs it)
+    (True, 32, False, {}), pytest.param(False, 64, False, {}, marks=pytest.mark.slow),
+    pytest.param(True, 32, True, {}, marks=pytest.mark.slow),
     (True, 32, False, dict(fused_slots=4, heads=16, early_launch=True)),
     (False, 64, False, dict(fused_slots=2)),
     pytest.param(False, 64, True, dict(seesaw=True), marks=pytest.mark.slow),
@@ -332,7 +334,8 @@ def test_default_splits_fill_one_wave():
                  marks=pytest.mark.slow),
     (False, 64, True, dict(lead_group=True, heads=128, sq=2)),
     (False, 64, False, dict(lead_group=True, fused_slots=4, heads=16, early_launch=True)),
-    (False, 16, False, dict(transposed=True, fused_slots=4, heads=16, prefetch=2)),
+    pytest.param(False, 16, False, dict(transposed=True, fused_slots=4, heads=16, prefetch=2),
+                 marks=pytest.mark.slow),
     (False, 32, True, dict(transposed=True, heads=16, sq=2)),
     (False, 16, False, dict(transposed=True, balanced=True, heads=16, early_launch=True)),
     pytest.param(False, 16, False, dict(transposed="ring", fused_slots=4, heads=16),

@@ -79,8 +79,9 @@ def test_no_spills(d, block_n):
 
 
 @pytest.mark.lower
-@pytest.mark.parametrize("d,dv,causal", [(64, None, False), (64, None, True), (128, None, False),
-                                          (96, None, True), (192, 128, False)])
+@pytest.mark.parametrize("d,dv,causal", [
+    pytest.param(64, None, False, marks=pytest.mark.slow), (64, None, True), (128, None, False),
+    pytest.param(96, None, True, marks=pytest.mark.slow), (192, 128, False)])
 def test_persistent_kernel_has_no_spills(d, dv, causal):
     ck = compile_prefill(target="sm_90a", head_dim=d, head_dim_v=dv, causal=causal, group=2,
                          return_lse=True, persistent=True)

@@ -14,6 +14,7 @@ BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
 
 
 @pytest.mark.lower
+@pytest.mark.slow  # two cold compiles in child processes
 def test_two_variants_of_saxpy_side_by_side(tmp_path):
     out = tmp_path / "ab.json"
     done = subprocess.run([sys.executable, str(BENCH / "compile_ab.py"), "--variant", "head",

@@ -103,9 +103,10 @@ def test_interpreter_two_accumulator_groups(scales, overlap, tile_n, rng):
 
 
 @pytest.mark.lower
-@pytest.mark.parametrize("config", [
-    Fp8GemmConfig(block_n=192, stages=4, producer_registers=24, consumer_registers=240),
-    Fp8GemmConfig(block_n=64, stages=4, overlap_steps=2),
+@pytest.mark.parametrize("config", [  # n192 and n64: the slow tier, which CI also runs
+    pytest.param(Fp8GemmConfig(block_n=192, stages=4, producer_registers=24,
+                               consumer_registers=240), marks=pytest.mark.slow),
+    pytest.param(Fp8GemmConfig(block_n=64, stages=4, overlap_steps=2), marks=pytest.mark.slow),
     Fp8GemmConfig(block_n=192, stages=3, cluster_m=2, producer_registers=24,
                   consumer_registers=240),
     Fp8GemmConfig(block_m=192, block_n=128, stages=4, producer_registers=24,
