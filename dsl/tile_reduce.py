@@ -17,7 +17,7 @@ mask >= warp size  one shared-memory stage: each warp stores its partial of each
 =================  ==========================================================================
 
 ``op`` is ``"sum"``, ``"max"``, ``"min"`` or any associative, commutative function of two
-scalars (a lambda or a ``@kiln.func``). The result is a :class:`~kiln.reg_tile.TileVector` that
+scalars (a lambda or a ``@kiln.func``). The result is a :class:`~kiln.tile_vector.TileVector` that
 broadcasts back onto tiles of the same layout (``x - kiln.reduce(x, "max", 1)``). Values are
 32-bit (f32 or i32): cast narrower tiles first.
 
@@ -57,7 +57,8 @@ from .core import dtypes as dt
 from .core.errors import KilnTypeError, KilnValueError
 from .nvidia import sync as nvidia_sync
 from .nvidia.dsmem import store_remote
-from .reg_tile import RegTile, TileVector, _pairwise, _row_keys, _row_structure
+from .reg_tile import RegTile
+from .tile_vector import TileVector, pairwise, row_keys, row_structure
 from .shared import shared
 from .shuffle import butterfly_reduce
 from .values import Value, constant
@@ -132,7 +133,7 @@ def _across_warps(values: list[list[Value]], masks: tuple[int, ...],
                 else buf[k, row + j]
             parts += [Value(vector.extract(vec.ir, [], [v]), dtype) for v in range(width)] \
                 if width > 1 else [vec]
-        combined.append(_pairwise(parts, combine))
+        combined.append(pairwise(parts, combine))
     ops.barrier()
     per = len(values[0])
     return [combined[i * per:(i + 1) * per] for i in range(len(values))]
@@ -177,7 +178,7 @@ def _across_cluster(values: list[list[Value]], combine, dtype: dt.DType,
         scf.YieldOp([])
     nvvm.cluster_arrive()
     nvvm.cluster_wait()
-    combined = [_pairwise([buf[k, r] for r in range(size)], combine) for k in range(len(flat))]
+    combined = [pairwise([buf[k, r] for r in range(size)], combine) for k in range(len(flat))]
     nvvm.cluster_arrive()
     per = len(values[0])
     return [combined[i * per:(i + 1) * per] for i in range(len(values))]
@@ -213,7 +214,7 @@ def reduce(tile: RegTile | tuple, op: Any = "sum", axis: int = 1, *,
     combine = _combine_of(op)
     sources = [t if axis == 1 else t.T for t in tiles]
     layout = sources[0].layout
-    group_of, masks = _row_structure(layout)
+    group_of, masks = row_structure(layout)
     warp = builder.current_target().warp_size
     lane_masks = tuple(m for m in masks if m < warp)
     warp_masks = tuple(m for m in masks if m >= warp)
@@ -226,7 +227,7 @@ def reduce(tile: RegTile | tuple, op: Any = "sum", axis: int = 1, *,
                 scalars = source.fragment(i, j)
                 for v, g in enumerate(group_of):
                     members[g].append(Value(vector.extract(scalars.ir, [], [v]), dtype))
-            lines.append([butterfly_reduce(_pairwise(m, combine), lane_masks, combine)
+            lines.append([butterfly_reduce(pairwise(m, combine), lane_masks, combine)
                           for m in members])
     if warp_masks:
         lines = _across_warps(lines, warp_masks, lane_masks, combine, layout.num_threads,
@@ -235,6 +236,6 @@ def reduce(tile: RegTile | tuple, op: Any = "sum", axis: int = 1, *,
     if cluster and shape is not None and shape[0] * shape[1] * shape[2] > 1:
         lines = _across_cluster(lines, combine, dtype, shape[0] * shape[1] * shape[2])
     results = tuple(TileVector(lines[k * gm:(k + 1) * gm], group_of,
-                               "row" if axis == 1 else "col", _row_keys(layout))
+                               "row" if axis == 1 else "col", row_keys(layout))
                     for k in range(len(tiles)))
     return results if isinstance(tile, tuple) else results[0]

@@ -36,8 +36,9 @@ from .nvidia import cp_async
 from .core.errors import KilnTypeError, KilnValueError
 from .global_tile import GlobalTile
 from .layout import ThreadValueLayout
-from .reg_tile import COL_LANES, ROW_LANES, RegTile, TileVector, where
+from .reg_tile import COL_LANES, ROW_LANES, RegTile, where
 from .shared_tile import SharedTile
+from .tile_vector import TileVector
 from .core import dtypes as dt
 from .tensor import to_index
 from .values import Value, cast

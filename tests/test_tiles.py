@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kiln
-import kiln.reg_tile as reg_tile
+import kiln.tile_vector as tile_vector
 import kiln.tiles as tiles
 from kiln import layout as L
 from kiln.swizzle import Swizzle
@@ -25,7 +25,7 @@ FRAGMENTS = {
 
 def simulate_row_reduce(tv, tile: np.ndarray, combine) -> np.ndarray:
     """Run RegTile's row reduction on numpy: ``[lanes, groups]`` results per lane."""
-    group_of, masks = reg_tile._row_structure(tv)
+    group_of, masks = tile_vector.row_structure(tv)
     rows, cols = tv.coords()
     held = tile[rows, cols]                                        # [lanes, values]
     groups = max(group_of) + 1
@@ -44,7 +44,7 @@ def test_row_reduction_matches_numpy(name, combine):
     rng = np.random.default_rng()
     tile = rng.standard_normal(tv.tile)
     result = simulate_row_reduce(tv, tile, combine)
-    group_of, _ = reg_tile._row_structure(tv)
+    group_of, _ = tile_vector.row_structure(tv)
     rows, _ = tv.coords()
     expected_rows = combine.reduce(tile, axis=1)
     for v, g in enumerate(group_of):
@@ -60,7 +60,7 @@ def test_column_reduction_goes_through_the_transpose(name):
     tile = np.random.default_rng().standard_normal(tv.tile)
     t = L.transpose(tv)
     result = simulate_row_reduce(t, tile.T, np.add)
-    group_of, _ = reg_tile._row_structure(t)
+    group_of, _ = tile_vector.row_structure(t)
     rows_t, _ = t.coords()
     for v, g in enumerate(group_of):
         np.testing.assert_allclose(result[:, g], tile.sum(axis=0)[rows_t[:, v]], rtol=1e-12,
