@@ -171,16 +171,21 @@ def test_static_ifs_keep_python_semantics(case, inputs):
         assert plain == rewritten, (case.__name__, args)
 
 
+def _function_and_factory_size(path, source: str):
+    """``deep`` defined by ``source`` written at ``path`` (the rewrite reads its source back),
+    and the marshalled size of the code its rewrite compiles."""
+    path.write_text(source)
+    namespace: dict = {}
+    exec(compile(source, str(path), "exec"), namespace)
+    fn = namespace["deep"]
+    return fn, len(marshal.dumps(ast_rewrite._compile_factory(fn).code))
+
+
 def test_the_rewrite_grows_linearly_with_if_nesting(tmp_path):
     sizes = {}
     for depth in (4, 8):
-        path = tmp_path / f"deep{depth}.py"
-        source = _deep_source(depth)
-        path.write_text(source)
-        namespace: dict = {}
-        exec(compile(source, str(path), "exec"), namespace)
-        fn = namespace["deep"]
-        sizes[depth] = len(marshal.dumps(ast_rewrite._compile_factory(fn).code))
+        fn, sizes[depth] = _function_and_factory_size(tmp_path / f"deep{depth}.py",
+                                                      _deep_source(depth))
         with ir.Context(), ir.Location.unknown():
             assert ast_rewrite.rewrite(fn)(depth) == fn(depth)
     assert sizes[8] < 2.5 * sizes[4], sizes  # doubling per level would be 16x
@@ -193,13 +198,8 @@ def test_the_rewrite_grows_linearly_with_loop_nesting(tmp_path):
         for level in range(depth):
             lines.append(f"{'    ' * (level + 1)}for i{level} in range(n):")
         lines += [f"{'    ' * (depth + 1)}v = v + 1", "    return v"]
-        source = "\n".join(lines) + "\n"
-        path = tmp_path / f"loops{depth}.py"
-        path.write_text(source)
-        namespace: dict = {}
-        exec(compile(source, str(path), "exec"), namespace)
-        fn = namespace["deep"]
-        sizes[depth] = len(marshal.dumps(ast_rewrite._compile_factory(fn).code))
+        fn, sizes[depth] = _function_and_factory_size(tmp_path / f"loops{depth}.py",
+                                                      "\n".join(lines) + "\n")
         with ir.Context(), ir.Location.unknown():
             assert ast_rewrite.rewrite(fn)(2) == fn(2) == 2 ** depth
     assert sizes[6] < 2.5 * sizes[3], sizes  # doubling per level would be 8x
